@@ -1,0 +1,187 @@
+"""Image classification examples: labels up front, pixels decoded and augmented only on request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from gpipe_cli.data.augment import Backend, ImageTransform, pil_to_tensor
+from gpipe_cli.data.loader import Examples
+from gpipe_cli.data.rng import rng
+from gpipe_cli.data.sources import (
+    existing_path,
+    first_line,
+    hold_out,
+    load_builder,
+    load_hub,
+    pick_splits,
+    split_files,
+)
+from gpipe_cli.data.synthetic import SyntheticImages
+from gpipe_cli.errors import DataError
+from gpipe_cli.recipe.schema import Data
+
+IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+
+
+class ImageSource(Protocol):
+    """Random access to images as float [3,h,w] in [0,1]."""
+
+    policy: Any
+
+    def load(self, i: int) -> torch.Tensor: ...
+
+
+class DatasetImages:
+    """Images in one column of a `datasets` Dataset, restricted to some rows."""
+
+    policy = "auto"
+
+    def __init__(self, dataset: Any, column: str, rows: np.ndarray) -> None:
+        self.dataset = dataset.select_columns([column])  # decoding one column leaves the others untouched
+        self.column = column
+        self.rows = rows
+
+    def load(self, i: int) -> torch.Tensor:
+        row = int(self.rows[i])
+        try:
+            return pil_to_tensor(self.dataset[row][self.column])
+        except Exception as e:
+            raise DataError(f"cannot decode image {row} of column '{self.column}': {first_line(e)}") from None
+
+
+class ImageExamples(Examples):
+    """Images with int labels; augmentation randomness is a function of (seed, epoch, index)."""
+
+    def __init__(self, source: ImageSource, labels: np.ndarray, transform: ImageTransform, seed: int) -> None:
+        self.source = source
+        self.labels = labels.astype(np.int64)
+        self.transform = transform
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def image(self, i: int, epoch: int | None) -> torch.Tensor:
+        """Example i, augmented for `epoch` (epoch None: the deterministic eval transform)."""
+        img = self.source.load(i)
+        r = None if epoch is None else rng(self.seed, "augment", epoch, i)
+        return self.transform(img, r)
+
+    def collate(self, ids: np.ndarray, group: np.ndarray, *, epoch: int | None, need_inputs: bool,
+                need_targets: bool) -> tuple[Any, torch.Tensor | None]:
+        targets = torch.from_numpy(self.labels[ids]) if need_targets else None
+        inputs = None
+        if need_inputs:
+            s = self.transform.size
+            inputs = (torch.stack([self.image(int(i), epoch) for i in ids]) if len(ids)
+                      else torch.empty(0, 3, s, s))
+        return inputs, targets
+
+
+def _image_column(ds: Any, wanted: str) -> str:
+    """data.image_field, or the dataset's only Image column (cifar10 calls it 'img')."""
+    import datasets
+
+    if wanted in ds.column_names:
+        return wanted
+    found = [c for c, f in ds.features.items() if isinstance(f, datasets.Image)]
+    if len(found) == 1:
+        return found[0]
+    raise DataError(f"no image column '{wanted}' (columns: {', '.join(ds.column_names)}); set data.image_field")
+
+
+def _label_column(ds: Any, wanted: str) -> str:
+    """data.label_field, or the dataset's only ClassLabel column (cifar100 has 'fine_label' and 'coarse_label')."""
+    import datasets
+
+    if wanted in ds.column_names:
+        return wanted
+    found = [c for c, f in ds.features.items() if isinstance(f, datasets.ClassLabel)]
+    if len(found) == 1:
+        return found[0]
+    raise DataError(f"no label column '{wanted}' (columns: {', '.join(ds.column_names)}); set data.label_field")
+
+
+def _as_images(ds: Any, image_field: str, label_field: str, where: str) -> tuple[Any, str, np.ndarray, int | None]:
+    """(dataset with a decodable image column, its name, labels, number of class names if known)."""
+    import datasets
+
+    col, lab = _image_column(ds, image_field), _label_column(ds, label_field)
+    if not isinstance(ds.features[col], datasets.Image):
+        try:
+            ds = ds.cast_column(col, datasets.Image())  # encoded bytes, {bytes, path} structs or file paths
+        except Exception as e:
+            raise DataError(f"column '{col}' of {where} does not hold images: {first_line(e)}") from None
+    try:
+        labels = np.asarray(ds.with_format("numpy", columns=[lab])[lab], dtype=np.int64)
+    except Exception as e:
+        raise DataError(f"column '{lab}' of {where} does not hold integer labels: {first_line(e)}") from None
+    feature = ds.features[lab]
+    classes = len(feature.names) if isinstance(feature, datasets.ClassLabel) else None
+    return ds, col, labels, classes
+
+
+def _check_labels(labels: np.ndarray, classes: int | None, num_classes: int, where: str) -> None:
+    if classes is not None and classes > num_classes:
+        raise DataError(f"{where} has {classes} classes but model.num_classes is {num_classes}")
+    if len(labels) and labels.min() < 0:
+        raise DataError(f"{where} has unlabelled examples (label {labels.min()}); choose another split")
+    if len(labels) and labels.max() >= num_classes:
+        raise DataError(f"{where} has label {labels.max()} but model.num_classes is {num_classes}")
+
+
+def _open(data: Data, cache_dir: Path | None) -> tuple[Any, str]:
+    """(DatasetDict, a description for messages) of an imagefolder, parquet or hub source."""
+    if data.source == "hub":
+        assert data.name is not None
+        return load_hub(data.name, data.config, cache_dir, "imagefolder/parquet"), f"dataset '{data.name}'"
+    path = existing_path(data.path, f"data.source '{data.source}'")
+    if data.source == "imagefolder":
+        if not path.is_dir():
+            raise DataError(f"data.path '{path}' is not a folder (imagefolder wants train/<class>/*.png)")
+        if not any(p.suffix.lower() in IMAGE_EXTS for p in path.rglob("*")):
+            raise DataError(f"no images under '{path}' (imagefolder wants train/<class>/*.png)")
+        return load_builder("imagefolder", f"'{path}'", cache_dir, data_dir=str(path)), f"'{path}'"
+    if data.source == "parquet":
+        train, evl = split_files(path, (".parquet",), data.train_split, data.eval_split)
+        files = {data.train_split: [str(f) for f in train]}
+        if evl:
+            files[data.eval_split or "validation"] = [str(f) for f in evl]
+        return load_builder("parquet", f"'{path}'", cache_dir, data_files=files), f"'{path}'"
+    raise DataError(f"data.source '{data.source}' holds text; images come from synthetic, imagefolder, parquet "
+                    "or hub")
+
+
+def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, cache_dir: Path | None = None,
+                 backend: Backend = "auto") -> tuple[ImageExamples, ImageExamples | None]:
+    """(train, held-out) image examples for `data`."""
+    train_tf = ImageTransform(image_size, augment=data.augment, backend=backend)
+    eval_tf = ImageTransform(image_size, augment=False, backend=backend)
+    if data.source == "synthetic":
+        tr = SyntheticImages(data.synthetic_size, num_classes, image_size, seed, "train")
+        train_tf.policy = eval_tf.policy = "pad"
+        n_eval = int(round(data.synthetic_size * data.eval_fraction))
+        ev = SyntheticImages(n_eval, num_classes, image_size, seed, "eval") if n_eval else None
+        return (ImageExamples(tr, tr.labels, train_tf, seed),
+                ImageExamples(ev, ev.labels, eval_tf, seed) if ev is not None else None)
+
+    splits, where = _open(data, cache_dir)
+    train_ds, eval_ds = pick_splits(splits, data.train_split, data.eval_split, where)
+    train_ds, col, labels, classes = _as_images(train_ds, data.image_field, data.label_field, where)
+    _check_labels(labels, classes, num_classes, where)
+    if len(labels) == 0:
+        raise DataError(f"the '{data.train_split}' split of {where} is empty")
+    if eval_ds is None:
+        rows, held = hold_out(len(labels), data.eval_fraction)
+        train = ImageExamples(DatasetImages(train_ds, col, rows), labels[rows], train_tf, seed)
+        evl = ImageExamples(DatasetImages(train_ds, col, held), labels[held], eval_tf, seed) if len(held) else None
+        return train, evl
+    eval_ds, ecol, elabels, _ = _as_images(eval_ds, data.image_field, data.label_field, where)
+    _check_labels(elabels, None, num_classes, f"the eval split of {where}")
+    train = ImageExamples(DatasetImages(train_ds, col, np.arange(len(labels))), labels, train_tf, seed)
+    evl = ImageExamples(DatasetImages(eval_ds, ecol, np.arange(len(elabels))), elabels, eval_tf, seed)
+    return train, evl

@@ -1,0 +1,251 @@
+"""Batching, sharding and epoch positions.
+
+Every rank derives the same plan (which examples form mini-batch i of epoch e) from (seed, epoch)
+alone, so ranks agree without communicating and `start=i` resumes an epoch exactly.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpipe_cli.data.rng import rng
+from gpipe_cli.data.tokenizer import Tokenizer
+
+
+@dataclass
+class Batch:
+    """One data-parallel shard of a global mini-batch."""
+
+    index: int  # position in the epoch (or in the eval pass)
+    size: int  # examples in this shard
+    offset: int  # global index of this shard's first example within the global mini-batch
+    global_size: int  # examples in the whole global mini-batch
+    inputs: Any = None  # tensor or tuple of tensors; None when not requested
+    targets: torch.Tensor | None = None
+    tokens: int | None = None  # non-pad target tokens in this shard (text), else None
+    global_tokens: int | None = None  # the same over the whole global mini-batch
+    ids: list[int] = field(default_factory=list)  # example indices within the split
+    references: list[str] | None = None  # raw target sentences (translation eval batches)
+    epoch: int | None = None  # None for eval batches
+
+
+class Examples(ABC):
+    """One split's examples: counts and lengths up front, tensors only when asked for."""
+
+    lengths: np.ndarray | None = None  # padded cost of each example in tokens (text only)
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def collate(self, ids: np.ndarray, group: np.ndarray, *, epoch: int | None, need_inputs: bool,
+                need_targets: bool) -> tuple[Any, torch.Tensor | None]:
+        """(inputs, targets) of examples `ids`, padded to the longest of `group`; epoch None: no augmentation."""
+
+    def target_tokens(self, ids: np.ndarray) -> int | None:
+        """Non-pad target tokens of `ids` (None for images)."""
+        return None
+
+    def references(self, ids: np.ndarray) -> list[str] | None:
+        """Raw target strings of `ids` where the task has them."""
+        return None
+
+
+def shard_bounds(n: int, replica: int, replicas: int) -> tuple[int, int]:
+    """[lo, hi) of shard `replica` of n items, as torch.tensor_split cuts them."""
+    if replicas < 1 or not 0 <= replica < replicas:
+        raise ValueError(f"shard ({replica}, {replicas}) is not a valid (replica, replicas) pair")
+    q, r = divmod(n, replicas)
+    lo = replica * q + min(replica, r)
+    return lo, lo + q + (1 if replica < r else 0)
+
+
+def pack_by_budget(sorted_lengths: np.ndarray, budget: int, min_batch: int) -> list[tuple[int, int]]:
+    """Greedy [lo, hi) runs of ascending lengths whose padded size (count x longest) fits `budget`.
+
+    A run closes only once it holds `min_batch` examples, so one over-long example still forms a batch.
+    """
+    bounds: list[tuple[int, int]] = []
+    lo = 0
+    for i, length in enumerate(sorted_lengths.tolist()):
+        n = i - lo
+        if n >= min_batch and (n + 1) * max(int(length), 1) > budget:
+            bounds.append((lo, i))
+            lo = i
+    if lo < len(sorted_lengths):
+        bounds.append((lo, len(sorted_lengths)))
+    return bounds
+
+
+def _merge_small_tail(bounds: list[tuple[int, int]], min_batch: int) -> list[tuple[int, int]]:
+    """Fold a last run shorter than min_batch into the one before it (so no shard micro-batch is empty)."""
+    if len(bounds) >= 2 and bounds[-1][1] - bounds[-1][0] < min_batch:
+        bounds = bounds[:-2] + [(bounds[-2][0], bounds[-1][1])]
+    return bounds
+
+
+class Loader:
+    """Train/eval mini-batches of one task, identical on every rank for a given seed."""
+
+    def __init__(self, *, task: str, train: Examples, eval: Examples | None, tokenizer: Tokenizer | None,
+                 batch_size: int, tokens_per_batch: int | None, drop_last: bool, shuffle: bool, seed: int,
+                 min_batch: int = 1, workers: int = 0, num_classes: int | None = None) -> None:
+        self.task = task
+        self.train = train
+        self.eval = eval
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.tokens_per_batch = tokens_per_batch
+        self.drop_last = drop_last
+        self.shuffle = shuffle
+        self.seed = seed
+        self.min_batch = max(1, min_batch)
+        self.workers = workers
+        self.num_classes = num_classes
+        if tokens_per_batch is not None and train.lengths is None:
+            raise ValueError("tokens_per_batch needs examples with lengths (text)")
+        self._bounds = self._train_bounds()
+        self._cache: tuple[int, list[np.ndarray]] | None = None
+        self._eval_plan: list[np.ndarray] | None = None
+
+    # ---- planning -------------------------------------------------------------------------------
+
+    def _train_bounds(self) -> list[tuple[int, int]]:
+        """Batch boundaries over the (shuffled or length-sorted) order; the same for every epoch."""
+        n = len(self.train)
+        if self.tokens_per_batch is None:
+            bounds = [(lo, min(lo + self.batch_size, n)) for lo in range(0, n, self.batch_size)]
+            if bounds and self.drop_last and bounds[-1][1] - bounds[-1][0] < self.batch_size:
+                bounds.pop()
+            return _merge_small_tail(bounds, self.min_batch)
+        assert self.train.lengths is not None
+        lengths = np.sort(self.train.lengths, kind="stable")
+        bounds = pack_by_budget(lengths, self.tokens_per_batch, self.min_batch)
+        if bounds and self.drop_last:
+            # The last run is incomplete when another example of its longest length would still fit.
+            lo, hi = bounds[-1]
+            longest = max(int(lengths[hi - 1]), 1)
+            if (hi - lo + 1) * longest <= self.tokens_per_batch:
+                bounds.pop()
+        return _merge_small_tail(bounds, self.min_batch)
+
+    def steps_per_epoch(self) -> int:
+        """Number of training mini-batches per epoch (the same for every epoch)."""
+        return len(self._bounds)
+
+    def plan(self, epoch: int) -> list[np.ndarray]:
+        """Example ids of each global training mini-batch of `epoch`, in order."""
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
+        n = len(self.train)
+        r = rng(self.seed, "epoch-order", epoch)
+        order = r.permutation(n) if self.shuffle else np.arange(n)
+        if self.tokens_per_batch is not None:
+            assert self.train.lengths is not None
+            # Sort by length; the shuffled order breaks ties, so equal-length examples mix between epochs
+            # while the boundaries (which depend only on the sorted lengths) stay fixed.
+            order = order[np.argsort(self.train.lengths[order], kind="stable")]
+        batches = [order[lo:hi] for lo, hi in self._bounds]
+        if self.tokens_per_batch is not None and self.shuffle:
+            batches = [batches[i] for i in r.permutation(len(batches))]
+        self._cache = (epoch, batches)
+        return batches
+
+    def eval_plan(self) -> list[np.ndarray]:
+        """Example ids of each eval mini-batch: fixed order, nothing dropped."""
+        if self._eval_plan is not None:
+            return self._eval_plan
+        if self.eval is None or len(self.eval) == 0:
+            return []
+        n = len(self.eval)
+        if self.tokens_per_batch is None or self.eval.lengths is None:
+            order = np.arange(n)
+            bounds = [(lo, min(lo + self.batch_size, n)) for lo in range(0, n, self.batch_size)]
+        else:
+            order = np.argsort(self.eval.lengths, kind="stable")
+            bounds = pack_by_budget(self.eval.lengths[order], self.tokens_per_batch, self.min_batch)
+        self._eval_plan = [order[lo:hi] for lo, hi in _merge_small_tail(bounds, self.min_batch)]
+        return self._eval_plan
+
+    def eval_steps(self, limit: int | None = None) -> int:
+        """Number of eval mini-batches (at most `limit`)."""
+        n = len(self.eval_plan())
+        return n if limit is None else min(n, limit)
+
+    @property
+    def train_size(self) -> int:
+        """Examples in the training split."""
+        return len(self.train)
+
+    @property
+    def eval_size(self) -> int:
+        """Examples in the held-out split."""
+        return 0 if self.eval is None else len(self.eval)
+
+    # ---- iteration ------------------------------------------------------------------------------
+
+    def train_batches(self, epoch: int = 0, start: int = 0, shard: tuple[int, int] = (0, 1), *,
+                      need_inputs: bool = True, need_targets: bool = True) -> Iterator[Batch]:
+        """This shard's part of each training mini-batch of `epoch`, from position `start`."""
+        plan = self.plan(epoch)
+        if not 0 <= start <= len(plan):
+            raise ValueError(f"start {start} is outside the epoch's {len(plan)} batches")
+        shard_bounds(0, *shard)
+        job = _BatchJob(self.train, plan, list(range(start, len(plan))), epoch, shard, need_inputs,
+                        need_targets, False)
+        return self._run(job)
+
+    def eval_batches(self, shard: tuple[int, int] = (0, 1), limit: int | None = None, *,
+                     need_inputs: bool = True, need_targets: bool = True) -> Iterator[Batch]:
+        """This shard's part of each eval mini-batch (no augmentation, fixed order)."""
+        plan = self.eval_plan()
+        if limit is not None:
+            plan = plan[:limit]
+        shard_bounds(0, *shard)
+        if self.eval is None or not plan:
+            return iter(())
+        job = _BatchJob(self.eval, plan, list(range(len(plan))), None, shard, need_inputs, need_targets, True)
+        return self._run(job)
+
+    def _run(self, job: _BatchJob) -> Iterator[Batch]:
+        """Build batches in this process, or in `workers` background processes (order preserved)."""
+        if self.workers <= 0 or len(job) == 0:
+            return (job[k] for k in range(len(job)))
+        loader = torch.utils.data.DataLoader(job, batch_size=None, shuffle=False, num_workers=self.workers,
+                                             collate_fn=_identity)
+        return iter(loader)
+
+
+def _identity(x: Batch) -> Batch:
+    return x
+
+
+class _BatchJob(torch.utils.data.Dataset):
+    """Positions of a plan to turn into Batches (picklable, so worker processes can build them)."""
+
+    def __init__(self, examples: Examples, plan: Sequence[np.ndarray], positions: list[int], epoch: int | None,
+                 shard: tuple[int, int], need_inputs: bool, need_targets: bool, with_refs: bool) -> None:
+        self.examples, self.plan, self.positions = examples, plan, positions
+        self.epoch, self.shard = epoch, shard
+        self.need_inputs, self.need_targets, self.with_refs = need_inputs, need_targets, with_refs
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, k: int) -> Batch:
+        pos = self.positions[k]
+        group = self.plan[pos]
+        lo, hi = shard_bounds(len(group), *self.shard)
+        ids = group[lo:hi]
+        inputs, targets = self.examples.collate(ids, group, epoch=self.epoch, need_inputs=self.need_inputs,
+                                                need_targets=self.need_targets)
+        return Batch(index=pos, size=hi - lo, offset=lo, global_size=len(group), inputs=inputs, targets=targets,
+                     tokens=self.examples.target_tokens(ids), global_tokens=self.examples.target_tokens(group),
+                     ids=[int(i) for i in ids], references=self.examples.references(ids) if self.with_refs else None,
+                     epoch=self.epoch)

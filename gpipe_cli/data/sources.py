@@ -1,0 +1,177 @@
+"""Finding and opening data: local files and folders, the Hugging Face hub, splits and hold-outs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpipe_cli.data.rng import rng
+from gpipe_cli.errors import DataError
+
+EVAL_SPLIT_NAMES = ("validation", "valid", "dev", "test", "eval")  # validation first: test labels may be hidden
+PROBE_TIMEOUT_S = 5.0
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def existing_path(path: str | None, what: str) -> Path:
+    """data.path as an existing Path, else a DataError naming it."""
+    if not path:
+        raise DataError(f"data.path is required for {what}")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"data.path '{p}' does not exist")
+    return p
+
+
+def split_files(path: Path, exts: Sequence[str], train_split: str,
+                eval_split: str | None) -> tuple[list[Path], list[Path] | None]:
+    """(train files, eval files or None) of a file or a folder; split membership is by file name."""
+    if path.is_file():
+        return [path], None
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(tuple(exts)))
+    if not files:
+        raise DataError(f"no {'/'.join(exts)} files under '{path}'")
+
+    def named(split: str) -> list[Path]:
+        return [f for f in files if split.lower() in str(f.relative_to(path)).lower()]
+
+    eval_files: list[Path] = []
+    if eval_split:
+        eval_files = named(eval_split)
+        if not eval_files:
+            raise DataError(f"no file under '{path}' has data.eval_split '{eval_split}' in its name")
+    else:
+        for name in EVAL_SPLIT_NAMES:
+            if name != train_split and (eval_files := named(name)):
+                break
+    train_files = [f for f in named(train_split) if f not in eval_files]
+    if not train_files:
+        train_files = [f for f in files if f not in eval_files]
+    if not train_files:
+        raise DataError(f"no training files under '{path}' (every file looks like an eval split)")
+    return train_files, eval_files or None
+
+
+def hold_out(n: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train rows, eval rows): a fixed random `fraction` held out, the same for every seed and rank."""
+    if fraction <= 0 or n < 2:
+        return np.arange(n), np.arange(0)
+    k = min(n - 1, max(1, int(round(n * fraction))))
+    perm = rng(0, "hold-out", n).permutation(n)
+    return np.sort(perm[k:]), np.sort(perm[:k])
+
+
+def pick_splits(splits: Any, train_split: str, eval_split: str | None, where: str) -> tuple[Any, Any]:
+    """(train, eval or None) datasets out of a DatasetDict."""
+    names = list(splits.keys())
+    if train_split not in splits:
+        raise DataError(f"{where} has no split '{train_split}' (it has {', '.join(names) or 'none'}); "
+                        "set data.train_split")
+    if eval_split is not None:
+        if eval_split not in splits:
+            raise DataError(f"{where} has no split '{eval_split}' (it has {', '.join(names)}); set data.eval_split")
+        return splits[train_split], splits[eval_split]
+    for name in EVAL_SPLIT_NAMES:
+        if name in splits and name != train_split:
+            return splits[train_split], splits[name]
+    return splits[train_split], None
+
+
+def load_builder(builder: str, where: str, cache_dir: Path | None, **kwargs: Any) -> Any:
+    """A local DatasetDict through a `datasets` packaged builder (imagefolder, parquet)."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(builder, cache_dir=str(cache_dir) if cache_dir else None, **kwargs)
+    except Exception as e:
+        raise DataError(f"cannot read {where} as {builder}: {first_line(e)}") from None
+
+
+def _flag(*names: str) -> bool:
+    return any(os.environ.get(n, "").strip().lower() in _TRUE for n in names)
+
+
+def hub_reachable(endpoint: str | None = None, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether the hub endpoint answers at all within `timeout` (proxies honoured, DNS hangs bounded)."""
+    url = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+            result.append(True)
+        except urllib.error.HTTPError:  # any HTTP answer means the network path works
+            result.append(True)
+        except Exception:
+            result.append(False)
+
+    # A thread bounds name resolution too, which socket timeouts do not cover.
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout + 1.0)
+    return bool(result and result[0])
+
+
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """Put `datasets` and `huggingface_hub` in offline mode for one call (cache only, no retries)."""
+    import datasets.config as dc
+    import huggingface_hub.constants as hc
+
+    saved = (getattr(dc, "HF_HUB_OFFLINE", None), getattr(hc, "HF_HUB_OFFLINE", None))
+    dc.HF_HUB_OFFLINE = True
+    hc.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        dc.HF_HUB_OFFLINE, hc.HF_HUB_OFFLINE = saved
+
+
+def load_hub(name: str, config: str | None, cache_dir: Path | None, kind: str) -> Any:
+    """A DatasetDict from the hub (or its local cache); DataError in one line when neither works."""
+    # Bound each HTTP call; read by huggingface_hub at import, so only effective if not imported yet.
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "60")
+    import datasets
+
+    label = f"'{name}'" + (f" (config '{config}')" if config else "")
+    local = f"use data.source: {kind} with a local copy"
+    cache = str(cache_dir) if cache_dir else None
+    offline_env = _flag("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+    if offline_env or not hub_reachable():
+        why = "offline mode is set (HF_HUB_OFFLINE)" if offline_env else "no network connection"
+        try:
+            with _offline():
+                return datasets.load_dataset(name, config, cache_dir=cache)
+        except Exception:
+            raise DataError(f"cannot download dataset {label} from the Hugging Face hub: {why} and no cached copy; "
+                            f"{local}") from None
+    try:
+        return datasets.load_dataset(name, config, cache_dir=cache)
+    except Exception as e:
+        cls = type(e).__name__
+        if cls == "DatasetNotFoundError":
+            msg = f"dataset {label} was not found on the Hugging Face hub (check data.name)"
+        elif cls == "GatedRepoError" or "gated" in str(e).lower():
+            msg = f"dataset {label} is gated: accept its terms on the hub and log in (hf auth login)"
+        elif isinstance(e, (ConnectionError, TimeoutError, OSError)) and "config" not in str(e).lower():
+            msg = f"cannot download dataset {label} from the Hugging Face hub ({first_line(e)}); {local}"
+        else:
+            msg = f"cannot load dataset {label} from the Hugging Face hub: {first_line(e)}"
+        raise DataError(msg) from None
+
+
+def first_line(e: BaseException) -> str:
+    """The first non-empty line of an exception's message, for one-line errors."""
+    for line in str(e).splitlines():
+        if line.strip():
+            return line.strip()
+    return type(e).__name__

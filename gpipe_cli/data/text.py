@@ -1,0 +1,306 @@
+"""Text examples: parallel sentences for translation and token streams for language modelling."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from gpipe_cli.data.loader import Examples
+from gpipe_cli.data.sources import existing_path, hold_out, load_builder, load_hub, pick_splits, split_files
+from gpipe_cli.data.synthetic import lm_documents, translation_pairs
+from gpipe_cli.data.tokenizer import BOS, EOS, PAD, Tokenizer, load_or_train
+from gpipe_cli.errors import DataError
+from gpipe_cli.recipe.schema import Data
+
+TextTask = Literal["translation", "lm"]
+Record = Any  # a (source, target) pair of strings for translation, a string for lm
+
+
+class Ragged:
+    """Many int sequences in one flat array (millions of sentences without millions of objects)."""
+
+    def __init__(self, seqs: Sequence[Sequence[int]]) -> None:
+        self.lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+        self.offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(self.lengths, out=self.offsets[1:])
+        self.flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32, count=int(self.offsets[-1]))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.flat[self.offsets[i]:self.offsets[i + 1]]
+
+
+class TranslationExamples(Examples):
+    """(src, tgt_in) -> tgt_out with tgt_in = [bos] + tokens and tgt_out = tokens + [eos]."""
+
+    def __init__(self, src: Ragged, tgt: Ragged, refs: list[str] | None) -> None:
+        self.src, self.tgt, self.refs = src, tgt, refs
+        # Padded cost of an example: its longer side (the decoder side carries bos/eos).
+        self.lengths = np.maximum(src.lengths, tgt.lengths + 1)
+
+    @classmethod
+    def build(cls, pairs: Sequence[tuple[str, str]], tok: Tokenizer, max_len: int, *,
+              train: bool) -> tuple[TranslationExamples, int]:
+        """Encode pairs; training drops pairs longer than max_len, eval truncates them. Returns (examples, dropped)."""
+        src = tok.encode_batch([p[0] for p in pairs])
+        tgt = tok.encode_batch([p[1] for p in pairs])
+        keep_src, keep_tgt, refs = [], [], []
+        for (_, ref), s, t in zip(pairs, src, tgt):
+            if not s or not t:
+                continue
+            if train and (len(s) > max_len or len(t) + 1 > max_len):
+                continue
+            keep_src.append(s[:max_len])
+            keep_tgt.append(t[:max_len - 1])
+            refs.append(ref)
+        return cls(Ragged(keep_src), Ragged(keep_tgt), None if train else refs), len(pairs) - len(keep_src)
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def collate(self, ids: np.ndarray, group: np.ndarray, *, epoch: int | None, need_inputs: bool,
+                need_targets: bool) -> tuple[Any, torch.Tensor | None]:
+        # Pad to the longest of the global batch, so every shard of a step has the same shape.
+        s_len = max(1, int(self.src.lengths[group].max()))
+        t_len = int(self.tgt.lengths[group].max()) + 1
+        n = len(ids)
+        src = np.full((n, s_len), PAD, dtype=np.int64)
+        tgt_in = np.full((n, t_len), PAD, dtype=np.int64)
+        tgt_out = np.full((n, t_len), PAD, dtype=np.int64)
+        for k, i in enumerate(ids.tolist()):
+            s, t = self.src[i], self.tgt[i]
+            if need_inputs:
+                src[k, :len(s)] = s
+                tgt_in[k, 0] = BOS
+                tgt_in[k, 1:1 + len(t)] = t
+            if need_targets:
+                tgt_out[k, :len(t)] = t
+                tgt_out[k, len(t)] = EOS
+        inputs = (torch.from_numpy(src), torch.from_numpy(tgt_in)) if need_inputs else None
+        return inputs, torch.from_numpy(tgt_out) if need_targets else None
+
+    def target_tokens(self, ids: np.ndarray) -> int | None:
+        return int((self.tgt.lengths[ids] + 1).sum())
+
+    def references(self, ids: np.ndarray) -> list[str] | None:
+        return None if self.refs is None else [self.refs[i] for i in ids.tolist()]
+
+
+class LMExamples(Examples):
+    """Documents joined by eos into one stream, cut into windows of seq_len predictions."""
+
+    def __init__(self, stream: np.ndarray, seq_len: int) -> None:
+        self.stream = stream
+        self.seq_len = seq_len
+        # Window i covers stream[i*L : i*L + L + 1]: L inputs and their L next tokens; the last may be shorter.
+        self.starts = np.arange(0, max(len(stream) - 1, 0), seq_len, dtype=np.int64)
+        self.lengths = np.minimum(self.starts + seq_len + 1, len(stream)) - self.starts - 1
+
+    @classmethod
+    def build(cls, docs: Sequence[str], tok: Tokenizer, seq_len: int) -> LMExamples:
+        """Encode documents and chunk the stream."""
+        ids = tok.encode_batch(list(docs))
+        stream = Ragged([[*d, EOS] for d in ids if d]).flat.astype(np.int64)
+        return cls(stream, seq_len)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def collate(self, ids: np.ndarray, group: np.ndarray, *, epoch: int | None, need_inputs: bool,
+                need_targets: bool) -> tuple[Any, torch.Tensor | None]:
+        t_len = int(self.lengths[group].max())
+        inp = np.full((len(ids), t_len), PAD, dtype=np.int64)
+        out = np.full((len(ids), t_len), PAD, dtype=np.int64)
+        for k, i in enumerate(ids.tolist()):
+            lo, n = int(self.starts[i]), int(self.lengths[i])
+            inp[k, :n] = self.stream[lo:lo + n]
+            out[k, :n] = self.stream[lo + 1:lo + n + 1]
+        return (torch.from_numpy(inp) if need_inputs else None), (torch.from_numpy(out) if need_targets else None)
+
+    def target_tokens(self, ids: np.ndarray) -> int | None:
+        return int(self.lengths[ids].sum())
+
+
+# ---- reading records ----------------------------------------------------------------------------
+
+def _record(obj: Mapping[str, Any], task: TextTask, data: Data, where: str) -> Record:
+    """One record of a JSON object or dataset row."""
+    keys = ", ".join(map(str, obj.keys()))
+    if task == "lm":
+        if data.text_field not in obj:
+            raise DataError(f"{where}: no field '{data.text_field}' (fields: {keys}); set data.text_field")
+        text = obj[data.text_field]
+        if not isinstance(text, str | None):
+            raise DataError(f"{where}: field '{data.text_field}' is not a string")
+        return text or ""
+    s, t = data.source_field, data.target_field
+    if s not in obj or t not in obj:
+        nested = obj.get("translation")
+        if not isinstance(nested, Mapping):
+            raise DataError(f"{where}: no fields '{s}' and '{t}' (fields: {keys}); set data.source_field and "
+                            "data.target_field")
+        if s not in nested or t not in nested:
+            raise DataError(f"{where}: the translation has languages {', '.join(map(str, nested))}; set "
+                            "data.source_field and data.target_field to two of them")
+        obj = nested
+    src, tgt = obj[s], obj[t]
+    if not isinstance(src, str | None) or not isinstance(tgt, str | None):
+        raise DataError(f"{where}: fields '{s}' and '{t}' must be strings")
+    return (src or "", tgt or "")
+
+
+def _lines(f: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line without newline), with one clear error for non-text files."""
+    try:
+        with open(f, encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                yield n, line.rstrip("\n").rstrip("\r")
+    except UnicodeDecodeError:
+        raise DataError(f"'{f}' is not UTF-8 text") from None
+
+
+def read_jsonl(files: Sequence[Path], task: TextTask, data: Data) -> list[Record]:
+    """Records of JSON-lines files (one object per line)."""
+    out = []
+    for f in files:
+        for n, line in _lines(f):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{f}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{f}:{n}: expected a JSON object, got {type(obj).__name__}")
+            out.append(_record(obj, task, data, f"{f}:{n}"))
+    return out
+
+
+def read_tsv(files: Sequence[Path], task: TextTask, data: Data) -> list[Record]:
+    """Records of tab-separated files: source<TAB>target (translation) or text (lm); a header row is optional."""
+    out: list[Record] = []
+    for f in files:
+        cols: tuple[int, int] = (0, 1)
+        for n, line in _lines(f):
+            if not line.strip():
+                continue
+            cells = line.split("\t")
+            if n == 1:  # a header naming the configured fields picks the columns
+                names = [c.strip() for c in cells]
+                if task == "lm" and data.text_field in names:
+                    cols = (names.index(data.text_field), 0)
+                    continue
+                if task == "translation" and data.source_field in names and data.target_field in names:
+                    cols = (names.index(data.source_field), names.index(data.target_field))
+                    continue
+            if task == "lm":
+                out.append(cells[cols[0]] if cols[0] < len(cells) else "")
+            elif max(cols) >= len(cells):
+                raise DataError(f"{f}:{n}: expected two tab-separated columns (source, target), got {len(cells)}")
+            else:
+                out.append((cells[cols[0]], cells[cols[1]]))
+    return out
+
+
+def read_text(files: Sequence[Path]) -> list[str]:
+    """Non-empty lines of plain text files (each line a document: a paragraph or a sentence)."""
+    return [line for f in files for _, line in _lines(f) if line.strip()]
+
+
+def from_dataset(ds: Any, task: TextTask, data: Data, where: str) -> list[Record]:
+    """Records of a `datasets` Dataset, read column-wise."""
+    cols = ds.column_names
+    if len(ds) == 0:
+        return []
+    if task == "lm":
+        if data.text_field not in cols:
+            raise DataError(f"{where} has no column '{data.text_field}' (columns: {', '.join(cols)}); "
+                            "set data.text_field")
+        return [t or "" for t in ds[data.text_field]]
+    if data.source_field in cols and data.target_field in cols:
+        return [(s or "", t or "") for s, t in zip(ds[data.source_field], ds[data.target_field])]
+    if "translation" in cols:
+        rows = list(ds["translation"])
+        _record(rows[0], task, data, where)  # one clear error if the languages are wrong
+        return [(r.get(data.source_field) or "", r.get(data.target_field) or "") for r in rows]
+    raise DataError(f"{where} has no columns '{data.source_field}' and '{data.target_field}' (columns: "
+                    f"{', '.join(cols)}); set data.source_field and data.target_field")
+
+
+def read_records(data: Data, task: TextTask, *, seed: int, words: int,
+                 cache_dir: Path | None) -> tuple[list[Record], list[Record] | None]:
+    """(train records, eval records or None) of any text source."""
+    n_eval = int(round(data.synthetic_size * data.eval_fraction))
+    if data.source == "synthetic":
+        if task == "translation":
+            return translation_pairs(data.synthetic_size, seed, "train"), translation_pairs(n_eval, seed, "eval")
+        return (lm_documents(data.synthetic_size, seed, "train", words),
+                lm_documents(n_eval, seed, "eval", words))
+    if data.source in ("hub", "parquet"):
+        if data.source == "hub":
+            assert data.name is not None
+            splits, where = load_hub(data.name, data.config, cache_dir, "jsonl/tsv/parquet"), f"dataset '{data.name}'"
+        else:
+            path = existing_path(data.path, "data.source 'parquet'")
+            train_f, eval_f = split_files(path, (".parquet",), data.train_split, data.eval_split)
+            files = {data.train_split: [str(f) for f in train_f]}
+            if eval_f:
+                files[data.eval_split or "validation"] = [str(f) for f in eval_f]
+            splits, where = load_builder("parquet", f"'{path}'", cache_dir, data_files=files), f"'{path}'"
+        train_ds, eval_ds = pick_splits(splits, data.train_split, data.eval_split, where)
+        return (from_dataset(train_ds, task, data, where),
+                None if eval_ds is None else from_dataset(eval_ds, task, data, where))
+    exts = {"jsonl": (".jsonl", ".json"), "tsv": (".tsv", ".txt"), "text": (".txt", ".text", ".raw")}.get(data.source)
+    if exts is None:
+        raise DataError(f"data.source '{data.source}' holds images; text comes from synthetic, jsonl, tsv, text, "
+                        "parquet or hub")
+    if data.source == "text" and task == "translation":
+        raise DataError("data.source 'text' is plain text for language modelling; use jsonl or tsv for translation")
+    path = existing_path(data.path, f"data.source '{data.source}'")
+    train_f, eval_f = split_files(path, exts, data.train_split, data.eval_split)
+
+    def read(files: Sequence[Path]) -> list[Record]:
+        if data.source == "jsonl":
+            return read_jsonl(files, task, data)
+        return read_tsv(files, task, data) if data.source == "tsv" else list(read_text(files))
+
+    return read(train_f), (read(eval_f) if eval_f else None)
+
+
+def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_len: int, run_dir: Path | None,
+                cache_dir: Path | None = None) -> tuple[Examples, Examples | None, Tokenizer]:
+    """(train, held-out, tokenizer) for a text task."""
+    seq_len = min(data.seq_len, max_len)
+    train_recs, eval_recs = read_records(data, task, seed=seed, words=max(8, seq_len * 3 // 4), cache_dir=cache_dir)
+    if eval_recs is None:
+        rows, held = hold_out(len(train_recs), data.eval_fraction)
+        train_recs, eval_recs = [train_recs[i] for i in rows], [train_recs[i] for i in held]
+    where = f"the '{data.train_split}' split" if data.source != "synthetic" else "the synthetic data"
+    if not any((r[0].strip() and r[1].strip()) if task == "translation" else r.strip() for r in train_recs):
+        raise DataError(f"{where} of data.source '{data.source}' has no text")
+
+    def corpus() -> Iterator[str]:
+        for r in train_recs:
+            yield from (r if task == "translation" else (r,))
+
+    tok = load_or_train(path=data.tokenizer, run_dir=run_dir, texts=corpus,
+                        vocab_size=data.vocab_size or vocab_size, model_vocab_size=vocab_size)
+    if task == "translation":
+        train, _ = TranslationExamples.build(train_recs, tok, max_len, train=True)
+        if len(train) == 0:
+            raise DataError(f"every training pair is empty or longer than model.max_len ({max_len}) tokens")
+        evl = TranslationExamples.build(eval_recs, tok, max_len, train=False)[0] if eval_recs else None
+        return train, evl, tok
+    lm_train = LMExamples.build(train_recs, tok, seq_len)
+    if len(lm_train) == 0:
+        raise DataError(f"{where} of data.source '{data.source}' has too little text for one sequence")
+    return lm_train, (LMExamples.build(eval_recs, tok, seq_len) if eval_recs else None), tok
+

@@ -1,0 +1,160 @@
+"""A shared source/target sentencepiece vocabulary with the model's special ids (pad 0, unk 1, bos 2, eos 3)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from gpipe_cli.data.sources import first_line
+from gpipe_cli.errors import DataError
+
+PAD, UNK, BOS, EOS = 0, 1, 2, 3
+TOKENIZER_FILE = "tokenizer.model"
+# sentencepiece samples this many sentences for training: enough for a 32k vocabulary, bounded memory.
+_TRAIN_SENTENCES = 2_000_000
+
+
+class Tokenizer:
+    """Text <-> token ids; `path` is the stored model file (None when it lives only in memory)."""
+
+    def __init__(self, proto: bytes, path: Path | None = None) -> None:
+        import sentencepiece as spm
+
+        self.path = path
+        self._proto = proto
+        self._sp = spm.SentencePieceProcessor(model_proto=proto)
+        ids = (self._sp.pad_id(), self._sp.unk_id(), self._sp.bos_id(), self._sp.eos_id())
+        if ids != (PAD, UNK, BOS, EOS):
+            where = f"'{path}'" if path else "the tokenizer"
+            raise DataError(f"{where} has pad/unk/bos/eos ids {ids} but the models need (0, 1, 2, 3); train it "
+                            "with --pad_id=0 --unk_id=1 --bos_id=2 --eos_id=3 or leave data.tokenizer unset")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        """Load a sentencepiece model file."""
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise DataError(f"tokenizer file '{p}' does not exist")
+        try:
+            proto = p.read_bytes()
+            return cls(proto, p)
+        except DataError:
+            raise
+        except Exception as e:  # sentencepiece raises RuntimeError/OSError for non-model files
+            raise DataError(f"'{p}' is not a sentencepiece model ({first_line(e)})") from None
+
+    @property
+    def vocab_size(self) -> int:
+        """The real number of pieces (can be below the requested size for small corpora)."""
+        return int(self._sp.get_piece_size())
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of one string, without bos/eos."""
+        return list(self._sp.encode(text))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of many strings (multi-threaded inside sentencepiece)."""
+        if not texts:
+            return []
+        return [list(x) for x in self._sp.encode(list(texts), num_threads=min(16, os.cpu_count() or 1))]
+
+    def decode(self, ids: Iterable[int] | Any) -> str:
+        """Text of `ids` (a list or 1-d tensor): stops at eos, skips pad and bos."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        out: list[int] = []
+        for i in ids:
+            i = int(i)
+            if i == EOS:
+                break
+            if i not in (PAD, BOS):
+                out.append(i)
+        return str(self._sp.decode(out))
+
+    def pieces(self, text: str) -> list[str]:
+        """The subword pieces of `text`."""
+        return list(self._sp.encode(text, out_type=str))
+
+    def save(self, path: Path) -> Path:
+        """Write the model file atomically (other ranks may be reading the folder)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tokenizer-", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(self._proto)
+        os.replace(tmp, path)
+        self.path = path
+        return path
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"proto": self._proto, "path": self.path}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["proto"], state["path"])  # type: ignore[misc]
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Train a BPE model on `texts` (BPE: unigram degenerates to characters on small repetitive corpora)."""
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    sentences: Iterator[str] = (t for t in texts if t and t.strip())
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=sentences, model_writer=model, vocab_size=vocab_size, model_type="bpe",
+            hard_vocab_limit=False,  # small corpora get a smaller vocabulary instead of an error
+            pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS, character_coverage=0.9999,
+            input_sentence_size=_TRAIN_SENTENCES, shuffle_input_sentence=True,
+            max_sentence_length=1 << 16,  # whole paragraphs/documents, not only short sentences
+            num_threads=min(16, os.cpu_count() or 1), minloglevel=2)
+    except Exception as e:
+        raise DataError(f"cannot train a {vocab_size}-piece tokenizer on the training text ({first_line(e)})") from None
+    if not model.getvalue():
+        raise DataError("cannot train a tokenizer: the training text is empty")
+    return Tokenizer(model.getvalue())
+
+
+def load_or_train(*, path: str | None, run_dir: Path | None, texts: Callable[[], Iterable[str]],
+                  vocab_size: int, model_vocab_size: int) -> Tokenizer:
+    """data.tokenizer if given, else run_dir/tokenizer.model if present, else train one (and store it there)."""
+    if vocab_size > model_vocab_size:
+        raise DataError(f"data.vocab_size ({vocab_size}) exceeds model.vocab_size ({model_vocab_size})")
+    if path:
+        tok = Tokenizer.load(path)
+    elif run_dir is None:
+        tok = train_tokenizer(texts(), vocab_size)
+    else:
+        stored = Path(run_dir) / TOKENIZER_FILE
+        # One rank trains while the others wait on the lock, then all read the same file.
+        with _locked(stored.with_suffix(".lock")):
+            if stored.is_file():
+                tok = Tokenizer.load(stored)
+            else:
+                tok = train_tokenizer(texts(), vocab_size)
+                tok.save(stored)
+    if tok.vocab_size > model_vocab_size:
+        raise DataError(f"the tokenizer has {tok.vocab_size} pieces but model.vocab_size is {model_vocab_size}; "
+                        "raise model.vocab_size or use a smaller tokenizer")
+    return tok
+
+
+@contextlib.contextmanager
+def _locked(lock: Path) -> Iterator[None]:
+    """An exclusive file lock where the platform has one (a no-op elsewhere)."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: ranks may both train, the atomic rename keeps the file whole
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+

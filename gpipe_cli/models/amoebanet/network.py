@@ -1,0 +1,167 @@
+"""AmoebaNet-D(L, D) and AmoebaNet-B(N, F) as flat sequences of independently built layers.
+
+Layout (as in the reference ImageNet model): stem convolution, two reduction cells at D/4 and D/2
+filters, then three stacks of L/3 normal cells at D, 2D and 4D filters with a reduction cell before
+the second and third stacks, then the classifier. The optional auxiliary head sits after the last
+cell of the second stack.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpipe_cli.models.amoebanet.cells import Cell, PrevMode
+from gpipe_cli.models.amoebanet.genotype import GENOTYPES, CellGenotype
+from gpipe_cli.models.amoebanet.heads import AuxHead, Classifier, Stem, init_conv_weights
+from gpipe_cli.models.base import LayerSpec, ModelSpec
+from gpipe_cli.models.losses import smoothed_cross_entropy
+
+STEM_FILTERS = 32  # the reference's stem convolution width, independent of D
+AUX_WEIGHT = 0.4  # the reference's weight of the auxiliary loss
+MIN_IMAGE_SIZE = 32
+
+
+@dataclass(frozen=True)
+class CellPlan:
+    """Everything needed to build one cell alone."""
+
+    name: str
+    reduction: bool
+    in_channels: int
+    prev_channels: int
+    channels: int
+    prev_mode: PrevMode
+    out_channels: int
+    spatial: int  # side of the cell's output map at the nominal image size
+
+
+def plan_cells(genotype_name: str, layers: int, filters: int, image_size: int) -> list[CellPlan]:
+    """The cells of AmoebaNet-<variant>(layers, filters), in order, with their widths and shapes."""
+    genotype = GENOTYPES[genotype_name]
+    plans: list[CellPlan] = []
+    current = (STEM_FILTERS, (image_size - 3) // 2 + 1)
+    previous: tuple[int, int] | None = None
+
+    def add(name: str, cell: CellGenotype, channels: int, reduction: bool) -> None:
+        nonlocal current, previous
+        mode: PrevMode
+        if previous is None:
+            mode, prev_channels = "raw", current[0]
+        else:
+            prev_channels = previous[0]
+            mode = ("reduce" if previous[1] != current[1]
+                    else "project" if previous[0] != channels else "identity")
+        spatial = -(-current[1] // 2) if reduction else current[1]
+        out = channels * len(cell.concat)
+        plans.append(CellPlan(name, reduction, current[0], prev_channels, channels, mode, out, spatial))
+        previous, current = current, (out, spatial)
+
+    add("stem_reduction_1", genotype.reduction, filters // 4, True)
+    add("stem_reduction_2", genotype.reduction, filters // 2, True)
+    per_stack = layers // 3
+    for stack in range(3):
+        channels = filters * 2 ** stack
+        if stack:
+            add(f"reduction_{stack}", genotype.reduction, channels, True)
+        for i in range(per_stack):
+            add(f"cell_{stack + 1}_{i + 1}", genotype.normal, channels, False)
+    return plans
+
+
+def _build_stem() -> nn.Module:
+    return init_conv_weights(Stem(STEM_FILTERS))
+
+
+def _build_cell(genotype_name: str, plan: CellPlan) -> nn.Module:
+    genotype = GENOTYPES[genotype_name]
+    cell_genotype = genotype.reduction if plan.reduction else genotype.normal
+    return init_conv_weights(Cell(cell_genotype, plan.in_channels, plan.prev_channels, plan.channels,
+                                  plan.reduction, plan.prev_mode))
+
+
+def _build_aux(in_channels: int, num_classes: int, spatial: int) -> nn.Module:
+    return init_conv_weights(AuxHead(in_channels, num_classes, spatial))
+
+
+def _build_classifier(in_channels: int, num_classes: int, dropout: float) -> nn.Module:
+    return Classifier(in_channels, num_classes, dropout)
+
+
+def amoebanet_loss(output: Any, targets: torch.Tensor, label_smoothing: float = 0.1,
+                   aux_weight: float = AUX_WEIGHT) -> torch.Tensor:
+    """Label-smoothed cross-entropy, plus the weighted auxiliary loss when the output carries one."""
+    if isinstance(output, torch.Tensor):
+        return smoothed_cross_entropy(output, targets, label_smoothing)
+    loss = smoothed_cross_entropy(output[0], targets, label_smoothing)
+    for aux in output[1:]:
+        loss = loss + aux_weight * smoothed_cross_entropy(aux, targets, label_smoothing)
+    return loss
+
+
+def image_batch(n: int, device: torch.device | str, image_size: int,
+                num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random images [n, 3, S, S] and class labels [n]."""
+    images = torch.randn(n, 3, image_size, image_size, device=device)
+    labels = torch.randint(0, num_classes, (n,), device=device)
+    return images, labels
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_fraction(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value < 1.0
+
+
+def build_amoebanet(variant: str = "d", layers: int = 18, filters: int = 256, num_classes: int = 1000,
+                    image_size: int = 224, dropout: float = 0.5, aux_head: bool = False,
+                    label_smoothing: float = 0.1) -> ModelSpec:
+    """AmoebaNet-<variant>(layers, filters) for `num_classes` classes at `image_size` pixels."""
+    _check(variant in GENOTYPES, f"AmoebaNet variant must be one of {sorted(GENOTYPES)} (got {variant!r})")
+    _check(_is_int(layers) and layers >= 3 and layers % 3 == 0,
+           f"AmoebaNet layers must be a positive multiple of 3 (got {layers!r})")
+    _check(_is_int(filters) and filters >= 4 and filters % 4 == 0,
+           f"AmoebaNet filters must be a positive multiple of 4 (got {filters!r})")
+    _check(_is_int(num_classes) and num_classes >= 2,
+           f"num_classes must be an integer >= 2 (got {num_classes!r})")
+    _check(_is_int(image_size) and image_size >= MIN_IMAGE_SIZE,
+           f"image_size must be an integer >= {MIN_IMAGE_SIZE} (got {image_size!r})")
+    _check(_is_fraction(dropout), f"dropout must be a number in [0, 1) (got {dropout!r})")
+    _check(_is_fraction(label_smoothing),
+           f"label_smoothing must be a number in [0, 1) (got {label_smoothing!r})")
+    _check(isinstance(aux_head, bool), f"aux_head must be true or false (got {aux_head!r})")
+
+    plans = plan_cells(variant, layers, filters, image_size)
+    specs = [LayerSpec("stem", _build_stem)]
+    aux_after = f"cell_2_{layers // 3}"
+    for plan in plans:
+        specs.append(LayerSpec(plan.name, functools.partial(_build_cell, variant, plan)))
+        if aux_head and plan.name == aux_after:
+            specs.append(LayerSpec("aux_head", functools.partial(
+                _build_aux, plan.out_channels, num_classes, plan.spatial)))
+    specs.append(LayerSpec("classifier", functools.partial(
+        _build_classifier, plans[-1].out_channels, num_classes, dropout)))
+
+    config = dict(kind="amoebanet", variant=variant, layers=layers, filters=filters,
+                  num_classes=num_classes, image_size=image_size, dropout=dropout,
+                  aux_head=aux_head, label_smoothing=label_smoothing)
+    return ModelSpec(
+        name=f"amoebanet-{variant}-{layers}-{filters}",
+        task="image",
+        layers=specs,
+        loss=functools.partial(amoebanet_loss, label_smoothing=label_smoothing),
+        example_batch=functools.partial(image_batch, image_size=image_size, num_classes=num_classes),
+        units=None,
+        config=config,
+    )

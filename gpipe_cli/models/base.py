@@ -1,0 +1,56 @@
+"""The contract between models and the engine: a flat list of independently buildable layers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+Task = Literal["image", "translation", "lm"]
+Batch = Any  # a tensor or a tuple of tensors, split along dim 0 into micro-batches
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One pipeline layer: a name for plans and checkpoints, and a function that builds only it."""
+
+    name: str
+    build: Callable[[], nn.Module]
+
+
+@dataclass
+class ModelSpec:
+    """A model as the engine sees it: layers that can be cut between any two, plus its loss.
+
+    - Layer i takes what layer i-1 returns (a tensor or a tuple of tensors); layer 0 takes `inputs`.
+    - `loss(output, targets)` returns the mean over the micro-batch's units; `units(targets)` counts
+      them (None: examples, i.e. dim 0). The engine weights micro-batches by units.
+    - `tied` lists groups of parameters that are one tensor, by "<layer index>.<parameter name>".
+    - `example_batch(n, device)` returns (inputs, targets) with the right shapes and dtypes (random
+      values, valid token ids), usable on the meta device for shape and FLOP accounting.
+    """
+
+    name: str
+    task: Task
+    layers: list[LayerSpec]
+    loss: Callable[[Any, torch.Tensor], torch.Tensor]
+    example_batch: Callable[[int, torch.device | str], tuple[Batch, torch.Tensor]]
+    units: Callable[[torch.Tensor], torch.Tensor | int] | None = None
+    tied: list[tuple[str, ...]] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The names of all layers, in order."""
+        return [layer.name for layer in self.layers]
+
+    def build_all(self) -> list[nn.Module]:
+        """Build every layer (only sensible for models that fit one process)."""
+        return [layer.build() for layer in self.layers]
+
+    def factories(self) -> Sequence[Callable[[], nn.Module]]:
+        """The per-layer build functions, in order."""
+        return [layer.build for layer in self.layers]

@@ -1,0 +1,216 @@
+"""Per-layer cost estimates for any ModelSpec, computed on the meta device without allocating.
+
+Each layer is built alone under `torch.device("meta")`, its parameters counted, and a forward of the
+previous layer's (meta) output run under FlopCounterMode. Only shapes exist, so this works for
+models far larger than the machine running it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from gpipe_cli.models.base import Batch, ModelSpec
+
+aten = torch.ops.aten
+
+
+def _numel(shape: Any) -> int:
+    """Elements of a shape, or of the first shape of a tuple of output shapes."""
+    if isinstance(shape, (tuple, list)) and shape and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = shape[0]
+    return math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else 1
+
+
+def _per_output(*args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return _numel(out_shape)
+
+
+def _per_input(input_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return _numel(input_shape)
+
+
+def _normalisation(input_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    # Mean, variance, subtract, divide, scale and shift: about five operations per element.
+    return 5 * _numel(input_shape)
+
+
+def _pooling(input_shape: Any, kernel: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    area = math.prod(kernel) if isinstance(kernel, (tuple, list)) else kernel * kernel
+    return _numel(out_shape) * area
+
+
+# FlopCounterMode counts only matrix products and convolutions. Elementwise work, normalisation and
+# pooling are added (one FLOP per element touched) so that layers made mostly of those, such as an
+# embedding lookup or pooling-heavy cells, do not appear free.
+_EXTRA_FLOPS: dict[Any, Callable[..., int]] = {
+    **{op: _per_output for op in (aten.add, aten.sub, aten.mul, aten.div, aten.relu, aten.clamp,
+                                  aten.clamp_min, aten.where, aten.exp, aten.sin, aten.cos)},
+    **{op: _per_input for op in (aten.mean, aten.sum)},
+    **{op: _normalisation for op in (aten.native_layer_norm, aten.native_batch_norm,
+                                     aten._native_batch_norm_legit,
+                                     aten._native_batch_norm_legit_no_training)},
+    **{op: _pooling for op in (aten.max_pool2d_with_indices, aten.avg_pool2d)},
+}
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one layer costs: parameters, forward FLOPs and output size, the latter two per example."""
+
+    index: int
+    name: str
+    params: int
+    param_bytes: int
+    flops: int
+    activation_bytes: int
+    output_shapes: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """Per-layer costs of a model plus totals; tied parameters are counted once in `total_params`."""
+
+    name: str
+    task: str
+    batch_size: int
+    input_bytes: int
+    layers: tuple[LayerCost, ...]
+    total_params: int
+    total_param_bytes: int
+    total_flops: int
+
+    def cut_bytes(self, after: int) -> int:
+        """Bytes per example sent across a cut after layer `after` (-1: the model's input)."""
+        return self.input_bytes if after < 0 else self.layers[after].activation_bytes
+
+    def stage_params(self, start: int, stop: int) -> int:
+        """Parameters held by a stage running layers [start, stop), tied copies included."""
+        return sum(layer.params for layer in self.layers[start:stop])
+
+    def stage_flops(self, start: int, stop: int) -> int:
+        """Forward FLOPs per example of a stage running layers [start, stop)."""
+        return sum(layer.flops for layer in self.layers[start:stop])
+
+
+def tensors_of(value: Batch) -> list[torch.Tensor]:
+    """The tensors in a tensor or a (nested) tuple or list of tensors."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in tensors_of(item)]
+    raise TypeError(f"a layer must return a tensor or a tuple of tensors (got {type(value).__name__})")
+
+
+def batch_bytes(value: Batch, batch_size: int) -> int:
+    """Bytes per example of the tensors in `value` (tensors without the batch dimension count whole)."""
+    total = 0
+    for t in tensors_of(value):
+        size = t.numel() * t.element_size()
+        per_example = t.dim() > 0 and t.shape[0] == batch_size and batch_size > 0
+        total += size // batch_size if per_example else size
+    return total
+
+
+def _param_stats(module: nn.Module) -> tuple[int, int]:
+    params = list(module.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
+
+
+def _tied_duplicates(spec: ModelSpec, sizes: dict[str, tuple[int, int]]) -> tuple[int, int]:
+    """Parameters and bytes counted more than once because they are copies of one tied tensor."""
+    count = nbytes = 0
+    for group in spec.tied:
+        for name in group[1:]:
+            numel, size = sizes.get(name, (0, 0))
+            count, nbytes = count + numel, nbytes + size
+    return count, nbytes
+
+
+def _named_sizes(index: int, module: nn.Module, names: Iterable[str]) -> dict[str, tuple[int, int]]:
+    wanted = set(names)
+    out = {}
+    for name, p in module.named_parameters():
+        key = f"{index}.{name}"
+        if key in wanted:
+            out[key] = (p.numel(), p.numel() * p.element_size())
+    return out
+
+
+def layer_params(spec: ModelSpec) -> list[int]:
+    """The parameter count of every layer, building each alone on the meta device."""
+    counts = []
+    with torch.device("meta"):
+        for layer in spec.layers:
+            counts.append(_param_stats(layer.build())[0])
+    return counts
+
+
+def count_parameters(spec: ModelSpec) -> int:
+    """The model's parameter count (tied tensors once), without allocating any of them."""
+    tied_names = [name for group in spec.tied for name in group]
+    total = 0
+    sizes: dict[str, tuple[int, int]] = {}
+    with torch.device("meta"):
+        for index, layer in enumerate(spec.layers):
+            module = layer.build()
+            total += _param_stats(module)[0]
+            sizes.update(_named_sizes(index, module, tied_names))
+    return total - _tied_duplicates(spec, sizes)[0]
+
+
+def describe(spec: ModelSpec, batch_size: int = 1, inputs: Batch | None = None) -> ModelSummary:
+    """Parameters, forward FLOPs and output bytes of every layer for a batch of `batch_size` examples.
+
+    `inputs` (meta or real tensors; moved to meta) replaces the model's example batch, e.g. to
+    profile another image size or sequence length.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer (got {batch_size})")
+    if inputs is None:
+        inputs, _ = spec.example_batch(batch_size, "meta")
+    else:
+        inputs = _to_meta(inputs)
+        batch_size = tensors_of(inputs)[0].shape[0]
+    tied_names = [name for group in spec.tied for name in group]
+    sizes: dict[str, tuple[int, int]] = {}
+    costs = []
+    x = inputs
+    input_bytes = batch_bytes(inputs, batch_size)
+    with torch.device("meta"), torch.no_grad():
+        for index, layer in enumerate(spec.layers):
+            module = layer.build()
+            params, param_bytes = _param_stats(module)
+            sizes.update(_named_sizes(index, module, tied_names))
+            counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS)
+            with counter:
+                x = module(x)
+            outputs = tensors_of(x)
+            costs.append(LayerCost(
+                index=index, name=layer.name, params=params, param_bytes=param_bytes,
+                flops=counter.get_total_flops() // batch_size,
+                activation_bytes=batch_bytes(x, batch_size),
+                output_shapes=tuple(tuple(t.shape) for t in outputs),
+            ))
+    dup_params, dup_bytes = _tied_duplicates(spec, sizes)
+    return ModelSummary(
+        name=spec.name, task=spec.task, batch_size=batch_size, input_bytes=input_bytes,
+        layers=tuple(costs),
+        total_params=sum(c.params for c in costs) - dup_params,
+        total_param_bytes=sum(c.param_bytes for c in costs) - dup_bytes,
+        total_flops=sum(c.flops for c in costs),
+    )
+
+
+def _to_meta(value: Batch) -> Batch:
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, (tuple, list)):
+        return tuple(_to_meta(v) for v in value)
+    raise TypeError(f"inputs must be a tensor or a tuple of tensors (got {type(value).__name__})")

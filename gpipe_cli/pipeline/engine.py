@@ -1,0 +1,435 @@
+"""The engine: this rank's stage, driven through a schedule, one synchronous mini-batch at a time."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpipe_cli.pipeline import grads, memory, microbatch, partition, stats
+from gpipe_cli.pipeline import schedule as sched
+from gpipe_cli.pipeline.batchnorm import DeferredBatchNorm, deferred_batchnorms
+from gpipe_cli.pipeline.comm import BACKWARD, FORWARD, RESULT, Inbound, Outbound
+from gpipe_cli.pipeline.dropout import Dropout
+from gpipe_cli.pipeline.schedule import Kind
+from gpipe_cli.pipeline.stage import Stage, as_tensors
+from gpipe_cli.pipeline.topology import Topology, add_groups
+
+Units = Callable[[torch.Tensor], "torch.Tensor | int | float"]
+Metrics = Callable[[Any, torch.Tensor], dict[str, float]]
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def layer_seed(seed: int, index: int) -> int:
+    """The RNG seed layer `index` is initialised with, whatever stage builds it."""
+    return zlib.crc32(f"gpipe/{seed}/layer/{index}".encode())
+
+
+def build_layers(factories: Sequence[Callable[[], nn.Module]], indices: Sequence[int], seed: int,
+                 device: torch.device | str = "cpu") -> list[nn.Module]:
+    """Build only the given layers, each from its own seed, so every partition starts from the same weights."""
+    device = torch.device(device)
+    layers = []
+    for i in indices:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
+            torch.manual_seed(layer_seed(seed, i))
+            layer = DeferredBatchNorm.convert(factories[i]())
+        for name, module in layer.named_modules():
+            if isinstance(module, Dropout):
+                module.rng_key = zlib.crc32(f"{seed}/{i}.{name}".encode())
+        layers.append(layer)
+    return layers
+
+
+@dataclass
+class StepResult:
+    """What one training step returns on every rank."""
+
+    loss: float | None            # the mini-batch's mean loss (last stages and rank 0)
+    grad_norm: float              # global gradient norm before clipping
+    skipped: bool                 # non-finite gradients (fp16 overflow): do not step the optimizer
+    stats: stats.StepStats | None  # every stage's figures, on rank 0
+
+
+@dataclass
+class EvalResult:
+    """What an evaluation pass returns on every rank (outputs only on rank 0, when asked)."""
+
+    loss: float
+    units: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    outputs: Any | None = None
+
+
+class Pipeline:
+    """This rank's stage of a GPipe pipeline: one call of `train_step` trains one mini-batch."""
+
+    def __init__(self, layers: Sequence[nn.Module], topology: Topology, balance: Sequence[int],
+                 loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None, *,
+                 units: Units | None = None, schedule: str = "gpipe", checkpoint: str = "except_last",
+                 tied: Sequence[Sequence[str]] = (), precision: str = "fp32") -> None:
+        self.topology, self.layout = topology, topology.layout
+        self.balance = list(balance)
+        if len(self.balance) != self.layout.stages:
+            raise ValueError(f"balance {self.balance} has {len(self.balance)} stages, the job has "
+                             f"{self.layout.stages}")
+        self.ranges = partition.stage_ranges(self.balance)
+        self.layer_indices = self.ranges[self.layout.stage]
+        if len(layers) != len(self.layer_indices):
+            raise ValueError(f"stage {self.layout.stage} needs {len(self.layer_indices)} layers, got {len(layers)}")
+        if schedule not in sched.SCHEDULES:
+            raise ValueError(f"unknown schedule '{schedule}': allowed are {', '.join(sched.SCHEDULES)}")
+        if checkpoint not in sched.REMAT_MODES:
+            raise ValueError(f"unknown checkpoint mode '{checkpoint}': allowed are {', '.join(sched.REMAT_MODES)}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision '{precision}': allowed are {', '.join(PRECISIONS)}")
+        self.schedule_name, self.checkpoint = schedule, checkpoint
+        self.device = topology.device
+        self.module = nn.Sequential(OrderedDict((str(i), layer) for i, layer in zip(self.layer_indices, layers)))
+        self.module.to(self.device)
+        self.units = units
+        self.staging = topology.transport.staging
+        self.shared: list[grads.SharedCopy] = []
+        self._norm_exclude: set[int] = set()
+        self._tie(tied)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.batchnorms = deferred_batchnorms(self.module)
+        meter = memory.ActivationMeter([*self.module.parameters(), *self.module.buffers()])
+        self.stage = Stage(self.module, self.device, loss if self.layout.is_last else None, meter,
+                           PRECISIONS[precision])
+        self.loss_scale = grads.LossScale(precision == "fp16")
+        self.timeline = stats.Timeline(self.layout.stage, self.device)
+        self._plans: dict[int, tuple[sched.Schedule, set[int]]] = {}
+        self._open_channels()
+
+    # ----------------------------------------------------------------- set-up
+
+    def _open_channels(self) -> None:
+        layout, transport = self.layout, self.topology.transport
+        prev = layout.rank_of(layout.stage - 1) if not layout.is_first else None
+        nxt = layout.rank_of(layout.stage + 1) if not layout.is_last else None
+        self.fwd_in = Inbound(transport, prev, FORWARD, "activations") if prev is not None else None
+        self.bwd_out = Outbound(transport, prev, BACKWARD) if prev is not None else None
+        self.fwd_out = Outbound(transport, nxt, FORWARD) if nxt is not None else None
+        self.bwd_in = Inbound(transport, nxt, BACKWARD, "gradients") if nxt is not None else None
+        result_src = layout.rank_of(layout.stages - 1, 0)
+        self.result_in = (Inbound(transport, result_src, RESULT, "outputs")
+                          if self.topology.distributed and layout.rank == 0 and result_src != 0 else None)
+        self.result_out = (Outbound(transport, 0, RESULT)
+                           if layout.is_last and layout.replica == 0 and layout.rank != 0 else None)
+
+    def _stage_of(self, index: int) -> int:
+        for s, r in enumerate(self.ranges):
+            if index in r:
+                return s
+        raise ValueError(f"tied parameter names layer {index}, but the model has {self.ranges[-1].stop} layers")
+
+    def _tie(self, tied: Sequence[Sequence[str]]) -> None:
+        """Make tied parameters one tensor within a stage, and synchronised copies across stages."""
+        plans = []
+        for group in tied:
+            members = [(int(name.split(".", 1)[0]), name) for name in group]
+            owners = sorted({self._stage_of(i) for i, _ in members})
+            local = [name for i, name in members if i in self.layer_indices]
+            if len(local) > 1:
+                first = self.module.get_parameter(local[0])
+                for name in local[1:]:
+                    path, _, attr = name.rpartition(".")
+                    if self.module.get_parameter(name).shape != first.shape:
+                        raise ValueError(f"tied parameters {local[0]} and {name} have different shapes")
+                    setattr(self.module.get_submodule(path), attr, first)
+            plans.append((owners, local))
+        # Every rank creates every group, in the same order, even those it is not part of.
+        add_groups(self.topology, [[self.layout.rank_of(s, r) for s in owners]
+                                   for owners, _ in plans for r in range(self.layout.replicas)])
+        for owners, local in plans:
+            if not local or len(owners) < 2:
+                continue
+            ranks = [self.layout.rank_of(s) for s in owners]
+            group = self.topology.group(ranks)
+            assert group is not None
+            param = self.module.get_parameter(local[0])
+            with torch.no_grad():
+                host = param.detach().cpu() if self.staging else param.detach()
+                dist.broadcast(host, src=ranks[0], group=group)
+                if host is not param:
+                    param.copy_(host)
+            first_holder = self.layout.stage == owners[0]
+            self.shared.append(grads.SharedCopy(param, group, first_holder))
+            if not first_holder:
+                self._norm_exclude.add(id(param))
+
+    def _plan(self, chunks: int) -> tuple[sched.Schedule, set[int]]:
+        if chunks not in self._plans:
+            stage, stages = self.layout.stage, self.layout.stages
+            order = sched.forward_order(self.schedule_name, stage, stages, chunks)
+            self._plans[chunks] = (sched.build(self.schedule_name, stage, stages, chunks, self.checkpoint),
+                                   sched.remat_plan(self.checkpoint, order))
+        return self._plans[chunks]
+
+    # ----------------------------------------------------------------- helpers
+
+    def _to_device(self, batch: Any) -> Any:
+        if isinstance(batch, torch.Tensor):
+            return batch.to(self.device, non_blocking=True)
+        return tuple(self._to_device(b) for b in batch)
+
+    def _sum_over_last_stages(self, values: list[float]) -> list[float]:
+        group = self.topology.last_stages_group
+        if group is None:
+            return values
+        t = torch.tensor(values, dtype=torch.float64,
+                         device="cpu" if self.staging or self.device.type == "cpu" else self.device)
+        dist.all_reduce(t, group=group)
+        return t.tolist()
+
+    def _count_units(self, target: torch.Tensor) -> float:
+        return float(self.units(target)) if self.units is not None else float(target.shape[0])
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This stage's trainable parameters, each once (for the optimizer)."""
+        return self.params
+
+    def zero_grad(self) -> None:
+        """Drop the gradients of this stage."""
+        for p in self.params:
+            p.grad = None
+
+    # ----------------------------------------------------------------- training
+
+    def train_step(self, inputs: Any = None, targets: torch.Tensor | None = None, *, microbatches: int,
+                   step: int, example_offset: int = 0, max_grad_norm: float | None = None,
+                   trace: bool = False) -> StepResult:
+        """Forward and backward one mini-batch as M micro-batches; leave the summed gradients in place.
+
+        The first stage gives `inputs`, the last stage `targets` (a single stage gives both).
+        `example_offset` is the global index of this replica's first example (split-invariant dropout).
+        """
+        layout, chunks = self.layout, microbatches
+        actions, remat = self._plan(chunks)
+        self.module.train()
+        self.stage.step = step
+        self.stage.meter.reset_peak()
+        memory.reset_cuda_peak(self.device)
+        self.timeline.start()
+
+        feed: list[Any] = []
+        offsets: list[int] = []
+        if layout.is_first:
+            if inputs is None:
+                raise ValueError("the first stage needs the inputs of the mini-batch")
+            split = microbatch.sizes(microbatch.batch_size(inputs), chunks)
+            feed = microbatch.scatter(self._to_device(inputs), chunks)
+            offsets = microbatch.offsets(split, example_offset)
+        targets_mb: list[torch.Tensor] = []
+        weights: list[float] = []
+        examples = units_total = 0.0
+        if layout.is_last:
+            if targets is None:
+                raise ValueError("the last stage needs the targets of the mini-batch")
+            targets_mb = microbatch.scatter(targets, chunks)
+            units = [self._count_units(t) for t in targets_mb]
+            examples, units_total = float(targets.shape[0]), sum(units)
+            global_units = self._sum_over_last_stages([units_total])[0]
+            if global_units <= 0:
+                raise ValueError("the mini-batch has no units to train on (every target is padding)")
+            weights = [u / global_units * self.loss_scale.value for u in units]
+            targets_mb = [self._to_device(t) for t in targets_mb]
+
+        if self.fwd_in is not None:
+            self.fwd_in.expect(sum(a.kind == Kind.RECV_FWD for a in actions))
+        if self.bwd_in is not None:
+            self.bwd_in.expect(sum(a.kind == Kind.RECV_BWD for a in actions))
+
+        received: dict[int, tuple[list[torch.Tensor | None], bool, int]] = {}
+        outgoing: dict[int, tuple[list[torch.Tensor | None], bool, int]] = {}
+        grads_in: dict[int, list[torch.Tensor | None]] = {}
+        grads_out: dict[int, list[torch.Tensor | None]] = {}
+        losses: list[torch.Tensor] = []
+        for action in actions:
+            mb, kind = action.microbatch, action.kind
+            self.timeline.begin(action)
+            if kind == Kind.RECV_FWD:
+                assert self.fwd_in is not None
+                header, tensors = self.fwd_in.take(mb)
+                if header.chunks != chunks:
+                    raise RuntimeError(f"stage {layout.stage} runs {chunks} micro-batches but the previous "
+                                       f"stage runs {header.chunks}")
+                received[mb] = (tensors, header.bare, header.offset)
+            elif kind == Kind.FWD:
+                if layout.is_first:
+                    tensors, bare = as_tensors(feed[mb])
+                    offset = offsets[mb]
+                else:
+                    tensors, bare, offset = received.pop(mb)
+                out, out_bare = self.stage.forward(
+                    mb, tensors, bare, offset, mb in remat,
+                    targets_mb[mb] if layout.is_last else None, weights[mb] if layout.is_last else 0.0)
+                if layout.is_last:
+                    losses.append(out[0])  # type: ignore[arg-type]
+                else:
+                    outgoing[mb] = (out, out_bare, offset)
+            elif kind == Kind.SEND_FWD:
+                assert self.fwd_out is not None
+                out, out_bare, offset = outgoing.pop(mb)
+                self.fwd_out.send(mb, chunks, offset, out, out_bare, differentiable=True)
+            elif kind == Kind.RECOMPUTE:
+                self.stage.recompute(mb)
+            elif kind == Kind.RECV_BWD:
+                assert self.bwd_in is not None
+                grads_in[mb] = self.bwd_in.take(mb)[1]
+            elif kind == Kind.BWD:
+                grads_out[mb] = self.stage.backward(mb, None if layout.is_last else grads_in.pop(mb))
+                if layout.is_first:
+                    grads_out.pop(mb)
+            elif kind == Kind.SEND_BWD:
+                assert self.bwd_out is not None
+                self.bwd_out.send(mb, chunks, 0, grads_out.pop(mb))
+            self.timeline.end()
+        for channel in (self.fwd_out, self.bwd_out):
+            if channel is not None:
+                channel.flush()
+
+        norm, finite = self._finish_gradients(max_grad_norm)
+        loss = float(torch.stack(losses).sum()) / self.loss_scale.value if losses else None
+        self.loss_scale.update(finite)
+        step_time = self.timeline.now()
+        events = self.timeline.events()
+        mine = stats.StageStats(layout.stage, layout.replica, step_time, self.timeline.busy(events),
+                                self.stage.meter.peak, memory.peak_rss_bytes(), memory.cuda_peak_bytes(self.device))
+        gathered = stats.gather(mine, loss or 0.0, int(examples), units_total, norm,
+                                sched.theoretical_bubble(layout.stages, chunks), self.topology.transport.control,
+                                events if trace else None)
+        if gathered is not None and loss is None:
+            loss = gathered.loss
+        return StepResult(loss=loss, grad_norm=norm, skipped=not finite, stats=gathered)
+
+    def _finish_gradients(self, max_grad_norm: float | None) -> tuple[float, bool]:
+        """Sum over replicas and shared copies, unscale, take the global norm and clip."""
+        grads.all_reduce_replicas(self.params, self.topology.replica_group, self.staging)
+        grads.sum_shared(self.shared, self.staging)
+        if self.loss_scale.enabled:
+            grads.scale_(self.params, 1.0 / self.loss_scale.value)
+        norm = grads.global_norm(self.params, self._norm_exclude, self.topology.pipeline_group,
+                                 self.staging, self.device)
+        finite = math.isfinite(norm)
+        if finite and max_grad_norm is not None and norm > max_grad_norm:
+            grads.scale_(self.params, max_grad_norm / (norm + 1e-6))
+        grads.commit_batchnorms(self.batchnorms, self.topology.replica_group, self.staging)
+        return norm, finite
+
+    # ----------------------------------------------------------------- evaluation
+
+    def evaluate(self, inputs: Any = None, targets: torch.Tensor | None = None, *, microbatches: int,
+                 metrics: Metrics | None = None, return_outputs: bool = False) -> EvalResult:
+        """A no-grad forward of one batch; loss and metric sums over all replicas, outputs on rank 0.
+
+        A batch smaller than `microbatches` runs with one example per micro-batch.
+        """
+        layout = self.layout
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            chunks, first_message = self._eval_chunks(inputs, targets, microbatches)
+            feed, offsets = [], []
+            if layout.is_first:
+                feed = microbatch.scatter(self._to_device(inputs), chunks)
+                offsets = microbatch.offsets(microbatch.sizes(microbatch.batch_size(inputs), chunks))
+            targets_mb = microbatch.scatter(targets, chunks) if layout.is_last and targets is not None else []
+            loss_sum = units_sum = 0.0
+            sums: dict[str, float] = {}
+            outputs: list[Any] = []
+            for action in sched.forward_only(layout.stage, layout.stages, chunks):
+                mb = action.microbatch
+                if action.kind == Kind.RECV_FWD:
+                    assert self.fwd_in is not None
+                    first_message = first_message if mb == 0 else self.fwd_in.take(mb)
+                    continue
+                if action.kind == Kind.SEND_FWD:
+                    continue
+                if layout.is_first:
+                    tensors, bare = as_tensors(feed[mb])
+                    offset = offsets[mb]
+                else:
+                    assert first_message is not None
+                    header, tensors = first_message
+                    bare, offset = header.bare, header.offset
+                out = self.stage.evaluate(tensors, bare, offset)
+                if not layout.is_last:
+                    assert self.fwd_out is not None
+                    sent, sent_bare = as_tensors(out)
+                    self.fwd_out.send(mb, chunks, offset, sent, sent_bare)
+                    continue
+                if targets_mb:
+                    target = self._to_device(targets_mb[mb])
+                    n = self._count_units(targets_mb[mb])
+                    assert self.stage.loss is not None
+                    loss_sum += float(self.stage.loss(out, target)) * n
+                    units_sum += n
+                    for key, value in (metrics(out, target) if metrics else {}).items():
+                        sums[key] = sums.get(key, 0.0) + float(value)
+                if return_outputs:
+                    outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)
+            if self.fwd_out is not None:
+                self.fwd_out.flush()
+            return self._eval_result(loss_sum, units_sum, sums, outputs, chunks, return_outputs)
+        finally:
+            self.module.train(was_training)
+
+    def _eval_chunks(self, inputs: Any, targets: torch.Tensor | None, microbatches: int) -> tuple[int, Any]:
+        """How many micro-batches this evaluation runs; non-first stages learn it from the first message."""
+        if self.layout.is_first:
+            return min(microbatches, microbatch.batch_size(inputs)), None
+        assert self.fwd_in is not None
+        self.fwd_in.expect(1)
+        first = self.fwd_in.take(0)
+        chunks = first[0].chunks
+        self.fwd_in.expect(chunks - 1)
+        return chunks, first
+
+    def _eval_result(self, loss_sum: float, units_sum: float, sums: dict[str, float], outputs: list[Any],
+                     chunks: int, return_outputs: bool) -> EvalResult:
+        layout = self.layout
+        keys = sorted(sums)
+        if layout.is_last:
+            totals = self._sum_over_last_stages([loss_sum, units_sum, *(sums[k] for k in keys)])
+            loss_sum, units_sum = totals[0], totals[1]
+            sums = dict(zip(keys, totals[2:]))
+        result = EvalResult(loss=loss_sum / units_sum if units_sum else float("nan"), units=units_sum,
+                            metrics=sums)
+        gathered = microbatch.gather(outputs) if return_outputs and outputs else None
+        if self.topology.distributed:
+            box = [result]
+            dist.broadcast_object_list(box, src=layout.rank_of(layout.stages - 1, 0),
+                                       group=self.topology.transport.control)
+            result = box[0]
+            if return_outputs and self.result_out is not None and gathered is not None:
+                tensors, bare = as_tensors(gathered)
+                self.result_out.send(0, 1, 0, [t.cpu() for t in tensors], bare)
+                self.result_out.flush()
+            if return_outputs and self.result_in is not None:
+                self.result_in.expect(1)
+                header, tensors = self.result_in.take(0)
+                gathered = tensors[0] if header.bare else tuple(tensors)
+        if return_outputs and layout.rank == 0:
+            result.outputs = gathered
+        return result
+
+    # ----------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters and buffers, keyed by global layer index ("<layer>.<name>")."""
+        return self.module.state_dict(keep_vars=False)
+
+    def close(self) -> None:
+        """Stop the receiving threads."""
+        for channel in (self.fwd_in, self.bwd_in, self.result_in):
+            if channel is not None:
+                channel.close()

@@ -1,0 +1,106 @@
+"""Exact accounting of the activation memory a stage holds, through autograd's saved-tensor hooks.
+
+Every tensor autograd saves for backward, and every tensor the stage stores itself (boundary inputs
+kept for recomputation, outputs kept for backward), is counted once per storage while it is alive.
+Parameters are not activations and are never counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+
+class _Held:
+    """A counted tensor; dropping the last reference uncounts it."""
+
+    __slots__ = ("meter", "tensor", "key")
+
+    def __init__(self, meter: ActivationMeter, tensor: torch.Tensor, key: int) -> None:
+        self.meter, self.tensor, self.key = meter, tensor, key
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+class ActivationMeter:
+    """Live and peak bytes of stored activations, deduplicated by storage."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor] = ()) -> None:
+        self._excluded = {p.untyped_storage().data_ptr() for p in parameters}
+        self._live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
+        self.current = 0
+        self.peak = 0
+
+    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Never count these tensors' storages (parameters, buffers)."""
+        self._excluded.update(t.untyped_storage().data_ptr() for t in tensors)
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is held now."""
+        self.peak = self.current
+
+    def hold(self, tensor: torch.Tensor) -> Any:
+        """Count `tensor` until the returned handle is dropped (returns the tensor when not countable)."""
+        if tensor.device.type == "meta" or tensor.is_sparse:
+            return tensor
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._excluded or key == 0:
+            return tensor
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = [1, storage.nbytes()]
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+        else:
+            entry[0] += 1
+        return _Held(self, tensor, key)
+
+    def _release(self, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._live[key]
+            self.current -= entry[1]
+
+    @contextlib.contextmanager
+    def saved_tensors(self) -> Iterator[None]:
+        """Count every tensor autograd saves for backward inside this block."""
+        def pack(t: torch.Tensor) -> Any:
+            return self.hold(t)
+
+        def unpack(handle: Any) -> torch.Tensor:
+            return handle.tensor if isinstance(handle, _Held) else handle
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+
+def held(handles: Iterable[Any]) -> list[torch.Tensor | None]:
+    """The tensors behind handles returned by `ActivationMeter.hold`."""
+    return [h.tensor if isinstance(h, _Held) else h for h in handles]
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def cuda_peak_bytes(device: torch.device) -> int:
+    """The CUDA allocator's peak since the last reset (0 off CUDA)."""
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
+
+
+def reset_cuda_peak(device: torch.device) -> None:
+    """Start a new CUDA allocator peak."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)

@@ -1,0 +1,55 @@
+"""Scatter a mini-batch into M micro-batches along dim 0, and gather outputs back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+Batch = Any  # a tensor or a tuple/list of tensors
+
+
+def batch_size(batch: Batch) -> int:
+    """The number of examples (dim 0) of a tensor or of the first tensor of a tuple."""
+    first = batch if isinstance(batch, torch.Tensor) else batch[0]
+    return int(first.shape[0])
+
+
+def sizes(examples: int, chunks: int) -> list[int]:
+    """How many examples each of `chunks` micro-batches gets (the first ones get one more)."""
+    if chunks < 1:
+        raise ValueError(f"microbatches must be >= 1 (got {chunks})")
+    if examples < chunks:
+        raise ValueError(f"a mini-batch of {examples} examples cannot be split into {chunks} "
+                         f"micro-batches: microbatches must be <= the batch size")
+    base, extra = divmod(examples, chunks)
+    return [base + (i < extra) for i in range(chunks)]
+
+
+def scatter(batch: Batch, chunks: int) -> list[Batch]:
+    """Split a batch into `chunks` micro-batches; uneven sizes are allowed."""
+    n = batch_size(batch)
+    split = sizes(n, chunks)
+    if isinstance(batch, torch.Tensor):
+        return list(batch.split(split))
+    parts = [t.split(split) if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == n
+             else [t] * chunks for t in batch]
+    return [tuple(p[i] for p in parts) for i in range(chunks)]
+
+
+def gather(outputs: Sequence[Batch]) -> Batch:
+    """Concatenate micro-batch outputs back into one batch."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(outputs))
+    return tuple(torch.cat([o[i] for o in outputs]) for i in range(len(first)))
+
+
+def offsets(split: Sequence[int], start: int = 0) -> list[int]:
+    """The global index of each micro-batch's first example."""
+    out, at = [], start
+    for size in split:
+        out.append(at)
+        at += size
+    return out

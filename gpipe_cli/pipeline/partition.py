@@ -1,0 +1,92 @@
+"""Cut a sequence of layers into K contiguous stages: explicit balances and the optimal min-max split."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Sequence
+
+
+class PartitionError(ValueError):
+    """A balance that cannot describe a K-stage split of these layers."""
+
+
+def check_balance(balance: Sequence[int], num_layers: int, partitions: int | None = None) -> list[int]:
+    """Validate an explicit balance (layers per stage) and return it as a list."""
+    balance = list(balance)
+    if partitions is not None and len(balance) != partitions:
+        raise PartitionError(f"balance {balance} has {len(balance)} stages but {partitions} partitions "
+                             f"were asked for")
+    if not balance:
+        raise PartitionError("balance is empty: give the number of layers of each stage")
+    bad = [b for b in balance if not isinstance(b, int) or b < 1]
+    if bad:
+        raise PartitionError(f"balance {balance} has a non-positive entry {bad[0]}: every stage needs at "
+                             f"least one layer")
+    if sum(balance) != num_layers:
+        raise PartitionError(f"balance {balance} sums to {sum(balance)} but the model has {num_layers} "
+                             f"layers")
+    return balance
+
+
+def check_partitions(num_layers: int, partitions: int) -> None:
+    """Refuse K < 1 and K larger than the number of layers."""
+    if partitions < 1:
+        raise PartitionError(f"partitions must be >= 1 (got {partitions})")
+    if partitions > num_layers:
+        raise PartitionError(f"cannot cut {num_layers} layers into {partitions} partitions: "
+                             f"partitions must be <= {num_layers}")
+
+
+def balance_by_cost(costs: Sequence[float], partitions: int) -> list[int]:
+    """The contiguous K-way split minimising the largest stage cost (exact, O(K·L·log L)).
+
+    best[k][j] is the smallest possible maximum stage cost when the first j layers form k stages.
+    best[k-1][i] grows with i while the cost of layers i..j shrinks, so the optimal cut is where
+    the two cross, found by bisection. Ties are broken towards later cuts, so earlier stages never
+    end up with more cost than needed.
+    """
+    check_partitions(len(costs), partitions)
+    if any(c < 0 for c in costs):
+        raise PartitionError("layer costs must be non-negative")
+    n = len(costs)
+    prefix = [0.0, *itertools.accumulate(float(c) for c in costs)]
+    best = [prefix[:]]  # one stage: everything so far
+    cut: list[list[int]] = [[0] * (n + 1)]
+    for k in range(2, partitions + 1):
+        row, cuts = [float("inf")] * (n + 1), [0] * (n + 1)
+        prev = best[-1]
+        for j in range(k, n + 1):
+            lo, hi = k - 1, j - 1  # the last stage is layers i..j-1, i in [k-1, j-1]
+            # first i where the previous stages cost at least as much as the last one
+            keys = range(lo, hi + 1)
+            pos = lo + bisect.bisect_left(keys, True, key=lambda i: prev[i] >= prefix[j] - prefix[i])
+            for i in (pos - 1, pos):
+                if lo <= i <= hi:
+                    value = max(prev[i], prefix[j] - prefix[i])
+                    if value < row[j] or (value == row[j] and i > cuts[j]):
+                        row[j], cuts[j] = value, i
+        best.append(row)
+        cut.append(cuts)
+    bounds, j = [n], n
+    for k in range(partitions, 1, -1):
+        j = cut[k - 1][j]
+        bounds.append(j)
+    bounds.append(0)
+    bounds.reverse()
+    return [bounds[s + 1] - bounds[s] for s in range(partitions)]
+
+
+def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
+    """The summed cost of each stage under a balance."""
+    out, start = [], 0
+    for size in balance:
+        out.append(float(sum(costs[start:start + size])))
+        start += size
+    return out
+
+
+def stage_ranges(balance: Sequence[int]) -> list[range]:
+    """The global layer indices of each stage."""
+    bounds = [0, *itertools.accumulate(balance)]
+    return [range(bounds[s], bounds[s + 1]) for s in range(len(balance))]

@@ -1,0 +1,136 @@
+"""One stage's compute for each micro-batch: forward, recompute and backward, with rematerialization.
+
+A rematerialised micro-batch runs its forward without building a graph and keeps only its boundary
+input and the RNG state; its recompute restores that state (identical dropout masks) and rebuilds the
+graph just before the backward. Other micro-batches keep their graph from the forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpipe_cli.pipeline import context
+from gpipe_cli.pipeline.memory import ActivationMeter, held
+
+Loss = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def as_tensors(value: Any) -> tuple[list[torch.Tensor | None], bool]:
+    """A layer's output as a list of tensors, and whether it was a bare tensor."""
+    if isinstance(value, torch.Tensor):
+        return [value], True
+    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) or v is None for v in value):
+        return list(value), False
+    raise TypeError(f"a pipeline layer must return a tensor or a tuple of tensors (got {type(value).__name__})")
+
+
+def from_tensors(tensors: Sequence[torch.Tensor | None], bare: bool) -> Any:
+    """The inverse of `as_tensors`: what the next layer is given."""
+    return tensors[0] if bare else tuple(tensors)
+
+
+@dataclass
+class _State:
+    inputs: list[Any]                  # meter handles of the boundary input
+    bare: bool
+    offset: int
+    rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    outputs: list[Any] | None = None   # handles of the outputs with their graph
+    target: torch.Tensor | None = None
+    weight: float = 0.0
+
+
+class Stage:
+    """The layers of one stage and the per-micro-batch state of the running step."""
+
+    def __init__(self, module: nn.Module, device: torch.device, loss: Loss | None = None,
+                 meter: ActivationMeter | None = None, autocast: torch.dtype | None = None) -> None:
+        self.module, self.device, self.loss = module, device, loss
+        self.meter = meter or ActivationMeter(module.parameters())
+        self.autocast = autocast
+        self.step = 0
+        self._states: dict[int, _State] = {}
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches whose backward has not run yet."""
+        return len(self._states)
+
+    def clear(self) -> None:
+        """Drop every stored micro-batch (after a failed or evaluation step)."""
+        self._states.clear()
+
+    @contextlib.contextmanager
+    def _running(self, offset: int, recomputing: bool) -> Iterator[None]:
+        autocast = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None
+                    else contextlib.nullcontext())
+        with context.microbatch(self.step, offset, recomputing), autocast:
+            yield
+
+    def _run(self, inputs: Sequence[torch.Tensor | None], bare: bool, state: _State | None) -> Any:
+        x = from_tensors(inputs, bare)
+        for layer in self.module.children():
+            x = layer(x)
+        if self.loss is not None and state is not None:
+            return self.loss(x, state.target) * state.weight
+        return x
+
+    def forward(self, mb: int, inputs: Sequence[torch.Tensor | None], bare: bool, offset: int, remat: bool,
+                target: torch.Tensor | None = None, weight: float = 0.0) -> tuple[list[torch.Tensor | None], bool]:
+        """Run micro-batch `mb`; return what to send on (the last stage: its weighted loss)."""
+        state = _State([self.meter.hold(t) if t is not None else None for t in inputs], bare, offset,
+                       target=target, weight=weight)
+        if remat:
+            state.rng = (torch.get_rng_state(),
+                         torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
+            with torch.no_grad(), self._running(offset, recomputing=False):
+                out = self._run(inputs, bare, state)
+        else:
+            with self.meter.saved_tensors(), self._running(offset, recomputing=False):
+                out = self._run(inputs, bare, state)
+        tensors, out_bare = as_tensors(out)
+        if not remat:
+            state.outputs = [self.meter.hold(t) if t is not None else None for t in tensors]
+        self._states[mb] = state
+        return [None if t is None else t.detach() for t in tensors], out_bare
+
+    def recompute(self, mb: int) -> None:
+        """Rebuild micro-batch `mb`'s graph from its stored input, with the forward's RNG state."""
+        state = self._states[mb]
+        assert state.rng is not None, f"micro-batch {mb} was not rematerialised"
+        cpu_rng, cuda_rng = state.rng
+        devices = [self.device] if cuda_rng is not None else []
+        with torch.random.fork_rng(devices=devices), self.meter.saved_tensors(), \
+                self._running(state.offset, recomputing=True):
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, self.device)
+            out = self._run(held(state.inputs), state.bare, state)
+        state.outputs = [self.meter.hold(t) if t is not None else None for t in as_tensors(out)[0]]
+
+    def backward(self, mb: int, grads: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
+        """Backpropagate micro-batch `mb` (the last stage from its loss); return its input gradients."""
+        state = self._states.pop(mb)
+        assert state.outputs is not None, f"micro-batch {mb} has no graph: recompute it first"
+        outputs = held(state.outputs)
+        if grads is None:  # the last stage: the output is the weighted loss
+            roots = [(o, None) for o in outputs if o is not None and o.requires_grad]
+        else:
+            roots = [(o, g) for o, g in zip(outputs, grads)
+                     if o is not None and g is not None and o.requires_grad]
+        if roots:
+            with self.meter.saved_tensors():
+                torch.autograd.backward([o for o, _ in roots], [g for _, g in roots])
+        inputs = held(state.inputs)
+        return [t.grad if t is not None and t.requires_grad else None for t in inputs]
+
+    def evaluate(self, inputs: Sequence[torch.Tensor | None], bare: bool, offset: int) -> Any:
+        """A no-grad forward of one micro-batch (evaluation)."""
+        with torch.no_grad(), self._running(offset, recomputing=False):
+            return self._run(inputs, bare, None)

@@ -1,0 +1,89 @@
+"""Local image sources: imagefolder (with and without test/) and parquet."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from datagen import COLOURS, data, png_bytes
+
+from gpipe_cli.data import DataError, build_data
+from gpipe_cli.data.augment import MEAN, STD
+from gpipe_cli.data.images import DatasetImages
+
+
+def _build(d, cache_dir: Path, **kw):  # type: ignore[no-untyped-def]
+    return build_data(d, "image", seed=0, image_size=32, num_classes=kw.pop("num_classes", 4), cache_dir=cache_dir,
+                      **kw)
+
+
+def test_imagefolder_with_test_split(imagefolder: Callable[..., Path], cache_dir: Path) -> None:
+    root = imagefolder(classes=3, per_class=6, test=True)
+    ds = _build(data(source="imagefolder", path=str(root), batch_size=4), cache_dir)
+    assert ds.train_size == 18 and ds.eval_size == 6 and ds.steps_per_epoch() == 4
+    b = next(ds.train_batches())
+    assert b.inputs.shape == (4, 3, 32, 32) and b.inputs.dtype == torch.float32 and b.targets.dtype == torch.int64
+    labels = sorted(int(t) for e in ds.eval_batches() for t in e.targets)
+    assert labels == [0, 0, 1, 1, 2, 2]
+    # Eval images are the deterministic transform: class colour survives, normalised per channel.
+    e = next(ds.eval_batches())
+    pixel = e.inputs[0].mean((1, 2)) * torch.tensor(STD) + torch.tensor(MEAN)
+    assert torch.allclose(pixel * 255, torch.tensor(COLOURS[int(e.targets[0])], dtype=torch.float32), atol=12)
+
+
+def test_imagefolder_without_test_holds_out_a_fraction(imagefolder: Callable[..., Path], cache_dir: Path) -> None:
+    root = imagefolder(classes=2, per_class=10, test=False)
+    d = data(source="imagefolder", path=str(root), eval_fraction=0.2, batch_size=4)
+    ds = _build(d, cache_dir)
+    assert ds.train_size == 16 and ds.eval_size == 4
+    again = _build(d, cache_dir)
+    assert [e.ids for e in ds.eval_batches()] == [e.ids for e in again.eval_batches()]
+    train_rows = set(ds.train.source.rows.tolist())
+    assert not train_rows & set(ds.eval.source.rows.tolist())
+
+
+def test_last_stage_does_not_decode_images(imagefolder: Callable[..., Path], cache_dir: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = _build(data(source="imagefolder", path=str(imagefolder()), batch_size=4), cache_dir)
+    full = list(ds.train_batches(epoch=0))
+
+    def boom(self: DatasetImages, i: int) -> torch.Tensor:
+        raise AssertionError("decoded an image")
+
+    monkeypatch.setattr(DatasetImages, "load", boom)
+    targets_only = list(ds.train_batches(epoch=0, need_inputs=False))
+    assert all(b.inputs is None and torch.equal(b.targets, f.targets) for b, f in zip(targets_only, full))
+
+
+def test_labels_beyond_num_classes_are_an_error(imagefolder: Callable[..., Path], cache_dir: Path) -> None:
+    with pytest.raises(DataError, match="num_classes"):
+        _build(data(source="imagefolder", path=str(imagefolder(classes=3))), cache_dir, num_classes=2)
+
+
+@pytest.mark.parametrize("layout", ["struct", "bytes"])
+def test_parquet_images(tmp_path: Path, cache_dir: Path, layout: str) -> None:
+    imgs = [png_bytes(COLOURS[i % 3], 40, seed=i) for i in range(12)]
+    column = pa.array([{"bytes": b, "path": None} for b in imgs]) if layout == "struct" else pa.array(imgs)
+    folder = tmp_path / "pq"
+    folder.mkdir()
+    pq.write_table(pa.table({"img": column, "y": [i % 3 for i in range(12)]}), folder / "train-00000.parquet")
+    pq.write_table(pa.table({"img": column.slice(0, 3), "y": [0, 1, 2]}), folder / "test-00000.parquet")
+    d = data(source="parquet", path=str(folder), image_field="img", label_field="y", batch_size=4)
+    ds = _build(d, cache_dir, num_classes=3)
+    assert ds.train_size == 12 and ds.eval_size == 3
+    b = next(ds.train_batches())
+    assert b.inputs.shape == (4, 3, 32, 32)  # 40px images resized to the model's size
+    single = _build(data(source="parquet", path=str(folder / "train-00000.parquet"), image_field="img",
+                         label_field="y", eval_fraction=0.25), cache_dir, num_classes=3)
+    assert (single.train_size, single.eval_size) == (9, 3)
+
+
+def test_parquet_missing_column_names_the_field(tmp_path: Path, cache_dir: Path) -> None:
+    f = tmp_path / "x.parquet"
+    pq.write_table(pa.table({"pixels": [png_bytes(COLOURS[0])], "label": [0]}), f)
+    with pytest.raises(DataError, match="image_field"):
+        _build(data(source="parquet", path=str(f)), cache_dir)

@@ -1,0 +1,156 @@
+"""Determinism, exact resume, data-parallel shards and token-budget batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from datagen import data
+
+from gpipe_cli.data import Batch, build_data
+from gpipe_cli.data.loader import pack_by_budget, shard_bounds
+
+
+def _flat(b: Batch) -> list[torch.Tensor]:
+    ins = b.inputs if isinstance(b.inputs, tuple) else (b.inputs,)
+    return [t for t in (*ins, b.targets) if t is not None]
+
+
+def _same(a: list[Batch], b: list[Batch]) -> bool:
+    return len(a) == len(b) and all(
+        x.index == y.index and x.ids == y.ids and all(torch.equal(p, q) for p, q in zip(_flat(x), _flat(y)))
+        for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def images():  # type: ignore[no-untyped-def]
+    return build_data(data(synthetic_size=40, batch_size=8), "image", seed=3, image_size=32, num_classes=4)
+
+
+@pytest.fixture(scope="module")
+def translation():  # type: ignore[no-untyped-def]
+    return build_data(data(synthetic_size=120, batch_size=8), "translation", seed=3, vocab_size=400, max_len=64)
+
+
+def test_same_seed_same_batches_and_augmentations(images) -> None:  # type: ignore[no-untyped-def]
+    again = build_data(data(synthetic_size=40, batch_size=8), "image", seed=3, image_size=32, num_classes=4)
+    assert _same(list(images.train_batches(epoch=1)), list(again.train_batches(epoch=1)))
+    # The global torch RNG does not leak in: touching it changes nothing.
+    torch.manual_seed(1234)
+    torch.rand(10)
+    assert _same(list(images.train_batches(epoch=1)), list(again.train_batches(epoch=1)))
+
+
+def test_epochs_and_seeds_differ(images) -> None:  # type: ignore[no-untyped-def]
+    e0, e1 = list(images.train_batches(epoch=0)), list(images.train_batches(epoch=1))
+    assert [b.ids for b in e0] != [b.ids for b in e1]
+    assert sorted(i for b in e0 for i in b.ids) == list(range(40))  # every example once per epoch
+    other = build_data(data(synthetic_size=40, batch_size=8), "image", seed=4, image_size=32, num_classes=4)
+    assert [b.ids for b in other.train_batches(epoch=0)] != [b.ids for b in e0]
+    # The same example is augmented differently in different epochs.
+    img0 = images.train.image(5, 0)
+    assert torch.equal(img0, images.train.image(5, 0)) and not torch.equal(img0, images.train.image(5, 1))
+
+
+@pytest.mark.parametrize("name", ["images", "translation"])
+def test_resume_equals_the_tail_of_a_full_epoch(name: str, request: pytest.FixtureRequest) -> None:
+    ds = request.getfixturevalue(name)
+    full = list(ds.train_batches(epoch=2))
+    tail = list(ds.train_batches(epoch=2, start=3))
+    assert _same(full[3:], tail) and [b.index for b in tail] == list(range(3, len(full)))
+    assert list(ds.train_batches(epoch=2, start=len(full))) == []
+    with pytest.raises(ValueError):
+        ds.train_batches(epoch=2, start=len(full) + 1)
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("name", ["images", "translation"])
+def test_shards_concatenate_to_the_global_batch(name: str, replicas: int, request: pytest.FixtureRequest) -> None:
+    ds = request.getfixturevalue(name)
+    whole = list(ds.train_batches(epoch=0))
+    parts = [list(ds.train_batches(epoch=0, shard=(r, replicas))) for r in range(replicas)]
+    for k, g in enumerate(whole):
+        shards = [p[k] for p in parts]
+        assert [s.offset for s in shards] == [sum(x.size for x in shards[:r]) for r in range(replicas)]
+        assert sum(s.size for s in shards) == g.size == shards[0].global_size
+        expect = [list(t) for t in torch.tensor_split(torch.tensor(g.ids), replicas)]
+        assert [s.ids for s in shards] == [[int(i) for i in e] for e in expect]
+        for t_whole, *t_parts in zip(_flat(g), *(_flat(s) for s in shards)):
+            assert torch.equal(torch.cat(t_parts), t_whole)
+        if g.tokens is not None:
+            assert sum(s.tokens for s in shards) == g.tokens == shards[0].global_tokens
+
+
+def test_stages_get_only_what_they_need(translation) -> None:  # type: ignore[no-untyped-def]
+    mid = next(translation.train_batches(need_inputs=False, need_targets=False))
+    last = next(translation.train_batches(need_inputs=False))
+    full = next(translation.train_batches())
+    assert mid.inputs is None and mid.targets is None and mid.size == full.size and mid.tokens == full.tokens
+    assert last.inputs is None and torch.equal(last.targets, full.targets)
+
+
+def test_drop_last_and_steps_per_epoch() -> None:
+    kw = dict(synthetic_size=43, batch_size=8, eval_fraction=0.1)
+    keep = build_data(data(**kw, drop_last=False), "image", seed=0, image_size=32, num_classes=3)
+    drop = build_data(data(**kw, drop_last=True), "image", seed=0, image_size=32, num_classes=3)
+    assert drop.steps_per_epoch() == 5 and keep.steps_per_epoch() == 6
+    assert [b.size for b in keep.train_batches()][-1] == 3
+    # A last batch smaller than min_batch is folded into the previous one instead of starving micro-batches.
+    merged = build_data(data(**kw, drop_last=False), "image", seed=0, image_size=32, num_classes=3, min_batch=4)
+    assert [b.global_size for b in merged.train_batches(need_inputs=False)] == [8, 8, 8, 8, 11]
+    assert sum(b.size for b in keep.eval_batches()) == keep.eval_size == 4
+
+
+def test_unshuffled_order_is_sequential() -> None:
+    ds = build_data(data(synthetic_size=16, batch_size=4, shuffle=False), "image", seed=0, image_size=32,
+                    num_classes=3)
+    assert [b.ids for b in ds.train_batches(epoch=5, need_inputs=False)] == [list(range(i, i + 4))
+                                                                              for i in range(0, 16, 4)]
+
+
+def test_token_budget_batches() -> None:
+    budget = 200
+    ds = build_data(data(synthetic_size=300, tokens_per_batch=budget), "translation", seed=0, vocab_size=400,
+                    max_len=64)
+    steps = ds.steps_per_epoch()
+    lengths = ds.train.lengths
+    for epoch in (0, 1):
+        batches = list(ds.train_batches(epoch=epoch))
+        assert len(batches) == steps
+        sizes = {b.size for b in batches}
+        assert len(sizes) > 1  # length-bucketed: short sentences make bigger batches
+        for b in batches:
+            src, tgt_in = b.inputs
+            assert b.size * max(src.shape[1], tgt_in.shape[1]) <= budget
+            assert max(src.shape[1], tgt_in.shape[1]) == int(lengths[b.ids].max())
+    shapes = {tuple(b.targets.shape) for b in ds.train_batches()}
+    assert len({s[1] for s in shapes}) > 1  # padded per batch, not to a global length
+    assert [b.ids for b in ds.train_batches(epoch=0)] != [b.ids for b in ds.train_batches(epoch=1)]
+    assert sum(b.size for b in ds.eval_batches()) == ds.eval_size
+
+
+def test_pack_by_budget_and_shard_bounds() -> None:
+    assert pack_by_budget(np.array([1, 2, 2, 3, 5, 9]), budget=6, min_batch=1) == [(0, 3), (3, 4), (4, 5), (5, 6)]
+    assert pack_by_budget(np.array([9, 9]), budget=6, min_batch=2) == [(0, 2)]
+    for n in range(0, 9):
+        for r in range(1, 5):
+            cuts = [shard_bounds(n, i, r) for i in range(r)]
+            assert [hi - lo for lo, hi in cuts] == [len(t) for t in torch.tensor_split(torch.arange(n), r)]
+    with pytest.raises(ValueError):
+        shard_bounds(4, 2, 2)
+
+
+def test_eval_batches_limit_and_shards(translation) -> None:  # type: ignore[no-untyped-def]
+    all_eval = list(translation.eval_batches())
+    assert len(list(translation.eval_batches(limit=1))) == 1 == translation.eval_steps(limit=1)
+    parts = [list(translation.eval_batches(shard=(r, 2))) for r in range(2)]
+    assert [a.ids + b.ids for a, b in zip(*parts)] == [b.ids for b in all_eval]
+    refs = [r for b in all_eval for r in b.references]
+    assert len(refs) == translation.eval_size
+
+
+def test_worker_processes_give_the_same_batches() -> None:
+    kw = dict(synthetic_size=24, batch_size=8)
+    inline = build_data(data(**kw), "image", seed=0, image_size=32, num_classes=3)
+    workers = build_data(data(**kw), "image", seed=0, image_size=32, num_classes=3, workers=2)
+    assert _same(list(inline.train_batches(epoch=1, start=1)), list(workers.train_batches(epoch=1, start=1)))

@@ -1,0 +1,118 @@
+"""Local text sources: jsonl and tsv parallel text, plain text and parquet for language modelling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from datagen import data, pairs, write_jsonl
+
+from gpipe_cli.data import PAD, DataError, build_data
+
+
+def _translation(d, tmp_path: Path, **kw):  # type: ignore[no-untyped-def]
+    return build_data(d, "translation", seed=0, vocab_size=kw.pop("vocab_size", 200), max_len=kw.pop("max_len", 64),
+                      run_dir=tmp_path / "run", cache_dir=tmp_path / "hf-cache", **kw)
+
+
+def _decoded_pairs(ds) -> set[tuple[str, str]]:  # type: ignore[no-untyped-def]
+    out = set()
+    for b in ds.train_batches(epoch=0):
+        for s, t in zip(b.inputs[0], b.targets):
+            out.add((ds.tokenizer.decode(s), ds.tokenizer.decode(t)))
+    return out
+
+
+def test_jsonl_flat_fields(tmp_path: Path) -> None:
+    p = pairs(60)
+    f = write_jsonl(tmp_path / "train.jsonl", [{"en": s, "de": t} for s, t in p])
+    ds = _translation(data(source="jsonl", path=str(f), source_field="en", target_field="de", drop_last=False,
+                           eval_fraction=0.1), tmp_path)
+    assert ds.train_size == 54 and ds.eval_size == 6
+    assert _decoded_pairs(ds) <= set(p) and len(_decoded_pairs(ds)) == 54
+
+
+def test_jsonl_nested_translation_and_split_files(tmp_path: Path) -> None:
+    p = pairs(50)
+    write_jsonl(tmp_path / "corpus" / "train.jsonl", [{"translation": {"en": s, "de": t}} for s, t in p[:40]])
+    write_jsonl(tmp_path / "corpus" / "valid.jsonl", [{"translation": {"en": s, "de": t}} for s, t in p[40:]])
+    ds = _translation(data(source="jsonl", path=str(tmp_path / "corpus"), source_field="en", target_field="de"),
+                      tmp_path)
+    assert ds.train_size == 40 and ds.eval_size == 10
+    refs = [r for b in ds.eval_batches() for r in b.references]
+    assert refs == [t for _, t in p[40:]]
+
+
+def test_jsonl_wrong_language_names_the_choice(tmp_path: Path) -> None:
+    f = write_jsonl(tmp_path / "t.jsonl", [{"translation": {"en": "one", "fr": "un"}}])
+    with pytest.raises(DataError, match="languages en, fr"):
+        _translation(data(source="jsonl", path=str(f), source_field="en", target_field="de"), tmp_path)
+
+
+@pytest.mark.parametrize("header", [False, True])
+def test_tsv(tmp_path: Path, header: bool) -> None:
+    p = pairs(40)
+    lines = (["target\tsource"] if header else []) + [(f"{t}\t{s}" if header else f"{s}\t{t}") for s, t in p]
+    f = tmp_path / "train.tsv"
+    f.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    ds = _translation(data(source="tsv", path=str(f), eval_fraction=0.0, drop_last=False), tmp_path)
+    assert ds.train_size == 40 and ds.eval_size == 0 and list(ds.eval_batches()) == []
+    assert _decoded_pairs(ds) == set(p)
+
+
+def test_long_pairs_are_dropped_from_training(tmp_path: Path) -> None:
+    p = pairs(30) + [("one " * 80, "eins " * 80)]
+    f = tmp_path / "train.tsv"
+    f.write_text("".join(f"{s}\t{t}\n" for s, t in p), encoding="utf-8")
+    ds = _translation(data(source="tsv", path=str(f), eval_fraction=0.0), tmp_path, max_len=16)
+    assert ds.train_size == 30
+    assert all(b.targets.shape[1] <= 16 for b in ds.train_batches())
+
+
+def test_plain_text_lm(tmp_path: Path) -> None:
+    lines = [f"line {i} says {' '.join(['hello'] * (i % 7))} world ." for i in range(200)]
+    f = tmp_path / "corpus.txt"
+    f.write_text("\n".join(lines) + "\n\n", encoding="utf-8")
+    ds = build_data(data(source="text", path=str(f), seq_len=16, drop_last=False), "lm", seed=0, vocab_size=100,
+                    max_len=32, run_dir=None)
+    batches = list(ds.train_batches())
+    total = sum(b.tokens for b in batches) + sum(b.tokens for b in ds.eval_batches())
+    stream = len(ds.train.stream) + len(ds.eval.stream)
+    assert total == stream - 2  # every token but the first of each split is a target once
+    assert all(b.inputs.shape[1] <= 16 for b in batches)
+    # The one short window is padded with 0, and inputs/targets stay aligned.
+    for b in batches:
+        assert torch.equal(b.inputs[:, 1:] != PAD, b.targets[:, :-1] != PAD)
+
+
+def test_jsonl_and_tsv_lm(tmp_path: Path) -> None:
+    docs = [f"document {i} has some words in it ." for i in range(80)]
+    f = write_jsonl(tmp_path / "d.jsonl", [{"body": d} for d in docs])
+    ds = build_data(data(source="jsonl", path=str(f), text_field="body", seq_len=8), "lm", seed=0, vocab_size=100,
+                    max_len=8)
+    assert ds.steps_per_epoch() > 0 and next(ds.train_batches()).inputs.shape == (8, 8)
+    t = tmp_path / "d.tsv"
+    t.write_text("id\tbody\n" + "".join(f"{i}\t{d}\n" for i, d in enumerate(docs)), encoding="utf-8")
+    ds2 = build_data(data(source="tsv", path=str(t), text_field="body", seq_len=8), "lm", seed=0, vocab_size=100,
+                     max_len=8)
+    assert ds2.tokenizer.decode(ds2.train.stream[:12].tolist()).startswith("document 0 has")  # type: ignore[union-attr]
+
+
+def test_parquet_text(tmp_path: Path) -> None:
+    p = pairs(40)
+    f = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"source": [s for s, _ in p], "target": [t for _, t in p]}), f)
+    ds = _translation(data(source="parquet", path=str(f), eval_fraction=0.25), tmp_path)
+    assert (ds.train_size, ds.eval_size) == (30, 10)
+    nested = tmp_path / "nested.parquet"
+    pq.write_table(pa.table({"translation": [{"de": t, "en": s} for s, t in p]}), nested)
+    ds2 = _translation(data(source="parquet", path=str(nested), source_field="en", target_field="de"), tmp_path)
+    assert ds2.train_size + ds2.eval_size == 40
+    lm = tmp_path / "lm.parquet"
+    pq.write_table(pa.table({"text": [s for s, _ in p]}), lm)
+    ds3 = build_data(data(source="parquet", path=str(lm), seq_len=8), "lm", seed=0, vocab_size=100, max_len=8,
+                     cache_dir=tmp_path / "hf-cache")
+    assert ds3.train_size > 0

@@ -1,0 +1,64 @@
+"""describe(): per-layer parameters, FLOPs and cut sizes on the meta device, for any ModelSpec."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpipe_cli.models import build_model, build_preset, count_parameters, describe, layer_params
+from gpipe_cli.models.describe import LayerCost, ModelSummary
+
+SPECS = {
+    "amoebanet": dict(kind="amoebanet", variant="d", layers=6, filters=16, num_classes=10,
+                      image_size=32, aux_head=True),
+    "translation": dict(kind="transformer", layers=2, d_model=32, ff=64, heads=4, vocab_size=50,
+                        max_len=12, tie_embeddings=True),
+    "lm": dict(kind="transformer", arch="decoder-only", layers=2, d_model=32, ff=64, heads=4,
+               vocab_size=50, max_len=12),
+}
+
+
+@pytest.mark.parametrize("which", list(SPECS))
+def test_every_layer_has_costs(which: str) -> None:
+    params = dict(SPECS[which])
+    spec = build_model(str(params.pop("kind")), **params)
+    summary = describe(spec, batch_size=3)
+    assert isinstance(summary, ModelSummary) and summary.batch_size == 3
+    assert [c.name for c in summary.layers] == spec.layer_names
+    for cost in summary.layers:
+        assert isinstance(cost, LayerCost)
+        assert cost.flops > 0, cost.name
+        assert cost.activation_bytes > 0, cost.name
+        assert all(shape[0] == 3 for shape in cost.output_shapes), cost.name
+    assert summary.total_flops == sum(c.flops for c in summary.layers)
+    assert summary.total_params == count_parameters(spec)
+    assert [c.params for c in summary.layers] == layer_params(spec)
+    assert summary.cut_bytes(-1) == summary.input_bytes > 0
+
+
+def test_costs_match_a_real_forward() -> None:
+    spec = build_model("transformer", arch="decoder-only", layers=1, d_model=16, ff=32, heads=2,
+                       vocab_size=20, max_len=8)
+    summary = describe(spec, batch_size=2)
+    # Embedding output: states [8, 16] float32 plus the keep mask [8] bool, per example.
+    assert summary.layers[0].activation_bytes == 8 * 16 * 4 + 8
+    assert summary.layers[-1].activation_bytes == 8 * 20 * 4
+    # The softmax projection alone is 2 * T * d * V FLOPs per example.
+    assert summary.layers[-1].flops >= 2 * 8 * 16 * 20
+    per_example = describe(spec, batch_size=5).layers[1].flops
+    assert per_example == summary.layers[1].flops
+
+
+def test_custom_inputs_change_the_estimate() -> None:
+    spec = build_model("amoebanet", variant="b", layers=3, filters=8, num_classes=10, image_size=32)
+    small = describe(spec, batch_size=2)
+    large = describe(spec, inputs=torch.empty(2, 3, 64, 64, device="meta"))
+    assert large.total_flops > 3 * small.total_flops
+    assert large.total_params == small.total_params
+
+
+def test_huge_models_are_described_without_allocating() -> None:
+    summary = describe(build_preset("transformer-l-103", max_len=32), batch_size=1)
+    assert summary.total_params > 5e9
+    assert summary.layers[1].activation_bytes == 32 * 2048 * 4 + 32
+    assert summary.stage_params(0, 1) == 32000 * 2048

@@ -1,0 +1,59 @@
+"""The registry: kinds, presets, overrides and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpipe_cli.models import allowed_params, build_model, build_preset, presets, resolve_preset
+
+REQUIRED_PRESETS = ["amoebanet-d-18-256", "amoebanet-d-18-208", "amoebanet-b-18-512", "transformer-big",
+                    "t-6-8192-16", "transformer-l-3", "transformer-l-13", "transformer-l-103"]
+
+
+def test_required_presets_are_listed_and_resolve() -> None:
+    listed = presets()
+    for name in REQUIRED_PRESETS:
+        assert name in listed
+        kind, params = resolve_preset(name)
+        assert kind == listed[name].kind and params == listed[name].params
+
+
+def test_every_preset_builds() -> None:
+    for name, preset in presets().items():
+        spec = build_preset(name)
+        assert spec.layers and spec.config["kind"] == preset.kind
+
+
+def test_overrides_replace_individual_keys() -> None:
+    kind, params = resolve_preset("amoebanet-d-18-256", num_classes=10, image_size=32)
+    assert kind == "amoebanet"
+    assert params == dict(variant="d", layers=18, filters=256, num_classes=10, image_size=32)
+    spec = build_preset("transformer-l-3", vocab_size=1000)
+    assert spec.config["vocab_size"] == 1000 and spec.config["d_model"] == 2048
+
+
+def test_pattern_names_resolve() -> None:
+    assert resolve_preset("amoebanet-b-6-64") == ("amoebanet", dict(variant="b", layers=6, filters=64))
+    kind, params = resolve_preset("t-2-128-4")
+    assert kind == "transformer" and (params["layers"], params["ff"], params["heads"]) == (2, 128, 4)
+    assert resolve_preset("transformer-l-7")[1]["layers"] == 7
+
+
+def test_defaults_build() -> None:
+    assert build_model("amoebanet").name == "amoebanet-d-18-256"
+    assert build_model("transformer").task == "translation"
+    assert "label_smoothing" in allowed_params("amoebanet")
+    assert "logit_clip" in allowed_params("transformer")
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda: build_model("resnet"), "unknown model kind 'resnet'"),
+    (lambda: build_model("amoebanet", depth=3), "unknown parameter 'depth'"),
+    (lambda: resolve_preset("amoebanet-x"), "unknown model preset 'amoebanet-x'"),
+    (lambda: build_preset("transformer-big", heads=0), "heads"),
+    (lambda: resolve_preset("transformer-big", colour="red"), "unknown parameter 'colour'"),
+    (lambda: build_preset("amoebanet-d-18-256", variant="z"), "variant"),
+])
+def test_bad_names_and_values_raise_value_error(call, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
