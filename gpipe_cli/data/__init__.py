@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from gpipe_cli.data.augment import Backend
 from gpipe_cli.data.bleu import corpus_bleu
 from gpipe_cli.data.loader import Batch, Examples, Loader
 from gpipe_cli.data.tokenizer import BOS, EOS, PAD, UNK, Tokenizer
 from gpipe_cli.errors import DataError
-from gpipe_cli.models.base import Task
 from gpipe_cli.recipe.schema import Data, Recipe
+
+# The same literal as gpipe_cli.models.base.Task, kept here so loading data does not import the model zoo.
+Task = Literal["image", "translation", "lm"]
 
 __all__ = ["BOS", "EOS", "PAD", "UNK", "Batch", "DataError", "Examples", "Loader", "Tokenizer", "build_data",
            "build_data_for", "corpus_bleu", "task_for"]
@@ -33,18 +35,30 @@ def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_
 
         train, evl = image_splits(data, seed=seed, image_size=image_size, num_classes=num_classes,
                                   cache_dir=cache_dir, backend=augment_backend)
-        return Loader(task=task, train=train, eval=evl, tokenizer=None, batch_size=data.batch_size,
-                      tokens_per_batch=None, drop_last=data.drop_last, shuffle=data.shuffle, seed=seed,
-                      min_batch=min_batch, workers=workers, num_classes=num_classes)
+        loader = Loader(task=task, train=train, eval=evl, tokenizer=None, batch_size=data.batch_size,
+                        tokens_per_batch=None, drop_last=data.drop_last, shuffle=data.shuffle, seed=seed,
+                        min_batch=min_batch, workers=workers, num_classes=num_classes)
+        return _non_empty(loader, data)
     if task not in ("translation", "lm"):
         raise ValueError(f"unknown task {task!r}")
     from gpipe_cli.data.text import text_splits
 
     ttrain, tevl, tok = text_splits(data, task, seed=seed, vocab_size=vocab_size, max_len=max_len,
                                     run_dir=run_dir, cache_dir=cache_dir)
-    return Loader(task=task, train=ttrain, eval=tevl, tokenizer=tok, batch_size=data.batch_size,
-                  tokens_per_batch=data.tokens_per_batch, drop_last=data.drop_last, shuffle=data.shuffle,
-                  seed=seed, min_batch=min_batch, workers=workers)
+    loader = Loader(task=task, train=ttrain, eval=tevl, tokenizer=tok, batch_size=data.batch_size,
+                    tokens_per_batch=data.tokens_per_batch, drop_last=data.drop_last, shuffle=data.shuffle,
+                    seed=seed, min_batch=min_batch, workers=workers)
+    return _non_empty(loader, data)
+
+
+def _non_empty(loader: Loader, data: Data) -> Loader:
+    """The loader, unless an epoch would have no batch at all (training would never advance)."""
+    if loader.steps_per_epoch() == 0:
+        size = (f"data.tokens_per_batch ({data.tokens_per_batch})" if data.tokens_per_batch
+                else f"data.batch_size ({data.batch_size})")
+        raise DataError(f"the training split has {loader.train_size} examples, too few for one batch of "
+                        f"{size} with data.drop_last; lower the batch size or set data.drop_last: false")
+    return loader
 
 
 def task_for(model: Any) -> Task:

@@ -141,7 +141,8 @@ class ImageTransform:
                 img = ops.resize(img, (s, s))
             else:
                 short = int(round(s / EVAL_CROP_FRACTION))
-                nh, nw = (short, max(short, int(short * w / h))) if h <= w else (max(short, int(short * h / w)), short)
+                # torchvision's Resize(int): the shorter side becomes `short`, the aspect ratio is kept.
+                nh, nw = (short, int(short * w / h)) if h <= w else (int(short * h / w), short)
                 img = ops.resize(img, (nh, nw))
                 img = ops.crop(img, int(round((nh - s) / 2.0)), int(round((nw - s) / 2.0)), s, s)
             return ops.normalize(img.contiguous())

@@ -91,11 +91,12 @@ def _image_column(ds: Any, wanted: str) -> str:
     found = [c for c, f in ds.features.items() if isinstance(f, datasets.Image)]
     if len(found) == 1:
         return found[0]
-    raise DataError(f"no image column '{wanted}' (columns: {', '.join(ds.column_names)}); set data.image_field")
+    raise DataError(f"no image column '{wanted}' (columns: {', '.join(ds.column_names)}); "
+                    "set data.image_field")
 
 
 def _label_column(ds: Any, wanted: str) -> str:
-    """data.label_field, or the dataset's only ClassLabel column (cifar100 has 'fine_label' and 'coarse_label')."""
+    """data.label_field, or the dataset's only ClassLabel column (imagenet-1k: 'label')."""
     import datasets
 
     if wanted in ds.column_names:
@@ -103,10 +104,12 @@ def _label_column(ds: Any, wanted: str) -> str:
     found = [c for c, f in ds.features.items() if isinstance(f, datasets.ClassLabel)]
     if len(found) == 1:
         return found[0]
-    raise DataError(f"no label column '{wanted}' (columns: {', '.join(ds.column_names)}); set data.label_field")
+    raise DataError(f"no label column '{wanted}' (columns: {', '.join(ds.column_names)}); "
+                    "set data.label_field")
 
 
-def _as_images(ds: Any, image_field: str, label_field: str, where: str) -> tuple[Any, str, np.ndarray, int | None]:
+def _as_images(ds: Any, image_field: str, label_field: str,
+               where: str) -> tuple[Any, str, np.ndarray, int | None]:
     """(dataset with a decodable image column, its name, labels, number of class names if known)."""
     import datasets
 
@@ -152,8 +155,8 @@ def _open(data: Data, cache_dir: Path | None) -> tuple[Any, str]:
         if evl:
             files[data.eval_split or "validation"] = [str(f) for f in evl]
         return load_builder("parquet", f"'{path}'", cache_dir, data_files=files), f"'{path}'"
-    raise DataError(f"data.source '{data.source}' holds text; images come from synthetic, imagefolder, parquet "
-                    "or hub")
+    raise DataError(f"data.source '{data.source}' holds text; images come from synthetic, imagefolder, "
+                    "parquet or hub")
 
 
 def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, cache_dir: Path | None = None,
@@ -178,8 +181,9 @@ def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, ca
     if eval_ds is None:
         rows, held = hold_out(len(labels), data.eval_fraction)
         train = ImageExamples(DatasetImages(train_ds, col, rows), labels[rows], train_tf, seed)
-        evl = ImageExamples(DatasetImages(train_ds, col, held), labels[held], eval_tf, seed) if len(held) else None
-        return train, evl
+        if not len(held):
+            return train, None
+        return train, ImageExamples(DatasetImages(train_ds, col, held), labels[held], eval_tf, seed)
     eval_ds, ecol, elabels, _ = _as_images(eval_ds, data.image_field, data.label_field, where)
     _check_labels(elabels, None, num_classes, f"the eval split of {where}")
     train = ImageExamples(DatasetImages(train_ds, col, np.arange(len(labels))), labels, train_tf, seed)

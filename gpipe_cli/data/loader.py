@@ -46,7 +46,7 @@ class Examples(ABC):
     @abstractmethod
     def collate(self, ids: np.ndarray, group: np.ndarray, *, epoch: int | None, need_inputs: bool,
                 need_targets: bool) -> tuple[Any, torch.Tensor | None]:
-        """(inputs, targets) of examples `ids`, padded to the longest of `group`; epoch None: no augmentation."""
+        """(inputs, targets) of `ids`, padded to the longest of `group`; epoch None: no augmentation."""
 
     def target_tokens(self, ids: np.ndarray) -> int | None:
         """Non-pad target tokens of `ids` (None for images)."""
@@ -126,13 +126,9 @@ class Loader:
             return _merge_small_tail(bounds, self.min_batch)
         assert self.train.lengths is not None
         lengths = np.sort(self.train.lengths, kind="stable")
+        # drop_last does not apply: budget batches vary in size by design, and the last run always holds
+        # the longest examples, so dropping it would never train on them.
         bounds = pack_by_budget(lengths, self.tokens_per_batch, self.min_batch)
-        if bounds and self.drop_last:
-            # The last run is incomplete when another example of its longest length would still fit.
-            lo, hi = bounds[-1]
-            longest = max(int(lengths[hi - 1]), 1)
-            if (hi - lo + 1) * longest <= self.tokens_per_batch:
-                bounds.pop()
         return _merge_small_tail(bounds, self.min_batch)
 
     def steps_per_epoch(self) -> int:
@@ -222,15 +218,16 @@ class Loader:
         return iter(loader)
 
 
-def _identity(x: Batch) -> Batch:
+def _identity(x: Any) -> Any:
     return x
 
 
 class _BatchJob(torch.utils.data.Dataset):
     """Positions of a plan to turn into Batches (picklable, so worker processes can build them)."""
 
-    def __init__(self, examples: Examples, plan: Sequence[np.ndarray], positions: list[int], epoch: int | None,
-                 shard: tuple[int, int], need_inputs: bool, need_targets: bool, with_refs: bool) -> None:
+    def __init__(self, examples: Examples, plan: Sequence[np.ndarray], positions: list[int],
+                 epoch: int | None, shard: tuple[int, int], need_inputs: bool, need_targets: bool,
+                 with_refs: bool) -> None:
         self.examples, self.plan, self.positions = examples, plan, positions
         self.epoch, self.shard = epoch, shard
         self.need_inputs, self.need_targets, self.with_refs = need_inputs, need_targets, with_refs
@@ -245,7 +242,8 @@ class _BatchJob(torch.utils.data.Dataset):
         ids = group[lo:hi]
         inputs, targets = self.examples.collate(ids, group, epoch=self.epoch, need_inputs=self.need_inputs,
                                                 need_targets=self.need_targets)
-        return Batch(index=pos, size=hi - lo, offset=lo, global_size=len(group), inputs=inputs, targets=targets,
-                     tokens=self.examples.target_tokens(ids), global_tokens=self.examples.target_tokens(group),
-                     ids=[int(i) for i in ids], references=self.examples.references(ids) if self.with_refs else None,
-                     epoch=self.epoch)
+        refs = self.examples.references(ids) if self.with_refs else None
+        return Batch(index=pos, size=hi - lo, offset=lo, global_size=len(group), inputs=inputs,
+                     targets=targets, tokens=self.examples.target_tokens(ids),
+                     global_tokens=self.examples.target_tokens(group), ids=[int(i) for i in ids],
+                     references=refs, epoch=self.epoch)

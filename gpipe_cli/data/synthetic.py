@@ -42,11 +42,12 @@ class SyntheticImages:
 
 # ---- number words -------------------------------------------------------------------------------
 
-_EN_ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
-            "sixteen seventeen eighteen nineteen").split()
-_EN_TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
-_FR_UNITS = "zéro un deux trois quatre cinq six sept huit neuf dix onze douze treize quatorze quinze seize".split()
-_FR_TENS = "_ _ vingt trente quarante cinquante soixante".split()
+_EN_ONES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+            "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen")
+_EN_TENS = ("", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
+_FR_UNITS = ("zéro", "un", "deux", "trois", "quatre", "cinq", "six", "sept", "huit", "neuf", "dix", "onze",
+             "douze", "treize", "quatorze", "quinze", "seize")
+_FR_TENS = ("", "", "vingt", "trente", "quarante", "cinquante", "soixante")
 
 
 def english(n: int) -> str:
@@ -102,7 +103,7 @@ def _number(r: np.random.Generator) -> int:
 
 
 def translation_pairs(n: int, seed: int, split: str) -> list[tuple[str, str]]:
-    """(English, French) renderings of one or two random numbers: "forty-two , seven" -> "quarante-deux , sept"."""
+    """(English, French) words of one or two random numbers: "forty-two , seven" -> "quarante-deux , sept"."""
     r = rng(seed, f"synthetic-translation-{split}")
     pairs = []
     for _ in range(n):
@@ -113,8 +114,9 @@ def translation_pairs(n: int, seed: int, split: str) -> list[tuple[str, str]]:
 
 # ---- structured text ----------------------------------------------------------------------------
 
-_NOUNS = "fox owl cat dog bear frog hare wolf duck goat lion mole crow seal deer swan".split()
-_COLOURS = "red blue green brown grey black white yellow".split()
+_NOUNS = ("fox", "owl", "cat", "dog", "bear", "frog", "hare", "wolf", "duck", "goat", "lion", "mole", "crow",
+          "seal", "deer", "swan")
+_COLOURS = ("red", "blue", "green", "brown", "grey", "black", "white", "yellow")
 
 
 def lm_documents(n: int, seed: int, split: str, words: int) -> list[str]:

@@ -29,7 +29,8 @@ class Ragged:
         self.lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
         self.offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(self.lengths, out=self.offsets[1:])
-        self.flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32, count=int(self.offsets[-1]))
+        self.flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32,
+                                count=int(self.offsets[-1]))
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -49,11 +50,11 @@ class TranslationExamples(Examples):
     @classmethod
     def build(cls, pairs: Sequence[tuple[str, str]], tok: Tokenizer, max_len: int, *,
               train: bool) -> tuple[TranslationExamples, int]:
-        """Encode pairs; training drops pairs longer than max_len, eval truncates them. Returns (examples, dropped)."""
+        """(examples, pairs dropped): training drops pairs longer than max_len, eval truncates them."""
         src = tok.encode_batch([p[0] for p in pairs])
         tgt = tok.encode_batch([p[1] for p in pairs])
         keep_src, keep_tgt, refs = [], [], []
-        for (_, ref), s, t in zip(pairs, src, tgt):
+        for (_, ref), s, t in zip(pairs, src, tgt, strict=True):
             if not s or not t:
                 continue
             if train and (len(s) > max_len or len(t) + 1 > max_len):
@@ -100,9 +101,10 @@ class LMExamples(Examples):
     def __init__(self, stream: np.ndarray, seq_len: int) -> None:
         self.stream = stream
         self.seq_len = seq_len
-        # Window i covers stream[i*L : i*L + L + 1]: L inputs and their L next tokens; the last may be shorter.
+        # Window i is stream[i*L : i*L + L + 1]: L inputs and their L next tokens (the last may be shorter).
         self.starts = np.arange(0, max(len(stream) - 1, 0), seq_len, dtype=np.int64)
-        self.lengths = np.minimum(self.starts + seq_len + 1, len(stream)) - self.starts - 1
+        self.window = np.minimum(self.starts + seq_len + 1, len(stream)) - self.starts - 1
+        self.lengths = self.window
 
     @classmethod
     def build(cls, docs: Sequence[str], tok: Tokenizer, seq_len: int) -> LMExamples:
@@ -116,17 +118,18 @@ class LMExamples(Examples):
 
     def collate(self, ids: np.ndarray, group: np.ndarray, *, epoch: int | None, need_inputs: bool,
                 need_targets: bool) -> tuple[Any, torch.Tensor | None]:
-        t_len = int(self.lengths[group].max())
+        t_len = int(self.window[group].max())
         inp = np.full((len(ids), t_len), PAD, dtype=np.int64)
         out = np.full((len(ids), t_len), PAD, dtype=np.int64)
         for k, i in enumerate(ids.tolist()):
-            lo, n = int(self.starts[i]), int(self.lengths[i])
+            lo, n = int(self.starts[i]), int(self.window[i])
             inp[k, :n] = self.stream[lo:lo + n]
             out[k, :n] = self.stream[lo + 1:lo + n + 1]
-        return (torch.from_numpy(inp) if need_inputs else None), (torch.from_numpy(out) if need_targets else None)
+        inputs = torch.from_numpy(inp) if need_inputs else None
+        return inputs, (torch.from_numpy(out) if need_targets else None)
 
     def target_tokens(self, ids: np.ndarray) -> int | None:
-        return int(self.lengths[ids].sum())
+        return int(self.window[ids].sum())
 
 
 # ---- reading records ----------------------------------------------------------------------------
@@ -185,7 +188,7 @@ def read_jsonl(files: Sequence[Path], task: TextTask, data: Data) -> list[Record
 
 
 def read_tsv(files: Sequence[Path], task: TextTask, data: Data) -> list[Record]:
-    """Records of tab-separated files: source<TAB>target (translation) or text (lm); a header row is optional."""
+    """Records of tab-separated files: source<TAB>target (translation) or text (lm); header optional."""
     out: list[Record] = []
     for f in files:
         cols: tuple[int, int] = (0, 1)
@@ -204,7 +207,8 @@ def read_tsv(files: Sequence[Path], task: TextTask, data: Data) -> list[Record]:
             if task == "lm":
                 out.append(cells[cols[0]] if cols[0] < len(cells) else "")
             elif max(cols) >= len(cells):
-                raise DataError(f"{f}:{n}: expected two tab-separated columns (source, target), got {len(cells)}")
+                raise DataError(f"{f}:{n}: expected two tab-separated columns (source, target), "
+                                f"got {len(cells)}")
             else:
                 out.append((cells[cols[0]], cells[cols[1]]))
     return out
@@ -226,7 +230,7 @@ def from_dataset(ds: Any, task: TextTask, data: Data, where: str) -> list[Record
                             "set data.text_field")
         return [t or "" for t in ds[data.text_field]]
     if data.source_field in cols and data.target_field in cols:
-        return [(s or "", t or "") for s, t in zip(ds[data.source_field], ds[data.target_field])]
+        return [(s or "", t or "") for s, t in zip(ds[data.source_field], ds[data.target_field], strict=True)]
     if "translation" in cols:
         rows = list(ds["translation"])
         _record(rows[0], task, data, where)  # one clear error if the languages are wrong
@@ -241,13 +245,15 @@ def read_records(data: Data, task: TextTask, *, seed: int, words: int,
     n_eval = int(round(data.synthetic_size * data.eval_fraction))
     if data.source == "synthetic":
         if task == "translation":
-            return translation_pairs(data.synthetic_size, seed, "train"), translation_pairs(n_eval, seed, "eval")
+            return (translation_pairs(data.synthetic_size, seed, "train"),
+                    translation_pairs(n_eval, seed, "eval"))
         return (lm_documents(data.synthetic_size, seed, "train", words),
                 lm_documents(n_eval, seed, "eval", words))
     if data.source in ("hub", "parquet"):
         if data.source == "hub":
             assert data.name is not None
-            splits, where = load_hub(data.name, data.config, cache_dir, "jsonl/tsv/parquet"), f"dataset '{data.name}'"
+            splits = load_hub(data.name, data.config, cache_dir, "jsonl/tsv/parquet")
+            where = f"dataset '{data.name}'"
         else:
             path = existing_path(data.path, "data.source 'parquet'")
             train_f, eval_f = split_files(path, (".parquet",), data.train_split, data.eval_split)
@@ -258,12 +264,14 @@ def read_records(data: Data, task: TextTask, *, seed: int, words: int,
         train_ds, eval_ds = pick_splits(splits, data.train_split, data.eval_split, where)
         return (from_dataset(train_ds, task, data, where),
                 None if eval_ds is None else from_dataset(eval_ds, task, data, where))
-    exts = {"jsonl": (".jsonl", ".json"), "tsv": (".tsv", ".txt"), "text": (".txt", ".text", ".raw")}.get(data.source)
+    exts = {"jsonl": (".jsonl", ".json"), "tsv": (".tsv", ".txt"),
+            "text": (".txt", ".text", ".raw")}.get(data.source)
     if exts is None:
-        raise DataError(f"data.source '{data.source}' holds images; text comes from synthetic, jsonl, tsv, text, "
-                        "parquet or hub")
+        raise DataError(f"data.source '{data.source}' holds images; text comes from synthetic, jsonl, tsv, "
+                        "text, parquet or hub")
     if data.source == "text" and task == "translation":
-        raise DataError("data.source 'text' is plain text for language modelling; use jsonl or tsv for translation")
+        raise DataError("data.source 'text' is plain text for language modelling; "
+                        "use jsonl or tsv for translation")
     path = existing_path(data.path, f"data.source '{data.source}'")
     train_f, eval_f = split_files(path, exts, data.train_split, data.eval_split)
 
@@ -279,7 +287,9 @@ def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_l
                 cache_dir: Path | None = None) -> tuple[Examples, Examples | None, Tokenizer]:
     """(train, held-out, tokenizer) for a text task."""
     seq_len = min(data.seq_len, max_len)
-    train_recs, eval_recs = read_records(data, task, seed=seed, words=max(8, seq_len * 3 // 4), cache_dir=cache_dir)
+    # Synthetic documents of ~3/4 seq_len words give about one window each (~1.3 tokens a word).
+    train_recs, eval_recs = read_records(data, task, seed=seed, words=max(8, seq_len * 3 // 4),
+                                         cache_dir=cache_dir)
     if eval_recs is None:
         rows, held = hold_out(len(train_recs), data.eval_fraction)
         train_recs, eval_recs = [train_recs[i] for i in rows], [train_recs[i] for i in held]

@@ -1,4 +1,4 @@
-"""A shared source/target sentencepiece vocabulary with the model's special ids (pad 0, unk 1, bos 2, eos 3)."""
+"""A shared source/target sentencepiece vocabulary with the models' ids: pad 0, unk 1, bos 2, eos 3."""
 
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ class Tokenizer:
         ids = (self._sp.pad_id(), self._sp.unk_id(), self._sp.bos_id(), self._sp.eos_id())
         if ids != (PAD, UNK, BOS, EOS):
             where = f"'{path}'" if path else "the tokenizer"
-            raise DataError(f"{where} has pad/unk/bos/eos ids {ids} but the models need (0, 1, 2, 3); train it "
-                            "with --pad_id=0 --unk_id=1 --bos_id=2 --eos_id=3 or leave data.tokenizer unset")
+            raise DataError(f"{where} has pad/unk/bos/eos ids {ids} but the models need (0, 1, 2, 3); "
+                            "train it with --pad_id=0 --unk_id=1 --bos_id=2 --eos_id=3 "
+                            "or leave data.tokenizer unset")
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
@@ -112,7 +113,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
             max_sentence_length=1 << 16,  # whole paragraphs/documents, not only short sentences
             num_threads=min(16, os.cpu_count() or 1), minloglevel=2)
     except Exception as e:
-        raise DataError(f"cannot train a {vocab_size}-piece tokenizer on the training text ({first_line(e)})") from None
+        raise DataError(f"cannot train a {vocab_size}-piece tokenizer on the training text "
+                        f"({first_line(e)})") from None
     if not model.getvalue():
         raise DataError("cannot train a tokenizer: the training text is empty")
     return Tokenizer(model.getvalue())
@@ -120,7 +122,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
 def load_or_train(*, path: str | None, run_dir: Path | None, texts: Callable[[], Iterable[str]],
                   vocab_size: int, model_vocab_size: int) -> Tokenizer:
-    """data.tokenizer if given, else run_dir/tokenizer.model if present, else train one (and store it there)."""
+    """data.tokenizer if given, else run_dir/tokenizer.model if present, else train one and store it."""
     if vocab_size > model_vocab_size:
         raise DataError(f"data.vocab_size ({vocab_size}) exceeds model.vocab_size ({model_vocab_size})")
     if path:
@@ -137,8 +139,8 @@ def load_or_train(*, path: str | None, run_dir: Path | None, texts: Callable[[],
                 tok = train_tokenizer(texts(), vocab_size)
                 tok.save(stored)
     if tok.vocab_size > model_vocab_size:
-        raise DataError(f"the tokenizer has {tok.vocab_size} pieces but model.vocab_size is {model_vocab_size}; "
-                        "raise model.vocab_size or use a smaller tokenizer")
+        raise DataError(f"the tokenizer has {tok.vocab_size} pieces but model.vocab_size is "
+                        f"{model_vocab_size}; raise model.vocab_size or use a smaller tokenizer")
     return tok
 
 

@@ -7,36 +7,45 @@ its micro-batches (and over data-parallel replicas), so they do not depend on M.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gpipe_cli.pipeline import context
 
-Reduce = Callable[[torch.Tensor], torch.Tensor]
 
+class DeferredBatchNorm(nn.Module):
+    """BatchNorm over inputs (N, C, ...) whose running statistics are committed once per mini-batch.
 
-class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm over any input rank (N, C, ...) whose running statistics are committed per mini-batch."""
+    Its state dict has the keys of nn.BatchNorm*d, so checkpoints move freely between the two.
+    """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
-                 affine: bool = True, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats=True,
-                         device=device, dtype=dtype)
-        self.register_buffer("sum", torch.zeros(num_features, device=device, dtype=torch.float64),
-                             persistent=False)
-        self.register_buffer("sum_squares", torch.zeros_like(self.sum), persistent=False)
-        self.register_buffer("count", torch.zeros((), device=device, dtype=torch.float64), persistent=False)
+                 affine: bool = True) -> None:
+        super().__init__()
+        self.num_features, self.eps, self.momentum, self.affine = num_features, eps, momentum, affine
+        self.weight = nn.Parameter(torch.ones(num_features)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(num_features)) if affine else None
+        self.running_mean: torch.Tensor
+        self.running_var: torch.Tensor
+        self.num_batches_tracked: torch.Tensor
+        self.register_buffer("running_mean", torch.zeros(num_features))
+        self.register_buffer("running_var", torch.ones(num_features))
+        self.register_buffer("num_batches_tracked", torch.zeros((), dtype=torch.long))
+        # Sufficient statistics of the mini-batch so far; never saved.
+        self.sum: torch.Tensor
+        self.sum_squares: torch.Tensor
+        self.count: torch.Tensor
+        self.register_buffer("sum", torch.zeros(num_features, dtype=torch.float64), persistent=False)
+        self.register_buffer("sum_squares", torch.zeros(num_features, dtype=torch.float64), persistent=False)
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64), persistent=False)
 
-    def _check_input_dim(self, input: torch.Tensor) -> None:
-        if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        self._check_input_dim(input)
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
         if not self.training:
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
                                 False, 0.0, self.eps)
@@ -51,14 +60,11 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         self.sum_squares += x.square().sum(dims)
         self.count += x.numel() // x.shape[1]
 
-    def pending(self) -> bool:
-        """Whether statistics were accumulated since the last commit."""
-        return bool(self.count.item() > 0)
-
     def statistics(self) -> torch.Tensor:
         """The accumulated sufficient statistics as one flat tensor (for all-reduce across replicas)."""
         return torch.cat([self.sum, self.sum_squares, self.count.reshape(1)])
 
+    @torch.no_grad()
     def commit(self, reduced: torch.Tensor | None = None) -> None:
         """Fold this mini-batch's statistics into the running averages and reset the accumulators."""
         stats = self.statistics() if reduced is None else reduced
@@ -80,15 +86,16 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
     @classmethod
     def convert(cls, module: nn.Module) -> nn.Module:
         """Replace every BatchNorm in `module` by a DeferredBatchNorm with the same state."""
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
-            bn = cls(module.num_features, module.eps, module.momentum, module.affine,
-                     device=module.running_mean.device if module.running_mean is not None else None)
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            if module.running_mean is None or module.running_var is None:
+                return module  # no running statistics to defer
+            bn = cls(module.num_features, module.eps, module.momentum, module.affine)
             if module.affine:
-                bn.weight = module.weight
-                bn.bias = module.bias
-            if module.running_mean is not None:
-                bn.running_mean.copy_(module.running_mean)
-                bn.running_var.copy_(module.running_var)
+                bn.weight, bn.bias = module.weight, module.bias
+            bn.to(module.running_mean.device)
+            bn.running_mean.copy_(module.running_mean)
+            bn.running_var.copy_(module.running_var)
+            if module.num_batches_tracked is not None:
                 bn.num_batches_tracked.copy_(module.num_batches_tracked)
             bn.train(module.training)
             return bn

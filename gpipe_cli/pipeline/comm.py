@@ -35,6 +35,13 @@ def _tags(stream: int) -> tuple[int, int]:
     return 10 + 2 * stream, 11 + 2 * stream
 
 
+def _posted(work: dist.Work | None) -> dist.Work:
+    """The handle of a posted operation (torch types it optional for ranks outside the group)."""
+    if work is None:
+        raise CommError("a point-to-point operation was posted by a rank outside its group")
+    return work
+
+
 class CommError(RuntimeError):
     """A message that did not arrive in time or did not match the schedule."""
 
@@ -87,7 +94,8 @@ def decode(header: torch.Tensor) -> Header:
     if values[0] != _MAGIC:
         raise CommError("received a corrupt message header: the stages are out of step")
     microbatch, chunks, offset, bare, count = values[1:6]
-    at, tensors = 6, []
+    at = 6
+    tensors: list[TensorMeta | None] = []
     for _ in range(count):
         code = values[at]
         if code == _ABSENT:
@@ -149,8 +157,8 @@ class Outbound:
         header = encode(microbatch, chunks, offset, tensors, bare, differentiable)
         wire = [None if t is None else t.detach() if self.transport.nccl_data
                 else t.detach().to("cpu").contiguous() for t in tensors]
-        works = [dist.isend(header, self.peer, group=self.transport.control, tag=self.header_tag)]
-        works += [dist.isend(t.contiguous(), self.peer, group=self.transport.data, tag=self.data_tag)
+        works = [_posted(dist.isend(header, self.peer, group=self.transport.control, tag=self.header_tag))]
+        works += [_posted(dist.isend(t.contiguous(), self.peer, group=self.transport.data, tag=self.data_tag))
                   for t in wire if t is not None]
         self._pending.append((works, [header, *(t for t in wire if t is not None)]))
         # The receiver posts its receives ahead, so older sends are done: reclaim their memory.
@@ -212,9 +220,10 @@ class Inbound:
         self._jobs.put(None)
 
     def _receive_payload(self, header: Header) -> list[torch.Tensor | None]:
-        buffers = [None if m is None else torch.empty(m.shape, dtype=m.dtype, device=self.transport.wire_device)
-                   for m in header.tensors]
-        works = [dist.irecv(b, self.peer, group=self.transport.data, tag=self.data_tag)
+        buffers: list[torch.Tensor | None] = [
+            None if m is None else torch.empty(m.shape, dtype=m.dtype, device=self.transport.wire_device)
+            for m in header.tensors]
+        works = [_posted(dist.irecv(b, self.peer, group=self.transport.data, tag=self.data_tag))
                  for b in buffers if b is not None]
         for work in works:
             self.transport.wait(work)
@@ -225,12 +234,13 @@ class Inbound:
             try:
                 for _ in range(count):
                     raw = torch.empty(HEADER_LEN, dtype=torch.int64)
-                    work = dist.irecv(raw, self.peer, group=self.transport.control, tag=self.header_tag)
-                    self.transport.wait(work)
+                    self.transport.wait(_posted(dist.irecv(raw, self.peer, group=self.transport.control,
+                                                           tag=self.header_tag)))
                     header = decode(raw)
                     # NCCL payloads are received on the compute thread, in the same stream order.
-                    payload = ([None] * len(header.tensors) if self.transport.nccl_data
-                               else self._receive_payload(header))
+                    payload: list[torch.Tensor | None] = (
+                        [None] * len(header.tensors) if self.transport.nccl_data
+                        else self._receive_payload(header))
                     self._ready.put((header, payload))
             except BaseException as exc:  # handed to the compute thread, which raises it
                 self._ready.put(exc)

@@ -153,16 +153,16 @@ class Pipeline:
             if not local or len(owners) < 2:
                 continue
             ranks = [self.layout.rank_of(s) for s in owners]
-            group = self.topology.group(ranks)
-            assert group is not None
+            pg = self.topology.group(ranks)
+            assert pg is not None
             param = self.module.get_parameter(local[0])
             with torch.no_grad():
                 host = param.detach().cpu() if self.staging else param.detach()
-                dist.broadcast(host, src=ranks[0], group=group)
+                dist.broadcast(host, src=ranks[0], group=pg)
                 if host is not param:
                     param.copy_(host)
             first_holder = self.layout.stage == owners[0]
-            self.shared.append(grads.SharedCopy(param, group, first_holder))
+            self.shared.append(grads.SharedCopy(param, pg, first_holder))
             if not first_holder:
                 self._norm_exclude.add(id(param))
 
@@ -412,7 +412,7 @@ class Pipeline:
             result = box[0]
             if return_outputs and self.result_out is not None and gathered is not None:
                 tensors, bare = as_tensors(gathered)
-                self.result_out.send(0, 1, 0, [t.cpu() for t in tensors], bare)
+                self.result_out.send(0, 1, 0, [None if t is None else t.cpu() for t in tensors], bare)
                 self.result_out.flush()
             if return_outputs and self.result_in is not None:
                 self.result_in.expect(1)

@@ -8,6 +8,7 @@ as the key appears, even while the compute thread is blocked in a receive.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -56,13 +57,17 @@ class AbortWatch:
         """Stop watching (a clean shutdown)."""
         self._stopped.set()
 
-    def report(self, summary: str) -> None:
-        """Tell every rank to stop because of `summary`."""
-        if self._reporter is not None:
-            try:
-                self._reporter.set(_abort_key(), summary)
-            except Exception:
-                pass
+    def report(self, summary: str) -> str:
+        """Tell every rank to stop because of `summary`; return the first failure reported in the job.
+
+        The first report wins, so a rank that fails only because a peer vanished cannot hide the cause.
+        """
+        if self._reporter is None:
+            return summary
+        with contextlib.suppress(Exception):  # the store may already be gone; exiting matters more
+            first = self._reporter.compare_set(_abort_key(), "", summary)
+            return first.decode(errors="replace") if isinstance(first, bytes) else str(first)
+        return summary
 
     def _watch(self) -> None:
         key = _abort_key()
@@ -93,15 +98,17 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
     except BaseException as exc:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
-        if isinstance(exc, quiet):
-            summary = str(exc)
-            print(f"error: {summary}", file=sys.stderr, flush=True)
-        else:
-            summary = f"{label} failed: {type(exc).__name__}: {exc}"
-            traceback.print_exc(file=sys.stderr)
-            print(f"[gpipe] {summary}", file=sys.stderr, flush=True)
+        summary = str(exc) if isinstance(exc, quiet) else f"{label} failed: {type(exc).__name__}: {exc}"
+        first = summary
         if watch is not None:
             watch.stop()
-            watch.report(summary)
+            first = watch.report(summary)
+        if first != summary:  # a consequence of another rank's failure: name that one
+            print(f"[gpipe] {label} stopped: {first}", file=sys.stderr, flush=True)
+        elif isinstance(exc, quiet):
+            print(f"error: {summary}", file=sys.stderr, flush=True)
+        else:
+            traceback.print_exc(file=sys.stderr)
+            print(f"[gpipe] {summary}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(getattr(exc, "exit_code", exit_code) if isinstance(exc, quiet) else exit_code)

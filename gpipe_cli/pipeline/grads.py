@@ -43,7 +43,7 @@ def all_reduce_replicas(params: Sequence[nn.Parameter], group: dist.ProcessGroup
     for p in params:
         if p.grad is None:  # every replica must reduce the same buffer layout
             p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
+    grads = [p.grad for p in params if p.grad is not None]
     flat = _flatten_dense_tensors(grads)
     _all_reduce(flat, group, staging)
     for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):

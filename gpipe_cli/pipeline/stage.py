@@ -77,7 +77,7 @@ class Stage:
         x = from_tensors(inputs, bare)
         for layer in self.module.children():
             x = layer(x)
-        if self.loss is not None and state is not None:
+        if self.loss is not None and state is not None and state.target is not None:
             return self.loss(x, state.target) * state.weight
         return x
 
@@ -119,6 +119,7 @@ class Stage:
         state = self._states.pop(mb)
         assert state.outputs is not None, f"micro-batch {mb} has no graph: recompute it first"
         outputs = held(state.outputs)
+        roots: list[tuple[torch.Tensor, torch.Tensor | None]]
         if grads is None:  # the last stage: the output is the weighted loss
             roots = [(o, None) for o in outputs if o is not None and o.requires_grad]
         else:

@@ -160,8 +160,8 @@ def gather(mine: StageStats, loss: float, examples: int, units: float, grad_norm
     else:
         world = dist.get_world_size()
         rank = dist.get_rank()
-        rows = [torch.empty(_FIELDS, dtype=torch.float64) for _ in range(world)] if rank == 0 else None
-        dist.gather(row, rows, dst=0, group=group)
+        rows = [torch.empty(_FIELDS, dtype=torch.float64) for _ in range(world)]
+        dist.gather(row, rows if rank == 0 else None, dst=0, group=group)
         all_events = []
         if events is not None:
             gathered: list[list[Event] | None] = [None] * world if rank == 0 else []
@@ -169,7 +169,6 @@ def gather(mine: StageStats, loss: float, examples: int, units: float, grad_norm
             all_events = [e for part in gathered if part for e in part]
         if rank != 0:
             return None
-    assert rows is not None
     stages = [StageStats(int(r[0]), int(r[1]), float(r[2]), float(r[3]), int(r[4]), int(r[5]), int(r[6]))
               for r in rows]
     last = max(s.stage for s in stages)

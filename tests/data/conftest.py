@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from datagen import make_imagefolder
+
+# The tests import their helpers as `datagen`, whatever pytest's import mode.
+sys.path.insert(0, str(Path(__file__).parent))
+from datagen import make_imagefolder  # noqa: E402
 
 
 @pytest.fixture

@@ -23,7 +23,8 @@ def png_bytes(colour: tuple[int, int, int], size: int = 12, seed: int = 0) -> by
     return buf.getvalue()
 
 
-def make_imagefolder(root: Path, classes: int = 3, per_class: int = 6, test: bool = True, size: int = 12) -> Path:
+def make_imagefolder(root: Path, classes: int = 3, per_class: int = 6, test: bool = True,
+                     size: int = 12) -> Path:
     """Write root/train/<class>/*.png (and root/test/... when asked); returns root."""
     for split, n in [("train", per_class)] + ([("test", 2)] if test else []):
         for c in range(classes):
@@ -36,8 +37,8 @@ def make_imagefolder(root: Path, classes: int = 3, per_class: int = 6, test: boo
 
 def pairs(n: int) -> list[tuple[str, str]]:
     """Parallel 'sentences' with a clear word-for-word mapping."""
-    en = "zero one two three four five six seven eight nine".split()
-    de = "null eins zwei drei vier fuenf sechs sieben acht neun".split()
+    en = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    de = ["null", "eins", "zwei", "drei", "vier", "fuenf", "sechs", "sieben", "acht", "neun"]
     out = []
     for i in range(n):
         digits = [int(d) for d in str(i * 7919 % 10007)]

@@ -17,8 +17,8 @@ from gpipe_cli.data.images import DatasetImages
 
 
 def _build(d, cache_dir: Path, **kw):  # type: ignore[no-untyped-def]
-    return build_data(d, "image", seed=0, image_size=32, num_classes=kw.pop("num_classes", 4), cache_dir=cache_dir,
-                      **kw)
+    return build_data(d, "image", seed=0, image_size=32, num_classes=kw.pop("num_classes", 4),
+                      cache_dir=cache_dir, **kw)
 
 
 def test_imagefolder_with_test_split(imagefolder: Callable[..., Path], cache_dir: Path) -> None:
@@ -26,7 +26,8 @@ def test_imagefolder_with_test_split(imagefolder: Callable[..., Path], cache_dir
     ds = _build(data(source="imagefolder", path=str(root), batch_size=4), cache_dir)
     assert ds.train_size == 18 and ds.eval_size == 6 and ds.steps_per_epoch() == 4
     b = next(ds.train_batches())
-    assert b.inputs.shape == (4, 3, 32, 32) and b.inputs.dtype == torch.float32 and b.targets.dtype == torch.int64
+    assert b.inputs.shape == (4, 3, 32, 32) and b.inputs.dtype == torch.float32
+    assert b.targets.dtype == torch.int64
     labels = sorted(int(t) for e in ds.eval_batches() for t in e.targets)
     assert labels == [0, 0, 1, 1, 2, 2]
     # Eval images are the deterministic transform: class colour survives, normalised per channel.
@@ -35,7 +36,8 @@ def test_imagefolder_with_test_split(imagefolder: Callable[..., Path], cache_dir
     assert torch.allclose(pixel * 255, torch.tensor(COLOURS[int(e.targets[0])], dtype=torch.float32), atol=12)
 
 
-def test_imagefolder_without_test_holds_out_a_fraction(imagefolder: Callable[..., Path], cache_dir: Path) -> None:
+def test_imagefolder_without_test_holds_out_a_fraction(imagefolder: Callable[..., Path],
+                                                       cache_dir: Path) -> None:
     root = imagefolder(classes=2, per_class=10, test=False)
     d = data(source="imagefolder", path=str(root), eval_fraction=0.2, batch_size=4)
     ds = _build(d, cache_dir)
@@ -56,7 +58,9 @@ def test_last_stage_does_not_decode_images(imagefolder: Callable[..., Path], cac
 
     monkeypatch.setattr(DatasetImages, "load", boom)
     targets_only = list(ds.train_batches(epoch=0, need_inputs=False))
-    assert all(b.inputs is None and torch.equal(b.targets, f.targets) for b, f in zip(targets_only, full))
+    assert len(targets_only) == len(full)
+    assert all(b.inputs is None and torch.equal(b.targets, f.targets)
+               for b, f in zip(targets_only, full, strict=True))
 
 
 def test_labels_beyond_num_classes_are_an_error(imagefolder: Callable[..., Path], cache_dir: Path) -> None:

@@ -18,8 +18,9 @@ def _flat(b: Batch) -> list[torch.Tensor]:
 
 def _same(a: list[Batch], b: list[Batch]) -> bool:
     return len(a) == len(b) and all(
-        x.index == y.index and x.ids == y.ids and all(torch.equal(p, q) for p, q in zip(_flat(x), _flat(y)))
-        for x, y in zip(a, b))
+        x.index == y.index and x.ids == y.ids
+        and all(torch.equal(p, q) for p, q in zip(_flat(x), _flat(y), strict=True))
+        for x, y in zip(a, b, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,8 @@ def images():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def translation():  # type: ignore[no-untyped-def]
-    return build_data(data(synthetic_size=120, batch_size=8), "translation", seed=3, vocab_size=400, max_len=64)
+    return build_data(data(synthetic_size=120, batch_size=8), "translation", seed=3, vocab_size=400,
+                      max_len=64)
 
 
 def test_same_seed_same_batches_and_augmentations(images) -> None:  # type: ignore[no-untyped-def]
@@ -65,7 +67,8 @@ def test_resume_equals_the_tail_of_a_full_epoch(name: str, request: pytest.Fixtu
 
 @pytest.mark.parametrize("replicas", [2, 3])
 @pytest.mark.parametrize("name", ["images", "translation"])
-def test_shards_concatenate_to_the_global_batch(name: str, replicas: int, request: pytest.FixtureRequest) -> None:
+def test_shards_concatenate_to_the_global_batch(name: str, replicas: int,
+                                                request: pytest.FixtureRequest) -> None:
     ds = request.getfixturevalue(name)
     whole = list(ds.train_batches(epoch=0))
     parts = [list(ds.train_batches(epoch=0, shard=(r, replicas))) for r in range(replicas)]
@@ -75,7 +78,7 @@ def test_shards_concatenate_to_the_global_batch(name: str, replicas: int, reques
         assert sum(s.size for s in shards) == g.size == shards[0].global_size
         expect = [list(t) for t in torch.tensor_split(torch.tensor(g.ids), replicas)]
         assert [s.ids for s in shards] == [[int(i) for i in e] for e in expect]
-        for t_whole, *t_parts in zip(_flat(g), *(_flat(s) for s in shards)):
+        for t_whole, *t_parts in zip(_flat(g), *(_flat(s) for s in shards), strict=True):
             assert torch.equal(torch.cat(t_parts), t_whole)
         if g.tokens is not None:
             assert sum(s.tokens for s in shards) == g.tokens == shards[0].global_tokens
@@ -96,7 +99,8 @@ def test_drop_last_and_steps_per_epoch() -> None:
     assert drop.steps_per_epoch() == 5 and keep.steps_per_epoch() == 6
     assert [b.size for b in keep.train_batches()][-1] == 3
     # A last batch smaller than min_batch is folded into the previous one instead of starving micro-batches.
-    merged = build_data(data(**kw, drop_last=False), "image", seed=0, image_size=32, num_classes=3, min_batch=4)
+    merged = build_data(data(**kw, drop_last=False), "image", seed=0, image_size=32, num_classes=3,
+                        min_batch=4)
     assert [b.global_size for b in merged.train_batches(need_inputs=False)] == [8, 8, 8, 8, 11]
     assert sum(b.size for b in keep.eval_batches()) == keep.eval_size == 4
 
@@ -117,6 +121,8 @@ def test_token_budget_batches() -> None:
     for epoch in (0, 1):
         batches = list(ds.train_batches(epoch=epoch))
         assert len(batches) == steps
+        # Nothing is dropped in budget mode (the last run holds the longest examples).
+        assert sorted(i for b in batches for i in b.ids) == list(range(ds.train_size))
         sizes = {b.size for b in batches}
         assert len(sizes) > 1  # length-bucketed: short sentences make bigger batches
         for b in batches:
@@ -130,7 +136,8 @@ def test_token_budget_batches() -> None:
 
 
 def test_pack_by_budget_and_shard_bounds() -> None:
-    assert pack_by_budget(np.array([1, 2, 2, 3, 5, 9]), budget=6, min_batch=1) == [(0, 3), (3, 4), (4, 5), (5, 6)]
+    bounds = pack_by_budget(np.array([1, 2, 2, 3, 5, 9]), budget=6, min_batch=1)
+    assert bounds == [(0, 3), (3, 4), (4, 5), (5, 6)]
     assert pack_by_budget(np.array([9, 9]), budget=6, min_batch=2) == [(0, 2)]
     for n in range(0, 9):
         for r in range(1, 5):
@@ -144,7 +151,7 @@ def test_eval_batches_limit_and_shards(translation) -> None:  # type: ignore[no-
     all_eval = list(translation.eval_batches())
     assert len(list(translation.eval_batches(limit=1))) == 1 == translation.eval_steps(limit=1)
     parts = [list(translation.eval_batches(shard=(r, 2))) for r in range(2)]
-    assert [a.ids + b.ids for a, b in zip(*parts)] == [b.ids for b in all_eval]
+    assert [a.ids + b.ids for a, b in zip(*parts, strict=True)] == [b.ids for b in all_eval]
     refs = [r for b in all_eval for r in b.references]
     assert len(refs) == translation.eval_size
 

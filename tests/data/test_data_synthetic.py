@@ -31,7 +31,7 @@ def test_translation_batches_have_the_model_conventions() -> None:
     assert tgt_in.shape == b.targets.shape and src.shape[0] == 8
     assert (tgt_in[:, 0] == BOS).all()
     # tgt_in = [bos] + tokens, tgt_out = tokens + [eos]
-    for row_in, row_out in zip(tgt_in, b.targets):
+    for row_in, row_out in zip(tgt_in, b.targets, strict=True):
         n = int((row_out != PAD).sum())
         assert row_out[n - 1] == EOS and torch.equal(row_in[1:n], row_out[:n - 1])
     assert b.tokens == int((b.targets != PAD).sum())
@@ -54,11 +54,13 @@ def test_lm_batches_are_next_token_pairs() -> None:
 def test_number_words() -> None:
     assert english(342) == "three hundred forty-two" and english(7000) == "seven thousand"
     cases = {0: "zéro", 17: "dix-sept", 21: "vingt et un", 71: "soixante et onze", 77: "soixante-dix-sept",
-             80: "quatre-vingts", 81: "quatre-vingt-un", 91: "quatre-vingt-onze", 100: "cent", 200: "deux cents",
-             201: "deux cent un", 1000: "mille", 80000: "quatre-vingt mille", 2342: "deux mille trois cent quarante-deux"}
+             80: "quatre-vingts", 81: "quatre-vingt-un", 91: "quatre-vingt-onze", 100: "cent",
+             200: "deux cents", 201: "deux cent un", 1000: "mille", 80000: "quatre-vingt mille",
+             2342: "deux mille trois cent quarante-deux"}
     for n, words in cases.items():
         assert french(n) == words
-    assert translation_pairs(50, 3, "train") == translation_pairs(50, 3, "train") != translation_pairs(50, 4, "train")
+    first = translation_pairs(50, 3, "train")
+    assert first == translation_pairs(50, 3, "train") != translation_pairs(50, 4, "train")
 
 
 @pytest.fixture(autouse=True)

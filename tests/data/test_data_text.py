@@ -14,14 +14,15 @@ from gpipe_cli.data import PAD, DataError, build_data
 
 
 def _translation(d, tmp_path: Path, **kw):  # type: ignore[no-untyped-def]
-    return build_data(d, "translation", seed=0, vocab_size=kw.pop("vocab_size", 200), max_len=kw.pop("max_len", 64),
-                      run_dir=tmp_path / "run", cache_dir=tmp_path / "hf-cache", **kw)
+    return build_data(d, "translation", seed=0, vocab_size=kw.pop("vocab_size", 200),
+                      max_len=kw.pop("max_len", 64), run_dir=tmp_path / "run",
+                      cache_dir=tmp_path / "hf-cache", **kw)
 
 
 def _decoded_pairs(ds) -> set[tuple[str, str]]:  # type: ignore[no-untyped-def]
     out = set()
     for b in ds.train_batches(epoch=0):
-        for s, t in zip(b.inputs[0], b.targets):
+        for s, t in zip(b.inputs[0], b.targets, strict=True):
             out.add((ds.tokenizer.decode(s), ds.tokenizer.decode(t)))
     return out
 
@@ -39,8 +40,8 @@ def test_jsonl_nested_translation_and_split_files(tmp_path: Path) -> None:
     p = pairs(50)
     write_jsonl(tmp_path / "corpus" / "train.jsonl", [{"translation": {"en": s, "de": t}} for s, t in p[:40]])
     write_jsonl(tmp_path / "corpus" / "valid.jsonl", [{"translation": {"en": s, "de": t}} for s, t in p[40:]])
-    ds = _translation(data(source="jsonl", path=str(tmp_path / "corpus"), source_field="en", target_field="de"),
-                      tmp_path)
+    d = data(source="jsonl", path=str(tmp_path / "corpus"), source_field="en", target_field="de")
+    ds = _translation(d, tmp_path)
     assert ds.train_size == 40 and ds.eval_size == 10
     refs = [r for b in ds.eval_batches() for r in b.references]
     assert refs == [t for _, t in p[40:]]
@@ -76,28 +77,31 @@ def test_plain_text_lm(tmp_path: Path) -> None:
     lines = [f"line {i} says {' '.join(['hello'] * (i % 7))} world ." for i in range(200)]
     f = tmp_path / "corpus.txt"
     f.write_text("\n".join(lines) + "\n\n", encoding="utf-8")
-    ds = build_data(data(source="text", path=str(f), seq_len=16, drop_last=False), "lm", seed=0, vocab_size=100,
-                    max_len=32, run_dir=None)
+    ds = build_data(data(source="text", path=str(f), seq_len=16, drop_last=False), "lm", seed=0,
+                    vocab_size=100, max_len=32, run_dir=None)
     batches = list(ds.train_batches())
     total = sum(b.tokens for b in batches) + sum(b.tokens for b in ds.eval_batches())
     stream = len(ds.train.stream) + len(ds.eval.stream)
     assert total == stream - 2  # every token but the first of each split is a target once
     assert all(b.inputs.shape[1] <= 16 for b in batches)
-    # The one short window is padded with 0, and inputs/targets stay aligned.
+    # The one short window is padded with 0 in inputs and targets alike; elsewhere targets are shifted inputs.
     for b in batches:
-        assert torch.equal(b.inputs[:, 1:] != PAD, b.targets[:, :-1] != PAD)
+        assert torch.equal(b.inputs != PAD, b.targets != PAD)
+        full = (b.inputs != PAD).all(1)
+        assert torch.equal(b.inputs[full, 1:], b.targets[full, :-1])
+    assert any(not (b.inputs != PAD).all() for b in batches)
 
 
 def test_jsonl_and_tsv_lm(tmp_path: Path) -> None:
     docs = [f"document {i} has some words in it ." for i in range(80)]
     f = write_jsonl(tmp_path / "d.jsonl", [{"body": d} for d in docs])
-    ds = build_data(data(source="jsonl", path=str(f), text_field="body", seq_len=8), "lm", seed=0, vocab_size=100,
-                    max_len=8)
+    ds = build_data(data(source="jsonl", path=str(f), text_field="body", seq_len=8), "lm", seed=0,
+                    vocab_size=100, max_len=8)
     assert ds.steps_per_epoch() > 0 and next(ds.train_batches()).inputs.shape == (8, 8)
     t = tmp_path / "d.tsv"
     t.write_text("id\tbody\n" + "".join(f"{i}\t{d}\n" for i, d in enumerate(docs)), encoding="utf-8")
-    ds2 = build_data(data(source="tsv", path=str(t), text_field="body", seq_len=8), "lm", seed=0, vocab_size=100,
-                     max_len=8)
+    ds2 = build_data(data(source="tsv", path=str(t), text_field="body", seq_len=8), "lm", seed=0,
+                     vocab_size=100, max_len=8)
     assert ds2.tokenizer.decode(ds2.train.stream[:12].tolist()).startswith("document 0 has")  # type: ignore[union-attr]
 
 
@@ -109,7 +113,8 @@ def test_parquet_text(tmp_path: Path) -> None:
     assert (ds.train_size, ds.eval_size) == (30, 10)
     nested = tmp_path / "nested.parquet"
     pq.write_table(pa.table({"translation": [{"de": t, "en": s} for s, t in p]}), nested)
-    ds2 = _translation(data(source="parquet", path=str(nested), source_field="en", target_field="de"), tmp_path)
+    d2 = data(source="parquet", path=str(nested), source_field="en", target_field="de")
+    ds2 = _translation(d2, tmp_path)
     assert ds2.train_size + ds2.eval_size == 40
     lm = tmp_path / "lm.parquet"
     pq.write_table(pa.table({"text": [s for s, _ in p]}), lm)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models_testkit import build_layers, check_every_cut, run
 
 from gpipe_cli.models import build_model, count_parameters
 from gpipe_cli.models.amoebanet.ops import Pool
-from models_testkit import build_layers, check_every_cut, run
 
 # (variant, L, D, published count, unit of the last published digit)
 PUBLISHED = [

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+from models_testkit import build_layers, check_every_cut, run
 
 from gpipe_cli.models import build_model, build_preset, count_parameters
-from models_testkit import build_layers, check_every_cut, run
 
 TINY = dict(layers=2, d_model=32, ff=64, heads=4, vocab_size=50, max_len=16, dropout=0.1)
 

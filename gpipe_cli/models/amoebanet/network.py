@@ -1,9 +1,20 @@
 """AmoebaNet-D(L, D) and AmoebaNet-B(N, F) as flat sequences of independently built layers.
 
-Layout (as in the reference ImageNet model): stem convolution, two reduction cells at D/4 and D/2
-filters, then three stacks of L/3 normal cells at D, 2D and 4D filters with a reduction cell before
-the second and third stacks, then the classifier. The optional auxiliary head sits after the last
-cell of the second stack.
+Layout (as in the TensorFlow TPU reference ImageNet model): a 32-filter stride-2 stem convolution,
+two reduction cells at D/4 and D/2 filters, then three stacks of L/3 normal cells at D, 2D and 4D
+filters with a reduction cell before the second and third stacks, then ReLU, global average
+pooling, dropout and the classifier.
+
+Parameter counts (1000 classes) against the GPipe paper: D(18, 208) 81.14M (82M), D(18, 416)
+317.5M (318M), D(18, 544) 540.2M (542M), D(36, 544) 1.0533B (1.05B), B(18, 512) 557.3M (557M).
+D(72, 512) has 1.8426B against the published "1.8B": that figure has two significant digits and
+1.8426B rounds to it; the per-cell growth implied by the (36, 544) entry predicts the same 1.84B.
+
+Auxiliary head (optional, after the last cell of the second stack, as in the reference): its
+logits ride along the tuple to the classifier, which then returns (logits, aux_logits); the loss
+adds 0.4 times the auxiliary cross-entropy. With the head off the model returns plain logits.
+`image_size` is the nominal size: it sets the example batch and the auxiliary head's last kernel;
+any image of at least 32 pixels runs.
 """
 
 from __future__ import annotations

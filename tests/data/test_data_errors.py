@@ -1,0 +1,85 @@
+"""User mistakes in data give one clear DataError line, never a traceback."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from datagen import data, write_jsonl
+
+from gpipe_cli.data import DataError, build_data
+
+
+def _fails(d, task: str, match: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(DataError, match=match) as err:
+        build_data(d, task, seed=0, image_size=32, num_classes=4, vocab_size=200, max_len=32,  # type: ignore[arg-type]
+                   cache_dir=tmp_path / "cache")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("source,task", [("imagefolder", "image"), ("parquet", "image"),
+                                         ("jsonl", "translation"), ("tsv", "translation"), ("text", "lm"),
+                                         ("parquet", "lm")])
+def test_missing_path(source: str, task: str, tmp_path: Path) -> None:
+    _fails(data(source=source, path=str(tmp_path / "nowhere")), task, "does not exist", tmp_path)
+
+
+def test_empty_folders(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    (empty / "train" / "cat").mkdir(parents=True)
+    _fails(data(source="imagefolder", path=str(empty)), "image", "no images", tmp_path)
+    _fails(data(source="jsonl", path=str(empty)), "translation", "no .jsonl", tmp_path)
+    (tmp_path / "e.txt").write_text("\n\n", encoding="utf-8")
+    _fails(data(source="text", path=str(tmp_path / "e.txt")), "lm", "has no text", tmp_path)
+
+
+def test_single_class_folder_has_no_labels(imagefolder: Callable[..., Path], tmp_path: Path) -> None:
+    root = imagefolder(classes=1, test=False)
+    _fails(data(source="imagefolder", path=str(root)), "image", "label", tmp_path)
+
+
+def test_malformed_files(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"source": "a", "target": "b"}\n{"source": "a", \n', encoding="utf-8")
+    _fails(data(source="jsonl", path=str(bad)), "translation", r"bad.jsonl:2: not valid JSON", tmp_path)
+    arr = write_jsonl(tmp_path / "arr.jsonl", [[1, 2]])  # type: ignore[list-item]
+    _fails(data(source="jsonl", path=str(arr)), "translation", "expected a JSON object", tmp_path)
+    fields = write_jsonl(tmp_path / "f.jsonl", [{"src": "a", "tgt": "b"}])
+    _fails(data(source="jsonl", path=str(fields)), "translation", "no fields 'source' and 'target'", tmp_path)
+    tsv = tmp_path / "one.tsv"
+    tsv.write_text("a\tb\nonly one column\n", encoding="utf-8")
+    _fails(data(source="tsv", path=str(tsv)), "translation", "one.tsv:2: expected two tab-separated",
+           tmp_path)
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"\xff\xfe\x00\x81" * 10)
+    _fails(data(source="text", path=str(binary)), "lm", "not UTF-8", tmp_path)
+    pq = tmp_path / "bad.parquet"
+    pq.write_bytes(b"PAR1 this is not parquet")
+    _fails(data(source="parquet", path=str(pq)), "image", "cannot read", tmp_path)
+
+
+def test_corrupt_image_is_reported_when_decoded(imagefolder: Callable[..., Path], tmp_path: Path) -> None:
+    root = imagefolder(classes=2, test=False)
+    (root / "train" / "class0" / "0.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    with pytest.raises(DataError, match="cannot decode image") as err:
+        ds = build_data(data(source="imagefolder", path=str(root), eval_fraction=0.0), "image", seed=0,
+                        image_size=32, num_classes=2, cache_dir=tmp_path / "cache")
+        list(ds.train_batches())
+    assert "\n" not in str(err.value)
+
+
+def test_wrong_source_for_the_task(tmp_path: Path) -> None:
+    f = tmp_path / "t.txt"
+    f.write_text("hello\n", encoding="utf-8")
+    _fails(data(source="text", path=str(f)), "translation", "language modelling", tmp_path)
+    _fails(data(source="text", path=str(f)), "image", "holds text", tmp_path)
+    _fails(data(source="imagefolder", path=str(tmp_path)), "lm", "holds images", tmp_path)
+    _fails(data(tokens_per_batch=100), "image", "tokens_per_batch", tmp_path)
+
+
+def test_too_few_examples_for_one_batch(tmp_path: Path) -> None:
+    _fails(data(synthetic_size=10, batch_size=16), "image", "too few for one batch", tmp_path)
+    ds = build_data(data(synthetic_size=10, batch_size=16, drop_last=False), "image", seed=0, image_size=32,
+                    num_classes=3)
+    assert ds.steps_per_epoch() == 1

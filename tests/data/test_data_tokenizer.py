@@ -1,0 +1,71 @@
+"""The sentencepiece tokenizer: trained on first use, stored in run_dir, reused afterwards."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+from datagen import data, pairs, write_jsonl
+
+from gpipe_cli.data import BOS, EOS, PAD, UNK, DataError, Tokenizer, build_data
+from gpipe_cli.data import tokenizer as tokenizer_mod
+from gpipe_cli.data.tokenizer import TOKENIZER_FILE, train_tokenizer
+
+
+def _corpus(tmp_path: Path) -> Path:
+    return write_jsonl(tmp_path / "train.jsonl", [{"source": s, "target": t} for s, t in pairs(200)])
+
+
+def test_trained_once_stored_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    d = data(source="jsonl", path=str(_corpus(tmp_path)))
+    first = build_data(d, "translation", seed=0, vocab_size=32000, max_len=64, run_dir=run)
+    stored = run / TOKENIZER_FILE
+    assert stored.is_file() and first.tokenizer is not None and first.tokenizer.path == stored
+    # A small corpus gets a small vocabulary (not the requested 32k), and the real size is reported.
+    assert 20 < first.tokenizer.vocab_size < 200
+    before = stored.stat().st_mtime_ns
+
+    def no_training(*a: object, **k: object) -> Tokenizer:
+        raise AssertionError("retrained")
+
+    monkeypatch.setattr(tokenizer_mod, "train_tokenizer", no_training)
+    second = build_data(d, "translation", seed=1, vocab_size=32000, max_len=64, run_dir=run)
+    assert second.tokenizer is not None and second.tokenizer.vocab_size == first.tokenizer.vocab_size
+    assert stored.stat().st_mtime_ns == before
+    b1, b2 = next(first.eval_batches()), next(second.eval_batches())
+    assert b1.targets.tolist() == b2.targets.tolist()
+
+
+def test_explicit_tokenizer_path(tmp_path: Path) -> None:
+    tok = train_tokenizer([s for p in pairs(100) for s in p], 64)
+    path = tok.save(tmp_path / "my.model")
+    d = data(source="jsonl", path=str(_corpus(tmp_path)), tokenizer=str(path))
+    ds = build_data(d, "translation", seed=0, vocab_size=64, max_len=64, run_dir=tmp_path / "run")
+    assert ds.tokenizer is not None and ds.tokenizer.path == path and ds.tokenizer.vocab_size == 64
+    with pytest.raises(DataError, match="model.vocab_size"):
+        build_data(d, "translation", seed=0, vocab_size=32, max_len=64)
+    with pytest.raises(DataError, match="does not exist"):
+        build_data(data(source="jsonl", path=str(_corpus(tmp_path)), tokenizer=str(tmp_path / "nope.model")),
+                   "translation", seed=0)
+    junk = tmp_path / "junk.model"
+    junk.write_bytes(b"not a model")
+    with pytest.raises(DataError, match="not a sentencepiece model"):
+        Tokenizer.load(junk)
+
+
+def test_special_ids_encode_decode_and_pickle() -> None:
+    tok = train_tokenizer(["hello world", "hello there", "world peace"] * 20, 40)
+    assert (PAD, UNK, BOS, EOS) == (0, 1, 2, 3)
+    ids = tok.encode("hello world")
+    assert ids and min(ids) > EOS
+    assert tok.decode([BOS, *ids, EOS, PAD, *ids]) == "hello world"  # stops at eos, skips bos
+    assert "".join(tok.pieces("hello")).replace("\u2581", "") == "hello"
+    assert pickle.loads(pickle.dumps(tok)).encode("hello world") == ids
+
+
+def test_vocab_larger_than_model_is_an_error(tmp_path: Path) -> None:
+    d = data(source="jsonl", path=str(_corpus(tmp_path)), vocab_size=100)
+    with pytest.raises(DataError, match="exceeds model.vocab_size"):
+        build_data(d, "translation", seed=0, vocab_size=64)

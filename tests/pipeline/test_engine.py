@@ -1,0 +1,121 @@
+"""The central promise: pipelined training equals plain training, for any K, M, schedule and remat mode."""
+
+import itertools
+import re
+import time
+
+import pytest
+import torch
+
+from gpipe_cli.pipeline import topology
+from gpipe_cli.pipeline.engine import Pipeline, build_layers
+from tests.multiproc import results, run_ranks
+from tests.pipeline import ranks, toy
+
+CONFIGS = list(itertools.product([1, 3, 4, 8], ["gpipe", "1f1b"], ["always", "except_last", "never"]))
+BALANCES = {1: {"bn": [6], "ln": [5]}, 2: {"bn": [3, 3], "ln": [2, 3]}, 4: {"bn": [1, 2, 1, 2], "ln": [1, 1, 2, 1]}}
+TOLERANCE = 1e-5
+
+
+def merged_states(per_rank: list[dict]) -> dict:
+    merged: dict = {}
+    for part in per_rank:
+        for config, state in part.items():
+            merged.setdefault(config, {}).update(state)
+    return merged
+
+
+def check(states: dict, model: str) -> None:
+    references = {m: toy.reference(model, m) for m in {c[0] for c in states}}
+    failures = []
+    for config, state in states.items():
+        ref = references[config[0]]
+        assert set(state) == set(ref), f"{config}: state keys differ"
+        errors = toy.relative_errors(state, ref)
+        worst = max(errors, key=errors.get)
+        if errors[worst] > TOLERANCE:
+            failures.append(f"{config}: {worst} differs by {errors[worst]:.2e}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("model", ["bn", "ln"])
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_parameters_equal_plain_training(stages, model):
+    """K in {1,2,4} x M in {1,3,4,8} x both schedules x all remat modes, uneven and final smaller batches.
+
+    The BatchNorm model also checks the running statistics (deferred BatchNorm); the LayerNorm model is
+    compared with whole-batch training, which shows the result does not depend on M at all.
+    """
+    balance = BALANCES[stages][model]
+    if stages == 1:
+        states = ranks.grid(model, 1, balance, CONFIGS)
+    else:
+        states = merged_states(results(run_ranks(ranks.grid, stages, model, stages, balance, CONFIGS)))
+    check(states, model)
+
+
+def test_data_parallel_times_pipeline_equals_concatenated_batch():
+    for model, balance in (("ln", [2, 3]), ("bn", [3, 3])):
+        outcome = results(run_ranks(ranks.data_parallel, 4, model, 2, 2, balance, 2))
+        ref = toy.reference(model, microbatches=2, replicas=2)
+        for part in outcome:
+            errors = toy.relative_errors(part["state"], ref)
+            assert max(errors.values()) <= TOLERANCE, (model, part["stage"], part["replica"], errors)
+        # replicas hold identical parameters and BatchNorm statistics
+        by_stage: dict = {}
+        for part in outcome:
+            by_stage.setdefault(part["stage"], []).append(part["state"])
+        for a, b in by_stage.values():
+            assert all(torch.equal(a[k], b[k]) for k in a)
+        assert outcome[0]["losses"][0] is not None
+
+
+def test_tied_parameters_across_stages_stay_equal_and_match_one_process():
+    ref = toy.reference("tied", 1)
+    for balance in ([2, 2], [1, 1, 1, 1]):
+        states = merged_states(results(run_ranks(ranks.grid, len(balance), "tied", len(balance), balance,
+                                                 [(3, "gpipe", "except_last"), (2, "1f1b", "always")])))
+        for config, state in states.items():
+            assert torch.equal(state["0.embed.weight"], state["3.proj.weight"]), config
+            errors = toy.relative_errors(state, ref)
+            assert max(errors.values()) <= TOLERANCE, (balance, config, errors)
+
+
+def test_tied_parameters_within_one_stage_are_one_tensor():
+    factories = toy.tied_model()
+    pipe = Pipeline(build_layers(factories, range(4), toy.SEED), topology.local(), [4], toy.token_loss,
+                    tied=toy.TIED)
+    assert pipe.module.get_parameter("0.embed.weight") is pipe.module.get_parameter("3.proj.weight")
+    assert len(pipe.parameters()) == sum(1 for _ in pipe.module.parameters())
+
+
+def test_evaluation_returns_loss_metrics_and_outputs_on_rank_zero():
+    single = ranks.evaluate("bn", 1, [6], 10, 4)
+    for size in (10, 3):  # 3 < M: one example per micro-batch
+        outcome = results(run_ranks(ranks.evaluate, 2, "bn", 2, [3, 3], size, 4))
+        rank0 = next(o for o in outcome if o["rank"] == 0)
+        ref = single if size == 10 else ranks.evaluate("bn", 1, [6], size, 4)
+        assert rank0["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert rank0["units"] == size and rank0["metrics"]["correct"] == ref["metrics"]["correct"]
+        assert torch.allclose(rank0["outputs"], ref["outputs"], rtol=1e-5, atol=1e-6)
+        assert all(o["loss"] == pytest.approx(rank0["loss"]) for o in outcome)
+
+
+def test_shapes_change_between_steps_and_microbatches():
+    """Sequence length changes every step and micro-batches are uneven: fresh buffers, right results."""
+    single = ranks.varying_shapes([3])
+    for balance in ([1, 2], [1, 1, 1]):
+        losses = results(run_ranks(ranks.varying_shapes, len(balance), balance))[-1]
+        assert losses == pytest.approx(single, rel=1e-5)
+
+
+def test_a_failing_stage_stops_every_rank_quickly_with_its_error():
+    start = time.monotonic()
+    outcome = run_ranks(ranks.failing, 3, 3, 1, timeout=60)
+    elapsed = time.monotonic() - start
+    assert elapsed < 30, f"ranks took {elapsed:.0f} s to stop"
+    assert all(o.exitcode not in (0, None) for o in outcome), [o.exitcode for o in outcome]
+    failing = outcome[1].output
+    assert "stage 1 (rank 1) failed: ValueError: boom: this layer is broken" in failing
+    for other in (outcome[0], outcome[2]):
+        assert re.search(r"stopped: stage 1 \(rank 1\) failed: ValueError: boom", other.output), other.output

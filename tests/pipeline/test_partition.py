@@ -1,0 +1,77 @@
+import itertools
+import random
+
+import pytest
+
+from gpipe_cli.pipeline.partition import (
+    PartitionError,
+    balance_by_cost,
+    check_balance,
+    stage_costs,
+    stage_ranges,
+)
+
+
+def brute_force(costs, k):
+    n = len(costs)
+    best = None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = [0, *cuts, n]
+        worst = max(sum(costs[bounds[i]:bounds[i + 1]]) for i in range(k))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("costs,k,expected", [
+    ([1] * 8, 4, [2, 2, 2, 2]),
+    ([10, 1, 1, 1, 1, 10], 3, [1, 4, 1]),
+    ([1, 2, 3, 4, 5, 6, 7, 8, 9], 3, [5, 2, 2]),
+    ([5], 1, [1]),
+    ([1, 100, 1], 3, [1, 1, 1]),
+    ([3, 3, 3, 3, 3, 3], 2, [3, 3]),
+])
+def test_known_optima(costs, k, expected):
+    assert balance_by_cost(costs, k) == expected
+
+
+def test_matches_brute_force_on_random_sequences():
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        k = rng.randint(1, n)
+        costs = [rng.choice([0, 1, 2, 3, 5, 8, 13, 0.5]) for _ in range(n)]
+        balance = balance_by_cost(costs, k)
+        assert len(balance) == k and sum(balance) == n and min(balance) >= 1
+        assert max(stage_costs(costs, balance)) == pytest.approx(brute_force(costs, k))
+
+
+def test_large_model_is_fast_and_optimal_value():
+    costs = [float(i % 7 + 1) for i in range(1000)]
+    balance = balance_by_cost(costs, 8)
+    assert sum(balance) == 1000 and len(balance) == 8
+    assert max(stage_costs(costs, balance)) <= sum(costs) / 8 + 7
+
+
+def test_too_many_partitions_is_a_clear_error():
+    with pytest.raises(PartitionError, match="partitions must be <= 3"):
+        balance_by_cost([1, 2, 3], 4)
+
+
+@pytest.mark.parametrize("balance,message", [
+    ([2, 2], "sums to 4 but the model has 5 layers"),
+    ([3, 0, 2], "non-positive entry 0"),
+    ([3, -1, 3], "non-positive entry -1"),
+    ([], "empty"),
+])
+def test_bad_explicit_balances(balance, message):
+    with pytest.raises(PartitionError, match=message):
+        check_balance(balance, 5)
+
+
+def test_balance_length_must_match_partitions():
+    with pytest.raises(PartitionError, match="3 stages but 2 partitions"):
+        check_balance([1, 2, 2], 5, partitions=2)
+
+
+def test_stage_ranges_are_contiguous():
+    assert stage_ranges([3, 5, 4, 4]) == [range(0, 3), range(3, 8), range(8, 12), range(12, 16)]

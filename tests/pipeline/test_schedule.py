@@ -1,0 +1,81 @@
+import pytest
+
+from gpipe_cli.pipeline import schedule as S
+from gpipe_cli.pipeline.schedule import Kind
+
+
+def text(actions):
+    return " ".join(str(a) for a in actions)
+
+
+def test_gpipe_fill_drain_k2_m3_by_hand():
+    stage0, stage1 = S.build_all("gpipe", 2, 3, "always")
+    assert text(stage0) == "F0 sf0 F1 sf1 F2 sf2 R2 rb2 B2 R1 rb1 B1 R0 rb0 B0"
+    assert text(stage1) == "rf0 F0 rf1 F1 rf2 F2 R2 B2 sb2 R1 B1 sb1 R0 B0 sb0"
+
+
+def test_except_last_keeps_the_last_microbatch_in_gpipe():
+    stage0, stage1 = S.build_all("gpipe", 2, 3, "except_last")
+    assert text(stage0) == "F0 sf0 F1 sf1 F2 sf2 rb2 B2 R1 rb1 B1 R0 rb0 B0"
+    assert "R2" not in text(stage1)
+
+
+def test_never_has_no_recompute():
+    assert all(a.kind != Kind.RECOMPUTE for s in S.build_all("1f1b", 3, 5, "never") for a in s)
+
+
+def test_1f1b_k3_m4_by_hand():
+    s0, s1, s2 = S.build_all("1f1b", 3, 4, "never")
+    assert text(s0) == "F0 sf0 F1 sf1 F2 sf2 rb0 B0 F3 sf3 rb1 B1 rb2 B2 rb3 B3"
+    assert text(s1) == "rf0 F0 sf0 rf1 F1 sf1 rb0 B0 sb0 rf2 F2 sf2 rb1 B1 sb1 rf3 F3 sf3 rb2 B2 sb2 rb3 B3 sb3"
+    assert text(s2) == "rf0 F0 B0 sb0 rf1 F1 B1 sb1 rf2 F2 B2 sb2 rf3 F3 B3 sb3"
+
+
+def test_single_stage_has_no_messages():
+    (only,) = S.build_all("gpipe", 1, 2, "except_last")
+    assert text(only) == "F0 F1 B1 R0 B0"
+
+
+@pytest.mark.parametrize("name", S.SCHEDULES)
+@pytest.mark.parametrize("stages,mbs", [(2, 1), (2, 5), (3, 4), (4, 8), (8, 3)])
+def test_every_send_meets_its_receive_in_order(name, stages, mbs):
+    plans = S.build_all(name, stages, mbs, "except_last")
+    for s in range(stages - 1):
+        assert S.message_order(plans[s], Kind.SEND_FWD) == S.message_order(plans[s + 1], Kind.RECV_FWD)
+        assert S.message_order(plans[s + 1], Kind.SEND_BWD) == S.message_order(plans[s], Kind.RECV_BWD)
+    for plan in plans:
+        assert sorted(a.microbatch for a in plan if a.kind == Kind.FWD) == list(range(mbs))
+        assert sorted(a.microbatch for a in plan if a.kind == Kind.BWD) == list(range(mbs))
+    S.simulate(plans, lambda s, a: 1.0)  # raises on deadlock
+
+
+@pytest.mark.parametrize("stages,mbs", [(2, 1), (2, 4), (2, 32), (4, 4), (4, 32), (8, 1), (8, 32)])
+def test_simulated_gpipe_bubble_is_theory_for_equal_costs(stages, mbs):
+    plans = S.build_all("gpipe", stages, mbs, "never")
+    spans = S.simulate(plans, lambda s, a: 1.0 if a.kind == Kind.FWD else 2.0)
+    assert S.bubble(spans) == pytest.approx(S.theoretical_bubble(stages, mbs))
+
+
+@pytest.mark.parametrize("stages,mbs", [(2, 8), (4, 8), (4, 16)])
+def test_1f1b_bounds_inflight_microbatches(stages, mbs):
+    for s, plan in enumerate(S.build_all("1f1b", stages, mbs)):
+        live = peak = 0
+        for a in plan:
+            live += a.kind == Kind.FWD
+            live -= a.kind == Kind.BWD
+            peak = max(peak, live)
+        assert peak == min(stages - s, mbs) <= stages
+    gpipe_peak = max(sum(a.kind == Kind.FWD for a in plan) for plan in S.build_all("gpipe", stages, mbs))
+    assert gpipe_peak == mbs
+
+
+def test_bad_names_are_clear():
+    with pytest.raises(ValueError, match="unknown schedule 'zb'"):
+        S.build("zb", 0, 2, 2)
+    with pytest.raises(ValueError, match="unknown checkpoint mode 'sometimes'"):
+        S.build("gpipe", 0, 2, 2, "sometimes")
+
+
+def test_render_prints_one_line_per_stage():
+    assert S.render(S.build_all("gpipe", 2, 1, "never")).splitlines() == [
+        "stage 0: F0 sf0 rb0 B0", "stage 1: rf0 F0 B0 sb0"]
