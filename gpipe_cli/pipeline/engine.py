@@ -23,7 +23,7 @@ from gpipe_cli.pipeline.stage import Stage, as_tensors
 from gpipe_cli.pipeline.topology import Topology, add_groups
 
 Units = Callable[[torch.Tensor], "torch.Tensor | int | float"]
-Metrics = Callable[[Any, torch.Tensor], dict[str, float]]
+Metrics = dict[str, Callable[[Any, torch.Tensor], "torch.Tensor | float"]]  # name -> sum over examples
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -331,22 +331,26 @@ class Pipeline:
                  metrics: Metrics | None = None, return_outputs: bool = False) -> EvalResult:
         """A no-grad forward of one batch; loss and metric sums over all replicas, outputs on rank 0.
 
-        A batch smaller than `microbatches` runs with one example per micro-batch.
+        A batch smaller than `microbatches` runs with one example per micro-batch; an empty batch (a
+        data-parallel shard with nothing left) passes an empty message down the pipeline.
         """
         layout = self.layout
         was_training = self.module.training
         self.module.eval()
         try:
-            chunks, first_message = self._eval_chunks(inputs, targets, microbatches)
+            chunks, first_message = self._eval_chunks(inputs, microbatches)
             feed, offsets = [], []
-            if layout.is_first:
+            if layout.is_first and chunks:
                 feed = microbatch.scatter(self._to_device(inputs), chunks)
                 offsets = microbatch.offsets(microbatch.sizes(microbatch.batch_size(inputs), chunks))
-            targets_mb = microbatch.scatter(targets, chunks) if layout.is_last and targets is not None else []
+            targets_mb = microbatch.scatter(targets, chunks) if layout.is_last and chunks and targets is not None \
+                else []
             loss_sum = units_sum = 0.0
-            sums: dict[str, float] = {}
+            sums = dict.fromkeys(metrics or {}, 0.0)
             outputs: list[Any] = []
-            for action in sched.forward_only(layout.stage, layout.stages, chunks):
+            if chunks == 0 and self.fwd_out is not None:
+                self.fwd_out.send(0, 0, 0, [])
+            for action in sched.forward_only(layout.stage, layout.stages, chunks) if chunks else []:
                 mb = action.microbatch
                 if action.kind == Kind.RECV_FWD:
                     assert self.fwd_in is not None
@@ -373,17 +377,17 @@ class Pipeline:
                     assert self.stage.loss is not None
                     loss_sum += float(self.stage.loss(out, target)) * n
                     units_sum += n
-                    for key, value in (metrics(out, target) if metrics else {}).items():
-                        sums[key] = sums.get(key, 0.0) + float(value)
+                    for key, metric in (metrics or {}).items():
+                        sums[key] += float(metric(out, target))
                 if return_outputs:
                     outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)
             if self.fwd_out is not None:
                 self.fwd_out.flush()
-            return self._eval_result(loss_sum, units_sum, sums, outputs, chunks, return_outputs)
+            return self._eval_result(loss_sum, units_sum, sums, outputs, return_outputs)
         finally:
             self.module.train(was_training)
 
-    def _eval_chunks(self, inputs: Any, targets: torch.Tensor | None, microbatches: int) -> tuple[int, Any]:
+    def _eval_chunks(self, inputs: Any, microbatches: int) -> tuple[int, Any]:
         """How many micro-batches this evaluation runs; non-first stages learn it from the first message."""
         if self.layout.is_first:
             return min(microbatches, microbatch.batch_size(inputs)), None
@@ -391,11 +395,12 @@ class Pipeline:
         self.fwd_in.expect(1)
         first = self.fwd_in.take(0)
         chunks = first[0].chunks
-        self.fwd_in.expect(chunks - 1)
+        if chunks > 1:
+            self.fwd_in.expect(chunks - 1)
         return chunks, first
 
     def _eval_result(self, loss_sum: float, units_sum: float, sums: dict[str, float], outputs: list[Any],
-                     chunks: int, return_outputs: bool) -> EvalResult:
+                     return_outputs: bool) -> EvalResult:
         layout = self.layout
         keys = sorted(sums)
         if layout.is_last:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -61,6 +61,9 @@ class TransformerModel(Section):
 Model = Annotated[AmoebaNetModel | TransformerModel, Field(discriminator="kind")]
 
 
+BALANCE_MODES = ("auto", "params", "time", "memory")
+
+
 class Pipeline(Section):
     """How the model is cut and scheduled: K stages, M micro-batches, D replicas."""
 
@@ -71,6 +74,20 @@ class Pipeline(Section):
     balance: Literal["auto", "params", "time", "memory"] | list[PositiveInt] = "auto"
     data_parallel: PositiveInt = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+    @field_validator("balance", mode="before")
+    @classmethod
+    def _balance_value(cls, value: object) -> object:
+        if isinstance(value, str) and value in BALANCE_MODES:
+            return value
+        if isinstance(value, list):
+            bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+            if not bad:
+                return value
+            raise ValueError(f"pipeline.balance: every entry must be a positive number of layers "
+                             f"(got {bad[0]!r} in {value})")
+        raise ValueError(f"pipeline.balance: must be {', '.join(BALANCE_MODES)} or a list of layer counts "
+                         f"per stage (got {value!r})")
 
     @model_validator(mode="after")
     def _balance_matches_partitions(self) -> Pipeline:

@@ -67,11 +67,11 @@ def evaluate(model: str, stages: int, balance: list[int], size: int, microbatche
     x, y = toy.batch(model, 7, size)
     layout = pipe.layout
 
-    def accuracy(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
-        return {"correct": float((logits.argmax(-1) == targets).sum())}
+    def correct(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return (logits.argmax(-1) == targets).sum()
 
     result = pipe.evaluate(x if layout.is_first else None, y if layout.is_last else None,
-                           microbatches=microbatches, metrics=accuracy, return_outputs=True)
+                           microbatches=microbatches, metrics={"correct": correct}, return_outputs=True)
     pipe.close()
     return {"rank": layout.rank, "loss": result.loss, "units": result.units, "metrics": result.metrics,
             "outputs": result.outputs, "state": pipe.state_dict()}

@@ -1,0 +1,90 @@
+"""The `gpipe` command line: parse, load the recipe, call one function. No logic lives here."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, TypeVar
+
+import typer
+import yaml
+from rich.console import Console
+
+from gpipe_cli.errors import UserError
+from gpipe_cli.launch import LaunchOptions
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="GPipe pipeline-parallel training from YAML recipes.")
+T = TypeVar("T")
+
+RecipeArg = Annotated[str | None, typer.Argument(help="Recipe YAML file (default: the built-in quick-start recipe).")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: KEY=VALUE (repeatable).")]
+
+
+def _guard(fn: Callable[[], T]) -> T:
+    """Run a command; bad input becomes one line on stderr and its exit code, never a traceback."""
+    try:
+        return fn()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise typer.Exit(exc.exit_code) from None
+
+
+@app.command()
+def train(
+    recipe: RecipeArg = None,
+    set_: SetOpt = None,
+    output_dir: Annotated[str | None, typer.Option(help="Write the run exactly here instead of outputs/<name>/<time>.")] = None,
+    plain: Annotated[bool | None, typer.Option("--plain/--live", help="Plain log lines or the live view (default: live on a terminal).")] = None,
+    nnodes: Annotated[str, typer.Option(help="Nodes in the job: N or MIN:MAX (torchrun).")] = "1",
+    node_rank: Annotated[int | None, typer.Option(help="This node's rank (static rendezvous).")] = None,
+    rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT of the rendezvous, the same on every node.")] = None,
+    rdzv_backend: Annotated[str | None, typer.Option(help="Rendezvous backend: static (with --node-rank) or c10d.")] = None,
+    rdzv_id: Annotated[str | None, typer.Option(help="Job id shared by all nodes (c10d rendezvous).")] = None,
+    threads: Annotated[int | None, typer.Option(help="Intra-op threads per rank (default: cores / ranks on this node).")] = None,
+) -> None:
+    """Train a model with GPipe on partitions x data_parallel processes."""
+    from gpipe_cli.train.run import TrainOptions
+    from gpipe_cli.train.run import train as run_training
+
+    options = TrainOptions(recipe, set_ or [], output_dir, plain, LaunchOptions(
+        nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
+        rdzv_id=rdzv_id, threads=threads))
+    code = _guard(lambda: run_training(options))
+    raise typer.Exit(code)
+
+
+@app.command()
+def validate(
+    recipe: RecipeArg = None,
+    set_: SetOpt = None,
+    json_file: Annotated[Path | None, typer.Option("--json", help="Also write the recipe and plan as JSON here.")] = None,
+) -> None:
+    """Check a recipe and print the resolved recipe and the plan; trains nothing, reads no data."""
+    from gpipe_cli.recipe.load import load_recipe
+    from gpipe_cli.train.plan import make_plan
+    from gpipe_cli.train.plan_table import plan_table
+
+    def run() -> None:
+        loaded = load_recipe(recipe, set_ or [])
+        plan = make_plan(loaded)
+        console = Console()
+        console.print(yaml.safe_dump(loaded.model_dump(mode="json"), sort_keys=False), markup=False,
+                      highlight=False)
+        console.print(plan_table(plan))
+        if json_file is not None:
+            payload = {"recipe": loaded.model_dump(mode="json"), **plan.to_json()}
+            json_file.write_text(json.dumps(payload, indent=2))
+
+    _guard(run)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Start the ranks of a job with torchrun's elastic agent (in this process) and report how they ended.
+
+Using the agent in-process rather than shelling out to `torchrun` lets us turn its failure report
+into one line for the user; the worker that failed has already printed its own error and stage.
+Multi-node jobs use torchrun's rendezvous: static (with a node rank) or c10d (elastic).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import socket
+import sys
+import uuid
+from dataclasses import dataclass
+
+from gpipe_cli.errors import UserError
+
+
+def under_torchrun() -> bool:
+    """Whether this process is already a rank started by torchrun (or an equivalent launcher)."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+@dataclass
+class LaunchOptions:
+    """How to start the ranks: nodes, rendezvous, threads per rank."""
+
+    nnodes: str = "1"
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str | None = None
+    rdzv_id: str | None = None
+    max_restarts: int = 0
+    threads: int | None = None  # intra-op threads per rank; default: cores / local ranks
+    shutdown_timeout: int = 120  # seconds ranks get to finish a step and checkpoint on Ctrl-C/SIGTERM
+
+
+def _nodes(nnodes: str) -> tuple[int, int]:
+    try:
+        low, _, high = nnodes.partition(":")
+        lo, hi = int(low), int(high or low)
+    except ValueError:
+        raise UserError(f"--nnodes must be N or MIN:MAX (got '{nnodes}')") from None
+    if not 0 < lo <= hi:
+        raise UserError(f"--nnodes must satisfy 0 < MIN <= MAX (got '{nnodes}')")
+    return lo, hi
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _config(world: int, options: LaunchOptions) -> object:
+    from torch.distributed.launcher.api import LaunchConfig
+
+    min_nodes, max_nodes = _nodes(options.nnodes)
+    if world % max_nodes:
+        raise UserError(f"the job needs {world} processes, which does not divide over {max_nodes} nodes")
+    backend = options.rdzv_backend or ("static" if options.node_rank is not None or max_nodes == 1 else "c10d")
+    endpoint = options.rdzv_endpoint or ""
+    if max_nodes == 1 and not endpoint:
+        endpoint = f"127.0.0.1:{_free_port()}"
+    if max_nodes > 1 and not endpoint:
+        raise UserError("a multi-node job needs --rdzv-endpoint HOST:PORT (the same on every node)")
+    configs: dict[str, object] = {}
+    if backend == "static":
+        configs["rank"] = options.node_rank or 0
+    fields = {
+        "min_nodes": min_nodes, "max_nodes": max_nodes, "nproc_per_node": world // max_nodes,
+        "run_id": options.rdzv_id or (uuid.uuid4().hex[:12] if max_nodes == 1 else "gpipe"),
+        "rdzv_endpoint": endpoint, "rdzv_backend": backend, "rdzv_configs": configs,
+        "max_restarts": options.max_restarts, "monitor_interval": 0.1, "start_method": "spawn",
+        "shutdown_timeout": options.shutdown_timeout,
+    }
+    accepted = inspect.signature(LaunchConfig).parameters
+    return LaunchConfig(**{k: v for k, v in fields.items() if k in accepted})
+
+
+def launch(module: str, args: list[str], world: int, options: LaunchOptions | None = None) -> int:
+    """Run `python -m module *args` on `world` ranks (this node's share of them); return an exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    options = options or LaunchOptions()
+    config = _config(world, options)
+    local = config.nproc_per_node  # type: ignore[attr-defined]
+    threads = options.threads or max((os.cpu_count() or 1) // local, 1)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["GPIPE_THREADS"] = str(threads)
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", module, *args)  # type: ignore[arg-type]
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        code = failure.exitcode
+        print(f"gpipe: rank {rank} exited with code {code}; see its message above", file=sys.stderr)
+        return code if isinstance(code, int) and code > 0 else 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # rendezvous failures: unreachable endpoint, timeout
+        print(f"gpipe: could not start the job: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,194 @@
+"""Read a YAML recipe, apply `--set` overrides and presets, and validate it into a typed Recipe.
+
+Every problem becomes a RecipeError whose message is one line naming the file, the key path, the bad
+value and what is allowed, e.g. `recipe.yaml: pipeline.microbatches: must be >= 1 (got 0)`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from gpipe_cli.errors import UserError
+from gpipe_cli.recipe.schema import AmoebaNetModel, Recipe, TransformerModel
+
+DEFAULT_RECIPE = "quickstart.yaml"
+_MODEL_SECTIONS: dict[str, type[BaseModel]] = {"amoebanet": AmoebaNetModel, "transformer": TransformerModel}
+_LOCAL_SOURCES = ("imagefolder", "parquet", "jsonl", "tsv", "text")
+
+
+class RecipeError(UserError):
+    """A recipe that cannot be used; the message is one line."""
+
+
+def default_recipe_text() -> str:
+    """The small recipe `gpipe train` runs when given none."""
+    return resources.files("gpipe_cli.recipe").joinpath(DEFAULT_RECIPE).read_text()
+
+
+def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:
+    """Load, override and validate a recipe (None: the embedded quick-start recipe)."""
+    label = "quickstart.yaml (built in)" if path is None else str(path)
+    raw = parse_yaml(default_recipe_text() if path is None else _read(Path(path)), label)
+    for item in overrides:
+        apply_override(raw, item)
+    return validate(raw, label)
+
+
+def _read(path: Path) -> str:
+    if not path.exists():
+        raise RecipeError(f"{path}: no such recipe file")
+    if path.is_dir():
+        raise RecipeError(f"{path}: is a directory, not a recipe file")
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{path}: cannot read the recipe ({exc})") from None
+
+
+def parse_yaml(text: str, label: str) -> dict[str, Any]:
+    """The recipe's YAML as a mapping."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "invalid syntax"
+        raise RecipeError(f"{label}: not valid YAML{where}: {problem}") from None
+    if data is None:
+        raise RecipeError(f"{label}: the recipe is empty; it needs at least a model, data and train section")
+    if not isinstance(data, dict):
+        raise RecipeError(f"{label}: a recipe must be a mapping of sections (got {type(data).__name__})")
+    return data
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one `--set KEY=VALUE` (VALUE parsed as YAML) to the raw recipe."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise RecipeError(f"--set expects KEY=VALUE with a dotted key, e.g. pipeline.microbatches=8 (got '{item}')")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise RecipeError(f"--set {key}: '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _resolve_preset(raw: dict[str, Any], label: str) -> dict[str, Any]:
+    model = raw.get("model")
+    if not isinstance(model, dict) or not model.get("preset"):
+        return raw
+    from gpipe_cli.models.registry import resolve_preset
+
+    explicit = {k: v for k, v in model.items() if k not in ("kind", "preset")}
+    try:
+        kind, params = resolve_preset(str(model["preset"]))
+    except ValueError as exc:
+        raise RecipeError(f"{label}: model.preset: {exc}") from None
+    if model.get("kind") not in (None, kind):
+        raise RecipeError(f"{label}: model.kind is '{model['kind']}' but preset '{model['preset']}' is a {kind}")
+    section = _MODEL_SECTIONS[kind]
+    known = {k: v for k, v in params.items() if k in section.model_fields}
+    out = copy.deepcopy(raw)
+    out["model"] = {"kind": kind, "preset": model["preset"], **known, **explicit}
+    return out
+
+
+def validate(raw: dict[str, Any], label: str) -> Recipe:
+    """Validate a raw recipe mapping, raising one RecipeError line for the first problem."""
+    raw = _resolve_preset(raw, label)
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as exc:
+        errors = exc.errors()
+        message = _describe(errors[0], raw)
+        more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+        raise RecipeError(f"{label}: {message}{more}") from None
+    _check_paths(recipe, label)
+    return recipe
+
+
+def _check_paths(recipe: Recipe, label: str) -> None:
+    data = recipe.data
+    if data.source in _LOCAL_SOURCES and data.path and not Path(data.path).exists():
+        raise RecipeError(f"{label}: data.path: no such file or directory: '{data.path}'")
+    if data.tokenizer and not Path(data.tokenizer).exists():
+        raise RecipeError(f"{label}: data.tokenizer: no such sentencepiece model: '{data.tokenizer}'")
+
+
+def _section_model(loc: Sequence[str | int], raw: dict[str, Any]) -> type[BaseModel] | None:
+    """The schema class of the section that holds the key at `loc`."""
+    model: type[BaseModel] | None = Recipe
+    for part in loc[:-1]:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return None
+        if part == "model":
+            kind = raw.get("model", {}).get("kind", "amoebanet") if isinstance(raw.get("model"), dict) else None
+            model = _MODEL_SECTIONS.get(str(kind))
+            continue
+        annotation = model.model_fields[part].annotation
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return model
+
+
+def _path(loc: Sequence[str | int]) -> list[str | int]:
+    # Unions and discriminated unions add their member names to the location; drop them.
+    out: list[str | int] = []
+    for part in loc:
+        if isinstance(part, str) and (part in _MODEL_SECTIONS and out == ["model"] or "[" in part or
+                                      part.startswith(("function-", "tagged-union"))):
+            continue
+        out.append(part)
+    return out
+
+
+_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
+          "list": "a list", "dict": "a mapping", "model": "a mapping", "tuple": "a list"}
+
+
+def _describe(error: dict[str, Any], raw: dict[str, Any]) -> str:
+    loc = _path(error["loc"])
+    key = ".".join(str(p) for p in loc)
+    kind, ctx, value = error["type"], error.get("ctx", {}), error.get("input")
+    got = f"(got {value!r})" if not isinstance(value, (int, float)) or isinstance(value, bool) else f"(got {value})"
+    if kind == "extra_forbidden":
+        section = _section_model(loc, raw)
+        allowed = ", ".join(section.model_fields) if section else "see the recipe reference"
+        return f"{key}: unknown key; allowed keys here: {allowed}"
+    if kind == "missing":
+        return f"{key}: is required"
+    if kind in ("greater_than_equal", "greater_than", "less_than", "less_than_equal"):
+        op, bound = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
+                     "less_than": ("<", "lt"), "less_than_equal": ("<=", "le")}[kind]
+        return f"{key}: must be {op} {ctx[bound]} {got}"
+    if kind == "literal_error":
+        return f"{key}: must be {ctx.get('expected', 'one of the allowed values')} {got}"
+    if kind == "union_tag_invalid":
+        return f"{key}.{ctx.get('discriminator', 'kind').strip(chr(39))}: must be {ctx.get('expected_tags')} " \
+               f"(got {ctx.get('tag')!r})"
+    if kind == "union_tag_not_found":
+        return f"{key}.kind: is required (amoebanet or transformer)"
+    if kind == "string_pattern_mismatch":
+        return f"{key}: may contain only letters, digits, '.', '_' and '-' {got}"
+    if kind == "string_too_short":
+        return f"{key}: must not be empty"
+    if kind == "value_error":
+        return str(error["msg"]).removeprefix("Value error, ")
+    for name, words in _KINDS.items():
+        if kind.startswith(name + "_") or kind == name + "_type":
+            return f"{key}: must be {words} {got}"
+    return f"{key}: {error['msg']} {got}"

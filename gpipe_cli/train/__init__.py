@@ -1,0 +1,1 @@
+"""Training: plan, launch, loop, metrics and checkpoints for `gpipe train`."""

@@ -1,0 +1,237 @@
+"""The training loop every rank runs: build this rank's stage, then train, evaluate and report.
+
+Rank 0 is stage 0 of replica 0: it reads inputs, and it writes the run directory, metrics and the
+terminal view from the statistics the engine gathers to it. The last stage of each replica reads
+targets; middle stages read no data at all.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpipe_cli.data import Batch, Loader, build_data_for, task_for
+from gpipe_cli.errors import UserError
+from gpipe_cli.models.base import ModelSpec
+from gpipe_cli.pipeline import topology
+from gpipe_cli.pipeline.engine import Pipeline, build_layers
+from gpipe_cli.pipeline.layer_profile import profile_layers
+from gpipe_cli.pipeline.partition import stage_ranges
+from gpipe_cli.recipe.schema import Recipe
+from gpipe_cli.train import evaluation, optim
+from gpipe_cli.train.plan import Plan, make_plan, model_spec
+from gpipe_cli.train.report import MetricsFile, TerminalView
+from gpipe_cli.train.rundir import choose_run_dir, create_run_dir, save_recipe
+
+
+@dataclass
+class Job:
+    """What the launcher hands every rank."""
+
+    recipe: dict[str, Any]
+    output_dir: str | None = None
+    outputs_root: str = "outputs"
+    plain: bool | None = None
+
+
+class Trainer:
+    """One rank's part of a training run."""
+
+    def __init__(self, recipe: Recipe, job: Job, topo: topology.Topology) -> None:
+        self.recipe, self.job, self.topo, self.layout = recipe, job, topo, topo.layout
+        self.spec: ModelSpec = model_spec(recipe)
+        self.plan: Plan = make_plan(recipe, self.spec, self._measure())
+        self.run_dir = Path(self._share(str(choose_run_dir(recipe, job.output_dir, job.outputs_root))
+                                        if self.layout.rank == 0 else None))
+        fresh = not self.run_dir.exists()
+        try:
+            self._build()
+        except BaseException:
+            if self.layout.rank == 0 and fresh:  # a run that never started leaves nothing behind
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
+
+    def _build(self) -> None:
+        recipe, job, topo = self.recipe, self.job, self.topo
+        self.data: Loader | None = None
+        if self.layout.is_first or self.layout.is_last:
+            self.data = build_data_for(recipe, run_dir=self.run_dir)
+            self._check_vocabulary()
+        counts = (self.data.steps_per_epoch(), self.data.eval_steps(recipe.eval.batches)) if self.data else None
+        self.steps_per_epoch, self.eval_steps = self._share(counts)
+        if self.layout.rank == 0:
+            create_run_dir(self.run_dir)
+            save_recipe(recipe, self.run_dir)
+        pipe_cfg = recipe.pipeline
+        span = stage_ranges(self.plan.balance)[self.layout.stage]
+        layers = build_layers(self.spec.factories(), span, recipe.seed, topo.device)
+        self.pipe = Pipeline(layers, topo, self.plan.balance, self.spec.loss, units=self.spec.units,
+                             schedule=pipe_cfg.schedule, checkpoint=pipe_cfg.checkpoint, tied=self.spec.tied,
+                             precision=recipe.train.precision)
+        self.total_steps = self._total_steps()
+        self.optimizer = optim.build_optimizer(self.pipe.parameters(), recipe)
+        self.scheduler = optim.build_scheduler(self.optimizer, recipe, self.steps_per_epoch, self.total_steps)
+        self.lr = optim.lr_factor(recipe, self.steps_per_epoch, self.total_steps)
+        self.metrics = MetricsFile(self.run_dir / "metrics.jsonl") if self.layout.rank == 0 else None
+        self.view = (TerminalView(self.total_steps, f"{recipe.name}: {self.spec.name}", job.plain)
+                     if self.layout.rank == 0 else None)
+
+    # ----------------------------------------------------------------- set-up helpers
+
+    def _share(self, value: Any) -> Any:
+        """Rank 0's value, on every rank."""
+        if not self.topo.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.topo.transport.control)
+        return box[0]
+
+    def _measure(self) -> list[float] | None:
+        """Per-layer costs for balance `time` or `memory`, measured on rank 0 and shared."""
+        mode = self.recipe.pipeline.balance
+        if mode not in ("time", "memory"):
+            return None
+        costs = None
+        if self.layout.rank == 0:
+            size = max(self.recipe.data.batch_size // (self.recipe.pipeline.data_parallel *
+                                                       self.recipe.pipeline.microbatches), 1)
+            sample, _ = self.spec.example_batch(size, self.topo.device)
+            profile = profile_layers(self.spec.factories(), sample, self.recipe.seed, self.topo.device)
+            costs = [p.seconds if mode == "time" else float(p.activation_bytes + 4 * p.param_bytes)
+                     for p in profile]
+        return self._share(costs)
+
+    def _check_vocabulary(self) -> None:
+        assert self.data is not None
+        tokenizer, model = self.data.tokenizer, self.recipe.model
+        if tokenizer is not None and model.kind == "transformer" and tokenizer.vocab_size > model.vocab_size:
+            raise UserError(f"model.vocab_size ({model.vocab_size}) is smaller than the tokenizer's vocabulary "
+                            f"({tokenizer.vocab_size}); raise model.vocab_size")
+
+    def _total_steps(self) -> int:
+        train = self.recipe.train
+        limits = [train.steps] if train.steps else []
+        if train.epochs:
+            limits.append(train.epochs * self.steps_per_epoch)
+        return min(limits)
+
+    # ----------------------------------------------------------------- the loop
+
+    def batches(self, start_step: int) -> Iterator[Batch | None]:
+        """This rank's shard of every training mini-batch from `start_step` on (None: no data here)."""
+        step = start_step
+        while step < self.total_steps:
+            epoch, index = divmod(step, self.steps_per_epoch)
+            if self.data is None:
+                yield None
+                step += 1
+                continue
+            for batch in self.data.train_batches(epoch=epoch, start=index,
+                                                 shard=(self.layout.replica, self.layout.replicas),
+                                                 need_inputs=self.layout.is_first, need_targets=self.layout.is_last):
+                yield batch
+                step += 1
+                if step >= self.total_steps:
+                    return
+
+    def run(self) -> None:
+        """Train for the recipe's steps or epochs, evaluating as asked and at the end."""
+        recipe, layout = self.recipe, self.layout
+        if self.view is not None:
+            self.view.start()
+        every = recipe.eval.every
+        last_time = time.perf_counter()
+        for step, batch in enumerate(self.batches(0)):
+            result = self.pipe.train_step(
+                batch.inputs if batch is not None and layout.is_first else None,
+                batch.targets if batch is not None and layout.is_last else None,
+                microbatches=recipe.pipeline.microbatches, step=step,
+                example_offset=batch.offset if batch is not None else 0, max_grad_norm=recipe.train.grad_clip)
+            if self.optimizer is not None and not result.skipped:
+                self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.pipe.zero_grad()
+            now = time.perf_counter()
+            if layout.rank == 0:
+                assert batch is not None
+                self._record_step(step, batch, result, now - last_time)
+            last_time = now
+            if every and (step + 1) % every == 0 and step + 1 < self.total_steps:
+                self.evaluate(step + 1)
+                last_time = time.perf_counter()
+        if self.eval_steps:
+            self.evaluate(self.total_steps)
+        self.close()
+
+    def _record_step(self, step: int, batch: Batch, result: Any, seconds: float) -> None:
+        stats = result.stats
+        assert stats is not None and self.metrics is not None and self.view is not None
+        record: dict[str, Any] = {
+            "kind": "train", "step": step + 1, "epoch": step // self.steps_per_epoch + 1, "loss": result.loss,
+            "lr": optim.base_lr(self.recipe) * self.lr(step), "samples_per_s": batch.global_size / seconds,
+            "step_time_s": seconds, "bubble": stats.bubble, "bubble_theory": stats.bubble_theory,
+            "mem_peak_bytes": stats.memory_peaks(0), "grad_norm": result.grad_norm,
+            "rss_peak_bytes": [s.rss_peak for s in sorted(stats.stages, key=lambda s: s.stage) if s.replica == 0],
+        }
+        if self.spec.task != "image":
+            record["tokens_per_s"] = stats.units / seconds
+        if result.skipped:
+            record["skipped"] = True
+        self.metrics.write(record)
+        self.view.show(record, self.recipe.train.log_every)
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """Loss and accuracy (and BLEU for translation) on the held-out split."""
+        layout = self.layout
+        batches: Iterator[Batch | None] = iter([None] * self.eval_steps)
+        if self.data is not None:
+            batches = self.data.eval_batches(shard=(layout.replica, layout.replicas), limit=self.recipe.eval.batches,
+                                             need_inputs=layout.is_first, need_targets=layout.is_last)
+        metrics = evaluation.metrics_for(self.spec)
+        loss = units = 0.0
+        sums = dict.fromkeys(metrics, 0.0)
+        for batch in batches:
+            result = self.pipe.evaluate(batch.inputs if batch is not None and layout.is_first else None,
+                                        batch.targets if batch is not None and layout.is_last else None,
+                                        microbatches=self.recipe.pipeline.microbatches, metrics=metrics)
+            loss += result.loss * result.units if result.units else 0.0
+            units += result.units
+            for key in sums:
+                sums[key] += result.metrics[key]
+        record: dict[str, Any] = {"kind": "eval", "step": step, "loss": loss / units if units else float("nan")}
+        record.update(evaluation.summarise(sums, units))
+        if layout.rank == 0:
+            assert self.metrics is not None and self.view is not None
+            self.metrics.write(record)
+            self.view.show(record)
+        return record
+
+    def close(self) -> None:
+        """Finish the run: stop the view, close files and channels."""
+        if self.view is not None:
+            self.view.stop()
+            self.view.message(f"run directory: {self.run_dir}")
+        if self.metrics is not None:
+            self.metrics.close()
+        self.pipe.close()
+
+
+def configure_threads() -> None:
+    """Use the intra-op threads the launcher chose for this rank."""
+    threads = int(os.environ.get("GPIPE_THREADS", "0"))
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
+def task_of(recipe: Recipe) -> str:
+    """The task a recipe trains (image, translation or lm)."""
+    return task_for(recipe.model)

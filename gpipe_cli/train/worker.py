@@ -1,0 +1,45 @@
+"""Entry point of every training rank: `python -m gpipe_cli.train.worker JOB.json` (started by the launcher)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from gpipe_cli.errors import UserError
+from gpipe_cli.pipeline import failure, topology
+from gpipe_cli.recipe.schema import Recipe
+from gpipe_cli.train.loop import Job, Trainer, configure_threads
+
+
+def run_job(job: Job) -> None:
+    """Join the job as this rank and train; any failure stops every rank with its message."""
+    configure_threads()
+    recipe = Recipe.model_validate(job.recipe)
+    pipe = recipe.pipeline
+    topo = topology.init(pipe.partitions, pipe.data_parallel, backend=pipe.backend, device=recipe.train.device)
+    label = f"stage {topo.layout.stage} (rank {topo.layout.rank})"
+    watch = failure.AbortWatch(label) if topo.distributed else None
+
+    def train() -> None:
+        Trainer(recipe, job, topo).run()
+
+    failure.run_guarded(train, label, watch, quiet=(UserError,))
+    if watch is not None:
+        watch.stop()
+    if topo.distributed:
+        dist.barrier(group=topo.transport.control)
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Read the job file named on the command line and run it."""
+    args = sys.argv[1:] if argv is None else argv
+    job = Job(**json.loads(Path(args[0]).read_text()))
+    run_job(job)
+
+
+if __name__ == "__main__":
+    main()
