@@ -6,7 +6,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import TypeVar
 
 import typer
 import yaml
@@ -19,8 +19,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="GPipe pipeline-parallel training from YAML recipes.")
 T = TypeVar("T")
 
-RecipeArg = Annotated[str | None, typer.Argument(help="Recipe YAML file (default: the built-in quick-start recipe).")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: KEY=VALUE (repeatable).")]
+RECIPE_HELP = "Recipe YAML file (default: the built-in quick-start recipe)."
+SET_HELP = "Override a recipe key: KEY=VALUE (repeatable)."
 
 
 def _guard(fn: Callable[[], T]) -> T:
@@ -34,16 +34,17 @@ def _guard(fn: Callable[[], T]) -> T:
 
 @app.command()
 def train(
-    recipe: RecipeArg = None,
-    set_: SetOpt = None,
-    output_dir: Annotated[str | None, typer.Option(help="Write the run exactly here instead of outputs/<name>/<time>.")] = None,
-    plain: Annotated[bool | None, typer.Option("--plain/--live", help="Plain log lines or the live view (default: live on a terminal).")] = None,
-    nnodes: Annotated[str, typer.Option(help="Nodes in the job: N or MIN:MAX (torchrun).")] = "1",
-    node_rank: Annotated[int | None, typer.Option(help="This node's rank (static rendezvous).")] = None,
-    rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT of the rendezvous, the same on every node.")] = None,
-    rdzv_backend: Annotated[str | None, typer.Option(help="Rendezvous backend: static (with --node-rank) or c10d.")] = None,
-    rdzv_id: Annotated[str | None, typer.Option(help="Job id shared by all nodes (c10d rendezvous).")] = None,
-    threads: Annotated[int | None, typer.Option(help="Intra-op threads per rank (default: cores / ranks on this node).")] = None,
+    recipe: str | None = typer.Argument(None, help=RECIPE_HELP),
+    set_: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
+    output_dir: str | None = typer.Option(None, help="Write the run exactly here instead of outputs/<name>/<time>."),
+    plain: bool | None = typer.Option(None, "--plain/--live", help="Plain log lines or the live view "
+                                      "(default: live on a terminal)."),
+    nnodes: str = typer.Option("1", help="Nodes in the job: N or MIN:MAX (torchrun)."),
+    node_rank: int | None = typer.Option(None, help="This node's rank (static rendezvous)."),
+    rdzv_endpoint: str | None = typer.Option(None, help="HOST:PORT of the rendezvous, the same on every node."),
+    rdzv_backend: str | None = typer.Option(None, help="Rendezvous backend: static (with --node-rank) or c10d."),
+    rdzv_id: str | None = typer.Option(None, help="Job id shared by all nodes (c10d rendezvous)."),
+    threads: int | None = typer.Option(None, help="Intra-op threads per rank (default: cores / local ranks)."),
 ) -> None:
     """Train a model with GPipe on partitions x data_parallel processes."""
     from gpipe_cli.train.run import TrainOptions
@@ -58,18 +59,18 @@ def train(
 
 @app.command()
 def validate(
-    recipe: RecipeArg = None,
-    set_: SetOpt = None,
-    json_file: Annotated[Path | None, typer.Option("--json", help="Also write the recipe and plan as JSON here.")] = None,
+    recipe: str | None = typer.Argument(None, help=RECIPE_HELP),
+    set_: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
+    json_file: Path | None = typer.Option(None, "--json", help="Also write the recipe and plan as JSON here."),
 ) -> None:
     """Check a recipe and print the resolved recipe and the plan; trains nothing, reads no data."""
-    from gpipe_cli.recipe.load import load_recipe
-    from gpipe_cli.train.plan import make_plan
+    from gpipe_cli.recipe.load import load_recipe, recipe_label
+    from gpipe_cli.train.plan import checked_plan
     from gpipe_cli.train.plan_table import plan_table
 
     def run() -> None:
         loaded = load_recipe(recipe, set_ or [])
-        plan = make_plan(loaded)
+        plan = checked_plan(loaded, recipe_label(recipe))
         console = Console()
         console.print(yaml.safe_dump(loaded.model_dump(mode="json"), sort_keys=False), markup=False,
                       highlight=False)

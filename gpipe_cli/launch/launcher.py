@@ -14,6 +14,7 @@ import socket
 import sys
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from gpipe_cli.errors import UserError
 
@@ -69,7 +70,7 @@ def _config(world: int, options: LaunchOptions) -> object:
     configs: dict[str, object] = {}
     if backend == "static":
         configs["rank"] = options.node_rank or 0
-    fields = {
+    fields: dict[str, Any] = {
         "min_nodes": min_nodes, "max_nodes": max_nodes, "nproc_per_node": world // max_nodes,
         "run_id": options.rdzv_id or (uuid.uuid4().hex[:12] if max_nodes == 1 else "gpipe"),
         "rdzv_endpoint": endpoint, "rdzv_backend": backend, "rdzv_configs": configs,

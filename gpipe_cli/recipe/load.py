@@ -32,9 +32,14 @@ def default_recipe_text() -> str:
     return resources.files("gpipe_cli.recipe").joinpath(DEFAULT_RECIPE).read_text()
 
 
+def recipe_label(path: str | Path | None) -> str:
+    """How errors name a recipe."""
+    return "quickstart.yaml (built in)" if path is None else str(path)
+
+
 def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:
     """Load, override and validate a recipe (None: the embedded quick-start recipe)."""
-    label = "quickstart.yaml (built in)" if path is None else str(path)
+    label = recipe_label(path)
     raw = parse_yaml(default_recipe_text() if path is None else _read(Path(path)), label)
     for item in overrides:
         apply_override(raw, item)
@@ -115,7 +120,7 @@ def validate(raw: dict[str, Any], label: str) -> Recipe:
         recipe = Recipe.model_validate(raw)
     except ValidationError as exc:
         errors = exc.errors()
-        message = _describe(errors[0], raw)
+        message = _describe(dict(errors[0]), raw)
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
         raise RecipeError(f"{label}: {message}{more}") from None
     _check_paths(recipe, label)
@@ -178,8 +183,9 @@ def _describe(error: dict[str, Any], raw: dict[str, Any]) -> str:
     if kind == "literal_error":
         return f"{key}: must be {ctx.get('expected', 'one of the allowed values')} {got}"
     if kind == "union_tag_invalid":
-        return f"{key}.{ctx.get('discriminator', 'kind').strip(chr(39))}: must be {ctx.get('expected_tags')} " \
-               f"(got {ctx.get('tag')!r})"
+        tags = [t.strip() for t in str(ctx.get("expected_tags", "")).split(",")]
+        allowed = " or ".join([", ".join(tags[:-1]), tags[-1]] if len(tags) > 1 else tags)
+        return f"{key}.{ctx.get('discriminator', 'kind').strip(chr(39))}: must be {allowed} (got {ctx.get('tag')!r})"
     if kind == "union_tag_not_found":
         return f"{key}.kind: is required (amoebanet or transformer)"
     if kind == "string_pattern_mismatch":

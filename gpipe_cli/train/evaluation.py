@@ -26,7 +26,7 @@ def correct_tokens(output: Any, targets: torch.Tensor) -> torch.Tensor:
     return ((_logits(output).argmax(-1) == targets) & keep).sum()
 
 
-def metrics_for(spec: ModelSpec) -> dict[str, Callable[[Any, torch.Tensor], torch.Tensor]]:
+def metrics_for(spec: ModelSpec) -> dict[str, Callable[[Any, torch.Tensor], torch.Tensor | float]]:
     """The summed metrics the engine computes on the last stage for this model."""
     return {"correct": correct_examples if spec.task == "image" else correct_tokens}
 

@@ -32,6 +32,14 @@ def model_spec(recipe: Recipe) -> ModelSpec:
         raise UserError(f"model: {exc}") from None
 
 
+def checked_plan(recipe: Recipe, label: str) -> Plan:
+    """The plan, with problems reported against the recipe file."""
+    try:
+        return make_plan(recipe)
+    except UserError as exc:
+        raise UserError(f"{label}: {exc}") from None
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes one stage holds at its peak, by kind (an estimate from shapes; measure with profile-memory)."""
@@ -117,7 +125,8 @@ def _detached(x: Any) -> Any:
     return x.detach() if isinstance(x, torch.Tensor) else tuple(_detached(t) for t in x)
 
 
-def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float] | None = None) -> tuple[list[int], str]:
+def resolve_balance(recipe: Recipe, summary: ModelSummary,
+                    measured: list[float] | None = None) -> tuple[list[int], str]:
     """The layers per stage and what they were balanced by."""
     k, layers = recipe.pipeline.partitions, len(summary.layers)
     balance = recipe.pipeline.balance
@@ -133,7 +142,8 @@ def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float]
         note = "estimated FLOPs" if balance == "auto" else f"estimated FLOPs (measured {balance} at launch)"
         return partition.balance_by_cost(flops if any(flops) else [c.params for c in summary.layers], k), note
     except partition.PartitionError as exc:
-        raise UserError(f"pipeline: {exc} (the model has {layers} layers)") from None
+        key = "pipeline.balance" if isinstance(balance, list) else "pipeline.partitions"
+        raise UserError(f"{key}: {exc}") from None
 
 
 def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[float] | None = None) -> Plan:
@@ -145,7 +155,8 @@ def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[floa
     summary = describe(spec, mb)
     balance, balance_by = resolve_balance(recipe, summary, measured)
     saved = _saved_bytes_per_example(spec, mb)
-    slots = _OPTIMIZER_SLOTS[recipe.optimizer.name] - (recipe.optimizer.name == "sgd" and recipe.optimizer.momentum == 0)
+    opt = recipe.optimizer
+    slots = _OPTIMIZER_SLOTS[opt.name] - (opt.name == "sgd" and opt.momentum == 0)  # plain SGD keeps no state
     stages = []
     for s, span in enumerate(partition.stage_ranges(balance)):
         order = schedule.forward_order(pipe.schedule, s, pipe.partitions, pipe.microbatches)

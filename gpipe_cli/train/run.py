@@ -11,9 +11,9 @@ from pathlib import Path
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.launch import LaunchOptions, launch, under_torchrun
-from gpipe_cli.recipe.load import load_recipe
+from gpipe_cli.recipe.load import load_recipe, recipe_label
 from gpipe_cli.train.loop import Job
-from gpipe_cli.train.plan import make_plan
+from gpipe_cli.train.plan import checked_plan
 
 
 @dataclass
@@ -30,7 +30,7 @@ class TrainOptions:
 def train(options: TrainOptions) -> int:
     """Validate, then run the training job on K × D ranks; returns the exit code."""
     recipe = load_recipe(options.recipe, options.overrides)
-    make_plan(recipe)  # refuses impossible cuts before any process starts or any file is written
+    checked_plan(recipe, recipe_label(options.recipe))  # refuses impossible cuts before anything starts
     if options.output_dir and Path(options.output_dir).exists() and not Path(options.output_dir).is_dir():
         raise UserError(f"--output-dir: '{options.output_dir}' exists and is not a directory")
     job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain)

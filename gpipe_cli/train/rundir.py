@@ -49,5 +49,9 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 
 def save_recipe(recipe: Recipe, run_dir: Path) -> None:
     """Store the resolved recipe (every default filled in) with the run."""
-    text = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
-    atomic_write(run_dir / "recipe.yaml", lambda f: f.write(text.encode()))
+    text = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False).encode()
+
+    def write(f: IO[bytes]) -> None:
+        f.write(text)
+
+    atomic_write(run_dir / "recipe.yaml", write)

@@ -1,0 +1,88 @@
+"""A benchmark job: what K ranks measure, and how each rank does it.
+
+Rank 0 writes the figures as JSON to the job's `out` path after every phase, so a failure late in
+the job (a baseline) still leaves the earlier figures behind.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpipe_cli.bench import costs
+from gpipe_cli.bench.measure import build_pipeline, measure_engine
+from gpipe_cli.bench.subject import Subject, example_batch
+from gpipe_cli.pipeline import microbatch, topology
+
+
+@dataclass
+class Job:
+    """One launch of K ranks: the model, the cut, what to run and where rank 0 writes the figures."""
+
+    subject: dict[str, Any]
+    stages: int
+    balance: list[int]
+    batch_size: int
+    microbatches: list[int]
+    schedule: str
+    checkpoint: str
+    steps: int
+    warmup: int
+    seed: int
+    out: str
+    profile_costs: bool = False
+    trace: bool = False
+    compare: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def write(self, path: Path) -> None:
+        """Save the job for the ranks to read."""
+        path.write_text(json.dumps(asdict(self)))
+
+
+def _save(result: dict[str, Any], out: str) -> None:
+    tmp = Path(out + ".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(out)  # readers never see half a file
+
+
+def _profile_costs(job: Job, spec: Any, inputs: Any, targets: torch.Tensor) -> dict[str, Any]:
+    # Time layers at the smallest micro-batch the job runs: the size whose per-message overhead matters.
+    chunks = int(job.extra.get("profile_chunks", max(job.microbatches, default=1)))
+    first_inputs = microbatch.scatter(inputs, chunks)[0]
+    first_targets = microbatch.scatter(targets, chunks)[0]
+    return costs.profile(spec, first_inputs, first_targets, job.seed).to_json()
+
+
+def run_job(job: Job, topo: topology.Topology) -> None:
+    """Measure what the job asks for on this rank."""
+    spec = Subject.from_json(job.subject).build()
+    inputs, targets = example_batch(spec, job.batch_size, job.seed)
+    rank0 = topo.layout.rank == 0
+    result: dict[str, Any] = {"runs": []}
+    if job.profile_costs and rank0:
+        result["costs"] = _profile_costs(job, spec, inputs, targets)
+        _save(result, job.out)
+    for chunks in job.microbatches:
+        pipe = build_pipeline(spec, topo, job.balance, job.schedule, job.checkpoint, job.seed)
+        figures = measure_engine(pipe, inputs, targets, job.batch_size, chunks, job.steps, job.warmup,
+                                 trace=job.trace)
+        pipe.close()
+        if figures is not None:
+            result["runs"].append(figures.to_json())
+            _save(result, job.out)
+    if job.compare:
+        from gpipe_cli.bench import baseline
+
+        outcome = baseline.compare(spec, topo, job, inputs, targets)
+        if rank0:
+            result["compare"] = outcome
+            _save(result, job.out)
+    if rank0:
+        _save(result, job.out)
+
+

@@ -1,0 +1,182 @@
+"""Time training steps on this rank: the engine's, or any other step function, by one common clock.
+
+Every step starts after a barrier and is timed on every rank from the barrier to its return; the
+step's time is the slowest rank's. Ours and the baselines are timed by this same function, so their
+ratios compare like with like. Warm-up steps are run and dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpipe_cli.models.base import ModelSpec
+from gpipe_cli.pipeline import partition
+from gpipe_cli.pipeline.engine import Pipeline, build_layers
+from gpipe_cli.pipeline.stats import StepStats
+from gpipe_cli.pipeline.topology import Topology
+
+
+def _distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def timed(step: Callable[[], Any]) -> tuple[float, Any]:
+    """Run `step` on every rank from a common start; return the slowest rank's seconds and its result."""
+    if _distributed():
+        dist.barrier()
+    start = time.perf_counter()
+    result = step()
+    seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    if _distributed():
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds[0]), result
+
+
+def _gather_floats(value: float) -> list[float]:
+    """Every rank's `value`, in rank order."""
+    if not _distributed():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return [float(v) for v in out]
+
+
+def contended(cpu_per_busy: Sequence[float], threshold: float = 0.9) -> bool:
+    """Whether a rank computed with less CPU than wall time: other processes took its core.
+
+    A compute action keeps its (single) thread on the CPU the whole time, so on a quiet machine the
+    compute thread's CPU seconds are at least its compute seconds.
+    """
+    return any(v < threshold for v in cpu_per_busy)
+
+
+def median(values: Sequence[float]) -> float:
+    """The median, 0 for no values."""
+    return float(statistics.median(values)) if values else 0.0
+
+
+@dataclass
+class StageFigures:
+    """One stage's figures from the engine's own statistics (medians over the measured steps)."""
+
+    stage: int
+    layers: int
+    busy_s: float
+    step_s: float
+    bubble: float
+    activation_peak_bytes: int
+    rss_peak_bytes: int
+    cuda_peak_bytes: int
+
+
+@dataclass
+class RunFigures:
+    """One measured configuration of our engine, as rank 0 sees it."""
+
+    partitions: int
+    microbatches: int
+    batch_size: int
+    balance: list[int]
+    step_times: list[float] = field(default_factory=list)
+    units_per_step: float = 0.0
+    bubbles: list[float] = field(default_factory=list)
+    stages: list[StageFigures] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    cpu_per_busy: list[float] = field(default_factory=list)  # per rank: CPU seconds / compute seconds
+
+    @property
+    def samples_per_s(self) -> float:
+        """Median examples per second over the measured steps."""
+        return median([self.batch_size / t for t in self.step_times])
+
+    @property
+    def units_per_s(self) -> float:
+        """Median loss units (tokens for text) per second."""
+        return median([self.units_per_step / t for t in self.step_times])
+
+    @property
+    def bubble(self) -> float:
+        """Median measured bubble."""
+        return median(self.bubbles)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest per-stage memory peak (the CUDA allocator's when on CUDA, else stored activations)."""
+        return max((s.cuda_peak_bytes or s.activation_peak_bytes for s in self.stages), default=0)
+
+    def to_json(self) -> dict[str, Any]:
+        """As plain data."""
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> RunFigures:
+        """The inverse of `to_json`."""
+        fields = dict(data)
+        fields["stages"] = [StageFigures(**s) for s in data["stages"]]
+        return RunFigures(**fields)
+
+
+def _stage_figures(history: list[StepStats], balance: list[int]) -> list[StageFigures]:
+    out = []
+    for s in range(len(balance)):
+        rows = [st for stats in history for st in stats.stages if st.stage == s and st.replica == 0]
+        out.append(StageFigures(
+            stage=s, layers=balance[s], busy_s=median([r.busy for r in rows]),
+            step_s=median([r.step_time for r in rows]), bubble=median([r.bubble for r in rows]),
+            activation_peak_bytes=max(r.activation_peak for r in rows), rss_peak_bytes=max(r.rss_peak for r in rows),
+            cuda_peak_bytes=max(r.cuda_peak for r in rows)))
+    return out
+
+
+def build_pipeline(spec: ModelSpec, topo: Topology, balance: list[int], schedule: str, checkpoint: str,
+                   seed: int) -> Pipeline:
+    """This rank's stage of `spec` cut by `balance`."""
+    indices = partition.stage_ranges(balance)[topo.layout.stage]
+    layers = build_layers(spec.factories(), indices, seed, topo.device)
+    return Pipeline(layers, topo, balance, spec.loss, units=spec.units, schedule=schedule, checkpoint=checkpoint,
+                    tied=spec.tied)
+
+
+def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_size: int, microbatches: int,
+                   steps: int, warmup: int, trace: bool = False) -> RunFigures | None:
+    """Run warm-up and measured steps (and one traced step); the figures on rank 0, None elsewhere."""
+    layout = pipe.layout
+    feed = inputs if layout.is_first else None
+    labels = targets if layout.is_last else None
+    figures = RunFigures(layout.stages, microbatches, batch_size, list(pipe.balance))
+    history: list[StepStats] = []
+
+    def step(index: int, traced: bool = False) -> Any:
+        pipe.zero_grad()
+        return pipe.train_step(feed, labels, microbatches=microbatches, step=index, trace=traced)
+
+    cpu = busy = 0.0
+    for index in range(warmup + steps):
+        started = time.thread_time()
+        seconds, result = timed(functools.partial(step, index))
+        if index >= warmup:
+            cpu += time.thread_time() - started
+            busy += pipe.timeline.busy()
+            figures.step_times.append(seconds)
+            if result.stats is not None:
+                history.append(result.stats)
+    figures.cpu_per_busy = _gather_floats(cpu / busy if busy > 0 else 1.0)
+    if trace:
+        # A separate step, so that gathering the events never slows a measured one.
+        _, result = timed(lambda: step(warmup + steps, traced=True))
+        if result.stats is not None:
+            figures.events = [asdict(e) for e in result.stats.events]
+    if layout.rank != 0:
+        return None
+    figures.bubbles = [stats.bubble for stats in history]
+    figures.units_per_step = median([stats.units for stats in history])
+    figures.stages = _stage_figures(history, list(pipe.balance))
+    return figures

@@ -1,0 +1,160 @@
+"""What `gpipe bench` is asked to measure: one dataclass whose fields mirror the command's flags."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpipe_cli.errors import UserError
+from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES
+
+
+@dataclass
+class BenchOptions:
+    """The flags of `gpipe bench` (see `FLAGS` for their help)."""
+
+    model: str = "transformer"
+    partitions: int = 2
+    microbatches: int = 8
+    batch_size: int | None = None      # None: 4 examples per micro-batch
+    steps: int = 10
+    warmup: int = 3
+    schedule: str = "gpipe"
+    checkpoint: str = "except_last"
+    balance: str | None = None         # "3,5": layers per stage; None: by measured per-layer time
+    layers: int | None = None
+    filters: int | None = None
+    d_model: int | None = None
+    ff: int | None = None
+    heads: int | None = None
+    vocab_size: int | None = None
+    image_size: int | None = None
+    seq_len: int | None = None
+    num_classes: int | None = None
+    set: list[str] = field(default_factory=list)
+    sweep: bool = False
+    compare: bool = False
+    trace: Path | None = None
+    simulate: bool = False
+    devices: int | None = None
+    bandwidth: float = 12.0            # GB/s of the simulated link
+    latency_us: float = 20.0           # per-message latency of the simulated link
+    threads: int = 1
+    oversubscribe: bool = False
+    seed: int = 0
+    json: Path | None = None
+
+    def sizes(self) -> dict[str, int | None]:
+        """The size flags, by name."""
+        return {name: getattr(self, name) for name in ("layers", "filters", "d_model", "ff", "heads",
+                                                       "vocab_size", "image_size", "seq_len", "num_classes")}
+
+    @property
+    def batch(self) -> int:
+        """The mini-batch size actually used."""
+        return self.batch_size if self.batch_size is not None else 4 * max(self.microbatch_values())
+
+    def microbatch_values(self) -> list[int]:
+        """The M values this invocation measures."""
+        return list(SWEEP_MICROBATCHES) if self.sweep else [self.microbatches]
+
+    @property
+    def simulated_devices(self) -> int:
+        """The K a prediction is made for."""
+        return self.devices if self.devices is not None else self.partitions
+
+
+SWEEP_MICROBATCHES = (1, 4, 32)
+SWEEP_PARTITIONS = (2, 4, 8)
+
+# Flag name -> help text, for the CLI's typer options (one to one with the fields above).
+FLAGS: dict[str, str] = {
+    "model": "Preset (amoebanet-d-18-256, transformer-l-13, t-6-8192-16, ...), family (amoebanet, "
+             "transformer: the paper's speed-table models) or a recipe file (.yaml).",
+    "partitions": "K: pipeline stages, one rank each.",
+    "microbatches": "M: micro-batches per mini-batch.",
+    "batch_size": "Examples per mini-batch [default: 4 x M].",
+    "steps": "Measured steps; every figure is the median over them.",
+    "warmup": "Steps run first and not measured.",
+    "schedule": "Pipeline schedule to measure: gpipe or 1f1b.",
+    "checkpoint": "Rematerialization: always, except_last or never (K=1 uses the same).",
+    "balance": "Layers per stage, e.g. 5,5 [default: balanced by measured per-layer time].",
+    "layers": "Model size override: layers (AmoebaNet L, Transformer layers).",
+    "filters": "Model size override: AmoebaNet filters D.",
+    "d_model": "Model size override: Transformer model width.",
+    "ff": "Model size override: Transformer feed-forward width.",
+    "heads": "Model size override: Transformer attention heads.",
+    "vocab_size": "Model size override: Transformer vocabulary.",
+    "image_size": "Model size override: AmoebaNet image side in pixels.",
+    "seq_len": "Model size override: Transformer sequence length (its max_len).",
+    "num_classes": "Model size override: AmoebaNet classes.",
+    "set": "Model parameter override KEY=VALUE (repeatable), e.g. --set arch=decoder-only --set dropout=0.",
+    "sweep": "Print the paper's Table 2: M in {1,4,32} x K in {2,4,8} (up to what this machine hosts), "
+             "normalised to K=2, M=1, with the paper's figures alongside.",
+    "compare": "Also run torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B on the same model, "
+               "K and M; print throughput and peak-memory ratios.",
+    "trace": "Write one step's timeline as a Chrome trace (FILE, opens in Perfetto) and a PNG Gantt chart "
+             "(FILE with .png; needs matplotlib).",
+    "simulate": "Predict throughput for --devices devices from measured per-layer costs and the link "
+                "(--bandwidth, --latency-us) instead of measuring K ranks.",
+    "devices": "Devices (K) to predict for with --simulate [default: --partitions].",
+    "bandwidth": "Simulated link bandwidth in GB/s.",
+    "latency_us": "Simulated per-message latency in microseconds.",
+    "threads": "Intra-op threads per rank (1 keeps timings comparable).",
+    "oversubscribe": "With --sweep, also run K values that exceed the cores or GPUs (timings then mean little).",
+    "seed": "Seed of the weights and of the synthetic batch.",
+    "json": "Write every figure as JSON to FILE.",
+}
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def validate(options: BenchOptions) -> None:
+    """Refuse options that cannot describe a benchmark, with one line naming the flag."""
+    checks = [
+        (options.partitions >= 1, f"--partitions must be >= 1 (got {options.partitions})"),
+        (options.microbatches >= 1, f"--microbatches must be >= 1 (got {options.microbatches})"),
+        (options.steps >= 1, f"--steps must be >= 1 (got {options.steps})"),
+        (options.warmup >= 0, f"--warmup must be >= 0 (got {options.warmup})"),
+        (options.threads >= 1, f"--threads must be >= 1 (got {options.threads})"),
+        (options.schedule in SCHEDULES, f"--schedule must be one of {', '.join(SCHEDULES)} (got {options.schedule})"),
+        (options.checkpoint in REMAT_MODES,
+         f"--checkpoint must be one of {', '.join(REMAT_MODES)} (got {options.checkpoint})"),
+        (options.bandwidth > 0, f"--bandwidth must be > 0 GB/s (got {options.bandwidth})"),
+        (options.latency_us >= 0, f"--latency-us must be >= 0 (got {options.latency_us})"),
+        (options.devices is None or options.devices >= 1, f"--devices must be >= 1 (got {options.devices})"),
+        (options.devices is None or options.simulate, "--devices needs --simulate"),
+        (not (options.sweep and options.simulate), "--sweep and --simulate cannot be combined"),
+        (not (options.sweep and options.compare), "--sweep and --compare cannot be combined"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+    batch = options.batch
+    if batch < max(options.microbatch_values()):
+        raise UserError(f"--batch-size {batch} is smaller than M={max(options.microbatch_values())}: every "
+                        f"micro-batch needs an example")
+    if options.compare and batch % options.microbatches:
+        raise UserError(f"--compare needs --batch-size divisible by --microbatches ({batch} % "
+                        f"{options.microbatches} != 0): torch.distributed.pipelining receives into fixed "
+                        f"buffers sized by the first micro-batch")
+
+
+def parse_balance(text: str | None, partitions: int) -> list[int] | None:
+    """`--balance 3,5` as a list (validated against the model later)."""
+    if text is None or not text.strip():
+        return None
+    try:
+        balance = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UserError(f"--balance expects layer counts separated by commas, e.g. 5,5 (got '{text}')") from None
+    if len(balance) != partitions:
+        raise UserError(f"--balance {text} has {len(balance)} stages but --partitions is {partitions}")
+    return balance

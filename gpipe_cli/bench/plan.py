@@ -1,0 +1,51 @@
+"""How a benchmark is set up: the jobs to launch, the balance, and whether the ranks fit the hardware."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gpipe_cli.bench.costs import CostProfile
+from gpipe_cli.bench.job import Job
+from gpipe_cli.bench.options import BenchOptions, parse_balance, usable_cores
+from gpipe_cli.bench.subject import Subject
+from gpipe_cli.errors import UserError
+from gpipe_cli.models.describe import count_parameters
+from gpipe_cli.pipeline import partition
+
+
+def oversubscription(ranks: int, threads: int) -> tuple[bool, str]:
+    """Whether `ranks` ranks share cores or GPUs, and what they run on."""
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        return ranks > gpus, f"{gpus} GPU{'s' if gpus != 1 else ''}"
+    cores = usable_cores()
+    return ranks * threads > cores, f"{cores} CPU core{'s' if cores != 1 else ''}"
+
+
+def base_job(options: BenchOptions, subject: Subject, stages: int, balance: list[int]) -> Job:
+    """A job with the options' model, batch, schedule and step counts."""
+    return Job(subject=subject.to_json(), stages=stages, balance=balance, batch_size=options.batch,
+               microbatches=options.microbatch_values(), schedule=options.schedule, checkpoint=options.checkpoint,
+               steps=options.steps, warmup=options.warmup, seed=options.seed, out="")
+
+
+def choose_balance(options: BenchOptions, costs: CostProfile, partitions: int) -> tuple[list[int], str]:
+    """The explicit balance, or the min-max split of the measured per-layer time."""
+    layers = len(costs.layers)
+    try:
+        partition.check_partitions(layers, partitions)
+        explicit = parse_balance(options.balance, partitions)
+        if explicit is not None:
+            return partition.check_balance(explicit, layers, partitions), "explicit"
+        return costs.balance(partitions, options.checkpoint), "measured time"
+    except partition.PartitionError as exc:
+        raise UserError(f"--partitions/--balance: {exc}") from None
+
+
+def model_json(subject: Subject) -> dict[str, Any]:
+    """What the JSON says about the model."""
+    spec = subject.build()
+    return {**subject.to_json(), "name": spec.name, "task": spec.task, "layers": len(spec.layers),
+            "parameters": count_parameters(spec)}

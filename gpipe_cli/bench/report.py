@@ -1,0 +1,108 @@
+"""Print a single-configuration benchmark's figures for a person (the JSON file holds the same data)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def human_bytes(n: float | None) -> str:
+    """Bytes as KiB/MiB/GiB."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def _header(s: dict[str, Any]) -> str:
+    model = s["model"]
+    return (f"[bold]gpipe bench[/] · {model['name']} ({model['parameters'] / 1e6:.2f}M parameters, "
+            f"{model['layers']} layers) · K={s['partitions']} M={s['microbatches']} · batch {s['batch_size']} · "
+            f"{s['schedule']} · checkpoint {s['checkpoint']} · balance {s['balance']} ({s['balance_by']})")
+
+
+def _throughput(s: dict[str, Any]) -> Table:
+    text = s["tokens_per_s_k1"] is not None
+    table = Table(title=f"Throughput (median of {s['steps']} steps after {s['warmup']} warm-up)")
+    table.add_column("run")
+    table.add_column("samples/s", justify="right")
+    if text:
+        table.add_column("tokens/s", justify="right")
+    table.add_column("step (ms)", justify="right")
+    rows = [("K=1", s["samples_per_s_k1"], s["tokens_per_s_k1"], s["step_time_k1_s"])]
+    label = f"K={s['partitions']}" + (" (predicted)" if s["simulated"] else "")
+    rows.append((label, s["samples_per_s"], s["tokens_per_s"], s["step_time_s"]))
+    for name, samples, tokens, step in rows:
+        cells = [name, _rate(samples)] + ([_rate(tokens)] if text else []) + [f"{step * 1e3:.1f}"]
+        table.add_row(*cells)
+    return table
+
+
+def _stages(s: dict[str, Any]) -> Table:
+    table = Table(title=f"Stages (memory: {s['memory_method']})")
+    for name in ("stage", "layers", "busy (ms)", "step (ms)", "idle", "activation peak"):
+        table.add_column(name, justify="right")
+    for st in s["stages"]:
+        peak = st["cuda_peak_bytes"] or st["activation_peak_bytes"]
+        table.add_row(str(st["stage"]), str(st["layers"]), f"{st['busy_s'] * 1e3:.1f}", f"{st['step_s'] * 1e3:.1f}",
+                      f"{st['bubble']:.3f}", human_bytes(peak))
+    return table
+
+
+def _compare(s: dict[str, Any]) -> Table:
+    table = Table(title="Against torch.distributed.pipelining (same model, K, M, layers; same clock and meter)")
+    for name in ("schedule", "samples/s", "peak memory", "ours / theirs: throughput", "memory"):
+        table.add_column(name, justify="right")
+    table.add_row(f"ours ({s['schedule']}, {s['checkpoint']})", _rate(s["samples_per_s"]),
+                  human_bytes(s.get("peak_mem_bytes")), "", "")
+    for name, c in s["compare"].items():
+        ratio = c["throughput_ratio"]
+        memory = c["memory_ratio"]
+        table.add_row(name, _rate(c["samples_per_s"]), human_bytes(c["peak_mem_bytes"]),
+                      "-" if ratio is None else f"{ratio:.2f}x", "-" if memory is None else f"{memory:.2f}x")
+    return table
+
+
+def show(s: dict[str, Any], console: Console) -> None:
+    """Print the figures."""
+    console.print(_header(s))
+    if s["oversubscribed"]:
+        console.print(f"[bold yellow]OVERSUBSCRIBED:[/] {s['ranks']} ranks x {s['threads']} thread(s) on "
+                      f"{s['hardware']}; the speed figures below mean little")
+    if s.get("contended"):
+        shares = ", ".join(f"{v:.2f}" for v in s["cpu_per_busy"]["k1"] + s["cpu_per_busy"]["k"])
+        console.print(f"[bold yellow]CONTENDED:[/] the ranks' compute threads got less CPU than their compute "
+                      f"time (CPU/compute per rank: {shares}): other processes competed for the cores, so the "
+                      f"speed figures below are unreliable")
+    console.print(_throughput(s))
+    kind = "PREDICTION (simulated, not measured)" if s["simulated"] else "measured"
+    console.print(f"normalised throughput T(K)/T(1) = [bold]{s['normalized']:.2f}[/] ({kind}); "
+                  f"ideal K·M/(M+K-1) = {s['ideal']:.2f}; efficiency = [bold]{s['efficiency']:.3f}[/]")
+    console.print(f"bubble: {'predicted' if s['simulated'] else 'measured'} [bold]{s['bubble']:.3f}[/], "
+                  f"theory (K-1)/(M+K-1) = {s['bubble_theory']:.3f}")
+    if s["stages"]:
+        console.print(_stages(s))
+    p = s["prediction"]
+    if not s["simulated"]:
+        console.print(f"[dim]simulator's prediction for this configuration: {p['samples_per_s']:,.1f} samples/s, "
+                      f"bubble {p['bubble']:.3f} (calibration x{p['calibration']:.2f})[/]")
+    else:
+        console.print(f"[bold yellow]PREDICTION[/] for {p['partitions']} devices linked at {p['bandwidth_gb_s']} GB/s, "
+                      f"{p['latency_us']} µs per message, from per-layer costs measured here (calibrated "
+                      f"x{p['calibration']:.2f} to the measured K=1 step)")
+    if "compare" in s:
+        console.print(_compare(s))
+    if "trace" in s:
+        t = s["trace"]
+        png = t["png"] or "no PNG: install matplotlib (pip install gpipe-cli[plot])"
+        console.print(f"trace: {t['events']} actions -> {t['chrome']} (Perfetto / chrome://tracing), {png}")

@@ -1,0 +1,135 @@
+"""`gpipe bench`: measure K=1 and K ranks (or predict K devices), then print and save the figures.
+
+    K=1 job   per-layer costs (for the balance and the simulator) + T(K=1) at the same M and remat
+    K job     T(K), measured bubble, per-stage memory, optional trace and baselines
+
+Efficiency is T(K) / (K × T(K=1) × M/(M+K-1)): 1.0 means the only loss is GPipe's bubble.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from gpipe_cli.bench import jobs, report, simulate, sweep, trace
+from gpipe_cli.bench.costs import CostProfile
+from gpipe_cli.bench.measure import RunFigures, contended, median
+from gpipe_cli.bench.options import BenchOptions, validate
+from gpipe_cli.bench.plan import base_job, choose_balance, model_json, oversubscription
+from gpipe_cli.bench.subject import Subject, is_text, resolve
+from gpipe_cli.errors import UserError
+from gpipe_cli.pipeline import partition
+from gpipe_cli.pipeline.schedule import theoretical_bubble
+
+
+def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFigures | None, costs: CostProfile,
+              balance: list[int], balance_by: str, prediction: simulate.Prediction) -> dict[str, Any]:
+    """Every figure of a single-configuration benchmark, as the JSON file holds them."""
+    text = is_text(subject.build())
+    k, m = kk.partitions if kk else prediction.partitions, options.microbatches
+    over, hardware = oversubscription(k, options.threads)
+    ideal = k * m / (m + k - 1)
+    measured = kk is not None
+    ours = kk.samples_per_s if kk else prediction.samples_per_s
+    normalized = ours / k1.samples_per_s if k1.samples_per_s else 0.0
+    return {
+        "model": model_json(subject), "partitions": k, "microbatches": m, "batch_size": options.batch,
+        "schedule": options.schedule, "checkpoint": options.checkpoint, "balance": balance, "balance_by": balance_by,
+        "measured": measured, "simulated": not measured,
+        "samples_per_s": ours, "samples_per_s_k1": k1.samples_per_s,
+        "tokens_per_s": (kk.units_per_s if kk else None) if text else None,
+        "tokens_per_s_k1": k1.units_per_s if text else None,
+        "step_time_s": median(kk.step_times) if kk else prediction.step_time,
+        "step_time_k1_s": median(k1.step_times),
+        "normalized": normalized, "ideal": ideal, "efficiency": normalized / ideal if ideal else 0.0,
+        "bubble": kk.bubble if kk else prediction.bubble, "bubble_theory": theoretical_bubble(k, m),
+        "oversubscribed": over and measured, "hardware": hardware, "ranks": k, "threads": options.threads,
+        "cpu_per_busy": {"k1": k1.cpu_per_busy, "k": kk.cpu_per_busy if kk else []},
+        "contended": contended(k1.cpu_per_busy) or bool(kk and contended(kk.cpu_per_busy)),
+        "steps": options.steps, "warmup": options.warmup,
+        "memory_method": "CUDA allocator peak" if torch.cuda.is_available()
+        else "saved-tensor accounting (stored activations)",
+        "stages": [vars(s) for s in kk.stages] if kk else [],
+        "stages_k1": [vars(s) for s in k1.stages],
+        "prediction": {**prediction.to_json(), "label": "prediction", "bandwidth_gb_s": options.bandwidth,
+                       "latency_us": options.latency_us},
+        "layer_costs": costs.to_json(),
+    }
+
+
+def _compare_json(summary: dict[str, Any], kk: RunFigures, baselines: dict[str, Any]) -> dict[str, Any]:
+    ours_peak = kk.peak_bytes
+    out = {}
+    for name, figures in baselines.items():
+        theirs, peak = figures["samples_per_s"], figures["peak_mem_bytes"]
+        out[name] = {**figures, "throughput_ratio": summary["samples_per_s"] / theirs if theirs else None,
+                     "memory_ratio": ours_peak / peak if peak else None}
+    summary["peak_mem_bytes"] = ours_peak
+    return out
+
+
+def _single(options: BenchOptions, subject: Subject, folder: Path, console: Console) -> dict[str, Any]:
+    spec = subject.build()
+    k = options.simulated_devices if options.simulate else options.partitions
+    try:
+        partition.check_partitions(len(spec.layers), k)
+    except partition.PartitionError as exc:
+        raise UserError(f"--{'devices' if options.simulate else 'partitions'}: {exc}") from None
+    console.print(f"[dim]measuring K=1 ({len(spec.layers)} layers, per-layer costs and {options.steps} steps)...[/]")
+    k1_job = base_job(options, subject, 1, [len(spec.layers)])
+    k1_job.profile_costs = True
+    k1_raw = jobs.run(k1_job, folder, "k1", options.threads)
+    costs = CostProfile.from_json(k1_raw["costs"])
+    k1 = RunFigures.from_json(k1_raw["runs"][0])
+    balance, balance_by = choose_balance(options, costs, k)
+    link = simulate.Link.of(options.bandwidth, options.latency_us)
+    prediction = simulate.predict(costs, k, options.batch, options.microbatches, options.schedule,
+                                  options.checkpoint, link, median(k1.step_times), balance)
+    kk: RunFigures | None = None
+    raw: dict[str, Any] = {}
+    if not options.simulate:
+        over, hardware = oversubscription(k, options.threads)
+        if over:
+            console.print(f"[bold yellow]warning:[/] {k} ranks x {options.threads} thread(s) on {hardware}: "
+                          f"oversubscribed, speed figures mean little")
+        console.print(f"[dim]measuring K={k} (balance {balance})...[/]")
+        job = base_job(options, subject, k, balance)
+        job.trace, job.compare = options.trace is not None, options.compare
+        raw = jobs.run(job, folder, f"k{k}", options.threads)
+        kk = RunFigures.from_json(raw["runs"][0])
+    summary = summarise(options, subject, k1, kk, costs, balance, balance_by, prediction)
+    if kk is not None and options.compare:
+        summary["compare"] = _compare_json(summary, kk, raw.get("compare", {}))
+    if kk is not None and options.trace is not None:
+        title = f"{summary['model']['name']}: K={k}, M={options.microbatches}, {options.schedule}, {options.checkpoint}"
+        chrome, png = trace.write(options.trace, kk.events, title)
+        summary["trace"] = {"chrome": str(chrome), "png": str(png) if png else None, "events": len(kk.events)}
+    return summary
+
+
+def run(options: BenchOptions) -> int:
+    """Run `gpipe bench`; print the figures and return an exit code (UserError for bad options)."""
+    console = Console()
+    validate(options)
+    subject = resolve(options.model, options.sizes(), options.set)
+    with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp:
+        try:
+            if options.sweep:
+                summary = sweep.run(options, subject, Path(tmp), console)
+                sweep.show(summary, console)
+            else:
+                summary = _single(options, subject, Path(tmp), console)
+                report.show(summary, console)
+        except jobs.JobFailed as exc:
+            console.print(f"[red]gpipe bench: the benchmark ranks failed (exit code {exc.code}); see above[/]")
+            return exc.code
+    if options.json is not None:
+        options.json.parent.mkdir(parents=True, exist_ok=True)
+        options.json.write_text(json.dumps(summary, indent=2))
+        console.print(f"[dim]figures written to {options.json}[/]")
+    return 0

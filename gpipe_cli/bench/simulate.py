@@ -1,0 +1,118 @@
+"""Predict a pipeline's step time for devices that are not here, from measured per-layer costs.
+
+The prediction runs the engine's own action lists (`schedule.build_all`) through `schedule.simulate`:
+each forward, recompute and backward costs what its stage's layers measured for a micro-batch of that
+size, and each message arrives `latency + bytes / bandwidth` after its send. Per-layer timings taken
+in isolation miss the engine's per-step overhead, so they are first calibrated: scaled so that the
+simulated single-device step equals the single-device step actually measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gpipe_cli.bench.costs import CostProfile
+from gpipe_cli.pipeline import microbatch, partition
+from gpipe_cli.pipeline import schedule as sched
+from gpipe_cli.pipeline.schedule import Action, Kind, Span
+
+
+@dataclass(frozen=True)
+class Link:
+    """The simulated interconnect between neighbouring stages."""
+
+    bandwidth: float  # bytes per second
+    latency: float    # seconds per message
+
+    @staticmethod
+    def of(gb_per_s: float, latency_us: float) -> Link:
+        """A link from the command's units."""
+        return Link(gb_per_s * 1e9, latency_us * 1e-6)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A simulated step: its time, throughput and bubble, and every action's span."""
+
+    partitions: int
+    microbatches: int
+    batch_size: int
+    balance: list[int]
+    step_time: float
+    bubble: float
+    calibration: float
+    spans: list[list[Span]]
+
+    @property
+    def samples_per_s(self) -> float:
+        """Predicted examples per second."""
+        return self.batch_size / self.step_time if self.step_time > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """The figures (not the spans) as plain data."""
+        return {"partitions": self.partitions, "microbatches": self.microbatches, "batch_size": self.batch_size,
+                "balance": self.balance, "step_time": self.step_time, "samples_per_s": self.samples_per_s,
+                "bubble": self.bubble, "calibration": self.calibration}
+
+
+def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microbatches: int, schedule: str,
+                checkpoint: str, link: Link, scale: float) -> tuple[Any, Any]:
+    ranges = partition.stage_ranges(balance)
+    stages = len(balance)
+    sizes = microbatch.sizes(batch_size, microbatches)
+    remats = [sched.remat_plan(checkpoint, sched.forward_order(schedule, s, stages, microbatches))
+              for s in range(stages)]
+
+    def per_example(mb: int) -> float:
+        return sizes[mb] / costs.microbatch_size
+
+    def cost(stage: int, action: Action) -> float:
+        layers = [costs.layers[i] for i in ranges[stage]]
+        mb, kind = action.microbatch, action.kind
+        if kind == Kind.FWD:
+            seconds = sum(t.forward_nograd if mb in remats[stage] else t.forward for t in layers)
+            seconds += costs.loss if stage == stages - 1 else 0.0
+        elif kind == Kind.RECOMPUTE:
+            seconds = sum(t.forward for t in layers)
+        elif kind == Kind.BWD:
+            seconds = sum(t.backward for t in layers)
+        else:
+            return 0.0
+        return seconds * scale * per_example(mb)
+
+    def latency(stage: int, action: Action) -> float:
+        # A forward message carries this stage's output; a backward one the gradient of its input.
+        boundary = ranges[stage].stop - 1 if action.kind == Kind.SEND_FWD else ranges[stage].start - 1
+        nbytes = costs.layers[boundary].output_bytes if boundary >= 0 else costs.input_bytes
+        return link.latency + nbytes * per_example(action.microbatch) / link.bandwidth
+
+    return cost, latency
+
+
+def simulate_step(costs: CostProfile, balance: list[int], batch_size: int, microbatches: int, schedule: str,
+                  checkpoint: str, link: Link, scale: float = 1.0) -> Prediction:
+    """The simulated step of `balance` (K = its length) with M micro-batches."""
+    stages = len(balance)
+    cost, latency = _cost_model(costs, balance, batch_size, microbatches, schedule, checkpoint, link, scale)
+    spans = sched.simulate(sched.build_all(schedule, stages, microbatches, checkpoint), cost, latency)
+    step = max(span.end for stage in spans for span in stage)
+    return Prediction(stages, microbatches, batch_size, list(balance), step, sched.bubble(spans), scale, spans)
+
+
+def calibration(costs: CostProfile, batch_size: int, microbatches: int, schedule: str, checkpoint: str,
+                measured_step: float) -> float:
+    """The factor that makes the simulated single-device step last as long as the measured one."""
+    alone = simulate_step(costs, [len(costs.layers)], batch_size, microbatches, schedule, checkpoint,
+                          Link(1.0, 0.0))
+    return measured_step / alone.step_time if alone.step_time > 0 and measured_step > 0 else 1.0
+
+
+def predict(costs: CostProfile, devices: int, batch_size: int, microbatches: int, schedule: str, checkpoint: str,
+            link: Link, measured_k1_step: float | None = None, balance: list[int] | None = None) -> Prediction:
+    """Predict K=`devices` (balanced by the measured costs unless `balance` is given)."""
+    partition.check_partitions(len(costs.layers), devices)
+    balance = balance or costs.balance(devices, checkpoint)
+    scale = (calibration(costs, batch_size, microbatches, schedule, checkpoint, measured_k1_step)
+             if measured_k1_step else 1.0)
+    return simulate_step(costs, balance, batch_size, microbatches, schedule, checkpoint, link, scale)

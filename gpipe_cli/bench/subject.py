@@ -1,0 +1,124 @@
+"""The model a benchmark or a memory profile runs: a preset, a family name or a recipe's model, resized.
+
+`--model` takes a preset of the zoo (`amoebanet-d-18-256`, `t-6-8192-16`, ...), a family name
+(`amoebanet`, `transformer`: the paper's speed-table models), or a recipe file (`*.yaml`), whose
+model section is used. Size flags and `--set KEY=VALUE` then replace individual model parameters,
+so a paper-sized model can be shrunk to something a CPU can time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from gpipe_cli.errors import UserError
+from gpipe_cli.models.base import Batch, ModelSpec
+from gpipe_cli.models.registry import allowed_params, build_model, resolve_preset
+
+# The models of the paper's speed table (Table 2): AmoebaNet-D (18, 256) and Transformer-48, the
+# Transformer-L of Table 1 (d_model 2048, feed-forward 8192, 32 heads) with 48 layers.
+FAMILIES = {"amoebanet": "amoebanet-d-18-256", "transformer": "transformer-l-48"}
+
+# Size flag -> model parameter (the sequence length is the Transformer's max_len: its example length).
+SIZE_PARAMS = {"layers": "layers", "filters": "filters", "d_model": "d_model", "ff": "ff", "heads": "heads",
+               "vocab_size": "vocab_size", "image_size": "image_size", "seq_len": "max_len",
+               "num_classes": "num_classes"}
+
+
+@dataclass(frozen=True)
+class Subject:
+    """A model to measure: its kind and build parameters, and how the user named it."""
+
+    kind: str
+    params: dict[str, Any] = field(default_factory=dict)
+    label: str = ""
+
+    def build(self) -> ModelSpec:
+        """The ModelSpec (layers are built lazily by the engine)."""
+        try:
+            return build_model(self.kind, **self.params)
+        except ValueError as exc:
+            raise UserError(f"--model {self.label}: {exc}") from None
+
+    def to_json(self) -> dict[str, Any]:
+        """The subject as plain data (what a worker needs to rebuild it)."""
+        return {"kind": self.kind, "params": dict(self.params), "label": self.label}
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any]) -> Subject:
+        """The inverse of `to_json`."""
+        return Subject(str(data["kind"]), dict(data["params"]), str(data.get("label", "")))
+
+
+def is_recipe(model: str) -> bool:
+    """Whether `--model` names a recipe file rather than a preset."""
+    return model.endswith((".yaml", ".yml")) or Path(model).is_file()
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        return text
+
+
+def _model_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` items as model parameters (a leading `model.` is optional)."""
+    out = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip().removeprefix("model.")
+        if not sep or not key or "." in key:
+            raise UserError(f"--set expects KEY=VALUE naming a model parameter, e.g. dropout=0 (got '{item}')")
+        out[key] = _parse_value(text)
+    return out
+
+
+def _from_recipe(path: str, overrides: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    from gpipe_cli.recipe.load import load_recipe
+
+    dotted = [item if "." in item.partition("=")[0] else f"model.{item}" for item in overrides]
+    recipe = load_recipe(path, dotted)
+    params = recipe.model.model_dump(exclude={"kind", "preset"})
+    return recipe.model.kind, params
+
+
+def resolve(model: str, sizes: Mapping[str, int | None] | None = None, overrides: Sequence[str] = ()) -> Subject:
+    """The subject `--model`, the size flags (None: keep) and `--set` items describe."""
+    if is_recipe(model):
+        kind, params = _from_recipe(model, overrides)
+    else:
+        name = FAMILIES.get(model, model)
+        try:
+            kind, params = resolve_preset(name, **_model_overrides(overrides))
+        except ValueError as exc:
+            raise UserError(f"--model: {exc}; or a family ({', '.join(FAMILIES)}) or a recipe file") from None
+    accepted = allowed_params(kind)
+    for flag, value in (sizes or {}).items():
+        if value is None:
+            continue
+        param = SIZE_PARAMS[flag]
+        if param not in accepted:
+            raise UserError(f"--{flag.replace('_', '-')} does not apply to {kind} models "
+                            f"(their sizes: {', '.join(p for p in accepted if p in SIZE_PARAMS.values())})")
+        params[param] = value
+    subject = Subject(kind, params, model)
+    subject.build()  # validate now, with a one-line message
+    return subject
+
+
+def example_batch(spec: ModelSpec, examples: int, seed: int) -> tuple[Batch, Any]:
+    """The same random (inputs, targets) on every rank that asks with the same seed (on the CPU)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return spec.example_batch(examples, "cpu")
+
+
+def is_text(spec: ModelSpec) -> bool:
+    """Whether throughput is also counted in tokens."""
+    return spec.task in ("translation", "lm")

@@ -1,0 +1,107 @@
+"""`gpipe bench --sweep`: the paper's Table 2, M ∈ {1, 4, 32} × K ∈ {2, 4, 8}, normalised to K=2, M=1.
+
+One job per K runs every M (the same balance, measured per-layer time). K values this machine cannot
+host without oversubscribing are skipped unless asked for, and flagged when run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from gpipe_cli.bench import jobs
+from gpipe_cli.bench.costs import CostProfile
+from gpipe_cli.bench.measure import RunFigures
+from gpipe_cli.bench.options import SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions
+from gpipe_cli.bench.plan import base_job, model_json, oversubscription
+from gpipe_cli.bench.subject import Subject
+from gpipe_cli.pipeline.schedule import theoretical_bubble
+
+# GPipe (Huang et al., 2019), Table 2: normalised training throughput on TPUs, AmoebaNet-D (18, 256) and
+# Transformer-48, by M (rows) and K (columns), normalised to K=2, M=1.
+PAPER_TABLE2: dict[str, dict[int, dict[int, float]]] = {
+    "amoebanet": {1: {2: 1.0, 4: 1.13, 8: 1.38}, 4: {2: 1.07, 4: 1.26, 8: 1.72}, 32: {2: 1.21, 4: 1.84, 8: 3.48}},
+    "transformer": {1: {2: 1.0, 4: 1.07, 8: 1.3}, 4: {2: 1.7, 4: 3.2, 8: 4.8}, 32: {2: 1.8, 4: 3.4, 8: 6.3}},
+}
+PAPER_MODELS = {"amoebanet": "AmoebaNet-D (18, 256)", "transformer": "Transformer-48"}
+
+
+def _hostable(options: BenchOptions, layers: int) -> list[int]:
+    out = []
+    for k in SWEEP_PARTITIONS:
+        over, _ = oversubscription(k, options.threads)
+        if k <= layers and (not over or options.oversubscribe):
+            out.append(k)
+    return out
+
+
+def run(options: BenchOptions, subject: Subject, folder: Path, console: Console) -> dict[str, Any]:
+    """Measure every (K, M) this machine hosts; the figures as the JSON file holds them."""
+    spec = subject.build()
+    layers = len(spec.layers)
+    ks = _hostable(options, layers)
+    if not ks:
+        ks = [min(SWEEP_PARTITIONS)] if layers >= min(SWEEP_PARTITIONS) else []
+    console.print(f"[dim]measuring per-layer costs ({layers} layers)...[/]")
+    job = base_job(options, subject, 1, [layers])
+    job.microbatches, job.profile_costs = [], True
+    job.extra = {"profile_chunks": max(SWEEP_MICROBATCHES)}
+    costs = CostProfile.from_json(jobs.run(job, folder, "costs", options.threads)["costs"])
+    cells: list[dict[str, Any]] = []
+    for k in ks:
+        balance = costs.balance(k, options.checkpoint)
+        console.print(f"[dim]measuring K={k} (balance {balance}), M = {', '.join(map(str, SWEEP_MICROBATCHES))}...[/]")
+        raw = jobs.run(base_job(options, subject, k, balance), folder, f"sweep-k{k}", options.threads)
+        over, _ = oversubscription(k, options.threads)
+        for run_json in raw["runs"]:
+            figures = RunFigures.from_json(run_json)
+            cells.append({"partitions": k, "microbatches": figures.microbatches, "balance": balance,
+                          "samples_per_s": figures.samples_per_s, "bubble": figures.bubble,
+                          "bubble_theory": theoretical_bubble(k, figures.microbatches), "oversubscribed": over})
+    base = next((c for c in cells if c["microbatches"] == 1), None)
+    family = subject.kind if subject.kind in PAPER_TABLE2 else None
+    for c in cells:
+        c["normalized"] = c["samples_per_s"] / base["samples_per_s"] if base and base["samples_per_s"] else None
+        c["paper"] = PAPER_TABLE2[family][c["microbatches"]].get(c["partitions"]) if family else None
+    return {"model": model_json(subject), "sweep": cells, "batch_size": options.batch, "schedule": options.schedule,
+            "checkpoint": options.checkpoint, "steps": options.steps, "warmup": options.warmup,
+            "normalized_to": {"partitions": base["partitions"], "microbatches": 1} if base else None,
+            "paper": {"table": "GPipe Table 2 (TPUs)", "model": PAPER_MODELS.get(family or "")},
+            "skipped_partitions": [k for k in SWEEP_PARTITIONS if k not in ks],
+            "oversubscribed": any(c["oversubscribed"] for c in cells)}
+
+
+def show(summary: dict[str, Any], console: Console) -> None:
+    """Print the sweep as the paper's table: rows M, columns K, ours with the paper's figure alongside."""
+    cells = summary["sweep"]
+    ks = sorted({c["partitions"] for c in cells})
+    model = summary["model"]
+    paper = summary["paper"]["model"]
+    base = summary["normalized_to"]
+    title = (f"Normalised throughput, {model['name']} (batch {summary['batch_size']}, {summary['schedule']}, "
+             f"checkpoint {summary['checkpoint']})" + (f" · normalised to K={base['partitions']}, M=1" if base else ""))
+    table = Table(title=title)
+    table.add_column("M")
+    for k in ks:
+        table.add_column(f"K={k}" + (" (paper)" if paper else ""), justify="right")
+    for m in SWEEP_MICROBATCHES:
+        row = [str(m)]
+        for k in ks:
+            c = next((c for c in cells if c["partitions"] == k and c["microbatches"] == m), None)
+            if c is None:
+                row.append("-")
+                continue
+            ours = "-" if c["normalized"] is None else f"{c['normalized']:.2f}"
+            row.append(ours + (f" ({c['paper']:.2f})" if c["paper"] is not None else ""))
+        table.add_row(*row)
+    console.print(table)
+    if paper:
+        console.print(f"[dim]paper: GPipe Table 2, {paper} on TPUs; ours: this machine[/]")
+    if summary["skipped_partitions"]:
+        console.print(f"[yellow]K = {', '.join(map(str, summary['skipped_partitions']))} skipped: more ranks than "
+                      f"this machine hosts (--oversubscribe runs them anyway)[/]")
+    if summary["oversubscribed"]:
+        console.print("[bold yellow]OVERSUBSCRIBED:[/] some K share cores or GPUs; their speed figures mean little")

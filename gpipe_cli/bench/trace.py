@@ -1,0 +1,103 @@
+"""One step's timeline: a Chrome trace (Perfetto, chrome://tracing) and a Gantt chart like GPipe's Figure 2.
+
+One complete ("X") trace event per executed schedule action: forward, recompute, backward, send,
+and receive, whose duration is the wait for the message. Each stage is one track. Times are seconds
+from each rank's own start of the step; the ranks start together after a barrier.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from gpipe_cli.pipeline.schedule import Kind
+
+LABELS = {
+    Kind.FWD.value: ("F", "forward"),
+    Kind.RECOMPUTE.value: ("R", "recompute"),
+    Kind.BWD.value: ("B", "backward"),
+    Kind.SEND_FWD.value: ("sf", "send activation"),
+    Kind.RECV_FWD.value: ("rf", "wait for activation"),
+    Kind.SEND_BWD.value: ("sb", "send gradient"),
+    Kind.RECV_BWD.value: ("rb", "wait for gradient"),
+}
+COLORS = {"fwd": "#4c9be8", "recompute": "#f2a541", "bwd": "#5cb85c", "send_fwd": "#555555",
+          "send_bwd": "#555555", "recv_fwd": "#d9d9d9", "recv_bwd": "#d9d9d9"}
+
+
+def paths(target: Path) -> tuple[Path, Path]:
+    """Where the Chrome trace and the PNG go for `--trace FILE`."""
+    if target.suffix == ".png":
+        return target.with_suffix(".json"), target
+    return target, target.with_suffix(".png") if target.suffix else Path(str(target) + ".png")
+
+
+def chrome_trace(events: Sequence[Mapping[str, Any]], title: str) -> dict[str, Any]:
+    """The events as a Chrome trace object: one "X" event per action plus track names."""
+    stages = sorted({int(e["stage"]) for e in events})
+    out: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": title}}]
+    for s in stages:
+        out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}})
+        out.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": s, "args": {"sort_index": s}})
+    for e in sorted(events, key=lambda e: (e["stage"], e["start"])):
+        short, long = LABELS[e["kind"]]
+        out.append({
+            "name": f"{short}{e['microbatch']}", "cat": long, "ph": "X", "pid": 0, "tid": int(e["stage"]),
+            "ts": round(e["start"] * 1e6, 3), "dur": round(max(e["end"] - e["start"], 0.0) * 1e6, 3),
+            "args": {"stage": e["stage"], "microbatch": e["microbatch"], "action": e["kind"]},
+        })
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def write_chrome(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> None:
+    """Write the Chrome trace file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(events, title)))
+
+
+def write_gantt(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> bool:
+    """Draw the Gantt chart as a PNG; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError:
+        return False
+    stages = sorted({int(e["stage"]) for e in events})
+    end = max((e["end"] for e in events), default=0.0) * 1e3
+    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, 0.25 * len(events) / max(len(stages), 1))),
+                                    1.0 + 0.6 * len(stages)))
+    for e in events:
+        row = len(stages) - 1 - stages.index(int(e["stage"]))  # stage 0 on top, as in the paper
+        start, width = e["start"] * 1e3, (e["end"] - e["start"]) * 1e3
+        compute = e["kind"] in ("fwd", "recompute", "bwd")
+        height = 0.8 if compute else 0.3
+        ax.broken_barh([(start, width)], (row - height / 2, height), facecolors=COLORS[e["kind"]],
+                       edgecolors="white" if compute else "none", linewidth=0.5)
+        if compute and width > end / 60:
+            ax.text(start + width / 2, row, f"{LABELS[e['kind']][0]}{e['microbatch']}", ha="center",
+                    va="center", fontsize=6, color="white")
+    ax.set_yticks(range(len(stages)))
+    ax.set_yticklabels([f"stage {s}" for s in reversed(stages)])
+    ax.set_xlabel("time in the step (ms)")
+    ax.set_xlim(0, end * 1.01 if end else 1)
+    ax.set_title(title, fontsize=9)
+    legend = [Patch(color=COLORS[k], label=LABELS[k][1]) for k in ("fwd", "recompute", "bwd", "recv_fwd", "send_fwd")]
+    ax.legend(handles=legend, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(stages) < 3 else -0.2),
+              ncol=5, frameon=False)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return True
+
+
+def write(target: Path, events: Sequence[Mapping[str, Any]], title: str) -> tuple[Path, Path | None]:
+    """Write both files for `--trace FILE`; the PNG path is None when matplotlib is missing."""
+    json_path, png_path = paths(target)
+    write_chrome(json_path, events, title)
+    return json_path, png_path if write_gantt(png_path, events, title) else None

@@ -1,0 +1,35 @@
+"""What each rank of a benchmark job runs: `python -m gpipe_cli.bench.worker JOB.json`.
+
+Any failure on any rank stops every rank, with the failing rank's message and stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from gpipe_cli.bench.job import Job, run_job
+from gpipe_cli.errors import UserError
+from gpipe_cli.pipeline import failure, topology
+
+
+def main(argv: list[str]) -> None:
+    """Join the job, pin threads, and run it guarded so that one failure stops every rank."""
+    job = Job(**json.loads(Path(argv[0]).read_text()))
+    torch.set_num_threads(int(os.environ.get("GPIPE_THREADS", "1")))
+    topo = topology.init(job.stages)
+    label = f"bench stage {topo.layout.stage} (rank {topo.layout.rank})"
+    watch = failure.AbortWatch(label)
+    failure.run_guarded(lambda: run_job(job, topo), label, watch, quiet=(UserError,))
+    watch.stop()
+    sys.stdout.flush()
+    # Skip process-group teardown: every figure is written, and gloo's shutdown can stall.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

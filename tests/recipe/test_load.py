@@ -1,0 +1,104 @@
+import re
+from pathlib import Path
+
+import pytest
+
+from gpipe_cli.recipe.load import RecipeError, default_recipe_text, load_recipe, validate
+from gpipe_cli.train.plan import checked_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = {"model": {"kind": "transformer", "layers": 2, "d_model": 32, "ff": 64, "heads": 4, "vocab_size": 100},
+        "pipeline": {"partitions": 2, "microbatches": 4}, "data": {"batch_size": 8}, "train": {"steps": 2}}
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_builtin_recipe_is_the_shipped_quickstart():
+    assert default_recipe_text() == (ROOT / "recipes" / "quickstart.yaml").read_text()
+    recipe = load_recipe(None)
+    assert recipe.pipeline.partitions == 2 and recipe.data.source == "synthetic"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_validates_and_plans(path):
+    recipe = load_recipe(path)
+    plan = checked_plan(recipe, str(path))
+    assert len(plan.stages) == recipe.pipeline.partitions
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["pipeline.microbatches=0"], "recipe.yaml: pipeline.microbatches: must be >= 1 (got 0)"),
+    (["pipeline.schedule=zb"], "pipeline.schedule: must be 'gpipe' or '1f1b' (got 'zb')"),
+    (["pipeline.checkpoint=sometimes"], "pipeline.checkpoint: must be 'always', 'except_last' or 'never'"),
+    (["model.heads=abc"], "model.heads: must be an integer (got 'abc')"),
+    (["model.filters=8"], "model.filters: unknown key; allowed keys here: kind, preset, arch, layers"),
+    (["colour=blue"], "colour: unknown key; allowed keys here: name, seed, model"),
+    (["model.kind=resnet"], "model.kind: must be 'amoebanet' or 'transformer' (got 'resnet')"),
+    (["pipeline.microbatches=16"], "pipeline.microbatches (16) must be <= data.batch_size (8)"),
+    (["pipeline.balance=[1, 0]"], "pipeline.balance: every entry must be a positive number of layers"),
+    (["pipeline.balance=fast"], "pipeline.balance: must be auto, params, time, memory or a list"),
+    (["data.source=jsonl", "data.path=/no/such/file"], "data.path: no such file or directory: '/no/such/file'"),
+    (["data.source=jsonl"], "data.path is required for data.source 'jsonl'"),
+    (["model.d_model=30"], "model.d_model (30) must be divisible by model.heads (4)"),
+    (["train.steps=null"], "give train.steps or train.epochs"),
+    (["name=has space"], "name: may contain only letters, digits"),
+])
+def test_errors_name_the_key_the_value_and_what_is_allowed(tmp_path, overrides, message):
+    import yaml
+
+    path = write(tmp_path, yaml.safe_dump(BASE))
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, overrides)
+    text = str(info.value)
+    assert message in text and "\n" not in text
+
+
+@pytest.mark.parametrize("text,message", [
+    ("", "the recipe is empty"),
+    ("# only a comment\n", "the recipe is empty"),
+    ("- a\n- b\n", "a recipe must be a mapping of sections (got list)"),
+    ("model: [unclosed\n", "not valid YAML at line"),
+])
+def test_bad_files(tmp_path, text, message):
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        load_recipe(write(tmp_path, text))
+
+
+def test_missing_file():
+    with pytest.raises(RecipeError, match="no such recipe file"):
+        load_recipe("/no/such/recipe.yaml")
+
+
+@pytest.mark.parametrize("item", ["foo", "=3", "a..b=1", ".a=1"])
+def test_malformed_set(item):
+    with pytest.raises(RecipeError, match="--set expects KEY=VALUE"):
+        load_recipe(None, [item])
+
+
+def test_set_parses_yaml_values_and_creates_sections():
+    recipe = load_recipe(None, ["pipeline.balance=[3, 3]", "train.grad_clip=1.5", "checkpoint.every=7"])
+    assert recipe.pipeline.balance == [3, 3] and recipe.train.grad_clip == 1.5 and recipe.checkpoint.every == 7
+
+
+def test_preset_fills_sizes_and_explicit_keys_win():
+    recipe = validate({"model": {"preset": "amoebanet-d-18-256", "num_classes": 10, "image_size": 32},
+                       "train": {"steps": 1}}, "r.yaml")
+    assert recipe.model.kind == "amoebanet" and recipe.model.layers == 18 and recipe.model.filters == 256
+    assert recipe.model.num_classes == 10
+
+
+def test_preset_errors():
+    with pytest.raises(RecipeError, match="model.preset: unknown model preset 'nope'"):
+        validate({"model": {"preset": "nope"}, "train": {"steps": 1}}, "r.yaml")
+    with pytest.raises(RecipeError, match="preset 'transformer-big' is a transformer"):
+        validate({"model": {"kind": "amoebanet", "preset": "transformer-big"}, "train": {"steps": 1}}, "r.yaml")
+
+
+def test_more_partitions_than_layers_is_refused_by_the_plan():
+    recipe = load_recipe(None, ["pipeline.partitions=9"])
+    with pytest.raises(Exception, match="pipeline.partitions: cannot cut 6 layers into 9 partitions"):
+        checked_plan(recipe, "r.yaml")
