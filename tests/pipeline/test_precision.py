@@ -1,0 +1,42 @@
+"""bf16 and fp16 autocast through the engine, fp16 with loss scaling."""
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe_cli.pipeline import topology
+from gpipe_cli.pipeline.engine import Pipeline, build_layers
+
+
+def factories():
+    return [lambda: nn.Linear(8, 32), nn.GELU, lambda: nn.Linear(32, 4)]
+
+
+def gradients(precision: str) -> tuple[float, list[torch.Tensor], Pipeline]:
+    pipe = Pipeline(build_layers(factories(), range(3), 0), topology.local(), [3], nn.CrossEntropyLoss(),
+                    precision=precision)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 8, generator=g), torch.randint(0, 4, (12,), generator=g)
+    result = pipe.train_step(x, y, microbatches=3, step=0)
+    assert not result.skipped
+    return result.loss, [p.grad.clone() for p in pipe.parameters()], pipe
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_autocast_trains_close_to_fp32(precision):
+    loss32, grads32, _ = gradients("fp32")
+    loss, grads, pipe = gradients(precision)
+    assert loss == pytest.approx(loss32, rel=0.05)
+    for g, g32 in zip(grads, grads32):
+        assert g.dtype == torch.float32  # master weights and gradients stay fp32
+        assert float((g - g32).norm() / g32.norm()) < 0.05
+    if precision == "fp16":  # gradients were unscaled after the scaled backward
+        assert pipe.loss_scale.enabled and pipe.loss_scale.value == 2.0 ** 16
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale():
+    pipe = Pipeline(build_layers(factories(), range(3), 0), topology.local(), [3], nn.CrossEntropyLoss(),
+                    precision="fp16")
+    x, y = torch.full((4, 8), 1e30), torch.zeros(4, dtype=torch.long)
+    result = pipe.train_step(x, y, microbatches=2, step=0)
+    assert result.skipped and pipe.loss_scale.value == 2.0 ** 15

@@ -1,0 +1,66 @@
+import math
+
+import pytest
+import torch
+
+from gpipe_cli.recipe.load import validate
+from gpipe_cli.train.optim import base_lr, build_optimizer, build_scheduler, lr_factor
+
+
+def recipe(**sections):
+    raw = {"train": {"steps": 100}, "data": {"batch_size": 512}}
+    raw.update(sections)
+    return validate(raw, "r.yaml")
+
+
+def test_inverse_sqrt_warms_up_linearly_then_decays():
+    f = lr_factor(recipe(schedule={"name": "inverse_sqrt", "warmup_steps": 100}), 10, 1000)
+    assert f(0) == pytest.approx(0.01) and f(49) == pytest.approx(0.5) and f(99) == pytest.approx(1.0)
+    assert f(399) == pytest.approx(0.5)  # sqrt(100 / 400)
+
+
+def test_exponential_staircase_every_few_epochs_after_warmup():
+    f = lr_factor(recipe(schedule={"name": "exponential", "decay_rate": 0.97, "decay_epochs": 2.0,
+                                   "warmup_steps": 5}), steps_per_epoch=10, total_steps=1000)
+    assert f(4) == 1.0 and f(24) == 1.0
+    assert f(25) == pytest.approx(0.97) and f(45) == pytest.approx(0.97 ** 2)
+
+
+def test_cosine_reaches_the_floor():
+    f = lr_factor(recipe(optimizer={"lr": 0.1}, schedule={"name": "cosine", "min_lr": 0.01}), 10, 100)
+    assert f(0) == pytest.approx(1.0) and f(99) == pytest.approx(0.1, abs=1e-3)
+    assert f(50) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)), rel=1e-2)
+
+
+def test_learning_rate_proportional_to_batch_size():
+    assert base_lr(recipe(optimizer={"lr": 0.016, "lr_per_256": True})) == pytest.approx(0.032)
+
+
+@pytest.mark.parametrize("name,cls", [("sgd", torch.optim.SGD), ("adam", torch.optim.Adam),
+                                      ("adamw", torch.optim.AdamW), ("rmsprop", torch.optim.RMSprop)])
+def test_optimizers_by_name(name, cls):
+    opt = build_optimizer([torch.nn.Parameter(torch.zeros(2))], recipe(optimizer={"name": name, "lr": 0.01}))
+    assert isinstance(opt, cls) and opt.param_groups[0]["lr"] == 0.01
+
+
+def test_the_papers_amoebanet_rmsprop():
+    opt = build_optimizer([torch.nn.Parameter(torch.zeros(2))], recipe(optimizer={"name": "amoebanet-rmsprop"}))
+    group = opt.param_groups[0]
+    assert isinstance(opt, torch.optim.RMSprop) and group["alpha"] == 0.9 and group["momentum"] == 0.9
+
+
+def test_a_stage_without_parameters_has_no_optimizer():
+    r = recipe()
+    assert build_optimizer([], r) is None and build_scheduler(None, r, 10, 100) is None
+
+
+def test_scheduler_follows_the_factor():
+    r = recipe(optimizer={"name": "sgd", "lr": 1.0}, schedule={"name": "inverse_sqrt", "warmup_steps": 4})
+    opt = build_optimizer([torch.nn.Parameter(torch.zeros(1))], r)
+    sched = build_scheduler(opt, r, 10, 100)
+    seen = []
+    for _ in range(6):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([lr_factor(r, 10, 100)(s) for s in range(6)])
