@@ -45,12 +45,14 @@ def train(
     rdzv_backend: str | None = typer.Option(None, help="Rendezvous backend: static (with --node-rank) or c10d."),
     rdzv_id: str | None = typer.Option(None, help="Job id shared by all nodes (c10d rendezvous)."),
     threads: int | None = typer.Option(None, help="Intra-op threads per rank (default: cores / local ranks)."),
+    resume: str | None = typer.Option(None, help="Continue from the newest whole checkpoint: 'latest' (the "
+                                      "newest run of this recipe, or --output-dir), a run directory or a checkpoint."),
 ) -> None:
     """Train a model with GPipe on partitions x data_parallel processes."""
     from gpipe_cli.train.run import TrainOptions
     from gpipe_cli.train.run import train as run_training
 
-    options = TrainOptions(recipe, set_ or [], output_dir, plain, LaunchOptions(
+    options = TrainOptions(recipe, set_ or [], output_dir, plain, resume, LaunchOptions(
         nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
         rdzv_id=rdzv_id, threads=threads))
     code = _guard(lambda: run_training(options))
@@ -82,9 +84,34 @@ def validate(
     _guard(run)
 
 
+@app.command()
+def export(
+    run: str = typer.Argument(..., help="A run directory (its newest whole checkpoint) or one checkpoint folder."),
+    output: str | None = typer.Option(None, help="The safetensors file to write (default: RUN/model.safetensors)."),
+) -> None:
+    """Write the consolidated model weights of a checkpoint as one safetensors file."""
+    from gpipe_cli.train.export import export as export_model
+
+    path = _guard(lambda: export_model(run, output))
+    print(f"wrote {path}")
+
+
 def main() -> None:
     """Console-script entry point."""
+    sys.argv[1:] = _bare_resume(sys.argv[1:])
     app()
+
+
+def _bare_resume(args: list[str]) -> list[str]:
+    """Let `--resume` stand alone (meaning 'latest') as well as take a path."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        following = out[i + 1] if i + 1 < len(out) else None
+        if arg == "--resume" and (following is None or following.startswith("-")
+                                  or following.endswith((".yaml", ".yml"))):
+            out.insert(i + 1, "latest")
+            break
+    return out
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import signal
 import socket
 import sys
 import uuid
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpipe_cli.errors import UserError
+
+_STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
 def under_torchrun() -> bool:
@@ -76,6 +79,9 @@ def _config(world: int, options: LaunchOptions) -> object:
         "rdzv_endpoint": endpoint, "rdzv_backend": backend, "rdzv_configs": configs,
         "max_restarts": options.max_restarts, "monitor_interval": 0.1, "start_method": "spawn",
         "shutdown_timeout": options.shutdown_timeout,
+        # Ctrl-C reaches every rank from the terminal and each stops after its step; the agent must not
+        # turn it into SIGTERM, which would cut the final checkpoint short. It still forwards SIGTERM.
+        "signals_to_handle": "SIGTERM,SIGHUP,SIGQUIT",
     }
     accepted = inspect.signature(LaunchConfig).parameters
     return LaunchConfig(**{k: v for k, v in fields.items() if k in accepted})
@@ -83,6 +89,7 @@ def _config(world: int, options: LaunchOptions) -> object:
 
 def launch(module: str, args: list[str], world: int, options: LaunchOptions | None = None) -> int:
     """Run `python -m module *args` on `world` ranks (this node's share of them); return an exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
@@ -94,16 +101,21 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     os.environ["GPIPE_THREADS"] = str(threads)
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
     try:
         elastic_launch(config, sys.executable)("-u", "-m", module, *args)  # type: ignore[arg-type]
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode
+        if code in _STOPPED:  # the ranks stopped on a signal after their checkpoint and said so
+            return code
         print(f"gpipe: rank {rank} exited with code {code}; see its message above", file=sys.stderr)
         return code if isinstance(code, int) and code > 0 else 1
-    except KeyboardInterrupt:
-        return 130
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
     except Exception as exc:  # rendezvous failures: unreachable endpoint, timeout
         print(f"gpipe: could not start the job: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return 0

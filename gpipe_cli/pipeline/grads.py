@@ -102,7 +102,7 @@ class LossScale:
         self.enabled = enabled
         self.value = initial if enabled else 1.0
         self.growth_interval = growth_interval
-        self._good = 0
+        self.good_steps = 0
 
     def update(self, finite: bool) -> None:
         """Halve after an overflow; double after `growth_interval` clean steps."""
@@ -110,9 +110,9 @@ class LossScale:
             return
         if not finite:
             self.value = max(self.value / 2.0, 1.0)
-            self._good = 0
+            self.good_steps = 0
             return
-        self._good += 1
-        if self._good >= self.growth_interval:
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
             self.value *= 2.0
-            self._good = 0
+            self.good_steps = 0

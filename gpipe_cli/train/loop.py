@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,10 +28,12 @@ from gpipe_cli.pipeline.engine import Pipeline, build_layers
 from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.partition import stage_ranges
 from gpipe_cli.recipe.schema import Recipe
-from gpipe_cli.train import evaluation, optim
+from gpipe_cli.train import checkpoint, evaluation, optim
 from gpipe_cli.train.plan import Plan, make_plan, model_spec
 from gpipe_cli.train.report import MetricsFile, TerminalView
+from gpipe_cli.train.resume import Checkpointer, choose, run_dir_of, trim_metrics
 from gpipe_cli.train.rundir import choose_run_dir, create_run_dir, save_recipe
+from gpipe_cli.train.signals import StopRequest
 
 
 @dataclass
@@ -40,6 +44,7 @@ class Job:
     output_dir: str | None = None
     outputs_root: str = "outputs"
     plain: bool | None = None
+    resume: str | None = None  # a run directory or checkpoint to continue from
 
 
 class Trainer:
@@ -49,8 +54,8 @@ class Trainer:
         self.recipe, self.job, self.topo, self.layout = recipe, job, topo, topo.layout
         self.spec: ModelSpec = model_spec(recipe)
         self.plan: Plan = make_plan(recipe, self.spec, self._measure())
-        self.run_dir = Path(self._share(str(choose_run_dir(recipe, job.output_dir, job.outputs_root))
-                                        if self.layout.rank == 0 else None))
+        chosen = run_dir_of(job.resume) if job.resume else choose_run_dir(recipe, job.output_dir, job.outputs_root)
+        self.run_dir = Path(self._share(str(chosen) if self.layout.rank == 0 else None))
         fresh = not self.run_dir.exists()
         try:
             self._build()
@@ -80,6 +85,11 @@ class Trainer:
         self.optimizer = optim.build_optimizer(self.pipe.parameters(), recipe)
         self.scheduler = optim.build_scheduler(self.optimizer, recipe, self.steps_per_epoch, self.total_steps)
         self.lr = optim.lr_factor(recipe, self.steps_per_epoch, self.total_steps)
+        self.checkpoints = Checkpointer(self.pipe, self.optimizer, self.scheduler, topo, self.plan, self.run_dir,
+                                        recipe.checkpoint.keep)
+        self.start_step = self._resume() if job.resume else 0
+        self.stop = StopRequest(announce=self.layout.rank == 0)
+        self.stopped_by = 0
         self.metrics = MetricsFile(self.run_dir / "metrics.jsonl") if self.layout.rank == 0 else None
         self.view = (TerminalView(self.total_steps, f"{recipe.name}: {self.spec.name}", job.plain)
                      if self.layout.rank == 0 else None)
@@ -108,6 +118,23 @@ class Trainer:
             costs = [p.seconds if mode == "time" else float(p.activation_bytes + 4 * p.param_bytes)
                      for p in profile]
         return self._share(costs)
+
+    def _resume(self) -> int:
+        """Continue from the newest whole checkpoint at the --resume location; return its step."""
+        assert self.job.resume is not None
+        if self.layout.rank == 0:
+            found, refused = choose(self.job.resume)
+            for message in refused:
+                print(f"[gpipe] {message}", file=sys.stderr, flush=True)
+            shared = (str(found.path), found.step, found.manifest)
+        else:
+            shared = None
+        path, step, manifest = self._share(shared)
+        step = self.checkpoints.restore(checkpoint.Found(Path(path), step, manifest))
+        if self.layout.rank == 0:
+            trim_metrics(self.run_dir / "metrics.jsonl", step)
+            print(f"[gpipe] resumed from {path} (step {step})", file=sys.stderr, flush=True)
+        return step
 
     def _check_vocabulary(self) -> None:
         assert self.data is not None
@@ -142,14 +169,16 @@ class Trainer:
                 if step >= self.total_steps:
                     return
 
-    def run(self) -> None:
-        """Train for the recipe's steps or epochs, evaluating as asked and at the end."""
+    def run(self) -> int:
+        """Train for the recipe's steps or epochs, evaluating and checkpointing as asked and at the end.
+
+        Returns 0, or the number of the signal that stopped the run early (after a checkpoint).
+        """
         recipe, layout = self.recipe, self.layout
         if self.view is not None:
-            self.view.start()
-        every = recipe.eval.every
+            self.view.start(self.start_step)
         last_time = time.perf_counter()
-        for step, batch in enumerate(self.batches(0)):
+        for step, batch in enumerate(self.batches(self.start_step), start=self.start_step):
             result = self.pipe.train_step(
                 batch.inputs if batch is not None and layout.is_first else None,
                 batch.targets if batch is not None and layout.is_last else None,
@@ -164,13 +193,27 @@ class Trainer:
             if layout.rank == 0:
                 assert batch is not None
                 self._record_step(step, batch, result, now - last_time)
-            last_time = now
-            if every and (step + 1) % every == 0 and step + 1 < self.total_steps:
-                self.evaluate(step + 1)
-                last_time = time.perf_counter()
-        if self.eval_steps:
-            self.evaluate(self.total_steps)
+            done = step + 1
+            self.stopped_by = self.stop.agreed(self.topo.transport.control, self.topo.distributed)
+            if self.stopped_by or (recipe.checkpoint.every and done % recipe.checkpoint.every == 0):
+                self._save(done)
+            if self.stopped_by:
+                break
+            if recipe.eval.every and done % recipe.eval.every == 0 and done < self.total_steps:
+                self.evaluate(done)
+            last_time = time.perf_counter()
+        if not self.stopped_by:
+            if self.checkpoints.last_saved != self.total_steps:
+                self._save(self.total_steps)
+            if self.eval_steps:
+                self.evaluate(self.total_steps)
         self.close()
+        return self.stopped_by
+
+    def _save(self, step: int) -> None:
+        path = self.checkpoints.save(step, epoch=(step - 1) // self.steps_per_epoch + 1)
+        if self.view is not None:
+            self.view.message(f"checkpoint: {path}")
 
     def _record_step(self, step: int, batch: Batch, result: Any, seconds: float) -> None:
         stats = result.stats
@@ -219,6 +262,9 @@ class Trainer:
         """Finish the run: stop the view, close files and channels."""
         if self.view is not None:
             self.view.stop()
+            if self.stopped_by:
+                self.view.message(f"stopped by {signal.Signals(self.stopped_by).name} after step "
+                                  f"{self.checkpoints.last_saved}; continue with --resume {self.run_dir}")
             self.view.message(f"run directory: {self.run_dir}")
         if self.metrics is not None:
             self.metrics.close()

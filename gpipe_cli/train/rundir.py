@@ -47,11 +47,16 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         raise
 
 
-def save_recipe(recipe: Recipe, run_dir: Path) -> None:
-    """Store the resolved recipe (every default filled in) with the run."""
-    text = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False).encode()
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` whole or not at all."""
 
     def write(f: IO[bytes]) -> None:
-        f.write(text)
+        f.write(data)
 
-    atomic_write(run_dir / "recipe.yaml", write)
+    atomic_write(path, write)
+
+
+def save_recipe(recipe: Recipe, run_dir: Path) -> None:
+    """Store the resolved recipe (every default filled in) with the run."""
+    text = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+    atomic_write_bytes(run_dir / "recipe.yaml", text.encode())

@@ -14,8 +14,11 @@ from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.train.loop import Job, Trainer, configure_threads
 
 
-def run_job(job: Job) -> None:
-    """Join the job as this rank and train; any failure stops every rank with its message."""
+def run_job(job: Job) -> int:
+    """Join the job as this rank and train; any failure stops every rank with its message.
+
+    Returns 0, or 128 + the signal that stopped the run early (after its checkpoint).
+    """
     configure_threads()
     recipe = Recipe.model_validate(job.recipe)
     pipe = recipe.pipeline
@@ -23,22 +26,23 @@ def run_job(job: Job) -> None:
     label = f"stage {topo.layout.stage} (rank {topo.layout.rank})"
     watch = failure.AbortWatch(label) if topo.distributed else None
 
-    def train() -> None:
-        Trainer(recipe, job, topo).run()
+    def train() -> int:
+        return Trainer(recipe, job, topo).run()
 
-    failure.run_guarded(train, label, watch, quiet=(UserError,))
+    signum = failure.run_guarded(train, label, watch, quiet=(UserError,))
     if watch is not None:
         watch.stop()
     if topo.distributed:
         dist.barrier(group=topo.transport.control)
         dist.destroy_process_group()
+    return 128 + signum if signum else 0
 
 
 def main(argv: list[str] | None = None) -> None:
     """Read the job file named on the command line and run it."""
     args = sys.argv[1:] if argv is None else argv
     job = Job(**json.loads(Path(args[0]).read_text()))
-    run_job(job)
+    sys.exit(run_job(job))
 
 
 if __name__ == "__main__":

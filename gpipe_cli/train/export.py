@@ -1,0 +1,50 @@
+"""`gpipe export`: the consolidated model of a run's checkpoint as one safetensors file."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from gpipe_cli.errors import UserError
+from gpipe_cli.train import checkpoint
+from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
+
+_MODEL = "model."
+
+
+def export(location: str, output: str | None = None) -> Path:
+    """Write the model weights of the newest whole checkpoint at `location` to a safetensors file."""
+    from safetensors.torch import save_file
+
+    found, refused = checkpoint.newest_whole(Path(location))
+    for message in refused:
+        print(f"[gpipe] {message}")
+    if found is None:
+        raise UserError(f"{location}: no complete checkpoint to export")
+    reader = SafeReader(str(found.path))
+    entries = reader.read_metadata().state_dict_metadata
+    state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+             for key, meta in entries.items()
+             if key.startswith(_MODEL) and isinstance(meta, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    tensors = {key[len(_MODEL):]: value.contiguous() for key, value in state.items()}
+    target = Path(output) if output else checkpoint.run_dir_of(found.path) / "model.safetensors"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"step": str(found.step), "format": "pt",
+                                          "layers": "global layer index . parameter name"})
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target

@@ -1,0 +1,97 @@
+"""Saving and restoring a run's state around the checkpoint files (see checkpoint.py for the format)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpipe_cli.errors import UserError
+from gpipe_cli.pipeline.engine import Pipeline
+from gpipe_cli.pipeline.topology import Topology
+from gpipe_cli.train import checkpoint
+from gpipe_cli.train.plan import Plan
+from gpipe_cli.train.rundir import atomic_write_bytes
+
+
+def run_dir_of(location: str) -> Path:
+    """The run directory a --resume location belongs to (a run directory or one of its checkpoints)."""
+    path = Path(location)
+    if path.name.startswith(checkpoint.PREFIX):
+        return checkpoint.run_dir_of(path)
+    return path.parent if path.name == "checkpoints" else path
+
+
+class Checkpointer:
+    """Writes and reads this rank's part of the run's checkpoints."""
+
+    def __init__(self, pipe: Pipeline, optimizer: torch.optim.Optimizer | None,
+                 scheduler: torch.optim.lr_scheduler.LambdaLR | None, topo: Topology, plan: Plan,
+                 run_dir: Path, keep: int) -> None:
+        self.pipe, self.optimizer, self.scheduler, self.topo, self.plan = pipe, optimizer, scheduler, topo, plan
+        self.run_dir, self.keep = run_dir, keep
+        self.layout = topo.layout
+        self.last_saved = -1
+
+    def _layout(self) -> dict[str, Any]:
+        return {"partitions": self.layout.stages, "data_parallel": self.layout.replicas, "balance": self.plan.balance}
+
+    def _extra(self, step: int, same_layout: bool) -> dict[str, Any]:
+        scale = self.pipe.loss_scale
+        extra: dict[str, Any] = {"train": {"step": torch.tensor(step),
+                                           "loss_scale": torch.tensor([scale.value, float(scale.good_steps)],
+                                                                      dtype=torch.float64)}}
+        if same_layout:  # RNG streams belong to ranks; they only carry over onto the same ranks
+            rng = {"cpu": torch.get_rng_state()}
+            if self.topo.device.type == "cuda":
+                rng["cuda"] = torch.cuda.get_rng_state(self.topo.device)
+            extra[f"rng.rank{self.layout.rank}"] = rng
+        return extra
+
+    def save(self, step: int, epoch: int) -> Path:
+        """Write the checkpoint after `step` optimizer steps (collective)."""
+        path = checkpoint.path_for(self.run_dir, step)
+        state = checkpoint.state_of(self.pipe.module, self.optimizer, self._extra(step, same_layout=True))
+        manifest = {"step": step, "epoch": epoch, **self._layout(), "world_size": self.layout.world_size}
+        checkpoint.save(path, state, manifest, self.keep, self.layout.rank, self.topo.transport.control)
+        self.last_saved = step
+        return path
+
+    def restore(self, found: checkpoint.Found) -> int:
+        """Load a checkpoint into this rank's stage and optimizer; return the step to continue from."""
+        layout = self._layout()
+        same = all(found.manifest.get(k) == v for k, v in layout.items())
+        extra = checkpoint.load(found, self.pipe.module, self.optimizer, self._extra(0, same))
+        step = int(extra["train"]["step"])
+        value, good = extra["train"]["loss_scale"].tolist()
+        self.pipe.loss_scale.value, self.pipe.loss_scale.good_steps = value, int(good)
+        if same:
+            rng = extra[f"rng.rank{self.layout.rank}"]
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"], self.topo.device)
+        if self.scheduler is not None:  # the learning rate is a function of the step alone
+            self.scheduler.last_epoch = step - 1
+            self.scheduler.step()
+        self.last_saved = step
+        return step
+
+
+def choose(location: str) -> tuple[checkpoint.Found, list[str]]:
+    """The newest whole checkpoint at a --resume location, and messages about refused newer ones."""
+    found, refused = checkpoint.newest_whole(Path(location))
+    if found is None:
+        reasons = "; ".join(refused) if refused else "no checkpoints there"
+        raise UserError(f"--resume {location}: no complete checkpoint to resume from ({reasons})")
+    return found, refused
+
+
+def trim_metrics(path: Path, step: int) -> None:
+    """Drop records after `step` from metrics.jsonl (written after the checkpoint a run resumes from)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    atomic_write_bytes(path, "".join(line + "\n" for line in kept).encode())

@@ -1,0 +1,130 @@
+"""Resume, resharding, preemption, corrupt checkpoints and export, through `gpipe train` on CPU."""
+
+import copy
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.train.recipes import TINY_TRANSLATION, write
+
+pytestmark = pytest.mark.slow
+
+
+def recipe(steps: int = 8, every: int = 3) -> dict:
+    r = copy.deepcopy(TINY_TRANSLATION)
+    r["train"]["steps"] = steps
+    r["checkpoint"] = {"every": every, "keep": 5}
+    r["eval"] = {}
+    return r
+
+
+def gpipe(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpipe_cli.cli", *args, "--plain", "--threads", "1"],
+                          capture_output=True, text=True, timeout=300)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("full")
+    path = write(folder, recipe())
+    proc = gpipe("train", str(path), "--output-dir", str(folder / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return path, folder / "run"
+
+
+def interrupted_copy(run: Path, target: Path, keep_step: int) -> Path:
+    """A copy of a finished run as if it had died right after checkpoint `keep_step`."""
+    shutil.copytree(run, target)
+    for folder in (target / "checkpoints").iterdir():
+        if int(folder.name.split("-")[1]) > keep_step:
+            shutil.rmtree(folder)
+    return target
+
+
+def test_resume_equals_the_uninterrupted_run_step_for_step(full_run, tmp_path):
+    path, run = full_run
+    copy_dir = interrupted_copy(run, tmp_path / "copy", keep_step=3)
+    proc = gpipe("train", str(path), "--output-dir", str(copy_dir), "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr
+    assert losses(copy_dir) == losses(run)  # exact: same ranks, same data position, RNG and optimizer state
+
+
+@pytest.mark.parametrize("changes", [["--set", "pipeline.partitions=1"], ["--set", "pipeline.partitions=3"],
+                                     ["--set", "pipeline.balance=[1,5]"]], ids=["K=1", "K=3", "balance"])
+def test_resume_with_another_cut_continues_with_the_same_losses(full_run, tmp_path, changes):
+    path, run = full_run
+    copy_dir = interrupted_copy(run, tmp_path / "copy", keep_step=6)
+    proc = gpipe("train", str(path), "--output-dir", str(copy_dir), "--resume", *changes)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed, reference = losses(copy_dir), losses(run)
+    assert set(resumed) == set(reference)
+    for step in (7, 8):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-5)
+
+
+def test_a_truncated_checkpoint_is_refused_and_the_previous_one_used(full_run, tmp_path):
+    path, run = full_run
+    copy_dir = interrupted_copy(run, tmp_path / "copy", keep_step=6)
+    newest = copy_dir / "checkpoints" / "step-00000006"
+    data = sorted(newest.glob("*.distcp"))[0]
+    os.truncate(data, 100)
+    proc = gpipe("train", str(path), "--output-dir", str(copy_dir), "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"checkpoint {newest} is incomplete or corrupt: file {data.name} has 100 bytes" in proc.stderr
+    assert "resumed from" in proc.stderr and "step-00000003" in proc.stderr
+    assert losses(copy_dir) == losses(run)
+
+
+def test_sigterm_leaves_a_complete_checkpoint_and_a_resumable_run(tmp_path):
+    path = write(tmp_path, recipe(steps=400, every=1000))
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "gpipe_cli.cli", "train", str(path), "--output-dir", str(run),
+                             "--plain", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        metrics = run / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler preempting the job: every process gets it
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    done = max(losses(run))
+    found = run / "checkpoints" / f"step-{done:08d}"
+    assert (found / "manifest.json").exists(), (out[-2000:], err[-2000:])
+    assert f"stopped by SIGTERM after step {done}" in out
+    assert done < 400
+    resumed = gpipe("train", str(path), "--output-dir", str(run), "--resume", "--set", "train.steps=" + str(done + 2))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert max(losses(run)) == done + 2
+
+
+def test_export_writes_the_consolidated_model(full_run, tmp_path):
+    from safetensors.torch import load_file
+
+    from gpipe_cli.recipe.load import load_recipe
+    from gpipe_cli.train.plan import model_spec
+
+    path, run = full_run
+    target = tmp_path / "model.safetensors"
+    proc = subprocess.run([sys.executable, "-m", "gpipe_cli.cli", "export", str(run), "--output", str(target)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    tensors = load_file(str(target))
+    spec = model_spec(load_recipe(path))
+    expected = {f"{i}.{name}" for i, layer in enumerate(spec.build_all()) for name in layer.state_dict()}
+    assert set(tensors) == expected
