@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gpipe_cli.bench.load import Load
 from gpipe_cli.bench.measure import median, timed
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import partition
@@ -105,11 +106,15 @@ def run_baseline(name: str, spec: ModelSpec, topo: Topology, job: Job, inputs: A
                 schedule.step(*args, return_outputs=False)
 
     times, peaks = [], []
+    load: Load | None = None
     for index in range(job.warmup + job.steps):
+        if index == job.warmup:
+            load = Load()
         seconds, _ = timed(step)
         if index >= job.warmup:
             times.append(seconds)
             peaks.append(_peak(meter, device))
+    shares = load.finish() if load is not None else {}
     mine = torch.tensor([max(peaks)], dtype=torch.float64)
     gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(layout.world_size)]
     if dist.is_initialized() and layout.world_size > 1:
@@ -119,7 +124,8 @@ def run_baseline(name: str, spec: ModelSpec, topo: Topology, job: Job, inputs: A
     if layout.rank != 0:
         return None
     return {"samples_per_s": median([job.batch_size / t for t in times]), "step_times": times,
-            "stage_peak_bytes": [int(g[0]) for g in gathered], "peak_mem_bytes": int(max(g[0] for g in gathered))}
+            "stage_peak_bytes": [int(g[0]) for g in gathered], "peak_mem_bytes": int(max(g[0] for g in gathered)),
+            "load": shares}
 
 
 def compare(spec: ModelSpec, topo: Topology, job: Job, inputs: Any, targets: torch.Tensor) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpipe_cli.bench.load import Load, distributed, gather_floats
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline.engine import Pipeline, build_layers
@@ -24,38 +25,16 @@ from gpipe_cli.pipeline.stats import StepStats
 from gpipe_cli.pipeline.topology import Topology
 
 
-def _distributed() -> bool:
-    return dist.is_initialized() and dist.get_world_size() > 1
-
-
 def timed(step: Callable[[], Any]) -> tuple[float, Any]:
     """Run `step` on every rank from a common start; return the slowest rank's seconds and its result."""
-    if _distributed():
+    if distributed():
         dist.barrier()
     start = time.perf_counter()
     result = step()
     seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    if _distributed():
+    if distributed():
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     return float(seconds[0]), result
-
-
-def _gather_floats(value: float) -> list[float]:
-    """Every rank's `value`, in rank order."""
-    if not _distributed():
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return [float(v) for v in out]
-
-
-def contended(cpu_per_busy: Sequence[float], threshold: float = 0.9) -> bool:
-    """Whether a rank computed with less CPU than wall time: other processes took its core.
-
-    A compute action keeps its (single) thread on the CPU the whole time, so on a quiet machine the
-    compute thread's CPU seconds are at least its compute seconds.
-    """
-    return any(v < threshold for v in cpu_per_busy)
 
 
 def median(values: Sequence[float]) -> float:
@@ -90,7 +69,8 @@ class RunFigures:
     bubbles: list[float] = field(default_factory=list)
     stages: list[StageFigures] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
-    cpu_per_busy: list[float] = field(default_factory=list)  # per rank: CPU seconds / compute seconds
+    cpu_per_busy: list[float] = field(default_factory=list)  # per rank: compute thread's CPU s / compute s
+    load: dict[str, float] = field(default_factory=dict)      # what else used the machine (see `Load`)
 
     @property
     def samples_per_s(self) -> float:
@@ -159,7 +139,10 @@ def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_siz
         return pipe.train_step(feed, labels, microbatches=microbatches, step=index, trace=traced)
 
     cpu = busy = 0.0
+    load: Load | None = None
     for index in range(warmup + steps):
+        if index == warmup:
+            load = Load()
         started = time.thread_time()
         seconds, result = timed(functools.partial(step, index))
         if index >= warmup:
@@ -168,7 +151,8 @@ def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_siz
             figures.step_times.append(seconds)
             if result.stats is not None:
                 history.append(result.stats)
-    figures.cpu_per_busy = _gather_floats(cpu / busy if busy > 0 else 1.0)
+    figures.cpu_per_busy = gather_floats(cpu / busy if busy > 0 else 1.0)
+    figures.load = load.finish() if load is not None else {}
     if trace:
         # A separate step, so that gathering the events never slows a measured one.
         _, result = timed(lambda: step(warmup + steps, traced=True))

@@ -80,10 +80,12 @@ def show(s: dict[str, Any], console: Console) -> None:
         console.print(f"[bold yellow]OVERSUBSCRIBED:[/] {s['ranks']} ranks x {s['threads']} thread(s) on "
                       f"{s['hardware']}; the speed figures below mean little")
     if s.get("contended"):
-        shares = ", ".join(f"{v:.2f}" for v in s["cpu_per_busy"]["k1"] + s["cpu_per_busy"]["k"])
-        console.print(f"[bold yellow]CONTENDED:[/] the ranks' compute threads got less CPU than their compute "
-                      f"time (CPU/compute per rank: {shares}): other processes competed for the cores, so the "
-                      f"speed figures below are unreliable")
+        runs = [("K=1", s["load"]["k1"]), (f"K={s['partitions']}", s["load"]["k"])]
+        runs += [(name, load) for name, load in s["load"].items() if name not in ("k1", "k")]
+        parts = [f"{run}: {load.get('others_share', 0):.0%} to other processes, {load.get('stolen_share', 0):.0%} "
+                 f"stolen" for run, load in runs if load]
+        console.print(f"[bold yellow]CONTENDED:[/] while measuring, the machine's CPU went elsewhere "
+                      f"({'; '.join(parts)}): the speed figures below are unreliable")
     console.print(_throughput(s))
     kind = "PREDICTION (simulated, not measured)" if s["simulated"] else "measured"
     console.print(f"normalised throughput T(K)/T(1) = [bold]{s['normalized']:.2f}[/] ({kind}); "

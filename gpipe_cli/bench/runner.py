@@ -18,7 +18,8 @@ from rich.console import Console
 
 from gpipe_cli.bench import jobs, report, simulate, sweep, trace
 from gpipe_cli.bench.costs import CostProfile
-from gpipe_cli.bench.measure import RunFigures, contended, median
+from gpipe_cli.bench.load import contended
+from gpipe_cli.bench.measure import RunFigures, median
 from gpipe_cli.bench.options import BenchOptions, validate
 from gpipe_cli.bench.plan import base_job, choose_balance, model_json, oversubscription
 from gpipe_cli.bench.subject import Subject, is_text, resolve
@@ -42,7 +43,8 @@ def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFi
         "schedule": options.schedule, "checkpoint": options.checkpoint, "balance": balance, "balance_by": balance_by,
         "measured": measured, "simulated": not measured,
         "samples_per_s": ours, "samples_per_s_k1": k1.samples_per_s,
-        "tokens_per_s": (kk.units_per_s if kk else None) if text else None,
+        # Predicted tokens: the measured tokens per example at the predicted example rate.
+        "tokens_per_s": (kk.units_per_s if kk else ours * k1.units_per_step / options.batch) if text else None,
         "tokens_per_s_k1": k1.units_per_s if text else None,
         "step_time_s": median(kk.step_times) if kk else prediction.step_time,
         "step_time_k1_s": median(k1.step_times),
@@ -50,7 +52,8 @@ def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFi
         "bubble": kk.bubble if kk else prediction.bubble, "bubble_theory": theoretical_bubble(k, m),
         "oversubscribed": over and measured, "hardware": hardware, "ranks": k, "threads": options.threads,
         "cpu_per_busy": {"k1": k1.cpu_per_busy, "k": kk.cpu_per_busy if kk else []},
-        "contended": contended(k1.cpu_per_busy) or bool(kk and contended(kk.cpu_per_busy)),
+        "load": {"k1": k1.load, "k": kk.load if kk else {}},
+        "contended": contended(k1.load) or bool(kk and contended(kk.load)),
         "steps": options.steps, "warmup": options.warmup,
         "memory_method": "CUDA allocator peak" if torch.cuda.is_available()
         else "saved-tensor accounting (stored activations)",
@@ -100,11 +103,22 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, console: Cons
         console.print(f"[dim]measuring K={k} (balance {balance})...[/]")
         job = base_job(options, subject, k, balance)
         job.trace, job.compare = options.trace is not None, options.compare
-        raw = jobs.run(job, folder, f"k{k}", options.threads)
+        try:
+            raw = jobs.run(job, folder, f"k{k}", options.threads)
+        except jobs.JobFailed as exc:
+            if not (options.compare and exc.partial.get("runs")):
+                raise
+            # Our figures are in; only a baseline failed (its rank printed why): report ours.
+            raw = {**exc.partial, "compare": {}, "failed": f"a baseline failed (exit code {exc.code}); see above"}
         kk = RunFigures.from_json(raw["runs"][0])
     summary = summarise(options, subject, k1, kk, costs, balance, balance_by, prediction)
+    if "failed" in raw:
+        summary["failed"] = raw["failed"]
     if kk is not None and options.compare:
         summary["compare"] = _compare_json(summary, kk, raw.get("compare", {}))
+        for name, theirs in summary["compare"].items():
+            summary["load"][name] = theirs.get("load", {})
+            summary["contended"] = summary["contended"] or contended(theirs.get("load", {}))
     if kk is not None and options.trace is not None:
         title = f"{summary['model']['name']}: K={k}, M={options.microbatches}, {options.schedule}, {options.checkpoint}"
         chrome, png = trace.write(options.trace, kk.events, title)
@@ -132,4 +146,7 @@ def run(options: BenchOptions) -> int:
         options.json.parent.mkdir(parents=True, exist_ok=True)
         options.json.write_text(json.dumps(summary, indent=2))
         console.print(f"[dim]figures written to {options.json}[/]")
+    if summary.get("failed"):
+        console.print(f"[red]gpipe bench: {summary['failed']}[/]")
+        return 1
     return 0

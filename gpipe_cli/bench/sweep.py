@@ -14,6 +14,7 @@ from rich.table import Table
 
 from gpipe_cli.bench import jobs
 from gpipe_cli.bench.costs import CostProfile
+from gpipe_cli.bench.load import contended
 from gpipe_cli.bench.measure import RunFigures
 from gpipe_cli.bench.options import SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions
 from gpipe_cli.bench.plan import base_job, model_json, oversubscription
@@ -60,7 +61,8 @@ def run(options: BenchOptions, subject: Subject, folder: Path, console: Console)
             figures = RunFigures.from_json(run_json)
             cells.append({"partitions": k, "microbatches": figures.microbatches, "balance": balance,
                           "samples_per_s": figures.samples_per_s, "bubble": figures.bubble,
-                          "bubble_theory": theoretical_bubble(k, figures.microbatches), "oversubscribed": over})
+                          "bubble_theory": theoretical_bubble(k, figures.microbatches), "oversubscribed": over,
+                          "load": figures.load, "contended": contended(figures.load)})
     base = next((c for c in cells if c["microbatches"] == 1), None)
     family = subject.kind if subject.kind in PAPER_TABLE2 else None
     for c in cells:
@@ -71,7 +73,8 @@ def run(options: BenchOptions, subject: Subject, folder: Path, console: Console)
             "normalized_to": {"partitions": base["partitions"], "microbatches": 1} if base else None,
             "paper": {"table": "GPipe Table 2 (TPUs)", "model": PAPER_MODELS.get(family or "")},
             "skipped_partitions": [k for k in SWEEP_PARTITIONS if k not in ks],
-            "oversubscribed": any(c["oversubscribed"] for c in cells)}
+            "oversubscribed": any(c["oversubscribed"] for c in cells),
+            "contended": any(c["contended"] for c in cells)}
 
 
 def show(summary: dict[str, Any], console: Console) -> None:
@@ -103,5 +106,8 @@ def show(summary: dict[str, Any], console: Console) -> None:
     if summary["skipped_partitions"]:
         console.print(f"[yellow]K = {', '.join(map(str, summary['skipped_partitions']))} skipped: more ranks than "
                       f"this machine hosts (--oversubscribe runs them anyway)[/]")
+    if summary["contended"]:
+        console.print("[bold yellow]CONTENDED:[/] other processes used the CPU while some cells were measured "
+                      "(see `load` in the JSON); their speed figures are unreliable")
     if summary["oversubscribed"]:
         console.print("[bold yellow]OVERSUBSCRIBED:[/] some K share cores or GPUs; their speed figures mean little")

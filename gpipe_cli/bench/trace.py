@@ -69,8 +69,7 @@ def write_gantt(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> 
         return False
     stages = sorted({int(e["stage"]) for e in events})
     end = max((e["end"] for e in events), default=0.0) * 1e3
-    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, 0.25 * len(events) / max(len(stages), 1))),
-                                    1.0 + 0.6 * len(stages)))
+    fig, ax = plt.subplots(figsize=(14.0, 1.6 + 0.5 * len(stages)))
     for e in events:
         row = len(stages) - 1 - stages.index(int(e["stage"]))  # stage 0 on top, as in the paper
         start, width = e["start"] * 1e3, (e["end"] - e["start"]) * 1e3
@@ -78,18 +77,19 @@ def write_gantt(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> 
         height = 0.8 if compute else 0.3
         ax.broken_barh([(start, width)], (row - height / 2, height), facecolors=COLORS[e["kind"]],
                        edgecolors="white" if compute else "none", linewidth=0.5)
-        if compute and width > end / 60:
+        if compute and width > end / 150:
             ax.text(start + width / 2, row, f"{LABELS[e['kind']][0]}{e['microbatch']}", ha="center",
-                    va="center", fontsize=6, color="white")
+                    va="center", fontsize=5 if width < end / 60 else 6, color="white")
     ax.set_yticks(range(len(stages)))
     ax.set_yticklabels([f"stage {s}" for s in reversed(stages)])
     ax.set_xlabel("time in the step (ms)")
     ax.set_xlim(0, end * 1.01 if end else 1)
     ax.set_title(title, fontsize=9)
-    legend = [Patch(color=COLORS[k], label=LABELS[k][1]) for k in ("fwd", "recompute", "bwd", "recv_fwd", "send_fwd")]
-    ax.legend(handles=legend, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(stages) < 3 else -0.2),
-              ncol=5, frameon=False)
-    fig.tight_layout()
+    legend = [Patch(color=COLORS[k], label=label) for k, label in
+              (("fwd", "forward"), ("recompute", "recompute"), ("bwd", "backward"), ("recv_fwd", "wait for a message"),
+               ("send_fwd", "send"))]
+    fig.legend(handles=legend, fontsize=7, loc="lower center", ncol=5, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)
     plt.close(fig)

@@ -100,14 +100,15 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["GPIPE_THREADS"] = str(threads)
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+        # The ranks report their own failures; the agent's log lines would only repeat them.
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
     try:
         elastic_launch(config, sys.executable)("-u", "-m", module, *args)  # type: ignore[arg-type]
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode
-        if code in _STOPPED:  # the ranks stopped on a signal after their checkpoint and said so
+        if code in _STOPPED or code == UserError.exit_code:  # the ranks already said why
             return code
         print(f"gpipe: rank {rank} exited with code {code}; see its message above", file=sys.stderr)
         return code if isinstance(code, int) and code > 0 else 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 import threading
 import time
@@ -42,6 +43,16 @@ def _connect() -> dist.Store | None:
         return None
 
 
+def _encode(summary: str, user_error: bool) -> str:
+    # Who reported (so a rank knows whether it was first) and whether it was bad input.
+    return f"{os.getpid()}@{socket.gethostname()}\n{int(user_error)}\n{summary}"
+
+
+def _decode(text: str) -> tuple[str, bool]:
+    parts = text.split("\n", 2)
+    return (parts[2], parts[1] == "1") if len(parts) == 3 else (text, False)
+
+
 class AbortWatch:
     """Exits this process when another rank reports a failure."""
 
@@ -57,27 +68,31 @@ class AbortWatch:
         """Stop watching (a clean shutdown)."""
         self._stopped.set()
 
-    def report(self, summary: str) -> str:
-        """Tell every rank to stop because of `summary`; return the first failure reported in the job.
+    def report(self, summary: str, user_error: bool = False) -> tuple[bool, str, bool]:
+        """Tell every rank to stop because of `summary`.
 
-        The first report wins, so a rank that fails only because a peer vanished cannot hide the cause.
+        Returns whether this rank reported first, and the first report's message and kind. The first
+        report wins, so a rank that fails only because a peer vanished cannot hide the cause.
         """
+        mine = _encode(summary, user_error)
         if self._reporter is None:
-            return summary
+            return True, summary, user_error
         with contextlib.suppress(Exception):  # the store may already be gone; exiting matters more
-            first = self._reporter.compare_set(_abort_key(), "", summary)
-            return first.decode(errors="replace") if isinstance(first, bytes) else str(first)
-        return summary
+            first = self._reporter.compare_set(_abort_key(), "", mine)
+            text = first.decode(errors="replace") if isinstance(first, bytes) else str(first)
+            return (text == mine, *_decode(text))
+        return True, summary, user_error
 
     def _watch(self) -> None:
         key = _abort_key()
         while not self._stopped.wait(self.poll):
             try:
                 if self._store is not None and self._store.check([key]):
-                    message = self._store.get(key).decode(errors="replace")
+                    message, user_error = _decode(self._store.get(key).decode(errors="replace"))
                     if not self._stopped.is_set():
-                        print(f"[gpipe] {self.label} stopped: {message}", file=sys.stderr, flush=True)
-                        os._exit(EXIT_CODE)
+                        if not user_error:  # bad input is shown once, by the rank that found it
+                            print(f"[gpipe] {self.label} stopped: {message}", file=sys.stderr, flush=True)
+                        os._exit(2 if user_error else EXIT_CODE)
             except Exception:
                 if self._stopped.is_set():
                     return
@@ -99,16 +114,18 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
         summary = str(exc) if isinstance(exc, quiet) else f"{label} failed: {type(exc).__name__}: {exc}"
-        first = summary
+        was_first, first, first_quiet = True, summary, isinstance(exc, quiet)
         if watch is not None:
             watch.stop()
-            first = watch.report(summary)
-        if first != summary:  # a consequence of another rank's failure: name that one
-            print(f"[gpipe] {label} stopped: {first}", file=sys.stderr, flush=True)
+            was_first, first, first_quiet = watch.report(summary, user_error=isinstance(exc, quiet))
+        if not was_first:
+            if not first_quiet and first != summary:  # a consequence of another rank's failure: name it
+                print(f"[gpipe] {label} stopped: {first}", file=sys.stderr, flush=True)
+            # bad input, or one error hit by several ranks, is shown once, by the rank that reported it
         elif isinstance(exc, quiet):
             print(f"error: {summary}", file=sys.stderr, flush=True)
         else:
             traceback.print_exc(file=sys.stderr)
             print(f"[gpipe] {summary}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(getattr(exc, "exit_code", exit_code) if isinstance(exc, quiet) else exit_code)
+        os._exit(getattr(exc, "exit_code", exit_code) if isinstance(exc, quiet) else 2 if first_quiet else exit_code)

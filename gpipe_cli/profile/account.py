@@ -13,7 +13,7 @@ from the allocator (allocated bytes less parameters and gradients). Each figure 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -67,7 +67,7 @@ class StageMemory:
         return {**asdict(self), "total_bytes": self.total_bytes}
 
 
-def _unique_bytes(tensors: list[torch.Tensor]) -> int:
+def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
@@ -134,7 +134,8 @@ def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[i
         stored = 0
         for action in actions:
             mb = action.microbatch
-            if action.kind in (Kind.RECOMPUTE, Kind.BWD):
+            # What the forwards left behind, read before a micro-batch's graph is (re)built for backward.
+            if action.kind == Kind.RECOMPUTE or (action.kind == Kind.BWD and mb not in remat):
                 stored = max(stored, counter.current())
             if action.kind == Kind.FWD:
                 tensors, bare = feed[mb]

@@ -8,9 +8,12 @@ one before it is used. Loading never unpickles arbitrary objects (see safe_dcp.p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import shutil
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,6 +108,15 @@ def state_of(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: 
     return state
 
 
+@contextlib.contextmanager
+def single_process_quiet(distributed: bool) -> Iterator[None]:
+    """Hide DCP's warning that it runs without a process group (a one-stage run is meant to)."""
+    with warnings.catch_warnings():
+        if not distributed:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def _cause(exc: BaseException) -> str:
     """The first rank's underlying error, in one line."""
     failures = getattr(exc, "failures", None)
@@ -127,7 +139,8 @@ def save(path: Path, state: dict[str, Any], manifest: dict[str, Any], keep: int,
         partial.mkdir(parents=True)
     if distributed:
         dist.barrier(group=group)
-    dcp.save(state, checkpoint_id=str(partial), no_dist=not distributed)
+    with single_process_quiet(distributed):
+        dcp.save(state, checkpoint_id=str(partial), no_dist=not distributed)
     if distributed:
         dist.barrier(group=group)
     if rank == 0:
@@ -147,8 +160,9 @@ def load(found: Found, module: nn.Module, optimizer: torch.optim.Optimizer | Non
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     state = state_of(module, optimizer, extra)
     try:
-        dcp.load(state, storage_reader=SafeReader(str(found.path)), planner=SafeLoadPlanner(),
-                 no_dist=not distributed)
+        with single_process_quiet(distributed):
+            dcp.load(state, storage_reader=SafeReader(str(found.path)), planner=SafeLoadPlanner(),
+                     no_dist=not distributed)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise UserError(f"cannot load checkpoint {found.path}: {_cause(exc)}") from None
     module.load_state_dict(state["model"])

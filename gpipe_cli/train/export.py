@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import warnings
 from pathlib import Path
 
 import torch
@@ -32,8 +31,7 @@ def export(location: str, output: str | None = None) -> Path:
     state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
              for key, meta in entries.items()
              if key.startswith(_MODEL) and isinstance(meta, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent
-        warnings.simplefilter("ignore", UserWarning)
+    with checkpoint.single_process_quiet(False):
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     tensors = {key[len(_MODEL):]: value.contiguous() for key, value in state.items()}
     target = Path(output) if output else checkpoint.run_dir_of(found.path) / "model.safetensors"

@@ -27,8 +27,8 @@ from gpipe_cli.pipeline import topology
 from gpipe_cli.pipeline.engine import Pipeline, build_layers
 from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.partition import stage_ranges
-from gpipe_cli.recipe.schema import Recipe
-from gpipe_cli.train import checkpoint, evaluation, optim
+from gpipe_cli.recipe.schema import Recipe, TransformerModel
+from gpipe_cli.train import checkpoint, evaluation, optim, translate
 from gpipe_cli.train.plan import Plan, make_plan, model_spec
 from gpipe_cli.train.report import MetricsFile, TerminalView
 from gpipe_cli.train.resume import Checkpointer, choose, run_dir_of, trim_metrics
@@ -252,6 +252,11 @@ class Trainer:
                 sums[key] += result.metrics[key]
         record: dict[str, Any] = {"kind": "eval", "step": step, "loss": loss / units if units else float("nan")}
         record.update(evaluation.summarise(sums, units))
+        if self.spec.task == "translation" and isinstance(self.recipe.model, TransformerModel):
+            score = translate.bleu(self.pipe, self.topo, self.data, self.eval_steps,
+                                   self.recipe.pipeline.microbatches, self.recipe.model.max_len)
+            if score is not None:
+                record["bleu"] = score
         if layout.rank == 0:
             assert self.metrics is not None and self.view is not None
             self.metrics.write(record)

@@ -27,13 +27,15 @@ def run_job(job: Job) -> int:
     watch = failure.AbortWatch(label) if topo.distributed else None
 
     def train() -> int:
-        return Trainer(recipe, job, topo).run()
+        signum = Trainer(recipe, job, topo).run()
+        if topo.distributed:  # inside the guard: a peer that fails now still stops this rank cleanly
+            dist.barrier(group=topo.transport.control)
+        return signum
 
     signum = failure.run_guarded(train, label, watch, quiet=(UserError,))
     if watch is not None:
         watch.stop()
     if topo.distributed:
-        dist.barrier(group=topo.transport.control)
         dist.destroy_process_group()
     return 128 + signum if signum else 0
 

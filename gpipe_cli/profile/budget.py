@@ -1,0 +1,224 @@
+"""`--budget`: the largest model of a family that fits a per-device memory budget at each K (GPipe Table 1).
+
+Per-layer figures are measured on small members of the family and scaled to any size:
+
+- Transformer-L (layers of d_model 2048, feed-forward 8192, 32 heads): every layer is built alike, so
+  one measured layer, repeated L times, prices any L exactly.
+- AmoebaNet-D (L, D): normal cells of a stack are alike whatever L, and every tensor of a cell has
+  D-proportional channels, so activation bytes are affine in D (measured at two widths) and parameter
+  counts quadratic in D (counted on the meta device at three widths).
+
+A model fits K devices when a contiguous cut into K stages keeps every stage's parameters,
+gradients, optimizer state and peak activations (predicted by walking the schedule, see
+`footprint`) within the budget.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpipe_cli.errors import UserError
+from gpipe_cli.models.registry import build_model
+from gpipe_cli.profile import figures as fig
+from gpipe_cli.profile.account import OPTIMIZERS
+from gpipe_cli.profile.figures import Affine, LayerFigures, ModelFigures
+from gpipe_cli.profile.footprint import Footprint, greedy_fit
+
+# The families' fixed sizes in the paper's Table 1 and the batch it used.
+TRANSFORMER_L = dict(arch="decoder-only", d_model=2048, ff=8192, heads=32, vocab_size=32000, max_len=1024)
+AMOEBANET_D = dict(variant="d", image_size=224, num_classes=1000)
+PAPER_BATCH = {"amoebanet": 128, "transformer": 32}
+
+# GPipe (Huang et al., 2019), Table 1: the largest model per scenario, its parameters, total parameter
+# memory (12 bytes per parameter: RMSProp) and peak activation memory, over all accelerators.
+PAPER_TABLE1: dict[str, dict[str, Any]] = {
+    "amoebanet": {"hardware": "NVIDIA GPUs, 8GB each", "rows": {
+        "naive-1": ("(18, 208)", "82M", "1.05GB", "6.26GB"), "pipeline-1": ("(18, 416)", "318M", "3.8GB", "3.46GB"),
+        "pipeline-2": ("(18, 544)", "542M", "6.45GB", "8.11GB"),
+        "pipeline-4": ("(36, 544)", "1.05B", "12.53GB", "15.21GB"),
+        "pipeline-8": ("(72, 512)", "1.8B", "24.62GB", "26.24GB")}},
+    "transformer": {"hardware": "Cloud TPUv3, 16GB each", "rows": {
+        "naive-1": ("3", "282.2M", "11.7G", "3.15G"), "pipeline-1": ("13", "785.8M", "8.8G", "6.4G"),
+        "pipeline-8": ("103", "5.3B", "59.5G", "50.9G"), "pipeline-32": ("415", "21.0B", "235.1G", "199.9G"),
+        "pipeline-128": ("1663", "83.9B", "937.9G", "796.1G")}},
+}
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """`8GiB`, `16GB`, `500MiB` or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise UserError(f"--budget expects a size such as 8GiB, 16GB or 500MiB (got '{text}')")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def bytes_per_parameter(optimizer: str) -> float:
+    """Weight, gradient and optimizer-state bytes per fp32 parameter, measured by one optimizer step."""
+    param = torch.nn.Parameter(torch.zeros(1024))
+    param.grad = torch.zeros(1024)
+    opt = OPTIMIZERS[optimizer]([param])
+    opt.step()
+    state = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor) and t.numel() == param.numel())
+    return 4 + 4 + state / param.numel()
+
+
+def _by_role(model: ModelFigures) -> dict[str, LayerFigures]:
+    """The last layer of each role (the steady state of a repeated layer)."""
+    return {fig.role(layer.name): layer for layer in model.layers}
+
+
+def _assemble(names: list[str], roles: dict[str, LayerFigures], inputs: Affine,
+              params: Callable[[str], int]) -> ModelFigures:
+    layers = []
+    for name in names:
+        r = roles[fig.role(name)]
+        layers.append(LayerFigures(name, params(fig.role(name)), r.saved, r.output))
+    return ModelFigures(inputs, tuple(layers))
+
+
+class TransformerL:
+    """Transformer-L: L identical layers between an embedding and a softmax."""
+
+    kind = "transformer"
+    title = "Transformer-L"
+
+    def __init__(self, fixed: dict[str, Any], seed: int = 0) -> None:
+        self.fixed = fixed
+        self.probe = fig.measure(build_model("transformer", layers=2, **fixed), seed)
+        self.roles = _by_role(self.probe)
+
+    def figures(self, layers: int) -> ModelFigures:
+        """The figures of the member with `layers` layers."""
+        names = ["embed", *(f"layer_{i + 1}" for i in range(layers)), "softmax"]
+        return _assemble(names, self.roles, self.probe.input, lambda role: self.roles[role].params)
+
+    def search(self, fits: Callable[[ModelFigures], list[Footprint] | None]) -> tuple[str, int, list[Footprint]] | None:
+        """The deepest member that fits: (label, parameters, stages)."""
+        best = None
+        lo, hi = 0, 1
+        while (found := fits(self.figures(hi))) is not None:  # grow until it no longer fits
+            best, lo, hi = (hi, found), hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            found = fits(self.figures(mid))
+            if found is not None:
+                best, lo = (mid, found), mid
+            else:
+                hi = mid
+        if best is None:
+            return None
+        layers, stages = best
+        return str(layers), sum(s.params for s in stages), stages
+
+
+class AmoebaNetD:
+    """AmoebaNet-D (L, D): L normal cells in three stacks, D filters."""
+
+    kind = "amoebanet"
+    title = "AmoebaNet-D (L, D)"
+    PROBE_LAYERS = 9        # three normal cells per stack: the first two of a stack differ from the rest
+    PROBE_WIDTHS = (16, 32, 48)
+    WIDTH_STEP = 16
+
+    def __init__(self, fixed: dict[str, Any], seed: int = 0, max_layers: int = 240, max_width: int = 4096) -> None:
+        self.fixed, self.max_layers, self.max_width = fixed, max_layers, max_width
+        d0, d1, _ = self.PROBE_WIDTHS
+        self.at = [_by_role(fig.measure(self._spec(self.PROBE_LAYERS, d), seed)) for d in (d0, d1)]
+        self.input = fig.measure(self._spec(self.PROBE_LAYERS, d0), seed).input
+        counts = [self._role_params(d) for d in self.PROBE_WIDTHS]
+        self.param_fit = {role: [c[role] for c in counts] for role in counts[0]}
+
+    def _spec(self, layers: int, width: int) -> Any:
+        return build_model("amoebanet", layers=layers, filters=width, **self.fixed)
+
+    def _role_params(self, width: int) -> dict[str, int]:
+        spec = self._spec(self.PROBE_LAYERS, width)
+        return {fig.role(n): p for n, p in zip(spec.layer_names, fig.layer_param_counts(spec))}
+
+    def _params(self, role: str, width: int) -> int:
+        """Exact: parameter counts are quadratic in D; interpolate through the three probe widths."""
+        (x0, x1, x2), (y0, y1, y2) = self.PROBE_WIDTHS, self.param_fit[role]
+        value = (y0 * (width - x1) * (width - x2) / ((x0 - x1) * (x0 - x2))
+                 + y1 * (width - x0) * (width - x2) / ((x1 - x0) * (x1 - x2))
+                 + y2 * (width - x0) * (width - x1) / ((x2 - x0) * (x2 - x1)))
+        return round(value)
+
+    def figures(self, layers: int, width: int) -> ModelFigures:
+        """The figures of AmoebaNet-D (layers, width)."""
+        d0, d1, _ = self.PROBE_WIDTHS
+        t = (width - d0) / (d1 - d0)
+        roles = {role: LayerFigures(role, 0, self.at[0][role].saved.blend(self.at[1][role].saved, t),
+                                    self.at[0][role].output.blend(self.at[1][role].output, t))
+                 for role in self.at[0]}
+        names = self._spec(layers, width).layer_names
+        return _assemble(names, roles, self.input, lambda role: self._params(role, width))
+
+    def search(self, fits: Callable[[ModelFigures], list[Footprint] | None]) -> tuple[str, int, list[Footprint]] | None:
+        """The member with the most parameters that fits, over L in steps of 6 and D in steps of 16."""
+        best: tuple[str, int, list[Footprint]] | None = None
+        for layers in range(6, self.max_layers + 1, 6):
+            lo, hi = 0, self.max_width // self.WIDTH_STEP + 1  # widths in units of WIDTH_STEP
+            found_at: list[Footprint] | None = None
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                found = fits(self.figures(layers, mid * self.WIDTH_STEP))
+                if found is not None:
+                    lo, found_at = mid, found
+                else:
+                    hi = mid
+            if found_at is None:
+                break  # deeper models only need more
+            params = sum(s.params for s in found_at)
+            if best is None or params > best[1]:
+                best = (f"({layers}, {lo * self.WIDTH_STEP})", params, found_at)
+        return best
+
+
+@dataclass(frozen=True)
+class BudgetRow:
+    """One scenario's largest model."""
+
+    scenario: str
+    partitions: int
+    microbatches: int
+    checkpoint: str
+    model: str
+    params: int
+    param_memory_bytes: float      # weights + gradients + optimizer state, all stages
+    peak_activation_bytes: float   # the stages' activation peaks, summed
+    device_peak_bytes: float       # the fullest device
+    balance: list[int]
+
+    def to_json(self) -> dict[str, Any]:
+        """As plain data."""
+        return dict(vars(self))
+
+
+def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[str, int, int, str]], budget: float,
+           batch_size: int, schedule: str, optimizer: str) -> list[BudgetRow | None]:
+    """The largest fitting member for each (name, K, M, checkpoint) scenario (None: nothing fits)."""
+    per_param = bytes_per_parameter(optimizer)
+    rows: list[BudgetRow | None] = []
+    for name, k, m, checkpoint in scenarios:
+        def fits(model: ModelFigures, k: int = k, m: int = m, checkpoint: str = checkpoint) -> list[Footprint] | None:
+            return greedy_fit(model, k, budget, batch_size, m, schedule, checkpoint, per_param)
+
+        found = family.search(fits)
+        if found is None:
+            rows.append(None)
+            continue
+        label, params, stages = found
+        rows.append(BudgetRow(name, k, m, checkpoint, label, params, sum(s.weights_bytes for s in stages),
+                              sum(s.peak_bytes for s in stages), max(s.total_bytes for s in stages),
+                              [s.layers for s in stages]))
+    return rows

@@ -1,0 +1,77 @@
+"""Print memory profiles for a person (the JSON file holds the same data)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from gpipe_cli.bench.report import human_bytes
+
+__all__ = ["human_bytes", "show_budget", "show_measured"]
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(int(n))
+
+
+def show_measured(s: dict[str, Any], console: Console) -> None:
+    """Per-stage tables, one per scenario, and a one-line comparison of the fullest devices."""
+    model = s["model"]
+    console.print(f"[bold]gpipe profile-memory[/] · {model['name']} ({model['layers']} layers) · batch "
+                  f"{s['batch_size']} · M={s['microbatches']} · {s['schedule']} · checkpoint {s['checkpoint']} · "
+                  f"optimizer {s['optimizer']} · device {s['device']}")
+    console.print(f"activations measured by {s['method']}")
+    for sc in s["scenarios"]:
+        table = Table(title=f"{sc['name']}: K={sc['partitions']}, M={sc['microbatches']}, checkpoint "
+                            f"{sc['checkpoint']}, balance {sc['balance']}")
+        for name in ("stage", "layers", "parameters", "gradients", "optimizer", "stored activations",
+                     "peak activations", "total"):
+            table.add_column(name, justify="right")
+        for st in sc["stages"]:
+            table.add_row(str(st["stage"]), f"{st['first_layer']}-{st['first_layer'] + st['layers'] - 1}",
+                          human_bytes(st["params_bytes"]), human_bytes(st["grads_bytes"]),
+                          human_bytes(st["optimizer_bytes"]), human_bytes(st["stored_bytes"]),
+                          human_bytes(st["peak_bytes"]), human_bytes(st["total_bytes"]))
+        console.print(table)
+    line = " · ".join(f"{sc['name']} {human_bytes(sc['device_peak_bytes'])}" for sc in s["scenarios"])
+    console.print(f"fullest device: {line}")
+
+
+def show_budget(s: dict[str, Any], console: Console) -> None:
+    """The paper's Table 1 layout: one column per scenario, ours above the paper's."""
+    console.print(f"[bold]gpipe profile-memory --budget[/] {human_bytes(s['budget_bytes'])} per device · "
+                  f"{s['family']} with {s['fixed']} · batch {s['batch_size']} · M={s['microbatches']} · "
+                  f"checkpoint {s['checkpoint']} · {s['optimizer']} ({s['bytes_per_param']:.0f} bytes per parameter "
+                  f"with its gradient)")
+    console.print(f"[dim]{s['method']}[/]")
+    table = Table(title=f"Largest {s['family']} per device budget (memory totals over all devices)")
+    table.add_column("")
+    for name in s["scenarios"]:
+        table.add_column(name, justify="right")
+    rows = s["rows"]
+
+    def cells(key: str, fmt: Any) -> list[str]:
+        return [fmt(r[key]) if r else "does not fit" for r in rows]
+
+    table.add_row(s["family"], *cells("model", str))
+    table.add_row("# of model parameters", *cells("params", _count))
+    table.add_row("total model parameter memory", *cells("param_memory_bytes", human_bytes))
+    table.add_row("peak activation memory", *cells("peak_activation_bytes", human_bytes))
+    table.add_row("fullest device", *cells("device_peak_bytes", human_bytes))
+    table.add_row("layers per stage", *cells("balance", lambda b: ",".join(map(str, b))))
+    console.print(table)
+    paper = s["paper"]
+    ptable = Table(title=f"GPipe Table 1, {paper['hardware']} (the paper counts 12 bytes per parameter, RMSProp)")
+    ptable.add_column("")
+    names = list(paper["rows"])
+    for name in names:
+        ptable.add_column(name, justify="right")
+    for i, label in enumerate((s["family"], "# of model parameters", "total model parameter memory",
+                               "peak activation memory")):
+        ptable.add_row(label, *(paper["rows"][n][i] for n in names))
+    console.print(ptable)

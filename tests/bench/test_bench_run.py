@@ -1,0 +1,82 @@
+"""A small `gpipe bench` end to end: real ranks, baselines, trace and JSON (properties, not speed)."""
+
+import json
+from collections import Counter
+
+import pytest
+
+from gpipe_cli.bench import BenchOptions, run
+from gpipe_cli.pipeline import schedule as sched
+from tests.bench import tiny
+
+REQUIRED = ("partitions", "microbatches", "samples_per_s", "samples_per_s_k1", "normalized", "efficiency", "bubble",
+            "bubble_theory", "oversubscribed")
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench")
+    options = BenchOptions(**tiny.TRANSFORMER, partitions=2, microbatches=4, batch_size=8, steps=2, warmup=1,
+                           compare=True, trace=folder / "step.json", json=folder / "bench.json")
+    assert run(options) == 0
+    return options, json.loads((folder / "bench.json").read_text())
+
+
+def test_the_json_has_every_figure(bench):
+    _, figures = bench
+    for key in REQUIRED:
+        assert key in figures, key
+    assert figures["partitions"] == 2 and figures["microbatches"] == 4
+    assert figures["samples_per_s"] > 0 and figures["samples_per_s_k1"] > 0
+    assert figures["tokens_per_s"] > 0  # a text model also counts tokens
+    assert figures["bubble_theory"] == pytest.approx(1 / 5)
+    assert figures["efficiency"] == pytest.approx(figures["normalized"] / figures["ideal"])
+    assert isinstance(figures["oversubscribed"], bool)
+    assert sum(figures["balance"]) == 6 and len(figures["stages"]) == 2
+    assert figures["prediction"]["label"] == "prediction" and figures["prediction"]["samples_per_s"] > 0
+
+
+def test_compare_reports_both_baselines_with_ratios(bench):
+    _, figures = bench
+    assert set(figures["compare"]) == {"torch-gpipe", "torch-1f1b"}
+    for name, theirs in figures["compare"].items():
+        assert theirs["samples_per_s"] > 0 and theirs["peak_mem_bytes"] > 0, name
+        assert theirs["throughput_ratio"] == pytest.approx(figures["samples_per_s"] / theirs["samples_per_s"])
+        assert theirs["memory_ratio"] == pytest.approx(figures["peak_mem_bytes"] / theirs["peak_mem_bytes"])
+    # Rematerialization keeps only boundary inputs of all but the last micro-batch; GPipe without it keeps all.
+    assert figures["compare"]["torch-gpipe"]["memory_ratio"] < 1
+
+
+def test_the_trace_has_one_event_per_action_of_the_schedule(bench):
+    options, figures = bench
+    trace = json.loads(options.trace.read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    actions = sched.build_all(options.schedule, 2, 4, options.checkpoint)
+    expected = Counter((s, a.kind.value, a.microbatch) for s, acts in enumerate(actions) for a in acts)
+    assert Counter((e["tid"], e["args"]["action"], e["args"]["microbatch"]) for e in events) == expected
+    for e in events:
+        assert e["dur"] >= 0 and e["ts"] >= 0 and e["name"]
+    assert figures["trace"]["events"] == len(events)
+    assert options.trace.with_suffix(".png").stat().st_size > 0
+
+
+def test_simulate_predicts_without_launching_k_ranks(tmp_path):
+    out = tmp_path / "sim.json"
+    options = BenchOptions(**tiny.TRANSFORMER, microbatches=4, batch_size=8, steps=2, warmup=0, simulate=True,
+                           devices=4, json=out)
+    assert run(options) == 0
+    figures = json.loads(out.read_text())
+    assert figures["simulated"] and not figures["measured"] and figures["partitions"] == 4
+    assert figures["stages"] == [] and figures["prediction"]["partitions"] == 4
+    assert figures["bubble"] == pytest.approx(figures["prediction"]["bubble"])
+
+
+def test_sweep_prints_the_papers_table(tmp_path):
+    out = tmp_path / "sweep.json"
+    options = BenchOptions(**tiny.TRANSFORMER, sweep=True, batch_size=32, steps=1, warmup=0, json=out)
+    assert run(options) == 0
+    figures = json.loads(out.read_text())
+    cells = {(c["partitions"], c["microbatches"]): c for c in figures["sweep"]}
+    assert {m for _, m in cells} == {1, 4, 32}
+    assert cells[(2, 1)]["normalized"] == pytest.approx(1.0)
+    assert cells[(2, 32)]["paper"] == 1.8  # Transformer-48, K=2, M=32 in the paper's Table 2

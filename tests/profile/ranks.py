@@ -1,0 +1,24 @@
+"""What each rank runs in the profile tests (importable by spawned processes)."""
+
+from __future__ import annotations
+
+from gpipe_cli.bench.measure import build_pipeline
+from gpipe_cli.bench.subject import Subject, example_batch
+from gpipe_cli.pipeline import topology
+
+
+def engine_peaks(subject: dict, balance: list[int], batch: int, configs: list[tuple[int, str, str]]) -> dict:
+    """Each configuration's per-stage activation peaks as the engine measures them in a real step (rank 0)."""
+    spec = Subject.from_json(subject).build()
+    topo = topology.init(len(balance))
+    inputs, targets = example_batch(spec, batch, 0)
+    out = {}
+    for chunks, schedule, checkpoint in configs:
+        pipe = build_pipeline(spec, topo, balance, schedule, checkpoint, 0)
+        result = pipe.train_step(inputs if topo.layout.is_first else None, targets if topo.layout.is_last else None,
+                                 microbatches=chunks, step=0)
+        pipe.close()
+        if result.stats is not None:
+            out[(chunks, schedule, checkpoint)] = [s.activation_peak for s in
+                                                   sorted(result.stats.stages, key=lambda s: s.stage)]
+    return out

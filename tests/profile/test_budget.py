@@ -1,0 +1,99 @@
+"""Per-layer figures measured on small members scale exactly; the budget search finds what fits."""
+
+import pytest
+
+from gpipe_cli.bench.subject import example_batch
+from gpipe_cli.errors import UserError
+from gpipe_cli.models.registry import build_model
+from gpipe_cli.pipeline.partition import stage_ranges
+from gpipe_cli.profile import account, budget
+from gpipe_cli.profile import figures as fig
+from gpipe_cli.profile.footprint import stage_footprint
+
+AMOEBA = dict(variant="d", image_size=32, num_classes=4)
+TRANSFORMER = dict(arch="decoder-only", d_model=32, ff=64, heads=2, vocab_size=64, max_len=8)
+
+
+@pytest.fixture(scope="module")
+def amoebanet():
+    return budget.AmoebaNetD(AMOEBA, max_layers=36, max_width=256)
+
+
+@pytest.fixture(scope="module")
+def transformer():
+    return budget.TransformerL(TRANSFORMER)
+
+
+def same(predicted, measured, examples=3):
+    for p, m in zip(predicted.layers, measured.layers, strict=True):
+        assert p.params == m.params, p.name
+        assert p.saved.at(examples) == pytest.approx(m.saved.at(examples), abs=1), p.name
+        assert p.output.at(examples) == pytest.approx(m.output.at(examples), abs=1), p.name
+
+
+def test_amoebanet_figures_scale_exactly_to_other_depths_and_widths(amoebanet):
+    same(amoebanet.figures(12, 64), fig.measure(build_model("amoebanet", layers=12, filters=64, **AMOEBA)))
+
+
+def test_transformer_figures_scale_exactly_to_other_depths(transformer):
+    same(transformer.figures(5), fig.measure(build_model("transformer", layers=5, **TRANSFORMER)))
+
+
+@pytest.mark.parametrize("kind,params,balance,chunks,checkpoint", [
+    ("transformer", dict(layers=4, **TRANSFORMER), [3, 3], 4, "except_last"),
+    ("transformer", dict(layers=4, **TRANSFORMER), [2, 2, 2], 8, "always"),
+    ("amoebanet", dict(layers=6, filters=16, **AMOEBA), [6, 6], 4, "except_last"),
+    ("amoebanet", dict(layers=6, filters=16, **AMOEBA), [12], 1, "never"),
+])
+def test_the_footprint_walk_predicts_the_measured_stages(kind, params, balance, chunks, checkpoint):
+    spec = build_model(kind, **params)
+    inputs, targets = example_batch(spec, 16, 0)
+    measured = account.measure(spec, inputs, targets, balance, chunks, "gpipe", checkpoint, "sgd", 0)
+    figures = fig.measure(spec)
+    for s, span in enumerate(stage_ranges(balance)):
+        predicted = stage_footprint(figures, span.start, span.stop, s, len(balance), 16, chunks, "gpipe",
+                                    checkpoint, 12.0)
+        # Within 5%, or a few hundred bytes where the inputs are views of a larger token tensor.
+        assert predicted.peak_bytes == pytest.approx(measured[s].peak_bytes, rel=0.05, abs=1024)
+        assert predicted.stored_bytes == pytest.approx(measured[s].stored_bytes, rel=0.05, abs=1024)
+
+
+def test_more_devices_fit_larger_models_within_the_budget(transformer):
+    scenarios = [("naive-1", 1, 1, "never"), ("pipeline-1", 1, 8, "except_last"), ("pipeline-2", 2, 8, "except_last"),
+                 ("pipeline-4", 4, 8, "except_last")]
+    rows = budget.search(transformer, scenarios, 8 * 2**20, 32, "gpipe", "rmsprop")
+    assert all(r is not None for r in rows)
+    params = [r.params for r in rows]
+    assert params == sorted(params) and params[-1] > params[1] > params[0]
+    for r in rows:
+        assert r.device_peak_bytes <= 8 * 2**20
+        assert len(r.balance) <= r.partitions
+
+
+def test_amoebanet_search_picks_the_largest_fitting_member(amoebanet):
+    rows = budget.search(amoebanet, [("pipeline-1", 1, 4, "except_last"), ("pipeline-2", 2, 4, "except_last")],
+                         64 * 2**20, 16, "gpipe", "sgd")
+    assert rows[0] is not None and rows[1] is not None
+    assert rows[1].params >= rows[0].params
+    assert all(r.device_peak_bytes <= 64 * 2**20 for r in rows if r)
+
+
+def test_nothing_fits_a_tiny_budget(transformer):
+    assert budget.search(transformer, [("naive-1", 1, 1, "never")], 1000, 32, "gpipe", "sgd") == [None]
+
+
+def test_bytes_per_parameter_is_measured_from_the_optimizer():
+    assert budget.bytes_per_parameter("sgd") == 12       # weight, gradient, momentum
+    assert budget.bytes_per_parameter("rmsprop") == 16   # + square average and momentum
+    assert budget.bytes_per_parameter("adam") == 16
+
+
+@pytest.mark.parametrize("text,value", [("8GiB", 8 * 2**30), ("16GB", 16 * 10**9), ("500 MiB", 500 * 2**20),
+                                        ("1024", 1024), ("1.5KiB", 1536)])
+def test_sizes_parse(text, value):
+    assert budget.parse_bytes(text) == value
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(UserError, match="--budget"):
+        budget.parse_bytes("eight gigs")

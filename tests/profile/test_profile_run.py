@@ -1,0 +1,66 @@
+"""A small `gpipe profile-memory` end to end, measured and with --budget."""
+
+import json
+
+import pytest
+
+from gpipe_cli.errors import UserError
+from gpipe_cli.profile import FLAGS, ProfileOptions, parse_partitions, run
+from tests.bench import tiny
+
+
+def test_every_field_has_help_for_the_cli():
+    assert set(FLAGS) == set(ProfileOptions.__dataclass_fields__)
+
+
+def test_measured_profile_has_every_scenario_and_stage(tmp_path):
+    out = tmp_path / "profile.json"
+    assert run(ProfileOptions(**tiny.TRANSFORMER, partitions=[2, 3], microbatches=4, json=out)) == 0
+    figures = json.loads(out.read_text())
+    assert figures["method"] == "exact saved-tensor accounting (CPU)"
+    names = [s["name"] for s in figures["scenarios"]]
+    assert names == ["naive-1", "pipeline-1", "pipeline-2", "pipeline-3"]
+    by_name = {s["name"]: s for s in figures["scenarios"]}
+    for s in figures["scenarios"]:
+        assert len(s["stages"]) == s["partitions"] == len(s["balance"])
+        for stage in s["stages"]:
+            for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "stored_bytes", "peak_bytes", "total_bytes"):
+                assert stage[key] >= 0, key
+            assert stage["stored_bytes"] <= stage["peak_bytes"]
+    # Rematerialization and more stages lower the fullest device's peak.
+    assert (by_name["naive-1"]["device_peak_bytes"] > by_name["pipeline-1"]["device_peak_bytes"]
+            > by_name["pipeline-2"]["device_peak_bytes"])
+
+
+def test_budget_search_reports_the_papers_table_layout(tmp_path):
+    out = tmp_path / "budget.json"
+    options = ProfileOptions(model="transformer", d_model=32, ff=64, heads=2, vocab_size=64, seq_len=8,
+                             budget="8MiB", partitions=[2, 4], json=out)
+    assert run(options) == 0
+    figures = json.loads(out.read_text())
+    assert figures["family"] == "Transformer-L" and figures["budget_bytes"] == 8 * 2**20
+    assert figures["scenarios"] == ["naive-1", "pipeline-1", "pipeline-2", "pipeline-4"]
+    assert all(r["device_peak_bytes"] <= 8 * 2**20 for r in figures["rows"])
+    assert figures["paper"]["rows"]["pipeline-8"][0] == "103"
+
+
+@pytest.mark.parametrize("options,message", [
+    (ProfileOptions(budget="8GiB", layers=4), "--budget searches"),
+    (ProfileOptions(partitions=[2, 4], balance="3,3"), "single K"),
+    (ProfileOptions(optimizer="lion"), "--optimizer"),
+    (ProfileOptions(partitions=[0]), "--partitions"),
+])
+def test_bad_options_are_refused(options, message):
+    with pytest.raises(UserError, match=message):
+        run(options)
+
+
+def test_a_model_too_large_for_this_machine_is_refused_in_one_line():
+    with pytest.raises(UserError, match="--budget"):
+        run(ProfileOptions(model="transformer-l-103"))
+
+
+def test_partitions_parse():
+    assert parse_partitions("2,4,8") == [2, 4, 8]
+    with pytest.raises(UserError):
+        parse_partitions("two")
