@@ -1,0 +1,51 @@
+"""Both model families trained through the real pipeline (gloo ranks on CPU)."""
+
+import pytest
+import torch
+
+from tests.models import pipeline_ranks as pr
+from tests.multiproc import results, run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def merged(outcome: list[dict]) -> dict:
+    state: dict = {}
+    for part in outcome:
+        state.update(part["state"])
+    return state
+
+
+@pytest.mark.parametrize("family", ["amoebanet", "transformer", "lm"])
+def test_the_same_parameters_for_any_number_of_stages(family):
+    """K=1 vs K=2 vs K=4 after 3 steps, fp32, dropout on, BatchNorm deferred: relative difference <= 1e-5."""
+    reference = pr.train(family, 1, steps=3)["state"]
+    for stages in (2, 4):
+        state = merged(results(run_ranks(pr.train, stages, family, stages, 3)))
+        assert set(state) == set(reference)
+        for key, value in reference.items():
+            if value.is_floating_point():
+                # The floor: an attention key bias has an exactly zero gradient (softmax ignores a shift
+                # shared by all keys), so it holds only ~1e-10 of rounding noise whose ratio means nothing.
+                error = float((state[key] - value).norm() / value.norm().clamp_min(1e-3))
+                assert error <= 1e-5, (stages, key, error)
+
+
+@pytest.mark.parametrize("family", ["amoebanet", "transformer", "lm"])
+def test_a_generated_task_is_learned_through_two_stages(family):
+    outcome = results(run_ranks(pr.train, 2, family, 2, 40, 4, True))
+    losses = outcome[-1]["losses"]
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.7 * first, f"{family}: loss {first:.3f} -> {last:.3f}"
+
+
+def test_tied_embedding_and_softmax_on_different_stages_stay_equal():
+    outcome = results(run_ranks(pr.train, 2, "transformer", 2, 5))
+    spec = pr.spec_of("transformer")
+    (embedding, softmax), = spec.tied
+    state = merged(outcome)
+    stage_of = {part["stage"]: set(part["state"]) for part in outcome}
+    assert embedding in stage_of[0] and softmax in stage_of[1]  # really on different stages
+    assert torch.equal(state[embedding], state[softmax])
+    reference = pr.train("transformer", 1, steps=5)["state"]
+    assert torch.allclose(state[embedding], reference[embedding], rtol=1e-5, atol=1e-7)
