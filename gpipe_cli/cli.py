@@ -84,6 +84,104 @@ def validate(
     _guard(run)
 
 
+def _bench_flags() -> dict[str, str]:
+    from gpipe_cli.bench import FLAGS
+
+    return FLAGS
+
+
+def _profile_flags() -> dict[str, str]:
+    from gpipe_cli.profile import FLAGS
+
+    return FLAGS
+
+
+B = _bench_flags()
+P = _profile_flags()
+
+
+@app.command()
+def bench(
+    model: str = typer.Option("transformer", help=B["model"]),
+    partitions: int = typer.Option(2, help=B["partitions"]),
+    microbatches: int = typer.Option(8, help=B["microbatches"]),
+    batch_size: int | None = typer.Option(None, help=B["batch_size"]),
+    steps: int = typer.Option(10, help=B["steps"]),
+    warmup: int = typer.Option(3, help=B["warmup"]),
+    schedule: str = typer.Option("gpipe", help=B["schedule"]),
+    checkpoint: str = typer.Option("except_last", help=B["checkpoint"]),
+    balance: str | None = typer.Option(None, help=B["balance"]),
+    layers: int | None = typer.Option(None, help=B["layers"]),
+    filters: int | None = typer.Option(None, help=B["filters"]),
+    d_model: int | None = typer.Option(None, help=B["d_model"]),
+    ff: int | None = typer.Option(None, help=B["ff"]),
+    heads: int | None = typer.Option(None, help=B["heads"]),
+    vocab_size: int | None = typer.Option(None, help=B["vocab_size"]),
+    image_size: int | None = typer.Option(None, help=B["image_size"]),
+    seq_len: int | None = typer.Option(None, help=B["seq_len"]),
+    num_classes: int | None = typer.Option(None, help=B["num_classes"]),
+    set_: list[str] | None = typer.Option(None, "--set", help=B["set"]),
+    sweep: bool = typer.Option(False, help=B["sweep"]),
+    compare: bool = typer.Option(False, help=B["compare"]),
+    trace: Path | None = typer.Option(None, help=B["trace"]),
+    simulate: bool = typer.Option(False, help=B["simulate"]),
+    devices: int | None = typer.Option(None, help=B["devices"]),
+    bandwidth: float = typer.Option(12.0, help=B["bandwidth"]),
+    latency_us: float = typer.Option(20.0, help=B["latency_us"]),
+    threads: int = typer.Option(1, help=B["threads"]),
+    oversubscribe: bool = typer.Option(False, help=B["oversubscribe"]),
+    seed: int = typer.Option(0, help=B["seed"]),
+    json_file: Path | None = typer.Option(None, "--json", help=B["json"]),
+) -> None:
+    """Measure training throughput at K stages and M micro-batches against K=1, with baselines and traces."""
+    from gpipe_cli.bench import BenchOptions
+    from gpipe_cli.bench import run as run_bench
+
+    options = BenchOptions(model, partitions, microbatches, batch_size, steps, warmup, schedule, checkpoint,
+                           balance, layers, filters, d_model, ff, heads, vocab_size, image_size, seq_len,
+                           num_classes, set_ or [], sweep, compare, trace, simulate, devices, bandwidth,
+                           latency_us, threads, oversubscribe, seed, json_file)
+    raise typer.Exit(_guard(lambda: run_bench(options)))
+
+
+@app.command("profile-memory")
+def profile_memory(
+    model: str = typer.Option("transformer", help=P["model"]),
+    partitions: str = typer.Option("2,4,8", help=P["partitions"]),
+    microbatches: int = typer.Option(8, help=P["microbatches"]),
+    batch_size: int | None = typer.Option(None, help=P["batch_size"]),
+    schedule: str = typer.Option("gpipe", help=P["schedule"]),
+    checkpoint: str = typer.Option("except_last", help=P["checkpoint"]),
+    balance: str | None = typer.Option(None, help=P["balance"]),
+    optimizer: str = typer.Option("rmsprop", help=P["optimizer"]),
+    budget: str | None = typer.Option(None, help=P["budget"]),
+    layers: int | None = typer.Option(None, help=P["layers"]),
+    filters: int | None = typer.Option(None, help=P["filters"]),
+    d_model: int | None = typer.Option(None, help=P["d_model"]),
+    ff: int | None = typer.Option(None, help=P["ff"]),
+    heads: int | None = typer.Option(None, help=P["heads"]),
+    vocab_size: int | None = typer.Option(None, help=P["vocab_size"]),
+    image_size: int | None = typer.Option(None, help=P["image_size"]),
+    seq_len: int | None = typer.Option(None, help=P["seq_len"]),
+    num_classes: int | None = typer.Option(None, help=P["num_classes"]),
+    set_: list[str] | None = typer.Option(None, "--set", help=P["set"]),
+    device: str = typer.Option("auto", help=P["device"]),
+    seed: int = typer.Option(0, help=P["seed"]),
+    json_file: Path | None = typer.Option(None, "--json", help=P["json"]),
+) -> None:
+    """Memory per stage (parameters, gradients, optimizer, activations) for naive, pipeline-1 and pipeline-K."""
+    from gpipe_cli.profile import ProfileOptions, parse_partitions
+    from gpipe_cli.profile import run as run_profile
+
+    def run() -> int:
+        options = ProfileOptions(model, parse_partitions(partitions), microbatches, batch_size, schedule,
+                                 checkpoint, balance, optimizer, budget, layers, filters, d_model, ff, heads,
+                                 vocab_size, image_size, seq_len, num_classes, set_ or [], device, seed, json_file)
+        return run_profile(options)
+
+    raise typer.Exit(_guard(run))
+
+
 @app.command()
 def export(
     run: str = typer.Argument(..., help="A run directory (its newest whole checkpoint) or one checkpoint folder."),

@@ -48,6 +48,7 @@ def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFi
         "tokens_per_s_k1": k1.units_per_s if text else None,
         "step_time_s": median(kk.step_times) if kk else prediction.step_time,
         "step_time_k1_s": median(k1.step_times),
+        "step_times": kk.step_times if kk else [], "step_times_k1": k1.step_times,
         "normalized": normalized, "ideal": ideal, "efficiency": normalized / ideal if ideal else 0.0,
         "bubble": kk.bubble if kk else prediction.bubble, "bubble_theory": theoretical_bubble(k, m),
         "oversubscribed": over and measured, "hardware": hardware, "ranks": k, "threads": options.threads,

@@ -125,6 +125,12 @@ class Pipeline:
         self.result_out = (Outbound(transport, 0, RESULT)
                            if layout.is_last and layout.replica == 0 and layout.rank != 0 else None)
 
+    def _begin_step(self) -> None:
+        # Every channel's two ends mark step boundaries together: it is how they agree on buffer sizes.
+        for channel in (self.fwd_in, self.bwd_in, self.fwd_out, self.bwd_out, self.result_in, self.result_out):
+            if channel is not None:
+                channel.begin_step()
+
     def _stage_of(self, index: int) -> int:
         for s, r in enumerate(self.ranges):
             if index in r:
@@ -243,6 +249,7 @@ class Pipeline:
             weights = [u / global_units * self.loss_scale.value for u in units]
             targets_mb = [self._to_device(t) for t in targets_mb]
 
+        self._begin_step()
         if self.fwd_in is not None:
             self.fwd_in.expect(sum(a.kind == Kind.RECV_FWD for a in actions))
         if self.bwd_in is not None:
@@ -337,6 +344,7 @@ class Pipeline:
         layout = self.layout
         was_training = self.module.training
         self.module.eval()
+        self._begin_step()
         try:
             chunks, first_message = self._eval_chunks(inputs, microbatches)
             feed, offsets = [], []

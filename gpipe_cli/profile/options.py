@@ -7,7 +7,6 @@ from pathlib import Path
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES
-from gpipe_cli.profile.account import OPTIMIZERS
 
 
 @dataclass
@@ -86,6 +85,8 @@ def parse_partitions(text: str) -> list[int]:
 
 def validate(options: ProfileOptions) -> None:
     """Refuse options that cannot describe a profile, with one line naming the flag."""
+    from gpipe_cli.profile.account import OPTIMIZERS  # imports torch: only when a profile really runs
+
     checks = [
         (bool(options.partitions) and all(k >= 1 for k in options.partitions),
          f"--partitions must list K values >= 1 (got {options.partitions})"),

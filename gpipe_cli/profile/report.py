@@ -25,12 +25,12 @@ def show_measured(s: dict[str, Any], console: Console) -> None:
     console.print(f"[bold]gpipe profile-memory[/] · {model['name']} ({model['layers']} layers) · batch "
                   f"{s['batch_size']} · M={s['microbatches']} · {s['schedule']} · checkpoint {s['checkpoint']} · "
                   f"optimizer {s['optimizer']} · device {s['device']}")
-    console.print(f"activations measured by {s['method']}")
+    console.print(f"activations measured by {s['method']}; stored act.: what the forwards keep until the "
+                  f"backward phase; peak act.: stored plus the micro-batch being recomputed and backpropagated")
     for sc in s["scenarios"]:
         table = Table(title=f"{sc['name']}: K={sc['partitions']}, M={sc['microbatches']}, checkpoint "
                             f"{sc['checkpoint']}, balance {sc['balance']}")
-        for name in ("stage", "layers", "parameters", "gradients", "optimizer", "stored activations",
-                     "peak activations", "total"):
+        for name in ("stage", "layers", "params", "grads", "optim.", "stored act.", "peak act.", "total"):
             table.add_column(name, justify="right")
         for st in sc["stages"]:
             table.add_row(str(st["stage"]), f"{st['first_layer']}-{st['first_layer'] + st['layers'] - 1}",
