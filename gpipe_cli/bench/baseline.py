@@ -22,7 +22,7 @@ from gpipe_cli.bench.load import Load
 from gpipe_cli.bench.measure import median, timed
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import partition
-from gpipe_cli.pipeline.engine import build_layers
+from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.memory import ActivationMeter
 from gpipe_cli.pipeline.topology import Topology
 

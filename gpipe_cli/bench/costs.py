@@ -18,7 +18,7 @@ import torch
 
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import partition
-from gpipe_cli.pipeline.engine import build_layers
+from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.stage import as_tensors, from_tensors
 
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from gpipe_cli.bench.load import Load, distributed, gather_floats
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import partition
-from gpipe_cli.pipeline.engine import Pipeline, build_layers
+from gpipe_cli.pipeline.engine import Pipeline
+from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.stats import StepStats
 from gpipe_cli.pipeline.topology import Topology
 

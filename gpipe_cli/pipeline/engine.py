@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -15,37 +14,16 @@ from torch import nn
 
 from gpipe_cli.pipeline import grads, memory, microbatch, partition, stats
 from gpipe_cli.pipeline import schedule as sched
-from gpipe_cli.pipeline.batchnorm import DeferredBatchNorm, deferred_batchnorms
+from gpipe_cli.pipeline.batchnorm import deferred_batchnorms
 from gpipe_cli.pipeline.comm import BACKWARD, FORWARD, RESULT, Inbound, Outbound
-from gpipe_cli.pipeline.dropout import Dropout
 from gpipe_cli.pipeline.schedule import Kind
 from gpipe_cli.pipeline.stage import Stage, as_tensors
-from gpipe_cli.pipeline.topology import Topology, add_groups
+from gpipe_cli.pipeline.tied import tie_parameters
+from gpipe_cli.pipeline.topology import Topology
 
 Units = Callable[[torch.Tensor], "torch.Tensor | int | float"]
 Metrics = dict[str, Callable[[Any, torch.Tensor], "torch.Tensor | float"]]  # name -> sum over examples
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def layer_seed(seed: int, index: int) -> int:
-    """The RNG seed layer `index` is initialised with, whatever stage builds it."""
-    return zlib.crc32(f"gpipe/{seed}/layer/{index}".encode())
-
-
-def build_layers(factories: Sequence[Callable[[], nn.Module]], indices: Sequence[int], seed: int,
-                 device: torch.device | str = "cpu") -> list[nn.Module]:
-    """Build only the given layers, each from its own seed, so every partition starts from the same weights."""
-    device = torch.device(device)
-    layers = []
-    for i in indices:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
-            torch.manual_seed(layer_seed(seed, i))
-            layer = DeferredBatchNorm.convert(factories[i]())
-        for name, module in layer.named_modules():
-            if isinstance(module, Dropout):
-                module.rng_key = zlib.crc32(f"{seed}/{i}.{name}".encode())
-        layers.append(layer)
-    return layers
 
 
 @dataclass
@@ -96,9 +74,8 @@ class Pipeline:
         self.module.to(self.device)
         self.units = units
         self.staging = topology.transport.staging
-        self.shared: list[grads.SharedCopy] = []
-        self._norm_exclude: set[int] = set()
-        self._tie(tied)
+        self.shared = tie_parameters(self.module, topology, self.ranges, tied)
+        self._norm_exclude = {id(c.parameter) for c in self.shared if not c.counts_in_norm}
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.batchnorms = deferred_batchnorms(self.module)
         meter = memory.ActivationMeter([*self.module.parameters(), *self.module.buffers()])
@@ -130,47 +107,6 @@ class Pipeline:
         for channel in (self.fwd_in, self.bwd_in, self.fwd_out, self.bwd_out, self.result_in, self.result_out):
             if channel is not None:
                 channel.begin_step()
-
-    def _stage_of(self, index: int) -> int:
-        for s, r in enumerate(self.ranges):
-            if index in r:
-                return s
-        raise ValueError(f"tied parameter names layer {index}, but the model has {self.ranges[-1].stop} layers")
-
-    def _tie(self, tied: Sequence[Sequence[str]]) -> None:
-        """Make tied parameters one tensor within a stage, and synchronised copies across stages."""
-        plans = []
-        for group in tied:
-            members = [(int(name.split(".", 1)[0]), name) for name in group]
-            owners = sorted({self._stage_of(i) for i, _ in members})
-            local = [name for i, name in members if i in self.layer_indices]
-            if len(local) > 1:
-                first = self.module.get_parameter(local[0])
-                for name in local[1:]:
-                    path, _, attr = name.rpartition(".")
-                    if self.module.get_parameter(name).shape != first.shape:
-                        raise ValueError(f"tied parameters {local[0]} and {name} have different shapes")
-                    setattr(self.module.get_submodule(path), attr, first)
-            plans.append((owners, local))
-        # Every rank creates every group, in the same order, even those it is not part of.
-        add_groups(self.topology, [[self.layout.rank_of(s, r) for s in owners]
-                                   for owners, _ in plans for r in range(self.layout.replicas)])
-        for owners, local in plans:
-            if not local or len(owners) < 2:
-                continue
-            ranks = [self.layout.rank_of(s) for s in owners]
-            pg = self.topology.group(ranks)
-            assert pg is not None
-            param = self.module.get_parameter(local[0])
-            with torch.no_grad():
-                host = param.detach().cpu() if self.staging else param.detach()
-                dist.broadcast(host, src=ranks[0], group=pg)
-                if host is not param:
-                    param.copy_(host)
-            first_holder = self.layout.stage == owners[0]
-            self.shared.append(grads.SharedCopy(param, pg, first_holder))
-            if not first_holder:
-                self._norm_exclude.add(id(param))
 
     def _plan(self, chunks: int) -> tuple[sched.Schedule, set[int]]:
         if chunks not in self._plans:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_cli.pipeline.engine import build_layers
+from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.memory import ActivationMeter
 from gpipe_cli.pipeline.stage import as_tensors, from_tensors
 

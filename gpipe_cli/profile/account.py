@@ -23,7 +23,7 @@ from torch import nn
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import microbatch, partition
 from gpipe_cli.pipeline import schedule as sched
-from gpipe_cli.pipeline.engine import build_layers
+from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.memory import ActivationMeter
 from gpipe_cli.pipeline.schedule import Kind
 from gpipe_cli.pipeline.stage import Stage, as_tensors

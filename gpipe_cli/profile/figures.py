@@ -17,7 +17,7 @@ import torch
 
 from gpipe_cli.bench.subject import example_batch
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.pipeline.engine import build_layers
+from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.memory import ActivationMeter
 from gpipe_cli.pipeline.stage import as_tensors, from_tensors
 

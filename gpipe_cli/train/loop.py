@@ -24,8 +24,9 @@ from gpipe_cli.data import Batch, Loader, build_data_for, task_for
 from gpipe_cli.errors import UserError
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import topology
-from gpipe_cli.pipeline.engine import Pipeline, build_layers
+from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layer_profile import profile_layers
+from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_ranges
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
 from gpipe_cli.train import checkpoint, evaluation, optim, translate

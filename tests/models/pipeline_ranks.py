@@ -9,7 +9,8 @@ import torch
 from gpipe_cli.data import build_data
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline import topology
-from gpipe_cli.pipeline.engine import Pipeline, build_layers
+from gpipe_cli.pipeline.engine import Pipeline
+from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import balance_by_cost, stage_ranges
 from gpipe_cli.recipe.schema import Data
 

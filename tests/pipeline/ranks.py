@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from gpipe_cli.pipeline import failure, topology
-from gpipe_cli.pipeline.engine import Pipeline, build_layers
+from gpipe_cli.pipeline.engine import Pipeline
+from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_ranges
 from tests.pipeline import toy
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from gpipe_cli.pipeline import topology
-from gpipe_cli.pipeline.engine import Pipeline, build_layers
+from gpipe_cli.pipeline.engine import Pipeline
+from gpipe_cli.pipeline.layers import build_layers
 from tests.multiproc import results, run_ranks
 from tests.pipeline import ranks, toy
 

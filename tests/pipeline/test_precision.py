@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from gpipe_cli.pipeline import topology
-from gpipe_cli.pipeline.engine import Pipeline, build_layers
+from gpipe_cli.pipeline.engine import Pipeline
+from gpipe_cli.pipeline.layers import build_layers
 
 
 def factories():

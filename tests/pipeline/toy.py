@@ -11,7 +11,7 @@ from torch import nn
 from gpipe_cli.pipeline import context, microbatch
 from gpipe_cli.pipeline.batchnorm import deferred_batchnorms
 from gpipe_cli.pipeline.dropout import Dropout
-from gpipe_cli.pipeline.engine import build_layers
+from gpipe_cli.pipeline.layers import build_layers
 
 SEED = 1234
 

@@ -1,0 +1,62 @@
+"""Parameters held by several stages (a tied embedding and softmax): one tensor within a stage,
+identical copies across stages whose gradients are summed every step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpipe_cli.pipeline.grads import SharedCopy
+from gpipe_cli.pipeline.topology import Topology, add_groups
+
+
+def _stage_of(index: int, ranges: Sequence[range]) -> int:
+    for s, r in enumerate(ranges):
+        if index in r:
+            return s
+    raise ValueError(f"tied parameter names layer {index}, but the model has {ranges[-1].stop} layers")
+
+
+def tie_parameters(module: nn.Module, topology: Topology, ranges: Sequence[range],
+                   tied: Sequence[Sequence[str]]) -> list[SharedCopy]:
+    """Make tied parameters one tensor within this stage and synchronised copies across stages.
+
+    Names are "<global layer index>.<parameter>". Every rank must call this with the same groups.
+    Returns the local parameters whose copies live on other stages.
+    """
+    layout = topology.layout
+    local_layers = ranges[layout.stage]
+    plans = []
+    for group in tied:
+        members = [(int(name.split(".", 1)[0]), name) for name in group]
+        owners = sorted({_stage_of(i, ranges) for i, _ in members})
+        local = [name for i, name in members if i in local_layers]
+        if len(local) > 1:
+            first = module.get_parameter(local[0])
+            for name in local[1:]:
+                path, _, attr = name.rpartition(".")
+                if module.get_parameter(name).shape != first.shape:
+                    raise ValueError(f"tied parameters {local[0]} and {name} have different shapes")
+                setattr(module.get_submodule(path), attr, first)
+        plans.append((owners, local))
+    # Every rank creates every group, in the same order, even those it is not part of.
+    add_groups(topology, [[layout.rank_of(s, r) for s in owners]
+                          for owners, _ in plans for r in range(layout.replicas)])
+    shared = []
+    for owners, local in plans:
+        if not local or len(owners) < 2:
+            continue
+        ranks = [layout.rank_of(s) for s in owners]
+        pg = topology.group(ranks)
+        assert pg is not None
+        param = module.get_parameter(local[0])
+        with torch.no_grad():  # start every copy from the first holder's values
+            host = param.detach().cpu() if topology.transport.staging else param.detach()
+            dist.broadcast(host, src=ranks[0], group=pg)
+            if host is not param:
+                param.copy_(host)
+        shared.append(SharedCopy(param, pg, counts_in_norm=layout.stage == owners[0]))
+    return shared
