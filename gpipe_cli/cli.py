@@ -137,10 +137,13 @@ def bench(
     from gpipe_cli.bench import BenchOptions
     from gpipe_cli.bench import run as run_bench
 
-    options = BenchOptions(model, partitions, microbatches, batch_size, steps, warmup, schedule, checkpoint,
-                           balance, layers, filters, d_model, ff, heads, vocab_size, image_size, seq_len,
-                           num_classes, set_ or [], sweep, compare, trace, simulate, devices, bandwidth,
-                           latency_us, threads, oversubscribe, seed, json_file)
+    options = BenchOptions(
+        model=model, partitions=partitions, microbatches=microbatches, batch_size=batch_size, steps=steps,
+        warmup=warmup, schedule=schedule, checkpoint=checkpoint, balance=balance, layers=layers, filters=filters,
+        d_model=d_model, ff=ff, heads=heads, vocab_size=vocab_size, image_size=image_size, seq_len=seq_len,
+        num_classes=num_classes, set=set_ or [], sweep=sweep, compare=compare, trace=trace, simulate=simulate,
+        devices=devices, bandwidth=bandwidth, latency_us=latency_us, threads=threads,
+        oversubscribe=oversubscribe, seed=seed, json=json_file)
     raise typer.Exit(_guard(lambda: run_bench(options)))
 
 
@@ -174,9 +177,12 @@ def profile_memory(
     from gpipe_cli.profile import run as run_profile
 
     def run() -> int:
-        options = ProfileOptions(model, parse_partitions(partitions), microbatches, batch_size, schedule,
-                                 checkpoint, balance, optimizer, budget, layers, filters, d_model, ff, heads,
-                                 vocab_size, image_size, seq_len, num_classes, set_ or [], device, seed, json_file)
+        options = ProfileOptions(
+            model=model, partitions=parse_partitions(partitions), microbatches=microbatches,
+            batch_size=batch_size, schedule=schedule, checkpoint=checkpoint, balance=balance, optimizer=optimizer,
+            budget=budget, layers=layers, filters=filters, d_model=d_model, ff=ff, heads=heads,
+            vocab_size=vocab_size, image_size=image_size, seq_len=seq_len, num_classes=num_classes,
+            set=set_ or [], device=device, seed=seed, json=json_file)
         return run_profile(options)
 
     raise typer.Exit(_guard(run))

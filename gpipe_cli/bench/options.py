@@ -9,9 +9,30 @@ from pathlib import Path
 from gpipe_cli.errors import UserError
 from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES
 
+SIZE_FLAGS = ("layers", "filters", "d_model", "ff", "heads", "vocab_size", "image_size", "seq_len", "num_classes")
+
 
 @dataclass
-class BenchOptions:
+class SizeFlags:
+    """Flags that resize the measured model (shared by bench and profile-memory)."""
+
+    layers: int | None = None
+    filters: int | None = None
+    d_model: int | None = None
+    ff: int | None = None
+    heads: int | None = None
+    vocab_size: int | None = None
+    image_size: int | None = None
+    seq_len: int | None = None
+    num_classes: int | None = None
+
+    def sizes(self) -> dict[str, int | None]:
+        """The size flags, by name."""
+        return {name: getattr(self, name) for name in SIZE_FLAGS}
+
+
+@dataclass
+class BenchOptions(SizeFlags):
     """The flags of `gpipe bench` (see `FLAGS` for their help)."""
 
     model: str = "transformer"
@@ -23,15 +44,6 @@ class BenchOptions:
     schedule: str = "gpipe"
     checkpoint: str = "except_last"
     balance: str | None = None         # "3,5": layers per stage; None: by measured per-layer time
-    layers: int | None = None
-    filters: int | None = None
-    d_model: int | None = None
-    ff: int | None = None
-    heads: int | None = None
-    vocab_size: int | None = None
-    image_size: int | None = None
-    seq_len: int | None = None
-    num_classes: int | None = None
     set: list[str] = field(default_factory=list)
     sweep: bool = False
     compare: bool = False
@@ -44,11 +56,6 @@ class BenchOptions:
     oversubscribe: bool = False
     seed: int = 0
     json: Path | None = None
-
-    def sizes(self) -> dict[str, int | None]:
-        """The size flags, by name."""
-        return {name: getattr(self, name) for name in ("layers", "filters", "d_model", "ff", "heads",
-                                                       "vocab_size", "image_size", "seq_len", "num_classes")}
 
     @property
     def batch(self) -> int:

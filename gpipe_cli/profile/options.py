@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpipe_cli.bench.options import SizeFlags
 from gpipe_cli.errors import UserError
 from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES
 
 
 @dataclass
-class ProfileOptions:
+class ProfileOptions(SizeFlags):
     """The flags of `gpipe profile-memory` (see `FLAGS` for their help)."""
 
     model: str = "transformer"
@@ -22,24 +23,11 @@ class ProfileOptions:
     balance: str | None = None         # "3,5" (one K only); None: by estimated FLOPs, as training does
     optimizer: str = "rmsprop"
     budget: str | None = None
-    layers: int | None = None
-    filters: int | None = None
-    d_model: int | None = None
-    ff: int | None = None
-    heads: int | None = None
-    vocab_size: int | None = None
-    image_size: int | None = None
-    seq_len: int | None = None
-    num_classes: int | None = None
     set: list[str] = field(default_factory=list)
     device: str = "auto"
     seed: int = 0
     json: Path | None = None
 
-    def sizes(self) -> dict[str, int | None]:
-        """The size flags, by name."""
-        return {name: getattr(self, name) for name in ("layers", "filters", "d_model", "ff", "heads",
-                                                       "vocab_size", "image_size", "seq_len", "num_classes")}
 
 
 # Flag name -> help text, for the CLI's typer options (one to one with the fields above).
