@@ -239,6 +239,9 @@ class Pipeline:
         for channel in (self.fwd_out, self.bwd_out):
             if channel is not None:
                 channel.flush()
+        if self.stage.in_flight:
+            raise RuntimeError(f"the {self.schedule_name} schedule left {self.stage.in_flight} micro-batches of "
+                               f"stage {layout.stage} without a backward")
 
         norm, finite = self._finish_gradients(max_grad_norm)
         loss = float(torch.stack(losses).sum()) / self.loss_scale.value if losses else None

@@ -62,10 +62,6 @@ class Stage:
         """Micro-batches whose backward has not run yet."""
         return len(self._states)
 
-    def clear(self) -> None:
-        """Drop every stored micro-batch (after a failed or evaluation step)."""
-        self._states.clear()
-
     @contextlib.contextmanager
     def _running(self, offset: int, recomputing: bool) -> Iterator[None]:
         autocast = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None

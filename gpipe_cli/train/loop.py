@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpipe_cli.data import Batch, Loader, build_data_for, task_for
+from gpipe_cli.data import Batch, Loader, build_data_for
 from gpipe_cli.errors import UserError
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import topology
@@ -282,8 +282,3 @@ def configure_threads() -> None:
     threads = int(os.environ.get("GPIPE_THREADS", "0"))
     if threads > 0:
         torch.set_num_threads(threads)
-
-
-def task_of(recipe: Recipe) -> str:
-    """The task a recipe trains (image, translation or lm)."""
-    return task_for(recipe.model)
