@@ -7,6 +7,7 @@ Multi-node jobs use torchrun's rendezvous: static (with a node rank) or c10d (el
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -79,12 +80,41 @@ def _config(world: int, options: LaunchOptions) -> object:
         "rdzv_endpoint": endpoint, "rdzv_backend": backend, "rdzv_configs": configs,
         "max_restarts": options.max_restarts, "monitor_interval": 0.1, "start_method": "spawn",
         "shutdown_timeout": options.shutdown_timeout,
-        # Ctrl-C reaches every rank from the terminal and each stops after its step; the agent must not
-        # turn it into SIGTERM, which would cut the final checkpoint short. It still forwards SIGTERM.
+        # Ctrl-C is forwarded to the ranks by this process (see _forward_interrupt); the agent must not
+        # also turn it into SIGTERM-then-kill, which would cut the final checkpoint short. It still
+        # forwards SIGTERM.
         "signals_to_handle": "SIGTERM,SIGHUP,SIGQUIT",
     }
     accepted = inspect.signature(LaunchConfig).parameters
     return LaunchConfig(**{k: v for k, v in fields.items() if k in accepted})
+
+
+def _children() -> list[int]:
+    """This process's child processes (from /proc; empty where there is none)."""
+    me, found = os.getpid(), []
+    proc = "/proc"
+    for entry in os.listdir(proc) if os.path.isdir(proc) else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 1 and int(fields[1]) == me:
+            found.append(int(entry))
+    return found
+
+
+def _forward_interrupt(signum: int, frame: object) -> None:
+    """Pass Ctrl-C on to the ranks, which torchrun starts in sessions of their own (the terminal's
+    Ctrl-C reaches only this process). Each rank stops after its step; a second Ctrl-C aborts."""
+    children = _children()
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGINT)
+    if not children:  # no /proc: the agent turns SIGTERM into a graceful stop of every rank
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def launch(module: str, args: list[str], world: int, options: LaunchOptions | None = None) -> int:
@@ -102,7 +132,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         # The ranks report their own failures; the agent's log lines would only repeat them.
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    previous = signal.signal(signal.SIGINT, _forward_interrupt)
     try:
         elastic_launch(config, sys.executable)("-u", "-m", module, *args)  # type: ignore[arg-type]
     except ChildFailedError as exc:

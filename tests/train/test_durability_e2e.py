@@ -128,3 +128,39 @@ def test_export_writes_the_consolidated_model(full_run, tmp_path):
     spec = model_spec(load_recipe(path))
     expected = {f"{i}.{name}" for i, layer in enumerate(spec.build_all()) for name in layer.state_dict()}
     assert set(tensors) == expected
+
+
+def _start(path: Path, run: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "gpipe_cli.cli", "train", str(path), "--output-dir", str(run),
+                             "--plain", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        metrics = run / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            return proc
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("the run did not start")
+
+
+def test_ctrl_c_finishes_the_step_and_writes_a_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(write(tmp_path, recipe(steps=400, every=1000)), run)
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the launcher's process group only
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    done = max(losses(run))
+    assert (run / "checkpoints" / f"step-{done:08d}" / "manifest.json").exists()
+    assert f"stopped by SIGINT after step {done}" in out
+
+
+def test_a_second_ctrl_c_aborts_at_once(tmp_path):
+    proc = _start(write(tmp_path, recipe(steps=400, every=1000)), tmp_path / "run")
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.05)
+    start = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert time.monotonic() - start < 10
+    assert proc.returncode == 128 + signal.SIGINT
