@@ -7,17 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-
-def human_bytes(n: float | None) -> str:
-    """Bytes as KiB/MiB/GiB."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
+from gpipe_cli.units import human_bytes
 
 
 def _rate(value: float | None) -> str:

@@ -231,15 +231,14 @@ class Outbound:
              bare: bool = False, differentiable: bool = False) -> None:
         """Post a message; returns at once, keeping the buffers alive until the send completes."""
         transport = self.transport
-        header = encode(microbatch, chunks, offset, tensors, bare, differentiable)
-        size = decode(header).size
+        size = HEADER_BYTES + layout([_meta(t, False) for t in tensors])[1]
         fits = size <= self.capacity.current and not transport.nccl_data
         self.capacity.observe(size)
+        header = encode(microbatch, chunks, offset, tensors, bare, differentiable, overflow=not fits)
         if fits:
             buffers = [pack(header, tensors, with_header=True)]
             works = [_posted(dist.isend(buffers[0], self.peer, group=transport.control, tag=self.tag))]
         else:
-            header = encode(microbatch, chunks, offset, tensors, bare, differentiable, overflow=True)
             buffers = [header.view(torch.uint8)]
             works = [_posted(dist.isend(buffers[0], self.peer, group=transport.control, tag=self.tag))]
             if transport.nccl_data:

@@ -7,16 +7,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from gpipe_cli.bench.report import human_bytes
+from gpipe_cli.units import human_bytes, human_count
 
-__all__ = ["human_bytes", "show_budget", "show_measured"]
-
-
-def _count(n: float) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(int(n))
+__all__ = ["show_budget", "show_measured"]
 
 
 def show_measured(s: dict[str, Any], console: Console) -> None:
@@ -59,7 +52,7 @@ def show_budget(s: dict[str, Any], console: Console) -> None:
         return [fmt(r[key]) if r else "does not fit" for r in rows]
 
     table.add_row(s["family"], *cells("model", str))
-    table.add_row("# of model parameters", *cells("params", _count))
+    table.add_row("# of model parameters", *cells("params", human_count))
     table.add_row("total model parameter memory", *cells("param_memory_bytes", human_bytes))
     table.add_row("peak activation memory", *cells("peak_activation_bytes", human_bytes))
     table.add_row("fullest device", *cells("device_peak_bytes", human_bytes))

@@ -22,6 +22,7 @@ from gpipe_cli.pipeline import microbatch, partition
 from gpipe_cli.profile import account, budget, report
 from gpipe_cli.profile.figures import layer_param_counts
 from gpipe_cli.profile.options import ProfileOptions, validate
+from gpipe_cli.units import human_bytes
 
 
 def _device(choice: str) -> torch.device:
@@ -55,8 +56,8 @@ def _check_fits(spec: ModelSpec, options: ProfileOptions, device: torch.device) 
     need = sum(layer_param_counts(spec)) * budget.bytes_per_parameter(options.optimizer)
     have = _available_bytes(device)
     if need > have:
-        raise UserError(f"the whole model needs {report.human_bytes(need)} for weights, gradients and optimizer "
-                        f"state, but {report.human_bytes(have)} is free: shrink it (--layers, --d-model, "
+        raise UserError(f"the whole model needs {human_bytes(need)} for weights, gradients and optimizer "
+                        f"state, but {human_bytes(have)} is free: shrink it (--layers, --d-model, "
                         f"--filters ...) or estimate larger models with --budget")
 
 

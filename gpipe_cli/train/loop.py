@@ -180,9 +180,9 @@ class Trainer:
             self.view.start(self.start_step)
         last_time = time.perf_counter()
         for step, batch in enumerate(self.batches(self.start_step), start=self.start_step):
+            # The loader leaves out what this rank's stage does not need (inputs, targets or both).
             result = self.pipe.train_step(
-                batch.inputs if batch is not None and layout.is_first else None,
-                batch.targets if batch is not None and layout.is_last else None,
+                batch.inputs if batch else None, batch.targets if batch else None,
                 microbatches=recipe.pipeline.microbatches, step=step,
                 example_offset=batch.offset if batch is not None else 0, max_grad_norm=recipe.train.grad_clip)
             if self.optimizer is not None and not result.skipped:

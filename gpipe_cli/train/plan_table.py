@@ -5,14 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from gpipe_cli.train.plan import Plan
-from gpipe_cli.train.report import human_bytes
-
-
-def _count(n: float) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(int(n))
+from gpipe_cli.units import human_bytes, human_count
 
 
 def _layers(names: list[str]) -> str:
@@ -21,13 +14,13 @@ def _layers(names: list[str]) -> str:
 
 def plan_table(plan: Plan) -> Table:
     """One row per stage: layers, parameters, forward FLOPs and estimated peak memory."""
-    table = Table(title=f"{plan.model}: {_count(plan.total_params)} parameters, {plan.partitions} stages x "
+    table = Table(title=f"{plan.model}: {human_count(plan.total_params)} parameters, {plan.partitions} stages x "
                         f"{plan.data_parallel} replicas, {plan.microbatches} micro-batches of "
                         f"{plan.microbatch_size}", title_justify="left")
     for column in ("stage", "layers", "params", "GFLOPs/example", "memory (est.)", "of which activations"):
         table.add_column(column, justify="left" if column == "layers" else "right")
     for s in plan.stages:
-        table.add_row(str(s.index), _layers(s.layers), _count(s.params), f"{s.flops / 1e9:.3f}",
+        table.add_row(str(s.index), _layers(s.layers), human_count(s.params), f"{s.flops / 1e9:.3f}",
                       human_bytes(s.memory.total), human_bytes(s.memory.stored_inputs + s.memory.activations))
     table.caption = (f"balance {plan.balance} by {plan.balance_by}; schedule {plan.schedule}, "
                      f"rematerialization {plan.checkpoint}; theoretical bubble {plan.bubble_theory:.3f}")

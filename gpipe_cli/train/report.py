@@ -17,14 +17,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-
-def human_bytes(n: float) -> str:
-    """Bytes as B, KiB, MiB, GiB or TiB."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+from gpipe_cli.units import human_bytes
 
 
 class MetricsFile:

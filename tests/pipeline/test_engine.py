@@ -88,6 +88,8 @@ def test_tied_parameters_within_one_stage_are_one_tensor():
                     tied=toy.TIED)
     assert pipe.module.get_parameter("0.embed.weight") is pipe.module.get_parameter("3.proj.weight")
     assert len(pipe.parameters()) == sum(1 for _ in pipe.module.parameters())
+    # the optimizer sees the shared tensor once, though two layers name it
+    assert len(pipe.parameters()) == len(list(pipe.module.named_parameters(remove_duplicate=False))) - 1
 
 
 def test_evaluation_returns_loss_metrics_and_outputs_on_rank_zero():

@@ -53,6 +53,20 @@ def interrupted_copy(run: Path, target: Path, keep_step: int) -> Path:
     return target
 
 
+def _start(path: Path, run: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "gpipe_cli.cli", "train", str(path), "--output-dir", str(run),
+                             "--plain", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        metrics = run / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            return proc
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("the run did not start")
+
+
 def test_resume_equals_the_uninterrupted_run_step_for_step(full_run, tmp_path):
     path, run = full_run
     copy_dir = interrupted_copy(run, tmp_path / "copy", keep_step=3)
@@ -91,15 +105,7 @@ def test_a_truncated_checkpoint_is_refused_and_the_previous_one_used(full_run, t
 def test_sigterm_leaves_a_complete_checkpoint_and_a_resumable_run(tmp_path):
     path = write(tmp_path, recipe(steps=400, every=1000))
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "gpipe_cli.cli", "train", str(path), "--output-dir", str(run),
-                             "--plain", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        metrics = run / "metrics.jsonl"
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.2)
+    proc = _start(path, run)
     os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler preempting the job: every process gets it
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
@@ -128,20 +134,6 @@ def test_export_writes_the_consolidated_model(full_run, tmp_path):
     spec = model_spec(load_recipe(path))
     expected = {f"{i}.{name}" for i, layer in enumerate(spec.build_all()) for name in layer.state_dict()}
     assert set(tensors) == expected
-
-
-def _start(path: Path, run: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "gpipe_cli.cli", "train", str(path), "--output-dir", str(run),
-                             "--plain", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        metrics = run / "metrics.jsonl"
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            return proc
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("the run did not start")
 
 
 def test_ctrl_c_finishes_the_step_and_writes_a_checkpoint(tmp_path):
