@@ -41,13 +41,15 @@ def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_
         return _non_empty(loader, data)
     if task not in ("translation", "lm"):
         raise ValueError(f"unknown task {task!r}")
-    from gpipe_cli.data.text import text_splits
+    from gpipe_cli.data.text import LMExamples, text_splits, unigram_perplexity
 
     ttrain, tevl, tok = text_splits(data, task, seed=seed, vocab_size=vocab_size, max_len=max_len,
                                     run_dir=run_dir, cache_dir=cache_dir)
     loader = Loader(task=task, train=ttrain, eval=tevl, tokenizer=tok, batch_size=data.batch_size,
                     tokens_per_batch=data.tokens_per_batch, drop_last=data.drop_last, shuffle=data.shuffle,
                     seed=seed, min_batch=min_batch, workers=workers)
+    if isinstance(ttrain, LMExamples) and isinstance(tevl, LMExamples) and len(tevl):
+        loader.baselines["unigram_perplexity"] = unigram_perplexity(ttrain, tevl, tok.vocab_size)
     return _non_empty(loader, data)
 
 
