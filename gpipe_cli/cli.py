@@ -200,6 +200,21 @@ def export(
     print(f"wrote {path}")
 
 
+@app.command("prepare-data")
+def prepare_data(
+    recipe: str = typer.Argument(..., help="A recipe with data.source hub: its data.name and data.config are saved."),
+    output: str = typer.Option(..., help="The new folder to write the parquet files into."),
+    set_: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
+) -> None:
+    """Save a recipe's Hugging Face dataset once as local parquet files, for machines without network."""
+    from gpipe_cli.data.prepare import prepare_data as save
+    from gpipe_cli.recipe.load import load_recipe
+
+    files = _guard(lambda: save(load_recipe(recipe, set_ or []).data, Path(output)))
+    print(f"wrote {len(files)} parquet files to {output}; train with --set data.source=parquet "
+          f"--set data.path={output}")
+
+
 def main() -> None:
     """Console-script entry point."""
     sys.argv[1:] = _bare_resume(sys.argv[1:])
