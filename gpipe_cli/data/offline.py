@@ -70,5 +70,5 @@ def check_hub_data(data: Data, recipe: str | None, overrides: Sequence[str] = ()
         except DataError:
             pass
     label = f"'{data.name}'" + (f" (config '{data.config}')" if data.config else "")
-    raise DataError(f"dataset {label} is not in the local cache and cannot be downloaded: {why}; "
+    raise DataError(f"cannot download dataset {label} from the Hugging Face hub: {why}, and no cached copy; "
                     f"{prepare_hint(data, recipe, overrides)}")
