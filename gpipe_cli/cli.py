@@ -211,8 +211,8 @@ def prepare_data(
     from gpipe_cli.recipe.load import load_recipe
 
     files = _guard(lambda: save(load_recipe(recipe, set_ or []).data, Path(output)))
-    print(f"wrote {len(files)} parquet files to {output}; train with --set data.source=parquet "
-          f"--set data.path={output}")
+    print(f"wrote {output} ({len(files)} parquet file{'s' if len(files) > 1 else ''}); train with "
+          f"--set data.source=parquet --set data.path={output}")
 
 
 def main() -> None:

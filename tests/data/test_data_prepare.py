@@ -88,3 +88,35 @@ def test_an_existing_folder_is_refused_and_nothing_is_left_half_written(tmp_path
 def test_prepare_without_a_hub_name_says_so(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="data.name"):
         prepare_data(data(source="synthetic"), tmp_path / "out")
+
+
+def test_the_prepare_data_command_saves_what_the_printed_set_reads(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from gpipe_cli.cli import app
+    from gpipe_cli.data import prepare as prepare_mod
+    from gpipe_cli.recipe.load import load_recipe
+
+    asked: list[tuple[str, str | None]] = []
+    text = datasets.Dataset.from_dict({"text": [f"line {i} of the text" for i in range(40)]})
+
+    def fake_hub(name: str, config: str | None, cache_dir: object, kind: str) -> datasets.DatasetDict:
+        asked.append((name, config))
+        return datasets.DatasetDict({"train": text})
+
+    monkeypatch.setattr(prepare_mod, "load_hub", fake_hub)
+    recipe = tmp_path / "lm.yaml"
+    recipe.write_text("model: {kind: transformer, arch: decoder-only, layers: 1, d_model: 16, ff: 32, heads: 2, "
+                      "vocab_size: 64, max_len: 16}\ndata: {source: hub, name: someone/wiki, batch_size: 4, "
+                      "seq_len: 8}\ntrain: {steps: 1}\n")
+    out = CliRunner().invoke(app, ["prepare-data", str(recipe), "--set", "data.config=small", "--output",
+                                   str(tmp_path / "wiki")])
+    assert out.exit_code == 0, out.output
+    assert asked == [("someone/wiki", "small")]
+    sets = out.output.split("train with", 1)[1].replace("--set", " ").split()
+    local = load_recipe(recipe, sets)
+    assert (local.data.source, local.data.path) == ("parquet", str(tmp_path / "wiki"))
+    got = build_data(local.data, "lm", seed=0, vocab_size=64, max_len=16, run_dir=tmp_path / "run",
+                     cache_dir=tmp_path / "hf")
+    assert got.train_size > 0 and got.eval_size > 0  # the held-out part comes from data.eval_fraction

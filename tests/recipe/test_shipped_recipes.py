@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from gpipe_cli.cli import app
 from gpipe_cli.data import DataError, build_data_for
 from gpipe_cli.data.offline import check_hub_data, suggested_folder
 from gpipe_cli.recipe.load import load_recipe
@@ -105,10 +107,10 @@ def test_gpipe_train_of_a_hub_recipe_offline_fails_at_once_in_one_line(tmp_path:
     assert elapsed < 60  # generous for a loaded machine; before the check it took 83 s
 
 
-@pytest.mark.slow
-def test_gpipe_prepare_data_offline_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "gpipe_cli.cli", "prepare-data", "recipes/amoebanet-d-cifar10.yaml",
-                          "--output", str(tmp_path / "cifar10")], cwd=ROOT, env=offline_env(tmp_path / "hf"),
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert "'cifar10'" in out.stderr and not (tmp_path / "cifar10").exists()
+def test_gpipe_prepare_data_offline_is_one_line_and_writes_nothing(tmp_path: Path, offline: None,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    out = CliRunner().invoke(app, ["prepare-data", "recipes/amoebanet-d-cifar10.yaml", "--output",
+                                   str(tmp_path / "cifar10")])
+    assert out.exit_code == 2 and len(out.output.strip().splitlines()) == 1, out.output
+    assert "'cifar10'" in out.output and not (tmp_path / "cifar10").exists()
