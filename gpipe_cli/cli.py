@@ -202,9 +202,10 @@ def export(
 
 @app.command("prepare-data")
 def prepare_data(
-    recipe: str = typer.Argument(..., help="A recipe with data.source hub: its data.name and data.config are saved."),
-    output: str = typer.Option(..., help="The new folder to write the parquet files into."),
-    set_: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
+    recipe: str = typer.Argument(..., metavar="RECIPE", help="A recipe with data.source hub: its data.name and "
+                                 "data.config are saved."),
+    output: str = typer.Option(..., metavar="DIR", help="The new folder to write the parquet files into."),
+    set_: list[str] | None = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
 ) -> None:
     """Save a recipe's Hugging Face dataset once as local parquet files, for machines without network."""
     from gpipe_cli.data.prepare import prepare_data as save
