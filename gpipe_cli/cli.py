@@ -200,6 +200,22 @@ def export(
     print(f"wrote {path}")
 
 
+@app.command("prepare-data")
+def prepare_data(
+    recipe: str = typer.Argument(..., metavar="RECIPE", help="A recipe with data.source hub: its data.name and "
+                                 "data.config are saved."),
+    output: str = typer.Option(..., metavar="DIR", help="The new folder to write the parquet files into."),
+    set_: list[str] | None = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
+) -> None:
+    """Save a recipe's Hugging Face dataset once as local parquet files, for machines without network."""
+    from gpipe_cli.data.prepare import prepare_data as save
+    from gpipe_cli.recipe.load import load_recipe
+
+    files = _guard(lambda: save(load_recipe(recipe, set_ or []).data, Path(output)))
+    print(f"wrote {output} ({len(files)} parquet file{'s' if len(files) > 1 else ''}); train with "
+          f"--set data.source=parquet --set data.path={output}")
+
+
 def main() -> None:
     """Console-script entry point."""
     sys.argv[1:] = _bare_resume(sys.argv[1:])

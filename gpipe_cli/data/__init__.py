@@ -1,79 +1,38 @@
-"""Training and evaluation data: sources, tokenizer and mini-batches that are identical on every rank."""
+"""Training and evaluation data: sources, tokenizer and mini-batches that are identical on every rank.
+
+The public names are imported on first use, so that light submodules (the offline check of the hub,
+pydoc text) load without torch.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Literal
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from gpipe_cli.data.augment import Backend
-from gpipe_cli.data.bleu import corpus_bleu
-from gpipe_cli.data.loader import Batch, Examples, Loader
-from gpipe_cli.data.tokenizer import BOS, EOS, PAD, UNK, Tokenizer
-from gpipe_cli.errors import DataError
-from gpipe_cli.recipe.schema import Data, Recipe
+if TYPE_CHECKING:
+    from gpipe_cli.data.bleu import corpus_bleu
+    from gpipe_cli.data.build import Task, build_data, build_data_for, task_for
+    from gpipe_cli.data.loader import Batch, Examples, Loader
+    from gpipe_cli.data.tokenizer import BOS, EOS, PAD, UNK, Tokenizer
+    from gpipe_cli.errors import DataError
 
-# The same literal as gpipe_cli.models.base.Task, kept here so loading data does not import the model zoo.
-Task = Literal["image", "translation", "lm"]
+_WHERE = {
+    "corpus_bleu": "gpipe_cli.data.bleu",
+    "Task": "gpipe_cli.data.build", "build_data": "gpipe_cli.data.build", "build_data_for": "gpipe_cli.data.build",
+    "task_for": "gpipe_cli.data.build",
+    "Batch": "gpipe_cli.data.loader", "Examples": "gpipe_cli.data.loader", "Loader": "gpipe_cli.data.loader",
+    "BOS": "gpipe_cli.data.tokenizer", "EOS": "gpipe_cli.data.tokenizer", "PAD": "gpipe_cli.data.tokenizer",
+    "UNK": "gpipe_cli.data.tokenizer", "Tokenizer": "gpipe_cli.data.tokenizer",
+    "DataError": "gpipe_cli.errors",
+}
 
-__all__ = ["BOS", "EOS", "PAD", "UNK", "Batch", "DataError", "Examples", "Loader", "Tokenizer", "build_data",
+__all__ = ["BOS", "EOS", "PAD", "UNK", "Batch", "DataError", "Examples", "Loader", "Task", "Tokenizer", "build_data",
            "build_data_for", "corpus_bleu", "task_for"]
 
 
-def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_classes: int = 1000,
-               vocab_size: int = 32000, max_len: int = 256, run_dir: Path | None = None, min_batch: int = 1,
-               workers: int = 0, cache_dir: Path | None = None, augment_backend: Backend = "auto") -> Loader:
-    """The Loader for `data` and `task`.
-
-    min_batch: fewest examples in any mini-batch (pass microbatches x data-parallel replicas so no
-    shard's micro-batch is empty). workers: background processes that build batches (0: inline).
-    cache_dir: the `datasets` cache (its default when None).
-    """
-    if task == "image":
-        if data.tokens_per_batch is not None:
-            raise DataError("data.tokens_per_batch applies to text tasks; images use data.batch_size")
-        from gpipe_cli.data.images import image_splits
-
-        train, evl = image_splits(data, seed=seed, image_size=image_size, num_classes=num_classes,
-                                  cache_dir=cache_dir, backend=augment_backend)
-        loader = Loader(task=task, train=train, eval=evl, tokenizer=None, batch_size=data.batch_size,
-                        tokens_per_batch=None, drop_last=data.drop_last, shuffle=data.shuffle, seed=seed,
-                        min_batch=min_batch, workers=workers, num_classes=num_classes)
-        return _non_empty(loader, data)
-    if task not in ("translation", "lm"):
-        raise ValueError(f"unknown task {task!r}")
-    from gpipe_cli.data.text import text_splits
-
-    ttrain, tevl, tok = text_splits(data, task, seed=seed, vocab_size=vocab_size, max_len=max_len,
-                                    run_dir=run_dir, cache_dir=cache_dir)
-    loader = Loader(task=task, train=ttrain, eval=tevl, tokenizer=tok, batch_size=data.batch_size,
-                    tokens_per_batch=data.tokens_per_batch, drop_last=data.drop_last, shuffle=data.shuffle,
-                    seed=seed, min_batch=min_batch, workers=workers)
-    return _non_empty(loader, data)
-
-
-def _non_empty(loader: Loader, data: Data) -> Loader:
-    """The loader, unless an epoch would have no batch at all (training would never advance)."""
-    if loader.steps_per_epoch() == 0:
-        size = (f"data.tokens_per_batch ({data.tokens_per_batch})" if data.tokens_per_batch
-                else f"data.batch_size ({data.batch_size})")
-        raise DataError(f"the training split has {loader.train_size} examples, too few for one batch of "
-                        f"{size} with data.drop_last; lower the batch size or set data.drop_last: false")
-    return loader
-
-
-def task_for(model: Any) -> Task:
-    """The task of a recipe's model section: AmoebaNet -> image, Transformer -> translation or lm."""
-    if model.kind == "amoebanet":
-        return "image"
-    return "translation" if model.arch == "encoder-decoder" else "lm"
-
-
-def build_data_for(recipe: Recipe, *, run_dir: Path | None = None, **kwargs: Any) -> Loader:
-    """build_data with the task and sizes taken from a whole recipe."""
-    model = recipe.model
-    task = task_for(model)
-    sizes: dict[str, Any] = ({"image_size": model.image_size, "num_classes": model.num_classes}
-                             if model.kind == "amoebanet" else
-                             {"vocab_size": model.vocab_size, "max_len": model.max_len})
-    kwargs.setdefault("min_batch", recipe.pipeline.microbatches * recipe.pipeline.data_parallel)
-    return build_data(recipe.data, task, seed=recipe.seed, run_dir=run_dir, **sizes, **kwargs)
+def __getattr__(name: str) -> Any:
+    """A public name of the package, imported from its module on first use."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gpipe_cli.data' has no attribute '{name}'")
+    return getattr(importlib.import_module(module), name)

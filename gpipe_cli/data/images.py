@@ -142,6 +142,9 @@ def _open(data: Data, cache_dir: Path | None) -> tuple[Any, str]:
     if data.source == "hub":
         assert data.name is not None
         return load_hub(data.name, data.config, cache_dir, "imagefolder/parquet"), f"dataset '{data.name}'"
+    if data.source not in ("imagefolder", "parquet"):
+        raise DataError(f"data.source '{data.source}' holds text; images come from synthetic, imagefolder, "
+                        "parquet or hub")
     path = existing_path(data.path, f"data.source '{data.source}'")
     if data.source == "imagefolder":
         if not path.is_dir():
@@ -149,14 +152,11 @@ def _open(data: Data, cache_dir: Path | None) -> tuple[Any, str]:
         if not any(p.suffix.lower() in IMAGE_EXTS for p in path.rglob("*")):
             raise DataError(f"no images under '{path}' (imagefolder wants train/<class>/*.png)")
         return load_builder("imagefolder", f"'{path}'", cache_dir, data_dir=str(path)), f"'{path}'"
-    if data.source == "parquet":
-        train, evl = split_files(path, (".parquet",), data.train_split, data.eval_split)
-        files = {data.train_split: [str(f) for f in train]}
-        if evl:
-            files[data.eval_split or "validation"] = [str(f) for f in evl]
-        return load_builder("parquet", f"'{path}'", cache_dir, data_files=files), f"'{path}'"
-    raise DataError(f"data.source '{data.source}' holds text; images come from synthetic, imagefolder, "
-                    "parquet or hub")
+    train, evl = split_files(path, (".parquet",), data.train_split, data.eval_split)
+    files = {data.train_split: [str(f) for f in train]}
+    if evl:
+        files[data.eval_split or "validation"] = [str(f) for f in evl]
+    return load_builder("parquet", f"'{path}'", cache_dir, data_files=files), f"'{path}'"
 
 
 def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, cache_dir: Path | None = None,

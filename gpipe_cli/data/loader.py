@@ -111,6 +111,8 @@ class Loader:
         if tokens_per_batch is not None and train.lengths is None:
             raise ValueError("tokens_per_batch needs examples with lengths (text)")
         self._bounds = self._train_bounds()
+        # Figures a trained model should beat on the held-out split, reported next to its own (text: unigram).
+        self.baselines: dict[str, float] = {}
         self._cache: tuple[int, list[np.ndarray]] | None = None
         self._eval_plan: list[np.ndarray] | None = None
 

@@ -18,7 +18,8 @@ from gpipe_cli.errors import DataError
 
 # Validation first: test splits may have hidden labels (imagenet-1k's are -1).
 EVAL_SPLIT_NAMES = ("validation", "valid", "dev", "test", "eval")
-PROBE_TIMEOUT_S = 5.0
+# Short: the answer decides in seconds whether a run can start, and huggingface.co answers a HEAD in < 1 s.
+PROBE_TIMEOUT_S = 2.0
 _TRUE = {"1", "true", "yes", "on"}
 
 
@@ -97,6 +98,11 @@ def load_builder(builder: str, where: str, cache_dir: Path | None, **kwargs: Any
         raise DataError(f"cannot read {where} as {builder}: {first_line(e)}") from None
 
 
+def offline_flag() -> bool:
+    """Whether the environment asks the Hugging Face libraries to stay offline."""
+    return _flag("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
 def _flag(*names: str) -> bool:
     return any(os.environ.get(n, "").strip().lower() in _TRUE for n in names)
 
@@ -118,7 +124,7 @@ def hub_reachable(endpoint: str | None = None, timeout: float = PROBE_TIMEOUT_S)
     # A thread bounds name resolution too, which socket timeouts do not cover.
     t = threading.Thread(target=probe, daemon=True)
     t.start()
-    t.join(timeout + 1.0)
+    t.join(timeout + 0.5)
     return bool(result and result[0])
 
 
@@ -148,7 +154,7 @@ def load_hub(name: str, config: str | None, cache_dir: Path | None, kind: str) -
     label = f"'{name}'" + (f" (config '{config}')" if config else "")
     local = f"use data.source: {kind} with a local copy"
     cache = str(cache_dir) if cache_dir else None
-    offline_env = _flag("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+    offline_env = offline_flag()
     if offline_env or not hub_reachable():
         why = "offline mode is set (HF_HUB_OFFLINE)" if offline_env else "no network connection"
         try:
@@ -156,7 +162,8 @@ def load_hub(name: str, config: str | None, cache_dir: Path | None, kind: str) -
                 return datasets.load_dataset(name, config, cache_dir=cache)
         except Exception:
             raise DataError(f"cannot download dataset {label} from the Hugging Face hub: {why} "
-                            f"and no cached copy; {local}") from None
+                            f"and no cached copy; {local} (gpipe prepare-data RECIPE --output DIR writes "
+                            "one where there is network)") from None
     try:
         return datasets.load_dataset(name, config, cache_dir=cache)
     except Exception as e:

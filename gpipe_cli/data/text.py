@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from gpipe_cli.data.loader import Examples
+from gpipe_cli.data.pydoc import pydoc_documents
 from gpipe_cli.data.sources import existing_path, hold_out, load_builder, load_hub, pick_splits, split_files
 from gpipe_cli.data.synthetic import lm_documents, translation_pairs
 from gpipe_cli.data.tokenizer import BOS, EOS, PAD, Tokenizer, load_or_train
@@ -132,6 +133,18 @@ class LMExamples(Examples):
         return int(self.window[ids].sum())
 
 
+def unigram_perplexity(train: LMExamples, held_out: LMExamples, vocab_size: int) -> float:
+    """Perplexity of the held-out targets under the training stream's add-one smoothed unigram distribution.
+
+    The baseline a language model must beat: it knows token frequencies and nothing of context. The
+    targets are those the model is scored on (every held-out token after the first).
+    """
+    counts = np.bincount(train.stream, minlength=vocab_size).astype(np.float64)
+    log_p = np.log(counts + 1.0) - np.log(counts.sum() + len(counts))
+    targets = held_out.stream[1:]
+    return float(np.exp(-log_p[targets].mean())) if len(targets) else float("nan")
+
+
 # ---- reading records ----------------------------------------------------------------------------
 
 def _record(obj: Mapping[str, Any], task: TextTask, data: Data, where: str) -> Record:
@@ -249,6 +262,11 @@ def read_records(data: Data, task: TextTask, *, seed: int, words: int,
                     translation_pairs(n_eval, seed, "eval"))
         return (lm_documents(data.synthetic_size, seed, "train", words),
                 lm_documents(n_eval, seed, "eval", words))
+    if data.source == "pydoc":
+        if task == "translation":
+            raise DataError("data.source 'pydoc' is English text for language modelling; "
+                            "use jsonl, tsv, parquet or hub for translation")
+        return pydoc_documents(), None  # text_splits holds out data.eval_fraction of the paragraphs
     if data.source in ("hub", "parquet"):
         if data.source == "hub":
             assert data.name is not None
@@ -268,7 +286,7 @@ def read_records(data: Data, task: TextTask, *, seed: int, words: int,
             "text": (".txt", ".text", ".raw")}.get(data.source)
     if exts is None:
         raise DataError(f"data.source '{data.source}' holds images; text comes from synthetic, jsonl, tsv, "
-                        "text, parquet or hub")
+                        "text, parquet, pydoc or hub")
     if data.source == "text" and task == "translation":
         raise DataError("data.source 'text' is plain text for language modelling; "
                         "use jsonl or tsv for translation")

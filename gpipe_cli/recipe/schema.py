@@ -100,7 +100,7 @@ class Pipeline(Section):
 class Data(Section):
     """Where examples come from and how they are batched."""
 
-    source: Literal["synthetic", "imagefolder", "hub", "parquet", "jsonl", "tsv", "text"] = "synthetic"
+    source: Literal["synthetic", "imagefolder", "hub", "parquet", "jsonl", "tsv", "text", "pydoc"] = "synthetic"
     path: str | None = None
     name: str | None = None
     config: str | None = None

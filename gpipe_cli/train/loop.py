@@ -252,7 +252,7 @@ class Trainer:
             for key in sums:
                 sums[key] += result.metrics[key]
         record: dict[str, Any] = {"kind": "eval", "step": step, "loss": loss / units if units else float("nan")}
-        record.update(evaluation.summarise(sums, units))
+        record.update(evaluation.summarise(sums, units, self.data.baselines if self.data is not None else None))
         if self.spec.task == "translation" and isinstance(self.recipe.model, TransformerModel):
             score = translate.bleu(self.pipe, self.topo, self.data, self.eval_steps,
                                    self.recipe.pipeline.microbatches, self.recipe.model.max_len)

@@ -9,6 +9,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpipe_cli.data.offline import check_hub_data
 from gpipe_cli.errors import UserError
 from gpipe_cli.launch import LaunchOptions, launch, under_torchrun
 from gpipe_cli.recipe.load import load_recipe, recipe_label
@@ -47,6 +48,7 @@ def resume_location(options: TrainOptions, name: str, root: str = "outputs") -> 
 def train(options: TrainOptions) -> int:
     """Validate, then run the training job on K × D ranks; returns the exit code."""
     recipe = load_recipe(options.recipe, options.overrides)
+    check_hub_data(recipe.data, options.recipe, options.overrides)  # offline: fail now, not inside the ranks
     checked_plan(recipe, recipe_label(options.recipe))  # refuses impossible cuts before anything starts
     if options.output_dir and Path(options.output_dir).exists() and not Path(options.output_dir).is_dir():
         raise UserError(f"--output-dir: '{options.output_dir}' exists and is not a directory")

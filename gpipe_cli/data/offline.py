@@ -1,0 +1,74 @@
+"""Before any rank starts: can a hub recipe get its data? If not, say in one line how to prepare it.
+
+Runs on the launching side without importing torch or `datasets` in the common case (no network and
+nothing cached), so an offline machine is told within seconds, not after the ranks have started.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+
+from gpipe_cli.data.sources import PROBE_TIMEOUT_S, hub_reachable, load_hub, offline_flag
+from gpipe_cli.errors import DataError
+from gpipe_cli.recipe.schema import Data
+
+# Keys prepare-data reads; other --set values of a run do not change which data it saves.
+PREPARE_KEYS = ("data.name=", "data.config=", "data.train_split=", "data.eval_split=")
+
+
+def suggested_folder(data: Data) -> str:
+    """Where the prepare-data hint suggests saving a hub dataset: data/<name>[-<config>]."""
+    name = (data.name or "dataset").rstrip("/").split("/")[-1]
+    return f"data/{name}" + (f"-{data.config}" if data.config else "")
+
+
+def prepare_hint(data: Data, recipe: str | None, overrides: Sequence[str] = ()) -> str:
+    """The command that saves a recipe's hub dataset locally, and the --set that then points the recipe at it."""
+    folder = suggested_folder(data)
+    args = ["gpipe", "prepare-data", recipe or "RECIPE"]
+    for o in overrides:
+        if o.startswith(PREPARE_KEYS):
+            args += ["--set", o]
+    args += ["--output", folder]
+    point = f"--set data.source=parquet --set data.path={shlex.quote(folder)}"
+    return f"run `{shlex.join(args)}` once where there is network (copy the folder here), then add {point}"
+
+
+def _cache_roots() -> list[Path]:
+    """The hub download cache and the `datasets` cache, as the Hugging Face libraries resolve them."""
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    home = Path(os.environ.get("HF_HOME") or os.path.join(xdg, "huggingface")).expanduser()
+    hub = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or home / "hub"
+    return [Path(hub).expanduser(), Path(os.environ.get("HF_DATASETS_CACHE") or home / "datasets").expanduser()]
+
+
+def maybe_cached(name: str) -> bool:
+    """Whether a cache folder could hold dataset `name` (a cheap test; loading it is the real one)."""
+    leaf = name.rstrip("/").split("/")[-1].lower()
+    return any(root.is_dir() and any(leaf in entry.name.lower() for entry in root.iterdir())
+               for root in _cache_roots())
+
+
+def check_hub_data(data: Data, recipe: str | None, overrides: Sequence[str] = ()) -> None:
+    """Fail in one line, with the prepare-data hint, when a hub dataset is neither reachable nor cached."""
+    if data.source != "hub" or not data.name:
+        return
+    if offline_flag():
+        why = "offline mode is set (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE)"
+    elif hub_reachable():
+        return  # the ranks download it (or report what the hub said)
+    else:
+        endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+        why = f"no answer from {endpoint} within {PROBE_TIMEOUT_S:g} s"
+    if maybe_cached(data.name):
+        try:
+            load_hub(data.name, data.config, None, "parquet")  # offline: reads the cache only
+            return
+        except DataError:
+            pass
+    label = f"'{data.name}'" + (f" (config '{data.config}')" if data.config else "")
+    raise DataError(f"cannot download dataset {label} from the Hugging Face hub: {why}, and no cached copy; "
+                    f"{prepare_hint(data, recipe, overrides)}")

@@ -1,0 +1,80 @@
+"""`gpipe prepare-data`: save a recipe's hub dataset once as local parquet files for machines without network.
+
+The folder holds `<split>-<i>-of-<n>.parquet` for the training split and the eval split the recipe would
+use, with images embedded as bytes and the `datasets` features (class names) in the parquet metadata,
+which is exactly what `data.source: parquet` reads back.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from gpipe_cli.data.sources import EVAL_SPLIT_NAMES, first_line, load_hub, pick_splits
+from gpipe_cli.errors import DataError
+from gpipe_cli.recipe.schema import Data
+
+SHARD_BYTES = 512 * 2**20  # parquet files of about this size: large splits stay readable piece by piece
+
+
+def _eval_split_name(splits: Any, data: Data) -> str | None:
+    """The eval split the recipe reads from the hub (as pick_splits chooses it)."""
+    if data.eval_split is not None:
+        return data.eval_split
+    return next((n for n in EVAL_SPLIT_NAMES if n in splits and n != data.train_split), None)
+
+
+def _embedded(ds: Any) -> Any:
+    """The dataset with images and audio stored as bytes, not as paths into a download cache."""
+    import datasets
+    from datasets.table import embed_table_storage
+
+    if not any(isinstance(f, datasets.Image | datasets.Audio) for f in ds.features.values()):
+        return ds
+    return ds.with_format("arrow").map(embed_table_storage, batched=True, keep_in_memory=True,
+                                       desc="embedding files").with_format(None)
+
+
+def save_splits(splits: Any, data: Data, output: Path) -> list[Path]:
+    """Write the recipe's training and eval splits of a DatasetDict as parquet shards into a new folder."""
+    output = Path(output).expanduser()
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise DataError(f"--output '{output}' already exists and is not an empty folder; choose a new folder")
+    train, evl = pick_splits(splits, data.train_split, data.eval_split, f"dataset '{data.name}'")
+    chosen = [(data.train_split, train)]
+    eval_name = _eval_split_name(splits, data)
+    if evl is not None and eval_name is not None:
+        chosen.append((eval_name, evl))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    # Written next to the destination and renamed at the end: an interrupted run leaves no half folder.
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        for split, ds in chosen:
+            shards = max(1, math.ceil(ds.data.nbytes / SHARD_BYTES))
+            for i in range(shards):
+                part = _embedded(ds.shard(num_shards=shards, index=i, contiguous=True))
+                part.to_parquet(str(staging / f"{split}-{i:05d}-of-{shards:05d}.parquet"))
+        if output.exists():
+            output.rmdir()
+        staging.rename(output)
+    except BaseException as e:  # Ctrl-C included: nothing half-written stays behind
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, Exception) and not isinstance(e, DataError):
+            raise DataError(f"cannot write '{output}': {first_line(e)}") from None
+        raise
+    return sorted(output.glob("*.parquet"))
+
+
+def prepare_data(data: Data, output: Path, cache_dir: Path | None = None) -> list[Path]:
+    """Download the recipe's hub dataset (data.name, data.config) and save it with save_splits."""
+    if not data.name:
+        raise DataError("prepare-data saves a Hugging Face hub dataset, and the recipe has no data.name; "
+                        "set data.name (and data.config)")
+    output = Path(output).expanduser()
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):  # before a long download
+        raise DataError(f"--output '{output}' already exists and is not an empty folder; choose a new folder")
+    splits = load_hub(data.name, data.config, cache_dir, "parquet")
+    return save_splits(splits, data, output)

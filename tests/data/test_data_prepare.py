@@ -1,0 +1,122 @@
+"""prepare-data: a DatasetDict saved as parquet is read back by data.source parquet exactly as the hub gave it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from datagen import COLOURS, data, pairs, png_bytes
+
+from gpipe_cli.data import DataError, build_data
+from gpipe_cli.data.prepare import prepare_data, save_splits
+
+
+def _image_splits(folder: Path) -> datasets.DatasetDict:
+    """cifar10-style splits ('img', ClassLabel 'label') whose images are files on disk, as hub caches hold them."""
+    feats = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=["r", "g", "b"])})
+    folder.mkdir()
+
+    def split(name: str, n: int) -> datasets.Dataset:
+        paths = []
+        for i in range(n):
+            p = folder / f"{name}{i}.png"
+            p.write_bytes(png_bytes(COLOURS[i % 3], 16, seed=i))
+            paths.append(str(p))
+        return datasets.Dataset.from_dict({"img": paths, "label": [i % 3 for i in range(n)]}, features=feats)
+
+    return datasets.DatasetDict({"train": split("train", 9), "test": split("test", 4)})
+
+
+def test_saved_images_read_back_identical_without_the_original_files(tmp_path: Path) -> None:
+    splits = _image_splits(tmp_path / "cache")
+    recipe = data(source="hub", name="cifar10", batch_size=3, augment=False, shuffle=False)
+    files = save_splits(splits, recipe, tmp_path / "prepared")
+    assert {f.name.split("-")[0] for f in files} == {"train", "test"}
+    for f in (tmp_path / "cache").iterdir():  # the parquet files must not point into a cache
+        f.unlink()
+    local = recipe.model_copy(update={"source": "parquet", "path": str(tmp_path / "prepared"), "name": None})
+    got = build_data(local, "image", seed=0, image_size=16, num_classes=3, cache_dir=tmp_path / "hf")
+    assert (got.train_size, got.eval_size) == (9, 4)
+    assert np.array_equal(got.train.labels, np.arange(9) % 3)  # type: ignore[attr-defined]
+    with pytest.raises(DataError, match="has 3 classes"):  # the class names travelled with the files
+        build_data(local, "image", seed=0, image_size=16, num_classes=2, cache_dir=tmp_path / "hf")
+    expected = [torch.from_numpy(np.asarray(im.convert("RGB"), dtype=np.float32) / 255).permute(2, 0, 1)
+                for im in _image_splits(tmp_path / "again")["test"]["img"]]
+    read = [got.eval.source.load(i) for i in range(4)]  # type: ignore[union-attr, attr-defined]
+    assert all(torch.equal(a, b) for a, b in zip(read, expected, strict=True))
+
+
+def test_saved_translation_pairs_read_back_with_the_eval_split_the_recipe_uses(tmp_path: Path) -> None:
+    p = pairs(50)
+
+    def split(rows: list[tuple[str, str]]) -> datasets.Dataset:
+        return datasets.Dataset.from_dict({"translation": [{"de": t, "en": s} for s, t in rows]})
+
+    splits = datasets.DatasetDict({"train": split(p[:30]), "validation": split(p[30:40]), "test": split(p[40:])})
+    recipe = data(source="hub", name="wmt14", config="de-en", source_field="en", target_field="de")
+    files = save_splits(splits, recipe, tmp_path / "wmt")
+    assert sorted(f.name.split("-")[0] for f in files) == ["train", "validation"]  # not the unused test split
+    local = recipe.model_copy(update={"source": "parquet", "path": str(tmp_path / "wmt")})
+    got = build_data(local, "translation", seed=0, vocab_size=200, max_len=32, run_dir=tmp_path / "run",
+                     cache_dir=tmp_path / "hf")
+    assert (got.train_size, got.eval_size) == (30, 10)
+    refs = [r for b in got.eval_batches() for r in b.references or []]
+    assert refs == [t for _, t in p[30:40]]
+
+
+def test_an_existing_folder_is_refused_and_nothing_is_left_half_written(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a b c"] * 4})})
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("keep")
+    with pytest.raises(DataError, match="not an empty folder"):
+        save_splits(splits, data(source="hub", name="x"), tmp_path / "full")
+
+    def broken(self: datasets.Dataset, path: str) -> None:
+        Path(path).write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(datasets.Dataset, "to_parquet", broken)
+    with pytest.raises(DataError, match="disk full"):
+        save_splits(splits, data(source="hub", name="x"), tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]
+
+
+def test_prepare_without_a_hub_name_says_so(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="data.name"):
+        prepare_data(data(source="synthetic"), tmp_path / "out")
+
+
+def test_the_prepare_data_command_saves_what_the_printed_set_reads(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from gpipe_cli.cli import app
+    from gpipe_cli.data import prepare as prepare_mod
+    from gpipe_cli.recipe.load import load_recipe
+
+    asked: list[tuple[str, str | None]] = []
+    text = datasets.Dataset.from_dict({"text": [f"line {i} of the text" for i in range(40)]})
+
+    def fake_hub(name: str, config: str | None, cache_dir: object, kind: str) -> datasets.DatasetDict:
+        asked.append((name, config))
+        return datasets.DatasetDict({"train": text})
+
+    monkeypatch.setattr(prepare_mod, "load_hub", fake_hub)
+    recipe = tmp_path / "lm.yaml"
+    recipe.write_text("model: {kind: transformer, arch: decoder-only, layers: 1, d_model: 16, ff: 32, heads: 2, "
+                      "vocab_size: 64, max_len: 16}\ndata: {source: hub, name: someone/wiki, batch_size: 4, "
+                      "seq_len: 8}\ntrain: {steps: 1}\n")
+    out = CliRunner().invoke(app, ["prepare-data", str(recipe), "--set", "data.config=small", "--output",
+                                   str(tmp_path / "wiki")])
+    assert out.exit_code == 0, out.output
+    assert asked == [("someone/wiki", "small")]
+    sets = out.output.split("train with", 1)[1].replace("--set", " ").split()
+    local = load_recipe(recipe, sets)
+    assert (local.data.source, local.data.path) == ("parquet", str(tmp_path / "wiki"))
+    got = build_data(local.data, "lm", seed=0, vocab_size=64, max_len=16, run_dir=tmp_path / "run",
+                     cache_dir=tmp_path / "hf")
+    assert got.train_size > 0 and got.eval_size > 0  # the held-out part comes from data.eval_fraction

@@ -1,0 +1,50 @@
+"""Evaluation figures: perplexity is the plain (unsmoothed) likelihood per target token, padding excluded."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from gpipe_cli.models.losses import token_cross_entropy
+from gpipe_cli.train import evaluation
+
+
+def test_perplexity_is_exp_of_the_unsmoothed_mean_token_cross_entropy() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11)
+    targets = torch.randint(1, 11, (3, 5))
+    targets[0, 3:] = 0  # padding, not scored
+    targets[2, 1:] = 0
+    kept = targets != 0
+    expected = F.cross_entropy(logits[kept], targets[kept])
+    smoothed = token_cross_entropy(logits, targets, label_smoothing=0.1)
+    assert not torch.isclose(smoothed, expected)  # so the check below can tell them apart
+
+    # Two micro-batches summed as the engine sums them.
+    sums = {k: 0.0 for k in ("correct", "nll")}
+    for part in (slice(0, 1), slice(1, 3)):
+        for key, metric in evaluation.metrics_for(_lm_spec()).items():
+            sums[key] += float(metric(logits[part], targets[part]))
+    out = evaluation.summarise(sums, float(kept.sum()), {"unigram_perplexity": 42.0})
+    assert math.isclose(out["perplexity"], math.exp(float(expected)), rel_tol=1e-5)
+    argmax_right = ((logits.argmax(-1) == targets) & kept).sum()
+    assert math.isclose(out["accuracy"], float(argmax_right) / float(kept.sum()))
+    assert out["unigram_perplexity"] == 42.0
+
+
+def test_images_report_accuracy_only_and_no_units_report_nothing() -> None:
+    spec = _lm_spec()
+    spec.task = "image"
+    assert set(evaluation.metrics_for(spec)) == {"correct"}
+    assert evaluation.summarise({"correct": 3.0}, 4.0) == {"accuracy": 0.75}
+    assert evaluation.summarise({"correct": 0.0, "nll": 0.0}, 0.0, {"unigram_perplexity": 9.0}) == {}
+
+
+def _lm_spec():  # type: ignore[no-untyped-def]
+    from gpipe_cli.recipe.schema import Recipe, TransformerModel
+    from gpipe_cli.train.plan import model_spec
+
+    model = TransformerModel(arch="decoder-only", layers=1, d_model=8, ff=16, heads=2, vocab_size=11, max_len=8)
+    return model_spec(Recipe(model=model))
