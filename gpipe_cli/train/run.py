@@ -1,4 +1,9 @@
-"""`gpipe train` on the launching side: check the recipe and plan, then start (or join) the ranks."""
+"""`gpipe train` on the launching side: check the recipe and plan, then start (or join) the ranks.
+
+Everything a user can get wrong (the recipe, `--set`, the arguments) is checked before torch is
+imported, so such a mistake is reported at once; the plan, the devices and the output directory are
+checked next, before any rank starts.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpipe_cli.errors import UserError
-from gpipe_cli.launch import LaunchOptions, launch, under_torchrun
+from gpipe_cli.errors import UserError, shown
+from gpipe_cli.launch import LaunchOptions, check_device, check_threads, check_writable, launch, under_torchrun
+from gpipe_cli.launch.preflight import parse_nodes
 from gpipe_cli.recipe.load import load_recipe, recipe_label
-from gpipe_cli.train.checkpoint import newest_whole
-from gpipe_cli.train.loop import Job
-from gpipe_cli.train.plan import checked_plan
+
+OUTPUTS = "outputs"
 
 
 @dataclass
@@ -29,11 +34,13 @@ class TrainOptions:
     launch: LaunchOptions = field(default_factory=LaunchOptions)
 
 
-def resume_location(options: TrainOptions, name: str, root: str = "outputs") -> str:
+def resume_location(options: TrainOptions, name: str, root: str = OUTPUTS) -> str:
     """Where --resume continues from: an explicit path, --output-dir, or the newest run of this recipe."""
+    from gpipe_cli.train.checkpoint import newest_whole
+
     if options.resume not in (None, "latest"):
         if not Path(options.resume).exists():
-            raise UserError(f"--resume: no such run directory or checkpoint: '{options.resume}'")
+            raise UserError(f"--resume: no such run directory or checkpoint: {shown(options.resume)}")
         return str(options.resume)
     if options.output_dir:
         return options.output_dir
@@ -47,12 +54,24 @@ def resume_location(options: TrainOptions, name: str, root: str = "outputs") -> 
 def train(options: TrainOptions) -> int:
     """Validate, then run the training job on K × D ranks; returns the exit code."""
     recipe = load_recipe(options.recipe, options.overrides)
-    checked_plan(recipe, recipe_label(options.recipe))  # refuses impossible cuts before anything starts
+    check_threads(options.launch.threads)
+    _, max_nodes = parse_nodes(options.launch.nnodes)
     if options.output_dir and Path(options.output_dir).exists() and not Path(options.output_dir).is_dir():
-        raise UserError(f"--output-dir: '{options.output_dir}' exists and is not a directory")
+        raise UserError(f"--output-dir: {shown(options.output_dir)} exists and is not a directory")
+    # torch from here on: the recipe and the arguments are known to be good.
+    from gpipe_cli.train.loop import Job
+    from gpipe_cli.train.plan import checked_plan
+
+    checked_plan(recipe, recipe_label(options.recipe))  # refuses impossible cuts before anything starts
+    world = recipe.pipeline.partitions * recipe.pipeline.data_parallel
+    local = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else max(world // max_nodes, 1)
+    check_device(recipe.pipeline.backend, recipe.train.device, local)
+    if options.output_dir:
+        check_writable(Path(options.output_dir), "--output-dir")
+    else:
+        check_writable(Path(OUTPUTS) / recipe.name, "the output directory")
     job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
               resume=resume_location(options, recipe.name) if options.resume else None)
-    world = recipe.pipeline.partitions * recipe.pipeline.data_parallel
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world:
             raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the recipe needs "
