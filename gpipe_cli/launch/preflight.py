@@ -46,11 +46,11 @@ def check_device(backend: str, device: str, local_ranks: int) -> None:
 def check_writable(path: Path, what: str) -> None:
     """Refuse an output directory that cannot be created or written, without leaving anything behind."""
     existing = path
-    while not existing.exists() and existing != existing.parent:
-        if existing.is_symlink():  # a dangling link: mkdir would fail later
+    while not os.path.exists(existing) and existing != existing.parent:  # os.path: no errors on long names
+        if os.path.islink(existing):  # a dangling link: mkdir would fail later
             raise UserError(f"{what}: {shown(str(existing))} is a broken link")
         existing = existing.parent
-    if not existing.is_dir():
+    if not os.path.isdir(existing):
         raise UserError(f"{what}: {shown(str(existing))} exists and is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"{what}: {shown(str(existing))} is not writable")

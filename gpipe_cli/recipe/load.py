@@ -7,6 +7,7 @@ value and what is allowed, e.g. `recipe.yaml: pipeline.microbatches: must be >= 
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -36,13 +37,15 @@ def recipe_label(path: str | Path | None) -> str:
     return "quickstart.yaml (built in)" if path is None else str(path)
 
 
-def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:
-    """Load, override and validate a recipe (None: the embedded quick-start recipe)."""
+def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), check_data: bool = True) -> Recipe:
+    """Load, override and validate a recipe (None: the embedded quick-start recipe).
+
+    `check_data=False` skips the check that local data and tokenizer paths exist (to rebuild a model)."""
     label = recipe_label(path)
     raw = parse_yaml(default_recipe_text() if path is None else read_recipe_file(Path(path)), label)
     for item in overrides:
         apply_override(raw, item)
-    return validate(raw, label)
+    return validate(raw, label, check_data)
 
 
 def recipe_yaml(recipe: Recipe) -> str:
@@ -105,7 +108,7 @@ def _resolve_preset(raw: dict[str, Any], label: str) -> dict[str, Any]:
     return out
 
 
-def validate(raw: dict[str, Any], label: str) -> Recipe:
+def validate(raw: dict[str, Any], label: str, check_data: bool = True) -> Recipe:
     """Validate a raw recipe mapping, raising one RecipeError line for the first problem."""
     raw = _resolve_preset(raw, label)
     try:
@@ -115,15 +118,17 @@ def validate(raw: dict[str, Any], label: str) -> Recipe:
         message = _describe(dict(errors[0]), raw)
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
         raise RecipeError(f"{label}: {message}{more}") from None
-    _check_paths(recipe, label)
+    if check_data:
+        _check_paths(recipe, label)
     return recipe
 
 
 def _check_paths(recipe: Recipe, label: str) -> None:
     data = recipe.data
-    if data.source in _LOCAL_SOURCES and data.path and not Path(data.path).exists():
+    # os.path.exists: False (not an exception) for names too long for the file system
+    if data.source in _LOCAL_SOURCES and data.path and not os.path.exists(data.path):
         raise RecipeError(f"{label}: data.path: no such file or directory: {shown(data.path)}")
-    if data.tokenizer and not Path(data.tokenizer).exists():
+    if data.tokenizer and not os.path.exists(data.tokenizer):
         raise RecipeError(f"{label}: data.tokenizer: no such sentencepiece model: {shown(data.tokenizer)}")
 
 

@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gpipe_cli.errors import UserError
+from gpipe_cli.files import new_file_mode
 from gpipe_cli.train import checkpoint
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
 
@@ -41,6 +42,7 @@ def export(location: str, output: str | None = None) -> Path:
     try:
         save_file(tensors, tmp, metadata={"step": str(found.step), "format": "pt",
                                           "layers": "global layer index . parameter name"})
+        os.chmod(tmp, new_file_mode())  # as any new file, not mkstemp's 0o600
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

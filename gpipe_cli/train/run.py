@@ -39,7 +39,7 @@ def resume_location(options: TrainOptions, name: str, root: str = OUTPUTS) -> st
     from gpipe_cli.train.checkpoint import newest_whole
 
     if options.resume not in (None, "latest"):
-        if not Path(options.resume).exists():
+        if not os.path.exists(options.resume):
             raise UserError(f"--resume: no such run directory or checkpoint: {shown(options.resume)}")
         return str(options.resume)
     if options.output_dir:
@@ -56,7 +56,7 @@ def train(options: TrainOptions) -> int:
     recipe = load_recipe(options.recipe, options.overrides)
     check_threads(options.launch.threads)
     _, max_nodes = parse_nodes(options.launch.nnodes)
-    if options.output_dir and Path(options.output_dir).exists() and not Path(options.output_dir).is_dir():
+    if options.output_dir and os.path.exists(options.output_dir) and not os.path.isdir(options.output_dir):
         raise UserError(f"--output-dir: {shown(options.output_dir)} exists and is not a directory")
     # torch from here on: the recipe and the arguments are known to be good.
     from gpipe_cli.train.loop import Job
