@@ -13,8 +13,8 @@ from rich.console import Console
 
 from gpipe_cli import __version__
 from gpipe_cli.cli_help import polish
-from gpipe_cli.errors import UserError, one_line
-from gpipe_cli.launch import LaunchOptions
+from gpipe_cli.errors import UserError, one_line, shown
+from gpipe_cli.launch import LaunchOptions, check_writable
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   help="GPipe pipeline-parallel training from YAML recipes.")
@@ -83,6 +83,8 @@ def validate(
 
     def run() -> None:
         loaded = load_recipe(recipe, set_ or [])
+        if json_file is not None:
+            check_writable(json_file.parent, "--json")
         from gpipe_cli.train.plan import checked_plan  # torch: only once the recipe is valid
         from gpipe_cli.train.plan_table import plan_table
 
@@ -92,7 +94,10 @@ def validate(
         console.print(plan_table(plan))
         if json_file is not None:
             payload = {"recipe": loaded.model_dump(mode="json"), **plan.to_json()}
-            json_file.write_text(json.dumps(payload, indent=2))
+            try:
+                json_file.write_text(json.dumps(payload, indent=2))
+            except OSError as exc:
+                raise UserError(f"--json: cannot write {shown(str(json_file))} ({exc.strerror})") from None
 
     _guard(run)
 

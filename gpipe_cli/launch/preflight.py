@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpipe_cli.errors import UserError, shown
+
+if TYPE_CHECKING:  # the launcher imports this module
+    from gpipe_cli.launch.launcher import LaunchOptions
 
 
 def parse_nodes(nnodes: str) -> tuple[int, int]:
@@ -21,10 +25,25 @@ def parse_nodes(nnodes: str) -> tuple[int, int]:
     return lo, hi
 
 
-def check_threads(threads: int | None) -> None:
-    """`--threads` is a positive count (None: chosen from the cores)."""
-    if threads is not None and threads < 1:
-        raise UserError(f"--threads: must be >= 1 (got {threads})")
+def check_launch(options: LaunchOptions, world: int) -> int:
+    """Check the launch arguments against a job of `world` ranks; returns the ranks on this node."""
+    if options.threads is not None and options.threads < 1:
+        raise UserError(f"--threads: must be >= 1 (got {options.threads})")
+    _, max_nodes = parse_nodes(options.nnodes)
+    if world % max_nodes:
+        raise UserError(f"the job needs {world} processes, which does not divide over {max_nodes} nodes")
+    if options.node_rank is not None and not 0 <= options.node_rank < max_nodes:
+        raise UserError(f"--node-rank: must be >= 0 and < the number of nodes, {max_nodes} (got {options.node_rank})")
+    if options.rdzv_backend not in (None, "static", "c10d"):
+        raise UserError(f"--rdzv-backend: must be static or c10d (got {shown(options.rdzv_backend)})")
+    if options.rdzv_endpoint is not None:
+        host, sep, port = options.rdzv_endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UserError(f"--rdzv-endpoint: must be HOST:PORT with a port from 1 to 65535 "
+                            f"(got {shown(options.rdzv_endpoint)})")
+    elif max_nodes > 1:
+        raise UserError("a multi-node job needs --rdzv-endpoint HOST:PORT (the same on every node)")
+    return world // max_nodes
 
 
 def check_device(backend: str, device: str, local_ranks: int) -> None:

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpipe_cli.errors import UserError, shown
-from gpipe_cli.launch import LaunchOptions, check_device, check_threads, check_writable, launch, under_torchrun
-from gpipe_cli.launch.preflight import parse_nodes
+from gpipe_cli.launch import LaunchOptions, check_device, check_launch, check_writable, launch, under_torchrun
 from gpipe_cli.recipe.load import load_recipe, recipe_label
 
 OUTPUTS = "outputs"
@@ -54,24 +53,27 @@ def resume_location(options: TrainOptions, name: str, root: str = OUTPUTS) -> st
 def train(options: TrainOptions) -> int:
     """Validate, then run the training job on K × D ranks; returns the exit code."""
     recipe = load_recipe(options.recipe, options.overrides)
-    check_threads(options.launch.threads)
-    _, max_nodes = parse_nodes(options.launch.nnodes)
+    world = recipe.pipeline.partitions * recipe.pipeline.data_parallel
+    local = check_launch(options.launch, world)
     if options.output_dir and os.path.exists(options.output_dir) and not os.path.isdir(options.output_dir):
         raise UserError(f"--output-dir: {shown(options.output_dir)} exists and is not a directory")
+    if options.resume not in (None, "latest") and not os.path.exists(options.resume):
+        raise UserError(f"--resume: no such run directory or checkpoint: {shown(options.resume)}")
     # torch from here on: the recipe and the arguments are known to be good.
     from gpipe_cli.train.loop import Job
     from gpipe_cli.train.plan import checked_plan
 
     checked_plan(recipe, recipe_label(options.recipe))  # refuses impossible cuts before anything starts
-    world = recipe.pipeline.partitions * recipe.pipeline.data_parallel
-    local = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else max(world // max_nodes, 1)
-    check_device(recipe.pipeline.backend, recipe.train.device, local)
-    if options.output_dir:
+    check_device(recipe.pipeline.backend, recipe.train.device, int(os.environ.get("LOCAL_WORLD_SIZE", local)))
+    resume = resume_location(options, recipe.name) if options.resume else None
+    if resume is not None:
+        check_writable(Path(resume), "--resume")
+    elif options.output_dir:
         check_writable(Path(options.output_dir), "--output-dir")
     else:
         check_writable(Path(OUTPUTS) / recipe.name, "the output directory")
     job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
-              resume=resume_location(options, recipe.name) if options.resume else None)
+              resume=resume)
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world:
             raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the recipe needs "

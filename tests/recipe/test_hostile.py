@@ -219,6 +219,12 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "nnodes word": (GOOD, ["--nnodes", "two"], "--nnodes must be N or MIN:MAX"),
     "node rank word": (GOOD, ["--node-rank", "first"], "--node-rank"),
     "unknown option": (GOOD, ["--fast"], "No such option: --fast"),
+    "nodes without endpoint": (GOOD, ["--nnodes", "2"], "needs --rdzv-endpoint HOST:PORT"),
+    "endpoint without port": (GOOD, ["--nnodes", "2", "--rdzv-endpoint", "host"], "--rdzv-endpoint: must be"),
+    "endpoint port zero": (GOOD, ["--rdzv-endpoint", "host:0"], "--rdzv-endpoint: must be"),
+    "node rank out of range": (GOOD, ["--node-rank", "3"], "--node-rank: must be >= 0 and < the number of nodes"),
+    "rendezvous backend": (GOOD, ["--rdzv-backend", "etcd"], "--rdzv-backend: must be static or c10d"),
+    "ranks over nodes": (GOOD, ["--nnodes", "3", "--rdzv-endpoint", "h:1"], "does not divide over 3 nodes"),
     "resume missing": (GOOD, ["--resume", "/no/such/run"], "--resume: no such run directory"),
 }
 
@@ -332,3 +338,18 @@ def test_validate_refuses_the_same_recipes(tmp_path, monkeypatch, capsys, comman
         code = run([command, setup(tmp_path), *extra])
         captured = capsys.readouterr()
         assert_one_line(code, captured.err, captured.out, fragment)
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["validate", "--json", "/proc/gpipe/plan.json"], "--json: cannot write"),
+    (["export", "/no/such/run"], "no complete checkpoint"),
+    (["export", "/no/such/run", "--output", "/proc/gpipe/model.safetensors"], "--output: cannot write to"),
+], ids=["validate json", "export missing run", "export output"])
+def test_validate_and_export_arguments(tmp_path, monkeypatch, capsys, args, fragment):
+    if not Path("/proc/self").is_dir() and "/proc" in " ".join(args):
+        pytest.skip("needs /proc: a folder no one can write")
+    monkeypatch.chdir(tmp_path)
+    code = run(args)
+    captured = capsys.readouterr()
+    assert_one_line(code, captured.err, "", fragment)
+    assert list(tmp_path.iterdir()) == []
