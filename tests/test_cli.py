@@ -44,15 +44,27 @@ def test_mistakes_are_one_line_exit_2_within_seconds(tmp_path, case):
     assert list(tmp_path.iterdir()) == [recipe]
 
 
+HEAVY = "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'safetensors')))\n"
+
+
 def test_loading_and_checking_a_recipe_imports_no_torch():
     code = ("import sys\n"
             "from gpipe_cli.recipe.load import load_recipe\n"
-            "import gpipe_cli.cli, gpipe_cli.train.run, gpipe_cli.launch\n"
-            "load_recipe(None, ['pipeline.microbatches=2'])\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'safetensors')))\n")
+            "load_recipe(None, ['pipeline.microbatches=2'])\n" + HEAVY)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("args", [["train", "missing.yaml"], ["train", "--set", "train.steps=true"],
+                                  ["train", "--threads", "0"], ["validate", "--set", "colour=blue"]])
+def test_the_commands_refuse_bad_input_before_importing_torch(tmp_path, args):
+    code = ("import sys\n"
+            "from gpipe_cli.cli import run\n"
+            f"assert run({args!r}) == 2\n" + HEAVY)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]" and proc.stderr.startswith("error: ")
 
 
 def test_version(capsys):

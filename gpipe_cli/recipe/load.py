@@ -34,7 +34,7 @@ def default_recipe_text() -> str:
 
 def recipe_label(path: str | Path | None) -> str:
     """How errors name a recipe."""
-    return "quickstart.yaml (built in)" if path is None else str(path)
+    return "quickstart.yaml (built in)" if path is None else cut(str(path), 200)
 
 
 def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), check_data: bool = True) -> Recipe:
@@ -76,13 +76,12 @@ def parse_override(item: str) -> tuple[str, Any]:
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """Apply one `--set KEY=VALUE` (VALUE parsed as YAML) to the raw recipe."""
     key, value = parse_override(item)
-    key = cut(key)
     node = raw
     parts = key.split(".")
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise RecipeError(f"--set {key}: {shown(part)} is a value, not a section")
+            raise RecipeError(f"--set {cut(key)}: {shown(part)} is a value, not a section")
         node = child
     node[parts[-1]] = value
 

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_cli.recipe.load import RecipeError, default_recipe_text, load_recipe, validate
+from gpipe_cli.recipe.load import RecipeError, default_recipe_text, load_recipe, parse_yaml, validate
 from gpipe_cli.train.plan import checked_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,3 +102,22 @@ def test_more_partitions_than_layers_is_refused_by_the_plan():
     recipe = load_recipe(None, ["pipeline.partitions=9"])
     with pytest.raises(Exception, match="pipeline.partitions: cannot cut 6 layers into 9 partitions"):
         checked_plan(recipe, "r.yaml")
+
+
+def test_bench_and_profile_read_set_with_the_recipe_parser():
+    from gpipe_cli.bench.subject import resolve
+
+    subject = resolve("t-6-8192-16", {"layers": 2, "d_model": 32, "ff": 64, "heads": 4},
+                      ["dropout=1e-1", "model.label_smoothing=0"])
+    assert subject.params["dropout"] == 0.1 and subject.params["label_smoothing"] == 0
+    with pytest.raises(RecipeError, match="an alias refers to itself"):
+        resolve("t-6-8192-16", overrides=["dropout=&a [*a]"])
+    with pytest.raises(RecipeError, match="--set expects KEY=VALUE"):
+        resolve("t-6-8192-16", overrides=["dropout"])
+
+
+def test_yaml_1_2_floats_and_merge_keys():
+    raw = parse_yaml("optimizer: {lr: 1e-3, weight_decay: 5E-5}\nlength: &len {steps: 3}\n", "r.yaml")
+    assert raw["optimizer"] == {"lr": 1e-3, "weight_decay": 5e-5}
+    merged = parse_yaml("x: &b {steps: 3}\ntrain: {<<: *b, log_every: 2}\n", "r.yaml")
+    assert merged["train"] == {"steps": 3, "log_every": 2}  # a merge key is not a duplicate
