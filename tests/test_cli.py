@@ -56,8 +56,12 @@ def test_loading_and_checking_a_recipe_imports_no_torch():
     assert proc.stdout.strip() == "[]"
 
 
+PAPER_RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "amoebanet-d-cifar10.yaml")
+
+
 @pytest.mark.parametrize("args", [["train", "missing.yaml"], ["train", "--set", "train.steps=true"],
-                                  ["train", "--threads", "0"], ["validate", "--set", "colour=blue"]])
+                                  ["train", "--threads", "0"], ["validate", "--set", "colour=blue"],
+                                  ["validate", PAPER_RECIPE, "--set", "pipeline.partitons=2"]])
 def test_the_commands_refuse_bad_input_before_importing_torch(tmp_path, args):
     code = ("import sys\n"
             "from gpipe_cli.cli import run\n"

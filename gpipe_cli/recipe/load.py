@@ -109,17 +109,25 @@ def _resolve_preset(raw: dict[str, Any], label: str) -> dict[str, Any]:
 
 def validate(raw: dict[str, Any], label: str, check_data: bool = True) -> Recipe:
     """Validate a raw recipe mapping, raising one RecipeError line for the first problem."""
-    raw = _resolve_preset(raw, label)
+    model = raw.get("model")
+    if isinstance(model, dict) and model.get("preset"):
+        # Resolving a preset needs the model zoo, which imports torch: check every other section
+        # first, so that their mistakes are still reported at once.
+        _validated({**raw, "model": {"kind": "amoebanet"}}, label)
+    recipe = _validated(_resolve_preset(raw, label), label)
+    if check_data:
+        _check_paths(recipe, label)
+    return recipe
+
+
+def _validated(raw: dict[str, Any], label: str) -> Recipe:
     try:
-        recipe = Recipe.model_validate(raw)
+        return Recipe.model_validate(raw)
     except ValidationError as exc:
         errors = exc.errors()
         message = _describe(dict(errors[0]), raw)
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
         raise RecipeError(f"{label}: {message}{more}") from None
-    if check_data:
-        _check_paths(recipe, label)
-    return recipe
 
 
 def _check_paths(recipe: Recipe, label: str) -> None:
