@@ -21,7 +21,10 @@ class DataError(UserError):
 
 
 def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
-    """`repr(value)` cut to a readable length, with the number of characters left out."""
+    """`repr(value)` cut to a readable length, with the number of characters left out (YAML's words for
+    booleans and null, as the user wrote them)."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
     if isinstance(value, int) and not isinstance(value, bool):
         try:
             return cut(str(value), limit)
