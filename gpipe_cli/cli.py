@@ -9,18 +9,19 @@ from pathlib import Path
 from typing import TypeVar
 
 import typer
-import yaml
 from rich.console import Console
 
-from gpipe_cli.errors import UserError
-from gpipe_cli.launch import LaunchOptions
+from gpipe_cli import __version__
+from gpipe_cli.cli_help import polish
+from gpipe_cli.errors import UserError, one_line, shown
+from gpipe_cli.launch import LaunchOptions, check_writable
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   help="GPipe pipeline-parallel training from YAML recipes.")
 T = TypeVar("T")
 
 RECIPE_HELP = "Recipe YAML file (default: the built-in quick-start recipe)."
-SET_HELP = "Override a recipe key: KEY=VALUE (repeatable)."
+SET_HELP = "Override a recipe key: KEY=VALUE, the value read as YAML (repeatable)."
 
 
 def _guard(fn: Callable[[], T]) -> T:
@@ -28,8 +29,20 @@ def _guard(fn: Callable[[], T]) -> T:
     try:
         return fn()
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
         raise typer.Exit(exc.exit_code) from None
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"gpipe-cli {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """GPipe pipeline-parallel training from YAML recipes."""
 
 
 @app.command()
@@ -50,7 +63,7 @@ def train(
 ) -> None:
     """Train a model with GPipe on partitions x data_parallel processes."""
     from gpipe_cli.train.run import TrainOptions
-    from gpipe_cli.train.run import train as run_training
+    from gpipe_cli.train.run import train as run_training  # imports torch only once the recipe is valid
 
     options = TrainOptions(recipe, set_ or [], output_dir, plain, resume, LaunchOptions(
         nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
@@ -66,20 +79,25 @@ def validate(
     json_file: Path | None = typer.Option(None, "--json", help="Also write the recipe and plan as JSON here."),
 ) -> None:
     """Check a recipe and print the resolved recipe and the plan; trains nothing, reads no data."""
-    from gpipe_cli.recipe.load import load_recipe, recipe_label
-    from gpipe_cli.train.plan import checked_plan
-    from gpipe_cli.train.plan_table import plan_table
+    from gpipe_cli.recipe.load import load_recipe, recipe_label, recipe_yaml
 
     def run() -> None:
         loaded = load_recipe(recipe, set_ or [])
+        if json_file is not None:
+            check_writable(json_file.parent, "--json")
+        from gpipe_cli.train.plan import checked_plan  # torch: only once the recipe is valid
+        from gpipe_cli.train.plan_table import plan_table
+
         plan = checked_plan(loaded, recipe_label(recipe))
         console = Console()
-        console.print(yaml.safe_dump(loaded.model_dump(mode="json"), sort_keys=False), markup=False,
-                      highlight=False)
+        console.print(recipe_yaml(loaded), markup=False, highlight=False)
         console.print(plan_table(plan))
         if json_file is not None:
             payload = {"recipe": loaded.model_dump(mode="json"), **plan.to_json()}
-            json_file.write_text(json.dumps(payload, indent=2))
+            try:
+                json_file.write_text(json.dumps(payload, indent=2))
+            except OSError as exc:
+                raise UserError(f"--json: cannot write {shown(str(json_file))} ({exc.strerror})") from None
 
     _guard(run)
 
@@ -216,10 +234,28 @@ def prepare_data(
           f"--set data.source=parquet --set data.path={output}")
 
 
+def run(args: list[str]) -> int:
+    """Run the command line on `args`; every usage error is one line on stderr. Returns the exit code."""
+    command = polish(typer.main.get_command(app))
+    if not args:
+        args = ["--help"]
+    try:
+        result = command.main(args=_bare_resume(args), prog_name="gpipe", standalone_mode=False)
+    except typer.Exit as exc:
+        return exc.exit_code
+    except typer.TyperException as exc:  # click's usage errors: unknown option, bad type, missing argument
+        where = getattr(getattr(exc, "ctx", None), "command_path", "gpipe")
+        print(f"error: {one_line(exc.format_message())} (see '{where} --help')", file=sys.stderr)
+        return int(exc.exit_code)
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        return 130
+    return result if isinstance(result, int) else 0
+
+
 def main() -> None:
     """Console-script entry point."""
-    sys.argv[1:] = _bare_resume(sys.argv[1:])
-    app()
+    sys.exit(run(sys.argv[1:]))
 
 
 def _bare_resume(args: list[str]) -> list[str]:

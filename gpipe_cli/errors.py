@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+# How much of a user's value an error message repeats: enough to recognise it, never a whole file.
+SHOWN_CHARS = 60
+# The longest line an error may print (a last guard for messages built from user input).
+LINE_CHARS = 400
+
 
 class UserError(Exception):
     """Bad input from the user: the message names what was wrong and what is allowed."""
@@ -11,3 +18,28 @@ class UserError(Exception):
 
 class DataError(UserError):
     """A data source that cannot be read (missing path, unreachable hub, malformed file)."""
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """`repr(value)` cut to a readable length, with the number of characters left out (YAML's words for
+    booleans and null, as the user wrote them)."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return cut(str(value), limit)
+        except ValueError:  # more digits than Python converts to text
+            return f"an integer of {value.bit_length()} bits"
+    return cut(repr(value), limit)
+
+
+def cut(text: str, limit: int = SHOWN_CHARS) -> str:
+    """`text` cut to `limit` characters, saying how many were left out."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def one_line(message: str) -> str:
+    """A message as one line of readable length (newlines joined, the tail cut)."""
+    return cut(" ".join(message.split()), LINE_CHARS)

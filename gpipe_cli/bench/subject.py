@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
-from gpipe_cli.errors import UserError
+from gpipe_cli.errors import UserError, shown
 from gpipe_cli.models.base import Batch, ModelSpec
 from gpipe_cli.models.registry import allowed_params, build_model, resolve_preset
+from gpipe_cli.recipe.load import parse_override
 
 # The models of the paper's speed table (Table 2): AmoebaNet-D (18, 256) and Transformer-48, the
 # Transformer-L of Table 1 (d_model 2048, feed-forward 8192, 32 heads) with 48 layers.
@@ -60,22 +60,15 @@ def is_recipe(model: str) -> bool:
     return model.endswith((".yaml", ".yml")) or Path(model).is_file()
 
 
-def _parse_value(text: str) -> Any:
-    try:
-        return yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
-        return text
-
-
 def _model_overrides(items: Sequence[str]) -> dict[str, Any]:
     """`--set KEY=VALUE` items as model parameters (a leading `model.` is optional)."""
     out = {}
     for item in items:
-        key, sep, text = item.partition("=")
-        key = key.strip().removeprefix("model.")
-        if not sep or not key or "." in key:
-            raise UserError(f"--set expects KEY=VALUE naming a model parameter, e.g. dropout=0 (got '{item}')")
-        out[key] = _parse_value(text)
+        key, value = parse_override(item)  # the recipe's `--set` parser: one syntax everywhere
+        key = key.removeprefix("model.")
+        if "." in key:
+            raise UserError(f"--set expects KEY=VALUE naming a model parameter, e.g. dropout=0 (got {shown(item)})")
+        out[key] = value
     return out
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from gpipe_cli.data.sources import first_line
 from gpipe_cli.errors import DataError
+from gpipe_cli.files import new_file_mode
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 TOKENIZER_FILE = "tokenizer.model"
@@ -85,6 +86,7 @@ class Tokenizer:
         """Write the model file atomically (other ranks may be reading the folder)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tokenizer-", suffix=".tmp")
+        os.fchmod(fd, new_file_mode())  # as any new file, not mkstemp's 0o600
         with os.fdopen(fd, "wb") as f:
             f.write(self._proto)
         os.replace(tmp, path)
@@ -161,5 +163,8 @@ def _locked(lock: Path) -> Iterator[None]:
         try:
             yield
         finally:
+            # Leave no lock file in the run directory. Safe: whoever locks next checks under its lock
+            # whether the tokenizer exists, and the tokenizer itself is written atomically.
+            lock.unlink(missing_ok=True)
             fcntl.flock(f, fcntl.LOCK_UN)
 

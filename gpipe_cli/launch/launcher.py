@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpipe_cli.errors import UserError
+from gpipe_cli.launch.preflight import parse_nodes
 
 _STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
@@ -42,17 +43,6 @@ class LaunchOptions:
     shutdown_timeout: int = 120  # seconds ranks get to finish a step and checkpoint on Ctrl-C/SIGTERM
 
 
-def _nodes(nnodes: str) -> tuple[int, int]:
-    try:
-        low, _, high = nnodes.partition(":")
-        lo, hi = int(low), int(high or low)
-    except ValueError:
-        raise UserError(f"--nnodes must be N or MIN:MAX (got '{nnodes}')") from None
-    if not 0 < lo <= hi:
-        raise UserError(f"--nnodes must satisfy 0 < MIN <= MAX (got '{nnodes}')")
-    return lo, hi
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -62,7 +52,7 @@ def _free_port() -> int:
 def _config(world: int, options: LaunchOptions) -> object:
     from torch.distributed.launcher.api import LaunchConfig
 
-    min_nodes, max_nodes = _nodes(options.nnodes)
+    min_nodes, max_nodes = parse_nodes(options.nnodes)
     if world % max_nodes:
         raise UserError(f"the job needs {world} processes, which does not divide over {max_nodes} nodes")
     backend = options.rdzv_backend or ("static" if options.node_rank is not None or max_nodes == 1 else "c10d")

@@ -7,24 +7,24 @@ value and what is allowed, e.g. `recipe.yaml: pipeline.microbatches: must be >= 
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, get_args, get_origin
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
-from gpipe_cli.errors import UserError
+from gpipe_cli.errors import cut, shown
 from gpipe_cli.recipe.schema import AmoebaNetModel, Recipe, TransformerModel
+from gpipe_cli.recipe.yamlio import RecipeError, dump, parse_document, parse_value, read_recipe_file
+
+__all__ = ["RecipeError", "apply_override", "default_recipe_text", "load_recipe", "parse_override",
+           "recipe_label", "recipe_yaml", "validate"]
 
 DEFAULT_RECIPE = "quickstart.yaml"
 _MODEL_SECTIONS: dict[str, type[BaseModel]] = {"amoebanet": AmoebaNetModel, "transformer": TransformerModel}
 _LOCAL_SOURCES = ("imagefolder", "parquet", "jsonl", "tsv", "text")
-
-
-class RecipeError(UserError):
-    """A recipe that cannot be used; the message is one line."""
 
 
 def default_recipe_text() -> str:
@@ -34,38 +34,28 @@ def default_recipe_text() -> str:
 
 def recipe_label(path: str | Path | None) -> str:
     """How errors name a recipe."""
-    return "quickstart.yaml (built in)" if path is None else str(path)
+    return "quickstart.yaml (built in)" if path is None else cut(str(path), 200)
 
 
-def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:
-    """Load, override and validate a recipe (None: the embedded quick-start recipe)."""
+def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), check_data: bool = True) -> Recipe:
+    """Load, override and validate a recipe (None: the embedded quick-start recipe).
+
+    `check_data=False` skips the check that local data and tokenizer paths exist (to rebuild a model)."""
     label = recipe_label(path)
-    raw = parse_yaml(default_recipe_text() if path is None else _read(Path(path)), label)
+    raw = parse_yaml(default_recipe_text() if path is None else read_recipe_file(Path(path)), label)
     for item in overrides:
         apply_override(raw, item)
-    return validate(raw, label)
+    return validate(raw, label, check_data)
 
 
-def _read(path: Path) -> str:
-    if not path.exists():
-        raise RecipeError(f"{path}: no such recipe file")
-    if path.is_dir():
-        raise RecipeError(f"{path}: is a directory, not a recipe file")
-    try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RecipeError(f"{path}: cannot read the recipe ({exc})") from None
+def recipe_yaml(recipe: Recipe) -> str:
+    """The resolved recipe (every default filled in) as YAML."""
+    return dump(recipe.model_dump(mode="json"))
 
 
 def parse_yaml(text: str, label: str) -> dict[str, Any]:
     """The recipe's YAML as a mapping."""
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or "invalid syntax"
-        raise RecipeError(f"{label}: not valid YAML{where}: {problem}") from None
+    data = parse_document(text, label)
     if data is None:
         raise RecipeError(f"{label}: the recipe is empty; it needs at least a model, data and train section")
     if not isinstance(data, dict):
@@ -73,22 +63,25 @@ def parse_yaml(text: str, label: str) -> dict[str, Any]:
     return data
 
 
-def apply_override(raw: dict[str, Any], item: str) -> None:
-    """Apply one `--set KEY=VALUE` (VALUE parsed as YAML) to the raw recipe."""
+def parse_override(item: str) -> tuple[str, Any]:
+    """One `--set KEY=VALUE` as (dotted key, value); VALUE is read as YAML, e.g. `[3, 3]`, `1e-3`, `null`."""
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
-        raise RecipeError(f"--set expects KEY=VALUE with a dotted key, e.g. pipeline.microbatches=8 (got '{item}')")
-    try:
-        value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
-        value = text
+        raise RecipeError(f"--set expects KEY=VALUE with a dotted key, e.g. pipeline.microbatches=8 "
+                          f"(got {shown(item)})")
+    return key, parse_value(text, f"--set {cut(key)}")
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one `--set KEY=VALUE` (VALUE parsed as YAML) to the raw recipe."""
+    key, value = parse_override(item)
     node = raw
     parts = key.split(".")
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise RecipeError(f"--set {key}: '{part}' is a value, not a section")
+            raise RecipeError(f"--set {cut(key)}: {shown(part)} is a value, not a section")
         node = child
     node[parts[-1]] = value
 
@@ -105,7 +98,8 @@ def _resolve_preset(raw: dict[str, Any], label: str) -> dict[str, Any]:
     except ValueError as exc:
         raise RecipeError(f"{label}: model.preset: {exc}") from None
     if model.get("kind") not in (None, kind):
-        raise RecipeError(f"{label}: model.kind is '{model['kind']}' but preset '{model['preset']}' is a {kind}")
+        raise RecipeError(f"{label}: model.kind is {shown(model['kind'])} but preset {shown(model['preset'])} "
+                          f"is a {kind}")
     section = _MODEL_SECTIONS[kind]
     known = {k: v for k, v in params.items() if k in section.model_fields}
     out = copy.deepcopy(raw)
@@ -113,26 +107,36 @@ def _resolve_preset(raw: dict[str, Any], label: str) -> dict[str, Any]:
     return out
 
 
-def validate(raw: dict[str, Any], label: str) -> Recipe:
+def validate(raw: dict[str, Any], label: str, check_data: bool = True) -> Recipe:
     """Validate a raw recipe mapping, raising one RecipeError line for the first problem."""
-    raw = _resolve_preset(raw, label)
+    model = raw.get("model")
+    if isinstance(model, dict) and model.get("preset"):
+        # Resolving a preset needs the model zoo, which imports torch: check every other section
+        # first, so that their mistakes are still reported at once.
+        _validated({**raw, "model": {"kind": "amoebanet"}}, label)
+    recipe = _validated(_resolve_preset(raw, label), label)
+    if check_data:
+        _check_paths(recipe, label)
+    return recipe
+
+
+def _validated(raw: dict[str, Any], label: str) -> Recipe:
     try:
-        recipe = Recipe.model_validate(raw)
+        return Recipe.model_validate(raw)
     except ValidationError as exc:
         errors = exc.errors()
         message = _describe(dict(errors[0]), raw)
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
         raise RecipeError(f"{label}: {message}{more}") from None
-    _check_paths(recipe, label)
-    return recipe
 
 
 def _check_paths(recipe: Recipe, label: str) -> None:
     data = recipe.data
-    if data.source in _LOCAL_SOURCES and data.path and not Path(data.path).exists():
-        raise RecipeError(f"{label}: data.path: no such file or directory: '{data.path}'")
-    if data.tokenizer and not Path(data.tokenizer).exists():
-        raise RecipeError(f"{label}: data.tokenizer: no such sentencepiece model: '{data.tokenizer}'")
+    # os.path.exists: False (not an exception) for names too long for the file system
+    if data.source in _LOCAL_SOURCES and data.path and not os.path.exists(data.path):
+        raise RecipeError(f"{label}: data.path: no such file or directory: {shown(data.path)}")
+    if data.tokenizer and not os.path.exists(data.tokenizer):
+        raise RecipeError(f"{label}: data.tokenizer: no such sentencepiece model: {shown(data.tokenizer)}")
 
 
 def _section_model(loc: Sequence[str | int], raw: dict[str, Any]) -> type[BaseModel] | None:
@@ -161,31 +165,66 @@ def _path(loc: Sequence[str | int]) -> list[str | int]:
     return out
 
 
+_BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than": ("<", "lt"),
+           "less_than_equal": ("<=", "le")}
+
+
+def _allowed_range(loc: Sequence[str | int], raw: dict[str, Any]) -> str | None:
+    """The key's whole allowed range as words, e.g. `between 1 and 65536` (None: not one plain key)."""
+    section = _section_model(loc, raw)
+    name = loc[-1] if loc else None
+    if section is None or not isinstance(name, str) or name not in section.model_fields:
+        return None
+    field = section.model_fields[name]
+    constraints = list(field.metadata)
+    for member in get_args(field.annotation):  # `X | None`: the constraints live on X
+        constraints += list(get_args(member)[1:]) if get_origin(member) is Annotated else []
+    bounds: dict[str, Any] = {}
+    for item in [m for c in constraints for m in getattr(c, "metadata", [c])]:  # Field(...) holds a list
+        for attr in ("ge", "gt", "le", "lt"):
+            if getattr(item, attr, None) is not None:
+                bounds[attr] = getattr(item, attr)
+    low = f">= {bounds['ge']}" if "ge" in bounds else f"> {bounds['gt']}" if "gt" in bounds else None
+    high = f"<= {bounds['le']}" if "le" in bounds else f"< {bounds['lt']}" if "lt" in bounds else None
+    if low and high:
+        return f"{low} and {high}"
+    return low or high
+
+
 _KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
           "list": "a list", "dict": "a mapping", "model": "a mapping", "tuple": "a list"}
 
 
 def _describe(error: dict[str, Any], raw: dict[str, Any]) -> str:
     loc = _path(error["loc"])
-    key = ".".join(str(p) for p in loc)
+    key = cut(".".join(str(p) for p in loc))
     kind, ctx, value = error["type"], error.get("ctx", {}), error.get("input")
-    got = f"(got {value!r})" if not isinstance(value, (int, float)) or isinstance(value, bool) else f"(got {value})"
+    got = f"(got {shown(value)})"
     if kind == "extra_forbidden":
         section = _section_model(loc, raw)
         allowed = ", ".join(section.model_fields) if section else "see the recipe reference"
         return f"{key}: unknown key; allowed keys here: {allowed}"
     if kind == "missing":
         return f"{key}: is required"
-    if kind in ("greater_than_equal", "greater_than", "less_than", "less_than_equal"):
-        op, bound = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
-                     "less_than": ("<", "lt"), "less_than_equal": ("<=", "le")}[kind]
-        return f"{key}: must be {op} {ctx[bound]} {got}"
+    if kind in _BOUNDS:
+        op, bound = _BOUNDS[kind]
+        allowed = _allowed_range(loc, raw) or f"{op} {ctx[bound]}"
+        return f"{key}: must be {allowed} {got}"
+    if kind == "finite_number":
+        return f"{key}: must be a finite number {got}"
+    if kind == "bool_number":
+        return f"{key}: must be a number, not true or false {got}"
+    if kind == "string_too_long":
+        return f"{key}: must be at most {ctx.get('max_length')} characters long {got}"
+    if kind in ("too_long", "too_short") and isinstance(ctx.get("field_type"), str):
+        return f"{key}: must be a list of {ctx.get('min_length', ctx.get('max_length'))} numbers {got}"
     if kind == "literal_error":
         return f"{key}: must be {ctx.get('expected', 'one of the allowed values')} {got}"
     if kind == "union_tag_invalid":
         tags = [t.strip() for t in str(ctx.get("expected_tags", "")).split(",")]
         allowed = " or ".join([", ".join(tags[:-1]), tags[-1]] if len(tags) > 1 else tags)
-        return f"{key}.{ctx.get('discriminator', 'kind').strip(chr(39))}: must be {allowed} (got {ctx.get('tag')!r})"
+        field = str(ctx.get("discriminator", "kind")).strip(chr(39))
+        return f"{key}.{field}: must be {allowed} (got {shown(ctx.get('tag'))})"
     if kind == "union_tag_not_found":
         return f"{key}.kind: is required (amoebanet or transformer)"
     if kind == "string_pattern_mismatch":

@@ -2,19 +2,56 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-PositiveInt = Annotated[int, Field(ge=1)]
-NonNegInt = Annotated[int, Field(ge=0)]
-Probability = Annotated[float, Field(ge=0.0, lt=1.0)]
+from gpipe_cli.errors import cut
+
+# Upper bounds that no real run reaches: they turn typos such as 1e20 into a clear error instead of an
+# allocation that fails deep inside torch.
+MAX_COUNT = 1_000_000_000  # steps, examples, intervals
+MAX_SIZE = 1 << 20  # model widths, batch and sequence sizes
+MAX_LAYERS = 10_000
+MAX_RANKS = 65_536
+MAX_REAL = 1e9  # learning rates, clipping thresholds, decay intervals
+
+
+def _number(value: object) -> object:
+    """YAML `true` is not the number 1, and an integral float such as 1e20 is range-checked as an integer."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("bool_number", "must be a number, not true or false")
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _real(value: object) -> object:
+    """YAML `true` is not the number 1."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("bool_number", "must be a number, not true or false")
+    return value
+
+
+Number = BeforeValidator(_number)
+Real = BeforeValidator(_real)
+PositiveInt = Annotated[int, Number, Field(ge=1, le=MAX_COUNT)]
+NonNegInt = Annotated[int, Number, Field(ge=0, le=MAX_COUNT)]
+Size = Annotated[int, Number, Field(ge=1, le=MAX_SIZE)]
+Layers = Annotated[int, Number, Field(ge=1, le=MAX_LAYERS)]
+Ranks = Annotated[int, Number, Field(ge=1, le=MAX_RANKS)]
+Vocabulary = Annotated[int, Number, Field(ge=8, le=MAX_SIZE * 16)]
+Probability = Annotated[float, Real, Field(ge=0.0, lt=1.0)]
+PositiveReal = Annotated[float, Real, Field(gt=0.0, le=MAX_REAL)]
+NonNegReal = Annotated[float, Real, Field(ge=0.0, le=MAX_REAL)]
 
 
 class Section(BaseModel):
-    """A recipe section: unknown keys are errors, values are checked on assignment too."""
+    """A recipe section: unknown keys are errors, numbers are finite, values are checked on assignment too."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class AmoebaNetModel(Section):
@@ -23,13 +60,13 @@ class AmoebaNetModel(Section):
     kind: Literal["amoebanet"] = "amoebanet"
     preset: str | None = None
     variant: Literal["d", "b"] = "d"
-    layers: PositiveInt = 18
-    filters: PositiveInt = 256
-    num_classes: Annotated[int, Field(ge=2)] = 1000
-    image_size: Annotated[int, Field(ge=32)] = 224
+    layers: Layers = 18
+    filters: Size = 256
+    num_classes: Annotated[int, Number, Field(ge=2, le=MAX_SIZE * 16)] = 1000
+    image_size: Annotated[int, Number, Field(ge=32, le=MAX_SIZE)] = 224
     dropout: Probability = 0.0
-    aux_head: bool = False
-    label_smoothing: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.1
+    aux_head: StrictBool = False
+    label_smoothing: Probability = 0.1
 
 
 class TransformerModel(Section):
@@ -38,18 +75,18 @@ class TransformerModel(Section):
     kind: Literal["transformer"] = "transformer"
     preset: str | None = None
     arch: Literal["encoder-decoder", "decoder-only"] = "encoder-decoder"
-    layers: PositiveInt = 6
-    d_model: PositiveInt = 1024
-    ff: PositiveInt = 8192
-    heads: PositiveInt = 16
-    vocab_size: Annotated[int, Field(ge=8)] = 32000
-    max_len: PositiveInt = 256
+    layers: Layers = 6
+    d_model: Size = 1024
+    ff: Size = 8192
+    heads: Size = 16
+    vocab_size: Vocabulary = 32000
+    max_len: Size = 256
     dropout: Probability = 0.1
     positions: Literal["sinusoidal", "learned"] = "sinusoidal"
-    tie_embeddings: bool = False
-    scaled_init: bool = False
-    logit_clip: Annotated[float, Field(gt=0.0)] | None = None
-    label_smoothing: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.1
+    tie_embeddings: StrictBool = False
+    scaled_init: StrictBool = False
+    logit_clip: PositiveReal | None = None
+    label_smoothing: Probability = 0.1
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> TransformerModel:
@@ -67,12 +104,12 @@ BALANCE_MODES = ("auto", "params", "time", "memory")
 class Pipeline(Section):
     """How the model is cut and scheduled: K stages, M micro-batches, D replicas."""
 
-    partitions: PositiveInt = 1
-    microbatches: PositiveInt = 1
+    partitions: Ranks = 1
+    microbatches: Size = 1
     schedule: Literal["gpipe", "1f1b"] = "gpipe"
     checkpoint: Literal["always", "except_last", "never"] = "except_last"
-    balance: Literal["auto", "params", "time", "memory"] | list[PositiveInt] = "auto"
-    data_parallel: PositiveInt = 1
+    balance: Literal["auto", "params", "time", "memory"] | list[Layers] = "auto"
+    data_parallel: Ranks = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
     @field_validator("balance", mode="before")
@@ -81,13 +118,13 @@ class Pipeline(Section):
         if isinstance(value, str) and value in BALANCE_MODES:
             return value
         if isinstance(value, list):
-            bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+            bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_LAYERS]
             if not bad:
                 return value
-            raise ValueError(f"pipeline.balance: every entry must be a positive number of layers "
-                             f"(got {bad[0]!r} in {value})")
+            raise ValueError(f"pipeline.balance: every entry must be a number of layers from 1 to {MAX_LAYERS} "
+                             f"(got {cut(repr(bad[0]))} in {cut(repr(value))})")
         raise ValueError(f"pipeline.balance: must be {', '.join(BALANCE_MODES)} or a list of layer counts "
-                         f"per stage (got {value!r})")
+                         f"per stage (got {cut(repr(value))})")
 
     @model_validator(mode="after")
     def _balance_matches_partitions(self) -> Pipeline:
@@ -106,21 +143,21 @@ class Data(Section):
     config: str | None = None
     train_split: str = "train"
     eval_split: str | None = None
-    eval_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
-    batch_size: PositiveInt = 32
-    tokens_per_batch: PositiveInt | None = None
-    seq_len: PositiveInt = 128
+    eval_fraction: Probability = 0.05
+    batch_size: Size = 32
+    tokens_per_batch: Annotated[int, Number, Field(ge=1, le=MAX_SIZE * 1024)] | None = None
+    seq_len: Size = 128
     source_field: str = "source"
     target_field: str = "target"
     text_field: str = "text"
     image_field: str = "image"
     label_field: str = "label"
     tokenizer: str | None = None
-    vocab_size: Annotated[int, Field(ge=8)] | None = None
-    augment: bool = True
+    vocab_size: Vocabulary | None = None
+    augment: StrictBool = True
     synthetic_size: PositiveInt = 2048
-    drop_last: bool = True
-    shuffle: bool = True
+    drop_last: StrictBool = True
+    shuffle: StrictBool = True
 
     @model_validator(mode="after")
     def _path_for_local_sources(self) -> Data:
@@ -137,7 +174,7 @@ class Train(Section):
     steps: PositiveInt | None = None
     epochs: PositiveInt | None = None
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    grad_clip: Annotated[float, Field(gt=0.0)] | None = None
+    grad_clip: PositiveReal | None = None
     log_every: PositiveInt = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
@@ -152,13 +189,13 @@ class Optimizer(Section):
     """The optimizer; `amoebanet-rmsprop` is the paper's RMSProp (decay 0.9, momentum 0.9)."""
 
     name: Literal["sgd", "adam", "adamw", "rmsprop", "amoebanet-rmsprop"] = "sgd"
-    lr: Annotated[float, Field(gt=0.0)] = 0.1
-    lr_per_256: bool = False
-    momentum: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.9
-    weight_decay: Annotated[float, Field(ge=0.0)] = 0.0
-    betas: tuple[float, float] = (0.9, 0.98)
-    eps: Annotated[float, Field(gt=0.0)] = 1e-8
-    decay: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.9
+    lr: PositiveReal = 0.1
+    lr_per_256: StrictBool = False
+    momentum: Probability = 0.9
+    weight_decay: NonNegReal = 0.0
+    betas: tuple[Probability, Probability] = (0.9, 0.98)
+    eps: Annotated[float, Real, Field(gt=0.0, le=1.0)] = 1e-8
+    decay: Annotated[float, Real, Field(gt=0.0, lt=1.0)] = 0.9
 
 
 class Schedule(Section):
@@ -166,16 +203,16 @@ class Schedule(Section):
 
     name: Literal["constant", "inverse_sqrt", "exponential", "cosine"] = "constant"
     warmup_steps: NonNegInt = 0
-    decay_rate: Annotated[float, Field(gt=0.0, le=1.0)] = 0.97
-    decay_epochs: Annotated[float, Field(gt=0.0)] = 2.4
-    min_lr: Annotated[float, Field(ge=0.0)] = 0.0
+    decay_rate: Annotated[float, Real, Field(gt=0.0, le=1.0)] = 0.97
+    decay_epochs: PositiveReal = 2.4
+    min_lr: NonNegReal = 0.0
 
 
 class Checkpoint(Section):
     """How often to save and how many checkpoints to keep."""
 
     every: PositiveInt | None = None
-    keep: PositiveInt = 3
+    keep: Annotated[int, Number, Field(ge=1, le=1_000_000)] = 3
 
 
 class Eval(Section):
@@ -188,8 +225,8 @@ class Eval(Section):
 class Recipe(Section):
     """A whole training recipe."""
 
-    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")] = "run"
-    seed: NonNegInt = 0
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")] = "run"
+    seed: Annotated[int, Number, Field(ge=0, le=2**32 - 1)] = 0
     model: Model = Field(default_factory=AmoebaNetModel)
     pipeline: Pipeline = Field(default_factory=Pipeline)
     data: Data = Field(default_factory=Data)

@@ -10,7 +10,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from gpipe_cli.errors import UserError
+from gpipe_cli.errors import UserError, shown
+from gpipe_cli.files import new_file_mode
+from gpipe_cli.launch import check_writable
 from gpipe_cli.train import checkpoint
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
 
@@ -21,6 +23,8 @@ def export(location: str, output: str | None = None) -> Path:
     """Write the model weights of the newest whole checkpoint at `location` to a safetensors file."""
     from safetensors.torch import save_file
 
+    if output:
+        check_writable(Path(output).parent, "--output")
     found, refused = checkpoint.newest_whole(Path(location))
     for message in refused:
         print(f"[gpipe] {message}")
@@ -35,13 +39,20 @@ def export(location: str, output: str | None = None) -> Path:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     tensors = {key[len(_MODEL):]: value.contiguous() for key, value in state.items()}
     target = Path(output) if output else checkpoint.run_dir_of(found.path) / "model.safetensors"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as exc:
+        raise UserError(f"cannot write {shown(str(target))} ({exc.strerror})") from None
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata={"step": str(found.step), "format": "pt",
                                           "layers": "global layer index . parameter name"})
+        os.chmod(tmp, new_file_mode())  # as any new file, not mkstemp's 0o600
         os.replace(tmp, target)
+    except OSError as exc:  # a full disk, a read-only file system: say so, leave nothing behind
+        Path(tmp).unlink(missing_ok=True)
+        raise UserError(f"cannot write {shown(str(target))} ({exc.strerror})") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

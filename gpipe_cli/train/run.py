@@ -1,4 +1,9 @@
-"""`gpipe train` on the launching side: check the recipe and plan, then start (or join) the ranks."""
+"""`gpipe train` on the launching side: check the recipe and plan, then start (or join) the ranks.
+
+Everything a user can get wrong (the recipe, `--set`, the arguments) is checked before torch is
+imported, so such a mistake is reported at once; the plan, the devices and the output directory are
+checked next, before any rank starts.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpipe_cli.data.offline import check_hub_data
-from gpipe_cli.errors import UserError
-from gpipe_cli.launch import LaunchOptions, launch, under_torchrun
+from gpipe_cli.errors import UserError, shown
+from gpipe_cli.launch import LaunchOptions, check_device, check_launch, check_writable, launch, under_torchrun
 from gpipe_cli.recipe.load import load_recipe, recipe_label
-from gpipe_cli.train.checkpoint import newest_whole
-from gpipe_cli.train.loop import Job
-from gpipe_cli.train.plan import checked_plan
+
+OUTPUTS = "outputs"
 
 
 @dataclass
@@ -30,11 +34,13 @@ class TrainOptions:
     launch: LaunchOptions = field(default_factory=LaunchOptions)
 
 
-def resume_location(options: TrainOptions, name: str, root: str = "outputs") -> str:
+def resume_location(options: TrainOptions, name: str, root: str = OUTPUTS) -> str:
     """Where --resume continues from: an explicit path, --output-dir, or the newest run of this recipe."""
+    from gpipe_cli.train.checkpoint import newest_whole
+
     if options.resume not in (None, "latest"):
-        if not Path(options.resume).exists():
-            raise UserError(f"--resume: no such run directory or checkpoint: '{options.resume}'")
+        if not os.path.exists(options.resume):
+            raise UserError(f"--resume: no such run directory or checkpoint: {shown(options.resume)}")
         return str(options.resume)
     if options.output_dir:
         return options.output_dir
@@ -48,13 +54,28 @@ def resume_location(options: TrainOptions, name: str, root: str = "outputs") -> 
 def train(options: TrainOptions) -> int:
     """Validate, then run the training job on K × D ranks; returns the exit code."""
     recipe = load_recipe(options.recipe, options.overrides)
-    check_hub_data(recipe.data, options.recipe, options.overrides)  # offline: fail now, not inside the ranks
-    checked_plan(recipe, recipe_label(options.recipe))  # refuses impossible cuts before anything starts
-    if options.output_dir and Path(options.output_dir).exists() and not Path(options.output_dir).is_dir():
-        raise UserError(f"--output-dir: '{options.output_dir}' exists and is not a directory")
-    job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
-              resume=resume_location(options, recipe.name) if options.resume else None)
     world = recipe.pipeline.partitions * recipe.pipeline.data_parallel
+    local = check_launch(options.launch, world)
+    if options.output_dir and os.path.exists(options.output_dir) and not os.path.isdir(options.output_dir):
+        raise UserError(f"--output-dir: {shown(options.output_dir)} exists and is not a directory")
+    if options.resume not in (None, "latest") and not os.path.exists(options.resume):
+        raise UserError(f"--resume: no such run directory or checkpoint: {shown(options.resume)}")
+    check_hub_data(recipe.data, options.recipe, options.overrides)  # offline: fail now, not inside the ranks
+    # torch from here on: the recipe and the arguments are known to be good.
+    from gpipe_cli.train.loop import Job
+    from gpipe_cli.train.plan import checked_plan
+
+    checked_plan(recipe, recipe_label(options.recipe))  # refuses impossible cuts before anything starts
+    check_device(recipe.pipeline.backend, recipe.train.device, int(os.environ.get("LOCAL_WORLD_SIZE", local)))
+    resume = resume_location(options, recipe.name) if options.resume else None
+    if resume is not None:
+        check_writable(Path(resume), "--resume")
+    elif options.output_dir:
+        check_writable(Path(options.output_dir), "--output-dir")
+    else:
+        check_writable(Path(OUTPUTS) / recipe.name, "the output directory")
+    job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
+              resume=resume)
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world:
             raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the recipe needs "

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_cli.recipe.load import RecipeError, default_recipe_text, load_recipe, validate
+from gpipe_cli.recipe.load import RecipeError, default_recipe_text, load_recipe, parse_yaml, validate
 from gpipe_cli.train.plan import checked_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ def test_every_shipped_recipe_validates_and_plans(path):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["pipeline.microbatches=0"], "recipe.yaml: pipeline.microbatches: must be >= 1 (got 0)"),
+    (["pipeline.microbatches=0"], "recipe.yaml: pipeline.microbatches: must be >= 1 and <= 1048576 (got 0)"),
     (["pipeline.schedule=zb"], "pipeline.schedule: must be 'gpipe' or '1f1b' (got 'zb')"),
     (["pipeline.checkpoint=sometimes"], "pipeline.checkpoint: must be 'always', 'except_last' or 'never'"),
     (["model.heads=abc"], "model.heads: must be an integer (got 'abc')"),
@@ -39,7 +39,7 @@ def test_every_shipped_recipe_validates_and_plans(path):
     (["colour=blue"], "colour: unknown key; allowed keys here: name, seed, model"),
     (["model.kind=resnet"], "model.kind: must be 'amoebanet' or 'transformer' (got 'resnet')"),
     (["pipeline.microbatches=16"], "pipeline.microbatches (16) must be <= data.batch_size (8)"),
-    (["pipeline.balance=[1, 0]"], "pipeline.balance: every entry must be a positive number of layers"),
+    (["pipeline.balance=[1, 0]"], "pipeline.balance: every entry must be a number of layers from 1 to"),
     (["pipeline.balance=fast"], "pipeline.balance: must be auto, params, time, memory or a list"),
     (["data.source=jsonl", "data.path=/no/such/file"], "data.path: no such file or directory: '/no/such/file'"),
     (["data.source=jsonl"], "data.path is required for data.source 'jsonl'"),
@@ -102,3 +102,22 @@ def test_more_partitions_than_layers_is_refused_by_the_plan():
     recipe = load_recipe(None, ["pipeline.partitions=9"])
     with pytest.raises(Exception, match="pipeline.partitions: cannot cut 6 layers into 9 partitions"):
         checked_plan(recipe, "r.yaml")
+
+
+def test_bench_and_profile_read_set_with_the_recipe_parser():
+    from gpipe_cli.bench.subject import resolve
+
+    subject = resolve("t-6-8192-16", {"layers": 2, "d_model": 32, "ff": 64, "heads": 4},
+                      ["dropout=1e-1", "model.label_smoothing=0"])
+    assert subject.params["dropout"] == 0.1 and subject.params["label_smoothing"] == 0
+    with pytest.raises(RecipeError, match="an alias refers to itself"):
+        resolve("t-6-8192-16", overrides=["dropout=&a [*a]"])
+    with pytest.raises(RecipeError, match="--set expects KEY=VALUE"):
+        resolve("t-6-8192-16", overrides=["dropout"])
+
+
+def test_yaml_1_2_floats_and_merge_keys():
+    raw = parse_yaml("optimizer: {lr: 1e-3, weight_decay: 5E-5}\nlength: &len {steps: 3}\n", "r.yaml")
+    assert raw["optimizer"] == {"lr": 1e-3, "weight_decay": 5e-5}
+    merged = parse_yaml("x: &b {steps: 3}\ntrain: {<<: *b, log_every: 2}\n", "r.yaml")
+    assert merged["train"] == {"steps": 3, "log_every": 2}  # a merge key is not a duplicate

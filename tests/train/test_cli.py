@@ -61,7 +61,7 @@ def test_the_installed_command_prints_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "gpipe_cli.cli", "train", str(path)], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"error: {path}: pipeline.microbatches: must be >= 1 (got 0)"
+    assert proc.stderr.strip() == f"error: {path}: pipeline.microbatches: must be >= 1 and <= 1048576 (got 0)"
     assert proc.stdout == ""
 
 

@@ -1,0 +1,51 @@
+"""Help texts as a person reads them: a word for what each option takes (never a type name), no stray spaces."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from rich.markup import escape
+
+# What an option takes, by parameter name; the rest by type. Flags take nothing and show nothing.
+_METAVARS = {
+    "recipe": "RECIPE", "run": "RUN", "set_": "KEY=VALUE", "output_dir": "DIR", "output": "FILE",
+    "nnodes": "N|MIN:MAX", "node_rank": "N", "rdzv_endpoint": "HOST:PORT", "rdzv_backend": "static|c10d",
+    "rdzv_id": "ID", "threads": "N", "resume": "RUN", "json_file": "FILE", "trace": "FILE", "model": "MODEL",
+    "partitions": "K", "microbatches": "M", "schedule": "NAME", "checkpoint": "MODE", "balance": "N,N,...",
+    "optimizer": "NAME", "budget": "SIZE", "device": "DEVICE", "bandwidth": "GB/S", "latency_us": "US",
+}
+_BY_TYPE = {"int": "N", "float": "X", "Path": "PATH", "str": "VALUE", "list[str]": "VALUE"}
+_SPACE_BEFORE_PUNCTUATION = re.compile(r"\s+([,;:)]|\.(?!\.))")
+
+
+def tidy(text: str | None) -> str | None:
+    """One paragraph: single spaces, none before punctuation, brackets shown as written (not as markup)."""
+    if text is None:
+        return None
+    return escape(_SPACE_BEFORE_PUNCTUATION.sub(r"\1", " ".join(text.split())))
+
+
+def polish(command: Any) -> Any:
+    """Give every option of `command` and its subcommands a readable placeholder and tidy help."""
+    command.help = tidy(command.help)
+    command.short_help = tidy(command.short_help)
+    context = type(command).context_class(command, info_name=command.name)
+    help_option = command.get_help_option(context)
+    params = [*command.params, *([help_option] if help_option is not None else [])]
+    for param in params:
+        if param.param_type_name == "argument":
+            # Typer shows an argument's type (`<str>`) beside its name whatever the metavar; the name says it.
+            param.display_type_rich = lambda ctx: None
+        if getattr(param, "is_flag", False) or getattr(param, "count", False):
+            param.metavar = ""
+        elif param.name in _METAVARS:
+            param.metavar = _METAVARS[param.name]
+        else:
+            kind = param.bare_type() if hasattr(param, "bare_type") else ""
+            param.metavar = _BY_TYPE.get(kind, "VALUE")
+        if hasattr(param, "help"):
+            param.help = tidy(param.help)
+    for sub in getattr(command, "commands", {}).values():
+        polish(sub)
+    return command

@@ -1,0 +1,53 @@
+"""Files written whole or not at all, with the permissions the user's umask gives any new file."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+
+def umask() -> int:
+    """The process's file-creation mask."""
+    try:  # Linux reports it without changing it; os.umask can only be read by setting it
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def new_file_mode() -> int:
+    """The mode `open()` would give a new file: 0o666 less the umask (mkstemp's files are 0o600)."""
+    return 0o666 & ~umask()
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write a file so that it either exists whole or not at all (write to a temporary file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        os.fchmod(fd, new_file_mode())
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` whole or not at all."""
+
+    def write(f: IO[bytes]) -> None:
+        f.write(data)
+
+    atomic_write(path, write)

@@ -1,0 +1,154 @@
+"""The only place that reads YAML: recipe files and `--set` values, with limits that hostile input cannot pass.
+
+PyYAML builds aliases as shared objects, so a small file of nested aliases (the "billion laughs") costs
+nothing to parse but explodes when validated or copied. We therefore inspect the composed node graph
+first: its size with every alias expanded, its depth, cycles and duplicate keys, and only then build
+Python objects. Floats written as `1e-3` (YAML 1.2 style) are numbers, not strings.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gpipe_cli.errors import UserError, cut, shown
+
+MAX_RECIPE_BYTES = 1 << 20  # 1 MiB: a recipe is a page of settings
+MAX_NODES = 100_000  # values after expanding every alias
+MAX_DEPTH = 64  # nesting of sections and lists
+
+
+class RecipeError(UserError):
+    """A recipe that cannot be used; the message is one line."""
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-3` and `2E5` as floats."""
+
+
+# add_implicit_resolver appends to lists shared with SafeLoader; give the subclass its own copies first.
+_Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def read_recipe_file(path: Path) -> str:
+    """The text of a recipe file: a regular file of at most MAX_RECIPE_BYTES, refused at once otherwise."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: no such recipe file") from None
+    except OSError as exc:
+        raise RecipeError(f"{path}: cannot read the recipe ({exc.strerror})") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise RecipeError(f"{path}: is a directory, not a recipe file")
+    if not stat.S_ISREG(info.st_mode):  # a FIFO or a device would block or never end
+        raise RecipeError(f"{path}: is not a regular file (a recipe must be a YAML file)")
+    if info.st_size > MAX_RECIPE_BYTES:
+        raise RecipeError(f"{path}: the recipe is {info.st_size} bytes; at most {MAX_RECIPE_BYTES} are allowed")
+    try:
+        # O_NONBLOCK: should the path be swapped for a FIFO after the check, opening still cannot hang.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(MAX_RECIPE_BYTES + 1)
+    except OSError as exc:
+        raise RecipeError(f"{path}: cannot read the recipe ({exc.strerror})") from None
+    if len(data) > MAX_RECIPE_BYTES:
+        raise RecipeError(f"{path}: the recipe is over {MAX_RECIPE_BYTES} bytes, the most allowed")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+
+
+def parse_document(text: str, label: str) -> Any:
+    """The YAML document in `text` as Python data, within the limits above (None for an empty one)."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check(node, label)
+        return loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "invalid syntax"
+        raise RecipeError(f"{label}: not valid YAML{where}: {cut(str(problem))}") from None
+    except RecursionError:
+        raise RecipeError(f"{label}: nested more than {MAX_DEPTH} levels deep") from None
+    except ValueError as exc:  # e.g. an integer with more digits than Python converts
+        raise RecipeError(f"{label}: unreadable value ({cut(str(exc))})") from None
+    finally:
+        loader.dispose()
+
+
+def parse_value(text: str, label: str) -> Any:
+    """A `--set` value: YAML within the same limits; text that is not valid YAML stays a string."""
+    if not text.strip():
+        return None
+    try:
+        return parse_document(text, label)
+    except RecipeError as exc:
+        if "not valid YAML" in str(exc):
+            return text
+        raise
+
+
+def dump(data: Any) -> str:
+    """`data` as block-style YAML, in the given key order."""
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def _check(root: yaml.Node, label: str) -> None:
+    """Refuse duplicate keys, cyclic aliases, too deep nesting and too many values once aliases expand."""
+    sizes: dict[int, int] = {}
+    visiting: set[int] = set()
+
+    def size(node: yaml.Node, depth: int) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in visiting:
+            raise RecipeError(f"{label}: line {node.start_mark.line + 1}: an alias refers to itself")
+        if depth > MAX_DEPTH:
+            raise RecipeError(f"{label}: line {node.start_mark.line + 1}: nested more than {MAX_DEPTH} levels deep")
+        visiting.add(key)
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            _no_duplicates(node, label)
+            for k, v in node.value:
+                total += size(k, depth + 1) + size(v, depth + 1)
+                if total > MAX_NODES:
+                    break
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                total += size(item, depth + 1)
+                if total > MAX_NODES:
+                    break
+        visiting.discard(key)
+        if total > MAX_NODES:
+            raise RecipeError(f"{label}: more than {MAX_NODES} values once its aliases are expanded "
+                              f"(nested aliases?); a recipe is a page of settings")
+        sizes[key] = total
+        return total
+
+    size(root, 0)
+
+
+def _no_duplicates(node: yaml.MappingNode, label: str) -> None:
+    seen: dict[str, int] = {}
+    for key, _ in node.value:
+        if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+            continue
+        line = key.start_mark.line + 1
+        if key.value in seen:
+            raise RecipeError(f"{label}: line {line}: duplicate key {shown(key.value)} "
+                              f"(first given at line {seen[key.value]})")
+        seen[key.value] = line

@@ -1,0 +1,100 @@
+"""The command line as a person meets it: quick one-line errors, --version, help without type placeholders."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpipe_cli import __version__
+from gpipe_cli.cli import run
+from tests.train.recipes import TINY_AMOEBANET, write
+
+COMMANDS = ["", "train", "validate", "bench", "profile-memory", "export"]
+# What typer and click show for a value's type when no placeholder is given.
+TYPE_PLACEHOLDER = re.compile(r"<(bool|str|int|float|path|list\[[^\]]*\])>|\b(TEXT|INTEGER|FLOAT|BOOLEAN)\b",
+                              re.IGNORECASE)
+STRAY_SPACE = re.compile(r"\w \.(?!\.)|\w ,|\w ;|\( ")
+# The error bound is generous so that a loaded machine does not fail it; the goal is well under a second.
+QUICK_S = 3.0
+
+
+def gpipe(*args: str, cwd: Path | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "gpipe_cli.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.parametrize("case", ["missing recipe", "misspelt key", "bad --set value"])
+def test_mistakes_are_one_line_exit_2_within_seconds(tmp_path, case):
+    recipe = write(tmp_path, {**TINY_AMOEBANET, "pipeline": {"partitons": 2}})
+    args = {"missing recipe": ["train", str(tmp_path / "nonexist.yaml")],
+            "misspelt key": ["train", str(recipe)],
+            "bad --set value": ["train", "--set", "pipeline.microbatches=many"]}[case]
+    proc, elapsed = gpipe(*args, cwd=tmp_path)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert elapsed < QUICK_S, f"{case}: {elapsed:.1f} s"
+    assert list(tmp_path.iterdir()) == [recipe]
+
+
+HEAVY = "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'safetensors')))\n"
+
+
+def test_loading_and_checking_a_recipe_imports_no_torch():
+    code = ("import sys\n"
+            "from gpipe_cli.recipe.load import load_recipe\n"
+            "load_recipe(None, ['pipeline.microbatches=2'])\n" + HEAVY)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+PAPER_RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "amoebanet-d-cifar10.yaml")
+
+
+@pytest.mark.parametrize("args", [["train", "missing.yaml"], ["train", "--set", "train.steps=true"],
+                                  ["train", "--threads", "0"], ["validate", "--set", "colour=blue"],
+                                  ["validate", PAPER_RECIPE, "--set", "pipeline.partitons=2"]])
+def test_the_commands_refuse_bad_input_before_importing_torch(tmp_path, args):
+    code = ("import sys\n"
+            "from gpipe_cli.cli import run\n"
+            f"assert run({args!r}) == 2\n" + HEAVY)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]" and proc.stderr.startswith("error: ")
+
+
+def test_version(capsys):
+    assert run(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"gpipe-cli {__version__}"
+
+
+def test_no_arguments_prints_the_help(capsys):
+    assert run([]) == 0
+    out = capsys.readouterr().out
+    assert all(command in out for command in COMMANDS[1:])
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_shows_no_type_placeholders_or_stray_spaces(capsys, monkeypatch, command):
+    monkeypatch.setenv("COLUMNS", "200")  # one line per option: wrapping cannot hide or create a match
+    assert run([command, "--help"] if command else ["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--help" in out and "Show this message" in out
+    assert not TYPE_PLACEHOLDER.search(out), TYPE_PLACEHOLDER.search(out)
+    assert not STRAY_SPACE.search(out), STRAY_SPACE.search(out)
+    if command == "train":  # a placeholder that says what a value is
+        assert re.search(r"--set\s+KEY=VALUE", out) and re.search(r"--threads\s+N\b", out)
+
+
+def test_usage_errors_are_one_line(capsys):
+    assert run(["train", "--threads", "many"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--threads" in err and "gpipe train --help" in err
