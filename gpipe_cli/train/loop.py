@@ -23,7 +23,7 @@ import torch.distributed as dist
 from gpipe_cli.data import Batch, Loader, build_data_for
 from gpipe_cli.errors import UserError
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.pipeline import topology
+from gpipe_cli.pipeline import heartbeat, topology
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.layers import build_layers
@@ -191,6 +191,7 @@ class Trainer:
                 self.scheduler.step()
             self.pipe.zero_grad()
             now = time.perf_counter()
+            heartbeat.step_done(now - last_time)
             if layout.rank == 0:
                 assert batch is not None
                 self._record_step(step, batch, result, now - last_time)
