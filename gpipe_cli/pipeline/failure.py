@@ -95,14 +95,14 @@ class AbortWatch:
         """Stop watching (a clean shutdown)."""
         self._stopped.set()
 
-    def report(self, summary: str, user_error: bool = False) -> tuple[bool, str, bool]:
-        """Tell every rank to stop because of `summary`.
+    def report(self, summary: str, user_error: bool = False, code: int = 2) -> tuple[bool, str, bool]:
+        """Tell every rank to stop because of `summary` (with `user_error`, the other ranks exit with `code`).
 
         Returns whether this rank reported first, and the first report's message and kind. The first
         report wins, so a rank that fails only because a peer vanished cannot hide the cause.
         """
-        first, text, kind = self._report(summary, _BAD_INPUT if user_error else _FAILED)
-        return first, text, kind == _BAD_INPUT
+        first, text, kind = self._report(summary, f"{_BAD_INPUT}:{code}" if user_error else _FAILED)
+        return first, text, kind.startswith(_BAD_INPUT)
 
     def announce(self, summary: str) -> bool:
         """Stop every rank because of `summary`, which this rank prints (once for the whole job) if it is
@@ -137,7 +137,9 @@ class AbortWatch:
                         elsewhere = origin.partition("@")[2] not in ("", socket.gethostname())
                         if kind == _FAILED or elsewhere:
                             print(f"[gpipe] {self.label} stopped: {message}", file=sys.stderr, flush=True)
-                        os._exit({_BAD_INPUT: 2, _ANNOUNCED: ANNOUNCED}.get(kind, EXIT_CODE))
+                        kind, _, code = kind.partition(":")
+                        os._exit(int(code) if code.isdigit() else
+                                 {_BAD_INPUT: 2, _ANNOUNCED: ANNOUNCED}.get(kind, EXIT_CODE))
             except Exception:
                 if self._stopped.is_set():
                     return
@@ -170,7 +172,8 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
         was_first, first, first_quiet = True, summary, isinstance(exc, quiet)
         if watch is not None:
             watch.stop()
-            was_first, first, first_quiet = watch.report(summary, user_error=isinstance(exc, quiet))
+            was_first, first, first_quiet = watch.report(summary, user_error=isinstance(exc, quiet),
+                                                         code=getattr(exc, "exit_code", 2))
         if not was_first:
             if not first_quiet and first != summary:  # a consequence of another rank's failure: name it
                 print(f"[gpipe] {label} stopped: {first}", file=sys.stderr, flush=True)

@@ -99,3 +99,59 @@ def test_metadata_naming_anything_but_checkpoint_classes_is_refused(tmp_path):
     with pytest.raises(UserError, match="refers to tests.train.test_checkpoint.Payload._run, which a checkpoint never"):
         checkpoint.load(found, nn.Linear(3, 2), None, {"train": {"step": torch.tensor(0)}})
     assert not Payload.ran
+
+
+def flip(path: Path, count: int = 512) -> None:
+    """Invert `count` bytes in the middle of a file, keeping its size."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2 - count // 2
+    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
+    path.write_bytes(bytes(data))
+
+
+def test_every_file_has_a_checksum_and_flipped_bytes_are_refused(tmp_path):
+    save_one(tmp_path, 5)
+    save_one(tmp_path, 6, value=2.0)
+    newest = checkpoint.path_for(tmp_path, 6)
+    manifest = json.loads((newest / checkpoint.MANIFEST).read_text())
+    assert set(manifest["checksums"]) == set(manifest["files"]) and ".metadata" in manifest["files"]
+    data = next(p for p in newest.iterdir() if p.suffix == ".distcp")
+    flip(data)
+    assert checkpoint.problem(newest) is None, "sizes alone cannot see flipped bytes"
+    found, refused = checkpoint.newest_whole(tmp_path, verify=True)
+    assert found is not None and found.step == 5
+    assert len(refused) == 1 and f"file {data.name} does not match its checksum" in refused[0]
+
+
+@pytest.mark.parametrize("step", ['"seven"', "-1", "true", "null", "1.5"])
+def test_a_manifest_with_a_bad_step_is_refused(tmp_path, step):
+    save_one(tmp_path, 2)
+    path = checkpoint.path_for(tmp_path, 2)
+    text = (path / checkpoint.MANIFEST).read_text()
+    (path / checkpoint.MANIFEST).write_text(text.replace('"step": 2', f'"step": {step}'))
+    assert "which is not a step count" in checkpoint.problem(path)
+    assert checkpoint.newest_whole(tmp_path)[0] is None
+
+
+def test_a_damaged_checkpoint_does_not_count_towards_keep(tmp_path):
+    for step in (1, 2):
+        save_one(tmp_path, step, keep=2)
+    (checkpoint.path_for(tmp_path, 2) / checkpoint.MANIFEST).unlink()  # damaged after it was written
+    save_one(tmp_path, 3, keep=2)
+    names = [p.name for p in checkpoint.candidates(tmp_path)]
+    assert names == ["step-00000003", "step-00000002", "step-00000001"], "the last good ones are kept"
+    save_one(tmp_path, 4, keep=2)
+    assert [p.name for p in checkpoint.candidates(tmp_path)] == ["step-00000004", "step-00000003"]
+
+
+def test_a_failed_write_removes_its_partial_folder_and_says_how_much_space_is_left(tmp_path, monkeypatch):
+    save_one(tmp_path, 1)
+    monkeypatch.setenv(checkpoint.FAULT_ENV, "enospc@2")
+    with pytest.raises(checkpoint.CheckpointWriteError) as failed:
+        save_one(tmp_path, 2)
+    message = str(failed.value)
+    assert "\n" not in message
+    assert "cannot write checkpoint step-00000002 (ENOSPC: No space left on device)" in message
+    assert " free on " in message and "earlier checkpoints are intact" in message
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000001"]
+    assert checkpoint.problem(checkpoint.path_for(tmp_path, 1), verify=True) is None
