@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -38,7 +39,7 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.pipeline import heartbeat
 from gpipe_cli.pipeline.failure import ANNOUNCED
 from gpipe_cli.train.rundir import atomic_write_bytes
-from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
+from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
 from gpipe_cli.units import human_bytes
 
 PREFIX = "step-"
@@ -179,6 +180,8 @@ def _cause(exc: BaseException) -> str:
     if failures:
         first = next(iter(failures.values()))
         exc = first[0] if isinstance(first, tuple) else getattr(first, "exc", first)  # DCP wraps each rank's error
+    if isinstance(exc, UnsafeCheckpoint):
+        return str(exc)
     if isinstance(exc, pickle.UnpicklingError):
         return "it holds an object that is not plain data, and checkpoints are never unpickled beyond that"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -292,12 +295,26 @@ def load(found: Found, module: nn.Module, optimizer: torch.optim.Optimizer | Non
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     state = state_of(module, optimizer, extra)
     try:
-        with single_process_quiet(distributed):
+        # Read the metadata first: DCP logs a failure to read it, with a traceback, before it raises.
+        SafeReader(str(found.path)).read_metadata()
+        with single_process_quiet(distributed), _root_log_quiet():
             dcp.load(state, storage_reader=SafeReader(str(found.path)), planner=SafeLoadPlanner(),
                      no_dist=not distributed)
+        module.load_state_dict(state["model"])
+        if optimizer is not None:
+            set_optimizer_state_dict(module, optimizer, state["optim"], options=_OPTIONS)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise UserError(f"cannot load checkpoint {found.path}: {_cause(exc)}") from None
-    module.load_state_dict(state["model"])
-    if optimizer is not None:
-        set_optimizer_state_dict(module, optimizer, state["optim"], options=_OPTIONS)
     return {key: state[key] for key in extra}
+
+
+@contextlib.contextmanager
+def _root_log_quiet() -> Iterator[None]:
+    """DCP's loader logs through the root logger; its failures become one line of ours instead."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        root.setLevel(level)

@@ -155,3 +155,35 @@ def test_a_failed_write_removes_its_partial_folder_and_says_how_much_space_is_le
     assert " free on " in message and "earlier checkpoints are intact" in message
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000001"]
     assert checkpoint.problem(checkpoint.path_for(tmp_path, 1), verify=True) is None
+
+
+def checkpointer(run_dir: Path):
+    from types import SimpleNamespace
+
+    from gpipe_cli.pipeline import topology
+    from gpipe_cli.pipeline.engine import Pipeline
+    from gpipe_cli.pipeline.layers import build_layers
+    from gpipe_cli.train.resume import Checkpointer
+
+    topo = topology.local()
+    pipe = Pipeline(build_layers([lambda: nn.Linear(3, 2)], [0], 0), topo, [1], nn.MSELoss())
+    optimizer = torch.optim.Adam(pipe.parameters())
+    return Checkpointer(pipe, optimizer, None, topo, SimpleNamespace(balance=[1]), run_dir, keep=5)
+
+
+def test_resume_skips_what_does_not_load_and_stops_in_one_line_when_nothing_does(tmp_path, capsys):
+    saver = checkpointer(tmp_path)
+    for step in (2, 4):
+        saver.save(step, epoch=1)
+    newest = checkpoint.path_for(tmp_path, 4)
+    manifest = json.loads((newest / checkpoint.MANIFEST).read_text())
+    manifest["step"] = 3  # disagrees with the step stored inside: not this checkpoint's manifest
+    (newest / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    found = checkpointer(tmp_path).resume(str(tmp_path))
+    assert found.step == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"checkpoint {newest} is incomplete or corrupt: it holds step 4" in err
+    flip(checkpoint.path_for(tmp_path, 2) / ".metadata", 16)
+    with pytest.raises(UserError, match="no usable checkpoint") as stopped:
+        checkpointer(tmp_path).resume(str(tmp_path))
+    assert "\n" not in str(stopped.value)

@@ -4,7 +4,9 @@ Each asserts the exit code, how many lines the error takes, no traceback, and no
 """
 
 import copy
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from tests.train.recipes import TINY_TRANSLATION, write
 
@@ -117,3 +120,82 @@ def test_a_stopped_rank_is_named_within_the_stall_timeout(tmp_path):
     lines = error_lines(err)
     assert len(lines) == 1 and "rank 1 (stage 1) stopped responding: no heartbeat for 4 s" in lines[0], err[-3000:]
     assert 4 <= elapsed < 60
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == "train"}
+
+
+def leftovers(run: Path) -> list[str]:
+    return [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_a_full_disk_during_a_checkpoint_stops_the_run_in_one_line(tmp_path):
+    path, run = write(tmp_path, recipe(steps=6, every=2)), tmp_path / "run"
+    proc = gpipe(path, run, env={"GPIPE_TEST_CHECKPOINT_FAULT": "enospc@4"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "cannot write checkpoint step-00000004 (ENOSPC: No space left on device)" in lines[0]
+    assert " free on " in lines[0]
+    assert leftovers(run) == [], "the partial folder is removed"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002"]
+    assert max(losses(run)) == 4, "the run stopped at the failed checkpoint"
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("finished")
+    path, run = write(folder, recipe(steps=4, every=2)), folder / "run"
+    proc = gpipe(path, run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return path, run
+
+
+def resume_damaged(finished, target: Path, damage) -> tuple[subprocess.CompletedProcess, Path]:
+    path, run = finished
+    shutil.copytree(run, target)
+    newest = target / "checkpoints" / "step-00000004"
+    damage(newest)
+    return gpipe(path, target, "--resume", "--set", "train.steps=5"), newest
+
+
+def flip(file: Path, count: int = 512) -> None:
+    data = bytearray(file.read_bytes())
+    middle = len(data) // 2 - count // 2
+    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
+    file.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_in_a_shard_fall_back_to_the_previous_checkpoint(finished, tmp_path):
+    def damage(folder: Path) -> None:
+        flip(sorted(folder.glob("*.distcp"))[-1])
+
+    proc, newest = resume_damaged(finished, tmp_path / "copy", damage)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    refused = [line for line in error_lines(proc.stderr) if str(newest) in line]
+    assert len(refused) == 1 and "does not match its checksum" in refused[0]
+    assert "resumed from" in proc.stderr and "step-00000002 (step 2)" in proc.stderr
+    assert losses(tmp_path / "copy")[3] == losses(finished[1])[3]
+
+
+def test_unsafe_metadata_that_passes_its_checksum_falls_back_on_every_rank(finished, tmp_path):
+    import pickle
+
+    def damage(folder: Path) -> None:
+        bad = pickle.dumps(print)  # names builtins.print: never a checkpoint's
+        (folder / ".metadata").write_bytes(bad)
+        manifest = json.loads((folder / "manifest.json").read_text())
+        manifest["files"][".metadata"] = len(bad)
+        manifest["checksums"][".metadata"] = xxhash.xxh3_64(bad).hexdigest()
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+
+    proc, newest = resume_damaged(finished, tmp_path / "copy", damage)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    refused = [line for line in error_lines(proc.stderr) if str(newest) in line]
+    assert len(refused) == 1 and "builtins.print, which a checkpoint never holds" in refused[0], proc.stderr
+    assert "step-00000002 (step 2)" in proc.stderr
