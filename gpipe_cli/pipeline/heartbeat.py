@@ -8,8 +8,8 @@ A daemon thread on every rank writes a beat once a second and reads everyone's. 
 
 Either ends the job when it lasts the timeout: a fixed number of seconds, or by default the larger of
 60 s and 10x the slowest step so far (so a big model is not ended for being big). Progress is judged
-only once every rank finished a step (set-up, such as tokenizer training, can be long), and not while
-a rank writes a checkpoint (`paused`). The first rank to see it prints one line and stops every rank.
+only once every rank finished a step (set-up, such as tokenizer training, can be long); neither sign is
+judged for a rank that writes a checkpoint (`paused`). The first rank to see it prints one line and stops every rank.
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ class Judge:
         for rank, beat in enumerate(beats):
             if rank != self.rank and self._heard.get(rank, (None, 0.0))[0] != beat.count:
                 self._heard[rank] = (beat.count, now)
-        silent = [r for r, (_, since) in self._heard.items() if now - since > limit]
+        # A rank writing a checkpoint may hold the interpreter lock for long stretches: not judged then.
+        silent = [r for r, (_, since) in self._heard.items() if now - since > limit and not beats[r].paused]
         if silent:
             names = ", ".join(self.name(r) for r in silent)
             return (f"{names} stopped responding: no heartbeat for {limit:.0f} s (the process is stopped or "
