@@ -254,8 +254,8 @@ def _write_failure(path: Path, exc: BaseException) -> str:
         free = f"{human_bytes(shutil.disk_usage(path.parent).free)} free on {path.parent}"
     except OSError:
         free = f"{path.parent} cannot be read"
-    return (f"cannot write checkpoint {path.name} ({what}); {free}; removed the partial checkpoint, "
-            f"earlier checkpoints are intact")
+    earlier = "earlier checkpoints are intact" if candidates(path.parent) else "no earlier checkpoint exists"
+    return f"cannot write checkpoint {path.name} ({what}); {free}; removed the partial checkpoint, {earlier}"
 
 
 def _os_error(exc: BaseException) -> OSError | None:
