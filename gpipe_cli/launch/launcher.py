@@ -1,7 +1,8 @@
 """Start the ranks of a job with torchrun's elastic agent (in this process) and report how they ended.
 
 Using the agent in-process rather than shelling out to `torchrun` lets us turn its failure report
-into one line for the user; the worker that failed has already printed its own error and stage.
+into one line for the user; the worker that failed has already printed its own error and stage. A
+rank killed by a signal cannot say so itself: the launcher names it, with its stage and the signal.
 Multi-node jobs use torchrun's rendezvous: static (with a node rank) or c10d (elastic).
 """
 
@@ -107,8 +108,52 @@ def _forward_interrupt(signum: int, frame: object) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def launch(module: str, args: list[str], world: int, options: LaunchOptions | None = None) -> int:
-    """Run `python -m module *args` on `world` ranks (this node's share of them); return an exit code."""
+def _name(rank: int, stages: int | None) -> str:
+    return f"rank {rank} (stage {rank % stages})" if stages else f"rank {rank}"
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def explain(failures: dict[int, Any], stages: int | None = None) -> tuple[int, str | None]:
+    """The job's exit code for the ranks that failed (rank -> torchrun's ProcessFailure), and the line that
+    says why, or None where a rank already said it."""
+    from gpipe_cli.pipeline.failure import ANNOUNCED
+
+    codes = {rank: f.exitcode for rank, f in failures.items()}
+    if UserError.exit_code in codes.values():  # bad input: the rank that found it said so
+        return UserError.exit_code, None
+    if ANNOUNCED in codes.values():  # a rank told the cause (a stall) in one line and ended the job
+        return 1, None
+    # A rank killed by a signal is the cause; the others failed because it vanished, or stopped on the
+    # tear-down's SIGTERM. Timestamps only have whole seconds: the first failure by time is no guide.
+    killed = sorted((codes[r] == -signal.SIGTERM, failures[r].timestamp, r)
+                    for r, c in codes.items() if isinstance(c, int) and c < 0)
+    if killed and not killed[0][0]:
+        rank = killed[0][2]
+        return 128 - codes[rank], f"gpipe: {_name(rank, stages)} was killed by {_signal_name(codes[rank])}"
+    for code in _STOPPED:
+        if code in codes.values():  # Ctrl-C or SIGTERM: the ranks said what they did
+            return code, None
+    if killed:
+        rank = killed[0][2]
+        return 128 - codes[rank], f"gpipe: {_name(rank, stages)} was killed by {_signal_name(codes[rank])}"
+    rank = min(codes, key=lambda r: failures[r].timestamp)
+    code = codes[rank]
+    return (code if isinstance(code, int) and code > 0 else 1,
+            f"gpipe: {_name(rank, stages)} exited with code {code}; see its message above")
+
+
+def launch(module: str, args: list[str], world: int, options: LaunchOptions | None = None,
+           stages: int | None = None) -> int:
+    """Run `python -m module *args` on `world` ranks (this node's share of them); return an exit code.
+
+    `stages` (ranks per pipeline) lets messages name a rank's stage.
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -126,12 +171,10 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     try:
         elastic_launch(config, sys.executable)("-u", "-m", module, *args)  # type: ignore[arg-type]
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        code = failure.exitcode
-        if code in _STOPPED or code == UserError.exit_code:  # the ranks already said why
-            return code
-        print(f"gpipe: rank {rank} exited with code {code}; see its message above", file=sys.stderr)
-        return code if isinstance(code, int) and code > 0 else 1
+        code, line = explain(exc.failures, stages)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        return code
     except SignalException as exc:
         return 128 + int(exc.sigval)
     except Exception as exc:  # rendezvous failures: unreachable endpoint, timeout

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gpipe_cli.pipeline import heartbeat
+
 HEADER_LEN = 64
 HEADER_BYTES = HEADER_LEN * 8
 _ALIGN = 64  # every tensor starts on a 64-byte boundary, so its typed view is aligned
@@ -198,6 +200,7 @@ class Transport:
             work.wait()  # NCCL bounds it with the process group's own timeout
         else:
             work.wait(datetime.timedelta(seconds=self.timeout))
+        heartbeat.tick()
 
 
 class _Capacity:

@@ -4,12 +4,16 @@ The failing rank prints its traceback and a one-line summary, writes that summar
 the job's TCP store, and exits. A daemon thread on every rank watches the key (through a store
 connection of its own, so it never contends with the compute thread) and exits its process as soon
 as the key appears, even while the compute thread is blocked in a receive.
+
+A rank whose peer vanished (killed by a signal) does not print a traceback of its own: the launcher
+ends it within a moment and names the rank that died, with its signal.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import sys
 import threading
@@ -24,6 +28,25 @@ import torch.distributed as dist
 T = TypeVar("T")
 _KEY_PREFIX = "gpipe/abort/"
 EXIT_CODE = 1
+# A rank ended because the job's failure was already told in one line (a stall): the launcher adds nothing.
+ANNOUNCED = 3
+PEER_GRACE_S = 5.0  # how long a rank whose peer vanished waits for the launcher to end it
+# What gloo says when the rank at the other end of a connection is gone.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ECONNRESET", "EPIPE",
+              "Connection refused")
+_stop_signal = 0  # a stop signal this rank received (set by the training loop's handler)
+
+
+def note_stop_signal(signum: int) -> None:
+    """Remember that this rank was asked to stop (on tear-down, a vanished peer is then no news)."""
+    global _stop_signal
+    _stop_signal = _stop_signal or signum
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether `exc` says that another rank's process is gone."""
+    text = str(exc)
+    return any(marker in text for marker in _PEER_LOST)
 
 
 def _abort_key() -> str:
@@ -32,7 +55,8 @@ def _abort_key() -> str:
     return f"{_KEY_PREFIX}{run}/{attempt}"
 
 
-def _connect() -> dist.Store | None:
+def connect() -> dist.Store | None:
+    """A connection of its own to the job's TCP store (None when there is no store to reach)."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         return None
@@ -43,14 +67,17 @@ def _connect() -> dist.Store | None:
         return None
 
 
-def _encode(summary: str, user_error: bool) -> str:
-    # Who reported (so a rank knows whether it was first) and whether it was bad input.
-    return f"{os.getpid()}@{socket.gethostname()}\n{int(user_error)}\n{summary}"
+_FAILED, _BAD_INPUT, _ANNOUNCED = "0", "1", "2"
 
 
-def _decode(text: str) -> tuple[str, bool]:
+def _encode(summary: str, kind: str) -> str:
+    # Who reported (so a rank knows whether it was first, and on which host) and what kind of report.
+    return f"{os.getpid()}@{socket.gethostname()}\n{kind}\n{summary}"
+
+
+def _decode(text: str) -> tuple[str, str, str]:
     parts = text.split("\n", 2)
-    return (parts[2], parts[1] == "1") if len(parts) == 3 else (text, False)
+    return (parts[2], parts[1], parts[0]) if len(parts) == 3 else (text, _FAILED, "")
 
 
 class AbortWatch:
@@ -58,8 +85,8 @@ class AbortWatch:
 
     def __init__(self, label: str, poll: float = 0.5) -> None:
         self.label, self.poll = label, poll
-        self._store = _connect()
-        self._reporter = _connect()
+        self._store = connect()
+        self._reporter = connect()
         self._stopped = threading.Event()
         if self._store is not None:
             threading.Thread(target=self._watch, name="abort-watch", daemon=True).start()
@@ -68,31 +95,51 @@ class AbortWatch:
         """Stop watching (a clean shutdown)."""
         self._stopped.set()
 
-    def report(self, summary: str, user_error: bool = False) -> tuple[bool, str, bool]:
-        """Tell every rank to stop because of `summary`.
+    def report(self, summary: str, user_error: bool = False, code: int = 2) -> tuple[bool, str, bool]:
+        """Tell every rank to stop because of `summary` (with `user_error`, the other ranks exit with `code`).
 
         Returns whether this rank reported first, and the first report's message and kind. The first
         report wins, so a rank that fails only because a peer vanished cannot hide the cause.
         """
-        mine = _encode(summary, user_error)
+        first, text, kind = self._report(summary, f"{_BAD_INPUT}:{code}" if user_error else _FAILED)
+        return first, text, kind.startswith(_BAD_INPUT)
+
+    def announce(self, summary: str) -> bool:
+        """Stop every rank because of `summary`, which this rank prints (once for the whole job) if it is
+        the first report; returns whether it was."""
+        first, _, _ = self._report(summary, _ANNOUNCED)
+        if first:
+            print(f"[gpipe] {summary}", file=sys.stderr, flush=True)
+        return first
+
+    def _report(self, summary: str, kind: str) -> tuple[bool, str, str]:
+        mine = _encode(summary, kind)
         if self._reporter is None:
-            return True, summary, user_error
+            return True, summary, kind
         with contextlib.suppress(Exception):  # the store may already be gone; exiting matters more
             first = self._reporter.compare_set(_abort_key(), "", mine)
             text = first.decode(errors="replace") if isinstance(first, bytes) else str(first)
-            return (text == mine, *_decode(text))
-        return True, summary, user_error
+            message, first_kind, _ = _decode(text)
+            return text == mine, message, first_kind
+        return True, summary, kind
 
     def _watch(self) -> None:
         key = _abort_key()
         while not self._stopped.wait(self.poll):
             try:
                 if self._store is not None and self._store.check([key]):
-                    message, user_error = _decode(self._store.get(key).decode(errors="replace"))
+                    message, kind, origin = _decode(self._store.get(key).decode(errors="replace"))
+                    if origin.startswith(f"{os.getpid()}@"):
+                        continue  # this rank's own report: it ends itself once done
                     if not self._stopped.is_set():
-                        if not user_error:  # bad input is shown once, by the rank that found it
+                        # Bad input and announced stalls are shown once, by the rank that found them (or
+                        # here too when that rank runs on another host, whose terminal this is not).
+                        elsewhere = origin.partition("@")[2] not in ("", socket.gethostname())
+                        if kind == _FAILED or elsewhere:
                             print(f"[gpipe] {self.label} stopped: {message}", file=sys.stderr, flush=True)
-                        os._exit(2 if user_error else EXIT_CODE)
+                        kind, _, code = kind.partition(":")
+                        os._exit(int(code) if code.isdigit() else
+                                 {_BAD_INPUT: 2, _ANNOUNCED: ANNOUNCED}.get(kind, EXIT_CODE))
             except Exception:
                 if self._stopped.is_set():
                     return
@@ -113,11 +160,20 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
     except BaseException as exc:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
+        if peer_lost(exc):
+            _await_teardown()
+            print(f"[gpipe] {label} lost contact with another rank: {type(exc).__name__}: "
+                  f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}", file=sys.stderr, flush=True)
+            if watch is not None:
+                watch.stop()
+                watch.report(f"{label} lost contact with another rank")
+            os._exit(exit_code)
         summary = str(exc) if isinstance(exc, quiet) else f"{label} failed: {type(exc).__name__}: {exc}"
         was_first, first, first_quiet = True, summary, isinstance(exc, quiet)
         if watch is not None:
             watch.stop()
-            was_first, first, first_quiet = watch.report(summary, user_error=isinstance(exc, quiet))
+            was_first, first, first_quiet = watch.report(summary, user_error=isinstance(exc, quiet),
+                                                         code=getattr(exc, "exit_code", 2))
         if not was_first:
             if not first_quiet and first != summary:  # a consequence of another rank's failure: name it
                 print(f"[gpipe] {label} stopped: {first}", file=sys.stderr, flush=True)
@@ -129,3 +185,15 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
             print(f"[gpipe] {summary}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(getattr(exc, "exit_code", exit_code) if isinstance(exc, quiet) else 2 if first_quiet else exit_code)
+
+
+def _await_teardown() -> None:
+    """A peer is gone: give the launcher (which ends every rank and names the one that died) a moment
+    to end this rank quietly, rather than print a consequence as if it were the cause."""
+    if _stop_signal:  # already asked to stop: this is the tear-down
+        os._exit(128 + _stop_signal)
+    with contextlib.suppress(ValueError):  # only the main thread may set handlers
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    deadline = time.monotonic() + PEER_GRACE_S
+    while time.monotonic() < deadline:
+        time.sleep(0.1)

@@ -177,6 +177,8 @@ class Train(Section):
     grad_clip: PositiveReal | None = None
     log_every: PositiveInt = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Seconds without progress before a stalled rank ends the job; null: max(60, 10x the slowest step).
+    stall_timeout: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
 
     @model_validator(mode="after")
     def _some_length(self) -> Train:

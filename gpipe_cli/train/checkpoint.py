@@ -1,15 +1,20 @@
 """Checkpoints: whole or absent, keyed by global layer names, so a run can resume with another K.
 
-Every rank writes its stage through torch.distributed.checkpoint into a hidden folder; rank 0 then
-writes a manifest of every file and its size and renames the folder into place, which is atomic. A
-checkpoint without a manifest, or whose files do not match it, is refused with a clear message and the
-one before it is used. Loading never unpickles arbitrary objects (see safe_dcp.py).
+Every rank writes its stage through torch.distributed.checkpoint into a hidden folder; the ranks then
+checksum the files (xxh3, each rank a share of them) and rank 0 writes a manifest of every file, its
+size and checksum, and renames the folder into place, which is atomic. A checkpoint without a manifest,
+or whose files do not match it, is refused with a clear message and the one before it is used. Loading
+never unpickles arbitrary objects (see safe_dcp.py). A write that fails (full disk, read-only, I/O
+error) removes its hidden folder and stops the run in one line; earlier checkpoints stay as they were.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
+import os
 import pickle
 import shutil
 import warnings
@@ -21,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -30,12 +36,25 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from gpipe_cli.errors import UserError
+from gpipe_cli.pipeline import heartbeat
+from gpipe_cli.pipeline.failure import ANNOUNCED
 from gpipe_cli.train.rundir import atomic_write_bytes
-from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
+from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
+from gpipe_cli.units import human_bytes
 
 PREFIX = "step-"
 MANIFEST = "manifest.json"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # one key per parameter: reshardable
+CHECKSUM = "xxh3_64"
+_CHUNK = 1 << 22
+# Tests make a checkpoint write fail as a full disk would: "enospc@STEP" (honoured only when set).
+FAULT_ENV = "GPIPE_TEST_CHECKPOINT_FAULT"
+
+
+class CheckpointWriteError(UserError):
+    """A checkpoint could not be written; its partial folder is gone and the run stops."""
+
+    exit_code = ANNOUNCED  # told in one line by the rank that hit it: the launcher adds nothing
 
 
 def run_dir_of(path: Path) -> Path:
@@ -57,24 +76,56 @@ class Found:
     manifest: dict[str, Any]
 
 
-def problem(path: Path) -> str | None:
-    """Why a checkpoint folder cannot be used, or None when it is whole."""
+def checksum(path: Path) -> str:
+    """The checksum a manifest records for a file."""
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_manifest(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """A checkpoint's manifest, or why it cannot be used."""
     manifest_path = path / MANIFEST
     if not path.is_dir():
-        return "it does not exist"
+        return None, "it does not exist"
     if not manifest_path.exists():
-        return "it has no manifest (the save did not finish)"
+        return None, "it has no manifest (the save did not finish)"
     try:
         manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError, TypeError):
-        return "its manifest is unreadable"
-    for name, size in files.items():
+        files, sums = manifest["files"], manifest.get("checksums", {})
+        step = manifest["step"]
+        valid = (isinstance(files, dict) and isinstance(sums, dict)
+                 and all(isinstance(v, int) and not isinstance(v, bool) for v in files.values())
+                 and all(isinstance(v, str) for v in sums.values()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, "its manifest is unreadable"
+    if not valid:
+        return None, "its manifest is unreadable"
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return None, f"its manifest gives step {str(step)[:40]!r}, which is not a step count"
+    return manifest, None
+
+
+def problem(path: Path, verify: bool = False) -> str | None:
+    """Why a checkpoint folder cannot be used, or None when it is whole (and, with `verify`, when every
+    file matches its checksum)."""
+    manifest, why = read_manifest(path)
+    if manifest is None:
+        return why
+    for name, size in manifest["files"].items():
         target = path / name
-        if not target.exists():
+        if os.sep in name or name in ("", ".", "..") or not target.is_file():
             return f"file {name} is missing"
         if target.stat().st_size != size:
             return f"file {name} has {target.stat().st_size} bytes where {size} were written"
+    if verify:
+        for name, expected in manifest.get("checksums", {}).items():
+            if name not in manifest["files"]:
+                return f"file {name} is missing"
+            if checksum(path / name) != expected:
+                return f"file {name} does not match its checksum (the data changed after it was written)"
     return None
 
 
@@ -88,16 +139,22 @@ def candidates(location: Path) -> list[Path]:
     return sorted((p for p in folder.iterdir() if p.is_dir() and p.name.startswith(PREFIX)), reverse=True)
 
 
-def newest_whole(location: Path) -> tuple[Found | None, list[str]]:
+def newest_whole(location: Path, verify: bool = False) -> tuple[Found | None, list[str]]:
     """The newest usable checkpoint at `location`, and a message for each newer one that was refused."""
     refused: list[str] = []
     for path in candidates(location):
-        why = problem(path)
+        why = problem(path, verify)
         if why is None:
-            manifest = json.loads((path / MANIFEST).read_text())
-            return Found(path, int(manifest["step"]), manifest), refused
-        refused.append(f"checkpoint {path} is incomplete or corrupt: {why}; using the one before it")
+            manifest, _ = read_manifest(path)
+            assert manifest is not None
+            return Found(path, manifest["step"], manifest), refused
+        refused.append(refusal(path, why))
     return None, refused
+
+
+def refusal(path: Path, why: str) -> str:
+    """The one line that says a checkpoint is skipped."""
+    return f"checkpoint {path} is incomplete or corrupt: {why}; using the one before it"
 
 
 def state_of(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any]) -> dict[str, Any]:
@@ -123,6 +180,8 @@ def _cause(exc: BaseException) -> str:
     if failures:
         first = next(iter(failures.values()))
         exc = first[0] if isinstance(first, tuple) else getattr(first, "exc", first)  # DCP wraps each rank's error
+    if isinstance(exc, UnsafeCheckpoint):
+        return str(exc)
     if isinstance(exc, pickle.UnpicklingError):
         return "it holds an object that is not plain data, and checkpoints are never unpickled beyond that"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -131,27 +190,103 @@ def _cause(exc: BaseException) -> str:
 
 def save(path: Path, state: dict[str, Any], manifest: dict[str, Any], keep: int, rank: int,
          group: dist.ProcessGroup | None) -> None:
-    """Write a checkpoint collectively; it appears at `path` only once every rank's part is on disk."""
+    """Write a checkpoint collectively; it appears at `path` only once every rank's part is on disk.
+
+    Raises CheckpointWriteError (on the ranks that see it) when the storage fails.
+    """
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     partial = path.parent / f".{path.name}.partial"
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
+    with heartbeat.paused():
+        try:
+            if rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir(parents=True)
+            if distributed:
+                dist.barrier(group=group)
+            with single_process_quiet(distributed):
+                dcp.save(state, storage_writer=_writer(partial, manifest.get("step")), no_dist=not distributed)
+            sums = _checksums(partial, rank, group, distributed)
+            if rank == 0:
+                files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
+                body = {**manifest, "files": files, "checksum": CHECKSUM, "checksums": sums}
+                atomic_write_bytes(partial / MANIFEST, json.dumps(body, indent=1).encode())
+                shutil.rmtree(path, ignore_errors=True)
+                partial.rename(path)
+        except (OSError, CheckpointException) as exc:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise CheckpointWriteError(_write_failure(path, exc)) from None
+        if rank == 0:
+            prune(path.parent, keep)
+        if distributed:
+            dist.barrier(group=group)
+
+
+def _checksums(folder: Path, rank: int, group: dist.ProcessGroup | None, distributed: bool) -> dict[str, str]:
+    """Every file's checksum, each rank reading a share of the files (all ranks see the same folder)."""
     if distributed:
         dist.barrier(group=group)
-    with single_process_quiet(distributed):
-        dcp.save(state, checkpoint_id=str(partial), no_dist=not distributed)
-    if distributed:
-        dist.barrier(group=group)
-    if rank == 0:
-        files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
-        atomic_write_bytes(partial / MANIFEST, json.dumps({**manifest, "files": files}, indent=1).encode())
-        shutil.rmtree(path, ignore_errors=True)
-        partial.rename(path)
-        for old in candidates(path.parent)[keep:]:
-            shutil.rmtree(old, ignore_errors=True)
-    if distributed:
-        dist.barrier(group=group)
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    world = dist.get_world_size(group) if distributed else 1
+    mine = {name: checksum(folder / name) for name in names[rank::world]}
+    if not distributed:
+        return mine
+    shares: list[dict[str, str] | None] = [None] * world
+    dist.all_gather_object(shares, mine, group=group)
+    return {name: value for share in shares for name, value in (share or {}).items()}
+
+
+def prune(folder: Path, keep: int) -> None:
+    """Remove checkpoints beyond the newest `keep` whole ones; damaged ones do not count, so a damaged
+    newest checkpoint never costs the last good one."""
+    whole = 0
+    for path in candidates(folder):
+        if whole >= keep:
+            shutil.rmtree(path, ignore_errors=True)
+        elif problem(path) is None:
+            whole += 1
+
+
+def _write_failure(path: Path, exc: BaseException) -> str:
+    """One line: what failed, and how much space is left."""
+    cause = _os_error(exc)
+    what = f"{errno.errorcode.get(cause.errno, '')}: {cause.strerror}" if cause and cause.errno else _cause(exc)
+    try:
+        free = f"{human_bytes(shutil.disk_usage(path.parent).free)} free on {path.parent}"
+    except OSError:
+        free = f"{path.parent} cannot be read"
+    earlier = "earlier checkpoints are intact" if candidates(path.parent) else "no earlier checkpoint exists"
+    return f"cannot write checkpoint {path.name} ({what}); {free}; removed the partial checkpoint, {earlier}"
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind a (DCP-wrapped) failure, if any."""
+    seen: list[BaseException] = [exc]
+    while seen:
+        current = seen.pop()
+        if isinstance(current, OSError):
+            return current
+        for failure in (getattr(current, "failures", None) or {}).values():
+            seen.append(failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure))
+        if current.__cause__ is not None:
+            seen.append(current.__cause__)
+    return None
+
+
+def _writer(folder: Path, step: object) -> dcp.FileSystemWriter:
+    """DCP's file writer (one that fails as a full disk does when a test asks for it at this step)."""
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault == f"enospc@{step}":
+        return _FullDiskWriter(str(folder))
+    return dcp.FileSystemWriter(str(folder))
+
+
+class _FullDiskWriter(dcp.FileSystemWriter):
+    """Writes its files, then fails as a full disk does: the partial folder is real."""
+
+    def write_data(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().write_data(*args, **kwargs)
+        result.wait()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def load(found: Found, module: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -160,12 +295,26 @@ def load(found: Found, module: nn.Module, optimizer: torch.optim.Optimizer | Non
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     state = state_of(module, optimizer, extra)
     try:
-        with single_process_quiet(distributed):
+        # Read the metadata first: DCP logs a failure to read it, with a traceback, before it raises.
+        SafeReader(str(found.path)).read_metadata()
+        with single_process_quiet(distributed), _root_log_quiet():
             dcp.load(state, storage_reader=SafeReader(str(found.path)), planner=SafeLoadPlanner(),
                      no_dist=not distributed)
+        module.load_state_dict(state["model"])
+        if optimizer is not None:
+            set_optimizer_state_dict(module, optimizer, state["optim"], options=_OPTIONS)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise UserError(f"cannot load checkpoint {found.path}: {_cause(exc)}") from None
-    module.load_state_dict(state["model"])
-    if optimizer is not None:
-        set_optimizer_state_dict(module, optimizer, state["optim"], options=_OPTIONS)
     return {key: state[key] for key in extra}
+
+
+@contextlib.contextmanager
+def _root_log_quiet() -> Iterator[None]:
+    """DCP's loader logs through the root logger; its failures become one line of ours instead."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        root.setLevel(level)

@@ -23,16 +23,16 @@ import torch.distributed as dist
 from gpipe_cli.data import Batch, Loader, build_data_for
 from gpipe_cli.errors import UserError
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.pipeline import topology
+from gpipe_cli.pipeline import heartbeat, topology
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_ranges
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
-from gpipe_cli.train import checkpoint, evaluation, optim, translate
+from gpipe_cli.train import evaluation, optim, translate
 from gpipe_cli.train.plan import Plan, make_plan, model_spec
 from gpipe_cli.train.report import MetricsFile, TerminalView
-from gpipe_cli.train.resume import Checkpointer, choose, run_dir_of, trim_metrics
+from gpipe_cli.train.resume import Checkpointer, run_dir_of, trim_metrics
 from gpipe_cli.train.rundir import choose_run_dir, create_run_dir, save_recipe
 from gpipe_cli.train.signals import StopRequest
 
@@ -123,15 +123,8 @@ class Trainer:
     def _resume(self) -> int:
         """Continue from the newest whole checkpoint at the --resume location; return its step."""
         assert self.job.resume is not None
-        if self.layout.rank == 0:
-            found, refused = choose(self.job.resume)
-            for message in refused:
-                print(f"[gpipe] {message}", file=sys.stderr, flush=True)
-            shared = (str(found.path), found.step, found.manifest)
-        else:
-            shared = None
-        path, step, manifest = self._share(shared)
-        step = self.checkpoints.restore(checkpoint.Found(Path(path), step, manifest))
+        found = self.checkpoints.resume(self.job.resume)  # falls back past damaged checkpoints
+        path, step = found.path, found.step
         if self.layout.rank == 0:
             trim_metrics(self.run_dir / "metrics.jsonl", step)
             print(f"[gpipe] resumed from {path} (step {step})", file=sys.stderr, flush=True)
@@ -191,6 +184,7 @@ class Trainer:
                 self.scheduler.step()
             self.pipe.zero_grad()
             now = time.perf_counter()
+            heartbeat.step_done(now - last_time)
             if layout.rank == 0:
                 assert batch is not None
                 self._record_step(step, batch, result, now - last_time)

@@ -1,12 +1,19 @@
-"""Saving and restoring a run's state around the checkpoint files (see checkpoint.py for the format)."""
+"""Saving and restoring a run's state around the checkpoint files (see checkpoint.py for the format).
+
+Resuming tries the newest checkpoint first; any failure to verify or load it (checksum, manifest,
+metadata, a shard that is not plain data, missing files) prints one line and the one before it is
+tried, on every rank together. Only when none is usable does the run stop.
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.pipeline.engine import Pipeline
@@ -79,13 +86,51 @@ class Checkpointer:
         return step
 
 
-def choose(location: str) -> tuple[checkpoint.Found, list[str]]:
-    """The newest whole checkpoint at a --resume location, and messages about refused newer ones."""
-    found, refused = checkpoint.newest_whole(Path(location))
-    if found is None:
-        reasons = "; ".join(refused) if refused else "no checkpoints there"
-        raise UserError(f"--resume {location}: no complete checkpoint to resume from ({reasons})")
-    return found, refused
+    def _share(self, value: Any) -> Any:
+        """Rank 0's value, on every rank."""
+        if not self.topo.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.topo.transport.control)
+        return box[0]
+
+    def _failures(self, mine: str | None) -> list[str]:
+        """What failed on each rank (empty: every rank succeeded)."""
+        if not self.topo.distributed:
+            return [mine] if mine else []
+        every: list[str | None] = [None] * self.layout.world_size
+        dist.all_gather_object(every, mine, group=self.topo.transport.control)
+        return [m for m in every if m]
+
+    def resume(self, location: str) -> checkpoint.Found:
+        """Load the newest usable checkpoint at a --resume location (collective); say why newer ones were
+        skipped, one line each."""
+        paths = self._share([str(p) for p in checkpoint.candidates(Path(location))] if self.layout.rank == 0 else None)
+        refused: list[str] = []
+        for path in map(Path, paths):
+            verdict = None
+            if self.layout.rank == 0:
+                why = checkpoint.problem(path, verify=True)
+                verdict = (why, None) if why else (None, checkpoint.read_manifest(path)[0])
+            why, manifest = self._share(verdict)
+            if why is None:
+                found = checkpoint.Found(path, manifest["step"], manifest)
+                error: str | None = None
+                try:
+                    if self.restore(found) != found.step:
+                        error = f"it holds step {self.last_saved} where its manifest says {found.step}"
+                except Exception as exc:  # anything that stops this one loading: try the one before
+                    error = str(exc).removeprefix(f"cannot load checkpoint {path}: ")
+                failed = self._failures(error)
+                if not failed:
+                    return found
+                why = failed[0]
+            refused.append(f"{path.name}: {why}")
+            if self.layout.rank == 0:
+                print(f"[gpipe] {checkpoint.refusal(path, why)}", file=sys.stderr, flush=True)
+        self.last_saved = -1
+        reasons = "; ".join(refused) if refused else "there are no checkpoints there"
+        raise UserError(f"--resume {location}: no usable checkpoint ({reasons})")
 
 
 def trim_metrics(path: Path, step: int) -> None:

@@ -86,4 +86,4 @@ def train(options: TrainOptions) -> int:
     with tempfile.TemporaryDirectory(prefix="gpipe-") as folder:
         path = Path(folder) / "job.json"
         path.write_text(json.dumps(dataclasses.asdict(job)))
-        return launch("gpipe_cli.train.worker", [str(path)], world, options.launch)
+        return launch("gpipe_cli.train.worker", [str(path)], world, options.launch, stages=recipe.pipeline.partitions)

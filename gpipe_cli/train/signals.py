@@ -2,6 +2,9 @@
 
 The first SIGINT or SIGTERM asks for a stop; the ranks agree on it after each step (one tiny
 all-reduce), so they all stop after the same step. A second Ctrl-C aborts at once.
+
+A stop is announced only once the ranks agreed on it, that is when the checkpoint will be written:
+a SIGTERM that is the launcher tearing the job down after a failure announces nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from gpipe_cli.pipeline import failure
+
 
 class StopRequest:
     """Remembers the first stop signal this rank received."""
@@ -25,19 +30,24 @@ class StopRequest:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        failure.note_stop_signal(signum)
         if not self.signum:
             self.signum = signum
-            if self.announce:
-                print(f"\n[gpipe] {signal.Signals(signum).name}: stopping after this step and writing a checkpoint "
-                      f"(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+            if self.announce and signum == signal.SIGINT:  # a person pressed Ctrl-C: answer at once
+                print("\n[gpipe] SIGINT: stopping after this step (Ctrl-C again to abort at once)",
+                      file=sys.stderr, flush=True)
         elif signum == signal.SIGINT:
             os._exit(128 + signum)
 
     def agreed(self, group: dist.ProcessGroup | None, distributed: bool) -> int:
         """The stop signal any rank received (0: none), the same on every rank."""
-        if not distributed:
-            return self.signum
-        flag = torch.tensor([self.signum], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        self.signum = self.signum or int(flag.item())
-        return int(flag.item())
+        agreed = self.signum
+        if distributed:
+            flag = torch.tensor([self.signum], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            agreed = int(flag.item())
+            self.signum = self.signum or agreed
+        if agreed and self.announce:
+            print(f"[gpipe] {signal.Signals(agreed).name}: writing a checkpoint, then stopping", file=sys.stderr,
+                  flush=True)
+        return agreed

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.pipeline import failure, topology
+from gpipe_cli.pipeline.heartbeat import Heartbeat
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.train.loop import Job, Trainer, configure_threads
 
@@ -25,6 +26,9 @@ def run_job(job: Job) -> int:
     topo = topology.init(pipe.partitions, pipe.data_parallel, backend=pipe.backend, device=recipe.train.device)
     label = f"stage {topo.layout.stage} (rank {topo.layout.rank})"
     watch = failure.AbortWatch(label) if topo.distributed else None
+    stages = topo.layout.stages
+    beat = (Heartbeat(watch, topo.layout.rank, topo.layout.world_size, recipe.train.stall_timeout,
+                      lambda r: f"rank {r} (stage {r % stages})") if watch is not None else None)
 
     def train() -> int:
         signum = Trainer(recipe, job, topo).run()
@@ -33,6 +37,8 @@ def run_job(job: Job) -> int:
         return signum
 
     signum = failure.run_guarded(train, label, watch, quiet=(UserError,))
+    if beat is not None:
+        beat.stop()
     if watch is not None:
         watch.stop()
     if topo.distributed:

@@ -99,3 +99,91 @@ def test_metadata_naming_anything_but_checkpoint_classes_is_refused(tmp_path):
     with pytest.raises(UserError, match="refers to tests.train.test_checkpoint.Payload._run, which a checkpoint never"):
         checkpoint.load(found, nn.Linear(3, 2), None, {"train": {"step": torch.tensor(0)}})
     assert not Payload.ran
+
+
+def flip(path: Path, count: int = 512) -> None:
+    """Invert `count` bytes in the middle of a file, keeping its size."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2 - count // 2
+    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
+    path.write_bytes(bytes(data))
+
+
+def test_every_file_has_a_checksum_and_flipped_bytes_are_refused(tmp_path):
+    save_one(tmp_path, 5)
+    save_one(tmp_path, 6, value=2.0)
+    newest = checkpoint.path_for(tmp_path, 6)
+    manifest = json.loads((newest / checkpoint.MANIFEST).read_text())
+    assert set(manifest["checksums"]) == set(manifest["files"]) and ".metadata" in manifest["files"]
+    data = next(p for p in newest.iterdir() if p.suffix == ".distcp")
+    flip(data)
+    assert checkpoint.problem(newest) is None, "sizes alone cannot see flipped bytes"
+    found, refused = checkpoint.newest_whole(tmp_path, verify=True)
+    assert found is not None and found.step == 5
+    assert len(refused) == 1 and f"file {data.name} does not match its checksum" in refused[0]
+
+
+@pytest.mark.parametrize("step", ['"seven"', "-1", "true", "null", "1.5"])
+def test_a_manifest_with_a_bad_step_is_refused(tmp_path, step):
+    save_one(tmp_path, 2)
+    path = checkpoint.path_for(tmp_path, 2)
+    text = (path / checkpoint.MANIFEST).read_text()
+    (path / checkpoint.MANIFEST).write_text(text.replace('"step": 2', f'"step": {step}'))
+    assert "which is not a step count" in checkpoint.problem(path)
+    assert checkpoint.newest_whole(tmp_path)[0] is None
+
+
+def test_a_damaged_checkpoint_does_not_count_towards_keep(tmp_path):
+    for step in (1, 2):
+        save_one(tmp_path, step, keep=2)
+    (checkpoint.path_for(tmp_path, 2) / checkpoint.MANIFEST).unlink()  # damaged after it was written
+    save_one(tmp_path, 3, keep=2)
+    names = [p.name for p in checkpoint.candidates(tmp_path)]
+    assert names == ["step-00000003", "step-00000002", "step-00000001"], "the last good ones are kept"
+    save_one(tmp_path, 4, keep=2)
+    assert [p.name for p in checkpoint.candidates(tmp_path)] == ["step-00000004", "step-00000003"]
+
+
+def test_a_failed_write_removes_its_partial_folder_and_says_how_much_space_is_left(tmp_path, monkeypatch):
+    save_one(tmp_path, 1)
+    monkeypatch.setenv(checkpoint.FAULT_ENV, "enospc@2")
+    with pytest.raises(checkpoint.CheckpointWriteError) as failed:
+        save_one(tmp_path, 2)
+    message = str(failed.value)
+    assert "\n" not in message
+    assert "cannot write checkpoint step-00000002 (ENOSPC: No space left on device)" in message
+    assert " free on " in message and "earlier checkpoints are intact" in message
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000001"]
+    assert checkpoint.problem(checkpoint.path_for(tmp_path, 1), verify=True) is None
+
+
+def checkpointer(run_dir: Path):
+    from types import SimpleNamespace
+
+    from gpipe_cli.pipeline import topology
+    from gpipe_cli.pipeline.engine import Pipeline
+    from gpipe_cli.pipeline.layers import build_layers
+    from gpipe_cli.train.resume import Checkpointer
+
+    topo = topology.local()
+    pipe = Pipeline(build_layers([lambda: nn.Linear(3, 2)], [0], 0), topo, [1], nn.MSELoss())
+    optimizer = torch.optim.Adam(pipe.parameters())
+    return Checkpointer(pipe, optimizer, None, topo, SimpleNamespace(balance=[1]), run_dir, keep=5)
+
+
+def test_resume_skips_what_does_not_load_and_stops_in_one_line_when_nothing_does(tmp_path, capsys):
+    saver = checkpointer(tmp_path)
+    for step in (2, 4):
+        saver.save(step, epoch=1)
+    newest = checkpoint.path_for(tmp_path, 4)
+    manifest = json.loads((newest / checkpoint.MANIFEST).read_text())
+    manifest["step"] = 3  # disagrees with the step stored inside: not this checkpoint's manifest
+    (newest / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    found = checkpointer(tmp_path).resume(str(tmp_path))
+    assert found.step == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"checkpoint {newest} is incomplete or corrupt: it holds step 4" in err
+    flip(checkpoint.path_for(tmp_path, 2) / ".metadata", 16)
+    with pytest.raises(UserError, match="no usable checkpoint") as stopped:
+        checkpointer(tmp_path).resume(str(tmp_path))
+    assert "\n" not in str(stopped.value)

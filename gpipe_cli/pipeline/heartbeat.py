@@ -1,0 +1,175 @@
+"""Stall detection: every rank beats through the job's store; a silent or stuck rank is named and the job ends.
+
+A daemon thread on every rank writes a beat once a second and reads everyone's. Two signs of trouble:
+
+- silence: a rank whose beat stops changing is stopped (SIGSTOP) or frozen; its own thread stopped too.
+- no progress: every rank still beats, but no rank finished a step or a transfer (the training loop
+  calls `step_done`, the transport calls `tick`); the ranks furthest behind are named.
+
+Either ends the job when it lasts the timeout: a fixed number of seconds, or by default the larger of
+60 s and 10x the slowest step so far (so a big model is not ended for being big). Progress is judged
+only once every rank finished a step (set-up, such as tokenizer training, can be long); neither sign is
+judged for a rank that writes a checkpoint (`paused`). The first rank to see it prints one line and stops every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from gpipe_cli.pipeline import failure
+
+FLOOR_S = 60.0
+SLOWEST_FACTOR = 10.0
+_KEY_PREFIX = "gpipe/beat/"
+
+# This process's progress, written by the compute thread and read by the heartbeat thread.
+_progress = 0
+_steps = 0
+_slowest = 0.0
+_paused = 0
+
+
+def tick() -> None:
+    """Note progress: a transfer finished."""
+    global _progress
+    _progress += 1
+
+
+def step_done(seconds: float) -> None:
+    """Note progress: a training step finished, after `seconds`."""
+    global _progress, _steps, _slowest
+    _progress += 1
+    _steps += 1
+    _slowest = max(_slowest, seconds)
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Long work between steps (a checkpoint write): progress is not judged meanwhile."""
+    global _paused
+    _paused += 1
+    try:
+        yield
+    finally:
+        _paused -= 1
+
+
+def default_timeout(slowest_step: float) -> float:
+    """The stall timeout when none is set: the larger of 60 s and 10x the slowest step."""
+    return max(FLOOR_S, SLOWEST_FACTOR * slowest_step)
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One rank's latest beat as stored."""
+
+    count: int
+    progress: int
+    steps: int
+    slowest: float
+    paused: bool
+    pid: int
+    host: str
+
+    def encode(self) -> str:
+        """The stored form."""
+        return f"{self.count} {self.progress} {self.steps} {self.slowest:.6f} {int(self.paused)} {self.pid} {self.host}"
+
+    @staticmethod
+    def decode(text: str) -> Beat:
+        """Parse the stored form."""
+        count, progress, steps, slowest, held, pid, host = text.split(" ", 6)
+        return Beat(int(count), int(progress), int(steps), float(slowest), held == "1", int(pid), host)
+
+
+class Judge:
+    """Decides, from successive views of every rank's beat, whether the job has stalled (pure: no store)."""
+
+    def __init__(self, rank: int, timeout: float | None, name: Callable[[int], str]) -> None:
+        self.rank, self.timeout, self.name = rank, timeout, name
+        self._heard: dict[int, tuple[int, float]] = {}  # rank -> (beat count, when it last changed)
+        self._progress: tuple[tuple[int, ...], float] | None = None
+
+    def limit(self, beats: list[Beat]) -> float:
+        """The timeout in force."""
+        return self.timeout if self.timeout is not None else default_timeout(max(b.slowest for b in beats))
+
+    def verdict(self, beats: list[Beat], now: float) -> tuple[str, list[int]] | None:
+        """None, or why the job stalled and which ranks are to blame."""
+        limit = self.limit(beats)
+        for rank, beat in enumerate(beats):
+            if rank != self.rank and self._heard.get(rank, (None, 0.0))[0] != beat.count:
+                self._heard[rank] = (beat.count, now)
+        # A rank writing a checkpoint may hold the interpreter lock for long stretches: not judged then.
+        silent = [r for r, (_, since) in self._heard.items() if now - since > limit and not beats[r].paused]
+        if silent:
+            names = ", ".join(self.name(r) for r in silent)
+            return (f"{names} stopped responding: no heartbeat for {limit:.0f} s (the process is stopped or "
+                    f"frozen); ending the job", silent)
+        if any(b.steps < 1 or b.paused for b in beats):
+            self._progress = None
+            return None
+        state = tuple(b.progress for b in beats)
+        if self._progress is None or self._progress[0] != state:
+            self._progress = (state, now)
+            return None
+        if now - self._progress[1] <= limit:
+            return None
+        fewest = min(b.steps for b in beats)
+        behind = [r for r, b in enumerate(beats) if b.steps == fewest]
+        names = ", ".join(self.name(r) for r in behind)
+        return (f"no progress for {limit:.0f} s: {names} stuck in step {fewest + 1} (still running, but no step or "
+                f"transfer finished); ending the job", behind)
+
+
+class Heartbeat:
+    """Beats for this rank and ends the job when any rank stalls."""
+
+    def __init__(self, watch: failure.AbortWatch, rank: int, world: int, timeout: float | None,
+                 name: Callable[[int], str], interval: float = 1.0) -> None:
+        self.watch, self.rank, self.world, self.interval = watch, rank, world, interval
+        self.judge = Judge(rank, timeout, name)
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "job")
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._keys = [f"{_KEY_PREFIX}{run}/{attempt}/{r}" for r in range(world)]
+        self._store = failure.connect()
+        self._stopped = threading.Event()
+        if self._store is not None:
+            threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
+
+    def stop(self) -> None:
+        """Stop beating and judging (a clean shutdown)."""
+        self._stopped.set()
+
+    def _beat(self) -> None:
+        assert self._store is not None
+        count, host = 0, socket.gethostname()
+        while not self._stopped.wait(self.interval):
+            count += 1
+            mine = Beat(count, _progress, _steps, _slowest, _paused > 0, os.getpid(), host)
+            try:
+                self._store.set(self._keys[self.rank], mine.encode())
+                if not self._store.check(self._keys):
+                    continue  # not every rank beats yet
+                beats = [Beat.decode(v.decode()) for v in self._store.multi_get(self._keys)]
+            except Exception:
+                return  # the store is gone: the abort watch ends this rank
+            found = self.judge.verdict(beats, time.monotonic())
+            if found is not None and not self._stopped.is_set():
+                self._end(found[0], [beats[r] for r in found[1]], host)
+
+    def _end(self, message: str, culprits: list[Beat], host: str) -> None:
+        if self.watch.announce(message):
+            # A stopped process would never end on the launcher's SIGTERM: end the ones on this host now.
+            for beat in culprits:
+                if beat.host == host and beat.pid != os.getpid():
+                    with contextlib.suppress(OSError):
+                        os.kill(beat.pid, signal.SIGKILL)
+        os._exit(failure.ANNOUNCED)

@@ -1,0 +1,53 @@
+"""Stall judgement from successive views of every rank's heartbeat (pure: no processes)."""
+
+from gpipe_cli.pipeline.heartbeat import Beat, Judge, default_timeout
+
+
+def beat(count: int, progress: int = 0, steps: int = 0, slowest: float = 0.1, paused: bool = False) -> Beat:
+    return Beat(count, progress, steps, slowest, paused, 100, "host")
+
+
+def name(rank: int) -> str:
+    return f"rank {rank} (stage {rank})"
+
+
+def test_default_timeout_is_a_minute_or_ten_slowest_steps():
+    assert default_timeout(0.5) == 60.0
+    assert default_timeout(30.0) == 300.0
+
+
+def test_a_rank_that_stops_beating_is_named_after_the_timeout():
+    judge = Judge(rank=0, timeout=5.0, name=name)
+    assert judge.verdict([beat(1), beat(1)], now=0.0) is None
+    assert judge.verdict([beat(4), beat(1)], now=5.0) is None  # rank 1 silent for exactly the timeout
+    found = judge.verdict([beat(5), beat(1)], now=5.5)
+    assert found is not None and found[1] == [1]
+    assert "rank 1 (stage 1) stopped responding: no heartbeat for 5 s" in found[0]
+    assert Beat.decode(beat(3, 7, 2, 1.5, True).encode()) == beat(3, 7, 2, 1.5, True)
+
+
+def test_no_progress_names_the_ranks_furthest_behind():
+    judge = Judge(rank=0, timeout=5.0, name=name)
+    for second in range(7):  # everyone beats, nobody progresses
+        found = judge.verdict([beat(second, 9, 3), beat(second, 8, 2), beat(second, 9, 3)], now=float(second))
+    assert found is not None and found[1] == [1]
+    assert found[0].startswith("no progress for 5 s: rank 1 (stage 1) stuck in step 3")
+
+
+def test_progress_is_not_judged_before_the_first_step_nor_during_a_checkpoint():
+    judge = Judge(rank=0, timeout=5.0, name=name)
+    for second in range(20):
+        assert judge.verdict([beat(second, 0, 0), beat(second, 0, 0)], now=float(second)) is None
+    for second in range(20, 40):
+        assert judge.verdict([beat(second, 5, 1, paused=True), beat(second, 5, 1)], now=float(second)) is None
+    for second in range(40, 60):  # a rank writing a checkpoint may fall silent for a while
+        assert judge.verdict([beat(second, 5, 1), beat(40, 5, 1, paused=True)], now=float(second)) is None
+
+
+def test_the_default_timeout_grows_with_the_slowest_step():
+    judge = Judge(rank=1, timeout=None, name=name)  # rank 0 stops beating after a 20 s step
+    slow = [beat(1, 1, 1, slowest=20.0), beat(1, 1, 1)]
+    judge.verdict(slow, now=0.0)
+    assert judge.verdict([beat(1, 1, 1, slowest=20.0), beat(2, 1, 1)], now=150.0) is None
+    found = judge.verdict([beat(1, 1, 1, slowest=20.0), beat(2, 1, 1)], now=201.0)
+    assert found is not None and found[0].startswith("rank 0 (stage 0) stopped responding: no heartbeat for 200 s")
