@@ -44,10 +44,19 @@ def resume_location(options: TrainOptions, name: str, root: str = "outputs") -> 
     raise UserError(f"--resume: no run of '{name}' with a complete checkpoint under {Path(root, name)}/")
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def train(options: TrainOptions) -> int:
     """Validate, then run the training job on K × D ranks; returns the exit code."""
     recipe = load_recipe(options.recipe, options.overrides)
     checked_plan(recipe, recipe_label(options.recipe))  # refuses impossible cuts before anything starts
+    if recipe.train.device == "cuda" and not _cuda_available():  # never fall back to the CPU silently
+        raise UserError(f"{recipe_label(options.recipe)}: train.device: cuda needs a CUDA GPU and none is "
+                        f"visible (allowed here: auto, cpu)")
     if options.output_dir and Path(options.output_dir).exists() and not Path(options.output_dir).is_dir():
         raise UserError(f"--output-dir: '{options.output_dir}' exists and is not a directory")
     job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
