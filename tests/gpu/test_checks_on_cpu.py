@@ -14,12 +14,15 @@ from torch import nn
 from typer.testing import CliRunner
 
 from gpipe_cli.bench.measure import StageFigures
+from gpipe_cli.bench.subject import resolve
 from gpipe_cli.cli import app
+from gpipe_cli.models.describe import count_parameters
 from gpipe_cli.pipeline import topology
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.train import checkpoint
 from gpipe_cli.train.resume import Checkpointer
+from tests.bench.tiny import TRANSFORMER, sizes
 from tests.gpu import runs
 from tests.gpu.runs import PRECISION_RECIPE, MiB
 from tests.train.recipes import write
@@ -63,6 +66,23 @@ def test_peak_check_accepts_what_an_allocator_can_hold_and_nothing_else() -> Non
                         (stage(GiB, GiB), "cpu")]:        # a CUDA figure off CUDA
         with pytest.raises(AssertionError):
             runs.check_stage_peaks([bad], params, device)
+
+
+def test_stage_parameter_bytes_follow_the_bench_balance() -> None:
+    subject = resolve(TRANSFORMER["model"], sizes(TRANSFORMER), TRANSFORMER["set"])
+    per_stage = runs.stage_param_bytes({"model": subject.to_json(), "balance": [2, 4]})
+    assert len(per_stage) == 2 and all(b > 0 for b in per_stage)
+    assert sum(per_stage) == 4 * count_parameters(subject.build())
+
+
+@pytest.mark.slow
+def test_profile_check_passes_on_the_cpu_against_itself(tmp_path: Path) -> None:
+    args = [TRANSFORMER["model"], *(f"--set={item}" for item in TRANSFORMER["set"]), "--layers", "2",
+            "--d-model", "32", "--ff", "64", "--heads", "2", "--seq-len", "8", "--vocab-size", "64"]
+    figures = runs.profile_memory(tmp_path, "cpu", "--model", *args, "--partitions", "2", "--microbatches", "2")
+    runs.check_profile(figures, figures, "cpu")
+    with pytest.raises(AssertionError):  # a CPU profile is not taken for a CUDA one
+        runs.check_profile(figures, figures, "cuda")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
