@@ -70,6 +70,14 @@ wants() { [[ " ${STEPS[*]} " == *" $1 "* ]]; }
 
 if wants tests; then
     step tests "$PY" -m pytest tests/gpu -m gpu -p no:cacheprovider -q --junitxml "$OUT/junit.xml"
+    # On a GPU machine nothing may be skipped: a skip would hide a path that did not run.
+    skipped=$("$PY" -c 'import sys, xml.etree.ElementTree as ET
+print(sum(int(s.get("skipped", 0)) for s in ET.parse(sys.argv[1]).getroot().iter("testsuite")))' \
+        "$OUT/junit.xml" 2>/dev/null || echo "unknown")
+    if [ "$skipped" != 0 ]; then
+        FAILED+=(tests-skipped)
+        echo "gpu-acceptance: $skipped gpu test(s) were skipped or unreadable in $OUT/junit.xml" >&2
+    fi
 fi
 if wants overhead; then
     step overhead "$PY" scripts/gpu_measure.py overhead --layers 8 --d-model 1024 --ff 4096 --heads 16 \

@@ -122,7 +122,9 @@ def _one_step(spec: Any, batch: int, microbatches: int, checkpoint: str, optimiz
         opt.step()
         torch.cuda.synchronize(device)
         result: dict[str, Any] = {"trained": True}
-    except torch.cuda.OutOfMemoryError as exc:
+    except RuntimeError as exc:  # the allocator's OutOfMemoryError, or cuBLAS/cuDNN failing to allocate
+        if "out of memory" not in str(exc).lower():
+            raise
         result = {"trained": False, "error": str(exc).splitlines()[0]}
     result.update(peak_bytes=int(torch.cuda.max_memory_allocated(device)), seconds=time.perf_counter() - started)
     pipe = opt = None  # type: ignore[assignment]
