@@ -3,6 +3,7 @@ the checks failing where they must, and the CUDA-only branches of resuming and `
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from rich.console import Console
 from torch import nn
 from typer.testing import CliRunner
 
@@ -20,6 +22,8 @@ from gpipe_cli.models.describe import count_parameters
 from gpipe_cli.pipeline import topology
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
+from gpipe_cli.profile.options import ProfileOptions
+from gpipe_cli.profile.runner import measure
 from gpipe_cli.train import checkpoint
 from gpipe_cli.train.resume import Checkpointer
 from tests.bench.tiny import TRANSFORMER, sizes
@@ -75,11 +79,10 @@ def test_stage_parameter_bytes_follow_the_bench_balance() -> None:
     assert sum(per_stage) == 4 * count_parameters(subject.build())
 
 
-@pytest.mark.slow
-def test_profile_check_passes_on_the_cpu_against_itself(tmp_path: Path) -> None:
-    args = [TRANSFORMER["model"], *(f"--set={item}" for item in TRANSFORMER["set"]), "--layers", "2",
-            "--d-model", "32", "--ff", "64", "--heads", "2", "--seq-len", "8", "--vocab-size", "64"]
-    figures = runs.profile_memory(tmp_path, "cpu", "--model", *args, "--partitions", "2", "--microbatches", "2")
+def test_profile_check_passes_on_the_cpu_against_itself() -> None:
+    options = ProfileOptions(model=TRANSFORMER["model"], set=TRANSFORMER["set"], partitions=[2], microbatches=2,
+                             **{**sizes(TRANSFORMER), "layers": 2})
+    figures = json.loads(json.dumps(measure(options, Console(quiet=True))))  # what --json writes
     runs.check_profile(figures, figures, "cpu")
     with pytest.raises(AssertionError):  # a CPU profile is not taken for a CUDA one
         runs.check_profile(figures, figures, "cuda")
