@@ -3,6 +3,7 @@ the checks failing where they must, and the CUDA-only branches of resuming and `
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -139,3 +140,25 @@ def test_checkpoints_resume_across_devices(tmp_path: Path, monkeypatch: pytest.M
     assert step == 1 and restored == []  # no GPU state was saved, or none is wanted: nothing to restore
     for a, b in zip(fresh.parameters(), pipe.parameters()):
         assert torch.equal(a, b)
+
+
+def test_figures_collects_what_the_acceptance_wrote_and_names_what_is_missing(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("gpu_figures", Path(__file__).parents[2] / "scripts/gpu_figures.py")
+    assert spec is not None and spec.loader is not None
+    figures_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures_module)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    rows = [{"scenario": "naive-1", "partitions": 1, "model": "(18, 208)", "params": 82, "device_peak_bytes": 7.0},
+            {"scenario": "pipeline-1", "partitions": 1, "model": "(18, 416)", "params": 318, "device_peak_bytes": 7.5}]
+    (raw / "table1-amoebanet.json").write_text(json.dumps(
+        {"family": "AmoebaNet-D (L, D)", "kind": "amoebanet", "budget_bytes": 8, "batch_size": 128,
+         "optimizer": "rmsprop", "method": "accounting", "rows": rows}))
+    (tmp_path / "junit.xml").write_text('<testsuites><testsuite tests="3" failures="1" errors="0" skipped="0">'
+                                        '<testcase classname="t" name="a"><failure/></testcase></testsuite>'
+                                        '</testsuites>')
+    figures = figures_module.collect(tmp_path)
+    amoeba = figures["table1"]["amoebanet"]
+    assert amoeba["remat_params_gain"] == pytest.approx(318 / 82) and amoeba["meets_paper"] is False
+    assert figures["tests"]["passed"] == 2 and figures["tests"]["failed"] == ["t::a"]
+    assert str(raw / "overhead.json") in figures["missing"] and str(raw / "bench-k2.json") in figures["missing"]
