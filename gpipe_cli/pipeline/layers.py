@@ -19,13 +19,15 @@ def layer_seed(seed: int, index: int) -> int:
 
 def build_layers(factories: Sequence[Callable[[], nn.Module]], indices: Sequence[int], seed: int,
                  device: torch.device | str = "cpu") -> list[nn.Module]:
-    """Build only the given layers, each from its own seed, so every partition starts from the same weights."""
+    """Build only the given layers, each from its own seed: every partition, on any device, starts alike."""
     device = torch.device(device)
     layers = []
     for i in indices:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
+        # Initialised by the CPU generator, then moved: a CUDA generator draws other numbers from the
+        # same seed, and a run must start from the same weights on every device.
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(layer_seed(seed, i))
-            layer = DeferredBatchNorm.convert(factories[i]())
+            layer = DeferredBatchNorm.convert(factories[i]()).to(device)
         for name, module in layer.named_modules():
             if isinstance(module, Dropout):
                 module.rng_key = zlib.crc32(f"{seed}/{i}.{name}".encode())

@@ -21,6 +21,7 @@ from gpipe_cli.pipeline.topology import Topology
 from gpipe_cli.train import checkpoint
 from gpipe_cli.train.plan import Plan
 from gpipe_cli.train.rundir import atomic_write_bytes
+from gpipe_cli.train.safe_dcp import SafeReader
 
 
 def run_dir_of(location: str) -> Path:
@@ -70,7 +71,11 @@ class Checkpointer:
         """Load a checkpoint into this rank's stage and optimizer; return the step to continue from."""
         layout = self._layout()
         same = all(found.manifest.get(k) == v for k, v in layout.items())
-        extra = checkpoint.load(found, self.pipe.module, self.optimizer, self._extra(0, same))
+        wanted = self._extra(0, same)
+        rng_key = f"rng.rank{self.layout.rank}"
+        if same and "cuda" in wanted[rng_key] and f"{rng_key}.cuda" not in _saved_keys(found):
+            del wanted[rng_key]["cuda"]  # written on the CPU: there is no CUDA RNG state to restore
+        extra = checkpoint.load(found, self.pipe.module, self.optimizer, wanted)
         step = int(extra["train"]["step"])
         value, good = extra["train"]["loss_scale"].tolist()
         self.pipe.loss_scale.value, self.pipe.loss_scale.good_steps = value, int(good)
@@ -131,6 +136,14 @@ class Checkpointer:
         self.last_saved = -1
         reasons = "; ".join(refused) if refused else "there are no checkpoints there"
         raise UserError(f"--resume {location}: no usable checkpoint ({reasons})")
+
+
+def _saved_keys(found: checkpoint.Found) -> set[str]:
+    """The flattened keys a checkpoint holds (empty when unreadable: loading then says why in one line)."""
+    try:
+        return set(SafeReader(str(found.path)).read_metadata().state_dict_metadata)
+    except Exception:
+        return set()
 
 
 def trim_metrics(path: Path, step: int) -> None:

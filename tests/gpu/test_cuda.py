@@ -1,0 +1,90 @@
+"""The CUDA paths one GPU can exercise, through the command line (skipped without CUDA).
+
+    K=1 on CUDA in fp32, bf16 and fp16 (dynamic loss scaling)  against the CPU in fp32
+    K=2 and K=4 ranks sharing the GPU (host-memory transport)    against K=1 on the GPU (tied weights too)
+    checkpoints written on one device, resumed on the other      against the uninterrupted run
+    gpipe bench: CUDA allocator peaks per stage                  against the activation accounting
+    gpipe profile-memory --device cuda                           against the CPU's exact accounting
+
+NCCL between two GPUs is the one path a single GPU cannot run (see the README).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.gpu import runs
+from tests.gpu.runs import PARTITION_RECIPE, PRECISION_RECIPE, Run
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return runs.train(tmp_path_factory.mktemp("cpu"), PRECISION_RECIPE, "cpu")
+
+
+@pytest.fixture(scope="module")
+def cuda_fp32(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return runs.train(tmp_path_factory.mktemp("cuda-fp32"), PRECISION_RECIPE, "cuda")
+
+
+@pytest.fixture(scope="module")
+def cuda_k1(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return runs.train(tmp_path_factory.mktemp("cuda-k1"), PARTITION_RECIPE, "cuda", "pipeline.partitions=1")
+
+
+# Each precision's tolerance, and why it is what it is: runs.TOLERANCE (and runs.SAME_DEVICE below).
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_k1_on_cuda_trains_like_the_cpu(precision: str, cpu_reference: Run, cuda_fp32: Run, tmp_path: Path) -> None:
+    run = cuda_fp32 if precision == "fp32" else runs.train(tmp_path, PRECISION_RECIPE, "cuda",
+                                                            f"train.precision={precision}")
+    runs.check_precision(run, cpu_reference, precision)
+    assert all(len(p) == 1 and p[0] > 0 for p in run.stage_peaks())
+
+
+@pytest.mark.parametrize("model, stages", [("amoebanet", 2), ("amoebanet", 4), ("transformer", 2)])
+def test_ranks_sharing_the_gpu_train_like_k1(model: str, stages: int, cuda_k1: Run, cuda_fp32: Run,
+                                             tmp_path: Path) -> None:
+    # The Transformer ties its embedding and softmax: with K=2 the copies live on two ranks.
+    recipe, reference = (PARTITION_RECIPE, cuda_k1) if model == "amoebanet" else (PRECISION_RECIPE, cuda_fp32)
+    run = runs.train(tmp_path, recipe, "cuda", f"pipeline.partitions={stages}")
+    runs.check_same_training(run, reference, stages)
+
+
+def test_checkpoint_written_on_cuda_resumes_on_cpu(cuda_fp32: Run, tmp_path: Path) -> None:
+    resumed = runs.resume_on(cuda_fp32, PRECISION_RECIPE, tmp_path, "cpu", keep_step=2)
+    runs.check_resumed(resumed, cuda_fp32, runs.TOLERANCE["fp32"])
+
+
+def test_checkpoint_written_on_cpu_resumes_on_cuda(cpu_reference: Run, tmp_path: Path) -> None:
+    resumed = runs.resume_on(cpu_reference, PRECISION_RECIPE, tmp_path, "cuda", keep_step=2)
+    runs.check_resumed(resumed, cpu_reference, runs.TOLERANCE["fp32"])
+
+
+# Activations of a few GiB per stage, so that the allocator's fixed workspaces are small beside them.
+BENCH_MODEL = ["--model", "transformer", "--set", "arch=decoder-only", "--set", "dropout=0", "--layers", "4",
+               "--d-model", "1024", "--ff", "4096", "--heads", "16", "--seq-len", "256", "--vocab-size", "8192"]
+
+
+def test_bench_on_cuda_reports_allocator_peaks_consistent_with_the_accounting(tmp_path: Path) -> None:
+    figures = runs.bench(tmp_path, *BENCH_MODEL, "--partitions", "2", "--microbatches", "4", "--batch-size", "32",
+                         "--checkpoint", "never", "--steps", "3", "--warmup", "1")
+    assert "CUDA" in figures["memory_method"] and figures["samples_per_s"] > 0 and figures["samples_per_s_k1"] > 0
+    runs.check_stage_peaks(figures["stages"], runs.stage_param_bytes(figures), "cuda")
+    whole = runs.stage_param_bytes({**figures, "balance": [figures["model"]["layers"]]})
+    runs.check_stage_peaks(figures["stages_k1"], whole, "cuda")
+
+
+# Activations of about a GiB, far above the allocator's workspaces, still quick to account on the CPU.
+PROFILE_MODEL = ["--model", "transformer", "--set", "arch=decoder-only", "--layers", "4", "--d-model", "512",
+                 "--ff", "2048", "--heads", "8", "--seq-len", "256", "--vocab-size", "4096"]
+
+
+def test_profile_memory_on_cuda_matches_the_cpu_accounting(tmp_path: Path) -> None:
+    args = [*PROFILE_MODEL, "--partitions", "2,4", "--microbatches", "4", "--batch-size", "16"]
+    cuda = runs.profile_memory(tmp_path, "cuda", *args)
+    cpu = runs.profile_memory(tmp_path, "cpu", *args)
+    runs.check_profile(cuda, cpu, "cuda")
