@@ -11,7 +11,7 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpipe_cli.data.sources import PROBE_TIMEOUT_S, hub_reachable, load_hub, offline_flag
+from gpipe_cli.data.hub import PROBE_TIMEOUT_S, hub_reachable, offline_flag
 from gpipe_cli.errors import DataError
 from gpipe_cli.recipe.schema import Data
 
@@ -64,6 +64,8 @@ def check_hub_data(data: Data, recipe: str | None, overrides: Sequence[str] = ()
         endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
         why = f"no answer from {endpoint} within {PROBE_TIMEOUT_S:g} s"
     if maybe_cached(data.name):
+        from gpipe_cli.data.sources import load_hub
+
         try:
             load_hub(data.name, data.config, None, "parquet")  # offline: reads the cache only
             return

@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from gpipe_cli.data.hub import hub_reachable, offline_flag
 from gpipe_cli.data.rng import rng
 from gpipe_cli.errors import DataError
 
 # Validation first: test splits may have hidden labels (imagenet-1k's are -1).
 EVAL_SPLIT_NAMES = ("validation", "valid", "dev", "test", "eval")
-# Short: the answer decides in seconds whether a run can start, and huggingface.co answers a HEAD in < 1 s.
-PROBE_TIMEOUT_S = 2.0
-_TRUE = {"1", "true", "yes", "on"}
 
 
 def existing_path(path: str | None, what: str) -> Path:
@@ -96,36 +91,6 @@ def load_builder(builder: str, where: str, cache_dir: Path | None, **kwargs: Any
         return datasets.load_dataset(builder, cache_dir=str(cache_dir) if cache_dir else None, **kwargs)
     except Exception as e:
         raise DataError(f"cannot read {where} as {builder}: {first_line(e)}") from None
-
-
-def offline_flag() -> bool:
-    """Whether the environment asks the Hugging Face libraries to stay offline."""
-    return _flag("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
-
-
-def _flag(*names: str) -> bool:
-    return any(os.environ.get(n, "").strip().lower() in _TRUE for n in names)
-
-
-def hub_reachable(endpoint: str | None = None, timeout: float = PROBE_TIMEOUT_S) -> bool:
-    """Whether the hub endpoint answers at all within `timeout` (proxies honoured, DNS hangs bounded)."""
-    url = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    result: list[bool] = []
-
-    def probe() -> None:
-        try:
-            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
-            result.append(True)
-        except urllib.error.HTTPError:  # any HTTP answer means the network path works
-            result.append(True)
-        except Exception:
-            result.append(False)
-
-    # A thread bounds name resolution too, which socket timeouts do not cover.
-    t = threading.Thread(target=probe, daemon=True)
-    t.start()
-    t.join(timeout + 0.5)
-    return bool(result and result[0])
 
 
 @contextlib.contextmanager
