@@ -11,3 +11,6 @@ class UserError(Exception):
 
 class DataError(UserError):
     """A data source that cannot be read (missing path, unreachable hub, malformed file)."""
+
+
+NONFINITE_EXIT_CODE = 3  # training stopped on a non-finite loss or gradient; rank 0 has said where

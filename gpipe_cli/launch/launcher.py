@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from gpipe_cli.errors import UserError
+from gpipe_cli.errors import NONFINITE_EXIT_CODE, UserError
 
 _STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
@@ -138,7 +138,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode
-        if code in _STOPPED or code == UserError.exit_code:  # the ranks already said why
+        if code in _STOPPED or code in (UserError.exit_code, NONFINITE_EXIT_CODE):  # the ranks already said why
             return code
         print(f"gpipe: rank {rank} exited with code {code}; see its message above", file=sys.stderr)
         return code if isinstance(code, int) and code > 0 else 1

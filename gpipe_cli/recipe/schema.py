@@ -140,6 +140,8 @@ class Train(Section):
     grad_clip: Annotated[float, Field(gt=0.0)] | None = None
     log_every: PositiveInt = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # a non-finite loss or gradient (fp32, bf16)
+    max_skipped: PositiveInt = 10  # consecutive skipped steps that stop the run (fp16 overflows too)
 
     @model_validator(mode="after")
     def _some_length(self) -> Train:

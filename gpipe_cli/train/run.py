@@ -5,16 +5,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.launch import LaunchOptions, launch, under_torchrun
 from gpipe_cli.recipe.load import load_recipe, recipe_label
-from gpipe_cli.train.checkpoint import newest_whole
-from gpipe_cli.train.loop import Job
-from gpipe_cli.train.plan import checked_plan
+from gpipe_cli.train.announce import announce, local_ranks, note
+from gpipe_cli.train.job import Job
 
 
 @dataclass
@@ -37,6 +38,8 @@ def resume_location(options: TrainOptions, name: str, root: str = "outputs") -> 
         return str(options.resume)
     if options.output_dir:
         return options.output_dir
+    from gpipe_cli.train.checkpoint import newest_whole  # torch: only once the first line is out
+
     runs = sorted((p for p in Path(root, name).glob("*") if p.is_dir()), reverse=True)
     for run in runs:
         if newest_whole(run)[0] is not None:
@@ -46,12 +49,17 @@ def resume_location(options: TrainOptions, name: str, root: str = "outputs") -> 
 
 def train(options: TrainOptions) -> int:
     """Validate, then run the training job on K × D ranks; returns the exit code."""
+    started = time.time()
     recipe = load_recipe(options.recipe, options.overrides)
+    if not under_torchrun() or os.environ.get("RANK", "0") == "0":
+        announce(recipe, options.launch.nnodes, options.launch.threads, sys.stdout)
+    from gpipe_cli.train.plan import checked_plan  # torch and the models: only once the first line is out
+
     checked_plan(recipe, recipe_label(options.recipe))  # refuses impossible cuts before anything starts
     if options.output_dir and Path(options.output_dir).exists() and not Path(options.output_dir).is_dir():
         raise UserError(f"--output-dir: '{options.output_dir}' exists and is not a directory")
     job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
-              resume=resume_location(options, recipe.name) if options.resume else None)
+              resume=resume_location(options, recipe.name) if options.resume else None, started=started)
     world = recipe.pipeline.partitions * recipe.pipeline.data_parallel
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world:
@@ -60,6 +68,9 @@ def train(options: TrainOptions) -> int:
         from gpipe_cli.train.worker import run_job
 
         return run_job(job)
+    here = local_ranks(world, options.launch.nnodes)
+    print(note(started, f"starting {here} rank{'s' if here > 1 else ''}"
+                        + (f" of {world} on this node" if here != world else "")), flush=True)
     with tempfile.TemporaryDirectory(prefix="gpipe-") as folder:
         path = Path(folder) / "job.json"
         path.write_text(json.dumps(dataclasses.asdict(job)))
