@@ -1,12 +1,16 @@
-"""The first lines of `gpipe train`, printed before anything slow starts: what runs, and on what.
+"""The first lines of `gpipe train`: what runs, and on what, before anything slow starts.
 
-Nothing here imports torch at module level, so the first line appears as soon as the recipe is read.
+Nothing here imports torch at module level. On a terminal the first line shows as soon as the recipe
+is read, as a transient status while the plan is checked (an error then stands alone, as one line);
+it stays once the checks pass.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from typing import TextIO
 
 from gpipe_cli.recipe.schema import Recipe
@@ -21,10 +25,8 @@ def describe_model(recipe: Recipe) -> str:
     """The recipe's model in a few words."""
     m = recipe.model
     if m.kind == "amoebanet":
-        name = m.preset or f"AmoebaNet-{m.variant.upper()}({m.layers}, {m.filters})"
-        return f"{name}, {m.image_size} px, {m.num_classes} classes"
-    name = m.preset or f"Transformer {m.arch}"
-    return f"{name} ({m.layers} layers, d_model {m.d_model}, ff {m.ff}, {m.heads} heads)"
+        return m.preset or f"AmoebaNet-{m.variant.upper()}({m.layers}, {m.filters}) at {m.image_size} px"
+    return m.preset or f"Transformer {m.arch} ({m.layers} layers, d_model {m.d_model})"
 
 
 def first_line(recipe: Recipe) -> str:
@@ -32,9 +34,21 @@ def first_line(recipe: Recipe) -> str:
     p, t = recipe.pipeline, recipe.train
     length = " and ".join(x for x in (f"{t.steps} steps" if t.steps else "", f"{t.epochs} epochs" if t.epochs else "")
                           if x)
-    return (f"gpipe train {recipe.name}: {describe_model(recipe)}; K={p.partitions} stages x "
-            f"D={p.data_parallel} replicas = {p.partitions * p.data_parallel} ranks, M={p.microbatches} "
-            f"micro-batches of a {recipe.data.batch_size}-example batch, {length}, {t.precision}")
+    return (f"gpipe train {recipe.name}: {describe_model(recipe)}, K={p.partitions} stages x D={p.data_parallel} "
+            f"= {p.partitions * p.data_parallel} ranks, M={p.microbatches} micro-batches, batch "
+            f"{recipe.data.batch_size}, {length}, {t.precision}")
+
+
+@contextlib.contextmanager
+def checking(recipe: Recipe, terminal: bool) -> Iterator[None]:
+    """While the block runs, the first line as a transient status on a terminal (nothing elsewhere)."""
+    if not terminal:
+        yield
+        return
+    from rich.console import Console
+
+    with Console().status(f"{first_line(recipe)}: checking the plan", spinner="dots"):
+        yield
 
 
 def oversubscription(ranks: int, threads: int, cores: int, gpus: int) -> str | None:

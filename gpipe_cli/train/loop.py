@@ -78,7 +78,8 @@ class Trainer:
         ranges = stage_ranges(self.plan.balance)
         self._note(f"building {len(ranges)} stage{'s' if len(ranges) > 1 else ''} of {self.spec.name} "
                    f"({self.plan.total_params:,} parameters): "
-                   + ", ".join(f"stage {i} layers {r[0]}-{r[-1]}" for i, r in enumerate(ranges)))
+                   + ", ".join(f"stage {i} layer{f's {r[0]}-{r[-1]}' if len(r) > 1 else f' {r[0]}'}"
+                               for i, r in enumerate(ranges)))
         span = ranges[self.layout.stage]
         layers = build_layers(self.spec.factories(), span, recipe.seed, topo.device)
         self.pipe = Pipeline(layers, topo, self.plan.balance, self.spec.loss, units=self.spec.units,

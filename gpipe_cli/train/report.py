@@ -162,7 +162,13 @@ class TerminalView:
                     print(line, file=self.stream, flush=True)
         if self._live is not None and self._last_train is not None:
             self._progress.update(self._task, completed=self._last_train["step"])
-            self._live.update(Group(self._progress, self._table(self._last_train)))
+            self._live.update(self.frame())
+
+    def frame(self) -> Group:
+        """What the live view shows now: progress, the latest step's figures per stage, the latest eval."""
+        if self._last_train is None:
+            return Group(self._progress)
+        return Group(self._progress, self._table(self._last_train))
 
     def _table(self, record: dict[str, Any]) -> Group:
         head = Table(show_header=False, box=None, padding=(0, 2))

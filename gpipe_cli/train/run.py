@@ -14,7 +14,7 @@ from pathlib import Path
 from gpipe_cli.errors import UserError
 from gpipe_cli.launch import LaunchOptions, launch, under_torchrun
 from gpipe_cli.recipe.load import load_recipe, recipe_label
-from gpipe_cli.train.announce import announce, local_ranks, note
+from gpipe_cli.train.announce import announce, checking, local_ranks, note
 from gpipe_cli.train.job import Job
 
 
@@ -51,13 +51,15 @@ def train(options: TrainOptions) -> int:
     """Validate, then run the training job on K × D ranks; returns the exit code."""
     started = time.time()
     recipe = load_recipe(options.recipe, options.overrides)
-    if not under_torchrun() or os.environ.get("RANK", "0") == "0":
-        announce(recipe, options.launch.nnodes, options.launch.threads, sys.stdout)
-    from gpipe_cli.train.plan import checked_plan  # torch and the models: only once the first line is out
+    first = not under_torchrun() or os.environ.get("RANK", "0") == "0"
+    with checking(recipe, first and (options.plain is False or (options.plain is None and sys.stdout.isatty()))):
+        from gpipe_cli.train.plan import checked_plan  # torch and the models: the status line is already up
 
-    checked_plan(recipe, recipe_label(options.recipe))  # refuses impossible cuts before anything starts
-    if options.output_dir and Path(options.output_dir).exists() and not Path(options.output_dir).is_dir():
-        raise UserError(f"--output-dir: '{options.output_dir}' exists and is not a directory")
+        checked_plan(recipe, recipe_label(options.recipe))  # refuses impossible cuts before anything starts
+        if options.output_dir and Path(options.output_dir).exists() and not Path(options.output_dir).is_dir():
+            raise UserError(f"--output-dir: '{options.output_dir}' exists and is not a directory")
+    if first:
+        announce(recipe, options.launch.nnodes, options.launch.threads, sys.stdout)
     job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
               resume=resume_location(options, recipe.name) if options.resume else None, started=started)
     world = recipe.pipeline.partitions * recipe.pipeline.data_parallel
