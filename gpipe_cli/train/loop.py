@@ -94,8 +94,8 @@ class Trainer:
         self.start_step = self._resume() if job.resume else 0
         self.stop = StopRequest(announce=self.layout.rank == 0)
         self.stopped_by = 0
-        self.nonfinite = nonfinite.NonFinitePolicy(recipe.train.on_nonfinite, recipe.train.max_skipped,
-                                                   loss_scaling=recipe.train.precision == "fp16")
+        self.policy = nonfinite.NonFinitePolicy(recipe.train.on_nonfinite, recipe.train.max_skipped,
+                                                loss_scaling=recipe.train.precision == "fp16")
         self.diverged: str | None = None  # the line that ends a run on non-finite values
         self.metrics = MetricsFile(self.run_dir / "metrics.jsonl") if self.layout.rank == 0 else None
         self.summary = RunSummary(self.total_steps, job.started or time.time())
@@ -108,11 +108,12 @@ class Trainer:
             self.view.note(text)
 
     def _reading_data(self) -> str:
-        data = self.recipe.data
-        text = f"reading data ({data.source}{': ' + (data.name or data.path or '') if data.name or data.path else ''})"
-        tokenizer = self.run_dir / "tokenizer.model"
-        if self.spec.task != "image" and not data.tokenizer and not tokenizer.exists():
-            text += f" and training the tokenizer (vocabulary {getattr(self.recipe.model, 'vocab_size', '?')})"
+        data, model = self.recipe.data, self.recipe.model
+        where = data.name or data.path
+        text = f"reading data ({data.source}{f': {where}' if where else ''})"
+        stored = (self.run_dir / "tokenizer.model").exists()
+        if isinstance(model, TransformerModel) and not data.tokenizer and not stored:
+            text += f" and training the tokenizer (vocabulary {model.vocab_size})"
         return text
 
     def _data_summary(self, data: Loader) -> str:
@@ -220,7 +221,7 @@ class Trainer:
             self.pipe.zero_grad()
             now = time.perf_counter()
             # Every rank sees the same finiteness (the engine agrees on it), so all decide alike.
-            decision = self.nonfinite.decide(not result.skipped)
+            decision = self.policy.decide(not result.skipped)
             if layout.rank == 0:
                 assert batch is not None
                 self._record_step(step, batch, result, now - last_time, decision)
@@ -280,11 +281,11 @@ class Trainer:
         what = nonfinite.what_went_wrong(result.loss, result.grad_norm, stats.nonfinite(), self.spec.layer_names)
         if decision == "skip":
             scale = self.pipe.loss_scale.value if self.pipe.loss_scale.enabled else None
-            self.view.message(nonfinite.skipped_line(step + 1, self.total_steps, what, self.nonfinite, scale))
+            self.view.message(nonfinite.skipped_line(step + 1, self.total_steps, what, self.policy, scale))
         else:
             saved = self.checkpoints.last_saved
             path = str(checkpoint.path_for(self.run_dir, saved)) if saved >= 0 else None
-            self.diverged = nonfinite.stop_line(step + 1, what, self.nonfinite, path)
+            self.diverged = nonfinite.stop_line(step + 1, what, self.policy, path)
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """Loss and accuracy (and BLEU for translation) on the held-out split."""
