@@ -97,12 +97,10 @@ class Timeline:
     def span(self, part: str) -> Iterator[None]:
         """Count the time of a block outside the schedule (a reduction, the optimizer) towards `part`."""
         start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self.cuda:  # device work is asynchronous: count it where it ran, not where it was queued
-                torch.cuda.synchronize(self.device)
-            self.extra[part] = self.extra.get(part, 0.0) + time.perf_counter() - start
+        yield
+        if self.cuda:  # device work is asynchronous: count it where it ran, not where it was queued
+            torch.cuda.synchronize(self.device)
+        self.extra[part] = self.extra.get(part, 0.0) + time.perf_counter() - start
 
     def busy(self, events: list[Event] | None = None) -> float:
         """Seconds spent in forward, recompute and backward."""
