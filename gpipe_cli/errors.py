@@ -43,3 +43,6 @@ def cut(text: str, limit: int = SHOWN_CHARS) -> str:
 def one_line(message: str) -> str:
     """A message as one line of readable length (newlines joined, the tail cut)."""
     return cut(" ".join(message.split()), LINE_CHARS)
+
+
+NONFINITE_EXIT_CODE = 3  # training stopped on a non-finite loss or gradient; rank 0 has said where

@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from gpipe_cli.errors import UserError
+from gpipe_cli.errors import NONFINITE_EXIT_CODE, UserError
 from gpipe_cli.launch.preflight import parse_nodes
 
 _STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
@@ -127,6 +127,8 @@ def explain(failures: dict[int, Any], stages: int | None = None) -> tuple[int, s
     codes = {rank: f.exitcode for rank, f in failures.items()}
     if UserError.exit_code in codes.values():  # bad input: the rank that found it said so
         return UserError.exit_code, None
+    if NONFINITE_EXIT_CODE in codes.values():  # rank 0 said at which step, stage and layer
+        return NONFINITE_EXIT_CODE, None
     if ANNOUNCED in codes.values():  # a rank told the cause (a stall) in one line and ended the job
         return 1, None
     # A rank killed by a signal is the cause; the others failed because it vanished, or stopped on the

@@ -32,7 +32,7 @@ class StepResult:
 
     loss: float | None            # the mini-batch's mean loss (last stages and rank 0)
     grad_norm: float              # global gradient norm before clipping
-    skipped: bool                 # non-finite gradients (fp16 overflow): do not step the optimizer
+    skipped: bool                 # a non-finite loss or gradient on some stage: the update was not applied
     stats: stats.StepStats | None  # every stage's figures, on rank 0
 
 
@@ -148,11 +148,13 @@ class Pipeline:
 
     def train_step(self, inputs: Any = None, targets: torch.Tensor | None = None, *, microbatches: int,
                    step: int, example_offset: int = 0, max_grad_norm: float | None = None,
-                   trace: bool = False) -> StepResult:
+                   trace: bool = False, update: Callable[[], None] | None = None) -> StepResult:
         """Forward and backward one mini-batch as M micro-batches; leave the summed gradients in place.
 
         The first stage gives `inputs`, the last stage `targets` (a single stage gives both).
         `example_offset` is the global index of this replica's first example (split-invariant dropout).
+        `update` (the optimizer step) runs, timed, once the gradients are ready, unless some stage's loss
+        or gradient is not finite.
         """
         layout, chunks = self.layout, microbatches
         actions, remat = self._plan(chunks)
@@ -198,7 +200,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         for action in actions:
             mb, kind = action.microbatch, action.kind
-            self.timeline.begin(action)
+            self.timeline.begin(action)  # receives count as waiting, sends as communication
             if kind == Kind.RECV_FWD:
                 assert self.fwd_in is not None
                 header, tensors = self.fwd_in.take(mb)
@@ -236,20 +238,26 @@ class Pipeline:
                 assert self.bwd_out is not None
                 self.bwd_out.send(mb, chunks, 0, grads_out.pop(mb))
             self.timeline.end()
-        for channel in (self.fwd_out, self.bwd_out):
-            if channel is not None:
-                channel.flush()
+        with self.timeline.span(stats.COMM):
+            for channel in (self.fwd_out, self.bwd_out):
+                if channel is not None:
+                    channel.flush()
         if self.stage.in_flight:
             raise RuntimeError(f"the {self.schedule_name} schedule left {self.stage.in_flight} micro-batches of "
                                f"stage {layout.stage} without a backward")
 
-        norm, finite = self._finish_gradients(max_grad_norm)
         loss = float(torch.stack(losses).sum()) / self.loss_scale.value if losses else None
+        norm, finite = self._finish_gradients(max_grad_norm, loss is None or math.isfinite(loss))
         self.loss_scale.update(finite)
+        if finite and update is not None:
+            with self.timeline.span(stats.OPTIMIZER):
+                update()
         step_time = self.timeline.now()
         events = self.timeline.events()
+        wait, comm, optimizer = self.timeline.parts(events)
         mine = stats.StageStats(layout.stage, layout.replica, step_time, self.timeline.busy(events),
-                                self.stage.meter.peak, memory.peak_rss_bytes(), memory.cuda_peak_bytes(self.device))
+                                self.stage.meter.peak, memory.peak_rss_bytes(), memory.cuda_peak_bytes(self.device),
+                                wait, comm, optimizer, -1 if finite else self._first_nonfinite_layer())
         gathered = stats.gather(mine, loss or 0.0, int(examples), units_total, norm,
                                 sched.theoretical_bubble(layout.stages, chunks), self.topology.transport.control,
                                 events if trace else None)
@@ -257,19 +265,32 @@ class Pipeline:
             loss = gathered.loss
         return StepResult(loss=loss, grad_norm=norm, skipped=not finite, stats=gathered)
 
-    def _finish_gradients(self, max_grad_norm: float | None) -> tuple[float, bool]:
-        """Sum over replicas and shared copies, unscale, take the global norm and clip."""
-        grads.all_reduce_replicas(self.params, self.topology.replica_group, self.staging)
-        grads.sum_shared(self.shared, self.staging)
+    def _finish_gradients(self, max_grad_norm: float | None, loss_finite: bool) -> tuple[float, bool]:
+        """Sum over replicas and shared copies, unscale, take the global norm and clip.
+
+        Returns the norm and whether every loss and gradient of every stage and replica is finite.
+        """
+        with self.timeline.span(stats.COMM):
+            bad = grads.all_reduce_replicas(self.params, self.topology.replica_group, self.staging,
+                                            0.0 if loss_finite else 1.0)
+            grads.sum_shared(self.shared, self.staging)
         if self.loss_scale.enabled:
             grads.scale_(self.params, 1.0 / self.loss_scale.value)
-        norm = grads.global_norm(self.params, self._norm_exclude, self.topology.pipeline_group,
-                                 self.staging, self.device)
-        finite = math.isfinite(norm)
+        # The norm's collective waits for the slowest stage to finish its backward: that is the bubble.
+        with self.timeline.span(stats.WAIT):
+            norm, bad = grads.global_norm(self.params, self._norm_exclude, self.topology.pipeline_group,
+                                          self.staging, self.device, bad)
+        finite = math.isfinite(norm) and bad == 0
         if finite and max_grad_norm is not None and norm > max_grad_norm:
             grads.scale_(self.params, max_grad_norm / (norm + 1e-6))
-        grads.commit_batchnorms(self.batchnorms, self.topology.replica_group, self.staging)
+        with self.timeline.span(stats.COMM):
+            grads.commit_batchnorms(self.batchnorms, self.topology.replica_group, self.staging)
         return norm, finite
+
+    def _first_nonfinite_layer(self) -> int:
+        """The global index of this stage's first layer, in backward order, with a non-finite gradient."""
+        name = grads.first_nonfinite(reversed(list(self.module.named_parameters())))
+        return int(name.split(".", 1)[0]) if name is not None else -1
 
     # ----------------------------------------------------------------- evaluation
 

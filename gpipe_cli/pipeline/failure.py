@@ -29,7 +29,7 @@ T = TypeVar("T")
 _KEY_PREFIX = "gpipe/abort/"
 EXIT_CODE = 1
 # A rank ended because the job's failure was already told in one line (a stall): the launcher adds nothing.
-ANNOUNCED = 3
+ANNOUNCED = 4
 PEER_GRACE_S = 5.0  # how long a rank whose peer vanished waits for the launcher to end it
 # What gloo says when the rank at the other end of a connection is gone.
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ECONNRESET", "EPIPE",

@@ -7,7 +7,7 @@ reduction here is a plain sum and the result equals the gradient of the whole mi
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,18 +36,25 @@ def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, staging: 
         dist.all_reduce(tensor, group=group)
 
 
-def all_reduce_replicas(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, staging: bool) -> None:
-    """Sum gradients over the data-parallel replicas of a stage, in one flat buffer."""
-    if group is None or not params:
-        return
+def all_reduce_replicas(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, staging: bool,
+                        flag: float = 0.0) -> float:
+    """Sum gradients over the data-parallel replicas of a stage, in one flat buffer.
+
+    `flag` (e.g. 1 for a non-finite loss) rides along in the same buffer; returns its sum over replicas.
+    """
+    if group is None:
+        return flag
     for p in params:
         if p.grad is None:  # every replica must reduce the same buffer layout
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params if p.grad is not None]
-    flat = _flatten_dense_tensors(grads)
+    device = grads[0].device if grads else torch.device("cpu")
+    marker = torch.tensor([flag], dtype=grads[0].dtype if grads else torch.float32, device=device)
+    flat = _flatten_dense_tensors([*grads, marker])
     _all_reduce(flat, group, staging)
     for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         g.copy_(reduced)
+    return float(flat[-1].item())
 
 
 def sum_shared(shared: Sequence[SharedCopy], staging: bool) -> None:
@@ -60,15 +67,28 @@ def sum_shared(shared: Sequence[SharedCopy], staging: bool) -> None:
 
 
 def global_norm(params: Sequence[nn.Parameter], exclude: set[int], group: dist.ProcessGroup | None,
-                staging: bool, device: torch.device) -> float:
-    """The L2 norm of all gradients of all stages (each shared parameter counted once)."""
+                staging: bool, device: torch.device, flag: float = 0.0) -> tuple[float, float]:
+    """The L2 norm of all gradients of all stages (each shared parameter counted once).
+
+    Also returns `flag` summed over the stages (one collective for both): how a non-finite loss, known
+    only to the last stage, reaches every stage in the same step.
+    """
     grads = [p.grad for p in params if p.grad is not None and id(p) not in exclude]
     local = (torch.nn.utils.get_total_norm(grads, 2.0).double() if grads
              else torch.zeros((), dtype=torch.float64, device=device))
-    squares = local.square().reshape(1).to(device)
+    values = torch.stack([local.square().to(device), torch.tensor(flag, dtype=torch.float64, device=device)])
     if group is not None:
-        _all_reduce(squares, group, staging)
-    return math.sqrt(float(squares.item()))
+        _all_reduce(values, group, staging)
+    squares, flags = values.tolist()
+    return math.sqrt(squares), flags
+
+
+def first_nonfinite(named: Iterable[tuple[str, nn.Parameter]]) -> str | None:
+    """The name of the first parameter, in the given order, whose gradient holds a NaN or an infinity."""
+    for name, p in named:
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            return name
+    return None
 
 
 def scale_(params: Sequence[nn.Parameter], factor: float) -> None:

@@ -179,6 +179,8 @@ class Train(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Seconds without progress before a stalled rank ends the job; null: max(60, 10x the slowest step).
     stall_timeout: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # a non-finite loss or gradient (fp32, bf16)
+    max_skipped: PositiveInt = 10  # consecutive skipped steps that stop the run (fp16 overflows too)
 
     @model_validator(mode="after")
     def _some_length(self) -> Train:

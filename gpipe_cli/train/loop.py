@@ -13,7 +13,6 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,23 +28,16 @@ from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_ranges
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
-from gpipe_cli.train import evaluation, optim, translate
+from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, translate
+from gpipe_cli.train.job import Job
 from gpipe_cli.train.plan import Plan, make_plan, model_spec
 from gpipe_cli.train.report import MetricsFile, TerminalView
 from gpipe_cli.train.resume import Checkpointer, run_dir_of, trim_metrics
 from gpipe_cli.train.rundir import choose_run_dir, create_run_dir, save_recipe
 from gpipe_cli.train.signals import StopRequest
+from gpipe_cli.train.summary import RunSummary
 
-
-@dataclass
-class Job:
-    """What the launcher hands every rank."""
-
-    recipe: dict[str, Any]
-    output_dir: str | None = None
-    outputs_root: str = "outputs"
-    plain: bool | None = None
-    resume: str | None = None  # a run directory or checkpoint to continue from
+__all__ = ["Job", "Trainer", "configure_threads"]
 
 
 class Trainer:
@@ -53,6 +45,9 @@ class Trainer:
 
     def __init__(self, recipe: Recipe, job: Job, topo: topology.Topology) -> None:
         self.recipe, self.job, self.topo, self.layout = recipe, job, topo, topo.layout
+        self.view = (TerminalView(recipe.name, job.plain, started=job.started) if self.layout.rank == 0 else None)
+        self._note(f"{self.layout.world_size} rank{'s' if self.layout.world_size > 1 else ''} started on "
+                   f"{topo.device.type}; planning the cut")
         self.spec: ModelSpec = model_spec(recipe)
         self.plan: Plan = make_plan(recipe, self.spec, self._measure())
         chosen = run_dir_of(job.resume) if job.resume else choose_run_dir(recipe, job.output_dir, job.outputs_root)
@@ -68,16 +63,24 @@ class Trainer:
     def _build(self) -> None:
         recipe, job, topo = self.recipe, self.job, self.topo
         self.data: Loader | None = None
+        self._note(self._reading_data())
         if self.layout.is_first or self.layout.is_last:
             self.data = build_data_for(recipe, run_dir=self.run_dir)
             self._check_vocabulary()
         counts = (self.data.steps_per_epoch(), self.data.eval_steps(recipe.eval.batches)) if self.data else None
         self.steps_per_epoch, self.eval_steps = self._share(counts)
+        if self.data is not None:
+            self._note(self._data_summary(self.data))
         if self.layout.rank == 0:
             create_run_dir(self.run_dir)
             save_recipe(recipe, self.run_dir)
         pipe_cfg = recipe.pipeline
-        span = stage_ranges(self.plan.balance)[self.layout.stage]
+        ranges = stage_ranges(self.plan.balance)
+        self._note(f"building {len(ranges)} stage{'s' if len(ranges) > 1 else ''} of {self.spec.name} "
+                   f"({self.plan.total_params:,} parameters): "
+                   + ", ".join(f"stage {i} layer{f's {r[0]}-{r[-1]}' if len(r) > 1 else f' {r[0]}'}"
+                               for i, r in enumerate(ranges)))
+        span = ranges[self.layout.stage]
         layers = build_layers(self.spec.factories(), span, recipe.seed, topo.device)
         self.pipe = Pipeline(layers, topo, self.plan.balance, self.spec.loss, units=self.spec.units,
                              schedule=pipe_cfg.schedule, checkpoint=pipe_cfg.checkpoint, tied=self.spec.tied,
@@ -91,11 +94,38 @@ class Trainer:
         self.start_step = self._resume() if job.resume else 0
         self.stop = StopRequest(announce=self.layout.rank == 0)
         self.stopped_by = 0
+        self.policy = nonfinite.NonFinitePolicy(recipe.train.on_nonfinite, recipe.train.max_skipped,
+                                                loss_scaling=recipe.train.precision == "fp16")
+        self.diverged: str | None = None  # the line that ends a run on non-finite values
         self.metrics = MetricsFile(self.run_dir / "metrics.jsonl") if self.layout.rank == 0 else None
-        self.view = (TerminalView(self.total_steps, f"{recipe.name}: {self.spec.name}", job.plain)
-                     if self.layout.rank == 0 else None)
+        self.summary = RunSummary(self.total_steps, job.started or time.time())
 
     # ----------------------------------------------------------------- set-up helpers
+
+    def _note(self, text: str) -> None:
+        """A preparation step on the launching terminal (rank 0), so the screen is never blank."""
+        if self.view is not None:
+            self.view.note(text)
+
+    def _reading_data(self) -> str:
+        data, model = self.recipe.data, self.recipe.model
+        where = data.name or data.path
+        text = f"reading data ({data.source}{f': {where}' if where else ''})"
+        stored = (self.run_dir / "tokenizer.model").exists()
+        if isinstance(model, TransformerModel) and not data.tokenizer and not stored:
+            text += f" and training the tokenizer (vocabulary {model.vocab_size})"
+        return text
+
+    def _data_summary(self, data: Loader) -> str:
+        """How much data there is and what `drop_last` leaves out of every epoch."""
+        used = sum(len(batch) for batch in data.plan(0))
+        text = (f"data: {data.train_size:,} training examples, {self.steps_per_epoch:,} steps per epoch, "
+                f"{data.eval_size:,} held out")
+        dropped = data.train_size - used
+        if dropped:
+            text += (f"; data.drop_last leaves out {dropped:,} of {data.train_size:,} training examples per epoch "
+                     f"(a partial last batch; data.drop_last: false keeps them)")
+        return text
 
     def _share(self, value: Any) -> Any:
         """Rank 0's value, on every rank."""
@@ -170,24 +200,28 @@ class Trainer:
         """
         recipe, layout = self.recipe, self.layout
         if self.view is not None:
-            self.view.start(self.start_step)
+            self.view.start(self.total_steps, self.start_step)
         last_time = time.perf_counter()
         for step, batch in enumerate(self.batches(self.start_step), start=self.start_step):
             # The loader leaves out what this rank's stage does not need (inputs, targets or both).
             result = self.pipe.train_step(
                 batch.inputs if batch else None, batch.targets if batch else None,
                 microbatches=recipe.pipeline.microbatches, step=step,
-                example_offset=batch.offset if batch is not None else 0, max_grad_norm=recipe.train.grad_clip)
-            if self.optimizer is not None and not result.skipped:
-                self.optimizer.step()
+                example_offset=batch.offset if batch is not None else 0, max_grad_norm=recipe.train.grad_clip,
+                update=self.optimizer.step if self.optimizer is not None else None)
             if self.scheduler is not None:
                 self.scheduler.step()
             self.pipe.zero_grad()
             now = time.perf_counter()
             heartbeat.step_done(now - last_time)
+            # Every rank sees the same finiteness (the engine agrees on it), so all decide alike.
+            decision = self.policy.decide(not result.skipped)
             if layout.rank == 0:
                 assert batch is not None
-                self._record_step(step, batch, result, now - last_time)
+                self._record_step(step, batch, result, now - last_time, decision)
+            if decision == "stop":
+                self.diverged = self.diverged or "non-finite values"
+                break
             done = step + 1
             self.stopped_by = self.stop.agreed(self.topo.transport.control, self.topo.distributed)
             if self.stopped_by or (recipe.checkpoint.every and done % recipe.checkpoint.every == 0):
@@ -197,35 +231,55 @@ class Trainer:
             if recipe.eval.every and done % recipe.eval.every == 0 and done < self.total_steps:
                 self.evaluate(done)
             last_time = time.perf_counter()
-        if not self.stopped_by:
+        if not self.stopped_by and not self.diverged:
             if self.checkpoints.last_saved != self.total_steps:
                 self._save(self.total_steps)
             if self.eval_steps:
                 self.evaluate(self.total_steps)
         self.close()
-        return self.stopped_by
+        if self.diverged:
+            return nonfinite.EXIT_CODE
+        return 128 + self.stopped_by if self.stopped_by else 0
 
     def _save(self, step: int) -> None:
         path = self.checkpoints.save(step, epoch=(step - 1) // self.steps_per_epoch + 1)
         if self.view is not None:
             self.view.message(f"checkpoint: {path}")
 
-    def _record_step(self, step: int, batch: Batch, result: Any, seconds: float) -> None:
+    def _record_step(self, step: int, batch: Batch, result: Any, seconds: float, decision: str) -> None:
         stats = result.stats
         assert stats is not None and self.metrics is not None and self.view is not None
+        stages = stats.of_replica(0)
+        parts = stats.breakdown(seconds)
         record: dict[str, Any] = {
             "kind": "train", "step": step + 1, "epoch": step // self.steps_per_epoch + 1, "loss": result.loss,
             "lr": optim.base_lr(self.recipe) * self.lr(step), "samples_per_s": batch.global_size / seconds,
-            "step_time_s": seconds, "bubble": stats.bubble, "bubble_theory": stats.bubble_theory,
-            "mem_peak_bytes": stats.memory_peaks(0), "grad_norm": result.grad_norm,
-            "rss_peak_bytes": [s.rss_peak for s in sorted(stats.stages, key=lambda s: s.stage) if s.replica == 0],
+            "step_time_s": seconds,
+            "bubble": sum(parts["wait"]) / len(stages) / seconds, "bubble_theory": stats.bubble_theory,
+            "idle": sum(1.0 - min(c / seconds, 1.0) for c in parts["compute"]) / len(stages),
+            "time_s": parts, "mem_peak_bytes": stats.memory_peaks(0),
+            "activation_peak_bytes": [s.activation_peak for s in stages],
+            "rss_peak_bytes": [s.rss_peak for s in stages], "grad_norm": result.grad_norm,
         }
+        if any(s.cuda_peak for s in stages):
+            record["cuda_peak_bytes"] = [s.cuda_peak for s in stages]
         if self.spec.task != "image":
             record["tokens_per_s"] = stats.units / seconds
         if result.skipped:
             record["skipped"] = True
         self.metrics.write(record)
+        self.summary.add(record, batch.global_size, stats.units)
         self.view.show(record, self.recipe.train.log_every)
+        if decision == "ok":
+            return
+        what = nonfinite.what_went_wrong(result.loss, result.grad_norm, stats.nonfinite(), self.spec.layer_names)
+        if decision == "skip":
+            scale = self.pipe.loss_scale.value if self.pipe.loss_scale.enabled else None
+            self.view.message(nonfinite.skipped_line(step + 1, self.total_steps, what, self.policy, scale))
+        else:
+            saved = self.checkpoints.last_saved
+            path = str(checkpoint.path_for(self.run_dir, saved)) if saved >= 0 else None
+            self.diverged = nonfinite.stop_line(step + 1, what, self.policy, path)
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """Loss and accuracy (and BLEU for translation) on the held-out split."""
@@ -255,6 +309,7 @@ class Trainer:
         if layout.rank == 0:
             assert self.metrics is not None and self.view is not None
             self.metrics.write(record)
+            self.summary.add(record, 0, None)
             self.view.show(record)
         return record
 
@@ -262,10 +317,19 @@ class Trainer:
         """Finish the run: stop the view, close files and channels."""
         if self.view is not None:
             self.view.stop()
+            saved = self.checkpoints.last_saved
+            ended = ""
             if self.stopped_by:
-                self.view.message(f"stopped by {signal.Signals(self.stopped_by).name} after step "
-                                  f"{self.checkpoints.last_saved}; continue with --resume {self.run_dir}")
-            self.view.message(f"run directory: {self.run_dir}")
+                ended = f"stopped by {signal.Signals(self.stopped_by).name}"
+                self.view.message(f"{ended} after step {saved}; continue with --resume {self.run_dir}")
+            elif self.diverged:
+                ended = "stopped on non-finite values"
+            for line in self.summary.lines(time.time(), str(checkpoint.path_for(self.run_dir, saved))
+                                           if saved >= 0 else None, str(self.run_dir), self.spec.task != "image",
+                                           ended):
+                self.view.message(line)
+            if self.diverged:  # the one line that says why, last and on stderr like every error
+                print(f"[gpipe] {self.diverged}", file=sys.stderr, flush=True)
         if self.metrics is not None:
             self.metrics.close()
         self.pipe.close()

@@ -1,12 +1,14 @@
-"""Where step records go: `metrics.jsonl` (one JSON object per line) and the terminal.
+"""Where step records go: `metrics.jsonl` (one strict JSON object per line) and the terminal.
 
-On a terminal the view is live (rich): a progress bar with ETA, loss, LR, throughput, measured vs
-theoretical bubble and memory per stage. Elsewhere (CI, log files) it prints plain lines.
+On a terminal the view is live (rich): a progress bar with ETA, loss, LR, throughput, the measured
+bubble against theory, where each stage's step time goes, labelled memory per stage and the latest
+eval. Elsewhere (CI, log files) or with --plain it prints the same as lines.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -17,19 +19,48 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from gpipe_cli.pipeline.stats import PARTS
+from gpipe_cli.train.announce import note
+from gpipe_cli.train.summary import eval_figures
 from gpipe_cli.units import human_bytes
+
+_PART_LABELS = {"compute": "compute", "wait": "wait (bubble)", "comm": "comm", "optimizer": "optimizer",
+                "other": "other"}
+
+
+def finite_json(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with every NaN or infinity replaced by null, and a `nonfinite` list naming those keys.
+
+    Strict JSON has no NaN; null keeps numeric columns numeric for readers such as pandas.
+    """
+    bad: list[str] = []
+
+    def clean(value: Any, key: str) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            bad.append(key)
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v, f"{key}.{k}" if key else k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v, key) for v in value]
+        return value
+
+    out = clean(record, "")
+    if bad:
+        out["nonfinite"] = sorted(set(bad))
+    return out
 
 
 class MetricsFile:
-    """Appends records to metrics.jsonl; each record is one whole line, flushed at once."""
+    """Appends records to metrics.jsonl; each record is one whole line of strict JSON, flushed at once."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._file: TextIO = path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one record."""
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        """Append one record (non-finite numbers as null, named in its `nonfinite` list)."""
+        self._file.write(json.dumps(finite_json(record), separators=(",", ":"), allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -37,48 +68,84 @@ class MetricsFile:
         self._file.close()
 
 
-def _line(record: dict[str, Any], total: int) -> str:
-    if record["kind"] == "eval":
-        extra = "".join(f" | {k} {record[k]:.4g}" for k in ("accuracy", "bleu", "perplexity") if k in record)
-        return f"eval  step {record['step']}/{total} | loss {record['loss']:.4f}{extra}"
-    mem = ", ".join(human_bytes(m) for m in record["mem_peak_bytes"])
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _rate(record: dict[str, Any]) -> str:
     rate = f"{record['samples_per_s']:.1f} samples/s"
     if "tokens_per_s" in record:
         rate += f", {record['tokens_per_s']:.0f} tokens/s"
-    return (f"step {record['step']}/{total} | epoch {record['epoch']} | loss {record['loss']:.4f} | "
-            f"lr {record['lr']:.3g} | {rate} | bubble {record['bubble']:.3f} (theory "
-            f"{record['bubble_theory']:.3f}) | mem {mem}")
+    return rate
+
+
+def stage_shares(record: dict[str, Any], stage: int) -> dict[str, float]:
+    """Each part's share of the step time on one stage."""
+    step = record["step_time_s"]
+    return {part: record["time_s"][part][stage] / step if step > 0 else 0.0 for part in PARTS}
+
+
+def stage_memory(record: dict[str, Any], stage: int) -> str:
+    """One stage's memory, each figure named: stored activations, process RSS peak, CUDA peak."""
+    text = (f"activations {human_bytes(record['activation_peak_bytes'][stage])}, "
+            f"RSS peak {human_bytes(record['rss_peak_bytes'][stage])}")
+    if "cuda_peak_bytes" in record:
+        text += f", CUDA peak {human_bytes(record['cuda_peak_bytes'][stage])}"
+    return text
+
+
+def eval_line(record: dict[str, Any], total: int) -> str:
+    """An eval record as one line."""
+    return f"eval  step {record['step']}/{total} | {eval_figures(record)}"
+
+
+def train_lines(record: dict[str, Any], total: int) -> list[str]:
+    """A train record as lines: the step, then one line per stage with its time and memory."""
+    lines = [f"step {record['step']}/{total} | epoch {record['epoch']} | loss {_num(record['loss'], '.4f')} | "
+             f"lr {record['lr']:.3g} | {_rate(record)} | {record['step_time_s'] * 1e3:.0f} ms/step | "
+             f"bubble {record['bubble']:.3f} (theory {record['bubble_theory']:.3f})"]
+    for s in range(len(record["activation_peak_bytes"])):
+        shares = " | ".join(f"{part} {share:.0%}" for part, share in stage_shares(record, s).items())
+        lines.append(f"  stage {s}: {shares} | {stage_memory(record, s)}")
+    return lines
 
 
 class TerminalView:
-    """The terminal view of a run."""
+    """The terminal view of a run (rank 0)."""
 
-    def __init__(self, total: int, title: str, plain: bool | None = None, stream: TextIO | None = None) -> None:
+    def __init__(self, title: str, plain: bool | None = None, stream: TextIO | None = None,
+                 started: float | None = None) -> None:
         self.stream = stream or sys.stdout
         self.plain = (not self.stream.isatty()) if plain is None else plain
-        self.total, self.title = total, title
-        self._console = Console(file=self.stream)
+        self.total, self.title = 0, title
+        self.started = time.time() if started is None else started
+        self._console = Console(file=self.stream, highlight=False)
         self._live: Live | None = None
+        self._last_train: dict[str, Any] | None = None
         self._last_eval: dict[str, Any] | None = None
-        if not self.plain:
-            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                                      console=self._console)
-            self._task = self._progress.add_task(title, total=total)
+        self.skipped = 0
+        self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self._console)
+        self._task = self._progress.add_task(title, total=None)
 
-    def start(self, first_step: int = 0) -> None:
-        """Begin showing progress."""
+    def note(self, text: str) -> None:
+        """A preparation step, with the seconds since the command started (before training begins)."""
+        self.message(note(self.started, text))
+
+    def start(self, total: int, first_step: int = 0) -> None:
+        """Begin showing the progress of steps `first_step + 1` to `total`."""
+        self.total = total
+        self.note(f"training {self.title}: steps {first_step + 1} to {total}")
         if self.plain:
-            print(f"{self.title}: {self.total} steps", file=self.stream, flush=True)
             return
-        self._progress.update(self._task, completed=first_step)
+        self._progress.update(self._task, total=total, completed=first_step)
         self._live = Live(Group(self._progress), console=self._console, refresh_per_second=4, transient=False)
         self._live.start()
 
     def message(self, text: str) -> None:
-        """A one-off line (checkpoint written, resumed, ...)."""
+        """A one-off line (checkpoint written, step skipped, ...)."""
         if self._live is not None:
-            self._live.console.print(text)
+            self._live.console.print(text, markup=False, highlight=False)
         else:
             print(text, file=self.stream, flush=True)
 
@@ -86,40 +153,46 @@ class TerminalView:
         """Show a train or eval record."""
         if record["kind"] == "eval":
             self._last_eval = record
-            self.message(_line(record, self.total))
-            return
-        if self.plain:
-            if record["step"] % log_every == 0 or record["step"] == self.total:
-                print(_line(record, self.total), file=self.stream, flush=True)
-            return
-        assert self._live is not None
-        self._progress.update(self._task, completed=record["step"])
-        self._live.update(Group(self._progress, self._table(record)))
+            self.message(eval_line(record, self.total))
+        else:
+            self._last_train = record
+            self.skipped += bool(record.get("skipped"))
+            if self.plain and (record["step"] % log_every == 0 or record["step"] == self.total):
+                for line in train_lines(record, self.total):
+                    print(line, file=self.stream, flush=True)
+        if self._live is not None and self._last_train is not None:
+            self._progress.update(self._task, completed=self._last_train["step"])
+            self._live.update(self.frame())
 
-    def _table(self, record: dict[str, Any]) -> Table:
-        table = Table(show_header=False, box=None, padding=(0, 2))
-        table.add_row("loss", f"{record['loss']:.4f}", "lr", f"{record['lr']:.3g}",
-                      "grad norm", f"{record['grad_norm']:.3g}")
-        rate = f"{record['samples_per_s']:.1f} samples/s"
-        if "tokens_per_s" in record:
-            rate += f"  {record['tokens_per_s']:.0f} tokens/s"
-        table.add_row("speed", rate, "bubble", f"{record['bubble']:.3f} (theory {record['bubble_theory']:.3f})",
-                      "step", f"{record['step_time_s'] * 1e3:.0f} ms")
-        table.add_row("memory", "  ".join(f"s{i}: {human_bytes(m)}" for i, m in enumerate(record["mem_peak_bytes"])),
-                      "", "", "", "")
+    def frame(self) -> Group:
+        """What the live view shows now: progress, the latest step's figures per stage, the latest eval."""
+        if self._last_train is None:
+            return Group(self._progress)
+        return Group(self._progress, self._table(self._last_train))
+
+    def _table(self, record: dict[str, Any]) -> Group:
+        head = Table(show_header=False, box=None, padding=(0, 2))
+        head.add_row("loss", _num(record["loss"], ".4f"), "lr", f"{record['lr']:.3g}",
+                     "grad norm", _num(record["grad_norm"], ".3g"), "skipped", str(self.skipped))
+        head.add_row("speed", _rate(record), "step", f"{record['step_time_s'] * 1e3:.0f} ms",
+                     "bubble", f"{record['bubble']:.3f} (theory {record['bubble_theory']:.3f})", "", "")
+        stages = Table(box=None, padding=(0, 2), header_style="bold")
+        cuda = "cuda_peak_bytes" in record
+        for name in ("stage", *(_PART_LABELS[p] for p in PARTS), "activations", "RSS peak",
+                     *(("CUDA peak",) if cuda else ())):
+            stages.add_column(name, justify="right")
+        for s in range(len(record["activation_peak_bytes"])):
+            memory = [human_bytes(record["activation_peak_bytes"][s]), human_bytes(record["rss_peak_bytes"][s])]
+            if cuda:
+                memory.append(human_bytes(record["cuda_peak_bytes"][s]))
+            stages.add_row(str(s), *(f"{v:.0%}" for v in stage_shares(record, s).values()), *memory)
+        parts: list[Any] = [head, stages]
         if self._last_eval is not None:
-            ev = self._last_eval
-            extra = "  ".join(f"{k} {ev[k]:.4g}" for k in ("accuracy", "bleu") if k in ev)
-            table.add_row("eval", f"loss {ev['loss']:.4f}  {extra}", "", "", "at step", str(ev["step"]))
-        return table
+            parts.append(f"eval (step {self._last_eval['step']}): {eval_figures(self._last_eval)}")
+        return Group(*parts)
 
     def stop(self) -> None:
-        """Stop the live view."""
+        """Stop the live view (its last frame stays on the screen)."""
         if self._live is not None:
             self._live.stop()
             self._live = None
-
-
-def now() -> float:
-    """Wall-clock seconds, for record timestamps."""
-    return time.time()

@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +20,8 @@ from gpipe_cli.data.offline import check_hub_data
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.launch import LaunchOptions, check_device, check_launch, check_writable, launch, under_torchrun
 from gpipe_cli.recipe.load import load_recipe, recipe_label
+from gpipe_cli.train.announce import announce, checking, local_ranks, note
+from gpipe_cli.train.job import Job
 
 OUTPUTS = "outputs"
 
@@ -36,14 +40,14 @@ class TrainOptions:
 
 def resume_location(options: TrainOptions, name: str, root: str = OUTPUTS) -> str:
     """Where --resume continues from: an explicit path, --output-dir, or the newest run of this recipe."""
-    from gpipe_cli.train.checkpoint import newest_whole
-
     if options.resume not in (None, "latest"):
         if not os.path.exists(options.resume):
             raise UserError(f"--resume: no such run directory or checkpoint: {shown(options.resume)}")
         return str(options.resume)
     if options.output_dir:
         return options.output_dir
+    from gpipe_cli.train.checkpoint import newest_whole  # torch: only once the first line is out
+
     runs = sorted((p for p in Path(root, name).glob("*") if p.is_dir()), reverse=True)
     for run in runs:
         if newest_whole(run)[0] is not None:
@@ -53,6 +57,7 @@ def resume_location(options: TrainOptions, name: str, root: str = OUTPUTS) -> st
 
 def train(options: TrainOptions) -> int:
     """Validate, then run the training job on K × D ranks; returns the exit code."""
+    started = time.time()
     recipe = load_recipe(options.recipe, options.overrides)
     world = recipe.pipeline.partitions * recipe.pipeline.data_parallel
     local = check_launch(options.launch, world)
@@ -62,20 +67,23 @@ def train(options: TrainOptions) -> int:
         raise UserError(f"--resume: no such run directory or checkpoint: {shown(options.resume)}")
     check_hub_data(recipe.data, options.recipe, options.overrides)  # offline: fail now, not inside the ranks
     # torch from here on: the recipe and the arguments are known to be good.
-    from gpipe_cli.train.loop import Job
-    from gpipe_cli.train.plan import checked_plan
+    first = not under_torchrun() or os.environ.get("RANK", "0") == "0"
+    with checking(recipe, first and (options.plain is False or (options.plain is None and sys.stdout.isatty()))):
+        from gpipe_cli.train.plan import checked_plan  # torch and the models: the status line is already up
 
-    checked_plan(recipe, recipe_label(options.recipe))  # refuses impossible cuts before anything starts
-    check_device(recipe.pipeline.backend, recipe.train.device, int(os.environ.get("LOCAL_WORLD_SIZE", local)))
-    resume = resume_location(options, recipe.name) if options.resume else None
-    if resume is not None:
-        check_writable(Path(resume), "--resume")
-    elif options.output_dir:
-        check_writable(Path(options.output_dir), "--output-dir")
-    else:
-        check_writable(Path(OUTPUTS) / recipe.name, "the output directory")
+        checked_plan(recipe, recipe_label(options.recipe))  # refuses impossible cuts before anything starts
+        check_device(recipe.pipeline.backend, recipe.train.device, int(os.environ.get("LOCAL_WORLD_SIZE", local)))
+        resume = resume_location(options, recipe.name) if options.resume else None
+        if resume is not None:
+            check_writable(Path(resume), "--resume")
+        elif options.output_dir:
+            check_writable(Path(options.output_dir), "--output-dir")
+        else:
+            check_writable(Path(OUTPUTS) / recipe.name, "the output directory")
+    if first:
+        announce(recipe, options.launch.nnodes, options.launch.threads, sys.stdout)
     job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
-              resume=resume)
+              resume=resume, started=started)
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world:
             raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the recipe needs "
@@ -83,6 +91,9 @@ def train(options: TrainOptions) -> int:
         from gpipe_cli.train.worker import run_job
 
         return run_job(job)
+    here = local_ranks(world, options.launch.nnodes)
+    print(note(started, f"starting {here} rank{'s' if here > 1 else ''}"
+                        + (f" of {world} on this node" if here != world else "")), flush=True)
     with tempfile.TemporaryDirectory(prefix="gpipe-") as folder:
         path = Path(folder) / "job.json"
         path.write_text(json.dumps(dataclasses.asdict(job)))

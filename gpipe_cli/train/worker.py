@@ -12,13 +12,15 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.pipeline import failure, topology
 from gpipe_cli.pipeline.heartbeat import Heartbeat
 from gpipe_cli.recipe.schema import Recipe
-from gpipe_cli.train.loop import Job, Trainer, configure_threads
+from gpipe_cli.train.job import Job
+from gpipe_cli.train.loop import Trainer, configure_threads
 
 
 def run_job(job: Job) -> int:
     """Join the job as this rank and train; any failure stops every rank with its message.
 
-    Returns 0, or 128 + the signal that stopped the run early (after its checkpoint).
+    Returns 0, 128 + the signal that stopped the run early (after its checkpoint), or the non-finite
+    exit code (a loss or gradient was not finite; nothing of it was saved).
     """
     configure_threads()
     recipe = Recipe.model_validate(job.recipe)
@@ -31,19 +33,19 @@ def run_job(job: Job) -> int:
                       lambda r: f"rank {r} (stage {r % stages})") if watch is not None else None)
 
     def train() -> int:
-        signum = Trainer(recipe, job, topo).run()
+        code = Trainer(recipe, job, topo).run()
         if topo.distributed:  # inside the guard: a peer that fails now still stops this rank cleanly
             dist.barrier(group=topo.transport.control)
-        return signum
+        return code
 
-    signum = failure.run_guarded(train, label, watch, quiet=(UserError,))
+    code = failure.run_guarded(train, label, watch, quiet=(UserError,))
     if beat is not None:
         beat.stop()
     if watch is not None:
         watch.stop()
     if topo.distributed:
         dist.destroy_process_group()
-    return 128 + signum if signum else 0
+    return code
 
 
 def main(argv: list[str] | None = None) -> None:

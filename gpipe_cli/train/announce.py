@@ -1,0 +1,100 @@
+"""The first lines of `gpipe train`: what runs, and on what, before anything slow starts.
+
+Nothing here imports torch at module level. On a terminal the first line shows as soon as the recipe
+is read, as a transient status while the plan is checked (an error then stands alone, as one line);
+it stays once the checks pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from typing import TextIO
+
+from gpipe_cli.recipe.schema import Recipe
+
+
+def note(started: float, text: str) -> str:
+    """A progress line with the seconds since the command started: "[  3.2 s] reading data"."""
+    return f"[{time.time() - started:5.1f} s] {text}"
+
+
+def describe_model(recipe: Recipe) -> str:
+    """The recipe's model in a few words."""
+    m = recipe.model
+    if m.kind == "amoebanet":
+        return m.preset or f"AmoebaNet-{m.variant.upper()}({m.layers}, {m.filters}) at {m.image_size} px"
+    return m.preset or f"Transformer {m.arch} ({m.layers} layers, d_model {m.d_model})"
+
+
+def first_line(recipe: Recipe) -> str:
+    """What is starting: recipe, model, K, M, D and the number of ranks."""
+    p, t = recipe.pipeline, recipe.train
+    length = " and ".join(x for x in (f"{t.steps} steps" if t.steps else "", f"{t.epochs} epochs" if t.epochs else "")
+                          if x)
+    return (f"gpipe train {recipe.name}: {describe_model(recipe)}, K={p.partitions} stages x D={p.data_parallel} "
+            f"= {p.partitions * p.data_parallel} ranks, M={p.microbatches} micro-batches, batch "
+            f"{recipe.data.batch_size}, {length}, {t.precision}")
+
+
+@contextlib.contextmanager
+def checking(recipe: Recipe, terminal: bool) -> Iterator[None]:
+    """While the block runs, the first line as a transient status on a terminal (nothing elsewhere)."""
+    if not terminal:
+        yield
+        return
+    from rich.console import Console
+
+    with Console().status(f"{first_line(recipe)}: checking the plan", spinner="dots"):
+        yield
+
+
+def oversubscription(ranks: int, threads: int, cores: int, gpus: int) -> str | None:
+    """A warning when this node's ranks outnumber its GPUs (gpus > 0) or their threads its cores."""
+    if gpus > 0:
+        if ranks <= gpus:
+            return None
+        return (f"warning: {ranks} ranks share {gpus} GPU{'s' if gpus != 1 else ''} on this node (oversubscribed): "
+                f"they take turns on the devices and exchange tensors through host memory, so steps are slower "
+                f"and the measured bubble larger than with a GPU per rank")
+    if ranks * threads <= cores:
+        return None
+    return (f"warning: {ranks} ranks x {threads} thread{'s' if threads != 1 else ''} on {cores} CPU "
+            f"core{'s' if cores != 1 else ''} (oversubscribed): the ranks take turns on the cores, so steps are "
+            f"slower and the measured bubble larger than with a core per rank")
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def local_ranks(world: int, nnodes: str) -> int:
+    """Ranks this node runs: the job's share per node, or torchrun's count when already under it."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    try:
+        nodes = int(nnodes.partition(":")[2] or nnodes.partition(":")[0])
+    except ValueError:  # the launcher reports a bad --nnodes
+        nodes = 1
+    return max(world // max(nodes, 1), 1)
+
+
+def announce(recipe: Recipe, nnodes: str, threads: int | None, stream: TextIO) -> None:
+    """Print the first line at once, then (after looking for GPUs) any oversubscription warning."""
+    print(first_line(recipe), file=stream, flush=True)
+    ranks = local_ranks(recipe.pipeline.partitions * recipe.pipeline.data_parallel, nnodes)
+    gpus = 0
+    if recipe.train.device != "cpu":
+        import torch  # only now: the first line is already on the screen
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cores = usable_cores()
+    warning = oversubscription(ranks, threads or max(cores // ranks, 1), cores, gpus)
+    if warning:
+        print(warning, file=stream, flush=True)

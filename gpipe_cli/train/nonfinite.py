@@ -1,0 +1,73 @@
+"""What a run does when a loss or gradient is not finite: stop (the default) or skip the step.
+
+fp16 always skips (dynamic loss scaling expects overflows and lowers the scale); in every precision
+`max_skipped` consecutive skips stop the run. A stopped run writes no checkpoint of the broken model,
+so the newest checkpoint stays the last good one, and ends with `EXIT_CODE`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from gpipe_cli.errors import NONFINITE_EXIT_CODE
+
+EXIT_CODE = NONFINITE_EXIT_CODE
+Decision = Literal["ok", "skip", "stop"]
+
+
+@dataclass
+class NonFinitePolicy:
+    """Counts skipped steps and decides, identically on every rank, whether to go on."""
+
+    mode: Literal["stop", "skip"] = "stop"
+    max_skipped: int = 10
+    loss_scaling: bool = False  # fp16: non-finite steps are overflows to skip, whatever the mode
+    consecutive: int = 0
+    total: int = 0
+
+    def decide(self, finite: bool) -> Decision:
+        """The decision after a step whose loss and gradients were (not) all finite."""
+        if finite:
+            self.consecutive = 0
+            return "ok"
+        self.consecutive += 1
+        self.total += 1
+        if (self.mode == "stop" and not self.loss_scaling) or self.consecutive >= self.max_skipped:
+            return "stop"
+        return "skip"
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}" if math.isfinite(value) else str(value)
+
+
+def what_went_wrong(loss: float | None, grad_norm: float, where: tuple[int, int] | None,
+                    layer_names: list[str]) -> str:
+    """The non-finite values of a step and the first layer, in backward order, whose gradient is not finite."""
+    bad = [f"{name} {_number(v)}" for name, v in (("loss", loss), ("gradient norm", grad_norm))
+           if v is not None and not math.isfinite(v)]
+    text = f"non-finite {' and '.join(bad) if bad else 'values'}"
+    if where is None:
+        return text + " (every gradient is finite)"
+    stage, layer = where
+    name = f" '{layer_names[layer]}'" if 0 <= layer < len(layer_names) else ""
+    return text + f", first non-finite gradient in backward order at stage {stage}, layer {layer}{name}"
+
+
+def skipped_line(step: int, total: int, what: str, policy: NonFinitePolicy, loss_scale: float | None) -> str:
+    """The line shown for a skipped step."""
+    scale = f"; loss scale now {loss_scale:g}" if loss_scale is not None else ""
+    return (f"step {step}/{total} skipped: {what}{scale} ({policy.consecutive} in a row, {policy.total} in all; "
+            f"{policy.max_skipped} in a row stop the run)")
+
+
+def stop_line(step: int, what: str, policy: NonFinitePolicy, checkpoint: str | None) -> str:
+    """The one line that ends a run on non-finite values."""
+    if policy.mode == "stop" and not policy.loss_scaling:
+        why = "train.on_nonfinite: stop"
+    else:
+        why = f"{policy.consecutive} steps in a row skipped, train.max_skipped: {policy.max_skipped}"
+    kept = f"the newest checkpoint, {checkpoint}, is from before it" if checkpoint else "no checkpoint was written"
+    return f"stopped at step {step} ({why}): {what}; {kept}"

@@ -1,0 +1,88 @@
+"""Non-finite losses and gradients: every stage agrees to skip the update, rank 0 learns where it started."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe_cli.pipeline import context, topology
+from gpipe_cli.pipeline.engine import Pipeline
+from gpipe_cli.pipeline.layers import build_layers
+from gpipe_cli.pipeline.partition import stage_ranges
+from tests.multiproc import results, run_ranks
+
+BAD_GRADIENT_STEP, BAD_LOSS_STEP = 1, 2
+
+
+class _NaNBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad * float("nan")
+
+
+class Poisoned(nn.Linear):
+    """A linear layer whose backward yields NaN at one step: it and every layer before it get NaN gradients."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        info = context.current()
+        return _NaNBackward.apply(y) if info is not None and info.step == BAD_GRADIENT_STEP else y
+
+
+def factories():
+    return [lambda: nn.Linear(8, 16), lambda: Poisoned(16, 16), lambda: nn.Sequential(nn.Linear(16, 16), nn.Tanh()),
+            lambda: nn.Linear(16, 4)]
+
+
+def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    value = nn.functional.cross_entropy(out, target)
+    info = context.current()
+    # A non-finite loss whose gradients are finite: only the last stage can see it.
+    return value + float("inf") if info is not None and info.step == BAD_LOSS_STEP else value
+
+
+def steps(stages: int) -> list[dict]:
+    topo = topology.init(stages) if stages > 1 else topology.local()
+    balance = [4] if stages == 1 else [2, 2]
+    layers = build_layers(factories(), stage_ranges(balance)[topo.layout.stage], 0)
+    pipe = Pipeline(layers, topo, balance, loss)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    out = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+        before = [p.detach().clone() for p in pipe.parameters()]
+        result = pipe.train_step(x if topo.layout.is_first else None, y if topo.layout.is_last else None,
+                                 microbatches=2, step=step, update=opt.step)
+        changed = any(not torch.equal(b, p) for b, p in zip(before, pipe.parameters()))
+        stats = result.stats
+        out.append({"skipped": result.skipped, "updated": changed,
+                    "where": stats.nonfinite() if stats is not None else None,
+                    "optimizer_s": [s.optimizer for s in stats.stages] if stats is not None else None})
+        pipe.zero_grad()
+    pipe.close()
+    return out
+
+
+def check(ranks: list[list[dict]]) -> None:
+    for rank in ranks:
+        assert [s["skipped"] for s in rank] == [False, True, True]
+        assert [s["updated"] for s in rank] == [True, False, False]  # the update never sees a bad step
+    first = ranks[0]
+    assert first[0]["where"] is None and first[2]["where"] is None  # a bad loss alone names no layer
+    assert first[1]["where"] == (0, 1)  # the poisoned layer on stage 0, not layer 0 before it
+    assert all(t > 0 for t in first[0]["optimizer_s"]) and all(t == 0 for t in first[1]["optimizer_s"])
+
+
+def test_one_process_skips_bad_steps_and_names_the_layer():
+    check([steps(1)])
+
+
+@pytest.mark.slow
+def test_every_stage_agrees_even_when_only_the_last_stage_sees_the_bad_loss():
+    check(results(run_ranks(steps, 2, 2)))

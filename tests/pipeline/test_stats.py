@@ -1,0 +1,52 @@
+"""Where a step's time goes: compute, waiting, communication, optimizer and what is left."""
+
+import time
+
+import pytest
+import torch
+
+from gpipe_cli.pipeline import stats
+from gpipe_cli.pipeline.schedule import Action, Kind
+
+
+def stage(index, busy, wait, comm, optimizer, layer=-1):
+    return stats.StageStats(index, 0, step_time=1.0, busy=busy, activation_peak=1, rss_peak=2, cuda_peak=0,
+                            wait=wait, comm=comm, optimizer=optimizer, nonfinite_layer=layer)
+
+
+def test_the_parts_of_a_step_add_up_to_its_time():
+    step = stats.StepStats(loss=1.0, examples=8, units=8, step_time=1.0, bubble_theory=0.2, grad_norm=1.0,
+                           stages=[stage(1, 0.5, 0.3, 0.1, 0.05), stage(0, 0.6, 0.2, 0.1, 0.05)])
+    parts = step.breakdown(step_time=1.0)
+    assert list(parts) == list(stats.PARTS)
+    assert parts["compute"] == [0.6, 0.5]  # stage order
+    for s in range(2):
+        assert sum(p[s] for p in parts.values()) == pytest.approx(1.0)
+    assert step.breakdown(step_time=0.5)["other"] == [0.0, 0.0]  # never negative
+
+
+def test_the_first_bad_layer_in_backward_order_is_the_highest():
+    step = stats.StepStats(loss=1.0, examples=8, units=8, step_time=1.0, bubble_theory=0.2, grad_norm=1.0,
+                           stages=[stage(0, 0.5, 0, 0, 0, layer=2), stage(1, 0.5, 0, 0, 0, layer=5),
+                                   stage(2, 0.5, 0, 0, 0)])
+    assert step.nonfinite() == (1, 5)
+    step.stages = [stage(0, 0.5, 0, 0, 0)]
+    assert step.nonfinite() is None
+
+
+def test_the_timeline_splits_receives_sends_and_spans():
+    timeline = stats.Timeline(0, torch.device("cpu"))
+    timeline.start()
+    for kind in (Kind.RECV_FWD, Kind.FWD, Kind.SEND_FWD):
+        timeline.begin(Action(kind, 0))
+        time.sleep(0.01)
+        timeline.end()
+    with timeline.span(stats.OPTIMIZER):
+        time.sleep(0.01)
+    events = timeline.events()
+    wait, comm, optimizer = timeline.parts(events)
+    assert min(wait, comm, optimizer, timeline.busy(events)) >= 0.01
+    mine = stage(0, timeline.busy(events), wait, comm, optimizer, layer=3)
+    gathered = stats.gather(mine, 1.0, 8, 8.0, 1.0, 0.2, None)
+    assert gathered is not None
+    assert gathered.stages[0].wait == pytest.approx(wait) and gathered.stages[0].nonfinite_layer == 3

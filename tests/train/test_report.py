@@ -1,0 +1,98 @@
+"""The terminal view's lines (plain mode and the live frame) and strict JSON in metrics.jsonl."""
+
+import io
+import json
+import math
+
+import pytest
+from rich.console import Console
+
+from gpipe_cli.pipeline.stats import PARTS
+from gpipe_cli.train.report import MetricsFile, TerminalView, eval_line, finite_json, train_lines
+
+
+def refuse(token):
+    raise ValueError(f"not strict JSON: {token}")
+
+
+def train_record(step=4, stages=2, cuda=False, loss=2.5, grad_norm=1.0):
+    parts = {part: [0.01 * (i + 1) * (k + 1) for i in range(stages)] for k, part in enumerate(PARTS[:-1])}
+    step_time = 0.5
+    parts["other"] = [step_time - sum(p[i] for p in parts.values()) for i in range(stages)]  # as the loop does
+    record = {"kind": "train", "step": step, "epoch": 1, "loss": loss, "lr": 0.001, "samples_per_s": 100.0,
+              "tokens_per_s": 900.0, "step_time_s": step_time, "bubble": 0.2, "bubble_theory": 0.2, "idle": 0.5,
+              "time_s": parts, "mem_peak_bytes": [3 << 20] * stages, "activation_peak_bytes": [3 << 20] * stages,
+              "rss_peak_bytes": [370 << 20] * stages, "grad_norm": grad_norm}
+    if cuda:
+        record["cuda_peak_bytes"] = [5 << 30] * stages
+    return record
+
+
+def test_non_finite_numbers_become_null_and_are_named(tmp_path):
+    record = train_record(loss=math.nan, grad_norm=math.inf)
+    record["time_s"]["wait"][1] = -math.inf
+    metrics = MetricsFile(tmp_path / "metrics.jsonl")
+    metrics.write(record)
+    metrics.write({"kind": "eval", "step": 4, "loss": math.nan})
+    metrics.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    train, evl = (json.loads(line, parse_constant=refuse) for line in lines)
+    assert train["loss"] is None and train["grad_norm"] is None and train["time_s"]["wait"][1] is None
+    assert train["nonfinite"] == ["grad_norm", "loss", "time_s.wait"]
+    assert evl["loss"] is None and evl["nonfinite"] == ["loss"]
+    assert train["samples_per_s"] == record["samples_per_s"]  # finite values are untouched
+
+
+def test_finite_records_gain_no_flag():
+    record = train_record()
+    assert finite_json(record) == record
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_a_step_shows_each_stage_time_and_labelled_memory(cuda):
+    record = train_record(stages=3, cuda=cuda)
+    head, *stages = train_lines(record, total=10)
+    assert head.startswith("step 4/10 |") and "bubble 0.200 (theory 0.200)" in head and "ms/step" in head
+    assert len(stages) == 3
+    for s, line in enumerate(stages):
+        assert line.strip().startswith(f"stage {s}:")
+        for part in PARTS:
+            assert f"{part} " in line
+        shares = [int(token.rstrip("%")) for token in line.split() if token.endswith("%")]
+        assert len(shares) == len(PARTS) and abs(sum(shares) - 100) <= len(PARTS)  # rounding of each share
+        assert "activations 3.0 MiB" in line and "RSS peak 370.0 MiB" in line
+        assert ("CUDA peak 5.0 GiB" in line) == cuda
+
+
+def test_an_eval_line_shows_whatever_the_record_holds():
+    line = eval_line({"kind": "eval", "step": 6, "loss": 1.25, "accuracy": 0.5, "perplexity": 3.49}, total=10)
+    assert line.startswith("eval  step 6/10") and "loss 1.25" in line and "perplexity 3.49" in line
+
+
+def test_plain_mode_prints_logged_steps_the_last_step_and_every_eval():
+    out = io.StringIO()
+    view = TerminalView("tiny", plain=True, stream=out, started=0.0)
+    view.start(total=5)
+    for step in range(1, 6):
+        view.show(train_record(step=step), log_every=2)
+    view.show({"kind": "eval", "step": 5, "loss": 1.0})
+    lines = out.getvalue().splitlines()
+    assert "training tiny: steps 1 to 5" in lines[0]
+    assert [line.split("|")[0].strip() for line in lines if line.startswith("step ")] == \
+        ["step 2/5", "step 4/5", "step 5/5"]
+    assert lines[-1].startswith("eval  step 5/5")
+
+
+def test_the_live_frame_shows_the_latest_eval_and_labelled_memory():
+    view = TerminalView("tiny", plain=False, stream=io.StringIO(), started=0.0)
+    view.show(train_record(step=2))
+    view.show({"kind": "eval", "step": 2, "loss": 3.0})
+    view.show(train_record(step=4))
+    view.show({"kind": "eval", "step": 4, "loss": 2.0, "accuracy": 0.75})
+    console = Console(file=io.StringIO(), width=160)
+    console.print(view.frame())
+    text = console.file.getvalue()
+    assert "eval (step 4): loss 2, accuracy 0.75" in text and "step 2)" not in text
+    for label in ("wait (bubble)", "compute", "comm", "optimizer", "other", "activations", "RSS peak"):
+        assert label in text
+    assert "CUDA peak" not in text

@@ -1,0 +1,45 @@
+"""The end-of-run summary."""
+
+import pytest
+
+from gpipe_cli.train.summary import RunSummary
+from tests.train.test_report import train_record
+
+
+def run(skipped_steps=(), evals=()):
+    summary = RunSummary(total_steps=6, started=100.0)
+    for step in range(1, 5):
+        record = train_record(step=step)
+        record["bubble"] = 0.1 * step
+        if step in skipped_steps:
+            record["skipped"] = True
+        summary.add(record, examples=32, units=300)
+    for step, loss in evals:
+        summary.add({"kind": "eval", "step": step, "loss": loss, "accuracy": 1 / loss}, 0, None)
+    return summary
+
+
+def field(lines, name):
+    return next(line.split(":", 1)[1].strip() for line in lines if line.strip().startswith(name + ":"))
+
+
+def test_the_summary_names_every_fact_of_the_run():
+    lines = run(skipped_steps=(2,), evals=[(2, 3.0), (4, 1.5), (6, 2.0)]).lines(
+        now=130.0, checkpoint="run/checkpoints/step-00000004", run_dir="run", text=True, ended="stopped by SIGINT")
+    assert lines[0].startswith("summary: 4 of 6 steps in 30.0 s wall time") and "stopped by SIGINT" in lines[0]
+    seconds = 4 * train_record()["step_time_s"]
+    assert field(lines, "throughput").startswith(f"{4 * 32 / seconds:.1f} samples/s, {4 * 300 / seconds:.0f} tokens/s")
+    assert field(lines, "bubble").startswith(f"{(0.1 + 0.2 + 0.3 + 0.4) / 4:.3f} measured")
+    assert "0.200 in theory" in field(lines, "bubble")
+    assert field(lines, "best eval").startswith("step 4: loss 1.5")  # the lowest loss, not the last eval
+    assert field(lines, "skipped steps") == "1"
+    assert field(lines, "checkpoint") == "run/checkpoints/step-00000004"
+    assert field(lines, "run directory") == "run"
+    shares = [int(token.rstrip("%,")) for token in field(lines, "step time").split() if token.rstrip(",").endswith("%")]
+    assert len(shares) == 5 and sum(shares) == pytest.approx(100, abs=5)
+
+
+def test_a_run_without_evals_or_checkpoint_says_so():
+    lines = run().lines(now=101.0, checkpoint=None, run_dir="run", text=False)
+    assert field(lines, "best eval") == "none" and field(lines, "checkpoint") == "none written"
+    assert "tokens/s" not in field(lines, "throughput")
