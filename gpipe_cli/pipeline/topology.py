@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -88,6 +89,14 @@ class Topology:
     def group(self, ranks: list[int]) -> dist.ProcessGroup | None:
         """The process group of exactly these ranks (created up front by `init`)."""
         return self.groups.get(tuple(sorted(ranks)))
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's `value`, on every rank (a collective)."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.transport.control)
+        return box[0]
 
 
 def local(device: torch.device | str = "cpu") -> Topology:

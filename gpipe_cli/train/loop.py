@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from gpipe_cli.data import Batch, Loader, build_data_for
 from gpipe_cli.errors import UserError
@@ -51,7 +50,7 @@ class Trainer:
         self.spec: ModelSpec = model_spec(recipe)
         self.plan: Plan = make_plan(recipe, self.spec, self._measure())
         chosen = run_dir_of(job.resume) if job.resume else choose_run_dir(recipe, job.output_dir, job.outputs_root)
-        self.run_dir = Path(self._share(str(chosen) if self.layout.rank == 0 else None))
+        self.run_dir = Path(self.topo.share(str(chosen) if self.layout.rank == 0 else None))
         fresh = not self.run_dir.exists()
         try:
             self._build()
@@ -68,7 +67,7 @@ class Trainer:
             self.data = build_data_for(recipe, run_dir=self.run_dir)
             self._check_vocabulary()
         counts = (self.data.steps_per_epoch(), self.data.eval_steps(recipe.eval.batches)) if self.data else None
-        self.steps_per_epoch, self.eval_steps = self._share(counts)
+        self.steps_per_epoch, self.eval_steps = self.topo.share(counts)
         if self.data is not None:
             self._note(self._data_summary(self.data))
         if self.layout.rank == 0:
@@ -127,14 +126,6 @@ class Trainer:
                      f"(a partial last batch; data.drop_last: false keeps them)")
         return text
 
-    def _share(self, value: Any) -> Any:
-        """Rank 0's value, on every rank."""
-        if not self.topo.distributed:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.topo.transport.control)
-        return box[0]
-
     def _measure(self) -> list[float] | None:
         """Per-layer costs for balance `time` or `memory`, measured on rank 0 and shared."""
         mode = self.recipe.pipeline.balance
@@ -148,7 +139,7 @@ class Trainer:
             profile = profile_layers(self.spec.factories(), sample, self.recipe.seed, self.topo.device)
             costs = [p.seconds if mode == "time" else float(p.activation_bytes + 4 * p.param_bytes)
                      for p in profile]
-        return self._share(costs)
+        return self.topo.share(costs)
 
     def _resume(self) -> int:
         """Continue from the newest whole checkpoint at the --resume location; return its step."""

@@ -91,14 +91,6 @@ class Checkpointer:
         return step
 
 
-    def _share(self, value: Any) -> Any:
-        """Rank 0's value, on every rank."""
-        if not self.topo.distributed:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.topo.transport.control)
-        return box[0]
-
     def _failures(self, mine: str | None) -> list[str]:
         """What failed on each rank (empty: every rank succeeded)."""
         if not self.topo.distributed:
@@ -110,14 +102,15 @@ class Checkpointer:
     def resume(self, location: str) -> checkpoint.Found:
         """Load the newest usable checkpoint at a --resume location (collective); say why newer ones were
         skipped, one line each."""
-        paths = self._share([str(p) for p in checkpoint.candidates(Path(location))] if self.layout.rank == 0 else None)
+        mine = [str(p) for p in checkpoint.candidates(Path(location))] if self.layout.rank == 0 else None
+        paths = self.topo.share(mine)
         refused: list[str] = []
         for path in map(Path, paths):
             verdict = None
             if self.layout.rank == 0:
                 why = checkpoint.problem(path, verify=True)
                 verdict = (why, None) if why else (None, checkpoint.read_manifest(path)[0])
-            why, manifest = self._share(verdict)
+            why, manifest = self.topo.share(verdict)
             if why is None:
                 found = checkpoint.Found(path, manifest["step"], manifest)
                 error: str | None = None
