@@ -47,7 +47,7 @@ def resume_location(options: TrainOptions, name: str, root: str = "outputs") -> 
 def train(options: TrainOptions) -> int:
     """Validate, then run the training job on K × D ranks; returns the exit code."""
     recipe = load_recipe(options.recipe, options.overrides)
-    checked_plan(recipe, recipe_label(options.recipe))  # refuses impossible cuts before anything starts
+    checked_plan(recipe, recipe_label(options.recipe), must_fit=not under_torchrun())  # refuses before any rank
     if options.output_dir and Path(options.output_dir).exists() and not Path(options.output_dir).is_dir():
         raise UserError(f"--output-dir: '{options.output_dir}' exists and is not a directory")
     job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
