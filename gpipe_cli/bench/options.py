@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,14 +112,6 @@ FLAGS: dict[str, str] = {
     "seed": "Seed of the weights and of the synthetic batch.",
     "json": "Write every figure as JSON to FILE.",
 }
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def validate(options: BenchOptions) -> None:
