@@ -105,13 +105,14 @@ def _time_backward(run: Callable[[], list[torch.Tensor]], repeats: int, device: 
     return statistics.median(times) if times else 0.0
 
 
-def saved_by(fn: Callable[[], Any], exclude: Sequence[torch.Tensor] = ()) -> tuple[int, Any]:
-    """Bytes autograd saves while `fn` runs (storages of `exclude` not counted), and its result."""
+def saved_by(fn: Callable[[], Any], exclude: Sequence[torch.Tensor] = (),
+             inputs: Sequence[torch.Tensor] = ()) -> tuple[int, int, Any]:
+    """Bytes autograd saves while `fn` runs (storages of `exclude` not counted), the part of them that
+    is `inputs`, and its result."""
     meter = ActivationMeter(exclude)
     with meter.saved_tensors():
         result = fn()
-    saved = meter.peak
-    return saved, result
+    return meter.peak, meter.held_bytes(inputs), result
 
 
 def _profile_loss(loss: Callable[[Any], torch.Tensor], tensors: list[torch.Tensor | None], bare: bool,
@@ -122,9 +123,8 @@ def _profile_loss(loss: Callable[[Any], torch.Tensor], tensors: list[torch.Tenso
 
     fwd = _median_time(run, repeats, device) if timed else 0.0
     bwd = _time_backward(run, repeats, device) if timed else 0.0
-    saved, _ = saved_by(run)
-    own, _ = saved_by(run, [t for t in tensors if t is not None])
-    return LayerProfile(fwd, 0.0, bwd, saved, 0, saved - own, 0, 0)
+    saved, saved_input, _ = saved_by(run, inputs=[t for t in tensors if t is not None])
+    return LayerProfile(fwd, 0.0, bwd, saved, 0, saved_input, 0, 0)
 
 
 def profile_layers(factories: Sequence[Callable[[], nn.Module]], sample: Any, seed: int = 0,
@@ -157,13 +157,12 @@ def profile_layers(factories: Sequence[Callable[[], nn.Module]], sample: Any, se
         nograd = _median_time(forward_nograd, repeats, device) if timed else 0.0
         bwd = _time_backward(forward, repeats, device) if timed else 0.0
         weights = [*layer.parameters(), *layer.buffers()]
-        saved, (outputs, bare) = saved_by(run, weights)
-        own, _ = saved_by(run, [*weights, *(t for t in tensors if t is not None)])
+        saved, saved_input, (outputs, bare) = saved_by(run, weights, [t for t in tensors if t is not None])
         # The next layer is fed this output without its graph, which frees what this layer saved.
         tensors = [t.detach() if t is not None else None for t in outputs]
         del outputs
         params = list(layer.parameters())
-        out.append(LayerProfile(fwd, nograd, bwd, saved, nbytes(tensors), saved - own,
+        out.append(LayerProfile(fwd, nograd, bwd, saved, nbytes(tensors), saved_input,
                                 sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)))
         del layer
     if loss is not None:

@@ -48,6 +48,11 @@ class ActivationMeter:
         """Never count these tensors' storages (parameters, buffers)."""
         self._excluded.update(_storage_key(t) for t in tensors)
 
+    def held_bytes(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Bytes of the storages of `tensors` that are counted now."""
+        keys = {_storage_key(t) for t in tensors}
+        return sum(entry[1] for key, entry in self._live.items() if key in keys)
+
     def reset_peak(self) -> None:
         """Start a new peak from what is held now."""
         self.peak = self.current
