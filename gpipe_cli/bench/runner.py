@@ -12,10 +12,12 @@ Efficiency is T(K) / (K × T(K=1) × M/(M+K-1)): 1.0 means the only loss is GPip
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +144,18 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, console: Cons
     return summary
 
 
+@contextlib.contextmanager
+def _temporary_root(folder: str) -> Iterator[None]:
+    """Make `folder` the root of temporary files (the launcher's own among them), so that removing it leaves
+    nothing behind, also after Ctrl-C."""
+    previous = tempfile.tempdir
+    tempfile.tempdir = folder
+    try:
+        yield
+    finally:
+        tempfile.tempdir = previous
+
+
 def run(options: BenchOptions) -> int:
     """Run `gpipe bench`; print the figures and return an exit code (UserError for bad options, 130 on Ctrl-C)."""
     console = Console()
@@ -160,7 +174,7 @@ def _run(options: BenchOptions, console: Console) -> int:
     subject = chosen.subject
     check_cut(options, subject)
     preview.show(chosen, options, machine, console)
-    with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp, _temporary_root(tmp):
         try:
             if options.sweep:
                 summary = sweep.run(options, subject, Path(tmp), console)
