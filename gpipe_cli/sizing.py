@@ -224,7 +224,10 @@ class Verdict:
     def why_not(self, what: str) -> str:
         """Why `what` does not fit, in a few words ('' when it does)."""
         if self.need_bytes > self.have_bytes:
-            return f"{what} needs {human_bytes(self.need_bytes)}, {human_bytes(self.have_bytes)} is free"
+            free = self.have_bytes / MEMORY_SHARE
+            if self.need_bytes > free:
+                return f"{what} needs {human_bytes(self.need_bytes)}, {human_bytes(free)} is free"
+            return f"{what} needs {human_bytes(self.need_bytes)}, more than half of the {human_bytes(free)} free"
         if self.seconds > self.budget_s:
             return f"{what} would take about {human_seconds(self.seconds)} here"
         return ""
