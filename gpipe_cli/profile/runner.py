@@ -80,7 +80,7 @@ def _show_plan(spec: ModelSpec, subject: Subject, note: str, rows: list[scenario
     cand = sizing.candidate(subject.kind, subject.params)
     name = cand.describe(full=True) if "layers" in subject.params else spec.name
     console.print(f"[bold]plan[/] · {name}: {human_count(cand.parameters)} parameters, {len(spec.layers)} "
-                  f"pipeline layers · {human_bytes(have)} free on {device}")
+                  f"pipeline layers · {human_bytes(have / sizing.MEMORY_SHARE)} free on {device}")
     for sc, prints in zip(rows, predicted):
         how = "measure" if sc.measured else "extrapolate"
         stages = " · ".join(human_bytes(fp.total_bytes) for fp in prints)
