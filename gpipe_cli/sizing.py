@@ -254,9 +254,19 @@ def human_seconds(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def choose(family: str, judge: Callable[[Candidate], Verdict]) -> Choice:
-    """The paper's member of `family` if `judge` says it fits, else the largest smaller member that does."""
-    members = ladder(family)
+def deep_enough(kind: str, params: dict[str, Any], stages: int) -> dict[str, Any]:
+    """`params` with enough layers that `stages` stages get one pipeline layer each (added a stack at a time)."""
+    step = 3 if kind == "amoebanet" else 1  # AmoebaNet's normal cells come in three stacks
+    out = dict(params)
+    while len(build_model(kind, **out).layers) < stages:
+        out["layers"] = int(out["layers"]) + step
+    return out
+
+
+def choose(family: str, judge: Callable[[Candidate], Verdict], stages: int = 1) -> Choice:
+    """The paper's member of `family` if `judge` says it fits, else the largest smaller member that does
+    (each deep enough for `stages` stages)."""
+    members = [(kind, deep_enough(kind, params, stages)) for kind, params in ladder(family)]
     rejected: list[str] = []
     first_reason = ""
     for index, (kind, params) in enumerate(members):

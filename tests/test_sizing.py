@@ -65,3 +65,10 @@ def test_bench_estimates_grow_with_the_work():
     assert estimate_seconds(cand, slow, longer) > estimate_seconds(cand, slow, options)
     # On a CPU every rank holds a runtime: more ranks need more memory.
     assert need_bytes(cand, slow, options) > need_bytes(cand, slow, BenchOptions(partitions=2, microbatches=32))
+
+
+def test_more_stages_than_a_member_has_layers_get_a_deeper_member():
+    from gpipe_cli.models.registry import build_model
+
+    choice = sizing.choose("transformer", lambda c: sizing.Verdict(c.parameters, 1e6, 1.0, 2.0), stages=16)
+    assert choice.scaled and len(build_model(choice.kind, **choice.params).layers) >= 16

@@ -65,7 +65,7 @@ def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tu
     """The model (sized to the machine without model flags), the announcement, and the estimated seconds."""
     judge = _judge(options, machine, batch)
     if sizable(options):
-        choice = sizing.choose(options.model, judge)
+        choice = sizing.choose(options.model, judge, max(options.partitions))
         assert choice.verdict is not None
         return Subject(choice.kind, choice.params, options.model), choice.note, choice.verdict.seconds
     subject = resolve(options.model, options.sizes(), options.set)
