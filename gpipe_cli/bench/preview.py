@@ -105,7 +105,7 @@ def choose_subject(options: BenchOptions, machine: sizing.Machine) -> Preview:
     """The model to measure: sized to the machine when no model flag was given, else exactly what was asked."""
     verdict = judge(options, machine)
     if sizable(options):
-        stages = max(k for k, _ in runs(options, 10**6))
+        stages = options.simulated_devices if options.simulate else max(k for k, _ in runs(options, 10**6))
         choice = sizing.choose(options.model, verdict, stages)
         subject = Subject(choice.kind, choice.params, options.model)
         v = choice.verdict
