@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,7 +77,8 @@ SWEEP_PARTITIONS = (2, 4, 8)
 # Flag name -> help text, for the CLI's typer options (one to one with the fields above).
 FLAGS: dict[str, str] = {
     "model": "Preset (amoebanet-d-18-256, transformer-l-13, t-6-8192-16, ...), family (amoebanet, "
-             "transformer: the paper's speed-table models) or a recipe file (.yaml).",
+             "transformer: the paper's speed-table models, scaled down to this machine's memory and a few "
+             "minutes when no size flag or --set is given) or a recipe file (.yaml).",
     "partitions": "K: pipeline stages, one rank each.",
     "microbatches": "M: micro-batches per mini-batch.",
     "batch_size": "Examples per mini-batch [default: 4 x M].",
@@ -113,14 +113,6 @@ FLAGS: dict[str, str] = {
     "seed": "Seed of the weights and of the synthetic batch.",
     "json": "Write every figure as JSON to FILE.",
 }
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def validate(options: BenchOptions) -> None:

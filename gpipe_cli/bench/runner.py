@@ -3,29 +3,40 @@
     K=1 job   per-layer costs (for the balance and the simulator) + T(K=1) at the same M and remat
     K job     T(K), measured bubble, per-stage memory, optional trace and baselines
 
+Before anything is measured the plan is printed (see `preview`): the model, sized to this machine
+when no model flag was given, its memory per stage, the ranks per core or GPU and the time it should
+take. Ctrl-C stops the ranks and exits 130 with no traceback; the job folder is removed.
+
 Efficiency is T(K) / (K × T(K=1) × M/(M+K-1)): 1.0 means the only loss is GPipe's bubble.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 
-from gpipe_cli.bench import jobs, report, simulate, sweep, trace
+from gpipe_cli import sizing
+from gpipe_cli.bench import jobs, preview, report, simulate, sweep, trace
 from gpipe_cli.bench.costs import CostProfile
 from gpipe_cli.bench.load import contended
 from gpipe_cli.bench.measure import RunFigures, median
-from gpipe_cli.bench.options import BenchOptions, validate
+from gpipe_cli.bench.options import BenchOptions, parse_balance, validate
 from gpipe_cli.bench.plan import base_job, choose_balance, model_json, oversubscription
-from gpipe_cli.bench.subject import Subject, is_text, resolve
+from gpipe_cli.bench.subject import Subject, is_text
 from gpipe_cli.errors import UserError
 from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline.schedule import theoretical_bubble
+
+STOPPED = 128 + signal.SIGINT
 
 
 def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFigures | None, costs: CostProfile,
@@ -77,13 +88,23 @@ def _compare_json(summary: dict[str, Any], kk: RunFigures, baselines: dict[str, 
     return out
 
 
+def check_cut(options: BenchOptions, subject: Subject) -> None:
+    """Refuse K (and --balance) that the model's layers cannot take, before anything is measured."""
+    layers = len(subject.build().layers)
+    k = options.simulated_devices if options.simulate else options.partitions
+    try:
+        partition.check_partitions(layers, k)
+        explicit = parse_balance(options.balance, k)
+        if explicit is not None:
+            partition.check_balance(explicit, layers, k)
+    except partition.PartitionError as exc:
+        flag = "devices" if options.simulate else "partitions"
+        raise UserError(f"--{flag}/--balance: {exc} (the model has {layers} pipeline layers)") from None
+
+
 def _single(options: BenchOptions, subject: Subject, folder: Path, console: Console) -> dict[str, Any]:
     spec = subject.build()
     k = options.simulated_devices if options.simulate else options.partitions
-    try:
-        partition.check_partitions(len(spec.layers), k)
-    except partition.PartitionError as exc:
-        raise UserError(f"--{'devices' if options.simulate else 'partitions'}: {exc}") from None
     console.print(f"[dim]measuring K=1 ({len(spec.layers)} layers, per-layer costs and {options.steps} steps)...[/]")
     k1_job = base_job(options, subject, 1, [len(spec.layers)])
     k1_job.profile_costs = True
@@ -97,10 +118,6 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, console: Cons
     kk: RunFigures | None = None
     raw: dict[str, Any] = {}
     if not options.simulate:
-        over, hardware = oversubscription(k, options.threads)
-        if over:
-            console.print(f"[bold yellow]warning:[/] {k} ranks x {options.threads} thread(s) on {hardware}: "
-                          f"oversubscribed, speed figures mean little")
         console.print(f"[dim]measuring K={k} (balance {balance})...[/]")
         job = base_job(options, subject, k, balance)
         job.trace, job.compare = options.trace is not None, options.compare
@@ -127,12 +144,37 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, console: Cons
     return summary
 
 
+@contextlib.contextmanager
+def _temporary_root(folder: str) -> Iterator[None]:
+    """Make `folder` the root of temporary files (the launcher's own among them), so that removing it leaves
+    nothing behind, also after Ctrl-C."""
+    previous = tempfile.tempdir
+    tempfile.tempdir = folder
+    try:
+        yield
+    finally:
+        tempfile.tempdir = previous
+
+
 def run(options: BenchOptions) -> int:
-    """Run `gpipe bench`; print the figures and return an exit code (UserError for bad options)."""
+    """Run `gpipe bench`; print the figures and return an exit code (UserError for bad options, 130 on Ctrl-C)."""
     console = Console()
     validate(options)
-    subject = resolve(options.model, options.sizes(), options.set)
-    with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp:
+    try:
+        return _run(options, console)
+    except KeyboardInterrupt:
+        console.print("[yellow]gpipe bench: interrupted; nothing was measured to the end, nothing was written[/]")
+        return STOPPED
+
+
+def _run(options: BenchOptions, console: Console) -> int:
+    started = time.perf_counter()
+    machine = sizing.this_machine(options.threads)
+    chosen = preview.choose_subject(options, machine)
+    subject = chosen.subject
+    check_cut(options, subject)
+    preview.show(chosen, options, machine, console)
+    with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp, _temporary_root(tmp):
         try:
             if options.sweep:
                 summary = sweep.run(options, subject, Path(tmp), console)
@@ -141,8 +183,15 @@ def run(options: BenchOptions) -> int:
                 summary = _single(options, subject, Path(tmp), console)
                 report.show(summary, console)
         except jobs.JobFailed as exc:
+            if exc.code in (STOPPED, 128 + signal.SIGTERM):
+                console.print("[yellow]gpipe bench: stopped; nothing was written[/]")
+                return exc.code
             console.print(f"[red]gpipe bench: the benchmark ranks failed (exit code {exc.code}); see above[/]")
             return exc.code
+    summary["sized"] = {"note": chosen.note, "estimate_s": chosen.seconds,
+                        "elapsed_s": time.perf_counter() - started}
+    console.print(f"[dim]took {sizing.human_seconds(time.perf_counter() - started)} (estimated "
+                  f"{sizing.human_seconds(chosen.seconds)})[/]")
     if options.json is not None:
         options.json.parent.mkdir(parents=True, exist_ok=True)
         options.json.write_text(json.dumps(summary, indent=2))

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
+from types import FrameType
 
 import torch
 
@@ -17,8 +19,15 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.pipeline import failure, topology
 
 
+def _stop(signum: int, frame: FrameType | None) -> None:
+    # Ctrl-C (forwarded by the launcher) or SIGTERM: a benchmark has nothing to save; leave at once, quietly.
+    os._exit(128 + signum)
+
+
 def main(argv: list[str]) -> None:
     """Join the job, pin threads, and run it guarded so that one failure stops every rank."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stop)
     job = Job(**json.loads(Path(argv[0]).read_text()))
     torch.set_num_threads(int(os.environ.get("GPIPE_THREADS", "1")))
     topo = topology.init(job.stages)

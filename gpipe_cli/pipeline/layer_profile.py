@@ -1,7 +1,14 @@
-"""Measure each layer's forward+backward time and activation memory on a sample micro-batch.
+"""The one per-layer measurer: each layer's time and memory on a sample micro-batch.
 
-Layers are built, measured and freed one at a time, feeding each the previous layer's real output,
-so profiling never needs the whole model in memory. The results feed `partition.balance_by_cost`.
+Layers are built, measured and freed one at a time, each fed the previous layer's real output, so
+profiling never needs the whole model in memory. Per layer it gives the three kinds of compute the
+schedule runs (a forward that builds the autograd graph, the graph-less first forward of a
+rematerialised micro-batch, the backward), the bytes autograd saves in the forward (counted by the
+engine's own `ActivationMeter`) and the bytes handed to the next layer.
+
+On the meta device only shapes exist: nothing is timed, but the saved and output bytes are exact,
+so models far larger than the machine can be priced. Balance (`partition.balance_by_cost`), the
+simulator, the plan's memory and `profile-memory` all read these figures.
 """
 
 from __future__ import annotations
@@ -22,11 +29,41 @@ from gpipe_cli.pipeline.stage import as_tensors, from_tensors
 
 @dataclass(frozen=True)
 class LayerProfile:
-    """One layer's measured cost for one micro-batch."""
+    """One layer's measured cost for one micro-batch (seconds are 0 on the meta device)."""
 
-    seconds: float          # forward + backward, median of the repeats
-    activation_bytes: int   # what autograd saves during its forward
+    forward: float          # forward building the autograd graph (also a recompute)
+    forward_nograd: float   # the graph-less first forward of a rematerialised micro-batch
+    backward: float
+    saved_bytes: int        # what autograd saves during its forward (its input included when saved)
+    output_bytes: int       # what it hands to the next layer
+    saved_input_bytes: int  # the part of `saved_bytes` that is its input (a stage holds its input anyway)
+    params: int
     param_bytes: int
+
+    @property
+    def seconds(self) -> float:
+        """Forward plus backward."""
+        return self.forward + self.backward
+
+    @property
+    def activation_bytes(self) -> int:
+        """What autograd saves during its forward."""
+        return self.saved_bytes
+
+
+class Profile(list[LayerProfile]):
+    """Every layer's profile, in order, with the model input's bytes and the loss's profile (when asked)."""
+
+    def __init__(self, layers: Sequence[LayerProfile] = (), input_bytes: int = 0,
+                 loss: LayerProfile | None = None) -> None:
+        super().__init__(layers)
+        self.input_bytes = input_bytes
+        self.loss = loss
+
+
+def nbytes(tensors: Sequence[torch.Tensor | None]) -> int:
+    """Bytes of the tensors (None skipped)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def _sync(device: torch.device) -> None:
@@ -34,38 +71,100 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _leaves(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """What a stage receives: fresh leaves that require grad when floating."""
+    return [None if t is None else t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+
+
+def _median_time(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
+    fn()  # the first call pays for allocator growth and kernel selection
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) if times else 0.0
+
+
+def _time_backward(run: Callable[[], list[torch.Tensor]], repeats: int, device: torch.device) -> float:
+    """Median seconds of the backward alone (a fresh graph each time, built outside the clock)."""
+    times = []
+    for i in range(repeats + 1):
+        roots = [o for o in run() if o.requires_grad]
+        if not roots:
+            return 0.0
+        grads = [torch.ones_like(o) for o in roots]
+        _sync(device)
+        start = time.perf_counter()
+        torch.autograd.backward(roots, grads)
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) if times else 0.0
+
+
+def saved_by(fn: Callable[[], Any], exclude: Sequence[torch.Tensor] = (),
+             inputs: Sequence[torch.Tensor] = ()) -> tuple[int, int, Any]:
+    """Bytes autograd saves while `fn` runs (storages of `exclude` not counted), the part of them that
+    is `inputs`, and its result."""
+    meter = ActivationMeter(exclude)
+    with meter.saved_tensors():
+        result = fn()
+    return meter.peak, meter.held_bytes(inputs), result
+
+
+def _profile_loss(loss: Callable[[Any], torch.Tensor], tensors: list[torch.Tensor | None], bare: bool,
+                  repeats: int, device: torch.device, timed: bool) -> LayerProfile:
+    """The loss as a layer without parameters: its forward and backward seconds, and what it saves."""
+    def run() -> list[torch.Tensor]:
+        return [loss(from_tensors(_leaves(tensors), bare))]
+
+    fwd = _median_time(run, repeats, device) if timed else 0.0
+    bwd = _time_backward(run, repeats, device) if timed else 0.0
+    saved, saved_input, _ = saved_by(run, inputs=[t for t in tensors if t is not None])
+    return LayerProfile(fwd, 0.0, bwd, saved, 0, saved_input, 0, 0)
+
+
 def profile_layers(factories: Sequence[Callable[[], nn.Module]], sample: Any, seed: int = 0,
-                   device: torch.device | str = "cpu", repeats: int = 3) -> list[LayerProfile]:
-    """Profile every layer in order on `sample` (the model's input for one micro-batch)."""
+                   device: torch.device | str = "cpu", repeats: int = 3,
+                   loss: Callable[[Any], torch.Tensor] | None = None) -> Profile:
+    """Profile every layer in order on `sample` (the model's input for one micro-batch); `repeats=0`: memory only.
+
+    `loss` (the model's output -> a scalar, its targets bound) is profiled too when given.
+    """
     device = torch.device(device)
-    x = as_tensors(sample)
-    tensors, bare = [t.to(device) if t is not None else None for t in x[0]], x[1]
-    out: list[LayerProfile] = []
+    x, bare = as_tensors(sample)
+    tensors = [t.to(device) if t is not None else None for t in x]
+    timed = repeats > 0 and device.type != "meta"
+    out = Profile(input_bytes=nbytes(tensors))
     for index in range(len(factories)):
         (layer,) = build_layers(factories, [index], seed, device)
         layer.train()
-        meter = ActivationMeter([*layer.parameters(), *layer.buffers()])
-        times = []
-        result: Any = None
-        for _ in range(repeats + 1):  # the first run warms up allocators and kernels
-            inputs = [t.detach().requires_grad_(t.is_floating_point()) if t is not None else None
-                      for t in tensors]
-            meter.reset_peak()
-            _sync(device)
-            start = time.perf_counter()
-            with meter.saved_tensors():
-                result = layer(from_tensors(inputs, bare))
-            outputs, _ = as_tensors(result)
-            roots = [o for o in outputs if o is not None and o.requires_grad]
-            if roots:
-                torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
-            _sync(device)
-            times.append(time.perf_counter() - start)
-            saved = meter.peak
-            del roots
-        params = sum(p.numel() * p.element_size() for p in layer.parameters())
-        out.append(LayerProfile(statistics.median(times[1:]), saved, params))
-        outputs, bare = as_tensors(result)
-        tensors = [o.detach() if o is not None else None for o in outputs]
-        del layer, result
+
+        def run(layer: nn.Module = layer, tensors: Any = tensors, bare: bool = bare) -> tuple[list[Any], bool]:
+            return as_tensors(layer(from_tensors(_leaves(tensors), bare)))
+
+        def forward(run: Callable[[], tuple[list[Any], bool]] = run) -> list[torch.Tensor]:
+            return [o for o in run()[0] if o is not None]
+
+        def forward_nograd(forward: Callable[[], list[torch.Tensor]] = forward) -> None:
+            with torch.no_grad():
+                forward()
+
+        fwd = _median_time(forward, repeats, device) if timed else 0.0
+        nograd = _median_time(forward_nograd, repeats, device) if timed else 0.0
+        bwd = _time_backward(forward, repeats, device) if timed else 0.0
+        weights = [*layer.parameters(), *layer.buffers()]
+        saved, saved_input, (outputs, bare) = saved_by(run, weights, [t for t in tensors if t is not None])
+        # The next layer is fed this output without its graph, which frees what this layer saved.
+        tensors = [t.detach() if t is not None else None for t in outputs]
+        del outputs
+        params = list(layer.parameters())
+        out.append(LayerProfile(fwd, nograd, bwd, saved, nbytes(tensors), saved_input,
+                                sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)))
+        del layer
+    if loss is not None:
+        out.loss = _profile_loss(loss, tensors, bare, repeats, device, timed)
     return out

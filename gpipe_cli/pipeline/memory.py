@@ -16,6 +16,13 @@ from typing import Any
 import torch
 
 
+def _storage_key(tensor: torch.Tensor) -> int:
+    """What identifies a tensor's storage: its address, or on the meta device (no data) the storage object."""
+    storage = tensor.untyped_storage()
+    # Meta storages have no address; the C++ storage object is shared by views, so it stands in for one.
+    return storage._cdata if tensor.device.type == "meta" else storage.data_ptr()
+
+
 class _Held:
     """A counted tensor; dropping the last reference uncounts it."""
 
@@ -32,14 +39,19 @@ class ActivationMeter:
     """Live and peak bytes of stored activations, deduplicated by storage."""
 
     def __init__(self, parameters: Iterable[torch.Tensor] = ()) -> None:
-        self._excluded = {p.untyped_storage().data_ptr() for p in parameters}
+        self._excluded = {_storage_key(p) for p in parameters}
         self._live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         self.current = 0
         self.peak = 0
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never count these tensors' storages (parameters, buffers)."""
-        self._excluded.update(t.untyped_storage().data_ptr() for t in tensors)
+        self._excluded.update(_storage_key(t) for t in tensors)
+
+    def held_bytes(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Bytes of the storages of `tensors` that are counted now."""
+        keys = {_storage_key(t) for t in tensors}
+        return sum(entry[1] for key, entry in self._live.items() if key in keys)
 
     def reset_peak(self) -> None:
         """Start a new peak from what is held now."""
@@ -47,10 +59,10 @@ class ActivationMeter:
 
     def hold(self, tensor: torch.Tensor) -> Any:
         """Count `tensor` until the returned handle is dropped (returns the tensor when not countable)."""
-        if tensor.device.type == "meta" or tensor.is_sparse:
+        if tensor.is_sparse:
             return tensor
         storage = tensor.untyped_storage()
-        key = storage.data_ptr()
+        key = _storage_key(tensor)
         if key in self._excluded or key == 0:
             return tensor
         entry = self._live.get(key)

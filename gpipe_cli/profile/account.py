@@ -13,13 +13,14 @@ from the allocator (allocated bytes less parameters and gradients). Each figure 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from gpipe_cli.memory_model import OPTIMIZERS
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import microbatch, partition
 from gpipe_cli.pipeline import schedule as sched
@@ -27,14 +28,6 @@ from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.memory import ActivationMeter
 from gpipe_cli.pipeline.schedule import Kind
 from gpipe_cli.pipeline.stage import Stage, as_tensors
-
-OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
-    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-    "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
-    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
-    # The paper's AmoebaNet optimizer (12 bytes per parameter with the weight).
-    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, alpha=0.9, momentum=0.9),
-}
 
 
 def method(device: torch.device) -> str:

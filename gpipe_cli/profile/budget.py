@@ -10,7 +10,7 @@ Per-layer figures are measured on small members of the family and scaled to any 
 
 A model fits K devices when a contiguous cut into K stages keeps every stage's parameters,
 gradients, optimizer state and peak activations (predicted by walking the schedule, see
-`footprint`) within the budget.
+`memory_model`) within the budget.
 """
 
 from __future__ import annotations
@@ -20,14 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from gpipe_cli import memory_model as mm
 from gpipe_cli.errors import UserError
+from gpipe_cli.memory_model import Affine, Footprint, LayerFigures, ModelFigures, bytes_per_parameter, greedy_fit
+from gpipe_cli.models.describe import layer_params
 from gpipe_cli.models.registry import build_model
-from gpipe_cli.profile import figures as fig
-from gpipe_cli.profile.account import OPTIMIZERS
-from gpipe_cli.profile.figures import Affine, LayerFigures, ModelFigures
-from gpipe_cli.profile.footprint import Footprint, greedy_fit
 
 # The families' fixed sizes in the paper's Table 1 and the batch it used.
 TRANSFORMER_L = dict(arch="decoder-only", d_model=2048, ff=8192, heads=32, vocab_size=32000, max_len=1024)
@@ -61,28 +58,17 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def bytes_per_parameter(optimizer: str) -> float:
-    """Weight, gradient and optimizer-state bytes per fp32 parameter, measured by one optimizer step."""
-    param = torch.nn.Parameter(torch.zeros(1024))
-    param.grad = torch.zeros(1024)
-    opt = OPTIMIZERS[optimizer]([param])
-    opt.step()
-    state = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
-                if isinstance(t, torch.Tensor) and t.numel() == param.numel())
-    return 4 + 4 + state / param.numel()
-
-
 def _by_role(model: ModelFigures) -> dict[str, LayerFigures]:
     """The last layer of each role (the steady state of a repeated layer)."""
-    return {fig.role(layer.name): layer for layer in model.layers}
+    return {mm.role(layer.name): layer for layer in model.layers}
 
 
 def _assemble(names: list[str], roles: dict[str, LayerFigures], inputs: Affine,
               params: Callable[[str], int]) -> ModelFigures:
     layers = []
     for name in names:
-        r = roles[fig.role(name)]
-        layers.append(LayerFigures(name, params(fig.role(name)), r.saved, r.output))
+        r = roles[mm.role(name)]
+        layers.append(LayerFigures(name, params(mm.role(name)), r.saved, r.output, r.saved_input))
     return ModelFigures(inputs, tuple(layers))
 
 
@@ -95,7 +81,7 @@ class TransformerL:
     def __init__(self, fixed: dict[str, Any], seed: int = 0) -> None:
         self.fixed = fixed
         # No BatchNorm here, so a single example is a valid probe (it halves the cost at paper sizes).
-        self.probe = fig.measure(build_model("transformer", layers=2, **fixed), seed, batches=(1, 2))
+        self.probe = mm.measure(build_model("transformer", layers=2, **fixed), seed, batches=(1, 2))
         self.roles = _by_role(self.probe)
 
     def figures(self, layers: int) -> ModelFigures:
@@ -134,8 +120,8 @@ class AmoebaNetD:
     def __init__(self, fixed: dict[str, Any], seed: int = 0, max_layers: int = 240, max_width: int = 4096) -> None:
         self.fixed, self.max_layers, self.max_width = fixed, max_layers, max_width
         d0, d1, _ = self.PROBE_WIDTHS
-        self.at = [_by_role(fig.measure(self._spec(self.PROBE_LAYERS, d), seed)) for d in (d0, d1)]
-        self.input = fig.measure(self._spec(self.PROBE_LAYERS, d0), seed).input
+        self.at = [_by_role(mm.measure(self._spec(self.PROBE_LAYERS, d), seed)) for d in (d0, d1)]
+        self.input = mm.measure(self._spec(self.PROBE_LAYERS, d0), seed).input
         counts = [self._role_params(d) for d in self.PROBE_WIDTHS]
         self.param_fit = {role: [c[role] for c in counts] for role in counts[0]}
 
@@ -144,7 +130,7 @@ class AmoebaNetD:
 
     def _role_params(self, width: int) -> dict[str, int]:
         spec = self._spec(self.PROBE_LAYERS, width)
-        return {fig.role(n): p for n, p in zip(spec.layer_names, fig.layer_param_counts(spec))}
+        return {mm.role(n): p for n, p in zip(spec.layer_names, layer_params(spec))}
 
     def _params(self, role: str, width: int) -> int:
         """Exact: parameter counts are quadratic in D; interpolate through the three probe widths."""
@@ -159,7 +145,8 @@ class AmoebaNetD:
         d0, d1, _ = self.PROBE_WIDTHS
         t = (width - d0) / (d1 - d0)
         roles = {role: LayerFigures(role, 0, self.at[0][role].saved.blend(self.at[1][role].saved, t),
-                                    self.at[0][role].output.blend(self.at[1][role].output, t))
+                                    self.at[0][role].output.blend(self.at[1][role].output, t),
+                                    self.at[0][role].saved_input.blend(self.at[1][role].saved_input, t))
                  for role in self.at[0]}
         names = self._spec(layers, width).layer_names
         return _assemble(names, roles, self.input, lambda role: self._params(role, width))

@@ -32,7 +32,8 @@ class ProfileOptions(SizeFlags):
 
 # Flag name -> help text, for the CLI's typer options (one to one with the fields above).
 FLAGS: dict[str, str] = {
-    "model": "Preset, family (amoebanet, transformer) or recipe file (.yaml). With --budget, the family searched: "
+    "model": "Preset, family (amoebanet, transformer: the paper's models, scaled down to this machine when no "
+             "size flag or --set is given) or recipe file (.yaml). With --budget, the family searched: "
              "AmoebaNet-D (L, D) or Transformer-L.",
     "partitions": "K values to profile (pipeline-K), comma-separated, e.g. 2,4,8; naive-1 and pipeline-1 are "
                   "always shown.",

@@ -20,7 +20,7 @@ def show_measured(s: dict[str, Any], console: Console) -> None:
                   f"optimizer {s['optimizer']} · device {s['device']}")
     console.print(f"activations measured by {s['method']}; stored act.: what the forwards keep until the "
                   f"backward phase; peak act.: stored plus the micro-batch being recomputed and backpropagated")
-    for sc in s["scenarios"]:
+    for sc in (sc for sc in s["scenarios"] if sc["measured"]):
         table = Table(title=f"{sc['name']}: K={sc['partitions']}, M={sc['microbatches']}, checkpoint "
                             f"{sc['checkpoint']}, balance {sc['balance']}")
         for name in ("stage", "layers", "params", "grads", "optim.", "stored act.", "peak act.", "total"):
@@ -31,8 +31,26 @@ def show_measured(s: dict[str, Any], console: Console) -> None:
                           human_bytes(st["optimizer_bytes"]), human_bytes(st["stored_bytes"]),
                           human_bytes(st["peak_bytes"]), human_bytes(st["total_bytes"]))
         console.print(table)
-    line = " · ".join(f"{sc['name']} {human_bytes(sc['device_peak_bytes'])}" for sc in s["scenarios"])
-    console.print(f"fullest device: {line}")
+    console.print(_table1(s))
+    for sc in s["scenarios"]:
+        if not sc["measured"]:
+            console.print(f"[yellow]{sc['why']}[/]; from per-layer figures ({s['per_layer_figures']})")
+
+
+def _table1(s: dict[str, Any]) -> Table:
+    """The paper's Table 1 layout: one column per row of the profile, each saying how it was obtained."""
+    table = Table(title=f"Memory per scenario, {s['model']['name']} (totals over all stages)")
+    table.add_column("")
+    rows = s["scenarios"]
+    for sc in rows:
+        table.add_column(sc["name"], justify="right")
+    table.add_row("# of model parameters", *(human_count(sc["params"]) for sc in rows))
+    table.add_row("total model parameter memory", *(human_bytes(sc["param_memory_bytes"]) for sc in rows))
+    table.add_row("peak activation memory", *(human_bytes(sc["peak_activation_bytes"]) for sc in rows))
+    table.add_row("fullest device", *(human_bytes(sc["device_peak_bytes"]) for sc in rows))
+    table.add_row("layers per stage", *(",".join(map(str, sc["balance"])) for sc in rows))
+    table.add_row("figures", *("measured" if sc["measured"] else "[yellow]extrapolated[/]" for sc in rows))
+    return table
 
 
 def show_budget(s: dict[str, Any], console: Console) -> None:

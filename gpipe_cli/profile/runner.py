@@ -1,28 +1,30 @@
 """`gpipe profile-memory`: per-stage memory of naive-1, pipeline-1 and pipeline-K, or the largest model per K.
 
-    naive-1      K=1, one micro-batch, no rematerialization (plain training)
-    pipeline-1   K=1, M micro-batches, rematerialization
-    pipeline-K   K stages, M micro-batches, rematerialization
+Without model flags the family's model is sized to this machine (see `gpipe_cli.sizing`). Every row
+is decided and the plan printed before anything is measured; rows that cannot be measured here are
+extrapolated from per-layer figures (see `scenarios`). Ctrl-C exits 130 with no traceback.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import signal
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from rich.console import Console
 
-from gpipe_cli.bench.subject import SIZE_PARAMS, example_batch, resolve
+from gpipe_cli import memory_model as mm
+from gpipe_cli import sizing
+from gpipe_cli.bench.subject import FAMILIES, SIZE_PARAMS, Subject, example_batch, resolve
 from gpipe_cli.errors import UserError
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.models.describe import describe
-from gpipe_cli.pipeline import microbatch, partition
-from gpipe_cli.profile import account, budget, report
-from gpipe_cli.profile.figures import layer_param_counts
+from gpipe_cli.models.describe import layer_params
+from gpipe_cli.profile import account, budget, report, scenarios
 from gpipe_cli.profile.options import ProfileOptions, validate
-from gpipe_cli.units import human_bytes
+from gpipe_cli.units import human_bytes, human_count
 
 
 def _device(choice: str) -> torch.device:
@@ -31,60 +33,104 @@ def _device(choice: str) -> torch.device:
     return torch.device("cuda" if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()) else "cpu")
 
 
-def _available_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+def sizable(options: ProfileOptions) -> bool:
+    """Whether the model is left to this machine: a family name and no size flag or --set."""
+    return options.model in FAMILIES and not any(v is not None for v in options.sizes().values()) \
+        and not options.set
 
 
-def _balance(options: ProfileOptions, spec: ModelSpec, k: int, batch: int) -> list[int]:
-    layers = len(spec.layers)
-    try:
-        partition.check_partitions(layers, k)
-        if options.balance:
-            explicit = [int(p) for p in options.balance.split(",")]
-            return partition.check_balance(explicit, layers, k)
-        size = max(microbatch.sizes(batch, options.microbatches))
-        flops = [float(c.flops) for c in describe(spec, size).layers]
-        return partition.balance_by_cost(flops if any(flops) else [float(p) for p in layer_param_counts(spec)], k)
-    except ValueError as exc:
-        raise UserError(f"--partitions/--balance: {exc} (the model has {layers} layers)") from None
+def estimate_seconds(cand: sizing.Candidate, machine: sizing.Machine, batch: int,
+                     rows: list[tuple[str, int, int, str]]) -> float:
+    """Seconds the profile should take: one step per row (each stage driven in turn) and the per-layer probes."""
+    total = 3.0 + 2 * sizing.step_seconds(cand, machine, 4, 1, 1.0)
+    for _, _, m, checkpoint in rows:
+        total += sizing.step_seconds(cand, machine, batch, m, 3.0 if checkpoint == "never" else 4.0) + 0.5
+    return total
 
 
-def _check_fits(spec: ModelSpec, options: ProfileOptions, device: torch.device) -> None:
-    """Refuse, in one line, a model whose largest stage (K=1: all of it) cannot be built here."""
-    need = sum(layer_param_counts(spec)) * budget.bytes_per_parameter(options.optimizer)
-    have = _available_bytes(device)
-    if need > have:
-        raise UserError(f"the whole model needs {human_bytes(need)} for weights, gradients and optimizer "
-                        f"state, but {human_bytes(have)} is free: shrink it (--layers, --d-model, "
-                        f"--filters ...) or estimate larger models with --budget")
+def _judge(options: ProfileOptions, machine: sizing.Machine, batch: int) -> Callable[[sizing.Candidate],
+                                                                                    sizing.Verdict]:
+    rows = scenarios.names(options.partitions, options.microbatches, options.checkpoint)
+    per_param = mm.bytes_per_parameter(options.optimizer)
+
+    def verdict(cand: sizing.Candidate) -> sizing.Verdict:
+        # naive-1 holds the whole model and the whole batch's activations: it must fit to be measured.
+        need = cand.parameters * per_param + sizing.activation_bytes(cand, batch)
+        return sizing.Verdict(need, machine.memory_bytes * sizing.MEMORY_SHARE,
+                              estimate_seconds(cand, machine, batch, rows), sizing.TIME_BUDGET_S)
+    return verdict
+
+
+def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tuple[Subject, str, float]:
+    """The model (sized to the machine without model flags), the announcement, and the estimated seconds."""
+    judge = _judge(options, machine, batch)
+    if sizable(options):
+        choice = sizing.choose(options.model, judge, max(options.partitions))
+        assert choice.verdict is not None
+        return Subject(choice.kind, choice.params, options.model), choice.note, choice.verdict.seconds
+    subject = resolve(options.model, options.sizes(), options.set)
+    return subject, "", judge(sizing.candidate(subject.kind, subject.params)).seconds
+
+
+def _show_plan(spec: ModelSpec, subject: Subject, note: str, rows: list[scenarios.Scenario],
+               predicted: list[list[mm.Footprint]], seconds: float, have: float, device: torch.device,
+               machine: sizing.Machine, console: Console) -> None:
+    if note:
+        console.print(f"[bold]{note}[/]")
+    cand = sizing.candidate(subject.kind, subject.params)
+    name = cand.describe(full=True) if "layers" in subject.params else spec.name
+    console.print(f"[bold]plan[/] · {name}: {human_count(cand.parameters)} parameters, {len(spec.layers)} "
+                  f"pipeline layers · {human_bytes(have / sizing.MEMORY_SHARE)} free on {device}")
+    for sc, prints in zip(rows, predicted):
+        how = "measure" if sc.measured else "extrapolate"
+        stages = " · ".join(human_bytes(fp.total_bytes) for fp in prints)
+        console.print(f"  {sc.name:<11} {how:<11} balance {sc.balance}: per stage (est.) {stages}")
+    console.print(f"  estimate: about {sizing.human_seconds(seconds)} (this machine: "
+                  f"{machine.flops_per_s / 1e9:.0f} GFLOP/s measured)")
 
 
 def measure(options: ProfileOptions, console: Console) -> dict[str, Any]:
-    """Measure every scenario's stages; the figures as the JSON file holds them."""
-    subject = resolve(options.model, options.sizes(), options.set)
-    spec = subject.build()
+    """Decide every row, print the plan, then measure what can be and extrapolate the rest."""
     device = _device(options.device)
-    _check_fits(spec, options, device)
     m = options.microbatches
     batch = options.batch_size or 4 * m
+    machine = sizing.this_machine(torch.get_num_threads())
+    subject, note, seconds = _subject(options, machine, batch)
+    spec = subject.build()
+    per_param = mm.bytes_per_parameter(options.optimizer)
+    have = float(mm.available_bytes(device)) * sizing.MEMORY_SHARE
+    # Per-layer figures from shapes first (instant at any size), to decide and announce every row.
+    figures = mm.measure(spec, options.seed, device="meta")
+    names = scenarios.names(options.partitions, m, options.checkpoint)
+    rows = scenarios.plan(spec, figures, names, batch, options.schedule, per_param, have, options.balance)
+    predicted = [sc.predict(figures, batch, options.schedule, per_param) for sc in rows]
+    _show_plan(spec, subject, note, rows, predicted, seconds, have, device, machine, console)
+    source = "saved-tensor accounting of each layer's forward on the meta device (shapes only)"
+    cand = sizing.candidate(subject.kind, subject.params)
+    probe_s = 2 * sizing.step_seconds(cand, machine, 6, 1, 2.0)
+    if any(not sc.measured for sc in rows) and probe_s < 30 and max(layer_params(spec)) * per_param < have:
+        # Extrapolate from per-layer figures measured on this device, one layer at a time.
+        console.print("[dim]measuring per-layer figures...[/]")
+        figures = mm.measure(spec, options.seed, device=str(device))
+        rows = scenarios.plan(spec, figures, names, batch, options.schedule, per_param, have, options.balance)
+        source = f"saved-tensor accounting of each layer's forward and backward on {device}"
     inputs, targets = example_batch(spec, batch, options.seed)
-    scenarios = [("naive-1", 1, 1, "never"), ("pipeline-1", 1, m, options.checkpoint)]
-    scenarios += [(f"pipeline-{k}", k, m, options.checkpoint) for k in options.partitions if k > 1]
+    params = sum(layer_params(spec))
     out = []
-    for name, k, chunks, checkpoint in scenarios:
-        balance = _balance(options, spec, k, batch) if k > 1 else [len(spec.layers)]
-        console.print(f"[dim]measuring {name} (balance {balance})...[/]")
-        stages = account.measure(spec, inputs, targets, balance, chunks, options.schedule, checkpoint,
-                                 options.optimizer, options.seed, device)
-        out.append({"name": name, "partitions": k, "microbatches": chunks, "checkpoint": checkpoint,
-                    "balance": balance, "stages": [s.to_json() for s in stages],
-                    "device_peak_bytes": max(s.total_bytes for s in stages)})
+    for sc in rows:
+        if sc.measured:
+            console.print(f"[dim]measuring {sc.name} (balance {sc.balance})...[/]")
+            stages = [s.to_json() for s in account.measure(spec, inputs, targets, sc.balance, sc.microbatches,
+                                                           options.schedule, sc.checkpoint, options.optimizer,
+                                                           options.seed, device)]
+            out.append(scenarios.row(sc, stages, params))
+        else:
+            stages = scenarios.predicted_stages(sc, figures, batch, options.schedule, per_param)
+            out.append(scenarios.row(sc, stages, sum(layer.params for layer in (sc.figures or figures).layers)))
     return {"model": {**subject.to_json(), "name": spec.name, "layers": len(spec.layers)}, "batch_size": batch,
             "microbatches": m, "schedule": options.schedule, "checkpoint": options.checkpoint,
             "optimizer": options.optimizer, "device": str(device), "method": account.method(device),
-            "scenarios": out}
+            "sized": note, "estimate_s": seconds, "per_layer_figures": source, "scenarios": out}
 
 
 def _family(options: ProfileOptions) -> tuple[str, dict[str, Any]]:
@@ -115,22 +161,34 @@ def search(options: ProfileOptions, console: Console) -> dict[str, Any]:
     rows = budget.search(family, scenarios, limit, batch, options.schedule, options.optimizer)
     return {"budget_bytes": limit, "family": family.title, "kind": kind, "fixed": fixed, "batch_size": batch,
             "microbatches": m, "schedule": options.schedule, "checkpoint": options.checkpoint,
-            "optimizer": options.optimizer, "bytes_per_param": budget.bytes_per_parameter(options.optimizer),
+            "optimizer": options.optimizer, "bytes_per_param": mm.bytes_per_parameter(options.optimizer),
             "method": "per-layer figures measured by saved-tensor accounting on small members, scaled",
             "rows": [None if r is None else r.to_json() for r in rows],
             "scenarios": [s[0] for s in scenarios], "paper": budget.PAPER_TABLE1[kind]}
 
 
 def run(options: ProfileOptions) -> int:
-    """Run `gpipe profile-memory`; print the figures and return an exit code (UserError for bad options)."""
+    """Run `gpipe profile-memory`; print the figures and return an exit code (UserError for bad options,
+    130 on Ctrl-C)."""
     console = Console()
     validate(options)
+    try:
+        return _run(options, console)
+    except KeyboardInterrupt:
+        console.print("[yellow]gpipe profile-memory: interrupted; nothing was written[/]")
+        return 128 + signal.SIGINT
+
+
+def _run(options: ProfileOptions, console: Console) -> int:
+    started = time.perf_counter()
     if options.budget is not None:
         summary = search(options, console)
         report.show_budget(summary, console)
     else:
         summary = measure(options, console)
         report.show_measured(summary, console)
+        console.print(f"[dim]took {sizing.human_seconds(time.perf_counter() - started)} (estimated "
+                      f"{sizing.human_seconds(summary['estimate_s'])})[/]")
     if options.json is not None:
         options.json.parent.mkdir(parents=True, exist_ok=True)
         options.json.write_text(json.dumps(summary, indent=2))

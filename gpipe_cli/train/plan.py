@@ -1,7 +1,8 @@
 """The plan of a run: the model, how it is cut into stages, and what each stage costs and holds.
 
 Computed without training or reading data (layers are built on the meta device), so `gpipe validate`
-can show it at once; `gpipe train` executes the same plan.
+can show it at once; `gpipe train` executes the same plan and refuses, before starting any rank, a
+plan whose stages do not fit the memory of the machine (see `memory_model`).
 """
 
 from __future__ import annotations
@@ -10,15 +11,13 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
-
+from gpipe_cli import memory_model as mm
 from gpipe_cli.errors import UserError
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import ModelSummary, describe
 from gpipe_cli.pipeline import partition, schedule
 from gpipe_cli.recipe.schema import Recipe
-
-_OPTIMIZER_SLOTS = {"sgd": 1, "adam": 2, "adamw": 2, "rmsprop": 1, "amoebanet-rmsprop": 2}
+from gpipe_cli.units import human_bytes
 
 
 def model_spec(recipe: Recipe) -> ModelSpec:
@@ -32,28 +31,31 @@ def model_spec(recipe: Recipe) -> ModelSpec:
         raise UserError(f"model: {exc}") from None
 
 
-def checked_plan(recipe: Recipe, label: str) -> Plan:
-    """The plan, with problems reported against the recipe file."""
+def checked_plan(recipe: Recipe, label: str, must_fit: bool = False) -> Plan:
+    """The plan, with problems reported against the recipe file (`must_fit`: also a plan too large for this machine)."""
     try:
-        return make_plan(recipe)
+        plan = make_plan(recipe)
     except UserError as exc:
         raise UserError(f"{label}: {exc}") from None
+    if must_fit and not plan.fits:
+        raise UserError(f"{label}: {plan.misfit()}")
+    return plan
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one stage holds at its peak, by kind (an estimate from shapes; measure with profile-memory)."""
+    """Bytes one stage holds, by kind, from the memory model (measure them with `gpipe profile-memory`)."""
 
     params: int
     grads: int
     optimizer: int
-    stored_inputs: int
-    activations: int
+    stored: int        # activations kept from forwards when the backward phase starts
+    activations: int   # the activation peak of the step (stored plus the micro-batch being backpropagated)
 
     @property
     def total(self) -> int:
-        """The sum of all kinds."""
-        return self.params + self.grads + self.optimizer + self.stored_inputs + self.activations
+        """What the device needs at the stage's peak."""
+        return self.params + self.grads + self.optimizer + self.activations
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,12 @@ class StagePlan:
     params: int
     flops: int  # forward FLOPs per example
     memory: MemoryEstimate
+    capacity: int  # the memory this stage's rank has (see `Plan.capacity`)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the stage's estimate fits the memory its rank has."""
+        return self.memory.total <= self.capacity
 
 
 @dataclass(frozen=True)
@@ -85,44 +93,42 @@ class Plan:
     checkpoint: str
     bubble_theory: float
     stages: list[StagePlan]
+    capacity: str  # what the ranks run on, e.g. "22.1 GiB of available RAM shared by 4 ranks"
+
+    @property
+    def fits(self) -> bool:
+        """Whether every stage fits its rank's memory."""
+        return all(s.fits for s in self.stages)
+
+    def misfit(self) -> str:
+        """The stages that do not fit, with the numbers, as one line ('' when all fit)."""
+        over = [s for s in self.stages if not s.fits]
+        if not over:
+            return ""
+        parts = ", ".join(f"stage {s.index} needs {human_bytes(s.memory.total)} "
+                          f"({human_bytes(s.memory.total - s.capacity)} over)" for s in over)
+        return (f"the plan does not fit this machine: {parts}; each rank has {human_bytes(over[0].capacity)} "
+                f"({self.capacity}). Lower data.batch_size, raise pipeline.microbatches or pipeline.partitions, "
+                f"or set pipeline.checkpoint: always")
 
     def to_json(self) -> dict[str, Any]:
         """The plan as plain JSON-able data."""
         out = asdict(self)
         for stage, plan in zip(out["stages"], self.stages):
             stage["memory"]["total"] = plan.memory.total
+            stage["fits"] = plan.fits
+        out["fits"] = self.fits
         return out
 
 
-def _saved_bytes_per_example(spec: ModelSpec, batch: int) -> list[int]:
-    """Bytes autograd saves inside each layer per example, from a forward on the meta device."""
-    inputs, _ = spec.example_batch(batch, "meta")
-    per_layer: list[int] = []
-    x = inputs
-    with torch.device("meta"):
-        for layer in spec.layers:
-            module = layer.build()
-            seen: dict[int, int] = {}
-
-            def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
-                seen.setdefault(id(t), t.numel() * t.element_size())
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                x = module(_requiring_grad(x))
-            per_layer.append(sum(seen.values()) // batch)
-            x = _detached(x)
-    return per_layer
-
-
-def _requiring_grad(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach().requires_grad_(x.is_floating_point())
-    return tuple(_requiring_grad(t) for t in x)
-
-
-def _detached(x: Any) -> Any:
-    return x.detach() if isinstance(x, torch.Tensor) else tuple(_detached(t) for t in x)
+def optimizer_name(recipe: Recipe) -> str:
+    """The memory model's name for the recipe's optimizer (whose state it prices)."""
+    opt = recipe.optimizer
+    if opt.name == "sgd":
+        return "sgd" if opt.momentum else "plain-sgd"
+    if opt.name == "rmsprop":
+        return "rmsprop" if opt.momentum else "rmsprop-no-momentum"
+    return "rmsprop" if opt.name == "amoebanet-rmsprop" else opt.name
 
 
 def resolve_balance(recipe: Recipe, summary: ModelSummary,
@@ -146,39 +152,33 @@ def resolve_balance(recipe: Recipe, summary: ModelSummary,
         raise UserError(f"{key}: {exc}") from None
 
 
-def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[float] | None = None) -> Plan:
-    """The plan of `recipe` (balanced by `measured` per-layer costs when given)."""
+def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[float] | None = None,
+              device: str | None = None, available: float | None = None) -> Plan:
+    """The plan of `recipe` (balanced by `measured` per-layer costs when given), checked against the memory
+    of `device` (default: CUDA if present, else CPU) with `available` bytes (default: what is free now)."""
     spec = spec or model_spec(recipe)
     pipe = recipe.pipeline
     per_replica = max(recipe.data.batch_size // pipe.data_parallel, 1)
     mb = max(math.ceil(per_replica / pipe.microbatches), 1)
     summary = describe(spec, mb)
     balance, balance_by = resolve_balance(recipe, summary, measured)
-    saved = _saved_bytes_per_example(spec, mb)
-    opt = recipe.optimizer
-    slots = _OPTIMIZER_SLOTS[opt.name] - (opt.name == "sgd" and opt.momentum == 0)  # plain SGD keeps no state
+    figures = mm.measure(spec, recipe.seed, device="meta")  # shapes only: prices models of any size at once
+    per_param = mm.bytes_per_parameter(optimizer_name(recipe))
+    prints = mm.footprints(figures, balance, per_replica, pipe.microbatches, pipe.schedule, pipe.checkpoint,
+                           per_param)
+    ranks = pipe.partitions * pipe.data_parallel
+    room = mm.capacity(ranks, device, available)
     stages = []
-    for s, span in enumerate(partition.stage_ranges(balance)):
-        order = schedule.forward_order(pipe.schedule, s, pipe.partitions, pipe.microbatches)
-        remat = schedule.remat_plan(pipe.checkpoint, order)
-        in_flight = max(_in_flight(order), 1)
+    for s, (span, fp) in enumerate(zip(partition.stage_ranges(balance), prints)):
         param_bytes = sum(summary.layers[i].param_bytes for i in span)
-        working = sum(saved[i] for i in span) * mb
-        stored = len(remat) * summary.cut_bytes(span.start - 1) * mb
-        activations = (in_flight - min(len(remat), in_flight - 1)) * working
+        memory = MemoryEstimate(param_bytes, param_bytes, round(fp.weights_bytes) - 2 * param_bytes,
+                                round(fp.stored_bytes), round(fp.peak_bytes))
         stages.append(StagePlan(
             index=s, first_layer=span.start, layers=[summary.layers[i].name for i in span],
             params=summary.stage_params(span.start, span.stop), flops=summary.stage_flops(span.start, span.stop),
-            memory=MemoryEstimate(param_bytes, param_bytes, slots * param_bytes, stored, activations)))
+            memory=memory, capacity=int(room.per_rank_bytes)))
     return Plan(model=spec.name, task=spec.task, total_params=summary.total_params, partitions=pipe.partitions,
                 microbatches=pipe.microbatches, data_parallel=pipe.data_parallel, microbatch_size=mb,
                 balance=balance, balance_by=balance_by, schedule=pipe.schedule, checkpoint=pipe.checkpoint,
-                bubble_theory=schedule.theoretical_bubble(pipe.partitions, pipe.microbatches), stages=stages)
-
-
-def _in_flight(order: list[tuple[str, int]]) -> int:
-    live = peak = 0
-    for op, _ in order:
-        live += 1 if op == "F" else -1
-        peak = max(peak, live)
-    return peak
+                bubble_theory=schedule.theoretical_bubble(pipe.partitions, pipe.microbatches), stages=stages,
+                capacity=room.description)

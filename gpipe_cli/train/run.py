@@ -71,7 +71,9 @@ def train(options: TrainOptions) -> int:
     with checking(recipe, first and (options.plain is False or (options.plain is None and sys.stdout.isatty()))):
         from gpipe_cli.train.plan import checked_plan  # torch and the models: the status line is already up
 
-        checked_plan(recipe, recipe_label(options.recipe))  # refuses impossible cuts before anything starts
+        # Refuses impossible cuts and plans that cannot fit, before any rank starts (ranks do not re-check:
+        # their siblings are loading and the free memory is shrinking).
+        checked_plan(recipe, recipe_label(options.recipe), must_fit=not under_torchrun())
         check_device(recipe.pipeline.backend, recipe.train.device, int(os.environ.get("LOCAL_WORLD_SIZE", local)))
         resume = resume_location(options, recipe.name) if options.resume else None
         if resume is not None:

@@ -2,13 +2,13 @@
 
 import pytest
 
+from gpipe_cli import memory_model as fig
 from gpipe_cli.bench.subject import example_batch
 from gpipe_cli.errors import UserError
+from gpipe_cli.memory_model import bytes_per_parameter, stage_footprint
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline.partition import stage_ranges
 from gpipe_cli.profile import account, budget
-from gpipe_cli.profile import figures as fig
-from gpipe_cli.profile.footprint import stage_footprint
 
 AMOEBA = dict(variant="d", image_size=32, num_classes=4)
 TRANSFORMER = dict(arch="decoder-only", d_model=32, ff=64, heads=2, vocab_size=64, max_len=8)
@@ -84,9 +84,9 @@ def test_nothing_fits_a_tiny_budget(transformer):
 
 
 def test_bytes_per_parameter_is_measured_from_the_optimizer():
-    assert budget.bytes_per_parameter("sgd") == 12       # weight, gradient, momentum
-    assert budget.bytes_per_parameter("rmsprop") == 16   # + square average and momentum
-    assert budget.bytes_per_parameter("adam") == 16
+    assert bytes_per_parameter("sgd") == 12       # weight, gradient, momentum
+    assert bytes_per_parameter("rmsprop") == 16   # + square average and momentum
+    assert bytes_per_parameter("adam") == 16
 
 
 @pytest.mark.parametrize("text,value", [("8GiB", 8 * 2**30), ("16GB", 16 * 10**9), ("500 MiB", 500 * 2**20),

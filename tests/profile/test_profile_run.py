@@ -55,9 +55,25 @@ def test_bad_options_are_refused(options, message):
         run(options)
 
 
-def test_a_model_too_large_for_this_machine_is_refused_in_one_line():
-    with pytest.raises(UserError, match="--budget"):
-        run(ProfileOptions(model="transformer-l-103"))
+def test_rows_beyond_the_layers_are_extrapolated_and_the_measured_rows_kept(tmp_path):
+    out = tmp_path / "profile.json"
+    assert run(ProfileOptions(**tiny.TRANSFORMER, partitions=[2, 8], microbatches=4, json=out)) == 0
+    rows = {s["name"]: s for s in json.loads(out.read_text())["scenarios"]}
+    assert list(rows) == ["naive-1", "pipeline-1", "pipeline-2", "pipeline-8"]
+    assert all(rows[name]["measured"] for name in ("naive-1", "pipeline-1", "pipeline-2"))
+    eight = rows["pipeline-8"]
+    assert not eight["measured"] and "K=8 > the 6 layers measured" in eight["why"]
+    assert len(eight["stages"]) == 8 and all(s["layers"] >= 1 for s in eight["stages"])
+    assert eight["device_peak_bytes"] < rows["pipeline-2"]["device_peak_bytes"]
+
+
+def test_a_model_too_large_for_this_machine_is_extrapolated_not_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr("gpipe_cli.memory_model.available_bytes", lambda device: 2**20)
+    out = tmp_path / "profile.json"
+    assert run(ProfileOptions(**tiny.TRANSFORMER, partitions=[2], microbatches=4, json=out)) == 0
+    naive = json.loads(out.read_text())["scenarios"][0]
+    assert naive["name"] == "naive-1" and not naive["measured"]
+    assert "too large for this machine's memory" in naive["why"]
 
 
 def test_partitions_parse():

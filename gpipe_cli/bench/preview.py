@@ -1,0 +1,172 @@
+"""What `gpipe bench` will measure, said before it measures anything.
+
+Without model flags the family's model is sized to this machine (see `gpipe_cli.sizing`). Then the
+plan is printed: the model and its parameters, the memory of each stage (from the memory model),
+the ranks per core or GPU (with the oversubscription warning), and how long it should take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+
+from gpipe_cli import memory_model as mm
+from gpipe_cli import sizing
+from gpipe_cli.bench.options import SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions
+from gpipe_cli.bench.subject import FAMILIES, Subject, resolve
+from gpipe_cli.errors import UserError
+from gpipe_cli.models.describe import describe
+from gpipe_cli.pipeline import partition
+from gpipe_cli.units import human_bytes, human_count
+
+RANK_RUNTIME_BYTES = 400 * 2**20  # what a rank's process holds besides the model: torch, gloo, buffers
+
+
+def sizable(options: BenchOptions) -> bool:
+    """Whether the model is left to this machine: a family name and no size flag or --set."""
+    return options.model in FAMILIES and not any(v is not None for v in options.sizes().values()) \
+        and not options.set
+
+
+def runs(options: BenchOptions, layers: int) -> list[tuple[int, int]]:
+    """The (K, M) configurations the command measures, K=1 first."""
+    if options.simulate:
+        return [(1, options.microbatches)]
+    if options.sweep:
+        from gpipe_cli.bench.plan import oversubscription
+
+        ks = [k for k in SWEEP_PARTITIONS
+              if k <= layers and (options.oversubscribe or not oversubscription(k, options.threads)[0])]
+        return [(1, max(SWEEP_MICROBATCHES))] + [(k, m) for k in ks or [min(SWEEP_PARTITIONS)]
+                                                  for m in SWEEP_MICROBATCHES]
+    return [(1, options.microbatches), (options.partitions, options.microbatches)]
+
+
+def _parallel(machine: sizing.Machine, ranks: int, threads: int) -> float:
+    if machine.kind == "cuda":
+        return float(min(ranks, machine.units))
+    return max(min(ranks, machine.units // max(threads, 1)), 1)
+
+
+def estimate_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: BenchOptions) -> float:
+    """Seconds the command should take on `machine` with model `cand`."""
+    passes = 3.0 if options.checkpoint == "never" else 4.0
+    configs = runs(options, cand.pipeline_layers)
+    total = 0.0
+    for k in sorted({k for k, _ in configs}):
+        total += sizing.launch_seconds(k, machine)
+    steps = options.steps + options.warmup
+    for k, m in configs:
+        work = sizing.step_seconds(cand, machine, options.batch, m, passes)
+        if k == 1:
+            total += steps * work + 10 * work / m  # the per-layer costs, timed on one micro-batch
+            continue
+        parallel = _parallel(machine, k, options.threads)
+        # A stage's share with its bubble, but never faster than the cores can run all of the work.
+        step = max(work * (m + k - 1) / (m * k), work / parallel)
+        messages = 2 * m * 1e-3 * max(1.0, k / parallel)  # one send per micro-batch and direction
+        total += steps * (step + messages)
+    return total
+
+
+def need_bytes(cand: sizing.Candidate, machine: sizing.Machine, options: BenchOptions) -> float:
+    """Memory the command needs at once: K=1 holds the whole model; on a CPU every rank also holds a runtime."""
+    m = options.microbatches
+    mb = sizing.ceil_div(options.batch, m)
+    whole = cand.parameters * 8 + sizing.activation_bytes(cand, mb) + options.batch * cand.input_bytes
+    if machine.kind == "cuda":
+        return whole
+    ranks = max(k for k, _ in runs(options, cand.pipeline_layers))
+    return whole + ranks * RANK_RUNTIME_BYTES
+
+
+def judge(options: BenchOptions, machine: sizing.Machine) -> Any:
+    """The sizing verdict of a candidate for this command on this machine."""
+    def verdict(cand: sizing.Candidate) -> sizing.Verdict:
+        return sizing.Verdict(need_bytes(cand, machine, options), machine.memory_bytes * sizing.MEMORY_SHARE,
+                              estimate_seconds(cand, machine, options), sizing.TIME_BUDGET_S)
+    return verdict
+
+
+@dataclass(frozen=True)
+class Preview:
+    """The subject chosen and the estimates the plan shows."""
+
+    subject: Subject
+    note: str
+    seconds: float
+    need: float
+    have: float
+
+
+def choose_subject(options: BenchOptions, machine: sizing.Machine) -> Preview:
+    """The model to measure: sized to the machine when no model flag was given, else exactly what was asked."""
+    verdict = judge(options, machine)
+    if sizable(options):
+        stages = options.simulated_devices if options.simulate else max(k for k, _ in runs(options, 10**6))
+        choice = sizing.choose(options.model, verdict, stages)
+        subject = Subject(choice.kind, choice.params, options.model)
+        v = choice.verdict
+        assert v is not None
+        return Preview(subject, choice.note, v.seconds, v.need_bytes, v.have_bytes)
+    subject = resolve(options.model, options.sizes(), options.set)
+    cand = sizing.candidate(subject.kind, subject.params)
+    v = verdict(cand)
+    if v.need_bytes > machine.memory_bytes:
+        raise UserError(f"--model {options.model}: the model needs about {human_bytes(v.need_bytes)} here, "
+                        f"{human_bytes(machine.memory_bytes)} is free; shrink it (--layers, --d-model, --filters) "
+                        f"or leave the model flags out to let bench size it to this machine")
+    return Preview(subject, "", v.seconds, v.need_bytes, v.have_bytes)
+
+
+def _stage_memory(subject: Subject, options: BenchOptions, k: int) -> list[float]:
+    """Each stage's estimated bytes at K stages, cut by FLOPs (the measured cut may differ slightly)."""
+    spec = subject.build()
+    mb = sizing.ceil_div(options.batch, options.microbatches)
+    flops = [float(c.flops) for c in describe(spec, mb).layers]
+    balance = partition.balance_by_cost(flops if any(flops) else [1.0] * len(flops), k)
+    figures = mm.measure(spec, options.seed, device="meta")
+    # Bench steps without an optimizer: weights and gradients, 8 bytes per parameter.
+    prints = mm.footprints(figures, balance, options.batch, options.microbatches, options.schedule,
+                           options.checkpoint, 8.0)
+    return [fp.total_bytes for fp in prints]
+
+
+def show(preview: Preview, options: BenchOptions, machine: sizing.Machine, console: Console) -> None:
+    """Print the plan: model, parameters, per-stage memory, ranks per core or GPU, and the time it should take."""
+    from gpipe_cli.bench.plan import oversubscription
+
+    spec = preview.subject.build()
+    cand = sizing.candidate(preview.subject.kind, preview.subject.params)
+    if preview.note:
+        console.print(f"[bold]{preview.note}[/]")
+    name = (cand.describe(full=True) if preview.subject.kind in ("transformer", "amoebanet")
+            and "layers" in preview.subject.params else spec.name)
+    console.print(f"[bold]plan[/] · {name}: {human_count(cand.parameters)} parameters, "
+                  f"{len(spec.layers)} pipeline layers, {cand.flops * 3 / 1e9:.2f} GFLOP per example and step")
+    configs = runs(options, len(spec.layers))
+    ks = sorted({k for k, _ in configs})
+    steps = f"{options.warmup} warm-up + {options.steps} measured steps"
+    what = "per-layer costs, then " if not options.sweep else ""
+    ms = "1,4,32" if options.sweep else str(options.microbatches)
+    console.print(f"  runs: {what}{', '.join(f'K={k}' for k in ks)} · M={ms} · batch {options.batch} · "
+                  f"{options.schedule} · checkpoint {options.checkpoint} · {steps}")
+    k = max(ks)
+    if k > 1:
+        stages = _stage_memory(preview.subject, options, k)
+        console.print(f"  memory at K={k} (est.): " + " · ".join(human_bytes(b) for b in stages)
+                      + f"; K=1 holds {human_bytes(_stage_memory(preview.subject, options, 1)[0])}")
+    for ranks in ks[1:] or ks:
+        over, hardware = oversubscription(ranks, options.threads)
+        per = ranks * options.threads / max(machine.units, 1)
+        line = f"  ranks: K={ranks} runs {ranks} ranks x {options.threads} thread(s) on {hardware}"
+        if over:
+            console.print(f"{line} ([bold yellow]warning:[/] oversubscribed, {per:.0f} per "
+                          f"{'GPU' if machine.kind == 'cuda' else 'core'}: the speed figures will mean little)")
+        else:
+            console.print(line)
+    console.print(f"  estimate: about {sizing.human_seconds(preview.seconds)} "
+                  f"(this machine: {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank measured, "
+                  f"{human_bytes(machine.memory_bytes)} free)")

@@ -1,0 +1,309 @@
+"""The one memory model: what each stage of a pipeline holds, and what the device it runs on has.
+
+    per-layer figures   measured by the one per-layer measurer (`pipeline.layer_profile`) at two
+                        micro-batch sizes: parameters, bytes saved for backward, bytes handed on.
+                        Activation bytes are affine in the batch (per-example tensors plus a few fixed
+                        ones such as masks and per-channel statistics), so two sizes give both parts.
+                        On the meta device only shapes exist, so any model can be priced at once.
+    a stage's bytes     predicted by walking the engine's own action list for that stage: after a
+                        rematerialised forward it holds the micro-batch's boundary input; after any
+                        other forward or a recompute, its input, saved activations and output; a
+                        backward frees its micro-batch. Weights, gradients and optimizer state come
+                        from bytes per parameter, measured by one optimizer step.
+    the device          CUDA: each GPU's memory; CPU: the available RAM, shared by this node's ranks.
+
+`gpipe validate`, `gpipe train`'s plan, `gpipe profile-memory` (its extrapolated rows and `--budget`)
+and the sizing of `bench` and `profile-memory` all price memory here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gpipe_cli.models.base import ModelSpec
+from gpipe_cli.pipeline import microbatch
+from gpipe_cli.pipeline import schedule as sched
+from gpipe_cli.pipeline.layer_profile import profile_layers
+from gpipe_cli.pipeline.schedule import Kind
+
+PROBE_BATCHES = (2, 4)  # two examples at least: BatchNorm refuses a single value per channel
+
+OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
+    # The paper's AmoebaNet optimizer (12 bytes per parameter with the weight).
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, alpha=0.9, momentum=0.9),
+    "plain-sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+    "rmsprop-no-momentum": lambda p: torch.optim.RMSprop(p, lr=1e-3, alpha=0.9),
+}
+
+
+@dataclass(frozen=True)
+class Affine:
+    """A byte count `fixed + per_example × examples`."""
+
+    fixed: float
+    per_example: float
+
+    def at(self, examples: float) -> float:
+        """The bytes for a micro-batch of `examples`."""
+        return self.fixed + self.per_example * examples
+
+    @staticmethod
+    def through(x0: float, y0: float, x1: float, y1: float) -> Affine:
+        """The affine function through two measured points."""
+        slope = (y1 - y0) / (x1 - x0)
+        return Affine(y0 - slope * x0, slope)
+
+    def blend(self, other: Affine, t: float) -> Affine:
+        """(1 - t) × self + t × other, coefficient-wise (extrapolates for t outside [0, 1])."""
+        return Affine(self.fixed + (other.fixed - self.fixed) * t,
+                      self.per_example + (other.per_example - self.per_example) * t)
+
+
+ZERO = Affine(0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class LayerFigures:
+    """One layer: its parameters, the activations it saves (its input among them), the output it hands on."""
+
+    name: str
+    params: int
+    saved: Affine
+    output: Affine
+    saved_input: Affine = ZERO   # the part of `saved` that is the layer's input
+
+
+@dataclass(frozen=True)
+class ModelFigures:
+    """Every layer's figures plus the model input (the first stage's boundary); the loss is in the last layer."""
+
+    input: Affine
+    layers: tuple[LayerFigures, ...]
+
+
+def _probe(spec: ModelSpec, examples: int, seed: int, device: str) -> tuple[int, list[tuple[int, int, int, int]]]:
+    """Input bytes and per layer (params, saved, output, saved input) for one micro-batch of `examples`."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        inputs, targets = spec.example_batch(examples, device)
+    profile = profile_layers(spec.factories(), inputs, seed, device, repeats=0,
+                             loss=lambda output: spec.loss(output, targets))
+    rows = [(p.params, p.saved_bytes, p.output_bytes, p.saved_input_bytes) for p in profile]
+    if profile.loss is not None and rows:
+        # The loss's saved tensors belong to the last stage, and its input is the last layer's output.
+        params, saved, output, saved_input = rows[-1]
+        rows[-1] = (params, saved + profile.loss.saved_bytes, output, saved_input)
+    return profile.input_bytes, rows
+
+
+def measure(spec: ModelSpec, seed: int = 0, batches: Sequence[int] = PROBE_BATCHES,
+            device: str = "cpu") -> ModelFigures:
+    """Per-layer figures of `spec`, fitted from two micro-batch sizes (`device="meta"`: from shapes alone)."""
+    (b0, b1) = batches
+    in0, rows0 = _probe(spec, b0, seed, device)
+    in1, rows1 = _probe(spec, b1, seed, device)
+    layers = tuple(LayerFigures(name, r0[0], Affine.through(b0, r0[1], b1, r1[1]),
+                                Affine.through(b0, r0[2], b1, r1[2]), Affine.through(b0, r0[3], b1, r1[3]))
+                   for name, r0, r1 in zip(spec.layer_names, rows0, rows1))
+    return ModelFigures(Affine.through(b0, in0, b1, in1), layers)
+
+
+def role(name: str) -> str:
+    """The kind of layer a name denotes, equal for layers that are built alike whatever the depth.
+
+    The first two normal cells of a stack (`cell_2_1`, `cell_2_2`) differ from the later ones; all
+    Transformer layers are alike, so `layer_7` is `layer`.
+    """
+    cell = re.fullmatch(r"cell_(\d+)_(\d+)", name)
+    if cell:
+        position = {"1": "first", "2": "second"}.get(cell.group(2), "rest")
+        return f"cell_{cell.group(1)}_{position}"
+    numbered = re.fullmatch(r"(layer|encoder|decoder)_\d+", name)
+    return numbered.group(1) if numbered else name
+
+
+@functools.lru_cache(maxsize=32)
+def bytes_per_parameter(optimizer: str) -> float:
+    """Weight, gradient and optimizer-state bytes per fp32 parameter, measured by one optimizer step."""
+    param = nn.Parameter(torch.zeros(1024))
+    param.grad = torch.zeros(1024)
+    opt = OPTIMIZERS[optimizer]([param])
+    opt.step()
+    state = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor) and t.numel() == param.numel())
+    return 4 + 4 + state / param.numel()
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Predicted bytes of one stage."""
+
+    params: int
+    weights_bytes: float   # parameters, gradients and optimizer state
+    stored_bytes: float    # the most held from forwards when a backward-phase action starts
+    peak_bytes: float      # the peak of the step
+    layers: int = 0
+
+    @property
+    def total_bytes(self) -> float:
+        """What the device needs."""
+        return self.weights_bytes + self.peak_bytes
+
+
+@functools.lru_cache(maxsize=4096)
+def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint: str) -> tuple[tuple[int, ...], ...]:
+    """Per backward-phase point and per peak point, how many micro-batches are held whole or as inputs.
+
+    Returns (kind, whole, inputs) triples: kind 0 marks a "stored" reading, 1 a "peak" reading.
+    """
+    remat = sched.remat_plan(checkpoint, sched.forward_order(schedule, stage, stages, microbatches))
+    whole: set[int] = set()
+    inputs: set[int] = set()
+    points = []
+    for action in sched.build(schedule, stage, stages, microbatches, checkpoint):
+        mb = action.microbatch
+        if action.kind == Kind.RECOMPUTE or (action.kind == Kind.BWD and mb not in remat):
+            points.append((0, len(whole), len(inputs)))
+        if action.kind == Kind.FWD:
+            (inputs if mb in remat else whole).add(mb)
+        elif action.kind == Kind.RECOMPUTE:
+            inputs.discard(mb)
+            whole.add(mb)
+        elif action.kind == Kind.BWD:
+            whole.discard(mb)
+        points.append((1, len(whole), len(inputs)))
+    return tuple(sorted(set(points)))
+
+
+def _footprint(boundary: float, saved: float, output: float, params: int, stage: int, stages: int,
+               microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float) -> Footprint:
+    whole = boundary + saved + output
+    stored = peak = 0.0
+    for kind, n_whole, n_inputs in _walk(schedule, stage, stages, microbatches, checkpoint):
+        held = n_whole * whole + n_inputs * boundary
+        if kind == 0:
+            stored = max(stored, held)
+        peak = max(peak, held)
+    return Footprint(params, params * bytes_per_param, stored, peak)
+
+
+def _boundary(figures: ModelFigures, start: int, size: int) -> float:
+    return figures.input.at(size) if start == 0 else figures.layers[start - 1].output.at(size)
+
+
+def _output(figures: ModelFigures, stop: int, size: int) -> float:
+    # The last stage's output is its loss, a scalar.
+    return 0.0 if stop == len(figures.layers) else figures.layers[stop - 1].output.at(size)
+
+
+def _saved(figures: ModelFigures, start: int, stop: int, size: int) -> float:
+    # The stage's first layer saves the stage's input, which the walk already holds as the boundary.
+    layers = figures.layers[start:stop]
+    return sum(layer.saved.at(size) for layer in layers) - (layers[0].saved_input.at(size) if layers else 0.0)
+
+
+def stage_footprint(figures: ModelFigures, start: int, stop: int, stage: int, stages: int, batch_size: int,
+                    microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float) -> Footprint:
+    """The predicted memory of the stage holding layers [start, stop) (`batch_size`: the mini-batch)."""
+    size = max(microbatch.sizes(batch_size, microbatches))
+    layers = figures.layers[start:stop]
+    return dataclasses.replace(
+        _footprint(_boundary(figures, start, size), _saved(figures, start, stop, size), _output(figures, stop, size),
+                   sum(layer.params for layer in layers), stage, stages, microbatches, schedule, checkpoint,
+                   bytes_per_param), layers=stop - start)
+
+
+def footprints(figures: ModelFigures, balance: Sequence[int], batch_size: int, microbatches: int, schedule: str,
+               checkpoint: str, bytes_per_param: float) -> list[Footprint]:
+    """Every stage's predicted memory under `balance`."""
+    out, start = [], 0
+    for s, count in enumerate(balance):
+        out.append(stage_footprint(figures, start, start + count, s, len(balance), batch_size, microbatches,
+                                   schedule, checkpoint, bytes_per_param))
+        start += count
+    return out
+
+
+def greedy_fit(figures: ModelFigures, stages: int, budget: float, batch_size: int, microbatches: int,
+               schedule: str, checkpoint: str, bytes_per_param: float) -> list[Footprint] | None:
+    """Cut the layers into at most `stages` stages, each as long as it fits `budget`; None if they do not fit.
+
+    Filling each stage as far as it fits, in order, uses the fewest stages a contiguous cut can,
+    because a stage never needs less memory when it gains a layer.
+    """
+    n = len(figures.layers)
+    out: list[Footprint] = []
+    start = 0
+    for stage in range(stages):
+        if start == n:
+            break
+        best: Footprint | None = None
+        stop = start
+        while stop < n:
+            trial = stage_footprint(figures, start, stop + 1, stage, stages, batch_size, microbatches, schedule,
+                                    checkpoint, bytes_per_param)
+            if trial.total_bytes > budget:
+                break
+            best, stop = trial, stop + 1
+        if best is None:
+            return None
+        out.append(best)
+        start = stop
+    return out if start == n else None
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def available_bytes(device: torch.device | str) -> int:
+    """Memory free for a job: a GPU's free memory, or the RAM the kernel could give without swapping."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    found = _meminfo_available()
+    if found is not None:
+        return found
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What each rank of a job may use on the machine it runs on, and why."""
+
+    per_rank_bytes: float
+    total_bytes: float
+    shared: bool        # True: the ranks share one pool (CPU RAM); False: a device each
+    description: str    # e.g. "22.1 GiB of available RAM shared by 4 ranks"
+
+
+def capacity(ranks_on_node: int, device: str | None = None, available: float | None = None) -> Capacity:
+    """Each rank's memory: a GPU's free memory each on CUDA, else an equal share of the available RAM."""
+    from gpipe_cli.units import human_bytes
+
+    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda":
+        free = available if available is not None else float(available_bytes("cuda"))
+        return Capacity(free, free * ranks_on_node, False, f"{human_bytes(free)} free on each GPU")
+    free = available if available is not None else float(available_bytes("cpu"))
+    ranks = max(ranks_on_node, 1)
+    share = f"shared by {ranks} ranks" if ranks > 1 else "for 1 rank"
+    return Capacity(free / ranks, free, True, f"{human_bytes(free)} of available RAM {share}")

@@ -1,0 +1,137 @@
+"""The rows of `gpipe profile-memory` (the paper's Table 1) and how each is obtained: measured or extrapolated.
+
+    naive-1      K=1, one micro-batch, no rematerialization (plain training)
+    pipeline-1   K=1, M micro-batches, rematerialization
+    pipeline-K   K stages, M micro-batches, rematerialization
+
+A row is measured (every stage driven through the engine's own schedule) when it can be: the model
+has at least K layers and the fullest stage fits this machine's memory. Otherwise it is extrapolated
+by the memory model from the model's measured per-layer figures, and says why: for K above the
+number of layers, the model is deepened by repeating its most repeated kind of layer until every
+stage gets one.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from gpipe_cli import memory_model as mm
+from gpipe_cli.errors import UserError
+from gpipe_cli.memory_model import Footprint, ModelFigures
+from gpipe_cli.models.base import ModelSpec
+from gpipe_cli.models.describe import describe
+from gpipe_cli.pipeline import microbatch, partition
+from gpipe_cli.units import human_bytes
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One row: its name, K, M and rematerialization, the cut, and whether it is measured (and if not, why)."""
+
+    name: str
+    partitions: int
+    microbatches: int
+    checkpoint: str
+    balance: list[int]
+    measured: bool
+    why: str = ""                 # why it is extrapolated
+    figures: ModelFigures | None = None  # the (possibly deepened) figures an extrapolated row is priced from
+
+    def predict(self, figures: ModelFigures, batch: int, schedule: str, per_param: float) -> list[Footprint]:
+        """Each stage's bytes by the memory model."""
+        return mm.footprints(self.figures or figures, self.balance, batch, self.microbatches, schedule,
+                             self.checkpoint, per_param)
+
+
+def names(partitions: list[int], microbatches: int, checkpoint: str) -> list[tuple[str, int, int, str]]:
+    """(name, K, M, checkpoint) of every row: naive-1, pipeline-1 and pipeline-K for each K > 1."""
+    rows = [("naive-1", 1, 1, "never"), ("pipeline-1", 1, microbatches, checkpoint)]
+    return rows + [(f"pipeline-{k}", k, microbatches, checkpoint) for k in dict.fromkeys(partitions) if k > 1]
+
+
+def flops_balance(spec: ModelSpec, k: int, batch: int, microbatches: int, explicit: str | None) -> list[int]:
+    """Layers per stage: explicit, or balanced by estimated FLOPs as training does."""
+    layers = len(spec.layers)
+    try:
+        partition.check_partitions(layers, k)
+        if explicit:
+            try:
+                wanted = [int(p) for p in explicit.split(",")]
+            except ValueError:
+                raise UserError(f"--balance expects layer counts separated by commas, e.g. 5,5 "
+                                f"(got '{explicit}')") from None
+            return partition.check_balance(wanted, layers, k)
+        size = max(microbatch.sizes(batch, microbatches))
+        flops = [float(c.flops) for c in describe(spec, size).layers]
+        return partition.balance_by_cost(flops if any(flops) else [1.0] * layers, k)
+    except partition.PartitionError as exc:
+        raise UserError(f"--partitions/--balance: {exc} (the model has {layers} layers)") from None
+
+
+def deepened(figures: ModelFigures, layers: int) -> tuple[ModelFigures, str]:
+    """The figures with the most repeated kind of layer repeated until there are `layers`; and which kind."""
+    roles = collections.Counter(mm.role(layer.name) for layer in figures.layers)
+    kind, _ = roles.most_common(1)[0]
+    last = max(i for i, layer in enumerate(figures.layers) if mm.role(layer.name) == kind)
+    extra = layers - len(figures.layers)
+    copies = tuple(dataclasses.replace(figures.layers[last], name=f"{kind}+{i + 1}") for i in range(extra))
+    out = figures.layers[:last + 1] + copies + figures.layers[last + 1:]
+    return ModelFigures(figures.input, out), kind
+
+
+def _memory_balance(figures: ModelFigures, k: int, size: int, per_param: float) -> list[int]:
+    costs = [layer.saved.at(size) + layer.params * per_param for layer in figures.layers]
+    return partition.balance_by_cost(costs, k)
+
+
+def plan(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, int, int, str]], batch: int, schedule: str,
+         per_param: float, have: float, explicit: str | None) -> list[Scenario]:
+    """Decide every row before anything is measured: its cut, and measured or extrapolated (and why)."""
+    layers = len(spec.layers)
+    out = []
+    for name, k, m, checkpoint in rows:
+        if k > layers:
+            deeper, kind = deepened(figures, k)
+            size = max(microbatch.sizes(batch, m))
+            why = (f"{name} extrapolated: K={k} > the {layers} layers measured (figures of {k - layers} more "
+                   f"'{kind}' layers repeated)")
+            out.append(Scenario(name, k, m, checkpoint, _memory_balance(deeper, k, size, per_param), False, why,
+                                deeper))
+            continue
+        balance = flops_balance(spec, k, batch, m, explicit) if k > 1 else [layers]
+        scenario = Scenario(name, k, m, checkpoint, balance, True)
+        fullest = max(fp.total_bytes for fp in scenario.predict(figures, batch, schedule, per_param))
+        if fullest > have:
+            why = (f"{name} extrapolated: its fullest stage needs about {human_bytes(fullest)}, too large for this "
+                   f"machine's memory ({human_bytes(have)} free)")
+            scenario = dataclasses.replace(scenario, measured=False, why=why)
+        out.append(scenario)
+    return out
+
+
+def row(scenario: Scenario, stages: list[dict[str, Any]], params: int) -> dict[str, Any]:
+    """A row as the JSON file holds it: the stages and the Table 1 totals."""
+    return {"name": scenario.name, "partitions": scenario.partitions, "microbatches": scenario.microbatches,
+            "checkpoint": scenario.checkpoint, "balance": scenario.balance, "stages": stages,
+            "measured": scenario.measured, "source": "measured" if scenario.measured else "extrapolated",
+            "why": scenario.why, "params": params,
+            "param_memory_bytes": sum(s["params_bytes"] + s["grads_bytes"] + s["optimizer_bytes"] for s in stages),
+            "peak_activation_bytes": sum(s["peak_bytes"] for s in stages),
+            "device_peak_bytes": max(s["total_bytes"] for s in stages)}
+
+
+def predicted_stages(scenario: Scenario, figures: ModelFigures, batch: int, schedule: str,
+                     per_param: float) -> list[dict[str, Any]]:
+    """An extrapolated row's stages in the measured rows' shape."""
+    out, start = [], 0
+    for s, fp in enumerate(scenario.predict(figures, batch, schedule, per_param)):
+        weights = fp.params * 4
+        out.append({"stage": s, "first_layer": start, "layers": fp.layers, "params_bytes": weights,
+                    "grads_bytes": weights, "optimizer_bytes": round(fp.weights_bytes) - 2 * weights,
+                    "stored_bytes": round(fp.stored_bytes), "peak_bytes": round(fp.peak_bytes),
+                    "total_bytes": round(fp.total_bytes)})
+        start += fp.layers
+    return out

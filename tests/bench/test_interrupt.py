@@ -1,0 +1,20 @@
+"""Ctrl-C during `gpipe bench` stops the ranks: exit 130, no traceback, no temporary files left."""
+
+import pytest
+
+from tests.bench.test_cli_commands import TINY
+from tests.interrupt import interrupt
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_measurement_exits_130_quietly_and_cleans_up(tmp_path):
+    def measuring(tmp, output):
+        # The K=1 ranks have written their per-layer costs: they are timing steps now.
+        return any(tmp.glob("gpipe-bench-*/k1.out.json"))
+
+    code, output = interrupt(["bench", *TINY, "--partitions", "2", "--microbatches", "4", "--steps", "100000"],
+                             tmp_path, measuring)
+    assert code == 130, output[-3000:]
+    assert "Traceback" not in output and "stopped" in output
+    # Nothing of the command's is left (torch's compile cache, which it keeps by design, aside).
+    assert not [p for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")]

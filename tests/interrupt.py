@@ -1,0 +1,35 @@
+"""Start a `gpipe` command, wait until it is measuring, send it Ctrl-C, and collect how it ended."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def interrupt(args: list[str], tmp: Path, measuring: Callable[[Path, str], bool],
+              timeout: float = 300) -> tuple[int, str]:
+    """Run `gpipe *args` with its temporary files under `tmp`; SIGINT once `measuring(tmp, output)`."""
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "gpipe_cli.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if measuring(tmp, "".join(lines)):
+            proc.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.2)
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        proc.kill()
+    reader.join(timeout=10)
+    return proc.returncode, "".join(lines)

@@ -1,0 +1,74 @@
+"""Sizing: the paper's model where it fits memory and time, else the same architecture smaller."""
+
+import pytest
+
+from gpipe_cli import sizing
+from gpipe_cli.bench.options import BenchOptions
+from gpipe_cli.bench.preview import estimate_seconds, judge, need_bytes
+
+GIB = 2**30
+
+
+def machine(memory: float, rate: float, call: float = 1e-4, units: int = 2) -> sizing.Machine:
+    return sizing.Machine("cpu", units, memory, rate, call)
+
+
+def test_the_paper_model_is_chosen_where_it_fits():
+    choice = sizing.choose("transformer", lambda c: sizing.Verdict(1.0, 2.0, 1.0, 2.0))
+    assert not choice.scaled and choice.note == ""
+    assert choice.params["layers"] == 48 and choice.params["d_model"] == 2048
+
+
+def test_a_model_too_large_for_memory_is_scaled_down_and_announced():
+    # A fake machine whose memory holds 50M parameters, with all the time in the world.
+    choice = sizing.choose("transformer", lambda c: sizing.Verdict(c.parameters * 16, 50e6 * 16, 1.0, 2.0))
+    chosen = sizing.candidate(choice.kind, choice.params)
+    assert choice.scaled and chosen.parameters * 16 <= 50e6 * 16
+    assert "needs" in choice.note and "is free" in choice.note and "--model/--layers" in choice.note
+    assert "48-layer" in choice.note
+    # The largest member that fits: the next larger one does not.
+    members = [sizing.candidate(k, p) for k, p in sizing.ladder("transformer")]
+    index = [m.params for m in members].index(choice.params)
+    assert members[index - 1].parameters > 50e6
+
+
+def test_a_model_too_slow_is_scaled_down_and_the_time_is_said():
+    choice = sizing.choose("transformer", lambda c: sizing.Verdict(1.0, 2.0, c.flops, 1e9))
+    assert choice.scaled and "would take" in choice.note
+    assert sizing.candidate(choice.kind, choice.params).flops <= 1e9
+
+
+@pytest.mark.parametrize("family", ["transformer", "amoebanet"])
+def test_every_member_can_be_cut_into_eight_stages(family):
+    from gpipe_cli.models.registry import build_model
+
+    for kind, params in sizing.ladder(family):
+        assert len(build_model(kind, **params).layers) >= 8, params
+
+
+def test_a_slower_or_smaller_machine_gets_a_smaller_bench_model():
+    options = BenchOptions(partitions=8, microbatches=32)
+    big = sizing.choose("transformer", judge(options, machine(1000 * GIB, 1e15)))
+    small = sizing.choose("transformer", judge(options, machine(16 * GIB, 1e10, call=1e-3)))
+    size = {"big": sizing.candidate(big.kind, big.params).parameters,
+            "small": sizing.candidate(small.kind, small.params).parameters}
+    assert size["small"] < size["big"]
+    assert small.verdict is not None and small.verdict.seconds <= sizing.TIME_BUDGET_S
+
+
+def test_bench_estimates_grow_with_the_work():
+    cand = sizing.candidate(*sizing.ladder("transformer")[4])
+    slow, fast = machine(16 * GIB, 1e10), machine(16 * GIB, 1e11)
+    options = BenchOptions(partitions=8, microbatches=32)
+    assert estimate_seconds(cand, slow, options) > estimate_seconds(cand, fast, options)
+    longer = BenchOptions(partitions=8, microbatches=32, steps=40)
+    assert estimate_seconds(cand, slow, longer) > estimate_seconds(cand, slow, options)
+    # On a CPU every rank holds a runtime: more ranks need more memory.
+    assert need_bytes(cand, slow, options) > need_bytes(cand, slow, BenchOptions(partitions=2, microbatches=32))
+
+
+def test_more_stages_than_a_member_has_layers_get_a_deeper_member():
+    from gpipe_cli.models.registry import build_model
+
+    choice = sizing.choose("transformer", lambda c: sizing.Verdict(c.parameters, 1e6, 1.0, 2.0), stages=16)
+    assert choice.scaled and len(build_model(choice.kind, **choice.params).layers) >= 16
