@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -20,14 +21,14 @@ _MODEL = "model."
 
 
 def export(location: str, output: str | None = None) -> Path:
-    """Write the model weights of the newest whole checkpoint at `location` to a safetensors file."""
+    """Write the model weights of the newest verified checkpoint at `location` to a safetensors file."""
     from safetensors.torch import save_file
 
     if output:
         check_writable(Path(output).parent, "--output")
-    found, refused = checkpoint.newest_whole(Path(location))
+    found, refused = checkpoint.newest_whole(Path(location), verify=True)
     for message in refused:
-        print(f"[gpipe] {message}")
+        print(f"[gpipe] {message}", file=sys.stderr)
     if found is None:
         raise UserError(f"{location}: no complete checkpoint to export")
     reader = SafeReader(str(found.path))
