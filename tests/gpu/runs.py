@@ -169,10 +169,10 @@ TRANSIENT = 1.5
 def stage_param_bytes(bench: dict[str, Any]) -> list[int]:
     """fp32 parameter bytes of each stage of a bench run (from its model and balance)."""
     from gpipe_cli.bench.subject import Subject
+    from gpipe_cli.models.describe import describe
     from gpipe_cli.pipeline.partition import stage_ranges
-    from gpipe_cli.profile.figures import layer_param_counts
 
-    counts = layer_param_counts(Subject.from_json(bench["model"]).build())
+    counts = [layer.params for layer in describe(Subject.from_json(bench["model"]).build(), 1).layers]
     return [4 * sum(counts[i] for i in span) for span in stage_ranges(bench["balance"])]
 
 
