@@ -226,6 +226,20 @@ class Eval(Section):
     batches: PositiveInt | None = None
 
 
+class Wandb(Section):
+    """Weights & Biases logging; offline writes a local run folder that `wandb sync` uploads later."""
+
+    project: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+    mode: Literal["offline", "online"] = "offline"
+
+
+class Metrics(Section):
+    """Where train and eval records go besides metrics.jsonl (rank 0 only)."""
+
+    tensorboard: StrictBool = False
+    wandb: Wandb | None = None
+
+
 class Recipe(Section):
     """A whole training recipe."""
 
@@ -239,6 +253,7 @@ class Recipe(Section):
     schedule: Schedule = Field(default_factory=Schedule)
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     eval: Eval = Field(default_factory=Eval)
+    metrics: Metrics = Field(default_factory=Metrics)
 
     @model_validator(mode="after")
     def _microbatches_fit_batch(self) -> Recipe:

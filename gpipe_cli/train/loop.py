@@ -34,6 +34,7 @@ from gpipe_cli.train.report import MetricsFile, TerminalView
 from gpipe_cli.train.resume import Checkpointer, run_dir_of, trim_metrics
 from gpipe_cli.train.rundir import choose_run_dir, create_run_dir, save_recipe
 from gpipe_cli.train.signals import StopRequest
+from gpipe_cli.train.sinks import open_sinks
 from gpipe_cli.train.summary import RunSummary
 
 __all__ = ["Job", "Trainer", "configure_threads"]
@@ -96,7 +97,10 @@ class Trainer:
         self.policy = nonfinite.NonFinitePolicy(recipe.train.on_nonfinite, recipe.train.max_skipped,
                                                 loss_scaling=recipe.train.precision == "fp16")
         self.diverged: str | None = None  # the line that ends a run on non-finite values
-        self.metrics = MetricsFile(self.run_dir / "metrics.jsonl") if self.layout.rank == 0 else None
+        self.metrics = (MetricsFile(self.run_dir / "metrics.jsonl",
+                                    open_sinks(recipe.metrics, self.run_dir, self.start_step,
+                                               recipe.model_dump(mode="json"), self._note))
+                        if self.layout.rank == 0 else None)
         self.summary = RunSummary(self.total_steps, job.started or time.time())
 
     # ----------------------------------------------------------------- set-up helpers
