@@ -234,6 +234,18 @@ def prepare_data(
           f"--set data.source=parquet --set data.path={output}")
 
 
+@app.command("report")
+def report_runs(
+    runs: list[str] = typer.Argument(..., metavar="RUN_DIR...", help="Run directories (each with metrics.jsonl)."),
+    output: str | None = typer.Option(None, metavar="FILE", help="The PNG to write (default: RUN_DIR/report.png "
+                                      "for one run, report.png here for several)."),
+) -> None:
+    """Compare runs: a table of their figures here and a one-page PNG of curves (several runs overlaid)."""
+    from gpipe_cli.report import report
+
+    raise typer.Exit(_guard(lambda: report([Path(r) for r in runs], Path(output) if output else None)))
+
+
 def run(args: list[str]) -> int:
     """Run the command line on `args`; every usage error is one line on stderr. Returns the exit code."""
     command = polish(typer.main.get_command(app))
