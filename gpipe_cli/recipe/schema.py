@@ -168,6 +168,18 @@ class Data(Section):
         return self
 
 
+class Profile(Section):
+    """Steps to record with torch.profiler on every rank (Chrome traces in RUN_DIR/profile)."""
+
+    steps: tuple[PositiveInt, PositiveInt]
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Profile:
+        if self.steps[1] < self.steps[0]:
+            raise ValueError(f"train.profile.steps: [start, end] with start <= end (got {list(self.steps)})")
+        return self
+
+
 class Train(Section):
     """How long to train and in what precision."""
 
@@ -181,6 +193,7 @@ class Train(Section):
     stall_timeout: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
     on_nonfinite: Literal["stop", "skip"] = "stop"  # a non-finite loss or gradient (fp32, bf16)
     max_skipped: PositiveInt = 10  # consecutive skipped steps that stop the run (fp16 overflows too)
+    profile: Profile | None = None  # steps [start, end] (from 1) traced with torch.profiler
 
     @model_validator(mode="after")
     def _some_length(self) -> Train:
