@@ -92,6 +92,8 @@ class Trainer:
         self.lr = optim.lr_factor(recipe, self.steps_per_epoch, self.total_steps)
         self.checkpoints = Checkpointer(self.pipe, self.optimizer, self.scheduler, topo, self.plan, self.run_dir,
                                         recipe.checkpoint.keep)
+        if job.resume:
+            self._note(f"loading the newest whole checkpoint of {job.resume}")
         self.start_step = self._resume() if job.resume else 0
         self.stop = StopRequest(announce=self.layout.rank == 0)
         self.stopped_by = 0
