@@ -7,6 +7,7 @@ start (package missing, no network) or that fails later costs one line, never th
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -78,10 +79,12 @@ class WandbSink:
     name = "metrics.wandb"
 
     def __init__(self, run_dir: Path, project: str, mode: Literal["offline", "online"], config: dict[str, Any]) -> None:
+        # wandb's own chatter (login, sync hints) would break the live view; failures are our one line.
+        os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
         # A bounded wait: with no network, online mode fails at start instead of stalling the run.
-        settings = wandb.Settings(silent=True, init_timeout=60, console="off")
+        settings = wandb.Settings(silent=True, init_timeout=30, console="off")
         self._run = wandb.init(project=project, mode=mode, dir=str(run_dir), name=run_dir.name, config=config,
                                settings=settings, reinit="create_new")
 
