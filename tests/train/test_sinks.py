@@ -98,3 +98,19 @@ def test_tensorboard_event_files_hold_the_same_values_as_metrics_jsonl(tmp_path)
         got = {e.step: e.value for e in events.Scalars(tag)}
         assert got == pytest.approx(by_step, rel=1e-6), tag
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+
+
+def test_a_resumed_run_drops_the_tensorboard_steps_after_its_checkpoint(tmp_path):
+    """As metrics.jsonl drops their lines: steps after the checkpoint are gone even before they are rerun."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from gpipe_cli.train.sinks import TensorBoardSink
+
+    first = TensorBoardSink(tmp_path, first_step=0)
+    for step in (1, 2, 3, 4):
+        first.log({"train/loss": float(step)}, step)
+    first.close()
+    TensorBoardSink(tmp_path, first_step=2).close()  # resumed from step 2's checkpoint, stopped at once
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert {e.step: e.value for e in events.Scalars("train/loss")} == {1: 1.0, 2: 2.0}
