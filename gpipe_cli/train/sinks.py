@@ -86,7 +86,7 @@ class WandbSink:
         # A bounded wait: with no network, online mode fails at start instead of stalling the run.
         settings = wandb.Settings(silent=True, init_timeout=30, console="off")
         self._run = wandb.init(project=project, mode=mode, dir=str(run_dir), name=run_dir.name, config=config,
-                               settings=settings, reinit="create_new")
+                               settings=settings)
 
     def log(self, values: dict[str, float], step: int) -> None:
         """Log one record's scalars at its step."""
