@@ -14,7 +14,7 @@ from rich.console import Console
 from gpipe_cli import __version__
 from gpipe_cli.cli_help import polish
 from gpipe_cli.errors import UserError, one_line, shown
-from gpipe_cli.launch import LaunchOptions, check_writable
+from gpipe_cli.launch import check_writable, launch_options
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   help="GPipe pipeline-parallel training from YAML recipes.")
@@ -52,7 +52,8 @@ def train(
     output_dir: str | None = typer.Option(None, help="Write the run exactly here instead of outputs/<name>/<time>."),
     plain: bool | None = typer.Option(None, "--plain/--live", help="Plain log lines or the live view "
                                       "(default: live on a terminal)."),
-    nnodes: str = typer.Option("1", help="Nodes in the job: N or MIN:MAX (torchrun)."),
+    nnodes: str | None = typer.Option(None, help="Nodes in the job: N or MIN:MAX (torchrun; default 1, or the "
+                                      "nodes of the enclosing srun step)."),
     node_rank: int | None = typer.Option(None, help="This node's rank (static rendezvous)."),
     rdzv_endpoint: str | None = typer.Option(None, help="HOST:PORT of the rendezvous, the same on every node."),
     rdzv_backend: str | None = typer.Option(None, help="Rendezvous backend: static (with --node-rank) or c10d."),
@@ -65,10 +66,9 @@ def train(
     from gpipe_cli.train.run import TrainOptions
     from gpipe_cli.train.run import train as run_training  # imports torch only once the recipe is valid
 
-    options = TrainOptions(recipe, set_ or [], output_dir, plain, resume, LaunchOptions(
+    code = _guard(lambda: run_training(TrainOptions(recipe, set_ or [], output_dir, plain, resume, launch_options(
         nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
-        rdzv_id=rdzv_id, threads=threads))
-    code = _guard(lambda: run_training(options))
+        rdzv_id=rdzv_id, threads=threads))))
     raise typer.Exit(code)
 
 
@@ -232,6 +232,18 @@ def prepare_data(
     files = _guard(lambda: save(load_recipe(recipe, set_ or []).data, Path(output)))
     print(f"wrote {output} ({len(files)} parquet file{'s' if len(files) > 1 else ''}); train with "
           f"--set data.source=parquet --set data.path={output}")
+
+
+@app.command("report")
+def report_runs(
+    runs: list[str] = typer.Argument(..., metavar="RUN_DIR...", help="Run directories (each with metrics.jsonl)."),
+    output: str | None = typer.Option(None, metavar="FILE", help="The PNG to write (default: RUN_DIR/report.png "
+                                      "for one run, report.png here for several)."),
+) -> None:
+    """Compare runs: a table of their figures here and a one-page PNG of curves (several runs overlaid)."""
+    from gpipe_cli.report import report
+
+    raise typer.Exit(_guard(lambda: report([Path(r) for r in runs], Path(output) if output else None)))
 
 
 def run(args: list[str]) -> int:

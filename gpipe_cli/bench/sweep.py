@@ -12,6 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from gpipe_cli import plots
 from gpipe_cli.bench import jobs
 from gpipe_cli.bench.costs import CostProfile
 from gpipe_cli.bench.load import contended
@@ -68,13 +69,48 @@ def run(options: BenchOptions, subject: Subject, folder: Path, console: Console)
     for c in cells:
         c["normalized"] = c["samples_per_s"] / base["samples_per_s"] if base and base["samples_per_s"] else None
         c["paper"] = PAPER_TABLE2[family][c["microbatches"]].get(c["partitions"]) if family else None
-    return {"model": model_json(subject), "sweep": cells, "batch_size": options.batch, "schedule": options.schedule,
+    summary = {"model": model_json(subject), "sweep": cells, "batch_size": options.batch, "schedule": options.schedule,
             "checkpoint": options.checkpoint, "steps": options.steps, "warmup": options.warmup,
             "normalized_to": {"partitions": base["partitions"], "microbatches": 1} if base else None,
             "paper": {"table": "GPipe Table 2 (TPUs)", "model": PAPER_MODELS.get(family or "")},
             "skipped_partitions": [k for k in SWEEP_PARTITIONS if k not in ks],
             "oversubscribed": any(c["oversubscribed"] for c in cells),
             "contended": any(c["contended"] for c in cells)}
+    if options.json is not None:
+        png = plot(summary, options.json.with_suffix(".png"))
+        console.print(f"[dim]plot written to {png}[/]" if png else f"[yellow]no plot: {plots.MISSING}[/]")
+    return summary
+
+
+PLOT_PX = (1000, 600)
+
+
+def plot_bars(summary: dict[str, Any]) -> tuple[list[str], dict[str, list[float | None]]]:
+    """The plotted data: groups "M=m" and, per K, our normalised throughput and the paper's, as bars."""
+    cells = summary["sweep"]
+    ks = sorted({c["partitions"] for c in cells})
+    ms = [m for m in SWEEP_MICROBATCHES if any(c["microbatches"] == m for c in cells)]
+    bars: dict[str, list[float | None]] = {}
+    for k in ks:
+        found = {c["microbatches"]: c for c in cells if c["partitions"] == k}
+        bars[f"K={k}"] = [found[m]["normalized"] if m in found else None for m in ms]
+        if summary["paper"]["model"]:
+            bars[f"K={k} paper"] = [found[m]["paper"] if m in found else None for m in ms]
+    return [f"M={m}" for m in ms], bars
+
+
+def plot(summary: dict[str, Any], path: Path) -> Path | None:
+    """Draw the sweep as grouped bars, ours beside the paper's (hatched); None when matplotlib is missing."""
+    plt = plots.pyplot()
+    if plt is None:
+        return None
+    groups, bars = plot_bars(summary)
+    paper = summary["paper"]["model"]
+    fig, axes = plots.figure(plt, *PLOT_PX, 1, 1, f"Normalised throughput, {summary['model']['name']}"
+                             + (f" (hatched: GPipe Table 2, {paper} on TPUs)" if paper else ""))
+    plots.grouped_bars(axes[0][0], groups, bars, "normalised throughput",
+                       hatched=[label for label in bars if label.endswith("paper")])
+    return plots.save(plt, fig, path)
 
 
 def show(summary: dict[str, Any], console: Console) -> None:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import math
 import shutil
+import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,11 @@ from gpipe_cli.errors import DataError
 from gpipe_cli.recipe.schema import Data
 
 SHARD_BYTES = 512 * 2**20  # parquet files of about this size: large splits stay readable piece by piece
+
+
+def progress_line(started: float) -> Callable[[str], None]:
+    """A printer of progress lines with the seconds since `started`: "[ 12.3 s] writing train shard 1 of 4"."""
+    return lambda text: print(f"[{time.time() - started:5.1f} s] {text}", file=sys.stdout, flush=True)
 
 
 def _eval_split_name(splits: Any, data: Data) -> str | None:
@@ -38,8 +46,11 @@ def _embedded(ds: Any) -> Any:
                                        desc="embedding files").with_format(None)
 
 
-def save_splits(splits: Any, data: Data, output: Path) -> list[Path]:
-    """Write the recipe's training and eval splits of a DatasetDict as parquet shards into a new folder."""
+def save_splits(splits: Any, data: Data, output: Path, say: Callable[[str], None] | None = None) -> list[Path]:
+    """Write the recipe's training and eval splits of a DatasetDict as parquet shards into a new folder.
+
+    `say` receives a progress line before each shard.
+    """
     output = Path(output).expanduser()
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise DataError(f"--output '{output}' already exists and is not an empty folder; choose a new folder")
@@ -55,6 +66,8 @@ def save_splits(splits: Any, data: Data, output: Path) -> list[Path]:
         for split, ds in chosen:
             shards = max(1, math.ceil(ds.data.nbytes / SHARD_BYTES))
             for i in range(shards):
+                if say is not None:
+                    say(f"writing {split} shard {i + 1} of {shards} ({len(ds):,} examples in {split})")
                 part = _embedded(ds.shard(num_shards=shards, index=i, contiguous=True))
                 part.to_parquet(str(staging / f"{split}-{i:05d}-of-{shards:05d}.parquet"))
         if output.exists():
@@ -68,13 +81,20 @@ def save_splits(splits: Any, data: Data, output: Path) -> list[Path]:
     return sorted(output.glob("*.parquet"))
 
 
-def prepare_data(data: Data, output: Path, cache_dir: Path | None = None) -> list[Path]:
-    """Download the recipe's hub dataset (data.name, data.config) and save it with save_splits."""
+def prepare_data(data: Data, output: Path, cache_dir: Path | None = None,
+                 say: Callable[[str], None] | None = None) -> list[Path]:
+    """Download the recipe's hub dataset (data.name, data.config) and save it with save_splits.
+
+    Progress lines go to `say` (default: stdout with the seconds since the call).
+    """
+    say = say or progress_line(time.time())
     if not data.name:
         raise DataError("prepare-data saves a Hugging Face hub dataset, and the recipe has no data.name; "
                         "set data.name (and data.config)")
     output = Path(output).expanduser()
     if output.exists() and (not output.is_dir() or any(output.iterdir())):  # before a long download
         raise DataError(f"--output '{output}' already exists and is not an empty folder; choose a new folder")
+    say(f"downloading {data.name}{f' ({data.config})' if data.config else ''} from the Hugging Face hub "
+        f"(or reading it from the local cache)")
     splits = load_hub(data.name, data.config, cache_dir, "parquet")
-    return save_splits(splits, data, output)
+    return save_splits(splits, data, output, say)

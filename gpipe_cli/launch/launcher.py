@@ -16,11 +16,13 @@ import signal
 import socket
 import sys
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from gpipe_cli.errors import NONFINITE_EXIT_CODE, UserError
 from gpipe_cli.launch.preflight import parse_nodes
+from gpipe_cli.launch.slurm import check_one_task_per_node, slurm_step
 
 _STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
@@ -42,6 +44,24 @@ class LaunchOptions:
     max_restarts: int = 0
     threads: int | None = None  # intra-op threads per rank; default: cores / local ranks
     shutdown_timeout: int = 120  # seconds ranks get to finish a step and checkpoint on Ctrl-C/SIGTERM
+
+
+def launch_options(nnodes: str | None = None, node_rank: int | None = None, rdzv_endpoint: str | None = None,
+                   rdzv_backend: str | None = None, rdzv_id: str | None = None, threads: int | None = None,
+                   environ: Mapping[str, str] | None = None) -> LaunchOptions:
+    """The options as given; inside a multi-node srun step, what is not given comes from Slurm.
+
+    --nnodes on the command line means the nodes are laid out by hand: then nothing comes from Slurm.
+    """
+    step = None if nnodes is not None or under_torchrun() else slurm_step(environ)
+    if step is None:
+        return LaunchOptions(nnodes=nnodes or "1", node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                             rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, threads=threads)
+    check_one_task_per_node(step)
+    static = rdzv_backend in (None, "static")  # c10d ranks nodes itself
+    return LaunchOptions(nnodes=str(step.nodes), node_rank=node_rank if node_rank is not None or not static
+                         else step.node_rank, rdzv_endpoint=rdzv_endpoint or f"{step.first_host}:{step.port}",
+                         rdzv_backend=rdzv_backend, rdzv_id=rdzv_id or f"slurm-{step.job_id}", threads=threads)
 
 
 def _free_port() -> int:

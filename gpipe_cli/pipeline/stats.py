@@ -44,6 +44,7 @@ class Timeline:
         self._events: list[tuple[Action, float, float]] = []
         self._cuda: list[tuple[Action, torch.cuda.Event, torch.cuda.Event]] = []
         self._open: tuple[Action, float, object] | None = None
+        self._range: torch.profiler.record_function | None = None
         self._start_event: torch.cuda.Event | None = None
         self.extra: dict[str, float] = {}  # seconds outside the schedule's actions, by part
 
@@ -68,12 +69,18 @@ class Timeline:
             marker = torch.cuda.Event(enable_timing=True)
             marker.record()  # type: ignore[attr-defined]
         self._open = (action, self.now(), marker)
+        # A named range ("forward mb3") so a torch.profiler trace shows the schedule around its kernels.
+        self._range = torch.profiler.record_function(f"{action.kind.value} mb{action.microbatch}")
+        self._range.__enter__()
 
     def end(self) -> None:
         """Mark the end of the action begun last."""
         assert self._open is not None
         action, start, marker = self._open
         self._open = None
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
         if marker is not None:
             stop = torch.cuda.Event(enable_timing=True)
             stop.record()

@@ -168,6 +168,18 @@ class Data(Section):
         return self
 
 
+class Profile(Section):
+    """Steps to record with torch.profiler on every rank (Chrome traces in RUN_DIR/profile)."""
+
+    steps: tuple[PositiveInt, PositiveInt]
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Profile:
+        if self.steps[1] < self.steps[0]:
+            raise ValueError(f"train.profile.steps: [start, end] with start <= end (got {list(self.steps)})")
+        return self
+
+
 class Train(Section):
     """How long to train and in what precision."""
 
@@ -181,6 +193,7 @@ class Train(Section):
     stall_timeout: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
     on_nonfinite: Literal["stop", "skip"] = "stop"  # a non-finite loss or gradient (fp32, bf16)
     max_skipped: PositiveInt = 10  # consecutive skipped steps that stop the run (fp16 overflows too)
+    profile: Profile | None = None  # steps [start, end] (from 1) traced with torch.profiler
 
     @model_validator(mode="after")
     def _some_length(self) -> Train:
@@ -226,6 +239,20 @@ class Eval(Section):
     batches: PositiveInt | None = None
 
 
+class Wandb(Section):
+    """Weights & Biases logging; offline writes a local run folder that `wandb sync` uploads later."""
+
+    project: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+    mode: Literal["offline", "online"] = "offline"
+
+
+class Metrics(Section):
+    """Where train and eval records go besides metrics.jsonl (rank 0 only)."""
+
+    tensorboard: StrictBool = False
+    wandb: Wandb | None = None
+
+
 class Recipe(Section):
     """A whole training recipe."""
 
@@ -239,6 +266,7 @@ class Recipe(Section):
     schedule: Schedule = Field(default_factory=Schedule)
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     eval: Eval = Field(default_factory=Eval)
+    metrics: Metrics = Field(default_factory=Metrics)
 
     @model_validator(mode="after")
     def _microbatches_fit_batch(self) -> Recipe:

@@ -30,10 +30,12 @@ from gpipe_cli.recipe.schema import Recipe, TransformerModel
 from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, translate
 from gpipe_cli.train.job import Job
 from gpipe_cli.train.plan import Plan, make_plan, model_spec
+from gpipe_cli.train.profiling import StepProfiler
 from gpipe_cli.train.report import MetricsFile, TerminalView
 from gpipe_cli.train.resume import Checkpointer, run_dir_of, trim_metrics
 from gpipe_cli.train.rundir import choose_run_dir, create_run_dir, save_recipe
 from gpipe_cli.train.signals import StopRequest
+from gpipe_cli.train.sinks import open_sinks
 from gpipe_cli.train.summary import RunSummary
 
 __all__ = ["Job", "Trainer", "configure_threads"]
@@ -90,14 +92,20 @@ class Trainer:
         self.lr = optim.lr_factor(recipe, self.steps_per_epoch, self.total_steps)
         self.checkpoints = Checkpointer(self.pipe, self.optimizer, self.scheduler, topo, self.plan, self.run_dir,
                                         recipe.checkpoint.keep)
+        if job.resume:
+            self._note(f"loading the newest whole checkpoint of {job.resume}")
         self.start_step = self._resume() if job.resume else 0
         self.stop = StopRequest(announce=self.layout.rank == 0)
         self.stopped_by = 0
         self.policy = nonfinite.NonFinitePolicy(recipe.train.on_nonfinite, recipe.train.max_skipped,
                                                 loss_scaling=recipe.train.precision == "fp16")
         self.diverged: str | None = None  # the line that ends a run on non-finite values
-        self.metrics = MetricsFile(self.run_dir / "metrics.jsonl") if self.layout.rank == 0 else None
+        self.metrics = (MetricsFile(self.run_dir / "metrics.jsonl",
+                                    open_sinks(recipe.metrics, self.run_dir, self.start_step,
+                                               recipe.model_dump(mode="json"), self._note))
+                        if self.layout.rank == 0 else None)
         self.summary = RunSummary(self.total_steps, job.started or time.time())
+        self.profiler = StepProfiler(recipe.train.profile, self.run_dir, self.layout.rank, topo.device)
 
     # ----------------------------------------------------------------- set-up helpers
 
@@ -194,6 +202,7 @@ class Trainer:
             self.view.start(self.total_steps, self.start_step)
         last_time = time.perf_counter()
         for step, batch in enumerate(self.batches(self.start_step), start=self.start_step):
+            self.profiler.before(step + 1)
             # The loader leaves out what this rank's stage does not need (inputs, targets or both).
             result = self.pipe.train_step(
                 batch.inputs if batch else None, batch.targets if batch else None,
@@ -210,6 +219,7 @@ class Trainer:
             if layout.rank == 0:
                 assert batch is not None
                 self._record_step(step, batch, result, now - last_time, decision)
+            self._profiled(self.profiler.after(step + 1))
             if decision == "stop":
                 self.diverged = self.diverged or "non-finite values"
                 break
@@ -231,6 +241,11 @@ class Trainer:
         if self.diverged:
             return nonfinite.EXIT_CODE
         return 128 + self.stopped_by if self.stopped_by else 0
+
+    def _profiled(self, trace: Path | None) -> None:
+        if trace is not None and self.view is not None:
+            self.view.message(f"profile: steps {self.profiler.first}-{self.profiler.last} traced in {trace.parent} "
+                              f"(rank<N>.json for each rank; open in https://ui.perfetto.dev)")
 
     def _save(self, step: int) -> None:
         path = self.checkpoints.save(step, epoch=(step - 1) // self.steps_per_epoch + 1)
@@ -321,6 +336,7 @@ class Trainer:
                 self.view.message(line)
             if self.diverged:  # the one line that says why, last and on stderr like every error
                 print(f"[gpipe] {self.diverged}", file=sys.stderr, flush=True)
+        self._profiled(self.profiler.close())  # a run that stopped inside the profiled steps
         if self.metrics is not None:
             self.metrics.close()
         self.pipe.close()

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from gpipe_cli.pipeline.stats import PARTS
 from gpipe_cli.train.announce import note
+from gpipe_cli.train.sinks import Sinks
 from gpipe_cli.train.summary import eval_figures
 from gpipe_cli.units import human_bytes
 
@@ -52,20 +53,28 @@ def finite_json(record: dict[str, Any]) -> dict[str, Any]:
 
 
 class MetricsFile:
-    """Appends records to metrics.jsonl; each record is one whole line of strict JSON, flushed at once."""
+    """Appends records to metrics.jsonl; each record is one whole line of strict JSON, flushed at once.
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    The same records then go to the recipe's other sinks (TensorBoard, W&B).
+    """
+
+    def __init__(self, path: Path, sinks: Sinks | None = None) -> None:
+        self.path, self.sinks = path, sinks
         self._file: TextIO = path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record (non-finite numbers as null, named in its `nonfinite` list)."""
-        self._file.write(json.dumps(finite_json(record), separators=(",", ":"), allow_nan=False) + "\n")
+        clean = finite_json(record)
+        self._file.write(json.dumps(clean, separators=(",", ":"), allow_nan=False) + "\n")
         self._file.flush()
+        if self.sinks is not None:
+            self.sinks.write(clean)
 
     def close(self) -> None:
-        """Close the file."""
+        """Close the file and the sinks."""
         self._file.close()
+        if self.sinks is not None:
+            self.sinks.close()
 
 
 def _num(value: float | None, spec: str) -> str:

@@ -80,3 +80,4 @@ def test_sweep_prints_the_papers_table(tmp_path):
     assert {m for _, m in cells} == {1, 4, 32}
     assert cells[(2, 1)]["normalized"] == pytest.approx(1.0)
     assert cells[(2, 32)]["paper"] == 1.8  # Transformer-48, K=2, M=32 in the paper's Table 2
+    assert out.with_suffix(".png").stat().st_size > 0  # the table drawn beside the JSON

@@ -120,3 +120,11 @@ def test_the_prepare_data_command_saves_what_the_printed_set_reads(tmp_path: Pat
     got = build_data(local.data, "lm", seed=0, vocab_size=64, max_len=16, run_dir=tmp_path / "run",
                      cache_dir=tmp_path / "hf")
     assert got.train_size > 0 and got.eval_size > 0  # the held-out part comes from data.eval_fraction
+
+
+def test_every_shard_written_is_announced_first(tmp_path: Path) -> None:
+    lines: list[str] = []
+    files = save_splits(_image_splits(tmp_path / "cache"), data(source="hub", name="cifar10"), tmp_path / "out",
+                        lines.append)
+    assert len(lines) == len(files) and {line.split()[1] for line in lines} == {"train", "test"}
+    assert all(line.startswith("writing ") and " shard 1 of 1 " in line for line in lines)

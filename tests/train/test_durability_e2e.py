@@ -73,6 +73,7 @@ def test_resume_equals_the_uninterrupted_run_step_for_step(full_run, tmp_path):
     proc = gpipe("train", str(path), "--output-dir", str(copy_dir), "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr
+    assert "loading the newest whole checkpoint" in proc.stdout  # progress before the load, not silence
     assert losses(copy_dir) == losses(run)  # exact: same ranks, same data position, RNG and optimizer state
 
 

@@ -1,0 +1,126 @@
+"""Launch defaults from Slurm: inside an `srun` step (one task per node) the same command works on every node.
+
+The step's node count and this node's index give --nnodes and --node-rank, the first host of the
+node list is the rendezvous endpoint (port $MASTER_PORT, else 29500) and the job id the rendezvous id.
+Flags given on the command line win. Outside an srun step (the batch script itself, a login node)
+nothing changes: a job that would wait for nodes that never come is worse than a one-node run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gpipe_cli.errors import UserError
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class SlurmStep:
+    """What a multi-node srun step says about this task."""
+
+    nodes: int
+    node_rank: int
+    first_host: str
+    job_id: str
+    tasks: int
+    port: int
+
+
+def _first(environ: Mapping[str, str], *names: str) -> str | None:
+    return next((environ[n] for n in names if environ.get(n)), None)
+
+
+def _split_top(text: str) -> list[str]:
+    """Split at commas that are not inside brackets: `a[1-2,4],b` -> [`a[1-2,4]`, `b`]."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p for p in parts if p]
+
+
+def _range(spec: str) -> list[str]:
+    """`01-04,07` -> 01 02 03 04 07 (zero padding kept, as Slurm writes it)."""
+    out = []
+    for item in spec.split(","):
+        low, sep, high = item.partition("-")
+        if not sep:
+            out.append(low)
+            continue
+        if not (low.isdigit() and high.isdigit()) or int(high) < int(low):
+            raise ValueError(item)
+        out += [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
+    return out
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm's compressed host list as host names: `node[01-02,07],gpu[1-2]-a` -> node01 node02 node07 ..."""
+    hosts: list[str] = []
+    for part in _split_top(nodelist.strip()):
+        pieces = re.split(r"(\[[^\]]*\])", part)
+        choices = [_range(p[1:-1]) if p.startswith("[") else [p] for p in pieces if p]
+        if any("[" in c or "]" in c for options in choices for c in options):
+            raise ValueError(part)
+        hosts += ["".join(combo) for combo in itertools.product(*choices)]
+    return hosts
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a node list: from `scontrol show hostnames` where installed, else parsed here."""
+    scontrol = shutil.which("scontrol")
+    if scontrol:
+        try:
+            shown = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True,
+                                   timeout=30, check=True).stdout.split()
+            if shown:
+                return shown[0]
+        except (OSError, subprocess.SubprocessError):
+            pass  # the parser below reads the same syntax
+    try:
+        hosts = expand_nodelist(nodelist)
+    except ValueError:
+        hosts = []
+    if not hosts:
+        raise UserError(f"cannot read the Slurm node list {nodelist!r}; give --rdzv-endpoint HOST:PORT")
+    return hosts[0]
+
+
+def _integer(environ: Mapping[str, str], name: str) -> int:
+    try:
+        return int(environ[name])
+    except ValueError:
+        raise UserError(f"the Slurm variable {name} is not a number ({environ[name]!r})") from None
+
+
+def slurm_step(environ: Mapping[str, str] | None = None) -> SlurmStep | None:
+    """This task's srun step when it spans several nodes; None outside Slurm, in a batch script or on one node."""
+    env = os.environ if environ is None else environ
+    if not env.get("SLURM_STEP_NUM_NODES") or not env.get("SLURM_JOB_ID") or not env.get("SLURM_NODEID"):
+        return None
+    nodes = _integer(env, "SLURM_STEP_NUM_NODES")
+    if nodes <= 1:
+        return None
+    nodelist = _first(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+    if nodelist is None:
+        raise UserError("this srun step names no nodes (SLURM_STEP_NODELIST); give --rdzv-endpoint HOST:PORT")
+    tasks = int(_first(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") or nodes)
+    port = int(env.get("MASTER_PORT") or DEFAULT_PORT)
+    return SlurmStep(nodes=nodes, node_rank=_integer(env, "SLURM_NODEID"), first_host=first_host(nodelist),
+                     job_id=env["SLURM_JOB_ID"], tasks=tasks, port=port)
+
+
+def check_one_task_per_node(step: SlurmStep) -> None:
+    """gpipe starts its node's ranks itself, so each node must run it once."""
+    if step.tasks != step.nodes:
+        raise UserError(f"this srun step runs {step.tasks} tasks on {step.nodes} nodes; gpipe train starts the "
+                        f"ranks of its node itself: run one task per node (srun --ntasks-per-node=1)")

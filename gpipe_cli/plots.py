@@ -1,0 +1,52 @@
+"""Plotting helpers shared by `gpipe report` and `gpipe bench --sweep` (matplotlib, imported lazily)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+DPI = 100
+MISSING = "matplotlib is not installed (pip install 'gpipe-cli[plot]')"
+
+
+def pyplot() -> Any | None:
+    """matplotlib.pyplot on the file-only Agg backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")  # no display needed: figures only go to files
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def figure(plt: Any, width_px: int, height_px: int, rows: int, cols: int, title: str) -> tuple[Any, Any]:
+    """A figure of exactly width_px x height_px pixels with a rows x cols grid of axes."""
+    fig, axes = plt.subplots(rows, cols, figsize=(width_px / DPI, height_px / DPI), dpi=DPI, squeeze=False)
+    fig.suptitle(title)
+    return fig, axes
+
+
+def save(plt: Any, fig: Any, path: Path) -> Path:
+    """Write the figure as a PNG at its own pixel size (no tight bounding box, which would change it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI, format="png")
+    plt.close(fig)
+    return path
+
+
+def grouped_bars(ax: Any, groups: Sequence[str], bars: Mapping[str, Sequence[float | None]], ylabel: str,
+                 hatched: Sequence[str] = ()) -> None:
+    """Bars side by side in each group; a None value leaves a gap; `hatched` series are drawn hatched."""
+    width = 0.8 / max(len(bars), 1)
+    for i, (label, values) in enumerate(bars.items()):
+        xs = [g + (i - (len(bars) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar([x for x, v in zip(xs, values) if v is not None], [v for v in values if v is not None], width,
+               label=label, hatch="//" if label in hatched else None, alpha=0.6 if label in hatched else 1.0)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize="small")
+    ax.grid(axis="y", alpha=0.3)

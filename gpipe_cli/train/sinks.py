@@ -1,0 +1,150 @@
+"""Metric sinks beside metrics.jsonl: TensorBoard event files and Weights & Biases (rank 0 only).
+
+Each sink receives every record metrics.jsonl receives, flattened into scalars with one tag per
+figure and per stage (`train/loss`, `train/time_s/wait/stage1`, `eval/accuracy`). A sink that cannot
+start (package missing, no network) or that fails later costs one line, never the run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from gpipe_cli.recipe.schema import Metrics
+
+_NOT_FIGURES = ("kind", "step", "nonfinite")
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A record's numbers as flat tags; lists are per stage, null values (non-finite) are left out."""
+    out: dict[str, float] = {}
+
+    def add(tag: str, value: Any) -> None:
+        if isinstance(value, bool | int | float):
+            out[tag] = float(value)
+        elif isinstance(value, list):
+            for stage, item in enumerate(value):
+                add(f"{tag}/stage{stage}", item)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                add(f"{tag}/{key}", item)
+
+    for key, value in record.items():
+        if key not in _NOT_FIGURES:
+            add(f"{record['kind']}/{key}", value)
+    return out
+
+
+class Sink(Protocol):
+    """Somewhere records go."""
+
+    name: str
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        """Record the scalars of one step."""
+
+    def close(self) -> None:
+        """Flush and close."""
+
+
+class TensorBoardSink:
+    """Event files under RUN_DIR/tensorboard, read by `tensorboard --logdir RUN_DIR`."""
+
+    name = "metrics.tensorboard"
+
+    def __init__(self, run_dir: Path, first_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        # purge_step hides events a resumed run writes again (those after its checkpoint), as
+        # metrics.jsonl drops their lines.
+        self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
+                                     purge_step=first_step + 1 if first_step else None)
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        """Write one record's scalars and flush, so a running TensorBoard sees the step at once."""
+        for tag, value in values.items():
+            self._writer.add_scalar(tag, value, global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Close the event file."""
+        self._writer.close()
+
+
+class WandbSink:
+    """A Weights & Biases run; offline mode writes RUN_DIR/wandb/offline-run-* for `wandb sync`."""
+
+    name = "metrics.wandb"
+
+    def __init__(self, run_dir: Path, project: str, mode: Literal["offline", "online"], config: dict[str, Any]) -> None:
+        # wandb's own chatter (login, sync hints) would break the live view; failures are our one line.
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+
+        # A bounded wait: with no network, online mode fails at start instead of stalling the run.
+        settings = wandb.Settings(silent=True, init_timeout=30, console="off")
+        self._run = wandb.init(project=project, mode=mode, dir=str(run_dir), name=run_dir.name, config=config,
+                               settings=settings)
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        """Log one record's scalars at its step."""
+        self._run.log(values, step=step)
+
+    def close(self) -> None:
+        """Finish the run (offline: its folder is complete)."""
+        self._run.finish()
+
+
+def _start(name: str, make: Callable[[], Sink], say: Callable[[str], None], hint: str) -> Sink | None:
+    try:
+        return make()
+    except ImportError as err:
+        say(f"{name}: {err.name or 'a package'} is not installed ({hint}); writing metrics.jsonl only")
+    except Exception as err:  # noqa: BLE001 - whatever a logging service raises, training goes on
+        say(f"{name}: could not start ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+            f"writing metrics.jsonl only")
+    return None
+
+
+class Sinks:
+    """The enabled sinks; a sink that raises is closed and dropped with one line."""
+
+    def __init__(self, sinks: list[Sink], say: Callable[[str], None]) -> None:
+        self.sinks, self._say = sinks, say
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Send one train or eval record (already free of NaN) to every sink."""
+        if not self.sinks:
+            return
+        values = scalars(record)
+        for sink in list(self.sinks):
+            try:
+                sink.log(values, int(record["step"]))
+            except Exception as err:  # noqa: BLE001 - a failing sink must not end the run
+                self._say(f"{sink.name}: stopped logging ({type(err).__name__}: {err}); metrics.jsonl goes on")
+                self.sinks.remove(sink)
+
+    def close(self) -> None:
+        """Close every sink; a failure to close is one line."""
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as err:  # noqa: BLE001
+                self._say(f"{sink.name}: could not close ({type(err).__name__}: {err})")
+        self.sinks = []
+
+
+def open_sinks(metrics: Metrics, run_dir: Path, first_step: int, config: dict[str, Any],
+               say: Callable[[str], None]) -> Sinks:
+    """Start the sinks the recipe's `metrics:` section enables; each that cannot start says so in one line."""
+    sinks: list[Sink | None] = []
+    if metrics.tensorboard:
+        sinks.append(_start(TensorBoardSink.name, lambda: TensorBoardSink(run_dir, first_step), say,
+                            "pip install 'gpipe-cli[tensorboard]'"))
+    wandb = metrics.wandb
+    if wandb is not None:
+        sinks.append(_start(WandbSink.name, lambda: WandbSink(run_dir, wandb.project, wandb.mode, config), say,
+                            "pip install 'gpipe-cli[wandb]'"))
+    return Sinks([s for s in sinks if s is not None], say)

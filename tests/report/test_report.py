@@ -1,0 +1,84 @@
+"""`gpipe report`: series read from metrics.jsonl, the PNG's size, several runs overlaid, clear errors."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from PIL import Image
+
+from gpipe_cli.cli import run as cli
+from gpipe_cli.report import page
+from gpipe_cli.report.runs import read_runs, series, time_breakdown
+from tests.train.test_report import train_record
+
+
+def make_run(folder: Path, partitions: int, steps: int = 5) -> Path:
+    """A run directory as `gpipe train` writes it: recipe.yaml and metrics.jsonl (one line cut short)."""
+    folder.mkdir(parents=True)
+    recipe = {"name": "r", "pipeline": {"partitions": partitions, "microbatches": 4, "schedule": "1f1b"}}
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    lines = []
+    for step in range(1, steps + 1):
+        record = train_record(step=step, stages=partitions, loss=3.0 / step)
+        record["samples_per_s"] = 10.0 * step * partitions
+        record["mem_peak_bytes"] = [(s + 1) * 1000 * step for s in range(partitions)]
+        lines.append(json.dumps(record))
+        if step % 2 == 0:
+            lines.append(json.dumps({"kind": "eval", "step": step, "loss": 2.0 / step, "accuracy": 0.1 * step}))
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + '\n{"kind": "tra')
+    return folder
+
+
+def test_the_plotted_series_are_the_values_of_metrics_jsonl(tmp_path):
+    folder = make_run(tmp_path / "a", partitions=3)
+    (run,) = read_runs([folder])
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()[:-1]]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    data = series(run)
+    assert data["loss"] == ([r["step"] for r in train], [r["loss"] for r in train])
+    assert data["samples_per_s"][1] == [r["samples_per_s"] for r in train]
+    assert data["bubble_theory"][1] == [r["bubble_theory"] for r in train]
+    assert data["eval_accuracy"] == ([r["step"] for r in evals], [r["accuracy"] for r in evals])
+    assert data["mem_peak_bytes/stage2"][1] == [r["mem_peak_bytes"][2] for r in train]
+    wait = time_breakdown(run)["wait"]
+    assert wait == pytest.approx([sum(r["time_s"]["wait"][s] for r in train) / len(train) for s in range(3)])
+    assert run.label == "K=3 M=4 1f1b"
+
+
+def test_two_runs_make_one_page_of_the_expected_size_with_a_legend_entry_each(tmp_path, capsys):
+    a, b = make_run(tmp_path / "a", 2), make_run(tmp_path / "b", 4)
+    out = tmp_path / "page.png"
+    assert cli(["report", str(a), str(b), "--output", str(out)]) == 0
+    with Image.open(out) as image:
+        assert image.size == (page.WIDTH_PX, page.HEIGHT_PX)
+    shown = capsys.readouterr().out
+    assert "K=2 M=4 1f1b" in shown and "K=4 M=4 1f1b" in shown and str(out) in shown
+
+
+def test_runs_with_the_same_pipeline_are_told_apart_by_folder(tmp_path):
+    runs = read_runs([make_run(tmp_path / "one", 2), make_run(tmp_path / "two", 2)])
+    assert [r.label for r in runs] == ["K=2 M=4 1f1b (one)", "K=2 M=4 1f1b (two)"]
+
+
+def test_one_run_writes_its_page_into_the_run_directory(tmp_path):
+    folder = make_run(tmp_path / "a", 1)
+    assert cli(["report", str(folder)]) == 0
+    assert (folder / "report.png").stat().st_size > 0
+
+
+def test_a_folder_that_is_not_a_run_is_one_line(tmp_path, capsys):
+    assert cli(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "metrics.jsonl" in err and "Traceback" not in err
+
+
+def test_without_matplotlib_the_table_still_shows_and_one_line_says_why(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    folder = make_run(tmp_path / "a", 2)
+    assert cli(["report", str(folder)]) == 1
+    captured = capsys.readouterr()
+    assert "K=2 M=4 1f1b" in captured.out and "gpipe-cli[plot]" in captured.err
+    assert not (folder / "report.png").exists()
