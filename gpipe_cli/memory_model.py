@@ -8,8 +8,9 @@
     a stage's bytes     predicted by walking the engine's own action list for that stage: after a
                         rematerialised forward it holds the micro-batch's boundary input; after any
                         other forward or a recompute, its input, saved activations and output; a
-                        backward frees its micro-batch. Weights, gradients and optimizer state come
-                        from bytes per parameter, measured by one optimizer step.
+                        full backward, or the weight half of a split one, frees its micro-batch.
+                        Weights, gradients and optimizer state come from bytes per parameter,
+                        measured by one optimizer step.
     the device          CUDA: each GPU's memory; CPU: the available RAM, shared by this node's ranks.
 
 `gpipe validate`, `gpipe train`'s plan, `gpipe profile-memory` (its extrapolated rows and `--budget`)
@@ -167,20 +168,21 @@ def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint:
 
     Returns (kind, whole, inputs) triples: kind 0 marks a "stored" reading, 1 a "peak" reading.
     """
-    remat = sched.remat_plan(checkpoint, sched.forward_order(schedule, stage, stages, microbatches))
+    actions = sched.build(schedule, stage, stages, microbatches, checkpoint)
+    remat = sched.rematerialised(actions)
     whole: set[int] = set()
     inputs: set[int] = set()
     points = []
-    for action in sched.build(schedule, stage, stages, microbatches, checkpoint):
+    for action in actions:
         mb = action.microbatch
-        if action.kind == Kind.RECOMPUTE or (action.kind == Kind.BWD and mb not in remat):
+        if action.kind == Kind.RECOMPUTE or (action.kind in sched.GRADIENT and mb not in remat):
             points.append((0, len(whole), len(inputs)))
         if action.kind == Kind.FWD:
-            (inputs if mb in remat else whole).add(mb)
+            (inputs if action.remat else whole).add(mb)
         elif action.kind == Kind.RECOMPUTE:
             inputs.discard(mb)
             whole.add(mb)
-        elif action.kind == Kind.BWD:
+        elif action.kind in sched.RELEASE:  # a split backward keeps the graph until its W
             whole.discard(mb)
         points.append((1, len(whole), len(inputs)))
     return tuple(sorted(set(points)))

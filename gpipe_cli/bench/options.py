@@ -84,7 +84,7 @@ FLAGS: dict[str, str] = {
     "batch_size": "Examples per mini-batch [default: 4 x M].",
     "steps": "Measured steps; every figure is the median over them.",
     "warmup": "Steps run first and not measured.",
-    "schedule": "Pipeline schedule to measure: gpipe or 1f1b.",
+    "schedule": "Pipeline schedule to measure: gpipe, 1f1b or zero-bubble.",
     "checkpoint": "Rematerialization: always, except_last or never (K=1 uses the same).",
     "balance": "Layers per stage, e.g. 5,5 [default: balanced by measured per-layer time].",
     "layers": "Model size override: layers (AmoebaNet L, Transformer layers).",

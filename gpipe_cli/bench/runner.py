@@ -61,7 +61,7 @@ def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFi
         "step_time_k1_s": median(k1.step_times),
         "step_times": kk.step_times if kk else [], "step_times_k1": k1.step_times,
         "normalized": normalized, "ideal": ideal, "efficiency": normalized / ideal if ideal else 0.0,
-        "bubble": kk.bubble if kk else prediction.bubble, "bubble_theory": theoretical_bubble(k, m),
+        "bubble": kk.bubble if kk else prediction.bubble, "bubble_theory": theoretical_bubble(k, m, options.schedule),
         "oversubscribed": over and measured, "hardware": hardware, "ranks": k, "threads": options.threads,
         "cpu_per_busy": {"k1": k1.cpu_per_busy, "k": kk.cpu_per_busy if kk else []},
         "load": {"k1": k1.load, "k": kk.load if kk else {}},

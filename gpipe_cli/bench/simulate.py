@@ -2,9 +2,10 @@
 
 The prediction runs the engine's own action lists (`schedule.build_all`) through `schedule.simulate`:
 each forward, recompute and backward costs what its stage's layers measured for a micro-batch of that
-size, and each message arrives `latency + bytes / bandwidth` after its send. Per-layer timings taken
-in isolation miss the engine's per-step overhead, so they are first calibrated: scaled so that the
-simulated single-device step equals the single-device step actually measured.
+size (a split backward's input and weight halves share the measured backward), and each message
+arrives `latency + bytes / bandwidth` after its send. Per-layer timings taken in isolation miss the
+engine's per-step overhead, so they are first calibrated: scaled so that the simulated single-device
+step equals the single-device step actually measured.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from gpipe_cli.bench.costs import CostProfile
 from gpipe_cli.pipeline import microbatch, partition
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.schedule import Action, Kind, Span
+
+# The share of a layer's backward that is the input gradient: for a matrix product, one of its two
+# products of equal size (the other is the weight gradient). Only the whole backward is measured.
+INPUT_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,6 @@ def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microba
     ranges = partition.stage_ranges(balance)
     stages = len(balance)
     sizes = microbatch.sizes(batch_size, microbatches)
-    remats = [sched.remat_plan(checkpoint, sched.forward_order(schedule, s, stages, microbatches))
-              for s in range(stages)]
 
     def per_example(mb: int) -> float:
         return sizes[mb] / costs.microbatch_size
@@ -71,12 +74,16 @@ def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microba
         layers = [costs.layers[i] for i in ranges[stage]]
         mb, kind = action.microbatch, action.kind
         if kind == Kind.FWD:
-            seconds = sum(t.forward_nograd if mb in remats[stage] else t.forward for t in layers)
+            seconds = sum(t.forward_nograd if action.remat else t.forward for t in layers)
             seconds += costs.loss if stage == stages - 1 else 0.0
         elif kind == Kind.RECOMPUTE:
             seconds = sum(t.forward for t in layers)
         elif kind == Kind.BWD:
             seconds = sum(t.backward for t in layers)
+        elif kind == Kind.BWD_INPUT:
+            seconds = sum(t.backward for t in layers) * INPUT_SHARE
+        elif kind == Kind.BWD_WEIGHT:
+            seconds = sum(t.backward for t in layers) * (1.0 - INPUT_SHARE)
         else:
             return 0.0
         return seconds * scale * per_example(mb)

@@ -16,6 +16,7 @@ from gpipe_cli.pipeline import grads, memory, microbatch, partition, stats
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.batchnorm import deferred_batchnorms
 from gpipe_cli.pipeline.comm import BACKWARD, FORWARD, RESULT, Inbound, Outbound
+from gpipe_cli.pipeline.executor import Channels, Executor, Message
 from gpipe_cli.pipeline.schedule import Kind
 from gpipe_cli.pipeline.stage import Stage, as_tensors
 from gpipe_cli.pipeline.tied import tie_parameters
@@ -83,7 +84,7 @@ class Pipeline:
                            PRECISIONS[precision])
         self.loss_scale = grads.LossScale(precision == "fp16")
         self.timeline = stats.Timeline(self.layout.stage, self.device)
-        self._plans: dict[int, tuple[sched.Schedule, set[int]]] = {}
+        self._plans: dict[int, sched.Schedule] = {}
         self._open_channels()
 
     # ----------------------------------------------------------------- set-up
@@ -108,13 +109,16 @@ class Pipeline:
             if channel is not None:
                 channel.begin_step()
 
-    def _plan(self, chunks: int) -> tuple[sched.Schedule, set[int]]:
+    def _plan(self, chunks: int) -> sched.Schedule:
         if chunks not in self._plans:
-            stage, stages = self.layout.stage, self.layout.stages
-            order = sched.forward_order(self.schedule_name, stage, stages, chunks)
-            self._plans[chunks] = (sched.build(self.schedule_name, stage, stages, chunks, self.checkpoint),
-                                   sched.remat_plan(self.checkpoint, order))
+            self._plans[chunks] = sched.build(self.schedule_name, self.layout.stage, self.layout.stages, chunks,
+                                              self.checkpoint)
         return self._plans[chunks]
+
+    def _executor(self, chunks: int, training: bool, **state: Any) -> Executor:
+        channels = Channels(self.fwd_in, self.fwd_out, self.bwd_in, self.bwd_out)
+        return Executor(self.stage, channels, self.layout.is_first, self.layout.is_last, chunks, training,
+                        **state)
 
     # ----------------------------------------------------------------- helpers
 
@@ -122,6 +126,11 @@ class Pipeline:
         if isinstance(batch, torch.Tensor):
             return batch.to(self.device, non_blocking=True)
         return tuple(self._to_device(b) for b in batch)
+
+    def _feed(self, inputs: Any, chunks: int, example_offset: int = 0) -> list[Message]:
+        """The first stage's micro-batches as messages: tensors, bareness and global example offset."""
+        offsets = microbatch.offsets(microbatch.sizes(microbatch.batch_size(inputs), chunks), example_offset)
+        return [(*as_tensors(mb), off) for mb, off in zip(microbatch.scatter(self._to_device(inputs), chunks), offsets)]
 
     def _sum_over_last_stages(self, values: list[float]) -> list[float]:
         group = self.topology.last_stages_group
@@ -157,21 +166,18 @@ class Pipeline:
         or gradient is not finite.
         """
         layout, chunks = self.layout, microbatches
-        actions, remat = self._plan(chunks)
+        actions = self._plan(chunks)
         self.module.train()
         self.stage.step = step
         self.stage.meter.reset_peak()
         memory.reset_cuda_peak(self.device)
         self.timeline.start()
 
-        feed: list[Any] = []
-        offsets: list[int] = []
+        feed: list[Message] = []
         if layout.is_first:
             if inputs is None:
                 raise ValueError("the first stage needs the inputs of the mini-batch")
-            split = microbatch.sizes(microbatch.batch_size(inputs), chunks)
-            feed = microbatch.scatter(self._to_device(inputs), chunks)
-            offsets = microbatch.offsets(split, example_offset)
+            feed = self._feed(inputs, chunks, example_offset)
         targets_mb: list[torch.Tensor] = []
         weights: list[float] = []
         examples = units_total = 0.0
@@ -193,51 +199,9 @@ class Pipeline:
         if self.bwd_in is not None:
             self.bwd_in.expect(sum(a.kind == Kind.RECV_BWD for a in actions))
 
-        received: dict[int, tuple[list[torch.Tensor | None], bool, int]] = {}
-        outgoing: dict[int, tuple[list[torch.Tensor | None], bool, int]] = {}
-        grads_in: dict[int, list[torch.Tensor | None]] = {}
-        grads_out: dict[int, list[torch.Tensor | None]] = {}
-        losses: list[torch.Tensor] = []
-        for action in actions:
-            mb, kind = action.microbatch, action.kind
-            self.timeline.begin(action)  # receives count as waiting, sends as communication
-            if kind == Kind.RECV_FWD:
-                assert self.fwd_in is not None
-                header, tensors = self.fwd_in.take(mb)
-                if header.chunks != chunks:
-                    raise RuntimeError(f"stage {layout.stage} runs {chunks} micro-batches but the previous "
-                                       f"stage runs {header.chunks}")
-                received[mb] = (tensors, header.bare, header.offset)
-            elif kind == Kind.FWD:
-                if layout.is_first:
-                    tensors, bare = as_tensors(feed[mb])
-                    offset = offsets[mb]
-                else:
-                    tensors, bare, offset = received.pop(mb)
-                out, out_bare = self.stage.forward(
-                    mb, tensors, bare, offset, mb in remat,
-                    targets_mb[mb] if layout.is_last else None, weights[mb] if layout.is_last else 0.0)
-                if layout.is_last:
-                    losses.append(out[0])  # type: ignore[arg-type]
-                else:
-                    outgoing[mb] = (out, out_bare, offset)
-            elif kind == Kind.SEND_FWD:
-                assert self.fwd_out is not None
-                out, out_bare, offset = outgoing.pop(mb)
-                self.fwd_out.send(mb, chunks, offset, out, out_bare, differentiable=True)
-            elif kind == Kind.RECOMPUTE:
-                self.stage.recompute(mb)
-            elif kind == Kind.RECV_BWD:
-                assert self.bwd_in is not None
-                grads_in[mb] = self.bwd_in.take(mb)[1]
-            elif kind == Kind.BWD:
-                grads_out[mb] = self.stage.backward(mb, None if layout.is_last else grads_in.pop(mb))
-                if layout.is_first:
-                    grads_out.pop(mb)
-            elif kind == Kind.SEND_BWD:
-                assert self.bwd_out is not None
-                self.bwd_out.send(mb, chunks, 0, grads_out.pop(mb))
-            self.timeline.end()
+        run = self._executor(chunks, True, timeline=self.timeline, feed=feed, targets=targets_mb, weights=weights)
+        run.run(actions)
+        losses = run.losses
         with self.timeline.span(stats.COMM):
             for channel in (self.fwd_out, self.bwd_out):
                 if channel is not None:
@@ -259,7 +223,8 @@ class Pipeline:
                                 self.stage.meter.peak, memory.peak_rss_bytes(), memory.cuda_peak_bytes(self.device),
                                 wait, comm, optimizer, -1 if finite else self._first_nonfinite_layer())
         gathered = stats.gather(mine, loss or 0.0, int(examples), units_total, norm,
-                                sched.theoretical_bubble(layout.stages, chunks), self.topology.transport.control,
+                                sched.theoretical_bubble(layout.stages, chunks, self.schedule_name),
+                                self.topology.transport.control,
                                 events if trace else None)
         if gathered is not None and loss is None:
             loss = gathered.loss
@@ -306,39 +271,16 @@ class Pipeline:
         self.module.eval()
         self._begin_step()
         try:
-            chunks, first_message = self._eval_chunks(inputs, microbatches)
-            feed, offsets = [], []
-            if layout.is_first and chunks:
-                feed = microbatch.scatter(self._to_device(inputs), chunks)
-                offsets = microbatch.offsets(microbatch.sizes(microbatch.batch_size(inputs), chunks))
+            chunks, received = self._eval_chunks(inputs, microbatches)
+            feed = self._feed(inputs, chunks) if layout.is_first and chunks else []
             targets_mb = microbatch.scatter(targets, chunks) if layout.is_last and chunks and targets is not None \
                 else []
             loss_sum = units_sum = 0.0
             sums = dict.fromkeys(metrics or {}, 0.0)
             outputs: list[Any] = []
-            if chunks == 0 and self.fwd_out is not None:
-                self.fwd_out.send(0, 0, 0, [])
-            for action in sched.forward_only(layout.stage, layout.stages, chunks) if chunks else []:
-                mb = action.microbatch
-                if action.kind == Kind.RECV_FWD:
-                    assert self.fwd_in is not None
-                    first_message = first_message if mb == 0 else self.fwd_in.take(mb)
-                    continue
-                if action.kind == Kind.SEND_FWD:
-                    continue
-                if layout.is_first:
-                    tensors, bare = as_tensors(feed[mb])
-                    offset = offsets[mb]
-                else:
-                    assert first_message is not None
-                    header, tensors = first_message
-                    bare, offset = header.bare, header.offset
-                out = self.stage.evaluate(tensors, bare, offset)
-                if not layout.is_last:
-                    assert self.fwd_out is not None
-                    sent, sent_bare = as_tensors(out)
-                    self.fwd_out.send(mb, chunks, offset, sent, sent_bare)
-                    continue
+
+            def on_output(mb: int, out: Any) -> None:
+                nonlocal loss_sum, units_sum
                 if targets_mb:
                     target = self._to_device(targets_mb[mb])
                     n = self._count_units(targets_mb[mb])
@@ -349,23 +291,28 @@ class Pipeline:
                         sums[key] += float(metric(out, target))
                 if return_outputs:
                     outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)
+
+            if chunks == 0 and self.fwd_out is not None:
+                self.fwd_out.send(0, 0, 0, [])
+            if chunks:
+                self._executor(chunks, False, feed=feed, on_output=on_output, received=received).run(
+                    sched.forward_only(layout.stage, layout.stages, chunks))
             if self.fwd_out is not None:
                 self.fwd_out.flush()
             return self._eval_result(loss_sum, units_sum, sums, outputs, return_outputs)
         finally:
             self.module.train(was_training)
 
-    def _eval_chunks(self, inputs: Any, microbatches: int) -> tuple[int, Any]:
+    def _eval_chunks(self, inputs: Any, microbatches: int) -> tuple[int, dict[int, Message]]:
         """How many micro-batches this evaluation runs; non-first stages learn it from the first message."""
         if self.layout.is_first:
-            return min(microbatches, microbatch.batch_size(inputs)), None
+            return min(microbatches, microbatch.batch_size(inputs)), {}
         assert self.fwd_in is not None
         self.fwd_in.expect(1)
-        first = self.fwd_in.take(0)
-        chunks = first[0].chunks
-        if chunks > 1:
-            self.fwd_in.expect(chunks - 1)
-        return chunks, first
+        header, tensors = self.fwd_in.take(0)
+        if header.chunks > 1:
+            self.fwd_in.expect(header.chunks - 1)
+        return header.chunks, {0: (tensors, header.bare, header.offset)}
 
     def _eval_result(self, loss_sum: float, units_sum: float, sums: dict[str, float], outputs: list[Any],
                      return_outputs: bool) -> EvalResult:

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: a plain list of actions per stage.
+"""Pipeline schedules as data: one list of actions per stage, built once, read by everything.
 
 GPipe fill-drain, K=3 stages, M=4 micro-batches (F forward, B backward, time flows right):
 
@@ -12,12 +12,27 @@ GPipe fill-drain, K=3 stages, M=4 micro-batches (F forward, B backward, time flo
     stage 1  .. F0 F1 .. B0 F2 B1 F3 B2 .. B3 ..
     stage 2  .. .. F0 B0 F1 B1 F2 B2 F3 B3 .. ..
 
-Both give the same gradients. A schedule names receives and sends explicitly so it can be printed,
-simulated and checked without processes; the runtime executes exactly these lists.
+Zero-bubble (ZB-H1 style) splits each backward into Bi (the input gradient, which the previous stage
+waits for) and W (the weight gradient, which nobody waits for). It runs 1F1B's order with Bi in place
+of B, and W right after Bi in the steady phase; in the drain every Bi goes first and the Ws fill the
+time the stage would otherwise wait. A micro-batch holds its graph from F to W, so no stage ever holds
+more micro-batches than under 1F1B. The first stage sends no gradient, so it keeps whole backwards.
+Compute order per stage, K=4, M=4:
+
+    stage 0  F0 F1 F2 F3 B0 B1 B2 B3
+    stage 1  F0 F1 F2 Bi0 W0 F3 Bi1 W1 Bi2 Bi3 W2 W3
+    stage 2  F0 F1 Bi0 W0 F2 Bi1 W1 F3 Bi2 W2 Bi3 W3
+    stage 3  F0 Bi0 W0 F1 Bi1 W1 F2 Bi2 W2 F3 Bi3 W3
+
+Every schedule gives the same gradients. A schedule names receives and sends explicitly, and marks
+which forwards keep no graph (rematerialised micro-batches, recomputed just before their backward),
+so it can be printed, simulated, drawn and accounted for without processes; the runtime executes
+exactly these lists, for training and for evaluation.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -26,26 +41,36 @@ from enum import Enum
 class Kind(str, Enum):
     """What an action does."""
 
-    RECV_FWD = "recv_fwd"    # wait for the input activation from the previous stage
-    FWD = "fwd"              # forward (on the last stage, with the loss)
-    SEND_FWD = "send_fwd"    # post the output activation to the next stage
-    RECOMPUTE = "recompute"  # rematerialise the activations from the stored boundary input
-    RECV_BWD = "recv_bwd"    # wait for the output gradient from the next stage
-    BWD = "bwd"              # backward
-    SEND_BWD = "send_bwd"    # post the input gradient to the previous stage
+    RECV_FWD = "recv_fwd"      # wait for the input activation from the previous stage
+    FWD = "fwd"                # forward (on the last stage, with the loss)
+    SEND_FWD = "send_fwd"      # post the output activation to the next stage
+    RECOMPUTE = "recompute"    # rematerialise the activations from the stored boundary input
+    RECV_BWD = "recv_bwd"      # wait for the output gradient from the next stage
+    BWD = "bwd"                # full backward: input and weight gradients
+    BWD_INPUT = "bwd_input"    # backward for the input gradient only; the graph stays for the W
+    BWD_WEIGHT = "bwd_weight"  # backward for the weight gradients, freeing the graph
+    SEND_BWD = "send_bwd"      # post the input gradient to the previous stage
 
 
-COMPUTE = frozenset({Kind.FWD, Kind.RECOMPUTE, Kind.BWD})
-_SHORT = {Kind.RECV_FWD: "rf", Kind.FWD: "F", Kind.SEND_FWD: "sf", Kind.RECOMPUTE: "R",
-          Kind.RECV_BWD: "rb", Kind.BWD: "B", Kind.SEND_BWD: "sb"}
+COMPUTE = frozenset({Kind.FWD, Kind.RECOMPUTE, Kind.BWD, Kind.BWD_INPUT, Kind.BWD_WEIGHT})
+GRADIENT = frozenset({Kind.BWD, Kind.BWD_INPUT})      # consume the output gradient, make the input's
+RELEASE = frozenset({Kind.BWD, Kind.BWD_WEIGHT})      # the micro-batch's graph is gone afterwards
+_SHORT = {Kind.RECV_FWD: "rf", Kind.FWD: "F", Kind.SEND_FWD: "sf", Kind.RECOMPUTE: "R", Kind.RECV_BWD: "rb",
+          Kind.BWD: "B", Kind.BWD_INPUT: "Bi", Kind.BWD_WEIGHT: "W", Kind.SEND_BWD: "sb"}
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a stage's schedule, applied to one micro-batch."""
+    """One step of a stage's schedule: what to do, to which micro-batch, on which chunk of layers.
+
+    `chunk` is the virtual stage the action runs (the stage itself while every rank holds one chunk);
+    `remat` marks a forward that keeps no graph, whose micro-batch is recomputed before its backward.
+    """
 
     kind: Kind
     microbatch: int
+    chunk: int = 0
+    remat: bool = False
 
     def __str__(self) -> str:
         return f"{_SHORT[self.kind]}{self.microbatch}"
@@ -53,21 +78,7 @@ class Action:
 
 Schedule = list[Action]
 REMAT_MODES = ("always", "except_last", "never")
-SCHEDULES = ("gpipe", "1f1b")
-
-
-def _forward(stage: int, stages: int, mb: int) -> list[Action]:
-    first, last = stage == 0, stage == stages - 1
-    return ([] if first else [Action(Kind.RECV_FWD, mb)]) + [Action(Kind.FWD, mb)] + \
-        ([] if last else [Action(Kind.SEND_FWD, mb)])
-
-
-def _backward(stage: int, stages: int, mb: int, remat: bool) -> list[Action]:
-    first, last = stage == 0, stage == stages - 1
-    # Recompute before waiting for the gradient, so the rematerialisation hides the wait.
-    return ([Action(Kind.RECOMPUTE, mb)] if remat else []) + \
-        ([] if last else [Action(Kind.RECV_BWD, mb)]) + [Action(Kind.BWD, mb)] + \
-        ([] if first else [Action(Kind.SEND_BWD, mb)])
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble")
 
 
 def _check(stage: int, stages: int, microbatches: int) -> None:
@@ -77,47 +88,72 @@ def _check(stage: int, stages: int, microbatches: int) -> None:
         raise ValueError(f"microbatches must be >= 1 (got {microbatches})")
 
 
-def forward_order(name: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
-    """The order of forwards ('F') and backwards ('B') of one stage, before remat and messages."""
-    _check(stage, stages, microbatches)
+def _order(name: str, stage: int, stages: int, microbatches: int) -> list[tuple[Kind, int]]:
+    """The compute order of one stage (forwards and backwards), before remat and messages."""
     if name == "gpipe":
-        return [("F", i) for i in range(microbatches)] + \
-            [("B", i) for i in reversed(range(microbatches))]
-    if name == "1f1b":
-        warmup = min(stages - stage - 1, microbatches)
-        order = [("F", i) for i in range(warmup)]
-        for j in range(microbatches - warmup):
-            order += [("F", warmup + j), ("B", j)]
-        order += [("B", j) for j in range(microbatches - warmup, microbatches)]
-        return order
-    raise ValueError(f"unknown schedule '{name}': allowed are {', '.join(SCHEDULES)}")
+        return [(Kind.FWD, i) for i in range(microbatches)] + \
+            [(Kind.BWD, i) for i in reversed(range(microbatches))]
+    if name not in ("1f1b", "zero-bubble"):
+        raise ValueError(f"unknown schedule '{name}': allowed are {', '.join(SCHEDULES)}")
+    warmup = min(stages - stage - 1, microbatches)
+    split = name == "zero-bubble" and stage > 0  # the first stage has no input gradient to hurry
+    steady = [(Kind.BWD_INPUT, 0), (Kind.BWD_WEIGHT, 0)] if split else [(Kind.BWD, 0)]
+    order = [(Kind.FWD, i) for i in range(warmup)]
+    for j in range(microbatches - warmup):
+        order += [(Kind.FWD, warmup + j)] + [(kind, j) for kind, _ in steady]
+    drain = range(microbatches - warmup, microbatches)
+    if split:
+        order += [(Kind.BWD_INPUT, j) for j in drain] + [(Kind.BWD_WEIGHT, j) for j in drain]
+    else:
+        order += [(Kind.BWD, j) for j in drain]
+    return order
 
 
-def remat_plan(mode: str, order: Sequence[tuple[str, int]]) -> set[int]:
+def _remat(mode: str, order: Sequence[tuple[Kind, int]]) -> set[int]:
     """The micro-batches a stage rematerialises under a mode.
 
     `except_last` skips the micro-batches whose backward directly follows their forward: keeping their
     activations costs nothing extra (GPipe: the last micro-batch; 1F1B: every one on the last stage).
     """
-    mbs = {mb for op, mb in order if op == "F"}
+    mbs = {mb for kind, mb in order if kind == Kind.FWD}
     if mode == "always":
         return mbs
     if mode == "never":
         return set()
     if mode == "except_last":
         immediate = {order[i][1] for i in range(len(order) - 1)
-                     if order[i][0] == "F" and order[i + 1] == ("B", order[i][1])}
+                     if order[i][0] == Kind.FWD and order[i + 1][0] in GRADIENT and order[i + 1][1] == order[i][1]}
         return mbs - immediate
     raise ValueError(f"unknown checkpoint mode '{mode}': allowed are {', '.join(REMAT_MODES)}")
 
 
+def _forward(stage: int, stages: int, mb: int, remat: bool = False) -> list[Action]:
+    first, last = stage == 0, stage == stages - 1
+    return ([] if first else [Action(Kind.RECV_FWD, mb, stage)]) + [Action(Kind.FWD, mb, stage, remat)] + \
+        ([] if last else [Action(Kind.SEND_FWD, mb, stage)])
+
+
+def _gradient(stage: int, stages: int, kind: Kind, mb: int, remat: bool) -> list[Action]:
+    first, last = stage == 0, stage == stages - 1
+    # Recompute before waiting for the gradient, so the rematerialisation hides the wait.
+    return ([Action(Kind.RECOMPUTE, mb, stage)] if remat else []) + \
+        ([] if last else [Action(Kind.RECV_BWD, mb, stage)]) + [Action(kind, mb, stage)] + \
+        ([] if first else [Action(Kind.SEND_BWD, mb, stage)])
+
+
 def build(name: str, stage: int, stages: int, microbatches: int, checkpoint: str = "except_last") -> Schedule:
-    """The action list of one stage for a training step."""
-    order = forward_order(name, stage, stages, microbatches)
-    remat = remat_plan(checkpoint, order)
+    """The action list of one stage for a training step; rematerialisation is decided here, once."""
+    _check(stage, stages, microbatches)
+    order = _order(name, stage, stages, microbatches)
+    remat = _remat(checkpoint, order)
     actions: Schedule = []
-    for op, mb in order:
-        actions += _forward(stage, stages, mb) if op == "F" else _backward(stage, stages, mb, mb in remat)
+    for kind, mb in order:
+        if kind == Kind.FWD:
+            actions += _forward(stage, stages, mb, mb in remat)
+        elif kind in GRADIENT:
+            actions += _gradient(stage, stages, kind, mb, mb in remat)
+        else:
+            actions.append(Action(kind, mb, stage))
     return actions
 
 
@@ -132,6 +168,11 @@ def build_all(name: str, stages: int, microbatches: int, checkpoint: str = "exce
     return [build(name, s, stages, microbatches, checkpoint) for s in range(stages)]
 
 
+def rematerialised(schedule: Schedule) -> set[int]:
+    """The micro-batches whose forward keeps no graph, as the list marks them."""
+    return {a.microbatch for a in schedule if a.kind == Kind.FWD and a.remat}
+
+
 def message_order(schedule: Schedule, kind: Kind) -> list[int]:
     """The micro-batches of one kind of message, in the order the stage handles them."""
     return [a.microbatch for a in schedule if a.kind == kind]
@@ -142,9 +183,20 @@ def render(schedules: Sequence[Schedule]) -> str:
     return "\n".join(f"stage {s}: " + " ".join(str(a) for a in acts) for s, acts in enumerate(schedules))
 
 
-def theoretical_bubble(stages: int, microbatches: int) -> float:
-    """GPipe's idle fraction (K-1)/(M+K-1) for equal stage costs."""
-    return (stages - 1) / (microbatches + stages - 1)
+def _unit_cost(stage: int, action: Action) -> float:
+    return {Kind.FWD: 1.0, Kind.RECOMPUTE: 1.0, Kind.BWD: 2.0, Kind.BWD_INPUT: 1.0, Kind.BWD_WEIGHT: 1.0}.get(
+        action.kind, 0.0)
+
+
+@functools.lru_cache(maxsize=256)
+def theoretical_bubble(stages: int, microbatches: int, name: str = "gpipe") -> float:
+    """A schedule's idle fraction for equal stage costs (backward = 2 forwards), free messages, no remat.
+
+    GPipe and 1F1B: (K-1)/(M+K-1). Other schedules: their own action lists run on ideal devices.
+    """
+    if name in ("gpipe", "1f1b"):
+        return (stages - 1) / (microbatches + stages - 1)
+    return bubble(simulate(build_all(name, stages, microbatches, "never"), _unit_cost))
 
 
 @dataclass(frozen=True)

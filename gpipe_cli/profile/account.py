@@ -122,25 +122,27 @@ def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[i
         stage = Stage(module, device, spec.loss if last else None, meter)
         counter = _Counter(meter, module, device)
         actions = sched.build(schedule, s, stages, microbatches, checkpoint)
-        remat = sched.remat_plan(checkpoint, sched.forward_order(schedule, s, stages, microbatches))
+        remat = sched.rematerialised(actions)
         sent: dict[int, tuple[list[torch.Tensor | None], bool]] = {}
         stored = 0
         for action in actions:
             mb = action.microbatch
             # What the forwards left behind, read before a micro-batch's graph is (re)built for backward.
-            if action.kind == Kind.RECOMPUTE or (action.kind == Kind.BWD and mb not in remat):
+            if action.kind == Kind.RECOMPUTE or (action.kind in sched.GRADIENT and mb not in remat):
                 stored = max(stored, counter.current())
             if action.kind == Kind.FWD:
                 tensors, bare = feed[mb]
-                result = stage.forward(mb, tensors, bare, offsets[mb], mb in remat,
+                result = stage.forward(mb, tensors, bare, offsets[mb], action.remat,
                                        labels[mb] if last else None, weights[mb] if last else 0.0)
                 sent[mb] = result
             elif action.kind == Kind.RECOMPUTE:
                 stage.recompute(mb)
-            elif action.kind == Kind.BWD:
+            elif action.kind in sched.GRADIENT:
                 grads = None if last else [None if t is None or not t.is_floating_point() else torch.ones_like(t)
                                            for t in sent[mb][0]]
-                stage.backward(mb, grads)
+                (stage.backward if action.kind == Kind.BWD else stage.backward_input)(mb, grads)
+            elif action.kind == Kind.BWD_WEIGHT:
+                stage.backward_weight(mb)
         params = [p for p in module.parameters() if p.requires_grad]
         grads_bytes = _unique_bytes([p.grad for p in params if p.grad is not None])
         opt = OPTIMIZERS[optimizer](params)

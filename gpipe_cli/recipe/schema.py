@@ -106,7 +106,7 @@ class Pipeline(Section):
 
     partitions: Ranks = 1
     microbatches: Size = 1
-    schedule: Literal["gpipe", "1f1b"] = "gpipe"
+    schedule: Literal["gpipe", "1f1b", "zero-bubble"] = "gpipe"
     checkpoint: Literal["always", "except_last", "never"] = "except_last"
     balance: Literal["auto", "params", "time", "memory"] | list[Layers] = "auto"
     data_parallel: Ranks = 1

@@ -180,5 +180,6 @@ def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[floa
     return Plan(model=spec.name, task=spec.task, total_params=summary.total_params, partitions=pipe.partitions,
                 microbatches=pipe.microbatches, data_parallel=pipe.data_parallel, microbatch_size=mb,
                 balance=balance, balance_by=balance_by, schedule=pipe.schedule, checkpoint=pipe.checkpoint,
-                bubble_theory=schedule.theoretical_bubble(pipe.partitions, pipe.microbatches), stages=stages,
+                bubble_theory=schedule.theoretical_bubble(pipe.partitions, pipe.microbatches, pipe.schedule),
+                stages=stages,
                 capacity=room.description)

@@ -13,7 +13,9 @@ from gpipe_cli.pipeline.layers import build_layers
 from tests.multiproc import results, run_ranks
 from tests.pipeline import ranks, toy
 
-CONFIGS = list(itertools.product([1, 3, 4, 8], ["gpipe", "1f1b"], ["always", "except_last", "never"]))
+MODES = ["always", "except_last", "never"]
+CONFIGS = list(itertools.product([1, 3, 4, 8], ["gpipe", "1f1b"], MODES)) + \
+    list(itertools.product([3, 8], ["zero-bubble"], MODES))
 BALANCES = {1: {"bn": [6], "ln": [5]}, 2: {"bn": [3, 3], "ln": [2, 3]}, 4: {"bn": [1, 2, 1, 2], "ln": [1, 1, 2, 1]}}
 TOLERANCE = 1e-5
 
@@ -42,7 +44,7 @@ def check(states: dict, model: str) -> None:
 @pytest.mark.parametrize("model", ["bn", "ln"])
 @pytest.mark.parametrize("stages", [1, 2, 4])
 def test_parameters_equal_plain_training(stages, model):
-    """K in {1,2,4} x M in {1,3,4,8} x both schedules x all remat modes, uneven and final smaller batches.
+    """K in {1,2,4} x M in {1,3,4,8} x every schedule x all remat modes, uneven and final smaller batches.
 
     The BatchNorm model also checks the running statistics (deferred BatchNorm); the LayerNorm model is
     compared with whole-batch training, which shows the result does not depend on M at all.
@@ -75,7 +77,8 @@ def test_tied_parameters_across_stages_stay_equal_and_match_one_process():
     ref = toy.reference("tied", 1)
     for balance in ([2, 2], [1, 1, 1, 1]):
         states = merged_states(results(run_ranks(ranks.grid, len(balance), "tied", len(balance), balance,
-                                                 [(3, "gpipe", "except_last"), (2, "1f1b", "always")])))
+                                                 [(3, "gpipe", "except_last"), (2, "1f1b", "always"),
+                                                  (3, "zero-bubble", "except_last")])))
         for config, state in states.items():
             assert torch.equal(state["0.embed.weight"], state["3.proj.weight"]), config
             errors = toy.relative_errors(state, ref)
