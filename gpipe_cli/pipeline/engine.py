@@ -53,18 +53,18 @@ class Pipeline:
     def __init__(self, layers: Sequence[nn.Module], topology: Topology, balance: Sequence[int],
                  loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None, *,
                  units: Units | None = None, schedule: str = "gpipe", checkpoint: str = "except_last",
-                 tied: Sequence[Sequence[str]] = (), precision: str = "fp32") -> None:
+                 tied: Sequence[Sequence[str]] = (), precision: str = "fp32", virtual_stages: int = 1) -> None:
         self.topology, self.layout = topology, topology.layout
-        self.balance = list(balance)
-        if len(self.balance) != self.layout.stages:
-            raise ValueError(f"balance {self.balance} has {len(self.balance)} stages, the job has "
-                             f"{self.layout.stages}")
-        self.ranges = partition.stage_ranges(self.balance)
-        self.layer_indices = self.ranges[self.layout.stage]
+        self.balance, self.virtual = list(balance), virtual_stages
+        stages = self.layout.stages
+        if len(self.balance) != stages * virtual_stages:
+            raise ValueError(f"balance {self.balance} has {len(self.balance)} entries, the job has {stages} stages "
+                             f"x {virtual_stages} virtual stages")
+        sched.check(schedule, stages, stages, virtual_stages)  # M is checked when a step's list is built
+        self.ranges = partition.stage_ranges(self.balance)  # one per chunk
+        self.layer_indices = partition.stage_layers(self.balance, stages, self.layout.stage)
         if len(layers) != len(self.layer_indices):
             raise ValueError(f"stage {self.layout.stage} needs {len(self.layer_indices)} layers, got {len(layers)}")
-        if schedule not in sched.SCHEDULES:
-            raise ValueError(f"unknown schedule '{schedule}': allowed are {', '.join(sched.SCHEDULES)}")
         if checkpoint not in sched.REMAT_MODES:
             raise ValueError(f"unknown checkpoint mode '{checkpoint}': allowed are {', '.join(sched.REMAT_MODES)}")
         if precision not in PRECISIONS:
@@ -80,8 +80,13 @@ class Pipeline:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.batchnorms = deferred_batchnorms(self.module)
         meter = memory.ActivationMeter([*self.module.parameters(), *self.module.buffers()])
-        self.stage = Stage(self.module, self.device, loss if self.layout.is_last else None, meter,
-                           PRECISIONS[precision])
+        last_chunk = len(self.ranges) - 1
+        # One Stage per chunk, over the same layer objects as `self.module` (which names them globally).
+        self.stages = {
+            c: Stage(nn.Sequential(OrderedDict((str(i), self.module.get_submodule(str(i))) for i in self.ranges[c])),
+                     self.device, loss if c == last_chunk else None, meter, PRECISIONS[precision])
+            for c in range(self.layout.stage, len(self.ranges), stages)}
+        self.stage = self.stages[last_chunk if self.layout.is_last else self.layout.stage]  # holds the loss if any
         self.loss_scale = grads.LossScale(precision == "fp16")
         self.timeline = stats.Timeline(self.layout.stage, self.device)
         self._plans: dict[int, sched.Schedule] = {}
@@ -91,8 +96,10 @@ class Pipeline:
 
     def _open_channels(self) -> None:
         layout, transport = self.layout, self.topology.transport
-        prev = layout.rank_of(layout.stage - 1) if not layout.is_first else None
-        nxt = layout.rank_of(layout.stage + 1) if not layout.is_last else None
+        # With V > 1 the chunks form a ring: the last stage's chunks feed the first stage's next ones.
+        ring = self.virtual > 1
+        prev = layout.rank_of((layout.stage - 1) % layout.stages) if ring or not layout.is_first else None
+        nxt = layout.rank_of((layout.stage + 1) % layout.stages) if ring or not layout.is_last else None
         self.fwd_in = Inbound(transport, prev, FORWARD, "activations") if prev is not None else None
         self.bwd_out = Outbound(transport, prev, BACKWARD) if prev is not None else None
         self.fwd_out = Outbound(transport, nxt, FORWARD) if nxt is not None else None
@@ -112,13 +119,12 @@ class Pipeline:
     def _plan(self, chunks: int) -> sched.Schedule:
         if chunks not in self._plans:
             self._plans[chunks] = sched.build(self.schedule_name, self.layout.stage, self.layout.stages, chunks,
-                                              self.checkpoint)
+                                              self.checkpoint, self.virtual)
         return self._plans[chunks]
 
     def _executor(self, chunks: int, training: bool, **state: Any) -> Executor:
         channels = Channels(self.fwd_in, self.fwd_out, self.bwd_in, self.bwd_out)
-        return Executor(self.stage, channels, self.layout.is_first, self.layout.is_last, chunks, training,
-                        **state)
+        return Executor(self.stages, channels, len(self.ranges), chunks, training, **state)
 
     # ----------------------------------------------------------------- helpers
 
@@ -168,7 +174,8 @@ class Pipeline:
         layout, chunks = self.layout, microbatches
         actions = self._plan(chunks)
         self.module.train()
-        self.stage.step = step
+        for stage in self.stages.values():
+            stage.step = step
         self.stage.meter.reset_peak()
         memory.reset_cuda_peak(self.device)
         self.timeline.start()
@@ -206,8 +213,9 @@ class Pipeline:
             for channel in (self.fwd_out, self.bwd_out):
                 if channel is not None:
                     channel.flush()
-        if self.stage.in_flight:
-            raise RuntimeError(f"the {self.schedule_name} schedule left {self.stage.in_flight} micro-batches of "
+        in_flight = sum(stage.in_flight for stage in self.stages.values())
+        if in_flight:
+            raise RuntimeError(f"the {self.schedule_name} schedule left {in_flight} micro-batches of "
                                f"stage {layout.stage} without a backward")
 
         loss = float(torch.stack(losses).sum()) / self.loss_scale.value if losses else None
@@ -292,11 +300,12 @@ class Pipeline:
                 if return_outputs:
                     outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)
 
-            if chunks == 0 and self.fwd_out is not None:
-                self.fwd_out.send(0, 0, 0, [])
+            if chunks == 0 and not layout.is_last:  # an empty shard: tell the next stage, chunk stage + 1
+                assert self.fwd_out is not None
+                self.fwd_out.send(layout.stage + 1, 0, 0, [])
             if chunks:
                 self._executor(chunks, False, feed=feed, on_output=on_output, received=received).run(
-                    sched.forward_only(layout.stage, layout.stages, chunks))
+                    sched.forward_only(layout.stage, layout.stages, chunks, self.virtual))
             if self.fwd_out is not None:
                 self.fwd_out.flush()
             return self._eval_result(loss_sum, units_sum, sums, outputs, return_outputs)
@@ -304,15 +313,24 @@ class Pipeline:
             self.module.train(was_training)
 
     def _eval_chunks(self, inputs: Any, microbatches: int) -> tuple[int, dict[int, Message]]:
-        """How many micro-batches this evaluation runs; non-first stages learn it from the first message."""
-        if self.layout.is_first:
-            return min(microbatches, microbatch.batch_size(inputs)), {}
-        assert self.fwd_in is not None
-        self.fwd_in.expect(1)
-        header, tensors = self.fwd_in.take(0)
-        if header.chunks > 1:
-            self.fwd_in.expect(header.chunks - 1)
-        return header.chunks, {0: (tensors, header.bare, header.offset)}
+        """How many micro-batches this evaluation runs; other stages learn it from their first message.
+
+        Returns M and the messages already taken, keyed as the executor keys them.
+        """
+        layout = self.layout
+        taken: dict[int, Message] = {}
+        if layout.is_first:
+            chunks = min(microbatches, microbatch.batch_size(inputs))
+        else:
+            assert self.fwd_in is not None
+            self.fwd_in.expect(1)
+            first = layout.stage  # the key of chunk `stage`, micro-batch 0
+            header, tensors = self.fwd_in.take(first)
+            chunks, taken = header.chunks, {first: (tensors, header.bare, header.offset)}
+        if chunks and self.fwd_in is not None:
+            actions = sched.forward_only(layout.stage, layout.stages, chunks, self.virtual)
+            self.fwd_in.expect(sum(a.kind == Kind.RECV_FWD for a in actions) - len(taken))
+        return chunks, taken
 
     def _eval_result(self, loss_sum: float, units_sum: float, sums: dict[str, float], outputs: list[Any],
                      return_outputs: bool) -> EvalResult:

@@ -36,15 +36,16 @@ class Channels:
 class Executor:
     """The state of one step on one stage while its actions run.
 
-    `feed` holds the first stage's micro-batches; `targets` and `weights` the last stage's (training);
-    `on_output` receives the last stage's outputs (evaluation). `received` may hold messages taken
-    before the run (evaluation learns M from its first message).
+    `stages` are this rank's chunks of layers by global chunk index (of `chunk_count` in all); `feed` holds
+    the first chunk's micro-batches; `targets` and `weights` the last chunk's (training); `on_output`
+    receives the last chunk's outputs (evaluation). `received` may hold messages taken before the run
+    (evaluation learns M from its first message). A message is keyed by its receiving chunk and
+    micro-batch, so that the several chunks sharing a channel can never take each other's.
     """
 
-    stage: Stage
+    stages: dict[int, Stage]
     channels: Channels
-    first: bool
-    last: bool
+    chunk_count: int
     chunks: int
     training: bool
     timeline: Timeline | None = None
@@ -57,6 +58,16 @@ class Executor:
     _outgoing: dict[int, Message] = field(default_factory=dict)
     _grads_in: dict[int, Tensors] = field(default_factory=dict)
     _grads_out: dict[int, Tensors] = field(default_factory=dict)
+
+    def key(self, chunk: int, mb: int) -> int:
+        """A message's number on its channel: its receiving chunk and micro-batch (chunk alone for mb 0)."""
+        return mb * self.chunk_count + chunk
+
+    def _first(self, action: Action) -> bool:
+        return action.chunk == 0
+
+    def _last(self, action: Action) -> bool:
+        return action.chunk == self.chunk_count - 1
 
     def run(self, actions: Sequence[Action]) -> None:
         """Execute the actions in order (receives are timed as waiting, sends as communication)."""
@@ -74,66 +85,68 @@ class Executor:
                 self.timeline.end()
 
     def _recv_fwd(self, action: Action) -> None:
-        mb = action.microbatch
-        if mb in self.received:
+        key = self.key(action.chunk, action.microbatch)
+        if key in self.received:
             return
         assert self.channels.fwd_in is not None
-        header, tensors = self.channels.fwd_in.take(mb)
+        header, tensors = self.channels.fwd_in.take(key)
         if header.chunks != self.chunks:
             raise RuntimeError(f"this stage runs {self.chunks} micro-batches but the previous stage runs "
                                f"{header.chunks}")
-        self.received[mb] = (tensors, header.bare, header.offset)
+        self.received[key] = (tensors, header.bare, header.offset)
 
     def _forward(self, action: Action) -> None:
-        mb = action.microbatch
-        tensors, bare, offset = self.feed[mb] if self.first else self.received.pop(mb)
+        mb, stage, last = action.microbatch, self.stages[action.chunk], self._last(action)
+        key = self.key(action.chunk, mb)
+        tensors, bare, offset = self.feed[mb] if self._first(action) else self.received.pop(key)
         if not self.training:
-            out = self.stage.evaluate(tensors, bare, offset)
-            if self.last:
+            out = stage.evaluate(tensors, bare, offset)
+            if last:
                 assert self.on_output is not None
                 self.on_output(mb, out)
             else:
-                self._outgoing[mb] = (*as_tensors(out), offset)
+                self._outgoing[key] = (*as_tensors(out), offset)
             return
-        sent, sent_bare = self.stage.forward(mb, tensors, bare, offset, action.remat,
-                                             self.targets[mb] if self.last else None,
-                                             self.weights[mb] if self.last else 0.0)
-        if self.last:
+        sent, sent_bare = stage.forward(mb, tensors, bare, offset, action.remat,
+                                        self.targets[mb] if last else None, self.weights[mb] if last else 0.0)
+        if last:
             self.losses.append(sent[0])  # type: ignore[arg-type]
         else:
-            self._outgoing[mb] = (sent, sent_bare, offset)
+            self._outgoing[key] = (sent, sent_bare, offset)
 
     def _send_fwd(self, action: Action) -> None:
         assert self.channels.fwd_out is not None
-        tensors, bare, offset = self._outgoing.pop(action.microbatch)
-        self.channels.fwd_out.send(action.microbatch, self.chunks, offset, tensors, bare,
+        tensors, bare, offset = self._outgoing.pop(self.key(action.chunk, action.microbatch))
+        self.channels.fwd_out.send(self.key(action.chunk + 1, action.microbatch), self.chunks, offset, tensors, bare,
                                    differentiable=self.training)
 
     def _recompute(self, action: Action) -> None:
-        self.stage.recompute(action.microbatch)
+        self.stages[action.chunk].recompute(action.microbatch)
 
     def _recv_bwd(self, action: Action) -> None:
         assert self.channels.bwd_in is not None
-        self._grads_in[action.microbatch] = self.channels.bwd_in.take(action.microbatch)[1]
+        key = self.key(action.chunk, action.microbatch)
+        self._grads_in[key] = self.channels.bwd_in.take(key)[1]
 
-    def _gradient_in(self, mb: int) -> Tensors | None:
-        return None if self.last else self._grads_in.pop(mb)
+    def _gradient_in(self, action: Action) -> Tensors | None:
+        return None if self._last(action) else self._grads_in.pop(self.key(action.chunk, action.microbatch))
 
-    def _keep_gradient_out(self, mb: int, grads: Tensors) -> None:
-        if not self.first:
-            self._grads_out[mb] = grads
+    def _keep_gradient_out(self, action: Action, grads: Tensors) -> None:
+        if not self._first(action):
+            self._grads_out[self.key(action.chunk, action.microbatch)] = grads
 
     def _backward(self, action: Action) -> None:
-        mb = action.microbatch
-        self._keep_gradient_out(mb, self.stage.backward(mb, self._gradient_in(mb)))
+        stage = self.stages[action.chunk]
+        self._keep_gradient_out(action, stage.backward(action.microbatch, self._gradient_in(action)))
 
     def _backward_input(self, action: Action) -> None:
-        mb = action.microbatch
-        self._keep_gradient_out(mb, self.stage.backward_input(mb, self._gradient_in(mb)))
+        stage = self.stages[action.chunk]
+        self._keep_gradient_out(action, stage.backward_input(action.microbatch, self._gradient_in(action)))
 
     def _backward_weight(self, action: Action) -> None:
-        self.stage.backward_weight(action.microbatch)
+        self.stages[action.chunk].backward_weight(action.microbatch)
 
     def _send_bwd(self, action: Action) -> None:
         assert self.channels.bwd_out is not None
-        self.channels.bwd_out.send(action.microbatch, self.chunks, 0, self._grads_out.pop(action.microbatch))
+        grads = self._grads_out.pop(self.key(action.chunk, action.microbatch))
+        self.channels.bwd_out.send(self.key(action.chunk - 1, action.microbatch), self.chunks, 0, grads)

@@ -78,7 +78,24 @@ class Action:
 
 Schedule = list[Action]
 REMAT_MODES = ("always", "except_last", "never")
-SCHEDULES = ("gpipe", "1f1b", "zero-bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+
+
+def check(name: str, stages: int, microbatches: int, virtual: int = 1) -> None:
+    """Refuse, with one line, a schedule that cannot run K stages x V chunks with M micro-batches."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule '{name}': allowed are {', '.join(SCHEDULES)}")
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1 (got {microbatches})")
+    if virtual < 1:
+        raise ValueError(f"virtual_stages must be >= 1 (got {virtual})")
+    if virtual > 1 and name != "interleaved":
+        raise ValueError(f"virtual_stages {virtual} needs schedule 'interleaved' (got '{name}')")
+    if virtual > 1 and stages < 2:
+        raise ValueError(f"virtual_stages {virtual} needs at least 2 partitions (got {stages})")
+    if virtual > 1 and microbatches % stages:
+        raise ValueError(f"the interleaved schedule needs microbatches to be a multiple of partitions "
+                         f"(got M={microbatches}, K={stages})")
 
 
 def _check(stage: int, stages: int, microbatches: int) -> None:
@@ -88,89 +105,129 @@ def _check(stage: int, stages: int, microbatches: int) -> None:
         raise ValueError(f"microbatches must be >= 1 (got {microbatches})")
 
 
-def _order(name: str, stage: int, stages: int, microbatches: int) -> list[tuple[Kind, int]]:
+Step = tuple[Kind, int, int]  # kind, micro-batch, chunk
+
+
+def _interleaved(stage: int, stages: int, microbatches: int, virtual: int) -> list[Step]:
+    """Interleaved 1F1B (Narayanan et al., 2021): K micro-batches per chunk in turn, forwards ahead.
+
+    The k-th forward of a rank runs chunk (k // K) mod V on micro-batch (k // KV) K + k mod K; the
+    k-th backward the same in reverse chunk order. A deeper warmup than 1F1B's keeps every chunk fed.
+    """
+    total = microbatches * virtual
+
+    def at(k: int, backward: bool) -> tuple[int, int]:
+        group, within = divmod(k, stages * virtual)
+        v = within // stages
+        return group * stages + within % stages, (virtual - 1 - v if backward else v) * stages + stage
+
+    warmup = min((stages - stage - 1) * 2 + (virtual - 1) * stages, total)
+    order: list[Step] = [(Kind.FWD, *at(k, False)) for k in range(warmup)]
+    for j in range(total - warmup):
+        order += [(Kind.FWD, *at(warmup + j, False)), (Kind.BWD, *at(j, True))]
+    return order + [(Kind.BWD, *at(j, True)) for j in range(total - warmup, total)]
+
+
+def _order(name: str, stage: int, stages: int, microbatches: int, virtual: int = 1) -> list[Step]:
     """The compute order of one stage (forwards and backwards), before remat and messages."""
+    if name == "interleaved" and virtual > 1:
+        return _interleaved(stage, stages, microbatches, virtual)
     if name == "gpipe":
-        return [(Kind.FWD, i) for i in range(microbatches)] + \
-            [(Kind.BWD, i) for i in reversed(range(microbatches))]
-    if name not in ("1f1b", "zero-bubble"):
-        raise ValueError(f"unknown schedule '{name}': allowed are {', '.join(SCHEDULES)}")
+        return [(Kind.FWD, i, stage) for i in range(microbatches)] + \
+            [(Kind.BWD, i, stage) for i in reversed(range(microbatches))]
     warmup = min(stages - stage - 1, microbatches)
     split = name == "zero-bubble" and stage > 0  # the first stage has no input gradient to hurry
-    steady = [(Kind.BWD_INPUT, 0), (Kind.BWD_WEIGHT, 0)] if split else [(Kind.BWD, 0)]
-    order = [(Kind.FWD, i) for i in range(warmup)]
+    steady = [Kind.BWD_INPUT, Kind.BWD_WEIGHT] if split else [Kind.BWD]
+    order: list[Step] = [(Kind.FWD, i, stage) for i in range(warmup)]
     for j in range(microbatches - warmup):
-        order += [(Kind.FWD, warmup + j)] + [(kind, j) for kind, _ in steady]
+        order += [(Kind.FWD, warmup + j, stage)] + [(kind, j, stage) for kind in steady]
     drain = range(microbatches - warmup, microbatches)
     if split:
-        order += [(Kind.BWD_INPUT, j) for j in drain] + [(Kind.BWD_WEIGHT, j) for j in drain]
+        order += [(Kind.BWD_INPUT, j, stage) for j in drain] + [(Kind.BWD_WEIGHT, j, stage) for j in drain]
     else:
-        order += [(Kind.BWD, j) for j in drain]
+        order += [(Kind.BWD, j, stage) for j in drain]
     return order
 
 
-def _remat(mode: str, order: Sequence[tuple[Kind, int]]) -> set[int]:
-    """The micro-batches a stage rematerialises under a mode.
+def _remat(mode: str, order: Sequence[Step]) -> set[tuple[int, int]]:
+    """The (micro-batch, chunk) pairs a stage rematerialises under a mode.
 
     `except_last` skips the micro-batches whose backward directly follows their forward: keeping their
     activations costs nothing extra (GPipe: the last micro-batch; 1F1B: every one on the last stage).
     """
-    mbs = {mb for kind, mb in order if kind == Kind.FWD}
+    mbs = {(mb, chunk) for kind, mb, chunk in order if kind == Kind.FWD}
     if mode == "always":
         return mbs
     if mode == "never":
         return set()
     if mode == "except_last":
-        immediate = {order[i][1] for i in range(len(order) - 1)
-                     if order[i][0] == Kind.FWD and order[i + 1][0] in GRADIENT and order[i + 1][1] == order[i][1]}
+        immediate = {order[i][1:] for i in range(len(order) - 1)
+                     if order[i][0] == Kind.FWD and order[i + 1][0] in GRADIENT and order[i + 1][1:] == order[i][1:]}
         return mbs - immediate
     raise ValueError(f"unknown checkpoint mode '{mode}': allowed are {', '.join(REMAT_MODES)}")
 
 
-def _forward(stage: int, stages: int, mb: int, remat: bool = False) -> list[Action]:
-    first, last = stage == 0, stage == stages - 1
-    return ([] if first else [Action(Kind.RECV_FWD, mb, stage)]) + [Action(Kind.FWD, mb, stage, remat)] + \
-        ([] if last else [Action(Kind.SEND_FWD, mb, stage)])
+def _forward(chunk: int, chunks: int, mb: int, remat: bool = False) -> list[Action]:
+    first, last = chunk == 0, chunk == chunks - 1
+    return ([] if first else [Action(Kind.RECV_FWD, mb, chunk)]) + [Action(Kind.FWD, mb, chunk, remat)] + \
+        ([] if last else [Action(Kind.SEND_FWD, mb, chunk)])
 
 
-def _gradient(stage: int, stages: int, kind: Kind, mb: int, remat: bool) -> list[Action]:
-    first, last = stage == 0, stage == stages - 1
+def _gradient(chunk: int, chunks: int, kind: Kind, mb: int, remat: bool) -> list[Action]:
+    first, last = chunk == 0, chunk == chunks - 1
     # Recompute before waiting for the gradient, so the rematerialisation hides the wait.
-    return ([Action(Kind.RECOMPUTE, mb, stage)] if remat else []) + \
-        ([] if last else [Action(Kind.RECV_BWD, mb, stage)]) + [Action(kind, mb, stage)] + \
-        ([] if first else [Action(Kind.SEND_BWD, mb, stage)])
+    return ([Action(Kind.RECOMPUTE, mb, chunk)] if remat else []) + \
+        ([] if last else [Action(Kind.RECV_BWD, mb, chunk)]) + [Action(kind, mb, chunk)] + \
+        ([] if first else [Action(Kind.SEND_BWD, mb, chunk)])
 
 
-def build(name: str, stage: int, stages: int, microbatches: int, checkpoint: str = "except_last") -> Schedule:
-    """The action list of one stage for a training step; rematerialisation is decided here, once."""
+def build(name: str, stage: int, stages: int, microbatches: int, checkpoint: str = "except_last",
+          virtual: int = 1) -> Schedule:
+    """The action list of one stage (of V chunks) for a training step; rematerialisation is decided here, once."""
     _check(stage, stages, microbatches)
-    order = _order(name, stage, stages, microbatches)
+    check(name, stages, microbatches, virtual)
+    order = _order(name, stage, stages, microbatches, virtual)
     remat = _remat(checkpoint, order)
+    chunks = stages * virtual
     actions: Schedule = []
-    for kind, mb in order:
+    for kind, mb, chunk in order:
         if kind == Kind.FWD:
-            actions += _forward(stage, stages, mb, mb in remat)
+            actions += _forward(chunk, chunks, mb, (mb, chunk) in remat)
         elif kind in GRADIENT:
-            actions += _gradient(stage, stages, kind, mb, mb in remat)
+            actions += _gradient(chunk, chunks, kind, mb, (mb, chunk) in remat)
         else:
-            actions.append(Action(kind, mb, stage))
+            actions.append(Action(kind, mb, chunk))
     return actions
 
 
-def forward_only(stage: int, stages: int, microbatches: int) -> Schedule:
-    """The action list of one stage for an evaluation (no-grad) pass."""
+def forward_only(stage: int, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """The action list of one stage for an evaluation (no-grad) pass: each chunk in turn, any M."""
     _check(stage, stages, microbatches)
-    return [a for mb in range(microbatches) for a in _forward(stage, stages, mb)]
+    chunks = stages * virtual
+    return [a for v in range(virtual) for mb in range(microbatches)
+            for a in _forward(v * stages + stage, chunks, mb)]
 
 
-def build_all(name: str, stages: int, microbatches: int, checkpoint: str = "except_last") -> list[Schedule]:
+def build_all(name: str, stages: int, microbatches: int, checkpoint: str = "except_last",
+              virtual: int = 1) -> list[Schedule]:
     """The action lists of every stage."""
-    return [build(name, s, stages, microbatches, checkpoint) for s in range(stages)]
+    return [build(name, s, stages, microbatches, checkpoint, virtual) for s in range(stages)]
 
 
-def rematerialised(schedule: Schedule) -> set[int]:
-    """The micro-batches whose forward keeps no graph, as the list marks them."""
-    return {a.microbatch for a in schedule if a.kind == Kind.FWD and a.remat}
+def rematerialised(schedule: Schedule) -> set[tuple[int, int]]:
+    """The (micro-batch, chunk) pairs whose forward keeps no graph, as the list marks them."""
+    return {(a.microbatch, a.chunk) for a in schedule if a.kind == Kind.FWD and a.remat}
+
+
+def owner(chunk: int, stages: int) -> int:
+    """The stage (rank in a replica) that runs `chunk`: chunks go round-robin over the K stages."""
+    return chunk % stages
+
+
+def peer(action: Action, stages: int) -> tuple[int, int]:
+    """The stage and chunk at the other end of a message action."""
+    chunk = action.chunk + (1 if action.kind in (Kind.SEND_FWD, Kind.RECV_BWD) else -1)
+    return owner(chunk, stages), chunk
 
 
 def message_order(schedule: Schedule, kind: Kind) -> list[int]:
@@ -179,24 +236,28 @@ def message_order(schedule: Schedule, kind: Kind) -> list[int]:
 
 
 def render(schedules: Sequence[Schedule]) -> str:
-    """The action lists as text, one line per stage."""
-    return "\n".join(f"stage {s}: " + " ".join(str(a) for a in acts) for s, acts in enumerate(schedules))
+    """The action lists as text, one line per stage (with each action's chunk when a stage runs several)."""
+    lines = []
+    for s, acts in enumerate(schedules):
+        several = len({a.chunk for a in acts}) > 1
+        lines.append(f"stage {s}: " + " ".join(f"{a}/c{a.chunk}" if several else str(a) for a in acts))
+    return "\n".join(lines)
 
 
-def _unit_cost(stage: int, action: Action) -> float:
-    return {Kind.FWD: 1.0, Kind.RECOMPUTE: 1.0, Kind.BWD: 2.0, Kind.BWD_INPUT: 1.0, Kind.BWD_WEIGHT: 1.0}.get(
-        action.kind, 0.0)
+_UNIT = {Kind.FWD: 1.0, Kind.RECOMPUTE: 1.0, Kind.BWD: 2.0, Kind.BWD_INPUT: 1.0, Kind.BWD_WEIGHT: 1.0}
 
 
 @functools.lru_cache(maxsize=256)
-def theoretical_bubble(stages: int, microbatches: int, name: str = "gpipe") -> float:
+def theoretical_bubble(stages: int, microbatches: int, name: str = "gpipe", virtual: int = 1) -> float:
     """A schedule's idle fraction for equal stage costs (backward = 2 forwards), free messages, no remat.
 
-    GPipe and 1F1B: (K-1)/(M+K-1). Other schedules: their own action lists run on ideal devices.
+    GPipe and 1F1B: (K-1)/(M+K-1). Other schedules: their own action lists run on ideal devices, each of
+    the V chunks of a stage costing 1/V of it.
     """
-    if name in ("gpipe", "1f1b"):
+    if name in ("gpipe", "1f1b") or (name == "interleaved" and virtual == 1):
         return (stages - 1) / (microbatches + stages - 1)
-    return bubble(simulate(build_all(name, stages, microbatches, "never"), _unit_cost))
+    plans = build_all(name, stages, microbatches, "never", virtual)
+    return bubble(simulate(plans, lambda stage, action: _UNIT.get(action.kind, 0.0) / virtual))
 
 
 @dataclass(frozen=True)
@@ -220,7 +281,7 @@ def simulate(schedules: Sequence[Schedule], cost: Cost, latency: Cost | None = N
     """
     latency = latency or (lambda stage, action: 0.0)
     stages = len(schedules)
-    arrival: dict[tuple[int, Kind, int], float] = {}
+    arrival: dict[tuple[int, Kind, int, int], float] = {}
     spans: list[list[Span]] = [[] for _ in range(stages)]
     cursor, clock = [0] * stages, [0.0] * stages
     remaining = sum(len(s) for s in schedules)
@@ -231,14 +292,15 @@ def simulate(schedules: Sequence[Schedule], cost: Cost, latency: Cost | None = N
                 action = schedules[s][cursor[s]]
                 start = clock[s]
                 if action.kind in (Kind.RECV_FWD, Kind.RECV_BWD):
-                    key = (s, action.kind, action.microbatch)
+                    key = (s, action.kind, action.chunk, action.microbatch)
                     if key not in arrival:
                         break
                     end = max(start, arrival[key])
                 elif action.kind in (Kind.SEND_FWD, Kind.SEND_BWD):
                     end = start
-                    peer, recv = (s + 1, Kind.RECV_FWD) if action.kind == Kind.SEND_FWD else (s - 1, Kind.RECV_BWD)
-                    arrival[(peer, recv, action.microbatch)] = end + latency(s, action)
+                    other, chunk = peer(action, stages)
+                    recv = Kind.RECV_FWD if action.kind == Kind.SEND_FWD else Kind.RECV_BWD
+                    arrival[(other, recv, chunk, action.microbatch)] = end + latency(s, action)
                 else:
                     end = start + cost(s, action)
                 spans[s].append(Span(s, action, start, end))
