@@ -149,6 +149,8 @@ def resolve_balance(recipe: Recipe, summary: ModelSummary,
         return partition.balance_by_cost(flops if any(flops) else [c.params for c in summary.layers], k), note
     except partition.PartitionError as exc:
         key = "pipeline.balance" if isinstance(balance, list) else "pipeline.partitions"
+        if recipe.pipeline.virtual_stages > 1 and not isinstance(balance, list):
+            key = f"pipeline.partitions x pipeline.virtual_stages ({k} chunks)"
         raise UserError(f"{key}: {exc}") from None
 
 
