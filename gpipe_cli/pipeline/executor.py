@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from gpipe_cli.pipeline.comm import Inbound, Outbound
+from gpipe_cli.pipeline.comm import Header
 from gpipe_cli.pipeline.schedule import Action, Kind
 from gpipe_cli.pipeline.stage import Stage, as_tensors
 from gpipe_cli.pipeline.stats import Timeline
@@ -22,14 +22,31 @@ Tensors = list[torch.Tensor | None]
 Message = tuple[Tensors, bool, int]  # tensors, whether the value was a bare tensor, example offset
 
 
+class Source(Protocol):
+    """Where messages come from (comm.Inbound; in-process stand-ins for measuring one stage alone)."""
+
+    def take(self, microbatch: int) -> tuple[Header, list[torch.Tensor | None]]:
+        """The next message, which must carry number `microbatch`."""
+        ...
+
+
+class Sink(Protocol):
+    """Where messages go (comm.Outbound, or an in-process stand-in)."""
+
+    def send(self, microbatch: int, chunks: int, offset: int, tensors: Sequence[torch.Tensor | None],
+             bare: bool = False, differentiable: bool = False) -> None:
+        """Post one message."""
+        ...
+
+
 @dataclass
 class Channels:
     """This stage's point-to-point channels (None at the ends of the pipeline)."""
 
-    fwd_in: Inbound | None
-    fwd_out: Outbound | None
-    bwd_in: Inbound | None
-    bwd_out: Outbound | None
+    fwd_in: Source | None
+    fwd_out: Sink | None
+    bwd_in: Source | None
+    bwd_out: Sink | None
 
 
 @dataclass
@@ -54,6 +71,7 @@ class Executor:
     weights: Sequence[float] = ()
     on_output: Callable[[int, Any], None] | None = None
     received: dict[int, Message] = field(default_factory=dict)
+    before: Callable[[Action], None] | None = None  # called before each action (memory accounting reads here)
     losses: list[torch.Tensor] = field(default_factory=list)
     _outgoing: dict[int, Message] = field(default_factory=dict)
     _grads_in: dict[int, Tensors] = field(default_factory=dict)
@@ -78,6 +96,8 @@ class Executor:
             Kind.SEND_BWD: self._send_bwd,
         }
         for action in actions:
+            if self.before is not None:
+                self.before(action)
             if self.timeline is not None:
                 self.timeline.begin(action)
             handlers[action.kind](action)

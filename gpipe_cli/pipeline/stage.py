@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_cli.pipeline import context
+from gpipe_cli.pipeline import context, split
 from gpipe_cli.pipeline.memory import ActivationMeter, held
 
 Loss = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -44,7 +44,7 @@ class _State:
     outputs: list[Any] | None = None   # handles of the outputs with their graph
     target: torch.Tensor | None = None
     weight: float = 0.0
-    roots: list[tuple[torch.Tensor, Any]] | None = None  # outputs and their gradients, kept from Bi to W
+    pending: split.Pending | None = None  # what the weight gradients (W) need, kept from B
 
 
 class Stage:
@@ -131,30 +131,26 @@ class Stage:
         return [t.grad if t is not None and t.requires_grad else None for t in inputs]
 
     def backward_input(self, mb: int, grads: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
-        """The input gradients of micro-batch `mb` alone; its graph stays for `backward_weight`."""
+        """The input gradients of micro-batch `mb` alone (B); its graph stays for `backward_weight` (W)."""
         roots = self._roots(mb, grads)
         state = self._states[mb]
-        state.roots = roots
         inputs = held(state.inputs)
         wanted = [(i, t) for i, t in enumerate(inputs) if t is not None and t.requires_grad]
         out: list[torch.Tensor | None] = [None] * len(inputs)
-        if roots and wanted:
-            with self.meter.saved_tensors():
-                found = torch.autograd.grad([o for o, _ in roots], [t for _, t in wanted],
-                                            [g for _, g in roots], retain_graph=True, allow_unused=True)
-            for (i, _), g in zip(wanted, found):
-                out[i] = g
+        with self.meter.saved_tensors():
+            found, state.pending = split.backward_input([o for o, _ in roots], [g for _, g in roots],
+                                                        [t for _, t in wanted])
+        for (i, _), g in zip(wanted, found):
+            out[i] = g
         return out
 
     def backward_weight(self, mb: int) -> None:
         """Accumulate the weight gradients of micro-batch `mb` (after its `backward_input`); free its graph."""
         state = self._states.pop(mb)
-        assert state.roots is not None, f"micro-batch {mb} has no input gradient yet: run backward_input first"
-        if state.roots:
-            with self.meter.saved_tensors():
-                torch.autograd.backward([o for o, _ in state.roots], [g for _, g in state.roots],
-                                        inputs=self.params)
-        state.roots = None
+        assert state.pending is not None, f"micro-batch {mb} has no input gradient yet: run backward_input first"
+        with self.meter.saved_tensors():
+            split.backward_weight(state.pending, self.params)
+        state.pending = None
 
     def evaluate(self, inputs: Sequence[torch.Tensor | None], bare: bool, offset: int) -> Any:
         """A no-grad forward of one micro-batch (evaluation)."""
