@@ -231,7 +231,7 @@ class Pipeline:
                                 self.stage.meter.peak, memory.peak_rss_bytes(), memory.cuda_peak_bytes(self.device),
                                 wait, comm, optimizer, -1 if finite else self._first_nonfinite_layer())
         gathered = stats.gather(mine, loss or 0.0, int(examples), units_total, norm,
-                                sched.theoretical_bubble(layout.stages, chunks, self.schedule_name),
+                                sched.theoretical_bubble(layout.stages, chunks, self.schedule_name, self.virtual),
                                 self.topology.transport.control,
                                 events if trace else None)
         if gathered is not None and loss is None:

@@ -24,6 +24,13 @@ Compute order per stage, K=4, M=4:
     stage 2  F0 F1 Bi0 W0 F2 Bi1 W1 F3 Bi2 W2 Bi3 W3
     stage 3  F0 Bi0 W0 F1 Bi1 W1 F2 Bi2 W2 F3 Bi3 W3
 
+Interleaved 1F1B gives each stage V chunks of layers, chunk c on stage c mod K (the last stage's
+chunks feed the first stage's next ones): forwards go K micro-batches per chunk in turn, with a deeper
+warm-up, and the fill and drain shrink V times. Compute order, K=2, V=2, M=2 (chunk after the slash):
+
+    stage 0  F0/0 F1/0 F0/2 F1/2 B0/2 B1/2 B0/0 B1/0
+    stage 1  F0/1 F1/1 F0/3 B0/3 F1/3 B1/3 B0/1 B1/1
+
 Every schedule gives the same gradients. A schedule names receives and sends explicitly, and marks
 which forwards keep no graph (rematerialised micro-batches, recomputed just before their backward),
 so it can be printed, simulated, drawn and accounted for without processes; the runtime executes

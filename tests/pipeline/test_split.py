@@ -69,3 +69,21 @@ def test_a_weight_used_twice_falls_back_to_one_backward_towards_the_parameters()
     y = model(x)[0]
     _, pending = split.backward_input([y], [torch.ones_like(y)], [x])
     assert pending.whole and not pending.nodes
+
+
+def test_the_graph_is_released_after_the_weight_half():
+    # The input path's buffers are never freed by a backward pass: only dropping the graph frees them,
+    # so nothing may hold it once W is done.
+    from gpipe_cli.pipeline.memory import ActivationMeter
+
+    model = Block()
+    meter = ActivationMeter(list(model.parameters()))
+    for _ in range(3):
+        x = torch.randn(4, 6, requires_grad=True)
+        with meter.saved_tensors():
+            y = model(x)[0]
+        assert meter.current > 0
+        _, pending = split.backward_input([y], [torch.ones_like(y)], [x])
+        split.backward_weight(pending, list(model.parameters()))
+        del y, pending
+        assert meter.current == 0
