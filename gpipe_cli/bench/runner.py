@@ -102,6 +102,8 @@ def check_cut(options: BenchOptions, subject: Subject) -> None:
             partition.check_balance(explicit, layers, chunks)
     except partition.PartitionError as exc:
         flag = "devices" if options.simulate else "partitions"
+        if options.virtual_stages > 1:
+            flag += f"/--virtual-stages ({chunks} chunks)"
         raise UserError(f"--{flag}/--balance: {exc} (the model has {layers} pipeline layers)") from None
 
 
