@@ -127,6 +127,7 @@ def bench(
     steps: int = typer.Option(10, help=B["steps"]),
     warmup: int = typer.Option(3, help=B["warmup"]),
     schedule: str = typer.Option("gpipe", help=B["schedule"]),
+    virtual_stages: int = typer.Option(1, help=B["virtual_stages"]),
     checkpoint: str = typer.Option("except_last", help=B["checkpoint"]),
     balance: str | None = typer.Option(None, help=B["balance"]),
     layers: int | None = typer.Option(None, help=B["layers"]),
@@ -157,7 +158,8 @@ def bench(
 
     options = BenchOptions(
         model=model, partitions=partitions, microbatches=microbatches, batch_size=batch_size, steps=steps,
-        warmup=warmup, schedule=schedule, checkpoint=checkpoint, balance=balance, layers=layers, filters=filters,
+        warmup=warmup, schedule=schedule, virtual_stages=virtual_stages, checkpoint=checkpoint, balance=balance,
+        layers=layers, filters=filters,
         d_model=d_model, ff=ff, heads=heads, vocab_size=vocab_size, image_size=image_size, seq_len=seq_len,
         num_classes=num_classes, set=set_ or [], sweep=sweep, compare=compare, trace=trace, simulate=simulate,
         devices=devices, bandwidth=bandwidth, latency_us=latency_us, threads=threads,

@@ -8,8 +8,9 @@
     a stage's bytes     predicted by walking the engine's own action list for that stage: after a
                         rematerialised forward it holds the micro-batch's boundary input; after any
                         other forward or a recompute, its input, saved activations and output; a
-                        backward frees its micro-batch. Weights, gradients and optimizer state come
-                        from bytes per parameter, measured by one optimizer step.
+                        full backward, or the weight half of a split one, frees its micro-batch.
+                        Weights, gradients and optimizer state come from bytes per parameter,
+                        measured by one optimizer step.
     the device          CUDA: each GPU's memory; CPU: the available RAM, shared by this node's ranks.
 
 `gpipe validate`, `gpipe train`'s plan, `gpipe profile-memory` (its extrapolated rows and `--budget`)
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.pipeline import microbatch
+from gpipe_cli.pipeline import microbatch, partition
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.schedule import Kind
@@ -162,36 +163,44 @@ class Footprint:
 
 
 @functools.lru_cache(maxsize=4096)
-def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint: str) -> tuple[tuple[int, ...], ...]:
-    """Per backward-phase point and per peak point, how many micro-batches are held whole or as inputs.
+def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint: str,
+          virtual: int = 1) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Per backward-phase point and per peak point, how many micro-batches each chunk holds whole or as inputs.
 
-    Returns (kind, whole, inputs) triples: kind 0 marks a "stored" reading, 1 a "peak" reading.
+    Returns (kind, counts) pairs: kind 0 marks a "stored" reading, 1 a "peak" reading; counts lists
+    (whole, inputs) for each of the stage's chunks in order.
     """
-    remat = sched.remat_plan(checkpoint, sched.forward_order(schedule, stage, stages, microbatches))
-    whole: set[int] = set()
-    inputs: set[int] = set()
+    actions = sched.build(schedule, stage, stages, microbatches, checkpoint, virtual)
+    remat = sched.rematerialised(actions)
+    chunks = sorted({a.chunk for a in actions})
+    whole: set[tuple[int, int]] = set()
+    inputs: set[tuple[int, int]] = set()
     points = []
-    for action in sched.build(schedule, stage, stages, microbatches, checkpoint):
-        mb = action.microbatch
-        if action.kind == Kind.RECOMPUTE or (action.kind == Kind.BWD and mb not in remat):
-            points.append((0, len(whole), len(inputs)))
+
+    def counts() -> tuple[int, ...]:
+        return tuple(n for c in chunks for n in (sum(k[1] == c for k in whole), sum(k[1] == c for k in inputs)))
+
+    for action in actions:
+        key = (action.microbatch, action.chunk)
+        if action.kind == Kind.RECOMPUTE or (action.kind in sched.GRADIENT and key not in remat):
+            points.append((0, counts()))
         if action.kind == Kind.FWD:
-            (inputs if mb in remat else whole).add(mb)
+            (inputs if action.remat else whole).add(key)
         elif action.kind == Kind.RECOMPUTE:
-            inputs.discard(mb)
-            whole.add(mb)
-        elif action.kind == Kind.BWD:
-            whole.discard(mb)
-        points.append((1, len(whole), len(inputs)))
+            inputs.discard(key)
+            whole.add(key)
+        elif action.kind in sched.RELEASE:  # a split backward keeps the graph until its W
+            whole.discard(key)
+        points.append((1, counts()))
     return tuple(sorted(set(points)))
 
 
-def _footprint(boundary: float, saved: float, output: float, params: int, stage: int, stages: int,
-               microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float) -> Footprint:
-    whole = boundary + saved + output
+def _footprint(boundary: Sequence[float], whole: Sequence[float], params: int, stage: int, stages: int,
+               microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float, virtual: int) -> Footprint:
+    """Bytes of a stage whose chunks hold `boundary` as inputs, or `whole` with their graph, per micro-batch."""
     stored = peak = 0.0
-    for kind, n_whole, n_inputs in _walk(schedule, stage, stages, microbatches, checkpoint):
-        held = n_whole * whole + n_inputs * boundary
+    for kind, counts in _walk(schedule, stage, stages, microbatches, checkpoint, virtual):
+        held = sum(counts[2 * c] * whole[c] + counts[2 * c + 1] * boundary[c] for c in range(len(whole)))
         if kind == 0:
             stored = max(stored, held)
         peak = max(peak, held)
@@ -216,23 +225,30 @@ def _saved(figures: ModelFigures, start: int, stop: int, size: int) -> float:
 def stage_footprint(figures: ModelFigures, start: int, stop: int, stage: int, stages: int, batch_size: int,
                     microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float) -> Footprint:
     """The predicted memory of the stage holding layers [start, stop) (`batch_size`: the mini-batch)."""
+    return chunked_footprint(figures, [range(start, stop)], stage, stages, batch_size, microbatches, schedule,
+                             checkpoint, bytes_per_param)
+
+
+def chunked_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int, stages: int, batch_size: int,
+                      microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float) -> Footprint:
+    """The predicted memory of the stage holding the layer ranges `chunks` (V of them, in chunk order)."""
     size = max(microbatch.sizes(batch_size, microbatches))
-    layers = figures.layers[start:stop]
+    boundary = [_boundary(figures, r.start, size) for r in chunks]
+    whole = [b + _saved(figures, r.start, r.stop, size) + _output(figures, r.stop, size)
+             for b, r in zip(boundary, chunks)]
+    params = sum(layer.params for r in chunks for layer in figures.layers[r.start:r.stop])
     return dataclasses.replace(
-        _footprint(_boundary(figures, start, size), _saved(figures, start, stop, size), _output(figures, stop, size),
-                   sum(layer.params for layer in layers), stage, stages, microbatches, schedule, checkpoint,
-                   bytes_per_param), layers=stop - start)
+        _footprint(boundary, whole, params, stage, stages, microbatches, schedule, checkpoint, bytes_per_param,
+                   len(chunks)), layers=sum(len(r) for r in chunks))
 
 
 def footprints(figures: ModelFigures, balance: Sequence[int], batch_size: int, microbatches: int, schedule: str,
-               checkpoint: str, bytes_per_param: float) -> list[Footprint]:
-    """Every stage's predicted memory under `balance`."""
-    out, start = [], 0
-    for s, count in enumerate(balance):
-        out.append(stage_footprint(figures, start, start + count, s, len(balance), batch_size, microbatches,
-                                   schedule, checkpoint, bytes_per_param))
-        start += count
-    return out
+               checkpoint: str, bytes_per_param: float, virtual: int = 1) -> list[Footprint]:
+    """Every stage's predicted memory under `balance` (K x V chunks, chunk c on stage c mod K)."""
+    ranges = partition.stage_ranges(balance)
+    stages = len(balance) // virtual
+    return [chunked_footprint(figures, ranges[s::stages], s, stages, batch_size, microbatches, schedule, checkpoint,
+                              bytes_per_param) for s in range(stages)]
 
 
 def greedy_fit(figures: ModelFigures, stages: int, budget: float, batch_size: int, microbatches: int,

@@ -105,12 +105,12 @@ class RunFigures:
         return RunFigures(**fields)
 
 
-def _stage_figures(history: list[StepStats], balance: list[int]) -> list[StageFigures]:
+def _stage_figures(history: list[StepStats], balance: list[int], stages: int) -> list[StageFigures]:
     out = []
-    for s in range(len(balance)):
+    for s in range(stages):
         rows = [st for stats in history for st in stats.stages if st.stage == s and st.replica == 0]
         out.append(StageFigures(
-            stage=s, layers=balance[s], busy_s=median([r.busy for r in rows]),
+            stage=s, layers=sum(balance[s::stages]), busy_s=median([r.busy for r in rows]),  # all its chunks
             step_s=median([r.step_time for r in rows]), bubble=median([r.bubble for r in rows]),
             activation_peak_bytes=max(r.activation_peak for r in rows), rss_peak_bytes=max(r.rss_peak for r in rows),
             cuda_peak_bytes=max(r.cuda_peak for r in rows)))
@@ -120,10 +120,11 @@ def _stage_figures(history: list[StepStats], balance: list[int]) -> list[StageFi
 def build_pipeline(spec: ModelSpec, topo: Topology, balance: list[int], schedule: str, checkpoint: str,
                    seed: int) -> Pipeline:
     """This rank's stage of `spec` cut by `balance`."""
-    indices = partition.stage_ranges(balance)[topo.layout.stage]
+    stages = topo.layout.stages
+    indices = partition.stage_layers(balance, stages, topo.layout.stage)
     layers = build_layers(spec.factories(), indices, seed, topo.device)
     return Pipeline(layers, topo, balance, spec.loss, units=spec.units, schedule=schedule, checkpoint=checkpoint,
-                    tied=spec.tied)
+                    tied=spec.tied, virtual_stages=len(balance) // stages)
 
 
 def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_size: int, microbatches: int,
@@ -163,5 +164,5 @@ def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_siz
         return None
     figures.bubbles = [stats.bubble for stats in history]
     figures.units_per_step = median([stats.units for stats in history])
-    figures.stages = _stage_figures(history, list(pipe.balance))
+    figures.stages = _stage_figures(history, list(pipe.balance), layout.stages)
     return figures

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES
+from gpipe_cli.pipeline.schedule import check as check_schedule
 
 SIZE_FLAGS = ("layers", "filters", "d_model", "ff", "heads", "vocab_size", "image_size", "seq_len", "num_classes")
 
@@ -41,6 +42,7 @@ class BenchOptions(SizeFlags):
     steps: int = 10
     warmup: int = 3
     schedule: str = "gpipe"
+    virtual_stages: int = 1            # V: chunks per stage (interleaved)
     checkpoint: str = "except_last"
     balance: str | None = None         # "3,5": layers per stage; None: by measured per-layer time
     set: list[str] = field(default_factory=list)
@@ -65,6 +67,10 @@ class BenchOptions(SizeFlags):
         """The M values this invocation measures."""
         return list(SWEEP_MICROBATCHES) if self.sweep else [self.microbatches]
 
+    def chunk_count(self, stages: int) -> int:
+        """The entries of a balance for K=`stages`: K x V chunks."""
+        return stages * self.virtual_stages
+
     @property
     def simulated_devices(self) -> int:
         """The K a prediction is made for."""
@@ -84,7 +90,8 @@ FLAGS: dict[str, str] = {
     "batch_size": "Examples per mini-batch [default: 4 x M].",
     "steps": "Measured steps; every figure is the median over them.",
     "warmup": "Steps run first and not measured.",
-    "schedule": "Pipeline schedule to measure: gpipe or 1f1b.",
+    "schedule": "Pipeline schedule to measure: gpipe, 1f1b, interleaved or zero-bubble.",
+    "virtual_stages": "V: chunks of layers per stage for --schedule interleaved (K x V chunks, round-robin).",
     "checkpoint": "Rematerialization: always, except_last or never (K=1 uses the same).",
     "balance": "Layers per stage, e.g. 5,5 [default: balanced by measured per-layer time].",
     "layers": "Model size override: layers (AmoebaNet L, Transformer layers).",
@@ -132,10 +139,17 @@ def validate(options: BenchOptions) -> None:
         (options.devices is None or options.simulate, "--devices needs --simulate"),
         (not (options.sweep and options.simulate), "--sweep and --simulate cannot be combined"),
         (not (options.sweep and options.compare), "--sweep and --compare cannot be combined"),
+        (options.virtual_stages == 1 or not (options.sweep or options.compare),
+         "--virtual-stages > 1 cannot be combined with --sweep or --compare"),
     ]
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+    try:
+        for m in options.microbatch_values():
+            check_schedule(options.schedule, options.partitions, m, options.virtual_stages)
+    except ValueError as exc:
+        raise UserError(f"--schedule/--virtual-stages: {exc}") from None
     batch = options.batch
     if batch < max(options.microbatch_values()):
         raise UserError(f"--batch-size {batch} is smaller than M={max(options.microbatch_values())}: every "
@@ -147,7 +161,7 @@ def validate(options: BenchOptions) -> None:
 
 
 def parse_balance(text: str | None, partitions: int) -> list[int] | None:
-    """`--balance 3,5` as a list (validated against the model later)."""
+    """`--balance 3,5` as a list (validated against the model later); `partitions` counts chunks (K x V)."""
     if text is None or not text.strip():
         return None
     try:
@@ -155,5 +169,6 @@ def parse_balance(text: str | None, partitions: int) -> list[int] | None:
     except ValueError:
         raise UserError(f"--balance expects layer counts separated by commas, e.g. 5,5 (got '{text}')") from None
     if len(balance) != partitions:
-        raise UserError(f"--balance {text} has {len(balance)} stages but --partitions is {partitions}")
+        raise UserError(f"--balance {text} has {len(balance)} entries but the pipeline has {partitions} "
+                        f"(--partitions x --virtual-stages)")
     return balance

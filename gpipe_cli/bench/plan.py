@@ -33,7 +33,7 @@ def base_job(options: BenchOptions, subject: Subject, stages: int, balance: list
 
 
 def choose_balance(options: BenchOptions, costs: CostProfile, partitions: int) -> tuple[list[int], str]:
-    """The explicit balance, or the min-max split of the measured per-layer time."""
+    """The explicit balance, or the min-max split of the measured per-layer time (`partitions`: K x V chunks)."""
     layers = len(costs.layers)
     try:
         partition.check_partitions(layers, partitions)

@@ -126,11 +126,12 @@ def _stage_memory(subject: Subject, options: BenchOptions, k: int) -> list[float
     spec = subject.build()
     mb = sizing.ceil_div(options.batch, options.microbatches)
     flops = [float(c.flops) for c in describe(spec, mb).layers]
-    balance = partition.balance_by_cost(flops if any(flops) else [1.0] * len(flops), k)
+    virtual = options.virtual_stages if k > 1 else 1  # the K=1 run holds one chunk
+    balance = partition.balance_by_cost(flops if any(flops) else [1.0] * len(flops), k * virtual)
     figures = mm.measure(spec, options.seed, device="meta")
     # Bench steps without an optimizer: weights and gradients, 8 bytes per parameter.
     prints = mm.footprints(figures, balance, options.batch, options.microbatches, options.schedule,
-                           options.checkpoint, 8.0)
+                           options.checkpoint, 8.0, virtual)
     return [fp.total_bytes for fp in prints]
 
 

@@ -80,8 +80,10 @@ def show(s: dict[str, Any], console: Console) -> None:
     kind = "PREDICTION (simulated, not measured)" if s["simulated"] else "measured"
     console.print(f"normalised throughput T(K)/T(1) = [bold]{s['normalized']:.2f}[/] ({kind}); "
                   f"ideal K·M/(M+K-1) = {s['ideal']:.2f}; efficiency = [bold]{s['efficiency']:.3f}[/]")
+    schedule = s.get("schedule", "gpipe")
+    theory = "(K-1)/(M+K-1)" if schedule in ("gpipe", "1f1b") else f"of {schedule}"
     console.print(f"bubble: {'predicted' if s['simulated'] else 'measured'} [bold]{s['bubble']:.3f}[/], "
-                  f"theory (K-1)/(M+K-1) = {s['bubble_theory']:.3f}")
+                  f"theory {theory} = {s['bubble_theory']:.3f}")
     if s["stages"]:
         console.print(_stages(s))
     p = s["prediction"]

@@ -51,7 +51,8 @@ def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFi
     normalized = ours / k1.samples_per_s if k1.samples_per_s else 0.0
     return {
         "model": model_json(subject), "partitions": k, "microbatches": m, "batch_size": options.batch,
-        "schedule": options.schedule, "checkpoint": options.checkpoint, "balance": balance, "balance_by": balance_by,
+        "schedule": options.schedule, "virtual_stages": options.virtual_stages, "checkpoint": options.checkpoint,
+        "balance": balance, "balance_by": balance_by,
         "measured": measured, "simulated": not measured,
         "samples_per_s": ours, "samples_per_s_k1": k1.samples_per_s,
         # Predicted tokens: the measured tokens per example at the predicted example rate.
@@ -61,7 +62,8 @@ def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFi
         "step_time_k1_s": median(k1.step_times),
         "step_times": kk.step_times if kk else [], "step_times_k1": k1.step_times,
         "normalized": normalized, "ideal": ideal, "efficiency": normalized / ideal if ideal else 0.0,
-        "bubble": kk.bubble if kk else prediction.bubble, "bubble_theory": theoretical_bubble(k, m),
+        "bubble": kk.bubble if kk else prediction.bubble,
+        "bubble_theory": theoretical_bubble(k, m, options.schedule, options.virtual_stages),
         "oversubscribed": over and measured, "hardware": hardware, "ranks": k, "threads": options.threads,
         "cpu_per_busy": {"k1": k1.cpu_per_busy, "k": kk.cpu_per_busy if kk else []},
         "load": {"k1": k1.load, "k": kk.load if kk else {}},
@@ -92,13 +94,16 @@ def check_cut(options: BenchOptions, subject: Subject) -> None:
     """Refuse K (and --balance) that the model's layers cannot take, before anything is measured."""
     layers = len(subject.build().layers)
     k = options.simulated_devices if options.simulate else options.partitions
+    chunks = options.chunk_count(k)
     try:
-        partition.check_partitions(layers, k)
-        explicit = parse_balance(options.balance, k)
+        partition.check_partitions(layers, chunks)
+        explicit = parse_balance(options.balance, chunks)
         if explicit is not None:
-            partition.check_balance(explicit, layers, k)
+            partition.check_balance(explicit, layers, chunks)
     except partition.PartitionError as exc:
         flag = "devices" if options.simulate else "partitions"
+        if options.virtual_stages > 1:
+            flag += f"/--virtual-stages ({chunks} chunks)"
         raise UserError(f"--{flag}/--balance: {exc} (the model has {layers} pipeline layers)") from None
 
 
@@ -111,10 +116,10 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, console: Cons
     k1_raw = jobs.run(k1_job, folder, "k1", options.threads)
     costs = CostProfile.from_json(k1_raw["costs"])
     k1 = RunFigures.from_json(k1_raw["runs"][0])
-    balance, balance_by = choose_balance(options, costs, k)
+    balance, balance_by = choose_balance(options, costs, options.chunk_count(k))
     link = simulate.Link.of(options.bandwidth, options.latency_us)
     prediction = simulate.predict(costs, k, options.batch, options.microbatches, options.schedule,
-                                  options.checkpoint, link, median(k1.step_times), balance)
+                                  options.checkpoint, link, median(k1.step_times), balance, options.virtual_stages)
     kk: RunFigures | None = None
     raw: dict[str, Any] = {}
     if not options.simulate:

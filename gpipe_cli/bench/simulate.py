@@ -2,9 +2,10 @@
 
 The prediction runs the engine's own action lists (`schedule.build_all`) through `schedule.simulate`:
 each forward, recompute and backward costs what its stage's layers measured for a micro-batch of that
-size, and each message arrives `latency + bytes / bandwidth` after its send. Per-layer timings taken
-in isolation miss the engine's per-step overhead, so they are first calibrated: scaled so that the
-simulated single-device step equals the single-device step actually measured.
+size (a split backward's input and weight halves share the measured backward), and each message
+arrives `latency + bytes / bandwidth` after its send. Per-layer timings taken in isolation miss the
+engine's per-step overhead, so they are first calibrated: scaled so that the simulated single-device
+step equals the single-device step actually measured.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from gpipe_cli.bench.costs import CostProfile
 from gpipe_cli.pipeline import microbatch, partition
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.schedule import Action, Kind, Span
+
+# The share of a layer's backward that is the input gradient: for a matrix product, one of its two
+# products of equal size (the other is the weight gradient). Only the whole backward is measured.
+INPUT_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -56,34 +61,37 @@ class Prediction:
                 "bubble": self.bubble, "calibration": self.calibration}
 
 
-def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microbatches: int, schedule: str,
-                checkpoint: str, link: Link, scale: float) -> tuple[Any, Any]:
-    ranges = partition.stage_ranges(balance)
-    stages = len(balance)
+def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microbatches: int,
+                link: Link, scale: float) -> tuple[Any, Any]:
+    ranges = partition.stage_ranges(balance)  # one per chunk
+    last = len(balance) - 1
     sizes = microbatch.sizes(batch_size, microbatches)
-    remats = [sched.remat_plan(checkpoint, sched.forward_order(schedule, s, stages, microbatches))
-              for s in range(stages)]
 
     def per_example(mb: int) -> float:
         return sizes[mb] / costs.microbatch_size
 
     def cost(stage: int, action: Action) -> float:
-        layers = [costs.layers[i] for i in ranges[stage]]
+        layers = [costs.layers[i] for i in ranges[action.chunk]]
         mb, kind = action.microbatch, action.kind
         if kind == Kind.FWD:
-            seconds = sum(t.forward_nograd if mb in remats[stage] else t.forward for t in layers)
-            seconds += costs.loss if stage == stages - 1 else 0.0
+            seconds = sum(t.forward_nograd if action.remat else t.forward for t in layers)
+            seconds += costs.loss if action.chunk == last else 0.0
         elif kind == Kind.RECOMPUTE:
             seconds = sum(t.forward for t in layers)
         elif kind == Kind.BWD:
             seconds = sum(t.backward for t in layers)
+        elif kind == Kind.BWD_INPUT:
+            seconds = sum(t.backward for t in layers) * INPUT_SHARE
+        elif kind == Kind.BWD_WEIGHT:
+            seconds = sum(t.backward for t in layers) * (1.0 - INPUT_SHARE)
         else:
             return 0.0
         return seconds * scale * per_example(mb)
 
     def latency(stage: int, action: Action) -> float:
         # A forward message carries this stage's output; a backward one the gradient of its input.
-        boundary = ranges[stage].stop - 1 if action.kind == Kind.SEND_FWD else ranges[stage].start - 1
+        chunk = ranges[action.chunk]
+        boundary = chunk.stop - 1 if action.kind == Kind.SEND_FWD else chunk.start - 1
         nbytes = costs.layers[boundary].output_bytes if boundary >= 0 else costs.input_bytes
         return link.latency + nbytes * per_example(action.microbatch) / link.bandwidth
 
@@ -91,11 +99,11 @@ def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microba
 
 
 def simulate_step(costs: CostProfile, balance: list[int], batch_size: int, microbatches: int, schedule: str,
-                  checkpoint: str, link: Link, scale: float = 1.0) -> Prediction:
-    """The simulated step of `balance` (K = its length) with M micro-batches."""
-    stages = len(balance)
-    cost, latency = _cost_model(costs, balance, batch_size, microbatches, schedule, checkpoint, link, scale)
-    spans = sched.simulate(sched.build_all(schedule, stages, microbatches, checkpoint), cost, latency)
+                  checkpoint: str, link: Link, scale: float = 1.0, virtual: int = 1) -> Prediction:
+    """The simulated step of `balance` (K x V chunks, K = its length / V) with M micro-batches."""
+    stages = len(balance) // virtual
+    cost, latency = _cost_model(costs, balance, batch_size, microbatches, link, scale)
+    spans = sched.simulate(sched.build_all(schedule, stages, microbatches, checkpoint, virtual), cost, latency)
     step = max(span.end for stage in spans for span in stage)
     return Prediction(stages, microbatches, batch_size, list(balance), step, sched.bubble(spans), scale, spans)
 
@@ -109,10 +117,11 @@ def calibration(costs: CostProfile, batch_size: int, microbatches: int, schedule
 
 
 def predict(costs: CostProfile, devices: int, batch_size: int, microbatches: int, schedule: str, checkpoint: str,
-            link: Link, measured_k1_step: float | None = None, balance: list[int] | None = None) -> Prediction:
-    """Predict K=`devices` (balanced by the measured costs unless `balance` is given)."""
-    partition.check_partitions(len(costs.layers), devices)
-    balance = balance or costs.balance(devices, checkpoint)
+            link: Link, measured_k1_step: float | None = None, balance: list[int] | None = None,
+            virtual: int = 1) -> Prediction:
+    """Predict K=`devices` with V=`virtual` chunks each (balanced by the measured costs unless `balance` is given)."""
+    partition.check_partitions(len(costs.layers), devices * virtual)
+    balance = balance or costs.balance(devices * virtual, checkpoint)
     scale = (calibration(costs, batch_size, microbatches, schedule, checkpoint, measured_k1_step)
              if measured_k1_step else 1.0)
-    return simulate_step(costs, balance, batch_size, microbatches, schedule, checkpoint, link, scale)
+    return simulate_step(costs, balance, batch_size, microbatches, schedule, checkpoint, link, scale, virtual)

@@ -62,7 +62,8 @@ def run(options: BenchOptions, subject: Subject, folder: Path, console: Console)
             figures = RunFigures.from_json(run_json)
             cells.append({"partitions": k, "microbatches": figures.microbatches, "balance": balance,
                           "samples_per_s": figures.samples_per_s, "bubble": figures.bubble,
-                          "bubble_theory": theoretical_bubble(k, figures.microbatches), "oversubscribed": over,
+                          "bubble_theory": theoretical_bubble(k, figures.microbatches, options.schedule),
+                          "oversubscribed": over,
                           "load": figures.load, "contended": contended(figures.load)})
     base = next((c for c in cells if c["microbatches"] == 1), None)
     family = subject.kind if subject.kind in PAPER_TABLE2 else None

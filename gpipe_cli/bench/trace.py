@@ -1,8 +1,10 @@
 """One step's timeline: a Chrome trace (Perfetto, chrome://tracing) and a Gantt chart like GPipe's Figure 2.
 
-One complete ("X") trace event per executed schedule action: forward, recompute, backward, send,
-and receive, whose duration is the wait for the message. Each stage is one track. Times are seconds
-from each rank's own start of the step; the ranks start together after a barrier.
+One complete ("X") trace event per executed schedule action: forward, recompute, backward (whole, or
+its input-gradient half B and weight-gradient half W, drawn in their own colours), send, and receive,
+whose duration is the wait for the message. Each stage is one track; a stage running several chunks
+(interleaved) names each action's chunk. Times are seconds from each rank's own start of the step;
+the ranks start together after a barrier.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ LABELS = {
     Kind.FWD.value: ("F", "forward"),
     Kind.RECOMPUTE.value: ("R", "recompute"),
     Kind.BWD.value: ("B", "backward"),
+    Kind.BWD_INPUT.value: ("Bi", "backward: input gradient"),
+    Kind.BWD_WEIGHT.value: ("W", "backward: weight gradient"),
     Kind.SEND_FWD.value: ("sf", "send activation"),
     Kind.RECV_FWD.value: ("rf", "wait for activation"),
     Kind.SEND_BWD.value: ("sb", "send gradient"),
     Kind.RECV_BWD.value: ("rb", "wait for gradient"),
 }
-COLORS = {"fwd": "#4c9be8", "recompute": "#f2a541", "bwd": "#5cb85c", "send_fwd": "#555555",
+COLORS = {"fwd": "#4c9be8", "recompute": "#f2a541", "bwd": "#5cb85c", "bwd_input": "#2e8b57", "bwd_weight": "#b5651d",
+          "send_fwd": "#555555",
           "send_bwd": "#555555", "recv_fwd": "#d9d9d9", "recv_bwd": "#d9d9d9"}
 
 
@@ -41,12 +46,15 @@ def chrome_trace(events: Sequence[Mapping[str, Any]], title: str) -> dict[str, A
     for s in stages:
         out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}})
         out.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": s, "args": {"sort_index": s}})
+    chunked = {s for s in stages if len({e.get("chunk", s) for e in events if e["stage"] == s}) > 1}
     for e in sorted(events, key=lambda e: (e["stage"], e["start"])):
         short, long = LABELS[e["kind"]]
+        chunk = f"/c{e['chunk']}" if e["stage"] in chunked else ""
         out.append({
-            "name": f"{short}{e['microbatch']}", "cat": long, "ph": "X", "pid": 0, "tid": int(e["stage"]),
+            "name": f"{short}{e['microbatch']}{chunk}", "cat": long, "ph": "X", "pid": 0, "tid": int(e["stage"]),
             "ts": round(e["start"] * 1e6, 3), "dur": round(max(e["end"] - e["start"], 0.0) * 1e6, 3),
-            "args": {"stage": e["stage"], "microbatch": e["microbatch"], "action": e["kind"]},
+            "args": {"stage": e["stage"], "microbatch": e["microbatch"], "chunk": e.get("chunk", e["stage"]),
+                     "action": e["kind"]},
         })
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
@@ -73,7 +81,7 @@ def write_gantt(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> 
     for e in events:
         row = len(stages) - 1 - stages.index(int(e["stage"]))  # stage 0 on top, as in the paper
         start, width = e["start"] * 1e3, (e["end"] - e["start"]) * 1e3
-        compute = e["kind"] in ("fwd", "recompute", "bwd")
+        compute = e["kind"] in ("fwd", "recompute", "bwd", "bwd_input", "bwd_weight")
         height = 0.8 if compute else 0.3
         ax.broken_barh([(start, width)], (row - height / 2, height), facecolors=COLORS[e["kind"]],
                        edgecolors="white" if compute else "none", linewidth=0.5)
@@ -86,9 +94,10 @@ def write_gantt(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> 
     ax.set_xlim(0, end * 1.01 if end else 1)
     ax.set_title(title, fontsize=9)
     legend = [Patch(color=COLORS[k], label=label) for k, label in
-              (("fwd", "forward"), ("recompute", "recompute"), ("bwd", "backward"), ("recv_fwd", "wait for a message"),
-               ("send_fwd", "send"))]
-    fig.legend(handles=legend, fontsize=7, loc="lower center", ncol=5, frameon=False)
+              (("fwd", "forward"), ("recompute", "recompute"), ("bwd", "backward"),
+               ("bwd_input", "backward: input gradient (B)"), ("bwd_weight", "backward: weight gradient (W)"),
+               ("recv_fwd", "wait for a message"), ("send_fwd", "send"))]
+    fig.legend(handles=legend, fontsize=7, loc="lower center", ncol=4, frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)

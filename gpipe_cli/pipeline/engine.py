@@ -16,6 +16,7 @@ from gpipe_cli.pipeline import grads, memory, microbatch, partition, stats
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.batchnorm import deferred_batchnorms
 from gpipe_cli.pipeline.comm import BACKWARD, FORWARD, RESULT, Inbound, Outbound
+from gpipe_cli.pipeline.executor import Channels, Executor, Message
 from gpipe_cli.pipeline.schedule import Kind
 from gpipe_cli.pipeline.stage import Stage, as_tensors
 from gpipe_cli.pipeline.tied import tie_parameters
@@ -52,18 +53,18 @@ class Pipeline:
     def __init__(self, layers: Sequence[nn.Module], topology: Topology, balance: Sequence[int],
                  loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None, *,
                  units: Units | None = None, schedule: str = "gpipe", checkpoint: str = "except_last",
-                 tied: Sequence[Sequence[str]] = (), precision: str = "fp32") -> None:
+                 tied: Sequence[Sequence[str]] = (), precision: str = "fp32", virtual_stages: int = 1) -> None:
         self.topology, self.layout = topology, topology.layout
-        self.balance = list(balance)
-        if len(self.balance) != self.layout.stages:
-            raise ValueError(f"balance {self.balance} has {len(self.balance)} stages, the job has "
-                             f"{self.layout.stages}")
-        self.ranges = partition.stage_ranges(self.balance)
-        self.layer_indices = self.ranges[self.layout.stage]
+        self.balance, self.virtual = list(balance), virtual_stages
+        stages = self.layout.stages
+        if len(self.balance) != stages * virtual_stages:
+            raise ValueError(f"balance {self.balance} has {len(self.balance)} entries, the job has {stages} stages "
+                             f"x {virtual_stages} virtual stages")
+        sched.check(schedule, stages, stages, virtual_stages)  # M is checked when a step's list is built
+        self.ranges = partition.stage_ranges(self.balance)  # one per chunk
+        self.layer_indices = partition.stage_layers(self.balance, stages, self.layout.stage)
         if len(layers) != len(self.layer_indices):
             raise ValueError(f"stage {self.layout.stage} needs {len(self.layer_indices)} layers, got {len(layers)}")
-        if schedule not in sched.SCHEDULES:
-            raise ValueError(f"unknown schedule '{schedule}': allowed are {', '.join(sched.SCHEDULES)}")
         if checkpoint not in sched.REMAT_MODES:
             raise ValueError(f"unknown checkpoint mode '{checkpoint}': allowed are {', '.join(sched.REMAT_MODES)}")
         if precision not in PRECISIONS:
@@ -79,19 +80,26 @@ class Pipeline:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.batchnorms = deferred_batchnorms(self.module)
         meter = memory.ActivationMeter([*self.module.parameters(), *self.module.buffers()])
-        self.stage = Stage(self.module, self.device, loss if self.layout.is_last else None, meter,
-                           PRECISIONS[precision])
+        last_chunk = len(self.ranges) - 1
+        # One Stage per chunk, over the same layer objects as `self.module` (which names them globally).
+        self.stages = {
+            c: Stage(nn.Sequential(OrderedDict((str(i), self.module.get_submodule(str(i))) for i in self.ranges[c])),
+                     self.device, loss if c == last_chunk else None, meter, PRECISIONS[precision])
+            for c in range(self.layout.stage, len(self.ranges), stages)}
+        self.stage = self.stages[last_chunk if self.layout.is_last else self.layout.stage]  # holds the loss if any
         self.loss_scale = grads.LossScale(precision == "fp16")
         self.timeline = stats.Timeline(self.layout.stage, self.device)
-        self._plans: dict[int, tuple[sched.Schedule, set[int]]] = {}
+        self._plans: dict[int, sched.Schedule] = {}
         self._open_channels()
 
     # ----------------------------------------------------------------- set-up
 
     def _open_channels(self) -> None:
         layout, transport = self.layout, self.topology.transport
-        prev = layout.rank_of(layout.stage - 1) if not layout.is_first else None
-        nxt = layout.rank_of(layout.stage + 1) if not layout.is_last else None
+        # With V > 1 the chunks form a ring: the last stage's chunks feed the first stage's next ones.
+        ring = self.virtual > 1
+        prev = layout.rank_of((layout.stage - 1) % layout.stages) if ring or not layout.is_first else None
+        nxt = layout.rank_of((layout.stage + 1) % layout.stages) if ring or not layout.is_last else None
         self.fwd_in = Inbound(transport, prev, FORWARD, "activations") if prev is not None else None
         self.bwd_out = Outbound(transport, prev, BACKWARD) if prev is not None else None
         self.fwd_out = Outbound(transport, nxt, FORWARD) if nxt is not None else None
@@ -108,13 +116,15 @@ class Pipeline:
             if channel is not None:
                 channel.begin_step()
 
-    def _plan(self, chunks: int) -> tuple[sched.Schedule, set[int]]:
+    def _plan(self, chunks: int) -> sched.Schedule:
         if chunks not in self._plans:
-            stage, stages = self.layout.stage, self.layout.stages
-            order = sched.forward_order(self.schedule_name, stage, stages, chunks)
-            self._plans[chunks] = (sched.build(self.schedule_name, stage, stages, chunks, self.checkpoint),
-                                   sched.remat_plan(self.checkpoint, order))
+            self._plans[chunks] = sched.build(self.schedule_name, self.layout.stage, self.layout.stages, chunks,
+                                              self.checkpoint, self.virtual)
         return self._plans[chunks]
+
+    def _executor(self, chunks: int, training: bool, **state: Any) -> Executor:
+        channels = Channels(self.fwd_in, self.fwd_out, self.bwd_in, self.bwd_out)
+        return Executor(self.stages, channels, len(self.ranges), chunks, training, **state)
 
     # ----------------------------------------------------------------- helpers
 
@@ -122,6 +132,11 @@ class Pipeline:
         if isinstance(batch, torch.Tensor):
             return batch.to(self.device, non_blocking=True)
         return tuple(self._to_device(b) for b in batch)
+
+    def _feed(self, inputs: Any, chunks: int, example_offset: int = 0) -> list[Message]:
+        """The first stage's micro-batches as messages: tensors, bareness and global example offset."""
+        offsets = microbatch.offsets(microbatch.sizes(microbatch.batch_size(inputs), chunks), example_offset)
+        return [(*as_tensors(mb), off) for mb, off in zip(microbatch.scatter(self._to_device(inputs), chunks), offsets)]
 
     def _sum_over_last_stages(self, values: list[float]) -> list[float]:
         group = self.topology.last_stages_group
@@ -157,21 +172,19 @@ class Pipeline:
         or gradient is not finite.
         """
         layout, chunks = self.layout, microbatches
-        actions, remat = self._plan(chunks)
+        actions = self._plan(chunks)
         self.module.train()
-        self.stage.step = step
+        for stage in self.stages.values():
+            stage.step = step
         self.stage.meter.reset_peak()
         memory.reset_cuda_peak(self.device)
         self.timeline.start()
 
-        feed: list[Any] = []
-        offsets: list[int] = []
+        feed: list[Message] = []
         if layout.is_first:
             if inputs is None:
                 raise ValueError("the first stage needs the inputs of the mini-batch")
-            split = microbatch.sizes(microbatch.batch_size(inputs), chunks)
-            feed = microbatch.scatter(self._to_device(inputs), chunks)
-            offsets = microbatch.offsets(split, example_offset)
+            feed = self._feed(inputs, chunks, example_offset)
         targets_mb: list[torch.Tensor] = []
         weights: list[float] = []
         examples = units_total = 0.0
@@ -193,57 +206,16 @@ class Pipeline:
         if self.bwd_in is not None:
             self.bwd_in.expect(sum(a.kind == Kind.RECV_BWD for a in actions))
 
-        received: dict[int, tuple[list[torch.Tensor | None], bool, int]] = {}
-        outgoing: dict[int, tuple[list[torch.Tensor | None], bool, int]] = {}
-        grads_in: dict[int, list[torch.Tensor | None]] = {}
-        grads_out: dict[int, list[torch.Tensor | None]] = {}
-        losses: list[torch.Tensor] = []
-        for action in actions:
-            mb, kind = action.microbatch, action.kind
-            self.timeline.begin(action)  # receives count as waiting, sends as communication
-            if kind == Kind.RECV_FWD:
-                assert self.fwd_in is not None
-                header, tensors = self.fwd_in.take(mb)
-                if header.chunks != chunks:
-                    raise RuntimeError(f"stage {layout.stage} runs {chunks} micro-batches but the previous "
-                                       f"stage runs {header.chunks}")
-                received[mb] = (tensors, header.bare, header.offset)
-            elif kind == Kind.FWD:
-                if layout.is_first:
-                    tensors, bare = as_tensors(feed[mb])
-                    offset = offsets[mb]
-                else:
-                    tensors, bare, offset = received.pop(mb)
-                out, out_bare = self.stage.forward(
-                    mb, tensors, bare, offset, mb in remat,
-                    targets_mb[mb] if layout.is_last else None, weights[mb] if layout.is_last else 0.0)
-                if layout.is_last:
-                    losses.append(out[0])  # type: ignore[arg-type]
-                else:
-                    outgoing[mb] = (out, out_bare, offset)
-            elif kind == Kind.SEND_FWD:
-                assert self.fwd_out is not None
-                out, out_bare, offset = outgoing.pop(mb)
-                self.fwd_out.send(mb, chunks, offset, out, out_bare, differentiable=True)
-            elif kind == Kind.RECOMPUTE:
-                self.stage.recompute(mb)
-            elif kind == Kind.RECV_BWD:
-                assert self.bwd_in is not None
-                grads_in[mb] = self.bwd_in.take(mb)[1]
-            elif kind == Kind.BWD:
-                grads_out[mb] = self.stage.backward(mb, None if layout.is_last else grads_in.pop(mb))
-                if layout.is_first:
-                    grads_out.pop(mb)
-            elif kind == Kind.SEND_BWD:
-                assert self.bwd_out is not None
-                self.bwd_out.send(mb, chunks, 0, grads_out.pop(mb))
-            self.timeline.end()
+        run = self._executor(chunks, True, timeline=self.timeline, feed=feed, targets=targets_mb, weights=weights)
+        run.run(actions)
+        losses = run.losses
         with self.timeline.span(stats.COMM):
             for channel in (self.fwd_out, self.bwd_out):
                 if channel is not None:
                     channel.flush()
-        if self.stage.in_flight:
-            raise RuntimeError(f"the {self.schedule_name} schedule left {self.stage.in_flight} micro-batches of "
+        in_flight = sum(stage.in_flight for stage in self.stages.values())
+        if in_flight:
+            raise RuntimeError(f"the {self.schedule_name} schedule left {in_flight} micro-batches of "
                                f"stage {layout.stage} without a backward")
 
         loss = float(torch.stack(losses).sum()) / self.loss_scale.value if losses else None
@@ -259,7 +231,8 @@ class Pipeline:
                                 self.stage.meter.peak, memory.peak_rss_bytes(), memory.cuda_peak_bytes(self.device),
                                 wait, comm, optimizer, -1 if finite else self._first_nonfinite_layer())
         gathered = stats.gather(mine, loss or 0.0, int(examples), units_total, norm,
-                                sched.theoretical_bubble(layout.stages, chunks), self.topology.transport.control,
+                                sched.theoretical_bubble(layout.stages, chunks, self.schedule_name, self.virtual),
+                                self.topology.transport.control,
                                 events if trace else None)
         if gathered is not None and loss is None:
             loss = gathered.loss
@@ -306,39 +279,16 @@ class Pipeline:
         self.module.eval()
         self._begin_step()
         try:
-            chunks, first_message = self._eval_chunks(inputs, microbatches)
-            feed, offsets = [], []
-            if layout.is_first and chunks:
-                feed = microbatch.scatter(self._to_device(inputs), chunks)
-                offsets = microbatch.offsets(microbatch.sizes(microbatch.batch_size(inputs), chunks))
+            chunks, received = self._eval_chunks(inputs, microbatches)
+            feed = self._feed(inputs, chunks) if layout.is_first and chunks else []
             targets_mb = microbatch.scatter(targets, chunks) if layout.is_last and chunks and targets is not None \
                 else []
             loss_sum = units_sum = 0.0
             sums = dict.fromkeys(metrics or {}, 0.0)
             outputs: list[Any] = []
-            if chunks == 0 and self.fwd_out is not None:
-                self.fwd_out.send(0, 0, 0, [])
-            for action in sched.forward_only(layout.stage, layout.stages, chunks) if chunks else []:
-                mb = action.microbatch
-                if action.kind == Kind.RECV_FWD:
-                    assert self.fwd_in is not None
-                    first_message = first_message if mb == 0 else self.fwd_in.take(mb)
-                    continue
-                if action.kind == Kind.SEND_FWD:
-                    continue
-                if layout.is_first:
-                    tensors, bare = as_tensors(feed[mb])
-                    offset = offsets[mb]
-                else:
-                    assert first_message is not None
-                    header, tensors = first_message
-                    bare, offset = header.bare, header.offset
-                out = self.stage.evaluate(tensors, bare, offset)
-                if not layout.is_last:
-                    assert self.fwd_out is not None
-                    sent, sent_bare = as_tensors(out)
-                    self.fwd_out.send(mb, chunks, offset, sent, sent_bare)
-                    continue
+
+            def on_output(mb: int, out: Any) -> None:
+                nonlocal loss_sum, units_sum
                 if targets_mb:
                     target = self._to_device(targets_mb[mb])
                     n = self._count_units(targets_mb[mb])
@@ -349,23 +299,38 @@ class Pipeline:
                         sums[key] += float(metric(out, target))
                 if return_outputs:
                     outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)
+
+            if chunks == 0 and not layout.is_last:  # an empty shard: tell the next stage, chunk stage + 1
+                assert self.fwd_out is not None
+                self.fwd_out.send(layout.stage + 1, 0, 0, [])
+            if chunks:
+                self._executor(chunks, False, feed=feed, on_output=on_output, received=received).run(
+                    sched.forward_only(layout.stage, layout.stages, chunks, self.virtual))
             if self.fwd_out is not None:
                 self.fwd_out.flush()
             return self._eval_result(loss_sum, units_sum, sums, outputs, return_outputs)
         finally:
             self.module.train(was_training)
 
-    def _eval_chunks(self, inputs: Any, microbatches: int) -> tuple[int, Any]:
-        """How many micro-batches this evaluation runs; non-first stages learn it from the first message."""
-        if self.layout.is_first:
-            return min(microbatches, microbatch.batch_size(inputs)), None
-        assert self.fwd_in is not None
-        self.fwd_in.expect(1)
-        first = self.fwd_in.take(0)
-        chunks = first[0].chunks
-        if chunks > 1:
-            self.fwd_in.expect(chunks - 1)
-        return chunks, first
+    def _eval_chunks(self, inputs: Any, microbatches: int) -> tuple[int, dict[int, Message]]:
+        """How many micro-batches this evaluation runs; other stages learn it from their first message.
+
+        Returns M and the messages already taken, keyed as the executor keys them.
+        """
+        layout = self.layout
+        taken: dict[int, Message] = {}
+        if layout.is_first:
+            chunks = min(microbatches, microbatch.batch_size(inputs))
+        else:
+            assert self.fwd_in is not None
+            self.fwd_in.expect(1)
+            first = layout.stage  # the key of chunk `stage`, micro-batch 0
+            header, tensors = self.fwd_in.take(first)
+            chunks, taken = header.chunks, {first: (tensors, header.bare, header.offset)}
+        if chunks and self.fwd_in is not None:
+            actions = sched.forward_only(layout.stage, layout.stages, chunks, self.virtual)
+            self.fwd_in.expect(sum(a.kind == Kind.RECV_FWD for a in actions) - len(taken))
+        return chunks, taken
 
     def _eval_result(self, loss_sum: float, units_sum: float, sums: dict[str, float], outputs: list[Any],
                      return_outputs: bool) -> EvalResult:

@@ -87,7 +87,10 @@ class ActivationMeter:
     def saved_tensors(self) -> Iterator[None]:
         """Count every tensor autograd saves for backward inside this block."""
         def pack(t: torch.Tensor) -> Any:
-            return self.hold(t)
+            # Detached (same storage, same version counter): a saved output must not keep its own
+            # grad_fn alive, or a graph whose buffers autograd never frees (a split backward's input
+            # path) would be a reference cycle that nothing collects.
+            return self.hold(t.detach())
 
         def unpack(handle: Any) -> torch.Tensor:
             return handle.tensor if isinstance(handle, _Held) else handle

@@ -90,3 +90,9 @@ def stage_ranges(balance: Sequence[int]) -> list[range]:
     """The global layer indices of each stage."""
     bounds = [0, *itertools.accumulate(balance)]
     return [range(bounds[s], bounds[s + 1]) for s in range(len(balance))]
+
+
+def stage_layers(balance: Sequence[int], stages: int, stage: int) -> list[int]:
+    """The global indices of the layers a stage holds when `balance` cuts K x V chunks, chunk c on stage c mod K."""
+    ranges = stage_ranges(balance)
+    return [i for c in range(stage, len(ranges), stages) for i in ranges[c]]

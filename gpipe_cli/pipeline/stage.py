@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_cli.pipeline import context
+from gpipe_cli.pipeline import context, split
 from gpipe_cli.pipeline.memory import ActivationMeter, held
 
 Loss = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -44,6 +44,7 @@ class _State:
     outputs: list[Any] | None = None   # handles of the outputs with their graph
     target: torch.Tensor | None = None
     weight: float = 0.0
+    pending: split.Pending | None = None  # what the weight gradients (W) need, kept from B
 
 
 class Stage:
@@ -54,6 +55,7 @@ class Stage:
         self.module, self.device, self.loss = module, device, loss
         self.meter = meter or ActivationMeter(module.parameters())
         self.autocast = autocast
+        self.params = [p for p in module.parameters() if p.requires_grad]
         self.step = 0
         self._states: dict[int, _State] = {}
 
@@ -110,22 +112,45 @@ class Stage:
             out = self._run(held(state.inputs), state.bare, state)
         state.outputs = [self.meter.hold(t) if t is not None else None for t in as_tensors(out)[0]]
 
-    def backward(self, mb: int, grads: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
-        """Backpropagate micro-batch `mb` (the last stage from its loss); return its input gradients."""
-        state = self._states.pop(mb)
+    def _roots(self, mb: int, grads: Sequence[torch.Tensor | None] | None) -> list[tuple[torch.Tensor, Any]]:
+        state = self._states[mb]
         assert state.outputs is not None, f"micro-batch {mb} has no graph: recompute it first"
         outputs = held(state.outputs)
-        roots: list[tuple[torch.Tensor, torch.Tensor | None]]
         if grads is None:  # the last stage: the output is the weighted loss
-            roots = [(o, None) for o in outputs if o is not None and o.requires_grad]
-        else:
-            roots = [(o, g) for o, g in zip(outputs, grads)
-                     if o is not None and g is not None and o.requires_grad]
+            return [(o, None) for o in outputs if o is not None and o.requires_grad]
+        return [(o, g) for o, g in zip(outputs, grads) if o is not None and g is not None and o.requires_grad]
+
+    def backward(self, mb: int, grads: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
+        """Backpropagate micro-batch `mb` (the last stage from its loss); return its input gradients."""
+        roots = self._roots(mb, grads)
+        state = self._states.pop(mb)
         if roots:
             with self.meter.saved_tensors():
                 torch.autograd.backward([o for o, _ in roots], [g for _, g in roots])
         inputs = held(state.inputs)
         return [t.grad if t is not None and t.requires_grad else None for t in inputs]
+
+    def backward_input(self, mb: int, grads: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
+        """The input gradients of micro-batch `mb` alone (B); its graph stays for `backward_weight` (W)."""
+        roots = self._roots(mb, grads)
+        state = self._states[mb]
+        inputs = held(state.inputs)
+        wanted = [(i, t) for i, t in enumerate(inputs) if t is not None and t.requires_grad]
+        out: list[torch.Tensor | None] = [None] * len(inputs)
+        with self.meter.saved_tensors():
+            found, state.pending = split.backward_input([o for o, _ in roots], [g for _, g in roots],
+                                                        [t for _, t in wanted])
+        for (i, _), g in zip(wanted, found):
+            out[i] = g
+        return out
+
+    def backward_weight(self, mb: int) -> None:
+        """Accumulate the weight gradients of micro-batch `mb` (after its `backward_input`); free its graph."""
+        state = self._states.pop(mb)
+        assert state.pending is not None, f"micro-batch {mb} has no input gradient yet: run backward_input first"
+        with self.meter.saved_tensors():
+            split.backward_weight(state.pending, self.params)
+        state.pending = None
 
     def evaluate(self, inputs: Sequence[torch.Tensor | None], bare: bool, offset: int) -> Any:
         """A no-grad forward of one micro-batch (evaluation)."""

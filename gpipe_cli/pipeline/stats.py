@@ -32,6 +32,7 @@ class Event:
     microbatch: int
     start: float
     end: float
+    chunk: int = 0  # the virtual stage (the stage itself unless interleaved)
 
 
 class Timeline:
@@ -90,14 +91,14 @@ class Timeline:
 
     def events(self) -> list[Event]:
         """Every action of the step (synchronises CUDA to read device times)."""
-        out = [Event(self.stage, a.kind.value, a.microbatch, s, e) for a, s, e in self._events]
+        out = [Event(self.stage, a.kind.value, a.microbatch, s, e, a.chunk) for a, s, e in self._events]
         if self._cuda:
             torch.cuda.synchronize(self.device)
             assert self._start_event is not None
             for action, begin, stop in self._cuda:
                 s = self._start_event.elapsed_time(begin) / 1e3
                 out.append(Event(self.stage, action.kind.value, action.microbatch, s,
-                                 s + begin.elapsed_time(stop) / 1e3))
+                                 s + begin.elapsed_time(stop) / 1e3, action.chunk))
         return sorted(out, key=lambda e: e.start)
 
     @contextlib.contextmanager

@@ -14,6 +14,7 @@ from gpipe_cli.pipeline.topology import Topology, add_groups
 
 
 def _stage_of(index: int, ranges: Sequence[range]) -> int:
+    """The chunk holding layer `index`."""
     for s, r in enumerate(ranges):
         if index in r:
             return s
@@ -24,16 +25,16 @@ def tie_parameters(module: nn.Module, topology: Topology, ranges: Sequence[range
                    tied: Sequence[Sequence[str]]) -> list[SharedCopy]:
     """Make tied parameters one tensor within this stage and synchronised copies across stages.
 
-    Names are "<global layer index>.<parameter>". Every rank must call this with the same groups.
-    Returns the local parameters whose copies live on other stages.
+    Names are "<global layer index>.<parameter>"; `ranges` are the layers of each chunk, chunk c on
+    stage c mod K. Every rank must call this with the same groups. Returns the local parameters whose
+    copies live on other stages.
     """
     layout = topology.layout
-    local_layers = ranges[layout.stage]
     plans = []
     for group in tied:
         members = [(int(name.split(".", 1)[0]), name) for name in group]
-        owners = sorted({_stage_of(i, ranges) for i, _ in members})
-        local = [name for i, name in members if i in local_layers]
+        owners = sorted({_stage_of(i, ranges) % layout.stages for i, _ in members})
+        local = [name for i, name in members if _stage_of(i, ranges) % layout.stages == layout.stage]
         if len(local) > 1:
             first = module.get_parameter(local[0])
             for name in local[1:]:

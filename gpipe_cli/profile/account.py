@@ -2,9 +2,10 @@
 
 A stage's memory depends only on its own layers and on its own action list: which micro-batches it
 has run forward and not yet backward, and which of those keep a graph. So each stage is measured by
-driving the engine's own `Stage` through the engine's own schedule (`schedule.build`) for that stage,
-fed the previous stage's real outputs and ones as output gradients. The figures are what that stage
-holds in a multi-rank step; messages in flight, which the engine never counts, are left out.
+running the engine's own executor over the engine's own schedule (`schedule.build`) for that stage,
+with in-process channels: the previous stage's real outputs in, ones as output gradients. The figures
+are what that stage holds in a multi-rank step; messages in flight, which the engine never counts, are
+left out.
 
 On CPU the bytes come from the engine's exact saved-tensor accounting (`ActivationMeter`); on CUDA
 from the allocator (allocated bytes less parameters and gradients). Each figure says which.
@@ -13,7 +14,7 @@ from the allocator (allocated bytes less parameters and gradients). Each figure 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,9 +25,11 @@ from gpipe_cli.memory_model import OPTIMIZERS
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import microbatch, partition
 from gpipe_cli.pipeline import schedule as sched
+from gpipe_cli.pipeline.comm import Header
+from gpipe_cli.pipeline.executor import Channels, Executor
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.memory import ActivationMeter
-from gpipe_cli.pipeline.schedule import Kind
+from gpipe_cli.pipeline.schedule import Action, Kind
 from gpipe_cli.pipeline.stage import Stage, as_tensors
 
 
@@ -99,6 +102,48 @@ def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.detach().requires_grad_(t.is_floating_point())
 
 
+class _Stored:
+    """The most held from forwards, read before a micro-batch's graph is (re)built for its backward."""
+
+    def __init__(self, counter: _Counter, remat: set[tuple[int, int]]) -> None:
+        self.counter, self.remat, self.bytes = counter, remat, 0
+
+    def __call__(self, action: Action) -> None:
+        """Read before `action` runs."""
+        if action.kind == Kind.RECOMPUTE or (action.kind in sched.GRADIENT and
+                                             (action.microbatch, action.chunk) not in self.remat):
+            self.bytes = max(self.bytes, self.counter.current())
+
+
+class _Sent:
+    """An in-process sink: keeps what a stage sends, by message number."""
+
+    def __init__(self) -> None:
+        self.messages: dict[int, tuple[list[torch.Tensor | None], bool, int]] = {}
+
+    def send(self, microbatch: int, chunks: int, offset: int, tensors: Sequence[torch.Tensor | None],
+             bare: bool = False, differentiable: bool = False) -> None:
+        """Keep the message."""
+        self.messages[microbatch] = (list(tensors), bare, offset)
+
+
+class _Received:
+    """An in-process source: the previous stage's messages as fresh leaves, or ones as output gradients."""
+
+    def __init__(self, messages: dict[int, tuple[list[torch.Tensor | None], bool, int]], chunks: int,
+                 ones: bool = False, shift: int = 0) -> None:
+        self.messages, self.chunks, self.ones, self.shift = messages, chunks, ones, shift
+
+    def take(self, microbatch: int) -> tuple[Header, list[torch.Tensor | None]]:
+        """The message numbered `microbatch` (+ `shift`: a gradient answers the forward it follows)."""
+        tensors, bare, offset = self.messages[microbatch + self.shift]
+        if self.ones:
+            out = [None if t is None or not t.is_floating_point() else torch.ones_like(t) for t in tensors]
+        else:
+            out = [_leaf(t) for t in tensors]
+        return Header(microbatch, self.chunks, offset, (), bare), out
+
+
 def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[int], microbatches: int,
             schedule: str, checkpoint: str, optimizer: str, seed: int,
             device: torch.device | str = "cpu") -> list[StageMemory]:
@@ -107,12 +152,13 @@ def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[i
     stages = len(balance)
     split = microbatch.sizes(microbatch.batch_size(inputs), microbatches)
     offsets = microbatch.offsets(split)
-    feed = [as_tensors(mb) for mb in microbatch.scatter(inputs, microbatches)]
-    feed = [([None if t is None else t.to(device) for t in ts], bare) for ts, bare in feed]
+    feed = [(*as_tensors(mb), off) for mb, off in zip(microbatch.scatter(inputs, microbatches), offsets)]
+    feed = [([None if t is None else t.to(device) for t in ts], bare, off) for ts, bare, off in feed]
     labels = [t.to(device) for t in microbatch.scatter(targets, microbatches)]
     units = [float(spec.units(t)) if spec.units else float(t.shape[0]) for t in labels]
     weights = [u / sum(units) for u in units]
     out: list[StageMemory] = []
+    previous = _Sent()
     for s, span in enumerate(partition.stage_ranges(balance)):
         last = s == stages - 1
         layers = build_layers(spec.factories(), span, seed, device)
@@ -122,32 +168,23 @@ def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[i
         stage = Stage(module, device, spec.loss if last else None, meter)
         counter = _Counter(meter, module, device)
         actions = sched.build(schedule, s, stages, microbatches, checkpoint)
-        remat = sched.remat_plan(checkpoint, sched.forward_order(schedule, s, stages, microbatches))
-        sent: dict[int, tuple[list[torch.Tensor | None], bool]] = {}
-        stored = 0
-        for action in actions:
-            mb = action.microbatch
-            # What the forwards left behind, read before a micro-batch's graph is (re)built for backward.
-            if action.kind == Kind.RECOMPUTE or (action.kind == Kind.BWD and mb not in remat):
-                stored = max(stored, counter.current())
-            if action.kind == Kind.FWD:
-                tensors, bare = feed[mb]
-                result = stage.forward(mb, tensors, bare, offsets[mb], mb in remat,
-                                       labels[mb] if last else None, weights[mb] if last else 0.0)
-                sent[mb] = result
-            elif action.kind == Kind.RECOMPUTE:
-                stage.recompute(mb)
-            elif action.kind == Kind.BWD:
-                grads = None if last else [None if t is None or not t.is_floating_point() else torch.ones_like(t)
-                                           for t in sent[mb][0]]
-                stage.backward(mb, grads)
+        sent = _Sent()
+        stored = _Stored(counter, sched.rematerialised(actions))
+        # The engine's own executor, with in-process channels: the previous stage's real outputs in,
+        # ones as the gradients of this stage's outputs.
+        channels = Channels(_Received(previous.messages, microbatches) if s > 0 else None,
+                            sent if not last else None,
+                            _Received(sent.messages, microbatches, ones=True, shift=1) if not last else None,
+                            _Sent() if s > 0 else None)
+        Executor({s: stage}, channels, stages, microbatches, True, feed=feed if s == 0 else (),
+                 targets=labels if last else (), weights=weights if last else (), before=stored).run(actions)
         params = [p for p in module.parameters() if p.requires_grad]
         grads_bytes = _unique_bytes([p.grad for p in params if p.grad is not None])
         opt = OPTIMIZERS[optimizer](params)
         opt.step()
         state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
         out.append(StageMemory(s, span.start, len(span), _unique_bytes(params), grads_bytes,
-                               _unique_bytes(state), stored, counter.peak()))
-        feed = [([_leaf(t) for t in sent[mb][0]], sent[mb][1]) for mb in range(microbatches)]
-        del stage, module, layers, opt, sent
+                               _unique_bytes(state), stored.bytes, counter.peak()))
+        previous = sent
+        del stage, module, layers, opt
     return out

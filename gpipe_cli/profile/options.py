@@ -40,7 +40,7 @@ FLAGS: dict[str, str] = {
     "microbatches": "M: micro-batches per mini-batch for pipeline-1 and pipeline-K.",
     "batch_size": "Examples per mini-batch [default: 4 x M; with --budget the paper's: 128 AmoebaNet, "
                   "32 Transformer].",
-    "schedule": "Schedule whose in-flight micro-batches are counted: gpipe or 1f1b.",
+    "schedule": "Schedule whose in-flight micro-batches are counted: gpipe, 1f1b or zero-bubble.",
     "checkpoint": "Rematerialization of pipeline-1 and pipeline-K: always, except_last or never.",
     "balance": "Layers per stage for a single K, e.g. 5,5 [default: balanced by estimated FLOPs, as training].",
     "optimizer": "Optimizer whose state is counted: sgd (momentum), adam, adamw, rmsprop (the paper's, "

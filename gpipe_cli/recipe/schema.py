@@ -16,6 +16,7 @@ MAX_COUNT = 1_000_000_000  # steps, examples, intervals
 MAX_SIZE = 1 << 20  # model widths, batch and sequence sizes
 MAX_LAYERS = 10_000
 MAX_RANKS = 65_536
+MAX_VIRTUAL = 64  # chunks per stage (interleaved)
 MAX_REAL = 1e9  # learning rates, clipping thresholds, decay intervals
 
 
@@ -106,7 +107,8 @@ class Pipeline(Section):
 
     partitions: Ranks = 1
     microbatches: Size = 1
-    schedule: Literal["gpipe", "1f1b"] = "gpipe"
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zero-bubble"] = "gpipe"
+    virtual_stages: Annotated[int, Number, Field(ge=1, le=MAX_VIRTUAL)] = 1
     checkpoint: Literal["always", "except_last", "never"] = "except_last"
     balance: Literal["auto", "params", "time", "memory"] | list[Layers] = "auto"
     data_parallel: Ranks = 1
@@ -128,9 +130,19 @@ class Pipeline(Section):
 
     @model_validator(mode="after")
     def _balance_matches_partitions(self) -> Pipeline:
-        if isinstance(self.balance, list) and len(self.balance) != self.partitions:
-            raise ValueError(f"pipeline.balance has {len(self.balance)} entries but pipeline.partitions "
-                             f"is {self.partitions}; give one layer count per stage")
+        chunks = self.partitions * self.virtual_stages
+        if isinstance(self.balance, list) and len(self.balance) != chunks:
+            per = "per stage" if self.virtual_stages == 1 else "per chunk (partitions x virtual_stages)"
+            raise ValueError(f"pipeline.balance has {len(self.balance)} entries but the pipeline has {chunks}; "
+                             f"give one layer count {per}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ValueError(f"pipeline.virtual_stages {self.virtual_stages} needs pipeline.schedule: interleaved "
+                             f"(got {self.schedule})")
+        if self.virtual_stages > 1 and self.partitions < 2:
+            raise ValueError("pipeline.virtual_stages > 1 needs pipeline.partitions >= 2")
+        if self.virtual_stages > 1 and self.microbatches % self.partitions:
+            raise ValueError(f"pipeline.microbatches ({self.microbatches}) must be a multiple of "
+                             f"pipeline.partitions ({self.partitions}) for the interleaved schedule")
         return self
 
 

@@ -25,7 +25,7 @@ from gpipe_cli.pipeline import heartbeat, topology
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.layers import build_layers
-from gpipe_cli.pipeline.partition import stage_ranges
+from gpipe_cli.pipeline.partition import stage_layers, stage_ranges
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
 from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, translate
 from gpipe_cli.train.job import Job
@@ -76,16 +76,17 @@ class Trainer:
             create_run_dir(self.run_dir)
             save_recipe(recipe, self.run_dir)
         pipe_cfg = recipe.pipeline
-        ranges = stage_ranges(self.plan.balance)
-        self._note(f"building {len(ranges)} stage{'s' if len(ranges) > 1 else ''} of {self.spec.name} "
+        ranges = stage_ranges(self.plan.balance)  # one per chunk, chunk c on stage c mod K
+        k = pipe_cfg.partitions
+        self._note(f"building {k} stage{'s' if k > 1 else ''} of {self.spec.name} "
                    f"({self.plan.total_params:,} parameters): "
-                   + ", ".join(f"stage {i} layer{f's {r[0]}-{r[-1]}' if len(r) > 1 else f' {r[0]}'}"
+                   + ", ".join(f"stage {i % k} layer{f's {r[0]}-{r[-1]}' if len(r) > 1 else f' {r[0]}'}"
                                for i, r in enumerate(ranges)))
-        span = ranges[self.layout.stage]
+        span = stage_layers(self.plan.balance, pipe_cfg.partitions, self.layout.stage)
         layers = build_layers(self.spec.factories(), span, recipe.seed, topo.device)
         self.pipe = Pipeline(layers, topo, self.plan.balance, self.spec.loss, units=self.spec.units,
                              schedule=pipe_cfg.schedule, checkpoint=pipe_cfg.checkpoint, tied=self.spec.tied,
-                             precision=recipe.train.precision)
+                             precision=recipe.train.precision, virtual_stages=pipe_cfg.virtual_stages)
         self.total_steps = self._total_steps()
         self.optimizer = optim.build_optimizer(self.pipe.parameters(), recipe)
         self.scheduler = optim.build_scheduler(self.optimizer, recipe, self.steps_per_epoch, self.total_steps)

@@ -134,7 +134,7 @@ def optimizer_name(recipe: Recipe) -> str:
 def resolve_balance(recipe: Recipe, summary: ModelSummary,
                     measured: list[float] | None = None) -> tuple[list[int], str]:
     """The layers per stage and what they were balanced by."""
-    k, layers = recipe.pipeline.partitions, len(summary.layers)
+    k, layers = recipe.pipeline.partitions * recipe.pipeline.virtual_stages, len(summary.layers)  # chunks
     balance = recipe.pipeline.balance
     try:
         partition.check_partitions(layers, k)
@@ -149,6 +149,8 @@ def resolve_balance(recipe: Recipe, summary: ModelSummary,
         return partition.balance_by_cost(flops if any(flops) else [c.params for c in summary.layers], k), note
     except partition.PartitionError as exc:
         key = "pipeline.balance" if isinstance(balance, list) else "pipeline.partitions"
+        if recipe.pipeline.virtual_stages > 1 and not isinstance(balance, list):
+            key = f"pipeline.partitions x pipeline.virtual_stages ({k} chunks)"
         raise UserError(f"{key}: {exc}") from None
 
 
@@ -165,20 +167,26 @@ def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[floa
     figures = mm.measure(spec, recipe.seed, device="meta")  # shapes only: prices models of any size at once
     per_param = mm.bytes_per_parameter(optimizer_name(recipe))
     prints = mm.footprints(figures, balance, per_replica, pipe.microbatches, pipe.schedule, pipe.checkpoint,
-                           per_param)
+                           per_param, pipe.virtual_stages)
     ranks = pipe.partitions * pipe.data_parallel
     room = mm.capacity(ranks, device, available)
     stages = []
-    for s, (span, fp) in enumerate(zip(partition.stage_ranges(balance), prints)):
-        param_bytes = sum(summary.layers[i].param_bytes for i in span)
+    chunks = partition.stage_ranges(balance)
+    for s, fp in enumerate(prints):
+        spans = chunks[s::pipe.partitions]  # the stage's chunks (one unless interleaved)
+        indices = [i for span in spans for i in span]
+        param_bytes = sum(summary.layers[i].param_bytes for i in indices)
         memory = MemoryEstimate(param_bytes, param_bytes, round(fp.weights_bytes) - 2 * param_bytes,
                                 round(fp.stored_bytes), round(fp.peak_bytes))
         stages.append(StagePlan(
-            index=s, first_layer=span.start, layers=[summary.layers[i].name for i in span],
-            params=summary.stage_params(span.start, span.stop), flops=summary.stage_flops(span.start, span.stop),
+            index=s, first_layer=spans[0].start, layers=[summary.layers[i].name for i in indices],
+            params=sum(summary.stage_params(r.start, r.stop) for r in spans),
+            flops=sum(summary.stage_flops(r.start, r.stop) for r in spans),
             memory=memory, capacity=int(room.per_rank_bytes)))
     return Plan(model=spec.name, task=spec.task, total_params=summary.total_params, partitions=pipe.partitions,
                 microbatches=pipe.microbatches, data_parallel=pipe.data_parallel, microbatch_size=mb,
                 balance=balance, balance_by=balance_by, schedule=pipe.schedule, checkpoint=pipe.checkpoint,
-                bubble_theory=schedule.theoretical_bubble(pipe.partitions, pipe.microbatches), stages=stages,
+                bubble_theory=schedule.theoretical_bubble(pipe.partitions, pipe.microbatches, pipe.schedule,
+                                                          pipe.virtual_stages),
+                stages=stages,
                 capacity=room.description)

@@ -22,6 +22,9 @@ def test_default_batch_gives_four_examples_per_microbatch():
     (BenchOptions(devices=4), "--devices needs --simulate"),
     (BenchOptions(sweep=True, compare=True), "cannot be combined"),
     (BenchOptions(steps=0), "--steps"),
+    (BenchOptions(schedule="1f1b", virtual_stages=2), "needs schedule 'interleaved'"),
+    (BenchOptions(schedule="interleaved", virtual_stages=2, microbatches=3, batch_size=12), "multiple of partitions"),
+    (BenchOptions(schedule="interleaved", virtual_stages=2, compare=True), "cannot be combined"),
 ])
 def test_bad_options_are_refused(options, message):
     with pytest.raises(UserError, match=message):
@@ -31,7 +34,7 @@ def test_bad_options_are_refused(options, message):
 def test_balance_parsing():
     assert parse_balance("3,5", 2) == [3, 5]
     assert parse_balance(None, 2) is None
-    with pytest.raises(UserError, match="2 partitions|--partitions is 3"):
+    with pytest.raises(UserError, match="has 2 entries but the pipeline has 3"):
         parse_balance("3,5", 3)
     with pytest.raises(UserError, match="commas"):
         parse_balance("3;5", 2)

@@ -11,7 +11,7 @@ from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline import topology
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
-from gpipe_cli.pipeline.partition import balance_by_cost, stage_ranges
+from gpipe_cli.pipeline.partition import balance_by_cost, stage_layers
 from gpipe_cli.recipe.schema import Data
 
 SEED = 7
@@ -42,14 +42,16 @@ def random_batch(family: str, step: int, size: int = 12) -> tuple[Any, torch.Ten
     return (ids, ids[:, :-1]), ids[:, 1:]
 
 
-def train(family: str, stages: int, steps: int, microbatches: int = 4, learnable: bool = False) -> dict:
-    """Train `steps` steps on this rank's stage; return the stage's parameters and the losses."""
+def train(family: str, stages: int, steps: int, microbatches: int = 4, learnable: bool = False,
+          schedule: str = "gpipe", virtual: int = 1) -> dict:
+    """Train `steps` steps on this rank's stage (of V chunks); return the stage's parameters and the losses."""
     torch.set_num_threads(1)
     spec = spec_of(family)
     topo = topology.init(stages)
-    balance = balance_by_cost([1.0] * len(spec.layers), stages)
-    layers = build_layers(spec.factories(), stage_ranges(balance)[topo.layout.stage], SEED)
-    pipe = Pipeline(layers, topo, balance, spec.loss, units=spec.units, tied=spec.tied)
+    balance = balance_by_cost([1.0] * len(spec.layers), stages * virtual)
+    layers = build_layers(spec.factories(), stage_layers(balance, stages, topo.layout.stage), SEED)
+    pipe = Pipeline(layers, topo, balance, spec.loss, units=spec.units, tied=spec.tied, schedule=schedule,
+                    virtual_stages=virtual)
     params = pipe.parameters()
     opt = torch.optim.Adam(params, lr=3e-3) if learnable else torch.optim.SGD(params, lr=0.05, momentum=0.9)
     batches = _learnable_batches(family, steps) if learnable else [random_batch(family, s) for s in range(steps)]

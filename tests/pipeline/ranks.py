@@ -11,15 +11,18 @@ from torch import nn
 from gpipe_cli.pipeline import failure, topology
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
-from gpipe_cli.pipeline.partition import stage_ranges
+from gpipe_cli.pipeline.partition import stage_layers, stage_ranges
 from tests.pipeline import toy
 
 
 def make_pipeline(model: str, topo: topology.Topology, balance: list[int], **options: Any) -> Pipeline:
+    """A toy pipeline; `balance` lists K x V chunks (V = its length / K)."""
     spec = toy.MODELS[model]
     factories = spec["factories"]()
-    layers = build_layers(factories, stage_ranges(balance)[topo.layout.stage], toy.SEED)
-    return Pipeline(layers, topo, balance, spec["loss"], tied=spec["tied"], **options)
+    stages = topo.layout.stages
+    layers = build_layers(factories, stage_layers(balance, stages, topo.layout.stage), toy.SEED)
+    return Pipeline(layers, topo, balance, spec["loss"], tied=spec["tied"], virtual_stages=len(balance) // stages,
+                    **options)
 
 
 def train(pipe: Pipeline, model: str, microbatches: int, steps: int = 3) -> list[float | None]:
@@ -38,32 +41,35 @@ def train(pipe: Pipeline, model: str, microbatches: int, steps: int = 3) -> list
     return losses
 
 
-def grid(model: str, stages: int, balance: list[int], configs: list[tuple[int, str, str]]) -> dict:
-    """Train every (M, schedule, remat) configuration from scratch; return each final stage state."""
+def grid(model: str, stages: int, balance: list[int], configs: list[tuple]) -> dict:
+    """Train every (M, schedule, remat[, chunk balance]) configuration from scratch; return each final state."""
     topo = topology.init(stages)
     out = {}
-    for microbatches, schedule, checkpoint in configs:
-        pipe = make_pipeline(model, topo, balance, schedule=schedule, checkpoint=checkpoint)
+    for microbatches, schedule, checkpoint, *chunks in configs:
+        pipe = make_pipeline(model, topo, list(chunks[0]) if chunks else balance, schedule=schedule,
+                             checkpoint=checkpoint)
         train(pipe, model, microbatches)
-        out[(microbatches, schedule, checkpoint)] = {k: v.clone() for k, v in pipe.state_dict().items()}
+        out[(microbatches, schedule, checkpoint, *chunks)] = {k: v.clone() for k, v in pipe.state_dict().items()}
         pipe.close()
     return out
 
 
-def data_parallel(model: str, stages: int, replicas: int, balance: list[int], microbatches: int) -> dict:
+def data_parallel(model: str, stages: int, replicas: int, balance: list[int], microbatches: int,
+                  schedule: str = "1f1b") -> dict:
     """Train with K stages × D replicas; return this rank's state and losses."""
     topo = topology.init(stages, replicas)
-    pipe = make_pipeline(model, topo, balance, schedule="1f1b")
+    pipe = make_pipeline(model, topo, balance, schedule=schedule)
     losses = train(pipe, model, microbatches)
     pipe.close()
     return {"stage": topo.layout.stage, "replica": topo.layout.replica, "state": pipe.state_dict(),
             "losses": losses}
 
 
-def evaluate(model: str, stages: int, balance: list[int], size: int, microbatches: int) -> dict:
+def evaluate(model: str, stages: int, balance: list[int], size: int, microbatches: int,
+             schedule: str = "gpipe") -> dict:
     """Train a step, then evaluate a batch (possibly smaller than M); return rank 0's view."""
     topo = topology.init(stages)
-    pipe = make_pipeline(model, topo, balance)
+    pipe = make_pipeline(model, topo, balance, schedule=schedule)
     train(pipe, model, microbatches, steps=1)
     x, y = toy.batch(model, 7, size)
     layout = pipe.layout

@@ -13,8 +13,12 @@ from gpipe_cli.pipeline.layers import build_layers
 from tests.multiproc import results, run_ranks
 from tests.pipeline import ranks, toy
 
-CONFIGS = list(itertools.product([1, 3, 4, 8], ["gpipe", "1f1b"], ["always", "except_last", "never"]))
+MODES = ["always", "except_last", "never"]
+CONFIGS = list(itertools.product([1, 3, 4, 8], ["gpipe", "1f1b"], MODES)) + \
+    list(itertools.product([3, 8], ["zero-bubble"], MODES))
 BALANCES = {1: {"bn": [6], "ln": [5]}, 2: {"bn": [3, 3], "ln": [2, 3]}, 4: {"bn": [1, 2, 1, 2], "ln": [1, 1, 2, 1]}}
+# K=2 x V=2 chunks, chunk c on stage c mod 2: interleaved 1F1B, in the same spawned jobs as K=2
+CHUNKS = {"bn": (2, 1, 2, 1), "ln": (1, 1, 2, 1)}
 TOLERANCE = 1e-5
 
 
@@ -42,7 +46,7 @@ def check(states: dict, model: str) -> None:
 @pytest.mark.parametrize("model", ["bn", "ln"])
 @pytest.mark.parametrize("stages", [1, 2, 4])
 def test_parameters_equal_plain_training(stages, model):
-    """K in {1,2,4} x M in {1,3,4,8} x both schedules x all remat modes, uneven and final smaller batches.
+    """K in {1,2,4} x M in {1,3,4,8} x every schedule x all remat modes, uneven and final smaller batches.
 
     The BatchNorm model also checks the running statistics (deferred BatchNorm); the LayerNorm model is
     compared with whole-batch training, which shows the result does not depend on M at all.
@@ -51,13 +55,16 @@ def test_parameters_equal_plain_training(stages, model):
     if stages == 1:
         states = ranks.grid(model, 1, balance, CONFIGS)
     else:
-        states = merged_states(results(run_ranks(ranks.grid, stages, model, stages, balance, CONFIGS)))
+        configs = CONFIGS + ([(m, "interleaved", mode, CHUNKS[model]) for m in (2, 4) for mode in MODES]
+                             if stages == 2 else [])
+        states = merged_states(results(run_ranks(ranks.grid, stages, model, stages, balance, configs)))
     check(states, model)
 
 
 def test_data_parallel_times_pipeline_equals_concatenated_batch():
-    for model, balance in (("ln", [2, 3]), ("bn", [3, 3])):
-        outcome = results(run_ranks(ranks.data_parallel, 4, model, 2, 2, balance, 2))
+    for model, balance, schedule in (("ln", [2, 3], "1f1b"), ("bn", [3, 3], "zero-bubble"),
+                                     ("bn", [2, 1, 2, 1], "interleaved")):
+        outcome = results(run_ranks(ranks.data_parallel, 4, model, 2, 2, balance, 2, schedule))
         ref = toy.reference(model, microbatches=2, replicas=2)
         for part in outcome:
             errors = toy.relative_errors(part["state"], ref)
@@ -74,8 +81,10 @@ def test_data_parallel_times_pipeline_equals_concatenated_batch():
 def test_tied_parameters_across_stages_stay_equal_and_match_one_process():
     ref = toy.reference("tied", 1)
     for balance in ([2, 2], [1, 1, 1, 1]):
-        states = merged_states(results(run_ranks(ranks.grid, len(balance), "tied", len(balance), balance,
-                                                 [(3, "gpipe", "except_last"), (2, "1f1b", "always")])))
+        configs = [(3, "gpipe", "except_last"), (2, "1f1b", "always"), (3, "zero-bubble", "except_last")]
+        if len(balance) == 2:
+            configs.append((2, "interleaved", "except_last", (1, 1, 1, 1)))
+        states = merged_states(results(run_ranks(ranks.grid, len(balance), "tied", len(balance), balance, configs)))
         for config, state in states.items():
             assert torch.equal(state["0.embed.weight"], state["3.proj.weight"]), config
             errors = toy.relative_errors(state, ref)
@@ -102,6 +111,12 @@ def test_evaluation_returns_loss_metrics_and_outputs_on_rank_zero():
         assert rank0["units"] == size and rank0["metrics"]["correct"] == ref["metrics"]["correct"]
         assert torch.allclose(rank0["outputs"], ref["outputs"], rtol=1e-5, atol=1e-6)
         assert all(o["loss"] == pytest.approx(rank0["loss"]) for o in outcome)
+    # interleaved chunks pass activations round the ring, also for a batch smaller than M
+    ring = next(o for o in results(run_ranks(ranks.evaluate, 2, "bn", 2, [2, 1, 2, 1], 3, 4, "interleaved"))
+                if o["rank"] == 0)
+    ref = ranks.evaluate("bn", 1, [6], 3, 4)
+    assert ring["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert torch.allclose(ring["outputs"], ref["outputs"], rtol=1e-5, atol=1e-6)
 
 
 def test_shapes_change_between_steps_and_microbatches():

@@ -36,16 +36,41 @@ def test_single_stage_has_no_messages():
     assert text(only) == "F0 F1 B1 R0 B0"
 
 
-@pytest.mark.parametrize("name", S.SCHEDULES)
-@pytest.mark.parametrize("stages,mbs", [(2, 1), (2, 5), (3, 4), (4, 8), (8, 3)])
-def test_every_send_meets_its_receive_in_order(name, stages, mbs):
-    plans = S.build_all(name, stages, mbs, "except_last")
-    for s in range(stages - 1):
-        assert S.message_order(plans[s], Kind.SEND_FWD) == S.message_order(plans[s + 1], Kind.RECV_FWD)
-        assert S.message_order(plans[s + 1], Kind.SEND_BWD) == S.message_order(plans[s], Kind.RECV_BWD)
-    for plan in plans:
-        assert sorted(a.microbatch for a in plan if a.kind == Kind.FWD) == list(range(mbs))
-        assert sorted(a.microbatch for a in plan if a.kind == Kind.BWD) == list(range(mbs))
+def sent(plan, kind):
+    """(receiving chunk, micro-batch) of each message a stage sends, in order."""
+    return [(a.chunk + (1 if kind == Kind.SEND_FWD else -1), a.microbatch) for a in plan if a.kind == kind]
+
+
+def taken(plan, kind):
+    return [(a.chunk, a.microbatch) for a in plan if a.kind == kind]
+
+
+CASES = [(name, k, m, 1) for name in ("gpipe", "1f1b", "zero-bubble")
+         for k, m in [(2, 1), (2, 5), (3, 4), (4, 8), (8, 3)]] + \
+    [("interleaved", k, m, v) for k, m, v in [(2, 2, 2), (2, 8, 2), (3, 6, 2), (4, 8, 3), (2, 3, 1)]]
+
+
+@pytest.mark.parametrize("name,stages,mbs,virtual", CASES)
+def test_every_send_meets_its_receive_in_order(name, stages, mbs, virtual):
+    plans = S.build_all(name, stages, mbs, "except_last", virtual)
+    for s in range(stages):
+        nxt = (s + 1) % stages
+        assert sent(plans[s], Kind.SEND_FWD) == taken(plans[nxt], Kind.RECV_FWD)
+        assert sent(plans[nxt], Kind.SEND_BWD) == taken(plans[s], Kind.RECV_BWD)
+    for s, plan in enumerate(plans):
+        chunks = {a.chunk for a in plan}
+        assert chunks == {v * stages + s for v in range(virtual)}
+        for c in chunks:
+            forwards = [a.microbatch for a in plan if a.kind == Kind.FWD and a.chunk == c]
+            assert sorted(forwards) == list(range(mbs))
+            # every micro-batch gets its input and weight gradients exactly once, W after its Bi
+            whole = [a.microbatch for a in plan if a.kind == Kind.BWD and a.chunk == c]
+            inputs = [a.microbatch for a in plan if a.kind == Kind.BWD_INPUT and a.chunk == c]
+            weights = [a.microbatch for a in plan if a.kind == Kind.BWD_WEIGHT and a.chunk == c]
+            assert sorted(whole + inputs) == list(range(mbs)) and sorted(inputs) == sorted(weights)
+        position = {(a.kind, a.microbatch, a.chunk): i for i, a in enumerate(plan)}
+        assert all(position[(Kind.BWD_INPUT, *key)] < position[(Kind.BWD_WEIGHT, *key)]
+                   for key in ((a.microbatch, a.chunk) for a in plan if a.kind == Kind.BWD_INPUT))
     S.simulate(plans, lambda s, a: 1.0)  # raises on deadlock
 
 
@@ -56,15 +81,21 @@ def test_simulated_gpipe_bubble_is_theory_for_equal_costs(stages, mbs):
     assert S.bubble(spans) == pytest.approx(S.theoretical_bubble(stages, mbs))
 
 
+def peak_graphs(plan):
+    """The most micro-batches whose graph (or stored input) a stage holds at once."""
+    live = peak = 0
+    for a in plan:
+        live += a.kind == Kind.FWD
+        live -= a.kind in S.RELEASE
+        peak = max(peak, live)
+    return peak
+
+
 @pytest.mark.parametrize("stages,mbs", [(2, 8), (4, 8), (4, 16)])
-def test_1f1b_bounds_inflight_microbatches(stages, mbs):
-    for s, plan in enumerate(S.build_all("1f1b", stages, mbs)):
-        live = peak = 0
-        for a in plan:
-            live += a.kind == Kind.FWD
-            live -= a.kind == Kind.BWD
-            peak = max(peak, live)
-        assert peak == min(stages - s, mbs) <= stages
+@pytest.mark.parametrize("name", ["1f1b", "zero-bubble"])
+def test_1f1b_and_zero_bubble_bound_inflight_microbatches(name, stages, mbs):
+    for s, plan in enumerate(S.build_all(name, stages, mbs)):
+        assert peak_graphs(plan) == min(stages - s, mbs) <= stages
     gpipe_peak = max(sum(a.kind == Kind.FWD for a in plan) for plan in S.build_all("gpipe", stages, mbs))
     assert gpipe_peak == mbs
 
@@ -79,3 +110,58 @@ def test_bad_names_are_clear():
 def test_render_prints_one_line_per_stage():
     assert S.render(S.build_all("gpipe", 2, 1, "never")).splitlines() == [
         "stage 0: F0 sf0 rb0 B0", "stage 1: rf0 F0 B0 sb0"]
+
+
+def test_zero_bubble_k4_m4_by_hand():
+    plans = S.build_all("zero-bubble", 4, 4, "never")
+    compute = [" ".join(str(a) for a in plan if a.kind in S.COMPUTE) for plan in plans]
+    assert compute == ["F0 F1 F2 F3 B0 B1 B2 B3",
+                       "F0 F1 F2 Bi0 W0 F3 Bi1 W1 Bi2 Bi3 W2 W3",
+                       "F0 F1 Bi0 W0 F2 Bi1 W1 F3 Bi2 W2 Bi3 W3",
+                       "F0 Bi0 W0 F1 Bi1 W1 F2 Bi2 W2 F3 Bi3 W3"]
+    # the input gradient goes out before the weight gradient is computed
+    assert "Bi0 sb0 W0" in text(plans[3])
+
+
+@pytest.mark.parametrize("name", S.SCHEDULES)
+def test_remat_is_marked_on_the_forward_and_recomputed_before_its_backward(name):
+    for plan in S.build_all(name, 3, 5, "except_last"):
+        remat = S.rematerialised(plan)
+        recomputed = [(a.microbatch, a.chunk) for a in plan if a.kind == Kind.RECOMPUTE]
+        assert sorted(recomputed) == sorted(remat)
+        for i, a in enumerate(plan):
+            if a.kind == Kind.RECOMPUTE:
+                following = next(b for b in plan[i + 1:] if b.kind in S.GRADIENT)
+                assert (following.microbatch, following.chunk) == (a.microbatch, a.chunk)
+    always = S.build_all(name, 3, 5, "always")
+    assert all({mb for mb, _ in S.rematerialised(plan)} == set(range(5)) for plan in always)
+    assert all(not S.rematerialised(plan) for plan in S.build_all(name, 3, 5, "never"))
+
+
+def test_zero_bubble_shortens_the_simulated_step_of_1f1b():
+    def cost(stage, action):
+        return {Kind.FWD: 1.0, Kind.BWD: 2.0, Kind.BWD_INPUT: 1.0, Kind.BWD_WEIGHT: 1.0}.get(action.kind, 0.0)
+
+    for stages, mbs in ((2, 8), (4, 8), (4, 16)):
+        one = S.simulate(S.build_all("1f1b", stages, mbs, "never"), cost)
+        zero = S.simulate(S.build_all("zero-bubble", stages, mbs, "never"), cost)
+        assert S.bubble(zero) < S.bubble(one)
+        assert max(sp.end for st in zero for sp in st) < max(sp.end for st in one for sp in st)
+        assert S.theoretical_bubble(stages, mbs, "zero-bubble") == pytest.approx(S.bubble(zero))
+
+
+@pytest.mark.parametrize("stages,mbs,virtual", [(2, 8, 2), (4, 8, 2), (4, 16, 4)])
+def test_interleaved_bubble_is_its_theory_and_below_1f1b(stages, mbs, virtual):
+    # Each chunk holds 1/V of a stage: the fill and drain shrink V times, (K-1)/(VM+K-1).
+    assert S.theoretical_bubble(stages, mbs, "interleaved", virtual) == pytest.approx(
+        (stages - 1) / (virtual * mbs + stages - 1))
+    assert S.theoretical_bubble(stages, mbs, "interleaved", virtual) < S.theoretical_bubble(stages, mbs, "1f1b")
+
+
+def test_refused_combinations_say_what_is_allowed():
+    with pytest.raises(ValueError, match="needs schedule 'interleaved'"):
+        S.build("1f1b", 0, 2, 4, virtual=2)
+    with pytest.raises(ValueError, match="multiple of partitions"):
+        S.build("interleaved", 0, 2, 3, virtual=2)
+    with pytest.raises(ValueError, match="at least 2 partitions"):
+        S.build("interleaved", 0, 1, 4, virtual=2)

@@ -32,7 +32,11 @@ def test_every_shipped_recipe_validates_and_plans(path):
 
 @pytest.mark.parametrize("overrides,message", [
     (["pipeline.microbatches=0"], "recipe.yaml: pipeline.microbatches: must be >= 1 and <= 1048576 (got 0)"),
-    (["pipeline.schedule=zb"], "pipeline.schedule: must be 'gpipe' or '1f1b' (got 'zb')"),
+    (["pipeline.schedule=zb"], "pipeline.schedule: must be 'gpipe', '1f1b', 'interleaved' or 'zero-bubble' (got 'zb')"),
+    (["pipeline.virtual_stages=2"], "pipeline.virtual_stages 2 needs pipeline.schedule: interleaved (got gpipe)"),
+    (["pipeline.virtual_stages=0"], "pipeline.virtual_stages: must be >= 1 and <= 64 (got 0)"),
+    (["pipeline.schedule=interleaved", "pipeline.virtual_stages=2", "pipeline.balance=[2, 2]"],
+     "pipeline.balance has 2 entries but the pipeline has 4; give one layer count per chunk"),
     (["pipeline.checkpoint=sometimes"], "pipeline.checkpoint: must be 'always', 'except_last' or 'never'"),
     (["model.heads=abc"], "model.heads: must be an integer (got 'abc')"),
     (["model.filters=8"], "model.filters: unknown key; allowed keys here: kind, preset, arch, layers"),

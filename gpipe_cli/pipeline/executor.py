@@ -1,0 +1,172 @@
+"""Run one stage's action list: one small function per action kind, for training and evaluation alike.
+
+The list (pipeline/schedule.py) already says everything: which forward keeps no graph, where the
+recompute goes, whether a backward is whole or split into input (Bi) and weight (W) gradients. The
+executor holds the step's in-flight tensors between actions and derives nothing from the schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from gpipe_cli.pipeline.comm import Header
+from gpipe_cli.pipeline.schedule import Action, Kind
+from gpipe_cli.pipeline.stage import Stage, as_tensors
+from gpipe_cli.pipeline.stats import Timeline
+
+Tensors = list[torch.Tensor | None]
+Message = tuple[Tensors, bool, int]  # tensors, whether the value was a bare tensor, example offset
+
+
+class Source(Protocol):
+    """Where messages come from (comm.Inbound; in-process stand-ins for measuring one stage alone)."""
+
+    def take(self, microbatch: int) -> tuple[Header, list[torch.Tensor | None]]:
+        """The next message, which must carry number `microbatch`."""
+        ...
+
+
+class Sink(Protocol):
+    """Where messages go (comm.Outbound, or an in-process stand-in)."""
+
+    def send(self, microbatch: int, chunks: int, offset: int, tensors: Sequence[torch.Tensor | None],
+             bare: bool = False, differentiable: bool = False) -> None:
+        """Post one message."""
+        ...
+
+
+@dataclass
+class Channels:
+    """This stage's point-to-point channels (None at the ends of the pipeline)."""
+
+    fwd_in: Source | None
+    fwd_out: Sink | None
+    bwd_in: Source | None
+    bwd_out: Sink | None
+
+
+@dataclass
+class Executor:
+    """The state of one step on one stage while its actions run.
+
+    `stages` are this rank's chunks of layers by global chunk index (of `chunk_count` in all); `feed` holds
+    the first chunk's micro-batches; `targets` and `weights` the last chunk's (training); `on_output`
+    receives the last chunk's outputs (evaluation). `received` may hold messages taken before the run
+    (evaluation learns M from its first message). A message is keyed by its receiving chunk and
+    micro-batch, so that the several chunks sharing a channel can never take each other's.
+    """
+
+    stages: dict[int, Stage]
+    channels: Channels
+    chunk_count: int
+    chunks: int
+    training: bool
+    timeline: Timeline | None = None
+    feed: Sequence[Message] = ()
+    targets: Sequence[torch.Tensor] = ()
+    weights: Sequence[float] = ()
+    on_output: Callable[[int, Any], None] | None = None
+    received: dict[int, Message] = field(default_factory=dict)
+    before: Callable[[Action], None] | None = None  # called before each action (memory accounting reads here)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    _outgoing: dict[int, Message] = field(default_factory=dict)
+    _grads_in: dict[int, Tensors] = field(default_factory=dict)
+    _grads_out: dict[int, Tensors] = field(default_factory=dict)
+
+    def key(self, chunk: int, mb: int) -> int:
+        """A message's number on its channel: its receiving chunk and micro-batch (chunk alone for mb 0)."""
+        return mb * self.chunk_count + chunk
+
+    def _first(self, action: Action) -> bool:
+        return action.chunk == 0
+
+    def _last(self, action: Action) -> bool:
+        return action.chunk == self.chunk_count - 1
+
+    def run(self, actions: Sequence[Action]) -> None:
+        """Execute the actions in order (receives are timed as waiting, sends as communication)."""
+        handlers: dict[Kind, Callable[[Action], None]] = {
+            Kind.RECV_FWD: self._recv_fwd, Kind.FWD: self._forward, Kind.SEND_FWD: self._send_fwd,
+            Kind.RECOMPUTE: self._recompute, Kind.RECV_BWD: self._recv_bwd, Kind.BWD: self._backward,
+            Kind.BWD_INPUT: self._backward_input, Kind.BWD_WEIGHT: self._backward_weight,
+            Kind.SEND_BWD: self._send_bwd,
+        }
+        for action in actions:
+            if self.before is not None:
+                self.before(action)
+            if self.timeline is not None:
+                self.timeline.begin(action)
+            handlers[action.kind](action)
+            if self.timeline is not None:
+                self.timeline.end()
+
+    def _recv_fwd(self, action: Action) -> None:
+        key = self.key(action.chunk, action.microbatch)
+        if key in self.received:
+            return
+        assert self.channels.fwd_in is not None
+        header, tensors = self.channels.fwd_in.take(key)
+        if header.chunks != self.chunks:
+            raise RuntimeError(f"this stage runs {self.chunks} micro-batches but the previous stage runs "
+                               f"{header.chunks}")
+        self.received[key] = (tensors, header.bare, header.offset)
+
+    def _forward(self, action: Action) -> None:
+        mb, stage, last = action.microbatch, self.stages[action.chunk], self._last(action)
+        key = self.key(action.chunk, mb)
+        tensors, bare, offset = self.feed[mb] if self._first(action) else self.received.pop(key)
+        if not self.training:
+            out = stage.evaluate(tensors, bare, offset)
+            if last:
+                assert self.on_output is not None
+                self.on_output(mb, out)
+            else:
+                self._outgoing[key] = (*as_tensors(out), offset)
+            return
+        sent, sent_bare = stage.forward(mb, tensors, bare, offset, action.remat,
+                                        self.targets[mb] if last else None, self.weights[mb] if last else 0.0)
+        if last:
+            self.losses.append(sent[0])  # type: ignore[arg-type]
+        else:
+            self._outgoing[key] = (sent, sent_bare, offset)
+
+    def _send_fwd(self, action: Action) -> None:
+        assert self.channels.fwd_out is not None
+        tensors, bare, offset = self._outgoing.pop(self.key(action.chunk, action.microbatch))
+        self.channels.fwd_out.send(self.key(action.chunk + 1, action.microbatch), self.chunks, offset, tensors, bare,
+                                   differentiable=self.training)
+
+    def _recompute(self, action: Action) -> None:
+        self.stages[action.chunk].recompute(action.microbatch)
+
+    def _recv_bwd(self, action: Action) -> None:
+        assert self.channels.bwd_in is not None
+        key = self.key(action.chunk, action.microbatch)
+        self._grads_in[key] = self.channels.bwd_in.take(key)[1]
+
+    def _gradient_in(self, action: Action) -> Tensors | None:
+        return None if self._last(action) else self._grads_in.pop(self.key(action.chunk, action.microbatch))
+
+    def _keep_gradient_out(self, action: Action, grads: Tensors) -> None:
+        if not self._first(action):
+            self._grads_out[self.key(action.chunk, action.microbatch)] = grads
+
+    def _backward(self, action: Action) -> None:
+        stage = self.stages[action.chunk]
+        self._keep_gradient_out(action, stage.backward(action.microbatch, self._gradient_in(action)))
+
+    def _backward_input(self, action: Action) -> None:
+        stage = self.stages[action.chunk]
+        self._keep_gradient_out(action, stage.backward_input(action.microbatch, self._gradient_in(action)))
+
+    def _backward_weight(self, action: Action) -> None:
+        self.stages[action.chunk].backward_weight(action.microbatch)
+
+    def _send_bwd(self, action: Action) -> None:
+        assert self.channels.bwd_out is not None
+        grads = self._grads_out.pop(self.key(action.chunk, action.microbatch))
+        self.channels.bwd_out.send(self.key(action.chunk - 1, action.microbatch), self.chunks, 0, grads)

@@ -1,0 +1,32 @@
+from gpipe_cli.bench import trace
+from gpipe_cli.pipeline import schedule as sched
+
+
+def events_of(name: str, stages: int, microbatches: int, virtual: int = 1) -> list[dict]:
+    """A simulated step's spans as the events a measured step records."""
+    spans = sched.simulate(sched.build_all(name, stages, microbatches, "never", virtual), lambda s, a: 1.0)
+    return [{"stage": sp.stage, "kind": sp.action.kind.value, "microbatch": sp.action.microbatch,
+             "start": sp.start, "end": sp.end, "chunk": sp.action.chunk} for stage in spans for sp in stage]
+
+
+def x_events(events: list[dict]) -> list[dict]:
+    return [e for e in trace.chrome_trace(events, "t")["traceEvents"] if e["ph"] == "X"]
+
+
+def test_zero_bubble_draws_input_and_weight_gradients_apart(tmp_path):
+    events = events_of("zero-bubble", 2, 4)
+    json_path, png_path = trace.write(tmp_path / "step.json", events, "zero-bubble")
+    assert json_path.exists() and (png_path is None or png_path.exists())
+    drawn = x_events(events)
+    categories = {e["cat"] for e in drawn}
+    assert {"backward: input gradient", "backward: weight gradient"} <= categories
+    names = {e["name"] for e in drawn if e["tid"] == 1}
+    assert {"Bi0", "W0"} <= names and "B0" not in names
+    assert trace.COLORS["bwd_input"] != trace.COLORS["bwd_weight"]
+
+
+def test_interleaved_names_each_actions_chunk():
+    drawn = x_events(events_of("interleaved", 2, 2, virtual=2))
+    assert {e["name"] for e in drawn if e["tid"] == 0} >= {"F0/c0", "F0/c2"}
+    assert all(e["args"]["chunk"] % 2 == e["tid"] for e in drawn)
+    assert not any("/c" in e["name"] for e in x_events(events_of("1f1b", 2, 2)))
