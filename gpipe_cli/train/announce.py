@@ -85,9 +85,10 @@ def local_ranks(world: int, nnodes: str) -> int:
     return max(world // max(nodes, 1), 1)
 
 
-def announce(recipe: Recipe, nnodes: str, threads: int | None, stream: TextIO) -> None:
-    """Print the first line at once, then (after looking for GPUs) any oversubscription warning."""
-    print(first_line(recipe), file=stream, flush=True)
+def announce(recipe: Recipe, nnodes: str, threads: int | None, stream: TextIO, said: bool = False) -> None:
+    """Print the first line (unless `said`), then (after looking for GPUs) any oversubscription warning."""
+    if not said:
+        print(first_line(recipe), file=stream, flush=True)
     ranks = local_ranks(recipe.pipeline.partitions * recipe.pipeline.data_parallel, nnodes)
     gpus = 0
     if recipe.train.device != "cpu":

@@ -20,7 +20,7 @@ from gpipe_cli.data.offline import check_hub_data
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.launch import LaunchOptions, check_device, check_launch, check_writable, launch, under_torchrun
 from gpipe_cli.recipe.load import load_recipe, recipe_label
-from gpipe_cli.train.announce import announce, checking, local_ranks, note
+from gpipe_cli.train.announce import announce, checking, first_line, local_ranks, note
 from gpipe_cli.train.job import Job
 
 OUTPUTS = "outputs"
@@ -68,7 +68,10 @@ def train(options: TrainOptions) -> int:
     check_hub_data(recipe.data, options.recipe, options.overrides)  # offline: fail now, not inside the ranks
     # torch from here on: the recipe and the arguments are known to be good.
     first = not under_torchrun() or os.environ.get("RANK", "0") == "0"
-    with checking(recipe, first and (options.plain is False or (options.plain is None and sys.stdout.isatty()))):
+    live = options.plain is False or (options.plain is None and sys.stdout.isatty())
+    if first and not live:  # lines: say what starts now; a plan error follows on stderr, still one line there
+        print(first_line(recipe), flush=True)
+    with checking(recipe, first and live):
         from gpipe_cli.train.plan import checked_plan  # torch and the models: the status line is already up
 
         # Refuses impossible cuts and plans that cannot fit, before any rank starts (ranks do not re-check:
@@ -83,7 +86,7 @@ def train(options: TrainOptions) -> int:
         else:
             check_writable(Path(OUTPUTS) / recipe.name, "the output directory")
     if first:
-        announce(recipe, options.launch.nnodes, options.launch.threads, sys.stdout)
+        announce(recipe, options.launch.nnodes, options.launch.threads, sys.stdout, said=not live)
     job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
               resume=resume, started=started)
     if under_torchrun():

@@ -43,8 +43,10 @@ def test_bad_recipes_are_one_line_exit_2_and_write_nothing(tmp_path, case):
     out = tmp_path / "out"
     result = runner.invoke(app, ["train", str(write(tmp_path, recipe)), "--output-dir", str(out), *extra])
     assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+    # Plain output may already have said what was starting (a plan error comes after the first line).
+    assert all(line.startswith("gpipe train ") for line in result.stdout.splitlines()), result.stdout
     assert "Traceback" not in result.output
     assert not out.exists()
 
