@@ -8,8 +8,10 @@ A daemon thread on every rank writes a beat once a second and reads everyone's. 
 
 Either ends the job when it lasts the timeout: a fixed number of seconds, or by default the larger of
 60 s and 10x the slowest step so far (so a big model is not ended for being big). Progress is judged
-only once every rank finished a step (set-up, such as tokenizer training, can be long); neither sign is
-judged for a rank that writes a checkpoint (`paused`). The first rank to see it prints one line and stops every rank.
+once every rank finished a step (set-up, such as tokenizer training, can be long), or with a fixed timeout
+once every rank started training, so a hang inside the first step is caught too; neither sign is judged
+for a rank that writes a checkpoint (`paused`). The first rank to see it prints one line and stops every
+rank.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ _progress = 0
 _steps = 0
 _slowest = 0.0
 _paused = 0
+_started = False
 
 
 def tick() -> None:
@@ -48,6 +51,12 @@ def step_done(seconds: float) -> None:
     _progress += 1
     _steps += 1
     _slowest = max(_slowest, seconds)
+
+
+def training_started() -> None:
+    """Note that set-up is over on this rank: the first step begins."""
+    global _started
+    _started = True
 
 
 @contextlib.contextmanager
@@ -77,16 +86,19 @@ class Beat:
     paused: bool
     pid: int
     host: str
+    started: bool = False  # set-up is over: the rank is in its first step or later
 
     def encode(self) -> str:
         """The stored form."""
-        return f"{self.count} {self.progress} {self.steps} {self.slowest:.6f} {int(self.paused)} {self.pid} {self.host}"
+        return (f"{self.count} {self.progress} {self.steps} {self.slowest:.6f} {int(self.paused)} "
+                f"{int(self.started)} {self.pid} {self.host}")
 
     @staticmethod
     def decode(text: str) -> Beat:
         """Parse the stored form."""
-        count, progress, steps, slowest, held, pid, host = text.split(" ", 6)
-        return Beat(int(count), int(progress), int(steps), float(slowest), held == "1", int(pid), host)
+        count, progress, steps, slowest, held, started, pid, host = text.split(" ", 7)
+        return Beat(int(count), int(progress), int(steps), float(slowest), held == "1", int(pid), host,
+                    started == "1")
 
 
 class Judge:
@@ -113,7 +125,10 @@ class Judge:
             names = ", ".join(self.name(r) for r in silent)
             return (f"{names} stopped responding: no heartbeat for {limit:.0f} s (the process is stopped or "
                     f"frozen); ending the job", silent)
-        if any(b.steps < 1 or b.paused for b in beats):
+        # Before every rank finished a step only a fixed timeout is judged, from when all started training: the
+        # default grows with the slowest step, which is not known yet (a big model's first step is long).
+        early = any(b.steps < 1 for b in beats)
+        if any(b.paused for b in beats) or (early and (self.timeout is None or not all(b.started for b in beats))):
             self._progress = None
             return None
         state = tuple(b.progress for b in beats)
@@ -153,7 +168,7 @@ class Heartbeat:
         count, host = 0, socket.gethostname()
         while not self._stopped.wait(self.interval):
             count += 1
-            mine = Beat(count, _progress, _steps, _slowest, _paused > 0, os.getpid(), host)
+            mine = Beat(count, _progress, _steps, _slowest, _paused > 0, os.getpid(), host, _started)
             try:
                 self._store.set(self._keys[self.rank], mine.encode())
                 if not self._store.check(self._keys):

@@ -202,6 +202,7 @@ class Trainer:
         if self.view is not None:
             self.view.start(self.total_steps, self.start_step)
         last_time = time.perf_counter()
+        heartbeat.training_started()
         for step, batch in enumerate(self.batches(self.start_step), start=self.start_step):
             self.profiler.before(step + 1)
             # The loader leaves out what this rank's stage does not need (inputs, targets or both).

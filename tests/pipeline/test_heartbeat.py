@@ -3,8 +3,9 @@
 from gpipe_cli.pipeline.heartbeat import Beat, Judge, default_timeout
 
 
-def beat(count: int, progress: int = 0, steps: int = 0, slowest: float = 0.1, paused: bool = False) -> Beat:
-    return Beat(count, progress, steps, slowest, paused, 100, "host")
+def beat(count: int, progress: int = 0, steps: int = 0, slowest: float = 0.1, paused: bool = False,
+         started: bool = False) -> Beat:
+    return Beat(count, progress, steps, slowest, paused, 100, "host", started)
 
 
 def name(rank: int) -> str:
@@ -51,3 +52,14 @@ def test_the_default_timeout_grows_with_the_slowest_step():
     assert judge.verdict([beat(1, 1, 1, slowest=20.0), beat(2, 1, 1)], now=150.0) is None
     found = judge.verdict([beat(1, 1, 1, slowest=20.0), beat(2, 1, 1)], now=201.0)
     assert found is not None and found[0].startswith("rank 0 (stage 0) stopped responding: no heartbeat for 200 s")
+
+
+def test_a_hang_in_the_first_step_is_caught_with_a_fixed_timeout_only():
+    fixed, default = Judge(rank=0, timeout=5.0, name=name), Judge(rank=0, timeout=None, name=name)
+    found = None
+    for second in range(8):  # every rank started training, none finished a step or a transfer
+        beats = [beat(second, 2, 0, started=True), beat(second, 1, 0, started=True)]
+        found = fixed.verdict(beats, now=float(second))
+        assert default.verdict(beats, now=float(second)) is None, "the default waits for a step's duration"
+    assert found is not None and found[1] == [0, 1] and "stuck in step 1" in found[0]
+    assert Beat.decode(beat(3, 7, 0, started=True).encode()).started
