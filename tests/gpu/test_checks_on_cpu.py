@@ -94,7 +94,7 @@ def test_train_device_cuda_without_a_gpu_is_one_line_and_writes_nothing(tmp_path
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["train", str(write(tmp_path, PRECISION_RECIPE)), "--output-dir", str(out),
                                       "--set", "train.device=cuda"])
-    lines = [line for line in result.output.splitlines() if line.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]  # stdout may say what was starting
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert "train.device: cuda needs a CUDA GPU" in lines[0] and not out.exists()
 
