@@ -2,7 +2,9 @@
 
 A daemon thread on every rank writes a beat once a second and reads everyone's. Two signs of trouble:
 
-- silence: a rank whose beat stops changing is stopped (SIGSTOP) or frozen; its own thread stopped too.
+- silence: a rank in training whose beat stops changing is stopped (SIGSTOP) or frozen; its own thread
+  stopped too. Each rank beats once from its compute thread when it starts and when it starts training,
+  since set-up can hold the interpreter lock and starve the beating thread.
 - no progress: every rank still beats, but no rank finished a step or a transfer (the training loop
   calls `step_done`, the transport calls `tick`); the ranks furthest behind are named.
 
@@ -37,6 +39,7 @@ _steps = 0
 _slowest = 0.0
 _paused = 0
 _started = False
+_on_start: Callable[[], None] | None = None  # beats at once when training starts (set by Heartbeat)
 
 
 def tick() -> None:
@@ -57,6 +60,10 @@ def training_started() -> None:
     """Note that set-up is over on this rank: the first step begins."""
     global _started
     _started = True
+    if _on_start is not None:
+        # At once, from this thread: a rank stopped right after starting must be judged as started.
+        with contextlib.suppress(Exception):  # the store is gone: the abort watch ends this rank
+            _on_start()
 
 
 @contextlib.contextmanager
@@ -119,8 +126,10 @@ class Judge:
         for rank, beat in enumerate(beats):
             if rank != self.rank and self._heard.get(rank, (None, 0.0))[0] != beat.count:
                 self._heard[rank] = (beat.count, now)
-        # A rank writing a checkpoint may hold the interpreter lock for long stretches: not judged then.
-        silent = [r for r, (_, since) in self._heard.items() if now - since > limit and not beats[r].paused]
+        # Set-up (tokenizer training in C++) and checkpoint writes may hold the interpreter lock for long
+        # stretches, starving the beating thread: silence is judged only in training and between writes.
+        silent = [r for r, (_, since) in self._heard.items()
+                  if now - since > limit and beats[r].started and not beats[r].paused]
         if silent:
             names = ", ".join(self.name(r) for r in silent)
             return (f"{names} stopped responding: no heartbeat for {limit:.0f} s (the process is stopped or "
@@ -156,24 +165,51 @@ class Heartbeat:
         self._keys = [f"{_KEY_PREFIX}{run}/{attempt}/{r}" for r in range(world)]
         self._store = failure.connect()
         self._stopped = threading.Event()
+        self._lock = threading.Lock()  # the compute thread beats once too (training_started)
+        self._count = 0
         if self._store is not None:
+            global _on_start
+            # The first beat now, from this thread: the beating thread may be starved while set-up holds
+            # the interpreter lock, and a rank without a beat cannot be judged.
+            with contextlib.suppress(Exception):
+                self._send()
+            _on_start = self._send
             threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
 
     def stop(self) -> None:
         """Stop beating and judging (a clean shutdown)."""
+        global _on_start
         self._stopped.set()
+        _on_start = None
+
+    def _send(self) -> None:
+        """Write this rank's beat (raises when the store is gone)."""
+        with self._lock:
+            self._write()
+
+    def _write(self) -> None:
+        assert self._store is not None
+        self._count += 1
+        mine = Beat(self._count, _progress, _steps, _slowest, _paused > 0, os.getpid(), socket.gethostname(),
+                    _started)
+        self._store.set(self._keys[self.rank], mine.encode())
+
+    def _exchange(self) -> list[Beat] | None:
+        """Write this rank's beat and read everyone's (None until every rank beats)."""
+        assert self._store is not None
+        with self._lock:
+            self._write()
+            if not self._store.check(self._keys):
+                return None
+            return [Beat.decode(v.decode()) for v in self._store.multi_get(self._keys)]
 
     def _beat(self) -> None:
-        assert self._store is not None
-        count, host = 0, socket.gethostname()
+        host = socket.gethostname()
         while not self._stopped.wait(self.interval):
-            count += 1
-            mine = Beat(count, _progress, _steps, _slowest, _paused > 0, os.getpid(), host, _started)
             try:
-                self._store.set(self._keys[self.rank], mine.encode())
-                if not self._store.check(self._keys):
+                beats = self._exchange()
+                if beats is None:
                     continue  # not every rank beats yet
-                beats = [Beat.decode(v.decode()) for v in self._store.multi_get(self._keys)]
             except Exception:
                 return  # the store is gone: the abort watch ends this rank
             found = self.judge.verdict(beats, time.monotonic())

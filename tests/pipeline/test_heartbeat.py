@@ -19,12 +19,19 @@ def test_default_timeout_is_a_minute_or_ten_slowest_steps():
 
 def test_a_rank_that_stops_beating_is_named_after_the_timeout():
     judge = Judge(rank=0, timeout=5.0, name=name)
-    assert judge.verdict([beat(1), beat(1)], now=0.0) is None
-    assert judge.verdict([beat(4), beat(1)], now=5.0) is None  # rank 1 silent for exactly the timeout
-    found = judge.verdict([beat(5), beat(1)], now=5.5)
+    assert judge.verdict([beat(1, started=True), beat(1, started=True)], now=0.0) is None
+    # rank 1 silent for exactly the timeout
+    assert judge.verdict([beat(4, started=True), beat(1, started=True)], now=5.0) is None
+    found = judge.verdict([beat(5, started=True), beat(1, started=True)], now=5.5)
     assert found is not None and found[1] == [1]
     assert "rank 1 (stage 1) stopped responding: no heartbeat for 5 s" in found[0]
     assert Beat.decode(beat(3, 7, 2, 1.5, True).encode()) == beat(3, 7, 2, 1.5, True)
+
+
+def test_silence_during_set_up_is_not_judged():
+    judge = Judge(rank=0, timeout=5.0, name=name)  # rank 1 trains a tokenizer, holding the interpreter lock
+    for second in range(30):
+        assert judge.verdict([beat(second, started=True), beat(1)], now=float(second)) is None
 
 
 def test_no_progress_names_the_ranks_furthest_behind():
@@ -47,10 +54,10 @@ def test_progress_is_not_judged_before_the_first_step_nor_during_a_checkpoint():
 
 def test_the_default_timeout_grows_with_the_slowest_step():
     judge = Judge(rank=1, timeout=None, name=name)  # rank 0 stops beating after a 20 s step
-    slow = [beat(1, 1, 1, slowest=20.0), beat(1, 1, 1)]
+    slow = [beat(1, 1, 1, slowest=20.0, started=True), beat(1, 1, 1, started=True)]
     judge.verdict(slow, now=0.0)
-    assert judge.verdict([beat(1, 1, 1, slowest=20.0), beat(2, 1, 1)], now=150.0) is None
-    found = judge.verdict([beat(1, 1, 1, slowest=20.0), beat(2, 1, 1)], now=201.0)
+    assert judge.verdict([slow[0], beat(2, 1, 1, started=True)], now=150.0) is None
+    found = judge.verdict([slow[0], beat(2, 1, 1, started=True)], now=201.0)
     assert found is not None and found[0].startswith("rank 0 (stage 0) stopped responding: no heartbeat for 200 s")
 
 
