@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class PartitionError(ValueError):
@@ -73,6 +73,41 @@ def balance_by_cost(costs: Sequence[float], partitions: int) -> list[int]:
         j = cut[k - 1][j]
         bounds.append(j)
     bounds.append(0)
+    bounds.reverse()
+    return [bounds[s + 1] - bounds[s] for s in range(partitions)]
+
+
+def balance_within(costs: Sequence[float], partitions: int, fits: Callable[[int, int, int], bool]) -> list[int] | None:
+    """The contiguous K-way split minimising the largest stage cost among those where every stage fits.
+
+    `fits(stage, start, stop)` says whether layers start..stop-1 fit as stage `stage` (a stage's memory
+    depends on its place: earlier stages hold more micro-batches in flight). None when no split fits.
+    Exact dynamic programme, O(K·L²) calls of `fits`.
+    """
+    check_partitions(len(costs), partitions)
+    n = len(costs)
+    prefix = [0.0, *itertools.accumulate(float(c) for c in costs)]
+    inf = float("inf")
+    # best[k][j]: the smallest largest-stage cost of the first j layers as stages 0..k-1, all fitting.
+    best = [[0.0] + [inf] * n]
+    cut: list[list[int]] = [[0] * (n + 1)]
+    for k in range(1, partitions + 1):
+        row, cuts = [inf] * (n + 1), [0] * (n + 1)
+        for j in range(k, n - (partitions - k) + 1):
+            for i in range(j - 1, k - 2, -1):  # later cuts first, so ties favour lighter early stages
+                if best[k - 1][i] == inf or not fits(k - 1, i, j):
+                    continue
+                value = max(best[k - 1][i], prefix[j] - prefix[i])
+                if value < row[j]:
+                    row[j], cuts[j] = value, i
+        best.append(row)
+        cut.append(cuts)
+    if best[partitions][n] == inf:
+        return None
+    bounds, j = [n], n
+    for k in range(partitions, 0, -1):
+        j = cut[k][j]
+        bounds.append(j)
     bounds.reverse()
     return [bounds[s + 1] - bounds[s] for s in range(partitions)]
 

@@ -3,6 +3,7 @@ import random
 
 import pytest
 
+from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline.partition import (
     PartitionError,
     balance_by_cost,
@@ -75,3 +76,45 @@ def test_balance_length_must_match_partitions():
 
 def test_stage_ranges_are_contiguous():
     assert stage_ranges([3, 5, 4, 4]) == [range(0, 3), range(3, 8), range(8, 12), range(12, 16)]
+
+
+def _brute_within(costs, k, fits):
+    best = None
+    for cuts in itertools.combinations(range(1, len(costs)), k - 1):
+        bounds = [0, *cuts, len(costs)]
+        if all(fits(s, bounds[s], bounds[s + 1]) for s in range(k)):
+            peak = max(sum(costs[bounds[s]:bounds[s + 1]]) for s in range(k))
+            if best is None or peak < best:
+                best = peak
+    return best
+
+
+def test_balance_within_memory_is_the_best_split_that_fits():
+    rng = random.Random(7)
+    for _ in range(200):
+        n, k = rng.randint(1, 9), rng.randint(1, 4)
+        if k > n:
+            continue
+        costs = [rng.randint(0, 9) for _ in range(n)]
+        sizes = [rng.randint(1, 5) for _ in range(n)]
+        budget = rng.randint(3, 20)
+        # earlier stages hold more in flight: stage s pays (k - s) times its layers' sizes
+        def fits(stage, start, stop, sizes=sizes, budget=budget, k=k):
+            return (k - stage) * sum(sizes[start:stop]) <= budget
+        found = partition.balance_within(costs, k, fits)
+        expected = _brute_within(costs, k, fits)
+        if expected is None:
+            assert found is None
+            continue
+        assert found is not None and sum(found) == n and len(found) == k
+        bounds = [0, *itertools.accumulate(found)]
+        assert all(fits(s, bounds[s], bounds[s + 1]) for s in range(k))
+        assert max(partition.stage_costs(costs, found)) == expected
+
+
+def test_balance_within_without_a_memory_limit_matches_the_min_max_split():
+    costs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
+    unlimited = partition.balance_within(costs, 3, lambda s, i, j: True)
+    assert unlimited is not None
+    assert max(partition.stage_costs(costs, unlimited)) == max(
+        partition.stage_costs(costs, partition.balance_by_cost(costs, 3)))
