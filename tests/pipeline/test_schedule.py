@@ -140,8 +140,9 @@ def test_zero_bubble_is_1f1b_with_the_backward_split_and_each_w_late_by_its_stag
 
 
 def equal_costs(stage, action):
-    """F, B and W alike (a whole backward is B + W)."""
-    return {Kind.FWD: 1.0, Kind.BWD: 2.0, Kind.BWD_INPUT: 1.0, Kind.BWD_WEIGHT: 1.0}.get(action.kind, 0.0)
+    """F, B, W and a recompute alike (a whole backward is B + W)."""
+    return {Kind.FWD: 1.0, Kind.RECOMPUTE: 1.0, Kind.BWD: 2.0, Kind.BWD_INPUT: 1.0,
+            Kind.BWD_WEIGHT: 1.0}.get(action.kind, 0.0)
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -150,8 +151,19 @@ def test_zero_bubble_cuts_1f1b_bubble_to_about_a_third(stages):
         one = S.bubble(S.simulate(S.build_all("1f1b", stages, mbs, "never"), equal_costs))
         zero = S.bubble(S.simulate(S.build_all("zero-bubble", stages, mbs, "never"), equal_costs))
         # ZB-H1: each stage idles K-1 slots of one pass where 1F1B idles K-1 slots of three
-        assert zero <= one / 2
+        assert one / 3 < zero <= one / 2
         assert zero == pytest.approx(S.theoretical_bubble(stages, mbs, "zero-bubble"))
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_zero_bubble_halves_gpipe_bubble_when_every_stage_recomputes_alike(checkpoint):
+    # (except_last recomputes every micro-batch on stage 0 of the 1F1B family and none on the last stage:
+    # that imbalance, not the order, is then most of the idle time)
+    for stages in (2, 3, 4):
+        for mbs in range(2 * stages, 4 * stages + 1):
+            idle = {name: S.bubble(S.simulate(S.build_all(name, stages, mbs, checkpoint), equal_costs))
+                    for name in ("gpipe", "1f1b", "zero-bubble")}
+            assert idle["zero-bubble"] <= min(idle["gpipe"], idle["1f1b"]) / 2, (stages, mbs, idle)
 
 
 @pytest.mark.parametrize("name", S.SCHEDULES)
