@@ -276,7 +276,7 @@ def theoretical_bubble(stages: int, microbatches: int, name: str = "gpipe", virt
     """A schedule's idle fraction for equal stage costs (backward = 2 forwards), free messages, no remat.
 
     GPipe and 1F1B: (K-1)/(M+K-1). Other schedules: their own action lists run on ideal devices, each of
-    the V chunks of a stage costing 1/V of it.
+    the V chunks of a stage costing 1/V of it (zero-bubble, B and W one forward each: (K-1)/(3M+K-1)).
     """
     if name in ("gpipe", "1f1b") or (name == "interleaved" and virtual == 1):
         return (stages - 1) / (microbatches + stages - 1)
