@@ -12,17 +12,17 @@ GPipe fill-drain, K=3 stages, M=4 micro-batches (F forward, B backward, time flo
     stage 1  .. F0 F1 .. B0 F2 B1 F3 B2 .. B3 ..
     stage 2  .. .. F0 B0 F1 B1 F2 B2 F3 B3 .. ..
 
-Zero-bubble (ZB-H1 style) splits each backward into Bi (the input gradient, which the previous stage
-waits for) and W (the weight gradient, which nobody waits for). It runs 1F1B's order with Bi in place
-of B, and W right after Bi in the steady phase; in the drain every Bi goes first and the Ws fill the
-time the stage would otherwise wait. A micro-batch holds its graph from F to W, so no stage ever holds
-more micro-batches than under 1F1B. The first stage sends no gradient, so it keeps whole backwards.
-Compute order per stage, K=4, M=4:
+Zero-bubble (ZB-H1, Qi et al., 2024) splits each backward into Bi (the input gradient, which the
+previous stage waits for) and W (the weight gradient, which nobody waits for). It runs 1F1B's order
+with Bi in place of B, and stage s puts each W s backwards later: the Bs travel up the pipeline twice
+as fast, and the Ws fill the slots where the stage would wait. Under 1F1B stage s holds K - s
+micro-batches and stage 0 holds K, so s pending Ws keep every stage at stage 0's peak. Stage 0 lags by
+nothing and keeps whole backwards. Compute order per stage, K=4, M=4:
 
     stage 0  F0 F1 F2 F3 B0 B1 B2 B3
-    stage 1  F0 F1 F2 Bi0 W0 F3 Bi1 W1 Bi2 Bi3 W2 W3
-    stage 2  F0 F1 Bi0 W0 F2 Bi1 W1 F3 Bi2 W2 Bi3 W3
-    stage 3  F0 Bi0 W0 F1 Bi1 W1 F2 Bi2 W2 F3 Bi3 W3
+    stage 1  F0 F1 F2 Bi0 F3 Bi1 W0 Bi2 W1 Bi3 W2 W3
+    stage 2  F0 F1 Bi0 F2 Bi1 F3 Bi2 W0 Bi3 W1 W2 W3
+    stage 3  F0 Bi0 F1 Bi1 F2 Bi2 F3 Bi3 W0 W1 W2 W3
 
 Interleaved 1F1B gives each stage V chunks of layers, chunk c on stage c mod K (the last stage's
 chunks feed the first stage's next ones): forwards go K micro-batches per chunk in turn, with a deeper
@@ -142,18 +142,35 @@ def _order(name: str, stage: int, stages: int, microbatches: int, virtual: int =
     if name == "gpipe":
         return [(Kind.FWD, i, stage) for i in range(microbatches)] + \
             [(Kind.BWD, i, stage) for i in reversed(range(microbatches))]
+    # 1F1B: a warm-up of forwards, then each forward followed by the oldest backward, then the drain.
     warmup = min(stages - stage - 1, microbatches)
-    split = name == "zero-bubble" and stage > 0  # the first stage has no input gradient to hurry
-    steady = [Kind.BWD_INPUT, Kind.BWD_WEIGHT] if split else [Kind.BWD]
     order: list[Step] = [(Kind.FWD, i, stage) for i in range(warmup)]
     for j in range(microbatches - warmup):
-        order += [(Kind.FWD, warmup + j, stage)] + [(kind, j, stage) for kind in steady]
-    drain = range(microbatches - warmup, microbatches)
-    if split:
-        order += [(Kind.BWD_INPUT, j, stage) for j in drain] + [(Kind.BWD_WEIGHT, j, stage) for j in drain]
-    else:
-        order += [(Kind.BWD, j, stage) for j in drain]
-    return order
+        order += [(Kind.FWD, warmup + j, stage), (Kind.BWD, j, stage)]
+    order += [(Kind.BWD, j, stage) for j in range(microbatches - warmup, microbatches)]
+    return _defer_weights(order, stage) if name == "zero-bubble" else order
+
+
+def _defer_weights(order: Sequence[Step], lag: int) -> list[Step]:
+    """ZB-H1: each backward becomes its B, and its W goes right after the B `lag` backwards later.
+
+    Stage s lags by s: under 1F1B it holds K - s micro-batches where stage 0 holds K, so s pending Ws
+    keep every stage at stage 0's peak. The last `lag` Ws end the list, where the stage would otherwise
+    wait for the step to end. With no lag the backward stays whole (one autograd pass, same order).
+    """
+    if lag == 0:
+        return list(order)
+    out: list[Step] = []
+    done: list[tuple[int, int]] = []  # (micro-batch, chunk) of each B, in order
+    for kind, mb, chunk in order:
+        if kind != Kind.BWD:
+            out.append((kind, mb, chunk))
+            continue
+        out.append((Kind.BWD_INPUT, mb, chunk))
+        done.append((mb, chunk))
+        if len(done) > lag:
+            out.append((Kind.BWD_WEIGHT, *done[-lag - 1]))
+    return out + [(Kind.BWD_WEIGHT, *key) for key in done[max(0, len(done) - lag):]]
 
 
 def _remat(mode: str, order: Sequence[Step]) -> set[tuple[int, int]]:
@@ -259,7 +276,7 @@ def theoretical_bubble(stages: int, microbatches: int, name: str = "gpipe", virt
     """A schedule's idle fraction for equal stage costs (backward = 2 forwards), free messages, no remat.
 
     GPipe and 1F1B: (K-1)/(M+K-1). Other schedules: their own action lists run on ideal devices, each of
-    the V chunks of a stage costing 1/V of it.
+    the V chunks of a stage costing 1/V of it (zero-bubble, B and W one forward each: (K-1)/(3M+K-1)).
     """
     if name in ("gpipe", "1f1b") or (name == "interleaved" and virtual == 1):
         return (stages - 1) / (microbatches + stages - 1)

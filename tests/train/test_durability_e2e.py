@@ -80,8 +80,9 @@ def test_resume_equals_the_uninterrupted_run_step_for_step(full_run, tmp_path):
 @pytest.mark.parametrize("changes", [["--set", "pipeline.partitions=1"], ["--set", "pipeline.partitions=3"],
                                      ["--set", "pipeline.balance=[1,5]"],
                                      ["--set", "pipeline.schedule=interleaved", "--set", "pipeline.virtual_stages=2",
-                                      "--set", "pipeline.microbatches=4"]],
-                         ids=["K=1", "K=3", "balance", "interleaved-V=2"])
+                                      "--set", "pipeline.microbatches=4"],
+                                     ["--set", "pipeline.schedule=zero-bubble", "--set", "pipeline.checkpoint=always"]],
+                         ids=["K=1", "K=3", "balance", "interleaved-V=2", "zero-bubble"])
 def test_resume_with_another_cut_continues_with_the_same_losses(full_run, tmp_path, changes):
     path, run = full_run
     copy_dir = interrupted_copy(run, tmp_path / "copy", keep_step=6)
