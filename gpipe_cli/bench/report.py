@@ -49,18 +49,34 @@ def _stages(s: dict[str, Any]) -> Table:
     return table
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def _compare(s: dict[str, Any]) -> Table:
-    table = Table(title="Against torch.distributed.pipelining (same model, K, M, layers; same clock and meter)")
-    for name in ("schedule", "samples/s", "peak memory", "ours / theirs: throughput", "memory"):
-        table.add_column(name, justify="right")
-    table.add_row(f"ours ({s['schedule']}, {s['checkpoint']})", _rate(s["samples_per_s"]),
-                  human_bytes(s.get("peak_mem_bytes")), "", "")
-    for name, c in s["compare"].items():
-        ratio = c["throughput_ratio"]
-        memory = c["memory_ratio"]
-        table.add_row(name, _rate(c["samples_per_s"]), human_bytes(c["peak_mem_bytes"]),
-                      "-" if ratio is None else f"{ratio:.2f}x", "-" if memory is None else f"{memory:.2f}x")
+    table = Table(title=f"Against torch.distributed.pipelining (same model, K, M, cut; same clock and meter; same "
+                        f"recomputation: checkpoint {s['checkpoint']}, whole chunk, on both sides)")
+    for name in ("schedule", "samples/s", "idle", "peak per stage", "ours/theirs: samples/s", "idle", "peak"):
+        table.add_column(name, justify="right", overflow="fold")  # class names have no spaces to wrap at
+    ours = " / ".join(human_bytes(b) for b in s.get("stage_peak_bytes", []))
+    table.add_row(f"ours: {s['schedule']}", _rate(s["samples_per_s"]), f"{s['bubble']:.3f}", ours, "", "", "")
+    for c in s["compare"].values():
+        if "skipped" in c:
+            continue
+        peaks = " / ".join(human_bytes(b) for b in c["stage_peak_bytes"])
+        label = f"torch {c['class'].removeprefix('Schedule')}"
+        table.add_row(label, _rate(c["samples_per_s"]), f"{c['bubble']:.3f}", peaks,
+                      _ratio(c["throughput_ratio"]), _ratio(c.get("bubble_ratio")), _ratio(c["memory_ratio"]))
     return table
+
+
+def _prediction(s: dict[str, Any]) -> str:
+    """The simulator's prediction beside the measurement of the same configuration."""
+    p = s["prediction"]
+    ratio = s["samples_per_s"] / p["samples_per_s"] if p["samples_per_s"] else 0.0
+    return (f"simulator vs measurement ({s['schedule']}): predicted {p['samples_per_s']:,.1f} samples/s, bubble "
+            f"{p['bubble']:.3f}; measured {s['samples_per_s']:,.1f} samples/s, bubble {s['bubble']:.3f}; "
+            f"measured / predicted throughput [bold]{ratio:.2f}[/] (calibration x{p['calibration']:.2f})")
 
 
 def show(s: dict[str, Any], console: Console) -> None:
@@ -88,14 +104,16 @@ def show(s: dict[str, Any], console: Console) -> None:
         console.print(_stages(s))
     p = s["prediction"]
     if not s["simulated"]:
-        console.print(f"[dim]simulator's prediction for this configuration: {p['samples_per_s']:,.1f} samples/s, "
-                      f"bubble {p['bubble']:.3f} (calibration x{p['calibration']:.2f})[/]")
+        console.print(_prediction(s))
     else:
         console.print(f"[bold yellow]PREDICTION[/] for {p['partitions']} devices linked at {p['bandwidth_gb_s']} GB/s, "
                       f"{p['latency_us']} µs per message, from per-layer costs measured here (calibrated "
                       f"x{p['calibration']:.2f} to the measured K=1 step)")
     if "compare" in s:
         console.print(_compare(s))
+        for name, c in s["compare"].items():
+            if "skipped" in c:
+                console.print(f"{name}: not measured ({c['skipped']})")
     if "trace" in s:
         t = s["trace"]
         png = t["png"] or "no PNG: install matplotlib (pip install gpipe-cli[plot])"
