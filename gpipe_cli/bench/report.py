@@ -109,11 +109,11 @@ def show(s: dict[str, Any], console: Console) -> None:
         console.print(f"[bold yellow]PREDICTION[/] for {p['partitions']} devices linked at {p['bandwidth_gb_s']} GB/s, "
                       f"{p['latency_us']} µs per message, from per-layer costs measured here (calibrated "
                       f"x{p['calibration']:.2f} to the measured K=1 step)")
-    if "compare" in s:
+    if any("skipped" not in c for c in s.get("compare", {}).values()):
         console.print(_compare(s))
-        for name, c in s["compare"].items():
-            if "skipped" in c:
-                console.print(f"{name}: not measured ({c['skipped']})")
+    for name, c in s.get("compare", {}).items():
+        if "skipped" in c:
+            console.print(f"{name}: not measured ({c['skipped']})")
     if "trace" in s:
         t = s["trace"]
         png = t["png"] or "no PNG: install matplotlib (pip install gpipe-cli[plot])"

@@ -4,9 +4,10 @@ import json
 from collections import Counter
 
 import pytest
+from rich.console import Console
 from torch.distributed.pipelining import schedules
 
-from gpipe_cli.bench import BenchOptions, run
+from gpipe_cli.bench import BenchOptions, report, run
 from gpipe_cli.pipeline import schedule as sched
 from tests.bench import tiny
 
@@ -59,6 +60,16 @@ def test_compare_runs_the_counterpart_with_the_same_recomputation(bench):
     assert set(figures["compare"]) == {"torch-gpipe"}
     _check_counterpart(options, figures, "torch-gpipe", "ScheduleGPipe")
     assert figures["prediction"]["measured_over_predicted"] > 0
+
+
+def test_a_counterpart_not_measured_is_one_line_in_the_report(bench):
+    _, figures = bench
+    missing = {"class": "ScheduleX", "skipped": "torch 2.13 has no ScheduleX"}
+    console = Console(record=True, width=200)
+    report.show({**figures, "compare": {**figures["compare"], "torch-x": missing}}, console)
+    text = console.export_text()
+    assert "torch-x: not measured (torch 2.13 has no ScheduleX)" in text
+    assert "torch GPipe" in text and "simulator vs measurement (gpipe)" in text
 
 
 @pytest.mark.slow
