@@ -10,12 +10,17 @@
 A class the installed torch lacks is reported as skipped, with the reason. Each rank wraps the same
 layers our engine ran (same seed, same cut) in one `PipelineStage` per chunk it holds.
 
-Same recomputation: every micro-batch our action list rematerialises is run by torch under activation
-checkpointing of the whole chunk (see `recompute`), so both sides recompute the same forwards and the
-memory comparison compares like with like. Memory is measured by the method our engine uses: the same
-`ActivationMeter` counts every tensor autograd saves during their step (loss included), the recomputed
-ones, and the chunk inputs and outputs they keep from a micro-batch's forward until its backward. On
-CUDA both sides report the allocator's peak instead. A rank's idle share is its step time less the
+Same checkpointing: torch runs our `--checkpoint` mode, applied to its own order of work. A first,
+unmeasured step records the order in which each rank runs forwards and backwards; then, as our action
+lists decide it (`always`: every forward; `never`: none; `except_last`: all but those whose backward
+comes right after their forward, whose graph costs nothing to keep), the chosen forwards run under
+activation checkpointing of the whole chunk (see `recompute`) and are recomputed in their backward.
+Where the two orders differ, so may the number of recomputed forwards: both are reported.
+
+Memory is measured by the method our engine uses: the same `ActivationMeter` counts every tensor
+autograd saves during their step (loss included), the recomputed ones, and the chunk inputs and
+outputs they keep from a micro-batch's forward until its backward. On CUDA both sides report the
+allocator's peak instead. A rank's idle share is its step time less the
 time inside their stages' forward and backward calls (compute), over its step time, as ours.
 
 Their known trap: receive buffers are allocated once, from the first micro-batch's shapes, so the
@@ -80,8 +85,22 @@ def chunks_of(rank: int, stages: int, chunks: int, style: str) -> list[int]:
 class _Probe:
     """What every stage of this rank shares: the meter, its compute clock and the micro-batches to recompute."""
 
-    def __init__(self, meter: ActivationMeter, remat: set[tuple[int, int]]) -> None:
-        self.meter, self.remat, self.busy = meter, remat, 0.0
+    def __init__(self, meter: ActivationMeter) -> None:
+        self.meter, self.busy = meter, 0.0
+        self.remat: set[tuple[int, int]] = set()  # (micro-batch, chunk) forwards to checkpoint
+        self.order: list[tuple[str, int, int]] = []  # ("F" | "B" | "W", micro-batch, chunk) as torch ran them
+
+
+def checkpointed(mode: str, order: list[tuple[str, int, int]]) -> set[tuple[int, int]]:
+    """The forwards a checkpoint mode recomputes, given a rank's order of work (the rule of our action lists)."""
+    forwards = {(mb, chunk) for kind, mb, chunk in order if kind == "F"}
+    if mode == "always":
+        return forwards
+    if mode == "never":
+        return set()
+    immediate = {order[i][1:] for i in range(len(order) - 1)
+                 if order[i][0] == "F" and order[i + 1][0] == "B" and order[i + 1][1:] == order[i][1:]}
+    return forwards - immediate
 
 
 class _Chunk(nn.Module):
@@ -113,6 +132,7 @@ def _metered_stage_class() -> type:
 
         def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             cast(_Chunk, self.submod).checkpointed = (fwd_chunk_id, self.stage_index) in self.probe.remat
+            self.probe.order.append(("F", fwd_chunk_id, self.stage_index))
             start = time.perf_counter()
             out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
             self.probe.busy += time.perf_counter() - start
@@ -123,7 +143,8 @@ def _metered_stage_class() -> type:
 
         def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
-            out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)  # full, or input gradient only
+            self.probe.order.append(("B", bwd_chunk_id, self.stage_index))
             self.probe.busy += time.perf_counter() - start
             self.held.pop(bwd_chunk_id, None)
             return out
@@ -131,6 +152,7 @@ def _metered_stage_class() -> type:
         def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             out = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+            self.probe.order.append(("W", bwd_chunk_id, self.stage_index))
             self.probe.busy += time.perf_counter() - start
             return out
 
@@ -164,7 +186,7 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
     ranges = partition.stage_ranges(job.balance)
     ours = sched.build(job.schedule, layout.stage, k, microbatches, job.checkpoint, chunks // k)
     meter = ActivationMeter()
-    probe = _Probe(meter, sched.rematerialised(ours))
+    probe = _Probe(meter)
     modules = [_Chunk(build_layers(spec.factories(), ranges[c], job.seed, device), probe).to(device) for c in mine]
     for module in modules:
         module.train()
@@ -208,6 +230,9 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
                 schedule.step(*args, return_outputs=False)
         wall[0] = time.perf_counter() - start
 
+    # The first step, unmeasured, only learns torch's order of work; then the mode picks what to recompute.
+    timed(step)
+    probe.remat = checkpointed(job.checkpoint, probe.order)
     times, peaks, idle = [], [], []
     load: Load | None = None
     for index in range(job.warmup + job.steps):
@@ -219,7 +244,8 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
             peaks.append(_peak(meter, device))
             idle.append(max(wall[0] - probe.busy, 0.0) / wall[0] if wall[0] > 0 else 0.0)
     shares = load.finish() if load is not None else {}
-    rows = _gather([float(max(peaks)), median(idle), float(len(probe.remat))], layout.world_size)
+    rows = _gather([float(max(peaks)), median(idle), float(len(probe.remat)), float(len(sched.rematerialised(ours)))],
+                   layout.world_size)
     if layout.rank != 0:
         return None
     stage_peaks = [int(r[0]) for r in rows[:k]]
@@ -227,7 +253,8 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
     return {"class": cls_name, "samples_per_s": median([job.batch_size / t for t in times]), "step_times": times,
             "stage_peak_bytes": stage_peaks, "peak_mem_bytes": max(stage_peaks),
             "stage_idle": stage_idle, "bubble": sum(stage_idle) / len(stage_idle),
-            "stage_recomputed": [int(r[2]) for r in rows[:k]], "load": shares}
+            "checkpoint": job.checkpoint, "stage_recomputed": [int(r[2]) for r in rows[:k]],
+            "stage_recomputed_ours": [int(r[3]) for r in rows[:k]], "load": shares}
 
 
 def compare(spec: ModelSpec, topo: Topology, job: Job, inputs: Any, targets: torch.Tensor) -> dict[str, Any]:

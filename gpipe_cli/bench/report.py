@@ -53,19 +53,25 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _per_stage(values: list[Any]) -> str:
+    return " / ".join(str(v) for v in values)
+
+
 def _compare(s: dict[str, Any]) -> Table:
+    measured = [c for c in s["compare"].values() if "skipped" not in c]
     table = Table(title=f"Against torch.distributed.pipelining (same model, K, M, cut; same clock and meter; same "
-                        f"recomputation: checkpoint {s['checkpoint']}, whole chunk, on both sides)")
-    for name in ("schedule", "samples/s", "idle", "peak per stage", "ours/theirs: samples/s", "idle", "peak"):
+                        f"checkpointing: {s['checkpoint']}, whole chunk, each side on its own order of work)")
+    for name in ("schedule", "samples/s", "idle", "peak per stage", "recomputed per stage", "ours/theirs: samples/s",
+                 "idle", "peak"):
         table.add_column(name, justify="right", overflow="fold")  # class names have no spaces to wrap at
-    ours = " / ".join(human_bytes(b) for b in s.get("stage_peak_bytes", []))
-    table.add_row(f"ours: {s['schedule']}", _rate(s["samples_per_s"]), f"{s['bubble']:.3f}", ours, "", "", "")
-    for c in s["compare"].values():
-        if "skipped" in c:
-            continue
-        peaks = " / ".join(human_bytes(b) for b in c["stage_peak_bytes"])
+    ours = _per_stage([human_bytes(b) for b in s.get("stage_peak_bytes", [])])
+    recomputed = _per_stage(measured[0]["stage_recomputed_ours"]) if measured else "-"
+    table.add_row(f"ours: {s['schedule']}", _rate(s["samples_per_s"]), f"{s['bubble']:.3f}", ours, recomputed,
+                  "", "", "")
+    for c in measured:
         label = f"torch {c['class'].removeprefix('Schedule')}"
-        table.add_row(label, _rate(c["samples_per_s"]), f"{c['bubble']:.3f}", peaks,
+        table.add_row(label, _rate(c["samples_per_s"]), f"{c['bubble']:.3f}",
+                      _per_stage([human_bytes(b) for b in c["stage_peak_bytes"]]), _per_stage(c["stage_recomputed"]),
                       _ratio(c["throughput_ratio"]), _ratio(c.get("bubble_ratio")), _ratio(c["memory_ratio"]))
     return table
 
