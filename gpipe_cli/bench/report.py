@@ -53,27 +53,37 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _per_stage(values: list[Any]) -> str:
-    return " / ".join(str(v) for v in values)
-
-
 def _compare(s: dict[str, Any]) -> Table:
+    """One row per figure: ours, torch's counterpart, and ours / theirs."""
     measured = [c for c in s["compare"].values() if "skipped" not in c]
     table = Table(title=f"Against torch.distributed.pipelining (same model, K, M, cut; same clock and meter; same "
                         f"checkpointing: {s['checkpoint']}, whole chunk, each side on its own order of work)")
-    for name in ("schedule", "samples/s", "idle", "peak per stage", "recomputed per stage", "ours/theirs: samples/s",
-                 "idle", "peak"):
-        table.add_column(name, justify="right", overflow="fold")  # class names have no spaces to wrap at
-    ours = _per_stage([human_bytes(b) for b in s.get("stage_peak_bytes", [])])
-    recomputed = _per_stage(measured[0]["stage_recomputed_ours"]) if measured else "-"
-    table.add_row(f"ours: {s['schedule']}", _rate(s["samples_per_s"]), f"{s['bubble']:.3f}", ours, recomputed,
-                  "", "", "")
+    table.add_column("figure")
+    table.add_column(f"ours\n{s['schedule']}", justify="right")
     for c in measured:
-        label = f"torch {c['class'].removeprefix('Schedule')}"
-        table.add_row(label, _rate(c["samples_per_s"]), f"{c['bubble']:.3f}",
-                      _per_stage([human_bytes(b) for b in c["stage_peak_bytes"]]), _per_stage(c["stage_recomputed"]),
-                      _ratio(c["throughput_ratio"]), _ratio(c.get("bubble_ratio")), _ratio(c["memory_ratio"]))
+        table.add_column(f"torch\n{c['class']}", justify="right")
+        table.add_column("ours /\ntheirs", justify="right")
+
+    def row(label: str, mine: Any, key: str, show: Any, ratio: bool = True) -> None:
+        cells = [label, show(mine)]
+        for c in measured:
+            theirs = c[key] if not isinstance(mine, tuple) else c[key][mine[1]]
+            cells += [show(theirs), _ratio(_value(mine) / theirs if ratio and theirs else None)]
+        table.add_row(*cells)
+
+    row("samples/s", s["samples_per_s"], "samples_per_s", _rate)
+    row("idle (mean)", s["bubble"], "bubble", lambda v: f"{v:.3f}")
+    for stage, peak in enumerate(s.get("stage_peak_bytes", [])):
+        row(f"peak, stage {stage}", (peak, stage), "stage_peak_bytes", lambda v: human_bytes(_value(v)))
+    for stage, count in enumerate(measured[0]["stage_recomputed_ours"] if measured else []):
+        row(f"recomputed, stage {stage}", (count, stage), "stage_recomputed", lambda v: str(_value(v)),
+            ratio=False)
     return table
+
+
+def _value(cell: Any) -> Any:
+    """A figure, or the figure of a (figure, stage) pair."""
+    return cell[0] if isinstance(cell, tuple) else cell
 
 
 def _prediction(s: dict[str, Any]) -> str:

@@ -71,7 +71,7 @@ def test_a_counterpart_not_measured_is_one_line_in_the_report(bench):
     report.show({**figures, "compare": {**figures["compare"], "torch-x": missing}}, console)
     text = console.export_text()
     assert "torch-x: not measured (torch 2.13 has no ScheduleX)" in text
-    assert "torch GPipe" in text and "simulator vs measurement (gpipe)" in text
+    assert "ScheduleGPipe" in text and "simulator vs measurement (gpipe)" in text
 
 
 @pytest.mark.slow
