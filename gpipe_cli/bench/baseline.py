@@ -220,6 +220,7 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
             module.zero_grad(set_to_none=True)
         meter.reset_peak()
         probe.busy = 0.0
+        probe.order.clear()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
@@ -230,7 +231,9 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
                 schedule.step(*args, return_outputs=False)
         wall[0] = time.perf_counter() - start
 
-    # The first step, unmeasured, only learns torch's order of work; then the mode picks what to recompute.
+    # The first step, unmeasured, only learns torch's order of work (recomputing every forward, so that it
+    # fits wherever the measured steps do); then the mode picks what to recompute.
+    probe.remat = {(mb, c) for mb in range(microbatches) for c in mine}
     timed(step)
     probe.remat = checkpointed(job.checkpoint, probe.order)
     times, peaks, idle = [], [], []
