@@ -1,10 +1,27 @@
-"""torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B on our layers, timed and metered like ours.
+"""torch.distributed.pipelining's counterpart of the measured schedule, on our layers, timed and metered like ours.
 
-Each rank wraps the same layers our engine ran (same seed, same cut) in a `PipelineStage`. Memory is
-measured by the method our engine uses: the same `ActivationMeter` counts every tensor autograd saves
-during their step (the hooks wrap the whole step, loss included) plus the stage inputs and outputs
-they keep from a micro-batch's forward until its backward. On CUDA both sides report the allocator's
-peak instead.
+    ours           torch                          chunks per rank
+    gpipe          ScheduleGPipe                  1
+    1f1b           Schedule1F1B                   1
+    interleaved    ScheduleInterleaved1F1B        V, chunk c on rank c mod K (as ours)
+    zero-bubble    ScheduleInterleavedZeroBubble  1 (its ZB1P with one chunk per rank is ZB-H1)
+    zero-bubble-v  ScheduleZBVZeroBubble          2, in a V: rank r holds chunks r and 2K-1-r
+
+A class the installed torch lacks is reported as skipped, with the reason. Each rank wraps the same
+layers our engine ran (same seed, same cut) in one `PipelineStage` per chunk it holds.
+
+Same checkpointing: torch runs our `--checkpoint` mode, applied to its own order of work. A first,
+unmeasured step records the order in which each rank runs forwards and backwards; then, as our action
+lists decide it (`always`: every forward; `never`: none; `except_last`: all but those whose backward
+comes right after their forward, whose graph costs nothing to keep), the chosen forwards run under
+activation checkpointing of the whole chunk (see `recompute`) and are recomputed in their backward.
+Where the two orders differ, so may the number of recomputed forwards: both are reported.
+
+Memory is measured by the method our engine uses: the same `ActivationMeter` counts every tensor
+autograd saves during their step (loss included), the recomputed ones, and the chunk inputs and
+outputs they keep from a micro-batch's forward until its backward. On CUDA both sides report the
+allocator's peak instead. A rank's idle share is its step time less the
+time inside their stages' forward and backward calls (compute), over its step time, as ours.
 
 Their known trap: receive buffers are allocated once, from the first micro-batch's shapes, so the
 batch must split into equal micro-batches (the options refuse anything else with --compare).
@@ -12,16 +29,19 @@ batch must split into equal micro-batches (the options refuse anything else with
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import time
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from gpipe_cli.bench import recompute
 from gpipe_cli.bench.load import Load
 from gpipe_cli.bench.measure import median, timed
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import partition
+from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.memory import ActivationMeter
 from gpipe_cli.pipeline.topology import Topology
@@ -29,17 +49,75 @@ from gpipe_cli.pipeline.topology import Topology
 if TYPE_CHECKING:
     from gpipe_cli.bench.job import Job
 
-BASELINES = ("torch-gpipe", "torch-1f1b")
+# Our schedule -> torch's class and how it places chunks on ranks.
+COUNTERPARTS: dict[str, tuple[str, str]] = {
+    "gpipe": ("ScheduleGPipe", "loop"),
+    "1f1b": ("Schedule1F1B", "loop"),
+    "interleaved": ("ScheduleInterleaved1F1B", "loop"),
+    "zero-bubble": ("ScheduleInterleavedZeroBubble", "loop"),
+    "zero-bubble-v": ("ScheduleZBVZeroBubble", "v"),
+}
 
 
-class _Unpacked(nn.Module):
-    """Our layers take one argument (a tensor or a tuple); their stages pass a tuple as several arguments."""
+def name_of(schedule: str) -> str:
+    """The baseline's name in the figures: torch- and our schedule's name."""
+    return f"torch-{schedule}"
 
-    def __init__(self, layers: list[nn.Module]) -> None:
+
+def counterpart(schedule: str) -> tuple[str, type | None, str]:
+    """torch's class for our schedule: its name, the class (None when missing) and why it is missing."""
+    if schedule not in COUNTERPARTS:
+        return "", None, f"torch.distributed.pipelining has no counterpart of '{schedule}'"
+    from torch.distributed.pipelining import schedules
+
+    cls_name = COUNTERPARTS[schedule][0]
+    cls = getattr(schedules, cls_name, None)
+    return cls_name, cls, "" if cls is not None else f"torch {torch.__version__} has no {cls_name}"
+
+
+def chunks_of(rank: int, stages: int, chunks: int, style: str) -> list[int]:
+    """The chunks (torch's stage indices) a rank holds: round-robin ("loop") or in a V (two per rank)."""
+    if style == "v":
+        return sorted({rank, 2 * stages - 1 - rank}) if chunks == 2 * stages else []
+    return [c for c in range(chunks) if sched.owner(c, stages) == rank]
+
+
+class _Probe:
+    """What every stage of this rank shares: the meter, its compute clock and the micro-batches to recompute."""
+
+    def __init__(self, meter: ActivationMeter) -> None:
+        self.meter, self.busy = meter, 0.0
+        self.remat: set[tuple[int, int]] = set()  # (micro-batch, chunk) forwards to checkpoint
+        self.order: list[tuple[str, int, int]] = []  # ("F" | "B" | "W", micro-batch, chunk) as torch ran them
+
+
+def checkpointed(mode: str, order: list[tuple[str, int, int]]) -> set[tuple[int, int]]:
+    """The forwards a checkpoint mode recomputes, given a rank's order of work (the rule of our action lists)."""
+    forwards = {(mb, chunk) for kind, mb, chunk in order if kind == "F"}
+    if mode == "always":
+        return forwards
+    if mode == "never":
+        return set()
+    immediate = {order[i][1:] for i in range(len(order) - 1)
+                 if order[i][0] == "F" and order[i + 1][0] == "B" and order[i + 1][1:] == order[i][1:]}
+    return forwards - immediate
+
+
+class _Chunk(nn.Module):
+    """Our layers as one torch stage: one argument (a tensor or a tuple), checkpointed when told to."""
+
+    def __init__(self, layers: list[nn.Module], probe: _Probe) -> None:
         super().__init__()
         self.layers = nn.Sequential(*layers)
+        self.probe, self.checkpointed = probe, False
 
     def forward(self, *args: Any) -> Any:
+        # Their stages pass a tuple as several arguments; our layers take it as one.
+        if self.checkpointed and torch.is_grad_enabled():
+            return recompute.checkpoint(self._run, args, self.probe.meter)
+        return self._run(*args)
+
+    def _run(self, *args: Any) -> Any:
         return self.layers(args[0] if len(args) == 1 else tuple(args))
 
 
@@ -47,65 +125,118 @@ def _metered_stage_class() -> type:
     from torch.distributed.pipelining import PipelineStage
 
     class MeteredStage(PipelineStage):  # type: ignore[misc, valid-type]
-        """A PipelineStage whose kept inputs and outputs are counted from forward until backward."""
+        """A PipelineStage that counts its kept inputs and outputs, clocks its compute and recomputes as ours."""
 
-        meter: ActivationMeter
+        probe: _Probe
         held: dict[int, list[Any]]
 
         def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            cast(_Chunk, self.submod).checkpointed = (fwd_chunk_id, self.stage_index) in self.probe.remat
+            self.probe.order.append(("F", fwd_chunk_id, self.stage_index))
+            start = time.perf_counter()
             out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            self.probe.busy += time.perf_counter() - start
             outputs, inputs = self.fwd_cache[fwd_chunk_id]
-            self.held[fwd_chunk_id] = [self.meter.hold(t) for t in (*outputs, *inputs)
+            self.held[fwd_chunk_id] = [self.probe.meter.hold(t) for t in (*outputs, *inputs)
                                        if isinstance(t, torch.Tensor)]
             return out
 
         def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            start = time.perf_counter()
+            out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)  # full, or input gradient only
+            self.probe.order.append(("B", bwd_chunk_id, self.stage_index))
+            self.probe.busy += time.perf_counter() - start
             self.held.pop(bwd_chunk_id, None)
             return out
 
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            out = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+            self.probe.order.append(("W", bwd_chunk_id, self.stage_index))
+            self.probe.busy += time.perf_counter() - start
+            return out
+
     return MeteredStage
-
-
-def _make_schedule(name: str, stage: Any, microbatches: int, loss: Any) -> Any:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-
-    cls = ScheduleGPipe if name == "torch-gpipe" else Schedule1F1B
-    return cls(stage, microbatches, loss_fn=loss)
 
 
 def _peak(meter: ActivationMeter, device: torch.device) -> int:
     return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else meter.peak
 
 
-def run_baseline(name: str, spec: ModelSpec, topo: Topology, job: Job, inputs: Any,
+def _gather(row: list[float], world: int) -> list[list[float]]:
+    mine = torch.tensor(row, dtype=torch.float64)
+    if not (dist.is_initialized() and world > 1):
+        return [row]
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    return [g.tolist() for g in gathered]
+
+
+def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, inputs: Any,
                  targets: torch.Tensor) -> dict[str, Any] | None:
-    """Time and meter one baseline schedule; its figures on rank 0, None elsewhere."""
+    """Time and meter torch's counterpart of `schedule_name`; its figures on rank 0, None elsewhere."""
     layout, device = topo.layout, topo.device
-    chunks = job.microbatches[-1]
-    indices = partition.stage_ranges(job.balance)[layout.stage]
-    module = _Unpacked(build_layers(spec.factories(), indices, job.seed, device)).to(device)
-    module.train()
-    meter = ActivationMeter([*module.parameters(), *module.buffers()])
-    stage = _metered_stage_class()(module, layout.stage, layout.stages, device)
-    stage.meter, stage.held = meter, {}
-    schedule = _make_schedule(name, stage, chunks, spec.loss)
+    cls_name, cls, missing = counterpart(schedule_name)
+    k, chunks, microbatches = layout.stages, len(job.balance), job.microbatches[-1]
+    style = COUNTERPARTS.get(schedule_name, ("", "loop"))[1]
+    mine = chunks_of(layout.stage, k, chunks, style)
+    if cls is None or not mine:
+        reason = missing or f"{cls_name} needs 2 chunks per rank (got {chunks // k})"
+        return {"class": cls_name, "skipped": reason} if layout.rank == 0 else None
+    ranges = partition.stage_ranges(job.balance)
+    ours = sched.build(job.schedule, layout.stage, k, microbatches, job.checkpoint, chunks // k)
+    meter = ActivationMeter()
+    probe = _Probe(meter)
+    modules = [_Chunk(build_layers(spec.factories(), ranges[c], job.seed, device), probe).to(device) for c in mine]
+    for module in modules:
+        module.train()
+        meter.exclude([*module.parameters(), *module.buffers()])
+    stage_class = _metered_stage_class()
+    stages = [stage_class(module, c, chunks, device) for module, c in zip(modules, mine)]
+    for stage in stages:
+        stage.probe, stage.held = probe, {}
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+        # Their loss runs outside the stage's forward; ours inside the last forward: clock it as compute too.
+        start = time.perf_counter()
+        value = spec.loss(output, target)
+        probe.busy += time.perf_counter() - start
+        return value
+
+    try:
+        single = issubclass(cls, PipelineScheduleSingle)
+        schedule = cls(stages[0] if single else stages, microbatches, loss_fn=loss)
+    except ValueError as exc:  # torch refuses this K, M (the same on every rank)
+        return {"class": cls_name, "skipped": f"{cls_name}: {exc}"} if layout.rank == 0 else None
+    first, last = 0 in mine, chunks - 1 in mine
     args = inputs if isinstance(inputs, tuple) else (inputs,)
-    args = tuple(a.to(device) for a in args) if layout.is_first else ()
-    target = targets.to(device) if layout.is_last else None
+    args = tuple(a.to(device) for a in args) if first else ()
+    target = targets.to(device) if last else None
+    wall = [0.0]
 
     def step() -> None:
-        module.zero_grad(set_to_none=True)
+        for module in modules:
+            module.zero_grad(set_to_none=True)
         meter.reset_peak()
+        probe.busy = 0.0
+        probe.order.clear()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
         with meter.saved_tensors():
-            if layout.is_last:
+            if last:
                 schedule.step(*args, target=target, losses=[], return_outputs=False)
             else:
                 schedule.step(*args, return_outputs=False)
+        wall[0] = time.perf_counter() - start
 
-    times, peaks = [], []
+    # The first step, unmeasured, only learns torch's order of work (recomputing every forward, so that it
+    # fits wherever the measured steps do); then the mode picks what to recompute.
+    probe.remat = {(mb, c) for mb in range(microbatches) for c in mine}
+    timed(step)
+    probe.remat = checkpointed(job.checkpoint, probe.order)
+    times, peaks, idle = [], [], []
     load: Load | None = None
     for index in range(job.warmup + job.steps):
         if index == job.warmup:
@@ -114,25 +245,22 @@ def run_baseline(name: str, spec: ModelSpec, topo: Topology, job: Job, inputs: A
         if index >= job.warmup:
             times.append(seconds)
             peaks.append(_peak(meter, device))
+            idle.append(max(wall[0] - probe.busy, 0.0) / wall[0] if wall[0] > 0 else 0.0)
     shares = load.finish() if load is not None else {}
-    mine = torch.tensor([max(peaks)], dtype=torch.float64)
-    gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(layout.world_size)]
-    if dist.is_initialized() and layout.world_size > 1:
-        dist.all_gather(gathered, mine)
-    else:
-        gathered = [mine]
+    rows = _gather([float(max(peaks)), median(idle), float(len(probe.remat)), float(len(sched.rematerialised(ours)))],
+                   layout.world_size)
     if layout.rank != 0:
         return None
-    return {"samples_per_s": median([job.batch_size / t for t in times]), "step_times": times,
-            "stage_peak_bytes": [int(g[0]) for g in gathered], "peak_mem_bytes": int(max(g[0] for g in gathered)),
-            "load": shares}
+    stage_peaks = [int(r[0]) for r in rows[:k]]
+    stage_idle = [r[1] for r in rows[:k]]
+    return {"class": cls_name, "samples_per_s": median([job.batch_size / t for t in times]), "step_times": times,
+            "stage_peak_bytes": stage_peaks, "peak_mem_bytes": max(stage_peaks),
+            "stage_idle": stage_idle, "bubble": sum(stage_idle) / len(stage_idle),
+            "checkpoint": job.checkpoint, "stage_recomputed": [int(r[2]) for r in rows[:k]],
+            "stage_recomputed_ours": [int(r[3]) for r in rows[:k]], "load": shares}
 
 
 def compare(spec: ModelSpec, topo: Topology, job: Job, inputs: Any, targets: torch.Tensor) -> dict[str, Any]:
-    """Every baseline on the job's model, K and M (rank 0 gets the figures, keyed by baseline)."""
-    out: dict[str, Any] = {}
-    for name in BASELINES:
-        figures = run_baseline(name, spec, topo, job, inputs, targets)
-        if figures is not None:
-            out[name] = figures
-    return out
+    """torch's counterpart of the job's schedule on its model, K, M and cut (rank 0 gets the figures)."""
+    figures = run_baseline(job.schedule, spec, topo, job, inputs, targets)
+    return {name_of(job.schedule): figures} if figures is not None else {}

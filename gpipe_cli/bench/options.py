@@ -106,8 +106,9 @@ FLAGS: dict[str, str] = {
     "set": "Model parameter override KEY=VALUE (repeatable), e.g. --set arch=decoder-only --set dropout=0.",
     "sweep": "Print the paper's Table 2: M in {1,4,32} x K in {2,4,8} (up to what this machine hosts), "
              "normalised to K=2, M=1, with the paper's figures alongside.",
-    "compare": "Also run torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B on the same model, "
-               "K and M; print throughput and peak-memory ratios.",
+    "compare": "Also run torch.distributed.pipelining's counterpart of --schedule (ScheduleGPipe, Schedule1F1B, "
+               "ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble) on the same model, K, M, cut and "
+               "recomputation; print throughput, idle share and peak-memory ratios.",
     "trace": "Write one step's timeline as a Chrome trace (FILE, opens in Perfetto) and a PNG Gantt chart "
              "(FILE with .png; needs matplotlib).",
     "simulate": "Predict throughput for --devices devices from measured per-layer costs and the link "
@@ -139,8 +140,7 @@ def validate(options: BenchOptions) -> None:
         (options.devices is None or options.simulate, "--devices needs --simulate"),
         (not (options.sweep and options.simulate), "--sweep and --simulate cannot be combined"),
         (not (options.sweep and options.compare), "--sweep and --compare cannot be combined"),
-        (options.virtual_stages == 1 or not (options.sweep or options.compare),
-         "--virtual-stages > 1 cannot be combined with --sweep or --compare"),
+        (options.virtual_stages == 1 or not options.sweep, "--virtual-stages > 1 cannot be combined with --sweep"),
     ]
     for ok, message in checks:
         if not ok:

@@ -49,18 +49,50 @@ def _stages(s: dict[str, Any]) -> Table:
     return table
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def _compare(s: dict[str, Any]) -> Table:
-    table = Table(title="Against torch.distributed.pipelining (same model, K, M, layers; same clock and meter)")
-    for name in ("schedule", "samples/s", "peak memory", "ours / theirs: throughput", "memory"):
-        table.add_column(name, justify="right")
-    table.add_row(f"ours ({s['schedule']}, {s['checkpoint']})", _rate(s["samples_per_s"]),
-                  human_bytes(s.get("peak_mem_bytes")), "", "")
-    for name, c in s["compare"].items():
-        ratio = c["throughput_ratio"]
-        memory = c["memory_ratio"]
-        table.add_row(name, _rate(c["samples_per_s"]), human_bytes(c["peak_mem_bytes"]),
-                      "-" if ratio is None else f"{ratio:.2f}x", "-" if memory is None else f"{memory:.2f}x")
+    """One row per figure: ours, torch's counterpart, and ours / theirs."""
+    measured = [c for c in s["compare"].values() if "skipped" not in c]
+    table = Table(title=f"Against torch.distributed.pipelining (same model, K, M, cut; same clock and meter; same "
+                        f"checkpointing: {s['checkpoint']}, whole chunk, each side on its own order of work)")
+    table.add_column("figure")
+    table.add_column(f"ours\n{s['schedule']}", justify="right")
+    for c in measured:
+        table.add_column(f"torch\n{c['class']}", justify="right")
+        table.add_column("ours /\ntheirs", justify="right")
+
+    def row(label: str, mine: Any, key: str, show: Any, ratio: bool = True) -> None:
+        cells = [label, show(mine)]
+        for c in measured:
+            theirs = c[key] if not isinstance(mine, tuple) else c[key][mine[1]]
+            cells += [show(theirs), _ratio(_value(mine) / theirs if ratio and theirs else None)]
+        table.add_row(*cells)
+
+    row("samples/s", s["samples_per_s"], "samples_per_s", _rate)
+    row("idle (mean)", s["bubble"], "bubble", lambda v: f"{v:.3f}")
+    for stage, peak in enumerate(s.get("stage_peak_bytes", [])):
+        row(f"peak, stage {stage}", (peak, stage), "stage_peak_bytes", lambda v: human_bytes(_value(v)))
+    for stage, count in enumerate(measured[0]["stage_recomputed_ours"] if measured else []):
+        row(f"recomputed, stage {stage}", (count, stage), "stage_recomputed", lambda v: str(_value(v)),
+            ratio=False)
     return table
+
+
+def _value(cell: Any) -> Any:
+    """A figure, or the figure of a (figure, stage) pair."""
+    return cell[0] if isinstance(cell, tuple) else cell
+
+
+def _prediction(s: dict[str, Any]) -> str:
+    """The simulator's prediction beside the measurement of the same configuration."""
+    p = s["prediction"]
+    ratio = s["samples_per_s"] / p["samples_per_s"] if p["samples_per_s"] else 0.0
+    return (f"simulator vs measurement ({s['schedule']}): predicted {p['samples_per_s']:,.1f} samples/s, bubble "
+            f"{p['bubble']:.3f}; measured {s['samples_per_s']:,.1f} samples/s, bubble {s['bubble']:.3f}; "
+            f"measured / predicted throughput [bold]{ratio:.2f}[/] (calibration x{p['calibration']:.2f})")
 
 
 def show(s: dict[str, Any], console: Console) -> None:
@@ -88,14 +120,16 @@ def show(s: dict[str, Any], console: Console) -> None:
         console.print(_stages(s))
     p = s["prediction"]
     if not s["simulated"]:
-        console.print(f"[dim]simulator's prediction for this configuration: {p['samples_per_s']:,.1f} samples/s, "
-                      f"bubble {p['bubble']:.3f} (calibration x{p['calibration']:.2f})[/]")
+        console.print(_prediction(s))
     else:
         console.print(f"[bold yellow]PREDICTION[/] for {p['partitions']} devices linked at {p['bandwidth_gb_s']} GB/s, "
                       f"{p['latency_us']} µs per message, from per-layer costs measured here (calibrated "
                       f"x{p['calibration']:.2f} to the measured K=1 step)")
-    if "compare" in s:
+    if any("skipped" not in c for c in s.get("compare", {}).values()):
         console.print(_compare(s))
+    for name, c in s.get("compare", {}).items():
+        if "skipped" in c:
+            console.print(f"{name}: not measured ({c['skipped']})")
     if "trace" in s:
         t = s["trace"]
         png = t["png"] or "no PNG: install matplotlib (pip install gpipe-cli[plot])"

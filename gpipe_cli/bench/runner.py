@@ -74,7 +74,10 @@ def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFi
         "stages": [vars(s) for s in kk.stages] if kk else [],
         "stages_k1": [vars(s) for s in k1.stages],
         "prediction": {**prediction.to_json(), "label": "prediction", "bandwidth_gb_s": options.bandwidth,
-                       "latency_us": options.latency_us},
+                       "latency_us": options.latency_us,
+                       # The simulator judged against the measurement of the same configuration.
+                       "measured_over_predicted": ours / prediction.samples_per_s
+                       if measured and prediction.samples_per_s else None},
         "layer_costs": costs.to_json(),
     }
 
@@ -83,10 +86,15 @@ def _compare_json(summary: dict[str, Any], kk: RunFigures, baselines: dict[str, 
     ours_peak = kk.peak_bytes
     out = {}
     for name, figures in baselines.items():
-        theirs, peak = figures["samples_per_s"], figures["peak_mem_bytes"]
+        if "skipped" in figures:  # the installed torch has no counterpart, or refuses this K and M
+            out[name] = figures
+            continue
+        theirs, peak, idle = figures["samples_per_s"], figures["peak_mem_bytes"], figures["bubble"]
         out[name] = {**figures, "throughput_ratio": summary["samples_per_s"] / theirs if theirs else None,
-                     "memory_ratio": ours_peak / peak if peak else None}
+                     "memory_ratio": ours_peak / peak if peak else None,
+                     "bubble_ratio": summary["bubble"] / idle if idle else None}
     summary["peak_mem_bytes"] = ours_peak
+    summary["stage_peak_bytes"] = [s.cuda_peak_bytes or s.activation_peak_bytes for s in kk.stages]
     return out
 
 
@@ -140,6 +148,8 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, console: Cons
     if kk is not None and options.compare:
         summary["compare"] = _compare_json(summary, kk, raw.get("compare", {}))
         for name, theirs in summary["compare"].items():
+            if "skipped" in theirs:
+                continue
             summary["load"][name] = theirs.get("load", {})
             summary["contended"] = summary["contended"] or contended(theirs.get("load", {}))
     if kk is not None and options.trace is not None:

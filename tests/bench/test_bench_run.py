@@ -4,8 +4,10 @@ import json
 from collections import Counter
 
 import pytest
+from rich.console import Console
+from torch.distributed.pipelining import schedules
 
-from gpipe_cli.bench import BenchOptions, run
+from gpipe_cli.bench import BenchOptions, report, run
 from gpipe_cli.pipeline import schedule as sched
 from tests.bench import tiny
 
@@ -36,15 +38,53 @@ def test_the_json_has_every_figure(bench):
     assert figures["prediction"]["label"] == "prediction" and figures["prediction"]["samples_per_s"] > 0
 
 
-def test_compare_reports_both_baselines_with_ratios(bench):
+def _check_counterpart(options, figures, name, cls_name):
+    """torch's counterpart ran with our recomputation, and its ratios are ours over its figures."""
+    theirs = figures["compare"][name]
+    assert theirs["class"] == cls_name and "skipped" not in theirs
+    k = options.partitions
+    assert len(theirs["stage_peak_bytes"]) == k == len(figures["stage_peak_bytes"])
+    assert min(theirs["stage_peak_bytes"]) > 0 and theirs["samples_per_s"] > 0
+    assert all(0 <= idle <= 1 for idle in theirs["stage_idle"])
+    assert theirs["throughput_ratio"] == pytest.approx(figures["samples_per_s"] / theirs["samples_per_s"])
+    assert theirs["memory_ratio"] == pytest.approx(figures["peak_mem_bytes"] / theirs["peak_mem_bytes"])
+    # The same checkpoint mode on both sides, each on its own order: ours recomputes what its lists mark.
+    ours = [sched.build(options.schedule, s, k, options.microbatches, options.checkpoint, options.virtual_stages)
+            for s in range(k)]
+    assert theirs["checkpoint"] == options.checkpoint
+    assert theirs["stage_recomputed_ours"] == [len(sched.rematerialised(acts)) for acts in ours]
+    forwards = options.microbatches * options.virtual_stages
+    assert all(0 <= n <= forwards for n in theirs["stage_recomputed"]) and sum(theirs["stage_recomputed"]) > 0
+
+
+def test_compare_runs_the_counterpart_with_the_same_recomputation(bench):
+    options, figures = bench
+    assert set(figures["compare"]) == {"torch-gpipe"}
+    _check_counterpart(options, figures, "torch-gpipe", "ScheduleGPipe")
+    assert figures["prediction"]["measured_over_predicted"] > 0
+
+
+def test_a_counterpart_not_measured_is_one_line_in_the_report(bench):
     _, figures = bench
-    assert set(figures["compare"]) == {"torch-gpipe", "torch-1f1b"}
-    for name, theirs in figures["compare"].items():
-        assert theirs["samples_per_s"] > 0 and theirs["peak_mem_bytes"] > 0, name
-        assert theirs["throughput_ratio"] == pytest.approx(figures["samples_per_s"] / theirs["samples_per_s"])
-        assert theirs["memory_ratio"] == pytest.approx(figures["peak_mem_bytes"] / theirs["peak_mem_bytes"])
-    # Rematerialization keeps only boundary inputs of all but the last micro-batch; GPipe without it keeps all.
-    assert figures["compare"]["torch-gpipe"]["memory_ratio"] < 1
+    missing = {"class": "ScheduleX", "skipped": "torch 2.13 has no ScheduleX"}
+    console = Console(record=True, width=200)
+    report.show({**figures, "compare": {**figures["compare"], "torch-x": missing}}, console)
+    text = console.export_text()
+    assert "torch-x: not measured (torch 2.13 has no ScheduleX)" in text
+    assert "ScheduleGPipe" in text and "simulator vs measurement (gpipe)" in text
+
+
+@pytest.mark.slow
+def test_compare_interleaved_against_torchs_interleaved_1f1b(tmp_path):
+    options = BenchOptions(**tiny.TRANSFORMER, partitions=2, microbatches=4, batch_size=8, steps=1, warmup=0,
+                           schedule="interleaved", virtual_stages=2, compare=True, json=tmp_path / "bench.json")
+    assert run(options) == 0
+    figures = json.loads(options.json.read_text())
+    assert set(figures["compare"]) == {"torch-interleaved"}
+    if not hasattr(schedules, "ScheduleInterleaved1F1B"):  # an older torch: a reason, not an error
+        assert "skipped" in figures["compare"]["torch-interleaved"]
+        return
+    _check_counterpart(options, figures, "torch-interleaved", "ScheduleInterleaved1F1B")
 
 
 def test_the_trace_has_one_event_per_action_of_the_schedule(bench):

@@ -24,7 +24,7 @@ def test_default_batch_gives_four_examples_per_microbatch():
     (BenchOptions(steps=0), "--steps"),
     (BenchOptions(schedule="1f1b", virtual_stages=2), "needs schedule 'interleaved'"),
     (BenchOptions(schedule="interleaved", virtual_stages=2, microbatches=3, batch_size=12), "multiple of partitions"),
-    (BenchOptions(schedule="interleaved", virtual_stages=2, compare=True), "cannot be combined"),
+    (BenchOptions(schedule="interleaved", virtual_stages=2, sweep=True), "cannot be combined"),
 ])
 def test_bad_options_are_refused(options, message):
     with pytest.raises(UserError, match=message):
