@@ -29,6 +29,7 @@ from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import describe
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline.batchnorm import DeferredBatchNorm
+from gpipe_cli.plan import calibrate
 
 # The shallow members that price a deep model (all their kinds of layer present).
 PROBE_LAYERS = {"transformer": 2, "amoebanet": 9}
@@ -50,6 +51,8 @@ class Inputs:
     timing: str        # e.g. "measured on cpu (1 thread) at micro-batches of 2 and 64 examples"
     memory: str        # e.g. "shapes of every layer" or "extrapolated from a 9-layer member"
     measured: bool
+    action_overhead: float = 0.0  # the engine's seconds per compute action (measured with the costs)
+    step_overhead: float = 0.0    # the engine's seconds per step of the whole model on one stage
 
 
 def _probe_params(kind: str, params: dict[str, Any]) -> dict[str, Any] | None:
@@ -156,8 +159,8 @@ def measured_costs(spec: ModelSpec, sizes: tuple[int, int], seed: int, threads: 
     return affine_costs(profiles[0], profiles[-1])
 
 
-def inputs(kind: str, params: dict[str, Any], seed: int, sizes: Callable[[int], tuple[int, int]], timing: str,
-           threads: int, say: Callable[[str], None], tflops: float | None = None) -> Inputs:
+def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Callable[[int], tuple[int, int]],
+           timing: str, threads: int, say: Callable[[str], None], tflops: float | None = None) -> Inputs:
     """Everything the search needs of the model; `sizes(min_microbatch)` gives the micro-batch sizes it will try.
 
     `tflops`: per-layer seconds from FLOPs at this assumed effective rate per device (devices not here).
@@ -184,9 +187,12 @@ def inputs(kind: str, params: dict[str, Any], seed: int, sizes: Callable[[int], 
         say(f"measuring per-layer seconds of {len(spec.layers)} layers at micro-batches of {sizes_text} examples "
             f"({threads} thread{plural})...")
         costs = measured_costs(spec, (lo, hi), seed, threads)
+        say("measuring the engine's own cost per action and per step (one stage, this process)...")
+        extra = calibrate.overhead(spec, costs, batch, least, seed, threads)
         note = (f"measured on cpu ({threads} thread{plural} per rank) at micro-batches of {sizes_text} examples, "
-                f"affine in between")
-        return Inputs(costs, figs, least, note, memory_note, True)
+                f"affine in between; the engine adds {extra.action * 1e3:.2f} ms per action and "
+                f"{extra.step * 1e3:.1f} ms per step (measured)")
+        return Inputs(costs, figs, least, note, memory_note, True, extra.action, extra.step)
     rate, per_call = machine_rate(machine)
     note = (f"estimated from FLOPs at this machine's measured {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank "
             f"({machine.kind}; --tflops for other devices)")

@@ -78,10 +78,11 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> int:
         found = micro_sizes(layers, batch, n, least) or [least]
         return found[0], found[-1]
 
-    fed = inputs.inputs(recipe.model.kind, params, recipe.seed, sizes, options.timing, threads,
+    fed = inputs.inputs(recipe.model.kind, params, recipe.seed, batch, sizes, options.timing, threads,
                         lambda line: console.print(f"[dim]{line}[/]", highlight=False), options.tflops)
     per_param = mm.bytes_per_parameter(optimizer_name(recipe))
-    model = search.Model(fed.costs, fed.figures, per_param, batch, fed.min_microbatch)
+    model = search.Model(fed.costs, fed.figures, per_param, batch, fed.min_microbatch, fed.action_overhead,
+                         fed.step_overhead)
     hw = search.Hardware(n, budget, Link.of(options.bandwidth, options.latency_us),
                          Link.of(options.node_bandwidth, options.node_latency_us), options.nodes)
     result = search.search(model, hw)

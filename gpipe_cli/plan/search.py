@@ -8,8 +8,10 @@ device, links). For every configuration that uses all N devices (K stages x D = 
                 implies) among the cuts whose every stage fits the device (`partition.balance_within`);
                 interleaved (K x V chunks): the min-max cut of the chunks, then checked for memory
     time        the engine's own action lists run by the simulator (`bench.simulate.simulate_step`),
-                each message `latency + bytes / bandwidth` on the link it crosses, then the gradient
-                all-reduce over the D replicas (a ring: 2 (D-1)/D of a stage's gradient bytes)
+                each compute action its layers' seconds plus the engine's own per-action cost, each
+                message `latency + bytes / bandwidth` on the link it crosses; then the gradient
+                all-reduce over the D replicas (a ring: 2 (D-1)/D of a stage's gradient bytes) and the
+                engine's per-step cost (optimizer and the rest) for the busiest stage's parameters
     memory      every stage's peak by the memory model (`memory_model.footprints`)
 
 The fastest fitting configuration wins; ties go to the one needing less memory.
@@ -58,6 +60,8 @@ class Model:
     bytes_per_param: float
     batch: int                           # the global mini-batch
     min_microbatch: int = 1              # 2 where BatchNorm needs two examples per micro-batch
+    action_overhead: float = 0.0         # seconds the engine adds to every compute action
+    step_overhead: float = 0.0           # seconds the engine adds per step on one stage (optimizer, ...)
 
     @property
     def layers(self) -> int:
@@ -92,7 +96,7 @@ class Outcome:
     fits: bool
     step_time: float = math.inf
     bubble: float = 1.0
-    allreduce: float = 0.0         # seconds of the gradient all-reduce after the pipeline's step
+    allreduce: float = 0.0         # seconds after the pipeline's step: gradient all-reduce and optimizer
     batch: int = 0
     spans_link: simulate.Link = field(default=FREE)
 
@@ -201,13 +205,20 @@ def evaluate(model: Model, hw: Hardware, config: Config) -> Outcome:
             balance, memory, fits = within, _memory(model, config, within, per_replica), True
     link = hw.node_link if spans_nodes(hw, config.partitions) else hw.link
     prediction = simulate.simulate_step(costs, balance, per_replica, config.microbatches, config.schedule,
-                                        config.checkpoint, link, 1.0, config.virtual)
+                                        config.checkpoint, link, 1.0, config.virtual, model.action_overhead)
     params = [sum(layer.params for r in partition.stage_ranges(balance)[s::config.partitions]
                   for layer in model.figures.layers[r.start:r.stop]) for s in range(config.partitions)]
     reduce_link = hw.node_link if hw.nodes > 1 else hw.link
     reduce = allreduce_seconds(params, config.replicas, reduce_link)
+    reduce += step_overhead(model, params)
     return Outcome(config, balance, memory, fits, prediction.step_time + reduce, prediction.bubble, reduce,
                    model.batch, link)
+
+
+def step_overhead(model: Model, stage_params: Sequence[int]) -> float:
+    """The engine's per-step seconds on the busiest stage: its share of the parameters (the optimizer's work)."""
+    total = sum(stage_params)
+    return model.step_overhead * (max(stage_params) / total if total else 1.0 / len(stage_params))
 
 
 def _rank_key(outcome: Outcome) -> tuple[float, float, int, int, int]:
@@ -290,7 +301,7 @@ def parts(model: Model, outcome: Outcome) -> Parts:
     per_replica = model.batch // c.replicas
     costs = model.costs(per_replica // c.microbatches)
     free = simulate.simulate_step(costs, outcome.balance, per_replica, c.microbatches, c.schedule, c.checkpoint,
-                                  FREE, 1.0, c.virtual)
+                                  FREE, 1.0, c.virtual, model.action_overhead)
     pipeline = outcome.step_time - outcome.allreduce
     busy = free.step_time * (1.0 - free.bubble)
     return Parts(busy, free.step_time - busy, max(pipeline - free.step_time, 0.0), outcome.allreduce)

@@ -30,7 +30,8 @@ def synthetic(layers: int, seed: int, batch: int = 8, equal: bool = False) -> se
     figures = ModelFigures(Affine(0.0, 500.0), tuple(
         LayerFigures(f"l{i}", rng.randint(1000, 100000), Affine(50.0, rng.uniform(1000, 20000)),
                      Affine(0.0, float(out[i])), Affine(0.0, 0.0)) for i in range(layers)))
-    return search.Model(costs, figures, 16.0, batch)
+    return search.Model(costs, figures, 16.0, batch, action_overhead=0.0 if equal else 0.05,
+                        step_overhead=0.0 if equal else 0.5)
 
 
 def brute_force(model: search.Model, hw: search.Hardware) -> tuple[float, search.Config] | None:
@@ -70,10 +71,12 @@ def brute_force(model: search.Model, hw: search.Hardware) -> tuple[float, search
                         model.figures, balance, per_replica, m, name, mode, model.bytes_per_param, v)) > hw.memory:
                     continue
                 predicted = simulate.simulate_step(costs, balance, per_replica, m, name, mode,
-                                                   hw.node_link if search.spans_nodes(hw, k) else hw.link, 1.0, v)
+                                                   hw.node_link if search.spans_nodes(hw, k) else hw.link, 1.0, v,
+                                                   model.action_overhead)
                 stage_params = [sum(model.figures.layers[i].params for r in partition.stage_ranges(balance)[s::k]
                                     for i in r) for s in range(k)]
-                step = predicted.step_time + search.allreduce_seconds(stage_params, d, hw.link)
+                step = predicted.step_time + search.allreduce_seconds(stage_params, d, hw.link) + \
+                    model.step_overhead * max(stage_params) / sum(stage_params)
                 rate = model.batch / step
                 if best is None or rate > best[0] + 1e-12:
                     best = (rate, config)
