@@ -37,6 +37,28 @@ def micro_sizes(layers: int, batch: int, devices: int, least: int) -> list[int]:
     return sorted(sizes)
 
 
+def _as_written(model: Any, hw: Any, recipe: Recipe) -> Any:
+    """The recipe's own pipeline settings, predicted the same way (None when they do not use the N devices);
+    a balance named by a mode is cut by measured time."""
+    from gpipe_cli.pipeline import partition
+    from gpipe_cli.plan import search
+
+    p = recipe.pipeline
+    if p.partitions * p.data_parallel != hw.devices or model.batch % p.data_parallel \
+            or model.batch // p.data_parallel < p.microbatches:
+        return None
+    config = search.Config(p.partitions, p.data_parallel, p.microbatches, p.schedule, p.virtual_stages, p.checkpoint)
+    cut = p.balance if isinstance(p.balance, list) else None
+    try:
+        if cut is not None:
+            partition.check_balance(cut, model.layers, p.partitions * p.virtual_stages)
+        else:
+            partition.check_partitions(model.layers, p.partitions * p.virtual_stages)
+    except partition.PartitionError:
+        return None
+    return search.evaluate(model, hw, config, cut)
+
+
 def run(options: PlanOptions) -> int:
     """Run `gpipe plan`: print the plan, write the recipe when asked; UserError for what cannot be planned."""
     validate(options)
@@ -115,6 +137,13 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> int:
         console.print(show.plain(items, title), highlight=False, markup=False)
     else:
         console.print(show.table(items, title))
+    written = _as_written(model, hw, recipe)
+    if written is not None:
+        gain = best.samples_per_s / written.samples_per_s - 1.0 if written.samples_per_s else 0.0
+        fit_note = "" if written.fits else f", does not fit: {show.reason(model, best, written, budget)}"
+        console.print(f"the recipe as written ({written.config.label()}, balance "
+                      f"{','.join(map(str, written.balance))}): predicted {show.rate(written.samples_per_s)} "
+                      f"samples/s{fit_note}; the plan's pick is predicted {gain * 100:+.0f}%", highlight=False)
     section = show.pipeline_section(best, recipe.pipeline.backend)
     target = shlex.quote(options.recipe) if options.recipe is not None else ""
     command = " ".join(["gpipe train", *([target] if target else []), *show.set_lines(section)])

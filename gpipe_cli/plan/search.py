@@ -189,17 +189,18 @@ def allreduce_seconds(stage_params: Sequence[int], replicas: int, link: simulate
     return max(hops * link.latency + hops / replicas * 4 * p / link.bandwidth for p in stage_params)
 
 
-def evaluate(model: Model, hw: Hardware, config: Config) -> Outcome:
-    """The predicted step of one configuration (with the fitting min-max cut, or the unconstrained one)."""
+def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | None = None) -> Outcome:
+    """The predicted step of one configuration (with the fitting min-max cut, or the unconstrained one;
+    `cut`: this balance instead)."""
     per_replica = model.batch // config.replicas
-    size = per_replica // config.microbatches
+    size = max(per_replica // config.microbatches, 1)
     costs = model.costs(size)
     weights = costs.balance_costs(config.checkpoint)
     chunks = config.partitions * config.virtual
-    balance = partition.balance_by_cost(weights, chunks)
+    balance = list(cut) if cut is not None else partition.balance_by_cost(weights, chunks)
     memory = _memory(model, config, balance, per_replica)
     fits = max(memory) <= hw.memory
-    if not fits and config.virtual == 1:
+    if not fits and config.virtual == 1 and cut is None:
         within = partition.balance_within(weights, chunks, _stage_fits(model, config, per_replica, hw.memory))
         if within is not None:
             balance, memory, fits = within, _memory(model, config, within, per_replica), True
