@@ -88,10 +88,15 @@ def distinct(outcomes: Sequence[Outcome]) -> list[Outcome]:
 
 
 def rows(model: search.Model, result: search.Result, top: int, budget: float) -> list[dict[str, Any]]:
-    """The best `top` fitting configurations and up to two faster ones that do not fit, as plain data."""
+    """The best `top` fitting configurations (the best of each K among them) and up to two faster ones that
+    do not fit, as plain data."""
     best = result.best
     assert best is not None
-    shown = distinct(result.ranked)[:top]
+    ranked = distinct(result.ranked)
+    # The best of every other K first, so that each way to split the devices is seen, then the next fastest.
+    shown = [best] + [next(o for o in ranked if o.config.partitions == k)
+                      for k in sorted({o.config.partitions for o in ranked} - {best.config.partitions})]
+    shown = shown[:top] + [o for o in ranked if o not in shown][:max(top - len(shown), 0)]
     faster = distinct([o for o in result.refused if o.samples_per_s > best.samples_per_s])[:2]
     chosen = sorted(shown + faster, key=lambda o: -o.samples_per_s)
     out = []
