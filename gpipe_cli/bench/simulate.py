@@ -86,7 +86,7 @@ def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microba
             seconds = sum(t.backward for t in layers) * (1.0 - INPUT_SHARE)
         else:
             return 0.0
-        return seconds * scale * per_example(mb) + overhead
+        return seconds * scale * per_example(mb) + overhead * len(layers)
 
     def latency(stage: int, action: Action) -> float:
         # A forward message carries this stage's output; a backward one the gradient of its input.
@@ -102,7 +102,7 @@ def simulate_step(costs: CostProfile, balance: list[int], batch_size: int, micro
                   checkpoint: str, link: Link, scale: float = 1.0, virtual: int = 1,
                   overhead: float = 0.0) -> Prediction:
     """The simulated step of `balance` (K x V chunks, K = its length / V) with M micro-batches
-    (`overhead`: seconds every compute action costs beyond its layers', the engine's own work)."""
+    (`overhead`: seconds each layer of a compute action costs beyond its measured time: the engine's own work)."""
     stages = len(balance) // virtual
     cost, latency = _cost_model(costs, balance, batch_size, microbatches, link, scale, overhead)
     spans = sched.simulate(sched.build_all(schedule, stages, microbatches, checkpoint, virtual), cost, latency)

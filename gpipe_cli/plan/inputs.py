@@ -51,7 +51,7 @@ class Inputs:
     timing: str        # e.g. "measured on cpu (1 thread) at micro-batches of 2 and 64 examples"
     memory: str        # e.g. "shapes of every layer" or "extrapolated from a 9-layer member"
     measured: bool
-    action_overhead: float = 0.0  # the engine's seconds per compute action (measured with the costs)
+    action_overhead: float = 0.0  # the engine's seconds per layer of a compute action (measured with the costs)
     step_overhead: float = 0.0    # the engine's seconds per step of the whole model on one stage
 
 
@@ -187,10 +187,10 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
         say(f"measuring per-layer seconds of {len(spec.layers)} layers at micro-batches of {sizes_text} examples "
             f"({threads} thread{plural})...")
         costs = measured_costs(spec, (lo, hi), seed, threads)
-        say("measuring the engine's own cost per action and per step (one stage, this process)...")
+        say("measuring the engine's own cost per layer call and per step (one stage, this process)...")
         extra = calibrate.overhead(spec, costs, batch, least, seed, threads)
         note = (f"measured on cpu ({threads} thread{plural} per rank) at micro-batches of {sizes_text} examples, "
-                f"affine in between; the engine adds {extra.action * 1e3:.2f} ms per action and "
+                f"affine in between; the engine adds {extra.action * 1e3:.2f} ms per layer call and "
                 f"{extra.step * 1e3:.1f} ms per step (measured)")
         return Inputs(costs, figs, least, note, memory_note, True, extra.action, extra.step)
     rate, per_call = machine_rate(machine)

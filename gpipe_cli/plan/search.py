@@ -8,7 +8,7 @@ device, links). For every configuration that uses all N devices (K stages x D = 
                 implies) among the cuts whose every stage fits the device (`partition.balance_within`);
                 interleaved (K x V chunks): the min-max cut of the chunks, then checked for memory
     time        the engine's own action lists run by the simulator (`bench.simulate.simulate_step`),
-                each compute action its layers' seconds plus the engine's own per-action cost, each
+                each compute action its layers' seconds plus the engine's own cost per layer call, each
                 message `latency + bytes / bandwidth` on the link it crosses; then the gradient
                 all-reduce over the D replicas (a ring: 2 (D-1)/D of a stage's gradient bytes) and the
                 engine's per-step cost (optimizer and the rest) for the busiest stage's parameters
@@ -60,7 +60,7 @@ class Model:
     bytes_per_param: float
     batch: int                           # the global mini-batch
     min_microbatch: int = 1              # 2 where BatchNorm needs two examples per micro-batch
-    action_overhead: float = 0.0         # seconds the engine adds to every compute action
+    action_overhead: float = 0.0         # seconds the engine adds to every layer of a compute action
     step_overhead: float = 0.0           # seconds the engine adds per step on one stage (optimizer, ...)
 
     @property
@@ -96,7 +96,8 @@ class Outcome:
     fits: bool
     step_time: float = math.inf
     bubble: float = 1.0
-    allreduce: float = 0.0         # seconds after the pipeline's step: gradient all-reduce and optimizer
+    allreduce: float = 0.0         # seconds of the gradient all-reduce after the pipeline's step
+    fixed: float = 0.0             # the engine's per-step seconds (optimizer and the rest), busiest stage
     batch: int = 0
     spans_link: simulate.Link = field(default=FREE)
 
@@ -211,9 +212,9 @@ def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | No
                   for layer in model.figures.layers[r.start:r.stop]) for s in range(config.partitions)]
     reduce_link = hw.node_link if hw.nodes > 1 else hw.link
     reduce = allreduce_seconds(params, config.replicas, reduce_link)
-    reduce += step_overhead(model, params)
-    return Outcome(config, balance, memory, fits, prediction.step_time + reduce, prediction.bubble, reduce,
-                   model.batch, link)
+    fixed = step_overhead(model, params)
+    return Outcome(config, balance, memory, fits, prediction.step_time + reduce + fixed, prediction.bubble, reduce,
+                   fixed, model.batch, link)
 
 
 def step_overhead(model: Model, stage_params: Sequence[int]) -> float:
@@ -297,13 +298,14 @@ class Parts:
 
 
 def parts(model: Model, outcome: Outcome) -> Parts:
-    """Split a predicted step into mean compute per stage, idle waiting, message transit and all-reduce."""
+    """Split a predicted step into compute (mean per stage, with the per-step work), idle waiting, message
+    transit and all-reduce."""
     c = outcome.config
     per_replica = model.batch // c.replicas
     costs = model.costs(per_replica // c.microbatches)
     free = simulate.simulate_step(costs, outcome.balance, per_replica, c.microbatches, c.schedule, c.checkpoint,
                                   FREE, 1.0, c.virtual, model.action_overhead)
-    pipeline = outcome.step_time - outcome.allreduce
+    pipeline = outcome.step_time - outcome.allreduce - outcome.fixed
     busy = free.step_time * (1.0 - free.bubble)
-    return Parts(busy, free.step_time - busy, max(pipeline - free.step_time, 0.0), outcome.allreduce)
+    return Parts(busy + outcome.fixed, free.step_time - busy, max(pipeline - free.step_time, 0.0), outcome.allreduce)
 
