@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gpipe_cli import memory_model as mm
 from gpipe_cli.bench import simulate
@@ -99,7 +99,6 @@ class Outcome:
     allreduce: float = 0.0         # seconds of the gradient all-reduce after the pipeline's step
     fixed: float = 0.0             # the engine's per-step seconds (optimizer and the rest), busiest stage
     batch: int = 0
-    spans_link: simulate.Link = field(default=FREE)
 
     @property
     def samples_per_s(self) -> float:
@@ -214,7 +213,7 @@ def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | No
     reduce = allreduce_seconds(params, config.replicas, reduce_link)
     fixed = step_overhead(model, params)
     return Outcome(config, balance, memory, fits, prediction.step_time + reduce + fixed, prediction.bubble, reduce,
-                   fixed, model.batch, link)
+                   fixed, model.batch)
 
 
 def step_overhead(model: Model, stage_params: Sequence[int]) -> float:
