@@ -94,8 +94,9 @@ def rows(model: search.Model, result: search.Result, top: int, budget: float) ->
     assert best is not None
     ranked = distinct(result.ranked)
     # The best of every other K first, so that each way to split the devices is seen, then the next fastest.
-    shown = [best] + [next(o for o in ranked if o.config.partitions == k)
-                      for k in sorted({o.config.partitions for o in ranked} - {best.config.partitions})]
+    others = [next(o for o in ranked if o.config.partitions == k)
+              for k in {o.config.partitions for o in ranked} - {best.config.partitions}]
+    shown = [best] + sorted(others, key=lambda o: -o.samples_per_s)
     shown = shown[:top] + [o for o in ranked if o not in shown][:max(top - len(shown), 0)]
     faster = distinct([o for o in result.refused if o.samples_per_s > best.samples_per_s])[:2]
     chosen = sorted(shown + faster, key=lambda o: -o.samples_per_s)
