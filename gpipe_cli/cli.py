@@ -114,8 +114,15 @@ def _profile_flags() -> dict[str, str]:
     return FLAGS
 
 
+def _plan_flags() -> dict[str, str]:
+    from gpipe_cli.plan import FLAGS
+
+    return FLAGS
+
+
 B = _bench_flags()
 P = _profile_flags()
+L = _plan_flags()
 
 
 @app.command()
@@ -206,6 +213,34 @@ def profile_memory(
         return run_profile(options)
 
     raise typer.Exit(_guard(run))
+
+
+@app.command()
+def plan(
+    recipe: str | None = typer.Argument(None, help=RECIPE_HELP),
+    devices: int = typer.Option(..., help=L["devices"]),
+    device_memory: str | None = typer.Option(None, help=L["device_memory"]),
+    nodes: int = typer.Option(1, help=L["nodes"]),
+    top: int = typer.Option(5, help=L["top"]),
+    output: Path | None = typer.Option(None, help=L["output"]),
+    set_: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
+    bandwidth: float = typer.Option(12.0, help=L["bandwidth"]),
+    latency_us: float = typer.Option(20.0, help=L["latency_us"]),
+    node_bandwidth: float = typer.Option(12.5, help=L["node_bandwidth"]),
+    node_latency_us: float = typer.Option(5.0, help=L["node_latency_us"]),
+    timing: str = typer.Option("auto", help=L["timing"]),
+    tflops: float | None = typer.Option(None, help=L["tflops"]),
+    plain: bool = typer.Option(False, "--plain", help=L["plain"]),
+) -> None:
+    """Predict the fastest K, D, M, schedule, remat mode and balance for N devices; write it as a recipe."""
+    from gpipe_cli.plan import PlanOptions
+    from gpipe_cli.plan import run as run_plan
+
+    options = PlanOptions(recipe=recipe, set=set_ or [], devices=devices, device_memory=device_memory, nodes=nodes,
+                          top=top, output=output, bandwidth=bandwidth, latency_us=latency_us,
+                          node_bandwidth=node_bandwidth, node_latency_us=node_latency_us, timing=timing, tflops=tflops,
+                          plain=plain)
+    raise typer.Exit(_guard(lambda: run_plan(options)))
 
 
 @app.command()

@@ -14,6 +14,8 @@ _METAVARS = {
     "rdzv_id": "ID", "threads": "N", "resume": "RUN", "json_file": "FILE", "trace": "FILE", "model": "MODEL",
     "partitions": "K", "microbatches": "M", "schedule": "NAME", "checkpoint": "MODE", "balance": "N,N,...",
     "optimizer": "NAME", "budget": "SIZE", "device": "DEVICE", "bandwidth": "GB/S", "latency_us": "US",
+    "device_memory": "SIZE", "node_bandwidth": "GB/S", "node_latency_us": "US", "timing": "MODE",
+    "tflops": "TFLOP/S",
 }
 _BY_TYPE = {"int": "N", "float": "X", "Path": "PATH", "str": "VALUE", "list[str]": "VALUE"}
 _SPACE_BEFORE_PUNCTUATION = re.compile(r"\s+([,;:)]|\.(?!\.))")

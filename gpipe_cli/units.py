@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
+from gpipe_cli.errors import UserError
+
 
 def human_bytes(n: float | None) -> str:
     """Bytes as B, KiB, MiB, GiB or TiB ("-" for None)."""
@@ -21,3 +25,16 @@ def human_count(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.2f}{unit}"
     return str(int(n))
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """`8GiB`, `16GB`, `500MiB` or a plain number of bytes; one line naming `flag` otherwise."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise UserError(f"{flag} expects a size such as 8GiB, 16GB or 500MiB (got '{text}')")
+    return int(float(match.group(1)) * _UNITS[unit])

@@ -14,7 +14,7 @@ from gpipe_cli import __version__
 from gpipe_cli.cli import run
 from tests.train.recipes import TINY_AMOEBANET, write
 
-COMMANDS = ["", "train", "validate", "bench", "profile-memory", "export"]
+COMMANDS = ["", "train", "validate", "bench", "profile-memory", "plan", "export"]
 # What typer and click show for a value's type when no placeholder is given.
 TYPE_PLACEHOLDER = re.compile(r"<(bool|str|int|float|path|list\[[^\]]*\])>|\b(TEXT|INTEGER|FLOAT|BOOLEAN)\b",
                               re.IGNORECASE)

@@ -62,7 +62,7 @@ class Prediction:
 
 
 def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microbatches: int,
-                link: Link, scale: float) -> tuple[Any, Any]:
+                link: Link, scale: float, overhead: float = 0.0) -> tuple[Any, Any]:
     ranges = partition.stage_ranges(balance)  # one per chunk
     last = len(balance) - 1
     sizes = microbatch.sizes(batch_size, microbatches)
@@ -86,7 +86,7 @@ def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microba
             seconds = sum(t.backward for t in layers) * (1.0 - INPUT_SHARE)
         else:
             return 0.0
-        return seconds * scale * per_example(mb)
+        return seconds * scale * per_example(mb) + overhead * len(layers)
 
     def latency(stage: int, action: Action) -> float:
         # A forward message carries this stage's output; a backward one the gradient of its input.
@@ -99,10 +99,12 @@ def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microba
 
 
 def simulate_step(costs: CostProfile, balance: list[int], batch_size: int, microbatches: int, schedule: str,
-                  checkpoint: str, link: Link, scale: float = 1.0, virtual: int = 1) -> Prediction:
-    """The simulated step of `balance` (K x V chunks, K = its length / V) with M micro-batches."""
+                  checkpoint: str, link: Link, scale: float = 1.0, virtual: int = 1,
+                  overhead: float = 0.0) -> Prediction:
+    """The simulated step of `balance` (K x V chunks, K = its length / V) with M micro-batches
+    (`overhead`: seconds each layer of a compute action costs beyond its measured time: the engine's own work)."""
     stages = len(balance) // virtual
-    cost, latency = _cost_model(costs, balance, batch_size, microbatches, link, scale)
+    cost, latency = _cost_model(costs, balance, batch_size, microbatches, link, scale, overhead)
     spans = sched.simulate(sched.build_all(schedule, stages, microbatches, checkpoint, virtual), cost, latency)
     step = max(span.end for stage in spans for span in stage)
     return Prediction(stages, microbatches, batch_size, list(balance), step, sched.bubble(spans), scale, spans)

@@ -15,16 +15,15 @@ gradients, optimizer state and peak activations (predicted by walking the schedu
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gpipe_cli import memory_model as mm
-from gpipe_cli.errors import UserError
 from gpipe_cli.memory_model import Affine, Footprint, LayerFigures, ModelFigures, bytes_per_parameter, greedy_fit
 from gpipe_cli.models.describe import layer_params
 from gpipe_cli.models.registry import build_model
+from gpipe_cli.units import parse_size
 
 # The families' fixed sizes in the paper's Table 1 and the batch it used.
 TRANSFORMER_L = dict(arch="decoder-only", d_model=2048, ff=8192, heads=32, vocab_size=32000, max_len=1024)
@@ -45,17 +44,9 @@ PAPER_TABLE1: dict[str, dict[str, Any]] = {
         "pipeline-128": ("1663", "83.9B", "937.9G", "796.1G")}},
 }
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def parse_bytes(text: str) -> int:
     """`8GiB`, `16GB`, `500MiB` or a plain number of bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise UserError(f"--budget expects a size such as 8GiB, 16GB or 500MiB (got '{text}')")
-    return int(float(match.group(1)) * _UNITS[unit])
+    return parse_size(text, "--budget")
 
 
 def _by_role(model: ModelFigures) -> dict[str, LayerFigures]:

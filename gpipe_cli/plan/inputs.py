@@ -1,0 +1,200 @@
+"""What the plan's search is fed for a recipe's model: per-layer seconds and the memory model's figures.
+
+    seconds   measured by the one per-layer measurer (`bench.costs.profile`, as `gpipe bench` does) on
+              this machine, with the threads a rank would get, at the smallest and the largest
+              micro-batch the search tries; in between (and beyond) they are affine in the examples,
+              which keeps each call's fixed cost. A model too large or too slow to time here is
+              estimated instead: its FLOPs per layer at this machine's measured rate (as `sizing` does).
+    memory    the memory model's per-layer figures, from shapes on the meta device. A deep model is
+              priced the way `profile-memory` extrapolates: a shallow member with the same widths is
+              measured and each layer takes the figures of its kind (`memory_model.role`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpipe_cli import memory_model as mm
+from gpipe_cli import sizing
+from gpipe_cli.bench import costs as bench_costs
+from gpipe_cli.bench.costs import CostProfile, LayerTiming
+from gpipe_cli.memory_model import ModelFigures
+from gpipe_cli.models.base import ModelSpec
+from gpipe_cli.models.describe import describe
+from gpipe_cli.models.registry import build_model
+from gpipe_cli.pipeline.batchnorm import DeferredBatchNorm
+from gpipe_cli.plan import calibrate
+
+# The shallow members that price a deep model (all their kinds of layer present).
+PROBE_LAYERS = {"transformer": 2, "amoebanet": 9}
+# Time spent measuring per-layer seconds is worth it up to about this; beyond, estimate from FLOPs.
+MEASURE_BUDGET_S = 60.0
+REPEATS = 5
+# A layer's fixed cost on an accelerator (its kernels' launches) when per-layer seconds are estimated from
+# an assumed rate: a few kernels of about 5 µs each.
+ASSUMED_CALL_S = 50e-6
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The model as the search sees it, and how its figures were obtained (for the output)."""
+
+    costs: Callable[[int], CostProfile]
+    figures: ModelFigures
+    min_microbatch: int
+    timing: str        # e.g. "measured on cpu (1 thread) at micro-batches of 2 and 64 examples"
+    memory: str        # e.g. "shapes of every layer" or "extrapolated from a 9-layer member"
+    measured: bool
+    action_overhead: float = 0.0  # the engine's seconds per layer of a compute action (measured with the costs)
+    step_overhead: float = 0.0    # the engine's seconds per step of the whole model on one stage
+
+
+def _probe_params(kind: str, params: dict[str, Any]) -> dict[str, Any] | None:
+    depth = PROBE_LAYERS.get(kind)
+    if depth is None or not isinstance(params.get("layers"), int) or params["layers"] <= depth:
+        return None
+    return {**params, "layers": depth}
+
+
+def _flops(spec: ModelSpec) -> list[float]:
+    """Forward FLOPs per example of every layer (two examples described: BatchNorm needs them)."""
+    return [c.flops / 2 for c in describe(spec, 2).layers]
+
+
+def figures(kind: str, params: dict[str, Any], spec: ModelSpec, seed: int) -> tuple[ModelFigures, list[float], str]:
+    """The memory model's figures and forward FLOPs per example of every layer, and how they were found."""
+    probe = _probe_params(kind, params)
+    if probe is None:
+        return mm.measure(spec, seed, device="meta"), _flops(spec), "shapes of every layer (meta device)"
+    shallow = build_model(kind, **probe)
+    measured = mm.measure(shallow, seed, device="meta")
+    by_role = {mm.role(layer.name): layer for layer in measured.layers}
+    flops_by_role = dict(zip((mm.role(n) for n in shallow.layer_names), _flops(shallow)))
+    names = spec.layer_names
+    missing = [n for n in names if mm.role(n) not in by_role]
+    if missing:  # a kind of layer the shallow member lacks: measure the model itself
+        return mm.measure(spec, seed, device="meta"), _flops(spec), "shapes of every layer (meta device)"
+    layers = tuple(dataclasses.replace(by_role[mm.role(n)], name=n) for n in names)
+    note = f"extrapolated from the {probe['layers']}-layer member (each layer priced by its kind)"
+    return ModelFigures(measured.input, layers), [flops_by_role[mm.role(n)] for n in names], note
+
+
+def has_batchnorm(spec: ModelSpec) -> bool:
+    """Whether a layer normalises by batch statistics (a micro-batch then needs two examples)."""
+    with torch.device("meta"):
+        for factory in spec.factories():
+            if any(isinstance(m, (DeferredBatchNorm, nn.modules.batchnorm._BatchNorm)) for m in factory().modules()):
+                return True
+    return False
+
+
+def _timing(profile: CostProfile, size: int) -> CostProfile:
+    return dataclasses.replace(profile, microbatch_size=size)
+
+
+def affine_costs(lo: CostProfile, hi: CostProfile) -> Callable[[int], CostProfile]:
+    """Per-layer seconds at any micro-batch size, affine through two measured profiles (proportional if one)."""
+    def at(size: int) -> CostProfile:
+        if lo.microbatch_size == hi.microbatch_size:
+            t = size / lo.microbatch_size
+
+            def line(a: float, b: float) -> float:
+                return a * t
+        else:
+            t = (size - lo.microbatch_size) / (hi.microbatch_size - lo.microbatch_size)
+
+            def line(a: float, b: float) -> float:
+                return max(a + (b - a) * t, 0.0)
+        layers = [LayerTiming(x.name, line(x.forward, y.forward), line(x.forward_nograd, y.forward_nograd),
+                              line(x.backward, y.backward), round(line(x.output_bytes, y.output_bytes)))
+                  for x, y in zip(lo.layers, hi.layers)]
+        return CostProfile(size, round(line(lo.input_bytes, hi.input_bytes)), line(lo.loss, hi.loss), layers)
+    return at
+
+
+def estimated_costs(names: list[str], flops: list[float], figs: ModelFigures, rate: float,
+                    per_call: float) -> Callable[[int], CostProfile]:
+    """Per-layer seconds from FLOPs at an effective `rate` (FLOP/s) plus a fixed `per_call` per layer call."""
+    def at(size: int) -> CostProfile:
+        layers = []
+        for name, f, fig in zip(names, flops, figs.layers):
+            forward = f * size / rate + per_call
+            layers.append(LayerTiming(name, forward, forward, 2 * forward, round(fig.output.at(size))))
+        return CostProfile(size, round(figs.input.at(size)), 0.0, layers)
+    return at
+
+
+def machine_rate(machine: sizing.Machine) -> tuple[float, float]:
+    """This machine's effective FLOP/s for whole layers and fixed seconds per layer call (as `sizing` prices)."""
+    efficiency = 0.3 if machine.kind == "cuda" else 0.1  # whole layers against a bare matrix product
+    return machine.flops_per_s * efficiency, 1.5 * machine.call_seconds
+
+
+def measure_seconds(flops: list[float], sizes: tuple[int, int], machine: sizing.Machine) -> float:
+    """About how long measuring per-layer seconds at both sizes takes here."""
+    rate, per_call = machine_rate(machine)
+    runs = 3 * (REPEATS + 1) + 2  # three kinds timed, plus warm-up and the memory pass
+    return sum(sum(f * s / rate + per_call for f in flops) * 4 * runs / 3 for s in set(sizes))
+
+
+def measured_costs(spec: ModelSpec, sizes: tuple[int, int], seed: int, threads: int) -> Callable[[int], CostProfile]:
+    """Per-layer seconds measured here at two micro-batch sizes, with `threads` intra-op threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        profiles = []
+        for size in sorted(set(sizes)):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                inputs, targets = spec.example_batch(size, "cpu")
+            profiles.append(_timing(bench_costs.profile(spec, inputs, targets, seed, REPEATS), size))
+    finally:
+        torch.set_num_threads(previous)
+    return affine_costs(profiles[0], profiles[-1])
+
+
+def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Callable[[int], tuple[int, int]],
+           timing: str, threads: int, say: Callable[[str], None], tflops: float | None = None) -> Inputs:
+    """Everything the search needs of the model; `sizes(min_microbatch)` gives the micro-batch sizes it will try.
+
+    `tflops`: per-layer seconds from FLOPs at this assumed effective rate per device (devices not here).
+    """
+    spec = build_model(kind, **params)
+    figs, flops, memory_note = figures(kind, params, spec, seed)
+    probe = _probe_params(kind, params)
+    least = 2 if has_batchnorm(build_model(kind, **probe) if probe else spec) else 1
+    if tflops is not None:
+        note = (f"estimated from FLOPs at the assumed {tflops:g} TFLOP/s per device (--tflops) plus "
+                f"{ASSUMED_CALL_S * 1e6:.0f} µs per layer call")
+        costs = estimated_costs(spec.layer_names, flops, figs, tflops * 1e12, ASSUMED_CALL_S)
+        return Inputs(costs, figs, least, note, memory_note, False)
+    lo, hi = sizes(least)
+    machine = sizing.this_machine(threads)
+    if timing == "auto":
+        seconds = measure_seconds(flops, (lo, hi), machine)
+        largest = max((layer.saved.at(hi) + 4 * layer.params for layer in figs.layers), default=0.0)
+        timing = "measure" if seconds <= MEASURE_BUDGET_S and largest < machine.memory_bytes * sizing.MEMORY_SHARE \
+            else "estimate"
+    if timing == "measure":
+        plural = "s" if threads > 1 else ""
+        sizes_text = f"{lo}{f' and {hi}' if hi != lo else ''}"
+        say(f"measuring per-layer seconds of {len(spec.layers)} layers at micro-batches of {sizes_text} examples "
+            f"({threads} thread{plural})...")
+        costs = measured_costs(spec, (lo, hi), seed, threads)
+        say("measuring the engine's own cost per layer call and per step (one stage, this process)...")
+        extra = calibrate.overhead(spec, costs, batch, least, seed, threads)
+        note = (f"measured on cpu ({threads} thread{plural} per rank) at micro-batches of {sizes_text} examples, "
+                f"affine in between; the engine adds {extra.action * 1e3:.2f} ms per layer call and "
+                f"{extra.step * 1e3:.1f} ms per step (measured)")
+        return Inputs(costs, figs, least, note, memory_note, True, extra.action, extra.step)
+    rate, per_call = machine_rate(machine)
+    note = (f"estimated from FLOPs at this machine's measured {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank "
+            f"({machine.kind}; --tflops for other devices)")
+    return Inputs(estimated_costs(spec.layer_names, flops, figs, rate, per_call), figs, least, note, memory_note,
+                  False)

@@ -1,0 +1,81 @@
+"""What `gpipe plan` is asked: one dataclass whose fields mirror the command's flags, checked before torch loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpipe_cli.errors import UserError
+from gpipe_cli.units import parse_size
+
+TIMINGS = ("auto", "measure", "estimate")
+
+
+@dataclass
+class PlanOptions:
+    """The flags of `gpipe plan` (see `FLAGS` for their help)."""
+
+    recipe: str | None = None
+    set: list[str] = field(default_factory=list)
+    devices: int = 1
+    device_memory: str | None = None   # None: what each rank has on this machine
+    nodes: int = 1
+    top: int = 5
+    output: Path | None = None
+    bandwidth: float = 12.0            # GB/s between devices of one node
+    latency_us: float = 20.0
+    node_bandwidth: float = 12.5       # GB/s between nodes
+    node_latency_us: float = 5.0
+    timing: str = "auto"
+    tflops: float | None = None        # assumed effective TFLOP/s per device (estimated seconds)
+    plain: bool = False
+
+    def memory_bytes(self) -> int | None:
+        """--device-memory in bytes (None: this machine's)."""
+        return None if self.device_memory is None else parse_size(self.device_memory, "--device-memory")
+
+
+# Flag name -> help text, for the CLI's typer options (one to one with the fields above).
+FLAGS: dict[str, str] = {
+    "devices": "N: devices to plan for (K stages x D replicas = N).",
+    "device_memory": "Memory of each device, e.g. 80GiB [default: what each of N ranks has on this machine].",
+    "nodes": "Nodes the N devices are spread over (N / nodes each); a pipeline crossing nodes uses the node link.",
+    "top": "How many configurations to print.",
+    "output": "Write the winning plan as a recipe here (the input recipe with its pipeline section replaced).",
+    "bandwidth": "Assumed link between devices of one node, GB/s (12: PCIe 4 x16 in practice).",
+    "latency_us": "Assumed per-message latency between devices of one node, microseconds.",
+    "node_bandwidth": "Assumed link between nodes, GB/s (12.5: 100 Gb/s InfiniBand or Ethernet).",
+    "node_latency_us": "Assumed per-message latency between nodes, microseconds.",
+    "timing": "Per-layer seconds: measure (on this machine's device), estimate (FLOPs at this machine's measured "
+              "rate) or auto (measure unless the model is too large or slow to time here).",
+    "tflops": "Assumed effective TFLOP/s of each planned device: per-layer seconds from FLOPs at this rate "
+              "(for devices that are not here; implies --timing estimate).",
+    "plain": "Plain lines instead of a table.",
+}
+
+
+def validate(options: PlanOptions) -> None:
+    """Refuse flags that cannot describe a plan, with one line naming the flag."""
+    checks = [
+        (options.devices >= 1, f"--devices must be >= 1 (got {options.devices})"),
+        (options.nodes >= 1, f"--nodes must be >= 1 (got {options.nodes})"),
+        (options.nodes <= options.devices and options.devices % options.nodes == 0,
+         f"--nodes {options.nodes} must divide --devices {options.devices} (the same devices on every node)"),
+        (options.top >= 1, f"--top must be >= 1 (got {options.top})"),
+        (options.bandwidth > 0, f"--bandwidth must be > 0 GB/s (got {options.bandwidth})"),
+        (options.latency_us >= 0, f"--latency-us must be >= 0 (got {options.latency_us})"),
+        (options.node_bandwidth > 0, f"--node-bandwidth must be > 0 GB/s (got {options.node_bandwidth})"),
+        (options.node_latency_us >= 0, f"--node-latency-us must be >= 0 (got {options.node_latency_us})"),
+        (options.timing in TIMINGS, f"--timing must be one of {', '.join(TIMINGS)} (got {options.timing})"),
+        (options.tflops is None or options.tflops > 0, f"--tflops must be > 0 (got {options.tflops})"),
+        (options.tflops is None or options.timing != "measure", "--tflops estimates per-layer seconds: it cannot "
+         "be combined with --timing measure"),
+        (options.output is None or options.output.suffix in (".yaml", ".yml"),
+         f"--output must name a .yaml file (got {options.output})"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+    memory = options.memory_bytes()
+    if memory is not None and memory <= 0:
+        raise UserError(f"--device-memory must be more than 0 bytes (got '{options.device_memory}')")

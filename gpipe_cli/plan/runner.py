@@ -1,0 +1,160 @@
+"""`gpipe plan`: measure the recipe's model once, search every way to run it on N devices, print the
+best few (predicted), and write the winner as a recipe that `gpipe train` takes as is."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+from gpipe_cli.errors import UserError
+from gpipe_cli.launch import check_writable
+from gpipe_cli.plan.options import PlanOptions, validate
+from gpipe_cli.recipe.load import apply_override, default_recipe_text, load_recipe, parse_yaml, recipe_label
+from gpipe_cli.recipe.schema import Recipe
+from gpipe_cli.recipe.yamlio import read_recipe_file
+
+
+def _raw(options: PlanOptions) -> dict[str, Any]:
+    """The recipe as written (with the --set overrides), to be written back with a new pipeline section."""
+    label = recipe_label(options.recipe)
+    text = default_recipe_text() if options.recipe is None else read_recipe_file(Path(options.recipe))
+    raw = parse_yaml(text, label)
+    for item in options.set:
+        apply_override(raw, item)
+    return raw
+
+
+def micro_sizes(layers: int, batch: int, devices: int, least: int) -> list[int]:
+    """Every micro-batch size the search can try: batch / D / M for K | N, K <= layers, D | batch, M | batch / D."""
+    sizes: set[int] = set()
+    for k in range(1, devices + 1):
+        d = devices // k
+        if devices % k or k > layers or batch % d:
+            continue
+        sizes.update(s for s in range(least, batch // d + 1) if (batch // d) % s == 0)
+    return sorted(sizes)
+
+
+def _as_written(model: Any, hw: Any, recipe: Recipe) -> Any:
+    """The recipe's own pipeline settings, predicted the same way (None when they do not use the N devices);
+    a balance named by a mode is cut by measured time."""
+    from gpipe_cli.pipeline import partition
+    from gpipe_cli.plan import search
+
+    p = recipe.pipeline
+    if p.partitions * p.data_parallel != hw.devices or model.batch % p.data_parallel \
+            or model.batch // p.data_parallel < p.microbatches:
+        return None
+    config = search.Config(p.partitions, p.data_parallel, p.microbatches, p.schedule, p.virtual_stages, p.checkpoint)
+    cut = p.balance if isinstance(p.balance, list) else None
+    try:
+        if cut is not None:
+            partition.check_balance(cut, model.layers, p.partitions * p.virtual_stages)
+        else:
+            partition.check_partitions(model.layers, p.partitions * p.virtual_stages)
+    except partition.PartitionError:
+        return None
+    return search.evaluate(model, hw, config, cut)
+
+
+def run(options: PlanOptions) -> int:
+    """Run `gpipe plan`: print the plan, write the recipe when asked; UserError for what cannot be planned."""
+    validate(options)
+    recipe = load_recipe(options.recipe, options.set, check_data=False)
+    raw = _raw(options)
+    if options.output is not None:
+        check_writable(options.output.parent if str(options.output.parent) else Path("."), "--output")
+    return _plan(options, recipe, raw)
+
+
+def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> int:
+    # torch from here on: the arguments and the recipe are valid
+    from rich.console import Console
+
+    from gpipe_cli import memory_model as mm
+    from gpipe_cli.bench.simulate import Link
+    from gpipe_cli.plan import inputs, search, show
+    from gpipe_cli.sizing import usable_cores
+    from gpipe_cli.train.plan import model_spec, optimizer_name
+    from gpipe_cli.units import human_bytes
+
+    started = time.perf_counter()
+    console = Console()
+    if not console.is_terminal:  # a file or a pipe: long lines stay whole
+        console = Console(width=max(console.width, 200), soft_wrap=True)
+    spec = model_spec(recipe)
+    batch, n = recipe.data.batch_size, options.devices
+    layers = len(spec.layers)
+    if not micro_sizes(layers, batch, n, 1):
+        raise UserError(f"--devices {n}: no pipeline uses exactly {n} devices: K stages x D replicas = {n} needs "
+                        f"K <= the model's {layers} layers and D dividing data.batch_size {batch}")
+    per_node = n // options.nodes
+    threads = max(1, usable_cores() // per_node)
+    memory = options.memory_bytes()
+    budget = float(memory) if memory is not None else mm.capacity(per_node).per_rank_bytes
+    params = recipe.model.model_dump(exclude={"kind", "preset"})
+
+    def sizes(least: int) -> tuple[int, int]:
+        found = micro_sizes(layers, batch, n, least) or [least]
+        return found[0], found[-1]
+
+    fed = inputs.inputs(recipe.model.kind, params, recipe.seed, batch, sizes, options.timing, threads,
+                        lambda line: console.print(f"[dim]{line}[/]", highlight=False), options.tflops)
+    per_param = mm.bytes_per_parameter(optimizer_name(recipe))
+    model = search.Model(fed.costs, fed.figures, per_param, batch, fed.min_microbatch, fed.action_overhead,
+                         fed.step_overhead)
+    hw = search.Hardware(n, budget, Link.of(options.bandwidth, options.latency_us),
+                         Link.of(options.node_bandwidth, options.node_latency_us), options.nodes)
+    result = search.search(model, hw)
+    evaluated = len(result.ranked) + len(result.refused)
+    if not evaluated:
+        raise UserError(f"--devices {n}: no pipeline uses exactly {n} devices with micro-batches of at least "
+                        f"{fed.min_microbatch} examples (data.batch_size {batch})")
+    best = result.best
+    if best is None:
+        assert result.smallest is not None and result.smallest_memory is not None
+        raise UserError(f"nothing fits {human_bytes(budget)} per device on {n} devices: the smallest plan "
+                        f"({result.smallest.config.label()}) needs {show.bytes_up(result.smallest_memory)} per "
+                        f"device (predicted); give --device-memory {show.bytes_up(result.smallest_memory)} or more, "
+                        f"more --devices, or a smaller data.batch_size")
+    where = "this machine's per-rank memory" if memory is None else "--device-memory"
+    node_text = f" on {options.nodes} nodes" if options.nodes > 1 else ""
+    console.print(f"[bold]gpipe plan[/] · {spec.name} ({layers} pipeline layers) · {n} devices{node_text}, "
+                  f"{human_bytes(budget)} each ({where}) · batch {batch}", highlight=False)
+    console.print(f"  per-layer seconds: {fed.timing}", highlight=False)
+    console.print(f"  memory: the memory model, {fed.memory}; {per_param:.0f} bytes per parameter "
+                  f"({optimizer_name(recipe)})", highlight=False)
+    console.print(f"  links (assumed): {options.bandwidth:g} GB/s and {options.latency_us:g} µs per message "
+                  f"within a node, {options.node_bandwidth:g} GB/s and {options.node_latency_us:g} µs between "
+                  f"nodes", highlight=False)
+    console.print(f"  searched {evaluated} configurations (K, D, M, schedule, V, remat; balance: min-max "
+                  f"time among cuts that fit): {len(result.ranked)} fit", highlight=False)
+    items = show.rows(model, result, options.top, budget)
+    title = "predictions (simulated from the per-layer seconds; not measured)"
+    if options.plain:
+        console.print(show.plain(items, title), highlight=False, markup=False)
+    else:
+        console.print(show.table(items, title))
+    written = _as_written(model, hw, recipe)
+    if written is not None:
+        gain = best.samples_per_s / written.samples_per_s - 1.0 if written.samples_per_s else 0.0
+        fit_note = "" if written.fits else f", does not fit: {show.reason(model, best, written, budget)}"
+        console.print(f"the recipe as written ({written.config.label()}, balance "
+                      f"{','.join(map(str, written.balance))}): predicted {show.rate(written.samples_per_s)} "
+                      f"samples/s{fit_note}; the plan's pick is predicted {gain * 100:+.0f}%", highlight=False)
+    section = show.pipeline_section(best, recipe.pipeline.backend)
+    target = shlex.quote(options.recipe) if options.recipe is not None else ""
+    command = " ".join(["gpipe train", *([target] if target else []), *show.set_lines(section)])
+    console.print(f"predicted best: {best.config.label()}, {show.rate(best.samples_per_s)} samples/s. Train it with:",
+                  highlight=False)
+    console.print(f"  {command}", highlight=False, markup=False, soft_wrap=True)
+    if options.output is not None:
+        header = (f"# written by gpipe plan for {n} devices of {human_bytes(budget)}: {best.config.label()}, "
+                  f"predicted {show.rate(best.samples_per_s)} samples/s\n")
+        show.write_recipe(raw, section, options.output, recipe_label(options.recipe), header)
+        console.print(f"wrote {options.output}; train with: gpipe train {shlex.quote(str(options.output))}",
+                      highlight=False, markup=False)
+    console.print(f"[dim]took {time.perf_counter() - started:.0f} s[/]")
+    return 0

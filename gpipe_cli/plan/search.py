@@ -1,0 +1,310 @@
+"""Search K, D, M, schedule, remat mode and balance for the fastest pipeline that fits: predictions only.
+
+Nothing here measures or prints. The inputs are passed in: per-layer seconds at any micro-batch size
+(`Model.costs`), the memory model's per-layer figures, and the hardware (devices, nodes, memory per
+device, links). For every configuration that uses all N devices (K stages x D = N / K replicas):
+
+    balance     the min-max cut of per-layer time (forward, backward and the recompute the remat mode
+                implies) among the cuts whose every stage fits the device (`partition.balance_within`);
+                interleaved (K x V chunks): the min-max cut of the chunks, then checked for memory
+    time        the engine's own action lists run by the simulator (`bench.simulate.simulate_step`),
+                each compute action its layers' seconds plus the engine's own cost per layer call, each
+                message `latency + bytes / bandwidth` on the link it crosses; then the gradient
+                all-reduce over the D replicas (a ring: 2 (D-1)/D of a stage's gradient bytes) and the
+                engine's per-step cost (optimizer and the rest) for the busiest stage's parameters
+    memory      every stage's peak by the memory model (`memory_model.footprints`)
+
+The fastest fitting configuration wins; ties go to the one needing less memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from gpipe_cli import memory_model as mm
+from gpipe_cli.bench import simulate
+from gpipe_cli.bench.costs import CostProfile
+from gpipe_cli.memory_model import ModelFigures
+from gpipe_cli.pipeline import partition
+from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES
+
+VIRTUAL_STAGES = (2, 4)   # V tried for the interleaved schedule
+FREE = simulate.Link(1e30, 0.0)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The devices planned for: how many, on how many nodes, each one's memory, and the links between them."""
+
+    devices: int
+    memory: float                    # bytes per device
+    link: simulate.Link              # between devices of one node
+    node_link: simulate.Link         # between nodes
+    nodes: int = 1
+
+    @property
+    def per_node(self) -> int:
+        """Devices per node."""
+        return self.devices // self.nodes
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the search knows of a model: per-layer seconds at any micro-batch size and memory figures."""
+
+    costs: Callable[[int], CostProfile]  # per-layer seconds of one micro-batch of that many examples
+    figures: ModelFigures
+    bytes_per_param: float
+    batch: int                           # the global mini-batch
+    min_microbatch: int = 1              # 2 where BatchNorm needs two examples per micro-batch
+    action_overhead: float = 0.0         # seconds the engine adds to every layer of a compute action
+    step_overhead: float = 0.0           # seconds the engine adds per step on one stage (optimizer, ...)
+
+    @property
+    def layers(self) -> int:
+        """Pipeline layers."""
+        return len(self.figures.layers)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One way to run the model on the devices."""
+
+    partitions: int   # K
+    replicas: int     # D
+    microbatches: int  # M
+    schedule: str
+    virtual: int      # V (interleaved), else 1
+    checkpoint: str
+
+    def label(self) -> str:
+        """e.g. 'K=2 D=1 M=8 interleaved V=2 except_last'."""
+        sched = f"{self.schedule} V={self.virtual}" if self.virtual > 1 else self.schedule
+        return f"K={self.partitions} D={self.replicas} M={self.microbatches} {sched} {self.checkpoint}"
+
+
+@dataclass
+class Outcome:
+    """A configuration's predicted figures, or why it cannot run."""
+
+    config: Config
+    balance: list[int]
+    memory: list[float]            # predicted peak bytes per stage
+    fits: bool
+    step_time: float = math.inf
+    bubble: float = 1.0
+    allreduce: float = 0.0         # seconds of the gradient all-reduce after the pipeline's step
+    fixed: float = 0.0             # the engine's per-step seconds (optimizer and the rest), busiest stage
+    batch: int = 0
+
+    @property
+    def samples_per_s(self) -> float:
+        """Predicted examples per second over all replicas."""
+        return self.batch / self.step_time if self.step_time > 0 and math.isfinite(self.step_time) else 0.0
+
+    @property
+    def peak(self) -> float:
+        """The fullest stage's bytes."""
+        return max(self.memory) if self.memory else 0.0
+
+
+@dataclass
+class Result:
+    """Every configuration evaluated, the fitting ones fastest first."""
+
+    ranked: list[Outcome]          # fitting, fastest first
+    refused: list[Outcome]         # not fitting (unconstrained min-max cut), fastest first
+    smallest_memory: float | None = None  # when nothing fits: the least memory per device a plan needs
+    smallest: Outcome | None = None
+
+    @property
+    def best(self) -> Outcome | None:
+        """The winner, or None when nothing fits."""
+        return self.ranked[0] if self.ranked else None
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def configs(model: Model, hw: Hardware, schedules: Sequence[str] = SCHEDULES,
+            remat: Sequence[str] = REMAT_MODES) -> Iterator[Config]:
+    """Every configuration that uses all the devices: K | N, K <= layers, the batch split evenly over D and M."""
+    for k in divisors(hw.devices):
+        d = hw.devices // k
+        if k > model.layers or model.batch % d:
+            continue
+        per_replica = model.batch // d
+        for m in divisors(per_replica):
+            if per_replica // m < model.min_microbatch:
+                continue
+            for name in schedules:
+                for v in _virtual(name, k, m, model.layers):
+                    for mode in remat:
+                        yield Config(k, d, m, name, v, mode)
+
+
+def _virtual(name: str, k: int, m: int, layers: int) -> list[int]:
+    if name != "interleaved":
+        return [1]
+    # V=1 interleaved is 1F1B: listed once, under its own name.
+    return [v for v in VIRTUAL_STAGES if k >= 2 and k * v <= layers and m % k == 0]
+
+
+def _stage_fits(model: Model, config: Config, size_batch: int, budget: float) -> Callable[[int, int, int], bool]:
+    memo: dict[tuple[int, int, int], bool] = {}
+
+    def fits(stage: int, start: int, stop: int) -> bool:
+        key = (stage, start, stop)
+        if key not in memo:
+            fp = mm.stage_footprint(model.figures, start, stop, stage, config.partitions, size_batch,
+                                    config.microbatches, config.schedule, config.checkpoint, model.bytes_per_param)
+            memo[key] = fp.total_bytes <= budget
+        return memo[key]
+
+    return fits
+
+
+def _memory(model: Model, config: Config, balance: list[int], per_replica: int) -> list[float]:
+    return [fp.total_bytes for fp in mm.footprints(model.figures, balance, per_replica, config.microbatches,
+                                                   config.schedule, config.checkpoint, model.bytes_per_param,
+                                                   config.virtual)]
+
+
+def spans_nodes(hw: Hardware, partitions: int) -> bool:
+    """Whether some pipeline has neighbouring stages on different nodes (rank = replica x K + stage)."""
+    return any((r * partitions + s) // hw.per_node != (r * partitions + s + 1) // hw.per_node
+               for r in range(hw.devices // partitions) for s in range(partitions - 1))
+
+
+def allreduce_seconds(stage_params: Sequence[int], replicas: int, link: simulate.Link) -> float:
+    """A ring all-reduce of each stage's fp32 gradients over the replicas; stages reduce at once, the slowest counts."""
+    if replicas < 2 or not stage_params:
+        return 0.0
+    hops = 2 * (replicas - 1)
+    return max(hops * link.latency + hops / replicas * 4 * p / link.bandwidth for p in stage_params)
+
+
+def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | None = None) -> Outcome:
+    """The predicted step of one configuration (with the fitting min-max cut, or the unconstrained one;
+    `cut`: this balance instead)."""
+    per_replica = model.batch // config.replicas
+    size = max(per_replica // config.microbatches, 1)
+    costs = model.costs(size)
+    weights = costs.balance_costs(config.checkpoint)
+    chunks = config.partitions * config.virtual
+    balance = list(cut) if cut is not None else partition.balance_by_cost(weights, chunks)
+    memory = _memory(model, config, balance, per_replica)
+    fits = max(memory) <= hw.memory
+    if not fits and config.virtual == 1 and cut is None:
+        within = partition.balance_within(weights, chunks, _stage_fits(model, config, per_replica, hw.memory))
+        if within is not None:
+            balance, memory, fits = within, _memory(model, config, within, per_replica), True
+    link = hw.node_link if spans_nodes(hw, config.partitions) else hw.link
+    prediction = simulate.simulate_step(costs, balance, per_replica, config.microbatches, config.schedule,
+                                        config.checkpoint, link, 1.0, config.virtual, model.action_overhead)
+    params = [sum(layer.params for r in partition.stage_ranges(balance)[s::config.partitions]
+                  for layer in model.figures.layers[r.start:r.stop]) for s in range(config.partitions)]
+    reduce_link = hw.node_link if hw.nodes > 1 else hw.link
+    reduce = allreduce_seconds(params, config.replicas, reduce_link)
+    fixed = step_overhead(model, params)
+    return Outcome(config, balance, memory, fits, prediction.step_time + reduce + fixed, prediction.bubble, reduce,
+                   fixed, model.batch)
+
+
+def step_overhead(model: Model, stage_params: Sequence[int]) -> float:
+    """The engine's per-step seconds on the busiest stage: its share of the parameters (the optimizer's work)."""
+    total = sum(stage_params)
+    return model.step_overhead * (max(stage_params) / total if total else 1.0 / len(stage_params))
+
+
+def _rank_key(outcome: Outcome) -> tuple[float, float, int, int, int]:
+    c = outcome.config
+    return (-outcome.samples_per_s, outcome.peak, SCHEDULES.index(c.schedule), c.virtual,
+            REMAT_MODES.index(c.checkpoint))
+
+
+def min_max_memory(model: Model, config: Config) -> tuple[float, list[int]]:
+    """The least memory the fullest stage can need under `config` (exact for V=1: a min-max cut of stage
+    memory; interleaved: the min-max-time cut's)."""
+    per_replica = model.batch // config.replicas
+    if config.virtual > 1:
+        weights = model.costs(per_replica // config.microbatches).balance_costs(config.checkpoint)
+        balance = partition.balance_by_cost(weights, config.partitions * config.virtual)
+        return max(_memory(model, config, balance, per_replica)), balance
+    n, k_total = model.layers, config.partitions
+
+    def need(stage: int, start: int, stop: int) -> float:
+        return mm.stage_footprint(model.figures, start, stop, stage, k_total, per_replica, config.microbatches,
+                                  config.schedule, config.checkpoint, model.bytes_per_param).total_bytes
+
+    inf = math.inf
+    best = [[0.0] + [inf] * n]
+    cut: list[list[int]] = [[0] * (n + 1)]
+    for k in range(1, k_total + 1):
+        row, cuts = [inf] * (n + 1), [0] * (n + 1)
+        for j in range(k, n - (k_total - k) + 1):
+            for i in range(k - 1, j):
+                if best[k - 1][i] == inf:
+                    continue
+                value = max(best[k - 1][i], need(k - 1, i, j))
+                if value < row[j]:
+                    row[j], cuts[j] = value, i
+        best.append(row)
+        cut.append(cuts)
+    bounds, j = [n], n
+    for k in range(k_total, 0, -1):
+        j = cut[k][j]
+        bounds.append(j)
+    bounds.reverse()
+    return best[k_total][n], [bounds[s + 1] - bounds[s] for s in range(k_total)]
+
+
+def search(model: Model, hw: Hardware, schedules: Sequence[str] = SCHEDULES,
+           remat: Sequence[str] = REMAT_MODES) -> Result:
+    """Evaluate every configuration; the fitting ones ranked fastest first (and, if none fits, the least memory)."""
+    outcomes = [evaluate(model, hw, c) for c in configs(model, hw, schedules, remat)]
+    ranked = sorted((o for o in outcomes if o.fits), key=_rank_key)
+    refused = sorted((o for o in outcomes if not o.fits), key=_rank_key)
+    result = Result(ranked, refused)
+    if not ranked and refused:
+        smallest = None
+        for outcome in refused:
+            need, balance = min_max_memory(model, outcome.config)
+            if smallest is None or need < smallest[0]:
+                smallest = (need, balance, outcome)
+        assert smallest is not None
+        need, balance, outcome = smallest
+        result.smallest_memory = need
+        result.smallest = dataclasses.replace(outcome, balance=balance,
+                                              memory=_memory(model, outcome.config, balance,
+                                                             model.batch // outcome.config.replicas))
+    return result
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Where a configuration's predicted step goes: compute, bubble, messages, all-reduce (seconds)."""
+
+    compute: float
+    bubble: float
+    messages: float
+    allreduce: float
+
+
+def parts(model: Model, outcome: Outcome) -> Parts:
+    """Split a predicted step into compute (mean per stage, with the per-step work), idle waiting, message
+    transit and all-reduce."""
+    c = outcome.config
+    per_replica = model.batch // c.replicas
+    costs = model.costs(per_replica // c.microbatches)
+    free = simulate.simulate_step(costs, outcome.balance, per_replica, c.microbatches, c.schedule, c.checkpoint,
+                                  FREE, 1.0, c.virtual, model.action_overhead)
+    pipeline = outcome.step_time - outcome.allreduce - outcome.fixed
+    busy = free.step_time * (1.0 - free.bubble)
+    return Parts(busy + outcome.fixed, free.step_time - busy, max(pipeline - free.step_time, 0.0), outcome.allreduce)
+

@@ -1,0 +1,179 @@
+"""How a plan reaches the user: the table of the best configurations, why each runner-up loses, the
+`--set` lines and the recipe file. Every figure is a prediction and says so."""
+
+from __future__ import annotations
+
+import math
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.table import Table
+
+from gpipe_cli.files import atomic_write_bytes
+from gpipe_cli.plan import search
+from gpipe_cli.plan.search import Outcome
+from gpipe_cli.recipe.load import validate as validate_recipe
+from gpipe_cli.recipe.yamlio import dump
+from gpipe_cli.units import human_bytes
+
+
+def bytes_up(n: float) -> str:
+    """Bytes as human_bytes does, but rounded up (a budget named from it must hold `n`)."""
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    if unit == "B":
+        return f"{math.ceil(value)} B"
+    return f"{math.ceil(value * 10 - 1e-9) / 10:.1f}{unit}"
+
+
+def reason(model: search.Model, winner: Outcome, other: Outcome, budget: float) -> str:
+    """Why `other` loses to `winner`, in a few words."""
+    if not other.fits:
+        stage = max(range(len(other.memory)), key=lambda s: other.memory[s])
+        return f"stage {stage} needs {human_bytes(other.memory[stage])} > {human_bytes(budget)}"
+    slower = 1.0 - other.samples_per_s / winner.samples_per_s if winner.samples_per_s else 0.0
+    if slower < 0.005:
+        return "as fast (within 0.5%), needs more memory" if other.peak > winner.peak else "as fast (within 0.5%)"
+    mine, theirs = search.parts(model, other), search.parts(model, winner)
+    deltas = {"compute": mine.compute - theirs.compute, "bubble": mine.bubble - theirs.bubble,
+              "messages": mine.messages - theirs.messages, "allreduce": mine.allreduce - theirs.allreduce}
+    worst = max(deltas, key=lambda k: deltas[k])
+    pct = f"{slower * 100:.0f}% slower"
+    c, w = other.config, winner.config
+    if worst == "bubble":
+        return f"{pct}: bubble {other.bubble:.2f} (winner {winner.bubble:.2f})"
+    if worst == "messages":
+        return f"{pct}: more messages"
+    if worst == "allreduce":
+        return f"{pct}: gradient all-reduce over {c.replicas} replicas"
+    if c.checkpoint != w.checkpoint and c.checkpoint != "never":
+        return f"{pct}: recomputes more ({c.checkpoint})"
+    size, win_size = model.batch // c.replicas // c.microbatches, model.batch // w.replicas // w.microbatches
+    if size < win_size:
+        return f"{pct}: more compute in smaller micro-batches ({size} example{'s' if size > 1 else ''})"
+    return f"{pct}: more compute per step"
+
+
+def per_stage(memory: Sequence[float]) -> str:
+    """Bytes per stage, the unit written once when they share it: '9.1 9.3 7.4 GiB'."""
+    texts = [human_bytes(m) for m in memory]
+    units = {t.split()[-1] for t in texts}
+    if len(units) == 1:
+        return " ".join(t.split()[0] for t in texts) + " " + units.pop()
+    return " · ".join(texts)
+
+
+def rate(samples_per_s: float) -> str:
+    """Samples per second with enough digits to tell slow plans apart."""
+    return f"{samples_per_s:,.1f}" if samples_per_s >= 100 else f"{samples_per_s:.3g}"
+
+
+def distinct(outcomes: Sequence[Outcome]) -> list[Outcome]:
+    """The outcomes without repeats: configurations predicted alike (same speed, cut and memory) show once,
+    the first (simplest) of them."""
+    seen: set[tuple[float, tuple[int, ...], tuple[float, ...]]] = set()
+    out = []
+    for o in outcomes:
+        key = (round(o.samples_per_s, 6), tuple(o.balance), tuple(round(m) for m in o.memory))
+        if key not in seen:
+            seen.add(key)
+            out.append(o)
+    return out
+
+
+def rows(model: search.Model, result: search.Result, top: int, budget: float) -> list[dict[str, Any]]:
+    """The best `top` fitting configurations (the best of each K among them) and up to two faster ones that
+    do not fit, as plain data."""
+    best = result.best
+    assert best is not None
+    ranked = distinct(result.ranked)
+    # The best of every other K first, so that each way to split the devices is seen, then the next fastest.
+    others = [next(o for o in ranked if o.config.partitions == k)
+              for k in {o.config.partitions for o in ranked} - {best.config.partitions}]
+    shown = [best] + sorted(others, key=lambda o: -o.samples_per_s)
+    shown = shown[:top] + [o for o in ranked if o not in shown][:max(top - len(shown), 0)]
+    faster = distinct([o for o in result.refused if o.samples_per_s > best.samples_per_s])[:2]
+    chosen = sorted(shown + faster, key=lambda o: -o.samples_per_s)
+    out = []
+    for outcome in chosen:
+        c = outcome.config
+        out.append({"winner": outcome is best, "partitions": c.partitions, "replicas": c.replicas,
+                    "microbatches": c.microbatches, "schedule": c.schedule, "virtual_stages": c.virtual,
+                    "checkpoint": c.checkpoint, "balance": outcome.balance, "fits": outcome.fits,
+                    "samples_per_s": outcome.samples_per_s, "bubble": outcome.bubble,
+                    "memory": outcome.memory, "step_time": outcome.step_time,
+                    "why": "winner" if outcome is best else reason(model, best, outcome, budget)})
+    return out
+
+
+def table(items: Sequence[dict[str, Any]], title: str) -> Table:
+    """The configurations as a rich table, every figure labelled as predicted."""
+    t = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
+    for name in ("", "K", "D", "M", "schedule", "remat", "balance"):
+        t.add_column(name, justify="right" if name in ("K", "D", "M") else "left")
+    t.add_column("samples/s (pred.)", justify="right")
+    t.add_column("bubble (pred.)", justify="right")
+    t.add_column("peak memory per stage (pred.)")
+    t.add_column("why it loses")
+    for item in items:
+        sched = item["schedule"] + (f" V={item['virtual_stages']}" if item["virtual_stages"] > 1 else "")
+        t.add_row("*" if item["winner"] else "", str(item["partitions"]), str(item["replicas"]),
+                  str(item["microbatches"]), sched, item["checkpoint"], ",".join(map(str, item["balance"])),
+                  rate(item["samples_per_s"]), f"{item['bubble']:.3f}",
+                  per_stage(item["memory"]), "" if item["winner"] else item["why"])
+    return t
+
+
+def plain(items: Sequence[dict[str, Any]], title: str) -> str:
+    """The configurations as plain lines."""
+    lines = [title]
+    for item in items:
+        sched = item["schedule"] + (f" V={item['virtual_stages']}" if item["virtual_stages"] > 1 else "")
+        lines.append(f"{'*' if item['winner'] else ' '} K={item['partitions']} D={item['replicas']} "
+                     f"M={item['microbatches']} {sched} {item['checkpoint']} balance "
+                     f"{','.join(map(str, item['balance']))} | predicted {rate(item['samples_per_s'])} samples/s, "
+                     f"bubble {item['bubble']:.3f}, peak memory "
+                     f"{per_stage(item['memory'])}"
+                     + ("" if item["winner"] else f" | {item['why']}"))
+    return "\n".join(lines)
+
+
+def pipeline_section(outcome: Outcome, backend: str) -> dict[str, Any]:
+    """The recipe's pipeline section that runs `outcome` as predicted."""
+    c = outcome.config
+    return {"partitions": c.partitions, "microbatches": c.microbatches, "schedule": c.schedule,
+            "virtual_stages": c.virtual, "checkpoint": c.checkpoint, "balance": list(outcome.balance),
+            "data_parallel": c.replicas, "backend": backend}
+
+
+def set_lines(section: dict[str, Any]) -> list[str]:
+    """`--set pipeline.KEY=VALUE` for every key of the section, quoted for a shell."""
+    out = []
+    for key, value in section.items():
+        text = "[" + ",".join(map(str, value)) + "]" if isinstance(value, list) else str(value)
+        out.append(f"--set {shlex.quote(f'pipeline.{key}={text}')}")
+    return out
+
+
+def write_recipe(raw: dict[str, Any], section: dict[str, Any], path: Path, label: str, header: str) -> None:
+    """The recipe `raw` with its pipeline section replaced, validated, written whole or not at all."""
+    out = {**raw, "pipeline": section} if "pipeline" in raw else _with_pipeline(raw, section)
+    validate_recipe(out, f"{label} with the planned pipeline", check_data=False)
+    atomic_write_bytes(path, (header + dump(out)).encode())
+
+
+def _with_pipeline(raw: dict[str, Any], section: dict[str, Any]) -> dict[str, Any]:
+    # Keep the usual order: the pipeline section right after the model.
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        out[key] = value
+        if key == "model":
+            out["pipeline"] = section
+    out.setdefault("pipeline", section)
+    return out

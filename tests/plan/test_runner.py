@@ -1,0 +1,96 @@
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from gpipe_cli.cli import run
+from gpipe_cli.recipe.load import load_recipe
+from tests.train.recipes import write
+
+# A decoder-only Transformer of 4 pipeline layers: measured in a second or two.
+TINY = {
+    "name": "tiny-lm", "seed": 0,
+    "model": {"kind": "transformer", "arch": "decoder-only", "layers": 2, "d_model": 16, "ff": 32, "heads": 2,
+              "vocab_size": 64, "max_len": 8, "dropout": 0.0},
+    "pipeline": {"partitions": 1, "microbatches": 1},
+    "data": {"source": "synthetic", "batch_size": 8, "synthetic_size": 64},
+    "train": {"steps": 2},
+    "optimizer": {"name": "adam", "lr": 0.001},
+}
+HEAVY = "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))\n"
+
+
+def set_lines(out: str) -> list[str]:
+    """The `--set` items of the printed `gpipe train` command."""
+    command = next(line for line in out.splitlines() if line.strip().startswith("gpipe train"))
+    words = shlex.split(command)
+    return [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+
+
+def test_the_plan_is_printed_and_written_as_a_recipe_that_validates(tmp_path, capsys):
+    recipe = write(tmp_path, TINY)
+    output = tmp_path / "planned.yaml"
+    assert run(["plan", str(recipe), "--devices", "2", "--timing", "measure", "--output", str(output),
+                "--plain", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted" in out and "prediction" in out
+    rows = [line for line in out.splitlines() if re.match(r"^[* ] K=\d+ D=\d+ M=\d+ ", line)]
+    assert rows and rows[0].startswith("*") and len([r for r in rows if r.startswith("*")]) == 1
+    assert all("| " in r for r in rows[1:]), "every runner-up says why it loses"
+    planned = load_recipe(output)
+    # The printed --set lines and the written recipe describe the same pipeline.
+    assert load_recipe(recipe, set_lines(out)).pipeline == planned.pipeline
+    assert planned.pipeline.partitions * planned.pipeline.data_parallel == 2
+    assert planned.model == load_recipe(recipe).model and planned.data == load_recipe(recipe).data
+    assert run(["validate", str(output)]) == 0
+
+
+def test_a_budget_nothing_fits_is_one_line_naming_the_memory_that_does(tmp_path, capsys):
+    recipe = write(tmp_path, TINY)
+    assert run(["plan", str(recipe), "--devices", "2", "--device-memory", "1KiB", "--timing", "estimate"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("error: nothing fits"), err
+    needed = re.search(r"give --device-memory (\S+) or more", err)
+    assert needed, err
+    assert run(["plan", str(recipe), "--devices", "2", "--device-memory", needed.group(1), "--timing",
+                "estimate"]) == 0
+    assert list(tmp_path.iterdir()) == [recipe]
+
+
+def test_devices_no_pipeline_can_use_are_one_line(tmp_path, capsys):
+    recipe = write(tmp_path, TINY)  # 4 layers, batch 8: K <= 4 leaves D = 64 / K > 8
+    assert run(["plan", str(recipe), "--devices", "64", "--timing", "estimate"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--devices 64" in err, err
+
+
+@pytest.mark.parametrize("args", [["--devices", "0"], ["--devices", "4", "--nodes", "3"],
+                                  ["--devices", "2", "--device-memory", "lots"], ["--devices", "2", "--top", "0"],
+                                  ["--devices", "2", "--timing", "guess"], ["--devices", "2", "--bandwidth", "0"],
+                                  ["--devices", "2", "--set", "pipeline.partitons=2"],
+                                  ["--devices", "2", "--output", "plan.txt"]])
+def test_bad_flags_are_refused_in_one_line_before_torch_loads(tmp_path, args):
+    code = ("import sys\n"
+            "from gpipe_cli.cli import run\n"
+            f"assert run({['plan', *args]!r}) == 2\n" + HEAVY)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+    assert proc.stderr.startswith("error: ") and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,batch", [("amoebanet-d-18-256", 128), ("transformer-l-48", 32)])
+def test_paper_models_are_planned_for_eight_80gib_devices_without_building_them(tmp_path, capsys, preset, batch):
+    recipe = write(tmp_path, {"name": "paper", "model": {"preset": preset}, "pipeline": {"partitions": 1},
+                              "data": {"source": "synthetic", "batch_size": batch}, "train": {"steps": 1},
+                              "optimizer": {"name": "rmsprop"}})
+    assert run(["plan", str(recipe), "--devices", "8", "--device-memory", "80GiB", "--tflops", "100",
+                "--plain"]) == 0
+    out = capsys.readouterr().out
+    assert "predictions" in out and "extrapolated" in out and "assumed 100 TFLOP/s" in out
+    planned = load_recipe(recipe, set_lines(out))
+    assert planned.pipeline.partitions * planned.pipeline.data_parallel == 8

@@ -1,0 +1,143 @@
+import itertools
+import math
+import random
+
+import pytest
+
+from gpipe_cli import memory_model as mm
+from gpipe_cli.bench import simulate
+from gpipe_cli.bench.costs import CostProfile, LayerTiming
+from gpipe_cli.memory_model import Affine, LayerFigures, ModelFigures
+from gpipe_cli.pipeline import partition
+from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES, theoretical_bubble
+from gpipe_cli.plan import search
+
+FAST = simulate.Link(1e9, 1e-6)
+
+
+def synthetic(layers: int, seed: int, batch: int = 8, equal: bool = False) -> search.Model:
+    """Random per-layer costs affine in the micro-batch size (a fixed part per call) and random memory."""
+    rng = random.Random(seed)
+    fixed = [0.0 if equal else rng.uniform(0.0, 0.3) for _ in range(layers)]
+    per = [1.0 if equal else rng.uniform(0.2, 2.0) for _ in range(layers)]
+    out = [1000 if equal else rng.randint(100, 5000) for _ in range(layers)]
+
+    def costs(size: int) -> CostProfile:
+        timings = [LayerTiming(f"l{i}", fixed[i] + per[i] * size, 0.9 * (fixed[i] + per[i] * size),
+                               2 * (fixed[i] + per[i] * size), out[i] * size) for i in range(layers)]
+        return CostProfile(size, 500 * size, 0.0 if equal else 0.1 * size, timings)
+
+    figures = ModelFigures(Affine(0.0, 500.0), tuple(
+        LayerFigures(f"l{i}", rng.randint(1000, 100000), Affine(50.0, rng.uniform(1000, 20000)),
+                     Affine(0.0, float(out[i])), Affine(0.0, 0.0)) for i in range(layers)))
+    return search.Model(costs, figures, 16.0, batch, action_overhead=0.0 if equal else 0.05,
+                        step_overhead=0.0 if equal else 0.5)
+
+
+def brute_force(model: search.Model, hw: search.Hardware) -> tuple[float, search.Config] | None:
+    """Every K, M, schedule, V and remat mode the long way; the balance by trying every contiguous cut."""
+    best: tuple[float, search.Config] | None = None
+    n = model.layers
+    for k in range(1, hw.devices + 1):
+        if hw.devices % k or k > n:
+            continue
+        d = hw.devices // k
+        if model.batch % d:
+            continue
+        per_replica = model.batch // d
+        for m in range(1, per_replica + 1):
+            if per_replica % m:
+                continue
+            for name, v, mode in itertools.product(SCHEDULES, (1, 2, 4), REMAT_MODES):
+                if (v > 1) != (name == "interleaved") or (v > 1 and (m % k or k < 2)) or k * v > n:
+                    continue
+                config = search.Config(k, d, m, name, v, mode)
+                costs = model.costs(per_replica // m)
+                weights = costs.balance_costs(mode)
+                chunks = k * v
+                fitting = []
+                for cuts in itertools.combinations(range(1, n), chunks - 1):
+                    balance = [b - a for a, b in zip((0, *cuts), (*cuts, n))]
+                    need = max(fp.total_bytes for fp in mm.footprints(
+                        model.figures, balance, per_replica, m, name, mode, model.bytes_per_param, v))
+                    if need <= hw.memory or v > 1:
+                        fitting.append((max(partition.stage_costs(weights, balance)), balance, need))
+                if not fitting:
+                    continue
+                top = min(f[0] for f in fitting)
+                # Among cuts of equal largest stage cost, the search keeps the one balance_* picks.
+                balance = min((f for f in fitting if math.isclose(f[0], top)), key=lambda f: f[1][::-1])[1]
+                if v > 1 and max(fp.total_bytes for fp in mm.footprints(
+                        model.figures, balance, per_replica, m, name, mode, model.bytes_per_param, v)) > hw.memory:
+                    continue
+                predicted = simulate.simulate_step(costs, balance, per_replica, m, name, mode,
+                                                   hw.node_link if search.spans_nodes(hw, k) else hw.link, 1.0, v,
+                                                   model.action_overhead)
+                stage_params = [sum(model.figures.layers[i].params for r in partition.stage_ranges(balance)[s::k]
+                                    for i in r) for s in range(k)]
+                step = predicted.step_time + search.allreduce_seconds(stage_params, d, hw.link) + \
+                    model.step_overhead * max(stage_params) / sum(stage_params)
+                rate = model.batch / step
+                if best is None or rate > best[0] + 1e-12:
+                    best = (rate, config)
+    return best
+
+
+@pytest.mark.parametrize("seed,layers,devices,tightness", [
+    (0, 5, 2, None), (1, 6, 4, None), (2, 6, 2, 0.5), (3, 5, 4, 0.3), (4, 8, 4, 0.1), (5, 7, 2, 0.7),
+])
+def test_search_finds_the_brute_force_optimum(seed, layers, devices, tightness):
+    model = synthetic(layers, seed)
+    memory = math.inf
+    if tightness is not None:  # a budget that only some configurations' min-max-time cuts fit
+        peaks = sorted(o.peak for o in search.search(model, search.Hardware(devices, math.inf, FAST, FAST)).ranked)
+        memory = peaks[int(tightness * (len(peaks) - 1))]
+    hw = search.Hardware(devices, memory, FAST, FAST)
+    result = search.search(model, hw)
+    expected = brute_force(model, hw)
+    assert expected is not None and result.best is not None
+    assert result.best.samples_per_s == pytest.approx(expected[0], rel=1e-9)
+    assert all(o.fits and o.peak <= memory for o in result.ranked)
+    assert [o.samples_per_s for o in result.ranked] == sorted((o.samples_per_s for o in result.ranked), reverse=True)
+
+
+def test_equal_layers_and_free_links_predict_the_theoretical_bubble():
+    model = synthetic(8, 0, batch=16, equal=True)
+    hw = search.Hardware(4, math.inf, search.FREE, search.FREE)
+    for config in search.configs(model, hw, ("gpipe", "1f1b"), ("never",)):
+        if config.partitions == 4:
+            outcome = search.evaluate(model, hw, config)
+            assert outcome.balance == [2, 2, 2, 2]
+            assert outcome.bubble == pytest.approx(theoretical_bubble(4, config.microbatches), abs=1e-9)
+
+
+def test_nothing_fits_names_the_least_memory_and_that_memory_fits():
+    model = synthetic(6, 5)
+    tight = search.search(model, search.Hardware(2, 1.0, FAST, FAST))
+    assert tight.best is None and tight.smallest_memory is not None and tight.smallest is not None
+    assert tight.smallest.peak == pytest.approx(tight.smallest_memory)
+    enough = search.search(model, search.Hardware(2, tight.smallest_memory, FAST, FAST))
+    assert enough.best is not None and enough.best.peak <= tight.smallest_memory
+    below = search.search(model, search.Hardware(2, tight.smallest_memory * 0.999, FAST, FAST))
+    # V=1 plans are exact; interleaved ones are only checked at their time-balanced cut, never below it.
+    assert below.best is None or below.best.config.virtual > 1
+
+
+def test_configurations_use_every_device_and_split_the_batch_evenly():
+    model = synthetic(6, 0, batch=12)
+    hw = search.Hardware(4, math.inf, FAST, FAST)
+    seen = list(search.configs(model, hw))
+    assert seen and all(c.partitions * c.replicas == 4 for c in seen)
+    assert all((12 // c.replicas) % c.microbatches == 0 for c in seen)
+    assert all(c.microbatches % c.partitions == 0 for c in seen if c.virtual > 1)
+    assert {c.schedule for c in seen} == set(SCHEDULES)
+
+
+def test_a_pipeline_across_nodes_is_charged_the_node_link():
+    model = synthetic(8, 1)
+    slow = simulate.Link(1e3, 1e-2)
+    one = search.Hardware(4, math.inf, FAST, slow, nodes=1)
+    four = search.Hardware(4, math.inf, FAST, slow, nodes=4)
+    config = search.Config(4, 1, 4, "gpipe", 1, "never")
+    assert not search.spans_nodes(one, 4) and search.spans_nodes(four, 4)
+    assert search.evaluate(model, four, config).step_time > search.evaluate(model, one, config).step_time
