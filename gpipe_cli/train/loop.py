@@ -144,7 +144,7 @@ class Trainer:
                 reused = saved_cut(job.resume, recipe, len(self.spec.layers)) if job.resume else None
                 if reused is not None:
                     decided = make_plan(recipe, self.spec, available=job.available,
-                                        chosen=(reused, "the cut of the checkpoint it resumes"))
+                                        chosen=(reused, "the checkpoint it resumes"))
                 else:
                     measured, measured_by = self._measure()
                     decided = make_plan(recipe, self.spec, measured, available=job.available,

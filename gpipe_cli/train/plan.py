@@ -161,8 +161,10 @@ def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float]
         else:
             flops = [float(c.flops) for c in summary.layers]
             costs = flops if any(flops) else [float(c.params) for c in summary.layers]
-            by = measured_by or ("estimated FLOPs (" + (AT_LAUNCH if balance == "auto" else
-                                                        f"measured {balance} at launch") + ")")
+            later = AT_LAUNCH if balance == "auto" else f"measured {balance} at launch"
+            by = measured_by or f"estimated FLOPs ({later})"
+            if not any(flops):  # no FLOP estimate for this model: the estimate is its parameters
+                by = by.replace("estimated FLOPs", "parameters (no FLOP estimate)", 1)
         # Interleaved stages hold V chunks each, so a stage's memory is not that of one contiguous run
         # of layers: there the min-max over the K x V chunks stands, and the plan checks fit afterwards.
         if balance != "auto" or memory is None or recipe.pipeline.virtual_stages > 1:
