@@ -166,7 +166,8 @@ class Trainer:
             sample, _ = self.spec.example_batch(size, device)
             profile = profile_layers(self.spec.factories(), sample, self.recipe.seed, device)
             return [float(p.activation_bytes + 4 * p.param_bytes) for p in profile], None
-        if mode not in ("auto", "time"):
+        chunks = self.recipe.pipeline.partitions * self.recipe.pipeline.virtual_stages
+        if mode not in ("auto", "time") or chunks in (1, len(self.spec.layers)):  # one cut only: nothing to time
             return None, None
         try:
             found = layer_costs.measured_costs(

@@ -156,6 +156,8 @@ def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float]
             return partition.check_balance(balance, layers, k), "explicit", ""
         if balance == "params":
             return partition.balance_by_cost([c.params for c in summary.layers], k), "parameters", ""
+        if balance in ("auto", "time") and k in (1, layers):  # nothing to choose, nothing to measure
+            return [layers // k] * k, "the only cut", ""
         if measured is not None:
             costs, by = measured, measured_by or f"measured {balance}"
         else:

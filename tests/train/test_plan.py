@@ -101,3 +101,5 @@ def test_the_plan_says_what_the_cut_was_balanced_by(tiny):
     why = "estimated FLOPs: measuring failed (RuntimeError: the device is busy)"
     fallback = resolve_balance(recipe, summary, None, why)
     assert fallback[:2] == (resolve_balance(recipe, summary)[0], why)
+    alone = recipe.model_copy(update={"pipeline": recipe.pipeline.model_copy(update={"partitions": 1})})
+    assert resolve_balance(alone, summary)[:2] == ([len(summary.layers)], "the only cut")  # nothing to measure
