@@ -61,9 +61,10 @@ class CostProfile:
         return CostProfile(int(data["microbatch_size"]), int(data["input_bytes"]), float(data["loss"]), layers)
 
 
-def profile(spec: ModelSpec, inputs: Any, targets: torch.Tensor, seed: int, repeats: int = 5) -> CostProfile:
-    """Time every layer of `spec` on one micro-batch `inputs` (with its `targets` for the loss)."""
-    measured = profile_layers(spec.factories(), inputs, seed, "cpu", repeats,
+def profile(spec: ModelSpec, inputs: Any, targets: torch.Tensor, seed: int, repeats: int = 5,
+            device: torch.device | str = "cpu") -> CostProfile:
+    """Time every layer of `spec` on one micro-batch `inputs` (with its `targets` for the loss) on `device`."""
+    measured = profile_layers(spec.factories(), inputs, seed, device, repeats,
                               loss=lambda output: spec.loss(output, targets))
     tensors, _ = as_tensors(inputs)
     size = int(tensors[0].shape[0]) if tensors and tensors[0] is not None else 1

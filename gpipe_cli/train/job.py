@@ -16,3 +16,4 @@ class Job:
     plain: bool | None = None
     resume: str | None = None  # a run directory or checkpoint to continue from
     started: float | None = None  # time.time() when the command started, for elapsed times on screen
+    available: float | None = None  # memory free when the plan was checked: the ranks cut for the same

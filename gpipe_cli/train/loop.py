@@ -27,12 +27,12 @@ from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_layers, stage_ranges
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
-from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, translate
+from gpipe_cli.train import checkpoint, evaluation, layer_costs, nonfinite, optim, translate
 from gpipe_cli.train.job import Job
-from gpipe_cli.train.plan import Plan, make_plan, model_spec
+from gpipe_cli.train.plan import Plan, make_plan, microbatch_size, model_spec
 from gpipe_cli.train.profiling import StepProfiler
 from gpipe_cli.train.report import MetricsFile, TerminalView
-from gpipe_cli.train.resume import Checkpointer, run_dir_of, trim_metrics
+from gpipe_cli.train.resume import Checkpointer, run_dir_of, saved_cut, trim_metrics
 from gpipe_cli.train.rundir import choose_run_dir, create_run_dir, save_recipe
 from gpipe_cli.train.signals import StopRequest
 from gpipe_cli.train.sinks import open_sinks
@@ -50,7 +50,7 @@ class Trainer:
         self._note(f"{self.layout.world_size} rank{'s' if self.layout.world_size > 1 else ''} started on "
                    f"{topo.device.type}; planning the cut")
         self.spec: ModelSpec = model_spec(recipe)
-        self.plan: Plan = make_plan(recipe, self.spec, self._measure())
+        self.plan: Plan = self._plan()
         chosen = run_dir_of(job.resume) if job.resume else choose_run_dir(recipe, job.output_dir, job.outputs_root)
         self.run_dir = Path(self.topo.share(str(chosen) if self.layout.rank == 0 else None))
         fresh = not self.run_dir.exists()
@@ -81,7 +81,7 @@ class Trainer:
         self._note(f"building {k} stage{'s' if k > 1 else ''} of {self.spec.name} "
                    f"({self.plan.total_params:,} parameters): "
                    + ", ".join(f"stage {i % k} layer{f's {r[0]}-{r[-1]}' if len(r) > 1 else f' {r[0]}'}"
-                               for i, r in enumerate(ranges)))
+                               for i, r in enumerate(ranges)) + f" (cut by {self.plan.balance_by})")
         span = stage_layers(self.plan.balance, pipe_cfg.partitions, self.layout.stage)
         layers = build_layers(self.spec.factories(), span, recipe.seed, topo.device)
         self.pipe = Pipeline(layers, topo, self.plan.balance, self.spec.loss, units=self.spec.units,
@@ -135,20 +135,48 @@ class Trainer:
                      f"(a partial last batch; data.drop_last: false keeps them)")
         return text
 
-    def _measure(self) -> list[float] | None:
-        """Per-layer costs for balance `time` or `memory`, measured on rank 0 and shared."""
-        mode = self.recipe.pipeline.balance
-        if mode not in ("time", "memory"):
-            return None
-        costs = None
+    def _plan(self) -> Plan:
+        """The plan, made on rank 0 (which measures) and the same on every rank."""
+        recipe, job = self.recipe, self.job
+        decided: Plan | str | None = None
         if self.layout.rank == 0:
+            try:
+                reused = saved_cut(job.resume, recipe, len(self.spec.layers)) if job.resume else None
+                if reused is not None:
+                    decided = make_plan(recipe, self.spec, available=job.available,
+                                        chosen=(reused, "the checkpoint it resumes"))
+                else:
+                    measured, measured_by = self._measure()
+                    decided = make_plan(recipe, self.spec, measured, available=job.available,
+                                        measured_by=measured_by)
+            except UserError as exc:
+                decided = str(exc)  # every rank stops with it, none waits for a plan that never comes
+        decided = self.topo.share(decided)
+        if isinstance(decided, str):
+            raise UserError(decided)
+        assert decided is not None
+        return decided
+
+    def _measure(self) -> tuple[list[float] | None, str | None]:
+        """Per-layer costs for balance `auto`, `time` or `memory`, measured here, and what the plan calls them."""
+        mode, device = self.recipe.pipeline.balance, self.topo.device
+        if mode == "memory":
             size = max(self.recipe.data.batch_size // (self.recipe.pipeline.data_parallel *
                                                        self.recipe.pipeline.microbatches), 1)
-            sample, _ = self.spec.example_batch(size, self.topo.device)
-            profile = profile_layers(self.spec.factories(), sample, self.recipe.seed, self.topo.device)
-            costs = [p.seconds if mode == "time" else float(p.activation_bytes + 4 * p.param_bytes)
-                     for p in profile]
-        return self.topo.share(costs)
+            sample, _ = self.spec.example_batch(size, device)
+            profile = profile_layers(self.spec.factories(), sample, self.recipe.seed, device)
+            return [float(p.activation_bytes + 4 * p.param_bytes) for p in profile], None
+        chunks = self.recipe.pipeline.partitions * self.recipe.pipeline.virtual_stages
+        if mode not in ("auto", "time") or chunks in (1, len(self.spec.layers)):  # one cut only: nothing to time
+            return None, None
+        try:
+            found = layer_costs.measured_costs(
+                self.spec, self.recipe, microbatch_size(self.recipe), device,
+                measuring=lambda: self._note(f"timing each layer on {device.type} for the cut (cached for next time)"))
+        except Exception as exc:  # any failure to measure leaves the estimate, never stops the run
+            why = (str(exc).strip().splitlines() or [""])[0][:200]
+            return None, f"estimated FLOPs: measuring failed ({type(exc).__name__}{f': {why}' if why else ''})"
+        return found.seconds(self.recipe.pipeline.checkpoint), found.label
 
     def _resume(self) -> int:
         """Continue from the newest whole checkpoint at the --resume location; return its step."""

@@ -17,6 +17,7 @@ from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import ModelSummary, describe
 from gpipe_cli.pipeline import partition, schedule
 from gpipe_cli.recipe.schema import Recipe
+from gpipe_cli.train import cut
 from gpipe_cli.units import human_bytes
 
 
@@ -31,10 +32,11 @@ def model_spec(recipe: Recipe) -> ModelSpec:
         raise UserError(f"model: {exc}") from None
 
 
-def checked_plan(recipe: Recipe, label: str, must_fit: bool = False) -> Plan:
-    """The plan, with problems reported against the recipe file (`must_fit`: also a plan too large for this machine)."""
+def checked_plan(recipe: Recipe, label: str, must_fit: bool = False, available: float | None = None) -> Plan:
+    """The plan, with problems reported against the recipe file (`must_fit`: also a plan too large for this
+    machine, which has `available` bytes free; default: what is free now)."""
     try:
-        plan = make_plan(recipe)
+        plan = make_plan(recipe, available=available)
     except UserError as exc:
         raise UserError(f"{label}: {exc}") from None
     if must_fit and not plan.fits:
@@ -94,6 +96,7 @@ class Plan:
     bubble_theory: float
     stages: list[StagePlan]
     capacity: str  # what the ranks run on, e.g. "22.1 GiB of available RAM shared by 4 ranks"
+    no_cut_fits: str = ""  # `balance: auto` found no cut whose every stage fits: why, with the numbers
 
     @property
     def fits(self) -> bool:
@@ -105,6 +108,8 @@ class Plan:
         over = [s for s in self.stages if not s.fits]
         if not over:
             return ""
+        if self.no_cut_fits:
+            return self.no_cut_fits
         parts = ", ".join(f"stage {s.index} needs {human_bytes(s.memory.total)} "
                           f"({human_bytes(s.memory.total - s.capacity)} over)" for s in over)
         return (f"the plan does not fit this machine: {parts}; each rank has {human_bytes(over[0].capacity)} "
@@ -131,22 +136,46 @@ def optimizer_name(recipe: Recipe) -> str:
     return "rmsprop" if opt.name == "amoebanet-rmsprop" else opt.name
 
 
-def resolve_balance(recipe: Recipe, summary: ModelSummary,
-                    measured: list[float] | None = None) -> tuple[list[int], str]:
-    """The layers per stage and what they were balanced by."""
+AT_LAUNCH = "gpipe train measures time at launch"
+
+
+def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float] | None = None,
+                    measured_by: str | None = None,
+                    memory: cut.StageMemory | None = None) -> tuple[list[int], str, str]:
+    """The layers per stage, what they were balanced by, and why no cut fits memory ('' when one does).
+
+    `measured`: per-layer costs measured at launch, called `measured_by` in the plan ("measured time",
+    "measured time, cached"); without them `measured_by` says why the cut falls back to estimated FLOPs.
+    `memory`: the stages' memory, which `auto` respects.
+    """
     k, layers = recipe.pipeline.partitions * recipe.pipeline.virtual_stages, len(summary.layers)  # chunks
     balance = recipe.pipeline.balance
     try:
         partition.check_partitions(layers, k)
         if isinstance(balance, list):
-            return partition.check_balance(balance, layers, k), "explicit"
+            return partition.check_balance(balance, layers, k), "explicit", ""
         if balance == "params":
-            return partition.balance_by_cost([c.params for c in summary.layers], k), "parameters"
-        if balance in ("time", "memory") and measured is not None:
-            return partition.balance_by_cost(measured, k), f"measured {balance}"
-        flops = [float(c.flops) for c in summary.layers]
-        note = "estimated FLOPs" if balance == "auto" else f"estimated FLOPs (measured {balance} at launch)"
-        return partition.balance_by_cost(flops if any(flops) else [c.params for c in summary.layers], k), note
+            return partition.balance_by_cost([c.params for c in summary.layers], k), "parameters", ""
+        if balance in ("auto", "time") and k in (1, layers):  # nothing to choose, nothing to measure
+            return [layers // k] * k, "the only cut", ""
+        if measured is not None:
+            costs, by = measured, measured_by or f"measured {balance}"
+        else:
+            flops = [float(c.flops) for c in summary.layers]
+            costs = flops if any(flops) else [float(c.params) for c in summary.layers]
+            later = AT_LAUNCH if balance == "auto" else f"measured {balance} at launch"
+            by = measured_by or f"estimated FLOPs ({later})"
+            if not any(flops):  # no FLOP estimate for this model: the estimate is its parameters
+                by = by.replace("estimated FLOPs", "parameters (no FLOP estimate)", 1)
+        # Interleaved stages hold V chunks each, so a stage's memory is not that of one contiguous run
+        # of layers: there the min-max over the K x V chunks stands, and the plan checks fit afterwards.
+        if balance != "auto" or memory is None or recipe.pipeline.virtual_stages > 1:
+            return partition.balance_by_cost(costs, k), by, ""
+        try:
+            chosen, moved = cut.within_memory(costs, memory)
+        except cut.NoCutFits as exc:  # shown as the fastest cut; `gpipe train` refuses with this line
+            return partition.balance_by_cost(costs, k), f"{by}; no cut fits memory", exc.line()
+        return chosen, (f"{by}, the fastest cut that fits memory" if moved else by), ""
     except partition.PartitionError as exc:
         key = "pipeline.balance" if isinstance(balance, list) else "pipeline.partitions"
         if recipe.pipeline.virtual_stages > 1 and not isinstance(balance, list):
@@ -154,22 +183,36 @@ def resolve_balance(recipe: Recipe, summary: ModelSummary,
         raise UserError(f"{key}: {exc}") from None
 
 
+def microbatch_size(recipe: Recipe) -> int:
+    """Examples in the largest micro-batch of one replica."""
+    per_replica = max(recipe.data.batch_size // recipe.pipeline.data_parallel, 1)
+    return max(math.ceil(per_replica / recipe.pipeline.microbatches), 1)
+
+
 def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[float] | None = None,
-              device: str | None = None, available: float | None = None) -> Plan:
-    """The plan of `recipe` (balanced by `measured` per-layer costs when given), checked against the memory
-    of `device` (default: CUDA if present, else CPU) with `available` bytes (default: what is free now)."""
+              device: str | None = None, available: float | None = None, measured_by: str | None = None,
+              chosen: tuple[list[int], str] | None = None) -> Plan:
+    """The plan of `recipe` (balanced by `measured` per-layer costs when given, see `resolve_balance`, or
+    cut as `chosen` says: (balance, what it was balanced by)), checked against the memory of `device`
+    (default: CUDA if present, else CPU) with `available` bytes (default: what is free now)."""
     spec = spec or model_spec(recipe)
     pipe = recipe.pipeline
     per_replica = max(recipe.data.batch_size // pipe.data_parallel, 1)
-    mb = max(math.ceil(per_replica / pipe.microbatches), 1)
+    mb = microbatch_size(recipe)
     summary = describe(spec, mb)
-    balance, balance_by = resolve_balance(recipe, summary, measured)
     figures = mm.measure(spec, recipe.seed, device="meta")  # shapes only: prices models of any size at once
     per_param = mm.bytes_per_parameter(optimizer_name(recipe))
-    prints = mm.footprints(figures, balance, per_replica, pipe.microbatches, pipe.schedule, pipe.checkpoint,
-                           per_param, pipe.virtual_stages)
     ranks = pipe.partitions * pipe.data_parallel
     room = mm.capacity(ranks, device, available)
+    stage_memory = cut.StageMemory(figures, pipe.partitions, per_replica, pipe.microbatches, pipe.schedule,
+                             pipe.checkpoint, per_param, room.per_rank_bytes, room.description)
+    refusal = ""
+    if chosen is not None:
+        balance, balance_by = chosen
+    else:
+        balance, balance_by, refusal = resolve_balance(recipe, summary, measured, measured_by, stage_memory)
+    prints = mm.footprints(figures, balance, per_replica, pipe.microbatches, pipe.schedule, pipe.checkpoint,
+                           per_param, pipe.virtual_stages)
     stages = []
     chunks = partition.stage_ranges(balance)
     for s, fp in enumerate(prints):
@@ -188,5 +231,4 @@ def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[floa
                 balance=balance, balance_by=balance_by, schedule=pipe.schedule, checkpoint=pipe.checkpoint,
                 bubble_theory=schedule.theoretical_bubble(pipe.partitions, pipe.microbatches, pipe.schedule,
                                                           pipe.virtual_stages),
-                stages=stages,
-                capacity=room.description)
+                stages=stages, capacity=room.description, no_cut_fits=refusal)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from gpipe_cli.errors import UserError
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.topology import Topology
+from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.train import checkpoint
 from gpipe_cli.train.plan import Plan
 from gpipe_cli.train.rundir import atomic_write_bytes
@@ -30,6 +31,29 @@ def run_dir_of(location: str) -> Path:
     if path.name.startswith(checkpoint.PREFIX):
         return checkpoint.run_dir_of(path)
     return path.parent if path.name == "checkpoints" else path
+
+
+def saved_cut(location: str, recipe: Recipe, layers: int) -> list[int] | None:
+    """The cut the newest whole checkpoint at `location` was written with, when a resumed run should keep it.
+
+    A cut chosen by measured costs may come out differently on each launch (timings vary). Parameters
+    and optimizer state are looked up by global layer name, so any cut could load; keeping the saved
+    one also keeps each rank's RNG streams, so the run continues exactly as if uninterrupted. Only when
+    the recipe leaves the cut to a cost (`auto`, `time`, `memory`) and K, D and V are unchanged.
+    """
+    pipe = recipe.pipeline
+    if pipe.balance not in ("auto", "time", "memory"):
+        return None
+    found, _ = checkpoint.newest_whole(Path(location))
+    if found is None:
+        return None
+    saved: Any = found.manifest.get("balance")
+    same = found.manifest.get("partitions") == pipe.partitions and found.manifest.get("data_parallel") == \
+        pipe.data_parallel
+    valid = (isinstance(saved, list) and len(saved) == pipe.partitions * pipe.virtual_stages
+             and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in saved)
+             and sum(saved) == layers)
+    return list(saved) if same and valid else None
 
 
 class Checkpointer:

@@ -72,11 +72,15 @@ def train(options: TrainOptions) -> int:
     if first and not live:  # lines: say what starts now; a plan error follows on stderr, still one line there
         print(first_line(recipe), flush=True)
     with checking(recipe, first and live):
-        from gpipe_cli.train.plan import checked_plan  # torch and the models: the status line is already up
+        import torch  # and the models: the status line is already up
 
-        # Refuses impossible cuts and plans that cannot fit, before any rank starts (ranks do not re-check:
-        # their siblings are loading and the free memory is shrinking).
-        checked_plan(recipe, recipe_label(options.recipe), must_fit=not under_torchrun())
+        from gpipe_cli import memory_model
+        from gpipe_cli.train.plan import checked_plan
+
+        # Refuses impossible cuts and plans that cannot fit, before any rank starts. The ranks cut for the
+        # memory free now, not for what is left while their siblings load.
+        available = float(memory_model.available_bytes("cuda" if torch.cuda.is_available() else "cpu"))
+        checked_plan(recipe, recipe_label(options.recipe), must_fit=not under_torchrun(), available=available)
         check_device(recipe.pipeline.backend, recipe.train.device, int(os.environ.get("LOCAL_WORLD_SIZE", local)))
         resume = resume_location(options, recipe.name) if options.resume else None
         if resume is not None:
@@ -88,7 +92,7 @@ def train(options: TrainOptions) -> int:
     if first:
         announce(recipe, options.launch.nnodes, options.launch.threads, sys.stdout, said=not live)
     job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
-              resume=resume, started=started)
+              resume=resume, started=started, available=available)
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world:
             raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the recipe needs "

@@ -74,6 +74,7 @@ def test_resume_equals_the_uninterrupted_run_step_for_step(full_run, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr
     assert "loading the newest whole checkpoint" in proc.stdout  # progress before the load, not silence
+    assert "(cut by the checkpoint it resumes)" in proc.stdout  # not measured again: the same cut, exactly
     assert losses(copy_dir) == losses(run)  # exact: same ranks, same data position, RNG and optimizer state
 
 

@@ -2,10 +2,14 @@
 
 import pytest
 
+from gpipe_cli import memory_model as mm
 from gpipe_cli.errors import UserError
+from gpipe_cli.models.describe import describe
+from gpipe_cli.pipeline import partition
 from gpipe_cli.recipe.load import load_recipe
+from gpipe_cli.train import cut
 from gpipe_cli.train import run as train_run
-from gpipe_cli.train.plan import make_plan
+from gpipe_cli.train.plan import make_plan, microbatch_size, model_spec, optimizer_name, resolve_balance
 from tests.train import recipes
 
 
@@ -20,7 +24,7 @@ def test_a_plan_fits_a_large_machine_and_not_a_tiny_one(recipe_path):
     assert roomy.fits and roomy.misfit() == ""
     cramped = make_plan(recipe, device="cpu", available=1e5)
     assert not cramped.fits and not any(s.fits for s in cramped.stages)
-    assert "stage 0 needs" in cramped.misfit() and "over" in cramped.misfit()
+    assert "does not fit this machine" in cramped.misfit() and "stage 0 needs" in cramped.misfit()
     # The ranks share the CPU's RAM: each gets an equal part.
     assert cramped.stages[0].capacity == pytest.approx(1e5 / 2, abs=1)
     assert cramped.to_json()["fits"] is False
@@ -32,9 +36,70 @@ def test_estimates_grow_with_the_batch(recipe_path):
     assert all(b.memory.activations > a.memory.activations for a, b in zip(small.stages, large.stages))
 
 
-def test_train_refuses_a_plan_that_cannot_fit_before_starting_ranks(recipe_path, monkeypatch):
+@pytest.mark.parametrize("balance", ["auto", "[4, 5]"])
+def test_train_refuses_a_plan_that_cannot_fit_before_starting_ranks(recipe_path, monkeypatch, balance):
     monkeypatch.setattr("gpipe_cli.memory_model.available_bytes", lambda device: 1000)
     monkeypatch.setattr(train_run, "launch", lambda *a, **k: pytest.fail("ranks were started"))
     with pytest.raises(UserError, match="does not fit this machine") as caught:
-        train_run.train(train_run.TrainOptions(str(recipe_path)))
-    assert UserError.exit_code == 2 and "stage 1 needs" in str(caught.value)
+        train_run.train(train_run.TrainOptions(str(recipe_path), [f"pipeline.balance={balance}"]))
+    line = str(caught.value)
+    assert UserError.exit_code == 2 and "\n" not in line and "each rank has 500 B" in line
+    if balance == "auto":  # no cut at all fits: the smallest peak any cut reaches, against what a rank has
+        assert "no cut of the 9 layers into 2 stages fits; the smallest per-stage peak any cut reaches is" in line
+    else:
+        assert "stage 1 needs" in line
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny recipe, its layer summary and its memory figures (slow to compute: shared)."""
+    recipe = load_recipe(str(recipes.write(tmp_path_factory.mktemp("tiny"), recipes.TINY_AMOEBANET)), [])
+    spec = model_spec(recipe)
+    return recipe, describe(spec, microbatch_size(recipe)), mm.measure(spec, recipe.seed, device="meta")
+
+
+def stage_memory(tiny, capacity: float) -> cut.StageMemory:
+    """The stages' memory as the plan prices it (the tiny recipe: one replica, GPipe)."""
+    recipe, _, figures = tiny
+    pipe = recipe.pipeline
+    return cut.StageMemory(figures, pipe.partitions, recipe.data.batch_size, pipe.microbatches, pipe.schedule,
+                           pipe.checkpoint, mm.bytes_per_parameter(optimizer_name(recipe)), capacity)
+
+
+def needs(memory: cut.StageMemory, balance: list[int]) -> list[float]:
+    return [memory.need(s, r.start, r.stop) for s, r in enumerate(partition.stage_ranges(balance))]
+
+
+def test_auto_moves_the_cut_to_fit_memory(tiny):
+    recipe, summary, _ = tiny
+    roomy = stage_memory(tiny, float("inf"))
+    free, by, _ = resolve_balance(recipe, summary, memory=roomy)
+    fastest = max(needs(roomy, free))
+    leanest, _, _ = roomy.smallest_peak()
+    assert leanest < fastest  # the tiny model has a cut that needs less than the balanced one
+    tight = stage_memory(tiny, (leanest + fastest) / 2)
+    balance, tight_by, refusal = resolve_balance(recipe, summary, memory=tight)
+    assert balance != free and max(needs(tight, balance)) <= tight.capacity and refusal == ""
+    assert tight_by == f"{by}, the fastest cut that fits memory"
+    explicit = recipe.model_copy(update={"pipeline": recipe.pipeline.model_copy(update={"balance": free})})
+    assert resolve_balance(explicit, summary, memory=tight)[:2] == (free, "explicit")  # the user's cut stands
+
+
+def test_the_plan_says_what_the_cut_was_balanced_by(tiny):
+    recipe, summary, _ = tiny
+
+    def mode(balance):
+        return recipe.model_copy(update={"pipeline": recipe.pipeline.model_copy(update={"balance": balance})})
+
+    assert resolve_balance(recipe, summary)[1] == "estimated FLOPs (gpipe train measures time at launch)"
+    costs = [1.0] * 8 + [9.0]
+    measured = resolve_balance(recipe, summary, costs, "measured time, cached")
+    assert measured[:2] == (partition.balance_by_cost(costs, 2), "measured time, cached")
+    assert resolve_balance(mode("time"), summary)[1] == "estimated FLOPs (measured time at launch)"
+    assert resolve_balance(mode("time"), summary, costs, "measured time")[:2] == (measured[0], "measured time")
+    assert resolve_balance(mode("params"), summary, costs)[1] == "parameters"
+    why = "estimated FLOPs: measuring failed (RuntimeError: the device is busy)"
+    fallback = resolve_balance(recipe, summary, None, why)
+    assert fallback[:2] == (resolve_balance(recipe, summary)[0], why)
+    alone = recipe.model_copy(update={"pipeline": recipe.pipeline.model_copy(update={"partitions": 1})})
+    assert resolve_balance(alone, summary)[:2] == ([len(summary.layers)], "the only cut")  # nothing to measure

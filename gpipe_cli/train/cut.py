@@ -1,0 +1,108 @@
+"""Where `balance: auto` cuts: the min-max per-layer cost among the cuts whose every stage fits memory.
+
+A stage's memory comes from the one memory model (`memory_model.stage_footprint`): it depends on the
+stage's place in the schedule (earlier stages hold more micro-batches in flight), so `fits` takes the
+stage index as well as its layers. When no cut fits, the refusal names the smallest per-stage peak any
+cut reaches, so the user sees how far the machine is from enough.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gpipe_cli import memory_model as mm
+from gpipe_cli.pipeline import partition
+from gpipe_cli.units import human_bytes
+
+
+@dataclass
+class StageMemory:
+    """Predicted bytes of the stage holding layers [start, stop) at each place of a K-stage pipeline."""
+
+    figures: mm.ModelFigures
+    stages: int
+    batch_size: int   # the mini-batch of one replica
+    microbatches: int
+    schedule: str
+    checkpoint: str
+    bytes_per_param: float
+    capacity: float   # what one rank may use
+    capacity_note: str = ""  # e.g. "22.1 GiB of available RAM shared by 4 ranks"
+    _known: dict[tuple[int, int, int], float] = field(default_factory=dict, repr=False)
+
+    def need(self, stage: int, start: int, stop: int) -> float:
+        """Bytes the stage needs at its peak (weights, gradients, optimizer state and activations)."""
+        key = (stage, start, stop)
+        if key not in self._known:
+            self._known[key] = mm.stage_footprint(self.figures, start, stop, stage, self.stages, self.batch_size,
+                                                  self.microbatches, self.schedule, self.checkpoint,
+                                                  self.bytes_per_param).total_bytes
+        return self._known[key]
+
+    def fits(self, stage: int, start: int, stop: int) -> bool:
+        """Whether the stage fits its rank's memory."""
+        return self.need(stage, start, stop) <= self.capacity
+
+    def smallest_peak(self) -> tuple[float, list[int], int]:
+        """The smallest largest-stage need over every cut, a cut reaching it, and its largest stage.
+
+        The same dynamic programme as `partition.balance_within`, with a stage's need (which does not
+        add up over layers) in place of its cost.
+        """
+        n, k = len(self.figures.layers), self.stages
+        inf = float("inf")
+        best = [[0.0] + [inf] * n]
+        cuts: list[list[int]] = [[0] * (n + 1)]
+        for s in range(1, k + 1):
+            row, at = [inf] * (n + 1), [0] * (n + 1)
+            for j in range(s, n - (k - s) + 1):
+                for i in range(s - 1, j):
+                    value = max(best[s - 1][i], self.need(s - 1, i, j))
+                    if value < row[j]:
+                        row[j], at[j] = value, i
+            best.append(row)
+            cuts.append(at)
+        bounds, j = [n], n
+        for s in range(k, 0, -1):
+            j = cuts[s][j]
+            bounds.append(j)
+        bounds.reverse()
+        balance = [bounds[s + 1] - bounds[s] for s in range(k)]
+        needs = [self.need(s, bounds[s], bounds[s + 1]) for s in range(k)]
+        return best[k][n], balance, needs.index(max(needs))
+
+
+def within_memory(costs: Sequence[float], memory: StageMemory) -> tuple[list[int], bool]:
+    """The min-max cut of `costs` whose every stage fits, and whether memory moved it off the unconstrained one.
+
+    Raises NoCutFits when no cut fits.
+    """
+    free = partition.balance_by_cost(costs, memory.stages)
+    ranges = partition.stage_ranges(free)
+    if all(memory.fits(s, r.start, r.stop) for s, r in enumerate(ranges)):
+        return free, False
+    found = partition.balance_within(costs, memory.stages, memory.fits)
+    if found is None:
+        raise NoCutFits(memory)
+    return found, True
+
+
+class NoCutFits(Exception):
+    """No contiguous cut of the model fits the memory each rank has."""
+
+    def __init__(self, memory: StageMemory) -> None:
+        self.memory = memory
+        super().__init__(self.line())
+
+    def line(self) -> str:
+        """The refusal, with the numbers and what to change."""
+        m = self.memory
+        peak, balance, stage = m.smallest_peak()
+        change = "raise pipeline.microbatches or pipeline.partitions"
+        change += "" if m.checkpoint == "always" else ", or set pipeline.checkpoint: always"
+        where = f" ({m.capacity_note})" if m.capacity_note else ""
+        return (f"the plan does not fit this machine: no cut of the {len(m.figures.layers)} layers into "
+                f"{m.stages} stages fits; the smallest per-stage peak any cut reaches is {human_bytes(peak)} "
+                f"(balance {balance}: stage {stage} needs {human_bytes(peak)}), and each rank has "
+                f"{human_bytes(m.capacity)}{where}. Lower data.batch_size, {change}")

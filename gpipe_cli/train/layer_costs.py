@@ -1,0 +1,131 @@
+"""Per-layer seconds for the cut of `balance: auto` and `time`: measured at launch, cached per machine.
+
+Rank 0 times every layer on one micro-batch on the device the run uses (`bench.costs.profile`: the
+forward, the backward and the graph-less forward a rematerialised micro-batch adds, so the costs
+follow the run's `pipeline.checkpoint`), with few repeats so that it takes seconds. The figures are
+kept in a per-user cache keyed by the model, the micro-batch size, the precision, the device (type,
+name and, on a CPU, the threads a rank uses) and the torch version: launching the same run again
+measures nothing. A cache file that cannot be read is measured again and replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpipe_cli.bench import costs
+from gpipe_cli.files import atomic_write_bytes
+from gpipe_cli.models.base import ModelSpec
+from gpipe_cli.pipeline.engine import PRECISIONS
+from gpipe_cli.recipe.schema import Recipe
+
+CACHE_ENV = "GPIPE_CACHE_DIR"
+FORMAT = 1      # bump when what is stored changes meaning
+REPEATS = 3     # timed runs per layer and kind of compute (their median), after one untimed: a launch stays quick
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Per-layer costs of one micro-batch, and whether they came from the cache."""
+
+    profile: costs.CostProfile
+    cached: bool
+
+    def seconds(self, checkpoint: str) -> list[float]:
+        """Per-layer seconds under the remat mode `checkpoint` (the weights the cut balances)."""
+        return self.profile.balance_costs(checkpoint)
+
+    @property
+    def label(self) -> str:
+        """What the plan calls these costs."""
+        return "measured time, cached" if self.cached else "measured time"
+
+
+def cache_dir() -> Path:
+    """Where measured costs are kept: $GPIPE_CACHE_DIR, else $XDG_CACHE_HOME/gpipe/layer-costs (~/.cache)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "gpipe" / "layer-costs"
+
+
+def device_name(device: torch.device) -> str:
+    """The device's model name (a GPU's name, a CPU's model from /proc/cpuinfo)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def cache_key(recipe: Recipe, microbatch_size: int, device: torch.device) -> dict[str, Any]:
+    """Everything the measured seconds depend on."""
+    key: dict[str, Any] = {
+        "format": FORMAT, "model": recipe.model.model_dump(mode="json"), "microbatch_size": microbatch_size,
+        "precision": recipe.train.precision, "device": device.type, "device_name": device_name(device),
+        "torch": torch.__version__,
+    }
+    if device.type == "cpu":  # a CPU rank's speed depends on how many threads it computes with
+        key["threads"] = torch.get_num_threads()
+    return key
+
+
+def cache_path(key: dict[str, Any]) -> Path:
+    """The cache file for a key."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return cache_dir() / f"{digest}.json"
+
+
+def load(key: dict[str, Any]) -> costs.CostProfile | None:
+    """The cached costs for `key`, or None when there are none or the file is damaged."""
+    path = cache_path(key)
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] != key:  # a file for another key under this name: measure again
+            return None
+        found = costs.CostProfile.from_json(data["costs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return found if found.layers else None
+
+
+def store(key: dict[str, Any], profile: costs.CostProfile) -> None:
+    """Keep measured costs for the next launch (a cache that cannot be written only costs a measurement)."""
+    with contextlib.suppress(OSError):
+        atomic_write_bytes(cache_path(key), json.dumps({"key": key, "costs": profile.to_json()}).encode())
+
+
+def measure(spec: ModelSpec, recipe: Recipe, microbatch_size: int, device: torch.device,
+            repeats: int = REPEATS) -> costs.CostProfile:
+    """Time every layer of the recipe's model on one micro-batch on `device`, in the run's precision."""
+    dtype = PRECISIONS[recipe.train.precision]
+    # Measuring draws random inputs and builds layers: the run's own random streams stay untouched.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(recipe.seed)
+        inputs, targets = spec.example_batch(microbatch_size, device)
+        with torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
+            return costs.profile(spec, inputs, targets, recipe.seed, repeats, device)
+
+
+def measured_costs(spec: ModelSpec, recipe: Recipe, microbatch_size: int, device: torch.device,
+                   measuring: Callable[[], None] = lambda: None) -> Measured:
+    """The recipe's per-layer costs on `device`: from the cache, or measured now (`measuring` says so) and cached."""
+    key = cache_key(recipe, microbatch_size, device)
+    found = load(key)
+    if found is not None and len(found.layers) == len(spec.layers):
+        return Measured(found, cached=True)
+    measuring()
+    profile = measure(spec, recipe, microbatch_size, device)
+    store(key, profile)
+    return Measured(profile, cached=False)

@@ -1,0 +1,79 @@
+"""`balance: auto` cuts by cost among the cuts that fit memory, and refuses with the numbers when none does."""
+
+import itertools
+import random
+
+import pytest
+
+from gpipe_cli import memory_model as mm
+from gpipe_cli.pipeline import partition
+from gpipe_cli.train import cut
+from gpipe_cli.units import human_bytes
+
+
+def figures(layers: int, seed: int) -> mm.ModelFigures:
+    """A made-up model whose layers differ in parameters and activations."""
+    rng = random.Random(seed)
+    rows = tuple(mm.LayerFigures(f"l{i}", rng.randint(1, 50) * 10_000, mm.Affine(0, rng.randint(1, 40) * 10_000),
+                                 mm.Affine(0, rng.randint(1, 10) * 1_000), mm.Affine(0, 1_000))
+                 for i in range(layers))
+    return mm.ModelFigures(mm.Affine(0, 1_000), rows)
+
+
+def memory(figs: mm.ModelFigures, stages: int, capacity: float) -> cut.StageMemory:
+    return cut.StageMemory(figs, stages, 8, 4, "gpipe", "never", 16.0, capacity, "test machine")
+
+
+def cuts(layers: int, stages: int):
+    for inner in itertools.combinations(range(1, layers), stages - 1):
+        bounds = (0, *inner, layers)
+        yield [bounds[s + 1] - bounds[s] for s in range(stages)]
+
+
+def needs(m: cut.StageMemory, balance: list[int]) -> list[float]:
+    return [m.need(s, r.start, r.stop) for s, r in enumerate(partition.stage_ranges(balance))]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_when_the_fastest_cut_does_not_fit_the_fastest_that_fits_is_chosen(seed):
+    rng = random.Random(seed)
+    figs, stages = figures(7, seed), 3
+    costs = [rng.uniform(0.1, 3.0) for _ in range(7)]
+    free = partition.balance_by_cost(costs, stages)
+    roomy = memory(figs, stages, float("inf"))
+    # Just less than the fastest cut needs, but no less than what the leanest cut needs.
+    leanest = min(max(needs(roomy, b)) for b in cuts(7, stages))
+    capacity = max(leanest, max(needs(roomy, free)) * 0.999)
+    m = memory(figs, stages, capacity)
+    fitting = [b for b in cuts(7, stages) if max(needs(m, b)) <= capacity]
+    chosen, moved = cut.within_memory(costs, m)
+    assert max(needs(m, chosen)) <= capacity
+    best = min(max(partition.stage_costs(costs, b)) for b in fitting)
+    assert max(partition.stage_costs(costs, chosen)) == pytest.approx(best)
+    assert moved == (max(needs(m, free)) > capacity)
+    if moved:
+        assert max(partition.stage_costs(costs, chosen)) >= max(partition.stage_costs(costs, free))
+
+
+def test_a_cut_that_fits_is_kept_as_it_is():
+    figs = figures(6, 1)
+    costs = [1.0, 2.0, 3.0, 1.0, 2.0, 3.0]
+    assert cut.within_memory(costs, memory(figs, 2, float("inf"))) == (partition.balance_by_cost(costs, 2), False)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_no_cut_fits_refuses_with_the_smallest_peak_and_what_a_rank_has(seed):
+    figs, stages = figures(6, seed), 3
+    roomy = memory(figs, stages, float("inf"))
+    leanest = min(max(needs(roomy, b)) for b in cuts(6, stages))
+    m = memory(figs, stages, leanest * 0.9)
+    with pytest.raises(cut.NoCutFits) as caught:
+        cut.within_memory([1.0] * 6, m)
+    line = str(caught.value)
+    peak, balance, stage = m.smallest_peak()
+    assert peak == pytest.approx(leanest) and max(needs(m, balance)) == pytest.approx(leanest)
+    assert needs(m, balance)[stage] == max(needs(m, balance))
+    assert "\n" not in line and "no cut of the 6 layers into 3 stages fits" in line
+    assert f"smallest per-stage peak any cut reaches is {human_bytes(leanest)}" in line
+    assert f"each rank has {human_bytes(leanest * 0.9)} (test machine)" in line
+    assert "pipeline.checkpoint: always" in line and "data.batch_size" in line

@@ -1,0 +1,54 @@
+"""A resumed run keeps the cut its checkpoint was written with when the recipe leaves the cut to a cost."""
+
+import json
+
+import pytest
+
+from gpipe_cli.recipe.load import load_recipe
+from gpipe_cli.train.resume import saved_cut
+from tests.train import recipes
+
+LAYERS = 9  # the tiny AmoebaNet
+
+
+def checkpoint(run, step: int, **layout) -> None:
+    """A whole checkpoint folder (no files besides its manifest) with the given layout in its manifest."""
+    folder = run / "checkpoints" / f"step-{step:08d}"
+    folder.mkdir(parents=True)
+    manifest = {"step": step, "files": {}, "checksums": {}, "partitions": 2, "data_parallel": 1, **layout}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def recipe(tmp_path, *overrides: str):
+    return load_recipe(str(recipes.write(tmp_path, recipes.TINY_AMOEBANET)), list(overrides))
+
+
+@pytest.mark.parametrize("balance", ["auto", "time", "memory"])
+def test_a_cut_chosen_by_cost_is_kept_from_the_newest_checkpoint(tmp_path, balance):
+    run = tmp_path / "run"
+    checkpoint(run, 3, balance=[2, 7])
+    checkpoint(run, 6, balance=[4, 5])
+    wanted = recipe(tmp_path, f"pipeline.balance={balance}")
+    assert saved_cut(str(run), wanted, LAYERS) == [4, 5]
+    assert saved_cut(str(run / "checkpoints" / "step-00000003"), wanted, LAYERS) == [2, 7]
+
+
+@pytest.mark.parametrize(("overrides", "layout"), [
+    (["pipeline.balance=[3, 6]"], {"balance": [4, 5]}),           # the user's own cut
+    (["pipeline.balance=params"], {"balance": [4, 5]}),           # the same on every launch anyway
+    (["pipeline.partitions=3"], {"balance": [4, 5]}),             # another K
+    ([], {"balance": [4, 5], "data_parallel": 2}),                # another D
+    ([], {"balance": [4, 4]}),                                    # not this model's layers
+    ([], {"balance": [4, 5, 0]}),
+    ([], {"balance": "4,5"}),
+])
+def test_otherwise_the_cut_is_chosen_again(tmp_path, overrides, layout):
+    run = tmp_path / "run"
+    checkpoint(run, 3, **layout)
+    assert saved_cut(str(run), recipe(tmp_path, *overrides), LAYERS) is None
+
+
+def test_no_whole_checkpoint_no_saved_cut(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000003").mkdir(parents=True)  # no manifest: the save did not finish
+    assert saved_cut(str(run), recipe(tmp_path), LAYERS) is None
