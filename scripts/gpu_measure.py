@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from gpipe_cli.bench.measure import measure_engine, timed
-from gpipe_cli.bench.subject import example_batch, resolve
+from gpipe_cli.estimate.measure import measure_engine, timed
+from gpipe_cli.estimate.subject import example_batch, resolve
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline import topology
 from gpipe_cli.pipeline.comm import FORWARD, Inbound, Outbound, Transport

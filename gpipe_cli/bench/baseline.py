@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch import nn
 
 from gpipe_cli.bench import recompute
-from gpipe_cli.bench.load import Load
-from gpipe_cli.bench.measure import median, timed
+from gpipe_cli.estimate.machine_load import Load
+from gpipe_cli.estimate.measure import median, timed
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline import schedule as sched

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from gpipe_cli.bench import costs
-from gpipe_cli.bench.measure import build_pipeline, measure_engine
-from gpipe_cli.bench.subject import Subject, example_batch
+from gpipe_cli.estimate import costs
+from gpipe_cli.estimate.measure import build_pipeline, measure_engine
+from gpipe_cli.estimate.subject import Subject, example_batch
 from gpipe_cli.pipeline import microbatch, topology
 
 

@@ -6,29 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpipe_cli.errors import UserError
+from gpipe_cli.estimate.size_flags import SizeFlags
 from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES
 from gpipe_cli.pipeline.schedule import check as check_schedule
-
-SIZE_FLAGS = ("layers", "filters", "d_model", "ff", "heads", "vocab_size", "image_size", "seq_len", "num_classes")
-
-
-@dataclass
-class SizeFlags:
-    """Flags that resize the measured model (shared by bench and profile-memory)."""
-
-    layers: int | None = None
-    filters: int | None = None
-    d_model: int | None = None
-    ff: int | None = None
-    heads: int | None = None
-    vocab_size: int | None = None
-    image_size: int | None = None
-    seq_len: int | None = None
-    num_classes: int | None = None
-
-    def sizes(self) -> dict[str, int | None]:
-        """The size flags, by name."""
-        return {name: getattr(self, name) for name in SIZE_FLAGS}
 
 
 @dataclass

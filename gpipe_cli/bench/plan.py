@@ -6,11 +6,11 @@ from typing import Any
 
 import torch
 
-from gpipe_cli.bench.costs import CostProfile
 from gpipe_cli.bench.job import Job
 from gpipe_cli.bench.options import BenchOptions, parse_balance
-from gpipe_cli.bench.subject import Subject
 from gpipe_cli.errors import UserError
+from gpipe_cli.estimate.costs import CostProfile
+from gpipe_cli.estimate.subject import Subject
 from gpipe_cli.models.describe import count_parameters
 from gpipe_cli.pipeline import partition
 from gpipe_cli.sizing import usable_cores

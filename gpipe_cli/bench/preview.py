@@ -15,8 +15,8 @@ from rich.console import Console
 from gpipe_cli import memory_model as mm
 from gpipe_cli import sizing
 from gpipe_cli.bench.options import SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions
-from gpipe_cli.bench.subject import FAMILIES, Subject, resolve
 from gpipe_cli.errors import UserError
+from gpipe_cli.estimate.subject import FAMILIES, Subject, resolve
 from gpipe_cli.models.describe import describe
 from gpipe_cli.pipeline import partition
 from gpipe_cli.units import human_bytes, human_count

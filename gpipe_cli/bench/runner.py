@@ -25,14 +25,15 @@ import torch
 from rich.console import Console
 
 from gpipe_cli import sizing
-from gpipe_cli.bench import jobs, preview, report, simulate, sweep, trace
-from gpipe_cli.bench.costs import CostProfile
-from gpipe_cli.bench.load import contended
-from gpipe_cli.bench.measure import RunFigures, median
+from gpipe_cli.bench import jobs, preview, report, sweep, trace
 from gpipe_cli.bench.options import BenchOptions, parse_balance, validate
 from gpipe_cli.bench.plan import base_job, choose_balance, model_json, oversubscription
-from gpipe_cli.bench.subject import Subject, is_text
 from gpipe_cli.errors import UserError
+from gpipe_cli.estimate import simulate
+from gpipe_cli.estimate.costs import CostProfile
+from gpipe_cli.estimate.machine_load import contended
+from gpipe_cli.estimate.measure import RunFigures, median
+from gpipe_cli.estimate.subject import Subject, is_text
 from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline.schedule import theoretical_bubble
 

@@ -14,12 +14,12 @@ from rich.table import Table
 
 from gpipe_cli import plots
 from gpipe_cli.bench import jobs
-from gpipe_cli.bench.costs import CostProfile
-from gpipe_cli.bench.load import contended
-from gpipe_cli.bench.measure import RunFigures
 from gpipe_cli.bench.options import SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions
 from gpipe_cli.bench.plan import base_job, model_json, oversubscription
-from gpipe_cli.bench.subject import Subject
+from gpipe_cli.estimate.costs import CostProfile
+from gpipe_cli.estimate.machine_load import contended
+from gpipe_cli.estimate.measure import RunFigures
+from gpipe_cli.estimate.subject import Subject
 from gpipe_cli.pipeline.schedule import theoretical_bubble
 
 # GPipe (Huang et al., 2019), Table 2: normalised training throughput on TPUs, AmoebaNet-D (18, 256) and

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from gpipe_cli.bench import simulate
-from gpipe_cli.bench.costs import CostProfile
-from gpipe_cli.bench.measure import build_pipeline, measure_engine
-from gpipe_cli.bench.subject import example_batch
+from gpipe_cli.estimate import simulate
+from gpipe_cli.estimate.costs import CostProfile
+from gpipe_cli.estimate.measure import build_pipeline, measure_engine
+from gpipe_cli.estimate.subject import example_batch
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import topology
 

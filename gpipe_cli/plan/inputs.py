@@ -1,6 +1,6 @@
 """What the plan's search is fed for a recipe's model: per-layer seconds and the memory model's figures.
 
-    seconds   measured by the one per-layer measurer (`bench.costs.profile`, as `gpipe bench` does) on
+    seconds   measured by the one per-layer measurer (`estimate.costs.profile`, as `gpipe bench` does) on
               this machine, with the threads a rank would get, at the smallest and the largest
               micro-batch the search tries; in between (and beyond) they are affine in the examples,
               which keeps each call's fixed cost. A model too large or too slow to time here is
@@ -22,8 +22,8 @@ from torch import nn
 
 from gpipe_cli import memory_model as mm
 from gpipe_cli import sizing
-from gpipe_cli.bench import costs as bench_costs
-from gpipe_cli.bench.costs import CostProfile, LayerTiming
+from gpipe_cli.estimate import costs as layer_costs
+from gpipe_cli.estimate.costs import CostProfile, LayerTiming
 from gpipe_cli.memory_model import ModelFigures
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import describe
@@ -153,7 +153,7 @@ def measured_costs(spec: ModelSpec, sizes: tuple[int, int], seed: int, threads: 
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 inputs, targets = spec.example_batch(size, "cpu")
-            profiles.append(_timing(bench_costs.profile(spec, inputs, targets, seed, REPEATS), size))
+            profiles.append(_timing(layer_costs.profile(spec, inputs, targets, seed, REPEATS), size))
     finally:
         torch.set_num_threads(previous)
     return affine_costs(profiles[0], profiles[-1])

@@ -74,10 +74,10 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> int:
     from rich.console import Console
 
     from gpipe_cli import memory_model as mm
-    from gpipe_cli.bench.simulate import Link
+    from gpipe_cli.estimate.simulate import Link
     from gpipe_cli.plan import inputs, search, show
+    from gpipe_cli.recipe_model import model_spec, optimizer_name
     from gpipe_cli.sizing import usable_cores
-    from gpipe_cli.train.plan import model_spec, optimizer_name
     from gpipe_cli.units import human_bytes
 
     started = time.perf_counter()

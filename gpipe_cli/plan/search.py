@@ -7,7 +7,7 @@ device, links). For every configuration that uses all N devices (K stages x D = 
     balance     the min-max cut of per-layer time (forward, backward and the recompute the remat mode
                 implies) among the cuts whose every stage fits the device (`partition.balance_within`);
                 interleaved (K x V chunks): the min-max cut of the chunks, then checked for memory
-    time        the engine's own action lists run by the simulator (`bench.simulate.simulate_step`),
+    time        the engine's own action lists run by the simulator (`estimate.simulate.simulate_step`),
                 each compute action its layers' seconds plus the engine's own cost per layer call, each
                 message `latency + bytes / bandwidth` on the link it crosses; then the gradient
                 all-reduce over the D replicas (a ring: 2 (D-1)/D of a stage's gradient bytes) and the
@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from gpipe_cli import memory_model as mm
-from gpipe_cli.bench import simulate
-from gpipe_cli.bench.costs import CostProfile
+from gpipe_cli.estimate import simulate
+from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.memory_model import ModelFigures
 from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES

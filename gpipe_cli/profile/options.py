@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpipe_cli.bench.options import SizeFlags
 from gpipe_cli.errors import UserError
+from gpipe_cli.estimate.size_flags import SizeFlags
 from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES
 
 

@@ -18,8 +18,8 @@ from rich.console import Console
 
 from gpipe_cli import memory_model as mm
 from gpipe_cli import sizing
-from gpipe_cli.bench.subject import FAMILIES, SIZE_PARAMS, Subject, example_batch, resolve
 from gpipe_cli.errors import UserError
+from gpipe_cli.estimate.subject import FAMILIES, SIZE_PARAMS, Subject, example_batch, resolve
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import layer_params
 from gpipe_cli.profile import account, budget, report, scenarios

@@ -20,6 +20,7 @@ import torch
 
 from gpipe_cli.data import Batch, Loader, build_data_for
 from gpipe_cli.errors import UserError
+from gpipe_cli.estimate import cost_cache
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import heartbeat, topology
 from gpipe_cli.pipeline.engine import Pipeline
@@ -27,9 +28,10 @@ from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_layers, stage_ranges
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
-from gpipe_cli.train import checkpoint, evaluation, layer_costs, nonfinite, optim, translate
+from gpipe_cli.recipe_model import model_spec
+from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, translate
 from gpipe_cli.train.job import Job
-from gpipe_cli.train.plan import Plan, make_plan, microbatch_size, model_spec
+from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
 from gpipe_cli.train.profiling import StepProfiler
 from gpipe_cli.train.report import MetricsFile, TerminalView
 from gpipe_cli.train.resume import Checkpointer, run_dir_of, saved_cut, trim_metrics
@@ -170,7 +172,7 @@ class Trainer:
         if mode not in ("auto", "time") or chunks in (1, len(self.spec.layers)):  # one cut only: nothing to time
             return None, None
         try:
-            found = layer_costs.measured_costs(
+            found = cost_cache.measured_costs(
                 self.spec, self.recipe, microbatch_size(self.recipe), device,
                 measuring=lambda: self._note(f"timing each layer on {device.type} for the cut (cached for next time)"))
         except Exception as exc:  # any failure to measure leaves the estimate, never stops the run

@@ -17,19 +17,9 @@ from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import ModelSummary, describe
 from gpipe_cli.pipeline import partition, schedule
 from gpipe_cli.recipe.schema import Recipe
+from gpipe_cli.recipe_model import model_spec, optimizer_name
 from gpipe_cli.train import cut
 from gpipe_cli.units import human_bytes
-
-
-def model_spec(recipe: Recipe) -> ModelSpec:
-    """The ModelSpec a recipe's model section describes."""
-    from gpipe_cli.models.registry import build_model
-
-    params = recipe.model.model_dump(exclude={"kind", "preset"})
-    try:
-        return build_model(recipe.model.kind, **params)
-    except ValueError as exc:
-        raise UserError(f"model: {exc}") from None
 
 
 def checked_plan(recipe: Recipe, label: str, must_fit: bool = False, available: float | None = None) -> Plan:
@@ -124,16 +114,6 @@ class Plan:
             stage["fits"] = plan.fits
         out["fits"] = self.fits
         return out
-
-
-def optimizer_name(recipe: Recipe) -> str:
-    """The memory model's name for the recipe's optimizer (whose state it prices)."""
-    opt = recipe.optimizer
-    if opt.name == "sgd":
-        return "sgd" if opt.momentum else "plain-sgd"
-    if opt.name == "rmsprop":
-        return "rmsprop" if opt.momentum else "rmsprop-no-momentum"
-    return "rmsprop" if opt.name == "amoebanet-rmsprop" else opt.name
 
 
 AT_LAUNCH = "gpipe train measures time at launch"

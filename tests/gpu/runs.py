@@ -168,7 +168,7 @@ TRANSIENT = 1.5
 
 def stage_param_bytes(bench: dict[str, Any]) -> list[int]:
     """fp32 parameter bytes of each stage of a bench run (from its model and balance)."""
-    from gpipe_cli.bench.subject import Subject
+    from gpipe_cli.estimate.subject import Subject
     from gpipe_cli.models.describe import describe
     from gpipe_cli.pipeline.partition import stage_ranges
 

@@ -16,9 +16,9 @@ from rich.console import Console
 from torch import nn
 from typer.testing import CliRunner
 
-from gpipe_cli.bench.measure import StageFigures
-from gpipe_cli.bench.subject import resolve
 from gpipe_cli.cli import app
+from gpipe_cli.estimate.measure import StageFigures
+from gpipe_cli.estimate.subject import resolve
 from gpipe_cli.models.describe import count_parameters
 from gpipe_cli.pipeline import topology
 from gpipe_cli.pipeline.engine import Pipeline

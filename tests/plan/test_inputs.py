@@ -1,7 +1,7 @@
 import pytest
 
 from gpipe_cli import memory_model as mm
-from gpipe_cli.bench.costs import CostProfile, LayerTiming
+from gpipe_cli.estimate.costs import CostProfile, LayerTiming
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.plan import inputs
 

@@ -5,8 +5,8 @@ import random
 import pytest
 
 from gpipe_cli import memory_model as mm
-from gpipe_cli.bench import simulate
-from gpipe_cli.bench.costs import CostProfile, LayerTiming
+from gpipe_cli.estimate import simulate
+from gpipe_cli.estimate.costs import CostProfile, LayerTiming
 from gpipe_cli.memory_model import Affine, LayerFigures, ModelFigures
 from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES, theoretical_bubble

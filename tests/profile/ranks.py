@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from gpipe_cli.bench.measure import build_pipeline
-from gpipe_cli.bench.subject import Subject, example_batch
+from gpipe_cli.estimate.measure import build_pipeline
+from gpipe_cli.estimate.subject import Subject, example_batch
 from gpipe_cli.pipeline import topology
 
 

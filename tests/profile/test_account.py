@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpipe_cli.bench.subject import example_batch, resolve
+from gpipe_cli.estimate.subject import example_batch, resolve
 from gpipe_cli.profile import account
 from tests.bench import tiny
 from tests.multiproc import results, run_ranks

@@ -3,8 +3,8 @@
 import pytest
 
 from gpipe_cli import memory_model as fig
-from gpipe_cli.bench.subject import example_batch
 from gpipe_cli.errors import UserError
+from gpipe_cli.estimate.subject import example_batch
 from gpipe_cli.memory_model import bytes_per_parameter, stage_footprint
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline.partition import stage_ranges

@@ -113,7 +113,7 @@ def test_more_partitions_than_layers_is_refused_by_the_plan():
 
 
 def test_bench_and_profile_read_set_with_the_recipe_parser():
-    from gpipe_cli.bench.subject import resolve
+    from gpipe_cli.estimate.subject import resolve
 
     subject = resolve("t-6-8192-16", {"layers": 2, "d_model": 32, "ff": 64, "heads": 4},
                       ["dropout=1e-1", "model.label_smoothing=0"])

@@ -129,7 +129,7 @@ def test_export_writes_the_consolidated_model(full_run, tmp_path):
     from safetensors.torch import load_file
 
     from gpipe_cli.recipe.load import load_recipe
-    from gpipe_cli.train.plan import model_spec
+    from gpipe_cli.recipe_model import model_spec
 
     path, run = full_run
     target = tmp_path / "model.safetensors"

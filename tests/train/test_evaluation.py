@@ -44,7 +44,7 @@ def test_images_report_accuracy_only_and_no_units_report_nothing() -> None:
 
 def _lm_spec():  # type: ignore[no-untyped-def]
     from gpipe_cli.recipe.schema import Recipe, TransformerModel
-    from gpipe_cli.train.plan import model_spec
+    from gpipe_cli.recipe_model import model_spec
 
     model = TransformerModel(arch="decoder-only", layers=1, d_model=8, ff=16, heads=2, vocab_size=11, max_len=8)
     return model_spec(Recipe(model=model))

@@ -7,9 +7,10 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.models.describe import describe
 from gpipe_cli.pipeline import partition
 from gpipe_cli.recipe.load import load_recipe
+from gpipe_cli.recipe_model import model_spec, optimizer_name
 from gpipe_cli.train import cut
 from gpipe_cli.train import run as train_run
-from gpipe_cli.train.plan import make_plan, microbatch_size, model_spec, optimizer_name, resolve_balance
+from gpipe_cli.train.plan import make_plan, microbatch_size, resolve_balance
 from tests.train import recipes
 
 

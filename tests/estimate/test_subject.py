@@ -1,7 +1,7 @@
 import pytest
 
-from gpipe_cli.bench.subject import FAMILIES, resolve
 from gpipe_cli.errors import UserError
+from gpipe_cli.estimate.subject import FAMILIES, resolve
 from tests.bench import tiny
 
 

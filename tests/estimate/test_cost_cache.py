@@ -5,10 +5,11 @@ import json
 import pytest
 import torch
 
-from gpipe_cli.bench.costs import CostProfile, LayerTiming
+from gpipe_cli.estimate import cost_cache
+from gpipe_cli.estimate.costs import CostProfile, LayerTiming
 from gpipe_cli.recipe.load import load_recipe
-from gpipe_cli.train import layer_costs
-from gpipe_cli.train.plan import microbatch_size, model_spec
+from gpipe_cli.recipe_model import model_spec
+from gpipe_cli.train.plan import microbatch_size
 from tests.train import recipes
 
 CPU = torch.device("cpu")
@@ -22,7 +23,7 @@ def recipe(tmp_path):
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     folder = tmp_path / "cache"
-    monkeypatch.setenv(layer_costs.CACHE_ENV, str(folder))
+    monkeypatch.setenv(cost_cache.CACHE_ENV, str(folder))
     return folder
 
 
@@ -31,39 +32,39 @@ def measurements(monkeypatch):
     """Count measurements; each returns distinct made-up seconds."""
     calls = []
 
-    def fake(spec, recipe, size, device, repeats=layer_costs.REPEATS):
+    def fake(spec, recipe, size, device, repeats=cost_cache.REPEATS):
         calls.append(size)
         layers = [LayerTiming(name, 0.001 * (i + len(calls)), 0.0005, 0.002, 64) for i, name in
                   enumerate(spec.layer_names)]
         return CostProfile(size, 128, 0.0001, layers)
 
-    monkeypatch.setattr(layer_costs, "measure", fake)
+    monkeypatch.setattr(cost_cache, "measure", fake)
     return calls
 
 
 def test_a_second_launch_reads_the_cache(recipe, cache, measurements):
     spec, size = model_spec(recipe), microbatch_size(recipe)
-    first = layer_costs.measured_costs(spec, recipe, size, CPU)
-    second = layer_costs.measured_costs(spec, recipe, size, CPU)
+    first = cost_cache.measured_costs(spec, recipe, size, CPU)
+    second = cost_cache.measured_costs(spec, recipe, size, CPU)
     assert measurements == [size]
     assert not first.cached and second.cached
     assert (first.label, second.label) == ("measured time", "measured time, cached")
     assert second.profile == first.profile
-    assert [p.name for p in cache.iterdir()] == [layer_costs.cache_path(layer_costs.cache_key(recipe, size, CPU)).name]
+    assert [p.name for p in cache.iterdir()] == [cost_cache.cache_path(cost_cache.cache_key(recipe, size, CPU)).name]
 
 
 @pytest.mark.parametrize("change", ["data.batch_size=32", "train.precision=bf16", "model.filters=12"])
 def test_another_micro_batch_precision_or_model_is_measured_again(recipe, tmp_path, cache, measurements, change):
     spec, size = model_spec(recipe), microbatch_size(recipe)
-    layer_costs.measured_costs(spec, recipe, size, CPU)
+    cost_cache.measured_costs(spec, recipe, size, CPU)
     other = load_recipe(str(recipes.write(tmp_path, recipes.TINY_AMOEBANET)), [change])
-    found = layer_costs.measured_costs(model_spec(other), other, microbatch_size(other), CPU)
+    found = cost_cache.measured_costs(model_spec(other), other, microbatch_size(other), CPU)
     assert not found.cached and len(measurements) == 2
     assert len(list(cache.iterdir())) == 2
 
 
 def test_the_key_names_the_device_threads_and_torch(recipe):
-    key = layer_costs.cache_key(recipe, 4, CPU)
+    key = cost_cache.cache_key(recipe, 4, CPU)
     assert key["device"] == "cpu" and key["device_name"] and key["torch"] == torch.__version__
     assert key["threads"] == torch.get_num_threads()
     assert key["microbatch_size"] == 4 and key["precision"] == recipe.train.precision
@@ -72,34 +73,34 @@ def test_the_key_names_the_device_threads_and_torch(recipe):
 @pytest.mark.parametrize("damage", [b"", b"{not json", b'{"key": 1}', b"[]", "right key, damaged costs"])
 def test_a_damaged_cache_file_is_measured_again_and_replaced(recipe, cache, measurements, damage):
     spec, size = model_spec(recipe), microbatch_size(recipe)
-    key = layer_costs.cache_key(recipe, size, CPU)
-    path = layer_costs.cache_path(key)
+    key = cost_cache.cache_key(recipe, size, CPU)
+    path = cost_cache.cache_path(key)
     path.parent.mkdir(parents=True)
     if isinstance(damage, str):
         damage = json.dumps({"key": key, "costs": {"layers": [{"name": 1}]}}).encode()
     path.write_bytes(damage)
-    found = layer_costs.measured_costs(spec, recipe, size, CPU)
+    found = cost_cache.measured_costs(spec, recipe, size, CPU)
     assert not found.cached and measurements == [size]
     assert json.loads(path.read_text())["key"] == key
-    assert layer_costs.measured_costs(spec, recipe, size, CPU).cached
+    assert cost_cache.measured_costs(spec, recipe, size, CPU).cached
 
 
 def test_an_unwritable_cache_only_costs_a_measurement(recipe, tmp_path, monkeypatch, measurements):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    monkeypatch.setenv(layer_costs.CACHE_ENV, str(blocker / "cache"))  # under a file: cannot be created
+    monkeypatch.setenv(cost_cache.CACHE_ENV, str(blocker / "cache"))  # under a file: cannot be created
     spec, size = model_spec(recipe), microbatch_size(recipe)
-    assert not layer_costs.measured_costs(spec, recipe, size, CPU).cached
-    assert not layer_costs.measured_costs(spec, recipe, size, CPU).cached
+    assert not cost_cache.measured_costs(spec, recipe, size, CPU).cached
+    assert not cost_cache.measured_costs(spec, recipe, size, CPU).cached
     assert len(measurements) == 2
 
 
 def test_the_cache_lives_under_xdg_cache_home(tmp_path, monkeypatch):
-    monkeypatch.delenv(layer_costs.CACHE_ENV, raising=False)
+    monkeypatch.delenv(cost_cache.CACHE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert layer_costs.cache_dir() == tmp_path / "gpipe" / "layer-costs"
-    monkeypatch.setenv(layer_costs.CACHE_ENV, str(tmp_path / "mine"))
-    assert layer_costs.cache_dir() == tmp_path / "mine"
+    assert cost_cache.cache_dir() == tmp_path / "gpipe" / "layer-costs"
+    monkeypatch.setenv(cost_cache.CACHE_ENV, str(tmp_path / "mine"))
+    assert cost_cache.cache_dir() == tmp_path / "mine"
 
 
 def test_measuring_times_every_layer_and_leaves_the_random_streams_alone(recipe):
@@ -109,7 +110,7 @@ def test_measuring_times_every_layer_and_leaves_the_random_streams_alone(recipe)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a rank on this machine: several threads on a busy CPU only wait for each other
     try:
-        profile = layer_costs.measure(spec, recipe, 2, CPU, repeats=1)
+        profile = cost_cache.measure(spec, recipe, 2, CPU, repeats=1)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(torch.get_rng_state(), before)
@@ -128,7 +129,7 @@ def test_when_measuring_fails_the_cut_falls_back_to_estimated_flops_and_says_why
     def broken(*args, **kwargs):
         raise RuntimeError("the device is busy\nmore detail")
 
-    monkeypatch.setattr(layer_costs, "measured_costs", broken)
+    monkeypatch.setattr(cost_cache, "measured_costs", broken)
     rank = SimpleNamespace(recipe=recipe, spec=model_spec(recipe), topo=SimpleNamespace(device=CPU),
                            _note=lambda text: None)
     measured, why = Trainer._measure(rank)  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpipe_cli.bench.load import Load, distributed, gather_floats
+from gpipe_cli.estimate.machine_load import Load, distributed, gather_floats
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline.engine import Pipeline

@@ -1,7 +1,7 @@
 import pytest
 
-from gpipe_cli.bench import simulate
-from gpipe_cli.bench.costs import CostProfile, LayerTiming
+from gpipe_cli.estimate import simulate
+from gpipe_cli.estimate.costs import CostProfile, LayerTiming
 from gpipe_cli.pipeline import schedule as sched
 
 IDEAL = simulate.Link(bandwidth=1e30, latency=0.0)

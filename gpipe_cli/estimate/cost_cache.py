@@ -1,6 +1,6 @@
 """Per-layer seconds for the cut of `balance: auto` and `time`: measured at launch, cached per machine.
 
-Rank 0 times every layer on one micro-batch on the device the run uses (`bench.costs.profile`: the
+Rank 0 times every layer on one micro-batch on the device the run uses (`estimate.costs.profile`: the
 forward, the backward and the graph-less forward a rematerialised micro-batch adds, so the costs
 follow the run's `pipeline.checkpoint`), with few repeats so that it takes seconds. The figures are
 kept in a per-user cache keyed by the model, the micro-batch size, the precision, the device (type,
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gpipe_cli.bench import costs
+from gpipe_cli.estimate import costs
 from gpipe_cli.files import atomic_write_bytes
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline.engine import PRECISIONS

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gpipe_cli.bench.costs import CostProfile
+from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.pipeline import microbatch, partition
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.schedule import Action, Kind, Span

@@ -1,0 +1,9 @@
+"""What train, bench, profile and plan share to measure and predict a model's step, below all of them.
+
+    subject       the model `--model`, the size flags and `--set` describe (size_flags: those flags)
+    costs         per-layer seconds of one micro-batch, from the one per-layer measurer
+    cost_cache    those costs measured at launch for `balance: auto`/`time`, cached per machine
+    simulate      the step time of the engine's own action lists, from per-layer costs
+    measure       timed training steps of the engine on the ranks, by one common clock
+    machine_load  whether the machine was the job's alone while it was measured
+"""
