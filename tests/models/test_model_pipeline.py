@@ -1,5 +1,7 @@
 """Both model families trained through the real pipeline (gloo ranks on CPU)."""
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -37,21 +39,34 @@ def test_the_same_parameters_for_any_number_of_stages(family):
                 assert error <= 1e-5, (stages, schedule, key, error)
 
 
+@pytest.fixture(scope="module")
+def learned() -> Callable[[str], list[dict]]:
+    """A family trained for 40 steps on its generated task through two stages (each family run once)."""
+    runs: dict[str, list[dict]] = {}
+
+    def get(family: str) -> list[dict]:
+        if family not in runs:
+            runs[family] = results(run_ranks(pr.train, 2, family, 2, 40, 4, True))
+        return runs[family]
+
+    return get
+
+
 @pytest.mark.parametrize("family", ["amoebanet", "transformer", "lm"])
-def test_a_generated_task_is_learned_through_two_stages(family):
-    outcome = results(run_ranks(pr.train, 2, family, 2, 40, 4, True))
+def test_a_generated_task_is_learned_through_two_stages(family, learned):
+    outcome = learned(family)
     losses = outcome[-1]["losses"]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.7 * first, f"{family}: loss {first:.3f} -> {last:.3f}"
 
 
-def test_tied_embedding_and_softmax_on_different_stages_stay_equal():
-    outcome = results(run_ranks(pr.train, 2, "transformer", 2, 5))
+def test_tied_embedding_and_softmax_on_different_stages_stay_equal(learned):
+    """Bit for bit after 40 Adam steps; that the pair also equals one-process training is checked with every
+    other parameter in test_the_same_parameters_for_any_number_of_stages."""
+    outcome = learned("transformer")
     spec = pr.spec_of("transformer")
     (embedding, softmax), = spec.tied
     state = merged(outcome)
     stage_of = {part["stage"]: set(part["state"]) for part in outcome}
     assert embedding in stage_of[0] and softmax in stage_of[1]  # really on different stages
     assert torch.equal(state[embedding], state[softmax])
-    reference = pr.train("transformer", 1, steps=5)["state"]
-    assert torch.allclose(state[embedding], reference[embedding], rtol=1e-5, atol=1e-7)

@@ -3,6 +3,7 @@
 import copy
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,16 +35,25 @@ def translation(steps: int) -> dict:
     return recipe
 
 
-def test_bleu_on_held_out_sentences_rises_well_above_chance(tmp_path):
-    untrained = gpipe("train", str(write(tmp_path, translation(1), "untrained.yaml")),
-                      "--output-dir", str(tmp_path / "untrained"))
-    assert untrained.returncode == 0, untrained.stderr[-3000:]
-    trained = gpipe("train", str(write(tmp_path, translation(160), "trained.yaml")),
-                    "--output-dir", str(tmp_path / "trained"))
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    before, after = evals(tmp_path / "untrained")[-1]["bleu"], evals(tmp_path / "trained")[-1]["bleu"]
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory) -> tuple[Path, Path]:
+    """The quick-start task trained for 4 of its 40 warm-up steps (checkpoints at 2 and 4): (recipe, run)."""
+    folder = tmp_path_factory.mktemp("short")
+    recipe = translation(4)
+    recipe["checkpoint"] = {"every": 2}
+    path, run = write(folder, recipe), folder / "run"
+    proc = gpipe("train", str(path), "--output-dir", str(run))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return path, run
+
+
+def test_bleu_on_held_out_sentences_rises_well_above_chance(short_run, quickstart):
+    """Near 0 for a model that has hardly trained, far above it once the quick start has run its 200 steps."""
+    assert quickstart.proc.returncode == 0, quickstart.proc.stderr[-3000:]
+    (trained,) = (quickstart.cwd / "outputs" / "quickstart").iterdir()
+    before, after = evals(short_run[1])[-1]["bleu"], evals(trained)[-1]["bleu"]
     assert before < 5.0
-    assert after > 30.0, f"BLEU {after:.1f} after 160 steps (untrained: {before:.1f})"
+    assert after > 30.0, f"BLEU {after:.1f} after the quick start (after 4 steps: {before:.1f})"
 
 
 def test_an_imagefolder_of_pngs_trains(tmp_path):
@@ -71,15 +81,14 @@ def test_an_unreachable_hub_dataset_is_one_line_and_writes_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_the_tokenizer_is_stored_with_the_run_and_reused_on_resume(tmp_path):
-    recipe = translation(4)
-    recipe["checkpoint"] = {"every": 2}
-    path = write(tmp_path, recipe)
-    run = tmp_path / "run"
-    assert gpipe("train", str(path), "--output-dir", str(run)).returncode == 0
+def test_the_tokenizer_is_stored_with_the_run_and_reused_on_resume(short_run, tmp_path):
+    path, finished = short_run
+    run = shutil.copytree(finished, tmp_path / "run")  # copy2 keeps the modification times
     tokenizer = run / "tokenizer.model"
+    assert tokenizer.exists()
     digest = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
     stamp = tokenizer.stat().st_mtime_ns
     resumed = gpipe("train", str(path), "--output-dir", str(run), "--resume", "--set", "train.steps=6")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and max(r["step"] for r in evals(run)) == 6
     assert tokenizer.stat().st_mtime_ns == stamp and hashlib.sha256(tokenizer.read_bytes()).hexdigest() == digest

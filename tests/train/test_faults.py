@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,18 +132,28 @@ def leftovers(run: Path) -> list[str]:
     return [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
-def test_a_full_disk_during_a_checkpoint_stops_the_run_in_one_line(tmp_path):
-    path, run = write(tmp_path, recipe(steps=6, every=2)), tmp_path / "run"
-    proc = gpipe(path, run, env={"GPIPE_TEST_CHECKPOINT_FAULT": "enospc@4"})
+@pytest.fixture(scope="module")
+def full_disk(tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """10 steps, a checkpoint every 2, the disk full at step 8: (recipe, run, process).
+
+    Checkpoints 2, 4 and 6 are whole; the damaged-checkpoint test damages copies of them.
+    """
+    folder = tmp_path_factory.mktemp("full-disk")
+    path, run = write(folder, recipe(steps=10, every=2)), folder / "run"
+    return path, run, gpipe(path, run, env={"GPIPE_TEST_CHECKPOINT_FAULT": "enospc@8"})
+
+
+def test_a_full_disk_during_a_checkpoint_stops_the_run_in_one_line(full_disk):
+    _, run, proc = full_disk
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     lines = error_lines(proc.stderr)
     assert len(lines) == 1, proc.stderr[-3000:]
-    assert "cannot write checkpoint step-00000004 (ENOSPC: No space left on device)" in lines[0]
+    assert "cannot write checkpoint step-00000008 (ENOSPC: No space left on device)" in lines[0]
     assert " free on " in lines[0]
     assert leftovers(run) == [], "the partial folder is removed"
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002"]
-    assert max(losses(run)) == 4, "the run stopped at the failed checkpoint"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step-0000000{s}" for s in (2, 4, 6)]
+    assert max(losses(run)) == 8, "the run stopped at the failed checkpoint"
 
 
 def flip(file: Path, count: int = 512) -> None:
@@ -162,10 +173,10 @@ def unsafe_metadata(folder: Path) -> None:
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
-def test_damaged_checkpoints_fall_back_one_line_each_on_every_rank(tmp_path):
-    path, run = write(tmp_path, recipe(steps=6, every=2)), tmp_path / "run"
-    first = gpipe(path, run)
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_damaged_checkpoints_fall_back_one_line_each_on_every_rank(full_disk, tmp_path):
+    path, finished, _ = full_disk
+    assert sorted(p.name for p in (finished / "checkpoints").iterdir())[-1] == "step-00000006"
+    run = shutil.copytree(finished, tmp_path / "run")
     reference = losses(run)
     checkpoints = run / "checkpoints"
     flip(sorted((checkpoints / "step-00000006").glob("*.distcp"))[-1])  # caught by its checksum

@@ -26,58 +26,71 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def train(tmp_path: Path, recipe: dict, name: str, *extra: str) -> list[dict]:
-    out = tmp_path / name
-    proc = gpipe("train", str(write(tmp_path, recipe, f"{name}.yaml")), "--output-dir", str(out), "--plain", *extra)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return records(out)
+# Each family runs K=1 (the reference), K=2 and K=4, and the two families share out the schedules so that
+# every (K, schedule) pair goes through the CLI once: the schedule plumbing does not depend on the model.
+# The full K x M x schedule product is compared parameter by parameter in tests/pipeline/test_engine.py and
+# tests/models/test_model_pipeline.py; here it is the launcher, data, loss and metrics around the engine.
+CUTS = {"translation": [(1, "gpipe"), (2, "1f1b"), (4, "gpipe")],
+        "amoebanet": [(1, "gpipe"), (2, "gpipe"), (4, "1f1b")]}
+STEPS = 5
 
 
-@pytest.mark.parametrize("recipe", [TINY_AMOEBANET, TINY_TRANSLATION], ids=["amoebanet", "translation"])
-def test_a_run_writes_every_metric(tmp_path, recipe):
-    out = tmp_path / "run"
-    proc = gpipe("train", str(write(tmp_path, recipe)), "--output-dir", str(out), "--plain")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    steps = [r for r in records(out) if r["kind"] == "train"]
-    assert [r["step"] for r in steps] == list(range(1, recipe["train"]["steps"] + 1))
-    for r in steps:
-        assert set(r) >= TRAIN_FIELDS
-        assert len(r["mem_peak_bytes"]) == 2 and all(m > 0 for m in r["mem_peak_bytes"])
-        assert 0.0 <= r["bubble"] < 1.0
-        assert r["bubble_theory"] == pytest.approx(1 / (1 + recipe["pipeline"]["microbatches"]))
-    if recipe["model"]["kind"] == "transformer":
-        assert all(r["tokens_per_s"] > 0 for r in steps)
-    evals = [r for r in records(out) if r["kind"] == "eval"]
-    assert evals and all({"step", "loss", "accuracy"} <= set(r) for r in evals)
-    assert (out / "recipe.yaml").exists() and (out / "checkpoints").is_dir()
-    if recipe["model"]["kind"] == "transformer":
-        assert (out / "tokenizer.model").exists()
-    assert "step 1/" in proc.stdout and "Traceback" not in proc.stderr
-    assert "(cut by measured time" in proc.stdout  # balance: auto measures, or reads what an earlier launch measured
-
-
-@pytest.mark.parametrize("base", [TINY_TRANSLATION, TINY_AMOEBANET], ids=["translation", "amoebanet"])
-def test_losses_agree_for_any_number_of_stages_and_both_schedules(tmp_path, base):
-    recipe = copy.deepcopy(base)
+@pytest.fixture(scope="module", params=["translation", "amoebanet"])
+def cuts(request, tmp_path_factory) -> dict[tuple[int, str], tuple[dict, Path, subprocess.CompletedProcess]]:
+    """One family trained on every cut of CUTS: (K, schedule) -> (recipe, run folder, finished process)."""
+    family = request.param
+    folder = tmp_path_factory.mktemp(family)
+    recipe = copy.deepcopy(TINY_TRANSLATION if family == "translation" else TINY_AMOEBANET)
     recipe["model"]["dropout"] = 0.0
-    recipe["train"]["steps"] = 5
-    recipe["eval"] = {}
-    if recipe["model"]["kind"] == "amoebanet":
+    recipe["train"]["steps"] = STEPS
+    recipe["eval"] = {"batches": 1}  # after the last step only: it cannot change a training loss
+    if family == "amoebanet":
         # At 32 px the last cells are 1x1, so BatchNorm over a 4-example micro-batch normalises 4 numbers and
         # turns rounding into percent-size changes within two steps; 64 px keeps the comparison well posed.
         recipe["model"]["image_size"] = 64
         recipe["optimizer"]["lr"] = 0.02
     runs = {}
-    for stages, schedule in [(1, "gpipe"), (2, "gpipe"), (2, "1f1b"), (4, "gpipe"), (4, "1f1b")]:
+    for stages, schedule in CUTS[family]:
         recipe["pipeline"].update(partitions=stages, schedule=schedule)
+        name = f"k{stages}-{schedule}"
+        out = folder / name
         # One intra-op thread everywhere: a multithreaded kernel sums in another order, and that rounding,
         # not the pipeline, is what would differ between a 1-rank and a 2-rank run on this machine.
-        runs[(stages, schedule)] = [r["loss"] for r in train(tmp_path, recipe, f"k{stages}-{schedule}",
-                                                             "--threads", "1") if r["kind"] == "train"]
-    reference = runs[(1, "gpipe")]
-    assert len(reference) == 5
-    for key, losses in runs.items():
-        assert losses == pytest.approx(reference, rel=1e-4), key
+        proc = gpipe("train", str(write(folder, recipe, f"{name}.yaml")), "--output-dir", str(out), "--plain",
+                     "--threads", "1")
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        runs[(stages, schedule)] = (copy.deepcopy(recipe), out, proc)
+    return runs
+
+
+def test_a_run_writes_every_metric(cuts):
+    for (stages, schedule), (recipe, out, proc) in cuts.items():
+        microbatches = recipe["pipeline"]["microbatches"]
+        steps = [r for r in records(out) if r["kind"] == "train"]
+        assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+        for r in steps:
+            assert set(r) >= TRAIN_FIELDS
+            assert len(r["mem_peak_bytes"]) == stages and all(m > 0 for m in r["mem_peak_bytes"])
+            assert 0.0 <= r["bubble"] < 1.0
+            assert r["bubble_theory"] == pytest.approx((stages - 1) / (microbatches + stages - 1)), (stages, schedule)
+        if recipe["model"]["kind"] == "transformer":
+            assert all(r["tokens_per_s"] > 0 for r in steps)
+        evals = [r for r in records(out) if r["kind"] == "eval"]
+        assert evals and all({"step", "loss", "accuracy"} <= set(r) for r in evals)
+        assert (out / "recipe.yaml").exists() and (out / "checkpoints").is_dir()
+        if recipe["model"]["kind"] == "transformer":
+            assert (out / "tokenizer.model").exists()
+        assert "step 1/" in proc.stdout and "Traceback" not in proc.stderr
+        if stages > 1:  # balance: auto measures, or reads what an earlier launch measured
+            assert "(cut by measured time" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_losses_agree_for_any_number_of_stages_and_both_schedules(cuts):
+    losses = {key: [r["loss"] for r in records(out) if r["kind"] == "train"] for key, (_, out, _) in cuts.items()}
+    reference = losses[(1, "gpipe")]
+    assert len(reference) == STEPS
+    for key, values in losses.items():
+        assert values == pytest.approx(reference, rel=1e-4), key
 
 
 def test_two_processes_act_as_two_nodes_of_one_job(tmp_path):
