@@ -4,6 +4,8 @@ best few (predicted), and write the winner as a recipe that `gpipe train` takes 
 from __future__ import annotations
 
 import shlex
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -60,13 +62,18 @@ def _as_written(model: Any, hw: Any, recipe: Recipe) -> Any:
 
 
 def run(options: PlanOptions) -> int:
-    """Run `gpipe plan`: print the plan, write the recipe when asked; UserError for what cannot be planned."""
+    """Run `gpipe plan`: print the plan, write the recipe when asked (UserError for what cannot be planned,
+    130 on Ctrl-C)."""
     validate(options)
     recipe = load_recipe(options.recipe, options.set, check_data=False)
     raw = _raw(options)
     if options.output is not None:
         check_writable(options.output.parent if str(options.output.parent) else Path("."), "--output")
-    return _plan(options, recipe, raw)
+    try:
+        return _plan(options, recipe, raw)
+    except KeyboardInterrupt:
+        print("gpipe plan: interrupted; nothing was written", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
 
 
 def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> int:

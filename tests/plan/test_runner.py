@@ -7,6 +7,7 @@ import pytest
 
 from gpipe_cli.cli import run
 from gpipe_cli.recipe.load import load_recipe
+from tests.interrupt import interrupt
 from tests.train.recipes import write
 
 # A decoder-only Transformer of 4 pipeline layers: measured in a second or two.
@@ -94,3 +95,13 @@ def test_paper_models_are_planned_for_eight_80gib_devices_without_building_them(
     assert "predictions" in out and "extrapolated" in out and "assumed 100 TFLOP/s" in out
     planned = load_recipe(recipe, set_lines(out))
     assert planned.pipeline.partitions * planned.pipeline.data_parallel == 8
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_measuring_exits_130_and_writes_nothing(tmp_path):
+    output = tmp_path / "planned.yaml"
+    code, text = interrupt(["plan", "--devices", "2", "--output", str(output)], tmp_path,
+                           lambda tmp, out: "measuring per-layer seconds" in out)
+    assert code == 130, text[-3000:]
+    assert "Traceback" not in text and "gpipe plan: interrupted; nothing was written" in text
+    assert not output.exists()
