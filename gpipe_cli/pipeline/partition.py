@@ -77,29 +77,28 @@ def balance_by_cost(costs: Sequence[float], partitions: int) -> list[int]:
     return [bounds[s + 1] - bounds[s] for s in range(partitions)]
 
 
-def balance_within(costs: Sequence[float], partitions: int, fits: Callable[[int, int, int], bool]) -> list[int] | None:
-    """The contiguous K-way split minimising the largest stage cost among those where every stage fits.
+def min_max_split(layers: int, partitions: int,
+                  value: Callable[[int, int, int], float]) -> tuple[float, list[int]] | None:
+    """The contiguous K-way split minimising the largest `value(stage, start, stop)`, and that largest value.
 
-    `fits(stage, start, stop)` says whether layers start..stop-1 fit as stage `stage` (a stage's memory
-    depends on its place: earlier stages hold more micro-batches in flight). None when no split fits.
-    Exact dynamic programme, O(K·L²) calls of `fits`.
+    A stage's value may depend on its place (earlier stages hold more micro-batches in flight) and need not
+    add up over layers (a memory peak); `inf` marks a stage that cannot be. None when every split has one.
+    Exact dynamic programme, O(K·L²) calls of `value`; ties favour later cuts (lighter early stages).
     """
-    check_partitions(len(costs), partitions)
-    n = len(costs)
-    prefix = [0.0, *itertools.accumulate(float(c) for c in costs)]
-    inf = float("inf")
-    # best[k][j]: the smallest largest-stage cost of the first j layers as stages 0..k-1, all fitting.
+    check_partitions(layers, partitions)
+    n, inf = layers, float("inf")
+    # best[k][j]: the smallest largest value of the first j layers as stages 0..k-1.
     best = [[0.0] + [inf] * n]
     cut: list[list[int]] = [[0] * (n + 1)]
     for k in range(1, partitions + 1):
         row, cuts = [inf] * (n + 1), [0] * (n + 1)
         for j in range(k, n - (partitions - k) + 1):
-            for i in range(j - 1, k - 2, -1):  # later cuts first, so ties favour lighter early stages
-                if best[k - 1][i] == inf or not fits(k - 1, i, j):
+            for i in range(j - 1, k - 2, -1):
+                if best[k - 1][i] == inf:
                     continue
-                value = max(best[k - 1][i], prefix[j] - prefix[i])
-                if value < row[j]:
-                    row[j], cuts[j] = value, i
+                found = max(best[k - 1][i], value(k - 1, i, j))
+                if found < row[j]:
+                    row[j], cuts[j] = found, i
         best.append(row)
         cut.append(cuts)
     if best[partitions][n] == inf:
@@ -109,7 +108,18 @@ def balance_within(costs: Sequence[float], partitions: int, fits: Callable[[int,
         j = cut[k][j]
         bounds.append(j)
     bounds.reverse()
-    return [bounds[s + 1] - bounds[s] for s in range(partitions)]
+    return best[partitions][n], [bounds[s + 1] - bounds[s] for s in range(partitions)]
+
+
+def balance_within(costs: Sequence[float], partitions: int, fits: Callable[[int, int, int], bool]) -> list[int] | None:
+    """The contiguous K-way split minimising the largest stage cost among those where every stage fits.
+
+    `fits(stage, start, stop)` says whether layers start..stop-1 fit as stage `stage`. None when no split fits.
+    """
+    prefix = [0.0, *itertools.accumulate(float(c) for c in costs)]
+    found = min_max_split(len(costs), partitions,
+                          lambda stage, i, j: prefix[j] - prefix[i] if fits(stage, i, j) else float("inf"))
+    return None if found is None else found[1]
 
 
 def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:

@@ -242,26 +242,9 @@ def min_max_memory(model: Model, config: Config) -> tuple[float, list[int]]:
         return mm.stage_footprint(model.figures, start, stop, stage, k_total, per_replica, config.microbatches,
                                   config.schedule, config.checkpoint, model.bytes_per_param).total_bytes
 
-    inf = math.inf
-    best = [[0.0] + [inf] * n]
-    cut: list[list[int]] = [[0] * (n + 1)]
-    for k in range(1, k_total + 1):
-        row, cuts = [inf] * (n + 1), [0] * (n + 1)
-        for j in range(k, n - (k_total - k) + 1):
-            for i in range(k - 1, j):
-                if best[k - 1][i] == inf:
-                    continue
-                value = max(best[k - 1][i], need(k - 1, i, j))
-                if value < row[j]:
-                    row[j], cuts[j] = value, i
-        best.append(row)
-        cut.append(cuts)
-    bounds, j = [n], n
-    for k in range(k_total, 0, -1):
-        j = cut[k][j]
-        bounds.append(j)
-    bounds.reverse()
-    return best[k_total][n], [bounds[s + 1] - bounds[s] for s in range(k_total)]
+    found = partition.min_max_split(n, k_total, need)
+    assert found is not None  # every stage has a finite need
+    return found
 
 
 def search(model: Model, hw: Hardware, schedules: Sequence[str] = SCHEDULES,

@@ -8,6 +8,7 @@ cut reaches, so the user sees how far the machine is from enough.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -45,32 +46,13 @@ class StageMemory:
         return self.need(stage, start, stop) <= self.capacity
 
     def smallest_peak(self) -> tuple[float, list[int], int]:
-        """The smallest largest-stage need over every cut, a cut reaching it, and its largest stage.
-
-        The same dynamic programme as `partition.balance_within`, with a stage's need (which does not
-        add up over layers) in place of its cost.
-        """
-        n, k = len(self.figures.layers), self.stages
-        inf = float("inf")
-        best = [[0.0] + [inf] * n]
-        cuts: list[list[int]] = [[0] * (n + 1)]
-        for s in range(1, k + 1):
-            row, at = [inf] * (n + 1), [0] * (n + 1)
-            for j in range(s, n - (k - s) + 1):
-                for i in range(s - 1, j):
-                    value = max(best[s - 1][i], self.need(s - 1, i, j))
-                    if value < row[j]:
-                        row[j], at[j] = value, i
-            best.append(row)
-            cuts.append(at)
-        bounds, j = [n], n
-        for s in range(k, 0, -1):
-            j = cuts[s][j]
-            bounds.append(j)
-        bounds.reverse()
-        balance = [bounds[s + 1] - bounds[s] for s in range(k)]
-        needs = [self.need(s, bounds[s], bounds[s + 1]) for s in range(k)]
-        return best[k][n], balance, needs.index(max(needs))
+        """The smallest largest-stage need over every cut, a cut reaching it, and its largest stage."""
+        found = partition.min_max_split(len(self.figures.layers), self.stages, self.need)
+        assert found is not None  # every stage has a finite need
+        peak, balance = found
+        bounds = [0, *itertools.accumulate(balance)]
+        needs = [self.need(s, bounds[s], bounds[s + 1]) for s in range(self.stages)]
+        return peak, balance, needs.index(max(needs))
 
 
 def within_memory(costs: Sequence[float], memory: StageMemory) -> tuple[list[int], bool]:
