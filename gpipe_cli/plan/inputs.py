@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe_cli import interrupts, sizing
 from gpipe_cli import memory_model as mm
-from gpipe_cli import sizing
 from gpipe_cli.estimate import costs as layer_costs
 from gpipe_cli.estimate.costs import CostProfile, LayerTiming
 from gpipe_cli.memory_model import ModelFigures
@@ -154,6 +154,7 @@ def measured_costs(spec: ModelSpec, sizes: tuple[int, int], seed: int, threads: 
                 torch.manual_seed(seed)
                 inputs, targets = spec.example_batch(size, "cpu")
             profiles.append(_timing(layer_costs.profile(spec, inputs, targets, seed, REPEATS), size))
+            interrupts.check()
     finally:
         torch.set_num_threads(previous)
     return affine_costs(profiles[0], profiles[-1])
@@ -189,6 +190,7 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
         costs = measured_costs(spec, (lo, hi), seed, threads)
         say("measuring the engine's own cost per layer call and per step (one stage, this process)...")
         extra = calibrate.overhead(spec, costs, batch, least, seed, threads)
+        interrupts.check()
         note = (f"measured on cpu ({threads} thread{plural} per rank) at micro-batches of {sizes_text} examples, "
                 f"affine in between; the engine adds {extra.action * 1e3:.2f} ms per layer call and "
                 f"{extra.step * 1e3:.1f} ms per step (measured)")

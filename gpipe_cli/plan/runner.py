@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpipe_cli import interrupts
 from gpipe_cli.errors import UserError
 from gpipe_cli.launch import check_writable
 from gpipe_cli.plan.options import PlanOptions, validate
@@ -70,7 +71,8 @@ def run(options: PlanOptions) -> int:
     if options.output is not None:
         check_writable(options.output.parent if str(options.output.parent) else Path("."), "--output")
     try:
-        return _plan(options, recipe, raw)
+        with interrupts.remembered():
+            return _plan(options, recipe, raw)
     except KeyboardInterrupt:
         print("gpipe plan: interrupted; nothing was written", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT

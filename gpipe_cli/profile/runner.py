@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from gpipe_cli import interrupts, sizing
 from gpipe_cli import memory_model as mm
-from gpipe_cli import sizing
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate.subject import FAMILIES, SIZE_PARAMS, Subject, example_batch, resolve
 from gpipe_cli.models.base import ModelSpec
@@ -25,24 +25,6 @@ from gpipe_cli.models.describe import layer_params
 from gpipe_cli.profile import account, budget, report, scenarios
 from gpipe_cli.profile.options import ProfileOptions, validate
 from gpipe_cli.units import human_bytes, human_count
-
-_interrupted = False
-
-
-def _on_interrupt(signum: int, frame: object) -> None:
-    global _interrupted
-    _interrupted = True
-    raise KeyboardInterrupt
-
-
-def _check_interrupt() -> None:
-    """Raise a Ctrl-C that arrived but was swallowed on the way.
-
-    The memory meter releases its records in `__del__`; a KeyboardInterrupt raised there is ignored by
-    Python, so the signal is also remembered and checked between measurements.
-    """
-    if _interrupted:
-        raise KeyboardInterrupt
 
 
 def _device(choice: str) -> torch.device:
@@ -130,7 +112,7 @@ def measure(options: ProfileOptions, console: Console) -> dict[str, Any]:
         # Extrapolate from per-layer figures measured on this device, one layer at a time.
         console.print("[dim]measuring per-layer figures...[/]")
         figures = mm.measure(spec, options.seed, device=str(device))
-        _check_interrupt()
+        interrupts.check()
         rows = scenarios.plan(spec, figures, names, batch, options.schedule, per_param, have, options.balance)
         source = f"saved-tensor accounting of each layer's forward and backward on {device}"
     inputs, targets = example_batch(spec, batch, options.seed)
@@ -142,7 +124,7 @@ def measure(options: ProfileOptions, console: Console) -> dict[str, Any]:
             stages = [s.to_json() for s in account.measure(spec, inputs, targets, sc.balance, sc.microbatches,
                                                            options.schedule, sc.checkpoint, options.optimizer,
                                                            options.seed, device)]
-            _check_interrupt()
+            interrupts.check()
             out.append(scenarios.row(sc, stages, params))
         else:
             stages = scenarios.predicted_stages(sc, figures, batch, options.schedule, per_param)
@@ -190,18 +172,14 @@ def search(options: ProfileOptions, console: Console) -> dict[str, Any]:
 def run(options: ProfileOptions) -> int:
     """Run `gpipe profile-memory`; print the figures and return an exit code (UserError for bad options,
     130 on Ctrl-C)."""
-    global _interrupted
     console = Console()
     validate(options)
-    _interrupted = False
-    previous = signal.signal(signal.SIGINT, _on_interrupt)
     try:
-        return _run(options, console)
+        with interrupts.remembered():
+            return _run(options, console)
     except KeyboardInterrupt:
         console.print("[yellow]gpipe profile-memory: interrupted; nothing was written[/]")
         return 128 + signal.SIGINT
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _run(options: ProfileOptions, console: Console) -> int:

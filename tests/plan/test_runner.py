@@ -98,8 +98,6 @@ def test_paper_models_are_planned_for_eight_80gib_devices_without_building_them(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="known issue: a Ctrl-C that lands in the memory meter's __del__ is swallowed, "
-                   "so plan may finish instead of stopping (profile-memory re-checks it; plan does not yet)")
 def test_ctrl_c_while_measuring_exits_130_and_writes_nothing(tmp_path):
     output = tmp_path / "planned.yaml"
     code, text = interrupt(["plan", "--devices", "2", "--output", str(output)], tmp_path,
