@@ -5,24 +5,27 @@ Per-layer seconds are timed layer by layer; the engine adds work every time an a
 statistics). A single-stage pipeline is run here, in this process, at three micro-batch counts with
 the same mini-batch: the gap between its measured step and the simulated one grows with M by the
 per-call cost (a forward and a backward of every layer per micro-batch) and starts at the per-step
-cost. This is `bench`'s calibration, split so that it holds for any K and M.
+cost. This is `bench`'s calibration, split so that it holds for any K and M. When several ranks share
+this machine, the same steps run on that many real replicas instead (`plan.here.engine_steps`), so the
+per-step cost also holds the collectives every step makes and the ranks' waits for one another.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from gpipe_cli.estimate import simulate
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.measure import build_pipeline, measure_engine
-from gpipe_cli.estimate.subject import example_batch
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import topology
 
 STEPS, WARMUP = 4, 1
+Examples = Callable[[int], tuple[Any, torch.Tensor]]  # n -> (inputs, targets) of n examples
 
 
 @dataclass(frozen=True)
@@ -33,34 +36,41 @@ class Overhead:
     step: float
 
 
-def _step(spec: ModelSpec, batch: int, microbatches: int, seed: int) -> float:
-    inputs, targets = example_batch(spec, batch, seed)
-    pipe = build_pipeline(spec, topology.local("cpu"), [len(spec.layers)], "gpipe", "never", seed)
-    try:
-        figures = measure_engine(pipe, inputs, targets, batch, microbatches, STEPS, WARMUP)
-    finally:
-        pipe.close()
-    assert figures is not None  # a single process is rank 0
-    # The fastest step: on a shared machine the others are slowed by neighbours, not by the engine.
-    return min(figures.step_times)
+def counts(per_replica: int, least: int) -> list[int]:
+    """The micro-batch counts timed: 1, the middle and the most (micro-batches of `least` examples)."""
+    most = max(per_replica // least, 1)
+    return sorted({1, max(round(most ** 0.5), 1), most})
 
 
-def overhead(spec: ModelSpec, costs: Callable[[int], CostProfile], batch: int, least: int, seed: int,
-             threads: int) -> Overhead:
-    """The engine's per-layer-call and per-step seconds for `spec` on one stage of this machine."""
-    most = max(batch // least, 1)
-    counts = sorted({1, max(round(most ** 0.5), 1), most})
+def local_steps(spec: ModelSpec, batch: int, microbatches: list[int], seed: int, threads: int,
+                examples: Examples) -> dict[int, float]:
+    """Seconds of one step of the whole model as one stage in this process, at each micro-batch count."""
+    inputs, targets = examples(batch)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    pipe = build_pipeline(spec, topology.local("cpu"), [len(spec.layers)], "gpipe", "never", seed)
     try:
-        gaps = []
-        for m in counts:
-            measured = _step(spec, batch, m, seed)
-            predicted = simulate.simulate_step(costs(batch // m), [len(spec.layers)], batch, m, "gpipe", "never",
-                                               simulate.Link(1e30, 0.0)).step_time
-            gaps.append((float(m), measured - predicted))
+        found = {}
+        for m in microbatches:
+            figures = measure_engine(pipe, inputs, targets, batch, m, STEPS, WARMUP)
+            assert figures is not None  # a single process is rank 0
+            # The fastest step: on a shared machine the others are slowed by neighbours, not by the engine.
+            found[m] = min(figures.step_times)
     finally:
+        pipe.close()
         torch.set_num_threads(previous)
+    return found
+
+
+def overhead(layers: int, costs: Callable[[int], CostProfile], per_replica: int, measured: dict[int, float],
+             known: float = 0.0) -> Overhead:
+    """The engine's per-layer-call and per-step seconds: what the measured steps of `per_replica` examples
+    took beyond the simulated layers and the `known` seconds (the gradient all-reduce)."""
+    gaps = []
+    for m, seconds in sorted(measured.items()):
+        predicted = simulate.simulate_step(costs(per_replica // m), [layers], per_replica, m, "gpipe", "never",
+                                           simulate.Link(1e30, 0.0)).step_time
+        gaps.append((float(m), seconds - predicted - known))
     if len(gaps) == 1:
         return Overhead(0.0, max(gaps[0][1], 0.0))
     # Least squares through the points: one noisy step (a shared machine) moves the line less.
@@ -68,4 +78,4 @@ def overhead(spec: ModelSpec, costs: Callable[[int], CostProfile], batch: int, l
     mean_g = sum(g for _, g in gaps) / len(gaps)
     slope = sum((m - mean_m) * (g - mean_g) for m, g in gaps) / sum((m - mean_m) ** 2 for m, _ in gaps)
     per_microbatch = max(slope, 0.0)
-    return Overhead(per_microbatch / (2 * len(spec.layers)), max(mean_g - per_microbatch * mean_m, 0.0))
+    return Overhead(per_microbatch / (2 * layers), max(mean_g - per_microbatch * mean_m, 0.0))

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,12 +25,16 @@ from gpipe_cli import interrupts, sizing
 from gpipe_cli import memory_model as mm
 from gpipe_cli.estimate import costs as layer_costs
 from gpipe_cli.estimate.costs import CostProfile, LayerTiming
+from gpipe_cli.estimate.simulate import Link
 from gpipe_cli.memory_model import ModelFigures
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import describe
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline.batchnorm import DeferredBatchNorm
-from gpipe_cli.plan import calibrate
+from gpipe_cli.plan import calibrate, here
+from gpipe_cli.plan.calibrate import Examples
+from gpipe_cli.plan.sample import Sample
+from gpipe_cli.plan.search import allreduce_seconds
 
 # The shallow members that price a deep model (all their kinds of layer present).
 PROBE_LAYERS = {"transformer": 2, "amoebanet": 9}
@@ -53,6 +58,7 @@ class Inputs:
     measured: bool
     action_overhead: float = 0.0  # the engine's seconds per layer of a compute action (measured with the costs)
     step_overhead: float = 0.0    # the engine's seconds per step of the whole model on one stage
+    data_seconds: float = 0.0     # building one global mini-batch (shared by the replicas)
 
 
 def _probe_params(kind: str, params: dict[str, Any]) -> dict[str, Any] | None:
@@ -143,16 +149,15 @@ def measure_seconds(flops: list[float], sizes: tuple[int, int], machine: sizing.
     return sum(sum(f * s / rate + per_call for f in flops) * 4 * runs / 3 for s in set(sizes))
 
 
-def measured_costs(spec: ModelSpec, sizes: tuple[int, int], seed: int, threads: int) -> Callable[[int], CostProfile]:
+def measured_costs(spec: ModelSpec, sizes: tuple[int, int], seed: int, threads: int,
+                   examples: Examples) -> Callable[[int], CostProfile]:
     """Per-layer seconds measured here at two micro-batch sizes, with `threads` intra-op threads."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         profiles = []
         for size in sorted(set(sizes)):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                inputs, targets = spec.example_batch(size, "cpu")
+            inputs, targets = examples(size)
             profiles.append(_timing(layer_costs.profile(spec, inputs, targets, seed, REPEATS), size))
             interrupts.check()
     finally:
@@ -160,11 +165,34 @@ def measured_costs(spec: ModelSpec, sizes: tuple[int, int], seed: int, threads: 
     return affine_costs(profiles[0], profiles[-1])
 
 
+def generated(spec: ModelSpec, seed: int) -> Examples:
+    """Random examples of the model's full input shape (the same for a seed)."""
+    def make(n: int) -> tuple[Any, torch.Tensor]:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return spec.example_batch(n, "cpu")
+    return make
+
+
+_SIBLING_SPEC: dict[str, ModelSpec] = {}
+
+
+def sibling_work(kind: str, params: dict[str, Any], inputs: Any, targets: torch.Tensor, seed: int) -> None:
+    """What a sibling rank does while this one measures: the same per-layer timing (its model built once)."""
+    if "spec" not in _SIBLING_SPEC:
+        _SIBLING_SPEC["spec"] = build_model(kind, **params)
+    layer_costs.profile(_SIBLING_SPEC["spec"], inputs, targets, seed, REPEATS)
+
+
 def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Callable[[int], tuple[int, int]],
-           timing: str, threads: int, say: Callable[[str], None], tflops: float | None = None) -> Inputs:
+           timing: str, threads: int, say: Callable[[str], None], tflops: float | None = None,
+           sample: Sample | None = None, siblings: int = 0, reduce_link: Link | None = None) -> Inputs:
     """Everything the search needs of the model; `sizes(min_microbatch)` gives the micro-batch sizes it will try.
 
     `tflops`: per-layer seconds from FLOPs at this assumed effective rate per device (devices not here).
+    `sample`: the recipe's own data to time on (else generated examples of full length). `siblings`: processes
+    that compute beside this one while it measures, as the other ranks of this machine do in training;
+    with `reduce_link` (their measured all-reduce), the engine's own costs are measured on that many replicas.
     """
     spec = build_model(kind, **params)
     figs, flops, memory_note = figures(kind, params, spec, seed)
@@ -187,14 +215,31 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
         sizes_text = f"{lo}{f' and {hi}' if hi != lo else ''}"
         say(f"measuring per-layer seconds of {len(spec.layers)} layers at micro-batches of {sizes_text} examples "
             f"({threads} thread{plural})...")
-        costs = measured_costs(spec, (lo, hi), seed, threads)
-        say("measuring the engine's own cost per layer call and per step (one stage, this process)...")
-        extra = calibrate.overhead(spec, costs, batch, least, seed, threads)
+        real = sample is not None and sample.examples >= max(hi, batch)
+        examples = sample.take if real and sample is not None else generated(spec, seed)
+        work = functools.partial(sibling_work, kind, params, *examples(hi), seed)
+        with here.loaded(work, siblings, threads):
+            costs = measured_costs(spec, (lo, hi), seed, threads, examples)
         interrupts.check()
-        note = (f"measured on cpu ({threads} thread{plural} per rank) at micro-batches of {sizes_text} examples, "
-                f"affine in between; the engine adds {extra.action * 1e3:.2f} ms per layer call and "
-                f"{extra.step * 1e3:.1f} ms per step (measured)")
-        return Inputs(costs, figs, least, note, memory_note, True, extra.action, extra.step)
+        replicas = siblings + 1 if reduce_link is not None and batch % (siblings + 1) == 0 else 1
+        per_replica = batch // replicas
+        counts = calibrate.counts(per_replica, least)
+        if replicas > 1 and reduce_link is not None:
+            say(f"measuring the engine's own cost per layer call and per step ({replicas} replicas here)...")
+            steps = here.engine_steps(kind, params, *examples(per_replica), seed, replicas, threads, counts)
+            reduce = allreduce_seconds([sum(layer.params for layer in figs.layers)], replicas, reduce_link)
+        else:
+            say("measuring the engine's own cost per layer call and per step (one stage, this process)...")
+            steps, reduce = calibrate.local_steps(spec, batch, counts, seed, threads, examples), 0.0
+        extra = calibrate.overhead(len(spec.layers), costs, per_replica, steps, reduce)
+        interrupts.check()
+        data = sample.build_seconds if sample is not None else 0.0
+        where = sample.note if real and sample is not None else "generated examples of the model's full length"
+        beside = f", {siblings} other rank{'s' if siblings > 1 else ''} computing beside" if siblings else ""
+        note = (f"measured on cpu ({threads} thread{plural} per rank{beside}) at micro-batches of {sizes_text} "
+                f"examples of {where}, affine in between; the engine adds {extra.action * 1e3:.2f} ms per layer "
+                f"call and {extra.step * 1e3:.1f} ms per step (measured)")
+        return Inputs(costs, figs, least, note, memory_note, True, extra.action, extra.step, data)
     rate, per_call = machine_rate(machine)
     note = (f"estimated from FLOPs at this machine's measured {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank "
             f"({machine.kind}; --tflops for other devices)")

@@ -9,6 +9,7 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.units import parse_size
 
 TIMINGS = ("auto", "measure", "estimate")
+ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US = 12.0, 20.0  # within a node, when not measured: PCIe 4 x16 in practice
 
 
 @dataclass
@@ -22,8 +23,8 @@ class PlanOptions:
     nodes: int = 1
     top: int = 5
     output: Path | None = None
-    bandwidth: float = 12.0            # GB/s between devices of one node
-    latency_us: float = 20.0
+    bandwidth: float | None = None     # GB/s between devices of one node (None: measured here, or ASSUMED)
+    latency_us: float | None = None
     node_bandwidth: float = 12.5       # GB/s between nodes
     node_latency_us: float = 5.0
     timing: str = "auto"
@@ -42,8 +43,10 @@ FLAGS: dict[str, str] = {
     "nodes": "Nodes the N devices are spread over (N / nodes each); a pipeline crossing nodes uses the node link.",
     "top": "How many configurations to print.",
     "output": "Write the winning plan as a recipe here (the input recipe with its pipeline section replaced).",
-    "bandwidth": "Assumed link between devices of one node, GB/s (12: PCIe 4 x16 in practice).",
-    "latency_us": "Assumed per-message latency between devices of one node, microseconds.",
+    "bandwidth": "Link between devices of one node, GB/s [default: measured between ranks here when per-layer "
+                 "seconds are measured, else 12 (PCIe 4 x16 in practice)].",
+    "latency_us": "Per-message latency between devices of one node, microseconds [default: measured here, "
+                  "else 20].",
     "node_bandwidth": "Assumed link between nodes, GB/s (12.5: 100 Gb/s InfiniBand or Ethernet).",
     "node_latency_us": "Assumed per-message latency between nodes, microseconds.",
     "timing": "Per-layer seconds: measure (on this machine's device), estimate (FLOPs at this machine's measured "
@@ -62,8 +65,9 @@ def validate(options: PlanOptions) -> None:
         (options.nodes <= options.devices and options.devices % options.nodes == 0,
          f"--nodes {options.nodes} must divide --devices {options.devices} (the same devices on every node)"),
         (options.top >= 1, f"--top must be >= 1 (got {options.top})"),
-        (options.bandwidth > 0, f"--bandwidth must be > 0 GB/s (got {options.bandwidth})"),
-        (options.latency_us >= 0, f"--latency-us must be >= 0 (got {options.latency_us})"),
+        (options.bandwidth is None or options.bandwidth > 0, f"--bandwidth must be > 0 GB/s (got {options.bandwidth})"),
+        (options.latency_us is None or options.latency_us >= 0,
+         f"--latency-us must be >= 0 (got {options.latency_us})"),
         (options.node_bandwidth > 0, f"--node-bandwidth must be > 0 GB/s (got {options.node_bandwidth})"),
         (options.node_latency_us >= 0, f"--node-latency-us must be >= 0 (got {options.node_latency_us})"),
         (options.timing in TIMINGS, f"--timing must be one of {', '.join(TIMINGS)} (got {options.timing})"),

@@ -109,13 +109,22 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> int:
         found = micro_sizes(layers, batch, n, least) or [least]
         return found[0], found[-1]
 
-    fed = inputs.inputs(recipe.model.kind, params, recipe.seed, batch, sizes, options.timing, threads,
-                        lambda line: console.print(f"[dim]{line}[/]", highlight=False), options.tflops)
+    def say(line: str) -> None:
+        console.print(f"[dim]{line}[/]", highlight=False)
+
+    here_ranks = min(per_node, max(usable_cores(), 1))  # ranks of one node that compute at once here
+    measuring = options.tflops is None and options.timing != "estimate"
+    sample = _sample(recipe, say) if measuring else None
+    link, reduce_link, link_note = _links(options, measuring and here_ranks > 1, here_ranks, say)
+    fed = inputs.inputs(recipe.model.kind, params, recipe.seed, batch, sizes, options.timing, threads, say,
+                        options.tflops, sample, here_ranks - 1, reduce_link)
     per_param = mm.bytes_per_parameter(optimizer_name(recipe))
     model = search.Model(fed.costs, fed.figures, per_param, batch, fed.min_microbatch, fed.action_overhead,
-                         fed.step_overhead)
-    hw = search.Hardware(n, budget, Link.of(options.bandwidth, options.latency_us),
-                         Link.of(options.node_bandwidth, options.node_latency_us), options.nodes)
+                         fed.step_overhead, fed.data_seconds)
+    if not fed.measured:  # estimated seconds: links measured here would not describe the devices planned
+        link, reduce_link, link_note = _links(options, False, here_ranks, say)
+    hw = search.Hardware(n, budget, link, Link.of(options.node_bandwidth, options.node_latency_us), options.nodes,
+                         reduce_link)
     result = search.search(model, hw)
     evaluated = len(result.ranked) + len(result.refused)
     if not evaluated:
@@ -135,9 +144,9 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> int:
     console.print(f"  per-layer seconds: {fed.timing}", highlight=False)
     console.print(f"  memory: the memory model, {fed.memory}; {per_param:.0f} bytes per parameter "
                   f"({optimizer_name(recipe)})", highlight=False)
-    console.print(f"  links (assumed): {options.bandwidth:g} GB/s and {options.latency_us:g} µs per message "
-                  f"within a node, {options.node_bandwidth:g} GB/s and {options.node_latency_us:g} µs between "
-                  f"nodes", highlight=False)
+    node_note = (f", between nodes (assumed) {options.node_bandwidth:g} GB/s and {options.node_latency_us:g} µs"
+                 if options.nodes > 1 else "")
+    console.print(f"  links: {link_note}{node_note}", highlight=False)
     console.print(f"  searched {evaluated} configurations (K, D, M, schedule, V, remat; balance: min-max "
                   f"time among cuts that fit): {len(result.ranked)} fit", highlight=False)
     items = show.rows(model, result, options.top, budget)
@@ -167,3 +176,37 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> int:
                       highlight=False, markup=False)
     console.print(f"[dim]took {time.perf_counter() - started:.0f} s[/]")
     return 0
+
+
+def _sample(recipe: Recipe, say: Any) -> Any:
+    """The recipe's own data to time on, or None (said) when it cannot be loaded here."""
+    from gpipe_cli.plan.sample import typical_batch
+
+    say("reading the recipe's training data (its mini-batches' shapes are what the layers are timed on)...")
+    try:
+        return typical_batch(recipe)
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # any failure leaves generated examples; planning goes on
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        say(f"the recipe's data could not be read here ({why}); timing generated examples of full length")
+        return None
+
+
+def _links(options: PlanOptions, measure: bool, ranks: int, say: Any) -> tuple[Any, Any, str]:
+    """The link within a node and the all-reduce's (measured between ranks here unless given), and their line."""
+    from gpipe_cli.estimate.simulate import Link
+    from gpipe_cli.plan import here
+    from gpipe_cli.plan.options import ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US
+
+    if measure and options.bandwidth is None and options.latency_us is None:
+        say(f"measuring the links between {ranks} ranks here (gloo)...")
+        p2p, reduce = here.links(ranks)
+        interrupts.check()
+        return p2p, reduce, (f"measured between {ranks} ranks here: {p2p.bandwidth / 1e9:.2f} GB/s and "
+                             f"{p2p.latency * 1e6:.0f} µs per message, all-reduce {reduce.bandwidth / 1e9:.2f} GB/s "
+                             f"and {reduce.latency * 1e6:.0f} µs per ring step")
+    gb = ASSUMED_BANDWIDTH if options.bandwidth is None else options.bandwidth
+    us = ASSUMED_LATENCY_US if options.latency_us is None else options.latency_us
+    link = Link.of(gb, us)
+    return link, None, f"{gb:g} GB/s and {us:g} µs per message within a node (assumed)"

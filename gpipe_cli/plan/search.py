@@ -11,7 +11,8 @@ device, links). For every configuration that uses all N devices (K stages x D = 
                 each compute action its layers' seconds plus the engine's own cost per layer call, each
                 message `latency + bytes / bandwidth` on the link it crosses; then the gradient
                 all-reduce over the D replicas (a ring: 2 (D-1)/D of a stage's gradient bytes) and the
-                engine's per-step cost (optimizer and the rest) for the busiest stage's parameters
+                engine's per-step cost (optimizer and the rest) for the busiest stage's parameters, and
+                each replica's share of building the mini-batch
     memory      every stage's peak by the memory model (`memory_model.footprints`)
 
 The fastest fitting configuration wins; ties go to the one needing less memory.
@@ -44,6 +45,7 @@ class Hardware:
     link: simulate.Link              # between devices of one node
     node_link: simulate.Link         # between nodes
     nodes: int = 1
+    reduce_link: simulate.Link | None = None  # per hop of a ring all-reduce within a node (None: `link`)
 
     @property
     def per_node(self) -> int:
@@ -62,6 +64,7 @@ class Model:
     min_microbatch: int = 1              # 2 where BatchNorm needs two examples per micro-batch
     action_overhead: float = 0.0         # seconds the engine adds to every layer of a compute action
     step_overhead: float = 0.0           # seconds the engine adds per step on one stage (optimizer, ...)
+    data_seconds: float = 0.0            # building one global mini-batch; each replica builds its share
 
     @property
     def layers(self) -> int:
@@ -209,15 +212,16 @@ def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | No
                                         config.checkpoint, link, 1.0, config.virtual, model.action_overhead)
     params = [sum(layer.params for r in partition.stage_ranges(balance)[s::config.partitions]
                   for layer in model.figures.layers[r.start:r.stop]) for s in range(config.partitions)]
-    reduce_link = hw.node_link if hw.nodes > 1 else hw.link
+    reduce_link = hw.node_link if hw.nodes > 1 else hw.reduce_link or hw.link
     reduce = allreduce_seconds(params, config.replicas, reduce_link)
-    fixed = step_overhead(model, params)
+    fixed = step_overhead(model, params) + model.data_seconds / config.replicas
     return Outcome(config, balance, memory, fits, prediction.step_time + reduce + fixed, prediction.bubble, reduce,
                    fixed, model.batch)
 
 
 def step_overhead(model: Model, stage_params: Sequence[int]) -> float:
-    """The engine's per-step seconds on the busiest stage: its share of the parameters (the optimizer's work)."""
+    """The engine's per-step seconds on the busiest stage: its share of the parameters (the optimizer's work);
+    the data's are added apart."""
     total = sum(stage_params)
     return model.step_overhead * (max(stage_params) / total if total else 1.0 / len(stage_params))
 

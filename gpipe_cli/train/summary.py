@@ -31,6 +31,7 @@ class RunSummary:
     bubbles: list[float] = field(default_factory=list)
     theory: float = 0.0
     parts: dict[str, float] = field(default_factory=dict)
+    first: tuple[float, float, float] | None = None  # the first step's examples, units and seconds (warm-up)
     best_eval: dict[str, Any] | None = None
     last_eval: dict[str, Any] | None = None
 
@@ -43,6 +44,8 @@ class RunSummary:
                 self.best_eval = record
             return
         self.steps += 1
+        if self.first is None:
+            self.first = (examples, units or 0.0, record["step_time_s"])
         self.skipped += bool(record.get("skipped"))
         self.examples += examples
         self.units += units or 0.0
@@ -59,10 +62,14 @@ class RunSummary:
         out = [f"summary: {self.steps} of {self.total_steps} steps in {wall:.1f} s wall time"
                + (f" ({ended})" if ended else "")]
         if self.steps and self.seconds > 0:
-            rate = f"{self.examples / self.seconds:.1f} samples/s"
-            if text:
-                rate += f", {self.units / self.seconds:.0f} tokens/s"
-            out.append(f"  throughput: {rate} (mean over the training steps)")
+            examples, units, seconds, over = self.examples, self.units, self.seconds, "the training steps"
+            if self.steps > 1 and self.first is not None:  # the first step warms up (allocations, lazy init)
+                examples, units, seconds = examples - self.first[0], units - self.first[1], seconds - self.first[2]
+                over = f"the steps after the first, which took {self.first[2]:.2f} s warming up"
+            rate = f"{examples / seconds:.1f} samples/s" if seconds > 0 else "-"
+            if text and seconds > 0:
+                rate += f", {units / seconds:.0f} tokens/s"
+            out.append(f"  throughput: {rate} (mean over {over})")
             mean = sum(self.bubbles) / len(self.bubbles)
             out.append(f"  bubble: {mean:.3f} measured (time waiting for a peer), {self.theory:.3f} in theory "
                        f"((K-1)/(M+K-1))")

@@ -27,8 +27,9 @@ def test_the_summary_names_every_fact_of_the_run():
     lines = run(skipped_steps=(2,), evals=[(2, 3.0), (4, 1.5), (6, 2.0)]).lines(
         now=130.0, checkpoint="run/checkpoints/step-00000004", run_dir="run", text=True, ended="stopped by SIGINT")
     assert lines[0].startswith("summary: 4 of 6 steps in 30.0 s wall time") and "stopped by SIGINT" in lines[0]
-    seconds = 4 * train_record()["step_time_s"]
-    assert field(lines, "throughput").startswith(f"{4 * 32 / seconds:.1f} samples/s, {4 * 300 / seconds:.0f} tokens/s")
+    seconds = 3 * train_record()["step_time_s"]  # the first step warms up and is left out
+    assert field(lines, "throughput").startswith(f"{3 * 32 / seconds:.1f} samples/s, {3 * 300 / seconds:.0f} tokens/s")
+    assert "after the first" in field(lines, "throughput")
     assert field(lines, "bubble").startswith(f"{(0.1 + 0.2 + 0.3 + 0.4) / 4:.3f} measured")
     assert "0.200 in theory" in field(lines, "bubble")
     assert field(lines, "best eval").startswith("step 4: loss 1.5")  # the lowest loss, not the last eval
@@ -43,3 +44,15 @@ def test_a_run_without_evals_or_checkpoint_says_so():
     lines = run().lines(now=101.0, checkpoint=None, run_dir="run", text=False)
     assert field(lines, "best eval") == "none" and field(lines, "checkpoint") == "none written"
     assert "tokens/s" not in field(lines, "throughput")
+
+
+def test_the_warm_up_step_is_left_out_of_the_throughput_but_a_lone_step_counts():
+    summary = RunSummary(total_steps=3, started=0.0)
+    for seconds in (2.0, 0.5, 0.5):
+        summary.add({**train_record(), "step_time_s": seconds}, examples=10, units=None)
+    assert field(summary.lines(now=5.0, checkpoint=None, run_dir="r", text=False), "throughput").startswith(
+        "20.0 samples/s (mean over the steps after the first, which took 2.00 s warming up)")
+    lone = RunSummary(total_steps=1, started=0.0)
+    lone.add({**train_record(), "step_time_s": 2.0}, examples=10, units=None)
+    assert field(lone.lines(now=5.0, checkpoint=None, run_dir="r", text=False), "throughput").startswith(
+        "5.0 samples/s (mean over the training steps)")

@@ -1,0 +1,193 @@
+"""What N ranks on this machine add to one process's measurements: cores, caches and memory shared, and
+the links between them, both measured with real processes.
+
+    loaded      per-layer seconds timed alone run faster than in training, where every rank computes at
+                once; so they are timed while sibling processes do the same timing on the other cores
+    links       messages between ranks here go through the transport a run uses (gloo on the CPU); point
+                to point and all-reduce are timed at two sizes and read as latency + bytes / bandwidth
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.synchronize import Event
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpipe_cli.estimate.simulate import Link
+
+START_TIMEOUT_S = 300.0  # a sibling imports torch and builds the model first; a loaded machine is slow
+SMALL, LARGE = 64 << 10, 4 << 20  # bytes of the two message sizes timed
+REPEATS = 30
+
+
+@contextlib.contextmanager
+def _no_sigint() -> Iterator[None]:
+    """Start children with SIGINT blocked (the mask survives exec): Ctrl-C is the parent's alone to handle."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _start(target: Callable[..., None], args_of: Callable[[int], tuple[Any, ...]], count: int) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    with _no_sigint():
+        procs = [ctx.Process(target=target, args=args_of(i), daemon=True) for i in range(count)]
+        for p in procs:
+            p.start()
+    return procs
+
+
+def _stop(procs: list[Any]) -> None:
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+
+
+def _busy(work: Callable[[], None], threads: int, stop: Event, ready: Any) -> None:
+    torch.set_num_threads(threads)
+    work()
+    ready.put(os.getpid())
+    while not stop.is_set():
+        work()
+
+
+@contextlib.contextmanager
+def loaded(work: Callable[[], None], count: int, threads: int) -> Iterator[None]:
+    """Run `work` over and over in `count` sibling processes (pickled: a module-level function or a partial
+    of one) while the body runs; their first run is done before the body starts."""
+    if count <= 0:
+        yield
+        return
+    ctx = mp.get_context("spawn")
+    stop, ready = ctx.Event(), ctx.Queue()
+    procs = _start(_busy, lambda i: (work, threads, stop, ready), count)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for _ in procs:
+            ready.get(timeout=max(deadline - time.monotonic(), 1.0))
+        yield
+    finally:
+        stop.set()
+        _stop(procs)
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    dist.barrier()
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _ping(rank: int, buf: torch.Tensor) -> None:
+    if rank == 0:
+        dist.send(buf, 1)
+        dist.recv(buf, 1)
+    elif rank == 1:
+        dist.recv(buf, 0)
+        dist.send(buf, 0)
+
+
+def _probe(rank: int, world: int, store_path: str, out: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        results: dict[str, float] = {}
+        for size in (SMALL, LARGE):
+            buf = torch.zeros(size // 4)
+            results[f"p2p{size}"] = _timed(functools.partial(_ping, rank, buf)) / 2
+            results[f"allreduce{size}"] = _timed(functools.partial(dist.all_reduce, buf))
+        if rank == 0:
+            out.put(results)
+    finally:
+        dist.destroy_process_group()
+
+
+def _line(small: float, large: float) -> Link:
+    """latency + bytes / bandwidth through the timings of the two sizes."""
+    slope = max((large - small) / (LARGE - SMALL), 1e-15)
+    return Link(1.0 / slope, max(small - SMALL * slope, 0.0))
+
+
+def links(ranks: int) -> tuple[Link, Link]:
+    """This machine's point-to-point link and all-reduce link (per ring hop) between `ranks` processes."""
+    ranks = max(ranks, 2)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="gpipe-links-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = _start(_probe, lambda i: (i, ranks, store, out), ranks)
+        try:
+            results = out.get(timeout=START_TIMEOUT_S)
+        finally:
+            _stop(procs)
+    p2p = _line(results[f"p2p{SMALL}"], results[f"p2p{LARGE}"])
+    hops = 2 * (ranks - 1)
+    # A ring all-reduce moves 2 (D-1)/D of the bytes in 2 (D-1) steps (as `plan.search` charges it).
+    slope = max((results[f"allreduce{LARGE}"] - results[f"allreduce{SMALL}"]) / (LARGE - SMALL), 1e-15)
+    reduce = Link(hops / ranks / slope, max(results[f"allreduce{SMALL}"] - SMALL * slope, 0.0) / hops)
+    return p2p, reduce
+
+
+def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict[str, Any], inputs: Any,
+                 targets: torch.Tensor, seed: int, threads: int, counts: list[int], out: Any) -> None:
+    from gpipe_cli.estimate.measure import build_pipeline, measure_engine
+    from gpipe_cli.models.registry import build_model
+    from gpipe_cli.pipeline import topology
+
+    torch.set_num_threads(threads)
+    os.environ["WORLD_SIZE"] = str(world)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        topo = topology.init(1, world, "gloo", device="cpu")
+        spec = build_model(kind, **params)
+        pipe = build_pipeline(spec, topo, [len(spec.layers)], "gpipe", "never", seed)
+        found = {}
+        for m in counts:
+            figures = measure_engine(pipe, inputs, targets, int(targets.shape[0]), m, STEPS, 1)
+            if figures is not None:
+                found[m] = min(figures.step_times)  # the fastest: the others are slowed by neighbours
+        pipe.close()
+        if rank == 0:
+            out.put(found)
+    finally:
+        dist.destroy_process_group()
+
+
+STEPS = 4  # measured engine steps per micro-batch count (after one warm-up)
+
+
+def engine_steps(kind: str, params: dict[str, Any], inputs: Any, targets: torch.Tensor, seed: int, ranks: int,
+                 threads: int, counts: list[int]) -> dict[int, float]:
+    """Seconds of one engine step of the whole model as one stage on each of `ranks` replicas here (data
+    parallel, gradients all-reduced), each replica given `inputs`, at each micro-batch count."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="gpipe-engine-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = _start(_engine_rank, lambda i: (i, ranks, store, kind, params, inputs, targets, seed, threads,
+                                                counts, out), ranks)
+        try:
+            found: dict[int, float] = out.get(timeout=START_TIMEOUT_S)
+        finally:
+            _stop(procs)
+    return found

@@ -1,0 +1,81 @@
+"""The recipe's own training data as the plan times it: a mini-batch of typical shape, and what one costs to build.
+
+Generated examples of `max_len` tokens would price a Transformer far above what it trains on (the data
+pads each mini-batch to its longest example only), so the plan times the layers on real batches: of the
+first few training mini-batches, the one of median size. Building a mini-batch (reading, tokenised
+padding, augmentation) is part of every training step, so its seconds are measured here too.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpipe_cli.recipe.schema import Recipe
+
+DRAWS = 12  # mini-batches drawn: enough for a median shape, few enough to take a second
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training mini-batch of typical shape, and the median seconds the loader took to build one."""
+
+    inputs: Any
+    targets: torch.Tensor
+    build_seconds: float
+    note: str  # e.g. "the recipe's data (median of 12 mini-batches: 32 x 17 tokens)"
+
+    @property
+    def examples(self) -> int:
+        """Examples in the mini-batch."""
+        return int(self.targets.shape[0])
+
+    def take(self, n: int) -> tuple[Any, torch.Tensor]:
+        """The first `n` examples (a micro-batch of the same padded shape)."""
+        return _first(self.inputs, n), self.targets[:n]
+
+
+def _first(value: Any, n: int) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[:n]
+    return type(value)(_first(v, n) for v in value)
+
+
+def _elements(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    return sum(_elements(v) for v in value)
+
+
+def _shape(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return " x ".join(str(d) for d in value.shape)
+    return ", ".join(_shape(v) for v in value)
+
+
+def typical_batch(recipe: Recipe) -> Sample:
+    """A full training mini-batch of median size from the recipe's data (raises what loading raises)."""
+    from gpipe_cli.data.build import build_data_for
+
+    loader = build_data_for(recipe, min_batch=1)
+    batches, seconds = [], []
+    it = loader.train_batches(epoch=0)
+    for _ in range(min(DRAWS, loader.steps_per_epoch())):
+        started = time.perf_counter()
+        batch = next(it)
+        seconds.append(time.perf_counter() - started)
+        batches.append(batch)
+    if not batches:
+        raise ValueError("the training split has no mini-batch")
+    full = max(b.size for b in batches)  # a short last batch is not typical
+    batches = [b for b in batches if b.size == full]
+    batches.sort(key=lambda b: _elements(b.inputs))
+    median = batches[len(batches) // 2]
+    note = (f"the recipe's data (the median of {len(batches)} mini-batches: {_shape(median.inputs)}; "
+            f"{statistics.median(seconds) * 1e3:.1f} ms to build one)")
+    assert median.targets is not None
+    return Sample(median.inputs, median.targets, statistics.median(seconds), note)
