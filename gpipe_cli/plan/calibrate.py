@@ -5,13 +5,18 @@ Per-layer seconds are timed layer by layer; the engine adds work every time an a
 statistics). A single-stage pipeline is run here, in this process, at three micro-batch counts with
 the same mini-batch: the gap between its measured step and the simulated one grows with M by the
 per-call cost (a forward and a backward of every layer per micro-batch) and starts at the per-step
-cost. This is `bench`'s calibration, split so that it holds for any K and M. When several ranks share
-this machine, the same steps run on that many real replicas instead (`plan.here.engine_steps`), so the
-per-step cost also holds the collectives every step makes and the ranks' waits for one another.
+cost. This is `bench`'s calibration, split so that it holds for any K and M.
+
+When several ranks share this machine, the same steps run on that many real replicas instead
+(`plan.here.engine_steps`). There the measured step is a steady multiple of the simulated one at every
+M (the ranks share cores, caches and memory, and wait on each other's collectives), so one factor,
+the median of the ratios, scales every layer's seconds (`scaled`): one figure, little noise.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -79,3 +84,24 @@ def overhead(layers: int, costs: Callable[[int], CostProfile], per_replica: int,
     slope = sum((m - mean_m) * (g - mean_g) for m, g in gaps) / sum((m - mean_m) ** 2 for m, _ in gaps)
     per_microbatch = max(slope, 0.0)
     return Overhead(per_microbatch / (2 * layers), max(mean_g - per_microbatch * mean_m, 0.0))
+
+
+def factor(layers: int, costs: Callable[[int], CostProfile], per_replica: int, measured: dict[int, float],
+           known: float = 0.0) -> float:
+    """The median ratio of the measured steps (less the `known` seconds) to the simulated ones."""
+    ratios = []
+    for m, seconds in measured.items():
+        predicted = simulate.simulate_step(costs(per_replica // m), [layers], per_replica, m, "gpipe", "never",
+                                           simulate.Link(1e30, 0.0)).step_time
+        ratios.append(max(seconds - known, 0.0) / predicted if predicted > 0 else 1.0)
+    return statistics.median(ratios) if ratios else 1.0
+
+
+def scaled(costs: Callable[[int], CostProfile], by: float) -> Callable[[int], CostProfile]:
+    """Per-layer seconds multiplied by `by` (sizes and bytes unchanged)."""
+    def at(size: int) -> CostProfile:
+        profile = costs(size)
+        layers = [dataclasses.replace(t, forward=t.forward * by, forward_nograd=t.forward_nograd * by,
+                                      backward=t.backward * by) for t in profile.layers]
+        return dataclasses.replace(profile, loss=profile.loss * by, layers=layers)
+    return at

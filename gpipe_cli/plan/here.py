@@ -13,6 +13,7 @@ import contextlib
 import functools
 import multiprocessing as mp
 import os
+import queue
 import signal
 import statistics
 import tempfile
@@ -25,6 +26,11 @@ import torch
 import torch.distributed as dist
 
 from gpipe_cli.estimate.simulate import Link
+
+
+class Unavailable(RuntimeError):
+    """Processes beside this one could not be run or measured here (the plan then does without)."""
+
 
 START_TIMEOUT_S = 300.0  # a sibling imports torch and builds the model first; a loaded machine is slow
 SMALL, LARGE = 64 << 10, 4 << 20  # bytes of the two message sizes timed
@@ -58,6 +64,24 @@ def _stop(procs: list[Any]) -> None:
             p.join(timeout=5)
 
 
+def _reported(target: Callable[..., None], out: Any, *args: Any) -> None:
+    """Run `target` in a child; a failure goes to the parent as one line, never as a traceback on the terminal."""
+    try:
+        target(*args, out)
+    except Exception as exc:  # the parent says what failed and plans on without it
+        out.put(f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}")
+
+
+def _result(out: Any, what: str) -> Any:
+    try:
+        found = out.get(timeout=START_TIMEOUT_S)
+    except queue.Empty:
+        raise Unavailable(f"{what}: no answer in {START_TIMEOUT_S:.0f} s") from None
+    if isinstance(found, str):
+        raise Unavailable(f"{what} failed ({found})")
+    return found
+
+
 def _busy(work: Callable[[], None], threads: int, stop: Event, ready: Any) -> None:
     torch.set_num_threads(threads)
     work()
@@ -75,11 +99,10 @@ def loaded(work: Callable[[], None], count: int, threads: int) -> Iterator[None]
         return
     ctx = mp.get_context("spawn")
     stop, ready = ctx.Event(), ctx.Queue()
-    procs = _start(_busy, lambda i: (work, threads, stop, ready), count)
+    procs = _start(_reported, lambda i: (_busy, ready, work, threads, stop), count)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
         for _ in procs:
-            ready.get(timeout=max(deadline - time.monotonic(), 1.0))
+            _result(ready, "starting the ranks that compute beside this one")
         yield
     finally:
         stop.set()
@@ -95,7 +118,8 @@ def _timed(fn: Callable[[], Any]) -> float:
         started = time.perf_counter()
         fn()
         times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    # A low quantile: a message's own cost; the stalls a loaded machine adds are in the engine's measured steps.
+    return statistics.quantiles(times, n=10)[2]
 
 
 def _ping(rank: int, buf: torch.Tensor) -> None:
@@ -135,9 +159,9 @@ def links(ranks: int) -> tuple[Link, Link]:
     out = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="gpipe-links-") as tmp:
         store = os.path.join(tmp, "store")
-        procs = _start(_probe, lambda i: (i, ranks, store, out), ranks)
+        procs = _start(_reported, lambda i: (_probe, out, i, ranks, store), ranks)
         try:
-            results = out.get(timeout=START_TIMEOUT_S)
+            results = _result(out, f"measuring the links between {ranks} ranks")
         finally:
             _stop(procs)
     p2p = _line(results[f"p2p{SMALL}"], results[f"p2p{LARGE}"])
@@ -165,7 +189,7 @@ def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict
         for m in counts:
             figures = measure_engine(pipe, inputs, targets, int(targets.shape[0]), m, STEPS, 1)
             if figures is not None:
-                found[m] = min(figures.step_times)  # the fastest: the others are slowed by neighbours
+                found[m] = statistics.median(figures.step_times)  # a typical step, waits for the other ranks included
         pipe.close()
         if rank == 0:
             out.put(found)
@@ -173,7 +197,7 @@ def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict
         dist.destroy_process_group()
 
 
-STEPS = 4  # measured engine steps per micro-batch count (after one warm-up)
+STEPS = 6  # measured engine steps per micro-batch count (after one warm-up)
 
 
 def engine_steps(kind: str, params: dict[str, Any], inputs: Any, targets: torch.Tensor, seed: int, ranks: int,
@@ -184,10 +208,10 @@ def engine_steps(kind: str, params: dict[str, Any], inputs: Any, targets: torch.
     out = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="gpipe-engine-") as tmp:
         store = os.path.join(tmp, "store")
-        procs = _start(_engine_rank, lambda i: (i, ranks, store, kind, params, inputs, targets, seed, threads,
-                                                counts, out), ranks)
+        procs = _start(_reported, lambda i: (_engine_rank, out, i, ranks, store, kind, params, inputs, targets,
+                                             seed, threads, counts), ranks)
         try:
-            found: dict[int, float] = out.get(timeout=START_TIMEOUT_S)
+            found: dict[int, float] = _result(out, f"running the engine on {ranks} replicas")
         finally:
             _stop(procs)
     return found

@@ -184,6 +184,29 @@ def sibling_work(kind: str, params: dict[str, Any], inputs: Any, targets: torch.
     layer_costs.profile(_SIBLING_SPEC["spec"], inputs, targets, seed, REPEATS)
 
 
+def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Callable[[int], CostProfile],
+                  figs: ModelFigures, batch: int, least: int, seed: int, threads: int, examples: Examples,
+                  ranks: int, reduce_link: Link | None,
+                  say: Callable[[str], None]) -> tuple[calibrate.Overhead, float]:
+    """The engine's own costs: on `ranks` real replicas here (a factor on the layers' seconds) when they share
+    this machine, else in this process (seconds per layer call and per step)."""
+    if ranks > 1 and reduce_link is not None and batch % ranks == 0:
+        per_replica = batch // ranks
+        say(f"measuring the engine's steps on {ranks} replicas here...")
+        try:
+            steps = here.engine_steps(kind, params, *examples(per_replica), seed, ranks, threads,
+                                      calibrate.counts(per_replica, least))
+        except here.Unavailable as exc:
+            say(f"{exc}; measuring in this process instead")
+        else:
+            reduce = allreduce_seconds([sum(layer.params for layer in figs.layers)], ranks, reduce_link)
+            return calibrate.Overhead(0.0, 0.0), calibrate.factor(len(spec.layers), costs, per_replica, steps, reduce)
+    say("measuring the engine's own cost per layer call and per step (one stage, this process)...")
+    counts = calibrate.counts(batch, least)
+    steps = calibrate.local_steps(spec, batch, counts, seed, threads, examples)
+    return calibrate.overhead(len(spec.layers), costs, batch, steps), 1.0
+
+
 def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Callable[[int], tuple[int, int]],
            timing: str, threads: int, say: Callable[[str], None], tflops: float | None = None,
            sample: Sample | None = None, siblings: int = 0, reduce_link: Link | None = None) -> Inputs:
@@ -218,27 +241,25 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
         real = sample is not None and sample.examples >= max(hi, batch)
         examples = sample.take if real and sample is not None else generated(spec, seed)
         work = functools.partial(sibling_work, kind, params, *examples(hi), seed)
-        with here.loaded(work, siblings, threads):
+        try:
+            with here.loaded(work, siblings, threads):
+                costs = measured_costs(spec, (lo, hi), seed, threads, examples)
+        except here.Unavailable as exc:
+            say(f"{exc}; measuring alone")
+            siblings = 0
             costs = measured_costs(spec, (lo, hi), seed, threads, examples)
         interrupts.check()
-        replicas = siblings + 1 if reduce_link is not None and batch % (siblings + 1) == 0 else 1
-        per_replica = batch // replicas
-        counts = calibrate.counts(per_replica, least)
-        if replicas > 1 and reduce_link is not None:
-            say(f"measuring the engine's own cost per layer call and per step ({replicas} replicas here)...")
-            steps = here.engine_steps(kind, params, *examples(per_replica), seed, replicas, threads, counts)
-            reduce = allreduce_seconds([sum(layer.params for layer in figs.layers)], replicas, reduce_link)
-        else:
-            say("measuring the engine's own cost per layer call and per step (one stage, this process)...")
-            steps, reduce = calibrate.local_steps(spec, batch, counts, seed, threads, examples), 0.0
-        extra = calibrate.overhead(len(spec.layers), costs, per_replica, steps, reduce)
-        interrupts.check()
+        extra, factor = _engine_costs(kind, params, spec, costs, figs, batch, least, seed, threads, examples,
+                                      siblings + 1, reduce_link, say)
+        costs = calibrate.scaled(costs, factor)
         data = sample.build_seconds if sample is not None else 0.0
         where = sample.note if real and sample is not None else "generated examples of the model's full length"
         beside = f", {siblings} other rank{'s' if siblings > 1 else ''} computing beside" if siblings else ""
+        engine = (f"the engine adds {extra.action * 1e3:.2f} ms per layer call and {extra.step * 1e3:.1f} ms per "
+                  f"step (measured)" if factor == 1.0 else
+                  f"x{factor:.2f} to match the engine's steps measured on {siblings + 1} replicas here")
         note = (f"measured on cpu ({threads} thread{plural} per rank{beside}) at micro-batches of {sizes_text} "
-                f"examples of {where}, affine in between; the engine adds {extra.action * 1e3:.2f} ms per layer "
-                f"call and {extra.step * 1e3:.1f} ms per step (measured)")
+                f"examples of {where}, affine in between; {engine}")
         return Inputs(costs, figs, least, note, memory_note, True, extra.action, extra.step, data)
     rate, per_call = machine_rate(machine)
     note = (f"estimated from FLOPs at this machine's measured {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank "

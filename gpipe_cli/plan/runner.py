@@ -201,7 +201,11 @@ def _links(options: PlanOptions, measure: bool, ranks: int, say: Any) -> tuple[A
 
     if measure and options.bandwidth is None and options.latency_us is None:
         say(f"measuring the links between {ranks} ranks here (gloo)...")
-        p2p, reduce = here.links(ranks)
+        try:
+            p2p, reduce = here.links(ranks)
+        except here.Unavailable as exc:
+            say(f"{exc}; assuming the links instead")
+            return _links(options, False, ranks, say)
         interrupts.check()
         return p2p, reduce, (f"measured between {ranks} ranks here: {p2p.bandwidth / 1e9:.2f} GB/s and "
                              f"{p2p.latency * 1e6:.0f} µs per message, all-reduce {reduce.bandwidth / 1e9:.2f} GB/s "

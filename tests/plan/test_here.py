@@ -51,3 +51,24 @@ def test_the_fit_recovers_the_per_call_and_per_step_costs_it_is_given():
                 + 2 * layers * m * per_call for m in (1, 2, 8)}
     extra = calibrate.overhead(layers, costs, 8, measured, known)
     assert extra.action == pytest.approx(per_call, rel=1e-6) and extra.step == pytest.approx(per_step, rel=1e-6)
+
+
+def test_the_factor_scales_the_layers_to_the_measured_steps():
+    spec = build_model("transformer", **PARAMS)
+    costs = inputs.measured_costs(spec, (1, 8), 0, 1, inputs.generated(spec, 0))
+    from gpipe_cli.estimate import simulate
+    layers, known = len(spec.layers), 1e-3
+    measured = {m: 1.5 * simulate.simulate_step(costs(8 // m), [layers], 8, m, "gpipe", "never",
+                                                simulate.Link(1e30, 0.0)).step_time + known for m in (1, 2, 8)}
+    factor = calibrate.factor(layers, costs, 8, measured, known)
+    assert factor == pytest.approx(1.5)
+    slower = calibrate.scaled(costs, factor)(4)
+    assert slower.layers[0].backward == pytest.approx(1.5 * costs(4).layers[0].backward)
+    assert slower.layers[0].output_bytes == costs(4).layers[0].output_bytes
+
+
+def test_a_rank_that_fails_is_one_line_not_a_traceback(capfd):
+    spec = build_model("transformer", **PARAMS)
+    with pytest.raises(here.Unavailable, match="running the engine on 2 replicas failed"):
+        here.engine_steps("transformer", {**PARAMS, "heads": 3}, *inputs.generated(spec, 0)(4), 0, 2, 1, [1])
+    assert "Traceback" not in capfd.readouterr().err
