@@ -189,7 +189,7 @@ def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict
         for m in counts:
             figures = measure_engine(pipe, inputs, targets, int(targets.shape[0]), m, STEPS, 1)
             if figures is not None:
-                found[m] = statistics.median(figures.step_times)  # a typical step, waits for the other ranks included
+                found[m] = statistics.fmean(figures.step_times)  # as training averages: waits and stalls included
         pipe.close()
         if rank == 0:
             out.put(found)
