@@ -1,10 +1,15 @@
-"""The model a recipe describes, and the name the memory model prices its optimizer by.
+"""The model and the optimizer a recipe describes, and the name the memory model prices its optimizer by.
 
-Shared by the commands that read a recipe's model (train, validate, plan); the model zoo itself
-knows nothing of recipes.
+Shared by the commands that read a recipe's model (train, validate, plan, which also times the optimizer's
+step); the model zoo itself knows nothing of recipes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.models.base import ModelSpec
@@ -30,3 +35,27 @@ def optimizer_name(recipe: Recipe) -> str:
     if opt.name == "rmsprop":
         return "rmsprop" if opt.momentum else "rmsprop-no-momentum"
     return "rmsprop" if opt.name == "amoebanet-rmsprop" else opt.name
+
+
+def base_lr(recipe: Recipe) -> float:
+    """The peak learning rate; with `lr_per_256` it scales with the batch size, as the paper's AmoebaNet."""
+    lr = recipe.optimizer.lr
+    return lr * recipe.data.batch_size / 256 if recipe.optimizer.lr_per_256 else lr
+
+
+def build_optimizer(params: Sequence[nn.Parameter], recipe: Recipe) -> torch.optim.Optimizer | None:
+    """The recipe's optimizer over a stage's parameters (None for a stage without any)."""
+    if not params:
+        return None
+    opt, lr = recipe.optimizer, base_lr(recipe)
+    if opt.name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+    if opt.name == "adam":
+        return torch.optim.Adam(params, lr=lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    if opt.name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    if opt.name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=lr, alpha=opt.decay, eps=opt.eps, momentum=opt.momentum,
+                                   weight_decay=opt.weight_decay)
+    # The paper's AmoebaNet optimizer: RMSProp with decay 0.9 and momentum 0.9.
+    return torch.optim.RMSprop(params, lr=lr, alpha=0.9, eps=opt.eps, momentum=0.9, weight_decay=opt.weight_decay)

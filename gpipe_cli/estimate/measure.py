@@ -72,6 +72,7 @@ class RunFigures:
     events: list[dict[str, Any]] = field(default_factory=list)
     cpu_per_busy: list[float] = field(default_factory=list)  # per rank: compute thread's CPU s / compute s
     load: dict[str, float] = field(default_factory=dict)      # what else used the machine (see `Load`)
+    optimizer_times: list[float] = field(default_factory=list)  # per step: the slowest stage's update, if run
 
     @property
     def samples_per_s(self) -> float:
@@ -128,8 +129,11 @@ def build_pipeline(spec: ModelSpec, topo: Topology, balance: list[int], schedule
 
 
 def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_size: int, microbatches: int,
-                   steps: int, warmup: int, trace: bool = False) -> RunFigures | None:
-    """Run warm-up and measured steps (and one traced step); the figures on rank 0, None elsewhere."""
+                   steps: int, warmup: int, trace: bool = False, update: Callable[[], None] | None = None,
+                   max_grad_norm: float | None = None) -> RunFigures | None:
+    """Run warm-up and measured steps (and one traced step); the figures on rank 0, None elsewhere.
+
+    `update` (an optimizer's step) and `max_grad_norm` run as in training."""
     layout = pipe.layout
     feed = inputs if layout.is_first else None
     labels = targets if layout.is_last else None
@@ -138,7 +142,8 @@ def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_siz
 
     def step(index: int, traced: bool = False) -> Any:
         pipe.zero_grad()
-        return pipe.train_step(feed, labels, microbatches=microbatches, step=index, trace=traced)
+        return pipe.train_step(feed, labels, microbatches=microbatches, step=index, trace=traced,
+                               max_grad_norm=max_grad_norm, update=update)
 
     cpu = busy = 0.0
     load: Load | None = None
@@ -163,6 +168,7 @@ def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_siz
     if layout.rank != 0:
         return None
     figures.bubbles = [stats.bubble for stats in history]
+    figures.optimizer_times = [max(s.optimizer for s in stats.stages) for stats in history]
     figures.units_per_step = median([stats.units for stats in history])
     figures.stages = _stage_figures(history, list(pipe.balance), layout.stages)
     return figures

@@ -1,22 +1,25 @@
 """The engine's own cost beyond its layers', measured once: per layer call and per step.
 
 Per-layer seconds are timed layer by layer; the engine adds work every time an action runs a layer
-(saved-tensor hooks, RNG states, statistics, Python) and per step (the optimizer, gathering
-statistics). A single-stage pipeline is run here, in this process, at three micro-batch counts with
-the same mini-batch: the gap between its measured step and the simulated one grows with M by the
-per-call cost (a forward and a backward of every layer per micro-batch) and starts at the per-step
-cost. This is `bench`'s calibration, split so that it holds for any K and M.
+(saved-tensor hooks, RNG states, statistics, Python) and per step (the recipe's optimizer, the
+gradient norm, gathering statistics). A single-stage pipeline is run here, in this process, at three
+micro-batch counts with the same mini-batch: the gap between its measured step and the simulated one
+grows with M by the per-call cost (a forward and a backward of every layer per micro-batch) and
+starts at the per-step cost. This is `bench`'s calibration, split so that it holds for any K and M.
 
 When several ranks share this machine, the same steps run on that many real replicas instead
-(`plan.here.engine_steps`). There the measured step is a steady multiple of the simulated one at every
-M (the ranks share cores, caches and memory, and wait on each other's collectives), so one factor,
-the median of the ratios, scales every layer's seconds (`scaled`): one figure, little noise.
+(`plan.here.engine_steps`). There the measured step is a multiple of the simulated one (the ranks
+share cores, caches and memory, and wait on each other's collectives) that differs with the
+micro-batch size, so the ratio measured at each size, interpolated between them, scales every layer's seconds at that
+size (`scaled`): a configuration of one stage is then predicted as exactly as its step was timed. The
+optimizer's update is timed apart in those steps and kept as a per-step cost: it scales with a stage's
+parameters, not with its layers' compute.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +31,7 @@ from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.measure import build_pipeline, measure_engine
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import topology
+from gpipe_cli.plan.here import OptimizerOf
 
 STEPS, WARMUP = 4, 1
 Examples = Callable[[int], tuple[Any, torch.Tensor]]  # n -> (inputs, targets) of n examples
@@ -48,16 +52,20 @@ def counts(per_replica: int, least: int) -> list[int]:
 
 
 def local_steps(spec: ModelSpec, batch: int, microbatches: list[int], seed: int, threads: int,
-                examples: Examples) -> dict[int, float]:
-    """Seconds of one step of the whole model as one stage in this process, at each micro-batch count."""
+                examples: Examples, optimizer: OptimizerOf | None = None,
+                grad_clip: float | None = None) -> dict[int, float]:
+    """Seconds of one training step (`optimizer`'s update included) of the whole model as one stage in this
+    process, at each micro-batch count."""
     inputs, targets = examples(batch)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     pipe = build_pipeline(spec, topology.local("cpu"), [len(spec.layers)], "gpipe", "never", seed)
+    update = optimizer(pipe.parameters()) if optimizer is not None else None
     try:
         found = {}
         for m in microbatches:
-            figures = measure_engine(pipe, inputs, targets, batch, m, STEPS, WARMUP)
+            figures = measure_engine(pipe, inputs, targets, batch, m, STEPS, WARMUP,
+                                     update=update.step if update is not None else None, max_grad_norm=grad_clip)
             assert figures is not None  # a single process is rank 0
             # The fastest step: on a shared machine the others are slowed by neighbours, not by the engine.
             found[m] = min(figures.step_times)
@@ -86,22 +94,40 @@ def overhead(layers: int, costs: Callable[[int], CostProfile], per_replica: int,
     return Overhead(per_microbatch / (2 * layers), max(mean_g - per_microbatch * mean_m, 0.0))
 
 
-def factor(layers: int, costs: Callable[[int], CostProfile], per_replica: int, measured: dict[int, float],
-           known: float = 0.0) -> float:
-    """The median ratio of the measured steps (less the `known` seconds) to the simulated ones."""
-    ratios = []
+def factors(layers: int, costs: Callable[[int], CostProfile], per_replica: int, measured: dict[int, float],
+            known: float = 0.0) -> dict[int, float]:
+    """Per micro-batch size: the ratio of the measured step (less the `known` seconds) to the simulated one."""
+    ratios = {}
     for m, seconds in measured.items():
-        predicted = simulate.simulate_step(costs(per_replica // m), [layers], per_replica, m, "gpipe", "never",
+        size = per_replica // m
+        predicted = simulate.simulate_step(costs(size), [layers], per_replica, m, "gpipe", "never",
                                            simulate.Link(1e30, 0.0)).step_time
-        ratios.append(max(seconds - known, 0.0) / predicted if predicted > 0 else 1.0)
-    return statistics.median(ratios) if ratios else 1.0
+        ratios[size] = max(seconds - known, 0.0) / predicted if predicted > 0 else 1.0
+    return ratios
 
 
-def scaled(costs: Callable[[int], CostProfile], by: float) -> Callable[[int], CostProfile]:
-    """Per-layer seconds multiplied by `by` (sizes and bytes unchanged)."""
+def by_size(ratios: dict[int, float]) -> Callable[[int], float]:
+    """The ratio at any micro-batch size: linear in log(size) between the measured sizes, constant beyond."""
+    points = sorted((math.log(size), ratio) for size, ratio in ratios.items())
+    if not points:
+        return lambda size: 1.0
+
+    def at(size: int) -> float:
+        x = math.log(max(size, 1))
+        if x <= points[0][0]:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if x <= x1:
+                return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        return points[-1][1]
+    return at
+
+
+def scaled(costs: Callable[[int], CostProfile], by: Callable[[int], float]) -> Callable[[int], CostProfile]:
+    """Per-layer seconds at each micro-batch size multiplied by `by(size)` (sizes and bytes unchanged)."""
     def at(size: int) -> CostProfile:
-        profile = costs(size)
-        layers = [dataclasses.replace(t, forward=t.forward * by, forward_nograd=t.forward_nograd * by,
-                                      backward=t.backward * by) for t in profile.layers]
-        return dataclasses.replace(profile, loss=profile.loss * by, layers=layers)
+        profile, ratio = costs(size), by(size)
+        layers = [dataclasses.replace(t, forward=t.forward * ratio, forward_nograd=t.forward_nograd * ratio,
+                                      backward=t.backward * ratio) for t in profile.layers]
+        return dataclasses.replace(profile, loss=profile.loss * ratio, layers=layers)
     return at

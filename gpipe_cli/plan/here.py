@@ -5,6 +5,7 @@ the links between them, both measured with real processes.
                 once; so they are timed while sibling processes do the same timing on the other cores
     links       messages between ranks here go through the transport a run uses (gloo on the CPU); point
                 to point and all-reduce are timed at two sizes and read as latency + bytes / bandwidth
+    engine_steps  the engine's whole training step (the optimizer's update included) on real replicas here
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ import torch
 import torch.distributed as dist
 
 from gpipe_cli.estimate.simulate import Link
+
+# The recipe's optimizer over some parameters (a picklable factory: it is built in each rank).
+OptimizerOf = Callable[[list[torch.nn.Parameter]], "torch.optim.Optimizer | None"]
 
 
 class Unavailable(RuntimeError):
@@ -173,7 +177,8 @@ def links(ranks: int) -> tuple[Link, Link]:
 
 
 def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict[str, Any], inputs: Any,
-                 targets: torch.Tensor, seed: int, threads: int, counts: list[int], out: Any) -> None:
+                 targets: torch.Tensor, seed: int, threads: int, counts: list[int], optimizer: OptimizerOf | None,
+                 grad_clip: float | None, out: Any) -> None:
     from gpipe_cli.estimate.measure import build_pipeline, measure_engine
     from gpipe_cli.models.registry import build_model
     from gpipe_cli.pipeline import topology
@@ -185,11 +190,14 @@ def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict
         topo = topology.init(1, world, "gloo", device="cpu")
         spec = build_model(kind, **params)
         pipe = build_pipeline(spec, topo, [len(spec.layers)], "gpipe", "never", seed)
+        update = optimizer(pipe.parameters()) if optimizer is not None else None
         found = {}
         for m in counts:
-            figures = measure_engine(pipe, inputs, targets, int(targets.shape[0]), m, STEPS, 1)
+            figures = measure_engine(pipe, inputs, targets, int(targets.shape[0]), m, STEPS, 1,
+                                     update=update.step if update is not None else None, max_grad_norm=grad_clip)
             if figures is not None:
-                found[m] = statistics.fmean(figures.step_times)  # as training averages: waits and stalls included
+                # Means, as training averages: waits and stalls included.
+                found[m] = (statistics.fmean(figures.step_times), statistics.fmean(figures.optimizer_times))
         pipe.close()
         if rank == 0:
             out.put(found)
@@ -197,21 +205,23 @@ def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict
         dist.destroy_process_group()
 
 
-STEPS = 6  # measured engine steps per micro-batch count (after one warm-up)
+STEPS = 10  # measured engine steps per micro-batch count (after one warm-up)
 
 
 def engine_steps(kind: str, params: dict[str, Any], inputs: Any, targets: torch.Tensor, seed: int, ranks: int,
-                 threads: int, counts: list[int]) -> dict[int, float]:
-    """Seconds of one engine step of the whole model as one stage on each of `ranks` replicas here (data
-    parallel, gradients all-reduced), each replica given `inputs`, at each micro-batch count."""
+                 threads: int, counts: list[int], optimizer: OptimizerOf | None = None,
+                 grad_clip: float | None = None) -> dict[int, tuple[float, float]]:
+    """Seconds of one training step of the whole model as one stage on each of `ranks` replicas here (data
+    parallel, gradients all-reduced, `optimizer`'s update), each replica given `inputs`, at each micro-batch
+    count, and of its update alone."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="gpipe-engine-") as tmp:
         store = os.path.join(tmp, "store")
         procs = _start(_reported, lambda i: (_engine_rank, out, i, ranks, store, kind, params, inputs, targets,
-                                             seed, threads, counts), ranks)
+                                             seed, threads, counts, optimizer, grad_clip), ranks)
         try:
-            found: dict[int, float] = _result(out, f"running the engine on {ranks} replicas")
+            found: dict[int, tuple[float, float]] = _result(out, f"running the engine on {ranks} replicas")
         finally:
             _stop(procs)
     return found

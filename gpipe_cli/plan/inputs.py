@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -186,36 +187,42 @@ def sibling_work(kind: str, params: dict[str, Any], inputs: Any, targets: torch.
 
 def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Callable[[int], CostProfile],
                   figs: ModelFigures, batch: int, least: int, seed: int, threads: int, examples: Examples,
-                  ranks: int, reduce_link: Link | None,
-                  say: Callable[[str], None]) -> tuple[calibrate.Overhead, float]:
-    """The engine's own costs: on `ranks` real replicas here (a factor on the layers' seconds) when they share
-    this machine, else in this process (seconds per layer call and per step)."""
+                  ranks: int, reduce_link: Link | None, optimizer: here.OptimizerOf | None, grad_clip: float | None,
+                  say: Callable[[str], None]) -> tuple[calibrate.Overhead, dict[int, float]]:
+    """The engine's own costs: on `ranks` real replicas here (factors on the layers' seconds by micro-batch size,
+    the optimizer's update per step) when they share this machine, else in this process (seconds per layer call
+    and per step; no factors)."""
     if ranks > 1 and reduce_link is not None and batch % ranks == 0:
         per_replica = batch // ranks
-        say(f"measuring the engine's steps on {ranks} replicas here...")
+        say(f"measuring the engine's training steps on {ranks} replicas here...")
         try:
             steps = here.engine_steps(kind, params, *examples(per_replica), seed, ranks, threads,
-                                      calibrate.counts(per_replica, least))
+                                      calibrate.counts(per_replica, least), optimizer, grad_clip)
         except here.Unavailable as exc:
             say(f"{exc}; measuring in this process instead")
         else:
             reduce = allreduce_seconds([sum(layer.params for layer in figs.layers)], ranks, reduce_link)
-            return calibrate.Overhead(0.0, 0.0), calibrate.factor(len(spec.layers), costs, per_replica, steps, reduce)
+            update = statistics.fmean(u for _, u in steps.values())
+            ratios = calibrate.factors(len(spec.layers), costs, per_replica, {m: t for m, (t, _) in steps.items()},
+                                       reduce + update)
+            return calibrate.Overhead(0.0, update), ratios
     say("measuring the engine's own cost per layer call and per step (one stage, this process)...")
     counts = calibrate.counts(batch, least)
-    steps = calibrate.local_steps(spec, batch, counts, seed, threads, examples)
-    return calibrate.overhead(len(spec.layers), costs, batch, steps), 1.0
+    steps_here = calibrate.local_steps(spec, batch, counts, seed, threads, examples, optimizer, grad_clip)
+    return calibrate.overhead(len(spec.layers), costs, batch, steps_here), {}
 
 
 def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Callable[[int], tuple[int, int]],
            timing: str, threads: int, say: Callable[[str], None], tflops: float | None = None,
-           sample: Sample | None = None, siblings: int = 0, reduce_link: Link | None = None) -> Inputs:
+           sample: Sample | None = None, siblings: int = 0, reduce_link: Link | None = None,
+           optimizer: here.OptimizerOf | None = None, grad_clip: float | None = None) -> Inputs:
     """Everything the search needs of the model; `sizes(min_microbatch)` gives the micro-batch sizes it will try.
 
     `tflops`: per-layer seconds from FLOPs at this assumed effective rate per device (devices not here).
     `sample`: the recipe's own data to time on (else generated examples of full length). `siblings`: processes
     that compute beside this one while it measures, as the other ranks of this machine do in training;
     with `reduce_link` (their measured all-reduce), the engine's own costs are measured on that many replicas.
+    `optimizer` and `grad_clip`: the recipe's, run in those steps as in training.
     """
     spec = build_model(kind, **params)
     figs, flops, memory_note = figures(kind, params, spec, seed)
@@ -249,15 +256,18 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
             siblings = 0
             costs = measured_costs(spec, (lo, hi), seed, threads, examples)
         interrupts.check()
-        extra, factor = _engine_costs(kind, params, spec, costs, figs, batch, least, seed, threads, examples,
-                                      siblings + 1, reduce_link, say)
-        costs = calibrate.scaled(costs, factor)
+        extra, ratios = _engine_costs(kind, params, spec, costs, figs, batch, least, seed, threads, examples,
+                                      siblings + 1, reduce_link, optimizer, grad_clip, say)
+        costs = calibrate.scaled(costs, calibrate.by_size(ratios))
         data = sample.build_seconds if sample is not None else 0.0
         where = sample.note if real and sample is not None else "generated examples of the model's full length"
         beside = f", {siblings} other rank{'s' if siblings > 1 else ''} computing beside" if siblings else ""
         engine = (f"the engine adds {extra.action * 1e3:.2f} ms per layer call and {extra.step * 1e3:.1f} ms per "
-                  f"step (measured)" if factor == 1.0 else
-                  f"x{factor:.2f} to match the engine's steps measured on {siblings + 1} replicas here")
+                  f"step, its optimizer's update included (measured)" if not ratios else
+                  f"x{'/'.join(f'{ratios[n]:.2f}' for n in sorted(ratios))} at micro-batches of "
+                  f"{'/'.join(map(str, sorted(ratios)))} examples (interpolated between) to match the engine's steps "
+                  f"measured on {siblings + 1} replicas here, plus {extra.step * 1e3:.1f} ms per step for the "
+                  f"optimizer's update of the whole model")
         note = (f"measured on cpu ({threads} thread{plural} per rank{beside}) at micro-batches of {sizes_text} "
                 f"examples of {where}, affine in between; {engine}")
         return Inputs(costs, figs, least, note, memory_note, True, extra.action, extra.step, data)

@@ -3,6 +3,7 @@ best few (predicted), and write the winner as a recipe that `gpipe train` takes 
 
 from __future__ import annotations
 
+import functools
 import shlex
 import signal
 import sys
@@ -85,7 +86,7 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> int:
     from gpipe_cli import memory_model as mm
     from gpipe_cli.estimate.simulate import Link
     from gpipe_cli.plan import inputs, search, show
-    from gpipe_cli.recipe_model import model_spec, optimizer_name
+    from gpipe_cli.recipe_model import build_optimizer, model_spec, optimizer_name
     from gpipe_cli.sizing import usable_cores
     from gpipe_cli.units import human_bytes
 
@@ -117,7 +118,8 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> int:
     sample = _sample(recipe, say) if measuring else None
     link, reduce_link, link_note = _links(options, measuring and here_ranks > 1, here_ranks, say)
     fed = inputs.inputs(recipe.model.kind, params, recipe.seed, batch, sizes, options.timing, threads, say,
-                        options.tflops, sample, here_ranks - 1, reduce_link)
+                        options.tflops, sample, here_ranks - 1, reduce_link,
+                        functools.partial(build_optimizer, recipe=recipe), recipe.train.grad_clip)
     per_param = mm.bytes_per_parameter(optimizer_name(recipe))
     model = search.Model(fed.costs, fed.figures, per_param, batch, fed.min_microbatch, fed.action_overhead,
                          fed.step_overhead, fed.data_seconds)

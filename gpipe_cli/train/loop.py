@@ -28,7 +28,7 @@ from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_layers, stage_ranges
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
-from gpipe_cli.recipe_model import model_spec
+from gpipe_cli.recipe_model import build_optimizer, model_spec
 from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, translate
 from gpipe_cli.train.job import Job
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
@@ -90,7 +90,7 @@ class Trainer:
                              schedule=pipe_cfg.schedule, checkpoint=pipe_cfg.checkpoint, tied=self.spec.tied,
                              precision=recipe.train.precision, virtual_stages=pipe_cfg.virtual_stages)
         self.total_steps = self._total_steps()
-        self.optimizer = optim.build_optimizer(self.pipe.parameters(), recipe)
+        self.optimizer = build_optimizer(self.pipe.parameters(), recipe)
         self.scheduler = optim.build_scheduler(self.optimizer, recipe, self.steps_per_epoch, self.total_steps)
         self.lr = optim.lr_factor(recipe, self.steps_per_epoch, self.total_steps)
         self.checkpoints = Checkpointer(self.pipe, self.optimizer, self.scheduler, topo, self.plan, self.run_dir,

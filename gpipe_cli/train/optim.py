@@ -1,38 +1,14 @@
-"""Optimizers and learning-rate schedules named in recipes (the paper's settings included)."""
+"""Learning-rate schedules named in recipes (the paper's settings included)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from gpipe_cli.recipe.schema import Recipe
-
-
-def base_lr(recipe: Recipe) -> float:
-    """The peak learning rate; with `lr_per_256` it scales with the batch size, as the paper's AmoebaNet."""
-    lr = recipe.optimizer.lr
-    return lr * recipe.data.batch_size / 256 if recipe.optimizer.lr_per_256 else lr
-
-
-def build_optimizer(params: Sequence[nn.Parameter], recipe: Recipe) -> torch.optim.Optimizer | None:
-    """The recipe's optimizer over a stage's parameters (None for a stage without any)."""
-    if not params:
-        return None
-    opt, lr = recipe.optimizer, base_lr(recipe)
-    if opt.name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
-    if opt.name == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
-    if opt.name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
-    if opt.name == "rmsprop":
-        return torch.optim.RMSprop(params, lr=lr, alpha=opt.decay, eps=opt.eps, momentum=opt.momentum,
-                                   weight_decay=opt.weight_decay)
-    # The paper's AmoebaNet optimizer: RMSProp with decay 0.9 and momentum 0.9.
-    return torch.optim.RMSprop(params, lr=lr, alpha=0.9, eps=opt.eps, momentum=0.9, weight_decay=opt.weight_decay)
+from gpipe_cli.recipe_model import base_lr
 
 
 def lr_factor(recipe: Recipe, steps_per_epoch: int, total_steps: int) -> Callable[[int], float]:

@@ -4,6 +4,7 @@ import functools
 import os
 
 import pytest
+import torch
 
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.plan import calibrate, here, inputs
@@ -34,11 +35,30 @@ def test_siblings_work_while_the_body_runs_and_are_gone_after_it(tmp_path):
 def test_the_engine_steps_on_real_replicas_and_its_costs_fit_the_gap_they_leave():
     spec = build_model("transformer", **PARAMS)
     examples = inputs.generated(spec, 0)
-    steps = here.engine_steps("transformer", PARAMS, *examples(4), 0, 2, 1, [1, 2, 4])
-    assert sorted(steps) == [1, 2, 4] and all(0 < s < 60 for s in steps.values())
+    adam = functools.partial(torch.optim.Adam, lr=1e-3)
+    steps = here.engine_steps("transformer", PARAMS, *examples(4), 0, 2, 1, [1, 2, 4], adam, 1.0)
+    assert sorted(steps) == [1, 2, 4]
+    assert all(0 < update < step < 60 for step, update in steps.values())  # the update is timed within the step
     costs = inputs.measured_costs(spec, (1, 4), 0, 1, examples)
-    extra = calibrate.overhead(len(spec.layers), costs, 4, steps)
+    extra = calibrate.overhead(len(spec.layers), costs, 4, {m: step for m, (step, _) in steps.items()})
     assert extra.action >= 0 and extra.step >= 0
+
+
+def test_the_measured_steps_run_and_time_the_optimizer_update_as_training_does():
+    from gpipe_cli.estimate.measure import build_pipeline, measure_engine
+    from gpipe_cli.pipeline import topology
+    spec = build_model("transformer", **PARAMS)
+    inputs_, targets = inputs.generated(spec, 0)(4)
+    pipe = build_pipeline(spec, topology.local("cpu"), [len(spec.layers)], "gpipe", "never", 0)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    plain = measure_engine(pipe, inputs_, targets, 4, 2, 2, 0)
+    assert plain is not None and plain.optimizer_times == [0.0, 0.0]
+    assert all(torch.equal(a, b) for a, b in zip(before, pipe.parameters()))
+    adam = torch.optim.Adam(pipe.parameters(), lr=1e-3)
+    trained = measure_engine(pipe, inputs_, targets, 4, 2, 2, 0, update=adam.step, max_grad_norm=1.0)
+    assert trained is not None and all(0 < u < t for u, t in zip(trained.optimizer_times, trained.step_times))
+    assert not all(torch.equal(a, b) for a, b in zip(before, pipe.parameters()))  # the update really ran
+    pipe.close()
 
 
 def test_the_fit_recovers_the_per_call_and_per_step_costs_it_is_given():
@@ -53,18 +73,27 @@ def test_the_fit_recovers_the_per_call_and_per_step_costs_it_is_given():
     assert extra.action == pytest.approx(per_call, rel=1e-6) and extra.step == pytest.approx(per_step, rel=1e-6)
 
 
-def test_the_factor_scales_the_layers_to_the_measured_steps():
+def test_the_factors_scale_the_layers_to_the_steps_measured_at_each_micro_batch_size():
     spec = build_model("transformer", **PARAMS)
     costs = inputs.measured_costs(spec, (1, 8), 0, 1, inputs.generated(spec, 0))
     from gpipe_cli.estimate import simulate
-    layers, known = len(spec.layers), 1e-3
-    measured = {m: 1.5 * simulate.simulate_step(costs(8 // m), [layers], 8, m, "gpipe", "never",
-                                                simulate.Link(1e30, 0.0)).step_time + known for m in (1, 2, 8)}
-    factor = calibrate.factor(layers, costs, 8, measured, known)
-    assert factor == pytest.approx(1.5)
-    slower = calibrate.scaled(costs, factor)(4)
-    assert slower.layers[0].backward == pytest.approx(1.5 * costs(4).layers[0].backward)
-    assert slower.layers[0].output_bytes == costs(4).layers[0].output_bytes
+    layers, known, given = len(spec.layers), 1e-3, {1: 1.5, 2: 1.2, 8: 2.0}  # micro-batch count -> ratio
+
+    def simulated(m: int) -> float:
+        return simulate.simulate_step(costs(8 // m), [layers], 8, m, "gpipe", "never",
+                                      simulate.Link(1e30, 0.0)).step_time
+    ratios = calibrate.factors(layers, costs, 8, {m: r * simulated(m) + known for m, r in given.items()}, known)
+    assert ratios == pytest.approx({8: 1.5, 4: 1.2, 1: 2.0})  # keyed by examples per micro-batch
+    by = calibrate.by_size(ratios)
+    assert by(4) == pytest.approx(1.2) and by(16) == pytest.approx(1.5) and by(1) == pytest.approx(2.0)
+    assert by(2) == pytest.approx(1.6)  # halfway between sizes 1 and 4 in log(size)
+    slower = calibrate.scaled(costs, by)
+    assert slower(4).layers[0].backward == pytest.approx(1.2 * costs(4).layers[0].backward)
+    assert slower(4).layers[0].output_bytes == costs(4).layers[0].output_bytes
+    # A single-stage configuration at a measured size is predicted as it was measured.
+    assert simulate.simulate_step(slower(4), [layers], 8, 2, "gpipe", "never", simulate.Link(1e30, 0.0)
+                                  ).step_time + known == pytest.approx(1.2 * simulated(2) + known)
+    assert calibrate.by_size({})(7) == 1.0
 
 
 def test_a_rank_that_fails_is_one_line_not_a_traceback(capfd):

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from gpipe_cli.recipe.load import validate
-from gpipe_cli.train.optim import base_lr, build_optimizer, build_scheduler, lr_factor
+from gpipe_cli.recipe_model import base_lr, build_optimizer
+from gpipe_cli.train.optim import build_scheduler, lr_factor
 
 
 def recipe(**sections):
