@@ -251,6 +251,24 @@ def footprints(figures: ModelFigures, balance: Sequence[int], batch_size: int, m
                               bytes_per_param) for s in range(stages)]
 
 
+def stage_needs(figures: ModelFigures, balance: Sequence[int], batch_size: int, microbatches: int, schedule: str,
+                checkpoint: str, bytes_per_param: float, virtual: int,
+                known: dict[tuple[int, tuple[int, ...]], float]) -> list[float]:
+    """Every stage's bytes under `balance`, as `footprints`; `known` remembers stages by their chunks, so a
+    search that moves one cut prices only the stages it changed."""
+    ranges = partition.stage_ranges(balance)
+    stages = len(balance) // virtual
+    out = []
+    for s in range(stages):
+        chunks = ranges[s::stages]
+        key = (s, tuple(b for r in chunks for b in (r.start, r.stop)))
+        if key not in known:
+            known[key] = chunked_footprint(figures, chunks, s, stages, batch_size, microbatches, schedule,
+                                           checkpoint, bytes_per_param).total_bytes
+        out.append(known[key])
+    return out
+
+
 def greedy_fit(figures: ModelFigures, stages: int, budget: float, batch_size: int, microbatches: int,
                schedule: str, checkpoint: str, bytes_per_param: float) -> list[Footprint] | None:
     """Cut the layers into at most `stages` stages, each as long as it fits `budget`; None if they do not fit.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 
 class PartitionError(ValueError):
@@ -120,6 +120,80 @@ def balance_within(costs: Sequence[float], partitions: int, fits: Callable[[int,
     found = min_max_split(len(costs), partitions,
                           lambda stage, i, j: prefix[j] - prefix[i] if fits(stage, i, j) else float("inf"))
     return None if found is None else found[1]
+
+
+TRIALS = 20_000  # cuts one search may price: a bound on its time for deep models and many chunks
+
+
+def _moves(chunks: int) -> Iterator[list[tuple[int, int]]]:
+    """Every move of one cut by one layer; then (tried only where none of those helps) of a run of cuts."""
+    for first in range(chunks - 1):
+        for step in (-1, 1):
+            yield [(first, step)]
+    for first in range(chunks - 1):
+        for last in range(first + 1, chunks - 1):
+            for step in (-1, 1):
+                yield [(cut, step) for cut in range(first, last + 1)]
+
+
+def descend(balance: Sequence[int], key: Callable[[list[int]], tuple[float, ...]]) -> list[int]:
+    """From `balance`, take the move that lowers `key` most, until none does (or `TRIALS` cuts were priced).
+
+    A move shifts one cut by one layer; a run of cuts at once only where no single move helps. A run
+    slides the chunks between its ends by a layer, which moves memory between stages holding
+    interleaved chunks far apart where any one cut would overfill a neighbour.
+    """
+    current, best, trials = list(balance), key(list(balance)), 0
+    while trials < TRIALS:
+        found: tuple[tuple[float, ...], list[int]] | None = None
+        for move in _moves(len(current)):
+            if len(move) > 1 and found is not None:
+                break  # a single move helps: no need for runs
+            trial = current[:]
+            for cut, step in move:  # the cut after chunk `cut` moves one layer left or right
+                trial[cut] += step
+                trial[cut + 1] -= step
+            if min(trial) < 1:
+                continue
+            trials += 1
+            value = key(trial)
+            if value < (found[0] if found is not None else best):
+                found = (value, trial)
+        if found is None:
+            return current
+        best, current = found
+    return current
+
+
+def interleaved_within(costs: Sequence[float], chunks: int, needs: Callable[[list[int]], Sequence[float]],
+                       budget: float) -> list[int] | None:
+    """A cut of K x V chunks whose every stage fits `budget`, as fast as found: None when none is found.
+
+    A stage holds V chunks far apart, so its memory is no function of one run of layers and the exact
+    split of `balance_within` does not apply. The min-max cut when it fits; else from it, single-layer
+    moves lower first the excess over the budget, then the slowest chunk, then the fullest stage
+    (`needs(balance)`: every stage's bytes); failing that, the same from `least_memory`'s cut. A local
+    search: it can miss a cut that fits, never returns one that does not.
+    """
+    prefix = [0.0, *itertools.accumulate(float(c) for c in costs)]
+
+    def key(balance: list[int]) -> tuple[float, float, float]:
+        peak = max(needs(balance))
+        slowest = max(prefix[b] - prefix[a] for a, b in itertools.pairwise(itertools.accumulate([0, *balance])))
+        return max(peak - budget, 0.0), slowest, peak
+
+    start = balance_by_cost(costs, chunks)
+    if max(needs(start)) <= budget:
+        return start
+    found = descend(start, key)
+    if max(needs(found)) > budget:  # then from the least memory found (as `gpipe plan` names it when none fits)
+        found = descend(least_memory(start, needs), key)
+    return found if max(needs(found)) <= budget else None
+
+
+def least_memory(balance: Sequence[int], needs: Callable[[list[int]], Sequence[float]]) -> list[int]:
+    """From `balance`, the single-layer moves that lower the fullest stage's `needs` while they do."""
+    return descend(balance, lambda b: (max(needs(b)),))
 
 
 def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:

@@ -6,7 +6,8 @@ device, links). For every configuration that uses all N devices (K stages x D = 
 
     balance     the min-max cut of per-layer time (forward, backward and the recompute the remat mode
                 implies) among the cuts whose every stage fits the device (`partition.balance_within`);
-                interleaved (K x V chunks): the min-max cut of the chunks, then checked for memory
+                interleaved (K x V chunks): the min-max cut of the chunks, or when a stage does not fit,
+                the fastest fitting cut a local search finds (`partition.interleaved_within`)
     time        the engine's own action lists run by the simulator (`estimate.simulate.simulate_step`),
                 each compute action its layers' seconds plus the engine's own cost per layer call, each
                 message `latency + bytes / bandwidth` on the link it crosses; then the gradient
@@ -178,6 +179,12 @@ def _memory(model: Model, config: Config, balance: list[int], per_replica: int) 
                                                    config.virtual)]
 
 
+def _needs(model: Model, config: Config, per_replica: int) -> Callable[[list[int]], list[float]]:
+    known: dict[tuple[int, tuple[int, ...]], float] = {}
+    return lambda balance: mm.stage_needs(model.figures, balance, per_replica, config.microbatches, config.schedule,
+                                          config.checkpoint, model.bytes_per_param, config.virtual, known)
+
+
 def spans_nodes(hw: Hardware, partitions: int) -> bool:
     """Whether some pipeline has neighbouring stages on different nodes (rank = replica x K + stage)."""
     return any((r * partitions + s) // hw.per_node != (r * partitions + s + 1) // hw.per_node
@@ -203,8 +210,11 @@ def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | No
     balance = list(cut) if cut is not None else partition.balance_by_cost(weights, chunks)
     memory = _memory(model, config, balance, per_replica)
     fits = max(memory) <= hw.memory
-    if not fits and config.virtual == 1 and cut is None:
-        within = partition.balance_within(weights, chunks, _stage_fits(model, config, per_replica, hw.memory))
+    if not fits and cut is None:
+        if config.virtual == 1:
+            within = partition.balance_within(weights, chunks, _stage_fits(model, config, per_replica, hw.memory))
+        else:
+            within = partition.interleaved_within(weights, chunks, _needs(model, config, per_replica), hw.memory)
         if within is not None:
             balance, memory, fits = within, _memory(model, config, within, per_replica), True
     link = hw.node_link if spans_nodes(hw, config.partitions) else hw.link
@@ -234,11 +244,12 @@ def _rank_key(outcome: Outcome) -> tuple[float, float, int, int, int]:
 
 def min_max_memory(model: Model, config: Config) -> tuple[float, list[int]]:
     """The least memory the fullest stage can need under `config` (exact for V=1: a min-max cut of stage
-    memory; interleaved: the min-max-time cut's)."""
+    memory; interleaved: the least `partition.least_memory` finds from the min-max-time cut)."""
     per_replica = model.batch // config.replicas
     if config.virtual > 1:
         weights = model.costs(per_replica // config.microbatches).balance_costs(config.checkpoint)
         balance = partition.balance_by_cost(weights, config.partitions * config.virtual)
+        balance = partition.least_memory(balance, _needs(model, config, per_replica))
         return max(_memory(model, config, balance, per_replica)), balance
     n, k_total = model.layers, config.partitions
 

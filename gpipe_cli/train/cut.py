@@ -8,7 +8,6 @@ cut reaches, so the user sees how far the machine is from enough.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +30,7 @@ class StageMemory:
     capacity: float   # what one rank may use
     capacity_note: str = ""  # e.g. "22.1 GiB of available RAM shared by 4 ranks"
     _known: dict[tuple[int, int, int], float] = field(default_factory=dict, repr=False)
+    _chunked: dict[tuple[int, tuple[int, ...]], float] = field(default_factory=dict, repr=False)
 
     def need(self, stage: int, start: int, stop: int) -> float:
         """Bytes the stage needs at its peak (weights, gradients, optimizer state and activations)."""
@@ -45,46 +45,62 @@ class StageMemory:
         """Whether the stage fits its rank's memory."""
         return self.need(stage, start, stop) <= self.capacity
 
-    def smallest_peak(self) -> tuple[float, list[int], int]:
-        """The smallest largest-stage need over every cut, a cut reaching it, and its largest stage."""
-        found = partition.min_max_split(len(self.figures.layers), self.stages, self.need)
-        assert found is not None  # every stage has a finite need
-        peak, balance = found
-        bounds = [0, *itertools.accumulate(balance)]
-        needs = [self.need(s, bounds[s], bounds[s + 1]) for s in range(self.stages)]
-        return peak, balance, needs.index(max(needs))
+    def needs(self, balance: Sequence[int]) -> list[float]:
+        """Every stage's bytes under `balance` (K x V chunks when interleaved, chunk c on stage c mod K)."""
+        return mm.stage_needs(self.figures, balance, self.batch_size, self.microbatches, self.schedule,
+                              self.checkpoint, self.bytes_per_param, len(balance) // self.stages, self._chunked)
+
+    def smallest_peak(self, costs: Sequence[float] = (), virtual: int = 1) -> tuple[float, list[int], int]:
+        """The smallest largest-stage need over every cut (interleaved: the least a search from the min-max
+        cut of `costs` finds), a cut reaching it, and its largest stage."""
+        if virtual > 1:
+            assert costs, "an interleaved search starts from the min-max cut of the layers' costs"
+            balance = partition.least_memory(partition.balance_by_cost(costs, self.stages * virtual), self.needs)
+        else:
+            found = partition.min_max_split(len(self.figures.layers), self.stages, self.need)
+            assert found is not None  # every stage has a finite need
+            balance = found[1]
+        needs = self.needs(balance)
+        return max(needs), balance, needs.index(max(needs))
 
 
-def within_memory(costs: Sequence[float], memory: StageMemory) -> tuple[list[int], bool]:
-    """The min-max cut of `costs` whose every stage fits, and whether memory moved it off the unconstrained one.
+def within_memory(costs: Sequence[float], memory: StageMemory, virtual: int = 1) -> tuple[list[int], bool]:
+    """The min-max cut of `costs` (K x `virtual` chunks) whose every stage fits, and whether memory moved it
+    off the unconstrained one (interleaved: the fastest fitting cut `partition.interleaved_within` finds).
 
     Raises NoCutFits when no cut fits.
     """
-    free = partition.balance_by_cost(costs, memory.stages)
-    ranges = partition.stage_ranges(free)
-    if all(memory.fits(s, r.start, r.stop) for s, r in enumerate(ranges)):
+    chunks = memory.stages * virtual
+    free = partition.balance_by_cost(costs, chunks)
+    if max(memory.needs(free)) <= memory.capacity:
         return free, False
-    found = partition.balance_within(costs, memory.stages, memory.fits)
+    if virtual > 1:
+        found = partition.interleaved_within(costs, chunks, memory.needs, memory.capacity)
+    else:
+        found = partition.balance_within(costs, memory.stages, memory.fits)
     if found is None:
-        raise NoCutFits(memory)
+        raise NoCutFits(memory, costs, virtual)
     return found, True
 
 
 class NoCutFits(Exception):
     """No contiguous cut of the model fits the memory each rank has."""
 
-    def __init__(self, memory: StageMemory) -> None:
-        self.memory = memory
+    def __init__(self, memory: StageMemory, costs: Sequence[float], virtual: int = 1) -> None:
+        self.memory, self.costs, self.virtual = memory, list(costs), virtual
         super().__init__(self.line())
 
     def line(self) -> str:
         """The refusal, with the numbers and what to change."""
         m = self.memory
-        peak, balance, stage = m.smallest_peak()
+        peak, balance, stage = m.smallest_peak(self.costs, self.virtual)
         change = "raise pipeline.microbatches or pipeline.partitions"
         change += "" if m.checkpoint == "always" else ", or set pipeline.checkpoint: always"
         where = f" ({m.capacity_note})" if m.capacity_note else ""
+        what = f"{m.stages} stages" if self.virtual == 1 else \
+            f"{m.stages} x {self.virtual} chunks (interleaved)"
+        reach = "any cut reaches" if self.virtual == 1 else "the search found"
         return (f"the plan does not fit this machine: no cut of the {len(m.figures.layers)} layers into "
-                f"{m.stages} stages fits; the smallest per-stage peak any cut reaches is {human_bytes(peak)} "
+                f"{what} fits; the smallest per-stage peak {reach} is {human_bytes(peak)} "
                 f"(balance {balance}: stage {stage} needs {human_bytes(peak)}), and each rank has "
                 f"{human_bytes(m.capacity)}{where}. Lower data.batch_size, {change}")

@@ -147,12 +147,10 @@ def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float]
             by = measured_by or f"estimated FLOPs ({later})"
             if not any(flops):  # no FLOP estimate for this model: the estimate is its parameters
                 by = by.replace("estimated FLOPs", "parameters (no FLOP estimate)", 1)
-        # Interleaved stages hold V chunks each, so a stage's memory is not that of one contiguous run
-        # of layers: there the min-max over the K x V chunks stands, and the plan checks fit afterwards.
-        if balance != "auto" or memory is None or recipe.pipeline.virtual_stages > 1:
+        if balance != "auto" or memory is None:
             return partition.balance_by_cost(costs, k), by, ""
         try:
-            chosen, moved = cut.within_memory(costs, memory)
+            chosen, moved = cut.within_memory(costs, memory, recipe.pipeline.virtual_stages)
         except cut.NoCutFits as exc:  # shown as the fastest cut; `gpipe train` refuses with this line
             return partition.balance_by_cost(costs, k), f"{by}; no cut fits memory", exc.line()
         return chosen, (f"{by}, the fastest cut that fits memory" if moved else by), ""

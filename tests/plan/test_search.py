@@ -64,12 +64,15 @@ def brute_force(model: search.Model, hw: search.Hardware) -> tuple[float, search
                         fitting.append((max(partition.stage_costs(weights, balance)), balance, need))
                 if not fitting:
                     continue
+                if v > 1:  # the min-max-time cut when it fits, else the fastest cut that fits
+                    free = partition.balance_by_cost(weights, chunks)
+                    fitting = [f for f in fitting if f[1] == free and f[2] <= hw.memory] or \
+                        [f for f in fitting if f[2] <= hw.memory]
+                    if not fitting:
+                        continue
                 top = min(f[0] for f in fitting)
                 # Among cuts of equal largest stage cost, the search keeps the one balance_* picks.
                 balance = min((f for f in fitting if math.isclose(f[0], top)), key=lambda f: f[1][::-1])[1]
-                if v > 1 and max(fp.total_bytes for fp in mm.footprints(
-                        model.figures, balance, per_replica, m, name, mode, model.bytes_per_param, v)) > hw.memory:
-                    continue
                 predicted = simulate.simulate_step(costs, balance, per_replica, m, name, mode,
                                                    hw.node_link if search.spans_nodes(hw, k) else hw.link, 1.0, v,
                                                    model.action_overhead)
@@ -141,3 +144,18 @@ def test_a_pipeline_across_nodes_is_charged_the_node_link():
     config = search.Config(4, 1, 4, "gpipe", 1, "never")
     assert not search.spans_nodes(one, 4) and search.spans_nodes(four, 4)
     assert search.evaluate(model, four, config).step_time > search.evaluate(model, one, config).step_time
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_interleaved_plan_is_cut_to_fit_when_its_fastest_cut_does_not(seed):
+    model = synthetic(8, seed)
+    config = search.Config(2, 1, 4, "interleaved", 2, "never")
+    roomy = search.evaluate(model, search.Hardware(2, math.inf, FAST, FAST), config)
+    needs = search._needs(model, config, 8)
+    # What `gpipe plan` names as the least memory when nothing fits; any budget from there up finds a cut.
+    leanest = max(needs(partition.least_memory(roomy.balance, needs)))
+    assert leanest < roomy.peak  # the fastest cut is not the leanest
+    budget = (leanest + roomy.peak) / 2
+    tight = search.evaluate(model, search.Hardware(2, budget, FAST, FAST), config)
+    assert tight.fits and tight.peak <= budget and tight.balance != roomy.balance
+    assert tight.samples_per_s <= roomy.samples_per_s * (1 + 1e-9)  # fitting costs speed, never gains it

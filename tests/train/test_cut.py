@@ -20,8 +20,8 @@ def figures(layers: int, seed: int) -> mm.ModelFigures:
     return mm.ModelFigures(mm.Affine(0, 1_000), rows)
 
 
-def memory(figs: mm.ModelFigures, stages: int, capacity: float) -> cut.StageMemory:
-    return cut.StageMemory(figs, stages, 8, 4, "gpipe", "never", 16.0, capacity, "test machine")
+def memory(figs: mm.ModelFigures, stages: int, capacity: float, schedule: str = "gpipe") -> cut.StageMemory:
+    return cut.StageMemory(figs, stages, 8, 4, schedule, "never", 16.0, capacity, "test machine")
 
 
 def cuts(layers: int, stages: int):
@@ -70,10 +70,37 @@ def test_no_cut_fits_refuses_with_the_smallest_peak_and_what_a_rank_has(seed):
     with pytest.raises(cut.NoCutFits) as caught:
         cut.within_memory([1.0] * 6, m)
     line = str(caught.value)
-    peak, balance, stage = m.smallest_peak()
+    peak, balance, stage = m.smallest_peak([1.0] * 6)
     assert peak == pytest.approx(leanest) and max(needs(m, balance)) == pytest.approx(leanest)
     assert needs(m, balance)[stage] == max(needs(m, balance))
     assert "\n" not in line and "no cut of the 6 layers into 3 stages fits" in line
     assert f"smallest per-stage peak any cut reaches is {human_bytes(leanest)}" in line
     assert f"each rank has {human_bytes(leanest * 0.9)} (test machine)" in line
     assert "pipeline.checkpoint: always" in line and "data.batch_size" in line
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_interleaved_stages_are_cut_to_fit_when_the_fastest_cut_does_not(seed):
+    rng = random.Random(seed)
+    figs, stages, virtual = figures(8, seed), 2, 2
+    costs = [rng.uniform(0.1, 3.0) for _ in range(8)]
+    roomy = memory(figs, stages, float("inf"), "interleaved")
+    free = partition.balance_by_cost(costs, stages * virtual)
+    leanest = min(max(roomy.needs(b)) for b in cuts(8, stages * virtual))
+    assert leanest < max(roomy.needs(free))  # these made-up models leave room to move
+    capacity = (leanest + max(roomy.needs(free))) / 2
+    m = memory(figs, stages, capacity, "interleaved")
+    chosen, moved = cut.within_memory(costs, m, virtual)
+    assert moved and len(chosen) == stages * virtual and max(m.needs(chosen)) <= capacity
+    assert max(partition.stage_costs(costs, chosen)) >= max(partition.stage_costs(costs, free))
+
+
+def test_no_interleaved_cut_fits_says_so_in_one_line():
+    figs = figures(8, 0)
+    m = memory(figs, 2, 1.0, "interleaved")
+    with pytest.raises(cut.NoCutFits) as caught:
+        cut.within_memory([1.0] * 8, m, 2)
+    line = str(caught.value)
+    peak, balance, _ = m.smallest_peak([1.0] * 8, 2)
+    assert "\n" not in line and "into 2 x 2 chunks (interleaved) fits" in line and len(balance) == 4
+    assert f"the smallest per-stage peak the search found is {human_bytes(peak)}" in line
