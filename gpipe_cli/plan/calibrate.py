@@ -53,13 +53,13 @@ def counts(per_replica: int, least: int) -> list[int]:
 
 def local_steps(spec: ModelSpec, batch: int, microbatches: list[int], seed: int, threads: int,
                 examples: Examples, optimizer: OptimizerOf | None = None,
-                grad_clip: float | None = None) -> dict[int, float]:
+                grad_clip: float | None = None, device: str = "cpu") -> dict[int, float]:
     """Seconds of one training step (`optimizer`'s update included) of the whole model as one stage in this
-    process, at each micro-batch count."""
+    process on `device`, at each micro-batch count."""
     inputs, targets = examples(batch)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    pipe = build_pipeline(spec, topology.local("cpu"), [len(spec.layers)], "gpipe", "never", seed)
+    pipe = build_pipeline(spec, topology.local(device), [len(spec.layers)], "gpipe", "never", seed)
     update = optimizer(pipe.parameters()) if optimizer is not None else None
     try:
         found = {}

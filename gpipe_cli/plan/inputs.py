@@ -151,15 +151,16 @@ def measure_seconds(flops: list[float], sizes: tuple[int, int], machine: sizing.
 
 
 def measured_costs(spec: ModelSpec, sizes: tuple[int, int], seed: int, threads: int,
-                   examples: Examples) -> Callable[[int], CostProfile]:
-    """Per-layer seconds measured here at two micro-batch sizes, with `threads` intra-op threads."""
+                   examples: Examples, device: str = "cpu") -> Callable[[int], CostProfile]:
+    """Per-layer seconds measured here on `device` at two micro-batch sizes, with `threads` intra-op threads."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         profiles = []
         for size in sorted(set(sizes)):
             inputs, targets = examples(size)
-            profiles.append(_timing(layer_costs.profile(spec, inputs, targets, seed, REPEATS), size))
+            profiles.append(_timing(layer_costs.profile(spec, inputs, targets.to(device), seed, REPEATS, device),
+                                    size))
             interrupts.check()
     finally:
         torch.set_num_threads(previous)
@@ -188,7 +189,7 @@ def sibling_work(kind: str, params: dict[str, Any], inputs: Any, targets: torch.
 def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Callable[[int], CostProfile],
                   figs: ModelFigures, batch: int, least: int, seed: int, threads: int, examples: Examples,
                   ranks: int, reduce_link: Link | None, optimizer: here.OptimizerOf | None, grad_clip: float | None,
-                  say: Callable[[str], None]) -> tuple[calibrate.Overhead, dict[int, float]]:
+                  device: str, say: Callable[[str], None]) -> tuple[calibrate.Overhead, dict[int, float]]:
     """The engine's own costs: on `ranks` real replicas here (factors on the layers' seconds by micro-batch size,
     the optimizer's update per step) when they share this machine, else in this process (seconds per layer call
     and per step; no factors)."""
@@ -208,21 +209,22 @@ def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Cal
             return calibrate.Overhead(0.0, update), ratios
     say("measuring the engine's own cost per layer call and per step (one stage, this process)...")
     counts = calibrate.counts(batch, least)
-    steps_here = calibrate.local_steps(spec, batch, counts, seed, threads, examples, optimizer, grad_clip)
+    steps_here = calibrate.local_steps(spec, batch, counts, seed, threads, examples, optimizer, grad_clip, device)
     return calibrate.overhead(len(spec.layers), costs, batch, steps_here), {}
 
 
 def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Callable[[int], tuple[int, int]],
            timing: str, threads: int, say: Callable[[str], None], tflops: float | None = None,
            sample: Sample | None = None, siblings: int = 0, reduce_link: Link | None = None,
-           optimizer: here.OptimizerOf | None = None, grad_clip: float | None = None) -> Inputs:
+           optimizer: here.OptimizerOf | None = None, grad_clip: float | None = None, device: str = "cpu") -> Inputs:
     """Everything the search needs of the model; `sizes(min_microbatch)` gives the micro-batch sizes it will try.
 
     `tflops`: per-layer seconds from FLOPs at this assumed effective rate per device (devices not here).
     `sample`: the recipe's own data to time on (else generated examples of full length). `siblings`: processes
     that compute beside this one while it measures, as the other ranks of this machine do in training;
     with `reduce_link` (their measured all-reduce), the engine's own costs are measured on that many replicas.
-    `optimizer` and `grad_clip`: the recipe's, run in those steps as in training.
+    `optimizer` and `grad_clip`: the recipe's, run in those steps as in training. `device`: where the layers
+    and the engine are timed (on a GPU: one, alone; no ranks beside it).
     """
     spec = build_model(kind, **params)
     figs, flops, memory_note = figures(kind, params, spec, seed)
@@ -244,20 +246,22 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
         plural = "s" if threads > 1 else ""
         sizes_text = f"{lo}{f' and {hi}' if hi != lo else ''}"
         say(f"measuring per-layer seconds of {len(spec.layers)} layers at micro-batches of {sizes_text} examples "
-            f"({threads} thread{plural})...")
+            f"({f'{threads} thread{plural}' if device == 'cpu' else f'on {device}'})...")
         real = sample is not None and sample.examples >= max(hi, batch)
         examples = sample.take if real and sample is not None else generated(spec, seed)
         work = functools.partial(sibling_work, kind, params, *examples(hi), seed)
+        if device != "cpu":
+            siblings = 0
         try:
             with here.loaded(work, siblings, threads):
-                costs = measured_costs(spec, (lo, hi), seed, threads, examples)
+                costs = measured_costs(spec, (lo, hi), seed, threads, examples, device)
         except here.Unavailable as exc:
             say(f"{exc}; measuring alone")
             siblings = 0
-            costs = measured_costs(spec, (lo, hi), seed, threads, examples)
+            costs = measured_costs(spec, (lo, hi), seed, threads, examples, device)
         interrupts.check()
         extra, ratios = _engine_costs(kind, params, spec, costs, figs, batch, least, seed, threads, examples,
-                                      siblings + 1, reduce_link, optimizer, grad_clip, say)
+                                      siblings + 1, reduce_link, optimizer, grad_clip, device, say)
         costs = calibrate.scaled(costs, calibrate.by_size(ratios))
         data = sample.build_seconds if sample is not None else 0.0
         where = sample.note if real and sample is not None else "generated examples of the model's full length"
@@ -268,7 +272,9 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
                   f"{'/'.join(map(str, sorted(ratios)))} examples (interpolated between) to match the engine's steps "
                   f"measured on {siblings + 1} replicas here, plus {extra.step * 1e3:.1f} ms per step for the "
                   f"optimizer's update of the whole model")
-        note = (f"measured on cpu ({threads} thread{plural} per rank{beside}) at micro-batches of {sizes_text} "
+        on = f"cpu ({threads} thread{plural} per rank{beside})" if device == "cpu" else \
+            f"{device} ({torch.cuda.get_device_name()}, one GPU)"
+        note = (f"measured on {on} at micro-batches of {sizes_text} "
                 f"examples of {where}, affine in between; {engine}")
         return Inputs(costs, figs, least, note, memory_note, True, extra.action, extra.step, data)
     rate, per_call = machine_rate(machine)

@@ -81,6 +81,7 @@ def run(options: PlanOptions) -> int:
 
 def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> int:
     # torch from here on: the arguments and the recipe are valid
+    import torch
     from rich.console import Console
 
     from gpipe_cli import memory_model as mm
@@ -113,13 +114,15 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> int:
     def say(line: str) -> None:
         console.print(f"[dim]{line}[/]", highlight=False)
 
-    here_ranks = min(per_node, max(usable_cores(), 1))  # ranks of one node that compute at once here
+    device = "cuda" if recipe.train.device != "cpu" and torch.cuda.is_available() else "cpu"  # as training picks
+    # Ranks of one node that compute at once on this machine's cores; GPUs do not share them.
+    here_ranks = min(per_node, max(usable_cores(), 1)) if device == "cpu" else 1
     measuring = options.tflops is None and options.timing != "estimate"
     sample = _sample(recipe, say) if measuring else None
     link, reduce_link, link_note = _links(options, measuring and here_ranks > 1, here_ranks, say)
     fed = inputs.inputs(recipe.model.kind, params, recipe.seed, batch, sizes, options.timing, threads, say,
                         options.tflops, sample, here_ranks - 1, reduce_link,
-                        functools.partial(build_optimizer, recipe=recipe), recipe.train.grad_clip)
+                        functools.partial(build_optimizer, recipe=recipe), recipe.train.grad_clip, device)
     per_param = mm.bytes_per_parameter(optimizer_name(recipe))
     model = search.Model(fed.costs, fed.figures, per_param, batch, fed.min_microbatch, fed.action_overhead,
                          fed.step_overhead, fed.data_seconds)

@@ -5,6 +5,7 @@
     checkpoints written on one device, resumed on the other      against the uninterrupted run
     gpipe bench: CUDA allocator peaks per stage                  against the activation accounting
     gpipe profile-memory --device cuda                           against the CPU's exact accounting
+    gpipe plan: layers and engine steps timed on the GPU           a plan whose pick trains as written
 
 NCCL between two GPUs is the one path a single GPU cannot run (see the README).
 """
@@ -88,3 +89,13 @@ def test_profile_memory_on_cuda_matches_the_cpu_accounting(tmp_path: Path) -> No
     cuda = runs.profile_memory(tmp_path, "cuda", *args)
     cpu = runs.profile_memory(tmp_path, "cpu", *args)
     runs.check_profile(cuda, cpu, "cuda")
+
+
+def test_plan_times_the_layers_and_the_engine_on_the_gpu(tmp_path: Path) -> None:
+    planned = tmp_path / "planned.yaml"
+    proc = runs.gpipe("plan", "--devices", "2", "--plain", "--output", str(planned))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "per-layer seconds: measured on cuda (" in proc.stdout and "one GPU" in proc.stdout, proc.stdout
+    assert "the engine adds" in proc.stdout and "(assumed)" in proc.stdout  # in-process calibration, links assumed
+    run = runs.gpipe("train", str(planned), "--set", "train.steps=3", "--output-dir", str(tmp_path / "run"), "--plain")
+    assert run.returncode == 0, run.stderr[-4000:]
