@@ -20,6 +20,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from multiprocessing.synchronize import Event
 from typing import Any
 
@@ -191,13 +192,19 @@ def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict
         spec = build_model(kind, **params)
         pipe = build_pipeline(spec, topo, [len(spec.layers)], "gpipe", "never", seed)
         update = optimizer(pipe.parameters()) if optimizer is not None else None
-        found = {}
-        for m in counts:
+        found = Steps({}, 0.0)
+        # The first count again at the end: how far this machine's own speed moved while measuring.
+        for index, m in enumerate([*counts, *counts[:1]]):
             figures = measure_engine(pipe, inputs, targets, int(targets.shape[0]), m, STEPS, 1,
                                      update=update.step if update is not None else None, max_grad_norm=grad_clip)
-            if figures is not None:
-                # Means, as training averages: waits and stalls included.
-                found[m] = (statistics.fmean(figures.step_times), statistics.fmean(figures.optimizer_times))
+            if figures is None:
+                continue
+            # Means, as training averages: waits and stalls included.
+            step, update_s = statistics.fmean(figures.step_times), statistics.fmean(figures.optimizer_times)
+            if index < len(counts):
+                found.per_count[m] = (step, update_s)
+            else:
+                found.drift = step / found.per_count[m][0] - 1.0
         pipe.close()
         if rank == 0:
             out.put(found)
@@ -208,12 +215,20 @@ def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict
 STEPS = 10  # measured engine steps per micro-batch count (after one warm-up)
 
 
+@dataclass
+class Steps:
+    """The engine's measured training steps: (step, update) seconds per micro-batch count, and the drift."""
+
+    per_count: dict[int, tuple[float, float]]
+    drift: float  # the first count's step measured again last, relative to the first time (0.1: 10% slower)
+
+
 def engine_steps(kind: str, params: dict[str, Any], inputs: Any, targets: torch.Tensor, seed: int, ranks: int,
                  threads: int, counts: list[int], optimizer: OptimizerOf | None = None,
-                 grad_clip: float | None = None) -> dict[int, tuple[float, float]]:
+                 grad_clip: float | None = None) -> Steps:
     """Seconds of one training step of the whole model as one stage on each of `ranks` replicas here (data
     parallel, gradients all-reduced, `optimizer`'s update), each replica given `inputs`, at each micro-batch
-    count, and of its update alone."""
+    count, and of its update alone; and how much the first count's step moved by the end."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="gpipe-engine-") as tmp:
@@ -221,7 +236,7 @@ def engine_steps(kind: str, params: dict[str, Any], inputs: Any, targets: torch.
         procs = _start(_reported, lambda i: (_engine_rank, out, i, ranks, store, kind, params, inputs, targets,
                                              seed, threads, counts, optimizer, grad_clip), ranks)
         try:
-            found: dict[int, tuple[float, float]] = _result(out, f"running the engine on {ranks} replicas")
+            found: Steps = _result(out, f"running the engine on {ranks} replicas")
         finally:
             _stop(procs)
     return found

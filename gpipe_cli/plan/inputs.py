@@ -60,6 +60,7 @@ class Inputs:
     action_overhead: float = 0.0  # the engine's seconds per layer of a compute action (measured with the costs)
     step_overhead: float = 0.0    # the engine's seconds per step of the whole model on one stage
     data_seconds: float = 0.0     # building one global mini-batch (shared by the replicas)
+    drift: float | None = None    # how much one engine step moved from the start to the end of measuring
 
 
 def _probe_params(kind: str, params: dict[str, Any]) -> dict[str, Any] | None:
@@ -189,10 +190,10 @@ def sibling_work(kind: str, params: dict[str, Any], inputs: Any, targets: torch.
 def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Callable[[int], CostProfile],
                   figs: ModelFigures, batch: int, least: int, seed: int, threads: int, examples: Examples,
                   ranks: int, reduce_link: Link | None, optimizer: here.OptimizerOf | None, grad_clip: float | None,
-                  device: str, say: Callable[[str], None]) -> tuple[calibrate.Overhead, dict[int, float]]:
+                  device: str, say: Callable[[str], None]) -> tuple[calibrate.Overhead, dict[int, float], float | None]:
     """The engine's own costs: on `ranks` real replicas here (factors on the layers' seconds by micro-batch size,
     the optimizer's update per step) when they share this machine, else in this process (seconds per layer call
-    and per step; no factors)."""
+    and per step; no factors), and how much the replicas' first step moved by the end of measuring."""
     if ranks > 1 and reduce_link is not None and batch % ranks == 0:
         per_replica = batch // ranks
         say(f"measuring the engine's training steps on {ranks} replicas here...")
@@ -203,14 +204,14 @@ def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Cal
             say(f"{exc}; measuring in this process instead")
         else:
             reduce = allreduce_seconds([sum(layer.params for layer in figs.layers)], ranks, reduce_link)
-            update = statistics.fmean(u for _, u in steps.values())
-            ratios = calibrate.factors(len(spec.layers), costs, per_replica, {m: t for m, (t, _) in steps.items()},
-                                       reduce + update)
-            return calibrate.Overhead(0.0, update), ratios
+            update = statistics.fmean(u for _, u in steps.per_count.values())
+            ratios = calibrate.factors(len(spec.layers), costs, per_replica,
+                                       {m: t for m, (t, _) in steps.per_count.items()}, reduce + update)
+            return calibrate.Overhead(0.0, update), ratios, steps.drift
     say("measuring the engine's own cost per layer call and per step (one stage, this process)...")
     counts = calibrate.counts(batch, least)
     steps_here = calibrate.local_steps(spec, batch, counts, seed, threads, examples, optimizer, grad_clip, device)
-    return calibrate.overhead(len(spec.layers), costs, batch, steps_here), {}
+    return calibrate.overhead(len(spec.layers), costs, batch, steps_here), {}, None
 
 
 def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Callable[[int], tuple[int, int]],
@@ -260,7 +261,7 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
             siblings = 0
             costs = measured_costs(spec, (lo, hi), seed, threads, examples, device)
         interrupts.check()
-        extra, ratios = _engine_costs(kind, params, spec, costs, figs, batch, least, seed, threads, examples,
+        extra, ratios, drift = _engine_costs(kind, params, spec, costs, figs, batch, least, seed, threads, examples,
                                       siblings + 1, reduce_link, optimizer, grad_clip, device, say)
         costs = calibrate.scaled(costs, calibrate.by_size(ratios))
         data = sample.build_seconds if sample is not None else 0.0
@@ -276,7 +277,7 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
             f"{device} ({torch.cuda.get_device_name()}, one GPU)"
         note = (f"measured on {on} at micro-batches of {sizes_text} "
                 f"examples of {where}, affine in between; {engine}")
-        return Inputs(costs, figs, least, note, memory_note, True, extra.action, extra.step, data)
+        return Inputs(costs, figs, least, note, memory_note, True, extra.action, extra.step, data, drift)
     rate, per_call = machine_rate(machine)
     note = (f"estimated from FLOPs at this machine's measured {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank "
             f"({machine.kind}; --tflops for other devices)")

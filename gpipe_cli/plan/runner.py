@@ -147,6 +147,8 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> int:
     console.print(f"[bold]gpipe plan[/] · {spec.name} ({layers} pipeline layers) · {n} devices{node_text}, "
                   f"{human_bytes(budget)} each ({where}) · batch {batch}", highlight=False)
     console.print(f"  per-layer seconds: {fed.timing}", highlight=False)
+    if fed.drift is not None:
+        console.print(f"  steadiness: {steadiness(fed.drift)}", highlight=False)
     console.print(f"  memory: the memory model, {fed.memory}; {per_param:.0f} bytes per parameter "
                   f"({optimizer_name(recipe)})", highlight=False)
     node_note = (f", between nodes (assumed) {options.node_bandwidth:g} GB/s and {options.node_latency_us:g} µs"
@@ -181,6 +183,19 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> int:
                       highlight=False, markup=False)
     console.print(f"[dim]took {time.perf_counter() - started:.0f} s[/]")
     return 0
+
+
+UNSTEADY = 0.10  # a step that moved more than this while measuring makes the predictions that uncertain
+
+
+def steadiness(drift: float) -> str:
+    """What the repeated engine step says of this machine's speed while the plan measured."""
+    moved = f"the first engine step, timed again at the end, took {abs(drift) * 100:.0f}% " \
+            f"{'longer' if drift > 0 else 'less'}"
+    if abs(drift) <= UNSTEADY:
+        return f"{moved}: steady while measuring"
+    return (f"{moved}: this machine's speed moved while measuring, and the predictions may be off by as much; "
+            f"plan again on a quieter machine, or compare the pick and the runner-up with gpipe bench")
 
 
 def _sample(recipe: Recipe, say: Any) -> Any:

@@ -37,10 +37,12 @@ def test_the_engine_steps_on_real_replicas_and_its_costs_fit_the_gap_they_leave(
     examples = inputs.generated(spec, 0)
     adam = functools.partial(torch.optim.Adam, lr=1e-3)
     steps = here.engine_steps("transformer", PARAMS, *examples(4), 0, 2, 1, [1, 2, 4], adam, 1.0)
-    assert sorted(steps) == [1, 2, 4]
-    assert all(0 < update < step < 60 for step, update in steps.values())  # the update is timed within the step
+    assert sorted(steps.per_count) == [1, 2, 4]
+    # the update is timed within the step
+    assert all(0 < update < step < 60 for step, update in steps.per_count.values())
+    assert -1.0 < steps.drift < 10.0  # the first count timed again: a ratio, not a duration
     costs = inputs.measured_costs(spec, (1, 4), 0, 1, examples)
-    extra = calibrate.overhead(len(spec.layers), costs, 4, {m: step for m, (step, _) in steps.items()})
+    extra = calibrate.overhead(len(spec.layers), costs, 4, {m: step for m, (step, _) in steps.per_count.items()})
     assert extra.action >= 0 and extra.step >= 0
 
 
@@ -101,3 +103,11 @@ def test_a_rank_that_fails_is_one_line_not_a_traceback(capfd):
     with pytest.raises(here.Unavailable, match="running the engine on 2 replicas failed"):
         here.engine_steps("transformer", {**PARAMS, "heads": 3}, *inputs.generated(spec, 0)(4), 0, 2, 1, [1])
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_the_steadiness_line_warns_only_when_the_machine_moved():
+    from gpipe_cli.plan.runner import steadiness
+    assert steadiness(0.04).endswith("took 4% longer: steady while measuring")
+    assert steadiness(-0.05).endswith("took 5% less: steady while measuring")
+    moved = steadiness(0.25)
+    assert "took 25% longer: this machine's speed moved while measuring" in moved and "gpipe bench" in moved
