@@ -170,7 +170,7 @@ def interleaved_within(costs: Sequence[float], chunks: int, needs: Callable[[lis
     """A cut of K x V chunks whose every stage fits `budget`, as fast as found: None when none is found.
 
     A stage holds V chunks far apart, so its memory is no function of one run of layers and the exact
-    split of `balance_within` does not apply. The min-max cut when it fits; else from it, single-layer
+    split of `balance_within` does not apply. The min-max cut when it fits; else from it, `descend`'s
     moves lower first the excess over the budget, then the slowest chunk, then the fullest stage
     (`needs(balance)`: every stage's bytes); failing that, the same from `least_memory`'s cut. A local
     search: it can miss a cut that fits, never returns one that does not.
@@ -192,7 +192,7 @@ def interleaved_within(costs: Sequence[float], chunks: int, needs: Callable[[lis
 
 
 def least_memory(balance: Sequence[int], needs: Callable[[list[int]], Sequence[float]]) -> list[int]:
-    """From `balance`, the single-layer moves that lower the fullest stage's `needs` while they do."""
+    """From `balance`, `descend`'s moves that lower the fullest stage's `needs`, while they do."""
     return descend(balance, lambda b: (max(needs(b)),))
 
 

@@ -10,10 +10,10 @@ starts at the per-step cost. This is `bench`'s calibration, split so that it hol
 When several ranks share this machine, the same steps run on that many real replicas instead
 (`plan.here.engine_steps`). There the measured step is a multiple of the simulated one (the ranks
 share cores, caches and memory, and wait on each other's collectives) that differs with the
-micro-batch size, so the ratio measured at each size, interpolated between them, scales every layer's seconds at that
-size (`scaled`): a configuration of one stage is then predicted as exactly as its step was timed. The
-optimizer's update is timed apart in those steps and kept as a per-step cost: it scales with a stage's
-parameters, not with its layers' compute.
+micro-batch size, so the ratio measured at each size, interpolated between them, scales every
+layer's seconds at that size (`scaled`): a configuration of one stage is then predicted as exactly
+as its step was timed. The optimizer's update is timed apart in those steps and kept as a per-step
+cost: it scales with a stage's parameters, not with its layers' compute.
 """
 
 from __future__ import annotations

@@ -177,6 +177,17 @@ def links(ranks: int) -> tuple[Link, Link]:
     return p2p, reduce
 
 
+STEPS = 10  # measured engine steps per micro-batch count (after one warm-up)
+
+
+@dataclass
+class Steps:
+    """The engine's measured training steps: (step, update) seconds per micro-batch count, and the drift."""
+
+    per_count: dict[int, tuple[float, float]]
+    drift: float  # the first count's step measured again last, relative to the first time (0.1: 10% slower)
+
+
 def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict[str, Any], inputs: Any,
                  targets: torch.Tensor, seed: int, threads: int, counts: list[int], optimizer: OptimizerOf | None,
                  grad_clip: float | None, out: Any) -> None:
@@ -210,17 +221,6 @@ def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict
             out.put(found)
     finally:
         dist.destroy_process_group()
-
-
-STEPS = 10  # measured engine steps per micro-batch count (after one warm-up)
-
-
-@dataclass
-class Steps:
-    """The engine's measured training steps: (step, update) seconds per micro-batch count, and the drift."""
-
-    per_count: dict[int, tuple[float, float]]
-    drift: float  # the first count's step measured again last, relative to the first time (0.1: 10% slower)
 
 
 def engine_steps(kind: str, params: dict[str, Any], inputs: Any, targets: torch.Tensor, seed: int, ranks: int,

@@ -261,8 +261,8 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
             siblings = 0
             costs = measured_costs(spec, (lo, hi), seed, threads, examples, device)
         interrupts.check()
-        extra, ratios, drift = _engine_costs(kind, params, spec, costs, figs, batch, least, seed, threads, examples,
-                                      siblings + 1, reduce_link, optimizer, grad_clip, device, say)
+        extra, ratios, drift = _engine_costs(kind, params, spec, costs, figs, batch, least, seed, threads,
+                                             examples, siblings + 1, reduce_link, optimizer, grad_clip, device, say)
         costs = calibrate.scaled(costs, calibrate.by_size(ratios))
         data = sample.build_seconds if sample is not None else 0.0
         where = sample.note if real and sample is not None else "generated examples of the model's full length"
