@@ -251,8 +251,6 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
         real = sample is not None and sample.examples >= max(hi, batch)
         examples = sample.take if real and sample is not None else generated(spec, seed)
         work = functools.partial(sibling_work, kind, params, *examples(hi), seed)
-        if device != "cpu":
-            siblings = 0
         try:
             with here.loaded(work, siblings, threads):
                 costs = measured_costs(spec, (lo, hi), seed, threads, examples, device)

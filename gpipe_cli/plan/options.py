@@ -44,9 +44,9 @@ FLAGS: dict[str, str] = {
     "top": "How many configurations to print.",
     "output": "Write the winning plan as a recipe here (the input recipe with its pipeline section replaced).",
     "bandwidth": "Link between devices of one node, GB/s [default: measured between ranks here when per-layer "
-                 "seconds are measured, else 12 (PCIe 4 x16 in practice)].",
+                 f"seconds are measured, else {ASSUMED_BANDWIDTH:g} (PCIe 4 x16 in practice)].",
     "latency_us": "Per-message latency between devices of one node, microseconds [default: measured here, "
-                  "else 20].",
+                  f"else {ASSUMED_LATENCY_US:g}].",
     "node_bandwidth": "Assumed link between nodes, GB/s (12.5: 100 Gb/s InfiniBand or Ethernet).",
     "node_latency_us": "Assumed per-message latency between nodes, microseconds.",
     "timing": "Per-layer seconds: measure (on this machine's device), estimate (FLOPs at this machine's measured "

@@ -174,9 +174,7 @@ def _stage_fits(model: Model, config: Config, size_batch: int, budget: float) ->
 
 
 def _memory(model: Model, config: Config, balance: list[int], per_replica: int) -> list[float]:
-    return [fp.total_bytes for fp in mm.footprints(model.figures, balance, per_replica, config.microbatches,
-                                                   config.schedule, config.checkpoint, model.bytes_per_param,
-                                                   config.virtual)]
+    return _needs(model, config, per_replica)(balance)
 
 
 def _needs(model: Model, config: Config, per_replica: int) -> Callable[[list[int]], list[float]]:
