@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe_cli.pipeline import context
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.memory import ActivationMeter
 from gpipe_cli.pipeline.stage import as_tensors, from_tensors
@@ -144,7 +145,9 @@ def profile_layers(factories: Sequence[Callable[[], nn.Module]], sample: Any, se
         layer.train()
 
         def run(layer: nn.Module = layer, tensors: Any = tensors, bare: bool = bare) -> tuple[list[Any], bool]:
-            return as_tensors(layer(from_tensors(_leaves(tensors), bare)))
+            # As the engine runs it: layers such as dropout behave (and cost) differently outside it.
+            with context.microbatch(step=0, offset=0):
+                return as_tensors(layer(from_tensors(_leaves(tensors), bare)))
 
         def forward(run: Callable[[], tuple[list[Any], bool]] = run) -> list[torch.Tensor]:
             return [o for o in run()[0] if o is not None]

@@ -53,3 +53,31 @@ def test_plain_dropout_outside_the_engine_and_eval_is_identity():
     assert torch.equal(drop(x), x)
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         Dropout(1.0)
+
+
+def test_engine_masks_drop_at_the_rate_and_keep_the_mean():
+    drop = Dropout(0.1)
+    x = torch.ones(64, 128, 129)  # rows of odd width
+    with context.microbatch(step=0, offset=0):
+        y = drop(x)
+    assert abs((y == 0).float().mean().item() - 0.1) < 0.003
+    assert abs(y.mean().item() - 1.0) < 0.005
+
+
+def test_engine_dropout_gradient_is_the_scaled_mask():
+    drop = Dropout(0.25)
+    x = torch.randn(5, 3, 7, requires_grad=True)
+    with context.microbatch(step=1, offset=2):
+        y = drop(x)
+    y.backward(torch.ones_like(y))
+    assert torch.equal(x.grad, (y != 0).float() / 0.75)
+
+
+def test_engine_dropout_keeps_the_dtype_and_one_mask_for_every_dtype():
+    drop = Dropout(0.5)
+    x = torch.ones(4, 33)
+    with context.microbatch(step=0, offset=0):
+        full = drop(x)
+        half = drop(x.to(torch.bfloat16))
+    assert half.dtype == torch.bfloat16
+    assert torch.equal(half.float(), full)
