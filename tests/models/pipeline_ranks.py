@@ -43,9 +43,13 @@ def random_batch(family: str, step: int, size: int = 12) -> tuple[Any, torch.Ten
 
 
 def train(family: str, stages: int, steps: int, microbatches: int = 4, learnable: bool = False,
-          schedule: str = "gpipe", virtual: int = 1) -> dict:
-    """Train `steps` steps on this rank's stage (of V chunks); return the stage's parameters and the losses."""
+          schedule: str = "gpipe", virtual: int = 1, double: bool = False) -> dict:
+    """Train `steps` steps on this rank's stage (of V chunks); return the stage's parameters and the losses.
+
+    `double`: in float64 (weights and data), where the order of floating-point sums no longer shows.
+    """
     torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64 if double else torch.float32)
     spec = spec_of(family)
     topo = topology.init(stages)
     balance = balance_by_cost([1.0] * len(spec.layers), stages * virtual)
