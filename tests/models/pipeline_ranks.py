@@ -44,12 +44,19 @@ def random_batch(family: str, step: int, size: int = 12) -> tuple[Any, torch.Ten
 
 def train(family: str, stages: int, steps: int, microbatches: int = 4, learnable: bool = False,
           schedule: str = "gpipe", virtual: int = 1, double: bool = False) -> dict:
-    """Train `steps` steps on this rank's stage (of V chunks); return the stage's parameters and the losses.
-
-    `double`: in float64 (weights and data), where the order of floating-point sums no longer shows.
-    """
-    torch.set_num_threads(1)
+    """Train `steps` steps on this rank's stage (of V chunks); return the stage's parameters and the losses."""
+    # `double`: weights and data in float64, where the order of floating-point sums no longer shows.
+    previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64 if double else torch.float32)
+    try:
+        return _train(family, stages, steps, microbatches, learnable, schedule, virtual)
+    finally:
+        torch.set_default_dtype(previous)  # the reference runs in the test's own process
+
+
+def _train(family: str, stages: int, steps: int, microbatches: int, learnable: bool, schedule: str,
+           virtual: int) -> dict:
+    torch.set_num_threads(1)
     spec = spec_of(family)
     topo = topology.init(stages)
     balance = balance_by_cost([1.0] * len(spec.layers), stages * virtual)

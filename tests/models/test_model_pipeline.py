@@ -43,6 +43,7 @@ def test_the_same_parameters_for_any_number_of_stages(family):
 def test_every_schedule_trains_amoebanet_as_one_process_does_in_float64():
     """1F1B, zero-bubble and interleaved against K=1 after 3 steps, with BatchNorm and dropout: <= 1e-9."""
     reference = pr.train("amoebanet", 1, steps=3, double=True)["state"]
+    assert torch.get_default_dtype() == torch.float32  # restored for the tests that follow in this process
     for schedule, virtual in [("1f1b", 1), ("zero-bubble", 1), ("interleaved", 2)]:
         outcome = results(run_ranks(pr.train, 2, "amoebanet", 2, 3, 4, False, schedule, virtual, True))
         state = merged(outcome)
