@@ -43,11 +43,6 @@ class Dropout(nn.Module):
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1) (got {p})")
         self.p = p
-        # Inside the engine an element is dropped when a uniform 16-bit draw falls below `_cut`: one
-        # 64-bit draw masks four elements, several times faster than a float draw per element, and
-        # the rate is p to within 1/65536.
-        self._cut = min(round(p * _LEVELS), _LEVELS - 1)
-        self._scale = _LEVELS / (_LEVELS - self._cut)
         # The engine assigns a key from the layer's global position; modules built alone keep 0.
         self.rng_key = 0
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -65,7 +60,6 @@ class Dropout(nn.Module):
 
     def _mask(self, x: torch.Tensor, step: int, offset: int) -> torch.Tensor:
         """The scaled keep mask of `x` in its dtype, one generator seed per example (row)."""
-        # A mask in x's dtype, not a boolean one: the backward's product with it is several times faster.
         if x.is_meta:
             return torch.empty_like(x)  # shapes only: the meta device has no generator
         generator = self._generators.get(x.device)
@@ -76,8 +70,12 @@ class Dropout(nn.Module):
         for row in range(rows):
             generator.manual_seed(example_seed(self.rng_key, step, offset + row))
             words[row].random_(_INT64_MIN, None, generator=generator)
+        # An element is dropped when its uniform 16-bit lane falls below `cut`: one 64-bit draw masks four
+        # elements, several times faster than a float draw each, and the rate is p to within 1/65536.
         lanes = words.view(torch.int16)[:, :width]
+        cut = min(round(self.p * _LEVELS), _LEVELS - 1)
+        # The mask is in x's dtype, compared straight into it: no boolean tensor to convert, and the
+        # backward's product with it runs two to three times faster than with a boolean one.
         keep = torch.empty(rows, width, dtype=x.dtype, device=x.device)
-        # Comparing straight into x's dtype skips a boolean tensor and its conversion.
-        torch.ge(lanes, self._cut - _LEVELS // 2, out=keep)
-        return keep.mul_(self._scale).view(x.shape)
+        torch.ge(lanes, cut - _LEVELS // 2, out=keep)
+        return keep.mul_(_LEVELS / (_LEVELS - cut)).view(x.shape)

@@ -18,6 +18,15 @@ def merged(outcome: list[dict]) -> dict:
     return state
 
 
+def errors(state: dict, reference: dict) -> dict[str, float]:
+    """Each floating-point tensor's relative difference from the reference (the same names on both sides)."""
+    assert set(state) == set(reference)
+    # The floor: an attention key bias has an exactly zero gradient (softmax ignores a shift shared by
+    # all keys), so it holds only ~1e-10 of rounding noise whose ratio means nothing.
+    return {key: float((state[key] - value).norm() / value.norm().clamp_min(1e-3))
+            for key, value in reference.items() if value.is_floating_point()}
+
+
 # Beyond GPipe at K=2 and 4: a split backward through attention, interleaved chunks with a tied softmax.
 # AmoebaNet's other schedules are compared in float64 below: its BatchNorm over micro-batches of three
 # images grows rounding about 1e5-fold in three steps, and 1F1B-like schedules (backwards in another
@@ -31,13 +40,8 @@ def test_the_same_parameters_for_any_number_of_stages(family):
     reference = pr.train(family, 1, steps=3)["state"]
     for stages, schedule, virtual in [(2, "gpipe", 1), (4, "gpipe", 1), *SCHEDULES[family]]:
         state = merged(results(run_ranks(pr.train, stages, family, stages, 3, 4, False, schedule, virtual)))
-        assert set(state) == set(reference)
-        for key, value in reference.items():
-            if value.is_floating_point():
-                # The floor: an attention key bias has an exactly zero gradient (softmax ignores a shift
-                # shared by all keys), so it holds only ~1e-10 of rounding noise whose ratio means nothing.
-                error = float((state[key] - value).norm() / value.norm().clamp_min(1e-3))
-                assert error <= 1e-5, (stages, schedule, key, error)
+        for key, error in errors(state, reference).items():
+            assert error <= 1e-5, (stages, schedule, key, error)
 
 
 def test_every_schedule_trains_amoebanet_as_one_process_does_in_float64():
@@ -45,14 +49,10 @@ def test_every_schedule_trains_amoebanet_as_one_process_does_in_float64():
     reference = pr.train("amoebanet", 1, steps=3, double=True)["state"]
     assert torch.get_default_dtype() == torch.float32  # restored for the tests that follow in this process
     for schedule, virtual in [("1f1b", 1), ("zero-bubble", 1), ("interleaved", 2)]:
-        outcome = results(run_ranks(pr.train, 2, "amoebanet", 2, 3, 4, False, schedule, virtual, True))
-        state = merged(outcome)
-        assert set(state) == set(reference)
-        for key, value in reference.items():
-            if value.is_floating_point():
-                assert value.dtype == torch.float64
-                error = float((state[key] - value).norm() / value.norm().clamp_min(1e-3))
-                assert error <= 1e-9, (schedule, key, error)
+        state = merged(results(run_ranks(pr.train, 2, "amoebanet", 2, 3, 4, False, schedule, virtual, True)))
+        assert all(v.dtype == torch.float64 for v in reference.values() if v.is_floating_point())
+        for key, error in errors(state, reference).items():
+            assert error <= 1e-9, (schedule, key, error)
 
 
 @pytest.fixture(scope="module")
