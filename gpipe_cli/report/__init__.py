@@ -30,7 +30,8 @@ def summary_table(runs: list[Run]) -> Table:
     table = Table(title="gpipe report", header_style="bold",
                   caption=" · ".join(f"{r.label}: {r.path}" for r in runs))
     for name in ("run", "steps", "loss", "best eval", "samples/s", "bubble", "theory", "wait", "memory"):
-        table.add_column(name, justify="left" if name in ("run", "best eval") else "right")
+        # A run's label is what a reader looks up in the legend: it never wraps, other cells do.
+        table.add_column(name, justify="left" if name in ("run", "best eval") else "right", no_wrap=name == "run")
     for run in runs:
         data = series(run)
         losses = data["loss"][1]
@@ -56,7 +57,7 @@ def stage_table(runs: list[Run]) -> Table:
     """One row per run and stage: mean milliseconds per step of each part, and the memory peak."""
     table = Table(title="per stage (mean over steps)", header_style="bold")
     for name in ("run", "stage", *(f"{part} ms" for part in PARTS), "memory peak"):
-        table.add_column(name, justify="left" if name == "run" else "right")
+        table.add_column(name, justify="left" if name == "run" else "right", no_wrap=name == "run")
     for run in runs:
         parts, data = time_breakdown(run), series(run)
         for s in range(run.stages):
@@ -82,5 +83,5 @@ def report(paths: list[Path], output: Path | None = None, console: Any = None) -
     if written is None:
         print(f"gpipe report: {plots.MISSING}; no PNG written", file=sys.stderr)
         return 1
-    console.print(f"wrote {written}")
+    console.print(f"wrote {written}", soft_wrap=True)  # a path stays one line, ready to copy
     return 0
