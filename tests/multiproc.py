@@ -52,9 +52,21 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, folder: str
     os._exit(0)  # skip process-group teardown races at exit; the result is already written
 
 
+# Ranks fork from one server that imported these once: a fresh interpreter per rank would import torch
+# again each time (seconds per rank, the bulk of a small multi-rank test). The server itself never runs
+# torch work, so no thread pool is forked.
+PRELOAD = ["torch", "torch.distributed", "pytest", "gpipe_cli.pipeline.engine", "gpipe_cli.models", "tests.multiproc"]
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> list[RankOutcome]:
     """Start `world` processes running fn(*args) with torchrun's environment; wait for all."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     with tempfile.TemporaryDirectory() as folder:
         port = free_port()
         procs = [ctx.Process(target=_entry, args=(fn, r, world, port, folder, args)) for r in range(world)]

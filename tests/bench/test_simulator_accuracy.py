@@ -27,16 +27,26 @@ def others_busy(seconds: float = 1.0) -> bool:
                       "stolen_share": (after[1] - before[1]) / capacity})
 
 
+def wait_until_quiet(limit: float = 300.0) -> bool:
+    """Wait (up to `limit` seconds) until no other process uses the CPU; whether it became quiet."""
+    deadline = time.monotonic() + limit
+    while others_busy():
+        if time.monotonic() > deadline:
+            return False
+    return True
+
+
 def _close(figures: dict) -> bool:
     return figures["prediction"]["samples_per_s"] == pytest.approx(figures["samples_per_s"], rel=0.15)
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_prediction_is_within_15_percent_of_the_measured_k2_throughput(tmp_path):
     figures = None
     for attempt in range(3):
-        # A busy machine now would make the measurement contended: not worth half a minute of measuring.
-        if others_busy():
+        # A busy machine would make the measurement contended: wait for the other tests to finish.
+        if not wait_until_quiet(300.0 if attempt == 0 else 30.0):
             continue
         out = tmp_path / f"bench-{attempt}.json"
         options = BenchOptions(**MODEL, partitions=2, microbatches=8, batch_size=64, steps=8, warmup=3, json=out)
