@@ -17,10 +17,16 @@ def layer_cost_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under `-n`, keep each module on one worker (a module-scoped run is made once) and measure speed last."""
+    """Under `-n`, keep each module on one worker (a module-scoped run is made once); long modules first, speed last."""
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0]
+
+    # The quick-start run is shared by modules: they go together, whole.
+    sharing = {module(item) for item in items if "quickstart" in getattr(item, "fixturenames", ())}
+    groups = {item: "quickstart" if module(item) in sharing else module(item) for item in items}
     for item in items:
-        # The quick-start run is shared by modules: they go together.
-        group = "quickstart" if "quickstart" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-    # Collected last, handed out last: by then the other worker is on its final tests and soon idle.
-    items.sort(key=lambda item: item.get_closest_marker("alone") is not None)
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    # Groups are handed out in this order. Those with end-to-end runs go first, so the short ones fill the
+    # end evenly on both workers; a speed measurement goes last, when the other worker is soon idle.
+    slow = {groups[item] for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: (item.get_closest_marker("alone") is not None, groups[item] not in slow))
