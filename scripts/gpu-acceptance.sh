@@ -69,7 +69,8 @@ gpipe() { "$PY" -m gpipe_cli.cli "$@"; }
 wants() { [[ " ${STEPS[*]} " == *" $1 "* ]]; }
 
 if wants tests; then
-    step tests "$PY" -m pytest tests/gpu -m gpu -p no:cacheprovider -q --junitxml "$OUT/junit.xml"
+    # One process on the one GPU: `-o addopts=-ra` drops the suite's xdist options, so the run needs no xdist.
+    step tests "$PY" -m pytest tests/gpu -m gpu -p no:cacheprovider -o addopts=-ra -q --junitxml "$OUT/junit.xml"
     # On a GPU machine nothing may be skipped: a skip would hide a path that did not run.
     skipped=$("$PY" -c 'import sys, xml.etree.ElementTree as ET
 print(sum(int(s.get("skipped", 0)) for s in ET.parse(sys.argv[1]).getroot().iter("testsuite")))' \
