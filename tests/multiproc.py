@@ -33,7 +33,12 @@ class RankOutcome:
     output: str
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, folder: str, args: tuple) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, folder: str, args: tuple,
+           env: dict[str, str]) -> None:
+    # A forked rank starts with the server's environment, not the caller's: take the caller's (a test's
+    # monkeypatched variable must reach its ranks, as it did with a fresh interpreter per rank).
+    os.environ.clear()
+    os.environ.update(env)
     log = os.open(os.path.join(folder, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -69,7 +74,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 3
     ctx = _context()
     with tempfile.TemporaryDirectory() as folder:
         port = free_port()
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, folder, args)) for r in range(world)]
+        env = dict(os.environ)
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, folder, args, env)) for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
