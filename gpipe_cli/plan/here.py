@@ -18,6 +18,7 @@ import queue
 import signal
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -43,27 +44,49 @@ REPEATS = 30
 
 
 @contextlib.contextmanager
-def _no_sigint() -> Iterator[None]:
-    """Start children with SIGINT blocked (the mask survives exec): Ctrl-C is the parent's alone to handle."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+def _sigint_held() -> Iterator[None]:
+    """Start children with SIGINT blocked, and hold a Ctrl-C to this process until the body is done."""
+    # The mask survives exec, so Ctrl-C stays the parent's alone to handle. It covers this thread only: the
+    # signal can land on another one (a torch worker) and interrupt `start` between the child's launch and
+    # the write of its arguments, and that child then dies on an empty pipe with a traceback. Hence the handler.
+    held: list[int] = []
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum)) if main else None
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if main:
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if held and previous != signal.SIG_IGN:
+        if callable(previous):
+            previous(signal.SIGINT, None)  # the caller's own handler decides what a Ctrl-C does
+        raise KeyboardInterrupt
 
 
-def _start(target: Callable[..., None], args_of: Callable[[int], tuple[Any, ...]], count: int) -> list[Any]:
+@contextlib.contextmanager
+def _children(target: Callable[..., None], args_of: Callable[[int], tuple[Any, ...]],
+              count: int) -> Iterator[list[Any]]:
+    """Run `count` children of `target` through the body; they are joined after it, or stopped at once on an error."""
     ctx = mp.get_context("spawn")
-    with _no_sigint():
-        procs = [ctx.Process(target=target, args=args_of(i), daemon=True) for i in range(count)]
-        for p in procs:
-            p.start()
-    return procs
+    procs: list[Any] = []
+    try:
+        with _sigint_held():
+            for i in range(count):
+                proc = ctx.Process(target=target, args=args_of(i), daemon=True)
+                proc.start()
+                procs.append(proc)
+        yield procs
+    except BaseException:
+        _stop(procs, wait=0.0)
+        raise
+    _stop(procs, wait=10.0)
 
 
-def _stop(procs: list[Any]) -> None:
+def _stop(procs: list[Any], wait: float) -> None:
     for p in procs:
-        p.join(timeout=10)
+        p.join(timeout=wait)
         if p.is_alive():
             p.terminate()
             p.join(timeout=5)
@@ -104,14 +127,13 @@ def loaded(work: Callable[[], None], count: int, threads: int) -> Iterator[None]
         return
     ctx = mp.get_context("spawn")
     stop, ready = ctx.Event(), ctx.Queue()
-    procs = _start(_reported, lambda i: (_busy, ready, work, threads, stop), count)
-    try:
-        for _ in procs:
-            _result(ready, "starting the ranks that compute beside this one")
-        yield
-    finally:
-        stop.set()
-        _stop(procs)
+    with _children(_reported, lambda i: (_busy, ready, work, threads, stop), count) as procs:
+        try:
+            for _ in procs:
+                _result(ready, "starting the ranks that compute beside this one")
+            yield
+        finally:
+            stop.set()
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -164,11 +186,8 @@ def links(ranks: int) -> tuple[Link, Link]:
     out = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="gpipe-links-") as tmp:
         store = os.path.join(tmp, "store")
-        procs = _start(_reported, lambda i: (_probe, out, i, ranks, store), ranks)
-        try:
+        with _children(_reported, lambda i: (_probe, out, i, ranks, store), ranks):
             results = _result(out, f"measuring the links between {ranks} ranks")
-        finally:
-            _stop(procs)
     p2p = _line(results[f"p2p{SMALL}"], results[f"p2p{LARGE}"])
     hops = 2 * (ranks - 1)
     # A ring all-reduce moves 2 (D-1)/D of the bytes in 2 (D-1) steps (as `plan.search` charges it).
@@ -233,10 +252,7 @@ def engine_steps(kind: str, params: dict[str, Any], inputs: Any, targets: torch.
     out = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="gpipe-engine-") as tmp:
         store = os.path.join(tmp, "store")
-        procs = _start(_reported, lambda i: (_engine_rank, out, i, ranks, store, kind, params, inputs, targets,
-                                             seed, threads, counts, optimizer, grad_clip), ranks)
-        try:
+        with _children(_reported, lambda i: (_engine_rank, out, i, ranks, store, kind, params, inputs, targets,
+                                             seed, threads, counts, optimizer, grad_clip), ranks):
             found: Steps = _result(out, f"running the engine on {ranks} replicas")
-        finally:
-            _stop(procs)
     return found

@@ -1,7 +1,12 @@
 """What ranks sharing this machine add, measured with real processes: links, load, the engine's steps."""
 
 import functools
+import multiprocessing
+import multiprocessing.util
 import os
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -30,6 +35,41 @@ def test_siblings_work_while_the_body_runs_and_are_gone_after_it(tmp_path):
         assert len(pids) == 1 and pids[0] != os.getpid()  # the first run is done before the body
     with pytest.raises(ProcessLookupError):
         os.kill(pids[0], 0)
+
+
+def _ctrl_c_from_another_thread() -> None:
+    # As Ctrl-C does when it lands on a torch worker thread rather than on the main one.
+    sender = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT))
+    sender.start()
+    sender.join()
+
+
+def test_ctrl_c_while_children_start_waits_for_all_of_them_and_leaves_no_traceback(tmp_path, monkeypatch, capfd):
+    spawned: list[int] = []
+    launch = multiprocessing.util.spawnv_passfds
+
+    def launch_then_ctrl_c(path, args, passfds):
+        pid = launch(path, args, passfds)
+        if "--multiprocessing-fork" not in args:
+            return pid  # the resource tracker
+        spawned.append(pid)
+        if len(spawned) == 1:  # between a child's launch and the write of its arguments: the worst moment
+            _ctrl_c_from_another_thread()
+        return spawned[-1]
+
+    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", launch_then_ctrl_c)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), here._children(_record_pid, lambda i: (str(tmp_path),), 2):
+            pytest.fail("the body ran after a Ctrl-C")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert len(spawned) == 2  # the Ctrl-C waited until every child had started
+    deadline = time.monotonic() + 60
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not multiprocessing.active_children()
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_the_engine_steps_on_real_replicas_and_its_costs_fit_the_gap_they_leave():
