@@ -15,6 +15,7 @@ from gpipe_cli import __version__
 from gpipe_cli.cli_help import polish
 from gpipe_cli.errors import UserError, one_line, shown
 from gpipe_cli.launch import check_writable, launch_options
+from gpipe_cli.quick_exit import exit_now
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   help="GPipe pipeline-parallel training from YAML recipes.")
@@ -304,7 +305,7 @@ def run(args: list[str]) -> int:
 
 def main() -> None:
     """Console-script entry point."""
-    sys.exit(run(sys.argv[1:]))
+    exit_now(run(sys.argv[1:]))
 
 
 def _bare_resume(args: list[str]) -> list[str]:

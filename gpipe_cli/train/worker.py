@@ -11,6 +11,7 @@ import torch.distributed as dist
 from gpipe_cli.errors import UserError
 from gpipe_cli.pipeline import failure, topology
 from gpipe_cli.pipeline.heartbeat import Heartbeat
+from gpipe_cli.quick_exit import exit_now
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.train.job import Job
 from gpipe_cli.train.loop import Trainer, configure_threads
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     """Read the job file named on the command line and run it."""
     args = sys.argv[1:] if argv is None else argv
     job = Job(**json.loads(Path(args[0]).read_text()))
-    sys.exit(run_job(job))
+    exit_now(run_job(job))
 
 
 if __name__ == "__main__":
