@@ -14,6 +14,7 @@ from rich.console import Console
 from gpipe_cli import __version__
 from gpipe_cli.cli_help import polish
 from gpipe_cli.errors import UserError, one_line, shown
+from gpipe_cli.files import atomic_write_text
 from gpipe_cli.launch import check_writable, launch_options
 from gpipe_cli.quick_exit import exit_now
 
@@ -96,7 +97,7 @@ def validate(
         if json_file is not None:
             payload = {"recipe": loaded.model_dump(mode="json"), **plan.to_json()}
             try:
-                json_file.write_text(json.dumps(payload, indent=2))
+                atomic_write_text(json_file, json.dumps(payload, indent=2))
             except OSError as exc:
                 raise UserError(f"--json: cannot write {shown(str(json_file))} ({exc.strerror})") from None
 

@@ -51,3 +51,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         f.write(data)
 
     atomic_write(path, write)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` (UTF-8) to `path` whole or not at all."""
+    atomic_write_bytes(path, text.encode("utf-8"))

@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from gpipe_cli.files import atomic_write
+
 DPI = 100
 MISSING = "matplotlib is not installed (pip install 'gpipe-cli[plot]')"
 
@@ -31,10 +33,11 @@ def figure(plt: Any, width_px: int, height_px: int, rows: int, cols: int, title:
 
 def save(plt: Any, fig: Any, path: Path) -> Path:
     """Write the figure as a PNG at its own pixel size (no tight bounding box, which would change it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI, format="png")
-    plt.close(fig)
+    try:
+        atomic_write(path, lambda f: fig.savefig(f, dpi=DPI, format="png"))
+    finally:
+        plt.close(fig)
     return path
 
 

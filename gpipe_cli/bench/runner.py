@@ -34,6 +34,7 @@ from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.machine_load import contended
 from gpipe_cli.estimate.measure import RunFigures, median
 from gpipe_cli.estimate.subject import Subject, is_text
+from gpipe_cli.files import atomic_write_text
 from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline.schedule import theoretical_bubble
 
@@ -209,8 +210,7 @@ def _run(options: BenchOptions, console: Console) -> int:
     console.print(f"[dim]took {sizing.human_seconds(time.perf_counter() - started)} (estimated "
                   f"{sizing.human_seconds(chosen.seconds)})[/]")
     if options.json is not None:
-        options.json.parent.mkdir(parents=True, exist_ok=True)
-        options.json.write_text(json.dumps(summary, indent=2))
+        atomic_write_text(options.json, json.dumps(summary, indent=2))
         console.print(f"[dim]figures written to {options.json}[/]")
     if summary.get("failed"):
         console.print(f"[red]gpipe bench: {summary['failed']}[/]")

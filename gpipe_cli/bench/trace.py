@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from gpipe_cli.files import atomic_write, atomic_write_text
 from gpipe_cli.pipeline.schedule import Kind
 
 LABELS = {
@@ -61,8 +62,7 @@ def chrome_trace(events: Sequence[Mapping[str, Any]], title: str) -> dict[str, A
 
 def write_chrome(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> None:
     """Write the Chrome trace file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(events, title)))
+    atomic_write_text(path, json.dumps(chrome_trace(events, title)))
 
 
 def write_gantt(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> bool:
@@ -99,9 +99,10 @@ def write_gantt(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> 
                ("recv_fwd", "wait for a message"), ("send_fwd", "send"))]
     fig.legend(handles=legend, fontsize=7, loc="lower center", ncol=4, frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
+    try:
+        atomic_write(path, lambda f: fig.savefig(f, dpi=150, format="png"))
+    finally:
+        plt.close(fig)
     return True
 
 

@@ -20,6 +20,7 @@ from gpipe_cli import interrupts, sizing
 from gpipe_cli import memory_model as mm
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate.subject import FAMILIES, SIZE_PARAMS, Subject, example_batch, resolve
+from gpipe_cli.files import atomic_write_text
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import layer_params
 from gpipe_cli.profile import account, budget, report, scenarios
@@ -193,7 +194,6 @@ def _run(options: ProfileOptions, console: Console) -> int:
         console.print(f"[dim]took {sizing.human_seconds(time.perf_counter() - started)} (estimated "
                       f"{sizing.human_seconds(summary['estimate_s'])})[/]")
     if options.json is not None:
-        options.json.parent.mkdir(parents=True, exist_ok=True)
-        options.json.write_text(json.dumps(summary, indent=2))
+        atomic_write_text(options.json, json.dumps(summary, indent=2))
         console.print(f"[dim]figures written to {options.json}[/]")
     return 0
