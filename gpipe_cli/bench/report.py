@@ -92,7 +92,9 @@ def _prediction(s: dict[str, Any]) -> str:
     ratio = s["samples_per_s"] / p["samples_per_s"] if p["samples_per_s"] else 0.0
     return (f"simulator vs measurement ({s['schedule']}): predicted {p['samples_per_s']:,.1f} samples/s, bubble "
             f"{p['bubble']:.3f}; measured {s['samples_per_s']:,.1f} samples/s, bubble {s['bubble']:.3f}; "
-            f"measured / predicted throughput [bold]{ratio:.2f}[/] (calibration x{p['calibration']:.2f})")
+            f"measured / predicted throughput [bold]{ratio:.2f}[/] (calibration x{p['calibration']:.2f})"
+            + ("; the prediction gives every rank its own core or GPU, which they share here" if s["oversubscribed"]
+               else ""))
 
 
 def show(s: dict[str, Any], console: Console) -> None:
