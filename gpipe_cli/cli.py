@@ -26,6 +26,9 @@ RECIPE_HELP = "Recipe YAML file (default: the built-in quick-start recipe)."
 SET_HELP = "Override a recipe key: KEY=VALUE, the value read as YAML (repeatable)."
 
 
+_command = ""  # the command being run, for its Ctrl-C line
+
+
 def _guard(fn: Callable[[], T]) -> T:
     """Run a command; bad input becomes one line on stderr and its exit code, never a traceback."""
     try:
@@ -33,6 +36,9 @@ def _guard(fn: Callable[[], T]) -> T:
     except UserError as exc:
         print(f"error: {one_line(str(exc))}", file=sys.stderr)
         raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:  # typer would exit 130 without a word; what is written is written whole or not at all
+        print(f"gpipe {_command}: interrupted; nothing was written", file=sys.stderr)
+        raise typer.Exit(130) from None
 
 
 def _print_version(value: bool) -> None:
@@ -251,9 +257,12 @@ def export(
     output: str | None = typer.Option(None, help="The safetensors file to write (default: RUN/model.safetensors)."),
 ) -> None:
     """Write the consolidated model weights of a checkpoint as one safetensors file."""
-    from gpipe_cli.train.export import export as export_model
+    def write() -> Path:
+        from gpipe_cli.train.export import export as export_model  # torch: a Ctrl-C while it loads is guarded too
 
-    path = _guard(lambda: export_model(run, output))
+        return export_model(run, output)
+
+    path = _guard(write)
     print(f"wrote {path}")
 
 
@@ -287,9 +296,11 @@ def report_runs(
 
 def run(args: list[str]) -> int:
     """Run the command line on `args`; every usage error is one line on stderr. Returns the exit code."""
+    global _command
     command = polish(typer.main.get_command(app))
     if not args:
         args = ["--help"]
+    _command = next((arg for arg in args if not arg.startswith("-")), "")
     try:
         result = command.main(args=_bare_resume(args), prog_name="gpipe", standalone_mode=False)
     except typer.Exit as exc:

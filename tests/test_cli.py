@@ -98,3 +98,20 @@ def test_usage_errors_are_one_line(capsys):
     assert run(["train", "--threads", "many"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "--threads" in err and "gpipe train --help" in err
+
+
+def _interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("command, patched", [
+    (["validate"], "gpipe_cli.train.plan.checked_plan"),
+    (["export", "RUN"], "gpipe_cli.train.export.export"),
+    (["report", "RUN"], "gpipe_cli.report.report"),
+])
+def test_ctrl_c_in_any_command_is_one_line_and_code_130(monkeypatch, capsys, command, patched):
+    module, name = patched.rsplit(".", 1)
+    monkeypatch.setattr(__import__(module, fromlist=[name]), name, _interrupted)
+    assert run(command) == 130
+    err = capsys.readouterr().err
+    assert err == f"gpipe {command[0]}: interrupted; nothing was written\n"
