@@ -26,10 +26,7 @@ RECIPE_HELP = "Recipe YAML file (default: the built-in quick-start recipe)."
 SET_HELP = "Override a recipe key: KEY=VALUE, the value read as YAML (repeatable)."
 
 
-_command = ""  # the command being run, for its Ctrl-C line
-
-
-def _guard(fn: Callable[[], T]) -> T:
+def _guard(command: str, fn: Callable[[], T]) -> T:
     """Run a command; bad input becomes one line on stderr and its exit code, never a traceback."""
     try:
         return fn()
@@ -37,7 +34,7 @@ def _guard(fn: Callable[[], T]) -> T:
         print(f"error: {one_line(str(exc))}", file=sys.stderr)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:  # typer would exit 130 without a word; what is written is written whole or not at all
-        print(f"gpipe {_command}: interrupted; nothing was written", file=sys.stderr)
+        print(f"gpipe {command}: interrupted; nothing was written", file=sys.stderr)
         raise typer.Exit(130) from None
 
 
@@ -74,10 +71,12 @@ def train(
     from gpipe_cli.train.run import TrainOptions
     from gpipe_cli.train.run import train as run_training  # imports torch only once the recipe is valid
 
-    code = _guard(lambda: run_training(TrainOptions(recipe, set_ or [], output_dir, plain, resume, launch_options(
-        nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
-        rdzv_id=rdzv_id, threads=threads))))
-    raise typer.Exit(code)
+    def run() -> int:
+        launch = launch_options(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                                rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, threads=threads)  # may read Slurm's
+        return run_training(TrainOptions(recipe, set_ or [], output_dir, plain, resume, launch))
+
+    raise typer.Exit(_guard("train", run))
 
 
 @app.command()
@@ -107,7 +106,7 @@ def validate(
             except OSError as exc:
                 raise UserError(f"--json: cannot write {shown(str(json_file))} ({exc.strerror})") from None
 
-    _guard(run)
+    _guard("validate", run)
 
 
 def _bench_flags() -> dict[str, str]:
@@ -179,7 +178,7 @@ def bench(
         num_classes=num_classes, set=set_ or [], sweep=sweep, compare=compare, trace=trace, simulate=simulate,
         devices=devices, bandwidth=bandwidth, latency_us=latency_us, threads=threads,
         oversubscribe=oversubscribe, seed=seed, json=json_file)
-    raise typer.Exit(_guard(lambda: run_bench(options)))
+    raise typer.Exit(_guard("bench", lambda: run_bench(options)))
 
 
 @app.command("profile-memory")
@@ -220,7 +219,7 @@ def profile_memory(
             set=set_ or [], device=device, seed=seed, json=json_file)
         return run_profile(options)
 
-    raise typer.Exit(_guard(run))
+    raise typer.Exit(_guard("profile-memory", run))
 
 
 @app.command()
@@ -248,7 +247,7 @@ def plan(
                           top=top, output=output, bandwidth=bandwidth, latency_us=latency_us,
                           node_bandwidth=node_bandwidth, node_latency_us=node_latency_us, timing=timing, tflops=tflops,
                           plain=plain)
-    raise typer.Exit(_guard(lambda: run_plan(options)))
+    raise typer.Exit(_guard("plan", lambda: run_plan(options)))
 
 
 @app.command()
@@ -262,7 +261,7 @@ def export(
 
         return export_model(run, output)
 
-    path = _guard(write)
+    path = _guard("export", write)
     print(f"wrote {path}")
 
 
@@ -277,7 +276,7 @@ def prepare_data(
     from gpipe_cli.data.prepare import prepare_data as save
     from gpipe_cli.recipe.load import load_recipe
 
-    files = _guard(lambda: save(load_recipe(recipe, set_ or []).data, Path(output)))
+    files = _guard("prepare-data", lambda: save(load_recipe(recipe, set_ or []).data, Path(output)))
     print(f"wrote {output} ({len(files)} parquet file{'s' if len(files) > 1 else ''}); train with "
           f"--set data.source=parquet --set data.path={output}")
 
@@ -291,16 +290,14 @@ def report_runs(
     """Compare runs: a table of their figures here and a one-page PNG of curves (several runs overlaid)."""
     from gpipe_cli.report import report
 
-    raise typer.Exit(_guard(lambda: report([Path(r) for r in runs], Path(output) if output else None)))
+    raise typer.Exit(_guard("report", lambda: report([Path(r) for r in runs], Path(output) if output else None)))
 
 
 def run(args: list[str]) -> int:
     """Run the command line on `args`; every usage error is one line on stderr. Returns the exit code."""
-    global _command
     command = polish(typer.main.get_command(app))
     if not args:
         args = ["--help"]
-    _command = next((arg for arg in args if not arg.startswith("-")), "")
     try:
         result = command.main(args=_bare_resume(args), prog_name="gpipe", standalone_mode=False)
     except typer.Exit as exc:

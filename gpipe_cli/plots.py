@@ -1,4 +1,4 @@
-"""Plotting helpers shared by `gpipe report` and `gpipe bench --sweep` (matplotlib, imported lazily)."""
+"""Plotting helpers shared by `gpipe report` and `gpipe bench` (sweep and trace; matplotlib, imported lazily)."""
 
 from __future__ import annotations
 
@@ -34,11 +34,16 @@ def figure(plt: Any, width_px: int, height_px: int, rows: int, cols: int, title:
 def save(plt: Any, fig: Any, path: Path) -> Path:
     """Write the figure as a PNG at its own pixel size (no tight bounding box, which would change it)."""
     fig.tight_layout()
+    write_png(plt, fig, path, DPI)
+    return path
+
+
+def write_png(plt: Any, fig: Any, path: Path, dpi: int) -> None:
+    """Write the figure as a PNG, whole or not at all, and release it."""
     try:
-        atomic_write(path, lambda f: fig.savefig(f, dpi=DPI, format="png"))
+        atomic_write(path, lambda f: fig.savefig(f, dpi=dpi, format="png"))
     finally:
         plt.close(fig)
-    return path
 
 
 def grouped_bars(ax: Any, groups: Sequence[str], bars: Mapping[str, Sequence[float | None]], ylabel: str,

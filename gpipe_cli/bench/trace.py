@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpipe_cli.files import atomic_write, atomic_write_text
+from gpipe_cli import plots
+from gpipe_cli.files import atomic_write_text
 from gpipe_cli.pipeline.schedule import Kind
 
 LABELS = {
@@ -67,14 +68,11 @@ def write_chrome(path: Path, events: Sequence[Mapping[str, Any]], title: str) ->
 
 def write_gantt(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> bool:
     """Draw the Gantt chart as a PNG; False when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-    except ImportError:
+    plt = plots.pyplot()
+    if plt is None:
         return False
+    from matplotlib.patches import Patch
+
     stages = sorted({int(e["stage"]) for e in events})
     end = max((e["end"] for e in events), default=0.0) * 1e3
     fig, ax = plt.subplots(figsize=(14.0, 1.6 + 0.5 * len(stages)))
@@ -99,10 +97,7 @@ def write_gantt(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> 
                ("recv_fwd", "wait for a message"), ("send_fwd", "send"))]
     fig.legend(handles=legend, fontsize=7, loc="lower center", ncol=4, frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
-    try:
-        atomic_write(path, lambda f: fig.savefig(f, dpi=150, format="png"))
-    finally:
-        plt.close(fig)
+    plots.write_png(plt, fig, path, 150)
     return True
 
 
