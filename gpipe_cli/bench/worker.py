@@ -12,21 +12,34 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-import torch
-
-from gpipe_cli.bench.job import Job, run_job
-from gpipe_cli.errors import UserError
-from gpipe_cli.pipeline import failure, topology
+from gpipe_cli.pipeline import stopping
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:
-    # Ctrl-C (forwarded by the launcher) or SIGTERM: a benchmark has nothing to save; leave at once, quietly.
     os._exit(128 + signum)
 
 
 def main(argv: list[str]) -> None:
     """Join the job, pin threads, and run it guarded so that one failure stops every rank."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # Ctrl-C (forwarded by the launcher) or SIGTERM: a benchmark has nothing to save, so the rank leaves
+    # quietly whenever it comes: from before torch is imported (which takes seconds), and within the grace
+    # period while its main thread waits inside torch.
+    try:
+        stopping.until_started(announce=False)
+        _run(argv)
+    except stopping.StoppedEarly as stop:
+        sys.stdout.flush()
+        os._exit(128 + stop.signum)
+
+
+def _run(argv: list[str]) -> None:
+    import torch
+
+    from gpipe_cli.bench.job import Job, run_job
+    from gpipe_cli.errors import UserError
+    from gpipe_cli.pipeline import failure, topology
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # imported: now leave at once, unwinding nothing
         signal.signal(sig, _stop)
     job = Job(**json.loads(Path(argv[0]).read_text()))
     torch.set_num_threads(int(os.environ.get("GPIPE_THREADS", "1")))

@@ -18,6 +18,7 @@ import sys
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gpipe_cli.errors import NONFINITE_EXIT_CODE, UserError
@@ -91,7 +92,7 @@ def _config(world: int, options: LaunchOptions) -> object:
         "rdzv_endpoint": endpoint, "rdzv_backend": backend, "rdzv_configs": configs,
         "max_restarts": options.max_restarts, "monitor_interval": 0.1, "start_method": "spawn",
         "shutdown_timeout": options.shutdown_timeout,
-        # Ctrl-C is forwarded to the ranks by this process (see _forward_interrupt); the agent must not
+        # Ctrl-C is forwarded to the ranks by this process (see _Stops.forward_interrupt); the agent must not
         # also turn it into SIGTERM-then-kill, which would cut the final checkpoint short. It still
         # forwards SIGTERM.
         "signals_to_handle": "SIGTERM,SIGHUP,SIGQUIT",
@@ -117,15 +118,45 @@ def _children() -> list[int]:
     return found
 
 
-def _forward_interrupt(signum: int, frame: object) -> None:
-    """Pass Ctrl-C on to the ranks, which torchrun starts in sessions of their own (the terminal's
-    Ctrl-C reaches only this process). Each rank stops after its step; a second Ctrl-C aborts."""
-    children = _children()
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGINT)
-    if not children:  # no /proc: the agent turns SIGTERM into a graceful stop of every rank
-        os.kill(os.getpid(), signal.SIGTERM)
+class _Stops:
+    """Ctrl-C on the launching side: passed on to the ranks, and told here while they set up (no rank will)."""
+
+    def __init__(self, started: Path | None) -> None:
+        self.started = started
+        self.interrupted = False  # a Ctrl-C stops the job: its ranks' ends are no news, and it exits with 130
+        self.told = False
+
+    def training(self) -> bool:
+        """Whether the ranks have a step to finish and save (else a stop ends them at once)."""
+        return self.started is not None and self.started.exists()
+
+    def setting_up(self, signum: int) -> None:
+        """Say once, while no rank has a step to finish, that the job stops before its first step."""
+        if self.started is not None and not self.training() and not self.told:
+            self.told = True
+            print(f"\n[gpipe] {signal.Signals(signum).name}: stopping now, before the first step is done "
+                  "(nothing to save yet)", file=sys.stderr, flush=True)
+
+    def forward_interrupt(self, signum: int, frame: object) -> None:
+        """Pass Ctrl-C on to the ranks, which torchrun starts in sessions of their own (the terminal's
+        Ctrl-C reaches only this process). Training ranks stop after their step (SIGINT; a second Ctrl-C
+        aborts); ranks with nothing to save get SIGTERM, which also ends quietly one still starting Python."""
+        children = _children()
+        if not children and os.path.isdir("/proc"):
+            raise KeyboardInterrupt  # no rank runs yet: the command stops here, as before the launch
+        self.interrupted = True
+        self.setting_up(signal.SIGINT)
+        forward = signal.SIGINT if self.training() else signal.SIGTERM
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, forward)
+        if not children:  # no /proc to find them: the agent turns SIGTERM into a graceful stop of every rank
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def quiet(self, failures: dict[int, Any]) -> bool:
+        """Whether every rank just ended as this Ctrl-C asked (nothing for the launcher to explain)."""
+        ends = {128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM}
+        return self.interrupted and all(f.exitcode in ends for f in failures.values())
 
 
 def _name(rank: int, stages: int | None) -> str:
@@ -171,10 +202,11 @@ def explain(failures: dict[int, Any], stages: int | None = None) -> tuple[int, s
 
 
 def launch(module: str, args: list[str], world: int, options: LaunchOptions | None = None,
-           stages: int | None = None) -> int:
+           stages: int | None = None, started: Path | None = None) -> int:
     """Run `python -m module *args` on `world` ranks (this node's share of them); return an exit code.
 
-    `stages` (ranks per pipeline) lets messages name a rank's stage.
+    `stages` (ranks per pipeline) lets messages name a rank's stage. `started` is the file the ranks
+    create once they have work to finish: stopped before it exists, the job says so here, as no rank will.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -186,19 +218,26 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     threads = options.threads or max((os.cpu_count() or 1) // local, 1)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["GPIPE_THREADS"] = str(threads)
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        # The ranks report their own failures; the agent's log lines would only repeat them.
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-    previous = signal.signal(signal.SIGINT, _forward_interrupt)
+    for name in list(logging.root.manager.loggerDict):
+        # The ranks report their own failures, and a stop is told in one line; the agent's log lines
+        # (each of its modules sets its own level) would only repeat them.
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    stops = _Stops(started)
+    previous = signal.signal(signal.SIGINT, stops.forward_interrupt)
     try:
         elastic_launch(config, sys.executable)("-u", "-m", module, *args)  # type: ignore[arg-type]
     except ChildFailedError as exc:
+        if stops.quiet(exc.failures):
+            return 128 + signal.SIGINT
         code, line = explain(exc.failures, stages)
         if line:
             print(line, file=sys.stderr, flush=True)
         return code
     except SignalException as exc:
-        return 128 + int(exc.sigval)
+        signum = signal.SIGINT if stops.interrupted else signal.Signals(int(exc.sigval))
+        stops.setting_up(signum)
+        return 128 + signum
     except Exception as exc:  # rendezvous failures: unreachable endpoint, timeout
         print(f"gpipe: could not start the job: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -25,6 +25,8 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from gpipe_cli.pipeline import stopping
+
 T = TypeVar("T")
 _KEY_PREFIX = "gpipe/abort/"
 EXIT_CODE = 1
@@ -34,14 +36,6 @@ PEER_GRACE_S = 5.0  # how long a rank whose peer vanished waits for the launcher
 # What gloo says when the rank at the other end of a connection is gone.
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ECONNRESET", "EPIPE",
               "Connection refused")
-_stop_signal = 0  # a stop signal this rank received (set by the training loop's handler)
-
-
-def note_stop_signal(signum: int) -> None:
-    """Remember that this rank was asked to stop (on tear-down, a vanished peer is then no news)."""
-    global _stop_signal
-    _stop_signal = _stop_signal or signum
-
 
 def peer_lost(exc: BaseException) -> bool:
     """Whether `exc` says that another rank's process is gone."""
@@ -158,7 +152,7 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
     try:
         return fn()
     except BaseException as exc:
-        if isinstance(exc, SystemExit) and exc.code in (0, None):
+        if isinstance(exc, SystemExit) and exc.code in (0, None) or isinstance(exc, stopping.StoppedEarly):
             raise
         if peer_lost(exc):
             _await_teardown()
@@ -190,8 +184,8 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
 def _await_teardown() -> None:
     """A peer is gone: give the launcher (which ends every rank and names the one that died) a moment
     to end this rank quietly, rather than print a consequence as if it were the cause."""
-    if _stop_signal:  # already asked to stop: this is the tear-down
-        os._exit(128 + _stop_signal)
+    if stopping.received():  # already asked to stop: this is the tear-down
+        os._exit(128 + stopping.received())
     with contextlib.suppress(ValueError):  # only the main thread may set handlers
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     deadline = time.monotonic() + PEER_GRACE_S

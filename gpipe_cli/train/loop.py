@@ -256,6 +256,8 @@ class Trainer:
                 self.diverged = self.diverged or "non-finite values"
                 break
             done = step + 1
+            if step == self.start_step:
+                self.stop.arm()
             self.stopped_by = self.stop.agreed(self.topo.transport.control, self.topo.distributed)
             if self.stopped_by or (recipe.checkpoint.every and done % recipe.checkpoint.every == 0):
                 self._save(done)

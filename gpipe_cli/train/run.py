@@ -22,6 +22,7 @@ from gpipe_cli.launch import LaunchOptions, check_device, check_launch, check_wr
 from gpipe_cli.recipe.load import load_recipe, recipe_label
 from gpipe_cli.train.announce import announce, checking, first_line, local_ranks, note
 from gpipe_cli.train.job import Job
+from gpipe_cli.train.worker import STARTED
 
 OUTPUTS = "outputs"
 
@@ -97,7 +98,7 @@ def train(options: TrainOptions) -> int:
         if int(os.environ["WORLD_SIZE"]) != world:
             raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the recipe needs "
                             f"partitions x data_parallel = {world}")
-        from gpipe_cli.train.worker import run_job
+        from gpipe_cli.train.rank import run_job
 
         return run_job(job)
     here = local_ranks(world, options.launch.nnodes)
@@ -106,4 +107,5 @@ def train(options: TrainOptions) -> int:
     with tempfile.TemporaryDirectory(prefix="gpipe-") as folder:
         path = Path(folder) / "job.json"
         path.write_text(json.dumps(dataclasses.asdict(job)))
-        return launch("gpipe_cli.train.worker", [str(path)], world, options.launch, stages=recipe.pipeline.partitions)
+        return launch("gpipe_cli.train.worker", [str(path)], world, options.launch, stages=recipe.pipeline.partitions,
+                      started=Path(folder) / STARTED)

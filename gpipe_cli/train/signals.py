@@ -17,7 +17,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from gpipe_cli.pipeline import failure
+from gpipe_cli.pipeline import stopping
 
 
 class StopRequest:
@@ -26,11 +26,16 @@ class StopRequest:
     def __init__(self, announce: bool) -> None:
         self.signum = 0
         self.announce = announce
+
+    def arm(self) -> None:
+        """Take over Ctrl-C and SIGTERM from the set-up's handler (after the first step: before it, a stop
+        has nothing to save)."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
+        stopping.started()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        failure.note_stop_signal(signum)
+        stopping.note(signum)
         if not self.signum:
             self.signum = signum
             if self.announce and signum == signal.SIGINT:  # a person pressed Ctrl-C: answer at once

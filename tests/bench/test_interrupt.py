@@ -18,3 +18,16 @@ def test_ctrl_c_mid_measurement_exits_130_quietly_and_cleans_up(tmp_path):
     assert "Traceback" not in output and "stopped" in output
     # Nothing of the command's is left (torch's compile cache, which it keeps by design, aside).
     assert not [p for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")]
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_ranks_import_torch_is_quiet_too(tmp_path):
+    def starting(tmp, output):
+        return "measuring K=1" in output  # its rank is starting: importing torch takes it seconds
+
+    code, output = interrupt(["bench", *TINY, "--partitions", "2", "--microbatches", "4", "--steps", "100000"],
+                             tmp_path, starting)
+    assert code == 130, output[-3000:]
+    for noise in ("Traceback", "KeyboardInterrupt", "killed"):
+        assert noise not in output, output[-3000:]
+    assert not [p for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")]

@@ -144,6 +144,26 @@ def test_ctrl_c_finishes_the_step_and_writes_a_checkpoint(tmp_path):
     assert f"stopped by SIGINT after step {done}" in out
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_while_the_ranks_set_up_is_one_line_and_128_plus_the_signal(tmp_path, signum):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "gpipe_cli.cli", "train", str(write(tmp_path, recipe(steps=400))),
+                             "--output-dir", str(run), "--plain", "--threads", "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the launcher starts the ranks, which take seconds to import torch and join
+        if "starting 2 ranks" in line:
+            break
+    time.sleep(1.0)
+    os.killpg(proc.pid, signum)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err[-3000:]
+    assert err.count(f"[gpipe] {signal.Signals(signum).name}: stopping now, before the first step is done") == 1, err
+    for noise in ("Traceback", "failed", "killed", "W1", "E1"):  # no rank's or torch's report of it
+        assert noise not in out + err
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+
+
 def test_a_second_ctrl_c_aborts_at_once(tmp_path):
     proc = _start(write(tmp_path, recipe(steps=400, every=1000)), tmp_path / "run")
     os.killpg(proc.pid, signal.SIGINT)

@@ -1,0 +1,122 @@
+"""The stop signal (Ctrl-C, SIGTERM) a rank received, and what it does before the rank has work to finish.
+
+Until a rank has finished its first step (importing torch, joining the job, reading data, building its
+stage, the first step itself) there is nothing to save: the first signal raises `StoppedEarly`, which
+unwinds the set-up (files being written clean up after themselves) and ends the rank quietly with 128 +
+the signal. Whoever announces it (the launcher, or rank 0 under torchrun) says so at once for Ctrl-C; a
+SIGTERM may be the launcher tearing the job down after another rank failed, which that rank reports. A
+second signal ends the rank at once. Ranks hand over together, at the end of the step they share, so
+no rank stops for good while a peer means to finish a step and save it.
+
+Python runs a signal handler only between bytecodes of the main thread, and a main thread waiting inside
+torch (for a peer, in a collective or on the job's store) may not return for minutes. So the signal is
+also written to a pipe (`signal.set_wakeup_fd`, from C), where a thread waits: if the rank is still
+there `GRACE_S` later, that thread ends it. `started()` hands over to the training loop's own handler
+(finish the step, checkpoint, stop), and creates the marker file that tells the launcher so. Importing
+this module costs nothing: the handler is in place before torch is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+
+GRACE_S = 2.0
+_STOPS = (signal.SIGINT, signal.SIGTERM)
+_received = 0
+_announced = False
+_pipe: tuple[int, int] | None = None  # (read, write) ends while the set-up's deadline thread waits
+_marker: Path | None = None
+
+
+class StoppedEarly(BaseException):
+    """A stop signal before the first step: the rank ends without a report (BaseException: no `except
+    Exception` on the way may swallow it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} before the first step was done")
+        self.signum = signum
+
+
+def note(signum: int) -> None:
+    """Remember the first stop signal (on tear-down, a vanished peer is then no news)."""
+    global _received
+    _received = _received or signum
+
+
+def received() -> int:
+    """The first stop signal this rank received (0: none)."""
+    return _received
+
+
+def _announce(signum: int) -> None:
+    global _announced
+    if not _announced and signum == signal.SIGINT:  # a person pressed Ctrl-C: answer at once
+        _announced = True
+        print("\n[gpipe] SIGINT: stopping now, before the first step is done (nothing to save yet)",
+              file=sys.stderr, flush=True)
+
+
+def until_started(announce: bool, marker: Path | None = None) -> None:
+    """From now until `started()`, Ctrl-C or SIGTERM ends this rank quietly (call from the main thread).
+
+    `marker` is created by `started()`.
+    """
+    global _pipe, _marker
+    _marker = marker or _marker
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        if _received:
+            os._exit(128 + signum)
+        note(signum)
+        if announce:
+            _announce(signum)
+        raise StoppedEarly(signum)
+
+    if _pipe is None:
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write)
+        _pipe = (read, write)
+        threading.Thread(target=_deadline, args=(read, announce), name="set-up-stop", daemon=True).start()
+    for sig in _STOPS:  # last: the caller catches StoppedEarly around this call
+        signal.signal(sig, handle)
+
+
+def _deadline(read: int, announce: bool) -> None:
+    """End the rank `GRACE_S` after a stop signal that its main thread has not acted on."""
+    while True:
+        try:
+            data = os.read(read, 1)
+        except OSError:
+            return
+        if not data or _pipe is None:
+            os.close(read)
+            return  # set-up is over
+        if data[0] not in _STOPS:
+            continue
+        time.sleep(GRACE_S)
+        if _pipe is None:
+            return
+        if announce:
+            _announce(data[0])
+        sys.stdout.flush()
+        os._exit(128 + data[0])
+
+
+def started() -> None:
+    """The first step is done and the training loop's handler is in place: no deadline any more."""
+    global _pipe
+    if _marker is not None:
+        _marker.touch()
+    if _pipe is None:
+        return
+    read, write = _pipe
+    _pipe = None
+    signal.set_wakeup_fd(-1)
+    os.close(write)  # the deadline thread reads the end of the pipe and returns
