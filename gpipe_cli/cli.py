@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -33,9 +34,18 @@ def _guard(command: str, fn: Callable[[], T]) -> T:
     except UserError as exc:
         print(f"error: {one_line(str(exc))}", file=sys.stderr)
         raise typer.Exit(exc.exit_code) from None
-    except KeyboardInterrupt:  # typer would exit 130 without a word; what is written is written whole or not at all
-        print(f"gpipe {command}: interrupted; nothing was written", file=sys.stderr)
-        raise typer.Exit(130) from None
+
+
+def _interruptible(command: str, callback: Callable[..., Any]) -> Callable[..., Any]:
+    """The command's function, saying in one line that Ctrl-C stopped it (from its first import on)."""
+    @functools.wraps(callback)
+    def run_command(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return callback(*args, **kwargs)
+        except KeyboardInterrupt:  # typer would exit 130 without a word; what is written is written whole or not at all
+            print(f"gpipe {command}: interrupted; nothing was written", file=sys.stderr)
+            raise typer.Exit(130) from None
+    return run_command
 
 
 def _print_version(value: bool) -> None:
@@ -296,6 +306,8 @@ def report_runs(
 def run(args: list[str]) -> int:
     """Run the command line on `args`; every usage error is one line on stderr. Returns the exit code."""
     command = polish(typer.main.get_command(app))
+    for name, sub in getattr(command, "commands", {}).items():
+        sub.callback = _interruptible(name, sub.callback)
     if not args:
         args = ["--help"]
     try:
