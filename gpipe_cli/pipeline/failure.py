@@ -154,6 +154,8 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
     except BaseException as exc:
         if isinstance(exc, SystemExit) and exc.code in (0, None) or isinstance(exc, stopping.StoppedEarly):
             raise
+        if stopping.ending():  # e.g. sentencepiece's training turns the StoppedEarly of its callback into an error
+            raise stopping.StoppedEarly(stopping.ending()) from None
         if peer_lost(exc):
             _await_teardown()
             print(f"[gpipe] {label} lost contact with another rank: {type(exc).__name__}: "

@@ -54,6 +54,12 @@ def received() -> int:
     return _received
 
 
+def ending() -> int:
+    """The signal that is ending this rank before its first step (0: none). An error raised meanwhile is its
+    consequence, even one that a library calling back into Python made of `StoppedEarly`."""
+    return _received if _pipe is not None else 0
+
+
 def _announce(signum: int) -> None:
     global _announced
     if not _announced and signum == signal.SIGINT:  # a person pressed Ctrl-C: answer at once

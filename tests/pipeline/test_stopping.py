@@ -84,3 +84,22 @@ def test_after_the_first_step_the_training_loops_handler_decides_and_the_marker_
     assert code == 0, err
     assert out.splitlines() == [f"finished the step after [{int(signal.SIGINT)}]"]
     assert (tmp_path / "started").exists()
+
+
+def test_a_stop_that_a_library_turned_into_its_own_error_still_ends_the_rank_quietly(tmp_path):
+    # sentencepiece's trainer, stopped inside its Python callback, raises "INTERNAL: StoppedEarly: ...".
+    code, out, err, _ = _run("""
+        from gpipe_cli.pipeline import failure
+
+        def work():
+            try:
+                print("ready", flush=True)
+                time.sleep(60)
+            except BaseException as exc:
+                raise RuntimeError(f"INTERNAL: {exc!r}") from None
+
+        failure.run_guarded(work, "stage 0 (rank 0)")
+    """, tmp_path / "started")
+    assert code == 128 + signal.SIGINT, err
+    assert out.splitlines() == [f"unwound {int(signal.SIGINT)}"]
+    assert "failed" not in err and "Traceback" not in err
