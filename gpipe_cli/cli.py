@@ -27,7 +27,7 @@ RECIPE_HELP = "Recipe YAML file (default: the built-in quick-start recipe)."
 SET_HELP = "Override a recipe key: KEY=VALUE, the value read as YAML (repeatable)."
 
 
-def _guard(command: str, fn: Callable[[], T]) -> T:
+def _guard(fn: Callable[[], T]) -> T:
     """Run a command; bad input becomes one line on stderr and its exit code, never a traceback."""
     try:
         return fn()
@@ -86,7 +86,7 @@ def train(
                                 rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, threads=threads)  # may read Slurm's
         return run_training(TrainOptions(recipe, set_ or [], output_dir, plain, resume, launch))
 
-    raise typer.Exit(_guard("train", run))
+    raise typer.Exit(_guard(run))
 
 
 @app.command()
@@ -116,7 +116,7 @@ def validate(
             except OSError as exc:
                 raise UserError(f"--json: cannot write {shown(str(json_file))} ({exc.strerror})") from None
 
-    _guard("validate", run)
+    _guard(run)
 
 
 def _bench_flags() -> dict[str, str]:
@@ -188,7 +188,7 @@ def bench(
         num_classes=num_classes, set=set_ or [], sweep=sweep, compare=compare, trace=trace, simulate=simulate,
         devices=devices, bandwidth=bandwidth, latency_us=latency_us, threads=threads,
         oversubscribe=oversubscribe, seed=seed, json=json_file)
-    raise typer.Exit(_guard("bench", lambda: run_bench(options)))
+    raise typer.Exit(_guard(lambda: run_bench(options)))
 
 
 @app.command("profile-memory")
@@ -229,7 +229,7 @@ def profile_memory(
             set=set_ or [], device=device, seed=seed, json=json_file)
         return run_profile(options)
 
-    raise typer.Exit(_guard("profile-memory", run))
+    raise typer.Exit(_guard(run))
 
 
 @app.command()
@@ -257,7 +257,7 @@ def plan(
                           top=top, output=output, bandwidth=bandwidth, latency_us=latency_us,
                           node_bandwidth=node_bandwidth, node_latency_us=node_latency_us, timing=timing, tflops=tflops,
                           plain=plain)
-    raise typer.Exit(_guard("plan", lambda: run_plan(options)))
+    raise typer.Exit(_guard(lambda: run_plan(options)))
 
 
 @app.command()
@@ -271,7 +271,7 @@ def export(
 
         return export_model(run, output)
 
-    path = _guard("export", write)
+    path = _guard(write)
     print(f"wrote {path}")
 
 
@@ -286,7 +286,7 @@ def prepare_data(
     from gpipe_cli.data.prepare import prepare_data as save
     from gpipe_cli.recipe.load import load_recipe
 
-    files = _guard("prepare-data", lambda: save(load_recipe(recipe, set_ or []).data, Path(output)))
+    files = _guard(lambda: save(load_recipe(recipe, set_ or []).data, Path(output)))
     print(f"wrote {output} ({len(files)} parquet file{'s' if len(files) > 1 else ''}); train with "
           f"--set data.source=parquet --set data.path={output}")
 
@@ -300,7 +300,7 @@ def report_runs(
     """Compare runs: a table of their figures here and a one-page PNG of curves (several runs overlaid)."""
     from gpipe_cli.report import report
 
-    raise typer.Exit(_guard("report", lambda: report([Path(r) for r in runs], Path(output) if output else None)))
+    raise typer.Exit(_guard(lambda: report([Path(r) for r in runs], Path(output) if output else None)))
 
 
 def run(args: list[str]) -> int:
