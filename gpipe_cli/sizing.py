@@ -25,8 +25,9 @@ from gpipe_cli.models.describe import describe
 from gpipe_cli.models.registry import build_model, resolve_preset
 from gpipe_cli.units import human_bytes
 
-# The command should take at most a few minutes; estimates are rough, so aim well below that.
-TIME_BUDGET_S = 100.0
+# A command typed without a model should answer in about a minute; estimates are within a factor of
+# two, so aim a little above that.
+TIME_BUDGET_S = 60.0
 # Leave room for the rest of the machine: a model may use at most this share of the free memory.
 MEMORY_SHARE = 0.5
 
@@ -293,12 +294,22 @@ def _short(kind: str, params: dict[str, Any]) -> str:
     return f"AmoebaNet-D ({params.get('layers')}, {params.get('filters')})"
 
 
+# A model's whole layers run at this share of the bare matrix product `measured_rate` times, on top of
+# the fixed cost per layer call. Measured on a 2-core CPU, one thread per rank, from K=1 bench steps: a
+# Transformer's large products run at about that rate (0.5 at d_model 128 to 1.6 at 512), AmoebaNet's
+# separable convolutions at a twentieth. Anything else, and every GPU, is guessed.
+_EFFICIENCY = {("cpu", "transformer"): 0.8, ("cpu", "amoebanet"): 0.06}
+
+
+def layer_efficiency(device: str, kind: str) -> float:
+    """The share of the measured matrix-product rate that model family `kind`'s layers reach on `device`."""
+    return _EFFICIENCY.get((device, kind), 0.3 if device == "cuda" else 0.1)
+
+
 def step_seconds(cand: Candidate, machine: Machine, examples: int, microbatches: int, passes: float) -> float:
     """Estimated seconds of one training step's compute on one rank: FLOPs at the measured rate plus
     the fixed cost of every layer call (which dominates small models)."""
-    # Whole layers (dropout masks, normalisation, attention's small products) reach a fraction of a bare
-    # matrix product's rate; on a CPU a small one (measured: about a tenth with two threads).
-    efficiency = 0.3 if machine.kind == "cuda" else 0.1
+    efficiency = layer_efficiency(machine.kind, cand.kind)
     # A pipeline layer runs several small blocks' worth of operators (attention, two norms, a feed-forward).
     per_call = 1.5 * machine.call_seconds
     flops = examples * cand.flops * passes

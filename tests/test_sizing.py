@@ -49,11 +49,20 @@ def test_every_member_can_be_cut_into_eight_stages(family):
 def test_a_slower_or_smaller_machine_gets_a_smaller_bench_model():
     options = BenchOptions(partitions=8, microbatches=32)
     big = sizing.choose("transformer", judge(options, machine(1000 * GIB, 1e15)))
-    small = sizing.choose("transformer", judge(options, machine(16 * GIB, 1e10, call=1e-3)))
+    small = sizing.choose("transformer", judge(options, machine(16 * GIB, 1e10, call=5e-4)))
     size = {"big": sizing.candidate(big.kind, big.params).parameters,
             "small": sizing.candidate(small.kind, small.params).parameters}
     assert size["small"] < size["big"]
     assert small.verdict is not None and small.verdict.seconds <= sizing.TIME_BUDGET_S
+
+
+def test_a_family_whose_layers_run_slower_is_estimated_slower_for_the_same_flops():
+    # A Transformer's large products run near the measured rate, AmoebaNet's separable convolutions far below.
+    transformer, amoebanet = (sizing.candidate(*sizing.ladder(f)[-1]) for f in ("transformer", "amoebanet"))
+    cpu = machine(16 * GIB, 1e11, call=0.0)
+    per_flop = {c.kind: sizing.step_seconds(c, cpu, 8, 1, 3.0) / c.flops for c in (transformer, amoebanet)}
+    assert per_flop["amoebanet"] > 5 * per_flop["transformer"]
+    assert sizing.layer_efficiency("cpu", "something-else") == 0.1  # unmeasured families: the cautious guess
 
 
 def test_bench_estimates_grow_with_the_work():

@@ -138,15 +138,15 @@ def estimated_costs(names: list[str], flops: list[float], figs: ModelFigures, ra
     return at
 
 
-def machine_rate(machine: sizing.Machine) -> tuple[float, float]:
-    """This machine's effective FLOP/s for whole layers and fixed seconds per layer call (as `sizing` prices)."""
-    efficiency = 0.3 if machine.kind == "cuda" else 0.1  # whole layers against a bare matrix product
-    return machine.flops_per_s * efficiency, 1.5 * machine.call_seconds
+def machine_rate(machine: sizing.Machine, kind: str) -> tuple[float, float]:
+    """This machine's effective FLOP/s for model family `kind`'s layers and fixed seconds per layer call
+    (as `sizing` prices them)."""
+    return machine.flops_per_s * sizing.layer_efficiency(machine.kind, kind), 1.5 * machine.call_seconds
 
 
-def measure_seconds(flops: list[float], sizes: tuple[int, int], machine: sizing.Machine) -> float:
-    """About how long measuring per-layer seconds at both sizes takes here."""
-    rate, per_call = machine_rate(machine)
+def measure_seconds(flops: list[float], sizes: tuple[int, int], machine: sizing.Machine, kind: str) -> float:
+    """About how long measuring per-layer seconds of a model family `kind` at both sizes takes here."""
+    rate, per_call = machine_rate(machine, kind)
     runs = 3 * (REPEATS + 1) + 2  # three kinds timed, plus warm-up and the memory pass
     return sum(sum(f * s / rate + per_call for f in flops) * 4 * runs / 3 for s in set(sizes))
 
@@ -239,7 +239,7 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
     lo, hi = sizes(least)
     machine = sizing.this_machine(threads)
     if timing == "auto":
-        seconds = measure_seconds(flops, (lo, hi), machine)
+        seconds = measure_seconds(flops, (lo, hi), machine, kind)
         largest = max((layer.saved.at(hi) + 4 * layer.params for layer in figs.layers), default=0.0)
         timing = "measure" if seconds <= MEASURE_BUDGET_S and largest < machine.memory_bytes * sizing.MEMORY_SHARE \
             else "estimate"
@@ -276,7 +276,7 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
         note = (f"measured on {on} at micro-batches of {sizes_text} "
                 f"examples of {where}, affine in between; {engine}")
         return Inputs(costs, figs, least, note, memory_note, True, extra.action, extra.step, data, drift)
-    rate, per_call = machine_rate(machine)
+    rate, per_call = machine_rate(machine, kind)
     note = (f"estimated from FLOPs at this machine's measured {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank "
             f"({machine.kind}; --tflops for other devices)")
     return Inputs(estimated_costs(spec.layer_names, flops, figs, rate, per_call), figs, least, note, memory_note,
