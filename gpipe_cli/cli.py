@@ -36,10 +36,12 @@ def _guard(fn: Callable[[], T]) -> T:
         raise typer.Exit(exc.exit_code) from None
 
 
-def _interruptible(command: str, callback: Callable[..., Any]) -> Callable[..., Any]:
-    """The command's function, saying in one line that Ctrl-C stopped it (from its first import on)."""
+def _interruptible(command: str, callback: Callable[..., Any], started: list[str]) -> Callable[..., Any]:
+    """The command's function, saying in one line that Ctrl-C stopped it (from its first import on);
+    `started` records that it began, and so speaks for itself."""
     @functools.wraps(callback)
     def run_command(*args: Any, **kwargs: Any) -> Any:
+        started.append(command)
         try:
             return callback(*args, **kwargs)
         except KeyboardInterrupt:  # typer would exit 130 without a word; what is written is written whole or not at all
@@ -306,14 +308,15 @@ def report_runs(
 def run(args: list[str]) -> int:
     """Run the command line on `args`; every usage error is one line on stderr. Returns the exit code."""
     command = polish(typer.main.get_command(app))
+    started: list[str] = []
     for name, sub in getattr(command, "commands", {}).items():
-        sub.callback = _interruptible(name, sub.callback)
+        sub.callback = _interruptible(name, sub.callback, started)
     if not args:
         args = ["--help"]
     try:
         result = command.main(args=_bare_resume(args), prog_name="gpipe", standalone_mode=False)
     except typer.Exit as exc:
-        return exc.exit_code
+        result = exc.exit_code
     except typer.TyperException as exc:  # click's usage errors: unknown option, bad type, missing argument
         where = getattr(getattr(exc, "ctx", None), "command_path", "gpipe")
         print(f"error: {one_line(exc.format_message())} (see '{where} --help')", file=sys.stderr)
@@ -321,6 +324,8 @@ def run(args: list[str]) -> int:
     except typer.Abort:
         print("aborted", file=sys.stderr)
         return 130
+    if result == 130 and not started:  # typer turns a Ctrl-C while it parses the arguments into a silent 130
+        print("gpipe: interrupted; nothing was written", file=sys.stderr)
     return result if isinstance(result, int) else 0
 
 

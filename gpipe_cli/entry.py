@@ -9,7 +9,8 @@ def main() -> None:
     """Load the command line and run it."""
     try:
         from gpipe_cli.cli import main as run_command_line
-    except KeyboardInterrupt:
+
+        run_command_line()
+    except KeyboardInterrupt:  # while loading or building the command line; each command speaks for itself
         print("gpipe: interrupted; nothing was written", file=sys.stderr)
         raise SystemExit(130) from None
-    run_command_line()

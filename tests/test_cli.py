@@ -116,3 +116,33 @@ def test_ctrl_c_in_any_command_is_one_line_and_code_130(monkeypatch, capsys, com
     assert run(command) == 130
     err = capsys.readouterr().err
     assert err == f"gpipe {command[0]}: interrupted; nothing was written\n"
+
+
+def test_ctrl_c_while_the_arguments_are_parsed_is_one_line_too(monkeypatch, capsys):
+    # typer turns it into a silent exit code 130 before any command's function has begun.
+    import typer.core
+
+    def began(*args, **kwargs):
+        raise AssertionError("the command ran: the interrupt was not raised while parsing")
+
+    monkeypatch.setattr(typer.core.TyperCommand, "parse_args", _interrupted)
+    monkeypatch.setattr(__import__("gpipe_cli.bench", fromlist=["BenchOptions"]), "BenchOptions", began)
+    assert run(["bench", "--steps", "2"]) == 130
+    assert capsys.readouterr().err == "gpipe: interrupted; nothing was written\n"
+
+
+def test_a_command_that_ends_with_130_itself_gets_no_extra_line(capsys):
+    # train returns 130 after a stop it has reported (checkpoint written): the parser's line must not follow.
+    import typer
+
+    from gpipe_cli import cli
+
+    @cli.app.command("stopped-for-test")
+    def stopped() -> None:
+        raise typer.Exit(130)
+
+    try:
+        assert run(["stopped-for-test"]) == 130
+    finally:
+        cli.app.registered_commands.pop()
+    assert capsys.readouterr().err == ""
