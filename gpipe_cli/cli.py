@@ -295,7 +295,7 @@ def prepare_data(
 
 @app.command("report")
 def report_runs(
-    runs: list[str] = typer.Argument(..., metavar="RUN_DIR...", help="Run directories (each with metrics.jsonl)."),
+    runs: list[str] = typer.Argument(..., help="Run directories (each with metrics.jsonl)."),
     output: str | None = typer.Option(None, metavar="FILE", help="The PNG to write (default: RUN_DIR/report.png "
                                       "for one run, report.png here for several)."),
 ) -> None:

@@ -15,7 +15,7 @@ _METAVARS = {
     "partitions": "K", "microbatches": "M", "schedule": "NAME", "checkpoint": "MODE", "balance": "N,N,...",
     "optimizer": "NAME", "budget": "SIZE", "device": "DEVICE", "bandwidth": "GB/S", "latency_us": "US",
     "device_memory": "SIZE", "node_bandwidth": "GB/S", "node_latency_us": "US", "timing": "MODE",
-    "tflops": "TFLOP/S",
+    "tflops": "TFLOP/S", "runs": "RUN_DIR",
 }
 _BY_TYPE = {"int": "N", "float": "X", "Path": "PATH", "str": "VALUE", "list[str]": "VALUE"}
 _SPACE_BEFORE_PUNCTUATION = re.compile(r"\s+([,;:)]|\.(?!\.))")

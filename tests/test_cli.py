@@ -146,3 +146,8 @@ def test_a_command_that_ends_with_130_itself_gets_no_extra_line(capsys):
     finally:
         cli.app.registered_commands.pop()
     assert capsys.readouterr().err == ""
+
+
+def test_a_missing_argument_is_named_as_the_help_names_it(capsys):
+    assert run(["report"]) == 2
+    assert "Missing argument 'RUN_DIR'" in capsys.readouterr().err
