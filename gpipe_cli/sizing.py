@@ -25,8 +25,7 @@ from gpipe_cli.models.describe import describe
 from gpipe_cli.models.registry import build_model, resolve_preset
 from gpipe_cli.units import human_bytes
 
-# A command typed without a model should answer in about a minute; estimates are within a factor of
-# two, so aim a little above that.
+# A command typed without a model should answer in about a minute (its estimate is within a factor of two).
 TIME_BUDGET_S = 60.0
 # Leave room for the rest of the machine: a model may use at most this share of the free memory.
 MEMORY_SHARE = 0.5
