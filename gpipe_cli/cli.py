@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import typer
 from rich.console import Console
 
-from gpipe_cli import __version__
+from gpipe_cli import __version__, interrupts
 from gpipe_cli.cli_help import polish
 from gpipe_cli.errors import UserError, one_line, shown
 from gpipe_cli.files import atomic_write_text
@@ -331,7 +331,8 @@ def run(args: list[str]) -> int:
 
 def main() -> None:
     """Console-script entry point."""
-    exit_now(run(sys.argv[1:]))
+    interrupts.stop_on_sigterm()
+    exit_now(interrupts.exit_code(run(sys.argv[1:])))
 
 
 def _bare_resume(args: list[str]) -> list[str]:

@@ -1,7 +1,9 @@
-"""Ctrl-C that cannot be lost while a command measures.
+"""Ctrl-C that cannot be lost while a command measures, and SIGTERM that stops a command as Ctrl-C does.
 
 The engine's memory meter releases its records in `__del__`, and Python ignores a KeyboardInterrupt raised
-there; so a measuring command also remembers the signal and checks it between measurements.
+there; so a measuring command also remembers the signal and checks it between measurements. SIGTERM (a
+`kill`, `timeout`, a scheduler's cancel) would end the process where it stands, leaving its temporary
+files; raised as a KeyboardInterrupt instead, it takes the same way out and only the exit code differs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import signal
 from collections.abc import Iterator
 
 _interrupted = False
+_terminated = False
 
 
 def _on_interrupt(signum: int, frame: object) -> None:
@@ -35,3 +38,19 @@ def check() -> None:
     """Raise a Ctrl-C that arrived but was swallowed on the way."""
     if _interrupted:
         raise KeyboardInterrupt
+
+
+def _on_terminate(signum: int, frame: object) -> None:
+    global _interrupted, _terminated
+    _interrupted = _terminated = True
+    raise KeyboardInterrupt
+
+
+def stop_on_sigterm() -> None:
+    """From now on SIGTERM stops this process as Ctrl-C does (one line, nothing half-written or left behind)."""
+    signal.signal(signal.SIGTERM, _on_terminate)
+
+
+def exit_code(code: int) -> int:
+    """`code`, with a stop that SIGTERM caused reported as 128 + SIGTERM rather than Ctrl-C's 130."""
+    return 128 + signal.SIGTERM if _terminated and code == 128 + signal.SIGINT else code

@@ -13,8 +13,8 @@ from pathlib import Path
 
 
 def interrupt(args: list[str], tmp: Path, measuring: Callable[[Path, str], bool],
-              timeout: float = 300) -> tuple[int, str]:
-    """Run `gpipe *args` with its temporary files under `tmp`; SIGINT once `measuring(tmp, output)`."""
+              timeout: float = 300, signum: int = signal.SIGINT) -> tuple[int, str]:
+    """Run `gpipe *args` with its temporary files under `tmp`; send `signum` once `measuring(tmp, output)`."""
     env = {**os.environ, "TMPDIR": str(tmp)}
     proc = subprocess.Popen([sys.executable, "-u", "-m", "gpipe_cli.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
@@ -24,7 +24,7 @@ def interrupt(args: list[str], tmp: Path, measuring: Callable[[Path, str], bool]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         if measuring(tmp, "".join(lines)):
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signum)
             break
         time.sleep(0.2)
     try:

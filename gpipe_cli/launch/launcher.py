@@ -225,6 +225,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
             logging.getLogger(name).setLevel(logging.CRITICAL)
     stops = _Stops(started)
     previous = signal.signal(signal.SIGINT, stops.forward_interrupt)
+    previous_term = signal.getsignal(signal.SIGTERM)  # the agent installs its own and leaves it behind
     try:
         elastic_launch(config, sys.executable)("-u", "-m", module, *args)  # type: ignore[arg-type]
     except ChildFailedError as exc:
@@ -243,4 +244,5 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
         return 1
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous_term)
     return 0

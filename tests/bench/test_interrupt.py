@@ -1,5 +1,7 @@
 """Ctrl-C during `gpipe bench` stops the ranks: exit 130, no traceback, no temporary files left."""
 
+import signal
+
 import pytest
 
 from tests.bench.test_cli_commands import TINY
@@ -30,4 +32,18 @@ def test_ctrl_c_while_the_ranks_import_torch_is_quiet_too(tmp_path):
     assert code == 130, output[-3000:]
     for noise in ("Traceback", "KeyboardInterrupt", "killed"):
         assert noise not in output, output[-3000:]
+    assert not [p for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["sizing", "ranks"])
+def test_sigterm_stops_it_as_ctrl_c_does_with_143(tmp_path, moment):
+    # A `kill` or a scheduler's cancel: before, the process died where it stood (-15, no word, files left).
+    def now(tmp, output):
+        return "plan" in output if moment == "sizing" else any(tmp.glob("gpipe-bench-*"))
+
+    code, output = interrupt(["bench", *TINY, "--partitions", "2", "--microbatches", "4", "--steps", "100000"],
+                             tmp_path, now, signum=signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, output[-3000:]
+    assert "Traceback" not in output and "nothing was written" in output, output[-3000:]
     assert not [p for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")]
