@@ -2,9 +2,10 @@
 
 `gpipe bench` and `gpipe profile-memory` without model flags measure the paper's model of the family
 (Transformer-L-48, AmoebaNet-D (18, 256)) when the devices' memory holds it and the command would
-finish within a few minutes; otherwise they walk down a ladder of the same architecture, fewer
+finish in about a minute; otherwise they walk down a ladder of the same architecture, fewer
 layers and narrower, to the first member that does. Time is estimated from the model's FLOPs at a
-quick measured rate of this machine (a matrix product on one rank's threads), plus the fixed costs
+quick measured rate of this machine (a matrix product on one rank's threads) times the share of it
+the family's layers reach, plus the fixed costs
 of starting ranks and of running a layer (a tiny block's forward and backward, also measured);
 memory from the parameters and the activations' shapes. Every member keeps at least eight pipeline
 layers, so that K=8 stays possible.

@@ -63,8 +63,8 @@ SWEEP_PARTITIONS = (2, 4, 8)
 # Flag name -> help text, for the CLI's typer options (one to one with the fields above).
 FLAGS: dict[str, str] = {
     "model": "Preset (amoebanet-d-18-256, transformer-l-13, t-6-8192-16, ...), family (amoebanet, "
-             "transformer: the paper's speed-table models, scaled down to this machine's memory and a few "
-             "minutes when no size flag or --set is given) or a recipe file (.yaml).",
+             "transformer: the paper's speed-table models, scaled down to this machine's memory and about a "
+             "minute when no size flag or --set is given) or a recipe file (.yaml).",
     "partitions": "K: pipeline stages, one rank each.",
     "microbatches": "M: micro-batches per mini-batch.",
     "batch_size": "Examples per mini-batch [default: 4 x M].",
