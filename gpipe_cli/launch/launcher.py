@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -125,6 +126,8 @@ class _Stops:
         self.started = started
         self.interrupted = False  # a Ctrl-C stops the job: its ranks' ends are no news, and it exits with 130
         self.told = False
+        self.over = threading.Event()  # set when the launch has returned
+        self.repeating = False
 
     def training(self) -> bool:
         """Whether the ranks have a step to finish and save (else a stop ends them at once)."""
@@ -152,6 +155,17 @@ class _Stops:
                 os.kill(pid, forward)
         if not children:  # no /proc to find them: the agent turns SIGTERM into a graceful stop of every rank
             os.kill(os.getpid(), signal.SIGTERM)
+        elif forward == signal.SIGTERM and not self.repeating:
+            self.repeating = True
+            threading.Thread(target=self._repeat, daemon=True).start()
+
+    def _repeat(self) -> None:
+        """Send SIGTERM again each second until the launch returns: a rank being started at the instant of
+        the first (forked, not yet running its program) can lose it, and would then run its whole job."""
+        while not self.over.wait(1.0):
+            for pid in _children():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
 
     def quiet(self, failures: dict[int, Any]) -> bool:
         """Whether every rank just ended as this Ctrl-C asked (nothing for the launcher to explain)."""
@@ -243,6 +257,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
         print(f"gpipe: could not start the job: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:
+        stops.over.set()
         signal.signal(signal.SIGINT, previous)
         signal.signal(signal.SIGTERM, previous_term)
     return 0

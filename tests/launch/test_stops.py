@@ -1,0 +1,38 @@
+"""Ctrl-C on the launching side while the ranks set up: every rank ends, even one that missed the signal."""
+
+import signal
+import subprocess
+import sys
+import time
+
+from gpipe_cli.launch.launcher import _Stops
+
+# A rank that loses the first SIGTERM, as one does when it arrives while the rank is being started
+# (forked, its program not yet running), and ends on the next.
+MISSES_ONE = """
+import signal, sys, time
+seen = []
+def handle(signum, frame):
+    seen.append(signum)
+    if len(seen) > 1:
+        sys.exit(128 + signum)
+signal.signal(signal.SIGTERM, handle)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_rank_that_missed_the_stop_is_sent_it_again_until_the_launch_returns():
+    rank = subprocess.Popen([sys.executable, "-c", MISSES_ONE], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "ready"
+        stops = _Stops(None)  # no marker: nothing to save, the ranks get SIGTERM
+        previous = signal.getsignal(signal.SIGINT)
+        start = time.monotonic()
+        stops.forward_interrupt(signal.SIGINT, None)
+        assert rank.wait(timeout=30) == 128 + signal.SIGTERM
+        assert time.monotonic() - start < 30
+        stops.over.set()
+        assert stops.interrupted and signal.getsignal(signal.SIGINT) == previous
+    finally:
+        rank.kill()
