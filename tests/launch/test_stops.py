@@ -3,7 +3,6 @@
 import signal
 import subprocess
 import sys
-import time
 
 from gpipe_cli.launch.launcher import _Stops
 
@@ -23,16 +22,14 @@ time.sleep(120)
 
 
 def test_a_rank_that_missed_the_stop_is_sent_it_again_until_the_launch_returns():
+    stops = _Stops(None)  # no marker: nothing to save, the ranks get SIGTERM
     rank = subprocess.Popen([sys.executable, "-c", MISSES_ONE], stdout=subprocess.PIPE, text=True)
     try:
         assert rank.stdout is not None and rank.stdout.readline().strip() == "ready"
-        stops = _Stops(None)  # no marker: nothing to save, the ranks get SIGTERM
-        previous = signal.getsignal(signal.SIGINT)
-        start = time.monotonic()
         stops.forward_interrupt(signal.SIGINT, None)
+        # Sent once, as before, the rank would sleep out its two minutes.
         assert rank.wait(timeout=30) == 128 + signal.SIGTERM
-        assert time.monotonic() - start < 30
-        stops.over.set()
-        assert stops.interrupted and signal.getsignal(signal.SIGINT) == previous
+        assert stops.interrupted
     finally:
+        stops.over.set()
         rank.kill()
