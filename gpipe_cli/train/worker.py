@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     """Read the job file named on the command line and run it."""
     path = Path((sys.argv[1:] if argv is None else argv)[0])
     try:
-        stopping.until_started(announce=False, marker=path.parent / STARTED)  # the launcher tells a stop in set-up
+        stopping.until_started(announce=False)  # through the imports; the launcher tells a stop in set-up
         from gpipe_cli.train.job import Job
         from gpipe_cli.train.rank import run_job
 
