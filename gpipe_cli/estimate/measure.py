@@ -86,7 +86,10 @@ class RunFigures:
 
     @property
     def bubble(self) -> float:
-        """Median measured bubble."""
+        """The measured bubble: the mean over stages of each stage's median idle share (so it is the mean of
+        the stage table's column, and aggregated as torch's schedules are in `--compare`)."""
+        if self.stages:
+            return sum(s.bubble for s in self.stages) / len(self.stages)
         return median(self.bubbles)
 
     @property

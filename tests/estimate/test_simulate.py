@@ -68,3 +68,12 @@ def test_measured_costs_balance_by_the_min_max_split():
     costs = equal_costs()
     costs.layers[0] = LayerTiming("heavy", 5.0, 5.0, 10.0, 1000)
     assert costs.balance(2, "never") == [2, 6]  # stage costs 15 + 3 and 6 x 3
+
+
+def test_the_measured_bubble_is_the_mean_of_the_stage_tables_idle_column():
+    from gpipe_cli.estimate.measure import RunFigures, StageFigures
+
+    stages = [StageFigures(s, 3, 2.5, 3.0, idle, 0, 0, 0) for s, idle in enumerate((0.131, 0.161))]
+    # Per-step means whose median (0.185) is neither stage's: the headline must not disagree with the table.
+    figures = RunFigures(2, 8, 128, [3, 3], bubbles=[0.185, 0.19, 0.12], stages=stages)
+    assert abs(figures.bubble - 0.146) < 1e-12
