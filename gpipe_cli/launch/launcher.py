@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from gpipe_cli.launch.preflight import parse_nodes
 from gpipe_cli.launch.slurm import check_one_task_per_node, slurm_step
 
 _STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+FORCE_S = 20.0  # after a stop with nothing to save, the most a command may take to end
 
 
 def under_torchrun() -> bool:
@@ -127,7 +129,8 @@ class _Stops:
         self.interrupted = False  # a Ctrl-C stops the job: its ranks' ends are no news, and it exits with 130
         self.told = False
         self.over = threading.Event()  # set when the launch has returned
-        self.repeating = False
+        self.finishing = False
+        self.stood_down = threading.Event()  # a caller that outlives the launch cancels the forced end
 
     def training(self) -> bool:
         """Whether the ranks have a step to finish and save (else a stop ends them at once)."""
@@ -145,27 +148,40 @@ class _Stops:
         Ctrl-C reaches only this process). Training ranks stop after their step (SIGINT; a second Ctrl-C
         aborts); ranks with nothing to save get SIGTERM, which also ends quietly one still starting Python."""
         children = _children()
+        training = self.training()
+        if not training and not self.finishing and os.path.isdir("/proc"):
+            self.finishing = True
+            threading.Thread(target=self._finish, daemon=True).start()
         if not children and os.path.isdir("/proc"):
             raise KeyboardInterrupt  # no rank runs yet: the command stops here, as before the launch
         self.interrupted = True
         self.setting_up(signal.SIGINT)
-        forward = signal.SIGINT if self.training() else signal.SIGTERM
+        forward = signal.SIGINT if training else signal.SIGTERM
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, forward)
         if not children:  # no /proc to find them: the agent turns SIGTERM into a graceful stop of every rank
             os.kill(os.getpid(), signal.SIGTERM)
-        elif forward == signal.SIGTERM and not self.repeating:
-            self.repeating = True
-            threading.Thread(target=self._repeat, daemon=True).start()
 
-    def _repeat(self) -> None:
-        """Send SIGTERM again each second until the launch returns: a rank being started at the instant of
-        the first (forked, not yet running its program) can lose it, and would then run its whole job."""
-        while not self.over.wait(1.0):
-            for pid in _children():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
+    def _finish(self) -> None:
+        """See a stop with nothing to save through. SIGTERM goes again each second until the launch returns: a
+        rank being started at the instant of the first (forked, its program not yet running) can lose it and
+        would run its whole job. A process still here `FORCE_S` after the stop is stuck: its ranks are killed
+        and it ends, as a second Ctrl-C would end it."""
+        deadline = time.monotonic() + FORCE_S
+        while time.monotonic() < deadline:
+            if not self.over.is_set():
+                for pid in _children():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGTERM)
+            if self.stood_down.wait(1.0):
+                return
+        for pid in _children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        print(f"gpipe: still running {FORCE_S:.0f} s after the stop; ended it and its ranks", file=sys.stderr,
+              flush=True)
+        os._exit(128 + signal.SIGINT)
 
     def quiet(self, failures: dict[int, Any]) -> bool:
         """Whether every rank just ended as this Ctrl-C asked (nothing for the launcher to explain)."""

@@ -32,4 +32,23 @@ def test_a_rank_that_missed_the_stop_is_sent_it_again_until_the_launch_returns()
         assert stops.interrupted
     finally:
         stops.over.set()
+        stops.stood_down.set()  # this process outlives the stop
         rank.kill()
+
+
+def test_a_process_still_there_long_after_a_stop_with_nothing_to_save_ends_with_its_ranks(tmp_path):
+    # Whatever holds it (a rank that never ends, a thread that never returns), the command ends, as a second
+    # Ctrl-C would end it.
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        "import signal, subprocess, sys, time\n"
+        "from gpipe_cli.launch import launcher\n"
+        "launcher.FORCE_S = 2.0\n"
+        "rank = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(120)'], stdout=subprocess.PIPE)\n"
+        "rank.stdout.readline()\n"
+        "launcher._Stops(None).forward_interrupt(signal.SIGINT, None)\n"
+        "time.sleep(120)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr
+    assert "still running 2 s after the stop; ended it and its ranks" in proc.stderr
