@@ -170,6 +170,8 @@ class _Stops:
         and it ends, as a second Ctrl-C would end it."""
         deadline = time.monotonic() + FORCE_S
         while time.monotonic() < deadline:
+            if self.training():
+                return  # a rank reached its first step meanwhile: the ranks finish it and save, however long
             if not self.over.is_set():
                 for pid in _children():
                     with contextlib.suppress(ProcessLookupError):

@@ -52,3 +52,26 @@ def test_a_process_still_there_long_after_a_stop_with_nothing_to_save_ends_with_
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 128 + signal.SIGINT, proc.stderr
     assert "still running 2 s after the stop; ended it and its ranks" in proc.stderr
+
+
+def test_once_a_rank_has_a_step_to_save_the_stop_is_left_to_the_ranks(tmp_path, monkeypatch):
+    # The marker appears just after the stop (a rank finished its first step): its checkpoint may take
+    # longer than any limit, and must not be cut short by repeated signals or the forced end.
+    import time
+
+    from gpipe_cli.launch import launcher
+
+    monkeypatch.setattr(launcher, "FORCE_S", 1.5)
+    marker = tmp_path / "training"
+    stops = _Stops(marker)
+    rank = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                             "signal.SIG_IGN); print(flush=True); time.sleep(120)"], stdout=subprocess.PIPE)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline() == b"\n"
+        stops.forward_interrupt(signal.SIGINT, None)
+        marker.touch()
+        time.sleep(3)
+        assert rank.poll() is None  # neither killed nor (this process) ended
+    finally:
+        stops.stood_down.set()
+        rank.kill()
