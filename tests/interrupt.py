@@ -12,12 +12,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def _as_from_a_terminal() -> None:
+    # A suite started in the background (`cmd &` from a script) inherits SIGINT ignored, and Python then
+    # never turns it into KeyboardInterrupt: the command must start as a terminal would start it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt(args: list[str], tmp: Path, measuring: Callable[[Path, str], bool],
               timeout: float = 300, signum: int = signal.SIGINT) -> tuple[int, str]:
     """Run `gpipe *args` with its temporary files under `tmp`; send `signum` once `measuring(tmp, output)`."""
     env = {**os.environ, "TMPDIR": str(tmp)}
     proc = subprocess.Popen([sys.executable, "-u", "-m", "gpipe_cli.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+                            stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=_as_from_a_terminal)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
     reader.start()
