@@ -1,4 +1,4 @@
-"""The `gpipe` command's entry point: it imports nothing, so a Ctrl-C while the rest loads is one line too."""
+"""The `gpipe` command's entry point: it imports nothing heavy, so a Ctrl-C while the rest loads is one line too."""
 
 from __future__ import annotations
 

@@ -121,6 +121,13 @@ def _children() -> list[int]:
     return found
 
 
+def _send(pids: list[int], signum: int) -> None:
+    """Send `signum` to each of `pids` that is still there."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
 class _Stops:
     """Ctrl-C on the launching side: passed on to the ranks, and told here while they set up (no rank will)."""
 
@@ -147,19 +154,15 @@ class _Stops:
         """Pass Ctrl-C on to the ranks, which torchrun starts in sessions of their own (the terminal's
         Ctrl-C reaches only this process). Training ranks stop after their step (SIGINT; a second Ctrl-C
         aborts); ranks with nothing to save get SIGTERM, which also ends quietly one still starting Python."""
-        children = _children()
-        training = self.training()
-        if not training and not self.finishing and os.path.isdir("/proc"):
+        children, training, proc = _children(), self.training(), os.path.isdir("/proc")
+        if proc and not training and not self.finishing:
             self.finishing = True
             threading.Thread(target=self._finish, daemon=True).start()
-        if not children and os.path.isdir("/proc"):
+        if proc and not children:
             raise KeyboardInterrupt  # no rank runs yet: the command stops here, as before the launch
         self.interrupted = True
         self.setting_up(signal.SIGINT)
-        forward = signal.SIGINT if training else signal.SIGTERM
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, forward)
+        _send(children, signal.SIGINT if training else signal.SIGTERM)
         if not children:  # no /proc to find them: the agent turns SIGTERM into a graceful stop of every rank
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -173,14 +176,10 @@ class _Stops:
             if self.training():
                 return  # a rank reached its first step meanwhile: the ranks finish it and save, however long
             if not self.over.is_set():
-                for pid in _children():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGTERM)
+                _send(_children(), signal.SIGTERM)
             if self.stood_down.wait(1.0):
                 return
-        for pid in _children():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _send(_children(), signal.SIGKILL)
         print(f"gpipe: still running {FORCE_S:.0f} s after the stop; ended it and its ranks", file=sys.stderr,
               flush=True)
         os._exit(128 + signal.SIGINT)

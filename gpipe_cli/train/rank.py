@@ -55,4 +55,3 @@ def _run(job: Job) -> int:
     if topo.distributed:
         dist.destroy_process_group()
     return code
-
