@@ -22,16 +22,26 @@ def _on_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def on_sigint(handler: signal.Handlers | object) -> object:
+    """Install `handler` for SIGINT unless SIGINT is ignored; return the handler it had."""
+    current = signal.getsignal(signal.SIGINT)
+    # A command started with SIGINT ignored (`nohup`, a script's background job) keeps ignoring it, as
+    # its user asked: the terminal's Ctrl-C is meant for the foreground job, not for this one.
+    if current is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, handler)  # type: ignore[arg-type]
+    return current
+
+
 @contextlib.contextmanager
 def remembered() -> Iterator[None]:
     """Within it, Ctrl-C raises KeyboardInterrupt as usual and is also remembered for `check`."""
     global _interrupted
     _interrupted = False
-    previous = signal.signal(signal.SIGINT, _on_interrupt)
+    previous = on_sigint(_on_interrupt)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, previous)  # type: ignore[arg-type]
 
 
 def check() -> None:

@@ -20,3 +20,32 @@ def test_a_ctrl_c_swallowed_in_a_finalizer_is_still_honoured():
             interrupts.check()
     finally:
         interrupts._interrupted = False
+
+
+def test_a_command_started_with_ctrl_c_ignored_keeps_ignoring_it():
+    # `nohup` or a script's background job: the terminal's Ctrl-C is for the foreground job.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert interrupts.on_sigint(signal.default_int_handler) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        with interrupts.remembered():
+            signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt
+            interrupts.check()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_command_started_as_from_a_terminal_takes_ctrl_c_over():
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with interrupts.remembered():
+            assert signal.getsignal(signal.SIGINT) is interrupts._on_interrupt
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+            with pytest.raises(KeyboardInterrupt):
+                interrupts.check()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        interrupts._interrupted = False
+        signal.signal(signal.SIGINT, previous)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpipe_cli import interrupts
 from gpipe_cli.errors import NONFINITE_EXIT_CODE, UserError
 from gpipe_cli.launch.preflight import parse_nodes
 from gpipe_cli.launch.slurm import check_one_task_per_node, slurm_step
@@ -255,7 +256,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     stops = _Stops(started)
-    previous = signal.signal(signal.SIGINT, stops.forward_interrupt)
+    previous = interrupts.on_sigint(stops.forward_interrupt)
     previous_term = signal.getsignal(signal.SIGTERM)  # the agent installs its own and leaves it behind
     try:
         elastic_launch(config, sys.executable)("-u", "-m", module, *args)  # type: ignore[arg-type]
@@ -275,6 +276,6 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
         return 1
     finally:
         stops.over.set()
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, previous)  # type: ignore[arg-type]
         signal.signal(signal.SIGTERM, previous_term)
     return 0
