@@ -47,6 +47,14 @@ def _interruptible(command: str, callback: Callable[..., Any], started: list[str
         except KeyboardInterrupt:  # typer would exit 130 without a word; what is written is written whole or not at all
             print(f"gpipe {command}: interrupted; nothing was written", file=sys.stderr)
             raise typer.Exit(130) from None
+        except typer.Exit:
+            raise
+        except Exception:
+            if not interrupts.interrupted():
+                raise
+            # A library loading at the Ctrl-C turned it into an error of its own.
+            print(f"gpipe {command}: interrupted; nothing was written", file=sys.stderr)
+            raise typer.Exit(130) from None
     return run_command
 
 
@@ -331,7 +339,7 @@ def run(args: list[str]) -> int:
 
 def main() -> None:
     """Console-script entry point."""
-    interrupts.stop_on_sigterm()
+    interrupts.stop_on_signals()
     exit_now(interrupts.exit_code(run(sys.argv[1:])))
 
 

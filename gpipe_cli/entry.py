@@ -9,11 +9,19 @@ from gpipe_cli import interrupts
 
 def main() -> None:
     """Load the command line and run it."""
-    interrupts.stop_on_sigterm()
+    interrupts.stop_on_signals()
     try:
         from gpipe_cli.cli import main as run_command_line
 
         run_command_line()
     except KeyboardInterrupt:  # while loading or building the command line; each command speaks for itself
-        print("gpipe: interrupted; nothing was written", file=sys.stderr)
-        raise SystemExit(interrupts.exit_code(130)) from None
+        _interrupted()
+    except Exception:
+        if not interrupts.interrupted():
+            raise
+        _interrupted()  # a library that was loading turned the Ctrl-C into an error of its own
+
+
+def _interrupted() -> None:
+    print("gpipe: interrupted; nothing was written", file=sys.stderr)
+    raise SystemExit(interrupts.exit_code(130)) from None

@@ -35,8 +35,7 @@ def on_sigint(handler: signal.Handlers | object) -> object:
 @contextlib.contextmanager
 def remembered() -> Iterator[None]:
     """Within it, Ctrl-C raises KeyboardInterrupt as usual and is also remembered for `check`."""
-    global _interrupted
-    _interrupted = False
+    check()  # one that arrived before, while the command loaded, and was lost there
     previous = on_sigint(_on_interrupt)
     try:
         yield
@@ -50,14 +49,23 @@ def check() -> None:
         raise KeyboardInterrupt
 
 
+def interrupted() -> bool:
+    """Whether Ctrl-C or SIGTERM arrived: an exception after it is taken for its consequence."""
+    # Libraries loading at that moment turn the KeyboardInterrupt into their own errors (pydantic's schema
+    # errors, RecursionError, RuntimeError from class creation), or swallow it.
+    return _interrupted
+
+
 def _on_terminate(signum: int, frame: object) -> None:
     global _interrupted, _terminated
     _interrupted = _terminated = True
     raise KeyboardInterrupt
 
 
-def stop_on_sigterm() -> None:
-    """From now on SIGTERM stops this process as Ctrl-C does (one line, nothing half-written or left behind)."""
+def stop_on_signals() -> None:
+    """From now on Ctrl-C (unless ignored) and SIGTERM stop this process with one line, nothing half-written or
+    left behind, and are remembered for `check`."""
+    on_sigint(_on_interrupt)
     signal.signal(signal.SIGTERM, _on_terminate)
 
 

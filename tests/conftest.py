@@ -15,6 +15,15 @@ def layer_cost_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
         yield
 
 
+@pytest.fixture(autouse=True)
+def no_interrupt_left() -> Iterator[None]:
+    """A Ctrl-C remembered by one test (in this process) is not another's."""
+    from gpipe_cli import interrupts
+
+    yield
+    interrupts._interrupted = interrupts._terminated = False
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under `-n`, keep each module on one worker (a module-scoped run is made once); long modules first, speed last."""

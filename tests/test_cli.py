@@ -151,3 +151,39 @@ def test_a_command_that_ends_with_130_itself_gets_no_extra_line(capsys):
 def test_a_missing_argument_is_named_as_the_help_names_it(capsys):
     assert run(["report"]) == 2
     assert "Missing argument 'RUN_DIR'" in capsys.readouterr().err
+
+
+def _turned_into_another_error(*args, **kwargs):
+    # pydantic building a schema at that moment wraps the KeyboardInterrupt in its own SchemaError.
+    from gpipe_cli import interrupts
+    interrupts._interrupted = True
+    raise RuntimeError("Error building validator")
+
+
+def test_ctrl_c_that_a_loading_library_turns_into_its_own_error_is_still_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(__import__("gpipe_cli.train.export", fromlist=["export"]), "export",
+                        _turned_into_another_error)
+    assert run(["export", "RUN"]) == 130
+    assert capsys.readouterr().err == "gpipe export: interrupted; nothing was written\n"
+
+
+def test_an_error_without_a_ctrl_c_is_not_taken_for_one(monkeypatch):
+    def fails(*args, **kwargs):
+        raise RuntimeError("a real failure")
+
+    monkeypatch.setattr(__import__("gpipe_cli.train.export", fromlist=["export"]), "export", fails)
+    with pytest.raises(RuntimeError, match="a real failure"):
+        run(["export", "RUN"])
+
+
+def test_a_ctrl_c_swallowed_while_loading_starts_no_rank(monkeypatch):
+    from gpipe_cli import interrupts
+    from gpipe_cli.launch import launcher
+
+    def never(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(launcher, "_config", never)
+    interrupts._interrupted = True  # the handler ran; the KeyboardInterrupt it raised was lost in a library
+    with pytest.raises(KeyboardInterrupt):
+        launcher.launch("gpipe_cli.train.worker", [], 1)

@@ -244,6 +244,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    interrupts.check()  # a Ctrl-C swallowed while the command loaded: no rank starts
     options = options or LaunchOptions()
     config = _config(world, options)
     local = config.nproc_per_node  # type: ignore[attr-defined]
