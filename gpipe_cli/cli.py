@@ -326,7 +326,9 @@ def run(args: list[str]) -> int:
     except typer.Exit as exc:
         result = exc.exit_code
     except typer.TyperException as exc:  # click's usage errors: unknown option, bad type, missing argument
-        where = getattr(getattr(exc, "ctx", None), "command_path", "gpipe")
+        named = f"gpipe {args[0]}" if args and args[0] in getattr(command, "commands", {}) else "gpipe"
+        # Some of click's errors (an option missing its value) carry no context: the command typed names it.
+        where = getattr(getattr(exc, "ctx", None), "command_path", None) or named
         print(f"error: {one_line(exc.format_message())} (see '{where} --help')", file=sys.stderr)
         return int(exc.exit_code)
     except typer.Abort:

@@ -187,3 +187,9 @@ def test_a_ctrl_c_swallowed_while_loading_starts_no_rank(monkeypatch):
     interrupts._interrupted = True  # the handler ran; the KeyboardInterrupt it raised was lost in a library
     with pytest.raises(KeyboardInterrupt):
         launcher.launch("gpipe_cli.train.worker", [], 1)
+
+
+def test_an_option_missing_its_value_points_at_its_command_help(capsys):
+    assert run(["train", "--set"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "'--set' requires an argument" in err and "gpipe train --help" in err

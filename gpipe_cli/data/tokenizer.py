@@ -40,6 +40,8 @@ class Tokenizer:
     def load(cls, path: str | Path) -> Tokenizer:
         """Load a sentencepiece model file."""
         p = Path(path).expanduser()
+        if p.is_dir():
+            raise DataError(f"tokenizer file '{p}' is a directory; give the sentencepiece model file (.model) in it")
         if not p.is_file():
             raise DataError(f"tokenizer file '{p}' does not exist")
         try:

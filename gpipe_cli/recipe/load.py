@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import typing
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -137,6 +138,9 @@ def _check_paths(recipe: Recipe, label: str) -> None:
         raise RecipeError(f"{label}: data.path: no such file or directory: {shown(data.path)}")
     if data.tokenizer and not os.path.exists(data.tokenizer):
         raise RecipeError(f"{label}: data.tokenizer: no such sentencepiece model: {shown(data.tokenizer)}")
+    if data.tokenizer and os.path.isdir(data.tokenizer):
+        raise RecipeError(f"{label}: data.tokenizer: {shown(data.tokenizer)} is a directory; give the "
+                          "sentencepiece model file (.model) in it")
 
 
 def _section_model(loc: Sequence[str | int], raw: dict[str, Any]) -> type[BaseModel] | None:
@@ -150,7 +154,10 @@ def _section_model(loc: Sequence[str | int], raw: dict[str, Any]) -> type[BaseMo
             model = _MODEL_SECTIONS.get(str(kind))
             continue
         annotation = model.model_fields[part].annotation
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        # An optional section (`Profile | None`) is its model.
+        members = [a for a in (typing.get_args(annotation) or (annotation,)) if a is not type(None)]
+        first = members[0] if len(members) == 1 else None
+        model = first if isinstance(first, type) and issubclass(first, BaseModel) else None
     return model
 
 
@@ -204,6 +211,11 @@ def _describe(error: dict[str, Any], raw: dict[str, Any]) -> str:
         section = _section_model(loc, raw)
         allowed = ", ".join(section.model_fields) if section else "see the recipe reference"
         return f"{key}: unknown key; allowed keys here: {allowed}"
+    if kind == "missing" and len(loc) > 1 and isinstance(loc[-1], int):  # a list too short for its tuple
+        section = _section_model(loc[:-1], raw)
+        info = section.model_fields.get(str(loc[-2])) if section else None
+        count = len(typing.get_args(info.annotation)) if info is not None else 0
+        return f"{cut('.'.join(str(p) for p in loc[:-1]))}: must be a list of {count or 'more'} numbers"
     if kind == "missing":
         return f"{key}: is required"
     if kind in _BOUNDS:

@@ -20,19 +20,32 @@ MAX_VIRTUAL = 64  # chunks per stage (interleaved)
 MAX_REAL = 1e9  # learning rates, clipping thresholds, decay intervals
 
 
-def _number(value: object) -> object:
-    """YAML `true` is not the number 1, and an integral float such as 1e20 is range-checked as an integer."""
+def _not_text(value: object) -> None:
     if isinstance(value, bool):
         raise PydanticCustomError("bool_number", "must be a number, not true or false")
+    if isinstance(value, str) and _numeric(value):  # quoted in YAML: pydantic would read the string as a number
+        raise PydanticCustomError("str_number", "must be a number, not a string (remove the quotes)")
+
+
+def _numeric(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))  # `nan` is a word in YAML, refused as not finite
+    except ValueError:
+        return False
+
+
+def _number(value: object) -> object:
+    """YAML `true` and the string "5" are not numbers, and an integral float such as 1e20 is range-checked as an
+    integer."""
+    _not_text(value)
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         return int(value)
     return value
 
 
 def _real(value: object) -> object:
-    """YAML `true` is not the number 1."""
-    if isinstance(value, bool):
-        raise PydanticCustomError("bool_number", "must be a number, not true or false")
+    """YAML `true` and the string "0.1" are not numbers."""
+    _not_text(value)
     return value
 
 
