@@ -58,7 +58,8 @@ def parse_yaml(text: str, label: str) -> dict[str, Any]:
     """The recipe's YAML as a mapping."""
     data = parse_document(text, label)
     if data is None:
-        raise RecipeError(f"{label}: the recipe is empty; it needs at least a model, data and train section")
+        raise RecipeError(f"{label}: the recipe is empty; give at least one section (model, data, train...), "
+                          "every key left out takes its default")
     if not isinstance(data, dict):
         raise RecipeError(f"{label}: a recipe must be a mapping of sections (got {type(data).__name__})")
     return data
