@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from gpipe_cli import plots
-from gpipe_cli.report import page
-from gpipe_cli.report.runs import PARTS, Run, eval_metric, read_runs, series, time_breakdown
+from gpipe_cli.report import target as place
+from gpipe_cli.report.runs import PARTS, Run, eval_metric, read_runs, series, throughput, time_breakdown
 from gpipe_cli.units import human_bytes
 
 __all__ = ["default_output", "report", "stage_table", "summary_table"]
@@ -27,12 +27,15 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def summary_table(runs: list[Run]) -> Table:
     """One row per run: last loss, best eval, mean throughput, mean bubble, wait share, largest stage peak."""
+    rates = [throughput(run) for run in runs]
+    # The words of `gpipe train`'s summary, whose figure this is: one run says what its warm-up took.
+    over = rates[0].over if len(runs) == 1 else "the steps after the first of each run, which warms up"
     table = Table(title="gpipe report", header_style="bold",
-                  caption=" · ".join(f"{r.label}: {r.path}" for r in runs))
+                  caption=" · ".join(f"{r.label}: {r.path}" for r in runs) + f"\nsamples/s: mean over {over}")
     for name in ("run", "steps", "loss", "best eval", "samples/s", "bubble", "theory", "wait", "memory"):
         # A run's label is what a reader looks up in the legend: it never wraps, other cells do.
         table.add_column(name, justify="left" if name in ("run", "best eval") else "right", no_wrap=name == "run")
-    for run in runs:
+    for run, rate in zip(runs, rates):
         data = series(run)
         losses = data["loss"][1]
         best = "-"
@@ -48,7 +51,7 @@ def summary_table(runs: list[Run]) -> Table:
         wait = sum(parts["wait"]) / total if total else None
         peak = max((max(data[f"mem_peak_bytes/stage{s}"][1], default=0.0) for s in range(run.stages)), default=0.0)
         table.add_row(run.label, str(run.train[-1]["step"]), _fmt(losses[-1] if losses else None, ".4f"), best,
-                      _fmt(_mean(data["samples_per_s"][1]), ".1f"), _fmt(_mean(data["bubble"][1]), ".3f"),
+                      _fmt(rate.samples_per_s, ".1f"), _fmt(_mean(data["bubble"][1]), ".3f"),
                       _fmt(_mean(data["bubble_theory"][1]), ".3f"), _fmt(wait, ".0%"), human_bytes(int(peak)))
     return table
 
@@ -72,16 +75,32 @@ def default_output(paths: list[Path]) -> Path:
     return paths[0] / "report.png" if len(paths) == 1 else Path("report.png")
 
 
+def _console(tables: list[Table]) -> Console:
+    """The terminal's console; elsewhere (a file, a pipe) one wide enough for the widest table, no cell cut."""
+    console = Console()
+    if console.is_terminal:
+        return console
+    widest = max(console.measure(t, options=console.options.update_width(1 << 16)).maximum for t in tables)
+    return Console(width=max(console.width, 200, widest), soft_wrap=True)
+
+
 def report(paths: list[Path], output: Path | None = None, console: Any = None) -> int:
-    """Print the table of the runs and write the PNG page; 1 when matplotlib is missing (the table is shown)."""
+    """Print the tables of the runs and write the PNG page; 1 when matplotlib is missing (the tables are shown),
+    2 when the page cannot be written (a line says why, and where else to write it)."""
     runs = read_runs(paths)
-    console = console or Console()
-    console.print(summary_table(runs))
-    console.print(stage_table(runs))
-    target = output or default_output(paths)
-    written = page.draw(runs, target)
-    if written is None:
+    if output is not None:  # a mistake in the argument: one line, before anything is shown
+        place.check(output, "--output: ")
+    tables = [summary_table(runs), stage_table(runs)]
+    console = console or _console(tables)
+    for table in tables:
+        console.print(table)
+    if plots.pyplot() is None:
         print(f"gpipe report: {plots.MISSING}; no PNG written", file=sys.stderr)
         return 1
-    console.print(f"wrote {written}", soft_wrap=True)  # a path stays one line, ready to copy
+    # The default place may be in a read-only run: the tables are shown, and the line says what to do.
+    prefix, hint = ("--output: ", "") if output is not None else ("", place.ELSEWHERE)
+    target = output or default_output(paths)
+    place.check(target, prefix, hint)
+    place.write(runs, target, prefix, hint)
+    console.print(f"wrote {target}", soft_wrap=True)  # a path stays one line, ready to copy
     return 0

@@ -1,18 +1,17 @@
-"""Read run directories (recipe.yaml and metrics.jsonl) into the series `gpipe report` draws."""
+"""Read run directories (recipe.yaml and metrics.jsonl) into the series and figures `gpipe report` shows."""
 
 from __future__ import annotations
 
-import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from gpipe_cli.errors import UserError
+from gpipe_cli.report.records import PARTS, read_recipe, read_records
 
-# The keys of a train record's time_s, as metrics.jsonl holds them (read from the file, not the engine).
-PARTS = ("compute", "wait", "comm", "optimizer", "other")
+__all__ = ["PARTS", "Run", "Throughput", "eval_metric", "read_run", "read_runs", "series", "throughput",
+           "time_breakdown"]
 
 Series = tuple[list[int], list[float]]  # steps, values
 
@@ -25,6 +24,7 @@ class Run:
     label: str
     train: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
+    damage: str = ""  # the lines of metrics.jsonl left out, in words (empty: none)
 
     @property
     def stages(self) -> int:
@@ -32,20 +32,9 @@ class Run:
         return len(self.train[-1]["time_s"]["compute"]) if self.train else 0
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # the last line of a run still writing may be partial
-            continue
-        if isinstance(record, dict) and record.get("kind") in ("train", "eval"):
-            out.append(record)
-    return out
-
-
 def _label(recipe: dict[str, Any]) -> str:
-    pipe = recipe.get("pipeline") or {}
+    pipe = recipe.get("pipeline")
+    pipe = pipe if isinstance(pipe, dict) else {}
     label = f"K={pipe.get('partitions', 1)} M={pipe.get('microbatches', 1)} {pipe.get('schedule', 'gpipe')}"
     replicas = pipe.get("data_parallel", 1)
     return label + (f" D={replicas}" if replicas != 1 else "")
@@ -56,27 +45,25 @@ def read_run(path: Path) -> Run:
     metrics = path / "metrics.jsonl"
     if not metrics.is_file():
         raise UserError(f"{path}: not a run directory (no metrics.jsonl); give the folder `gpipe train` wrote")
-    recipe: dict[str, Any] = {}
-    if (path / "recipe.yaml").is_file():
-        loaded = yaml.safe_load((path / "recipe.yaml").read_text(encoding="utf-8"))
-        recipe = loaded if isinstance(loaded, dict) else {}
-    records = _records(metrics)
-    run = Run(path, _label(recipe), [r for r in records if r["kind"] == "train"],
-              [r for r in records if r["kind"] == "eval"])
-    if not run.train:
-        raise UserError(f"{metrics}: holds no train records yet")
-    return run
+    recipe = read_recipe(path / "recipe.yaml")
+    records = read_records(metrics)
+    if not records.train:
+        raise UserError(f"{metrics}: holds no train records yet" if not records.damaged else
+                        f"{metrics}: holds no usable train record ({records.damage()})")
+    return Run(path, _label(recipe), records.train, records.evals, records.damage())
 
 
 def read_runs(paths: list[Path]) -> list[Run]:
     """Every run, each label unique (the folder name is added where two runs share K, M and schedule)."""
     runs = [read_run(p) for p in paths]
+    for run in runs:  # warned once all are read: a run that cannot be read is then the only line
+        if run.damage:  # a crash's cut line or a hand edit: the rest of the run is still worth a report
+            print(f"warning: {run.path / 'metrics.jsonl'}: skipped {run.damage}", file=sys.stderr)
     labels = [r.label for r in runs]
     for run in runs:
         if labels.count(run.label) > 1:
             run.label = f"{run.label} ({run.path.name})"
     return runs
-
 
 
 def _numbers(records: list[dict[str, Any]], get: Any) -> Series:
@@ -128,3 +115,25 @@ def time_breakdown(run: Run) -> dict[str, list[float]]:
             per_stage.append(sum(values) / len(values) if values else 0.0)
         out[part] = per_stage
     return out
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """A run's mean samples per second, and the steps it is the mean over (in the train summary's words)."""
+
+    samples_per_s: float | None
+    over: str
+
+
+def throughput(run: Run) -> Throughput:
+    """All samples over all seconds of the steps after the first (which warms up), as `gpipe train`'s summary
+    gives it; a run of one step is the mean over that step."""
+    # A step's samples are its rate times its seconds: the global batch, which metrics.jsonl does not hold.
+    steps = [(r["samples_per_s"] * r["step_time_s"], r["step_time_s"]) for r in run.train
+             if r["samples_per_s"] is not None and r["step_time_s"] is not None]
+    over = "the training steps"
+    if len(steps) > 1:
+        over = f"the steps after the first, which took {steps[0][1]:.2f} s warming up"
+        steps = steps[1:]
+    seconds = sum(s for _, s in steps)
+    return Throughput(sum(n for n, _ in steps) / seconds if seconds > 0 else None, over)

@@ -1,0 +1,145 @@
+"""`gpipe report` on inputs and outputs it cannot use: one line, a non-zero exit, nothing written."""
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpipe_cli.cli import run as cli
+from tests.report.test_report import make_run
+
+# As root, permission bits block nothing: drop the capabilities that pass them by.
+UNPRIVILEGED = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner"]
+
+
+def files(folder: Path) -> set[Path]:
+    return set(folder.rglob("*"))
+
+
+def one_line(err: str) -> bool:
+    return err.count("\n") == 1 and "Traceback" not in err
+
+
+def gpipe_unprivileged(*args: str) -> subprocess.CompletedProcess:
+    """`gpipe ARGS` as a user whom permission bits stop (root without its overriding capabilities)."""
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root passes permission bits, and setpriv is not here to drop that")
+        prefix = UNPRIVILEGED
+    return subprocess.run([*prefix, sys.executable, "-m", "gpipe_cli.cli", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture
+def locked(tmp_path):
+    """A read-only folder (writable again afterwards, so that pytest can remove it)."""
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    yield folder
+    folder.chmod(0o755)
+
+
+def test_a_read_only_run_still_shows_its_tables_and_one_line_says_to_give_output(locked):
+    run = make_run(locked / "run", 2)
+    run.chmod(0o555)
+    before = files(locked)
+    try:
+        done = gpipe_unprivileged("report", str(run))
+    finally:
+        run.chmod(0o755)
+    assert done.returncode == 2 and one_line(done.stderr)
+    assert str(run / "report.png") in done.stderr and "--output" in done.stderr
+    assert "K=2 M=4 1f1b" in done.stdout
+    assert files(locked) == before
+
+
+def test_an_output_in_a_read_only_folder_is_one_line_and_shows_nothing(locked, tmp_path):
+    run = make_run(tmp_path / "run", 2)
+    locked.chmod(0o555)
+    before = files(tmp_path)
+    done = gpipe_unprivileged("report", str(run), "--output", str(locked / "sub" / "x.png"))
+    assert done.returncode == 2 and one_line(done.stderr) and "x.png" in done.stderr
+    assert done.stdout == ""
+    assert files(tmp_path) == before
+
+
+@pytest.mark.parametrize("where", ["a directory", "under a file", "the default place, a directory"])
+def test_an_output_that_cannot_be_a_file_is_one_line(tmp_path, capsys, where):
+    run = make_run(tmp_path / "run", 2)
+    (tmp_path / "somedir").mkdir()
+    (tmp_path / "file").write_text("")
+    (run / "report.png").mkdir()
+    target = {"a directory": tmp_path / "somedir", "under a file": tmp_path / "file" / "x.png",
+              "the default place, a directory": None}[where]
+    before = files(tmp_path)
+    assert cli(["report", str(run), *(["--output", str(target)] if target else [])]) == 2
+    captured = capsys.readouterr()
+    assert one_line(captured.err) and str(target or run / "report.png") in captured.err
+    assert ("K=2 M=4 1f1b" in captured.out) == (target is None)  # a bad --output is refused before the tables
+    assert files(tmp_path) == before
+
+
+def test_a_disk_that_fills_while_the_page_is_written_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    run = make_run(tmp_path / "run", 2)
+    before = files(tmp_path)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    assert cli(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert one_line(err) and "report.png" in err and os.strerror(errno.ENOSPC) in err
+    assert files(tmp_path) == before
+
+
+@pytest.mark.parametrize("name, content, says", [
+    ("recipe.yaml", b": : :\n", "not valid YAML"),
+    ("recipe.yaml", b"\xff\xfe\x00binary", "not UTF-8"),
+    ("metrics.jsonl", bytes(range(256)) * 20, "no usable train record"),
+    ("metrics.jsonl", b'{"kind":"train","step":4}\n', "no usable train record (1 malformed line (line 1))"),
+], ids=["recipe not YAML", "recipe not text", "metrics binary", "metrics record without its figures"])
+def test_an_input_file_that_cannot_be_read_is_one_line(tmp_path, capsys, name, content, says):
+    run = make_run(tmp_path / "run", 2)
+    (run / name).write_bytes(content)
+    before = files(tmp_path)
+    assert cli(["report", str(run)]) == 2
+    captured = capsys.readouterr()
+    assert one_line(captured.err) and str(run / name) in captured.err and says in captured.err
+    assert captured.out == "" and files(tmp_path) == before
+
+
+def test_malformed_records_are_skipped_with_one_warning_naming_the_first(tmp_path, capsys):
+    run = make_run(tmp_path / "run", 2)
+    lines = (run / "metrics.jsonl").read_text().split("\n")
+    lines[2:2] = ['{"kind":"train","step":4}', "not json", '{"kind":"train","step":"x","time_s":{}}']
+    (run / "metrics.jsonl").write_text("\n".join(lines))
+    assert cli(["report", str(run)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == f"warning: {run / 'metrics.jsonl'}: skipped 3 malformed lines, the first on line 3\n"
+    assert "K=2 M=4 1f1b" in captured.out and (run / "report.png").is_file()
+
+
+def test_a_last_line_cut_short_is_left_out_without_a_word(tmp_path, capsys):
+    run = make_run(tmp_path / "run", 2)  # its metrics.jsonl ends in a line cut short, as a crash leaves it
+    assert not (run / "metrics.jsonl").read_text().endswith("\n")
+    assert cli(["report", str(run)]) == 0
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.filterwarnings("ignore:Tight layout not applied")  # the page's long title: not this test's subject
+def test_piped_tables_cut_no_number(tmp_path, capsys):
+    long = "a-run-folder-with-a-name-long-enough-to-crowd-the-table-" * 2
+    runs = [make_run(tmp_path / f"{long}{i}", 2) for i in range(2)]
+    assert cli(["report", *map(str, runs), "--output", str(tmp_path / "page.png")]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    first = json.loads((runs[0] / "metrics.jsonl").read_text().splitlines()[-2])
+    for text in (f"{first['loss']:.4f}", "samples/s", "bubble", "memory peak", f"K=2 M=4 1f1b ({runs[1].name})"):
+        assert text in out
