@@ -38,11 +38,10 @@ from torch.distributed.checkpoint.state_dict import (
 from gpipe_cli.errors import UserError
 from gpipe_cli.pipeline import heartbeat
 from gpipe_cli.pipeline.failure import ANNOUNCED
-from gpipe_cli.train.rundir import atomic_write_bytes
+from gpipe_cli.train.rundir import PREFIX, atomic_write_bytes
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
 from gpipe_cli.units import human_bytes
 
-PREFIX = "step-"
 MANIFEST = "manifest.json"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # one key per parameter: reshardable
 CHECKSUM = "xxh3_64"
@@ -65,6 +64,22 @@ def run_dir_of(path: Path) -> Path:
 def path_for(run_dir: Path, step: int) -> Path:
     """Where the checkpoint after `step` optimizer steps lives."""
     return run_dir / "checkpoints" / f"{PREFIX}{step:08d}"
+
+
+def partial_for(path: Path) -> Path:
+    """The hidden folder a checkpoint is written into before it is renamed into place."""
+    return path.parent / f".{path.name}.partial"
+
+
+def remove_partials(run_dir: Path) -> list[Path]:
+    """Remove the hidden folders of saves that never finished (a second Ctrl-C, a killed job); return them.
+
+    Call it from one process, before any rank saves: a save in progress writes into such a folder.
+    """
+    stale = sorted((run_dir / "checkpoints").glob(f".{PREFIX}*.partial"))
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 @dataclass(frozen=True)
@@ -195,7 +210,7 @@ def save(path: Path, state: dict[str, Any], manifest: dict[str, Any], keep: int,
     Raises CheckpointWriteError (on the ranks that see it) when the storage fails.
     """
     distributed = dist.is_initialized() and dist.get_world_size() > 1
-    partial = path.parent / f".{path.name}.partial"
+    partial = partial_for(path)
     with heartbeat.paused():
         try:
             if rank == 0:

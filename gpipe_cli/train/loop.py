@@ -30,6 +30,7 @@ from gpipe_cli.pipeline.partition import stage_layers, stage_ranges
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
 from gpipe_cli.recipe_model import build_optimizer, model_spec
 from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, translate
+from gpipe_cli.train.existing import complete_line, past_end
 from gpipe_cli.train.job import Job
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
 from gpipe_cli.train.profiling import StepProfiler
@@ -76,7 +77,6 @@ class Trainer:
             self._note(self._data_summary(self.data))
         if self.layout.rank == 0:
             create_run_dir(self.run_dir)
-            save_recipe(recipe, self.run_dir)
         pipe_cfg = recipe.pipeline
         ranges = stage_ranges(self.plan.balance)  # one per chunk, chunk c on stage c mod K
         k = pipe_cfg.partitions
@@ -98,6 +98,15 @@ class Trainer:
         if job.resume:
             self._note(f"loading the newest whole checkpoint of {job.resume}")
         self.start_step = self._resume() if job.resume else 0
+        self.complete = job.resume is not None and self.start_step == self.total_steps
+        if self.complete:  # a finished run resumed again (a requeued job): nothing to train, evaluate or write
+            return
+        if self.layout.rank == 0:
+            # Only now, once a resume is sure to go on: a refused one leaves the run's recipe as it was. No rank
+            # saves before rank 0 reaches its first save, so no partial folder removed here is being written.
+            for stale in checkpoint.remove_partials(self.run_dir):
+                self._note(f"removed {stale}, a checkpoint whose save never finished")
+            save_recipe(recipe, self.run_dir)
         self.stop = StopRequest(announce=self.layout.rank == 0)
         self.stopped_by = 0
         self.policy = nonfinite.NonFinitePolicy(recipe.train.on_nonfinite, recipe.train.max_skipped,
@@ -185,10 +194,20 @@ class Trainer:
         assert self.job.resume is not None
         found = self.checkpoints.resume(self.job.resume)  # falls back past damaged checkpoints
         path, step = found.path, found.step
-        if self.layout.rank == 0:
+        # The launcher refused this already where train.steps alone decides; train.epochs needs the data.
+        if step > self.total_steps:
+            raise UserError(past_end(self.job.resume, path.name, step, *self._end()))
+        if self.layout.rank == 0 and step < self.total_steps:
             trim_metrics(self.run_dir / "metrics.jsonl", step)
             print(f"[gpipe] resumed from {path} (step {step})", file=sys.stderr, flush=True)
         return step
+
+    def _end(self) -> tuple[str, str]:
+        """The last step in the recipe's words, and the key that sets it."""
+        train = self.recipe.train
+        if train.epochs and (train.steps is None or train.epochs * self.steps_per_epoch < train.steps):
+            return f"the {self.total_steps} steps of train.epochs {train.epochs}", "train.epochs"
+        return f"train.steps {train.steps}", "train.steps"
 
     def _check_vocabulary(self) -> None:
         assert self.data is not None
@@ -229,6 +248,11 @@ class Trainer:
         Returns 0, or the number of the signal that stopped the run early (after a checkpoint).
         """
         recipe, layout = self.recipe, self.layout
+        if self.complete:
+            if self.view is not None:
+                self.view.message(complete_line(self.run_dir, self.start_step, *self._end()))
+            self.pipe.close()
+            return 0
         if self.view is not None:
             self.view.start(self.total_steps, self.start_step)
         last_time = time.perf_counter()

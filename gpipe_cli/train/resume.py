@@ -20,17 +20,12 @@ from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.topology import Topology
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.train import checkpoint
+from gpipe_cli.train.existing import run_dir_of
 from gpipe_cli.train.plan import Plan
 from gpipe_cli.train.rundir import atomic_write_bytes
 from gpipe_cli.train.safe_dcp import SafeReader
 
-
-def run_dir_of(location: str) -> Path:
-    """The run directory a --resume location belongs to (a run directory or one of its checkpoints)."""
-    path = Path(location)
-    if path.name.startswith(checkpoint.PREFIX):
-        return checkpoint.run_dir_of(path)
-    return path.parent if path.name == "checkpoints" else path
+__all__ = ["Checkpointer", "run_dir_of", "saved_cut", "trim_metrics"]
 
 
 def saved_cut(location: str, recipe: Recipe, layers: int) -> list[int] | None:

@@ -1,7 +1,8 @@
 """`gpipe train` on the launching side: check the recipe and plan, then start (or join) the ranks.
 
 Everything a user can get wrong (the recipe, `--set`, the arguments) is checked before torch is
-imported, so such a mistake is reported at once; the plan, the devices and the output directory are
+imported, so such a mistake is reported at once (a new run into a directory that holds one too); the
+plan, the devices, the output directory and what a resume would do to its run (see existing.py) are
 checked next, before any rank starts.
 """
 
@@ -21,6 +22,17 @@ from gpipe_cli.errors import UserError, shown
 from gpipe_cli.launch import LaunchOptions, check_device, check_launch, check_writable, launch, under_torchrun
 from gpipe_cli.recipe.load import load_recipe, recipe_label
 from gpipe_cli.train.announce import announce, checking, first_line, local_ranks, note
+from gpipe_cli.train.existing import (
+    Change,
+    changes_line,
+    check_checkpoint_keys,
+    check_new_run_dir,
+    complete_line,
+    holds_run,
+    recipe_changes,
+    resume_end,
+    run_dir_of,
+)
 from gpipe_cli.train.job import Job
 from gpipe_cli.train.worker import STARTED
 
@@ -66,6 +78,8 @@ def train(options: TrainOptions) -> int:
         raise UserError(f"--output-dir: {shown(options.output_dir)} exists and is not a directory")
     if options.resume not in (None, "latest") and not os.path.exists(options.resume):
         raise UserError(f"--resume: no such run directory or checkpoint: {shown(options.resume)}")
+    if options.output_dir and not options.resume:
+        check_new_run_dir(Path(options.output_dir))
     check_hub_data(recipe.data, options.recipe, options.overrides)  # offline: fail now, not inside the ranks
     # torch from here on: the recipe and the arguments are known to be good.
     first = not under_torchrun() or os.environ.get("RANK", "0") == "0"
@@ -84,14 +98,32 @@ def train(options: TrainOptions) -> int:
         checked_plan(recipe, recipe_label(options.recipe), must_fit=not under_torchrun(), available=available)
         check_device(recipe.pipeline.backend, recipe.train.device, int(os.environ.get("LOCAL_WORLD_SIZE", local)))
         resume = resume_location(options, recipe.name) if options.resume else None
+        fresh = resume is not None and options.resume == "latest" and options.output_dir is not None \
+            and not holds_run(Path(options.output_dir))
+        if fresh:  # a scheduler's first launch of a job that resumes when requeued: nothing to continue yet
+            resume = None
+        changes: list[Change] = []
+        complete: int | None = None
         if resume is not None:
             check_writable(Path(resume), "--resume")
+            changes = recipe_changes(recipe, run_dir_of(resume)) or []
+            check_checkpoint_keys(recipe, changes, resume)
+            complete = resume_end(recipe, resume)
         elif options.output_dir:
             check_writable(Path(options.output_dir), "--output-dir")
         else:
             check_writable(Path(OUTPUTS) / recipe.name, "the output directory")
+    if complete is not None:  # e.g. a scheduler requeued a finished job: say so, touch nothing
+        if first:
+            print(complete_line(run_dir_of(str(resume)), complete, f"train.steps {recipe.train.steps}"), flush=True)
+        return 0
     if first:
         announce(recipe, options.launch.nnodes, options.launch.threads, sys.stdout, said=not live)
+        if fresh:
+            print(note(started, f"--resume: {shown(str(options.output_dir))} holds no run yet; starting a new one "
+                                "there"), flush=True)
+        if changes:  # the run's recipe.yaml will record them: say so, rather than change a run unseen
+            print(note(started, changes_line(changes)), flush=True)
     job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
               resume=resume, started=started, available=available)
     if under_torchrun():

@@ -9,7 +9,13 @@ from gpipe_cli.files import atomic_write, atomic_write_bytes
 from gpipe_cli.recipe.load import recipe_yaml
 from gpipe_cli.recipe.schema import Recipe
 
-__all__ = ["atomic_write", "atomic_write_bytes", "choose_run_dir", "create_run_dir", "save_recipe"]
+__all__ = ["CHECKPOINTS", "METRICS", "PREFIX", "RECIPE", "atomic_write", "atomic_write_bytes", "choose_run_dir",
+           "create_run_dir", "save_recipe"]
+
+RECIPE = "recipe.yaml"
+METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+PREFIX = "step-"  # of a checkpoint folder: checkpoints/step-00000100
 
 
 def choose_run_dir(recipe: Recipe, output_dir: str | None, root: str = "outputs") -> Path:
@@ -27,9 +33,9 @@ def choose_run_dir(recipe: Recipe, output_dir: str | None, root: str = "outputs"
 
 def create_run_dir(path: Path) -> None:
     """Create the run directory and its checkpoints folder."""
-    (path / "checkpoints").mkdir(parents=True, exist_ok=True)
+    (path / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
 
 
 def save_recipe(recipe: Recipe, run_dir: Path) -> None:
     """Store the resolved recipe (every default filled in) with the run."""
-    atomic_write_bytes(run_dir / "recipe.yaml", recipe_yaml(recipe).encode())
+    atomic_write_bytes(run_dir / RECIPE, recipe_yaml(recipe).encode())

@@ -1,0 +1,222 @@
+"""Checks of an existing run directory, made before any rank starts.
+
+A new run never writes into a directory that holds another run's metrics or checkpoints; a resume never
+changes what the run's checkpoints hold, never trains from a checkpoint past the run's end (that would
+write older step numbers over a newer model), and says which settings it changes. Nothing here imports
+torch at module level: the first checks come before it is loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpipe_cli.errors import UserError, cut, shown
+from gpipe_cli.recipe.schema import Recipe
+from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
+from gpipe_cli.train.rundir import CHECKPOINTS, METRICS, PREFIX, RECIPE
+
+# Model keys that leave the parameters as they are (regularisation, the loss, the initialisation, a
+# preset's name whose values are compared key by key): a resume may change them. Every other model key
+# shapes the parameters or what they compute.
+FREE_MODEL_KEYS = frozenset({"preset", "dropout", "label_smoothing", "logit_clip", "scaled_init"})
+# Optimizers that keep a momentum buffer per parameter only when optimizer.momentum is not 0.
+_MOMENTUM_BUFFER = frozenset({"sgd", "rmsprop"})
+_ABSENT = object()
+_PATH_CHARS = 200  # paths are named whole, as recipe paths are; a value is cut sooner
+
+
+@dataclass(frozen=True)
+class Change:
+    """A recipe key whose value differs from the run's recipe.yaml."""
+
+    key: str
+    old: Any
+    new: Any
+
+    def __str__(self) -> str:
+        return f"{self.key} {_value(self.old)} -> {_value(self.new)}"
+
+
+def run_dir_of(location: str) -> Path:
+    """The run directory a --resume location belongs to (a run directory or one of its checkpoints)."""
+    path = Path(location)
+    if path.name.startswith(PREFIX):
+        return path.parent.parent
+    return path.parent if path.name == CHECKPOINTS else path
+
+
+def last_step(run_dir: Path) -> int | None:
+    """The last step a run directory records: its newest metrics record, else its newest checkpoint."""
+    steps: list[int] = []
+    try:
+        for line in (run_dir / METRICS).read_text(errors="replace").splitlines():
+            try:
+                step = json.loads(line).get("step")
+            except (ValueError, AttributeError):  # a torn last line: the run died writing it
+                continue
+            if isinstance(step, int) and not isinstance(step, bool):
+                steps.append(step)
+    except OSError:
+        pass
+    if steps:
+        return max(steps)
+    names = [p.name for p in _checkpoints(run_dir)]
+    numbers = [int(n[len(PREFIX):]) for n in names if n[len(PREFIX):].isdigit()]
+    return max(numbers) if numbers else None
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether a directory holds a run: a metrics record or a checkpoint (an empty or set-up-only one does not)."""
+    metrics = run_dir / METRICS
+    try:
+        recorded = metrics.is_file() and metrics.stat().st_size > 0
+    except OSError:
+        recorded = False
+    return recorded or bool(_checkpoints(run_dir))
+
+
+def check_new_run_dir(output_dir: Path) -> None:
+    """Refuse to start a new run in a directory that holds another (the two runs' records would mix)."""
+    if not output_dir.is_dir() or not holds_run(output_dir):
+        return
+    step = last_step(output_dir)
+    held = f"already holds a run (its last step is {step})" if step is not None else "already holds a run"
+    raise UserError(f"--output-dir {cut(str(output_dir), _PATH_CHARS)} {held}; use --resume to continue it, or another "
+                    f"--output-dir for a new run")
+
+
+def recipe_changes(recipe: Recipe, run_dir: Path) -> list[Change] | None:
+    """Every key whose value differs from the run's recipe.yaml (None: the run has no readable one)."""
+    path = run_dir / RECIPE
+    if not path.is_file():
+        return None
+    try:
+        saved = parse_document(read_recipe_file(path), str(path))
+    except UserError:
+        return None
+    if not isinstance(saved, dict):
+        return None
+    # The same defaults on both sides, so a key the run's version left out is not a change; a recipe of
+    # another version that no longer validates is compared as it reads.
+    with contextlib.suppress(ValueError):
+        saved = Recipe.model_validate(saved).model_dump(mode="json")
+    return sorted(_differences(saved, recipe.model_dump(mode="json"), ""), key=lambda c: c.key)
+
+
+def check_checkpoint_keys(recipe: Recipe, changes: list[Change], location: str) -> None:
+    """Refuse changes to what the checkpoints hold: the model's parameters and the optimizer's state."""
+    refused = [c for c in changes if _shapes_checkpoint(c)]
+    refused += [c for c in changes if c.key == "optimizer.momentum" and _momentum_buffer_changes(recipe, c)]
+    if not refused:
+        return
+    listed, one = ", ".join(map(str, refused)), len(refused) == 1
+    raise UserError(f"--resume {cut(location, _PATH_CHARS)}: {listed} {'changes' if one else 'change'} what its "
+                    f"checkpoints hold (the model's parameters and the optimizer's state); resume with the run's "
+                    f"{'value' if one else 'values'}, or start a new run in another --output-dir")
+
+
+def changes_line(changes: list[Change]) -> str:
+    """The note that lists the settings a resume changes."""
+    return "resuming with settings that differ from the run's: " + ", ".join(map(str, changes))
+
+
+def past_end(location: str, checkpoint: str, step: int, end: str, key: str = "train.steps") -> str:
+    """The refusal of a resume whose checkpoint is past the run's end (`end`, set by `key`)."""
+    return (f"--resume {cut(location, _PATH_CHARS)}: checkpoint {checkpoint} is at step {step}, past {end}; "
+            f"resuming would write earlier steps over it; raise {key} to train past step {step}")
+
+
+def complete_line(run_dir: Path, step: int, end: str, key: str = "train.steps") -> str:
+    """The line that says a resumed run has nothing left to do (its end, `end`, set by `key`)."""
+    return (f"the run in {cut(str(run_dir), _PATH_CHARS)} is already complete at step {step} ({end}); nothing to do "
+            f"(raise {key} to train past step {step})")
+
+
+def resume_end(recipe: Recipe, location: str) -> int | None:
+    """Check the checkpoint a resume starts from against train.steps: refuse one past it, and return
+    its step when the run is already complete there (None: there is training to do, or the ranks decide).
+
+    Only a checkpoint the ranks would load counts (whole, checksums and metadata good): they fall back
+    past damaged ones. With train.epochs the end depends on the data, which only the ranks read.
+    """
+    from gpipe_cli.train import checkpoint  # torch: only once the first line is out
+
+    steps = recipe.train.steps
+    if steps is None:
+        return None
+    for path in checkpoint.candidates(Path(location)):
+        if checkpoint.problem(path) is not None:
+            continue
+        manifest, _ = checkpoint.read_manifest(path)
+        assert manifest is not None
+        step = manifest["step"]
+        if step < steps:  # older ones are earlier still: training goes on as usual
+            return None
+        if checkpoint.problem(path, verify=True) is not None or not _metadata_loads(path):
+            continue
+        if step > steps:
+            raise UserError(past_end(location, path.name, step, f"train.steps {steps}"))
+        return step if recipe.train.epochs is None else None
+    return None
+
+
+def _metadata_loads(path: Path) -> bool:
+    """Whether a checkpoint's metadata passes the safe reader (else the ranks skip the checkpoint)."""
+    from gpipe_cli.train.safe_dcp import SafeReader
+
+    try:
+        SafeReader(str(path)).read_metadata()
+    except Exception:  # whatever stops it reading stops the ranks loading it
+        return False
+    return True
+
+
+def _checkpoints(run_dir: Path) -> list[Path]:
+    folder = run_dir / CHECKPOINTS
+    try:
+        return [p for p in folder.iterdir() if p.name.startswith(PREFIX)]
+    except OSError:
+        return []
+
+
+def _differences(old: Any, new: Any, prefix: str) -> Iterator[Change]:
+    """Changed leaves of two nested mappings, by dotted key (a section set on one side only is one change)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in [*old, *(k for k in new if k not in old)]:
+            yield from _differences(old.get(key, _ABSENT), new.get(key, _ABSENT), f"{prefix}{key}.")
+    elif old != new:
+        yield Change(prefix[:-1], old, new)
+
+
+def _shapes_checkpoint(change: Change) -> bool:
+    """Whether a changed key changes what a checkpoint holds (another K, D or cut does not: checkpoints are
+    keyed by global layer names)."""
+    section, _, key = change.key.partition(".")
+    if section == "model":
+        return key.partition(".")[0] not in FREE_MODEL_KEYS
+    return change.key == "optimizer.name"
+
+
+def _momentum_buffer_changes(recipe: Recipe, change: Change) -> bool:
+    """Whether optimizer.momentum moves between 0 and not 0 for an optimizer that keeps a momentum buffer
+    only then (another optimizer.name is refused by its name)."""
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (change.old, change.new))
+    return recipe.optimizer.name in _MOMENTUM_BUFFER and numbers and bool(change.old) != bool(change.new)
+
+
+def _value(value: Any) -> str:
+    """A recipe value as YAML writes it inline."""
+    if value is _ABSENT:
+        return "(not set)"
+    if value is None or isinstance(value, bool):
+        return shown(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(_value, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_value(v)}" for k, v in value.items()) + "}"
+    return cut(str(value))

@@ -1,0 +1,293 @@
+"""An existing run directory, checked before any rank starts: resumes that would lose or mix data are refused
+in one line and write nothing; other changes are said; a finished run resumed again does nothing."""
+
+import copy
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from gpipe_cli.cli import app
+from gpipe_cli.errors import UserError
+from gpipe_cli.recipe.load import load_recipe, recipe_yaml
+from gpipe_cli.train import checkpoint, existing
+from tests.train import recipes
+
+runner = CliRunner()
+
+
+def save(run: Path, step: int, keep: int = 5) -> Path:
+    """A real, whole checkpoint of a small module (what the checks read: manifest, checksums, metadata)."""
+    module = nn.Linear(3, 2)
+    state = checkpoint.state_of(module, None, {"train": {"step": torch.tensor(step)}})
+    path = checkpoint.path_for(run, step)
+    checkpoint.save(path, state, {"step": step}, keep, rank=0, group=None)
+    return path
+
+
+def make_run(tmp_path: Path, recipe: dict | None = None, *overrides: str, steps: tuple[int, ...] = (5, 10)):
+    """A run directory as `gpipe train RECIPE --set OVERRIDES` leaves it: (recipe file, run directory)."""
+    path = recipes.write(tmp_path, copy.deepcopy(recipe or recipes.TINY_TRANSLATION))
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "recipe.yaml").write_text(recipe_yaml(load_recipe(path, list(overrides))))
+    records = [{"kind": "train", "step": s, "loss": 1.0} for s in range(1, max(steps) + 1)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for step in steps:
+        save(run, step)
+    return path, run
+
+
+def hashes(folder: Path) -> dict[str, str]:
+    """Every file under `folder` (hidden ones too) by its content."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """Fail the test should any rank be started; record the launches that a test allows."""
+    started: list[int] = []
+
+    def launch(*args, **kwargs):
+        started.append(1)
+        return 0
+
+    monkeypatch.setattr("gpipe_cli.train.run.launch", launch)
+    return started
+
+
+def train(path: Path, run: Path, *args: str):
+    return runner.invoke(app, ["train", str(path), "--output-dir", str(run), "--plain", *args])
+
+
+def error_line(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+# ----------------------------------------------------------------- a checkpoint past train.steps (defect: data loss)
+
+def test_a_checkpoint_past_train_steps_is_refused_before_any_rank_starts_and_nothing_is_written(tmp_path, no_ranks):
+    path, run = make_run(tmp_path, None, "train.steps=10", "checkpoint.every=5")
+    before = hashes(run)
+    result = train(path, run, "--resume", "latest", "--set", "train.steps=5", "--set", "checkpoint.every=5")
+    assert result.exit_code == 2, result.output
+    line = error_line(result)
+    assert line.startswith("error: --resume ") and "checkpoint step-00000010 is at step 10, past train.steps 5" in line
+    assert line.endswith("resuming would write earlier steps over it; raise train.steps to train past step 10")
+    assert hashes(run) == before and not no_ranks
+
+
+def test_a_run_already_at_train_steps_says_so_in_one_line_and_exits_0_writing_nothing(tmp_path, no_ranks):
+    path, run = make_run(tmp_path, None, "train.steps=10", "checkpoint.every=5")
+    before = hashes(run)
+    result = train(path, run, "--resume", "latest", "--set", "train.steps=10", "--set", "checkpoint.every=5")
+    assert result.exit_code == 0, result.output
+    done = [line for line in result.stdout.splitlines() if "already complete" in line]
+    assert done == [f"the run in {run} is already complete at step 10 (train.steps 10); nothing to do "
+                    f"(raise train.steps to train past step 10)"], result.output
+    assert result.stderr == "" and "resuming with settings" not in result.stdout
+    assert hashes(run) == before and not no_ranks
+
+
+def test_only_a_checkpoint_the_ranks_would_load_decides(tmp_path):
+    _, run = make_run(tmp_path, steps=(4, 10))
+    newest = checkpoint.path_for(run, 10)
+    shard = sorted(newest.glob("*.distcp"))[0]
+    shard.write_bytes(bytes(b ^ 0xFF for b in shard.read_bytes()))  # its checksum fails: the ranks fall back
+    recipe = load_recipe(recipes.write(tmp_path, recipes.TINY_TRANSLATION), ["train.steps=5"])
+    assert existing.resume_end(recipe, str(run)) is None  # step 4 goes on to 5
+    recipe = load_recipe(recipes.write(tmp_path, recipes.TINY_TRANSLATION), ["train.steps=4"])
+    assert existing.resume_end(recipe, str(run)) == 4
+
+
+def test_with_train_epochs_the_end_is_left_to_the_ranks_unless_train_steps_alone_is_passed(tmp_path):
+    _, run = make_run(tmp_path, steps=(10,))
+    path = recipes.write(tmp_path, recipes.TINY_TRANSLATION)
+    assert existing.resume_end(load_recipe(path, ["train.steps=10", "train.epochs=1"]), str(run)) is None
+    assert existing.resume_end(load_recipe(path, ["train.steps=null", "train.epochs=1"]), str(run)) is None
+    with pytest.raises(UserError, match="past train.steps 9"):
+        existing.resume_end(load_recipe(path, ["train.steps=9", "train.epochs=1"]), str(run))
+
+
+def test_an_explicit_checkpoint_is_judged_by_its_own_step(tmp_path):
+    _, run = make_run(tmp_path, steps=(5, 10))
+    recipe = load_recipe(recipes.write(tmp_path, recipes.TINY_TRANSLATION), ["train.steps=7"])
+    assert existing.resume_end(recipe, str(checkpoint.path_for(run, 5))) is None
+    with pytest.raises(UserError, match="checkpoint step-00000010 is at step 10, past train.steps 7"):
+        existing.resume_end(recipe, str(run))
+
+
+# ----------------------------------------------------------------- a recipe that changes what checkpoints hold
+
+@pytest.mark.parametrize(("recipe", "change", "named"), [
+    (recipes.TINY_TRANSLATION, "model.d_model=64", "model.d_model 32 -> 64"),
+    (recipes.TINY_TRANSLATION, "model.layers=3", "model.layers 2 -> 3"),
+    (recipes.TINY_TRANSLATION, "model.vocab_size=1024", "model.vocab_size 512 -> 1024"),
+    (recipes.TINY_TRANSLATION, "optimizer.name=sgd", "optimizer.name adam -> sgd"),
+    (recipes.TINY_AMOEBANET, "model.filters=16", "model.filters 8 -> 16"),
+    (recipes.TINY_AMOEBANET, "optimizer.momentum=0", "optimizer.momentum 0.9 -> 0.0"),  # no momentum buffer
+], ids=["d_model", "layers", "vocab", "optimizer", "filters", "momentum"])
+def test_a_resume_that_changes_what_the_checkpoints_hold_is_refused_and_recipe_yaml_is_kept(
+        tmp_path, no_ranks, recipe, change, named):
+    path, run = make_run(tmp_path, recipe, steps=(2,))
+    before = hashes(run)
+    result = train(path, run, "--resume", "latest", "--set", change)
+    assert result.exit_code == 2, result.output
+    line = error_line(result)
+    assert line.startswith(f"error: --resume {run}: {named} changes what its checkpoints hold"), line
+    assert "resume with the run's value, or start a new run in another --output-dir" in line
+    assert "incomplete or corrupt" not in result.output
+    assert hashes(run) == before and not no_ranks
+
+
+def test_every_refused_key_is_named_in_the_one_line(tmp_path):
+    path, run = make_run(tmp_path, steps=(2,))
+    recipe = load_recipe(path, ["model.d_model=64", "model.ff=128", "train.steps=9"])
+    changes = existing.recipe_changes(recipe, run)
+    with pytest.raises(UserError) as refused:
+        existing.check_checkpoint_keys(recipe, changes, str(run))
+    assert "model.d_model 32 -> 64, model.ff 64 -> 128 change what its checkpoints hold" in str(refused.value)
+    assert "train.steps" not in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("change", [
+    "pipeline.partitions=1", "pipeline.balance=[1,5]", "pipeline.microbatches=2", "pipeline.schedule=1f1b",
+    "pipeline.data_parallel=2", "model.dropout=0.2", "model.label_smoothing=0", "optimizer.lr=0.01",
+    "optimizer.momentum=0", "train.precision=bf16", "seed=7", "data.batch_size=12", "checkpoint.keep=9",
+])
+def test_changes_that_keep_the_checkpoints_loadable_are_allowed(tmp_path, change):
+    path, run = make_run(tmp_path, steps=(2,))  # adam: momentum is not its state
+    recipe = load_recipe(path, [change])
+    changes = existing.recipe_changes(recipe, run)
+    assert changes and len(changes) == 1
+    existing.check_checkpoint_keys(recipe, changes, str(run))
+
+
+def test_a_run_without_a_readable_recipe_yaml_is_not_compared(tmp_path):
+    path, run = make_run(tmp_path, steps=(2,))
+    recipe = load_recipe(path, ["model.d_model=64"])
+    (run / "recipe.yaml").write_text("{{ not yaml")
+    assert existing.recipe_changes(recipe, run) is None
+    (run / "recipe.yaml").unlink()
+    assert existing.recipe_changes(recipe, run) is None
+
+
+# ----------------------------------------------------------------- other changes: said, then recorded
+
+def test_other_changes_are_listed_in_one_note_line(tmp_path):
+    path, run = make_run(tmp_path, None, "train.steps=20", "checkpoint.every=5", steps=(20,))
+    changes = existing.recipe_changes(load_recipe(path, ["train.steps=27"]), run)
+    assert existing.changes_line(changes) == ("resuming with settings that differ from the run's: "
+                                              "checkpoint.every 5 -> null, train.steps 20 -> 27")
+    assert existing.recipe_changes(load_recipe(path, ["train.steps=20", "checkpoint.every=5"]), run) == []
+
+
+def test_the_note_is_printed_before_the_ranks_start_and_recipe_yaml_is_left_to_them(tmp_path, no_ranks):
+    path, run = make_run(tmp_path, None, "train.steps=20", "checkpoint.every=5", steps=(20,))
+    before = hashes(run)
+    result = train(path, run, "--resume", "latest", "--set", "train.steps=27")
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stdout.splitlines() if "resuming with settings" in line]
+    assert len(notes) == 1 and notes[0].endswith(
+        "resuming with settings that differ from the run's: checkpoint.every 5 -> null, train.steps 20 -> 27")
+    assert result.stdout.index(notes[0]) < result.stdout.index("starting 2 ranks")
+    assert no_ranks == [1] and hashes(run) == before  # the ranks record the settings, once the resume loads
+
+
+def test_a_value_set_on_one_side_only_is_shown_as_not_set():
+    change = existing.Change("metrics.wandb", None, {"project": "p", "mode": "offline"})
+    assert str(change) == "metrics.wandb null -> {project: p, mode: offline}"
+    assert str(existing.Change("model.d_model", existing._ABSENT, 64)) == "model.d_model (not set) -> 64"
+
+
+# ----------------------------------------------------------------- a new run into a directory that holds one
+
+@pytest.mark.parametrize("held", ["metrics and checkpoints", "metrics", "checkpoints"])
+def test_a_new_run_into_a_directory_that_holds_a_run_is_refused_before_any_rank_starts(tmp_path, no_ranks, held):
+    path, run = make_run(tmp_path, steps=(4,))
+    if held == "checkpoints":
+        (run / "metrics.jsonl").unlink()
+    if held == "metrics":
+        for folder in (run / "checkpoints").iterdir():
+            shutil.rmtree(folder)
+    before = hashes(run)
+    result = train(path, run)
+    assert result.exit_code == 2, result.output
+    assert error_line(result) == (f"error: --output-dir {run} already holds a run (its last step is 4); "
+                                  f"use --resume to continue it, or another --output-dir for a new run")
+    assert result.stdout == ""  # found before torch is imported, before even the first line
+    assert hashes(run) == before and not no_ranks
+
+
+def test_an_empty_or_never_started_directory_takes_a_new_run(tmp_path):
+    existing.check_new_run_dir(tmp_path / "missing")
+    folder = tmp_path / "run"
+    (folder / "checkpoints").mkdir(parents=True)
+    existing.check_new_run_dir(folder)
+    (folder / "metrics.jsonl").write_text("")  # stopped during set-up: no step was recorded
+    (folder / "recipe.yaml").write_text("name: x\n")
+    (folder / "checkpoints" / ".step-00000001.partial").mkdir()
+    existing.check_new_run_dir(folder)
+    assert not existing.holds_run(folder)
+
+
+def test_resume_into_an_output_dir_that_holds_no_run_yet_starts_one_there(tmp_path, monkeypatch, capsys):
+    # A scheduler runs the same command on the first launch and on a requeue: `--output-dir D --resume`.
+    jobs: list[dict] = []
+
+    def launch(module, args, *rest, **kwargs):
+        jobs.append(json.loads(Path(args[0]).read_text()))
+        return 0
+
+    monkeypatch.setattr("gpipe_cli.train.run.launch", launch)
+    path = recipes.write(tmp_path, copy.deepcopy(recipes.TINY_TRANSLATION))
+    from gpipe_cli.cli import run  # as typed: a bare --resume
+    assert run(["train", str(path), "--output-dir", str(tmp_path / "job-17"), "--plain", "--resume"]) == 0
+    assert "holds no run yet; starting a new one there" in capsys.readouterr().out
+    assert jobs and jobs[0]["resume"] is None and jobs[0]["output_dir"] == str(tmp_path / "job-17")
+
+
+def test_the_last_step_comes_from_metrics_else_the_newest_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000012").mkdir(parents=True)
+    assert existing.last_step(run) == 12
+    (run / "metrics.jsonl").write_text('{"kind": "train", "step": 14}\n{"kind": "tra')  # a torn last line
+    assert existing.last_step(run) == 14
+
+
+# ----------------------------------------------------------------- a save cut short; retention
+
+def test_stale_partial_folders_are_removed_and_nothing_else(tmp_path):
+    whole = save(tmp_path, 20)
+    stale = checkpoint.partial_for(checkpoint.path_for(tmp_path, 25))
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"x" * 1000)
+    other = tmp_path / "checkpoints" / ".keep-me"
+    other.write_text("")
+    assert checkpoint.remove_partials(tmp_path) == [stale]
+    assert not stale.exists() and other.exists()
+    assert checkpoint.problem(whole, verify=True) is None
+    assert checkpoint.remove_partials(tmp_path / "nothing-here") == []
+
+
+def test_retention_runs_on_the_next_save_after_an_abort_left_one_too_many(tmp_path):
+    for step in (10, 15, 20, 23):  # an abort after the rename, before pruning: four with keep 3
+        save(tmp_path, step, keep=5)
+    save(tmp_path, 25, keep=3)
+    assert [p.name for p in checkpoint.candidates(tmp_path)] == ["step-00000025", "step-00000023", "step-00000020"]
+
+
+def test_resume_locations_map_to_their_run_directory(tmp_path):
+    run = tmp_path / "run"
+    assert existing.run_dir_of(str(run)) == run
+    assert existing.run_dir_of(str(run / "checkpoints")) == run
+    assert existing.run_dir_of(str(run / "checkpoints" / "step-00000005")) == run
