@@ -34,6 +34,7 @@ from gpipe_cli.pipeline import microbatch, partition
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.schedule import Kind
+from gpipe_cli.units import meminfo_available
 
 PROBE_BATCHES = (2, 4)  # two examples at least: BatchNorm refuses a single value per channel
 
@@ -297,23 +298,12 @@ def greedy_fit(figures: ModelFigures, stages: int, budget: float, batch_size: in
     return out if start == n else None
 
 
-def _meminfo_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def available_bytes(device: torch.device | str) -> int:
     """Memory free for a job: a GPU's free memory, or the RAM the kernel could give without swapping."""
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    found = _meminfo_available()
+    found = meminfo_available()
     if found is not None:
         return found
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

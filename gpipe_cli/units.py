@@ -7,6 +7,18 @@ import re
 from gpipe_cli.errors import UserError
 
 
+def meminfo_available() -> int | None:
+    """The RAM the kernel could give without swapping (Linux), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def human_bytes(n: float | None) -> str:
     """Bytes as B, KiB, MiB, GiB or TiB ("-" for None)."""
     if n is None:

@@ -9,6 +9,7 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.estimate.size_flags import SizeFlags
 from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES
 from gpipe_cli.pipeline.schedule import check as check_schedule
+from gpipe_cli.units import human_bytes, meminfo_available
 
 
 @dataclass
@@ -125,6 +126,7 @@ def validate(options: BenchOptions) -> None:
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+    _check_ranks_fit(options.partitions)
     try:
         for m in options.microbatch_values():
             check_schedule(options.schedule, options.partitions, m, options.virtual_stages)
@@ -152,3 +154,16 @@ def parse_balance(text: str | None, partitions: int) -> list[int] | None:
         raise UserError(f"--balance {text} has {len(balance)} entries but the pipeline has {partitions} "
                         f"(--partitions x --virtual-stages)")
     return balance
+
+
+RANK_BYTES = 320 << 20  # a rank's own memory before its stage: the interpreter, torch and its transport
+
+
+def _check_ranks_fit(partitions: int) -> None:
+    """Refuse more ranks than this machine's memory can start (a bench runs every stage here)."""
+    available = meminfo_available()
+    if available is None or partitions * RANK_BYTES <= available:
+        return
+    raise UserError(f"--partitions {partitions}: a bench starts one rank per stage on this machine, each needing "
+                    f"about {human_bytes(RANK_BYTES)} before its model; {human_bytes(available)} available here "
+                    f"holds at most {max(available // RANK_BYTES, 1)}")

@@ -25,6 +25,9 @@ def test_default_batch_gives_four_examples_per_microbatch():
     (BenchOptions(schedule="1f1b", virtual_stages=2), "needs schedule 'interleaved'"),
     (BenchOptions(schedule="interleaved", virtual_stages=2, microbatches=3, batch_size=12), "multiple of partitions"),
     (BenchOptions(schedule="interleaved", virtual_stages=2, sweep=True), "cannot be combined"),
+    # One rank per stage on this machine: a typo of many digits is refused at once (it tried to size a
+    # model that deep, for ever).
+    (BenchOptions(partitions=10**20, microbatches=1, batch_size=1), "a bench starts one rank per stage"),
 ])
 def test_bad_options_are_refused(options, message):
     with pytest.raises(UserError, match=message):
