@@ -72,3 +72,10 @@ def stop_on_signals() -> None:
 def exit_code(code: int) -> int:
     """`code`, with a stop that SIGTERM caused reported as 128 + SIGTERM rather than Ctrl-C's 130."""
     return 128 + signal.SIGTERM if _terminated and code == 128 + signal.SIGINT else code
+
+
+def finishing() -> None:
+    """The work is done and its results are being written: Ctrl-C and SIGTERM no longer stop the command,
+    which ends in a moment saying truly what it wrote."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
