@@ -55,8 +55,6 @@ class StageFigures:
     activation_peak_bytes: int
     rss_peak_bytes: int
     cuda_peak_bytes: int
-    comm_s: float = 0.0  # sending, and reducing gradients over replicas
-    wait_s: float = 0.0  # blocked on a peer
 
 
 @dataclass
@@ -119,8 +117,7 @@ def _stage_figures(history: list[StepStats], balance: list[int], stages: int) ->
             stage=s, layers=sum(balance[s::stages]), busy_s=median([r.busy for r in rows]),  # all its chunks
             step_s=median([r.step_time for r in rows]), bubble=median([r.bubble for r in rows]),
             activation_peak_bytes=max(r.activation_peak for r in rows), rss_peak_bytes=max(r.rss_peak for r in rows),
-            cuda_peak_bytes=max(r.cuda_peak for r in rows), comm_s=median([r.comm for r in rows]),
-            wait_s=median([r.wait for r in rows])))
+            cuda_peak_bytes=max(r.cuda_peak for r in rows)))
     return out
 
 

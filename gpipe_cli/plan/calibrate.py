@@ -13,10 +13,7 @@ share cores, caches and memory, and wait on each other's collectives) that diffe
 micro-batch size, so the ratio measured at each size, interpolated between them, scales every
 layer's seconds at that size (`scaled`): a configuration of one stage is then predicted as exactly
 as its step was timed. The optimizer's update is timed apart in those steps and kept as a per-step
-cost: it scales with a stage's parameters, not with its layers' compute. A pipeline's ranks do not
-compute all the time (they idle in the bubble, and wait on each other only for activations), so
-configurations of several stages take their ratios from GPipe steps timed on a real pipeline of
-those ranks instead.
+cost: it scales with a stage's parameters, not with its layers' compute.
 """
 
 from __future__ import annotations
@@ -35,7 +32,6 @@ from gpipe_cli.estimate.measure import build_pipeline, measure_engine
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import topology
 from gpipe_cli.plan.here import OptimizerOf
-from gpipe_cli.plan.search import FREE
 
 STEPS, WARMUP = 4, 1
 Examples = Callable[[int], tuple[Any, torch.Tensor]]  # n -> (inputs, targets) of n examples
@@ -86,7 +82,7 @@ def overhead(layers: int, costs: Callable[[int], CostProfile], per_replica: int,
     gaps = []
     for m, seconds in sorted(measured.items()):
         predicted = simulate.simulate_step(costs(per_replica // m), [layers], per_replica, m, "gpipe", "never",
-                                           FREE).step_time
+                                           simulate.Link(1e30, 0.0)).step_time
         gaps.append((float(m), seconds - predicted - known))
     if len(gaps) == 1:
         return Overhead(0.0, max(gaps[0][1], 0.0))
@@ -99,15 +95,13 @@ def overhead(layers: int, costs: Callable[[int], CostProfile], per_replica: int,
 
 
 def factors(layers: int, costs: Callable[[int], CostProfile], per_replica: int, measured: dict[int, float],
-            known: float = 0.0, balance: list[int] | None = None,
-            link: simulate.Link = FREE) -> dict[int, float]:
-    """Per micro-batch size: the ratio of the measured step (less the `known` seconds) to the simulated one, of
-    the whole model as one stage or of GPipe cut by `balance` with messages on `link`."""
+            known: float = 0.0) -> dict[int, float]:
+    """Per micro-batch size: the ratio of the measured step (less the `known` seconds) to the simulated one."""
     ratios = {}
     for m, seconds in measured.items():
         size = per_replica // m
-        predicted = simulate.simulate_step(costs(size), balance or [layers], per_replica, m, "gpipe", "never",
-                                           link).step_time
+        predicted = simulate.simulate_step(costs(size), [layers], per_replica, m, "gpipe", "never",
+                                           simulate.Link(1e30, 0.0)).step_time
         ratios[size] = max(seconds - known, 0.0) / predicted if predicted > 0 else 1.0
     return ratios
 

@@ -199,35 +199,17 @@ def links(ranks: int) -> tuple[Link, Link]:
 STEPS = 10  # measured engine steps per micro-batch count (after one warm-up)
 
 
-@dataclass(frozen=True)
-class Parts:
-    """One measured training step and its parts (seconds; the slowest stage's busy, comm and wait)."""
-
-    step: float
-    update: float   # the optimizer's update
-    busy: float     # computing
-    comm: float     # sending, and reducing gradients over the replicas
-    wait: float     # blocked on a peer
-
-
 @dataclass
 class Steps:
-    """The engine's measured training steps per micro-batch count, and the drift."""
+    """The engine's measured training steps: (step, update) seconds per micro-batch count, and the drift."""
 
-    per_count: dict[int, Parts]
+    per_count: dict[int, tuple[float, float]]
     drift: float  # the first count's step measured again last, relative to the first time (0.1: 10% slower)
-
-
-def _parts(figures: Any) -> Parts:
-    """Means over the measured steps, as training averages: waits and stalls included."""
-    busiest = max(figures.stages, key=lambda s: s.busy_s)
-    return Parts(statistics.fmean(figures.step_times), statistics.fmean(figures.optimizer_times), busiest.busy_s,
-                 busiest.comm_s, busiest.wait_s)
 
 
 def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict[str, Any], inputs: Any,
                  targets: torch.Tensor, seed: int, threads: int, counts: list[int], optimizer: OptimizerOf | None,
-                 grad_clip: float | None, balance: list[int] | None, out: Any) -> None:
+                 grad_clip: float | None, out: Any) -> None:
     from gpipe_cli.estimate.measure import build_pipeline, measure_engine
     from gpipe_cli.models.registry import build_model
     from gpipe_cli.pipeline import topology
@@ -236,10 +218,9 @@ def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict
     os.environ["WORLD_SIZE"] = str(world)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
+        topo = topology.init(1, world, "gloo", device="cpu")
         spec = build_model(kind, **params)
-        cut = balance or [len(spec.layers)]
-        topo = topology.init(len(cut), world // len(cut), "gloo", device="cpu")
-        pipe = build_pipeline(spec, topo, cut, "gpipe", "never", seed)
+        pipe = build_pipeline(spec, topo, [len(spec.layers)], "gpipe", "never", seed)
         update = optimizer(pipe.parameters()) if optimizer is not None else None
         found = Steps({}, 0.0)
         # The first count again at the end: how far this machine's own speed moved while measuring.
@@ -248,10 +229,12 @@ def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict
                                      update=update.step if update is not None else None, max_grad_norm=grad_clip)
             if figures is None:
                 continue
+            # Means, as training averages: waits and stalls included.
+            step, update_s = statistics.fmean(figures.step_times), statistics.fmean(figures.optimizer_times)
             if index < len(counts):
-                found.per_count[m] = _parts(figures)
+                found.per_count[m] = (step, update_s)
             else:
-                found.drift = statistics.fmean(figures.step_times) / found.per_count[m].step - 1.0
+                found.drift = step / found.per_count[m][0] - 1.0
         pipe.close()
         if rank == 0:
             out.put(found)
@@ -261,16 +244,15 @@ def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict
 
 def engine_steps(kind: str, params: dict[str, Any], inputs: Any, targets: torch.Tensor, seed: int, ranks: int,
                  threads: int, counts: list[int], optimizer: OptimizerOf | None = None,
-                 grad_clip: float | None = None, balance: list[int] | None = None) -> Steps:
-    """The engine's training steps (`optimizer`'s update included) on `ranks` processes here, each replica given
-    `inputs`, at each micro-batch count, and how much the first count's step moved by the end: the whole
-    model as one stage on every rank (data parallel, gradients all-reduced), or cut by `balance` (GPipe)."""
+                 grad_clip: float | None = None) -> Steps:
+    """Seconds of one training step of the whole model as one stage on each of `ranks` replicas here (data
+    parallel, gradients all-reduced, `optimizer`'s update), each replica given `inputs`, at each micro-batch
+    count, and of its update alone; and how much the first count's step moved by the end."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    what = f"running the engine on {ranks} {'replicas' if balance is None else 'stages'}"
     with tempfile.TemporaryDirectory(prefix="gpipe-engine-") as tmp:
         store = os.path.join(tmp, "store")
         with _children(_reported, lambda i: (_engine_rank, out, i, ranks, store, kind, params, inputs, targets,
-                                             seed, threads, counts, optimizer, grad_clip, balance), ranks):
-            found: Steps = _result(out, what)
+                                             seed, threads, counts, optimizer, grad_clip), ranks):
+            found: Steps = _result(out, f"running the engine on {ranks} replicas")
     return found

@@ -31,7 +31,6 @@ from gpipe_cli.memory_model import ModelFigures
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import describe
 from gpipe_cli.models.registry import build_model
-from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_cli.plan import calibrate, here
 from gpipe_cli.plan.calibrate import Examples
@@ -62,7 +61,6 @@ class Inputs:
     step_overhead: float = 0.0    # the engine's seconds per step of the whole model on one stage
     data_seconds: float = 0.0     # building one global mini-batch (shared by the replicas)
     drift: float | None = None    # how much one engine step moved from the start to the end of measuring
-    pipelined: Callable[[int], CostProfile] | None = None  # per-layer seconds for several stages, if apart
 
 
 def _probe_params(kind: str, params: dict[str, Any]) -> dict[str, Any] | None:
@@ -189,48 +187,13 @@ def sibling_work(kind: str, params: dict[str, Any], inputs: Any, targets: torch.
     layer_costs.profile(_SIBLING_SPEC["spec"], inputs, targets, seed, REPEATS)
 
 
-@dataclass(frozen=True)
-class Engine:
-    """The engine's own costs as measured: per layer call and per step, or ratios on the layers' seconds."""
-
-    overhead: calibrate.Overhead
-    ratios: dict[int, float]       # per micro-batch size, on replicas here (empty: measured in this process)
-    pipelined: dict[int, float]    # the same on a pipeline of the ranks here (empty: none timed)
-    drift: float | None            # how much the replicas' (or the pipeline's) first step moved by the end
-
-
-def _ratios_text(ratios: dict[int, float]) -> str:
-    return (f"x{'/'.join(f'{ratios[n]:.2f}' for n in sorted(ratios))} at micro-batches of "
-            f"{'/'.join(map(str, sorted(ratios)))} examples (interpolated between)")
-
-
-def _pipeline_ratios(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Callable[[int], CostProfile],
-                     batch: int, least: int, seed: int, threads: int, examples: Examples, ranks: int, link: Link,
-                     optimizer: here.OptimizerOf | None, grad_clip: float | None,
-                     say: Callable[[str], None]) -> tuple[dict[int, float], float | None]:
-    """Ratios of GPipe steps timed on a pipeline of `ranks` stages here to their simulation, per micro-batch size."""
-    counts = calibrate.counts(batch, least)
-    middle = batch // counts[len(counts) // 2]
-    cut = partition.balance_by_cost(costs(middle).balance_costs("never"), ranks)
-    say(f"measuring the engine's training steps on a {ranks}-stage pipeline here (balance "
-        f"{','.join(map(str, cut))})...")
-    try:
-        steps = here.engine_steps(kind, params, *examples(batch), seed, ranks, threads, counts, optimizer, grad_clip,
-                                  balance=cut)
-    except here.Unavailable as exc:
-        say(f"{exc}; pipelines are priced from the replicas' steps")
-        return {}, None
-    measured = {m: p.step - p.update for m, p in steps.per_count.items()}
-    return calibrate.factors(len(spec.layers), costs, batch, measured, 0.0, cut, link), steps.drift
-
-
 def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Callable[[int], CostProfile],
                   figs: ModelFigures, batch: int, least: int, seed: int, threads: int, examples: Examples,
-                  ranks: int, link: Link | None, reduce_link: Link | None, optimizer: here.OptimizerOf | None,
-                  grad_clip: float | None, device: str, say: Callable[[str], None]) -> Engine:
-    """The engine's own costs: on `ranks` real replicas here, and on a pipeline of them (factors on the layers'
-    seconds by micro-batch size, the optimizer's update per step) when they share this machine, else in this
-    process (seconds per layer call and per step; no factors)."""
+                  ranks: int, reduce_link: Link | None, optimizer: here.OptimizerOf | None, grad_clip: float | None,
+                  device: str, say: Callable[[str], None]) -> tuple[calibrate.Overhead, dict[int, float], float | None]:
+    """The engine's own costs: on `ranks` real replicas here (factors on the layers' seconds by micro-batch size,
+    the optimizer's update per step) when they share this machine, else in this process (seconds per layer call
+    and per step; no factors), and how much the replicas' first step moved by the end of measuring."""
     if ranks > 1 and reduce_link is not None and batch % ranks == 0:
         per_replica = batch // ranks
         say(f"measuring the engine's training steps on {ranks} replicas here...")
@@ -241,35 +204,26 @@ def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Cal
             say(f"{exc}; measuring in this process instead")
         else:
             reduce = allreduce_seconds([sum(layer.params for layer in figs.layers)], ranks, reduce_link)
-            update = statistics.fmean(p.update for p in steps.per_count.values())
+            update = statistics.fmean(u for _, u in steps.per_count.values())
             ratios = calibrate.factors(len(spec.layers), costs, per_replica,
-                                       {m: p.step for m, p in steps.per_count.items()}, reduce + update)
-            pipelined: dict[int, float] = {}
-            drift = steps.drift
-            if ranks <= len(spec.layers) and link is not None:
-                interrupts.check()
-                pipelined, moved = _pipeline_ratios(kind, params, spec, costs, batch, least, seed, threads, examples,
-                                                    ranks, link, optimizer, grad_clip, say)
-                drift = max(drift, moved, key=abs) if moved is not None else drift
-            return Engine(calibrate.Overhead(0.0, update), ratios, pipelined, drift)
+                                       {m: t for m, (t, _) in steps.per_count.items()}, reduce + update)
+            return calibrate.Overhead(0.0, update), ratios, steps.drift
     say("measuring the engine's own cost per layer call and per step (one stage, this process)...")
     counts = calibrate.counts(batch, least)
     steps_here = calibrate.local_steps(spec, batch, counts, seed, threads, examples, optimizer, grad_clip, device)
-    return Engine(calibrate.overhead(len(spec.layers), costs, batch, steps_here), {}, {}, None)
+    return calibrate.overhead(len(spec.layers), costs, batch, steps_here), {}, None
 
 
 def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Callable[[int], tuple[int, int]],
            timing: str, threads: int, say: Callable[[str], None], tflops: float | None = None,
            sample: Sample | None = None, siblings: int = 0, reduce_link: Link | None = None,
-           optimizer: here.OptimizerOf | None = None, grad_clip: float | None = None, device: str = "cpu",
-           link: Link | None = None) -> Inputs:
+           optimizer: here.OptimizerOf | None = None, grad_clip: float | None = None, device: str = "cpu") -> Inputs:
     """Everything the search needs of the model; `sizes(min_microbatch)` gives the micro-batch sizes it will try.
 
     `tflops`: per-layer seconds from FLOPs at this assumed effective rate per device (devices not here).
     `sample`: the recipe's own data to time on (else generated examples of full length). `siblings`: processes
     that compute beside this one while it measures, as the other ranks of this machine do in training;
-    with `reduce_link` (their measured all-reduce), the engine's own costs are measured on that many replicas,
-    and with `link` (their measured point-to-point link) on a pipeline of that many stages too.
+    with `reduce_link` (their measured all-reduce), the engine's own costs are measured on that many replicas.
     `optimizer` and `grad_clip`: the recipe's, run in those steps as in training. `device`: where the layers
     and the engine are timed (on a GPU: one, alone; no ranks beside it).
     """
@@ -305,26 +259,23 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
             siblings = 0
             costs = measured_costs(spec, (lo, hi), seed, threads, examples, device)
         interrupts.check()
-        engine = _engine_costs(kind, params, spec, costs, figs, batch, least, seed, threads, examples, siblings + 1,
-                               link, reduce_link, optimizer, grad_clip, device, say)
-        extra, ratios = engine.overhead, engine.ratios
-        pipelined = calibrate.scaled(costs, calibrate.by_size(engine.pipelined)) if engine.pipelined else None
+        extra, ratios, drift = _engine_costs(kind, params, spec, costs, figs, batch, least, seed, threads,
+                                             examples, siblings + 1, reduce_link, optimizer, grad_clip, device, say)
         costs = calibrate.scaled(costs, calibrate.by_size(ratios))
         data = sample.build_seconds if sample is not None else 0.0
         where = sample.note if real and sample is not None else "generated examples of the model's full length"
         beside = f", {siblings} other rank{'s' if siblings > 1 else ''} computing beside" if siblings else ""
-        said = (f"the engine adds {extra.action * 1e3:.2f} ms per layer call and {extra.step * 1e3:.1f} ms per "
-                f"step, its optimizer's update included (measured)" if not ratios else
-                f"{_ratios_text(ratios)} to match the engine's steps measured on {siblings + 1} replicas here"
-                + (f" (several stages: {_ratios_text(engine.pipelined)} to match GPipe steps on a "
-                   f"{siblings + 1}-stage pipeline here)" if engine.pipelined else "")
-                + f", plus {extra.step * 1e3:.1f} ms per step for the optimizer's update of the whole model")
+        engine = (f"the engine adds {extra.action * 1e3:.2f} ms per layer call and {extra.step * 1e3:.1f} ms per "
+                  f"step, its optimizer's update included (measured)" if not ratios else
+                  f"x{'/'.join(f'{ratios[n]:.2f}' for n in sorted(ratios))} at micro-batches of "
+                  f"{'/'.join(map(str, sorted(ratios)))} examples (interpolated between) to match the engine's steps "
+                  f"measured on {siblings + 1} replicas here, plus {extra.step * 1e3:.1f} ms per step for the "
+                  f"optimizer's update of the whole model")
         on = f"cpu ({threads} thread{plural} per rank{beside})" if device == "cpu" else \
             f"{device} ({torch.cuda.get_device_name()}, one GPU)"
         note = (f"measured on {on} at micro-batches of {sizes_text} "
-                f"examples of {where}, affine in between; {said}")
-        return Inputs(costs, figs, least, note, memory_note, True, extra.action, extra.step, data, engine.drift,
-                      pipelined)
+                f"examples of {where}, affine in between; {engine}")
+        return Inputs(costs, figs, least, note, memory_note, True, extra.action, extra.step, data, drift)
     rate, per_call = machine_rate(machine, kind)
     note = (f"estimated from FLOPs at this machine's measured {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank "
             f"({machine.kind}; --tflops for other devices)")

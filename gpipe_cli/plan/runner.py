@@ -122,11 +122,10 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> int:
     link, reduce_link, link_note = _links(options, measuring and here_ranks > 1, here_ranks, say)
     fed = inputs.inputs(recipe.model.kind, params, recipe.seed, batch, sizes, options.timing, threads, say,
                         options.tflops, sample, here_ranks - 1, reduce_link,
-                        functools.partial(build_optimizer, recipe=recipe), recipe.train.grad_clip, device,
-                        link if measuring and here_ranks > 1 and reduce_link is not None else None)
+                        functools.partial(build_optimizer, recipe=recipe), recipe.train.grad_clip, device)
     per_param = mm.bytes_per_parameter(optimizer_name(recipe))
     model = search.Model(fed.costs, fed.figures, per_param, batch, fed.min_microbatch, fed.action_overhead,
-                         fed.step_overhead, fed.data_seconds, fed.pipelined)
+                         fed.step_overhead, fed.data_seconds)
     if not fed.measured:  # estimated seconds: links measured here would not describe the devices planned
         link, reduce_link, link_note = _links(options, False, here_ranks, say)
     hw = search.Hardware(n, budget, link, Link.of(options.node_bandwidth, options.node_latency_us), options.nodes,

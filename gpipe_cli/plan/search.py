@@ -66,12 +66,6 @@ class Model:
     action_overhead: float = 0.0         # seconds the engine adds to every layer of a compute action
     step_overhead: float = 0.0           # seconds the engine adds per step on one stage (optimizer, ...)
     data_seconds: float = 0.0            # building one global mini-batch; each replica builds its share
-    # Per-layer seconds for configurations of several stages, where they were calibrated apart (None: `costs`).
-    pipelined: Callable[[int], CostProfile] | None = None
-
-    def costs_for(self, config: Config) -> Callable[[int], CostProfile]:
-        """Per-layer seconds for `config`: calibrated on a pipeline when it has several stages and those exist."""
-        return self.pipelined if config.partitions > 1 and self.pipelined is not None else self.costs
 
     @property
     def layers(self) -> int:
@@ -208,7 +202,7 @@ def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | No
     `cut`: this balance instead)."""
     per_replica = model.batch // config.replicas
     size = max(per_replica // config.microbatches, 1)
-    costs = model.costs_for(config)(size)
+    costs = model.costs(size)
     weights = costs.balance_costs(config.checkpoint)
     chunks = config.partitions * config.virtual
     balance = list(cut) if cut is not None else partition.balance_by_cost(weights, chunks)
@@ -251,7 +245,7 @@ def min_max_memory(model: Model, config: Config) -> tuple[float, list[int]]:
     memory; interleaved: the least `partition.least_memory` finds from the min-max-time cut)."""
     per_replica = model.batch // config.replicas
     if config.virtual > 1:
-        weights = model.costs_for(config)(per_replica // config.microbatches).balance_costs(config.checkpoint)
+        weights = model.costs(per_replica // config.microbatches).balance_costs(config.checkpoint)
         balance = partition.balance_by_cost(weights, config.partitions * config.virtual)
         balance = partition.least_memory(balance, _needs(model, config, per_replica))
         return max(_memory(model, config, balance, per_replica)), balance
@@ -303,7 +297,7 @@ def parts(model: Model, outcome: Outcome) -> Parts:
     transit and all-reduce."""
     c = outcome.config
     per_replica = model.batch // c.replicas
-    costs = model.costs_for(c)(per_replica // c.microbatches)
+    costs = model.costs(per_replica // c.microbatches)
     free = simulate.simulate_step(costs, outcome.balance, per_replica, c.microbatches, c.schedule, c.checkpoint,
                                   FREE, 1.0, c.virtual, model.action_overhead)
     pipeline = outcome.step_time - outcome.allreduce - outcome.fixed

@@ -78,29 +78,12 @@ def test_the_engine_steps_on_real_replicas_and_its_costs_fit_the_gap_they_leave(
     adam = functools.partial(torch.optim.Adam, lr=1e-3)
     steps = here.engine_steps("transformer", PARAMS, *examples(4), 0, 2, 1, [1, 2, 4], adam, 1.0)
     assert sorted(steps.per_count) == [1, 2, 4]
-    # the update, the compute and the all-reduce are timed within the step
-    for p in steps.per_count.values():
-        assert 0 < p.update < p.step < 60 and 0 < p.busy < p.step and 0 < p.comm < p.step
+    # the update is timed within the step
+    assert all(0 < update < step < 60 for step, update in steps.per_count.values())
     assert -1.0 < steps.drift < 10.0  # the first count timed again: a ratio, not a duration
     costs = inputs.measured_costs(spec, (1, 4), 0, 1, examples)
-    extra = calibrate.overhead(len(spec.layers), costs, 4, {m: p.step for m, p in steps.per_count.items()})
+    extra = calibrate.overhead(len(spec.layers), costs, 4, {m: step for m, (step, _) in steps.per_count.items()})
     assert extra.action >= 0 and extra.step >= 0
-
-
-def test_the_engine_steps_on_a_real_pipeline_give_ratios_for_several_stages():
-    from gpipe_cli.estimate.simulate import Link
-    spec = build_model("transformer", **PARAMS)
-    layers = len(spec.layers)
-    cut = [layers // 2, layers - layers // 2]
-    examples = inputs.generated(spec, 0)
-    steps = here.engine_steps("transformer", PARAMS, *examples(4), 0, 2, 1, [1, 4], None, None, balance=cut)
-    assert sorted(steps.per_count) == [1, 4]
-    for p in steps.per_count.values():
-        assert p.update == 0 and 0 < p.busy < p.step < 60 and p.wait > 0  # a stage waits for its neighbour
-    costs = inputs.measured_costs(spec, (1, 4), 0, 1, examples)
-    ratios = calibrate.factors(layers, costs, 4, {m: p.step for m, p in steps.per_count.items()}, 0.0, cut,
-                               Link.of(1.0, 100.0))
-    assert sorted(ratios) == [1, 4] and all(0 < r < 100 for r in ratios.values())
 
 
 def test_the_measured_steps_run_and_time_the_optimizer_update_as_training_does():

@@ -159,19 +159,3 @@ def test_an_interleaved_plan_is_cut_to_fit_when_its_fastest_cut_does_not(seed):
     tight = search.evaluate(model, search.Hardware(2, budget, FAST, FAST), config)
     assert tight.fits and tight.peak <= budget and tight.balance != roomy.balance
     assert tight.samples_per_s <= roomy.samples_per_s * (1 + 1e-9)  # here the fitting cut is the slower one
-
-
-def test_pipelines_are_priced_with_their_own_calibration_and_one_stage_with_the_replicas():
-    from gpipe_cli.plan import calibrate
-    model = synthetic(6, 2)
-    # Ranks here slowed 1.5x on replicas (computing all the time), 1.1x on a pipeline.
-    replicas = calibrate.scaled(model.costs, lambda size: 1.5)
-    pipelined = calibrate.scaled(model.costs, lambda size: 1.1)
-    both = search.Model(replicas, model.figures, 16.0, model.batch, pipelined=pipelined)
-    alone = search.Model(replicas, model.figures, 16.0, model.batch)
-    hw = search.Hardware(2, math.inf, FAST, FAST)
-    one = search.Config(1, 2, 2, "gpipe", 1, "never")
-    two = search.Config(2, 1, 4, "1f1b", 1, "except_last")
-    assert search.evaluate(both, hw, one).step_time == search.evaluate(alone, hw, one).step_time
-    faster = search.evaluate(both, hw, two).step_time
-    assert faster == pytest.approx(search.evaluate(alone, hw, two).step_time * 1.1 / 1.5, rel=1e-6)
