@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
 _interrupted = False
 _terminated = False
@@ -37,10 +39,13 @@ def remembered() -> Iterator[None]:
     """Within it, Ctrl-C raises KeyboardInterrupt as usual and is also remembered for `check`."""
     check()  # one that arrived before, while the command loaded, and was lost there
     previous = on_sigint(_on_interrupt)
+    hook = sys.unraisablehook
+    sys.unraisablehook = _quiet_unraisable(hook)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)  # type: ignore[arg-type]
+        sys.unraisablehook = hook
 
 
 def check() -> None:
@@ -67,6 +72,22 @@ def stop_on_signals() -> None:
     left behind, and are remembered for `check`."""
     on_sigint(_on_interrupt)
     signal.signal(signal.SIGTERM, _on_terminate)
+    sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
+
+
+def _quiet_unraisable(previous: Callable[[Any], object]) -> Callable[[Any], object]:
+    """`previous`, less the KeyboardInterrupts that Python cannot raise (in a finalizer): they are remembered,
+    and `check` raises them where the command can act, so they need no traceback of their own."""
+    if getattr(previous, "quiet", False):
+        return previous
+
+    def hook(unraisable: Any) -> object:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            return None
+        return previous(unraisable)
+
+    hook.quiet = True  # type: ignore[attr-defined]
+    return hook
 
 
 def exit_code(code: int) -> int:

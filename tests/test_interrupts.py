@@ -49,3 +49,23 @@ def test_a_command_started_as_from_a_terminal_takes_ctrl_c_over():
     finally:
         interrupts._interrupted = False
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_in_a_finalizer_prints_no_traceback_of_its_own(capfd):
+    class Meter:
+        def __del__(self):
+            interrupts._on_interrupt(signal.SIGINT, None)
+
+    with interrupts.remembered():
+        Meter()
+        with pytest.raises(KeyboardInterrupt):
+            interrupts.check()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_python_m_gpipe_cli_is_the_gpipe_command():
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "gpipe_cli", "--version"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("gpipe-cli ")
