@@ -18,7 +18,7 @@ _METAVARS = {
     "tflops": "TFLOP/S", "runs": "RUN_DIR",
 }
 _BY_TYPE = {"int": "N", "float": "X", "Path": "PATH", "str": "VALUE", "list[str]": "VALUE"}
-_SPACE_BEFORE_PUNCTUATION = re.compile(r"\s+([,;:)]|\.(?!\.))")
+_SPACE_BEFORE_PUNCTUATION = re.compile(r"\s+([,;:)]|\.(?![.\w]))")  # ".png" is a suffix, not a full stop
 
 
 def tidy(text: str | None) -> str | None:

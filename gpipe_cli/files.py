@@ -8,6 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from gpipe_cli.errors import UserError, shown
+from gpipe_cli.launch.preflight import check_writable
+
 
 def umask() -> int:
     """The process's file-creation mask."""
@@ -56,3 +59,28 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 def atomic_write_text(path: Path, text: str) -> None:
     """Write `text` (UTF-8) to `path` whole or not at all."""
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+# How much of a path an error repeats: more than of other values, since a path's end is what tells it apart.
+PATH_SHOWN_CHARS = 160
+
+
+def _shown(path: Path) -> str:
+    """`path` as an error repeats it."""
+    return shown(str(path), PATH_SHOWN_CHARS)
+
+
+def check_output(path: Path | None, flag: str, example: str = "out.json") -> None:
+    """Refuse, in one line naming `flag` and `path`, a file that `atomic_write` could not write there; checked
+    before any work, so that a command never measures for minutes and then fails to save (None: no file)."""
+    if path is None:
+        return
+    where = f"{flag}: cannot write {_shown(path)}"
+    if os.path.islink(path):  # the rename would replace the link itself: /dev/stdout is one, to a terminal or a pipe
+        raise UserError(f"{where}: it is a symbolic link, which the write would replace rather than follow; name "
+                        f"the file itself")
+    if os.path.isdir(path):  # os.path: no errors on names too long or looping links
+        raise UserError(f"{where}: it is a directory; name a file, e.g. {_shown(path / example)}")
+    if os.path.exists(path) and not os.path.isfile(path):  # a device or a FIFO: the rename would replace it
+        raise UserError(f"{where}: it exists and is not a regular file; name a regular file or a new one")
+    check_writable(path.parent, where)  # its folder, or the nearest existing parent atomic_write would fill

@@ -255,13 +255,26 @@ def human_seconds(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def _pipeline_layers(kind: str, params: dict[str, Any], layers: int) -> int:
+    """How many pipeline layers the model has with `layers` layers (a spec only: layers are built lazily)."""
+    return len(build_model(kind, **{**params, "layers": layers}).layers)
+
+
 def deep_enough(kind: str, params: dict[str, Any], stages: int) -> dict[str, Any]:
-    """`params` with enough layers that `stages` stages get one pipeline layer each (added a stack at a time)."""
+    """`params` deepened, a stack at a time, just enough that `stages` stages get one pipeline layer each."""
     step = 3 if kind == "amoebanet" else 1  # AmoebaNet's normal cells come in three stacks
-    out = dict(params)
-    while len(build_model(kind, **out).layers) < stages:
-        out["layers"] = int(out["layers"]) + step
-    return out
+    have = len(build_model(kind, **params).layers)
+    if have >= stages:
+        return dict(params)
+    depth = int(params["layers"])
+    # Pipeline layers grow linearly with `layers` (a fixed head and tail around repeated blocks): two
+    # specs give the slope, so the depth is solved for rather than searched a stack at a time (K specs
+    # of up to K layers each: quadratic, minutes for a large K).
+    per_step = max(_pipeline_layers(kind, params, depth + step) - have, 1)
+    depth += step * ceil_div(stages - have, per_step)
+    while _pipeline_layers(kind, params, depth) < stages:  # a check: once, unless the growth was not linear
+        depth += step
+    return {**params, "layers": depth}
 
 
 def choose(family: str, judge: Callable[[Candidate], Verdict], stages: int = 1) -> Choice:

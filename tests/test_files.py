@@ -9,7 +9,8 @@ import pytest
 
 from gpipe_cli import plots
 from gpipe_cli.bench.trace import write_chrome
-from gpipe_cli.files import atomic_write, atomic_write_text
+from gpipe_cli.errors import UserError
+from gpipe_cli.files import atomic_write, atomic_write_text, check_output
 
 
 def test_text_is_written_whole_with_no_temporary_file_left(tmp_path: Path):
@@ -68,3 +69,68 @@ def test_the_chrome_trace_is_whole_json(tmp_path: Path):
     events = [{"stage": 0, "microbatch": 0, "kind": "fwd", "start": 0.0, "end": 0.001}]
     write_chrome(tmp_path / "trace.json", events, "title")
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+
+
+# Every output flag is checked by `check_output` before any measuring: one line, nothing created.
+def test_no_output_asked_is_nothing_to_check():
+    check_output(None, "--json")
+
+
+def test_a_new_file_in_a_writable_folder_passes_and_nothing_is_created(tmp_path: Path):
+    check_output(tmp_path / "figures.json", "--json")
+    check_output(tmp_path / "new" / "deeper" / "figures.json", "--json")  # atomic_write makes the folders
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("place,words", [
+    ("folder", "it is a directory; name a file, e.g. "),
+    ("under-a-file", "is not a directory"),
+    ("/proc/x.json", "'/proc'"),
+    ("/dev/null", "it exists and is not a regular file"),
+    # The rename replaced /dev/stdout itself with a regular file, when stdout was redirected to one.
+    ("/dev/stdout", "it is a symbolic link"),
+    ("link.json", "it is a symbolic link"),
+])
+def test_a_place_no_file_can_be_written_is_one_line_naming_the_flag_and_value(tmp_path: Path, monkeypatch, place,
+                                                                             words):
+    if place == "/dev/stdout" and not os.path.islink(place):
+        pytest.skip("/dev/stdout is no link here")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "link.json").symlink_to("a-file")
+    target = Path({"under-a-file": "a-file/x.json"}.get(place, place))
+    with pytest.raises(UserError) as caught:
+        check_output(target, "--json", "bench.json")
+    message = str(caught.value)
+    assert message.startswith(f"--json: cannot write {str(target)!r}") and words in message, message
+    assert "\n" not in message
+    assert sorted(os.listdir(tmp_path)) == ["a-file", "folder", "link.json"] and os.listdir(tmp_path / "folder") == []
+    assert (tmp_path / "link.json").is_symlink() and os.path.islink(target) == (place in ("/dev/stdout", "link.json"))
+
+
+def _refused(capsys, code: int) -> str:
+    """The single error line of a refused command, checked for what every refusal must be."""
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    assert captured.err.startswith("error: ") and len(captured.err.splitlines()) == 1, captured.err
+    assert "Traceback" not in captured.err + captured.out
+    return captured.err
+
+
+@pytest.mark.parametrize("where", ["folder", "/proc/j.json"])
+def test_profile_memory_refuses_a_json_it_cannot_write_before_measuring(tmp_path, capsys, monkeypatch, where):
+    from gpipe_cli.cli import run
+    from gpipe_cli.profile import runner
+
+    def measured(*args):
+        raise AssertionError("measured before checking --json")
+
+    monkeypatch.setattr(runner, "_run", measured)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    target = where
+    err = _refused(capsys, run(["profile-memory", "--layers", "2", "--d-model", "32", "--ff", "64", "--heads", "2",
+                                "--seq-len", "8", "--vocab-size", "64", "--partitions", "2", "--json", target]))
+    assert f"--json: cannot write {target!r}" in err
+    assert os.listdir(tmp_path) == ["folder"] and os.listdir(tmp_path / "folder") == []

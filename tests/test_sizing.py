@@ -81,3 +81,50 @@ def test_more_stages_than_a_member_has_layers_get_a_deeper_member():
 
     choice = sizing.choose("transformer", lambda c: sizing.Verdict(c.parameters, 1e6, 1.0, 2.0), stages=16)
     assert choice.scaled and len(build_model(choice.kind, **choice.params).layers) >= 16
+
+
+def _deepened_a_stack_at_a_time(kind, params, stages):
+    """The former search, the reference: one stack of layers more until there are enough pipeline layers."""
+    from gpipe_cli.models.registry import build_model
+
+    step = 3 if kind == "amoebanet" else 1
+    out = dict(params)
+    while len(build_model(kind, **out).layers) < stages:
+        out["layers"] = int(out["layers"]) + step
+    return out
+
+
+def _members():
+    """Every ladder member, an encoder-decoder Transformer (two layers per `layers`) and an AmoebaNet with an
+    auxiliary head (one layer more)."""
+    from gpipe_cli.models.registry import resolve_preset
+
+    return [*sizing.ladder("transformer"), *sizing.ladder("amoebanet"), resolve_preset("t-6-8192-16"),
+            resolve_preset("amoebanet-d-18-256", aux_head=True, layers=3)]
+
+
+@pytest.mark.parametrize("stages", [1, 8, 9, 10, 11, 16, 17, 33, 64, 128])
+def test_deep_enough_gives_the_layers_the_stack_at_a_time_search_gave(stages):
+    for kind, params in _members():
+        assert sizing.deep_enough(kind, params, stages) == _deepened_a_stack_at_a_time(kind, params, stages), params
+
+
+@pytest.mark.parametrize("stages", [2_000, 10_000])
+def test_deep_enough_builds_a_few_specs_even_for_a_large_k(monkeypatch, stages):
+    from gpipe_cli.models.registry import build_model
+
+    built = []
+
+    def counted(kind, **params):
+        built.append(params.get("layers"))
+        return build_model(kind, **params)
+
+    monkeypatch.setattr(sizing, "build_model", counted)
+    for kind, params in _members():
+        built.clear()
+        deeper = sizing.deep_enough(kind, params, stages)
+        assert len(built) <= 3, (params, built)
+        step = 3 if kind == "amoebanet" else 1
+        # Just deep enough: one stack fewer would leave a stage without a layer.
+        assert len(build_model(kind, **deeper).layers) >= stages
+        assert len(build_model(kind, **{**deeper, "layers": deeper["layers"] - step}).layers) < stages

@@ -5,7 +5,9 @@
     1f1b           Schedule1F1B                   1
     interleaved    ScheduleInterleaved1F1B        V, chunk c on rank c mod K (as ours)
     zero-bubble    ScheduleInterleavedZeroBubble  1 (its ZB1P with one chunk per rank is ZB-H1)
-    zero-bubble-v  ScheduleZBVZeroBubble          2, in a V: rank r holds chunks r and 2K-1-r
+
+torch's ScheduleZBVZeroBubble has no counterpart: the engine offers no ZB-V schedule (two chunks per rank
+in a V), so --schedule never names one.
 
 A class the installed torch lacks is reported as skipped, with the reason. Each rank wraps the same
 layers our engine ran (same seed, same cut) in one `PipelineStage` per chunk it holds.
@@ -49,13 +51,12 @@ from gpipe_cli.pipeline.topology import Topology
 if TYPE_CHECKING:
     from gpipe_cli.bench.job import Job
 
-# Our schedule -> torch's class and how it places chunks on ranks.
-COUNTERPARTS: dict[str, tuple[str, str]] = {
-    "gpipe": ("ScheduleGPipe", "loop"),
-    "1f1b": ("Schedule1F1B", "loop"),
-    "interleaved": ("ScheduleInterleaved1F1B", "loop"),
-    "zero-bubble": ("ScheduleInterleavedZeroBubble", "loop"),
-    "zero-bubble-v": ("ScheduleZBVZeroBubble", "v"),
+# Our schedule -> torch's class; every one places chunks round-robin, as ours.
+COUNTERPARTS: dict[str, str] = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zero-bubble": "ScheduleInterleavedZeroBubble",
 }
 
 
@@ -70,15 +71,13 @@ def counterpart(schedule: str) -> tuple[str, type | None, str]:
         return "", None, f"torch.distributed.pipelining has no counterpart of '{schedule}'"
     from torch.distributed.pipelining import schedules
 
-    cls_name = COUNTERPARTS[schedule][0]
+    cls_name = COUNTERPARTS[schedule]
     cls = getattr(schedules, cls_name, None)
     return cls_name, cls, "" if cls is not None else f"torch {torch.__version__} has no {cls_name}"
 
 
-def chunks_of(rank: int, stages: int, chunks: int, style: str) -> list[int]:
-    """The chunks (torch's stage indices) a rank holds: round-robin ("loop") or in a V (two per rank)."""
-    if style == "v":
-        return sorted({rank, 2 * stages - 1 - rank}) if chunks == 2 * stages else []
+def chunks_of(rank: int, stages: int, chunks: int) -> list[int]:
+    """The chunks (torch's stage indices) a rank holds: round-robin, as our engine places them."""
     return [c for c in range(chunks) if sched.owner(c, stages) == rank]
 
 
@@ -178,11 +177,9 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
     layout, device = topo.layout, topo.device
     cls_name, cls, missing = counterpart(schedule_name)
     k, chunks, microbatches = layout.stages, len(job.balance), job.microbatches[-1]
-    style = COUNTERPARTS.get(schedule_name, ("", "loop"))[1]
-    mine = chunks_of(layout.stage, k, chunks, style)
-    if cls is None or not mine:
-        reason = missing or f"{cls_name} needs 2 chunks per rank (got {chunks // k})"
-        return {"class": cls_name, "skipped": reason} if layout.rank == 0 else None
+    mine = chunks_of(layout.stage, k, chunks)
+    if cls is None:
+        return {"class": cls_name, "skipped": missing} if layout.rank == 0 else None
     ranges = partition.stage_ranges(job.balance)
     ours = sched.build(job.schedule, layout.stage, k, microbatches, job.checkpoint, chunks // k)
     meter = ActivationMeter()

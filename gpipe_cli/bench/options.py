@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpipe_cli.errors import UserError
+from gpipe_cli.bench.trace import paths as trace_paths
+from gpipe_cli.errors import UserError, shown
 from gpipe_cli.estimate.size_flags import SizeFlags
+from gpipe_cli.files import check_output
 from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES
 from gpipe_cli.pipeline.schedule import check as check_schedule
 from gpipe_cli.units import human_bytes, meminfo_available
@@ -57,6 +60,19 @@ class BenchOptions(SizeFlags):
         """The K a prediction is made for."""
         return self.devices if self.devices is not None else self.partitions
 
+    def sweep_plot(self) -> Path | None:
+        """Where --sweep draws its bars: the --json file with .png in place of its suffix (None: no --json)."""
+        if not self.sweep or self.json is None or not self.json.name:  # "." or "/": refused as a directory
+            return None
+        return self.json.with_suffix(".png")
+
+    def outputs(self) -> list[tuple[str, Path]]:
+        """Every file this invocation writes, with the flag that names it."""
+        named = [("--json", self.json), ("--json (its --sweep plot)", self.sweep_plot())]
+        if self.trace is not None:
+            named += [("--trace", path) for path in trace_paths(self.trace)]
+        return [(flag, path) for flag, path in named if path is not None]
+
 
 SWEEP_MICROBATCHES = (1, 4, 32)
 SWEEP_PARTITIONS = (2, 4, 8)
@@ -90,8 +106,10 @@ FLAGS: dict[str, str] = {
     "compare": "Also run torch.distributed.pipelining's counterpart of --schedule (ScheduleGPipe, Schedule1F1B, "
                "ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble) on the same model, K, M, cut and "
                "recomputation; print throughput, idle share and peak-memory ratios.",
-    "trace": "Write one step's timeline as a Chrome trace (FILE, opens in Perfetto) and a PNG Gantt chart "
-             "(FILE with .png; needs matplotlib).",
+    # Suffixes quoted: the help's tidying takes a space before a dot for a stray one, and drops it.
+    "trace": "Write one step's timeline as a Chrome trace to FILE (opens in Perfetto) and as a PNG Gantt chart "
+             "to FILE with '.png' in place of its suffix (needs matplotlib); a FILE ending in '.png' gets the "
+             "chart, and the trace goes to FILE with '.json' in place of '.png'.",
     "simulate": "Predict throughput for --devices devices from measured per-layer costs and the link "
                 "(--bandwidth, --latency-us) instead of measuring K ranks.",
     "devices": "Devices (K) to predict for with --simulate [default: --partitions].",
@@ -100,7 +118,8 @@ FLAGS: dict[str, str] = {
     "threads": "Intra-op threads per rank (1 keeps timings comparable).",
     "oversubscribe": "With --sweep, also run K values that exceed the cores or GPUs (timings then mean little).",
     "seed": "Seed of the weights and of the synthetic batch.",
-    "json": "Write every figure as JSON to FILE.",
+    "json": "Write every figure as JSON to FILE (with --sweep, also the plot to FILE with '.png' in place of "
+            "its suffix).",
 }
 
 
@@ -122,10 +141,13 @@ def validate(options: BenchOptions) -> None:
         (not (options.sweep and options.simulate), "--sweep and --simulate cannot be combined"),
         (not (options.sweep and options.compare), "--sweep and --compare cannot be combined"),
         (options.virtual_stages == 1 or not options.sweep, "--virtual-stages > 1 cannot be combined with --sweep"),
+        (options.trace is None or not (options.sweep or options.simulate),
+         "--trace records the K ranks' measured step: it cannot be combined with --sweep or --simulate"),
     ]
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+    _check_outputs(options)
     _check_ranks_fit(options.partitions)
     try:
         for m in options.microbatch_values():
@@ -140,6 +162,18 @@ def validate(options: BenchOptions) -> None:
         raise UserError(f"--compare needs --batch-size divisible by --microbatches ({batch} % "
                         f"{options.microbatches} != 0): torch.distributed.pipelining receives into fixed "
                         f"buffers sized by the first micro-batch")
+
+
+def _check_outputs(options: BenchOptions) -> None:
+    """Refuse, before anything is measured, a file that cannot be written, or two outputs in one file."""
+    seen: dict[str, str] = {}
+    for flag, path in options.outputs():
+        check_output(path, flag, "trace.json" if flag == "--trace" else "bench.json")
+        where = os.path.abspath(path)
+        if where in seen:  # the second write would replace the first
+            raise UserError(f"{flag} would write {shown(str(path))}, which {seen[where]} writes too; name "
+                            f"different files")
+        seen[where] = flag
 
 
 def parse_balance(text: str | None, partitions: int) -> list[int] | None:

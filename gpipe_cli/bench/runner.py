@@ -5,7 +5,8 @@
 
 Before anything is measured the plan is printed (see `preview`): the model, sized to this machine
 when no model flag was given, its memory per stage, the ranks per core or GPU and the time it should
-take. Ctrl-C stops the ranks and exits 130 with no traceback; the job folder is removed.
+take. Ctrl-C stops the ranks and exits 130 with no traceback; the job folder is removed. Once measuring
+is over, Ctrl-C and SIGTERM are ignored for the moment it takes to print and write the results.
 
 Efficiency is T(K) / (K × T(K=1) × M/(M+K-1)): 1.0 means the only loss is GPipe's bubble.
 """
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from gpipe_cli import sizing
+from gpipe_cli import interrupts, sizing
 from gpipe_cli.bench import jobs, preview, report, sweep, trace
 from gpipe_cli.bench.options import BenchOptions, parse_balance, validate
 from gpipe_cli.bench.plan import base_job, choose_balance, model_json, oversubscription
@@ -117,7 +118,9 @@ def check_cut(options: BenchOptions, subject: Subject) -> None:
         raise UserError(f"--{flag}/--balance: {exc} (the model has {layers} pipeline layers)") from None
 
 
-def _single(options: BenchOptions, subject: Subject, folder: Path, console: Console) -> dict[str, Any]:
+def _single(options: BenchOptions, subject: Subject, folder: Path,
+            console: Console) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Measure K=1 and K ranks (or predict K devices): the figures, and the K ranks' step for --trace."""
     spec = subject.build()
     k = options.simulated_devices if options.simulate else options.partitions
     console.print(f"[dim]measuring K=1 ({len(spec.layers)} layers, per-layer costs and {options.steps} steps)...[/]")
@@ -154,11 +157,7 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, console: Cons
                 continue
             summary["load"][name] = theirs.get("load", {})
             summary["contended"] = summary["contended"] or contended(theirs.get("load", {}))
-    if kk is not None and options.trace is not None:
-        title = f"{summary['model']['name']}: K={k}, M={options.microbatches}, {options.schedule}, {options.checkpoint}"
-        chrome, png = trace.write(options.trace, kk.events, title)
-        summary["trace"] = {"chrome": str(chrome), "png": str(png) if png else None, "events": len(kk.events)}
-    return summary
+    return summary, kk.events if kk is not None else []
 
 
 @contextlib.contextmanager
@@ -171,6 +170,35 @@ def _temporary_root(folder: str) -> Iterator[None]:
         yield
     finally:
         tempfile.tempdir = previous
+
+
+def results(options: BenchOptions, summary: dict[str, Any], events: list[dict[str, Any]], console: Console) -> None:
+    """Print the figures and write the files asked for (--trace of `events`, the --sweep plot, --json)."""
+    # Measuring is over: a Ctrl-C or SIGTERM from here on would stop the command between files it has
+    # written and claim it wrote nothing, so they wait the moment it takes to finish.
+    interrupts.finishing()
+    if options.sweep:
+        sweep.write_plot(options, summary, console)
+        sweep.show(summary, console)
+    else:
+        _write_trace(options, summary, events)
+        report.show(summary, console)
+    sized = summary["sized"]
+    console.print(f"[dim]took {sizing.human_seconds(sized['elapsed_s'])} (estimated "
+                  f"{sizing.human_seconds(sized['estimate_s'])})[/]")
+    if options.json is not None:
+        atomic_write_text(options.json, json.dumps(summary, indent=2))
+        console.print(f"[dim]figures written to {options.json}[/]")
+
+
+def _write_trace(options: BenchOptions, summary: dict[str, Any], events: list[dict[str, Any]]) -> None:
+    """Write the K ranks' step as --trace asks, and say in the summary where it went."""
+    if options.trace is None or not summary["measured"]:
+        return
+    title = (f"{summary['model']['name']}: K={summary['partitions']}, M={options.microbatches}, {options.schedule}, "
+             f"{options.checkpoint}")
+    chrome, png = trace.write(options.trace, events, title)
+    summary["trace"] = {"chrome": str(chrome), "png": str(png) if png else None, "events": len(events)}
 
 
 def run(options: BenchOptions) -> int:
@@ -193,25 +221,20 @@ def _run(options: BenchOptions, console: Console) -> int:
     preview.show(chosen, options, machine, console)
     with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp, _temporary_root(tmp):
         try:
+            events: list[dict[str, Any]] = []  # the K ranks' step, for --trace
             if options.sweep:
                 summary = sweep.run(options, subject, Path(tmp), console)
-                sweep.show(summary, console)
             else:
-                summary = _single(options, subject, Path(tmp), console)
-                report.show(summary, console)
+                summary, events = _single(options, subject, Path(tmp), console)
         except jobs.JobFailed as exc:
             if exc.code in (STOPPED, 128 + signal.SIGTERM):
                 console.print("[yellow]gpipe bench: stopped; nothing was written[/]")
                 return exc.code
             console.print(f"[red]gpipe bench: the benchmark ranks failed (exit code {exc.code}); see above[/]")
             return exc.code
-    summary["sized"] = {"note": chosen.note, "estimate_s": chosen.seconds,
-                        "elapsed_s": time.perf_counter() - started}
-    console.print(f"[dim]took {sizing.human_seconds(time.perf_counter() - started)} (estimated "
-                  f"{sizing.human_seconds(chosen.seconds)})[/]")
-    if options.json is not None:
-        atomic_write_text(options.json, json.dumps(summary, indent=2))
-        console.print(f"[dim]figures written to {options.json}[/]")
+        summary["sized"] = {"note": chosen.note, "estimate_s": chosen.seconds,
+                            "elapsed_s": time.perf_counter() - started}
+        results(options, summary, events, console)
     if summary.get("failed"):
         console.print(f"[red]gpipe bench: {summary['failed']}[/]")
         return 1

@@ -77,10 +77,16 @@ def run(options: BenchOptions, subject: Subject, folder: Path, console: Console)
             "skipped_partitions": [k for k in SWEEP_PARTITIONS if k not in ks],
             "oversubscribed": any(c["oversubscribed"] for c in cells),
             "contended": any(c["contended"] for c in cells)}
-    if options.json is not None:
-        png = plot(summary, options.json.with_suffix(".png"))
-        console.print(f"[dim]plot written to {png}[/]" if png else f"[yellow]no plot: {plots.MISSING}[/]")
     return summary
+
+
+def write_plot(options: BenchOptions, summary: dict[str, Any], console: Console) -> None:
+    """Draw the sweep beside the --json file, when one is asked for, and say where."""
+    target = options.sweep_plot()
+    if target is None:
+        return
+    png = plot(summary, target)
+    console.print(f"[dim]plot written to {png}[/]" if png else f"[yellow]no plot: {plots.MISSING}[/]")
 
 
 PLOT_PX = (1000, 600)

@@ -8,16 +8,17 @@ so a paper-sized model can be shrunk to something a CPU can time.
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from gpipe_cli.errors import UserError, shown
+from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.models.base import Batch, ModelSpec
-from gpipe_cli.models.registry import allowed_params, build_model, resolve_preset
+from gpipe_cli.models.registry import allowed_params, build_model, is_preset_name, names_help, resolve_preset
 from gpipe_cli.recipe.load import parse_override
 
 # The models of the paper's speed table (Table 2): AmoebaNet-D (18, 256) and Transformer-48, the
@@ -57,7 +58,24 @@ class Subject:
 
 def is_recipe(model: str) -> bool:
     """Whether `--model` names a recipe file rather than a preset."""
-    return model.endswith((".yaml", ".yml")) or Path(model).is_file()
+    return model.endswith((".yaml", ".yml")) or stat.S_ISREG(_mode(model))
+
+
+def _mode(model: str) -> int:
+    """The file mode `--model` names as a path (0: none, or a name no path can have, e.g. too long)."""
+    try:
+        return os.stat(model).st_mode
+    except (OSError, ValueError):
+        return 0
+
+
+def _unknown(model: str) -> UserError:
+    """The one line for a `--model` that is no family, preset or recipe file: everything it may be."""
+    if stat.S_ISDIR(_mode(model)):
+        # As `gpipe plan DIR` says it: the user meant a recipe.
+        return UserError(f"--model {cut(model)}: is a directory, not a recipe file")
+    return UserError(f"--model: unknown model preset {shown(model)}; use a family ({', '.join(FAMILIES)}), "
+                     f"a recipe file (.yaml), {names_help()}")
 
 
 def _model_overrides(items: Sequence[str]) -> dict[str, Any]:
@@ -87,10 +105,12 @@ def resolve(model: str, sizes: Mapping[str, int | None] | None = None, overrides
         kind, params = _from_recipe(model, overrides)
     else:
         name = FAMILIES.get(model, model)
+        if not is_preset_name(name):
+            raise _unknown(model)
         try:
             kind, params = resolve_preset(name, **_model_overrides(overrides))
-        except ValueError as exc:
-            raise UserError(f"--model: {exc}; or a family ({', '.join(FAMILIES)}) or a recipe file") from None
+        except ValueError as exc:  # the name is known: a parameter of --set is not
+            raise UserError(f"--set: {exc}") from None
     accepted = allowed_params(kind)
     for flag, value in (sizes or {}).items():
         if value is None:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpipe_cli.errors import shown
 from gpipe_cli.models.amoebanet import build_amoebanet
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.transformer import build_transformer
@@ -76,12 +77,25 @@ _PATTERNS: list[tuple[re.Pattern[str], Callable[[re.Match[str]], tuple[str, dict
     (re.compile(r"transformer-l-(\d+)"),
      lambda m: ("transformer", dict(_TRANSFORMER_L, layers=int(m.group(1))))),
 ]
-_PATTERN_HELP = "amoebanet-{d|b}-L-D, t-L-H-A or transformer-l-L"
+_PATTERN_HELP = ("amoebanet-{d|b}-L-D, t-L-H-A or transformer-l-L (L layers, D filters, H feed-forward width, "
+                 "A heads)")
 
 
 def presets() -> dict[str, Preset]:
     """The named presets from the paper, by name."""
     return {p.name: Preset(p.name, p.kind, dict(p.params), p.description) for p in _PRESETS}
+
+
+def is_preset_name(name: str) -> bool:
+    """Whether `name` is a preset or follows one of the presets' patterns."""
+    return any(p.name == name for p in _PRESETS) or any(pattern.fullmatch(name) for pattern, _ in _PATTERNS)
+
+
+def names_help() -> str:
+    """Every preset name accepted, in words: the patterns, and the presets no pattern covers."""
+    # Listing every preset would not fit one line; all but a few are instances of the patterns.
+    others = [p.name for p in _PRESETS if not any(pattern.fullmatch(p.name) for pattern, _ in _PATTERNS)]
+    return f"{', '.join(others)} or a name of the form {_PATTERN_HELP}"
 
 
 def allowed_params(kind: str) -> list[str]:
@@ -101,8 +115,7 @@ def resolve_preset(name: str, **overrides: Any) -> tuple[str, dict[str, Any]]:
                 kind, params = make(match)
                 break
         else:
-            raise ValueError(f"unknown model preset {name!r}; use one of {', '.join(known)} "
-                             f"or a name of the form {_PATTERN_HELP}")
+            raise ValueError(f"unknown model preset {shown(name)}; use {names_help()}")
     params = dict(params)
     params.update(overrides)
     _check_params(kind, params)

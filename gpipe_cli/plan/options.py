@@ -62,7 +62,8 @@ def validate(options: PlanOptions) -> None:
     checks = [
         (options.devices >= 1, f"--devices must be >= 1 (got {options.devices})"),
         (options.nodes >= 1, f"--nodes must be >= 1 (got {options.nodes})"),
-        (options.nodes <= options.devices and options.devices % options.nodes == 0,
+        # Checked only past `--nodes >= 1`, which comes first: N % 0 has no answer.
+        (options.nodes < 1 or (options.nodes <= options.devices and options.devices % options.nodes == 0),
          f"--nodes {options.nodes} must divide --devices {options.devices} (the same devices on every node)"),
         (options.top >= 1, f"--top must be >= 1 (got {options.top})"),
         (options.bandwidth is None or options.bandwidth > 0, f"--bandwidth must be > 0 GB/s (got {options.bandwidth})"),

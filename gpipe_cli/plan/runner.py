@@ -8,12 +8,13 @@ import shlex
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gpipe_cli import interrupts
-from gpipe_cli.errors import UserError
-from gpipe_cli.launch import check_writable
+from gpipe_cli.errors import UserError, shown
+from gpipe_cli.files import check_output
 from gpipe_cli.plan.options import PlanOptions, validate
 from gpipe_cli.recipe.load import apply_override, default_recipe_text, load_recipe, parse_yaml, recipe_label
 from gpipe_cli.recipe.schema import Recipe
@@ -41,26 +42,48 @@ def micro_sizes(layers: int, batch: int, devices: int, least: int) -> list[int]:
     return sorted(sizes)
 
 
-def _as_written(model: Any, hw: Any, recipe: Recipe) -> Any:
-    """The recipe's own pipeline settings, predicted the same way (None when they do not use the N devices);
-    a balance named by a mode is cut by measured time."""
-    from gpipe_cli.pipeline import partition
-    from gpipe_cli.plan import search
+def as_written_line(model: Any, hw: Any, recipe: Recipe, best: Any, budget: float) -> str:
+    """The recipe's own pipeline settings, predicted the same way, beside the pick (a balance named by a mode
+    is cut by measured time), or why they cannot be predicted."""
+    from gpipe_cli.plan import search, show
 
     p = recipe.pipeline
-    if p.partitions * p.data_parallel != hw.devices or model.batch % p.data_parallel \
-            or model.batch // p.data_parallel < p.microbatches:
-        return None
     config = search.Config(p.partitions, p.data_parallel, p.microbatches, p.schedule, p.virtual_stages, p.checkpoint)
-    cut = p.balance if isinstance(p.balance, list) else None
+    why = _not_comparable(model, hw, recipe)
+    if why is not None:
+        return f"the recipe as written ({config.label()}) is not compared: {why}"
+    written = search.evaluate(model, hw, config, p.balance if isinstance(p.balance, list) else None)
+    gain = best.samples_per_s / written.samples_per_s - 1.0 if written.samples_per_s else 0.0
+    fit_note = "" if written.fits else f", does not fit: {show.reason(model, best, written, budget)}"
+    return (f"the recipe as written ({config.label()}, balance {','.join(map(str, written.balance))}): "
+            f"predicted {show.rate(written.samples_per_s)} samples/s{fit_note}; the plan's pick is predicted "
+            f"{gain * 100:+.0f}%")
+
+
+def _not_comparable(model: Any, hw: Any, recipe: Recipe) -> str | None:
+    """Why the recipe's own pipeline settings cannot be predicted for these devices (None: they can)."""
+    from gpipe_cli.pipeline import partition, schedule
+
+    p = recipe.pipeline
+    used = p.partitions * p.data_parallel
+    if used != hw.devices:
+        return (f"it uses K x D = {p.partitions} x {p.data_parallel} = {used} devices, not the {hw.devices} "
+                f"planned for")
+    if model.batch % p.data_parallel:
+        return f"data.batch_size {model.batch} is not a multiple of D={p.data_parallel}"
+    if model.batch // p.data_parallel < p.microbatches:
+        return (f"each replica's {model.batch // p.data_parallel} examples cannot make M={p.microbatches} "
+                f"micro-batches")
+    chunks = p.partitions * p.virtual_stages
     try:
-        if cut is not None:
-            partition.check_balance(cut, model.layers, p.partitions * p.virtual_stages)
+        schedule.check(p.schedule, p.partitions, p.microbatches, p.virtual_stages)
+        if isinstance(p.balance, list):
+            partition.check_balance(p.balance, model.layers, chunks)
         else:
-            partition.check_partitions(model.layers, p.partitions * p.virtual_stages)
-    except partition.PartitionError:
-        return None
-    return search.evaluate(model, hw, config, cut)
+            partition.check_partitions(model.layers, chunks)
+    except ValueError as exc:  # PartitionError among them
+        return str(exc)
+    return None
 
 
 def run(options: PlanOptions) -> int:
@@ -69,17 +92,21 @@ def run(options: PlanOptions) -> int:
     validate(options)
     recipe = load_recipe(options.recipe, options.set, check_data=False)
     raw = _raw(options)
-    if options.output is not None:
-        check_writable(options.output.parent if str(options.output.parent) else Path("."), "--output")
+    check_output(options.output, "--output", "planned.yaml")
     try:
         with interrupts.remembered():
-            return _plan(options, recipe, raw)
+            finish = _plan(options, recipe, raw)
+        # Planned: from here on a Ctrl-C or SIGTERM waits the moment it takes to write --output and say so,
+        # rather than claim that nothing was written after it was (outside `remembered`, which would undo it).
+        interrupts.finishing()
+        return finish()
     except KeyboardInterrupt:
         print("gpipe plan: interrupted; nothing was written", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
 
 
-def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> int:
+def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> Callable[[], int]:
+    """Measure, search and print the plan; what is left to do once it is printed: write --output."""
     # torch from here on: the arguments and the recipe are valid
     import torch
     from rich.console import Console
@@ -162,27 +189,30 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> int:
         console.print(show.plain(items, title), highlight=False, markup=False)
     else:
         console.print(show.table(items, title))
-    written = _as_written(model, hw, recipe)
-    if written is not None:
-        gain = best.samples_per_s / written.samples_per_s - 1.0 if written.samples_per_s else 0.0
-        fit_note = "" if written.fits else f", does not fit: {show.reason(model, best, written, budget)}"
-        console.print(f"the recipe as written ({written.config.label()}, balance "
-                      f"{','.join(map(str, written.balance))}): predicted {show.rate(written.samples_per_s)} "
-                      f"samples/s{fit_note}; the plan's pick is predicted {gain * 100:+.0f}%", highlight=False)
+    console.print(as_written_line(model, hw, recipe, best, budget), highlight=False)
     section = show.pipeline_section(best, recipe.pipeline.backend)
     target = shlex.quote(options.recipe) if options.recipe is not None else ""
     command = " ".join(["gpipe train", *([target] if target else []), *show.set_lines(section)])
     console.print(f"predicted best: {best.config.label()}, {show.rate(best.samples_per_s)} samples/s. Train it with:",
                   highlight=False)
     console.print(f"  {command}", highlight=False, markup=False, soft_wrap=True)
-    if options.output is not None:
-        header = (f"# written by gpipe plan for {n} devices of {human_bytes(budget)}: {best.config.label()}, "
-                  f"predicted {show.rate(best.samples_per_s)} samples/s\n")
-        show.write_recipe(raw, section, options.output, recipe_label(options.recipe), header)
-        console.print(f"wrote {options.output}; train with: gpipe train {shlex.quote(str(options.output))}",
-                      highlight=False, markup=False)
-    console.print(f"[dim]took {time.perf_counter() - started:.0f} s[/]")
-    return 0
+    header = (f"# written by gpipe plan for {n} devices of {human_bytes(budget)}: {best.config.label()}, "
+              f"predicted {show.rate(best.samples_per_s)} samples/s\n")
+
+    def finish() -> int:
+        """Write --output when asked, and say how long the plan took."""
+        if options.output is not None:
+            try:
+                show.write_recipe(raw, section, options.output, recipe_label(options.recipe), header)
+            except OSError as exc:  # a disk can fill, or a folder change, after the check; nothing is half there
+                raise UserError(f"--output: cannot write {shown(str(options.output))} ({exc.strerror or exc})") \
+                    from None
+            console.print(f"wrote {options.output}; train with: gpipe train {shlex.quote(str(options.output))}",
+                          highlight=False, markup=False)
+        console.print(f"[dim]took {time.perf_counter() - started:.0f} s[/]")
+        return 0
+
+    return finish
 
 
 UNSTEADY = 0.10  # a step that moved more than this while measuring makes the predictions that uncertain
@@ -208,7 +238,8 @@ def _sample(recipe: Recipe, say: Any) -> Any:
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # any failure leaves generated examples; planning goes on
-        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        # Whole: its end is often the fix (the command that prepares the data offline).
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         say(f"the recipe's data could not be read here ({why}); timing generated examples of full length")
         return None
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpipe_cli.errors import UserError
+from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.estimate.size_flags import SizeFlags
 from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES
+from gpipe_cli.units import parse_size
+
+# The largest K: the paper's largest pipeline (Transformer-L on 128 TPUs). Every stage of every row is
+# priced, and measured rows driven, in this one process; far larger K only ran for minutes, silently.
+MAX_PARTITIONS = 128
 
 
 @dataclass
@@ -30,23 +35,29 @@ class ProfileOptions(SizeFlags):
 
 
 
+def _choices(values: tuple[str, ...]) -> str:
+    """e.g. "a, b or c"."""
+    return f"{', '.join(values[:-1])} or {values[-1]}" if len(values) > 1 else values[0]
+
+
 # Flag name -> help text, for the CLI's typer options (one to one with the fields above).
 FLAGS: dict[str, str] = {
     "model": "Preset, family (amoebanet, transformer: the paper's models, scaled down to this machine when no "
              "size flag or --set is given) or recipe file (.yaml). With --budget, the family searched: "
              "AmoebaNet-D (L, D) or Transformer-L.",
-    "partitions": "K values to profile (pipeline-K), comma-separated, e.g. 2,4,8; naive-1 and pipeline-1 are "
-                  "always shown.",
+    "partitions": f"K values to profile (pipeline-K), comma-separated, each 1 to {MAX_PARTITIONS} (the paper's "
+                  "largest), e.g. 2,4,8; naive-1 and pipeline-1 are always shown.",
     "microbatches": "M: micro-batches per mini-batch for pipeline-1 and pipeline-K.",
     "batch_size": "Examples per mini-batch [default: 4 x M; with --budget the paper's: 128 AmoebaNet, "
                   "32 Transformer].",
-    "schedule": "Schedule whose in-flight micro-batches are counted: gpipe, 1f1b or zero-bubble.",
+    "schedule": f"Schedule whose in-flight micro-batches are counted: {_choices(SCHEDULES)} (one chunk per "
+                "device: interleaved counts as 1f1b).",
     "checkpoint": "Rematerialization of pipeline-1 and pipeline-K: always, except_last or never.",
     "balance": "Layers per stage for a single K, e.g. 5,5 [default: balanced by estimated FLOPs, as training].",
     "optimizer": "Optimizer whose state is counted: sgd (momentum), adam, adamw, rmsprop (the paper's, "
                  "momentum 0.9).",
-    "budget": "Per-device memory, e.g. 8GiB: find the largest model of the family that fits at each K "
-              "(the paper's Table 1).",
+    "budget": "Per-device memory, more than 0 bytes, e.g. 8GiB: find the largest model of the family that "
+              "fits at each K (the paper's Table 1).",
     "layers": "Model size override: layers (not with --budget, which searches it).",
     "filters": "Model size override: AmoebaNet filters D (not with --budget, which searches it).",
     "d_model": "Model size override: Transformer model width.",
@@ -68,7 +79,7 @@ def parse_partitions(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise UserError(f"--partitions expects K values separated by commas, e.g. 2,4,8 (got '{text}')") from None
+        raise UserError(f"--partitions expects K values separated by commas, e.g. 2,4,8 (got '{cut(text)}')") from None
     return values
 
 
@@ -76,9 +87,8 @@ def validate(options: ProfileOptions) -> None:
     """Refuse options that cannot describe a profile, with one line naming the flag."""
     from gpipe_cli.profile.account import OPTIMIZERS  # imports torch: only when a profile really runs
 
+    _check_partitions(options.partitions)
     checks = [
-        (bool(options.partitions) and all(k >= 1 for k in options.partitions),
-         f"--partitions must list K values >= 1 (got {options.partitions})"),
         (options.microbatches >= 1, f"--microbatches must be >= 1 (got {options.microbatches})"),
         (options.batch_size is None or options.batch_size >= options.microbatches,
          f"--batch-size ({options.batch_size}) must be >= --microbatches ({options.microbatches})"),
@@ -95,3 +105,16 @@ def validate(options: ProfileOptions) -> None:
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+    if options.budget is not None and parse_size(options.budget, "--budget") <= 0:
+        # Nothing fits no memory at all: a table of empty rows would only hide the typo.
+        raise UserError(f"--budget must be more than 0 bytes, e.g. 8GiB (got '{cut(options.budget)}')")
+
+
+def _check_partitions(partitions: list[int]) -> None:
+    """Refuse an empty --partitions and any K outside 1..MAX_PARTITIONS, naming the first such K."""
+    if not partitions:
+        raise UserError(f"--partitions must list K values from 1 to {MAX_PARTITIONS}, e.g. 2,4,8 (got none)")
+    bad = next((k for k in partitions if not 1 <= k <= MAX_PARTITIONS), None)
+    if bad is not None:
+        raise UserError(f"--partitions must list K values from 1 to {MAX_PARTITIONS}, the paper's largest "
+                        f"pipeline (got {shown(bad)})")

@@ -20,7 +20,7 @@ from gpipe_cli import interrupts, sizing
 from gpipe_cli import memory_model as mm
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate.subject import FAMILIES, SIZE_PARAMS, Subject, example_batch, resolve
-from gpipe_cli.files import atomic_write_text
+from gpipe_cli.files import atomic_write_text, check_output
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import layer_params
 from gpipe_cli.profile import account, budget, report, scenarios
@@ -175,6 +175,7 @@ def run(options: ProfileOptions) -> int:
     130 on Ctrl-C)."""
     console = Console()
     validate(options)
+    check_output(options.json, "--json", "memory.json")
     try:
         with interrupts.remembered():
             return _run(options, console)

@@ -1,5 +1,6 @@
 """Ctrl-C during `gpipe bench` stops the ranks: exit 130, no traceback, no temporary files left."""
 
+import io
 import signal
 
 import pytest
@@ -47,3 +48,40 @@ def test_sigterm_stops_it_as_ctrl_c_does_with_143(tmp_path, moment):
     assert code == 128 + signal.SIGTERM, output[-3000:]
     assert "Traceback" not in output and "nothing was written" in output, output[-3000:]
     assert not [p for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")]
+
+
+@pytest.fixture
+def handlers():
+    """SIGINT's and SIGTERM's handlers as they were, put back after a test that lets the command finish."""
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGINT, saved[0])
+    signal.signal(signal.SIGTERM, saved[1])
+
+
+def test_once_measured_the_results_are_written_with_ctrl_c_and_sigterm_waiting(tmp_path, monkeypatch, handlers):
+    """A Ctrl-C as `figures written to F` printed said "nothing was written" (F was), then a raw traceback."""
+    from rich.console import Console
+
+    from gpipe_cli.bench import report, runner
+    from gpipe_cli.bench.options import BenchOptions
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    states = []
+
+    def now(what):
+        states.append((what, signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)))
+
+    def write(path, text):
+        now("written")
+        path.write_text(text)
+
+    monkeypatch.setattr(runner, "atomic_write_text", write)
+    monkeypatch.setattr(report, "show", lambda summary, console: now("shown"))
+    out = tmp_path / "figures.json"
+    summary = {"measured": True, "sized": {"note": "", "estimate_s": 1.0, "elapsed_s": 1.0}}
+    console = Console(file=io.StringIO(), width=1000)
+    runner.results(BenchOptions(json=out), summary, [], console)
+    ignored = (signal.SIG_IGN, signal.SIG_IGN)
+    assert states == [("shown", *ignored), ("written", *ignored)] and out.exists()
+    assert f"figures written to {out}" in console.file.getvalue()

@@ -1,7 +1,10 @@
+from pathlib import Path
+
 import pytest
 
 from gpipe_cli.bench.options import FLAGS, BenchOptions, parse_balance, validate
 from gpipe_cli.bench.plan import oversubscription
+from gpipe_cli.cli_help import tidy
 from gpipe_cli.errors import UserError
 
 
@@ -49,3 +52,57 @@ def test_more_ranks_than_cores_is_oversubscribed():
     cores = len(os.sched_getaffinity(0))
     assert oversubscription(cores + 1, 1)[0]
     assert not oversubscription(1, 1)[0]
+
+
+TINY = ["--layers", "2", "--d-model", "32", "--ff", "64", "--heads", "2", "--seq-len", "8", "--vocab-size", "64"]
+
+
+@pytest.mark.parametrize("flags", [["--json", "recipes"], ["--trace", "recipes"], ["--json", "/proc/x.json"],
+                                   ["--trace", "/proc/t.json"], ["--json", "a-file/x.json"],
+                                   ["--sweep", "--json", "plot.json"],
+                                   ["--json", "same.json", "--trace", "same.png"]])
+def test_an_output_that_cannot_be_written_is_refused_in_one_line_before_measuring(tmp_path, capsys, monkeypatch,
+                                                                                  flags):
+    from gpipe_cli import sizing
+    from gpipe_cli.cli import run
+
+    def measured(*args):
+        raise AssertionError("sized or measured before the outputs were checked")
+
+    monkeypatch.setattr(sizing, "this_machine", measured)
+    monkeypatch.chdir(tmp_path)
+    for folder in ("recipes", "plot.png"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "a-file").write_text("")
+    code = run(["bench", *TINY, *flags])
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    assert captured.err.startswith("error: --") and len(captured.err.splitlines()) == 1, captured.err
+    assert "Traceback" not in captured.err + captured.out and captured.out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "plot.png", "recipes"]
+    assert not list((tmp_path / "recipes").iterdir()) and not list((tmp_path / "plot.png").iterdir())
+
+
+@pytest.mark.parametrize("options,message", [
+    (BenchOptions(trace=Path("t.json"), sweep=True), "--trace records"),
+    (BenchOptions(trace=Path("t.json"), simulate=True), "--trace records"),
+    (BenchOptions(json=Path("t.json"), trace=Path("t.png")), "--trace would write 't.json', which --json writes"),
+    (BenchOptions(json=Path("x.png"), sweep=True), "--sweep plot\\) would write 'x.png', which --json writes"),
+])
+def test_outputs_that_would_be_lost_are_refused(tmp_path, monkeypatch, options, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=message):
+        validate(options)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_trace_help_names_both_files_as_they_are_written():
+    from gpipe_cli.bench.trace import paths
+
+    assert paths(Path("x.json")) == (Path("x.json"), Path("x.png"))
+    assert paths(Path("x.png")) == (Path("x.json"), Path("x.png"))
+    assert paths(Path("x")) == (Path("x"), Path("x.png"))
+    shown = tidy(FLAGS["trace"])  # as `gpipe bench --help` prints it
+    assert "with.png" not in shown and "Chrome trace to FILE" in shown
+    assert "FILE with '.png' in place of its suffix" in shown and "trace goes to FILE with '.json'" in shown
+    assert "with.png" not in tidy(FLAGS["json"])

@@ -1,7 +1,11 @@
+import re
+
 import pytest
 
-from gpipe_cli.errors import UserError
+from gpipe_cli.cli import run as gpipe
+from gpipe_cli.errors import UserError, one_line
 from gpipe_cli.estimate.subject import FAMILIES, resolve
+from gpipe_cli.models.registry import presets
 from tests.bench import tiny
 
 
@@ -43,3 +47,52 @@ def test_a_recipe_file_gives_its_model(tmp_path):
     subject = resolve(str(recipe), {"layers": 3}, ["dropout=0"])
     assert subject.kind == "transformer" and subject.params["layers"] == 3 and subject.params["dropout"] == 0
     assert len(subject.build().layers) == 5
+
+
+# What a preset name may be, written out independently of the registry's own patterns.
+_FORMS = re.compile(r"amoebanet-[db]-\d+-\d+|t-\d+-\d+-\d+|transformer-l-\d+")
+
+
+@pytest.mark.parametrize("model", ["foo", "x" * 5000])
+def test_an_unknown_model_names_everything_allowed_in_one_uncut_line(model):
+    with pytest.raises(UserError) as info:
+        resolve(model)
+    message = str(info.value)
+    assert one_line(message) == message and message.startswith("--model: unknown model preset '")
+    for allowed in ("a family (amoebanet, transformer)", "a recipe file (.yaml)",
+                    "amoebanet-{d|b}-L-D, t-L-H-A or transformer-l-L", "A heads)"):
+        assert allowed in message
+    # Every preset is named or is an instance of a form the line names.
+    for name in presets():
+        assert name in message or _FORMS.fullmatch(name), name
+
+
+@pytest.mark.parametrize("typed", ["recipes", "recipes/"])
+def test_a_directory_is_said_to_be_no_recipe_file(tmp_path, monkeypatch, typed):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes").mkdir()
+    with pytest.raises(UserError, match=f"^--model {typed}: is a directory, not a recipe file$"):
+        resolve(typed)
+
+
+def test_a_directory_named_like_a_family_does_not_hide_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "transformer").mkdir()
+    assert resolve("transformer").params["layers"] == 48
+
+
+def test_an_unknown_parameter_of_set_names_set():
+    with pytest.raises(UserError, match="^--set: unknown parameter 'colour'"):
+        resolve("transformer", {}, ["colour=red"])
+
+
+@pytest.mark.parametrize("command", ["bench", "profile-memory"])
+@pytest.mark.parametrize("model,expected", [("foo", "error: --model: unknown model preset 'foo'; use a family"),
+                                            ("recipes", "error: --model recipes: is a directory")])
+def test_the_commands_refuse_a_bad_model_in_one_line(capsys, tmp_path, monkeypatch, command, model, expected):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes").mkdir()
+    assert gpipe([command, "--model", model]) == 2
+    out = capsys.readouterr()
+    assert out.err.splitlines() == [out.err.strip()] and out.err.startswith(expected), out
+    assert "more characters" not in out.err and list(tmp_path.iterdir()) == [tmp_path / "recipes"]

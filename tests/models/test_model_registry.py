@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from gpipe_cli.errors import one_line
 from gpipe_cli.models import allowed_params, build_model, build_preset, presets, resolve_preset
+from gpipe_cli.models.registry import is_preset_name
 
 REQUIRED_PRESETS = ["amoebanet-d-18-256", "amoebanet-d-18-208", "amoebanet-b-18-512", "transformer-big",
                     "t-6-8192-16", "transformer-l-3", "transformer-l-13", "transformer-l-103"]
@@ -57,3 +59,15 @@ def test_defaults_build() -> None:
 def test_bad_names_and_values_raise_value_error(call, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_an_unknown_preset_names_every_name_allowed_in_one_readable_line() -> None:
+    with pytest.raises(ValueError) as info:
+        resolve_preset("foo")
+    message = str(info.value)
+    assert one_line(message) == message and "more characters" not in message
+    # The presets no form covers by name, then the forms: every preset is one or the other.
+    assert "transformer-big or a name of the form amoebanet-{d|b}-L-D, t-L-H-A or transformer-l-L" in message
+    for name in presets():
+        assert is_preset_name(name)
+    assert not is_preset_name("foo") and is_preset_name("t-2-64-2")

@@ -1,7 +1,9 @@
 import re
 import shlex
+import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -68,6 +70,7 @@ def test_devices_no_pipeline_can_use_are_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args", [["--devices", "0"], ["--devices", "4", "--nodes", "3"],
+                                  ["--devices", "2", "--nodes", "0"],
                                   ["--devices", "2", "--device-memory", "lots"], ["--devices", "2", "--top", "0"],
                                   ["--devices", "2", "--timing", "guess"], ["--devices", "2", "--bandwidth", "0"],
                                   ["--devices", "2", "--set", "pipeline.partitons=2"],
@@ -105,3 +108,66 @@ def test_ctrl_c_while_measuring_exits_130_and_writes_nothing(tmp_path):
     assert code == 130, text[-3000:]
     assert "Traceback" not in text and "gpipe plan: interrupted; nothing was written" in text
     assert not output.exists()
+
+
+@pytest.fixture
+def handlers():
+    """SIGINT's and SIGTERM's handlers as they were, put back after a plan that finished."""
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGINT, saved[0])
+    signal.signal(signal.SIGTERM, saved[1])
+
+
+def test_an_output_that_is_a_directory_is_refused_in_one_line_before_measuring(tmp_path, capsys, monkeypatch):
+    from gpipe_cli.plan import runner
+
+    def measured(*args):
+        raise AssertionError("measured before --output was checked")
+
+    monkeypatch.setattr(runner, "_plan", measured)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.yaml").mkdir()
+    for output in ("d.yaml", "/proc/p.yaml"):
+        code = run(["plan", "--devices", "2", "--tflops", "100", "--output", output])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert err.startswith(f"error: --output: cannot write {output!r}") and "Traceback" not in err, err
+    assert [p.name for p in tmp_path.iterdir()] == ["d.yaml"] and not list((tmp_path / "d.yaml").iterdir())
+
+
+def test_once_planned_the_recipe_is_written_with_ctrl_c_and_sigterm_waiting(monkeypatch, handlers):
+    """Outside `remembered`, which would put the Ctrl-C handler back between the write and the exit."""
+    from gpipe_cli.plan import runner
+
+    states = []
+
+    def planned(*args):
+        return lambda: states.append((signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))) or 0
+
+    monkeypatch.setattr(runner, "_plan", planned)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert run(["plan", "--devices", "2", "--tflops", "100"]) == 0
+    assert states == [(signal.SIG_IGN, signal.SIG_IGN)]
+
+
+@pytest.mark.parametrize("settings,why", [
+    (["pipeline.partitions=99"], "(K=99 D=1 M=4 gpipe except_last) is not compared: it uses K x D = 99 x 1 = 99 "
+                                 "devices, not the 2 planned for"),
+    (["pipeline.partitions=1", "pipeline.data_parallel=2", "data.batch_size=9"],
+     "is not compared: data.batch_size 9 is not a multiple of D=2"),
+])
+def test_recipe_settings_that_cannot_be_predicted_say_why_in_one_line(settings, why):
+    from gpipe_cli.plan.runner import as_written_line
+
+    recipe = load_recipe(None, settings, check_data=False)
+    model, hw = SimpleNamespace(batch=recipe.data.batch_size, layers=6), SimpleNamespace(devices=2)
+    line = as_written_line(model, hw, recipe, None, 0.0)
+    assert line.startswith("the recipe as written (") and why in line and "\n" not in line
+
+
+def test_recipe_settings_the_layers_cannot_take_say_so(tmp_path, capsys):
+    recipe = write(tmp_path, {**TINY, "pipeline": {"partitions": 2, "microbatches": 1, "balance": [1, 1]}})
+    assert run(["plan", str(recipe), "--devices", "2", "--tflops", "100", "--plain"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("the recipe as written"))
+    assert "(K=2 D=1 M=1 gpipe except_last) is not compared: balance [1, 1] sums to 2 but the model has 4" in line

@@ -25,3 +25,19 @@ def test_data_that_cannot_be_read_here_leaves_generated_examples_and_says_why(mo
     said = []
     assert runner._sample(load_recipe(None), said.append) is None
     assert "could not be read here (the hub is unreachable)" in said[-1]
+
+
+def test_why_the_data_cannot_be_read_is_said_whole_with_its_fix(monkeypatch):
+    from gpipe_cli.plan import runner, sample
+
+    why = ("cannot download dataset wmt14 (de-en) from the Hugging Face hub: " + "no route to host; " * 12
+           + "prepare it where the hub is reachable (gpipe prepare-data RECIPE --output DIR writes it) and set "
+           "data.path to DIR")
+
+    def offline(recipe):
+        raise OSError(why + "\nsecond line of detail")
+
+    monkeypatch.setattr(sample, "typical_batch", offline)
+    said = []
+    assert runner._sample(load_recipe(None), said.append) is None
+    assert len(why) > 200 and f"({why})" in said[-1] and "\n" not in said[-1]

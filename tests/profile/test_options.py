@@ -1,0 +1,70 @@
+"""`gpipe profile-memory`'s flags: what is refused at once, in one line, before anything is measured."""
+
+import re
+import time
+
+import pytest
+
+from gpipe_cli.cli import run as gpipe
+from gpipe_cli.pipeline.schedule import SCHEDULES
+from gpipe_cli.profile import FLAGS, ProfileOptions
+from gpipe_cli.profile.options import MAX_PARTITIONS, validate
+
+TINY = ["--layers", "2", "--d-model", "32", "--ff", "64", "--heads", "2", "--seq-len", "8", "--vocab-size", "64"]
+# Generous, so that a loaded machine does not fail it: a refusal should take well under a second.
+QUICK_S = 3.0
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Fail the test should the command get past its checks (sizing, measuring or searching)."""
+    def ran(*args, **kwargs):
+        raise AssertionError("the command ran before refusing its flags")
+
+    monkeypatch.setattr("gpipe_cli.profile.runner._run", ran)
+
+
+def refused(capsys, *args: str) -> str:
+    """The one line `gpipe profile-memory ARGS` prints, once checked that it exits 2 quickly and prints nothing else."""
+    start = time.monotonic()
+    code = gpipe(["profile-memory", *args])
+    out = capsys.readouterr()
+    lines = out.err.splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and out.out == "", out
+    assert time.monotonic() - start < QUICK_S
+    return lines[0]
+
+
+@pytest.mark.parametrize("partitions,bad", [("10000", "10000"), ("99999999999999999999", "99999999999999999999"),
+                                            ("2,4,129", "129"), ("0", "0"), (",", "none")])
+def test_partitions_outside_the_bound_are_one_line(capsys, tmp_path, nothing_runs, partitions, bad):
+    out = tmp_path / "profile.json"
+    line = refused(capsys, *TINY, "--partitions", partitions, "--json", str(out))
+    assert f"--partitions must list K values from 1 to {MAX_PARTITIONS}" in line and f"(got {bad})" in line
+    assert not out.exists()
+
+
+def test_the_largest_k_is_accepted_and_the_help_says_it():
+    validate(ProfileOptions(partitions=[2, MAX_PARTITIONS]))
+    assert f"each 1 to {MAX_PARTITIONS}" in FLAGS["partitions"]
+
+
+@pytest.mark.parametrize("budget", ["0", "0GiB", "0.4", "0KiB"])
+def test_a_budget_of_no_bytes_is_refused(capsys, nothing_runs, budget):
+    line = refused(capsys, "--budget", budget)
+    assert f"--budget must be more than 0 bytes, e.g. 8GiB (got '{budget}')" in line
+
+
+def test_a_negative_budget_is_refused(capsys, nothing_runs):
+    assert "--budget expects a size such as 8GiB" in refused(capsys, "--budget=-1GiB")
+
+
+def test_a_small_budget_is_a_valid_question():
+    validate(ProfileOptions(budget="1KiB"))  # answered by a table where nothing fits
+
+
+def test_the_schedule_help_lists_exactly_the_schedules_accepted():
+    listed = FLAGS["schedule"].split(": ", 1)[1].split(" (", 1)[0]
+    assert re.split(r", | or ", listed) == list(SCHEDULES)
+    for name in SCHEDULES:
+        validate(ProfileOptions(schedule=name))
