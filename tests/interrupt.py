@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def _as_from_a_terminal() -> None:
+def as_from_a_terminal() -> None:
+    """For `preexec_fn`: start a command with Ctrl-C at its default, as a terminal starts it."""
     # A suite started in the background (`cmd &` from a script) inherits SIGINT ignored, and Python then
     # never turns it into KeyboardInterrupt: the command must start as a terminal would start it.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -23,7 +24,7 @@ def interrupt(args: list[str], tmp: Path, measuring: Callable[[Path, str], bool]
     """Run `gpipe *args` with its temporary files under `tmp`; send `signum` once `measuring(tmp, output)`."""
     env = {**os.environ, "TMPDIR": str(tmp)}
     proc = subprocess.Popen([sys.executable, "-u", "-m", "gpipe_cli.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=_as_from_a_terminal)
+                            stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=as_from_a_terminal)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
     reader.start()

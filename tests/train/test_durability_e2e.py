@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.interrupt import as_from_a_terminal
 from tests.train.recipes import TINY_TRANSLATION, write
 
 pytestmark = pytest.mark.slow
@@ -56,7 +57,8 @@ def interrupted_copy(run: Path, target: Path, keep_step: int) -> Path:
 def _start(path: Path, run: Path) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "gpipe_cli.cli", "train", str(path), "--output-dir", str(run),
                              "--plain", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            preexec_fn=as_from_a_terminal)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         metrics = run / "metrics.jsonl"
@@ -149,7 +151,8 @@ def test_a_stop_while_the_ranks_set_up_is_one_line_and_128_plus_the_signal(tmp_p
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "gpipe_cli.cli", "train", str(write(tmp_path, recipe(steps=400))),
                              "--output-dir", str(run), "--plain", "--threads", "1"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=as_from_a_terminal)
     assert proc.stdout is not None
     for line in proc.stdout:  # the launcher starts the ranks, which take seconds to import torch and join
         if "starting 2 ranks" in line:
