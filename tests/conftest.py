@@ -24,6 +24,17 @@ def no_interrupt_left() -> Iterator[None]:
     interrupts._interrupted = interrupts._terminated = False
 
 
+@pytest.fixture
+def handlers() -> Iterator[None]:
+    """SIGINT's and SIGTERM's handlers as they were, put back after a command that ran in this process."""
+    import signal
+
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGINT, saved[0])
+    signal.signal(signal.SIGTERM, saved[1])
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under `-n`, keep each module on one worker (a module-scoped run is made once); long modules first, speed last."""

@@ -50,14 +50,6 @@ def test_sigterm_stops_it_as_ctrl_c_does_with_143(tmp_path, moment):
     assert not [p for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")]
 
 
-@pytest.fixture
-def handlers():
-    """SIGINT's and SIGTERM's handlers as they were, put back after a test that lets the command finish."""
-    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    yield
-    signal.signal(signal.SIGINT, saved[0])
-    signal.signal(signal.SIGTERM, saved[1])
-
 
 def test_once_measured_the_results_are_written_with_ctrl_c_and_sigterm_waiting(tmp_path, monkeypatch, handlers):
     """A Ctrl-C as `figures written to F` printed said "nothing was written" (F was), then a raw traceback."""

@@ -110,14 +110,6 @@ def test_ctrl_c_while_measuring_exits_130_and_writes_nothing(tmp_path):
     assert not output.exists()
 
 
-@pytest.fixture
-def handlers():
-    """SIGINT's and SIGTERM's handlers as they were, put back after a plan that finished."""
-    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    yield
-    signal.signal(signal.SIGINT, saved[0])
-    signal.signal(signal.SIGTERM, saved[1])
-
 
 def test_an_output_that_is_a_directory_is_refused_in_one_line_before_measuring(tmp_path, capsys, monkeypatch):
     from gpipe_cli.plan import runner
