@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gpipe_cli.estimate import shared
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.pipeline import microbatch, partition
 from gpipe_cli.pipeline import schedule as sched
@@ -100,12 +101,14 @@ def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microba
 
 def simulate_step(costs: CostProfile, balance: list[int], batch_size: int, microbatches: int, schedule: str,
                   checkpoint: str, link: Link, scale: float = 1.0, virtual: int = 1,
-                  overhead: float = 0.0) -> Prediction:
+                  overhead: float = 0.0, rate: shared.Rate | None = None) -> Prediction:
     """The simulated step of `balance` (K x V chunks, K = its length / V) with M micro-batches
-    (`overhead`: seconds each layer of a compute action costs beyond its measured time: the engine's own work)."""
+    (`overhead`: seconds each layer of a compute action costs beyond its measured time: the engine's own work;
+    `rate`: how much faster compute runs with fewer ranks busy, for ranks sharing cores)."""
     stages = len(balance) // virtual
     cost, latency = _cost_model(costs, balance, batch_size, microbatches, link, scale, overhead)
-    spans = sched.simulate(sched.build_all(schedule, stages, microbatches, checkpoint, virtual), cost, latency)
+    lists = sched.build_all(schedule, stages, microbatches, checkpoint, virtual)
+    spans = sched.simulate(lists, cost, latency) if rate is None else shared.simulate(lists, cost, latency, rate)
     step = max(span.end for stage in spans for span in stage)
     return Prediction(stages, microbatches, batch_size, list(balance), step, sched.bubble(spans), scale, spans)
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +63,7 @@ class Inputs:
     step_overhead: float = 0.0    # the engine's seconds per step of the whole model on one stage
     data_seconds: float = 0.0     # building one global mini-batch (shared by the replicas)
     drift: float | None = None    # how much one engine step moved from the start to the end of measuring
+    alone_speedup: float = 1.0    # how much faster a rank computes alone than beside its siblings here
 
 
 def _probe_params(kind: str, params: dict[str, Any]) -> dict[str, Any] | None:
@@ -168,6 +171,22 @@ def measured_costs(spec: ModelSpec, sizes: tuple[int, int], seed: int, threads: 
     return affine_costs(profiles[0], profiles[-1])
 
 
+def _best_seconds(work: Callable[[], None], threads: int, runs: int = 2) -> float:
+    """The fastest of `runs` timings of `work` with `threads` intra-op threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        best = math.inf
+        for _ in range(runs):
+            started = time.perf_counter()
+            work()
+            best = min(best, time.perf_counter() - started)
+            interrupts.check()
+    finally:
+        torch.set_num_threads(previous)
+    return best
+
+
 def generated(spec: ModelSpec, seed: int) -> Examples:
     """Random examples of the model's full input shape (the same for a seed)."""
     def make(n: int) -> tuple[Any, torch.Tensor]:
@@ -251,9 +270,13 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
         real = sample is not None and sample.examples >= max(hi, batch)
         examples = sample.take if real and sample is not None else generated(spec, seed)
         work = functools.partial(sibling_work, kind, params, *examples(hi), seed)
+        alone = _best_seconds(work, threads) if siblings else 0.0
+        speedup = 1.0
         try:
             with here.loaded(work, siblings, threads):
                 costs = measured_costs(spec, (lo, hi), seed, threads, examples, device)
+                if siblings:
+                    speedup = max(_best_seconds(work, threads) / alone, 1.0)
         except here.Unavailable as exc:
             say(f"{exc}; measuring alone")
             siblings = 0
@@ -273,9 +296,11 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
                   f"optimizer's update of the whole model")
         on = f"cpu ({threads} thread{plural} per rank{beside})" if device == "cpu" else \
             f"{device} ({torch.cuda.get_device_name()}, one GPU)"
+        alone_note = (f"; a rank alone computes x{speedup:.2f} as fast as beside the others (measured), which the "
+                      f"simulator gives the ranks still busy while others wait" if siblings else "")
         note = (f"measured on {on} at micro-batches of {sizes_text} "
-                f"examples of {where}, affine in between; {engine}")
-        return Inputs(costs, figs, least, note, memory_note, True, extra.action, extra.step, data, drift)
+                f"examples of {where}, affine in between; {engine}{alone_note}")
+        return Inputs(costs, figs, least, note, memory_note, True, extra.action, extra.step, data, drift, speedup)
     rate, per_call = machine_rate(machine, kind)
     note = (f"estimated from FLOPs at this machine's measured {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank "
             f"({machine.kind}; --tflops for other devices)")

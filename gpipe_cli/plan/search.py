@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from gpipe_cli import memory_model as mm
-from gpipe_cli.estimate import simulate
+from gpipe_cli.estimate import shared, simulate
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.memory_model import ModelFigures
 from gpipe_cli.pipeline import partition
@@ -66,6 +66,13 @@ class Model:
     action_overhead: float = 0.0         # seconds the engine adds to every layer of a compute action
     step_overhead: float = 0.0           # seconds the engine adds per step on one stage (optimizer, ...)
     data_seconds: float = 0.0            # building one global mini-batch; each replica builds its share
+    alone_speedup: float = 1.0           # how much faster a rank computes alone than with every rank busy
+
+    def rate(self, config: Config) -> shared.Rate | None:
+        """The compute speed with some ranks idle, for ranks that share this machine's cores (None: they do not)."""
+        if self.alone_speedup == 1.0:
+            return None
+        return shared.rate_model(self.alone_speedup, config.partitions, config.replicas)
 
     @property
     def layers(self) -> int:
@@ -217,7 +224,8 @@ def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | No
             balance, memory, fits = within, _memory(model, config, within, per_replica), True
     link = hw.node_link if spans_nodes(hw, config.partitions) else hw.link
     prediction = simulate.simulate_step(costs, balance, per_replica, config.microbatches, config.schedule,
-                                        config.checkpoint, link, 1.0, config.virtual, model.action_overhead)
+                                        config.checkpoint, link, 1.0, config.virtual, model.action_overhead,
+                                        model.rate(config))
     params = [sum(layer.params for r in partition.stage_ranges(balance)[s::config.partitions]
                   for layer in model.figures.layers[r.start:r.stop]) for s in range(config.partitions)]
     reduce_link = hw.node_link if hw.nodes > 1 else hw.reduce_link or hw.link
@@ -299,7 +307,7 @@ def parts(model: Model, outcome: Outcome) -> Parts:
     per_replica = model.batch // c.replicas
     costs = model.costs(per_replica // c.microbatches)
     free = simulate.simulate_step(costs, outcome.balance, per_replica, c.microbatches, c.schedule, c.checkpoint,
-                                  FREE, 1.0, c.virtual, model.action_overhead)
+                                  FREE, 1.0, c.virtual, model.action_overhead, model.rate(c))
     pipeline = outcome.step_time - outcome.allreduce - outcome.fixed
     busy = free.step_time * (1.0 - free.bubble)
     return Parts(busy + outcome.fixed, free.step_time - busy, max(pipeline - free.step_time, 0.0), outcome.allreduce)

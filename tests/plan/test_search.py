@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 import math
 import random
@@ -159,3 +160,19 @@ def test_an_interleaved_plan_is_cut_to_fit_when_its_fastest_cut_does_not(seed):
     tight = search.evaluate(model, search.Hardware(2, budget, FAST, FAST), config)
     assert tight.fits and tight.peak <= budget and tight.balance != roomy.balance
     assert tight.samples_per_s <= roomy.samples_per_s * (1 + 1e-9)  # here the fitting cut is the slower one
+
+
+def test_ranks_that_run_faster_alone_speed_up_pipelines_by_their_idle_share_and_leave_replicas_alone():
+    base = synthetic(8, 3, batch=16)
+    faster = dataclasses.replace(base, alone_speedup=1.5)
+    hw = search.Hardware(2, math.inf, FAST, FAST)
+    gains = {}
+    for config in search.configs(base, hw, ("gpipe", "zero-bubble"), ("never",)):
+        before, after = search.evaluate(base, hw, config), search.evaluate(faster, hw, config)
+        if config.partitions == 1:  # two replicas compute at once all the time: nothing runs alone
+            assert after.step_time == pytest.approx(before.step_time)
+        else:
+            assert after.step_time < before.step_time
+            gains[(config.schedule, config.microbatches)] = before.step_time / after.step_time
+    # The more a schedule idles, the more of its compute runs alone: GPipe gains more than zero-bubble.
+    assert gains[("gpipe", 4)] > gains[("zero-bubble", 4)] > 1.0
