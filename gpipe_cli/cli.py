@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # `python -m gpipe_cli.cli`: the `gpipe` command, through the entry point, which holds a Ctrl-C from here on;
+    # the imports below would otherwise load first, where a Ctrl-C is a traceback. It runs this module anew.
+    from gpipe_cli.entry import main as _entry
+
+    _entry()
+
 import functools
 import json
 import sys
@@ -340,7 +347,7 @@ def run(args: list[str]) -> int:
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Run this process's command line and exit with its code (`gpipe_cli.entry` calls it once Ctrl-C is held)."""
     interrupts.stop_on_signals()
     exit_now(interrupts.exit_code(run(sys.argv[1:])))
 
@@ -356,6 +363,3 @@ def _bare_resume(args: list[str]) -> list[str]:
             break
     return out
 
-
-if __name__ == "__main__":
-    main()

@@ -70,17 +70,21 @@ def _shown(path: Path) -> str:
     return shown(str(path), PATH_SHOWN_CHARS)
 
 
-def check_output(path: Path | None, flag: str, example: str = "out.json") -> None:
+def check_output(path: Path | None, flag: str, example: str = "out.json", hint: str = "") -> None:
     """Refuse, in one line naming `flag` and `path`, a file that `atomic_write` could not write there; checked
     before any work, so that a command never measures for minutes and then fails to save (None: no file)."""
+    # An empty `flag`: a default place the user never named; `hint` then ends the line with what to do instead.
     if path is None:
         return
-    where = f"{flag}: cannot write {_shown(path)}"
+    where = (f"{flag}: " if flag else "") + f"cannot write {_shown(path)}"
     if os.path.islink(path):  # the rename would replace the link itself: /dev/stdout is one, to a terminal or a pipe
         raise UserError(f"{where}: it is a symbolic link, which the write would replace rather than follow; name "
-                        f"the file itself")
+                        f"the file itself{hint}")
     if os.path.isdir(path):  # os.path: no errors on names too long or looping links
-        raise UserError(f"{where}: it is a directory; name a file, e.g. {_shown(path / example)}")
+        raise UserError(f"{where}: it is a directory; name a file, e.g. {_shown(path / example)}{hint}")
     if os.path.exists(path) and not os.path.isfile(path):  # a device or a FIFO: the rename would replace it
-        raise UserError(f"{where}: it exists and is not a regular file; name a regular file or a new one")
-    check_writable(path.parent, where)  # its folder, or the nearest existing parent atomic_write would fill
+        raise UserError(f"{where}: it exists and is not a regular file; name a regular file or a new one{hint}")
+    try:  # its folder, or the nearest existing parent atomic_write would fill
+        check_writable(path.parent, where)
+    except UserError as exc:
+        raise UserError(f"{exc}{hint}") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 
 from gpipe_cli import __version__
 from gpipe_cli.cli import run
+from tests.interrupt import as_from_a_terminal
 from tests.train.recipes import TINY_AMOEBANET, write
 
 COMMANDS = ["", "train", "validate", "bench", "profile-memory", "plan", "export"]
@@ -193,3 +195,30 @@ def test_an_option_missing_its_value_points_at_its_command_help(capsys):
     assert run(["train", "--set"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "'--set' requires an argument" in err and "gpipe train --help" in err
+
+
+# Loaded first in the command's interpreter: Ctrl-C arrives while the command line's libraries load.
+CTRL_C_WHILE_LOADING = '''
+import builtins, os, signal
+
+_import = builtins.__import__
+
+
+def _loading(name, *args, **kwargs):
+    if name == "typer":
+        builtins.__import__ = _import
+        os.kill(os.getpid(), signal.SIGINT)
+    return _import(name, *args, **kwargs)
+
+
+builtins.__import__ = _loading
+'''
+
+
+@pytest.mark.parametrize("module", ["gpipe_cli.cli", "gpipe_cli"])
+def test_ctrl_c_while_python_m_loads_the_command_line_is_one_line(tmp_path, module):
+    (tmp_path / "sitecustomize.py").write_text(CTRL_C_WHILE_LOADING)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", module, "validate"], capture_output=True, text=True, timeout=120,
+                          env=env, preexec_fn=as_from_a_terminal)
+    assert (done.returncode, done.stderr) == (130, "gpipe: interrupted; nothing was written\n")

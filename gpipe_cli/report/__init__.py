@@ -10,11 +10,21 @@ from rich.console import Console
 from rich.table import Table
 
 from gpipe_cli import plots
+from gpipe_cli.files import check_output
 from gpipe_cli.report import target as place
-from gpipe_cli.report.runs import PARTS, Run, eval_metric, read_runs, series, throughput, time_breakdown
+from gpipe_cli.report.runs import (
+    PARTS,
+    Run,
+    eval_metric,
+    read_runs,
+    segment_throughputs,
+    series,
+    throughput,
+    time_breakdown,
+)
 from gpipe_cli.units import human_bytes
 
-__all__ = ["default_output", "report", "stage_table", "summary_table"]
+__all__ = ["default_output", "report", "resume_table", "stage_table", "summary_table"]
 
 
 def _mean(values: list[float]) -> float | None:
@@ -29,7 +39,7 @@ def summary_table(runs: list[Run]) -> Table:
     """One row per run: last loss, best eval, mean throughput, mean bubble, wait share, largest stage peak."""
     rates = [throughput(run) for run in runs]
     # The words of `gpipe train`'s summary, whose figure this is: one run says what its warm-up took.
-    over = rates[0].over if len(runs) == 1 else "the steps after the first of each run, which warms up"
+    over = rates[0].over if len(runs) == 1 else "the steps after the first of each run and each resume, which warm up"
     table = Table(title="gpipe report", header_style="bold",
                   caption=" · ".join(f"{r.label}: {r.path}" for r in runs) + f"\nsamples/s: mean over {over}")
     for name in ("run", "steps", "loss", "best eval", "samples/s", "bubble", "theory", "wait", "memory"):
@@ -70,6 +80,22 @@ def stage_table(runs: list[Run]) -> Table:
     return table
 
 
+def resume_table(runs: list[Run]) -> Table | None:
+    """For resumed runs, one row per start (the first and each resume): its steps and its throughput, each as that
+    `gpipe train`'s summary gave it (None: no run was resumed)."""
+    resumed = [(run, parts) for run in runs if len(parts := segment_throughputs(run)) > 1]
+    if not resumed:
+        return None
+    table = Table(title="per start of a resumed run (as its gpipe train summary gave it)", header_style="bold",
+                  caption="samples/s: mean over the start's steps after its first, which warms up")
+    for name in ("run", "steps", "samples/s", "warm-up s"):
+        table.add_column(name, justify="left" if name == "run" else "right", no_wrap=name == "run")
+    for run, parts in resumed:
+        for rate in parts:
+            table.add_row(run.label, rate.steps, _fmt(rate.samples_per_s, ".1f"), _fmt(rate.warmup_s, ".2f"))
+    return table
+
+
 def default_output(paths: list[Path]) -> Path:
     """RUN_DIR/report.png for one run, report.png here for several."""
     return paths[0] / "report.png" if len(paths) == 1 else Path("report.png")
@@ -88,9 +114,8 @@ def report(paths: list[Path], output: Path | None = None, console: Any = None) -
     """Print the tables of the runs and write the PNG page; 1 when matplotlib is missing (the tables are shown),
     2 when the page cannot be written (a line says why, and where else to write it)."""
     runs = read_runs(paths)
-    if output is not None:  # a mistake in the argument: one line, before anything is shown
-        place.check(output, "--output: ")
-    tables = [summary_table(runs), stage_table(runs)]
+    check_output(output, "--output", "report.png")  # a mistake in the argument: one line, before anything is shown
+    tables = [table for table in (summary_table(runs), resume_table(runs), stage_table(runs)) if table is not None]
     console = console or _console(tables)
     for table in tables:
         console.print(table)
@@ -98,9 +123,9 @@ def report(paths: list[Path], output: Path | None = None, console: Any = None) -
         print(f"gpipe report: {plots.MISSING}; no PNG written", file=sys.stderr)
         return 1
     # The default place may be in a read-only run: the tables are shown, and the line says what to do.
-    prefix, hint = ("--output: ", "") if output is not None else ("", place.ELSEWHERE)
+    flag, hint = ("--output", "") if output is not None else ("", place.ELSEWHERE)
     target = output or default_output(paths)
-    place.check(target, prefix, hint)
-    place.write(runs, target, prefix, hint)
+    check_output(target, flag, "report.png", hint)
+    place.write(runs, target, flag, hint)
     console.print(f"wrote {target}", soft_wrap=True)  # a path stays one line, ready to copy
     return 0

@@ -15,6 +15,8 @@ PARTS = ("compute", "wait", "comm", "optimizer", "other")
 # What the report reads of a train record: each a number, or null where it was not finite.
 TRAIN_NUMBERS = ("samples_per_s", "step_time_s", "loss", "bubble", "bubble_theory")
 EVAL_NUMBERS = ("loss", "accuracy", "bleu", "perplexity")
+# True on the first train record after a resume: that step warms up again, as the run's first did.
+RESUMED = "resumed"
 
 
 @dataclass

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli.errors import UserError
-from gpipe_cli.report.records import PARTS, read_recipe, read_records
+from gpipe_cli.report.records import PARTS, RESUMED, read_recipe, read_records
 
-__all__ = ["PARTS", "Run", "Throughput", "eval_metric", "read_run", "read_runs", "series", "throughput",
-           "time_breakdown"]
+__all__ = ["PARTS", "Run", "Throughput", "eval_metric", "read_run", "read_runs", "segment_throughputs", "segments",
+           "series", "throughput", "time_breakdown"]
 
 Series = tuple[list[int], list[float]]  # steps, values
 
@@ -119,21 +119,68 @@ def time_breakdown(run: Run) -> dict[str, list[float]]:
 
 @dataclass(frozen=True)
 class Throughput:
-    """A run's mean samples per second, and the steps it is the mean over (in the train summary's words)."""
+    """A mean samples per second, the steps it covers, and what it is the mean over (in the train summary's words)."""
 
     samples_per_s: float | None
     over: str
+    steps: str = ""  # "5-8": the steps of one start of the run (a resume starts one)
+    warmup_s: float | None = None  # the first step's seconds, left out of the mean
+
+
+def segments(run: Run) -> list[list[dict[str, Any]]]:
+    """The run's train records split where it was resumed: each segment the steps of one `gpipe train`."""
+    out: list[list[dict[str, Any]]] = []
+    for record in run.train:
+        if not out or record.get(RESUMED) is True:
+            out.append([])
+        out[-1].append(record)
+    return out
+
+
+Timed = list[tuple[float, float]]  # samples, seconds of each step
+
+
+def _timed(records: list[dict[str, Any]]) -> Timed:
+    # A step's samples are its rate times its seconds: the global batch, which metrics.jsonl does not hold.
+    return [(r["samples_per_s"] * r["step_time_s"], r["step_time_s"]) for r in records
+            if r["samples_per_s"] is not None and r["step_time_s"] is not None]
+
+
+def _rate(steps: Timed) -> float | None:
+    seconds = sum(s for _, s in steps)
+    return sum(n for n, _ in steps) / seconds if seconds > 0 else None
+
+
+def _segment(records: list[dict[str, Any]]) -> Throughput:
+    """One start's throughput as its `gpipe train` summary gives it."""
+    steps, warmup = _timed(records), None
+    over = "the training steps"
+    if len(steps) > 1:  # the first step warms up (allocations, lazy set-up); a lone step is all there is
+        warmup, steps = steps[0][1], steps[1:]
+        over = f"the steps after the first, which took {warmup:.2f} s warming up"
+    return Throughput(_rate(steps), over, f"{records[0]['step']}-{records[-1]['step']}", warmup)
+
+
+def segment_throughputs(run: Run) -> list[Throughput]:
+    """The throughput of each start of the run (the first and each resume), as its `gpipe train` summary gave it."""
+    return [_segment(records) for records in segments(run)]
+
+
+def _and(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
 
 
 def throughput(run: Run) -> Throughput:
-    """All samples over all seconds of the steps after the first (which warms up), as `gpipe train`'s summary
-    gives it; a run of one step is the mean over that step."""
-    # A step's samples are its rate times its seconds: the global batch, which metrics.jsonl does not hold.
-    steps = [(r["samples_per_s"] * r["step_time_s"], r["step_time_s"]) for r in run.train
-             if r["samples_per_s"] is not None and r["step_time_s"] is not None]
-    over = "the training steps"
-    if len(steps) > 1:
-        over = f"the steps after the first, which took {steps[0][1]:.2f} s warming up"
-        steps = steps[1:]
-    seconds = sum(s for _, s in steps)
-    return Throughput(sum(n for n, _ in steps) / seconds if seconds > 0 else None, over)
+    """All samples over all seconds of the run's steps after the first of each start (which warms up), as
+    `gpipe train`'s summary gives it for one start; the time between a stop and its resume is in no step."""
+    parts = segments(run)
+    if len(parts) == 1:
+        return _segment(parts[0])
+    timed = [_timed(records) for records in parts]
+    measured = [step for steps in timed for step in steps[1:]]
+    if not measured:  # every start ran one step: those steps are all there is
+        return Throughput(_rate([step for steps in timed for step in steps]), "the training steps")
+    warmups = _and([f"{steps[0][1]:.2f}" for steps in timed if steps])
+    at = f"step{'s' if len(parts) > 2 else ''} " + _and([str(records[0]["step"]) for records in parts[1:]])
+    return Throughput(_rate(measured), f"the steps after the first of the run and of each resume (at {at}), "
+                      f"which took {warmups} s warming up")

@@ -331,6 +331,8 @@ class Trainer:
             record["tokens_per_s"] = stats.units / seconds
         if result.skipped:
             record["skipped"] = True
+        if step == self.start_step > 0:  # the first step after a resume warms up again, as the run's first did
+            record["resumed"] = True
         self.metrics.write(record)
         self.summary.add(record, batch.global_size, stats.units)
         self.view.show(record, self.recipe.train.log_every)

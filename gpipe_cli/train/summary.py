@@ -32,6 +32,8 @@ class RunSummary:
     theory: float = 0.0
     parts: dict[str, float] = field(default_factory=dict)
     first: tuple[float, float, float] | None = None  # the first step's examples, units and seconds (warm-up)
+    steps_seen: tuple[int, int] = (0, 0)  # the first and the last step number taken in
+    resumed: bool = False  # the first step came after a resume: the figures are those since it
     best_eval: dict[str, Any] | None = None
     last_eval: dict[str, Any] | None = None
 
@@ -46,6 +48,8 @@ class RunSummary:
         self.steps += 1
         if self.first is None:
             self.first = (examples, units or 0.0, record["step_time_s"])
+            self.resumed = record.get("resumed") is True
+        self.steps_seen = (self.steps_seen[0] or record["step"], record["step"])
         self.skipped += bool(record.get("skipped"))
         self.examples += examples
         self.units += units or 0.0
@@ -59,13 +63,17 @@ class RunSummary:
     def lines(self, now: float, checkpoint: str | None, run_dir: str, text: bool, ended: str = "") -> list[str]:
         """The summary, one fact per line; `text` adds tokens/s; `ended` says why the run stopped early."""
         wall = now - self.started
-        out = [f"summary: {self.steps} of {self.total_steps} steps in {wall:.1f} s wall time"
-               + (f" ({ended})" if ended else "")]
+        done = f"{self.steps} of {self.total_steps} steps"
+        if self.resumed:  # the earlier steps' figures are the run's too: `gpipe report` combines them
+            done = f"steps {self.steps_seen[0]}-{self.steps_seen[1]} of {self.total_steps}, since the resume,"
+        out = [f"summary: {done} in {wall:.1f} s wall time" + (f" ({ended})" if ended else "")]
         if self.steps and self.seconds > 0:
             examples, units, seconds, over = self.examples, self.units, self.seconds, "the training steps"
             if self.steps > 1 and self.first is not None:  # the first step warms up (allocations, lazy init)
                 examples, units, seconds = examples - self.first[0], units - self.first[1], seconds - self.first[2]
                 over = f"the steps after the first, which took {self.first[2]:.2f} s warming up"
+            if self.resumed:
+                over += f"; gpipe report {run_dir} gives the whole run's"
             rate = f"{examples / seconds:.1f} samples/s" if seconds > 0 else "-"
             if text and seconds > 0:
                 rate += f", {units / seconds:.0f} tokens/s"

@@ -69,20 +69,24 @@ def test_an_output_in_a_read_only_folder_is_one_line_and_shows_nothing(locked, t
     assert files(tmp_path) == before
 
 
-@pytest.mark.parametrize("where", ["a directory", "under a file", "the default place, a directory"])
+@pytest.mark.parametrize("where", ["a directory", "under a file", "a symbolic link", "the default place, a directory"])
 def test_an_output_that_cannot_be_a_file_is_one_line(tmp_path, capsys, where):
     run = make_run(tmp_path / "run", 2)
     (tmp_path / "somedir").mkdir()
     (tmp_path / "file").write_text("")
+    (tmp_path / "link.png").symlink_to("file")  # the rename would replace the link, not write where it points
     (run / "report.png").mkdir()
     target = {"a directory": tmp_path / "somedir", "under a file": tmp_path / "file" / "x.png",
-              "the default place, a directory": None}[where]
+              "a symbolic link": tmp_path / "link.png", "the default place, a directory": None}[where]
     before = files(tmp_path)
     assert cli(["report", str(run), *(["--output", str(target)] if target else [])]) == 2
     captured = capsys.readouterr()
     assert one_line(captured.err) and str(target or run / "report.png") in captured.err
-    assert ("K=2 M=4 1f1b" in captured.out) == (target is None)  # a bad --output is refused before the tables
-    assert files(tmp_path) == before
+    # A bad --output is refused before the tables; the default place after them, saying what to do instead.
+    assert ("K=2 M=4 1f1b" in captured.out) == (target is None)
+    assert ("--output: cannot write" in captured.err) == (target is not None)
+    assert ("give --output FILE" in captured.err) == (target is None)
+    assert files(tmp_path) == before and (tmp_path / "link.png").is_symlink()
 
 
 def test_a_disk_that_fills_while_the_page_is_written_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):

@@ -1,9 +1,13 @@
-"""`gpipe report`'s throughput is the train summary's: all samples over all seconds after the warm-up step."""
+"""`gpipe report`'s throughput is the train summary's: all samples over all seconds after the warm-up step (of each
+start, for a resumed run)."""
 
 import json
+import re
+
+import pytest
 
 from gpipe_cli.cli import run as cli
-from gpipe_cli.report.runs import read_runs, throughput
+from gpipe_cli.report.runs import read_runs, segment_throughputs, throughput
 from gpipe_cli.train.summary import RunSummary
 from tests.report.test_report import make_run
 from tests.train.test_report import train_record
@@ -45,3 +49,69 @@ def test_a_run_of_one_step_is_the_mean_over_that_step_in_both(tmp_path):
     rate = throughput(read_runs([run])[0])
     assert summary_throughput([record]) == f"{rate.samples_per_s:.1f} samples/s (mean over {rate.over})"
     assert rate.over == "the training steps"
+
+
+def segment_records(first_step, seconds, resumed):
+    """The train records of one `gpipe train` of a run, the first marked when it came after a resume."""
+    records = [{**train_record(step=step), "step_time_s": s, "samples_per_s": BATCH / s}
+               for step, s in enumerate(seconds, first_step)]
+    if resumed:
+        records[0]["resumed"] = True
+    return records
+
+
+def summary_rate(records):
+    """The samples/s figure of the summary `gpipe train` prints after these records."""
+    return summary_throughput(records).split(" samples/s", 1)[0]
+
+
+RESUMED = ((1, (2.0, 0.1, 0.3, 0.2)), (5, (1.5, 0.4, 0.2, 0.6)), (9, (0.8, 0.3)))  # first step, step seconds
+
+
+def test_a_resumed_run_gives_each_start_as_its_summary_did_and_the_run_over_every_measured_step(tmp_path, capsys):
+    run = make_run(tmp_path / "run", 2)
+    starts = [segment_records(first, seconds, resumed=first > 1) for first, seconds in RESUMED]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for records in starts for r in records))
+    (report_run,) = read_runs([run])
+    each = segment_throughputs(report_run)
+    assert [rate.steps for rate in each] == ["1-4", "5-8", "9-10"]
+    assert [f"{rate.samples_per_s:.1f}" for rate in each] == [summary_rate(records) for records in starts]
+    # The run: every step after the first of each start; the warm-ups, and the time between starts, never count.
+    measured = [s for _, seconds in RESUMED for s in seconds[1:]]
+    rate = throughput(report_run)
+    assert rate.samples_per_s == pytest.approx(BATCH * len(measured) / sum(measured))
+    assert rate.over == ("the steps after the first of the run and of each resume (at steps 5 and 9), "
+                         "which took 2.00, 1.50 and 0.80 s warming up")
+    every_but_first = [s for _, seconds in RESUMED for s in seconds][1:]  # what the report gave before
+    assert f"{BATCH * len(every_but_first) / sum(every_but_first):.1f}" != f"{rate.samples_per_s:.1f}"
+    assert cli(["report", str(run), "--output", str(tmp_path / "page.png")]) == 0
+    out = capsys.readouterr().out
+    assert f" {rate.samples_per_s:.1f} " in out and f"samples/s: mean over {rate.over}" in out
+    assert "per start of a resumed run" in out
+    for shown, records in zip(each, starts):
+        assert re.search(rf"{shown.steps} +│ +{summary_rate(records)} +│ +{shown.warmup_s:.2f}", out)
+
+
+def test_the_summary_after_a_resume_says_its_figures_are_since_the_resume():
+    summary = RunSummary(total_steps=8, started=0.0)
+    for record in segment_records(5, (1.5, 0.4, 0.2, 0.6), resumed=True):
+        summary.add(record, examples=BATCH, units=None)
+    lines = summary.lines(now=10.0, checkpoint=None, run_dir="r", text=False)
+    assert lines[0] == "summary: steps 5-8 of 8, since the resume, in 10.0 s wall time"
+    assert summary_throughput(segment_records(5, (1.5, 0.4, 0.2, 0.6), resumed=True)).endswith(
+        "warming up; gpipe report r gives the whole run's)")
+
+
+def test_a_run_that_was_never_resumed_shows_no_table_of_starts(tmp_path, capsys):
+    run = make_run(tmp_path / "run", 2)
+    assert len(segment_throughputs(read_runs([run])[0])) == 1
+    assert cli(["report", str(run), "--output", str(tmp_path / "page.png")]) == 0
+    assert "per start" not in capsys.readouterr().out
+
+
+def test_starts_of_one_step_each_are_the_mean_over_those_steps(tmp_path):
+    run = make_run(tmp_path / "run", 2)
+    starts = [segment_records(first, (s,), resumed=first > 1) for first, s in ((1, 2.0), (2, 1.0))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for records in starts for r in records))
+    rate = throughput(read_runs([run])[0])
+    assert rate.samples_per_s == pytest.approx(2 * BATCH / 3.0) and rate.over == "the training steps"
