@@ -224,10 +224,14 @@ def explain(failures: dict[int, Any], stages: int | None = None) -> tuple[int, s
     for code in _STOPPED:
         if code in codes.values():  # Ctrl-C or SIGTERM: the ranks said what they did
             return code, None
-    if killed:
+    failed = [r for r, c in codes.items() if isinstance(c, int) and c > 0]
+    # A rank that raised exits at once and the agent then ends the others with SIGTERM, in the same second
+    # or the next; a rank that only lost a killed peer waits seconds for that tear-down before it exits.
+    first = min(failed, key=lambda r: failures[r].timestamp) if failed else None
+    if killed and (first is None or failures[first].timestamp > min(t for _, t, _ in killed)):
         rank = killed[0][2]
         return 128 - codes[rank], f"gpipe: {_name(rank, stages)} was killed by {_signal_name(codes[rank])}"
-    rank = min(codes, key=lambda r: failures[r].timestamp)
+    rank = first if first is not None else min(codes, key=lambda r: failures[r].timestamp)
     code = codes[rank]
     return (code if isinstance(code, int) and code > 0 else 1,
             f"gpipe: {_name(rank, stages)} exited with code {code}; see its message above")

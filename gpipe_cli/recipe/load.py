@@ -43,6 +43,9 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), check_da
 
     `check_data=False` skips the check that local data and tokenizer paths exist (to rebuild a model)."""
     label = recipe_label(path)
+    if path is not None and not str(path):  # Path("") would read as the current directory
+        raise RecipeError("the recipe path is empty; give a YAML file, or leave it out for the built-in "
+                          "quick-start recipe")
     raw = parse_yaml(default_recipe_text() if path is None else read_recipe_file(Path(path)), label)
     for item in overrides:
         apply_override(raw, item)
@@ -81,7 +84,9 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     node = raw
     parts = key.split(".")
     for part in parts[:-1]:
-        child = node.setdefault(part, {})
+        child = node.get(part)
+        if child is None:  # absent, or an optional section left off (`profile: null` in a resolved recipe)
+            child = node[part] = {}
         if not isinstance(child, dict):
             raise RecipeError(f"--set {cut(key)}: {shown(part)} is a value, not a section")
         node = child
@@ -101,7 +106,7 @@ def _resolve_preset(raw: dict[str, Any], label: str) -> dict[str, Any]:
         raise RecipeError(f"{label}: model.preset: {exc}") from None
     if model.get("kind") not in (None, kind):
         raise RecipeError(f"{label}: model.kind is {shown(model['kind'])} but preset {shown(model['preset'])} "
-                          f"is a {kind}")
+                          f"is a model of kind {shown(kind)}; leave model.kind out or set it to {shown(kind)}")
     section = _MODEL_SECTIONS[kind]
     known = {k: v for k, v in params.items() if k in section.model_fields}
     out = copy.deepcopy(raw)

@@ -215,7 +215,7 @@ class Train(Section):
     log_every: PositiveInt = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Seconds without progress before a stalled rank ends the job; null: max(60, 10x the slowest step).
-    stall_timeout: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    stall_timeout: PositiveReal | None = None
     on_nonfinite: Literal["stop", "skip"] = "stop"  # a non-finite loss or gradient (fp32, bf16)
     max_skipped: PositiveInt = 10  # consecutive skipped steps that stop the run (fp16 overflows too)
     profile: Profile | None = None  # steps [start, end] (from 1) traced with torch.profiler
@@ -295,7 +295,14 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _microbatches_fit_batch(self) -> Recipe:
-        if self.data.tokens_per_batch is None and self.pipeline.microbatches > self.data.batch_size:
-            raise ValueError(f"pipeline.microbatches ({self.pipeline.microbatches}) must be <= "
-                             f"data.batch_size ({self.data.batch_size}): every micro-batch needs an example")
+        pipe, batch = self.pipeline, self.data.batch_size
+        if self.data.tokens_per_batch is None and pipe.microbatches > batch:
+            raise ValueError(f"pipeline.microbatches ({pipe.microbatches}) must be <= "
+                             f"data.batch_size ({batch}): every micro-batch needs an example")
+        # Each replica trains on its share of the mini-batch, the smallest of which is batch // D examples.
+        if self.data.tokens_per_batch is None and pipe.microbatches > batch // pipe.data_parallel:
+            raise ValueError(f"pipeline.microbatches x pipeline.data_parallel ({pipe.microbatches} x "
+                             f"{pipe.data_parallel}) must be <= data.batch_size ({batch}): each of the "
+                             f"{pipe.data_parallel} replicas gets {batch // pipe.data_parallel} of the mini-batch's "
+                             f"examples, and each of its micro-batches needs one")
         return self

@@ -69,13 +69,19 @@ def read_recipe_file(path: Path) -> str:
 
 def parse_document(text: str, label: str) -> Any:
     """The YAML document in `text` as Python data, within the limits above (None for an empty one)."""
-    loader = _Loader(text)
+    loader = None
     try:
+        loader = _Loader(text)  # refuses control characters (NUL, ESC...) while reading the text
         node = loader.get_single_node()
         if node is None:
             return None
         _check(node, label)
         return loader.construct_document(node)
+    except yaml.reader.ReaderError as exc:
+        line = text.count("\n", 0, exc.position) + 1
+        column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
+        raise RecipeError(f"{label}: not valid YAML at line {line}, column {column}: control character "
+                          f"U+{exc.character:04X} is not allowed") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -86,7 +92,8 @@ def parse_document(text: str, label: str) -> Any:
     except ValueError as exc:  # e.g. an integer with more digits than Python converts
         raise RecipeError(f"{label}: unreadable value ({cut(str(exc))})") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def parse_value(text: str, label: str) -> Any:

@@ -32,11 +32,16 @@ def describe_model(recipe: Recipe) -> str:
 def first_line(recipe: Recipe) -> str:
     """What is starting: recipe, model, K, M, D and the number of ranks."""
     p, t = recipe.pipeline, recipe.train
-    length = " and ".join(x for x in (f"{t.steps} steps" if t.steps else "", f"{t.epochs} epochs" if t.epochs else "")
-                          if x)
-    return (f"gpipe train {recipe.name}: {describe_model(recipe)}, K={p.partitions} stages x D={p.data_parallel} "
-            f"= {p.partitions * p.data_parallel} ranks, M={p.microbatches} micro-batches, batch "
-            f"{recipe.data.batch_size}, {length}, {t.precision}")
+    length = " and ".join(x for x in (_count(t.steps, "step") if t.steps else "",
+                                      _count(t.epochs, "epoch") if t.epochs else "") if x)
+    return (f"gpipe train {recipe.name}: {describe_model(recipe)}, K={_count(p.partitions, 'stage')} x "
+            f"D={p.data_parallel} = {_count(p.partitions * p.data_parallel, 'rank')}, "
+            f"M={_count(p.microbatches, 'micro-batch', 'micro-batches')}, batch {recipe.data.batch_size}, {length}, "
+            f"{t.precision}")
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 @contextlib.contextmanager

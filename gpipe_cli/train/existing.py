@@ -137,6 +137,24 @@ def complete_line(run_dir: Path, step: int, end: str, key: str = "train.steps") 
             f"(raise {key} to train past step {step})")
 
 
+def check_resumable(location: str) -> None:
+    """Refuse a resume from a place that holds no whole checkpoint, before any rank starts to look.
+
+    Checksums are left to the ranks (they read every byte); a checkpoint that looks whole here but fails
+    them is skipped there, as any damaged one is.
+    """
+    from gpipe_cli.train import checkpoint  # torch: only once the first line is out
+
+    refused: list[str] = []
+    for path in checkpoint.candidates(Path(location)):
+        why = checkpoint.problem(path)
+        if why is None:
+            return
+        refused.append(f"{path.name}: {why}")
+    reasons = "; ".join(refused) if refused else "there are no checkpoints there"
+    raise UserError(f"--resume {cut(location, _PATH_CHARS)}: no usable checkpoint ({reasons})")
+
+
 def resume_end(recipe: Recipe, location: str) -> int | None:
     """Check the checkpoint a resume starts from against train.steps: refuse one past it, and return
     its step when the run is already complete there (None: there is training to do, or the ranks decide).

@@ -25,7 +25,10 @@ def export(location: str, output: str | None = None) -> Path:
     from safetensors.torch import save_file
 
     if output:
+        if os.path.isdir(output):  # found now, not after the checkpoint has been read
+            raise UserError(f"--output: {shown(output)} is a directory; give the safetensors file to write")
         check_writable(Path(output).parent, "--output")
+    _check_location(location)
     found, refused = checkpoint.newest_whole(Path(location), verify=True)
     for message in refused:
         print(f"[gpipe] {message}", file=sys.stderr)
@@ -58,3 +61,11 @@ def export(location: str, output: str | None = None) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def _check_location(location: str) -> None:
+    """Refuse a RUN argument that is no folder, in words that say what it must be."""
+    if not location or not os.path.exists(location):
+        raise UserError(f"no such run directory or checkpoint: {shown(location)}")
+    if not os.path.isdir(location):
+        raise UserError(f"{shown(location)} is a file; give a run directory or one of its checkpoint folders")

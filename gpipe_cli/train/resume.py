@@ -162,6 +162,15 @@ def trim_metrics(path: Path, step: int) -> None:
     """Drop records after `step` from metrics.jsonl (written after the checkpoint a run resumes from)."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step]
+    kept = [line for line in path.read_text(errors="replace").splitlines() if _recorded_by(line, step)]
     atomic_write_bytes(path, "".join(line + "\n" for line in kept).encode())
+
+
+def _recorded_by(line: str, step: int) -> bool:
+    """Whether a metrics line is a whole record of a step up to `step` (a line torn by a killed run is not)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    recorded = record.get("step", 0) if isinstance(record, dict) else None
+    return isinstance(recorded, int) and not isinstance(recorded, bool) and recorded <= step

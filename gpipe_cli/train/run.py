@@ -27,6 +27,7 @@ from gpipe_cli.train.existing import (
     changes_line,
     check_checkpoint_keys,
     check_new_run_dir,
+    check_resumable,
     complete_line,
     holds_run,
     recipe_changes,
@@ -106,6 +107,7 @@ def train(options: TrainOptions) -> int:
         complete: int | None = None
         if resume is not None:
             check_writable(Path(resume), "--resume")
+            check_resumable(resume)
             changes = recipe_changes(recipe, run_dir_of(resume)) or []
             check_checkpoint_keys(recipe, changes, resume)
             complete = resume_end(recipe, resume)

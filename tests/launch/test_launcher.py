@@ -31,3 +31,15 @@ def test_ranks_that_said_why_get_no_second_line():
 def test_a_plain_failure_points_at_the_rank_message():
     code, line = explain({2: failed(1)}, stages=2)
     assert code == 1 and line == "gpipe: rank 2 (stage 0) exited with code 1; see its message above"
+
+
+def test_a_rank_that_raised_is_the_cause_not_the_peer_the_tear_down_ended():
+    code, line = explain({0: failed(1, 100), 1: failed(-signal.SIGTERM, 100)}, stages=2)
+    assert code == 1 and line == "gpipe: rank 0 (stage 0) exited with code 1; see its message above"
+    code, line = explain({0: failed(1, 100), 1: failed(-signal.SIGTERM, 101)}, stages=2)
+    assert code == 1 and line == "gpipe: rank 0 (stage 0) exited with code 1; see its message above"
+
+
+def test_a_rank_ended_by_sigterm_before_its_peer_gave_up_is_the_cause():
+    code, line = explain({0: failed(1, 106), 1: failed(-signal.SIGTERM, 100)}, stages=2)
+    assert code == 128 + signal.SIGTERM and line == "gpipe: rank 1 (stage 1) was killed by SIGTERM"

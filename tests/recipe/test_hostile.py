@@ -116,6 +116,8 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "section as list": (recipe_with(train=[1, 2]), [], "train: must be a mapping"),
     "model kind": (recipe_with(model__kind="resnet"), [], "model.kind: must be"),
     "model preset": (recipe_with(model={"preset": "nope"}), [], "unknown model preset"),
+    "preset of another kind": (recipe_with(model={"kind": "transformer", "preset": "amoebanet-d-18-256"}), [],
+                               "is a model of kind 'amoebanet'; leave model.kind out or set it to 'amoebanet'"),
     # numbers: strict, finite, in range
     "steps true": (GOOD, ["--set", "train.steps=true"], "train.steps: must be a number, not true or false"),
     "steps zero": (GOOD, ["--set", "train.steps=0"], "train.steps: must be >= 1 and <= 1000000000"),
@@ -169,6 +171,10 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "microbatches zero": (GOOD, ["--set", "pipeline.microbatches=0"], "pipeline.microbatches: must be >= 1"),
     "microbatches over batch": (GOOD, ["--set", "pipeline.microbatches=32"], "must be <= data.batch_size"),
     "data parallel zero": (GOOD, ["--set", "pipeline.data_parallel=0"], "pipeline.data_parallel: must be >= 1"),
+    "replicas over batch": (GOOD, ["--set", "pipeline.data_parallel=5"], "pipeline.microbatches x "
+                            "pipeline.data_parallel (4 x 5) must be <= data.batch_size (16): each of the 5 "
+                            "replicas gets 3 of the mini-batch's examples"),
+    "replicas over examples": (GOOD, ["--set", "pipeline.data_parallel=64"], "each of the 64 replicas gets 0"),
     "balance zero entry": (GOOD, ["--set", "pipeline.balance=[9, 0]"], "pipeline.balance: every entry"),
     "balance bool entry": (GOOD, ["--set", "pipeline.balance=[true, 8]"], "pipeline.balance: every entry"),
     "balance huge entry": (GOOD, ["--set", f"pipeline.balance=[{BIG}, 1]"], "pipeline.balance: every entry"),
@@ -219,6 +225,7 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "threads zero": (GOOD, ["--threads", "0"], "--threads: must be >= 1"),
     "threads negative": (GOOD, ["--threads", "-3"], "--threads"),
     "threads word": (GOOD, ["--threads", "many"], "--threads"),
+    "threads beyond any machine": (GOOD, ["--threads", "100000"], "--threads: must be >= 1 and <= 1024 (got 100000)"),
     "nnodes zero": (GOOD, ["--nnodes", "0"], "--nnodes must satisfy"),
     "nnodes reversed": (GOOD, ["--nnodes", "2:1"], "--nnodes must satisfy"),
     "nnodes word": (GOOD, ["--nnodes", "two"], "--nnodes must be N or MIN:MAX"),
@@ -231,6 +238,18 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "rendezvous backend": (GOOD, ["--rdzv-backend", "etcd"], "--rdzv-backend: must be static or c10d"),
     "ranks over nodes": (GOOD, ["--nnodes", "3", "--rdzv-endpoint", "h:1"], "does not divide over 3 nodes"),
     "resume missing": (GOOD, ["--resume", "/no/such/run"], "--resume: no such run directory"),
+    "empty recipe path": (lambda folder: "", [], "the recipe path is empty"),
+    # control characters, which YAML refuses while reading the text
+    "nul byte": (recipe_text("name: a\0b\ntrain: {steps: 1}\n"), [], "line 1, column 8: control character U+0000"),
+    "escape in file": (recipe_text("train: {steps: 1}\nname: \x1b[31m\n"), [], "line 2, column 7: control character"),
+    "set control character": (GOOD, ["--set", "name=a\x01"], "name: may contain only"),
+    # seconds: as strict as any other number
+    "stall timeout quoted": (GOOD, ["--set", 'train.stall_timeout="5"'], "train.stall_timeout: must be a number, "
+                             "not a string"),
+    "stall timeout true": (GOOD, ["--set", "train.stall_timeout=true"], "train.stall_timeout: must be a number"),
+    "stall timeout huge": (GOOD, ["--set", "train.stall_timeout=1e300"], "train.stall_timeout: must be > 0.0 and "
+                           "<= 1000000000.0"),
+    "stall timeout zero": (GOOD, ["--set", "train.stall_timeout=0"], "train.stall_timeout: must be > 0.0"),
 }
 
 
@@ -347,7 +366,7 @@ def test_validate_refuses_the_same_recipes(tmp_path, monkeypatch, capsys, comman
 
 @pytest.mark.parametrize("args,fragment", [
     (["validate", "--json", "/proc/gpipe/plan.json"], "--json: cannot write"),
-    (["export", "/no/such/run"], "no complete checkpoint"),
+    (["export", "/no/such/run"], "no such run directory or checkpoint"),
     (["export", "/no/such/run", "--output", "/proc/gpipe/model.safetensors"], "--output: cannot write to"),
 ], ids=["validate json", "export missing run", "export output"])
 def test_validate_and_export_arguments(tmp_path, monkeypatch, capsys, args, fragment):

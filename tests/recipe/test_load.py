@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_cli.recipe.load import RecipeError, default_recipe_text, load_recipe, parse_yaml, validate
+from gpipe_cli.recipe.load import RecipeError, default_recipe_text, load_recipe, parse_yaml, recipe_yaml, validate
 from gpipe_cli.train.plan import checked_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,7 +102,7 @@ def test_preset_fills_sizes_and_explicit_keys_win():
 def test_preset_errors():
     with pytest.raises(RecipeError, match="model.preset: unknown model preset 'nope'"):
         validate({"model": {"preset": "nope"}, "train": {"steps": 1}}, "r.yaml")
-    with pytest.raises(RecipeError, match="preset 'transformer-big' is a transformer"):
+    with pytest.raises(RecipeError, match="'transformer-big' is a model of kind 'transformer'; leave model.kind"):
         validate({"model": {"kind": "amoebanet", "preset": "transformer-big"}, "train": {"steps": 1}}, "r.yaml")
 
 
@@ -129,3 +129,13 @@ def test_yaml_1_2_floats_and_merge_keys():
     assert raw["optimizer"] == {"lr": 1e-3, "weight_decay": 5e-5}
     merged = parse_yaml("x: &b {steps: 3}\ntrain: {<<: *b, log_every: 2}\n", "r.yaml")
     assert merged["train"] == {"steps": 3, "log_every": 2}  # a merge key is not a duplicate
+
+
+def test_set_fills_an_optional_section_a_resolved_recipe_leaves_null(tmp_path):
+    resolved = write(tmp_path, recipe_yaml(load_recipe(None)))  # as a run's recipe.yaml: `profile: null`
+    assert "profile: null" in resolved.read_text() and "wandb: null" in resolved.read_text()
+    recipe = load_recipe(resolved, ["train.profile.steps=[1, 2]", "metrics.wandb.project=p"])
+    assert recipe.train.profile is not None and recipe.train.profile.steps == (1, 2)
+    assert recipe.metrics.wandb is not None and recipe.metrics.wandb.project == "p"
+    with pytest.raises(RecipeError, match="'steps' is a value, not a section"):
+        load_recipe(resolved, ["train.steps.max=3"])

@@ -16,6 +16,14 @@ def test_the_first_line_names_the_recipe_and_the_cut():
         assert part in line, part
 
 
+def test_the_first_line_counts_one_of_each_in_the_singular():
+    raw = copy.deepcopy(TINY_TRANSLATION)
+    raw["pipeline"].update(partitions=1, microbatches=1)
+    raw["train"].update(steps=1, epochs=1)
+    line = first_line(Recipe.model_validate(raw))
+    assert "K=1 stage x D=1 = 1 rank, M=1 micro-batch, batch 10, 1 step and 1 epoch, fp32" in line, line
+
+
 def test_oversubscription_is_flagged_for_cores_and_for_gpus():
     assert oversubscription(ranks=2, threads=1, cores=2, gpus=0) is None
     cpu = oversubscription(ranks=4, threads=1, cores=2, gpus=0)

@@ -1,0 +1,55 @@
+"""`gpipe export` of odd arguments: one line naming what is wrong, exit code 2, nothing written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpipe_cli.cli import run
+from tests.train.test_checkpoint import save_one
+
+
+def one_error_line(code: int, err: str, out: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, (code, err[-2000:], out[-2000:])
+    assert len(lines) == 1, err[-2000:]
+    assert "Traceback" not in err + out
+    return lines[0]
+
+
+@pytest.mark.parametrize(("target", "fragment"), [
+    ("nowhere", "error: no such run directory or checkpoint: '"),
+    ("", "error: no such run directory or checkpoint: ''"),
+    ("recipe.yaml", "is a file; give a run directory or one of its checkpoint folders"),
+], ids=["missing", "empty", "a file"])
+def test_a_run_argument_that_is_no_run_is_named_in_one_line(tmp_path, monkeypatch, capsys, target, fragment):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipe.yaml").write_text("name: a\n")
+    before = sorted(tmp_path.rglob("*"))
+    code = run(["export", target])
+    captured = capsys.readouterr()
+    assert fragment in one_error_line(code, captured.err, captured.out)
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_an_output_that_is_a_directory_is_refused_before_the_checkpoint_is_read(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    save_one(run_dir, 2, value=1.0)
+    (tmp_path / "folder").mkdir()
+    monkeypatch.setattr("gpipe_cli.train.checkpoint.newest_whole",
+                        lambda *args, **kwargs: pytest.fail("the checkpoint was read first"))
+    before = sorted(tmp_path.rglob("*"))
+    code = run(["export", str(run_dir), "--output", str(tmp_path / "folder")])
+    captured = capsys.readouterr()
+    line = one_error_line(code, captured.err, captured.out)
+    assert line.startswith("error: --output: '") and line.endswith("is a directory; give the safetensors file to write")
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_a_run_folder_without_checkpoints_says_so(tmp_path: Path, capsys):
+    (tmp_path / "run").mkdir()
+    code = run(["export", str(tmp_path / "run")])
+    captured = capsys.readouterr()
+    assert "no complete checkpoint to export" in one_error_line(code, captured.err, captured.out)
+    assert list((tmp_path / "run").iterdir()) == []

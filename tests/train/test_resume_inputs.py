@@ -1,0 +1,56 @@
+"""`--resume` of places that hold nothing to resume, and of a run whose last metrics line was torn by a kill."""
+
+from __future__ import annotations
+
+import json
+
+from gpipe_cli.train import checkpoint
+from gpipe_cli.train.resume import trim_metrics
+from tests.train.test_existing_run import error_line, hashes, make_run, no_ranks, train  # noqa: F401 (a fixture)
+
+
+def test_a_run_directory_without_checkpoints_is_refused_before_any_rank_starts(tmp_path, no_ranks):  # noqa: F811
+    path, run = make_run(tmp_path, steps=(2,))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = train(path, run, "--resume", str(empty))
+    assert result.exit_code == 2, result.output
+    assert error_line(result) == f"error: --resume {empty}: no usable checkpoint (there are no checkpoints there)"
+    assert list(empty.iterdir()) == [] and not no_ranks
+
+
+def test_a_run_whose_every_checkpoint_is_unfinished_is_refused_before_any_rank_starts(tmp_path, no_ranks):  # noqa: F811
+    path, run = make_run(tmp_path, steps=(2, 4))
+    for step in (2, 4):
+        (checkpoint.path_for(run, step) / "manifest.json").unlink()
+    before = hashes(run)
+    result = train(path, run, "--resume", "latest")
+    assert result.exit_code == 2, result.output
+    line = error_line(result)
+    assert line.startswith(f"error: --resume {run}: no usable checkpoint (step-00000004: it has no manifest")
+    assert "step-00000002: it has no manifest" in line
+    assert hashes(run) == before and not no_ranks
+
+
+def test_a_resume_with_one_whole_checkpoint_still_starts_the_ranks(tmp_path, no_ranks):  # noqa: F811
+    path, run = make_run(tmp_path, steps=(2, 4))
+    (checkpoint.path_for(run, 4) / "manifest.json").unlink()  # the ranks fall back to step 2, saying so
+    result = train(path, run, "--resume", "latest", "--set", "train.steps=9")
+    assert result.exit_code == 0, result.output
+    assert no_ranks == [1]
+
+
+def test_a_torn_last_metrics_line_is_dropped_when_a_run_resumes(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    records = [{"kind": "train", "step": s, "loss": 1.0} for s in (1, 2, 3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"kind": "train", "step": 4, "lo')
+    trim_metrics(path, 2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_metrics_lines_that_are_not_records_are_dropped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"kind": "train", "step": 1}\n[1, 2]\n"text"\n{"step": "two"}\n\xff\xfe\n'
+                     b'{"kind": "eval", "step": 1}\n{"kind": "train", "step": 5}\n')
+    trim_metrics(path, 3)
+    assert path.read_text() == '{"kind": "train", "step": 1}\n{"kind": "eval", "step": 1}\n'
