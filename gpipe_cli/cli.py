@@ -22,8 +22,8 @@ from rich.console import Console
 from gpipe_cli import __version__, interrupts
 from gpipe_cli.cli_help import polish
 from gpipe_cli.errors import UserError, one_line, shown
-from gpipe_cli.files import atomic_write_text
-from gpipe_cli.launch import check_writable, launch_options
+from gpipe_cli.files import atomic_write_text, check_output
+from gpipe_cli.launch import launch_options
 from gpipe_cli.quick_exit import exit_now
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
@@ -91,8 +91,9 @@ def train(
     rdzv_backend: str | None = typer.Option(None, help="Rendezvous backend: static (with --node-rank) or c10d."),
     rdzv_id: str | None = typer.Option(None, help="Job id shared by all nodes (c10d rendezvous)."),
     threads: int | None = typer.Option(None, help="Intra-op threads per rank (default: cores / local ranks)."),
-    resume: str | None = typer.Option(None, help="Continue from the newest whole checkpoint: 'latest' (the "
-                                      "newest run of this recipe, or --output-dir), a run directory or a checkpoint."),
+    resume: str | None = typer.Option(None, help="Continue from the newest whole checkpoint: bare --resume or "
+                                      "'latest' (the newest run of this recipe, or --output-dir's), a run directory or "
+                                      "a checkpoint."),
 ) -> None:
     """Train a model with GPipe on partitions x data_parallel processes."""
     from gpipe_cli.train.run import TrainOptions
@@ -117,8 +118,7 @@ def validate(
 
     def run() -> None:
         loaded = load_recipe(recipe, set_ or [])
-        if json_file is not None:
-            check_writable(json_file.parent, "--json")
+        check_output(json_file, "--json", "recipe.json")
         from gpipe_cli.train.plan import checked_plan  # torch: only once the recipe is valid
         from gpipe_cli.train.plan_table import plan_table
 
