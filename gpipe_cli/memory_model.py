@@ -19,6 +19,7 @@ and the sizing of `bench` and `profile-memory` all price memory here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -99,8 +100,11 @@ def _probe(spec: ModelSpec, examples: int, seed: int, device: str) -> tuple[int,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         inputs, targets = spec.example_batch(examples, device)
-    profile = profile_layers(spec.factories(), inputs, seed, device, repeats=0,
-                             loss=lambda output: spec.loss(output, targets))
+    # On the meta device the layers are built there too: shapes alone, so a layer larger than this
+    # machine's memory is priced instead of failing to allocate its weights.
+    with torch.device("meta") if device == "meta" else contextlib.nullcontext():
+        profile = profile_layers(spec.factories(), inputs, seed, device, repeats=0,
+                                 loss=lambda output: spec.loss(output, targets))
     rows = [(p.params, p.saved_bytes, p.output_bytes, p.saved_input_bytes) for p in profile]
     if profile.loss is not None and rows:
         # The loss's saved tensors belong to the last stage, and its input is the last layer's output.
@@ -275,7 +279,8 @@ def greedy_fit(figures: ModelFigures, stages: int, budget: float, batch_size: in
     """Cut the layers into at most `stages` stages, each as long as it fits `budget`; None if they do not fit.
 
     Filling each stage as far as it fits, in order, uses the fewest stages a contiguous cut can,
-    because a stage never needs less memory when it gains a layer.
+    because a stage never needs less memory when it gains a layer. So each stage's end is found by
+    doubling its length, then halving the step: a few trials instead of one per layer (deep models).
     """
     n = len(figures.layers)
     out: list[Footprint] = []
@@ -283,18 +288,32 @@ def greedy_fit(figures: ModelFigures, stages: int, budget: float, batch_size: in
     for stage in range(stages):
         if start == n:
             break
-        best: Footprint | None = None
-        stop = start
-        while stop < n:
-            trial = stage_footprint(figures, start, stop + 1, stage, stages, batch_size, microbatches, schedule,
+
+        def trial(stop: int, stage: int = stage, start: int = start) -> Footprint | None:
+            found = stage_footprint(figures, start, stop, stage, stages, batch_size, microbatches, schedule,
                                     checkpoint, bytes_per_param)
-            if trial.total_bytes > budget:
-                break
-            best, stop = trial, stop + 1
+            return found if found.total_bytes <= budget else None
+
+        best = trial(start + 1)
         if best is None:
             return None
+        good, bad, step = start + 1, n + 1, 1   # stops: `good` fits, `bad` does not (n + 1: past the end)
+        while good < n:  # double the stage until it no longer fits or holds every layer left
+            stop = min(good + step, n)
+            found = trial(stop)
+            if found is None:
+                bad = stop
+                break
+            best, good, step = found, stop, step * 2
+        while bad - good > 1:  # then halve the gap
+            mid = (good + bad) // 2
+            found = trial(mid)
+            if found is None:
+                bad = mid
+            else:
+                best, good = found, mid
         out.append(best)
-        start = stop
+        start = good
     return out if start == n else None
 
 

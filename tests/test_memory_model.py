@@ -46,3 +46,11 @@ def test_cpu_ranks_share_the_ram_and_gpus_have_their_own():
 
 def test_available_memory_is_positive():
     assert mm.available_bytes("cpu") > 0
+
+
+def test_shapes_price_a_layer_larger_than_this_machines_memory():
+    # Built on the CPU first, a 4 TiB embedding failed to allocate (a traceback) before anything was priced.
+    spec = build_model("transformer", arch="decoder-only", layers=1, d_model=2**16, ff=8, heads=1,
+                       vocab_size=2**24, max_len=2)
+    figures = mm.measure(spec, device="meta")
+    assert figures.layers[0].params >= 2**40  # the token embedding alone

@@ -78,7 +78,7 @@ def _unknown(model: str) -> UserError:
                      f"a recipe file (.yaml), {names_help()}")
 
 
-def _model_overrides(items: Sequence[str]) -> dict[str, Any]:
+def model_overrides(items: Sequence[str]) -> dict[str, Any]:
     """`--set KEY=VALUE` items as model parameters (a leading `model.` is optional)."""
     out = {}
     for item in items:
@@ -87,6 +87,37 @@ def _model_overrides(items: Sequence[str]) -> dict[str, Any]:
         if "." in key:
             raise UserError(f"--set expects KEY=VALUE naming a model parameter, e.g. dropout=0 (got {shown(item)})")
         out[key] = value
+    return out
+
+
+def _model_overrides_keys(items: Sequence[str]) -> list[str]:
+    """The model parameters `--set` items name (their syntax is checked where they are applied)."""
+    return [item.partition("=")[0].strip().removeprefix("model.") for item in items]
+
+
+def check_limits(kind: str, params: Mapping[str, Any], named: Mapping[str, str], source: str) -> None:
+    """Refuse a size beyond the recipe schema's limits (a recipe could not hold it either): building a model of
+    billions of layers would take the machine's memory and time before anything is said. `named` maps a
+    parameter to the flag that set it; the rest are `source`'s."""
+    for param, (low, high) in size_limits(kind).items():
+        value = params.get(param)
+        if isinstance(value, bool) or not isinstance(value, int) or low <= value <= high:
+            continue  # other types are the builder's to refuse, with its own words
+        where = named.get(param, f"{source}: {param}")
+        raise UserError(f"{where} must be from {low} to {high} (got {shown(value)})")
+
+
+def size_limits(kind: str) -> dict[str, tuple[int, int]]:
+    """(least, most) of each integer model parameter of `kind`, as the recipe schema allows."""
+    from gpipe_cli.recipe.schema import AmoebaNetModel, TransformerModel
+
+    section = AmoebaNetModel if kind == "amoebanet" else TransformerModel
+    out = {}
+    for name, info in section.model_fields.items():
+        low = next((m.ge for m in info.metadata if hasattr(m, "ge")), None)
+        high = next((m.le for m in info.metadata if hasattr(m, "le")), None)
+        if info.annotation is int and low is not None and high is not None:
+            out[name] = (int(low), int(high))
     return out
 
 
@@ -108,10 +139,11 @@ def resolve(model: str, sizes: Mapping[str, int | None] | None = None, overrides
         if not is_preset_name(name):
             raise _unknown(model)
         try:
-            kind, params = resolve_preset(name, **_model_overrides(overrides))
+            kind, params = resolve_preset(name, **model_overrides(overrides))
         except ValueError as exc:  # the name is known: a parameter of --set is not
             raise UserError(f"--set: {exc}") from None
     accepted = allowed_params(kind)
+    named = {key: f"--set {key}" for key in _model_overrides_keys(overrides)}
     for flag, value in (sizes or {}).items():
         if value is None:
             continue
@@ -120,6 +152,8 @@ def resolve(model: str, sizes: Mapping[str, int | None] | None = None, overrides
             raise UserError(f"--{flag.replace('_', '-')} does not apply to {kind} models "
                             f"(their sizes: {', '.join(p for p in accepted if p in SIZE_PARAMS.values())})")
         params[param] = value
+        named[param] = f"--{flag.replace('_', '-')}"
+    check_limits(kind, params, named, f"--model {cut(model)}")
     subject = Subject(kind, params, model)
     subject.build()  # validate now, with a one-line message
     return subject

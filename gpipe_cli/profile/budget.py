@@ -10,25 +10,30 @@ Per-layer figures are measured on small members of the family and scaled to any 
 
 A model fits K devices when a contiguous cut into K stages keeps every stage's parameters,
 gradients, optimizer state and peak activations (predicted by walking the schedule, see
-`memory_model`) within the budget.
+`memory_model`) within the budget. The search is bounded (Transformer-L: the layers a recipe may
+have; AmoebaNet-D: L and D below), so a huge budget ends in seconds; a row whose model reaches a bound
+says that the bound, not the budget, stopped it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpipe_cli import memory_model as mm
 from gpipe_cli.memory_model import Affine, Footprint, LayerFigures, ModelFigures, bytes_per_parameter, greedy_fit
 from gpipe_cli.models.describe import layer_params
 from gpipe_cli.models.registry import build_model
+from gpipe_cli.recipe.schema import MAX_LAYERS
 from gpipe_cli.units import parse_size
 
 # The families' fixed sizes in the paper's Table 1 and the batch it used.
 TRANSFORMER_L = dict(arch="decoder-only", d_model=2048, ff=8192, heads=32, vocab_size=32000, max_len=1024)
 AMOEBANET_D = dict(variant="d", image_size=224, num_classes=1000)
 PAPER_BATCH = {"amoebanet": 128, "transformer": 32}
+# What the search varies: never given by the user.
+SEARCHED = ("layers", "filters")
 
 # GPipe (Huang et al., 2019), Table 1: the largest model per scenario, its parameters, total parameter
 # memory (12 bytes per parameter: RMSProp) and peak activation memory, over all accelerators.
@@ -43,6 +48,21 @@ PAPER_TABLE1: dict[str, dict[str, Any]] = {
         "pipeline-8": ("103", "5.3B", "59.5G", "50.9G"), "pipeline-32": ("415", "21.0B", "235.1G", "199.9G"),
         "pipeline-128": ("1663", "83.9B", "937.9G", "796.1G")}},
 }
+
+class Found(NamedTuple):
+    """A search's largest fitting member: its label, parameters and stages, and the bound that stopped the
+    search ("" when the budget did)."""
+
+    label: str
+    params: int
+    stages: list[Footprint]
+    bound: str = ""
+
+
+def smallest(kind: str) -> dict[str, int]:
+    """The searched sizes of the family's smallest member."""
+    return {"layers": 1} if kind == "transformer" else {"layers": 6, "filters": AmoebaNetD.WIDTH_STEP}
+
 
 def parse_bytes(text: str) -> int:
     """`8GiB`, `16GB`, `500MiB` or a plain number of bytes."""
@@ -63,16 +83,27 @@ def _assemble(names: list[str], roles: dict[str, LayerFigures], inputs: Affine,
     return ModelFigures(inputs, tuple(layers))
 
 
+def _measure(spec: Any, seed: int, batches: tuple[int, int] = mm.PROBE_BATCHES) -> tuple[ModelFigures, bool]:
+    """A small member's figures, and whether they were measured on this machine: where its weights and
+    activations would not fit its memory (widths given by flags), from shapes on the meta device instead."""
+    shapes = mm.measure(spec, seed, batches, device="meta")
+    size = max(batches)
+    need = sum(layer.params * 4 + layer.saved.at(size) + layer.output.at(size) for layer in shapes.layers)
+    if 3 * need > mm.available_bytes("cpu"):  # weights, their gradients and the activations, with room to spare
+        return shapes, False
+    return mm.measure(spec, seed, batches), True
+
+
 class TransformerL:
     """Transformer-L: L identical layers between an embedding and a softmax."""
 
     kind = "transformer"
     title = "Transformer-L"
 
-    def __init__(self, fixed: dict[str, Any], seed: int = 0) -> None:
-        self.fixed = fixed
+    def __init__(self, fixed: dict[str, Any], seed: int = 0, max_layers: int = MAX_LAYERS) -> None:
+        self.fixed, self.max_layers = fixed, max_layers
         # No BatchNorm here, so a single example is a valid probe (it halves the cost at paper sizes).
-        self.probe = mm.measure(build_model("transformer", layers=2, **fixed), seed, batches=(1, 2))
+        self.probe, self.measured = _measure(build_model("transformer", layers=2, **fixed), seed, batches=(1, 2))
         self.roles = _by_role(self.probe)
 
     def figures(self, layers: int) -> ModelFigures:
@@ -80,12 +111,16 @@ class TransformerL:
         names = ["embed", *(f"layer_{i + 1}" for i in range(layers)), "softmax"]
         return _assemble(names, self.roles, self.probe.input, lambda role: self.roles[role].params)
 
-    def search(self, fits: Callable[[ModelFigures], list[Footprint] | None]) -> tuple[str, int, list[Footprint]] | None:
-        """The deepest member that fits: (label, parameters, stages)."""
+    def search(self, fits: Callable[[ModelFigures], list[Footprint] | None]) -> Found | None:
+        """The deepest member that fits, up to `max_layers` (the most a recipe may have)."""
         best = None
         lo, hi = 0, 1
         while (found := fits(self.figures(hi))) is not None:  # grow until it no longer fits
-            best, lo, hi = (hi, found), hi, hi * 2
+            best, lo = (hi, found), hi
+            if hi == self.max_layers:  # a deeper member would fit too: the bound stops the search
+                return Found(str(hi), sum(s.params for s in found), found,
+                             f"{self.max_layers} layers, the most a recipe may have")
+            hi = min(hi * 2, self.max_layers)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             found = fits(self.figures(mid))
@@ -96,7 +131,7 @@ class TransformerL:
         if best is None:
             return None
         layers, stages = best
-        return str(layers), sum(s.params for s in stages), stages
+        return Found(str(layers), sum(s.params for s in stages), stages)
 
 
 class AmoebaNetD:
@@ -111,8 +146,10 @@ class AmoebaNetD:
     def __init__(self, fixed: dict[str, Any], seed: int = 0, max_layers: int = 240, max_width: int = 4096) -> None:
         self.fixed, self.max_layers, self.max_width = fixed, max_layers, max_width
         d0, d1, _ = self.PROBE_WIDTHS
-        self.at = [_by_role(mm.measure(self._spec(self.PROBE_LAYERS, d), seed)) for d in (d0, d1)]
-        self.input = mm.measure(self._spec(self.PROBE_LAYERS, d0), seed).input
+        probes = [_measure(self._spec(self.PROBE_LAYERS, d), seed) for d in (d0, d1)]
+        self.at = [_by_role(figures) for figures, _ in probes]
+        self.input = probes[0][0].input
+        self.measured = all(measured for _, measured in probes)
         counts = [self._role_params(d) for d in self.PROBE_WIDTHS]
         self.param_fit = {role: [c[role] for c in counts] for role in counts[0]}
 
@@ -142,9 +179,10 @@ class AmoebaNetD:
         names = self._spec(layers, width).layer_names
         return _assemble(names, roles, self.input, lambda role: self._params(role, width))
 
-    def search(self, fits: Callable[[ModelFigures], list[Footprint] | None]) -> tuple[str, int, list[Footprint]] | None:
-        """The member with the most parameters that fits, over L in steps of 6 and D in steps of 16."""
-        best: tuple[str, int, list[Footprint]] | None = None
+    def search(self, fits: Callable[[ModelFigures], list[Footprint] | None]) -> Found | None:
+        """The member with the most parameters that fits, over L in steps of 6 up to `max_layers` and D in steps
+        of 16 up to `max_width`."""
+        best: Found | None = None
         for layers in range(6, self.max_layers + 1, 6):
             lo, hi = 0, self.max_width // self.WIDTH_STEP + 1  # widths in units of WIDTH_STEP
             found_at: list[Footprint] | None = None
@@ -158,8 +196,11 @@ class AmoebaNetD:
             if found_at is None:
                 break  # deeper models only need more
             params = sum(s.params for s in found_at)
-            if best is None or params > best[1]:
-                best = (f"({layers}, {lo * self.WIDTH_STEP})", params, found_at)
+            if best is None or params > best.params:
+                width = lo * self.WIDTH_STEP
+                at_bound = layers > self.max_layers - 6 or width > self.max_width - self.WIDTH_STEP
+                bound = f"L up to {self.max_layers} and D up to {self.max_width}" if at_bound else ""
+                best = Found(f"({layers}, {width})", params, found_at, bound)
         return best
 
 
@@ -177,6 +218,7 @@ class BudgetRow:
     peak_activation_bytes: float   # the stages' activation peaks, summed
     device_peak_bytes: float       # the fullest device
     balance: list[int]
+    bound: str = ""                # the search's bound that stopped it before the budget did ("": none)
 
     def to_json(self) -> dict[str, Any]:
         """As plain data."""
@@ -196,8 +238,8 @@ def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[str, int, in
         if found is None:
             rows.append(None)
             continue
-        label, params, stages = found
-        rows.append(BudgetRow(name, k, m, checkpoint, label, params, sum(s.weights_bytes for s in stages),
-                              sum(s.peak_bytes for s in stages), max(s.total_bytes for s in stages),
-                              [s.layers for s in stages]))
+        stages = found.stages
+        rows.append(BudgetRow(name, k, m, checkpoint, found.label, found.params,
+                              sum(s.weights_bytes for s in stages), sum(s.peak_bytes for s in stages),
+                              max(s.total_bytes for s in stages), [s.layers for s in stages], found.bound))
     return rows

@@ -67,7 +67,9 @@ def show_budget(s: dict[str, Any], console: Console) -> None:
     rows = s["rows"]
 
     def cells(key: str, fmt: Any) -> list[str]:
-        return [fmt(r[key]) if r else "does not fit" for r in rows]
+        # A model the search's bound stopped is marked: a larger one would fit the budget too.
+        return [f"{fmt(r[key])}{' (bound)' if key == 'model' and r.get('bound') else ''}" if r else "does not fit"
+                for r in rows]
 
     table.add_row(s["family"], *cells("model", str))
     table.add_row("# of model parameters", *cells("params", human_count))
@@ -76,6 +78,13 @@ def show_budget(s: dict[str, Any], console: Console) -> None:
     table.add_row("fullest device", *cells("device_peak_bytes", human_bytes))
     table.add_row("layers per stage", *cells("balance", lambda b: ",".join(map(str, b))))
     console.print(table)
+    bounded: dict[str, list[str]] = {}
+    for name, r in zip(s["scenarios"], rows):
+        if r and r.get("bound"):
+            bounded.setdefault(r["bound"], []).append(name)
+    for bound, names in bounded.items():
+        console.print(f"[yellow]{', '.join(names)}: the search stopped at its bound ({bound}), not at the budget: "
+                      f"larger models fit {human_bytes(s['budget_bytes'])} too[/]")
     paper = s["paper"]
     ptable = Table(title=f"GPipe Table 1, {paper['hardware']} (the paper counts 12 bytes per parameter, RMSProp)")
     ptable.add_column("")

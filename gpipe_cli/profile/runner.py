@@ -18,11 +18,20 @@ from rich.console import Console
 
 from gpipe_cli import interrupts, sizing
 from gpipe_cli import memory_model as mm
-from gpipe_cli.errors import UserError
-from gpipe_cli.estimate.subject import FAMILIES, SIZE_PARAMS, Subject, example_batch, resolve
+from gpipe_cli.errors import UserError, shown
+from gpipe_cli.estimate.subject import (
+    FAMILIES,
+    SIZE_PARAMS,
+    Subject,
+    check_limits,
+    example_batch,
+    model_overrides,
+    resolve,
+)
 from gpipe_cli.files import atomic_write_text, check_output
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import layer_params
+from gpipe_cli.models.registry import allowed_params, build_model
 from gpipe_cli.profile import account, budget, report, scenarios
 from gpipe_cli.profile.options import ProfileOptions, validate
 from gpipe_cli.units import human_bytes, human_count
@@ -137,16 +146,30 @@ def measure(options: ProfileOptions, console: Console) -> dict[str, Any]:
 
 
 def _family(options: ProfileOptions) -> tuple[str, dict[str, Any]]:
-    subject = resolve(options.model, {}, ())
-    kind = subject.kind
+    """The family --budget searches and its fixed parameters: the paper's, with --set and the size flags."""
+    kind = resolve(options.model, {}, ()).kind
     fixed = dict(budget.TRANSFORMER_L if kind == "transformer" else budget.AMOEBANET_D)
+    allowed = [p for p in allowed_params(kind) if p not in budget.SEARCHED]
+    named = {}
+    for key, value in model_overrides(options.set).items():
+        if key in budget.SEARCHED:
+            raise UserError(f"--budget searches the layers and filters: drop --set {key}")
+        if key not in allowed:
+            raise UserError(f"--set: unknown parameter {shown(key)} for the {kind} family of --budget; allowed: "
+                            f"{', '.join(allowed)}")
+        fixed[key], named[key] = value, f"--set {key}"
     for flag, value in options.sizes().items():
         if value is None:
             continue
         param = SIZE_PARAMS[flag]
         if param not in fixed:
             raise UserError(f"--{flag.replace('_', '-')} does not apply to the {kind} family of --budget")
-        fixed[param] = value
+        fixed[param], named[param] = value, f"--{flag.replace('_', '-')}"
+    check_limits(kind, fixed, named, "--budget")
+    try:  # the family's smallest member, to refuse what no member can be (heads that do not divide d_model)
+        build_model(kind, **budget.smallest(kind), **fixed)
+    except ValueError as exc:
+        raise UserError(f"--budget: {exc}") from None
     return kind, fixed
 
 
@@ -165,7 +188,8 @@ def search(options: ProfileOptions, console: Console) -> dict[str, Any]:
     return {"budget_bytes": limit, "family": family.title, "kind": kind, "fixed": fixed, "batch_size": batch,
             "microbatches": m, "schedule": options.schedule, "checkpoint": options.checkpoint,
             "optimizer": options.optimizer, "bytes_per_param": mm.bytes_per_parameter(options.optimizer),
-            "method": "per-layer figures measured by saved-tensor accounting on small members, scaled",
+            "method": "per-layer figures measured by saved-tensor accounting on small members, scaled" + (
+                "" if family.measured else " (on the meta device, from shapes: the members do not fit this machine)"),
             "rows": [None if r is None else r.to_json() for r in rows],
             "scenarios": [s[0] for s in scenarios], "paper": budget.PAPER_TABLE1[kind]}
 

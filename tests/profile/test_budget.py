@@ -98,3 +98,67 @@ def test_sizes_parse(text, value):
 def test_bad_sizes_are_refused():
     with pytest.raises(UserError, match="--budget"):
         budget.parse_bytes("eight gigs")
+
+
+def test_a_huge_budget_stops_at_the_searchs_bound_and_says_so():
+    # Doubling the depth without a bound ran for ever (and took the memory) when every member fit.
+    family = budget.TransformerL(TRANSFORMER, max_layers=300)
+    (row,) = budget.search(family, [("pipeline-4", 4, 8, "except_last")], 2.0**60, 32, "gpipe", "sgd")
+    assert row is not None and row.model == "300" and "300 layers" in row.bound
+    assert sum(row.balance) == 302  # the embedding and the softmax around the layers
+
+
+def test_the_transformer_search_is_bounded_by_the_layers_a_recipe_may_have(transformer):
+    from gpipe_cli.recipe.schema import MAX_LAYERS
+
+    assert transformer.max_layers == MAX_LAYERS
+
+
+def test_a_budget_that_stops_the_search_names_no_bound(transformer):
+    (row,) = budget.search(transformer, [("pipeline-2", 2, 8, "except_last")], 8 * 2**20, 32, "gpipe", "rmsprop")
+    assert row is not None and row.bound == "" and int(row.model) < transformer.max_layers
+
+
+def test_amoebanet_at_its_widest_and_deepest_says_the_bound_stopped_it(amoebanet):
+    (row,) = budget.search(amoebanet, [("pipeline-1", 1, 4, "except_last")], 2.0**60, 16, "gpipe", "sgd")
+    assert row is not None and row.model == "(36, 256)" and row.bound == "L up to 36 and D up to 256"
+
+
+def _linear_fit(figures, stages, limit, batch, microbatches, schedule, checkpoint, per_param):
+    """Each stage grown one layer at a time, as long as it fits: what greedy_fit must find in fewer trials."""
+    n, out, start = len(figures.layers), [], 0
+    for stage in range(stages):
+        if start == n:
+            break
+        best, stop = None, start
+        while stop < n:
+            trial = stage_footprint(figures, start, stop + 1, stage, stages, batch, microbatches, schedule,
+                                    checkpoint, per_param)
+            if trial.total_bytes > limit:
+                break
+            best, stop = trial, stop + 1
+        if best is None:
+            return None
+        out.append(best)
+        start = stop
+    return out if start == n else None
+
+
+@pytest.mark.parametrize("layers,stages,limit,schedule,checkpoint", [
+    (40, 4, 4e6, "gpipe", "except_last"), (40, 4, 8e6, "gpipe", "except_last"), (57, 3, 4e6, "1f1b", "always"),
+    (12, 8, 1e6, "zero-bubble", "never"), (12, 8, 2e6, "zero-bubble", "never"), (60, 1, 1e12, "gpipe", "never"),
+    (33, 2, 1e6, "gpipe", "always")])
+def test_greedy_fit_cuts_as_growing_each_stage_layer_by_layer(transformer, layers, stages, limit, schedule,
+                                                              checkpoint):
+    figures = transformer.figures(layers)
+    fast = fig.greedy_fit(figures, stages, limit, 16, 4, schedule, checkpoint, 16)
+    slow = _linear_fit(figures, stages, limit, 16, 4, schedule, checkpoint, 16)
+    assert (fast is None) == (slow is None)
+    assert fast is None or [s.layers for s in fast] == [s.layers for s in slow]
+
+
+def test_members_too_large_for_this_machine_are_priced_from_shapes(monkeypatch):
+    monkeypatch.setattr(fig, "available_bytes", lambda device: 1)
+    family = budget.TransformerL(TRANSFORMER, max_layers=8)
+    assert not family.measured
+    assert family.figures(3).layers[1].params == budget.TransformerL(TRANSFORMER).figures(3).layers[1].params
