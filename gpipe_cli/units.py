@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import re
 
-from gpipe_cli.errors import UserError
+from gpipe_cli.errors import UserError, cut
 
 
 def meminfo_available() -> int | None:
@@ -39,6 +40,7 @@ def human_count(n: float) -> str:
     return str(int(n))
 
 
+MAX_SIZE = 2**80  # bytes: 1 YiB, beyond any device and well within what an int and a float hold
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -49,4 +51,7 @@ def parse_size(text: str, flag: str) -> int:
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _UNITS:
         raise UserError(f"{flag} expects a size such as 8GiB, 16GB or 500MiB (got '{text}')")
-    return int(float(match.group(1)) * _UNITS[unit])
+    value = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value > MAX_SIZE:  # hundreds of digits: infinity, which no int holds
+        raise UserError(f"{flag} must be at most 1 YiB, a size such as 8GiB, 16GB or 500MiB (got '{cut(text)}')")
+    return int(value)

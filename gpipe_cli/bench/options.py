@@ -10,6 +10,7 @@ from gpipe_cli.bench.trace import paths as trace_paths
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.estimate.size_flags import SizeFlags
 from gpipe_cli.files import check_output
+from gpipe_cli.launch.preflight import MAX_THREADS
 from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES
 from gpipe_cli.pipeline.schedule import check as check_schedule
 from gpipe_cli.units import human_bytes, meminfo_available
@@ -130,7 +131,7 @@ def validate(options: BenchOptions) -> None:
         (options.microbatches >= 1, f"--microbatches must be >= 1 (got {options.microbatches})"),
         (options.steps >= 1, f"--steps must be >= 1 (got {options.steps})"),
         (options.warmup >= 0, f"--warmup must be >= 0 (got {options.warmup})"),
-        (options.threads >= 1, f"--threads must be >= 1 (got {options.threads})"),
+        (1 <= options.threads <= MAX_THREADS, f"--threads must be >= 1 and <= {MAX_THREADS} (got {options.threads})"),
         (options.schedule in SCHEDULES, f"--schedule must be one of {', '.join(SCHEDULES)} (got {options.schedule})"),
         (options.checkpoint in REMAT_MODES,
          f"--checkpoint must be one of {', '.join(REMAT_MODES)} (got {options.checkpoint})"),
