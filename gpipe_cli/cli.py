@@ -256,7 +256,7 @@ def plan(
     device_memory: str | None = typer.Option(None, help=L["device_memory"]),
     nodes: int = typer.Option(1, help=L["nodes"]),
     top: int = typer.Option(5, help=L["top"]),
-    output: Path | None = typer.Option(None, help=L["output"]),
+    output: str | None = typer.Option(None, metavar="FILE", help=L["output"]),
     set_: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
     bandwidth: float | None = typer.Option(None, help=L["bandwidth"], show_default=False),
     latency_us: float | None = typer.Option(None, help=L["latency_us"], show_default=False),
@@ -269,12 +269,16 @@ def plan(
     """Predict the fastest K, D, M, schedule, remat mode and balance for N devices; write it as a recipe."""
     from gpipe_cli.plan import PlanOptions
     from gpipe_cli.plan import run as run_plan
+    from gpipe_cli.plan.options import output_path
 
-    options = PlanOptions(recipe=recipe, set=set_ or [], devices=devices, device_memory=device_memory, nodes=nodes,
-                          top=top, output=output, bandwidth=bandwidth, latency_us=latency_us,
-                          node_bandwidth=node_bandwidth, node_latency_us=node_latency_us, timing=timing, tflops=tflops,
-                          plain=plain)
-    raise typer.Exit(_guard(lambda: run_plan(options)))
+    def run() -> int:
+        options = PlanOptions(recipe=recipe, set=set_ or [], devices=devices, device_memory=device_memory,
+                              nodes=nodes, top=top, output=output_path(output), bandwidth=bandwidth,
+                              latency_us=latency_us, node_bandwidth=node_bandwidth, node_latency_us=node_latency_us,
+                              timing=timing, tflops=tflops, plain=plain)
+        return run_plan(options)
+
+    raise typer.Exit(_guard(run))
 
 
 @app.command()

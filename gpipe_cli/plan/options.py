@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpipe_cli.errors import UserError
+from gpipe_cli.recipe.schema import MAX_RANKS
 from gpipe_cli.units import parse_size
 
 TIMINGS = ("auto", "measure", "estimate")
@@ -38,15 +40,16 @@ class PlanOptions:
 
 # Flag name -> help text, for the CLI's typer options (one to one with the fields above).
 FLAGS: dict[str, str] = {
-    "devices": "N: devices to plan for (K stages x D replicas = N).",
+    "devices": "N: devices to plan for (K stages x D replicas = N), 1 to 65536.",
     "device_memory": "Memory of each device, e.g. 80GiB [default: what each of N ranks has on this machine].",
     "nodes": "Nodes the N devices are spread over (N / nodes each); a pipeline crossing nodes uses the node link.",
     "top": "How many configurations to print.",
     "output": "Write the winning plan as a recipe here (the input recipe with its pipeline section replaced).",
     "bandwidth": "Link between devices of one node, GB/s [default: measured between ranks here when per-layer "
-                 f"seconds are measured, else {ASSUMED_BANDWIDTH:g} (PCIe 4 x16 in practice)].",
+                 f"seconds are measured, else {ASSUMED_BANDWIDTH:g} (PCIe 4 x16 in practice)]; giving it or "
+                 "--latency-us assumes both.",
     "latency_us": "Per-message latency between devices of one node, microseconds [default: measured here, "
-                  f"else {ASSUMED_LATENCY_US:g}].",
+                  f"else {ASSUMED_LATENCY_US:g}]; giving it or --bandwidth assumes both.",
     "node_bandwidth": "Assumed link between nodes, GB/s (12.5: 100 Gb/s InfiniBand or Ethernet).",
     "node_latency_us": "Assumed per-message latency between nodes, microseconds.",
     "timing": "Per-layer seconds: measure (on this machine's device), estimate (FLOPs at this machine's measured "
@@ -57,22 +60,42 @@ FLAGS: dict[str, str] = {
 }
 
 
+def output_path(text: str | None) -> Path | None:
+    """--output as a path (None: not given); an empty name is refused, where Path would read it as '.'."""
+    if text is None:
+        return None
+    if not text.strip():
+        raise UserError(f"--output must name a .yaml file, e.g. planned.yaml (got {text!r})")
+    return Path(text)
+
+
+def _finite(value: float | None, least: float, strict: bool) -> bool:
+    """Whether a rate or latency flag is a usable number: finite, and above `least` (or at it, unless strict)."""
+    # An infinite link or rate prices messages or layers at no time, or at no speed: a plan of nonsense.
+    return value is None or (math.isfinite(value) and (value > least if strict else value >= least))
+
+
 def validate(options: PlanOptions) -> None:
     """Refuse flags that cannot describe a plan, with one line naming the flag."""
     checks = [
-        (options.devices >= 1, f"--devices must be >= 1 (got {options.devices})"),
+        # A planned K or D past the recipe's own limit could never be written or trained; counts beyond it
+        # would also only make the search count divisors for minutes.
+        (1 <= options.devices <= MAX_RANKS, f"--devices must be between 1 and {MAX_RANKS} (got {options.devices})"),
         (options.nodes >= 1, f"--nodes must be >= 1 (got {options.nodes})"),
         # Checked only past `--nodes >= 1`, which comes first: N % 0 has no answer.
         (options.nodes < 1 or (options.nodes <= options.devices and options.devices % options.nodes == 0),
          f"--nodes {options.nodes} must divide --devices {options.devices} (the same devices on every node)"),
         (options.top >= 1, f"--top must be >= 1 (got {options.top})"),
-        (options.bandwidth is None or options.bandwidth > 0, f"--bandwidth must be > 0 GB/s (got {options.bandwidth})"),
-        (options.latency_us is None or options.latency_us >= 0,
-         f"--latency-us must be >= 0 (got {options.latency_us})"),
-        (options.node_bandwidth > 0, f"--node-bandwidth must be > 0 GB/s (got {options.node_bandwidth})"),
-        (options.node_latency_us >= 0, f"--node-latency-us must be >= 0 (got {options.node_latency_us})"),
+        (_finite(options.bandwidth, 0, True),
+         f"--bandwidth must be a finite number > 0 GB/s (got {options.bandwidth})"),
+        (_finite(options.latency_us, 0, False),
+         f"--latency-us must be a finite number >= 0 (got {options.latency_us})"),
+        (_finite(options.node_bandwidth, 0, True),
+         f"--node-bandwidth must be a finite number > 0 GB/s (got {options.node_bandwidth})"),
+        (_finite(options.node_latency_us, 0, False),
+         f"--node-latency-us must be a finite number >= 0 (got {options.node_latency_us})"),
         (options.timing in TIMINGS, f"--timing must be one of {', '.join(TIMINGS)} (got {options.timing})"),
-        (options.tflops is None or options.tflops > 0, f"--tflops must be > 0 (got {options.tflops})"),
+        (_finite(options.tflops, 0, True), f"--tflops must be a finite number > 0 (got {options.tflops})"),
         (options.tflops is None or options.timing != "measure", "--tflops estimates per-layer seconds: it cannot "
          "be combined with --timing measure"),
         (options.output is None or options.output.suffix in (".yaml", ".yml"),
@@ -83,4 +106,5 @@ def validate(options: PlanOptions) -> None:
             raise UserError(message)
     memory = options.memory_bytes()
     if memory is not None and memory <= 0:
-        raise UserError(f"--device-memory must be more than 0 bytes (got '{options.device_memory}')")
+        raise UserError(f"--device-memory must be at least 1 byte, a size such as 8GiB, 16GB or 500MiB "
+                        f"(got '{options.device_memory}')")

@@ -4,6 +4,7 @@ best few (predicted), and write the winner as a recipe that `gpipe train` takes 
 from __future__ import annotations
 
 import functools
+import os
 import shlex
 import signal
 import sys
@@ -34,9 +35,9 @@ def _raw(options: PlanOptions) -> dict[str, Any]:
 def micro_sizes(layers: int, batch: int, devices: int, least: int) -> list[int]:
     """Every micro-batch size the search can try: batch / D / M for K | N, K <= layers, D | batch, M | batch / D."""
     sizes: set[int] = set()
-    for k in range(1, devices + 1):
+    for k in range(1, min(devices, layers) + 1):  # K beyond the layers cuts nothing: no need to count that far
         d = devices // k
-        if devices % k or k > layers or batch % d:
+        if devices % k or batch % d:
             continue
         sizes.update(s for s in range(least, batch // d + 1) if (batch // d) % s == 0)
     return sorted(sizes)
@@ -93,9 +94,13 @@ def run(options: PlanOptions) -> int:
     recipe = load_recipe(options.recipe, options.set, check_data=False)
     raw = _raw(options)
     check_output(options.output, "--output", "planned.yaml")
+    _not_the_recipe(options)
     try:
         with interrupts.remembered():
             finish = _plan(options, recipe, raw)
+            # A Ctrl-C that a library swallowed while it loaded (torch's import does) is remembered only:
+            # without this, a plan that measures nothing would go on to write --output after it.
+            interrupts.check()
         # Planned: from here on a Ctrl-C or SIGTERM waits the moment it takes to write --output and say so,
         # rather than claim that nothing was written after it was (outside `remembered`, which would undo it).
         interrupts.finishing()
@@ -103,6 +108,20 @@ def run(options: PlanOptions) -> int:
     except KeyboardInterrupt:
         print("gpipe plan: interrupted; nothing was written", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
+
+
+def _not_the_recipe(options: PlanOptions) -> None:
+    """Refuse an --output that is the input recipe itself: the plan would replace it, comments and all."""
+    output, recipe = options.output, options.recipe
+    if output is None or recipe is None or not output.exists():
+        return
+    try:
+        same = os.path.samefile(output, recipe)
+    except OSError:  # one vanished or cannot be looked at: the write itself then says what is wrong
+        return
+    if same:
+        raise UserError(f"--output {shown(str(output))} is the recipe itself: the plan would replace it; name "
+                        f"another file, e.g. {shown(str(output.with_name(output.stem + '.planned.yaml')))}")
 
 
 def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> Callable[[], int]:
@@ -118,6 +137,7 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> Callable
     from gpipe_cli.sizing import usable_cores
     from gpipe_cli.units import human_bytes
 
+    interrupts.check()  # one that arrived while torch loaded, which swallows it: stop before any work
     started = time.perf_counter()
     console = Console()
     if not console.is_terminal:  # a file or a pipe: long lines stay whole
@@ -238,6 +258,7 @@ def _sample(recipe: Recipe, say: Any) -> Any:
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # any failure leaves generated examples; planning goes on
+        interrupts.check()  # unless a Ctrl-C caused it, in a library that turned it into an error of its own
         # Whole: its end is often the fix (the command that prepares the data offline).
         why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         say(f"the recipe's data could not be read here ({why}); timing generated examples of full length")

@@ -1,0 +1,86 @@
+"""Odd input to `gpipe plan` is one line, exit code 2 and nothing written; a Ctrl-C is 130 and nothing written."""
+
+import subprocess
+import sys
+
+import pytest
+
+from gpipe_cli.cli import run
+from tests.plan.test_runner import HEAVY, TINY
+from tests.train.recipes import write
+
+QUICK = ["--devices", "2", "--tflops", "100", "--plain"]  # estimated seconds: nothing is measured
+
+
+@pytest.mark.parametrize("args,line", [
+    # --devices 10^20 counted every K up to it: the command never ended.
+    (["--devices", "99999999999999999999"], "error: --devices must be between 1 and 65536 (got 99999999999999999999)"),
+    (["--devices", "65537"], "error: --devices must be between 1 and 65536 (got 65537)"),
+    # Infinite rates and links were taken: layers or messages priced at no time, a plan of nonsense.
+    (["--devices", "2", "--tflops", "inf"], "error: --tflops must be a finite number > 0 (got inf)"),
+    (["--devices", "2", "--bandwidth", "inf"], "error: --bandwidth must be a finite number > 0 GB/s (got inf)"),
+    (["--devices", "2", "--latency-us", "inf"], "error: --latency-us must be a finite number >= 0 (got inf)"),
+    (["--devices", "2", "--node-bandwidth", "nan"],
+     "error: --node-bandwidth must be a finite number > 0 GB/s (got nan)"),
+    (["--devices", "2", "--node-latency-us", "inf"],
+     "error: --node-latency-us must be a finite number >= 0 (got inf)"),
+    # An empty --output read as '.', and the line named a file nobody gave.
+    (["--devices", "2", "--output", ""], "error: --output must name a .yaml file, e.g. planned.yaml (got '')"),
+    (["--devices", "2", "--device-memory", "0.4"],
+     "error: --device-memory must be at least 1 byte, a size such as 8GiB, 16GB or 500MiB (got '0.4')"),
+])
+def test_flags_that_describe_no_plan_are_one_line_before_torch_loads(tmp_path, args, line):
+    code = ("import sys\n"
+            "from gpipe_cli.cli import run\n"
+            f"assert run({['plan', *args]!r}) == 2\n" + HEAVY)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+    assert proc.stderr == line + "\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("spelling", ["same", "dotted", "link"])
+def test_an_output_that_is_the_recipe_itself_is_refused_and_the_recipe_kept(tmp_path, capsys, monkeypatch, spelling):
+    # The plan replaced the recipe it read, its comments with it, and said only "wrote".
+    monkeypatch.chdir(tmp_path)
+    recipe = write(tmp_path, TINY)
+    before = recipe.read_bytes()
+    given = recipe.name
+    if spelling == "dotted":
+        given = f"./{recipe.name}"
+    elif spelling == "link":
+        (tmp_path / "link.yaml").symlink_to(recipe.name)
+        given = "link.yaml"
+    code = run(["plan", given, *QUICK, "--output", recipe.name])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: --output '{recipe.name}' is the recipe itself"), err
+    assert recipe.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({recipe.name, "link.yaml"} if spelling == "link"
+                                                                else {recipe.name})
+
+
+@pytest.mark.parametrize("where", ["gpipe_cli.recipe_model.model_spec", "gpipe_cli.plan.search.search"])
+def test_a_ctrl_c_a_library_swallowed_still_stops_the_plan(tmp_path, capsys, monkeypatch, handlers, where):
+    """torch's import swallows a KeyboardInterrupt: only the remembered signal is left to act on."""
+    # With nothing measured, no later check saw it: the plan printed, wrote --output and exited 0.
+    import importlib
+
+    from gpipe_cli import interrupts
+
+    module_name, name = where.rsplit(".", 1)
+    module = importlib.import_module(module_name)
+    original = getattr(module, name)
+
+    def swallowed(*args, **kwargs):
+        monkeypatch.setattr(interrupts, "_interrupted", True)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, swallowed)
+    recipe = write(tmp_path, TINY)
+    output = tmp_path / "planned.yaml"
+    assert run(["plan", str(recipe), *QUICK, "--output", str(output)]) == 130
+    err = capsys.readouterr().err
+    assert err == "gpipe plan: interrupted; nothing was written\n"
+    assert not output.exists() and list(tmp_path.iterdir()) == [recipe]
