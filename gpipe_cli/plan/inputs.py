@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import math
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from gpipe_cli import interrupts, sizing
 from gpipe_cli import memory_model as mm
 from gpipe_cli.estimate import costs as layer_costs
 from gpipe_cli.estimate.costs import CostProfile, LayerTiming
+from gpipe_cli.estimate.measure import timed
 from gpipe_cli.estimate.simulate import Link
 from gpipe_cli.memory_model import ModelFigures
 from gpipe_cli.models.base import ModelSpec
@@ -178,9 +178,7 @@ def _best_seconds(work: Callable[[], None], threads: int, runs: int = 2) -> floa
     try:
         best = math.inf
         for _ in range(runs):
-            started = time.perf_counter()
-            work()
-            best = min(best, time.perf_counter() - started)
+            best = min(best, timed(work)[0])
             interrupts.check()
     finally:
         torch.set_num_threads(previous)

@@ -1,12 +1,10 @@
 """Odd input to `gpipe plan` is one line, exit code 2 and nothing written; a Ctrl-C is 130 and nothing written."""
 
-import subprocess
-import sys
 
 import pytest
 
 from gpipe_cli.cli import run
-from tests.plan.test_runner import HEAVY, TINY
+from tests.plan.test_runner import TINY, refused_before_torch
 from tests.train.recipes import write
 
 QUICK = ["--devices", "2", "--tflops", "100", "--plain"]  # estimated seconds: nothing is measured
@@ -30,14 +28,7 @@ QUICK = ["--devices", "2", "--tflops", "100", "--plain"]  # estimated seconds: n
      "error: --device-memory must be at least 1 byte, a size such as 8GiB, 16GB or 500MiB (got '0.4')"),
 ])
 def test_flags_that_describe_no_plan_are_one_line_before_torch_loads(tmp_path, args, line):
-    code = ("import sys\n"
-            "from gpipe_cli.cli import run\n"
-            f"assert run({['plan', *args]!r}) == 2\n" + HEAVY)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[]"
-    assert proc.stderr == line + "\n"
-    assert list(tmp_path.iterdir()) == []
+    assert refused_before_torch(tmp_path, args, timeout=300) == line + "\n"
 
 
 @pytest.mark.parametrize("spelling", ["same", "dotted", "link"])

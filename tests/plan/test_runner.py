@@ -25,6 +25,18 @@ TINY = {
 HEAVY = "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))\n"
 
 
+def refused_before_torch(tmp_path, args: list[str], timeout: int = 120) -> str:
+    """`gpipe plan ARGS` in a fresh interpreter: exit 2, torch never loaded, nothing written; its stderr."""
+    code = ("import sys\n"
+            "from gpipe_cli.cli import run\n"
+            f"assert run({['plan', *args]!r}) == 2\n" + HEAVY)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+    assert list(tmp_path.iterdir()) == []
+    return proc.stderr
+
+
 def set_lines(out: str) -> list[str]:
     """The `--set` items of the printed `gpipe train` command."""
     command = next(line for line in out.splitlines() if line.strip().startswith("gpipe train"))
@@ -76,14 +88,8 @@ def test_devices_no_pipeline_can_use_are_one_line(tmp_path, capsys):
                                   ["--devices", "2", "--set", "pipeline.partitons=2"],
                                   ["--devices", "2", "--output", "plan.txt"]])
 def test_bad_flags_are_refused_in_one_line_before_torch_loads(tmp_path, args):
-    code = ("import sys\n"
-            "from gpipe_cli.cli import run\n"
-            f"assert run({['plan', *args]!r}) == 2\n" + HEAVY)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[]"
-    assert proc.stderr.startswith("error: ") and len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert list(tmp_path.iterdir()) == []
+    err = refused_before_torch(tmp_path, args)
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.slow
