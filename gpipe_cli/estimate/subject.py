@@ -90,7 +90,7 @@ def model_overrides(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _model_overrides_keys(items: Sequence[str]) -> list[str]:
+def _override_keys(items: Sequence[str]) -> list[str]:
     """The model parameters `--set` items name (their syntax is checked where they are applied)."""
     return [item.partition("=")[0].strip().removeprefix("model.") for item in items]
 
@@ -143,7 +143,7 @@ def resolve(model: str, sizes: Mapping[str, int | None] | None = None, overrides
         except ValueError as exc:  # the name is known: a parameter of --set is not
             raise UserError(f"--set: {exc}") from None
     accepted = allowed_params(kind)
-    named = {key: f"--set {key}" for key in _model_overrides_keys(overrides)}
+    named = {key: f"--set {key}" for key in _override_keys(overrides)}
     for flag, value in (sizes or {}).items():
         if value is None:
             continue
