@@ -173,8 +173,6 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> Callable
     per_param = mm.bytes_per_parameter(optimizer_name(recipe))
     model = search.Model(fed.costs, fed.figures, per_param, batch, fed.min_microbatch, fed.action_overhead,
                          fed.step_overhead, fed.data_seconds, fed.alone_speedup)
-    if not fed.measured:  # estimated seconds: links measured here would not describe the devices planned
-        link, reduce_link, link_note = _links(options, False, here_ranks, say)
     hw = search.Hardware(n, budget, link, Link.of(options.node_bandwidth, options.node_latency_us), options.nodes,
                          reduce_link)
     result = search.search(model, hw)

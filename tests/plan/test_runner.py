@@ -62,6 +62,20 @@ def test_the_plan_is_printed_and_written_as_a_recipe_that_validates(tmp_path, ca
     assert run(["validate", str(output)]) == 0
 
 
+def test_a_model_too_slow_to_time_keeps_the_links_measured_here(tmp_path, capsys, monkeypatch):
+    from gpipe_cli.plan import inputs
+    from gpipe_cli.sizing import usable_cores
+
+    monkeypatch.setattr(inputs, "MEASURE_BUDGET_S", -1.0)  # every model is too slow: --timing auto estimates
+    recipe = write(tmp_path, TINY)
+    assert run(["plan", str(recipe), "--devices", "2", "--plain"]) == 0
+    out = capsys.readouterr().out
+    assert "per-layer seconds: estimated from FLOPs at this machine's measured" in out
+    # The plan is still for this machine's ranks, so the links measured between them describe its devices.
+    links = next(line for line in out.splitlines() if line.strip().startswith("links:"))
+    assert ("measured between 2 ranks here" if usable_cores() > 1 else "(assumed)") in links, links
+
+
 def test_a_budget_nothing_fits_is_one_line_naming_the_memory_that_does(tmp_path, capsys):
     recipe = write(tmp_path, TINY)
     assert run(["plan", str(recipe), "--devices", "2", "--device-memory", "1KiB", "--timing", "estimate"]) == 2
