@@ -58,7 +58,6 @@ class Inputs:
     min_microbatch: int
     timing: str        # e.g. "measured on cpu (1 thread) at micro-batches of 2 and 64 examples"
     memory: str        # e.g. "shapes of every layer" or "extrapolated from a 9-layer member"
-    measured: bool
     action_overhead: float = 0.0  # the engine's seconds per layer of a compute action (measured with the costs)
     step_overhead: float = 0.0    # the engine's seconds per step of the whole model on one stage
     data_seconds: float = 0.0     # building one global mini-batch (shared by the replicas)
@@ -252,7 +251,7 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
         note = (f"estimated from FLOPs at the assumed {tflops:g} TFLOP/s per device (--tflops) plus "
                 f"{ASSUMED_CALL_S * 1e6:.0f} µs per layer call")
         costs = estimated_costs(spec.layer_names, flops, figs, tflops * 1e12, ASSUMED_CALL_S)
-        return Inputs(costs, figs, least, note, memory_note, False)
+        return Inputs(costs, figs, least, note, memory_note)
     lo, hi = sizes(least)
     machine = sizing.this_machine(threads)
     if timing == "auto":
@@ -298,9 +297,8 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
                       f"simulator gives the ranks still busy while others wait" if siblings else "")
         note = (f"measured on {on} at micro-batches of {sizes_text} "
                 f"examples of {where}, affine in between; {engine}{alone_note}")
-        return Inputs(costs, figs, least, note, memory_note, True, extra.action, extra.step, data, drift, speedup)
+        return Inputs(costs, figs, least, note, memory_note, extra.action, extra.step, data, drift, speedup)
     rate, per_call = machine_rate(machine, kind)
     note = (f"estimated from FLOPs at this machine's measured {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank "
             f"({machine.kind}; --tflops for other devices)")
-    return Inputs(estimated_costs(spec.layer_names, flops, figs, rate, per_call), figs, least, note, memory_note,
-                  False)
+    return Inputs(estimated_costs(spec.layer_names, flops, figs, rate, per_call), figs, least, note, memory_note)
