@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
-from rich.console import Console
 
 from gpipe_cli import __version__, interrupts
 from gpipe_cli.cli_help import polish
+from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError, one_line, shown
 from gpipe_cli.files import atomic_write_text, check_output
 from gpipe_cli.launch import launch_options
@@ -123,7 +123,7 @@ def validate(
         from gpipe_cli.train.plan_table import plan_table
 
         plan = checked_plan(loaded, recipe_label(recipe))
-        console = Console()
+        console = output_console()
         console.print(recipe_yaml(loaded), markup=False, highlight=False)
         console.print(plan_table(plan))
         if json_file is not None:

@@ -29,6 +29,7 @@ from gpipe_cli import interrupts, sizing
 from gpipe_cli.bench import jobs, preview, report, sweep, trace
 from gpipe_cli.bench.options import BenchOptions, parse_balance, validate
 from gpipe_cli.bench.plan import base_job, choose_balance, model_json, oversubscription
+from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate import simulate
 from gpipe_cli.estimate.costs import CostProfile
@@ -203,7 +204,7 @@ def _write_trace(options: BenchOptions, summary: dict[str, Any], events: list[di
 
 def run(options: BenchOptions) -> int:
     """Run `gpipe bench`; print the figures and return an exit code (UserError for bad options, 130 on Ctrl-C)."""
-    console = Console()
+    console = output_console()
     validate(options)
     try:
         return _run(options, console)

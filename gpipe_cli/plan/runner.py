@@ -128,9 +128,9 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> Callable
     """Measure, search and print the plan; what is left to do once it is printed: write --output."""
     # torch from here on: the arguments and the recipe are valid
     import torch
-    from rich.console import Console
 
     from gpipe_cli import memory_model as mm
+    from gpipe_cli.console import output_console
     from gpipe_cli.estimate.simulate import Link
     from gpipe_cli.plan import inputs, search, show
     from gpipe_cli.recipe_model import build_optimizer, model_spec, optimizer_name
@@ -139,9 +139,7 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> Callable
 
     interrupts.check()  # one that arrived while torch loaded, which swallows it: stop before any work
     started = time.perf_counter()
-    console = Console()
-    if not console.is_terminal:  # a file or a pipe: long lines stay whole
-        console = Console(width=max(console.width, 200), soft_wrap=True)
+    console = output_console()
     spec = model_spec(recipe)
     batch, n = recipe.data.batch_size, options.devices
     layers = len(spec.layers)

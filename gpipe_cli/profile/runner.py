@@ -18,6 +18,7 @@ from rich.console import Console
 
 from gpipe_cli import interrupts, sizing
 from gpipe_cli import memory_model as mm
+from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.estimate.subject import (
     FAMILIES,
@@ -197,7 +198,7 @@ def search(options: ProfileOptions, console: Console) -> dict[str, Any]:
 def run(options: ProfileOptions) -> int:
     """Run `gpipe profile-memory`; print the figures and return an exit code (UserError for bad options,
     130 on Ctrl-C)."""
-    console = Console()
+    console = output_console()
     validate(options)
     check_output(options.json, "--json", "memory.json")
     try:

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpipe_cli import plots
+from gpipe_cli.console import output_console
 from gpipe_cli.files import check_output
 from gpipe_cli.report import target as place
 from gpipe_cli.report.runs import (
@@ -103,11 +104,11 @@ def default_output(paths: list[Path]) -> Path:
 
 def _console(tables: list[Table]) -> Console:
     """The terminal's console; elsewhere (a file, a pipe) one wide enough for the widest table, no cell cut."""
-    console = Console()
+    console = output_console()
     if console.is_terminal:
         return console
     widest = max(console.measure(t, options=console.options.update_width(1 << 16)).maximum for t in tables)
-    return Console(width=max(console.width, 200, widest), soft_wrap=True)
+    return output_console(widest)
 
 
 def report(paths: list[Path], output: Path | None = None, console: Any = None) -> int:
