@@ -10,7 +10,7 @@ def test_in_a_file_or_pipe_a_long_line_stays_one_line(capsys):
     assert len(capsys.readouterr().out.rstrip("\n").splitlines()) == 1
 
 
-def test_a_wider_least_width_is_kept(capsys):
+def test_a_wider_least_width_is_kept():
     assert output_console(FILE_WIDTH + 100).width == FILE_WIDTH + 100
 
 

@@ -173,9 +173,16 @@ def _probe(rank: int, world: int, store_path: str, out: Any) -> None:
         dist.destroy_process_group()
 
 
+def _slope(small: float, large: float) -> float:
+    """Seconds per byte through the timings of the two sizes; all of the large one's when noise on a busy
+    machine leaves it no slower than the small one (else the link would be read as infinitely fast)."""
+    rise = large - small
+    return max(rise / (LARGE - SMALL) if rise > 0 else large / LARGE, 1e-15)
+
+
 def _line(small: float, large: float) -> Link:
     """latency + bytes / bandwidth through the timings of the two sizes."""
-    slope = max((large - small) / (LARGE - SMALL), 1e-15)
+    slope = _slope(small, large)
     return Link(1.0 / slope, max(small - SMALL * slope, 0.0))
 
 
@@ -191,7 +198,7 @@ def links(ranks: int) -> tuple[Link, Link]:
     p2p = _line(results[f"p2p{SMALL}"], results[f"p2p{LARGE}"])
     hops = 2 * (ranks - 1)
     # A ring all-reduce moves 2 (D-1)/D of the bytes in 2 (D-1) steps (as `plan.search` charges it).
-    slope = max((results[f"allreduce{LARGE}"] - results[f"allreduce{SMALL}"]) / (LARGE - SMALL), 1e-15)
+    slope = _slope(results[f"allreduce{SMALL}"], results[f"allreduce{LARGE}"])
     reduce = Link(hops / ranks / slope, max(results[f"allreduce{SMALL}"] - SMALL * slope, 0.0) / hops)
     return p2p, reduce
 

@@ -45,8 +45,8 @@ FLAGS: dict[str, str] = {
     "nodes": "Nodes the N devices are spread over (N / nodes each); a pipeline crossing nodes uses the node link.",
     "top": "How many configurations to print.",
     "output": "Write the winning plan as a recipe here (the input recipe with its pipeline section replaced).",
-    "bandwidth": "Link between devices of one node, GB/s [default: measured between ranks here when per-layer "
-                 f"seconds are measured, else {ASSUMED_BANDWIDTH:g} (PCIe 4 x16 in practice)]; giving it or "
+    "bandwidth": "Link between devices of one node, GB/s [default: measured between the CPU ranks here unless "
+                 f"--tflops or --timing estimate, else {ASSUMED_BANDWIDTH:g} (PCIe 4 x16 in practice)]; giving it or "
                  "--latency-us assumes both.",
     "latency_us": "Per-message latency between devices of one node, microseconds [default: measured here, "
                   f"else {ASSUMED_LATENCY_US:g}]; giving it or --bandwidth assumes both.",

@@ -24,6 +24,15 @@ def test_links_between_two_ranks_are_read_as_latency_and_bandwidth():
         assert 1e6 < link.bandwidth < 1e13 and 0.0 <= link.latency < 0.1  # a real, finite link
 
 
+def test_timings_noise_left_unordered_give_a_finite_link():
+    # On a loaded machine the large message once timed faster than the small one: a link of 1e15 bytes/s.
+    link = here._line(small=2e-4, large=1.5e-4)
+    assert link.bandwidth == pytest.approx(here.LARGE / 1.5e-4)
+    assert link.latency == pytest.approx(2e-4 - here.SMALL * 1.5e-4 / here.LARGE)
+    ordered = here._line(small=1e-4, large=1e-4 + (here.LARGE - here.SMALL) / 2e9)
+    assert ordered.bandwidth == pytest.approx(2e9) and ordered.latency == pytest.approx(1e-4 - here.SMALL / 2e9)
+
+
 def _record_pid(path: str) -> None:
     with open(os.path.join(path, str(os.getpid())), "w"):
         pass
