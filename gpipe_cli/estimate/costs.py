@@ -8,7 +8,7 @@ it really costs.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -45,6 +45,12 @@ class CostProfile:
         out = [t.forward + t.backward + (t.forward_nograd if remat else 0.0) for t in self.layers]
         out[-1] += self.loss
         return out
+
+    def scaled(self, ratio: float) -> CostProfile:
+        """Every layer's seconds and the loss's multiplied by `ratio` (sizes and bytes unchanged)."""
+        layers = [replace(t, forward=t.forward * ratio, forward_nograd=t.forward_nograd * ratio,
+                          backward=t.backward * ratio) for t in self.layers]
+        return replace(self, loss=self.loss * ratio, layers=layers)
 
     def balance(self, partitions: int, checkpoint: str) -> list[int]:
         """The min-max split of measured time into K contiguous stages."""

@@ -7,18 +7,19 @@ micro-batch counts with the same mini-batch: the gap between its measured step a
 grows with M by the per-call cost (a forward and a backward of every layer per micro-batch) and
 starts at the per-step cost. This is `bench`'s calibration, split so that it holds for any K and M.
 
-When several ranks share this machine, the same steps run on that many real replicas instead
-(`plan.here.engine_steps`). There the measured step is a multiple of the simulated one (the ranks
-share cores, caches and memory, and wait on each other's collectives) that differs with the
-micro-batch size, so the ratio measured at each size, interpolated between them, scales every
-layer's seconds at that size (`scaled`): a configuration of one stage is then predicted as exactly
-as its step was timed. The optimizer's update is timed apart in those steps and kept as a per-step
-cost: it scales with a stage's parameters, not with its layers' compute.
+When several ranks share this machine, GPipe steps run on those ranks instead, twice: as that many
+replicas of one stage, and as one pipeline of that many stages (`plan.here.engine_steps`). There the
+measured step is a multiple of the simulated one (the ranks share cores, caches and memory, and wait on
+each other) that differs with the micro-batch size and with the shape: a replica holds the whole model
+and waits on all-reduces, a stage holds a part and waits on its neighbours. So the ratio measured at
+each size and shape, interpolated between sizes and weighed between shapes (`by_shape`), scales every
+layer's seconds: a configuration of either shape is then predicted as its step was timed. The
+optimizer's update is timed apart in those steps and kept as a per-step cost: it scales with a stage's
+parameters, not with its layers' compute.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from gpipe_cli.estimate import simulate
+from gpipe_cli.estimate import shared, simulate
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.measure import build_pipeline, measure_engine
 from gpipe_cli.models.base import ModelSpec
@@ -34,6 +35,7 @@ from gpipe_cli.pipeline import topology
 from gpipe_cli.plan.here import OptimizerOf
 
 STEPS, WARMUP = 4, 1
+FREE = simulate.Link(1e30, 0.0)
 Examples = Callable[[int], tuple[Any, torch.Tensor]]  # n -> (inputs, targets) of n examples
 
 
@@ -82,7 +84,7 @@ def overhead(layers: int, costs: Callable[[int], CostProfile], per_replica: int,
     gaps = []
     for m, seconds in sorted(measured.items()):
         predicted = simulate.simulate_step(costs(per_replica // m), [layers], per_replica, m, "gpipe", "never",
-                                           simulate.Link(1e30, 0.0)).step_time
+                                           FREE).step_time
         gaps.append((float(m), seconds - predicted - known))
     if len(gaps) == 1:
         return Overhead(0.0, max(gaps[0][1], 0.0))
@@ -94,14 +96,18 @@ def overhead(layers: int, costs: Callable[[int], CostProfile], per_replica: int,
     return Overhead(per_microbatch / (2 * layers), max(mean_g - per_microbatch * mean_m, 0.0))
 
 
-def factors(layers: int, costs: Callable[[int], CostProfile], per_replica: int, measured: dict[int, float],
-            known: float = 0.0) -> dict[int, float]:
-    """Per micro-batch size: the ratio of the measured step (less the `known` seconds) to the simulated one."""
+def factors(balance: list[int], costs: Callable[[int], CostProfile], per_replica: int,
+            measured: dict[int, float], known: float = 0.0, link: simulate.Link = FREE,
+            rate: shared.Rate | None = None, virtual: int = 1) -> dict[int, float]:
+    """Per micro-batch size: the ratio of the measured step (less the `known` seconds) to the one simulated for
+    a pipeline cut as `balance` (GPipe; interleaved with `virtual` chunks per stage), its messages on `link`,
+    its ranks computing at `rate`."""
     ratios = {}
+    schedule = "interleaved" if virtual > 1 else "gpipe"
     for m, seconds in measured.items():
         size = per_replica // m
-        predicted = simulate.simulate_step(costs(size), [layers], per_replica, m, "gpipe", "never",
-                                           simulate.Link(1e30, 0.0)).step_time
+        predicted = simulate.simulate_step(costs(size), balance, per_replica, m, schedule, "never", link, 1.0,
+                                           virtual, 0.0, rate).step_time
         ratios[size] = max(seconds - known, 0.0) / predicted if predicted > 0 else 1.0
     return ratios
 
@@ -123,11 +129,26 @@ def by_size(ratios: dict[int, float]) -> Callable[[int], float]:
     return at
 
 
-def scaled(costs: Callable[[int], CostProfile], by: Callable[[int], float]) -> Callable[[int], CostProfile]:
-    """Per-layer seconds at each micro-batch size multiplied by `by(size)` (sizes and bytes unchanged)."""
-    def at(size: int) -> CostProfile:
-        profile, ratio = costs(size), by(size)
-        layers = [dataclasses.replace(t, forward=t.forward * ratio, forward_nograd=t.forward_nograd * ratio,
-                                      backward=t.backward * ratio) for t in profile.layers]
-        return dataclasses.replace(profile, loss=profile.loss * ratio, layers=layers)
+# Schedules whose actions are GPipe's in another order: priced as GPipe was measured.
+AS_GPIPE = ("gpipe", "1f1b")
+
+
+def by_shape(replicated: dict[int, float],
+             staged: dict[int, dict[int, float]]) -> Callable[[int, int, int, int, str], float]:
+    """The ratio at any (micro-batch size, K, D, V, schedule): the one measured on that shape, else the largest.
+
+    Measured shapes: K=1 (`replicated`), and D=1 with V chunks per stage (`staged`, by V: GPipe's and 1F1B's
+    at V=1, interleaved's above). A shape not measured (zero-bubble's split backward, another V, stages and
+    replicas at once) takes the largest ratio measured at that size, so that what was not seen is not
+    preferred on optimism."""
+    of_replicas = by_size(replicated)
+    of_stages = {v: by_size(ratios) for v, ratios in staged.items()}
+
+    def at(size: int, partitions: int, replicas: int, virtual: int = 1, schedule: str = "gpipe") -> float:
+        if partitions == 1:
+            return of_replicas(size)
+        measured = schedule in AS_GPIPE if virtual == 1 else schedule == "interleaved"
+        if replicas == 1 and measured and virtual in of_stages:
+            return of_stages[virtual](size)
+        return max([of_replicas(size), *(ratio(size) for ratio in of_stages.values())])
     return at

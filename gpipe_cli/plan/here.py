@@ -5,7 +5,8 @@ the links between them, both measured with real processes.
                 once; so they are timed while sibling processes do the same timing on the other cores
     links       messages between ranks here go through the transport a run uses (gloo on the CPU); point
                 to point and all-reduce are timed at two sizes and read as latency + bytes / bandwidth
-    engine_steps  the engine's whole training step (the optimizer's update included) on real replicas here
+    engine_steps  the engine's whole training step (the optimizer's update included) on real ranks here, as
+                replicas of the whole model or as one pipeline of its stages
 """
 
 from __future__ import annotations
@@ -214,9 +215,9 @@ class Steps:
     drift: float  # the first count's step measured again last, relative to the first time (0.1: 10% slower)
 
 
-def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict[str, Any], inputs: Any,
-                 targets: torch.Tensor, seed: int, threads: int, counts: list[int], optimizer: OptimizerOf | None,
-                 grad_clip: float | None, out: Any) -> None:
+def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict[str, Any], balance: list[int],
+                 virtual: int, inputs: Any, targets: torch.Tensor, seed: int, threads: int, counts: list[int],
+                 optimizer: OptimizerOf | None, grad_clip: float | None, out: Any) -> None:
     from gpipe_cli.estimate.measure import build_pipeline, measure_engine
     from gpipe_cli.models.registry import build_model
     from gpipe_cli.pipeline import topology
@@ -225,9 +226,11 @@ def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict
     os.environ["WORLD_SIZE"] = str(world)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
-        topo = topology.init(1, world, "gloo", device="cpu")
         spec = build_model(kind, **params)
-        pipe = build_pipeline(spec, topo, [len(spec.layers)], "gpipe", "never", seed)
+        balance = balance or [len(spec.layers)]
+        stages = len(balance) // virtual
+        topo = topology.init(stages, world // stages, "gloo", device="cpu")
+        pipe = build_pipeline(spec, topo, balance, "interleaved" if virtual > 1 else "gpipe", "never", seed)
         update = optimizer(pipe.parameters()) if optimizer is not None else None
         found = Steps({}, 0.0)
         # The first count again at the end: how far this machine's own speed moved while measuring.
@@ -251,15 +254,21 @@ def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict
 
 def engine_steps(kind: str, params: dict[str, Any], inputs: Any, targets: torch.Tensor, seed: int, ranks: int,
                  threads: int, counts: list[int], optimizer: OptimizerOf | None = None,
-                 grad_clip: float | None = None) -> Steps:
-    """Seconds of one training step of the whole model as one stage on each of `ranks` replicas here (data
-    parallel, gradients all-reduced, `optimizer`'s update), each replica given `inputs`, at each micro-batch
-    count, and of its update alone; and how much the first count's step moved by the end."""
+                 grad_clip: float | None = None, balance: list[int] | None = None, virtual: int = 1) -> Steps:
+    """Seconds of one GPipe training step (`optimizer`'s update included) on `ranks` processes here, at each
+    micro-batch count, and of the update alone; and how much the first count's step moved by the end.
+
+    `balance` None: the whole model as one stage on each of `ranks` replicas (data parallel, gradients
+    all-reduced); else cut into those chunks, `virtual` per stage (interleaved), ranks / stages replicas. Each
+    replica is given `inputs`."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="gpipe-engine-") as tmp:
         store = os.path.join(tmp, "store")
-        with _children(_reported, lambda i: (_engine_rank, out, i, ranks, store, kind, params, inputs, targets,
-                                             seed, threads, counts, optimizer, grad_clip), ranks):
-            found: Steps = _result(out, f"running the engine on {ranks} replicas")
+        stages = len(balance or [0]) // virtual
+        what = (f"running the engine on {ranks} replicas" if balance is None else
+                f"running the engine as {stages} stages x {ranks // stages} replicas, {virtual} chunk(s) per stage")
+        with _children(_reported, lambda i: (_engine_rank, out, i, ranks, store, kind, params, balance or [], virtual,
+                                             inputs, targets, seed, threads, counts, optimizer, grad_clip), ranks):
+            found: Steps = _result(out, what)
     return found

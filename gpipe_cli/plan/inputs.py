@@ -26,6 +26,7 @@ from torch import nn
 from gpipe_cli import interrupts, sizing
 from gpipe_cli import memory_model as mm
 from gpipe_cli.estimate import costs as layer_costs
+from gpipe_cli.estimate import shared
 from gpipe_cli.estimate.costs import CostProfile, LayerTiming
 from gpipe_cli.estimate.measure import timed
 from gpipe_cli.estimate.simulate import Link
@@ -63,6 +64,8 @@ class Inputs:
     data_seconds: float = 0.0     # building one global mini-batch (shared by the replicas)
     drift: float | None = None    # how much one engine step moved from the start to the end of measuring
     alone_speedup: float = 1.0    # how much faster a rank computes alone than beside its siblings here
+    # The engine's measured steps over the simulated ones at (micro-batch size, K, D, V, schedule): scales `costs`.
+    factor: Callable[[int, int, int, int, str], float] = lambda size, partitions, replicas, virtual, schedule: 1.0
 
 
 def _probe_params(kind: str, params: dict[str, Any]) -> dict[str, Any] | None:
@@ -203,43 +206,91 @@ def sibling_work(kind: str, params: dict[str, Any], inputs: Any, targets: torch.
     layer_costs.profile(_SIBLING_SPEC["spec"], inputs, targets, seed, REPEATS)
 
 
+@dataclass(frozen=True)
+class _Engine:
+    """The engine's own costs: per layer call and per step, its ratios on the layers' seconds, its steadiness."""
+
+    overhead: calibrate.Overhead
+    replicated: dict[int, float] = dataclasses.field(default_factory=dict)  # ratio by micro-batch size, K=1
+    staged: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)  # the same, D=1, by V
+    drift: float | None = None
+
+
+def _staged(kind: str, params: dict[str, Any], costs: Callable[[int], CostProfile], batch: int, sizes: list[int],
+            seed: int, threads: int, examples: Examples, ranks: int, virtual: int, link: Link, speedup: float,
+            optimizer: here.OptimizerOf | None, grad_clip: float | None) -> tuple[dict[int, float], float]:
+    """Ratios by micro-batch size measured on one pipeline of `ranks` stages of `virtual` chunks each here (the
+    whole batch, cut by time at the middle size), and its drift."""
+    balance = costs(sizes[len(sizes) // 2]).balance(ranks * virtual, "never")
+    counts = sorted({max(batch // size // ranks, 1) * ranks for size in sizes})  # interleaved: M a multiple of K
+    steps = here.engine_steps(kind, params, *examples(batch), seed, ranks, threads, counts, optimizer, grad_clip,
+                              balance, virtual)
+    # The busiest stage's update is part of the step; it is charged per step apart (`search.step_overhead`).
+    measured = {m: step - update for m, (step, update) in steps.per_count.items()}
+    return calibrate.factors(balance, costs, batch, measured, 0.0, link, shared.rate_model(speedup, ranks),
+                             virtual), steps.drift
+
+
 def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Callable[[int], CostProfile],
                   figs: ModelFigures, batch: int, least: int, seed: int, threads: int, examples: Examples,
-                  ranks: int, reduce_link: Link | None, optimizer: here.OptimizerOf | None, grad_clip: float | None,
-                  device: str, say: Callable[[str], None]) -> tuple[calibrate.Overhead, dict[int, float], float | None]:
-    """The engine's own costs: on `ranks` real replicas here (factors on the layers' seconds by micro-batch size,
-    the optimizer's update per step) when they share this machine, else in this process (seconds per layer call
-    and per step; no factors), and how much the replicas' first step moved by the end of measuring."""
-    if ranks > 1 and reduce_link is not None and batch % ranks == 0:
+                  ranks: int, links: tuple[Link, Link] | None, speedup: float, optimizer: here.OptimizerOf | None,
+                  grad_clip: float | None, device: str, say: Callable[[str], None]) -> _Engine:
+    """The engine's own costs: on `ranks` real ranks here when they share this machine (ratios on the layers'
+    seconds by micro-batch size, as replicas and as stages; the optimizer's update per step), else in this
+    process (seconds per layer call and per step; no ratios)."""
+    if ranks > 1 and links is not None and batch % ranks == 0:
         per_replica = batch // ranks
-        say(f"measuring the engine's training steps on {ranks} replicas here...")
+        say(f"measuring the engine's training steps on {ranks} replicas, then as {ranks} stages, here...")
         try:
             steps = here.engine_steps(kind, params, *examples(per_replica), seed, ranks, threads,
                                       calibrate.counts(per_replica, least), optimizer, grad_clip)
         except here.Unavailable as exc:
             say(f"{exc}; measuring in this process instead")
         else:
-            reduce = allreduce_seconds([sum(layer.params for layer in figs.layers)], ranks, reduce_link)
+            reduce = allreduce_seconds([sum(layer.params for layer in figs.layers)], ranks, links[1])
             update = statistics.fmean(u for _, u in steps.per_count.values())
-            ratios = calibrate.factors(len(spec.layers), costs, per_replica,
-                                       {m: t for m, (t, _) in steps.per_count.items()}, reduce + update)
-            return calibrate.Overhead(0.0, update), ratios, steps.drift
+            replicated = calibrate.factors([len(spec.layers)], costs, per_replica,
+                                           {m: t for m, (t, _) in steps.per_count.items()}, reduce + update)
+            staged: dict[int, dict[int, float]] = {}
+            drift = steps.drift
+            # GPipe, and interleaved with 2 chunks per stage (the V the search tries first).
+            for virtual in (v for v in (1, 2) if len(spec.layers) >= ranks * v):
+                try:
+                    staged[virtual], staged_drift = _staged(kind, params, costs, batch, sorted(replicated), seed,
+                                                            threads, examples, ranks, virtual, links[0], speedup,
+                                                            optimizer, grad_clip)
+                except here.Unavailable as exc:
+                    say(f"{exc}; pipelines of {virtual} chunk(s) per stage are priced as the other shapes measured")
+                    continue
+                drift = max(drift, staged_drift, key=abs)
+            return _Engine(calibrate.Overhead(0.0, update), replicated, staged, drift)
     say("measuring the engine's own cost per layer call and per step (one stage, this process)...")
     counts = calibrate.counts(batch, least)
     steps_here = calibrate.local_steps(spec, batch, counts, seed, threads, examples, optimizer, grad_clip, device)
-    return calibrate.overhead(len(spec.layers), costs, batch, steps_here), {}, None
+    return _Engine(calibrate.overhead(len(spec.layers), costs, batch, steps_here))
+
+
+def _ratios_text(engine: _Engine, ranks: int) -> str:
+    """e.g. 'x1.73/1.79 on 2 replicas and x1.35/1.35 as 2 stages at micro-batches of 4/16 examples'."""
+    def ratios(found: dict[int, float]) -> str:
+        return "x" + "/".join(f"{found[n]:.2f}" for n in sorted(found))
+    stages = "".join(f" and {ratios(found)} as {ranks} stages" + (f" of {v} chunks" if v > 1 else "")
+                     for v, found in sorted(engine.staged.items()))
+    return (f"{ratios(engine.replicated)} on {ranks} replicas{stages} at micro-batches of "
+            f"{'/'.join(map(str, sorted(engine.replicated)))} examples")
 
 
 def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Callable[[int], tuple[int, int]],
            timing: str, threads: int, say: Callable[[str], None], tflops: float | None = None,
-           sample: Sample | None = None, siblings: int = 0, reduce_link: Link | None = None,
+           sample: Sample | None = None, siblings: int = 0, links: tuple[Link, Link] | None = None,
            optimizer: here.OptimizerOf | None = None, grad_clip: float | None = None, device: str = "cpu") -> Inputs:
     """Everything the search needs of the model; `sizes(min_microbatch)` gives the micro-batch sizes it will try.
 
     `tflops`: per-layer seconds from FLOPs at this assumed effective rate per device (devices not here).
     `sample`: the recipe's own data to time on (else generated examples of full length). `siblings`: processes
     that compute beside this one while it measures, as the other ranks of this machine do in training;
-    with `reduce_link` (their measured all-reduce), the engine's own costs are measured on that many replicas.
+    with `links` (theirs measured: point to point, and all-reduce per ring step), the engine's own costs are
+    measured on that many ranks, as replicas and as stages.
     `optimizer` and `grad_clip`: the recipe's, run in those steps as in training. `device`: where the layers
     and the engine are timed (on a GPU: one, alone; no ranks beside it).
     """
@@ -279,25 +330,25 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
             siblings = 0
             costs = measured_costs(spec, (lo, hi), seed, threads, examples, device)
         interrupts.check()
-        extra, ratios, drift = _engine_costs(kind, params, spec, costs, figs, batch, least, seed, threads,
-                                             examples, siblings + 1, reduce_link, optimizer, grad_clip, device, say)
-        costs = calibrate.scaled(costs, calibrate.by_size(ratios))
+        engine = _engine_costs(kind, params, spec, costs, figs, batch, least, seed, threads, examples,
+                               siblings + 1, links, speedup, optimizer, grad_clip, device, say)
+        extra = engine.overhead
         data = sample.build_seconds if sample is not None else 0.0
         where = sample.note if real and sample is not None else "generated examples of the model's full length"
         beside = f", {siblings} other rank{'s' if siblings > 1 else ''} computing beside" if siblings else ""
-        engine = (f"the engine adds {extra.action * 1e3:.2f} ms per layer call and {extra.step * 1e3:.1f} ms per "
-                  f"step, its optimizer's update included (measured)" if not ratios else
-                  f"x{'/'.join(f'{ratios[n]:.2f}' for n in sorted(ratios))} at micro-batches of "
-                  f"{'/'.join(map(str, sorted(ratios)))} examples (interpolated between) to match the engine's steps "
-                  f"measured on {siblings + 1} replicas here, plus {extra.step * 1e3:.1f} ms per step for the "
-                  f"optimizer's update of the whole model")
+        engine_note = (f"the engine adds {extra.action * 1e3:.2f} ms per layer call and {extra.step * 1e3:.1f} ms "
+                       f"per step, its optimizer's update included (measured)" if not engine.replicated else
+                       f"{_ratios_text(engine, siblings + 1)} (interpolated between; a shape not measured takes the "
+                       f"largest) to match the engine's steps measured here, plus {extra.step * 1e3:.1f} ms per step "
+                       f"for the optimizer's update of the whole model")
         on = f"cpu ({threads} thread{plural} per rank{beside})" if device == "cpu" else \
             f"{device} ({torch.cuda.get_device_name()}, one GPU)"
         alone_note = (f"; a rank alone computes x{speedup:.2f} as fast as beside the others (measured), which the "
                       f"simulator gives the ranks still busy while others wait" if siblings else "")
         note = (f"measured on {on} at micro-batches of {sizes_text} "
-                f"examples of {where}, affine in between; {engine}{alone_note}")
-        return Inputs(costs, figs, least, note, memory_note, extra.action, extra.step, data, drift, speedup)
+                f"examples of {where}, affine in between; {engine_note}{alone_note}")
+        return Inputs(costs, figs, least, note, memory_note, extra.action, extra.step, data, engine.drift, speedup,
+                      calibrate.by_shape(engine.replicated, engine.staged))
     rate, per_call = machine_rate(machine, kind)
     note = (f"estimated from FLOPs at this machine's measured {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank "
             f"({machine.kind}; --tflops for other devices)")

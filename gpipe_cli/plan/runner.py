@@ -166,11 +166,11 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> Callable
     sample = _sample(recipe, say) if measuring else None
     link, reduce_link, link_note = _links(options, measuring and here_ranks > 1, here_ranks, say)
     fed = inputs.inputs(recipe.model.kind, params, recipe.seed, batch, sizes, options.timing, threads, say,
-                        options.tflops, sample, here_ranks - 1, reduce_link,
+                        options.tflops, sample, here_ranks - 1, (link, reduce_link) if reduce_link else None,
                         functools.partial(build_optimizer, recipe=recipe), recipe.train.grad_clip, device)
     per_param = mm.bytes_per_parameter(optimizer_name(recipe))
     model = search.Model(fed.costs, fed.figures, per_param, batch, fed.min_microbatch, fed.action_overhead,
-                         fed.step_overhead, fed.data_seconds, fed.alone_speedup)
+                         fed.step_overhead, fed.data_seconds, fed.alone_speedup, fed.factor)
     hw = search.Hardware(n, budget, link, Link.of(options.node_bandwidth, options.node_latency_us), options.nodes,
                          reduce_link)
     result = search.search(model, hw)

@@ -1,7 +1,7 @@
 """Search K, D, M, schedule, remat mode and balance for the fastest pipeline that fits: predictions only.
 
 Nothing here measures or prints. The inputs are passed in: per-layer seconds at any micro-batch size
-(`Model.costs`), the memory model's per-layer figures, and the hardware (devices, nodes, memory per
+(`Model.profile`), the memory model's per-layer figures, and the hardware (devices, nodes, memory per
 device, links). For every configuration that uses all N devices (K stages x D = N / K replicas):
 
     balance     the min-max cut of per-layer time (forward, backward and the recompute the remat mode
@@ -58,7 +58,7 @@ class Hardware:
 class Model:
     """What the search knows of a model: per-layer seconds at any micro-batch size and memory figures."""
 
-    costs: Callable[[int], CostProfile]  # per-layer seconds of one micro-batch of that many examples
+    costs: Callable[[int], CostProfile]  # per-layer seconds of one micro-batch of that many examples, as timed
     figures: ModelFigures
     bytes_per_param: float
     batch: int                           # the global mini-batch
@@ -67,6 +67,14 @@ class Model:
     step_overhead: float = 0.0           # seconds the engine adds per step on one stage (optimizer, ...)
     data_seconds: float = 0.0            # building one global mini-batch; each replica builds its share
     alone_speedup: float = 1.0           # how much faster a rank computes alone than with every rank busy
+    # The engine's measured steps over the simulated ones at (micro-batch size, K, D, V, schedule): scales `costs`.
+    factor: Callable[[int, int, int, int, str], float] = lambda size, partitions, replicas, virtual, schedule: 1.0
+
+    def profile(self, config: Config) -> CostProfile:
+        """Per-layer seconds of one of `config`'s micro-batches, as the engine runs them in that shape."""
+        size = max(self.batch // config.replicas // config.microbatches, 1)
+        ratio = self.factor(size, config.partitions, config.replicas, config.virtual, config.schedule)
+        return self.costs(size).scaled(ratio)
 
     def rate(self, config: Config) -> shared.Rate | None:
         """The compute speed with some ranks idle, for ranks that share this machine's cores (None: they do not)."""
@@ -208,8 +216,7 @@ def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | No
     """The predicted step of one configuration (with the fitting min-max cut, or the unconstrained one;
     `cut`: this balance instead)."""
     per_replica = model.batch // config.replicas
-    size = max(per_replica // config.microbatches, 1)
-    costs = model.costs(size)
+    costs = model.profile(config)
     weights = costs.balance_costs(config.checkpoint)
     chunks = config.partitions * config.virtual
     balance = list(cut) if cut is not None else partition.balance_by_cost(weights, chunks)
@@ -253,7 +260,7 @@ def min_max_memory(model: Model, config: Config) -> tuple[float, list[int]]:
     memory; interleaved: the least `partition.least_memory` finds from the min-max-time cut)."""
     per_replica = model.batch // config.replicas
     if config.virtual > 1:
-        weights = model.costs(per_replica // config.microbatches).balance_costs(config.checkpoint)
+        weights = model.profile(config).balance_costs(config.checkpoint)
         balance = partition.balance_by_cost(weights, config.partitions * config.virtual)
         balance = partition.least_memory(balance, _needs(model, config, per_replica))
         return max(_memory(model, config, balance, per_replica)), balance
@@ -305,7 +312,7 @@ def parts(model: Model, outcome: Outcome) -> Parts:
     transit and all-reduce."""
     c = outcome.config
     per_replica = model.batch // c.replicas
-    costs = model.costs(per_replica // c.microbatches)
+    costs = model.profile(c)
     free = simulate.simulate_step(costs, outcome.balance, per_replica, c.microbatches, c.schedule, c.checkpoint,
                                   FREE, 1.0, c.virtual, model.action_overhead, model.rate(c))
     pipeline = outcome.step_time - outcome.allreduce - outcome.fixed

@@ -133,18 +133,61 @@ def test_the_factors_scale_the_layers_to_the_steps_measured_at_each_micro_batch_
     def simulated(m: int) -> float:
         return simulate.simulate_step(costs(8 // m), [layers], 8, m, "gpipe", "never",
                                       simulate.Link(1e30, 0.0)).step_time
-    ratios = calibrate.factors(layers, costs, 8, {m: r * simulated(m) + known for m, r in given.items()}, known)
+    ratios = calibrate.factors([layers], costs, 8, {m: r * simulated(m) + known for m, r in given.items()}, known)
     assert ratios == pytest.approx({8: 1.5, 4: 1.2, 1: 2.0})  # keyed by examples per micro-batch
     by = calibrate.by_size(ratios)
     assert by(4) == pytest.approx(1.2) and by(16) == pytest.approx(1.5) and by(1) == pytest.approx(2.0)
     assert by(2) == pytest.approx(1.6)  # halfway between sizes 1 and 4 in log(size)
-    slower = calibrate.scaled(costs, by)
-    assert slower(4).layers[0].backward == pytest.approx(1.2 * costs(4).layers[0].backward)
-    assert slower(4).layers[0].output_bytes == costs(4).layers[0].output_bytes
+    slower = costs(4).scaled(by(4))
+    assert slower.layers[0].backward == pytest.approx(1.2 * costs(4).layers[0].backward)
+    assert slower.layers[0].output_bytes == costs(4).layers[0].output_bytes
     # A single-stage configuration at a measured size is predicted as it was measured.
-    assert simulate.simulate_step(slower(4), [layers], 8, 2, "gpipe", "never", simulate.Link(1e30, 0.0)
+    assert simulate.simulate_step(slower, [layers], 8, 2, "gpipe", "never", simulate.Link(1e30, 0.0)
                                   ).step_time + known == pytest.approx(1.2 * simulated(2) + known)
     assert calibrate.by_size({})(7) == 1.0
+
+
+def test_the_factors_of_a_pipeline_are_fitted_with_its_cut_its_messages_and_its_ranks_speeds():
+    spec = build_model("transformer", **PARAMS)
+    costs = inputs.measured_costs(spec, (1, 8), 0, 1, inputs.generated(spec, 0))
+    from gpipe_cli.estimate import shared, simulate
+    balance, link, rate = [1, len(spec.layers) - 1], simulate.Link(1e8, 1e-4), shared.rate_model(1.3, 2)
+    given = {2: 1.4, 8: 1.7}
+
+    def simulated(m: int, cut: list[int] = balance, virtual: int = 1) -> float:
+        return simulate.simulate_step(costs(8 // m), cut, 8, m, "interleaved" if virtual > 1 else "gpipe", "never",
+                                      link, 1.0, virtual, 0.0, rate).step_time
+    measured = {m: r * simulated(m) for m, r in given.items()}
+    assert calibrate.factors(balance, costs, 8, measured, 0.0, link, rate) == pytest.approx({4: 1.4, 1: 1.7})
+    chunks = [1, 1, 1, len(spec.layers) - 3]
+    interleaved = {m: r * simulated(m, chunks, 2) for m, r in given.items()}
+    assert calibrate.factors(chunks, costs, 8, interleaved, 0.0, link, rate, 2) == pytest.approx({4: 1.4, 1: 1.7})
+    # Fitted as one stage with free links instead, the ratios come out otherwise.
+    assert calibrate.factors([len(spec.layers)], costs, 8, measured)[4] != pytest.approx(1.4, rel=0.01)
+
+
+def test_a_shape_takes_the_ratio_measured_on_it_and_one_not_measured_the_largest():
+    by = calibrate.by_shape({4: 1.6, 16: 1.4}, {1: {4: 1.2, 16: 1.1}, 2: {4: 1.5, 16: 1.7}})
+    assert by(4, 1, 2) == pytest.approx(1.6) and by(16, 1, 4) == pytest.approx(1.4)  # replicas
+    assert by(4, 2, 1) == pytest.approx(1.2) and by(16, 8, 1, 1, "1f1b") == pytest.approx(1.1)  # stages
+    assert by(4, 2, 1, 2, "interleaved") == pytest.approx(1.5)  # two chunks per stage
+    assert by(8, 2, 1) == pytest.approx(1.15)  # between the measured sizes, as `by_size`
+    # Not measured: zero-bubble's split backward, four chunks, stages and replicas at once.
+    assert by(4, 2, 1, 1, "zero-bubble") == pytest.approx(1.6) and by(16, 2, 1, 1, "zero-bubble") == pytest.approx(1.7)
+    assert by(4, 2, 1, 4, "interleaved") == pytest.approx(1.6)
+    assert by(4, 2, 2) == pytest.approx(1.6)
+    # No pipeline measured (fewer layers than ranks, or it failed): every shape takes the replicas' ratio.
+    assert calibrate.by_shape({4: 1.6}, {})(4, 2, 1) == pytest.approx(1.6)
+
+
+def test_the_engine_steps_as_a_pipeline_of_the_ranks_here():
+    spec = build_model("transformer", **PARAMS)
+    examples = inputs.generated(spec, 0)
+    adam = functools.partial(torch.optim.Adam, lr=1e-3)
+    for balance, virtual in (([1, len(spec.layers) - 1], 1), ([1, 1, 1, len(spec.layers) - 3], 2)):
+        steps = here.engine_steps("transformer", PARAMS, *examples(8), 0, 2, 1, [2, 8], adam, 1.0, balance, virtual)
+        assert sorted(steps.per_count) == [2, 8]
+        assert all(0 < update < step < 60 for step, update in steps.per_count.values())
 
 
 def test_a_rank_that_fails_is_one_line_not_a_traceback(capfd):

@@ -176,3 +176,20 @@ def test_ranks_that_run_faster_alone_speed_up_pipelines_by_their_idle_share_and_
             gains[(config.schedule, config.microbatches)] = before.step_time / after.step_time
     # The more a schedule idles, the more of its compute runs alone: GPipe gains more than zero-bubble.
     assert gains[("gpipe", 4)] > gains[("zero-bubble", 4)] > 1.0
+
+
+def test_each_shape_is_priced_with_the_engine_ratio_measured_for_it():
+    base = dataclasses.replace(synthetic(6, 5, batch=16), action_overhead=0.0)
+    # Replicas measured 1.6x the layers' seconds, stages 1.2x (as on two CPU ranks): each shape its own.
+    shaped = dataclasses.replace(base, factor=lambda size, k, d, v, schedule: 1.6 if k == 1 else 1.2)
+    hw = search.Hardware(2, math.inf, FAST, FAST)
+    replicas, stages = search.Config(1, 2, 2, "gpipe", 1, "never"), search.Config(2, 1, 4, "gpipe", 1, "never")
+    for config, ratio in ((replicas, 1.6), (stages, 1.2)):
+        profile, timed = shaped.profile(config), base.costs(4)
+        assert profile.microbatch_size == 4
+        assert profile.layers[2].forward == pytest.approx(ratio * timed.layers[2].forward)
+        assert profile.loss == pytest.approx(ratio * timed.loss)
+        before, after = search.evaluate(base, hw, config), search.evaluate(shaped, hw, config)
+        # Compute scales by the shape's ratio; the per-step work (the optimizer) does not.
+        assert after.step_time - after.fixed == pytest.approx(ratio * (before.step_time - before.fixed), rel=0.05)
+        assert after.fixed == pytest.approx(before.fixed)
