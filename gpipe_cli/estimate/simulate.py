@@ -37,6 +37,9 @@ class Link:
         return Link(gb_per_s * 1e9, latency_us * 1e-6)
 
 
+FREE = Link(1e30, 0.0)  # messages cost nothing: compute alone
+
+
 @dataclass(frozen=True)
 class Prediction:
     """A simulated step: its time, throughput and bubble, and every action's span."""

@@ -7,15 +7,15 @@ micro-batch counts with the same mini-batch: the gap between its measured step a
 grows with M by the per-call cost (a forward and a backward of every layer per micro-batch) and
 starts at the per-step cost. This is `bench`'s calibration, split so that it holds for any K and M.
 
-When several ranks share this machine, GPipe steps run on those ranks instead, twice: as that many
-replicas of one stage, and as one pipeline of that many stages (`plan.here.engine_steps`). There the
-measured step is a multiple of the simulated one (the ranks share cores, caches and memory, and wait on
-each other) that differs with the micro-batch size and with the shape: a replica holds the whole model
-and waits on all-reduces, a stage holds a part and waits on its neighbours. So the ratio measured at
-each size and shape, interpolated between sizes and weighed between shapes (`by_shape`), scales every
-layer's seconds: a configuration of either shape is then predicted as its step was timed. The
-optimizer's update is timed apart in those steps and kept as a per-step cost: it scales with a stage's
-parameters, not with its layers' compute.
+When several ranks share this machine, the steps run on those ranks instead: as that many replicas
+of one stage, and as one pipeline of that many stages, GPipe's and interleaved with 2 chunks per stage
+(`plan.here.engine_steps`). There the measured step is a multiple of the simulated one (the ranks
+share cores, caches and memory, and wait on each other) that differs with the micro-batch size and
+with the shape: a replica holds the whole model and waits on all-reduces, a stage holds a part and
+waits on its neighbours. So the ratio measured at each size and shape, interpolated between sizes,
+scales every layer's seconds for that shape, and a shape not measured takes the largest (`by_shape`):
+a measured shape is predicted as its step was timed. The optimizer's update is timed apart in those
+steps and kept as a per-step cost: it scales with a stage's parameters, not with its layers' compute.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from gpipe_cli.estimate.measure import build_pipeline, measure_engine
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import topology
 from gpipe_cli.plan.here import OptimizerOf
+from gpipe_cli.plan.search import Factor
 
 STEPS, WARMUP = 4, 1
-FREE = simulate.Link(1e30, 0.0)
 Examples = Callable[[int], tuple[Any, torch.Tensor]]  # n -> (inputs, targets) of n examples
 
 
@@ -84,7 +84,7 @@ def overhead(layers: int, costs: Callable[[int], CostProfile], per_replica: int,
     gaps = []
     for m, seconds in sorted(measured.items()):
         predicted = simulate.simulate_step(costs(per_replica // m), [layers], per_replica, m, "gpipe", "never",
-                                           FREE).step_time
+                                           simulate.FREE).step_time
         gaps.append((float(m), seconds - predicted - known))
     if len(gaps) == 1:
         return Overhead(0.0, max(gaps[0][1], 0.0))
@@ -97,7 +97,7 @@ def overhead(layers: int, costs: Callable[[int], CostProfile], per_replica: int,
 
 
 def factors(balance: list[int], costs: Callable[[int], CostProfile], per_replica: int,
-            measured: dict[int, float], known: float = 0.0, link: simulate.Link = FREE,
+            measured: dict[int, float], known: float = 0.0, link: simulate.Link = simulate.FREE,
             rate: shared.Rate | None = None, virtual: int = 1) -> dict[int, float]:
     """Per micro-batch size: the ratio of the measured step (less the `known` seconds) to the one simulated for
     a pipeline cut as `balance` (GPipe; interleaved with `virtual` chunks per stage), its messages on `link`,
@@ -134,7 +134,7 @@ AS_GPIPE = ("gpipe", "1f1b")
 
 
 def by_shape(replicated: dict[int, float],
-             staged: dict[int, dict[int, float]]) -> Callable[[int, int, int, int, str], float]:
+             staged: dict[int, dict[int, float]]) -> Factor:
     """The ratio at any (micro-batch size, K, D, V, schedule): the one measured on that shape, else the largest.
 
     Measured shapes: K=1 (`replicated`), and D=1 with V chunks per stage (`staged`, by V: GPipe's and 1F1B's

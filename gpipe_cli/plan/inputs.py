@@ -38,7 +38,7 @@ from gpipe_cli.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_cli.plan import calibrate, here
 from gpipe_cli.plan.calibrate import Examples
 from gpipe_cli.plan.sample import Sample
-from gpipe_cli.plan.search import allreduce_seconds
+from gpipe_cli.plan.search import Factor, allreduce_seconds, as_timed
 
 # The shallow members that price a deep model (all their kinds of layer present).
 PROBE_LAYERS = {"transformer": 2, "amoebanet": 9}
@@ -64,8 +64,7 @@ class Inputs:
     data_seconds: float = 0.0     # building one global mini-batch (shared by the replicas)
     drift: float | None = None    # how much one engine step moved from the start to the end of measuring
     alone_speedup: float = 1.0    # how much faster a rank computes alone than beside its siblings here
-    # The engine's measured steps over the simulated ones at (micro-batch size, K, D, V, schedule): scales `costs`.
-    factor: Callable[[int, int, int, int, str], float] = lambda size, partitions, replicas, virtual, schedule: 1.0
+    factor: Factor = as_timed     # the engine's measured steps over the simulated ones, by shape: scales `costs`
 
 
 def _probe_params(kind: str, params: dict[str, Any]) -> dict[str, Any] | None:
@@ -240,7 +239,8 @@ def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Cal
     process (seconds per layer call and per step; no ratios)."""
     if ranks > 1 and links is not None and batch % ranks == 0:
         per_replica = batch // ranks
-        say(f"measuring the engine's training steps on {ranks} replicas, then as {ranks} stages, here...")
+        staged_too = f", then as {ranks} stages," if len(spec.layers) >= ranks else ""
+        say(f"measuring the engine's training steps on {ranks} replicas{staged_too} here...")
         try:
             steps = here.engine_steps(kind, params, *examples(per_replica), seed, ranks, threads,
                                       calibrate.counts(per_replica, least), optimizer, grad_clip)

@@ -34,7 +34,6 @@ from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES
 
 VIRTUAL_STAGES = (2, 4)   # V tried for the interleaved schedule
-FREE = simulate.Link(1e30, 0.0)
 
 
 @dataclass(frozen=True)
@@ -54,6 +53,15 @@ class Hardware:
         return self.devices // self.nodes
 
 
+# (micro-batch size, K, D, V, schedule) -> how much slower the engine runs the layers than they were timed
+Factor = Callable[[int, int, int, int, str], float]
+
+
+def as_timed(size: int, partitions: int, replicas: int, virtual: int, schedule: str) -> float:
+    """The layers' seconds as timed, in every shape."""
+    return 1.0
+
+
 @dataclass(frozen=True)
 class Model:
     """What the search knows of a model: per-layer seconds at any micro-batch size and memory figures."""
@@ -67,8 +75,7 @@ class Model:
     step_overhead: float = 0.0           # seconds the engine adds per step on one stage (optimizer, ...)
     data_seconds: float = 0.0            # building one global mini-batch; each replica builds its share
     alone_speedup: float = 1.0           # how much faster a rank computes alone than with every rank busy
-    # The engine's measured steps over the simulated ones at (micro-batch size, K, D, V, schedule): scales `costs`.
-    factor: Callable[[int, int, int, int, str], float] = lambda size, partitions, replicas, virtual, schedule: 1.0
+    factor: Factor = as_timed  # the engine's measured steps over the simulated ones, by shape: scales `costs`
 
     def profile(self, config: Config) -> CostProfile:
         """Per-layer seconds of one of `config`'s micro-batches, as the engine runs them in that shape."""
@@ -314,7 +321,7 @@ def parts(model: Model, outcome: Outcome) -> Parts:
     per_replica = model.batch // c.replicas
     costs = model.profile(c)
     free = simulate.simulate_step(costs, outcome.balance, per_replica, c.microbatches, c.schedule, c.checkpoint,
-                                  FREE, 1.0, c.virtual, model.action_overhead, model.rate(c))
+                                  simulate.FREE, 1.0, c.virtual, model.action_overhead, model.rate(c))
     pipeline = outcome.step_time - outcome.allreduce - outcome.fixed
     busy = free.step_time * (1.0 - free.bubble)
     return Parts(busy + outcome.fixed, free.step_time - busy, max(pipeline - free.step_time, 0.0), outcome.allreduce)

@@ -188,6 +188,9 @@ def test_the_engine_steps_as_a_pipeline_of_the_ranks_here():
         steps = here.engine_steps("transformer", PARAMS, *examples(8), 0, 2, 1, [2, 8], adam, 1.0, balance, virtual)
         assert sorted(steps.per_count) == [2, 8]
         assert all(0 < update < step < 60 for step, update in steps.per_count.values())
+    # The cut reaches the ranks: one that does not cover the model's layers fails there, in one line.
+    with pytest.raises(here.Unavailable, match="as 2 stages x 1 replicas"):
+        here.engine_steps("transformer", PARAMS, *examples(8), 0, 2, 1, [2], adam, 1.0, [1, 1])
 
 
 def test_a_rank_that_fails_is_one_line_not_a_traceback(capfd):

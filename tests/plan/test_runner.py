@@ -51,6 +51,10 @@ def test_the_plan_is_printed_and_written_as_a_recipe_that_validates(tmp_path, ca
                 "--plain", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "predicted" in out and "prediction" in out
+    from gpipe_cli.sizing import usable_cores
+    if usable_cores() > 1:  # two ranks here: each shape is priced from the engine's steps measured on it
+        timing = next(line for line in out.splitlines() if line.strip().startswith("per-layer seconds:"))
+        assert "on 2 replicas and x" in timing and "as 2 stages and x" in timing and "of 2 chunks" in timing
     rows = [line for line in out.splitlines() if re.match(r"^[* ] K=\d+ D=\d+ M=\d+ ", line)]
     assert rows and rows[0].startswith("*") and len([r for r in rows if r.startswith("*")]) == 1
     assert all("| " in r for r in rows[1:]), "every runner-up says why it loses"

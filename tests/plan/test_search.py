@@ -107,7 +107,7 @@ def test_search_finds_the_brute_force_optimum(seed, layers, devices, tightness):
 
 def test_equal_layers_and_free_links_predict_the_theoretical_bubble():
     model = synthetic(8, 0, batch=16, equal=True)
-    hw = search.Hardware(4, math.inf, search.FREE, search.FREE)
+    hw = search.Hardware(4, math.inf, simulate.FREE, simulate.FREE)
     for config in search.configs(model, hw, ("gpipe", "1f1b"), ("never",)):
         if config.partitions == 4:
             outcome = search.evaluate(model, hw, config)
