@@ -7,7 +7,7 @@
     gpipe profile-memory --device cuda                           against the CPU's exact accounting
     gpipe plan: layers and engine steps timed on the GPU           a plan whose pick trains as written
 
-NCCL between two GPUs is the one path a single GPU cannot run (see the README).
+NCCL between two GPUs is the one path a single GPU cannot run (see docs/gpus-and-nodes.md).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from tests.train.recipes import TINY_AMOEBANET, write
 
 
 def step_env(node: int, nodes: int = 2, nodelist: str = "node[07-08]", port: int = 29600, **extra: str) -> dict:
-    """The variables srun sets in each task of `srun --nodes N --ntasks-per-node 1` (as the README's script)."""
+    """The variables srun sets in each task of `srun --nodes N --ntasks-per-node 1` (as in docs/gpus-and-nodes.md)."""
     env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_NNODES": str(nodes),
            "SLURM_JOB_NODELIST": nodelist, "SLURM_STEP_NUM_NODES": str(nodes), "SLURM_STEP_NODELIST": nodelist,
            "SLURM_STEP_NUM_TASKS": str(nodes), "SLURM_NTASKS": str(nodes), "SLURM_NODEID": str(node),

@@ -1,5 +1,5 @@
 """What a finished run leaves: files with the user's umask, no lock files, and an exported model that
-loads and runs in plain PyTorch exactly as the README shows."""
+loads and runs in plain PyTorch exactly as docs/runs.md shows."""
 
 from __future__ import annotations
 
@@ -57,26 +57,26 @@ def test_no_lock_files_are_left(lm_run):
     assert not [p for p in lm_run.rglob("*") if "lock" in p.name.lower()]
 
 
-def readme_code() -> str:
-    """The Python example of the README's "Using a trained model" section."""
-    text = (ROOT / "README.md").read_text()
+def docs_code() -> str:
+    """The Python example of the "Using a trained model" section of docs/runs.md."""
+    text = (ROOT / "docs" / "runs.md").read_text()
     section = text.split("## Using a trained model", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
     assert len(blocks) == 1
     return blocks[0]
 
 
-def test_the_exported_model_runs_in_plain_pytorch_as_the_readme_shows(lm_run):
+def test_the_exported_model_runs_in_plain_pytorch_as_the_docs_show(lm_run):
     proc = subprocess.run([sys.executable, "-m", "gpipe_cli.cli", "export", str(lm_run)], capture_output=True,
                           text=True, timeout=120, preexec_fn=lambda: os.umask(UMASK))
     assert proc.returncode == 0, proc.stderr
     exported = lm_run / "model.safetensors"
     assert stat.S_IMODE(exported.stat().st_mode) == 0o666 & ~UMASK
-    code = readme_code()
+    code = docs_code()
     placeholder = re.search(r'run = Path\("([^"]+)"\)', code)
     assert placeholder is not None
     namespace: dict = {}
-    exec(compile(code.replace(placeholder.group(1), str(lm_run)), "README.md", "exec"), namespace)
+    exec(compile(code.replace(placeholder.group(1), str(lm_run)), "docs/runs.md", "exec"), namespace)
 
     import torch
     from safetensors.torch import load_file
