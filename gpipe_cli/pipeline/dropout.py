@@ -53,8 +53,9 @@ def mask_words(key: int, step: int, offset: int, scratch: torch.Tensor) -> torch
     """Uniform random int64 words, a row per example from `offset` on, a function of (key, step, example, column).
 
     Example e's seed is mix64(base + e * A), base depending on (key, step) alone, and its column j is
-    mix64(seed + (j + 1) * B): every example has its own SplitMix64 sequence, computed for all examples and
-    columns at once. `scratch` is an int64 tensor of the result's shape, overwritten.
+    mix64(seed + (j + 1) * B), A and B odd constants: every example has its own SplitMix64 sequence, computed
+    for all examples and columns at once, in integer arithmetic that gives the same words on every device.
+    `scratch` is an int64 tensor of the result's shape, overwritten.
     """
     rows, columns = scratch.shape
     # The layer and the step only move the base, so they are mixed once here rather than per element.
@@ -63,7 +64,8 @@ def mask_words(key: int, step: int, offset: int, scratch: torch.Tensor) -> torch
     seeds.mul_(_signed(_EXAMPLE_STEP)).add_(_signed(base))
     mix64_(seeds, torch.empty_like(seeds))
     counters = torch.arange(1, columns + 1, dtype=torch.int64, device=scratch.device).mul_(_signed(_WORD_STEP))
-    return mix64_(torch.add(seeds[:, None], counters), scratch)
+    # The contiguous operand first: on the CPU the broadcast sum runs about twice as fast that way round.
+    return mix64_(torch.add(counters, seeds[:, None]), scratch)
 
 
 class Dropout(nn.Module):
