@@ -1,8 +1,11 @@
+import random
+
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from gpipe_cli.pipeline import context
-from gpipe_cli.pipeline.dropout import Dropout
+from gpipe_cli.pipeline.dropout import Dropout, mix64, mix64_
 
 
 def masks(drop, x, step, splits):
@@ -81,3 +84,56 @@ def test_engine_dropout_keeps_the_dtype_and_one_mask_for_every_dtype():
         half = drop(x.to(torch.bfloat16))
     assert half.dtype == torch.bfloat16
     assert torch.equal(half.float(), full)
+
+
+def test_the_finaliser_on_tensors_is_the_host_one():
+    # SplitMix64 seeded with 0 starts with 0xE220A8397B1DCDAF; values at and above 2^63 are negative int64s,
+    # which torch shifts arithmetically.
+    assert mix64(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF
+    values = [random.Random(0).getrandbits(64) for _ in range(1000)] + [0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]
+    words = torch.tensor([v - (1 << 64) if v >> 63 else v for v in values])
+    mix64_(words, torch.empty_like(words))
+    assert [w % (1 << 64) for w in words.tolist()] == [mix64(v) for v in values]
+
+
+def test_masks_are_independent_across_elements_rows_steps_and_layers():
+    drop = Dropout(0.5)
+    x = torch.ones(64, 1024)
+    kept = masks(drop, x, step=0, splits=1) != 0
+    for lane in range(4):  # one 64-bit word masks four neighbouring elements
+        assert abs(kept[:, lane::4].float().mean().item() - 0.5) < 0.02
+    # Two independent masks at rate 1/2 agree on half of the elements.
+    assert abs((kept[:, 1:] == kept[:, :-1]).float().mean().item() - 0.5) < 0.01
+    assert abs((kept[1:] == kept[:-1]).float().mean().item() - 0.5) < 0.01
+    assert abs((masks(drop, x, step=1, splits=1) != 0).eq(kept).float().mean().item() - 0.5) < 0.01
+    drop.rng_key = 1
+    assert abs((masks(drop, x, step=0, splits=1) != 0).eq(kept).float().mean().item() - 0.5) < 0.01
+
+
+def test_examples_far_apart_have_independent_masks():
+    drop = Dropout(0.5)
+    x = torch.ones(16, 2048)
+    found = []
+    for offset in (0, 10**9, 1 << 32):  # 2^32 apart must not wrap onto the same examples
+        with context.microbatch(step=0, offset=offset):
+            y = drop(x)
+        assert set(y.unique().tolist()) == {0.0, 2.0}
+        assert abs((y == 0).float().mean().item() - 0.5) < 0.02
+        found.append(y != 0)
+    for i, a in enumerate(found):
+        for b in found[i + 1 :]:
+            assert abs((a == b).float().mean().item() - 0.5) < 0.02
+
+
+def test_mask_work_does_not_grow_with_the_examples():
+    drop = Dropout(0.5)
+
+    def ops(rows: int) -> dict[str, int]:
+        with context.microbatch(step=0, offset=0), profile(activities=[ProfilerActivity.CPU]) as prof:
+            drop(torch.ones(rows, 8))
+        return {event.key: event.count for event in prof.key_averages()}
+
+    few, many = ops(4), ops(4096)
+    assert few == many  # no work per example, which on a GPU would be a kernel launch each
+    # Nothing reads a value back to the host or copies one from it: on a GPU each would wait for the device.
+    assert not {"aten::item", "aten::_local_scalar_dense", "aten::lift_fresh"} & set(many)
