@@ -124,7 +124,9 @@ def _single(options: BenchOptions, subject: Subject, folder: Path,
     """Measure K=1 and K ranks (or predict K devices): the figures, and the K ranks' step for --trace."""
     spec = subject.build()
     k = options.simulated_devices if options.simulate else options.partitions
-    console.print(f"[dim]measuring K=1 ({len(spec.layers)} layers, per-layer costs and {options.steps} steps)...[/]")
+    then = ", then the engine against a plain loop" if options.measures_host_overhead else ""
+    console.print(f"[dim]measuring K=1 ({len(spec.layers)} layers, per-layer costs and {options.steps} steps"
+                  f"{then})...[/]")
     k1_job = base_job(options, subject, 1, [len(spec.layers)])
     k1_job.profile_costs = True
     k1_job.host_overhead = options.measures_host_overhead
