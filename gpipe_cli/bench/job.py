@@ -37,6 +37,7 @@ class Job:
     profile_costs: bool = False
     trace: bool = False
     compare: bool = False
+    host_overhead: bool = False  # K=1 only: the engine against a plain loop (see `overhead`)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def write(self, path: Path) -> None:
@@ -75,6 +76,12 @@ def run_job(job: Job, topo: topology.Topology) -> None:
         if figures is not None:
             result["runs"].append(figures.to_json())
             _save(result, job.out)
+    if job.host_overhead and job.stages == 1:
+        from gpipe_cli.bench import overhead
+
+        result["host_overhead"] = overhead.compare(spec, topo, inputs, targets, job.microbatches[0], job.schedule,
+                                                   job.checkpoint, job.seed, job.steps, job.warmup)
+        _save(result, job.out)
     if job.compare:
         from gpipe_cli.bench import baseline
 

@@ -61,6 +61,14 @@ class BenchOptions(SizeFlags):
         """The K a prediction is made for."""
         return self.devices if self.devices is not None else self.partitions
 
+    @property
+    def measures_host_overhead(self) -> bool:
+        """Whether the K=1 run also times the engine against a plain loop: when the benchmark is of K=1 itself.
+
+        At K > 1 it would add as many K=1 steps again to every run; the report says it is measured at K=1 only."""
+        k = self.simulated_devices if self.simulate else self.partitions
+        return k == 1 and not self.sweep
+
     def sweep_plot(self) -> Path | None:
         """Where --sweep draws its bars: the --json file with .png in place of its suffix (None: no --json)."""
         if not self.sweep or self.json is None or not self.json.name:  # "." or "/": refused as a directory
@@ -73,6 +81,15 @@ class BenchOptions(SizeFlags):
         if self.trace is not None:
             named += [("--trace", path) for path in trace_paths(self.trace)]
         return [(flag, path) for flag, path in named if path is not None]
+
+
+def overhead_rounds(steps: int) -> tuple[int, int]:
+    """How the host-overhead comparison runs `steps` measured steps a side: (rounds, steps of each side per round).
+
+    Up to 10 rounds of at least 2 steps (when there are), so that a side's best step need not be its first
+    after a switch."""
+    count = max(1, min(10, steps // 2))
+    return count, -(-steps // count)
 
 
 SWEEP_MICROBATCHES = (1, 4, 32)

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from gpipe_cli import memory_model as mm
 from gpipe_cli import sizing
-from gpipe_cli.bench.options import SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions
+from gpipe_cli.bench.options import SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions, overhead_rounds
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate.subject import FAMILIES, Subject, resolve
 from gpipe_cli.models.describe import describe
@@ -68,6 +68,11 @@ def estimate_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: B
         step = max(work * (m + k - 1) / (m * k), work / parallel)
         messages = 2 * m * 1e-3 * max(1.0, k / parallel)  # one send per micro-batch and direction
         total += steps * (step + messages)
+    if options.measures_host_overhead:
+        # The engine and the plain loop, each its warm-up and measured steps, on the whole model at K=1.
+        count, each = overhead_rounds(options.steps)
+        work = sizing.step_seconds(cand, machine, options.batch, options.microbatches, passes)
+        total += 2 * (options.warmup + count * each) * work
     return total
 
 
@@ -152,7 +157,8 @@ def show(preview: Preview, options: BenchOptions, machine: sizing.Machine, conso
     steps = f"{options.warmup} warm-up + {options.steps} measured steps"
     what = "per-layer costs, then " if not options.sweep else ""
     ms = "1,4,32" if options.sweep else str(options.microbatches)
-    console.print(f"  runs: {what}{', '.join(f'K={k}' for k in ks)} · M={ms} · batch {options.batch} · "
+    host = ", the engine against a plain loop at K=1" if options.measures_host_overhead else ""
+    console.print(f"  runs: {what}{', '.join(f'K={k}' for k in ks)}{host} · M={ms} · batch {options.batch} · "
                   f"{options.schedule} · checkpoint {options.checkpoint} · {steps}")
     k = max(ks)
     if k > 1:

@@ -97,6 +97,26 @@ def _prediction(s: dict[str, Any]) -> str:
                else ""))
 
 
+GRADIENTS_AGREE = 1e-4  # relative: float sums in another order, not another computation
+
+
+def host_overhead(s: dict[str, Any]) -> str:
+    """The K=1 engine against a plain loop over the same layers (see `gpipe_cli.bench.overhead`), in one line."""
+    h = s.get("host_overhead")
+    if h is None:
+        return ("host overhead: measured at K=1 only (gpipe bench --partitions 1, on a model small enough that "
+                "its arithmetic is negligible)")
+    threads = f"{h['threads']} thread{'s' if h['threads'] != 1 else ''}"
+    return (f"host overhead (K={h['partitions']}, M={h['microbatches']}): engine {h['engine_step_s'] * 1e3:.1f} "
+            f"ms/step, plain loop {h['plain_step_s'] * 1e3:.1f} ms/step ({h['plain_over_engine']:.2f}x): "
+            f"{h['overhead_step_s'] * 1e3:.1f} ms a step, {h['overhead_per_microbatch_s'] * 1e3:.2f} ms per "
+            f"micro-batch (best of {h['rounds'] * h['steps_per_round']} steps each in {h['rounds']} alternating "
+            f"rounds, no optimizer step, {threads})"
+            + (f"; the two sides' gradients differ by up to {h['gradient_max_relative_difference']:.1e} of the "
+               f"largest (dropout: each side draws its own masks; --set dropout=0 makes them agree)"
+               if h["gradient_max_relative_difference"] > GRADIENTS_AGREE else ""))
+
+
 def show(s: dict[str, Any], console: Console) -> None:
     """Print the figures."""
     console.print(_header(s))
@@ -118,6 +138,8 @@ def show(s: dict[str, Any], console: Console) -> None:
     theory = "(K-1)/(M+K-1)" if schedule in ("gpipe", "1f1b") else f"of {schedule}"
     console.print(f"bubble: {'predicted' if s['simulated'] else 'measured'} [bold]{s['bubble']:.3f}[/], "
                   f"theory {theory} = {s['bubble_theory']:.3f}")
+    if "host_overhead" in s:
+        console.print(host_overhead(s), highlight=False)
     if s["stages"]:
         console.print(_stages(s))
     p = s["prediction"]

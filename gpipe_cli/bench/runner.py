@@ -124,9 +124,12 @@ def _single(options: BenchOptions, subject: Subject, folder: Path,
     """Measure K=1 and K ranks (or predict K devices): the figures, and the K ranks' step for --trace."""
     spec = subject.build()
     k = options.simulated_devices if options.simulate else options.partitions
-    console.print(f"[dim]measuring K=1 ({len(spec.layers)} layers, per-layer costs and {options.steps} steps)...[/]")
+    then = ", then the engine against a plain loop" if options.measures_host_overhead else ""
+    console.print(f"[dim]measuring K=1 ({len(spec.layers)} layers, per-layer costs and {options.steps} steps"
+                  f"{then})...[/]")
     k1_job = base_job(options, subject, 1, [len(spec.layers)])
     k1_job.profile_costs = True
+    k1_job.host_overhead = options.measures_host_overhead
     k1_raw = jobs.run(k1_job, folder, "k1", options.threads)
     costs = CostProfile.from_json(k1_raw["costs"])
     k1 = RunFigures.from_json(k1_raw["runs"][0])
@@ -149,6 +152,10 @@ def _single(options: BenchOptions, subject: Subject, folder: Path,
             raw = {**exc.partial, "compare": {}, "failed": f"a baseline failed (exit code {exc.code}); see above"}
         kk = RunFigures.from_json(raw["runs"][0])
     summary = summarise(options, subject, k1, kk, costs, balance, balance_by, prediction)
+    summary["host_overhead"] = host = k1_raw.get("host_overhead")  # None: measured at K=1 only
+    if host is not None:
+        summary["load"]["host_overhead"] = host["load"]
+        summary["contended"] = summary["contended"] or contended(host["load"])
     if "failed" in raw:
         summary["failed"] = raw["failed"]
     if kk is not None and options.compare:

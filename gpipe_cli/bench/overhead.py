@@ -1,0 +1,151 @@
+"""The engine's host overhead: K=1 engine steps against a plain PyTorch loop over the same layers.
+
+The plain loop is gradient accumulation as one would write it by hand: the mini-batch split into the
+engine's micro-batch sizes, and for each micro-batch a forward, the loss weighted as the engine weights
+it (its share of the mini-batch's units) and a backward. The micro-batches the engine's schedule
+rematerialises run each layer under `torch.utils.checkpoint` (one more forward before the backward, as
+the engine's recompute). Both sides start from the same weights and leave the same gradients, and
+neither runs an optimizer step: bench's engine steps run none, the update would be the same work on
+both sides, and without it the weights stay put, so every step of both sides computes the same thing.
+
+On a model small enough that its arithmetic is negligible, the difference of the two step times is what
+the engine adds in Python per step and per micro-batch: on a GPU, time the device idles. The two sides
+alternate over rounds in one process (same threads, same batch), and each keeps its best step, so drift
+in the machine's load hits both alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gpipe_cli.bench.options import overhead_rounds
+from gpipe_cli.estimate.machine_load import Load
+from gpipe_cli.estimate.measure import build_pipeline, timed
+from gpipe_cli.models.base import ModelSpec
+from gpipe_cli.pipeline import microbatch
+from gpipe_cli.pipeline import schedule as sched
+from gpipe_cli.pipeline.engine import Pipeline
+from gpipe_cli.pipeline.layers import build_layers
+from gpipe_cli.pipeline.topology import Topology
+
+
+def remat_microbatches(schedule: str, chunks: int, checkpoint_mode: str) -> list[int]:
+    """The micro-batches the engine rematerialises at K=1, as its schedule marks them."""
+    plan = sched.build(schedule, 0, 1, chunks, checkpoint_mode)
+    return sorted(mb for mb, _ in sched.rematerialised(plan))
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    return tuple(_to(b, device) for b in batch)
+
+
+class PlainLoop:
+    """The model's layers in one nn.Sequential, trained by plain gradient accumulation over M micro-batches."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device, seed: int, chunks: int, remat: list[int]) -> None:
+        layers = build_layers(spec.factories(), range(len(spec.layers)), seed, device)
+        self.module = nn.Sequential(OrderedDict((str(i), layer) for i, layer in enumerate(layers)))
+        for group in spec.tied:  # one tensor, as the engine makes tied parameters within a stage
+            first = self.module.get_parameter(group[0])
+            for name in group[1:]:
+                path, _, attr = name.rpartition(".")
+                setattr(self.module.get_submodule(path), attr, first)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.loss, self.units, self.device = spec.loss, spec.units, device
+        self.chunks, self.remat = chunks, set(remat)
+
+    def _forward(self, x: Any, remat: bool) -> Any:
+        for layer in self.module:
+            x = checkpoint(layer, x, use_reentrant=False) if remat else layer(x)
+        return x
+
+    def step(self, inputs: Any, targets: torch.Tensor) -> float:
+        """One mini-batch: drop the gradients, accumulate every micro-batch's, return the mean loss."""
+        for p in self.params:
+            p.grad = None
+        self.module.train()
+        xs = microbatch.scatter(_to(inputs, self.device), self.chunks)
+        ys = microbatch.scatter(targets, self.chunks)
+        units = [float(self.units(y)) if self.units is not None else float(y.shape[0]) for y in ys]
+        total = sum(units)
+        losses = []
+        for mb, (x, y) in enumerate(zip(xs, ys)):
+            loss = self.loss(self._forward(x, mb in self.remat), _to(y, self.device)) * (units[mb] / total)
+            loss.backward()
+            losses.append(loss.detach())
+        return float(torch.stack(losses).sum())
+
+
+def _max_difference(ours: list[nn.Parameter], theirs: list[nn.Parameter]) -> float:
+    """The largest difference between two lists of gradients, relative to the largest gradient."""
+    if len(ours) != len(theirs) or any(a.shape != b.shape for a, b in zip(ours, theirs)):
+        return math.inf
+    worst = scale = 0.0
+    for a, b in zip(ours, theirs):
+        if (a.grad is None) != (b.grad is None):
+            return math.inf
+        if a.grad is not None and b.grad is not None:
+            worst = max(worst, float((a.grad - b.grad).abs().max()))
+            scale = max(scale, float(a.grad.abs().max()))
+    return worst / scale if scale else worst
+
+
+def engine_pipeline(spec: ModelSpec, topo: Topology, schedule: str, checkpoint_mode: str, seed: int) -> Pipeline:
+    """The K=1 engine the comparison runs (all of the model's layers on this rank)."""
+    return build_pipeline(spec, topo, [len(spec.layers)], schedule, checkpoint_mode, seed)
+
+
+def compare(spec: ModelSpec, topo: Topology, inputs: Any, targets: torch.Tensor, chunks: int, schedule: str,
+            checkpoint_mode: str, seed: int, steps: int, warmup: int) -> dict[str, Any]:
+    """Alternate K=1 engine steps and plain-loop steps over rounds: each side's best step, their difference
+    (seconds), and how far apart the two sides' gradients ended."""
+    remat = remat_microbatches(schedule, chunks, checkpoint_mode)
+    pipe = engine_pipeline(spec, topo, schedule, checkpoint_mode, seed)
+    plain = PlainLoop(spec, topo.device, seed, chunks, remat)
+    index = 0
+
+    def engine() -> float | None:
+        nonlocal index
+        pipe.zero_grad()
+        index += 1
+        return pipe.train_step(inputs, targets, microbatches=chunks, step=index).loss
+
+    sides: dict[str, Callable[[], Any]] = {"engine": engine, "plain": lambda: plain.step(inputs, targets)}
+    for side in sides.values():
+        for _ in range(warmup):
+            side()
+    count, each = overhead_rounds(steps)
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    losses: dict[str, Any] = {}
+    load = Load()
+    for _ in range(count):
+        for name, side in sides.items():
+            for _ in range(each):
+                seconds, losses[name] = timed(side)
+                times[name].append(seconds)
+    machine = load.finish()
+    # No optimizer step: the weights never moved, so each side's last step left gradients to compare.
+    difference = _max_difference(pipe.parameters(), plain.params)
+    pipe.close()
+    best_engine, best_plain = min(times["engine"]), min(times["plain"])
+    overhead = best_engine - best_plain
+    return {
+        "partitions": 1, "microbatches": chunks, "threads": torch.get_num_threads(),
+        "engine_step_s": best_engine, "plain_step_s": best_plain,
+        "plain_over_engine": best_plain / best_engine if best_engine else 0.0,
+        "overhead_step_s": overhead, "overhead_per_microbatch_s": overhead / chunks,
+        "statistic": "min", "rounds": count, "steps_per_round": each,
+        "engine_step_times": times["engine"], "plain_step_times": times["plain"],
+        "checkpoint": checkpoint_mode, "rematerialised": remat, "optimizer_step": False,
+        "engine_loss": losses["engine"], "plain_loss": losses["plain"],
+        "gradient_max_relative_difference": difference, "load": machine,
+    }

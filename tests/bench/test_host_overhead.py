@@ -1,0 +1,101 @@
+"""The host-overhead line: the K=1 engine against a plain loop over the same layers (properties, not speed)."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from gpipe_cli.bench import BenchOptions, overhead, report, run
+from gpipe_cli.bench.options import overhead_rounds
+from gpipe_cli.estimate.subject import example_batch, resolve
+from gpipe_cli.pipeline import topology
+from tests.bench import tiny
+
+M = 2
+BATCH = 6  # not divisible by 4: the engine's uneven micro-batch sizes on both sides
+
+
+def _spec():
+    # No dropout: the engine's masks are its own, so only then can the two sides' gradients agree.
+    return resolve(tiny.TRANSFORMER["model"], tiny.sizes(tiny.TRANSFORMER),
+                   [*tiny.TRANSFORMER["set"], "dropout=0"]).build()
+
+
+@pytest.mark.parametrize("mode", ["never", "except_last", "always"])
+def test_the_plain_loop_leaves_the_engines_gradients(mode):
+    spec = _spec()
+    inputs, targets = example_batch(spec, BATCH, seed=0)
+    remat = overhead.remat_microbatches("gpipe", M, mode)
+    assert remat == {"never": [], "except_last": [0], "always": [0, 1]}[mode]  # K=1 GPipe: all but the last
+    pipe = overhead.engine_pipeline(spec, topology.local("cpu"), "gpipe", mode, seed=0)
+    plain = overhead.PlainLoop(spec, torch.device("cpu"), 0, M, remat)
+    ours = pipe.train_step(inputs, targets, microbatches=M, step=0)
+    theirs = plain.step(inputs, targets)
+    pipe.close()
+    assert theirs == pytest.approx(ours.loss, rel=1e-6)
+    engine_params, plain_params = pipe.parameters(), plain.params
+    assert len(engine_params) == len(plain_params) and engine_params  # tied parameters counted once on both
+    for a, b in zip(engine_params, plain_params):
+        assert a is not b and a.grad is not None and b.grad is not None
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_the_measurement_at_k1_two_microbatches():
+    spec = _spec()
+    inputs, targets = example_batch(spec, BATCH, seed=0)
+    h = overhead.compare(spec, topology.local("cpu"), inputs, targets, M, "gpipe", "except_last", seed=0, steps=4,
+                         warmup=1)
+    assert h["partitions"] == 1 and h["microbatches"] == M and h["rematerialised"] == [0]
+    assert h["rounds"] == 2 and h["steps_per_round"] == 2
+    assert len(h["engine_step_times"]) == len(h["plain_step_times"]) == 4
+    assert h["engine_step_s"] > 0 and h["plain_step_s"] > 0
+    assert h["engine_step_s"] == min(h["engine_step_times"]) and h["plain_step_s"] == min(h["plain_step_times"])
+    assert h["overhead_step_s"] == pytest.approx(h["engine_step_s"] - h["plain_step_s"])
+    assert h["overhead_per_microbatch_s"] == pytest.approx(h["overhead_step_s"] / M)
+    assert h["plain_loss"] == pytest.approx(h["engine_loss"], rel=1e-6)
+    assert h["gradient_max_relative_difference"] < report.GRADIENTS_AGREE
+    assert h["threads"] == torch.get_num_threads() and not h["optimizer_step"]
+
+    text = report.host_overhead({"host_overhead": h})
+    found = re.fullmatch(r"host overhead \(K=1, M=2\): engine (\S+) ms/step, plain loop (\S+) ms/step \((\S+)x\): "
+                         r"(\S+) ms a step, (\S+) ms per micro-batch \(best of 4 steps each in 2 alternating "
+                         r"rounds, no optimizer step, \d+ threads?\)", text)
+    assert found, text
+    engine, plain, ratio, step, per = map(float, found.groups())
+    assert engine > 0 and plain > 0
+    assert ratio == pytest.approx(plain / engine, abs=0.01)
+    assert step == pytest.approx(engine - plain, abs=0.11)  # each printed to 0.1 ms
+    assert per == pytest.approx(step / M, abs=0.06)
+
+
+def test_gradients_that_differ_are_said_in_the_line():
+    h = {"partitions": 1, "microbatches": 4, "threads": 1, "engine_step_s": 0.02, "plain_step_s": 0.01,
+         "plain_over_engine": 0.5, "overhead_step_s": 0.01, "overhead_per_microbatch_s": 0.0025, "rounds": 2,
+         "steps_per_round": 1, "gradient_max_relative_difference": 0.3}
+    text = report.host_overhead({"host_overhead": h})
+    assert "10.0 ms a step, 2.50 ms per micro-batch" in text and "dropout" in text
+    assert "dropout" not in report.host_overhead({"host_overhead": {**h, "gradient_max_relative_difference": 0.0}})
+
+
+def test_it_is_measured_when_the_bench_is_of_k1_and_said_to_be_otherwise():
+    assert BenchOptions(partitions=1).measures_host_overhead
+    assert BenchOptions(partitions=2, simulate=True, devices=1).measures_host_overhead
+    assert not BenchOptions(partitions=2).measures_host_overhead
+    assert not BenchOptions(partitions=1, sweep=True).measures_host_overhead
+    assert "measured at K=1 only" in report.host_overhead({"host_overhead": None})
+    assert overhead_rounds(60) == (10, 6) and overhead_rounds(1) == (1, 1)
+    assert overhead_rounds(5) == (2, 3)
+
+
+def test_bench_at_k1_prints_the_line_and_writes_the_figures(tmp_path, capsys):
+    options = BenchOptions(**tiny.TRANSFORMER, partitions=1, microbatches=M, batch_size=BATCH, steps=2, warmup=0,
+                           checkpoint="never", json=tmp_path / "bench.json")
+    assert run(options) == 0
+    printed = capsys.readouterr().out
+    figures = json.loads((tmp_path / "bench.json").read_text())
+    h = figures["host_overhead"]
+    assert h["microbatches"] == M and h["rematerialised"] == [] and h["engine_step_s"] > 0
+    assert "host overhead (K=1, M=2): engine" in printed
+    assert "the engine against a plain loop at K=1" in printed  # the plan says it will run
+    assert figures["load"]["host_overhead"] == h["load"]
