@@ -48,12 +48,17 @@ def build_optimizer(params: Sequence[nn.Parameter], recipe: Recipe) -> torch.opt
     if not params:
         return None
     opt, lr = recipe.optimizer, base_lr(recipe)
+    # Fused kernels skip a step with a non-finite gradient on the device (`found_inf`), so the engine never
+    # waits for the device to decide it; they run on CUDA and the CPU.
+    fused = all(p.device.type in ("cuda", "cpu") for p in params)
     if opt.name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=opt.momentum, weight_decay=opt.weight_decay, fused=fused)
     if opt.name == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+        return torch.optim.Adam(params, lr=lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+                                fused=fused)
     if opt.name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+        return torch.optim.AdamW(params, lr=lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+                                 fused=fused)
     if opt.name == "rmsprop":
         return torch.optim.RMSprop(params, lr=lr, alpha=opt.decay, eps=opt.eps, momentum=opt.momentum,
                                    weight_decay=opt.weight_decay)

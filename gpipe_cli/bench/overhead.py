@@ -117,7 +117,7 @@ def compare(spec: ModelSpec, topo: Topology, inputs: Any, targets: torch.Tensor,
         nonlocal index
         pipe.zero_grad()
         index += 1
-        return pipe.train_step(inputs, targets, microbatches=chunks, step=index).loss
+        return pipe.train_step(inputs, targets, microbatches=chunks, step=index, measure_memory=False).loss
 
     sides: dict[str, Callable[[], Any]] = {"engine": engine, "plain": lambda: plain.step(inputs, targets)}
     for side in sides.values():

@@ -132,11 +132,11 @@ def build_pipeline(spec: ModelSpec, topo: Topology, balance: list[int], schedule
 
 
 def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_size: int, microbatches: int,
-                   steps: int, warmup: int, trace: bool = False, update: Callable[[], None] | None = None,
+                   steps: int, warmup: int, trace: bool = False, optimizer: torch.optim.Optimizer | None = None,
                    max_grad_norm: float | None = None) -> RunFigures | None:
     """Run warm-up and measured steps (and one traced step); the figures on rank 0, None elsewhere.
 
-    `update` (an optimizer's step) and `max_grad_norm` run as in training."""
+    `optimizer` and `max_grad_norm` run as in training."""
     layout = pipe.layout
     feed = inputs if layout.is_first else None
     labels = targets if layout.is_last else None
@@ -145,8 +145,10 @@ def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_siz
 
     def step(index: int, traced: bool = False) -> Any:
         pipe.zero_grad()
+        # Stored activations are counted on the first measured step only: counting costs a Python call
+        # per saved tensor, which would be timed too.
         return pipe.train_step(feed, labels, microbatches=microbatches, step=index, trace=traced,
-                               max_grad_norm=max_grad_norm, update=update)
+                               max_grad_norm=max_grad_norm, optimizer=optimizer, measure_memory=index == warmup)
 
     cpu = busy = 0.0
     load: Load | None = None
@@ -157,7 +159,7 @@ def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_siz
         seconds, result = timed(functools.partial(step, index))
         if index >= warmup:
             cpu += time.thread_time() - started
-            busy += pipe.timeline.busy()
+            busy += result.own.busy
             figures.step_times.append(seconds)
             if result.stats is not None:
                 history.append(result.stats)

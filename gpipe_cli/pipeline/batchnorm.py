@@ -66,19 +66,25 @@ class DeferredBatchNorm(nn.Module):
 
     @torch.no_grad()
     def commit(self, reduced: torch.Tensor | None = None) -> None:
-        """Fold this mini-batch's statistics into the running averages and reset the accumulators."""
+        """Fold this mini-batch's statistics into the running averages and reset the accumulators.
+
+        All on the device: a mini-batch that saw no example (count 0) leaves the averages unchanged
+        through `torch.where`, so the host never reads the count.
+        """
         stats = self.statistics() if reduced is None else reduced
         c = self.num_features
-        total_sum, total_squares, n = stats[:c], stats[c:2 * c], float(stats[-1])
-        if n > 0:
-            mean = total_sum / n
-            var = (total_squares / n - mean.square()).clamp_min(0.0)
-            unbiased = var * (n / max(n - 1.0, 1.0))
-            self.num_batches_tracked += 1
-            momentum = (1.0 / float(self.num_batches_tracked) if self.momentum is None
-                        else self.momentum)
-            self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype), alpha=momentum)
-            self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype), alpha=momentum)
+        total_sum, total_squares, n = stats[:c], stats[c:2 * c], stats[-1]
+        seen = n > 0
+        count = n.clamp_min(1.0)
+        mean = total_sum / count
+        var = (total_squares / count - mean.square()).clamp_min(0.0)
+        unbiased = var * (count / (count - 1.0).clamp_min(1.0))
+        self.num_batches_tracked.add_(seen.to(self.num_batches_tracked.dtype))
+        momentum = (1.0 / self.num_batches_tracked.clamp_min(1).to(torch.float64) if self.momentum is None
+                    else torch.full((), self.momentum, dtype=torch.float64, device=n.device))
+        rate = torch.where(seen, momentum, torch.zeros_like(momentum))
+        self.running_mean.lerp_(mean.to(self.running_mean.dtype), rate.to(self.running_mean.dtype))
+        self.running_var.lerp_(unbiased.to(self.running_var.dtype), rate.to(self.running_var.dtype))
         self.sum.zero_()
         self.sum_squares.zero_()
         self.count.zero_()

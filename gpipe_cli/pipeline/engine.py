@@ -1,4 +1,12 @@
-"""The engine: this rank's stage, driven through a schedule, one synchronous mini-batch at a time."""
+"""The engine: this rank's stage, driven through a schedule, one synchronous mini-batch at a time.
+
+A training step is launched without the host ever waiting for the device: the loss, the global
+gradient norm, the non-finite count and the clip stay on the device, the optimizer skips a
+non-finite step on the device (fused optimizers' `found_inf`), and the step's figures are copied
+into host memory as it ends. `PendingStep.result` reads them, normally a step later, with the step's
+one wait. An optimizer without a fused implementation (RMSprop) cannot skip on the device: its step
+reads the figures before the update, and that read is the step's one wait.
+"""
 
 from __future__ import annotations
 
@@ -9,22 +17,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from gpipe_cli.pipeline import device as dev
 from gpipe_cli.pipeline import grads, memory, microbatch, partition, stats
 from gpipe_cli.pipeline import schedule as sched
+from gpipe_cli.pipeline import topology as topo_
 from gpipe_cli.pipeline.batchnorm import deferred_batchnorms
-from gpipe_cli.pipeline.comm import BACKWARD, FORWARD, RESULT, Inbound, Outbound
+from gpipe_cli.pipeline.comm import Inbound, Outbound
 from gpipe_cli.pipeline.executor import Channels, Executor, Message
+from gpipe_cli.pipeline.fabric import BACKWARD, FORWARD, RESULT, Link
 from gpipe_cli.pipeline.schedule import Kind
 from gpipe_cli.pipeline.stage import Stage, as_tensors
+from gpipe_cli.pipeline.stats import StageStats
 from gpipe_cli.pipeline.tied import tie_parameters
 from gpipe_cli.pipeline.topology import Topology
 
 Units = Callable[[torch.Tensor], "torch.Tensor | int | float"]
 Metrics = dict[str, Callable[[Any, torch.Tensor], "torch.Tensor | float"]]  # name -> sum over examples
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_LOSS, _NORM, _BAD, _LAYER, _SCALE = range(5)  # the step's device figures, in their vector
 
 
 @dataclass
@@ -35,6 +47,8 @@ class StepResult:
     grad_norm: float              # global gradient norm before clipping
     skipped: bool                 # a non-finite loss or gradient on some stage: the update was not applied
     stats: stats.StepStats | None  # every stage's figures, on rank 0
+    loss_scale: float | None = None  # fp16: the loss scale after this step
+    own: StageStats | None = None  # this rank's own figures
 
 
 @dataclass
@@ -45,6 +59,51 @@ class EvalResult:
     units: float
     metrics: dict[str, float] = field(default_factory=dict)
     outputs: Any | None = None
+
+
+def _finite(values: list[float]) -> bool:
+    """Whether a step's figures say every loss and gradient was finite."""
+    return values[_BAD] == 0 and math.isfinite(values[_NORM])
+
+
+def fused(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether an optimizer skips a non-finite step on the device (torch's fused kernels take `found_inf`)."""
+    return optimizer is not None and bool(optimizer.defaults.get("fused"))
+
+
+@dataclass
+class PendingStep:
+    """A launched training step whose figures the host has not read yet; every rank reads them in step order."""
+
+    pipe: Pipeline
+    times: stats.StepTimes
+    figures: dev.HostCopy
+    examples: float
+    units: float
+    activation_peak: int
+    rss_peak: int
+    cuda_peak: int
+    bubble_theory: float
+    trace: bool
+
+    def result(self) -> StepResult:
+        """The step's figures, gathered on rank 0 (waits for the device once, if it is not there yet)."""
+        dev.wait_for(self.times.end)
+        values = self.figures.read().tolist()
+        pipe, layout = self.pipe, self.pipe.layout
+        events = self.times.events()
+        wait, comm, optimizer = self.times.parts(events)
+        skipped = not _finite(values)
+        loss = values[_LOSS] if layout.is_last else None
+        mine = stats.StageStats(layout.stage, layout.replica, self.times.step_time, self.times.busy(events),
+                                self.activation_peak, self.rss_peak, self.cuda_peak, wait, comm, optimizer,
+                                int(values[_LAYER]) if skipped else -1)
+        gathered = stats.gather(mine, loss or 0.0, int(self.examples), self.units, values[_NORM],
+                                self.bubble_theory, pipe.topology.fabric, events if self.trace else None)
+        if gathered is not None and loss is None:
+            loss = gathered.loss
+        return StepResult(loss=loss, grad_norm=values[_NORM], skipped=skipped, stats=gathered,
+                          loss_scale=values[_SCALE] if pipe.loss_scale.enabled else None, own=mine)
 
 
 class Pipeline:
@@ -74,10 +133,14 @@ class Pipeline:
         self.module = nn.Sequential(OrderedDict((str(i), layer) for i, layer in zip(self.layer_indices, layers)))
         self.module.to(self.device)
         self.units = units
-        self.staging = topology.transport.staging
         self.shared = tie_parameters(self.module, topology, self.ranges, tied)
-        self._norm_exclude = {id(c.parameter) for c in self.shared if not c.counts_in_norm}
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        # Per trainable parameter: its global layer (to name a non-finite gradient) and whether it counts in
+        # the global norm (a tied copy counts on its first holder only).
+        self._layer_of = [int(name.split(".", 1)[0]) for name, p in self.module.named_parameters() if p.requires_grad]
+        excluded = {id(c.parameter) for c in self.shared if not c.counts_in_norm}
+        self._in_norm = [id(p) not in excluded for p in self.params]
+        self._per_param: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self.batchnorms = deferred_batchnorms(self.module)
         meter = memory.ActivationMeter([*self.module.parameters(), *self.module.buffers()])
         last_chunk = len(self.ranges) - 1
@@ -87,7 +150,7 @@ class Pipeline:
                      self.device, loss if c == last_chunk else None, meter, PRECISIONS[precision])
             for c in range(self.layout.stage, len(self.ranges), stages)}
         self.stage = self.stages[last_chunk if self.layout.is_last else self.layout.stage]  # holds the loss if any
-        self.loss_scale = grads.LossScale(precision == "fp16")
+        self.loss_scale = grads.LossScale(precision == "fp16", self.device)
         self.timeline = stats.Timeline(self.layout.stage, self.device)
         self._plans: dict[int, sched.Schedule] = {}
         self._open_channels()
@@ -95,26 +158,29 @@ class Pipeline:
     # ----------------------------------------------------------------- set-up
 
     def _open_channels(self) -> None:
-        layout, transport = self.layout, self.topology.transport
+        layout, transport, fabric = self.layout, self.topology.transport, self.topology.fabric
         # With V > 1 the chunks form a ring: the last stage's chunks feed the first stage's next ones.
         ring = self.virtual > 1
+        if fabric is not None:
+            fabric.open(topo_.links(layout, ring), [])
+        me = layout.rank
         prev = layout.rank_of((layout.stage - 1) % layout.stages) if ring or not layout.is_first else None
         nxt = layout.rank_of((layout.stage + 1) % layout.stages) if ring or not layout.is_last else None
-        self.fwd_in = Inbound(transport, prev, FORWARD, "activations") if prev is not None else None
-        self.bwd_out = Outbound(transport, prev, BACKWARD) if prev is not None else None
-        self.fwd_out = Outbound(transport, nxt, FORWARD) if nxt is not None else None
-        self.bwd_in = Inbound(transport, nxt, BACKWARD, "gradients") if nxt is not None else None
+        self.fwd_in = Inbound(transport, Link(prev, me, FORWARD)) if prev is not None else None
+        self.bwd_out = Outbound(transport, Link(me, prev, BACKWARD)) if prev is not None else None
+        self.fwd_out = Outbound(transport, Link(me, nxt, FORWARD)) if nxt is not None else None
+        self.bwd_in = Inbound(transport, Link(nxt, me, BACKWARD)) if nxt is not None else None
         result_src = layout.rank_of(layout.stages - 1, 0)
-        self.result_in = (Inbound(transport, result_src, RESULT, "outputs")
-                          if self.topology.distributed and layout.rank == 0 and result_src != 0 else None)
-        self.result_out = (Outbound(transport, 0, RESULT)
-                           if layout.is_last and layout.replica == 0 and layout.rank != 0 else None)
+        self.result_in = (Inbound(transport, Link(result_src, 0, RESULT))
+                          if self.topology.distributed and me == 0 and result_src != 0 else None)
+        self.result_out = (Outbound(transport, Link(me, 0, RESULT))
+                           if layout.is_last and layout.replica == 0 and me != 0 else None)
 
-    def _begin_step(self) -> None:
-        # Every channel's two ends mark step boundaries together: it is how they agree on buffer sizes.
+    def _begin_step(self, training: bool) -> None:
+        # Every link's two ends mark step boundaries together: it is how they agree on what is posted ahead.
         for channel in (self.fwd_in, self.bwd_in, self.fwd_out, self.bwd_out, self.result_in, self.result_out):
             if channel is not None:
-                channel.begin_step()
+                channel.begin_step(training)
 
     def _plan(self, chunks: int) -> sched.Schedule:
         if chunks not in self._plans:
@@ -130,7 +196,7 @@ class Pipeline:
 
     def _to_device(self, batch: Any) -> Any:
         if isinstance(batch, torch.Tensor):
-            return batch.to(self.device, non_blocking=True)
+            return dev.to_device(batch, self.device)
         return tuple(self._to_device(b) for b in batch)
 
     def _feed(self, inputs: Any, chunks: int, example_offset: int = 0) -> list[Message]:
@@ -138,13 +204,13 @@ class Pipeline:
         offsets = microbatch.offsets(microbatch.sizes(microbatch.batch_size(inputs), chunks), example_offset)
         return [(*as_tensors(mb), off) for mb, off in zip(microbatch.scatter(self._to_device(inputs), chunks), offsets)]
 
-    def _sum_over_last_stages(self, values: list[float]) -> list[float]:
-        group = self.topology.last_stages_group
-        if group is None:
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        """Host values summed over every rank (each replica's last stage brings its own; others zeros)."""
+        fabric = self.topology.fabric
+        if fabric is None or self.layout.replicas == 1:
             return values
-        t = torch.tensor(values, dtype=torch.float64,
-                         device="cpu" if self.staging or self.device.type == "cpu" else self.device)
-        dist.all_reduce(t, group=group)
+        t = torch.tensor(values, dtype=torch.float64)
+        fabric.host_sum(t)
         return t.tolist()
 
     def _count_units(self, target: torch.Tensor) -> float:
@@ -161,22 +227,28 @@ class Pipeline:
 
     # ----------------------------------------------------------------- training
 
-    def train_step(self, inputs: Any = None, targets: torch.Tensor | None = None, *, microbatches: int,
-                   step: int, example_offset: int = 0, max_grad_norm: float | None = None,
-                   trace: bool = False, update: Callable[[], None] | None = None) -> StepResult:
-        """Forward and backward one mini-batch as M micro-batches; leave the summed gradients in place.
+    def train_step(self, inputs: Any = None, targets: torch.Tensor | None = None, **options: Any) -> StepResult:
+        """`launch_step`, then read its figures at once (for callers that want them now)."""
+        return self.launch_step(inputs, targets, **options).result()
+
+    def launch_step(self, inputs: Any = None, targets: torch.Tensor | None = None, *, microbatches: int,
+                    step: int, example_offset: int = 0, max_grad_norm: float | None = None, trace: bool = False,
+                    optimizer: torch.optim.Optimizer | None = None, measure_memory: bool = True) -> PendingStep:
+        """Forward and backward one mini-batch as M micro-batches, then update; the host never waits for the device.
 
         The first stage gives `inputs`, the last stage `targets` (a single stage gives both).
         `example_offset` is the global index of this replica's first example (split-invariant dropout).
-        `update` (the optimizer step) runs, timed, once the gradients are ready, unless some stage's loss
-        or gradient is not finite.
+        `optimizer` steps, timed, with the summed gradients, unless some stage's loss or gradient is not
+        finite. `measure_memory` counts every stored activation (a Python call per saved tensor).
         """
         layout, chunks = self.layout, microbatches
         actions = self._plan(chunks)
         self.module.train()
         for stage in self.stages.values():
             stage.step = step
-        self.stage.meter.reset_peak()
+        meter = self.stage.meter
+        meter.enabled = measure_memory
+        meter.reset_peak()
         memory.reset_cuda_peak(self.device)
         self.timeline.start()
 
@@ -186,7 +258,7 @@ class Pipeline:
                 raise ValueError("the first stage needs the inputs of the mini-batch")
             feed = self._feed(inputs, chunks, example_offset)
         targets_mb: list[torch.Tensor] = []
-        weights: list[float] = []
+        weights: list[float | torch.Tensor] = []
         examples = units_total = 0.0
         if layout.is_last:
             if targets is None:
@@ -194,13 +266,16 @@ class Pipeline:
             targets_mb = microbatch.scatter(targets, chunks)
             units = [self._count_units(t) for t in targets_mb]
             examples, units_total = float(targets.shape[0]), sum(units)
-            global_units = self._sum_over_last_stages([units_total])[0]
+        global_units = self._sum_over_ranks([units_total])[0]
+        if layout.is_last:
             if global_units <= 0:
                 raise ValueError("the mini-batch has no units to train on (every target is padding)")
-            weights = [u / global_units * self.loss_scale.value for u in units]
+            weights = [u / global_units for u in units]
+            if self.loss_scale.enabled:
+                weights = [self.loss_scale.value * w for w in weights]
             targets_mb = [self._to_device(t) for t in targets_mb]
 
-        self._begin_step()
+        self._begin_step(True)
         if self.fwd_in is not None:
             self.fwd_in.expect(sum(a.kind == Kind.RECV_FWD for a in actions))
         if self.bwd_in is not None:
@@ -208,7 +283,6 @@ class Pipeline:
 
         run = self._executor(chunks, True, timeline=self.timeline, feed=feed, targets=targets_mb, weights=weights)
         run.run(actions)
-        losses = run.losses
         with self.timeline.span(stats.COMM):
             for channel in (self.fwd_out, self.bwd_out):
                 if channel is not None:
@@ -218,52 +292,70 @@ class Pipeline:
             raise RuntimeError(f"the {self.schedule_name} schedule left {in_flight} micro-batches of "
                                f"stage {layout.stage} without a backward")
 
-        loss = float(torch.stack(losses).sum()) / self.loss_scale.value if losses else None
-        norm, finite = self._finish_gradients(max_grad_norm, loss is None or math.isfinite(loss))
-        self.loss_scale.update(finite)
-        if finite and update is not None:
-            with self.timeline.span(stats.OPTIMIZER):
-                update()
-        step_time = self.timeline.now()
-        events = self.timeline.events()
-        wait, comm, optimizer = self.timeline.parts(events)
-        mine = stats.StageStats(layout.stage, layout.replica, step_time, self.timeline.busy(events),
-                                self.stage.meter.peak, memory.peak_rss_bytes(), memory.cuda_peak_bytes(self.device),
-                                wait, comm, optimizer, -1 if finite else self._first_nonfinite_layer())
-        gathered = stats.gather(mine, loss or 0.0, int(examples), units_total, norm,
-                                sched.theoretical_bubble(layout.stages, chunks, self.schedule_name, self.virtual),
-                                self.topology.transport.control,
-                                events if trace else None)
-        if gathered is not None and loss is None:
-            loss = gathered.loss
-        return StepResult(loss=loss, grad_norm=norm, skipped=not finite, stats=gathered)
-
-    def _finish_gradients(self, max_grad_norm: float | None, loss_finite: bool) -> tuple[float, bool]:
-        """Sum over replicas and shared copies, unscale, take the global norm and clip.
-
-        Returns the norm and whether every loss and gradient of every stage and replica is finite.
-        """
-        with self.timeline.span(stats.COMM):
-            bad = grads.all_reduce_replicas(self.params, self.topology.replica_group, self.staging,
-                                            0.0 if loss_finite else 1.0)
-            grads.sum_shared(self.shared, self.staging)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        loss = torch.stack(run.losses).sum().to(torch.float64) if run.losses else zero
         if self.loss_scale.enabled:
-            grads.scale_(self.params, 1.0 / self.loss_scale.value)
+            loss = loss / self.loss_scale.value
+        norm, bad, layer = self._finish_gradients(max_grad_norm, loss, zero)
+        finite = (bad == 0) & norm.isfinite()
+        figures = torch.stack([loss, norm, bad, layer, self.loss_scale.value.to(torch.float64)])
+        self.loss_scale.update(bad + (~finite).to(bad.dtype))
+        copy = dev.HostCopy(figures)  # queued now; read after the step's last marker, with one wait
+        if optimizer is not None and fused(optimizer):
+            with self.timeline.span(stats.OPTIMIZER):
+                optimizer.found_inf = (~finite).to(torch.float32)  # type: ignore[attr-defined]
+                optimizer.grad_scale = None  # type: ignore[attr-defined]
+                optimizer.step()
+                del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
+        elif optimizer is not None and _finite(copy.read().tolist()):  # the one wait: it decides the update
+            with self.timeline.span(stats.OPTIMIZER):
+                optimizer.step()
+        times = self.timeline.finish()
+        return PendingStep(self, times, copy, examples, units_total,
+                           meter.peak if measure_memory else -1, memory.peak_rss_bytes(),
+                           memory.cuda_peak_bytes(self.device),
+                           sched.theoretical_bubble(layout.stages, chunks, self.schedule_name, self.virtual), trace)
+
+    def _finish_gradients(self, max_grad_norm: float | None, loss: torch.Tensor,
+                          zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sum over replicas and shared copies, unscale, take the global norm and clip; all on the device.
+
+        Returns the global norm, the count of non-finite losses and stages over every stage and replica,
+        and the global index of this stage's first layer in backward order with a non-finite gradient (-1).
+        """
+        topology, fabric = self.topology, self.topology.fabric
+        with self.timeline.span(stats.COMM):
+            flag = (~loss.isfinite()).to(torch.float64) if self.layout.is_last else zero
+            bad = grads.all_reduce_replicas(self.params, fabric, topology.replica_ranks(), flag)
+            grads.sum_shared(self.shared, fabric)
+        if self.loss_scale.enabled:
+            grads.scale_(self.params, self.loss_scale.value.reciprocal())
+        found, positions = grads.norms(self.params)
+        squares, layer = zero, zero - 1
+        if found is not None:
+            layers, counted = self._per_param_tensors(positions)
+            squares = (found.square() * counted).sum()
+            layer = grads.last_nonfinite(found, layers)
+            bad = bad + (layer >= 0).to(bad.dtype)
         # The norm's collective waits for the slowest stage to finish its backward: that is the bubble.
         with self.timeline.span(stats.WAIT):
-            norm, bad = grads.global_norm(self.params, self._norm_exclude, self.topology.pipeline_group,
-                                          self.staging, self.device, bad)
-        finite = math.isfinite(norm) and bad == 0
-        if finite and max_grad_norm is not None and norm > max_grad_norm:
-            grads.scale_(self.params, max_grad_norm / (norm + 1e-6))
+            norm, bad = grads.global_norm(squares, bad, fabric, topology.pipeline_ranks())
+        if max_grad_norm is not None:
+            grads.clip_(self.params, norm, max_grad_norm)
         with self.timeline.span(stats.COMM):
-            grads.commit_batchnorms(self.batchnorms, self.topology.replica_group, self.staging)
-        return norm, finite
+            grads.commit_batchnorms(self.batchnorms, fabric, topology.replica_ranks())
+        return norm, bad, layer
 
-    def _first_nonfinite_layer(self) -> int:
-        """The global index of this stage's first layer, in backward order, with a non-finite gradient."""
-        name = grads.first_nonfinite(reversed(list(self.module.named_parameters())))
-        return int(name.split(".", 1)[0]) if name is not None else -1
+    def _per_param_tensors(self, positions: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the parameters at `positions`: their global layers and whether each counts in the norm.
+
+        Made once per set of parameters with a gradient (the same every step), so no step copies them.
+        """
+        if positions not in self._per_param:
+            self._per_param[positions] = (
+                torch.tensor([self._layer_of[i] for i in positions], device=self.device),
+                torch.tensor([float(self._in_norm[i]) for i in positions], dtype=torch.float64, device=self.device))
+        return self._per_param[positions]
 
     # ----------------------------------------------------------------- evaluation
 
@@ -277,26 +369,26 @@ class Pipeline:
         layout = self.layout
         was_training = self.module.training
         self.module.eval()
-        self._begin_step()
+        self._begin_step(False)
         try:
             chunks, received = self._eval_chunks(inputs, microbatches)
             feed = self._feed(inputs, chunks) if layout.is_first and chunks else []
             targets_mb = microbatch.scatter(targets, chunks) if layout.is_last and chunks and targets is not None \
                 else []
-            loss_sum = units_sum = 0.0
-            sums = dict.fromkeys(metrics or {}, 0.0)
+            sums: dict[str, Any] = dict.fromkeys(["loss", *(metrics or {})], 0.0)
+            units_sum = 0.0
             outputs: list[Any] = []
 
             def on_output(mb: int, out: Any) -> None:
-                nonlocal loss_sum, units_sum
+                nonlocal units_sum
                 if targets_mb:
                     target = self._to_device(targets_mb[mb])
                     n = self._count_units(targets_mb[mb])
                     assert self.stage.loss is not None
-                    loss_sum += float(self.stage.loss(out, target)) * n
+                    sums["loss"] = sums["loss"] + self.stage.loss(out, target).double() * n
                     units_sum += n
                     for key, metric in (metrics or {}).items():
-                        sums[key] += float(metric(out, target))
+                        sums[key] = sums[key] + metric(out, target)
                 if return_outputs:
                     outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)
 
@@ -308,7 +400,15 @@ class Pipeline:
                     sched.forward_only(layout.stage, layout.stages, chunks, self.virtual))
             if self.fwd_out is not None:
                 self.fwd_out.flush()
-            return self._eval_result(loss_sum, units_sum, sums, outputs, return_outputs)
+            # One read of the device's sums for the whole batch.
+            keys = sorted(sums)
+            host = [0.0] * len(keys)
+            if layout.is_last:
+                device_sums = torch.stack([torch.as_tensor(sums[k], device=self.device).to(torch.float64)
+                                           for k in keys])
+                host = dev.HostCopy(device_sums).read().tolist()
+            totals = dict(zip(keys, host))
+            return self._eval_result(totals.pop("loss"), units_sum, totals, outputs, return_outputs)
         finally:
             self.module.train(was_training)
 
@@ -336,21 +436,18 @@ class Pipeline:
                      return_outputs: bool) -> EvalResult:
         layout = self.layout
         keys = sorted(sums)
-        if layout.is_last:
-            totals = self._sum_over_last_stages([loss_sum, units_sum, *(sums[k] for k in keys)])
-            loss_sum, units_sum = totals[0], totals[1]
-            sums = dict(zip(keys, totals[2:]))
+        totals = self._sum_over_ranks([loss_sum, units_sum, *(sums[k] for k in keys)])
+        loss_sum, units_sum = totals[0], totals[1]
+        sums = dict(zip(keys, totals[2:]))
         result = EvalResult(loss=loss_sum / units_sum if units_sum else float("nan"), units=units_sum,
                             metrics=sums)
         gathered = microbatch.gather(outputs) if return_outputs and outputs else None
-        if self.topology.distributed:
-            box = [result]
-            dist.broadcast_object_list(box, src=layout.rank_of(layout.stages - 1, 0),
-                                       group=self.topology.transport.control)
-            result = box[0]
+        fabric = self.topology.fabric
+        if fabric is not None:
+            result = fabric.share(result, layout.rank_of(layout.stages - 1, 0))
             if return_outputs and self.result_out is not None and gathered is not None:
                 tensors, bare = as_tensors(gathered)
-                self.result_out.send(0, 1, 0, [None if t is None else t.cpu() for t in tensors], bare)
+                self.result_out.send(0, 1, 0, tensors, bare)
                 self.result_out.flush()
             if return_outputs and self.result_in is not None:
                 self.result_in.expect(1)
@@ -367,7 +464,4 @@ class Pipeline:
         return self.module.state_dict(keep_vars=False)
 
     def close(self) -> None:
-        """Stop the receiving threads."""
-        for channel in (self.fwd_in, self.bwd_in, self.result_in):
-            if channel is not None:
-                channel.close()
+        """Nothing to stop: receiving needs no thread of its own."""

@@ -68,7 +68,7 @@ class Executor:
     timeline: Timeline | None = None
     feed: Sequence[Message] = ()
     targets: Sequence[torch.Tensor] = ()
-    weights: Sequence[float] = ()
+    weights: Sequence[float | torch.Tensor] = ()
     on_output: Callable[[int, Any], None] | None = None
     received: dict[int, Message] = field(default_factory=dict)
     before: Callable[[Action], None] | None = None  # called before each action (memory accounting reads here)

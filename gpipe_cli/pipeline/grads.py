@@ -1,21 +1,22 @@
 """Gradients after the last backward: replicas summed, shared copies summed, one global norm and clip.
 
 Micro-batch losses are already weighted by their share of the global mini-batch's units, so every
-reduction here is a plain sum and the result equals the gradient of the whole mini-batch.
+reduction here is a plain sum and the result equals the gradient of the whole mini-batch. Everything
+stays on the device: the norm, the non-finite count and the clip are tensors the host never reads
+during the step (it reads them with the step's other figures, a step later).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from gpipe_cli.pipeline.batchnorm import DeferredBatchNorm
+from gpipe_cli.pipeline.fabric import Fabric, Ranks
 
 
 @dataclass
@@ -23,116 +24,132 @@ class SharedCopy:
     """A local parameter that other stages hold copies of (a tied embedding and softmax)."""
 
     parameter: nn.Parameter
-    group: dist.ProcessGroup
+    ranks: Ranks
     counts_in_norm: bool  # only the first holder counts it, so the global norm sees it once
 
 
-def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, staging: bool) -> None:
-    if staging and tensor.device.type != "cpu":
-        host = tensor.cpu()
-        dist.all_reduce(host, group=group)
-        tensor.copy_(host)
-    else:
-        dist.all_reduce(tensor, group=group)
-
-
-def all_reduce_replicas(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, staging: bool,
-                        flag: float = 0.0) -> float:
+def all_reduce_replicas(params: Sequence[nn.Parameter], fabric: Fabric | None, ranks: Ranks,
+                        flag: torch.Tensor) -> torch.Tensor:
     """Sum gradients over the data-parallel replicas of a stage, in one flat buffer.
 
-    `flag` (e.g. 1 for a non-finite loss) rides along in the same buffer; returns its sum over replicas.
+    `flag` (a 0-d count, e.g. 1 for a non-finite loss) rides along in the same buffer; returns its sum.
     """
-    if group is None:
+    if fabric is None or len(ranks) < 2:
         return flag
     for p in params:
         if p.grad is None:  # every replica must reduce the same buffer layout
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    marker = torch.tensor([flag], dtype=grads[0].dtype if grads else torch.float32, device=device)
+    marker = flag.reshape(1).to(grads[0].dtype if grads else torch.float32)
     flat = _flatten_dense_tensors([*grads, marker])
-    _all_reduce(flat, group, staging)
-    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(reduced)
-    return float(flat[-1].item())
+    fabric.all_reduce(flat, ranks)
+    if grads:
+        torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
+    return flat[-1].to(flag.dtype)
 
 
-def sum_shared(shared: Sequence[SharedCopy], staging: bool) -> None:
+def sum_shared(shared: Sequence[SharedCopy], fabric: Fabric | None) -> None:
     """Sum the gradients of parameters held by several stages, so every copy takes the same step."""
     for copy in shared:
         p = copy.parameter
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        _all_reduce(p.grad, copy.group, staging)
+        if fabric is not None:
+            fabric.all_reduce(p.grad, copy.ranks)
 
 
-def global_norm(params: Sequence[nn.Parameter], exclude: set[int], group: dist.ProcessGroup | None,
-                staging: bool, device: torch.device, flag: float = 0.0) -> tuple[float, float]:
-    """The L2 norm of all gradients of all stages (each shared parameter counted once).
+def norms(params: Sequence[nn.Parameter]) -> tuple[torch.Tensor | None, tuple[int, ...]]:
+    """The gradient L2 norms (float64) of the parameters that have a gradient, and their positions."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, p in enumerate(params):
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(i)
+    if not by_dtype:
+        return None, ()
+    parts, positions = [], []
+    for indices in by_dtype.values():
+        parts.append(torch.stack(torch._foreach_norm([params[i].grad for i in indices])).to(torch.float64))  # type: ignore[misc]
+        positions += indices
+    return torch.cat(parts) if len(parts) > 1 else parts[0], tuple(positions)
 
-    Also returns `flag` summed over the stages (one collective for both): how a non-finite loss, known
-    only to the last stage, reaches every stage in the same step.
+
+def last_nonfinite(found: torch.Tensor, layers: torch.Tensor) -> torch.Tensor:
+    """The highest of `layers` whose norm in `found` is not finite (the first in backward order), else -1."""
+    return torch.where(found.isfinite(), -1, layers).max().to(torch.float64)
+
+
+def global_norm(local_squares: torch.Tensor, flag: torch.Tensor, fabric: Fabric | None,
+                ranks: Ranks) -> tuple[torch.Tensor, torch.Tensor]:
+    """The L2 norm over all stages' gradients, and `flag` summed over the stages, in one collective.
+
+    The flag is how a non-finite loss, known only to the last stage, reaches every stage in the same step.
     """
-    grads = [p.grad for p in params if p.grad is not None and id(p) not in exclude]
-    local = (torch.nn.utils.get_total_norm(grads, 2.0).double() if grads
-             else torch.zeros((), dtype=torch.float64, device=device))
-    values = torch.stack([local.square().to(device), torch.tensor(flag, dtype=torch.float64, device=device)])
-    if group is not None:
-        _all_reduce(values, group, staging)
-    squares, flags = values.tolist()
-    return math.sqrt(squares), flags
+    values = torch.stack([local_squares.to(torch.float64), flag.to(torch.float64)])
+    if fabric is not None and len(ranks) > 1:
+        fabric.all_reduce(values, ranks)
+    return values[0].sqrt(), values[1]
 
 
-def first_nonfinite(named: Iterable[tuple[str, nn.Parameter]]) -> str | None:
-    """The name of the first parameter, in the given order, whose gradient holds a NaN or an infinity."""
-    for name, p in named:
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-            return name
-    return None
+def clip_(params: Sequence[nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale gradients so their global norm is at most `max_norm` (a clamped factor: no host decision)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, factor.to(grads[0].dtype))
 
 
-def scale_(params: Sequence[nn.Parameter], factor: float) -> None:
+def scale_(params: Sequence[nn.Parameter], factor: torch.Tensor | float) -> None:
     """Multiply every gradient in place."""
     grads = [p.grad for p in params if p.grad is not None]
-    if grads and factor != 1.0:
+    if grads:
         torch._foreach_mul_(grads, factor)
 
 
-def commit_batchnorms(norms: Sequence[DeferredBatchNorm], group: dist.ProcessGroup | None, staging: bool) -> None:
+def commit_batchnorms(norms_: Sequence[DeferredBatchNorm], fabric: Fabric | None, ranks: Ranks) -> None:
     """Fold the mini-batch's BatchNorm statistics, summed over replicas, into the running averages."""
-    if not norms:
+    if not norms_:
         return
-    if group is None:
-        for bn in norms:
+    if fabric is None or len(ranks) < 2:
+        for bn in norms_:
             bn.commit()
         return
-    stats = [bn.statistics() for bn in norms]
+    stats = [bn.statistics() for bn in norms_]
     flat = torch.cat(stats)
-    _all_reduce(flat, group, staging)
+    fabric.all_reduce(flat, ranks)
     at = 0
-    for bn, s in zip(norms, stats):
+    for bn, s in zip(norms_, stats):
         bn.commit(flat[at:at + s.numel()])
         at += s.numel()
 
 
 class LossScale:
-    """Dynamic loss scaling for fp16, identical on every rank because its input is the global norm."""
+    """Dynamic loss scaling for fp16, kept on the device and the same on every rank (its input is global).
 
-    def __init__(self, enabled: bool, initial: float = 2.0 ** 16, growth_interval: int = 2000) -> None:
+    Halves after a step with a non-finite value (never below 1) and doubles after `growth_interval` clean
+    steps, as torch.amp.GradScaler does, without the host reading anything.
+    """
+
+    def __init__(self, enabled: bool, device: torch.device, initial: float = 2.0 ** 16,
+                 growth_interval: int = 2000) -> None:
         self.enabled = enabled
-        self.value = initial if enabled else 1.0
         self.growth_interval = growth_interval
-        self.good_steps = 0
+        self.value = torch.full((), initial if enabled else 1.0, dtype=torch.float32, device=device)
+        self._good = torch.zeros((), dtype=torch.int32, device=device)
 
-    def update(self, finite: bool) -> None:
-        """Halve after an overflow; double after `growth_interval` clean steps."""
+    def state(self) -> torch.Tensor:
+        """The scale and the clean steps since it last changed, for a checkpoint (host memory)."""
+        return torch.stack([self.value.to(torch.float64), self._good.to(torch.float64)]).cpu()
+
+    def load(self, state: torch.Tensor) -> None:
+        """Continue from `state` (see `state`)."""
+        value, good = state.tolist()
+        self.value.fill_(value)
+        self._good.fill_(int(good))
+
+    def update(self, bad: torch.Tensor) -> None:
+        """Fold in one step's outcome (`bad` > 0: some loss or gradient was not finite)."""
         if not self.enabled:
             return
-        if not finite:
-            self.value = max(self.value / 2.0, 1.0)
-            self.good_steps = 0
-            return
-        self.good_steps += 1
-        if self.good_steps >= self.growth_interval:
-            self.value *= 2.0
-            self.good_steps = 0
+        found = (bad > 0).to(torch.float32)
+        torch._amp_update_scale_(self.value, self._good, found, 2.0, 0.5, self.growth_interval)
+        self.value.clamp_(min=1.0)

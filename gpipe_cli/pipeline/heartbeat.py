@@ -6,7 +6,10 @@ A daemon thread on every rank writes a beat once a second and reads everyone's. 
   stopped too. Each rank beats once from its compute thread when it starts and when it starts training,
   since set-up can hold the interpreter lock and starve the beating thread.
 - no progress: every rank still beats, but no rank finished a step or a transfer (the training loop
-  calls `step_done`, the transport calls `tick`); the ranks furthest behind are named.
+  calls `step_done`; the transport counts a transfer once the work waiting on it finished, which on a
+  GPU is when the device passed an event recorded after it, since the host runs ahead of the device);
+  the ranks furthest behind are named with what they wait for ("receiving activations of micro-batch
+  3 from rank 0").
 
 Either ends the job when it lasts the timeout: a fixed number of seconds, or by default the larger of
 60 s and 10x the slowest step so far (so a big model is not ended for being big). Progress is judged
@@ -19,13 +22,16 @@ rank.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from gpipe_cli.pipeline import failure
 
@@ -42,10 +48,52 @@ _started = False
 _on_start: Callable[[], None] | None = None  # beats at once when training starts (set by Heartbeat)
 
 
-def tick() -> None:
-    """Note progress: a transfer finished."""
-    global _progress
-    _progress += 1
+class Waits:
+    """What this rank waits for: host waits in progress, and device waits not yet passed by the device.
+
+    The compute thread notes each wait; the heartbeat thread asks how many finished and what is
+    pending. On a GPU a stream wait returns to the host at once, so an event recorded after it tells
+    when the device really got past it.
+    """
+
+    _KEEP = 4096  # device waits remembered; older ones count as finished
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = 0
+        self._host: str | None = None
+        self._device: deque[tuple[Any, str]] = deque()
+
+    @contextlib.contextmanager
+    def host(self, what: str) -> Iterator[None]:
+        """The host blocks in this block, waiting for `what`."""
+        self._host = what
+        try:
+            yield
+        finally:
+            self._host = None
+            with self._lock:
+                self._done += 1
+
+    def device(self, event: Any, what: str) -> None:
+        """The device waits for `what` until it passes `event` (recorded just after the wait)."""
+        with self._lock:
+            self._device.append((event, what))
+            if len(self._device) > self._KEEP:
+                self._device.popleft()
+                self._done += 1
+
+    def poll(self) -> tuple[int, str | None]:
+        """Waits finished so far, and the oldest one still pending (host first), if any."""
+        with self._lock:
+            while self._device and self._device[0][0].query():
+                self._device.popleft()
+                self._done += 1
+            pending = self._host or (self._device[0][1] if self._device else None)
+            return self._done, pending
+
+
+waits = Waits()
 
 
 def step_done(seconds: float) -> None:
@@ -94,18 +142,16 @@ class Beat:
     pid: int
     host: str
     started: bool = False  # set-up is over: the rank is in its first step or later
+    waiting: str | None = None  # what the rank (or its device) waits for, if anything
 
     def encode(self) -> str:
         """The stored form."""
-        return (f"{self.count} {self.progress} {self.steps} {self.slowest:.6f} {int(self.paused)} "
-                f"{int(self.started)} {self.pid} {self.host}")
+        return json.dumps(asdict(self), separators=(",", ":"))
 
     @staticmethod
     def decode(text: str) -> Beat:
         """Parse the stored form."""
-        count, progress, steps, slowest, held, started, pid, host = text.split(" ", 7)
-        return Beat(int(count), int(progress), int(steps), float(slowest), held == "1", int(pid), host,
-                    started == "1")
+        return Beat(**json.loads(text))
 
 
 class Judge:
@@ -148,7 +194,7 @@ class Judge:
             return None
         fewest = min(b.steps for b in beats)
         behind = [r for r, b in enumerate(beats) if b.steps == fewest]
-        names = ", ".join(self.name(r) for r in behind)
+        names = ", ".join(self.name(r) + (f" ({beats[r].waiting})" if beats[r].waiting else "") for r in behind)
         return (f"no progress for {limit:.0f} s: {names} stuck in step {fewest + 1} (still running, but no step or "
                 f"transfer finished); ending the job", behind)
 
@@ -190,8 +236,9 @@ class Heartbeat:
     def _write(self) -> None:
         assert self._store is not None
         self._count += 1
-        mine = Beat(self._count, _progress, _steps, _slowest, _paused > 0, os.getpid(), socket.gethostname(),
-                    _started)
+        transfers, waiting = waits.poll()
+        mine = Beat(self._count, _progress + transfers, _steps, _slowest, _paused > 0, os.getpid(),
+                    socket.gethostname(), _started, waiting)
         self._store.set(self._keys[self.rank], mine.encode())
 
     def _exchange(self) -> list[Beat] | None:

@@ -43,6 +43,7 @@ class ActivationMeter:
         self._live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         self.current = 0
         self.peak = 0
+        self.enabled = True  # off: nothing is counted, and no Python runs per saved tensor
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never count these tensors' storages (parameters, buffers)."""
@@ -59,7 +60,7 @@ class ActivationMeter:
 
     def hold(self, tensor: torch.Tensor) -> Any:
         """Count `tensor` until the returned handle is dropped (returns the tensor when not countable)."""
-        if tensor.is_sparse:
+        if not self.enabled or tensor.is_sparse:
             return tensor
         storage = tensor.untyped_storage()
         key = _storage_key(tensor)
@@ -83,9 +84,12 @@ class ActivationMeter:
             del self._live[key]
             self.current -= entry[1]
 
+    def saved_tensors(self) -> contextlib.AbstractContextManager[Any]:
+        """Count every tensor autograd saves for backward inside this block (nothing when disabled)."""
+        return self._saved_tensors() if self.enabled else contextlib.nullcontext()
+
     @contextlib.contextmanager
-    def saved_tensors(self) -> Iterator[None]:
-        """Count every tensor autograd saves for backward inside this block."""
+    def _saved_tensors(self) -> Iterator[None]:
         def pack(t: torch.Tensor) -> Any:
             # Detached (same storage, same version counter): a saved output must not keep its own
             # grad_fn alive, or a graph whose buffers autograd never frees (a split backward's input

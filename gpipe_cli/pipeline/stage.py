@@ -43,7 +43,7 @@ class _State:
     rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
     outputs: list[Any] | None = None   # handles of the outputs with their graph
     target: torch.Tensor | None = None
-    weight: float = 0.0
+    weight: float | torch.Tensor = 0.0
     pending: split.Pending | None = None  # what the weight gradients (W) need, kept from B
 
 
@@ -80,7 +80,8 @@ class Stage:
         return x
 
     def forward(self, mb: int, inputs: Sequence[torch.Tensor | None], bare: bool, offset: int, remat: bool,
-                target: torch.Tensor | None = None, weight: float = 0.0) -> tuple[list[torch.Tensor | None], bool]:
+                target: torch.Tensor | None = None,
+                weight: float | torch.Tensor = 0.0) -> tuple[list[torch.Tensor | None], bool]:
         """Run micro-batch `mb`; return what to send on (the last stage: its weighted loss)."""
         state = _State([self.meter.hold(t) if t is not None else None for t in inputs], bare, offset,
                        target=target, weight=weight)

@@ -8,19 +8,20 @@ receive, or in the gradient-norm collective until the slowest stage arrives: the
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from gpipe_cli.pipeline.device import Marker
+from gpipe_cli.pipeline.fabric import Fabric
 from gpipe_cli.pipeline.schedule import COMPUTE, Action, Kind
 
 WAIT, COMM, OPTIMIZER = "wait", "comm", "optimizer"
 PARTS = ("compute", WAIT, COMM, OPTIMIZER, "other")  # where a step's time goes, in display order
 _WAITS = frozenset({Kind.RECV_FWD.value, Kind.RECV_BWD.value})
 _SENDS = frozenset({Kind.SEND_FWD.value, Kind.SEND_BWD.value})
+_COMPUTE = frozenset(k.value for k in COMPUTE)
 
 
 @dataclass(frozen=True)
@@ -36,90 +37,92 @@ class Event:
 
 
 class Timeline:
-    """Records when each action of a step ran (wall clock on CPU, CUDA events for device compute)."""
+    """When each action of a step ran: device markers around every action, read once the step is over.
+
+    Markers are CUDA events on a GPU (the host runs ahead, so its clock says when work was queued,
+    not when it ran) and host clock readings elsewhere; nothing here waits for the device.
+    """
 
     def __init__(self, stage: int, device: torch.device) -> None:
         self.stage, self.device = stage, device
-        self.cuda = device.type == "cuda"
-        self._origin = 0.0
-        self._events: list[tuple[Action, float, float]] = []
-        self._cuda: list[tuple[Action, torch.cuda.Event, torch.cuda.Event]] = []
-        self._open: tuple[Action, float, object] | None = None
-        self._range: torch.profiler.record_function | None = None
-        self._start_event: torch.cuda.Event | None = None
-        self.extra: dict[str, float] = {}  # seconds outside the schedule's actions, by part
+        self._origin = Marker(device)
+        self._spans: list[tuple[Action, Marker, Marker]] = []
+        self._extra: list[tuple[str, Marker, Marker]] = []
+        self._open: tuple[Action, Marker, object] | None = None
+        self._ranges = False
 
     def start(self) -> None:
         """Begin a step."""
-        self._events.clear()
-        self._cuda.clear()
-        self.extra = {}
-        self._origin = time.perf_counter()
-        if self.cuda:
-            self._start_event = torch.cuda.Event(enable_timing=True)
-            self._start_event.record()
-
-    def now(self) -> float:
-        """Seconds since the step began."""
-        return time.perf_counter() - self._origin
+        self._spans, self._extra = [], []
+        self._origin = Marker(self.device)
+        # A named range per action ("fwd mb3") only while a profiler records: it costs a call per action.
+        self._ranges = torch.autograd._profiler_enabled()
 
     def begin(self, action: Action) -> None:
         """Mark the start of an action."""
-        marker: object = None
-        if self.cuda and action.kind in COMPUTE:
-            marker = torch.cuda.Event(enable_timing=True)
-            marker.record()  # type: ignore[attr-defined]
-        self._open = (action, self.now(), marker)
-        # A named range ("forward mb3") so a torch.profiler trace shows the schedule around its kernels.
-        self._range = torch.profiler.record_function(f"{action.kind.value} mb{action.microbatch}")
-        self._range.__enter__()
+        scope: object = None
+        if self._ranges:
+            scope = torch.profiler.record_function(f"{action.kind.value} mb{action.microbatch}")
+            scope.__enter__()  # type: ignore[attr-defined]
+        self._open = (action, Marker(self.device), scope)
 
     def end(self) -> None:
         """Mark the end of the action begun last."""
         assert self._open is not None
-        action, start, marker = self._open
+        action, begin, scope = self._open
         self._open = None
-        if self._range is not None:
-            self._range.__exit__(None, None, None)
-            self._range = None
-        if marker is not None:
-            stop = torch.cuda.Event(enable_timing=True)
-            stop.record()
-            self._cuda.append((action, marker, stop))  # type: ignore[arg-type]
-        else:
-            self._events.append((action, start, self.now()))
-
-    def events(self) -> list[Event]:
-        """Every action of the step (synchronises CUDA to read device times)."""
-        out = [Event(self.stage, a.kind.value, a.microbatch, s, e, a.chunk) for a, s, e in self._events]
-        if self._cuda:
-            torch.cuda.synchronize(self.device)
-            assert self._start_event is not None
-            for action, begin, stop in self._cuda:
-                s = self._start_event.elapsed_time(begin) / 1e3
-                out.append(Event(self.stage, action.kind.value, action.microbatch, s,
-                                 s + begin.elapsed_time(stop) / 1e3, action.chunk))
-        return sorted(out, key=lambda e: e.start)
+        self._spans.append((action, begin, Marker(self.device)))
+        if scope is not None:
+            scope.__exit__(None, None, None)  # type: ignore[attr-defined]
 
     @contextlib.contextmanager
     def span(self, part: str) -> Iterator[None]:
         """Count the time of a block outside the schedule (a reduction, the optimizer) towards `part`."""
-        start = time.perf_counter()
+        begin = Marker(self.device)
         yield
-        if self.cuda:  # device work is asynchronous: count it where it ran, not where it was queued
-            torch.cuda.synchronize(self.device)
-        self.extra[part] = self.extra.get(part, 0.0) + time.perf_counter() - start
+        self._extra.append((part, begin, Marker(self.device)))
 
-    def busy(self, events: list[Event] | None = None) -> float:
+    def finish(self) -> StepTimes:
+        """The step's markers, to read once the device passed the last (see `StepTimes.read`)."""
+        return StepTimes(self.stage, self._origin, Marker(self.device), list(self._spans), list(self._extra))
+
+
+@dataclass
+class StepTimes:
+    """One step's markers; their times are read after the device passed `end`."""
+
+    stage: int
+    origin: Marker
+    end: Marker
+    spans: list[tuple[Action, Marker, Marker]]
+    extra: list[tuple[str, Marker, Marker]]
+
+    @property
+    def step_time(self) -> float:
+        """Seconds from the step's start to its end."""
+        return self.origin.seconds_to(self.end)
+
+    def events(self) -> list[Event]:
+        """Every action of the step, in seconds from its start."""
+        out = []
+        for action, begin, stop in self.spans:
+            start = self.origin.seconds_to(begin)
+            out.append(Event(self.stage, action.kind.value, action.microbatch, start, start + begin.seconds_to(stop),
+                             action.chunk))
+        return out
+
+    def busy(self, events: list[Event]) -> float:
         """Seconds spent in forward, recompute and backward."""
-        kinds = {k.value for k in COMPUTE}
-        return sum(e.end - e.start for e in (events or self.events()) if e.kind in kinds)
+        return sum(e.end - e.start for e in events if e.kind in _COMPUTE)
 
     def parts(self, events: list[Event]) -> tuple[float, float, float]:
         """Seconds waiting for a peer, communicating and in the optimizer during the step."""
-        wait = sum(e.end - e.start for e in events if e.kind in _WAITS) + self.extra.get(WAIT, 0.0)
-        comm = sum(e.end - e.start for e in events if e.kind in _SENDS) + self.extra.get(COMM, 0.0)
-        return wait, comm, self.extra.get(OPTIMIZER, 0.0)
+        extra: dict[str, float] = {}
+        for part, begin, stop in self.extra:
+            extra[part] = extra.get(part, 0.0) + begin.seconds_to(stop)
+        wait = sum(e.end - e.start for e in events if e.kind in _WAITS) + extra.get(WAIT, 0.0)
+        comm = sum(e.end - e.start for e in events if e.kind in _SENDS) + extra.get(COMM, 0.0)
+        return wait, comm, extra.get(OPTIMIZER, 0.0)
 
 
 @dataclass
@@ -207,34 +210,26 @@ class StepStats:
         return first.stage, first.nonfinite_layer
 
 
-_FIELDS = 14
-
-
 def gather(mine: StageStats, loss: float, examples: int, units: float, grad_norm: float,
-           bubble_theory: float, group: dist.ProcessGroup | None,
+           bubble_theory: float, fabric: Fabric | None,
            events: list[Event] | None = None) -> StepStats | None:
-    """Combine every rank's figures on rank 0 (others get None); events only when given."""
+    """Combine every rank's figures on rank 0 (others get None), over the control plane; events only when given."""
     row = torch.tensor([mine.stage, mine.replica, mine.step_time, mine.busy, mine.activation_peak,
                         mine.rss_peak, mine.cuda_peak, loss, examples, units, mine.wait, mine.comm,
                         mine.optimizer, mine.nonfinite_layer], dtype=torch.float64)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if fabric is None:
         rows, all_events = [row], list(events or [])
     else:
-        world = dist.get_world_size()
-        rank = dist.get_rank()
-        rows = [torch.empty(_FIELDS, dtype=torch.float64) for _ in range(world)]
-        dist.gather(row, rows if rank == 0 else None, dst=0, group=group)
-        all_events = []
-        if events is not None:
-            gathered: list[list[Event] | None] = [None] * world if rank == 0 else []
-            dist.gather_object(events, gathered if rank == 0 else None, dst=0, group=group)
-            all_events = [e for part in gathered if part for e in part]
-        if rank != 0:
+        gathered_rows = fabric.gather_rows(row)
+        parts = fabric.gather_objects(events) if events is not None else None
+        if gathered_rows is None:
             return None
+        rows = gathered_rows
+        all_events = [e for part in parts or [] if part for e in part]
     stages = [StageStats(int(r[0]), int(r[1]), float(r[2]), float(r[3]), int(r[4]), int(r[5]), int(r[6]),
-                         float(r[10]), float(r[11]), float(r[12]), int(r[13])) for r in rows]
+                         float(r[10]), float(r[11]), float(r[12]), int(r[13])) for r in (x.tolist() for x in rows)]
     last = max(s.stage for s in stages)
-    lasts = [r for r in rows if int(r[0]) == last]
+    lasts = [r.tolist() for r in rows if int(r[0]) == last]
     return StepStats(loss=float(sum(r[7] for r in lasts)), examples=int(sum(r[8] for r in lasts)),
                      units=float(sum(r[9] for r in lasts)), step_time=max(s.step_time for s in stages),
                      bubble_theory=bubble_theory, grad_norm=grad_norm, stages=stages, events=all_events)

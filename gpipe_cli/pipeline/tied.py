@@ -6,11 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gpipe_cli.pipeline.grads import SharedCopy
-from gpipe_cli.pipeline.topology import Topology, add_groups
+from gpipe_cli.pipeline.topology import Topology
 
 
 def _stage_of(index: int, ranges: Sequence[range]) -> int:
@@ -43,21 +42,19 @@ def tie_parameters(module: nn.Module, topology: Topology, ranges: Sequence[range
                     raise ValueError(f"tied parameters {local[0]} and {name} have different shapes")
                 setattr(module.get_submodule(path), attr, first)
         plans.append((owners, local))
-    # Every rank creates every group, in the same order, even those it is not part of.
-    add_groups(topology, [[layout.rank_of(s, r) for s in owners]
-                          for owners, _ in plans for r in range(layout.replicas)])
+    # Every rank opens every group, in the same order, even those it is not part of.
+    fabric = topology.fabric
+    if fabric is not None:
+        fabric.open([], [tuple(layout.rank_of(s, r) for s in owners) for owners, _ in plans
+                         for r in range(layout.replicas)])
     shared = []
     for owners, local in plans:
         if not local or len(owners) < 2:
             continue
-        ranks = [layout.rank_of(s) for s in owners]
-        pg = topology.group(ranks)
-        assert pg is not None
+        ranks = tuple(layout.rank_of(s) for s in owners)
         param = module.get_parameter(local[0])
-        with torch.no_grad():  # start every copy from the first holder's values
-            host = param.detach().cpu() if topology.transport.staging else param.detach()
-            dist.broadcast(host, src=ranks[0], group=pg)
-            if host is not param:
-                param.copy_(host)
-        shared.append(SharedCopy(param, pg, counts_in_norm=layout.stage == owners[0]))
+        if fabric is not None:
+            with torch.no_grad():  # start every copy from the first holder's values
+                fabric.broadcast(param.data, ranks[0], ranks)
+        shared.append(SharedCopy(param, ranks, counts_in_norm=layout.stage == owners[0]))
     return shared

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gpipe_cli.pipeline.comm import Transport
+from gpipe_cli.pipeline.fabric import BACKWARD, FORWARD, RESULT, Fabric, Link, Ranks, TorchFabric
 
 
 @dataclass(frozen=True)
@@ -69,34 +70,60 @@ class Layout:
         return [self.rank_of(stage, r) for r in range(self.replicas)]
 
 
+def links(layout: Layout, ring: bool) -> list[Link]:
+    """Every link of the job (every rank's, in one order): neighbours both ways, results to rank 0.
+
+    With `ring` (interleaved chunks) the last stage also feeds the first stage's next chunk.
+    """
+    out: list[Link] = []
+    for replica in range(layout.replicas):
+        for stage in range(layout.stages):
+            if stage + 1 < layout.stages or (ring and layout.stages > 1):
+                a, b = layout.rank_of(stage, replica), layout.rank_of((stage + 1) % layout.stages, replica)
+                out += [Link(a, b, FORWARD), Link(b, a, BACKWARD)]
+    last = layout.rank_of(layout.stages - 1, 0)
+    if last != 0:
+        out.append(Link(last, 0, RESULT))
+    return out
+
+
 @dataclass
 class Topology:
-    """A layout plus the live process groups and device of this rank."""
+    """A layout plus this rank's device and transport (its fabric reaches the other ranks)."""
 
     layout: Layout
     device: torch.device
     transport: Transport
-    pipeline_group: dist.ProcessGroup | None = None   # this replica's stages (global grad norm)
-    replica_group: dist.ProcessGroup | None = None    # this stage's replicas (gradient all-reduce)
-    last_stages_group: dist.ProcessGroup | None = None  # the last stage of every replica (token counts)
-    groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
 
     @property
     def distributed(self) -> bool:
         """Whether there is more than one rank."""
         return self.layout.world_size > 1
 
-    def group(self, ranks: list[int]) -> dist.ProcessGroup | None:
-        """The process group of exactly these ranks (created up front by `init`)."""
-        return self.groups.get(tuple(sorted(ranks)))
+    @property
+    def fabric(self) -> Fabric | None:
+        """The other ranks (None alone)."""
+        return self.transport.fabric
+
+    def pipeline_ranks(self) -> Ranks:
+        """This replica's stages (the global gradient norm)."""
+        return tuple(self.layout.pipeline_ranks(self.layout.replica))
+
+    def replica_ranks(self) -> Ranks:
+        """This stage's replicas (the gradient sum)."""
+        return tuple(self.layout.replica_ranks(self.layout.stage))
+
+    def groups(self) -> list[Ranks]:
+        """Every rank set the engine reduces over, in one order for every rank."""
+        layout = self.layout
+        return ([tuple(layout.pipeline_ranks(r)) for r in range(layout.replicas)] +
+                [tuple(layout.replica_ranks(s)) for s in range(layout.stages)])
 
     def share(self, value: Any) -> Any:
         """Rank 0's `value`, on every rank (a collective)."""
-        if not self.distributed:
+        if self.fabric is None:
             return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.transport.control)
-        return box[0]
+        return self.fabric.share(value, 0)
 
 
 def local(device: torch.device | str = "cpu") -> Topology:
@@ -128,7 +155,7 @@ def choose_backend(backend: str = "auto") -> tuple[str, torch.device, bool]:
 
 def init(stages: int, replicas: int = 1, backend: str = "auto", timeout: float = 600.0,
          device: str = "auto") -> Topology:
-    """Join the job started by torchrun (or run alone) and create every group the engine needs."""
+    """Join the job started by torchrun (or run alone) and set up this rank's fabric."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != stages * replicas:
         raise ValueError(f"the job has {world} processes but partitions × data_parallel = {stages} × "
@@ -140,30 +167,14 @@ def init(stages: int, replicas: int = 1, backend: str = "auto", timeout: float =
         torch.cuda.set_device(dev)
     if world == 1:
         return local(dev)
+    nccl = name == "nccl"
     if not dist.is_initialized():
-        dist.init_process_group(name, timeout=datetime.timedelta(seconds=timeout),
-                                device_id=dev if name == "nccl" else None)
-    layout = Layout(stages, replicas, dist.get_rank())
-    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)) \
-        if name == "nccl" else None
-    topo = Topology(layout, dev, Transport(dev, control=control, data=None, staging=staging, timeout=timeout))
-    # Every rank must create every group, in the same order, even the groups it is not in.
-    wanted = [layout.pipeline_ranks(r) for r in range(replicas)]
-    wanted += [layout.replica_ranks(s) for s in range(stages)]
-    wanted.append([layout.rank_of(stages - 1, r) for r in range(replicas)])
-    for ranks in wanted:
-        key = tuple(sorted(ranks))
-        if key not in topo.groups and len(ranks) > 1:
-            topo.groups[key] = dist.new_group(ranks=list(key))
-    topo.pipeline_group = topo.group(layout.pipeline_ranks(layout.replica))
-    topo.replica_group = topo.group(layout.replica_ranks(layout.stage))
-    topo.last_stages_group = topo.group([layout.rank_of(stages - 1, r) for r in range(replicas)])
+        # With NCCL the default group has both backends, so a host tensor on it goes to gloo, never NCCL.
+        dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout), device_id=dev if nccl else None)
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)) if nccl else None
+    fabric = TorchFabric(dev, nccl, control)
+    topo = Topology(Layout(stages, replicas, dist.get_rank()), dev,
+                    Transport(dev, fabric, timeout=timeout, control=control, staging=staging))
+    fabric.open([], topo.groups())
     return topo
-
-
-def add_groups(topo: Topology, rank_sets: list[list[int]]) -> None:
-    """Create extra groups (e.g. for parameters shared across stages); every rank must call this."""
-    for ranks in rank_sets:
-        key = tuple(sorted(set(ranks)))
-        if len(key) > 1 and key not in topo.groups:
-            topo.groups[key] = dist.new_group(ranks=list(key))

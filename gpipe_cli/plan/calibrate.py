@@ -67,7 +67,7 @@ def local_steps(spec: ModelSpec, batch: int, microbatches: list[int], seed: int,
         found = {}
         for m in microbatches:
             figures = measure_engine(pipe, inputs, targets, batch, m, STEPS, WARMUP,
-                                     update=update.step if update is not None else None, max_grad_norm=grad_clip)
+                                     optimizer=update, max_grad_norm=grad_clip)
             assert figures is not None  # a single process is rank 0
             # The fastest step: on a shared machine the others are slowed by neighbours, not by the engine.
             found[m] = min(figures.step_times)

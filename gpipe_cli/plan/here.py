@@ -236,7 +236,7 @@ def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict
         # The first count again at the end: how far this machine's own speed moved while measuring.
         for index, m in enumerate([*counts, *counts[:1]]):
             figures = measure_engine(pipe, inputs, targets, int(targets.shape[0]), m, STEPS, 1,
-                                     update=update.step if update is not None else None, max_grad_norm=grad_clip)
+                                     optimizer=update, max_grad_norm=grad_clip)
             if figures is None:
                 continue
             # Means, as training averages: waits and stalls included.

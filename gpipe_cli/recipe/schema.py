@@ -213,6 +213,9 @@ class Train(Section):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     grad_clip: PositiveReal | None = None
     log_every: PositiveInt = 1
+    # Steps between exact counts of the stored activations (a Python call per saved tensor): the first step
+    # and every memory_every-th; 1 counts every step. A GPU's allocator peak is read every step regardless.
+    memory_every: PositiveInt = 10
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Seconds without progress before a stalled rank ends the job; null: max(60, 10x the slowest step).
     stall_timeout: PositiveReal | None = None

@@ -23,7 +23,7 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.estimate import cost_cache
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import heartbeat, topology
-from gpipe_cli.pipeline.engine import Pipeline
+from gpipe_cli.pipeline.engine import PendingStep, Pipeline
 from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_layers, stage_ranges
@@ -247,7 +247,7 @@ class Trainer:
 
         Returns 0, or the number of the signal that stopped the run early (after a checkpoint).
         """
-        recipe, layout = self.recipe, self.layout
+        recipe = self.recipe
         if self.complete:
             if self.view is not None:
                 self.view.message(complete_line(self.run_dir, self.start_step, *self._end()))
@@ -255,41 +255,47 @@ class Trainer:
             return 0
         if self.view is not None:
             self.view.start(self.total_steps, self.start_step)
-        last_time = time.perf_counter()
+        self._last_time = time.perf_counter()
         heartbeat.training_started()
+        # The host launches step t+1 before it reads step t's figures, so it never waits for the device
+        # inside a step; anything that must see a finished step (a checkpoint, an evaluation, a stop) reads
+        # the step in flight first.
+        pending: tuple[int, Batch | None, PendingStep] | None = None
         for step, batch in enumerate(self.batches(self.start_step), start=self.start_step):
             self.profiler.before(step + 1)
             # The loader leaves out what this rank's stage does not need (inputs, targets or both).
-            result = self.pipe.train_step(
+            launched = self.pipe.launch_step(
                 batch.inputs if batch else None, batch.targets if batch else None,
                 microbatches=recipe.pipeline.microbatches, step=step,
                 example_offset=batch.offset if batch is not None else 0, max_grad_norm=recipe.train.grad_clip,
-                update=self.optimizer.step if self.optimizer is not None else None)
+                optimizer=self.optimizer, measure_memory=self._counts_memory(step))
             if self.scheduler is not None:
                 self.scheduler.step()
             self.pipe.zero_grad()
-            now = time.perf_counter()
-            heartbeat.step_done(now - last_time)
-            # Every rank sees the same finiteness (the engine agrees on it), so all decide alike.
-            decision = self.policy.decide(not result.skipped)
-            if layout.rank == 0:
-                assert batch is not None
-                self._record_step(step, batch, result, now - last_time, decision)
-            self._profiled(self.profiler.after(step + 1))
-            if decision == "stop":
-                self.diverged = self.diverged or "non-finite values"
+            if pending is not None and self._finish(*pending) == "stop":
+                pending = None
                 break
+            pending = (step, batch, launched)
+            self._profiled(self.profiler.after(step + 1))
             done = step + 1
             if step == self.start_step:
                 self.stop.arm()
             self.stopped_by = self.stop.agreed(self.topo.transport.control, self.topo.distributed)
-            if self.stopped_by or (recipe.checkpoint.every and done % recipe.checkpoint.every == 0):
+            saving = bool(self.stopped_by or (recipe.checkpoint.every and done % recipe.checkpoint.every == 0))
+            evaluating = bool(recipe.eval.every and done % recipe.eval.every == 0 and done < self.total_steps)
+            if saving or evaluating or done == self.total_steps:
+                decision, pending = self._finish(*pending), None
+                if decision == "stop":
+                    break
+            if saving:
                 self._save(done)
             if self.stopped_by:
                 break
-            if recipe.eval.every and done % recipe.eval.every == 0 and done < self.total_steps:
+            if evaluating:
                 self.evaluate(done)
-            last_time = time.perf_counter()
+                self._last_time = time.perf_counter()
+        if pending is not None:
+            self._finish(*pending)
         if not self.stopped_by and not self.diverged:
             if self.checkpoints.last_saved != self.total_steps:
                 self._save(self.total_steps)
@@ -299,6 +305,25 @@ class Trainer:
         if self.diverged:
             return nonfinite.EXIT_CODE
         return 128 + self.stopped_by if self.stopped_by else 0
+
+    def _counts_memory(self, step: int) -> bool:
+        """Whether this step counts every stored activation: the first of a start and every memory_every-th."""
+        return step == self.start_step or (step + 1) % self.recipe.train.memory_every == 0
+
+    def _finish(self, step: int, batch: Batch | None, launched: PendingStep) -> str:
+        """Read a launched step's figures (the step's one wait for the device), record them, and decide."""
+        result = launched.result()
+        now = time.perf_counter()
+        seconds, self._last_time = now - self._last_time, now
+        heartbeat.step_done(seconds)
+        # Every rank sees the same finiteness (the engine agrees on it), so all decide alike.
+        decision = self.policy.decide(not result.skipped)
+        if self.layout.rank == 0:
+            assert batch is not None
+            self._record_step(step, batch, result, seconds, decision)
+        if decision == "stop":
+            self.diverged = self.diverged or "non-finite values"
+        return decision
 
     def _profiled(self, trace: Path | None) -> None:
         if trace is not None and self.view is not None:
@@ -321,10 +346,12 @@ class Trainer:
             "step_time_s": seconds,
             "bubble": sum(parts["wait"]) / len(stages) / seconds, "bubble_theory": stats.bubble_theory,
             "idle": sum(1.0 - min(c / seconds, 1.0) for c in parts["compute"]) / len(stages),
-            "time_s": parts, "mem_peak_bytes": stats.memory_peaks(0),
-            "activation_peak_bytes": [s.activation_peak for s in stages],
-            "rss_peak_bytes": [s.rss_peak for s in stages], "grad_norm": result.grad_norm,
+            "time_s": parts, "rss_peak_bytes": [s.rss_peak for s in stages], "grad_norm": result.grad_norm,
         }
+        if all(s.activation_peak >= 0 for s in stages):  # a step that counted its stored activations
+            record["activation_peak_bytes"] = [s.activation_peak for s in stages]
+        if all(s.memory_peak >= 0 for s in stages):
+            record["mem_peak_bytes"] = stats.memory_peaks(0)
         if any(s.cuda_peak for s in stages):
             record["cuda_peak_bytes"] = [s.cuda_peak for s in stages]
         if self.spec.task != "image":
@@ -340,8 +367,7 @@ class Trainer:
             return
         what = nonfinite.what_went_wrong(result.loss, result.grad_norm, stats.nonfinite(), self.spec.layer_names)
         if decision == "skip":
-            scale = self.pipe.loss_scale.value if self.pipe.loss_scale.enabled else None
-            self.view.message(nonfinite.skipped_line(step + 1, self.total_steps, what, self.policy, scale))
+            self.view.message(nonfinite.skipped_line(step + 1, self.total_steps, what, self.policy, result.loss_scale))
         else:
             saved = self.checkpoints.last_saved
             path = str(checkpoint.path_for(self.run_dir, saved)) if saved >= 0 else None

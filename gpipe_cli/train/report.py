@@ -94,9 +94,24 @@ def stage_shares(record: dict[str, Any], stage: int) -> dict[str, float]:
     return {part: record["time_s"][part][stage] / step if step > 0 else 0.0 for part in PARTS}
 
 
-def stage_memory(record: dict[str, Any], stage: int) -> str:
-    """One stage's memory, each figure named: stored activations, process RSS peak, CUDA peak."""
-    text = (f"activations {human_bytes(record['activation_peak_bytes'][stage])}, "
+Counted = tuple[int, list[int]]  # the last step that counted its stored activations, and its figures
+
+
+def counted_activations(record: dict[str, Any], last: Counted | None) -> Counted | None:
+    """The newest stored-activation figures: this record's if it counted them, else the last ones."""
+    return (record["step"], record["activation_peak_bytes"]) if "activation_peak_bytes" in record else last
+
+
+def _activations(record: dict[str, Any], stage: int, counted: Counted | None) -> str:
+    if counted is None:
+        return "-"
+    step, values = counted
+    return human_bytes(values[stage]) + ("" if step == record["step"] else f" (step {step})")
+
+
+def stage_memory(record: dict[str, Any], stage: int, counted: Counted | None = None) -> str:
+    """One stage's memory, each figure named: stored activations (as last counted), process RSS peak, CUDA peak."""
+    text = (f"activations {_activations(record, stage, counted_activations(record, counted))}, "
             f"RSS peak {human_bytes(record['rss_peak_bytes'][stage])}")
     if "cuda_peak_bytes" in record:
         text += f", CUDA peak {human_bytes(record['cuda_peak_bytes'][stage])}"
@@ -108,14 +123,14 @@ def eval_line(record: dict[str, Any], total: int) -> str:
     return f"eval  step {record['step']}/{total} | {eval_figures(record)}"
 
 
-def train_lines(record: dict[str, Any], total: int) -> list[str]:
+def train_lines(record: dict[str, Any], total: int, counted: Counted | None = None) -> list[str]:
     """A train record as lines: the step, then one line per stage with its time and memory."""
     lines = [f"step {record['step']}/{total} | epoch {record['epoch']} | loss {_num(record['loss'], '.4f')} | "
              f"lr {record['lr']:.3g} | {_rate(record)} | {record['step_time_s'] * 1e3:.0f} ms/step | "
              f"bubble {record['bubble']:.3f} (theory {record['bubble_theory']:.3f})"]
-    for s in range(len(record["activation_peak_bytes"])):
+    for s in range(len(record["rss_peak_bytes"])):
         shares = " | ".join(f"{part} {share:.0%}" for part, share in stage_shares(record, s).items())
-        lines.append(f"  stage {s}: {shares} | {stage_memory(record, s)}")
+        lines.append(f"  stage {s}: {shares} | {stage_memory(record, s, counted)}")
     return lines
 
 
@@ -132,6 +147,7 @@ class TerminalView:
         self._live: Live | None = None
         self._last_train: dict[str, Any] | None = None
         self._last_eval: dict[str, Any] | None = None
+        self._counted: Counted | None = None
         self.skipped = 0
         self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self._console)
@@ -165,9 +181,10 @@ class TerminalView:
             self.message(eval_line(record, self.total))
         else:
             self._last_train = record
+            self._counted = counted_activations(record, self._counted)
             self.skipped += bool(record.get("skipped"))
             if self.plain and (record["step"] % log_every == 0 or record["step"] == self.total):
-                for line in train_lines(record, self.total):
+                for line in train_lines(record, self.total, self._counted):
                     print(line, file=self.stream, flush=True)
         if self._live is not None and self._last_train is not None:
             self._progress.update(self._task, completed=self._last_train["step"])
@@ -190,8 +207,8 @@ class TerminalView:
         for name in ("stage", *(_PART_LABELS[p] for p in PARTS), "activations", "RSS peak",
                      *(("CUDA peak",) if cuda else ())):
             stages.add_column(name, justify="right")
-        for s in range(len(record["activation_peak_bytes"])):
-            memory = [human_bytes(record["activation_peak_bytes"][s]), human_bytes(record["rss_peak_bytes"][s])]
+        for s in range(len(record["rss_peak_bytes"])):
+            memory = [_activations(record, s, self._counted), human_bytes(record["rss_peak_bytes"][s])]
             if cuda:
                 memory.append(human_bytes(record["cuda_peak_bytes"][s]))
             stages.add_row(str(s), *(f"{v:.0%}" for v in stage_shares(record, s).values()), *memory)

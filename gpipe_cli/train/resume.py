@@ -66,10 +66,7 @@ class Checkpointer:
         return {"partitions": self.layout.stages, "data_parallel": self.layout.replicas, "balance": self.plan.balance}
 
     def _extra(self, step: int, same_layout: bool) -> dict[str, Any]:
-        scale = self.pipe.loss_scale
-        extra: dict[str, Any] = {"train": {"step": torch.tensor(step),
-                                           "loss_scale": torch.tensor([scale.value, float(scale.good_steps)],
-                                                                      dtype=torch.float64)}}
+        extra: dict[str, Any] = {"train": {"step": torch.tensor(step), "loss_scale": self.pipe.loss_scale.state()}}
         if same_layout:  # RNG streams belong to ranks; they only carry over onto the same ranks
             rng = {"cpu": torch.get_rng_state()}
             if self.topo.device.type == "cuda":
@@ -96,8 +93,7 @@ class Checkpointer:
             del wanted[rng_key]["cuda"]  # written on the CPU: there is no CUDA RNG state to restore
         extra = checkpoint.load(found, self.pipe.module, self.optimizer, wanted)
         step = int(extra["train"]["step"])
-        value, good = extra["train"]["loss_scale"].tolist()
-        self.pipe.loss_scale.value, self.pipe.loss_scale.good_steps = value, int(good)
+        self.pipe.loss_scale.load(extra["train"]["loss_scale"])
         if same:
             rng = extra[f"rng.rank{self.layout.rank}"]
             torch.set_rng_state(rng["cpu"])

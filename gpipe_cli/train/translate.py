@@ -11,20 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 
 from gpipe_cli.data import BOS, EOS, PAD, Batch, Loader, corpus_bleu
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.topology import Topology
-
-
-def _continue(flag: bool, topo: Topology) -> bool:
-    """Rank 0's decision, on every rank."""
-    if not topo.distributed:
-        return flag
-    box = torch.tensor([int(flag)])
-    dist.broadcast(box, src=0, group=topo.transport.control)
-    return bool(box.item())
 
 
 def greedy_decode(pipe: Pipeline, topo: Topology, source: torch.Tensor | None, microbatches: int,
@@ -47,7 +37,7 @@ def greedy_decode(pipe: Pipeline, topo: Topology, source: torch.Tensor | None, m
             prefix = torch.cat([prefix, token[:, None]], dim=1)
             finished |= token == EOS
             more = bool((~finished).any()) and prefix.shape[1] <= max_len
-        if not _continue(more, topo):
+        if not topo.share(more):  # rank 0's decision, on every rank
             break
     return [row[1:].tolist() for row in prefix] if topo.layout.rank == 0 and prefix is not None else []
 

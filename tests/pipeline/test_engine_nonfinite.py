@@ -58,7 +58,7 @@ def steps(stages: int) -> list[dict]:
         x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
         before = [p.detach().clone() for p in pipe.parameters()]
         result = pipe.train_step(x if topo.layout.is_first else None, y if topo.layout.is_last else None,
-                                 microbatches=2, step=step, update=opt.step)
+                                 microbatches=2, step=step, optimizer=opt)
         changed = any(not torch.equal(b, p) for b, p in zip(before, pipe.parameters()))
         stats = result.stats
         out.append({"skipped": result.skipped, "updated": changed,

@@ -1,4 +1,4 @@
-"""Gradient helpers: the global norm with its flag, and the first non-finite gradient."""
+"""Gradient helpers on the device: per-parameter norms, the global norm with its flag, the last bad layer."""
 
 import math
 
@@ -19,20 +19,46 @@ def with_grads(*values):
 
 def test_the_norm_and_the_flag_come_back_together():
     params = with_grads([3.0, 0.0], [0.0, 4.0])
-    norm, flag = grads.global_norm(params, set(), None, False, torch.device("cpu"), flag=1.0)
-    assert norm == 5.0 and flag == 1.0
-    norm, _ = grads.global_norm(params, {id(params[1])}, None, False, torch.device("cpu"))
-    assert norm == 3.0
+    found, positions = grads.norms([*params, nn.Parameter(torch.zeros(1))])
+    assert positions == (0, 1) and found.tolist() == [3.0, 4.0]
+    norm, flag = grads.global_norm(found.square().sum(), torch.tensor(1.0), None, ())
+    assert norm.item() == 5.0 and flag.item() == 1.0
+    counted = torch.tensor([1.0, 0.0], dtype=torch.float64)  # a tied copy counted on another stage
+    norm, _ = grads.global_norm((found.square() * counted).sum(), torch.tensor(0.0), None, ())
+    assert norm.item() == 3.0
 
 
 def test_a_nan_makes_the_norm_nan():
-    norm, flag = grads.global_norm(with_grads([1.0, math.nan]), set(), None, False, torch.device("cpu"))
-    assert math.isnan(norm) and flag == 0.0
+    found, _ = grads.norms(with_grads([1.0, math.nan]))
+    norm, flag = grads.global_norm(found.square().sum(), torch.tensor(0.0), None, ())
+    assert math.isnan(norm.item()) and flag.item() == 0.0
 
 
-def test_the_first_non_finite_gradient_in_the_given_order():
-    params = with_grads([1.0, 1.0], [math.inf, 0.0], [math.nan, 0.0])
-    named = [(f"{i}.weight", p) for i, p in enumerate(params)]
-    assert grads.first_nonfinite(named) == "1.weight"
-    assert grads.first_nonfinite(reversed(named)) == "2.weight"
-    assert grads.first_nonfinite(named[:1]) is None
+def test_the_first_non_finite_gradient_in_backward_order_is_the_highest_layer():
+    found, _ = grads.norms(with_grads([1.0, 1.0], [math.inf, 0.0], [math.nan, 0.0], [2.0, 0.0]))
+    layers = torch.tensor([4, 5, 6, 7])
+    assert grads.last_nonfinite(found, layers).item() == 6
+    assert grads.last_nonfinite(found[:1], layers[:1]).item() == -1
+
+
+def test_clipping_scales_by_a_clamped_factor_without_reading_the_norm():
+    params = with_grads([3.0, 4.0])
+    grads.clip_(params, torch.tensor(5.0, dtype=torch.float64), max_norm=1.0)
+    assert torch.allclose(params[0].grad, torch.tensor([0.6, 0.8]), atol=1e-6)
+    grads.clip_(params, torch.tensor(1.0, dtype=torch.float64), max_norm=10.0)  # under the limit: unchanged
+    assert torch.allclose(params[0].grad, torch.tensor([0.6, 0.8]), atol=1e-6)
+
+
+def test_the_loss_scale_halves_on_overflow_never_below_one_and_grows_after_clean_steps():
+    scale = grads.LossScale(True, torch.device("cpu"), initial=4.0, growth_interval=2)
+    scale.update(torch.tensor(1.0))
+    assert scale.value.item() == 2.0
+    scale.update(torch.tensor(0.0))
+    scale.update(torch.tensor(0.0))
+    assert scale.value.item() == 4.0
+    for _ in range(5):
+        scale.update(torch.tensor(1.0))
+    assert scale.value.item() == 1.0
+    restored = grads.LossScale(True, torch.device("cpu"))
+    restored.load(scale.state())
+    assert restored.value.item() == 1.0

@@ -1,6 +1,6 @@
 """Stall judgement from successive views of every rank's heartbeat (pure: no processes)."""
 
-from gpipe_cli.pipeline.heartbeat import Beat, Judge, default_timeout
+from gpipe_cli.pipeline.heartbeat import Beat, Judge, Waits, default_timeout
 
 
 def beat(count: int, progress: int = 0, steps: int = 0, slowest: float = 0.1, paused: bool = False,
@@ -70,3 +70,36 @@ def test_a_hang_in_the_first_step_is_caught_with_a_fixed_timeout_only():
         assert default.verdict(beats, now=float(second)) is None, "the default waits for a step's duration"
     assert found is not None and found[1] == [0, 1] and "stuck in step 1" in found[0]
     assert Beat.decode(beat(3, 7, 0, started=True).encode()).started
+
+
+def test_a_stuck_rank_is_named_with_what_it_waits_for():
+    judge = Judge(rank=0, timeout=5.0, name=name)
+    waiting = "receiving gradients of micro-batch 3 from rank 1"
+    for second in range(7):
+        beats = [Beat(second, 4, 2, 0.1, False, 100, "host", True, waiting), beat(second, 4, 2, started=True)]
+        found = judge.verdict(beats, now=float(second))
+    assert found is not None and found[1] == [0, 1]
+    assert f"rank 0 (stage 0) ({waiting}), rank 1 (stage 1) stuck in step 3" in found[0]
+    assert Beat.decode(beats[0].encode()) == beats[0]
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.passed = False
+
+    def query(self) -> bool:
+        return self.passed
+
+
+def test_progress_counts_device_waits_only_once_the_device_passed_them():
+    waits = Waits()
+    first, second = FakeEvent(), FakeEvent()
+    waits.device(first, "receiving activations of micro-batch 0 from rank 0")
+    waits.device(second, "receiving activations of micro-batch 1 from rank 0")
+    assert waits.poll() == (0, "receiving activations of micro-batch 0 from rank 0")
+    first.passed = True
+    assert waits.poll() == (1, "receiving activations of micro-batch 1 from rank 0")
+    with waits.host("sending gradients of micro-batch 0 to rank 0"):
+        assert waits.poll() == (1, "sending gradients of micro-batch 0 to rank 0")
+    second.passed = True
+    assert waits.poll() == (3, None)

@@ -43,10 +43,12 @@ def test_the_timeline_splits_receives_sends_and_spans():
         timeline.end()
     with timeline.span(stats.OPTIMIZER):
         time.sleep(0.01)
-    events = timeline.events()
-    wait, comm, optimizer = timeline.parts(events)
-    assert min(wait, comm, optimizer, timeline.busy(events)) >= 0.01
-    mine = stage(0, timeline.busy(events), wait, comm, optimizer, layer=3)
+    times = timeline.finish()
+    events = times.events()
+    wait, comm, optimizer = times.parts(events)
+    assert min(wait, comm, optimizer, times.busy(events)) >= 0.01
+    assert times.step_time >= wait + comm + optimizer + times.busy(events)
+    mine = stage(0, times.busy(events), wait, comm, optimizer, layer=3)
     gathered = stats.gather(mine, 1.0, 8, 8.0, 1.0, 0.2, None)
     assert gathered is not None
     assert gathered.stages[0].wait == pytest.approx(wait) and gathered.stages[0].nonfinite_layer == 3

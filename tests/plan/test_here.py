@@ -106,7 +106,7 @@ def test_the_measured_steps_run_and_time_the_optimizer_update_as_training_does()
     assert plain is not None and plain.optimizer_times == [0.0, 0.0]
     assert all(torch.equal(a, b) for a, b in zip(before, pipe.parameters()))
     adam = torch.optim.Adam(pipe.parameters(), lr=1e-3)
-    trained = measure_engine(pipe, inputs_, targets, 4, 2, 2, 0, update=adam.step, max_grad_norm=1.0)
+    trained = measure_engine(pipe, inputs_, targets, 4, 2, 2, 0, optimizer=adam, max_grad_norm=1.0)
     assert trained is not None and all(0 < u < t for u, t in zip(trained.optimizer_times, trained.step_times))
     assert not all(torch.equal(a, b) for a, b in zip(before, pipe.parameters()))  # the update really ran
     pipe.close()

@@ -14,7 +14,7 @@ from tests.train.recipes import TINY_AMOEBANET, TINY_TRANSLATION, write
 pytestmark = pytest.mark.slow
 
 TRAIN_FIELDS = {"kind", "step", "epoch", "loss", "lr", "samples_per_s", "step_time_s", "bubble", "bubble_theory",
-                "mem_peak_bytes", "grad_norm"}
+                "rss_peak_bytes", "grad_norm"}
 
 
 def gpipe(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -70,7 +70,10 @@ def test_a_run_writes_every_metric(cuts):
         assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
         for r in steps:
             assert set(r) >= TRAIN_FIELDS
-            assert len(r["mem_peak_bytes"]) == stages and all(m > 0 for m in r["mem_peak_bytes"])
+            # On the CPU the memory peak is the stored activations, counted on the first step and every 10th.
+            assert ("mem_peak_bytes" in r) == (r["step"] == 1 or r["step"] % 10 == 0)
+            peaks = r.get("mem_peak_bytes", [1] * stages)
+            assert len(peaks) == stages and all(m > 0 for m in peaks)
             assert 0.0 <= r["bubble"] < 1.0
             assert r["bubble_theory"] == pytest.approx((stages - 1) / (microbatches + stages - 1)), (stages, schedule)
         if recipe["model"]["kind"] == "transformer":

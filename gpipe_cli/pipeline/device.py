@@ -1,0 +1,86 @@
+"""Time and figures from the device without making the host wait for it, but once per step.
+
+On a GPU the host queues work and runs ahead; reading anything the device computed (a loss, a norm,
+an event's time) makes the host wait until the device gets there, and the device then idles while
+Python catches up. So the engine records events and copies its figures into pinned host memory
+without waiting, and `wait_for` (the one wait of a step) is called when they are read, a step later.
+On the CPU everything has happened by the time the host asks; the meta device (shapes only) stands
+in for an accelerator in tests and reads as zeros.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import torch
+
+_order = itertools.count(1)
+_seen = threading.local()  # per rank thread: the newest marker this host already waited for
+
+
+class Marker:
+    """A point in the device's work: a CUDA event, or a host clock reading where work is synchronous."""
+
+    __slots__ = ("event", "host", "order")
+
+    def __init__(self, device: torch.device) -> None:
+        self.event: torch.cuda.Event | None = None
+        self.host = 0.0
+        self.order = next(_order)
+        if device.type == "cuda":
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+        else:
+            self.host = time.perf_counter()
+
+    def seconds_to(self, later: Marker) -> float:
+        """Seconds from this marker to a later one (both passed by the device: see `wait_for`)."""
+        if self.event is not None and later.event is not None:
+            return self.event.elapsed_time(later.event) / 1e3
+        return later.host - self.host
+
+
+def wait_for(marker: Marker) -> None:
+    """Make sure the device passed `marker`; blocks (see `block`) only if the host cannot know it already has.
+
+    It has when the host already waited for a later marker, or when the event says so.
+    """
+    if marker.order <= getattr(_seen, "order", 0) or (marker.event is not None and marker.event.query()):
+        return
+    _seen.order = marker.order
+    block(marker)
+
+
+def block(marker: Marker) -> None:
+    """The host waits for the device: the one call of a step that does (tests count its calls)."""
+    if marker.event is not None:
+        marker.event.synchronize()
+
+
+class HostCopy:
+    """A device tensor's values on their way into host memory, readable once the device got there."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        device = values.device
+        if device.type == "meta":  # shapes only: a stand-in accelerator whose figures read as zeros
+            self._host = torch.zeros(values.shape, dtype=values.dtype)
+        elif device.type == "cuda":
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+        else:
+            self._host = values.detach().clone()
+        self.marker = Marker(device)
+
+    def read(self) -> torch.Tensor:
+        """The values on the host (waits for the device, unless it is already past the copy)."""
+        wait_for(self.marker)
+        return self._host
+
+
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch on the device without blocking the host: staged through pinned memory on a GPU."""
+    if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)

@@ -1,0 +1,246 @@
+"""Every distributed operation of the engine, behind one small interface, checked for the device it needs.
+
+Three planes, the same on every backend:
+
+- links carry payloads: one communicator per link (one kind of message from one rank to another), on
+  the data device. A link has one sender and one receiver, so its messages match in posting order
+  with no tag, and a send waiting for its receive (NCCL blocks the stream until it is posted) can
+  never sit in front of a message going the other way: the send/send cycle of two ranks that both
+  send first cannot form.
+- collectives (gradient sums, the global norm) on sets of ranks, on the compute device.
+- the control plane: headers and host values, always gloo, always host memory.
+
+`TorchFabric` is torch.distributed. Tests run the same engine over an in-process fabric of threads
+that records what every rank posts, so NCCL's matching and blocking rules can be checked on the CPU
+(`pipeline/nccl_model.py`). A tensor on the wrong device for its plane is refused in one line before
+it reaches a communicator: an NCCL group never sees a host tensor.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from gpipe_cli.pipeline.wire import CommError
+
+FORWARD, BACKWARD, RESULT = 0, 1, 2
+STREAM_NAMES = {FORWARD: "activations", BACKWARD: "gradients", RESULT: "outputs"}
+Ranks = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of message (`stream`) from rank `src` to rank `dst`, on a communicator of its own."""
+
+    src: int
+    dst: int
+    stream: int
+
+    @property
+    def tag(self) -> int:
+        """The link's headers on the control plane (gloo matches a receive by sender and tag, in order)."""
+        return 10 + self.stream
+
+
+class Work(Protocol):
+    """A posted operation."""
+
+    def wait(self, timeout: datetime.timedelta = ...) -> Any:
+        """Wait for it (on NCCL: make the current stream wait)."""
+        ...
+
+
+class Fabric(Protocol):
+    """What the engine asks of the ranks around it."""
+
+    rank: int
+    device: torch.device       # where this rank computes
+    data_device: torch.device  # where payloads travel from: the device for NCCL, the host for gloo
+
+    def open(self, links: Sequence[Link], groups: Sequence[Ranks]) -> None:
+        """Create communicators for these links and rank sets (every rank, same lists, same order)."""
+        ...
+
+    def send(self, link: Link, payload: torch.Tensor) -> Work:
+        """Post a payload on a link."""
+        ...
+
+    def recv(self, link: Link, payload: torch.Tensor) -> Work:
+        """Post a receive of exactly `payload`'s bytes on a link."""
+        ...
+
+    def send_header(self, link: Link, header: torch.Tensor) -> Work:
+        """Post a header (host memory) for a link on the control plane."""
+        ...
+
+    def recv_header(self, link: Link, header: torch.Tensor) -> Work:
+        """Post a receive of a link's next header on the control plane."""
+        ...
+
+    def wait(self, work: Work, data: bool, timeout: float) -> None:
+        """Wait for an operation: data ones on a GPU only make the compute stream wait."""
+        ...
+
+    def all_reduce(self, tensor: torch.Tensor, ranks: Ranks) -> None:
+        """Sum a compute-device tensor over `ranks` in place (queued on a GPU)."""
+        ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int, ranks: Ranks) -> None:
+        """Copy rank `src`'s compute-device tensor to every rank of `ranks`."""
+        ...
+
+    def host_sum(self, values: torch.Tensor) -> None:
+        """Sum a host tensor over every rank in place (control plane)."""
+        ...
+
+    def gather_rows(self, row: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's host row, on rank 0 (None elsewhere)."""
+        ...
+
+    def gather_objects(self, value: Any) -> list[Any] | None:
+        """Every rank's picklable value, on rank 0 (None elsewhere)."""
+        ...
+
+    def share(self, value: Any, src: int) -> Any:
+        """Rank `src`'s picklable value, on every rank."""
+        ...
+
+
+def check_device(tensor: torch.Tensor, device: torch.device, plane: str) -> None:
+    """Refuse a tensor that is not where its plane's communicator can read it."""
+    if tensor.device != device:
+        raise CommError(f"a {tensor.device.type} tensor reached the {plane}, which takes {device} tensors only: "
+                        f"an engine bug (a host value sent where device data belongs, or the reverse)")
+
+
+_HOST = torch.device("cpu")
+
+
+def _posted(work: Any) -> Any:
+    """The handle of a posted operation (torch types it optional for ranks outside the group)."""
+    if work is None:
+        raise CommError("a point-to-point operation was posted by a rank outside its group")
+    return work
+
+
+class TorchFabric:
+    """torch.distributed: gloo control plane; links on NCCL with a GPU per rank, else gloo.
+
+    What is NCCL-only is this class's choice of backend and data device, and `wait`'s stream wait.
+    """
+
+    def __init__(self, device: torch.device, nccl: bool, control: dist.ProcessGroup | None) -> None:
+        self.rank = dist.get_rank()
+        self.device = device
+        self.nccl = nccl
+        self.data_device = device if nccl else _HOST  # the one line where backends differ in where data lives
+        self.control = control
+        self.links: dict[Link, dist.ProcessGroup] = {}
+        self.groups: dict[Ranks, dist.ProcessGroup] = {}
+
+    def open(self, links: Sequence[Link], groups: Sequence[Ranks]) -> None:
+        """Create the missing communicators (a collective: every rank, same lists, same order)."""
+        for link in links:
+            if link not in self.links:
+                self.links[link] = dist.new_group(sorted((link.src, link.dst)), backend="nccl" if self.nccl else "gloo")
+        for ranks in groups:
+            key = tuple(sorted(set(ranks)))
+            if len(key) > 1 and key not in self.groups:
+                self.groups[key] = dist.new_group(list(key))  # the default group's backends: host and device
+
+    def _link(self, link: Link) -> dist.ProcessGroup:
+        group = self.links.get(link)
+        if group is None:
+            raise CommError(f"no communicator was opened for rank {link.src} -> {link.dst} "
+                            f"({STREAM_NAMES[link.stream]})")
+        return group
+
+    def send(self, link: Link, payload: torch.Tensor) -> Work:
+        """Post a payload on a link."""
+        check_device(payload, self.data_device, "data plane")
+        return _posted(dist.isend(payload, link.dst, group=self._link(link)))
+
+    def recv(self, link: Link, payload: torch.Tensor) -> Work:
+        """Post a receive on a link."""
+        check_device(payload, self.data_device, "data plane")
+        return _posted(dist.irecv(payload, link.src, group=self._link(link)))
+
+    def send_header(self, link: Link, header: torch.Tensor) -> Work:
+        """Post a header on the control plane."""
+        check_device(header, _HOST, "control plane")
+        return _posted(dist.isend(header, link.dst, group=self.control, tag=link.tag))
+
+    def recv_header(self, link: Link, header: torch.Tensor) -> Work:
+        """Post a header receive on the control plane."""
+        check_device(header, _HOST, "control plane")
+        return _posted(dist.irecv(header, link.src, group=self.control, tag=link.tag))
+
+    def wait(self, work: Work, data: bool, timeout: float) -> None:
+        """Host wait for gloo (bounded); for NCCL data, the current stream waits and the host goes on."""
+        if data and self.nccl:
+            work.wait()  # NCCL bounds it with the group's timeout, watched by the heartbeat meanwhile
+        else:
+            work.wait(datetime.timedelta(seconds=timeout))
+
+    def _group(self, ranks: Ranks) -> dist.ProcessGroup:
+        group = self.groups.get(tuple(sorted(ranks)))
+        if group is None:
+            raise CommError(f"no communicator was opened for ranks {sorted(ranks)}")
+        return group
+
+    def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor where the group's backend reads it: itself, or a host copy (ranks sharing a GPU)."""
+        check_device(tensor, self.device, "collectives")
+        if tensor.device == self.data_device or self.data_device != _HOST:
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        torch.cuda.current_stream(tensor.device).synchronize()  # gloo reads host memory now
+        return host
+
+    def all_reduce(self, tensor: torch.Tensor, ranks: Ranks) -> None:
+        """Sum in place over `ranks`."""
+        if len(set(ranks)) < 2:
+            return
+        staged = self._staged(tensor)
+        dist.all_reduce(staged, group=self._group(ranks))
+        if staged is not tensor:
+            tensor.copy_(staged, non_blocking=True)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, ranks: Ranks) -> None:
+        """Copy `src`'s tensor to every rank of `ranks`."""
+        if len(set(ranks)) < 2:
+            return
+        staged = self._staged(tensor)
+        dist.broadcast(staged, src=src, group=self._group(ranks))
+        if staged is not tensor:
+            tensor.copy_(staged, non_blocking=True)
+
+    def host_sum(self, values: torch.Tensor) -> None:
+        """Sum a host tensor over every rank (control plane)."""
+        check_device(values, _HOST, "control plane")
+        dist.all_reduce(values, group=self.control)
+
+    def gather_rows(self, row: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's host row, on rank 0."""
+        check_device(row, _HOST, "control plane")
+        rows = [torch.empty_like(row) for _ in range(dist.get_world_size())] if self.rank == 0 else None
+        dist.gather(row, rows, dst=0, group=self.control)
+        return rows
+
+    def gather_objects(self, value: Any) -> list[Any] | None:
+        """Every rank's value, on rank 0."""
+        out: list[Any] | None = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(value, out, dst=0, group=self.control)
+        return out
+
+    def share(self, value: Any, src: int) -> Any:
+        """Rank `src`'s value on every rank."""
+        box = [value]
+        dist.broadcast_object_list(box, src=src, group=self.control)
+        return box[0]

@@ -1,0 +1,149 @@
+"""The host never waits for the device inside a training step, but once: counted on a stand-in accelerator.
+
+The engine runs on the meta device, whose memory the host cannot read, as a GPU's. Every call that
+would make the host wait for a GPU is counted when it touches device data: reading a value (`item`,
+`tolist`, `float`, `int`, `bool`, `numpy`), a copy to the host (`cpu`, `to("cpu")`, `copy_` into a
+host tensor), a blocking copy to the device, and the engine's own wait (`device.block`, an event's
+synchronize on a GPU). Steps run as the training loop runs them: step t+1 is launched before step t
+is read. At most one wait per step, for K = 1 and 2 under every schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe_cli.pipeline import device as dev
+from gpipe_cli.pipeline import topology
+from gpipe_cli.pipeline.engine import Pipeline
+from gpipe_cli.pipeline.layers import build_layers
+from gpipe_cli.pipeline.partition import stage_layers
+from tests.pipeline import loopback
+from tests.pipeline.test_nccl_rules import TIED, factories, tokens
+from tests.pipeline.toy import token_loss
+
+META = torch.device("meta")
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1), ("interleaved", 2)]
+
+
+class Waits:
+    """Host waits for the device, per thread (a rank)."""
+
+    def __init__(self) -> None:
+        self.count: dict[int, int] = {}
+
+    def add(self, what: str) -> None:
+        found = getattr(loopback._rank, "value", None)
+        rank = found[1] if found is not None else 0
+        self.count[rank] = self.count.get(rank, 0) + 1
+
+
+def _zeros_like_host(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(t.shape, dtype=t.dtype)
+
+
+@contextlib.contextmanager
+def counted(waits: Waits, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Count (and answer with zeros) every host read of meta data, and every `device.block`."""
+    T = torch.Tensor
+
+    def reading(name: str, answer: Any) -> None:
+        original = getattr(T, name)
+
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if self.is_meta:
+                waits.add(name)
+                return answer(self)
+            return original(self, *args, **kwargs)
+        monkeypatch.setattr(T, name, read)
+
+    reading("item", lambda t: 0)
+    reading("tolist", lambda t: _zeros_like_host(t).tolist())
+    reading("__float__", lambda t: 0.0)
+    reading("__int__", lambda t: 0)
+    reading("__bool__", lambda t: False)
+    reading("numpy", lambda t: _zeros_like_host(t).numpy())
+    reading("cpu", _zeros_like_host)
+    original_to, original_copy = T.to, T.copy_
+
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        target, _, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if self.is_meta and target is not None and target.type == "cpu":
+            waits.add("to(cpu)")
+            return _zeros_like_host(self)
+        if not self.is_meta and target is not None and target.type == "meta" and not non_blocking:
+            waits.add("blocking copy to the device")
+        return original_to(self, *args, **kwargs)
+
+    def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        if src.is_meta and not self.is_meta:
+            waits.add("copy_ to the host")
+            return self.zero_()
+        return original_copy(self, src, non_blocking)
+
+    monkeypatch.setattr(T, "to", to)
+    monkeypatch.setattr(T, "copy_", copy_)
+    monkeypatch.setattr(dev, "block", lambda marker: waits.add("device.block"))
+    yield
+
+
+def steps(pipe: Pipeline, first: bool, last: bool, microbatches: int, waits: Waits, rank: int) -> list[int]:
+    """Four steps as the training loop runs them; the waits of each step after the first."""
+    opt = torch.optim.SGD(pipe.parameters() or [nn.Parameter(torch.zeros(1, device=META))], lr=0.1)
+    per_step, pending = [], None
+    for step in range(4):
+        before = waits.count.get(rank, 0)
+        x, y = tokens(9, 6, step), tokens(9, 6, 50 + step)
+        launched = pipe.launch_step(x if first else None, y if last else None, microbatches=microbatches,
+                                    step=step, max_grad_norm=1.0, optimizer=opt, measure_memory=step == 0)
+        pipe.zero_grad()
+        if pending is not None:
+            pending.result()
+        pending = launched
+        if step:
+            per_step.append(waits.count.get(rank, 0) - before)
+    return per_step
+
+
+@pytest.mark.parametrize(("schedule", "virtual"), SCHEDULES)
+def test_one_wait_per_step_on_one_stage(schedule, virtual, monkeypatch):
+    waits = Waits()
+    with counted(waits, monkeypatch):
+        layers = build_layers(factories(), range(12), 7, META)
+        pipe = Pipeline(layers, topology.local(META), [12], token_loss, tied=TIED, schedule=schedule,
+                        checkpoint="except_last")
+        per_step = steps(pipe, True, True, 4, waits, 0)
+    assert per_step and max(per_step) <= 1, per_step
+
+
+def _rank(rank: int, world: loopback.World, schedule: str, virtual: int, waits: Waits) -> list[int]:
+    topo = loopback.topology(world, rank, 2)
+    cut = [12 // (2 * virtual)] * (2 * virtual)
+    layers = build_layers(factories(), stage_layers(cut, 2, rank), 7, META)
+    pipe = Pipeline(layers, topo, cut, token_loss, tied=TIED, schedule=schedule, virtual_stages=virtual)
+    return steps(pipe, topo.layout.is_first, topo.layout.is_last, 4, waits, rank)
+
+
+@pytest.mark.parametrize(("schedule", "virtual"), SCHEDULES)
+def test_one_wait_per_step_on_two_stages(schedule, virtual, monkeypatch):
+    waits = Waits()
+    with counted(waits, monkeypatch):
+        world = loopback.World(2)
+        per_rank = world.run(_rank, world, schedule, virtual, waits)
+    for rank, per_step in enumerate(per_rank):
+        assert per_step and max(per_step) <= 1, f"rank {rank}: {per_step}"
+
+
+def test_the_counter_counts_what_would_wait(monkeypatch):
+    waits = Waits()
+    with counted(waits, monkeypatch):
+        x = torch.ones(3, device=META)
+        float(x.sum()), x.tolist(), x.cpu(), torch.ones(2).to(META)
+        torch.ones(2).to(META, non_blocking=True)  # from pinned memory on a GPU: no wait
+        dev.wait_for(dev.Marker(META))
+    assert waits.count[0] == 5
