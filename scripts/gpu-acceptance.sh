@@ -60,15 +60,15 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 declare -A BOUND=(
     [wheels]=15               # est 5: pip from wheels/ (pydantic and its few wheels), only when present
     [setup]=10                # est 4: one Python start: CUDA, gpipe's imports, GPUs and free memory
-    [tests]=120               # est 90: 15 gpipe runs and commands on the GPU (tests/gpu/test_cuda.py)
-    [overhead]=90             # est 85: 5 s to start, the goal rows ~40 s, then the others until the budget
-    [table1-amoebanet]=15     # est 8: per-layer accounting of small members, scaled (on the CPU)
-    [table1-transformer]=15   # est 8
+    [tests]=180               # est 90: 15 gpipe runs and commands on the GPU (tests/gpu/test_cuda.py)
+    [overhead]=75             # est 85: 5 s to start, the goal rows ~40 s, then the others until the budget
+    [table1-amoebanet]=20     # est 8: per-layer accounting of small members, scaled (on the CPU)
+    [table1-transformer]=20   # est 8
     [fits-amoebanet]=25       # est 12: two AmoebaNet-D built on the CPU, one step each at batch 128
     [fits-transformer]=35     # est 25: 0.6B and 2.6B parameters built, one fp32 step of 32 x 1024 tokens
     [bench-k2]=20             # est 12: 2 ranks and K=1 in-process, 3 + 10 steps each
     [bench-k4]=25             # est 16: 4 ranks sharing the GPU
-    [messages]=15             # est 8: 2 x 2 ranks, 4 sizes x 50 messages
+    [messages]=25             # est 8: 2 x 2 ranks, 4 sizes x 50 messages
     [multigpu]=80             # est 75 with 2 GPUs: 5 runs of ~15 s (start, NCCL, 4 steps); 0 with one GPU
     [figures]=10              # est 3: merging the raw files and writing figures.json
 )
@@ -179,12 +179,18 @@ skip() {  # skip NAME WHY
     echo "$1: $2: skipped" | tee -a "$LOG"
     record "$1" skipped 0 0 "$2"
 }
-gpipe() { "$PY" -m gpipe_cli.cli "$@"; }
+GPIPE=("$PY" -m gpipe_cli.cli)  # an array, not a function: `timeout` runs programs
 wants() { [[ " ${STEPS[*]} " == *" $1 "* ]]; }
 
 if wants tests; then
-    # One process on the one GPU: `-o addopts=-ra` drops the suite's xdist options, so the run needs no xdist.
-    step tests "$PY" -m pytest tests/gpu -m gpu -p no:cacheprovider -o addopts=-ra -q --junitxml "$OUT/junit.xml"
+    # `-o addopts=-ra` drops the suite's xdist options, so the run needs no xdist; with xdist (its wheel comes
+    # with the others), up to 6 workers share the GPU: the tests are mostly process starts, small on the GPU.
+    workers=()
+    if "$PY" -c 'import xdist' >/dev/null 2>&1; then
+        workers=(-n "$(( $(nproc) / 2 < 6 ? ($(nproc) / 2 > 1 ? $(nproc) / 2 : 1) : 6 ))" --dist load)
+    fi
+    step tests "$PY" -m pytest tests/gpu -m gpu -p no:cacheprovider -o addopts=-ra -q --durations 12 "${workers[@]}" \
+        --junitxml "$OUT/junit.xml"
     # On a GPU machine nothing may be skipped: a skip would hide a path that did not run.
     skipped=$("$PY" -c 'import sys, xml.etree.ElementTree as ET
 print(sum(int(s.get("skipped", 0)) for s in ET.parse(sys.argv[1]).getroot().iter("testsuite")))' \
@@ -206,7 +212,7 @@ if wants overhead; then
                --rounds 3 --sync-batch 32 --sync-microbatches 4)
     fi
     step overhead "$PY" scripts/gpu_measure.py overhead --device "$DEVICE" "${sizes[@]}" \
-        --budget-s "$(( $(bound overhead) > 40 ? $(bound overhead) - 25 : $(bound overhead) / 2 ))" \
+        --budget-s "$(( $(bound overhead) > 40 ? $(bound overhead) - 15 : $(bound overhead) / 2 ))" \
         --json "$RAW/overhead.json"
 fi
 if wants table1; then
@@ -221,9 +227,9 @@ if wants table1; then
                --vocab-size 32000 --seq-len 1024)
     fi
     common=(--partitions 1 --checkpoint except_last --schedule gpipe --optimizer rmsprop --device "$DEVICE")
-    step table1-amoebanet gpipe profile-memory --model amoebanet "${amoeba[@]}" "${common[@]}" \
+    step table1-amoebanet "${GPIPE[@]}" profile-memory --model amoebanet "${amoeba[@]}" "${common[@]}" \
         --json "$RAW/table1-amoebanet.json"
-    step table1-transformer gpipe profile-memory --model transformer "${trans[@]}" "${common[@]}" \
+    step table1-transformer "${GPIPE[@]}" profile-memory --model transformer "${trans[@]}" "${common[@]}" \
         --json "$RAW/table1-transformer.json"
     for kind in amoebanet transformer; do
         if [ -f "$RAW/table1-$kind.json" ]; then
@@ -245,7 +251,7 @@ if wants bench; then
                --batch-size 128 --steps 10 --warmup 3)
     fi
     for k in "${ks[@]}"; do
-        step "bench-k$k" gpipe bench --model transformer --set arch=decoder-only --set dropout=0 "${sizes[@]}" \
+        step "bench-k$k" "${GPIPE[@]}" bench --model transformer --set arch=decoder-only --set dropout=0 "${sizes[@]}" \
             --partitions "$k" --checkpoint except_last --schedule gpipe --json "$RAW/bench-k$k.json"
     done
 fi

@@ -461,7 +461,7 @@ def multigpu_runs(args: argparse.Namespace, gpus: int) -> list[dict[str, Any]]:
           f"model.ff={args.ff}", f"model.heads={args.heads}", f"model.max_len={args.seq_len}",
           f"data.seq_len={args.seq_len}", f"data.batch_size={micro * args.microbatches}",
           f"data.synthetic_size={args.synthetic_size}", f"pipeline.microbatches={args.microbatches}",
-          "model.dropout=0.0", "eval.every=1000000"]
+          "model.dropout=0.0", "eval.every=1000000", "pipeline.balance=params"]  # balance: nothing to time
     runs = []
     for schedule in SCHEDULES:
         sets = [*lm, f"pipeline.schedule={schedule}"]
