@@ -10,13 +10,14 @@
 #   overhead  engine at K=1 against a hand-written loop with gradient accumulation, bf16 and fp32,
 #             batches 8, 32, 128, M = 1, 4, 16, with and without rematerialization; the CUDA
 #             synchronisations of one engine step (scripts/gpu_measure.py overhead)
-#   table1    profile-memory --budget <free GPU memory>, then one training step of each model found on
-#             the GPU (gpu_measure.py fits)
-#   bench     gpipe bench, K = 2 and 4 sharing the GPU, M = 32 (each with its own K=1)
+#   table1    profile-memory --budget at the paper's memory per device (AmoebaNet-D 8 GiB, Transformer-L
+#             16 GiB), then one training step of each model found, on the GPU (gpu_measure.py fits)
+#   bench     gpipe bench, K = 2 and 4 sharing the GPU, M = 8 (each with its own K=1)
 #   messages  seconds per message through host memory (gpu_measure.py messages)
 #   multigpu  with 2 or more GPUs: gpipe train at K=2 under torchrun (NCCL) with each schedule, messages
 #             of 16 MiB between stages; K=2 x D=2 with 4 or more GPUs; a translation model evaluated with
-#             greedy decoding (BLEU). With one GPU: one line, and the step is skipped, not failed.
+#             greedy decoding (BLEU). With one GPU: one line, and the step is skipped, not failed. With
+#             the tests it runs beside them (they keep to GPU 0; it takes GPUs 1-4 where there are 3 or 5+).
 #
 # OUT_DIR receives 5 files: acceptance.log (every step's output), junit.xml (tests), steps.jsonl (each
 # step's status, exit code, seconds and bound), raw.json (each measurement's own JSON, by name) and
@@ -26,7 +27,7 @@
 # --cpu checks this script itself where there is no GPU: every step at tiny sizes on the CPU (the gpu
 # tests are skipped there, and allowed to be). GPU_ACCEPTANCE_GPUS=N pretends N GPUs for the multigpu
 # step's choice (--cpu only: N >= 2 runs its ranks on the CPU). GPU_ACCEPTANCE_BOUND_SCALE=X multiplies
-# every time bound (a slower machine; or a small X to see a step time out).
+# every step's time bound (a slower machine; or a small X to see a step time out).
 #
 # Without network: wheels/ (from scripts/gpu-wheels.sh) is installed first when present.
 # Exits non-zero, naming the failed steps, when any step failed or ran past its bound.
@@ -51,30 +52,41 @@ PY=${PYTHON:-python3}
 cd "$ROOT" || exit 1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-# Time bounds in seconds of each command (coreutils timeout, then SIGKILL 20 s later), each next to the
-# estimate of its time on one H100 80GB (torch 2.11, CUDA 13). They add up to 475 s, under the 480 s
-# (8 minutes) the acceptance may take, multigpu's included although one GPU skips it. To fit, the
-# overhead model is 4 layers (not 8) of d_model 1024 at seq 512, measured in 3 rounds of 2 steps a side
-# after 1 warm-up step, and the step stops starting configurations 25 s before its bound (the goals'
-# rows first, fp32 at batch 128 last); multigpu trains 4 steps per run, each run within 30 s.
+# Time bounds in seconds of each command (coreutils timeout, then SIGKILL 20 s later), each next to its
+# time on one H100 80GB (torch 2.11, CUDA 13): measured there where it says so, else estimated. The
+# bounds of what runs one after the other add up to 475 s, under the 480 s (8 minutes) the acceptance
+# may take; multigpu runs beside the tests, within their bound, so it adds nothing. To fit:
+#  - tests: on up to 8 xdist workers (one after the other, 3 of the 11 took 120 s: ~30 s a gpipe run);
+#  - overhead: the model is 4 layers (not 8) of d_model 1024 at seq 512; each row runs 1 warm-up step
+#    and 3 rounds of at least 2 steps a side (more, up to 50, where steps are short: 0.25 s a round); it
+#    starts no row after 55 s: the goals' rows first (~35 s), then bf16's others, fp32 at batch 128 last;
+#  - table1: the paper's memory per device, not the GPU's 80 GiB, whose largest models (3.7B and 2.75B
+#    parameters) take minutes to build and train one step;
+#  - bench: 4 layers, batch 32, M = 8, 1 warm-up and 3 measured steps (the former 8 layers, batch 128,
+#    M = 32 and 3 + 10 steps took about 2 minutes a K);
+#  - multigpu: 4 steps a run; 5 runs (6 with 4 GPUs) of ~21 s each (measured with 2 ranks sharing one).
 declare -A BOUND=(
-    [wheels]=15               # est 5: pip from wheels/ (pydantic and its few wheels), only when present
+    [wheels]=10               # est 4: pip from wheels/ (pydantic and its few wheels), only when present
     [setup]=10                # est 4: one Python start: CUDA, gpipe's imports, GPUs and free memory
-    [tests]=180               # est 90: 15 gpipe runs and commands on the GPU (tests/gpu/test_cuda.py)
-    [overhead]=75             # est 85: 5 s to start, the goal rows ~40 s, then the others until the budget
-    [table1-amoebanet]=20     # est 8: per-layer accounting of small members, scaled (on the CPU)
-    [table1-transformer]=20   # est 8
-    [fits-amoebanet]=25       # est 12: two AmoebaNet-D built on the CPU, one step each at batch 128
-    [fits-transformer]=35     # est 25: 0.6B and 2.6B parameters built, one fp32 step of 32 x 1024 tokens
-    [bench-k2]=20             # est 12: 2 ranks and K=1 in-process, 3 + 10 steps each
-    [bench-k4]=25             # est 16: 4 ranks sharing the GPU
-    [messages]=25             # est 8: 2 x 2 ranks, 4 sizes x 50 messages
-    [multigpu]=80             # est 75 with 2 GPUs: 5 runs of ~15 s (start, NCCL, 4 steps); 0 with one GPU
+    [tests]=180               # est 150: 11 tests, 15 gpipe runs on 8 workers (10 of 11 done in 180 s on 6)
+    [overhead]=70             # measured 72 with 60 s of rows; now 55 s of rows, ~10 s start and sync counts
+    [table1-amoebanet]=25     # measured 16.5: per-layer accounting of small members on the GPU, scaled
+    [table1-transformer]=25   # measured 16.7
+    [fits-amoebanet]=25       # est 15: (18, 208) and (18, 416) at 224 px, batch 128, one step each
+    [fits-transformer]=30     # est 20: ~3 and ~13 layers of d_model 2048, one fp32 step of 32 x 1024 tokens
+    [bench-k2]=30             # est 20: K=1 in-process, then 2 ranks start (~10 s) and run 4 steps
+    [bench-k4]=30             # est 22: 4 ranks
+    [messages]=30             # measured 24 with 50 messages a size, now 20: 2 x 2 ranks start
     [figures]=10              # est 3: merging the raw files and writing figures.json
+    [multigpu]=150            # est 110 (2 GPUs), 130 (4); beside the tests, within their 180 s; 30 s a run
 )
 MULTIGPU_RUN_BOUND=30
 SCALE=${GPU_ACCEPTANCE_BOUND_SCALE:-1}
-bound() { awk -v b="${BOUND[$1]}" -v s="$SCALE" 'BEGIN { v = int(b * s + 0.5); print (v < 1 ? 1 : v) }'; }
+bound() {  # bound NAME: the steps' bounds scaled by GPU_ACCEPTANCE_BOUND_SCALE, at least 1 s
+    local scale=$SCALE
+    case $1 in wheels|setup|figures) scale=1 ;; esac
+    awk -v b="${BOUND[$1]}" -v s="$scale" 'BEGIN { v = int(b * s + 0.5); print (v < 1 ? 1 : v) }'
+}
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-acceptance.XXXXXX") || exit 1
 trap 'rm -rf "$WORK"' EXIT
@@ -144,8 +156,8 @@ trap 'echo "gpu-acceptance: stopped; collecting what was measured" | tee -a "$LO
 echo "gpu-acceptance: $(date -u +%Y-%m-%dT%H:%M:%SZ) steps: ${STEPS[*]}$([ "$CPU" = 1 ] && echo ' (--cpu: tiny sizes on the CPU)')" \
     >> "$LOG"
 total=0
-for s in "${!BOUND[@]}"; do total=$((total + $(bound "$s"))); done
-echo "gpu-acceptance: $GPUS GPU(s); the time bounds add up to ${total} s" | tee -a "$LOG"
+for s in "${!BOUND[@]}"; do [ "$s" = multigpu ] || total=$((total + $(bound "$s"))); done
+echo "gpu-acceptance: $GPUS GPU(s); the time bounds add up to ${total} s (multigpu beside the tests)" | tee -a "$LOG"
 FAILED=()
 
 now() { date +%s.%N; }
@@ -154,14 +166,15 @@ record() {
     printf '{"step": "%s", "status": "%s", "exit_code": %s, "seconds": %.1f, "bound_s": %s%s}\n' \
         "$1" "$2" "$3" "$4" "$(bound "$1")" "${5:+, \"why\": \"$5\"}" >> "$RECORDS"
 }
-# step NAME COMMAND...: run it within its bound, append its output to the log, record how it ended, go on.
+# step NAME COMMAND...: run it within its bound, append its output to the log (STEP_LOG: another file),
+# record how it ended; returns non-zero unless it passed. STOP_SIGNAL: what `timeout` sends first.
 step() {
     local name=$1; shift
-    local limit started code seconds status
+    local limit started code seconds status log=${STEP_LOG:-$LOG}
     limit=$(bound "$name")
-    echo "== $name (bound $limit s): $*" | tee -a "$LOG"
+    echo "== $name (bound $limit s): $*" | tee -a "$log"
     started=$(now)
-    timeout -k 20 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    timeout -s "${STOP_SIGNAL:-TERM}" -k 20 "$limit" "$@" 2>&1 | tee -a "$log"
     code=${PIPESTATUS[0]}
     seconds=$(awk -v a="$started" -v b="$(now)" 'BEGIN { print b - a }')
     case $code in
@@ -172,7 +185,8 @@ step() {
     record "$name" "$status" "$code" "$seconds"
     if [ "$status" != passed ]; then
         FAILED+=("$name")
-        echo "gpu-acceptance: step $name $status (exit code $code) after ${seconds%.*} s" | tee -a "$LOG" >&2
+        echo "gpu-acceptance: step $name $status (exit code $code) after ${seconds%.*} s" | tee -a "$log" >&2
+        return 1
     fi
 }
 skip() {  # skip NAME WHY
@@ -182,15 +196,56 @@ skip() {  # skip NAME WHY
 GPIPE=("$PY" -m gpipe_cli.cli)  # an array, not a function: `timeout` runs programs
 wants() { [[ " ${STEPS[*]} " == *" $1 "* ]]; }
 
+# multigpu: started first, beside the tests when they run too (see its bound).
+MULTIGPU_PID=
+if wants multigpu; then
+    if [ "$GPUS" -lt 2 ]; then
+        skip multigpu "needs two GPUs, this machine has $GPUS"
+    else
+        if [ "$CPU" = 1 ]; then
+            sizes=(--layers 2 --d-model 32 --ff 64 --heads 2 --seq-len 16 --micro-batch 2 --microbatches 2 --steps 2
+                   --synthetic-size 64 --translation-size 256)
+            visible=
+        else
+            # Boundary activation per micro-batch: 8 x 512 x 1024 x 4 B = 16 MiB (fp32), over 8 MiB.
+            sizes=(--layers 4 --d-model 1024 --ff 4096 --heads 16 --seq-len 512 --micro-batch 8 --microbatches 4
+                   --steps 4 --synthetic-size 256 --translation-size 1024)
+            # Beside the tests (on GPU 0) it keeps off GPU 0 where it can still have 2 GPUs, or 4 for D=2.
+            visible=
+            if wants tests && [ "$GPUS" -ge 5 ]; then visible=1,2,3,4;
+            elif wants tests && [ "$GPUS" = 3 ]; then visible=1,2; fi
+        fi
+        gpus=$GPUS
+        [ -z "$visible" ] || gpus=$(( (${#visible} + 1) / 2 ))
+        run_bound=$(awk -v b="$MULTIGPU_RUN_BOUND" -v s="$SCALE" 'BEGIN { print b * s }')
+        command=("$PY" scripts/gpu_measure.py multigpu --device "$DEVICE" --gpus "$gpus" "${sizes[@]}"
+                 --run-timeout "$run_bound" --budget-s "$(( $(bound multigpu) > 20 ? $(bound multigpu) - 15 : 1 ))"
+                 --work-dir "$WORK/multigpu" --json "$RAW/multigpu.json")
+        if wants tests; then
+            (
+                [ -z "$visible" ] || export CUDA_VISIBLE_DEVICES=$visible
+                STEP_LOG=$WORK/multigpu.log step multigpu "${command[@]}" >/dev/null 2>&1
+            ) &
+            MULTIGPU_PID=$!
+            echo "== multigpu: started beside the tests (its output follows theirs)" | tee -a "$LOG"
+        else
+            step multigpu "${command[@]}"
+        fi
+    fi
+fi
 if wants tests; then
     # `-o addopts=-ra` drops the suite's xdist options, so the run needs no xdist; with xdist (its wheel comes
-    # with the others), up to 6 workers share the GPU: the tests are mostly process starts, small on the GPU.
+    # with the others), up to 8 workers (6 beside multigpu) share GPU 0: the tests are mostly process starts.
+    # SIGINT at the bound: pytest stops as on Ctrl-C and still writes what ran to junit.xml.
     workers=()
+    most=8
+    [ -z "$MULTIGPU_PID" ] || most=6
     if "$PY" -c 'import xdist' >/dev/null 2>&1; then
-        workers=(-n "$(( $(nproc) / 2 < 6 ? ($(nproc) / 2 > 1 ? $(nproc) / 2 : 1) : 6 ))" --dist load)
+        cores=$(nproc)
+        workers=(-n "$(( cores / 2 < most ? (cores / 2 > 1 ? cores / 2 : 1) : most ))" --dist load)
     fi
-    step tests "$PY" -m pytest tests/gpu -m gpu -p no:cacheprovider -o addopts=-ra -q --durations 12 "${workers[@]}" \
-        --junitxml "$OUT/junit.xml"
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} STOP_SIGNAL=INT step tests "$PY" -m pytest tests/gpu -m gpu \
+        -p no:cacheprovider -o addopts=-ra -q --durations 12 "${workers[@]}" --junitxml "$OUT/junit.xml"
     # On a GPU machine nothing may be skipped: a skip would hide a path that did not run.
     skipped=$("$PY" -c 'import sys, xml.etree.ElementTree as ET
 print(sum(int(s.get("skipped", 0)) for s in ET.parse(sys.argv[1]).getroot().iter("testsuite")))' \
@@ -200,30 +255,36 @@ print(sum(int(s.get("skipped", 0)) for s in ET.parse(sys.argv[1]).getroot().iter
         echo "gpu-acceptance: $skipped gpu test(s) were skipped or unreadable in $OUT/junit.xml" | tee -a "$LOG" >&2
     fi
 fi
+if [ -n "$MULTIGPU_PID" ]; then
+    wait "$MULTIGPU_PID" || FAILED+=(multigpu)
+    cat "$WORK/multigpu.log" >> "$LOG"
+    tail -n 1 "$WORK/multigpu.log"
+fi
 if wants overhead; then
     if [ "$CPU" = 1 ]; then
         sizes=(--layers 2 --d-model 32 --ff 64 --heads 2 --seq-len 16 --vocab-size 128 --batches 4 --microbatches 1,4
-               --precisions bf16 --steps 1 --warmup 1 --rounds 1 --sync-batch 4)
+               --precisions bf16 --steps 1 --warmup 1 --rounds 1 --round-s 0 --sync-batch 4)
     else
-        # ~67M parameters: ~0.2 TFLOP a sample (6 x parameters x 512 tokens), ~1500 samples/s in bf16 and
-        # ~250 in fp32 (TF32 off, torch's default); 26 rows of 2 x 7 steps each.
+        # ~67M parameters (50M in the layers): ~0.2 TFLOP a sample (6 x parameters x 512 tokens); measured
+        # at batch 128 ~1,550 samples/s in bf16 (~310 TFLOP/s) and ~230 in fp32 (~46 TFLOP/s: full fp32
+        # matmuls, torch's default, TF32 off); 26 rows, 12 with goals.
         sizes=(--layers 4 --d-model 1024 --ff 4096 --heads 16 --seq-len 512 --vocab-size 8192 --batches 8,32,128
                --microbatches 1,4,16 --precisions bf16,fp32 --checkpoint never,except_last --steps 2 --warmup 1
-               --rounds 3 --sync-batch 32 --sync-microbatches 4)
+               --rounds 3 --round-s 0.25 --sync-batch 32 --sync-microbatches 4)
     fi
     step overhead "$PY" scripts/gpu_measure.py overhead --device "$DEVICE" "${sizes[@]}" \
         --budget-s "$(( $(bound overhead) > 40 ? $(bound overhead) - 15 : $(bound overhead) / 2 ))" \
         --json "$RAW/overhead.json"
 fi
 if wants table1; then
-    # The families' sizes and batches of the paper's Table 1, within this GPU's memory.
+    # The families' sizes and batches of the paper's Table 1, at its memory per device.
     if [ "$CPU" = 1 ]; then
         amoeba=(--budget 200MiB --microbatches 2 --batch-size 8 --image-size 32 --num-classes 10)
         trans=(--budget 100MiB --microbatches 2 --batch-size 4 --d-model 64 --ff 256 --heads 4 --vocab-size 512
                --seq-len 32)
     else
-        amoeba=(--budget "$GPU_MEMORY" --microbatches 8 --batch-size 128 --image-size 224 --num-classes 1000)
-        trans=(--budget "$GPU_MEMORY" --microbatches 8 --batch-size 32 --d-model 2048 --ff 8192 --heads 32
+        amoeba=(--budget 8GiB --microbatches 8 --batch-size 128 --image-size 224 --num-classes 1000)
+        trans=(--budget 16GiB --microbatches 8 --batch-size 32 --d-model 2048 --ff 8192 --heads 32
                --vocab-size 32000 --seq-len 1024)
     fi
     common=(--partitions 1 --checkpoint except_last --schedule gpipe --optimizer rmsprop --device "$DEVICE")
@@ -247,8 +308,8 @@ if wants bench; then
                --steps 2 --warmup 1)
     else
         ks=(2 4)
-        sizes=(--layers 8 --d-model 1024 --ff 4096 --heads 16 --seq-len 256 --vocab-size 8192 --microbatches 32
-               --batch-size 128 --steps 10 --warmup 3)
+        sizes=(--layers 4 --d-model 1024 --ff 4096 --heads 16 --seq-len 256 --vocab-size 8192 --microbatches 8
+               --batch-size 32 --steps 3 --warmup 1)
     fi
     for k in "${ks[@]}"; do
         step "bench-k$k" "${GPIPE[@]}" bench --model transformer --set arch=decoder-only --set dropout=0 "${sizes[@]}" \
@@ -257,26 +318,8 @@ if wants bench; then
 fi
 if wants messages; then
     if [ "$CPU" = 1 ]; then sizes=(--sizes 65536,1048576 --count 5); else
-        sizes=(--sizes 65536,1048576,4194304,16777216 --count 50); fi
+        sizes=(--sizes 65536,1048576,4194304,16777216 --count 20); fi
     step messages "$PY" scripts/gpu_measure.py messages --device "$DEVICE" "${sizes[@]}" --json "$RAW/messages.json"
-fi
-if wants multigpu; then
-    if [ "$GPUS" -lt 2 ]; then
-        skip multigpu "needs two GPUs, this machine has $GPUS"
-    else
-        if [ "$CPU" = 1 ]; then
-            sizes=(--layers 2 --d-model 32 --ff 64 --heads 2 --seq-len 16 --micro-batch 2 --microbatches 2 --steps 2
-                   --synthetic-size 64 --translation-size 256)
-        else
-            # Boundary activation per micro-batch: 8 x 512 x 1024 x 4 B = 16 MiB (fp32), over 8 MiB.
-            sizes=(--layers 4 --d-model 1024 --ff 4096 --heads 16 --seq-len 512 --micro-batch 8 --microbatches 4
-                   --steps 4 --synthetic-size 256 --translation-size 1024)
-        fi
-        run_bound=$(awk -v b="$MULTIGPU_RUN_BOUND" -v s="$SCALE" 'BEGIN { print b * s }')
-        step multigpu "$PY" scripts/gpu_measure.py multigpu --device "$DEVICE" --gpus "$GPUS" "${sizes[@]}" \
-            --run-timeout "$run_bound" --budget-s "$(( $(bound multigpu) > 20 ? $(bound multigpu) - 10 : 1 ))" \
-            --work-dir "$WORK/multigpu" --json "$RAW/multigpu.json"
-    fi
 fi
 
 figures || FAILED+=(figures)

@@ -181,12 +181,17 @@ def _median_step(side: Side, inputs: Any, targets: torch.Tensor, microbatches: i
 
 
 def compare(engine: Side, plain: Side, inputs: Any, targets: torch.Tensor, batch: int, microbatches: int,
-            steps: int, warmup: int, rounds: int, device: torch.device) -> dict[str, Any]:
-    """Warm both sides up, then alternate rounds of `steps` steps (engine, plain, engine, ...); each
-    side's best round (the lowest median step time) gives its samples/s."""
+            steps: int, warmup: int, rounds: int, device: torch.device, round_s: float = 0.0) -> dict[str, Any]:
+    """Warm both sides up, then alternate rounds (engine, plain, engine, ...) of `steps` steps, or more
+    where a step is short: enough for `round_s` seconds by the last warm-up step's time (at most 50);
+    each side's best round (the lowest median step time) gives its samples/s."""
+    last = 0.0
     for side in (engine, plain):
         for _ in range(warmup):
-            side.run(inputs, targets, microbatches, device)
+            seconds, _ = side.run(inputs, targets, microbatches, device)
+            last = max(last, seconds)
+    if round_s > 0 and last > 0:
+        steps = max(steps, min(50, math.ceil(round_s / last)))
     best = {"engine": math.inf, "plain": math.inf}
     losses = {"engine": math.nan, "plain": math.nan}
     for _ in range(rounds):
@@ -197,7 +202,7 @@ def compare(engine: Side, plain: Side, inputs: Any, targets: torch.Tensor, batch
     gap = abs(losses["engine"] - losses["plain"]) / max(abs(losses["plain"]), 1e-12)
     return {"engine_samples_per_s": engine_rate, "plain_samples_per_s": plain_rate,
             "ratio": engine_rate / plain_rate, "engine_step_s": best["engine"], "plain_step_s": best["plain"],
-            "engine_loss": losses["engine"], "plain_loss": losses["plain"], "loss_gap": gap}
+            "engine_loss": losses["engine"], "plain_loss": losses["plain"], "loss_gap": gap, "steps_per_round": steps}
 
 
 def overhead_configs(precisions: list[str], batches: list[int], microbatches: list[int],
@@ -222,6 +227,11 @@ def sync_warnings(side: Side, inputs: Any, targets: torch.Tensor, microbatches: 
     warnings it raised, i.e. the host waiting for the GPU, and where (off CUDA: none can be raised)."""
     side.run(inputs, targets, microbatches, device)  # warm-up: first-call allocations and caches
     _sync(device)
+    if device.type == "cuda":  # its first use warns that the mode is a prototype: not a synchronisation
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.cuda.set_sync_debug_mode("warn")
+            torch.cuda.set_sync_debug_mode("default")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if device.type == "cuda":
@@ -231,7 +241,7 @@ def sync_warnings(side: Side, inputs: Any, targets: torch.Tensor, microbatches: 
         finally:
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
     where = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
     return {"side": side.name, "microbatches": microbatches, "batch_size": microbatch.batch_size(inputs),
             "per_step": len(syncs), "where": dict(where.most_common(8)),
@@ -256,6 +266,7 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": {**subject.to_json(), "name": spec.name, "layers": len(spec.layers)}, "device": _device_name(device),
         "seq_len": args.seq_len, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
+        "round_s": args.round_s,
         "method": "best round's median step time, engine and plain loop alternating, gradients dropped each step",
         "fp32_matmul": "TF32 allowed" if torch.backends.cuda.matmul.allow_tf32 else "full fp32 (torch's default)",
         "goals": {f"M={m} {r}": g for (m, r), g in OVERHEAD_GOALS.items()}, "rows": [], "not_measured": []}
@@ -288,7 +299,8 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
             continue
         engine, plain = pair(precision, remat)
         inputs, targets = data[batch]
-        figures = compare(engine, plain, inputs, targets, batch, m, args.steps, args.warmup, args.rounds, device)
+        figures = compare(engine, plain, inputs, targets, batch, m, args.steps, args.warmup, args.rounds, device,
+                          args.round_s)
         goal = OVERHEAD_GOALS.get((m, remat))
         row = {"precision": precision, "batch_size": batch, "microbatches": m, "checkpoint": remat, **figures,
                "goal": goal, "meets_goal": None if goal is None else figures["ratio"] >= goal}
@@ -638,6 +650,8 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--microbatches", default="1,4,16", help="M values, comma-separated (M > batch is skipped)")
     o.add_argument("--precisions", default="bf16,fp32", help="bf16 (autocast) and/or fp32")
     o.add_argument("--checkpoint", default="never,except_last", help="checkpoint modes for M > 1")
+    o.add_argument("--round-s", type=float, default=0.25,
+                   help="run at least this many seconds of steps per round (short steps: more of them, up to 50)")
     o.add_argument("--budget-s", type=float, default=0.0,
                    help="stop starting new configurations after this many seconds (0: no limit)")
     f = sub.add_parser("fits", help="train the largest models of a profile-memory --budget JSON file")
