@@ -1,12 +1,19 @@
-"""Collect the GPU acceptance's JSON outputs (OUT_DIR/raw/*.json, OUT_DIR/junit.xml) into OUT_DIR/figures.json.
+"""Collect the GPU acceptance's results into OUT_DIR/figures.json.
 
-Usage: python scripts/gpu_figures.py OUT_DIR
+Usage: python scripts/gpu_figures.py OUT_DIR [--raw DIR] [--merge-only]
 
-Every figure keeps the file it came from; a measurement that did not run is listed under "missing".
+    --raw DIR      first merge every DIR/*.json (the steps' own JSON files, by file name without
+                   .json) into OUT_DIR/raw.json, keeping what an earlier run of other steps put there
+    --merge-only   merge and stop (no figures.json; quick, imports no torch)
+
+figures.json is built from OUT_DIR/raw.json, OUT_DIR/junit.xml (pytest) and OUT_DIR/steps.jsonl (each
+step's status, seconds and time bound, as scripts/gpu-acceptance.sh records them). Every figure keeps
+the raw entry it came from; a measurement that did not run is listed under "missing".
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import sys
@@ -17,39 +24,71 @@ from typing import Any
 # The paper's Table 1: parameters of the largest model with rematerialization (pipeline-1) over
 # without (naive-1), on one device (AmoebaNet-D 82M -> 318M, Transformer-L 282.2M -> 785.8M).
 PAPER_REMAT_GAIN = {"amoebanet": 3.9, "transformer": 2.7}
-OVERHEAD_GOAL = 0.97
+RAW = "raw.json"
+STEPS = "steps.jsonl"
+JUNIT = "junit.xml"
+FIGURES = "figures.json"
+LOG = "acceptance.log"
+# Every file an acceptance run leaves in OUT_DIR: at most 8.
+OUTPUTS = (LOG, JUNIT, STEPS, RAW, FIGURES)
 
 
-def _load(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.exists() else None
+def merge(out_dir: Path, raw_dir: Path) -> dict[str, Any]:
+    """OUT_DIR/raw.json updated with every raw_dir/*.json (an unreadable file is kept as its error)."""
+    target = out_dir / RAW
+    raw: dict[str, Any] = json.loads(target.read_text()) if target.exists() else {}
+    for path in sorted(raw_dir.glob("*.json")):
+        try:
+            raw[path.stem] = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raw[path.stem] = {"unreadable": f"{path.name}: {exc}"}
+    tmp = target.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(raw, indent=1))
+    tmp.replace(target)
+    return raw
 
 
 def tests(junit: Path) -> dict[str, Any] | None:
     """Counts of the pytest run's JUnit XML."""
     if not junit.exists():
         return None
-    root = ET.parse(junit).getroot()
+    try:
+        root = ET.parse(junit).getroot()
+    except ET.ParseError as exc:
+        return {"unreadable": str(exc), "source": junit.name}
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
     failed = [f"{case.get('classname')}::{case.get('name')}" for s in suites for case in s.iter("testcase")
               if case.find("failure") is not None or case.find("error") is not None]
+    seconds = sum(float(s.get("time", 0) or 0) for s in suites)
     return {**counts, "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
-            "failed": failed, "source": str(junit)}
+            "failed": failed, "seconds": seconds, "source": junit.name}
 
 
-def overhead(raw: dict[str, Any], source: Path) -> dict[str, Any]:
-    """Engine at K=1 against the plain loop."""
-    keys = ("engine_samples_per_s", "plain_samples_per_s", "ratio", "batch_size", "precision", "steps")
-    return {**{k: raw[k] for k in keys}, "model": raw["model"]["name"], "goal": OVERHEAD_GOAL,
-            "meets_goal": raw["ratio"] >= OVERHEAD_GOAL, "source": str(source)}
+def overhead(raw: dict[str, Any]) -> dict[str, Any]:
+    """The engine at K=1 against the hand-written loop: one row per (precision, batch, M, checkpoint)."""
+    keys = ("precision", "batch_size", "microbatches", "checkpoint", "engine_samples_per_s", "plain_samples_per_s",
+            "ratio", "loss_gap", "goal", "meets_goal")
+    rows = [{k: r.get(k) for k in keys} for r in raw.get("rows", [])]
+    judged = [r for r in rows if r["goal"] is not None]
+    return {"model": raw["model"]["name"], "device": raw.get("device"), "fp32_matmul": raw.get("fp32_matmul"),
+            "method": raw.get("method"), "goals": raw.get("goals"), "rows": rows,
+            "meets_goals": all(r["meets_goal"] for r in judged) if judged else None,
+            "not_measured": raw.get("not_measured", []), "source": f"{RAW}: overhead"}
 
 
-def table1(raw: dict[str, Any], fits: dict[str, Any] | None, source: Path) -> dict[str, Any]:
+def sync_debug(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """Synchronisations per training step (the warm-up step excluded), engine and plain loop."""
+    keys = ("side", "precision", "batch_size", "microbatches", "checkpoint", "per_step", "where", "mode")
+    return [{k: r.get(k) for k in keys} for r in raw.get("sync_debug", [])]
+
+
+def table1(raw: dict[str, Any], fits: dict[str, Any] | None, source: str) -> dict[str, Any]:
     """The largest models with and without rematerialization, and whether each trained on the GPU."""
     rows = {r["scenario"]: r for r in raw["rows"] if r is not None}
     out: dict[str, Any] = {"family": raw["family"], "budget_bytes": raw["budget_bytes"],
                            "batch_size": raw["batch_size"], "optimizer": raw["optimizer"], "method": raw["method"],
-                           "source": str(source)}
+                           "source": source}
     for name in ("naive-1", "pipeline-1"):
         row = rows.get(name)
         out[name] = None if row is None else {"model": row["model"], "params": row["params"],
@@ -60,23 +99,55 @@ def table1(raw: dict[str, Any], fits: dict[str, Any] | None, source: Path) -> di
         out["paper_gain"] = PAPER_REMAT_GAIN[raw["kind"]]
         out["meets_paper"] = gain >= PAPER_REMAT_GAIN[raw["kind"]]
     if fits is not None:
-        out["on_gpu"] = {r["scenario"]: {k: r.get(k) for k in ("trained", "peak_bytes", "within_budget", "error")}
+        out["on_gpu"] = {r["scenario"]: {k: r.get(k) for k in ("trained", "peak_bytes", "within_budget", "error",
+                                                               "seconds")}
                          for r in fits["rows"]}
     return out
 
 
-def bench(runs: dict[int, dict[str, Any]], sources: dict[int, Path]) -> dict[str, Any]:
+def bench(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Throughput per K with ranks sharing the GPU (K=1 from the first run's own K=1 measurement)."""
     out: dict[str, Any] = {}
     for k in sorted(runs):
         raw = runs[k]
         if not out:
             out["K=1"] = {"samples_per_s": raw["samples_per_s_k1"], "tokens_per_s": raw.get("tokens_per_s_k1"),
-                          "source": str(sources[k])}
+                          "source": f"{RAW}: bench-k{k}"}
         out[f"K={k}"] = {key: raw.get(key) for key in ("samples_per_s", "tokens_per_s", "normalized", "ideal",
                                                         "efficiency", "bubble", "bubble_theory", "microbatches",
                                                         "batch_size", "oversubscribed")}
-        out[f"K={k}"]["source"] = str(sources[k])
+        out[f"K={k}"]["source"] = f"{RAW}: bench-k{k}"
+    return out
+
+
+def multigpu(raw: dict[str, Any]) -> dict[str, Any]:
+    """Per run: passed, seconds, ranks, schedule, message size, last loss (and BLEU)."""
+    if "skipped" in raw:
+        return {"skipped": raw["skipped"], "gpus": raw.get("gpus")}
+    runs = {}
+    for r in raw.get("runs", []):
+        losses = r.get("losses") or []
+        runs[r["name"]] = {"passed": r["passed"], "seconds": r.get("seconds"), "ranks": r.get("ranks"),
+                           "schedule": r.get("schedule"), "data_parallel": r.get("data_parallel"),
+                           "message_bytes": r.get("message_bytes"), "last_loss": losses[-1] if losses else None,
+                           "problems": r.get("problems", [])}
+        if r.get("bleu") is not None:
+            runs[r["name"]]["bleu"] = r["bleu"]
+    return {"gpus": raw.get("gpus"), "backend": raw.get("backend"), "model": raw.get("model"),
+            "passed": raw.get("passed"), "runs": runs, "source": f"{RAW}: multigpu"}
+
+
+def steps(path: Path) -> list[dict[str, Any]]:
+    """Each step's record (status, exit code, seconds, time bound and estimate), in the order run."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                out.append({"unreadable": line[:200]})
     return out
 
 
@@ -98,39 +169,54 @@ def environment() -> dict[str, Any]:
 
 def collect(out_dir: Path) -> dict[str, Any]:
     """Every figure found under `out_dir`."""
-    raw_dir = out_dir / "raw"
-    figures: dict[str, Any] = {"environment": environment(), "missing": []}
+    raw: dict[str, Any] = json.loads((out_dir / RAW).read_text()) if (out_dir / RAW).exists() else {}
+    records = steps(out_dir / STEPS)
+    figures: dict[str, Any] = {"environment": environment(), "steps": records, "missing": []}
+    skipped = {r["step"]: r.get("why", "skipped") for r in records if r.get("status") == "skipped"}
 
     def need(name: str) -> dict[str, Any] | None:
-        data = _load(raw_dir / name)
-        if data is None:
-            figures["missing"].append(str(raw_dir / name))
+        data = raw.get(name)
+        if data is None and name in skipped:  # a step the machine cannot run: not missing
+            return None
+        if data is None or "unreadable" in data:
+            figures["missing"].append(f"{RAW}: {name}" + (f" ({data['unreadable']})" if data else ""))
+            return None
         return data
 
-    figures["tests"] = tests(out_dir / "junit.xml")
+    figures["tests"] = tests(out_dir / JUNIT)
     if figures["tests"] is None:
-        figures["missing"].append(str(out_dir / "junit.xml"))
-    if (raw := need("overhead.json")) is not None:
-        figures["engine_overhead"] = overhead(raw, raw_dir / "overhead.json")
+        figures["missing"].append(JUNIT)
+    if (data := need("overhead")) is not None:
+        figures["engine_overhead"] = overhead(data)
+        figures["sync_debug"] = sync_debug(data)
     figures["table1"] = {}
     for kind in ("amoebanet", "transformer"):
-        if (raw := need(f"table1-{kind}.json")) is not None:
-            figures["table1"][kind] = table1(raw, need(f"fits-{kind}.json"), raw_dir / f"table1-{kind}.json")
-    found = {k: data for k in (2, 4) if (data := need(f"bench-k{k}.json")) is not None}
-    figures["bench"] = bench(found, {k: raw_dir / f"bench-k{k}.json" for k in found}) if found else {}
-    if (raw := need("messages.json")) is not None:
-        figures["host_memory_messages"] = raw
+        if (data := need(f"table1-{kind}")) is not None:
+            figures["table1"][kind] = table1(data, need(f"fits-{kind}"), f"{RAW}: table1-{kind}")
+    found = {k: data for k in (2, 4) if (data := need(f"bench-k{k}")) is not None}
+    figures["bench"] = bench(found) if found else {}
+    if (data := need("messages")) is not None:
+        figures["host_memory_messages"] = data
+    if (data := need("multigpu")) is not None:
+        figures["multigpu"] = multigpu(data)
+    elif "multigpu" in skipped:
+        figures["multigpu"] = {"skipped": skipped["multigpu"]}
     return figures
 
 
 def main(argv: list[str]) -> int:
-    """Write OUT_DIR/figures.json."""
-    if len(argv) != 1:
-        print("usage: python scripts/gpu_figures.py OUT_DIR", file=sys.stderr)
-        return 2
-    out_dir = Path(argv[0])
-    figures = collect(out_dir)
-    target = out_dir / "figures.json"
+    """Merge the raw files when asked, then write OUT_DIR/figures.json."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--raw", type=Path, default=None, help="a folder of the steps' JSON files to merge first")
+    parser.add_argument("--merge-only", action="store_true", help="merge into raw.json and stop")
+    args = parser.parse_args(argv)
+    if args.raw is not None:
+        merge(args.out_dir, args.raw)
+    if args.merge_only:
+        return 0
+    figures = collect(args.out_dir)
+    target = args.out_dir / FIGURES
     target.write_text(json.dumps(figures, indent=2))
     print(f"gpu_figures: {target} ({len(figures['missing'])} measurement(s) missing)")
     return 0

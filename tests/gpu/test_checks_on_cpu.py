@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -142,23 +146,231 @@ def test_checkpoints_resume_across_devices(tmp_path: Path, monkeypatch: pytest.M
         assert torch.equal(a, b)
 
 
-def test_figures_collects_what_the_acceptance_wrote_and_names_what_is_missing(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("gpu_figures", Path(__file__).parents[2] / "scripts/gpu_figures.py")
+def _script(name: str) -> Any:
+    """A module of scripts/ (they are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
-    figures_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(figures_module)
-    raw = tmp_path / "raw"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look modules up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_figures_collects_what_the_acceptance_wrote_and_names_what_is_missing(tmp_path: Path) -> None:
+    figures_module = _script("gpu_figures")
+    raw = tmp_path / "work"
     raw.mkdir()
     rows = [{"scenario": "naive-1", "partitions": 1, "model": "(18, 208)", "params": 82, "device_peak_bytes": 7.0},
             {"scenario": "pipeline-1", "partitions": 1, "model": "(18, 416)", "params": 318, "device_peak_bytes": 7.5}]
     (raw / "table1-amoebanet.json").write_text(json.dumps(
         {"family": "AmoebaNet-D (L, D)", "kind": "amoebanet", "budget_bytes": 8, "batch_size": 128,
          "optimizer": "rmsprop", "method": "accounting", "rows": rows}))
+    (raw / "broken.json").write_text("{")
     (tmp_path / "junit.xml").write_text('<testsuites><testsuite tests="3" failures="1" errors="0" skipped="0">'
                                         '<testcase classname="t" name="a"><failure/></testcase></testsuite>'
                                         '</testsuites>')
+    (tmp_path / "steps.jsonl").write_text(
+        '{"step": "table1-amoebanet", "status": "passed", "exit_code": 0, "seconds": 9.0, "bound_s": 25}\n'
+        '{"step": "multigpu", "status": "skipped", "exit_code": 0, "seconds": 0.0, "bound_s": 150, '
+        '"why": "needs two GPUs, this machine has 1"}\n')
+    assert figures_module.main([str(tmp_path), "--raw", str(raw), "--merge-only"]) == 0
+    assert not (tmp_path / "figures.json").exists()
+    merged = json.loads((tmp_path / "raw.json").read_text())
+    assert sorted(merged) == ["broken", "table1-amoebanet"] and "unreadable" in merged["broken"]
     figures = figures_module.collect(tmp_path)
     amoeba = figures["table1"]["amoebanet"]
     assert amoeba["remat_params_gain"] == pytest.approx(318 / 82) and amoeba["meets_paper"] is False
     assert figures["tests"]["passed"] == 2 and figures["tests"]["failed"] == ["t::a"]
-    assert str(raw / "overhead.json") in figures["missing"] and str(raw / "bench-k2.json") in figures["missing"]
+    assert "raw.json: overhead" in figures["missing"] and "raw.json: bench-k2" in figures["missing"]
+    # A step the machine cannot run is skipped, not missing.
+    assert figures["multigpu"] == {"skipped": "needs two GPUs, this machine has 1"}
+    assert not any("multigpu" in m for m in figures["missing"])
+    assert [r["step"] for r in figures["steps"]] == ["table1-amoebanet", "multigpu"]
+
+
+# ------------------------------------------------------------------------- the acceptance script
+
+SCRIPTS = Path(__file__).parents[2] / "scripts"
+ACCEPTANCE = SCRIPTS / "gpu-acceptance.sh"
+# What an acceptance run may leave in OUT_DIR, at most.
+MOST_FILES = 8
+
+
+def _bounds() -> tuple[dict[str, int], dict[str, str]]:
+    """The script's time bound of each step, and the comment (the estimate) beside it."""
+    text = ACCEPTANCE.read_text()
+    table = text[text.index("declare -A BOUND=("):]
+    table = table[:table.index("\n)")]
+    found = re.findall(r"\[([\w-]+)\]=(\d+)\s*#\s*(.*)", table)
+    return {k: int(v) for k, v, _ in found}, {k: c for k, _, c in found}
+
+
+def test_acceptance_bounds_fit_eight_minutes_and_say_what_each_step_takes() -> None:
+    bounds, comments = _bounds()
+    steps = re.search(r"^ALL=\((.*)\)$", ACCEPTANCE.read_text(), re.M)
+    assert steps is not None
+    for name in steps.group(1).split():  # every step has a bound (table1 and bench: one per command)
+        assert any(key == name or key.startswith(f"{name}-") or key.startswith(f"{name.rstrip('1')}")
+                   for key in bounds), name
+    for name in ("table1-amoebanet", "table1-transformer", "fits-amoebanet", "fits-transformer", "bench-k2",
+                 "bench-k4", "setup", "wheels", "figures"):
+        assert name in bounds
+    # multigpu runs beside the tests, within their bound; everything else one after the other.
+    assert bounds["multigpu"] <= bounds["tests"]
+    assert sum(v for k, v in bounds.items() if k != "multigpu") < 480
+    for name, comment in comments.items():
+        assert re.search(r"\b(est|measured) \d+", comment), (name, comment)
+
+
+def _acceptance(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(ACCEPTANCE), *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHON": sys.executable, **env}, cwd=ACCEPTANCE.parents[1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_acceptance_without_a_gpu_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
+    proc = _acceptance(tmp_path / "out", str(tmp_path / "out"))
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stdout + proc.stderr
+    assert "no CUDA GPU is visible" in lines[0] and not (tmp_path / "out").exists()
+
+
+def test_acceptance_skips_multigpu_with_one_gpu_and_records_it(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _acceptance(out, "--cpu", str(out), "multigpu", GPU_ACCEPTANCE_GPUS="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("needs two GPUs") == 1
+    assert "multigpu: needs two GPUs, this machine has 1: skipped" in proc.stdout.splitlines()
+    records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["status"]) for r in records] == [("multigpu", "skipped")]
+    figures = json.loads((out / "figures.json").read_text())
+    assert figures["multigpu"]["skipped"].startswith("needs two GPUs")
+    assert len(list(out.iterdir())) <= MOST_FILES
+
+
+def test_acceptance_records_a_step_past_its_bound_and_goes_on(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _acceptance(out, "--cpu", str(out), "overhead", "messages", "multigpu", GPU_ACCEPTANCE_BOUND_SCALE="0.01",
+                       GPU_ACCEPTANCE_GPUS="0")
+    assert proc.returncode == 1 and "FAILED: overhead messages" in proc.stderr, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["status"]) for r in records] == [("multigpu", "skipped"), ("overhead", "timed out"),
+                                                           ("messages", "timed out")]
+    assert records[1]["bound_s"] == 1 and records[1]["exit_code"] == 124
+    files = sorted(p.name for p in out.rglob("*"))
+    assert len(files) <= MOST_FILES and set(files) <= {"acceptance.log", "junit.xml", "steps.jsonl", "raw.json",
+                                                       "figures.json"}, files
+    assert "== messages (bound 1 s)" in (out / "acceptance.log").read_text()
+
+
+@pytest.mark.slow
+def test_acceptance_on_the_cpu_runs_every_step_into_at_most_eight_files(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _acceptance(out, "--cpu", str(out), GPU_ACCEPTANCE_GPUS="2", GPU_ACCEPTANCE_BOUND_SCALE="4")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = sorted(p.name for p in out.rglob("*"))
+    assert files == ["acceptance.log", "figures.json", "junit.xml", "raw.json", "steps.jsonl"], files
+    figures = json.loads((out / "figures.json").read_text())
+    assert figures["multigpu"]["passed"] and len(figures["multigpu"]["runs"]) == 5
+    assert figures["engine_overhead"]["rows"] and figures["sync_debug"]
+    assert figures["missing"] == ["raw.json: bench-k4"]  # --cpu benches K=2 alone
+    assert {r["status"] for r in figures["steps"]} == {"passed"}
+
+
+# ------------------------------------------------------------------------- gpu_measure.py
+
+def test_overhead_plain_loop_computes_the_engines_loss_with_and_without_rematerialization(tmp_path: Path) -> None:
+    measure = _script("gpu_measure")
+    out = tmp_path / "overhead.json"
+    assert measure.main(["overhead", "--device", "cpu", "--layers", "2", "--d-model", "32", "--ff", "64", "--heads",
+                         "2", "--seq-len", "8", "--vocab-size", "64", "--batches", "3,8", "--microbatches", "1,4",
+                         "--precisions", "fp32", "--steps", "1", "--warmup", "1", "--rounds", "1", "--round-s", "0",
+                         "--sync-batch", "8", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    rows = [(r["batch_size"], r["microbatches"], r["checkpoint"]) for r in figures["rows"]]
+    # The goals' rows first; M=1 without rematerialization only; M > batch cannot be cut.
+    assert rows[:3] == [(3, 1, "never"), (8, 1, "never"), (8, 4, "except_last")]
+    assert sorted(rows) == sorted([(3, 1, "never"), (8, 1, "never"), (8, 4, "except_last"), (8, 4, "never")])
+    for row in figures["rows"]:  # same weights, same micro-batches (3 and 8 do not split evenly), same weighting
+        assert row["loss_gap"] < 1e-5, row
+        assert row["engine_samples_per_s"] > 0 and row["plain_samples_per_s"] > 0
+    assert {(r["side"], r["microbatches"]) for r in figures["sync_debug"]} == {
+        ("engine", 1), ("plain", 1), ("engine", 4), ("plain", 4)}
+    assert all(r["per_step"] == 0 for r in figures["sync_debug"])  # nothing to wait for on the CPU
+
+
+def test_overhead_stops_starting_rows_past_its_budget() -> None:
+    measure = _script("gpu_measure")
+    configs = measure.overhead_configs(["bf16", "fp32"], [8, 32], [1, 4, 16], ["never", "except_last"])
+    goals = [c for c in configs if (c[2], c[3]) in measure.OVERHEAD_GOALS]
+    assert configs[:len(goals)] == goals and len(goals) == 8
+    assert ("bf16", 8, 16, "never") not in configs and ("fp32", 32, 16, "except_last") in configs
+
+
+def test_multigpu_runs_cover_every_schedule_with_messages_over_8_mib() -> None:
+    measure = _script("gpu_measure")
+    args = measure.parser().parse_args(["multigpu", "--json", "x.json"])
+    two = measure.multigpu_runs(args, 2)
+    assert [r["name"] for r in two] == ["lm-gpipe", "lm-1f1b", "lm-zero-bubble", "lm-interleaved", "translation-bleu"]
+    assert all(r["message_bytes"] > 8 * MiB for r in two[:4])
+    interleaved = next(r for r in two if r["schedule"] == "interleaved")
+    assert "pipeline.virtual_stages=2" in interleaved["sets"] and args.microbatches % 2 == 0
+    four = measure.multigpu_runs(args, 4)
+    assert [r["name"] for r in four if r["data_parallel"] == 2] == ["lm-gpipe-dp2"]
+    assert next(r for r in four if r["data_parallel"] == 2)["ranks"] == 4
+
+
+def test_multigpu_needs_two_gpus_and_says_so_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    measure = _script("gpu_measure")
+    args = measure.parser().parse_args(["multigpu", "--gpus", "1", "--json", str(tmp_path / "m.json")])
+    figures = measure.multigpu(args)
+    assert figures == {"skipped": "multigpu: needs two GPUs, this machine has 1: skipped", "gpus": 1}
+    assert capsys.readouterr().out.strip().splitlines() == [figures["skipped"]]
+
+
+def test_multigpu_run_checks_catch_what_must_fail() -> None:
+    measure = _script("gpu_measure")
+    train = [{"kind": "train", "loss": 6.0}, {"kind": "train", "loss": 5.5}]
+    assert measure.check_run(0, train, 2, False) == []
+    assert measure.check_run(None, train, 2, False) == ["ran past its time bound"]
+    assert measure.check_run(1, train, 2, False) == ["exit code 1"]
+    assert "non-finite loss" in measure.check_run(0, [train[0], {"kind": "train", "loss": float("nan")}], 2, False)[0]
+    assert measure.check_run(0, train[:1], 2, False) == ["1 train records, expected 2"]
+    assert "no finite BLEU" in measure.check_run(0, train, 2, True)[0]
+    assert measure.check_run(0, [*train, {"kind": "eval", "bleu": 3.5}], 2, True) == []
+    runs: list[dict[str, Any]] = [
+        {"name": "lm-gpipe", "passed": True, "data_parallel": 1, "losses": [6.0, 5.5], "problems": []},
+        {"name": "lm-1f1b", "passed": True, "data_parallel": 1, "losses": [6.0, 5.5 + 1e-6], "problems": []},
+        {"name": "lm-zero-bubble", "passed": True, "data_parallel": 1, "losses": [6.0, 5.6], "problems": []}]
+    measure.compare_schedules(runs)
+    assert runs[1]["passed"] and not runs[2]["passed"] and "differ from gpipe's" in runs[2]["problems"][0]
+
+
+@pytest.mark.slow
+def test_multigpu_trains_every_schedule_and_scores_bleu_with_two_cpu_ranks(tmp_path: Path) -> None:
+    measure = _script("gpu_measure")
+    out = tmp_path / "multigpu.json"
+    code = measure.main(["multigpu", "--device", "cpu", "--gpus", "2", "--layers", "2", "--d-model", "32", "--ff", "64",
+                         "--heads", "2", "--seq-len", "16", "--micro-batch", "2", "--microbatches", "2", "--steps",
+                         "2", "--synthetic-size", "64", "--translation-size", "256", "--run-timeout", "120",
+                         "--work-dir", str(tmp_path / "runs"), "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert code == 0 and figures["passed"], figures
+    runs = {r["name"]: r for r in figures["runs"]}
+    assert runs["translation-bleu"]["bleu"] >= 0
+    assert all(runs[name]["loss_gap_vs_gpipe"] <= measure.SAME_TRAINING
+               for name in ("lm-1f1b", "lm-zero-bubble", "lm-interleaved"))
+
+
+def test_fits_trains_each_row_of_a_budget_table_on_the_cpu(tmp_path: Path) -> None:
+    measure = _script("gpu_measure")
+    fixed = {"arch": "decoder-only", "d_model": 16, "ff": 32, "heads": 2, "vocab_size": 64, "max_len": 8}
+    rows = [{"scenario": "naive-1", "partitions": 1, "microbatches": 1, "checkpoint": "never", "model": "1"},
+            {"scenario": "pipeline-1", "partitions": 1, "microbatches": 2, "checkpoint": "except_last", "model": "2"}]
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"family": "Transformer-L", "kind": "transformer", "fixed": fixed, "batch_size": 4,
+                                 "optimizer": "rmsprop", "budget_bytes": 1 << 40, "rows": rows}))
+    out = tmp_path / "fits.json"
+    assert measure.main(["fits", "--device", "cpu", "--table", str(table), "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert [r["trained"] for r in figures["rows"]] == [True, True] and "resident" in figures["method"]
