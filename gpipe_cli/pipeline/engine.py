@@ -243,7 +243,8 @@ class Pipeline:
         """
         layout, chunks = self.layout, microbatches
         actions = self._plan(chunks)
-        self.module.train()
+        if not self.module.training:  # evaluation restores the mode it found: no need to visit every module
+            self.module.train()
         for stage in self.stages.values():
             stage.step = step
         meter = self.stage.meter

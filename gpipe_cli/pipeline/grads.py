@@ -8,6 +8,7 @@ during the step (it reads them with the step's other figures, a step later).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -60,17 +61,24 @@ def sum_shared(shared: Sequence[SharedCopy], fabric: Fabric | None) -> None:
 
 def norms(params: Sequence[nn.Parameter]) -> tuple[torch.Tensor | None, tuple[int, ...]]:
     """The gradient L2 norms (float64) of the parameters that have a gradient, and their positions."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, p in enumerate(params):
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(i)
-    if not by_dtype:
+    positions = tuple(i for i, p in enumerate(params) if p.grad is not None)
+    if not positions:
         return None, ()
-    parts, positions = [], []
-    for indices in by_dtype.values():
-        parts.append(torch.stack(torch._foreach_norm([params[i].grad for i in indices])).to(torch.float64))  # type: ignore[misc]
-        positions += indices
-    return torch.cat(parts) if len(parts) > 1 else parts[0], tuple(positions)
+    groups = _by_dtype(tuple(params[i].grad.dtype for i in positions))  # type: ignore[union-attr]
+    parts = [torch.stack(torch._foreach_norm([params[positions[j]].grad for j in group]))  # type: ignore[misc]
+             .to(torch.float64) for group in groups]
+    if len(parts) == 1:
+        return parts[0], positions
+    return torch.cat(parts), tuple(positions[j] for group in groups for j in group)
+
+
+@functools.lru_cache(maxsize=64)
+def _by_dtype(dtypes: tuple[torch.dtype, ...]) -> list[list[int]]:
+    """Indices grouped by dtype, in first-seen order (one foreach kernel per group)."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for j, dtype in enumerate(dtypes):
+        groups.setdefault(dtype, []).append(j)
+    return list(groups.values())
 
 
 def last_nonfinite(found: torch.Tensor, layers: torch.Tensor) -> torch.Tensor:
