@@ -36,7 +36,7 @@ from gpipe_cli.pipeline.topology import Topology
 Units = Callable[[torch.Tensor], "torch.Tensor | int | float"]
 Metrics = dict[str, Callable[[Any, torch.Tensor], "torch.Tensor | float"]]  # name -> sum over examples
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-_LOSS, _NORM, _BAD, _LAYER, _SCALE = range(5)  # the step's device figures, in their vector
+_LOSS, _NORM, _BAD, _SCALE, _NORMS = range(5)  # the step's device figures; per-parameter norms from _NORMS on
 
 
 @dataclass
@@ -85,6 +85,7 @@ class PendingStep:
     cuda_peak: int
     bubble_theory: float
     trace: bool
+    positions: tuple[int, ...]  # the parameters whose gradient norms follow the figures
 
     def result(self) -> StepResult:
         """The step's figures, gathered on rank 0 (waits for the device once, if it is not there yet)."""
@@ -97,7 +98,7 @@ class PendingStep:
         loss = values[_LOSS] if layout.is_last else None
         mine = stats.StageStats(layout.stage, layout.replica, self.times.step_time, self.times.busy(events),
                                 self.activation_peak, self.rss_peak, self.cuda_peak, wait, comm, optimizer,
-                                int(values[_LAYER]) if skipped else -1)
+                                pipe.last_bad_layer(self.positions, values[_NORMS:]) if skipped else -1)
         gathered = stats.gather(mine, loss or 0.0, int(self.examples), self.units, values[_NORM],
                                 self.bubble_theory, pipe.topology.fabric, events if self.trace else None)
         if gathered is not None and loss is None:
@@ -140,7 +141,7 @@ class Pipeline:
         self._layer_of = [int(name.split(".", 1)[0]) for name, p in self.module.named_parameters() if p.requires_grad]
         excluded = {id(c.parameter) for c in self.shared if not c.counts_in_norm}
         self._in_norm = [id(p) not in excluded for p in self.params]
-        self._per_param: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._per_param: dict[tuple[int, ...], torch.Tensor | None] = {}
         self.batchnorms = deferred_batchnorms(self.module)
         meter = memory.ActivationMeter([*self.module.parameters(), *self.module.buffers()])
         last_chunk = len(self.ranges) - 1
@@ -297,9 +298,11 @@ class Pipeline:
         loss = torch.stack(run.losses).sum().to(torch.float64) if run.losses else zero
         if self.loss_scale.enabled:
             loss = loss / self.loss_scale.value
-        norm, bad, layer = self._finish_gradients(max_grad_norm, loss, zero)
+        norm, bad, found, positions = self._finish_gradients(max_grad_norm, loss, zero)
         finite = (bad == 0) & norm.isfinite()
-        figures = torch.stack([loss, norm, bad, layer, self.loss_scale.value.to(torch.float64)])
+        figures = torch.stack([loss, norm, bad, self.loss_scale.value.to(torch.float64)])
+        if found is not None:
+            figures = torch.cat([figures, found])
         self.loss_scale.update(bad + (~finite).to(bad.dtype))
         copy = dev.HostCopy(figures)  # queued now; read after the step's last marker, with one wait
         if optimizer is not None and fused(optimizer):
@@ -315,14 +318,15 @@ class Pipeline:
         return PendingStep(self, times, copy, examples, units_total,
                            meter.peak if measure_memory else -1, memory.peak_rss_bytes(),
                            memory.cuda_peak_bytes(self.device),
-                           sched.theoretical_bubble(layout.stages, chunks, self.schedule_name, self.virtual), trace)
+                           sched.theoretical_bubble(layout.stages, chunks, self.schedule_name, self.virtual), trace,
+                           positions)
 
-    def _finish_gradients(self, max_grad_norm: float | None, loss: torch.Tensor,
-                          zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _finish_gradients(self, max_grad_norm: float | None, loss: torch.Tensor, zero: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
         """Sum over replicas and shared copies, unscale, take the global norm and clip; all on the device.
 
-        Returns the global norm, the count of non-finite losses and stages over every stage and replica,
-        and the global index of this stage's first layer in backward order with a non-finite gradient (-1).
+        Returns the global norm, the count of non-finite losses over every stage and replica, and this
+        stage's per-parameter gradient norms with the positions of their parameters.
         """
         topology, fabric = self.topology, self.topology.fabric
         with self.timeline.span(stats.COMM):
@@ -332,12 +336,10 @@ class Pipeline:
         if self.loss_scale.enabled:
             grads.scale_(self.params, self.loss_scale.value.reciprocal())
         found, positions = grads.norms(self.params)
-        squares, layer = zero, zero - 1
+        squares = zero
         if found is not None:
-            layers, counted = self._per_param_tensors(positions)
-            squares = (found.square() * counted).sum()
-            layer = grads.last_nonfinite(found, layers)
-            bad = bad + (layer >= 0).to(bad.dtype)
+            counted = self._counted(positions)
+            squares = found.dot(found) if counted is None else found.square().mul(counted).sum()
         # The norm's collective waits for the slowest stage to finish its backward: that is the bubble.
         with self.timeline.span(stats.WAIT):
             norm, bad = grads.global_norm(squares, bad, fabric, topology.pipeline_ranks())
@@ -345,18 +347,23 @@ class Pipeline:
             grads.clip_(self.params, norm, max_grad_norm)
         with self.timeline.span(stats.COMM):
             grads.commit_batchnorms(self.batchnorms, fabric, topology.replica_ranks())
-        return norm, bad, layer
+        return norm, bad, found, positions
 
-    def _per_param_tensors(self, positions: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """For the parameters at `positions`: their global layers and whether each counts in the norm.
+    def _counted(self, positions: tuple[int, ...]) -> torch.Tensor | None:
+        """Which of the parameters at `positions` count in the global norm (None: all of them).
 
-        Made once per set of parameters with a gradient (the same every step), so no step copies them.
+        Made once per set of parameters with a gradient (the same every step), so no step copies it.
         """
         if positions not in self._per_param:
-            self._per_param[positions] = (
-                torch.tensor([self._layer_of[i] for i in positions], device=self.device),
-                torch.tensor([float(self._in_norm[i]) for i in positions], dtype=torch.float64, device=self.device))
+            mask = [float(self._in_norm[i]) for i in positions]
+            self._per_param[positions] = (None if all(mask) else
+                                          torch.tensor(mask, dtype=torch.float64, device=self.device))
         return self._per_param[positions]
+
+    def last_bad_layer(self, positions: tuple[int, ...], norms: Sequence[float]) -> int:
+        """The global index of the highest layer (the first in backward order) whose gradient is not finite."""
+        bad = [self._layer_of[i] for i, value in zip(positions, norms) if not math.isfinite(value)]
+        return max(bad, default=-1)
 
     # ----------------------------------------------------------------- evaluation
 

@@ -81,11 +81,6 @@ def _by_dtype(dtypes: tuple[torch.dtype, ...]) -> list[list[int]]:
     return list(groups.values())
 
 
-def last_nonfinite(found: torch.Tensor, layers: torch.Tensor) -> torch.Tensor:
-    """The highest of `layers` whose norm in `found` is not finite (the first in backward order), else -1."""
-    return torch.where(found.isfinite(), -1, layers).max().to(torch.float64)
-
-
 def global_norm(local_squares: torch.Tensor, flag: torch.Tensor, fabric: Fabric | None,
                 ranks: Ranks) -> tuple[torch.Tensor, torch.Tensor]:
     """The L2 norm over all stages' gradients, and `flag` summed over the stages, in one collective.

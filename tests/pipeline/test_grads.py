@@ -34,13 +34,6 @@ def test_a_nan_makes_the_norm_nan():
     assert math.isnan(norm.item()) and flag.item() == 0.0
 
 
-def test_the_first_non_finite_gradient_in_backward_order_is_the_highest_layer():
-    found, _ = grads.norms(with_grads([1.0, 1.0], [math.inf, 0.0], [math.nan, 0.0], [2.0, 0.0]))
-    layers = torch.tensor([4, 5, 6, 7])
-    assert grads.last_nonfinite(found, layers).item() == 6
-    assert grads.last_nonfinite(found[:1], layers[:1]).item() == -1
-
-
 def test_clipping_scales_by_a_clamped_factor_without_reading_the_norm():
     params = with_grads([3.0, 4.0])
     grads.clip_(params, torch.tensor(5.0, dtype=torch.float64), max_norm=1.0)
