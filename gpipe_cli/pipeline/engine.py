@@ -3,13 +3,14 @@
 A training step is launched without the host ever waiting for the device: the loss, the global
 gradient norm, the non-finite count and the clip stay on the device, the optimizer skips a
 non-finite step on the device (fused optimizers' `found_inf`), and the step's figures are copied
-into host memory as it ends. `PendingStep.result` reads them, normally a step later, with the step's
-one wait. An optimizer without a fused implementation (RMSprop) cannot skip on the device: its step
-reads the figures before the update, and that read is the step's one wait.
+into host memory as it ends, for `step.PendingStep.result` to read, normally a step later. An
+optimizer without a fused implementation (RMSprop) cannot skip on the device: its step reads the
+figures before the update, and that read is the step's one wait.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ from torch import nn
 from gpipe_cli.pipeline import device as dev
 from gpipe_cli.pipeline import grads, memory, microbatch, partition, stats
 from gpipe_cli.pipeline import schedule as sched
+from gpipe_cli.pipeline import step as step_
 from gpipe_cli.pipeline import topology as topo_
 from gpipe_cli.pipeline.batchnorm import deferred_batchnorms
 from gpipe_cli.pipeline.comm import Inbound, Outbound
@@ -29,26 +31,12 @@ from gpipe_cli.pipeline.executor import Channels, Executor, Message
 from gpipe_cli.pipeline.fabric import BACKWARD, FORWARD, RESULT, Link
 from gpipe_cli.pipeline.schedule import Kind
 from gpipe_cli.pipeline.stage import Stage, as_tensors
-from gpipe_cli.pipeline.stats import StageStats
 from gpipe_cli.pipeline.tied import tie_parameters
 from gpipe_cli.pipeline.topology import Topology
 
 Units = Callable[[torch.Tensor], "torch.Tensor | int | float"]
 Metrics = dict[str, Callable[[Any, torch.Tensor], "torch.Tensor | float"]]  # name -> sum over examples
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-_LOSS, _NORM, _BAD, _SCALE, _NORMS = range(5)  # the step's device figures; per-parameter norms from _NORMS on
-
-
-@dataclass
-class StepResult:
-    """What one training step returns on every rank."""
-
-    loss: float | None            # the mini-batch's mean loss (last stages and rank 0)
-    grad_norm: float              # global gradient norm before clipping
-    skipped: bool                 # a non-finite loss or gradient on some stage: the update was not applied
-    stats: stats.StepStats | None  # every stage's figures, on rank 0
-    loss_scale: float | None = None  # fp16: the loss scale after this step
-    own: StageStats | None = None  # this rank's own figures
 
 
 @dataclass
@@ -59,52 +47,6 @@ class EvalResult:
     units: float
     metrics: dict[str, float] = field(default_factory=dict)
     outputs: Any | None = None
-
-
-def _finite(values: list[float]) -> bool:
-    """Whether a step's figures say every loss and gradient was finite."""
-    return values[_BAD] == 0 and math.isfinite(values[_NORM])
-
-
-def fused(optimizer: torch.optim.Optimizer | None) -> bool:
-    """Whether an optimizer skips a non-finite step on the device (torch's fused kernels take `found_inf`)."""
-    return optimizer is not None and bool(optimizer.defaults.get("fused"))
-
-
-@dataclass
-class PendingStep:
-    """A launched training step whose figures the host has not read yet; every rank reads them in step order."""
-
-    pipe: Pipeline
-    times: stats.StepTimes
-    figures: dev.HostCopy
-    examples: float
-    units: float
-    activation_peak: int
-    rss_peak: int
-    cuda_peak: int
-    bubble_theory: float
-    trace: bool
-    positions: tuple[int, ...]  # the parameters whose gradient norms follow the figures
-
-    def result(self) -> StepResult:
-        """The step's figures, gathered on rank 0 (waits for the device once, if it is not there yet)."""
-        dev.wait_for(self.times.end)
-        values = self.figures.read().tolist()
-        pipe, layout = self.pipe, self.pipe.layout
-        events = self.times.events()
-        wait, comm, optimizer = self.times.parts(events)
-        skipped = not _finite(values)
-        loss = values[_LOSS] if layout.is_last else None
-        mine = stats.StageStats(layout.stage, layout.replica, self.times.step_time, self.times.busy(events),
-                                self.activation_peak, self.rss_peak, self.cuda_peak, wait, comm, optimizer,
-                                pipe.last_bad_layer(self.positions, values[_NORMS:]) if skipped else -1)
-        gathered = stats.gather(mine, loss or 0.0, int(self.examples), self.units, values[_NORM],
-                                self.bubble_theory, pipe.topology.fabric, events if self.trace else None)
-        if gathered is not None and loss is None:
-            loss = gathered.loss
-        return StepResult(loss=loss, grad_norm=values[_NORM], skipped=skipped, stats=gathered,
-                          loss_scale=values[_SCALE] if pipe.loss_scale.enabled else None, own=mine)
 
 
 class Pipeline:
@@ -228,13 +170,13 @@ class Pipeline:
 
     # ----------------------------------------------------------------- training
 
-    def train_step(self, inputs: Any = None, targets: torch.Tensor | None = None, **options: Any) -> StepResult:
+    def train_step(self, inputs: Any = None, targets: torch.Tensor | None = None, **options: Any) -> step_.StepResult:
         """`launch_step`, then read its figures at once (for callers that want them now)."""
         return self.launch_step(inputs, targets, **options).result()
 
     def launch_step(self, inputs: Any = None, targets: torch.Tensor | None = None, *, microbatches: int,
                     step: int, example_offset: int = 0, max_grad_norm: float | None = None, trace: bool = False,
-                    optimizer: torch.optim.Optimizer | None = None, measure_memory: bool = True) -> PendingStep:
+                    optimizer: torch.optim.Optimizer | None = None, measure_memory: bool = True) -> step_.PendingStep:
         """Forward and backward one mini-batch as M micro-batches, then update; the host never waits for the device.
 
         The first stage gives `inputs`, the last stage `targets` (a single stage gives both).
@@ -300,26 +242,24 @@ class Pipeline:
             loss = loss / self.loss_scale.value
         norm, bad, found, positions = self._finish_gradients(max_grad_norm, loss, zero)
         finite = (bad == 0) & norm.isfinite()
-        figures = torch.stack([loss, norm, bad, self.loss_scale.value.to(torch.float64)])
-        if found is not None:
-            figures = torch.cat([figures, found])
+        figures = step_.figures(loss, norm, bad, self.loss_scale.value, found)
         self.loss_scale.update(bad + (~finite).to(bad.dtype))
         copy = dev.HostCopy(figures)  # queued now; read after the step's last marker, with one wait
-        if optimizer is not None and fused(optimizer):
+        if optimizer is not None and step_.fused(optimizer):
             with self.timeline.span(stats.OPTIMIZER):
                 optimizer.found_inf = (~finite).to(torch.float32)  # type: ignore[attr-defined]
                 optimizer.grad_scale = None  # type: ignore[attr-defined]
                 optimizer.step()
                 del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
-        elif optimizer is not None and _finite(copy.read().tolist()):  # the one wait: it decides the update
+        elif optimizer is not None and step_.finite(copy.read().tolist()):  # the one wait: it decides the update
             with self.timeline.span(stats.OPTIMIZER):
                 optimizer.step()
         times = self.timeline.finish()
-        return PendingStep(self, times, copy, examples, units_total,
-                           meter.peak if measure_memory else -1, memory.peak_rss_bytes(),
-                           memory.cuda_peak_bytes(self.device),
-                           sched.theoretical_bubble(layout.stages, chunks, self.schedule_name, self.virtual), trace,
-                           positions)
+        return step_.PendingStep(
+            layout, self.topology.fabric, times, copy, examples, units_total, meter.peak if measure_memory else -1,
+            memory.peak_rss_bytes(), memory.cuda_peak_bytes(self.device),
+            sched.theoretical_bubble(layout.stages, chunks, self.schedule_name, self.virtual), trace,
+            functools.partial(self.last_bad_layer, positions), self.loss_scale.enabled)
 
     def _finish_gradients(self, max_grad_norm: float | None, loss: torch.Tensor, zero: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, ...]]:

@@ -23,10 +23,11 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.estimate import cost_cache
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import heartbeat, topology
-from gpipe_cli.pipeline.engine import PendingStep, Pipeline
+from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_layers, stage_ranges
+from gpipe_cli.pipeline.step import PendingStep
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
 from gpipe_cli.recipe_model import build_optimizer, model_spec
 from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, translate
@@ -255,14 +256,15 @@ class Trainer:
             return 0
         if self.view is not None:
             self.view.start(self.total_steps, self.start_step)
-        self._last_time = time.perf_counter()
         heartbeat.training_started()
         # The host launches step t+1 before it reads step t's figures, so it never waits for the device
         # inside a step; anything that must see a finished step (a checkpoint, an evaluation, a stop) reads
         # the step in flight first.
-        pending: tuple[int, Batch | None, PendingStep] | None = None
+        # A step's time runs from its launch to the next step's (or, at a boundary, to its own figures).
+        pending: tuple[int, Batch | None, PendingStep, float] | None = None
         for step, batch in enumerate(self.batches(self.start_step), start=self.start_step):
             self.profiler.before(step + 1)
+            started = time.perf_counter()
             # The loader leaves out what this rank's stage does not need (inputs, targets or both).
             launched = self.pipe.launch_step(
                 batch.inputs if batch else None, batch.targets if batch else None,
@@ -272,10 +274,10 @@ class Trainer:
             if self.scheduler is not None:
                 self.scheduler.step()
             self.pipe.zero_grad()
-            if pending is not None and self._finish(*pending) == "stop":
+            if pending is not None and self._finish(*pending, ended=started) == "stop":
                 pending = None
                 break
-            pending = (step, batch, launched)
+            pending = (step, batch, launched, started)
             self._profiled(self.profiler.after(step + 1))
             done = step + 1
             if step == self.start_step:
@@ -293,7 +295,6 @@ class Trainer:
                 break
             if evaluating:
                 self.evaluate(done)
-                self._last_time = time.perf_counter()
         if pending is not None:
             self._finish(*pending)
         if not self.stopped_by and not self.diverged:
@@ -310,11 +311,11 @@ class Trainer:
         """Whether this step counts every stored activation: the first of a start and every memory_every-th."""
         return step == self.start_step or (step + 1) % self.recipe.train.memory_every == 0
 
-    def _finish(self, step: int, batch: Batch | None, launched: PendingStep) -> str:
+    def _finish(self, step: int, batch: Batch | None, launched: PendingStep, started: float,
+                ended: float | None = None) -> str:
         """Read a launched step's figures (the step's one wait for the device), record them, and decide."""
         result = launched.result()
-        now = time.perf_counter()
-        seconds, self._last_time = now - self._last_time, now
+        seconds = (ended if ended is not None else time.perf_counter()) - started
         heartbeat.step_done(seconds)
         # Every rank sees the same finiteness (the engine agrees on it), so all decide alike.
         decision = self.policy.decide(not result.skipped)

@@ -132,7 +132,7 @@ def test_every_schedule_runs_under_nccls_rules(schedule, stages, virtual):
     for microbatches in range(1, 9):
         if virtual > 1 and microbatches % stages:
             continue
-        for replicas in (1, 2) if microbatches % 2 else (1,):  # D = 2 at every odd M
+        for replicas in (1, 2) if microbatches % 2 or microbatches == stages else (1,):  # D = 2 at odd M
             nm.run(programs(stages, replicas, virtual, schedule, microbatches, optimizer=microbatches % 4 < 2))
             checked += 1
     assert checked >= 3
