@@ -2,13 +2,15 @@
 
 Every schedule, K <= 4, V <= 3, M <= 8, with uneven micro-batches, a batch that changes size, D = 2,
 tied weights, deferred BatchNorm, evaluation of a batch smaller than M and a decoding loop whose
-sequences grow. The ranks run as threads on the meta device (tests/pipeline/loopback.py); the
+sequences grow. The ranks run as threads (tests/pipeline/loopback.py), on the CPU, whose
+programs are shown equal to those of the meta device (an accelerator the host cannot read); the
 programs they record are played by `nccl_model`, where a send blocks until its receive is at the
 head of the peer's FIFO. The protocol of the previous release, replayed from the same runs, deadlocks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
@@ -110,8 +112,8 @@ def job(rank: int, world: loopback.World, stages: int, replicas: int, virtual: i
 
 
 def programs(stages: int, replicas: int, virtual: int, schedule: str, microbatches: int,
-             optimizer: bool = True) -> dict[int, list[nm.Op]]:
-    world = loopback.World(stages * replicas)
+             optimizer: bool = True, device: str = "cpu") -> dict[int, list[nm.Op]]:
+    world = loopback.World(stages * replicas, device)
     world.run(job, world, stages, replicas, virtual, schedule, microbatches, optimizer)
     return world.programs
 
@@ -136,6 +138,27 @@ def test_every_schedule_runs_under_nccls_rules(schedule, stages, virtual):
             nm.run(programs(stages, replicas, virtual, schedule, microbatches, optimizer=microbatches % 4 < 2))
             checked += 1
     assert checked >= 3
+
+
+def canonical(found: Mapping[int, Sequence[nm.Op]]) -> dict[int, list[nm.Op]]:
+    """The programs with operation ids numbered in order of first appearance (ids are global counters)."""
+    ids: dict[int, int] = {}
+
+    def renumber(op: nm.Op) -> nm.Op:
+        if isinstance(op, (nm.Post, nm.StreamWait)):
+            return dataclasses.replace(op, op=ids.setdefault(op.op, len(ids)))
+        return op
+    return {rank: [renumber(op) for op in program] for rank, program in sorted(found.items())}
+
+
+@pytest.mark.parametrize(("schedule", "stages", "virtual", "microbatches"),
+                         [("gpipe", 2, 1, 3), ("1f1b", 2, 1, 3), ("zero-bubble", 2, 1, 3), ("interleaved", 2, 2, 2)])
+def test_a_device_run_posts_exactly_what_a_cpu_run_posts(schedule, stages, virtual, microbatches):
+    """On the meta device (an accelerator the host cannot read) every tensor's plane is checked, with D = 2,
+    tied weights, evaluation and decoding; and it posts the very operations the CPU runs of the grid post."""
+    on_device = programs(stages, 2, virtual, schedule, microbatches, device="meta")
+    assert canonical(on_device) == canonical(programs(stages, 2, virtual, schedule, microbatches, device="cpu"))
+    nm.run(on_device)
 
 
 def legacy(found: Mapping[int, Sequence[nm.Op]]) -> dict[int, list[nm.Op]]:
