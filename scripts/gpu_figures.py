@@ -130,7 +130,7 @@ def multigpu(raw: dict[str, Any]) -> dict[str, Any]:
         runs[r["name"]] = {"passed": r["passed"], "seconds": r.get("seconds"), "ranks": r.get("ranks"),
                            "schedule": r.get("schedule"), "data_parallel": r.get("data_parallel"),
                            "message_bytes": r.get("message_bytes"), "last_loss": losses[-1] if losses else None,
-                           "problems": r.get("problems", [])}
+                           "loss_gap_vs_gpipe": r.get("loss_gap_vs_gpipe"), "problems": r.get("problems", [])}
         if r.get("bleu") is not None:
             runs[r["name"]]["bleu"] = r["bleu"]
     return {"gpus": raw.get("gpus"), "backend": raw.get("backend"), "model": raw.get("model"),
