@@ -84,6 +84,7 @@ class Pipeline:
         excluded = {id(c.parameter) for c in self.shared if not c.counts_in_norm}
         self._in_norm = [id(p) not in excluded for p in self.params]
         self._per_param: dict[tuple[int, ...], torch.Tensor | None] = {}
+        self._zero = torch.zeros((), dtype=torch.float64, device=self.device)  # never written to
         self.batchnorms = deferred_batchnorms(self.module)
         meter = memory.ActivationMeter([*self.module.parameters(), *self.module.buffers()])
         last_chunk = len(self.ranges) - 1
@@ -236,16 +237,17 @@ class Pipeline:
             raise RuntimeError(f"the {self.schedule_name} schedule left {in_flight} micro-batches of "
                                f"stage {layout.stage} without a backward")
 
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        zero = self._zero
         loss = torch.stack(run.losses).sum().to(torch.float64) if run.losses else zero
         if self.loss_scale.enabled:
             loss = loss / self.loss_scale.value
         norm, bad, found, positions = self._finish_gradients(max_grad_norm, loss, zero)
-        finite = (bad == 0) & norm.isfinite()
         figures = step_.figures(loss, norm, bad, self.loss_scale.value, found)
-        self.loss_scale.update(bad + (~finite).to(bad.dtype))
+        finite = (bad == 0) & norm.isfinite() if optimizer is not None or self.loss_scale.enabled else None
+        if finite is not None and self.loss_scale.enabled:
+            self.loss_scale.update(bad + (~finite).to(bad.dtype))
         copy = dev.HostCopy(figures)  # queued now; read after the step's last marker, with one wait
-        if optimizer is not None and step_.fused(optimizer):
+        if optimizer is not None and finite is not None and step_.fused(optimizer):
             with self.timeline.span(stats.OPTIMIZER):
                 optimizer.found_inf = (~finite).to(torch.float32)  # type: ignore[attr-defined]
                 optimizer.grad_scale = None  # type: ignore[attr-defined]

@@ -64,11 +64,12 @@ def norms(params: Sequence[nn.Parameter]) -> tuple[torch.Tensor | None, tuple[in
     positions = tuple(i for i, p in enumerate(params) if p.grad is not None)
     if not positions:
         return None, ()
-    groups = _by_dtype(tuple(params[i].grad.dtype for i in positions))  # type: ignore[union-attr]
-    parts = [torch.stack(torch._foreach_norm([params[positions[j]].grad for j in group]))  # type: ignore[misc]
-             .to(torch.float64) for group in groups]
-    if len(parts) == 1:
-        return parts[0], positions
+    grads = [params[i].grad for i in positions]
+    groups = _by_dtype(tuple(g.dtype for g in grads))  # type: ignore[union-attr]
+    if len(groups) == 1:  # the usual case: one foreach kernel, in the parameters' order
+        return torch.stack(torch._foreach_norm(grads)).to(torch.float64), positions  # type: ignore[arg-type]
+    parts = [torch.stack(torch._foreach_norm([grads[j] for j in group])).to(torch.float64)  # type: ignore[misc]
+             for group in groups]
     return torch.cat(parts), tuple(positions[j] for group in groups for j in group)
 
 
@@ -87,9 +88,10 @@ def global_norm(local_squares: torch.Tensor, flag: torch.Tensor, fabric: Fabric 
 
     The flag is how a non-finite loss, known only to the last stage, reaches every stage in the same step.
     """
+    if fabric is None or len(ranks) < 2:
+        return local_squares.sqrt(), flag
     values = torch.stack([local_squares.to(torch.float64), flag.to(torch.float64)])
-    if fabric is not None and len(ranks) > 1:
-        fabric.all_reduce(values, ranks)
+    fabric.all_reduce(values, ranks)
     return values[0].sqrt(), values[1]
 
 
