@@ -42,7 +42,7 @@ from gpipe_cli.bench import recompute
 from gpipe_cli.estimate.machine_load import Load
 from gpipe_cli.estimate.measure import median, timed
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.pipeline import partition
+from gpipe_cli.pipeline import partition, schedules
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.memory import ActivationMeter
@@ -51,15 +51,6 @@ from gpipe_cli.pipeline.topology import Topology
 if TYPE_CHECKING:
     from gpipe_cli.bench.job import Job
 
-# Our schedule -> torch's class; every one places chunks round-robin, as ours.
-COUNTERPARTS: dict[str, str] = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved": "ScheduleInterleaved1F1B",
-    "zero-bubble": "ScheduleInterleavedZeroBubble",
-}
-
-
 def name_of(schedule: str) -> str:
     """The baseline's name in the figures: torch- and our schedule's name."""
     return f"torch-{schedule}"
@@ -67,12 +58,14 @@ def name_of(schedule: str) -> str:
 
 def counterpart(schedule: str) -> tuple[str, type | None, str]:
     """torch's class for our schedule: its name, the class (None when missing) and why it is missing."""
-    if schedule not in COUNTERPARTS:
+    # Every counterpart places chunks round-robin, as ours.
+    kind = schedules.REGISTRY.get(schedule)
+    cls_name = kind.torch_counterpart if kind is not None else None
+    if cls_name is None:
         return "", None, f"torch.distributed.pipelining has no counterpart of '{schedule}'"
-    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining import schedules as torch_schedules
 
-    cls_name = COUNTERPARTS[schedule]
-    cls = getattr(schedules, cls_name, None)
+    cls = getattr(torch_schedules, cls_name, None)
     return cls_name, cls, "" if cls is not None else f"torch {torch.__version__} has no {cls_name}"
 
 

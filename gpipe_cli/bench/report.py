@@ -7,6 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from gpipe_cli.pipeline import schedules
 from gpipe_cli.units import human_bytes
 
 
@@ -135,7 +136,7 @@ def show(s: dict[str, Any], console: Console) -> None:
     console.print(f"normalised throughput T(K)/T(1) = [bold]{s['normalized']:.2f}[/] ({kind}); "
                   f"ideal K·M/(M+K-1) = {s['ideal']:.2f}; efficiency = [bold]{s['efficiency']:.3f}[/]")
     schedule = s.get("schedule", "gpipe")
-    theory = "(K-1)/(M+K-1)" if schedule in ("gpipe", "1f1b") else f"of {schedule}"
+    theory = schedules.get(schedule).bubble_formula or f"of {schedule}"
     console.print(f"bubble: {'predicted' if s['simulated'] else 'measured'} [bold]{s['bubble']:.3f}[/], "
                   f"theory {theory} = {s['bubble_theory']:.3f}")
     if "host_overhead" in s:

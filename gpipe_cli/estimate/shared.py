@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from gpipe_cli.pipeline.schedule import COMPUTE, Action, Cost, Kind, Schedule, Span, peer
+from gpipe_cli.pipeline.schedule import COMPUTE, Action, ActionList, Cost, Kind, Span, peer
 
 Rate = Callable[[int], float]
 _RECV = (Kind.RECV_FWD, Kind.RECV_BWD)
@@ -31,7 +31,7 @@ def rate_model(alone_speedup: float, stages: int, replicas: int = 1) -> Rate:
     return rate
 
 
-def simulate(schedules: Sequence[Schedule], cost: Cost, latency: Cost, rate: Rate) -> list[list[Span]]:
+def simulate(schedules: Sequence[ActionList], cost: Cost, latency: Cost, rate: Rate) -> list[list[Span]]:
     """The spans of every action, compute draining at `rate(busy)`; a receive waits for its message."""
     run = _Run(schedules, cost, latency)
     while True:
@@ -45,7 +45,7 @@ def simulate(schedules: Sequence[Schedule], cost: Cost, latency: Cost, rate: Rat
 class _Run:
     """The state of a simulation: where each stage is, what it computes, which messages are on their way."""
 
-    def __init__(self, schedules: Sequence[Schedule], cost: Cost, latency: Cost) -> None:
+    def __init__(self, schedules: Sequence[ActionList], cost: Cost, latency: Cost) -> None:
         self.schedules, self.cost, self.latency = schedules, cost, latency
         self.arrival: dict[tuple[int, Kind, int, int], float] = {}
         self.spans: list[list[Span]] = [[] for _ in schedules]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -16,26 +17,30 @@ class MicroBatchInfo:
     recomputing: bool = False
 
 
-_current: MicroBatchInfo | None = None
+class _State(threading.local):
+    current: MicroBatchInfo | None = None
+
+
+_state = _State()  # per thread: ranks run as threads of one process in tests
 
 
 def current() -> MicroBatchInfo | None:
     """Return the micro-batch being run, or None outside the engine."""
-    return _current
+    return _state.current
 
 
 def is_recomputing() -> bool:
     """Tell a layer whether this forward is the rematerialization of an earlier one."""
-    return _current is not None and _current.recomputing
+    info = _state.current
+    return info is not None and info.recomputing
 
 
 @contextlib.contextmanager
 def microbatch(step: int, offset: int, recomputing: bool = False) -> Iterator[MicroBatchInfo]:
     """Run the enclosed forward as micro-batch `offset` of optimizer step `step`."""
-    global _current
-    previous = _current
-    _current = MicroBatchInfo(step=step, offset=offset, recomputing=recomputing)
+    previous = _state.current
+    info = _state.current = MicroBatchInfo(step=step, offset=offset, recomputing=recomputing)
     try:
-        yield _current
+        yield info
     finally:
-        _current = previous
+        _state.current = previous

@@ -96,7 +96,7 @@ class Pipeline:
         self.stage = self.stages[last_chunk if self.layout.is_last else self.layout.stage]  # holds the loss if any
         self.loss_scale = grads.LossScale(precision == "fp16", self.device)
         self.timeline = stats.Timeline(self.layout.stage, self.device)
-        self._plans: dict[int, sched.Schedule] = {}
+        self._plans: dict[int, sched.ActionList] = {}
         self._open_channels()
 
     # ----------------------------------------------------------------- set-up
@@ -126,7 +126,7 @@ class Pipeline:
             if channel is not None:
                 channel.begin_step(training)
 
-    def _plan(self, chunks: int) -> sched.Schedule:
+    def _plan(self, chunks: int) -> sched.ActionList:
         if chunks not in self._plans:
             self._plans[chunks] = sched.build(self.schedule_name, self.layout.stage, self.layout.stages, chunks,
                                               self.checkpoint, self.virtual)

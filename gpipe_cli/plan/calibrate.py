@@ -31,7 +31,7 @@ from gpipe_cli.estimate import shared, simulate
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.measure import build_pipeline, measure_engine
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.pipeline import topology
+from gpipe_cli.pipeline import schedules, topology
 from gpipe_cli.plan.here import OptimizerOf
 from gpipe_cli.plan.search import Factor
 
@@ -129,10 +129,6 @@ def by_size(ratios: dict[int, float]) -> Callable[[int], float]:
     return at
 
 
-# Schedules whose actions are GPipe's in another order: priced as GPipe was measured.
-AS_GPIPE = ("gpipe", "1f1b")
-
-
 def by_shape(replicated: dict[int, float],
              staged: dict[int, dict[int, float]]) -> Factor:
     """The ratio at any (micro-batch size, K, D, V, schedule): the one measured on that shape, else the largest.
@@ -147,7 +143,9 @@ def by_shape(replicated: dict[int, float],
     def at(size: int, partitions: int, replicas: int, virtual: int = 1, schedule: str = "gpipe") -> float:
         if partitions == 1:
             return of_replicas(size)
-        measured = schedule in AS_GPIPE if virtual == 1 else schedule == "interleaved"
+        # Measured: GPipe (and what is priced like it, 1F1B: GPipe's actions in another order) at V = 1,
+        # interleaved above.
+        measured = schedules.get(schedule).priced_like == ("interleaved" if virtual > 1 else "gpipe")
         if replicas == 1 and measured and virtual in of_stages:
             return of_stages[virtual](size)
         return max([of_replicas(size), *(ratio(size) for ratio in of_stages.values())])

@@ -30,7 +30,7 @@ from gpipe_cli import memory_model as mm
 from gpipe_cli.estimate import shared, simulate
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.memory_model import ModelFigures
-from gpipe_cli.pipeline import partition
+from gpipe_cli.pipeline import partition, schedules
 from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES
 
 VIRTUAL_STAGES = (2, 4)   # V tried for the interleaved schedule
@@ -175,7 +175,7 @@ def configs(model: Model, hw: Hardware, schedules: Sequence[str] = SCHEDULES,
 
 
 def _virtual(name: str, k: int, m: int, layers: int) -> list[int]:
-    if name != "interleaved":
+    if not schedules.get(name).chunked:
         return [1]
     # V=1 interleaved is 1F1B: listed once, under its own name.
     return [v for v in VIRTUAL_STAGES if k >= 2 and k * v <= layers and m % k == 0]

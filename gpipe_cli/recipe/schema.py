@@ -9,6 +9,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, 
 from pydantic_core import PydanticCustomError
 
 from gpipe_cli.errors import cut
+from gpipe_cli.pipeline import schedules
 
 # Upper bounds that no real run reaches: they turn typos such as 1e20 into a clear error instead of an
 # allocation that fails deep inside torch.
@@ -120,12 +121,21 @@ class Pipeline(Section):
 
     partitions: Ranks = 1
     microbatches: Size = 1
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zero-bubble"] = "gpipe"
+    schedule: str = "gpipe"  # one of pipeline/schedules' registry
     virtual_stages: Annotated[int, Number, Field(ge=1, le=MAX_VIRTUAL)] = 1
     checkpoint: Literal["always", "except_last", "never"] = "except_last"
     balance: Literal["auto", "params", "time", "memory"] | list[Layers] = "auto"
     data_parallel: Ranks = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _known_schedule(cls, value: object) -> object:
+        allowed = [repr(name) for name in schedules.names()]
+        if isinstance(value, str) and value in schedules.names():
+            return value
+        raise ValueError(f"pipeline.schedule: must be {', '.join(allowed[:-1])} or {allowed[-1]} "
+                         f"(got {cut(repr(value))})")
 
     @field_validator("balance", mode="before")
     @classmethod
@@ -148,7 +158,7 @@ class Pipeline(Section):
             per = "per stage" if self.virtual_stages == 1 else "per chunk (partitions x virtual_stages)"
             raise ValueError(f"pipeline.balance has {len(self.balance)} entries but the pipeline has {chunks}; "
                              f"give one layer count {per}")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
+        if self.virtual_stages > 1 and not schedules.get(self.schedule).chunked:
             raise ValueError(f"pipeline.virtual_stages {self.virtual_stages} needs pipeline.schedule: interleaved "
                              f"(got {self.schedule})")
         if self.virtual_stages > 1 and self.partitions < 2:

@@ -1,0 +1,31 @@
+"""GPipe (Huang et al., 2019): every forward, then every backward in reverse (fill, then drain).
+
+K=3 stages, M=4 micro-batches (F forward, B backward, time flows right):
+
+    stage 0  F0 F1 F2 F3 .. .. .. .. B3 B2 B1 B0
+    stage 1  .. F0 F1 F2 F3 .. .. B3 B2 B1 B0 ..
+    stage 2  .. .. F0 F1 F2 F3 B3 B2 B1 B0 .. ..
+"""
+
+from __future__ import annotations
+
+from gpipe_cli.pipeline.actions import Kind, Step
+from gpipe_cli.pipeline.schedules.base import Schedule, fill_drain_bubble
+
+
+class GPipe(Schedule):
+    """Fill-drain: M micro-batches in flight on every stage."""
+
+    name = "gpipe"
+    torch_counterpart = "ScheduleGPipe"
+    priced_like = "gpipe"
+    bubble_formula = "(K-1)/(M+K-1)"
+
+    def order(self, stage: int, stages: int, microbatches: int, virtual: int) -> list[Step]:
+        """Forwards in order, backwards in reverse."""
+        return [(Kind.FWD, i, stage) for i in range(microbatches)] + \
+            [(Kind.BWD, i, stage) for i in reversed(range(microbatches))]
+
+    def bubble(self, stages: int, microbatches: int, virtual: int) -> float:
+        """(K-1)/(M+K-1)."""
+        return fill_drain_bubble(stages, microbatches)
