@@ -13,6 +13,7 @@ from torch import nn
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.models.base import ModelSpec
+from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.recipe.schema import Recipe
 
 
@@ -41,6 +42,13 @@ def base_lr(recipe: Recipe) -> float:
     """The peak learning rate; with `lr_per_256` it scales with the batch size, as the paper's AmoebaNet."""
     lr = recipe.optimizer.lr
     return lr * recipe.data.batch_size / 256 if recipe.optimizer.lr_per_256 else lr
+
+
+def pipeline_config(recipe: Recipe, balance: Sequence[int] = ()) -> PipelineConfig:
+    """The recipe's pipeline as one value (cut by `balance` when given)."""
+    p = recipe.pipeline
+    return PipelineConfig(p.partitions, p.microbatches, p.data_parallel, p.virtual_stages, p.schedule, p.checkpoint,
+                          tuple(balance))
 
 
 def build_optimizer(params: Sequence[nn.Parameter], recipe: Recipe) -> torch.optim.Optimizer | None:

@@ -50,6 +50,7 @@ from gpipe_cli.estimate.subject import example_batch, resolve
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline import microbatch, topology
 from gpipe_cli.pipeline.comm import Inbound, Outbound, Transport
+from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.fabric import FORWARD, Link, TorchFabric
 from gpipe_cli.pipeline.layers import build_layers
@@ -123,8 +124,9 @@ class Side:
 def engine_side(spec: Any, device: torch.device, precision: str, checkpoint: str, seed: int) -> Side:
     """The engine at K=1 (one stage holding every layer), as `gpipe train` builds it."""
     n = len(spec.layers)
-    pipe = Pipeline(build_layers(spec.factories(), range(n), seed, device), topology.local(device), [n], spec.loss,
-                    units=spec.units, checkpoint=checkpoint, precision=precision)
+    pipe = Pipeline(build_layers(spec.factories(), range(n), seed, device), topology.local(device),
+                    PipelineConfig(checkpoint=checkpoint, balance=(n,)), spec.loss, units=spec.units,
+                    precision=precision)
     counter = iter(range(1 << 62))
 
     def step(inputs: Any, targets: torch.Tensor, microbatches: int) -> float:
@@ -353,8 +355,8 @@ def _one_step(spec: Any, batch: int, microbatches: int, checkpoint: str, optimiz
     started = time.perf_counter()
     pipe = opt = None
     try:
-        pipe = Pipeline(build_layers(spec.factories(), range(n), 0, device), topology.local(device), [n], spec.loss,
-                        units=spec.units, checkpoint=checkpoint)
+        pipe = Pipeline(build_layers(spec.factories(), range(n), 0, device), topology.local(device),
+                        PipelineConfig(checkpoint=checkpoint, balance=(n,)), spec.loss, units=spec.units)
         opt = OPTIMIZERS[optimizer](pipe.parameters())
         inputs, targets = example_batch(spec, batch, 0)
         pipe.train_step(inputs, targets, microbatches=microbatches, step=0)

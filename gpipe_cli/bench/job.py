@@ -17,6 +17,7 @@ from gpipe_cli.estimate import costs
 from gpipe_cli.estimate.measure import build_pipeline, measure_engine
 from gpipe_cli.estimate.subject import Subject, example_batch
 from gpipe_cli.pipeline import microbatch, topology
+from gpipe_cli.pipeline.config import PipelineConfig
 
 
 @dataclass
@@ -69,7 +70,10 @@ def run_job(job: Job, topo: topology.Topology) -> None:
         result["costs"] = _profile_costs(job, spec, inputs, targets)
         _save(result, job.out)
     for chunks in job.microbatches:
-        pipe = build_pipeline(spec, topo, job.balance, job.schedule, job.checkpoint, job.seed)
+        stages = topo.layout.stages
+        config = PipelineConfig(stages, chunks, topo.layout.replicas, len(job.balance) // stages, job.schedule,
+                                job.checkpoint, tuple(job.balance))
+        pipe = build_pipeline(spec, topo, config, job.seed)
         figures = measure_engine(pipe, inputs, targets, job.batch_size, chunks, job.steps, job.warmup,
                                  trace=job.trace)
         pipe.close()

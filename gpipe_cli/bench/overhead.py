@@ -31,6 +31,7 @@ from gpipe_cli.estimate.measure import build_pipeline, timed
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import microbatch
 from gpipe_cli.pipeline import schedule as sched
+from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.topology import Topology
@@ -101,7 +102,8 @@ def _max_difference(ours: list[nn.Parameter], theirs: list[nn.Parameter]) -> flo
 
 def engine_pipeline(spec: ModelSpec, topo: Topology, schedule: str, checkpoint_mode: str, seed: int) -> Pipeline:
     """The K=1 engine the comparison runs (all of the model's layers on this rank)."""
-    return build_pipeline(spec, topo, [len(spec.layers)], schedule, checkpoint_mode, seed)
+    config = PipelineConfig(schedule=schedule, checkpoint=checkpoint_mode, balance=(len(spec.layers),))
+    return build_pipeline(spec, topo, config, seed)
 
 
 def compare(spec: ModelSpec, topo: Topology, inputs: Any, targets: torch.Tensor, chunks: int, schedule: str,

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from gpipe_cli.estimate.machine_load import Load, distributed, gather_floats
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import partition
+from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.stats import StepStats
@@ -121,14 +122,11 @@ def _stage_figures(history: list[StepStats], balance: list[int], stages: int) ->
     return out
 
 
-def build_pipeline(spec: ModelSpec, topo: Topology, balance: list[int], schedule: str, checkpoint: str,
-                   seed: int) -> Pipeline:
-    """This rank's stage of `spec` cut by `balance`."""
-    stages = topo.layout.stages
-    indices = partition.stage_layers(balance, stages, topo.layout.stage)
+def build_pipeline(spec: ModelSpec, topo: Topology, config: PipelineConfig, seed: int) -> Pipeline:
+    """This rank's stage of `spec` as `config` cuts and runs it."""
+    indices = partition.stage_layers(list(config.balance), config.stages, topo.layout.stage)
     layers = build_layers(spec.factories(), indices, seed, topo.device)
-    return Pipeline(layers, topo, balance, spec.loss, units=spec.units, schedule=schedule, checkpoint=checkpoint,
-                    tied=spec.tied, virtual_stages=len(balance) // stages)
+    return Pipeline(layers, topo, config, spec.loss, units=spec.units, tied=spec.tied)
 
 
 def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_size: int, microbatches: int,

@@ -27,6 +27,7 @@ from gpipe_cli.pipeline import step as step_
 from gpipe_cli.pipeline import topology as topo_
 from gpipe_cli.pipeline.batchnorm import deferred_batchnorms
 from gpipe_cli.pipeline.comm import Inbound, Outbound
+from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.executor import Channels, Executor, Message
 from gpipe_cli.pipeline.fabric import BACKWARD, FORWARD, RESULT, Link
 from gpipe_cli.pipeline.schedule import Kind
@@ -52,26 +53,24 @@ class EvalResult:
 class Pipeline:
     """This rank's stage of a GPipe pipeline: one call of `train_step` trains one mini-batch."""
 
-    def __init__(self, layers: Sequence[nn.Module], topology: Topology, balance: Sequence[int],
+    def __init__(self, layers: Sequence[nn.Module], topology: Topology, config: PipelineConfig,
                  loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None, *,
-                 units: Units | None = None, schedule: str = "gpipe", checkpoint: str = "except_last",
-                 tied: Sequence[Sequence[str]] = (), precision: str = "fp32", virtual_stages: int = 1) -> None:
-        self.topology, self.layout = topology, topology.layout
-        self.balance, self.virtual = list(balance), virtual_stages
+                 units: Units | None = None, tied: Sequence[Sequence[str]] = (), precision: str = "fp32") -> None:
+        self.topology, self.layout, self.config = topology, topology.layout, config
+        if (config.stages, config.replicas) != (self.layout.stages, self.layout.replicas):
+            raise ValueError(f"the pipeline has {config.stages} stages x {config.replicas} replicas, the job "
+                             f"{self.layout.stages} x {self.layout.replicas}")
+        if not config.balance:
+            raise ValueError("the pipeline is not cut: its balance is empty")
+        self.balance, self.virtual = list(config.balance), config.virtual
         stages = self.layout.stages
-        if len(self.balance) != stages * virtual_stages:
-            raise ValueError(f"balance {self.balance} has {len(self.balance)} entries, the job has {stages} stages "
-                             f"x {virtual_stages} virtual stages")
-        sched.check(schedule, stages, stages, virtual_stages)  # M is checked when a step's list is built
         self.ranges = partition.stage_ranges(self.balance)  # one per chunk
         self.layer_indices = partition.stage_layers(self.balance, stages, self.layout.stage)
         if len(layers) != len(self.layer_indices):
             raise ValueError(f"stage {self.layout.stage} needs {len(self.layer_indices)} layers, got {len(layers)}")
-        if checkpoint not in sched.REMAT_MODES:
-            raise ValueError(f"unknown checkpoint mode '{checkpoint}': allowed are {', '.join(sched.REMAT_MODES)}")
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision '{precision}': allowed are {', '.join(PRECISIONS)}")
-        self.schedule_name, self.checkpoint = schedule, checkpoint
+        self.schedule_name, self.checkpoint = config.schedule, config.checkpoint
         self.device = topology.device
         self.module = nn.Sequential(OrderedDict((str(i), layer) for i, layer in zip(self.layer_indices, layers)))
         self.module.to(self.device)
@@ -175,17 +174,19 @@ class Pipeline:
         """`launch_step`, then read its figures at once (for callers that want them now)."""
         return self.launch_step(inputs, targets, **options).result()
 
-    def launch_step(self, inputs: Any = None, targets: torch.Tensor | None = None, *, microbatches: int,
-                    step: int, example_offset: int = 0, max_grad_norm: float | None = None, trace: bool = False,
-                    optimizer: torch.optim.Optimizer | None = None, measure_memory: bool = True) -> step_.PendingStep:
+    def launch_step(self, inputs: Any = None, targets: torch.Tensor | None = None, *, step: int,
+                    microbatches: int | None = None, example_offset: int = 0, max_grad_norm: float | None = None,
+                    trace: bool = False, optimizer: torch.optim.Optimizer | None = None,
+                    measure_memory: bool = True) -> step_.PendingStep:
         """Forward and backward one mini-batch as M micro-batches, then update; the host never waits for the device.
 
         The first stage gives `inputs`, the last stage `targets` (a single stage gives both).
+        `microbatches` overrides the configuration's M for this step.
         `example_offset` is the global index of this replica's first example (split-invariant dropout).
         `optimizer` steps, timed, with the summed gradients, unless some stage's loss or gradient is not
         finite. `measure_memory` counts every stored activation (a Python call per saved tensor).
         """
-        layout, chunks = self.layout, microbatches
+        layout, chunks = self.layout, microbatches or self.config.microbatches
         actions = self._plan(chunks)
         if not self.module.training:  # evaluation restores the mode it found: no need to visit every module
             self.module.train()
@@ -309,7 +310,7 @@ class Pipeline:
 
     # ----------------------------------------------------------------- evaluation
 
-    def evaluate(self, inputs: Any = None, targets: torch.Tensor | None = None, *, microbatches: int,
+    def evaluate(self, inputs: Any = None, targets: torch.Tensor | None = None, *, microbatches: int | None = None,
                  metrics: Metrics | None = None, return_outputs: bool = False) -> EvalResult:
         """A no-grad forward of one batch; loss and metric sums over all replicas, outputs on rank 0.
 
@@ -321,7 +322,7 @@ class Pipeline:
         self.module.eval()
         self._begin_step(False)
         try:
-            chunks, received = self._eval_chunks(inputs, microbatches)
+            chunks, received = self._eval_chunks(inputs, microbatches or self.config.microbatches)
             feed = self._feed(inputs, chunks) if layout.is_first and chunks else []
             targets_mb = microbatch.scatter(targets, chunks) if layout.is_last and chunks and targets is not None \
                 else []

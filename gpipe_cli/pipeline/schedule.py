@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.actions import COMPUTE, GRADIENT, RELEASE, Action, Kind, Step
+from gpipe_cli.pipeline.config import REMAT_MODES, PipelineConfig
 
 __all__ = ["COMPUTE", "GRADIENT", "RELEASE", "REMAT_MODES", "SCHEDULES", "Action", "Kind", "ActionList", "Span",
            "Step", "bubble", "build", "build_all", "check", "forward_only", "message_order", "owner", "peer",
@@ -22,18 +23,12 @@ __all__ = ["COMPUTE", "GRADIENT", "RELEASE", "REMAT_MODES", "SCHEDULES", "Action
 
 
 ActionList = list[Action]
-REMAT_MODES = ("always", "except_last", "never")
 SCHEDULES = schedules.names()
 
 
 def check(name: str, stages: int, microbatches: int, virtual: int = 1) -> None:
     """Refuse, with one line, a schedule that cannot run K stages x V chunks with M micro-batches."""
-    kind = schedules.get(name)
-    if microbatches < 1:
-        raise ValueError(f"microbatches must be >= 1 (got {microbatches})")
-    if virtual < 1:
-        raise ValueError(f"virtual_stages must be >= 1 (got {virtual})")
-    kind.check(stages, microbatches, virtual)
+    PipelineConfig(stages, microbatches, virtual=virtual, schedule=name)
 
 
 def _check(stage: int, stages: int, microbatches: int) -> None:

@@ -32,6 +32,7 @@ from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.measure import build_pipeline, measure_engine
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import schedules, topology
+from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.plan.here import OptimizerOf
 from gpipe_cli.plan.search import Factor
 
@@ -61,7 +62,8 @@ def local_steps(spec: ModelSpec, batch: int, microbatches: list[int], seed: int,
     inputs, targets = examples(batch)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    pipe = build_pipeline(spec, topology.local(device), [len(spec.layers)], "gpipe", "never", seed)
+    pipe = build_pipeline(spec, topology.local(device), PipelineConfig(checkpoint="never", balance=(len(spec.layers),)),
+                          seed)
     update = optimizer(pipe.parameters()) if optimizer is not None else None
     try:
         found = {}

@@ -221,6 +221,7 @@ def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict
     from gpipe_cli.estimate.measure import build_pipeline, measure_engine
     from gpipe_cli.models.registry import build_model
     from gpipe_cli.pipeline import topology
+    from gpipe_cli.pipeline.config import PipelineConfig
 
     torch.set_num_threads(threads)
     os.environ["WORLD_SIZE"] = str(world)
@@ -230,7 +231,9 @@ def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict
         balance = balance or [len(spec.layers)]
         stages = len(balance) // virtual
         topo = topology.init(stages, world // stages, "gloo", device="cpu")
-        pipe = build_pipeline(spec, topo, balance, "interleaved" if virtual > 1 else "gpipe", "never", seed)
+        config = PipelineConfig(stages, counts[0], world // stages, virtual, "interleaved" if virtual > 1 else "gpipe",
+                                "never", tuple(balance))
+        pipe = build_pipeline(spec, topo, config, seed)
         update = optimizer(pipe.parameters()) if optimizer is not None else None
         found = Steps({}, 0.0)
         # The first count again at the end: how far this machine's own speed moved while measuring.

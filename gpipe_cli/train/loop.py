@@ -29,7 +29,7 @@ from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_layers, stage_ranges
 from gpipe_cli.pipeline.step import PendingStep
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
-from gpipe_cli.recipe_model import build_optimizer, model_spec
+from gpipe_cli.recipe_model import build_optimizer, model_spec, pipeline_config
 from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, translate
 from gpipe_cli.train.existing import complete_line, past_end
 from gpipe_cli.train.job import Job
@@ -87,9 +87,8 @@ class Trainer:
                                for i, r in enumerate(ranges)) + f" (cut by {self.plan.balance_by})")
         span = stage_layers(self.plan.balance, pipe_cfg.partitions, self.layout.stage)
         layers = build_layers(self.spec.factories(), span, recipe.seed, topo.device)
-        self.pipe = Pipeline(layers, topo, self.plan.balance, self.spec.loss, units=self.spec.units,
-                             schedule=pipe_cfg.schedule, checkpoint=pipe_cfg.checkpoint, tied=self.spec.tied,
-                             precision=recipe.train.precision, virtual_stages=pipe_cfg.virtual_stages)
+        self.pipe = Pipeline(layers, topo, pipeline_config(recipe, self.plan.balance), self.spec.loss,
+                             units=self.spec.units, tied=self.spec.tied, precision=recipe.train.precision)
         self.total_steps = self._total_steps()
         self.optimizer = build_optimizer(self.pipe.parameters(), recipe)
         self.scheduler = optim.build_scheduler(self.optimizer, recipe, self.steps_per_epoch, self.total_steps)

@@ -25,6 +25,7 @@ from gpipe_cli.estimate.measure import StageFigures
 from gpipe_cli.estimate.subject import resolve
 from gpipe_cli.models.describe import count_parameters
 from gpipe_cli.pipeline import topology
+from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.profile.options import ProfileOptions
@@ -105,7 +106,8 @@ def test_train_device_cuda_without_a_gpu_is_one_line_and_writes_nothing(tmp_path
 
 def _trained_stage() -> tuple[Pipeline, torch.optim.Optimizer]:
     factories = [lambda: nn.Linear(8, 16), nn.Tanh, lambda: nn.Linear(16, 4)]
-    pipe = Pipeline(build_layers(factories, range(3), 0), topology.local(), [3], nn.CrossEntropyLoss())
+    pipe = Pipeline(build_layers(factories, range(3), 0), topology.local(), PipelineConfig(balance=(3,)),
+                    nn.CrossEntropyLoss())
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(0)
     pipe.train_step(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g), microbatches=2, step=0)

@@ -9,6 +9,7 @@ import torch
 from gpipe_cli.data import build_data
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline import topology
+from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import balance_by_cost, stage_layers
@@ -61,8 +62,9 @@ def _train(family: str, stages: int, steps: int, microbatches: int, learnable: b
     topo = topology.init(stages)
     balance = balance_by_cost([1.0] * len(spec.layers), stages * virtual)
     layers = build_layers(spec.factories(), stage_layers(balance, stages, topo.layout.stage), SEED)
-    pipe = Pipeline(layers, topo, balance, spec.loss, units=spec.units, tied=spec.tied, schedule=schedule,
-                    virtual_stages=virtual)
+    config = PipelineConfig(topo.layout.stages, microbatches, virtual=virtual, schedule=schedule,
+                            balance=tuple(balance))
+    pipe = Pipeline(layers, topo, config, spec.loss, units=spec.units, tied=spec.tied)
     params = pipe.parameters()
     opt = torch.optim.Adam(params, lr=3e-3) if learnable else torch.optim.SGD(params, lr=0.05, momentum=0.9)
     batches = _learnable_batches(family, steps) if learnable else [random_batch(family, s) for s in range(steps)]

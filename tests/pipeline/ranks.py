@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from gpipe_cli.pipeline import failure, topology
+from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_layers, stage_ranges
@@ -21,8 +22,9 @@ def make_pipeline(model: str, topo: topology.Topology, balance: list[int], **opt
     factories = spec["factories"]()
     stages = topo.layout.stages
     layers = build_layers(factories, stage_layers(balance, stages, topo.layout.stage), toy.SEED)
-    return Pipeline(layers, topo, balance, spec["loss"], tied=spec["tied"], virtual_stages=len(balance) // stages,
-                    **options)
+    config = PipelineConfig(stages, replicas=topo.layout.replicas, virtual=len(balance) // stages,
+                            balance=tuple(balance), **options)
+    return Pipeline(layers, topo, config, spec["loss"], tied=spec["tied"])
 
 
 def train(pipe: Pipeline, model: str, microbatches: int, steps: int = 3) -> list[float | None]:
@@ -47,7 +49,7 @@ def grid(model: str, stages: int, balance: list[int], configs: list[tuple]) -> d
     out = {}
     for microbatches, schedule, checkpoint, *chunks in configs:
         pipe = make_pipeline(model, topo, list(chunks[0]) if chunks else balance, schedule=schedule,
-                             checkpoint=checkpoint)
+                             checkpoint=checkpoint, microbatches=microbatches)
         train(pipe, model, microbatches)
         out[(microbatches, schedule, checkpoint, *chunks)] = {k: v.clone() for k, v in pipe.state_dict().items()}
         pipe.close()
@@ -58,7 +60,7 @@ def data_parallel(model: str, stages: int, replicas: int, balance: list[int], mi
                   schedule: str = "1f1b") -> dict:
     """Train with K stages × D replicas; return this rank's state and losses."""
     topo = topology.init(stages, replicas)
-    pipe = make_pipeline(model, topo, balance, schedule=schedule)
+    pipe = make_pipeline(model, topo, balance, schedule=schedule, microbatches=microbatches)
     losses = train(pipe, model, microbatches)
     pipe.close()
     return {"stage": topo.layout.stage, "replica": topo.layout.replica, "state": pipe.state_dict(),
@@ -69,7 +71,7 @@ def evaluate(model: str, stages: int, balance: list[int], size: int, microbatche
              schedule: str = "gpipe") -> dict:
     """Train a step, then evaluate a batch (possibly smaller than M); return rank 0's view."""
     topo = topology.init(stages)
-    pipe = make_pipeline(model, topo, balance, schedule=schedule)
+    pipe = make_pipeline(model, topo, balance, schedule=schedule, microbatches=microbatches)
     train(pipe, model, microbatches, steps=1)
     x, y = toy.batch(model, 7, size)
     layout = pipe.layout
@@ -108,7 +110,7 @@ def failing(stages: int, failing_stage: int) -> None:
         factories = [lambda: nn.Linear(16, 16)] * stages
         factories[failing_stage] = lambda: Unstable(fail_at=2)
         layers = build_layers(factories, [topo.layout.stage], 0)
-        pipe = Pipeline(layers, topo, [1] * stages, nn.MSELoss())
+        pipe = Pipeline(layers, topo, PipelineConfig(stages, balance=(1,) * stages), nn.MSELoss())
         for step in range(50):
             x = torch.randn(4, 16)
             pipe.train_step(x, x, microbatches=2, step=step)
@@ -121,7 +123,7 @@ def varying_shapes(balance: list[int]) -> list[float | None]:
     """Train on batches whose sequence length changes every step; return the losses."""
     topo = topology.init(len(balance))
     layers = build_layers(shape_model(), stage_ranges(balance)[topo.layout.stage], toy.SEED)
-    pipe = Pipeline(layers, topo, balance, nn.CrossEntropyLoss())
+    pipe = Pipeline(layers, topo, PipelineConfig(len(balance), balance=tuple(balance)), nn.CrossEntropyLoss())
     opt = toy.optimizer(pipe.parameters())
     losses = []
     for step, (x, y) in enumerate(shape_batches()):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gpipe_cli.pipeline import topology
+from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
 from tests.multiproc import results, run_ranks
@@ -93,8 +94,8 @@ def test_tied_parameters_across_stages_stay_equal_and_match_one_process():
 
 def test_tied_parameters_within_one_stage_are_one_tensor():
     factories = toy.tied_model()
-    pipe = Pipeline(build_layers(factories, range(4), toy.SEED), topology.local(), [4], toy.token_loss,
-                    tied=toy.TIED)
+    pipe = Pipeline(build_layers(factories, range(4), toy.SEED), topology.local(), PipelineConfig(balance=(4,)),
+                    toy.token_loss, tied=toy.TIED)
     assert pipe.module.get_parameter("0.embed.weight") is pipe.module.get_parameter("3.proj.weight")
     assert len(pipe.parameters()) == sum(1 for _ in pipe.module.parameters())
     # the optimizer sees the shared tensor once, though two layers name it

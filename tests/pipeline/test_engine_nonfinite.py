@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from gpipe_cli.pipeline import context, topology
+from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_ranges
@@ -50,7 +51,7 @@ def steps(stages: int) -> list[dict]:
     topo = topology.init(stages) if stages > 1 else topology.local()
     balance = [4] if stages == 1 else [2, 2]
     layers = build_layers(factories(), stage_ranges(balance)[topo.layout.stage], 0)
-    pipe = Pipeline(layers, topo, balance, loss)
+    pipe = Pipeline(layers, topo, PipelineConfig(topo.layout.stages, balance=tuple(balance)), loss)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     out = []
     for step in range(3):

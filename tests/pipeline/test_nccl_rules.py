@@ -21,6 +21,7 @@ from torch import nn
 from gpipe_cli.pipeline import device as dev
 from gpipe_cli.pipeline import nccl_model as nm
 from gpipe_cli.pipeline import schedule as sched
+from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.fabric import FORWARD, Link
 from gpipe_cli.pipeline.layers import build_layers
@@ -83,8 +84,8 @@ def job(rank: int, world: loopback.World, stages: int, replicas: int, virtual: i
     cut = balance(stages * virtual)
     layers = build_layers(factories(), stage_layers(cut, stages, layout.stage), 7, world.device)
     remat = sched.REMAT_MODES[(microbatches + stages) % 3]
-    pipe = Pipeline(layers, topo, cut, token_loss, tied=TIED, schedule=schedule, checkpoint=remat,
-                    virtual_stages=virtual)
+    config = PipelineConfig(stages, microbatches, replicas, virtual, schedule, remat, tuple(cut))
+    pipe = Pipeline(layers, topo, config, token_loss, tied=TIED)
     opt = torch.optim.SGD(pipe.parameters() or [nn.Parameter(torch.zeros(1, device=world.device))], lr=0.1) \
         if optimizer else None
 

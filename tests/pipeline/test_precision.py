@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from gpipe_cli.pipeline import topology
+from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
 
@@ -14,8 +15,8 @@ def factories():
 
 
 def gradients(precision: str) -> tuple[float, list[torch.Tensor], Pipeline]:
-    pipe = Pipeline(build_layers(factories(), range(3), 0), topology.local(), [3], nn.CrossEntropyLoss(),
-                    precision=precision)
+    pipe = Pipeline(build_layers(factories(), range(3), 0), topology.local(), PipelineConfig(balance=(3,)),
+                    nn.CrossEntropyLoss(), precision=precision)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(12, 8, generator=g), torch.randint(0, 4, (12,), generator=g)
     result = pipe.train_step(x, y, microbatches=3, step=0)
@@ -36,8 +37,8 @@ def test_autocast_trains_close_to_fp32(precision):
 
 
 def test_fp16_overflow_skips_the_step_and_halves_the_scale():
-    pipe = Pipeline(build_layers(factories(), range(3), 0), topology.local(), [3], nn.CrossEntropyLoss(),
-                    precision="fp16")
+    pipe = Pipeline(build_layers(factories(), range(3), 0), topology.local(), PipelineConfig(balance=(3,)),
+                    nn.CrossEntropyLoss(), precision="fp16")
     x, y = torch.full((4, 8), 1e30), torch.zeros(4, dtype=torch.long)
     result = pipe.train_step(x, y, microbatches=2, step=0)
     assert result.skipped and pipe.loss_scale.value == 2.0 ** 15

@@ -9,6 +9,7 @@ import pytest
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.actions import Kind, Step
+from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_layers
@@ -34,7 +35,8 @@ def _train(rank: int, world: loopback.World, microbatches: int) -> dict:
     balance = [2, 3]
     with _building:
         layers = build_layers(toy.MODELS["ln"]["factories"](), stage_layers(balance, 2, rank), toy.SEED)
-    pipe = Pipeline(layers, topo, balance, toy.MODELS["ln"]["loss"], schedule="fifo", checkpoint="never")
+    config = PipelineConfig(2, schedule="fifo", checkpoint="never", balance=tuple(balance))
+    pipe = Pipeline(layers, topo, config, toy.MODELS["ln"]["loss"])
     ranks.train(pipe, "ln", microbatches)
     return pipe.state_dict()
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from gpipe_cli.pipeline import device as dev
 from gpipe_cli.pipeline import topology
+from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_layers
@@ -115,8 +116,8 @@ def test_one_wait_per_step_on_one_stage(schedule, virtual, monkeypatch):
     waits = Waits()
     with counted(waits, monkeypatch):
         layers = build_layers(factories(), range(12), 7, META)
-        pipe = Pipeline(layers, topology.local(META), [12], token_loss, tied=TIED, schedule=schedule,
-                        checkpoint="except_last")
+        pipe = Pipeline(layers, topology.local(META), PipelineConfig(schedule=schedule, balance=(12,)), token_loss,
+                        tied=TIED)
         per_step = steps(pipe, True, True, 4, waits, 0)
     assert per_step and max(per_step) <= 1, per_step
 
@@ -125,7 +126,8 @@ def _rank(rank: int, world: loopback.World, schedule: str, virtual: int, waits: 
     topo = loopback.topology(world, rank, 2)
     cut = [12 // (2 * virtual)] * (2 * virtual)
     layers = build_layers(factories(), stage_layers(cut, 2, rank), 7, META)
-    pipe = Pipeline(layers, topo, cut, token_loss, tied=TIED, schedule=schedule, virtual_stages=virtual)
+    config = PipelineConfig(2, 4, virtual=virtual, schedule=schedule, balance=tuple(cut))
+    pipe = Pipeline(layers, topo, config, token_loss, tied=TIED)
     return steps(pipe, topo.layout.is_first, topo.layout.is_last, 4, waits, rank)
 
 

@@ -98,9 +98,11 @@ def test_the_engine_steps_on_real_replicas_and_its_costs_fit_the_gap_they_leave(
 def test_the_measured_steps_run_and_time_the_optimizer_update_as_training_does():
     from gpipe_cli.estimate.measure import build_pipeline, measure_engine
     from gpipe_cli.pipeline import topology
+    from gpipe_cli.pipeline.config import PipelineConfig
     spec = build_model("transformer", **PARAMS)
     inputs_, targets = inputs.generated(spec, 0)(4)
-    pipe = build_pipeline(spec, topology.local("cpu"), [len(spec.layers)], "gpipe", "never", 0)
+    config = PipelineConfig(checkpoint="never", balance=(len(spec.layers),))
+    pipe = build_pipeline(spec, topology.local("cpu"), config, 0)
     before = [p.detach().clone() for p in pipe.parameters()]
     plain = measure_engine(pipe, inputs_, targets, 4, 2, 2, 0)
     assert plain is not None and plain.optimizer_times == [0.0, 0.0]

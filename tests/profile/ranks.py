@@ -5,6 +5,7 @@ from __future__ import annotations
 from gpipe_cli.estimate.measure import build_pipeline
 from gpipe_cli.estimate.subject import Subject, example_batch
 from gpipe_cli.pipeline import topology
+from gpipe_cli.pipeline.config import PipelineConfig
 
 
 def engine_peaks(subject: dict, balance: list[int], batch: int, configs: list[tuple[int, str, str]]) -> dict:
@@ -14,7 +15,8 @@ def engine_peaks(subject: dict, balance: list[int], batch: int, configs: list[tu
     inputs, targets = example_batch(spec, batch, 0)
     out = {}
     for chunks, schedule, checkpoint in configs:
-        pipe = build_pipeline(spec, topo, balance, schedule, checkpoint, 0)
+        config = PipelineConfig(len(balance), chunks, 1, 1, schedule, checkpoint, tuple(balance))
+        pipe = build_pipeline(spec, topo, config, 0)
         result = pipe.train_step(inputs if topo.layout.is_first else None, targets if topo.layout.is_last else None,
                                  microbatches=chunks, step=0)
         pipe.close()

@@ -161,12 +161,13 @@ def checkpointer(run_dir: Path):
     from types import SimpleNamespace
 
     from gpipe_cli.pipeline import topology
+    from gpipe_cli.pipeline.config import PipelineConfig
     from gpipe_cli.pipeline.engine import Pipeline
     from gpipe_cli.pipeline.layers import build_layers
     from gpipe_cli.train.resume import Checkpointer
 
     topo = topology.local()
-    pipe = Pipeline(build_layers([lambda: nn.Linear(3, 2)], [0], 0), topo, [1], nn.MSELoss())
+    pipe = Pipeline(build_layers([lambda: nn.Linear(3, 2)], [0], 0), topo, PipelineConfig(balance=(1,)), nn.MSELoss())
     optimizer = torch.optim.Adam(pipe.parameters())
     return Checkpointer(pipe, optimizer, None, topo, SimpleNamespace(balance=[1]), run_dir, keep=5)
 

@@ -1,0 +1,63 @@
+"""How a model runs as a pipeline, as one value: K stages x V chunks, D replicas, M micro-batches, the
+schedule, rematerialization and the cut; every constraint between them is checked here, once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gpipe_cli.pipeline import schedules
+from gpipe_cli.pipeline.microbatch import sizes
+
+REMAT_MODES = ("always", "except_last", "never")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """K, D, M, V, schedule, remat and balance (layers per chunk, chunk c on stage c mod K)."""
+
+    stages: int = 1          # K: pipeline stages, one rank each
+    microbatches: int = 1    # M: micro-batches per mini-batch
+    replicas: int = 1        # D: data-parallel pipelines
+    virtual: int = 1         # V: chunks of layers per stage (interleaved schedules)
+    schedule: str = "gpipe"
+    checkpoint: str = "except_last"
+    balance: tuple[int, ...] = field(default=())  # layers per chunk; empty: not cut yet
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "balance", tuple(self.balance))
+        self.check()
+
+    @property
+    def chunks(self) -> int:
+        """K x V: how many pieces the model is cut into."""
+        return self.stages * self.virtual
+
+    @property
+    def ranks(self) -> int:
+        """K x D."""
+        return self.stages * self.replicas
+
+    def check(self) -> None:
+        """Refuse, in one line, values that cannot run together."""
+        for name, value in (("partitions", self.stages), ("microbatches", self.microbatches),
+                            ("data_parallel", self.replicas), ("virtual_stages", self.virtual)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1 (got {value})")
+        if self.checkpoint not in REMAT_MODES:
+            raise ValueError(f"unknown checkpoint mode '{self.checkpoint}': allowed are {', '.join(REMAT_MODES)}")
+        schedules.get(self.schedule).check(self.stages, self.microbatches, self.virtual)
+        if self.balance and len(self.balance) != self.chunks:
+            raise ValueError(f"balance {list(self.balance)} has {len(self.balance)} entries, the pipeline has "
+                             f"{self.stages} stages x {self.virtual} virtual stages")
+        if any(b < 1 for b in self.balance):
+            raise ValueError(f"every chunk of balance {list(self.balance)} needs at least one layer")
+
+    def microbatch_sizes(self, examples: int) -> list[int]:
+        """How many examples each micro-batch of a replica's `examples` gets (M <= examples)."""
+        return sizes(examples, self.microbatches)
+
+    def cut(self, balance: Sequence[int]) -> PipelineConfig:
+        """The same pipeline cut by `balance`."""
+        return PipelineConfig(self.stages, self.microbatches, self.replicas, self.virtual, self.schedule,
+                              self.checkpoint, tuple(balance))
