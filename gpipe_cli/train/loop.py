@@ -38,6 +38,7 @@ from gpipe_cli.train.profiling import StepProfiler
 from gpipe_cli.train.report import MetricsFile, TerminalView
 from gpipe_cli.train.resume import Checkpointer, run_dir_of, saved_cut, trim_metrics
 from gpipe_cli.train.rundir import choose_run_dir, create_run_dir, save_recipe
+from gpipe_cli.train.settings import continue_command
 from gpipe_cli.train.signals import StopRequest
 from gpipe_cli.train.sinks import open_sinks
 from gpipe_cli.train.summary import RunSummary
@@ -414,7 +415,9 @@ class Trainer:
             ended = ""
             if self.stopped_by:
                 ended = f"stopped by {signal.Signals(self.stopped_by).name}"
-                self.view.message(f"{ended} after step {saved}; continue with --resume {self.run_dir}")
+                # Without a recipe the resume trains with the run's own recipe.yaml: this command continues
+                # the run exactly as it was started, whatever recipe and --set started it.
+                self.view.message(f"{ended} after step {saved}; continue with {continue_command(self.run_dir)}")
             elif self.diverged:
                 ended = "stopped on non-finite values"
             for line in self.summary.lines(time.time(), str(checkpoint.path_for(self.run_dir, saved))
