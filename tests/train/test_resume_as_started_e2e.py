@@ -1,7 +1,8 @@
 """A run stopped early continues as it was started, through `gpipe train` on CPU, as a new user types it:
 `gpipe train --set train.steps=N`, Ctrl-C, then the command the stop names, `gpipe train --resume RUN`,
 trains to N (not to the built-in recipe's 200 steps); a `--set` on the resume is said before the first
-step and applied."""
+step and applied. Every step's figures add up: the first after a timed cut, the first after a resume and
+the steady ones."""
 
 import json
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gpipe_cli.pipeline.stats import PARTS
 from tests.interrupt import as_from_a_terminal
 
 pytestmark = pytest.mark.slow
@@ -72,7 +74,7 @@ def test_the_stop_names_the_run_to_continue(stopped):
     assert (cwd / run / "checkpoints" / f"step-{done:08d}" / "manifest.json").exists()
 
 
-def test_resuming_with_only_the_run_trains_to_its_own_steps(stopped, tmp_path):
+def test_resuming_with_only_the_run_trains_to_its_own_steps_and_every_step_adds_up(stopped, tmp_path):
     cwd, run, done, _ = stopped
     here = copy_of(cwd, tmp_path)
     proc = gpipe(here, "train", "--resume", str(run))  # exactly what the stop said
@@ -85,6 +87,16 @@ def test_resuming_with_only_the_run_trains_to_its_own_steps(stopped, tmp_path):
     saved = yaml.safe_load((here / run / "recipe.yaml").read_text())
     assert saved["train"]["steps"] == STEPS and saved["pipeline"]["microbatches"] == 8
 
+    # The first step after the timed cut, the first after the resume, and the steady ones all add up.
+    assert [r["step"] for r in records if r.get("warmup")] == [1, done + 1]
+    assert [r["step"] for r in records if r.get("resumed")] == [done + 1]
+    for record in records:
+        seconds = record["step_time_s"]
+        for stage in range(2):
+            parts = [record["time_s"][part][stage] for part in PARTS]
+            assert min(parts) >= 0 and sum(parts) == pytest.approx(seconds, rel=1e-9), record
+        assert 0.0 <= record["bubble"] <= 1.0 and 0.0 <= record["idle"] <= 1.0, record
+        assert record["samples_per_s"] == pytest.approx(32 / seconds)
 
 
 def test_a_set_on_the_resume_is_said_before_the_first_step_and_applied(stopped, tmp_path):
