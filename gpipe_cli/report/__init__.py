@@ -41,8 +41,8 @@ def summary_table(runs: list[Run]) -> Table:
     rates = [throughput(run) for run in runs]
     # The words of `gpipe train`'s summary, whose figure this is: one run says what its warm-up took.
     over = rates[0].over if len(runs) == 1 else "the steps after the first of each run and each resume, which warm up"
-    table = Table(title="gpipe report", header_style="bold",
-                  caption=" · ".join(f"{r.label}: {r.path}" for r in runs) + f"\nsamples/s: mean over {over}")
+    caption = " · ".join(f"{r.label}: {r.path}" for r in runs) + f"\nsamples/s, bubble and wait: mean over {over}"
+    table = Table(title="gpipe report", header_style="bold", caption=caption)
     for name in ("run", "steps", "loss", "best eval", "samples/s", "bubble", "theory", "wait", "memory"):
         # A run's label is what a reader looks up in the legend: it never wraps, other cells do.
         table.add_column(name, justify="left" if name in ("run", "best eval") else "right", no_wrap=name == "run")
@@ -69,7 +69,7 @@ def summary_table(runs: list[Run]) -> Table:
 
 def stage_table(runs: list[Run]) -> Table:
     """One row per run and stage: mean milliseconds per step of each part, and the memory peak."""
-    table = Table(title="per stage (mean over steps)", header_style="bold")
+    table = Table(title="per stage (mean over the steps after warm-up)", header_style="bold")
     for name in ("run", "stage", *(f"{part} ms" for part in PARTS), "memory peak"):
         table.add_column(name, justify="left" if name == "run" else "right", no_wrap=name == "run")
     for run in runs:

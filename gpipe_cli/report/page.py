@@ -48,7 +48,8 @@ def _eval(ax: Any, runs: list[Run]) -> None:
 
 
 def _bubble(ax: Any, runs: list[Run]) -> None:
-    _lines(ax, runs, "bubble", "bubble: measured (line) against theory (K-1)/(M+K-1) (dashed)", "share of step")
+    _lines(ax, runs, "bubble", "bubble: measured (line) against theory (K-1)/(M+K-1) (dashed), no warm-up steps",
+           "share of step")
     for i, run in enumerate(runs):
         steps, values = series(run)["bubble_theory"]
         ax.plot(steps, values, "--", color=f"C{i}")
@@ -67,7 +68,7 @@ def _breakdown(ax: Any, runs: list[Run]) -> None:
         bottoms = [b + v * 1e3 for b, v in zip(bottoms, values)]
     ax.set_xticks(range(len(names)), names, fontsize="small", rotation=30 if len(runs) > 1 else 0, ha="right"
                   if len(runs) > 1 else "center")
-    ax.set_title("step time per stage (mean over steps)" + (": run · stage" if len(runs) > 1 else ""))
+    ax.set_title("step time per stage (mean over steps after warm-up)" + (": run · stage" if len(runs) > 1 else ""))
     ax.set_ylabel("ms per step")
     ax.legend(fontsize="small")
 
@@ -96,7 +97,9 @@ def draw(runs: list[Run], path: Path) -> Path | None:
     fig, axes = plots.figure(plt, WIDTH_PX, HEIGHT_PX, 2, 3, title)
     _losses(axes[0][0], runs)
     _eval(axes[0][1], runs)
-    _lines(axes[0][2], runs, "samples_per_s", "throughput", "samples/s")
+    # The first step of each start (warm-up: one-time costs) is left out of throughput and bubble: a dip there
+    # would stretch the axis over the steps that matter.
+    _lines(axes[0][2], runs, "samples_per_s", "throughput (warm-up steps left out)", "samples/s")
     axes[0][2].legend(fontsize="small")
     _bubble(axes[1][0], runs)
     _breakdown(axes[1][1], runs)

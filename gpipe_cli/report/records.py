@@ -17,6 +17,10 @@ TRAIN_NUMBERS = ("samples_per_s", "step_time_s", "loss", "bubble", "bubble_theor
 EVAL_NUMBERS = ("loss", "accuracy", "bleu", "perplexity")
 # True on the first train record after a resume: that step warms up again, as the run's first did.
 RESUMED = "resumed"
+# True on the first train record of every start (the run's first step and the first after each resume): it
+# carries one-time costs (allocations, lazy set-up). Runs recorded before the mark existed have the same
+# steps as their first record and their `resumed` ones.
+WARMUP = "warmup"
 
 
 @dataclass

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli.errors import UserError
-from gpipe_cli.report.records import PARTS, RESUMED, read_recipe, read_records
+from gpipe_cli.report.records import PARTS, RESUMED, WARMUP, read_recipe, read_records
 
 __all__ = ["PARTS", "Run", "Throughput", "eval_metric", "read_run", "read_runs", "segment_throughputs", "segments",
-           "series", "throughput", "time_breakdown"]
+           "series", "steady", "throughput", "time_breakdown", "warming_up"]
 
 Series = tuple[list[int], list[float]]  # steps, values
 
@@ -84,13 +84,27 @@ def eval_metric(run: Run) -> str | None:
     return None
 
 
+def warming_up(record: dict[str, Any], index: int) -> bool:
+    """Whether the train record at `index` of a run is a warm-up step: the first of a start."""
+    return index == 0 or record.get(WARMUP) is True or record.get(RESUMED) is True
+
+
+def steady(run: Run) -> list[dict[str, Any]]:
+    """The run's train records but its warm-up steps, whose one-time costs would swamp the timing figures
+    (all of them when every step is one: then that is all there is)."""
+    kept = [r for i, r in enumerate(run.train) if not warming_up(r, i)]
+    return kept or run.train
+
+
 def series(run: Run) -> dict[str, Series]:
-    """Every curve the report draws for a run, by name: exactly the values of its metrics.jsonl."""
+    """Every curve the report draws for a run, by name: the values of its metrics.jsonl, the timing figures
+    (throughput, bubble) without the warm-up steps."""
+    timed = steady(run)
     out: dict[str, Series] = {
         "loss": _numbers(run.train, lambda r: r.get("loss")),
-        "samples_per_s": _numbers(run.train, lambda r: r.get("samples_per_s")),
-        "bubble": _numbers(run.train, lambda r: r.get("bubble")),
-        "bubble_theory": _numbers(run.train, lambda r: r.get("bubble_theory")),
+        "samples_per_s": _numbers(timed, lambda r: r.get("samples_per_s")),
+        "bubble": _numbers(timed, lambda r: r.get("bubble")),
+        "bubble_theory": _numbers(timed, lambda r: r.get("bubble_theory")),
         "eval_loss": _numbers(run.evals, lambda r: r.get("loss")),
     }
     metric = eval_metric(run)
@@ -106,12 +120,14 @@ def _at(values: Any, index: int) -> Any:
 
 
 def time_breakdown(run: Run) -> dict[str, list[float]]:
-    """Mean seconds per step of each part (compute, wait, ...) on each stage, over the run's steps."""
+    """Mean seconds per step of each part (compute, wait, ...) on each stage, over the run's steps but its warm-up
+    steps."""
+    timed = steady(run)
     out = {}
     for part in PARTS:
         per_stage = []
         for s in range(run.stages):
-            values = [v for r in run.train if (v := _at(r["time_s"].get(part), s)) is not None]
+            values = [v for r in timed if (v := _at(r["time_s"].get(part), s)) is not None]
             per_stage.append(sum(values) / len(values) if values else 0.0)
         out[part] = per_stage
     return out
@@ -131,7 +147,7 @@ def segments(run: Run) -> list[list[dict[str, Any]]]:
     """The run's train records split where it was resumed: each segment the steps of one `gpipe train`."""
     out: list[list[dict[str, Any]]] = []
     for record in run.train:
-        if not out or record.get(RESUMED) is True:
+        if not out or record.get(RESUMED) is True or record.get(WARMUP) is True:
             out.append([])
         out[-1].append(record)
     return out

@@ -120,11 +120,6 @@ def check_checkpoint_keys(recipe: Recipe, changes: list[Change], location: str) 
                     f"{'value' if one else 'values'}, or start a new run in another --output-dir")
 
 
-def changes_line(changes: list[Change]) -> str:
-    """The note that lists the settings a resume changes."""
-    return "resuming with settings that differ from the run's: " + ", ".join(map(str, changes))
-
-
 def past_end(location: str, checkpoint: str, step: int, end: str, key: str = "train.steps") -> str:
     """The refusal of a resume whose checkpoint is past the run's end (`end`, set by `key`)."""
     return (f"--resume {cut(location, _PATH_CHARS)}: checkpoint {checkpoint} is at step {step}, past {end}; "
@@ -137,11 +132,12 @@ def complete_line(run_dir: Path, step: int, end: str, key: str = "train.steps") 
             f"(raise {key} to train past step {step})")
 
 
-def check_resumable(location: str) -> None:
-    """Refuse a resume from a place that holds no whole checkpoint, before any rank starts to look.
+def check_resumable(location: str) -> int:
+    """Refuse a resume from a place that holds no whole checkpoint, before any rank starts to look; return
+    the step of the newest whole one.
 
     Checksums are left to the ranks (they read every byte); a checkpoint that looks whole here but fails
-    them is skipped there, as any damaged one is.
+    them is skipped there, as any damaged one is, in a line of its own.
     """
     from gpipe_cli.train import checkpoint  # torch: only once the first line is out
 
@@ -149,7 +145,9 @@ def check_resumable(location: str) -> None:
     for path in checkpoint.candidates(Path(location)):
         why = checkpoint.problem(path)
         if why is None:
-            return
+            manifest, _ = checkpoint.read_manifest(path)
+            assert manifest is not None
+            return int(manifest["step"])
         refused.append(f"{path.name}: {why}")
     reasons = "; ".join(refused) if refused else "there are no checkpoints there"
     raise UserError(f"--resume {cut(location, _PATH_CHARS)}: no usable checkpoint ({reasons})")

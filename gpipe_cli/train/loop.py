@@ -38,8 +38,10 @@ from gpipe_cli.train.profiling import StepProfiler
 from gpipe_cli.train.report import MetricsFile, TerminalView
 from gpipe_cli.train.resume import Checkpointer, run_dir_of, saved_cut, trim_metrics
 from gpipe_cli.train.rundir import choose_run_dir, create_run_dir, save_recipe
+from gpipe_cli.train.settings import continue_command
 from gpipe_cli.train.signals import StopRequest
 from gpipe_cli.train.sinks import open_sinks
+from gpipe_cli.train.step_figures import step_figures
 from gpipe_cli.train.summary import RunSummary
 
 __all__ = ["Job", "Trainer", "configure_threads"]
@@ -339,14 +341,16 @@ class Trainer:
         stats = result.stats
         assert stats is not None and self.metrics is not None and self.view is not None
         stages = stats.of_replica(0)
-        parts = stats.breakdown(seconds)
+        # The loop's wall time and the stages' own timelines, made to agree (see step_figures.py): the step
+        # time is never shorter than a stage spent in it, and every stage's parts add up to it.
+        figures = step_figures(stats, seconds)
+        seconds = figures.seconds
         record: dict[str, Any] = {
             "kind": "train", "step": step + 1, "epoch": step // self.steps_per_epoch + 1, "loss": result.loss,
             "lr": optim.base_lr(self.recipe) * self.lr(step), "samples_per_s": batch.global_size / seconds,
-            "step_time_s": seconds,
-            "bubble": sum(parts["wait"]) / len(stages) / seconds, "bubble_theory": stats.bubble_theory,
-            "idle": sum(1.0 - min(c / seconds, 1.0) for c in parts["compute"]) / len(stages),
-            "time_s": parts, "rss_peak_bytes": [s.rss_peak for s in stages], "grad_norm": result.grad_norm,
+            "step_time_s": seconds, "bubble": figures.bubble, "bubble_theory": stats.bubble_theory,
+            "idle": figures.idle, "time_s": figures.parts, "rss_peak_bytes": [s.rss_peak for s in stages],
+            "grad_norm": result.grad_norm,
         }
         if all(s.activation_peak >= 0 for s in stages):  # a step that counted its stored activations
             record["activation_peak_bytes"] = [s.activation_peak for s in stages]
@@ -358,6 +362,8 @@ class Trainer:
             record["tokens_per_s"] = stats.units / seconds
         if result.skipped:
             record["skipped"] = True
+        if step == self.start_step:  # the first step of each start carries one-time costs (allocations, lazy set-up)
+            record["warmup"] = True
         if step == self.start_step > 0:  # the first step after a resume warms up again, as the run's first did
             record["resumed"] = True
         self.metrics.write(record)
@@ -413,7 +419,9 @@ class Trainer:
             ended = ""
             if self.stopped_by:
                 ended = f"stopped by {signal.Signals(self.stopped_by).name}"
-                self.view.message(f"{ended} after step {saved}; continue with --resume {self.run_dir}")
+                # Without a recipe the resume trains with the run's own recipe.yaml: this command continues
+                # the run exactly as it was started, whatever recipe and --set started it.
+                self.view.message(f"{ended} after step {saved}; continue with {continue_command(self.run_dir)}")
             elif self.diverged:
                 ended = "stopped on non-finite values"
             for line in self.summary.lines(time.time(), str(checkpoint.path_for(self.run_dir, saved))

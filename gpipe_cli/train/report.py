@@ -127,7 +127,8 @@ def train_lines(record: dict[str, Any], total: int, counted: Counted | None = No
     """A train record as lines: the step, then one line per stage with its time and memory."""
     lines = [f"step {record['step']}/{total} | epoch {record['epoch']} | loss {_num(record['loss'], '.4f')} | "
              f"lr {record['lr']:.3g} | {_rate(record)} | {record['step_time_s'] * 1e3:.0f} ms/step | "
-             f"bubble {record['bubble']:.3f} (theory {record['bubble_theory']:.3f})"]
+             f"bubble {record['bubble']:.3f} (theory {record['bubble_theory']:.3f})"
+             + (" | warm-up step (one-time costs)" if record.get("warmup") is True else "")]
     for s in range(len(record["rss_peak_bytes"])):
         shares = " | ".join(f"{part} {share:.0%}" for part, share in stage_shares(record, s).items())
         lines.append(f"  stage {s}: {shares} | {stage_memory(record, s, counted)}")

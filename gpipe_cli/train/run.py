@@ -3,7 +3,8 @@
 Everything a user can get wrong (the recipe, `--set`, the arguments) is checked before torch is
 imported, so such a mistake is reported at once (a new run into a directory that holds one too); the
 plan, the devices, the output directory and what a resume would do to its run (see existing.py) are
-checked next, before any rank starts.
+checked next, before any rank starts. A resume without a recipe continues the run with its own
+recipe.yaml (see settings.py), and says so in one line before any rank starts.
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ from pathlib import Path
 from gpipe_cli.data.offline import check_hub_data
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.launch import LaunchOptions, check_device, check_launch, check_writable, launch, under_torchrun
-from gpipe_cli.recipe.load import load_recipe, recipe_label
+from gpipe_cli.recipe.load import recipe_label
 from gpipe_cli.train.announce import announce, checking, first_line, local_ranks, note
 from gpipe_cli.train.existing import (
     Change,
-    changes_line,
     check_checkpoint_keys,
     check_new_run_dir,
     check_resumable,
@@ -35,6 +35,8 @@ from gpipe_cli.train.existing import (
     run_dir_of,
 )
 from gpipe_cli.train.job import Job
+from gpipe_cli.train.settings import check_resume_path, resume_line, train_recipe
+from gpipe_cli.train.settings import resume_location as find_resume
 from gpipe_cli.train.worker import STARTED
 
 OUTPUTS = "outputs"
@@ -54,34 +56,22 @@ class TrainOptions:
 
 def resume_location(options: TrainOptions, name: str, root: str = OUTPUTS) -> str:
     """Where --resume continues from: an explicit path, --output-dir, or the newest run of this recipe."""
-    if options.resume not in (None, "latest"):
-        if not os.path.exists(options.resume):
-            raise UserError(f"--resume: no such run directory or checkpoint: {shown(options.resume)}")
-        return str(options.resume)
-    if options.output_dir:
-        return options.output_dir
-    from gpipe_cli.train.checkpoint import newest_whole  # torch: only once the first line is out
-
-    runs = sorted((p for p in Path(root, name).glob("*") if p.is_dir()), reverse=True)
-    for run in runs:
-        if newest_whole(run)[0] is not None:
-            return str(run)
-    raise UserError(f"--resume: no run of '{name}' with a complete checkpoint under {Path(root, name)}/")
+    return find_resume(options.resume or "latest", options.output_dir, name, root)
 
 
 def train(options: TrainOptions) -> int:
     """Validate, then run the training job on K × D ranks; returns the exit code."""
     started = time.time()
-    recipe = load_recipe(options.recipe, options.overrides)
+    check_resume_path(options.resume)
+    # Without a recipe, a resume trains with the run's own recipe.yaml (`recipe_file` names it).
+    recipe, recipe_file = train_recipe(options.recipe, options.overrides, options.resume, options.output_dir, OUTPUTS)
     world = recipe.pipeline.partitions * recipe.pipeline.data_parallel
     local = check_launch(options.launch, world)
     if options.output_dir and os.path.exists(options.output_dir) and not os.path.isdir(options.output_dir):
         raise UserError(f"--output-dir: {shown(options.output_dir)} exists and is not a directory")
-    if options.resume not in (None, "latest") and not os.path.exists(options.resume):
-        raise UserError(f"--resume: no such run directory or checkpoint: {shown(options.resume)}")
     if options.output_dir and not options.resume:
         check_new_run_dir(Path(options.output_dir))
-    check_hub_data(recipe.data, options.recipe, options.overrides)  # offline: fail now, not inside the ranks
+    check_hub_data(recipe.data, recipe_file, options.overrides)  # offline: fail now, not inside the ranks
     # torch from here on: the recipe and the arguments are known to be good.
     first = not under_torchrun() or os.environ.get("RANK", "0") == "0"
     live = options.plain is False or (options.plain is None and sys.stdout.isatty())
@@ -96,20 +86,21 @@ def train(options: TrainOptions) -> int:
         # Refuses impossible cuts and plans that cannot fit, before any rank starts. The ranks cut for the
         # memory free now, not for what is left while their siblings load.
         available = float(memory_model.available_bytes("cuda" if torch.cuda.is_available() else "cpu"))
-        checked_plan(recipe, recipe_label(options.recipe), must_fit=not under_torchrun(), available=available)
+        checked_plan(recipe, recipe_label(recipe_file), must_fit=not under_torchrun(), available=available)
         check_device(recipe.pipeline.backend, recipe.train.device, int(os.environ.get("LOCAL_WORLD_SIZE", local)))
         resume = resume_location(options, recipe.name) if options.resume else None
         fresh = resume is not None and options.resume == "latest" and options.output_dir is not None \
             and not holds_run(Path(options.output_dir))
         if fresh:  # a scheduler's first launch of a job that resumes when requeued: nothing to continue yet
             resume = None
-        changes: list[Change] = []
+        changes: list[Change] | None = None
         complete: int | None = None
+        step: int | None = None
         if resume is not None:
             check_writable(Path(resume), "--resume")
-            check_resumable(resume)
-            changes = recipe_changes(recipe, run_dir_of(resume)) or []
-            check_checkpoint_keys(recipe, changes, resume)
+            step = check_resumable(resume)
+            changes = recipe_changes(recipe, run_dir_of(resume))
+            check_checkpoint_keys(recipe, changes or [], resume)
             complete = resume_end(recipe, resume)
         elif options.output_dir:
             check_writable(Path(options.output_dir), "--output-dir")
@@ -124,8 +115,10 @@ def train(options: TrainOptions) -> int:
         if fresh:
             print(note(started, f"--resume: {shown(str(options.output_dir))} holds no run yet; starting a new one "
                                 "there"), flush=True)
-        if changes:  # the run's recipe.yaml will record them: say so, rather than change a run unseen
-            print(note(started, changes_line(changes)), flush=True)
+        if resume is not None:  # before any rank starts: the run's recipe.yaml will record what it changes
+            continued = options.recipe is None
+            print(resume_line(run_dir_of(resume), step, changes, options.recipe, continued, options.overrides),
+                  flush=True)
     job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
               resume=resume, started=started, available=available)
     if under_torchrun():

@@ -1,8 +1,10 @@
 """Metric sinks beside metrics.jsonl: TensorBoard event files and Weights & Biases (rank 0 only).
 
 Each sink receives every record metrics.jsonl receives, flattened into scalars with one tag per
-figure and per stage (`train/loss`, `train/time_s/wait/stage1`, `eval/accuracy`). A sink that cannot
-start (package missing, no network) or that fails later costs one line, never the run.
+figure and per stage (`train/loss`, `train/time_s/wait/stage1`, `eval/accuracy`). The timing figures of
+a warm-up step (the first of each start, marked `warmup`) go under `train_warmup/` instead, so that
+its one-time costs stand apart and do not stretch the steady curves. A sink that cannot start (package
+missing, no network) or that fails later costs one line, never the run.
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ from typing import Any, Literal, Protocol
 
 from gpipe_cli.recipe.schema import Metrics
 
-_NOT_FIGURES = ("kind", "step", "nonfinite")
+_NOT_FIGURES = ("kind", "step", "nonfinite", "warmup")
+# A step's timing figures: a warm-up step's go to their own section (its loss, lr and memory are as any step's).
+TIMING = frozenset({"samples_per_s", "tokens_per_s", "step_time_s", "bubble", "idle", "time_s"})
+WARMUP_SECTION = "train_warmup"
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """A record's numbers as flat tags; lists are per stage, null values (non-finite) are left out."""
+    """A record's numbers as flat tags; lists are per stage, null values (non-finite) are left out; a warm-up
+    step's timing figures are tagged `train_warmup/...`."""
     out: dict[str, float] = {}
 
     def add(tag: str, value: Any) -> None:
@@ -31,9 +37,10 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
             for key, item in value.items():
                 add(f"{tag}/{key}", item)
 
+    warmup = record.get("warmup") is True
     for key, value in record.items():
         if key not in _NOT_FIGURES:
-            add(f"{record['kind']}/{key}", value)
+            add(f"{WARMUP_SECTION if warmup and key in TIMING else record['kind']}/{key}", value)
     return out
 
 

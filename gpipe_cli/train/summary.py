@@ -18,6 +18,29 @@ def eval_figures(record: dict[str, Any]) -> str:
 
 
 @dataclass
+class _Steps:
+    """What a group of train steps adds up to."""
+
+    steps: int = 0
+    examples: float = 0.0
+    units: float = 0.0
+    seconds: float = 0.0
+    bubbles: list[float] = field(default_factory=list)
+    parts: dict[str, float] = field(default_factory=dict)
+
+    def add(self, record: dict[str, Any], examples: float, units: float | None) -> None:
+        """Take in one train record."""
+        self.steps += 1
+        self.examples += examples
+        self.units += units or 0.0
+        self.seconds += record["step_time_s"]
+        self.bubbles.append(record["bubble"])
+        for part in PARTS:
+            values = record["time_s"][part]
+            self.parts[part] = self.parts.get(part, 0.0) + sum(values) / len(values)
+
+
+@dataclass
 class RunSummary:
     """Collects the train and eval records of a run (rank 0) and says what happened, in lines."""
 
@@ -25,13 +48,11 @@ class RunSummary:
     started: float  # time.time() of the command's start
     steps: int = 0
     skipped: int = 0
-    examples: float = 0.0
-    units: float = 0.0
-    seconds: float = 0.0
-    bubbles: list[float] = field(default_factory=list)
     theory: float = 0.0
-    parts: dict[str, float] = field(default_factory=dict)
-    first: tuple[float, float, float] | None = None  # the first step's examples, units and seconds (warm-up)
+    # The warm-up step (the first of a start, marked `warmup`: allocations, lazy set-up) and the others: the
+    # throughput, bubble and step-time shares are those of the others, when there are any.
+    warmup: _Steps = field(default_factory=_Steps)
+    measured: _Steps = field(default_factory=_Steps)
     steps_seen: tuple[int, int] = (0, 0)  # the first and the last step number taken in
     resumed: bool = False  # the first step came after a resume: the figures are those since it
     best_eval: dict[str, Any] | None = None
@@ -45,20 +66,15 @@ class RunSummary:
             if loss is not None and math.isfinite(loss) and (self.best_eval is None or loss < self.best_eval["loss"]):
                 self.best_eval = record
             return
-        self.steps += 1
-        if self.first is None:
-            self.first = (examples, units or 0.0, record["step_time_s"])
+        if not self.steps:
             self.resumed = record.get("resumed") is True
+        # The first step taken in is a start's first, whether or not its record says so.
+        warm = record.get("warmup") is True or not self.steps
+        self.steps += 1
         self.steps_seen = (self.steps_seen[0] or record["step"], record["step"])
         self.skipped += bool(record.get("skipped"))
-        self.examples += examples
-        self.units += units or 0.0
-        self.seconds += record["step_time_s"]
-        self.bubbles.append(record["bubble"])
         self.theory = record["bubble_theory"]
-        for part in PARTS:
-            values = record["time_s"][part]
-            self.parts[part] = self.parts.get(part, 0.0) + sum(values) / len(values)
+        (self.warmup if warm else self.measured).add(record, examples, units)
 
     def lines(self, now: float, checkpoint: str | None, run_dir: str, text: bool, ended: str = "") -> list[str]:
         """The summary, one fact per line; `text` adds tokens/s; `ended` says why the run stopped early."""
@@ -67,22 +83,22 @@ class RunSummary:
         if self.resumed:  # the earlier steps' figures are the run's too: `gpipe report` combines them
             done = f"steps {self.steps_seen[0]}-{self.steps_seen[1]} of {self.total_steps}, since the resume,"
         out = [f"summary: {done} in {wall:.1f} s wall time" + (f" ({ended})" if ended else "")]
-        if self.steps and self.seconds > 0:
-            examples, units, seconds, over = self.examples, self.units, self.seconds, "the training steps"
-            if self.steps > 1 and self.first is not None:  # the first step warms up (allocations, lazy init)
-                examples, units, seconds = examples - self.first[0], units - self.first[1], seconds - self.first[2]
-                over = f"the steps after the first, which took {self.first[2]:.2f} s warming up"
+        shown = self.measured if self.measured.steps else self.warmup  # a lone warm-up step is all there is
+        if shown.steps and shown.seconds > 0:
+            over = "the training steps"
+            if shown is self.measured and self.warmup.steps:
+                over = f"the steps after the first, which took {self.warmup.seconds:.2f} s warming up"
             if self.resumed:
                 over += f"; gpipe report {run_dir} gives the whole run's"
-            rate = f"{examples / seconds:.1f} samples/s" if seconds > 0 else "-"
-            if text and seconds > 0:
-                rate += f", {units / seconds:.0f} tokens/s"
+            rate = f"{shown.examples / shown.seconds:.1f} samples/s"
+            if text:
+                rate += f", {shown.units / shown.seconds:.0f} tokens/s"
             out.append(f"  throughput: {rate} (mean over {over})")
-            mean = sum(self.bubbles) / len(self.bubbles)
+            mean = sum(shown.bubbles) / len(shown.bubbles)
             out.append(f"  bubble: {mean:.3f} measured (time waiting for a peer), {self.theory:.3f} in theory "
                        f"((K-1)/(M+K-1))")
-            total = sum(self.parts.values())
-            shares = ", ".join(f"{part} {self.parts[part] / total:.0%}" for part in PARTS) if total else "-"
+            total = sum(shown.parts.values())
+            shares = ", ".join(f"{part} {shown.parts[part] / total:.0%}" for part in PARTS) if total else "-"
             out.append(f"  step time: {shares} (mean over stages)")
         best = self.best_eval
         out.append(f"  best eval: step {best['step']}: {eval_figures(best)}" if best else "  best eval: none")

@@ -39,12 +39,14 @@ def test_the_plotted_series_are_the_values_of_metrics_jsonl(tmp_path):
     evals = [r for r in records if r["kind"] == "eval"]
     data = series(run)
     assert data["loss"] == ([r["step"] for r in train], [r["loss"] for r in train])
-    assert data["samples_per_s"][1] == [r["samples_per_s"] for r in train]
-    assert data["bubble_theory"][1] == [r["bubble_theory"] for r in train]
+    steady = train[1:]  # the timing figures leave out the first step, which warms up
+    assert data["samples_per_s"] == ([r["step"] for r in steady], [r["samples_per_s"] for r in steady])
+    assert data["bubble"] == ([r["step"] for r in steady], [r["bubble"] for r in steady])
+    assert data["bubble_theory"][1] == [r["bubble_theory"] for r in steady]
     assert data["eval_accuracy"] == ([r["step"] for r in evals], [r["accuracy"] for r in evals])
     assert data["mem_peak_bytes/stage2"][1] == [r["mem_peak_bytes"][2] for r in train]
     wait = time_breakdown(run)["wait"]
-    assert wait == pytest.approx([sum(r["time_s"]["wait"][s] for r in train) / len(train) for s in range(3)])
+    assert wait == pytest.approx([sum(r["time_s"]["wait"][s] for r in steady) / len(steady) for s in range(3)])
     assert run.label == "K=3 M=4 1f1b"
 
 
@@ -82,3 +84,21 @@ def test_without_matplotlib_the_table_still_shows_and_one_line_says_why(tmp_path
     captured = capsys.readouterr()
     assert "K=2 M=4 1f1b" in captured.out and "gpipe-cli[plot]" in captured.err
     assert not (folder / "report.png").exists()
+
+
+def test_warm_up_steps_are_left_out_of_the_throughput_and_bubble_axes_and_the_stage_means(tmp_path):
+    folder = make_run(tmp_path / "a", partitions=2, steps=7)
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()[:-1]]
+    for record in records:
+        if record["kind"] == "train" and record["step"] in (1, 5):  # the run's first step and the first after a resume
+            record.update(warmup=True, samples_per_s=1.0, bubble=0.9)
+            record["time_s"]["wait"] = [9.0, 9.0]
+            record["resumed"] = record["step"] == 5
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run,) = read_runs([folder])
+    data = series(run)
+    assert data["samples_per_s"][0] == data["bubble"][0] == [2, 3, 4, 6, 7]
+    assert data["loss"][0] == [1, 2, 3, 4, 5, 6, 7]  # a warm-up step's loss is as good as any
+    assert max(time_breakdown(run)["wait"]) < 9.0
+    lone = read_runs([make_run(tmp_path / "b", partitions=2, steps=1)])[0]
+    assert series(lone)["bubble"][0] == [1]  # a run of one step: that step is all there is

@@ -39,7 +39,7 @@ def test_the_report_and_the_train_summary_give_the_same_throughput(tmp_path, cap
     assert f"{per_step:.1f}" != f"{rate.samples_per_s:.1f}"  # the figure the report printed before
     assert cli(["report", str(run)]) == 0
     out = capsys.readouterr().out
-    assert f" {rate.samples_per_s:.1f} " in out and f"samples/s: mean over {rate.over}" in out
+    assert f" {rate.samples_per_s:.1f} " in out and f"samples/s, bubble and wait: mean over {rate.over}" in out
 
 
 def test_a_run_of_one_step_is_the_mean_over_that_step_in_both(tmp_path):
@@ -86,7 +86,7 @@ def test_a_resumed_run_gives_each_start_as_its_summary_did_and_the_run_over_ever
     assert f"{BATCH * len(every_but_first) / sum(every_but_first):.1f}" != f"{rate.samples_per_s:.1f}"
     assert cli(["report", str(run), "--output", str(tmp_path / "page.png")]) == 0
     out = capsys.readouterr().out
-    assert f" {rate.samples_per_s:.1f} " in out and f"samples/s: mean over {rate.over}" in out
+    assert f" {rate.samples_per_s:.1f} " in out and f"samples/s, bubble and wait: mean over {rate.over}" in out
     assert "per start of a resumed run" in out
     for shown, records in zip(each, starts):
         assert re.search(rf"{shown.steps} +│ +{summary_rate(records)} +│ +{shown.warmup_s:.2f}", out)

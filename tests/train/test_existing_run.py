@@ -16,6 +16,7 @@ from gpipe_cli.cli import app
 from gpipe_cli.errors import UserError
 from gpipe_cli.recipe.load import load_recipe, recipe_yaml
 from gpipe_cli.train import checkpoint, existing
+from gpipe_cli.train.settings import resume_line
 from tests.train import recipes
 
 runner = CliRunner()
@@ -94,7 +95,7 @@ def test_a_run_already_at_train_steps_says_so_in_one_line_and_exits_0_writing_no
     done = [line for line in result.stdout.splitlines() if "already complete" in line]
     assert done == [f"the run in {run} is already complete at step 10 (train.steps 10); nothing to do "
                     f"(raise train.steps to train past step 10)"], result.output
-    assert result.stderr == "" and "resuming with settings" not in result.stdout
+    assert result.stderr == "" and "resuming" not in result.stdout
     assert hashes(run) == before and not no_ranks
 
 
@@ -183,22 +184,25 @@ def test_a_run_without_a_readable_recipe_yaml_is_not_compared(tmp_path):
 
 # ----------------------------------------------------------------- other changes: said, then recorded
 
-def test_other_changes_are_listed_in_one_note_line(tmp_path):
+def test_with_a_recipe_every_difference_from_the_run_is_listed_in_one_line(tmp_path):
     path, run = make_run(tmp_path, None, "train.steps=20", "checkpoint.every=5", steps=(20,))
     changes = existing.recipe_changes(load_recipe(path, ["train.steps=27"]), run)
-    assert existing.changes_line(changes) == ("resuming with settings that differ from the run's: "
-                                              "checkpoint.every 5 -> null, train.steps 20 -> 27")
+    assert resume_line(run, 20, changes, str(path), continued=False, overrides=["train.steps=27"]) == (
+        f"resuming {run} at step 20 with {path} and --set, which differ from the run's recipe.yaml: "
+        f"checkpoint.every 5 -> null, train.steps 20 -> 27")
     assert existing.recipe_changes(load_recipe(path, ["train.steps=20", "checkpoint.every=5"]), run) == []
+    assert resume_line(run, 20, [], str(path), continued=False, overrides=[]) == (
+        f"resuming {run} at step 20 with {path}, the same settings as the run's")
 
 
-def test_the_note_is_printed_before_the_ranks_start_and_recipe_yaml_is_left_to_them(tmp_path, no_ranks):
+def test_the_line_is_printed_before_the_ranks_start_and_recipe_yaml_is_left_to_them(tmp_path, no_ranks):
     path, run = make_run(tmp_path, None, "train.steps=20", "checkpoint.every=5", steps=(20,))
     before = hashes(run)
     result = train(path, run, "--resume", "latest", "--set", "train.steps=27")
     assert result.exit_code == 0, result.output
-    notes = [line for line in result.stdout.splitlines() if "resuming with settings" in line]
-    assert len(notes) == 1 and notes[0].endswith(
-        "resuming with settings that differ from the run's: checkpoint.every 5 -> null, train.steps 20 -> 27")
+    notes = [line for line in result.stdout.splitlines() if line.startswith("resuming")]
+    assert notes == [f"resuming {run} at step 20 with {path} and --set, which differ from the run's recipe.yaml: "
+                     f"checkpoint.every 5 -> null, train.steps 20 -> 27"]
     assert result.stdout.index(notes[0]) < result.stdout.index("starting 2 ranks")
     assert no_ranks == [1] and hashes(run) == before  # the ranks record the settings, once the resume loads
 

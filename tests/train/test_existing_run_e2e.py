@@ -48,7 +48,8 @@ def test_a_resume_removes_a_save_cut_short_records_its_settings_and_a_second_one
     (stale / "__0_0.distcp").write_bytes(b"\0" * 4096)
     proc = gpipe(path, run, "--resume", "--set", "train.steps=6")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resuming with settings that differ from the run's: train.steps 4 -> 6" in proc.stdout
+    assert (f"resuming {run} at step 4 with {path} and --set, which differ from the run's recipe.yaml: "
+            f"train.steps 4 -> 6") in proc.stdout
     assert f"removed {stale}, a checkpoint whose save never finished" in proc.stdout
     assert not stale.exists()
     assert yaml.safe_load((run / "recipe.yaml").read_text())["train"]["steps"] == 6

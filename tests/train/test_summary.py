@@ -30,7 +30,7 @@ def test_the_summary_names_every_fact_of_the_run():
     seconds = 3 * train_record()["step_time_s"]  # the first step warms up and is left out
     assert field(lines, "throughput").startswith(f"{3 * 32 / seconds:.1f} samples/s, {3 * 300 / seconds:.0f} tokens/s")
     assert "after the first" in field(lines, "throughput")
-    assert field(lines, "bubble").startswith(f"{(0.1 + 0.2 + 0.3 + 0.4) / 4:.3f} measured")
+    assert field(lines, "bubble").startswith(f"{(0.2 + 0.3 + 0.4) / 3:.3f} measured")  # the warm-up left out too
     assert "0.200 in theory" in field(lines, "bubble")
     assert field(lines, "best eval").startswith("step 4: loss 1.5")  # the lowest loss, not the last eval
     assert field(lines, "skipped steps") == "1"
@@ -56,3 +56,16 @@ def test_the_warm_up_step_is_left_out_of_the_throughput_but_a_lone_step_counts()
     lone.add({**train_record(), "step_time_s": 2.0}, examples=10, units=None)
     assert field(lone.lines(now=5.0, checkpoint=None, run_dir="r", text=False), "throughput").startswith(
         "5.0 samples/s (mean over the training steps)")
+
+
+def test_a_marked_warm_up_step_is_left_out_of_the_throughput_bubble_and_shares():
+    summary = RunSummary(total_steps=8, started=0.0)
+    for step, seconds, bubble in ((5, 3.0, 0.9), (6, 0.5, 0.2), (7, 0.5, 0.3)):
+        record = {**train_record(step=step), "step_time_s": seconds, "bubble": bubble}
+        if step == 5:
+            record.update(warmup=True, resumed=True)
+        summary.add(record, examples=10, units=None)
+    lines = summary.lines(now=5.0, checkpoint=None, run_dir="r", text=False)
+    assert field(lines, "throughput").startswith("20.0 samples/s (mean over the steps after the first, which took "
+                                                 "3.00 s warming up; gpipe report r gives the whole run's)")
+    assert field(lines, "bubble").startswith("0.250 measured")

@@ -1,0 +1,129 @@
+"""A resume without a recipe continues the run as it was started: the run's own recipe.yaml, with the
+resume's `--set` on top, said in one line before any rank starts; checked without starting ranks."""
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpipe_cli.cli import app
+from gpipe_cli.cli import run as cli
+from gpipe_cli.recipe.load import load_recipe, recipe_yaml
+from gpipe_cli.train.settings import continue_command
+from tests.train.test_existing_run import error_line, hashes, make_run, save
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def jobs(monkeypatch) -> list[dict]:
+    """The jobs the launcher would start (no rank starts)."""
+    started: list[dict] = []
+
+    def launch(module, args, *rest, **kwargs):
+        started.append(json.loads(Path(args[0]).read_text()))
+        return 0
+
+    monkeypatch.setattr("gpipe_cli.train.run.launch", launch)
+    return started
+
+
+def resume(*args: str):
+    return runner.invoke(app, ["train", "--plain", *args])
+
+
+def resume_lines(result) -> list[str]:
+    return [line for line in result.stdout.splitlines() if line.startswith("resuming")]
+
+
+def test_a_resume_without_a_recipe_trains_with_the_runs_own_settings(tmp_path, jobs):
+    _, run = make_run(tmp_path, None, "train.steps=20", "checkpoint.every=5", steps=(5, 10))
+    before = hashes(run)
+    result = resume("--resume", str(run))
+    assert result.exit_code == 0, result.output
+    assert resume_lines(result) == [f"resuming {run} at step 10 with the run's own settings ({run}/recipe.yaml)"]
+    assert "differ" not in result.stdout
+    (job,) = jobs
+    assert job["recipe"]["train"]["steps"] == 20 and job["recipe"]["checkpoint"]["every"] == 5
+    assert job["recipe"]["name"] == "tiny-translation"  # not the built-in quick start's
+    assert "20 steps" in result.stdout.splitlines()[0]  # the first line already says what the run trains
+    assert hashes(run) == before
+
+
+def test_a_set_on_the_resume_is_applied_to_the_runs_settings_and_said_before_any_rank_starts(tmp_path, jobs):
+    _, run = make_run(tmp_path, None, "train.steps=20", "checkpoint.every=5", steps=(10,))
+    result = resume("--resume", str(run), "--set", "train.steps=30")
+    assert result.exit_code == 0, result.output
+    assert resume_lines(result) == [f"resuming {run} at step 10 with train.steps 20 -> 30 (--set)"]
+    assert result.stdout.index("resuming") < result.stdout.index("starting 2 ranks")
+    (job,) = jobs
+    assert job["recipe"]["train"]["steps"] == 30 and job["recipe"]["checkpoint"]["every"] == 5
+
+
+def test_a_checkpoint_location_continues_its_run_from_that_checkpoint(tmp_path, jobs):
+    _, run = make_run(tmp_path, None, "train.steps=20", steps=(5, 10))
+    result = resume("--resume", str(run / "checkpoints" / "step-00000005"))
+    assert result.exit_code == 0, result.output
+    assert resume_lines(result) == [f"resuming {run} at step 5 with the run's own settings ({run}/recipe.yaml)"]
+    assert jobs[0]["recipe"]["train"]["steps"] == 20
+
+
+def test_a_bare_resume_into_an_output_dir_continues_that_run_with_its_settings(tmp_path, jobs):
+    _, run = make_run(tmp_path, None, "train.steps=20", steps=(10,))
+    result = resume("--output-dir", str(run), "--resume", "latest")
+    assert result.exit_code == 0, result.output
+    assert resume_lines(result) == [f"resuming {run} at step 10 with the run's own settings ({run}/recipe.yaml)"]
+    assert jobs[0]["recipe"]["train"]["steps"] == 20
+
+
+def test_a_bare_resume_finds_the_newest_quick_start_run_and_keeps_its_steps(tmp_path, jobs, monkeypatch, capsys):
+    # As a new user types it: `gpipe train --set train.steps=2000`, Ctrl-C, then `gpipe train --resume`.
+    monkeypatch.chdir(tmp_path)
+    run = Path("outputs/quickstart/20261123-051412")
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "recipe.yaml").write_text(recipe_yaml(load_recipe(None, ["train.steps=2000"])))
+    save(run, 95)
+    assert cli(["train", "--plain", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert f"resuming {run} at step 95 with the run's own settings ({run}/recipe.yaml)\n" in out
+    assert jobs[0]["recipe"]["train"]["steps"] == 2000
+
+
+def test_an_invalid_set_on_the_runs_settings_is_one_line_naming_its_recipe_yaml(tmp_path, jobs):
+    _, run = make_run(tmp_path, None, "train.steps=20", steps=(10,))
+    result = resume("--resume", str(run), "--set", "pipeline.microbatches=0")
+    assert result.exit_code == 2, result.output
+    assert error_line(result).startswith(f"error: {run}/recipe.yaml: pipeline.microbatches: must be >= 1")
+    assert not jobs
+
+
+def test_a_run_without_recipe_yaml_asks_for_the_recipe_in_one_line(tmp_path, jobs):
+    _, run = make_run(tmp_path, None, steps=(10,))
+    (run / "recipe.yaml").unlink()
+    result = resume("--resume", str(run))
+    assert result.exit_code == 2, result.output
+    assert error_line(result) == (f"error: --resume {run}: the run has no recipe.yaml to continue with; give the "
+                                  f"recipe it was started with: gpipe train RECIPE --resume {run}")
+    assert not jobs
+
+
+def test_a_missing_resume_location_is_one_line(tmp_path, jobs):
+    result = resume("--resume", str(tmp_path / "nowhere"))
+    assert result.exit_code == 2, result.output
+    assert error_line(result).startswith("error: --resume: no such run directory or checkpoint: ")
+
+
+def test_a_recipe_given_with_resume_is_used_and_every_difference_listed(tmp_path, jobs):
+    path, run = make_run(tmp_path, None, "train.steps=20", "optimizer.lr=0.01", steps=(2,))
+    result = runner.invoke(app, ["train", str(path), "--plain", "--resume", str(run)])
+    assert result.exit_code == 0, result.output
+    assert resume_lines(result) == [f"resuming {run} at step 2 with {path}, which differs from the run's "
+                                    f"recipe.yaml: optimizer.lr 0.01 -> 0.001, train.steps 20 -> 3"]
+    assert jobs[0]["recipe"]["train"]["steps"] == 3  # the recipe given, as before
+
+
+def test_the_command_to_continue_is_ready_to_copy(tmp_path):
+    assert continue_command(Path("outputs/quickstart/20261123-051412")) == (
+        "gpipe train --resume outputs/quickstart/20261123-051412")
+    assert continue_command(Path("runs/job 17")) == "gpipe train --resume 'runs/job 17'"
