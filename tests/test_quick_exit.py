@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 PROGRAM = """
 import atexit, sys, threading, time
 from gpipe_cli.quick_exit import exit_now
@@ -20,3 +22,31 @@ def test_exit_now_keeps_the_code_joins_threads_runs_handlers_and_flushes_output(
     assert done.returncode == 3
     assert done.stdout == "buffered linethread finished\nexit handler ran\n"
     assert done.stderr == "error line"
+
+
+# Says, as the command leaves through exit_now (which runs exit handlers), which heavy modules it loaded.
+MISTAKE = """
+import atexit, sys
+atexit.register(lambda: print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy'})))
+sys.argv = ['gpipe', *sys.argv[1:]]
+from gpipe_cli.entry import main
+main()
+"""
+
+
+@pytest.mark.parametrize("case", ["train a missing recipe", "train a misspelt key", "validate a bad recipe",
+                                  "bench --partitions 0", "profile-memory --partitions 0"])
+def test_mistakes_are_answered_before_torch_is_imported(tmp_path, case):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("name: typo\npipeline:\n  partitons: 2\n")
+    args = {"train a missing recipe": ["train", "nowhere.yaml"],
+            "train a misspelt key": ["train", str(recipe)],
+            "validate a bad recipe": ["validate", str(recipe)],
+            "bench --partitions 0": ["bench", "--partitions", "0"],
+            "profile-memory --partitions 0": ["profile-memory", "--partitions", "0"]}[case]
+    done = subprocess.run([sys.executable, "-c", MISTAKE, *args], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert done.stdout.strip() == "[]", f"{case}: loaded {done.stdout.strip()} before answering"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]  # nothing written

@@ -1,16 +1,13 @@
 """`gpipe bench`: training throughput at K stages and M micro-batches against K=1, baselines, traces, predictions."""
 
-from typing import Any
-
-from gpipe_cli.bench.options import FLAGS, BenchOptions
+from gpipe_cli.bench.options import FLAGS, BenchOptions, validate
 
 __all__ = ['FLAGS', 'BenchOptions', "run"]
 
 
-def __getattr__(name: str) -> Any:
-    # `run` pulls in torch and the engine; the CLI's help only needs the options.
-    if name == "run":
-        from gpipe_cli.bench.runner import run
+def run(options: BenchOptions) -> int:
+    """Run `gpipe bench`; its flags are checked before torch and the engine load, so a mistake is said at once."""
+    validate(options)
+    from gpipe_cli.bench.runner import run as measure  # torch and the engine: only for flags that are good
 
-        return run
-    raise AttributeError(name)
+    return measure(options)

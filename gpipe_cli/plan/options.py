@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpipe_cli.errors import UserError
-from gpipe_cli.recipe.schema import MAX_RANKS
 from gpipe_cli.units import parse_size
 
 TIMINGS = ("auto", "measure", "estimate")
@@ -77,6 +76,10 @@ def _finite(value: float | None, least: float, strict: bool) -> bool:
 
 def validate(options: PlanOptions) -> None:
     """Refuse flags that cannot describe a plan, with one line naming the flag."""
+    # Here, not at the top: the CLI loads this module for its help, and the schema's models take a tenth of a
+    # second to build that a mistake in another command should not wait for.
+    from gpipe_cli.recipe.schema import MAX_RANKS
+
     checks = [
         # A planned K or D past the recipe's own limit could never be written or trained; counts beyond it
         # would also only make the search count divisors for minutes.

@@ -1,16 +1,13 @@
 """`gpipe profile-memory`: per-stage parameters, gradients, optimizer state and activations; budget search."""
 
-from typing import Any
-
-from gpipe_cli.profile.options import FLAGS, ProfileOptions, parse_partitions
+from gpipe_cli.profile.options import FLAGS, ProfileOptions, parse_partitions, validate
 
 __all__ = ['FLAGS', 'ProfileOptions', 'parse_partitions', "run"]
 
 
-def __getattr__(name: str) -> Any:
-    # `run` pulls in torch and the engine; the CLI's help only needs the options.
-    if name == "run":
-        from gpipe_cli.profile.runner import run
+def run(options: ProfileOptions) -> int:
+    """Run `gpipe profile-memory`; its flags are checked before torch loads, so a mistake is said at once."""
+    validate(options)
+    from gpipe_cli.profile.runner import run as profile  # torch and the engine: only for flags that are good
 
-        return run
-    raise AttributeError(name)
+    return profile(options)

@@ -7,12 +7,17 @@ from pathlib import Path
 
 from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.estimate.size_flags import SizeFlags
+from gpipe_cli.files import check_output
 from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES
 from gpipe_cli.units import parse_size
 
 # The largest K: the paper's largest pipeline (Transformer-L on 128 TPUs). Every stage of every row is
 # priced, and measured rows driven, in this one process; far larger K only ran for minutes, silently.
 MAX_PARTITIONS = 128
+
+# The optimizers whose state can be counted: memory_model.OPTIMIZERS builds them, with torch; their names are
+# here so that a misspelt --optimizer is refused before torch loads (a test keeps the two alike).
+OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "rmsprop", "plain-sgd", "rmsprop-no-momentum")
 
 
 @dataclass
@@ -84,9 +89,8 @@ def parse_partitions(text: str) -> list[int]:
 
 
 def validate(options: ProfileOptions) -> None:
-    """Refuse options that cannot describe a profile, with one line naming the flag."""
-    from gpipe_cli.profile.account import OPTIMIZERS  # imports torch: only when a profile really runs
-
+    """Refuse options that cannot describe a profile, or a --json that cannot be written, with one line naming the
+    flag (before torch loads)."""
     _check_partitions(options.partitions)
     checks = [
         (options.microbatches >= 1, f"--microbatches must be >= 1 (got {options.microbatches})"),
@@ -95,8 +99,8 @@ def validate(options: ProfileOptions) -> None:
         (options.schedule in SCHEDULES, f"--schedule must be one of {', '.join(SCHEDULES)} (got {options.schedule})"),
         (options.checkpoint in REMAT_MODES,
          f"--checkpoint must be one of {', '.join(REMAT_MODES)} (got {options.checkpoint})"),
-        (options.optimizer in OPTIMIZERS,
-         f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {options.optimizer})"),
+        (options.optimizer in OPTIMIZER_NAMES,
+         f"--optimizer must be one of {', '.join(OPTIMIZER_NAMES)} (got {options.optimizer})"),
         (options.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda (got {options.device})"),
         (options.balance is None or len(options.partitions) == 1, "--balance needs a single K in --partitions"),
         (options.budget is None or (options.layers is None and options.filters is None),
@@ -108,6 +112,7 @@ def validate(options: ProfileOptions) -> None:
     if options.budget is not None and parse_size(options.budget, "--budget") <= 0:
         # Nothing fits no memory at all: a table of empty rows would only hide the typo.
         raise UserError(f"--budget must be more than 0 bytes, e.g. 8GiB (got '{cut(options.budget)}')")
+    check_output(options.json, "--json", "memory.json")
 
 
 def _check_partitions(partitions: list[int]) -> None:

@@ -29,7 +29,7 @@ from gpipe_cli.estimate.subject import (
     model_overrides,
     resolve,
 )
-from gpipe_cli.files import atomic_write_text, check_output
+from gpipe_cli.files import atomic_write_text
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import layer_params
 from gpipe_cli.models.registry import allowed_params, build_model
@@ -200,7 +200,6 @@ def run(options: ProfileOptions) -> int:
     130 on Ctrl-C)."""
     console = output_console()
     validate(options)
-    check_output(options.json, "--json", "memory.json")
     try:
         with interrupts.remembered():
             return _run(options, console)

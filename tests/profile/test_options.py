@@ -68,3 +68,10 @@ def test_the_schedule_help_lists_exactly_the_schedules_accepted():
     assert re.split(r", | or ", listed) == list(SCHEDULES)
     for name in SCHEDULES:
         validate(ProfileOptions(schedule=name))
+
+
+def test_the_optimizer_names_checked_before_torch_are_the_ones_the_memory_model_builds():
+    from gpipe_cli.memory_model import OPTIMIZERS
+    from gpipe_cli.profile.options import OPTIMIZER_NAMES
+
+    assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES
