@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import math
+import functools
 import re
+from typing import Any
 
 from gpipe_cli.errors import UserError, cut
 
@@ -41,17 +42,36 @@ def human_count(n: float) -> str:
 
 
 MAX_SIZE = 2**80  # bytes: 1 YiB, beyond any device and well within what an int and a float hold
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+# A size is one number and an optional unit, nothing else: pydantic's ByteSize reads the number and unit, but its
+# pattern is anchored at the start only ("8GiB,16GiB" would silently be 8 GiB), so the whole text is matched here.
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
+# The units taken: bytes, powers of 1000 and of 1024. Not ByteSize's one-letter units, which it reads as powers
+# of 1000 where Java and Docker read 8g as 8 GiB, nor its bits: memory is not given in either.
+_UNITS = ("", "b", "kb", "mb", "gb", "tb", "pb", "eb", "kib", "mib", "gib", "tib", "pib", "eib")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_size() -> Any:
+    # pydantic's validators are built on first use, not by every command that imports this module.
+    from pydantic import ByteSize, TypeAdapter
+
+    return TypeAdapter(ByteSize)
 
 
 def parse_size(text: str, flag: str) -> int:
-    """`8GiB`, `16GB`, `500MiB` or a plain number of bytes; one line naming `flag` otherwise."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise UserError(f"{flag} expects a size such as 8GiB, 16GB or 500MiB (got '{text}')")
-    value = float(match.group(1)) * _UNITS[unit]
-    if not math.isfinite(value) or value > MAX_SIZE:  # hundreds of digits: infinity, which no int holds
+    """`8GiB`, `16GB`, `500MiB`, `1.5 KiB` or a plain number of bytes; one line naming `flag` otherwise."""
+    from pydantic import ValidationError
+
+    expected = f"{flag} expects a size such as 8GiB, 16GB or 500MiB (got '{cut(text)}')"
+    match = _SIZE.fullmatch(text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise UserError(expected)
+    try:
+        value = int(_byte_size().validate_python(text))
+    except ValidationError:
+        raise UserError(expected) from None
+    except OverflowError:  # hundreds of digits: ByteSize multiplies floats, and infinity is no int
+        value = MAX_SIZE + 1
+    if value > MAX_SIZE:
         raise UserError(f"{flag} must be at most 1 YiB, a size such as 8GiB, 16GB or 500MiB (got '{cut(text)}')")
-    return int(value)
+    return value

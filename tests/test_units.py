@@ -1,3 +1,5 @@
+"""Sizes as users type them (--budget, --device-memory): the spellings taken, and one line for the rest."""
+
 import pytest
 
 from gpipe_cli.errors import UserError
@@ -5,7 +7,8 @@ from gpipe_cli.units import parse_size
 
 
 @pytest.mark.parametrize("text,expected", [("8GiB", 8 << 30), ("500MiB", 500 << 20), ("16GB", 16 * 10**9),
-                                           ("1024", 1024), (" 1.5 KiB ", 1536)])
+                                           ("1024", 1024), (" 1.5 KiB ", 1536), ("8 gib", 8 << 30), (".5KiB", 512),
+                                           ("2PiB", 2 << 50), ("1EB", 10**18), ("3b", 3)])
 def test_sizes_in_the_units_users_type(text, expected):
     assert parse_size(text, "--budget") == expected
 
@@ -14,7 +17,13 @@ def test_sizes_in_the_units_users_type(text, expected):
     ("1" + "0" * 400 + "GiB", "at most 1 YiB"),  # infinity as a float: no traceback
     ("1" + "0" * 30, "at most 1 YiB"),
     ("1e3", "expects a size such as 8GiB"),
+    ("9" * 5000, "at most 1 YiB"),  # more digits than Python converts to an int
     ("eight", "expects a size such as 8GiB"),
+    ("8GiB,16GiB", "expects a size such as 8GiB"),  # one size, whole: nothing after it is dropped
+    ("8G", "expects a size such as 8GiB"),  # GB or GiB? One letter is not taken
+    ("8Gbit", "expects a size such as 8GiB"),
+    ("-1GiB", "expects a size such as 8GiB"),
+    ("", "expects a size such as 8GiB"),
 ])
 def test_sizes_that_are_no_size_are_one_line_naming_the_flag(text, fragment):
     with pytest.raises(UserError, match=fragment) as caught:
