@@ -94,6 +94,9 @@ def train(
     resume: str | None = typer.Option(None, help="Continue from the newest whole checkpoint: bare --resume or "
                                       "'latest' (the newest run of this recipe, or --output-dir's), a run directory or "
                                       "a checkpoint."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch on this node (the rendezvous's host and "
+                                 "port, nodes, ranks per node, this node's rank, from Slurm where under srun) and the "
+                                 "torchrun command that starts the same ranks; start nothing."),
 ) -> None:
     """Train a model with GPipe on partitions x data_parallel processes."""
     from gpipe_cli.train.run import TrainOptions
@@ -102,7 +105,7 @@ def train(
     def run() -> int:
         launch = launch_options(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                                 rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, threads=threads)  # may read Slurm's
-        return run_training(TrainOptions(recipe, set_ or [], output_dir, plain, resume, launch))
+        return run_training(TrainOptions(recipe, set_ or [], output_dir, plain, resume, launch, dry_run))
 
     raise typer.Exit(_guard(run))
 

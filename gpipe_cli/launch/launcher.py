@@ -25,8 +25,8 @@ from typing import Any
 
 from gpipe_cli import interrupts
 from gpipe_cli.errors import NONFINITE_EXIT_CODE, UserError
-from gpipe_cli.launch.preflight import parse_nodes
-from gpipe_cli.launch.slurm import check_one_task_per_node, slurm_step
+from gpipe_cli.launch.rendezvous import rendezvous, threads_per_rank
+from gpipe_cli.launch.slurm import SlurmStep, check_one_task_per_node, slurm_step
 
 _STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 FORCE_S = 20.0  # after a stop with nothing to save, the most a command may take to end
@@ -49,6 +49,7 @@ class LaunchOptions:
     max_restarts: int = 0
     threads: int | None = None  # intra-op threads per rank; default: cores / local ranks
     shutdown_timeout: int = 120  # seconds ranks get to finish a step and checkpoint on Ctrl-C/SIGTERM
+    slurm: SlurmStep | None = None  # the srun step the defaults came from, if any
 
 
 def launch_options(nnodes: str | None = None, node_rank: int | None = None, rdzv_endpoint: str | None = None,
@@ -66,7 +67,8 @@ def launch_options(nnodes: str | None = None, node_rank: int | None = None, rdzv
     static = rdzv_backend in (None, "static")  # c10d ranks nodes itself
     return LaunchOptions(nnodes=str(step.nodes), node_rank=node_rank if node_rank is not None or not static
                          else step.node_rank, rdzv_endpoint=rdzv_endpoint or f"{step.first_host}:{step.port}",
-                         rdzv_backend=rdzv_backend, rdzv_id=rdzv_id or f"slurm-{step.job_id}", threads=threads)
+                         rdzv_backend=rdzv_backend, rdzv_id=rdzv_id or f"slurm-{step.job_id}", threads=threads,
+                         slurm=step)
 
 
 def _free_port() -> int:
@@ -78,24 +80,14 @@ def _free_port() -> int:
 def _config(world: int, options: LaunchOptions) -> object:
     from torch.distributed.launcher.api import LaunchConfig
 
-    min_nodes, max_nodes = parse_nodes(options.nnodes)
-    if world % max_nodes:
-        raise UserError(f"the job needs {world} processes, which does not divide over {max_nodes} nodes")
-    backend = options.rdzv_backend or ("static" if options.node_rank is not None or max_nodes == 1 else "c10d")
-    endpoint = options.rdzv_endpoint or ""
-    if max_nodes == 1 and not endpoint:
-        endpoint = f"127.0.0.1:{_free_port()}"
-    if max_nodes > 1 and not endpoint:
-        raise UserError("a multi-node job needs --rdzv-endpoint HOST:PORT (the same on every node)")
-    configs: dict[str, object] = {}
-    if backend == "static":
-        configs["rank"] = options.node_rank or 0
+    rdzv = rendezvous(world, options)
+    configs: dict[str, object] = {"rank": rdzv.node_rank} if rdzv.backend == "static" else {}
     fields: dict[str, Any] = {
-        "min_nodes": min_nodes, "max_nodes": max_nodes, "nproc_per_node": world // max_nodes,
-        "run_id": options.rdzv_id or (uuid.uuid4().hex[:12] if max_nodes == 1 else "gpipe"),
-        "rdzv_endpoint": endpoint, "rdzv_backend": backend, "rdzv_configs": configs,
-        "max_restarts": options.max_restarts, "monitor_interval": 0.1, "start_method": "spawn",
-        "shutdown_timeout": options.shutdown_timeout,
+        "min_nodes": rdzv.min_nodes, "max_nodes": rdzv.max_nodes, "nproc_per_node": rdzv.ranks_per_node,
+        "run_id": rdzv.run_id or uuid.uuid4().hex[:12],
+        "rdzv_endpoint": rdzv.endpoint or f"127.0.0.1:{_free_port()}", "rdzv_backend": rdzv.backend,
+        "rdzv_configs": configs, "max_restarts": options.max_restarts, "monitor_interval": 0.1,
+        "start_method": "spawn", "shutdown_timeout": options.shutdown_timeout,
         # Ctrl-C is forwarded to the ranks by this process (see _Stops.forward_interrupt); the agent must not
         # also turn it into SIGTERM-then-kill, which would cut the final checkpoint short. It still
         # forwards SIGTERM.
@@ -252,7 +244,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     options = options or LaunchOptions()
     config = _config(world, options)
     local = config.nproc_per_node  # type: ignore[attr-defined]
-    threads = options.threads or max((os.cpu_count() or 1) // local, 1)
+    threads = threads_per_rank(options, local)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["GPIPE_THREADS"] = str(threads)
     for name in list(logging.root.manager.loggerDict):

@@ -1,7 +1,9 @@
 """Launch defaults from Slurm: inside an `srun` step (one task per node) the same command works on every node.
 
 The step's node count and this node's index give --nnodes and --node-rank, the first host of the
-node list is the rendezvous endpoint (port $MASTER_PORT, else 29500) and the job id the rendezvous id.
+node list is the rendezvous endpoint and the job id the rendezvous id. The port is $MASTER_PORT where it is
+set, else one derived from the job id: a fixed port would make two jobs whose first node is the same meet
+at one rendezvous.
 Flags given on the command line win. Outside an srun step (the batch script itself, a login node)
 nothing changes: a job that would wait for nodes that never come is worse than a one-node run.
 """
@@ -13,12 +15,21 @@ import os
 import re
 import shutil
 import subprocess
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpipe_cli.errors import UserError
 
-DEFAULT_PORT = 29500
+# Rendezvous ports derived from job ids: unprivileged, and below Linux's ephemeral range (32768-60999), so no
+# outgoing connection of the node can be holding one. Jobs whose ids are less than PORT_SPAN apart never share one.
+PORT_BASE, PORT_SPAN = 20000, 10000
+
+
+def job_port(job_id: str) -> int:
+    """The rendezvous port of Slurm job `job_id`: the same on every node of the job, another for the next job."""
+    number = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())  # crc32: stable across processes
+    return PORT_BASE + number % PORT_SPAN
 
 
 @dataclass(frozen=True)
@@ -31,6 +42,8 @@ class SlurmStep:
     job_id: str
     tasks: int
     port: int
+    port_from: str  # the variable the port comes from: MASTER_PORT, or SLURM_JOB_ID through `job_port`
+    nodelist: str
 
 
 def _first(environ: Mapping[str, str], *names: str) -> str | None:
@@ -113,10 +126,12 @@ def slurm_step(environ: Mapping[str, str] | None = None) -> SlurmStep | None:
     nodelist = _first(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     if nodelist is None:
         raise UserError("this srun step names no nodes (SLURM_STEP_NODELIST); give --rdzv-endpoint HOST:PORT")
-    tasks = int(_first(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") or nodes)
-    port = int(env.get("MASTER_PORT") or DEFAULT_PORT)
+    named = next((n for n in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if env.get(n)), None)
+    tasks = _integer(env, named) if named else nodes
+    port_from = "MASTER_PORT" if env.get("MASTER_PORT") else "SLURM_JOB_ID"
+    port = _integer(env, "MASTER_PORT") if env.get("MASTER_PORT") else job_port(env["SLURM_JOB_ID"])
     return SlurmStep(nodes=nodes, node_rank=_integer(env, "SLURM_NODEID"), first_host=first_host(nodelist),
-                     job_id=env["SLURM_JOB_ID"], tasks=tasks, port=port)
+                     job_id=env["SLURM_JOB_ID"], tasks=tasks, port=port, port_from=port_from, nodelist=nodelist)
 
 
 def check_one_task_per_node(step: SlurmStep) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from gpipe_cli.data.offline import check_hub_data
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.launch import LaunchOptions, check_device, check_launch, check_writable, launch, under_torchrun
+from gpipe_cli.launch.rendezvous import dry_run_lines
 from gpipe_cli.recipe.load import recipe_label
 from gpipe_cli.train.announce import announce, checking, first_line, local_ranks, note
 from gpipe_cli.train.existing import (
@@ -52,6 +53,21 @@ class TrainOptions:
     plain: bool | None = None
     resume: str | None = None  # "latest", a run directory or a checkpoint
     launch: LaunchOptions = field(default_factory=LaunchOptions)
+    dry_run: bool = False  # print the launch (rendezvous, ranks, the torchrun command) and start nothing
+
+
+def train_args(options: TrainOptions) -> list[str]:
+    """The arguments of `gpipe train` that every rank reads (the recipe and what changes the run), as typed."""
+    args = [options.recipe] if options.recipe is not None else []
+    for item in options.overrides:
+        args += ["--set", item]
+    if options.output_dir:
+        args += ["--output-dir", options.output_dir]
+    if options.resume:
+        args += ["--resume", options.resume]
+    if options.plain is not None:
+        args.append("--plain" if options.plain else "--live")
+    return args
 
 
 def resume_location(options: TrainOptions, name: str, root: str = OUTPUTS) -> str:
@@ -72,6 +88,13 @@ def train(options: TrainOptions) -> int:
     if options.output_dir and not options.resume:
         check_new_run_dir(Path(options.output_dir))
     check_hub_data(recipe.data, recipe_file, options.overrides)  # offline: fail now, not inside the ranks
+    if options.dry_run:
+        if under_torchrun():
+            raise UserError("--dry-run: this process is already a rank that torchrun started; run it outside "
+                            "torchrun to see the launch")
+        shape = f"K={recipe.pipeline.partitions} x D={recipe.pipeline.data_parallel}"
+        print("\n".join(dry_run_lines(options.launch, world, shape, train_args(options))), flush=True)
+        return 0
     # torch from here on: the recipe and the arguments are known to be good.
     first = not under_torchrun() or os.environ.get("RANK", "0") == "0"
     live = options.plain is False or (options.plain is None and sys.stdout.isatty())

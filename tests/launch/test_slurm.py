@@ -1,4 +1,5 @@
-"""Slurm: the node list syntax, defaults from an srun step that flags override, two fake nodes training K=2."""
+"""Slurm: the node list syntax, defaults from an srun step that flags override, a port per job, the dry run, two
+fake nodes training K=2."""
 
 import copy
 import json
@@ -8,19 +9,24 @@ import sys
 
 import pytest
 
+from gpipe_cli.cli import run
 from gpipe_cli.errors import UserError
 from gpipe_cli.launch import launch_options
-from gpipe_cli.launch.slurm import expand_nodelist, first_host, slurm_step
+from gpipe_cli.launch.slurm import PORT_BASE, PORT_SPAN, expand_nodelist, first_host, job_port, slurm_step
 from tests.multiproc import free_port
 from tests.train.recipes import TINY_AMOEBANET, write
 
 
-def step_env(node: int, nodes: int = 2, nodelist: str = "node[07-08]", port: int = 29600, **extra: str) -> dict:
-    """The variables srun sets in each task of `srun --nodes N --ntasks-per-node 1` (as in docs/gpus-and-nodes.md)."""
-    env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_NNODES": str(nodes),
+def step_env(node: int, nodes: int = 2, nodelist: str = "node[07-08]", port: int | None = 29600, job: str = "4242",
+             **extra: str) -> dict:
+    """The variables srun sets in each task of `srun --nodes N --ntasks-per-node 1` (as in docs/gpus-and-nodes.md);
+    `port`: the script's MASTER_PORT (None: not set)."""
+    env = {"SLURM_JOB_ID": job, "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_NNODES": str(nodes),
            "SLURM_JOB_NODELIST": nodelist, "SLURM_STEP_NUM_NODES": str(nodes), "SLURM_STEP_NODELIST": nodelist,
            "SLURM_STEP_NUM_TASKS": str(nodes), "SLURM_NTASKS": str(nodes), "SLURM_NODEID": str(node),
-           "SLURM_PROCID": str(node), "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0", "MASTER_PORT": str(port)}
+           "SLURM_PROCID": str(node), "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0"}
+    if port is not None:
+        env["MASTER_PORT"] = str(port)
     env.update(extra)
     return env
 
@@ -56,6 +62,72 @@ def test_flags_given_win_over_slurm(monkeypatch):
     assert (by_hand.nnodes, by_hand.node_rank, by_hand.rdzv_endpoint) == ("1", None, None)
     c10d = launch_options(rdzv_backend="c10d", environ=step_env(1))
     assert c10d.node_rank is None and c10d.rdzv_backend == "c10d"
+
+
+def test_the_port_comes_from_the_job_id_unless_master_port_is_set(monkeypatch):
+    monkeypatch.setenv("PATH", "")
+    ports = {}
+    for job in ("4242", "4243", "987654321"):
+        nodes = [launch_options(environ=step_env(node, port=None, job=job)) for node in (0, 1)]
+        assert nodes[0].rdzv_endpoint == nodes[1].rdzv_endpoint  # every node of a job meets at one place
+        host, _, port = str(nodes[0].rdzv_endpoint).rpartition(":")
+        assert host == "node07" and PORT_BASE <= int(port) < PORT_BASE + PORT_SPAN < 32768  # not ephemeral
+        ports[job] = int(port)
+    assert len(set(ports.values())) == 3  # two jobs on one first node no longer meet at one port
+    assert ports["4242"] == job_port("4242") == PORT_BASE + 4242  # stable: the same in every process
+    assert PORT_BASE <= job_port("4242_7") < PORT_BASE + PORT_SPAN  # an id that is not a number
+    assert launch_options(environ=step_env(0, port=29600)).rdzv_endpoint == "node07:29600"  # the script's own
+
+
+def test_a_master_port_that_is_no_number_is_one_line(monkeypatch):
+    monkeypatch.setenv("PATH", "")
+    with pytest.raises(UserError, match="MASTER_PORT is not a number"):
+        launch_options(environ=step_env(0, MASTER_PORT="auto"))
+
+
+def _in_step(monkeypatch, env: dict) -> None:
+    """Make this process a task of a fake srun step (no scontrol: the node list is read here)."""
+    for name in [n for n in os.environ if n.startswith("SLURM_") or n == "MASTER_PORT"]:
+        monkeypatch.delenv(name)
+    for name, value in {**env, "PATH": ""}.items():
+        monkeypatch.setenv(name, value)
+
+
+def _nothing_starts(*args, **kwargs):
+    raise AssertionError("--dry-run started the ranks")
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_dry_run_prints_the_rendezvous_and_the_torchrun_command_and_starts_nothing(tmp_path, monkeypatch, capsys,
+                                                                                   node):
+    recipe = write(tmp_path, {**TINY_AMOEBANET, "pipeline": {"partitions": 2, "data_parallel": 2}})
+    _in_step(monkeypatch, step_env(node, port=None))
+    monkeypatch.setattr("gpipe_cli.train.run.launch", _nothing_starts)
+    monkeypatch.chdir(tmp_path)
+    assert run(["train", str(recipe), "--set", "train.steps=2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    port = PORT_BASE + 4242
+    assert "nothing is started" in out and "job 4242" in out
+    assert f"host node07, port {port} (from SLURM_JOB_ID 4242" in out
+    assert "nodes:          2" in out and "4 (K=2 x D=2), 2 per node" in out
+    assert f"node rank {node}, ranks {2 * node} to {2 * node + 1}" in out
+    command = next(line for line in out.splitlines() if "torchrun:" in line).split("torchrun:", 1)[1].split()
+    assert command[command.index("torchrun"):] == [
+        "torchrun", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node), "--rdzv-backend", "static",
+        "--rdzv-endpoint", f"node07:{port}", "--rdzv-id", "slurm-4242", "-m", "gpipe_cli", "train", str(recipe),
+        "--set", "train.steps=2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]  # no run directory
+
+
+def test_dry_run_outside_slurm_says_the_node_runs_alone(tmp_path, monkeypatch, capsys):
+    recipe = write(tmp_path, TINY_AMOEBANET)
+    _in_step(monkeypatch, {})
+    monkeypatch.setattr("gpipe_cli.train.run.launch", _nothing_starts)
+    assert run(["train", str(recipe), "--threads", "3", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "this node alone" in out and "Slurm" not in out
+    assert f"OMP_NUM_THREADS=3 GPIPE_THREADS=3 torchrun --standalone --nproc-per-node 2 -m gpipe_cli train {recipe}" \
+        in out
 
 
 def test_outside_a_multi_node_srun_step_nothing_changes():
