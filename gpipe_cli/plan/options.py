@@ -43,7 +43,8 @@ FLAGS: dict[str, str] = {
     "device_memory": "Memory of each device, e.g. 80GiB [default: what each of N ranks has on this machine].",
     "nodes": "Nodes the N devices are spread over (N / nodes each); a pipeline crossing nodes uses the node link.",
     "top": "How many configurations to print.",
-    "output": "Write the winning plan as a recipe here (the input recipe with its pipeline section replaced).",
+    "output": "Write the winning plan as a recipe here (the input recipe with its pipeline section replaced, its "
+              "comments and key order kept).",
     "bandwidth": "Link between devices of one node, GB/s [default: measured between the CPU ranks here unless "
                  f"--tflops or --timing estimate, else {ASSUMED_BANDWIDTH:g} (PCIe 4 x16 in practice)]; giving it or "
                  "--latency-us assumes both.",

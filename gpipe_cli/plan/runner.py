@@ -22,14 +22,14 @@ from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import read_recipe_file
 
 
-def _raw(options: PlanOptions) -> dict[str, Any]:
-    """The recipe as written (with the --set overrides), to be written back with a new pipeline section."""
+def _raw(options: PlanOptions) -> tuple[str, dict[str, Any]]:
+    """The recipe's text, and its data with the --set overrides: written back with a new pipeline section."""
     label = recipe_label(options.recipe)
     text = default_recipe_text() if options.recipe is None else read_recipe_file(Path(options.recipe))
     raw = parse_yaml(text, label)
     for item in options.set:
         apply_override(raw, item)
-    return raw
+    return text, raw
 
 
 def micro_sizes(layers: int, batch: int, devices: int, least: int) -> list[int]:
@@ -92,12 +92,12 @@ def run(options: PlanOptions) -> int:
     130 on Ctrl-C)."""
     validate(options)
     recipe = load_recipe(options.recipe, options.set, check_data=False)
-    raw = _raw(options)
+    source = _raw(options)
     check_output(options.output, "--output", "planned.yaml")
     _not_the_recipe(options)
     try:
         with interrupts.remembered():
-            finish = _plan(options, recipe, raw)
+            finish = _plan(options, recipe, source)
             # A Ctrl-C that a library swallowed while it loaded (torch's import does) is remembered only:
             # without this, a plan that measures nothing would go on to write --output after it.
             interrupts.check()
@@ -124,7 +124,7 @@ def _not_the_recipe(options: PlanOptions) -> None:
                         f"another file, e.g. {shown(str(output.with_name(output.stem + '.planned.yaml')))}")
 
 
-def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> Callable[[], int]:
+def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any]]) -> Callable[[], int]:
     """Measure, search and print the plan; what is left to do once it is printed: write --output."""
     # torch from here on: the arguments and the recipe are valid
     import torch
@@ -212,14 +212,13 @@ def _plan(options: PlanOptions, recipe: Recipe, raw: dict[str, Any]) -> Callable
     console.print(f"predicted best: {best.config.label()}, {show.rate(best.samples_per_s)} samples/s. Train it with:",
                   highlight=False)
     console.print(f"  {command}", highlight=False, markup=False, soft_wrap=True)
-    header = (f"# written by gpipe plan for {n} devices of {human_bytes(budget)}: {best.config.label()}, "
-              f"predicted {show.rate(best.samples_per_s)} samples/s\n")
+    header = show.header_line(n, budget, best)
 
     def finish() -> int:
         """Write --output when asked, and say how long the plan took."""
         if options.output is not None:
             try:
-                show.write_recipe(raw, section, options.output, recipe_label(options.recipe), header)
+                show.write_recipe(*source, section, options.output, recipe_label(options.recipe), header)
             except OSError as exc:  # a disk can fill, or a folder change, after the check; nothing is half there
                 raise UserError(f"--output: cannot write {shown(str(options.output))} ({exc.strerror or exc})") \
                     from None

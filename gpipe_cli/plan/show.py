@@ -16,7 +16,7 @@ from gpipe_cli.files import atomic_write_bytes
 from gpipe_cli.plan import search
 from gpipe_cli.plan.search import Outcome
 from gpipe_cli.recipe.load import validate as validate_recipe
-from gpipe_cli.recipe.yamlio import dump
+from gpipe_cli.recipe.yamlio import rewrite
 from gpipe_cli.units import human_bytes
 
 
@@ -161,11 +161,24 @@ def set_lines(section: dict[str, Any]) -> list[str]:
     return out
 
 
-def write_recipe(raw: dict[str, Any], section: dict[str, Any], path: Path, label: str, header: str) -> None:
-    """The recipe `raw` with its pipeline section replaced, validated, written whole or not at all."""
+HEADER = "# written by gpipe plan"
+
+
+def header_line(devices: int, budget: float, outcome: Outcome) -> str:
+    """The comment a planned recipe starts with: what it was planned for, and the prediction."""
+    return (f"{HEADER} for {devices} devices of {human_bytes(budget)}: {outcome.config.label()}, "
+            f"predicted {rate(outcome.samples_per_s)} samples/s\n")
+
+
+def write_recipe(text: str, raw: dict[str, Any], section: dict[str, Any], path: Path, label: str,
+                 header: str) -> None:
+    """The recipe `raw` (read from `text`, with the --set overrides) with its pipeline section replaced, validated,
+    written whole or not at all, over `text`: the user's comments and key order stay."""
     out = {**raw, "pipeline": section} if "pipeline" in raw else _with_pipeline(raw, section)
     validate_recipe(out, f"{label} with the planned pipeline", check_data=False)
-    atomic_write_bytes(path, (header + dump(out)).encode())
+    if text.startswith(HEADER):  # planned again: the new plan's line replaces the old one's
+        text = text.partition("\n")[2]
+    atomic_write_bytes(path, (header + rewrite(text, out, label)).encode())
 
 
 def _with_pipeline(raw: dict[str, Any], section: dict[str, Any]) -> dict[str, Any]:

@@ -1,13 +1,19 @@
-"""The only place that reads YAML: recipe files and `--set` values, with limits that hostile input cannot pass.
+"""The only place that reads and writes YAML: recipe files and `--set` values, with limits that hostile input
+cannot pass; recipes written back with the user's comments.
 
 PyYAML builds aliases as shared objects, so a small file of nested aliases (the "billion laughs") costs
 nothing to parse but explodes when validated or copied. We therefore inspect the composed node graph
 first: its size with every alias expanded, its depth, cycles and duplicate keys, and only then build
 Python objects. Floats written as `1e-3` (YAML 1.2 style) are numbers, not strings.
+
+A recipe written back over the one it was read from (`gpipe plan --output`) goes through ruamel.yaml's
+round trip, which keeps comments, key order and layout; PyYAML drops comments. Only text that PyYAML
+above has already read within the limits reaches it.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import stat
@@ -111,6 +117,92 @@ def parse_value(text: str, label: str) -> Any:
 def dump(data: Any) -> str:
     """`data` as block-style YAML, in the given key order."""
     return yaml.safe_dump(data, sort_keys=False)
+
+
+def rewrite(text: str, data: dict[str, Any], label: str) -> str:
+    """`data` as YAML written over `text`, the document it was read from (and then changed): the comments, key
+    order and layout of `text` stay wherever `data` keeps a key, a value it keeps stays as written, and a new key
+    follows the key before it in `data`. Where that cannot give `data` back exactly, `data` as `dump` writes it."""
+    # ruamel.yaml loads in a tenth of a second: only a command that writes a recipe pays for it.
+    from ruamel.yaml import YAML
+    from ruamel.yaml.comments import CommentedMap
+    from ruamel.yaml.error import YAMLError as RoundTripError
+    from ruamel.yaml.util import load_yaml_guess_indent
+
+    try:
+        _, indent, sequence_indent = load_yaml_guess_indent(text)
+        writer = YAML(typ="rt")
+        writer.width = 1 << 16  # lines are kept as the user wrapped them, never re-wrapped
+        writer.preserve_quotes = True
+        writer.indent(mapping=indent or 2, sequence=indent or 2, offset=sequence_indent or 0)
+        document = writer.load(text)
+        if not isinstance(document, CommentedMap):
+            return dump(data)
+        _sync(document, data)
+        out = io.StringIO()
+        writer.dump(document, out)
+    except (RoundTripError, ValueError, TypeError, KeyError):  # one only PyYAML reads: written plainly
+        return dump(data)
+    written = out.getvalue()
+    # Anchors and merge keys shared between sections, or a value YAML 1.1 (PyYAML) and 1.2 (ruamel) read
+    # differently, could make an edit in place say something else: what is written must read back as `data`.
+    return written if _same(parse_document(written, label), data) else dump(data)
+
+
+def _sync(node: Any, data: dict[str, Any]) -> None:
+    """Make the round-trip mapping `node` hold `data`, editing it in place so that its comments stay."""
+    for key in [k for k in node if k not in data]:
+        del node[key]
+    previous = None
+    for key, value in data.items():
+        if key not in node:
+            keys = list(node)
+            node.insert(keys.index(previous) + 1 if previous in keys else len(keys), key, _fresh(value))
+        elif isinstance(value, dict) and isinstance(node[key], dict):
+            _sync(node[key], value)
+        elif not _same(node[key], value):
+            node[key] = _fresh(value)
+        previous = key
+
+
+def _fresh(value: Any) -> Any:
+    """A new value as ruamel.yaml writes it in a recipe: mappings in blocks, lists of numbers and words in brackets."""
+    from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+    if isinstance(value, dict):
+        mapping = CommentedMap()
+        for key, item in value.items():
+            mapping[key] = _fresh(item)
+        return mapping
+    if isinstance(value, list):
+        items = CommentedSeq(_fresh(item) for item in value)
+        if not any(isinstance(item, (dict, list)) for item in value):
+            items.fa.set_flow_style()  # `balance: [3, 3]`, as recipes write it
+        return items
+    return value
+
+
+def _kind(value: Any) -> type:
+    """The YAML type of a value, whichever library read it (True is no 1, and 1 no 1.0)."""
+    from ruamel.yaml.scalarbool import ScalarBoolean
+
+    if isinstance(value, (bool, ScalarBoolean)):
+        return bool
+    for kind in (int, float, str, dict, list):
+        if isinstance(value, kind):
+            return kind
+    return type(value)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two read documents hold the same data (mappings in any key order)."""
+    if _kind(a) is not _kind(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
 
 
 def _check(root: yaml.Node, label: str) -> None:

@@ -187,3 +187,52 @@ def test_recipe_settings_the_layers_cannot_take_say_so(tmp_path, capsys):
     assert run(["plan", str(recipe), "--devices", "2", "--tflops", "100", "--plain"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("the recipe as written"))
     assert "(K=2 D=1 M=1 gpipe except_last) is not compared: balance [1, 1] sums to 2 but the model has 4" in line
+
+
+COMMENTED = """\
+# A tiny language model, planned by the tests.
+name: tiny-lm   # the run's folder
+seed: 0
+model:
+  kind: transformer
+  arch: decoder-only
+  layers: 2        # two decoder layers
+  d_model: 16
+  ff: 32
+  heads: 2
+  vocab_size: 64
+  max_len: 8
+  dropout: 0.0
+data:
+  source: synthetic
+  batch_size: 8    # examples per step
+  synthetic_size: 64
+train:
+  steps: 2
+optimizer:
+  name: adam
+  lr: 1.0e-3       # written as the user likes it
+"""
+
+
+def test_the_written_recipe_keeps_the_users_comments_and_order_and_replanning_replaces_its_first_line(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(COMMENTED)
+    output, again = tmp_path / "planned.yaml", tmp_path / "again.yaml"
+    assert run(["plan", str(recipe), "--devices", "2", "--tflops", "100", "--output", str(output), "--plain",
+                "--set", "train.steps=5"]) == 0
+    written = output.read_text()
+    lines = written.splitlines()
+    assert lines[0].startswith("# written by gpipe plan for 2 devices")
+    assert "\n".join(lines[1:5]) == "\n".join(COMMENTED.splitlines()[:4])  # the user's comments, as written
+    for kept in ("  layers: 2        # two decoder layers", "  batch_size: 8    # examples per step",
+                 "  lr: 1.0e-3       # written as the user likes it", "  steps: 5"):
+        assert kept in lines, kept
+    sections = [line.rstrip(":") for line in lines if re.match(r"^[a-z_]+:$", line)]
+    assert sections == ["model", "pipeline", "data", "train", "optimizer"]  # the plan's section after the model
+    planned = load_recipe(output)
+    assert planned.train.steps == 5 and planned.pipeline.partitions * planned.pipeline.data_parallel == 2
+    assert run(["plan", str(output), "--devices", "2", "--tflops", "100", "--output", str(again), "--plain"]) == 0
+    replanned = again.read_text().splitlines()
+    assert replanned[0].startswith("# written by gpipe plan") and not replanned[1].startswith("# written by")
+    assert replanned[1:] == lines[1:]
