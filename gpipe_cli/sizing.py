@@ -52,6 +52,9 @@ LADDERS: dict[str, tuple[str, list[dict[str, Any]]]] = {
     "transformer": ("transformer-l-48", _TRANSFORMER_SMALL),
     "amoebanet": ("amoebanet-d-18-256", _AMOEBANET_SMALL),
 }
+# Model settings that change how a model trains but none of its weights' or activations' shapes: `--set` of
+# one of them still leaves the model to be sized to the machine, each member taking the setting.
+TRAINING_ONLY = ("dropout", "label_smoothing", "scaled_init", "logit_clip")
 
 
 @dataclass(frozen=True)
@@ -201,11 +204,20 @@ def candidate(kind: str, params: dict[str, Any], microbatch: int = 2) -> Candida
     return _candidate(kind, tuple(sorted(params.items())), max(microbatch, 2))
 
 
-def ladder(family: str) -> list[tuple[str, dict[str, Any]]]:
-    """The family's members, the paper's first: (kind, build parameters)."""
+def ladder(family: str, settings: dict[str, Any] | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """The family's members, the paper's first: (kind, build parameters), each with `settings` applied."""
     preset, smaller = LADDERS[family]
     kind, paper = resolve_preset(preset)
-    return [(kind, paper)] + [(kind, {**paper, **small}) for small in smaller]
+    extra = settings or {}
+    return [(kind, {**paper, **extra})] + [(kind, {**paper, **small, **extra}) for small in smaller]
+
+
+def keeps_size(family: str, settings: dict[str, Any]) -> bool:
+    """Whether model `settings` leave every member of `family` its size: training-only settings, and values the
+    members have already (`arch=decoder-only` for the Transformer-L)."""
+    members = [params for _, params in ladder(family)]
+    return all(key in TRAINING_ONLY or all(key in params and params[key] == value for params in members)
+               for key, value in settings.items())
 
 
 @dataclass(frozen=True)
@@ -277,10 +289,11 @@ def deep_enough(kind: str, params: dict[str, Any], stages: int) -> dict[str, Any
     return {**params, "layers": depth}
 
 
-def choose(family: str, judge: Callable[[Candidate], Verdict], stages: int = 1) -> Choice:
+def choose(family: str, judge: Callable[[Candidate], Verdict], stages: int = 1,
+           settings: dict[str, Any] | None = None) -> Choice:
     """The paper's member of `family` if `judge` says it fits, else the largest smaller member that does
-    (each deep enough for `stages` stages)."""
-    members = [(kind, deep_enough(kind, params, stages)) for kind, params in ladder(family)]
+    (each deep enough for `stages` stages, and with model `settings` that `keeps_size`)."""
+    members = [(kind, deep_enough(kind, params, stages)) for kind, params in ladder(family, settings)]
     rejected: list[str] = []
     first_reason = ""
     for index, (kind, params) in enumerate(members):

@@ -1,7 +1,9 @@
 """What `gpipe bench` will measure, said before it measures anything.
 
-Without model flags the family's model is sized to this machine (see `gpipe_cli.sizing`). Then the
-plan is printed: the model and its parameters, the memory of each stage (from the memory model),
+Without model flags the family's model is sized to this machine (see `gpipe_cli.sizing`); `--set` of a
+setting that leaves the model's size alone (dropout, for example) keeps the sizing. A model that the
+memory model says cannot fit this machine's free memory in one of its runs is refused in one line before
+anything starts. Then the plan is printed: the model and its parameters, the memory of each stage,
 the ranks per core or GPU (with the oversubscription warning), and how long it should take.
 """
 
@@ -16,7 +18,7 @@ from gpipe_cli import memory_model as mm
 from gpipe_cli import sizing
 from gpipe_cli.bench.options import SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions, overhead_rounds
 from gpipe_cli.errors import UserError
-from gpipe_cli.estimate.subject import FAMILIES, Subject, resolve
+from gpipe_cli.estimate.subject import FAMILIES, Subject, model_overrides, resolve
 from gpipe_cli.models.describe import describe
 from gpipe_cli.pipeline import partition
 from gpipe_cli.units import human_bytes, human_count
@@ -25,9 +27,13 @@ RANK_RUNTIME_BYTES = 400 * 2**20  # what a rank's process holds besides the mode
 
 
 def sizable(options: BenchOptions) -> bool:
-    """Whether the model is left to this machine: a family name and no size flag or --set."""
-    return options.model in FAMILIES and not any(v is not None for v in options.sizes().values()) \
-        and not options.set
+    """Whether the model is left to this machine: a family name, no size flag, and `--set` only of settings
+    that leave the model's size alone (dropout, for example)."""
+    if options.model not in FAMILIES or any(v is not None for v in options.sizes().values()):
+        return False
+    if options.set:
+        resolve(options.model, None, options.set)  # a bad key or value is one line, whichever way it is sized
+    return sizing.keeps_size(options.model, model_overrides(options.set))
 
 
 def runs(options: BenchOptions, layers: int) -> list[tuple[int, int]]:
@@ -104,6 +110,7 @@ class Preview:
     seconds: float
     need: float
     have: float
+    sized: bool = False  # chosen by sizing to this machine (else exactly what the flags asked)
 
 
 def choose_subject(options: BenchOptions, machine: sizing.Machine) -> Preview:
@@ -111,36 +118,88 @@ def choose_subject(options: BenchOptions, machine: sizing.Machine) -> Preview:
     verdict = judge(options, machine)
     if sizable(options):
         stages = options.simulated_devices if options.simulate else max(k for k, _ in runs(options, 10**6))
-        choice = sizing.choose(options.model, verdict, stages)
+        choice = sizing.choose(options.model, verdict, stages, model_overrides(options.set))
         subject = Subject(choice.kind, choice.params, options.model)
         v = choice.verdict
         assert v is not None
-        return Preview(subject, choice.note, v.seconds, v.need_bytes, v.have_bytes)
+        return Preview(subject, choice.note, v.seconds, v.need_bytes, v.have_bytes, sized=True)
     subject = resolve(options.model, options.sizes(), options.set)
     cand = sizing.candidate(subject.kind, subject.params)
     v = verdict(cand)
-    if v.need_bytes > machine.memory_bytes:
-        raise UserError(f"--model {options.model}: the model needs about {human_bytes(v.need_bytes)} here, "
-                        f"{human_bytes(machine.memory_bytes)} is free; shrink it (--layers, --d-model, --filters) "
-                        f"or leave the model flags out to let bench size it to this machine")
+    if v.need_bytes > machine.memory_bytes:  # plainly too large: said before the memory model prices every layer
+        raise UserError(_does_not_fit(options, cand, "", v.need_bytes, machine, sized=False))
     return Preview(subject, "", v.seconds, v.need_bytes, v.have_bytes)
 
 
-def _stage_memory(subject: Subject, options: BenchOptions, k: int) -> list[float]:
-    """Each stage's estimated bytes at K stages, cut by FLOPs (the measured cut may differ slightly)."""
+@dataclass(frozen=True)
+class Memory:
+    """What the memory model says each run of the command holds."""
+
+    stages: dict[int, list[float]]       # K -> each stage's bytes, at the command's M (the plan's line)
+    needs: list[tuple[int, int, float]]  # (K, M, bytes) of every run: what it needs of the memory `have` counts
+
+
+def memory(subject: Subject, options: BenchOptions, machine: sizing.Machine) -> Memory:
+    """Each stage's memory (weights, gradients, activations; from the memory model) at K and K=1, and what every
+    run of the command needs at once on this machine: on a CPU all of its ranks with their runtimes; on GPUs
+    the fullest one, its ranks dealt out in turn."""
     spec = subject.build()
-    mb = sizing.ceil_div(options.batch, options.microbatches)
-    flops = [float(c.flops) for c in describe(spec, mb).layers]
+    figures = mm.measure(spec, options.seed, device="meta")  # shapes only
+    # Stages are cut by FLOPs, which grow alike in every layer with the micro-batch: one size cuts every M.
+    flops = [float(c.flops) for c in describe(spec, sizing.ceil_div(options.batch, options.microbatches)).layers]
+    configs = runs(options, len(spec.layers))
+    ks = {1, max(k for k, _ in configs)}
+    stages = {(k, m): _stage_memory(figures, flops, options, k, m)
+              for k, m in {*configs, *((k, options.microbatches) for k in ks)}}
+    units = max(machine.units, 1)
+    needs = []
+    for k, m in configs:
+        held = stages[(k, m)]
+        need = (max(sum(held[g::units]) for g in range(min(k, units))) if machine.kind == "cuda"
+                else sum(held) + k * RANK_RUNTIME_BYTES)
+        needs.append((k, m, need))
+    return Memory({k: stages[(k, options.microbatches)] for k in ks}, needs)
+
+
+def check_fits(preview: Preview, mem: Memory, options: BenchOptions, machine: sizing.Machine) -> None:
+    """Refuse, in one line and before anything starts, a command one of whose runs cannot fit the free memory."""
+    k, m, need = max(mem.needs, key=lambda run: run[2])
+    if need <= machine.memory_bytes:
+        return
+    cand = sizing.candidate(preview.subject.kind, preview.subject.params)
+    run = f" in its K={k} run" + (f" at M={m}" if m != options.microbatches else "")
+    raise UserError(_does_not_fit(options, cand, run, need, machine, preview.sized))
+
+
+# The flags that shrink a model's memory, by kind.
+_SHRINK = {"transformer": "--layers, --d-model, --ff, --seq-len, --vocab-size", "amoebanet": "--layers, --filters, "
+           "--image-size"}
+
+
+def _does_not_fit(options: BenchOptions, cand: sizing.Candidate, run: str, need: float, machine: sizing.Machine,
+                  sized: bool) -> str:
+    """The one line that refuses a model too large for this machine: what it needs, what is free, what to do."""
+    where = "each GPU" if machine.kind == "cuda" else "this machine"
+    what = (f"{cand.describe()} ({human_count(cand.parameters)} parameters) needs about {human_bytes(need)}{run} "
+            f"(est.), {human_bytes(machine.memory_bytes)} is free on {where}")
+    if sized:  # the family's smallest member: only the batch and the ranks are left to shrink
+        return (f"even the smallest model of --model {options.model} does not fit: {what}; lower --batch-size or "
+                f"--partitions, or free memory")
+    return (f"the model does not fit: {what}; shrink it ({_SHRINK.get(cand.kind, 'the size flags')}), lower "
+            f"--batch-size, or leave the size flags and --set out to let bench size it to this machine")
+
+
+def _stage_memory(figures: mm.ModelFigures, flops: list[float], options: BenchOptions, k: int, m: int) -> list[float]:
+    """Each stage's estimated bytes at K stages and M micro-batches, cut by FLOPs (the measured cut may differ
+    slightly)."""
     virtual = options.virtual_stages if k > 1 else 1  # the K=1 run holds one chunk
     balance = partition.balance_by_cost(flops if any(flops) else [1.0] * len(flops), k * virtual)
-    figures = mm.measure(spec, options.seed, device="meta")
     # Bench steps without an optimizer: weights and gradients, 8 bytes per parameter.
-    prints = mm.footprints(figures, balance, options.batch, options.microbatches, options.schedule,
-                           options.checkpoint, 8.0, virtual)
+    prints = mm.footprints(figures, balance, options.batch, m, options.schedule, options.checkpoint, 8.0, virtual)
     return [fp.total_bytes for fp in prints]
 
 
-def show(preview: Preview, options: BenchOptions, machine: sizing.Machine, console: Console) -> None:
+def show(preview: Preview, mem: Memory, options: BenchOptions, machine: sizing.Machine, console: Console) -> None:
     """Print the plan: model, parameters, per-stage memory, ranks per core or GPU, and the time it should take."""
     from gpipe_cli.bench.plan import oversubscription
 
@@ -162,9 +221,8 @@ def show(preview: Preview, options: BenchOptions, machine: sizing.Machine, conso
                   f"{options.schedule} · checkpoint {options.checkpoint} · {steps}")
     k = max(ks)
     if k > 1:
-        stages = _stage_memory(preview.subject, options, k)
-        console.print(f"  memory at K={k} (est.): " + " · ".join(human_bytes(b) for b in stages)
-                      + f"; K=1 holds {human_bytes(_stage_memory(preview.subject, options, 1)[0])}")
+        console.print(f"  memory at K={k} (est.): " + " · ".join(human_bytes(b) for b in mem.stages[k])
+                      + f"; K=1 holds {human_bytes(mem.stages[1][0])}")
     for ranks in ks[1:] or ks:
         over, hardware = oversubscription(ranks, options.threads)
         per = ranks * options.threads / max(machine.units, 1)

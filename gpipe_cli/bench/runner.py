@@ -5,8 +5,9 @@
 
 Before anything is measured the plan is printed (see `preview`): the model, sized to this machine
 when no model flag was given, its memory per stage, the ranks per core or GPU and the time it should
-take. Ctrl-C stops the ranks and exits 130 with no traceback; the job folder is removed. Once measuring
-is over, Ctrl-C and SIGTERM are ignored for the moment it takes to print and write the results.
+take; a model that cannot fit this machine's free memory is refused in one line instead. Ctrl-C stops
+the ranks and exits 130 with no traceback; the job folder is removed. Once measuring is over, Ctrl-C
+and SIGTERM are ignored for the moment it takes to print and write the results.
 
 Efficiency is T(K) / (K × T(K=1) × M/(M+K-1)): 1.0 means the only loss is GPipe's bubble.
 """
@@ -226,7 +227,9 @@ def _run(options: BenchOptions, console: Console) -> int:
     chosen = preview.choose_subject(options, machine)
     subject = chosen.subject
     check_cut(options, subject)
-    preview.show(chosen, options, machine, console)
+    memory = preview.memory(subject, options, machine)
+    preview.check_fits(chosen, memory, options, machine)
+    preview.show(chosen, memory, options, machine, console)
     with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp, _temporary_root(tmp):
         try:
             events: list[dict[str, Any]] = []  # the K ranks' step, for --trace

@@ -1,0 +1,72 @@
+"""`gpipe bench` before it measures: which `--set` keeps the sizing to this machine, and a run that cannot fit
+is refused in one line, before any rank starts."""
+
+import pytest
+
+from gpipe_cli import sizing
+from gpipe_cli.bench import preview
+from gpipe_cli.bench.options import BenchOptions
+from gpipe_cli.cli import run as gpipe
+from gpipe_cli.errors import UserError
+
+MIB = 2**20
+GIB = 2**30
+# A decoder-only Transformer whose ranks' memory the memory model prices a little above sizing's rough guess.
+SMALL = dict(layers=4, d_model=256, ff=1024, heads=4, seq_len=64, vocab_size=1000, batch_size=64)
+
+
+def machine(memory: float) -> sizing.Machine:
+    return sizing.Machine("cpu", 2, memory, 3e10, 1e-4)
+
+
+@pytest.mark.parametrize("settings,kept", [
+    (["model.dropout=0"], True), (["dropout=0.3", "label_smoothing=0"], True),
+    (["arch=decoder-only"], True),  # what the Transformer-L is already
+    (["positions=learned"], False), (["tie_embeddings=true"], False), (["arch=encoder-decoder"], False),
+])
+def test_a_set_that_leaves_the_size_alone_keeps_the_sizing(settings, kept):
+    assert preview.sizable(BenchOptions(set=settings)) is kept
+
+
+def test_a_bad_set_is_one_line_whichever_way_the_model_is_sized():
+    with pytest.raises(UserError, match="colour"):
+        preview.sizable(BenchOptions(set=["colour=red"]))
+    with pytest.raises(UserError, match="dropout"):
+        preview.sizable(BenchOptions(set=["dropout=2"]))
+
+
+def test_dropout_0_measures_the_member_sized_to_this_machine_with_dropout_0():
+    # The machine of the report: 23 GiB free, where the paper's 2.55B-parameter model does not fit.
+    options = BenchOptions(set=["model.dropout=0"])
+    chosen = preview.choose_subject(options, machine(23 * GIB))
+    assert chosen.sized and chosen.note.startswith("measuring ") and chosen.subject.params["dropout"] == 0
+    assert chosen.subject.params["layers"] < 48
+    assert sizing.candidate(chosen.subject.kind, chosen.subject.params).parameters < 1e9
+
+
+def test_a_run_that_cannot_fit_is_refused_naming_what_it_needs_and_what_is_free():
+    options = BenchOptions(set=["arch=decoder-only"], **SMALL)
+    roomy = machine(64 * GIB)
+    rough = preview.choose_subject(options, roomy).need
+    need = max(n for *_, n in preview.memory(preview.choose_subject(options, roomy).subject, options, roomy).needs)
+    assert rough < need  # the case of the report: sizing's guess fits, the memory model's figure does not
+    tight = machine((rough + need) / 2)
+    chosen = preview.choose_subject(options, tight)  # passes the rough guess...
+    with pytest.raises(UserError) as refused:  # ...and is refused on the figures the plan prints
+        preview.check_fits(chosen, preview.memory(chosen.subject, options, tight), options, tight)
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith("the model does not fit: Transformer-L with 4 layers")
+    assert "in its K=2 run (est.)" in line and "is free on this machine" in line
+    assert "--layers, --d-model" in line and "leave the size flags and --set out" in line
+
+
+def test_the_command_refuses_before_any_rank_starts(monkeypatch, capsys):
+    def measured(*args, **kwargs):
+        raise AssertionError("a rank started")
+
+    monkeypatch.setattr("gpipe_cli.bench.jobs.run", measured)
+    monkeypatch.setattr(sizing, "this_machine", lambda threads=1: machine(300 * MIB))
+    args = ["bench", "--set", "arch=decoder-only", *[f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]]
+    assert gpipe(args) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith("error: the model does not fit") and len(out.err.splitlines()) == 1
