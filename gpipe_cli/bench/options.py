@@ -11,8 +11,7 @@ from gpipe_cli.errors import UserError, shown
 from gpipe_cli.estimate.size_flags import SizeFlags
 from gpipe_cli.files import check_output
 from gpipe_cli.launch.preflight import MAX_THREADS
-from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES
-from gpipe_cli.pipeline.schedule import check as check_schedule
+from gpipe_cli.pipeline import schedules
 from gpipe_cli.units import human_bytes, meminfo_available
 
 
@@ -92,6 +91,12 @@ def overhead_rounds(steps: int) -> tuple[int, int]:
     return count, -(-steps // count)
 
 
+# The command line loads this module for its help and checks these flags before torch loads, so the names come
+# from the schedules' registry, and the remat modes are pipeline/config.py's (which imports torch; a test keeps
+# the two alike), not from pipeline.schedule.
+SCHEDULES = schedules.names()
+REMAT_MODES = ("always", "except_last", "never")
+
 SWEEP_MICROBATCHES = (1, 4, 32)
 SWEEP_PARTITIONS = (2, 4, 8)
 
@@ -167,6 +172,8 @@ def validate(options: BenchOptions) -> None:
             raise UserError(message)
     _check_outputs(options)
     _check_ranks_fit(options.partitions)
+    from gpipe_cli.pipeline.schedule import check as check_schedule  # torch: only once the flags above are good
+
     try:
         for m in options.microbatch_values():
             check_schedule(options.schedule, options.partitions, m, options.virtual_stages)

@@ -16,7 +16,7 @@ from typing import Any
 
 from gpipe_cli import plots
 from gpipe_cli.files import atomic_write_text
-from gpipe_cli.pipeline.schedule import Kind
+from gpipe_cli.pipeline.actions import Kind  # not pipeline.schedule, which loads torch: the CLI imports this
 
 LABELS = {
     Kind.FWD.value: ("F", "forward"),

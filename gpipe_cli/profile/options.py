@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpipe_cli.bench.options import REMAT_MODES, SCHEDULES  # the same, and loaded without torch
 from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.estimate.size_flags import SizeFlags
 from gpipe_cli.files import check_output
-from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES
 from gpipe_cli.units import parse_size
 
 # The largest K: the paper's largest pipeline (Transformer-L on 128 TPUs). Every stage of every row is

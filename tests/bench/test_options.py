@@ -107,3 +107,10 @@ def test_the_trace_help_names_both_files_as_they_are_written():
     assert "with.png" not in shown and "Chrome trace to FILE" in shown
     assert "FILE with '.png' in place of its suffix" in shown and "trace goes to FILE with '.json'" in shown
     assert "with.png" not in tidy(FLAGS["json"])
+
+
+def test_the_names_checked_before_torch_loads_are_the_engines():
+    from gpipe_cli.bench.options import REMAT_MODES, SCHEDULES
+    from gpipe_cli.pipeline import schedule
+
+    assert REMAT_MODES == schedule.REMAT_MODES and tuple(SCHEDULES) == tuple(schedule.SCHEDULES)
