@@ -12,6 +12,7 @@ from gpipe_cli.estimate.size_flags import SizeFlags
 from gpipe_cli.files import check_output
 from gpipe_cli.launch.preflight import MAX_THREADS
 from gpipe_cli.pipeline import schedules
+from gpipe_cli.pipeline.config import REMAT_MODES
 from gpipe_cli.units import human_bytes, meminfo_available
 
 
@@ -91,11 +92,9 @@ def overhead_rounds(steps: int) -> tuple[int, int]:
     return count, -(-steps // count)
 
 
-# The command line loads this module for its help and checks these flags before torch loads, so the names come
-# from the schedules' registry, and the remat modes are pipeline/config.py's (which imports torch; a test keeps
-# the two alike), not from pipeline.schedule.
+# The command line loads this module for its help and checks these flags before torch loads: the schedules'
+# registry and the pipeline configuration import nothing heavy.
 SCHEDULES = schedules.names()
-REMAT_MODES = ("always", "except_last", "never")
 
 SWEEP_MICROBATCHES = (1, 4, 32)
 SWEEP_PARTITIONS = (2, 4, 8)

@@ -1,5 +1,8 @@
 """How a model runs as a pipeline, as one value: K stages x V chunks, D replicas, M micro-batches, the
-schedule, rematerialization and the cut; every constraint between them is checked here, once."""
+schedule, rematerialization and the cut; every constraint between them is checked here, once.
+
+It imports nothing heavy, so commands check their flags with it before torch loads.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +10,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpipe_cli.pipeline import schedules
-from gpipe_cli.pipeline.microbatch import sizes
 
 REMAT_MODES = ("always", "except_last", "never")
+
+
+def sizes(examples: int, chunks: int) -> list[int]:
+    """How many examples each of `chunks` micro-batches gets (the first ones get one more)."""
+    if chunks < 1:
+        raise ValueError(f"microbatches must be >= 1 (got {chunks})")
+    if examples < chunks:
+        raise ValueError(f"a mini-batch of {examples} examples cannot be split into {chunks} "
+                         f"micro-batches: microbatches must be <= the batch size")
+    base, extra = divmod(examples, chunks)
+    return [base + (i < extra) for i in range(chunks)]
+
 
 
 @dataclass(frozen=True)

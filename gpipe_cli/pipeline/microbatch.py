@@ -7,6 +7,10 @@ from typing import Any
 
 import torch
 
+from gpipe_cli.pipeline.config import sizes
+
+__all__ = ["Batch", "batch_size", "gather", "offsets", "scatter", "sizes"]
+
 Batch = Any  # a tensor or a tuple/list of tensors
 
 
@@ -14,17 +18,6 @@ def batch_size(batch: Batch) -> int:
     """The number of examples (dim 0) of a tensor or of the first tensor of a tuple."""
     first = batch if isinstance(batch, torch.Tensor) else batch[0]
     return int(first.shape[0])
-
-
-def sizes(examples: int, chunks: int) -> list[int]:
-    """How many examples each of `chunks` micro-batches gets (the first ones get one more)."""
-    if chunks < 1:
-        raise ValueError(f"microbatches must be >= 1 (got {chunks})")
-    if examples < chunks:
-        raise ValueError(f"a mini-batch of {examples} examples cannot be split into {chunks} "
-                         f"micro-batches: microbatches must be <= the batch size")
-    base, extra = divmod(examples, chunks)
-    return [base + (i < extra) for i in range(chunks)]
 
 
 def scatter(batch: Batch, chunks: int) -> list[Batch]:
