@@ -48,7 +48,7 @@ def pipeline_config(recipe: Recipe, balance: Sequence[int] = ()) -> PipelineConf
     """The recipe's pipeline as one value (cut by `balance` when given)."""
     p = recipe.pipeline
     return PipelineConfig(p.partitions, p.microbatches, p.data_parallel, p.virtual_stages, p.schedule, p.checkpoint,
-                          tuple(balance))
+                          tuple(balance), p.offload)
 
 
 def build_optimizer(params: Sequence[nn.Parameter], recipe: Recipe) -> torch.optim.Optimizer | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from gpipe_cli.pipeline import schedules
 
 REMAT_MODES = ("always", "except_last", "never")
+OFFLOAD_MODES = ("none", "activations")
 
 
 def sizes(examples: int, chunks: int) -> list[int]:
@@ -28,7 +29,7 @@ def sizes(examples: int, chunks: int) -> list[int]:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """K, D, M, V, schedule, remat and balance (layers per chunk, chunk c on stage c mod K)."""
+    """K, D, M, V, schedule, remat, offload and balance (layers per chunk, chunk c on stage c mod K)."""
 
     stages: int = 1          # K: pipeline stages, one rank each
     microbatches: int = 1    # M: micro-batches per mini-batch
@@ -37,6 +38,7 @@ class PipelineConfig:
     schedule: str = "gpipe"
     checkpoint: str = "except_last"
     balance: tuple[int, ...] = field(default=())  # layers per chunk; empty: not cut yet
+    offload: str = "none"    # "activations": stored boundary inputs wait in host memory for their recompute
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "balance", tuple(self.balance))
@@ -60,6 +62,12 @@ class PipelineConfig:
                 raise ValueError(f"{name} must be >= 1 (got {value})")
         if self.checkpoint not in REMAT_MODES:
             raise ValueError(f"unknown checkpoint mode '{self.checkpoint}': allowed are {', '.join(REMAT_MODES)}")
+        if self.offload not in OFFLOAD_MODES:
+            raise ValueError(f"unknown offload mode '{self.offload}': allowed are {', '.join(OFFLOAD_MODES)}")
+        if self.offload == "activations" and self.checkpoint == "never":
+            # Without remat a micro-batch keeps its whole graph, not one boundary input to move.
+            raise ValueError("offload: activations moves the inputs that rematerialization stores; it needs "
+                             "checkpoint always or except_last (got never)")
         schedules.get(self.schedule).check(self.stages, self.microbatches, self.virtual)
         if self.balance and len(self.balance) != self.chunks:
             raise ValueError(f"balance {list(self.balance)} has {len(self.balance)} entries, the pipeline has "
@@ -74,4 +82,4 @@ class PipelineConfig:
     def cut(self, balance: Sequence[int]) -> PipelineConfig:
         """The same pipeline cut by `balance`."""
         return PipelineConfig(self.stages, self.microbatches, self.replicas, self.virtual, self.schedule,
-                              self.checkpoint, tuple(balance))
+                              self.checkpoint, tuple(balance), self.offload)

@@ -59,6 +59,12 @@ def block(marker: Marker) -> None:
         marker.event.synchronize()
 
 
+def wait_on(marker: Marker, device: torch.device) -> None:
+    """Make `device`'s current stream wait for `marker` (work on another stream); the host goes on."""
+    if marker.event is not None:
+        torch.cuda.current_stream(device).wait_event(marker.event)
+
+
 class HostCopy:
     """A device tensor's values on their way into host memory, readable once the device got there."""
 

@@ -76,6 +76,7 @@ class Executor:
     _outgoing: dict[int, Message] = field(default_factory=dict)
     _grads_in: dict[int, Tensors] = field(default_factory=dict)
     _grads_out: dict[int, Tensors] = field(default_factory=dict)
+    _next_recompute: dict[tuple[int, int], Action] = field(default_factory=dict)
 
     def key(self, chunk: int, mb: int) -> int:
         """A message's number on its channel: its receiving chunk and micro-batch (chunk alone for mb 0)."""
@@ -95,6 +96,9 @@ class Executor:
             Kind.BWD_INPUT: self._backward_input, Kind.BWD_WEIGHT: self._backward_weight,
             Kind.SEND_BWD: self._send_bwd,
         }
+        # Each recompute brings the next one's offloaded input back, so the copy overlaps this backward.
+        recomputes = [a for a in actions if a.kind == Kind.RECOMPUTE]
+        self._next_recompute = {(a.microbatch, a.chunk): b for a, b in zip(recomputes, recomputes[1:])}
         for action in actions:
             if self.before is not None:
                 self.before(action)
@@ -142,6 +146,9 @@ class Executor:
 
     def _recompute(self, action: Action) -> None:
         self.stages[action.chunk].recompute(action.microbatch)
+        after = self._next_recompute.get((action.microbatch, action.chunk))
+        if after is not None:
+            self.stages[after.chunk].prefetch(after.microbatch)
 
     def _recv_bwd(self, action: Action) -> None:
         assert self.channels.bwd_in is not None

@@ -43,6 +43,8 @@ class ActivationMeter:
         self._live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         self.current = 0
         self.peak = 0
+        self.host_current = 0  # offloaded activations, waiting in host memory (pipeline/offload.py)
+        self.host_peak = 0
         self.enabled = True  # off: nothing is counted, and no Python runs per saved tensor
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -57,6 +59,18 @@ class ActivationMeter:
     def reset_peak(self) -> None:
         """Start a new peak from what is held now."""
         self.peak = self.current
+        self.host_peak = self.host_current
+
+    def host_hold(self, nbytes: int) -> None:
+        """Count `nbytes` of activations moved to host memory (they no longer count on the device)."""
+        if self.enabled:
+            self.host_current += nbytes
+            self.host_peak = max(self.host_peak, self.host_current)
+
+    def host_release(self, nbytes: int) -> None:
+        """Uncount `nbytes` of activations leaving host memory."""
+        if self.enabled:
+            self.host_current = max(self.host_current - nbytes, 0)
 
     def hold(self, tensor: torch.Tensor) -> Any:
         """Count `tensor` until the returned handle is dropped (returns the tensor when not countable)."""

@@ -2,7 +2,8 @@
 
 A rematerialised micro-batch runs its forward without building a graph and keeps only its boundary
 input and the RNG state; its recompute restores that state (identical dropout masks) and rebuilds the
-graph just before the backward. Other micro-batches keep their graph from the forward.
+graph just before the backward. Other micro-batches keep their graph from the forward. With an
+offloader (pipeline/offload.py) the stored input waits in host memory until its recompute.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from gpipe_cli.pipeline import context, split
 from gpipe_cli.pipeline.memory import ActivationMeter, held
+from gpipe_cli.pipeline.offload import Offloader, Parked
 
 Loss = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -45,15 +47,18 @@ class _State:
     target: torch.Tensor | None = None
     weight: float | torch.Tensor = 0.0
     pending: split.Pending | None = None  # what the weight gradients (W) need, kept from B
+    parked: Parked | None = None       # the boundary input while it waits in host memory
 
 
 class Stage:
     """The layers of one stage and the per-micro-batch state of the running step."""
 
     def __init__(self, module: nn.Module, device: torch.device, loss: Loss | None = None,
-                 meter: ActivationMeter | None = None, autocast: torch.dtype | None = None) -> None:
+                 meter: ActivationMeter | None = None, autocast: torch.dtype | None = None,
+                 offloader: Offloader | None = None) -> None:
         self.module, self.device, self.loss = module, device, loss
         self.meter = meter or ActivationMeter(module.parameters())
+        self.offloader = offloader
         self.autocast = autocast
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.step = 0
@@ -96,13 +101,25 @@ class Stage:
         tensors, out_bare = as_tensors(out)
         if not remat:
             state.outputs = [self.meter.hold(t) if t is not None else None for t in tensors]
+        elif self.offloader is not None:
+            state.parked = self.offloader.park(held(state.inputs))
+            state.inputs = []
         self._states[mb] = state
         return [None if t is None else t.detach() for t in tensors], out_bare
+
+    def prefetch(self, mb: int) -> None:
+        """Start bringing micro-batch `mb`'s offloaded input back (nothing if it is not in host memory)."""
+        state = self._states.get(mb)
+        if state is not None and state.parked is not None and self.offloader is not None:
+            self.offloader.fetch(state.parked)
 
     def recompute(self, mb: int) -> None:
         """Rebuild micro-batch `mb`'s graph from its stored input, with the forward's RNG state."""
         state = self._states[mb]
         assert state.rng is not None, f"micro-batch {mb} was not rematerialised"
+        if state.parked is not None:
+            assert self.offloader is not None
+            state.inputs, state.parked = self.offloader.take(state.parked), None
         cpu_rng, cuda_rng = state.rng
         devices = [self.device] if cuda_rng is not None else []
         with torch.random.fork_rng(devices=devices), self.meter.saved_tensors(), \

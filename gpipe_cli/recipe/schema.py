@@ -124,6 +124,10 @@ class Pipeline(Section):
     schedule: str = "gpipe"  # one of pipeline/schedules' registry
     virtual_stages: Annotated[int, Number, Field(ge=1, le=MAX_VIRTUAL)] = 1
     checkpoint: Literal["always", "except_last", "never"] = "except_last"
+    offload: Literal["none", "activations"] = Field(
+        default="none", description="activations: the boundary inputs that rematerialization stores wait in host "
+                                    "memory between a micro-batch's forward and its recompute (needs checkpoint "
+                                    "always or except_last)")
     balance: Literal["auto", "params", "time", "memory"] | list[Layers] = "auto"
     data_parallel: Ranks = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -158,6 +162,9 @@ class Pipeline(Section):
             per = "per stage" if self.virtual_stages == 1 else "per chunk (partitions x virtual_stages)"
             raise ValueError(f"pipeline.balance has {len(self.balance)} entries but the pipeline has {chunks}; "
                              f"give one layer count {per}")
+        if self.offload == "activations" and self.checkpoint == "never":
+            raise ValueError("pipeline.offload: activations moves the inputs that rematerialization stores; it "
+                             "needs pipeline.checkpoint always or except_last (got never)")
         if self.virtual_stages > 1 and not schedules.get(self.schedule).chunked:
             raise ValueError(f"pipeline.virtual_stages {self.virtual_stages} needs pipeline.schedule: interleaved "
                              f"(got {self.schedule})")

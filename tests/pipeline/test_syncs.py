@@ -5,7 +5,8 @@ would make the host wait for a GPU is counted when it touches device data: readi
 `tolist`, `float`, `int`, `bool`, `numpy`), a copy to the host (`cpu`, `to("cpu")`, `copy_` into a
 host tensor), a blocking copy to the device, and the engine's own wait (`device.block`, an event's
 synchronize on a GPU). Steps run as the training loop runs them: step t+1 is launched before step t
-is read. At most one wait per step, for K = 1 and 2 under every schedule.
+is read. At most one wait per step, for K = 1 and 2 under every schedule, and on two stages with the
+stored activations offloaded to the host too.
 """
 
 from __future__ import annotations
@@ -122,21 +123,22 @@ def test_one_wait_per_step_on_one_stage(schedule, virtual, monkeypatch):
     assert per_step and max(per_step) <= 1, per_step
 
 
-def _rank(rank: int, world: loopback.World, schedule: str, virtual: int, waits: Waits) -> list[int]:
+def _rank(rank: int, world: loopback.World, schedule: str, virtual: int, waits: Waits, offload: str) -> list[int]:
     topo = loopback.topology(world, rank, 2)
     cut = [12 // (2 * virtual)] * (2 * virtual)
     layers = build_layers(factories(), stage_layers(cut, 2, rank), 7, META)
-    config = PipelineConfig(2, 4, virtual=virtual, schedule=schedule, balance=tuple(cut))
+    config = PipelineConfig(2, 4, virtual=virtual, schedule=schedule, balance=tuple(cut), offload=offload)
     pipe = Pipeline(layers, topo, config, token_loss, tied=TIED)
     return steps(pipe, topo.layout.is_first, topo.layout.is_last, 4, waits, rank)
 
 
+@pytest.mark.parametrize("offload", ["none", "activations"])
 @pytest.mark.parametrize(("schedule", "virtual"), SCHEDULES)
-def test_one_wait_per_step_on_two_stages(schedule, virtual, monkeypatch):
+def test_one_wait_per_step_on_two_stages(schedule, virtual, offload, monkeypatch):
     waits = Waits()
     with counted(waits, monkeypatch):
         world = loopback.World(2)
-        per_rank = world.run(_rank, world, schedule, virtual, waits)
+        per_rank = world.run(_rank, world, schedule, virtual, waits, offload)
     for rank, per_step in enumerate(per_rank):
         assert per_step and max(per_step) <= 1, f"rank {rank}: {per_step}"
 
