@@ -173,6 +173,7 @@ def bench(
     schedule: str = typer.Option("gpipe", help=B["schedule"]),
     virtual_stages: int = typer.Option(1, help=B["virtual_stages"]),
     checkpoint: str = typer.Option("except_last", help=B["checkpoint"]),
+    offload: str = typer.Option("none", help=B["offload"]),
     balance: str | None = typer.Option(None, help=B["balance"]),
     layers: int | None = typer.Option(None, help=B["layers"]),
     filters: int | None = typer.Option(None, help=B["filters"]),
@@ -202,8 +203,8 @@ def bench(
 
     options = BenchOptions(
         model=model, partitions=partitions, microbatches=microbatches, batch_size=batch_size, steps=steps,
-        warmup=warmup, schedule=schedule, virtual_stages=virtual_stages, checkpoint=checkpoint, balance=balance,
-        layers=layers, filters=filters,
+        warmup=warmup, schedule=schedule, virtual_stages=virtual_stages, checkpoint=checkpoint, offload=offload,
+        balance=balance, layers=layers, filters=filters,
         d_model=d_model, ff=ff, heads=heads, vocab_size=vocab_size, image_size=image_size, seq_len=seq_len,
         num_classes=num_classes, set=set_ or [], sweep=sweep, compare=compare, trace=trace, simulate=simulate,
         devices=devices, bandwidth=bandwidth, latency_us=latency_us, threads=threads,

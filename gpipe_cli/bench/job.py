@@ -40,6 +40,7 @@ class Job:
     compare: bool = False
     host_overhead: bool = False  # K=1 only: the engine against a plain loop (see `overhead`)
     extra: dict[str, Any] = field(default_factory=dict)
+    offload: str = "none"
 
     def write(self, path: Path) -> None:
         """Save the job for the ranks to read."""
@@ -72,7 +73,7 @@ def run_job(job: Job, topo: topology.Topology) -> None:
     for chunks in job.microbatches:
         stages = topo.layout.stages
         config = PipelineConfig(stages, chunks, topo.layout.replicas, len(job.balance) // stages, job.schedule,
-                                job.checkpoint, tuple(job.balance))
+                                job.checkpoint, tuple(job.balance), job.offload)
         pipe = build_pipeline(spec, topo, config, job.seed)
         figures = measure_engine(pipe, inputs, targets, job.batch_size, chunks, job.steps, job.warmup,
                                  trace=job.trace)

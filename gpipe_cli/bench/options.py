@@ -12,7 +12,7 @@ from gpipe_cli.estimate.size_flags import SizeFlags
 from gpipe_cli.files import check_output
 from gpipe_cli.launch.preflight import MAX_THREADS
 from gpipe_cli.pipeline import schedules
-from gpipe_cli.pipeline.config import REMAT_MODES
+from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES
 from gpipe_cli.units import human_bytes, meminfo_available
 
 
@@ -29,6 +29,7 @@ class BenchOptions(SizeFlags):
     schedule: str = "gpipe"
     virtual_stages: int = 1            # V: chunks per stage (interleaved)
     checkpoint: str = "except_last"
+    offload: str = "none"              # "activations": stored inputs wait in host memory (pipeline.offload)
     balance: str | None = None         # "3,5": layers per stage; None: by measured per-layer time
     set: list[str] = field(default_factory=list)
     sweep: bool = False
@@ -112,6 +113,8 @@ FLAGS: dict[str, str] = {
     "schedule": "Pipeline schedule to measure: gpipe, 1f1b, interleaved or zero-bubble.",
     "virtual_stages": "V: chunks of layers per stage for --schedule interleaved (K x V chunks, round-robin).",
     "checkpoint": "Rematerialization: always, except_last or never (K=1 uses the same).",
+    "offload": "pipeline.offload: none, or activations (the inputs rematerialization stores wait in host memory; "
+               "needs --checkpoint always or except_last).",
     "balance": "Layers per stage, e.g. 5,5 [default: balanced by measured per-layer time].",
     "layers": "Model size override: layers (AmoebaNet L, Transformer layers).",
     "filters": "Model size override: AmoebaNet filters D.",
@@ -156,6 +159,11 @@ def validate(options: BenchOptions) -> None:
         (options.schedule in SCHEDULES, f"--schedule must be one of {', '.join(SCHEDULES)} (got {options.schedule})"),
         (options.checkpoint in REMAT_MODES,
          f"--checkpoint must be one of {', '.join(REMAT_MODES)} (got {options.checkpoint})"),
+        (options.offload in OFFLOAD_MODES,
+         f"--offload must be one of {', '.join(OFFLOAD_MODES)} (got {options.offload})"),
+        (options.offload == "none" or options.checkpoint != "never",
+         "--offload activations moves the inputs that rematerialization stores: it needs --checkpoint always or "
+         "except_last"),
         (options.bandwidth > 0, f"--bandwidth must be > 0 GB/s (got {options.bandwidth})"),
         (options.latency_us >= 0, f"--latency-us must be >= 0 (got {options.latency_us})"),
         (options.devices is None or options.devices >= 1, f"--devices must be >= 1 (got {options.devices})"),

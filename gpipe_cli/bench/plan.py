@@ -29,7 +29,7 @@ def base_job(options: BenchOptions, subject: Subject, stages: int, balance: list
     """A job with the options' model, batch, schedule and step counts."""
     return Job(subject=subject.to_json(), stages=stages, balance=balance, batch_size=options.batch,
                microbatches=options.microbatch_values(), schedule=options.schedule, checkpoint=options.checkpoint,
-               steps=options.steps, warmup=options.warmup, seed=options.seed, out="")
+               steps=options.steps, warmup=options.warmup, seed=options.seed, out="", offload=options.offload)
 
 
 def choose_balance(options: BenchOptions, costs: CostProfile, partitions: int) -> tuple[list[int], str]:

@@ -41,12 +41,15 @@ def _throughput(s: dict[str, Any]) -> Table:
 
 def _stages(s: dict[str, Any]) -> Table:
     table = Table(title=f"Stages (memory: {s['memory_method']})")
-    for name in ("stage", "layers", "busy (ms)", "step (ms)", "idle", "activation peak"):
+    offloaded = s.get("offload", "none") != "none"
+    for name in ("stage", "layers", "busy (ms)", "step (ms)", "idle", "activation peak") + \
+            (("offloaded to host",) if offloaded else ()):
         table.add_column(name, justify="right")
     for st in s["stages"]:
         peak = st["cuda_peak_bytes"] or st["activation_peak_bytes"]
         table.add_row(str(st["stage"]), str(st["layers"]), f"{st['busy_s'] * 1e3:.1f}", f"{st['step_s'] * 1e3:.1f}",
-                      f"{st['bubble']:.3f}", human_bytes(peak))
+                      f"{st['bubble']:.3f}", human_bytes(peak),
+                      *((human_bytes(st.get("offloaded_peak_bytes", 0)),) if offloaded else ()))
     return table
 
 

@@ -57,7 +57,7 @@ def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFi
     return {
         "model": model_json(subject), "partitions": k, "microbatches": m, "batch_size": options.batch,
         "schedule": options.schedule, "virtual_stages": options.virtual_stages, "checkpoint": options.checkpoint,
-        "balance": balance, "balance_by": balance_by,
+        "offload": options.offload, "balance": balance, "balance_by": balance_by,
         "measured": measured, "simulated": not measured,
         "samples_per_s": ours, "samples_per_s_k1": k1.samples_per_s,
         # Predicted tokens: the measured tokens per example at the predicted example rate.

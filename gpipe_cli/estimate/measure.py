@@ -56,6 +56,7 @@ class StageFigures:
     activation_peak_bytes: int
     rss_peak_bytes: int
     cuda_peak_bytes: int
+    offloaded_peak_bytes: int = 0  # activations waiting in host memory at once (pipeline.offload)
 
 
 @dataclass
@@ -118,7 +119,7 @@ def _stage_figures(history: list[StepStats], balance: list[int], stages: int) ->
             stage=s, layers=sum(balance[s::stages]), busy_s=median([r.busy for r in rows]),  # all its chunks
             step_s=median([r.step_time for r in rows]), bubble=median([r.bubble for r in rows]),
             activation_peak_bytes=max(r.activation_peak for r in rows), rss_peak_bytes=max(r.rss_peak for r in rows),
-            cuda_peak_bytes=max(r.cuda_peak for r in rows)))
+            cuda_peak_bytes=max(r.cuda_peak for r in rows), offloaded_peak_bytes=max(r.offloaded_peak for r in rows)))
     return out
 
 

@@ -264,7 +264,8 @@ class Pipeline:
             layout, self.topology.fabric, times, copy, examples, units_total, meter.peak if measure_memory else -1,
             memory.peak_rss_bytes(), memory.cuda_peak_bytes(self.device),
             sched.theoretical_bubble(layout.stages, chunks, self.schedule_name, self.virtual), trace,
-            functools.partial(self.last_bad_layer, positions), self.loss_scale.enabled)
+            functools.partial(self.last_bad_layer, positions), self.loss_scale.enabled,
+            meter.host_peak if measure_memory else -1)
 
     def _finish_gradients(self, max_grad_norm: float | None, loss: torch.Tensor, zero: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, ...]]:

@@ -140,6 +140,7 @@ class StageStats:
     comm: float = 0.0        # sending, and reducing gradients over replicas and shared copies
     optimizer: float = 0.0   # the update, when the engine ran it
     nonfinite_layer: int = -1  # the first layer in backward order with a non-finite gradient (-1: none)
+    offloaded_peak: int = 0  # activation bytes that waited in host memory at once (pipeline.offload)
 
     @property
     def idle(self) -> float:
@@ -216,7 +217,7 @@ def gather(mine: StageStats, loss: float, examples: int, units: float, grad_norm
     """Combine every rank's figures on rank 0 (others get None), over the control plane; events only when given."""
     row = torch.tensor([mine.stage, mine.replica, mine.step_time, mine.busy, mine.activation_peak,
                         mine.rss_peak, mine.cuda_peak, loss, examples, units, mine.wait, mine.comm,
-                        mine.optimizer, mine.nonfinite_layer], dtype=torch.float64)
+                        mine.optimizer, mine.nonfinite_layer, mine.offloaded_peak], dtype=torch.float64)
     if fabric is None:
         rows, all_events = [row], list(events or [])
     else:
@@ -227,7 +228,8 @@ def gather(mine: StageStats, loss: float, examples: int, units: float, grad_norm
         rows = gathered_rows
         all_events = [e for part in parts or [] if part for e in part]
     stages = [StageStats(int(r[0]), int(r[1]), float(r[2]), float(r[3]), int(r[4]), int(r[5]), int(r[6]),
-                         float(r[10]), float(r[11]), float(r[12]), int(r[13])) for r in (x.tolist() for x in rows)]
+                         float(r[10]), float(r[11]), float(r[12]), int(r[13]), int(r[14]))
+              for r in (x.tolist() for x in rows)]
     last = max(s.stage for s in stages)
     lasts = [r.tolist() for r in rows if int(r[0]) == last]
     return StepStats(loss=float(sum(r[7] for r in lasts)), examples=int(sum(r[8] for r in lasts)),

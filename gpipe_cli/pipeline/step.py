@@ -64,6 +64,7 @@ class PendingStep:
     trace: bool
     bad_layer: Callable[[Sequence[float]], int]  # per-parameter gradient norms -> the first bad layer backward
     loss_scaling: bool
+    offloaded_peak: int = 0  # activation bytes that waited in host memory at once (pipeline.offload)
 
     def result(self) -> StepResult:
         """The step's figures, gathered on rank 0 (waits for the device once, if it is not there yet)."""
@@ -76,7 +77,7 @@ class PendingStep:
         loss = values[_LOSS] if layout.is_last else None
         mine = stats.StageStats(layout.stage, layout.replica, self.times.step_time, self.times.busy(events),
                                 self.activation_peak, self.rss_peak, self.cuda_peak, wait, comm, optimizer,
-                                self.bad_layer(values[_NORMS:]) if skipped else -1)
+                                self.bad_layer(values[_NORMS:]) if skipped else -1, self.offloaded_peak)
         gathered = stats.gather(mine, loss or 0.0, int(self.examples), self.units, values[_NORM],
                                 self.bubble_theory, self.fabric, events if self.trace else None)
         if gathered is not None and loss is None:

@@ -22,6 +22,8 @@ def test_default_batch_gives_four_examples_per_microbatch():
     (BenchOptions(batch_size=10, microbatches=4, compare=True), "divisible"),
     (BenchOptions(schedule="zigzag"), "--schedule"),
     (BenchOptions(checkpoint="sometimes"), "--checkpoint"),
+    (BenchOptions(offload="weights"), "--offload must be one of none, activations"),
+    (BenchOptions(checkpoint="never", offload="activations"), "--offload activations moves the inputs"),
     (BenchOptions(devices=4), "--devices needs --simulate"),
     (BenchOptions(sweep=True, compare=True), "cannot be combined"),
     (BenchOptions(steps=0), "--steps"),
