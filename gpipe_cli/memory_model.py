@@ -9,6 +9,9 @@
                         rematerialised forward it holds the micro-batch's boundary input; after any
                         other forward or a recompute, its input, saved activations and output; a
                         full backward, or the weight half of a split one, frees its micro-batch.
+                        With offloaded activations a stored input waits in host memory instead
+                        (past the first chunk), but for the one brought back ahead of the next
+                        recompute.
                         Weights, gradients and optimizer state come from bytes per parameter,
                         measured by one optimizer step.
     the device          CUDA: each GPU's memory; CPU: the available RAM, shared by this node's ranks.
@@ -34,6 +37,7 @@ from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import microbatch, partition
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.layer_profile import profile_layers
+from gpipe_cli.pipeline.offload import offloaded
 from gpipe_cli.pipeline.schedule import Kind
 from gpipe_cli.units import meminfo_available
 
@@ -160,6 +164,7 @@ class Footprint:
     stored_bytes: float    # the most held from forwards when a backward-phase action starts
     peak_bytes: float      # the peak of the step
     layers: int = 0
+    host_bytes: float = 0.0  # the most offloaded activations held in host memory at once (pipeline.offload)
 
     @property
     def total_bytes(self) -> float:
@@ -169,31 +174,41 @@ class Footprint:
 
 @functools.lru_cache(maxsize=4096)
 def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint: str,
-          virtual: int = 1) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """Per backward-phase point and per peak point, how many micro-batches each chunk holds whole or as inputs.
+          virtual: int = 1, offload: str = "none") -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Per backward-phase point and per peak point, how many micro-batches each chunk holds whole, as inputs on
+    the device, or as inputs in host memory (offloaded).
 
     Returns (kind, counts) pairs: kind 0 marks a "stored" reading, 1 a "peak" reading; counts lists
-    (whole, inputs) for each of the stage's chunks in order.
+    (whole, inputs, host) for each of the stage's chunks in order.
     """
     actions = sched.build(schedule, stage, stages, microbatches, checkpoint, virtual)
     remat = sched.rematerialised(actions)
     chunks = sorted({a.chunk for a in actions})
+    recomputes = [(a.microbatch, a.chunk) for a in actions if a.kind == Kind.RECOMPUTE]
+    after = dict(zip(recomputes, recomputes[1:]))  # the input each recompute brings back (pipeline/executor.py)
     whole: set[tuple[int, int]] = set()
     inputs: set[tuple[int, int]] = set()
+    host: set[tuple[int, int]] = set()
     points = []
 
     def counts() -> tuple[int, ...]:
-        return tuple(n for c in chunks for n in (sum(k[1] == c for k in whole), sum(k[1] == c for k in inputs)))
+        return tuple(sum(k[1] == c for k in held) for c in chunks for held in (whole, inputs, host))
 
     for action in actions:
         key = (action.microbatch, action.chunk)
         if action.kind == Kind.RECOMPUTE or (action.kind in sched.GRADIENT and key not in remat):
             points.append((0, counts()))
+        if action.kind == Kind.RECOMPUTE and key in host:  # not brought back ahead: fetched as it starts
+            host.discard(key)
+            inputs.add(key)
         if action.kind == Kind.FWD:
-            (inputs if action.remat else whole).add(key)
+            (whole if not action.remat else host if offloaded(offload, action.chunk) else inputs).add(key)
         elif action.kind == Kind.RECOMPUTE:
             inputs.discard(key)
             whole.add(key)
+            if after.get(key) in host:
+                host.discard(after[key])
+                inputs.add(after[key])
         elif action.kind in sched.RELEASE:  # a split backward keeps the graph until its W
             whole.discard(key)
         points.append((1, counts()))
@@ -201,15 +216,17 @@ def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint:
 
 
 def _footprint(boundary: Sequence[float], whole: Sequence[float], params: int, stage: int, stages: int,
-               microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float, virtual: int) -> Footprint:
+               microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float, virtual: int,
+               offload: str = "none") -> Footprint:
     """Bytes of a stage whose chunks hold `boundary` as inputs, or `whole` with their graph, per micro-batch."""
-    stored = peak = 0.0
-    for kind, counts in _walk(schedule, stage, stages, microbatches, checkpoint, virtual):
-        held = sum(counts[2 * c] * whole[c] + counts[2 * c + 1] * boundary[c] for c in range(len(whole)))
+    stored = peak = host = 0.0
+    for kind, counts in _walk(schedule, stage, stages, microbatches, checkpoint, virtual, offload):
+        held = sum(counts[3 * c] * whole[c] + counts[3 * c + 1] * boundary[c] for c in range(len(whole)))
         if kind == 0:
             stored = max(stored, held)
         peak = max(peak, held)
-    return Footprint(params, params * bytes_per_param, stored, peak)
+        host = max(host, sum(counts[3 * c + 2] * boundary[c] for c in range(len(whole))))
+    return Footprint(params, params * bytes_per_param, stored, peak, host_bytes=host)
 
 
 def _boundary(figures: ModelFigures, start: int, size: int) -> float:
@@ -228,14 +245,16 @@ def _saved(figures: ModelFigures, start: int, stop: int, size: int) -> float:
 
 
 def stage_footprint(figures: ModelFigures, start: int, stop: int, stage: int, stages: int, batch_size: int,
-                    microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float) -> Footprint:
+                    microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float,
+                    offload: str = "none") -> Footprint:
     """The predicted memory of the stage holding layers [start, stop) (`batch_size`: the mini-batch)."""
     return chunked_footprint(figures, [range(start, stop)], stage, stages, batch_size, microbatches, schedule,
-                             checkpoint, bytes_per_param)
+                             checkpoint, bytes_per_param, offload)
 
 
 def chunked_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int, stages: int, batch_size: int,
-                      microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float) -> Footprint:
+                      microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float,
+                      offload: str = "none") -> Footprint:
     """The predicted memory of the stage holding the layer ranges `chunks` (V of them, in chunk order)."""
     size = max(microbatch.sizes(batch_size, microbatches))
     boundary = [_boundary(figures, r.start, size) for r in chunks]
@@ -244,21 +263,21 @@ def chunked_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int
     params = sum(layer.params for r in chunks for layer in figures.layers[r.start:r.stop])
     return dataclasses.replace(
         _footprint(boundary, whole, params, stage, stages, microbatches, schedule, checkpoint, bytes_per_param,
-                   len(chunks)), layers=sum(len(r) for r in chunks))
+                   len(chunks), offload), layers=sum(len(r) for r in chunks))
 
 
 def footprints(figures: ModelFigures, balance: Sequence[int], batch_size: int, microbatches: int, schedule: str,
-               checkpoint: str, bytes_per_param: float, virtual: int = 1) -> list[Footprint]:
+               checkpoint: str, bytes_per_param: float, virtual: int = 1, offload: str = "none") -> list[Footprint]:
     """Every stage's predicted memory under `balance` (K x V chunks, chunk c on stage c mod K)."""
     ranges = partition.stage_ranges(balance)
     stages = len(balance) // virtual
     return [chunked_footprint(figures, ranges[s::stages], s, stages, batch_size, microbatches, schedule, checkpoint,
-                              bytes_per_param) for s in range(stages)]
+                              bytes_per_param, offload) for s in range(stages)]
 
 
 def stage_needs(figures: ModelFigures, balance: Sequence[int], batch_size: int, microbatches: int, schedule: str,
                 checkpoint: str, bytes_per_param: float, virtual: int,
-                known: dict[tuple[int, tuple[int, ...]], float]) -> list[float]:
+                known: dict[tuple[int, tuple[int, ...]], float], offload: str = "none") -> list[float]:
     """Every stage's bytes under `balance`, as `footprints`; `known` remembers stages by their chunks, so a
     search that moves one cut prices only the stages it changed."""
     ranges = partition.stage_ranges(balance)
@@ -269,13 +288,13 @@ def stage_needs(figures: ModelFigures, balance: Sequence[int], batch_size: int, 
         key = (s, tuple(b for r in chunks for b in (r.start, r.stop)))
         if key not in known:
             known[key] = chunked_footprint(figures, chunks, s, stages, batch_size, microbatches, schedule,
-                                           checkpoint, bytes_per_param).total_bytes
+                                           checkpoint, bytes_per_param, offload).total_bytes
         out.append(known[key])
     return out
 
 
 def greedy_fit(figures: ModelFigures, stages: int, budget: float, batch_size: int, microbatches: int,
-               schedule: str, checkpoint: str, bytes_per_param: float) -> list[Footprint] | None:
+               schedule: str, checkpoint: str, bytes_per_param: float, offload: str = "none") -> list[Footprint] | None:
     """Cut the layers into at most `stages` stages, each as long as it fits `budget`; None if they do not fit.
 
     Filling each stage as far as it fits, in order, uses the fewest stages a contiguous cut can,
@@ -291,7 +310,7 @@ def greedy_fit(figures: ModelFigures, stages: int, budget: float, batch_size: in
 
         def trial(stop: int, stage: int = stage, start: int = start) -> Footprint | None:
             found = stage_footprint(figures, start, stop, stage, stages, batch_size, microbatches, schedule,
-                                    checkpoint, bytes_per_param)
+                                    checkpoint, bytes_per_param, offload)
             return found if found.total_bytes <= budget else None
 
         best = trial(start + 1)

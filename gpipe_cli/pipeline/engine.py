@@ -30,7 +30,7 @@ from gpipe_cli.pipeline.comm import Inbound, Outbound
 from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.executor import Channels, Executor, Message
 from gpipe_cli.pipeline.fabric import BACKWARD, FORWARD, RESULT, Link
-from gpipe_cli.pipeline.offload import Offloader
+from gpipe_cli.pipeline.offload import Offloader, offloaded
 from gpipe_cli.pipeline.schedule import Kind
 from gpipe_cli.pipeline.stage import Stage, as_tensors
 from gpipe_cli.pipeline.tied import tie_parameters
@@ -88,11 +88,12 @@ class Pipeline:
         self.batchnorms = deferred_batchnorms(self.module)
         meter = memory.ActivationMeter([*self.module.parameters(), *self.module.buffers()])
         last_chunk = len(self.ranges) - 1
-        offloader = Offloader(self.device, meter) if config.offload == "activations" else None
+        offloader = Offloader(self.device, meter)
         # One Stage per chunk, over the same layer objects as `self.module` (which names them globally).
         self.stages = {
             c: Stage(nn.Sequential(OrderedDict((str(i), self.module.get_submodule(str(i))) for i in self.ranges[c])),
-                     self.device, loss if c == last_chunk else None, meter, PRECISIONS[precision], offloader)
+                     self.device, loss if c == last_chunk else None, meter, PRECISIONS[precision],
+                     offloader if offloaded(config.offload, c) else None)
             for c in range(self.layout.stage, len(self.ranges), stages)}
         self.stage = self.stages[last_chunk if self.layout.is_last else self.layout.stage]  # holds the loss if any
         self.loss_scale = grads.LossScale(precision == "fp16", self.device)

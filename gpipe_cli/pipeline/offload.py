@@ -26,6 +26,15 @@ from gpipe_cli.pipeline.device import Marker, wait_on
 from gpipe_cli.pipeline.memory import ActivationMeter
 
 
+def offloaded(mode: str, chunk: int) -> bool:
+    """Whether a chunk's stored inputs go to host memory under an offload mode.
+
+    Not the first chunk's: its inputs are views of the mini-batch, which the step holds to its end anyway,
+    so moving them would free nothing on the device.
+    """
+    return mode == "activations" and chunk > 0
+
+
 class Parked:
     """One micro-batch's boundary input in host memory, then on its way back once fetched."""
 

@@ -29,6 +29,7 @@ from gpipe_cli.pipeline.comm import Header
 from gpipe_cli.pipeline.executor import Channels, Executor
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.memory import ActivationMeter
+from gpipe_cli.pipeline.offload import Offloader, offloaded
 from gpipe_cli.pipeline.schedule import Action, Kind
 from gpipe_cli.pipeline.stage import Stage, as_tensors
 
@@ -52,6 +53,7 @@ class StageMemory:
     stored_bytes: int   # the most kept from forwards when a backward-phase action starts (boundary inputs,
     #                     and the graphs of micro-batches not rematerialised)
     peak_bytes: int     # the peak of the step: stored plus the micro-batch being recomputed and backpropagated
+    host_bytes: int = 0  # the most offloaded activations in host memory at once (pipeline.offload)
 
     @property
     def total_bytes(self) -> int:
@@ -146,7 +148,7 @@ class _Received:
 
 def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[int], microbatches: int,
             schedule: str, checkpoint: str, optimizer: str, seed: int,
-            device: torch.device | str = "cpu") -> list[StageMemory]:
+            device: torch.device | str = "cpu", offload: str = "none") -> list[StageMemory]:
     """Every stage's memory during one step of `balance` with M micro-batches (stages run one after another)."""
     device = torch.device(device)
     stages = len(balance)
@@ -165,7 +167,8 @@ def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[i
         module = nn.Sequential(OrderedDict((str(i), layer) for i, layer in zip(span, layers))).to(device)
         module.train()
         meter = ActivationMeter([*module.parameters(), *module.buffers()])
-        stage = Stage(module, device, spec.loss if last else None, meter)
+        stage = Stage(module, device, spec.loss if last else None, meter,
+                      offloader=Offloader(device, meter) if offloaded(offload, s) else None)
         counter = _Counter(meter, module, device)
         actions = sched.build(schedule, s, stages, microbatches, checkpoint)
         sent = _Sent()
@@ -184,7 +187,7 @@ def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[i
         opt.step()
         state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
         out.append(StageMemory(s, span.start, len(span), _unique_bytes(params), grads_bytes,
-                               _unique_bytes(state), stored.bytes, counter.peak()))
+                               _unique_bytes(state), stored.bytes, counter.peak(), meter.host_peak))
         previous = sent
         del stage, module, layers, opt
     return out

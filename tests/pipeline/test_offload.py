@@ -47,8 +47,8 @@ def test_offloaded_training_equals_training_bitwise(schedule, balance, checkpoin
         assert plain.keys() == offloaded.keys()
         different = [k for k in plain if not torch.equal(plain[k], offloaded[k])]
         assert not different, f"rank {rank}: {different}"
-        # The first stage rematerialises under every case, so it moved something.
-        assert no_host == 0 and (host > 0 or rank > 0), (rank, no_host, host)
+        # The first chunk's inputs stay (they are the mini-batch); the last stage rematerialises under always.
+        assert no_host == 0 and (host > 0 or rank == 0 or checkpoint != "always"), (rank, no_host, host)
 
 
 def test_an_input_comes_back_with_its_values_and_its_gradient_flag():

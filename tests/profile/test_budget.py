@@ -40,23 +40,28 @@ def test_transformer_figures_scale_to_other_depths(transformer):
     same(transformer.figures(5), fig.measure(build_model("transformer", layers=5, **TRANSFORMER)), rel=0.01)
 
 
-@pytest.mark.parametrize("kind,params,balance,chunks,checkpoint", [
-    ("transformer", dict(layers=4, **TRANSFORMER), [3, 3], 4, "except_last"),
-    ("transformer", dict(layers=4, **TRANSFORMER), [2, 2, 2], 8, "always"),
-    ("amoebanet", dict(layers=6, filters=16, **AMOEBA), [6, 6], 4, "except_last"),
-    ("amoebanet", dict(layers=6, filters=16, **AMOEBA), [12], 1, "never"),
+@pytest.mark.parametrize("kind,params,balance,chunks,checkpoint,offload", [
+    ("transformer", dict(layers=4, **TRANSFORMER), [3, 3], 4, "except_last", "none"),
+    ("transformer", dict(layers=4, **TRANSFORMER), [2, 2, 2], 8, "always", "none"),
+    ("transformer", dict(layers=4, **TRANSFORMER), [3, 3], 4, "always", "activations"),
+    ("amoebanet", dict(layers=6, filters=16, **AMOEBA), [6, 6], 4, "except_last", "none"),
+    ("amoebanet", dict(layers=6, filters=16, **AMOEBA), [12], 1, "never", "none"),
 ])
-def test_the_footprint_walk_predicts_the_measured_stages(kind, params, balance, chunks, checkpoint):
+def test_the_footprint_walk_predicts_the_measured_stages(kind, params, balance, chunks, checkpoint, offload):
     spec = build_model(kind, **params)
     inputs, targets = example_batch(spec, 16, 0)
-    measured = account.measure(spec, inputs, targets, balance, chunks, "gpipe", checkpoint, "sgd", 0)
+    measured = account.measure(spec, inputs, targets, balance, chunks, "gpipe", checkpoint, "sgd", 0,
+                               offload=offload)
     figures = fig.measure(spec)
     for s, span in enumerate(stage_ranges(balance)):
         predicted = stage_footprint(figures, span.start, span.stop, s, len(balance), 16, chunks, "gpipe",
-                                    checkpoint, 12.0)
+                                    checkpoint, 12.0, offload)
         # Within 5%, or a few hundred bytes where the inputs are views of a larger token tensor.
         assert predicted.peak_bytes == pytest.approx(measured[s].peak_bytes, rel=0.05, abs=1024)
         assert predicted.stored_bytes == pytest.approx(measured[s].stored_bytes, rel=0.05, abs=1024)
+        assert predicted.host_bytes == pytest.approx(measured[s].host_bytes, rel=0.05, abs=1024)
+        # Past the first stage (whose inputs are the mini-batch itself), offload moves every stored input.
+        assert (predicted.host_bytes > 0) == (offload == "activations" and s > 0)
 
 
 def test_more_devices_fit_larger_models_within_the_budget(transformer):
