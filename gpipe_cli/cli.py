@@ -220,6 +220,7 @@ def profile_memory(
     batch_size: int | None = typer.Option(None, help=P["batch_size"]),
     schedule: str = typer.Option("gpipe", help=P["schedule"]),
     checkpoint: str = typer.Option("except_last", help=P["checkpoint"]),
+    offload: str = typer.Option("none", help=P["offload"]),
     balance: str | None = typer.Option(None, help=P["balance"]),
     optimizer: str = typer.Option("rmsprop", help=P["optimizer"]),
     budget: str | None = typer.Option(None, help=P["budget"]),
@@ -244,7 +245,8 @@ def profile_memory(
     def run() -> int:
         options = ProfileOptions(
             model=model, partitions=parse_partitions(partitions), microbatches=microbatches,
-            batch_size=batch_size, schedule=schedule, checkpoint=checkpoint, balance=balance, optimizer=optimizer,
+            batch_size=batch_size, schedule=schedule, checkpoint=checkpoint, offload=offload, balance=balance,
+            optimizer=optimizer,
             budget=budget, layers=layers, filters=filters, d_model=d_model, ff=ff, heads=heads,
             vocab_size=vocab_size, image_size=image_size, seq_len=seq_len, num_classes=num_classes,
             set=set_ or [], device=device, seed=seed, json=json_file)

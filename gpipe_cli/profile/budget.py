@@ -226,13 +226,14 @@ class BudgetRow:
 
 
 def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[str, int, int, str]], budget: float,
-           batch_size: int, schedule: str, optimizer: str) -> list[BudgetRow | None]:
+           batch_size: int, schedule: str, optimizer: str, offload: str = "none") -> list[BudgetRow | None]:
     """The largest fitting member for each (name, K, M, checkpoint) scenario (None: nothing fits)."""
     per_param = bytes_per_parameter(optimizer)
     rows: list[BudgetRow | None] = []
     for name, k, m, checkpoint in scenarios:
         def fits(model: ModelFigures, k: int = k, m: int = m, checkpoint: str = checkpoint) -> list[Footprint] | None:
-            return greedy_fit(model, k, budget, batch_size, m, schedule, checkpoint, per_param)
+            return greedy_fit(model, k, budget, batch_size, m, schedule, checkpoint, per_param,
+                              offload if checkpoint != "never" else "none")
 
         found = family.search(fits)
         if found is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpipe_cli.bench.options import REMAT_MODES, SCHEDULES  # the same, and loaded without torch
+from gpipe_cli.bench.options import OFFLOAD_MODES, REMAT_MODES, SCHEDULES  # the same, and loaded without torch
 from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.estimate.size_flags import SizeFlags
 from gpipe_cli.files import check_output
@@ -30,6 +30,7 @@ class ProfileOptions(SizeFlags):
     batch_size: int | None = None      # None: 4 per micro-batch; with --budget the paper's batch
     schedule: str = "gpipe"
     checkpoint: str = "except_last"
+    offload: str = "none"              # pipeline.offload of pipeline-1 and pipeline-K
     balance: str | None = None         # "3,5" (one K only); None: by estimated FLOPs, as training does
     optimizer: str = "rmsprop"
     budget: str | None = None
@@ -58,6 +59,8 @@ FLAGS: dict[str, str] = {
     "schedule": f"Schedule whose in-flight micro-batches are counted: {_choices(SCHEDULES)} (one chunk per "
                 "device: interleaved counts as 1f1b).",
     "checkpoint": "Rematerialization of pipeline-1 and pipeline-K: always, except_last or never.",
+    "offload": "pipeline.offload of pipeline-1 and pipeline-K: none, or activations (needs --checkpoint always or "
+               "except_last).",
     "balance": "Layers per stage for a single K, e.g. 5,5 [default: balanced by estimated FLOPs, as training].",
     "optimizer": "Optimizer whose state is counted: sgd (momentum), adam, adamw, rmsprop (the paper's, "
                  "momentum 0.9).",
@@ -99,6 +102,11 @@ def validate(options: ProfileOptions) -> None:
         (options.schedule in SCHEDULES, f"--schedule must be one of {', '.join(SCHEDULES)} (got {options.schedule})"),
         (options.checkpoint in REMAT_MODES,
          f"--checkpoint must be one of {', '.join(REMAT_MODES)} (got {options.checkpoint})"),
+        (options.offload in OFFLOAD_MODES,
+         f"--offload must be one of {', '.join(OFFLOAD_MODES)} (got {options.offload})"),
+        (options.offload == "none" or options.checkpoint != "never",
+         "--offload activations moves the inputs that rematerialization stores: it needs --checkpoint always or "
+         "except_last"),
         (options.optimizer in OPTIMIZER_NAMES,
          f"--optimizer must be one of {', '.join(OPTIMIZER_NAMES)} (got {options.optimizer})"),
         (options.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda (got {options.device})"),

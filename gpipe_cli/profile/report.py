@@ -23,13 +23,16 @@ def show_measured(s: dict[str, Any], console: Console) -> None:
     for sc in (sc for sc in s["scenarios"] if sc["measured"]):
         table = Table(title=f"{sc['name']}: K={sc['partitions']}, M={sc['microbatches']}, checkpoint "
                             f"{sc['checkpoint']}, balance {sc['balance']}")
-        for name in ("stage", "layers", "params", "grads", "optim.", "stored act.", "peak act.", "total"):
+        moved = s.get("offload", "none") != "none" and sc["checkpoint"] != "never"
+        for name in ("stage", "layers", "params", "grads", "optim.", "stored act.", "peak act.", "total") + \
+                (("offloaded to host",) if moved else ()):
             table.add_column(name, justify="right")
         for st in sc["stages"]:
             table.add_row(str(st["stage"]), f"{st['first_layer']}-{st['first_layer'] + st['layers'] - 1}",
                           human_bytes(st["params_bytes"]), human_bytes(st["grads_bytes"]),
                           human_bytes(st["optimizer_bytes"]), human_bytes(st["stored_bytes"]),
-                          human_bytes(st["peak_bytes"]), human_bytes(st["total_bytes"]))
+                          human_bytes(st["peak_bytes"]), human_bytes(st["total_bytes"]),
+                          *((human_bytes(st.get("host_bytes", 0)),) if moved else ()))
         console.print(table)
     console.print(_table1(s))
     for sc in s["scenarios"]:

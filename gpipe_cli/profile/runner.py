@@ -113,7 +113,8 @@ def measure(options: ProfileOptions, console: Console) -> dict[str, Any]:
     # Per-layer figures from shapes first (instant at any size), to decide and announce every row.
     figures = mm.measure(spec, options.seed, device="meta")
     names = scenarios.names(options.partitions, m, options.checkpoint)
-    rows = scenarios.plan(spec, figures, names, batch, options.schedule, per_param, have, options.balance)
+    rows = scenarios.plan(spec, figures, names, batch, options.schedule, per_param, have, options.balance,
+                          options.offload)
     predicted = [sc.predict(figures, batch, options.schedule, per_param) for sc in rows]
     _show_plan(spec, subject, note, rows, predicted, seconds, have, device, machine, console)
     source = "saved-tensor accounting of each layer's forward on the meta device (shapes only)"
@@ -124,7 +125,8 @@ def measure(options: ProfileOptions, console: Console) -> dict[str, Any]:
         console.print("[dim]measuring per-layer figures...[/]")
         figures = mm.measure(spec, options.seed, device=str(device))
         interrupts.check()
-        rows = scenarios.plan(spec, figures, names, batch, options.schedule, per_param, have, options.balance)
+        rows = scenarios.plan(spec, figures, names, batch, options.schedule, per_param, have, options.balance,
+                              options.offload)
         source = f"saved-tensor accounting of each layer's forward and backward on {device}"
     inputs, targets = example_batch(spec, batch, options.seed)
     params = sum(layer_params(spec))
@@ -134,7 +136,7 @@ def measure(options: ProfileOptions, console: Console) -> dict[str, Any]:
             console.print(f"[dim]measuring {sc.name} (balance {sc.balance})...[/]")
             stages = [s.to_json() for s in account.measure(spec, inputs, targets, sc.balance, sc.microbatches,
                                                            options.schedule, sc.checkpoint, options.optimizer,
-                                                           options.seed, device)]
+                                                           options.seed, device, sc.offload)]
             interrupts.check()
             out.append(scenarios.row(sc, stages, params))
         else:
@@ -142,7 +144,8 @@ def measure(options: ProfileOptions, console: Console) -> dict[str, Any]:
             out.append(scenarios.row(sc, stages, sum(layer.params for layer in (sc.figures or figures).layers)))
     return {"model": {**subject.to_json(), "name": spec.name, "layers": len(spec.layers)}, "batch_size": batch,
             "microbatches": m, "schedule": options.schedule, "checkpoint": options.checkpoint,
-            "optimizer": options.optimizer, "device": str(device), "method": account.method(device),
+            "offload": options.offload, "optimizer": options.optimizer, "device": str(device),
+            "method": account.method(device),
             "sized": note, "estimate_s": seconds, "per_layer_figures": source, "scenarios": out}
 
 
@@ -185,7 +188,7 @@ def search(options: ProfileOptions, console: Console) -> dict[str, Any]:
     m = options.microbatches
     scenarios = [("naive-1", 1, 1, "never"), ("pipeline-1", 1, m, options.checkpoint)]
     scenarios += [(f"pipeline-{k}", k, m, options.checkpoint) for k in options.partitions if k > 1]
-    rows = budget.search(family, scenarios, limit, batch, options.schedule, options.optimizer)
+    rows = budget.search(family, scenarios, limit, batch, options.schedule, options.optimizer, options.offload)
     return {"budget_bytes": limit, "family": family.title, "kind": kind, "fixed": fixed, "batch_size": batch,
             "microbatches": m, "schedule": options.schedule, "checkpoint": options.checkpoint,
             "optimizer": options.optimizer, "bytes_per_param": mm.bytes_per_parameter(options.optimizer),

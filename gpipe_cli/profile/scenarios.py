@@ -39,11 +39,12 @@ class Scenario:
     measured: bool
     why: str = ""                 # why it is extrapolated
     figures: ModelFigures | None = None  # the (possibly deepened) figures an extrapolated row is priced from
+    offload: str = "none"         # pipeline.offload (never for the naive row, which does not rematerialise)
 
     def predict(self, figures: ModelFigures, batch: int, schedule: str, per_param: float) -> list[Footprint]:
         """Each stage's bytes by the memory model."""
         return mm.footprints(self.figures or figures, self.balance, batch, self.microbatches, schedule,
-                             self.checkpoint, per_param)
+                             self.checkpoint, per_param, offload=self.offload)
 
 
 def names(partitions: list[int], microbatches: int, checkpoint: str) -> list[tuple[str, int, int, str]]:
@@ -88,21 +89,22 @@ def _memory_balance(figures: ModelFigures, k: int, size: int, per_param: float) 
 
 
 def plan(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, int, int, str]], batch: int, schedule: str,
-         per_param: float, have: float, explicit: str | None) -> list[Scenario]:
+         per_param: float, have: float, explicit: str | None, offload: str = "none") -> list[Scenario]:
     """Decide every row before anything is measured: its cut, and measured or extrapolated (and why)."""
     layers = len(spec.layers)
     out = []
     for name, k, m, checkpoint in rows:
+        moved = offload if checkpoint != "never" else "none"
         if k > layers:
             deeper, kind = deepened(figures, k)
             size = max(microbatch.sizes(batch, m))
             why = (f"{name} extrapolated: K={k} > the {layers} layers measured (figures of {k - layers} more "
                    f"'{kind}' layers repeated)")
             out.append(Scenario(name, k, m, checkpoint, _memory_balance(deeper, k, size, per_param), False, why,
-                                deeper))
+                                deeper, moved))
             continue
         balance = flops_balance(spec, k, batch, m, explicit) if k > 1 else [layers]
-        scenario = Scenario(name, k, m, checkpoint, balance, True)
+        scenario = Scenario(name, k, m, checkpoint, balance, True, offload=moved)
         fullest = max(fp.total_bytes for fp in scenario.predict(figures, batch, schedule, per_param))
         if fullest > have:
             why = (f"{name} extrapolated: its fullest stage needs about {human_bytes(fullest)}, too large for this "
@@ -132,6 +134,6 @@ def predicted_stages(scenario: Scenario, figures: ModelFigures, batch: int, sche
         out.append({"stage": s, "first_layer": start, "layers": fp.layers, "params_bytes": weights,
                     "grads_bytes": weights, "optimizer_bytes": round(fp.weights_bytes) - 2 * weights,
                     "stored_bytes": round(fp.stored_bytes), "peak_bytes": round(fp.peak_bytes),
-                    "total_bytes": round(fp.total_bytes)})
+                    "total_bytes": round(fp.total_bytes), "host_bytes": round(fp.host_bytes)})
         start += fp.layers
     return out

@@ -29,6 +29,7 @@ class StageMemory:
     bytes_per_param: float
     capacity: float   # what one rank may use
     capacity_note: str = ""  # e.g. "22.1 GiB of available RAM shared by 4 ranks"
+    offload: str = "none"    # pipeline.offload
     _known: dict[tuple[int, int, int], float] = field(default_factory=dict, repr=False)
     _chunked: dict[tuple[int, tuple[int, ...]], float] = field(default_factory=dict, repr=False)
 
@@ -38,7 +39,7 @@ class StageMemory:
         if key not in self._known:
             self._known[key] = mm.stage_footprint(self.figures, start, stop, stage, self.stages, self.batch_size,
                                                   self.microbatches, self.schedule, self.checkpoint,
-                                                  self.bytes_per_param).total_bytes
+                                                  self.bytes_per_param, self.offload).total_bytes
         return self._known[key]
 
     def fits(self, stage: int, start: int, stop: int) -> bool:
@@ -48,7 +49,8 @@ class StageMemory:
     def needs(self, balance: Sequence[int]) -> list[float]:
         """Every stage's bytes under `balance` (K x V chunks when interleaved, chunk c on stage c mod K)."""
         return mm.stage_needs(self.figures, balance, self.batch_size, self.microbatches, self.schedule,
-                              self.checkpoint, self.bytes_per_param, len(balance) // self.stages, self._chunked)
+                              self.checkpoint, self.bytes_per_param, len(balance) // self.stages, self._chunked,
+                              self.offload)
 
     def smallest_peak(self, costs: Sequence[float] = (), virtual: int = 1) -> tuple[float, list[int], int]:
         """The smallest largest-stage need over every cut (interleaved: the least a search from the min-max

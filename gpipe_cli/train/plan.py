@@ -183,14 +183,14 @@ def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[floa
     ranks = pipe.partitions * pipe.data_parallel
     room = mm.capacity(ranks, device, available)
     stage_memory = cut.StageMemory(figures, pipe.partitions, per_replica, pipe.microbatches, pipe.schedule,
-                             pipe.checkpoint, per_param, room.per_rank_bytes, room.description)
+                             pipe.checkpoint, per_param, room.per_rank_bytes, room.description, pipe.offload)
     refusal = ""
     if chosen is not None:
         balance, balance_by = chosen
     else:
         balance, balance_by, refusal = resolve_balance(recipe, summary, measured, measured_by, stage_memory)
     prints = mm.footprints(figures, balance, per_replica, pipe.microbatches, pipe.schedule, pipe.checkpoint,
-                           per_param, pipe.virtual_stages)
+                           per_param, pipe.virtual_stages, pipe.offload)
     stages = []
     chunks = partition.stage_ranges(balance)
     for s, fp in enumerate(prints):
