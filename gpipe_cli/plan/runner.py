@@ -49,7 +49,8 @@ def as_written_line(model: Any, hw: Any, recipe: Recipe, best: Any, budget: floa
     from gpipe_cli.plan import search, show
 
     p = recipe.pipeline
-    config = search.Config(p.partitions, p.data_parallel, p.microbatches, p.schedule, p.virtual_stages, p.checkpoint)
+    config = search.Config(p.partitions, p.data_parallel, p.microbatches, p.schedule, p.virtual_stages, p.checkpoint,
+                           p.offload)
     why = _not_comparable(model, hw, recipe)
     if why is not None:
         return f"the recipe as written ({config.label()}) is not compared: {why}"

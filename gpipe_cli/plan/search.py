@@ -105,11 +105,13 @@ class Config:
     schedule: str
     virtual: int      # V (interleaved), else 1
     checkpoint: str
+    offload: str = "none"  # pipeline.offload: priced for the recipe as written; the search keeps activations
 
     def label(self) -> str:
         """e.g. 'K=2 D=1 M=8 interleaved V=2 except_last'."""
         sched = f"{self.schedule} V={self.virtual}" if self.virtual > 1 else self.schedule
-        return f"K={self.partitions} D={self.replicas} M={self.microbatches} {sched} {self.checkpoint}"
+        moved = " offload activations" if self.offload != "none" else ""
+        return f"K={self.partitions} D={self.replicas} M={self.microbatches} {sched} {self.checkpoint}{moved}"
 
 
 @dataclass
@@ -188,7 +190,8 @@ def _stage_fits(model: Model, config: Config, size_batch: int, budget: float) ->
         key = (stage, start, stop)
         if key not in memo:
             fp = mm.stage_footprint(model.figures, start, stop, stage, config.partitions, size_batch,
-                                    config.microbatches, config.schedule, config.checkpoint, model.bytes_per_param)
+                                    config.microbatches, config.schedule, config.checkpoint, model.bytes_per_param,
+                                    config.offload)
             memo[key] = fp.total_bytes <= budget
         return memo[key]
 
@@ -202,7 +205,8 @@ def _memory(model: Model, config: Config, balance: list[int], per_replica: int) 
 def _needs(model: Model, config: Config, per_replica: int) -> Callable[[list[int]], list[float]]:
     known: dict[tuple[int, tuple[int, ...]], float] = {}
     return lambda balance: mm.stage_needs(model.figures, balance, per_replica, config.microbatches, config.schedule,
-                                          config.checkpoint, model.bytes_per_param, config.virtual, known)
+                                          config.checkpoint, model.bytes_per_param, config.virtual, known,
+                                          config.offload)
 
 
 def spans_nodes(hw: Hardware, partitions: int) -> bool:
@@ -275,7 +279,8 @@ def min_max_memory(model: Model, config: Config) -> tuple[float, list[int]]:
 
     def need(stage: int, start: int, stop: int) -> float:
         return mm.stage_footprint(model.figures, start, stop, stage, k_total, per_replica, config.microbatches,
-                                  config.schedule, config.checkpoint, model.bytes_per_param).total_bytes
+                                  config.schedule, config.checkpoint, model.bytes_per_param,
+                                  config.offload).total_bytes
 
     found = partition.min_max_split(n, k_total, need)
     assert found is not None  # every stage has a finite need
