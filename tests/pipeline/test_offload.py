@@ -78,11 +78,15 @@ def _gloo() -> dict:
                                    offload=offload)
         ranks.train(pipe, "ln", 3)
         out[offload] = {k: v.clone() for k, v in pipe.state_dict().items()}
+        out[f"{offload} host"] = pipe.stage.meter.host_peak
         pipe.close()
     return out
 
 
 @pytest.mark.slow
 def test_offloaded_training_over_two_gloo_ranks_equals_training():
-    for found in results(run_ranks(_gloo, 2)):
+    first, last = results(run_ranks(_gloo, 2))
+    for found in (first, last):
         assert all(torch.equal(found["none"][k], found["activations"][k]) for k in found["none"])
+    # Only the second stage moves its inputs (the first one's are the mini-batch).
+    assert first["activations host"] == 0 and last["activations host"] > 0
