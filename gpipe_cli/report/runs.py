@@ -9,6 +9,7 @@ from typing import Any
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.report.records import PARTS, RESUMED, WARMUP, read_recipe, read_records
+from gpipe_cli.units import number_range
 
 __all__ = ["PARTS", "Run", "Throughput", "eval_metric", "read_run", "read_runs", "segment_throughputs", "segments",
            "series", "steady", "throughput", "time_breakdown", "warming_up"]
@@ -174,7 +175,7 @@ def _segment(records: list[dict[str, Any]]) -> Throughput:
     if len(steps) > 1:  # the first step warms up (allocations, lazy set-up); a lone step is all there is
         warmup, steps = steps[0][1], steps[1:]
         over = f"the steps after the first, which took {warmup:.2f} s warming up"
-    return Throughput(_rate(steps), over, f"{records[0]['step']}-{records[-1]['step']}", warmup)
+    return Throughput(_rate(steps), over, number_range(records[0]['step'], records[-1]['step']), warmup)
 
 
 def segment_throughputs(run: Run) -> list[Throughput]:

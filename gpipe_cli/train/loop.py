@@ -43,6 +43,7 @@ from gpipe_cli.train.signals import StopRequest
 from gpipe_cli.train.sinks import open_sinks
 from gpipe_cli.train.step_figures import step_figures
 from gpipe_cli.train.summary import RunSummary
+from gpipe_cli.units import number_range
 
 __all__ = ["Job", "Trainer", "configure_threads"]
 
@@ -85,7 +86,7 @@ class Trainer:
         k = pipe_cfg.partitions
         self._note(f"building {k} stage{'s' if k > 1 else ''} of {self.spec.name} "
                    f"({self.plan.total_params:,} parameters): "
-                   + ", ".join(f"stage {i % k} layer{f's {r[0]}-{r[-1]}' if len(r) > 1 else f' {r[0]}'}"
+                   + ", ".join(f"stage {i % k} layer{'s' if len(r) > 1 else ''} {number_range(r[0], r[-1])}"
                                for i, r in enumerate(ranges)) + f" (cut by {self.plan.balance_by})")
         span = stage_layers(self.plan.balance, pipe_cfg.partitions, self.layout.stage)
         layers = build_layers(self.spec.factories(), span, recipe.seed, topo.device)
@@ -329,7 +330,8 @@ class Trainer:
 
     def _profiled(self, trace: Path | None) -> None:
         if trace is not None and self.view is not None:
-            self.view.message(f"profile: steps {self.profiler.first}-{self.profiler.last} traced in {trace.parent} "
+            self.view.message(f"profile: step{'s' if self.profiler.last > self.profiler.first else ''} "
+                              f"{number_range(self.profiler.first, self.profiler.last)} traced in {trace.parent} "
                               f"(rank<N>.json for each rank; open in https://ui.perfetto.dev)")
 
     def _save(self, step: int) -> None:

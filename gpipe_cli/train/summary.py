@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpipe_cli.pipeline.stats import PARTS
+from gpipe_cli.units import number_range
 
 _NOT_METRICS = ("kind", "step", "nonfinite")
 
@@ -81,7 +82,9 @@ class RunSummary:
         wall = now - self.started
         done = f"{self.steps} of {self.total_steps} steps"
         if self.resumed:  # the earlier steps' figures are the run's too: `gpipe report` combines them
-            done = f"steps {self.steps_seen[0]}-{self.steps_seen[1]} of {self.total_steps}, since the resume,"
+            first, last = self.steps_seen
+            done = (f"step{'s' if last > first else ''} {number_range(first, last)} of {self.total_steps}, "
+                    "since the resume,")
         out = [f"summary: {done} in {wall:.1f} s wall time" + (f" ({ended})" if ended else "")]
         shown = self.measured if self.measured.steps else self.warmup  # a lone warm-up step is all there is
         if shown.steps and shown.seconds > 0:
@@ -100,7 +103,10 @@ class RunSummary:
             total = sum(shown.parts.values())
             shares = ", ".join(f"{part} {shown.parts[part] / total:.0%}" for part in PARTS) if total else "-"
             out.append(f"  step time: {shares} (mean over stages)")
-        best = self.best_eval
+        best, final = self.best_eval, self.last_eval
+        # The run's final eval is printed here only (the view leaves it out), once: as the best when it is.
+        if final is not None and final["step"] == self.total_steps and final is not best:
+            out.append(f"  final eval: step {final['step']}: {eval_figures(final)}")
         out.append(f"  best eval: step {best['step']}: {eval_figures(best)}" if best else "  best eval: none")
         out.append(f"  skipped steps: {self.skipped}")
         out.append(f"  checkpoint: {checkpoint or 'none written'}")
