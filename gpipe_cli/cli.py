@@ -293,15 +293,37 @@ def plan(
 def export(
     run: str = typer.Argument(..., help="A run directory (its newest whole checkpoint) or one checkpoint folder."),
     output: str | None = typer.Option(None, help="The safetensors file to write (default: RUN/model.safetensors)."),
+    dtype: str | None = typer.Option(None, metavar="float32|bfloat16|float16",
+                                     help="Store the floating-point weights in this type (default: as trained)."),
 ) -> None:
-    """Write the consolidated model weights of a checkpoint as one safetensors file."""
+    """Write a checkpoint's model as one safetensors file holding its recipe, tie map and tokenizer."""
     def write() -> Path:
         from gpipe_cli.train.export import export as export_model  # torch: a Ctrl-C while it loads is guarded too
 
-        return export_model(run, output)
+        return export_model(run, output, dtype)
 
     path = _guard(write)
     print(f"wrote {path}")
+
+
+@app.command()
+def predict(
+    model: str = typer.Argument(..., metavar="MODEL", help="A file written by gpipe export."),
+    inputs: list[str] | None = typer.Argument(None, metavar="[INPUT]...", help="Sentences to translate, a "
+                                              "prompt to continue, or image files to classify (default: "
+                                              "one per line of stdin)."),
+    max_tokens: int | None = typer.Option(None, help="Tokens to generate after a language model's prompt "
+                                          "[default: 50]."),
+    top: int = typer.Option(1, help="Classes to print per image, most likely first."),
+) -> None:
+    """Use an exported model without the pipeline: translate, continue a prompt or classify images."""
+    def run() -> int:
+        from gpipe_cli.predict import PredictOptions
+        from gpipe_cli.predict import predict as run_predict
+
+        return run_predict(PredictOptions(model, inputs or None, max_tokens, top))
+
+    raise typer.Exit(_guard(run))
 
 
 @app.command("prepare-data")
