@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from gpipe_cli import sizing
 from gpipe_cli.data import Batch, Loader, build_data_for
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate import cost_cache
@@ -30,7 +31,7 @@ from gpipe_cli.pipeline.partition import stage_layers, stage_ranges
 from gpipe_cli.pipeline.step import PendingStep
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
 from gpipe_cli.recipe_model import build_optimizer, model_spec, pipeline_config
-from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, translate
+from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, translate, utilization
 from gpipe_cli.train.existing import complete_line, past_end
 from gpipe_cli.train.job import Job
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
@@ -119,6 +120,7 @@ class Trainer:
                                                recipe.model_dump(mode="json"), self._note))
                         if self.layout.rank == 0 else None)
         self.summary = RunSummary(self.total_steps, job.started or time.time())
+        self.model_flops, self.peak = self._utilization() if self.layout.rank == 0 else (None, None)
         self.profiler = StepProfiler(recipe.train.profile, self.run_dir, self.layout.rank, topo.device)
 
     # ----------------------------------------------------------------- set-up helpers
@@ -127,6 +129,23 @@ class Trainer:
         """A preparation step on the launching terminal (rank 0), so the screen is never blank."""
         if self.view is not None:
             self.view.note(text)
+
+    def _utilization(self) -> tuple[utilization.ModelFlops | None, utilization.Peak | None]:
+        """The model FLOPs of a step and the peak MFU is measured against (rank 0), said in one line."""
+        forward = float(sum(stage.flops for stage in self.plan.stages))
+        if forward <= 0:
+            self._note("MFU: no FLOP count for this model; records carry no tflops or mfu")
+            return None, None
+        units = None
+        if self.spec.task != "image":  # text: FLOPs per token, as a step's batch holds any number of tokens
+            units = self.spec.example_batch(1, "meta")[1].numel()
+        device, train = self.topo.device, self.recipe.train
+        peak = utilization.find_peak(train.peak_tflops, device.type, train.precision,
+                                     lambda: torch.cuda.get_device_name(device),
+                                     lambda: sizing.measured_rate("cpu", torch.get_num_threads()))
+        self.summary.peak, self.summary.ranks = peak, self.layout.world_size
+        self._note(f"MFU: model FLOPs (3x forward, recomputation not counted) over {peak.source}")
+        return utilization.ModelFlops(forward, units), peak
 
     def _reading_data(self) -> str:
         data, model = self.recipe.data, self.recipe.model
@@ -360,6 +379,9 @@ class Trainer:
             record["cuda_peak_bytes"] = [s.cuda_peak for s in stages]
         if self.spec.task != "image":
             record["tokens_per_s"] = stats.units / seconds
+        if self.model_flops is not None and self.peak is not None:
+            flops = self.model_flops.of_step(batch.global_size, stats.units if self.spec.task != "image" else None)
+            record.update(utilization.figures(flops, seconds, self.peak.flops_per_s, self.layout.world_size))
         if result.skipped:
             record["skipped"] = True
         if step == self.start_step:  # the first step of each start carries one-time costs (allocations, lazy set-up)

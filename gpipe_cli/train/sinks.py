@@ -18,7 +18,7 @@ from gpipe_cli.recipe.schema import Metrics
 
 _NOT_FIGURES = ("kind", "step", "nonfinite", "warmup")
 # A step's timing figures: a warm-up step's go to their own section (its loss, lr and memory are as any step's).
-TIMING = frozenset({"samples_per_s", "tokens_per_s", "step_time_s", "bubble", "idle", "time_s"})
+TIMING = frozenset({"samples_per_s", "tokens_per_s", "step_time_s", "bubble", "idle", "time_s", "tflops", "mfu"})
 WARMUP_SECTION = "train_warmup"
 
 
