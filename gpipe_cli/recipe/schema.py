@@ -233,8 +233,8 @@ class Train(Section):
     max_skipped: PositiveInt = 10  # consecutive skipped steps that stop the run (fp16 overflows too)
     profile: Profile | None = None  # steps [start, end] (from 1) traced with torch.profiler
     peak_tflops: PositiveReal | None = Field(
-        default=None, description="Peak TFLOP/s of one rank that MFU is measured against; null: the data sheet of a known "
-                          "GPU at train.precision, or on a CPU its measured matrix-product rate")
+        default=None, description="Peak TFLOP/s of one rank that MFU is measured against; null: the data sheet "
+                                  "of a known GPU at train.precision, or on a CPU its measured matrix-product rate")
 
     @model_validator(mode="after")
     def _some_length(self) -> Train:
@@ -294,7 +294,8 @@ class Wandb(Section):
     tags: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
         default_factory=list, max_length=64, description="Labels to filter runs by in the W&B interface")
     artifact: StrictBool = Field(
-        default=False, description="At the end, export the final model to RUN_DIR/model.safetensors and log it as an artifact")
+        default=False, description="At the end, export the final model to RUN_DIR/model.safetensors and log it "
+                                   "as a W&B artifact")
 
 
 class Metrics(Section):

@@ -33,6 +33,7 @@ from gpipe_cli.recipe.schema import Recipe, TransformerModel
 from gpipe_cli.recipe_model import build_optimizer, model_spec, pipeline_config
 from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, translate, utilization
 from gpipe_cli.train.existing import complete_line, past_end
+from gpipe_cli.train.export import export as export_model
 from gpipe_cli.train.job import Job
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
 from gpipe_cli.train.profiling import StepProfiler
@@ -454,8 +455,31 @@ class Trainer:
                 print(f"[gpipe] {self.diverged}", file=sys.stderr, flush=True)
         self._profiled(self.profiler.close())  # a run that stopped inside the profiled steps
         if self.metrics is not None:
+            self._log_model()
             self.metrics.close()
         self.pipe.close()
+
+
+    def _log_model(self) -> None:
+        """With `metrics.wandb.artifact`, export the final checkpoint's model into the run and log it (rank 0)."""
+        wandb = self.recipe.metrics.wandb
+        sinks = self.metrics.sinks if self.metrics is not None else None
+        if wandb is None or not wandb.artifact or sinks is None or not sinks.takes_models():
+            return
+        if self.checkpoints.last_saved < 0:
+            self._message("metrics.wandb.artifact: no checkpoint was written, so there is no model to log")
+            return
+        try:
+            path = export_model(str(self.run_dir))
+        except UserError as err:
+            self._message(f"metrics.wandb.artifact: could not export the model ({err})")
+            return
+        self._message(f"exported {path} for metrics.wandb.artifact")
+        sinks.log_model(path)
+
+    def _message(self, text: str) -> None:
+        if self.view is not None:
+            self.view.message(text)
 
 
 def configure_threads() -> None:

@@ -4,6 +4,7 @@ import copy
 import importlib.util
 import json
 import sys
+import types
 
 import pytest
 
@@ -114,3 +115,89 @@ def test_a_resumed_run_drops_the_tensorboard_steps_after_its_checkpoint(tmp_path
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert {e.step: e.value for e in events.Scalars("train/loss")} == {1: 1.0, 2: 2.0}
+
+
+def test_tensorboard_holds_the_recipe_as_text_and_its_values_as_hyperparameters(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    from gpipe_cli.recipe.schema import Recipe
+    from gpipe_cli.train.sinks import HPARAM_METRICS, TensorBoardSink
+
+    config = Recipe.model_validate({"name": "tb", "train": {"steps": 3}, "optimizer": {"lr": 0.25}}).model_dump(
+        mode="json")
+    sink = TensorBoardSink(tmp_path, first_step=0, config=config)
+    sink.log({"train/loss": 1.0}, 1)
+    sink.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    text = events.Tensors("recipe/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "    name: tb" in text and "    optimizer:" in text and "      lr: 0.25" in text
+    content = events.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    values = start.session_start_info.hparams
+    assert values["optimizer.lr"].number_value == 0.25 and values["name"].string_value == "tb"
+    assert values["train.steps"].number_value == 3 and values["train.epochs"].string_value == "null"
+    assert values["metrics.tensorboard"].bool_value is False
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    assert {m.name.tag for m in experiment.metric_infos} == set(HPARAM_METRICS)
+
+
+class FakeWandb(types.ModuleType):
+    """Stands in for the wandb package: records what a run is started, logged and finished with."""
+
+    def __init__(self):
+        super().__init__("wandb")
+        self.calls: list[tuple] = []
+        fake = self
+
+        class Run:
+            id = "abc123"
+
+            def log(self, values, step):
+                fake.calls.append(("log", values, step))
+
+            def log_artifact(self, artifact):
+                fake.calls.append(("log_artifact", artifact.name, artifact.type, artifact.files))
+
+            def finish(self):
+                fake.calls.append(("finish",))
+
+        class Artifact:
+            def __init__(self, name, type):
+                self.name, self.type, self.files = name, type, []
+
+            def add_file(self, path):
+                self.files.append(path)
+
+        self.Artifact, self._run = Artifact, Run()
+
+    def Settings(self, **kwargs):  # noqa: N802 - wandb's name
+        return kwargs
+
+    def init(self, **kwargs):
+        self.calls.append(("init", kwargs))
+        return self._run
+
+
+def test_wandb_gets_the_recipes_name_tags_group_and_entity_and_the_model_file(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    options = Wandb(project="p", mode="online", name="first try", entity="team", group="sweep-1", tags=["k2", "cpu"])
+    lines: list[str] = []
+    sinks = open_sinks(Metrics(wandb=options), tmp_path, 0, {"seed": 1}, lines.append)
+    assert lines == [] and sinks.takes_models()
+    sinks.write(train_record(step=1))
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    sinks.log_model(tmp_path / "model.safetensors")
+    sinks.close()
+    (_, init), (_, values, step), artifact, finish = fake.calls
+    assert {k: init[k] for k in ("project", "mode", "name", "entity", "group", "tags", "config")} == {
+        "project": "p", "mode": "online", "name": "first try", "entity": "team", "group": "sweep-1",
+        "tags": ["k2", "cpu"], "config": {"seed": 1}}
+    assert init["dir"] == str(tmp_path) and step == 1 and values["train/loss"] == 2.5
+    assert artifact == ("log_artifact", "model-abc123", "model", [str(tmp_path / "model.safetensors")])
+    assert finish == ("finish",)
+    fake.calls.clear()
+    open_sinks(Metrics(wandb=Wandb(project="p")), tmp_path / "run-7", 0, {}, lines.append).close()
+    assert fake.calls[0][1]["name"] == "run-7" and fake.calls[0][1]["tags"] is None  # the defaults
