@@ -3,6 +3,8 @@
 import copy
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 import types
 
@@ -201,3 +203,58 @@ def test_wandb_gets_the_recipes_name_tags_group_and_entity_and_the_model_file(tm
     fake.calls.clear()
     open_sinks(Metrics(wandb=Wandb(project="p")), tmp_path / "run-7", 0, {}, lines.append).close()
     assert fake.calls[0][1]["name"] == "run-7" and fake.calls[0][1]["tags"] is None  # the defaults
+
+
+FAKE_WANDB = '''
+import json, os
+
+def _say(*call):
+    with open(os.environ["FAKE_WANDB_LOG"], "a") as f:
+        f.write(json.dumps(call) + "\\n")
+
+class Settings:
+    def __init__(self, **kwargs):
+        pass
+
+class Artifact:
+    def __init__(self, name, type):
+        self.name, self.type, self.files = name, type, []
+    def add_file(self, path):
+        self.files.append(path)
+
+class _Run:
+    id = "r1"
+    def log(self, values, step):
+        _say("log", step)
+    def log_artifact(self, artifact):
+        _say("log_artifact", artifact.name, artifact.type, artifact.files)
+    def finish(self):
+        _say("finish")
+
+def init(**kwargs):
+    _say("init", {k: kwargs[k] for k in ("project", "name", "entity", "group", "tags")})
+    return _Run()
+'''
+
+
+@pytest.mark.slow
+def test_a_run_with_wandb_artifact_exports_its_final_model_and_logs_it(tmp_path):
+    from safetensors.torch import load_file
+
+    (tmp_path / "fake" / "wandb").mkdir(parents=True)
+    (tmp_path / "fake" / "wandb" / "__init__.py").write_text(FAKE_WANDB)
+    recipe = copy.deepcopy(TINY_AMOEBANET)
+    recipe["train"]["steps"] = 2
+    recipe["metrics"] = {"wandb": {"project": "p", "group": "g", "tags": ["a"], "artifact": True}}
+    out, log = tmp_path / "run", tmp_path / "calls.jsonl"
+    env = {**os.environ, "FAKE_WANDB_LOG": str(log),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "gpipe_cli.cli", "train", str(write(tmp_path, recipe)),
+                           "--output-dir", str(out), "--plain"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls[0] == ["init", {"project": "p", "name": "run", "entity": None, "group": "g", "tags": ["a"]}]
+    assert [c[1] for c in calls if c[0] == "log"] == [1, 2, 2]  # the two steps, then the final evaluation
+    model = out / "model.safetensors"
+    assert calls[-2:] == [["log_artifact", "model-r1", "model", [str(model)]], ["finish"]]
+    assert load_file(model) and f"exported {model}" in proc.stdout
