@@ -1,8 +1,11 @@
 """Model TFLOP/s and MFU: the peak a step is measured against, the model FLOPs of a step, and where they show."""
 
-import pytest
+import io
 
-from gpipe_cli.train.report import train_lines
+import pytest
+from rich.console import Console
+
+from gpipe_cli.train.report import TerminalView, train_lines
 from gpipe_cli.train.summary import RunSummary
 from gpipe_cli.train.utilization import ModelFlops, Peak, figures, find_peak, rate_text, table_peak
 from tests.train.test_report import train_record
@@ -56,3 +59,11 @@ def test_the_step_line_and_the_summary_show_them():
         summary.add({**train_record(step=step), "tflops": tflops, "mfu": tflops * 1e12 / 50e9}, 10, None)
     line = next(x for x in summary.lines(5.0, None, "r", False) if "model FLOPs" in x)
     assert "2.5 GFLOP/s (all ranks), MFU 5.0% against 2 ranks x a measured rate" in line
+
+
+def test_the_live_frame_shows_them():
+    view = TerminalView("tiny", plain=False, stream=io.StringIO(), started=0.0)
+    view.show({**train_record(step=2), "tflops": 400.0, "mfu": 0.4})
+    console = Console(file=io.StringIO(), width=200)
+    console.print(view.frame())
+    assert "400 TFLOP/s (MFU 40.0%)" in console.file.getvalue()
