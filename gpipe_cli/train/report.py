@@ -27,6 +27,7 @@ from gpipe_cli.pipeline.stats import PARTS
 from gpipe_cli.train.announce import note
 from gpipe_cli.train.sinks import Sinks
 from gpipe_cli.train.summary import eval_figures
+from gpipe_cli.train.utilization import rate_text
 from gpipe_cli.units import human_bytes
 
 
@@ -89,6 +90,13 @@ def _rate(record: dict[str, Any]) -> str:
     return rate
 
 
+def utilization(record: dict[str, Any]) -> str:
+    """The step's achieved model TFLOP/s and MFU ('' when the record has neither)."""
+    if "tflops" not in record:
+        return ""
+    return rate_text(record["tflops"]) + (f" (MFU {record['mfu']:.1%})" if "mfu" in record else "")
+
+
 def stage_shares(record: dict[str, Any], stage: int) -> dict[str, float]:
     """Each part's share of the step time on one stage."""
     step = record["step_time_s"]
@@ -127,7 +135,9 @@ def eval_line(record: dict[str, Any], total: int) -> str:
 def train_lines(record: dict[str, Any], total: int, counted: Counted | None = None) -> list[str]:
     """A train record as lines: the step, then one line per stage with its time and memory."""
     lines = [f"step {record['step']}/{total} | epoch {record['epoch']} | loss {_num(record['loss'], '.4f')} | "
-             f"lr {record['lr']:.3g} | {_rate(record)} | {record['step_time_s'] * 1e3:.0f} ms/step | "
+             f"lr {record['lr']:.3g} | {_rate(record)} | "
+             + (f"{utilization(record)} | " if "tflops" in record else "")
+             + f"{record['step_time_s'] * 1e3:.0f} ms/step | "
              f"bubble {record['bubble']:.3f} (theory {record['bubble_theory']:.3f})"
              + (" | warm-up step (one-time costs)" if record.get("warmup") is True else "")]
     for s in range(len(record["rss_peak_bytes"])):
@@ -158,6 +168,8 @@ class StepView:
         if "tokens_per_s" in r:
             items.append(("tokens/s", f"{r['tokens_per_s']:.0f}"))
         items.append(("bubble", f"{r['bubble']:.3f} (theory {r['bubble_theory']:.3f})"))
+        if "tflops" in r:
+            items.append(("model", utilization(r)))
         return [Text.assemble((label, "dim"), " ", value, no_wrap=True) for label, value in items]
 
     def tables(self, time: bool = True, memory: bool = True) -> Table:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpipe_cli.pipeline.stats import PARTS
+from gpipe_cli.train.utilization import Peak, rate_text
 from gpipe_cli.units import number_range
 
 _NOT_METRICS = ("kind", "step", "nonfinite")
@@ -26,6 +27,7 @@ class _Steps:
     examples: float = 0.0
     units: float = 0.0
     seconds: float = 0.0
+    flops: float = 0.0  # model FLOPs, of the steps whose records carry `tflops`
     bubbles: list[float] = field(default_factory=list)
     parts: dict[str, float] = field(default_factory=dict)
 
@@ -35,6 +37,7 @@ class _Steps:
         self.examples += examples
         self.units += units or 0.0
         self.seconds += record["step_time_s"]
+        self.flops += record.get("tflops", 0.0) * 1e12 * record["step_time_s"]
         self.bubbles.append(record["bubble"])
         for part in PARTS:
             values = record["time_s"][part]
@@ -57,6 +60,8 @@ class RunSummary:
     steps_seen: tuple[int, int] = (0, 0)  # the first and the last step number taken in
     resumed: bool = False  # the first step came after a resume: the figures are those since it
     best_eval: dict[str, Any] | None = None
+    peak: Peak | None = None  # what MFU is measured against (rank 0 sets it once it knows)
+    ranks: int = 1
     last_eval: dict[str, Any] | None = None
 
     def add(self, record: dict[str, Any], examples: float, units: float | None) -> None:
@@ -97,6 +102,8 @@ class RunSummary:
             if text:
                 rate += f", {shown.units / shown.seconds:.0f} tokens/s"
             out.append(f"  throughput: {rate} (mean over {over})")
+            if shown.flops > 0:
+                out.append(f"  model FLOPs: {self._utilization(shown)}")
             mean = sum(shown.bubbles) / len(shown.bubbles)
             out.append(f"  bubble: {mean:.3f} measured (time waiting for a peer), {self.theory:.3f} in theory "
                        f"((K-1)/(M+K-1))")
@@ -112,3 +119,14 @@ class RunSummary:
         out.append(f"  checkpoint: {checkpoint or 'none written'}")
         out.append(f"  run directory: {run_dir}")
         return out
+
+    def _utilization(self, shown: _Steps) -> str:
+        """Mean achieved model TFLOP/s of all ranks, and MFU against what the peak is (when known)."""
+        achieved = shown.flops / shown.seconds
+        text = rate_text(achieved / 1e12) + " (all ranks)"
+        if self.peak is not None and self.peak.flops_per_s:
+            text += (f", MFU {achieved / (self.peak.flops_per_s * self.ranks):.1%} against {self.ranks} "
+                     f"rank{'s' if self.ranks != 1 else ''} x {self.peak.source}")
+        elif self.peak is not None:
+            text += f" ({self.peak.source})"
+        return text
