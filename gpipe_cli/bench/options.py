@@ -10,7 +10,7 @@ from gpipe_cli.bench.trace import paths as trace_paths
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.estimate.size_flags import SizeFlags
 from gpipe_cli.files import check_output
-from gpipe_cli.launch.preflight import MAX_THREADS
+from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, MAX_SIZE, MAX_THREADS, outside
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import REMAT_MODES
 from gpipe_cli.units import human_bytes, meminfo_available
@@ -147,17 +147,19 @@ FLAGS: dict[str, str] = {
 def validate(options: BenchOptions) -> None:
     """Refuse options that cannot describe a benchmark, with one line naming the flag."""
     checks = [
-        (options.partitions >= 1, f"--partitions must be >= 1 (got {options.partitions})"),
-        (options.microbatches >= 1, f"--microbatches must be >= 1 (got {options.microbatches})"),
-        (options.steps >= 1, f"--steps must be >= 1 (got {options.steps})"),
-        (options.warmup >= 0, f"--warmup must be >= 0 (got {options.warmup})"),
-        (1 <= options.threads <= MAX_THREADS, f"--threads must be >= 1 and <= {MAX_THREADS} (got {options.threads})"),
+        *((message is None, message or "") for message in (
+            outside("--partitions", options.partitions, 1, MAX_RANKS),
+            outside("--microbatches", options.microbatches, 1, MAX_SIZE),
+            outside("--steps", options.steps, 1, MAX_COUNT),
+            outside("--warmup", options.warmup, 0, MAX_COUNT),
+            outside("--threads", options.threads, 1, MAX_THREADS))),
         (options.schedule in SCHEDULES, f"--schedule must be one of {', '.join(SCHEDULES)} (got {options.schedule})"),
         (options.checkpoint in REMAT_MODES,
          f"--checkpoint must be one of {', '.join(REMAT_MODES)} (got {options.checkpoint})"),
         (options.bandwidth > 0, f"--bandwidth must be > 0 GB/s (got {options.bandwidth})"),
         (options.latency_us >= 0, f"--latency-us must be >= 0 (got {options.latency_us})"),
-        (options.devices is None or options.devices >= 1, f"--devices must be >= 1 (got {options.devices})"),
+        (options.devices is None or outside("--devices", options.devices, 1, MAX_RANKS) is None,
+         outside("--devices", options.devices or 0, 1, MAX_RANKS) or ""),
         (options.devices is None or options.simulate, "--devices needs --simulate"),
         (not (options.sweep and options.simulate), "--sweep and --simulate cannot be combined"),
         (not (options.sweep and options.compare), "--sweep and --compare cannot be combined"),

@@ -9,6 +9,7 @@ from gpipe_cli.bench.options import REMAT_MODES, SCHEDULES  # the same, and load
 from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.estimate.size_flags import SizeFlags
 from gpipe_cli.files import check_output
+from gpipe_cli.limits import MAX_RANKS, MAX_SIZE, outside, words
 from gpipe_cli.units import parse_size
 
 # The largest K: the paper's largest pipeline (Transformer-L on 128 TPUs). Every stage of every row is
@@ -93,7 +94,7 @@ def validate(options: ProfileOptions) -> None:
     flag (before torch loads)."""
     _check_partitions(options.partitions)
     checks = [
-        (options.microbatches >= 1, f"--microbatches must be >= 1 (got {options.microbatches})"),
+        (1 <= options.microbatches <= MAX_SIZE, outside("--microbatches", options.microbatches, 1, MAX_SIZE) or ""),
         (options.batch_size is None or options.batch_size >= options.microbatches,
          f"--batch-size ({options.batch_size}) must be >= --microbatches ({options.microbatches})"),
         (options.schedule in SCHEDULES, f"--schedule must be one of {', '.join(SCHEDULES)} (got {options.schedule})"),
@@ -118,8 +119,9 @@ def validate(options: ProfileOptions) -> None:
 def _check_partitions(partitions: list[int]) -> None:
     """Refuse an empty --partitions and any K outside 1..MAX_PARTITIONS, naming the first such K."""
     if not partitions:
-        raise UserError(f"--partitions must list K values from 1 to {MAX_PARTITIONS}, e.g. 2,4,8 (got none)")
+        raise UserError(f"--partitions: must list K values {words('>= 1', f'<= {MAX_PARTITIONS}')}, e.g. 2,4,8 "
+                        "(got none)")
     bad = next((k for k in partitions if not 1 <= k <= MAX_PARTITIONS), None)
     if bad is not None:
-        raise UserError(f"--partitions must list K values from 1 to {MAX_PARTITIONS}, the paper's largest "
-                        f"pipeline (got {shown(bad)})")
+        raise UserError(f"--partitions: must list K values {words('>= 1', f'<= {MAX_PARTITIONS}')} (the paper's "
+                        f"largest pipeline; gpipe train takes up to {MAX_RANKS}) (got {shown(bad)})")

@@ -9,16 +9,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, 
 from pydantic_core import PydanticCustomError
 
 from gpipe_cli.errors import cut
+from gpipe_cli.limits import MAX_COUNT, MAX_LAYERS, MAX_RANKS, MAX_REAL, MAX_SIZE, MAX_VIRTUAL
 from gpipe_cli.pipeline import schedules
-
-# Upper bounds that no real run reaches: they turn typos such as 1e20 into a clear error instead of an
-# allocation that fails deep inside torch.
-MAX_COUNT = 1_000_000_000  # steps, examples, intervals
-MAX_SIZE = 1 << 20  # model widths, batch and sequence sizes
-MAX_LAYERS = 10_000
-MAX_RANKS = 65_536
-MAX_VIRTUAL = 64  # chunks per stage (interleaved)
-MAX_REAL = 1e9  # learning rates, clipping thresholds, decay intervals
 
 
 def _not_text(value: object) -> None:
