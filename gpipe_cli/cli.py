@@ -31,6 +31,9 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
 T = TypeVar("T")
 
 RECIPE_HELP = "Recipe YAML file (default: the built-in quick-start recipe)."
+SIZE = "Model size (overrides)"
+MODES = "Sweep, compare, simulate"
+LAUNCH = "Nodes and ranks"
 SET_HELP = "Override a recipe key: KEY=VALUE, the value read as YAML (repeatable)."
 
 
@@ -84,19 +87,21 @@ def train(
     output_dir: str | None = typer.Option(None, help="Write the run exactly here instead of outputs/<name>/<time>."),
     plain: bool | None = typer.Option(None, "--plain/--live", help="Plain log lines or the live view "
                                       "(default: live on a terminal)."),
-    nnodes: str | None = typer.Option(None, help="Nodes in the job: N or MIN:MAX (torchrun; default 1, or the "
-                                      "nodes of the enclosing srun step)."),
-    node_rank: int | None = typer.Option(None, help="This node's rank (static rendezvous)."),
-    rdzv_endpoint: str | None = typer.Option(None, help="HOST:PORT of the rendezvous, the same on every node."),
-    rdzv_backend: str | None = typer.Option(None, help="Rendezvous backend: static (with --node-rank) or c10d."),
-    rdzv_id: str | None = typer.Option(None, help="Job id shared by all nodes (c10d rendezvous)."),
-    threads: int | None = typer.Option(None, help="Intra-op threads per rank (default: cores / local ranks)."),
+    nnodes: str | None = typer.Option(None, help="N or MIN:MAX (torchrun; default 1, or the nodes of the "
+                                      "enclosing srun step).", rich_help_panel=LAUNCH),
+    node_rank: int | None = typer.Option(None, help="This node's rank (static rendezvous).", rich_help_panel=LAUNCH),
+    rdzv_endpoint: str | None = typer.Option(None, help="The rendezvous, the same on every node.",
+                                             rich_help_panel=LAUNCH),
+    rdzv_backend: str | None = typer.Option(None, help="static (with --node-rank) or c10d.", rich_help_panel=LAUNCH),
+    rdzv_id: str | None = typer.Option(None, help="Job id shared by all nodes (c10d).", rich_help_panel=LAUNCH),
+    threads: int | None = typer.Option(None, help="Intra-op threads per rank (default: cores / local ranks).",
+                                       rich_help_panel=LAUNCH),
     resume: str | None = typer.Option(None, help="Continue from the newest whole checkpoint: bare --resume or "
                                       "'latest' (the newest run of this recipe, or --output-dir's), a run directory or "
                                       "a checkpoint."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch on this node (the rendezvous's host and "
-                                 "port, nodes, ranks per node, this node's rank, from Slurm where under srun) and the "
-                                 "torchrun command that starts the same ranks; start nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch on this node (rendezvous, nodes, "
+                                 "ranks, from Slurm under srun) and the torchrun command for it; start nothing.",
+                                 rich_help_panel=LAUNCH),
 ) -> None:
     """Train a model with GPipe on partitions x data_parallel processes."""
     from gpipe_cli.train.run import TrainOptions
@@ -175,25 +180,25 @@ def bench(
     checkpoint: str = typer.Option("except_last", help=B["checkpoint"]),
     offload: str = typer.Option("none", help=B["offload"]),
     balance: str | None = typer.Option(None, help=B["balance"]),
-    layers: int | None = typer.Option(None, help=B["layers"]),
-    filters: int | None = typer.Option(None, help=B["filters"]),
-    d_model: int | None = typer.Option(None, help=B["d_model"]),
-    ff: int | None = typer.Option(None, help=B["ff"]),
-    heads: int | None = typer.Option(None, help=B["heads"]),
-    vocab_size: int | None = typer.Option(None, help=B["vocab_size"]),
-    image_size: int | None = typer.Option(None, help=B["image_size"]),
-    seq_len: int | None = typer.Option(None, help=B["seq_len"]),
-    num_classes: int | None = typer.Option(None, help=B["num_classes"]),
-    set_: list[str] | None = typer.Option(None, "--set", help=B["set"]),
-    sweep: bool = typer.Option(False, help=B["sweep"]),
-    compare: bool = typer.Option(False, help=B["compare"]),
+    layers: int | None = typer.Option(None, help=B["layers"], rich_help_panel=SIZE),
+    filters: int | None = typer.Option(None, help=B["filters"], rich_help_panel=SIZE),
+    d_model: int | None = typer.Option(None, help=B["d_model"], rich_help_panel=SIZE),
+    ff: int | None = typer.Option(None, help=B["ff"], rich_help_panel=SIZE),
+    heads: int | None = typer.Option(None, help=B["heads"], rich_help_panel=SIZE),
+    vocab_size: int | None = typer.Option(None, help=B["vocab_size"], rich_help_panel=SIZE),
+    image_size: int | None = typer.Option(None, help=B["image_size"], rich_help_panel=SIZE),
+    seq_len: int | None = typer.Option(None, help=B["seq_len"], rich_help_panel=SIZE),
+    num_classes: int | None = typer.Option(None, help=B["num_classes"], rich_help_panel=SIZE),
+    set_: list[str] | None = typer.Option(None, "--set", help=B["set"], rich_help_panel=SIZE),
+    sweep: bool = typer.Option(False, "--sweep", help=B["sweep"], rich_help_panel=MODES),
+    compare: bool = typer.Option(False, "--compare", help=B["compare"], rich_help_panel=MODES),
     trace: Path | None = typer.Option(None, help=B["trace"]),
-    simulate: bool = typer.Option(False, help=B["simulate"]),
-    devices: int | None = typer.Option(None, help=B["devices"]),
-    bandwidth: float = typer.Option(12.0, help=B["bandwidth"]),
-    latency_us: float = typer.Option(20.0, help=B["latency_us"]),
+    simulate: bool = typer.Option(False, "--simulate", help=B["simulate"], rich_help_panel=MODES),
+    devices: int | None = typer.Option(None, help=B["devices"], rich_help_panel=MODES),
+    bandwidth: float = typer.Option(12.0, help=B["bandwidth"], rich_help_panel=MODES),
+    latency_us: float = typer.Option(20.0, help=B["latency_us"], rich_help_panel=MODES),
     threads: int = typer.Option(1, help=B["threads"]),
-    oversubscribe: bool = typer.Option(False, help=B["oversubscribe"]),
+    oversubscribe: bool = typer.Option(False, "--oversubscribe", help=B["oversubscribe"], rich_help_panel=MODES),
     seed: int = typer.Option(0, help=B["seed"]),
     json_file: Path | None = typer.Option(None, "--json", help=B["json"]),
 ) -> None:
@@ -224,16 +229,16 @@ def profile_memory(
     balance: str | None = typer.Option(None, help=P["balance"]),
     optimizer: str = typer.Option("rmsprop", help=P["optimizer"]),
     budget: str | None = typer.Option(None, help=P["budget"]),
-    layers: int | None = typer.Option(None, help=P["layers"]),
-    filters: int | None = typer.Option(None, help=P["filters"]),
-    d_model: int | None = typer.Option(None, help=P["d_model"]),
-    ff: int | None = typer.Option(None, help=P["ff"]),
-    heads: int | None = typer.Option(None, help=P["heads"]),
-    vocab_size: int | None = typer.Option(None, help=P["vocab_size"]),
-    image_size: int | None = typer.Option(None, help=P["image_size"]),
-    seq_len: int | None = typer.Option(None, help=P["seq_len"]),
-    num_classes: int | None = typer.Option(None, help=P["num_classes"]),
-    set_: list[str] | None = typer.Option(None, "--set", help=P["set"]),
+    layers: int | None = typer.Option(None, help=P["layers"], rich_help_panel=SIZE),
+    filters: int | None = typer.Option(None, help=P["filters"], rich_help_panel=SIZE),
+    d_model: int | None = typer.Option(None, help=P["d_model"], rich_help_panel=SIZE),
+    ff: int | None = typer.Option(None, help=P["ff"], rich_help_panel=SIZE),
+    heads: int | None = typer.Option(None, help=P["heads"], rich_help_panel=SIZE),
+    vocab_size: int | None = typer.Option(None, help=P["vocab_size"], rich_help_panel=SIZE),
+    image_size: int | None = typer.Option(None, help=P["image_size"], rich_help_panel=SIZE),
+    seq_len: int | None = typer.Option(None, help=P["seq_len"], rich_help_panel=SIZE),
+    num_classes: int | None = typer.Option(None, help=P["num_classes"], rich_help_panel=SIZE),
+    set_: list[str] | None = typer.Option(None, "--set", help=P["set"], rich_help_panel=SIZE),
     device: str = typer.Option("auto", help=P["device"]),
     seed: int = typer.Option(0, help=P["seed"]),
     json_file: Path | None = typer.Option(None, "--json", help=P["json"]),
@@ -291,15 +296,37 @@ def plan(
 def export(
     run: str = typer.Argument(..., help="A run directory (its newest whole checkpoint) or one checkpoint folder."),
     output: str | None = typer.Option(None, help="The safetensors file to write (default: RUN/model.safetensors)."),
+    dtype: str | None = typer.Option(None, metavar="float32|bfloat16|float16",
+                                     help="Store the floating-point weights in this type (default: as trained)."),
 ) -> None:
-    """Write the consolidated model weights of a checkpoint as one safetensors file."""
+    """Write a checkpoint's model as one safetensors file holding its recipe, tie map and tokenizer."""
     def write() -> Path:
         from gpipe_cli.train.export import export as export_model  # torch: a Ctrl-C while it loads is guarded too
 
-        return export_model(run, output)
+        return export_model(run, output, dtype)
 
     path = _guard(write)
     print(f"wrote {path}")
+
+
+@app.command()
+def predict(
+    model: str = typer.Argument(..., metavar="MODEL", help="A file written by gpipe export."),
+    inputs: list[str] | None = typer.Argument(None, metavar="[INPUT]...", help="Sentences to translate, a "
+                                              "prompt to continue, or image files to classify (default: "
+                                              "one per line of stdin)."),
+    max_tokens: int | None = typer.Option(None, help="Tokens to generate after a language model's prompt "
+                                          "[default: 50]."),
+    top: int = typer.Option(1, help="Classes to print per image, most likely first."),
+) -> None:
+    """Use an exported model without the pipeline: translate, continue a prompt or classify images."""
+    def run() -> int:
+        from gpipe_cli.predict import PredictOptions
+        from gpipe_cli.predict import predict as run_predict
+
+        return run_predict(PredictOptions(model, inputs or None, max_tokens, top))
+
+    raise typer.Exit(_guard(run))
 
 
 @app.command("prepare-data")

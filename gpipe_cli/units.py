@@ -1,4 +1,4 @@
-"""Numbers for people: bytes as KiB/MiB/GiB, counts as K/M/B."""
+"""Numbers for people: bytes as KiB/MiB/GiB, counts as K/M/B, ranges as 4-7 (or 4)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ def human_bytes(n: float | None) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} TiB"
+
+
+def number_range(first: int, last: int) -> str:
+    """`first`-`last` as "4-7", or "4" when they are the same (a range of one)."""
+    return str(first) if first == last else f"{first}-{last}"
 
 
 def human_count(n: float) -> str:

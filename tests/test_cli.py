@@ -16,7 +16,7 @@ from gpipe_cli.cli import run
 from tests.interrupt import as_from_a_terminal
 from tests.train.recipes import TINY_AMOEBANET, write
 
-COMMANDS = ["", "train", "validate", "bench", "profile-memory", "plan", "export"]
+COMMANDS = ["", "train", "validate", "bench", "profile-memory", "plan", "export", "predict"]
 # What typer and click show for a value's type when no placeholder is given.
 TYPE_PLACEHOLDER = re.compile(r"<(bool|str|int|float|path|list\[[^\]]*\])>|\b(TEXT|INTEGER|FLOAT|BOOLEAN)\b",
                               re.IGNORECASE)

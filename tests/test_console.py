@@ -1,6 +1,7 @@
 from rich.console import Console
 
-from gpipe_cli.console import FILE_WIDTH, output_console
+from gpipe_cli.console import FILE_WIDTH, fit, output_console
+from tests.widths import problems
 
 
 def test_in_a_file_or_pipe_a_long_line_stays_one_line(capsys):
@@ -18,3 +19,18 @@ def test_a_terminal_keeps_its_own_width(monkeypatch):
     monkeypatch.setenv("COLUMNS", "77")
     monkeypatch.setattr(Console, "is_terminal", property(lambda self: True))
     assert output_console().width == 77
+
+
+def test_a_long_line_on_a_terminal_wraps_at_spaces_keeping_numbers_with_their_units():
+    text = "[ 11.6 s] " + " ".join(f"stage {i} took 12.5 ms and 370.0 MiB" for i in range(6))
+    wrapped = fit(text, 80).splitlines()
+    assert len(wrapped) > 1 and all(len(line) <= 80 for line in wrapped)
+    assert all(line.startswith(" " * len("[ 11.6 s] ")) for line in wrapped[1:])  # under the note's text
+    assert " ".join(line.strip() for line in wrapped) == text
+    assert not problems("\n".join(wrapped), 80, text)
+
+
+def test_the_width_checks_find_what_they_look_for():
+    assert problems("x" * 81, 80) and problems("samples/…", 80) and problems("layers 4-4", 80)
+    assert problems("RSS peak 370.0\n   MiB", 80) and problems("grad\nnorm", 80, "grad norm") == []
+    assert problems("activa\ntions", 80, "activations") and not problems("layers 4-5 and 4", 80)

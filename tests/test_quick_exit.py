@@ -50,3 +50,23 @@ def test_mistakes_are_answered_before_torch_is_imported(tmp_path, case):
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), done.stderr
     assert done.stdout.strip() == "[]", f"{case}: loaded {done.stdout.strip()} before answering"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]  # nothing written
+
+
+# K = 0 and M = 0 wherever a command takes them: one wording of the same bounds (profile-memory keeps its own
+# largest K, the paper's, and says so).
+SAME_LIMITS = [
+    (["train", "--set", "pipeline.partitions=0"], "pipeline.partitions: must be >= 1 and <= 65536 (got 0)"),
+    (["bench", "--partitions", "0"], "--partitions: must be >= 1 and <= 65536 (got 0)"),
+    (["plan", "--devices", "0"], "--devices: must be >= 1 and <= 65536 (got 0)"),
+    (["profile-memory", "--partitions", "0"], "--partitions: must list K values >= 1 and <= 128"),
+    (["train", "--set", "pipeline.microbatches=0"], "pipeline.microbatches: must be >= 1 and <= 1048576 (got 0)"),
+    (["bench", "--microbatches", "0"], "--microbatches: must be >= 1 and <= 1048576 (got 0)"),
+    (["profile-memory", "--microbatches", "0"], "--microbatches: must be >= 1 and <= 1048576 (got 0)"),
+]
+
+
+@pytest.mark.parametrize("args, expected", SAME_LIMITS, ids=[" ".join(a) for a, _ in SAME_LIMITS])
+def test_a_limit_reads_the_same_in_every_command(args, expected):
+    done = subprocess.run([sys.executable, "-c", MISTAKE, *args], capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and expected in lines[0], done.stderr

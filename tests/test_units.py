@@ -30,3 +30,9 @@ def test_sizes_that_are_no_size_are_one_line_naming_the_flag(text, fragment):
         parse_size(text, "--device-memory")
     message = str(caught.value)
     assert message.startswith("--device-memory") and "\n" not in message and len(message) < 300
+
+
+def test_a_range_of_one_is_one_number():
+    from gpipe_cli.units import number_range
+
+    assert number_range(4, 4) == "4" and number_range(4, 7) == "4-7"

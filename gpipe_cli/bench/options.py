@@ -10,7 +10,7 @@ from gpipe_cli.bench.trace import paths as trace_paths
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.estimate.size_flags import SizeFlags
 from gpipe_cli.files import check_output
-from gpipe_cli.launch.preflight import MAX_THREADS
+from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, MAX_SIZE, MAX_THREADS, outside
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES
 from gpipe_cli.units import human_bytes, meminfo_available
@@ -102,60 +102,59 @@ SWEEP_PARTITIONS = (2, 4, 8)
 
 # Flag name -> help text, for the CLI's typer options (one to one with the fields above).
 FLAGS: dict[str, str] = {
-    "model": "Preset (amoebanet-d-18-256, transformer-l-13, t-6-8192-16, ...), family (amoebanet, "
-             "transformer: the paper's speed-table models, scaled down to this machine's memory and about a "
-             "minute when no size flag or --set is given) or a recipe file (.yaml).",
+    "model": "A preset (transformer-l-13, amoebanet-d-18-256, ...), a family (transformer, amoebanet: the "
+             "paper's speed-table model, scaled down to this machine and about a minute unless a size flag or --set "
+             "is given) or a recipe file (.yaml).",
     "partitions": "K: pipeline stages, one rank each.",
     "microbatches": "M: micro-batches per mini-batch.",
     "batch_size": "Examples per mini-batch [default: 4 x M].",
-    "steps": "Measured steps; every figure is the median over them.",
+    "steps": "Measured steps (each figure is their median).",
     "warmup": "Steps run first and not measured.",
-    "schedule": "Pipeline schedule to measure: gpipe, 1f1b, interleaved or zero-bubble.",
-    "virtual_stages": "V: chunks of layers per stage for --schedule interleaved (K x V chunks, round-robin).",
-    "checkpoint": "Rematerialization: always, except_last or never (K=1 uses the same).",
-    "offload": "pipeline.offload: none, or activations (the inputs rematerialization stores wait in host memory; "
-               "needs --checkpoint always or except_last).",
-    "balance": "Layers per stage, e.g. 5,5 [default: balanced by measured per-layer time].",
-    "layers": "Model size override: layers (AmoebaNet L, Transformer layers).",
-    "filters": "Model size override: AmoebaNet filters D.",
-    "d_model": "Model size override: Transformer model width.",
-    "ff": "Model size override: Transformer feed-forward width.",
-    "heads": "Model size override: Transformer attention heads.",
-    "vocab_size": "Model size override: Transformer vocabulary.",
-    "image_size": "Model size override: AmoebaNet image side in pixels.",
-    "seq_len": "Model size override: Transformer sequence length (its max_len).",
-    "num_classes": "Model size override: AmoebaNet classes.",
-    "set": "Model parameter override KEY=VALUE (repeatable), e.g. --set arch=decoder-only --set dropout=0.",
-    "sweep": "Print the paper's Table 2: M in {1,4,32} x K in {2,4,8} (up to what this machine hosts), "
-             "normalised to K=2, M=1, with the paper's figures alongside.",
-    "compare": "Also run torch.distributed.pipelining's counterpart of --schedule (ScheduleGPipe, Schedule1F1B, "
-               "ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble) on the same model, K, M, cut and "
-               "recomputation; print throughput, idle share and peak-memory ratios.",
+    "schedule": "gpipe, 1f1b, interleaved or zero-bubble.",
+    "virtual_stages": "V: chunks of layers per stage, for --schedule interleaved.",
+    "checkpoint": "Rematerialization: always, except_last or never (K=1 too).",
+    "offload": "none, or activations: stored inputs wait in host memory (needs --checkpoint always or except_last).",
+    "balance": "Layers per stage, e.g. 5,5 [default: by measured per-layer time].",
+    "layers": "Layers (AmoebaNet L, Transformer layers).",
+    "filters": "AmoebaNet filters D.",
+    "d_model": "Transformer model width.",
+    "ff": "Transformer feed-forward width.",
+    "heads": "Transformer attention heads.",
+    "vocab_size": "Transformer vocabulary.",
+    "image_size": "AmoebaNet image side in pixels.",
+    "seq_len": "Transformer sequence length (its max_len).",
+    "num_classes": "AmoebaNet classes.",
+    "set": "Any model parameter (repeatable), e.g. --set arch=decoder-only.",
+    "sweep": "The paper's Table 2: M in {1,4,32} x K in {2,4,8} (as far as this machine hosts), normalised to K=2, "
+             "M=1, beside the paper's figures.",
+    "compare": "Also run torch.distributed.pipelining's counterpart of --schedule on the same model, K, M, cut and "
+               "recomputation: throughput, idle share and peak-memory ratios.",
     # Suffixes quoted: the help's tidying takes a space before a dot for a stray one, and drops it.
-    "trace": "Write one step's timeline as a Chrome trace to FILE (opens in Perfetto) and as a PNG Gantt chart "
-             "to FILE with '.png' in place of its suffix (needs matplotlib); a FILE ending in '.png' gets the "
-             "chart, and the trace goes to FILE with '.json' in place of '.png'.",
-    "simulate": "Predict throughput for --devices devices from measured per-layer costs and the link "
-                "(--bandwidth, --latency-us) instead of measuring K ranks.",
-    "devices": "Devices (K) to predict for with --simulate [default: --partitions].",
+    "trace": "One step's timeline as a Chrome trace to FILE (Perfetto) and a Gantt chart (needs matplotlib) to "
+             "FILE with '.png' in place of its suffix; for a FILE ending in '.png' the trace goes to FILE with "
+             "'.json' in place of '.png'.",
+    "simulate": "Predict throughput for --devices from measured per-layer costs and the link instead of measuring "
+                "K ranks.",
+    "devices": "K to predict for [default: --partitions].",
     "bandwidth": "Simulated link bandwidth in GB/s.",
     "latency_us": "Simulated per-message latency in microseconds.",
     "threads": "Intra-op threads per rank (1 keeps timings comparable).",
-    "oversubscribe": "With --sweep, also run K values that exceed the cores or GPUs (timings then mean little).",
+    "oversubscribe": "With --sweep, also K values that exceed the cores or GPUs (their timings mean little).",
     "seed": "Seed of the weights and of the synthetic batch.",
-    "json": "Write every figure as JSON to FILE (with --sweep, also the plot to FILE with '.png' in place of "
-            "its suffix).",
+    "json": "Write every figure as JSON to FILE (with --sweep, the plot too, to FILE with '.png' in place of its "
+            "suffix).",
 }
 
 
 def validate(options: BenchOptions) -> None:
     """Refuse options that cannot describe a benchmark, with one line naming the flag."""
     checks = [
-        (options.partitions >= 1, f"--partitions must be >= 1 (got {options.partitions})"),
-        (options.microbatches >= 1, f"--microbatches must be >= 1 (got {options.microbatches})"),
-        (options.steps >= 1, f"--steps must be >= 1 (got {options.steps})"),
-        (options.warmup >= 0, f"--warmup must be >= 0 (got {options.warmup})"),
-        (1 <= options.threads <= MAX_THREADS, f"--threads must be >= 1 and <= {MAX_THREADS} (got {options.threads})"),
+        *((message is None, message or "") for message in (
+            outside("--partitions", options.partitions, 1, MAX_RANKS),
+            outside("--microbatches", options.microbatches, 1, MAX_SIZE),
+            outside("--steps", options.steps, 1, MAX_COUNT),
+            outside("--warmup", options.warmup, 0, MAX_COUNT),
+            outside("--threads", options.threads, 1, MAX_THREADS))),
         (options.schedule in SCHEDULES, f"--schedule must be one of {', '.join(SCHEDULES)} (got {options.schedule})"),
         (options.checkpoint in REMAT_MODES,
          f"--checkpoint must be one of {', '.join(REMAT_MODES)} (got {options.checkpoint})"),
@@ -166,7 +165,8 @@ def validate(options: BenchOptions) -> None:
          "except_last"),
         (options.bandwidth > 0, f"--bandwidth must be > 0 GB/s (got {options.bandwidth})"),
         (options.latency_us >= 0, f"--latency-us must be >= 0 (got {options.latency_us})"),
-        (options.devices is None or options.devices >= 1, f"--devices must be >= 1 (got {options.devices})"),
+        (options.devices is None or outside("--devices", options.devices, 1, MAX_RANKS) is None,
+         outside("--devices", options.devices or 0, 1, MAX_RANKS) or ""),
         (options.devices is None or options.simulate, "--devices needs --simulate"),
         (not (options.sweep and options.simulate), "--sweep and --simulate cannot be combined"),
         (not (options.sweep and options.compare), "--sweep and --compare cannot be combined"),

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from gpipe_cli.errors import UserError, cut, shown
+from gpipe_cli.limits import outside
 from gpipe_cli.models.base import Batch, ModelSpec
 from gpipe_cli.models.registry import allowed_params, build_model, is_preset_name, names_help, resolve_preset
 from gpipe_cli.recipe.load import parse_override
@@ -103,8 +104,7 @@ def check_limits(kind: str, params: Mapping[str, Any], named: Mapping[str, str],
         value = params.get(param)
         if isinstance(value, bool) or not isinstance(value, int) or low <= value <= high:
             continue  # other types are the builder's to refuse, with its own words
-        where = named.get(param, f"{source}: {param}")
-        raise UserError(f"{where} must be from {low} to {high} (got {shown(value)})")
+        raise UserError(outside(named.get(param, f"{source}: {param}"), value, low, high) or "")
 
 
 def size_limits(kind: str) -> dict[str, tuple[int, int]]:

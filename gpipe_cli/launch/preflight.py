@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpipe_cli.errors import UserError, shown
+from gpipe_cli.limits import MAX_THREADS, outside
 
 if TYPE_CHECKING:  # the launcher imports this module
     from gpipe_cli.launch.launcher import LaunchOptions
 
 # Intra-op threads per rank: more than any machine has cores. Far more (say 100,000) runs the system out of
 # threads inside torch, which ends the rank with a crash instead of a message.
-MAX_THREADS = 1024
 
 
 def parse_nodes(nnodes: str) -> tuple[int, int]:
@@ -32,7 +32,7 @@ def parse_nodes(nnodes: str) -> tuple[int, int]:
 def check_launch(options: LaunchOptions, world: int) -> int:
     """Check the launch arguments against a job of `world` ranks; returns the ranks on this node."""
     if options.threads is not None and not 1 <= options.threads <= MAX_THREADS:
-        raise UserError(f"--threads: must be >= 1 and <= {MAX_THREADS} (got {options.threads})")
+        raise UserError(outside("--threads", options.threads, 1, MAX_THREADS) or "")
     _, max_nodes = parse_nodes(options.nnodes)
     if world % max_nodes:
         raise UserError(f"the job needs {world} processes, which does not divide over {max_nodes} nodes")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpipe_cli.errors import UserError
+from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, outside
 from gpipe_cli.units import parse_size
 
 TIMINGS = ("auto", "measure", "estimate")
@@ -77,19 +78,15 @@ def _finite(value: float | None, least: float, strict: bool) -> bool:
 
 def validate(options: PlanOptions) -> None:
     """Refuse flags that cannot describe a plan, with one line naming the flag."""
-    # Here, not at the top: the CLI loads this module for its help, and the schema's models take a tenth of a
-    # second to build that a mistake in another command should not wait for.
-    from gpipe_cli.recipe.schema import MAX_RANKS
-
     checks = [
         # A planned K or D past the recipe's own limit could never be written or trained; counts beyond it
         # would also only make the search count divisors for minutes.
-        (1 <= options.devices <= MAX_RANKS, f"--devices must be between 1 and {MAX_RANKS} (got {options.devices})"),
-        (options.nodes >= 1, f"--nodes must be >= 1 (got {options.nodes})"),
+        (1 <= options.devices <= MAX_RANKS, outside("--devices", options.devices, 1, MAX_RANKS) or ""),
+        (1 <= options.nodes <= MAX_RANKS, outside("--nodes", options.nodes, 1, MAX_RANKS) or ""),
         # Checked only past `--nodes >= 1`, which comes first: N % 0 has no answer.
         (options.nodes < 1 or (options.nodes <= options.devices and options.devices % options.nodes == 0),
          f"--nodes {options.nodes} must divide --devices {options.devices} (the same devices on every node)"),
-        (options.top >= 1, f"--top must be >= 1 (got {options.top})"),
+        (1 <= options.top <= MAX_COUNT, outside("--top", options.top, 1, MAX_COUNT) or ""),
         (_finite(options.bandwidth, 0, True),
          f"--bandwidth must be a finite number > 0 GB/s (got {options.bandwidth})"),
         (_finite(options.latency_us, 0, False),

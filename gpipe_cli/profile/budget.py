@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from gpipe_cli import memory_model as mm
+from gpipe_cli.limits import MAX_LAYERS
 from gpipe_cli.memory_model import Affine, Footprint, LayerFigures, ModelFigures, bytes_per_parameter, greedy_fit
 from gpipe_cli.models.describe import layer_params
 from gpipe_cli.models.registry import build_model
-from gpipe_cli.recipe.schema import MAX_LAYERS
 from gpipe_cli.units import parse_size
 
 # The families' fixed sizes in the paper's Table 1 and the batch it used.

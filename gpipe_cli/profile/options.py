@@ -9,6 +9,7 @@ from gpipe_cli.bench.options import OFFLOAD_MODES, REMAT_MODES, SCHEDULES  # the
 from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.estimate.size_flags import SizeFlags
 from gpipe_cli.files import check_output
+from gpipe_cli.limits import MAX_RANKS, MAX_SIZE, outside, words
 from gpipe_cli.units import parse_size
 
 # The largest K: the paper's largest pipeline (Transformer-L on 128 TPUs). Every stage of every row is
@@ -66,16 +67,16 @@ FLAGS: dict[str, str] = {
                  "momentum 0.9).",
     "budget": "Per-device memory, more than 0 bytes, e.g. 8GiB: find the largest model of the family that "
               "fits at each K (the paper's Table 1).",
-    "layers": "Model size override: layers (not with --budget, which searches it).",
-    "filters": "Model size override: AmoebaNet filters D (not with --budget, which searches it).",
-    "d_model": "Model size override: Transformer model width.",
-    "ff": "Model size override: Transformer feed-forward width.",
-    "heads": "Model size override: Transformer attention heads.",
-    "vocab_size": "Model size override: Transformer vocabulary.",
-    "image_size": "Model size override: AmoebaNet image side in pixels.",
-    "seq_len": "Model size override: Transformer sequence length.",
-    "num_classes": "Model size override: AmoebaNet classes.",
-    "set": "Model parameter override KEY=VALUE (repeatable).",
+    "layers": "Layers (not with --budget, which searches it).",
+    "filters": "AmoebaNet filters D (not with --budget, which searches it).",
+    "d_model": "Transformer model width.",
+    "ff": "Transformer feed-forward width.",
+    "heads": "Transformer attention heads.",
+    "vocab_size": "Transformer vocabulary.",
+    "image_size": "AmoebaNet image side in pixels.",
+    "seq_len": "Transformer sequence length.",
+    "num_classes": "AmoebaNet classes.",
+    "set": "Any model parameter (repeatable).",
     "device": "Where to measure: auto (CUDA if present), cpu or cuda.",
     "seed": "Seed of the weights and of the synthetic batch.",
     "json": "Write every figure as JSON to FILE.",
@@ -96,7 +97,7 @@ def validate(options: ProfileOptions) -> None:
     flag (before torch loads)."""
     _check_partitions(options.partitions)
     checks = [
-        (options.microbatches >= 1, f"--microbatches must be >= 1 (got {options.microbatches})"),
+        (1 <= options.microbatches <= MAX_SIZE, outside("--microbatches", options.microbatches, 1, MAX_SIZE) or ""),
         (options.batch_size is None or options.batch_size >= options.microbatches,
          f"--batch-size ({options.batch_size}) must be >= --microbatches ({options.microbatches})"),
         (options.schedule in SCHEDULES, f"--schedule must be one of {', '.join(SCHEDULES)} (got {options.schedule})"),
@@ -126,8 +127,9 @@ def validate(options: ProfileOptions) -> None:
 def _check_partitions(partitions: list[int]) -> None:
     """Refuse an empty --partitions and any K outside 1..MAX_PARTITIONS, naming the first such K."""
     if not partitions:
-        raise UserError(f"--partitions must list K values from 1 to {MAX_PARTITIONS}, e.g. 2,4,8 (got none)")
+        raise UserError(f"--partitions: must list K values {words('>= 1', f'<= {MAX_PARTITIONS}')}, e.g. 2,4,8 "
+                        "(got none)")
     bad = next((k for k in partitions if not 1 <= k <= MAX_PARTITIONS), None)
     if bad is not None:
-        raise UserError(f"--partitions must list K values from 1 to {MAX_PARTITIONS}, the paper's largest "
-                        f"pipeline (got {shown(bad)})")
+        raise UserError(f"--partitions: must list K values {words('>= 1', f'<= {MAX_PARTITIONS}')} (the paper's "
+                        f"largest pipeline; gpipe train takes up to {MAX_RANKS}) (got {shown(bad)})")

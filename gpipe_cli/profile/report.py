@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from gpipe_cli.units import human_bytes, human_count
+from gpipe_cli.units import human_bytes, human_count, number_range
 
 __all__ = ["show_budget", "show_measured"]
 
@@ -28,7 +28,7 @@ def show_measured(s: dict[str, Any], console: Console) -> None:
                 (("offloaded to host",) if moved else ()):
             table.add_column(name, justify="right")
         for st in sc["stages"]:
-            table.add_row(str(st["stage"]), f"{st['first_layer']}-{st['first_layer'] + st['layers'] - 1}",
+            table.add_row(str(st["stage"]), number_range(st['first_layer'], st['first_layer'] + st['layers'] - 1),
                           human_bytes(st["params_bytes"]), human_bytes(st["grads_bytes"]),
                           human_bytes(st["optimizer_bytes"]), human_bytes(st["stored_bytes"]),
                           human_bytes(st["peak_bytes"]), human_bytes(st["total_bytes"]),

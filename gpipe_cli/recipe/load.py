@@ -17,6 +17,7 @@ from typing import Annotated, Any, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 
 from gpipe_cli.errors import cut, shown
+from gpipe_cli.limits import words
 from gpipe_cli.recipe.schema import AmoebaNetModel, Recipe, TransformerModel
 from gpipe_cli.recipe.yamlio import RecipeError, dump, parse_document, parse_value, read_recipe_file
 
@@ -199,9 +200,7 @@ def _allowed_range(loc: Sequence[str | int], raw: dict[str, Any]) -> str | None:
                 bounds[attr] = getattr(item, attr)
     low = f">= {bounds['ge']}" if "ge" in bounds else f"> {bounds['gt']}" if "gt" in bounds else None
     high = f"<= {bounds['le']}" if "le" in bounds else f"< {bounds['lt']}" if "lt" in bounds else None
-    if low and high:
-        return f"{low} and {high}"
-    return low or high
+    return words(low, high) or None
 
 
 _KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
@@ -251,7 +250,7 @@ def _describe(error: dict[str, Any], raw: dict[str, Any]) -> str:
         return f"{key}: must not be empty"
     if kind == "value_error":
         return str(error["msg"]).removeprefix("Value error, ")
-    for name, words in _KINDS.items():
+    for name, kind_words in _KINDS.items():
         if kind.startswith(name + "_") or kind == name + "_type":
-            return f"{key}: must be {words} {got}"
+            return f"{key}: must be {kind_words} {got}"
     return f"{key}: {error['msg']} {got}"

@@ -9,16 +9,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, 
 from pydantic_core import PydanticCustomError
 
 from gpipe_cli.errors import cut
+from gpipe_cli.limits import MAX_COUNT, MAX_LAYERS, MAX_RANKS, MAX_REAL, MAX_SIZE, MAX_VIRTUAL
 from gpipe_cli.pipeline import schedules
-
-# Upper bounds that no real run reaches: they turn typos such as 1e20 into a clear error instead of an
-# allocation that fails deep inside torch.
-MAX_COUNT = 1_000_000_000  # steps, examples, intervals
-MAX_SIZE = 1 << 20  # model widths, batch and sequence sizes
-MAX_LAYERS = 10_000
-MAX_RANKS = 65_536
-MAX_VIRTUAL = 64  # chunks per stage (interleaved)
-MAX_REAL = 1e9  # learning rates, clipping thresholds, decay intervals
 
 
 def _not_text(value: object) -> None:
@@ -239,6 +231,9 @@ class Train(Section):
     on_nonfinite: Literal["stop", "skip"] = "stop"  # a non-finite loss or gradient (fp32, bf16)
     max_skipped: PositiveInt = 10  # consecutive skipped steps that stop the run (fp16 overflows too)
     profile: Profile | None = None  # steps [start, end] (from 1) traced with torch.profiler
+    peak_tflops: PositiveReal | None = Field(
+        default=None, description="Peak TFLOP/s of one rank that MFU is measured against; null: the data sheet "
+                                  "of a known GPU at train.precision, or on a CPU its measured matrix-product rate")
 
     @model_validator(mode="after")
     def _some_length(self) -> Train:
@@ -289,6 +284,17 @@ class Wandb(Section):
 
     project: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
     mode: Literal["offline", "online"] = "offline"
+    name: Annotated[str, Field(min_length=1, max_length=128)] | None = Field(
+        default=None, description="The W&B run's display name; null: the run directory's name")
+    entity: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")] | None = Field(
+        default=None, description="The W&B user or team the run goes to; null: the logged-in user's default")
+    group: Annotated[str, Field(min_length=1, max_length=128)] | None = Field(
+        default=None, description="Runs of one group are shown together (e.g. the members of a sweep)")
+    tags: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=list, max_length=64, description="Labels to filter runs by in the W&B interface")
+    artifact: StrictBool = Field(
+        default=False, description="At the end, export the final model to RUN_DIR/model.safetensors and log it "
+                                   "as a W&B artifact")
 
 
 class Metrics(Section):

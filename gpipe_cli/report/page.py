@@ -1,15 +1,17 @@
-"""The one-page PNG of `gpipe report`: six panels, every run overlaid with its label in the legend."""
+"""The one-page PNG of `gpipe report`: six to ten panels, every run overlaid with its label in the legend."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gpipe_cli import plots
-from gpipe_cli.report.runs import PARTS, Run, eval_metric, series, time_breakdown
+from gpipe_cli.report.runs import PARTS, Run, series, time_breakdown
 
 WIDTH_PX, HEIGHT_PX = 1800, 1000
 MIB = float(1 << 20)
+Draw = Callable[[Any, list[Run]], None]  # draws one panel of the runs on a matplotlib axes
 
 
 def _lines(ax: Any, runs: list[Run], key: str, title: str, ylabel: str, style: str = "-") -> None:
@@ -36,14 +38,46 @@ def _losses(ax: Any, runs: list[Run]) -> None:
     ax.legend(fontsize="small")
 
 
-def _eval(ax: Any, runs: list[Run]) -> None:
-    metrics = {m for r in runs if (m := eval_metric(r))}
-    if not metrics:
-        ax.set_title("eval: no evaluations recorded")
-        ax.axis("off")
-        return
-    metric = sorted(metrics)[0]
-    _lines(ax, runs, f"eval_{metric}", f"eval {metric}", metric, "o-")
+def _no_eval(ax: Any, runs: list[Run]) -> None:
+    ax.set_title("eval: no evaluations recorded")
+    ax.axis("off")
+
+
+def _eval(metric: str, title: str) -> Draw:
+    def draw(ax: Any, runs: list[Run]) -> None:
+        _lines(ax, runs, f"eval_{metric}", title, metric, "o-")
+        ax.legend(fontsize="small")
+
+    return draw
+
+
+def _perplexity(ax: Any, runs: list[Run]) -> None:
+    # Train perplexity is exp of the training loss, label smoothing included; eval's is without it.
+    _lines(ax, runs, "perplexity", "perplexity (train: exp(loss), line; eval: dots)", "perplexity")
+    for i, run in enumerate(runs):
+        steps, values = series(run).get("eval_perplexity", ([], []))
+        ax.plot(steps, values, "o--", color=f"C{i}", label=f"{run.label} eval" if steps else None)
+    values = [v for run in runs for key in ("perplexity", "eval_perplexity") for v in series(run).get(key, ([], []))[1]]
+    if values and min(values) > 0 and max(values) > 20 * min(values):
+        ax.set_yscale("log")
+    ax.legend(fontsize="small")
+
+
+def _utilization(ax: Any, runs: list[Run]) -> None:
+    # MFU where every run that has model FLOPs has a peak to compare them with, else the achieved rate.
+    mfu = all("mfu" in series(run) for run in runs if "tflops" in series(run))
+    if mfu:
+        _lines(ax, runs, "mfu", "MFU: model FLOPs / peak of all ranks (warm-up steps left out)", "MFU")
+    else:
+        _lines(ax, runs, "tflops", "achieved model TFLOP/s, all ranks (warm-up steps left out)", "TFLOP/s")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize="small")
+
+
+def _throughput(ax: Any, runs: list[Run]) -> None:
+    # The first step of each start (warm-up: one-time costs) is left out of throughput and bubble: a dip there
+    # would stretch the axis over the steps that matter.
+    _lines(ax, runs, "samples_per_s", "throughput (warm-up steps left out)", "samples/s")
     ax.legend(fontsize="small")
 
 
@@ -88,20 +122,39 @@ def _memory(ax: Any, runs: list[Run]) -> None:
     ax.legend(fontsize="small")
 
 
+def panels(runs: list[Run]) -> list[tuple[str, Draw]]:
+    """The page's panels, by name, in order: the task metrics (accuracy, BLEU, perplexity) and model FLOPs only
+    where some run's records hold them."""
+    has = set().union(*(series(run) for run in runs))
+    out: list[tuple[str, Draw]] = [("loss", _losses)]
+    if "eval_accuracy" in has:
+        out.append(("accuracy", _eval("accuracy", "eval accuracy")))
+    if "eval_bleu" in has:
+        out.append(("bleu", _eval("bleu", "eval BLEU")))
+    if has & {"perplexity", "eval_perplexity"}:
+        out.append(("perplexity", _perplexity))
+    if len(out) == 1:
+        out.append(("eval", _no_eval))
+    out.append(("throughput", _throughput))
+    if "tflops" in has:
+        out.append(("model flops", _utilization))
+    out += [("bubble", _bubble), ("step time", _breakdown), ("memory", _memory)]
+    return out
+
+
 def draw(runs: list[Run], path: Path) -> Path | None:
     """Write the report page as a PNG of WIDTH_PX x HEIGHT_PX; None when matplotlib is not installed."""
     plt = plots.pyplot()
     if plt is None:
         return None
     title = "gpipe report: " + ", ".join(f"{r.label} ({r.path.name})" for r in runs)
-    fig, axes = plots.figure(plt, WIDTH_PX, HEIGHT_PX, 2, 3, title)
-    _losses(axes[0][0], runs)
-    _eval(axes[0][1], runs)
-    # The first step of each start (warm-up: one-time costs) is left out of throughput and bubble: a dip there
-    # would stretch the axis over the steps that matter.
-    _lines(axes[0][2], runs, "samples_per_s", "throughput (warm-up steps left out)", "samples/s")
-    axes[0][2].legend(fontsize="small")
-    _bubble(axes[1][0], runs)
-    _breakdown(axes[1][1], runs)
-    _memory(axes[1][2], runs)
+    chosen = panels(runs)
+    rows = 2 if len(chosen) <= 8 else 3  # six panels as 2 x 3; up to four more fit in wider rows
+    cols = -(-len(chosen) // rows)
+    fig, axes = plots.figure(plt, WIDTH_PX, HEIGHT_PX, rows, cols, title)
+    cells = [ax for row in axes for ax in row]
+    for (_, panel), ax in zip(chosen, cells):
+        panel(ax, runs)
+    for ax in cells[len(chosen):]:
+        ax.axis("off")
     return plots.save(plt, fig, path)

@@ -13,7 +13,7 @@ from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
 # The keys of a train record's time_s, as metrics.jsonl holds them (read from the file, not the engine).
 PARTS = ("compute", "wait", "comm", "optimizer", "other")
 # What the report reads of a train record: each a number, or null where it was not finite.
-TRAIN_NUMBERS = ("samples_per_s", "step_time_s", "loss", "bubble", "bubble_theory")
+TRAIN_NUMBERS = ("samples_per_s", "step_time_s", "loss", "bubble", "bubble_theory", "tokens_per_s", "tflops", "mfu")
 EVAL_NUMBERS = ("loss", "accuracy", "bleu", "perplexity")
 # True on the first train record after a resume: that step warms up again, as the run's first did.
 RESUMED = "resumed"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,9 +10,10 @@ from typing import Any
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.report.records import PARTS, RESUMED, WARMUP, read_recipe, read_records
+from gpipe_cli.units import number_range
 
-__all__ = ["PARTS", "Run", "Throughput", "eval_metric", "read_run", "read_runs", "segment_throughputs", "segments",
-           "series", "steady", "throughput", "time_breakdown", "warming_up"]
+__all__ = ["EVAL_METRICS", "PARTS", "Run", "Throughput", "eval_metric", "read_run", "read_runs", "segment_throughputs",
+           "segments", "series", "steady", "throughput", "time_breakdown", "warming_up"]
 
 Series = tuple[list[int], list[float]]  # steps, values
 
@@ -76,9 +78,18 @@ def _numbers(records: list[dict[str, Any]], get: Any) -> Series:
     return steps, values
 
 
+# The task metrics an eval record may hold, each drawn in its own panel.
+EVAL_METRICS = ("accuracy", "bleu", "perplexity")
+
+
+def _exp(loss: float | None) -> float | None:
+    """exp(loss), None where it is not finite (a null loss, or one past a float's range)."""
+    return math.exp(loss) if loss is not None and loss < 700 else None
+
+
 def eval_metric(run: Run) -> str | None:
-    """The eval figure drawn beside the loss: accuracy, else BLEU, else perplexity (None: no evals)."""
-    for key in ("accuracy", "bleu", "perplexity"):
+    """The eval figure the summary table shows: accuracy, else BLEU, else perplexity (None: no evals)."""
+    for key in EVAL_METRICS:
         if any(r.get(key) is not None for r in run.evals):
             return key
     return None
@@ -107,9 +118,14 @@ def series(run: Run) -> dict[str, Series]:
         "bubble_theory": _numbers(timed, lambda r: r.get("bubble_theory")),
         "eval_loss": _numbers(run.evals, lambda r: r.get("loss")),
     }
-    metric = eval_metric(run)
-    if metric is not None:
-        out[f"eval_{metric}"] = _numbers(run.evals, lambda r: r.get(metric))
+    for metric in EVAL_METRICS:
+        if any(r.get(metric) is not None for r in run.evals):
+            out[f"eval_{metric}"] = _numbers(run.evals, lambda r, m=metric: r.get(m))
+    if any("tokens_per_s" in r for r in run.train):  # a text task: its loss is a mean per-token cross-entropy
+        out["perplexity"] = _numbers(run.train, lambda r: _exp(r.get("loss")))
+    for key in ("tflops", "mfu"):
+        if any(r.get(key) is not None for r in timed):
+            out[key] = _numbers(timed, lambda r, k=key: r.get(k))
     for s in range(run.stages):
         out[f"mem_peak_bytes/stage{s}"] = _numbers(run.train, lambda r, s=s: _at(r.get("mem_peak_bytes"), s))
     return out
@@ -174,7 +190,7 @@ def _segment(records: list[dict[str, Any]]) -> Throughput:
     if len(steps) > 1:  # the first step warms up (allocations, lazy set-up); a lone step is all there is
         warmup, steps = steps[0][1], steps[1:]
         over = f"the steps after the first, which took {warmup:.2f} s warming up"
-    return Throughput(_rate(steps), over, f"{records[0]['step']}-{records[-1]['step']}", warmup)
+    return Throughput(_rate(steps), over, number_range(records[0]['step'], records[-1]['step']), warmup)
 
 
 def segment_throughputs(run: Run) -> list[Throughput]:

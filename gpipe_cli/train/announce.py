@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import TextIO
 
+from gpipe_cli.console import say
 from gpipe_cli.recipe.schema import Recipe
 
 
@@ -93,7 +94,7 @@ def local_ranks(world: int, nnodes: str) -> int:
 def announce(recipe: Recipe, nnodes: str, threads: int | None, stream: TextIO, said: bool = False) -> None:
     """Print the first line (unless `said`), then (after looking for GPUs) any oversubscription warning."""
     if not said:
-        print(first_line(recipe), file=stream, flush=True)
+        say(first_line(recipe), stream)
     ranks = local_ranks(recipe.pipeline.partitions * recipe.pipeline.data_parallel, nnodes)
     gpus = 0
     if recipe.train.device != "cpu":
@@ -103,4 +104,4 @@ def announce(recipe: Recipe, nnodes: str, threads: int | None, stream: TextIO, s
     cores = usable_cores()
     warning = oversubscription(ranks, threads or max(cores // ranks, 1), cores, gpus)
     if warning:
-        print(warning, file=stream, flush=True)
+        say(warning, stream)

@@ -1,4 +1,4 @@
-"""`gpipe export`: the consolidated model of a run's checkpoint as one safetensors file."""
+"""`gpipe export`: the consolidated model of a run's checkpoint as one self-describing safetensors file."""
 
 from __future__ import annotations
 
@@ -11,19 +11,27 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from gpipe_cli.data.tokenizer import TOKENIZER_FILE
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.files import new_file_mode
 from gpipe_cli.launch import check_writable
+from gpipe_cli.models import weights
+from gpipe_cli.recipe.load import load_recipe
+from gpipe_cli.recipe_model import model_spec
 from gpipe_cli.train import checkpoint
+from gpipe_cli.train.rundir import RECIPE
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
 
 _MODEL = "model."
 
 
-def export(location: str, output: str | None = None) -> Path:
-    """Write the model weights of the newest verified checkpoint at `location` to a safetensors file."""
+def export(location: str, output: str | None = None, dtype: str | None = None) -> Path:
+    """Write the model of the newest verified checkpoint at `location` to a safetensors file that also holds
+    its recipe, tie map and tokenizer; `dtype` casts the floating-point weights (None: as trained)."""
     from safetensors.torch import save_file
 
+    if dtype is not None and dtype not in weights.DTYPES:
+        raise UserError(f"--dtype: {shown(dtype)} is not one of {', '.join(weights.DTYPES)}")
     if output:
         if os.path.isdir(output):  # found now, not after the checkpoint has been read
             raise UserError(f"--output: {shown(output)} is a directory; give the safetensors file to write")
@@ -42,7 +50,9 @@ def export(location: str, output: str | None = None) -> Path:
     with checkpoint.single_process_quiet(False):
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     tensors = {key[len(_MODEL):]: value.contiguous() for key, value in state.items()}
-    target = Path(output) if output else checkpoint.run_dir_of(found.path) / "model.safetensors"
+    run_dir = checkpoint.run_dir_of(found.path)
+    tensors, metadata = _described(tensors, run_dir, found.step, dtype)
+    target = Path(output) if output else run_dir / "model.safetensors"
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
@@ -50,8 +60,7 @@ def export(location: str, output: str | None = None) -> Path:
         raise UserError(f"cannot write {shown(str(target))} ({exc.strerror})") from None
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata={"step": str(found.step), "format": "pt",
-                                          "layers": "global layer index . parameter name"})
+        save_file(tensors, tmp, metadata=metadata)
         os.chmod(tmp, new_file_mode())  # as any new file, not mkstemp's 0o600
         os.replace(tmp, target)
     except OSError as exc:  # a full disk, a read-only file system: say so, leave nothing behind
@@ -69,3 +78,33 @@ def _check_location(location: str) -> None:
         raise UserError(f"no such run directory or checkpoint: {shown(location)}")
     if not os.path.isdir(location):
         raise UserError(f"{shown(location)} is a file; give a run directory or one of its checkpoint folders")
+
+
+def _described(tensors: dict[str, torch.Tensor], run_dir: Path, step: int,
+               dtype: str | None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors to store (tied ones once, cast to `dtype`) and the metadata that makes them usable alone."""
+    if dtype is not None:
+        tensors = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in tensors.items()}
+    floating = [v.dtype for v in tensors.values() if v.is_floating_point()]
+    stored = str(floating[0]).removeprefix("torch.") if floating else "float32"
+    recipe_file = run_dir / RECIPE
+    if not recipe_file.is_file():  # a checkpoint folder moved away from its run: the weights alone
+        print(f"[gpipe] no {RECIPE} in {run_dir}: the export holds the weights only, which gpipe predict "
+              "cannot use", file=sys.stderr)
+        return tensors, {"step": str(step), "format": "pt", "layers": "global layer index . parameter name"}
+    recipe = load_recipe(recipe_file, check_data=False)
+    spec = model_spec(recipe)
+    tokenizer = None
+    if spec.task != "image":
+        source = Path(recipe.data.tokenizer) if recipe.data.tokenizer else run_dir / TOKENIZER_FILE
+        try:
+            tokenizer = source.read_bytes()
+        except OSError as exc:
+            print(f"[gpipe] cannot read the tokenizer {source} ({exc.strerror}): the export holds no "
+                  "tokenizer, which gpipe predict needs", file=sys.stderr)
+    try:
+        tensors, aliases = weights.store_once(tensors, spec.tied)
+    except ValueError as exc:
+        raise UserError(f"{run_dir}: {exc}") from None
+    return tensors, weights.describe(spec, aliases, dtype=stored, step=step, recipe=recipe_file.read_text(),
+                                     tokenizer=tokenizer)

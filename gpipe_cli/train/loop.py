@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from gpipe_cli import sizing
 from gpipe_cli.data import Batch, Loader, build_data_for
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate import cost_cache
@@ -30,8 +31,9 @@ from gpipe_cli.pipeline.partition import stage_layers, stage_ranges
 from gpipe_cli.pipeline.step import PendingStep
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
 from gpipe_cli.recipe_model import build_optimizer, model_spec, pipeline_config
-from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, translate
+from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, translate, utilization
 from gpipe_cli.train.existing import complete_line, past_end
+from gpipe_cli.train.export import export as export_model
 from gpipe_cli.train.job import Job
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
 from gpipe_cli.train.profiling import StepProfiler
@@ -43,6 +45,7 @@ from gpipe_cli.train.signals import StopRequest
 from gpipe_cli.train.sinks import open_sinks
 from gpipe_cli.train.step_figures import step_figures
 from gpipe_cli.train.summary import RunSummary
+from gpipe_cli.units import number_range
 
 __all__ = ["Job", "Trainer", "configure_threads"]
 
@@ -85,7 +88,7 @@ class Trainer:
         k = pipe_cfg.partitions
         self._note(f"building {k} stage{'s' if k > 1 else ''} of {self.spec.name} "
                    f"({self.plan.total_params:,} parameters): "
-                   + ", ".join(f"stage {i % k} layer{f's {r[0]}-{r[-1]}' if len(r) > 1 else f' {r[0]}'}"
+                   + ", ".join(f"stage {i % k} layer{'s' if len(r) > 1 else ''} {number_range(r[0], r[-1])}"
                                for i, r in enumerate(ranges)) + f" (cut by {self.plan.balance_by})")
         span = stage_layers(self.plan.balance, pipe_cfg.partitions, self.layout.stage)
         layers = build_layers(self.spec.factories(), span, recipe.seed, topo.device)
@@ -119,6 +122,7 @@ class Trainer:
                                                recipe.model_dump(mode="json"), self._note))
                         if self.layout.rank == 0 else None)
         self.summary = RunSummary(self.total_steps, job.started or time.time())
+        self.model_flops, self.peak = self._utilization() if self.layout.rank == 0 else (None, None)
         self.profiler = StepProfiler(recipe.train.profile, self.run_dir, self.layout.rank, topo.device)
 
     # ----------------------------------------------------------------- set-up helpers
@@ -127,6 +131,23 @@ class Trainer:
         """A preparation step on the launching terminal (rank 0), so the screen is never blank."""
         if self.view is not None:
             self.view.note(text)
+
+    def _utilization(self) -> tuple[utilization.ModelFlops | None, utilization.Peak | None]:
+        """The model FLOPs of a step and the peak MFU is measured against (rank 0), said in one line."""
+        forward = float(sum(stage.flops for stage in self.plan.stages))
+        if forward <= 0:
+            self._note("MFU: no FLOP count for this model; records carry no tflops or mfu")
+            return None, None
+        units = None
+        if self.spec.task != "image":  # text: FLOPs per token, as a step's batch holds any number of tokens
+            units = self.spec.example_batch(1, "meta")[1].numel()
+        device, train = self.topo.device, self.recipe.train
+        peak = utilization.find_peak(train.peak_tflops, device.type, train.precision,
+                                     lambda: torch.cuda.get_device_name(device),
+                                     lambda: sizing.measured_rate("cpu", torch.get_num_threads()))
+        self.summary.peak, self.summary.ranks = peak, self.layout.world_size
+        self._note(f"MFU: model FLOPs (3x forward, recomputation not counted) over {peak.source}")
+        return utilization.ModelFlops(forward, units), peak
 
     def _reading_data(self) -> str:
         data, model = self.recipe.data, self.recipe.model
@@ -329,7 +350,8 @@ class Trainer:
 
     def _profiled(self, trace: Path | None) -> None:
         if trace is not None and self.view is not None:
-            self.view.message(f"profile: steps {self.profiler.first}-{self.profiler.last} traced in {trace.parent} "
+            self.view.message(f"profile: step{'s' if self.profiler.last > self.profiler.first else ''} "
+                              f"{number_range(self.profiler.first, self.profiler.last)} traced in {trace.parent} "
                               f"(rank<N>.json for each rank; open in https://ui.perfetto.dev)")
 
     def _save(self, step: int) -> None:
@@ -360,6 +382,9 @@ class Trainer:
             record["cuda_peak_bytes"] = [s.cuda_peak for s in stages]
         if self.spec.task != "image":
             record["tokens_per_s"] = stats.units / seconds
+        if self.model_flops is not None and self.peak is not None:
+            flops = self.model_flops.of_step(batch.global_size, stats.units if self.spec.task != "image" else None)
+            record.update(utilization.figures(flops, seconds, self.peak.flops_per_s, self.layout.world_size))
         if result.skipped:
             record["skipped"] = True
         if step == self.start_step:  # the first step of each start carries one-time costs (allocations, lazy set-up)
@@ -432,8 +457,31 @@ class Trainer:
                 print(f"[gpipe] {self.diverged}", file=sys.stderr, flush=True)
         self._profiled(self.profiler.close())  # a run that stopped inside the profiled steps
         if self.metrics is not None:
+            self._log_model()
             self.metrics.close()
         self.pipe.close()
+
+
+    def _log_model(self) -> None:
+        """With `metrics.wandb.artifact`, export the final checkpoint's model into the run and log it (rank 0)."""
+        wandb = self.recipe.metrics.wandb
+        sinks = self.metrics.sinks if self.metrics is not None else None
+        if wandb is None or not wandb.artifact or sinks is None or not sinks.takes_models():
+            return
+        if self.checkpoints.last_saved < 0:
+            self._message("metrics.wandb.artifact: no checkpoint was written, so there is no model to log")
+            return
+        try:
+            path = export_model(str(self.run_dir))
+        except UserError as err:
+            self._message(f"metrics.wandb.artifact: could not export the model ({err})")
+            return
+        self._message(f"exported {path} for metrics.wandb.artifact")
+        sinks.log_model(path)
+
+    def _message(self, text: str) -> None:
+        if self.view is not None:
+            self.view.message(text)
 
 
 def configure_threads() -> None:

@@ -1,8 +1,9 @@
 """Where step records go: `metrics.jsonl` (one strict JSON object per line) and the terminal.
 
 On a terminal the view is live (rich): a progress bar with ETA, loss, LR, throughput, the measured
-bubble against theory, where each stage's step time goes, labelled memory per stage and the latest
-eval. Elsewhere (CI, log files) or with --plain it prints the same as lines.
+bubble against theory, where each stage's step time goes and labelled memory per stage, with each
+eval printed above it as a line; it fits 80 columns. Elsewhere (CI, log files) or with --plain it
+prints the same as lines.
 """
 
 from __future__ import annotations
@@ -14,19 +15,20 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from rich.console import Console, Group
+from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.live import Live
+from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
+from gpipe_cli.console import fit, say
 from gpipe_cli.pipeline.stats import PARTS
 from gpipe_cli.train.announce import note
 from gpipe_cli.train.sinks import Sinks
 from gpipe_cli.train.summary import eval_figures
+from gpipe_cli.train.utilization import rate_text
 from gpipe_cli.units import human_bytes
-
-_PART_LABELS = {"compute": "compute", "wait": "wait (bubble)", "comm": "comm", "optimizer": "optimizer",
-                "other": "other"}
 
 
 def finite_json(record: dict[str, Any]) -> dict[str, Any]:
@@ -88,6 +90,13 @@ def _rate(record: dict[str, Any]) -> str:
     return rate
 
 
+def utilization(record: dict[str, Any]) -> str:
+    """The step's achieved model TFLOP/s and MFU ('' when the record has neither)."""
+    if "tflops" not in record:
+        return ""
+    return rate_text(record["tflops"]) + (f" (MFU {record['mfu']:.1%})" if "mfu" in record else "")
+
+
 def stage_shares(record: dict[str, Any], stage: int) -> dict[str, float]:
     """Each part's share of the step time on one stage."""
     step = record["step_time_s"]
@@ -126,13 +135,90 @@ def eval_line(record: dict[str, Any], total: int) -> str:
 def train_lines(record: dict[str, Any], total: int, counted: Counted | None = None) -> list[str]:
     """A train record as lines: the step, then one line per stage with its time and memory."""
     lines = [f"step {record['step']}/{total} | epoch {record['epoch']} | loss {_num(record['loss'], '.4f')} | "
-             f"lr {record['lr']:.3g} | {_rate(record)} | {record['step_time_s'] * 1e3:.0f} ms/step | "
+             f"lr {record['lr']:.3g} | {_rate(record)} | "
+             + (f"{utilization(record)} | " if "tflops" in record else "")
+             + f"{record['step_time_s'] * 1e3:.0f} ms/step | "
              f"bubble {record['bubble']:.3f} (theory {record['bubble_theory']:.3f})"
              + (" | warm-up step (one-time costs)" if record.get("warmup") is True else "")]
     for s in range(len(record["rss_peak_bytes"])):
         shares = " | ".join(f"{part} {share:.0%}" for part, share in stage_shares(record, s).items())
         lines.append(f"  stage {s}: {shares} | {stage_memory(record, s, counted)}")
     return lines
+
+
+_SHORT_PARTS = {"compute": "compute", "wait": "wait", "comm": "comm", "optimizer": "optim", "other": "other"}
+
+
+class StepView:
+    """A train record as the live view shows it, laid out for the width it is given.
+
+    The figures are labelled items that fold onto more rows as the width narrows; the stage table has short
+    headers and cells that never wrap, and at a width too narrow for it becomes two: time, then memory.
+    """
+
+    def __init__(self, record: dict[str, Any], skipped: int, counted: Counted | None) -> None:
+        self.record, self.skipped, self.counted = record, skipped, counted
+
+    def figures(self) -> list[Text]:
+        """Each figure with its label, one item that is never split."""
+        r = self.record
+        items = [("loss", _num(r["loss"], ".4f")), ("lr", f"{r['lr']:.3g}"), ("grad norm", _num(r["grad_norm"], ".3g")),
+                 ("skipped", str(self.skipped)), ("step", f"{r['step_time_s'] * 1e3:.0f} ms"),
+                 ("samples/s", f"{r['samples_per_s']:.1f}")]
+        if "tokens_per_s" in r:
+            items.append(("tokens/s", f"{r['tokens_per_s']:.0f}"))
+        items.append(("bubble", f"{r['bubble']:.3f} (theory {r['bubble_theory']:.3f})"))
+        if "tflops" in r:
+            items.append(("model", utilization(r)))
+        return [Text.assemble((label, "dim"), " ", value, no_wrap=True) for label, value in items]
+
+    def tables(self, time: bool = True, memory: bool = True) -> Table:
+        """Per stage: each part's share of the step time and/or its memory."""
+        r = self.record
+        table = Table(box=None, padding=(0, 1), pad_edge=False, header_style="bold")
+        table.add_column("stage", justify="right", no_wrap=True)
+        if time:
+            for part in PARTS:
+                table.add_column(_SHORT_PARTS[part], justify="right", no_wrap=True)
+        cuda = "cuda_peak_bytes" in r
+        if memory:
+            counted = counted_activations(r, self.counted)
+            # The step the activations were counted at goes in the header: the cells keep to one figure each.
+            table.add_column("activations" + (f"\n(step {counted[0]})" if counted else ""), justify="right",
+                             no_wrap=True)
+            table.add_column("RSS peak", justify="right", no_wrap=True)
+            if cuda:
+                table.add_column("CUDA peak", justify="right", no_wrap=True)
+        for s in range(len(r["rss_peak_bytes"])):
+            cells = [f"{v:.0%}" for v in stage_shares(r, s).values()] if time else []
+            if memory:
+                counted = counted_activations(r, self.counted)
+                cells += [human_bytes(counted[1][s]) if counted else "-", human_bytes(r["rss_peak_bytes"][s])]
+                if cuda:
+                    cells.append(human_bytes(r["cuda_peak_bytes"][s]))
+            table.add_row(str(s), *cells)
+        return table
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        items = self.figures()
+        for per_row in (len(items), 4, 2, 1):  # the fewest rows the width holds, in whole figures
+            grid = Table.grid(padding=(0, 3))
+            for row in range(0, len(items), per_row):
+                grid.add_row(*items[row:row + per_row])
+            if per_row == 1 or _width(console, options, grid) <= options.max_width:
+                yield grid
+                break
+        whole = self.tables()
+        if _width(console, options, whole) <= options.max_width:
+            yield whole
+        else:  # too narrow for one row per stage: the time shares, then the memory
+            yield self.tables(memory=False)
+            yield self.tables(time=False)
+
+
+def _width(console: Console, options: ConsoleOptions, renderable: Table) -> int:
+    """The columns `renderable` takes unwrapped (rich caps a measurement at the width it is given)."""
+    return Measurement.get(console, options.update_width(10_000), renderable).maximum
 
 
 class TerminalView:
@@ -147,11 +233,12 @@ class TerminalView:
         self._console = Console(file=self.stream, highlight=False)
         self._live: Live | None = None
         self._last_train: dict[str, Any] | None = None
-        self._last_eval: dict[str, Any] | None = None
         self._counted: Counted | None = None
         self.skipped = 0
-        self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self._console)
+        # The bar takes what the other columns leave, so the counts and times are never cut on a narrow terminal.
+        self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=None),
+                                  MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                  console=self._console)
         self._task = self._progress.add_task(title, total=None)
 
     def note(self, text: str) -> None:
@@ -169,17 +256,18 @@ class TerminalView:
         self._live.start()
 
     def message(self, text: str) -> None:
-        """A one-off line (checkpoint written, step skipped, ...)."""
+        """A one-off line (checkpoint written, step skipped, ...), wrapped at spaces on a terminal."""
         if self._live is not None:
-            self._live.console.print(text, markup=False, highlight=False)
+            console = self._live.console
+            console.print(fit(text, console.width), markup=False, highlight=False, soft_wrap=True)
         else:
-            print(text, file=self.stream, flush=True)
+            say(text, self.stream)
 
     def show(self, record: dict[str, Any], log_every: int = 1) -> None:
-        """Show a train or eval record."""
+        """Show a train or eval record; the run's final eval is left to the summary, which gives it once."""
         if record["kind"] == "eval":
-            self._last_eval = record
-            self.message(eval_line(record, self.total))
+            if record["step"] != self.total:
+                self.message(eval_line(record, self.total))
         else:
             self._last_train = record
             self._counted = counted_activations(record, self._counted)
@@ -192,31 +280,10 @@ class TerminalView:
             self._live.update(self.frame())
 
     def frame(self) -> Group:
-        """What the live view shows now: progress, the latest step's figures per stage, the latest eval."""
+        """What the live view shows now: progress and the latest step's figures per stage (evals print above it)."""
         if self._last_train is None:
             return Group(self._progress)
-        return Group(self._progress, self._table(self._last_train))
-
-    def _table(self, record: dict[str, Any]) -> Group:
-        head = Table(show_header=False, box=None, padding=(0, 2))
-        head.add_row("loss", _num(record["loss"], ".4f"), "lr", f"{record['lr']:.3g}",
-                     "grad norm", _num(record["grad_norm"], ".3g"), "skipped", str(self.skipped))
-        head.add_row("speed", _rate(record), "step", f"{record['step_time_s'] * 1e3:.0f} ms",
-                     "bubble", f"{record['bubble']:.3f} (theory {record['bubble_theory']:.3f})", "", "")
-        stages = Table(box=None, padding=(0, 2), header_style="bold")
-        cuda = "cuda_peak_bytes" in record
-        for name in ("stage", *(_PART_LABELS[p] for p in PARTS), "activations", "RSS peak",
-                     *(("CUDA peak",) if cuda else ())):
-            stages.add_column(name, justify="right")
-        for s in range(len(record["rss_peak_bytes"])):
-            memory = [_activations(record, s, self._counted), human_bytes(record["rss_peak_bytes"][s])]
-            if cuda:
-                memory.append(human_bytes(record["cuda_peak_bytes"][s]))
-            stages.add_row(str(s), *(f"{v:.0%}" for v in stage_shares(record, s).values()), *memory)
-        parts: list[Any] = [head, stages]
-        if self._last_eval is not None:
-            parts.append(f"eval (step {self._last_eval['step']}): {eval_figures(self._last_eval)}")
-        return Group(*parts)
+        return Group(self._progress, StepView(self._last_train, self.skipped, self._counted))
 
     def stop(self) -> None:
         """Stop the live view (its last frame stays on the screen)."""

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpipe_cli.console import say
 from gpipe_cli.data.offline import check_hub_data
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.launch import LaunchOptions, check_device, check_launch, check_writable, launch, under_torchrun
@@ -99,7 +100,7 @@ def train(options: TrainOptions) -> int:
     first = not under_torchrun() or os.environ.get("RANK", "0") == "0"
     live = options.plain is False or (options.plain is None and sys.stdout.isatty())
     if first and not live:  # lines: say what starts now; a plan error follows on stderr, still one line there
-        print(first_line(recipe), flush=True)
+        say(first_line(recipe), sys.stdout)
     with checking(recipe, first and live):
         import torch  # and the models: the status line is already up
 
@@ -131,17 +132,17 @@ def train(options: TrainOptions) -> int:
             check_writable(Path(OUTPUTS) / recipe.name, "the output directory")
     if complete is not None:  # e.g. a scheduler requeued a finished job: say so, touch nothing
         if first:
-            print(complete_line(run_dir_of(str(resume)), complete, f"train.steps {recipe.train.steps}"), flush=True)
+            say(complete_line(run_dir_of(str(resume)), complete, f"train.steps {recipe.train.steps}"), sys.stdout)
         return 0
     if first:
         announce(recipe, options.launch.nnodes, options.launch.threads, sys.stdout, said=not live)
         if fresh:
-            print(note(started, f"--resume: {shown(str(options.output_dir))} holds no run yet; starting a new one "
-                                "there"), flush=True)
+            say(note(started, f"--resume: {shown(str(options.output_dir))} holds no run yet; starting a new one "
+                              "there"), sys.stdout)
         if resume is not None:  # before any rank starts: the run's recipe.yaml will record what it changes
             continued = options.recipe is None
-            print(resume_line(run_dir_of(resume), step, changes, options.recipe, continued, options.overrides),
-                  flush=True)
+            say(resume_line(run_dir_of(resume), step, changes, options.recipe, continued, options.overrides),
+                sys.stdout)
     job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
               resume=resume, started=started, available=available)
     if under_torchrun():
@@ -152,8 +153,8 @@ def train(options: TrainOptions) -> int:
 
         return run_job(job)
     here = local_ranks(world, options.launch.nnodes)
-    print(note(started, f"starting {here} rank{'s' if here > 1 else ''}"
-                        + (f" of {world} on this node" if here != world else "")), flush=True)
+    say(note(started, f"starting {here} rank{'s' if here > 1 else ''}"
+                      + (f" of {world} on this node" if here != world else "")), sys.stdout)
     with tempfile.TemporaryDirectory(prefix="gpipe-") as folder:
         path = Path(folder) / "job.json"
         path.write_text(json.dumps(dataclasses.asdict(job)))

@@ -12,14 +12,32 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-from gpipe_cli.recipe.schema import Metrics
+from gpipe_cli.recipe.schema import Metrics, Wandb
 
 _NOT_FIGURES = ("kind", "step", "nonfinite", "warmup")
 # A step's timing figures: a warm-up step's go to their own section (its loss, lr and memory are as any step's).
-TIMING = frozenset({"samples_per_s", "tokens_per_s", "step_time_s", "bubble", "idle", "time_s"})
+TIMING = frozenset({"samples_per_s", "tokens_per_s", "step_time_s", "bubble", "idle", "time_s", "tflops", "mfu"})
 WARMUP_SECTION = "train_warmup"
+
+
+# The curves the HParams tab shows beside each run's recipe values (their latest values).
+HPARAM_METRICS = ("train/loss", "train/samples_per_s", "train/mfu", "eval/loss", "eval/accuracy", "eval/bleu",
+                  "eval/perplexity")
+
+
+def hyperparameters(config: dict[str, Any], prefix: str = "") -> dict[str, float | str | bool]:
+    """A recipe's values flattened to dotted keys (`model.layers`, `optimizer.lr`); lists and null as text."""
+    out: dict[str, float | str | bool] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(hyperparameters(value, f"{prefix}{key}."))
+        elif isinstance(value, bool | int | float | str):
+            out[f"{prefix}{key}"] = value
+        else:  # a list, or null: TensorBoard's hyperparameters are numbers, text or booleans
+            out[f"{prefix}{key}"] = "null" if value is None else str(value)
+    return out
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -61,13 +79,28 @@ class TensorBoardSink:
 
     name = "metrics.tensorboard"
 
-    def __init__(self, run_dir: Path, first_step: int) -> None:
+    def __init__(self, run_dir: Path, first_step: int, config: dict[str, Any] | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
         # purge_step hides events a resumed run writes again (those after its checkpoint), as
         # metrics.jsonl drops their lines.
         self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
                                      purge_step=first_step + 1 if first_step else None)
+        if config is not None:
+            self._recipe(config, first_step)
+
+    def _recipe(self, config: dict[str, Any], step: int) -> None:
+        """The resolved recipe as a text summary (`recipe`), and its values as hyperparameters (HParams tab)."""
+        import yaml
+        from torch.utils.tensorboard.summary import hparams
+
+        text = yaml.safe_dump(config, sort_keys=False)
+        # Markdown: indented by four spaces, the YAML shows as a code block with its indentation kept.
+        self._writer.add_text("recipe", "".join(f"    {line}\n" for line in text.splitlines()), global_step=step)
+        # Into this event file, not add_hparams' own sub-run, so the HParams tab links the run's own curves.
+        for summary in hparams(hyperparameters(config), dict.fromkeys(HPARAM_METRICS, 0.0)):
+            self._writer._get_file_writer().add_summary(summary, step)
+        self._writer.flush()
 
     def log(self, values: dict[str, float], step: int) -> None:
         """Write one record's scalars and flush, so a running TensorBoard sees the step at once."""
@@ -85,15 +118,23 @@ class WandbSink:
 
     name = "metrics.wandb"
 
-    def __init__(self, run_dir: Path, project: str, mode: Literal["offline", "online"], config: dict[str, Any]) -> None:
+    def __init__(self, run_dir: Path, options: Wandb, config: dict[str, Any]) -> None:
         # wandb's own chatter (login, sync hints) would break the live view; failures are our one line.
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
+        self._wandb = wandb
         # A bounded wait: with no network, online mode fails at start instead of stalling the run.
         settings = wandb.Settings(silent=True, init_timeout=30, console="off")
-        self._run = wandb.init(project=project, mode=mode, dir=str(run_dir), name=run_dir.name, config=config,
-                               settings=settings)
+        self._run = wandb.init(project=options.project, entity=options.entity, mode=options.mode, dir=str(run_dir),
+                               name=options.name or run_dir.name, group=options.group,
+                               tags=list(options.tags) or None, config=config, settings=settings)
+
+    def log_model(self, path: Path) -> None:
+        """Log an exported model file as the run's `model` artifact."""
+        artifact = self._wandb.Artifact(name=f"model-{self._run.id}", type="model")
+        artifact.add_file(str(path))
+        self._run.log_artifact(artifact)
 
     def log(self, values: dict[str, float], step: int) -> None:
         """Log one record's scalars at its step."""
@@ -133,6 +174,19 @@ class Sinks:
                 self._say(f"{sink.name}: stopped logging ({type(err).__name__}: {err}); metrics.jsonl goes on")
                 self.sinks.remove(sink)
 
+    def takes_models(self) -> bool:
+        """Whether a running sink logs model files (W&B's artifacts)."""
+        return any(hasattr(sink, "log_model") for sink in self.sinks)
+
+    def log_model(self, path: Path) -> None:
+        """Hand an exported model file to every sink that logs models; a failure is one line."""
+        for sink in self.sinks:
+            if hasattr(sink, "log_model"):
+                try:
+                    sink.log_model(path)
+                except Exception as err:  # noqa: BLE001 - the model file is written; only its upload failed
+                    self._say(f"{sink.name}: could not log {path.name} ({type(err).__name__}: {err})")
+
     def close(self) -> None:
         """Close every sink; a failure to close is one line."""
         for sink in self.sinks:
@@ -148,10 +202,10 @@ def open_sinks(metrics: Metrics, run_dir: Path, first_step: int, config: dict[st
     """Start the sinks the recipe's `metrics:` section enables; each that cannot start says so in one line."""
     sinks: list[Sink | None] = []
     if metrics.tensorboard:
-        sinks.append(_start(TensorBoardSink.name, lambda: TensorBoardSink(run_dir, first_step), say,
+        sinks.append(_start(TensorBoardSink.name, lambda: TensorBoardSink(run_dir, first_step, config), say,
                             "pip install 'gpipe-cli[tensorboard]'"))
     wandb = metrics.wandb
     if wandb is not None:
-        sinks.append(_start(WandbSink.name, lambda: WandbSink(run_dir, wandb.project, wandb.mode, config), say,
+        sinks.append(_start(WandbSink.name, lambda: WandbSink(run_dir, wandb, config), say,
                             "pip install 'gpipe-cli[wandb]'"))
     return Sinks([s for s in sinks if s is not None], say)

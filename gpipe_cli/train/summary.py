@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpipe_cli.pipeline.stats import PARTS
+from gpipe_cli.train.utilization import Peak, rate_text
+from gpipe_cli.units import number_range
 
 _NOT_METRICS = ("kind", "step", "nonfinite")
 
@@ -25,6 +27,7 @@ class _Steps:
     examples: float = 0.0
     units: float = 0.0
     seconds: float = 0.0
+    flops: float = 0.0  # model FLOPs, of the steps whose records carry `tflops`
     bubbles: list[float] = field(default_factory=list)
     parts: dict[str, float] = field(default_factory=dict)
 
@@ -34,6 +37,7 @@ class _Steps:
         self.examples += examples
         self.units += units or 0.0
         self.seconds += record["step_time_s"]
+        self.flops += record.get("tflops", 0.0) * 1e12 * record["step_time_s"]
         self.bubbles.append(record["bubble"])
         for part in PARTS:
             values = record["time_s"][part]
@@ -56,6 +60,8 @@ class RunSummary:
     steps_seen: tuple[int, int] = (0, 0)  # the first and the last step number taken in
     resumed: bool = False  # the first step came after a resume: the figures are those since it
     best_eval: dict[str, Any] | None = None
+    peak: Peak | None = None  # what MFU is measured against (rank 0 sets it once it knows)
+    ranks: int = 1
     last_eval: dict[str, Any] | None = None
 
     def add(self, record: dict[str, Any], examples: float, units: float | None) -> None:
@@ -81,7 +87,9 @@ class RunSummary:
         wall = now - self.started
         done = f"{self.steps} of {self.total_steps} steps"
         if self.resumed:  # the earlier steps' figures are the run's too: `gpipe report` combines them
-            done = f"steps {self.steps_seen[0]}-{self.steps_seen[1]} of {self.total_steps}, since the resume,"
+            first, last = self.steps_seen
+            done = (f"step{'s' if last > first else ''} {number_range(first, last)} of {self.total_steps}, "
+                    "since the resume,")
         out = [f"summary: {done} in {wall:.1f} s wall time" + (f" ({ended})" if ended else "")]
         shown = self.measured if self.measured.steps else self.warmup  # a lone warm-up step is all there is
         if shown.steps and shown.seconds > 0:
@@ -94,15 +102,31 @@ class RunSummary:
             if text:
                 rate += f", {shown.units / shown.seconds:.0f} tokens/s"
             out.append(f"  throughput: {rate} (mean over {over})")
+            if shown.flops > 0:
+                out.append(f"  model FLOPs: {self._utilization(shown)}")
             mean = sum(shown.bubbles) / len(shown.bubbles)
             out.append(f"  bubble: {mean:.3f} measured (time waiting for a peer), {self.theory:.3f} in theory "
                        f"((K-1)/(M+K-1))")
             total = sum(shown.parts.values())
             shares = ", ".join(f"{part} {shown.parts[part] / total:.0%}" for part in PARTS) if total else "-"
             out.append(f"  step time: {shares} (mean over stages)")
-        best = self.best_eval
+        best, final = self.best_eval, self.last_eval
+        # The run's final eval is printed here only (the view leaves it out), once: as the best when it is.
+        if final is not None and final["step"] == self.total_steps and final is not best:
+            out.append(f"  final eval: step {final['step']}: {eval_figures(final)}")
         out.append(f"  best eval: step {best['step']}: {eval_figures(best)}" if best else "  best eval: none")
         out.append(f"  skipped steps: {self.skipped}")
         out.append(f"  checkpoint: {checkpoint or 'none written'}")
         out.append(f"  run directory: {run_dir}")
         return out
+
+    def _utilization(self, shown: _Steps) -> str:
+        """Mean achieved model TFLOP/s of all ranks, and MFU against what the peak is (when known)."""
+        achieved = shown.flops / shown.seconds
+        text = rate_text(achieved / 1e12) + " (all ranks)"
+        if self.peak is not None and self.peak.flops_per_s:
+            text += (f", MFU {achieved / (self.peak.flops_per_s * self.ranks):.1%} against {self.ranks} "
+                     f"rank{'s' if self.ranks != 1 else ''} x {self.peak.source}")
+        elif self.peak is not None:
+            text += f" ({self.peak.source})"
+        return text

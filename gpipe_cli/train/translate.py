@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import torch
 
-from gpipe_cli.data import BOS, EOS, PAD, Batch, Loader, corpus_bleu
+from gpipe_cli.data import BOS, Batch, Loader, corpus_bleu
+from gpipe_cli.models.transformer.decode import greedy_step, translation_limit
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.topology import Topology
 
@@ -32,10 +33,7 @@ def greedy_decode(pipe: Pipeline, topo: Topology, source: torch.Tensor | None, m
         more = False
         if topo.layout.rank == 0 and prefix is not None and result.outputs is not None:
             logits = result.outputs[0] if isinstance(result.outputs, tuple) else result.outputs
-            token = logits[:, -1, :vocab].argmax(-1).cpu()
-            token[finished] = PAD
-            prefix = torch.cat([prefix, token[:, None]], dim=1)
-            finished |= token == EOS
+            prefix, finished = greedy_step(logits, prefix, finished, vocab)
             more = bool((~finished).any()) and prefix.shape[1] <= max_len
         if not topo.share(more):  # rank 0's decision, on every rank
             break
@@ -57,8 +55,7 @@ def bleu(pipe: Pipeline, topo: Topology, data: Loader | None, batches: int, micr
         source = batch.inputs[0] if batch is not None and layout.is_first else None
         if source is not None and not first_of_replica_0:
             source = source[:0]
-        # Translations of number words run up to about twice the source; never past the model's positions.
-        limit = min(max_len - 1, 2 * source.shape[1] + 8) if source is not None else max_len - 1
+        limit = translation_limit(source.shape[1], max_len) if source is not None else max_len - 1
         vocab = data.tokenizer.vocab_size if data is not None and data.tokenizer is not None else None
         ids = greedy_decode(pipe, topo, source, microbatches, limit, vocab)
         if layout.rank == 0 and batch is not None and data is not None and data.tokenizer is not None:

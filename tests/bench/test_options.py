@@ -32,8 +32,9 @@ def test_default_batch_gives_four_examples_per_microbatch():
     (BenchOptions(schedule="interleaved", virtual_stages=2, sweep=True), "cannot be combined"),
     # One rank per stage on this machine: a typo of many digits is refused at once (it tried to size a
     # model that deep, for ever).
-    (BenchOptions(partitions=10**20, microbatches=1, batch_size=1), "a bench starts one rank per stage"),
-    (BenchOptions(threads=100000), "--threads must be >= 1 and <= 1024"),
+    (BenchOptions(partitions=60_000, microbatches=1, batch_size=1), "a bench starts one rank per stage"),
+    (BenchOptions(partitions=10**20, microbatches=1, batch_size=1), "--partitions: must be >= 1 and <= 65536"),
+    (BenchOptions(threads=100000), "--threads: must be >= 1 and <= 1024"),
 ])
 def test_bad_options_are_refused(options, message):
     with pytest.raises(UserError, match=message):

@@ -12,7 +12,10 @@ NCCL between two GPUs is the one path a single GPU cannot run (see docs/gpus-and
 
 from __future__ import annotations
 
+import fcntl
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,19 +25,35 @@ from tests.gpu.runs import PARTITION_RECIPE, PRECISION_RECIPE, Run
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
+def once(factory: pytest.TempPathFactory, name: str, recipe: dict[str, Any], device: str, *sets: str) -> Run:
+    """A reference run trained once for the whole session, whichever xdist worker asks first."""
+    # Workers' temporary folders share a parent that is new each session: the first worker to take the lock
+    # trains, the others wait and read its run (a module fixture would train it again on every worker).
+    base = factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder = root / f"reference-{name}"
+    with open(root / f"reference-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = folder / "stderr.txt"
+        if not done.exists():
+            run = runs.train(folder, recipe, device, *sets)
+            done.write_text(run.stderr)
+        return Run(folder / "run", done.read_text())
+
+
+@pytest.fixture(scope="session")
 def cpu_reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return runs.train(tmp_path_factory.mktemp("cpu"), PRECISION_RECIPE, "cpu")
+    return once(tmp_path_factory, "cpu", PRECISION_RECIPE, "cpu")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cuda_fp32(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return runs.train(tmp_path_factory.mktemp("cuda-fp32"), PRECISION_RECIPE, "cuda")
+    return once(tmp_path_factory, "cuda-fp32", PRECISION_RECIPE, "cuda")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cuda_k1(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return runs.train(tmp_path_factory.mktemp("cuda-k1"), PARTITION_RECIPE, "cuda", "pipeline.partitions=1")
+    return once(tmp_path_factory, "cuda-k1", PARTITION_RECIPE, "cuda", "pipeline.partitions=1")
 
 
 # Each precision's tolerance, and why it is what it is: runs.TOLERANCE (and runs.SAME_DEVICE below).
@@ -47,10 +66,11 @@ def test_k1_on_cuda_trains_like_the_cpu(precision: str, cpu_reference: Run, cuda
 
 
 @pytest.mark.parametrize("model, stages", [("amoebanet", 2), ("amoebanet", 4), ("transformer", 2)])
-def test_ranks_sharing_the_gpu_train_like_k1(model: str, stages: int, cuda_k1: Run, cuda_fp32: Run,
+def test_ranks_sharing_the_gpu_train_like_k1(model: str, stages: int, request: pytest.FixtureRequest,
                                              tmp_path: Path) -> None:
     # The Transformer ties its embedding and softmax: with K=2 the copies live on two ranks.
-    recipe, reference = (PARTITION_RECIPE, cuda_k1) if model == "amoebanet" else (PRECISION_RECIPE, cuda_fp32)
+    recipe, name = (PARTITION_RECIPE, "cuda_k1") if model == "amoebanet" else (PRECISION_RECIPE, "cuda_fp32")
+    reference: Run = request.getfixturevalue(name)  # only the reference this case needs
     run = runs.train(tmp_path, recipe, "cuda", f"pipeline.partitions={stages}")
     runs.check_same_training(run, reference, stages)
 

@@ -12,8 +12,8 @@ QUICK = ["--devices", "2", "--tflops", "100", "--plain"]  # estimated seconds: n
 
 @pytest.mark.parametrize("args,line", [
     # --devices 10^20 counted every K up to it: the command never ended.
-    (["--devices", "99999999999999999999"], "error: --devices must be between 1 and 65536 (got 99999999999999999999)"),
-    (["--devices", "65537"], "error: --devices must be between 1 and 65536 (got 65537)"),
+    (["--devices", "99999999999999999999"], "error: --devices: must be >= 1 and <= 65536 (got 99999999999999999999)"),
+    (["--devices", "65537"], "error: --devices: must be >= 1 and <= 65536 (got 65537)"),
     # Infinite rates and links were taken: layers or messages priced at no time, a plan of nonsense.
     (["--devices", "2", "--tflops", "inf"], "error: --tflops must be a finite number > 0 (got inf)"),
     (["--devices", "2", "--bandwidth", "inf"], "error: --bandwidth must be a finite number > 0 GB/s (got inf)"),

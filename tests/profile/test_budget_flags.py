@@ -24,7 +24,7 @@ def test_a_huge_budget_ends_at_the_bound_and_says_the_bound_stopped_it(capsys, t
     (["--set", "colour=red"], "error: --set: unknown parameter 'colour' for the transformer family of --budget"),
     (["--set", "layers=3"], "error: --budget searches the layers and filters: drop --set layers"),
     (["--heads", "3"], "error: --budget: d_model (32) must be divisible by heads (3)"),
-    (["--d-model", "99999999999"], "error: --d-model must be from 1 to 1048576 (got 99999999999)"),
+    (["--d-model", "99999999999"], "error: --d-model: must be >= 1 and <= 1048576 (got 99999999999)"),
 ])
 def test_a_bad_model_flag_of_the_budget_search_is_one_line_and_writes_nothing(capsys, tmp_path, flags, message):
     # --set was dropped without a word: the search ran on the paper's model, not the one asked for.

@@ -40,7 +40,7 @@ def refused(capsys, *args: str) -> str:
 def test_partitions_outside_the_bound_are_one_line(capsys, tmp_path, nothing_runs, partitions, bad):
     out = tmp_path / "profile.json"
     line = refused(capsys, *TINY, "--partitions", partitions, "--json", str(out))
-    assert f"--partitions must list K values from 1 to {MAX_PARTITIONS}" in line and f"(got {bad})" in line
+    assert f"--partitions: must list K values >= 1 and <= {MAX_PARTITIONS}" in line and f"(got {bad})" in line
     assert not out.exists()
 
 

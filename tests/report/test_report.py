@@ -1,6 +1,7 @@
 """`gpipe report`: series read from metrics.jsonl, the PNG's size, several runs overlaid, clear errors."""
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -102,3 +103,49 @@ def test_warm_up_steps_are_left_out_of_the_throughput_and_bubble_axes_and_the_st
     assert max(time_breakdown(run)["wait"]) < 9.0
     lone = read_runs([make_run(tmp_path / "b", partitions=2, steps=1)])[0]
     assert series(lone)["bubble"][0] == [1]  # a run of one step: that step is all there is
+
+
+def make_translation_run(folder: Path, steps: int = 4) -> Path:
+    """A translation run: train records with tokens, model FLOPs and MFU; evals with BLEU and perplexity."""
+    folder.mkdir(parents=True)
+    (folder / "recipe.yaml").write_text(yaml.safe_dump({"name": "t", "pipeline": {"partitions": 2}}))
+    lines = []
+    for step in range(1, steps + 1):
+        lines.append(json.dumps({**train_record(step=step, loss=4.0 / step), "tflops": 0.001 * step,
+                                 "mfu": 0.01 * step}))
+        lines.append(json.dumps({"kind": "eval", "step": step, "loss": 3.0 / step, "accuracy": 0.1 * step,
+                                 "perplexity": math.exp(3.0 / step), "bleu": 5.0 * step}))
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def test_bleu_perplexity_and_mfu_get_their_own_panels_when_the_records_hold_them(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (text,) = read_runs([make_translation_run(tmp_path / "t")])
+    data = series(text)
+    assert data["perplexity"][1] == pytest.approx([math.exp(4.0 / s) for s in range(1, 5)])  # exp(train loss)
+    assert data["eval_bleu"] == ([1, 2, 3, 4], [5.0, 10.0, 15.0, 20.0])
+    assert data["mfu"] == ([2, 3, 4], [0.02, 0.03, 0.04])  # the warm-up step left out, as for throughput
+    chosen = page.panels([text])
+    assert [name for name, _ in chosen] == ["loss", "accuracy", "bleu", "perplexity", "throughput", "model flops",
+                                            "bubble", "step time", "memory"]
+    fig, axes = plt.subplots(1, len(chosen))
+    for (_, panel), ax in zip(chosen, axes):
+        panel(ax, [text])
+    titles = [ax.get_title() for ax in axes]
+    plt.close(fig)
+    assert titles[2] == "eval BLEU" and titles[3].startswith("perplexity") and titles[5].startswith("MFU")
+    assert all(titles)
+    out = tmp_path / "page.png"
+    assert page.draw([text], out) == out
+    with Image.open(out) as image:
+        assert image.size == (page.WIDTH_PX, page.HEIGHT_PX)
+    # An image run without FLOP counts or text keeps the six panels it always had.
+    (image_run,) = read_runs([make_run(tmp_path / "a", 2)])
+    image_run.train = [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in image_run.train]
+    assert [name for name, _ in page.panels([image_run])] == ["loss", "accuracy", "throughput", "bubble",
+                                                             "step time", "memory"]

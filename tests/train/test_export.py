@@ -1,10 +1,20 @@
-"""`gpipe export` writes the newest checkpoint whose checksums hold, never a damaged one."""
+"""`gpipe export` writes the newest verified checkpoint as a file `gpipe predict` can use on its own."""
 
+import base64
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from gpipe_cli.train import checkpoint
 from gpipe_cli.train.export import export
+from tests.train.recipes import TINY_TRANSLATION, write
 from tests.train.test_checkpoint import flip, save_one
 
 
@@ -18,3 +28,87 @@ def test_export_skips_a_checkpoint_with_flipped_bytes(tmp_path, capsys):
     assert torch.all(weights["weight"] == 1.0), "the weights come from step 5, the newest verified checkpoint"
     err = capsys.readouterr().err
     assert "step-00000006" in err and "does not match its checksum" in err
+
+
+# A fresh process that runs `gpipe predict` and, on its way out, writes the gpipe_cli modules it loaded.
+_RECORDING = """
+import atexit, json, runpy, sys
+record = sys.argv.pop(1)
+atexit.register(lambda: open(record, "w").write(json.dumps(sorted(sys.modules))))
+sys.argv[0] = "gpipe"
+runpy.run_module("gpipe_cli.cli", run_name="__main__")
+"""
+_LOADS_ANYWAY = "import json, sys, gpipe_cli.cli, gpipe_cli.models; print(json.dumps(sorted(sys.modules)))"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """The tiny translation recipe trained for 3 steps in one process: its run directory."""
+    folder = tmp_path_factory.mktemp("trained")
+    recipe = copy.deepcopy(TINY_TRANSLATION)
+    recipe["pipeline"]["partitions"] = 1  # the checkpoint holds both names of the tied weight all the same
+    proc = subprocess.run([sys.executable, "-m", "gpipe_cli.cli", "train", str(write(folder, recipe)),
+                           "--output-dir", str(folder / "run"), "--plain", "--threads", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return folder / "run"
+
+
+@pytest.mark.slow
+def test_an_export_holds_its_recipe_tie_map_and_tokenizer_with_tied_weights_once(trained, tmp_path):
+    path = export(str(trained), str(tmp_path / "model.safetensors"))
+    with safe_open(str(path), framework="pt") as f:
+        meta, names = f.metadata(), set(f.keys())
+    assert meta["recipe"] == (trained / "recipe.yaml").read_text()
+    assert base64.b64decode(meta["tokenizer"]) == (trained / "tokenizer.model").read_bytes()
+    tied = json.loads(meta["tied"])
+    assert tied == {"5.proj.weight": "0.embed.weight"}, "2 encoder and 2 decoder layers: the softmax is layer 5"
+    assert "0.embed.weight" in names and "5.proj.weight" not in names
+    assert meta["dtype"] == "float32" and meta["task"] == "translation"
+    half = export(str(trained), str(tmp_path / "half.safetensors"), dtype="bfloat16")
+    weights = load_file(str(half))
+    assert {v.dtype for v in weights.values() if v.is_floating_point()} == {torch.bfloat16}
+    assert safe_open(str(half), framework="pt").metadata()["dtype"] == "bfloat16"
+    assert sorted(tmp_path.iterdir()) == [half, path], "no temporary file is left behind"
+
+
+@pytest.mark.slow
+def test_predict_translates_as_the_training_decoder_in_a_process_without_the_engine(trained, tmp_path):
+    from gpipe_cli.data.tokenizer import Tokenizer
+    from gpipe_cli.models.transformer.decode import translation_limit
+    from gpipe_cli.models.weights import parse
+    from gpipe_cli.pipeline import topology
+    from gpipe_cli.pipeline.config import PipelineConfig
+    from gpipe_cli.pipeline.engine import Pipeline
+    from gpipe_cli.train.translate import greedy_decode
+
+    path = export(str(trained), str(tmp_path / "model.safetensors"))
+    sentences = ["three hundred twelve", "seven"]
+    loaded = tmp_path / "modules.json"
+    proc = subprocess.run([sys.executable, "-c", _RECORDING, str(loaded), "predict", str(path), *sentences],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    baseline = subprocess.run([sys.executable, "-c", _LOADS_ANYWAY], capture_output=True, text=True, timeout=120)
+    # The command line's flag checks and the models' layers (dropout, batchnorm) load a few torch-light modules
+    # of the pipeline package; predict must load none beyond them: no engine, stage, transport or topology.
+    engine = {m for m in json.loads(loaded.read_text()) if m.startswith("gpipe_cli.pipeline")}
+    assert engine <= set(json.loads(baseline.stdout)), engine - set(json.loads(baseline.stdout))
+    assert not engine & {"gpipe_cli.pipeline.engine", "gpipe_cli.pipeline.stage", "gpipe_cli.pipeline.comm",
+                         "gpipe_cli.pipeline.topology"}
+
+    # The training's decoder, through a one-stage pipeline, on the same weights and the same sentences.
+    with safe_open(str(path), framework="pt") as f:
+        exported = parse({name: f.get_tensor(name) for name in f.keys()}, f.metadata())  # noqa: SIM118
+    layers = list(exported.build())
+    topo = topology.local()
+    pipe = Pipeline(layers, topo, PipelineConfig(balance=(len(layers),)), exported.spec.loss,
+                    tied=exported.spec.tied)
+    tok = Tokenizer(exported.tokenizer or b"")
+    max_len = exported.spec.config["max_len"]
+    expected = []
+    for sentence in sentences:
+        ids = tok.encode(sentence)[:max_len]
+        out = greedy_decode(pipe, topo, torch.tensor([ids]), 1, translation_limit(len(ids), max_len),
+                            tok.vocab_size)
+        expected.append(tok.decode(out[0]))
+    assert proc.stdout.split("\n")[:-1] == expected

@@ -9,6 +9,7 @@ from rich.console import Console
 
 from gpipe_cli.pipeline.stats import PARTS
 from gpipe_cli.train.report import MetricsFile, TerminalView, eval_line, finite_json, train_lines
+from tests.widths import problems
 
 
 def refuse(token):
@@ -75,24 +76,51 @@ def test_plain_mode_prints_logged_steps_the_last_step_and_every_eval():
     view.start(total=5)
     for step in range(1, 6):
         view.show(train_record(step=step), log_every=2)
-    view.show({"kind": "eval", "step": 5, "loss": 1.0})
+        if step == 4:
+            view.show({"kind": "eval", "step": 4, "loss": 1.5})
+    view.show({"kind": "eval", "step": 5, "loss": 1.0})  # the run's final eval: the summary gives it
     lines = out.getvalue().splitlines()
     assert "training tiny: steps 1 to 5" in lines[0]
     assert [line.split("|")[0].strip() for line in lines if line.startswith("step ")] == \
         ["step 2/5", "step 4/5", "step 5/5"]
-    assert lines[-1].startswith("eval  step 5/5")
+    assert [line for line in lines if line.startswith("eval")] == ["eval  step 4/5 | loss 1.5"]
 
 
-def test_the_live_frame_shows_the_latest_eval_and_labelled_memory():
+def test_the_live_frame_shows_each_stage_time_and_labelled_memory_and_no_eval():
     view = TerminalView("tiny", plain=False, stream=io.StringIO(), started=0.0)
     view.show(train_record(step=2))
     view.show({"kind": "eval", "step": 2, "loss": 3.0})
     view.show(train_record(step=4))
-    view.show({"kind": "eval", "step": 4, "loss": 2.0, "accuracy": 0.75})
     console = Console(file=io.StringIO(), width=160)
     console.print(view.frame())
     text = console.file.getvalue()
-    assert "eval (step 4): loss 2, accuracy 0.75" in text and "step 2)" not in text
-    for label in ("wait (bubble)", "compute", "comm", "optimizer", "other", "activations", "RSS peak"):
+    assert "eval" not in text  # an eval prints once, as a line above the view
+    for label in ("wait", "compute", "comm", "optim", "other", "activations", "(step 4)", "RSS peak"):
         assert label in text
     assert "CUDA peak" not in text
+
+
+@pytest.mark.parametrize("width", [80, 120, 50])
+@pytest.mark.parametrize("cuda", [False, True])
+def test_the_live_view_reads_whole_at_any_width(width, cuda):
+    view = TerminalView("tiny-translation", plain=False, stream=io.StringIO(), started=0.0)
+    view.start(total=200)
+    try:
+        for step in (1, 2, 3):
+            record = train_record(step=step, stages=4, cuda=cuda, grad_norm=1.8642)
+            record["rss_peak_bytes"] = [1023 << 20] * 4
+            if step > 1:  # stored activations are counted on the first step only here
+                del record["activation_peak_bytes"]
+            view.show(record)
+    finally:
+        view.stop()
+    console = Console(file=io.StringIO(), width=width)
+    # Below 80 columns only the figures are held to it (rich's progress bar keeps its own minimum).
+    console.print(view.frame() if width >= 80 else view.frame().renderables[-1])
+    text = console.file.getvalue()
+    labels = "loss lr grad norm skipped step samples/s tokens/s bubble theory stage compute wait comm optim other " \
+             "activations RSS peak CUDA peak MiB GiB ms"
+    assert not problems(text, width, labels), text
+    assert "grad norm 1.86" in text and "(step 1)" in text  # a figure stays with its label
+    for figure in ("1023.0 MiB", *(("5.0 GiB",) if cuda else ())):
+        assert figure in text

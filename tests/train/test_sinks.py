@@ -3,7 +3,10 @@
 import copy
 import importlib.util
 import json
+import os
+import subprocess
 import sys
+import types
 
 import pytest
 
@@ -114,3 +117,144 @@ def test_a_resumed_run_drops_the_tensorboard_steps_after_its_checkpoint(tmp_path
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert {e.step: e.value for e in events.Scalars("train/loss")} == {1: 1.0, 2: 2.0}
+
+
+def test_tensorboard_holds_the_recipe_as_text_and_its_values_as_hyperparameters(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    from gpipe_cli.recipe.schema import Recipe
+    from gpipe_cli.train.sinks import HPARAM_METRICS, TensorBoardSink
+
+    config = Recipe.model_validate({"name": "tb", "train": {"steps": 3}, "optimizer": {"lr": 0.25}}).model_dump(
+        mode="json")
+    sink = TensorBoardSink(tmp_path, first_step=0, config=config)
+    sink.log({"train/loss": 1.0}, 1)
+    sink.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    text = events.Tensors("recipe/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "    name: tb" in text and "    optimizer:" in text and "      lr: 0.25" in text
+    content = events.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    values = start.session_start_info.hparams
+    assert values["optimizer.lr"].number_value == 0.25 and values["name"].string_value == "tb"
+    assert values["train.steps"].number_value == 3 and values["train.epochs"].string_value == "null"
+    assert values["metrics.tensorboard"].bool_value is False
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    assert {m.name.tag for m in experiment.metric_infos} == set(HPARAM_METRICS)
+
+
+class FakeWandb(types.ModuleType):
+    """Stands in for the wandb package: records what a run is started, logged and finished with."""
+
+    def __init__(self):
+        super().__init__("wandb")
+        self.calls: list[tuple] = []
+        fake = self
+
+        class Run:
+            id = "abc123"
+
+            def log(self, values, step):
+                fake.calls.append(("log", values, step))
+
+            def log_artifact(self, artifact):
+                fake.calls.append(("log_artifact", artifact.name, artifact.type, artifact.files))
+
+            def finish(self):
+                fake.calls.append(("finish",))
+
+        class Artifact:
+            def __init__(self, name, type):
+                self.name, self.type, self.files = name, type, []
+
+            def add_file(self, path):
+                self.files.append(path)
+
+        self.Artifact, self._run = Artifact, Run()
+
+    def Settings(self, **kwargs):  # noqa: N802 - wandb's name
+        return kwargs
+
+    def init(self, **kwargs):
+        self.calls.append(("init", kwargs))
+        return self._run
+
+
+def test_wandb_gets_the_recipes_name_tags_group_and_entity_and_the_model_file(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    options = Wandb(project="p", mode="online", name="first try", entity="team", group="sweep-1", tags=["k2", "cpu"])
+    lines: list[str] = []
+    sinks = open_sinks(Metrics(wandb=options), tmp_path, 0, {"seed": 1}, lines.append)
+    assert lines == [] and sinks.takes_models()
+    sinks.write(train_record(step=1))
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    sinks.log_model(tmp_path / "model.safetensors")
+    sinks.close()
+    (_, init), (_, values, step), artifact, finish = fake.calls
+    assert {k: init[k] for k in ("project", "mode", "name", "entity", "group", "tags", "config")} == {
+        "project": "p", "mode": "online", "name": "first try", "entity": "team", "group": "sweep-1",
+        "tags": ["k2", "cpu"], "config": {"seed": 1}}
+    assert init["dir"] == str(tmp_path) and step == 1 and values["train/loss"] == 2.5
+    assert artifact == ("log_artifact", "model-abc123", "model", [str(tmp_path / "model.safetensors")])
+    assert finish == ("finish",)
+    fake.calls.clear()
+    open_sinks(Metrics(wandb=Wandb(project="p")), tmp_path / "run-7", 0, {}, lines.append).close()
+    assert fake.calls[0][1]["name"] == "run-7" and fake.calls[0][1]["tags"] is None  # the defaults
+
+
+FAKE_WANDB = '''
+import json, os
+
+def _say(*call):
+    with open(os.environ["FAKE_WANDB_LOG"], "a") as f:
+        f.write(json.dumps(call) + "\\n")
+
+class Settings:
+    def __init__(self, **kwargs):
+        pass
+
+class Artifact:
+    def __init__(self, name, type):
+        self.name, self.type, self.files = name, type, []
+    def add_file(self, path):
+        self.files.append(path)
+
+class _Run:
+    id = "r1"
+    def log(self, values, step):
+        _say("log", step)
+    def log_artifact(self, artifact):
+        _say("log_artifact", artifact.name, artifact.type, artifact.files)
+    def finish(self):
+        _say("finish")
+
+def init(**kwargs):
+    _say("init", {k: kwargs[k] for k in ("project", "name", "entity", "group", "tags")})
+    return _Run()
+'''
+
+
+@pytest.mark.slow
+def test_a_run_with_wandb_artifact_exports_its_final_model_and_logs_it(tmp_path):
+    from safetensors.torch import load_file
+
+    (tmp_path / "fake" / "wandb").mkdir(parents=True)
+    (tmp_path / "fake" / "wandb" / "__init__.py").write_text(FAKE_WANDB)
+    recipe = copy.deepcopy(TINY_AMOEBANET)
+    recipe["train"]["steps"] = 2
+    recipe["metrics"] = {"wandb": {"project": "p", "group": "g", "tags": ["a"], "artifact": True}}
+    out, log = tmp_path / "run", tmp_path / "calls.jsonl"
+    env = {**os.environ, "FAKE_WANDB_LOG": str(log),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "gpipe_cli.cli", "train", str(write(tmp_path, recipe)),
+                           "--output-dir", str(out), "--plain"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls[0] == ["init", {"project": "p", "name": "run", "entity": None, "group": "g", "tags": ["a"]}]
+    assert [c[1] for c in calls if c[0] == "log"] == [1, 2, 2]  # the two steps, then the final evaluation
+    model = out / "model.safetensors"
+    assert calls[-2:] == [["log_artifact", "model-r1", "model", [str(model)]], ["finish"]]
+    assert load_file(model) and f"exported {model}" in proc.stdout

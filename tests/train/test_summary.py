@@ -33,6 +33,7 @@ def test_the_summary_names_every_fact_of_the_run():
     assert field(lines, "bubble").startswith(f"{(0.2 + 0.3 + 0.4) / 3:.3f} measured")  # the warm-up left out too
     assert "0.200 in theory" in field(lines, "bubble")
     assert field(lines, "best eval").startswith("step 4: loss 1.5")  # the lowest loss, not the last eval
+    assert field(lines, "final eval").startswith("step 6: loss 2")  # the run's end: printed here only
     assert field(lines, "skipped steps") == "1"
     assert field(lines, "checkpoint") == "run/checkpoints/step-00000004"
     assert field(lines, "run directory") == "run"
@@ -69,3 +70,20 @@ def test_a_marked_warm_up_step_is_left_out_of_the_throughput_bubble_and_shares()
     assert field(lines, "throughput").startswith("20.0 samples/s (mean over the steps after the first, which took "
                                                  "3.00 s warming up; gpipe report r gives the whole run's)")
     assert field(lines, "bubble").startswith("0.250 measured")
+
+
+def test_a_final_eval_that_is_the_best_is_given_once():
+    lines = run(evals=[(2, 3.0), (6, 1.0)]).lines(now=130.0, checkpoint=None, run_dir="run", text=False)
+    evals = [line for line in lines if "eval" in line]
+    assert len(evals) == 1 and evals[0].startswith("  best eval: step 6: loss 1")
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_the_summary_on_a_terminal_wraps_at_spaces(width):
+    from gpipe_cli.console import fit
+    from tests.widths import problems
+
+    lines = run(evals=[(2, 3.0), (6, 2.0)]).lines(now=130.0, checkpoint="outputs/tiny/20260101-000000/checkpoints/"
+                                                   "step-00000006", run_dir="outputs/tiny/20260101-000000", text=True)
+    shown = "\n".join(fit(line, width) for line in lines)
+    assert not problems(shown, width, "\n".join(lines)), shown

@@ -14,7 +14,7 @@ from tests.train.recipes import TINY_AMOEBANET, TINY_TRANSLATION, write
 pytestmark = pytest.mark.slow
 
 TRAIN_FIELDS = {"kind", "step", "epoch", "loss", "lr", "samples_per_s", "step_time_s", "bubble", "bubble_theory",
-                "rss_peak_bytes", "grad_norm"}
+                "rss_peak_bytes", "grad_norm", "tflops", "mfu"}
 
 
 def gpipe(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -84,8 +84,13 @@ def test_a_run_writes_every_metric(cuts):
         if recipe["model"]["kind"] == "transformer":
             assert (out / "tokenizer.model").exists()
         assert "step 1/" in proc.stdout and "Traceback" not in proc.stderr
+        assert all(r["tflops"] > 0 and r["mfu"] > 0 for r in steps) and "MFU" in proc.stdout
         if stages > 1:  # balance: auto measures, or reads what an earlier launch measured
             assert "(cut by measured time" in proc.stdout, proc.stdout[-2000:]
+    # Model FLOPs count the model's work only: a step's are the same whatever the cut, schedule or recompute.
+    per_step = [[r["tflops"] * r["step_time_s"] for r in records(out) if r["kind"] == "train"]
+                for _, out, _ in cuts.values()]
+    assert all(flops == pytest.approx(per_step[0], rel=1e-6) for flops in per_step)
 
 
 def test_losses_agree_for_any_number_of_stages_and_both_schedules(cuts):

@@ -1,0 +1,25 @@
+"""The bounds of every count a recipe or a flag holds, and the one way a value outside them is answered."""
+
+from __future__ import annotations
+
+# Upper bounds that no real run reaches: they turn typos such as 1e20 into a clear error instead of an
+# allocation that fails deep inside torch.
+MAX_COUNT = 1_000_000_000  # steps, examples, intervals
+MAX_SIZE = 1 << 20  # model widths, batch and sequence sizes
+MAX_LAYERS = 10_000
+MAX_RANKS = 65_536  # K, D, devices
+MAX_VIRTUAL = 64  # chunks per stage (interleaved)
+MAX_REAL = 1e9  # learning rates, clipping thresholds, decay intervals
+MAX_THREADS = 1024
+
+
+def words(low: str | None, high: str | None) -> str:
+    """A range as every message words it: `>= 1 and <= 65536`, or one side alone."""
+    return f"{low} and {high}" if low and high else low or high or ""
+
+
+def outside(name: str, value: float, low: float, high: float | None = None) -> str | None:
+    """`NAME: must be >= LOW and <= HIGH (got VALUE)` when `value` is outside the bounds, else None."""
+    if low <= value and (high is None or value <= high):
+        return None
+    return f"{name}: must be {words(f'>= {low}', f'<= {high}' if high is not None else None)} (got {value})"

@@ -1,0 +1,55 @@
+"""Greedy decoding: one token per step, for a translation model or a language model run in one process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gpipe_cli.models.losses import PAD_ID
+
+# The tokenizer's ids, as FIRST_WORD_ID in network.py assumes them: pad 0, unk 1, bos 2, eos 3.
+BOS_ID, EOS_ID = 2, 3
+
+Forward = Callable[[Any], torch.Tensor]  # model inputs -> logits [N, T, vocab]
+
+
+def translation_limit(source_length: int, max_len: int) -> int:
+    """The most tokens to decode for a source of `source_length` tokens."""
+    # Translations of number words run up to about twice the source; never past the model's positions.
+    return min(max_len - 1, 2 * source_length + 8)
+
+
+def greedy_step(logits: torch.Tensor, prefix: torch.Tensor, finished: torch.Tensor,
+                vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prefix` with each row's most likely next token appended (padding once a row has ended), and the
+    rows ended so far; `vocab` limits the choice to the tokenizer's pieces (the model's may be more)."""
+    token = logits[:, -1, :vocab].argmax(-1).cpu()
+    token[finished] = PAD_ID
+    return torch.cat([prefix, token[:, None]], dim=1), finished | (token == EOS_ID)
+
+
+@torch.no_grad()
+def translate(forward: Forward, source: torch.Tensor, max_len: int, vocab: int | None = None) -> list[list[int]]:
+    """Greedy translations of `source` [N, S] (padded with 0): the token ids after bos, up to eos or
+    `max_len` tokens."""
+    prefix = torch.full((source.shape[0], 1), BOS_ID, dtype=torch.long)
+    finished = torch.zeros(source.shape[0], dtype=torch.bool)
+    while bool((~finished).any()) and prefix.shape[1] <= max_len:
+        prefix, finished = greedy_step(forward((source, prefix.to(source.device))), prefix, finished, vocab)
+    return [row[1:].tolist() for row in prefix]
+
+
+@torch.no_grad()
+def continue_text(forward: Forward, prompt: list[int], max_tokens: int, window: int,
+                  vocab: int | None = None) -> list[int]:
+    """Up to `max_tokens` greedy next tokens after `prompt` (stopping at eos), each predicted from at most
+    the last `window` tokens (the model's positions)."""
+    tokens = torch.tensor([prompt or [EOS_ID]], dtype=torch.long)  # an empty prompt starts a new document
+    finished = torch.zeros(1, dtype=torch.bool)
+    start = tokens.shape[1]
+    while tokens.shape[1] - start < max_tokens and not bool(finished.all()):
+        tokens, finished = greedy_step(forward(tokens[:, -window:]), tokens, finished, vocab)
+    new = tokens[0, start:].tolist()
+    return new[:new.index(EOS_ID)] if EOS_ID in new else new

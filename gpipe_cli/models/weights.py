@@ -1,0 +1,103 @@
+"""A model's weights as one self-describing file: how to build it, which names share a tensor, its tokenizer.
+
+The tensors are named "<global layer index>.<parameter name>", as ModelSpec.tied names them; a tied group is
+stored once, under its first name, and the metadata's tie map sends every other name of the group to it.
+Metadata values are strings (safetensors allows nothing else), so structured ones are JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpipe_cli.models.base import ModelSpec, Task
+
+MARK = "gpipe_export"  # its presence marks a gpipe export; its value is the format's version
+VERSION = "1"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def store_once(tensors: dict[str, torch.Tensor],
+               tied: list[tuple[str, ...]]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors with each tied group kept under its first name only, and the tie map alias -> that name."""
+    kept, aliases = dict(tensors), {}
+    for first, *others in tied:
+        for alias in others:
+            if alias in kept and first in kept:
+                if not torch.equal(kept[alias], kept[first]):  # one parameter in training: a copy that drifted
+                    raise ValueError(f"tied tensors {alias} and {first} differ")
+                del kept[alias]
+                aliases[alias] = first
+    return kept, aliases
+
+
+def with_aliases(tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The tensors with every name of the tie map present again (the same tensor under each name)."""
+    return {**tensors, **{alias: tensors[first] for alias, first in aliases.items()}}
+
+
+def describe(spec: ModelSpec, aliases: dict[str, str], *, dtype: str, step: int, recipe: str | None,
+             tokenizer: bytes | None) -> dict[str, str]:
+    """The metadata of an export of `spec`: model, tie map, dtype, and the recipe and tokenizer when known."""
+    meta = {"format": "pt", MARK: VERSION, "step": str(step), "task": spec.task,
+            "model": json.dumps(spec.config), "tied": json.dumps(aliases), "dtype": dtype,
+            "layers": "global layer index . parameter name"}
+    if recipe is not None:
+        meta["recipe"] = recipe
+    if tokenizer is not None:
+        meta["tokenizer"] = base64.b64encode(tokenizer).decode("ascii")  # the sentencepiece model file's bytes
+    return meta
+
+
+@dataclass
+class Exported:
+    """What an export holds: its model (not built yet), its weights by layer, and its tokenizer's bytes."""
+
+    spec: ModelSpec
+    state: dict[str, torch.Tensor]
+    dtype: str
+    tokenizer: bytes | None
+    metadata: dict[str, str]
+
+    @property
+    def task(self) -> Task:
+        """translation, lm or image."""
+        return self.spec.task
+
+    def build(self, dtype: torch.dtype = torch.float32) -> nn.Sequential:
+        """The model's layers in one sequence with the exported weights, in eval mode, computing in `dtype`."""
+        model = nn.Sequential(*self.spec.build_all())
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.state.items()}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"its weights do not fit its model ({len(missing)} missing, e.g. "
+                             f"{(missing or ['-'])[0]}; {len(unexpected)} unexpected)")
+        return model.to(dtype).eval()
+
+
+def parse(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> Exported:
+    """The export these tensors and metadata make up; ValueError names what is missing or wrong."""
+    from gpipe_cli.models.registry import build_model
+
+    meta = metadata or {}
+    if MARK not in meta:
+        raise ValueError("it has no gpipe model description in its metadata")
+    if meta[MARK] != VERSION:
+        raise ValueError(f"its export format {meta[MARK]!r} is not {VERSION!r}, the one this version reads")
+    try:
+        config: dict[str, Any] = json.loads(meta["model"])
+        aliases: dict[str, str] = json.loads(meta.get("tied", "{}"))
+        spec = build_model(config.pop("kind"), **config)
+        tokenizer = base64.b64decode(meta["tokenizer"], validate=True) if "tokenizer" in meta else None
+    except (KeyError, ValueError, TypeError, binascii.Error) as exc:
+        raise ValueError(f"its model description is damaged ({exc})") from None
+    absent = [first for first in aliases.values() if first not in tensors]
+    if absent:
+        raise ValueError(f"its tie map names {absent[0]}, which it does not hold")
+    return Exported(spec, with_aliases(tensors, aliases), meta.get("dtype", ""), tokenizer, meta)

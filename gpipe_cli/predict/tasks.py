@@ -1,0 +1,107 @@
+"""What each kind of exported model does with one input: translate it, continue it, or classify it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from gpipe_cli.data.sources import first_line
+from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
+from gpipe_cli.errors import UserError, shown
+from gpipe_cli.models.transformer.decode import continue_text, translate, translation_limit
+from gpipe_cli.models.weights import Exported
+
+Answer = Callable[[str], str]  # one input -> its line of output
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".tiff")
+
+
+def translator(exported: Exported, model: nn.Module) -> Answer:
+    """Greedy translation of a sentence, as the training's BLEU evaluation decodes."""
+    tok, max_len = _tokenizer(exported), int(exported.spec.config["max_len"])
+
+    def answer(text: str) -> str:
+        ids = tok.encode(_text(text, "translation"))[:max_len]  # as evaluation truncates a long source
+        if not ids:
+            return ""
+        out = translate(model, torch.tensor([ids]), translation_limit(len(ids), max_len), tok.vocab_size)
+        return tok.decode(out[0])
+
+    return answer
+
+
+def generator(exported: Exported, model: nn.Module, max_tokens: int) -> Answer:
+    """The prompt followed by up to `max_tokens` greedy tokens."""
+    tok, max_len = _tokenizer(exported), int(exported.spec.config["max_len"])
+
+    def answer(text: str) -> str:
+        ids = tok.encode(_text(text, "language"))
+        return tok.decode(ids + continue_text(model, ids, max_tokens, max_len, tok.vocab_size))
+
+    return answer
+
+
+def classifier(exported: Exported, model: nn.Module, top: int) -> Answer:
+    """The image file's `top` most likely classes with their probabilities."""
+    from gpipe_cli.data.augment import ImageTransform
+
+    config = exported.spec.config
+    classes = int(config["num_classes"])
+    if not 1 <= top <= classes:
+        raise UserError(f"--top: {top} is not between 1 and the model's {classes} classes")
+    transform = ImageTransform(int(config["image_size"]), augment=False)  # the evaluation transform
+
+    def answer(path: str) -> str:
+        with torch.no_grad():
+            output = model(transform(read_image(path))[None])
+        logits = output if isinstance(output, torch.Tensor) else output[0]  # without the auxiliary head's
+        probs, ids = logits.float().softmax(-1)[0].topk(top)
+        return f"{path}\t" + ", ".join(f"class {i} ({p:.1%})" for p, i in zip(probs.tolist(), ids.tolist(),
+                                                                              strict=True))
+
+    return answer
+
+
+def read_image(path: str) -> torch.Tensor:
+    """The image file at `path` as float [3, h, w] in [0, 1]."""
+    from PIL import Image, UnidentifiedImageError
+
+    from gpipe_cli.data.augment import pil_to_tensor
+
+    check_image_path(path)
+    try:
+        with Image.open(path) as image:
+            return pil_to_tensor(image)
+    except (OSError, UnidentifiedImageError, ValueError) as exc:
+        raise UserError(f"{shown(path)} is not an image PIL can read ({first_line(exc)})") from None
+
+
+def check_image_path(path: str) -> None:
+    """Refuse an input of an image model that names no file."""
+    if not os.path.isfile(path):
+        what = "a directory" if os.path.isdir(path) else "no such file"
+        raise UserError(f"{shown(path)}: {what}; an image model classifies image files "
+                        f"({', '.join(IMAGE_SUFFIXES)}, ...)")
+
+
+def _text(text: str, kind: str) -> str:
+    """The input, refused when it names an image file (a text model reads sentences, not files)."""
+    if text.lower().endswith(IMAGE_SUFFIXES) and os.path.isfile(text):
+        raise UserError(f"{shown(text)} is an image file, but this is a {kind} model: give it sentences, "
+                        "as arguments or one per line on stdin")
+    return text
+
+
+def _tokenizer(exported: Exported) -> Tokenizer:
+    """The tokenizer stored in the export."""
+    if exported.tokenizer is None:
+        raise UserError("the export holds no tokenizer (the run had none to store); export it again from a run "
+                        f"directory that has {TOKENIZER_FILE}")
+    try:
+        return Tokenizer(exported.tokenizer)
+    except UserError:
+        raise
+    except Exception as exc:  # sentencepiece raises RuntimeError for bytes that are no model
+        raise UserError(f"the export's tokenizer is not a sentencepiece model ({first_line(exc)})") from None

@@ -1,0 +1,102 @@
+"""`gpipe predict`: one line of output per input for each model family; bad input is one line, exit code 2."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from safetensors.torch import save_file
+
+from gpipe_cli.cli import run
+from tests.predict.exports import write_export
+from tests.train.test_export_inputs import one_error_line
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("exports")
+    return {family: write_export(folder, family) for family in ("translation", "lm", "image")}
+
+
+@pytest.fixture(scope="module")
+def picture(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("images") / "picture.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (20, 30, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def test_a_translation_model_answers_each_sentence_on_its_own_line(exports, capsys):
+    assert run(["predict", str(exports["translation"]), "one two three", "seven", ""]) == 0
+    assert len(capsys.readouterr().out.split("\n")) == 4  # three lines, the empty sentence's empty
+
+
+def test_a_language_model_continues_the_prompt_by_at_most_max_tokens(exports, capsys):
+    assert run(["predict", str(exports["lm"]), "one two", "--max-tokens", "3"]) == 0
+    line = capsys.readouterr().out.rstrip("\n")
+    assert line.startswith("one two") and "\n" not in line
+    assert len(line) <= len("one two") + 3 * max(len(w) for w in ("hundred", "thousand")) + 3
+
+
+def test_a_language_model_prompt_longer_than_its_positions_still_continues(exports, capsys):
+    # 40 words are more tokens than the model's 12 learned positions: it reads the last 12.
+    assert run(["predict", str(exports["lm"]), " ".join(["twelve"] * 40), "--max-tokens", "2"]) == 0
+    assert capsys.readouterr().out.count("\n") == 1
+
+
+def test_an_image_model_names_the_top_classes_of_each_file(exports, picture, capsys):
+    assert run(["predict", str(exports["image"]), str(picture), "--top", "2"]) == 0
+    path, classes = capsys.readouterr().out.rstrip("\n").split("\t")
+    assert path == str(picture) and classes.count("class ") == 2 and classes.count("%") == 2
+
+
+def test_without_inputs_it_reads_the_lines_of_stdin(exports, monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("one two\nthree\n\nfive\n"))
+    assert run(["predict", str(exports["translation"])]) == 0
+    assert capsys.readouterr().out.count("\n") == 4
+
+
+def not_an_export(folder: Path) -> Path:
+    path = folder / "plain.safetensors"
+    save_file({}, str(path), metadata={"format": "pt"})
+    return path
+
+
+def damaged(folder: Path) -> Path:
+    return write_export(folder, "lm", model='{"kind": "transformer", "layers": "many"}')
+
+
+def no_tokenizer(folder: Path) -> Path:
+    return write_export(folder, "lm", tokenizer=None)
+
+
+def text_file(folder: Path) -> Path:
+    path = folder / "notes.txt"
+    path.write_text("not a model\n")
+    return path
+
+
+@pytest.mark.parametrize(("model", "args", "fragment"), [
+    (lambda tmp, exports: tmp / "missing.safetensors", ["x"], "no such model file"),
+    (lambda tmp, exports: tmp, ["x"], "is a directory"),
+    (lambda tmp, exports: text_file(tmp), ["x"], "is not a safetensors file"),
+    (lambda tmp, exports: not_an_export(tmp), ["x"], "is not a gpipe export: it has no gpipe model description"),
+    (lambda tmp, exports: damaged(tmp), ["x"], "is not a gpipe export: its model description is damaged"),
+    (lambda tmp, exports: no_tokenizer(tmp), ["x"], "the export holds no tokenizer"),
+    (lambda tmp, exports: exports["lm"], ["PICTURE"], "is an image file, but this is a language model"),
+    (lambda tmp, exports: exports["translation"], ["PICTURE"], "is an image file, but this is a translation"),
+    (lambda tmp, exports: exports["image"], ["one two"], "'one two': no such file; an image model classifies"),
+    (lambda tmp, exports: exports["image"], [str(Path(__file__))], "is not an image PIL can read"),
+    (lambda tmp, exports: exports["image"], ["PICTURE", "--top", "4"], "--top: 4 is not between 1 and the model's 3"),
+    (lambda tmp, exports: exports["translation"], ["x", "--max-tokens", "3"], "--max-tokens continues a language"),
+    (lambda tmp, exports: exports["lm"], ["x", "--max-tokens", "0"], "--max-tokens: 0 is not a positive number"),
+], ids=["missing", "directory", "text file", "plain safetensors", "damaged", "no tokenizer", "image to lm",
+        "image to translation", "text to image model", "non-image file", "top", "max-tokens of translation",
+        "max-tokens 0"])
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, exports, picture, capsys, model, args, fragment):
+    args = [str(picture) if a == "PICTURE" else a for a in args]
+    code = run(["predict", str(model(tmp_path, exports)), *args])
+    captured = capsys.readouterr()
+    assert fragment in one_error_line(code, captured.err, captured.out)
