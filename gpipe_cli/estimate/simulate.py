@@ -15,7 +15,7 @@ from typing import Any
 
 from gpipe_cli.estimate import shared
 from gpipe_cli.estimate.costs import CostProfile
-from gpipe_cli.pipeline import microbatch, partition
+from gpipe_cli.pipeline import microbatch, partition, schedules
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.schedule import Action, Kind, Span
 
@@ -111,7 +111,9 @@ def simulate_step(costs: CostProfile, balance: list[int], batch_size: int, micro
     stages = len(balance) // virtual
     cost, latency = _cost_model(costs, balance, batch_size, microbatches, link, scale, overhead)
     lists = sched.build_all(schedule, stages, microbatches, checkpoint, virtual)
-    spans = sched.simulate(lists, cost, latency) if rate is None else shared.simulate(lists, cost, latency, rate)
+    placement = schedules.get(schedule).placement
+    spans = sched.simulate(lists, cost, latency, placement=placement) if rate is None else \
+        shared.simulate(lists, cost, latency, rate, placement)
     step = max(span.end for stage in spans for span in stage)
     return Prediction(stages, microbatches, batch_size, list(balance), step, sched.bubble(spans), scale, spans)
 

@@ -172,8 +172,8 @@ def choose_backend(backend: str = "auto") -> tuple[str, torch.device, bool]:
 
 
 def init(stages: int, replicas: int = 1, backend: str = "auto", timeout: float = 600.0,
-         device: str = "auto") -> Topology:
-    """Join the job started by torchrun (or run alone) and set up this rank's fabric."""
+         device: str = "auto", virtual: int = 1, placement: str = "loop") -> Topology:
+    """Join the job started by torchrun (or run alone) and set up this rank's fabric (chunks placed by `placement`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != stages * replicas:
         raise ValueError(f"the job has {world} processes but partitions × data_parallel = {stages} × "
@@ -184,7 +184,9 @@ def init(stages: int, replicas: int = 1, backend: str = "auto", timeout: float =
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world == 1:
-        return local(dev)
+        topo = local(dev)
+        topo.layout = Layout(1, 1, 0, virtual, placement)
+        return topo
     nccl = name == "nccl"
     if not dist.is_initialized():
         # With NCCL the default group has both backends, so a host tensor on it goes to gloo, never NCCL.
@@ -192,7 +194,7 @@ def init(stages: int, replicas: int = 1, backend: str = "auto", timeout: float =
                                 timeout=datetime.timedelta(seconds=timeout), device_id=dev if nccl else None)
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)) if nccl else None
     fabric = TorchFabric(dev, nccl, control)
-    topo = Topology(Layout(stages, replicas, dist.get_rank()), dev,
+    topo = Topology(Layout(stages, replicas, dist.get_rank(), virtual, placement), dev,
                     Transport(dev, fabric, timeout=timeout, control=control, staging=staging))
     fabric.open([], topo.groups())
     return topo
