@@ -109,8 +109,9 @@ FLAGS: dict[str, str] = {
     "batch_size": "Examples per mini-batch [default: 4 x M].",
     "steps": "Measured steps; every figure is the median over them.",
     "warmup": "Steps run first and not measured.",
-    "schedule": "Pipeline schedule to measure: gpipe, 1f1b, interleaved or zero-bubble.",
-    "virtual_stages": "V: chunks of layers per stage for --schedule interleaved (K x V chunks, round-robin).",
+    "schedule": "Pipeline schedule to measure: gpipe, 1f1b, interleaved, zero-bubble, zero-bubble-v or v-half.",
+    "virtual_stages": "V: chunks of layers per stage for --schedule interleaved (K x V chunks, round-robin); "
+                      "2 for zero-bubble-v and v-half (in a V).",
     "checkpoint": "Rematerialization: always, except_last or never (K=1 uses the same).",
     "balance": "Layers per stage, e.g. 5,5 [default: balanced by measured per-layer time].",
     "layers": "Model size override: layers (AmoebaNet L, Transformer layers).",

@@ -158,9 +158,15 @@ class Pipeline(Section):
             per = "per stage" if self.virtual_stages == 1 else "per chunk (partitions x virtual_stages)"
             raise ValueError(f"pipeline.balance has {len(self.balance)} entries but the pipeline has {chunks}; "
                              f"give one layer count {per}")
-        if self.virtual_stages > 1 and not schedules.get(self.schedule).chunked:
-            raise ValueError(f"pipeline.virtual_stages {self.virtual_stages} needs pipeline.schedule: interleaved "
-                             f"(got {self.schedule})")
+        chunked = [name for name in schedules.names() if schedules.get(name).chunked]
+        if self.virtual_stages > 1 and self.schedule not in chunked:
+            raise ValueError(f"pipeline.virtual_stages {self.virtual_stages} needs pipeline.schedule: "
+                             f"{' or '.join(chunked)} (got {self.schedule})")
+        if schedules.get(self.schedule).placement == "v":
+            if self.virtual_stages != 2:
+                raise ValueError(f"pipeline.schedule {self.schedule} runs 2 chunks per stage in a V: "
+                                 f"set pipeline.virtual_stages: 2 (got {self.virtual_stages})")
+            return self
         if self.virtual_stages > 1 and self.partitions < 2:
             raise ValueError("pipeline.virtual_stages > 1 needs pipeline.partitions >= 2")
         if self.virtual_stages > 1 and self.microbatches % self.partitions:
