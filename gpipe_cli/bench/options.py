@@ -56,6 +56,10 @@ class BenchOptions(SizeFlags):
         """The entries of a balance for K=`stages`: K x V chunks."""
         return stages * self.virtual_stages
 
+    def virtual_at(self, stages: int) -> int:
+        """V at K=`stages`: a K=1 run holds one chunk, except under a V-shaped schedule (two, in memory)."""
+        return self.virtual_stages if stages > 1 or schedules.get(self.schedule).placement == "v" else 1
+
     @property
     def simulated_devices(self) -> int:
         """The K a prediction is made for."""

@@ -121,8 +121,10 @@ def simulate_step(costs: CostProfile, balance: list[int], batch_size: int, micro
 def calibration(costs: CostProfile, batch_size: int, microbatches: int, schedule: str, checkpoint: str,
                 measured_step: float) -> float:
     """The factor that makes the simulated single-device step last as long as the measured one."""
-    alone = simulate_step(costs, [len(costs.layers)], batch_size, microbatches, schedule, checkpoint,
-                          Link(1.0, 0.0))
+    # A V-shaped schedule runs its two chunks on the one device; any other runs one.
+    virtual = 2 if schedules.get(schedule).placement == "v" else 1
+    cut = costs.balance(virtual, checkpoint) if virtual > 1 else [len(costs.layers)]
+    alone = simulate_step(costs, cut, batch_size, microbatches, schedule, checkpoint, Link(1.0, 0.0), virtual=virtual)
     return measured_step / alone.step_time if alone.step_time > 0 and measured_step > 0 else 1.0
 
 
