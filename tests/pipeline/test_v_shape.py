@@ -71,6 +71,10 @@ def _train(rank: int, world: loopback.World, stages: int, name: str, microbatche
         layers = build_layers(toy.MODELS["deep"]["factories"](), stage_layers(cut, stages, rank, "v"), toy.SEED)
     pipe = Pipeline(layers, topo, config, toy.MODELS["deep"]["loss"], tied=toy.MODELS["deep"]["tied"])
     assert pipe.layout.is_first == pipe.layout.is_last == (rank == 0)
+    step = pipe.train_step(*toy.batch("deep", 9, 11), step=9)  # gathered on rank 0: from itself, the last chunk's
+    if rank == 0:
+        assert step.stats is not None and step.stats.loss == step.loss > 0 and step.stats.examples == 11
+    pipe.zero_grad()
     ranks.train(pipe, "deep", microbatches)
     return {k: v.clone() for k, v in pipe.state_dict().items()}
 
