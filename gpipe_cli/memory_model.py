@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.pipeline import microbatch, partition
+from gpipe_cli.pipeline import microbatch, partition, placement, schedules
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.offload import offloaded
@@ -268,11 +268,13 @@ def chunked_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int
 
 def footprints(figures: ModelFigures, balance: Sequence[int], batch_size: int, microbatches: int, schedule: str,
                checkpoint: str, bytes_per_param: float, virtual: int = 1, offload: str = "none") -> list[Footprint]:
-    """Every stage's predicted memory under `balance` (K x V chunks, chunk c on stage c mod K)."""
+    """Every stage's predicted memory under `balance` (K x V chunks, placed as the schedule says)."""
     ranges = partition.stage_ranges(balance)
     stages = len(balance) // virtual
-    return [chunked_footprint(figures, ranges[s::stages], s, stages, batch_size, microbatches, schedule, checkpoint,
-                              bytes_per_param, offload) for s in range(stages)]
+    placed = schedules.get(schedule).placement
+    return [chunked_footprint(figures, [ranges[c] for c in placement.chunks_of(s, stages, virtual, placed)], s,
+                              stages, batch_size, microbatches, schedule, checkpoint, bytes_per_param, offload)
+            for s in range(stages)]
 
 
 def stage_needs(figures: ModelFigures, balance: Sequence[int], batch_size: int, microbatches: int, schedule: str,

@@ -5,9 +5,8 @@
     1f1b           Schedule1F1B                   1
     interleaved    ScheduleInterleaved1F1B        V, chunk c on rank c mod K (as ours)
     zero-bubble    ScheduleInterleavedZeroBubble  1 (its ZB1P with one chunk per rank is ZB-H1)
-
-torch's ScheduleZBVZeroBubble has no counterpart: the engine offers no ZB-V schedule (two chunks per rank
-in a V), so --schedule never names one.
+    zero-bubble-v  ScheduleZBVZeroBubble          2, in a V: chunks r and 2K-1-r on rank r (as ours)
+    v-half         (none)
 
 A class the installed torch lacks is reported as skipped, with the reason. Each rank wraps the same
 layers our engine ran (same seed, same cut) in one `PipelineStage` per chunk it holds.
@@ -69,9 +68,9 @@ def counterpart(schedule: str) -> tuple[str, type | None, str]:
     return cls_name, cls, "" if cls is not None else f"torch {torch.__version__} has no {cls_name}"
 
 
-def chunks_of(rank: int, stages: int, chunks: int) -> list[int]:
-    """The chunks (torch's stage indices) a rank holds: round-robin, as our engine places them."""
-    return [c for c in range(chunks) if sched.owner(c, stages) == rank]
+def chunks_of(rank: int, stages: int, chunks: int, placement: str = "loop") -> list[int]:
+    """The chunks (torch's stage indices) a rank holds, placed as our engine places them."""
+    return [c for c in range(chunks) if sched.owner(c, stages, placement) == rank]
 
 
 class _Probe:
@@ -170,7 +169,7 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
     layout, device = topo.layout, topo.device
     cls_name, cls, missing = counterpart(schedule_name)
     k, chunks, microbatches = layout.stages, len(job.balance), job.microbatches[-1]
-    mine = chunks_of(layout.stage, k, chunks)
+    mine = chunks_of(layout.stage, k, chunks, schedules.get(job.schedule).placement)
     if cls is None:
         return {"class": cls_name, "skipped": missing} if layout.rank == 0 else None
     ranges = partition.stage_ranges(job.balance)

@@ -57,6 +57,10 @@ class BenchOptions(SizeFlags):
         """The entries of a balance for K=`stages`: K x V chunks."""
         return stages * self.virtual_stages
 
+    def virtual_at(self, stages: int) -> int:
+        """V at K=`stages`: a K=1 run holds one chunk, except under a V-shaped schedule (two, in memory)."""
+        return self.virtual_stages if stages > 1 or schedules.get(self.schedule).placement == "v" else 1
+
     @property
     def simulated_devices(self) -> int:
         """The K a prediction is made for."""
@@ -110,8 +114,8 @@ FLAGS: dict[str, str] = {
     "batch_size": "Examples per mini-batch [default: 4 x M].",
     "steps": "Measured steps (each figure is their median).",
     "warmup": "Steps run first and not measured.",
-    "schedule": "gpipe, 1f1b, interleaved or zero-bubble.",
-    "virtual_stages": "V: chunks of layers per stage, for --schedule interleaved.",
+    "schedule": "gpipe, 1f1b, interleaved, zero-bubble, zero-bubble-v or v-half.",
+    "virtual_stages": "V: chunks of layers per stage: for interleaved; 2 for zero-bubble-v and v-half.",
     "checkpoint": "Rematerialization: always, except_last or never (K=1 too).",
     "offload": "none, or activations: stored inputs wait in host memory (needs --checkpoint always or except_last).",
     "balance": "Layers per stage, e.g. 5,5 [default: by measured per-layer time].",

@@ -192,7 +192,7 @@ def _does_not_fit(options: BenchOptions, cand: sizing.Candidate, run: str, need:
 def _stage_memory(figures: mm.ModelFigures, flops: list[float], options: BenchOptions, k: int, m: int) -> list[float]:
     """Each stage's estimated bytes at K stages and M micro-batches, cut by FLOPs (the measured cut may differ
     slightly)."""
-    virtual = options.virtual_stages if k > 1 else 1  # the K=1 run holds one chunk
+    virtual = options.virtual_at(k)
     balance = partition.balance_by_cost(flops if any(flops) else [1.0] * len(flops), k * virtual)
     # Bench steps without an optimizer: weights and gradients, 8 bytes per parameter.
     prints = mm.footprints(figures, balance, options.batch, m, options.schedule, options.checkpoint, 8.0, virtual)

@@ -120,6 +120,15 @@ def check_cut(options: BenchOptions, subject: Subject) -> None:
         raise UserError(f"--{flag}/--balance: {exc} (the model has {layers} pipeline layers)") from None
 
 
+def _split(layers: int, chunks: int) -> list[range]:
+    """`layers` cut into `chunks` nearly equal contiguous parts."""
+    base, extra = divmod(layers, chunks)
+    bounds = [0]
+    for c in range(chunks):
+        bounds.append(bounds[-1] + base + (c < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 def _single(options: BenchOptions, subject: Subject, folder: Path,
             console: Console) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Measure K=1 and K ranks (or predict K devices): the figures, and the K ranks' step for --trace."""
@@ -128,7 +137,7 @@ def _single(options: BenchOptions, subject: Subject, folder: Path,
     then = ", then the engine against a plain loop" if options.measures_host_overhead else ""
     console.print(f"[dim]measuring K=1 ({len(spec.layers)} layers, per-layer costs and {options.steps} steps"
                   f"{then})...[/]")
-    k1_job = base_job(options, subject, 1, [len(spec.layers)])
+    k1_job = base_job(options, subject, 1, [len(part) for part in _split(len(spec.layers), options.virtual_at(1))])
     k1_job.profile_costs = True
     k1_job.host_overhead = options.measures_host_overhead
     k1_raw = jobs.run(k1_job, folder, "k1", options.threads)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from gpipe_cli.estimate.machine_load import Load, distributed, gather_floats
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.pipeline import partition
+from gpipe_cli.pipeline import partition, placement, topology
 from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
@@ -111,12 +111,13 @@ class RunFigures:
         return RunFigures(**fields)
 
 
-def _stage_figures(history: list[StepStats], balance: list[int], stages: int) -> list[StageFigures]:
+def _stage_figures(history: list[StepStats], balance: list[int], layout: topology.Layout) -> list[StageFigures]:
     out = []
-    for s in range(stages):
+    for s in range(layout.stages):
+        chunks = placement.chunks_of(s, layout.stages, len(balance) // layout.stages, layout.placement)
         rows = [st for stats in history for st in stats.stages if st.stage == s and st.replica == 0]
         out.append(StageFigures(
-            stage=s, layers=sum(balance[s::stages]), busy_s=median([r.busy for r in rows]),  # all its chunks
+            stage=s, layers=sum(balance[c] for c in chunks), busy_s=median([r.busy for r in rows]),  # all its chunks
             step_s=median([r.step_time for r in rows]), bubble=median([r.bubble for r in rows]),
             activation_peak_bytes=max(r.activation_peak for r in rows), rss_peak_bytes=max(r.rss_peak for r in rows),
             cuda_peak_bytes=max(r.cuda_peak for r in rows), offloaded_peak_bytes=max(r.offloaded_peak for r in rows)))
@@ -125,7 +126,7 @@ def _stage_figures(history: list[StepStats], balance: list[int], stages: int) ->
 
 def build_pipeline(spec: ModelSpec, topo: Topology, config: PipelineConfig, seed: int) -> Pipeline:
     """This rank's stage of `spec` as `config` cuts and runs it."""
-    indices = partition.stage_layers(list(config.balance), config.stages, topo.layout.stage)
+    indices = partition.stage_layers(list(config.balance), config.stages, topo.layout.stage, config.placement)
     layers = build_layers(spec.factories(), indices, seed, topo.device)
     return Pipeline(layers, topo, config, spec.loss, units=spec.units, tied=spec.tied)
 
@@ -174,5 +175,5 @@ def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_siz
     figures.bubbles = [stats.bubble for stats in history]
     figures.optimizer_times = [max(s.optimizer for s in stats.stages) for stats in history]
     figures.units_per_step = median([stats.units for stats in history])
-    figures.stages = _stage_figures(history, list(pipe.balance), layout.stages)
+    figures.stages = _stage_figures(history, list(pipe.balance), layout)
     return figures

@@ -31,9 +31,10 @@ def rate_model(alone_speedup: float, stages: int, replicas: int = 1) -> Rate:
     return rate
 
 
-def simulate(schedules: Sequence[ActionList], cost: Cost, latency: Cost, rate: Rate) -> list[list[Span]]:
+def simulate(schedules: Sequence[ActionList], cost: Cost, latency: Cost, rate: Rate,
+             placement: str = "loop") -> list[list[Span]]:
     """The spans of every action, compute draining at `rate(busy)`; a receive waits for its message."""
-    run = _Run(schedules, cost, latency)
+    run = _Run(schedules, cost, latency, placement)
     while True:
         while any([run.advance(s) for s in range(len(schedules))]):  # a message sent now may be received now
             pass
@@ -45,8 +46,8 @@ def simulate(schedules: Sequence[ActionList], cost: Cost, latency: Cost, rate: R
 class _Run:
     """The state of a simulation: where each stage is, what it computes, which messages are on their way."""
 
-    def __init__(self, schedules: Sequence[ActionList], cost: Cost, latency: Cost) -> None:
-        self.schedules, self.cost, self.latency = schedules, cost, latency
+    def __init__(self, schedules: Sequence[ActionList], cost: Cost, latency: Cost, placement: str = "loop") -> None:
+        self.schedules, self.cost, self.latency, self.placement = schedules, cost, latency, placement
         self.arrival: dict[tuple[int, Kind, int, int], float] = {}
         self.spans: list[list[Span]] = [[] for _ in schedules]
         self.cursor, self.since = [0] * len(schedules), [0.0] * len(schedules)
@@ -77,7 +78,7 @@ class _Run:
                     break
                 self._finish(stage, self.since[stage], self.now)
             elif action.kind in _SEND:
-                other, chunk = peer(action, len(self.schedules))
+                other, chunk = peer(action, len(self.schedules), self.placement)
                 recv = Kind.RECV_FWD if action.kind == Kind.SEND_FWD else Kind.RECV_BWD
                 self.arrival[(other, recv, chunk, action.microbatch)] = self.now + self.latency(stage, action)
                 self._finish(stage, self.now, self.now)

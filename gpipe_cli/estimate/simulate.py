@@ -15,7 +15,7 @@ from typing import Any
 
 from gpipe_cli.estimate import shared
 from gpipe_cli.estimate.costs import CostProfile
-from gpipe_cli.pipeline import microbatch, partition
+from gpipe_cli.pipeline import microbatch, partition, schedules
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.schedule import Action, Kind, Span
 
@@ -111,7 +111,9 @@ def simulate_step(costs: CostProfile, balance: list[int], batch_size: int, micro
     stages = len(balance) // virtual
     cost, latency = _cost_model(costs, balance, batch_size, microbatches, link, scale, overhead)
     lists = sched.build_all(schedule, stages, microbatches, checkpoint, virtual)
-    spans = sched.simulate(lists, cost, latency) if rate is None else shared.simulate(lists, cost, latency, rate)
+    placement = schedules.get(schedule).placement
+    spans = sched.simulate(lists, cost, latency, placement=placement) if rate is None else \
+        shared.simulate(lists, cost, latency, rate, placement)
     step = max(span.end for stage in spans for span in stage)
     return Prediction(stages, microbatches, batch_size, list(balance), step, sched.bubble(spans), scale, spans)
 
@@ -119,8 +121,10 @@ def simulate_step(costs: CostProfile, balance: list[int], batch_size: int, micro
 def calibration(costs: CostProfile, batch_size: int, microbatches: int, schedule: str, checkpoint: str,
                 measured_step: float) -> float:
     """The factor that makes the simulated single-device step last as long as the measured one."""
-    alone = simulate_step(costs, [len(costs.layers)], batch_size, microbatches, schedule, checkpoint,
-                          Link(1.0, 0.0))
+    # A V-shaped schedule runs its two chunks on the one device; any other runs one.
+    virtual = 2 if schedules.get(schedule).placement == "v" else 1
+    cut = costs.balance(virtual, checkpoint) if virtual > 1 else [len(costs.layers)]
+    alone = simulate_step(costs, cut, batch_size, microbatches, schedule, checkpoint, Link(1.0, 0.0), virtual=virtual)
     return measured_step / alone.step_time if alone.step_time > 0 and measured_step > 0 else 1.0
 
 

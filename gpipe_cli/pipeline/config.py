@@ -29,7 +29,7 @@ def sizes(examples: int, chunks: int) -> list[int]:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """K, D, M, V, schedule, remat, offload and balance (layers per chunk, chunk c on stage c mod K)."""
+    """K, D, M, V, schedule, remat, offload and balance (layers per chunk, placed on stages as the schedule says)."""
 
     stages: int = 1          # K: pipeline stages, one rank each
     microbatches: int = 1    # M: micro-batches per mini-batch
@@ -48,6 +48,11 @@ class PipelineConfig:
     def chunks(self) -> int:
         """K x V: how many pieces the model is cut into."""
         return self.stages * self.virtual
+
+    @property
+    def placement(self) -> str:
+        """Which stage runs which chunk: the schedule's "loop" (chunk c on stage c mod K) or "v"."""
+        return schedules.get(self.schedule).placement
 
     @property
     def ranks(self) -> int:

@@ -10,6 +10,7 @@ figures before the update, and that read is the step's one wait.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import OrderedDict
@@ -64,9 +65,12 @@ class Pipeline:
         if not config.balance:
             raise ValueError("the pipeline is not cut: its balance is empty")
         self.balance, self.virtual = list(config.balance), config.virtual
-        stages = self.layout.stages
+        # The configuration places the chunks; the topology's layout states it for every later reader.
+        self.layout = topology.layout = dataclasses.replace(self.layout, virtual=config.virtual,
+                                                            placement=config.placement)
         self.ranges = partition.stage_ranges(self.balance)  # one per chunk
-        self.layer_indices = partition.stage_layers(self.balance, stages, self.layout.stage)
+        self.layer_indices = partition.stage_layers(self.balance, self.layout.stages, self.layout.stage,
+                                                    config.placement)
         if len(layers) != len(self.layer_indices):
             raise ValueError(f"stage {self.layout.stage} needs {len(self.layer_indices)} layers, got {len(layers)}")
         if precision not in PRECISIONS:
@@ -94,8 +98,8 @@ class Pipeline:
             c: Stage(nn.Sequential(OrderedDict((str(i), self.module.get_submodule(str(i))) for i in self.ranges[c])),
                      self.device, loss if c == last_chunk else None, meter, PRECISIONS[precision],
                      offloader if offloaded(config.offload, c) else None)
-            for c in range(self.layout.stage, len(self.ranges), stages)}
-        self.stage = self.stages[last_chunk if self.layout.is_last else self.layout.stage]  # holds the loss if any
+            for c in self.layout.chunks}
+        self.stage = self.stages[last_chunk if self.layout.is_last else min(self.stages)]  # holds the loss if any
         self.loss_scale = grads.LossScale(precision == "fp16", self.device)
         self.timeline = stats.Timeline(self.layout.stage, self.device)
         self._plans: dict[int, sched.ActionList] = {}
@@ -105,18 +109,31 @@ class Pipeline:
 
     def _open_channels(self) -> None:
         layout, transport, fabric = self.layout, self.topology.transport, self.topology.fabric
-        # With V > 1 the chunks form a ring: the last stage's chunks feed the first stage's next ones.
-        ring = self.virtual > 1
         if fabric is not None:
-            fabric.open(topo_.links(layout, ring), [])
-        me = layout.rank
-        prev = layout.rank_of((layout.stage - 1) % layout.stages) if ring or not layout.is_first else None
-        nxt = layout.rank_of((layout.stage + 1) % layout.stages) if ring or not layout.is_last else None
-        self.fwd_in = Inbound(transport, Link(prev, me, FORWARD)) if prev is not None else None
-        self.bwd_out = Outbound(transport, Link(me, prev, BACKWARD)) if prev is not None else None
-        self.fwd_out = Outbound(transport, Link(me, nxt, FORWARD)) if nxt is not None else None
-        self.bwd_in = Inbound(transport, Link(nxt, me, BACKWARD)) if nxt is not None else None
-        result_src = layout.rank_of(layout.stages - 1, 0)
+            fabric.open(topo_.links(layout), [])
+        me, last = layout.rank, len(self.ranges) - 1
+        # One channel per link, shared by every chunk whose neighbour runs on that rank; a neighbour on
+        # this rank (the turn of a V) takes its messages in memory.
+        links: dict[Link, Inbound | Outbound] = {}
+
+        def channel(kind: type[Inbound] | type[Outbound], link: Link) -> Any:
+            return links.setdefault(link, kind(transport, link))
+
+        self.fwd_in: dict[int, Inbound] = {}
+        self.bwd_out: dict[int, Outbound] = {}
+        self.fwd_out: dict[int, Outbound] = {}
+        self.bwd_in: dict[int, Inbound] = {}
+        for c in self.stages:
+            prev = layout.rank_of(layout.owner(c - 1)) if c > 0 else me
+            nxt = layout.rank_of(layout.owner(c + 1)) if c < last else me
+            if prev != me:
+                self.fwd_in[c] = channel(Inbound, Link(prev, me, FORWARD))
+                self.bwd_out[c] = channel(Outbound, Link(me, prev, BACKWARD))
+            if nxt != me:
+                self.fwd_out[c] = channel(Outbound, Link(me, nxt, FORWARD))
+                self.bwd_in[c] = channel(Inbound, Link(nxt, me, BACKWARD))
+        self._channels = list(links.values())
+        result_src = layout.rank_of(layout.last_stage, 0)
         self.result_in = (Inbound(transport, Link(result_src, 0, RESULT))
                           if self.topology.distributed and me == 0 and result_src != 0 else None)
         self.result_out = (Outbound(transport, Link(me, 0, RESULT))
@@ -124,9 +141,26 @@ class Pipeline:
 
     def _begin_step(self, training: bool) -> None:
         # Every link's two ends mark step boundaries together: it is how they agree on what is posted ahead.
-        for channel in (self.fwd_in, self.bwd_in, self.fwd_out, self.bwd_out, self.result_in, self.result_out):
+        for channel in (*self._channels, self.result_in, self.result_out):
             if channel is not None:
                 channel.begin_step(training)
+
+    def _expect(self, actions: sched.ActionList, taken: int = 0) -> None:
+        """Tell each inbound channel how many messages this pass takes from it (`taken` already from the first)."""
+        counts: dict[int, int] = {}
+        for a in actions:
+            if a.kind in (Kind.RECV_FWD, Kind.RECV_BWD):
+                channel = (self.fwd_in if a.kind == Kind.RECV_FWD else self.bwd_in)[a.chunk]
+                counts[id(channel)] = counts.get(id(channel), 0) + 1
+        first = self.fwd_in.get(min(self.stages))
+        for inbound in self._channels:
+            if isinstance(inbound, Inbound) and id(inbound) in counts:
+                inbound.expect(counts[id(inbound)] - (taken if inbound is first else 0))
+
+    def _flush(self) -> None:
+        for channel in self._channels:
+            if isinstance(channel, Outbound):
+                channel.flush()
 
     def _plan(self, chunks: int) -> sched.ActionList:
         if chunks not in self._plans:
@@ -225,17 +259,12 @@ class Pipeline:
             targets_mb = [self._to_device(t) for t in targets_mb]
 
         self._begin_step(True)
-        if self.fwd_in is not None:
-            self.fwd_in.expect(sum(a.kind == Kind.RECV_FWD for a in actions))
-        if self.bwd_in is not None:
-            self.bwd_in.expect(sum(a.kind == Kind.RECV_BWD for a in actions))
+        self._expect(actions)
 
         run = self._executor(chunks, True, timeline=self.timeline, feed=feed, targets=targets_mb, weights=weights)
         run.run(actions)
         with self.timeline.span(stats.COMM):
-            for channel in (self.fwd_out, self.bwd_out):
-                if channel is not None:
-                    channel.flush()
+            self._flush()
         in_flight = sum(stage.in_flight for stage in self.stages.values())
         if in_flight:
             raise RuntimeError(f"the {self.schedule_name} schedule left {in_flight} micro-batches of "
@@ -347,14 +376,15 @@ class Pipeline:
                 if return_outputs:
                     outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)
 
-            if chunks == 0 and not layout.is_last:  # an empty shard: tell the next stage, chunk stage + 1
-                assert self.fwd_out is not None
-                self.fwd_out.send(layout.stage + 1, 0, 0, [])
+            first = min(self.stages)
+            # An empty shard: tell the next chunk's stage, if that chunk is the first it runs (chunks below K
+            # are each stage's first, in either placement), for it learns M from that message.
+            if chunks == 0 and first in self.fwd_out and first + 1 < layout.stages:
+                self.fwd_out[first].send(first + 1, 0, 0, [])
             if chunks:
                 self._executor(chunks, False, feed=feed, on_output=on_output, received=received).run(
-                    sched.forward_only(layout.stage, layout.stages, chunks, self.virtual))
-            if self.fwd_out is not None:
-                self.fwd_out.flush()
+                    self._forward_only(chunks))
+            self._flush()
             # One read of the device's sums for the whole batch.
             keys = sorted(sums)
             host = [0.0] * len(keys)
@@ -377,15 +407,17 @@ class Pipeline:
         if layout.is_first:
             chunks = min(microbatches, microbatch.batch_size(inputs))
         else:
-            assert self.fwd_in is not None
-            self.fwd_in.expect(1)
-            first = layout.stage  # the key of chunk `stage`, micro-batch 0
-            header, tensors = self.fwd_in.take(first)
+            first = min(self.stages)  # this rank's first chunk; its micro-batch 0 has key `first`
+            self.fwd_in[first].expect(1)
+            header, tensors = self.fwd_in[first].take(first)
             chunks, taken = header.chunks, {first: (tensors, header.bare, header.offset)}
-        if chunks and self.fwd_in is not None:
-            actions = sched.forward_only(layout.stage, layout.stages, chunks, self.virtual)
-            self.fwd_in.expect(sum(a.kind == Kind.RECV_FWD for a in actions) - len(taken))
+        if chunks:
+            self._expect(self._forward_only(chunks), len(taken))
         return chunks, taken
+
+    def _forward_only(self, chunks: int) -> sched.ActionList:
+        layout = self.layout
+        return sched.forward_only(layout.stage, layout.stages, chunks, self.virtual, layout.placement)
 
     def _eval_result(self, loss_sum: float, units_sum: float, sums: dict[str, float], outputs: list[Any],
                      return_outputs: bool) -> EvalResult:
@@ -399,7 +431,7 @@ class Pipeline:
         gathered = microbatch.gather(outputs) if return_outputs and outputs else None
         fabric = self.topology.fabric
         if fabric is not None:
-            result = fabric.share(result, layout.rank_of(layout.stages - 1, 0))
+            result = fabric.share(result, layout.rank_of(layout.last_stage, 0))
             if return_outputs and self.result_out is not None and gathered is not None:
                 tensors, bare = as_tensors(gathered)
                 self.result_out.send(0, 1, 0, tensors, bare)

@@ -7,7 +7,7 @@ executor holds the step's in-flight tensors between actions and derives nothing 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -41,12 +41,20 @@ class Sink(Protocol):
 
 @dataclass
 class Channels:
-    """This stage's point-to-point channels (None at the ends of the pipeline)."""
+    """This stage's point-to-point channels: one for all its chunks, or one per chunk (keyed by the chunk that
+    runs the action); None, or no entry, where no message goes (the ends of the pipeline, a turn of a V)."""
 
-    fwd_in: Source | None
-    fwd_out: Sink | None
-    bwd_in: Source | None
-    bwd_out: Sink | None
+    fwd_in: Source | Mapping[int, Source] | None
+    fwd_out: Sink | Mapping[int, Sink] | None
+    bwd_in: Source | Mapping[int, Source] | None
+    bwd_out: Sink | Mapping[int, Sink] | None
+
+
+def _of(channel: Any, chunk: int) -> Any:
+    """The channel `chunk` uses."""
+    found = channel.get(chunk) if isinstance(channel, Mapping) else channel
+    assert found is not None, f"chunk {chunk} has no channel for this message"
+    return found
 
 
 @dataclass
@@ -112,8 +120,7 @@ class Executor:
         key = self.key(action.chunk, action.microbatch)
         if key in self.received:
             return
-        assert self.channels.fwd_in is not None
-        header, tensors = self.channels.fwd_in.take(key)
+        header, tensors = _of(self.channels.fwd_in, action.chunk).take(key)
         if header.chunks != self.chunks:
             raise RuntimeError(f"this stage runs {self.chunks} micro-batches but the previous stage runs "
                                f"{header.chunks}")
@@ -128,6 +135,8 @@ class Executor:
             if last:
                 assert self.on_output is not None
                 self.on_output(mb, out)
+            elif action.chunk + 1 in self.stages:
+                self.received[self.key(action.chunk + 1, mb)] = (*as_tensors(out), offset)
             else:
                 self._outgoing[key] = (*as_tensors(out), offset)
             return
@@ -135,14 +144,17 @@ class Executor:
                                         self.targets[mb] if last else None, self.weights[mb] if last else 0.0)
         if last:
             self.losses.append(sent[0])  # type: ignore[arg-type]
+        elif action.chunk + 1 in self.stages:  # the next chunk is here: hand over as a message would arrive
+            self.received[self.key(action.chunk + 1, mb)] = (
+                [None if t is None else t.detach().requires_grad_(t.is_floating_point()) for t in sent],
+                sent_bare, offset)
         else:
             self._outgoing[key] = (sent, sent_bare, offset)
 
     def _send_fwd(self, action: Action) -> None:
-        assert self.channels.fwd_out is not None
         tensors, bare, offset = self._outgoing.pop(self.key(action.chunk, action.microbatch))
-        self.channels.fwd_out.send(self.key(action.chunk + 1, action.microbatch), self.chunks, offset, tensors, bare,
-                                   differentiable=self.training)
+        _of(self.channels.fwd_out, action.chunk).send(self.key(action.chunk + 1, action.microbatch), self.chunks,
+                                                      offset, tensors, bare, differentiable=self.training)
 
     def _recompute(self, action: Action) -> None:
         self.stages[action.chunk].recompute(action.microbatch)
@@ -151,15 +163,18 @@ class Executor:
             self.stages[after.chunk].prefetch(after.microbatch)
 
     def _recv_bwd(self, action: Action) -> None:
-        assert self.channels.bwd_in is not None
         key = self.key(action.chunk, action.microbatch)
-        self._grads_in[key] = self.channels.bwd_in.take(key)[1]
+        self._grads_in[key] = _of(self.channels.bwd_in, action.chunk).take(key)[1]
 
     def _gradient_in(self, action: Action) -> Tensors | None:
         return None if self._last(action) else self._grads_in.pop(self.key(action.chunk, action.microbatch))
 
     def _keep_gradient_out(self, action: Action, grads: Tensors) -> None:
-        if not self._first(action):
+        if self._first(action):
+            return
+        if action.chunk - 1 in self.stages:  # the previous chunk is here: it takes the gradient directly
+            self._grads_in[self.key(action.chunk - 1, action.microbatch)] = grads
+        else:
             self._grads_out[self.key(action.chunk, action.microbatch)] = grads
 
     def _backward(self, action: Action) -> None:
@@ -174,6 +189,6 @@ class Executor:
         self.stages[action.chunk].backward_weight(action.microbatch)
 
     def _send_bwd(self, action: Action) -> None:
-        assert self.channels.bwd_out is not None
         grads = self._grads_out.pop(self.key(action.chunk, action.microbatch))
-        self.channels.bwd_out.send(self.key(action.chunk - 1, action.microbatch), self.chunks, 0, grads)
+        _of(self.channels.bwd_out, action.chunk).send(self.key(action.chunk - 1, action.microbatch), self.chunks, 0,
+                                                      grads)

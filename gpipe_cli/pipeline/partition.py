@@ -6,6 +6,8 @@ import bisect
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 
+from gpipe_cli.pipeline import placement as placement_
+
 
 class PartitionError(ValueError):
     """A balance that cannot describe a K-stage split of these layers."""
@@ -211,7 +213,7 @@ def stage_ranges(balance: Sequence[int]) -> list[range]:
     return [range(bounds[s], bounds[s + 1]) for s in range(len(balance))]
 
 
-def stage_layers(balance: Sequence[int], stages: int, stage: int) -> list[int]:
-    """The global indices of the layers a stage holds when `balance` cuts K x V chunks, chunk c on stage c mod K."""
+def stage_layers(balance: Sequence[int], stages: int, stage: int, placement: str = "loop") -> list[int]:
+    """The global indices of the layers a stage holds when `balance` cuts K x V chunks placed by `placement`."""
     ranges = stage_ranges(balance)
-    return [i for c in range(stage, len(ranges), stages) for i in ranges[c]]
+    return [i for c in placement_.chunks_of(stage, stages, len(ranges) // stages, placement) for i in ranges[c]]

@@ -13,6 +13,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from gpipe_cli.pipeline import placement as placement_
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.actions import COMPUTE, GRADIENT, RELEASE, Action, Kind, Step
 from gpipe_cli.pipeline.config import REMAT_MODES, PipelineConfig
@@ -56,18 +57,27 @@ def _remat(mode: str, order: Sequence[Step]) -> set[tuple[int, int]]:
     raise ValueError(f"unknown checkpoint mode '{mode}': allowed are {', '.join(REMAT_MODES)}")
 
 
-def _forward(chunk: int, chunks: int, mb: int, remat: bool = False) -> list[Action]:
+def _forward(chunk: int, chunks: int, mb: int, remat: bool = False,
+             local: Callable[[int], bool] = lambda chunk: False) -> list[Action]:
+    # A neighbouring chunk on this same stage hands over in memory: no message.
     first, last = chunk == 0, chunk == chunks - 1
-    return ([] if first else [Action(Kind.RECV_FWD, mb, chunk)]) + [Action(Kind.FWD, mb, chunk, remat)] + \
-        ([] if last else [Action(Kind.SEND_FWD, mb, chunk)])
+    return ([] if first or local(chunk - 1) else [Action(Kind.RECV_FWD, mb, chunk)]) + \
+        [Action(Kind.FWD, mb, chunk, remat)] + ([] if last or local(chunk + 1) else [Action(Kind.SEND_FWD, mb, chunk)])
 
 
-def _gradient(chunk: int, chunks: int, kind: Kind, mb: int, remat: bool) -> list[Action]:
+def _gradient(chunk: int, chunks: int, kind: Kind, mb: int, remat: bool,
+              local: Callable[[int], bool] = lambda chunk: False) -> list[Action]:
     first, last = chunk == 0, chunk == chunks - 1
     # Recompute before waiting for the gradient, so the rematerialisation hides the wait.
     return ([Action(Kind.RECOMPUTE, mb, chunk)] if remat else []) + \
-        ([] if last else [Action(Kind.RECV_BWD, mb, chunk)]) + [Action(kind, mb, chunk)] + \
-        ([] if first else [Action(Kind.SEND_BWD, mb, chunk)])
+        ([] if last or local(chunk + 1) else [Action(Kind.RECV_BWD, mb, chunk)]) + [Action(kind, mb, chunk)] + \
+        ([] if first or local(chunk - 1) else [Action(Kind.SEND_BWD, mb, chunk)])
+
+
+def _local(name: str, stage: int, stages: int) -> Callable[[int], bool]:
+    """Whether a chunk runs on `stage` under the schedule's placement."""
+    placement = schedules.get(name).placement
+    return lambda chunk: owner(chunk, stages, placement) == stage
 
 
 def build(name: str, stage: int, stages: int, microbatches: int, checkpoint: str = "except_last",
@@ -77,24 +87,29 @@ def build(name: str, stage: int, stages: int, microbatches: int, checkpoint: str
     check(name, stages, microbatches, virtual)
     order = schedules.get(name).order(stage, stages, microbatches, virtual)
     remat = _remat(checkpoint, order)
-    chunks = stages * virtual
+    chunks, local = stages * virtual, _local(name, stage, stages)
     actions: ActionList = []
     for kind, mb, chunk in order:
         if kind == Kind.FWD:
-            actions += _forward(chunk, chunks, mb, (mb, chunk) in remat)
+            actions += _forward(chunk, chunks, mb, (mb, chunk) in remat, local)
         elif kind in GRADIENT:
-            actions += _gradient(chunk, chunks, kind, mb, (mb, chunk) in remat)
+            actions += _gradient(chunk, chunks, kind, mb, (mb, chunk) in remat, local)
         else:
             actions.append(Action(kind, mb, chunk))
     return actions
 
 
-def forward_only(stage: int, stages: int, microbatches: int, virtual: int = 1) -> ActionList:
+def forward_only(stage: int, stages: int, microbatches: int, virtual: int = 1,
+                 placement: str = "loop") -> ActionList:
     """The action list of one stage for an evaluation (no-grad) pass: each chunk in turn, any M."""
     _check(stage, stages, microbatches)
     chunks = stages * virtual
-    return [a for v in range(virtual) for mb in range(microbatches)
-            for a in _forward(v * stages + stage, chunks, mb)]
+
+    def local(chunk: int) -> bool:
+        return owner(chunk, stages, placement) == stage
+
+    return [a for chunk in placement_.chunks_of(stage, stages, virtual, placement) for mb in range(microbatches)
+            for a in _forward(chunk, chunks, mb, local=local)]
 
 
 def build_all(name: str, stages: int, microbatches: int, checkpoint: str = "except_last",
@@ -108,15 +123,15 @@ def rematerialised(schedule: ActionList) -> set[tuple[int, int]]:
     return {(a.microbatch, a.chunk) for a in schedule if a.kind == Kind.FWD and a.remat}
 
 
-def owner(chunk: int, stages: int) -> int:
-    """The stage (rank in a replica) that runs `chunk`: chunks go round-robin over the K stages."""
-    return chunk % stages
+def owner(chunk: int, stages: int, placement: str = "loop") -> int:
+    """The stage (rank in a replica) that runs `chunk` under `placement`."""
+    return placement_.owner(chunk, stages, placement)
 
 
-def peer(action: Action, stages: int) -> tuple[int, int]:
+def peer(action: Action, stages: int, placement: str = "loop") -> tuple[int, int]:
     """The stage and chunk at the other end of a message action."""
     chunk = action.chunk + (1 if action.kind in (Kind.SEND_FWD, Kind.RECV_BWD) else -1)
-    return owner(chunk, stages), chunk
+    return owner(chunk, stages, placement), chunk
 
 
 def message_order(schedule: ActionList, kind: Kind) -> list[int]:
@@ -148,7 +163,8 @@ def theoretical_bubble(stages: int, microbatches: int, name: str = "gpipe", virt
     if closed is not None:
         return closed
     plans = build_all(name, stages, microbatches, "never", virtual)
-    return bubble(simulate(plans, lambda stage, action: _UNIT.get(action.kind, 0.0) / virtual))
+    return bubble(simulate(plans, lambda stage, action: _UNIT.get(action.kind, 0.0) / virtual,
+                           placement=schedules.get(name).placement))
 
 
 @dataclass(frozen=True)
@@ -164,7 +180,8 @@ class Span:
 Cost = Callable[[int, Action], float]
 
 
-def simulate(lists: Sequence[ActionList], cost: Cost, latency: Cost | None = None) -> list[list[Span]]:
+def simulate(lists: Sequence[ActionList], cost: Cost, latency: Cost | None = None,
+             placement: str = "loop") -> list[list[Span]]:
     """Run the action lists on ideal devices: compute takes `cost`, a message arrives `latency` after its send.
 
     Sends do not block (as in the runtime); a receive waits for the matching send. Returns the spans
@@ -189,7 +206,7 @@ def simulate(lists: Sequence[ActionList], cost: Cost, latency: Cost | None = Non
                     end = max(start, arrival[key])
                 elif action.kind in (Kind.SEND_FWD, Kind.SEND_BWD):
                     end = start
-                    other, chunk = peer(action, stages)
+                    other, chunk = peer(action, stages, placement)
                     recv = Kind.RECV_FWD if action.kind == Kind.SEND_FWD else Kind.RECV_BWD
                     arrival[(other, recv, chunk, action.microbatch)] = end + latency(s, action)
                 else:

@@ -230,8 +230,8 @@ def gather(mine: StageStats, loss: float, examples: int, units: float, grad_norm
     stages = [StageStats(int(r[0]), int(r[1]), float(r[2]), float(r[3]), int(r[4]), int(r[5]), int(r[6]),
                          float(r[10]), float(r[11]), float(r[12]), int(r[13]), int(r[14]))
               for r in (x.tolist() for x in rows)]
-    last = max(s.stage for s in stages)
-    lasts = [r.tolist() for r in rows if int(r[0]) == last]
+    # Only the ranks running the last chunk (stage K-1 in a loop, stage 0 in a V) bring a loss and counts.
+    lasts = [r.tolist() for r in rows]
     return StepStats(loss=float(sum(r[7] for r in lasts)), examples=int(sum(r[8] for r in lasts)),
                      units=float(sum(r[9] for r in lasts)), step_time=max(s.step_time for s in stages),
                      bubble_theory=bubble_theory, grad_norm=grad_norm, stages=stages, events=all_events)

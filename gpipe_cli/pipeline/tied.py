@@ -24,16 +24,16 @@ def tie_parameters(module: nn.Module, topology: Topology, ranges: Sequence[range
                    tied: Sequence[Sequence[str]]) -> list[SharedCopy]:
     """Make tied parameters one tensor within this stage and synchronised copies across stages.
 
-    Names are "<global layer index>.<parameter>"; `ranges` are the layers of each chunk, chunk c on
-    stage c mod K. Every rank must call this with the same groups. Returns the local parameters whose
+    Names are "<global layer index>.<parameter>"; `ranges` are the layers of each chunk, placed on stages
+    as the topology's layout says. Every rank must call this with the same groups. Returns the local parameters whose
     copies live on other stages.
     """
     layout = topology.layout
     plans = []
     for group in tied:
         members = [(int(name.split(".", 1)[0]), name) for name in group]
-        owners = sorted({_stage_of(i, ranges) % layout.stages for i, _ in members})
-        local = [name for i, name in members if _stage_of(i, ranges) % layout.stages == layout.stage]
+        owners = sorted({layout.owner(_stage_of(i, ranges)) for i, _ in members})
+        local = [name for i, name in members if layout.owner(_stage_of(i, ranges)) == layout.stage]
         if len(local) > 1:
             first = module.get_parameter(local[0])
             for name in local[1:]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpipe_cli.pipeline import placement as placement_
 from gpipe_cli.pipeline.comm import Transport
 from gpipe_cli.pipeline.fabric import BACKWARD, FORWARD, RESULT, Fabric, Link, Ranks, TorchFabric
 
@@ -31,6 +32,8 @@ class Layout:
     stages: int
     replicas: int
     rank: int
+    virtual: int = 1          # chunks per stage
+    placement: str = "loop"   # which stage runs which chunk (pipeline/placement.py)
 
     @property
     def world_size(self) -> int:
@@ -52,14 +55,28 @@ class Layout:
         return (self.replica if replica is None else replica) * self.stages + stage
 
     @property
+    def chunks(self) -> list[int]:
+        """The chunks this rank runs, in ascending order."""
+        return placement_.chunks_of(self.stage, self.stages, self.virtual, self.placement)
+
+    @property
+    def last_stage(self) -> int:
+        """The stage that runs the last chunk (the loss): K - 1 in a loop, 0 in a V."""
+        return placement_.last_stage(self.stages, self.virtual, self.placement)
+
+    def owner(self, chunk: int) -> int:
+        """The stage that runs `chunk`."""
+        return placement_.owner(chunk, self.stages, self.placement)
+
+    @property
     def is_first(self) -> bool:
-        """Whether this rank runs the first stage."""
-        return self.stage == 0
+        """Whether this rank runs the first chunk (the one fed with the inputs)."""
+        return self.stage == self.owner(0)
 
     @property
     def is_last(self) -> bool:
-        """Whether this rank runs the last stage (the one with the loss)."""
-        return self.stage == self.stages - 1
+        """Whether this rank runs the last chunk (the one with the loss)."""
+        return self.stage == self.last_stage
 
     def pipeline_ranks(self, replica: int) -> list[int]:
         """All stages of one replica."""
@@ -70,18 +87,19 @@ class Layout:
         return [self.rank_of(stage, r) for r in range(self.replicas)]
 
 
-def links(layout: Layout, ring: bool) -> list[Link]:
-    """Every link of the job (every rank's, in one order): neighbours both ways, results to rank 0.
+def links(layout: Layout) -> list[Link]:
+    """Every link of the job (every rank's, in one order): consecutive chunks on two stages, both ways,
+    and the last chunk's outputs to rank 0.
 
-    With `ring` (interleaved chunks) the last stage also feeds the first stage's next chunk.
+    Consecutive chunks of one stage (the turn of a V) hand over in memory and need no link.
     """
     out: list[Link] = []
     for replica in range(layout.replicas):
-        for stage in range(layout.stages):
-            if stage + 1 < layout.stages or (ring and layout.stages > 1):
-                a, b = layout.rank_of(stage, replica), layout.rank_of((stage + 1) % layout.stages, replica)
+        for chunk in range(layout.stages * layout.virtual - 1):
+            a, b = (layout.rank_of(layout.owner(c), replica) for c in (chunk, chunk + 1))
+            if a != b and Link(a, b, FORWARD) not in out:
                 out += [Link(a, b, FORWARD), Link(b, a, BACKWARD)]
-    last = layout.rank_of(layout.stages - 1, 0)
+    last = layout.rank_of(layout.last_stage, 0)
     if last != 0:
         out.append(Link(last, 0, RESULT))
     return out
@@ -154,8 +172,8 @@ def choose_backend(backend: str = "auto") -> tuple[str, torch.device, bool]:
 
 
 def init(stages: int, replicas: int = 1, backend: str = "auto", timeout: float = 600.0,
-         device: str = "auto") -> Topology:
-    """Join the job started by torchrun (or run alone) and set up this rank's fabric."""
+         device: str = "auto", virtual: int = 1, placement: str = "loop") -> Topology:
+    """Join the job started by torchrun (or run alone) and set up this rank's fabric (chunks placed by `placement`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != stages * replicas:
         raise ValueError(f"the job has {world} processes but partitions × data_parallel = {stages} × "
@@ -166,7 +184,9 @@ def init(stages: int, replicas: int = 1, backend: str = "auto", timeout: float =
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world == 1:
-        return local(dev)
+        topo = local(dev)
+        topo.layout = Layout(1, 1, 0, virtual, placement)
+        return topo
     nccl = name == "nccl"
     if not dist.is_initialized():
         # With NCCL the default group has both backends, so a host tensor on it goes to gloo, never NCCL.
@@ -174,7 +194,7 @@ def init(stages: int, replicas: int = 1, backend: str = "auto", timeout: float =
                                 timeout=datetime.timedelta(seconds=timeout), device_id=dev if nccl else None)
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)) if nccl else None
     fabric = TorchFabric(dev, nccl, control)
-    topo = Topology(Layout(stages, replicas, dist.get_rank()), dev,
+    topo = Topology(Layout(stages, replicas, dist.get_rank(), virtual, placement), dev,
                     Transport(dev, fabric, timeout=timeout, control=control, staging=staging))
     fabric.open([], topo.groups())
     return topo

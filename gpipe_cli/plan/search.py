@@ -177,6 +177,8 @@ def configs(model: Model, hw: Hardware, schedules: Sequence[str] = SCHEDULES,
 
 
 def _virtual(name: str, k: int, m: int, layers: int) -> list[int]:
+    if schedules.get(name).placement != "loop":
+        return []  # the memory model and the measured prices know chunks placed in a loop only
     if not schedules.get(name).chunked:
         return [1]
     # V=1 interleaved is 1F1B: listed once, under its own name.

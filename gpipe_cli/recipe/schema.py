@@ -157,9 +157,15 @@ class Pipeline(Section):
         if self.offload == "activations" and self.checkpoint == "never":
             raise ValueError("pipeline.offload: activations moves the inputs that rematerialization stores; it "
                              "needs pipeline.checkpoint always or except_last (got never)")
-        if self.virtual_stages > 1 and not schedules.get(self.schedule).chunked:
-            raise ValueError(f"pipeline.virtual_stages {self.virtual_stages} needs pipeline.schedule: interleaved "
-                             f"(got {self.schedule})")
+        chunked = [name for name in schedules.names() if schedules.get(name).chunked]
+        if self.virtual_stages > 1 and self.schedule not in chunked:
+            raise ValueError(f"pipeline.virtual_stages {self.virtual_stages} needs pipeline.schedule: "
+                             f"{' or '.join(chunked)} (got {self.schedule})")
+        if schedules.get(self.schedule).placement == "v":
+            if self.virtual_stages != 2:
+                raise ValueError(f"pipeline.schedule {self.schedule} runs 2 chunks per stage in a V: "
+                                 f"set pipeline.virtual_stages: 2 (got {self.virtual_stages})")
+            return self
         if self.virtual_stages > 1 and self.partitions < 2:
             raise ValueError("pipeline.virtual_stages > 1 needs pipeline.partitions >= 2")
         if self.virtual_stages > 1 and self.microbatches % self.partitions:

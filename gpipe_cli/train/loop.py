@@ -84,13 +84,14 @@ class Trainer:
         if self.layout.rank == 0:
             create_run_dir(self.run_dir)
         pipe_cfg = recipe.pipeline
-        ranges = stage_ranges(self.plan.balance)  # one per chunk, chunk c on stage c mod K
+        ranges = stage_ranges(self.plan.balance)  # one per chunk, placed as the layout says
         k = pipe_cfg.partitions
         self._note(f"building {k} stage{'s' if k > 1 else ''} of {self.spec.name} "
                    f"({self.plan.total_params:,} parameters): "
-                   + ", ".join(f"stage {i % k} layer{'s' if len(r) > 1 else ''} {number_range(r[0], r[-1])}"
+                   + ", ".join(f"stage {self.layout.owner(i)} layer{'s' if len(r) > 1 else ''} "
+                               f"{number_range(r[0], r[-1])}"
                                for i, r in enumerate(ranges)) + f" (cut by {self.plan.balance_by})")
-        span = stage_layers(self.plan.balance, pipe_cfg.partitions, self.layout.stage)
+        span = stage_layers(self.plan.balance, pipe_cfg.partitions, self.layout.stage, self.layout.placement)
         layers = build_layers(self.spec.factories(), span, recipe.seed, topo.device)
         self.pipe = Pipeline(layers, topo, pipeline_config(recipe, self.plan.balance), self.spec.loss,
                              units=self.spec.units, tied=self.spec.tied, precision=recipe.train.precision)

@@ -11,6 +11,7 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.pipeline import failure, stopping, topology
 from gpipe_cli.pipeline.heartbeat import Heartbeat
 from gpipe_cli.recipe.schema import Recipe
+from gpipe_cli.recipe_model import pipeline_config
 from gpipe_cli.train.job import Job
 from gpipe_cli.train.loop import Trainer, configure_threads
 
@@ -34,7 +35,9 @@ def _run(job: Job) -> int:
     configure_threads()
     recipe = Recipe.model_validate(job.recipe)
     pipe = recipe.pipeline
-    topo = topology.init(pipe.partitions, pipe.data_parallel, backend=pipe.backend, device=recipe.train.device)
+    placed = pipeline_config(recipe)
+    topo = topology.init(pipe.partitions, pipe.data_parallel, backend=pipe.backend, device=recipe.train.device,
+                         virtual=placed.virtual, placement=placed.placement)
     label = f"stage {topo.layout.stage} (rank {topo.layout.rank})"
     watch = failure.AbortWatch(label) if topo.distributed else None
     stages = topo.layout.stages

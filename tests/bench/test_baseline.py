@@ -33,7 +33,7 @@ def test_every_chunk_lives_on_exactly_one_rank_as_ours(stages, chunks):
 _WORK = {Kind.FWD: "F", Kind.BWD: "B", Kind.BWD_INPUT: "B", Kind.BWD_WEIGHT: "W"}
 
 
-@pytest.mark.parametrize("name,virtual", [(name, 2 if name == "interleaved" else 1) for name in SCHEDULES])
+@pytest.mark.parametrize("name,virtual", [(name, 2 if ours.get(name).chunked else 1) for name in SCHEDULES])
 @pytest.mark.parametrize("mode", REMAT_MODES)
 def test_the_mode_on_our_own_order_picks_what_our_action_lists_mark(name, virtual, mode):
     """Torch's side applies the rule of our lists to its order; on our order it must give our choice."""

@@ -21,9 +21,9 @@ def make_pipeline(model: str, topo: topology.Topology, balance: list[int], **opt
     spec = toy.MODELS[model]
     factories = spec["factories"]()
     stages = topo.layout.stages
-    layers = build_layers(factories, stage_layers(balance, stages, topo.layout.stage), toy.SEED)
     config = PipelineConfig(stages, replicas=topo.layout.replicas, virtual=len(balance) // stages,
                             balance=tuple(balance), **options)
+    layers = build_layers(factories, stage_layers(balance, stages, topo.layout.stage, config.placement), toy.SEED)
     return Pipeline(layers, topo, config, spec["loss"], tied=spec["tied"])
 
 

@@ -92,6 +92,15 @@ def tied_model() -> list[Callable[[], nn.Module]]:
 TIED = [("0.embed.weight", "3.proj.weight")]
 
 
+def deep_model() -> list[Callable[[], nn.Module]]:
+    """The tied token model with eight layers, one with dropout (enough for K=4 stages x 2 chunks)."""
+    def hidden() -> nn.Module:
+        return nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+
+    return [Embed, hidden, hidden, hidden, lambda: nn.Sequential(Dropout(0.2), nn.Linear(16, 16)), hidden, hidden,
+            Project]
+
+
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -100,6 +109,8 @@ MODELS: dict[str, dict[str, Any]] = {
     "bn": dict(factories=bn_model, loss=nn.CrossEntropyLoss(), tied=[], per_microbatch_bn=True),
     "ln": dict(factories=ln_model, loss=nn.CrossEntropyLoss(), tied=[], per_microbatch_bn=False),
     "tied": dict(factories=tied_model, loss=token_loss, tied=TIED, per_microbatch_bn=False),
+    "deep": dict(factories=deep_model, loss=token_loss, tied=[("0.embed.weight", "7.proj.weight")],
+                 per_microbatch_bn=False),
 }
 
 

@@ -13,6 +13,7 @@ from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES, theoretical_bubble
 from gpipe_cli.plan import search
 
+SHAPED = {"zero-bubble-v", "v-half"}
 FAST = simulate.Link(1e9, 1e-6)
 
 
@@ -50,7 +51,8 @@ def brute_force(model: search.Model, hw: search.Hardware) -> tuple[float, search
             if per_replica % m:
                 continue
             for name, v, mode in itertools.product(SCHEDULES, (1, 2, 4), REMAT_MODES):
-                if (v > 1) != (name == "interleaved") or (v > 1 and (m % k or k < 2)) or k * v > n:
+                if (v > 1) != (name == "interleaved") or (v > 1 and (m % k or k < 2)) or k * v > n or \
+                        name in SHAPED:
                     continue
                 config = search.Config(k, d, m, name, v, mode)
                 costs = model.costs(per_replica // m)
@@ -134,7 +136,7 @@ def test_configurations_use_every_device_and_split_the_batch_evenly():
     assert seen and all(c.partitions * c.replicas == 4 for c in seen)
     assert all((12 // c.replicas) % c.microbatches == 0 for c in seen)
     assert all(c.microbatches % c.partitions == 0 for c in seen if c.virtual > 1)
-    assert {c.schedule for c in seen} == set(SCHEDULES)
+    assert {c.schedule for c in seen} == set(SCHEDULES) - SHAPED  # V placements are not planned yet
 
 
 def test_a_pipeline_across_nodes_is_charged_the_node_link():

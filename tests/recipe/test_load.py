@@ -32,12 +32,15 @@ def test_every_shipped_recipe_validates_and_plans(path):
 
 @pytest.mark.parametrize("overrides,message", [
     (["pipeline.microbatches=0"], "recipe.yaml: pipeline.microbatches: must be >= 1 and <= 1048576 (got 0)"),
-    (["pipeline.schedule=zb"], "pipeline.schedule: must be 'gpipe', '1f1b', 'interleaved' or 'zero-bubble' (got 'zb')"),
-    (["pipeline.virtual_stages=2"], "pipeline.virtual_stages 2 needs pipeline.schedule: interleaved (got gpipe)"),
+    (["pipeline.schedule=zb"], "pipeline.schedule: must be 'gpipe', '1f1b', 'interleaved', 'zero-bubble', "
+                               "'zero-bubble-v' or 'v-half' (got 'zb')"),
+    (["pipeline.virtual_stages=2"],
+     "pipeline.virtual_stages 2 needs pipeline.schedule: interleaved or zero-bubble-v or v-half (got gpipe)"),
     (["pipeline.schedule=zero-bubble", "pipeline.virtual_stages=2"],
-     "pipeline.virtual_stages 2 needs pipeline.schedule: interleaved (got zero-bubble)"),
+     "pipeline.virtual_stages 2 needs pipeline.schedule: interleaved or zero-bubble-v or v-half "
+     "(got zero-bubble)"),
     (["pipeline.schedule=zero-bubble-v"],
-     "pipeline.schedule: must be 'gpipe', '1f1b', 'interleaved' or 'zero-bubble' (got 'zero-bubble-v')"),
+     "pipeline.schedule zero-bubble-v runs 2 chunks per stage in a V: set pipeline.virtual_stages: 2 (got 1)"),
     (["pipeline.virtual_stages=0"], "pipeline.virtual_stages: must be >= 1 and <= 64 (got 0)"),
     (["pipeline.schedule=interleaved", "pipeline.virtual_stages=2", "pipeline.balance=[2, 2]"],
      "pipeline.balance has 2 entries but the pipeline has 4; give one layer count per chunk"),

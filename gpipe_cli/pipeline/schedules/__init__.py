@@ -6,9 +6,11 @@ from gpipe_cli.pipeline.schedules.base import Schedule
 from gpipe_cli.pipeline.schedules.gpipe import GPipe
 from gpipe_cli.pipeline.schedules.interleaved import Interleaved
 from gpipe_cli.pipeline.schedules.one_f_one_b import OneFOneB
+from gpipe_cli.pipeline.schedules.v_shape import VHalf, ZeroBubbleV
 from gpipe_cli.pipeline.schedules.zero_bubble import ZeroBubble
 
-REGISTRY: dict[str, Schedule] = {s.name: s for s in (GPipe(), OneFOneB(), Interleaved(), ZeroBubble())}
+REGISTRY: dict[str, Schedule] = {s.name: s for s in (GPipe(), OneFOneB(), Interleaved(), ZeroBubble(),
+                                                          ZeroBubbleV(), VHalf())}
 
 
 def names() -> tuple[str, ...]:

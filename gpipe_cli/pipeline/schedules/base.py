@@ -15,7 +15,8 @@ class Schedule(ABC):
     """
 
     name = ""
-    chunked = False  # runs V > 1 chunks of layers per stage (chunk c on stage c mod K)
+    chunked = False  # runs V > 1 chunks of layers per stage
+    placement = "loop"  # which stage runs which chunk (pipeline/placement.py)
     torch_counterpart: str | None = None  # torch.distributed.pipelining's class with the same order, if any
     priced_like: str | None = None  # the schedule whose measured steps price this one in `gpipe plan`
     bubble_formula: str | None = None  # the bubble's closed form, when it has one

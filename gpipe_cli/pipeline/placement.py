@@ -1,0 +1,32 @@
+"""Which stage runs which chunk of layers: "loop" (chunk c on stage c mod K) or "v" (down and back up).
+
+With V chunks per stage, K=3, V=2 (chunks 0..5):
+
+    loop   stage 0: 0 3   stage 1: 1 4   stage 2: 2 5     the last chunk on the last stage
+    v      stage 0: 0 5   stage 1: 1 4   stage 2: 2 3     the first and last chunks on stage 0
+
+Under "v" the chunks at each turn (2 and 3 above) share a stage and hand over in memory, with no
+message. It imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+PLACEMENTS = ("loop", "v")
+
+
+def owner(chunk: int, stages: int, placement: str = "loop") -> int:
+    """The stage that runs `chunk`."""
+    turn, at = divmod(chunk, stages)
+    if placement == "v" and turn % 2:
+        return stages - 1 - at
+    return at
+
+
+def chunks_of(stage: int, stages: int, virtual: int, placement: str = "loop") -> list[int]:
+    """The chunks `stage` runs, in ascending order."""
+    return [c for c in range(stages * virtual) if owner(c, stages, placement) == stage]
+
+
+def last_stage(stages: int, virtual: int, placement: str = "loop") -> int:
+    """The stage that runs the last chunk (the one with the loss)."""
+    return owner(stages * virtual - 1, stages, placement)

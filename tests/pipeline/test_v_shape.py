@@ -1,0 +1,104 @@
+"""V-shaped placement: the first and last chunks on stage 0, the turn's two chunks on stage K-1 in memory;
+zero-bubble-v and v-half train to plain training's parameters."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from gpipe_cli.pipeline import placement
+from gpipe_cli.pipeline import schedule as sched
+from gpipe_cli.pipeline.config import PipelineConfig
+from gpipe_cli.pipeline.engine import Pipeline
+from gpipe_cli.pipeline.layers import build_layers
+from gpipe_cli.pipeline.partition import stage_layers
+from gpipe_cli.pipeline.schedule import Kind
+from tests.multiproc import results, run_ranks
+from tests.pipeline import loopback, ranks, toy
+from tests.pipeline.test_engine import TOLERANCE
+
+SHAPED = ("zero-bubble-v", "v-half")
+MODES = sched.REMAT_MODES
+_building = threading.Lock()  # layers are initialised from the process's one CPU generator
+
+
+def test_v_placement_goes_down_the_stages_and_back_up():
+    assert [placement.owner(c, 3, "v") for c in range(6)] == [0, 1, 2, 2, 1, 0]
+    assert [placement.owner(c, 3) for c in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert placement.chunks_of(0, 3, 2, "v") == [0, 5] and placement.last_stage(3, 2, "v") == 0
+    assert stage_layers([1, 2, 1, 1, 2, 1], 3, 2, "v") == [3, 4]
+
+
+@pytest.mark.parametrize("name", SHAPED)
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_the_turn_hands_over_in_memory_and_every_message_meets_its_receive(name, stages):
+    for microbatches in (stages, 2 * stages, 2 * stages + 1):
+        lists = sched.build_all(name, stages, microbatches, "except_last", 2)
+        turn = lists[stages - 1]
+        assert not any(a.chunk == stages and a.kind in (Kind.RECV_FWD, Kind.SEND_BWD) for a in turn)
+        assert not any(a.chunk == stages - 1 and a.kind in (Kind.SEND_FWD, Kind.RECV_BWD) for a in turn)
+        for s, plan in enumerate(lists):
+            assert {a.chunk for a in plan} == set(placement.chunks_of(s, stages, 2, "v"))
+        sched.simulate(lists, lambda s, a: 1.0, placement="v")  # raises on a deadlock
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_zero_bubble_v_idles_no_more_than_zero_bubble_and_v_half_holds_fewer_activations(stages):
+    for microbatches in (stages, 2 * stages, 2 * stages + 1):
+        assert sched.theoretical_bubble(stages, microbatches, "zero-bubble-v", 2) <= \
+            sched.theoretical_bubble(stages, microbatches, "zero-bubble") + 1e-9
+        for name, cap in (("zero-bubble-v", 2 * stages), ("v-half", stages + 1)):
+            for plan in sched.build_all(name, stages, microbatches, "never", 2):
+                held = peak = 0
+                for a in plan:
+                    held += (a.kind == Kind.FWD) - (a.kind in sched.RELEASE)
+                    peak = max(peak, held)
+                assert peak <= cap, (name, microbatches)
+
+
+def test_a_v_schedule_refuses_other_than_two_chunks_per_stage_in_one_line():
+    with pytest.raises(ValueError, match="schedule 'v-half' runs 2 chunks per stage: virtual_stages must be 2"):
+        PipelineConfig(2, 4, schedule="v-half")
+
+
+def _train(rank: int, world: loopback.World, stages: int, name: str, microbatches: int, mode: str) -> dict:
+    topo = loopback.topology(world, rank, stages)
+    cut = [len(part) for part in torch.arange(8).tensor_split(2 * stages)]
+    config = PipelineConfig(stages, microbatches, virtual=2, schedule=name, checkpoint=mode, balance=tuple(cut))
+    with _building:
+        layers = build_layers(toy.MODELS["deep"]["factories"](), stage_layers(cut, stages, rank, "v"), toy.SEED)
+    pipe = Pipeline(layers, topo, config, toy.MODELS["deep"]["loss"], tied=toy.MODELS["deep"]["tied"])
+    assert pipe.layout.is_first == pipe.layout.is_last == (rank == 0)
+    step = pipe.train_step(*toy.batch("deep", 9, 11), step=9)  # gathered on rank 0: from itself, the last chunk's
+    if rank == 0:
+        assert step.stats is not None and step.stats.loss == step.loss > 0 and step.stats.examples == 11
+    pipe.zero_grad()
+    ranks.train(pipe, "deep", microbatches)
+    return {k: v.clone() for k, v in pipe.state_dict().items()}
+
+
+# K in {2, 3, 4} x M in {K, 2K, 2K + 1}, each schedule with each remat mode at least once
+CASES = [(SHAPED[i % 2], k, m, MODES[i % 3])
+         for i, (k, m) in enumerate((k, m) for k in (2, 3, 4) for m in (k, 2 * k, 2 * k + 1))]
+
+
+@pytest.mark.parametrize(("name", "stages", "microbatches", "mode"), CASES)
+def test_v_schedules_train_to_plain_trainings_parameters(name, stages, microbatches, mode):
+    """Tied embedding and softmax (both on stage 0), dropout, uneven micro-batches and a smaller last batch."""
+    world = loopback.World(stages, "cpu")
+    state = {k: v for part in world.run(_train, world, stages, name, microbatches, mode) for k, v in part.items()}
+    errors = toy.relative_errors(state, toy.reference("deep", microbatches))
+    assert max(errors.values()) < TOLERANCE, (mode, errors)
+
+
+@pytest.mark.slow
+def test_v_schedules_on_two_gloo_ranks_train_to_plain_trainings_parameters():
+    configs = [(4, "zero-bubble-v", "except_last"), (3, "v-half", "always")]
+    states = results(run_ranks(ranks.grid, 2, "deep", 2, [2, 2, 2, 2], configs))
+    for config in configs:
+        state = {k: v for part in states for k, v in part[config].items()}
+        assert torch.equal(state["0.embed.weight"], state["7.proj.weight"]), config
+        errors = toy.relative_errors(state, toy.reference("deep", config[0]))
+        assert max(errors.values()) < TOLERANCE, (config, errors)
