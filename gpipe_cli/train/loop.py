@@ -119,7 +119,8 @@ class Trainer:
                                                recipe.model_dump(mode="json"), self._note))
                         if self.layout.rank == 0 else None)
         self.summary = RunSummary(self.total_steps, job.started or time.time())
-        self.profiler = StepProfiler(recipe.train.profile, self.run_dir, self.layout.rank, topo.device)
+        self.profiler = StepProfiler(recipe.train.profile, self.run_dir, self.layout.rank, topo.device,
+                                     self.total_steps)
 
     # ----------------------------------------------------------------- set-up helpers
 
@@ -329,8 +330,9 @@ class Trainer:
 
     def _profiled(self, trace: Path | None) -> None:
         if trace is not None and self.view is not None:
-            self.view.message(f"profile: steps {self.profiler.first}-{self.profiler.last} traced in {trace.parent} "
-                              f"(rank<N>.json for each rank; open in https://ui.perfetto.dev)")
+            first, last = self.profiler.traced
+            self.view.message(f"profile: steps {first}-{last} traced in {trace.parent} "
+                              f"(rank<N>.trace.json.gz for each rank; open in https://ui.perfetto.dev)")
 
     def _save(self, step: int) -> None:
         path = self.checkpoints.save(step, epoch=(step - 1) // self.steps_per_epoch + 1)
