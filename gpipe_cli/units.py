@@ -1,4 +1,4 @@
-"""Numbers for people: bytes as KiB/MiB/GiB, counts as K/M/B."""
+"""Numbers for people: bytes as KiB/MiB/GiB, counts as K/M/B, seconds."""
 
 from __future__ import annotations
 
@@ -31,6 +31,25 @@ def human_bytes(n: float | None) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} TiB"
+
+
+def human_seconds(seconds: float) -> str:
+    """e.g. "40 s", "3 min", "2.5 h"."""
+    if seconds < 90:
+        return f"{max(seconds, 1):.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def clock(seconds: float) -> str:
+    """e.g. "42s", "1m23s", "2h05m": a countdown that stays short on a step line."""
+    whole = max(round(seconds), 0)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
 
 
 def human_count(n: float) -> str:
