@@ -20,10 +20,23 @@ def test_progress_adds_the_phases_it_is_told_to_and_times_from_its_start():
     said, now = [], [100.0]
     progress = Progress(said.append, estimated=5.0, clock_s=lambda: now[0])
     progress.phase("reading", 1.0)            # part of the estimate given at the start
+    now[0] = 101.0                            # as estimated
     progress.phase("measuring", 20.0, add=True)
     now[0] = 131.0
     assert said == ["reading...", "measuring (about 20 s)..."]
     assert progress.estimated == 25.0 and progress.took() == "took 31 s (estimated 25 s)"
+
+
+def test_later_phases_are_scaled_by_how_the_finished_ones_ran():
+    said, now = [], [0.0]
+    progress = Progress(said.append, clock_s=lambda: now[0])
+    progress.phase("K=1", 10.0)
+    now[0] = 30.0                             # a busy machine: three times the estimate
+    progress.phase("K=2", 10.0)
+    now[0] = 1000.0                           # far slower still: the scale is bounded
+    progress.phase("K=4", 10.0)
+    assert said == ["K=1 (about 10 s)...", "K=2 (about 30 s)...", "K=4 (about 80 s)..."]
+    assert progress.pace() == 8.0
 
 
 def test_the_run_eta_is_the_mean_steady_step_times_the_steps_left():
