@@ -7,6 +7,7 @@ extrapolated from per-layer figures (see `scenarios`). Ctrl-C exits 130 with no 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 from collections.abc import Callable
@@ -30,8 +31,9 @@ from gpipe_cli.estimate.subject import (
 )
 from gpipe_cli.files import atomic_write_text
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.models.describe import layer_params
+from gpipe_cli.models.describe import describe, layer_params
 from gpipe_cli.models.registry import allowed_params, build_model
+from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.profile import account, budget, report, scenarios
 from gpipe_cli.profile.options import ProfileOptions, validate
 from gpipe_cli.progress import Progress
@@ -70,6 +72,21 @@ BUILD_S = 1.2e-8
 def probe_seconds(cand: sizing.Candidate, machine: sizing.Machine) -> float:
     """Seconds measuring per-layer figures takes: each layer's forward and backward at two small batches."""
     return 2 * sizing.step_seconds(cand, machine, 6, 1, 2.0)
+
+
+def paced(machine: sizing.Machine, spec: ModelSpec, kind: str, examples: int, seed: int) -> sizing.Machine:
+    """`machine` with the rate this model's layers reach here now: the heaviest of its first layers timed once,
+    forward and backward, on `examples` examples (the quick matrix-product rate fits in cache and misses a busy
+    machine; real layers reach a fraction of it, several times less on a shared CPU)."""
+    flops = [layer.flops for layer in describe(spec, 2).layers[:3]]  # per example; the prefix stays cheap
+    index = max(range(len(flops)), key=flops.__getitem__)
+    inputs, _ = example_batch(spec, examples, seed)
+    layer = profile_layers(spec.factories()[:index + 1], inputs, seed, "cpu", repeats=1)[index]
+    seconds = layer.forward + layer.backward - 3 * machine.call_seconds  # less the fixed cost, charged apart
+    if flops[index] <= 0 or seconds <= 0:
+        return machine
+    rate = 3 * flops[index] * examples / seconds
+    return dataclasses.replace(machine, flops_per_s=rate / sizing.layer_efficiency(machine.kind, kind))
 
 
 def estimate_seconds(cand: sizing.Candidate, machine: sizing.Machine, batch: int,
@@ -142,6 +159,9 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
     cand = sizing.candidate(subject.kind, subject.params)
     probe_s = probe_seconds(cand, machine)
     probing = any(not sc.measured for sc in rows) and probe_s < 30 and max(layer_params(spec)) * per_param < have
+    if device.type == "cpu" and any(sc.measured for sc in rows):  # the model fits: a layer of it can be timed
+        machine = paced(machine, spec, subject.kind, batch, options.seed)
+        probe_s = probe_seconds(cand, machine)
     # Now that every row is decided: what this profile runs, not what sizing assumed (every row measured).
     seconds = FIXED_S + (probe_s if probing else 0.0) + sum(
         row_seconds(cand, machine, batch, sc.microbatches, sc.checkpoint) for sc in rows if sc.measured)
