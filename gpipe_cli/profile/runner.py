@@ -75,13 +75,13 @@ def probe_seconds(cand: sizing.Candidate, machine: sizing.Machine) -> float:
 
 
 def paced(machine: sizing.Machine, spec: ModelSpec, kind: str, examples: int, seed: int) -> sizing.Machine:
-    """`machine` with the rate this model's layers reach here now: the heaviest of its first layers timed once,
-    forward and backward, on `examples` examples (the quick matrix-product rate fits in cache and misses a busy
-    machine; real layers reach a fraction of it, several times less on a shared CPU)."""
+    """`machine` with the rate this model's layers reach here now: the heaviest of its first layers timed,
+    forward and backward, on `examples` examples (medians of 3). The quick matrix-product rate fits in cache
+    and misses a busy machine: real layers reach a fraction of it, several times less on a shared CPU."""
     flops = [layer.flops for layer in describe(spec, 2).layers[:3]]  # per example; the prefix stays cheap
     index = max(range(len(flops)), key=flops.__getitem__)
     inputs, _ = example_batch(spec, examples, seed)
-    layer = profile_layers(spec.factories()[:index + 1], inputs, seed, "cpu", repeats=1)[index]
+    layer = profile_layers(spec.factories()[:index + 1], inputs, seed, "cpu", repeats=3)[index]  # medians
     seconds = layer.forward + layer.backward - 3 * machine.call_seconds  # less the fixed cost, charged apart
     if flops[index] <= 0 or seconds <= 0:
         return machine
@@ -160,7 +160,9 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
     probe_s = probe_seconds(cand, machine)
     probing = any(not sc.measured for sc in rows) and probe_s < 30 and max(layer_params(spec)) * per_param < have
     if device.type == "cpu" and any(sc.measured for sc in rows):  # the model fits: a layer of it can be timed
-        machine = paced(machine, spec, subject.kind, batch, options.seed)
+        # A quarter of the batch: large enough that the arithmetic, not each call's fixed cost, sets the time
+        # (within a fifth of the whole batch's rate on a 2-core CPU), at a fifth of the cost.
+        machine = paced(machine, spec, subject.kind, min(max(batch // 4, 2), batch), options.seed)
         probe_s = probe_seconds(cand, machine)
     # Now that every row is decided: what this profile runs, not what sizing assumed (every row measured).
     seconds = FIXED_S + (probe_s if probing else 0.0) + sum(
