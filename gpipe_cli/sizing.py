@@ -24,7 +24,7 @@ import torch
 
 from gpipe_cli.models.describe import describe
 from gpipe_cli.models.registry import build_model, resolve_preset
-from gpipe_cli.units import human_bytes
+from gpipe_cli.units import human_bytes, human_seconds
 
 # A command typed without a model should answer in about a minute (its estimate is within a factor of two).
 TIME_BUDGET_S = 60.0
@@ -256,15 +256,6 @@ class Choice:
     note: str = ""                         # the one-line announcement when scaled ('' otherwise)
     verdict: Verdict | None = None
     rejected: list[str] = field(default_factory=list)
-
-
-def human_seconds(seconds: float) -> str:
-    """e.g. "40 s", "3 min", "2.5 h"."""
-    if seconds < 90:
-        return f"{max(seconds, 1):.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def _pipeline_layers(kind: str, params: dict[str, Any], layers: int) -> int:

@@ -1,4 +1,4 @@
-"""Numbers for people: bytes as KiB/MiB/GiB, counts as K/M/B, ranges as 4-7 (or 4)."""
+"""Numbers for people: bytes as KiB/MiB/GiB, counts as K/M/B, ranges as 4-7 (or 4), seconds."""
 
 from __future__ import annotations
 
@@ -36,6 +36,25 @@ def human_bytes(n: float | None) -> str:
 def number_range(first: int, last: int) -> str:
     """`first`-`last` as "4-7", or "4" when they are the same (a range of one)."""
     return str(first) if first == last else f"{first}-{last}"
+
+
+def human_seconds(seconds: float) -> str:
+    """e.g. "40 s", "3 min", "2.5 h"."""
+    if seconds < 90:
+        return f"{max(seconds, 1):.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def clock(seconds: float) -> str:
+    """e.g. "42s", "1m23s", "2h05m": a countdown that stays short on a step line."""
+    whole = max(round(seconds), 0)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
 
 
 def human_count(n: float) -> str:

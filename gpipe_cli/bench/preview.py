@@ -9,7 +9,7 @@ the ranks per core or GPU (with the oversubscription warning), and how long it s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console
@@ -21,7 +21,7 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.estimate.subject import FAMILIES, Subject, model_overrides, resolve
 from gpipe_cli.models.describe import describe
 from gpipe_cli.pipeline import partition
-from gpipe_cli.units import human_bytes, human_count
+from gpipe_cli.units import human_bytes, human_count, human_seconds
 
 RANK_RUNTIME_BYTES = 400 * 2**20  # what a rank's process holds besides the model: torch, gloo, buffers
 
@@ -56,30 +56,34 @@ def _parallel(machine: sizing.Machine, ranks: int, threads: int) -> float:
     return max(min(ranks, machine.units // max(threads, 1)), 1)
 
 
-def estimate_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: BenchOptions) -> float:
-    """Seconds the command should take on `machine` with model `cand`."""
+def phase_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: BenchOptions) -> dict[int, float]:
+    """Seconds each job of the command should take on `machine` with model `cand`, by its K (a job per K: K=1
+    also times the per-layer costs and, when asked, the host overhead)."""
     passes = 3.0 if options.checkpoint == "never" else 4.0
     configs = runs(options, cand.pipeline_layers)
-    total = 0.0
-    for k in sorted({k for k, _ in configs}):
-        total += sizing.launch_seconds(k, machine)
+    seconds = {k: sizing.launch_seconds(k, machine) for k in sorted({k for k, _ in configs})}
     steps = options.steps + options.warmup
     for k, m in configs:
         work = sizing.step_seconds(cand, machine, options.batch, m, passes)
         if k == 1:
-            total += steps * work + 10 * work / m  # the per-layer costs, timed on one micro-batch
+            seconds[k] += steps * work + 10 * work / m  # the per-layer costs, timed on one micro-batch
             continue
         parallel = _parallel(machine, k, options.threads)
         # A stage's share with its bubble, but never faster than the cores can run all of the work.
         step = max(work * (m + k - 1) / (m * k), work / parallel)
         messages = 2 * m * 1e-3 * max(1.0, k / parallel)  # one send per micro-batch and direction
-        total += steps * (step + messages)
+        seconds[k] += steps * (step + messages)
     if options.measures_host_overhead:
         # The engine and the plain loop, each its warm-up and measured steps, on the whole model at K=1.
         count, each = overhead_rounds(options.steps)
         work = sizing.step_seconds(cand, machine, options.batch, options.microbatches, passes)
-        total += 2 * (options.warmup + count * each) * work
-    return total
+        seconds[1] += 2 * (options.warmup + count * each) * work
+    return seconds
+
+
+def estimate_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: BenchOptions) -> float:
+    """Seconds the command should take on `machine` with model `cand`."""
+    return sum(phase_seconds(cand, machine, options).values())
 
 
 def need_bytes(cand: sizing.Candidate, machine: sizing.Machine, options: BenchOptions) -> float:
@@ -111,6 +115,7 @@ class Preview:
     need: float
     have: float
     sized: bool = False  # chosen by sizing to this machine (else exactly what the flags asked)
+    phases: dict[int, float] = field(default_factory=dict)  # each job's estimated seconds, by K (see phase_seconds)
 
 
 def choose_subject(options: BenchOptions, machine: sizing.Machine) -> Preview:
@@ -122,13 +127,14 @@ def choose_subject(options: BenchOptions, machine: sizing.Machine) -> Preview:
         subject = Subject(choice.kind, choice.params, options.model)
         v = choice.verdict
         assert v is not None
-        return Preview(subject, choice.note, v.seconds, v.need_bytes, v.have_bytes, sized=True)
+        phases = phase_seconds(sizing.candidate(choice.kind, choice.params), machine, options)
+        return Preview(subject, choice.note, v.seconds, v.need_bytes, v.have_bytes, sized=True, phases=phases)
     subject = resolve(options.model, options.sizes(), options.set)
     cand = sizing.candidate(subject.kind, subject.params)
     v = verdict(cand)
     if v.need_bytes > machine.memory_bytes:  # plainly too large: said before the memory model prices every layer
         raise UserError(_does_not_fit(options, cand, "", v.need_bytes, machine, sized=False))
-    return Preview(subject, "", v.seconds, v.need_bytes, v.have_bytes)
+    return Preview(subject, "", v.seconds, v.need_bytes, v.have_bytes, phases=phase_seconds(cand, machine, options))
 
 
 @dataclass(frozen=True)
@@ -232,6 +238,6 @@ def show(preview: Preview, mem: Memory, options: BenchOptions, machine: sizing.M
                           f"{'GPU' if machine.kind == 'cuda' else 'core'}: the speed figures will mean little)")
         else:
             console.print(line)
-    console.print(f"  estimate: about {sizing.human_seconds(preview.seconds)} "
+    console.print(f"  estimate: about {human_seconds(preview.seconds)} "
                   f"(this machine: {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank measured, "
                   f"{human_bytes(machine.memory_bytes)} free)")

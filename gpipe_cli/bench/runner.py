@@ -18,7 +18,6 @@ import contextlib
 import json
 import signal
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from gpipe_cli.estimate.subject import Subject, is_text
 from gpipe_cli.files import atomic_write_text
 from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline.schedule import theoretical_bubble
+from gpipe_cli.progress import Progress, took_line
 
 STOPPED = 128 + signal.SIGINT
 
@@ -129,14 +129,15 @@ def _split(layers: int, chunks: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def _single(options: BenchOptions, subject: Subject, folder: Path,
-            console: Console) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Measure K=1 and K ranks (or predict K devices): the figures, and the K ranks' step for --trace."""
+def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Progress,
+            phases: dict[int, float]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Measure K=1 and K ranks (or predict K devices): the figures, and the K ranks' step for --trace (each job
+    said with its estimated seconds from `phases`, by K)."""
     spec = subject.build()
     k = options.simulated_devices if options.simulate else options.partitions
     then = ", then the engine against a plain loop" if options.measures_host_overhead else ""
-    console.print(f"[dim]measuring K=1 ({len(spec.layers)} layers, per-layer costs and {options.steps} steps"
-                  f"{then})...[/]")
+    progress.phase(f"measuring K=1 ({len(spec.layers)} layers, per-layer costs and {options.steps} steps{then})",
+                   phases.get(1, 0.0))
     k1_job = base_job(options, subject, 1, [len(part) for part in _split(len(spec.layers), options.virtual_at(1))])
     k1_job.profile_costs = True
     k1_job.host_overhead = options.measures_host_overhead
@@ -150,7 +151,7 @@ def _single(options: BenchOptions, subject: Subject, folder: Path,
     kk: RunFigures | None = None
     raw: dict[str, Any] = {}
     if not options.simulate:
-        console.print(f"[dim]measuring K={k} (balance {balance})...[/]")
+        progress.phase(f"measuring K={k} (balance {balance})", phases.get(k, 0.0))
         job = base_job(options, subject, k, balance)
         job.trace, job.compare = options.trace is not None, options.compare
         try:
@@ -202,8 +203,7 @@ def results(options: BenchOptions, summary: dict[str, Any], events: list[dict[st
         _write_trace(options, summary, events)
         report.show(summary, console)
     sized = summary["sized"]
-    console.print(f"[dim]took {sizing.human_seconds(sized['elapsed_s'])} (estimated "
-                  f"{sizing.human_seconds(sized['estimate_s'])})[/]")
+    console.print(f"[dim]{took_line(sized['elapsed_s'], sized['estimate_s'])}[/]")
     if options.json is not None:
         atomic_write_text(options.json, json.dumps(summary, indent=2))
         console.print(f"[dim]figures written to {options.json}[/]")
@@ -231,7 +231,7 @@ def run(options: BenchOptions) -> int:
 
 
 def _run(options: BenchOptions, console: Console) -> int:
-    started = time.perf_counter()
+    progress = Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))
     machine = sizing.this_machine(options.threads)
     chosen = preview.choose_subject(options, machine)
     subject = chosen.subject
@@ -239,21 +239,22 @@ def _run(options: BenchOptions, console: Console) -> int:
     memory = preview.memory(subject, options, machine)
     preview.check_fits(chosen, memory, options, machine)
     preview.show(chosen, memory, options, machine, console)
+    progress.estimated = chosen.seconds
     with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp, _temporary_root(tmp):
         try:
             events: list[dict[str, Any]] = []  # the K ranks' step, for --trace
             if options.sweep:
-                summary = sweep.run(options, subject, Path(tmp), console)
+                summary = sweep.run(options, subject, Path(tmp), progress, chosen.phases)
             else:
-                summary, events = _single(options, subject, Path(tmp), console)
+                summary, events = _single(options, subject, Path(tmp), progress, chosen.phases)
         except jobs.JobFailed as exc:
             if exc.code in (STOPPED, 128 + signal.SIGTERM):
                 console.print("[yellow]gpipe bench: stopped; nothing was written[/]")
                 return exc.code
             console.print(f"[red]gpipe bench: the benchmark ranks failed (exit code {exc.code}); see above[/]")
             return exc.code
-        summary["sized"] = {"note": chosen.note, "estimate_s": chosen.seconds,
-                            "elapsed_s": time.perf_counter() - started}
+        progress.done()
+        summary["sized"] = {"note": chosen.note, "estimate_s": chosen.seconds, "elapsed_s": progress.elapsed()}
         results(options, summary, events, console)
     if summary.get("failed"):
         console.print(f"[red]gpipe bench: {summary['failed']}[/]")

@@ -21,6 +21,7 @@ from gpipe_cli.estimate.machine_load import contended
 from gpipe_cli.estimate.measure import RunFigures
 from gpipe_cli.estimate.subject import Subject
 from gpipe_cli.pipeline.schedule import theoretical_bubble
+from gpipe_cli.progress import Progress
 
 # GPipe (Huang et al., 2019), Table 2: normalised training throughput on TPUs, AmoebaNet-D (18, 256) and
 # Transformer-48, by M (rows) and K (columns), normalised to K=2, M=1.
@@ -40,14 +41,16 @@ def _hostable(options: BenchOptions, layers: int) -> list[int]:
     return out
 
 
-def run(options: BenchOptions, subject: Subject, folder: Path, console: Console) -> dict[str, Any]:
-    """Measure every (K, M) this machine hosts; the figures as the JSON file holds them."""
+def run(options: BenchOptions, subject: Subject, folder: Path, progress: Progress,
+        phases: dict[int, float]) -> dict[str, Any]:
+    """Measure every (K, M) this machine hosts, each job said with its estimated seconds from `phases` (by K);
+    the figures as the JSON file holds them."""
     spec = subject.build()
     layers = len(spec.layers)
     ks = _hostable(options, layers)
     if not ks:
         ks = [min(SWEEP_PARTITIONS)] if layers >= min(SWEEP_PARTITIONS) else []
-    console.print(f"[dim]measuring per-layer costs ({layers} layers)...[/]")
+    progress.phase(f"measuring per-layer costs ({layers} layers)", phases.get(1, 0.0))
     job = base_job(options, subject, 1, [layers])
     job.microbatches, job.profile_costs = [], True
     job.extra = {"profile_chunks": max(SWEEP_MICROBATCHES)}
@@ -55,7 +58,8 @@ def run(options: BenchOptions, subject: Subject, folder: Path, console: Console)
     cells: list[dict[str, Any]] = []
     for k in ks:
         balance = costs.balance(k, options.checkpoint)
-        console.print(f"[dim]measuring K={k} (balance {balance}), M = {', '.join(map(str, SWEEP_MICROBATCHES))}...[/]")
+        progress.phase(f"measuring K={k} (balance {balance}), M = {', '.join(map(str, SWEEP_MICROBATCHES))}",
+                       phases.get(k, 0.0))
         raw = jobs.run(base_job(options, subject, k, balance), folder, f"sweep-k{k}", options.threads)
         over, _ = oversubscription(k, options.threads)
         for run_json in raw["runs"]:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe_cli.estimate.simulate import Link
+from gpipe_cli.sizing import usable_cores
 
 # The recipe's optimizer over some parameters (a picklable factory: it is built in each rank).
 OptimizerOf = Callable[[list[torch.nn.Parameter]], "torch.optim.Optimizer | None"]
@@ -205,6 +206,18 @@ def links(ranks: int) -> tuple[Link, Link]:
 
 
 STEPS = 10  # measured engine steps per micro-batch count (after one warm-up)
+
+
+def start_seconds(ranks: int) -> float:
+    """About how long `ranks` processes take to start here: each imports torch, builds its part and joins the group
+    (they share the cores)."""
+    cores = max(min(usable_cores(), ranks), 1)
+    return 2.0 + 3.0 * ranks / cores
+
+
+def links_seconds(ranks: int) -> float:
+    """About how long `links` takes: starting the ranks, then a few hundred messages of up to 4 MiB."""
+    return start_seconds(max(ranks, 2)) + 1.0
 
 
 @dataclass

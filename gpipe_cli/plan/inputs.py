@@ -155,6 +155,23 @@ def measure_seconds(flops: list[float], sizes: tuple[int, int], machine: sizing.
     return sum(sum(f * s / rate + per_call for f in flops) * 4 * runs / 3 for s in set(sizes))
 
 
+def step_seconds(costs: Callable[[int], CostProfile], examples: int, microbatches: int, stages: int = 1) -> float:
+    """One training step of `examples` in `microbatches` on each of `stages` stages, from the per-layer seconds
+    (GPipe's bubble included; the engine's own costs are what is being measured, so left out)."""
+    per_microbatch = sum(costs(max(examples // microbatches, 1)).balance_costs("never"))
+    return per_microbatch * (microbatches + stages - 1) / stages
+
+
+def engine_seconds(costs: Callable[[int], CostProfile], examples: int, counts: list[int], ranks: int = 0,
+                   stages: int = 1, steps: int = here.STEPS + 1, again: bool = True) -> float:
+    """About how long timing the engine's steps at each micro-batch count takes: `ranks` processes started (0: in
+    this process), then `steps` steps per count, warm-up included (`again`: the first count once more, as
+    `here.engine_steps` does)."""
+    runs = [*counts, *counts[:1]] if again else counts
+    start = here.start_seconds(ranks) if ranks else 0.0
+    return start + sum(steps * step_seconds(costs, examples, m, stages) for m in runs)
+
+
 def measured_costs(spec: ModelSpec, sizes: tuple[int, int], seed: int, threads: int,
                    examples: Examples, device: str = "cpu") -> Callable[[int], CostProfile]:
     """Per-layer seconds measured here on `device` at two micro-batch sizes, with `threads` intra-op threads."""
@@ -215,13 +232,19 @@ class _Engine:
     drift: float | None = None
 
 
+def _staged_counts(batch: int, sizes: list[int], ranks: int) -> list[int]:
+    """The micro-batch counts a pipeline of `ranks` stages is timed at: the replicas' sizes, M a multiple of K
+    (interleaved needs it)."""
+    return sorted({max(batch // size // ranks, 1) * ranks for size in sizes})
+
+
 def _staged(kind: str, params: dict[str, Any], costs: Callable[[int], CostProfile], batch: int, sizes: list[int],
             seed: int, threads: int, examples: Examples, ranks: int, virtual: int, link: Link, speedup: float,
             optimizer: here.OptimizerOf | None, grad_clip: float | None) -> tuple[dict[int, float], float]:
     """Ratios by micro-batch size measured on one pipeline of `ranks` stages of `virtual` chunks each here (the
     whole batch, cut by time at the middle size), and its drift."""
     balance = costs(sizes[len(sizes) // 2]).balance(ranks * virtual, "never")
-    counts = sorted({max(batch // size // ranks, 1) * ranks for size in sizes})  # interleaved: M a multiple of K
+    counts = _staged_counts(batch, sizes, ranks)
     steps = here.engine_steps(kind, params, *examples(batch), seed, ranks, threads, counts, optimizer, grad_clip,
                               balance, virtual)
     # The busiest stage's update is part of the step; it is charged per step apart (`search.step_overhead`).
@@ -233,17 +256,23 @@ def _staged(kind: str, params: dict[str, Any], costs: Callable[[int], CostProfil
 def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Callable[[int], CostProfile],
                   figs: ModelFigures, batch: int, least: int, seed: int, threads: int, examples: Examples,
                   ranks: int, links: tuple[Link, Link] | None, speedup: float, optimizer: here.OptimizerOf | None,
-                  grad_clip: float | None, device: str, say: Callable[[str], None]) -> _Engine:
+                  grad_clip: float | None, device: str, say: Callable[[str], None],
+                  phase: Callable[[str, float], None]) -> _Engine:
     """The engine's own costs: on `ranks` real ranks here when they share this machine (ratios on the layers'
     seconds by micro-batch size, as replicas and as stages; the optimizer's update per step), else in this
     process (seconds per layer call and per step; no ratios)."""
     if ranks > 1 and links is not None and batch % ranks == 0:
         per_replica = batch // ranks
         staged_too = f", then as {ranks} stages," if len(spec.layers) >= ranks else ""
-        say(f"measuring the engine's training steps on {ranks} replicas{staged_too} here...")
+        replica_counts = calibrate.counts(per_replica, least)
+        seconds = engine_seconds(costs, per_replica, replica_counts, ranks)
+        staged_counts = _staged_counts(batch, [per_replica // m for m in replica_counts], ranks)
+        pipelines = sum(len(spec.layers) >= ranks * v for v in (1, 2))  # GPipe, and 2 chunks per stage
+        seconds += pipelines * engine_seconds(costs, batch, staged_counts, ranks, ranks)
+        phase(f"measuring the engine's training steps on {ranks} replicas{staged_too} here", seconds)
         try:
             steps = here.engine_steps(kind, params, *examples(per_replica), seed, ranks, threads,
-                                      calibrate.counts(per_replica, least), optimizer, grad_clip)
+                                      replica_counts, optimizer, grad_clip)
         except here.Unavailable as exc:
             say(f"{exc}; measuring in this process instead")
         else:
@@ -264,8 +293,9 @@ def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Cal
                     continue
                 drift = max(drift, staged_drift, key=abs)
             return _Engine(calibrate.Overhead(0.0, update), replicated, staged, drift)
-    say("measuring the engine's own cost per layer call and per step (one stage, this process)...")
     counts = calibrate.counts(batch, least)
+    phase("measuring the engine's own cost per layer call and per step (one stage, this process)",
+          engine_seconds(costs, batch, counts, steps=calibrate.STEPS + calibrate.WARMUP, again=False))
     steps_here = calibrate.local_steps(spec, batch, counts, seed, threads, examples, optimizer, grad_clip, device)
     return _Engine(calibrate.overhead(len(spec.layers), costs, batch, steps_here))
 
@@ -283,7 +313,8 @@ def _ratios_text(engine: _Engine, ranks: int) -> str:
 def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Callable[[int], tuple[int, int]],
            timing: str, threads: int, say: Callable[[str], None], tflops: float | None = None,
            sample: Sample | None = None, siblings: int = 0, links: tuple[Link, Link] | None = None,
-           optimizer: here.OptimizerOf | None = None, grad_clip: float | None = None, device: str = "cpu") -> Inputs:
+           optimizer: here.OptimizerOf | None = None, grad_clip: float | None = None, device: str = "cpu",
+           phase: Callable[[str, float], None] | None = None) -> Inputs:
     """Everything the search needs of the model; `sizes(min_microbatch)` gives the micro-batch sizes it will try.
 
     `tflops`: per-layer seconds from FLOPs at this assumed effective rate per device (devices not here).
@@ -292,8 +323,12 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
     with `links` (theirs measured: point to point, and all-reduce per ring step), the engine's own costs are
     measured on that many ranks, as replicas and as stages.
     `optimizer` and `grad_clip`: the recipe's, run in those steps as in training. `device`: where the layers
-    and the engine are timed (on a GPU: one, alone; no ranks beside it).
+    and the engine are timed (on a GPU: one, alone; no ranks beside it). `phase(what, seconds)` says a step of
+    measuring that takes a while, with its estimate (else `say` does, without).
     """
+    if phase is None:
+        def phase(what: str, seconds: float) -> None:
+            say(f"{what}...")
     spec = build_model(kind, **params)
     figs, flops, memory_note = figures(kind, params, spec, seed)
     probe = _probe_params(kind, params)
@@ -313,8 +348,11 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
     if timing == "measure":
         plural = "s" if threads > 1 else ""
         sizes_text = f"{lo}{f' and {hi}' if hi != lo else ''}"
-        say(f"measuring per-layer seconds of {len(spec.layers)} layers at micro-batches of {sizes_text} examples "
-            f"({f'{threads} thread{plural}' if device == 'cpu' else f'on {device}'})...")
+        seconds = measure_seconds(flops, (lo, hi), machine, kind)
+        if siblings:  # they start first; the largest size is timed twice alone and twice beside them
+            seconds += here.start_seconds(siblings) + 4 * measure_seconds(flops, (hi, hi), machine, kind)
+        phase(f"measuring per-layer seconds of {len(spec.layers)} layers at micro-batches of {sizes_text} examples "
+              f"({f'{threads} thread{plural}' if device == 'cpu' else f'on {device}'})", seconds)
         real = sample is not None and sample.examples >= max(hi, batch)
         examples = sample.take if real and sample is not None else generated(spec, seed)
         work = functools.partial(sibling_work, kind, params, *examples(hi), seed)
@@ -331,7 +369,7 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
             costs = measured_costs(spec, (lo, hi), seed, threads, examples, device)
         interrupts.check()
         engine = _engine_costs(kind, params, spec, costs, figs, batch, least, seed, threads, examples,
-                               siblings + 1, links, speedup, optimizer, grad_clip, device, say)
+                               siblings + 1, links, speedup, optimizer, grad_clip, device, say, phase)
         extra = engine.overhead
         data = sample.build_seconds if sample is not None else 0.0
         where = sample.note if real and sample is not None else "generated examples of the model's full length"

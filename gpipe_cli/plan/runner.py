@@ -134,9 +134,10 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     from gpipe_cli.console import output_console
     from gpipe_cli.estimate.simulate import Link
     from gpipe_cli.plan import inputs, search, show
+    from gpipe_cli.progress import Progress, took_line
     from gpipe_cli.recipe_model import build_optimizer, model_spec, optimizer_name
     from gpipe_cli.sizing import usable_cores
-    from gpipe_cli.units import human_bytes
+    from gpipe_cli.units import human_bytes, human_seconds
 
     interrupts.check()  # one that arrived while torch loaded, which swallows it: stop before any work
     started = time.perf_counter()
@@ -160,15 +161,19 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     def say(line: str) -> None:
         console.print(f"[dim]{line}[/]", highlight=False)
 
+    # The plan's estimate is its phases' (each known only once the one before has measured what it needs).
+    progress = Progress(say)
+    phase = functools.partial(progress.phase, add=True)
+
     device = "cuda" if recipe.train.device != "cpu" and torch.cuda.is_available() else "cpu"  # as training picks
     # Ranks of one node that compute at once on this machine's cores; GPUs do not share them.
     here_ranks = min(per_node, max(usable_cores(), 1)) if device == "cpu" else 1
     measuring = options.tflops is None and options.timing != "estimate"
     sample = _sample(recipe, say) if measuring else None
-    link, reduce_link, link_note = _links(options, measuring and here_ranks > 1, here_ranks, say)
+    link, reduce_link, link_note = _links(options, measuring and here_ranks > 1, here_ranks, say, phase)
     fed = inputs.inputs(recipe.model.kind, params, recipe.seed, batch, sizes, options.timing, threads, say,
                         options.tflops, sample, here_ranks - 1, (link, reduce_link) if reduce_link else None,
-                        functools.partial(build_optimizer, recipe=recipe), recipe.train.grad_clip, device)
+                        functools.partial(build_optimizer, recipe=recipe), recipe.train.grad_clip, device, phase)
     per_param = mm.bytes_per_parameter(optimizer_name(recipe))
     model = search.Model(fed.costs, fed.figures, per_param, batch, fed.min_microbatch, fed.action_overhead,
                          fed.step_overhead, fed.data_seconds, fed.alone_speedup, fed.factor)
@@ -225,7 +230,8 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
                     from None
             console.print(f"wrote {options.output}; train with: gpipe train {shlex.quote(str(options.output))}",
                           highlight=False, markup=False)
-        console.print(f"[dim]took {time.perf_counter() - started:.0f} s[/]")
+        console.print(f"[dim]{took_line(time.perf_counter() - started, progress.estimated)}[/]"
+                      if progress.estimated else f"[dim]took {human_seconds(time.perf_counter() - started)}[/]")
         return 0
 
     return finish
@@ -261,19 +267,19 @@ def _sample(recipe: Recipe, say: Any) -> Any:
         return None
 
 
-def _links(options: PlanOptions, measure: bool, ranks: int, say: Any) -> tuple[Any, Any, str]:
+def _links(options: PlanOptions, measure: bool, ranks: int, say: Any, phase: Any) -> tuple[Any, Any, str]:
     """The link within a node and the all-reduce's (measured between ranks here unless given), and their line."""
     from gpipe_cli.estimate.simulate import Link
     from gpipe_cli.plan import here
     from gpipe_cli.plan.options import ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US
 
     if measure and options.bandwidth is None and options.latency_us is None:
-        say(f"measuring the links between {ranks} ranks here (gloo)...")
+        phase(f"measuring the links between {ranks} ranks here (gloo)", here.links_seconds(ranks))
         try:
             p2p, reduce = here.links(ranks)
         except here.Unavailable as exc:
             say(f"{exc}; assuming the links instead")
-            return _links(options, False, ranks, say)
+            return _links(options, False, ranks, say, phase)
         interrupts.check()
         return p2p, reduce, (f"measured between {ranks} ranks here: {p2p.bandwidth / 1e9:.2f} GB/s and "
                              f"{p2p.latency * 1e6:.0f} µs per message, all-reduce {reduce.bandwidth / 1e9:.2f} GB/s "

@@ -7,9 +7,9 @@ extrapolated from per-layer figures (see `scenarios`). Ctrl-C exits 130 with no 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,11 +31,13 @@ from gpipe_cli.estimate.subject import (
 )
 from gpipe_cli.files import atomic_write_text
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.models.describe import layer_params
+from gpipe_cli.models.describe import describe, layer_params
 from gpipe_cli.models.registry import allowed_params, build_model
+from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.profile import account, budget, report, scenarios
 from gpipe_cli.profile.options import ProfileOptions, validate
-from gpipe_cli.units import human_bytes, human_count
+from gpipe_cli.progress import Progress
+from gpipe_cli.units import human_bytes, human_count, human_seconds
 
 
 def _device(choice: str) -> torch.device:
@@ -50,12 +52,49 @@ def sizable(options: ProfileOptions) -> bool:
         and not options.set
 
 
+# Besides its rows: loading, sizing and shaping the model on the meta device, and the ranks-free set-up.
+FIXED_S = 3.0
+
+
+def row_seconds(cand: sizing.Candidate, machine: sizing.Machine, batch: int, microbatches: int,
+                checkpoint: str) -> float:
+    """Seconds measuring one row takes: one training step (each stage driven in turn) and building its layers and
+    optimizer state (a few writes per parameter)."""
+    passes = 3.0 if checkpoint == "never" else 4.0
+    return sizing.step_seconds(cand, machine, batch, microbatches, passes) + 0.5 + cand.parameters * BUILD_S
+
+
+# Seconds per parameter of building a stage: initialising its weights and the optimizer's state. Measured on
+# a 2-core CPU at 42M parameters (about 0.5 s per row).
+BUILD_S = 1.2e-8
+
+
+def probe_seconds(cand: sizing.Candidate, machine: sizing.Machine) -> float:
+    """Seconds measuring per-layer figures takes: each layer's forward and backward at two small batches."""
+    return 2 * sizing.step_seconds(cand, machine, 6, 1, 2.0)
+
+
+def paced(machine: sizing.Machine, spec: ModelSpec, kind: str, examples: int, seed: int) -> sizing.Machine:
+    """`machine` with the rate this model's layers reach here now: the heaviest of its first layers timed,
+    forward and backward, on `examples` examples (medians of 3). The quick matrix-product rate fits in cache
+    and misses a busy machine: real layers reach a fraction of it, several times less on a shared CPU."""
+    flops = [layer.flops for layer in describe(spec, 2).layers[:3]]  # per example; the prefix stays cheap
+    index = max(range(len(flops)), key=flops.__getitem__)
+    inputs, _ = example_batch(spec, examples, seed)
+    layer = profile_layers(spec.factories()[:index + 1], inputs, seed, "cpu", repeats=3)[index]  # medians
+    seconds = layer.forward + layer.backward - 3 * machine.call_seconds  # less the fixed cost, charged apart
+    if flops[index] <= 0 or seconds <= 0:
+        return machine
+    rate = 3 * flops[index] * examples / seconds
+    return dataclasses.replace(machine, flops_per_s=rate / sizing.layer_efficiency(machine.kind, kind))
+
+
 def estimate_seconds(cand: sizing.Candidate, machine: sizing.Machine, batch: int,
                      rows: list[tuple[str, int, int, str]]) -> float:
     """Seconds the profile should take: one step per row (each stage driven in turn) and the per-layer probes."""
-    total = 3.0 + 2 * sizing.step_seconds(cand, machine, 4, 1, 1.0)
+    total = FIXED_S + probe_seconds(cand, machine)
     for _, _, m, checkpoint in rows:
-        total += sizing.step_seconds(cand, machine, batch, m, 3.0 if checkpoint == "never" else 4.0) + 0.5
+        total += row_seconds(cand, machine, batch, m, checkpoint)
     return total
 
 
@@ -96,12 +135,14 @@ def _show_plan(spec: ModelSpec, subject: Subject, note: str, rows: list[scenario
         how = "measure" if sc.measured else "extrapolate"
         stages = " · ".join(human_bytes(fp.total_bytes) for fp in prints)
         console.print(f"  {sc.name:<11} {how:<11} balance {sc.balance}: per stage (est.) {stages}")
-    console.print(f"  estimate: about {sizing.human_seconds(seconds)} (this machine: "
+    console.print(f"  estimate: about {human_seconds(seconds)} (this machine: "
                   f"{machine.flops_per_s / 1e9:.0f} GFLOP/s measured)")
 
 
-def measure(options: ProfileOptions, console: Console) -> dict[str, Any]:
-    """Decide every row, print the plan, then measure what can be and extrapolate the rest."""
+def measure(options: ProfileOptions, console: Console, progress: Progress | None = None) -> dict[str, Any]:
+    """Decide every row, print the plan, then measure what can be and extrapolate the rest (each phase said on
+    `progress`, which is given the plan's estimate)."""
+    progress = progress or Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))
     device = _device(options.device)
     m = options.microbatches
     batch = options.batch_size or 4 * m
@@ -116,13 +157,23 @@ def measure(options: ProfileOptions, console: Console) -> dict[str, Any]:
     rows = scenarios.plan(spec, figures, names, batch, options.schedule, per_param, have, options.balance,
                           options.offload)
     predicted = [sc.predict(figures, batch, options.schedule, per_param) for sc in rows]
-    _show_plan(spec, subject, note, rows, predicted, seconds, have, device, machine, console)
-    source = "saved-tensor accounting of each layer's forward on the meta device (shapes only)"
     cand = sizing.candidate(subject.kind, subject.params)
-    probe_s = 2 * sizing.step_seconds(cand, machine, 6, 1, 2.0)
-    if any(not sc.measured for sc in rows) and probe_s < 30 and max(layer_params(spec)) * per_param < have:
+    probe_s = probe_seconds(cand, machine)
+    probing = any(not sc.measured for sc in rows) and probe_s < 30 and max(layer_params(spec)) * per_param < have
+    if device.type == "cpu" and any(sc.measured for sc in rows):  # the model fits: a layer of it can be timed
+        # A quarter of the batch: large enough that the arithmetic, not each call's fixed cost, sets the time
+        # (within a fifth of the whole batch's rate on a 2-core CPU), at a fifth of the cost.
+        machine = paced(machine, spec, subject.kind, min(max(batch // 4, 2), batch), options.seed)
+        probe_s = probe_seconds(cand, machine)
+    # Now that every row is decided: what this profile runs, not what sizing assumed (every row measured).
+    seconds = FIXED_S + (probe_s if probing else 0.0) + sum(
+        row_seconds(cand, machine, batch, sc.microbatches, sc.checkpoint) for sc in rows if sc.measured)
+    _show_plan(spec, subject, note, rows, predicted, seconds, have, device, machine, console)
+    progress.estimated = seconds
+    source = "saved-tensor accounting of each layer's forward on the meta device (shapes only)"
+    if probing:
         # Extrapolate from per-layer figures measured on this device, one layer at a time.
-        console.print("[dim]measuring per-layer figures...[/]")
+        progress.phase("measuring per-layer figures", probe_s)
         figures = mm.measure(spec, options.seed, device=str(device))
         interrupts.check()
         rows = scenarios.plan(spec, figures, names, batch, options.schedule, per_param, have, options.balance,
@@ -133,7 +184,8 @@ def measure(options: ProfileOptions, console: Console) -> dict[str, Any]:
     out = []
     for sc in rows:
         if sc.measured:
-            console.print(f"[dim]measuring {sc.name} (balance {sc.balance})...[/]")
+            seconds_here = row_seconds(cand, machine, batch, sc.microbatches, sc.checkpoint)
+            progress.phase(f"measuring {sc.name} (balance {sc.balance})", seconds_here)
             stages = [s.to_json() for s in account.measure(spec, inputs, targets, sc.balance, sc.microbatches,
                                                            options.schedule, sc.checkpoint, options.optimizer,
                                                            options.seed, device, sc.offload)]
@@ -212,15 +264,14 @@ def run(options: ProfileOptions) -> int:
 
 
 def _run(options: ProfileOptions, console: Console) -> int:
-    started = time.perf_counter()
+    progress = Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))
     if options.budget is not None:
         summary = search(options, console)
         report.show_budget(summary, console)
     else:
-        summary = measure(options, console)
+        summary = measure(options, console, progress)
         report.show_measured(summary, console)
-        console.print(f"[dim]took {sizing.human_seconds(time.perf_counter() - started)} (estimated "
-                      f"{sizing.human_seconds(summary['estimate_s'])})[/]")
+        console.print(f"[dim]{progress.took()}[/]")
     if options.json is not None:
         atomic_write_text(options.json, json.dumps(summary, indent=2))
         console.print(f"[dim]figures written to {options.json}[/]")

@@ -209,15 +209,46 @@ class Data(Section):
 
 
 class Profile(Section):
-    """Steps to record with torch.profiler on every rank (Chrome traces in RUN_DIR/profile)."""
+    """Steps to record with torch.profiler on every rank (gzip'd Chrome traces in RUN_DIR/profile).
 
-    steps: tuple[PositiveInt, PositiveInt]
+    Either `steps: [start, end]` (from 1), or torch.profiler's schedule: `wait` steps, `warmup` steps (recorded
+    and thrown away: the profiler's own start-up), `active` steps recorded, the cycle done `repeat` times (0:
+    until the run ends); `skip_first` steps before the first cycle."""
+
+    steps: tuple[PositiveInt, PositiveInt] | None = None
+    skip_first: NonNegInt = 0
+    wait: NonNegInt = 0
+    warmup: NonNegInt = 1
+    active: PositiveInt | None = None
+    repeat: NonNegInt = 1
+    profile_memory: StrictBool = False  # tensor allocations and frees (the trace's memory view)
+    with_stack: StrictBool = False      # Python and C++ stacks of each operator
+    record_shapes: StrictBool = False   # the input shapes of each operator
 
     @model_validator(mode="after")
-    def _ordered(self) -> Profile:
-        if self.steps[1] < self.steps[0]:
-            raise ValueError(f"train.profile.steps: [start, end] with start <= end (got {list(self.steps)})")
+    def _one_way(self) -> Profile:
+        schedule = ("skip_first", "wait", "warmup", "active", "repeat")
+        # Values, not keys: a recipe written back (to the run directory, to the ranks) carries every field.
+        given = [key for key in schedule if getattr(self, key) != type(self).model_fields[key].default]
+        if self.steps is not None:
+            if self.steps[1] < self.steps[0]:
+                raise ValueError(f"train.profile.steps: [start, end] with start <= end (got {list(self.steps)})")
+            if given:
+                raise ValueError(f"train.profile: give steps: [start, end] or the schedule ({', '.join(schedule)}), "
+                                 f"not both (got steps and {', '.join(given)})")
+        elif self.active is None:
+            raise ValueError("train.profile: give steps: [start, end], or active (with wait, warmup, repeat)")
         return self
+
+    def cycle(self) -> tuple[int, int, int, int, int]:
+        """(skip_first, wait, warmup, active, repeat) in steps from 1; `steps: [start, end]` is one cycle whose
+        active steps are exactly start..end, after one warm-up step when there is room for it."""
+        if self.steps is None:
+            assert self.active is not None
+            return self.skip_first, self.wait, self.warmup, self.active, self.repeat
+        start, end = self.steps
+        warmup = min(1, start - 1)
+        return 0, start - 1 - warmup, warmup, end - start + 1, 1
 
 
 class Train(Section):
@@ -236,7 +267,7 @@ class Train(Section):
     stall_timeout: PositiveReal | None = None
     on_nonfinite: Literal["stop", "skip"] = "stop"  # a non-finite loss or gradient (fp32, bf16)
     max_skipped: PositiveInt = 10  # consecutive skipped steps that stop the run (fp16 overflows too)
-    profile: Profile | None = None  # steps [start, end] (from 1) traced with torch.profiler
+    profile: Profile | None = None  # steps [start, end] (from 1), or a schedule, traced with torch.profiler
     peak_tflops: PositiveReal | None = Field(
         default=None, description="Peak TFLOP/s of one rank that MFU is measured against; null: the data sheet "
                                   "of a known GPU at train.precision, or on a CPU its measured matrix-product rate")

@@ -124,7 +124,8 @@ class Trainer:
                         if self.layout.rank == 0 else None)
         self.summary = RunSummary(self.total_steps, job.started or time.time())
         self.model_flops, self.peak = self._utilization() if self.layout.rank == 0 else (None, None)
-        self.profiler = StepProfiler(recipe.train.profile, self.run_dir, self.layout.rank, topo.device)
+        self.profiler = StepProfiler(recipe.train.profile, self.run_dir, self.layout.rank, topo.device,
+                                     self.total_steps)
 
     # ----------------------------------------------------------------- set-up helpers
 
@@ -351,9 +352,9 @@ class Trainer:
 
     def _profiled(self, trace: Path | None) -> None:
         if trace is not None and self.view is not None:
-            self.view.message(f"profile: step{'s' if self.profiler.last > self.profiler.first else ''} "
-                              f"{number_range(self.profiler.first, self.profiler.last)} traced in {trace.parent} "
-                              f"(rank<N>.json for each rank; open in https://ui.perfetto.dev)")
+            first, last = self.profiler.traced
+            self.view.message(f"profile: step{'s' if last > first else ''} {number_range(first, last)} traced in "
+                              f"{trace.parent} (rank<N>.trace.json.gz for each rank; open in https://ui.perfetto.dev)")
 
     def _save(self, step: int) -> None:
         path = self.checkpoints.save(step, epoch=(step - 1) // self.steps_per_epoch + 1)

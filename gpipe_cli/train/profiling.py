@@ -1,51 +1,125 @@
-"""`train.profile`: record chosen steps with torch.profiler on every rank, one Chrome trace per rank.
+"""`train.profile`: chosen steps recorded with torch.profiler on every rank, gzip'd Chrome traces per rank.
 
-The engine marks each scheduled action as a named range ("fwd mb0", "recv_bwd mb3", ...), so the
-trace shows the pipeline's schedule above the operators and kernels it ran.
+torch.profiler's schedule drives it (as torchtitan does): `wait` steps idle, `warmup` steps recorded and
+thrown away, `active` steps kept, `repeat` cycles. The profiler is stepped after every training step, so
+each kept step is a `ProfilerStep#N` range, N the training step (from 1), and the engine's named ranges
+("fwd mb0", "recv_bwd mb3", ...) show the pipeline's schedule above the operators and kernels it ran.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerAction, ProfilerActivity, profile, schedule
 
 from gpipe_cli.recipe.schema import Profile
 
 
-def trace_path(run_dir: Path, rank: int) -> Path:
-    """Where a rank's trace goes: RUN_DIR/profile/rank<N>.json (opens in Perfetto or chrome://tracing)."""
-    return run_dir / "profile" / f"rank{rank}.json"
+def trace_path(run_dir: Path, rank: int, first: int, last: int) -> Path:
+    """Where a rank's trace of steps `first`..`last` goes: RUN_DIR/profile/steps<first>-<last>/rank<N>.trace.json.gz
+    (Perfetto and chrome://tracing open it as is)."""
+    return run_dir / "profile" / f"steps{first}-{last}" / f"rank{rank}.trace.json.gz"
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence the profiler for the moment of a transition: its Python warnings, and file descriptor 2.
+
+    Kineto, torch.profiler's C++ side, prints `USDT: ... profiler_start` and `STAGE: ...` lines at every start
+    and stop whatever KINETO_LOG_LEVEL says, straight to the process's stderr; and torch warns of choices made
+    on purpose (no warm-up step before step 1, events cleared after each cycle). The run's output would carry
+    them all.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with warnings.catch_warnings(), open(os.devnull, "w") as null:
+            warnings.simplefilter("ignore")
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 class StepProfiler:
-    """Starts torch.profiler before the first chosen step and writes the trace after the last."""
+    """Steps torch.profiler with the training loop and writes each cycle's trace when its last active step ends."""
 
-    def __init__(self, config: Profile | None, run_dir: Path, rank: int, device: torch.device) -> None:
-        self.first, self.last = config.steps if config is not None else (0, -1)
-        self.path = trace_path(run_dir, rank)
-        self._activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    def __init__(self, config: Profile | None, run_dir: Path, rank: int, device: torch.device,
+                 total_steps: int = 0) -> None:
+        self.config = config
+        self.total_steps = total_steps  # the run's last step: the profiler is not stepped past it
+        self.run_dir, self.rank = run_dir, rank
+        self.written: list[Path] = []
+        self.traced = (0, 0)  # the steps of the last trace written
         self._profiler: profile | None = None
-        self.written: Path | None = None
+        self._started = False
+        self._done = 0  # the last step finished
+        self._ready: Path | None = None
+        if config is None:
+            return
+        skip_first, wait, warmup, active, repeat = config.cycle()
+        # Steps count from 1: the schedule's step 0 is never a training step, so it is skipped first.
+        self._schedule = schedule(skip_first=skip_first + 1, wait=wait, warmup=warmup, active=active, repeat=repeat)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with quiet():
+            self._profiler = profile(activities=activities, schedule=self._schedule, on_trace_ready=self._save,
+                                     profile_memory=config.profile_memory, with_stack=config.with_stack,
+                                     record_shapes=config.record_shapes)
 
     def before(self, step: int) -> None:
-        """Called before step `step` (from 1): starts recording at the first chosen step."""
-        if step == self.first and self._profiler is None:
-            self._profiler = profile(activities=self._activities)
-            self._profiler.start()
+        """Called before step `step` (from 1): the first call starts the profiler at that step."""
+        profiler = self._profiler
+        if profiler is None or self._started:
+            return
+        self._started = True
+        # Number the profiler's steps as the run's (a resumed run starts past 1): ProfilerStep#N is step N.
+        profiler.step_num = step
+        profiler.current_action = self._schedule(step)
+        with quiet():
+            profiler.start()
 
     def after(self, step: int) -> Path | None:
-        """Called after step `step`: after the last chosen step, writes the trace and returns its path."""
-        return self.close() if step >= self.last else None
+        """Called after step `step`: moves the schedule on; the trace's path if a cycle just ended with it."""
+        profiler = self._profiler
+        if profiler is None or not self._started:
+            return None
+        self._ready, self._done = None, step
+        if step == self.total_steps:  # stepping on would open an empty ProfilerStep range past the run's end
+            return self.close()
+        if self._schedule(step + 1) == profiler.current_action == ProfilerAction.NONE:
+            profiler.step()  # idle: nothing starts or stops, nothing to silence
+        else:
+            with quiet():
+                profiler.step()
+        return self._ready
 
     def close(self) -> Path | None:
-        """Stop recording (also when the run ends early) and write what was recorded."""
-        if self._profiler is None:
-            return None
+        """Stop recording (also when the run ends inside a cycle: what was recorded is written)."""
         profiler, self._profiler = self._profiler, None
-        profiler.stop()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        profiler.export_chrome_trace(str(self.path))
-        self.written = self.path
-        return self.path
+        if profiler is None or not self._started:
+            return None
+        self._ready = None
+        with quiet():
+            profiler.stop()
+        return self._ready
+
+    def _save(self, profiler: profile) -> None:
+        """Write the cycle that just ended: whole, gzip'd, under its final name only once complete."""
+        last = first = self._done
+        while first > 1 and self._schedule(first - 1) == ProfilerAction.RECORD:  # back to the cycle's first
+            first -= 1
+        path = trace_path(self.run_dir, self.rank, first, last)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.partial.gz")  # torch gzips a name ending in .gz
+        profiler.export_chrome_trace(str(partial))
+        os.replace(partial, path)
+        self.written.append(path)
+        self.traced = (first, last)
+        self._ready = path

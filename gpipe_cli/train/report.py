@@ -24,6 +24,7 @@ from rich.text import Text
 
 from gpipe_cli.console import fit, say
 from gpipe_cli.pipeline.stats import PARTS
+from gpipe_cli.progress import eta_text, run_eta
 from gpipe_cli.train.announce import note
 from gpipe_cli.train.sinks import Sinks
 from gpipe_cli.train.summary import eval_figures
@@ -132,14 +133,17 @@ def eval_line(record: dict[str, Any], total: int) -> str:
     return f"eval  step {record['step']}/{total} | {eval_figures(record)}"
 
 
-def train_lines(record: dict[str, Any], total: int, counted: Counted | None = None) -> list[str]:
-    """A train record as lines: the step, then one line per stage with its time and memory."""
+def train_lines(record: dict[str, Any], total: int, counted: Counted | None = None,
+                eta: float | None = None) -> list[str]:
+    """A train record as lines: the step (with `eta`, the run's seconds left, when known), then one line per stage
+    with its time and memory."""
     lines = [f"step {record['step']}/{total} | epoch {record['epoch']} | loss {_num(record['loss'], '.4f')} | "
              f"lr {record['lr']:.3g} | {_rate(record)} | "
              + (f"{utilization(record)} | " if "tflops" in record else "")
              + f"{record['step_time_s'] * 1e3:.0f} ms/step | "
              f"bubble {record['bubble']:.3f} (theory {record['bubble_theory']:.3f})"
-             + (" | warm-up step (one-time costs)" if record.get("warmup") is True else "")]
+             + (" | warm-up step (one-time costs)" if record.get("warmup") is True else "")
+             + (f" | {eta_text(eta)}" if eta is not None and record["step"] < total else "")]
     for s in range(len(record["rss_peak_bytes"])):
         shares = " | ".join(f"{part} {share:.0%}" for part, share in stage_shares(record, s).items())
         lines.append(f"  stage {s}: {shares} | {stage_memory(record, s, counted)}")
@@ -235,6 +239,7 @@ class TerminalView:
         self._last_train: dict[str, Any] | None = None
         self._counted: Counted | None = None
         self.skipped = 0
+        self._steady: list[float] = []  # step seconds past each start's warm-up step: the run's ETA
         # The bar takes what the other columns leave, so the counts and times are never cut on a narrow terminal.
         self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=None),
                                   MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
@@ -272,8 +277,11 @@ class TerminalView:
             self._last_train = record
             self._counted = counted_activations(record, self._counted)
             self.skipped += bool(record.get("skipped"))
+            if record.get("warmup") is not True:
+                self._steady.append(record["step_time_s"])
             if self.plain and (record["step"] % log_every == 0 or record["step"] == self.total):
-                for line in train_lines(record, self.total, self._counted):
+                eta = run_eta(self._steady, record["step"], self.total, warmup=0)
+                for line in train_lines(record, self.total, self._counted, eta):
                     print(line, file=self.stream, flush=True)
         if self._live is not None and self._last_train is not None:
             self._progress.update(self._task, completed=self._last_train["step"])

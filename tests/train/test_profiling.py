@@ -1,14 +1,29 @@
-"""`train.profile`: chosen steps traced on every rank, with the pipeline's actions as named ranges."""
+"""`train.profile`: a torch.profiler schedule over chosen steps, gzip'd traces per rank, and a quiet terminal."""
 
 import copy
+import gzip
 import json
+import re
 
 import pytest
+import torch
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.recipe.load import load_recipe
+from gpipe_cli.recipe.schema import Profile
+from gpipe_cli.train.profiling import StepProfiler, trace_path
 from tests.train.recipes import TINY_AMOEBANET, write
 from tests.train.test_train_e2e import gpipe
+
+# What torch.profiler's C++ side (Kineto) and its Python warnings print when left alone.
+CHATTER = re.compile(r"STAGE:|USDT|profiler_start|profiler_stop|Kineto|won't be using warmup")
+
+
+def steps_traced(path):
+    """The N of every ProfilerStep#N range in a gzip'd Chrome trace, and every event name."""
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    return {int(n.split("#")[1]) for n in names if n.startswith("ProfilerStep#")}, names
 
 
 def test_profile_steps_must_be_in_order(tmp_path):
@@ -18,18 +33,75 @@ def test_profile_steps_must_be_in_order(tmp_path):
         load_recipe(str(write(tmp_path, recipe)), [])
 
 
-@pytest.mark.slow
-def test_a_profiled_run_writes_a_trace_per_rank_with_ops_and_pipeline_ranges(tmp_path):
+@pytest.mark.parametrize("section, match", [
+    ({"steps": [2, 3], "active": 2}, "not both"),
+    ({"wait": 1}, "give steps"),
+    ({"active": 0}, "active"),
+    ({"active": 1, "with_stack": "yes"}, "with_stack"),
+])
+def test_a_profile_is_steps_or_a_schedule(tmp_path, section, match):
     recipe = copy.deepcopy(TINY_AMOEBANET)
-    recipe["train"] = {"steps": 3, "profile": {"steps": [2, 2]}}
+    recipe["train"]["profile"] = section
+    with pytest.raises(UserError, match=match):
+        load_recipe(str(write(tmp_path, recipe)), [])
+
+
+@pytest.mark.parametrize("steps, cycle", [
+    ((1, 1), (0, 0, 0, 1, 1)),  # no room for a warm-up step
+    ((2, 2), (0, 0, 1, 1, 1)),
+    ((5, 7), (0, 3, 1, 3, 1)),
+])
+def test_steps_become_one_cycle_whose_active_steps_are_exactly_those(steps, cycle):
+    assert Profile(steps=steps).cycle() == cycle
+
+
+def run_steps(profiler, first, last):
+    """Step a profiler as the training loop does, a little work per step; the traces written, by step."""
+    layer = torch.nn.Linear(4, 4)
+    written = {}
+    for step in range(first, last + 1):
+        profiler.before(step)
+        layer(torch.ones(2, 4)).sum().backward()
+        path = profiler.after(step)
+        if path is not None:
+            written[step] = path
+    closed = profiler.close()
+    if closed is not None:
+        written[last] = closed
+    return written
+
+
+def test_a_schedule_traces_each_cycle_with_its_steps_only(tmp_path, capfd):
+    config = Profile(wait=1, warmup=1, active=2, repeat=2, record_shapes=True)
+    written = run_steps(StepProfiler(config, tmp_path, 0, torch.device("cpu")), 1, 10)
+    # Cycles of 4 steps from step 1: wait 1, warm-up 2, active 3-4; then wait 5, warm-up 6, active 7-8.
+    assert written == {4: trace_path(tmp_path, 0, 3, 4), 8: trace_path(tmp_path, 0, 7, 8)}
+    assert steps_traced(written[4])[0] == {3, 4} and steps_traced(written[8])[0] == {7, 8}
+    assert not list(tmp_path.rglob(".*"))  # no partial file left beside them
+    out, err = capfd.readouterr()
+    assert not CHATTER.search(out + err), out + err
+
+
+def test_a_resumed_run_numbers_steps_as_the_run_does_and_a_cut_cycle_is_kept(tmp_path):
+    config = Profile(steps=(6, 9))
+    written = run_steps(StepProfiler(config, tmp_path, 1, torch.device("cpu"), total_steps=7), 5, 7)  # resumed at 5
+    assert written == {7: trace_path(tmp_path, 1, 6, 7)}
+    assert steps_traced(written[7])[0] == {6, 7}
+
+
+@pytest.mark.slow
+def test_a_profiled_run_writes_gzip_traces_per_rank_with_steps_and_pipeline_ranges(tmp_path):
+    recipe = copy.deepcopy(TINY_AMOEBANET)
+    recipe["train"] = {"steps": 4, "profile": {"steps": [2, 3]}}
     recipe["eval"] = {}
     out = tmp_path / "run"
     proc = gpipe("train", str(write(tmp_path, recipe)), "--output-dir", str(out), "--plain")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "profile: steps 2-2 traced" in proc.stdout
+    assert "profile: steps 2-3 traced" in proc.stdout
+    assert not CHATTER.search(proc.stdout + proc.stderr), (proc.stdout + proc.stderr)[-4000:]
     for rank in (0, 1):
-        names = {e.get("name", "") for e in json.loads((out / "profile" / f"rank{rank}.json").read_text())
-                 ["traceEvents"]}
+        steps, names = steps_traced(trace_path(out, rank, 2, 3))
+        assert steps == {2, 3}, rank  # the active steps only: not the warm-up step 1, nor step 4
         assert any(n.startswith("aten::") for n in names), rank
         micro = recipe["pipeline"]["microbatches"]
         assert {f"fwd mb{m}" for m in range(micro)} <= names and {f"bwd mb{m}" for m in range(micro)} <= names

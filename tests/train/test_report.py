@@ -124,3 +124,19 @@ def test_the_live_view_reads_whole_at_any_width(width, cuda):
     assert "grad norm 1.86" in text and "(step 1)" in text  # a figure stays with its label
     for figure in ("1023.0 MiB", *(("5.0 GiB",) if cuda else ())):
         assert figure in text
+
+
+def test_plain_step_lines_carry_the_runs_eta_from_steps_past_the_warm_up():
+    out = io.StringIO()
+    view = TerminalView("tiny", plain=True, stream=out, started=0.0)
+    view.start(total=4)
+    for step, seconds in ((1, 9.0), (2, 1.0), (3, 3.0), (4, 2.0)):
+        record = train_record(step=step)
+        record["step_time_s"] = seconds
+        if step == 1:
+            record["warmup"] = True  # one-time costs: not in the mean
+        view.show(record)
+    heads = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
+    assert "eta" not in heads[0]
+    assert heads[1].endswith("| eta 2s") and heads[2].endswith("| eta 2s")  # 2 steps x 1 s, then 1 step x 2 s
+    assert "eta" not in heads[3]  # the last step: nothing left

@@ -1,0 +1,97 @@
+"""A long command's phases said as they start, each with its estimate, and at the end what it all took.
+
+    measuring K=1 (10 layers, per-layer costs and 10 steps) (about 12 s)...
+    measuring K=2 (balance [5, 5]) (about 9 s)...
+    took 24 s (estimated 22 s)
+
+A phase's estimate is the command's own (from this machine's measured rate); the total estimate is what
+was said before anything ran, so the last line judges it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+from gpipe_cli.units import clock, human_seconds
+
+# A phase expected to take less than this is said without an estimate: nobody waits on it.
+SAY_BELOW_S = 2.0
+
+
+def phase_line(what: str, seconds: float) -> str:
+    """`what`, with its estimate when it is worth waiting on, e.g. "measuring K=2 (about 9 s)..."."""
+    about = f" (about {human_seconds(seconds)})" if seconds >= SAY_BELOW_S else ""
+    return f"{what}{about}..."
+
+
+def took_line(elapsed: float, estimated: float) -> str:
+    """e.g. "took 35 s (estimated 30 s)"."""
+    return f"took {human_seconds(elapsed)} (estimated {human_seconds(estimated)})"
+
+
+class Progress:
+    """Says each phase with its estimate, and keeps the start and the total estimate for the last line.
+
+    Estimates come from a rate measured in a fraction of a second at the start; a machine busier (or quieter)
+    since then runs every phase slower (or faster) alike. So once a phase is over, the later phases' estimates
+    are scaled by how long the finished ones took against theirs.
+    """
+
+    def __init__(self, say: Callable[[str], None], estimated: float = 0.0,
+                 clock_s: Callable[[], float] = time.perf_counter) -> None:
+        self._say, self._clock = say, clock_s
+        self.started = clock_s()
+        self.estimated = estimated  # the whole command's; phases added with `add` count towards it
+        self._open: tuple[float, float] | None = None  # the phase under way: its start and its own estimate
+        self._spent = self._planned = 0.0               # finished phases: seconds taken, seconds estimated
+
+    def pace(self) -> float:
+        """How much slower than estimated the finished phases ran (1.0 until one has; within 1/4 to 8)."""
+        if self._planned < MIN_PACED_S:
+            return 1.0
+        return min(max(self._spent / self._planned, 0.25), 8.0)
+
+    def phase(self, what: str, seconds: float, add: bool = False) -> None:
+        """Say that `what` starts and about how long it takes (`add`: its estimate is part of the total)."""
+        self.done()
+        if add:
+            self.estimated += seconds
+        self._say(phase_line(what, seconds * self.pace()))
+        self._open = (self._clock(), seconds)
+
+    def done(self) -> None:
+        """The phase under way is over (the next one's start, or the end, says so too)."""
+        if self._open is not None:
+            start, seconds = self._open
+            self._spent += self._clock() - start
+            self._planned += seconds
+            self._open = None
+
+    def elapsed(self) -> float:
+        """Seconds since the command started."""
+        return self._clock() - self.started
+
+    def took(self) -> str:
+        """The last line: what it took beside what was estimated."""
+        self.done()
+        return took_line(self.elapsed(), self.estimated)
+
+
+# Phases estimated at less than this in all are too short to judge the machine's pace by.
+MIN_PACED_S = 1.0
+
+
+def run_eta(step_times: Sequence[float], done: int, total: int, warmup: int = 1) -> float | None:
+    """Seconds left of a run of `total` steps after `done`, at the mean of the `step_times` seen so far past the
+    first `warmup` (the first steps build caches and allocators; None until a step past them is seen)."""
+    steady = list(step_times[warmup:])
+    if not steady:
+        return None
+    return max(total - done, 0) * statistics.fmean(steady)
+
+
+def eta_text(seconds: float | None) -> str:
+    """e.g. "eta 1m23s" ('' when not known yet)."""
+    return "" if seconds is None else f"eta {clock(seconds)}"

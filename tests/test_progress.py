@@ -1,0 +1,53 @@
+"""Phases said with their estimates, the last line's took/estimated, and a run's ETA from its steady steps."""
+
+import pytest
+
+from gpipe_cli.progress import Progress, eta_text, phase_line, run_eta, took_line
+from gpipe_cli.units import clock
+
+
+def test_a_phase_worth_waiting_on_says_about_how_long():
+    assert phase_line("measuring K=2 (balance [5, 5])", 12.4) == "measuring K=2 (balance [5, 5]) (about 12 s)..."
+    assert phase_line("measuring naive-1", 0.7) == "measuring naive-1..."  # nobody waits on it
+    assert phase_line("measuring the engine", 150) == "measuring the engine (about 2 min)..."
+
+
+def test_the_last_line_puts_what_it_took_beside_the_estimate():
+    assert took_line(35.2, 30.0) == "took 35 s (estimated 30 s)"
+
+
+def test_progress_adds_the_phases_it_is_told_to_and_times_from_its_start():
+    said, now = [], [100.0]
+    progress = Progress(said.append, estimated=5.0, clock_s=lambda: now[0])
+    progress.phase("reading", 1.0)            # part of the estimate given at the start
+    now[0] = 101.0                            # as estimated
+    progress.phase("measuring", 20.0, add=True)
+    now[0] = 131.0
+    assert said == ["reading...", "measuring (about 20 s)..."]
+    assert progress.estimated == 25.0 and progress.took() == "took 31 s (estimated 25 s)"
+
+
+def test_later_phases_are_scaled_by_how_the_finished_ones_ran():
+    said, now = [], [0.0]
+    progress = Progress(said.append, clock_s=lambda: now[0])
+    progress.phase("K=1", 10.0)
+    now[0] = 30.0                             # a busy machine: three times the estimate
+    progress.phase("K=2", 10.0)
+    now[0] = 1000.0                           # far slower still: the scale is bounded
+    progress.phase("K=4", 10.0)
+    assert said == ["K=1 (about 10 s)...", "K=2 (about 30 s)...", "K=4 (about 80 s)..."]
+    assert progress.pace() == 8.0
+
+
+def test_the_run_eta_is_the_mean_steady_step_times_the_steps_left():
+    # The first step builds caches: left out of the mean.
+    assert run_eta([5.0, 1.0, 3.0], done=3, total=10) == pytest.approx(7 * 2.0)
+    assert run_eta([5.0], done=1, total=10) is None  # nothing steady seen yet
+    assert run_eta([2.0, 2.0], done=10, total=10) == 0.0
+
+
+@pytest.mark.parametrize("seconds, text", [(0.4, "0s"), (42, "42s"), (83, "1m23s"), (3600 + 5 * 60, "1h05m")])
+def test_a_countdown_stays_short(seconds, text):
+    assert clock(seconds) == text
+    assert eta_text(seconds) == f"eta {text}"
+    assert eta_text(None) == ""
