@@ -64,7 +64,8 @@ def test_the_measurement_at_k1_two_microbatches():
     assert found, text
     engine, plain, ratio, step, per = map(float, found.groups())
     assert engine > 0 and plain > 0
-    assert ratio == pytest.approx(plain / engine, abs=0.01)
+    # Each time is printed to 0.1 ms: the ratio of the printed times is off by up to that rounding's share.
+    assert ratio == pytest.approx(plain / engine, abs=0.01 + ratio * (0.05 / engine + 0.05 / plain))
     assert step == pytest.approx(engine - plain, abs=0.11)  # each printed to 0.1 ms
     assert per == pytest.approx(step / M, abs=0.06)
 

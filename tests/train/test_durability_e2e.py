@@ -129,10 +129,15 @@ def test_export_writes_the_consolidated_model(full_run, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "gpipe_cli.cli", "export", str(run), "--output", str(target)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+    from safetensors import safe_open
+
     tensors = load_file(str(target))
+    with safe_open(str(target), "pt") as f:
+        tied = json.loads(f.metadata().get("tied", "{}"))  # alias -> the stored tensor it shares
     spec = model_spec(load_recipe(path))
     expected = {f"{i}.{name}" for i, layer in enumerate(spec.build_all()) for name in layer.state_dict()}
-    assert set(tensors) == expected
+    assert set(tensors) | set(tied) == expected and not set(tensors) & set(tied)
+    assert all(target_name in tensors for target_name in tied.values())
 
 
 def test_ctrl_c_finishes_the_step_and_writes_a_checkpoint(tmp_path):
