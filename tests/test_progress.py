@@ -51,3 +51,17 @@ def test_a_countdown_stays_short(seconds, text):
     assert clock(seconds) == text
     assert eta_text(seconds) == f"eta {text}"
     assert eta_text(None) == ""
+
+
+def test_a_transformer_budget_search_is_estimated_from_its_small_members():
+    import torch
+
+    from gpipe_cli import sizing
+    from gpipe_cli.profile.runner import FIXED_S, search_seconds
+
+    machine = sizing.this_machine(torch.get_num_threads())
+    fixed = {"arch": "decoder-only", "d_model": 64, "ff": 256, "heads": 4, "vocab_size": 512, "max_len": 32}
+    small = search_seconds("transformer", fixed, machine)
+    large = search_seconds("transformer", {**fixed, "d_model": 1024, "ff": 4096, "max_len": 1024}, machine)
+    assert small is not None and large is not None and FIXED_S < small < large
+    assert search_seconds("amoebanet", {}, machine) is None  # said without an estimate

@@ -94,6 +94,14 @@ def _measure(spec: Any, seed: int, batches: tuple[int, int] = mm.PROBE_BATCHES) 
     return mm.measure(spec, seed, batches), True
 
 
+def probes(kind: str, fixed: dict[str, Any]) -> list[tuple[dict[str, Any], int]]:
+    """The small members a family measures (their build parameters) and how many examples each runs in all."""
+    if kind == "transformer":
+        return [({"layers": 2, **fixed}, 1 + 2)]
+    return [({"layers": AmoebaNetD.PROBE_LAYERS, "filters": d, **fixed}, sum(mm.PROBE_BATCHES))
+            for d in AmoebaNetD.PROBE_WIDTHS[:2]]
+
+
 class TransformerL:
     """Transformer-L: L identical layers between an embedding and a softmax."""
 

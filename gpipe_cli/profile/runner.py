@@ -229,12 +229,23 @@ def _family(options: ProfileOptions) -> tuple[str, dict[str, Any]]:
     return kind, fixed
 
 
-def search(options: ProfileOptions, console: Console) -> dict[str, Any]:
+def search_seconds(kind: str, fixed: dict[str, Any], machine: sizing.Machine) -> float | None:
+    """Seconds the budget search should take (start-up, each small member's accounted forward and backward), or
+    None where working it out would cost about as much as the search (AmoebaNet: describing its cells)."""
+    if kind != "transformer":
+        return None
+    return FIXED_S + sum(sizing.step_seconds(sizing.candidate(kind, params), machine, examples, 1, 2.0)
+                         for params, examples in budget.probes(kind, fixed))
+
+
+def search(options: ProfileOptions, console: Console, progress: Progress) -> dict[str, Any]:
     """The largest model per scenario within the budget; the figures as the JSON file holds them."""
     limit = budget.parse_bytes(options.budget or "")
     kind, fixed = _family(options)
     batch = options.batch_size or budget.PAPER_BATCH[kind]
-    console.print(f"[dim]measuring per-layer figures of small {kind} models...[/]")
+    seconds = search_seconds(kind, fixed, sizing.this_machine(torch.get_num_threads()))
+    progress.estimated = seconds or 0.0
+    progress.phase(f"measuring per-layer figures of small {kind} models", seconds - FIXED_S if seconds else 0.0)
     family: budget.TransformerL | budget.AmoebaNetD = (
         budget.TransformerL(fixed, options.seed) if kind == "transformer" else budget.AmoebaNetD(fixed, options.seed))
     m = options.microbatches
@@ -266,8 +277,10 @@ def run(options: ProfileOptions) -> int:
 def _run(options: ProfileOptions, console: Console) -> int:
     progress = Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))
     if options.budget is not None:
-        summary = search(options, console)
+        summary = search(options, console, progress)
         report.show_budget(summary, console)
+        took = progress.took() if progress.estimated else f"took {human_seconds(progress.elapsed())}"
+        console.print(f"[dim]{took}[/]")
     else:
         summary = measure(options, console, progress)
         report.show_measured(summary, console)
