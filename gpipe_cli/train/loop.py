@@ -23,7 +23,7 @@ from gpipe_cli.data import Batch, Loader, build_data_for
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate import cost_cache
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.pipeline import heartbeat, topology
+from gpipe_cli.pipeline import heartbeat, schedules, topology
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.layers import build_layers
@@ -122,7 +122,9 @@ class Trainer:
                                     open_sinks(recipe.metrics, self.run_dir, self.start_step,
                                                recipe.model_dump(mode="json"), self._note))
                         if self.layout.rank == 0 else None)
-        self.summary = RunSummary(self.total_steps, job.started or time.time())
+        chosen = recipe.pipeline.schedule
+        self.summary = RunSummary(self.total_steps, job.started or time.time(),
+                                  formula=schedules.get(chosen).bubble_formula or f"of {chosen}")
         self.model_flops, self.peak = self._utilization() if self.layout.rank == 0 else (None, None)
         self.profiler = StepProfiler(recipe.train.profile, self.run_dir, self.layout.rank, topo.device,
                                      self.total_steps)

@@ -53,6 +53,7 @@ class RunSummary:
     steps: int = 0
     skipped: int = 0
     theory: float = 0.0
+    formula: str = "(K-1)/(M+K-1)"  # the schedule's bubble in closed form, or "of <schedule>"
     # The warm-up step (the first of a start, marked `warmup`: allocations, lazy set-up) and the others: the
     # throughput, bubble and step-time shares are those of the others, when there are any.
     warmup: _Steps = field(default_factory=_Steps)
@@ -106,7 +107,7 @@ class RunSummary:
                 out.append(f"  model FLOPs: {self._utilization(shown)}")
             mean = sum(shown.bubbles) / len(shown.bubbles)
             out.append(f"  bubble: {mean:.3f} measured (time waiting for a peer), {self.theory:.3f} in theory "
-                       f"((K-1)/(M+K-1))")
+                       f"({self.formula})")
             total = sum(shown.parts.values())
             shares = ", ".join(f"{part} {shown.parts[part] / total:.0%}" for part in PARTS) if total else "-"
             out.append(f"  step time: {shares} (mean over stages)")

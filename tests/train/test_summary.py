@@ -87,3 +87,12 @@ def test_the_summary_on_a_terminal_wraps_at_spaces(width):
                                                    "step-00000006", run_dir="outputs/tiny/20260101-000000", text=True)
     shown = "\n".join(fit(line, width) for line in lines)
     assert not problems(shown, width, "\n".join(lines)), shown
+
+
+def test_the_bubbles_theory_is_named_for_the_runs_schedule():
+    for formula in ("(K-1)/(M+K-1)", "of zero-bubble-v"):
+        summary = RunSummary(3, 0.0, formula=formula)
+        for step in (1, 2, 3):
+            summary.add(train_record(step=step), 4, None)
+        bubble = [line for line in summary.lines(10.0, None, "run", text=False) if "bubble:" in line]
+        assert bubble and bubble[0].endswith(f"in theory ({formula})"), bubble
