@@ -22,6 +22,7 @@ least 2 runs to the end.
 from __future__ import annotations
 
 import functools
+from abc import abstractmethod
 
 from gpipe_cli.pipeline.actions import Kind, Step
 from gpipe_cli.pipeline.schedules.base import Schedule
@@ -102,9 +103,9 @@ class _VShape(Schedule):
     chunked = True
     placement = "v"
 
+    @abstractmethod
     def cap(self, stages: int) -> int:
         """How many chunk activations a stage may hold."""
-        raise NotImplementedError
 
     def order(self, stage: int, stages: int, microbatches: int, virtual: int) -> list[Step]:
         """The greedy run's order for `stage`."""
