@@ -323,6 +323,11 @@ def layer_efficiency(device: str, kind: str) -> float:
     return _EFFICIENCY.get((device, kind), 0.3 if device == "cuda" else 0.1)
 
 
+def passes(checkpoint: str) -> float:
+    """A training step's work in forwards: the forward, a backward of two, and a recompute unless `never`."""
+    return 3.0 if checkpoint == "never" else 4.0
+
+
 def step_seconds(cand: Candidate, machine: Machine, examples: int, microbatches: int, passes: float) -> float:
     """Estimated seconds of one training step's compute on one rank: FLOPs at the measured rate plus
     the fixed cost of every layer call (which dominates small models)."""

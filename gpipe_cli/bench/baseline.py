@@ -12,9 +12,8 @@ A class the installed torch lacks is reported as skipped, with the reason. Each 
 layers our engine ran (same seed, same cut) in one `PipelineStage` per chunk it holds.
 
 Same checkpointing: torch runs our `--checkpoint` mode, applied to its own order of work. A first,
-unmeasured step records the order in which each rank runs forwards and backwards; then, as our action
-lists decide it (`always`: every forward; `never`: none; `except_last`: all but those whose backward
-comes right after their forward, whose graph costs nothing to keep), the chosen forwards run under
+unmeasured step records the order in which each rank runs forwards and backwards; then the rule of our action
+lists (`schedule.remat_pairs`) picks from that order the forwards to recompute, and they run under
 activation checkpointing of the whole chunk (see `recompute`) and are recomputed in their backward.
 Where the two orders differ, so may the number of recomputed forwards: both are reported.
 
@@ -79,19 +78,7 @@ class _Probe:
     def __init__(self, meter: ActivationMeter) -> None:
         self.meter, self.busy = meter, 0.0
         self.remat: set[tuple[int, int]] = set()  # (micro-batch, chunk) forwards to checkpoint
-        self.order: list[tuple[str, int, int]] = []  # ("F" | "B" | "W", micro-batch, chunk) as torch ran them
-
-
-def checkpointed(mode: str, order: list[tuple[str, int, int]]) -> set[tuple[int, int]]:
-    """The forwards a checkpoint mode recomputes, given a rank's order of work (the rule of our action lists)."""
-    forwards = {(mb, chunk) for kind, mb, chunk in order if kind == "F"}
-    if mode == "always":
-        return forwards
-    if mode == "never":
-        return set()
-    immediate = {order[i][1:] for i in range(len(order) - 1)
-                 if order[i][0] == "F" and order[i + 1][0] == "B" and order[i + 1][1:] == order[i][1:]}
-    return forwards - immediate
+        self.order: list[sched.Step] = []  # (forward | backward | weight, micro-batch, chunk) as torch ran them
 
 
 class _Chunk(nn.Module):
@@ -123,7 +110,7 @@ def _metered_stage_class() -> type:
 
         def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             cast(_Chunk, self.submod).checkpointed = (fwd_chunk_id, self.stage_index) in self.probe.remat
-            self.probe.order.append(("F", fwd_chunk_id, self.stage_index))
+            self.probe.order.append((sched.Kind.FWD, fwd_chunk_id, self.stage_index))
             start = time.perf_counter()
             out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
             self.probe.busy += time.perf_counter() - start
@@ -135,7 +122,7 @@ def _metered_stage_class() -> type:
         def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)  # full, or input gradient only
-            self.probe.order.append(("B", bwd_chunk_id, self.stage_index))
+            self.probe.order.append((sched.Kind.BWD, bwd_chunk_id, self.stage_index))
             self.probe.busy += time.perf_counter() - start
             self.held.pop(bwd_chunk_id, None)
             return out
@@ -143,7 +130,7 @@ def _metered_stage_class() -> type:
         def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             out = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
-            self.probe.order.append(("W", bwd_chunk_id, self.stage_index))
+            self.probe.order.append((sched.Kind.BWD_WEIGHT, bwd_chunk_id, self.stage_index))
             self.probe.busy += time.perf_counter() - start
             return out
 
@@ -224,7 +211,7 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
     # fits wherever the measured steps do); then the mode picks what to recompute.
     probe.remat = {(mb, c) for mb in range(microbatches) for c in mine}
     timed(step)
-    probe.remat = checkpointed(job.checkpoint, probe.order)
+    probe.remat = sched.remat_pairs(job.checkpoint, probe.order)
     times, peaks, idle = [], [], []
     load: Load | None = None
     for index in range(job.warmup + job.steps):

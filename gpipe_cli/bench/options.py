@@ -226,7 +226,7 @@ def parse_balance(text: str | None, partitions: int) -> list[int] | None:
     return balance
 
 
-RANK_BYTES = 320 << 20  # a rank's own memory before its stage: the interpreter, torch and its transport
+RANK_BYTES = 400 << 20  # a rank's own memory before its stage: the interpreter, torch, its transport and buffers
 
 
 def _check_ranks_fit(partitions: int) -> None:

@@ -16,15 +16,14 @@ from rich.console import Console
 
 from gpipe_cli import memory_model as mm
 from gpipe_cli import sizing
-from gpipe_cli.bench.options import SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions, overhead_rounds
+from gpipe_cli.bench.options import RANK_BYTES, SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions, overhead_rounds
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate.subject import FAMILIES, Subject, model_overrides, resolve
 from gpipe_cli.models.describe import describe
 from gpipe_cli.pipeline import partition
 from gpipe_cli.units import human_bytes, human_count, human_seconds
 
-RANK_RUNTIME_BYTES = 400 * 2**20  # what a rank's process holds besides the model: torch, gloo, buffers
-
+NO_STATE = "plain-sgd"  # bench steps without an optimizer: weights and gradients, as an optimizer without state
 
 def sizable(options: BenchOptions) -> bool:
     """Whether the model is left to this machine: a family name, no size flag, and `--set` only of settings
@@ -59,7 +58,7 @@ def _parallel(machine: sizing.Machine, ranks: int, threads: int) -> float:
 def phase_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: BenchOptions) -> dict[int, float]:
     """Seconds each job of the command should take on `machine` with model `cand`, by its K (a job per K: K=1
     also times the per-layer costs and, when asked, the host overhead)."""
-    passes = 3.0 if options.checkpoint == "never" else 4.0
+    passes = sizing.passes(options.checkpoint)
     configs = runs(options, cand.pipeline_layers)
     seconds = {k: sizing.launch_seconds(k, machine) for k in sorted({k for k, _ in configs})}
     steps = options.steps + options.warmup
@@ -90,11 +89,12 @@ def need_bytes(cand: sizing.Candidate, machine: sizing.Machine, options: BenchOp
     """Memory the command needs at once: K=1 holds the whole model; on a CPU every rank also holds a runtime."""
     m = options.microbatches
     mb = sizing.ceil_div(options.batch, m)
-    whole = cand.parameters * 8 + sizing.activation_bytes(cand, mb) + options.batch * cand.input_bytes
+    whole = (cand.parameters * mm.bytes_per_parameter(NO_STATE) + sizing.activation_bytes(cand, mb)
+             + options.batch * cand.input_bytes)
     if machine.kind == "cuda":
         return whole
     ranks = max(k for k, _ in runs(options, cand.pipeline_layers))
-    return whole + ranks * RANK_RUNTIME_BYTES
+    return whole + ranks * RANK_BYTES
 
 
 def judge(options: BenchOptions, machine: sizing.Machine) -> Any:
@@ -162,7 +162,7 @@ def memory(subject: Subject, options: BenchOptions, machine: sizing.Machine) -> 
     for k, m in configs:
         held = stages[(k, m)]
         need = (max(sum(held[g::units]) for g in range(min(k, units))) if machine.kind == "cuda"
-                else sum(held) + k * RANK_RUNTIME_BYTES)
+                else sum(held) + k * RANK_BYTES)
         needs.append((k, m, need))
     return Memory({k: stages[(k, options.microbatches)] for k in ks}, needs)
 
@@ -200,8 +200,8 @@ def _stage_memory(figures: mm.ModelFigures, flops: list[float], options: BenchOp
     slightly)."""
     virtual = options.virtual_at(k)
     balance = partition.balance_by_cost(flops if any(flops) else [1.0] * len(flops), k * virtual)
-    # Bench steps without an optimizer: weights and gradients, 8 bytes per parameter.
-    prints = mm.footprints(figures, balance, options.batch, m, options.schedule, options.checkpoint, 8.0, virtual)
+    prints = mm.footprints(figures, balance, options.batch, m, options.schedule, options.checkpoint,
+                           mm.bytes_per_parameter(NO_STATE), virtual)
     return [fp.total_bytes for fp in prints]
 
 

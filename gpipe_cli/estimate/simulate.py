@@ -13,11 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gpipe_cli.estimate import shared
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.pipeline import microbatch, partition, schedules
 from gpipe_cli.pipeline import schedule as sched
-from gpipe_cli.pipeline.schedule import Action, Kind, Span
+from gpipe_cli.pipeline.schedule import Action, Kind, Rate, Span
 
 # The share of a layer's backward that is the input gradient: for a matrix product, one of its two
 # products of equal size (the other is the weight gradient). Only the whole backward is measured.
@@ -38,6 +37,24 @@ class Link:
 
 
 FREE = Link(1e30, 0.0)  # messages cost nothing: compute alone
+
+
+def rate_model(alone_speedup: float, stages: int, replicas: int = 1) -> Rate:
+    """Speed with `busy` of a pipeline's stages computing, its replicas in step: `alone_speedup` for one rank
+    of all computing, 1 for all of them, linear in the share of ranks idle in between.
+
+    Per-layer seconds timed while every rank computes are what an action costs in a pipeline's steady
+    state; in its fill and drain the ranks still computing have the shared cores, caches and memory to
+    fewer, and run faster.
+    """
+    ranks = stages * replicas
+
+    def rate(busy: int) -> float:
+        if ranks <= 1:
+            return 1.0
+        idle_share = (ranks - busy * replicas) / (ranks - 1)
+        return 1.0 + (alone_speedup - 1.0) * max(idle_share, 0.0)
+    return rate
 
 
 @dataclass(frozen=True)
@@ -104,16 +121,14 @@ def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microba
 
 def simulate_step(costs: CostProfile, balance: list[int], batch_size: int, microbatches: int, schedule: str,
                   checkpoint: str, link: Link, scale: float = 1.0, virtual: int = 1,
-                  overhead: float = 0.0, rate: shared.Rate | None = None) -> Prediction:
+                  overhead: float = 0.0, rate: Rate | None = None) -> Prediction:
     """The simulated step of `balance` (K x V chunks, K = its length / V) with M micro-batches
     (`overhead`: seconds each layer of a compute action costs beyond its measured time: the engine's own work;
     `rate`: how much faster compute runs with fewer ranks busy, for ranks sharing cores)."""
     stages = len(balance) // virtual
     cost, latency = _cost_model(costs, balance, batch_size, microbatches, link, scale, overhead)
     lists = sched.build_all(schedule, stages, microbatches, checkpoint, virtual)
-    placement = schedules.get(schedule).placement
-    spans = sched.simulate(lists, cost, latency, placement=placement) if rate is None else \
-        shared.simulate(lists, cost, latency, rate, placement)
+    spans = sched.simulate(lists, cost, latency, schedules.get(schedule).placement, rate)
     step = max(span.end for stage in spans for span in stage)
     return Prediction(stages, microbatches, batch_size, list(balance), step, sched.bubble(spans), scale, spans)
 

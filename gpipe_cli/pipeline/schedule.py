@@ -20,7 +20,7 @@ from gpipe_cli.pipeline.config import REMAT_MODES, PipelineConfig
 
 __all__ = ["COMPUTE", "GRADIENT", "RELEASE", "REMAT_MODES", "SCHEDULES", "Action", "Kind", "ActionList", "Span",
            "Step", "bubble", "build", "build_all", "check", "forward_only", "message_order", "owner", "peer",
-           "rematerialised", "render", "simulate", "theoretical_bubble"]
+           "remat_pairs", "rematerialised", "render", "simulate", "theoretical_bubble"]
 
 
 ActionList = list[Action]
@@ -39,8 +39,8 @@ def _check(stage: int, stages: int, microbatches: int) -> None:
         raise ValueError(f"microbatches must be >= 1 (got {microbatches})")
 
 
-def _remat(mode: str, order: Sequence[Step]) -> set[tuple[int, int]]:
-    """The (micro-batch, chunk) pairs a stage rematerialises under a mode.
+def remat_pairs(mode: str, order: Sequence[Step]) -> set[tuple[int, int]]:
+    """The (micro-batch, chunk) pairs a stage rematerialises under a mode, given its order of work.
 
     `except_last` skips the micro-batches whose backward directly follows their forward: keeping their
     activations costs nothing extra (GPipe: the last micro-batch; 1F1B: every one on the last stage).
@@ -86,7 +86,7 @@ def build(name: str, stage: int, stages: int, microbatches: int, checkpoint: str
     _check(stage, stages, microbatches)
     check(name, stages, microbatches, virtual)
     order = schedules.get(name).order(stage, stages, microbatches, virtual)
-    remat = _remat(checkpoint, order)
+    remat = remat_pairs(checkpoint, order)
     chunks, local = stages * virtual, _local(name, stage, stages)
     actions: ActionList = []
     for kind, mb, chunk in order:
@@ -178,48 +178,96 @@ class Span:
 
 
 Cost = Callable[[int, Action], float]
+Rate = Callable[[int], float]
+_RECV = (Kind.RECV_FWD, Kind.RECV_BWD)
+_SEND = (Kind.SEND_FWD, Kind.SEND_BWD)
 
 
 def simulate(lists: Sequence[ActionList], cost: Cost, latency: Cost | None = None,
-             placement: str = "loop") -> list[list[Span]]:
+             placement: str = "loop", rate: Rate | None = None) -> list[list[Span]]:
     """Run the action lists on ideal devices: compute takes `cost`, a message arrives `latency` after its send.
 
-    Sends do not block (as in the runtime); a receive waits for the matching send. Returns the spans
-    of every action of every stage.
+    Sends do not block (as in the runtime); a receive waits for the matching send. `rate(busy)` says how
+    much faster compute drains while only `busy` stages compute (ranks sharing one machine's cores; 1
+    throughout by default): an action's cost counts all-busy seconds. Returns the spans of every action
+    of every stage.
     """
-    latency = latency or (lambda stage, action: 0.0)
-    stages = len(lists)
-    arrival: dict[tuple[int, Kind, int, int], float] = {}
-    spans: list[list[Span]] = [[] for _ in range(stages)]
-    cursor, clock = [0] * stages, [0.0] * stages
-    remaining = sum(len(s) for s in lists)
-    while remaining:
-        progressed = False
-        for s in range(stages):
-            while cursor[s] < len(lists[s]):
-                action = lists[s][cursor[s]]
-                start = clock[s]
-                if action.kind in (Kind.RECV_FWD, Kind.RECV_BWD):
-                    key = (s, action.kind, action.chunk, action.microbatch)
-                    if key not in arrival:
-                        break
-                    end = max(start, arrival[key])
-                elif action.kind in (Kind.SEND_FWD, Kind.SEND_BWD):
-                    end = start
-                    other, chunk = peer(action, stages, placement)
-                    recv = Kind.RECV_FWD if action.kind == Kind.SEND_FWD else Kind.RECV_BWD
-                    arrival[(other, recv, chunk, action.microbatch)] = end + latency(s, action)
-                else:
-                    end = start + cost(s, action)
-                spans[s].append(Span(s, action, start, end))
-                clock[s] = end
-                cursor[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {s: str(lists[s][cursor[s]]) for s in range(stages) if cursor[s] < len(lists[s])}
+    run = _Run(lists, cost, latency or (lambda stage, action: 0.0), placement)
+    while True:
+        while any([run.advance(s) for s in range(len(lists))]):  # a message sent now may be received now
+            pass
+        if not run.running and run.done():
+            return run.spans
+        run.step(rate(len(run.running)) if rate is not None and run.running else 1.0)
+
+
+class _Run:
+    """The state of a simulation: where each stage is, what it computes, which messages are on their way."""
+
+    def __init__(self, lists: Sequence[ActionList], cost: Cost, latency: Cost, placement: str) -> None:
+        self.lists, self.cost, self.latency, self.placement = lists, cost, latency, placement
+        self.arrival: dict[tuple[int, Kind, int, int], float] = {}
+        self.spans: list[list[Span]] = [[] for _ in lists]
+        self.cursor, self.since = [0] * len(lists), [0.0] * len(lists)
+        self.running: dict[int, tuple[float, float]] = {}  # stage -> (start, work left in all-busy seconds)
+        self.now = 0.0
+
+    def done(self) -> bool:
+        """Whether every stage has run its whole list."""
+        return all(c == len(s) for c, s in zip(self.cursor, self.lists))
+
+    def _next(self, stage: int) -> Action | None:
+        at = self.cursor[stage]
+        return self.lists[stage][at] if at < len(self.lists[stage]) else None
+
+    def _finish(self, stage: int, start: float, end: float) -> None:
+        self.spans[stage].append(Span(stage, self.lists[stage][self.cursor[stage]], start, end))
+        self.since[stage] = end
+        self.cursor[stage] += 1
+
+    def advance(self, stage: int) -> bool:
+        """Take `stage` through its messages up to its next compute (started) or a message not yet here."""
+        moved = False
+        while stage not in self.running and (action := self._next(stage)) is not None:
+            if action.kind in _RECV:
+                at = self.arrival.get(_key(action, stage))
+                if at is None or at > self.now:
+                    break
+                self._finish(stage, self.since[stage], self.now)
+            elif action.kind in _SEND:
+                other, chunk = peer(action, len(self.lists), self.placement)
+                recv = Kind.RECV_FWD if action.kind == Kind.SEND_FWD else Kind.RECV_BWD
+                self.arrival[(other, recv, chunk, action.microbatch)] = self.now + self.latency(stage, action)
+                self._finish(stage, self.now, self.now)
+            elif action.kind in COMPUTE:
+                self.running[stage] = (self.now, self.cost(stage, action))
+            else:
+                self._finish(stage, self.now, self.now)
+            moved = True
+        return moved
+
+    def step(self, speed: float) -> None:
+        """Move time to the next compute end or awaited arrival, draining the running compute at `speed`."""
+        ends = {s: self.now + left / speed for s, (_, left) in self.running.items()}
+        waits = [at for s in range(len(self.lists)) if s not in self.running
+                 for action in [self._next(s)] if action is not None and action.kind in _RECV
+                 for at in [self.arrival.get(_key(action, s), -1.0)] if at > self.now]
+        if not ends and not waits:
+            stuck = {s: str(a) for s in range(len(self.lists)) if (a := self._next(s)) is not None}
             raise RuntimeError(f"schedule deadlocks: stages wait at {stuck}")
-    return spans
+        later = min([*ends.values(), *waits])
+        for s, (start, left) in list(self.running.items()):
+            if ends[s] <= later:
+                del self.running[s]
+                self._finish(s, start, later)
+            else:
+                self.running[s] = (start, left - (later - self.now) * speed)
+        self.now = later
+
+
+def _key(action: Action, stage: int) -> tuple[int, Kind, int, int]:
+    """The arrival a receive waits for."""
+    return stage, action.kind, action.chunk, action.microbatch
 
 
 def bubble(spans: Sequence[Sequence[Span]]) -> float:

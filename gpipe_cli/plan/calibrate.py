@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from gpipe_cli.estimate import shared, simulate
+from gpipe_cli.estimate import simulate
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.measure import build_pipeline, measure_engine
 from gpipe_cli.models.base import ModelSpec
@@ -100,7 +100,7 @@ def overhead(layers: int, costs: Callable[[int], CostProfile], per_replica: int,
 
 def factors(balance: list[int], costs: Callable[[int], CostProfile], per_replica: int,
             measured: dict[int, float], known: float = 0.0, link: simulate.Link = simulate.FREE,
-            rate: shared.Rate | None = None, virtual: int = 1) -> dict[int, float]:
+            rate: simulate.Rate | None = None, virtual: int = 1) -> dict[int, float]:
     """Per micro-batch size: the ratio of the measured step (less the `known` seconds) to the one simulated for
     a pipeline cut as `balance` (GPipe; interleaved with `virtual` chunks per stage), its messages on `link`,
     its ranks computing at `rate`."""

@@ -26,10 +26,9 @@ from torch import nn
 from gpipe_cli import interrupts, sizing
 from gpipe_cli import memory_model as mm
 from gpipe_cli.estimate import costs as layer_costs
-from gpipe_cli.estimate import shared
 from gpipe_cli.estimate.costs import CostProfile, LayerTiming
 from gpipe_cli.estimate.measure import timed
-from gpipe_cli.estimate.simulate import Link
+from gpipe_cli.estimate.simulate import Link, rate_model
 from gpipe_cli.memory_model import ModelFigures
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import describe
@@ -249,7 +248,7 @@ def _staged(kind: str, params: dict[str, Any], costs: Callable[[int], CostProfil
                               balance, virtual)
     # The busiest stage's update is part of the step; it is charged per step apart (`search.step_overhead`).
     measured = {m: step - update for m, (step, update) in steps.per_count.items()}
-    return calibrate.factors(balance, costs, batch, measured, 0.0, link, shared.rate_model(speedup, ranks),
+    return calibrate.factors(balance, costs, batch, measured, 0.0, link, rate_model(speedup, ranks),
                              virtual), steps.drift
 
 

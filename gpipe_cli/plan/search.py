@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from gpipe_cli import memory_model as mm
-from gpipe_cli.estimate import shared, simulate
+from gpipe_cli.estimate import simulate
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.memory_model import ModelFigures
 from gpipe_cli.pipeline import partition, schedules
@@ -83,11 +83,11 @@ class Model:
         ratio = self.factor(size, config.partitions, config.replicas, config.virtual, config.schedule)
         return self.costs(size).scaled(ratio)
 
-    def rate(self, config: Config) -> shared.Rate | None:
+    def rate(self, config: Config) -> simulate.Rate | None:
         """The compute speed with some ranks idle, for ranks that share this machine's cores (None: they do not)."""
         if self.alone_speedup == 1.0:
             return None
-        return shared.rate_model(self.alone_speedup, config.partitions, config.replicas)
+        return simulate.rate_model(self.alone_speedup, config.partitions, config.replicas)
 
     @property
     def layers(self) -> int:

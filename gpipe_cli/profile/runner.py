@@ -60,8 +60,8 @@ def row_seconds(cand: sizing.Candidate, machine: sizing.Machine, batch: int, mic
                 checkpoint: str) -> float:
     """Seconds measuring one row takes: one training step (each stage driven in turn) and building its layers and
     optimizer state (a few writes per parameter)."""
-    passes = 3.0 if checkpoint == "never" else 4.0
-    return sizing.step_seconds(cand, machine, batch, microbatches, passes) + 0.5 + cand.parameters * BUILD_S
+    work = sizing.step_seconds(cand, machine, batch, microbatches, sizing.passes(checkpoint))
+    return work + 0.5 + cand.parameters * BUILD_S
 
 
 # Seconds per parameter of building a stage: initialising its weights and the optimizer's state. Measured on

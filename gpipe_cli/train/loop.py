@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from gpipe_cli import memory_model as mm
 from gpipe_cli import sizing
 from gpipe_cli.data import Batch, Loader, build_data_for
 from gpipe_cli.errors import UserError
@@ -30,7 +31,7 @@ from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_layers, stage_ranges
 from gpipe_cli.pipeline.step import PendingStep
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
-from gpipe_cli.recipe_model import build_optimizer, model_spec, pipeline_config
+from gpipe_cli.recipe_model import build_optimizer, model_spec, optimizer_name, pipeline_config
 from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, translate, utilization
 from gpipe_cli.train.existing import complete_line, past_end
 from gpipe_cli.train.export import export as export_model
@@ -203,7 +204,8 @@ class Trainer:
                                                        self.recipe.pipeline.microbatches), 1)
             sample, _ = self.spec.example_batch(size, device)
             profile = profile_layers(self.spec.factories(), sample, self.recipe.seed, device)
-            return [float(p.activation_bytes + 4 * p.param_bytes) for p in profile], None
+            per_param = mm.bytes_per_parameter(optimizer_name(self.recipe))
+            return [float(p.activation_bytes + p.params * per_param) for p in profile], None
         chunks = self.recipe.pipeline.partitions * self.recipe.pipeline.virtual_stages
         if mode not in ("auto", "time") or chunks in (1, len(self.spec.layers)):  # one cut only: nothing to time
             return None, None

@@ -77,3 +77,13 @@ def test_the_measured_bubble_is_the_mean_of_the_stage_tables_idle_column():
     # Per-step means whose median (0.185) is neither stage's: the headline must not disagree with the table.
     figures = RunFigures(2, 8, 128, [3, 3], bubbles=[0.185, 0.19, 0.12], stages=stages)
     assert abs(figures.bubble - 0.146) < 1e-12
+
+
+def test_the_rate_model_spans_alone_to_all_busy_and_keeps_replicas_in_step():
+    rate = simulate.rate_model(1.6, stages=2)
+    assert rate(1) == pytest.approx(1.6) and rate(2) == pytest.approx(1.0)
+    four = simulate.rate_model(1.6, stages=4)
+    assert four(1) == pytest.approx(1.6) and four(4) == pytest.approx(1.0) and 1.0 < four(2) < 1.6
+    replicas = simulate.rate_model(1.6, stages=1, replicas=2)  # data parallel alone: every rank always busy
+    assert replicas(1) == pytest.approx(1.0)
+    assert simulate.rate_model(1.6, stages=1)(1) == pytest.approx(1.0)

@@ -152,8 +152,8 @@ def test_the_factors_scale_the_layers_to_the_steps_measured_at_each_micro_batch_
 def test_the_factors_of_a_pipeline_are_fitted_with_its_cut_its_messages_and_its_ranks_speeds():
     spec = build_model("transformer", **PARAMS)
     costs = inputs.measured_costs(spec, (1, 8), 0, 1, inputs.generated(spec, 0))
-    from gpipe_cli.estimate import shared, simulate
-    balance, link, rate = [1, len(spec.layers) - 1], simulate.Link(1e8, 1e-4), shared.rate_model(1.3, 2)
+    from gpipe_cli.estimate import simulate
+    balance, link, rate = [1, len(spec.layers) - 1], simulate.Link(1e8, 1e-4), simulate.rate_model(1.3, 2)
     given = {2: 1.4, 8: 1.7}
 
     def simulated(m: int, cut: list[int] = balance, virtual: int = 1) -> float:

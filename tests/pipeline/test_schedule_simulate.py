@@ -2,8 +2,36 @@ import random
 
 import pytest
 
-from gpipe_cli.estimate import shared
+from gpipe_cli.estimate.simulate import rate_model
 from gpipe_cli.pipeline import schedule as sched
+from gpipe_cli.pipeline.schedule import Kind, Span
+
+
+def reference(lists, cost, latency):
+    """The plain simulation, each stage on its own clock: what the simulator must give at one speed."""
+    arrival, spans = {}, [[] for _ in lists]
+    cursor, clock = [0] * len(lists), [0.0] * len(lists)
+    while any(c < len(s) for c, s in zip(cursor, lists)):
+        progressed = False
+        for s, actions in enumerate(lists):
+            while cursor[s] < len(actions):
+                action, start = actions[cursor[s]], clock[s]
+                if action.kind in (Kind.RECV_FWD, Kind.RECV_BWD):
+                    key = (s, action.kind, action.chunk, action.microbatch)
+                    if key not in arrival:
+                        break
+                    end = max(start, arrival[key])
+                elif action.kind in (Kind.SEND_FWD, Kind.SEND_BWD):
+                    end = start
+                    other, chunk = sched.peer(action, len(lists))
+                    recv = Kind.RECV_FWD if action.kind == Kind.SEND_FWD else Kind.RECV_BWD
+                    arrival[(other, recv, chunk, action.microbatch)] = end + latency(s, action)
+                else:
+                    end = start + cost(s, action)
+                spans[s].append(Span(s, action, start, end))
+                clock[s], cursor[s], progressed = end, cursor[s] + 1, True
+        assert progressed, "deadlock"
+    return spans
 
 
 def random_costs(seed: int):
@@ -28,11 +56,12 @@ CASES = [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("zero-bubble", 4, 8, 1), ("inte
 
 @pytest.mark.parametrize("schedule,stages,microbatches,virtual", CASES)
 @pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
-def test_at_one_speed_it_is_the_schedule_simulator(schedule, stages, microbatches, virtual, checkpoint):
+def test_at_one_speed_each_stage_runs_on_its_own_clock(schedule, stages, microbatches, virtual, checkpoint):
     lists = sched.build_all(schedule, stages, microbatches, checkpoint, virtual)
     cost = random_costs(stages * 100 + microbatches)
-    plain = sched.simulate(lists, cost, latency)
-    found = shared.simulate(lists, cost, latency, lambda busy: 1.0)
+    plain = reference(lists, cost, latency)
+    found = sched.simulate(lists, cost, latency, rate=lambda busy: 1.0)
+    assert found == sched.simulate(lists, cost, latency)
     assert [[s.action for s in stage] for stage in found] == [[s.action for s in stage] for stage in plain]
     for ours, theirs in zip(found, plain):
         for a, b in zip(ours, theirs):
@@ -44,7 +73,7 @@ def test_a_rank_computing_alone_runs_at_its_alone_speed():
     lists = sched.build_all("gpipe", 2, 1, "never")
     cost = lambda stage, action: {sched.Kind.FWD: 1.0, sched.Kind.BWD: 2.0}.get(action.kind, 0.0)  # noqa: E731
     free = lambda stage, action: 0.0  # noqa: E731
-    spans = shared.simulate(lists, cost, free, shared.rate_model(1.5, 2))
+    spans = sched.simulate(lists, cost, free, rate=rate_model(1.5, 2))
     assert makespan(spans) == pytest.approx(2 * 3.0 / 1.5)
 
 
@@ -53,7 +82,7 @@ def test_overlapping_compute_runs_at_the_busy_speed_and_the_rest_faster():
     lists = sched.build_all("gpipe", 2, 1, "never")
     cost = lambda stage, action: 2.0 if action.kind == sched.Kind.FWD else 0.0  # noqa: E731
     free = lambda stage, action: 0.0  # noqa: E731
-    spans = shared.simulate(lists, cost, free, shared.rate_model(1.5, 2))
+    spans = sched.simulate(lists, cost, free, rate=rate_model(1.5, 2))
     assert makespan(spans) == pytest.approx(2 * 2.0 / 1.5)
 
 
@@ -61,15 +90,5 @@ def test_overlapping_compute_runs_at_the_busy_speed_and_the_rest_faster():
 def test_more_speed_alone_never_slows_a_step_and_helps_bubbly_schedules_most(schedule):
     lists = sched.build_all(schedule, 2, 4, "never")
     cost = random_costs(7)
-    steps = [makespan(shared.simulate(lists, cost, latency, shared.rate_model(s, 2))) for s in (1.0, 1.2, 1.5)]
+    steps = [makespan(sched.simulate(lists, cost, latency, rate=rate_model(s, 2))) for s in (1.0, 1.2, 1.5)]
     assert steps[0] >= steps[1] >= steps[2]
-
-
-def test_the_rate_model_spans_alone_to_all_busy_and_keeps_replicas_in_step():
-    rate = shared.rate_model(1.6, stages=2)
-    assert rate(1) == pytest.approx(1.6) and rate(2) == pytest.approx(1.0)
-    four = shared.rate_model(1.6, stages=4)
-    assert four(1) == pytest.approx(1.6) and four(4) == pytest.approx(1.0) and 1.0 < four(2) < 1.6
-    replicas = shared.rate_model(1.6, stages=1, replicas=2)  # data parallel alone: every rank always busy
-    assert replicas(1) == pytest.approx(1.0)
-    assert shared.rate_model(1.6, stages=1)(1) == pytest.approx(1.0)
