@@ -12,7 +12,7 @@ from gpipe_cli.estimate.size_flags import SizeFlags
 from gpipe_cli.files import check_output
 from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, MAX_SIZE, MAX_THREADS, outside
 from gpipe_cli.pipeline import schedules
-from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES
+from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES, microbatch_problem
 from gpipe_cli.units import human_bytes, meminfo_available
 
 
@@ -191,9 +191,8 @@ def validate(options: BenchOptions) -> None:
     except ValueError as exc:
         raise UserError(f"--schedule/--virtual-stages: {exc}") from None
     batch = options.batch
-    if batch < max(options.microbatch_values()):
-        raise UserError(f"--batch-size {batch} is smaller than M={max(options.microbatch_values())}: every "
-                        f"micro-batch needs an example")
+    if microbatch_problem(m := max(options.microbatch_values()), batch):
+        raise UserError(f"--batch-size {batch} is smaller than M={m}: every micro-batch needs an example")
     if options.compare and batch % options.microbatches:
         raise UserError(f"--compare needs --batch-size divisible by --microbatches ({batch} % "
                         f"{options.microbatches} != 0): torch.distributed.pipelining receives into fixed "

@@ -15,13 +15,23 @@ REMAT_MODES = ("always", "except_last", "never")
 OFFLOAD_MODES = ("none", "activations")
 
 
+def microbatch_problem(microbatches: int, examples: int | None = None, name: str = "microbatches",
+                       batch: str = "the batch size") -> str | None:
+    """What keeps M micro-batches from splitting `examples` (M >= 1, and M <= examples: each needs one), or None;
+    `name` and `batch` are the caller's words for M and the examples."""
+    if microbatches < 1:
+        return f"{name} must be >= 1 (got {microbatches})"
+    if examples is not None and microbatches > examples:
+        return f"{name} ({microbatches}) must be <= {batch} ({examples}): every micro-batch needs an example"
+    return None
+
+
 def sizes(examples: int, chunks: int) -> list[int]:
     """How many examples each of `chunks` micro-batches gets (the first ones get one more)."""
-    if chunks < 1:
-        raise ValueError(f"microbatches must be >= 1 (got {chunks})")
-    if examples < chunks:
-        raise ValueError(f"a mini-batch of {examples} examples cannot be split into {chunks} "
-                         f"micro-batches: microbatches must be <= the batch size")
+    problem = microbatch_problem(chunks, examples)
+    if problem:
+        raise ValueError(problem if chunks < 1 else f"a mini-batch of {examples} examples cannot be split into "
+                         f"{chunks} micro-batches: each needs an example")
     base, extra = divmod(examples, chunks)
     return [base + (i < extra) for i in range(chunks)]
 
@@ -61,10 +71,12 @@ class PipelineConfig:
 
     def check(self) -> None:
         """Refuse, in one line, values that cannot run together."""
-        for name, value in (("partitions", self.stages), ("microbatches", self.microbatches),
-                            ("data_parallel", self.replicas), ("virtual_stages", self.virtual)):
+        for name, value in (("partitions", self.stages), ("data_parallel", self.replicas),
+                            ("virtual_stages", self.virtual)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1 (got {value})")
+        if problem := microbatch_problem(self.microbatches):
+            raise ValueError(problem)
         if self.checkpoint not in REMAT_MODES:
             raise ValueError(f"unknown checkpoint mode '{self.checkpoint}': allowed are {', '.join(REMAT_MODES)}")
         if self.offload not in OFFLOAD_MODES:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from gpipe_cli.pipeline import placement as placement_
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.actions import COMPUTE, GRADIENT, RELEASE, Action, Kind, Step
-from gpipe_cli.pipeline.config import REMAT_MODES, PipelineConfig
+from gpipe_cli.pipeline.config import REMAT_MODES, PipelineConfig, microbatch_problem
 
 __all__ = ["COMPUTE", "GRADIENT", "RELEASE", "REMAT_MODES", "SCHEDULES", "Action", "Kind", "ActionList", "Span",
            "Step", "bubble", "build", "build_all", "check", "forward_only", "message_order", "owner", "peer",
@@ -35,8 +35,8 @@ def check(name: str, stages: int, microbatches: int, virtual: int = 1) -> None:
 def _check(stage: int, stages: int, microbatches: int) -> None:
     if not 0 <= stage < stages:
         raise ValueError(f"stage must be in [0, {stages}) (got {stage})")
-    if microbatches < 1:
-        raise ValueError(f"microbatches must be >= 1 (got {microbatches})")
+    if problem := microbatch_problem(microbatches):
+        raise ValueError(problem)
 
 
 def remat_pairs(mode: str, order: Sequence[Step]) -> set[tuple[int, int]]:

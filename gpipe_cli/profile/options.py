@@ -11,6 +11,7 @@ from gpipe_cli.estimate.size_flags import SizeFlags
 from gpipe_cli.files import check_output
 from gpipe_cli.limits import MAX_RANKS, MAX_SIZE, outside, words
 from gpipe_cli.pipeline import schedules
+from gpipe_cli.pipeline.config import microbatch_problem
 from gpipe_cli.units import parse_size
 
 # One chunk per device is counted; a V's two chunks per device are not (bench measures them).
@@ -102,8 +103,8 @@ def validate(options: ProfileOptions) -> None:
     _check_partitions(options.partitions)
     checks = [
         (1 <= options.microbatches <= MAX_SIZE, outside("--microbatches", options.microbatches, 1, MAX_SIZE) or ""),
-        (options.batch_size is None or options.batch_size >= options.microbatches,
-         f"--batch-size ({options.batch_size}) must be >= --microbatches ({options.microbatches})"),
+        (options.batch_size is None or not microbatch_problem(options.microbatches, options.batch_size),
+         microbatch_problem(options.microbatches, options.batch_size, "--microbatches", "--batch-size") or ""),
         (options.schedule not in SCHEDULES or options.schedule in COUNTED,
          f"--schedule {options.schedule} places two chunks per device in a V, which profile-memory does not count: "
          f"gpipe bench --schedule {options.schedule} prints each stage's measured activation peak"),

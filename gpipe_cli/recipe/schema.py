@@ -11,6 +11,7 @@ from pydantic_core import PydanticCustomError
 from gpipe_cli.errors import cut
 from gpipe_cli.limits import MAX_COUNT, MAX_LAYERS, MAX_RANKS, MAX_REAL, MAX_SIZE, MAX_VIRTUAL
 from gpipe_cli.pipeline import schedules
+from gpipe_cli.pipeline.config import microbatch_problem
 
 
 def _not_text(value: object) -> None:
@@ -359,11 +360,12 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _microbatches_fit_batch(self) -> Recipe:
         pipe, batch = self.pipeline, self.data.batch_size
-        if self.data.tokens_per_batch is None and pipe.microbatches > batch:
-            raise ValueError(f"pipeline.microbatches ({pipe.microbatches}) must be <= "
-                             f"data.batch_size ({batch}): every micro-batch needs an example")
+        if self.data.tokens_per_batch is not None:
+            return self
+        if problem := microbatch_problem(pipe.microbatches, batch, "pipeline.microbatches", "data.batch_size"):
+            raise ValueError(problem)
         # Each replica trains on its share of the mini-batch, the smallest of which is batch // D examples.
-        if self.data.tokens_per_batch is None and pipe.microbatches > batch // pipe.data_parallel:
+        if microbatch_problem(pipe.microbatches, batch // pipe.data_parallel):
             raise ValueError(f"pipeline.microbatches x pipeline.data_parallel ({pipe.microbatches} x "
                              f"{pipe.data_parallel}) must be <= data.batch_size ({batch}): each of the "
                              f"{pipe.data_parallel} replicas gets {batch // pipe.data_parallel} of the mini-batch's "
