@@ -1,7 +1,7 @@
 """Which model a command measures on this machine: the paper's where it fits, else the same architecture smaller.
 
 `gpipe bench` and `gpipe profile-memory` without model flags measure the paper's model of the family
-(Transformer-L-48, AmoebaNet-D (18, 256)) when the devices' memory holds it and the command would
+(`families.Family.paper_preset`) when the devices' memory holds it and the command would
 finish in about a minute; otherwise they walk down a ladder of the same architecture, fewer
 layers and narrower, to the first member that does. Time is estimated from the model's FLOPs at a
 quick measured rate of this machine (a matrix product on one rank's threads) times the share of it
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from gpipe_cli.models import families
 from gpipe_cli.models.describe import describe
 from gpipe_cli.models.registry import build_model, resolve_preset
 from gpipe_cli.units import human_bytes, human_seconds
@@ -31,27 +32,6 @@ TIME_BUDGET_S = 60.0
 # Leave room for the rest of the machine: a model may use at most this share of the free memory.
 MEMORY_SHARE = 0.5
 
-# The paper's models, then the same architecture scaled down, largest first.
-_TRANSFORMER_SMALL: list[dict[str, Any]] = [
-    dict(layers=24, d_model=1024, ff=4096, heads=16, vocab_size=32000, max_len=256),
-    dict(layers=12, d_model=768, ff=3072, heads=12, vocab_size=32000, max_len=256),
-    dict(layers=8, d_model=512, ff=2048, heads=8, vocab_size=16000, max_len=128),
-    dict(layers=8, d_model=256, ff=1024, heads=4, vocab_size=8000, max_len=64),
-    dict(layers=8, d_model=128, ff=512, heads=4, vocab_size=2000, max_len=32),
-    dict(layers=8, d_model=64, ff=256, heads=2, vocab_size=512, max_len=16),
-    dict(layers=8, d_model=32, ff=128, heads=2, vocab_size=256, max_len=8),
-]
-_AMOEBANET_SMALL: list[dict[str, Any]] = [
-    dict(layers=18, filters=128, image_size=224, num_classes=1000),
-    dict(layers=12, filters=64, image_size=128, num_classes=1000),
-    dict(layers=6, filters=32, image_size=64, num_classes=100),
-    dict(layers=6, filters=16, image_size=32, num_classes=10),
-    dict(layers=6, filters=8, image_size=32, num_classes=10),
-]
-LADDERS: dict[str, tuple[str, list[dict[str, Any]]]] = {
-    "transformer": ("transformer-l-48", _TRANSFORMER_SMALL),
-    "amoebanet": ("amoebanet-d-18-256", _AMOEBANET_SMALL),
-}
 # Model settings that change how a model trains but none of its weights' or activations' shapes: `--set` of
 # one of them still leaves the model to be sized to the machine, each member taking the setting.
 TRAINING_ONLY = ("dropout", "label_smoothing", "scaled_init", "logit_clip")
@@ -159,19 +139,8 @@ class Candidate:
 
 
 def describe_params(kind: str, params: dict[str, Any], full: bool = False) -> str:
-    """e.g. "Transformer-L with 8 layers, d_model 512" or "AmoebaNet-D (6, 32) at 64 px" (`full`: every size)."""
-    if kind == "transformer":
-        name = f"Transformer-L with {params.get('layers')} layers, d_model {params.get('d_model')}"
-        return name + (f" (feed-forward {params.get('ff')}, {params.get('heads')} heads, sequence "
-                       f"{params.get('max_len', 256)}, vocabulary {params.get('vocab_size')})" if full else "")
-    name = f"AmoebaNet-{str(params.get('variant', 'd')).upper()} ({params.get('layers')}, {params.get('filters')})"
-    return name + f" at {params.get('image_size', 224)} px" + (
-        f", {params.get('num_classes', 1000)} classes" if full else "")
-
-
-# Depths at which a family is described to price deeper members: parameters, FLOPs and activations grow
-# linearly with the layers (Transformer layers are alike; AmoebaNet adds the same cells to each stack).
-_PROBE_DEPTHS = {"transformer": (1, 2), "amoebanet": (3, 6)}
+    """e.g. "Transformer-L with 8 layers, d_model 512" (`full`: every size), as its family names it."""
+    return families.of(kind).title(params, full)
 
 
 @functools.lru_cache(maxsize=64)
@@ -186,8 +155,9 @@ def _candidate(kind: str, frozen: tuple[tuple[str, Any], ...], microbatch: int) 
     params = dict(frozen)
     layers = len(build_model(kind, **params).layers)
     depth = params.get("layers")
-    probes = _PROBE_DEPTHS.get(kind)
-    if probes is not None and isinstance(depth, int) and depth > probes[1]:
+    # Parameters, FLOPs and activations grow linearly with the layers past the family's probe depths.
+    probes = families.of(kind).probe_depths
+    if isinstance(depth, int) and depth > probes[1]:
         # Describing a paper-sized model on the meta device takes seconds; two shallow members price it.
         lo, hi = (_described(kind, tuple(sorted({**params, "layers": d}.items())), microbatch) for d in probes)
         t = (depth - probes[0]) / (probes[1] - probes[0])
@@ -204,12 +174,12 @@ def candidate(kind: str, params: dict[str, Any], microbatch: int = 2) -> Candida
     return _candidate(kind, tuple(sorted(params.items())), max(microbatch, 2))
 
 
-def ladder(family: str, settings: dict[str, Any] | None = None) -> list[tuple[str, dict[str, Any]]]:
+def ladder(name: str, settings: dict[str, Any] | None = None) -> list[tuple[str, dict[str, Any]]]:
     """The family's members, the paper's first: (kind, build parameters), each with `settings` applied."""
-    preset, smaller = LADDERS[family]
-    kind, paper = resolve_preset(preset)
+    facts = families.of(name)
+    kind, paper = resolve_preset(facts.paper_preset)
     extra = settings or {}
-    return [(kind, {**paper, **extra})] + [(kind, {**paper, **small, **extra}) for small in smaller]
+    return [(kind, {**paper, **extra})] + [(kind, {**paper, **small, **extra}) for small in facts.smaller]
 
 
 def keeps_size(family: str, settings: dict[str, Any]) -> bool:
@@ -265,7 +235,7 @@ def _pipeline_layers(kind: str, params: dict[str, Any], layers: int) -> int:
 
 def deep_enough(kind: str, params: dict[str, Any], stages: int) -> dict[str, Any]:
     """`params` deepened, a stack at a time, just enough that `stages` stages get one pipeline layer each."""
-    step = 3 if kind == "amoebanet" else 1  # AmoebaNet's normal cells come in three stacks
+    step = families.of(kind).depth_step
     have = len(build_model(kind, **params).layers)
     if have >= stages:
         return dict(params)
@@ -295,7 +265,7 @@ def choose(family: str, judge: Callable[[Candidate], Verdict], stages: int = 1,
                 return Choice(kind, params, False, "", verdict)
             note = (f"measuring {cand.describe()}: {first_reason}; choose with --model/--layers")
             return Choice(kind, params, True, note, verdict, rejected)
-        what = _short(kind, params) if index else f"the paper's {_short(kind, params)}"
+        what = families.of(kind).short(params) if index else f"the paper's {families.of(kind).short(params)}"
         reason = verdict.why_not(what)
         first_reason = first_reason or reason
         rejected.append(reason)
@@ -305,22 +275,11 @@ def choose(family: str, judge: Callable[[Candidate], Verdict], stages: int = 1,
     return Choice(kind, params, True, note, judge(cand), rejected)
 
 
-def _short(kind: str, params: dict[str, Any]) -> str:
-    if kind == "transformer":
-        return f"{params.get('layers')}-layer model"
-    return f"AmoebaNet-D ({params.get('layers')}, {params.get('filters')})"
-
-
-# A model's whole layers run at this share of the bare matrix product `measured_rate` times, on top of
-# the fixed cost per layer call. Measured on a 2-core CPU, one thread per rank, from K=1 bench steps: a
-# Transformer's large products run at about that rate (0.5 at d_model 128 to 1.6 at 512), AmoebaNet's
-# separable convolutions at a twentieth. Anything else, and every GPU, is guessed.
-_EFFICIENCY = {("cpu", "transformer"): 0.8, ("cpu", "amoebanet"): 0.06}
-
-
 def layer_efficiency(device: str, kind: str) -> float:
     """The share of the measured matrix-product rate that model family `kind`'s layers reach on `device`."""
-    return _EFFICIENCY.get((device, kind), 0.3 if device == "cuda" else 0.1)
+    # Measured on a 2-core CPU, one thread per rank, from K=1 bench steps; every GPU and other family is guessed.
+    known = families.FAMILIES.get(kind)
+    return 0.3 if device == "cuda" else known.cpu_efficiency if known else 0.1
 
 
 def passes(checkpoint: str) -> float:

@@ -19,6 +19,7 @@ from gpipe_cli import sizing
 from gpipe_cli.bench.options import RANK_BYTES, SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions, overhead_rounds
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate.subject import FAMILIES, Subject, model_overrides, resolve
+from gpipe_cli.models import families
 from gpipe_cli.models.describe import describe
 from gpipe_cli.pipeline import partition
 from gpipe_cli.units import human_bytes, human_count, human_seconds
@@ -177,11 +178,6 @@ def check_fits(preview: Preview, mem: Memory, options: BenchOptions, machine: si
     raise UserError(_does_not_fit(options, cand, run, need, machine, preview.sized))
 
 
-# The flags that shrink a model's memory, by kind.
-_SHRINK = {"transformer": "--layers, --d-model, --ff, --seq-len, --vocab-size", "amoebanet": "--layers, --filters, "
-           "--image-size"}
-
-
 def _does_not_fit(options: BenchOptions, cand: sizing.Candidate, run: str, need: float, machine: sizing.Machine,
                   sized: bool) -> str:
     """The one line that refuses a model too large for this machine: what it needs, what is free, what to do."""
@@ -191,7 +187,7 @@ def _does_not_fit(options: BenchOptions, cand: sizing.Candidate, run: str, need:
     if sized:  # the family's smallest member: only the batch and the ranks are left to shrink
         return (f"even the smallest model of --model {options.model} does not fit: {what}; lower --batch-size or "
                 f"--partitions, or free memory")
-    return (f"the model does not fit: {what}; shrink it ({_SHRINK.get(cand.kind, 'the size flags')}), lower "
+    return (f"the model does not fit: {what}; shrink it ({families.of(cand.kind).shrink_flags}), lower "
             f"--batch-size, or leave the size flags and --set out to let bench size it to this machine")
 
 
@@ -213,7 +209,7 @@ def show(preview: Preview, mem: Memory, options: BenchOptions, machine: sizing.M
     cand = sizing.candidate(preview.subject.kind, preview.subject.params)
     if preview.note:
         console.print(f"[bold]{preview.note}[/]")
-    name = (cand.describe(full=True) if preview.subject.kind in ("transformer", "amoebanet")
+    name = (cand.describe(full=True) if preview.subject.kind in families.FAMILIES
             and "layers" in preview.subject.params else spec.name)
     console.print(f"[bold]plan[/] · {name}: {human_count(cand.parameters)} parameters, "
                   f"{len(spec.layers)} pipeline layers, {cand.flops * 3 / 1e9:.2f} GFLOP per example and step")

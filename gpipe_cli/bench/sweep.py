@@ -20,16 +20,9 @@ from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.machine_load import contended
 from gpipe_cli.estimate.measure import RunFigures
 from gpipe_cli.estimate.subject import Subject
+from gpipe_cli.models import families
 from gpipe_cli.pipeline.schedule import theoretical_bubble
 from gpipe_cli.progress import Progress
-
-# GPipe (Huang et al., 2019), Table 2: normalised training throughput on TPUs, AmoebaNet-D (18, 256) and
-# Transformer-48, by M (rows) and K (columns), normalised to K=2, M=1.
-PAPER_TABLE2: dict[str, dict[int, dict[int, float]]] = {
-    "amoebanet": {1: {2: 1.0, 4: 1.13, 8: 1.38}, 4: {2: 1.07, 4: 1.26, 8: 1.72}, 32: {2: 1.21, 4: 1.84, 8: 3.48}},
-    "transformer": {1: {2: 1.0, 4: 1.07, 8: 1.3}, 4: {2: 1.7, 4: 3.2, 8: 4.8}, 32: {2: 1.8, 4: 3.4, 8: 6.3}},
-}
-PAPER_MODELS = {"amoebanet": "AmoebaNet-D (18, 256)", "transformer": "Transformer-48"}
 
 
 def _hostable(options: BenchOptions, layers: int) -> list[int]:
@@ -70,14 +63,14 @@ def run(options: BenchOptions, subject: Subject, folder: Path, progress: Progres
                           "oversubscribed": over,
                           "load": figures.load, "contended": contended(figures.load)})
     base = next((c for c in cells if c["microbatches"] == 1), None)
-    family = subject.kind if subject.kind in PAPER_TABLE2 else None
+    family = families.FAMILIES.get(subject.kind)
     for c in cells:
         c["normalized"] = c["samples_per_s"] / base["samples_per_s"] if base and base["samples_per_s"] else None
-        c["paper"] = PAPER_TABLE2[family][c["microbatches"]].get(c["partitions"]) if family else None
+        c["paper"] = family.paper_table2[c["microbatches"]].get(c["partitions"]) if family else None
     summary = {"model": model_json(subject), "sweep": cells, "batch_size": options.batch, "schedule": options.schedule,
             "checkpoint": options.checkpoint, "steps": options.steps, "warmup": options.warmup,
             "normalized_to": {"partitions": base["partitions"], "microbatches": 1} if base else None,
-            "paper": {"table": "GPipe Table 2 (TPUs)", "model": PAPER_MODELS.get(family or "")},
+            "paper": {"table": "GPipe Table 2 (TPUs)", "model": family.paper_title if family else None},
             "skipped_partitions": [k for k in SWEEP_PARTITIONS if k not in ks],
             "oversubscribed": any(c["oversubscribed"] for c in cells),
             "contended": any(c["contended"] for c in cells)}

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from gpipe_cli.data.augment import Backend
 from gpipe_cli.data.loader import Loader
 from gpipe_cli.errors import DataError
+from gpipe_cli.models import families
+from gpipe_cli.models.families import Task
 from gpipe_cli.recipe.schema import Data, Recipe
-
-# The same literal as gpipe_cli.models.base.Task, kept here so loading data does not import the model zoo.
-Task = Literal["image", "translation", "lm"]
 
 
 def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_classes: int = 1000,
@@ -59,18 +58,14 @@ def _non_empty(loader: Loader, data: Data) -> Loader:
 
 
 def task_for(model: Any) -> Task:
-    """The task of a recipe's model section: AmoebaNet -> image, Transformer -> translation or lm."""
-    if model.kind == "amoebanet":
-        return "image"
-    return "translation" if model.arch == "encoder-decoder" else "lm"
+    """The task of a recipe's model section (image, translation or lm), as its family says."""
+    return families.of(model.kind).task(model)
 
 
 def build_data_for(recipe: Recipe, *, run_dir: Path | None = None, **kwargs: Any) -> Loader:
     """build_data with the task and sizes taken from a whole recipe."""
     model = recipe.model
     task = task_for(model)
-    sizes: dict[str, Any] = ({"image_size": model.image_size, "num_classes": model.num_classes}
-                             if model.kind == "amoebanet" else
-                             {"vocab_size": model.vocab_size, "max_len": model.max_len})
+    sizes = {key: getattr(model, key) for key in families.of(model.kind).data_sizes}
     kwargs.setdefault("min_batch", recipe.pipeline.microbatches * recipe.pipeline.data_parallel)
     return build_data(recipe.data, task, seed=recipe.seed, run_dir=run_dir, **sizes, **kwargs)

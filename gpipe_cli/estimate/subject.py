@@ -1,7 +1,7 @@
 """The model a benchmark or a memory profile runs: a preset, a family name or a recipe's model, resized.
 
-`--model` takes a preset of the zoo (`amoebanet-d-18-256`, `t-6-8192-16`, ...), a family name
-(`amoebanet`, `transformer`: the paper's speed-table models), or a recipe file (`*.yaml`), whose
+`--model` takes a preset of the zoo (`registry.names_help`), a family name (`families.FAMILIES`: the
+paper's speed-table models), or a recipe file (`*.yaml`), whose
 model section is used. Size flags and `--set KEY=VALUE` then replace individual model parameters,
 so a paper-sized model can be shrunk to something a CPU can time.
 """
@@ -18,13 +18,13 @@ import torch
 
 from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.limits import outside
+from gpipe_cli.models import families
 from gpipe_cli.models.base import Batch, ModelSpec
 from gpipe_cli.models.registry import allowed_params, build_model, is_preset_name, names_help, resolve_preset
 from gpipe_cli.recipe.load import parse_override
 
-# The models of the paper's speed table (Table 2): AmoebaNet-D (18, 256) and Transformer-48, the
-# Transformer-L of Table 1 (d_model 2048, feed-forward 8192, 32 heads) with 48 layers.
-FAMILIES = {"amoebanet": "amoebanet-d-18-256", "transformer": "transformer-l-48"}
+# A family name stands for its model of the paper's speed table (Table 2).
+FAMILIES = {kind: family.paper_preset for kind, family in families.FAMILIES.items()}
 
 # Size flag -> model parameter (the sequence length is the Transformer's max_len: its example length).
 SIZE_PARAMS = {"layers": "layers", "filters": "filters", "d_model": "d_model", "ff": "ff", "heads": "heads",
@@ -109,9 +109,9 @@ def check_limits(kind: str, params: Mapping[str, Any], named: Mapping[str, str],
 
 def size_limits(kind: str) -> dict[str, tuple[int, int]]:
     """(least, most) of each integer model parameter of `kind`, as the recipe schema allows."""
-    from gpipe_cli.recipe.schema import AmoebaNetModel, TransformerModel
+    from gpipe_cli.recipe.schema import MODEL_SECTIONS
 
-    section = AmoebaNetModel if kind == "amoebanet" else TransformerModel
+    section = MODEL_SECTIONS[kind]
     out = {}
     for name, info in section.model_fields.items():
         low = next((m.ge for m in info.metadata if hasattr(m, "ge")), None)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-Task = Literal["image", "translation", "lm"]
+from gpipe_cli.models.families import Task
+
 Batch = Any  # a tensor or a tuple of tensors, split along dim 0 into micro-batches
 
 

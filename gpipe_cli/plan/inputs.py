@@ -30,6 +30,7 @@ from gpipe_cli.estimate.costs import CostProfile, LayerTiming
 from gpipe_cli.estimate.measure import timed
 from gpipe_cli.estimate.simulate import Link, rate_model
 from gpipe_cli.memory_model import ModelFigures
+from gpipe_cli.models import families
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import describe
 from gpipe_cli.models.registry import build_model
@@ -39,8 +40,6 @@ from gpipe_cli.plan.calibrate import Examples
 from gpipe_cli.plan.sample import Sample
 from gpipe_cli.plan.search import Factor, allreduce_seconds, as_timed
 
-# The shallow members that price a deep model (all their kinds of layer present).
-PROBE_LAYERS = {"transformer": 2, "amoebanet": 9}
 # Time spent measuring per-layer seconds is worth it up to about this; beyond, estimate from FLOPs.
 MEASURE_BUDGET_S = 60.0
 REPEATS = 5
@@ -67,8 +66,9 @@ class Inputs:
 
 
 def _probe_params(kind: str, params: dict[str, Any]) -> dict[str, Any] | None:
-    depth = PROBE_LAYERS.get(kind)
-    if depth is None or not isinstance(params.get("layers"), int) or params["layers"] <= depth:
+    # The shallow member that prices a deep model (all its kinds of layer present).
+    depth = families.of(kind).plan_probe_layers
+    if not isinstance(params.get("layers"), int) or params["layers"] <= depth:
         return None
     return {**params, "layers": depth}
 

@@ -28,10 +28,9 @@ from gpipe_cli.models.describe import layer_params
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.units import parse_size
 
-# The families' fixed sizes in the paper's Table 1 and the batch it used.
+# The families' fixed sizes in the paper's Table 1.
 TRANSFORMER_L = dict(arch="decoder-only", d_model=2048, ff=8192, heads=32, vocab_size=32000, max_len=1024)
 AMOEBANET_D = dict(variant="d", image_size=224, num_classes=1000)
-PAPER_BATCH = {"amoebanet": 128, "transformer": 32}
 # What the search varies: never given by the user.
 SEARCHED = ("layers", "filters")
 
@@ -231,6 +230,16 @@ class BudgetRow:
     def to_json(self) -> dict[str, Any]:
         """As plain data."""
         return dict(vars(self))
+
+
+def searcher(kind: str, fixed: dict[str, Any], seed: int) -> TransformerL | AmoebaNetD:
+    """The family `kind` as the search grows it, with its `fixed` sizes."""
+    return TransformerL(fixed, seed) if kind == "transformer" else AmoebaNetD(fixed, seed)
+
+
+def paper_sizes(kind: str) -> dict[str, Any]:
+    """The fixed sizes of family `kind` in the paper's Table 1."""
+    return dict(TRANSFORMER_L if kind == "transformer" else AMOEBANET_D)
 
 
 def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[str, int, int, str]], budget: float,

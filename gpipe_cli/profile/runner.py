@@ -30,6 +30,7 @@ from gpipe_cli.estimate.subject import (
     resolve,
 )
 from gpipe_cli.files import atomic_write_text
+from gpipe_cli.models import families
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import describe, layer_params
 from gpipe_cli.models.registry import allowed_params, build_model
@@ -204,7 +205,7 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
 def _family(options: ProfileOptions) -> tuple[str, dict[str, Any]]:
     """The family --budget searches and its fixed parameters: the paper's, with --set and the size flags."""
     kind = resolve(options.model, {}, ()).kind
-    fixed = dict(budget.TRANSFORMER_L if kind == "transformer" else budget.AMOEBANET_D)
+    fixed = budget.paper_sizes(kind)
     allowed = [p for p in allowed_params(kind) if p not in budget.SEARCHED]
     named = {}
     for key, value in model_overrides(options.set).items():
@@ -231,7 +232,8 @@ def _family(options: ProfileOptions) -> tuple[str, dict[str, Any]]:
 
 def search_seconds(kind: str, fixed: dict[str, Any], machine: sizing.Machine) -> float | None:
     """Seconds the budget search should take (start-up, each small member's accounted forward and backward), or
-    None where working it out would cost about as much as the search (AmoebaNet: describing its cells)."""
+    None where working it out would cost about as much as the search (a family other than the Transformer's:
+    describing its layers)."""
     if kind != "transformer":
         return None
     return FIXED_S + sum(sizing.step_seconds(sizing.candidate(kind, params), machine, examples, 1, 2.0)
@@ -242,12 +244,11 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
     """The largest model per scenario within the budget; the figures as the JSON file holds them."""
     limit = budget.parse_bytes(options.budget or "")
     kind, fixed = _family(options)
-    batch = options.batch_size or budget.PAPER_BATCH[kind]
+    batch = options.batch_size or families.of(kind).paper_batch
     seconds = search_seconds(kind, fixed, sizing.this_machine(torch.get_num_threads()))
     progress.estimated = seconds or 0.0
     progress.phase(f"measuring per-layer figures of small {kind} models", seconds - FIXED_S if seconds else 0.0)
-    family: budget.TransformerL | budget.AmoebaNetD = (
-        budget.TransformerL(fixed, options.seed) if kind == "transformer" else budget.AmoebaNetD(fixed, options.seed))
+    family = budget.searcher(kind, fixed, options.seed)
     m = options.microbatches
     scenarios = [("naive-1", 1, 1, "never"), ("pipeline-1", 1, m, options.checkpoint)]
     scenarios += [(f"pipeline-{k}", k, m, options.checkpoint) for k in options.partitions if k > 1]

@@ -18,14 +18,13 @@ from pydantic import BaseModel, ValidationError
 
 from gpipe_cli.errors import cut, shown
 from gpipe_cli.limits import words
-from gpipe_cli.recipe.schema import AmoebaNetModel, Recipe, TransformerModel
+from gpipe_cli.recipe.schema import DEFAULT_KIND, MODEL_SECTIONS, Recipe
 from gpipe_cli.recipe.yamlio import RecipeError, dump, parse_document, parse_value, read_recipe_file
 
 __all__ = ["RecipeError", "apply_override", "default_recipe_text", "load_recipe", "parse_override",
            "recipe_label", "recipe_yaml", "validate"]
 
 DEFAULT_RECIPE = "quickstart.yaml"
-_MODEL_SECTIONS: dict[str, type[BaseModel]] = {"amoebanet": AmoebaNetModel, "transformer": TransformerModel}
 _LOCAL_SOURCES = ("imagefolder", "parquet", "jsonl", "tsv", "text")
 
 
@@ -108,7 +107,7 @@ def _resolve_preset(raw: dict[str, Any], label: str) -> dict[str, Any]:
     if model.get("kind") not in (None, kind):
         raise RecipeError(f"{label}: model.kind is {shown(model['kind'])} but preset {shown(model['preset'])} "
                           f"is a model of kind {shown(kind)}; leave model.kind out or set it to {shown(kind)}")
-    section = _MODEL_SECTIONS[kind]
+    section = MODEL_SECTIONS[kind]
     known = {k: v for k, v in params.items() if k in section.model_fields}
     out = copy.deepcopy(raw)
     out["model"] = {"kind": kind, "preset": model["preset"], **known, **explicit}
@@ -121,7 +120,7 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True) -> Recipe
     if isinstance(model, dict) and model.get("preset"):
         # Resolving a preset needs the model zoo, which imports torch: check every other section
         # first, so that their mistakes are still reported at once.
-        _validated({**raw, "model": {"kind": "amoebanet"}}, label)
+        _validated({**raw, "model": {"kind": DEFAULT_KIND}}, label)
     recipe = _validated(_resolve_preset(raw, label), label)
     if check_data:
         _check_paths(recipe, label)
@@ -157,8 +156,8 @@ def _section_model(loc: Sequence[str | int], raw: dict[str, Any]) -> type[BaseMo
         if model is None or not isinstance(part, str) or part not in model.model_fields:
             return None
         if part == "model":
-            kind = raw.get("model", {}).get("kind", "amoebanet") if isinstance(raw.get("model"), dict) else None
-            model = _MODEL_SECTIONS.get(str(kind))
+            kind = raw.get("model", {}).get("kind", DEFAULT_KIND) if isinstance(raw.get("model"), dict) else None
+            model = MODEL_SECTIONS.get(str(kind))
             continue
         annotation = model.model_fields[part].annotation
         # An optional section (`Profile | None`) is its model.
@@ -172,7 +171,7 @@ def _path(loc: Sequence[str | int]) -> list[str | int]:
     # Unions and discriminated unions add their member names to the location; drop them.
     out: list[str | int] = []
     for part in loc:
-        if isinstance(part, str) and (part in _MODEL_SECTIONS and out == ["model"] or "[" in part or
+        if isinstance(part, str) and (part in MODEL_SECTIONS and out == ["model"] or "[" in part or
                                       part.startswith(("function-", "tagged-union"))):
             continue
         out.append(part)
@@ -243,7 +242,7 @@ def _describe(error: dict[str, Any], raw: dict[str, Any]) -> str:
         field = str(ctx.get("discriminator", "kind")).strip(chr(39))
         return f"{key}.{field}: must be {allowed} (got {shown(ctx.get('tag'))})"
     if kind == "union_tag_not_found":
-        return f"{key}.kind: is required (amoebanet or transformer)"
+        return f"{key}.kind: is required ({' or '.join(MODEL_SECTIONS)})"
     if kind == "string_pattern_mismatch":
         return f"{key}: may contain only letters, digits, '.', '_' and '-' {got}"
     if kind == "string_too_short":

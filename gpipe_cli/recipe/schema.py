@@ -104,6 +104,8 @@ class TransformerModel(Section):
 
 
 Model = Annotated[AmoebaNetModel | TransformerModel, Field(discriminator="kind")]
+MODEL_SECTIONS: dict[str, type[Section]] = {"amoebanet": AmoebaNetModel, "transformer": TransformerModel}
+DEFAULT_KIND = "amoebanet"  # the kind of a recipe without a model section (`Recipe.model`)
 
 
 BALANCE_MODES = ("auto", "params", "time", "memory")
@@ -347,7 +349,7 @@ class Recipe(Section):
 
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")] = "run"
     seed: Annotated[int, Number, Field(ge=0, le=2**32 - 1)] = 0
-    model: Model = Field(default_factory=AmoebaNetModel)
+    model: Model = Field(default_factory=AmoebaNetModel)  # DEFAULT_KIND
     pipeline: Pipeline = Field(default_factory=Pipeline)
     data: Data = Field(default_factory=Data)
     train: Train = Field(default_factory=lambda: Train(steps=100))

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import TextIO
 
 from gpipe_cli.console import say
+from gpipe_cli.models import families
 from gpipe_cli.recipe.schema import Recipe
 
 
@@ -25,9 +26,7 @@ def note(started: float, text: str) -> str:
 def describe_model(recipe: Recipe) -> str:
     """The recipe's model in a few words."""
     m = recipe.model
-    if m.kind == "amoebanet":
-        return m.preset or f"AmoebaNet-{m.variant.upper()}({m.layers}, {m.filters}) at {m.image_size} px"
-    return m.preset or f"Transformer {m.arch} ({m.layers} layers, d_model {m.d_model})"
+    return m.preset or families.of(m.kind).title(m.model_dump(), False)
 
 
 def first_line(recipe: Recipe) -> str:

@@ -14,7 +14,7 @@ from gpipe_cli.models.losses import PAD_ID
 
 
 def _logits(output: Any) -> torch.Tensor:
-    # AmoebaNet with its auxiliary head returns (logits, aux_logits); the first is the prediction.
+    # A classifier with an auxiliary head returns (logits, aux_logits); the first is the prediction.
     return output[0] if isinstance(output, tuple) else output
 
 
