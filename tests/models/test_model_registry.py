@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from gpipe_cli.errors import one_line
-from gpipe_cli.models import allowed_params, build_model, build_preset, presets, resolve_preset
-from gpipe_cli.models.registry import is_preset_name
+from gpipe_cli.models import allowed_params, build_model, build_preset, families, presets, resolve_preset
+from gpipe_cli.models.registry import BUILDERS, is_preset_name
 
 REQUIRED_PRESETS = ["amoebanet-d-18-256", "amoebanet-d-18-208", "amoebanet-b-18-512", "transformer-big",
                     "t-6-8192-16", "transformer-l-3", "transformer-l-13", "transformer-l-103"]
@@ -71,3 +76,18 @@ def test_an_unknown_preset_names_every_name_allowed_in_one_readable_line() -> No
     for name in presets():
         assert is_preset_name(name)
     assert not is_preset_name("foo") and is_preset_name("t-2-64-2")
+
+
+def test_every_family_states_its_facts_and_its_paper_model_and_members_build() -> None:
+    assert set(families.FAMILIES) == set(BUILDERS)
+    for kind, family in families.FAMILIES.items():
+        assert resolve_preset(family.paper_preset)[0] == kind
+        assert all(set(member) <= set(allowed_params(kind)) for member in family.smaller)
+        assert family.probe_depths[0] < family.probe_depths[1] and family.depth_step >= 1
+
+
+def test_the_families_facts_load_without_torch() -> None:
+    # The first line of `gpipe train` names the model before torch loads.
+    code = "import sys, gpipe_cli.models.families; assert 'torch' not in sys.modules"
+    root = str(Path(families.__file__).parents[2])
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": root})
