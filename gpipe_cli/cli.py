@@ -200,8 +200,7 @@ SIZES = ("layers", "filters", "d_model", "ff", "heads", "vocab_size", "image_siz
 
 @app.command()
 @_aliased("partitions", *PIPELINE[:3], "virtual_stages", *PIPELINE[3:], *SIZES,
-          shown={"partitions": "2", "microbatches": "8", "batch_size": "4 x M", "schedule": "gpipe",
-                 "virtual_stages": "1", "checkpoint": "except_last", "offload": "none",
+          shown={"partitions": "2", "microbatches": "8", "batch_size": "4 x M",
                  "balance": "by measured per-layer time"})
 def bench(
     recipe: str | None = typer.Argument(None, help=B["recipe"]),
@@ -238,8 +237,7 @@ def bench(
 
 @app.command("profile-memory")
 @_aliased(*PIPELINE, *SIZES, shown={"microbatches": "8", "batch_size": "4 x M; with --budget the paper's: 128 "
-                                    "AmoebaNet, 32 Transformer", "schedule": "gpipe", "checkpoint": "except_last",
-                                    "offload": "none", "balance": "by estimated FLOPs, as training"})
+                                    "AmoebaNet, 32 Transformer", "balance": "by estimated FLOPs, as training"})
 def profile_memory(
     recipe: str | None = typer.Argument(None, help=P["recipe"]),
     model: str | None = typer.Option(None, help=P["model"], show_default=False),

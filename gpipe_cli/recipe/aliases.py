@@ -43,7 +43,7 @@ def description(key: str) -> str:
     for model in _SECTIONS[section]:
         info = model.model_fields.get(name)
         if info is not None and info.description:
-            return f"{info.description} ({key})."
+            return f"{info.description}."
     raise KeyError(key)  # every alias has a description: a test holds the schema to it
 
 
@@ -108,7 +108,8 @@ def settings(path: str | None, flags: Mapping[str, Any], sets: Sequence[str],
         recipe = validate(raw, "", check_data=False)
     except RecipeError as exc:
         raise RecipeError(_named(str(exc), typed)) from None
-    return Settings({name: _value(recipe, key) for name, key in ALIASES.items() if key in keys}, model_sets)
+    return Settings({name: _value(recipe, key) for name, key in ALIASES.items()
+                     if key in keys and name not in SIZE_FLAGS}, model_sets)
 
 
 def _value(recipe: Recipe, key: str) -> Any:
