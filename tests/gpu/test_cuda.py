@@ -86,8 +86,9 @@ def test_checkpoint_written_on_cpu_resumes_on_cuda(cpu_reference: Run, tmp_path:
 
 
 # Activations of a few GiB per stage, so that the allocator's fixed workspaces are small beside them.
-BENCH_MODEL = ["--model", "transformer", "--set", "model.arch=decoder-only", "--set", "model.dropout=0", "--layers", "4",
-               "--d-model", "1024", "--ff", "4096", "--heads", "16", "--seq-len", "256", "--vocab-size", "8192"]
+BENCH_MODEL = ["--model", "transformer", "--set", "model.arch=decoder-only", "--set", "model.dropout=0",
+               "--layers", "4", "--d-model", "1024", "--ff", "4096", "--heads", "16", "--seq-len", "256",
+               "--vocab-size", "8192"]
 
 
 def test_bench_on_cuda_reports_allocator_peaks_consistent_with_the_accounting(tmp_path: Path) -> None:
