@@ -15,12 +15,12 @@ and no stage ever holds more than a cap of them, counted in chunks. Two rules ad
 a stage's lower chunk, both sure to run to the end for any cap of at least 2:
 
     reserve   held + one slot kept for each started micro-batch's upper chunk + 2 within the cap
-    drain     at most cap/2 micro-batches between their lower and upper chunk here, and a free
-              slot; an upper chunk then waits for a slot (a micro-batch past its upper chunk here
+    drain n   a free slot, and at most n < cap micro-batches between their lower and upper chunk
+              here; an upper chunk then waits for a slot. A micro-batch past its upper chunk here
               needs only backwards and upper chunks nearer stage 0 to free its slots, so stage 0
-              drains first, then stage 1, and so on)
+              drains first, then stage 1, and so on, until each stage holds at most n: room.
 
-Of the four runs (two rules, two orders) the shortest gives the orders.
+Of the runs (each rule, each n, Bs first or forwards first) the shortest gives the orders.
 
     zero-bubble-v  cap 2K: 1F1B's peak (K micro-batches of a whole stage), B and W apart (ZB-V)
     v-half         cap K: half of 1F1B's peak, at some bubble (V-Half)
@@ -41,14 +41,15 @@ _COST = {Kind.FWD: 1, Kind.BWD_INPUT: 1, Kind.BWD_WEIGHT: 1, Kind.BWD: 2}
 def orders(stages: int, microbatches: int, cap: int) -> tuple[tuple[Step, ...], ...]:
     """Every stage's order under a cap of `cap` held chunk activations (at least 2): of the greedy runs under
     each rule, with Bs first and with forwards first, the one that ends soonest (the first of equals)."""
-    runs = [_greedy(stages, microbatches, cap, forwards_first, drain)
-            for drain in (False, True) for forwards_first in (False, True)]
-    return min(runs, key=lambda run: run[0])[1]
+    runs = [_greedy(stages, microbatches, cap, forwards_first, between)
+            for between in (None, *range(1, cap)) for forwards_first in (False, True)]
+    return min((run for run in runs if run is not None), key=lambda run: run[0])[1]
 
 
 def _greedy(stages: int, microbatches: int, cap: int, forwards_first: bool,
-            drain: bool) -> tuple[int, tuple[tuple[Step, ...], ...]]:
-    """The greedy run's length on ideal devices and every stage's order."""
+            between: int | None) -> tuple[int, tuple[tuple[Step, ...], ...]] | None:
+    """The greedy run's length on ideal devices and every stage's order, under the reserve rule (`between`
+    None) or the drain rule with n = `between`; None if it gets stuck (which the rules above exclude)."""
     k, m, last = stages, microbatches, 2 * stages - 1
     finished: dict[tuple[Kind, int, int], int] = {}  # (F or B, micro-batch, chunk) -> when it ended
     next_fwd, next_bwd = [0] * (last + 1), [0] * (last + 1)
@@ -77,8 +78,8 @@ def _greedy(stages: int, microbatches: int, cap: int, forwards_first: bool,
             if free_at[s] > now:
                 continue
             down, up = s, last - s
-            slot = not drain or held[s] < cap
-            room = (2 * kept[s] + 2 <= cap and slot) if drain else held[s] + kept[s] + 2 <= cap
+            slot = between is None or held[s] < cap
+            room = held[s] + kept[s] + 2 <= cap if between is None else slot and kept[s] < between
             upper = forward(up) if slot else None
             if forwards_first:
                 step = upper or (forward(down) if room else None) or backward(up) or backward(down)
@@ -104,7 +105,7 @@ def _greedy(stages: int, microbatches: int, cap: int, forwards_first: bool,
             out[s].append(step)
             left -= 1
         if left and max(free_at) <= now:  # nothing runs and nothing started: no later tick differs
-            raise RuntimeError(f"V schedule under cap {cap} is stuck at time {now}")
+            return None
         now += 1
     return max(free_at), tuple(tuple(o) for o in out)
 
