@@ -10,6 +10,7 @@ if __name__ == "__main__":
     _entry()
 
 import functools
+import inspect
 import json
 import sys
 from collections.abc import Callable
@@ -165,31 +166,48 @@ def _plan_flags() -> dict[str, str]:
 B = _bench_flags()
 P = _profile_flags()
 L = _plan_flags()
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _aliased(*names: str, shown: dict[str, str] | None = None) -> Callable[[F], F]:
+    """Give a command the alias flags `names`, each `--set KEY=VALUE` of one recipe key with the schema's help
+    (and `shown` as its default); the command receives the values typed as `flags`, by name (None: not typed)."""
+    from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, description, flag, kind
+
+    def add(command: F) -> F:
+        own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "flags"]
+        aliases = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=kind(name) | None,
+                                     default=typer.Option(None, flag(name), help=description(ALIASES[name]),
+                                                          show_default=(shown or {}).get(name, False),
+                                                          rich_help_panel=SIZE if name in SIZE_FLAGS else None))
+                   for name in names]
+
+        @functools.wraps(command)
+        def with_flags(**kwargs: Any) -> Any:
+            return command(**{k: v for k, v in kwargs.items() if k not in names},
+                           flags={name: kwargs[name] for name in names})
+
+        params = [*own, *aliases]
+        with_flags.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        with_flags.__annotations__ = {p.name: p.annotation for p in params}
+        return with_flags  # type: ignore[return-value]
+    return add
+
+
+PIPELINE = ("microbatches", "batch_size", "schedule", "checkpoint", "offload", "balance")
+SIZES = ("layers", "filters", "d_model", "ff", "heads", "vocab_size", "image_size", "seq_len", "num_classes")
 
 
 @app.command()
+@_aliased("partitions", *PIPELINE[:3], "virtual_stages", *PIPELINE[3:], *SIZES,
+          shown={"partitions": "2", "microbatches": "8", "batch_size": "4 x M",
+                 "balance": "by measured per-layer time"})
 def bench(
-    model: str = typer.Option("transformer", help=B["model"]),
-    partitions: int = typer.Option(2, help=B["partitions"]),
-    microbatches: int = typer.Option(8, help=B["microbatches"]),
-    batch_size: int | None = typer.Option(None, help=B["batch_size"]),
+    recipe: str | None = typer.Argument(None, help=B["recipe"]),
+    model: str | None = typer.Option(None, help=B["model"], show_default=False),
     steps: int = typer.Option(10, help=B["steps"]),
     warmup: int = typer.Option(3, help=B["warmup"]),
-    schedule: str = typer.Option("gpipe", help=B["schedule"]),
-    virtual_stages: int = typer.Option(1, help=B["virtual_stages"]),
-    checkpoint: str = typer.Option("except_last", help=B["checkpoint"]),
-    offload: str = typer.Option("none", help=B["offload"]),
-    balance: str | None = typer.Option(None, help=B["balance"]),
-    layers: int | None = typer.Option(None, help=B["layers"], rich_help_panel=SIZE),
-    filters: int | None = typer.Option(None, help=B["filters"], rich_help_panel=SIZE),
-    d_model: int | None = typer.Option(None, help=B["d_model"], rich_help_panel=SIZE),
-    ff: int | None = typer.Option(None, help=B["ff"], rich_help_panel=SIZE),
-    heads: int | None = typer.Option(None, help=B["heads"], rich_help_panel=SIZE),
-    vocab_size: int | None = typer.Option(None, help=B["vocab_size"], rich_help_panel=SIZE),
-    image_size: int | None = typer.Option(None, help=B["image_size"], rich_help_panel=SIZE),
-    seq_len: int | None = typer.Option(None, help=B["seq_len"], rich_help_panel=SIZE),
-    num_classes: int | None = typer.Option(None, help=B["num_classes"], rich_help_panel=SIZE),
-    set_: list[str] | None = typer.Option(None, "--set", help=B["set"], rich_help_panel=SIZE),
+    set_: list[str] | None = typer.Option(None, "--set", help=B["set"]),
     sweep: bool = typer.Option(False, "--sweep", help=B["sweep"], rich_help_panel=MODES),
     compare: bool = typer.Option(False, "--compare", help=B["compare"], rich_help_panel=MODES),
     trace: Path | None = typer.Option(None, help=B["trace"]),
@@ -201,60 +219,44 @@ def bench(
     oversubscribe: bool = typer.Option(False, "--oversubscribe", help=B["oversubscribe"], rich_help_panel=MODES),
     seed: int = typer.Option(0, help=B["seed"]),
     json_file: Path | None = typer.Option(None, "--json", help=B["json"]),
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Measure training throughput at K stages and M micro-batches against K=1, with baselines and traces."""
-    from gpipe_cli.bench import BenchOptions
+    from gpipe_cli.bench import bench_options
     from gpipe_cli.bench import run as run_bench
 
-    options = BenchOptions(
-        model=model, partitions=partitions, microbatches=microbatches, batch_size=batch_size, steps=steps,
-        warmup=warmup, schedule=schedule, virtual_stages=virtual_stages, checkpoint=checkpoint, offload=offload,
-        balance=balance, layers=layers, filters=filters,
-        d_model=d_model, ff=ff, heads=heads, vocab_size=vocab_size, image_size=image_size, seq_len=seq_len,
-        num_classes=num_classes, set=set_ or [], sweep=sweep, compare=compare, trace=trace, simulate=simulate,
-        devices=devices, bandwidth=bandwidth, latency_us=latency_us, threads=threads,
-        oversubscribe=oversubscribe, seed=seed, json=json_file)
-    raise typer.Exit(_guard(lambda: run_bench(options)))
+    def run() -> int:
+        options = bench_options(recipe, flags or {}, set_ or [], model=model, steps=steps, warmup=warmup,
+                                sweep=sweep, compare=compare, trace=trace, simulate=simulate, devices=devices,
+                                bandwidth=bandwidth, latency_us=latency_us, threads=threads,
+                                oversubscribe=oversubscribe, seed=seed, json=json_file)
+        return run_bench(options)
+
+    raise typer.Exit(_guard(run))
 
 
 @app.command("profile-memory")
+@_aliased(*PIPELINE, *SIZES, shown={"microbatches": "8", "batch_size": "4 x M; with --budget the paper's: 128 "
+                                    "AmoebaNet, 32 Transformer", "balance": "by estimated FLOPs, as training"})
 def profile_memory(
-    model: str = typer.Option("transformer", help=P["model"]),
-    partitions: str = typer.Option("2,4,8", help=P["partitions"]),
-    microbatches: int = typer.Option(8, help=P["microbatches"]),
-    batch_size: int | None = typer.Option(None, help=P["batch_size"]),
-    schedule: str = typer.Option("gpipe", help=P["schedule"]),
-    checkpoint: str = typer.Option("except_last", help=P["checkpoint"]),
-    offload: str = typer.Option("none", help=P["offload"]),
-    balance: str | None = typer.Option(None, help=P["balance"]),
+    recipe: str | None = typer.Argument(None, help=P["recipe"]),
+    model: str | None = typer.Option(None, help=P["model"], show_default=False),
+    partitions: str | None = typer.Option(None, help=P["partitions"], show_default=False),
     optimizer: str = typer.Option("rmsprop", help=P["optimizer"]),
     budget: str | None = typer.Option(None, help=P["budget"]),
-    layers: int | None = typer.Option(None, help=P["layers"], rich_help_panel=SIZE),
-    filters: int | None = typer.Option(None, help=P["filters"], rich_help_panel=SIZE),
-    d_model: int | None = typer.Option(None, help=P["d_model"], rich_help_panel=SIZE),
-    ff: int | None = typer.Option(None, help=P["ff"], rich_help_panel=SIZE),
-    heads: int | None = typer.Option(None, help=P["heads"], rich_help_panel=SIZE),
-    vocab_size: int | None = typer.Option(None, help=P["vocab_size"], rich_help_panel=SIZE),
-    image_size: int | None = typer.Option(None, help=P["image_size"], rich_help_panel=SIZE),
-    seq_len: int | None = typer.Option(None, help=P["seq_len"], rich_help_panel=SIZE),
-    num_classes: int | None = typer.Option(None, help=P["num_classes"], rich_help_panel=SIZE),
-    set_: list[str] | None = typer.Option(None, "--set", help=P["set"], rich_help_panel=SIZE),
+    set_: list[str] | None = typer.Option(None, "--set", help=P["set"]),
     device: str = typer.Option("auto", help=P["device"]),
     seed: int = typer.Option(0, help=P["seed"]),
     json_file: Path | None = typer.Option(None, "--json", help=P["json"]),
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Memory per stage (parameters, gradients, optimizer, activations) for naive, pipeline-1 and pipeline-K."""
-    from gpipe_cli.profile import ProfileOptions, parse_partitions
+    from gpipe_cli.profile import profile_options
     from gpipe_cli.profile import run as run_profile
 
     def run() -> int:
-        options = ProfileOptions(
-            model=model, partitions=parse_partitions(partitions), microbatches=microbatches,
-            batch_size=batch_size, schedule=schedule, checkpoint=checkpoint, offload=offload, balance=balance,
-            optimizer=optimizer,
-            budget=budget, layers=layers, filters=filters, d_model=d_model, ff=ff, heads=heads,
-            vocab_size=vocab_size, image_size=image_size, seq_len=seq_len, num_classes=num_classes,
-            set=set_ or [], device=device, seed=seed, json=json_file)
+        options = profile_options(recipe, partitions, flags or {}, set_ or [], model=model, optimizer=optimizer,
+                                  budget=budget, device=device, seed=seed, json=json_file)
         return run_profile(options)
 
     raise typer.Exit(_guard(run))

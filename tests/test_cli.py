@@ -110,7 +110,7 @@ def _interrupted(*args, **kwargs):
     (["validate"], "gpipe_cli.train.plan.checked_plan"),
     (["export", "RUN"], "gpipe_cli.train.export.export"),
     (["report", "RUN"], "gpipe_cli.report.report"),
-    (["bench", "--steps", "2"], "gpipe_cli.bench.BenchOptions"),  # before the command's own guard
+    (["bench", "--steps", "2"], "gpipe_cli.bench.bench_options"),  # before the command's own guard
 ])
 def test_ctrl_c_in_any_command_is_one_line_and_code_130(monkeypatch, capsys, command, patched):
     module, name = patched.rsplit(".", 1)

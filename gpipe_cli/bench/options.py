@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from gpipe_cli.bench.trace import paths as trace_paths
 from gpipe_cli.errors import UserError, shown
-from gpipe_cli.estimate.size_flags import SizeFlags
+from gpipe_cli.estimate.size_flags import SizeFlags, size_values
 from gpipe_cli.files import check_output
 from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, MAX_SIZE, MAX_THREADS, outside
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES, microbatch_problem
+from gpipe_cli.recipe.aliases import ALIASES, balance_text, settings
 from gpipe_cli.units import human_bytes, meminfo_available
 
 
 @dataclass
 class BenchOptions(SizeFlags):
-    """The flags of `gpipe bench` (see `FLAGS` for their help)."""
+    """What `gpipe bench` measures: its own flags (see `FLAGS`) and the recipe keys it reads (see `ALIASES`)."""
 
     model: str = "transformer"
     partitions: int = 2
@@ -104,31 +107,15 @@ SCHEDULES = schedules.names()
 SWEEP_MICROBATCHES = (1, 4, 32)
 SWEEP_PARTITIONS = (2, 4, 8)
 
-# Flag name -> help text, for the CLI's typer options (one to one with the fields above).
+# Flag name -> help text of bench's own flags (the recipe's keys have the schema's).
 FLAGS: dict[str, str] = {
-    "model": "A preset (transformer-l-13, amoebanet-d-18-256, ...), a family (transformer, amoebanet: the "
-             "paper's speed-table model, scaled down to this machine and about a minute unless a size flag or --set "
-             "is given) or a recipe file (.yaml).",
-    "partitions": "K: pipeline stages, one rank each.",
-    "microbatches": "M: micro-batches per mini-batch.",
-    "batch_size": "Examples per mini-batch [default: 4 x M].",
+    "model": "Without a recipe: a preset (model.preset: transformer-l-13, amoebanet-d-18-256, ...) or a family "
+             "(transformer, amoebanet: the paper's speed-table model, scaled down to this machine and about a minute "
+             "unless a size flag or --set model.KEY is given) [default: transformer].",
+    "recipe": "Recipe YAML file: its model, pipeline and data.batch_size [default: --model's model, K=2, M=8].",
     "steps": "Measured steps (each figure is their median).",
     "warmup": "Steps run first and not measured.",
-    "schedule": "gpipe, 1f1b, interleaved, zero-bubble, zero-bubble-v or v-half.",
-    "virtual_stages": "V: chunks of layers per stage: for interleaved; 2 for zero-bubble-v and v-half.",
-    "checkpoint": "Rematerialization: always, except_last or never (K=1 too).",
-    "offload": "none, or activations: stored inputs wait in host memory (needs --checkpoint always or except_last).",
-    "balance": "Layers per stage, e.g. 5,5 [default: by measured per-layer time].",
-    "layers": "Layers (AmoebaNet L, Transformer layers).",
-    "filters": "AmoebaNet filters D.",
-    "d_model": "Transformer model width.",
-    "ff": "Transformer feed-forward width.",
-    "heads": "Transformer attention heads.",
-    "vocab_size": "Transformer vocabulary.",
-    "image_size": "AmoebaNet image side in pixels.",
-    "seq_len": "Transformer sequence length (its max_len).",
-    "num_classes": "AmoebaNet classes.",
-    "set": "Any model parameter (repeatable), e.g. --set arch=decoder-only.",
+    "set": "Override a recipe key: KEY=VALUE, the value read as YAML (repeatable), e.g. --set model.arch=decoder-only.",
     "sweep": "The paper's Table 2: M in {1,4,32} x K in {2,4,8} (as far as this machine hosts), normalised to K=2, "
              "M=1, beside the paper's figures.",
     "compare": "Also run torch.distributed.pipelining's counterpart of --schedule on the same model, K, M, cut and "
@@ -148,6 +135,21 @@ FLAGS: dict[str, str] = {
     "json": "Write every figure as JSON to FILE (with --sweep, the plot too, to FILE with '.png' in place of its "
             "suffix).",
 }
+
+
+def bench_options(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str], **own: Any) -> BenchOptions:
+    """The options a recipe (None: bench's own model and pipeline), the alias flags, `--set` and bench's own flags
+    give; the recipe's keys are checked as `train` checks them, before torch loads."""
+    model = own.pop("model", None)
+    if recipe is not None and model is not None:
+        raise UserError("give a recipe or --model, not both (the recipe's model section is measured)")
+    defaults = {f.name: f.default for f in fields(BenchOptions) if f.name in ALIASES and f.default is not None}
+    chosen = settings(recipe, flags, sets, defaults)
+    given = dict(chosen.given)
+    if "balance" in given:
+        given["balance"] = balance_text(given["balance"], ("auto", "time"))
+    return BenchOptions(model=recipe or model or "transformer", **given, **size_values(flags),
+                        set=chosen.model_sets, **own)
 
 
 def validate(options: BenchOptions) -> None:

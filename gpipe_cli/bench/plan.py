@@ -12,7 +12,7 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.subject import Subject
 from gpipe_cli.models.describe import count_parameters
-from gpipe_cli.pipeline import partition
+from gpipe_cli.pipeline import partition, placement, schedules
 from gpipe_cli.sizing import usable_cores
 
 
@@ -32,15 +32,18 @@ def base_job(options: BenchOptions, subject: Subject, stages: int, balance: list
                steps=options.steps, warmup=options.warmup, seed=options.seed, out="", offload=options.offload)
 
 
-def choose_balance(options: BenchOptions, costs: CostProfile, partitions: int) -> tuple[list[int], str]:
-    """The explicit balance, or the min-max split of the measured per-layer time (`partitions`: K x V chunks)."""
+def choose_balance(options: BenchOptions, costs: CostProfile, stages: int) -> tuple[list[int], str]:
+    """The explicit balance, or the split of the measured per-layer time into K x V chunks whose busiest stage is
+    least."""
     layers = len(costs.layers)
+    partitions = options.chunk_count(stages)
+    owners = placement.cut_owners(stages, options.virtual_stages, schedules.get(options.schedule).placement)
     try:
         partition.check_partitions(layers, partitions)
         explicit = parse_balance(options.balance, partitions)
         if explicit is not None:
             return partition.check_balance(explicit, layers, partitions), "explicit"
-        return costs.balance(partitions, options.checkpoint), "measured time"
+        return costs.balance(partitions, options.checkpoint, owners), "measured time"
     except partition.PartitionError as exc:
         raise UserError(f"--partitions/--balance: {exc}") from None
 

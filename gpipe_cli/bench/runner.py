@@ -144,7 +144,7 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
     k1_raw = jobs.run(k1_job, folder, "k1", options.threads)
     costs = CostProfile.from_json(k1_raw["costs"])
     k1 = RunFigures.from_json(k1_raw["runs"][0])
-    balance, balance_by = choose_balance(options, costs, options.chunk_count(k))
+    balance, balance_by = choose_balance(options, costs, k)
     link = simulate.Link.of(options.bandwidth, options.latency_us)
     prediction = simulate.predict(costs, k, options.batch, options.microbatches, options.schedule,
                                   options.checkpoint, link, median(k1.step_times), balance, options.virtual_stages)

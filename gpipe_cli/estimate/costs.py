@@ -8,6 +8,7 @@ it really costs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -52,9 +53,10 @@ class CostProfile:
                           backward=t.backward * ratio) for t in self.layers]
         return replace(self, loss=self.loss * ratio, layers=layers)
 
-    def balance(self, partitions: int, checkpoint: str) -> list[int]:
-        """The min-max split of measured time into K contiguous stages."""
-        return partition.balance_by_cost(self.balance_costs(checkpoint), partitions)
+    def balance(self, partitions: int, checkpoint: str, owners: Sequence[int] | None = None) -> list[int]:
+        """The min-max split of measured time into `partitions` contiguous chunks (`owners`: each chunk's stage,
+        when stages hold several: then the busiest stage's time is what is least)."""
+        return partition.balance_stages(self.balance_costs(checkpoint), partitions, owners)
 
     def to_json(self) -> dict[str, Any]:
         """As plain data."""

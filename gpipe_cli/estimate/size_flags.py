@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-SIZE_FLAGS = ("layers", "filters", "d_model", "ff", "heads", "vocab_size", "image_size", "seq_len", "num_classes")
+from gpipe_cli.recipe.aliases import SIZE_FLAGS  # aliases of the recipe's model keys
 
 
 @dataclass
@@ -24,3 +26,8 @@ class SizeFlags:
     def sizes(self) -> dict[str, int | None]:
         """The size flags, by name."""
         return {name: getattr(self, name) for name in SIZE_FLAGS}
+
+
+def size_values(flags: Mapping[str, Any]) -> dict[str, Any]:
+    """The size flags among the alias flags typed (None: not typed), as SizeFlags' fields."""
+    return {name: flags.get(name) for name in SIZE_FLAGS}

@@ -79,6 +79,29 @@ def balance_by_cost(costs: Sequence[float], partitions: int) -> list[int]:
     return [bounds[s + 1] - bounds[s] for s in range(partitions)]
 
 
+def balance_stages(costs: Sequence[float], chunks: int, owners: Sequence[int] | None = None) -> list[int]:
+    """The cut into `chunks` whose busiest stage (the summed cost of the chunks it owns) is least; ties go to
+    the slowest chunk. `owners[c]` is the stage of chunk c (None: one chunk per stage, `balance_by_cost`).
+
+    Equal chunks need not make equal stages: a V puts the first and the last chunk (an embedding and a
+    softmax) on one stage, so from the min-max chunk cut `descend` moves cuts towards the stages' sums.
+    """
+    start = balance_by_cost(costs, chunks)
+    if owners is None or len(set(owners)) == chunks:
+        return start
+    prefix = [0.0, *itertools.accumulate(float(c) for c in costs)]
+
+    def key(balance: list[int]) -> tuple[float, float]:
+        bounds = list(itertools.accumulate([0, *balance]))
+        per_chunk = [prefix[b] - prefix[a] for a, b in itertools.pairwise(bounds)]
+        per_stage = [0.0] * (max(owners) + 1)
+        for chunk, cost in enumerate(per_chunk):
+            per_stage[owners[chunk]] += cost
+        return max(per_stage), max(per_chunk)
+
+    return descend(start, key)
+
+
 def min_max_split(layers: int, partitions: int,
                   value: Callable[[int, int, int], float]) -> tuple[float, list[int]] | None:
     """The contiguous K-way split minimising the largest `value(stage, start, stop)`, and that largest value.

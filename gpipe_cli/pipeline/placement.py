@@ -30,3 +30,9 @@ def chunks_of(stage: int, stages: int, virtual: int, placement: str = "loop") ->
 def last_stage(stages: int, virtual: int, placement: str = "loop") -> int:
     """The stage that runs the last chunk (the one with the loss)."""
     return owner(stages * virtual - 1, stages, placement)
+
+
+def cut_owners(stages: int, virtual: int, placement: str = "loop") -> list[int] | None:
+    """Each chunk's stage where a cut must even out stages rather than chunks: a V, whose stage 0 holds the
+    first and the last chunk (None under a loop, where equal chunks make equal stages)."""
+    return [owner(c, stages, placement) for c in range(stages * virtual)] if placement == "v" else None

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from gpipe_cli.bench.options import OFFLOAD_MODES, REMAT_MODES, SCHEDULES  # the same, and loaded without torch
 from gpipe_cli.errors import UserError, cut, shown
-from gpipe_cli.estimate.size_flags import SizeFlags
+from gpipe_cli.estimate.size_flags import SizeFlags, size_values
 from gpipe_cli.files import check_output
 from gpipe_cli.limits import MAX_RANKS, MAX_SIZE, outside, words
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
+from gpipe_cli.recipe.aliases import ALIASES, balance_text, settings
 from gpipe_cli.units import parse_size
 
 # One chunk per device is counted; a V's two chunks per device are not (bench measures them).
@@ -28,7 +31,7 @@ OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "rmsprop", "plain-sgd", "rmsprop-no-m
 
 @dataclass
 class ProfileOptions(SizeFlags):
-    """The flags of `gpipe profile-memory` (see `FLAGS` for their help)."""
+    """What `gpipe profile-memory` counts: its own flags (see `FLAGS`) and the recipe keys it reads (`ALIASES`)."""
 
     model: str = "transformer"
     partitions: list[int] = field(default_factory=lambda: [2, 4, 8])
@@ -47,45 +50,50 @@ class ProfileOptions(SizeFlags):
 
 
 
-def _choices(values: tuple[str, ...]) -> str:
-    """e.g. "a, b or c"."""
-    return f"{', '.join(values[:-1])} or {values[-1]}" if len(values) > 1 else values[0]
-
-
-# Flag name -> help text, for the CLI's typer options (one to one with the fields above).
+# Flag name -> help text of profile-memory's own flags (the recipe's keys have the schema's).
 FLAGS: dict[str, str] = {
-    "model": "Preset, family (amoebanet, transformer: the paper's models, scaled down to this machine when no "
-             "size flag or --set is given) or recipe file (.yaml). With --budget, the family searched: "
-             "AmoebaNet-D (L, D) or Transformer-L.",
+    "model": "Without a recipe: a preset (model.preset) or a family (amoebanet, transformer: the paper's models, "
+             "scaled down to this machine when no size flag or --set model.KEY is given) [default: transformer]. "
+             "With --budget, the family searched: AmoebaNet-D (L, D) or Transformer-L.",
+    "recipe": "Recipe YAML file: its model, pipeline and data.batch_size, K its pipeline.partitions "
+              "[default: --model's model].",
     "partitions": f"K values to profile (pipeline-K), comma-separated, each 1 to {MAX_PARTITIONS} (the paper's "
-                  "largest), e.g. 2,4,8; naive-1 and pipeline-1 are always shown.",
-    "microbatches": "M: micro-batches per mini-batch for pipeline-1 and pipeline-K.",
-    "batch_size": "Examples per mini-batch [default: 4 x M; with --budget the paper's: 128 AmoebaNet, "
-                  "32 Transformer].",
-    "schedule": f"Schedule whose in-flight micro-batches are counted: {_choices(COUNTED)} (one chunk per "
-                "device: interleaved counts as 1f1b).",
-    "checkpoint": "Rematerialization of pipeline-1 and pipeline-K: always, except_last or never.",
-    "offload": "pipeline.offload of pipeline-1 and pipeline-K: none, or activations (needs --checkpoint always or "
-               "except_last).",
-    "balance": "Layers per stage for a single K, e.g. 5,5 [default: balanced by estimated FLOPs, as training].",
+                  "largest), e.g. 2,4,8; naive-1 and pipeline-1 are always shown [default: 2,4,8, or the recipe's "
+                  "pipeline.partitions].",
     "optimizer": "Optimizer whose state is counted: sgd (momentum), adam, adamw, rmsprop (the paper's, "
                  "momentum 0.9).",
     "budget": "Per-device memory, more than 0 bytes, e.g. 8GiB: find the largest model of the family that "
               "fits at each K (the paper's Table 1).",
-    "layers": "Layers (not with --budget, which searches it).",
-    "filters": "AmoebaNet filters D (not with --budget, which searches it).",
-    "d_model": "Transformer model width.",
-    "ff": "Transformer feed-forward width.",
-    "heads": "Transformer attention heads.",
-    "vocab_size": "Transformer vocabulary.",
-    "image_size": "AmoebaNet image side in pixels.",
-    "seq_len": "Transformer sequence length.",
-    "num_classes": "AmoebaNet classes.",
-    "set": "Any model parameter (repeatable).",
+    "set": "Override a recipe key: KEY=VALUE, the value read as YAML (repeatable).",
     "device": "Where to measure: auto (CUDA if present), cpu or cuda.",
     "seed": "Seed of the weights and of the synthetic batch.",
     "json": "Write every figure as JSON to FILE.",
 }
+
+
+def profile_options(recipe: str | None, partitions: str | None, flags: Mapping[str, Any], sets: Sequence[str],
+                    **own: Any) -> ProfileOptions:
+    """The options a recipe (None: the command's own model), the alias flags, `--set` and profile-memory's own flags
+    give; the recipe's keys are checked as `train` checks them, before torch loads."""
+    model = own.pop("model", None)
+    if recipe is not None and model is not None:
+        raise UserError("give a recipe or --model, not both (the recipe's model section is profiled)")
+    ks = parse_partitions(partitions) if partitions is not None else None
+    if ks is not None:
+        _check_partitions(ks)
+        if flags.get("balance") is not None and len(ks) != 1:
+            raise UserError("--balance needs a single K in --partitions")
+    defaults = {f.name: f.default for f in fields(ProfileOptions)
+                if f.name in ALIASES and f.default not in (None, MISSING)}
+    chosen = settings(recipe, flags, sets, {**defaults, **({"partitions": ks[0]} if ks and len(ks) == 1 else {})})
+    given = dict(chosen.given)
+    if "balance" in given:
+        given["balance"] = balance_text(given["balance"], ("auto",))
+    k = given.pop("partitions", None)
+    ks = ks or ([k] if k is not None else [2, 4, 8])
+    given.pop("virtual_stages", None)  # one chunk per device is counted
+    return ProfileOptions(model=recipe or model or "transformer", partitions=ks, **given,
+                          **size_values(flags), set=chosen.model_sets, **own)
 
 
 def parse_partitions(text: str) -> list[int]:

@@ -62,16 +62,23 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+# Both model kinds have layers: one description, which the `--layers` flag shows.
+LAYERS = "Layers: AmoebaNet L (normal cells), Transformer encoder and decoder layers (each)"
+
+
 class AmoebaNetModel(Section):
     """AmoebaNet-D(L, D) or -B(N, F) image classifier."""
 
     kind: Literal["amoebanet"] = "amoebanet"
     preset: str | None = None
     variant: Literal["d", "b"] = "d"
-    layers: Layers = 18
-    filters: Size = 256
-    num_classes: Annotated[int, Number, Field(ge=2, le=MAX_SIZE * 16)] = 1000
-    image_size: Annotated[int, Number, Field(ge=32, le=MAX_SIZE)] = 224
+    layers: Layers = Field(default=18, description=LAYERS)
+    filters: Size = Field(default=256, description="AmoebaNet filters D (F): of the first stack, doubled by each "
+                                                   "reduction")
+    num_classes: Annotated[int, Number, Field(ge=2, le=MAX_SIZE * 16)] = Field(default=1000,
+                                                                              description="AmoebaNet classes")
+    image_size: Annotated[int, Number, Field(ge=32, le=MAX_SIZE)] = Field(
+        default=224, description="AmoebaNet image side in pixels")
     dropout: Probability = 0.0
     aux_head: StrictBool = False
     label_smoothing: Probability = 0.1
@@ -83,12 +90,12 @@ class TransformerModel(Section):
     kind: Literal["transformer"] = "transformer"
     preset: str | None = None
     arch: Literal["encoder-decoder", "decoder-only"] = "encoder-decoder"
-    layers: Layers = 6
-    d_model: Size = 1024
-    ff: Size = 8192
-    heads: Size = 16
-    vocab_size: Vocabulary = 32000
-    max_len: Size = 256
+    layers: Layers = Field(default=6, description=LAYERS)
+    d_model: Size = Field(default=1024, description="Transformer model width")
+    ff: Size = Field(default=8192, description="Transformer feed-forward width")
+    heads: Size = Field(default=16, description="Transformer attention heads (they divide d_model)")
+    vocab_size: Vocabulary = Field(default=32000, description="Transformer vocabulary")
+    max_len: Size = Field(default=256, description="Transformer sequence length: the longest example")
     dropout: Probability = 0.1
     positions: Literal["sinusoidal", "learned"] = "sinusoidal"
     tie_embeddings: StrictBool = False
@@ -114,16 +121,20 @@ BALANCE_MODES = ("auto", "params", "time", "memory")
 class Pipeline(Section):
     """How the model is cut and scheduled: K stages, M micro-batches, D replicas."""
 
-    partitions: Ranks = 1
-    microbatches: Size = 1
-    schedule: str = "gpipe"  # one of pipeline/schedules' registry
-    virtual_stages: Annotated[int, Number, Field(ge=1, le=MAX_VIRTUAL)] = 1
-    checkpoint: Literal["always", "except_last", "never"] = "except_last"
+    partitions: Ranks = Field(default=1, description="K: pipeline stages, one process each")
+    microbatches: Size = Field(default=1, description="M: micro-batches per mini-batch")
+    schedule: str = Field(default="gpipe", description=f"The schedule: {', '.join(schedules.names()[:-1])} or "
+                                                       f"{schedules.names()[-1]}")
+    virtual_stages: Annotated[int, Number, Field(ge=1, le=MAX_VIRTUAL)] = Field(
+        default=1, description="V: chunks of layers per stage: for interleaved; 2 for zero-bubble-v and v-half")
+    checkpoint: Literal["always", "except_last", "never"] = Field(
+        default="except_last", description="Rematerialization: always, except_last or never")
     offload: Literal["none", "activations"] = Field(
-        default="none", description="activations: the boundary inputs that rematerialization stores wait in host "
-                                    "memory between a micro-batch's forward and its recompute (needs checkpoint "
-                                    "always or except_last)")
-    balance: Literal["auto", "params", "time", "memory"] | list[Layers] = "auto"
+        default="none", description="none, or activations: the boundary inputs that rematerialization stores wait "
+                                    "in host memory between a micro-batch's forward and its recompute (needs "
+                                    "checkpoint always or except_last)")
+    balance: Literal["auto", "params", "time", "memory"] | list[Layers] = Field(
+        default="auto", description="Layers per stage, e.g. [5, 5], or how to cut: auto, params, time or memory")
     data_parallel: Ranks = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
@@ -187,7 +198,7 @@ class Data(Section):
     train_split: str = "train"
     eval_split: str | None = None
     eval_fraction: Probability = 0.05
-    batch_size: Size = 32
+    batch_size: Size = Field(default=32, description="Examples per mini-batch (over all replicas)")
     tokens_per_batch: Annotated[int, Number, Field(ge=1, le=MAX_SIZE * 1024)] | None = None
     seq_len: Size = 128
     source_field: str = "source"

@@ -9,18 +9,9 @@ from typing import Any
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
+from gpipe_cli.records import EVAL_NUMBERS, PARTS, RESUMED, TRAIN_NUMBERS, WARMUP
 
-# The keys of a train record's time_s, as metrics.jsonl holds them (read from the file, not the engine).
-PARTS = ("compute", "wait", "comm", "optimizer", "other")
-# What the report reads of a train record: each a number, or null where it was not finite.
-TRAIN_NUMBERS = ("samples_per_s", "step_time_s", "loss", "bubble", "bubble_theory", "tokens_per_s", "tflops", "mfu")
-EVAL_NUMBERS = ("loss", "accuracy", "bleu", "perplexity")
-# True on the first train record after a resume: that step warms up again, as the run's first did.
-RESUMED = "resumed"
-# True on the first train record of every start (the run's first step and the first after each resume): it
-# carries one-time costs (allocations, lazy set-up). Runs recorded before the mark existed have the same
-# steps as their first record and their `resumed` ones.
-WARMUP = "warmup"
+__all__ = ["EVAL_NUMBERS", "PARTS", "RESUMED", "TRAIN_NUMBERS", "WARMUP", "Records", "read_recipe", "read_records"]
 
 
 @dataclass

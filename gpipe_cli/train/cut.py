@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpipe_cli import memory_model as mm
-from gpipe_cli.pipeline import partition
+from gpipe_cli.pipeline import partition, placement, schedules
 from gpipe_cli.units import human_bytes
 
 
@@ -73,7 +73,8 @@ def within_memory(costs: Sequence[float], memory: StageMemory, virtual: int = 1)
     Raises NoCutFits when no cut fits.
     """
     chunks = memory.stages * virtual
-    free = partition.balance_by_cost(costs, chunks)
+    owners = placement.cut_owners(memory.stages, virtual, schedules.get(memory.schedule).placement)
+    free = partition.balance_stages(costs, chunks, owners)
     if max(memory.needs(free)) <= memory.capacity:
         return free, False
     if virtual > 1:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.losses import PAD_ID
+from gpipe_cli.records import EvalFigures
 
 
 def _logits(output: Any) -> torch.Tensor:
@@ -44,7 +45,7 @@ def metrics_for(spec: ModelSpec) -> dict[str, Callable[[Any, torch.Tensor], torc
     return {"correct": correct_tokens, "nll": token_nll}
 
 
-def summarise(sums: dict[str, float], units: float, baselines: Mapping[str, float] | None = None) -> dict[str, float]:
+def summarise(sums: dict[str, float], units: float, baselines: Mapping[str, float] | None = None) -> EvalFigures:
     """Turn metric sums into the figures reported: accuracy, and for text the held-out perplexity.
 
     perplexity = exp(mean cross-entropy per target token); `baselines` (figures of the data the model
@@ -52,9 +53,10 @@ def summarise(sums: dict[str, float], units: float, baselines: Mapping[str, floa
     """
     if not units:
         return {}
-    out = {"accuracy": sums["correct"] / units}
+    out: EvalFigures = {"accuracy": sums["correct"] / units}
     if "nll" in sums:
         mean = sums["nll"] / units
         out["perplexity"] = math.exp(mean) if mean < 700 else math.inf  # exp overflows a float past ~709
-    out.update(baselines or {})
+    if baselines and "unigram_perplexity" in baselines:
+        out["unigram_perplexity"] = baselines["unigram_perplexity"]
     return out

@@ -32,6 +32,7 @@ from gpipe_cli.pipeline.partition import stage_layers, stage_ranges
 from gpipe_cli.pipeline.step import PendingStep
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
 from gpipe_cli.recipe_model import build_optimizer, model_spec, optimizer_name, pipeline_config
+from gpipe_cli.records import EvalRecord, TrainRecord
 from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, translate, utilization
 from gpipe_cli.train.existing import complete_line, past_end
 from gpipe_cli.train.export import export as export_model
@@ -373,7 +374,7 @@ class Trainer:
         # time is never shorter than a stage spent in it, and every stage's parts add up to it.
         figures = step_figures(stats, seconds)
         seconds = figures.seconds
-        record: dict[str, Any] = {
+        record: TrainRecord = {
             "kind": "train", "step": step + 1, "epoch": step // self.steps_per_epoch + 1, "loss": result.loss,
             "lr": optim.base_lr(self.recipe) * self.lr(step), "samples_per_s": batch.global_size / seconds,
             "step_time_s": seconds, "bubble": figures.bubble, "bubble_theory": stats.bubble_theory,
@@ -410,7 +411,7 @@ class Trainer:
             path = str(checkpoint.path_for(self.run_dir, saved)) if saved >= 0 else None
             self.diverged = nonfinite.stop_line(step + 1, what, self.policy, path)
 
-    def evaluate(self, step: int) -> dict[str, Any]:
+    def evaluate(self, step: int) -> EvalRecord:
         """Loss and accuracy (and BLEU for translation) on the held-out split."""
         layout = self.layout
         batches: Iterator[Batch | None] = iter([None] * self.eval_steps)
@@ -428,8 +429,9 @@ class Trainer:
             units += result.units
             for key in sums:
                 sums[key] += result.metrics[key]
-        record: dict[str, Any] = {"kind": "eval", "step": step, "loss": loss / units if units else float("nan")}
-        record.update(evaluation.summarise(sums, units, self.data.baselines if self.data is not None else None))
+        baselines = self.data.baselines if self.data is not None else None
+        record: EvalRecord = {"kind": "eval", "step": step, "loss": loss / units if units else float("nan"),
+                              **evaluation.summarise(sums, units, baselines)}
         if self.spec.task == "translation" and isinstance(self.recipe.model, TransformerModel):
             score = translate.bleu(self.pipe, self.topo, self.data, self.eval_steps,
                                    self.recipe.pipeline.microbatches, self.recipe.model.max_len)

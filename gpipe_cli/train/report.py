@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -32,7 +33,7 @@ from gpipe_cli.train.utilization import rate_text
 from gpipe_cli.units import human_bytes
 
 
-def finite_json(record: dict[str, Any]) -> dict[str, Any]:
+def finite_json(record: Mapping[str, Any]) -> dict[str, Any]:
     """The record with every NaN or infinity replaced by null, and a `nonfinite` list naming those keys.
 
     Strict JSON has no NaN; null keeps numeric columns numeric for readers such as pandas.
@@ -65,7 +66,7 @@ class MetricsFile:
         self.path, self.sinks = path, sinks
         self._file: TextIO = path.open("a", encoding="utf-8")
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: Mapping[str, Any]) -> None:
         """Append one record (non-finite numbers as null, named in its `nonfinite` list)."""
         clean = finite_json(record)
         self._file.write(json.dumps(clean, separators=(",", ":"), allow_nan=False) + "\n")
@@ -84,21 +85,21 @@ def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _rate(record: dict[str, Any]) -> str:
+def _rate(record: Mapping[str, Any]) -> str:
     rate = f"{record['samples_per_s']:.1f} samples/s"
     if "tokens_per_s" in record:
         rate += f", {record['tokens_per_s']:.0f} tokens/s"
     return rate
 
 
-def utilization(record: dict[str, Any]) -> str:
+def utilization(record: Mapping[str, Any]) -> str:
     """The step's achieved model TFLOP/s and MFU ('' when the record has neither)."""
     if "tflops" not in record:
         return ""
     return rate_text(record["tflops"]) + (f" (MFU {record['mfu']:.1%})" if "mfu" in record else "")
 
 
-def stage_shares(record: dict[str, Any], stage: int) -> dict[str, float]:
+def stage_shares(record: Mapping[str, Any], stage: int) -> dict[str, float]:
     """Each part's share of the step time on one stage."""
     step = record["step_time_s"]
     return {part: record["time_s"][part][stage] / step if step > 0 else 0.0 for part in PARTS}
@@ -107,19 +108,19 @@ def stage_shares(record: dict[str, Any], stage: int) -> dict[str, float]:
 Counted = tuple[int, list[int]]  # the last step that counted its stored activations, and its figures
 
 
-def counted_activations(record: dict[str, Any], last: Counted | None) -> Counted | None:
+def counted_activations(record: Mapping[str, Any], last: Counted | None) -> Counted | None:
     """The newest stored-activation figures: this record's if it counted them, else the last ones."""
     return (record["step"], record["activation_peak_bytes"]) if "activation_peak_bytes" in record else last
 
 
-def _activations(record: dict[str, Any], stage: int, counted: Counted | None) -> str:
+def _activations(record: Mapping[str, Any], stage: int, counted: Counted | None) -> str:
     if counted is None:
         return "-"
     step, values = counted
     return human_bytes(values[stage]) + ("" if step == record["step"] else f" (step {step})")
 
 
-def stage_memory(record: dict[str, Any], stage: int, counted: Counted | None = None) -> str:
+def stage_memory(record: Mapping[str, Any], stage: int, counted: Counted | None = None) -> str:
     """One stage's memory, each figure named: stored activations (as last counted), process RSS peak, CUDA peak."""
     text = (f"activations {_activations(record, stage, counted_activations(record, counted))}, "
             f"RSS peak {human_bytes(record['rss_peak_bytes'][stage])}")
@@ -128,12 +129,12 @@ def stage_memory(record: dict[str, Any], stage: int, counted: Counted | None = N
     return text
 
 
-def eval_line(record: dict[str, Any], total: int) -> str:
+def eval_line(record: Mapping[str, Any], total: int) -> str:
     """An eval record as one line."""
     return f"eval  step {record['step']}/{total} | {eval_figures(record)}"
 
 
-def train_lines(record: dict[str, Any], total: int, counted: Counted | None = None,
+def train_lines(record: Mapping[str, Any], total: int, counted: Counted | None = None,
                 eta: float | None = None) -> list[str]:
     """A train record as lines: the step (with `eta`, the run's seconds left, when known), then one line per stage
     with its time and memory."""
@@ -160,7 +161,7 @@ class StepView:
     headers and cells that never wrap, and at a width too narrow for it becomes two: time, then memory.
     """
 
-    def __init__(self, record: dict[str, Any], skipped: int, counted: Counted | None) -> None:
+    def __init__(self, record: Mapping[str, Any], skipped: int, counted: Counted | None) -> None:
         self.record, self.skipped, self.counted = record, skipped, counted
 
     def figures(self) -> list[Text]:
@@ -236,7 +237,7 @@ class TerminalView:
         self.started = time.time() if started is None else started
         self._console = Console(file=self.stream, highlight=False)
         self._live: Live | None = None
-        self._last_train: dict[str, Any] | None = None
+        self._last_train: Mapping[str, Any] | None = None
         self._counted: Counted | None = None
         self.skipped = 0
         self._steady: list[float] = []  # step seconds past each start's warm-up step: the run's ETA
@@ -268,7 +269,7 @@ class TerminalView:
         else:
             say(text, self.stream)
 
-    def show(self, record: dict[str, Any], log_every: int = 1) -> None:
+    def show(self, record: Mapping[str, Any], log_every: int = 1) -> None:
         """Show a train or eval record; the run's final eval is left to the summary, which gives it once."""
         if record["kind"] == "eval":
             if record["step"] != self.total:

@@ -10,15 +10,14 @@ missing, no network) or that fails later costs one line, never the run.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from gpipe_cli.recipe.schema import Metrics, Wandb
+from gpipe_cli.records import TIMING, WARMUP
 
-_NOT_FIGURES = ("kind", "step", "nonfinite", "warmup")
-# A step's timing figures: a warm-up step's go to their own section (its loss, lr and memory are as any step's).
-TIMING = frozenset({"samples_per_s", "tokens_per_s", "step_time_s", "bubble", "idle", "time_s", "tflops", "mfu"})
+_NOT_FIGURES = ("kind", "step", "nonfinite", WARMUP)
 WARMUP_SECTION = "train_warmup"
 
 
@@ -40,7 +39,7 @@ def hyperparameters(config: dict[str, Any], prefix: str = "") -> dict[str, float
     return out
 
 
-def scalars(record: dict[str, Any]) -> dict[str, float]:
+def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     """A record's numbers as flat tags; lists are per stage, null values (non-finite) are left out; a warm-up
     step's timing figures are tagged `train_warmup/...`."""
     out: dict[str, float] = {}
@@ -55,7 +54,7 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
             for key, item in value.items():
                 add(f"{tag}/{key}", item)
 
-    warmup = record.get("warmup") is True
+    warmup = record.get(WARMUP) is True
     for key, value in record.items():
         if key not in _NOT_FIGURES:
             add(f"{WARMUP_SECTION if warmup and key in TIMING else record['kind']}/{key}", value)
@@ -162,7 +161,7 @@ class Sinks:
     def __init__(self, sinks: list[Sink], say: Callable[[str], None]) -> None:
         self.sinks, self._say = sinks, say
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: Mapping[str, Any]) -> None:
         """Send one train or eval record (already free of NaN) to every sink."""
         if not self.sinks:
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,7 @@ from gpipe_cli.units import number_range
 _NOT_METRICS = ("kind", "step", "nonfinite")
 
 
-def eval_figures(record: dict[str, Any]) -> str:
+def eval_figures(record: Mapping[str, Any]) -> str:
     """An eval record's figures, whatever it holds: "loss 1.0530, accuracy 0.9751, bleu 82.81"."""
     return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                      for k, v in record.items() if k not in _NOT_METRICS and v is not None)
@@ -31,7 +32,7 @@ class _Steps:
     bubbles: list[float] = field(default_factory=list)
     parts: dict[str, float] = field(default_factory=dict)
 
-    def add(self, record: dict[str, Any], examples: float, units: float | None) -> None:
+    def add(self, record: Mapping[str, Any], examples: float, units: float | None) -> None:
         """Take in one train record."""
         self.steps += 1
         self.examples += examples
@@ -60,12 +61,12 @@ class RunSummary:
     measured: _Steps = field(default_factory=_Steps)
     steps_seen: tuple[int, int] = (0, 0)  # the first and the last step number taken in
     resumed: bool = False  # the first step came after a resume: the figures are those since it
-    best_eval: dict[str, Any] | None = None
+    best_eval: Mapping[str, Any] | None = None
     peak: Peak | None = None  # what MFU is measured against (rank 0 sets it once it knows)
     ranks: int = 1
-    last_eval: dict[str, Any] | None = None
+    last_eval: Mapping[str, Any] | None = None
 
-    def add(self, record: dict[str, Any], examples: float, units: float | None) -> None:
+    def add(self, record: Mapping[str, Any], examples: float, units: float | None) -> None:
         """Take in one record (train or eval)."""
         if record["kind"] == "eval":
             self.last_eval = record

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gpipe_cli.records import Utilization
+
 # Dense peak TFLOP/s per GPU (no structured sparsity), from the vendors' data sheets, by training precision.
 # `fp32` is plain FP32, not TF32: PyTorch runs float32 matrix products without TF32 unless asked to.
 # NVIDIA H100 data sheet (SXM5 / PCIe / NVL): BF16 and FP16 989 / 756 / 835, FP32 67 / 51 / 60;
@@ -80,12 +82,12 @@ class ModelFlops:
         return 3.0 * self.forward_per_example * examples
 
 
-def figures(flops: float, seconds: float, peak_per_rank: float | None, ranks: int) -> dict[str, float]:
+def figures(flops: float, seconds: float, peak_per_rank: float | None, ranks: int) -> Utilization:
     """A step's `tflops` (achieved model TFLOP/s, all ranks) and `mfu` (of the peak of all ranks, when known)."""
     if seconds <= 0 or flops <= 0:
         return {}
     achieved = flops / seconds
-    out = {"tflops": achieved / 1e12}
+    out: Utilization = {"tflops": achieved / 1e12}
     if peak_per_rank:
         out["mfu"] = achieved / (peak_per_rank * ranks)
     return out

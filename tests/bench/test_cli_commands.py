@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-TINY = ["--model", "transformer", "--set", "arch=decoder-only", "--layers", "2", "--d-model", "32", "--ff", "64",
+TINY = ["--model", "transformer", "--set", "model.arch=decoder-only", "--layers", "2", "--d-model", "32", "--ff", "64",
         "--heads", "4", "--seq-len", "16", "--vocab-size", "64"]
 
 

@@ -66,7 +66,7 @@ def test_the_command_refuses_before_any_rank_starts(monkeypatch, capsys):
 
     monkeypatch.setattr("gpipe_cli.bench.jobs.run", measured)
     monkeypatch.setattr(sizing, "this_machine", lambda threads=1: machine(300 * MIB))
-    args = ["bench", "--set", "arch=decoder-only", *[f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]]
+    args = ["bench", "--set", "model.arch=decoder-only", *[f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]]
     assert gpipe(args) == 2
     out = capsys.readouterr()
     assert out.out == "" and out.err.startswith("error: the model does not fit") and len(out.err.splitlines()) == 1

@@ -41,7 +41,7 @@ def test_a_preset_beyond_the_limits_is_named():
 
 @pytest.mark.parametrize("command", ["bench", "profile-memory"])
 @pytest.mark.parametrize("flags", [["--layers", "99999999999"], ["--layers", "2", "--d-model", "99999999999"],
-                                   ["--set", "layers=50000"]])
+                                   ["--set", "model.layers=50000"]])
 def test_the_commands_refuse_a_huge_size_at_once_and_write_nothing(capsys, tmp_path, command, flags):
     out = tmp_path / "figures.json"
     started = time.monotonic()

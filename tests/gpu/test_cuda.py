@@ -86,8 +86,9 @@ def test_checkpoint_written_on_cpu_resumes_on_cuda(cpu_reference: Run, tmp_path:
 
 
 # Activations of a few GiB per stage, so that the allocator's fixed workspaces are small beside them.
-BENCH_MODEL = ["--model", "transformer", "--set", "arch=decoder-only", "--set", "dropout=0", "--layers", "4",
-               "--d-model", "1024", "--ff", "4096", "--heads", "16", "--seq-len", "256", "--vocab-size", "8192"]
+BENCH_MODEL = ["--model", "transformer", "--set", "model.arch=decoder-only", "--set", "model.dropout=0",
+               "--layers", "4", "--d-model", "1024", "--ff", "4096", "--heads", "16", "--seq-len", "256",
+               "--vocab-size", "8192"]
 
 
 def test_bench_on_cuda_reports_allocator_peaks_consistent_with_the_accounting(tmp_path: Path) -> None:
@@ -100,7 +101,7 @@ def test_bench_on_cuda_reports_allocator_peaks_consistent_with_the_accounting(tm
 
 
 # Activations of about a GiB, far above the allocator's workspaces, still quick to account on the CPU.
-PROFILE_MODEL = ["--model", "transformer", "--set", "arch=decoder-only", "--layers", "4", "--d-model", "512",
+PROFILE_MODEL = ["--model", "transformer", "--set", "model.arch=decoder-only", "--layers", "4", "--d-model", "512",
                  "--ff", "2048", "--heads", "8", "--seq-len", "256", "--vocab-size", "4096"]
 
 

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from gpipe_cli import memory_model as mm
 from gpipe_cli.pipeline import placement
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.config import PipelineConfig
@@ -49,13 +50,29 @@ def test_zero_bubble_v_idles_no_more_than_zero_bubble_and_v_half_holds_fewer_act
     for microbatches in (stages, 2 * stages, 2 * stages + 1):
         assert sched.theoretical_bubble(stages, microbatches, "zero-bubble-v", 2) <= \
             sched.theoretical_bubble(stages, microbatches, "zero-bubble") + 1e-9
-        for name, cap in (("zero-bubble-v", 2 * stages), ("v-half", stages + 1)):
+        for name, cap in (("zero-bubble-v", 2 * stages), ("v-half", stages)):
             for plan in sched.build_all(name, stages, microbatches, "never", 2):
                 held = peak = 0
                 for a in plan:
                     held += (a.kind == Kind.FWD) - (a.kind in sched.RELEASE)
                     peak = max(peak, held)
                 assert peak <= cap, (name, microbatches)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_v_half_holds_at_most_six_tenths_of_1f1bs_activations_on_every_stage(stages):
+    """Equal layers, each saving 1 MiB per micro-batch: bytes, as the memory model walks the action lists."""
+    layer = mm.LayerFigures("layer", 1, mm.Affine(2**20, 0.0), mm.ZERO)
+    figures = mm.ModelFigures(mm.ZERO, (layer,) * 4 * stages)
+
+    def peaks(name: str, balance: list[int], microbatches: int, virtual: int) -> list[float]:
+        return [f.peak_bytes for f in mm.footprints(figures, balance, microbatches, microbatches, name, "never",
+                                                    0.0, virtual)]
+
+    for microbatches in (stages, 2 * stages):
+        fullest = max(peaks("1f1b", [4] * stages, microbatches, 1))
+        assert fullest == 2 * stages * 2 * 2**20  # K micro-batches of 4 layers on stage 0
+        assert max(peaks("v-half", [2] * 2 * stages, microbatches, 2)) <= 0.6 * fullest, microbatches
 
 
 def test_a_v_schedule_refuses_other_than_two_chunks_per_stage_in_one_line():

@@ -21,8 +21,8 @@ def test_a_huge_budget_ends_at_the_bound_and_says_the_bound_stopped_it(capsys, t
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--set", "colour=red"], "error: --set: unknown parameter 'colour' for the transformer family of --budget"),
-    (["--set", "layers=3"], "error: --budget searches the layers and filters: drop --set layers"),
+    (["--set", "model.colour=red"], "error: --set: unknown parameter 'colour' for the transformer family of --budget"),
+    (["--set", "model.layers=3"], "error: --budget searches the layers and filters: drop --set layers"),
     (["--heads", "3"], "error: --budget: d_model (32) must be divisible by heads (3)"),
     (["--d-model", "99999999999"], "error: --d-model: must be >= 1 and <= 1048576 (got 99999999999)"),
 ])
@@ -38,6 +38,6 @@ def test_a_bad_model_flag_of_the_budget_search_is_one_line_and_writes_nothing(ca
 
 def test_set_reaches_the_searched_family(capsys, tmp_path):
     out = tmp_path / "budget.json"
-    assert gpipe(["profile-memory", *TINY, "--set", "dropout=0", "--budget", "8MiB", "--partitions", "2",
+    assert gpipe(["profile-memory", *TINY, "--set", "model.dropout=0", "--budget", "8MiB", "--partitions", "2",
                   "--json", str(out)]) == 0
     assert json.loads(out.read_text())["fixed"]["dropout"] == 0

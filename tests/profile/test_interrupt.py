@@ -5,7 +5,7 @@ import pytest
 from tests.interrupt import interrupt
 
 # Big enough that measuring a row takes a while on a CPU.
-MODEL = ["--model", "transformer", "--set", "arch=decoder-only", "--layers", "8", "--d-model", "512", "--ff",
+MODEL = ["--model", "transformer", "--set", "model.arch=decoder-only", "--layers", "8", "--d-model", "512", "--ff",
          "2048", "--heads", "8", "--seq-len", "128", "--vocab-size", "8000"]
 
 

@@ -1,6 +1,5 @@
 """`gpipe profile-memory`'s flags: what is refused at once, in one line, before anything is measured."""
 
-import re
 import time
 
 import pytest
@@ -64,10 +63,8 @@ def test_a_small_budget_is_a_valid_question():
     validate(ProfileOptions(budget="1KiB"))  # answered by a table where nothing fits
 
 
-def test_the_schedule_help_lists_exactly_the_schedules_accepted():
-    listed = FLAGS["schedule"].split(": ", 1)[1].split(" (", 1)[0]
-    assert re.split(r", | or ", listed) == list(COUNTED) == [n for n in SCHEDULES if not n.startswith("v")
-                                                             and not n.endswith("-v")]
+def test_the_schedules_counted_are_the_ones_accepted():
+    assert list(COUNTED) == [n for n in SCHEDULES if not n.startswith("v") and not n.endswith("-v")]
     for name in COUNTED:
         validate(ProfileOptions(schedule=name))
     with pytest.raises(UserError, match="--schedule v-half places two chunks per device in a V"):

@@ -87,3 +87,28 @@ def test_the_exported_model_runs_in_plain_pytorch_as_the_docs_show(lm_run):
     trained = load_file(str(exported))
     assert set(trained) <= set(model.state_dict()), "every stored tensor is in the model (tied ones once)"
     assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
+
+
+def test_every_record_has_the_keys_its_type_declares(lm_run):
+    import json
+
+    from gpipe_cli.records import EvalRecord, TrainRecord
+
+    kinds = {"train": TrainRecord, "eval": EvalRecord}
+    lines = (lm_run / "metrics.jsonl").read_text().splitlines()
+    seen = set()
+    for line in lines:
+        record = json.loads(line)
+        declared = kinds[record["kind"]]
+        seen.add(record["kind"])
+        keys = set(record) - {"nonfinite"}  # added on writing, where a figure was not finite
+        assert declared.__required_keys__ <= keys, declared.__required_keys__ - keys
+        assert keys <= declared.__required_keys__ | declared.__optional_keys__, keys - declared.__optional_keys__
+    assert seen == {"train", "eval"}
+
+
+def test_the_records_parts_are_the_engines():
+    from gpipe_cli.pipeline.stats import PARTS
+    from gpipe_cli.records import PARTS as RECORDED
+
+    assert RECORDED == PARTS

@@ -10,13 +10,20 @@ stage 0 and the two chunks at the turn share stage K-1 (they hand over in memory
 Each stage's order comes from running all stages on ideal devices (a forward, an input-gradient B
 and a weight-gradient W one unit each; chunk 0's backward stays whole): a free stage runs a ready
 B, then a ready forward (the upper chunk first), then a pending W, which fills what would be idle;
-or forwards before Bs, whichever run ends sooner. A stage starts a micro-batch on its lower chunk
-only while its held activations plus one slot kept for each started micro-batch's upper chunk stay
-within a cap, counted in chunks; upper chunks and backwards are never held back, so every cap of at
-least 2 runs to the end.
+or forwards before Bs. A chunk's activations are held from its forward to its W (or whole backward),
+and no stage ever holds more than a cap of them, counted in chunks. Two rules admit a micro-batch on
+a stage's lower chunk, both sure to run to the end for any cap of at least 2:
+
+    reserve   held + one slot kept for each started micro-batch's upper chunk + 2 within the cap
+    drain n   a free slot, and at most n < cap micro-batches between their lower and upper chunk
+              here; an upper chunk then waits for a slot. A micro-batch past its upper chunk here
+              needs only backwards and upper chunks nearer stage 0 to free its slots, so stage 0
+              drains first, then stage 1, and so on, until each stage holds at most n: room.
+
+Of the runs (each rule, each n, Bs first or forwards first) the shortest gives the orders.
 
     zero-bubble-v  cap 2K: 1F1B's peak (K micro-batches of a whole stage), B and W apart (ZB-V)
-    v-half         cap K+1: about half of 1F1B's activations (V-Half), at some bubble
+    v-half         cap K: half of 1F1B's peak, at some bubble (V-Half)
 """
 
 from __future__ import annotations
@@ -32,15 +39,17 @@ _COST = {Kind.FWD: 1, Kind.BWD_INPUT: 1, Kind.BWD_WEIGHT: 1, Kind.BWD: 2}
 
 @functools.lru_cache(maxsize=64)
 def orders(stages: int, microbatches: int, cap: int) -> tuple[tuple[Step, ...], ...]:
-    """Every stage's order under a cap of `cap` held chunk activations (at least 2): of the greedy runs with
-    Bs first and with forwards first, the one that ends sooner."""
-    runs = [_greedy(stages, microbatches, cap, forwards_first) for forwards_first in (False, True)]
-    return min(runs, key=lambda run: run[0])[1]
+    """Every stage's order under a cap of `cap` held chunk activations (at least 2): of the greedy runs under
+    each rule, with Bs first and with forwards first, the one that ends soonest (the first of equals)."""
+    runs = [_greedy(stages, microbatches, cap, forwards_first, between)
+            for between in (None, *range(1, cap)) for forwards_first in (False, True)]
+    return min((run for run in runs if run is not None), key=lambda run: run[0])[1]
 
 
-def _greedy(stages: int, microbatches: int, cap: int,
-            forwards_first: bool) -> tuple[int, tuple[tuple[Step, ...], ...]]:
-    """The greedy run's length on ideal devices and every stage's order."""
+def _greedy(stages: int, microbatches: int, cap: int, forwards_first: bool,
+            between: int | None) -> tuple[int, tuple[tuple[Step, ...], ...]] | None:
+    """The greedy run's length on ideal devices and every stage's order, under the reserve rule (`between`
+    None) or the drain rule with n = `between`; None if it gets stuck (which the rules above exclude)."""
     k, m, last = stages, microbatches, 2 * stages - 1
     finished: dict[tuple[Kind, int, int], int] = {}  # (F or B, micro-batch, chunk) -> when it ended
     next_fwd, next_bwd = [0] * (last + 1), [0] * (last + 1)
@@ -69,11 +78,13 @@ def _greedy(stages: int, microbatches: int, cap: int,
             if free_at[s] > now:
                 continue
             down, up = s, last - s
-            room = held[s] + kept[s] + 2 <= cap
+            slot = between is None or held[s] < cap
+            room = held[s] + kept[s] + 2 <= cap if between is None else slot and kept[s] < between
+            upper = forward(up) if slot else None
             if forwards_first:
-                step = forward(up) or (forward(down) if room else None) or backward(up) or backward(down)
+                step = upper or (forward(down) if room else None) or backward(up) or backward(down)
             else:
-                step = backward(up) or backward(down) or forward(up) or (forward(down) if room else None)
+                step = backward(up) or backward(down) or upper or (forward(down) if room else None)
             if step is None and pending[s]:
                 step = (Kind.BWD_WEIGHT, *pending[s].pop(0))
             if step is None:
@@ -93,6 +104,8 @@ def _greedy(stages: int, microbatches: int, cap: int,
             finished[(Kind.BWD if kind == Kind.BWD_INPUT else kind, mb, chunk)] = free_at[s]
             out[s].append(step)
             left -= 1
+        if left and max(free_at) <= now:  # nothing runs and nothing started: no later tick differs
+            return None
         now += 1
     return max(free_at), tuple(tuple(o) for o in out)
 
@@ -130,11 +143,11 @@ class ZeroBubbleV(_VShape):
 
 
 class VHalf(_VShape):
-    """V-Half: about half of 1F1B's activations."""
+    """V-Half: half of 1F1B's activations."""
 
     name = "v-half"
 
     def cap(self, stages: int) -> int:
-        """K + 1 chunks: half of 1F1B's 2K, and one more so that two micro-batches overlap."""
-        return stages + 1
+        """K chunks, half of 1F1B's 2K; 2 on one stage, where a micro-batch's two chunks meet."""
+        return max(stages, 2)
 

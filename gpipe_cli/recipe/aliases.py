@@ -1,0 +1,127 @@
+"""Short flags that are aliases of recipe keys: `--partitions 4` is exactly `--set pipeline.partitions=4`.
+
+Each flag is declared once here; its help is the schema's description of its key. Only the way a mistake
+is named differs: a value typed as a flag is named by the flag."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from gpipe_cli.limits import MAX_SIZE
+from gpipe_cli.recipe.load import RecipeError, apply_override, load_recipe, parse_override, validate
+from gpipe_cli.recipe.schema import DEFAULT_KIND, MODEL_SECTIONS, Data, Pipeline, Recipe
+
+# Flag (its parameter name) -> recipe key.
+ALIASES: dict[str, str] = {
+    "partitions": "pipeline.partitions", "microbatches": "pipeline.microbatches", "batch_size": "data.batch_size",
+    "schedule": "pipeline.schedule", "virtual_stages": "pipeline.virtual_stages",
+    "checkpoint": "pipeline.checkpoint", "offload": "pipeline.offload", "balance": "pipeline.balance",
+    "layers": "model.layers", "filters": "model.filters", "d_model": "model.d_model", "ff": "model.ff",
+    "heads": "model.heads", "vocab_size": "model.vocab_size", "image_size": "model.image_size",
+    "seq_len": "model.max_len", "num_classes": "model.num_classes",
+}
+# The model's sizes: the model is resized by them, the rest of its section comes from the recipe or preset.
+SIZE_FLAGS = tuple(name for name, key in ALIASES.items() if key.startswith("model."))
+_SECTIONS: dict[str, tuple[type[BaseModel], ...]] = {
+    "pipeline": (Pipeline,), "data": (Data,), "model": tuple(MODEL_SECTIONS.values())}
+_LIST = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*$")
+
+
+def flag(name: str) -> str:
+    """How a parameter name is typed, e.g. `--batch-size`."""
+    return "--" + name.replace("_", "-")
+
+
+def description(key: str) -> str:
+    """The schema's description of a dotted recipe key (a model key: of the first model kind that has it)."""
+    section, _, name = key.partition(".")
+    for model in _SECTIONS[section]:
+        info = model.model_fields.get(name)
+        if info is not None and info.description:
+            return f"{info.description}."
+    raise KeyError(key)  # every alias has a description: a test holds the schema to it
+
+
+def kind(name: str) -> type:
+    """The type a flag takes: int for a count or size, else text (read as YAML, as `--set` reads it)."""
+    section, _, key = ALIASES[name].partition(".")
+    info = next(model.model_fields[key] for model in _SECTIONS[section] if key in model.model_fields)
+    return int if info.annotation is int else str
+
+
+def balance_text(value: Any, cuts: tuple[str, ...]) -> str | None:
+    """`pipeline.balance` as a command's `--balance` text: `5,5` for a list, None for `cuts` (its own cut)."""
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    if value in cuts:
+        return None
+    raise RecipeError(f"pipeline.balance: this command cuts by {' or '.join(cuts)} or a list of layers per stage "
+                      f"(got {value})")
+
+
+def as_sets(flags: Mapping[str, Any]) -> list[str]:
+    """The `--set KEY=VALUE` items that the alias flags given (not None) stand for."""
+    out = []
+    for name, value in flags.items():
+        if value is None:
+            continue
+        text = str(value)
+        if name == "balance" and _LIST.match(text):  # `5,5`: the list [5, 5]
+            text = f"[{text}]"
+        out.append(f"{ALIASES[name]}={text}")
+    return out
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a recipe and `--set` say of the aliased keys: each value given (by the recipe file or a set), by flag
+    name, and the `--set` items of the model section."""
+
+    given: dict[str, Any] = field(default_factory=dict)
+    model_sets: list[str] = field(default_factory=list)
+    recipe: Recipe | None = None
+
+
+def settings(path: str | None, flags: Mapping[str, Any], sets: Sequence[str],
+             defaults: Mapping[str, Any]) -> Settings:
+    """Validate the recipe with the flags and `--set` items applied, as `train` reads them; a mistake in a flag's
+    value is named by the flag. Without a recipe (None) the command's `defaults` (by flag name) stand for it, and
+    the model is the command's own: its keys are left to it."""
+    typed = {ALIASES[name]: name for name, value in flags.items() if value is not None}
+    items = [*as_sets({name: flags[name] for name in flags if name not in SIZE_FLAGS}), *sets]
+    keys = [parse_override(item)[0] for item in items]
+    model_sets = [item for item, key in zip(items, keys) if key.startswith("model.")]
+    try:
+        if path is not None:
+            sized = [*items, *as_sets({name: flags[name] for name in flags if name in SIZE_FLAGS})]
+            recipe = load_recipe(path, sized, check_data=False)
+            return Settings({name: _value(recipe, key) for name, key in ALIASES.items() if name not in SIZE_FLAGS},
+                            model_sets, recipe)
+        raw: dict[str, Any] = {"model": {"kind": DEFAULT_KIND}, "data": {"batch_size": MAX_SIZE}}
+        for item in [*as_sets(defaults), *(item for item in items if item not in model_sets)]:
+            apply_override(raw, item)
+        recipe = validate(raw, "", check_data=False)
+    except RecipeError as exc:
+        raise RecipeError(_named(str(exc), typed)) from None
+    return Settings({name: _value(recipe, key) for name, key in ALIASES.items()
+                     if key in keys and name not in SIZE_FLAGS}, model_sets)
+
+
+def _value(recipe: Recipe, key: str) -> Any:
+    section, _, name = key.partition(".")
+    return getattr(getattr(recipe, section), name)
+
+
+def _named(message: str, typed: Mapping[str, str]) -> str:
+    """The message with a key typed as a flag named by the flag, and without the empty label of no recipe."""
+    message = message.removeprefix(": ")
+    for key, name in typed.items():
+        head, sep, rest = message.partition(f"{key}:")
+        if sep and (not head or head.endswith(": ")):  # the key leads the message (after the recipe's name)
+            return f"{flag(name)}:{rest}"
+    return message

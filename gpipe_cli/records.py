@@ -1,0 +1,78 @@
+"""A step's record as metrics.jsonl holds it: written by the training loop, read by the sinks and `gpipe report`.
+
+Kept free of torch and of the engine, so that `gpipe report` reads runs without importing either; a test
+checks that `PARTS` is the engine's.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypedDict
+
+# The keys of a train record's time_s: each a list of seconds per stage, adding up to step_time_s.
+PARTS = ("compute", "wait", "comm", "optimizer", "other")
+# A train record's figures that are numbers (null where they were not finite).
+TRAIN_NUMBERS = ("samples_per_s", "step_time_s", "loss", "bubble", "bubble_theory", "tokens_per_s", "tflops", "mfu")
+EVAL_NUMBERS = ("loss", "accuracy", "bleu", "perplexity")
+# A step's timing figures: a warm-up step's carry one-time costs (its loss, lr and memory are as any step's).
+TIMING = frozenset({"samples_per_s", "tokens_per_s", "step_time_s", "bubble", "idle", "time_s", "tflops", "mfu"})
+# True on the first train record of every start (the run's first step and the first after each resume): it
+# carries one-time costs (allocations, lazy set-up). Runs recorded before the mark existed have the same
+# steps as their first record and their `resumed` ones.
+WARMUP = "warmup"
+# True on the first train record after a resume: that step warms up again, as the run's first did.
+RESUMED = "resumed"
+
+
+class _TrainFigures(TypedDict):
+    kind: Literal["train"]
+    step: int
+    epoch: int
+    loss: float
+    lr: float
+    samples_per_s: float
+    step_time_s: float
+    bubble: float
+    bubble_theory: float
+    idle: float
+    time_s: dict[str, list[float]]   # part -> seconds per stage (PARTS)
+    rss_peak_bytes: list[int]
+    grad_norm: float
+
+
+class Utilization(TypedDict, total=False):
+    """A step's achieved model TFLOP/s (all ranks) and its share of their peak, when the peak is known."""
+
+    tflops: float
+    mfu: float
+
+
+class TrainRecord(_TrainFigures, Utilization, total=False):
+    """One training step: what it cost, where each stage's time went, and what it held."""
+
+    activation_peak_bytes: list[int]  # when the step counted its stored activations
+    mem_peak_bytes: list[int]
+    cuda_peak_bytes: list[int]
+    tokens_per_s: float               # text models
+    skipped: bool                     # a non-finite step left out of the update
+    warmup: bool                      # see WARMUP
+    resumed: bool                     # see RESUMED
+
+
+class EvalFigures(TypedDict, total=False):
+    """What an evaluation measures beside its loss."""
+
+    accuracy: float
+    perplexity: float
+    unigram_perplexity: float         # a baseline the model should beat (text)
+    bleu: float
+
+
+class _EvalKeys(TypedDict):
+    kind: Literal["eval"]
+    step: int
+    loss: float
+
+
+class EvalRecord(_EvalKeys, EvalFigures):
+    """One evaluation of the held-out split."""
+

@@ -1,0 +1,55 @@
+"""The short flags of bench and profile-memory are aliases of recipe keys: the same options, the schema's help."""
+
+import pytest
+
+from gpipe_cli.bench import bench_options
+from gpipe_cli.profile import profile_options
+from gpipe_cli.recipe.aliases import ALIASES, description, flag
+from gpipe_cli.recipe.load import RecipeError
+
+RECIPE = "gpipe_cli/recipe/quickstart.yaml"
+
+
+@pytest.mark.parametrize("recipe", [None, RECIPE])
+def test_a_flag_gives_the_options_its_set_gives(recipe):
+    by_flag = bench_options(recipe, {"microbatches": 4, "balance": "1,3"}, [])
+    by_set = bench_options(recipe, {}, ["pipeline.microbatches=4", "pipeline.balance=[1, 3]"])
+    assert by_flag == by_set and by_flag.microbatches == 4 and by_flag.balance == "1,3"
+
+
+def test_a_recipe_gives_its_pipeline_batch_and_model():
+    options = bench_options(RECIPE, {}, ["model.dropout=0"])
+    assert (options.model, options.partitions, options.microbatches, options.batch_size) == (RECIPE, 2, 4, 32)
+    assert options.set == ["model.dropout=0"]
+    assert bench_options(None, {}, []).partitions == 2  # bench's own, without a recipe
+
+
+def test_set_means_a_recipe_key_as_in_train():
+    with pytest.raises(RecipeError, match="^dropout: unknown key"):
+        bench_options(None, {}, ["dropout=0"])
+
+
+def test_a_bad_value_is_named_as_typed():
+    with pytest.raises(RecipeError, match=r"^--microbatches: must be >= 1"):
+        bench_options(RECIPE, {"microbatches": 0}, [])
+    with pytest.raises(RecipeError, match=r"quickstart.yaml: pipeline.microbatches: must be >= 1"):
+        bench_options(RECIPE, {}, ["pipeline.microbatches=0"])
+
+
+def test_the_help_of_an_alias_is_the_schemas_description():
+    import typer
+
+    from gpipe_cli.cli import app
+
+    commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+    for name in ("bench", "profile-memory"):
+        aliases = [p for p in commands[name].params if p.name in ALIASES and p.opts == [flag(p.name)]
+                   and p.help == description(ALIASES[p.name])]
+        assert len(aliases) >= 14, (name, [p.name for p in aliases])  # profile-memory's --partitions is its own
+
+
+def test_profile_memory_takes_a_recipe():
+    options = profile_options(RECIPE, None, {}, ["pipeline.checkpoint=always"])
+    assert (options.model, options.partitions, options.microbatches, options.checkpoint) == (RECIPE, [2], 4, "always")
+    assert profile_options(RECIPE, "2,4", {}, []).partitions == [2, 4]
+    assert profile_options(None, None, {}, []).partitions == [2, 4, 8]
