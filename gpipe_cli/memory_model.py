@@ -143,6 +143,9 @@ def role(name: str) -> str:
     return numbered.group(1) if numbered else name
 
 
+PARAM_BYTES = 4  # an fp32 weight, and so its gradient
+
+
 @functools.lru_cache(maxsize=32)
 def bytes_per_parameter(optimizer: str) -> float:
     """Weight, gradient and optimizer-state bytes per fp32 parameter, measured by one optimizer step."""
@@ -152,7 +155,7 @@ def bytes_per_parameter(optimizer: str) -> float:
     opt.step()
     state = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
                 if isinstance(t, torch.Tensor) and t.numel() == param.numel())
-    return 4 + 4 + state / param.numel()
+    return 2 * PARAM_BYTES + state / param.numel()
 
 
 @dataclass(frozen=True)

@@ -341,7 +341,7 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
     machine = sizing.this_machine(threads)
     if timing == "auto":
         seconds = measure_seconds(flops, (lo, hi), machine, kind)
-        largest = max((layer.saved.at(hi) + 4 * layer.params for layer in figs.layers), default=0.0)
+        largest = max((layer.saved.at(hi) + mm.PARAM_BYTES * layer.params for layer in figs.layers), default=0.0)
         timing = "measure" if seconds <= MEASURE_BUDGET_S and largest < machine.memory_bytes * sizing.MEMORY_SHARE \
             else "estimate"
     if timing == "measure":

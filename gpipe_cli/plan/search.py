@@ -222,7 +222,7 @@ def allreduce_seconds(stage_params: Sequence[int], replicas: int, link: simulate
     if replicas < 2 or not stage_params:
         return 0.0
     hops = 2 * (replicas - 1)
-    return max(hops * link.latency + hops / replicas * 4 * p / link.bandwidth for p in stage_params)
+    return max(hops * link.latency + hops / replicas * mm.PARAM_BYTES * p / link.bandwidth for p in stage_params)
 
 
 def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | None = None) -> Outcome:

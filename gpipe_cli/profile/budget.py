@@ -87,7 +87,7 @@ def _measure(spec: Any, seed: int, batches: tuple[int, int] = mm.PROBE_BATCHES) 
     activations would not fit its memory (widths given by flags), from shapes on the meta device instead."""
     shapes = mm.measure(spec, seed, batches, device="meta")
     size = max(batches)
-    need = sum(layer.params * 4 + layer.saved.at(size) + layer.output.at(size) for layer in shapes.layers)
+    need = sum(layer.params * mm.PARAM_BYTES + layer.saved.at(size) + layer.output.at(size) for layer in shapes.layers)
     if 3 * need > mm.available_bytes("cpu"):  # weights, their gradients and the activations, with room to spare
         return shapes, False
     return mm.measure(spec, seed, batches), True

@@ -130,7 +130,7 @@ def predicted_stages(scenario: Scenario, figures: ModelFigures, batch: int, sche
     """An extrapolated row's stages in the measured rows' shape."""
     out, start = [], 0
     for s, fp in enumerate(scenario.predict(figures, batch, schedule, per_param)):
-        weights = fp.params * 4
+        weights = fp.params * mm.PARAM_BYTES
         out.append({"stage": s, "first_layer": start, "layers": fp.layers, "params_bytes": weights,
                     "grads_bytes": weights, "optimizer_bytes": round(fp.weights_bytes) - 2 * weights,
                     "stored_bytes": round(fp.stored_bytes), "peak_bytes": round(fp.peak_bytes),
