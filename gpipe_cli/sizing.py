@@ -135,12 +135,7 @@ class Candidate:
 
     def describe(self, full: bool = False) -> str:
         """How the model is named to the user."""
-        return describe_params(self.kind, self.params, full)
-
-
-def describe_params(kind: str, params: dict[str, Any], full: bool = False) -> str:
-    """e.g. "Transformer-L with 8 layers, d_model 512" (`full`: every size), as its family names it."""
-    return families.of(kind).title(params, full)
+        return families.of(self.kind).title(self.params, full)
 
 
 @functools.lru_cache(maxsize=64)
