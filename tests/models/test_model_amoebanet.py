@@ -6,8 +6,9 @@ import pytest
 import torch
 from models_testkit import build_layers, check_every_cut, run
 
-from gpipe_cli.models import build_model, count_parameters
 from gpipe_cli.models.amoebanet.ops import Pool
+from gpipe_cli.models.describe import count_parameters
+from gpipe_cli.models.registry import build_model
 
 # (variant, L, D, published count, unit of the last published digit)
 PUBLISHED = [

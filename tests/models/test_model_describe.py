@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpipe_cli.models import build_model, build_preset, count_parameters, layer_params
-from gpipe_cli.models.describe import LayerCost, ModelSummary, describe
+from gpipe_cli.models.describe import LayerCost, ModelSummary, count_parameters, describe, layer_params
+from gpipe_cli.models.registry import build_model, build_preset
 
 SPECS = {
     "amoebanet": dict(kind="amoebanet", variant="d", layers=6, filters=16, num_classes=10,

@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from gpipe_cli.data.tokenizer import train_tokenizer
-from gpipe_cli.models import build_model
+from gpipe_cli.models.registry import build_model
 from gpipe_cli.models.weights import describe, store_once
 
 WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
