@@ -11,7 +11,7 @@ from pydantic_core import PydanticCustomError
 from gpipe_cli.errors import cut
 from gpipe_cli.limits import MAX_COUNT, MAX_LAYERS, MAX_RANKS, MAX_REAL, MAX_SIZE, MAX_VIRTUAL
 from gpipe_cli.pipeline import schedules
-from gpipe_cli.pipeline.config import microbatch_problem
+from gpipe_cli.pipeline.config import microbatch_problem, offload_problem
 
 
 def _not_text(value: object) -> None:
@@ -168,9 +168,8 @@ class Pipeline(Section):
             per = "per stage" if self.virtual_stages == 1 else "per chunk (partitions x virtual_stages)"
             raise ValueError(f"pipeline.balance has {len(self.balance)} entries but the pipeline has {chunks}; "
                              f"give one layer count {per}")
-        if self.offload == "activations" and self.checkpoint == "never":
-            raise ValueError("pipeline.offload: activations moves the inputs that rematerialization stores; it "
-                             "needs pipeline.checkpoint always or except_last (got never)")
+        if problem := offload_problem(self.offload, self.checkpoint, "pipeline."):
+            raise ValueError(problem)
         chunked = [name for name in schedules.names() if schedules.get(name).chunked]
         if self.virtual_stages > 1 and self.schedule not in chunked:
             raise ValueError(f"pipeline.virtual_stages {self.virtual_stages} needs pipeline.schedule: "
