@@ -34,7 +34,7 @@ from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import describe, layer_params
 from gpipe_cli.models.registry import allowed_params, build_model
 from gpipe_cli.pipeline.layer_profile import profile_layers
-from gpipe_cli.profile import account, budget, report, scenarios
+from gpipe_cli.profile import account, budget, probe, report, scenarios
 from gpipe_cli.profile.options import ProfileOptions, validate
 from gpipe_cli.progress import Progress
 from gpipe_cli.units import human_bytes, human_count, human_seconds
@@ -251,8 +251,19 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
     m = options.microbatches
     scenarios = [("naive-1", 1, 1, "never"), ("pipeline-1", 1, m, options.checkpoint)]
     scenarios += [(f"pipeline-{k}", k, m, options.checkpoint) for k in options.partitions if k > 1]
-    rows = budget.search(family, scenarios, limit, batch, options.schedule, options.optimizer, options.offload)
-    return {"budget_bytes": limit, "family": family.title, "kind": kind, "fixed": fixed, "batch_size": batch,
+    correction = None
+    device = _device(options.device)
+    # On a GPU the accounting misses the allocator and the libraries: a few probe steps measure that. On the CPU
+    # the meter is the accounting itself, so the probe runs only when asked for (--device cpu), as a check.
+    if device.type == "cuda" or options.device == "cpu":
+        probes = budget.device_probes(family, scenarios, options.schedule, options.optimizer, options.seed)
+        progress.phase(f"probing {device}: {len(probes)} short training steps of small members", 0.0)
+        correction = probe.calibrate(probes, probe.meter_for(device))
+        console.print(correction.describe(), highlight=False)
+    rows = budget.search(family, scenarios, limit, batch, options.schedule, options.optimizer, options.offload,
+                         correction)
+    return {"correction": None if correction is None else correction.to_json(),
+            "budget_bytes": limit, "family": family.title, "kind": kind, "fixed": fixed, "batch_size": batch,
             "microbatches": m, "schedule": options.schedule, "checkpoint": options.checkpoint,
             "optimizer": options.optimizer, "bytes_per_param": mm.bytes_per_parameter(options.optimizer),
             "method": "per-layer figures measured by saved-tensor accounting on small members, scaled" + (
