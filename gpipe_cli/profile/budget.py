@@ -85,13 +85,14 @@ def _assemble(names: list[str], roles: dict[str, LayerFigures], inputs: Affine,
     return ModelFigures(inputs, tuple(layers))
 
 
-def _measure(spec: Any, seed: int, batches: tuple[int, int] = mm.PROBE_BATCHES) -> tuple[ModelFigures, bool]:
+def _measure(spec: Any, seed: int, batches: tuple[int, int] = mm.PROBE_BATCHES,
+             shapes_only: bool = False) -> tuple[ModelFigures, bool]:
     """A small member's figures, and whether they were measured on this machine: where its weights and
-    activations would not fit its memory (widths given by flags), from shapes on the meta device instead."""
+    activations would not fit its memory (widths given by flags), or when asked, from shapes on the meta device."""
     shapes = mm.measure(spec, seed, batches, device="meta")
     size = max(batches)
     need = sum(layer.params * 4 + layer.saved.at(size) + layer.output.at(size) for layer in shapes.layers)
-    if 3 * need > mm.available_bytes("cpu"):  # weights, their gradients and the activations, with room to spare
+    if shapes_only or 3 * need > mm.available_bytes("cpu"):  # weights, gradients and activations, with room to spare
         return shapes, False
     return mm.measure(spec, seed, batches), True
 
@@ -110,10 +111,12 @@ class TransformerL:
     kind = "transformer"
     title = "Transformer-L"
 
-    def __init__(self, fixed: dict[str, Any], seed: int = 0, max_layers: int = MAX_LAYERS) -> None:
+    def __init__(self, fixed: dict[str, Any], seed: int = 0, max_layers: int = MAX_LAYERS,
+                 shapes_only: bool = False) -> None:
         self.fixed, self.max_layers = fixed, max_layers
         # No BatchNorm here, so a single example is a valid probe (it halves the cost at paper sizes).
-        self.probe, self.measured = _measure(build_model("transformer", layers=2, **fixed), seed, batches=(1, 2))
+        self.probe, self.measured = _measure(build_model("transformer", layers=2, **fixed), seed, batches=(1, 2),
+                                             shapes_only=shapes_only)
         self.roles = _by_role(self.probe)
 
     def figures(self, layers: int) -> ModelFigures:

@@ -155,6 +155,14 @@ class Correction:
 NONE = Correction(meter="none")
 
 
+def from_json(data: dict[str, Any] | None) -> Correction:
+    """A correction as `Correction.to_json` wrote it (None: none)."""
+    if not data:
+        return NONE
+    return Correction(data["workspace_bytes"], data["weights_factor"], dict(data["activations_factor"]),
+                      data.get("meter", ""))
+
+
 def _solve(rows: list[list[float]], values: list[float]) -> list[float]:
     """Least squares, in float64."""
     a = torch.tensor(rows, dtype=torch.float64)
