@@ -82,6 +82,7 @@ def cuda_peak(step: Callable[[], Any], device: torch.device) -> int:
     """The CUDA caching allocator's reserved peak over `step`, above what it held before (what the card must have:
     allocations with their rounding, the allocator's cache and library workspaces)."""
     gc.collect()
+    torch.empty(1, device=device)  # the allocator's state must exist before its peak is reset
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_reserved(device)
