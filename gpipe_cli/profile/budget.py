@@ -27,7 +27,7 @@ from gpipe_cli.memory_model import Affine, Footprint, LayerFigures, ModelFigures
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import layer_params
 from gpipe_cli.models.registry import build_model
-from gpipe_cli.profile.probe import Correction, Probe
+from gpipe_cli.profile.probe import Correction, Probe, steps
 from gpipe_cli.units import parse_size
 
 # The families' fixed sizes in the paper's Table 1 and the batch it used.
@@ -249,16 +249,9 @@ class BudgetRow:
 
 def device_probes(family: TransformerL | AmoebaNetD, scenarios: list[tuple[str, int, int, str]], schedule: str,
                   optimizer: str, seed: int = 0) -> list[Probe]:
-    """The probe steps that fit the device correction: per (M, checkpoint) of the scenarios, the two small members
-    at the smaller micro-batch and the first at the larger, so that weights and activations vary apart."""
+    """The probe steps that fit the device correction: the family's two smallest members."""
     sizes = (1, 2) if family.kind == "transformer" else (2, 4)  # BatchNorm needs two examples
-    (small, small_figures), (large, large_figures) = family.members()
-    out = []
-    for m, checkpoint in dict.fromkeys((m, c) for _, _, m, c in scenarios):
-        for spec, figures, size in ((small, small_figures, sizes[0]), (large, large_figures, sizes[0]),
-                                    (small, small_figures, sizes[1])):
-            out.append(Probe(spec, figures, size * m, m, schedule, checkpoint, optimizer, seed))
-    return out
+    return steps(family.members(), scenarios, sizes, schedule, optimizer, seed)
 
 
 def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[str, int, int, str]], budget: float,

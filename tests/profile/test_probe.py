@@ -4,8 +4,10 @@ import math
 
 import pytest
 
+from gpipe_cli.estimate.subject import Subject
 from gpipe_cli.memory_model import Footprint, bytes_per_parameter, footprints
 from gpipe_cli.profile import budget, probe
+from gpipe_cli.profile.runner import member_probes
 
 TRANSFORMER = dict(arch="decoder-only", d_model=32, ff=64, heads=2, vocab_size=64, max_len=8)
 MiB = 2**20
@@ -73,10 +75,10 @@ def test_the_corrected_search_peaks_within_five_percent_below_the_budget(transfo
         assert (int(uncorrected.model) > int(row.model)) == (checkpoint == "never"), name
 
 
-def test_on_the_cpu_the_accounting_meter_fits_no_correction(transformer):
-    scenarios = SCENARIOS[1:2]  # three steps: rematerialised, the case the accounting counts most carefully
-    correction = probe.calibrate(budget.device_probes(transformer, scenarios, "gpipe", "rmsprop"),
-                                 probe.AccountingMeter())
+def test_on_the_cpu_the_accounting_meter_fits_no_correction():
+    subject = Subject("transformer", {"layers": 6, **TRANSFORMER})
+    rows = [("pipeline-1", 1, 4, "except_last")]  # three steps, rematerialised: the case counted most carefully
+    correction = probe.calibrate(member_probes(subject, rows, "gpipe", "rmsprop", 0), probe.AccountingMeter())
     assert correction.weights == pytest.approx(1.0, abs=0.02)
     assert correction.activations == pytest.approx({"remat": 1.0}, abs=0.02)
     assert correction.workspace < 0.01 * min(m for _, m, _ in correction.points)
