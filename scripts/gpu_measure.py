@@ -502,7 +502,7 @@ def fits(args: argparse.Namespace) -> dict[str, Any]:
         print(f"gpu_measure: {row['scenario']}: {table['family']} {row['model']}, training one step...", flush=True)
         outcome = _one_step(spec, table["batch_size"], row["microbatches"], row["checkpoint"], table["optimizer"],
                             device)
-        rows.append({**row, **outcome, "budget_bytes": table["budget_bytes"],
+        rows.append({**row, **outcome, "budget_bytes": table["budget_bytes"], "schedule": table.get("schedule"),
                      **_versus(row["device_peak_bytes"], outcome, table["budget_bytes"])})
     peak = ("CUDA allocator peaks (torch.cuda.max_memory_allocated, and max_memory_reserved above the start: "
             "measured_bytes)" if device.type == "cuda"
