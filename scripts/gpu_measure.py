@@ -394,11 +394,11 @@ def _one_step(spec: Any, batch: int, microbatches: int, checkpoint: str, optimiz
     return result
 
 
-def _versus(predicted: float, outcome: dict[str, Any], budget: float) -> dict[str, Any]:
-    """A row's predicted peak against its measured one."""
+def _versus(predicted: float | None, outcome: dict[str, Any], budget: float) -> dict[str, Any]:
+    """A row's predicted peak (None: the table has none) against its measured one."""
     measured = _measured(outcome)
     return {"predicted_bytes": predicted, "measured_bytes": measured,
-            "ratio": predicted / measured if measured > 0 else None,
+            "ratio": predicted / measured if predicted is not None and measured > 0 else None,
             "within_budget": bool(outcome["trained"]) and measured <= budget}
 
 
@@ -503,7 +503,7 @@ def fits(args: argparse.Namespace) -> dict[str, Any]:
         outcome = _one_step(spec, table["batch_size"], row["microbatches"], row["checkpoint"], table["optimizer"],
                             device)
         rows.append({**row, **outcome, "budget_bytes": table["budget_bytes"], "schedule": table.get("schedule"),
-                     **_versus(row["device_peak_bytes"], outcome, table["budget_bytes"])})
+                     **_versus(row.get("device_peak_bytes"), outcome, table["budget_bytes"])})
     peak = ("CUDA allocator peaks (torch.cuda.max_memory_allocated, and max_memory_reserved above the start: "
             "measured_bytes)" if device.type == "cuda"
             else "the process's peak resident memory; measured_bytes: the engine's saved-tensor accounting (CPU)")
