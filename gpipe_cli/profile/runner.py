@@ -263,6 +263,7 @@ def search_seconds(kind: str, fixed: dict[str, Any], machine: sizing.Machine) ->
 def search(options: ProfileOptions, console: Console, progress: Progress) -> dict[str, Any]:
     """The largest model per scenario within the budget; the figures as the JSON file holds them."""
     limit = budget.parse_bytes(options.budget or "")
+    device = _device(options.device)  # before anything is measured: a missing GPU is said at once
     kind, fixed = _family(options)
     batch = options.batch_size or budget.PAPER_BATCH[kind]
     seconds = search_seconds(kind, fixed, sizing.this_machine(torch.get_num_threads()))
@@ -274,7 +275,6 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
     scenarios = [("naive-1", 1, 1, "never"), ("pipeline-1", 1, m, options.checkpoint)]
     scenarios += [(f"pipeline-{k}", k, m, options.checkpoint) for k in options.partitions if k > 1]
     correction = None
-    device = _device(options.device)
     # On a GPU the accounting misses the allocator and the libraries: a few probe steps measure that. On the CPU
     # the meter is the accounting itself, so the probe runs only when asked for (--device cpu), as a check.
     if device.type == "cuda" or options.device == "cpu":
