@@ -299,8 +299,10 @@ def stage_needs(figures: ModelFigures, balance: Sequence[int], batch_size: int, 
 
 
 def greedy_fit(figures: ModelFigures, stages: int, budget: float, batch_size: int, microbatches: int,
-               schedule: str, checkpoint: str, bytes_per_param: float, offload: str = "none") -> list[Footprint] | None:
-    """Cut the layers into at most `stages` stages, each as long as it fits `budget`; None if they do not fit.
+               schedule: str, checkpoint: str, bytes_per_param: float, offload: str = "none",
+               need: Callable[[Footprint], float] | None = None) -> list[Footprint] | None:
+    """Cut the layers into at most `stages` stages, each as long as it fits `budget` (by `need`: the bytes a stage
+    takes on the device, its total unless told); None if they do not fit.
 
     Filling each stage as far as it fits, in order, uses the fewest stages a contiguous cut can,
     because a stage never needs less memory when it gains a layer. So each stage's end is found by
@@ -316,7 +318,7 @@ def greedy_fit(figures: ModelFigures, stages: int, budget: float, batch_size: in
         def trial(stop: int, stage: int = stage, start: int = start) -> Footprint | None:
             found = stage_footprint(figures, start, stop, stage, stages, batch_size, microbatches, schedule,
                                     checkpoint, bytes_per_param, offload)
-            return found if found.total_bytes <= budget else None
+            return found if (need(found) if need else found.total_bytes) <= budget else None
 
         best = trial(start + 1)
         if best is None:

@@ -98,10 +98,14 @@ def table1(raw: dict[str, Any], fits: dict[str, Any] | None, source: str) -> dic
         out["remat_params_gain"] = gain
         out["paper_gain"] = PAPER_REMAT_GAIN[raw["kind"]]
         out["meets_paper"] = gain >= PAPER_REMAT_GAIN[raw["kind"]]
+    out["correction"] = raw.get("correction")  # what the device probe added to the accounting (None: not run)
     if fits is not None:
-        out["on_gpu"] = {r["scenario"]: {k: r.get(k) for k in ("trained", "peak_bytes", "within_budget", "error",
-                                                               "seconds")}
-                         for r in fits["rows"]}
+        # Every row trained on the GPU, V-Half and offload among them: its predicted against its measured peak.
+        out["on_gpu"] = {r["scenario"]: {k: r.get(k) for k in (
+            "model", "params", "schedule", "offload", "trained", "predicted_bytes", "measured_bytes", "ratio",
+            "peak_bytes", "within_budget", "error", "seconds")} for r in fits["rows"]}
+        if "checks" in fits:
+            out["checks"] = fits["checks"]
     return out
 
 

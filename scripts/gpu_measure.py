@@ -5,7 +5,9 @@
                rematerializes), bf16 autocast and fp32, per batch, M and checkpoint mode; and the CUDA
                synchronisations of one engine step (torch.cuda.set_sync_debug_mode("warn"))
     fits       train one step of each largest model `gpipe profile-memory --budget` found, on the
-               GPU, and read the CUDA allocator's peak (or the out-of-memory error)
+               GPU, and read the CUDA allocator's peak (or the out-of-memory error) against the
+               predicted; with --extra also V-Half and offload rows, and the goals: the largest remat
+               model peaks within 5% below the budget, offload fits 1.3x its parameters
     messages   seconds per message between two ranks sharing one GPU (device -> host -> gloo ->
                host -> device) against the same messages between two CPU ranks
     multigpu   `gpipe train` at K=2 under torchrun on two GPUs (NCCL): each schedule with messages
@@ -46,6 +48,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.checkpoint import checkpoint as checkpointed
 
+from gpipe_cli import memory_model as mm
 from gpipe_cli.estimate.subject import example_batch, resolve
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline import microbatch, topology
@@ -54,6 +57,7 @@ from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.fabric import FORWARD, Link, TorchFabric
 from gpipe_cli.pipeline.layers import build_layers
+from gpipe_cli.profile import account, budget, probe
 from gpipe_cli.profile.account import OPTIMIZERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -332,42 +336,57 @@ def _model_of(kind: str, label: str, fixed: dict[str, Any]) -> Any:
     return build_model("transformer", layers=int(label), **fixed)
 
 
-def _reset_peak(device: torch.device) -> None:
+def _reset_peak(device: torch.device) -> int:
+    """Reset the allocator's peaks; what it reserves now (the base of the reserved peak)."""
+    if device.type != "cuda":
+        return 0
+    cuda_ready(device)  # the allocator must exist before its peak is reset
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return int(torch.cuda.memory_reserved(device))
+
+
+def _peaks(device: torch.device, base: int) -> dict[str, Any]:
+    """The CUDA allocator's allocated and reserved peaks (the reserved one above `base`: what the card had to
+    give, as `gpipe profile-memory --budget` predicts it); on the CPU the process's peak resident memory."""
     if device.type == "cuda":
-        cuda_ready(device)  # the allocator must exist before its peak is reset
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+        return {"peak_bytes": int(torch.cuda.max_memory_allocated(device)),
+                "reserved_peak_bytes": int(torch.cuda.max_memory_reserved(device)) - base}
+    return {"peak_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "reserved_peak_bytes": None}
 
 
-def _peak(device: torch.device) -> int:
-    """The CUDA allocator's peak; on the CPU the process's peak resident memory."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+def _measured(outcome: dict[str, Any]) -> float:
+    """The peak a prediction is compared with: the reserved one on CUDA, the engine's accounting on the CPU."""
+    return float(outcome.get("reserved_peak_bytes") or outcome.get("accounted_bytes") or outcome["peak_bytes"])
 
 
-def _one_step(spec: Any, batch: int, microbatches: int, checkpoint: str, optimizer: str,
-              device: torch.device) -> dict[str, Any]:
-    """One training step and optimizer step at K=1; the allocator's peak, or the error."""
+def _one_step(spec: Any, batch: int, microbatches: int, checkpoint: str, optimizer: str, device: torch.device,
+              schedule: str = "gpipe", balance: tuple[int, ...] = (), virtual: int = 1) -> dict[str, Any]:
+    """One training step and optimizer step at K=1 (V chunks of `balance` on the one device); the allocator's
+    peaks, or the error."""
     n = len(spec.layers)
     gc.collect()
-    _reset_peak(device)
+    base = _reset_peak(device)
     started = time.perf_counter()
     pipe = opt = None
     try:
         pipe = Pipeline(build_layers(spec.factories(), range(n), 0, device), topology.local(device),
-                        PipelineConfig(checkpoint=checkpoint, balance=(n,)), spec.loss, units=spec.units)
+                        PipelineConfig(checkpoint=checkpoint, balance=balance or (n,), schedule=schedule,
+                                       virtual=virtual, microbatches=microbatches), spec.loss, units=spec.units)
         opt = OPTIMIZERS[optimizer](pipe.parameters())
         inputs, targets = example_batch(spec, batch, 0)
-        pipe.train_step(inputs, targets, microbatches=microbatches, step=0)
+        step = pipe.train_step(inputs, targets, microbatches=microbatches, step=0)
         opt.step()
         _sync(device)
-        result: dict[str, Any] = {"trained": True}
+        params = sum(p.numel() for p in pipe.parameters() if p.requires_grad)
+        # The CPU's meter: the engine's saved-tensor accounting, with the weights, gradients and optimizer state.
+        accounted = None if step.own is None else params * mm.bytes_per_parameter(optimizer) + step.own.activation_peak
+        result: dict[str, Any] = {"trained": True, "accounted_bytes": accounted}
     except RuntimeError as exc:  # the allocator's OutOfMemoryError, or cuBLAS/cuDNN failing to allocate
         if "out of memory" not in str(exc).lower():
             raise
         result = {"trained": False, "error": str(exc).splitlines()[0]}
-    result.update(peak_bytes=_peak(device), seconds=time.perf_counter() - started)
+    result.update(_peaks(device, base), seconds=time.perf_counter() - started)
     pipe = opt = None  # noqa: F841 (dropped before the next model is built)
     gc.collect()
     if device.type == "cuda":
@@ -375,8 +394,103 @@ def _one_step(spec: Any, batch: int, microbatches: int, checkpoint: str, optimiz
     return result
 
 
+def _versus(predicted: float | None, outcome: dict[str, Any], budget: float) -> dict[str, Any]:
+    """A row's predicted peak (None: the table has none) against its measured one."""
+    measured = _measured(outcome)
+    return {"predicted_bytes": predicted, "measured_bytes": measured,
+            "ratio": predicted / measured if predicted is not None and measured > 0 else None,
+            "within_budget": bool(outcome["trained"]) and measured <= budget}
+
+
+def _staged(spec: Any, batch: int, balance: list[int], microbatches: int, checkpoint: str, schedule: str,
+            optimizer: str, offload: str, device: torch.device) -> dict[str, Any]:
+    """K stages driven in turn on the one device by the engine's executor (`gpipe profile-memory`'s way): the
+    fullest stage's peak (CUDA: the allocator's reserved peak over them all; CPU: the accounted stage totals)."""
+    gc.collect()
+    base = _reset_peak(device)
+    started = time.perf_counter()
+    try:
+        inputs, targets = example_batch(spec, batch, 0)
+        stages = account.measure(spec, inputs, targets, balance, microbatches, schedule, checkpoint, optimizer, 0,
+                                 device, offload)
+        _sync(device)
+        result: dict[str, Any] = {"trained": True, "host_peak_bytes": max(s.host_bytes for s in stages)}
+        peaks = _peaks(device, base)
+        if device.type != "cuda":
+            peaks["accounted_bytes"] = max(s.total_bytes for s in stages)
+    except RuntimeError as exc:
+        if "out of memory" not in str(exc).lower():
+            raise
+        result, peaks = {"trained": False, "error": str(exc).splitlines()[0]}, _peaks(device, base)
+    result.update(peaks, seconds=time.perf_counter() - started)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+# The acceptance's goals for the Table 1 rows (reported in figures.json, never failing the step).
+WITHIN_BUDGET = 0.05   # the largest remat Transformer peaks within 5% below the budget
+OFFLOAD_GAIN = 1.3     # offload fits at least 1.3x the parameters of remat alone
+OFFLOAD_STAGES = 2     # offload moves the inputs of every stage but the first: it needs two
+
+
+def extra_rows(table: dict[str, Any], rows: list[dict[str, Any]], device: torch.device) -> dict[str, Any]:
+    """V-Half (the remat row's model as two chunks on the one device) and offload (the largest model with
+    `pipeline.offload: activations` at K=2, stages driven in turn), each predicted and measured; and the goals."""
+    correction = probe.from_json(table.get("correction"))
+    per_param = mm.bytes_per_parameter(table["optimizer"])
+    budget_bytes, batch, schedule = table["budget_bytes"], table["batch_size"], table.get("schedule", "gpipe")
+    remat = next((r for r in rows if r["scenario"] == "pipeline-1"), None)
+    out: dict[str, Any] = {"rows": [], "checks": {}}
+    if remat is None:
+        out["checks"]["remat_within_5pct"] = {"passed": None, "why": "no pipeline-1 row fits the budget"}
+        return out
+    m, checkpoint = remat["microbatches"], remat["checkpoint"]
+    measured = _measured(remat)
+    out["checks"]["remat_within_5pct"] = {
+        "passed": bool(remat["trained"]) and (1 - WITHIN_BUDGET) * budget_bytes <= measured <= budget_bytes,
+        "measured_bytes": measured, "budget_bytes": budget_bytes, "model": remat["model"]}
+    # V-Half: the same model as two chunks on one device, each micro-batch's forward down and back up the V.
+    spec = _model_of(table["kind"], remat["model"], table["fixed"])
+    n = len(spec.layers)
+    balance = ((n + 1) // 2, n // 2)
+    print(f"gpu_measure: v-half: {table['family']} {remat['model']} as chunks {balance}, training one step...",
+          flush=True)
+    figures = mm.measure(spec, 0, device="meta")
+    predicted = correction.bytes(mm.footprints(figures, list(balance), batch, m, "v-half", checkpoint, per_param,
+                                               virtual=2)[0], checkpoint)
+    outcome = _one_step(spec, batch, m, checkpoint, table["optimizer"], device, "v-half", balance, 2)
+    out["rows"].append({"scenario": "v-half-1", "schedule": "v-half", "virtual_stages": 2, "partitions": 1,
+                        "microbatches": m, "checkpoint": checkpoint, "model": remat["model"], "params": remat["params"],
+                        "balance": list(balance), **outcome, **_versus(predicted, outcome, budget_bytes)})
+    # Offload against remat alone at K=2: the largest of each by the corrected prediction (per-layer figures from
+    # shapes), the offload one driven stage by stage.
+    family = budget.TransformerL(table["fixed"], shapes_only=True)
+    scenario = [(f"pipeline-{OFFLOAD_STAGES}", OFFLOAD_STAGES, m, checkpoint)]
+    alone, moved = (budget.search(family, scenario, budget_bytes, batch, schedule, table["optimizer"], offload,
+                                  correction)[0] for offload in ("none", "activations"))
+    if alone is None or moved is None:
+        out["checks"]["offload_gain"] = {"passed": None, "why": "nothing fits at K=2"}
+        return out
+    spec = _model_of(table["kind"], moved.model, table["fixed"])
+    print(f"gpu_measure: offload: {table['family']} {moved.model} at K={OFFLOAD_STAGES} {moved.balance}, "
+          "each stage one step...", flush=True)
+    outcome = _staged(spec, batch, moved.balance, m, checkpoint, schedule, table["optimizer"], "activations", device)
+    out["rows"].append({"scenario": f"offload-{OFFLOAD_STAGES}", "schedule": schedule, "partitions": OFFLOAD_STAGES,
+                        "offload": "activations", "microbatches": m, "checkpoint": checkpoint, "model": moved.model,
+                        "params": moved.params, "balance": moved.balance, **outcome,
+                        **_versus(moved.device_peak_bytes, outcome, budget_bytes)})
+    gain = moved.params / alone.params
+    out["checks"]["offload_gain"] = {"passed": gain >= OFFLOAD_GAIN and out["rows"][-1]["within_budget"],
+                                     "gain": gain, "goal": OFFLOAD_GAIN, "offload_model": moved.model,
+                                     "remat_model": alone.model, "partitions": OFFLOAD_STAGES}
+    return out
+
+
 def fits(args: argparse.Namespace) -> dict[str, Any]:
-    """Train every row of a `profile-memory --budget` JSON file on the GPU, as the row says."""
+    """Train every row of a `profile-memory --budget` JSON file on the GPU, as the row says, each predicted
+    against measured (with --extra: the V-Half and offload rows, and the goals)."""
     device = _device(args)
     cuda_ready(device)
     table = json.loads(Path(args.table).read_text())
@@ -388,13 +502,18 @@ def fits(args: argparse.Namespace) -> dict[str, Any]:
         print(f"gpu_measure: {row['scenario']}: {table['family']} {row['model']}, training one step...", flush=True)
         outcome = _one_step(spec, table["batch_size"], row["microbatches"], row["checkpoint"], table["optimizer"],
                             device)
-        rows.append({**row, **outcome, "budget_bytes": table["budget_bytes"],
-                     "within_budget": outcome["trained"] and outcome["peak_bytes"] <= table["budget_bytes"]})
-    peak = ("CUDA allocator peak (torch.cuda.max_memory_allocated)" if device.type == "cuda"
-            else "the process's peak resident memory (CPU)")
-    return {"family": table["family"], "kind": table["kind"], "batch_size": table["batch_size"],
-            "optimizer": table["optimizer"], "device": _device_name(device),
-            "method": f"{peak} over one step and optimizer step", "rows": rows}
+        rows.append({**row, **outcome, "budget_bytes": table["budget_bytes"], "schedule": table.get("schedule"),
+                     **_versus(row.get("device_peak_bytes"), outcome, table["budget_bytes"])})
+    peak = ("CUDA allocator peaks (torch.cuda.max_memory_allocated, and max_memory_reserved above the start: "
+            "measured_bytes)" if device.type == "cuda"
+            else "the process's peak resident memory; measured_bytes: the engine's saved-tensor accounting (CPU)")
+    out = {"family": table["family"], "kind": table["kind"], "batch_size": table["batch_size"],
+           "optimizer": table["optimizer"], "device": _device_name(device), "correction": table.get("correction"),
+           "method": f"{peak} over one step and optimizer step", "rows": rows}
+    if args.extra:
+        extra = extra_rows(table, rows, device)
+        out.update(rows=rows + extra["rows"], checks=extra["checks"])
+    return out
 
 
 # ----------------------------------------------------------------------------------------- messages
@@ -664,6 +783,8 @@ def parser() -> argparse.ArgumentParser:
                    help="stop starting new configurations after this many seconds (0: no limit)")
     f = sub.add_parser("fits", help="train the largest models of a profile-memory --budget JSON file")
     f.add_argument("--table", required=True, help="the JSON file of gpipe profile-memory --budget")
+    f.add_argument("--extra", action="store_true",
+                   help="also V-Half (virtual stages 2) and offload rows, and the goals (Transformer-L)")
     m = sub.add_parser("messages", help="seconds per message between two ranks sharing the GPU")
     m.add_argument("--sizes", default="65536,1048576,4194304,16777216", help="message sizes in bytes")
     m.add_argument("--count", type=int, default=50)

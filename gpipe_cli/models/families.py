@@ -32,6 +32,8 @@ class Family:
     short: Callable[[dict[str, Any]], str]         # a few words naming one member
     task: Callable[[Any], Task]                    # the data task of a recipe's model section
     data_sizes: tuple[str, ...] = field(default=())  # the model-section keys the data must agree with
+    least_examples: int = 1     # the smallest micro-batch it trains on (BatchNorm needs two)
+    device_probe_depths: tuple[int, int] = (1, 2)  # the shallow members that fit a device's memory correction
 
 
 def _amoebanet_title(params: dict[str, Any], full: bool) -> str:
@@ -63,7 +65,8 @@ AMOEBANET = Family(
     cpu_efficiency=0.06,
     shrink_flags="--layers, --filters, --image-size",
     title=_amoebanet_title, short=lambda p: f"AmoebaNet-D ({p.get('layers')}, {p.get('filters')})",
-    task=lambda model: "image", data_sizes=("image_size", "num_classes"))
+    task=lambda model: "image", data_sizes=("image_size", "num_classes"), least_examples=2,
+    device_probe_depths=(6, 12))
 
 TRANSFORMER = Family(
     kind="transformer", paper_preset="transformer-l-48", paper_title="Transformer-48", paper_batch=32,

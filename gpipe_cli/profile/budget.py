@@ -24,8 +24,11 @@ from typing import Any, NamedTuple
 from gpipe_cli import memory_model as mm
 from gpipe_cli.limits import MAX_LAYERS
 from gpipe_cli.memory_model import Affine, Footprint, LayerFigures, ModelFigures, bytes_per_parameter, greedy_fit
+from gpipe_cli.models import families
+from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import layer_params
 from gpipe_cli.models.registry import build_model
+from gpipe_cli.profile.probe import Correction, Probe, steps
 from gpipe_cli.units import parse_size
 
 # The families' fixed sizes in the paper's Table 1.
@@ -82,13 +85,14 @@ def _assemble(names: list[str], roles: dict[str, LayerFigures], inputs: Affine,
     return ModelFigures(inputs, tuple(layers))
 
 
-def _measure(spec: Any, seed: int, batches: tuple[int, int] = mm.PROBE_BATCHES) -> tuple[ModelFigures, bool]:
+def _measure(spec: Any, seed: int, batches: tuple[int, int] = mm.PROBE_BATCHES,
+             shapes_only: bool = False) -> tuple[ModelFigures, bool]:
     """A small member's figures, and whether they were measured on this machine: where its weights and
-    activations would not fit its memory (widths given by flags), from shapes on the meta device instead."""
+    activations would not fit its memory (widths given by flags), or when asked, from shapes on the meta device."""
     shapes = mm.measure(spec, seed, batches, device="meta")
     size = max(batches)
     need = sum(layer.params * mm.PARAM_BYTES + layer.saved.at(size) + layer.output.at(size) for layer in shapes.layers)
-    if 3 * need > mm.available_bytes("cpu"):  # weights, their gradients and the activations, with room to spare
+    if shapes_only or 3 * need > mm.available_bytes("cpu"):  # weights, gradients and activations, with room to spare
         return shapes, False
     return mm.measure(spec, seed, batches), True
 
@@ -107,16 +111,22 @@ class TransformerL:
     kind = "transformer"
     title = "Transformer-L"
 
-    def __init__(self, fixed: dict[str, Any], seed: int = 0, max_layers: int = MAX_LAYERS) -> None:
+    def __init__(self, fixed: dict[str, Any], seed: int = 0, max_layers: int = MAX_LAYERS,
+                 shapes_only: bool = False) -> None:
         self.fixed, self.max_layers = fixed, max_layers
         # No BatchNorm here, so a single example is a valid probe (it halves the cost at paper sizes).
-        self.probe, self.measured = _measure(build_model("transformer", layers=2, **fixed), seed, batches=(1, 2))
+        self.probe, self.measured = _measure(build_model("transformer", layers=2, **fixed), seed, batches=(1, 2),
+                                             shapes_only=shapes_only)
         self.roles = _by_role(self.probe)
 
     def figures(self, layers: int) -> ModelFigures:
         """The figures of the member with `layers` layers."""
         names = ["embed", *(f"layer_{i + 1}" for i in range(layers)), "softmax"]
         return _assemble(names, self.roles, self.probe.input, lambda role: self.roles[role].params)
+
+    def members(self) -> list[tuple[ModelSpec, ModelFigures]]:
+        """Two small members, built and priced, for the device probe: one and two layers."""
+        return [(build_model("transformer", layers=n, **self.fixed), self.figures(n)) for n in (1, 2)]
 
     def search(self, fits: Callable[[ModelFigures], list[Footprint] | None]) -> Found | None:
         """The deepest member that fits, up to `max_layers` (the most a recipe may have)."""
@@ -186,6 +196,10 @@ class AmoebaNetD:
         names = self._spec(layers, width).layer_names
         return _assemble(names, roles, self.input, lambda role: self._params(role, width))
 
+    def members(self) -> list[tuple[ModelSpec, ModelFigures]]:
+        """Two small members, built and priced, for the device probe: 6 cells at the two narrowest widths."""
+        return [(self._spec(6, d), self.figures(6, d)) for d in self.PROBE_WIDTHS[:2]]
+
     def search(self, fits: Callable[[ModelFigures], list[Footprint] | None]) -> Found | None:
         """The member with the most parameters that fits, over L in steps of 6 up to `max_layers` and D in steps
         of 16 up to `max_width`."""
@@ -226,6 +240,7 @@ class BudgetRow:
     device_peak_bytes: float       # the fullest device
     balance: list[int]
     bound: str = ""                # the search's bound that stopped it before the budget did ("": none)
+    accounted_peak_bytes: float = 0.0  # the fullest device by the accounting alone, before the device correction
 
     def to_json(self) -> dict[str, Any]:
         """As plain data."""
@@ -242,15 +257,29 @@ def paper_sizes(kind: str) -> dict[str, Any]:
     return dict(TRANSFORMER_L if kind == "transformer" else AMOEBANET_D)
 
 
+def device_probes(family: TransformerL | AmoebaNetD, scenarios: list[tuple[str, int, int, str]], schedule: str,
+                  optimizer: str, seed: int = 0) -> list[Probe]:
+    """The probe steps that fit the device correction: the family's two smallest members."""
+    least = families.of(family.kind).least_examples
+    sizes = (least, 2 * least)
+    return steps(family.members(), scenarios, sizes, schedule, optimizer, seed)
+
+
 def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[str, int, int, str]], budget: float,
-           batch_size: int, schedule: str, optimizer: str, offload: str = "none") -> list[BudgetRow | None]:
-    """The largest fitting member for each (name, K, M, checkpoint) scenario (None: nothing fits)."""
+           batch_size: int, schedule: str, optimizer: str, offload: str = "none",
+           correction: Correction | None = None) -> list[BudgetRow | None]:
+    """The largest fitting member for each (name, K, M, checkpoint) scenario (None: nothing fits); with a
+    `correction`, each stage priced as the device holds it."""
     per_param = bytes_per_parameter(optimizer)
     rows: list[BudgetRow | None] = []
     for name, k, m, checkpoint in scenarios:
-        def fits(model: ModelFigures, k: int = k, m: int = m, checkpoint: str = checkpoint) -> list[Footprint] | None:
+        def need(fp: Footprint, checkpoint: str = checkpoint) -> float:
+            return fp.total_bytes if correction is None else correction.bytes(fp, checkpoint)
+
+        def fits(model: ModelFigures, k: int = k, m: int = m, checkpoint: str = checkpoint,
+                 need: Callable[[Footprint], float] = need) -> list[Footprint] | None:
             return greedy_fit(model, k, budget, batch_size, m, schedule, checkpoint, per_param,
-                              offload if checkpoint != "never" else "none")
+                              offload if checkpoint != "never" else "none", need=need)
 
         found = family.search(fits)
         if found is None:
@@ -259,5 +288,6 @@ def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[str, int, in
         stages = found.stages
         rows.append(BudgetRow(name, k, m, checkpoint, found.label, found.params,
                               sum(s.weights_bytes for s in stages), sum(s.peak_bytes for s in stages),
-                              max(s.total_bytes for s in stages), [s.layers for s in stages], found.bound))
+                              max(need(s) for s in stages), [s.layers for s in stages], found.bound,
+                              max(s.total_bytes for s in stages)))
     return rows

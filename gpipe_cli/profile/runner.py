@@ -35,7 +35,7 @@ from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import describe, layer_params
 from gpipe_cli.models.registry import allowed_params, build_model
 from gpipe_cli.pipeline.layer_profile import profile_layers
-from gpipe_cli.profile import account, budget, report, scenarios
+from gpipe_cli.profile import account, budget, probe, report, scenarios
 from gpipe_cli.profile.options import ProfileOptions, validate
 from gpipe_cli.progress import Progress
 from gpipe_cli.units import human_bytes, human_count, human_seconds
@@ -180,6 +180,12 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
         rows = scenarios.plan(spec, figures, names, batch, options.schedule, per_param, have, options.balance,
                               options.offload)
         source = f"saved-tensor accounting of each layer's forward and backward on {device}"
+    correction = None
+    if device.type == "cuda" and any(not sc.measured for sc in rows):  # the extrapolated rows are predicted
+        probes = member_probes(subject, names, options.schedule, options.optimizer, options.seed)
+        progress.phase(f"probing {device}: {len(probes)} short training steps of small members", 0.0)
+        correction = probe.calibrate(probes, probe.meter_for(device))
+        console.print(correction.describe(), highlight=False)
     inputs, targets = example_batch(spec, batch, options.seed)
     params = sum(layer_params(spec))
     out = []
@@ -195,11 +201,28 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
         else:
             stages = scenarios.predicted_stages(sc, figures, batch, options.schedule, per_param)
             out.append(scenarios.row(sc, stages, sum(layer.params for layer in (sc.figures or figures).layers)))
+            if correction is not None:  # what the device holds, beside the accounting
+                device_bytes = [correction.bytes(fp, sc.checkpoint)
+                                for fp in sc.predict(figures, batch, options.schedule, per_param)]
+                out[-1].update(accounted_peak_bytes=out[-1]["device_peak_bytes"], device_peak_bytes=max(device_bytes))
     return {"model": {**subject.to_json(), "name": spec.name, "layers": len(spec.layers)}, "batch_size": batch,
             "microbatches": m, "schedule": options.schedule, "checkpoint": options.checkpoint,
             "offload": options.offload, "optimizer": options.optimizer, "device": str(device),
             "method": account.method(device),
-            "sized": note, "estimate_s": seconds, "per_layer_figures": source, "scenarios": out}
+            "sized": note, "estimate_s": seconds, "per_layer_figures": source, "scenarios": out,
+            "correction": None if correction is None else correction.to_json()}
+
+
+def member_probes(subject: Subject, rows: list[tuple[str, int, int, str]], schedule: str, optimizer: str,
+                  seed: int) -> list[probe.Probe]:
+    """The device probe's steps for a given model: two shallow members of it, with its widths."""
+    facts = families.of(subject.kind)
+    depths, sizes = facts.device_probe_depths, (facts.least_examples, 2 * facts.least_examples)
+    members = []
+    for depth in depths:
+        spec = build_model(subject.kind, **{**subject.params, "layers": depth})
+        members.append((spec, mm.measure(spec, seed, device="meta")))
+    return probe.steps(members, rows, sizes, schedule, optimizer, seed)
 
 
 def _family(options: ProfileOptions) -> tuple[str, dict[str, Any]]:
@@ -243,6 +266,7 @@ def search_seconds(kind: str, fixed: dict[str, Any], machine: sizing.Machine) ->
 def search(options: ProfileOptions, console: Console, progress: Progress) -> dict[str, Any]:
     """The largest model per scenario within the budget; the figures as the JSON file holds them."""
     limit = budget.parse_bytes(options.budget or "")
+    device = _device(options.device)  # before anything is measured: a missing GPU is said at once
     kind, fixed = _family(options)
     batch = options.batch_size or families.of(kind).paper_batch
     seconds = search_seconds(kind, fixed, sizing.this_machine(torch.get_num_threads()))
@@ -252,8 +276,18 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
     m = options.microbatches
     scenarios = [("naive-1", 1, 1, "never"), ("pipeline-1", 1, m, options.checkpoint)]
     scenarios += [(f"pipeline-{k}", k, m, options.checkpoint) for k in options.partitions if k > 1]
-    rows = budget.search(family, scenarios, limit, batch, options.schedule, options.optimizer, options.offload)
-    return {"budget_bytes": limit, "family": family.title, "kind": kind, "fixed": fixed, "batch_size": batch,
+    correction = None
+    # On a GPU the accounting misses the allocator and the libraries: a few probe steps measure that. On the CPU
+    # the meter is the accounting itself, so the probe runs only when asked for (--device cpu), as a check.
+    if device.type == "cuda" or options.device == "cpu":
+        probes = budget.device_probes(family, scenarios, options.schedule, options.optimizer, options.seed)
+        progress.phase(f"probing {device}: {len(probes)} short training steps of small members", 0.0)
+        correction = probe.calibrate(probes, probe.meter_for(device))
+        console.print(correction.describe(), highlight=False)
+    rows = budget.search(family, scenarios, limit, batch, options.schedule, options.optimizer, options.offload,
+                         correction)
+    return {"correction": None if correction is None else correction.to_json(),
+            "budget_bytes": limit, "family": family.title, "kind": kind, "fixed": fixed, "batch_size": batch,
             "microbatches": m, "schedule": options.schedule, "checkpoint": options.checkpoint,
             "optimizer": options.optimizer, "bytes_per_param": mm.bytes_per_parameter(options.optimizer),
             "method": "per-layer figures measured by saved-tensor accounting on small members, scaled" + (

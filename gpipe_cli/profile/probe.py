@@ -1,0 +1,221 @@
+"""The device's own overhead: a few short probe steps fit what the saved-tensor accounting cannot see.
+
+The memory model counts the tensors a step keeps. A GPU also holds what the CUDA caching allocator
+rounds up and keeps cached, library workspaces (cuBLAS) and attention kernels' own buffers, and its
+attention kernels may save less than the accounting's math path. So `--budget` on a device first runs
+one training step of a few small members of the family (the family's widths, one or two layers or
+cells, one or two examples per micro-batch, each scenario's M and rematerialization), reads the
+device's peak, and fits
+
+    device peak = workspace + weights factor x (weights, gradients, optimizer state)
+                            + activations factor[rematerialization] x accounted activation peak
+
+by least squares; the search then prices every stage with it. The meter is the only device-specific
+part: on CUDA the allocator's reserved peak, on the CPU the engine's saved-tensor accounting (so the
+CPU runs the same fitting, and its correction comes out as none).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from gpipe_cli import memory_model as mm
+from gpipe_cli.estimate.subject import example_batch
+from gpipe_cli.memory_model import Footprint, ModelFigures
+from gpipe_cli.models.base import ModelSpec
+from gpipe_cli.profile import account
+from gpipe_cli.units import human_bytes
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One short training step of a small member at K=1, and what the memory model predicts for it."""
+
+    spec: ModelSpec
+    figures: ModelFigures
+    batch_size: int
+    microbatches: int
+    schedule: str
+    checkpoint: str
+    optimizer: str
+    seed: int = 0
+
+    def predicted(self) -> Footprint:
+        """The memory model's single stage for this step."""
+        per_param = mm.bytes_per_parameter(self.optimizer)
+        return mm.footprints(self.figures, [len(self.figures.layers)], self.batch_size, self.microbatches,
+                             self.schedule, self.checkpoint, per_param)[0]
+
+    def run(self, device: torch.device) -> list[account.StageMemory]:
+        """Train the step on `device` (the engine's executor, then one optimizer step)."""
+        inputs, targets = example_batch(self.spec, self.batch_size, self.seed)
+        return account.measure(self.spec, inputs, targets, [len(self.spec.layers)], self.microbatches,
+                               self.schedule, self.checkpoint, self.optimizer, self.seed, device)
+
+
+class Meter(Protocol):
+    """Reads the bytes a device peaked at over one probe step."""
+
+    name: str
+
+    def peak(self, probe: Probe) -> float:
+        """The device's peak over `probe`'s step: weights, gradients, optimizer state, activations and overhead."""
+        ...
+
+
+class AccountingMeter:
+    """The CPU: the engine's exact saved-tensor accounting, stage totals as `account.measure` reads them."""
+
+    name = "saved-tensor accounting (CPU)"
+
+    def peak(self, probe: Probe) -> float:
+        """The stage's accounted total."""
+        return float(probe.run(torch.device("cpu"))[0].total_bytes)
+
+
+def cuda_peak(step: Callable[[], Any], device: torch.device) -> int:
+    """The CUDA caching allocator's reserved peak over `step`, above what it held before (what the card must have:
+    allocations with their rounding, the allocator's cache and library workspaces)."""
+    gc.collect()
+    torch.empty(1, device=device)  # the allocator's state must exist before its peak is reset
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_reserved(device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return int(peak - base)
+
+
+class CudaMeter:
+    """A CUDA GPU: the allocator's reserved peak over the step."""
+
+    name = "CUDA allocator reserved peak"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def peak(self, probe: Probe) -> float:
+        """The reserved peak over the step."""
+        return float(cuda_peak(lambda: probe.run(self.device), self.device))
+
+
+def meter_for(device: torch.device) -> Meter:
+    """The meter of `device`."""
+    return CudaMeter(device) if device.type == "cuda" else AccountingMeter()
+
+
+def remat_key(checkpoint: str) -> str:
+    """The activations factor a checkpoint mode uses: rematerialised steps keep and rebuild different tensors."""
+    return "never" if checkpoint == "never" else "remat"
+
+
+@dataclass(frozen=True)
+class Correction:
+    """What a device needs beyond the accounting: `workspace + weights x W + activations[remat] x A`."""
+
+    workspace: float = 0.0
+    weights: float = 1.0
+    activations: dict[str, float] = field(default_factory=dict)
+    meter: str = ""
+    points: tuple[tuple[float, float, float], ...] = ()  # per probe: (predicted, measured, corrected) bytes
+
+    def bytes(self, footprint: Footprint, checkpoint: str) -> float:
+        """The device's bytes for a stage the memory model predicts as `footprint`."""
+        factor = self.activations.get(remat_key(checkpoint), 1.0)
+        return self.workspace + self.weights * footprint.weights_bytes + factor * footprint.peak_bytes
+
+    def worst_error(self) -> float:
+        """The largest relative gap between a probe's corrected prediction and its measured peak."""
+        return max((abs(c - m) / m for _, m, c in self.points if m > 0), default=0.0)
+
+    def describe(self) -> str:
+        """One line: what was added and scaled, and how well it matched the probes."""
+        acts = ", ".join(f"{key} x{value:.3f}" for key, value in sorted(self.activations.items()))
+        return (f"device correction ({self.meter}, {len(self.points)} probe steps): + {human_bytes(self.workspace)} "
+                f"workspace, weights x{self.weights:.3f}, activations {acts or 'x1.000'}; probes matched within "
+                f"{100 * self.worst_error():.1f}%")
+
+    def to_json(self) -> dict[str, Any]:
+        """As plain data."""
+        return {"workspace_bytes": self.workspace, "weights_factor": self.weights,
+                "activations_factor": dict(self.activations), "meter": self.meter,
+                "probes": [{"predicted_bytes": p, "measured_bytes": m, "corrected_bytes": c}
+                           for p, m, c in self.points],
+                "worst_error": self.worst_error()}
+
+
+NONE = Correction(meter="none")
+
+
+def from_json(data: dict[str, Any] | None) -> Correction:
+    """A correction as `Correction.to_json` wrote it (None: none)."""
+    if not data:
+        return NONE
+    return Correction(data["workspace_bytes"], data["weights_factor"], dict(data["activations_factor"]),
+                      data.get("meter", ""))
+
+
+def _solve(rows: list[list[float]], values: list[float]) -> list[float]:
+    """Least squares, in float64."""
+    a = torch.tensor(rows, dtype=torch.float64)
+    b = torch.tensor(values, dtype=torch.float64).unsqueeze(1)
+    scale = a.abs().amax(dim=0).clamp(min=1.0)  # columns of bytes and of ones: keep the system well scaled
+    solution = torch.linalg.lstsq(a / scale, b).solution.squeeze(1) / scale
+    return [float(v) for v in solution]
+
+
+def fit(points: Sequence[tuple[Footprint, str, float]], meter: str = "") -> Correction:
+    """The correction that best maps each (predicted footprint, checkpoint, measured peak) onto its peak.
+
+    A negative workspace (the rounding reads as a larger factor) is refitted as none; a factor the probes
+    cannot tell (nothing of that kind varied) stays 1.
+    """
+    keys = sorted({remat_key(c) for _, c, _ in points})
+    values = [measured for _, _, measured in points]
+
+    def design(with_workspace: bool) -> list[list[float]]:
+        return [([1.0] if with_workspace else []) + [fp.weights_bytes]
+                + [fp.peak_bytes if remat_key(c) == k else 0.0 for k in keys] for fp, c, _ in points]
+
+    solution = _solve(design(True), values)
+    workspace = solution.pop(0)
+    if workspace < 0:
+        workspace, solution = 0.0, _solve(design(False), values)
+    weights, factors = solution[0], solution[1:]
+    guarded = {k: f if f > 0.1 else 1.0 for k, f in zip(keys, factors)}
+    correction = Correction(workspace, weights if weights > 0.1 else 1.0, guarded, meter)
+    return Correction(correction.workspace, correction.weights, correction.activations, meter,
+                      tuple((fp.total_bytes, m, correction.bytes(fp, c)) for fp, c, m in points))
+
+
+def steps(members: Sequence[tuple[ModelSpec, ModelFigures]], rows: Sequence[tuple[str, int, int, str]],
+          sizes: tuple[int, int], schedule: str, optimizer: str, seed: int = 0) -> list[Probe]:
+    """The probe steps of two small members (built and priced): per (M, checkpoint) of the (name, K, M,
+    checkpoint) rows, both at the smaller micro-batch size and the first at the larger, so that weights and
+    activations vary apart."""
+    (small, large) = members
+    out = []
+    for m, checkpoint in dict.fromkeys((m, c) for _, _, m, c in rows):
+        for (spec, figures), size in ((small, sizes[0]), (large, sizes[0]), (small, sizes[1])):
+            out.append(Probe(spec, figures, size * m, m, schedule, checkpoint, optimizer, seed))
+    return out
+
+
+def calibrate(probes: Sequence[Probe], meter: Meter, progress: Callable[[str], None] | None = None) -> Correction:
+    """Run each probe step under `meter` and fit the correction."""
+    points = []
+    for probe in probes:
+        if progress is not None:
+            progress(f"probe: {probe.spec.name}, batch {probe.batch_size}, M={probe.microbatches}, "
+                     f"checkpoint {probe.checkpoint}")
+        points.append((probe.predicted(), probe.checkpoint, meter.peak(probe)))
+    return fit(points, meter.name)

@@ -1,0 +1,85 @@
+"""The device correction: fitted from probe steps, it brings the largest model found to just under the budget."""
+
+import math
+
+import pytest
+
+from gpipe_cli.estimate.subject import Subject
+from gpipe_cli.memory_model import Footprint, bytes_per_parameter, footprints
+from gpipe_cli.profile import budget, probe
+from gpipe_cli.profile.runner import member_probes
+
+TRANSFORMER = dict(arch="decoder-only", d_model=32, ff=64, heads=2, vocab_size=64, max_len=8)
+MiB = 2**20
+BLOCK = 512  # the CUDA allocator rounds small allocations to 512 bytes
+
+
+def device_bytes(fp: Footprint, checkpoint: str) -> float:
+    """A made-up device: a fixed workspace, allocations rounded up to blocks, and kernels that keep less than the
+    accounting under rematerialization and more without it."""
+    factor = 0.7 if checkpoint != "never" else 1.1
+    rounded = math.ceil(fp.weights_bytes / BLOCK) * BLOCK + math.ceil(factor * fp.peak_bytes / BLOCK) * BLOCK
+    return 256 * 1024 + rounded
+
+
+class FakeMeter:
+    """What the device above would read for a probe step (its tensors as the accounting counts them)."""
+
+    name = "fake device"
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def peak(self, step: probe.Probe) -> float:
+        self.steps += 1
+        return device_bytes(step.predicted(), step.checkpoint)
+
+
+@pytest.fixture(scope="module")
+def transformer():
+    return budget.TransformerL(TRANSFORMER)
+
+
+SCENARIOS = [("naive-1", 1, 1, "never"), ("pipeline-1", 1, 4, "except_last"), ("pipeline-2", 2, 4, "except_last")]
+
+
+def test_fit_recovers_a_known_workspace_and_factors():
+    points = [(Footprint(0, w, 0, a), c, 3e6 + 1.02 * w + (0.6 if c != "never" else 1.2) * a)
+              for w, a, c in [(1e6, 2e6, "never"), (3e6, 2e6, "never"), (1e6, 5e6, "never"),
+                              (1e6, 2e6, "always"), (2e6, 7e6, "always")]]
+    found = probe.fit(points)
+    assert found.workspace == pytest.approx(3e6, rel=1e-6) and found.weights == pytest.approx(1.02, rel=1e-6)
+    assert found.activations == pytest.approx({"never": 1.2, "remat": 0.6}, rel=1e-6)
+    assert found.worst_error() < 1e-9
+
+
+def test_the_corrected_search_peaks_within_five_percent_below_the_budget(transformer):
+    meter = FakeMeter()
+    probes = budget.device_probes(transformer, SCENARIOS, "gpipe", "rmsprop")
+    assert meter.steps == 0 and len(probes) == 6  # three per (M, checkpoint): weights and activations vary apart
+    correction = probe.calibrate(probes, meter)
+    assert meter.steps == 6 and correction.workspace > 0 and correction.activations["remat"] < 1
+    line = correction.describe()
+    assert "\n" not in line and "workspace" in line and "remat x0.7" in line
+    limit = 8 * MiB
+    rows = budget.search(transformer, SCENARIOS, limit, 8, "gpipe", "rmsprop", correction=correction)
+    plain = budget.search(transformer, SCENARIOS, limit, 8, "gpipe", "rmsprop")
+    for (name, _, m, checkpoint), row, uncorrected in zip(SCENARIOS, rows, plain, strict=True):
+        assert row is not None and uncorrected is not None
+        model = transformer.figures(int(row.model))
+        stages = footprints(model, row.balance, 8, m, "gpipe", checkpoint, bytes_per_parameter("rmsprop"))
+        real = max(device_bytes(fp, checkpoint) for fp in stages)
+        assert 0.95 * limit <= real <= limit, (name, real / limit)
+        assert row.device_peak_bytes == pytest.approx(real, rel=0.01)
+        # The accounting alone is off the device in both directions: too small without remat, too large with it.
+        assert (int(uncorrected.model) > int(row.model)) == (checkpoint == "never"), name
+
+
+def test_on_the_cpu_the_accounting_meter_fits_no_correction():
+    subject = Subject("transformer", {"layers": 6, **TRANSFORMER})
+    rows = [("pipeline-1", 1, 4, "except_last")]  # three steps, rematerialised: the case counted most carefully
+    correction = probe.calibrate(member_probes(subject, rows, "gpipe", "rmsprop", 0), probe.AccountingMeter())
+    assert correction.weights == pytest.approx(1.0, abs=0.02)
+    assert correction.activations == pytest.approx({"remat": 1.0}, abs=0.02)
+    assert correction.workspace < 0.01 * min(m for _, m, _ in correction.points)
+    assert correction.worst_error() < 0.01
