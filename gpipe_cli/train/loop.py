@@ -164,7 +164,7 @@ class Trainer:
                     decided = plan
                     text += "; cut again"
                 else:
-                    text += "; no other cut is faster"
+                    text += "; no other cut makes the slowest stage faster"
             self._note(text)
         decided = self.topo.share(decided)
         if decided is not None:
