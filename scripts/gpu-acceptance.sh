@@ -323,7 +323,7 @@ if wants bench; then
         sizes=(--layers 4 --d-model 1024 --ff 4096 --heads 16 --seq-len 256 --vocab-size 8192 --microbatches 8
                --batch-size 32 --steps 3 --warmup 1)
     fi
-    step bench-k2 "${GPIPE[@]}" bench --model transformer --set arch=decoder-only --set dropout=0 "${sizes[@]}" \
+    step bench-k2 "${GPIPE[@]}" bench --model transformer --set model.arch=decoder-only --set model.dropout=0 "${sizes[@]}" \
         --partitions 2 --checkpoint except_last --schedule gpipe --json "$RAW/bench-k2.json"
 fi
 if wants messages; then

@@ -1,9 +1,9 @@
 """Per-layer costs of one micro-batch as the balance and the simulator read them.
 
-The figures come from the one per-layer measurer (`pipeline.layer_profile`): the three kinds of
-compute the schedule runs per layer (a forward that builds the graph, the graph-less first forward
-of a rematerialised micro-batch, the backward) timed separately, so that each action is charged what
-it really costs.
+The figures come from the one per-layer measurer (`pipeline.layer_profile`): the kinds of compute
+the schedule runs per layer (a forward that builds the graph, the graph-less first forward of a
+rematerialised micro-batch, its recompute, the backward) timed separately, so that each action is
+charged what it really costs.
 """
 
 from __future__ import annotations
@@ -25,10 +25,16 @@ class LayerTiming:
     """One layer's seconds for one micro-batch, and the bytes it hands to the next layer."""
 
     name: str
-    forward: float         # forward building the autograd graph (also a recompute)
+    forward: float         # forward building the autograd graph (a micro-batch not rematerialised)
     forward_nograd: float  # the graph-less forward of a rematerialised micro-batch
     backward: float
     output_bytes: int
+    recompute: float | None = None  # a rematerialised micro-batch's graph-building forward (None: `forward`)
+
+    @property
+    def recompute_seconds(self) -> float:
+        """Seconds of the recompute (the forward's where it was not timed apart)."""
+        return self.forward if self.recompute is None else self.recompute
 
 
 @dataclass
@@ -43,14 +49,16 @@ class CostProfile:
     def balance_costs(self, checkpoint: str) -> list[float]:
         """Per-layer seconds of one micro-batch under a remat mode: the weights `balance_by_cost` splits."""
         remat = checkpoint != "never"
-        out = [t.forward + t.backward + (t.forward_nograd if remat else 0.0) for t in self.layers]
+        out = [t.forward_nograd + t.recompute_seconds + t.backward if remat else t.forward + t.backward
+               for t in self.layers]
         out[-1] += self.loss
         return out
 
     def scaled(self, ratio: float) -> CostProfile:
         """Every layer's seconds and the loss's multiplied by `ratio` (sizes and bytes unchanged)."""
         layers = [replace(t, forward=t.forward * ratio, forward_nograd=t.forward_nograd * ratio,
-                          backward=t.backward * ratio) for t in self.layers]
+                          backward=t.backward * ratio,
+                          recompute=None if t.recompute is None else t.recompute * ratio) for t in self.layers]
         return replace(self, loss=self.loss * ratio, layers=layers)
 
     def balance(self, partitions: int, checkpoint: str, owners: Sequence[int] | None = None) -> list[int]:
@@ -76,7 +84,7 @@ def profile(spec: ModelSpec, inputs: Any, targets: torch.Tensor, seed: int, repe
                               loss=lambda output: spec.loss(output, targets))
     tensors, _ = as_tensors(inputs)
     size = int(tensors[0].shape[0]) if tensors and tensors[0] is not None else 1
-    layers = [LayerTiming(spec.layers[i].name, p.forward, p.forward_nograd, p.backward, p.output_bytes)
+    layers = [LayerTiming(spec.layers[i].name, p.forward, p.forward_nograd, p.backward, p.output_bytes, p.recompute)
               for i, p in enumerate(measured)]
     loss = measured.loss.seconds if measured.loss is not None else 0.0
     return CostProfile(size, measured.input_bytes, loss, layers)

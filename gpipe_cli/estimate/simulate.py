@@ -98,7 +98,7 @@ def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microba
             seconds = sum(t.forward_nograd if action.remat else t.forward for t in layers)
             seconds += costs.loss if action.chunk == last else 0.0
         elif kind == Kind.RECOMPUTE:
-            seconds = sum(t.forward for t in layers)
+            seconds = sum(t.recompute_seconds for t in layers)
         elif kind == Kind.BWD:
             seconds = sum(t.backward for t in layers)
         elif kind == Kind.BWD_INPUT:

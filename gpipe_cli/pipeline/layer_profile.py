@@ -1,10 +1,14 @@
 """The one per-layer measurer: each layer's time and memory on a sample micro-batch.
 
 Layers are built, measured and freed one at a time, each fed the previous layer's real output, so
-profiling never needs the whole model in memory. Per layer it gives the three kinds of compute the
-schedule runs (a forward that builds the autograd graph, the graph-less first forward of a
-rematerialised micro-batch, the backward), the bytes autograd saves in the forward (counted by the
+profiling never needs the whole model in memory. Per layer it gives the kinds of compute the schedule
+runs (a forward that builds the autograd graph, the graph-less first forward of a rematerialised
+micro-batch, its recompute, the backward), the bytes autograd saves in the forward (counted by the
 engine's own `ActivationMeter`) and the bytes handed to the next layer.
+
+Each kind is timed as a stage runs it, or the cut mispredicts the stages: a recompute skips what the
+first forward already did (deferred BatchNorm's statistics, which cost as much as a stem convolution),
+and the first layer's input is data, whose gradient no stage computes.
 
 On the meta device only shapes exist: nothing is timed, but the saved and output bytes are exact,
 so models far larger than the machine can be priced. Balance (`partition.balance_by_cost`), the
@@ -13,6 +17,7 @@ simulator, the plan's memory and `profile-memory` all read these figures.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -27,12 +32,14 @@ from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.memory import ActivationMeter
 from gpipe_cli.pipeline.stage import as_tensors, from_tensors
 
+WARMUP_ROUNDS = 2  # untimed rounds per layer: the first backward of a layer can take ten times the next
+
 
 @dataclass(frozen=True)
 class LayerProfile:
     """One layer's measured cost for one micro-batch (seconds are 0 on the meta device)."""
 
-    forward: float          # forward building the autograd graph (also a recompute)
+    forward: float          # forward building the autograd graph (a micro-batch not rematerialised)
     forward_nograd: float   # the graph-less first forward of a rematerialised micro-batch
     backward: float
     saved_bytes: int        # what autograd saves during its forward (its input included when saved)
@@ -40,6 +47,7 @@ class LayerProfile:
     saved_input_bytes: int  # the part of `saved_bytes` that is its input (a stage holds its input anyway)
     params: int
     param_bytes: int
+    recompute: float = 0.0  # the graph-building forward of a rematerialised micro-batch, before its backward
 
     @property
     def seconds(self) -> float:
@@ -72,9 +80,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _leaves(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """What a stage receives: fresh leaves that require grad when floating."""
-    return [None if t is None else t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+def _leaves(tensors: Sequence[torch.Tensor | None], grad: bool = True) -> list[torch.Tensor | None]:
+    """What a stage receives: fresh leaves that require grad when floating (`grad`: not the model's input)."""
+    return [None if t is None else t.detach().requires_grad_(grad and t.is_floating_point()) for t in tensors]
 
 
 def _median_time(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
@@ -104,6 +112,43 @@ def _time_backward(run: Callable[[], list[torch.Tensor]], repeats: int, device: 
         if i:
             times.append(time.perf_counter() - start)
     return statistics.median(times) if times else 0.0
+
+
+def _clock(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    _sync(device)
+    start = time.perf_counter()
+    result = fn()
+    _sync(device)
+    return time.perf_counter() - start, result
+
+
+def _backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    if roots:
+        torch.autograd.backward(roots, grads)
+
+
+def _time_layer(run: Callable[[bool], list[torch.Tensor]], repeats: int,
+                device: torch.device) -> tuple[float, float, float, float]:
+    """Median seconds of a layer's forward, graph-less forward, recompute and backward (`run(recomputing)`).
+
+    Each round runs one micro-batch's actions in the schedule's order, so each kind meets the memory
+    and caches it meets in a stage; the first rounds pay for allocator growth and kernel selection.
+    """
+    rounds: list[tuple[float, float, float, float]] = []
+    for i in range(repeats + WARMUP_ROUNDS):
+        with torch.no_grad():
+            nograd, _ = _clock(lambda: run(False), device)
+        recompute, outputs = _clock(lambda: run(True), device)
+        roots = [o for o in outputs if o.requires_grad]
+        grads = [torch.ones_like(o) for o in roots]  # the gradient arrives made, as from the next stage
+        del outputs
+        bwd, _ = _clock(functools.partial(_backward, roots, grads), device)
+        del roots, grads
+        fwd, _ = _clock(lambda: run(False), device)  # a micro-batch kept whole: its graph, then its statistics
+        if i >= WARMUP_ROUNDS:
+            rounds.append((fwd, nograd, recompute, bwd))
+    medians = [statistics.median(kind) for kind in zip(*rounds)]
+    return medians[0], medians[1], medians[2], medians[3]
 
 
 def saved_by(fn: Callable[[], Any], exclude: Sequence[torch.Tensor] = (),
@@ -144,21 +189,17 @@ def profile_layers(factories: Sequence[Callable[[], nn.Module]], sample: Any, se
         (layer,) = build_layers(factories, [index], seed, device)
         layer.train()
 
-        def run(layer: nn.Module = layer, tensors: Any = tensors, bare: bool = bare) -> tuple[list[Any], bool]:
+        def run(layer: nn.Module = layer, tensors: Any = tensors, bare: bool = bare,
+                recomputing: bool = False, grad: bool = True) -> tuple[list[Any], bool]:
             # As the engine runs it: layers such as dropout behave (and cost) differently outside it.
-            with context.microbatch(step=0, offset=0):
-                return as_tensors(layer(from_tensors(_leaves(tensors), bare)))
+            with context.microbatch(step=0, offset=0, recomputing=recomputing):
+                return as_tensors(layer(from_tensors(_leaves(tensors, grad), bare)))
 
-        def forward(run: Callable[[], tuple[list[Any], bool]] = run) -> list[torch.Tensor]:
-            return [o for o in run()[0] if o is not None]
+        def timed_run(recomputing: bool, run: Callable[..., tuple[list[Any], bool]] = run,
+                      grad: bool = index > 0) -> list[torch.Tensor]:
+            return [o for o in run(recomputing=recomputing, grad=grad)[0] if o is not None]
 
-        def forward_nograd(forward: Callable[[], list[torch.Tensor]] = forward) -> None:
-            with torch.no_grad():
-                forward()
-
-        fwd = _median_time(forward, repeats, device) if timed else 0.0
-        nograd = _median_time(forward_nograd, repeats, device) if timed else 0.0
-        bwd = _time_backward(forward, repeats, device) if timed else 0.0
+        fwd, nograd, recompute, bwd = _time_layer(timed_run, repeats, device) if timed else (0.0, 0.0, 0.0, 0.0)
         weights = [*layer.parameters(), *layer.buffers()]
         saved, saved_input, (outputs, bare) = saved_by(run, weights, [t for t in tensors if t is not None])
         # The next layer is fed this output without its graph, which frees what this layer saved.
@@ -166,7 +207,8 @@ def profile_layers(factories: Sequence[Callable[[], nn.Module]], sample: Any, se
         del outputs
         params = list(layer.parameters())
         out.append(LayerProfile(fwd, nograd, bwd, saved, nbytes(tensors), saved_input,
-                                sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)))
+                                sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params),
+                                recompute))
         del layer
     if loss is not None:
         out.loss = _profile_loss(loss, tensors, bare, repeats, device, timed)

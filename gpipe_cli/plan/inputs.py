@@ -123,7 +123,8 @@ def affine_costs(lo: CostProfile, hi: CostProfile) -> Callable[[int], CostProfil
             def line(a: float, b: float) -> float:
                 return max(a + (b - a) * t, 0.0)
         layers = [LayerTiming(x.name, line(x.forward, y.forward), line(x.forward_nograd, y.forward_nograd),
-                              line(x.backward, y.backward), round(line(x.output_bytes, y.output_bytes)))
+                              line(x.backward, y.backward), round(line(x.output_bytes, y.output_bytes)),
+                              None if x.recompute is None else line(x.recompute_seconds, y.recompute_seconds))
                   for x, y in zip(lo.layers, hi.layers)]
         return CostProfile(size, round(line(lo.input_bytes, hi.input_bytes)), line(lo.loss, hi.loss), layers)
     return at

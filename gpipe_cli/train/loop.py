@@ -33,7 +33,7 @@ from gpipe_cli.pipeline.step import PendingStep
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
 from gpipe_cli.recipe_model import build_optimizer, model_spec, optimizer_name, pipeline_config
 from gpipe_cli.records import EvalRecord, TrainRecord
-from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, translate, utilization
+from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, recut, translate, utilization
 from gpipe_cli.train.existing import complete_line, past_end
 from gpipe_cli.train.export import export as export_model
 from gpipe_cli.train.job import Job
@@ -85,18 +85,11 @@ class Trainer:
             self._note(self._data_summary(self.data))
         if self.layout.rank == 0:
             create_run_dir(self.run_dir)
-        pipe_cfg = recipe.pipeline
-        ranges = stage_ranges(self.plan.balance)  # one per chunk, placed as the layout says
-        k = pipe_cfg.partitions
+        k = recipe.pipeline.partitions
         self._note(f"building {k} stage{'s' if k > 1 else ''} of {self.spec.name} "
-                   f"({self.plan.total_params:,} parameters): "
-                   + ", ".join(f"stage {self.layout.owner(i)} layer{'s' if len(r) > 1 else ''} "
-                               f"{number_range(r[0], r[-1])}"
-                               for i, r in enumerate(ranges)) + f" (cut by {self.plan.balance_by})")
-        span = stage_layers(self.plan.balance, pipe_cfg.partitions, self.layout.stage, self.layout.placement)
-        layers = build_layers(self.spec.factories(), span, recipe.seed, topo.device)
-        self.pipe = Pipeline(layers, topo, pipeline_config(recipe, self.plan.balance), self.spec.loss,
-                             units=self.spec.units, tied=self.spec.tied, precision=recipe.train.precision)
+                   f"({self.plan.total_params:,} parameters): {self._cut_text()}")
+        self.pipe = self._pipeline()
+        self._check_cut()
         self.total_steps = self._total_steps()
         self.optimizer = build_optimizer(self.pipe.parameters(), recipe)
         self.scheduler = optim.build_scheduler(self.optimizer, recipe, self.steps_per_epoch, self.total_steps)
@@ -132,6 +125,56 @@ class Trainer:
                                      self.total_steps)
 
     # ----------------------------------------------------------------- set-up helpers
+
+    def _cut_text(self) -> str:
+        ranges = stage_ranges(self.plan.balance)  # one per chunk, placed as the layout says
+        return (", ".join(f"stage {self.layout.owner(i)} layer{'s' if len(r) > 1 else ''} {number_range(r[0], r[-1])}"
+                          for i, r in enumerate(ranges)) + f" (cut by {self.plan.balance_by})")
+
+    def _pipeline(self) -> Pipeline:
+        """This rank's stage as the plan cuts it, its layers built afresh from their seeds."""
+        recipe, topo = self.recipe, self.topo
+        span = stage_layers(self.plan.balance, recipe.pipeline.partitions, self.layout.stage, self.layout.placement)
+        layers = build_layers(self.spec.factories(), span, recipe.seed, topo.device)
+        return Pipeline(layers, topo, pipeline_config(recipe, self.plan.balance), self.spec.loss,
+                        units=self.spec.units, tied=self.spec.tied, precision=recipe.train.precision)
+
+    def _check_cut(self) -> None:
+        """Time untrained steps of the stages and cut again where their compute differs (see `recut`)."""
+        recipe, pipe_cfg, costs = self.recipe, self.recipe.pipeline, self._costs
+        wanted = (costs is not None and self.plan.balance_by.startswith("measured time")
+                  and pipe_cfg.virtual_stages == 1 and recut.worth_checking(costs, self.plan.balance,
+                                                                            pipe_cfg.microbatches))
+        if not self.topo.share(wanted if self.layout.rank == 0 else None):
+            return
+        self._note(f"timing {recut.TRIAL_STEPS} untrained steps of the stages to check the cut")
+        per_replica = max(recipe.data.batch_size // pipe_cfg.data_parallel, 1)
+        measured = recut.stage_compute(self.pipe, self.spec, per_replica, pipe_cfg.microbatches, recipe.seed)
+        decided: Plan | None = None
+        if self.layout.rank == 0 and measured is not None and costs is not None:
+            text = f"the stages computed {recut.describe(measured)} a step"
+            if recut.imbalance(measured) <= recut.TOLERANCE:
+                text += f", within {recut.TOLERANCE:.0%} of each other: the cut stands"
+            else:
+                refined = recut.refined_costs(costs, self.plan.balance, measured)
+                try:
+                    plan = make_plan(recipe, self.spec, refined, available=self.job.available,
+                                     measured_by=f"{self.plan.balance_by}, corrected by the stages' compute")
+                except UserError:
+                    plan = None
+                if plan is not None and plan.fits and recut.better(refined, self.plan.balance, plan.balance):
+                    decided = plan
+                    text += "; cut again"
+                else:
+                    text += "; no other cut makes the slowest stage faster"
+            self._note(text)
+        decided = self.topo.share(decided)
+        if decided is not None:
+            self.plan = decided
+            self._note(f"stages: {self._cut_text()}")
+        # Fresh layers: the trial steps accumulated gradients and committed BatchNorm statistics.
+        del self.pipe
+        self.pipe = self._pipeline()
 
     def _note(self, text: str) -> None:
         """A preparation step on the launching terminal (rank 0), so the screen is never blank."""
@@ -179,6 +222,7 @@ class Trainer:
         """The plan, made on rank 0 (which measures) and the same on every rank."""
         recipe, job = self.recipe, self.job
         decided: Plan | str | None = None
+        self._costs: list[float] | None = None  # per-layer seconds the cut balanced (rank 0), when measured
         if self.layout.rank == 0:
             try:
                 reused = saved_cut(job.resume, recipe, len(self.spec.layers)) if job.resume else None
@@ -187,6 +231,7 @@ class Trainer:
                                         chosen=(reused, "the checkpoint it resumes"))
                 else:
                     measured, measured_by = self._measure()
+                    self._costs = measured if measured_by and measured_by.startswith("measured time") else None
                     decided = make_plan(recipe, self.spec, measured, available=job.available,
                                         measured_by=measured_by)
             except UserError as exc:

@@ -115,10 +115,12 @@ def test_measuring_times_every_layer_and_leaves_the_random_streams_alone(recipe)
         torch.set_num_threads(threads)
     assert torch.equal(torch.get_rng_state(), before)
     assert len(profile.layers) == len(spec.layers) and profile.microbatch_size == 2
-    assert all(t.forward > 0 and t.backward > 0 for t in profile.layers)
-    # Rematerialisation adds the graph-less forward to every layer.
+    assert all(t.forward > 0 and t.backward > 0 and t.recompute_seconds > 0 for t in profile.layers)
+    # Rematerialisation runs the graph-less forward and then the recompute in place of the forward.
     never, always = profile.balance_costs("never"), profile.balance_costs("always")
-    assert all(a > n for a, n in zip(always, never))
+    layers = profile.layers
+    assert never[:-1] == [t.forward + t.backward for t in layers[:-1]]
+    assert always[:-1] == [t.forward_nograd + t.recompute_seconds + t.backward for t in layers[:-1]]
 
 
 def test_when_measuring_fails_the_cut_falls_back_to_estimated_flops_and_says_why(recipe, monkeypatch):
