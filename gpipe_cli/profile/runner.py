@@ -156,7 +156,7 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
     names = scenarios.names(options.partitions, m, options.checkpoint)
     rows = scenarios.plan(spec, figures, names, batch, options.schedule, per_param, have, options.balance,
                           options.offload)
-    predicted = [sc.predict(figures, batch, options.schedule, per_param) for sc in rows]
+    predicted = [sc.predict(figures, batch, per_param) for sc in rows]
     cand = sizing.candidate(subject.kind, subject.params)
     probe_s = probe_seconds(cand, machine)
     probing = any(not sc.measured for sc in rows) and probe_s < 30 and max(layer_params(spec)) * per_param < have
@@ -187,12 +187,12 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
             seconds_here = row_seconds(cand, machine, batch, sc.microbatches, sc.checkpoint)
             progress.phase(f"measuring {sc.name} (balance {sc.balance})", seconds_here)
             stages = [s.to_json() for s in account.measure(spec, inputs, targets, sc.balance, sc.microbatches,
-                                                           options.schedule, sc.checkpoint, options.optimizer,
+                                                           sc.schedule, sc.checkpoint, options.optimizer,
                                                            options.seed, device, sc.offload)]
             interrupts.check()
             out.append(scenarios.row(sc, stages, params))
         else:
-            stages = scenarios.predicted_stages(sc, figures, batch, options.schedule, per_param)
+            stages = scenarios.predicted_stages(sc, figures, batch, per_param)
             out.append(scenarios.row(sc, stages, sum(layer.params for layer in (sc.figures or figures).layers)))
     return {"model": {**subject.to_json(), "name": spec.name, "layers": len(spec.layers)}, "batch_size": batch,
             "microbatches": m, "schedule": options.schedule, "checkpoint": options.checkpoint,

@@ -9,7 +9,7 @@ from gpipe_cli.cli import run as gpipe
 from gpipe_cli.errors import UserError
 from gpipe_cli.pipeline.schedule import SCHEDULES
 from gpipe_cli.profile import FLAGS, ProfileOptions
-from gpipe_cli.profile.options import COUNTED, MAX_PARTITIONS, validate
+from gpipe_cli.profile.options import MAX_PARTITIONS, V_SHAPED, validate
 
 TINY = ["--layers", "2", "--d-model", "32", "--ff", "64", "--heads", "2", "--seq-len", "8", "--vocab-size", "64"]
 # Generous, so that a loaded machine does not fail it: a refusal should take well under a second.
@@ -66,12 +66,12 @@ def test_a_small_budget_is_a_valid_question():
 
 def test_the_schedule_help_lists_exactly_the_schedules_accepted():
     listed = FLAGS["schedule"].split(": ", 1)[1].split(" (", 1)[0]
-    assert re.split(r", | or ", listed) == list(COUNTED) == [n for n in SCHEDULES if not n.startswith("v")
-                                                             and not n.endswith("-v")]
-    for name in COUNTED:
+    assert re.split(r", | or ", listed) == list(SCHEDULES)
+    assert set(V_SHAPED) == {"v-half", "zero-bubble-v"}
+    for name in SCHEDULES:
         validate(ProfileOptions(schedule=name))
-    with pytest.raises(UserError, match="--schedule v-half places two chunks per device in a V"):
-        validate(ProfileOptions(schedule="v-half"))
+    with pytest.raises(UserError, match="--schedule must be one of gpipe, "):
+        validate(ProfileOptions(schedule="v-full"))
 
 
 def test_the_optimizer_names_checked_before_torch_are_the_ones_the_memory_model_builds():
