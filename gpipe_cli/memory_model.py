@@ -284,9 +284,10 @@ def stage_needs(figures: ModelFigures, balance: Sequence[int], batch_size: int, 
     search that moves one cut prices only the stages it changed."""
     ranges = partition.stage_ranges(balance)
     stages = len(balance) // virtual
+    placed = schedules.get(schedule).placement
     out = []
     for s in range(stages):
-        chunks = ranges[s::stages]
+        chunks = [ranges[c] for c in placement.chunks_of(s, stages, virtual, placed)]
         key = (s, tuple(b for r in chunks for b in (r.start, r.stop)))
         if key not in known:
             known[key] = chunked_footprint(figures, chunks, s, stages, batch_size, microbatches, schedule,
@@ -336,6 +337,28 @@ def greedy_fit(figures: ModelFigures, stages: int, budget: float, batch_size: in
         out.append(best)
         start = good
     return out if start == n else None
+
+
+def v_fit(figures: ModelFigures, stages: int, budget: float, batch_size: int, microbatches: int, schedule: str,
+          checkpoint: str, bytes_per_param: float, offload: str = "none") -> list[Footprint] | None:
+    """Cut the layers into 2K chunks placed in a V so that the fullest stage needs the least memory a local
+    search finds from the cut balanced by per-layer bytes; None if it does not fit `budget` (or there are fewer
+    layers than chunks)."""
+    n, chunks = len(figures.layers), 2 * stages
+    if n < chunks:
+        return None
+    size = max(microbatch.sizes(batch_size, microbatches))
+    costs = [layer.saved.at(size) + layer.params * bytes_per_param for layer in figures.layers]
+    known: dict[tuple[int, tuple[int, ...]], float] = {}
+
+    def needs(balance: list[int]) -> list[float]:
+        return stage_needs(figures, balance, batch_size, microbatches, schedule, checkpoint, bytes_per_param, 2,
+                           known, offload)
+
+    balance = partition.least_memory(partition.balance_by_cost(costs, chunks), needs)
+    if max(needs(balance)) > budget:
+        return None
+    return footprints(figures, balance, batch_size, microbatches, schedule, checkpoint, bytes_per_param, 2, offload)
 
 
 def available_bytes(device: torch.device | str) -> int:

@@ -105,7 +105,7 @@ def rows(model: search.Model, result: search.Result, top: int, budget: float) ->
         c = outcome.config
         out.append({"winner": outcome is best, "partitions": c.partitions, "replicas": c.replicas,
                     "microbatches": c.microbatches, "schedule": c.schedule, "virtual_stages": c.virtual,
-                    "checkpoint": c.checkpoint, "balance": outcome.balance, "fits": outcome.fits,
+                    "checkpoint": c.checkpoint, "offload": c.offload, "balance": outcome.balance, "fits": outcome.fits,
                     "samples_per_s": outcome.samples_per_s, "bubble": outcome.bubble,
                     "memory": outcome.memory, "step_time": outcome.step_time,
                     "why": "winner" if outcome is best else reason(model, best, outcome, budget)})
@@ -147,8 +147,9 @@ def plain(items: Sequence[dict[str, Any]], title: str) -> str:
 def pipeline_section(outcome: Outcome, backend: str) -> dict[str, Any]:
     """The recipe's pipeline section that runs `outcome` as predicted."""
     c = outcome.config
+    moved = {"offload": c.offload} if c.offload != "none" else {}  # the section is replaced whole: none by default
     return {"partitions": c.partitions, "microbatches": c.microbatches, "schedule": c.schedule,
-            "virtual_stages": c.virtual, "checkpoint": c.checkpoint, "balance": list(outcome.balance),
+            "virtual_stages": c.virtual, "checkpoint": c.checkpoint, **moved, "balance": list(outcome.balance),
             "data_parallel": c.replicas, "backend": backend}
 
 
