@@ -23,9 +23,10 @@ from typing import Any, NamedTuple
 
 from gpipe_cli import memory_model as mm
 from gpipe_cli.limits import MAX_LAYERS
-from gpipe_cli.memory_model import Affine, Footprint, LayerFigures, ModelFigures, bytes_per_parameter, greedy_fit
+from gpipe_cli.memory_model import Affine, Footprint, LayerFigures, ModelFigures, bytes_per_parameter, greedy_fit, v_fit
 from gpipe_cli.models.describe import layer_params
 from gpipe_cli.models.registry import build_model
+from gpipe_cli.pipeline import placement, schedules
 from gpipe_cli.units import parse_size
 
 # The families' fixed sizes in the paper's Table 1 and the batch it used.
@@ -119,10 +120,15 @@ class TransformerL:
         names = ["embed", *(f"layer_{i + 1}" for i in range(layers)), "softmax"]
         return _assemble(names, self.roles, self.probe.input, lambda role: self.roles[role].params)
 
-    def search(self, fits: Callable[[ModelFigures], list[Footprint] | None]) -> Found | None:
-        """The deepest member that fits, up to `max_layers` (the most a recipe may have)."""
+    def member(self, label: str) -> dict[str, Any]:
+        """The build parameters of the member a row names, e.g. "13"."""
+        return {"layers": int(label), **self.fixed}
+
+    def search(self, fits: Callable[[ModelFigures], list[Footprint] | None], least: int = 1) -> Found | None:
+        """The deepest member that fits, up to `max_layers` (the most a recipe may have), from the first with at
+        least `least` pipeline layers (a V needs one per chunk)."""
         best = None
-        lo, hi = 0, 1
+        lo, hi = 0, min(max(1, least - 2), self.max_layers)  # the embedding and the softmax are layers too
         while (found := fits(self.figures(hi))) is not None:  # grow until it no longer fits
             best, lo = (hi, found), hi
             if hi == self.max_layers:  # a deeper member would fit too: the bound stops the search
@@ -161,6 +167,11 @@ class AmoebaNetD:
         counts = [self._role_params(d) for d in self.PROBE_WIDTHS]
         self.param_fit = {role: [c[role] for c in counts] for role in counts[0]}
 
+    def member(self, label: str) -> dict[str, Any]:
+        """The build parameters of the member a row names, e.g. "(18, 208)"."""
+        layers, width = (int(x) for x in label.strip("()").split(","))
+        return {"layers": layers, "filters": width, **self.fixed}
+
     def _spec(self, layers: int, width: int) -> Any:
         return build_model("amoebanet", layers=layers, filters=width, **self.fixed)
 
@@ -187,9 +198,9 @@ class AmoebaNetD:
         names = self._spec(layers, width).layer_names
         return _assemble(names, roles, self.input, lambda role: self._params(role, width))
 
-    def search(self, fits: Callable[[ModelFigures], list[Footprint] | None]) -> Found | None:
+    def search(self, fits: Callable[[ModelFigures], list[Footprint] | None], least: int = 1) -> Found | None:
         """The member with the most parameters that fits, over L in steps of 6 up to `max_layers` and D in steps
-        of 16 up to `max_width`."""
+        of 16 up to `max_width`, among those with at least `least` pipeline layers (a V needs one per chunk)."""
         best: Found | None = None
         for layers in range(6, self.max_layers + 1, 6):
             lo, hi = 0, self.max_width // self.WIDTH_STEP + 1  # widths in units of WIDTH_STEP
@@ -202,6 +213,8 @@ class AmoebaNetD:
                 else:
                     hi = mid
             if found_at is None:
+                if len(self._spec(layers, self.WIDTH_STEP).layer_names) < least:
+                    continue  # too shallow to cut into every chunk
                 break  # deeper models only need more
             params = sum(s.params for s in found_at)
             if best is None or params > best.params:
@@ -227,28 +240,48 @@ class BudgetRow:
     device_peak_bytes: float       # the fullest device
     balance: list[int]
     bound: str = ""                # the search's bound that stopped it before the budget did ("": none)
+    schedule: str = "gpipe"
+    offload: str = "none"
+    measured_device_peak_bytes: float | None = None  # the fullest device of one measured step, where it runs here
 
     def to_json(self) -> dict[str, Any]:
         """As plain data."""
         return dict(vars(self))
 
 
-def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[str, int, int, str]], budget: float,
+def _balance(stages: list[Footprint], schedule: str) -> list[int]:
+    """Layers per chunk, in chunk order, of stages whose chunks are placed as `schedule` says (one per stage in
+    a loop, so layers per stage)."""
+    placed, virtual = schedules.get(schedule).placement, len(stages[0].chunks) or 1
+    out = [0] * (len(stages) * virtual)
+    for s, stage in enumerate(stages):
+        for c, layers in zip(placement.chunks_of(s, len(stages), virtual, placed), stage.chunks or (stage.layers,)):
+            out[c] = layers
+    return out
+
+
+def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[Any, ...]], budget: float,
            batch_size: int, schedule: str, optimizer: str, offload: str = "none") -> list[BudgetRow | None]:
-    """The largest fitting member for each (name, K, M, checkpoint) scenario (None: nothing fits)."""
+    """The largest fitting member for each (name, K, M, checkpoint) scenario, or (name, K, M, checkpoint,
+    schedule, offload) where a row has its own (None: nothing fits). A V-shaped schedule cuts 2K chunks."""
     per_param = bytes_per_parameter(optimizer)
     rows: list[BudgetRow | None] = []
-    for name, k, m, checkpoint in scenarios:
-        def fits(model: ModelFigures, k: int = k, m: int = m, checkpoint: str = checkpoint) -> list[Footprint] | None:
-            return greedy_fit(model, k, budget, batch_size, m, schedule, checkpoint, per_param,
-                              offload if checkpoint != "never" else "none")
+    for name, k, m, checkpoint, *how in scenarios:
+        placed, moved = how or (schedule, offload)
+        moved = moved if checkpoint != "never" else "none"
+        fit = v_fit if schedules.get(placed).placement == "v" else greedy_fit
 
-        found = family.search(fits)
+        def fits(model: ModelFigures, k: int = k, m: int = m, checkpoint: str = checkpoint, placed: str = placed,
+                 moved: str = moved, fit: Any = fit) -> list[Footprint] | None:
+            return fit(model, k, budget, batch_size, m, placed, checkpoint, per_param, moved)
+
+        found = family.search(fits, 2 * k if fit is v_fit else 1)
         if found is None:
             rows.append(None)
             continue
         stages = found.stages
         rows.append(BudgetRow(name, k, m, checkpoint, found.label, found.params,
                               sum(s.weights_bytes for s in stages), sum(s.peak_bytes for s in stages),
-                              max(s.total_bytes for s in stages), [s.layers for s in stages], found.bound))
+                              max(s.total_bytes for s in stages), _balance(stages, placed), found.bound, placed,
+                              moved))
     return rows

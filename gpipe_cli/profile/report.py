@@ -65,6 +65,16 @@ def _table1(s: dict[str, Any]) -> Table:
     return table
 
 
+def _measured(row: dict[str, Any] | None) -> str:
+    """A budget row's measured fullest device and how far the prediction is from it, e.g. "5.1 MiB (pred. +2%)"."""
+    if row is None:
+        return ""
+    found = row.get("measured_device_peak_bytes")
+    if found is None:
+        return "not run here"
+    return f"{human_bytes(found)} (pred. {row['device_peak_bytes'] / found - 1:+.0%})"
+
+
 def show_budget(s: dict[str, Any], console: Console) -> None:
     """The paper's Table 1 layout: one column per scenario, ours above the paper's."""
     console.print(f"[bold]gpipe profile-memory --budget[/] {human_bytes(s['budget_bytes'])} per device · "
@@ -87,8 +97,9 @@ def show_budget(s: dict[str, Any], console: Console) -> None:
     table.add_row("# of model parameters", *cells("params", human_count))
     table.add_row("total model parameter memory", *cells("param_memory_bytes", human_bytes))
     table.add_row("peak activation memory", *cells("peak_activation_bytes", human_bytes))
-    table.add_row("fullest device", *cells("device_peak_bytes", human_bytes))
-    table.add_row("layers per stage", *cells("balance", lambda b: ",".join(map(str, b))))
+    table.add_row("fullest device (predicted)", *cells("device_peak_bytes", human_bytes))
+    table.add_row("fullest device (measured)", *(_measured(r) for r in rows))
+    table.add_row("layers per stage (chunk in a V)", *cells("balance", lambda b: ",".join(map(str, b))))
     console.print(table)
     bounded: dict[str, list[str]] = {}
     for name, r in zip(s["scenarios"], rows):

@@ -238,20 +238,69 @@ def search_seconds(kind: str, fixed: dict[str, Any], machine: sizing.Machine) ->
                          for params, examples in budget.probes(kind, fixed))
 
 
+def variants(k: int, m: int, options: ProfileOptions) -> list[tuple[Any, ...]]:
+    """The largest K again without rematerialization, with its stored inputs offloaded, and as V-Half (two
+    chunks per device): what each buys at the same device count."""
+    remat = options.checkpoint if options.checkpoint != "never" else "except_last"
+    return [(f"K={k} never", k, m, "never", options.schedule, "none"),
+            (f"K={k} offload", k, m, remat, options.schedule, "activations"),
+            (f"K={k} v-half", k, m, remat, "v-half", "none")]
+
+
+# A budget row is measured here only when its step is expected within this many seconds, its member has at
+# most this many pipeline layers, and it fits. Deep members of tiny layers run far slower than the estimate's
+# arithmetic says: 10,002 such layers, estimated at 29 s, ran for over 10 minutes, and 92 of them (d_model
+# 32, 2 stages) took 40 s against 5 s estimated, while 36 took 14 s against 7 s.
+MEASURE_BELOW_S = 60.0
+MEASURE_LAYERS = 64
+
+
+def measured_row(row: budget.BudgetRow, kind: str, family: budget.TransformerL | budget.AmoebaNetD, batch: int,
+                 options: ProfileOptions, machine: sizing.Machine, progress: Progress,
+                 limit: float) -> budget.BudgetRow:
+    """`row` with its fullest device measured by one step of the member it names, where that runs here soon."""
+    params = family.member(row.model)
+    cand = sizing.candidate(kind, params)
+    seconds = row_seconds(cand, machine, batch, row.microbatches, row.checkpoint)
+    have = float(mm.available_bytes("cpu")) * sizing.MEMORY_SHARE
+    if seconds > MEASURE_BELOW_S or sum(row.balance) > MEASURE_LAYERS or row.device_peak_bytes > have \
+            or torch.cuda.is_available():
+        return row  # priced only: too slow or too large to run here (and on CUDA the allocator adds its own)
+    # Counted in the total only where the search itself had one (not AmoebaNet's: its last line says no estimate).
+    progress.phase(f"measuring {row.scenario} ({kind} {row.model}, balance {row.balance})", seconds,
+                   add=progress.estimated > 0)
+    spec = build_model(kind, **params)
+    inputs, targets = example_batch(spec, batch, options.seed)
+    # Deep members of small random layers drift into denormal values, which a CPU computes about ten times
+    # slower (a 92-layer member: 27 s instead of 2 s); the bytes held do not depend on the values.
+    torch.set_flush_denormal(True)
+    try:
+        stages = account.measure(spec, inputs, targets, row.balance, row.microbatches, row.schedule,
+                                 row.checkpoint, options.optimizer, options.seed, "cpu", row.offload)
+    finally:
+        torch.set_flush_denormal(False)
+    interrupts.check()
+    return dataclasses.replace(row, measured_device_peak_bytes=max(s.total_bytes for s in stages))
+
+
 def search(options: ProfileOptions, console: Console, progress: Progress) -> dict[str, Any]:
     """The largest model per scenario within the budget; the figures as the JSON file holds them."""
     limit = budget.parse_bytes(options.budget or "")
     kind, fixed = _family(options)
     batch = options.batch_size or budget.PAPER_BATCH[kind]
-    seconds = search_seconds(kind, fixed, sizing.this_machine(torch.get_num_threads()))
+    machine = sizing.this_machine(torch.get_num_threads())
+    seconds = search_seconds(kind, fixed, machine)
     progress.estimated = seconds or 0.0
     progress.phase(f"measuring per-layer figures of small {kind} models", seconds - FIXED_S if seconds else 0.0)
     family: budget.TransformerL | budget.AmoebaNetD = (
         budget.TransformerL(fixed, options.seed) if kind == "transformer" else budget.AmoebaNetD(fixed, options.seed))
     m = options.microbatches
-    scenarios = [("naive-1", 1, 1, "never"), ("pipeline-1", 1, m, options.checkpoint)]
+    scenarios: list[tuple[Any, ...]] = [("naive-1", 1, 1, "never"), ("pipeline-1", 1, m, options.checkpoint)]
     scenarios += [(f"pipeline-{k}", k, m, options.checkpoint) for k in options.partitions if k > 1]
+    scenarios += variants(max(options.partitions), m, options)
     rows = budget.search(family, scenarios, limit, batch, options.schedule, options.optimizer, options.offload)
+    rows = [None if r is None else measured_row(r, kind, family, batch, options, machine, progress, limit)
+            for r in rows]
     return {"budget_bytes": limit, "family": family.title, "kind": kind, "fixed": fixed, "batch_size": batch,
             "microbatches": m, "schedule": options.schedule, "checkpoint": options.checkpoint,
             "optimizer": options.optimizer, "bytes_per_param": mm.bytes_per_parameter(options.optimizer),
