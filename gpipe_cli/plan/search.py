@@ -182,7 +182,8 @@ def configs(model: Model, hw: Hardware, schedules: Sequence[str] = SCHEDULES,
 
 def _virtual(name: str, k: int, m: int, layers: int) -> list[int]:
     if schedules.get(name).placement == "v":
-        return [2] if 2 * k <= layers else []  # a V is exactly two chunks per stage
+        # A V is exactly two chunks per stage; on one stage it is the model cut in two for nothing.
+        return [2] if k >= 2 and 2 * k <= layers else []
     if not schedules.get(name).chunked:
         return [1]
     # V=1 interleaved is 1F1B: listed once, under its own name.

@@ -51,8 +51,10 @@ def brute_force(model: search.Model, hw: search.Hardware) -> tuple[float, search
             if per_replica % m:
                 continue
             for name, v, mode, offload in itertools.product(SCHEDULES, (1, 2, 4), REMAT_MODES, ("none", "activations")):
-                allowed = v == 2 if name in SHAPED else (v > 1 and m % k == 0 and k >= 2) if name == "interleaved" \
-                    else v == 1
+                if name in SHAPED:
+                    allowed = v == 2 and k >= 2
+                else:
+                    allowed = (v > 1 and m % k == 0 and k >= 2) if name == "interleaved" else v == 1
                 if not allowed or k * v > n or (mode == "never" and offload != "none"):
                     continue
                 config = search.Config(k, d, m, name, v, mode, offload)
