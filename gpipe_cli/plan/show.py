@@ -124,10 +124,16 @@ def table(items: Sequence[dict[str, Any]], title: str) -> Table:
     for item in items:
         sched = item["schedule"] + (f" V={item['virtual_stages']}" if item["virtual_stages"] > 1 else "")
         t.add_row("*" if item["winner"] else "", str(item["partitions"]), str(item["replicas"]),
-                  str(item["microbatches"]), sched, item["checkpoint"], ",".join(map(str, item["balance"])),
+                  str(item["microbatches"]), sched, _remat(item), ",".join(map(str, item["balance"])),
                   rate(item["samples_per_s"]), f"{item['bubble']:.3f}",
                   per_stage(item["memory"]), "" if item["winner"] else item["why"])
     return t
+
+
+def _remat(item: dict[str, Any]) -> str:
+    """The remat mode, and the offload where there is one, e.g. "except_last offload activations"."""
+    moved = item.get("offload", "none")
+    return item["checkpoint"] + (f" offload {moved}" if moved != "none" else "")
 
 
 def plain(items: Sequence[dict[str, Any]], title: str) -> str:
@@ -136,7 +142,7 @@ def plain(items: Sequence[dict[str, Any]], title: str) -> str:
     for item in items:
         sched = item["schedule"] + (f" V={item['virtual_stages']}" if item["virtual_stages"] > 1 else "")
         lines.append(f"{'*' if item['winner'] else ' '} K={item['partitions']} D={item['replicas']} "
-                     f"M={item['microbatches']} {sched} {item['checkpoint']} balance "
+                     f"M={item['microbatches']} {sched} {_remat(item)} balance "
                      f"{','.join(map(str, item['balance']))} | predicted {rate(item['samples_per_s'])} samples/s, "
                      f"bubble {item['bubble']:.3f}, peak memory "
                      f"{per_stage(item['memory'])}"
