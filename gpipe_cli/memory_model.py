@@ -168,6 +168,7 @@ class Footprint:
     peak_bytes: float      # the peak of the step
     layers: int = 0
     host_bytes: float = 0.0  # the most offloaded activations held in host memory at once (pipeline.offload)
+    chunks: tuple[int, ...] = ()  # layers of each of its chunks, in chunk order
 
     @property
     def total_bytes(self) -> float:
@@ -266,7 +267,7 @@ def chunked_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int
     params = sum(layer.params for r in chunks for layer in figures.layers[r.start:r.stop])
     return dataclasses.replace(
         _footprint(boundary, whole, params, stage, stages, microbatches, schedule, checkpoint, bytes_per_param,
-                   len(chunks), offload), layers=sum(len(r) for r in chunks))
+                   len(chunks), offload), layers=sum(len(r) for r in chunks), chunks=tuple(len(r) for r in chunks))
 
 
 def footprints(figures: ModelFigures, balance: Sequence[int], batch_size: int, microbatches: int, schedule: str,
@@ -287,9 +288,10 @@ def stage_needs(figures: ModelFigures, balance: Sequence[int], batch_size: int, 
     search that moves one cut prices only the stages it changed."""
     ranges = partition.stage_ranges(balance)
     stages = len(balance) // virtual
+    placed = schedules.get(schedule).placement
     out = []
     for s in range(stages):
-        chunks = ranges[s::stages]
+        chunks = [ranges[c] for c in placement.chunks_of(s, stages, virtual, placed)]
         key = (s, tuple(b for r in chunks for b in (r.start, r.stop)))
         if key not in known:
             known[key] = chunked_footprint(figures, chunks, s, stages, batch_size, microbatches, schedule,
@@ -341,6 +343,37 @@ def greedy_fit(figures: ModelFigures, stages: int, budget: float, batch_size: in
         out.append(best)
         start = good
     return out if start == n else None
+
+
+# Layers up to which a V's cut is searched one layer move at a time: far deeper, the moves from the balanced
+# cut run into partition.TRIALS (10,002 layers took half a minute per member on a 2-core CPU).
+V_SEARCHED = 512
+
+
+def v_fit(figures: ModelFigures, stages: int, budget: float, batch_size: int, microbatches: int, schedule: str,
+          checkpoint: str, bytes_per_param: float, offload: str = "none",
+          need: Callable[[Footprint], float] | None = None) -> list[Footprint] | None:
+    """Cut the layers into 2K chunks placed in a V so that the fullest stage needs the least memory a local
+    search finds from the cut balanced by per-layer bytes (that cut alone past `V_SEARCHED` layers); None if it
+    does not fit `budget` (or there are fewer layers than chunks), each stage's bytes by `need` where given."""
+    n, chunks = len(figures.layers), 2 * stages
+    if n < chunks:
+        return None
+    size = max(microbatch.sizes(batch_size, microbatches))
+    costs = [layer.saved.at(size) + layer.params * bytes_per_param for layer in figures.layers]
+    known: dict[tuple[int, tuple[int, ...]], float] = {}
+
+    def needs(balance: list[int]) -> list[float]:
+        return stage_needs(figures, balance, batch_size, microbatches, schedule, checkpoint, bytes_per_param, 2,
+                           known, offload)
+
+    balance = partition.balance_by_cost(costs, chunks)
+    if n <= V_SEARCHED:
+        balance = partition.least_memory(balance, needs)
+    if max(needs(balance)) > budget:
+        return None
+    found = footprints(figures, balance, batch_size, microbatches, schedule, checkpoint, bytes_per_param, 2, offload)
+    return found if need is None or max(need(fp) for fp in found) <= budget else None
 
 
 def available_bytes(device: torch.device | str) -> int:

@@ -203,7 +203,7 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     node_note = (f", between nodes (assumed) {options.node_bandwidth:g} GB/s and {options.node_latency_us:g} µs"
                  if options.nodes > 1 else "")
     console.print(f"  links: {link_note}{node_note}", highlight=False)
-    console.print(f"  searched {evaluated} configurations (K, D, M, schedule, V, remat; balance: min-max "
+    console.print(f"  searched {evaluated} configurations (K, D, M, schedule, V, remat, offload; balance: min-max "
                   f"time among cuts that fit): {len(result.ranked)} fit", highlight=False)
     items = show.rows(model, result, options.top, budget)
     title = "predictions (simulated from the per-layer seconds; not measured)"

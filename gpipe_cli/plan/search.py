@@ -1,4 +1,4 @@
-"""Search K, D, M, schedule, remat mode and balance for the fastest pipeline that fits: predictions only.
+"""Search K, D, M, schedule, remat mode, offload and balance for the fastest pipeline that fits: predictions only.
 
 Nothing here measures or prints. The inputs are passed in: per-layer seconds at any micro-batch size
 (`Model.profile`), the memory model's per-layer figures, and the hardware (devices, nodes, memory per
@@ -6,17 +6,19 @@ device, links). For every configuration that uses all N devices (K stages x D = 
 
     balance     the min-max cut of per-layer time (forward, backward and the recompute the remat mode
                 implies) among the cuts whose every stage fits the device (`partition.balance_within`);
-                interleaved (K x V chunks): the min-max cut of the chunks, or when a stage does not fit,
-                the fastest fitting cut a local search finds (`partition.interleaved_within`)
+                interleaved and the V placements (K x V chunks): the min-max cut of the chunks, or when a
+                stage does not fit, the fastest fitting cut a local search finds (`partition.interleaved_within`)
     time        the engine's own action lists run by the simulator (`estimate.simulate.simulate_step`),
                 each compute action its layers' seconds plus the engine's own cost per layer call, each
                 message `latency + bytes / bandwidth` on the link it crosses; then the gradient
                 all-reduce over the D replicas (a ring: 2 (D-1)/D of a stage's gradient bytes) and the
                 engine's per-step cost (optimizer and the rest) for the busiest stage's parameters, and
                 each replica's share of building the mini-batch
-    memory      every stage's peak by the memory model (`memory_model.footprints`)
+    memory      every stage's peak by the memory model (`memory_model.footprints`), offloaded stored inputs
+                counted on the device only while they come back
 
-The fastest fitting configuration wins; ties go to the one needing less memory.
+The fastest fitting configuration wins; ties go to one that offloads nothing (the host copies are priced
+at no time, as they overlap the backward), then to the one needing less memory.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class Config:
     schedule: str
     virtual: int      # V (interleaved), else 1
     checkpoint: str
-    offload: str = "none"  # pipeline.offload: priced for the recipe as written; the search keeps activations
+    offload: str = "none"  # pipeline.offload: none, or activations (stored inputs in host memory)
 
     def label(self) -> str:
         """e.g. 'K=2 D=1 M=8 interleaved V=2 except_last'."""
@@ -173,12 +175,15 @@ def configs(model: Model, hw: Hardware, schedules: Sequence[str] = SCHEDULES,
             for name in schedules:
                 for v in _virtual(name, k, m, model.layers):
                     for mode in remat:
-                        yield Config(k, d, m, name, v, mode)
+                        # Offloading moves what rematerialization stores: nothing without it.
+                        for offload in ("none", "activations") if mode != "never" else ("none",):
+                            yield Config(k, d, m, name, v, mode, offload)
 
 
 def _virtual(name: str, k: int, m: int, layers: int) -> list[int]:
-    if schedules.get(name).placement != "loop":
-        return []  # the memory model and the measured prices know chunks placed in a loop only
+    if schedules.get(name).placement == "v":
+        # A V is exactly two chunks per stage; on one stage it is the model cut in two for nothing.
+        return [2] if k >= 2 and 2 * k <= layers else []
     if not schedules.get(name).chunked:
         return [1]
     # V=1 interleaved is 1F1B: listed once, under its own name.
@@ -246,8 +251,9 @@ def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | No
     prediction = simulate.simulate_step(costs, balance, per_replica, config.microbatches, config.schedule,
                                         config.checkpoint, link, 1.0, config.virtual, model.action_overhead,
                                         model.rate(config))
-    params = [sum(layer.params for r in partition.stage_ranges(balance)[s::config.partitions]
-                  for layer in model.figures.layers[r.start:r.stop]) for s in range(config.partitions)]
+    placed = schedules.get(config.schedule).placement
+    params = [sum(model.figures.layers[i].params for i in partition.stage_layers(balance, config.partitions, s, placed))
+              for s in range(config.partitions)]
     reduce_link = hw.node_link if hw.nodes > 1 else hw.reduce_link or hw.link
     reduce = allreduce_seconds(params, config.replicas, reduce_link)
     fixed = step_overhead(model, params) + model.data_seconds / config.replicas
@@ -262,9 +268,9 @@ def step_overhead(model: Model, stage_params: Sequence[int]) -> float:
     return model.step_overhead * (max(stage_params) / total if total else 1.0 / len(stage_params))
 
 
-def _rank_key(outcome: Outcome) -> tuple[float, float, int, int, int]:
+def _rank_key(outcome: Outcome) -> tuple[float, bool, float, int, int, int]:
     c = outcome.config
-    return (-outcome.samples_per_s, outcome.peak, SCHEDULES.index(c.schedule), c.virtual,
+    return (-outcome.samples_per_s, c.offload != "none", outcome.peak, SCHEDULES.index(c.schedule), c.virtual,
             REMAT_MODES.index(c.checkpoint))
 
 

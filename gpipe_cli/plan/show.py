@@ -105,7 +105,7 @@ def rows(model: search.Model, result: search.Result, top: int, budget: float) ->
         c = outcome.config
         out.append({"winner": outcome is best, "partitions": c.partitions, "replicas": c.replicas,
                     "microbatches": c.microbatches, "schedule": c.schedule, "virtual_stages": c.virtual,
-                    "checkpoint": c.checkpoint, "balance": outcome.balance, "fits": outcome.fits,
+                    "checkpoint": c.checkpoint, "offload": c.offload, "balance": outcome.balance, "fits": outcome.fits,
                     "samples_per_s": outcome.samples_per_s, "bubble": outcome.bubble,
                     "memory": outcome.memory, "step_time": outcome.step_time,
                     "why": "winner" if outcome is best else reason(model, best, outcome, budget)})
@@ -124,10 +124,16 @@ def table(items: Sequence[dict[str, Any]], title: str) -> Table:
     for item in items:
         sched = item["schedule"] + (f" V={item['virtual_stages']}" if item["virtual_stages"] > 1 else "")
         t.add_row("*" if item["winner"] else "", str(item["partitions"]), str(item["replicas"]),
-                  str(item["microbatches"]), sched, item["checkpoint"], ",".join(map(str, item["balance"])),
+                  str(item["microbatches"]), sched, _remat(item), ",".join(map(str, item["balance"])),
                   rate(item["samples_per_s"]), f"{item['bubble']:.3f}",
                   per_stage(item["memory"]), "" if item["winner"] else item["why"])
     return t
+
+
+def _remat(item: dict[str, Any]) -> str:
+    """The remat mode, and the offload where there is one, e.g. "except_last offload activations"."""
+    moved = item.get("offload", "none")
+    return item["checkpoint"] + (f" offload {moved}" if moved != "none" else "")
 
 
 def plain(items: Sequence[dict[str, Any]], title: str) -> str:
@@ -136,7 +142,7 @@ def plain(items: Sequence[dict[str, Any]], title: str) -> str:
     for item in items:
         sched = item["schedule"] + (f" V={item['virtual_stages']}" if item["virtual_stages"] > 1 else "")
         lines.append(f"{'*' if item['winner'] else ' '} K={item['partitions']} D={item['replicas']} "
-                     f"M={item['microbatches']} {sched} {item['checkpoint']} balance "
+                     f"M={item['microbatches']} {sched} {_remat(item)} balance "
                      f"{','.join(map(str, item['balance']))} | predicted {rate(item['samples_per_s'])} samples/s, "
                      f"bubble {item['bubble']:.3f}, peak memory "
                      f"{per_stage(item['memory'])}"
@@ -147,8 +153,9 @@ def plain(items: Sequence[dict[str, Any]], title: str) -> str:
 def pipeline_section(outcome: Outcome, backend: str) -> dict[str, Any]:
     """The recipe's pipeline section that runs `outcome` as predicted."""
     c = outcome.config
+    moved = {"offload": c.offload} if c.offload != "none" else {}  # the section is replaced whole: none by default
     return {"partitions": c.partitions, "microbatches": c.microbatches, "schedule": c.schedule,
-            "virtual_stages": c.virtual, "checkpoint": c.checkpoint, "balance": list(outcome.balance),
+            "virtual_stages": c.virtual, "checkpoint": c.checkpoint, **moved, "balance": list(outcome.balance),
             "data_parallel": c.replicas, "backend": backend}
 
 

@@ -23,10 +23,10 @@ from torch import nn
 
 from gpipe_cli.memory_model import OPTIMIZERS
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.pipeline import microbatch, partition
+from gpipe_cli.pipeline import microbatch, partition, placement, schedules
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.comm import Header
-from gpipe_cli.pipeline.executor import Channels, Executor
+from gpipe_cli.pipeline.executor import Channels, Executor, Message
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.memory import ActivationMeter
 from gpipe_cli.pipeline.offload import Offloader, offloaded
@@ -54,6 +54,7 @@ class StageMemory:
     #                     and the graphs of micro-batches not rematerialised)
     peak_bytes: int     # the peak of the step: stored plus the micro-batch being recomputed and backpropagated
     host_bytes: int = 0  # the most offloaded activations in host memory at once (pipeline.offload)
+    chunks: list[list[int]] | None = None  # first and last layer of each chunk it runs (two under a V)
 
     @property
     def total_bytes(self) -> int:
@@ -121,7 +122,7 @@ class _Sent:
     """An in-process sink: keeps what a stage sends, by message number."""
 
     def __init__(self) -> None:
-        self.messages: dict[int, tuple[list[torch.Tensor | None], bool, int]] = {}
+        self.messages: dict[int, Message] = {}
 
     def send(self, microbatch: int, chunks: int, offset: int, tensors: Sequence[torch.Tensor | None],
              bare: bool = False, differentiable: bool = False) -> None:
@@ -132,7 +133,7 @@ class _Sent:
 class _Received:
     """An in-process source: the previous stage's messages as fresh leaves, or ones as output gradients."""
 
-    def __init__(self, messages: dict[int, tuple[list[torch.Tensor | None], bool, int]], chunks: int,
+    def __init__(self, messages: dict[int, Message], chunks: int,
                  ones: bool = False, shift: int = 0) -> None:
         self.messages, self.chunks, self.ones, self.shift = messages, chunks, ones, shift
 
@@ -146,12 +147,31 @@ class _Received:
         return Header(microbatch, self.chunks, offset, (), bare), out
 
 
+def _forwards(spec: ModelSpec, ranges: list[range], feed: list[Message], seed: int,
+              device: torch.device) -> dict[int, Message]:
+    """Every chunk's input messages but the first's, from one forward without a graph through the chunks in
+    order: under a V a stage's upper chunk takes what a later stage hands on, so no order of the stages has
+    every input ready before it."""
+    out: dict[int, Message] = {}
+    count, messages = len(ranges), feed
+    for c, span in enumerate(ranges[:-1]):
+        stage = Stage(nn.Sequential(*build_layers(spec.factories(), span, seed, device)).train(), device)
+        messages = [(*as_tensors(stage.evaluate(ts, bare, off)), off) for ts, bare, off in messages]
+        out.update({mb * count + c + 1: message for mb, message in enumerate(messages)})
+        del stage
+    return out
+
+
 def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[int], microbatches: int,
             schedule: str, checkpoint: str, optimizer: str, seed: int,
             device: torch.device | str = "cpu", offload: str = "none") -> list[StageMemory]:
-    """Every stage's memory during one step of `balance` with M micro-batches (stages run one after another)."""
+    """Every stage's memory during one step of `balance` (K x V chunks placed as the schedule says) with M
+    micro-batches (stages run one after another)."""
     device = torch.device(device)
-    stages = len(balance)
+    ranges = partition.stage_ranges(balance)
+    placed = schedules.get(schedule).placement
+    virtual = 2 if placed == "v" else 1  # interleaved is counted with one chunk per stage, as 1F1B
+    stages, count = len(ranges) // virtual, len(ranges)
     split = microbatch.sizes(microbatch.batch_size(inputs), microbatches)
     offsets = microbatch.offsets(split)
     feed = [(*as_tensors(mb), off) for mb, off in zip(microbatch.scatter(inputs, microbatches), offsets)]
@@ -160,34 +180,40 @@ def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[i
     units = [float(spec.units(t)) if spec.units else float(t.shape[0]) for t in labels]
     weights = [u / sum(units) for u in units]
     out: list[StageMemory] = []
-    previous = _Sent()
-    for s, span in enumerate(partition.stage_ranges(balance)):
-        last = s == stages - 1
-        layers = build_layers(spec.factories(), span, seed, device)
-        module = nn.Sequential(OrderedDict((str(i), layer) for i, layer in zip(span, layers))).to(device)
+    # In a loop each stage's inputs are what the stage before it sent; in a V they are computed first.
+    arrived = _forwards(spec, ranges, feed, seed, device) if virtual > 1 else {}
+    for s in range(stages):
+        chunks = placement.chunks_of(s, stages, virtual, placed)
+        indices = [i for c in chunks for i in ranges[c]]
+        layers = build_layers(spec.factories(), indices, seed, device)
+        module = nn.Sequential(OrderedDict((str(i), layer) for i, layer in zip(indices, layers))).to(device)
         module.train()
         meter = ActivationMeter([*module.parameters(), *module.buffers()])
-        stage = Stage(module, device, spec.loss if last else None, meter,
-                      offloader=Offloader(device, meter) if offloaded(offload, s) else None)
+        offloader = Offloader(device, meter)
+        # One Stage per chunk over the same layers, as the engine builds a rank's chunks.
+        parts = {c: Stage(nn.Sequential(OrderedDict((str(i), module.get_submodule(str(i))) for i in ranges[c])),
+                          device, spec.loss if c == count - 1 else None, meter,
+                          offloader=offloader if offloaded(offload, c) else None) for c in chunks}
         counter = _Counter(meter, module, device)
-        actions = sched.build(schedule, s, stages, microbatches, checkpoint)
+        actions = sched.build(schedule, s, stages, microbatches, checkpoint, virtual)
         sent = _Sent()
         stored = _Stored(counter, sched.rematerialised(actions))
-        # The engine's own executor, with in-process channels: the previous stage's real outputs in,
-        # ones as the gradients of this stage's outputs.
-        channels = Channels(_Received(previous.messages, microbatches) if s > 0 else None,
-                            sent if not last else None,
-                            _Received(sent.messages, microbatches, ones=True, shift=1) if not last else None,
-                            _Sent() if s > 0 else None)
-        Executor({s: stage}, channels, stages, microbatches, True, feed=feed if s == 0 else (),
-                 targets=labels if last else (), weights=weights if last else (), before=stored).run(actions)
+        # The engine's own executor, with in-process channels: the earlier chunks' real outputs in, ones as
+        # the gradients of this stage's outputs (a chunk whose neighbour is here takes it in memory).
+        channels = Channels(_Received(arrived, microbatches), sent, _Received(sent.messages, microbatches, ones=True,
+                                                                              shift=1), _Sent())
+        Executor(parts, channels, count, microbatches, True, feed=feed if 0 in chunks else (),
+                 targets=labels if count - 1 in chunks else (), weights=weights if count - 1 in chunks else (),
+                 before=stored).run(actions)
         params = [p for p in module.parameters() if p.requires_grad]
         grads_bytes = _unique_bytes([p.grad for p in params if p.grad is not None])
         opt = OPTIMIZERS[optimizer](params)
         opt.step()
         state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-        out.append(StageMemory(s, span.start, len(span), _unique_bytes(params), grads_bytes,
-                               _unique_bytes(state), stored.bytes, counter.peak(), meter.host_peak))
-        previous = sent
-        del stage, module, layers, opt
+        out.append(StageMemory(s, indices[0], len(indices), _unique_bytes(params), grads_bytes,
+                               _unique_bytes(state), stored.bytes, counter.peak(), meter.host_peak,
+                               [[ranges[c].start, ranges[c].stop - 1] for c in chunks]))
+        if virtual == 1:
+            arrived = sent.messages
+        del parts, module, layers, opt
     return out

@@ -23,11 +23,12 @@ from typing import Any, NamedTuple
 
 from gpipe_cli import memory_model as mm
 from gpipe_cli.limits import MAX_LAYERS
-from gpipe_cli.memory_model import Affine, Footprint, LayerFigures, ModelFigures, bytes_per_parameter, greedy_fit
+from gpipe_cli.memory_model import Affine, Footprint, LayerFigures, ModelFigures, bytes_per_parameter, greedy_fit, v_fit
 from gpipe_cli.models import families
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import layer_params
 from gpipe_cli.models.registry import build_model
+from gpipe_cli.pipeline import placement, schedules
 from gpipe_cli.profile.probe import Correction, Probe, steps
 from gpipe_cli.units import parse_size
 
@@ -128,10 +129,15 @@ class TransformerL:
         """Two small members, built and priced, for the device probe: one and two layers."""
         return [(build_model("transformer", layers=n, **self.fixed), self.figures(n)) for n in (1, 2)]
 
-    def search(self, fits: Callable[[ModelFigures], list[Footprint] | None]) -> Found | None:
-        """The deepest member that fits, up to `max_layers` (the most a recipe may have)."""
+    def member(self, label: str) -> dict[str, Any]:
+        """The build parameters of the member a row names, e.g. "13"."""
+        return {"layers": int(label), **self.fixed}
+
+    def search(self, fits: Callable[[ModelFigures], list[Footprint] | None], least: int = 1) -> Found | None:
+        """The deepest member that fits, up to `max_layers` (the most a recipe may have), from the first with at
+        least `least` pipeline layers (a V needs one per chunk)."""
         best = None
-        lo, hi = 0, 1
+        lo, hi = 0, min(max(1, least - 2), self.max_layers)  # the embedding and the softmax are layers too
         while (found := fits(self.figures(hi))) is not None:  # grow until it no longer fits
             best, lo = (hi, found), hi
             if hi == self.max_layers:  # a deeper member would fit too: the bound stops the search
@@ -170,6 +176,11 @@ class AmoebaNetD:
         counts = [self._role_params(d) for d in self.PROBE_WIDTHS]
         self.param_fit = {role: [c[role] for c in counts] for role in counts[0]}
 
+    def member(self, label: str) -> dict[str, Any]:
+        """The build parameters of the member a row names, e.g. "(18, 208)"."""
+        layers, width = (int(x) for x in label.strip("()").split(","))
+        return {"layers": layers, "filters": width, **self.fixed}
+
     def _spec(self, layers: int, width: int) -> Any:
         return build_model("amoebanet", layers=layers, filters=width, **self.fixed)
 
@@ -200,9 +211,9 @@ class AmoebaNetD:
         """Two small members, built and priced, for the device probe: 6 cells at the two narrowest widths."""
         return [(self._spec(6, d), self.figures(6, d)) for d in self.PROBE_WIDTHS[:2]]
 
-    def search(self, fits: Callable[[ModelFigures], list[Footprint] | None]) -> Found | None:
+    def search(self, fits: Callable[[ModelFigures], list[Footprint] | None], least: int = 1) -> Found | None:
         """The member with the most parameters that fits, over L in steps of 6 up to `max_layers` and D in steps
-        of 16 up to `max_width`."""
+        of 16 up to `max_width`, among those with at least `least` pipeline layers (a V needs one per chunk)."""
         best: Found | None = None
         for layers in range(6, self.max_layers + 1, 6):
             lo, hi = 0, self.max_width // self.WIDTH_STEP + 1  # widths in units of WIDTH_STEP
@@ -215,6 +226,8 @@ class AmoebaNetD:
                 else:
                     hi = mid
             if found_at is None:
+                if len(self._spec(layers, self.WIDTH_STEP).layer_names) < least:
+                    continue  # too shallow to cut into every chunk
                 break  # deeper models only need more
             params = sum(s.params for s in found_at)
             if best is None or params > best.params:
@@ -240,6 +253,9 @@ class BudgetRow:
     device_peak_bytes: float       # the fullest device
     balance: list[int]
     bound: str = ""                # the search's bound that stopped it before the budget did ("": none)
+    schedule: str = "gpipe"
+    offload: str = "none"
+    measured_device_peak_bytes: float | None = None  # the fullest device of one measured step, where it runs here
     accounted_peak_bytes: float = 0.0  # the fullest device by the accounting alone, before the device correction
 
     def to_json(self) -> dict[str, Any]:
@@ -265,29 +281,45 @@ def device_probes(family: TransformerL | AmoebaNetD, scenarios: list[tuple[str, 
     return steps(family.members(), scenarios, sizes, schedule, optimizer, seed)
 
 
-def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[str, int, int, str]], budget: float,
+def _balance(stages: list[Footprint], schedule: str) -> list[int]:
+    """Layers per chunk, in chunk order, of stages whose chunks are placed as `schedule` says (one per stage in
+    a loop, so layers per stage)."""
+    placed, virtual = schedules.get(schedule).placement, len(stages[0].chunks) or 1
+    out = [0] * (len(stages) * virtual)
+    for s, stage in enumerate(stages):
+        for c, layers in zip(placement.chunks_of(s, len(stages), virtual, placed), stage.chunks or (stage.layers,)):
+            out[c] = layers
+    return out
+
+
+def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[Any, ...]], budget: float,
            batch_size: int, schedule: str, optimizer: str, offload: str = "none",
            correction: Correction | None = None) -> list[BudgetRow | None]:
-    """The largest fitting member for each (name, K, M, checkpoint) scenario (None: nothing fits); with a
-    `correction`, each stage priced as the device holds it."""
+    """The largest fitting member for each (name, K, M, checkpoint) scenario, or (name, K, M, checkpoint,
+    schedule, offload) where a row has its own (None: nothing fits). A V-shaped schedule cuts 2K chunks. With a
+    `correction`, each stage is priced as the device holds it."""
     per_param = bytes_per_parameter(optimizer)
     rows: list[BudgetRow | None] = []
-    for name, k, m, checkpoint in scenarios:
+    for name, k, m, checkpoint, *how in scenarios:
+        placed, moved = how or (schedule, offload)
+        moved = moved if checkpoint != "never" else "none"
+        fit = v_fit if schedules.get(placed).placement == "v" else greedy_fit
+
         def need(fp: Footprint, checkpoint: str = checkpoint) -> float:
             return fp.total_bytes if correction is None else correction.bytes(fp, checkpoint)
 
-        def fits(model: ModelFigures, k: int = k, m: int = m, checkpoint: str = checkpoint,
+        def fits(model: ModelFigures, k: int = k, m: int = m, checkpoint: str = checkpoint, placed: str = placed,
+                 moved: str = moved, fit: Any = fit,
                  need: Callable[[Footprint], float] = need) -> list[Footprint] | None:
-            return greedy_fit(model, k, budget, batch_size, m, schedule, checkpoint, per_param,
-                              offload if checkpoint != "never" else "none", need=need)
+            return fit(model, k, budget, batch_size, m, placed, checkpoint, per_param, moved, need=need)
 
-        found = family.search(fits)
+        found = family.search(fits, 2 * k if fit is v_fit else 1)
         if found is None:
             rows.append(None)
             continue
         stages = found.stages
         rows.append(BudgetRow(name, k, m, checkpoint, found.label, found.params,
                               sum(s.weights_bytes for s in stages), sum(s.peak_bytes for s in stages),
-                              max(need(s) for s in stages), [s.layers for s in stages], found.bound,
-                              max(s.total_bytes for s in stages)))
+                              max(need(s) for s in stages), _balance(stages, placed), found.bound, placed, moved,
+                              accounted_peak_bytes=max(s.total_bytes for s in stages)))
     return rows

@@ -12,13 +12,9 @@ from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.estimate.size_flags import SizeFlags, size_values
 from gpipe_cli.files import check_output
 from gpipe_cli.limits import MAX_RANKS, MAX_SIZE, outside, words
-from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem, offload_problem
 from gpipe_cli.recipe.aliases import ALIASES, balance_text, settings
 from gpipe_cli.units import parse_size
-
-# One chunk per device is counted; a V's two chunks per device are not (bench measures them).
-COUNTED = tuple(name for name in SCHEDULES if schedules.get(name).placement == "loop")
 
 # The largest K: the paper's largest pipeline (Transformer-L on 128 TPUs). Every stage of every row is
 # priced, and measured rows driven, in this one process; far larger K only ran for minutes, silently.
@@ -113,10 +109,7 @@ def validate(options: ProfileOptions) -> None:
         (1 <= options.microbatches <= MAX_SIZE, outside("--microbatches", options.microbatches, 1, MAX_SIZE) or ""),
         (options.batch_size is None or not microbatch_problem(options.microbatches, options.batch_size),
          microbatch_problem(options.microbatches, options.batch_size, "--microbatches", "--batch-size") or ""),
-        (options.schedule not in SCHEDULES or options.schedule in COUNTED,
-         f"--schedule {options.schedule} places two chunks per device in a V, which profile-memory does not count: "
-         f"gpipe bench --schedule {options.schedule} prints each stage's measured activation peak"),
-        (options.schedule in SCHEDULES, f"--schedule must be one of {', '.join(COUNTED)} (got {options.schedule})"),
+        (options.schedule in SCHEDULES, f"--schedule must be one of {', '.join(SCHEDULES)} (got {options.schedule})"),
         (options.checkpoint in REMAT_MODES,
          f"--checkpoint must be one of {', '.join(REMAT_MODES)} (got {options.checkpoint})"),
         (options.offload in OFFLOAD_MODES,

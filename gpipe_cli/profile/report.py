@@ -21,14 +21,16 @@ def show_measured(s: dict[str, Any], console: Console) -> None:
     console.print(f"activations measured by {s['method']}; stored act.: what the forwards keep until the "
                   f"backward phase; peak act.: stored plus the micro-batch being recomputed and backpropagated")
     for sc in (sc for sc in s["scenarios"] if sc["measured"]):
-        table = Table(title=f"{sc['name']}: K={sc['partitions']}, M={sc['microbatches']}, checkpoint "
+        v = sc.get("virtual", 1)
+        shape = f" x V={v} in a V ({sc['schedule']})" if v > 1 else ""
+        table = Table(title=f"{sc['name']}: K={sc['partitions']}{shape}, M={sc['microbatches']}, checkpoint "
                             f"{sc['checkpoint']}, balance {sc['balance']}")
         moved = s.get("offload", "none") != "none" and sc["checkpoint"] != "never"
         for name in ("stage", "layers", "params", "grads", "optim.", "stored act.", "peak act.", "total") + \
                 (("offloaded to host",) if moved else ()):
             table.add_column(name, justify="right")
         for st in sc["stages"]:
-            table.add_row(str(st["stage"]), number_range(st['first_layer'], st['first_layer'] + st['layers'] - 1),
+            table.add_row(str(st["stage"]), _layers(st),
                           human_bytes(st["params_bytes"]), human_bytes(st["grads_bytes"]),
                           human_bytes(st["optimizer_bytes"]), human_bytes(st["stored_bytes"]),
                           human_bytes(st["peak_bytes"]), human_bytes(st["total_bytes"]),
@@ -38,6 +40,12 @@ def show_measured(s: dict[str, Any], console: Console) -> None:
     for sc in s["scenarios"]:
         if not sc["measured"]:
             console.print(f"[yellow]{sc['why']}[/]; from per-layer figures ({s['per_layer_figures']})")
+
+
+def _layers(stage: dict[str, Any]) -> str:
+    """The layers a stage holds, e.g. "0-2", or "0-1 · 6-7" for a V's two chunks."""
+    chunks = stage.get("chunks") or [[stage["first_layer"], stage["first_layer"] + stage["layers"] - 1]]
+    return " · ".join(number_range(first, last) for first, last in chunks)
 
 
 def _table1(s: dict[str, Any]) -> Table:
@@ -51,9 +59,20 @@ def _table1(s: dict[str, Any]) -> Table:
     table.add_row("total model parameter memory", *(human_bytes(sc["param_memory_bytes"]) for sc in rows))
     table.add_row("peak activation memory", *(human_bytes(sc["peak_activation_bytes"]) for sc in rows))
     table.add_row("fullest device", *(human_bytes(sc["device_peak_bytes"]) for sc in rows))
-    table.add_row("layers per stage", *(",".join(map(str, sc["balance"])) for sc in rows))
+    per = "chunk (two per stage in a V)" if any(sc.get("virtual", 1) > 1 for sc in rows) else "stage"
+    table.add_row(f"layers per {per}", *(",".join(map(str, sc["balance"])) for sc in rows))
     table.add_row("figures", *("measured" if sc["measured"] else "[yellow]extrapolated[/]" for sc in rows))
     return table
+
+
+def _measured(row: dict[str, Any] | None) -> str:
+    """A budget row's measured fullest device and how far the prediction is from it, e.g. "5.1 MiB (pred. +2%)"."""
+    if row is None:
+        return ""
+    found = row.get("measured_device_peak_bytes")
+    if found is None:
+        return "not run here"
+    return f"{human_bytes(found)} (pred. {row['device_peak_bytes'] / found - 1:+.0%})"
 
 
 def show_budget(s: dict[str, Any], console: Console) -> None:
@@ -78,8 +97,9 @@ def show_budget(s: dict[str, Any], console: Console) -> None:
     table.add_row("# of model parameters", *cells("params", human_count))
     table.add_row("total model parameter memory", *cells("param_memory_bytes", human_bytes))
     table.add_row("peak activation memory", *cells("peak_activation_bytes", human_bytes))
-    table.add_row("fullest device", *cells("device_peak_bytes", human_bytes))
-    table.add_row("layers per stage", *cells("balance", lambda b: ",".join(map(str, b))))
+    table.add_row("fullest device (predicted)", *cells("device_peak_bytes", human_bytes))
+    table.add_row("fullest device (measured)", *(_measured(r) for r in rows))
+    table.add_row("layers per stage (chunk in a V)", *cells("balance", lambda b: ",".join(map(str, b))))
     console.print(table)
     bounded: dict[str, list[str]] = {}
     for name, r in zip(s["scenarios"], rows):

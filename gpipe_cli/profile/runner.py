@@ -157,7 +157,7 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
     names = scenarios.names(options.partitions, m, options.checkpoint)
     rows = scenarios.plan(spec, figures, names, batch, options.schedule, per_param, have, options.balance,
                           options.offload)
-    predicted = [sc.predict(figures, batch, options.schedule, per_param) for sc in rows]
+    predicted = [sc.predict(figures, batch, per_param) for sc in rows]
     cand = sizing.candidate(subject.kind, subject.params)
     probe_s = probe_seconds(cand, machine)
     probing = any(not sc.measured for sc in rows) and probe_s < 30 and max(layer_params(spec)) * per_param < have
@@ -194,16 +194,16 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
             seconds_here = row_seconds(cand, machine, batch, sc.microbatches, sc.checkpoint)
             progress.phase(f"measuring {sc.name} (balance {sc.balance})", seconds_here)
             stages = [s.to_json() for s in account.measure(spec, inputs, targets, sc.balance, sc.microbatches,
-                                                           options.schedule, sc.checkpoint, options.optimizer,
+                                                           sc.schedule, sc.checkpoint, options.optimizer,
                                                            options.seed, device, sc.offload)]
             interrupts.check()
             out.append(scenarios.row(sc, stages, params))
         else:
-            stages = scenarios.predicted_stages(sc, figures, batch, options.schedule, per_param)
+            stages = scenarios.predicted_stages(sc, figures, batch, per_param)
             out.append(scenarios.row(sc, stages, sum(layer.params for layer in (sc.figures or figures).layers)))
             if correction is not None:  # what the device holds, beside the accounting
                 device_bytes = [correction.bytes(fp, sc.checkpoint)
-                                for fp in sc.predict(figures, batch, options.schedule, per_param)]
+                                for fp in sc.predict(figures, batch, per_param)]
                 out[-1].update(accounted_peak_bytes=out[-1]["device_peak_bytes"], device_peak_bytes=max(device_bytes))
     return {"model": {**subject.to_json(), "name": spec.name, "layers": len(spec.layers)}, "batch_size": batch,
             "microbatches": m, "schedule": options.schedule, "checkpoint": options.checkpoint,
@@ -263,18 +263,64 @@ def search_seconds(kind: str, fixed: dict[str, Any], machine: sizing.Machine) ->
                          for params, examples in budget.probes(kind, fixed))
 
 
+def variants(k: int, m: int, options: ProfileOptions) -> list[tuple[Any, ...]]:
+    """The largest K again without rematerialization, with its stored inputs offloaded, and as V-Half (two
+    chunks per device): what each buys at the same device count."""
+    remat = options.checkpoint if options.checkpoint != "never" else "except_last"
+    return [(f"K={k} never", k, m, "never", options.schedule, "none"),
+            (f"K={k} offload", k, m, remat, options.schedule, "activations"),
+            (f"K={k} v-half", k, m, remat, "v-half", "none")]
+
+
+# A budget row is measured here only when its step is expected within this many seconds, its member has at
+# most this many pipeline layers, and it fits. Deep members of tiny layers run far slower than the estimate's
+# arithmetic says: 10,002 such layers, estimated at 29 s, ran for over 10 minutes, and 92 of them (d_model
+# 32, 2 stages) took 40 s against 5 s estimated, while 36 took 14 s against 7 s.
+MEASURE_BELOW_S = 60.0
+MEASURE_LAYERS = 64
+
+
+def measured_row(row: budget.BudgetRow, kind: str, family: budget.TransformerL | budget.AmoebaNetD, batch: int,
+                 options: ProfileOptions, machine: sizing.Machine, progress: Progress,
+                 limit: float) -> budget.BudgetRow:
+    """`row` with its fullest device measured by one step of the member it names, where that runs here soon."""
+    params = family.member(row.model)
+    cand = sizing.candidate(kind, params)
+    seconds = row_seconds(cand, machine, batch, row.microbatches, row.checkpoint)
+    have = float(mm.available_bytes("cpu")) * sizing.MEMORY_SHARE
+    if seconds > MEASURE_BELOW_S or sum(row.balance) > MEASURE_LAYERS or row.device_peak_bytes > have \
+            or torch.cuda.is_available():
+        return row  # priced only: too slow or too large to run here (and on CUDA the allocator adds its own)
+    # Counted in the total only where the search itself had one (not AmoebaNet's: its last line says no estimate).
+    progress.phase(f"measuring {row.scenario} ({kind} {row.model}, balance {row.balance})", seconds,
+                   add=progress.estimated > 0)
+    spec = build_model(kind, **params)
+    inputs, targets = example_batch(spec, batch, options.seed)
+    # Deep members of small random layers drift into denormal values, which a CPU computes about ten times
+    # slower (a 92-layer member: 27 s instead of 2 s); the bytes held do not depend on the values.
+    torch.set_flush_denormal(True)
+    try:
+        stages = account.measure(spec, inputs, targets, row.balance, row.microbatches, row.schedule,
+                                 row.checkpoint, options.optimizer, options.seed, "cpu", row.offload)
+    finally:
+        torch.set_flush_denormal(False)
+    interrupts.check()
+    return dataclasses.replace(row, measured_device_peak_bytes=max(s.total_bytes for s in stages))
+
+
 def search(options: ProfileOptions, console: Console, progress: Progress) -> dict[str, Any]:
     """The largest model per scenario within the budget; the figures as the JSON file holds them."""
     limit = budget.parse_bytes(options.budget or "")
     device = _device(options.device)  # before anything is measured: a missing GPU is said at once
     kind, fixed = _family(options)
     batch = options.batch_size or families.of(kind).paper_batch
-    seconds = search_seconds(kind, fixed, sizing.this_machine(torch.get_num_threads()))
+    machine = sizing.this_machine(torch.get_num_threads())
+    seconds = search_seconds(kind, fixed, machine)
     progress.estimated = seconds or 0.0
     progress.phase(f"measuring per-layer figures of small {kind} models", seconds - FIXED_S if seconds else 0.0)
     family = budget.searcher(kind, fixed, options.seed)
     m = options.microbatches
-    scenarios = [("naive-1", 1, 1, "never"), ("pipeline-1", 1, m, options.checkpoint)]
+    scenarios: list[tuple[Any, ...]] = [("naive-1", 1, 1, "never"), ("pipeline-1", 1, m, options.checkpoint)]
     scenarios += [(f"pipeline-{k}", k, m, options.checkpoint) for k in options.partitions if k > 1]
     correction = None
     # On a GPU the accounting misses the allocator and the libraries: a few probe steps measure that. On the CPU
@@ -284,8 +330,11 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
         progress.phase(f"probing {device}: {len(probes)} short training steps of small members", 0.0)
         correction = probe.calibrate(probes, probe.meter_for(device))
         console.print(correction.describe(), highlight=False)
+    scenarios += variants(max(options.partitions), m, options)
     rows = budget.search(family, scenarios, limit, batch, options.schedule, options.optimizer, options.offload,
                          correction)
+    rows = [None if r is None else measured_row(r, kind, family, batch, options, machine, progress, limit)
+            for r in rows]
     return {"correction": None if correction is None else correction.to_json(),
             "budget_bytes": limit, "family": family.title, "kind": kind, "fixed": fixed, "batch_size": batch,
             "microbatches": m, "schedule": options.schedule, "checkpoint": options.checkpoint,

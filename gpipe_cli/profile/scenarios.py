@@ -23,7 +23,7 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.memory_model import Footprint, ModelFigures
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import describe
-from gpipe_cli.pipeline import microbatch, partition
+from gpipe_cli.pipeline import microbatch, partition, placement, schedules
 from gpipe_cli.units import human_bytes
 
 
@@ -40,11 +40,13 @@ class Scenario:
     why: str = ""                 # why it is extrapolated
     figures: ModelFigures | None = None  # the (possibly deepened) figures an extrapolated row is priced from
     offload: str = "none"         # pipeline.offload (never for the naive row, which does not rematerialise)
+    schedule: str = "gpipe"
+    virtual: int = 1              # chunks per stage: 2 under a V (the balance then lists K x 2 chunks)
 
-    def predict(self, figures: ModelFigures, batch: int, schedule: str, per_param: float) -> list[Footprint]:
+    def predict(self, figures: ModelFigures, batch: int, per_param: float) -> list[Footprint]:
         """Each stage's bytes by the memory model."""
-        return mm.footprints(self.figures or figures, self.balance, batch, self.microbatches, schedule,
-                             self.checkpoint, per_param, offload=self.offload)
+        return mm.footprints(self.figures or figures, self.balance, batch, self.microbatches, self.schedule,
+                             self.checkpoint, per_param, self.virtual, self.offload)
 
 
 def names(partitions: list[int], microbatches: int, checkpoint: str) -> list[tuple[str, int, int, str]]:
@@ -53,8 +55,13 @@ def names(partitions: list[int], microbatches: int, checkpoint: str) -> list[tup
     return rows + [(f"pipeline-{k}", k, microbatches, checkpoint) for k in dict.fromkeys(partitions) if k > 1]
 
 
+def chunks_per_stage(schedule: str) -> int:
+    """V: a V-shaped schedule's two chunks per stage, else one (interleaved is counted with one, as 1F1B)."""
+    return 2 if schedules.get(schedule).placement == "v" else 1
+
+
 def flops_balance(spec: ModelSpec, k: int, batch: int, microbatches: int, explicit: str | None) -> list[int]:
-    """Layers per stage: explicit, or balanced by estimated FLOPs as training does."""
+    """Layers per chunk (`k` chunks): explicit, or balanced by estimated FLOPs as training does."""
     layers = len(spec.layers)
     try:
         partition.check_partitions(layers, k)
@@ -95,17 +102,22 @@ def plan(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, int, int,
     out = []
     for name, k, m, checkpoint in rows:
         moved = offload if checkpoint != "never" else "none"
-        if k > layers:
-            deeper, kind = deepened(figures, k)
+        # naive-1 is plain training: one chunk, whatever the pipeline rows' schedule.
+        v = chunks_per_stage(schedule) if name != "naive-1" else 1
+        placed = schedule if v == chunks_per_stage(schedule) else "gpipe"
+        chunks = k * v
+        if chunks > layers:
+            deeper, kind = deepened(figures, chunks)
             size = max(microbatch.sizes(batch, m))
-            why = (f"{name} extrapolated: K={k} > the {layers} layers measured (figures of {k - layers} more "
+            what = f"K={k}" if v == 1 else f"K={k} x {v} chunks"
+            why = (f"{name} extrapolated: {what} > the {layers} layers measured (figures of {chunks - layers} more "
                    f"'{kind}' layers repeated)")
-            out.append(Scenario(name, k, m, checkpoint, _memory_balance(deeper, k, size, per_param), False, why,
-                                deeper, moved))
+            out.append(Scenario(name, k, m, checkpoint, _memory_balance(deeper, chunks, size, per_param), False, why,
+                                deeper, moved, placed, v))
             continue
-        balance = flops_balance(spec, k, batch, m, explicit) if k > 1 else [layers]
-        scenario = Scenario(name, k, m, checkpoint, balance, True, offload=moved)
-        fullest = max(fp.total_bytes for fp in scenario.predict(figures, batch, schedule, per_param))
+        balance = flops_balance(spec, chunks, batch, m, explicit) if chunks > 1 else [layers]
+        scenario = Scenario(name, k, m, checkpoint, balance, True, offload=moved, schedule=placed, virtual=v)
+        fullest = max(fp.total_bytes for fp in scenario.predict(figures, batch, per_param))
         if fullest > have:
             why = (f"{name} extrapolated: its fullest stage needs about {human_bytes(fullest)}, too large for this "
                    f"machine's memory ({human_bytes(have)} free)")
@@ -117,7 +129,8 @@ def plan(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, int, int,
 def row(scenario: Scenario, stages: list[dict[str, Any]], params: int) -> dict[str, Any]:
     """A row as the JSON file holds it: the stages and the Table 1 totals."""
     return {"name": scenario.name, "partitions": scenario.partitions, "microbatches": scenario.microbatches,
-            "checkpoint": scenario.checkpoint, "balance": scenario.balance, "stages": stages,
+            "checkpoint": scenario.checkpoint, "schedule": scenario.schedule, "virtual": scenario.virtual,
+            "balance": scenario.balance, "stages": stages,
             "measured": scenario.measured, "source": "measured" if scenario.measured else "extrapolated",
             "why": scenario.why, "params": params,
             "param_memory_bytes": sum(s["params_bytes"] + s["grads_bytes"] + s["optimizer_bytes"] for s in stages),
@@ -125,15 +138,17 @@ def row(scenario: Scenario, stages: list[dict[str, Any]], params: int) -> dict[s
             "device_peak_bytes": max(s["total_bytes"] for s in stages)}
 
 
-def predicted_stages(scenario: Scenario, figures: ModelFigures, batch: int, schedule: str,
-                     per_param: float) -> list[dict[str, Any]]:
+def predicted_stages(scenario: Scenario, figures: ModelFigures, batch: int, per_param: float) -> list[dict[str, Any]]:
     """An extrapolated row's stages in the measured rows' shape."""
-    out, start = [], 0
-    for s, fp in enumerate(scenario.predict(figures, batch, schedule, per_param)):
+    out, ranges = [], partition.stage_ranges(scenario.balance)
+    stages = scenario.partitions
+    for s, fp in enumerate(scenario.predict(figures, batch, per_param)):
         weights = fp.params * mm.PARAM_BYTES
-        out.append({"stage": s, "first_layer": start, "layers": fp.layers, "params_bytes": weights,
+        spans = [ranges[c] for c in placement.chunks_of(s, stages, scenario.virtual,
+                                                        schedules.get(scenario.schedule).placement)]
+        out.append({"stage": s, "first_layer": spans[0].start, "layers": fp.layers, "params_bytes": weights,
                     "grads_bytes": weights, "optimizer_bytes": round(fp.weights_bytes) - 2 * weights,
                     "stored_bytes": round(fp.stored_bytes), "peak_bytes": round(fp.peak_bytes),
-                    "total_bytes": round(fp.total_bytes), "host_bytes": round(fp.host_bytes)})
-        start += fp.layers
+                    "total_bytes": round(fp.total_bytes), "host_bytes": round(fp.host_bytes),
+                    "chunks": [[r.start, r.stop - 1] for r in spans]})
     return out

@@ -37,7 +37,7 @@ def synthetic(layers: int, seed: int, batch: int = 8, equal: bool = False) -> se
 
 
 def brute_force(model: search.Model, hw: search.Hardware) -> tuple[float, search.Config] | None:
-    """Every K, M, schedule, V and remat mode the long way; the balance by trying every contiguous cut."""
+    """Every K, M, schedule, V, remat mode and offload the long way; the balance by trying every contiguous cut."""
     best: tuple[float, search.Config] | None = None
     n = model.layers
     for k in range(1, hw.devices + 1):
@@ -50,11 +50,14 @@ def brute_force(model: search.Model, hw: search.Hardware) -> tuple[float, search
         for m in range(1, per_replica + 1):
             if per_replica % m:
                 continue
-            for name, v, mode in itertools.product(SCHEDULES, (1, 2, 4), REMAT_MODES):
-                if (v > 1) != (name == "interleaved") or (v > 1 and (m % k or k < 2)) or k * v > n or \
-                        name in SHAPED:
+            for name, v, mode, offload in itertools.product(SCHEDULES, (1, 2, 4), REMAT_MODES, ("none", "activations")):
+                if name in SHAPED:
+                    allowed = v == 2 and k >= 2
+                else:
+                    allowed = (v > 1 and m % k == 0 and k >= 2) if name == "interleaved" else v == 1
+                if not allowed or k * v > n or (mode == "never" and offload != "none"):
                     continue
-                config = search.Config(k, d, m, name, v, mode)
+                config = search.Config(k, d, m, name, v, mode, offload)
                 costs = model.costs(per_replica // m)
                 weights = costs.balance_costs(mode)
                 chunks = k * v
@@ -62,7 +65,7 @@ def brute_force(model: search.Model, hw: search.Hardware) -> tuple[float, search
                 for cuts in itertools.combinations(range(1, n), chunks - 1):
                     balance = [b - a for a, b in zip((0, *cuts), (*cuts, n))]
                     need = max(fp.total_bytes for fp in mm.footprints(
-                        model.figures, balance, per_replica, m, name, mode, model.bytes_per_param, v))
+                        model.figures, balance, per_replica, m, name, mode, model.bytes_per_param, v, offload))
                     if need <= hw.memory or v > 1:
                         fitting.append((max(partition.stage_costs(weights, balance)), balance, need))
                 if not fitting:
@@ -79,8 +82,9 @@ def brute_force(model: search.Model, hw: search.Hardware) -> tuple[float, search
                 predicted = simulate.simulate_step(costs, balance, per_replica, m, name, mode,
                                                    hw.node_link if search.spans_nodes(hw, k) else hw.link, 1.0, v,
                                                    model.action_overhead)
-                stage_params = [sum(model.figures.layers[i].params for r in partition.stage_ranges(balance)[s::k]
-                                    for i in r) for s in range(k)]
+                placed = "v" if name in SHAPED else "loop"
+                stage_params = [sum(model.figures.layers[i].params
+                                    for i in partition.stage_layers(balance, k, s, placed)) for s in range(k)]
                 step = predicted.step_time + search.allreduce_seconds(stage_params, d, hw.link) + \
                     model.step_overhead * max(stage_params) / sum(stage_params)
                 rate = model.batch / step
@@ -96,7 +100,8 @@ def test_search_finds_the_brute_force_optimum(seed, layers, devices, tightness):
     model = synthetic(layers, seed)
     memory = math.inf
     if tightness is not None:  # a budget that only some configurations' min-max-time cuts fit
-        peaks = sorted(o.peak for o in search.search(model, search.Hardware(devices, math.inf, FAST, FAST)).ranked)
+        roomy = search.search(model, search.Hardware(devices, math.inf, FAST, FAST)).ranked
+        peaks = sorted(o.peak for o in roomy if o.config.offload == "none" and o.config.schedule not in SHAPED)
         memory = peaks[int(tightness * (len(peaks) - 1))]
     hw = search.Hardware(devices, memory, FAST, FAST)
     result = search.search(model, hw)
@@ -135,8 +140,26 @@ def test_configurations_use_every_device_and_split_the_batch_evenly():
     seen = list(search.configs(model, hw))
     assert seen and all(c.partitions * c.replicas == 4 for c in seen)
     assert all((12 // c.replicas) % c.microbatches == 0 for c in seen)
-    assert all(c.microbatches % c.partitions == 0 for c in seen if c.virtual > 1)
-    assert {c.schedule for c in seen} == set(SCHEDULES) - SHAPED  # V placements are not planned yet
+    assert all(c.microbatches % c.partitions == 0 for c in seen if c.schedule == "interleaved")
+    assert {c.schedule for c in seen} == set(SCHEDULES)
+    assert all(c.virtual == 2 for c in seen if c.schedule in SHAPED)
+    # Offload moves what rematerialization stores: tried with it, never without.
+    assert {(c.checkpoint, c.offload) for c in seen} == {("always", "none"), ("always", "activations"),
+                                                         ("except_last", "none"), ("except_last", "activations"),
+                                                         ("never", "none")}
+
+
+def test_where_only_offloading_or_a_v_fits_the_pick_is_one_of_them():
+    model = synthetic(8, 1, batch=16)
+    roomy = search.Hardware(2, math.inf, FAST, FAST)
+    plain = min(search.min_max_memory(model, c)[0] for c in search.configs(model, roomy)
+                if c.offload == "none" and c.schedule not in SHAPED)
+    # Just below the least memory any plain configuration needs: only offload or the V placements fit.
+    result = search.search(model, search.Hardware(2, plain * 0.999, FAST, FAST))
+    assert result.best is not None and result.best.peak <= plain * 0.999
+    assert all(o.config.offload != "none" or o.config.schedule in SHAPED for o in result.ranked)
+    unlimited = search.search(model, roomy).best
+    assert unlimited is not None and unlimited.config.offload == "none"  # it only ties where memory is no object
 
 
 def test_a_pipeline_across_nodes_is_charged_the_node_link():

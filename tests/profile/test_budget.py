@@ -64,6 +64,25 @@ def test_the_footprint_walk_predicts_the_measured_stages(kind, params, balance, 
         assert (predicted.host_bytes > 0) == (offload == "activations" and s > 0)
 
 
+@pytest.mark.parametrize("balance,chunks,schedule,checkpoint,offload", [
+    ([1, 2, 1, 2], 4, "v-half", "except_last", "none"),
+    ([1, 1, 1, 1, 1, 1], 6, "zero-bubble-v", "always", "none"),
+    ([1, 2, 1, 2], 4, "v-half", "always", "activations"),
+])
+def test_the_walk_predicts_each_rank_of_a_v_within_a_tenth(balance, chunks, schedule, checkpoint, offload):
+    # Two chunks per rank, the first and last on rank 0: the engine's placement, measured through its executor.
+    spec = build_model("transformer", layers=4, **TRANSFORMER)
+    inputs, targets = example_batch(spec, 16, 0)
+    measured = account.measure(spec, inputs, targets, balance, chunks, schedule, checkpoint, "sgd", 0,
+                               offload=offload)
+    predicted = fig.footprints(fig.measure(spec), balance, 16, chunks, schedule, checkpoint, 12.0, 2, offload)
+    assert [m.chunks for m in measured][0] == [[0, balance[0] - 1], [sum(balance) - balance[-1], sum(balance) - 1]]
+    for p, m in zip(predicted, measured, strict=True):
+        assert p.peak_bytes == pytest.approx(m.peak_bytes, rel=0.10)
+        assert p.host_bytes == pytest.approx(m.host_bytes, rel=0.10, abs=1024)
+        assert p.params * 4 == m.params_bytes
+
+
 def test_more_devices_fit_larger_models_within_the_budget(transformer):
     scenarios = [("naive-1", 1, 1, "never"), ("pipeline-1", 1, 8, "except_last"), ("pipeline-2", 2, 8, "except_last"),
                  ("pipeline-4", 4, 8, "except_last")]

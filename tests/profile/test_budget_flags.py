@@ -17,7 +17,26 @@ def test_a_huge_budget_ends_at_the_bound_and_says_the_bound_stopped_it(capsys, t
     assert "Traceback" not in text
     assert "the search stopped at its bound (10000 layers, the most a recipe may have), not at the budget" in text
     rows = json.loads(out.read_text())["rows"]
-    assert [r["model"] for r in rows] == ["10000"] * 3 and all(r["bound"] for r in rows)
+    assert [r["model"] for r in rows] == ["10000"] * 6 and all(r["bound"] for r in rows)
+    assert all(r["measured_device_peak_bytes"] is None for r in rows)  # far too slow to run here
+
+
+def test_each_row_names_the_largest_model_with_its_predicted_and_measured_peak(capsys, tmp_path):
+    out = tmp_path / "budget.json"
+    assert gpipe(["profile-memory", *TINY, "--budget", "1MiB", "--partitions", "2", "--batch-size", "8",
+                  "--microbatches", "4", "--optimizer", "sgd", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["scenarios"] == ["naive-1", "pipeline-1", "pipeline-2", "K=2 never", "K=2 offload", "K=2 v-half"]
+    rows = dict(zip(summary["scenarios"], summary["rows"]))
+    assert (rows["K=2 offload"]["offload"], rows["K=2 v-half"]["schedule"]) == ("activations", "v-half")
+    assert len(rows["K=2 v-half"]["balance"]) == 4  # two chunks per device
+    # Rematerialization fits more than keeping every graph; offloading and V-Half at least as much again.
+    assert int(rows["K=2 never"]["model"]) < int(rows["pipeline-2"]["model"]) <= int(rows["K=2 offload"]["model"])
+    for name, row in rows.items():
+        assert row["device_peak_bytes"] <= 2**20
+        assert row["device_peak_bytes"] == pytest.approx(row["measured_device_peak_bytes"], rel=0.10), name
+    text = " ".join(capsys.readouterr().out.split())
+    assert "fullest device (measured)" in text and "Traceback" not in text
 
 
 @pytest.mark.parametrize("flags,message", [
