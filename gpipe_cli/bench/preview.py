@@ -41,7 +41,7 @@ def runs(options: BenchOptions, layers: int) -> list[tuple[int, int]]:
     if options.simulate:
         return [(1, options.microbatches)]
     if options.sweep:
-        from gpipe_cli.bench.plan import oversubscription
+        from gpipe_cli.bench.setup import oversubscription
 
         ks = [k for k in SWEEP_PARTITIONS
               if k <= layers and (options.oversubscribe or not oversubscription(k, options.threads)[0])]
@@ -203,7 +203,7 @@ def _stage_memory(figures: mm.ModelFigures, flops: list[float], options: BenchOp
 
 def show(preview: Preview, mem: Memory, options: BenchOptions, machine: sizing.Machine, console: Console) -> None:
     """Print the plan: model, parameters, per-stage memory, ranks per core or GPU, and the time it should take."""
-    from gpipe_cli.bench.plan import oversubscription
+    from gpipe_cli.bench.setup import oversubscription
 
     spec = preview.subject.build()
     cand = sizing.candidate(preview.subject.kind, preview.subject.params)

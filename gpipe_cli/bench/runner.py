@@ -26,9 +26,9 @@ import torch
 from rich.console import Console
 
 from gpipe_cli import interrupts, sizing
-from gpipe_cli.bench import jobs, preview, report, sweep, trace
+from gpipe_cli.bench import jobs, preview, sweep, tables, trace
 from gpipe_cli.bench.options import BenchOptions, parse_balance, validate
-from gpipe_cli.bench.plan import base_job, choose_balance, model_json, oversubscription
+from gpipe_cli.bench.setup import base_job, choose_balance, model_json, oversubscription
 from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate import simulate
@@ -201,7 +201,7 @@ def results(options: BenchOptions, summary: dict[str, Any], events: list[dict[st
         sweep.show(summary, console)
     else:
         _write_trace(options, summary, events)
-        report.show(summary, console)
+        tables.show(summary, console)
     sized = summary["sized"]
     console.print(f"[dim]{took_line(sized['elapsed_s'], sized['estimate_s'])}[/]")
     if options.json is not None:

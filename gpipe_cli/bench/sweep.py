@@ -15,7 +15,7 @@ from rich.table import Table
 from gpipe_cli import plots
 from gpipe_cli.bench import jobs
 from gpipe_cli.bench.options import SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions
-from gpipe_cli.bench.plan import base_job, model_json, oversubscription
+from gpipe_cli.bench.setup import base_job, model_json, oversubscription
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.machine_load import contended
 from gpipe_cli.estimate.measure import RunFigures

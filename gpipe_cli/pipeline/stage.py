@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_cli.pipeline import context, split
+from gpipe_cli.pipeline import backward_split, context
 from gpipe_cli.pipeline.memory import ActivationMeter, held
 from gpipe_cli.pipeline.offload import Offloader, Parked
 
@@ -46,7 +46,7 @@ class _State:
     outputs: list[Any] | None = None   # handles of the outputs with their graph
     target: torch.Tensor | None = None
     weight: float | torch.Tensor = 0.0
-    pending: split.Pending | None = None  # what the weight gradients (W) need, kept from B
+    pending: backward_split.Pending | None = None  # what the weight gradients (W) need, kept from B
     parked: Parked | None = None       # the boundary input while it waits in host memory
 
 
@@ -156,7 +156,7 @@ class Stage:
         wanted = [(i, t) for i, t in enumerate(inputs) if t is not None and t.requires_grad]
         out: list[torch.Tensor | None] = [None] * len(inputs)
         with self.meter.saved_tensors():
-            found, state.pending = split.backward_input([o for o, _ in roots], [g for _, g in roots],
+            found, state.pending = backward_split.backward_input([o for o, _ in roots], [g for _, g in roots],
                                                         [t for _, t in wanted])
         for (i, _), g in zip(wanted, found):
             out[i] = g
@@ -167,7 +167,7 @@ class Stage:
         state = self._states.pop(mb)
         assert state.pending is not None, f"micro-batch {mb} has no input gradient yet: run backward_input first"
         with self.meter.saved_tensors():
-            split.backward_weight(state.pending, self.params)
+            backward_split.backward_weight(state.pending, self.params)
         state.pending = None
 
     def evaluate(self, inputs: Sequence[torch.Tensor | None], bare: bool, offset: int) -> Any:

@@ -35,7 +35,7 @@ from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import describe, layer_params
 from gpipe_cli.models.registry import allowed_params, build_model
 from gpipe_cli.pipeline.layer_profile import profile_layers
-from gpipe_cli.profile import account, budget, probe, report, scenarios
+from gpipe_cli.profile import account, budget, probe, scenarios, tables
 from gpipe_cli.profile.options import ProfileOptions, validate
 from gpipe_cli.progress import Progress
 from gpipe_cli.units import human_bytes, human_count, human_seconds
@@ -155,7 +155,7 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
     # Per-layer figures from shapes first (instant at any size), to decide and announce every row.
     figures = mm.measure(spec, options.seed, device="meta")
     names = scenarios.names(options.partitions, m, options.checkpoint)
-    rows = scenarios.plan(spec, figures, names, batch, options.schedule, per_param, have, options.balance,
+    rows = scenarios.choose_rows(spec, figures, names, batch, options.schedule, per_param, have, options.balance,
                           options.offload)
     predicted = [sc.predict(figures, batch, per_param) for sc in rows]
     cand = sizing.candidate(subject.kind, subject.params)
@@ -177,7 +177,7 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
         progress.phase("measuring per-layer figures", probe_s)
         figures = mm.measure(spec, options.seed, device=str(device))
         interrupts.check()
-        rows = scenarios.plan(spec, figures, names, batch, options.schedule, per_param, have, options.balance,
+        rows = scenarios.choose_rows(spec, figures, names, batch, options.schedule, per_param, have, options.balance,
                               options.offload)
         source = f"saved-tensor accounting of each layer's forward and backward on {device}"
     correction = None
@@ -362,12 +362,12 @@ def _run(options: ProfileOptions, console: Console) -> int:
     progress = Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))
     if options.budget is not None:
         summary = search(options, console, progress)
-        report.show_budget(summary, console)
+        tables.show_budget(summary, console)
         took = progress.took() if progress.estimated else f"took {human_seconds(progress.elapsed())}"
         console.print(f"[dim]{took}[/]")
     else:
         summary = measure(options, console, progress)
-        report.show_measured(summary, console)
+        tables.show_measured(summary, console)
         console.print(f"[dim]{progress.took()}[/]")
     if options.json is not None:
         atomic_write_text(options.json, json.dumps(summary, indent=2))

@@ -95,8 +95,9 @@ def _memory_balance(figures: ModelFigures, k: int, size: int, per_param: float) 
     return partition.balance_by_cost(costs, k)
 
 
-def plan(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, int, int, str]], batch: int, schedule: str,
-         per_param: float, have: float, explicit: str | None, offload: str = "none") -> list[Scenario]:
+def choose_rows(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, int, int, str]], batch: int,
+                schedule: str, per_param: float, have: float, explicit: str | None,
+                offload: str = "none") -> list[Scenario]:
     """Decide every row before anything is measured: its cut, and measured or extrapolated (and why)."""
     layers = len(spec.layers)
     out = []

@@ -39,7 +39,6 @@ from gpipe_cli.train.export import export as export_model
 from gpipe_cli.train.job import Job
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
 from gpipe_cli.train.profiling import StepProfiler
-from gpipe_cli.train.report import MetricsFile, TerminalView
 from gpipe_cli.train.resume import Checkpointer, run_dir_of, saved_cut, trim_metrics
 from gpipe_cli.train.rundir import choose_run_dir, create_run_dir, save_recipe
 from gpipe_cli.train.settings import continue_command
@@ -47,6 +46,7 @@ from gpipe_cli.train.signals import StopRequest
 from gpipe_cli.train.sinks import open_sinks
 from gpipe_cli.train.step_figures import step_figures
 from gpipe_cli.train.summary import RunSummary
+from gpipe_cli.train.view import MetricsFile, TerminalView
 from gpipe_cli.units import number_range
 
 __all__ = ["Job", "Trainer", "configure_threads"]

@@ -7,7 +7,7 @@ import pytest
 from rich.console import Console
 from torch.distributed.pipelining import schedules
 
-from gpipe_cli.bench import BenchOptions, report, run
+from gpipe_cli.bench import BenchOptions, run, tables
 from gpipe_cli.pipeline import schedule as sched
 from tests.bench import tiny
 
@@ -68,7 +68,7 @@ def test_a_counterpart_not_measured_is_one_line_in_the_report(bench):
     _, figures = bench
     missing = {"class": "ScheduleX", "skipped": "torch 2.13 has no ScheduleX"}
     console = Console(record=True, width=200)
-    report.show({**figures, "compare": {**figures["compare"], "torch-x": missing}}, console)
+    tables.show({**figures, "compare": {**figures["compare"], "torch-x": missing}}, console)
     text = console.export_text()
     assert "torch-x: not measured (torch 2.13 has no ScheduleX)" in text
     assert "ScheduleGPipe" in text and "simulator vs measurement (gpipe)" in text

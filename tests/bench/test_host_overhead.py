@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from gpipe_cli.bench import BenchOptions, overhead, report, run
+from gpipe_cli.bench import BenchOptions, overhead, run, tables
 from gpipe_cli.bench.options import overhead_rounds
 from gpipe_cli.estimate.subject import example_batch, resolve
 from gpipe_cli.pipeline import topology
@@ -54,10 +54,10 @@ def test_the_measurement_at_k1_two_microbatches():
     assert h["overhead_step_s"] == pytest.approx(h["engine_step_s"] - h["plain_step_s"])
     assert h["overhead_per_microbatch_s"] == pytest.approx(h["overhead_step_s"] / M)
     assert h["plain_loss"] == pytest.approx(h["engine_loss"], rel=1e-6)
-    assert h["gradient_max_relative_difference"] < report.GRADIENTS_AGREE
+    assert h["gradient_max_relative_difference"] < tables.GRADIENTS_AGREE
     assert h["threads"] == torch.get_num_threads() and not h["optimizer_step"]
 
-    text = report.host_overhead({"host_overhead": h})
+    text = tables.host_overhead({"host_overhead": h})
     found = re.fullmatch(r"host overhead \(K=1, M=2\): engine (\S+) ms/step, plain loop (\S+) ms/step \((\S+)x\): "
                          r"(\S+) ms a step, (\S+) ms per micro-batch \(best of 4 steps each in 2 alternating "
                          r"rounds, no optimizer step, \d+ threads?\)", text)
@@ -74,9 +74,9 @@ def test_gradients_that_differ_are_said_in_the_line():
     h = {"partitions": 1, "microbatches": 4, "threads": 1, "engine_step_s": 0.02, "plain_step_s": 0.01,
          "plain_over_engine": 0.5, "overhead_step_s": 0.01, "overhead_per_microbatch_s": 0.0025, "rounds": 2,
          "steps_per_round": 1, "gradient_max_relative_difference": 0.3}
-    text = report.host_overhead({"host_overhead": h})
+    text = tables.host_overhead({"host_overhead": h})
     assert "10.0 ms a step, 2.50 ms per micro-batch" in text and "dropout" in text
-    assert "dropout" not in report.host_overhead({"host_overhead": {**h, "gradient_max_relative_difference": 0.0}})
+    assert "dropout" not in tables.host_overhead({"host_overhead": {**h, "gradient_max_relative_difference": 0.0}})
 
 
 def test_it_is_measured_when_the_bench_is_of_k1_and_said_to_be_otherwise():
@@ -84,7 +84,7 @@ def test_it_is_measured_when_the_bench_is_of_k1_and_said_to_be_otherwise():
     assert BenchOptions(partitions=2, simulate=True, devices=1).measures_host_overhead
     assert not BenchOptions(partitions=2).measures_host_overhead
     assert not BenchOptions(partitions=1, sweep=True).measures_host_overhead
-    assert "measured at K=1 only" in report.host_overhead({"host_overhead": None})
+    assert "measured at K=1 only" in tables.host_overhead({"host_overhead": None})
     assert overhead_rounds(60) == (10, 6) and overhead_rounds(1) == (1, 1)
     assert overhead_rounds(5) == (2, 3)
 

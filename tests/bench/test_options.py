@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from gpipe_cli.bench.options import FLAGS, BenchOptions, parse_balance, validate
-from gpipe_cli.bench.plan import oversubscription
+from gpipe_cli.bench.setup import oversubscription
 from gpipe_cli.cli_help import tidy
 from gpipe_cli.errors import UserError
 

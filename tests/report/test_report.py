@@ -12,7 +12,7 @@ from PIL import Image
 from gpipe_cli.cli import run as cli
 from gpipe_cli.report import page
 from gpipe_cli.report.runs import read_runs, series, time_breakdown
-from tests.train.test_report import train_record
+from tests.train.test_view import train_record
 
 
 def make_run(folder: Path, partitions: int, steps: int = 5) -> Path:

@@ -10,7 +10,7 @@ from gpipe_cli.cli import run as cli
 from gpipe_cli.report.runs import read_runs, segment_throughputs, throughput
 from gpipe_cli.train.summary import RunSummary
 from tests.report.test_report import make_run
-from tests.train.test_report import train_record
+from tests.train.test_view import train_record
 
 BATCH = 32
 SECONDS = (2.0, 0.1, 0.3, 0.2, 0.9)  # uneven steps: the mean of per-step rates would differ

@@ -11,11 +11,11 @@ import types
 import pytest
 
 from gpipe_cli.recipe.schema import Metrics, Wandb
-from gpipe_cli.train.report import MetricsFile
 from gpipe_cli.train.sinks import Sinks, open_sinks, scalars
+from gpipe_cli.train.view import MetricsFile
 from tests.train.recipes import TINY_AMOEBANET, write
-from tests.train.test_report import train_record
 from tests.train.test_train_e2e import gpipe, records
+from tests.train.test_view import train_record
 
 
 def test_every_number_of_a_record_becomes_one_tag_per_stage():

@@ -5,7 +5,7 @@ import pytest
 from gpipe_cli.pipeline.stats import PARTS, StageStats, StepStats
 from gpipe_cli.train.sinks import scalars
 from gpipe_cli.train.step_figures import step_figures
-from tests.train.test_report import train_record
+from tests.train.test_view import train_record
 
 
 def stage(index, step_time, busy, wait, comm, optimizer, replica=0):

@@ -3,7 +3,7 @@
 import pytest
 
 from gpipe_cli.train.summary import RunSummary
-from tests.train.test_report import train_record
+from tests.train.test_view import train_record
 
 
 def run(skipped_steps=(), evals=()):

@@ -5,10 +5,10 @@ import io
 import pytest
 from rich.console import Console
 
-from gpipe_cli.train.report import TerminalView, train_lines
 from gpipe_cli.train.summary import RunSummary
 from gpipe_cli.train.utilization import ModelFlops, Peak, figures, find_peak, rate_text, table_peak
-from tests.train.test_report import train_record
+from gpipe_cli.train.view import TerminalView, train_lines
+from tests.train.test_view import train_record
 
 
 @pytest.mark.parametrize(("name", "precision", "tflops"), [

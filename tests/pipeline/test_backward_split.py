@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_cli.pipeline import split
+from gpipe_cli.pipeline import backward_split
 
 
 class Block(nn.Module):
@@ -42,8 +42,8 @@ def test_input_then_weight_gradients_equal_one_backward(shared, repeat):
     model.zero_grad()
     for _ in range(repeat):
         y, b = model(x)
-        found, pending = split.backward_input([y, b], [gy, gb], [x])
-        split.backward_weight(pending, list(model.parameters()))
+        found, pending = backward_split.backward_input([y, b], [gy, gb], [x])
+        backward_split.backward_weight(pending, list(model.parameters()))
     assert torch.allclose(found[0] * repeat, whole_x, atol=1e-6)
     split_grads = grads_of(model)
     assert set(split_grads) == set(whole)
@@ -56,10 +56,10 @@ def test_the_input_half_leaves_weights_alone_and_the_weight_half_skips_the_input
     model = Block()
     x = torch.randn(4, 6, requires_grad=True)
     y = model(x)[0]
-    found, pending = split.backward_input([y], [torch.ones_like(y)], [x])
+    found, pending = backward_split.backward_input([y], [torch.ones_like(y)], [x])
     assert found[0] is not None and all(p.grad is None for p in model.parameters())
     assert pending.nodes and not pending.whole  # W restarts from the boundary nodes, not from the output
-    split.backward_weight(pending, list(model.parameters()))
+    backward_split.backward_weight(pending, list(model.parameters()))
     assert all(p.grad is not None for n, p in model.named_parameters() if n != "bias_only") and x.grad is None
 
 
@@ -67,7 +67,7 @@ def test_a_weight_used_twice_falls_back_to_one_backward_towards_the_parameters()
     model = Block(shared=True)
     x = torch.randn(4, 6, requires_grad=True)
     y = model(x)[0]
-    _, pending = split.backward_input([y], [torch.ones_like(y)], [x])
+    _, pending = backward_split.backward_input([y], [torch.ones_like(y)], [x])
     assert pending.whole and not pending.nodes
 
 
@@ -83,7 +83,7 @@ def test_the_graph_is_released_after_the_weight_half():
         with meter.saved_tensors():
             y = model(x)[0]
         assert meter.current > 0
-        _, pending = split.backward_input([y], [torch.ones_like(y)], [x])
-        split.backward_weight(pending, list(model.parameters()))
+        _, pending = backward_split.backward_input([y], [torch.ones_like(y)], [x])
+        backward_split.backward_weight(pending, list(model.parameters()))
         del y, pending
         assert meter.current == 0

@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from gpipe_cli.pipeline.stats import PARTS
-from gpipe_cli.train.report import MetricsFile, TerminalView, eval_line, finite_json, train_lines
+from gpipe_cli.train.view import MetricsFile, TerminalView, eval_line, finite_json, train_lines
 from tests.widths import problems
 
 
