@@ -369,7 +369,7 @@ def v_fit(figures: ModelFigures, stages: int, budget: float, batch_size: int, mi
 
     balance = partition.balance_by_cost(costs, chunks)
     if n <= V_SEARCHED:
-        balance = partition.least_memory(balance, needs)
+        balance = partition.least_memory(balance, needs, budget)
     if max(needs(balance)) > budget:
         return None
     found = footprints(figures, balance, batch_size, microbatches, schedule, checkpoint, bytes_per_param, 2, offload)

@@ -496,7 +496,9 @@ def fits(args: argparse.Namespace) -> dict[str, Any]:
     table = json.loads(Path(args.table).read_text())
     rows = []
     for row in table["rows"]:
-        if row is None or row["partitions"] != 1:
+        # One device, the table's own schedule: the budget's variant columns (without remat, offloaded, V-Half
+        # at the largest K) are left to --extra, which trains its own V-Half and offload rows.
+        if row is None or row["partitions"] != 1 or row["scenario"].startswith("K="):
             continue
         spec = _model_of(table["kind"], row["model"], table["fixed"])
         print(f"gpu_measure: {row['scenario']}: {table['family']} {row['model']}, training one step...", flush=True)

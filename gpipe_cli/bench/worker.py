@@ -41,7 +41,12 @@ def _run(argv: list[str]) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # imported: now leave at once, unwinding nothing
         signal.signal(sig, _stop)
-    job = Job(**json.loads(Path(argv[0]).read_text()))
+    try:
+        text = Path(argv[0]).read_text()
+    except FileNotFoundError:  # the launcher was stopped and cleaned up before this rank read its job
+        sys.stdout.flush()
+        os._exit(128 + signal.SIGTERM)
+    job = Job(**json.loads(text))
     torch.set_num_threads(int(os.environ.get("GPIPE_THREADS", "1")))
     topo = topology.init(job.stages)
     label = f"bench stage {topo.layout.stage} (rank {topo.layout.rank})"

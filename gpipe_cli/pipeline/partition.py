@@ -148,28 +148,34 @@ def balance_within(costs: Sequence[float], partitions: int, fits: Callable[[int,
 
 
 TRIALS = 20_000  # cuts one search may price: a bound on its time for deep models and many chunks
+FIT_TRIALS = 500  # cuts a search for any cut that fits may price: a model search asks it many times
 
 
-def _moves(chunks: int) -> Iterator[list[tuple[int, int]]]:
+def _moves(chunks: int, runs: bool = True) -> Iterator[list[tuple[int, int]]]:
     """Every move of one cut by one layer; then (tried only where none of those helps) of a run of cuts."""
     for first in range(chunks - 1):
         for step in (-1, 1):
             yield [(first, step)]
+    if not runs:
+        return
     for first in range(chunks - 1):
         for last in range(first + 1, chunks - 1):
             for step in (-1, 1):
                 yield [(cut, step) for cut in range(first, last + 1)]
 
 
-def descend(balance: Sequence[int], key: Callable[[list[int]], tuple[float, ...]]) -> list[int]:
-    """From `balance`, take the move that lowers `key` most, until none does (or `TRIALS` cuts were priced).
+def descend(balance: Sequence[int], key: Callable[[list[int]], tuple[float, ...]],
+            enough: Callable[[tuple[float, ...]], bool] | None = None) -> list[int]:
+    """From `balance`, take the move that lowers `key` most, until none does (or `TRIALS` cuts were priced, or a
+    cut's key is `enough`: then that cut, a search for any cut enough pricing at most `FIT_TRIALS`).
 
     A move shifts one cut by one layer; a run of cuts at once only where no single move helps. A run
     slides the chunks between its ends by a layer, which moves memory between stages holding
     interleaved chunks far apart where any one cut would overfill a neighbour.
     """
     current, best, trials = list(balance), key(list(balance)), 0
-    while trials < TRIALS:
+    bound = TRIALS if enough is None else FIT_TRIALS
+    while trials < bound:
         found: tuple[tuple[float, ...], list[int]] | None = None
         for move in _moves(len(current)):
             if len(move) > 1 and found is not None:
@@ -182,6 +188,8 @@ def descend(balance: Sequence[int], key: Callable[[list[int]], tuple[float, ...]
                 continue
             trials += 1
             value = key(trial)
+            if enough is not None and enough(value):
+                return trial
             if value < (found[0] if found is not None else best):
                 found = (value, trial)
         if found is None:
@@ -216,9 +224,13 @@ def interleaved_within(costs: Sequence[float], chunks: int, needs: Callable[[lis
     return found if max(needs(found)) <= budget else None
 
 
-def least_memory(balance: Sequence[int], needs: Callable[[list[int]], Sequence[float]]) -> list[int]:
-    """From `balance`, `descend`'s moves that lower the fullest stage's `needs`, while they do."""
-    return descend(balance, lambda b: (max(needs(b)),))
+def least_memory(balance: Sequence[int], needs: Callable[[list[int]], Sequence[float]],
+                 budget: float | None = None) -> list[int]:
+    """From `balance`, `descend`'s moves that lower the fullest stage's `needs`, while they do (or until the
+    fullest stage fits `budget`: a search for a cut that fits need not find the leanest)."""
+    if budget is not None and max(needs(list(balance))) <= budget:
+        return list(balance)
+    return descend(balance, lambda b: (max(needs(b)),), None if budget is None else lambda key: key[0] <= budget)
 
 
 def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:

@@ -38,7 +38,7 @@ atexit.register(lambda: open(record, "w").write(json.dumps(sorted(sys.modules)))
 sys.argv[0] = "gpipe"
 runpy.run_module("gpipe_cli.cli", run_name="__main__")
 """
-_LOADS_ANYWAY = "import json, sys, gpipe_cli.cli, gpipe_cli.models; print(json.dumps(sorted(sys.modules)))"
+_LOADS_ANYWAY = "import json, sys, gpipe_cli.cli, gpipe_cli.models.registry; print(json.dumps(sorted(sys.modules)))"
 
 
 @pytest.fixture(scope="module")
