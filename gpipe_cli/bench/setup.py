@@ -43,7 +43,7 @@ def choose_balance(options: BenchOptions, costs: CostProfile, stages: int) -> tu
         explicit = parse_balance(options.balance, partitions)
         if explicit is not None:
             return partition.check_balance(explicit, layers, partitions), "explicit"
-        return costs.balance(partitions, options.checkpoint, owners), "measured time"
+        return costs.balance(partitions, options.checkpoint, owners, max(options.microbatch_values())), "measured time"
     except partition.PartitionError as exc:
         raise UserError(f"--partitions/--balance: {exc}") from None
 

@@ -61,10 +61,11 @@ class CostProfile:
                           recompute=None if t.recompute is None else t.recompute * ratio) for t in self.layers]
         return replace(self, loss=self.loss * ratio, layers=layers)
 
-    def balance(self, partitions: int, checkpoint: str, owners: Sequence[int] | None = None) -> list[int]:
+    def balance(self, partitions: int, checkpoint: str, owners: Sequence[int] | None = None,
+                microbatches: int = 1) -> list[int]:
         """The min-max split of measured time into `partitions` contiguous chunks (`owners`: each chunk's stage,
-        when stages hold several: then the busiest stage's time is what is least)."""
-        return partition.balance_stages(self.balance_costs(checkpoint), partitions, owners)
+        when stages hold several: then see `partition.balance_stages`)."""
+        return partition.balance_stages(self.balance_costs(checkpoint), partitions, owners, microbatches)
 
     def to_json(self) -> dict[str, Any]:
         """As plain data."""

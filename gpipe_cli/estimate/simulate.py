@@ -148,8 +148,8 @@ def predict(costs: CostProfile, devices: int, batch_size: int, microbatches: int
             virtual: int = 1) -> Prediction:
     """Predict K=`devices` with V=`virtual` chunks each (balanced by the measured costs unless `balance` is given)."""
     partition.check_partitions(len(costs.layers), devices * virtual)
-    balance = balance or costs.balance(devices * virtual, checkpoint,
-                                       placement.cut_owners(devices, virtual, schedules.get(schedule).placement))
+    owners = placement.cut_owners(devices, virtual, schedules.get(schedule).placement)
+    balance = balance or costs.balance(devices * virtual, checkpoint, owners, microbatches)
     scale = (calibration(costs, batch_size, microbatches, schedule, checkpoint, measured_k1_step)
              if measured_k1_step else 1.0)
     return simulate_step(costs, balance, batch_size, microbatches, schedule, checkpoint, link, scale, virtual)

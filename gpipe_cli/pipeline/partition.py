@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 from gpipe_cli.pipeline import placement as placement_
@@ -79,12 +80,15 @@ def balance_by_cost(costs: Sequence[float], partitions: int) -> list[int]:
     return [bounds[s + 1] - bounds[s] for s in range(partitions)]
 
 
-def balance_stages(costs: Sequence[float], chunks: int, owners: Sequence[int] | None = None) -> list[int]:
-    """The cut into `chunks` whose busiest stage (the summed cost of the chunks it owns) is least; ties go to
-    the slowest chunk. `owners[c]` is the stage of chunk c (None: one chunk per stage, `balance_by_cost`).
+def balance_stages(costs: Sequence[float], chunks: int, owners: Sequence[int] | None = None,
+                   microbatches: int = 1) -> list[int]:
+    """The cut into `chunks` with the shortest step by a simple account: M times the busiest stage (the summed
+    cost of the chunks it owns), plus the fill and drain, each chunk in turn at the slowest chunk's pace.
+    `owners[c]` is the stage of chunk c (None: one chunk per stage, `balance_by_cost`).
 
     Equal chunks need not make equal stages: a V puts the first and the last chunk (an embedding and a
-    softmax) on one stage, so from the min-max chunk cut `descend` moves cuts towards the stages' sums.
+    softmax) on one stage; nor does evening out the stages alone do: a tiny first chunk beside a huge last
+    one stalls the fill. Every cut is priced where there are few enough, else `descend` from the min-max one.
     """
     start = balance_by_cost(costs, chunks)
     if owners is None or len(set(owners)) == chunks:
@@ -97,9 +101,17 @@ def balance_stages(costs: Sequence[float], chunks: int, owners: Sequence[int] | 
         per_stage = [0.0] * (max(owners) + 1)
         for chunk, cost in enumerate(per_chunk):
             per_stage[owners[chunk]] += cost
-        return max(per_stage), max(per_chunk)
+        return microbatches * max(per_stage) + (chunks - 1) * max(per_chunk), max(per_stage)
 
+    n = len(costs)
+    if math.comb(n - 1, chunks - 1) <= EXHAUSTIVE:  # a local search stalls between far-apart chunks: try every cut
+        every = [[b - a for a, b in itertools.pairwise((0, *c, n))]
+                 for c in itertools.combinations(range(1, n), chunks - 1)]
+        return min(every, key=key)
     return descend(start, key)
+
+
+EXHAUSTIVE = 20_000  # cuts into chunks few enough to price every one
 
 
 def min_max_split(layers: int, partitions: int,

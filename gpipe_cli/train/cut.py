@@ -74,7 +74,7 @@ def within_memory(costs: Sequence[float], memory: StageMemory, virtual: int = 1)
     """
     chunks = memory.stages * virtual
     owners = placement.cut_owners(memory.stages, virtual, schedules.get(memory.schedule).placement)
-    free = partition.balance_stages(costs, chunks, owners)
+    free = partition.balance_stages(costs, chunks, owners, memory.microbatches)
     if max(memory.needs(free)) <= memory.capacity:
         return free, False
     if virtual > 1:
