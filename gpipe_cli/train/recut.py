@@ -28,12 +28,7 @@ GAIN = 0.05              # a new cut must promise a slowest stage at least this 
 
 def worth_checking(costs: Sequence[float], balance: Sequence[int], microbatches: int) -> bool:
     """Whether a step's slowest stage, as predicted, computes long enough to be worth trial steps."""
-    return max(stage_costs(costs, balance)) * microbatches >= MIN_STEP_SECONDS
-
-
-def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
-    """Each stage's summed layer costs under `balance`."""
-    return [sum(costs[i] for i in r) for r in partition.stage_ranges(list(balance))]
+    return max(partition.stage_costs(costs, balance)) * microbatches >= MIN_STEP_SECONDS
 
 
 def stage_compute(pipe: Pipeline, spec: ModelSpec, batch_size: int, microbatches: int, seed: int,
@@ -75,7 +70,7 @@ def refined_costs(costs: Sequence[float], balance: Sequence[int], measured: Sequ
 
 def better(refined: Sequence[float], balance: Sequence[int], candidate: Sequence[int]) -> bool:
     """Whether `candidate` promises a slowest stage at least `GAIN` faster than `balance` (both by `refined`)."""
-    return max(stage_costs(refined, candidate)) < (1.0 - GAIN) * max(stage_costs(refined, balance))
+    return max(partition.stage_costs(refined, candidate)) < (1.0 - GAIN) * max(partition.stage_costs(refined, balance))
 
 
 def describe(measured: Sequence[float]) -> str:

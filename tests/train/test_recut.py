@@ -63,7 +63,7 @@ def trial_rank(balance: list[int]) -> list[float] | None:
 def test_refined_costs_keep_each_stage_s_shares_and_take_its_measured_sum():
     refined = recut.refined_costs([1.0, 3.0, 2.0, 2.0], [2, 2], [2.0, 8.0])
     assert refined == [0.5, 1.5, 4.0, 4.0]
-    assert recut.stage_costs(refined, [2, 2]) == [2.0, 8.0]
+    assert partition.stage_costs(refined, [2, 2]) == [2.0, 8.0]
     assert recut.imbalance([2.0, 8.0]) == 3.0 and recut.imbalance([1.0, 1.05]) == pytest.approx(0.05)
     assert recut.better(refined, [2, 2], [3, 1]) and not recut.better(refined, [2, 2], [1, 3])
 
