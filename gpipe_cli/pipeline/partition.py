@@ -160,7 +160,7 @@ def balance_within(costs: Sequence[float], partitions: int, fits: Callable[[int,
 
 
 TRIALS = 20_000  # cuts one search may price: a bound on its time for deep models and many chunks
-FIT_TRIALS = 500  # cuts a search for any cut that fits may price: a model search asks it many times
+FIT_TRIALS = 100  # cuts a search for any cut that fits may price: a model search asks it many times
 
 
 def _moves(chunks: int, runs: bool = True) -> Iterator[list[tuple[int, int]]]:
