@@ -22,7 +22,6 @@ and the sizing of `bench` and `profile-memory` all price memory here.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -99,16 +98,16 @@ class ModelFigures:
     layers: tuple[LayerFigures, ...]
 
 
-def _probe(spec: ModelSpec, examples: int, seed: int, device: str) -> tuple[int, list[tuple[int, int, int, int]]]:
+def probe(spec: ModelSpec, examples: int, seed: int, device: str) -> tuple[int, list[tuple[int, int, int, int]]]:
     """Input bytes and per layer (params, saved, output, saved input) for one micro-batch of `examples`."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         inputs, targets = spec.example_batch(examples, device)
-    # On the meta device the layers are built there too: shapes alone, so a layer larger than this
-    # machine's memory is priced instead of failing to allocate its weights.
-    with torch.device("meta") if device == "meta" else contextlib.nullcontext():
-        profile = profile_layers(spec.factories(), inputs, seed, device, repeats=0,
-                                 loss=lambda output: spec.loss(output, targets))
+    # On the meta device the layers are built there too (shapes alone), so a layer larger than this machine's
+    # memory is priced instead of failing to allocate its weights; only the building runs under the meta
+    # context, which otherwise intercepts every operator of the forward (about half of its time).
+    profile = profile_layers(spec.factories(), inputs, seed, device, repeats=0,
+                             loss=lambda output: spec.loss(output, targets))
     rows = [(p.params, p.saved_bytes, p.output_bytes, p.saved_input_bytes) for p in profile]
     if profile.loss is not None and rows:
         # The loss's saved tensors belong to the last stage, and its input is the last layer's output.
@@ -121,8 +120,8 @@ def measure(spec: ModelSpec, seed: int = 0, batches: Sequence[int] = PROBE_BATCH
             device: str = "cpu") -> ModelFigures:
     """Per-layer figures of `spec`, fitted from two micro-batch sizes (`device="meta"`: from shapes alone)."""
     (b0, b1) = batches
-    in0, rows0 = _probe(spec, b0, seed, device)
-    in1, rows1 = _probe(spec, b1, seed, device)
+    in0, rows0 = probe(spec, b0, seed, device)
+    in1, rows1 = probe(spec, b1, seed, device)
     layers = tuple(LayerFigures(name, r0[0], Affine.through(b0, r0[1], b1, r1[1]),
                                 Affine.through(b0, r0[2], b1, r1[2]), Affine.through(b0, r0[3], b1, r1[3]))
                    for name, r0, r1 in zip(spec.layer_names, rows0, rows1))
@@ -219,18 +218,40 @@ def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint:
     return tuple(sorted(set(points)))
 
 
+def _maximal(vectors: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """The vectors no other one covers in every entry: for bytes per count that are never negative, the only
+    ones that can hold the most."""
+    unique = sorted(set(vectors), key=sum, reverse=True)
+    kept: list[tuple[int, ...]] = []
+    for v in unique:
+        if not any(all(a >= b for a, b in zip(k, v)) for k in kept):
+            kept.append(v)
+    return tuple(kept)
+
+
+@functools.lru_cache(maxsize=4096)
+def _readings(schedule: str, stage: int, stages: int, microbatches: int, checkpoint: str, virtual: int,
+              offload: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """The walk's counts that can set the stored, peak and host readings: (whole, inputs) per chunk for the
+    first two, host per chunk for the third. A search prices thousands of cuts of one schedule, so each
+    reading is taken over these few maximal counts rather than every point of the walk."""
+    points = _walk(schedule, stage, stages, microbatches, checkpoint, virtual, offload)
+    def device(c: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(n for i, n in enumerate(c) if i % 3 != 2)
+    return (_maximal([device(c) for kind, c in points if kind == 0]), _maximal([device(c) for _, c in points]),
+            _maximal([c[2::3] for _, c in points]))
+
+
 def _footprint(boundary: Sequence[float], whole: Sequence[float], params: int, stage: int, stages: int,
                microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float, virtual: int,
                offload: str = "none") -> Footprint:
     """Bytes of a stage whose chunks hold `boundary` as inputs, or `whole` with their graph, per micro-batch."""
-    stored = peak = host = 0.0
-    for kind, counts in _walk(schedule, stage, stages, microbatches, checkpoint, virtual, offload):
-        held = sum(counts[3 * c] * whole[c] + counts[3 * c + 1] * boundary[c] for c in range(len(whole)))
-        if kind == 0:
-            stored = max(stored, held)
-        peak = max(peak, held)
-        host = max(host, sum(counts[3 * c + 2] * boundary[c] for c in range(len(whole))))
-    return Footprint(params, params * bytes_per_param, stored, peak, host_bytes=host)
+    stored, peak, host = _readings(schedule, stage, stages, microbatches, checkpoint, virtual, offload)
+    weights = [b for w, i in zip(whole, boundary) for b in (w, i)]
+    def most(counts: tuple[tuple[int, ...], ...], bytes_each: Sequence[float]) -> float:
+        return max((sum(n * b for n, b in zip(c, bytes_each)) for c in counts), default=0.0)
+    return Footprint(params, params * bytes_per_param, most(stored, weights), most(peak, weights),
+                     host_bytes=most(host, boundary))
 
 
 def _boundary(figures: ModelFigures, start: int, size: int) -> float:

@@ -53,15 +53,24 @@ def test_a_countdown_stays_short(seconds, text):
     assert eta_text(None) == ""
 
 
-def test_a_transformer_budget_search_is_estimated_from_its_small_members():
+def test_every_family_budget_probe_and_search_is_estimated():
     import torch
 
     from gpipe_cli import sizing
-    from gpipe_cli.profile.runner import FIXED_S, search_seconds
+    from gpipe_cli.profile import budget
+    from gpipe_cli.profile.runner import budget_probe_seconds
 
     machine = sizing.this_machine(torch.get_num_threads())
     fixed = {"arch": "decoder-only", "d_model": 64, "ff": 256, "heads": 4, "vocab_size": 512, "max_len": 32}
-    small = search_seconds("transformer", fixed, machine)
-    large = search_seconds("transformer", {**fixed, "d_model": 1024, "ff": 4096, "max_len": 1024}, machine)
-    assert small is not None and large is not None and FIXED_S < small < large
-    assert search_seconds("amoebanet", {}, machine) is None  # said without an estimate
+    small = budget_probe_seconds("transformer", fixed, machine)
+    large = budget_probe_seconds("transformer", {**fixed, "d_model": 1024, "ff": 4096, "max_len": 1024}, machine)
+    assert 0 < small < large  # from its members' arithmetic
+    # AmoebaNet's probe is bound by Python: counted in fixed layer calls of this machine.
+    assert budget_probe_seconds("amoebanet", budget.AMOEBANET_D, machine) == pytest.approx(
+        budget.AmoebaNetD.PROBE_CALLS * machine.call_seconds)
+    rows = [("naive-1", 1, 1, "never"), ("pipeline-8", 8, 8, "except_last")]
+    for kind in ("transformer", "amoebanet"):
+        loop = budget.search_calls(kind, rows, "gpipe")
+        assert 0 < budget.search_calls(kind, rows[:1], "gpipe") < loop
+        # A V's row searches its cuts as well: it costs no less than the loop's at the same K.
+        assert budget.search_calls(kind, [rows[0], (*rows[1], "v-half", "none")], "gpipe") >= loop

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -25,7 +26,8 @@ def build_layers(factories: Sequence[Callable[[], nn.Module]], indices: Sequence
     for i in indices:
         # Initialised by the CPU generator, then moved: a CUDA generator draws other numbers from the
         # same seed, and a run must start from the same weights on every device.
-        with torch.random.fork_rng(devices=[]):
+        # On the meta device (shapes only) the layer is built there: no weights allocated or initialised.
+        with torch.random.fork_rng(devices=[]), torch.device("meta") if device.type == "meta" else nullcontext():
             torch.manual_seed(layer_seed(seed, i))
             layer = DeferredBatchNorm.convert(factories[i]()).to(device)
         for name, module in layer.named_modules():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -42,12 +41,12 @@ def check_partitions(num_layers: int, partitions: int) -> None:
 
 
 def balance_by_cost(costs: Sequence[float], partitions: int) -> list[int]:
-    """The contiguous K-way split minimising the largest stage cost (exact, O(K·L·log L)).
+    """The contiguous K-way split minimising the largest stage cost (exact, O(K·L)).
 
     best[k][j] is the smallest possible maximum stage cost when the first j layers form k stages.
     best[k-1][i] grows with i while the cost of layers i..j shrinks, so the optimal cut is where
-    the two cross, found by bisection. Ties are broken towards later cuts, so earlier stages never
-    end up with more cost than needed.
+    the two cross; that crossing only moves later as j grows, so one pointer per k finds it. Ties are
+    broken towards later cuts, so earlier stages never end up with more cost than needed.
     """
     check_partitions(len(costs), partitions)
     if any(c < 0 for c in costs):
@@ -59,11 +58,12 @@ def balance_by_cost(costs: Sequence[float], partitions: int) -> list[int]:
     for k in range(2, partitions + 1):
         row, cuts = [float("inf")] * (n + 1), [0] * (n + 1)
         prev = best[-1]
+        lo = pos = k - 1
         for j in range(k, n + 1):
-            lo, hi = k - 1, j - 1  # the last stage is layers i..j-1, i in [k-1, j-1]
-            # first i where the previous stages cost at least as much as the last one
-            keys = range(lo, hi + 1)
-            pos = lo + bisect.bisect_left(keys, True, key=lambda i: prev[i] >= prefix[j] - prefix[i])
+            hi = j - 1  # the last stage is layers i..j-1, i in [k-1, j-1]
+            # first i where the previous stages cost at least as much as the last one (hi + 1: none)
+            while pos <= hi and prev[pos] < prefix[j] - prefix[pos]:
+                pos += 1
             for i in (pos - 1, pos):
                 if lo <= i <= hi:
                     value = max(prev[i], prefix[j] - prefix[i])

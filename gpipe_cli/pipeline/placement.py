@@ -11,6 +11,8 @@ message. It imports nothing heavy.
 
 from __future__ import annotations
 
+import functools
+
 PLACEMENTS = ("loop", "v")
 
 
@@ -24,7 +26,13 @@ def owner(chunk: int, stages: int, placement: str = "loop") -> int:
 
 def chunks_of(stage: int, stages: int, virtual: int, placement: str = "loop") -> list[int]:
     """The chunks `stage` runs, in ascending order."""
-    return [c for c in range(stages * virtual) if owner(c, stages, placement) == stage]
+    return list(_chunks_of(stage, stages, virtual, placement))
+
+
+@functools.lru_cache(maxsize=1024)
+def _chunks_of(stage: int, stages: int, virtual: int, placement: str) -> tuple[int, ...]:
+    # Memory searches ask this for every cut they price.
+    return tuple(c for c in range(stages * virtual) if owner(c, stages, placement) == stage)
 
 
 def last_stage(stages: int, virtual: int, placement: str = "loop") -> int:

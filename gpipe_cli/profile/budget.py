@@ -90,12 +90,14 @@ def _measure(spec: Any, seed: int, batches: tuple[int, int] = mm.PROBE_BATCHES,
              shapes_only: bool = False) -> tuple[ModelFigures, bool]:
     """A small member's figures, and whether they were measured on this machine: where its weights and
     activations would not fit its memory (widths given by flags), or when asked, from shapes on the meta device."""
-    shapes = mm.measure(spec, seed, batches, device="meta")
-    size = max(batches)
-    need = sum(layer.params * mm.PARAM_BYTES + layer.saved.at(size) + layer.output.at(size) for layer in shapes.layers)
-    if shapes_only or 3 * need > mm.available_bytes("cpu"):  # weights, gradients and activations, with room to spare
-        return shapes, False
-    return mm.measure(spec, seed, batches), True
+    if not shapes_only:
+        # One forward of shapes at the larger size says what measuring would hold: weights, gradients and
+        # activations, with room to spare.
+        _, rows = mm.probe(spec, max(batches), seed, "meta")
+        need = sum(params * mm.PARAM_BYTES + saved + output for params, saved, output, _ in rows)
+        if 3 * need <= mm.available_bytes("cpu"):
+            return mm.measure(spec, seed, batches), True
+    return mm.measure(spec, seed, batches, device="meta"), False
 
 
 def probes(kind: str, fixed: dict[str, Any]) -> list[tuple[dict[str, Any], int]]:
@@ -111,6 +113,12 @@ class TransformerL:
 
     kind = "transformer"
     title = "Transformer-L"
+    # What probing and searching cost in fixed layer calls (`sizing.Machine.call_seconds`), measured on a 2-core
+    # x86 CPU at budgets of 16 GB and 80 GB: the probe is arithmetic, priced from its FLOPs instead; pricing a
+    # member is a few sums (eight rows in 0.1 s).
+    PROBE_CALLS = 0.0
+    ROW_CALLS = (25.0, 0.0)   # a row under a loop placement: fixed, and per device
+    V_ROW_CALLS = 25.0        # a row under a V, per device
 
     def __init__(self, fixed: dict[str, Any], seed: int = 0, max_layers: int = MAX_LAYERS,
                  shapes_only: bool = False) -> None:
@@ -125,9 +133,11 @@ class TransformerL:
         names = ["embed", *(f"layer_{i + 1}" for i in range(layers)), "softmax"]
         return _assemble(names, self.roles, self.probe.input, lambda role: self.roles[role].params)
 
-    def members(self) -> list[tuple[ModelSpec, ModelFigures]]:
-        """Two small members, built and priced, for the device probe: one and two layers."""
-        return [(build_model("transformer", layers=n, **self.fixed), self.figures(n)) for n in (1, 2)]
+    def members(self) -> list[tuple[ModelSpec, ModelFigures, dict[str, Any]]]:
+        """Two small members, built, priced and with their build parameters, for the device probe: one and two
+        layers."""
+        return [(build_model("transformer", **p), self.figures(n), p)
+                for n in (1, 2) for p in [{"layers": n, **self.fixed}]]
 
     def member(self, label: str) -> dict[str, Any]:
         """The build parameters of the member a row names, e.g. "13"."""
@@ -162,6 +172,13 @@ class AmoebaNetD:
 
     kind = "amoebanet"
     title = "AmoebaNet-D (L, D)"
+    # Probing (shape passes and accounted forwards of two small members) and searching are bound by Python, so
+    # their cost is counted in fixed layer calls (`sizing.Machine.call_seconds`), measured on a 2-core x86 CPU
+    # at budgets of 1 GB to 80 GB: the probe 11,000 (3.5 s there), a row 1,000 + 150 per device (K=8: 0.7 s),
+    # a V's row 750 per device (its cuts are searched, K=8: 1.9 s).
+    PROBE_CALLS = 11_000.0
+    ROW_CALLS = (1_000.0, 150.0)
+    V_ROW_CALLS = 750.0
     PROBE_LAYERS = 9        # three normal cells per stack: the first two of a stack differ from the rest
     PROBE_WIDTHS = (16, 32, 48)
     WIDTH_STEP = 16
@@ -207,9 +224,10 @@ class AmoebaNetD:
         names = self._spec(layers, width).layer_names
         return _assemble(names, roles, self.input, lambda role: self._params(role, width))
 
-    def members(self) -> list[tuple[ModelSpec, ModelFigures]]:
-        """Two small members, built and priced, for the device probe: 6 cells at the two narrowest widths."""
-        return [(self._spec(6, d), self.figures(6, d)) for d in self.PROBE_WIDTHS[:2]]
+    def members(self) -> list[tuple[ModelSpec, ModelFigures, dict[str, Any]]]:
+        """Two small members, built, priced and with their build parameters, for the device probe: 6 cells at
+        the two narrowest widths."""
+        return [(self._spec(6, d), self.figures(6, d), self.member(f"(6, {d})")) for d in self.PROBE_WIDTHS[:2]]
 
     def search(self, fits: Callable[[ModelFigures], list[Footprint] | None], least: int = 1) -> Found | None:
         """The member with the most parameters that fits, over L in steps of 6 up to `max_layers` and D in steps
@@ -266,6 +284,21 @@ class BudgetRow:
 def searcher(kind: str, fixed: dict[str, Any], seed: int) -> TransformerL | AmoebaNetD:
     """The family `kind` as the search grows it, with its `fixed` sizes."""
     return TransformerL(fixed, seed) if kind == "transformer" else AmoebaNetD(fixed, seed)
+
+
+def search_calls(kind: str, scenarios: list[tuple[Any, ...]], schedule: str) -> float:
+    """What searching `scenarios` (as `search` takes them) costs, in fixed layer calls."""
+    grown = TransformerL if kind == "transformer" else AmoebaNetD
+    total = 0.0
+    for _, k, _, _, *how in scenarios:
+        v = schedules.get(how[0] if how else schedule).placement == "v"
+        total += grown.V_ROW_CALLS * k if v else grown.ROW_CALLS[0] + grown.ROW_CALLS[1] * k
+    return total
+
+
+def probe_calls(kind: str) -> float:
+    """What probing family `kind` costs in fixed layer calls beyond its arithmetic (0: priced from FLOPs)."""
+    return (TransformerL if kind == "transformer" else AmoebaNetD).PROBE_CALLS
 
 
 def paper_sizes(kind: str) -> dict[str, Any]:

@@ -44,6 +44,7 @@ class Probe:
     checkpoint: str
     optimizer: str
     seed: int = 0
+    params: dict[str, Any] = field(default_factory=dict)  # the member's build parameters, to price its step
 
     def predicted(self) -> Footprint:
         """The memory model's single stage for this step."""
@@ -197,16 +198,17 @@ def fit(points: Sequence[tuple[Footprint, str, float]], meter: str = "") -> Corr
                       tuple((fp.total_bytes, m, correction.bytes(fp, c)) for fp, c, m in points))
 
 
-def steps(members: Sequence[tuple[ModelSpec, ModelFigures]], rows: Sequence[tuple[str, int, int, str]],
-          sizes: tuple[int, int], schedule: str, optimizer: str, seed: int = 0) -> list[Probe]:
-    """The probe steps of two small members (built and priced): per (M, checkpoint) of the (name, K, M,
-    checkpoint) rows, both at the smaller micro-batch size and the first at the larger, so that weights and
-    activations vary apart."""
+def steps(members: Sequence[tuple[ModelSpec, ModelFigures, dict[str, Any]]],
+          rows: Sequence[tuple[str, int, int, str]], sizes: tuple[int, int], schedule: str, optimizer: str,
+          seed: int = 0) -> list[Probe]:
+    """The probe steps of two small members (built, priced, with their build parameters): per (M, checkpoint) of
+    the (name, K, M, checkpoint) rows, both at the smaller micro-batch size and the first at the larger, so that
+    weights and activations vary apart."""
     (small, large) = members
     out = []
     for m, checkpoint in dict.fromkeys((m, c) for _, _, m, c in rows):
-        for (spec, figures), size in ((small, sizes[0]), (large, sizes[0]), (small, sizes[1])):
-            out.append(Probe(spec, figures, size * m, m, schedule, checkpoint, optimizer, seed))
+        for (spec, figures, params), size in ((small, sizes[0]), (large, sizes[0]), (small, sizes[1])):
+            out.append(Probe(spec, figures, size * m, m, schedule, checkpoint, optimizer, seed, params))
     return out
 
 

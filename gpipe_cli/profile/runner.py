@@ -183,7 +183,8 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
     correction = None
     if device.type == "cuda" and any(not sc.measured for sc in rows):  # the extrapolated rows are predicted
         probes = member_probes(subject, names, options.schedule, options.optimizer, options.seed)
-        progress.phase(f"probing {device}: {len(probes)} short training steps of small members", 0.0)
+        progress.phase(f"probing {device}: {len(probes)} short training steps of small members",
+                       probe_steps_seconds(probes, subject.kind, machine), add=True)
         correction = probe.calibrate(probes, probe.meter_for(device))
         console.print(correction.describe(), highlight=False)
     inputs, targets = example_batch(spec, batch, options.seed)
@@ -220,8 +221,9 @@ def member_probes(subject: Subject, rows: list[tuple[str, int, int, str]], sched
     depths, sizes = facts.device_probe_depths, (facts.least_examples, 2 * facts.least_examples)
     members = []
     for depth in depths:
-        spec = build_model(subject.kind, **{**subject.params, "layers": depth})
-        members.append((spec, mm.measure(spec, seed, device="meta")))
+        params = {**subject.params, "layers": depth}
+        spec = build_model(subject.kind, **params)
+        members.append((spec, mm.measure(spec, seed, device="meta"), params))
     return probe.steps(members, rows, sizes, schedule, optimizer, seed)
 
 
@@ -253,14 +255,20 @@ def _family(options: ProfileOptions) -> tuple[str, dict[str, Any]]:
     return kind, fixed
 
 
-def search_seconds(kind: str, fixed: dict[str, Any], machine: sizing.Machine) -> float | None:
-    """Seconds the budget search should take (start-up, each small member's accounted forward and backward), or
-    None where working it out would cost about as much as the search (a family other than the Transformer's:
-    describing its layers)."""
-    if kind != "transformer":
-        return None
-    return FIXED_S + sum(sizing.step_seconds(sizing.candidate(kind, params), machine, examples, 1, 2.0)
-                         for params, examples in budget.probes(kind, fixed))
+def budget_probe_seconds(kind: str, fixed: dict[str, Any], machine: sizing.Machine) -> float:
+    """Seconds measuring the budget search's per-layer figures should take: its Python-bound calls where the
+    family states them (describing its layers to count FLOPs would cost as much), else each small member's
+    accounted forward and backward."""
+    if calls := budget.probe_calls(kind):
+        return calls * machine.call_seconds
+    return sum(sizing.step_seconds(sizing.candidate(kind, params), machine, examples, 1, 2.0)
+               for params, examples in budget.probes(kind, fixed))
+
+
+def probe_steps_seconds(probes: list[probe.Probe], kind: str, machine: sizing.Machine) -> float:
+    """Seconds the device probe's training steps should take."""
+    return sum(row_seconds(sizing.candidate(kind, p.params), machine, p.batch_size, p.microbatches, p.checkpoint)
+               for p in probes)
 
 
 def variants(k: int, m: int, options: ProfileOptions) -> list[tuple[Any, ...]]:
@@ -291,9 +299,7 @@ def measured_row(row: budget.BudgetRow, kind: str, family: budget.TransformerL |
     if seconds > MEASURE_BELOW_S or sum(row.balance) > MEASURE_LAYERS or row.device_peak_bytes > have \
             or torch.cuda.is_available():
         return row  # priced only: too slow or too large to run here (and on CUDA the allocator adds its own)
-    # Counted in the total only where the search itself had one (not AmoebaNet's: its last line says no estimate).
-    progress.phase(f"measuring {row.scenario} ({kind} {row.model}, balance {row.balance})", seconds,
-                   add=progress.estimated > 0)
+    progress.phase(f"measuring {row.scenario} ({kind} {row.model}, balance {row.balance})", seconds, add=True)
     spec = build_model(kind, **params)
     inputs, targets = example_batch(spec, batch, options.seed)
     # Deep members of small random layers drift into denormal values, which a CPU computes about ten times
@@ -315,22 +321,25 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
     kind, fixed = _family(options)
     batch = options.batch_size or families.of(kind).paper_batch
     machine = sizing.this_machine(torch.get_num_threads())
-    seconds = search_seconds(kind, fixed, machine)
-    progress.estimated = seconds or 0.0
-    progress.phase(f"measuring per-layer figures of small {kind} models", seconds - FIXED_S if seconds else 0.0)
-    family = budget.searcher(kind, fixed, options.seed)
     m = options.microbatches
-    scenarios: list[tuple[Any, ...]] = [("naive-1", 1, 1, "never"), ("pipeline-1", 1, m, options.checkpoint)]
-    scenarios += [(f"pipeline-{k}", k, m, options.checkpoint) for k in options.partitions if k > 1]
+    base: list[tuple[Any, ...]] = [("naive-1", 1, 1, "never"), ("pipeline-1", 1, m, options.checkpoint)]
+    base += [(f"pipeline-{k}", k, m, options.checkpoint) for k in options.partitions if k > 1]
+    scenarios = base + variants(max(options.partitions), m, options)
+    probe_s = budget_probe_seconds(kind, fixed, machine)
+    search_s = budget.search_calls(kind, scenarios, options.schedule) * machine.call_seconds
+    progress.estimated = FIXED_S + probe_s + search_s
+    progress.phase(f"measuring per-layer figures of small {kind} models", probe_s)
+    family = budget.searcher(kind, fixed, options.seed)
     correction = None
     # On a GPU the accounting misses the allocator and the libraries: a few probe steps measure that. On the CPU
     # the meter is the accounting itself, so the probe runs only when asked for (--device cpu), as a check.
     if device.type == "cuda" or options.device == "cpu":
-        probes = budget.device_probes(family, scenarios, options.schedule, options.optimizer, options.seed)
-        progress.phase(f"probing {device}: {len(probes)} short training steps of small members", 0.0)
+        probes = budget.device_probes(family, base, options.schedule, options.optimizer, options.seed)
+        progress.phase(f"probing {device}: {len(probes)} short training steps of small members",
+                       probe_steps_seconds(probes, kind, machine), add=True)
         correction = probe.calibrate(probes, probe.meter_for(device))
         console.print(correction.describe(), highlight=False)
-    scenarios += variants(max(options.partitions), m, options)
+    progress.phase(f"searching the largest model of each of {len(scenarios)} rows", search_s)
     rows = budget.search(family, scenarios, limit, batch, options.schedule, options.optimizer, options.offload,
                          correction)
     rows = [None if r is None else measured_row(r, kind, family, batch, options, machine, progress, limit)
@@ -363,8 +372,7 @@ def _run(options: ProfileOptions, console: Console) -> int:
     if options.budget is not None:
         summary = search(options, console, progress)
         tables.show_budget(summary, console)
-        took = progress.took() if progress.estimated else f"took {human_seconds(progress.elapsed())}"
-        console.print(f"[dim]{took}[/]")
+        console.print(f"[dim]{progress.took()}[/]")
     else:
         summary = measure(options, console, progress)
         tables.show_measured(summary, console)
