@@ -263,6 +263,7 @@ def profile_memory(
 
 
 @app.command()
+@_aliased("batch_size", *SIZES)
 def plan(
     recipe: str | None = typer.Argument(None, help=RECIPE_HELP),
     devices: int = typer.Option(..., help=L["devices"]),
@@ -278,18 +279,26 @@ def plan(
     timing: str = typer.Option("auto", help=L["timing"]),
     tflops: float | None = typer.Option(None, help=L["tflops"]),
     plain: bool = typer.Option(False, "--plain", help=L["plain"]),
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Predict the fastest K, D, M, schedule, remat mode and balance for N devices; write it as a recipe."""
     from gpipe_cli.plan import PlanOptions
     from gpipe_cli.plan import run as run_plan
     from gpipe_cli.plan.options import output_path
+    from gpipe_cli.recipe.aliases import as_sets, by_flag
+    from gpipe_cli.recipe.load import RecipeError
 
     def run() -> int:
-        options = PlanOptions(recipe=recipe, set=set_ or [], devices=devices, device_memory=device_memory,
-                              nodes=nodes, top=top, output=output_path(output), bandwidth=bandwidth,
-                              latency_us=latency_us, node_bandwidth=node_bandwidth, node_latency_us=node_latency_us,
+        # The alias flags are `--set` items, typed before the explicit ones (which win where both name a key).
+        options = PlanOptions(recipe=recipe, set=[*as_sets(flags or {}), *(set_ or [])], devices=devices,
+                              device_memory=device_memory, nodes=nodes, top=top, output=output_path(output),
+                              bandwidth=bandwidth, latency_us=latency_us, node_bandwidth=node_bandwidth,
+                              node_latency_us=node_latency_us,
                               timing=timing, tflops=tflops, plain=plain)
-        return run_plan(options)
+        try:
+            return run_plan(options)
+        except RecipeError as exc:
+            raise by_flag(exc, flags or {}) from None
 
     raise typer.Exit(_guard(run))
 

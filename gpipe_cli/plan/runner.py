@@ -214,7 +214,9 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     console.print(as_written_line(model, hw, recipe, best, budget), highlight=False)
     section = show.pipeline_section(best, recipe.pipeline.backend)
     target = shlex.quote(options.recipe) if options.recipe is not None else ""
-    command = " ".join(["gpipe train", *([target] if target else []), *show.set_lines(section)])
+    # The settings typed for the model and data (by --set or a size flag) travel with it; its pipeline is the plan's.
+    kept = [f"--set {shlex.quote(item)}" for item in options.set if not item.lstrip().startswith("pipeline.")]
+    command = " ".join(["gpipe train", *([target] if target else []), *kept, *show.set_lines(section)])
     console.print(f"predicted best: {best.config.label()}, {show.rate(best.samples_per_s)} samples/s. Train it with:",
                   highlight=False)
     console.print(f"  {command}", highlight=False, markup=False, soft_wrap=True)

@@ -112,6 +112,11 @@ def settings(path: str | None, flags: Mapping[str, Any], sets: Sequence[str],
                      if key in keys and name not in SIZE_FLAGS}, model_sets)
 
 
+def by_flag(error: RecipeError, flags: Mapping[str, Any]) -> RecipeError:
+    """`error` with the key of a value typed as a flag named by that flag."""
+    return RecipeError(_named(str(error), {ALIASES[name]: name for name, value in flags.items() if value is not None}))
+
+
 def _value(recipe: Recipe, key: str) -> Any:
     section, _, name = key.partition(".")
     return getattr(getattr(recipe, section), name)

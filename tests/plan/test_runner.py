@@ -109,10 +109,24 @@ def test_devices_no_pipeline_can_use_are_one_line(tmp_path, capsys):
                                   ["--devices", "2", "--device-memory", "lots"], ["--devices", "2", "--top", "0"],
                                   ["--devices", "2", "--timing", "guess"], ["--devices", "2", "--bandwidth", "0"],
                                   ["--devices", "2", "--set", "pipeline.partitons=2"],
+                                  ["--devices", "2", "--layers", "0"],
                                   ["--devices", "2", "--output", "plan.txt"]])
 def test_bad_flags_are_refused_in_one_line_before_torch_loads(tmp_path, args):
     err = refused_before_torch(tmp_path, args)
     assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    if "--layers" in args:  # a value typed as a flag is named by it, as bench and profile-memory name it
+        assert err.startswith("error: --layers: must be >= 1"), err
+
+
+def test_a_size_flag_is_its_recipe_key_and_travels_to_the_train_command(tmp_path, capsys):
+    recipe = write(tmp_path, TINY)
+    output = tmp_path / "planned.yaml"
+    assert run(["plan", str(recipe), "--devices", "2", "--tflops", "100", "--plain", "--layers", "3",
+                "--output", str(output)]) == 0
+    lines = set_lines(capsys.readouterr().out)
+    assert "model.layers=3" in lines
+    planned = load_recipe(output)
+    assert planned.model.layers == 3 and load_recipe(recipe, lines) == planned
 
 
 @pytest.mark.slow
