@@ -20,7 +20,12 @@ a stage's lower chunk, both sure to run to the end for any cap of at least 2:
               needs only backwards and upper chunks nearer stage 0 to free its slots, so stage 0
               drains first, then stage 1, and so on, until each stage holds at most n: room.
 
-Of the runs (each rule, each n, Bs first or forwards first) the shortest gives the orders.
+Of the runs (each rule, each n, Bs first or forwards first) the shortest gives the orders; of equally
+short ones, the one that loses least when each message between stages takes half a unit. The
+runs are made twice, with messages free and with that delay: on ideal devices a V's round trip through
+the turn or through stage 0 has no slack (stage K-1 waits for a gradient while its peer computes the
+two steps in between), so on real ranks every message's latency is idle time, twice per micro-batch;
+a run made with the delay sends earlier and waits later, at the same length where messages are free.
 
     zero-bubble-v  cap 2K: 1F1B's peak (K micro-batches of a whole stage), B and W apart (ZB-V)
     v-half         cap K: half of 1F1B's peak, at some bubble (V-Half)
@@ -29,27 +34,73 @@ Of the runs (each rule, each n, Bs first or forwards first) the shortest gives t
 from __future__ import annotations
 
 import functools
+import heapq
 from abc import abstractmethod
 
 from gpipe_cli.pipeline.actions import Kind, Step
 from gpipe_cli.pipeline.schedules.base import Schedule
 
-_COST = {Kind.FWD: 1, Kind.BWD_INPUT: 1, Kind.BWD_WEIGHT: 1, Kind.BWD: 2}
+_TICKS = 2  # ticks per unit of work: a message's delay is a tick, half a forward
+_COST = {Kind.FWD: _TICKS, Kind.BWD_INPUT: _TICKS, Kind.BWD_WEIGHT: _TICKS, Kind.BWD: 2 * _TICKS}
+_DELAY = 1  # ticks a message takes between stages in the runs made with a delay
+
+Orders = tuple[tuple[Step, ...], ...]
 
 
 @functools.lru_cache(maxsize=64)
-def orders(stages: int, microbatches: int, cap: int) -> tuple[tuple[Step, ...], ...]:
+def orders(stages: int, microbatches: int, cap: int) -> Orders:
     """Every stage's order under a cap of `cap` held chunk activations (at least 2): of the greedy runs under
-    each rule, with Bs first and with forwards first, the one that ends soonest (the first of equals)."""
-    runs = [_greedy(stages, microbatches, cap, forwards_first, between)
-            for between in (None, *range(1, cap)) for forwards_first in (False, True)]
-    return min((run for run in runs if run is not None), key=lambda run: run[0])[1]
+    each rule, with Bs first and with forwards first, with messages free and delayed, the one that ends
+    soonest with messages free, then with them delayed (the first of equals)."""
+    runs = [run for delay in (0, _DELAY) for between in (None, *range(1, cap)) for forwards_first in (False, True)
+            if (run := _greedy(stages, microbatches, cap, forwards_first, between, delay)) is not None]
+    lengths = [_replay(run, stages, 0) for run in runs]
+    shortest = [run for run, length in zip(runs, lengths) if length == min(lengths)]  # the theory's bubble
+    return min(shortest, key=lambda run: _replay(run, stages, _DELAY))
+
+
+def _owner(chunk: int, stages: int) -> int:
+    return chunk if chunk < stages else 2 * stages - 1 - chunk
+
+
+def _needs(step: Step, stages: int) -> list[tuple[Kind, int, int]]:
+    """What a step waits for: the (F or B, micro-batch, chunk) before it in the V."""
+    kind, mb, chunk = step
+    if kind == Kind.FWD:
+        return [(Kind.FWD, mb, chunk - 1)] if chunk else []
+    if kind == Kind.BWD_WEIGHT:
+        return [(Kind.BWD, mb, chunk)]
+    return [(Kind.FWD, mb, chunk)] + ([(Kind.BWD, mb, chunk + 1)] if chunk < 2 * stages - 1 else [])
+
+
+def _replay(run: Orders, stages: int, delay: int) -> int:
+    """When the orders end on ideal devices, each step as soon as its stage is free and what it needs has
+    ended (`delay` ticks later where that ran on another stage)."""
+    ended: dict[tuple[Kind, int, int], int] = {}
+    at, free = [0] * stages, [0] * stages
+    moved = True
+    while moved:
+        moved = False
+        for s, order in enumerate(run):
+            while at[s] < len(order):
+                kind, mb, chunk = order[at[s]]
+                needs = _needs(order[at[s]], stages)
+                if any(need not in ended for need in needs):
+                    break
+                start = max([free[s], *(ended[need] + (delay if _owner(need[2], stages) != s else 0)
+                                        for need in needs)])
+                free[s] = start + _COST[kind]
+                ended[(Kind.BWD if kind == Kind.BWD_INPUT else kind, mb, chunk)] = free[s]
+                at[s] += 1
+                moved = True
+    return max(free)
 
 
 def _greedy(stages: int, microbatches: int, cap: int, forwards_first: bool,
-            between: int | None) -> tuple[int, tuple[tuple[Step, ...], ...]] | None:
-    """The greedy run's length on ideal devices and every stage's order, under the reserve rule (`between`
-    None) or the drain rule with n = `between`; None if it gets stuck (which the rules above exclude)."""
+            between: int | None, delay: int = 0) -> Orders | None:
+    """Every stage's order in the greedy run on ideal devices, under the reserve rule (`between` None) or the
+    drain rule with n = `between`, a step on one stage seeing one on another `delay` ticks after it ended;
+    None if it gets stuck (which the rules above exclude)."""
     k, m, last = stages, microbatches, 2 * stages - 1
     finished: dict[tuple[Kind, int, int], int] = {}  # (F or B, micro-batch, chunk) -> when it ended
     next_fwd, next_bwd = [0] * (last + 1), [0] * (last + 1)
@@ -57,19 +108,21 @@ def _greedy(stages: int, microbatches: int, cap: int, forwards_first: bool,
     held, kept, free_at = [0] * k, [0] * k, [0] * k
     out: list[list[Step]] = [[] for _ in range(k)]
     left, now = 6 * m * k - m, 0  # F, B and W of each of 2K chunks; chunk 0 has no W
+    owner = [_owner(chunk, k) for chunk in range(last + 1)]
+    events: list[int] = []  # ticks when a step ends or its result reaches the other stages
 
-    def ended(kind: Kind, mb: int, chunk: int) -> bool:
-        return finished.get((kind, mb, chunk), now + 1) <= now
+    def ended(kind: Kind, mb: int, chunk: int, reader: int) -> bool:
+        return finished.get((kind, mb, chunk), now + 1) + (delay if owner[chunk] != owner[reader] else 0) <= now
 
     def backward(chunk: int) -> Step | None:
         mb = next_bwd[chunk]
-        if mb < m and ended(Kind.FWD, mb, chunk) and (chunk == last or ended(Kind.BWD, mb, chunk + 1)):
+        if mb < m and ended(Kind.FWD, mb, chunk, chunk) and (chunk == last or ended(Kind.BWD, mb, chunk + 1, chunk)):
             return (Kind.BWD if chunk == 0 else Kind.BWD_INPUT, mb, chunk)
         return None
 
     def forward(chunk: int) -> Step | None:
         mb = next_fwd[chunk]
-        if mb < m and (chunk == 0 or ended(Kind.FWD, mb, chunk - 1)):
+        if mb < m and (chunk == 0 or ended(Kind.FWD, mb, chunk - 1, chunk)):
             return (Kind.FWD, mb, chunk)
         return None
 
@@ -101,13 +154,17 @@ def _greedy(stages: int, microbatches: int, cap: int, forwards_first: bool,
             if kind in (Kind.BWD, Kind.BWD_WEIGHT):
                 held[s] -= 1
             free_at[s] = now + _COST[kind]
+            heapq.heappush(events, free_at[s])
+            heapq.heappush(events, free_at[s] + delay)
             finished[(Kind.BWD if kind == Kind.BWD_INPUT else kind, mb, chunk)] = free_at[s]
             out[s].append(step)
             left -= 1
-        if left and max(free_at) <= now:  # nothing runs and nothing started: no later tick differs
+        while events and events[0] <= now:
+            heapq.heappop(events)
+        if left and not events:  # nothing runs, nothing on its way: no later tick differs
             return None
-        now += 1
-    return max(free_at), tuple(tuple(o) for o in out)
+        now = events[0] if events else now  # the next tick where a step ends or its result arrives
+    return tuple(tuple(o) for o in out)
 
 
 class _VShape(Schedule):
