@@ -282,13 +282,19 @@ def chunked_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int
                       offload: str = "none") -> Footprint:
     """The predicted memory of the stage holding the layer ranges `chunks` (V of them, in chunk order)."""
     size = max(microbatch.sizes(batch_size, microbatches))
-    boundary = [_boundary(figures, r.start, size) for r in chunks]
+    # The model's input reaches the device as the whole mini-batch, split there into views (as the engine feeds
+    # it): the stage of the first chunk holds all of it through the step, whatever number of micro-batches
+    # it keeps, so the first chunk's inputs count once, whole, rather than per micro-batch held.
+    batch_input = figures.input.at(batch_size) if any(r.start == 0 for r in chunks) else 0.0
+    boundary = [0.0 if r.start == 0 else _boundary(figures, r.start, size) for r in chunks]
     whole = [b + _saved(figures, r.start, r.stop, size) + _output(figures, r.stop, size)
              for b, r in zip(boundary, chunks)]
     params = sum(layer.params for r in chunks for layer in figures.layers[r.start:r.stop])
-    return dataclasses.replace(
-        _footprint(boundary, whole, params, stage, stages, microbatches, schedule, checkpoint, bytes_per_param,
-                   len(chunks), offload), layers=sum(len(r) for r in chunks), chunks=tuple(len(r) for r in chunks))
+    found = _footprint(boundary, whole, params, stage, stages, microbatches, schedule, checkpoint, bytes_per_param,
+                       len(chunks), offload)
+    return dataclasses.replace(found, stored_bytes=found.stored_bytes + batch_input,
+                               peak_bytes=found.peak_bytes + batch_input, layers=sum(len(r) for r in chunks),
+                               chunks=tuple(len(r) for r in chunks))
 
 
 def footprints(figures: ModelFigures, balance: Sequence[int], batch_size: int, microbatches: int, schedule: str,

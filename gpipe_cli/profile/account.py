@@ -98,6 +98,11 @@ class _Counter:
         return self.meter.peak
 
 
+def _on(device: torch.device, batch: Any) -> Any:
+    """A batch (a tensor or a tuple of them) on `device`."""
+    return batch.to(device) if isinstance(batch, torch.Tensor) else tuple(_on(device, b) for b in batch)
+
+
 def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
     """What the next stage receives: a fresh leaf that requires grad when floating (as the transport makes it)."""
     if t is None:
@@ -174,8 +179,8 @@ def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[i
     stages, count = len(ranges) // virtual, len(ranges)
     split = microbatch.sizes(microbatch.batch_size(inputs), microbatches)
     offsets = microbatch.offsets(split)
-    feed = [(*as_tensors(mb), off) for mb, off in zip(microbatch.scatter(inputs, microbatches), offsets)]
-    feed = [([None if t is None else t.to(device) for t in ts], bare, off) for ts, bare, off in feed]
+    # Moved whole, then split into views, as the engine feeds a mini-batch: the first chunk's stage holds all of it.
+    feed = [(*as_tensors(mb), off) for mb, off in zip(microbatch.scatter(_on(device, inputs), microbatches), offsets)]
     labels = [t.to(device) for t in microbatch.scatter(targets, microbatches)]
     units = [float(spec.units(t)) if spec.units else float(t.shape[0]) for t in labels]
     weights = [u / sum(units) for u in units]
