@@ -54,3 +54,25 @@ def test_shapes_price_a_layer_larger_than_this_machines_memory():
                        vocab_size=2**24, max_len=2)
     figures = mm.measure(spec, device="meta")
     assert figures.layers[0].params >= 2**40  # the token embedding alone
+
+
+def test_a_v_fit_search_reaches_a_far_cut_of_a_deep_model():
+    # 300 alike layers in a V of 16 chunks: the leanest cut is far from the even one (the first chunk holds 59
+    # layers), more single-layer moves away than a shallow model's search may price; a budget just above it fits.
+    from gpipe_cli.memory_model import Affine, LayerFigures, ModelFigures, stage_needs, v_fit
+    from gpipe_cli.pipeline import partition
+
+    layers = tuple(LayerFigures(f"layer_{i}", 10_000, Affine(0, 4e6), Affine(0, 2e5), Affine(0, 2e5))
+                   for i in range(300))
+    figures = ModelFigures(Affine(0, 1e3), layers)
+    args = (32, 8, "v-half", "except_last", 16.0)
+    known: dict = {}
+
+    def needs(balance):
+        return stage_needs(figures, balance, *args, 2, known)
+
+    even = partition.balance_by_cost([layer.saved.at(4) + layer.params * 16 for layer in layers], 16)
+    leanest = max(needs(partition.least_memory(even, needs)))
+    assert leanest < 0.6 * max(needs(even))
+    found = v_fit(figures, 8, 1.02 * leanest, *args)
+    assert found is not None and max(fp.total_bytes for fp in found) <= 1.02 * leanest

@@ -186,7 +186,8 @@ def descend(balance: Sequence[int], key: Callable[[list[int]], tuple[float, ...]
     interleaved chunks far apart where any one cut would overfill a neighbour.
     """
     current, best, trials = list(balance), key(list(balance)), 0
-    bound = TRIALS if enough is None else FIT_TRIALS
+    # A fit search may walk every cut across half its chunk: deep models need more trials than shallow ones.
+    bound = TRIALS if enough is None else min(max(FIT_TRIALS, sum(balance) * len(balance) // 2), TRIALS)
     while trials < bound:
         found: tuple[tuple[float, ...], list[int]] | None = None
         for move in _moves(len(current)):
@@ -204,6 +205,8 @@ def descend(balance: Sequence[int], key: Callable[[list[int]], tuple[float, ...]
                 return trial
             if value < (found[0] if found is not None else best):
                 found = (value, trial)
+                if enough is not None:
+                    break  # a search for any cut that fits takes the first move that helps: more moves per trial
         if found is None:
             return current
         best, current = found

@@ -118,7 +118,7 @@ class TransformerL:
     # member is a few sums (eight rows in 0.1 s).
     PROBE_CALLS = 0.0
     ROW_CALLS = (25.0, 0.0)   # a row under a loop placement: fixed, and per device
-    V_ROW_CALLS = 25.0        # a row under a V, per device
+    V_ROW_CALLS = 350.0       # a row under a V, per device (its cuts of hundreds of layers searched: K=8 0.8 s)
 
     def __init__(self, fixed: dict[str, Any], seed: int = 0, max_layers: int = MAX_LAYERS,
                  shapes_only: bool = False) -> None:
@@ -175,10 +175,10 @@ class AmoebaNetD:
     # Probing (shape passes and accounted forwards of two small members) and searching are bound by Python, so
     # their cost is counted in fixed layer calls (`sizing.Machine.call_seconds`), measured on a 2-core x86 CPU
     # at budgets of 1 GB to 80 GB: the probe 11,000 (3.5 s there), a row 1,000 + 150 per device (K=8: 0.7 s),
-    # a V's row 750 per device (its cuts are searched, K=8: 1.9 s).
+    # a V's row 3,500 per device (its cuts are searched for members up to 240 cells deep, K=8: 6 to 10 s).
     PROBE_CALLS = 11_000.0
     ROW_CALLS = (1_000.0, 150.0)
-    V_ROW_CALLS = 750.0
+    V_ROW_CALLS = 3_500.0
     PROBE_LAYERS = 9        # three normal cells per stack: the first two of a stack differ from the rest
     PROBE_WIDTHS = (16, 32, 48)
     WIDTH_STEP = 16
