@@ -160,7 +160,7 @@ def balance_within(costs: Sequence[float], partitions: int, fits: Callable[[int,
 
 
 TRIALS = 20_000  # cuts one search may price: a bound on its time for deep models and many chunks
-FIT_TRIALS = 100  # cuts a search for any cut that fits may price: a model search asks it many times
+FIT_TRIALS = 100  # cuts a search for any cut that fits may price at least (a model search asks it many times)
 
 
 def _moves(chunks: int, runs: bool = True) -> Iterator[list[tuple[int, int]]]:
@@ -178,8 +178,10 @@ def _moves(chunks: int, runs: bool = True) -> Iterator[list[tuple[int, int]]]:
 
 def descend(balance: Sequence[int], key: Callable[[list[int]], tuple[float, ...]],
             enough: Callable[[tuple[float, ...]], bool] | None = None) -> list[int]:
-    """From `balance`, take the move that lowers `key` most, until none does (or `TRIALS` cuts were priced, or a
-    cut's key is `enough`: then that cut, a search for any cut enough pricing at most `FIT_TRIALS`).
+    """From `balance`, take the move that lowers `key` most, until none does (or `TRIALS` cuts were priced).
+
+    With `enough`, a search for any cut whose key is enough: the first such cut is returned, each step takes
+    the first move that helps, and it prices at most half of layers x chunks cuts (`FIT_TRIALS` at least).
 
     A move shifts one cut by one layer; a run of cuts at once only where no single move helps. A run
     slides the chunks between its ends by a layer, which moves memory between stages holding

@@ -227,7 +227,8 @@ class AmoebaNetD:
     def members(self) -> list[tuple[ModelSpec, ModelFigures, dict[str, Any]]]:
         """Two small members, built, priced and with their build parameters, for the device probe: 6 cells at
         the two narrowest widths."""
-        return [(self._spec(6, d), self.figures(6, d), self.member(f"(6, {d})")) for d in self.PROBE_WIDTHS[:2]]
+        return [(build_model("amoebanet", **p), self.figures(6, d), p)
+                for d in self.PROBE_WIDTHS[:2] for p in [{"layers": 6, "filters": d, **self.fixed}]]
 
     def search(self, fits: Callable[[ModelFigures], list[Footprint] | None], least: int = 1) -> Found | None:
         """The member with the most parameters that fits, over L in steps of 6 up to `max_layers` and D in steps

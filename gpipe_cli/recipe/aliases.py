@@ -92,7 +92,6 @@ def settings(path: str | None, flags: Mapping[str, Any], sets: Sequence[str],
     """Validate the recipe with the flags and `--set` items applied, as `train` reads them; a mistake in a flag's
     value is named by the flag. Without a recipe (None) the command's `defaults` (by flag name) stand for it, and
     the model is the command's own: its keys are left to it."""
-    typed = {ALIASES[name]: name for name, value in flags.items() if value is not None}
     items = [*as_sets({name: flags[name] for name in flags if name not in SIZE_FLAGS}), *sets]
     keys = [parse_override(item)[0] for item in items]
     model_sets = [item for item, key in zip(items, keys) if key.startswith("model.")]
@@ -107,7 +106,7 @@ def settings(path: str | None, flags: Mapping[str, Any], sets: Sequence[str],
             apply_override(raw, item)
         recipe = validate(raw, "", check_data=False)
     except RecipeError as exc:
-        raise RecipeError(_named(str(exc), typed)) from None
+        raise by_flag(exc, flags) from None
     return Settings({name: _value(recipe, key) for name, key in ALIASES.items()
                      if key in keys and name not in SIZE_FLAGS}, model_sets)
 
