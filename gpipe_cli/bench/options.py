@@ -14,7 +14,7 @@ from gpipe_cli.estimate.size_flags import SizeFlags, size_values
 from gpipe_cli.files import check_output
 from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, MAX_SIZE, MAX_THREADS, outside
 from gpipe_cli.pipeline import schedules
-from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES, microbatch_problem, offload_problem
+from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES, microbatch_problem
 from gpipe_cli.recipe.aliases import ALIASES, balance_text, settings
 from gpipe_cli.units import human_bytes, meminfo_available
 
@@ -166,8 +166,6 @@ def validate(options: BenchOptions) -> None:
          f"--checkpoint must be one of {', '.join(REMAT_MODES)} (got {options.checkpoint})"),
         (options.offload in OFFLOAD_MODES,
          f"--offload must be one of {', '.join(OFFLOAD_MODES)} (got {options.offload})"),
-        (not offload_problem(options.offload, options.checkpoint),
-         offload_problem(options.offload, options.checkpoint, "--") or ""),
         (options.bandwidth > 0, f"--bandwidth must be > 0 GB/s (got {options.bandwidth})"),
         (options.latency_us >= 0, f"--latency-us must be >= 0 (got {options.latency_us})"),
         (options.devices is None or outside("--devices", options.devices, 1, MAX_RANKS) is None,
