@@ -136,6 +136,7 @@ def test_offloaded_activations_on_cuda_train_alike_and_hold_less(checkpoint: str
     from gpipe_cli.pipeline.layers import build_layers
 
     device = torch.device("cuda", 0)
+    torch.zeros(1, device=device)  # the allocator's statistics need a CUDA context first
     spec = build_model("transformer", arch="decoder-only", layers=6, d_model=512, ff=2048, heads=8, vocab_size=4096,
                        max_len=256, dropout=0.0)
     inputs, targets = example_batch(spec, 16, 0)
