@@ -9,18 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Iterator
 from typing import TextIO
 
 from gpipe_cli.console import say
 from gpipe_cli.models import families
 from gpipe_cli.recipe.schema import Recipe
-
-
-def note(started: float, text: str) -> str:
-    """A progress line with the seconds since the command started: "[  3.2 s] reading data"."""
-    return f"[{time.time() - started:5.1f} s] {text}"
 
 
 def describe_model(recipe: Recipe) -> str:
