@@ -56,11 +56,6 @@ class CheckpointWriteError(UserError):
     exit_code = ANNOUNCED  # told in one line by the rank that hit it: the launcher adds nothing
 
 
-def run_dir_of(path: Path) -> Path:
-    """The run directory a checkpoint folder belongs to."""
-    return path.parent.parent
-
-
 def path_for(run_dir: Path, step: int) -> Path:
     """Where the checkpoint after `step` optimizer steps lives."""
     return run_dir / "checkpoints" / f"{PREFIX}{step:08d}"

@@ -19,6 +19,7 @@ from gpipe_cli.models import weights
 from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.recipe_model import model_spec
 from gpipe_cli.train import checkpoint
+from gpipe_cli.train.existing import run_dir_of
 from gpipe_cli.train.rundir import RECIPE
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
 
@@ -50,7 +51,7 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     with checkpoint.single_process_quiet(False):
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     tensors = {key[len(_MODEL):]: value.contiguous() for key, value in state.items()}
-    run_dir = checkpoint.run_dir_of(found.path)
+    run_dir = run_dir_of(str(found.path))
     tensors, metadata = _described(tensors, run_dir, found.step, dtype)
     target = Path(output) if output else run_dir / "model.safetensors"
     try:
