@@ -36,9 +36,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from gpipe_cli.errors import UserError
+from gpipe_cli.files import atomic_write_bytes
 from gpipe_cli.pipeline import heartbeat
 from gpipe_cli.pipeline.failure import ANNOUNCED
-from gpipe_cli.train.rundir import PREFIX, atomic_write_bytes
+from gpipe_cli.train.rundir import PREFIX
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
 from gpipe_cli.units import human_bytes
 

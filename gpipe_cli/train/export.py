@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -13,7 +12,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE
 from gpipe_cli.errors import UserError, shown
-from gpipe_cli.files import new_file_mode
+from gpipe_cli.files import atomic_path
 from gpipe_cli.launch import check_writable
 from gpipe_cli.models import weights
 from gpipe_cli.recipe.load import load_recipe
@@ -55,21 +54,10 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     tensors, metadata = _described(tensors, run_dir, found.step, dtype)
     target = Path(output) if output else run_dir / "model.safetensors"
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    except OSError as exc:
-        raise UserError(f"cannot write {shown(str(target))} ({exc.strerror})") from None
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.chmod(tmp, new_file_mode())  # as any new file, not mkstemp's 0o600
-        os.replace(tmp, target)
+        with atomic_path(target) as tmp:
+            save_file(tensors, str(tmp), metadata=metadata)
     except OSError as exc:  # a full disk, a read-only file system: say so, leave nothing behind
-        Path(tmp).unlink(missing_ok=True)
         raise UserError(f"cannot write {shown(str(target))} ({exc.strerror})") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return target
 
 
