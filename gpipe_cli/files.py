@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -31,20 +32,28 @@ def new_file_mode() -> int:
     return 0o666 & ~umask()
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write a file so that it either exists whole or not at all (write to a temporary file, then rename)."""
+@contextlib.contextmanager
+def atomic_path(path: Path, suffix: str = "") -> Iterator[Path]:
+    """A hidden name beside `path` for the block to write a file at, renamed to `path` when the block ends and
+    removed when it fails, so that `path` exists whole or not at all (for writers that want a file name)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
     try:
-        os.fchmod(fd, new_file_mode())
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        os.fchmod(fd, new_file_mode())  # as any new file, not mkstemp's 0o600
+        os.close(fd)
+        yield Path(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write a file so that it either exists whole or not at all (write to a temporary file, then rename)."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

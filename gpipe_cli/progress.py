@@ -20,6 +20,11 @@ from gpipe_cli.units import clock, human_seconds
 SAY_BELOW_S = 2.0
 
 
+def note(started: float, text: str) -> str:
+    """A progress line with the seconds since the command started (`time.time()`): "[  3.2 s] reading data"."""
+    return f"[{time.time() - started:5.1f} s] {text}"
+
+
 def phase_line(what: str, seconds: float) -> str:
     """`what`, with its estimate when it is worth waiting on, e.g. "measuring K=2 (about 9 s)..."."""
     about = f" (about {human_seconds(seconds)})" if seconds >= SAY_BELOW_S else ""

@@ -23,6 +23,14 @@ WARMUP = "warmup"
 RESUMED = "resumed"
 
 
+def mean_over(warmup_s: float | None) -> str:
+    """What a start's mean throughput is over: its steps after the warm-up step of `warmup_s` seconds (None: a lone
+    step, which is all there is)."""
+    if warmup_s is None:
+        return "the training steps"
+    return f"the steps after the first, which took {warmup_s:.2f} s warming up"
+
+
 class _TrainFigures(TypedDict):
     kind: Literal["train"]
     step: int

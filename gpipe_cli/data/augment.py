@@ -8,7 +8,7 @@ same semantics either way.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -18,17 +18,10 @@ MEAN = (0.485, 0.456, 0.406)  # ImageNet statistics, the usual choice for every 
 STD = (0.229, 0.224, 0.225)
 SMALL_IMAGE = 64  # images this small (CIFAR, SVHN, ...) get pad-and-crop instead of random resized crop
 EVAL_CROP_FRACTION = 0.875  # large images: resize the shorter side to size/0.875, then centre crop
+IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 Backend = Literal["auto", "torchvision", "torch"]
 Policy = Literal["auto", "pad", "resized"]
-
-
-class _Ops(Protocol):
-    def resize(self, img: torch.Tensor, size: tuple[int, int]) -> torch.Tensor: ...
-    def crop(self, img: torch.Tensor, top: int, left: int, h: int, w: int) -> torch.Tensor: ...
-    def pad(self, img: torch.Tensor, p: int) -> torch.Tensor: ...
-    def hflip(self, img: torch.Tensor) -> torch.Tensor: ...
-    def normalize(self, img: torch.Tensor) -> torch.Tensor: ...
 
 
 class TorchOps:

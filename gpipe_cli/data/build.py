@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli.data.augment import Backend
-from gpipe_cli.data.loader import Loader
+from gpipe_cli.data.loader import Examples, Loader
+from gpipe_cli.data.tokenizer import Tokenizer
 from gpipe_cli.errors import DataError
 from gpipe_cli.models import families
 from gpipe_cli.models.families import Task
@@ -22,6 +23,10 @@ def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_
     shard's micro-batch is empty). workers: background processes that build batches (0: inline).
     cache_dir: the `datasets` cache (its default when None).
     """
+    train: Examples
+    evl: Examples | None
+    tok: Tokenizer | None = None
+    baselines: dict[str, float] = {}  # figures a trained model should beat on the held-out split
     if task == "image":
         if data.tokens_per_batch is not None:
             raise DataError("data.tokens_per_batch applies to text tasks; images use data.batch_size")
@@ -29,21 +34,20 @@ def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_
 
         train, evl = image_splits(data, seed=seed, image_size=image_size, num_classes=num_classes,
                                   cache_dir=cache_dir, backend=augment_backend)
-        loader = Loader(task=task, train=train, eval=evl, tokenizer=None, batch_size=data.batch_size,
-                        tokens_per_batch=None, drop_last=data.drop_last, shuffle=data.shuffle, seed=seed,
-                        min_batch=min_batch, workers=workers, num_classes=num_classes)
-        return _non_empty(loader, data)
-    if task not in ("translation", "lm"):
-        raise ValueError(f"unknown task {task!r}")
-    from gpipe_cli.data.text import LMExamples, text_splits, unigram_perplexity
+    elif task in ("translation", "lm"):
+        from gpipe_cli.data.text import LMExamples, text_splits, unigram_perplexity
 
-    ttrain, tevl, tok = text_splits(data, task, seed=seed, vocab_size=vocab_size, max_len=max_len,
-                                    run_dir=run_dir, cache_dir=cache_dir)
-    loader = Loader(task=task, train=ttrain, eval=tevl, tokenizer=tok, batch_size=data.batch_size,
+        train, evl, tok = text_splits(data, task, seed=seed, vocab_size=vocab_size, max_len=max_len,
+                                      run_dir=run_dir, cache_dir=cache_dir)
+        if isinstance(train, LMExamples) and isinstance(evl, LMExamples) and len(evl):
+            baselines["unigram_perplexity"] = unigram_perplexity(train, evl, tok.vocab_size)
+    else:
+        raise ValueError(f"unknown task {task!r}")
+    loader = Loader(task=task, train=train, eval=evl, tokenizer=tok, batch_size=data.batch_size,
                     tokens_per_batch=data.tokens_per_batch, drop_last=data.drop_last, shuffle=data.shuffle,
-                    seed=seed, min_batch=min_batch, workers=workers)
-    if isinstance(ttrain, LMExamples) and isinstance(tevl, LMExamples) and len(tevl):
-        loader.baselines["unigram_perplexity"] = unigram_perplexity(ttrain, tevl, tok.vocab_size)
+                    seed=seed, min_batch=min_batch, workers=workers,
+                    num_classes=num_classes if task == "image" else None)
+    loader.baselines.update(baselines)
     return _non_empty(loader, data)
 
 

@@ -8,23 +8,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from gpipe_cli.data.augment import Backend, ImageTransform, pil_to_tensor
+from gpipe_cli.data.augment import IMAGE_EXTS, Backend, ImageTransform, pil_to_tensor
 from gpipe_cli.data.loader import Examples
 from gpipe_cli.data.rng import rng
-from gpipe_cli.data.sources import (
-    existing_path,
-    first_line,
-    hold_out,
-    load_builder,
-    load_hub,
-    pick_splits,
-    split_files,
-)
+from gpipe_cli.data.sources import existing_path, first_line, hold_out, load_builder, open_splits, pick_splits
 from gpipe_cli.data.synthetic import SyntheticImages
 from gpipe_cli.errors import DataError
 from gpipe_cli.recipe.schema import Data
-
-IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 
 class ImageSource(Protocol):
@@ -82,30 +72,14 @@ class ImageExamples(Examples):
         return inputs, targets
 
 
-def _image_column(ds: Any, wanted: str) -> str:
-    """data.image_field, or the dataset's only Image column (cifar10 calls it 'img')."""
-    import datasets
-
+def _column(ds: Any, wanted: str, feature: type, what: str, key: str) -> str:
+    """`wanted`, or the dataset's only column of `feature` type (cifar10's images are 'img')."""
     if wanted in ds.column_names:
         return wanted
-    found = [c for c, f in ds.features.items() if isinstance(f, datasets.Image)]
+    found = [c for c, f in ds.features.items() if isinstance(f, feature)]
     if len(found) == 1:
         return found[0]
-    raise DataError(f"no image column '{wanted}' (columns: {', '.join(ds.column_names)}); "
-                    "set data.image_field")
-
-
-def _label_column(ds: Any, wanted: str) -> str:
-    """data.label_field, or the dataset's only ClassLabel column (imagenet-1k: 'label')."""
-    import datasets
-
-    if wanted in ds.column_names:
-        return wanted
-    found = [c for c, f in ds.features.items() if isinstance(f, datasets.ClassLabel)]
-    if len(found) == 1:
-        return found[0]
-    raise DataError(f"no label column '{wanted}' (columns: {', '.join(ds.column_names)}); "
-                    "set data.label_field")
+    raise DataError(f"no {what} column '{wanted}' (columns: {', '.join(ds.column_names)}); set {key}")
 
 
 def _as_images(ds: Any, image_field: str, label_field: str,
@@ -113,7 +87,8 @@ def _as_images(ds: Any, image_field: str, label_field: str,
     """(dataset with a decodable image column, its name, labels, number of class names if known)."""
     import datasets
 
-    col, lab = _image_column(ds, image_field), _label_column(ds, label_field)
+    col = _column(ds, image_field, datasets.Image, "image", "data.image_field")
+    lab = _column(ds, label_field, datasets.ClassLabel, "label", "data.label_field")
     if not isinstance(ds.features[col], datasets.Image):
         try:
             ds = ds.cast_column(col, datasets.Image())  # encoded bytes, {bytes, path} structs or file paths
@@ -139,24 +114,17 @@ def _check_labels(labels: np.ndarray, classes: int | None, num_classes: int, whe
 
 def _open(data: Data, cache_dir: Path | None) -> tuple[Any, str]:
     """(DatasetDict, a description for messages) of an imagefolder, parquet or hub source."""
-    if data.source == "hub":
-        assert data.name is not None
-        return load_hub(data.name, data.config, cache_dir, "imagefolder/parquet"), f"dataset '{data.name}'"
-    if data.source not in ("imagefolder", "parquet"):
+    if data.source not in ("imagefolder", "parquet", "hub"):
         raise DataError(f"data.source '{data.source}' holds text; images come from synthetic, imagefolder, "
                         "parquet or hub")
-    path = existing_path(data.path, f"data.source '{data.source}'")
-    if data.source == "imagefolder":
-        if not path.is_dir():
-            raise DataError(f"data.path '{path}' is not a folder (imagefolder wants train/<class>/*.png)")
-        if not any(p.suffix.lower() in IMAGE_EXTS for p in path.rglob("*")):
-            raise DataError(f"no images under '{path}' (imagefolder wants train/<class>/*.png)")
-        return load_builder("imagefolder", f"'{path}'", cache_dir, data_dir=str(path)), f"'{path}'"
-    train, evl = split_files(path, (".parquet",), data.train_split, data.eval_split)
-    files = {data.train_split: [str(f) for f in train]}
-    if evl:
-        files[data.eval_split or "validation"] = [str(f) for f in evl]
-    return load_builder("parquet", f"'{path}'", cache_dir, data_files=files), f"'{path}'"
+    if data.source != "imagefolder":
+        return open_splits(data, cache_dir, "imagefolder/parquet")
+    path = existing_path(data.path, "data.source 'imagefolder'")
+    if not path.is_dir():
+        raise DataError(f"data.path '{path}' is not a folder (imagefolder wants train/<class>/*.png)")
+    if not any(p.suffix.lower() in IMAGE_EXTS for p in path.rglob("*")):
+        raise DataError(f"no images under '{path}' (imagefolder wants train/<class>/*.png)")
+    return load_builder("imagefolder", f"'{path}'", cache_dir, data_dir=str(path)), f"'{path}'"
 
 
 def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, cache_dir: Path | None = None,

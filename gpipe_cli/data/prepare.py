@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -18,14 +17,18 @@ from typing import Any
 
 from gpipe_cli.data.sources import EVAL_SPLIT_NAMES, first_line, load_hub, pick_splits
 from gpipe_cli.errors import DataError
+from gpipe_cli.progress import note
 from gpipe_cli.recipe.schema import Data
 
 SHARD_BYTES = 512 * 2**20  # parquet files of about this size: large splits stay readable piece by piece
 
 
-def progress_line(started: float) -> Callable[[str], None]:
-    """A printer of progress lines with the seconds since `started`: "[ 12.3 s] writing train shard 1 of 4"."""
-    return lambda text: print(f"[{time.time() - started:5.1f} s] {text}", file=sys.stdout, flush=True)
+def _new_folder(output: Path) -> Path:
+    """--output as a path, refused unless it is new or an empty folder."""
+    output = Path(output).expanduser()
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise DataError(f"--output '{output}' already exists and is not an empty folder; choose a new folder")
+    return output
 
 
 def _eval_split_name(splits: Any, data: Data) -> str | None:
@@ -51,9 +54,7 @@ def save_splits(splits: Any, data: Data, output: Path, say: Callable[[str], None
 
     `say` receives a progress line before each shard.
     """
-    output = Path(output).expanduser()
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise DataError(f"--output '{output}' already exists and is not an empty folder; choose a new folder")
+    output = _new_folder(output)
     train, evl = pick_splits(splits, data.train_split, data.eval_split, f"dataset '{data.name}'")
     chosen = [(data.train_split, train)]
     eval_name = _eval_split_name(splits, data)
@@ -87,13 +88,12 @@ def prepare_data(data: Data, output: Path, cache_dir: Path | None = None,
 
     Progress lines go to `say` (default: stdout with the seconds since the call).
     """
-    say = say or progress_line(time.time())
+    started = time.time()
+    say = say or (lambda text: print(note(started, text), flush=True))
     if not data.name:
         raise DataError("prepare-data saves a Hugging Face hub dataset, and the recipe has no data.name; "
                         "set data.name (and data.config)")
-    output = Path(output).expanduser()
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):  # before a long download
-        raise DataError(f"--output '{output}' already exists and is not an empty folder; choose a new folder")
+    output = _new_folder(output)  # before a long download
     say(f"downloading {data.name}{f' ({data.config})' if data.config else ''} from the Hugging Face hub "
         f"(or reading it from the local cache)")
     splits = load_hub(data.name, data.config, cache_dir, "parquet")

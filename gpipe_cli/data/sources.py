@@ -13,6 +13,7 @@ import numpy as np
 from gpipe_cli.data.hub import hub_reachable, offline_flag
 from gpipe_cli.data.rng import rng
 from gpipe_cli.errors import DataError
+from gpipe_cli.recipe.schema import Data
 
 # Validation first: test splits may have hidden labels (imagenet-1k's are -1).
 EVAL_SPLIT_NAMES = ("validation", "valid", "dev", "test", "eval")
@@ -91,6 +92,20 @@ def load_builder(builder: str, where: str, cache_dir: Path | None, **kwargs: Any
         return datasets.load_dataset(builder, cache_dir=str(cache_dir) if cache_dir else None, **kwargs)
     except Exception as e:
         raise DataError(f"cannot read {where} as {builder}: {first_line(e)}") from None
+
+
+def open_splits(data: Data, cache_dir: Path | None, local: str) -> tuple[Any, str]:
+    """(DatasetDict, a description for messages) of a hub or parquet source; `local`: the sources a hub
+    error suggests instead."""
+    if data.source == "hub":
+        assert data.name is not None
+        return load_hub(data.name, data.config, cache_dir, local), f"dataset '{data.name}'"
+    path = existing_path(data.path, "data.source 'parquet'")
+    train, evl = split_files(path, (".parquet",), data.train_split, data.eval_split)
+    files = {data.train_split: [str(f) for f in train]}
+    if evl:
+        files[data.eval_split or "validation"] = [str(f) for f in evl]
+    return load_builder("parquet", f"'{path}'", cache_dir, data_files=files), f"'{path}'"
 
 
 @contextlib.contextmanager

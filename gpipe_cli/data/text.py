@@ -13,7 +13,7 @@ import torch
 
 from gpipe_cli.data.loader import Examples
 from gpipe_cli.data.pydoc import pydoc_documents
-from gpipe_cli.data.sources import existing_path, hold_out, load_builder, load_hub, pick_splits, split_files
+from gpipe_cli.data.sources import existing_path, hold_out, open_splits, pick_splits, split_files
 from gpipe_cli.data.synthetic import lm_documents, translation_pairs
 from gpipe_cli.data.tokenizer import BOS, EOS, PAD, Tokenizer, load_or_train
 from gpipe_cli.errors import DataError
@@ -268,17 +268,7 @@ def read_records(data: Data, task: TextTask, *, seed: int, words: int,
                             "use jsonl, tsv, parquet or hub for translation")
         return pydoc_documents(), None  # text_splits holds out data.eval_fraction of the paragraphs
     if data.source in ("hub", "parquet"):
-        if data.source == "hub":
-            assert data.name is not None
-            splits = load_hub(data.name, data.config, cache_dir, "jsonl/tsv/parquet")
-            where = f"dataset '{data.name}'"
-        else:
-            path = existing_path(data.path, "data.source 'parquet'")
-            train_f, eval_f = split_files(path, (".parquet",), data.train_split, data.eval_split)
-            files = {data.train_split: [str(f) for f in train_f]}
-            if eval_f:
-                files[data.eval_split or "validation"] = [str(f) for f in eval_f]
-            splits, where = load_builder("parquet", f"'{path}'", cache_dir, data_files=files), f"'{path}'"
+        splits, where = open_splits(data, cache_dir, "jsonl/tsv/parquet")
         train_ds, eval_ds = pick_splits(splits, data.train_split, data.eval_split, where)
         return (from_dataset(train_ds, task, data, where),
                 None if eval_ds is None else from_dataset(eval_ds, task, data, where))

@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from gpipe_cli.data.sources import first_line
 from gpipe_cli.errors import DataError
-from gpipe_cli.files import new_file_mode
+from gpipe_cli.files import atomic_write_bytes
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 TOKENIZER_FILE = "tokenizer.model"
@@ -86,12 +85,7 @@ class Tokenizer:
 
     def save(self, path: Path) -> Path:
         """Write the model file atomically (other ranks may be reading the folder)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tokenizer-", suffix=".tmp")
-        os.fchmod(fd, new_file_mode())  # as any new file, not mkstemp's 0o600
-        with os.fdopen(fd, "wb") as f:
-            f.write(self._proto)
-        os.replace(tmp, path)
+        atomic_write_bytes(path, self._proto)
         self.path = path
         return path
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gpipe_cli.errors import UserError
@@ -57,9 +57,4 @@ def _inputs(given: list[str] | None, kind: str) -> Iterable[str]:
         return given
     if sys.stdin.isatty():
         print(f"[gpipe] {kind}: reading inputs from stdin, one per line (Ctrl-D ends)", file=sys.stderr)
-    return _lines()
-
-
-def _lines() -> Iterator[str]:
-    for line in sys.stdin:
-        yield line.rstrip("\r\n")
+    return (line.rstrip("\r\n") for line in sys.stdin)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from gpipe_cli.data.augment import IMAGE_EXTS, ImageTransform, pil_to_tensor
 from gpipe_cli.data.sources import first_line
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from gpipe_cli.errors import UserError, shown
@@ -15,7 +16,6 @@ from gpipe_cli.models.transformer.decode import continue_text, translate, transl
 from gpipe_cli.models.weights import Exported
 
 Answer = Callable[[str], str]  # one input -> its line of output
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".tiff")
 
 
 def translator(exported: Exported, model: nn.Module) -> Answer:
@@ -45,8 +45,6 @@ def generator(exported: Exported, model: nn.Module, max_tokens: int) -> Answer:
 
 def classifier(exported: Exported, model: nn.Module, top: int) -> Answer:
     """The image file's `top` most likely classes with their probabilities."""
-    from gpipe_cli.data.augment import ImageTransform
-
     config = exported.spec.config
     classes = int(config["num_classes"])
     if not 1 <= top <= classes:
@@ -68,8 +66,6 @@ def read_image(path: str) -> torch.Tensor:
     """The image file at `path` as float [3, h, w] in [0, 1]."""
     from PIL import Image, UnidentifiedImageError
 
-    from gpipe_cli.data.augment import pil_to_tensor
-
     check_image_path(path)
     try:
         with Image.open(path) as image:
@@ -83,12 +79,12 @@ def check_image_path(path: str) -> None:
     if not os.path.isfile(path):
         what = "a directory" if os.path.isdir(path) else "no such file"
         raise UserError(f"{shown(path)}: {what}; an image model classifies image files "
-                        f"({', '.join(IMAGE_SUFFIXES)}, ...)")
+                        f"({', '.join(IMAGE_EXTS)}, ...)")
 
 
 def _text(text: str, kind: str) -> str:
     """The input, refused when it names an image file (a text model reads sentences, not files)."""
-    if text.lower().endswith(IMAGE_SUFFIXES) and os.path.isfile(text):
+    if text.lower().endswith(IMAGE_EXTS) and os.path.isfile(text):
         raise UserError(f"{shown(text)} is an image file, but this is a {kind} model: give it sentences, "
                         "as arguments or one per line on stdin")
     return text

@@ -28,6 +28,15 @@ from gpipe_cli.units import human_bytes
 __all__ = ["default_output", "report", "resume_table", "stage_table", "summary_table"]
 
 
+def _table(title: str, columns: tuple[str, ...], left: tuple[str, ...] = ("run",), caption: str | None = None) -> Table:
+    """A table whose columns are right-aligned but `left`; a run's label, what a reader looks up in the legend,
+    never wraps (other cells do)."""
+    table = Table(title=title, header_style="bold", caption=caption)
+    for name in columns:
+        table.add_column(name, justify="left" if name in left else "right", no_wrap=name == "run")
+    return table
+
+
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -42,10 +51,8 @@ def summary_table(runs: list[Run]) -> Table:
     # The words of `gpipe train`'s summary, whose figure this is: one run says what its warm-up took.
     over = rates[0].over if len(runs) == 1 else "the steps after the first of each run and each resume, which warm up"
     caption = " · ".join(f"{r.label}: {r.path}" for r in runs) + f"\nsamples/s, bubble and wait: mean over {over}"
-    table = Table(title="gpipe report", header_style="bold", caption=caption)
-    for name in ("run", "steps", "loss", "best eval", "samples/s", "bubble", "theory", "wait", "memory"):
-        # A run's label is what a reader looks up in the legend: it never wraps, other cells do.
-        table.add_column(name, justify="left" if name in ("run", "best eval") else "right", no_wrap=name == "run")
+    table = _table("gpipe report", ("run", "steps", "loss", "best eval", "samples/s", "bubble", "theory", "wait",
+                                    "memory"), ("run", "best eval"), caption)
     for run, rate in zip(runs, rates):
         data = series(run)
         losses = data["loss"][1]
@@ -69,9 +76,8 @@ def summary_table(runs: list[Run]) -> Table:
 
 def stage_table(runs: list[Run]) -> Table:
     """One row per run and stage: mean milliseconds per step of each part, and the memory peak."""
-    table = Table(title="per stage (mean over the steps after warm-up)", header_style="bold")
-    for name in ("run", "stage", *(f"{part} ms" for part in PARTS), "memory peak"):
-        table.add_column(name, justify="left" if name == "run" else "right", no_wrap=name == "run")
+    table = _table("per stage (mean over the steps after warm-up)",
+                   ("run", "stage", *(f"{part} ms" for part in PARTS), "memory peak"))
     for run in runs:
         parts, data = time_breakdown(run), series(run)
         for s in range(run.stages):
@@ -87,10 +93,9 @@ def resume_table(runs: list[Run]) -> Table | None:
     resumed = [(run, parts) for run in runs if len(parts := segment_throughputs(run)) > 1]
     if not resumed:
         return None
-    table = Table(title="per start of a resumed run (as its gpipe train summary gave it)", header_style="bold",
-                  caption="samples/s: mean over the start's steps after its first, which warms up")
-    for name in ("run", "steps", "samples/s", "warm-up s"):
-        table.add_column(name, justify="left" if name == "run" else "right", no_wrap=name == "run")
+    table = _table("per start of a resumed run (as its gpipe train summary gave it)",
+                   ("run", "steps", "samples/s", "warm-up s"),
+                   caption="samples/s: mean over the start's steps after its first, which warms up")
     for run, parts in resumed:
         for rate in parts:
             table.add_row(run.label, rate.steps, _fmt(rate.samples_per_s, ".1f"), _fmt(rate.warmup_s, ".2f"))

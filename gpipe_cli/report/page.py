@@ -27,15 +27,19 @@ def _lines(ax: Any, runs: list[Run], key: str, title: str, ylabel: str, style: s
     ax.grid(alpha=0.3)
 
 
-def _losses(ax: Any, runs: list[Run]) -> None:
-    _lines(ax, runs, "loss", "loss (train: line, eval: dots)", "loss")
-    for i, run in enumerate(runs):
-        steps, values = series(run)["eval_loss"]
-        ax.plot(steps, values, "o--", color=f"C{i}", label=f"{run.label} eval" if steps else None)
-    values = [v for run in runs for key in ("loss", "eval_loss") for v in series(run)[key][1]]
-    if values and min(values) > 0 and max(values) > 20 * min(values):  # keep train and eval both readable
-        ax.set_yscale("log")
-    ax.legend(fontsize="small")
+def _with_eval(key: str, title: str, ylabel: str) -> Draw:
+    """A panel of a train curve (a line) with its eval counterpart (dots), on a log scale where one dwarfs the other."""
+    def draw(ax: Any, runs: list[Run]) -> None:
+        _lines(ax, runs, key, title, ylabel)
+        for i, run in enumerate(runs):
+            steps, values = series(run).get(f"eval_{key}", ([], []))
+            ax.plot(steps, values, "o--", color=f"C{i}", label=f"{run.label} eval" if steps else None)
+        values = [v for run in runs for k in (key, f"eval_{key}") for v in series(run).get(k, ([], []))[1]]
+        if values and min(values) > 0 and max(values) > 20 * min(values):  # keep train and eval both readable
+            ax.set_yscale("log")
+        ax.legend(fontsize="small")
+
+    return draw
 
 
 def _no_eval(ax: Any, runs: list[Run]) -> None:
@@ -49,18 +53,6 @@ def _eval(metric: str, title: str) -> Draw:
         ax.legend(fontsize="small")
 
     return draw
-
-
-def _perplexity(ax: Any, runs: list[Run]) -> None:
-    # Train perplexity is exp of the training loss, label smoothing included; eval's is without it.
-    _lines(ax, runs, "perplexity", "perplexity (train: exp(loss), line; eval: dots)", "perplexity")
-    for i, run in enumerate(runs):
-        steps, values = series(run).get("eval_perplexity", ([], []))
-        ax.plot(steps, values, "o--", color=f"C{i}", label=f"{run.label} eval" if steps else None)
-    values = [v for run in runs for key in ("perplexity", "eval_perplexity") for v in series(run).get(key, ([], []))[1]]
-    if values and min(values) > 0 and max(values) > 20 * min(values):
-        ax.set_yscale("log")
-    ax.legend(fontsize="small")
 
 
 def _utilization(ax: Any, runs: list[Run]) -> None:
@@ -126,13 +118,15 @@ def panels(runs: list[Run]) -> list[tuple[str, Draw]]:
     """The page's panels, by name, in order: the task metrics (accuracy, BLEU, perplexity) and model FLOPs only
     where some run's records hold them."""
     has = set().union(*(series(run) for run in runs))
-    out: list[tuple[str, Draw]] = [("loss", _losses)]
+    out: list[tuple[str, Draw]] = [("loss", _with_eval("loss", "loss (train: line, eval: dots)", "loss"))]
     if "eval_accuracy" in has:
         out.append(("accuracy", _eval("accuracy", "eval accuracy")))
     if "eval_bleu" in has:
         out.append(("bleu", _eval("bleu", "eval BLEU")))
     if has & {"perplexity", "eval_perplexity"}:
-        out.append(("perplexity", _perplexity))
+        # Train perplexity is exp of the training loss, label smoothing included; eval's is without it.
+        out.append(("perplexity", _with_eval("perplexity", "perplexity (train: exp(loss), line; eval: dots)",
+                                             "perplexity")))
     if len(out) == 1:
         out.append(("eval", _no_eval))
     out.append(("throughput", _throughput))

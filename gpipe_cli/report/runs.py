@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli.errors import UserError
+from gpipe_cli.records import mean_over
 from gpipe_cli.report.records import PARTS, RESUMED, WARMUP, read_recipe, read_records
 from gpipe_cli.units import number_range
 
@@ -186,11 +187,9 @@ def _rate(steps: Timed) -> float | None:
 def _segment(records: list[dict[str, Any]]) -> Throughput:
     """One start's throughput as its `gpipe train` summary gives it."""
     steps, warmup = _timed(records), None
-    over = "the training steps"
     if len(steps) > 1:  # the first step warms up (allocations, lazy set-up); a lone step is all there is
         warmup, steps = steps[0][1], steps[1:]
-        over = f"the steps after the first, which took {warmup:.2f} s warming up"
-    return Throughput(_rate(steps), over, number_range(records[0]['step'], records[-1]['step']), warmup)
+    return Throughput(_rate(steps), mean_over(warmup), number_range(records[0]['step'], records[-1]['step']), warmup)
 
 
 def segment_throughputs(run: Run) -> list[Throughput]:

@@ -9,18 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Iterator
 from typing import TextIO
 
 from gpipe_cli.console import say
 from gpipe_cli.models import families
 from gpipe_cli.recipe.schema import Recipe
-
-
-def note(started: float, text: str) -> str:
-    """A progress line with the seconds since the command started: "[  3.2 s] reading data"."""
-    return f"[{time.time() - started:5.1f} s] {text}"
 
 
 def describe_model(recipe: Recipe) -> str:
@@ -71,14 +65,6 @@ def oversubscription(ranks: int, threads: int, cores: int, gpus: int) -> str | N
             f"slower and the measured bubble larger than with a core per rank")
 
 
-def usable_cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def local_ranks(world: int, nnodes: str) -> int:
     """Ranks this node runs: the job's share per node, or torchrun's count when already under it."""
     if "LOCAL_WORLD_SIZE" in os.environ:
@@ -95,10 +81,12 @@ def announce(recipe: Recipe, nnodes: str, threads: int | None, stream: TextIO, s
     if not said:
         say(first_line(recipe), stream)
     ranks = local_ranks(recipe.pipeline.partitions * recipe.pipeline.data_parallel, nnodes)
+    import torch  # only now: the first line is already on the screen
+
+    from gpipe_cli.sizing import usable_cores
+
     gpus = 0
     if recipe.train.device != "cpu":
-        import torch  # only now: the first line is already on the screen
-
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     cores = usable_cores()
     warning = oversubscription(ranks, threads or max(cores // ranks, 1), cores, gpus)

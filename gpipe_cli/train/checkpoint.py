@@ -36,9 +36,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from gpipe_cli.errors import UserError
+from gpipe_cli.files import atomic_write_bytes
 from gpipe_cli.pipeline import heartbeat
 from gpipe_cli.pipeline.failure import ANNOUNCED
-from gpipe_cli.train.rundir import PREFIX, atomic_write_bytes
+from gpipe_cli.train.rundir import PREFIX
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
 from gpipe_cli.units import human_bytes
 
@@ -54,11 +55,6 @@ class CheckpointWriteError(UserError):
     """A checkpoint could not be written; its partial folder is gone and the run stops."""
 
     exit_code = ANNOUNCED  # told in one line by the rank that hit it: the launcher adds nothing
-
-
-def run_dir_of(path: Path) -> Path:
-    """The run directory a checkpoint folder belongs to."""
-    return path.parent.parent
 
 
 def path_for(run_dir: Path, step: int) -> Path:

@@ -27,7 +27,7 @@ FREE_MODEL_KEYS = frozenset({"preset", "dropout", "label_smoothing", "logit_clip
 # Optimizers that keep a momentum buffer per parameter only when optimizer.momentum is not 0.
 _MOMENTUM_BUFFER = frozenset({"sgd", "rmsprop"})
 _ABSENT = object()
-_PATH_CHARS = 200  # paths are named whole, as recipe paths are; a value is cut sooner
+PATH_CHARS = 200  # paths are named whole, as recipe paths are; a value is cut sooner
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def check_new_run_dir(output_dir: Path) -> None:
         return
     step = last_step(output_dir)
     held = f"already holds a run (its last step is {step})" if step is not None else "already holds a run"
-    raise UserError(f"--output-dir {cut(str(output_dir), _PATH_CHARS)} {held}; use --resume to continue it, or another "
+    raise UserError(f"--output-dir {cut(str(output_dir), PATH_CHARS)} {held}; use --resume to continue it, or another "
                     f"--output-dir for a new run")
 
 
@@ -115,20 +115,20 @@ def check_checkpoint_keys(recipe: Recipe, changes: list[Change], location: str) 
     if not refused:
         return
     listed, one = ", ".join(map(str, refused)), len(refused) == 1
-    raise UserError(f"--resume {cut(location, _PATH_CHARS)}: {listed} {'changes' if one else 'change'} what its "
+    raise UserError(f"--resume {cut(location, PATH_CHARS)}: {listed} {'changes' if one else 'change'} what its "
                     f"checkpoints hold (the model's parameters and the optimizer's state); resume with the run's "
                     f"{'value' if one else 'values'}, or start a new run in another --output-dir")
 
 
 def past_end(location: str, checkpoint: str, step: int, end: str, key: str = "train.steps") -> str:
     """The refusal of a resume whose checkpoint is past the run's end (`end`, set by `key`)."""
-    return (f"--resume {cut(location, _PATH_CHARS)}: checkpoint {checkpoint} is at step {step}, past {end}; "
+    return (f"--resume {cut(location, PATH_CHARS)}: checkpoint {checkpoint} is at step {step}, past {end}; "
             f"resuming would write earlier steps over it; raise {key} to train past step {step}")
 
 
 def complete_line(run_dir: Path, step: int, end: str, key: str = "train.steps") -> str:
     """The line that says a resumed run has nothing left to do (its end, `end`, set by `key`)."""
-    return (f"the run in {cut(str(run_dir), _PATH_CHARS)} is already complete at step {step} ({end}); nothing to do "
+    return (f"the run in {cut(str(run_dir), PATH_CHARS)} is already complete at step {step} ({end}); nothing to do "
             f"(raise {key} to train past step {step})")
 
 
@@ -141,16 +141,16 @@ def check_resumable(location: str) -> int:
     """
     from gpipe_cli.train import checkpoint  # torch: only once the first line is out
 
-    refused: list[str] = []
-    for path in checkpoint.candidates(Path(location)):
-        why = checkpoint.problem(path)
-        if why is None:
-            manifest, _ = checkpoint.read_manifest(path)
-            assert manifest is not None
-            return int(manifest["step"])
-        refused.append(f"{path.name}: {why}")
+    found, _ = checkpoint.newest_whole(Path(location))
+    if found is not None:
+        return found.step
+    raise no_usable(location, [f"{p.name}: {checkpoint.problem(p)}" for p in checkpoint.candidates(Path(location))])
+
+
+def no_usable(location: str, refused: list[str]) -> UserError:
+    """The refusal of a resume from `location`, whose checkpoints were each refused as `refused` says."""
     reasons = "; ".join(refused) if refused else "there are no checkpoints there"
-    raise UserError(f"--resume {cut(location, _PATH_CHARS)}: no usable checkpoint ({reasons})")
+    return UserError(f"--resume {cut(location, PATH_CHARS)}: no usable checkpoint ({reasons})")
 
 
 def resume_end(recipe: Recipe, location: str) -> int | None:
@@ -161,6 +161,7 @@ def resume_end(recipe: Recipe, location: str) -> int | None:
     past damaged ones. With train.epochs the end depends on the data, which only the ranks read.
     """
     from gpipe_cli.train import checkpoint  # torch: only once the first line is out
+    from gpipe_cli.train.safe_dcp import saved_keys
 
     steps = recipe.train.steps
     if steps is None:
@@ -173,23 +174,12 @@ def resume_end(recipe: Recipe, location: str) -> int | None:
         step = manifest["step"]
         if step < steps:  # older ones are earlier still: training goes on as usual
             return None
-        if checkpoint.problem(path, verify=True) is not None or not _metadata_loads(path):
+        if checkpoint.problem(path, verify=True) is not None or saved_keys(path) is None:
             continue
         if step > steps:
             raise UserError(past_end(location, path.name, step, f"train.steps {steps}"))
         return step if recipe.train.epochs is None else None
     return None
-
-
-def _metadata_loads(path: Path) -> bool:
-    """Whether a checkpoint's metadata passes the safe reader (else the ranks skip the checkpoint)."""
-    from gpipe_cli.train.safe_dcp import SafeReader
-
-    try:
-        SafeReader(str(path)).read_metadata()
-    except Exception:  # whatever stops it reading stops the ranks loading it
-        return False
-    return True
 
 
 def _checkpoints(run_dir: Path) -> list[Path]:

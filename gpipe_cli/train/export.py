@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -13,12 +12,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE
 from gpipe_cli.errors import UserError, shown
-from gpipe_cli.files import new_file_mode
+from gpipe_cli.files import atomic_path
 from gpipe_cli.launch import check_writable
 from gpipe_cli.models import weights
 from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.recipe_model import model_spec
 from gpipe_cli.train import checkpoint
+from gpipe_cli.train.existing import run_dir_of
 from gpipe_cli.train.rundir import RECIPE
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
 
@@ -50,25 +50,14 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     with checkpoint.single_process_quiet(False):
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     tensors = {key[len(_MODEL):]: value.contiguous() for key, value in state.items()}
-    run_dir = checkpoint.run_dir_of(found.path)
+    run_dir = run_dir_of(str(found.path))
     tensors, metadata = _described(tensors, run_dir, found.step, dtype)
     target = Path(output) if output else run_dir / "model.safetensors"
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    except OSError as exc:
-        raise UserError(f"cannot write {shown(str(target))} ({exc.strerror})") from None
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.chmod(tmp, new_file_mode())  # as any new file, not mkstemp's 0o600
-        os.replace(tmp, target)
+        with atomic_path(target) as tmp:
+            save_file(tensors, str(tmp), metadata=metadata)
     except OSError as exc:  # a full disk, a read-only file system: say so, leave nothing behind
-        Path(tmp).unlink(missing_ok=True)
         raise UserError(f"cannot write {shown(str(target))} ({exc.strerror})") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return target
 
 

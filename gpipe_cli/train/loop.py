@@ -324,8 +324,7 @@ class Trainer:
         """
         recipe = self.recipe
         if self.complete:
-            if self.view is not None:
-                self.view.message(complete_line(self.run_dir, self.start_step, *self._end()))
+            self._message(complete_line(self.run_dir, self.start_step, *self._end()))
             self.pipe.close()
             return 0
         if self.view is not None:
@@ -401,15 +400,14 @@ class Trainer:
         return decision
 
     def _profiled(self, trace: Path | None) -> None:
-        if trace is not None and self.view is not None:
+        if trace is not None:
             first, last = self.profiler.traced
-            self.view.message(f"profile: step{'s' if last > first else ''} {number_range(first, last)} traced in "
+            self._message(f"profile: step{'s' if last > first else ''} {number_range(first, last)} traced in "
                               f"{trace.parent} (rank<N>.trace.json.gz for each rank; open in https://ui.perfetto.dev)")
 
     def _save(self, step: int) -> None:
         path = self.checkpoints.save(step, epoch=(step - 1) // self.steps_per_epoch + 1)
-        if self.view is not None:
-            self.view.message(f"checkpoint: {path}")
+        self._message(f"checkpoint: {path}")
 
     def _record_step(self, step: int, batch: Batch, result: Any, seconds: float, decision: str) -> None:
         stats = result.stats
@@ -514,7 +512,6 @@ class Trainer:
             self.metrics.close()
         self.pipe.close()
 
-
     def _log_model(self) -> None:
         """With `metrics.wandb.artifact`, export the final checkpoint's model into the run and log it (rank 0)."""
         wandb = self.recipe.metrics.wandb
@@ -533,6 +530,7 @@ class Trainer:
         sinks.log_model(path)
 
     def _message(self, text: str) -> None:
+        """A line on the launching terminal (rank 0)."""
         if self.view is not None:
             self.view.message(text)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, schedule
 
+from gpipe_cli.files import atomic_path
 from gpipe_cli.recipe.schema import Profile
 
 
@@ -116,10 +117,8 @@ class StepProfiler:
         while first > 1 and self._schedule(first - 1) == ProfilerAction.RECORD:  # back to the cycle's first
             first -= 1
         path = trace_path(self.run_dir, self.rank, first, last)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.partial.gz")  # torch gzips a name ending in .gz
-        profiler.export_chrome_trace(str(partial))
-        os.replace(partial, path)
+        with atomic_path(path, suffix=".gz") as partial:  # torch gzips a name ending in .gz
+            profiler.export_chrome_trace(str(partial))
         self.written.append(path)
         self.traced = (first, last)
         self._ready = path

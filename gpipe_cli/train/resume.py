@@ -15,15 +15,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpipe_cli.errors import UserError
+from gpipe_cli.files import atomic_write_bytes
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.topology import Topology
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.train import checkpoint
-from gpipe_cli.train.existing import run_dir_of
+from gpipe_cli.train.existing import no_usable, run_dir_of
 from gpipe_cli.train.plan import Plan
-from gpipe_cli.train.rundir import atomic_write_bytes
-from gpipe_cli.train.safe_dcp import SafeReader
+from gpipe_cli.train.safe_dcp import saved_keys
 
 __all__ = ["Checkpointer", "run_dir_of", "saved_cut", "trim_metrics"]
 
@@ -89,7 +88,7 @@ class Checkpointer:
         same = all(found.manifest.get(k) == v for k, v in layout.items())
         wanted = self._extra(0, same)
         rng_key = f"rng.rank{self.layout.rank}"
-        if same and "cuda" in wanted[rng_key] and f"{rng_key}.cuda" not in _saved_keys(found):
+        if same and "cuda" in wanted[rng_key] and f"{rng_key}.cuda" not in (saved_keys(found.path) or ()):
             del wanted[rng_key]["cuda"]  # written on the CPU: there is no CUDA RNG state to restore
         extra = checkpoint.load(found, self.pipe.module, self.optimizer, wanted)
         step = int(extra["train"]["step"])
@@ -142,16 +141,7 @@ class Checkpointer:
             if self.layout.rank == 0:
                 print(f"[gpipe] {checkpoint.refusal(path, why)}", file=sys.stderr, flush=True)
         self.last_saved = -1
-        reasons = "; ".join(refused) if refused else "there are no checkpoints there"
-        raise UserError(f"--resume {location}: no usable checkpoint ({reasons})")
-
-
-def _saved_keys(found: checkpoint.Found) -> set[str]:
-    """The flattened keys a checkpoint holds (empty when unreadable: loading then says why in one line)."""
-    try:
-        return set(SafeReader(str(found.path)).read_metadata().state_dict_metadata)
-    except Exception:
-        return set()
+        raise no_usable(location, refused)
 
 
 def trim_metrics(path: Path, step: int) -> None:

@@ -5,12 +5,9 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
-from gpipe_cli.files import atomic_write, atomic_write_bytes
+from gpipe_cli.files import atomic_write_bytes
 from gpipe_cli.recipe.load import recipe_yaml
 from gpipe_cli.recipe.schema import Recipe
-
-__all__ = ["CHECKPOINTS", "METRICS", "PREFIX", "RECIPE", "atomic_write", "atomic_write_bytes", "choose_run_dir",
-           "create_run_dir", "save_recipe"]
 
 RECIPE = "recipe.yaml"
 METRICS = "metrics.jsonl"

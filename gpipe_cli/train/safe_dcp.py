@@ -60,6 +60,14 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
+def saved_keys(path: Path) -> set[str] | None:
+    """The flattened keys a checkpoint folder holds (None: its metadata does not pass the safe reader)."""
+    try:
+        return set(SafeReader(str(path)).read_metadata().state_dict_metadata)
+    except Exception:  # whatever stops it reading stops the ranks loading it
+        return None
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """The default load planner, but non-tensor items are loaded with weights_only=True."""
 

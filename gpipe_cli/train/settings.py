@@ -19,11 +19,10 @@ from pathlib import Path
 from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.recipe.load import apply_override, default_recipe_text, load_recipe, parse_yaml
 from gpipe_cli.recipe.schema import Recipe
-from gpipe_cli.train.existing import Change, holds_run, run_dir_of
+from gpipe_cli.train.existing import PATH_CHARS, Change, holds_run, run_dir_of
 from gpipe_cli.train.rundir import RECIPE
 
 LATEST = "latest"  # a bare --resume
-_PATH_CHARS = 200  # paths are named whole, as recipe paths are
 
 
 def check_resume_path(resume: str | None) -> None:
@@ -47,7 +46,7 @@ def train_recipe(recipe: str | None, overrides: Sequence[str], resume: str | Non
         return load_recipe(None, overrides), None
     path = run / RECIPE
     if not path.is_file():
-        where = cut(str(run), _PATH_CHARS)
+        where = cut(str(run), PATH_CHARS)
         raise UserError(f"--resume {where}: the run has no {RECIPE} to continue with; give the recipe it was started "
                         f"with: gpipe train RECIPE --resume {where}")
     return load_recipe(str(path), overrides), str(path)

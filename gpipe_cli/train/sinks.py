@@ -165,35 +165,34 @@ class Sinks:
         """Send one train or eval record (already free of NaN) to every sink."""
         if not self.sinks:
             return
-        values = scalars(record)
-        for sink in list(self.sinks):
-            try:
-                sink.log(values, int(record["step"]))
-            except Exception as err:  # noqa: BLE001 - a failing sink must not end the run
-                self._say(f"{sink.name}: stopped logging ({type(err).__name__}: {err}); metrics.jsonl goes on")
-                self.sinks.remove(sink)
+        values, step = scalars(record), int(record["step"])
+        self._each(lambda sink: sink.log(values, step), "stopped logging", drop=True)
 
     def takes_models(self) -> bool:
         """Whether a running sink logs model files (W&B's artifacts)."""
         return any(hasattr(sink, "log_model") for sink in self.sinks)
 
     def log_model(self, path: Path) -> None:
-        """Hand an exported model file to every sink that logs models; a failure is one line."""
-        for sink in self.sinks:
-            if hasattr(sink, "log_model"):
-                try:
-                    sink.log_model(path)
-                except Exception as err:  # noqa: BLE001 - the model file is written; only its upload failed
-                    self._say(f"{sink.name}: could not log {path.name} ({type(err).__name__}: {err})")
+        """Hand an exported model file to every sink that logs models; a failure is one line (the file is written,
+        only its upload failed)."""
+        self._each(lambda sink: sink.log_model(path) if hasattr(sink, "log_model") else None,
+                   f"could not log {path.name}")
 
     def close(self) -> None:
         """Close every sink; a failure to close is one line."""
-        for sink in self.sinks:
-            try:
-                sink.close()
-            except Exception as err:  # noqa: BLE001
-                self._say(f"{sink.name}: could not close ({type(err).__name__}: {err})")
+        self._each(lambda sink: sink.close(), "could not close")
         self.sinks = []
+
+    def _each(self, act: Callable[[Any], object], failed: str, drop: bool = False) -> None:
+        """Do `act` to every sink; one that raises says `failed` in one line (`drop`: and is dropped)."""
+        for sink in list(self.sinks):
+            try:
+                act(sink)
+            except Exception as err:  # noqa: BLE001 - a failing sink must not end the run
+                self._say(f"{sink.name}: {failed} ({type(err).__name__}: {err})"
+                          + ("; metrics.jsonl goes on" if drop else ""))
+                if drop:
+                    self.sinks.remove(sink)
 
 
 def open_sinks(metrics: Metrics, run_dir: Path, first_step: int, config: dict[str, Any],

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpipe_cli.pipeline.stats import PARTS
+from gpipe_cli.records import mean_over
 from gpipe_cli.train.utilization import Peak, rate_text
 from gpipe_cli.units import number_range
 
@@ -95,9 +96,7 @@ class RunSummary:
         out = [f"summary: {done} in {wall:.1f} s wall time" + (f" ({ended})" if ended else "")]
         shown = self.measured if self.measured.steps else self.warmup  # a lone warm-up step is all there is
         if shown.steps and shown.seconds > 0:
-            over = "the training steps"
-            if shown is self.measured and self.warmup.steps:
-                over = f"the steps after the first, which took {self.warmup.seconds:.2f} s warming up"
+            over = mean_over(self.warmup.seconds if shown is self.measured and self.warmup.steps else None)
             if self.resumed:
                 over += f"; gpipe report {run_dir} gives the whole run's"
             rate = f"{shown.examples / shown.seconds:.1f} samples/s"

@@ -25,8 +25,7 @@ from rich.text import Text
 
 from gpipe_cli.console import fit, say
 from gpipe_cli.pipeline.stats import PARTS
-from gpipe_cli.progress import eta_text, run_eta
-from gpipe_cli.train.announce import note
+from gpipe_cli.progress import eta_text, note, run_eta
 from gpipe_cli.train.sinks import Sinks
 from gpipe_cli.train.summary import eval_figures
 from gpipe_cli.train.utilization import rate_text
