@@ -20,11 +20,14 @@ from typing import Any, TypeVar
 import typer
 
 from gpipe_cli import __version__, interrupts
+from gpipe_cli.bench import FLAGS as B
 from gpipe_cli.cli_help import polish
 from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError, one_line, shown
 from gpipe_cli.files import atomic_write_text, check_output
 from gpipe_cli.launch import launch_options
+from gpipe_cli.plan import FLAGS as L
+from gpipe_cli.profile import FLAGS as P
 from gpipe_cli.quick_exit import exit_now
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
@@ -55,15 +58,13 @@ def _interruptible(command: str, callback: Callable[..., Any], started: list[str
         started.append(command)
         try:
             return callback(*args, **kwargs)
-        except KeyboardInterrupt:  # typer would exit 130 without a word; what is written is written whole or not at all
-            print(f"gpipe {command}: interrupted; nothing was written", file=sys.stderr)
-            raise typer.Exit(130) from None
         except typer.Exit:
             raise
-        except Exception:
-            if not interrupts.interrupted():
+        except (KeyboardInterrupt, Exception) as exc:
+            # typer would exit 130 without a word; a library loading at the Ctrl-C may turn it into an error
+            # of its own. What is written is written whole or not at all.
+            if not isinstance(exc, KeyboardInterrupt) and not interrupts.interrupted():
                 raise
-            # A library loading at the Ctrl-C turned it into an error of its own.
             print(f"gpipe {command}: interrupted; nothing was written", file=sys.stderr)
             raise typer.Exit(130) from None
     return run_command
@@ -145,27 +146,6 @@ def validate(
     _guard(run)
 
 
-def _bench_flags() -> dict[str, str]:
-    from gpipe_cli.bench import FLAGS
-
-    return FLAGS
-
-
-def _profile_flags() -> dict[str, str]:
-    from gpipe_cli.profile import FLAGS
-
-    return FLAGS
-
-
-def _plan_flags() -> dict[str, str]:
-    from gpipe_cli.plan import FLAGS
-
-    return FLAGS
-
-
-B = _bench_flags()
-P = _profile_flags()
-L = _plan_flags()
 F = TypeVar("F", bound=Callable[..., Any])
 
 

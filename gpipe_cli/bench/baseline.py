@@ -49,10 +49,6 @@ from gpipe_cli.pipeline.topology import Topology
 if TYPE_CHECKING:
     from gpipe_cli.bench.job import Job
 
-def name_of(schedule: str) -> str:
-    """The baseline's name in the figures: torch- and our schedule's name."""
-    return f"torch-{schedule}"
-
 
 def counterpart(schedule: str) -> tuple[str, type | None, str]:
     """torch's class for our schedule: its name, the class (None when missing) and why it is missing."""
@@ -108,31 +104,31 @@ def _metered_stage_class() -> type:
         probe: _Probe
         held: dict[int, list[Any]]
 
+        def _clocked(self, kind: sched.Kind, run: Any, chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            """`run` (the parent's method) on micro-batch `chunk_id`, recorded in torch's order and clocked."""
+            self.probe.order.append((kind, chunk_id, self.stage_index))
+            start = time.perf_counter()
+            out = run(chunk_id, *args, **kwargs)
+            self.probe.busy += time.perf_counter() - start
+            return out
+
         def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             cast(_Chunk, self.submod).checkpointed = (fwd_chunk_id, self.stage_index) in self.probe.remat
-            self.probe.order.append((sched.Kind.FWD, fwd_chunk_id, self.stage_index))
-            start = time.perf_counter()
-            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-            self.probe.busy += time.perf_counter() - start
+            out = self._clocked(sched.Kind.FWD, super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
             outputs, inputs = self.fwd_cache[fwd_chunk_id]
             self.held[fwd_chunk_id] = [self.probe.meter.hold(t) for t in (*outputs, *inputs)
                                        if isinstance(t, torch.Tensor)]
             return out
 
         def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)  # full, or input gradient only
-            self.probe.order.append((sched.Kind.BWD, bwd_chunk_id, self.stage_index))
-            self.probe.busy += time.perf_counter() - start
+            # Full, or the input gradient only.
+            out = self._clocked(sched.Kind.BWD, super().backward_one_chunk, bwd_chunk_id, *args, **kwargs)
             self.held.pop(bwd_chunk_id, None)
             return out
 
         def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            out = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
-            self.probe.order.append((sched.Kind.BWD_WEIGHT, bwd_chunk_id, self.stage_index))
-            self.probe.busy += time.perf_counter() - start
-            return out
+            return self._clocked(sched.Kind.BWD_WEIGHT, super().backward_weight_one_chunk, bwd_chunk_id, *args,
+                                 **kwargs)
 
     return MeteredStage
 
@@ -239,4 +235,4 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
 def compare(spec: ModelSpec, topo: Topology, job: Job, inputs: Any, targets: torch.Tensor) -> dict[str, Any]:
     """torch's counterpart of the job's schedule on its model, K, M and cut (rank 0 gets the figures)."""
     figures = run_baseline(job.schedule, spec, topo, job, inputs, targets)
-    return {name_of(job.schedule): figures} if figures is not None else {}
+    return {f"torch-{job.schedule}": figures} if figures is not None else {}

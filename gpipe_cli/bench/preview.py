@@ -16,7 +16,7 @@ from rich.console import Console
 
 from gpipe_cli import memory_model as mm
 from gpipe_cli import sizing
-from gpipe_cli.bench.options import RANK_BYTES, SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions, overhead_rounds
+from gpipe_cli.bench.options import RANK_BYTES, SWEEP_MICROBATCHES, BenchOptions, overhead_rounds
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate.subject import FAMILIES, Subject, model_overrides, resolve
 from gpipe_cli.models import families
@@ -41,12 +41,10 @@ def runs(options: BenchOptions, layers: int) -> list[tuple[int, int]]:
     if options.simulate:
         return [(1, options.microbatches)]
     if options.sweep:
-        from gpipe_cli.bench.setup import oversubscription
+        from gpipe_cli.bench.setup import sweep_partitions
 
-        ks = [k for k in SWEEP_PARTITIONS
-              if k <= layers and (options.oversubscribe or not oversubscription(k, options.threads)[0])]
-        return [(1, max(SWEEP_MICROBATCHES))] + [(k, m) for k in ks or [min(SWEEP_PARTITIONS)]
-                                                  for m in SWEEP_MICROBATCHES]
+        ks = sweep_partitions(options, layers)
+        return [(1, max(SWEEP_MICROBATCHES))] + [(k, m) for k in ks for m in SWEEP_MICROBATCHES]
     return [(1, options.microbatches), (options.partitions, options.microbatches)]
 
 

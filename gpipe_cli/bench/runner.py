@@ -120,13 +120,10 @@ def check_cut(options: BenchOptions, subject: Subject) -> None:
         raise UserError(f"--{flag}/--balance: {exc} (the model has {layers} pipeline layers)") from None
 
 
-def _split(layers: int, chunks: int) -> list[range]:
-    """`layers` cut into `chunks` nearly equal contiguous parts."""
+def _even(layers: int, chunks: int) -> list[int]:
+    """`layers` cut into `chunks` nearly equal contiguous parts, larger first: each part's layers."""
     base, extra = divmod(layers, chunks)
-    bounds = [0]
-    for c in range(chunks):
-        bounds.append(bounds[-1] + base + (c < extra))
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    return [base + (c < extra) for c in range(chunks)]
 
 
 def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Progress,
@@ -138,7 +135,7 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
     then = ", then the engine against a plain loop" if options.measures_host_overhead else ""
     progress.phase(f"measuring K=1 ({len(spec.layers)} layers, per-layer costs and {options.steps} steps{then})",
                    phases.get(1, 0.0))
-    k1_job = base_job(options, subject, 1, [len(part) for part in _split(len(spec.layers), options.virtual_at(1))])
+    k1_job = base_job(options, subject, 1, _even(len(spec.layers), options.virtual_at(1)))
     k1_job.profile_costs = True
     k1_job.host_overhead = options.measures_host_overhead
     k1_raw = jobs.run(k1_job, folder, "k1", options.threads)
@@ -164,18 +161,15 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
         kk = RunFigures.from_json(raw["runs"][0])
     summary = summarise(options, subject, k1, kk, costs, balance, balance_by, prediction)
     summary["host_overhead"] = host = k1_raw.get("host_overhead")  # None: measured at K=1 only
-    if host is not None:
-        summary["load"]["host_overhead"] = host["load"]
-        summary["contended"] = summary["contended"] or contended(host["load"])
+    loads = {"host_overhead": host["load"]} if host is not None else {}
     if "failed" in raw:
         summary["failed"] = raw["failed"]
     if kk is not None and options.compare:
         summary["compare"] = _compare_json(summary, kk, raw.get("compare", {}))
-        for name, theirs in summary["compare"].items():
-            if "skipped" in theirs:
-                continue
-            summary["load"][name] = theirs.get("load", {})
-            summary["contended"] = summary["contended"] or contended(theirs.get("load", {}))
+        loads |= {name: theirs.get("load", {}) for name, theirs in summary["compare"].items()
+                  if "skipped" not in theirs}
+    summary["load"] |= loads
+    summary["contended"] = summary["contended"] or any(contended(load) for load in loads.values())
     return summary, kk.events if kk is not None else []
 
 

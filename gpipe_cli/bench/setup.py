@@ -7,12 +7,11 @@ from typing import Any
 import torch
 
 from gpipe_cli.bench.job import Job
-from gpipe_cli.bench.options import BenchOptions, parse_balance
-from gpipe_cli.errors import UserError
+from gpipe_cli.bench.options import SWEEP_PARTITIONS, BenchOptions, parse_balance
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.subject import Subject
 from gpipe_cli.models.describe import count_parameters
-from gpipe_cli.pipeline import partition, placement, schedules
+from gpipe_cli.pipeline import placement, schedules
 from gpipe_cli.sizing import usable_cores
 
 
@@ -25,6 +24,13 @@ def oversubscription(ranks: int, threads: int) -> tuple[bool, str]:
     return ranks * threads > cores, f"{cores} CPU core{'s' if cores != 1 else ''}"
 
 
+def sweep_partitions(options: BenchOptions, layers: int) -> list[int]:
+    """The K of `--sweep` that this machine hosts (any with --oversubscribe; none at all: the least K, flagged)."""
+    ks = [k for k in SWEEP_PARTITIONS
+          if k <= layers and (options.oversubscribe or not oversubscription(k, options.threads)[0])]
+    return ks or [k for k in SWEEP_PARTITIONS[:1] if k <= layers]
+
+
 def base_job(options: BenchOptions, subject: Subject, stages: int, balance: list[int]) -> Job:
     """A job with the options' model, batch, schedule and step counts."""
     return Job(subject=subject.to_json(), stages=stages, balance=balance, batch_size=options.batch,
@@ -34,18 +40,13 @@ def base_job(options: BenchOptions, subject: Subject, stages: int, balance: list
 
 def choose_balance(options: BenchOptions, costs: CostProfile, stages: int) -> tuple[list[int], str]:
     """The explicit balance, or the split of the measured per-layer time into K x V chunks whose busiest stage is
-    least."""
-    layers = len(costs.layers)
-    partitions = options.chunk_count(stages)
+    least (the runner's `check_cut` has refused a cut the model cannot take)."""
+    explicit = parse_balance(options.balance, options.chunk_count(stages))
+    if explicit is not None:
+        return explicit, "explicit"
     owners = placement.cut_owners(stages, options.virtual_stages, schedules.get(options.schedule).placement)
-    try:
-        partition.check_partitions(layers, partitions)
-        explicit = parse_balance(options.balance, partitions)
-        if explicit is not None:
-            return partition.check_balance(explicit, layers, partitions), "explicit"
-        return costs.balance(partitions, options.checkpoint, owners, max(options.microbatch_values())), "measured time"
-    except partition.PartitionError as exc:
-        raise UserError(f"--partitions/--balance: {exc}") from None
+    balance = costs.balance(options.chunk_count(stages), options.checkpoint, owners, max(options.microbatch_values()))
+    return balance, "measured time"
 
 
 def model_json(subject: Subject) -> dict[str, Any]:

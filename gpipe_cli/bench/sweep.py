@@ -15,7 +15,7 @@ from rich.table import Table
 from gpipe_cli import plots
 from gpipe_cli.bench import jobs
 from gpipe_cli.bench.options import SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions
-from gpipe_cli.bench.setup import base_job, model_json, oversubscription
+from gpipe_cli.bench.setup import base_job, model_json, oversubscription, sweep_partitions
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.machine_load import contended
 from gpipe_cli.estimate.measure import RunFigures
@@ -25,24 +25,13 @@ from gpipe_cli.pipeline.schedule import theoretical_bubble
 from gpipe_cli.progress import Progress
 
 
-def _hostable(options: BenchOptions, layers: int) -> list[int]:
-    out = []
-    for k in SWEEP_PARTITIONS:
-        over, _ = oversubscription(k, options.threads)
-        if k <= layers and (not over or options.oversubscribe):
-            out.append(k)
-    return out
-
-
 def run(options: BenchOptions, subject: Subject, folder: Path, progress: Progress,
         phases: dict[int, float]) -> dict[str, Any]:
     """Measure every (K, M) this machine hosts, each job said with its estimated seconds from `phases` (by K);
     the figures as the JSON file holds them."""
     spec = subject.build()
     layers = len(spec.layers)
-    ks = _hostable(options, layers)
-    if not ks:
-        ks = [min(SWEEP_PARTITIONS)] if layers >= min(SWEEP_PARTITIONS) else []
+    ks = sweep_partitions(options, layers)
     progress.phase(f"measuring per-layer costs ({layers} layers)", phases.get(1, 0.0))
     job = base_job(options, subject, 1, [layers])
     job.microbatches, job.profile_costs = [], True
