@@ -112,7 +112,6 @@ class Preview:
     note: str
     seconds: float
     need: float
-    have: float
     sized: bool = False  # chosen by sizing to this machine (else exactly what the flags asked)
     phases: dict[int, float] = field(default_factory=dict)  # each job's estimated seconds, by K (see phase_seconds)
 
@@ -127,13 +126,13 @@ def choose_subject(options: BenchOptions, machine: sizing.Machine) -> Preview:
         v = choice.verdict
         assert v is not None
         phases = phase_seconds(sizing.candidate(choice.kind, choice.params), machine, options)
-        return Preview(subject, choice.note, v.seconds, v.need_bytes, v.have_bytes, sized=True, phases=phases)
+        return Preview(subject, choice.note, v.seconds, v.need_bytes, sized=True, phases=phases)
     subject = resolve(options.model, options.sizes(), options.set)
     cand = sizing.candidate(subject.kind, subject.params)
     v = verdict(cand)
     if v.need_bytes > machine.memory_bytes:  # plainly too large: said before the memory model prices every layer
         raise UserError(_does_not_fit(options, cand, "", v.need_bytes, machine, sized=False))
-    return Preview(subject, "", v.seconds, v.need_bytes, v.have_bytes, phases=phase_seconds(cand, machine, options))
+    return Preview(subject, "", v.seconds, v.need_bytes, phases=phase_seconds(cand, machine, options))
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ class Load:
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
-        self.machine = machine_cpu() if _rank() == 0 else None
+        self.machine = machine_cpu() if not dist.is_initialized() or dist.get_rank() == 0 else None
         self.mine = time.process_time()
 
     def finish(self) -> dict[str, float]:
@@ -61,10 +61,6 @@ class Load:
         busy, steal = now[0] - self.machine[0], now[1] - self.machine[1]
         return {"window_s": window, "ranks_cpu_s": ranks_cpu, "machine_busy_s": busy,
                 "others_share": max(busy - ranks_cpu, 0.0) / capacity, "stolen_share": steal / capacity}
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def contended(load: dict[str, float], threshold: float = 0.05) -> bool:

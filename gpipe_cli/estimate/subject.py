@@ -21,15 +21,14 @@ from gpipe_cli.limits import outside
 from gpipe_cli.models import families
 from gpipe_cli.models.base import Batch, ModelSpec
 from gpipe_cli.models.registry import allowed_params, build_model, is_preset_name, names_help, resolve_preset
+from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS
 from gpipe_cli.recipe.load import parse_override
 
 # A family name stands for its model of the paper's speed table (Table 2).
 FAMILIES = {kind: family.paper_preset for kind, family in families.FAMILIES.items()}
 
 # Size flag -> model parameter (the sequence length is the Transformer's max_len: its example length).
-SIZE_PARAMS = {"layers": "layers", "filters": "filters", "d_model": "d_model", "ff": "ff", "heads": "heads",
-               "vocab_size": "vocab_size", "image_size": "image_size", "seq_len": "max_len",
-               "num_classes": "num_classes"}
+SIZE_PARAMS = {name: ALIASES[name].removeprefix("model.") for name in SIZE_FLAGS}
 
 
 @dataclass(frozen=True)
