@@ -14,11 +14,13 @@ from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem, offload_problem
 
 
-def _not_text(value: object) -> None:
+def _real(value: object) -> object:
+    """YAML `true` and the string "0.1" are not numbers."""
     if isinstance(value, bool):
         raise PydanticCustomError("bool_number", "must be a number, not true or false")
     if isinstance(value, str) and _numeric(value):  # quoted in YAML: pydantic would read the string as a number
         raise PydanticCustomError("str_number", "must be a number, not a string (remove the quotes)")
+    return value
 
 
 def _numeric(text: str) -> bool:
@@ -31,15 +33,9 @@ def _numeric(text: str) -> bool:
 def _number(value: object) -> object:
     """YAML `true` and the string "5" are not numbers, and an integral float such as 1e20 is range-checked as an
     integer."""
-    _not_text(value)
+    _real(value)
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         return int(value)
-    return value
-
-
-def _real(value: object) -> object:
-    """YAML `true` and the string "0.1" are not numbers."""
-    _not_text(value)
     return value
 
 
@@ -187,6 +183,9 @@ class Pipeline(Section):
         return self
 
 
+LOCAL_SOURCES = ("imagefolder", "parquet", "jsonl", "tsv", "text")  # the data sources read from data.path
+
+
 class Data(Section):
     """Where examples come from and how they are batched."""
 
@@ -214,7 +213,7 @@ class Data(Section):
 
     @model_validator(mode="after")
     def _path_for_local_sources(self) -> Data:
-        if self.source in ("imagefolder", "parquet", "jsonl", "tsv", "text") and not self.path:
+        if self.source in LOCAL_SOURCES and not self.path:
             raise ValueError(f"data.path is required for data.source '{self.source}'")
         if self.source == "hub" and not self.name:
             raise ValueError("data.name (a Hugging Face dataset name) is required for data.source 'hub'")

@@ -219,18 +219,16 @@ def _check(root: yaml.Node, label: str) -> None:
         if depth > MAX_DEPTH:
             raise RecipeError(f"{label}: line {node.start_mark.line + 1}: nested more than {MAX_DEPTH} levels deep")
         visiting.add(key)
-        total = 1
+        total, children = 1, []
         if isinstance(node, yaml.MappingNode):
             _no_duplicates(node, label)
-            for k, v in node.value:
-                total += size(k, depth + 1) + size(v, depth + 1)
-                if total > MAX_NODES:
-                    break
+            children = [n for pair in node.value for n in pair]
         elif isinstance(node, yaml.SequenceNode):
-            for item in node.value:
-                total += size(item, depth + 1)
-                if total > MAX_NODES:
-                    break
+            children = node.value
+        for child in children:
+            total += size(child, depth + 1)
+            if total > MAX_NODES:
+                break
         visiting.discard(key)
         if total > MAX_NODES:
             raise RecipeError(f"{label}: more than {MAX_NODES} values once its aliases are expanded "
