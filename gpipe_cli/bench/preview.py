@@ -119,20 +119,19 @@ class Preview:
 def choose_subject(options: BenchOptions, machine: sizing.Machine) -> Preview:
     """The model to measure: sized to the machine when no model flag was given, else exactly what was asked."""
     verdict = judge(options, machine)
-    if sizable(options):
-        stages = options.simulated_devices if options.simulate else max(k for k, _ in runs(options, 10**6))
+    sized = sizable(options)
+    if sized:
+        stages = options.stages if options.simulate else max(k for k, _ in runs(options, 10**6))
         choice = sizing.choose(options.model, verdict, stages, model_overrides(options.set))
-        subject = Subject(choice.kind, choice.params, options.model)
-        v = choice.verdict
-        assert v is not None
-        phases = phase_seconds(sizing.candidate(choice.kind, choice.params), machine, options)
-        return Preview(subject, choice.note, v.seconds, v.need_bytes, sized=True, phases=phases)
-    subject = resolve(options.model, options.sizes(), options.set)
+        subject, note = Subject(choice.kind, choice.params, options.model), choice.note
+    else:
+        subject, note = resolve(options.model, options.sizes(), options.set), ""
     cand = sizing.candidate(subject.kind, subject.params)
     v = verdict(cand)
-    if v.need_bytes > machine.memory_bytes:  # plainly too large: said before the memory model prices every layer
-        raise UserError(_does_not_fit(options, cand, "", v.need_bytes, machine, sized=False))
-    return Preview(subject, "", v.seconds, v.need_bytes, phases=phase_seconds(cand, machine, options))
+    # Plainly too large: said before the memory model prices every layer.
+    if not sized and v.need_bytes > machine.memory_bytes:
+        raise UserError(_does_not_fit(options, cand, "", v.need_bytes, machine, sized))
+    return Preview(subject, note, v.seconds, v.need_bytes, sized, phase_seconds(cand, machine, options))
 
 
 @dataclass(frozen=True)

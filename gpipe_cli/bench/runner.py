@@ -106,7 +106,7 @@ def _compare_json(summary: dict[str, Any], kk: RunFigures, baselines: dict[str, 
 def check_cut(options: BenchOptions, subject: Subject) -> None:
     """Refuse K (and --balance) that the model's layers cannot take, before anything is measured."""
     layers = len(subject.build().layers)
-    k = options.simulated_devices if options.simulate else options.partitions
+    k = options.stages
     chunks = options.chunk_count(k)
     try:
         partition.check_partitions(layers, chunks)
@@ -131,7 +131,7 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
     """Measure K=1 and K ranks (or predict K devices): the figures, and the K ranks' step for --trace (each job
     said with its estimated seconds from `phases`, by K)."""
     spec = subject.build()
-    k = options.simulated_devices if options.simulate else options.partitions
+    k = options.stages
     then = ", then the engine against a plain loop" if options.measures_host_overhead else ""
     progress.phase(f"measuring K=1 ({len(spec.layers)} layers, per-layer costs and {options.steps} steps{then})",
                    phases.get(1, 0.0))

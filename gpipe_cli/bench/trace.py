@@ -30,8 +30,7 @@ LABELS = {
     Kind.RECV_BWD.value: ("rb", "wait for gradient"),
 }
 COLORS = {"fwd": "#4c9be8", "recompute": "#f2a541", "bwd": "#5cb85c", "bwd_input": "#2e8b57", "bwd_weight": "#b5651d",
-          "send_fwd": "#555555",
-          "send_bwd": "#555555", "recv_fwd": "#d9d9d9", "recv_bwd": "#d9d9d9"}
+          "send_fwd": "#555555", "send_bwd": "#555555", "recv_fwd": "#d9d9d9", "recv_bwd": "#d9d9d9"}
 
 
 def paths(target: Path) -> tuple[Path, Path]:
