@@ -30,24 +30,28 @@ from gpipe_cli.plan import FLAGS as L
 from gpipe_cli.profile import FLAGS as P
 from gpipe_cli.quick_exit import exit_now
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+
+class _Commands(typer.core.TyperGroup):
+    """The commands: the int a command returns is its exit code; bad input is one line on stderr and its exit
+    code, never a traceback."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            code = super().invoke(ctx)
+        except UserError as exc:
+            print(f"error: {one_line(str(exc))}", file=sys.stderr)
+            raise typer.Exit(exc.exit_code) from None
+        raise typer.Exit(code if isinstance(code, int) else 0)
+
+
+app = typer.Typer(cls=_Commands, add_completion=False, pretty_exceptions_enable=False,
                   help="GPipe pipeline-parallel training from YAML recipes.")
-T = TypeVar("T")
 
 RECIPE_HELP = "Recipe YAML file (default: the built-in quick-start recipe)."
 SIZE = "Model size (overrides)"
 MODES = "Sweep, compare, simulate"
 LAUNCH = "Nodes and ranks"
 SET_HELP = "Override a recipe key: KEY=VALUE, the value read as YAML (repeatable)."
-
-
-def _guard(fn: Callable[[], T]) -> T:
-    """Run a command; bad input becomes one line on stderr and its exit code, never a traceback."""
-    try:
-        return fn()
-    except UserError as exc:
-        print(f"error: {one_line(str(exc))}", file=sys.stderr)
-        raise typer.Exit(exc.exit_code) from None
 
 
 def _interruptible(command: str, callback: Callable[..., Any], started: list[str]) -> Callable[..., Any]:
@@ -58,7 +62,7 @@ def _interruptible(command: str, callback: Callable[..., Any], started: list[str
         started.append(command)
         try:
             return callback(*args, **kwargs)
-        except typer.Exit:
+        except (typer.Exit, UserError):
             raise
         except (KeyboardInterrupt, Exception) as exc:
             # typer would exit 130 without a word; a library loading at the Ctrl-C may turn it into an error
@@ -104,17 +108,14 @@ def train(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch on this node (rendezvous, nodes, "
                                  "ranks, from Slurm under srun) and the torchrun command for it; start nothing.",
                                  rich_help_panel=LAUNCH),
-) -> None:
+) -> int:
     """Train a model with GPipe on partitions x data_parallel processes."""
     from gpipe_cli.train.run import TrainOptions
     from gpipe_cli.train.run import train as run_training  # imports torch only once the recipe is valid
 
-    def run() -> int:
-        launch = launch_options(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-                                rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, threads=threads)  # may read Slurm's
-        return run_training(TrainOptions(recipe, set_ or [], output_dir, plain, resume, launch, dry_run))
-
-    raise typer.Exit(_guard(run))
+    launch = launch_options(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                            rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, threads=threads)  # may read Slurm's
+    return run_training(TrainOptions(recipe, set_ or [], output_dir, plain, resume, launch, dry_run))
 
 
 @app.command()
@@ -126,24 +127,21 @@ def validate(
     """Check a recipe and print the resolved recipe and the plan; trains nothing, reads no data."""
     from gpipe_cli.recipe.load import load_recipe, recipe_label, recipe_yaml
 
-    def run() -> None:
-        loaded = load_recipe(recipe, set_ or [])
-        check_output(json_file, "--json", "recipe.json")
-        from gpipe_cli.train.plan import checked_plan  # torch: only once the recipe is valid
-        from gpipe_cli.train.plan_table import plan_table
+    loaded = load_recipe(recipe, set_ or [])
+    check_output(json_file, "--json", "recipe.json")
+    from gpipe_cli.train.plan import checked_plan  # torch: only once the recipe is valid
+    from gpipe_cli.train.plan_table import plan_table
 
-        plan = checked_plan(loaded, recipe_label(recipe))
-        console = output_console()
-        console.print(recipe_yaml(loaded), markup=False, highlight=False)
-        console.print(plan_table(plan))
-        if json_file is not None:
-            payload = {"recipe": loaded.model_dump(mode="json"), **plan.to_json()}
-            try:
-                atomic_write_text(json_file, json.dumps(payload, indent=2))
-            except OSError as exc:
-                raise UserError(f"--json: cannot write {shown(str(json_file))} ({exc.strerror})") from None
-
-    _guard(run)
+    plan = checked_plan(loaded, recipe_label(recipe))
+    console = output_console()
+    console.print(recipe_yaml(loaded), markup=False, highlight=False)
+    console.print(plan_table(plan))
+    if json_file is not None:
+        payload = {"recipe": loaded.model_dump(mode="json"), **plan.to_json()}
+        try:
+            atomic_write_text(json_file, json.dumps(payload, indent=2))
+        except OSError as exc:
+            raise UserError(f"--json: cannot write {shown(str(json_file))} ({exc.strerror})") from None
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -200,19 +198,15 @@ def bench(
     seed: int = typer.Option(0, help=B["seed"]),
     json_file: Path | None = typer.Option(None, "--json", help=B["json"]),
     flags: dict[str, Any] | None = None,
-) -> None:
+) -> int:
     """Measure training throughput at K stages and M micro-batches against K=1, with baselines and traces."""
     from gpipe_cli.bench import bench_options
     from gpipe_cli.bench import run as run_bench
 
-    def run() -> int:
-        options = bench_options(recipe, flags or {}, set_ or [], model=model, steps=steps, warmup=warmup,
-                                sweep=sweep, compare=compare, trace=trace, simulate=simulate, devices=devices,
-                                bandwidth=bandwidth, latency_us=latency_us, threads=threads,
-                                oversubscribe=oversubscribe, seed=seed, json=json_file)
-        return run_bench(options)
-
-    raise typer.Exit(_guard(run))
+    return run_bench(bench_options(recipe, flags or {}, set_ or [], model=model, steps=steps, warmup=warmup,
+                                   sweep=sweep, compare=compare, trace=trace, simulate=simulate, devices=devices,
+                                   bandwidth=bandwidth, latency_us=latency_us, threads=threads,
+                                   oversubscribe=oversubscribe, seed=seed, json=json_file))
 
 
 @app.command("profile-memory")
@@ -229,17 +223,13 @@ def profile_memory(
     seed: int = typer.Option(0, help=P["seed"]),
     json_file: Path | None = typer.Option(None, "--json", help=P["json"]),
     flags: dict[str, Any] | None = None,
-) -> None:
+) -> int:
     """Memory per stage (parameters, gradients, optimizer, activations) for naive, pipeline-1 and pipeline-K."""
     from gpipe_cli.profile import profile_options
     from gpipe_cli.profile import run as run_profile
 
-    def run() -> int:
-        options = profile_options(recipe, partitions, flags or {}, set_ or [], model=model, optimizer=optimizer,
-                                  budget=budget, device=device, seed=seed, json=json_file)
-        return run_profile(options)
-
-    raise typer.Exit(_guard(run))
+    return run_profile(profile_options(recipe, partitions, flags or {}, set_ or [], model=model, optimizer=optimizer,
+                                       budget=budget, device=device, seed=seed, json=json_file))
 
 
 @app.command()
@@ -260,7 +250,7 @@ def plan(
     tflops: float | None = typer.Option(None, help=L["tflops"]),
     plain: bool = typer.Option(False, "--plain", help=L["plain"]),
     flags: dict[str, Any] | None = None,
-) -> None:
+) -> int:
     """Predict the fastest K, D, M, schedule, remat mode and balance for N devices; write it as a recipe."""
     from gpipe_cli.plan import PlanOptions
     from gpipe_cli.plan import run as run_plan
@@ -268,19 +258,15 @@ def plan(
     from gpipe_cli.recipe.aliases import as_sets, by_flag
     from gpipe_cli.recipe.load import RecipeError
 
-    def run() -> int:
-        # The alias flags are `--set` items, typed before the explicit ones (which win where both name a key).
-        options = PlanOptions(recipe=recipe, set=[*as_sets(flags or {}), *(set_ or [])], devices=devices,
-                              device_memory=device_memory, nodes=nodes, top=top, output=output_path(output),
-                              bandwidth=bandwidth, latency_us=latency_us, node_bandwidth=node_bandwidth,
-                              node_latency_us=node_latency_us,
-                              timing=timing, tflops=tflops, plain=plain)
-        try:
-            return run_plan(options)
-        except RecipeError as exc:
-            raise by_flag(exc, flags or {}) from None
-
-    raise typer.Exit(_guard(run))
+    # The alias flags are `--set` items, typed before the explicit ones (which win where both name a key).
+    options = PlanOptions(recipe=recipe, set=[*as_sets(flags or {}), *(set_ or [])], devices=devices,
+                          device_memory=device_memory, nodes=nodes, top=top, output=output_path(output),
+                          bandwidth=bandwidth, latency_us=latency_us, node_bandwidth=node_bandwidth,
+                          node_latency_us=node_latency_us, timing=timing, tflops=tflops, plain=plain)
+    try:
+        return run_plan(options)
+    except RecipeError as exc:
+        raise by_flag(exc, flags or {}) from None
 
 
 @app.command()
@@ -291,13 +277,9 @@ def export(
                                      help="Store the floating-point weights in this type (default: as trained)."),
 ) -> None:
     """Write a checkpoint's model as one safetensors file holding its recipe, tie map and tokenizer."""
-    def write() -> Path:
-        from gpipe_cli.train.export import export as export_model  # torch: a Ctrl-C while it loads is guarded too
+    from gpipe_cli.train.export import export as export_model  # torch: a Ctrl-C while it loads is guarded too
 
-        return export_model(run, output, dtype)
-
-    path = _guard(write)
-    print(f"wrote {path}")
+    print(f"wrote {export_model(run, output, dtype)}")
 
 
 @app.command()
@@ -309,15 +291,12 @@ def predict(
     max_tokens: int | None = typer.Option(None, help="Tokens to generate after a language model's prompt "
                                           "[default: 50]."),
     top: int = typer.Option(1, help="Classes to print per image, most likely first."),
-) -> None:
+) -> int:
     """Use an exported model without the pipeline: translate, continue a prompt or classify images."""
-    def run() -> int:
-        from gpipe_cli.predict import PredictOptions
-        from gpipe_cli.predict import predict as run_predict
+    from gpipe_cli.predict import PredictOptions
+    from gpipe_cli.predict import predict as run_predict
 
-        return run_predict(PredictOptions(model, inputs or None, max_tokens, top))
-
-    raise typer.Exit(_guard(run))
+    return run_predict(PredictOptions(model, inputs or None, max_tokens, top))
 
 
 @app.command("prepare-data")
@@ -331,7 +310,7 @@ def prepare_data(
     from gpipe_cli.data.prepare import prepare_data as save
     from gpipe_cli.recipe.load import load_recipe
 
-    files = _guard(lambda: save(load_recipe(recipe, set_ or []).data, Path(output)))
+    files = save(load_recipe(recipe, set_ or []).data, Path(output))
     print(f"wrote {output} ({len(files)} parquet file{'s' if len(files) > 1 else ''}); train with "
           f"--set data.source=parquet --set data.path={output}")
 
@@ -341,11 +320,11 @@ def report_runs(
     runs: list[str] = typer.Argument(..., help="Run directories (each with metrics.jsonl)."),
     output: str | None = typer.Option(None, metavar="FILE", help="The PNG to write (default: RUN_DIR/report.png "
                                       "for one run, report.png here for several)."),
-) -> None:
+) -> int:
     """Compare runs: a table of their figures here and a one-page PNG of curves (several runs overlaid)."""
     from gpipe_cli.report import report
 
-    raise typer.Exit(_guard(lambda: report([Path(r) for r in runs], Path(output) if output else None)))
+    return report([Path(r) for r in runs], Path(output) if output else None)
 
 
 def run(args: list[str]) -> int:
