@@ -27,7 +27,7 @@ from rich.console import Console
 
 from gpipe_cli import interrupts, sizing
 from gpipe_cli.bench import jobs, preview, sweep, tables, trace
-from gpipe_cli.bench.options import BenchOptions, parse_balance, validate
+from gpipe_cli.bench.options import BenchOptions, parse_balance
 from gpipe_cli.bench.setup import base_job, choose_balance, model_json, oversubscription
 from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError
@@ -214,9 +214,9 @@ def _write_trace(options: BenchOptions, summary: dict[str, Any], events: list[di
 
 
 def run(options: BenchOptions) -> int:
-    """Run `gpipe bench`; print the figures and return an exit code (UserError for bad options, 130 on Ctrl-C)."""
+    """Run `gpipe bench` on options `bench.run` has validated; print the figures and return an exit code (130 on
+    Ctrl-C)."""
     console = output_console()
-    validate(options)
     try:
         return _run(options, console)
     except KeyboardInterrupt:

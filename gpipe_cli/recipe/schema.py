@@ -48,6 +48,8 @@ Layers = Annotated[int, Number, Field(ge=1, le=MAX_LAYERS)]
 Ranks = Annotated[int, Number, Field(ge=1, le=MAX_RANKS)]
 Vocabulary = Annotated[int, Number, Field(ge=8, le=MAX_SIZE * 16)]
 Probability = Annotated[float, Real, Field(ge=0.0, lt=1.0)]
+Text = Annotated[str, Field(min_length=1, max_length=128)]
+Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]  # a file or W&B name
 PositiveReal = Annotated[float, Real, Field(gt=0.0, le=MAX_REAL)]
 NonNegReal = Annotated[float, Real, Field(ge=0.0, le=MAX_REAL)]
 
@@ -331,13 +333,13 @@ class Eval(Section):
 class Wandb(Section):
     """Weights & Biases logging; offline writes a local run folder that `wandb sync` uploads later."""
 
-    project: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+    project: Name
     mode: Literal["offline", "online"] = "offline"
-    name: Annotated[str, Field(min_length=1, max_length=128)] | None = Field(
+    name: Text | None = Field(
         default=None, description="The W&B run's display name; null: the run directory's name")
-    entity: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")] | None = Field(
+    entity: Name | None = Field(
         default=None, description="The W&B user or team the run goes to; null: the logged-in user's default")
-    group: Annotated[str, Field(min_length=1, max_length=128)] | None = Field(
+    group: Text | None = Field(
         default=None, description="Runs of one group are shown together (e.g. the members of a sweep)")
     tags: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
         default_factory=list, max_length=64, description="Labels to filter runs by in the W&B interface")
@@ -356,7 +358,7 @@ class Metrics(Section):
 class Recipe(Section):
     """A whole training recipe."""
 
-    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")] = "run"
+    name: Name = "run"
     seed: Annotated[int, Number, Field(ge=0, le=2**32 - 1)] = 0
     model: Model = Field(default_factory=AmoebaNetModel)  # DEFAULT_KIND
     pipeline: Pipeline = Field(default_factory=Pipeline)
