@@ -106,8 +106,7 @@ def _compare_json(summary: dict[str, Any], kk: RunFigures, baselines: dict[str, 
 def check_cut(options: BenchOptions, subject: Subject) -> None:
     """Refuse K (and --balance) that the model's layers cannot take, before anything is measured."""
     layers = len(subject.build().layers)
-    k = options.stages
-    chunks = options.chunk_count(k)
+    chunks = options.chunk_count(options.stages)
     try:
         partition.check_partitions(layers, chunks)
         explicit = parse_balance(options.balance, chunks)
@@ -135,9 +134,8 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
     then = ", then the engine against a plain loop" if options.measures_host_overhead else ""
     progress.phase(f"measuring K=1 ({len(spec.layers)} layers, per-layer costs and {options.steps} steps{then})",
                    phases.get(1, 0.0))
-    k1_job = base_job(options, subject, 1, _even(len(spec.layers), options.virtual_at(1)))
-    k1_job.profile_costs = True
-    k1_job.host_overhead = options.measures_host_overhead
+    k1_job = base_job(options, subject, 1, _even(len(spec.layers), options.virtual_at(1)), profile_costs=True,
+                      host_overhead=options.measures_host_overhead)
     k1_raw = jobs.run(k1_job, folder, "k1", options.threads)
     costs = CostProfile.from_json(k1_raw["costs"])
     k1 = RunFigures.from_json(k1_raw["runs"][0])
@@ -149,8 +147,7 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
     raw: dict[str, Any] = {}
     if not options.simulate:
         progress.phase(f"measuring K={k} (balance {balance})", phases.get(k, 0.0))
-        job = base_job(options, subject, k, balance)
-        job.trace, job.compare = options.trace is not None, options.compare
+        job = base_job(options, subject, k, balance, trace=options.trace is not None, compare=options.compare)
         try:
             raw = jobs.run(job, folder, f"k{k}", options.threads)
         except jobs.JobFailed as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,11 +32,12 @@ def sweep_partitions(options: BenchOptions, layers: int) -> list[int]:
     return ks or [k for k in SWEEP_PARTITIONS[:1] if k <= layers]
 
 
-def base_job(options: BenchOptions, subject: Subject, stages: int, balance: list[int]) -> Job:
-    """A job with the options' model, batch, schedule and step counts."""
-    return Job(subject=subject.to_json(), stages=stages, balance=balance, batch_size=options.batch,
-               microbatches=options.microbatch_values(), schedule=options.schedule, checkpoint=options.checkpoint,
-               steps=options.steps, warmup=options.warmup, seed=options.seed, out="", offload=options.offload)
+def base_job(options: BenchOptions, subject: Subject, stages: int, balance: list[int], **fields: Any) -> Job:
+    """A job with the options' model, batch, schedule and step counts (`fields`: the job's other fields)."""
+    job = Job(subject=subject.to_json(), stages=stages, balance=balance, batch_size=options.batch,
+              microbatches=options.microbatch_values(), schedule=options.schedule, checkpoint=options.checkpoint,
+              steps=options.steps, warmup=options.warmup, seed=options.seed, out="", offload=options.offload)
+    return replace(job, **fields)
 
 
 def choose_balance(options: BenchOptions, costs: CostProfile, stages: int) -> tuple[list[int], str]:

@@ -33,9 +33,8 @@ def run(options: BenchOptions, subject: Subject, folder: Path, progress: Progres
     layers = len(spec.layers)
     ks = sweep_partitions(options, layers)
     progress.phase(f"measuring per-layer costs ({layers} layers)", phases.get(1, 0.0))
-    job = base_job(options, subject, 1, [layers])
-    job.microbatches, job.profile_costs = [], True
-    job.extra = {"profile_chunks": max(SWEEP_MICROBATCHES)}
+    job = base_job(options, subject, 1, [layers], microbatches=[], profile_costs=True,
+                   extra={"profile_chunks": max(SWEEP_MICROBATCHES)})
     costs = CostProfile.from_json(jobs.run(job, folder, "costs", options.threads)["costs"])
     cells: list[dict[str, Any]] = []
     for k in ks:
