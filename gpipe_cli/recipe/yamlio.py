@@ -48,21 +48,18 @@ def read_recipe_file(path: Path) -> str:
     """The text of a recipe file: a regular file of at most MAX_RECIPE_BYTES, refused at once otherwise."""
     try:
         info = path.stat()
-    except FileNotFoundError:
-        raise RecipeError(f"{path}: no such recipe file") from None
-    except OSError as exc:
-        raise RecipeError(f"{path}: cannot read the recipe ({exc.strerror})") from None
-    if stat.S_ISDIR(info.st_mode):
-        raise RecipeError(f"{path}: is a directory, not a recipe file")
-    if not stat.S_ISREG(info.st_mode):  # a FIFO or a device would block or never end
-        raise RecipeError(f"{path}: is not a regular file (a recipe must be a YAML file)")
-    if info.st_size > MAX_RECIPE_BYTES:
-        raise RecipeError(f"{path}: the recipe is {info.st_size} bytes; at most {MAX_RECIPE_BYTES} are allowed")
-    try:
+        if stat.S_ISDIR(info.st_mode):
+            raise RecipeError(f"{path}: is a directory, not a recipe file")
+        if not stat.S_ISREG(info.st_mode):  # a FIFO or a device would block or never end
+            raise RecipeError(f"{path}: is not a regular file (a recipe must be a YAML file)")
+        if info.st_size > MAX_RECIPE_BYTES:
+            raise RecipeError(f"{path}: the recipe is {info.st_size} bytes; at most {MAX_RECIPE_BYTES} are allowed")
         # O_NONBLOCK: should the path be swapped for a FIFO after the check, opening still cannot hang.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         with os.fdopen(fd, "rb") as f:
             data = f.read(MAX_RECIPE_BYTES + 1)
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: no such recipe file") from None
     except OSError as exc:
         raise RecipeError(f"{path}: cannot read the recipe ({exc.strerror})") from None
     if len(data) > MAX_RECIPE_BYTES:
