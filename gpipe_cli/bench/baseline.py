@@ -33,11 +33,10 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gpipe_cli.bench import recompute
-from gpipe_cli.estimate.machine_load import Load
+from gpipe_cli.estimate.machine_load import Load, gather
 from gpipe_cli.estimate.measure import median, timed
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import partition, schedules
@@ -133,19 +132,6 @@ def _metered_stage_class() -> type:
     return MeteredStage
 
 
-def _peak(meter: ActivationMeter, device: torch.device) -> int:
-    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else meter.peak
-
-
-def _gather(row: list[float], world: int) -> list[list[float]]:
-    mine = torch.tensor(row, dtype=torch.float64)
-    if not (dist.is_initialized() and world > 1):
-        return [row]
-    gathered = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine)
-    return [g.tolist() for g in gathered]
-
-
 def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, inputs: Any,
                  targets: torch.Tensor) -> dict[str, Any] | None:
     """Time and meter torch's counterpart of `schedule_name`; its figures on rank 0, None elsewhere."""
@@ -216,11 +202,10 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
         seconds, _ = timed(step)
         if index >= job.warmup:
             times.append(seconds)
-            peaks.append(_peak(meter, device))
+            peaks.append(int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else meter.peak)
             idle.append(max(wall[0] - probe.busy, 0.0) / wall[0] if wall[0] > 0 else 0.0)
     shares = load.finish() if load is not None else {}
-    rows = _gather([float(max(peaks)), median(idle), float(len(probe.remat)), float(len(sched.rematerialised(ours)))],
-                   layout.world_size)
+    rows = gather([max(peaks), median(idle), len(probe.remat), len(sched.rematerialised(ours))])
     if layout.rank != 0:
         return None
     stage_peaks = [int(r[0]) for r in rows[:k]]

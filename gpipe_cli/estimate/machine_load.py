@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 def distributed() -> bool:
@@ -20,13 +22,13 @@ def distributed() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def gather_floats(value: float) -> list[float]:
+def gather(value: T) -> list[T]:
     """Every rank's `value`, in rank order."""
     if not distributed():
         return [value]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
-    return [float(v) for v in out]
+    return out
 
 
 def machine_cpu() -> tuple[float, float] | None:
@@ -52,7 +54,7 @@ class Load:
 
     def finish(self) -> dict[str, float]:
         """The shares of the machine's CPU time used by others and stolen, on rank 0 ({} elsewhere)."""
-        ranks_cpu = sum(gather_floats(time.process_time() - self.mine))
+        ranks_cpu = sum(gather(time.process_time() - self.mine))
         now = machine_cpu() if self.machine is not None else None
         if self.machine is None or now is None:
             return {}

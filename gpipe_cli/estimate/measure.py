@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpipe_cli.estimate.machine_load import Load, distributed, gather_floats
+from gpipe_cli.estimate.machine_load import Load, distributed, gather
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import partition, placement, topology
 from gpipe_cli.pipeline.config import PipelineConfig
@@ -163,7 +163,7 @@ def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_siz
             figures.step_times.append(seconds)
             if result.stats is not None:
                 history.append(result.stats)
-    figures.cpu_per_busy = gather_floats(cpu / busy if busy > 0 else 1.0)
+    figures.cpu_per_busy = gather(cpu / busy if busy > 0 else 1.0)
     figures.load = load.finish() if load is not None else {}
     if trace:
         # A separate step, so that gathering the events never slows a measured one.
