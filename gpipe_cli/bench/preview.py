@@ -223,13 +223,10 @@ def show(preview: Preview, mem: Memory, options: BenchOptions, machine: sizing.M
                       + f"; K=1 holds {human_bytes(mem.stages[1][0])}")
     for ranks in ks[1:] or ks:
         over, hardware = oversubscription(ranks, options.threads)
-        per = ranks * options.threads / max(machine.units, 1)
-        line = f"  ranks: K={ranks} runs {ranks} ranks x {options.threads} thread(s) on {hardware}"
-        if over:
-            console.print(f"{line} ([bold yellow]warning:[/] oversubscribed, {per:.0f} per "
-                          f"{'GPU' if machine.kind == 'cuda' else 'core'}: the speed figures will mean little)")
-        else:
-            console.print(line)
+        per = f"{ranks * options.threads / max(machine.units, 1):.0f} per {'GPU' if machine.kind == 'cuda' else 'core'}"
+        warning = (f" ([bold yellow]warning:[/] oversubscribed, {per}: the speed figures will mean little)"
+                   if over else "")
+        console.print(f"  ranks: K={ranks} runs {ranks} ranks x {options.threads} thread(s) on {hardware}{warning}")
     console.print(f"  estimate: about {human_seconds(preview.seconds)} "
                   f"(this machine: {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank measured, "
                   f"{human_bytes(machine.memory_bytes)} free)")
