@@ -108,15 +108,13 @@ def check_limits(kind: str, params: Mapping[str, Any], named: Mapping[str, str],
 
 def size_limits(kind: str) -> dict[str, tuple[int, int]]:
     """(least, most) of each integer model parameter of `kind`, as the recipe schema allows."""
-    from gpipe_cli.recipe.schema import MODEL_SECTIONS
+    from gpipe_cli.recipe.schema import MODEL_SECTIONS, bounds
 
-    section = MODEL_SECTIONS[kind]
     out = {}
-    for name, info in section.model_fields.items():
-        low = next((m.ge for m in info.metadata if hasattr(m, "ge")), None)
-        high = next((m.le for m in info.metadata if hasattr(m, "le")), None)
-        if info.annotation is int and low is not None and high is not None:
-            out[name] = (int(low), int(high))
+    for name, info in MODEL_SECTIONS[kind].model_fields.items():
+        found = bounds(info)
+        if info.annotation is int and "ge" in found and "le" in found:
+            out[name] = (int(found["ge"]), int(found["le"]))
     return out
 
 

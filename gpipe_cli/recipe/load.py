@@ -12,13 +12,13 @@ import typing
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, get_args, get_origin
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from gpipe_cli.errors import cut, shown
 from gpipe_cli.limits import words
-from gpipe_cli.recipe.schema import DEFAULT_KIND, LOCAL_SOURCES, MODEL_SECTIONS, Recipe
+from gpipe_cli.recipe.schema import DEFAULT_KIND, LOCAL_SOURCES, MODEL_SECTIONS, Recipe, bounds
 from gpipe_cli.recipe.yamlio import RecipeError, dump, parse_document, parse_value, read_recipe_file
 
 __all__ = ["RecipeError", "apply_override", "default_recipe_text", "load_recipe", "parse_override",
@@ -187,17 +187,9 @@ def _allowed_range(loc: Sequence[str | int], raw: dict[str, Any]) -> str | None:
     name = loc[-1] if loc else None
     if section is None or not isinstance(name, str) or name not in section.model_fields:
         return None
-    field = section.model_fields[name]
-    constraints = list(field.metadata)
-    for member in get_args(field.annotation):  # `X | None`: the constraints live on X
-        constraints += list(get_args(member)[1:]) if get_origin(member) is Annotated else []
-    bounds: dict[str, Any] = {}
-    for item in [m for c in constraints for m in getattr(c, "metadata", [c])]:  # Field(...) holds a list
-        for attr in ("ge", "gt", "le", "lt"):
-            if getattr(item, attr, None) is not None:
-                bounds[attr] = getattr(item, attr)
-    low = f">= {bounds['ge']}" if "ge" in bounds else f"> {bounds['gt']}" if "gt" in bounds else None
-    high = f"<= {bounds['le']}" if "le" in bounds else f"< {bounds['lt']}" if "lt" in bounds else None
+    found = bounds(section.model_fields[name])
+    low = f">= {found['ge']}" if "ge" in found else f"> {found['gt']}" if "gt" in found else None
+    high = f"<= {found['le']}" if "le" in found else f"< {found['lt']}" if "lt" in found else None
     return words(low, high) or None
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from gpipe_cli.errors import cut
@@ -52,6 +53,16 @@ Text = Annotated[str, Field(min_length=1, max_length=128)]
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]  # a file or W&B name
 PositiveReal = Annotated[float, Real, Field(gt=0.0, le=MAX_REAL)]
 NonNegReal = Annotated[float, Real, Field(ge=0.0, le=MAX_REAL)]
+
+
+def bounds(field: FieldInfo) -> dict[str, Any]:
+    """The numeric bounds (ge, gt, le, lt) a schema field declares, wherever pydantic keeps them."""
+    constraints = list(field.metadata)
+    for member in get_args(field.annotation):  # `X | None`: the constraints live on X
+        constraints += list(get_args(member)[1:]) if get_origin(member) is Annotated else []
+    items = [m for c in constraints for m in getattr(c, "metadata", [c])]  # Field(...) holds a list
+    return {attr: getattr(item, attr) for item in items for attr in ("ge", "gt", "le", "lt")
+            if getattr(item, attr, None) is not None}
 
 
 class Section(BaseModel):
