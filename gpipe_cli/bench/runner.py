@@ -26,7 +26,7 @@ import torch
 from rich.console import Console
 
 from gpipe_cli import interrupts, sizing
-from gpipe_cli.bench import jobs, preview, sweep, tables, trace
+from gpipe_cli.bench import preview, setup, sweep, tables, trace
 from gpipe_cli.bench.options import BenchOptions, parse_balance
 from gpipe_cli.bench.setup import base_job, choose_balance, model_json, oversubscription
 from gpipe_cli.console import output_console
@@ -136,7 +136,7 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
                    phases.get(1, 0.0))
     k1_job = base_job(options, subject, 1, _even(len(spec.layers), options.virtual_at(1)), profile_costs=True,
                       host_overhead=options.measures_host_overhead)
-    k1_raw = jobs.run(k1_job, folder, "k1", options.threads)
+    k1_raw = setup.launch_job(k1_job, folder, "k1", options.threads)
     costs = CostProfile.from_json(k1_raw["costs"])
     k1 = RunFigures.from_json(k1_raw["runs"][0])
     balance, balance_by = choose_balance(options, costs, k)
@@ -149,8 +149,8 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
         progress.phase(f"measuring K={k} (balance {balance})", phases.get(k, 0.0))
         job = base_job(options, subject, k, balance, trace=options.trace is not None, compare=options.compare)
         try:
-            raw = jobs.run(job, folder, f"k{k}", options.threads)
-        except jobs.JobFailed as exc:
+            raw = setup.launch_job(job, folder, f"k{k}", options.threads)
+        except setup.JobFailed as exc:
             if not (options.compare and exc.partial.get("runs")):
                 raise
             # Our figures are in; only a baseline failed (its rank printed why): report ours.
@@ -238,7 +238,7 @@ def _run(options: BenchOptions, console: Console) -> int:
                 summary = sweep.run(options, subject, Path(tmp), progress, chosen.phases)
             else:
                 summary, events = _single(options, subject, Path(tmp), progress, chosen.phases)
-        except jobs.JobFailed as exc:
+        except setup.JobFailed as exc:
             if exc.code in (STOPPED, 128 + signal.SIGTERM):
                 console.print("[yellow]gpipe bench: stopped; nothing was written[/]")
                 return exc.code

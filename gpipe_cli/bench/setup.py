@@ -1,8 +1,11 @@
-"""How a benchmark is set up: the jobs to launch, the balance, and whether the ranks fit the hardware."""
+"""How a benchmark is set up and started: its jobs, their balance, whether their ranks fit the hardware, and
+launching them to read back what rank 0 wrote."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,9 +14,33 @@ from gpipe_cli.bench.job import Job
 from gpipe_cli.bench.options import SWEEP_PARTITIONS, BenchOptions, parse_balance
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.subject import Subject
+from gpipe_cli.launch.launcher import LaunchOptions, launch
 from gpipe_cli.models.describe import count_parameters
 from gpipe_cli.pipeline import placement, schedules
 from gpipe_cli.sizing import usable_cores
+
+WORKER = "gpipe_cli.bench.worker"
+
+
+class JobFailed(RuntimeError):
+    """A benchmark job whose ranks did not all finish; the failing rank has printed why."""
+
+    def __init__(self, code: int, partial: dict[str, Any]) -> None:
+        super().__init__(f"benchmark ranks exited with code {code}")
+        self.code, self.partial = code, partial
+
+
+def launch_job(job: Job, folder: Path, name: str, threads: int) -> dict[str, Any]:
+    """Run `job` on `job.stages` ranks; rank 0's figures (raises JobFailed with what was written)."""
+    out = folder / f"{name}.out.json"
+    job = replace(job, out=str(out))
+    path = folder / f"{name}.job.json"
+    job.write(path)
+    code = launch(WORKER, [str(path)], job.stages, LaunchOptions(threads=threads))
+    result = json.loads(out.read_text()) if out.exists() else {}
+    if code != 0:
+        raise JobFailed(code, result)
+    return result
 
 
 def oversubscription(ranks: int, threads: int) -> tuple[bool, str]:

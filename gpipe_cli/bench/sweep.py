@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpipe_cli import plots
-from gpipe_cli.bench import jobs
+from gpipe_cli.bench import setup
 from gpipe_cli.bench.options import SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions
 from gpipe_cli.bench.setup import base_job, model_json, oversubscription, sweep_partitions
 from gpipe_cli.estimate.costs import CostProfile
@@ -35,13 +35,13 @@ def run(options: BenchOptions, subject: Subject, folder: Path, progress: Progres
     progress.phase(f"measuring per-layer costs ({layers} layers)", phases.get(1, 0.0))
     job = base_job(options, subject, 1, [layers], microbatches=[], profile_costs=True,
                    extra={"profile_chunks": max(SWEEP_MICROBATCHES)})
-    costs = CostProfile.from_json(jobs.run(job, folder, "costs", options.threads)["costs"])
+    costs = CostProfile.from_json(setup.launch_job(job, folder, "costs", options.threads)["costs"])
     cells: list[dict[str, Any]] = []
     for k in ks:
         balance = costs.balance(k, options.checkpoint)
         progress.phase(f"measuring K={k} (balance {balance}), M = {', '.join(map(str, SWEEP_MICROBATCHES))}",
                        phases.get(k, 0.0))
-        raw = jobs.run(base_job(options, subject, k, balance), folder, f"sweep-k{k}", options.threads)
+        raw = setup.launch_job(base_job(options, subject, k, balance), folder, f"sweep-k{k}", options.threads)
         over, _ = oversubscription(k, options.threads)
         for run_json in raw["runs"]:
             figures = RunFigures.from_json(run_json)
