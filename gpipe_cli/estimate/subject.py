@@ -21,7 +21,7 @@ from gpipe_cli.limits import outside
 from gpipe_cli.models import families
 from gpipe_cli.models.base import Batch, ModelSpec
 from gpipe_cli.models.registry import allowed_params, build_model, is_preset_name, names_help, resolve_preset
-from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS
+from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, flag
 from gpipe_cli.recipe.load import parse_override
 
 # A family name stands for its model of the paper's speed table (Table 2).
@@ -141,15 +141,14 @@ def resolve(model: str, sizes: Mapping[str, int | None] | None = None, overrides
             raise UserError(f"--set: {exc}") from None
     accepted = allowed_params(kind)
     named = {key: f"--set {key}" for key in _override_keys(overrides)}
-    for flag, value in (sizes or {}).items():
+    for name, value in (sizes or {}).items():
         if value is None:
             continue
-        param = SIZE_PARAMS[flag]
+        param = SIZE_PARAMS[name]
         if param not in accepted:
-            raise UserError(f"--{flag.replace('_', '-')} does not apply to {kind} models "
+            raise UserError(f"{flag(name)} does not apply to {kind} models "
                             f"(their sizes: {', '.join(p for p in accepted if p in SIZE_PARAMS.values())})")
-        params[param] = value
-        named[param] = f"--{flag.replace('_', '-')}"
+        params[param], named[param] = value, flag(name)
     check_limits(kind, params, named, f"--model {cut(model)}")
     subject = Subject(kind, params, model)
     subject.build()  # validate now, with a one-line message
