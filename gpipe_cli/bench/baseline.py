@@ -183,10 +183,7 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         with meter.saved_tensors():
-            if last:
-                schedule.step(*args, target=target, losses=[], return_outputs=False)
-            else:
-                schedule.step(*args, return_outputs=False)
+            schedule.step(*args, **({"target": target, "losses": []} if last else {}), return_outputs=False)
         wall[0] = time.perf_counter() - start
 
     # The first step, unmeasured, only learns torch's order of work (recomputing every forward, so that it
@@ -194,17 +191,15 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
     probe.remat = {(mb, c) for mb in range(microbatches) for c in mine}
     timed(step)
     probe.remat = sched.remat_pairs(job.checkpoint, probe.order)
+    for _ in range(job.warmup):
+        timed(step)
     times, peaks, idle = [], [], []
-    load: Load | None = None
-    for index in range(job.warmup + job.steps):
-        if index == job.warmup:
-            load = Load()
-        seconds, _ = timed(step)
-        if index >= job.warmup:
-            times.append(seconds)
-            peaks.append(int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else meter.peak)
-            idle.append(max(wall[0] - probe.busy, 0.0) / wall[0] if wall[0] > 0 else 0.0)
-    shares = load.finish() if load is not None else {}
+    load = Load()
+    for _ in range(job.steps):
+        times.append(timed(step)[0])
+        peaks.append(int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else meter.peak)
+        idle.append(max(wall[0] - probe.busy, 0.0) / wall[0] if wall[0] > 0 else 0.0)
+    shares = load.finish()
     rows = gather([max(peaks), median(idle), len(probe.remat), len(sched.rematerialised(ours))])
     if layout.rank != 0:
         return None
