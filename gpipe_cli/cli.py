@@ -29,6 +29,7 @@ from gpipe_cli.launch import launch_options
 from gpipe_cli.plan import FLAGS as L
 from gpipe_cli.profile import FLAGS as P
 from gpipe_cli.quick_exit import exit_now
+from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS
 
 
 class _Commands(typer.core.TyperGroup):
@@ -150,7 +151,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 def _aliased(*names: str, shown: dict[str, str] | None = None) -> Callable[[F], F]:
     """Give a command the alias flags `names`, each `--set KEY=VALUE` of one recipe key with the schema's help
     (and `shown` as its default); the command receives the values typed as `flags`, by name (None: not typed)."""
-    from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, description, flag, kind
+    from gpipe_cli.recipe.aliases import description, flag, kind
 
     def add(command: F) -> F:
         own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "flags"]
@@ -172,14 +173,9 @@ def _aliased(*names: str, shown: dict[str, str] | None = None) -> Callable[[F], 
     return add
 
 
-PIPELINE = ("microbatches", "batch_size", "schedule", "checkpoint", "offload", "balance")
-SIZES = ("layers", "filters", "d_model", "ff", "heads", "vocab_size", "image_size", "seq_len", "num_classes")
-
-
 @app.command()
-@_aliased("partitions", *PIPELINE[:3], "virtual_stages", *PIPELINE[3:], *SIZES,
-          shown={"partitions": "2", "microbatches": "8", "batch_size": "4 x M",
-                 "balance": "by measured per-layer time"})
+@_aliased(*ALIASES, shown={"partitions": "2", "microbatches": "8", "batch_size": "4 x M",
+                           "balance": "by measured per-layer time"})
 def bench(
     recipe: str | None = typer.Argument(None, help=B["recipe"]),
     model: str | None = typer.Option(None, help=B["model"], show_default=False),
@@ -210,8 +206,10 @@ def bench(
 
 
 @app.command("profile-memory")
-@_aliased(*PIPELINE, *SIZES, shown={"microbatches": "8", "batch_size": "4 x M; with --budget the paper's: 128 "
-                                    "AmoebaNet, 32 Transformer", "balance": "by estimated FLOPs, as training"})
+# Its own --partitions takes several K; it cuts every stage into one chunk.
+@_aliased(*(name for name in ALIASES if name not in ("partitions", "virtual_stages")),
+          shown={"microbatches": "8", "batch_size": "4 x M; with --budget the paper's: 128 AmoebaNet, 32 Transformer",
+                 "balance": "by estimated FLOPs, as training"})
 def profile_memory(
     recipe: str | None = typer.Argument(None, help=P["recipe"]),
     model: str | None = typer.Option(None, help=P["model"], show_default=False),
@@ -233,7 +231,7 @@ def profile_memory(
 
 
 @app.command()
-@_aliased("batch_size", *SIZES)
+@_aliased("batch_size", *SIZE_FLAGS)
 def plan(
     recipe: str | None = typer.Argument(None, help=RECIPE_HELP),
     devices: int = typer.Option(..., help=L["devices"]),
