@@ -10,8 +10,8 @@
                         other forward or a recompute, its input, saved activations and output; a
                         full backward, or the weight half of a split one, frees its micro-batch.
                         With offloaded activations a stored input waits in host memory instead
-                        (past the first chunk), but for the one brought back ahead of the next
-                        recompute.
+                        (past the first chunk), and saved activations too but for two layers' worth
+                        while a micro-batch computes (`KEPT`).
                         Weights, gradients and optimizer state come from bytes per parameter,
                         measured by one optimizer step.
     the device          CUDA: each GPU's memory; CPU: the available RAM, shared by this node's ranks.
@@ -175,45 +175,69 @@ class Footprint:
         return self.weights_bytes + self.peak_bytes
 
 
+# Per chunk, how a micro-batch it holds is kept: with its graph (whole), as its boundary input on the device
+# (inputs) or in host memory (host), or with its saved tensors offloaded: waiting in host memory (parked), its
+# last layer brought back ahead of its backward (fetched), a few layers on the device while its backward runs
+# (active), or while a recompute's backward runs (redone: the recompute's last layer never went out).
+KEPT = ("whole", "inputs", "host", "parked", "fetched", "active", "redone")
+_ON_DEVICE = (0, 1, 3, 4, 5, 6)  # positions in KEPT of what holds device memory
+_IN_HOST = (2, 3, 4, 5, 6)       # and host memory
+# Under offload a forward holds two layers' saved tensors on the device (the one computing, the one going out),
+# and so does a backward (the one it reaches, the one fetched ahead): autograd frees the layer above as its last
+# node runs (pipeline/offload.py; measured to the byte on small models).
+WINDOW = 2
+
+
 @functools.lru_cache(maxsize=4096)
 def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint: str,
           virtual: int = 1, offload: str = "none") -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """Per backward-phase point and per peak point, how many micro-batches each chunk holds whole, as inputs on
-    the device, or as inputs in host memory (offloaded).
+    """Per backward-phase point and per peak point, how many micro-batches each chunk keeps each way (`KEPT`).
 
-    Returns (kind, counts) pairs: kind 0 marks a "stored" reading, 1 a "peak" reading; counts lists
-    (whole, inputs, host) for each of the stage's chunks in order.
+    Returns (kind, counts) pairs: kind 0 marks a "stored" reading, 1 a "peak" reading; counts lists the
+    `KEPT` counts of each of the stage's chunks in order.
     """
     actions = sched.build(schedule, stage, stages, microbatches, checkpoint, virtual)
     remat = sched.rematerialised(actions)
     chunks = sorted({a.chunk for a in actions})
-    recomputes = [(a.microbatch, a.chunk) for a in actions if a.kind == Kind.RECOMPUTE]
-    after = dict(zip(recomputes, recomputes[1:]))  # the input each recompute brings back (pipeline/executor.py)
-    whole: set[tuple[int, int]] = set()
-    inputs: set[tuple[int, int]] = set()
-    host: set[tuple[int, int]] = set()
+    moved = offload != "none"
+    restores = [(a.microbatch, a.chunk) for a in sched.restores(actions)]
+    after = dict(zip(restores, restores[1:]))  # what each restore brings back next (pipeline/executor.py)
+    held: tuple[set[tuple[int, int]], ...] = tuple(set() for _ in KEPT)
+    whole, inputs, host, parked, fetched, active, redone = held
     points = []
 
     def counts() -> tuple[int, ...]:
-        return tuple(sum(k[1] == c for k in held) for c in chunks for held in (whole, inputs, host))
+        return tuple(sum(k[1] == c for k in kept) for c in chunks for kept in held)
+
+    def bring(key: tuple[int, int] | None, moves: tuple[tuple[set, set], ...]) -> None:
+        for away, back in moves:
+            if key in away:
+                away.discard(key)
+                back.add(key)
 
     for action in actions:
         key = (action.microbatch, action.chunk)
-        if action.kind == Kind.RECOMPUTE or (action.kind in sched.GRADIENT and key not in remat):
+        restore = action.kind == Kind.RECOMPUTE or (action.kind in sched.GRADIENT and key not in remat)
+        if restore:
             points.append((0, counts()))
-        if action.kind == Kind.RECOMPUTE and key in host:  # not brought back ahead: fetched as it starts
-            host.discard(key)
-            inputs.add(key)
-        if action.kind == Kind.FWD:
-            (whole if not action.remat else host if offloaded(offload, action.chunk) else inputs).add(key)
+            bring(key, ((host, inputs), (parked, active), (fetched, active)))  # what was not brought back ahead
+        if action.kind == Kind.FWD and action.remat:
+            (host if offloaded(offload, action.chunk) else inputs).add(key)
+        elif action.kind == Kind.FWD and moved:  # its layers go out as the forward moves on
+            active.add(key)
+            points.append((1, counts()))
+            active.discard(key)
+            parked.add(key)
+        elif action.kind == Kind.FWD:
+            whole.add(key)
         elif action.kind == Kind.RECOMPUTE:
             inputs.discard(key)
-            whole.add(key)
-            if after.get(key) in host:
-                host.discard(after[key])
-                inputs.add(after[key])
+            (redone if moved else whole).add(key)
         elif action.kind in sched.RELEASE:  # a split backward keeps the graph until its W
-            whole.discard(key)
+            for kept in (whole, active, redone):
+                kept.discard(key)
+        if restore:
+            bring(after.get(key), ((host, inputs), (parked, fetched)))
         points.append((1, counts()))
     return tuple(sorted(set(points)))
 
@@ -229,29 +253,54 @@ def _maximal(vectors: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
     return tuple(kept)
 
 
+def _only(counts: tuple[int, ...], positions: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(n for i, n in enumerate(counts) if i % len(KEPT) in positions)
+
+
 @functools.lru_cache(maxsize=4096)
 def _readings(schedule: str, stage: int, stages: int, microbatches: int, checkpoint: str, virtual: int,
               offload: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """The walk's counts that can set the stored, peak and host readings: (whole, inputs) per chunk for the
-    first two, host per chunk for the third. A search prices thousands of cuts of one schedule, so each
+    """The walk's counts that can set the stored, peak and host readings (the device's `KEPT` counts per chunk
+    for the first two, the host's for the third). A search prices thousands of cuts of one schedule, so each
     reading is taken over these few maximal counts rather than every point of the walk."""
     points = _walk(schedule, stage, stages, microbatches, checkpoint, virtual, offload)
-    def device(c: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(n for i, n in enumerate(c) if i % 3 != 2)
-    return (_maximal([device(c) for kind, c in points if kind == 0]), _maximal([device(c) for _, c in points]),
-            _maximal([c[2::3] for _, c in points]))
+    return (_maximal([_only(c, _ON_DEVICE) for kind, c in points if kind == 0]),
+            _maximal([_only(c, _ON_DEVICE) for _, c in points]), _maximal([_only(c, _IN_HOST) for _, c in points]))
 
 
-def _footprint(boundary: Sequence[float], whole: Sequence[float], params: int, stage: int, stages: int,
-               microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float, virtual: int,
-               offload: str = "none") -> Footprint:
-    """Bytes of a stage whose chunks hold `boundary` as inputs, or `whole` with their graph, per micro-batch."""
+@dataclass(frozen=True)
+class Kept:
+    """Bytes of one micro-batch on one chunk: its input, its layers' saved tensors, its output; under offload, the
+    most that WINDOW neighbouring layers save (what it leaves on the device while it computes) and its last
+    layer's."""
+
+    boundary: float
+    saved: float
+    output: float
+    window: float
+    last: float
+
+    def device(self) -> tuple[float, ...]:
+        """Device bytes of each way of keeping it, in `_ON_DEVICE`'s order."""
+        kept = self.boundary + self.output
+        return (kept + self.saved, self.boundary, kept, kept + self.last, kept + self.window, kept + self.window)
+
+    def host(self) -> tuple[float, ...]:
+        """Host bytes of each way, in `_IN_HOST`'s order (a backward keeps the host copies until it is done)."""
+        return (self.boundary, self.saved, self.saved, self.saved, self.saved - self.last)
+
+
+def _footprint(kept: Sequence[Kept], params: int, stage: int, stages: int, microbatches: int, schedule: str,
+               checkpoint: str, bytes_per_param: float, virtual: int, offload: str = "none") -> Footprint:
+    """Bytes of a stage whose chunks keep micro-batches of `kept` bytes each."""
     stored, peak, host = _readings(schedule, stage, stages, microbatches, checkpoint, virtual, offload)
-    weights = [b for w, i in zip(whole, boundary) for b in (w, i)]
+    on_device = [b for k in kept for b in k.device()]
+    in_host = [b for k in kept for b in k.host()]
+
     def most(counts: tuple[tuple[int, ...], ...], bytes_each: Sequence[float]) -> float:
         return max((sum(n * b for n, b in zip(c, bytes_each)) for c in counts), default=0.0)
-    return Footprint(params, params * bytes_per_param, most(stored, weights), most(peak, weights),
-                     host_bytes=most(host, boundary))
+    return Footprint(params, params * bytes_per_param, most(stored, on_device), most(peak, on_device),
+                     host_bytes=most(host, in_host))
 
 
 def _boundary(figures: ModelFigures, start: int, size: int) -> float:
@@ -267,6 +316,13 @@ def _saved(figures: ModelFigures, start: int, stop: int, size: int) -> float:
     # The stage's first layer saves the stage's input, which the walk already holds as the boundary.
     layers = figures.layers[start:stop]
     return sum(layer.saved.at(size) for layer in layers) - (layers[0].saved_input.at(size) if layers else 0.0)
+
+
+def _window(figures: ModelFigures, start: int, stop: int, size: int) -> tuple[float, float]:
+    """The most that WINDOW neighbouring layers of [start, stop) save, and what its last layer saves."""
+    per_layer = [_saved(figures, i, i + 1, size) if i == start else figures.layers[i].saved.at(size)
+                 for i in range(start, stop)]
+    return max(sum(per_layer[i:i + WINDOW]) for i in range(max(len(per_layer) - WINDOW + 1, 1))), per_layer[-1]
 
 
 def stage_footprint(figures: ModelFigures, start: int, stop: int, stage: int, stages: int, batch_size: int,
@@ -286,11 +342,10 @@ def chunked_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int
     # it): the stage of the first chunk holds all of it through the step, whatever number of micro-batches
     # it keeps, so the first chunk's inputs count once, whole, rather than per micro-batch held.
     batch_input = figures.input.at(batch_size) if any(r.start == 0 for r in chunks) else 0.0
-    boundary = [0.0 if r.start == 0 else _boundary(figures, r.start, size) for r in chunks]
-    whole = [b + _saved(figures, r.start, r.stop, size) + _output(figures, r.stop, size)
-             for b, r in zip(boundary, chunks)]
+    kept = [Kept(0.0 if r.start == 0 else _boundary(figures, r.start, size), _saved(figures, r.start, r.stop, size),
+                 _output(figures, r.stop, size), *_window(figures, r.start, r.stop, size)) for r in chunks]
     params = sum(layer.params for r in chunks for layer in figures.layers[r.start:r.stop])
-    found = _footprint(boundary, whole, params, stage, stages, microbatches, schedule, checkpoint, bytes_per_param,
+    found = _footprint(kept, params, stage, stages, microbatches, schedule, checkpoint, bytes_per_param,
                        len(chunks), offload)
     return dataclasses.replace(found, stored_bytes=found.stored_bytes + batch_input,
                                peak_bytes=found.peak_bytes + batch_input, layers=sum(len(r) for r in chunks),

@@ -57,7 +57,7 @@ from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.fabric import FORWARD, Link, TorchFabric
 from gpipe_cli.pipeline.layers import build_layers
-from gpipe_cli.profile import account, budget, probe
+from gpipe_cli.profile import budget, probe
 from gpipe_cli.profile.account import OPTIMIZERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -361,9 +361,10 @@ def _measured(outcome: dict[str, Any]) -> float:
 
 
 def _one_step(spec: Any, batch: int, microbatches: int, checkpoint: str, optimizer: str, device: torch.device,
-              schedule: str = "gpipe", balance: tuple[int, ...] = (), virtual: int = 1) -> dict[str, Any]:
+              schedule: str = "gpipe", balance: tuple[int, ...] = (), virtual: int = 1,
+              offload: str = "none") -> dict[str, Any]:
     """One training step and optimizer step at K=1 (V chunks of `balance` on the one device); the allocator's
-    peaks, or the error."""
+    peaks and the host's offloaded peak, or the error."""
     n = len(spec.layers)
     gc.collect()
     base = _reset_peak(device)
@@ -372,7 +373,8 @@ def _one_step(spec: Any, batch: int, microbatches: int, checkpoint: str, optimiz
     try:
         pipe = Pipeline(build_layers(spec.factories(), range(n), 0, device), topology.local(device),
                         PipelineConfig(checkpoint=checkpoint, balance=balance or (n,), schedule=schedule,
-                                       virtual=virtual, microbatches=microbatches), spec.loss, units=spec.units)
+                                       virtual=virtual, microbatches=microbatches, offload=offload),
+                        spec.loss, units=spec.units)
         opt = OPTIMIZERS[optimizer](pipe.parameters())
         inputs, targets = example_batch(spec, batch, 0)
         step = pipe.train_step(inputs, targets, microbatches=microbatches, step=0)
@@ -381,7 +383,8 @@ def _one_step(spec: Any, batch: int, microbatches: int, checkpoint: str, optimiz
         params = sum(p.numel() for p in pipe.parameters() if p.requires_grad)
         # The CPU's meter: the engine's saved-tensor accounting, with the weights, gradients and optimizer state.
         accounted = None if step.own is None else params * mm.bytes_per_parameter(optimizer) + step.own.activation_peak
-        result: dict[str, Any] = {"trained": True, "accounted_bytes": accounted}
+        result: dict[str, Any] = {"trained": True, "accounted_bytes": accounted,
+                                  "host_peak_bytes": pipe.stage.meter.host_peak}
     except RuntimeError as exc:  # the allocator's OutOfMemoryError, or cuBLAS/cuDNN failing to allocate
         if "out of memory" not in str(exc).lower():
             raise
@@ -402,42 +405,14 @@ def _versus(predicted: float | None, outcome: dict[str, Any], budget: float) -> 
             "within_budget": bool(outcome["trained"]) and measured <= budget}
 
 
-def _staged(spec: Any, batch: int, balance: list[int], microbatches: int, checkpoint: str, schedule: str,
-            optimizer: str, offload: str, device: torch.device) -> dict[str, Any]:
-    """K stages driven in turn on the one device by the engine's executor (`gpipe profile-memory`'s way): the
-    fullest stage's peak (CUDA: the allocator's reserved peak over them all; CPU: the accounted stage totals)."""
-    gc.collect()
-    base = _reset_peak(device)
-    started = time.perf_counter()
-    try:
-        inputs, targets = example_batch(spec, batch, 0)
-        stages = account.measure(spec, inputs, targets, balance, microbatches, schedule, checkpoint, optimizer, 0,
-                                 device, offload)
-        _sync(device)
-        result: dict[str, Any] = {"trained": True, "host_peak_bytes": max(s.host_bytes for s in stages)}
-        peaks = _peaks(device, base)
-        if device.type != "cuda":
-            peaks["accounted_bytes"] = max(s.total_bytes for s in stages)
-    except RuntimeError as exc:
-        if "out of memory" not in str(exc).lower():
-            raise
-        result, peaks = {"trained": False, "error": str(exc).splitlines()[0]}, _peaks(device, base)
-    result.update(peaks, seconds=time.perf_counter() - started)
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return result
-
-
 # The acceptance's goals for the Table 1 rows (reported in figures.json, never failing the step).
 WITHIN_BUDGET = 0.05   # the largest remat Transformer peaks within 5% below the budget
 OFFLOAD_GAIN = 1.3     # offload fits at least 1.3x the parameters of remat alone
-OFFLOAD_STAGES = 2     # offload moves the inputs of every stage but the first: it needs two
 
 
 def extra_rows(table: dict[str, Any], rows: list[dict[str, Any]], device: torch.device) -> dict[str, Any]:
     """V-Half (the remat row's model as two chunks on the one device) and offload (the largest model with
-    `pipeline.offload: activations` at K=2, stages driven in turn), each predicted and measured; and the goals."""
+    `pipeline.offload: activations` on the one device), each predicted and measured; and the goals."""
     correction = probe.from_json(table.get("correction"))
     per_param = mm.bytes_per_parameter(table["optimizer"])
     budget_bytes, batch, schedule = table["budget_bytes"], table["batch_size"], table.get("schedule", "gpipe")
@@ -464,27 +439,26 @@ def extra_rows(table: dict[str, Any], rows: list[dict[str, Any]], device: torch.
     out["rows"].append({"scenario": "v-half-1", "schedule": "v-half", "virtual_stages": 2, "partitions": 1,
                         "microbatches": m, "checkpoint": checkpoint, "model": remat["model"], "params": remat["params"],
                         "balance": list(balance), **outcome, **_versus(predicted, outcome, budget_bytes)})
-    # Offload against remat alone at K=2: the largest of each by the corrected prediction (per-layer figures from
-    # shapes), the offload one driven stage by stage.
+    # Offload against remat alone on the one device: the largest of each by the corrected prediction (per-layer
+    # figures from shapes), the offload one trained by the engine, its copies on a side stream.
     family = budget.TransformerL(table["fixed"], shapes_only=True)
-    scenario = [(f"pipeline-{OFFLOAD_STAGES}", OFFLOAD_STAGES, m, checkpoint)]
+    scenario = [("pipeline-1", 1, m, checkpoint)]
     alone, moved = (budget.search(family, scenario, budget_bytes, batch, schedule, table["optimizer"], offload,
                                   correction)[0] for offload in ("none", "activations"))
     if alone is None or moved is None:
-        out["checks"]["offload_gain"] = {"passed": None, "why": "nothing fits at K=2"}
+        out["checks"]["offload_gain"] = {"passed": None, "why": "nothing fits on one device"}
         return out
     spec = _model_of(table["kind"], moved.model, table["fixed"])
-    print(f"gpu_measure: offload: {table['family']} {moved.model} at K={OFFLOAD_STAGES} {moved.balance}, "
-          "each stage one step...", flush=True)
-    outcome = _staged(spec, batch, moved.balance, m, checkpoint, schedule, table["optimizer"], "activations", device)
-    out["rows"].append({"scenario": f"offload-{OFFLOAD_STAGES}", "schedule": schedule, "partitions": OFFLOAD_STAGES,
-                        "offload": "activations", "microbatches": m, "checkpoint": checkpoint, "model": moved.model,
-                        "params": moved.params, "balance": moved.balance, **outcome,
+    print(f"gpu_measure: offload: {table['family']} {moved.model} on one device, training one step...", flush=True)
+    outcome = _one_step(spec, batch, m, checkpoint, table["optimizer"], device, schedule, offload="activations")
+    out["rows"].append({"scenario": "offload-1", "schedule": schedule, "partitions": 1, "offload": "activations",
+                        "microbatches": m, "checkpoint": checkpoint, "model": moved.model, "params": moved.params,
+                        "balance": moved.balance, "predicted_host_bytes": moved.host_peak_bytes, **outcome,
                         **_versus(moved.device_peak_bytes, outcome, budget_bytes)})
     gain = moved.params / alone.params
     out["checks"]["offload_gain"] = {"passed": gain >= OFFLOAD_GAIN and out["rows"][-1]["within_budget"],
                                      "gain": gain, "goal": OFFLOAD_GAIN, "offload_model": moved.model,
-                                     "remat_model": alone.model, "partitions": OFFLOAD_STAGES}
+                                     "remat_model": alone.model, "partitions": 1}
     return out
 
 

@@ -14,7 +14,7 @@ from gpipe_cli.estimate.size_flags import SizeFlags, size_values
 from gpipe_cli.files import check_output
 from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, MAX_SIZE, MAX_THREADS, outside
 from gpipe_cli.pipeline import schedules
-from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES, microbatch_problem, offload_problem
+from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES, microbatch_problem
 from gpipe_cli.recipe.aliases import ALIASES, balance_text, settings
 from gpipe_cli.units import human_bytes, meminfo_available
 
@@ -162,8 +162,7 @@ def validate(options: BenchOptions) -> None:
             outside("--threads", options.threads, 1, MAX_THREADS),
             *(f"{flag} must be one of {', '.join(allowed)} (got {value})" for flag, value, allowed in (
                 ("--schedule", options.schedule, SCHEDULES), ("--checkpoint", options.checkpoint, REMAT_MODES),
-                ("--offload", options.offload, OFFLOAD_MODES)) if value not in allowed),
-            offload_problem(options.offload, options.checkpoint, "--"))),
+                ("--offload", options.offload, OFFLOAD_MODES)) if value not in allowed))),
         (options.bandwidth > 0, f"--bandwidth must be > 0 GB/s (got {options.bandwidth})"),
         (options.latency_us >= 0, f"--latency-us must be >= 0 (got {options.latency_us})"),
         (options.devices is None or outside("--devices", options.devices, 1, MAX_RANKS) is None,

@@ -26,17 +26,6 @@ def microbatch_problem(microbatches: int, examples: int | None = None, name: str
     return None
 
 
-def offload_problem(offload: str, checkpoint: str, prefix: str = "") -> str | None:
-    """What keeps `offload` from running under remat mode `checkpoint`, or None (`prefix` of the key names:
-    "pipeline." for a recipe, "--" for flags)."""
-    if offload == "activations" and checkpoint == "never":
-        # Without remat a micro-batch keeps its whole graph, not one boundary input to move.
-        said = f"{prefix}offload {offload}" if prefix == "--" else f"{prefix}offload: {offload}"  # a flag, a key
-        return (f"{said} moves the inputs that rematerialization stores; it needs {prefix}checkpoint always or "
-                f"except_last (got never)")
-    return None
-
-
 def sizes(examples: int, chunks: int) -> list[int]:
     """How many examples each of `chunks` micro-batches gets (the first ones get one more)."""
     problem = microbatch_problem(chunks, examples)
@@ -59,7 +48,7 @@ class PipelineConfig:
     schedule: str = "gpipe"
     checkpoint: str = "except_last"
     balance: tuple[int, ...] = field(default=())  # layers per chunk; empty: not cut yet
-    offload: str = "none"    # "activations": stored boundary inputs wait in host memory for their recompute
+    offload: str = "none"    # "activations": stored activations wait in host memory for their backward
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "balance", tuple(self.balance))
@@ -92,8 +81,6 @@ class PipelineConfig:
             raise ValueError(f"unknown checkpoint mode '{self.checkpoint}': allowed are {', '.join(REMAT_MODES)}")
         if self.offload not in OFFLOAD_MODES:
             raise ValueError(f"unknown offload mode '{self.offload}': allowed are {', '.join(OFFLOAD_MODES)}")
-        if problem := offload_problem(self.offload, self.checkpoint):
-            raise ValueError(problem)
         schedules.get(self.schedule).check(self.stages, self.microbatches, self.virtual)
         if self.balance and len(self.balance) != self.chunks:
             raise ValueError(f"balance {list(self.balance)} has {len(self.balance)} entries, the pipeline has "

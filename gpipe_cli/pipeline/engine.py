@@ -97,7 +97,7 @@ class Pipeline:
         self.stages = {
             c: Stage(nn.Sequential(OrderedDict((str(i), self.module.get_submodule(str(i))) for i in self.ranges[c])),
                      self.device, loss if c == last_chunk else None, meter, PRECISIONS[precision],
-                     offloader if offloaded(config.offload, c) else None)
+                     offloader if config.offload != "none" else None, offloaded(config.offload, c))
             for c in self.layout.chunks}
         self.stage = self.stages[last_chunk if self.layout.is_last else min(self.stages)]  # holds the loss if any
         self.loss_scale = grads.LossScale(precision == "fp16", self.device)

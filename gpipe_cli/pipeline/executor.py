@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.comm import Header
 from gpipe_cli.pipeline.schedule import Action, Kind
 from gpipe_cli.pipeline.stage import Stage, as_tensors
@@ -84,7 +85,7 @@ class Executor:
     _outgoing: dict[int, Message] = field(default_factory=dict)
     _grads_in: dict[int, Tensors] = field(default_factory=dict)
     _grads_out: dict[int, Tensors] = field(default_factory=dict)
-    _next_recompute: dict[tuple[int, int], Action] = field(default_factory=dict)
+    _next_restore: dict[int, Action] = field(default_factory=dict)
 
     def key(self, chunk: int, mb: int) -> int:
         """A message's number on its channel: its receiving chunk and micro-batch (chunk alone for mb 0)."""
@@ -104,15 +105,19 @@ class Executor:
             Kind.BWD_INPUT: self._backward_input, Kind.BWD_WEIGHT: self._backward_weight,
             Kind.SEND_BWD: self._send_bwd,
         }
-        # Each recompute brings the next one's offloaded input back, so the copy overlaps this backward.
-        recomputes = [a for a in actions if a.kind == Kind.RECOMPUTE]
-        self._next_recompute = {(a.microbatch, a.chunk): b for a, b in zip(recomputes, recomputes[1:])}
+        # Each micro-batch's recompute or backward brings the next one's offloaded activations back, so the
+        # copy overlaps this one's backward.
+        restores = sched.restores(list(actions))
+        self._next_restore = {id(a): b for a, b in zip(restores, restores[1:])}
         for action in actions:
             if self.before is not None:
                 self.before(action)
             if self.timeline is not None:
                 self.timeline.begin(action)
             handlers[action.kind](action)
+            after = self._next_restore.get(id(action))
+            if after is not None:
+                self.stages[after.chunk].prefetch(after.microbatch)
             if self.timeline is not None:
                 self.timeline.end()
 
@@ -158,9 +163,6 @@ class Executor:
 
     def _recompute(self, action: Action) -> None:
         self.stages[action.chunk].recompute(action.microbatch)
-        after = self._next_recompute.get((action.microbatch, action.chunk))
-        if after is not None:
-            self.stages[after.chunk].prefetch(after.microbatch)
 
     def _recv_bwd(self, action: Action) -> None:
         key = self.key(action.chunk, action.microbatch)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 
-def _storage_key(tensor: torch.Tensor) -> int:
+def storage_key(tensor: torch.Tensor) -> int:
     """What identifies a tensor's storage: its address, or on the meta device (no data) the storage object."""
     storage = tensor.untyped_storage()
     # Meta storages have no address; the C++ storage object is shared by views, so it stands in for one.
@@ -39,7 +39,7 @@ class ActivationMeter:
     """Live and peak bytes of stored activations, deduplicated by storage."""
 
     def __init__(self, parameters: Iterable[torch.Tensor] = ()) -> None:
-        self._excluded = {_storage_key(p) for p in parameters}
+        self.excluded = {storage_key(p) for p in parameters}
         self._live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         self.current = 0
         self.peak = 0
@@ -49,11 +49,11 @@ class ActivationMeter:
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never count these tensors' storages (parameters, buffers)."""
-        self._excluded.update(_storage_key(t) for t in tensors)
+        self.excluded.update(storage_key(t) for t in tensors)
 
     def held_bytes(self, tensors: Iterable[torch.Tensor]) -> int:
         """Bytes of the storages of `tensors` that are counted now."""
-        keys = {_storage_key(t) for t in tensors}
+        keys = {storage_key(t) for t in tensors}
         return sum(entry[1] for key, entry in self._live.items() if key in keys)
 
     def reset_peak(self) -> None:
@@ -77,8 +77,8 @@ class ActivationMeter:
         if not self.enabled or tensor.is_sparse:
             return tensor
         storage = tensor.untyped_storage()
-        key = _storage_key(tensor)
-        if key in self._excluded or key == 0:
+        key = storage_key(tensor)
+        if key in self.excluded or key == 0:
             return tensor
         entry = self._live.get(key)
         if entry is None:

@@ -1,33 +1,40 @@
-"""Stored boundary inputs that wait in host memory between a micro-batch's forward and its recompute.
+"""What a stage stores for its backward, waiting in host memory until the backward needs it.
 
-Under rematerialization a stage keeps one boundary input per in-flight micro-batch. With offload that
-input is copied to host memory right after its forward and the device copy is dropped; it comes back
-ahead of its recompute, one recompute ahead in the schedule's order (the executor asks for the next one
-as each recompute ends, so the copy overlaps that micro-batch's backward).
+Two kinds of stored activations move:
+  boundary inputs   under rematerialization a stage keeps one boundary input per in-flight micro-batch;
+                    it is copied out right after the forward and comes back one recompute ahead in the
+                    schedule's order (the executor asks for the next one as each recompute starts).
+  saved tensors     what autograd saves inside the layers, for a micro-batch kept whole and for a
+                    recompute, go out layer by layer as the forward moves on (`Parcel`) and come back
+                    layer by layer as the backward reaches them, the layer below fetched ahead.
 
-    compute stream:  F(i) ──────────── ... R(i-1) B(i-1) ──wait ev(i)── R(i) B(i)
-    side stream:          copy out(i)         copy in(i) ─ev(i)─┘
+    forward    compute:  layer 0 | layer 1      | wait out(0), layer 2 | wait out(1), layer 3 ...
+               side:               copy out(0)  | copy out(1)          | copy out(2)
+    backward   compute:  ... layer 2            | wait in(1), layer 1  | wait in(0), layer 0
+               side:         copy in(1)         | copy in(0)
 
-On a GPU both copies run on a side stream into and out of pinned memory: the compute stream never waits
-for a copy out (the allocator is told the side stream still reads the input), and waits on an event for a
-copy in, so the host waits for neither. On the CPU the same steps run without streams and the host copy
-is a separate tensor; on the meta device (shapes only) nothing is copied, as in `device.HostCopy`.
+On a GPU the copies run on a side stream into and out of pinned memory: the compute stream waits on an
+event only for a copy it needs (a layer's saved tensors back), or two layers behind a forward (so about
+two layers' saved tensors are on the device while a micro-batch computes); the host waits for neither.
+Saved tensors go by storage: views of one storage (a projection's heads, say) are copied once. On the CPU the same steps run without streams and the host copy is a
+separate tensor; on the meta device (shapes only) nothing is copied, as in `device.HostCopy`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from gpipe_cli.pipeline.device import Marker, wait_on
-from gpipe_cli.pipeline.memory import ActivationMeter
+from gpipe_cli.pipeline.memory import ActivationMeter, storage_key
 
 
 def offloaded(mode: str, chunk: int) -> bool:
-    """Whether a chunk's stored inputs go to host memory under an offload mode.
+    """Whether a chunk's stored boundary inputs go to host memory under an offload mode.
 
     Not the first chunk's: its inputs are views of the mini-batch, which the step holds to its end anyway,
     so moving them would free nothing on the device.
@@ -46,38 +53,198 @@ class Parked:
         self.ready: Marker | None = None    # passed when the copy in is done
 
 
+def _tensor(handle: Any) -> torch.Tensor:
+    """The tensor behind a meter handle (or the tensor itself)."""
+    return getattr(handle, "tensor", handle)
+
+
+class _Block:
+    """One storage a micro-batch saved (views of it are saved separately): on the device, in host memory, or both."""
+
+    __slots__ = ("meter", "layer", "device", "host", "__weakref__")
+
+    def __init__(self, meter: ActivationMeter, layer: int, flat: torch.Tensor) -> None:
+        self.meter, self.layer = meter, layer
+        self.device: Any = meter.hold(flat)     # the meter handle of the device bytes, while there are some
+        self.host: torch.Tensor | None = None   # the host copy, once copied out
+
+    def __del__(self) -> None:
+        if self.host is not None:
+            self.meter.host_release(self.host.nbytes)
+
+
+class _Saved:
+    """A saved tensor: its place in a block's storage."""
+
+    __slots__ = ("block", "dtype", "shape", "stride", "offset")
+
+    def __init__(self, block: _Block, tensor: torch.Tensor) -> None:
+        self.block, self.dtype = block, tensor.dtype
+        self.shape, self.stride, self.offset = tensor.shape, tensor.stride(), tensor.storage_offset()
+
+    def tensor(self) -> torch.Tensor:
+        """The saved tensor, over the block's device bytes."""
+        flat = _tensor(self.block.device)
+        return torch.empty(0, dtype=self.dtype, device=flat.device).set_(
+            flat.untyped_storage(), self.offset, self.shape, self.stride)
+
+
+class Parcel:
+    """One micro-batch's saved tensors on one chunk, by storage, grouped by the layer that saved each first."""
+
+    def __init__(self, offloader: Offloader, keep: Sequence[torch.Tensor | None] = ()) -> None:
+        self.offloader = offloader
+        self.layer = 0
+        self.layers: list[list[weakref.ref[_Block]]] = [[]]
+        self.out: dict[int, Marker] = {}   # per layer: passed when its copy out is done
+        self.into: dict[int, Marker] = {}  # per layer: passed when its copy in is done
+        self._back: set[int] = set()       # layers brought back, whose device copies a later backward drops
+        self._blocks: dict[int, _Block] = {}  # by storage, while the forward holds its device bytes
+        # The stage's inputs stay where they are (the stage holds them, or they are the mini-batch).
+        self._kept = {storage_key(t) for t in keep if t is not None}
+
+    def saving(self) -> contextlib.AbstractContextManager[Any]:
+        """Autograd saves into this parcel inside this block."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def _blocks_of(self, layer: int) -> list[_Block]:
+        found = [r() for r in self.layers[layer]] if 0 <= layer < len(self.layers) else []
+        return [b for b in found if b is not None]
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        """Autograd's pack hook: a handle for `tensor`, whose storage goes out when its layer is done."""
+        meter = self.offloader.meter
+        key = storage_key(tensor)
+        if key in self._kept or key in meter.excluded or tensor.is_sparse or key == 0:
+            return meter.hold(tensor.detach())
+        block = self._blocks.get(key)
+        if block is None:  # a storage seen first: whole, once, however many views of it are saved
+            flat = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+            block = self._blocks[key] = _Block(meter, self.layer, flat)
+            self.layers[self.layer].append(weakref.ref(block))
+        return _Saved(block, tensor)
+
+    def enter(self, layer: int) -> None:
+        """The forward reaches `layer`: the one before starts going out, the one before that must be out."""
+        self.layer = layer
+        self.layers.extend([] for _ in range(layer + 1 - len(self.layers)))
+        self._send(layer - 1)
+        self._sent(layer - 2)
+
+    def close(self, keep_last: bool) -> None:
+        """The forward is done: every layer goes out (but the last if its backward comes next) and is out."""
+        last = len(self.layers) - 1
+        if not keep_last:
+            self._send(last)
+        for layer in range(last + (0 if keep_last else 1)):
+            self._sent(layer)
+        self._blocks.clear()
+
+    def _send(self, layer: int) -> None:
+        blocks = [b for b in self._blocks_of(layer) if b.host is None and b.device is not None]
+        if not blocks:
+            return
+        offloader = self.offloader
+        offloader.follow_compute()
+        with offloader.on_side():
+            for b in blocks:
+                b.host = offloader.to_host(_tensor(b.device))
+            self.out[layer] = Marker(offloader.device)
+        offloader.meter.host_hold(sum(b.host.nbytes for b in blocks if b.host is not None))
+
+    def _sent(self, layer: int) -> None:
+        marker = self.out.pop(layer, None)
+        if marker is not None:
+            wait_on(marker, self.offloader.device)
+        for b in self._blocks_of(layer):
+            if b.host is not None and b.device is not None:
+                # The copy has read it: the device memory may go, and its address become another storage's.
+                self._blocks.pop(storage_key(_tensor(b.device)), None)
+                b.device = None
+
+    def fetch(self, layer: int) -> None:
+        """Start bringing `layer`'s saved tensors back (nothing for those already on the device)."""
+        blocks = [b for b in self._blocks_of(layer) if b.device is None and b.host is not None]
+        if not blocks:
+            return
+        offloader = self.offloader
+        with offloader.on_side():
+            back = [b.host.to(offloader.device, non_blocking=True) for b in blocks if b.host is not None]
+            self.into[layer] = Marker(offloader.device)
+        for b, t in zip(blocks, back):
+            b.device = offloader.meter.hold(t)
+        self._back.add(layer)
+
+    def fetch_last(self) -> None:
+        """Start bringing back the layer the backward needs first."""
+        self.fetch(len(self.layers) - 1)
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        """Autograd's unpack hook: the saved tensor on the device, its layer's neighbours kept or fetched."""
+        if not isinstance(saved, _Saved):
+            return _tensor(saved)
+        layer = saved.block.layer
+        # The backward runs from the last layer down: of the layers brought back, it keeps this one's neighbours.
+        for other in [b for b in self._back if abs(b - layer) > 1]:
+            self._back.discard(other)
+            for b in self._blocks_of(other):
+                b.device = None
+        self.fetch(layer)
+        self.fetch(layer - 1)
+        marker = self.into.pop(layer, None)
+        if marker is not None:
+            wait_on(marker, self.offloader.device)
+            self.offloader.arrived([_tensor(b.device) for b in self._blocks_of(layer) if b.device is not None])
+        return saved.tensor()
+
+
 class Offloader:
-    """Moves boundary inputs to host memory and back for one device (every chunk of a stage shares it)."""
+    """Moves stored activations to host memory and back for one device (every chunk of a stage shares it)."""
 
     def __init__(self, device: torch.device, meter: ActivationMeter) -> None:
         self.device, self.meter = device, meter
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def _on_side(self) -> Any:
+    def on_side(self) -> Any:
+        """The side stream's context (nothing off CUDA)."""
         return torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
 
-    def park(self, tensors: Sequence[torch.Tensor | None]) -> Parked:
-        """Copy `tensors` to host memory; the caller drops its device copies (freed once the copy read them)."""
-        if self._side is not None:  # the copy reads what the forward wrote: queued after it, not waited for
+    def follow_compute(self) -> None:
+        """Queue the side stream's next work after what the compute stream has queued (a copy reads its output)."""
+        if self._side is not None:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
-        with self._on_side():
-            host = [None if t is None else self._to_host(t) for t in tensors]
-        self.meter.host_hold(sum(h.nbytes for h in host if h is not None))
-        return Parked(host, [t is not None and t.requires_grad for t in tensors])
 
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        host = torch.empty_like(t, device="cpu", pin_memory=self._side is not None)
-        if t.device.type != "meta":  # shapes only: nothing to copy
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of `t`, started on the side stream (call inside `on_side`)."""
+        # Shapes only: a meta stand-in, so that pricing a large model allocates nothing.
+        host = torch.empty_like(t, device="meta" if t.device.type == "meta" else "cpu",
+                                pin_memory=self._side is not None)
+        if t.device.type != "meta":
             host.copy_(t.detach(), non_blocking=True)
         if self._side is not None:
-            t.record_stream(self._side)  # the allocator must not reuse the input before the copy read it
+            t.record_stream(self._side)  # the allocator must not reuse the tensor before the copy read it
         return host
+
+    def arrived(self, tensors: Sequence[torch.Tensor | None]) -> None:
+        """Tensors copied in on the side stream, now used (and freed) on the compute stream."""
+        if self._side is not None:
+            for t in tensors:
+                if t is not None:
+                    t.record_stream(torch.cuda.current_stream(self.device))
+
+    def park(self, tensors: Sequence[torch.Tensor | None]) -> Parked:
+        """Copy boundary inputs to host memory; the caller drops its device copies (freed once the copy read them)."""
+        self.follow_compute()
+        with self.on_side():
+            host = [None if t is None else self.to_host(t) for t in tensors]
+        self.meter.host_hold(sum(h.nbytes for h in host if h is not None))
+        return Parked(host, [t is not None and t.requires_grad for t in tensors])
 
     def fetch(self, parked: Parked) -> None:
         """Start copying a parked input back to the device (nothing if it is already on its way)."""
         if parked.back is not None:
             return
-        with self._on_side():
+        with self.on_side():
             back = [None if h is None else h.to(self.device, non_blocking=True) for h in parked.host]
             parked.ready = Marker(self.device)
         self.meter.host_release(sum(h.nbytes for h in parked.host if h is not None))
@@ -90,12 +257,9 @@ class Offloader:
         assert parked.back is not None and parked.ready is not None
         wait_on(parked.ready, self.device)
         back = parked.back
+        self.arrived([getattr(h, "tensor", h) for h in back])
         for handle, grad in zip(back, parked.grads):
             t = getattr(handle, "tensor", handle)
-            if t is None:
-                continue
-            if self._side is not None:  # allocated on the side stream, now used (and freed) on the compute one
-                t.record_stream(torch.cuda.current_stream(self.device))
-            t.requires_grad_(grad)
+            if t is not None:
+                t.requires_grad_(grad)
         return back
-

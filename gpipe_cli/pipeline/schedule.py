@@ -123,6 +123,14 @@ def rematerialised(schedule: ActionList) -> set[tuple[int, int]]:
     return {(a.microbatch, a.chunk) for a in schedule if a.kind == Kind.FWD and a.remat}
 
 
+def restores(schedule: ActionList) -> list[Action]:
+    """The actions that first need what a micro-batch stored, in order: each recompute, and the first backward
+    action of a micro-batch kept whole (offload brings each one's activations back as the one before runs)."""
+    remat = rematerialised(schedule)
+    return [a for a in schedule if a.kind == Kind.RECOMPUTE
+            or (a.kind in GRADIENT and (a.microbatch, a.chunk) not in remat)]
+
+
 def owner(chunk: int, stages: int, placement: str = "loop") -> int:
     """The stage (rank in a replica) that runs `chunk` under `placement`."""
     return placement_.owner(chunk, stages, placement)

@@ -3,7 +3,8 @@
 A rematerialised micro-batch runs its forward without building a graph and keeps only its boundary
 input and the RNG state; its recompute restores that state (identical dropout masks) and rebuilds the
 graph just before the backward. Other micro-batches keep their graph from the forward. With an
-offloader (pipeline/offload.py) the stored input waits in host memory until its recompute.
+offloader (pipeline/offload.py) what is stored waits in host memory: a rematerialised micro-batch's input
+(past the first chunk) until its recompute, and the layers' saved tensors until the backward reaches them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 
 from gpipe_cli.pipeline import backward_split, context
 from gpipe_cli.pipeline.memory import ActivationMeter, held
-from gpipe_cli.pipeline.offload import Offloader, Parked
+from gpipe_cli.pipeline.offload import Offloader, Parcel, Parked
 
 Loss = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -48,6 +49,7 @@ class _State:
     weight: float | torch.Tensor = 0.0
     pending: backward_split.Pending | None = None  # what the weight gradients (W) need, kept from B
     parked: Parked | None = None       # the boundary input while it waits in host memory
+    parcel: Parcel | None = None       # the saved tensors, offloaded layer by layer
 
 
 class Stage:
@@ -55,10 +57,11 @@ class Stage:
 
     def __init__(self, module: nn.Module, device: torch.device, loss: Loss | None = None,
                  meter: ActivationMeter | None = None, autocast: torch.dtype | None = None,
-                 offloader: Offloader | None = None) -> None:
+                 offloader: Offloader | None = None, park_inputs: bool = False) -> None:
         self.module, self.device, self.loss = module, device, loss
         self.meter = meter or ActivationMeter(module.parameters())
         self.offloader = offloader
+        self.park_inputs = park_inputs and offloader is not None  # not the first chunk's: they are the mini-batch
         self.autocast = autocast
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.step = 0
@@ -76,9 +79,12 @@ class Stage:
         with context.microbatch(self.step, offset, recomputing), autocast:
             yield
 
-    def _run(self, inputs: Sequence[torch.Tensor | None], bare: bool, state: _State | None) -> Any:
+    def _run(self, inputs: Sequence[torch.Tensor | None], bare: bool, state: _State | None,
+             parcel: Parcel | None = None) -> Any:
         x = from_tensors(inputs, bare)
-        for layer in self.module.children():
+        for i, layer in enumerate(self.module.children()):
+            if parcel is not None:
+                parcel.enter(i)
             x = layer(x)
         if self.loss is not None and state is not None and state.target is not None:
             return self.loss(x, state.target) * state.weight
@@ -96,22 +102,36 @@ class Stage:
             with torch.no_grad(), self._running(offset, recomputing=False):
                 out = self._run(inputs, bare, state)
         else:
-            with self.meter.saved_tensors(), self._running(offset, recomputing=False):
-                out = self._run(inputs, bare, state)
+            state.parcel = self._parcel(inputs)
+            with self._saving(state.parcel), self._running(offset, recomputing=False):
+                out = self._run(inputs, bare, state, state.parcel)
+            if state.parcel is not None:
+                state.parcel.close(keep_last=False)
         tensors, out_bare = as_tensors(out)
         if not remat:
             state.outputs = [self.meter.hold(t) if t is not None else None for t in tensors]
-        elif self.offloader is not None:
+        elif self.park_inputs:
+            assert self.offloader is not None
             state.parked = self.offloader.park(held(state.inputs))
             state.inputs = []
         self._states[mb] = state
         return [None if t is None else t.detach() for t in tensors], out_bare
 
+    def _parcel(self, inputs: Sequence[torch.Tensor | None]) -> Parcel | None:
+        return None if self.offloader is None else Parcel(self.offloader, inputs)
+
+    def _saving(self, parcel: Parcel | None) -> contextlib.AbstractContextManager[Any]:
+        return self.meter.saved_tensors() if parcel is None else parcel.saving()
+
     def prefetch(self, mb: int) -> None:
-        """Start bringing micro-batch `mb`'s offloaded input back (nothing if it is not in host memory)."""
+        """Start bringing back what micro-batch `mb`'s backward needs first from host memory (nothing if none)."""
         state = self._states.get(mb)
-        if state is not None and state.parked is not None and self.offloader is not None:
+        if state is None or self.offloader is None:
+            return
+        if state.parked is not None:
             self.offloader.fetch(state.parked)
+        elif state.parcel is not None:
+            state.parcel.fetch_last()
 
     def recompute(self, mb: int) -> None:
         """Rebuild micro-batch `mb`'s graph from its stored input, with the forward's RNG state."""
@@ -122,12 +142,16 @@ class Stage:
             state.inputs, state.parked = self.offloader.take(state.parked), None
         cpu_rng, cuda_rng = state.rng
         devices = [self.device] if cuda_rng is not None else []
-        with torch.random.fork_rng(devices=devices), self.meter.saved_tensors(), \
+        inputs = held(state.inputs)
+        state.parcel = self._parcel(inputs)
+        with torch.random.fork_rng(devices=devices), self._saving(state.parcel), \
                 self._running(state.offset, recomputing=True):
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng, self.device)
-            out = self._run(held(state.inputs), state.bare, state)
+            out = self._run(inputs, state.bare, state, state.parcel)
+        if state.parcel is not None:  # the backward comes next: its first layer stays
+            state.parcel.close(keep_last=True)
         state.outputs = [self.meter.hold(t) if t is not None else None for t in as_tensors(out)[0]]
 
     def _roots(self, mb: int, grads: Sequence[torch.Tensor | None] | None) -> list[tuple[torch.Tensor, Any]]:

@@ -175,8 +175,7 @@ def configs(model: Model, hw: Hardware, schedules: Sequence[str] = SCHEDULES,
             for name in schedules:
                 for v in _virtual(name, k, m, model.layers):
                     for mode in remat:
-                        # Offloading moves what rematerialization stores: nothing without it.
-                        for offload in ("none", "activations") if mode != "never" else ("none",):
+                        for offload in ("none", "activations"):
                             yield Config(k, d, m, name, v, mode, offload)
 
 

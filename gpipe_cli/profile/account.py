@@ -198,7 +198,8 @@ def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[i
         # One Stage per chunk over the same layers, as the engine builds a rank's chunks.
         parts = {c: Stage(nn.Sequential(OrderedDict((str(i), module.get_submodule(str(i))) for i in ranges[c])),
                           device, spec.loss if c == count - 1 else None, meter,
-                          offloader=offloader if offloaded(offload, c) else None) for c in chunks}
+                          offloader=offloader if offload != "none" else None,
+                          park_inputs=offloaded(offload, c)) for c in chunks}
         counter = _Counter(meter, module, device)
         actions = sched.build(schedule, s, stages, microbatches, checkpoint, virtual)
         sent = _Sent()

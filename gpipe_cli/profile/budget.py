@@ -276,6 +276,7 @@ class BudgetRow:
     offload: str = "none"
     measured_device_peak_bytes: float | None = None  # the fullest device of one measured step, where it runs here
     accounted_peak_bytes: float = 0.0  # the fullest device by the accounting alone, before the device correction
+    host_peak_bytes: float = 0.0   # the most one device's offloaded activations hold in host memory at once
 
     def to_json(self) -> dict[str, Any]:
         """As plain data."""
@@ -336,7 +337,7 @@ def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[Any, ...]], 
     rows: list[BudgetRow | None] = []
     for name, k, m, checkpoint, *how in scenarios:
         placed, moved = how or (schedule, offload)
-        moved = moved if checkpoint != "never" else "none"
+        moved = moved if name != "naive-1" else "none"  # naive-1 is plain training
         fit = v_fit if schedules.get(placed).placement == "v" else greedy_fit
 
         def need(fp: Footprint, checkpoint: str = checkpoint) -> float:
@@ -355,5 +356,6 @@ def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[Any, ...]], 
         rows.append(BudgetRow(name, k, m, checkpoint, found.label, found.params,
                               sum(s.weights_bytes for s in stages), sum(s.peak_bytes for s in stages),
                               max(need(s) for s in stages), _balance(stages, placed), found.bound, placed, moved,
-                              accounted_peak_bytes=max(s.total_bytes for s in stages)))
+                              accounted_peak_bytes=max(s.total_bytes for s in stages),
+                              host_peak_bytes=max(s.host_bytes for s in stages)))
     return rows

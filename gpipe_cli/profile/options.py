@@ -12,7 +12,7 @@ from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.estimate.size_flags import SizeFlags, size_values
 from gpipe_cli.files import check_output
 from gpipe_cli.limits import MAX_RANKS, MAX_SIZE, outside, words
-from gpipe_cli.pipeline.config import microbatch_problem, offload_problem
+from gpipe_cli.pipeline.config import microbatch_problem
 from gpipe_cli.recipe.aliases import ALIASES, balance_text, settings
 from gpipe_cli.units import parse_size
 
@@ -114,8 +114,6 @@ def validate(options: ProfileOptions) -> None:
          f"--checkpoint must be one of {', '.join(REMAT_MODES)} (got {options.checkpoint})"),
         (options.offload in OFFLOAD_MODES,
          f"--offload must be one of {', '.join(OFFLOAD_MODES)} (got {options.offload})"),
-        (not offload_problem(options.offload, options.checkpoint),
-         offload_problem(options.offload, options.checkpoint, "--") or ""),
         (options.optimizer in OPTIMIZER_NAMES,
          f"--optimizer must be one of {', '.join(OPTIMIZER_NAMES)} (got {options.optimizer})"),
         (options.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda (got {options.device})"),

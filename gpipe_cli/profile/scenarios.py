@@ -39,7 +39,7 @@ class Scenario:
     measured: bool
     why: str = ""                 # why it is extrapolated
     figures: ModelFigures | None = None  # the (possibly deepened) figures an extrapolated row is priced from
-    offload: str = "none"         # pipeline.offload (never for the naive row, which does not rematerialise)
+    offload: str = "none"         # pipeline.offload (never for the naive row: plain training)
     schedule: str = "gpipe"
     virtual: int = 1              # chunks per stage: 2 under a V (the balance then lists K x 2 chunks)
 
@@ -102,7 +102,7 @@ def choose_rows(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, in
     layers = len(spec.layers)
     out = []
     for name, k, m, checkpoint in rows:
-        moved = offload if checkpoint != "never" else "none"
+        moved = offload if name != "naive-1" else "none"  # naive-1 is plain training
         # naive-1 is plain training: one chunk, whatever the pipeline rows' schedule.
         v = chunks_per_stage(schedule) if name != "naive-1" else 1
         placed = schedule if v == chunks_per_stage(schedule) else "gpipe"

@@ -99,6 +99,8 @@ def show_budget(s: dict[str, Any], console: Console) -> None:
     table.add_row("peak activation memory", *cells("peak_activation_bytes", human_bytes))
     table.add_row("fullest device (predicted)", *cells("device_peak_bytes", human_bytes))
     table.add_row("fullest device (measured)", *(_measured(r) for r in rows))
+    if any(r and r.get("offload", "none") != "none" for r in rows):
+        table.add_row("host memory, fullest device", *cells("host_peak_bytes", lambda b: human_bytes(b) if b else "-"))
     table.add_row("layers per stage (chunk in a V)", *cells("balance", lambda b: ",".join(map(str, b))))
     console.print(table)
     bounded: dict[str, list[str]] = {}

@@ -12,7 +12,7 @@ from pydantic_core import PydanticCustomError
 from gpipe_cli.errors import cut
 from gpipe_cli.limits import MAX_COUNT, MAX_LAYERS, MAX_RANKS, MAX_REAL, MAX_SIZE, MAX_VIRTUAL
 from gpipe_cli.pipeline import schedules
-from gpipe_cli.pipeline.config import microbatch_problem, offload_problem
+from gpipe_cli.pipeline.config import microbatch_problem
 
 
 def _real(value: object) -> object:
@@ -139,9 +139,9 @@ class Pipeline(Section):
     checkpoint: Literal["always", "except_last", "never"] = Field(
         default="except_last", description="Rematerialization: always, except_last or never")
     offload: Literal["none", "activations"] = Field(
-        default="none", description="none, or activations: the boundary inputs that rematerialization stores wait "
-                                    "in host memory between a micro-batch's forward and its recompute (needs "
-                                    "checkpoint always or except_last)")
+        default="none", description="none, or activations: what a stage stores for a backward waits in host memory "
+                                    "(boundary inputs until their recompute, saved tensors layer by layer until "
+                                    "the backward reaches them)")
     balance: Literal["auto", "params", "time", "memory"] | list[Layers] = Field(
         default="auto", description="Layers per stage, e.g. [5, 5], or how to cut: auto, params, time or memory")
     data_parallel: Ranks = 1
@@ -177,8 +177,6 @@ class Pipeline(Section):
             per = "per stage" if self.virtual_stages == 1 else "per chunk (partitions x virtual_stages)"
             raise ValueError(f"pipeline.balance has {len(self.balance)} entries but the pipeline has {chunks}; "
                              f"give one layer count {per}")
-        if problem := offload_problem(self.offload, self.checkpoint, "pipeline."):
-            raise ValueError(problem)
         chunked = [name for name in schedules.names() if schedules.get(name).chunked]
         if self.virtual_stages > 1 and self.schedule not in chunked:
             raise ValueError(f"pipeline.virtual_stages {self.virtual_stages} needs pipeline.schedule: "

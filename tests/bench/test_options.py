@@ -26,7 +26,6 @@ def test_default_batch_gives_four_examples_per_microbatch():
     (BenchOptions(schedule="zigzag"), "--schedule"),
     (BenchOptions(checkpoint="sometimes"), "--checkpoint"),
     (BenchOptions(offload="weights"), "--offload must be one of none, activations"),
-    (BenchOptions(checkpoint="never", offload="activations"), "--offload activations moves the inputs"),
     (BenchOptions(devices=4), "--devices needs --simulate"),
     (BenchOptions(sweep=True, compare=True), "cannot be combined"),
     (BenchOptions(steps=0), "--steps"),

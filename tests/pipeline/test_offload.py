@@ -1,4 +1,4 @@
-"""Offloaded activations: the same training, bitwise, with the stored inputs waiting in host memory."""
+"""Offloaded activations: the same training, bitwise, with stored inputs and saved tensors waiting in host memory."""
 
 from __future__ import annotations
 
@@ -12,15 +12,17 @@ from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.memory import ActivationMeter
-from gpipe_cli.pipeline.offload import Offloader
+from gpipe_cli.pipeline.offload import Offloader, Parcel
 from gpipe_cli.pipeline.partition import stage_layers
 from tests.multiproc import results, run_ranks
 from tests.pipeline import loopback, ranks, toy
 
 _building = threading.Lock()  # layers are initialised from the process's one CPU generator
 SCHEDULES = [("gpipe", (3, 3)), ("1f1b", (3, 3)), ("zero-bubble", (3, 3)), ("interleaved", (2, 1, 2, 1))]
-# Every schedule rematerialising every micro-batch; except_last (fewer inputs to move) on two of them.
-CASES = [(*s, "always") for s in SCHEDULES] + [(*s, "except_last") for s in SCHEDULES[:2]]
+# Every schedule rematerialising every micro-batch, and keeping every graph (saved tensors move layer by layer);
+# except_last (both kinds) on two of them.
+CASES = ([(*s, "always") for s in SCHEDULES] + [(*s, "never") for s in SCHEDULES]
+         + [(*s, "except_last") for s in SCHEDULES[:2]])
 
 
 def _train(rank: int, world: loopback.World, schedule: str, balance: tuple[int, ...], checkpoint: str,
@@ -47,8 +49,8 @@ def test_offloaded_training_equals_training_bitwise(schedule, balance, checkpoin
         assert plain.keys() == offloaded.keys()
         different = [k for k in plain if not torch.equal(plain[k], offloaded[k])]
         assert not different, f"rank {rank}: {different}"
-        # The first chunk's inputs stay (they are the mini-batch); the last stage rematerialises under always.
-        assert no_host == 0 and (host > 0 or rank == 0 or checkpoint != "always"), (rank, no_host, host)
+        # Every stage's saved tensors move (a recompute's too); only the first chunk's inputs stay.
+        assert no_host == 0 and host > 0, (rank, no_host, host)
 
 
 def test_an_input_comes_back_with_its_values_and_its_gradient_flag():
@@ -63,11 +65,53 @@ def test_an_input_comes_back_with_its_values_and_its_gradient_flag():
     assert meter.host_current == 0 and meter.current == x.nbytes + 8 and meter.host_peak == x.nbytes + 8
 
 
-def test_offload_without_rematerialization_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="needs checkpoint always or except_last"):
-        PipelineConfig(2, 4, checkpoint="never", offload="activations")
+def test_an_unknown_offload_mode_is_refused_in_one_line():
     with pytest.raises(ValueError, match="unknown offload mode 'all': allowed are none, activations"):
         PipelineConfig(offload="all")
+
+
+def _layers(width: int, depth: int) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+                                 for _ in range(depth)))
+
+
+def test_saved_tensors_go_out_layer_by_layer_and_come_back_three_at_most():
+    """A forward keeps at most two layers' saved tensors on the device, a backward three; gradients unchanged."""
+    width, depth, batch = 32, 8, 16
+    model, x = _layers(width, depth), torch.randn(batch, width, requires_grad=True)
+    model(x).square().sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad()
+    x.grad = None
+    meter = ActivationMeter(model.parameters())
+    offloader = Offloader(torch.device("cpu"), meter)
+    parcel = Parcel(offloader, [x])
+    peaks = []
+    with parcel.saving():
+        out = x
+        for i, layer in enumerate(model):
+            parcel.enter(i)
+            out = layer(out)
+            peaks.append(meter.current)
+        loss = out.square().sum()
+    parcel.close(keep_last=False)
+    # Each layer saves its Tanh's output, which the next Linear (or the loss) saves again: one copy.
+    layer_bytes = batch * width * 4
+    # The input stays (a stage holds its input); every layer's saved tensors are in host memory, once each.
+    assert meter.current == x.nbytes and meter.host_current == depth * layer_bytes
+    assert max(peaks) <= x.nbytes + 2 * layer_bytes
+    during = []
+    hook = [p.register_hook(lambda g: during.append(meter.current) or g) for p in model.parameters()]
+    parcel.fetch_last()
+    loss.backward()
+    for h in hook:
+        h.remove()
+    assert max(during) <= x.nbytes + 3 * layer_bytes
+    found = [p.grad for p in model.parameters()] + [x.grad]
+    assert all(torch.equal(a, b) for a, b in zip(found, expected))
+    del loss, out
+    assert meter.host_current == 0 and meter.current == 0
 
 
 def _gloo() -> dict:

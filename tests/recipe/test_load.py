@@ -46,8 +46,6 @@ def test_every_shipped_recipe_validates_and_plans(path):
      "pipeline.balance has 2 entries but the pipeline has 4; give one layer count per chunk"),
     (["pipeline.checkpoint=sometimes"], "pipeline.checkpoint: must be 'always', 'except_last' or 'never'"),
     (["pipeline.offload=all"], "pipeline.offload: must be 'none' or 'activations' (got 'all')"),
-    (["pipeline.offload=activations", "pipeline.checkpoint=never"],
-     "pipeline.offload: activations moves the inputs that rematerialization stores; it needs pipeline.checkpoint"),
     (["model.heads=abc"], "model.heads: must be an integer (got 'abc')"),
     (["model.filters=8"], "model.filters: unknown key; allowed keys here: kind, preset, arch, layers"),
     (["colour=blue"], "colour: unknown key; allowed keys here: name, seed, model"),
