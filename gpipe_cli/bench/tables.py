@@ -64,26 +64,21 @@ def _compare(s: dict[str, Any]) -> Table:
         table.add_column(f"torch\n{c['class']}", justify="right")
         table.add_column("ours /\ntheirs", justify="right")
 
-    def row(label: str, mine: Any, key: str, show: Any, ratio: bool = True) -> None:
+    def row(label: str, mine: Any, key: str, show: Any, stage: int | None = None, ratio: bool = True) -> None:
+        """Our figure beside each counterpart's `key` (of `stage`, for a per-stage figure)."""
         cells = [label, show(mine)]
         for c in measured:
-            theirs = c[key] if not isinstance(mine, tuple) else c[key][mine[1]]
-            cells += [show(theirs), _ratio(_value(mine) / theirs if ratio and theirs else None)]
+            theirs = c[key] if stage is None else c[key][stage]
+            cells += [show(theirs), _ratio(mine / theirs if ratio and theirs else None)]
         table.add_row(*cells)
 
     row("samples/s", s["samples_per_s"], "samples_per_s", _rate)
     row("idle (mean)", s["bubble"], "bubble", lambda v: f"{v:.3f}")
     for stage, peak in enumerate(s.get("stage_peak_bytes", [])):
-        row(f"peak, stage {stage}", (peak, stage), "stage_peak_bytes", lambda v: human_bytes(_value(v)))
+        row(f"peak, stage {stage}", peak, "stage_peak_bytes", human_bytes, stage)
     for stage, count in enumerate(measured[0]["stage_recomputed_ours"] if measured else []):
-        row(f"recomputed, stage {stage}", (count, stage), "stage_recomputed", lambda v: str(_value(v)),
-            ratio=False)
+        row(f"recomputed, stage {stage}", count, "stage_recomputed", str, stage, ratio=False)
     return table
-
-
-def _value(cell: Any) -> Any:
-    """A figure, or the figure of a (figure, stage) pair."""
-    return cell[0] if isinstance(cell, tuple) else cell
 
 
 def _prediction(s: dict[str, Any]) -> str:
