@@ -167,10 +167,7 @@ def _fresh(value: Any) -> Any:
     from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
     if isinstance(value, dict):
-        mapping = CommentedMap()
-        for key, item in value.items():
-            mapping[key] = _fresh(item)
-        return mapping
+        return CommentedMap((key, _fresh(item)) for key, item in value.items())
     if isinstance(value, list):
         items = CommentedSeq(_fresh(item) for item in value)
         if not any(isinstance(item, (dict, list)) for item in value):
