@@ -65,13 +65,15 @@ def _interruptible(command: str, callback: Callable[..., Any], started: list[str
             return callback(*args, **kwargs)
         except (typer.Exit, UserError):
             raise
-        except (KeyboardInterrupt, Exception) as exc:
-            # typer would exit 130 without a word; a library loading at the Ctrl-C may turn it into an error
-            # of its own. What is written is written whole or not at all.
-            if not isinstance(exc, KeyboardInterrupt) and not interrupts.interrupted():
+        except KeyboardInterrupt:  # typer would exit 130 without a word
+            pass
+        except Exception:
+            if not interrupts.interrupted():
                 raise
-            print(f"gpipe {command}: interrupted; nothing was written", file=sys.stderr)
-            raise typer.Exit(130) from None
+            # A library loading at the Ctrl-C turned it into an error of its own.
+        # What is written is written whole or not at all.
+        print(f"gpipe {command}: interrupted; nothing was written", file=sys.stderr)
+        raise typer.Exit(130) from None
     return run_command
 
 
