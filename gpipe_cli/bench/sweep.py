@@ -29,8 +29,7 @@ def run(options: BenchOptions, subject: Subject, folder: Path, progress: Progres
         phases: dict[int, float]) -> dict[str, Any]:
     """Measure every (K, M) this machine hosts, each job said with its estimated seconds from `phases` (by K);
     the figures as the JSON file holds them."""
-    spec = subject.build()
-    layers = len(spec.layers)
+    layers = len(subject.build().layers)
     ks = sweep_partitions(options, layers)
     progress.phase(f"measuring per-layer costs ({layers} layers)", phases.get(1, 0.0))
     job = base_job(options, subject, 1, [layers], microbatches=[], profile_costs=True,
@@ -48,21 +47,19 @@ def run(options: BenchOptions, subject: Subject, folder: Path, progress: Progres
             cells.append({"partitions": k, "microbatches": figures.microbatches, "balance": balance,
                           "samples_per_s": figures.samples_per_s, "bubble": figures.bubble,
                           "bubble_theory": theoretical_bubble(k, figures.microbatches, options.schedule),
-                          "oversubscribed": over,
-                          "load": figures.load, "contended": contended(figures.load)})
+                          "oversubscribed": over, "load": figures.load, "contended": contended(figures.load)})
     base = next((c for c in cells if c["microbatches"] == 1), None)
     family = families.FAMILIES.get(subject.kind)
     for c in cells:
         c["normalized"] = c["samples_per_s"] / base["samples_per_s"] if base and base["samples_per_s"] else None
         c["paper"] = family.paper_table2[c["microbatches"]].get(c["partitions"]) if family else None
-    summary = {"model": model_json(subject), "sweep": cells, "batch_size": options.batch, "schedule": options.schedule,
+    return {"model": model_json(subject), "sweep": cells, "batch_size": options.batch, "schedule": options.schedule,
             "checkpoint": options.checkpoint, "steps": options.steps, "warmup": options.warmup,
             "normalized_to": {"partitions": base["partitions"], "microbatches": 1} if base else None,
             "paper": {"table": "GPipe Table 2 (TPUs)", "model": family.paper_title if family else None},
             "skipped_partitions": [k for k in SWEEP_PARTITIONS if k not in ks],
             "oversubscribed": any(c["oversubscribed"] for c in cells),
             "contended": any(c["contended"] for c in cells)}
-    return summary
 
 
 def write_plot(options: BenchOptions, summary: dict[str, Any], console: Console) -> None:
