@@ -20,31 +20,39 @@ from typing import Any, TypeVar
 import typer
 
 from gpipe_cli import __version__, interrupts
+from gpipe_cli.bench import FLAGS as B
 from gpipe_cli.cli_help import polish
 from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError, one_line, shown
 from gpipe_cli.files import atomic_write_text, check_output
 from gpipe_cli.launch import launch_options
+from gpipe_cli.plan import FLAGS as L
+from gpipe_cli.profile import FLAGS as P
 from gpipe_cli.quick_exit import exit_now
+from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+
+class _Commands(typer.core.TyperGroup):
+    """The commands: the int a command returns is its exit code; bad input is one line on stderr and its exit
+    code, never a traceback."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            code = super().invoke(ctx)
+        except UserError as exc:
+            print(f"error: {one_line(str(exc))}", file=sys.stderr)
+            raise typer.Exit(exc.exit_code) from None
+        raise typer.Exit(code if isinstance(code, int) else 0)
+
+
+app = typer.Typer(cls=_Commands, add_completion=False, pretty_exceptions_enable=False,
                   help="GPipe pipeline-parallel training from YAML recipes.")
-T = TypeVar("T")
 
 RECIPE_HELP = "Recipe YAML file (default: the built-in quick-start recipe)."
 SIZE = "Model size (overrides)"
 MODES = "Sweep, compare, simulate"
 LAUNCH = "Nodes and ranks"
 SET_HELP = "Override a recipe key: KEY=VALUE, the value read as YAML (repeatable)."
-
-
-def _guard(fn: Callable[[], T]) -> T:
-    """Run a command; bad input becomes one line on stderr and its exit code, never a traceback."""
-    try:
-        return fn()
-    except UserError as exc:
-        print(f"error: {one_line(str(exc))}", file=sys.stderr)
-        raise typer.Exit(exc.exit_code) from None
 
 
 def _interruptible(command: str, callback: Callable[..., Any], started: list[str]) -> Callable[..., Any]:
@@ -55,17 +63,17 @@ def _interruptible(command: str, callback: Callable[..., Any], started: list[str
         started.append(command)
         try:
             return callback(*args, **kwargs)
-        except KeyboardInterrupt:  # typer would exit 130 without a word; what is written is written whole or not at all
-            print(f"gpipe {command}: interrupted; nothing was written", file=sys.stderr)
-            raise typer.Exit(130) from None
-        except typer.Exit:
+        except (typer.Exit, UserError):
             raise
+        except KeyboardInterrupt:  # typer would exit 130 without a word
+            pass
         except Exception:
             if not interrupts.interrupted():
                 raise
             # A library loading at the Ctrl-C turned it into an error of its own.
-            print(f"gpipe {command}: interrupted; nothing was written", file=sys.stderr)
-            raise typer.Exit(130) from None
+        # What is written is written whole or not at all.
+        print(f"gpipe {command}: interrupted; nothing was written", file=sys.stderr)
+        raise typer.Exit(130) from None
     return run_command
 
 
@@ -103,17 +111,14 @@ def train(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch on this node (rendezvous, nodes, "
                                  "ranks, from Slurm under srun) and the torchrun command for it; start nothing.",
                                  rich_help_panel=LAUNCH),
-) -> None:
+) -> int:
     """Train a model with GPipe on partitions x data_parallel processes."""
     from gpipe_cli.train.run import TrainOptions
     from gpipe_cli.train.run import train as run_training  # imports torch only once the recipe is valid
 
-    def run() -> int:
-        launch = launch_options(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-                                rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, threads=threads)  # may read Slurm's
-        return run_training(TrainOptions(recipe, set_ or [], output_dir, plain, resume, launch, dry_run))
-
-    raise typer.Exit(_guard(run))
+    launch = launch_options(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                            rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, threads=threads)  # may read Slurm's
+    return run_training(TrainOptions(recipe, set_ or [], output_dir, plain, resume, launch, dry_run))
 
 
 @app.command()
@@ -125,54 +130,30 @@ def validate(
     """Check a recipe and print the resolved recipe and the plan; trains nothing, reads no data."""
     from gpipe_cli.recipe.load import load_recipe, recipe_label, recipe_yaml
 
-    def run() -> None:
-        loaded = load_recipe(recipe, set_ or [])
-        check_output(json_file, "--json", "recipe.json")
-        from gpipe_cli.train.plan import checked_plan  # torch: only once the recipe is valid
-        from gpipe_cli.train.plan_table import plan_table
+    loaded = load_recipe(recipe, set_ or [])
+    check_output(json_file, "--json", "recipe.json")
+    from gpipe_cli.train.plan import checked_plan  # torch: only once the recipe is valid
+    from gpipe_cli.train.plan_table import plan_table
 
-        plan = checked_plan(loaded, recipe_label(recipe))
-        console = output_console()
-        console.print(recipe_yaml(loaded), markup=False, highlight=False)
-        console.print(plan_table(plan))
-        if json_file is not None:
-            payload = {"recipe": loaded.model_dump(mode="json"), **plan.to_json()}
-            try:
-                atomic_write_text(json_file, json.dumps(payload, indent=2))
-            except OSError as exc:
-                raise UserError(f"--json: cannot write {shown(str(json_file))} ({exc.strerror})") from None
-
-    _guard(run)
+    plan = checked_plan(loaded, recipe_label(recipe))
+    console = output_console()
+    console.print(recipe_yaml(loaded), markup=False, highlight=False)
+    console.print(plan_table(plan))
+    if json_file is not None:
+        payload = {"recipe": loaded.model_dump(mode="json"), **plan.to_json()}
+        try:
+            atomic_write_text(json_file, json.dumps(payload, indent=2))
+        except OSError as exc:
+            raise UserError(f"--json: cannot write {shown(str(json_file))} ({exc.strerror})") from None
 
 
-def _bench_flags() -> dict[str, str]:
-    from gpipe_cli.bench import FLAGS
-
-    return FLAGS
-
-
-def _profile_flags() -> dict[str, str]:
-    from gpipe_cli.profile import FLAGS
-
-    return FLAGS
-
-
-def _plan_flags() -> dict[str, str]:
-    from gpipe_cli.plan import FLAGS
-
-    return FLAGS
-
-
-B = _bench_flags()
-P = _profile_flags()
-L = _plan_flags()
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _aliased(*names: str, shown: dict[str, str] | None = None) -> Callable[[F], F]:
     """Give a command the alias flags `names`, each `--set KEY=VALUE` of one recipe key with the schema's help
     (and `shown` as its default); the command receives the values typed as `flags`, by name (None: not typed)."""
-    from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, description, flag, kind
+    from gpipe_cli.recipe.aliases import description, flag, kind
 
     def add(command: F) -> F:
         own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "flags"]
@@ -194,14 +175,9 @@ def _aliased(*names: str, shown: dict[str, str] | None = None) -> Callable[[F], 
     return add
 
 
-PIPELINE = ("microbatches", "batch_size", "schedule", "checkpoint", "offload", "balance")
-SIZES = ("layers", "filters", "d_model", "ff", "heads", "vocab_size", "image_size", "seq_len", "num_classes")
-
-
 @app.command()
-@_aliased("partitions", *PIPELINE[:3], "virtual_stages", *PIPELINE[3:], *SIZES,
-          shown={"partitions": "2", "microbatches": "8", "batch_size": "4 x M",
-                 "balance": "by measured per-layer time"})
+@_aliased(*ALIASES, shown={"partitions": "2", "microbatches": "8", "batch_size": "4 x M",
+                           "balance": "by measured per-layer time"})
 def bench(
     recipe: str | None = typer.Argument(None, help=B["recipe"]),
     model: str | None = typer.Option(None, help=B["model"], show_default=False),
@@ -220,24 +196,22 @@ def bench(
     seed: int = typer.Option(0, help=B["seed"]),
     json_file: Path | None = typer.Option(None, "--json", help=B["json"]),
     flags: dict[str, Any] | None = None,
-) -> None:
+) -> int:
     """Measure training throughput at K stages and M micro-batches against K=1, with baselines and traces."""
     from gpipe_cli.bench import bench_options
     from gpipe_cli.bench import run as run_bench
 
-    def run() -> int:
-        options = bench_options(recipe, flags or {}, set_ or [], model=model, steps=steps, warmup=warmup,
-                                sweep=sweep, compare=compare, trace=trace, simulate=simulate, devices=devices,
-                                bandwidth=bandwidth, latency_us=latency_us, threads=threads,
-                                oversubscribe=oversubscribe, seed=seed, json=json_file)
-        return run_bench(options)
-
-    raise typer.Exit(_guard(run))
+    return run_bench(bench_options(recipe, flags or {}, set_ or [], model=model, steps=steps, warmup=warmup,
+                                   sweep=sweep, compare=compare, trace=trace, simulate=simulate, devices=devices,
+                                   bandwidth=bandwidth, latency_us=latency_us, threads=threads,
+                                   oversubscribe=oversubscribe, seed=seed, json=json_file))
 
 
 @app.command("profile-memory")
-@_aliased(*PIPELINE, *SIZES, shown={"microbatches": "8", "batch_size": "4 x M; with --budget the paper's: 128 "
-                                    "AmoebaNet, 32 Transformer", "balance": "by estimated FLOPs, as training"})
+# Its own --partitions takes several K; it cuts every stage into one chunk.
+@_aliased(*(name for name in ALIASES if name not in ("partitions", "virtual_stages")),
+          shown={"microbatches": "8", "batch_size": "4 x M; with --budget the paper's: 128 AmoebaNet, 32 Transformer",
+                 "balance": "by estimated FLOPs, as training"})
 def profile_memory(
     recipe: str | None = typer.Argument(None, help=P["recipe"]),
     model: str | None = typer.Option(None, help=P["model"], show_default=False),
@@ -249,21 +223,17 @@ def profile_memory(
     seed: int = typer.Option(0, help=P["seed"]),
     json_file: Path | None = typer.Option(None, "--json", help=P["json"]),
     flags: dict[str, Any] | None = None,
-) -> None:
+) -> int:
     """Memory per stage (parameters, gradients, optimizer, activations) for naive, pipeline-1 and pipeline-K."""
     from gpipe_cli.profile import profile_options
     from gpipe_cli.profile import run as run_profile
 
-    def run() -> int:
-        options = profile_options(recipe, partitions, flags or {}, set_ or [], model=model, optimizer=optimizer,
-                                  budget=budget, device=device, seed=seed, json=json_file)
-        return run_profile(options)
-
-    raise typer.Exit(_guard(run))
+    return run_profile(profile_options(recipe, partitions, flags or {}, set_ or [], model=model, optimizer=optimizer,
+                                       budget=budget, device=device, seed=seed, json=json_file))
 
 
 @app.command()
-@_aliased("batch_size", *SIZES)
+@_aliased("batch_size", *SIZE_FLAGS)
 def plan(
     recipe: str | None = typer.Argument(None, help=RECIPE_HELP),
     devices: int = typer.Option(..., help=L["devices"]),
@@ -280,7 +250,7 @@ def plan(
     tflops: float | None = typer.Option(None, help=L["tflops"]),
     plain: bool = typer.Option(False, "--plain", help=L["plain"]),
     flags: dict[str, Any] | None = None,
-) -> None:
+) -> int:
     """Predict the fastest K, D, M, schedule, remat mode and balance for N devices; write it as a recipe."""
     from gpipe_cli.plan import PlanOptions
     from gpipe_cli.plan import run as run_plan
@@ -288,19 +258,15 @@ def plan(
     from gpipe_cli.recipe.aliases import as_sets, by_flag
     from gpipe_cli.recipe.load import RecipeError
 
-    def run() -> int:
-        # The alias flags are `--set` items, typed before the explicit ones (which win where both name a key).
-        options = PlanOptions(recipe=recipe, set=[*as_sets(flags or {}), *(set_ or [])], devices=devices,
-                              device_memory=device_memory, nodes=nodes, top=top, output=output_path(output),
-                              bandwidth=bandwidth, latency_us=latency_us, node_bandwidth=node_bandwidth,
-                              node_latency_us=node_latency_us,
-                              timing=timing, tflops=tflops, plain=plain)
-        try:
-            return run_plan(options)
-        except RecipeError as exc:
-            raise by_flag(exc, flags or {}) from None
-
-    raise typer.Exit(_guard(run))
+    # The alias flags are `--set` items, typed before the explicit ones (which win where both name a key).
+    options = PlanOptions(recipe=recipe, set=[*as_sets(flags or {}), *(set_ or [])], devices=devices,
+                          device_memory=device_memory, nodes=nodes, top=top, output=output_path(output),
+                          bandwidth=bandwidth, latency_us=latency_us, node_bandwidth=node_bandwidth,
+                          node_latency_us=node_latency_us, timing=timing, tflops=tflops, plain=plain)
+    try:
+        return run_plan(options)
+    except RecipeError as exc:
+        raise by_flag(exc, flags or {}) from None
 
 
 @app.command()
@@ -311,13 +277,9 @@ def export(
                                      help="Store the floating-point weights in this type (default: as trained)."),
 ) -> None:
     """Write a checkpoint's model as one safetensors file holding its recipe, tie map and tokenizer."""
-    def write() -> Path:
-        from gpipe_cli.train.export import export as export_model  # torch: a Ctrl-C while it loads is guarded too
+    from gpipe_cli.train.export import export as export_model  # torch: a Ctrl-C while it loads is guarded too
 
-        return export_model(run, output, dtype)
-
-    path = _guard(write)
-    print(f"wrote {path}")
+    print(f"wrote {export_model(run, output, dtype)}")
 
 
 @app.command()
@@ -329,15 +291,12 @@ def predict(
     max_tokens: int | None = typer.Option(None, help="Tokens to generate after a language model's prompt "
                                           "[default: 50]."),
     top: int = typer.Option(1, help="Classes to print per image, most likely first."),
-) -> None:
+) -> int:
     """Use an exported model without the pipeline: translate, continue a prompt or classify images."""
-    def run() -> int:
-        from gpipe_cli.predict import PredictOptions
-        from gpipe_cli.predict import predict as run_predict
+    from gpipe_cli.predict import PredictOptions
+    from gpipe_cli.predict import predict as run_predict
 
-        return run_predict(PredictOptions(model, inputs or None, max_tokens, top))
-
-    raise typer.Exit(_guard(run))
+    return run_predict(PredictOptions(model, inputs or None, max_tokens, top))
 
 
 @app.command("prepare-data")
@@ -351,7 +310,7 @@ def prepare_data(
     from gpipe_cli.data.prepare import prepare_data as save
     from gpipe_cli.recipe.load import load_recipe
 
-    files = _guard(lambda: save(load_recipe(recipe, set_ or []).data, Path(output)))
+    files = save(load_recipe(recipe, set_ or []).data, Path(output))
     print(f"wrote {output} ({len(files)} parquet file{'s' if len(files) > 1 else ''}); train with "
           f"--set data.source=parquet --set data.path={output}")
 
@@ -361,11 +320,11 @@ def report_runs(
     runs: list[str] = typer.Argument(..., help="Run directories (each with metrics.jsonl)."),
     output: str | None = typer.Option(None, metavar="FILE", help="The PNG to write (default: RUN_DIR/report.png "
                                       "for one run, report.png here for several)."),
-) -> None:
+) -> int:
     """Compare runs: a table of their figures here and a one-page PNG of curves (several runs overlaid)."""
     from gpipe_cli.report import report
 
-    raise typer.Exit(_guard(lambda: report([Path(r) for r in runs], Path(output) if output else None)))
+    return report([Path(r) for r in runs], Path(output) if output else None)
 
 
 def run(args: list[str]) -> int:

@@ -17,7 +17,7 @@ import functools
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,56 +47,38 @@ class Machine:
     flops_per_s: float     # one rank's measured rate (one thread, or one GPU)
     call_seconds: float    # one rank's measured cost of a small layer's forward and backward
 
-    @property
-    def label(self) -> str:
-        """e.g. "2 CPU cores" or "1 GPU"."""
-        name = "GPU" if self.kind == "cuda" else "CPU core"
-        return f"{self.units} {name}{'s' if self.units != 1 else ''}"
+
+def _calls_per_s(call: Callable[[], Any], device: str, threads: int, seconds: float) -> float:
+    """How many times a second `call` runs on `device` with `threads` intra-op threads, after three untimed."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(3):
+            call()  # warm-up: allocator and kernel selection
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            call()
+            count += 1
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return count / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def measured_rate(device: str = "cpu", threads: int = 1, seconds: float = 0.2) -> float:
     """FLOP/s of a matrix product on `device` with `threads` intra-op threads (a quick calibration)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        n = 1024 if device == "cuda" else 256
-        a, b = torch.randn(n, 2 * n, device=device), torch.randn(2 * n, 2 * n, device=device)
-        for _ in range(3):
-            a @ b  # warm-up: allocator and kernel selection
-        count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            a @ b
-            count += 1
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return count * 2 * n * (2 * n) * (2 * n) / (time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(previous)
+    n = 1024 if device == "cuda" else 256
+    a, b = torch.randn(n, 2 * n, device=device), torch.randn(2 * n, 2 * n, device=device)
+    return _calls_per_s(lambda: a @ b, device, threads, seconds) * 2 * n * (2 * n) * (2 * n)
 
 
 def measured_call(device: str = "cpu", threads: int = 1, seconds: float = 0.1) -> float:
     """Seconds of a forward and backward through a tiny residual block: the fixed cost of running a layer."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        block = torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 32), torch.nn.GELU(),
-                                    torch.nn.Linear(32, 32)).to(device)
-        x = torch.randn(4, 8, 32, device=device, requires_grad=True)
-
-        def call() -> None:
-            (block(x) + x).sum().backward()
-
-        for _ in range(3):
-            call()
-        count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            call()
-            count += 1
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - start) / count
-    finally:
-        torch.set_num_threads(previous)
+    block = torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 32)).to(device)
+    x = torch.randn(4, 8, 32, device=device, requires_grad=True)
+    return 1 / _calls_per_s(lambda: (block(x) + x).sum().backward(), device, threads, seconds)
 
 
 def usable_cores() -> int:
@@ -220,7 +202,6 @@ class Choice:
     scaled: bool
     note: str = ""                         # the one-line announcement when scaled ('' otherwise)
     verdict: Verdict | None = None
-    rejected: list[str] = field(default_factory=list)
 
 
 def _pipeline_layers(kind: str, params: dict[str, Any], layers: int) -> int:
@@ -250,24 +231,18 @@ def choose(family: str, judge: Callable[[Candidate], Verdict], stages: int = 1,
     """The paper's member of `family` if `judge` says it fits, else the largest smaller member that does
     (each deep enough for `stages` stages, and with model `settings` that `keeps_size`)."""
     members = [(kind, deep_enough(kind, params, stages)) for kind, params in ladder(family, settings)]
-    rejected: list[str] = []
-    first_reason = ""
+    reason = ""  # why the paper's member does not fit
     for index, (kind, params) in enumerate(members):
         cand = candidate(kind, params)
         verdict = judge(cand)
         if verdict.fits:
-            if index == 0:
-                return Choice(kind, params, False, "", verdict)
-            note = (f"measuring {cand.describe()}: {first_reason}; choose with --model/--layers")
-            return Choice(kind, params, True, note, verdict, rejected)
-        what = families.of(kind).short(params) if index else f"the paper's {families.of(kind).short(params)}"
-        reason = verdict.why_not(what)
-        first_reason = first_reason or reason
-        rejected.append(reason)
+            note = f"measuring {cand.describe()}: {reason}; choose with --model/--layers" if index else ""
+            return Choice(kind, params, index > 0, note, verdict)
+        reason = reason or verdict.why_not(f"the paper's {families.of(kind).short(params)}")
     kind, params = members[-1]
     cand = candidate(kind, params)
-    note = f"measuring {cand.describe()}, the smallest member: {first_reason}; choose with --model/--layers"
-    return Choice(kind, params, True, note, judge(cand), rejected)
+    note = f"measuring {cand.describe()}, the smallest member: {reason}; choose with --model/--layers"
+    return Choice(kind, params, True, note, judge(cand))
 
 
 def layer_efficiency(device: str, kind: str) -> float:

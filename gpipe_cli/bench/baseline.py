@@ -33,11 +33,10 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gpipe_cli.bench import recompute
-from gpipe_cli.estimate.machine_load import Load
+from gpipe_cli.estimate.machine_load import Load, gather
 from gpipe_cli.estimate.measure import median, timed
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import partition, schedules
@@ -48,10 +47,6 @@ from gpipe_cli.pipeline.topology import Topology
 
 if TYPE_CHECKING:
     from gpipe_cli.bench.job import Job
-
-def name_of(schedule: str) -> str:
-    """The baseline's name in the figures: torch- and our schedule's name."""
-    return f"torch-{schedule}"
 
 
 def counterpart(schedule: str) -> tuple[str, type | None, str]:
@@ -108,46 +103,33 @@ def _metered_stage_class() -> type:
         probe: _Probe
         held: dict[int, list[Any]]
 
+        def _clocked(self, kind: sched.Kind, run: Any, chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            """`run` (the parent's method) on micro-batch `chunk_id`, recorded in torch's order and clocked."""
+            self.probe.order.append((kind, chunk_id, self.stage_index))
+            start = time.perf_counter()
+            out = run(chunk_id, *args, **kwargs)
+            self.probe.busy += time.perf_counter() - start
+            return out
+
         def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             cast(_Chunk, self.submod).checkpointed = (fwd_chunk_id, self.stage_index) in self.probe.remat
-            self.probe.order.append((sched.Kind.FWD, fwd_chunk_id, self.stage_index))
-            start = time.perf_counter()
-            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-            self.probe.busy += time.perf_counter() - start
+            out = self._clocked(sched.Kind.FWD, super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
             outputs, inputs = self.fwd_cache[fwd_chunk_id]
             self.held[fwd_chunk_id] = [self.probe.meter.hold(t) for t in (*outputs, *inputs)
                                        if isinstance(t, torch.Tensor)]
             return out
 
         def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)  # full, or input gradient only
-            self.probe.order.append((sched.Kind.BWD, bwd_chunk_id, self.stage_index))
-            self.probe.busy += time.perf_counter() - start
+            # Full, or the input gradient only.
+            out = self._clocked(sched.Kind.BWD, super().backward_one_chunk, bwd_chunk_id, *args, **kwargs)
             self.held.pop(bwd_chunk_id, None)
             return out
 
         def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            out = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
-            self.probe.order.append((sched.Kind.BWD_WEIGHT, bwd_chunk_id, self.stage_index))
-            self.probe.busy += time.perf_counter() - start
-            return out
+            return self._clocked(sched.Kind.BWD_WEIGHT, super().backward_weight_one_chunk, bwd_chunk_id, *args,
+                                 **kwargs)
 
     return MeteredStage
-
-
-def _peak(meter: ActivationMeter, device: torch.device) -> int:
-    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else meter.peak
-
-
-def _gather(row: list[float], world: int) -> list[list[float]]:
-    mine = torch.tensor(row, dtype=torch.float64)
-    if not (dist.is_initialized() and world > 1):
-        return [row]
-    gathered = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine)
-    return [g.tolist() for g in gathered]
 
 
 def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, inputs: Any,
@@ -201,10 +183,7 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         with meter.saved_tensors():
-            if last:
-                schedule.step(*args, target=target, losses=[], return_outputs=False)
-            else:
-                schedule.step(*args, return_outputs=False)
+            schedule.step(*args, **({"target": target, "losses": []} if last else {}), return_outputs=False)
         wall[0] = time.perf_counter() - start
 
     # The first step, unmeasured, only learns torch's order of work (recomputing every forward, so that it
@@ -212,19 +191,16 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
     probe.remat = {(mb, c) for mb in range(microbatches) for c in mine}
     timed(step)
     probe.remat = sched.remat_pairs(job.checkpoint, probe.order)
+    for _ in range(job.warmup):
+        timed(step)
     times, peaks, idle = [], [], []
-    load: Load | None = None
-    for index in range(job.warmup + job.steps):
-        if index == job.warmup:
-            load = Load()
-        seconds, _ = timed(step)
-        if index >= job.warmup:
-            times.append(seconds)
-            peaks.append(_peak(meter, device))
-            idle.append(max(wall[0] - probe.busy, 0.0) / wall[0] if wall[0] > 0 else 0.0)
-    shares = load.finish() if load is not None else {}
-    rows = _gather([float(max(peaks)), median(idle), float(len(probe.remat)), float(len(sched.rematerialised(ours)))],
-                   layout.world_size)
+    load = Load()
+    for _ in range(job.steps):
+        times.append(timed(step)[0])
+        peaks.append(int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else meter.peak)
+        idle.append(max(wall[0] - probe.busy, 0.0) / wall[0] if wall[0] > 0 else 0.0)
+    shares = load.finish()
+    rows = gather([max(peaks), median(idle), len(probe.remat), len(sched.rematerialised(ours))])
     if layout.rank != 0:
         return None
     stage_peaks = [int(r[0]) for r in rows[:k]]
@@ -239,4 +215,4 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
 def compare(spec: ModelSpec, topo: Topology, job: Job, inputs: Any, targets: torch.Tensor) -> dict[str, Any]:
     """torch's counterpart of the job's schedule on its model, K, M and cut (rank 0 gets the figures)."""
     figures = run_baseline(job.schedule, spec, topo, job, inputs, targets)
-    return {name_of(job.schedule): figures} if figures is not None else {}
+    return {f"torch-{job.schedule}": figures} if figures is not None else {}

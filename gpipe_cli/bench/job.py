@@ -16,6 +16,7 @@ import torch
 from gpipe_cli.estimate import costs
 from gpipe_cli.estimate.measure import build_pipeline, measure_engine
 from gpipe_cli.estimate.subject import Subject, example_batch
+from gpipe_cli.files import atomic_write_text
 from gpipe_cli.pipeline import microbatch, topology
 from gpipe_cli.pipeline.config import PipelineConfig
 
@@ -48,16 +49,13 @@ class Job:
 
 
 def _save(result: dict[str, Any], out: str) -> None:
-    tmp = Path(out + ".tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(out)  # readers never see half a file
+    atomic_write_text(Path(out), json.dumps(result))  # readers never see half a file
 
 
 def _profile_costs(job: Job, spec: Any, inputs: Any, targets: torch.Tensor) -> dict[str, Any]:
     # Time layers at the smallest micro-batch the job runs: the size whose per-message overhead matters.
     chunks = int(job.extra.get("profile_chunks", max(job.microbatches, default=1)))
-    first_inputs = microbatch.scatter(inputs, chunks)[0]
-    first_targets = microbatch.scatter(targets, chunks)[0]
+    first_inputs, first_targets = microbatch.scatter(inputs, chunks)[0], microbatch.scatter(targets, chunks)[0]
     return costs.profile(spec, first_inputs, first_targets, job.seed).to_json()
 
 
@@ -90,10 +88,7 @@ def run_job(job: Job, topo: topology.Topology) -> None:
     if job.compare:
         from gpipe_cli.bench import baseline
 
-        outcome = baseline.compare(spec, topo, job, inputs, targets)
-        if rank0:
-            result["compare"] = outcome
-            _save(result, job.out)
+        result["compare"] = baseline.compare(spec, topo, job, inputs, targets)
     if rank0:
         _save(result, job.out)
 

@@ -65,17 +65,16 @@ class BenchOptions(SizeFlags):
         return self.virtual_stages if stages > 1 or schedules.get(self.schedule).placement == "v" else 1
 
     @property
-    def simulated_devices(self) -> int:
-        """The K a prediction is made for."""
-        return self.devices if self.devices is not None else self.partitions
+    def stages(self) -> int:
+        """The K of the benchmark: measured on --partitions ranks, or predicted for --devices with --simulate."""
+        return self.devices if self.simulate and self.devices is not None else self.partitions
 
     @property
     def measures_host_overhead(self) -> bool:
         """Whether the K=1 run also times the engine against a plain loop: when the benchmark is of K=1 itself.
 
         At K > 1 it would add as many K=1 steps again to every run; the report says it is measured at K=1 only."""
-        k = self.simulated_devices if self.simulate else self.partitions
-        return k == 1 and not self.sweep
+        return self.stages == 1 and not self.sweep
 
     def sweep_plot(self) -> Path | None:
         """Where --sweep draws its bars: the --json file with .png in place of its suffix (None: no --json)."""
@@ -160,12 +159,10 @@ def validate(options: BenchOptions) -> None:
             outside("--microbatches", options.microbatches, 1, MAX_SIZE),
             outside("--steps", options.steps, 1, MAX_COUNT),
             outside("--warmup", options.warmup, 0, MAX_COUNT),
-            outside("--threads", options.threads, 1, MAX_THREADS))),
-        (options.schedule in SCHEDULES, f"--schedule must be one of {', '.join(SCHEDULES)} (got {options.schedule})"),
-        (options.checkpoint in REMAT_MODES,
-         f"--checkpoint must be one of {', '.join(REMAT_MODES)} (got {options.checkpoint})"),
-        (options.offload in OFFLOAD_MODES,
-         f"--offload must be one of {', '.join(OFFLOAD_MODES)} (got {options.offload})"),
+            outside("--threads", options.threads, 1, MAX_THREADS),
+            *(f"{flag} must be one of {', '.join(allowed)} (got {value})" for flag, value, allowed in (
+                ("--schedule", options.schedule, SCHEDULES), ("--checkpoint", options.checkpoint, REMAT_MODES),
+                ("--offload", options.offload, OFFLOAD_MODES)) if value not in allowed))),
         (options.bandwidth > 0, f"--bandwidth must be > 0 GB/s (got {options.bandwidth})"),
         (options.latency_us >= 0, f"--latency-us must be >= 0 (got {options.latency_us})"),
         (options.devices is None or outside("--devices", options.devices, 1, MAX_RANKS) is None,

@@ -16,7 +16,7 @@ from rich.console import Console
 
 from gpipe_cli import memory_model as mm
 from gpipe_cli import sizing
-from gpipe_cli.bench.options import RANK_BYTES, SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions, overhead_rounds
+from gpipe_cli.bench.options import RANK_BYTES, SWEEP_MICROBATCHES, BenchOptions, overhead_rounds
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate.subject import FAMILIES, Subject, model_overrides, resolve
 from gpipe_cli.models import families
@@ -41,12 +41,10 @@ def runs(options: BenchOptions, layers: int) -> list[tuple[int, int]]:
     if options.simulate:
         return [(1, options.microbatches)]
     if options.sweep:
-        from gpipe_cli.bench.setup import oversubscription
+        from gpipe_cli.bench.setup import sweep_partitions
 
-        ks = [k for k in SWEEP_PARTITIONS
-              if k <= layers and (options.oversubscribe or not oversubscription(k, options.threads)[0])]
-        return [(1, max(SWEEP_MICROBATCHES))] + [(k, m) for k in ks or [min(SWEEP_PARTITIONS)]
-                                                  for m in SWEEP_MICROBATCHES]
+        ks = sweep_partitions(options, layers)
+        return [(1, max(SWEEP_MICROBATCHES))] + [(k, m) for k in ks for m in SWEEP_MICROBATCHES]
     return [(1, options.microbatches), (options.partitions, options.microbatches)]
 
 
@@ -114,7 +112,6 @@ class Preview:
     note: str
     seconds: float
     need: float
-    have: float
     sized: bool = False  # chosen by sizing to this machine (else exactly what the flags asked)
     phases: dict[int, float] = field(default_factory=dict)  # each job's estimated seconds, by K (see phase_seconds)
 
@@ -122,20 +119,19 @@ class Preview:
 def choose_subject(options: BenchOptions, machine: sizing.Machine) -> Preview:
     """The model to measure: sized to the machine when no model flag was given, else exactly what was asked."""
     verdict = judge(options, machine)
-    if sizable(options):
-        stages = options.simulated_devices if options.simulate else max(k for k, _ in runs(options, 10**6))
+    sized = sizable(options)
+    if sized:
+        stages = options.stages if options.simulate else max(k for k, _ in runs(options, 10**6))
         choice = sizing.choose(options.model, verdict, stages, model_overrides(options.set))
-        subject = Subject(choice.kind, choice.params, options.model)
-        v = choice.verdict
-        assert v is not None
-        phases = phase_seconds(sizing.candidate(choice.kind, choice.params), machine, options)
-        return Preview(subject, choice.note, v.seconds, v.need_bytes, v.have_bytes, sized=True, phases=phases)
-    subject = resolve(options.model, options.sizes(), options.set)
+        subject, note = Subject(choice.kind, choice.params, options.model), choice.note
+    else:
+        subject, note = resolve(options.model, options.sizes(), options.set), ""
     cand = sizing.candidate(subject.kind, subject.params)
     v = verdict(cand)
-    if v.need_bytes > machine.memory_bytes:  # plainly too large: said before the memory model prices every layer
-        raise UserError(_does_not_fit(options, cand, "", v.need_bytes, machine, sized=False))
-    return Preview(subject, "", v.seconds, v.need_bytes, v.have_bytes, phases=phase_seconds(cand, machine, options))
+    # Plainly too large: said before the memory model prices every layer.
+    if not sized and v.need_bytes > machine.memory_bytes:
+        raise UserError(_does_not_fit(options, cand, "", v.need_bytes, machine, sized))
+    return Preview(subject, note, v.seconds, v.need_bytes, sized, phase_seconds(cand, machine, options))
 
 
 @dataclass(frozen=True)
@@ -227,13 +223,10 @@ def show(preview: Preview, mem: Memory, options: BenchOptions, machine: sizing.M
                       + f"; K=1 holds {human_bytes(mem.stages[1][0])}")
     for ranks in ks[1:] or ks:
         over, hardware = oversubscription(ranks, options.threads)
-        per = ranks * options.threads / max(machine.units, 1)
-        line = f"  ranks: K={ranks} runs {ranks} ranks x {options.threads} thread(s) on {hardware}"
-        if over:
-            console.print(f"{line} ([bold yellow]warning:[/] oversubscribed, {per:.0f} per "
-                          f"{'GPU' if machine.kind == 'cuda' else 'core'}: the speed figures will mean little)")
-        else:
-            console.print(line)
+        per = f"{ranks * options.threads / max(machine.units, 1):.0f} per {'GPU' if machine.kind == 'cuda' else 'core'}"
+        warning = (f" ([bold yellow]warning:[/] oversubscribed, {per}: the speed figures will mean little)"
+                   if over else "")
+        console.print(f"  ranks: K={ranks} runs {ranks} ranks x {options.threads} thread(s) on {hardware}{warning}")
     console.print(f"  estimate: about {human_seconds(preview.seconds)} "
                   f"(this machine: {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank measured, "
                   f"{human_bytes(machine.memory_bytes)} free)")

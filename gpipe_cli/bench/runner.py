@@ -26,8 +26,8 @@ import torch
 from rich.console import Console
 
 from gpipe_cli import interrupts, sizing
-from gpipe_cli.bench import jobs, preview, sweep, tables, trace
-from gpipe_cli.bench.options import BenchOptions, parse_balance, validate
+from gpipe_cli.bench import preview, setup, sweep, tables, trace
+from gpipe_cli.bench.options import BenchOptions, parse_balance
 from gpipe_cli.bench.setup import base_job, choose_balance, model_json, oversubscription
 from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError
@@ -106,8 +106,7 @@ def _compare_json(summary: dict[str, Any], kk: RunFigures, baselines: dict[str, 
 def check_cut(options: BenchOptions, subject: Subject) -> None:
     """Refuse K (and --balance) that the model's layers cannot take, before anything is measured."""
     layers = len(subject.build().layers)
-    k = options.simulated_devices if options.simulate else options.partitions
-    chunks = options.chunk_count(k)
+    chunks = options.chunk_count(options.stages)
     try:
         partition.check_partitions(layers, chunks)
         explicit = parse_balance(options.balance, chunks)
@@ -120,13 +119,10 @@ def check_cut(options: BenchOptions, subject: Subject) -> None:
         raise UserError(f"--{flag}/--balance: {exc} (the model has {layers} pipeline layers)") from None
 
 
-def _split(layers: int, chunks: int) -> list[range]:
-    """`layers` cut into `chunks` nearly equal contiguous parts."""
+def _even(layers: int, chunks: int) -> list[int]:
+    """`layers` cut into `chunks` nearly equal contiguous parts, larger first: each part's layers."""
     base, extra = divmod(layers, chunks)
-    bounds = [0]
-    for c in range(chunks):
-        bounds.append(bounds[-1] + base + (c < extra))
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    return [base + (c < extra) for c in range(chunks)]
 
 
 def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Progress,
@@ -134,14 +130,13 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
     """Measure K=1 and K ranks (or predict K devices): the figures, and the K ranks' step for --trace (each job
     said with its estimated seconds from `phases`, by K)."""
     spec = subject.build()
-    k = options.simulated_devices if options.simulate else options.partitions
+    k = options.stages
     then = ", then the engine against a plain loop" if options.measures_host_overhead else ""
     progress.phase(f"measuring K=1 ({len(spec.layers)} layers, per-layer costs and {options.steps} steps{then})",
                    phases.get(1, 0.0))
-    k1_job = base_job(options, subject, 1, [len(part) for part in _split(len(spec.layers), options.virtual_at(1))])
-    k1_job.profile_costs = True
-    k1_job.host_overhead = options.measures_host_overhead
-    k1_raw = jobs.run(k1_job, folder, "k1", options.threads)
+    k1_job = base_job(options, subject, 1, _even(len(spec.layers), options.virtual_at(1)), profile_costs=True,
+                      host_overhead=options.measures_host_overhead)
+    k1_raw = setup.launch_job(k1_job, folder, "k1", options.threads)
     costs = CostProfile.from_json(k1_raw["costs"])
     k1 = RunFigures.from_json(k1_raw["runs"][0])
     balance, balance_by = choose_balance(options, costs, k)
@@ -152,11 +147,10 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
     raw: dict[str, Any] = {}
     if not options.simulate:
         progress.phase(f"measuring K={k} (balance {balance})", phases.get(k, 0.0))
-        job = base_job(options, subject, k, balance)
-        job.trace, job.compare = options.trace is not None, options.compare
+        job = base_job(options, subject, k, balance, trace=options.trace is not None, compare=options.compare)
         try:
-            raw = jobs.run(job, folder, f"k{k}", options.threads)
-        except jobs.JobFailed as exc:
+            raw = setup.launch_job(job, folder, f"k{k}", options.threads)
+        except setup.JobFailed as exc:
             if not (options.compare and exc.partial.get("runs")):
                 raise
             # Our figures are in; only a baseline failed (its rank printed why): report ours.
@@ -164,18 +158,15 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
         kk = RunFigures.from_json(raw["runs"][0])
     summary = summarise(options, subject, k1, kk, costs, balance, balance_by, prediction)
     summary["host_overhead"] = host = k1_raw.get("host_overhead")  # None: measured at K=1 only
-    if host is not None:
-        summary["load"]["host_overhead"] = host["load"]
-        summary["contended"] = summary["contended"] or contended(host["load"])
+    loads = {"host_overhead": host["load"]} if host is not None else {}
     if "failed" in raw:
         summary["failed"] = raw["failed"]
     if kk is not None and options.compare:
         summary["compare"] = _compare_json(summary, kk, raw.get("compare", {}))
-        for name, theirs in summary["compare"].items():
-            if "skipped" in theirs:
-                continue
-            summary["load"][name] = theirs.get("load", {})
-            summary["contended"] = summary["contended"] or contended(theirs.get("load", {}))
+        loads |= {name: theirs.get("load", {}) for name, theirs in summary["compare"].items()
+                  if "skipped" not in theirs}
+    summary["load"] |= loads
+    summary["contended"] = summary["contended"] or any(contended(load) for load in loads.values())
     return summary, kk.events if kk is not None else []
 
 
@@ -220,9 +211,9 @@ def _write_trace(options: BenchOptions, summary: dict[str, Any], events: list[di
 
 
 def run(options: BenchOptions) -> int:
-    """Run `gpipe bench`; print the figures and return an exit code (UserError for bad options, 130 on Ctrl-C)."""
+    """Run `gpipe bench` on options `bench.run` has validated; print the figures and return an exit code (130 on
+    Ctrl-C)."""
     console = output_console()
-    validate(options)
     try:
         return _run(options, console)
     except KeyboardInterrupt:
@@ -247,7 +238,7 @@ def _run(options: BenchOptions, console: Console) -> int:
                 summary = sweep.run(options, subject, Path(tmp), progress, chosen.phases)
             else:
                 summary, events = _single(options, subject, Path(tmp), progress, chosen.phases)
-        except jobs.JobFailed as exc:
+        except setup.JobFailed as exc:
             if exc.code in (STOPPED, 128 + signal.SIGTERM):
                 console.print("[yellow]gpipe bench: stopped; nothing was written[/]")
                 return exc.code

@@ -13,9 +13,9 @@ from rich.console import Console
 from rich.table import Table
 
 from gpipe_cli import plots
-from gpipe_cli.bench import jobs
+from gpipe_cli.bench import setup
 from gpipe_cli.bench.options import SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions
-from gpipe_cli.bench.setup import base_job, model_json, oversubscription
+from gpipe_cli.bench.setup import base_job, model_json, oversubscription, sweep_partitions
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.machine_load import contended
 from gpipe_cli.estimate.measure import RunFigures
@@ -25,56 +25,41 @@ from gpipe_cli.pipeline.schedule import theoretical_bubble
 from gpipe_cli.progress import Progress
 
 
-def _hostable(options: BenchOptions, layers: int) -> list[int]:
-    out = []
-    for k in SWEEP_PARTITIONS:
-        over, _ = oversubscription(k, options.threads)
-        if k <= layers and (not over or options.oversubscribe):
-            out.append(k)
-    return out
-
-
 def run(options: BenchOptions, subject: Subject, folder: Path, progress: Progress,
         phases: dict[int, float]) -> dict[str, Any]:
     """Measure every (K, M) this machine hosts, each job said with its estimated seconds from `phases` (by K);
     the figures as the JSON file holds them."""
-    spec = subject.build()
-    layers = len(spec.layers)
-    ks = _hostable(options, layers)
-    if not ks:
-        ks = [min(SWEEP_PARTITIONS)] if layers >= min(SWEEP_PARTITIONS) else []
+    layers = len(subject.build().layers)
+    ks = sweep_partitions(options, layers)
     progress.phase(f"measuring per-layer costs ({layers} layers)", phases.get(1, 0.0))
-    job = base_job(options, subject, 1, [layers])
-    job.microbatches, job.profile_costs = [], True
-    job.extra = {"profile_chunks": max(SWEEP_MICROBATCHES)}
-    costs = CostProfile.from_json(jobs.run(job, folder, "costs", options.threads)["costs"])
+    job = base_job(options, subject, 1, [layers], microbatches=[], profile_costs=True,
+                   extra={"profile_chunks": max(SWEEP_MICROBATCHES)})
+    costs = CostProfile.from_json(setup.launch_job(job, folder, "costs", options.threads)["costs"])
     cells: list[dict[str, Any]] = []
     for k in ks:
         balance = costs.balance(k, options.checkpoint)
         progress.phase(f"measuring K={k} (balance {balance}), M = {', '.join(map(str, SWEEP_MICROBATCHES))}",
                        phases.get(k, 0.0))
-        raw = jobs.run(base_job(options, subject, k, balance), folder, f"sweep-k{k}", options.threads)
+        raw = setup.launch_job(base_job(options, subject, k, balance), folder, f"sweep-k{k}", options.threads)
         over, _ = oversubscription(k, options.threads)
         for run_json in raw["runs"]:
             figures = RunFigures.from_json(run_json)
             cells.append({"partitions": k, "microbatches": figures.microbatches, "balance": balance,
                           "samples_per_s": figures.samples_per_s, "bubble": figures.bubble,
                           "bubble_theory": theoretical_bubble(k, figures.microbatches, options.schedule),
-                          "oversubscribed": over,
-                          "load": figures.load, "contended": contended(figures.load)})
+                          "oversubscribed": over, "load": figures.load, "contended": contended(figures.load)})
     base = next((c for c in cells if c["microbatches"] == 1), None)
     family = families.FAMILIES.get(subject.kind)
     for c in cells:
         c["normalized"] = c["samples_per_s"] / base["samples_per_s"] if base and base["samples_per_s"] else None
         c["paper"] = family.paper_table2[c["microbatches"]].get(c["partitions"]) if family else None
-    summary = {"model": model_json(subject), "sweep": cells, "batch_size": options.batch, "schedule": options.schedule,
+    return {"model": model_json(subject), "sweep": cells, "batch_size": options.batch, "schedule": options.schedule,
             "checkpoint": options.checkpoint, "steps": options.steps, "warmup": options.warmup,
             "normalized_to": {"partitions": base["partitions"], "microbatches": 1} if base else None,
             "paper": {"table": "GPipe Table 2 (TPUs)", "model": family.paper_title if family else None},
             "skipped_partitions": [k for k in SWEEP_PARTITIONS if k not in ks],
             "oversubscribed": any(c["oversubscribed"] for c in cells),
             "contended": any(c["contended"] for c in cells)}
-    return summary
 
 
 def write_plot(options: BenchOptions, summary: dict[str, Any], console: Console) -> None:

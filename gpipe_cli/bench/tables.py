@@ -26,16 +26,12 @@ def _throughput(s: dict[str, Any]) -> Table:
     text = s["tokens_per_s_k1"] is not None
     table = Table(title=f"Throughput (median of {s['steps']} steps after {s['warmup']} warm-up)")
     table.add_column("run")
-    table.add_column("samples/s", justify="right")
-    if text:
-        table.add_column("tokens/s", justify="right")
-    table.add_column("step (ms)", justify="right")
-    rows = [("K=1", s["samples_per_s_k1"], s["tokens_per_s_k1"], s["step_time_k1_s"])]
+    for column in ("samples/s", *(("tokens/s",) if text else ()), "step (ms)"):
+        table.add_column(column, justify="right")
     label = f"K={s['partitions']}" + (" (predicted)" if s["simulated"] else "")
-    rows.append((label, s["samples_per_s"], s["tokens_per_s"], s["step_time_s"]))
-    for name, samples, tokens, step in rows:
-        cells = [name, _rate(samples)] + ([_rate(tokens)] if text else []) + [f"{step * 1e3:.1f}"]
-        table.add_row(*cells)
+    for name, samples, tokens, step in [("K=1", s["samples_per_s_k1"], s["tokens_per_s_k1"], s["step_time_k1_s"]),
+                                        (label, s["samples_per_s"], s["tokens_per_s"], s["step_time_s"])]:
+        table.add_row(name, _rate(samples), *([_rate(tokens)] if text else []), f"{step * 1e3:.1f}")
     return table
 
 
@@ -68,26 +64,21 @@ def _compare(s: dict[str, Any]) -> Table:
         table.add_column(f"torch\n{c['class']}", justify="right")
         table.add_column("ours /\ntheirs", justify="right")
 
-    def row(label: str, mine: Any, key: str, show: Any, ratio: bool = True) -> None:
+    def row(label: str, mine: Any, key: str, show: Any, stage: int | None = None, ratio: bool = True) -> None:
+        """Our figure beside each counterpart's `key` (of `stage`, for a per-stage figure)."""
         cells = [label, show(mine)]
         for c in measured:
-            theirs = c[key] if not isinstance(mine, tuple) else c[key][mine[1]]
-            cells += [show(theirs), _ratio(_value(mine) / theirs if ratio and theirs else None)]
+            theirs = c[key] if stage is None else c[key][stage]
+            cells += [show(theirs), _ratio(mine / theirs if ratio and theirs else None)]
         table.add_row(*cells)
 
     row("samples/s", s["samples_per_s"], "samples_per_s", _rate)
     row("idle (mean)", s["bubble"], "bubble", lambda v: f"{v:.3f}")
     for stage, peak in enumerate(s.get("stage_peak_bytes", [])):
-        row(f"peak, stage {stage}", (peak, stage), "stage_peak_bytes", lambda v: human_bytes(_value(v)))
+        row(f"peak, stage {stage}", peak, "stage_peak_bytes", human_bytes, stage)
     for stage, count in enumerate(measured[0]["stage_recomputed_ours"] if measured else []):
-        row(f"recomputed, stage {stage}", (count, stage), "stage_recomputed", lambda v: str(_value(v)),
-            ratio=False)
+        row(f"recomputed, stage {stage}", count, "stage_recomputed", str, stage, ratio=False)
     return table
-
-
-def _value(cell: Any) -> Any:
-    """A figure, or the figure of a (figure, stage) pair."""
-    return cell[0] if isinstance(cell, tuple) else cell
 
 
 def _prediction(s: dict[str, Any]) -> str:
@@ -128,10 +119,9 @@ def show(s: dict[str, Any], console: Console) -> None:
         console.print(f"[bold yellow]OVERSUBSCRIBED:[/] {s['ranks']} ranks x {s['threads']} thread(s) on "
                       f"{s['hardware']}; the speed figures below mean little")
     if s.get("contended"):
-        runs = [("K=1", s["load"]["k1"]), (f"K={s['partitions']}", s["load"]["k"])]
-        runs += [(name, load) for name, load in s["load"].items() if name not in ("k1", "k")]
-        parts = [f"{run}: {load.get('others_share', 0):.0%} to other processes, {load.get('stolen_share', 0):.0%} "
-                 f"stolen" for run, load in runs if load]
+        runs = {"k1": "K=1", "k": f"K={s['partitions']}"}  # then the host overhead's and the baselines'
+        parts = [f"{runs.get(run, run)}: {load.get('others_share', 0):.0%} to other processes, "
+                 f"{load.get('stolen_share', 0):.0%} stolen" for run, load in s["load"].items() if load]
         console.print(f"[bold yellow]CONTENDED:[/] while measuring, the machine's CPU went elsewhere "
                       f"({'; '.join(parts)}): the speed figures below are unreliable")
     console.print(_throughput(s))

@@ -30,8 +30,7 @@ LABELS = {
     Kind.RECV_BWD.value: ("rb", "wait for gradient"),
 }
 COLORS = {"fwd": "#4c9be8", "recompute": "#f2a541", "bwd": "#5cb85c", "bwd_input": "#2e8b57", "bwd_weight": "#b5651d",
-          "send_fwd": "#555555",
-          "send_bwd": "#555555", "recv_fwd": "#d9d9d9", "recv_bwd": "#d9d9d9"}
+          "send_fwd": "#555555", "send_bwd": "#555555", "recv_fwd": "#d9d9d9", "recv_bwd": "#d9d9d9"}
 
 
 def paths(target: Path) -> tuple[Path, Path]:
@@ -46,8 +45,8 @@ def chrome_trace(events: Sequence[Mapping[str, Any]], title: str) -> dict[str, A
     stages = sorted({int(e["stage"]) for e in events})
     out: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": title}}]
     for s in stages:
-        out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}})
-        out.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": s, "args": {"sort_index": s}})
+        out += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}},
+                {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": s, "args": {"sort_index": s}}]
     chunked = {s for s in stages if len({e.get("chunk", s) for e in events if e["stage"] == s}) > 1}
     for e in sorted(events, key=lambda e: (e["stage"], e["start"])):
         short, long = LABELS[e["kind"]]

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 def distributed() -> bool:
@@ -20,13 +22,13 @@ def distributed() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def gather_floats(value: float) -> list[float]:
+def gather(value: T) -> list[T]:
     """Every rank's `value`, in rank order."""
     if not distributed():
         return [value]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
-    return [float(v) for v in out]
+    return out
 
 
 def machine_cpu() -> tuple[float, float] | None:
@@ -47,12 +49,12 @@ class Load:
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
-        self.machine = machine_cpu() if _rank() == 0 else None
+        self.machine = machine_cpu() if not dist.is_initialized() or dist.get_rank() == 0 else None
         self.mine = time.process_time()
 
     def finish(self) -> dict[str, float]:
         """The shares of the machine's CPU time used by others and stolen, on rank 0 ({} elsewhere)."""
-        ranks_cpu = sum(gather_floats(time.process_time() - self.mine))
+        ranks_cpu = sum(gather(time.process_time() - self.mine))
         now = machine_cpu() if self.machine is not None else None
         if self.machine is None or now is None:
             return {}
@@ -61,10 +63,6 @@ class Load:
         busy, steal = now[0] - self.machine[0], now[1] - self.machine[1]
         return {"window_s": window, "ranks_cpu_s": ranks_cpu, "machine_busy_s": busy,
                 "others_share": max(busy - ranks_cpu, 0.0) / capacity, "stolen_share": steal / capacity}
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def contended(load: dict[str, float], threshold: float = 0.05) -> bool:

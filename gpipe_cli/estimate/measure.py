@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpipe_cli.estimate.machine_load import Load, distributed, gather_floats
+from gpipe_cli.estimate.machine_load import Load, distributed, gather
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import partition, placement, topology
 from gpipe_cli.pipeline.config import PipelineConfig
@@ -150,21 +150,20 @@ def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_siz
         return pipe.train_step(feed, labels, microbatches=microbatches, step=index, trace=traced,
                                max_grad_norm=max_grad_norm, optimizer=optimizer, measure_memory=index == warmup)
 
+    for index in range(warmup):
+        timed(functools.partial(step, index))
     cpu = busy = 0.0
-    load: Load | None = None
-    for index in range(warmup + steps):
-        if index == warmup:
-            load = Load()
+    load = Load()
+    for index in range(warmup, warmup + steps):
         started = time.thread_time()
         seconds, result = timed(functools.partial(step, index))
-        if index >= warmup:
-            cpu += time.thread_time() - started
-            busy += result.own.busy
-            figures.step_times.append(seconds)
-            if result.stats is not None:
-                history.append(result.stats)
-    figures.cpu_per_busy = gather_floats(cpu / busy if busy > 0 else 1.0)
-    figures.load = load.finish() if load is not None else {}
+        cpu += time.thread_time() - started
+        busy += result.own.busy
+        figures.step_times.append(seconds)
+        if result.stats is not None:
+            history.append(result.stats)
+    figures.cpu_per_busy = gather(cpu / busy if busy > 0 else 1.0)
+    figures.load = load.finish()
     if trace:
         # A separate step, so that gathering the events never slows a measured one.
         _, result = timed(lambda: step(warmup + steps, traced=True))

@@ -21,6 +21,7 @@ from gpipe_cli.pipeline.schedule import Action, Kind, Rate, Span
 # The share of a layer's backward that is the input gradient: for a matrix product, one of its two
 # products of equal size (the other is the weight gradient). Only the whole backward is measured.
 INPUT_SHARE = 0.5
+BACKWARD_SHARES = {Kind.BWD: 1.0, Kind.BWD_INPUT: INPUT_SHARE, Kind.BWD_WEIGHT: 1.0 - INPUT_SHARE}
 
 
 @dataclass(frozen=True)
@@ -99,12 +100,8 @@ def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microba
             seconds += costs.loss if action.chunk == last else 0.0
         elif kind == Kind.RECOMPUTE:
             seconds = sum(t.recompute_seconds for t in layers)
-        elif kind == Kind.BWD:
-            seconds = sum(t.backward for t in layers)
-        elif kind == Kind.BWD_INPUT:
-            seconds = sum(t.backward for t in layers) * INPUT_SHARE
-        elif kind == Kind.BWD_WEIGHT:
-            seconds = sum(t.backward for t in layers) * (1.0 - INPUT_SHARE)
+        elif kind in BACKWARD_SHARES:
+            seconds = sum(t.backward for t in layers) * BACKWARD_SHARES[kind]
         else:
             return 0.0
         return seconds * scale * per_example(mb) + overhead * len(layers)

@@ -21,15 +21,14 @@ from gpipe_cli.limits import outside
 from gpipe_cli.models import families
 from gpipe_cli.models.base import Batch, ModelSpec
 from gpipe_cli.models.registry import allowed_params, build_model, is_preset_name, names_help, resolve_preset
+from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, flag
 from gpipe_cli.recipe.load import parse_override
 
 # A family name stands for its model of the paper's speed table (Table 2).
 FAMILIES = {kind: family.paper_preset for kind, family in families.FAMILIES.items()}
 
 # Size flag -> model parameter (the sequence length is the Transformer's max_len: its example length).
-SIZE_PARAMS = {"layers": "layers", "filters": "filters", "d_model": "d_model", "ff": "ff", "heads": "heads",
-               "vocab_size": "vocab_size", "image_size": "image_size", "seq_len": "max_len",
-               "num_classes": "num_classes"}
+SIZE_PARAMS = {name: ALIASES[name].removeprefix("model.") for name in SIZE_FLAGS}
 
 
 @dataclass(frozen=True)
@@ -109,15 +108,13 @@ def check_limits(kind: str, params: Mapping[str, Any], named: Mapping[str, str],
 
 def size_limits(kind: str) -> dict[str, tuple[int, int]]:
     """(least, most) of each integer model parameter of `kind`, as the recipe schema allows."""
-    from gpipe_cli.recipe.schema import MODEL_SECTIONS
+    from gpipe_cli.recipe.schema import MODEL_SECTIONS, bounds
 
-    section = MODEL_SECTIONS[kind]
     out = {}
-    for name, info in section.model_fields.items():
-        low = next((m.ge for m in info.metadata if hasattr(m, "ge")), None)
-        high = next((m.le for m in info.metadata if hasattr(m, "le")), None)
-        if info.annotation is int and low is not None and high is not None:
-            out[name] = (int(low), int(high))
+    for name, info in MODEL_SECTIONS[kind].model_fields.items():
+        found = bounds(info)
+        if info.annotation is int and "ge" in found and "le" in found:
+            out[name] = (int(found["ge"]), int(found["le"]))
     return out
 
 
@@ -144,15 +141,14 @@ def resolve(model: str, sizes: Mapping[str, int | None] | None = None, overrides
             raise UserError(f"--set: {exc}") from None
     accepted = allowed_params(kind)
     named = {key: f"--set {key}" for key in _override_keys(overrides)}
-    for flag, value in (sizes or {}).items():
+    for name, value in (sizes or {}).items():
         if value is None:
             continue
-        param = SIZE_PARAMS[flag]
+        param = SIZE_PARAMS[name]
         if param not in accepted:
-            raise UserError(f"--{flag.replace('_', '-')} does not apply to {kind} models "
+            raise UserError(f"{flag(name)} does not apply to {kind} models "
                             f"(their sizes: {', '.join(p for p in accepted if p in SIZE_PARAMS.values())})")
-        params[param] = value
-        named[param] = f"--{flag.replace('_', '-')}"
+        params[param], named[param] = value, flag(name)
     check_limits(kind, params, named, f"--model {cut(model)}")
     subject = Subject(kind, params, model)
     subject.build()  # validate now, with a one-line message

@@ -187,11 +187,13 @@ def _name(rank: int, stages: int | None) -> str:
     return f"rank {rank} (stage {rank % stages})" if stages else f"rank {rank}"
 
 
-def _signal_name(code: int) -> str:
+def _killed(rank: int, code: int, stages: int | None) -> tuple[int, str]:
+    """The exit code and the line for a rank that a signal (-`code`) killed."""
     try:
-        return signal.Signals(-code).name
+        name = signal.Signals(-code).name
     except ValueError:
-        return f"signal {-code}"
+        name = f"signal {-code}"
+    return 128 - code, f"gpipe: {_name(rank, stages)} was killed by {name}"
 
 
 def explain(failures: dict[int, Any], stages: int | None = None) -> tuple[int, str | None]:
@@ -211,8 +213,7 @@ def explain(failures: dict[int, Any], stages: int | None = None) -> tuple[int, s
     killed = sorted((codes[r] == -signal.SIGTERM, failures[r].timestamp, r)
                     for r, c in codes.items() if isinstance(c, int) and c < 0)
     if killed and not killed[0][0]:
-        rank = killed[0][2]
-        return 128 - codes[rank], f"gpipe: {_name(rank, stages)} was killed by {_signal_name(codes[rank])}"
+        return _killed(killed[0][2], codes[killed[0][2]], stages)
     for code in _STOPPED:
         if code in codes.values():  # Ctrl-C or SIGTERM: the ranks said what they did
             return code, None
@@ -221,8 +222,7 @@ def explain(failures: dict[int, Any], stages: int | None = None) -> tuple[int, s
     # or the next; a rank that only lost a killed peer waits seconds for that tear-down before it exits.
     first = min(failed, key=lambda r: failures[r].timestamp) if failed else None
     if killed and (first is None or failures[first].timestamp > min(t for _, t, _ in killed)):
-        rank = killed[0][2]
-        return 128 - codes[rank], f"gpipe: {_name(rank, stages)} was killed by {_signal_name(codes[rank])}"
+        return _killed(killed[0][2], codes[killed[0][2]], stages)
     rank = first if first is not None else min(codes, key=lambda r: failures[r].timestamp)
     code = codes[rank]
     return (code if isinstance(code, int) and code > 0 else 1,

@@ -13,9 +13,6 @@ from gpipe_cli.limits import MAX_THREADS, outside
 if TYPE_CHECKING:  # the launcher imports this module
     from gpipe_cli.launch.launcher import LaunchOptions
 
-# Intra-op threads per rank: more than any machine has cores. Far more (say 100,000) runs the system out of
-# threads inside torch, which ends the rank with a crash instead of a message.
-
 
 def parse_nodes(nnodes: str) -> tuple[int, int]:
     """`--nnodes N` or `MIN:MAX` as (MIN, MAX)."""

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpipe_cli.errors import UserError
 from gpipe_cli.launch.preflight import parse_nodes
 
 if TYPE_CHECKING:  # the launcher imports this module
@@ -33,13 +32,9 @@ class Rendezvous:
 
 
 def rendezvous(world: int, options: LaunchOptions) -> Rendezvous:
-    """The rendezvous of a job of `world` ranks launched with `options`."""
+    """The rendezvous of a job of `world` ranks launched with `options` (as `check_launch` has accepted them)."""
     min_nodes, max_nodes = parse_nodes(options.nnodes)
-    if world % max_nodes:
-        raise UserError(f"the job needs {world} processes, which does not divide over {max_nodes} nodes")
     backend = options.rdzv_backend or ("static" if options.node_rank is not None or max_nodes == 1 else "c10d")
-    if max_nodes > 1 and not options.rdzv_endpoint:
-        raise UserError("a multi-node job needs --rdzv-endpoint HOST:PORT (the same on every node)")
     return Rendezvous(min_nodes=min_nodes, max_nodes=max_nodes, ranks_per_node=world // max_nodes, backend=backend,
                       endpoint=options.rdzv_endpoint or None,
                       run_id=options.rdzv_id or ("gpipe" if max_nodes > 1 else None),

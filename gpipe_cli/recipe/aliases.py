@@ -66,15 +66,10 @@ def balance_text(value: Any, cuts: tuple[str, ...]) -> str | None:
 
 def as_sets(flags: Mapping[str, Any]) -> list[str]:
     """The `--set KEY=VALUE` items that the alias flags given (not None) stand for."""
-    out = []
-    for name, value in flags.items():
-        if value is None:
-            continue
-        text = str(value)
-        if name == "balance" and _LIST.match(text):  # `5,5`: the list [5, 5]
-            text = f"[{text}]"
-        out.append(f"{ALIASES[name]}={text}")
-    return out
+    def text(name: str, value: Any) -> str:
+        return f"[{value}]" if name == "balance" and _LIST.match(str(value)) else str(value)  # `5,5`: [5, 5]
+
+    return [f"{ALIASES[name]}={text(name, value)}" for name, value in flags.items() if value is not None]
 
 
 @dataclass(frozen=True)

@@ -12,20 +12,19 @@ import typing
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, get_args, get_origin
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from gpipe_cli.errors import cut, shown
 from gpipe_cli.limits import words
-from gpipe_cli.recipe.schema import DEFAULT_KIND, MODEL_SECTIONS, Recipe
+from gpipe_cli.recipe.schema import DEFAULT_KIND, LOCAL_SOURCES, MODEL_SECTIONS, Recipe, bounds
 from gpipe_cli.recipe.yamlio import RecipeError, dump, parse_document, parse_value, read_recipe_file
 
 __all__ = ["RecipeError", "apply_override", "default_recipe_text", "load_recipe", "parse_override",
            "recipe_label", "recipe_yaml", "validate"]
 
 DEFAULT_RECIPE = "quickstart.yaml"
-_LOCAL_SOURCES = ("imagefolder", "parquet", "jsonl", "tsv", "text")
 
 
 def default_recipe_text() -> str:
@@ -140,7 +139,7 @@ def _validated(raw: dict[str, Any], label: str) -> Recipe:
 def _check_paths(recipe: Recipe, label: str) -> None:
     data = recipe.data
     # os.path.exists: False (not an exception) for names too long for the file system
-    if data.source in _LOCAL_SOURCES and data.path and not os.path.exists(data.path):
+    if data.source in LOCAL_SOURCES and data.path and not os.path.exists(data.path):
         raise RecipeError(f"{label}: data.path: no such file or directory: {shown(data.path)}")
     if data.tokenizer and not os.path.exists(data.tokenizer):
         raise RecipeError(f"{label}: data.tokenizer: no such sentencepiece model: {shown(data.tokenizer)}")
@@ -188,20 +187,16 @@ def _allowed_range(loc: Sequence[str | int], raw: dict[str, Any]) -> str | None:
     name = loc[-1] if loc else None
     if section is None or not isinstance(name, str) or name not in section.model_fields:
         return None
-    field = section.model_fields[name]
-    constraints = list(field.metadata)
-    for member in get_args(field.annotation):  # `X | None`: the constraints live on X
-        constraints += list(get_args(member)[1:]) if get_origin(member) is Annotated else []
-    bounds: dict[str, Any] = {}
-    for item in [m for c in constraints for m in getattr(c, "metadata", [c])]:  # Field(...) holds a list
-        for attr in ("ge", "gt", "le", "lt"):
-            if getattr(item, attr, None) is not None:
-                bounds[attr] = getattr(item, attr)
-    low = f">= {bounds['ge']}" if "ge" in bounds else f"> {bounds['gt']}" if "gt" in bounds else None
-    high = f"<= {bounds['le']}" if "le" in bounds else f"< {bounds['lt']}" if "lt" in bounds else None
+    found = bounds(section.model_fields[name])
+    low = f">= {found['ge']}" if "ge" in found else f"> {found['gt']}" if "gt" in found else None
+    high = f"<= {found['le']}" if "le" in found else f"< {found['lt']}" if "lt" in found else None
     return words(low, high) or None
 
 
+# Errors whose words need nothing of the schema: what the key must be (and the value given).
+_PLAIN = {"missing": "is required", "string_too_short": "must not be empty",
+          "finite_number": "must be a finite number {got}", "bool_number": "must be a number, not true or false {got}",
+          "string_pattern_mismatch": "may contain only letters, digits, '.', '_' and '-' {got}"}
 _KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
           "list": "a list", "dict": "a mapping", "model": "a mapping", "tuple": "a list"}
 
@@ -220,16 +215,12 @@ def _describe(error: dict[str, Any], raw: dict[str, Any]) -> str:
         info = section.model_fields.get(str(loc[-2])) if section else None
         count = len(typing.get_args(info.annotation)) if info is not None else 0
         return f"{cut('.'.join(str(p) for p in loc[:-1]))}: must be a list of {count or 'more'} numbers"
-    if kind == "missing":
-        return f"{key}: is required"
     if kind in _BOUNDS:
         op, bound = _BOUNDS[kind]
         allowed = _allowed_range(loc, raw) or f"{op} {ctx[bound]}"
         return f"{key}: must be {allowed} {got}"
-    if kind == "finite_number":
-        return f"{key}: must be a finite number {got}"
-    if kind == "bool_number":
-        return f"{key}: must be a number, not true or false {got}"
+    if kind in _PLAIN:
+        return f"{key}: " + _PLAIN[kind].format(got=got)
     if kind == "string_too_long":
         return f"{key}: must be at most {ctx.get('max_length')} characters long {got}"
     if kind in ("too_long", "too_short") and isinstance(ctx.get("field_type"), str):
@@ -243,10 +234,6 @@ def _describe(error: dict[str, Any], raw: dict[str, Any]) -> str:
         return f"{key}.{field}: must be {allowed} (got {shown(ctx.get('tag'))})"
     if kind == "union_tag_not_found":
         return f"{key}.kind: is required ({' or '.join(MODEL_SECTIONS)})"
-    if kind == "string_pattern_mismatch":
-        return f"{key}: may contain only letters, digits, '.', '_' and '-' {got}"
-    if kind == "string_too_short":
-        return f"{key}: must not be empty"
     if kind == "value_error":
         return str(error["msg"]).removeprefix("Value error, ")
     for name, kind_words in _KINDS.items():

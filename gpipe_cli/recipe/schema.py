@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from gpipe_cli.errors import cut
@@ -14,11 +15,13 @@ from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
 
 
-def _not_text(value: object) -> None:
+def _real(value: object) -> object:
+    """YAML `true` and the string "0.1" are not numbers."""
     if isinstance(value, bool):
         raise PydanticCustomError("bool_number", "must be a number, not true or false")
     if isinstance(value, str) and _numeric(value):  # quoted in YAML: pydantic would read the string as a number
         raise PydanticCustomError("str_number", "must be a number, not a string (remove the quotes)")
+    return value
 
 
 def _numeric(text: str) -> bool:
@@ -31,15 +34,9 @@ def _numeric(text: str) -> bool:
 def _number(value: object) -> object:
     """YAML `true` and the string "5" are not numbers, and an integral float such as 1e20 is range-checked as an
     integer."""
-    _not_text(value)
+    _real(value)
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         return int(value)
-    return value
-
-
-def _real(value: object) -> object:
-    """YAML `true` and the string "0.1" are not numbers."""
-    _not_text(value)
     return value
 
 
@@ -52,8 +49,20 @@ Layers = Annotated[int, Number, Field(ge=1, le=MAX_LAYERS)]
 Ranks = Annotated[int, Number, Field(ge=1, le=MAX_RANKS)]
 Vocabulary = Annotated[int, Number, Field(ge=8, le=MAX_SIZE * 16)]
 Probability = Annotated[float, Real, Field(ge=0.0, lt=1.0)]
+Text = Annotated[str, Field(min_length=1, max_length=128)]
+Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]  # a file or W&B name
 PositiveReal = Annotated[float, Real, Field(gt=0.0, le=MAX_REAL)]
 NonNegReal = Annotated[float, Real, Field(ge=0.0, le=MAX_REAL)]
+
+
+def bounds(field: FieldInfo) -> dict[str, Any]:
+    """The numeric bounds (ge, gt, le, lt) a schema field declares, wherever pydantic keeps them."""
+    constraints = list(field.metadata)
+    for member in get_args(field.annotation):  # `X | None`: the constraints live on X
+        constraints += list(get_args(member)[1:]) if get_origin(member) is Annotated else []
+    items = [m for c in constraints for m in getattr(c, "metadata", [c])]  # Field(...) holds a list
+    return {attr: getattr(item, attr) for item in items for attr in ("ge", "gt", "le", "lt")
+            if getattr(item, attr, None) is not None}
 
 
 class Section(BaseModel):
@@ -185,6 +194,9 @@ class Pipeline(Section):
         return self
 
 
+LOCAL_SOURCES = ("imagefolder", "parquet", "jsonl", "tsv", "text")  # the data sources read from data.path
+
+
 class Data(Section):
     """Where examples come from and how they are batched."""
 
@@ -212,7 +224,7 @@ class Data(Section):
 
     @model_validator(mode="after")
     def _path_for_local_sources(self) -> Data:
-        if self.source in ("imagefolder", "parquet", "jsonl", "tsv", "text") and not self.path:
+        if self.source in LOCAL_SOURCES and not self.path:
             raise ValueError(f"data.path is required for data.source '{self.source}'")
         if self.source == "hub" and not self.name:
             raise ValueError("data.name (a Hugging Face dataset name) is required for data.source 'hub'")
@@ -330,13 +342,13 @@ class Eval(Section):
 class Wandb(Section):
     """Weights & Biases logging; offline writes a local run folder that `wandb sync` uploads later."""
 
-    project: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+    project: Name
     mode: Literal["offline", "online"] = "offline"
-    name: Annotated[str, Field(min_length=1, max_length=128)] | None = Field(
+    name: Text | None = Field(
         default=None, description="The W&B run's display name; null: the run directory's name")
-    entity: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")] | None = Field(
+    entity: Name | None = Field(
         default=None, description="The W&B user or team the run goes to; null: the logged-in user's default")
-    group: Annotated[str, Field(min_length=1, max_length=128)] | None = Field(
+    group: Text | None = Field(
         default=None, description="Runs of one group are shown together (e.g. the members of a sweep)")
     tags: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
         default_factory=list, max_length=64, description="Labels to filter runs by in the W&B interface")
@@ -355,7 +367,7 @@ class Metrics(Section):
 class Recipe(Section):
     """A whole training recipe."""
 
-    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")] = "run"
+    name: Name = "run"
     seed: Annotated[int, Number, Field(ge=0, le=2**32 - 1)] = 0
     model: Model = Field(default_factory=AmoebaNetModel)  # DEFAULT_KIND
     pipeline: Pipeline = Field(default_factory=Pipeline)

@@ -48,21 +48,18 @@ def read_recipe_file(path: Path) -> str:
     """The text of a recipe file: a regular file of at most MAX_RECIPE_BYTES, refused at once otherwise."""
     try:
         info = path.stat()
-    except FileNotFoundError:
-        raise RecipeError(f"{path}: no such recipe file") from None
-    except OSError as exc:
-        raise RecipeError(f"{path}: cannot read the recipe ({exc.strerror})") from None
-    if stat.S_ISDIR(info.st_mode):
-        raise RecipeError(f"{path}: is a directory, not a recipe file")
-    if not stat.S_ISREG(info.st_mode):  # a FIFO or a device would block or never end
-        raise RecipeError(f"{path}: is not a regular file (a recipe must be a YAML file)")
-    if info.st_size > MAX_RECIPE_BYTES:
-        raise RecipeError(f"{path}: the recipe is {info.st_size} bytes; at most {MAX_RECIPE_BYTES} are allowed")
-    try:
+        if stat.S_ISDIR(info.st_mode):
+            raise RecipeError(f"{path}: is a directory, not a recipe file")
+        if not stat.S_ISREG(info.st_mode):  # a FIFO or a device would block or never end
+            raise RecipeError(f"{path}: is not a regular file (a recipe must be a YAML file)")
+        if info.st_size > MAX_RECIPE_BYTES:
+            raise RecipeError(f"{path}: the recipe is {info.st_size} bytes; at most {MAX_RECIPE_BYTES} are allowed")
         # O_NONBLOCK: should the path be swapped for a FIFO after the check, opening still cannot hang.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         with os.fdopen(fd, "rb") as f:
             data = f.read(MAX_RECIPE_BYTES + 1)
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: no such recipe file") from None
     except OSError as exc:
         raise RecipeError(f"{path}: cannot read the recipe ({exc.strerror})") from None
     if len(data) > MAX_RECIPE_BYTES:
@@ -170,10 +167,7 @@ def _fresh(value: Any) -> Any:
     from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
     if isinstance(value, dict):
-        mapping = CommentedMap()
-        for key, item in value.items():
-            mapping[key] = _fresh(item)
-        return mapping
+        return CommentedMap((key, _fresh(item)) for key, item in value.items())
     if isinstance(value, list):
         items = CommentedSeq(_fresh(item) for item in value)
         if not any(isinstance(item, (dict, list)) for item in value):
@@ -219,18 +213,16 @@ def _check(root: yaml.Node, label: str) -> None:
         if depth > MAX_DEPTH:
             raise RecipeError(f"{label}: line {node.start_mark.line + 1}: nested more than {MAX_DEPTH} levels deep")
         visiting.add(key)
-        total = 1
+        total, children = 1, []
         if isinstance(node, yaml.MappingNode):
             _no_duplicates(node, label)
-            for k, v in node.value:
-                total += size(k, depth + 1) + size(v, depth + 1)
-                if total > MAX_NODES:
-                    break
+            children = [n for pair in node.value for n in pair]
         elif isinstance(node, yaml.SequenceNode):
-            for item in node.value:
-                total += size(item, depth + 1)
-                if total > MAX_NODES:
-                    break
+            children = node.value
+        for child in children:
+            total += size(child, depth + 1)
+            if total > MAX_NODES:
+                break
         visiting.discard(key)
         if total > MAX_NODES:
             raise RecipeError(f"{label}: more than {MAX_NODES} values once its aliases are expanded "

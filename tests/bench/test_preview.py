@@ -64,7 +64,7 @@ def test_the_command_refuses_before_any_rank_starts(monkeypatch, capsys):
     def measured(*args, **kwargs):
         raise AssertionError("a rank started")
 
-    monkeypatch.setattr("gpipe_cli.bench.jobs.run", measured)
+    monkeypatch.setattr("gpipe_cli.bench.setup.launch_job", measured)
     monkeypatch.setattr(sizing, "this_machine", lambda threads=1: machine(300 * MIB))
     args = ["bench", "--set", "model.arch=decoder-only", *[f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]]
     assert gpipe(args) == 2
