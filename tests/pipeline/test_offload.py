@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from gpipe_cli.pipeline import topology
+from gpipe_cli.pipeline import schedules, topology
 from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
@@ -22,7 +22,8 @@ SCHEDULES = [("gpipe", (3, 3)), ("1f1b", (3, 3)), ("zero-bubble", (3, 3)), ("int
 # Every schedule rematerialising every micro-batch, and keeping every graph (saved tensors move layer by layer);
 # except_last (both kinds) on two of them.
 CASES = ([(*s, "always") for s in SCHEDULES] + [(*s, "never") for s in SCHEDULES]
-         + [(*s, "except_last") for s in SCHEDULES[:2]])
+         + [(*s, "except_last") for s in SCHEDULES[:2]]
+         + [("zero-bubble-v", (2, 1, 1, 2), "never"), ("v-half", (2, 1, 1, 2), "except_last")])
 
 
 def _train(rank: int, world: loopback.World, schedule: str, balance: tuple[int, ...], checkpoint: str,
@@ -32,7 +33,9 @@ def _train(rank: int, world: loopback.World, schedule: str, balance: tuple[int, 
     for offload in ("none", "activations"):
         topo = loopback.topology(world, rank, 2)
         with _building:
-            layers = build_layers(toy.MODELS["bn"]["factories"](), stage_layers(list(balance), 2, rank), toy.SEED)
+            placed = schedules.get(schedule).placement
+            layers = build_layers(toy.MODELS["bn"]["factories"](), stage_layers(list(balance), 2, rank, placed),
+                                  toy.SEED)
         config = PipelineConfig(2, microbatches, virtual=len(balance) // 2, schedule=schedule, checkpoint=checkpoint,
                                 balance=balance, offload=offload)
         pipe = Pipeline(layers, topo, config, toy.MODELS["bn"]["loss"])
@@ -114,11 +117,11 @@ def test_saved_tensors_go_out_layer_by_layer_and_come_back_three_at_most():
     assert meter.host_current == 0 and meter.current == 0
 
 
-def _gloo() -> dict:
+def _gloo(checkpoint: str) -> dict:
     topo = topology.init(2)
     out = {}
     for offload in ("none", "activations"):
-        pipe = ranks.make_pipeline("ln", topo, [2, 3], schedule="1f1b", checkpoint="always", microbatches=3,
+        pipe = ranks.make_pipeline("ln", topo, [2, 3], schedule="1f1b", checkpoint=checkpoint, microbatches=3,
                                    offload=offload)
         ranks.train(pipe, "ln", 3)
         out[offload] = {k: v.clone() for k, v in pipe.state_dict().items()}
@@ -128,9 +131,12 @@ def _gloo() -> dict:
 
 
 @pytest.mark.slow
-def test_offloaded_training_over_two_gloo_ranks_equals_training():
-    first, last = results(run_ranks(_gloo, 2))
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_offloaded_training_over_two_gloo_ranks_equals_training(checkpoint):
+    first, last = results(run_ranks(_gloo, 2, checkpoint))
     for found in (first, last):
         assert all(torch.equal(found["none"][k], found["activations"][k]) for k in found["none"])
-    # Only the second stage moves its inputs (the first one's are the mini-batch).
-    assert first["activations host"] == 0 and last["activations host"] > 0
+        assert found["none host"] == 0
+    # Kept whole, both stages move their saved tensors; rematerialised, the second one moves its inputs (the first
+    # one's are the mini-batch, and its recompute's first layer, a Linear, saves nothing but that input).
+    assert last["activations host"] > 0 and (first["activations host"] > 0) == (checkpoint == "never")
