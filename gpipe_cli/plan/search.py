@@ -175,7 +175,9 @@ def configs(model: Model, hw: Hardware, schedules: Sequence[str] = SCHEDULES,
             for name in schedules:
                 for v in _virtual(name, k, m, model.layers):
                     for mode in remat:
-                        for offload in ("none", "activations"):
+                        # Its host copies are priced at no time (docs/planning.md): without rematerialization
+                        # offload would be priced as fast as keeping every graph on the device, which it is not.
+                        for offload in ("none", "activations") if mode != "never" else ("none",):
                             yield Config(k, d, m, name, v, mode, offload)
 
 

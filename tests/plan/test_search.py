@@ -55,7 +55,7 @@ def brute_force(model: search.Model, hw: search.Hardware) -> tuple[float, search
                     allowed = v == 2 and k >= 2
                 else:
                     allowed = (v > 1 and m % k == 0 and k >= 2) if name == "interleaved" else v == 1
-                if not allowed or k * v > n:
+                if not allowed or k * v > n or (mode == "never" and offload != "none"):
                     continue
                 config = search.Config(k, d, m, name, v, mode, offload)
                 costs = model.costs(per_replica // m)
@@ -143,9 +143,10 @@ def test_configurations_use_every_device_and_split_the_batch_evenly():
     assert all(c.microbatches % c.partitions == 0 for c in seen if c.schedule == "interleaved")
     assert {c.schedule for c in seen} == set(SCHEDULES)
     assert all(c.virtual == 2 for c in seen if c.schedule in SHAPED)
-    # Offload moves stored inputs and saved tensors: tried with every remat mode.
-    assert {(c.checkpoint, c.offload) for c in seen} == {(m, o) for m in ("always", "except_last", "never")
-                                                         for o in ("none", "activations")}
+    # Offload is tried where it rematerializes (its copies are priced at no time).
+    assert {(c.checkpoint, c.offload) for c in seen} == {("always", "none"), ("always", "activations"),
+                                                         ("except_last", "none"), ("except_last", "activations"),
+                                                         ("never", "none")}
 
 
 def test_where_only_offloading_or_a_v_fits_the_pick_is_one_of_them():
