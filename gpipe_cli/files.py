@@ -39,9 +39,9 @@ def atomic_path(path: Path, suffix: str = "") -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
     try:
-        os.fchmod(fd, new_file_mode())  # as any new file, not mkstemp's 0o600
         os.close(fd)
         yield Path(tmp)
+        os.chmod(tmp, new_file_mode())  # as any new file, not mkstemp's 0o600 (after: a writer may make it anew)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

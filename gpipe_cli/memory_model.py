@@ -145,6 +145,22 @@ def role(name: str) -> str:
 PARAM_BYTES = 4  # an fp32 weight, and so its gradient
 
 
+def primed(optimizer: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """Optimizer `optimizer` over `params` with its state made now, by a step of zero gradients.
+
+    A run past its first step holds that state through every forward and backward; an optimizer made after
+    a step's backward (as a first step does) never holds it beside the activations, so a peak measured over
+    such a step misses it (on a GPU a probe step read the weights at half their bytes).
+    """
+    opt = OPTIMIZERS[optimizer](params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()  # zero gradients move no weight (but decoupled weight decay, by a factor of 1 - lr x decay)
+    for p in params:
+        p.grad = None
+    return opt
+
+
 @functools.lru_cache(maxsize=32)
 def bytes_per_parameter(optimizer: str) -> float:
     """Weight, gradient and optimizer-state bytes per fp32 parameter, measured by one optimizer step."""

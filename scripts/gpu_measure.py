@@ -58,7 +58,6 @@ from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.fabric import FORWARD, Link, TorchFabric
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.profile import budget, probe
-from gpipe_cli.profile.account import OPTIMIZERS
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -375,7 +374,7 @@ def _one_step(spec: Any, batch: int, microbatches: int, checkpoint: str, optimiz
                         PipelineConfig(checkpoint=checkpoint, balance=balance or (n,), schedule=schedule,
                                        virtual=virtual, microbatches=microbatches, offload=offload),
                         spec.loss, units=spec.units)
-        opt = OPTIMIZERS[optimizer](pipe.parameters())
+        opt = mm.primed(optimizer, list(pipe.parameters()))  # held through the step, as from a second step on
         inputs, targets = example_batch(spec, batch, 0)
         step = pipe.train_step(inputs, targets, microbatches=microbatches, step=0)
         opt.step()

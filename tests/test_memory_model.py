@@ -1,6 +1,7 @@
 """The memory model: per-layer figures from shapes equal measured ones; capacity per rank; the walk's trends."""
 
 import pytest
+import torch
 
 from gpipe_cli import memory_model as mm
 from gpipe_cli.models.registry import build_model
@@ -76,3 +77,13 @@ def test_a_v_fit_search_reaches_a_far_cut_of_a_deep_model():
     assert leanest < 0.6 * max(needs(even))
     found = v_fit(figures, 8, 1.02 * leanest, *args)
     assert found is not None and max(fp.total_bytes for fp in found) <= 1.02 * leanest
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "rmsprop"])
+def test_a_primed_optimizer_holds_its_state_before_the_first_step_and_moves_no_weight(optimizer):
+    # A device probe measures one step: its optimizer must hold its state through it, as from a second step on.
+    layer = torch.nn.Linear(8, 4)
+    before = [p.detach().clone() for p in layer.parameters()]
+    opt = mm.primed(optimizer, list(layer.parameters()))
+    assert len(opt.state) == 2 and all(p.grad is None for p in layer.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters()))

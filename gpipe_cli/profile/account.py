@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_cli.memory_model import OPTIMIZERS
+from gpipe_cli.memory_model import primed
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import microbatch, partition, placement, schedules
 from gpipe_cli.pipeline import schedule as sched
@@ -200,6 +200,8 @@ def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[i
                           device, spec.loss if c == count - 1 else None, meter,
                           offloader=offloader if offload != "none" else None,
                           park_inputs=offloaded(offload, c)) for c in chunks}
+        params = [p for p in module.parameters() if p.requires_grad]
+        opt = primed(optimizer, params)  # held through the step, as from a run's second step on
         counter = _Counter(meter, module, device)
         actions = sched.build(schedule, s, stages, microbatches, checkpoint, virtual)
         sent = _Sent()
@@ -211,9 +213,7 @@ def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[i
         Executor(parts, channels, count, microbatches, True, feed=feed if 0 in chunks else (),
                  targets=labels if count - 1 in chunks else (), weights=weights if count - 1 in chunks else (),
                  before=stored).run(actions)
-        params = [p for p in module.parameters() if p.requires_grad]
         grads_bytes = _unique_bytes([p.grad for p in params if p.grad is not None])
-        opt = OPTIMIZERS[optimizer](params)
         opt.step()
         state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
         out.append(StageMemory(s, indices[0], len(indices), _unique_bytes(params), grads_bytes,
