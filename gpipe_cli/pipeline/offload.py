@@ -188,7 +188,8 @@ class Parcel:
         for other in [b for b in self._back if abs(b - layer) > 1]:
             self._back.discard(other)
             for b in self._blocks_of(other):
-                b.device = None
+                if b.host is not None:  # the host copy stays, should a later pass (a split backward's W) need it
+                    b.device = None
         self.fetch(layer)
         self.fetch(layer - 1)
         marker = self.into.pop(layer, None)
