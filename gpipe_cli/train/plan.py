@@ -43,6 +43,7 @@ class MemoryEstimate:
     optimizer: int
     stored: int        # activations kept from forwards when the backward phase starts
     activations: int   # the activation peak of the step (stored plus the micro-batch being backpropagated)
+    host: int = 0      # the most activations waiting in host memory at once (pipeline.offload)
 
     @property
     def total(self) -> int:
@@ -61,11 +62,27 @@ class StagePlan:
     flops: int  # forward FLOPs per example
     memory: MemoryEstimate
     capacity: int  # the memory this stage's rank has (see `Plan.capacity`)
+    host_capacity: int = 0  # the host memory its rank may fill with offloaded activations (0: the CPU, one RAM)
+
+    def over(self) -> str:
+        """By how much the stage does not fit, in words ('' when it fits)."""
+        if self.host_capacity == 0:  # on the CPU the offloaded copies share the RAM with everything else
+            extra = self.memory.total + self.memory.host - self.capacity
+            host = f" (with {human_bytes(self.memory.host)} offloaded)" if self.memory.host else ""
+            return f"needs {human_bytes(self.memory.total + self.memory.host)}{host}, {human_bytes(extra)} over" \
+                if extra > 0 else ""
+        if self.memory.total > self.capacity:
+            return f"needs {human_bytes(self.memory.total)}, {human_bytes(self.memory.total - self.capacity)} over"
+        if self.memory.host > self.host_capacity:
+            return (f"offloads {human_bytes(self.memory.host)} to host memory, "
+                    f"{human_bytes(self.memory.host - self.host_capacity)} over its share of the RAM "
+                    f"({human_bytes(self.host_capacity)})")
+        return ""
 
     @property
     def fits(self) -> bool:
-        """Whether the stage's estimate fits the memory its rank has."""
-        return self.memory.total <= self.capacity
+        """Whether the stage's estimate fits the memory its rank has (and its offloaded bytes the host's)."""
+        return not self.over()
 
 
 @dataclass(frozen=True)
@@ -100,8 +117,7 @@ class Plan:
             return ""
         if self.no_cut_fits:
             return self.no_cut_fits
-        parts = ", ".join(f"stage {s.index} needs {human_bytes(s.memory.total)} "
-                          f"({human_bytes(s.memory.total - s.capacity)} over)" for s in over)
+        parts = ", ".join(f"stage {s.index} {s.over()}" for s in over)
         return (f"the plan does not fit this machine: {parts}; each rank has {human_bytes(over[0].capacity)} "
                 f"({self.capacity}). Lower data.batch_size, raise pipeline.microbatches or pipeline.partitions, "
                 f"or set pipeline.checkpoint: always")
@@ -182,6 +198,7 @@ def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[floa
     per_param = mm.bytes_per_parameter(optimizer_name(recipe))
     ranks = pipe.partitions * pipe.data_parallel
     room = mm.capacity(ranks, device, available)
+    host_room = 0 if room.shared else int(mm.capacity(ranks, "cpu").per_rank_bytes)  # the CPU: the same RAM
     stage_memory = cut.StageMemory(figures, pipe.partitions, per_replica, pipe.microbatches, pipe.schedule,
                              pipe.checkpoint, per_param, room.per_rank_bytes, room.description, pipe.offload)
     refusal = ""
@@ -198,12 +215,12 @@ def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[floa
         indices = [i for span in spans for i in span]
         param_bytes = sum(summary.layers[i].param_bytes for i in indices)
         memory = MemoryEstimate(param_bytes, param_bytes, round(fp.weights_bytes) - 2 * param_bytes,
-                                round(fp.stored_bytes), round(fp.peak_bytes))
+                                round(fp.stored_bytes), round(fp.peak_bytes), round(fp.host_bytes))
         stages.append(StagePlan(
             index=s, first_layer=spans[0].start, layers=[summary.layers[i].name for i in indices],
             params=sum(summary.stage_params(r.start, r.stop) for r in spans),
             flops=sum(summary.stage_flops(r.start, r.stop) for r in spans),
-            memory=memory, capacity=int(room.per_rank_bytes)))
+            memory=memory, capacity=int(room.per_rank_bytes), host_capacity=host_room))
     return Plan(model=spec.name, task=spec.task, total_params=summary.total_params, partitions=pipe.partitions,
                 microbatches=pipe.microbatches, data_parallel=pipe.data_parallel, microbatch_size=mb,
                 balance=balance, balance_by=balance_by, schedule=pipe.schedule, checkpoint=pipe.checkpoint,

@@ -21,7 +21,7 @@ def plan_table(plan: Plan) -> Table:
                    "fits"):
         table.add_column(column, justify="left" if column == "layers" else "right")
     for s in plan.stages:
-        fits = "yes" if s.fits else f"[bold red]no: {human_bytes(s.memory.total - s.capacity)} over[/]"
+        fits = "yes" if s.fits else f"[bold red]no: {s.over()}[/]"
         table.add_row(str(s.index), _layers(s.layers), human_count(s.params), f"{s.flops / 1e9:.3f}",
                       human_bytes(s.memory.total), human_bytes(s.memory.activations), fits)
     verdict = "every stage fits" if plan.fits else f"{sum(not s.fits for s in plan.stages)} stage(s) do not fit"

@@ -31,6 +31,21 @@ def test_a_plan_fits_a_large_machine_and_not_a_tiny_one(recipe_path):
     assert cramped.to_json()["fits"] is False
 
 
+def test_offloaded_activations_count_against_the_host_memory(recipe_path, monkeypatch):
+    cut = ["pipeline.checkpoint=never", "pipeline.balance=[4, 5]"]
+    recipe = load_recipe(str(recipe_path), ["pipeline.offload=activations", *cut])
+    kept = make_plan(load_recipe(str(recipe_path), cut), device="cpu", available=1e15)
+    moved = make_plan(recipe, device="cpu", available=1e15)
+    assert all(m.memory.host > 0 and m.memory.activations < k.memory.activations
+               for k, m in zip(kept.stages, moved.stages))
+    # On the CPU the host copies share the RAM with the rest; on a GPU they need the host's share of it.
+    cramped = make_plan(recipe, device="cpu", available=2 * moved.stages[0].memory.total)
+    assert not cramped.stages[0].fits and "offloaded" in cramped.misfit()
+    monkeypatch.setattr("gpipe_cli.memory_model.available_bytes", lambda device: 1000)
+    gpu = make_plan(recipe, device="cuda", available=1e15)
+    assert not gpu.fits and "to host memory" in gpu.misfit() and "over its share of the RAM (500 B)" in gpu.misfit()
+
+
 def test_estimates_grow_with_the_batch(recipe_path):
     small = make_plan(load_recipe(str(recipe_path), []), available=1e15)
     large = make_plan(load_recipe(str(recipe_path), ["data.batch_size=64"]), available=1e15)
