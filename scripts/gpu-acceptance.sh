@@ -76,17 +76,17 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 declare -A BOUND=(
     [wheels]=10               # est 4: pip from wheels/ (pydantic and its few wheels), only when present
     [setup]=10                # est 4: one Python start: CUDA, gpipe's imports, GPUs and free memory
-    [tests]=195               # est 160: 11 tests, 13 gpipe runs on 8 workers (measured 9 of 11 in 180 s, 24 runs)
+    [tests]=185               # measured 146 (H100, 2026-11-27): 13 tests, 13 gpipe runs on 8 workers
     [overhead]=70             # measured 63.0: 55 s of rows, ~8 s start and sync counts
-    [table1-amoebanet]=30     # est 22 (measured 18.9 before the 6 device probe steps of (6, 16) and (6, 32) cells)
-    [table1-transformer]=35   # est 26 (measured 17.8 before the 6 device probe steps of 1 and 2 layers)
-    [fits-amoebanet]=25       # measured 18.0: (18, 208) and (18, 416) at 224 px, batch 128, one step each
-    [fits-transformer]=60     # est 52 (measured 29.4 for 1 and 9 layers of d_model 2048, one fp32 step of 32 x 1024
-                              # tokens each), then 9 as V-Half and about 18 with offload at K=2, stage by stage
+    [table1-amoebanet]=30     # measured 25.7 and 17.6 (H100, 2026-11-27), its 6 device probe steps included
+    [table1-transformer]=45   # measured 27.7, 32.7 and 39.1 (H100, 2026-11-27), its 6 device probe steps included
+    [fits-amoebanet]=25       # measured 13.6 to 17.2: (6, 64) and (6, 528) at 224 px, batch 128, one step each
+    [fits-transformer]=60     # measured 40.0 and 42.2: 1 and 7 layers of d_model 2048, one fp32 step of 32 x 1024
+                              # tokens each, 7 as V-Half and 11 with offload on the one GPU
     [bench-k2]=100            # measured 74: K=1 in-process, then 2 ranks start and run 4 steps (named only)
     [messages]=30             # measured 21.1: 20 messages a size, 2 x 2 ranks start
     [figures]=10              # est 3: merging the raw files and writing figures.json
-    [multigpu]=150            # est 110 (2 GPUs), 130 (4); beside the tests, within their 230 s; 30 s a run
+    [multigpu]=150            # est 110 (2 GPUs), 130 (4); beside the tests, within their 185 s; 30 s a run
 )
 MULTIGPU_RUN_BOUND=30
 SCALE=${GPU_ACCEPTANCE_BOUND_SCALE:-1}
