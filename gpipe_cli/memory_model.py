@@ -213,11 +213,12 @@ def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint:
     `KEPT` counts of each of the stage's chunks in order.
     """
     actions = sched.build(schedule, stage, stages, microbatches, checkpoint, virtual)
-    remat = sched.rematerialised(actions)
     chunks = sorted({a.chunk for a in actions})
     moved = offload != "none"
-    restores = [(a.microbatch, a.chunk) for a in sched.restores(actions)]
+    restoring = sched.restores(actions)
+    restores = [(a.microbatch, a.chunk) for a in restoring]
     after = dict(zip(restores, restores[1:]))  # what each restore brings back next (pipeline/executor.py)
+    first = {id(a) for a in restoring}
     held: tuple[set[tuple[int, int]], ...] = tuple(set() for _ in KEPT)
     whole, inputs, host, parked, fetched, active, redone = held
     points = []
@@ -233,7 +234,7 @@ def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint:
 
     for action in actions:
         key = (action.microbatch, action.chunk)
-        restore = action.kind == Kind.RECOMPUTE or (action.kind in sched.GRADIENT and key not in remat)
+        restore = id(action) in first
         if restore:
             points.append((0, counts()))
             bring(key, ((host, inputs), (parked, active), (fetched, active)))  # what was not brought back ahead
