@@ -81,19 +81,18 @@ def _flops(spec: ModelSpec) -> list[float]:
 def figures(kind: str, params: dict[str, Any], spec: ModelSpec, seed: int) -> tuple[ModelFigures, list[float], str]:
     """The memory model's figures and forward FLOPs per example of every layer, and how they were found."""
     probe = _probe_params(kind, params)
-    if probe is None:
-        return mm.measure(spec, seed, device="meta"), _flops(spec), "shapes of every layer (meta device)"
-    shallow = build_model(kind, **probe)
-    measured = mm.measure(shallow, seed, device="meta")
-    by_role = {mm.role(layer.name): layer for layer in measured.layers}
-    flops_by_role = dict(zip((mm.role(n) for n in shallow.layer_names), _flops(shallow)))
-    names = spec.layer_names
-    missing = [n for n in names if mm.role(n) not in by_role]
-    if missing:  # a kind of layer the shallow member lacks: measure the model itself
-        return mm.measure(spec, seed, device="meta"), _flops(spec), "shapes of every layer (meta device)"
-    layers = tuple(dataclasses.replace(by_role[mm.role(n)], name=n) for n in names)
-    note = f"extrapolated from the {probe['layers']}-layer member (each layer priced by its kind)"
-    return ModelFigures(measured.input, layers), [flops_by_role[mm.role(n)] for n in names], note
+    if probe is not None:
+        shallow = build_model(kind, **probe)
+        measured = mm.measure(shallow, seed, device="meta")
+        by_role = {mm.role(layer.name): layer for layer in measured.layers}
+        flops_by_role = dict(zip((mm.role(n) for n in shallow.layer_names), _flops(shallow)))
+        names = spec.layer_names
+        # Else a kind of layer the shallow member lacks: the model itself is measured.
+        if all(mm.role(n) in by_role for n in names):
+            layers = tuple(dataclasses.replace(by_role[mm.role(n)], name=n) for n in names)
+            note = f"extrapolated from the {probe['layers']}-layer member (each layer priced by its kind)"
+            return ModelFigures(measured.input, layers), [flops_by_role[mm.role(n)] for n in names], note
+    return mm.measure(spec, seed, device="meta"), _flops(spec), "shapes of every layer (meta device)"
 
 
 def has_batchnorm(spec: ModelSpec) -> bool:
@@ -105,23 +104,15 @@ def has_batchnorm(spec: ModelSpec) -> bool:
     return False
 
 
-def _timing(profile: CostProfile, size: int) -> CostProfile:
-    return dataclasses.replace(profile, microbatch_size=size)
-
-
 def affine_costs(lo: CostProfile, hi: CostProfile) -> Callable[[int], CostProfile]:
     """Per-layer seconds at any micro-batch size, affine through two measured profiles (proportional if one)."""
+    span = hi.microbatch_size - lo.microbatch_size
+
     def at(size: int) -> CostProfile:
-        if lo.microbatch_size == hi.microbatch_size:
-            t = size / lo.microbatch_size
-
-            def line(a: float, b: float) -> float:
-                return a * t
-        else:
-            t = (size - lo.microbatch_size) / (hi.microbatch_size - lo.microbatch_size)
-
-            def line(a: float, b: float) -> float:
-                return max(a + (b - a) * t, 0.0)
+        def line(a: float, b: float) -> float:
+            if not span:
+                return a * size / lo.microbatch_size
+            return max(a + (b - a) * (size - lo.microbatch_size) / span, 0.0)
         layers = [LayerTiming(x.name, line(x.forward, y.forward), line(x.forward_nograd, y.forward_nograd),
                               line(x.backward, y.backward), round(line(x.output_bytes, y.output_bytes)),
                               None if x.recompute is None else line(x.recompute_seconds, y.recompute_seconds))
@@ -181,8 +172,8 @@ def measured_costs(spec: ModelSpec, sizes: tuple[int, int], seed: int, threads: 
         profiles = []
         for size in sorted(set(sizes)):
             inputs, targets = examples(size)
-            profiles.append(_timing(layer_costs.profile(spec, inputs, targets.to(device), seed, REPEATS, device),
-                                    size))
+            measured = layer_costs.profile(spec, inputs, targets.to(device), seed, REPEATS, device)
+            profiles.append(dataclasses.replace(measured, microbatch_size=size))
             interrupts.check()
     finally:
         torch.set_num_threads(previous)
@@ -353,8 +344,8 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
             seconds += here.start_seconds(siblings) + 4 * measure_seconds(flops, (hi, hi), machine, kind)
         phase(f"measuring per-layer seconds of {len(spec.layers)} layers at micro-batches of {sizes_text} examples "
               f"({f'{threads} thread{plural}' if device == 'cpu' else f'on {device}'})", seconds)
-        real = sample is not None and sample.examples >= max(hi, batch)
-        examples = sample.take if real and sample is not None else generated(spec, seed)
+        real = sample if sample is not None and sample.examples >= max(hi, batch) else None
+        examples = real.take if real is not None else generated(spec, seed)
         work = functools.partial(sibling_work, kind, params, *examples(hi), seed)
         alone = _best_seconds(work, threads) if siblings else 0.0
         speedup = 1.0
@@ -372,7 +363,7 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
                                siblings + 1, links, speedup, optimizer, grad_clip, device, say, phase)
         extra = engine.overhead
         data = sample.build_seconds if sample is not None else 0.0
-        where = sample.note if real and sample is not None else "generated examples of the model's full length"
+        where = real.note if real is not None else "generated examples of the model's full length"
         beside = f", {siblings} other rank{'s' if siblings > 1 else ''} computing beside" if siblings else ""
         engine_note = (f"the engine adds {extra.action * 1e3:.2f} ms per layer call and {extra.step * 1e3:.1f} ms "
                        f"per step, its optimizer's update included (measured)" if not engine.replicated else
