@@ -21,6 +21,7 @@ steps and kept as a per-step cost: it scales with a stage's parameters, not with
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -83,19 +84,15 @@ def overhead(layers: int, costs: Callable[[int], CostProfile], per_replica: int,
              known: float = 0.0) -> Overhead:
     """The engine's per-layer-call and per-step seconds: what the measured steps of `per_replica` examples
     took beyond the simulated layers and the `known` seconds (the gradient all-reduce)."""
-    gaps = []
-    for m, seconds in sorted(measured.items()):
-        predicted = simulate.simulate_step(costs(per_replica // m), [layers], per_replica, m, "gpipe", "never",
-                                           simulate.FREE).step_time
-        gaps.append((float(m), seconds - predicted - known))
+    ms = sorted(measured)
+    gaps = [measured[m] - known - simulate.simulate_step(costs(per_replica // m), [layers], per_replica, m, "gpipe",
+                                                         "never", simulate.FREE).step_time for m in ms]
     if len(gaps) == 1:
-        return Overhead(0.0, max(gaps[0][1], 0.0))
+        return Overhead(0.0, max(gaps[0], 0.0))
     # Least squares through the points: one noisy step (a shared machine) moves the line less.
-    mean_m = sum(m for m, _ in gaps) / len(gaps)
-    mean_g = sum(g for _, g in gaps) / len(gaps)
-    slope = sum((m - mean_m) * (g - mean_g) for m, g in gaps) / sum((m - mean_m) ** 2 for m, _ in gaps)
-    per_microbatch = max(slope, 0.0)
-    return Overhead(per_microbatch / (2 * layers), max(mean_g - per_microbatch * mean_m, 0.0))
+    per_microbatch = max(statistics.linear_regression(ms, gaps).slope, 0.0)
+    fixed = statistics.fmean(gaps) - per_microbatch * statistics.fmean(ms)
+    return Overhead(per_microbatch / (2 * layers), max(fixed, 0.0))
 
 
 def factors(balance: list[int], costs: Callable[[int], CostProfile], per_replica: int,
@@ -104,13 +101,12 @@ def factors(balance: list[int], costs: Callable[[int], CostProfile], per_replica
     """Per micro-batch size: the ratio of the measured step (less the `known` seconds) to the one simulated for
     a pipeline cut as `balance` (GPipe; interleaved with `virtual` chunks per stage), its messages on `link`,
     its ranks computing at `rate`."""
-    ratios = {}
     schedule = "interleaved" if virtual > 1 else "gpipe"
+    ratios = {}
     for m, seconds in measured.items():
-        size = per_replica // m
-        predicted = simulate.simulate_step(costs(size), balance, per_replica, m, schedule, "never", link, 1.0,
-                                           virtual, 0.0, rate).step_time
-        ratios[size] = max(seconds - known, 0.0) / predicted if predicted > 0 else 1.0
+        predicted = simulate.simulate_step(costs(per_replica // m), balance, per_replica, m, schedule, "never", link,
+                                           1.0, virtual, 0.0, rate).step_time
+        ratios[per_replica // m] = max(seconds - known, 0.0) / predicted if predicted > 0 else 1.0
     return ratios
 
 

@@ -95,9 +95,10 @@ def _stop(procs: list[Any], wait: float) -> None:
 
 
 def _reported(target: Callable[..., None], out: Any, *args: Any) -> None:
-    """Run `target` in a child; a failure goes to the parent as one line, never as a traceback on the terminal."""
+    """Run `target(out, *args)` in a child; a failure goes to the parent as one line, never as a traceback on the
+    terminal."""
     try:
-        target(*args, out)
+        target(out, *args)
     except Exception as exc:  # the parent says what failed and plans on without it
         out.put(f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}")
 
@@ -112,7 +113,7 @@ def _result(out: Any, what: str) -> Any:
     return found
 
 
-def _busy(work: Callable[[], None], threads: int, stop: Event, ready: Any) -> None:
+def _busy(ready: Any, work: Callable[[], None], threads: int, stop: Event) -> None:
     torch.set_num_threads(threads)
     work()
     ready.put(os.getpid())
@@ -160,19 +161,36 @@ def _ping(rank: int, buf: torch.Tensor) -> None:
         dist.send(buf, 0)
 
 
-def _probe(rank: int, world: int, store_path: str, out: Any) -> None:
-    torch.set_num_threads(1)
+def _ranked(out: Any, rank: int, world: int, store_path: str, threads: int, target: Callable[..., Any],
+            *args: Any) -> None:
+    """One rank of a gloo group of `world` running `target(rank, world, *args)`; rank 0 sends its answer."""
+    torch.set_num_threads(threads)
+    os.environ["WORLD_SIZE"] = str(world)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
-        results: dict[str, float] = {}
-        for size in (SMALL, LARGE):
-            buf = torch.zeros(size // 4)
-            results[f"p2p{size}"] = _timed(functools.partial(_ping, rank, buf)) / 2
-            results[f"allreduce{size}"] = _timed(functools.partial(dist.all_reduce, buf))
+        found = target(rank, world, *args)
         if rank == 0:
-            out.put(results)
+            out.put(found)
     finally:
         dist.destroy_process_group()
+
+
+def _on_ranks(ranks: int, threads: int, what: str, target: Callable[..., Any], *args: Any) -> Any:
+    """Run `target(rank, ranks, *args)` on `ranks` processes here, each with `threads` threads; rank 0's answer."""
+    out = mp.get_context("spawn").Queue()
+    with tempfile.TemporaryDirectory(prefix="gpipe-ranks-") as tmp:
+        store = os.path.join(tmp, "store")
+        with _children(_reported, lambda i: (_ranked, out, i, ranks, store, threads, target, *args), ranks):
+            return _result(out, what)
+
+
+def _probe(rank: int, world: int) -> dict[str, float]:
+    results: dict[str, float] = {}
+    for size in (SMALL, LARGE):
+        buf = torch.zeros(size // 4)
+        results[f"p2p{size}"] = _timed(functools.partial(_ping, rank, buf)) / 2
+        results[f"allreduce{size}"] = _timed(functools.partial(dist.all_reduce, buf))
+    return results
 
 
 def _slope(small: float, large: float) -> float:
@@ -191,12 +209,7 @@ def _line(small: float, large: float) -> Link:
 def links(ranks: int) -> tuple[Link, Link]:
     """This machine's point-to-point link and all-reduce link (per ring hop) between `ranks` processes."""
     ranks = max(ranks, 2)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="gpipe-links-") as tmp:
-        store = os.path.join(tmp, "store")
-        with _children(_reported, lambda i: (_probe, out, i, ranks, store), ranks):
-            results = _result(out, f"measuring the links between {ranks} ranks")
+    results = _on_ranks(ranks, 1, f"measuring the links between {ranks} ranks", _probe)
     p2p = _line(results[f"p2p{SMALL}"], results[f"p2p{LARGE}"])
     hops = 2 * (ranks - 1)
     # A ring all-reduce moves 2 (D-1)/D of the bytes in 2 (D-1) steps (as `plan.search` charges it).
@@ -228,44 +241,37 @@ class Steps:
     drift: float  # the first count's step measured again last, relative to the first time (0.1: 10% slower)
 
 
-def _engine_rank(rank: int, world: int, store_path: str, kind: str, params: dict[str, Any], balance: list[int],
-                 virtual: int, inputs: Any, targets: torch.Tensor, seed: int, threads: int, counts: list[int],
-                 optimizer: OptimizerOf | None, grad_clip: float | None, out: Any) -> None:
+def _engine_rank(rank: int, world: int, kind: str, params: dict[str, Any], balance: list[int], virtual: int,
+                 inputs: Any, targets: torch.Tensor, seed: int, counts: list[int], optimizer: OptimizerOf | None,
+                 grad_clip: float | None) -> Steps:
     from gpipe_cli.estimate.measure import build_pipeline, measure_engine
     from gpipe_cli.models.registry import build_model
     from gpipe_cli.pipeline import topology
     from gpipe_cli.pipeline.config import PipelineConfig
 
-    torch.set_num_threads(threads)
-    os.environ["WORLD_SIZE"] = str(world)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    try:
-        spec = build_model(kind, **params)
-        balance = balance or [len(spec.layers)]
-        stages = len(balance) // virtual
-        topo = topology.init(stages, world // stages, "gloo", device="cpu")
-        config = PipelineConfig(stages, counts[0], world // stages, virtual, "interleaved" if virtual > 1 else "gpipe",
-                                "never", tuple(balance))
-        pipe = build_pipeline(spec, topo, config, seed)
-        update = optimizer(pipe.parameters()) if optimizer is not None else None
-        found = Steps({}, 0.0)
-        # The first count again at the end: how far this machine's own speed moved while measuring.
-        for index, m in enumerate([*counts, *counts[:1]]):
-            figures = measure_engine(pipe, inputs, targets, int(targets.shape[0]), m, STEPS, 1,
-                                     optimizer=update, max_grad_norm=grad_clip)
-            if figures is None:
-                continue
-            # Means, as training averages: waits and stalls included.
-            step, update_s = statistics.fmean(figures.step_times), statistics.fmean(figures.optimizer_times)
-            if index < len(counts):
-                found.per_count[m] = (step, update_s)
-            else:
-                found.drift = step / found.per_count[m][0] - 1.0
-        pipe.close()
-        if rank == 0:
-            out.put(found)
-    finally:
-        dist.destroy_process_group()
+    spec = build_model(kind, **params)
+    balance = balance or [len(spec.layers)]
+    stages = len(balance) // virtual
+    topo = topology.init(stages, world // stages, "gloo", device="cpu")
+    config = PipelineConfig(stages, counts[0], world // stages, virtual, "interleaved" if virtual > 1 else "gpipe",
+                            "never", tuple(balance))
+    pipe = build_pipeline(spec, topo, config, seed)
+    update = optimizer(pipe.parameters()) if optimizer is not None else None
+    found = Steps({}, 0.0)
+    # The first count again at the end: how far this machine's own speed moved while measuring.
+    for index, m in enumerate([*counts, *counts[:1]]):
+        figures = measure_engine(pipe, inputs, targets, int(targets.shape[0]), m, STEPS, 1,
+                                 optimizer=update, max_grad_norm=grad_clip)
+        if figures is None:
+            continue
+        # Means, as training averages: waits and stalls included.
+        step, update_s = statistics.fmean(figures.step_times), statistics.fmean(figures.optimizer_times)
+        if index < len(counts):
+            found.per_count[m] = (step, update_s)
+        else:
+            found.drift = step / found.per_count[m][0] - 1.0
+    pipe.close()
+    return found
 
 
 def engine_steps(kind: str, params: dict[str, Any], inputs: Any, targets: torch.Tensor, seed: int, ranks: int,
@@ -277,14 +283,9 @@ def engine_steps(kind: str, params: dict[str, Any], inputs: Any, targets: torch.
     `balance` None: the whole model as one stage on each of `ranks` replicas (data parallel, gradients
     all-reduced); else cut into those chunks, `virtual` per stage (interleaved), ranks / stages replicas. Each
     replica is given `inputs`."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="gpipe-engine-") as tmp:
-        store = os.path.join(tmp, "store")
-        stages = len(balance or [0]) // virtual
-        what = (f"running the engine on {ranks} replicas" if balance is None else
-                f"running the engine as {stages} stages x {ranks // stages} replicas, {virtual} chunk(s) per stage")
-        with _children(_reported, lambda i: (_engine_rank, out, i, ranks, store, kind, params, balance or [], virtual,
-                                             inputs, targets, seed, threads, counts, optimizer, grad_clip), ranks):
-            found: Steps = _result(out, what)
+    stages = len(balance or [0]) // virtual
+    what = (f"running the engine on {ranks} replicas" if balance is None else
+            f"running the engine as {stages} stages x {ranks // stages} replicas, {virtual} chunk(s) per stage")
+    found: Steps = _on_ranks(ranks, threads, what, _engine_rank, kind, params, balance or [], virtual, inputs, targets,
+                             seed, counts, optimizer, grad_clip)
     return found

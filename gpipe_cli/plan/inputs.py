@@ -38,7 +38,7 @@ from gpipe_cli.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_cli.plan import calibrate, here
 from gpipe_cli.plan.calibrate import Examples
 from gpipe_cli.plan.sample import Sample
-from gpipe_cli.plan.search import Factor, allreduce_seconds, as_timed
+from gpipe_cli.plan.search import Model, allreduce_seconds
 
 # Time spent measuring per-layer seconds is worth it up to about this; beyond, estimate from FLOPs.
 MEASURE_BUDGET_S = 60.0
@@ -52,17 +52,10 @@ ASSUMED_CALL_S = 50e-6
 class Inputs:
     """The model as the search sees it, and how its figures were obtained (for the output)."""
 
-    costs: Callable[[int], CostProfile]
-    figures: ModelFigures
-    min_microbatch: int
+    model: Model
     timing: str        # e.g. "measured on cpu (1 thread) at micro-batches of 2 and 64 examples"
     memory: str        # e.g. "shapes of every layer" or "extrapolated from a 9-layer member"
-    action_overhead: float = 0.0  # the engine's seconds per layer of a compute action (measured with the costs)
-    step_overhead: float = 0.0    # the engine's seconds per step of the whole model on one stage
-    data_seconds: float = 0.0     # building one global mini-batch (shared by the replicas)
     drift: float | None = None    # how much one engine step moved from the start to the end of measuring
-    alone_speedup: float = 1.0    # how much faster a rank computes alone than beside its siblings here
-    factor: Factor = as_timed     # the engine's measured steps over the simulated ones, by shape: scales `costs`
 
 
 def _probe_params(kind: str, params: dict[str, Any]) -> dict[str, Any] | None:
@@ -81,19 +74,18 @@ def _flops(spec: ModelSpec) -> list[float]:
 def figures(kind: str, params: dict[str, Any], spec: ModelSpec, seed: int) -> tuple[ModelFigures, list[float], str]:
     """The memory model's figures and forward FLOPs per example of every layer, and how they were found."""
     probe = _probe_params(kind, params)
-    if probe is None:
-        return mm.measure(spec, seed, device="meta"), _flops(spec), "shapes of every layer (meta device)"
-    shallow = build_model(kind, **probe)
-    measured = mm.measure(shallow, seed, device="meta")
-    by_role = {mm.role(layer.name): layer for layer in measured.layers}
-    flops_by_role = dict(zip((mm.role(n) for n in shallow.layer_names), _flops(shallow)))
-    names = spec.layer_names
-    missing = [n for n in names if mm.role(n) not in by_role]
-    if missing:  # a kind of layer the shallow member lacks: measure the model itself
-        return mm.measure(spec, seed, device="meta"), _flops(spec), "shapes of every layer (meta device)"
-    layers = tuple(dataclasses.replace(by_role[mm.role(n)], name=n) for n in names)
-    note = f"extrapolated from the {probe['layers']}-layer member (each layer priced by its kind)"
-    return ModelFigures(measured.input, layers), [flops_by_role[mm.role(n)] for n in names], note
+    if probe is not None:
+        shallow = build_model(kind, **probe)
+        measured = mm.measure(shallow, seed, device="meta")
+        by_role = {mm.role(layer.name): layer for layer in measured.layers}
+        flops_by_role = dict(zip((mm.role(n) for n in shallow.layer_names), _flops(shallow)))
+        names = spec.layer_names
+        # Else a kind of layer the shallow member lacks: the model itself is measured.
+        if all(mm.role(n) in by_role for n in names):
+            layers = tuple(dataclasses.replace(by_role[mm.role(n)], name=n) for n in names)
+            note = f"extrapolated from the {probe['layers']}-layer member (each layer priced by its kind)"
+            return ModelFigures(measured.input, layers), [flops_by_role[mm.role(n)] for n in names], note
+    return mm.measure(spec, seed, device="meta"), _flops(spec), "shapes of every layer (meta device)"
 
 
 def has_batchnorm(spec: ModelSpec) -> bool:
@@ -105,23 +97,15 @@ def has_batchnorm(spec: ModelSpec) -> bool:
     return False
 
 
-def _timing(profile: CostProfile, size: int) -> CostProfile:
-    return dataclasses.replace(profile, microbatch_size=size)
-
-
 def affine_costs(lo: CostProfile, hi: CostProfile) -> Callable[[int], CostProfile]:
     """Per-layer seconds at any micro-batch size, affine through two measured profiles (proportional if one)."""
+    span = hi.microbatch_size - lo.microbatch_size
+
     def at(size: int) -> CostProfile:
-        if lo.microbatch_size == hi.microbatch_size:
-            t = size / lo.microbatch_size
-
-            def line(a: float, b: float) -> float:
-                return a * t
-        else:
-            t = (size - lo.microbatch_size) / (hi.microbatch_size - lo.microbatch_size)
-
-            def line(a: float, b: float) -> float:
-                return max(a + (b - a) * t, 0.0)
+        def line(a: float, b: float) -> float:
+            if not span:
+                return a * size / lo.microbatch_size
+            return max(a + (b - a) * (size - lo.microbatch_size) / span, 0.0)
         layers = [LayerTiming(x.name, line(x.forward, y.forward), line(x.forward_nograd, y.forward_nograd),
                               line(x.backward, y.backward), round(line(x.output_bytes, y.output_bytes)),
                               None if x.recompute is None else line(x.recompute_seconds, y.recompute_seconds))
@@ -181,8 +165,8 @@ def measured_costs(spec: ModelSpec, sizes: tuple[int, int], seed: int, threads: 
         profiles = []
         for size in sorted(set(sizes)):
             inputs, targets = examples(size)
-            profiles.append(_timing(layer_costs.profile(spec, inputs, targets.to(device), seed, REPEATS, device),
-                                    size))
+            measured = layer_costs.profile(spec, inputs, targets.to(device), seed, REPEATS, device)
+            profiles.append(dataclasses.replace(measured, microbatch_size=size))
             interrupts.check()
     finally:
         torch.set_num_threads(previous)
@@ -310,12 +294,14 @@ def _ratios_text(engine: _Engine, ranks: int) -> str:
             f"{'/'.join(map(str, sorted(engine.replicated)))} examples")
 
 
-def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Callable[[int], tuple[int, int]],
-           timing: str, threads: int, say: Callable[[str], None], tflops: float | None = None,
-           sample: Sample | None = None, siblings: int = 0, links: tuple[Link, Link] | None = None,
-           optimizer: here.OptimizerOf | None = None, grad_clip: float | None = None, device: str = "cpu",
+def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, bytes_per_param: float,
+           sizes: Callable[[int], tuple[int, int]], timing: str, threads: int, say: Callable[[str], None],
+           tflops: float | None = None, sample: Sample | None = None, siblings: int = 0,
+           links: tuple[Link, Link] | None = None, optimizer: here.OptimizerOf | None = None,
+           grad_clip: float | None = None, device: str = "cpu",
            phase: Callable[[str, float], None] | None = None) -> Inputs:
-    """Everything the search needs of the model; `sizes(min_microbatch)` gives the micro-batch sizes it will try.
+    """Everything the search needs of the model, whose every parameter takes `bytes_per_param` with its gradient and
+    optimizer state; `sizes(min_microbatch)` gives the micro-batch sizes the search will try.
 
     `tflops`: per-layer seconds from FLOPs at this assumed effective rate per device (devices not here).
     `sample`: the recipe's own data to time on (else generated examples of full length). `siblings`: processes
@@ -337,24 +323,23 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
         note = (f"estimated from FLOPs at the assumed {tflops:g} TFLOP/s per device (--tflops) plus "
                 f"{ASSUMED_CALL_S * 1e6:.0f} µs per layer call")
         costs = estimated_costs(spec.layer_names, flops, figs, tflops * 1e12, ASSUMED_CALL_S)
-        return Inputs(costs, figs, least, note, memory_note)
+        return Inputs(Model(costs, figs, bytes_per_param, batch, least), note, memory_note)
     lo, hi = sizes(least)
     machine = sizing.this_machine(threads)
+    seconds = measure_seconds(flops, (lo, hi), machine, kind)
     if timing == "auto":
-        seconds = measure_seconds(flops, (lo, hi), machine, kind)
         largest = max((layer.saved.at(hi) + mm.PARAM_BYTES * layer.params for layer in figs.layers), default=0.0)
         timing = "measure" if seconds <= MEASURE_BUDGET_S and largest < machine.memory_bytes * sizing.MEMORY_SHARE \
             else "estimate"
     if timing == "measure":
         plural = "s" if threads > 1 else ""
         sizes_text = f"{lo}{f' and {hi}' if hi != lo else ''}"
-        seconds = measure_seconds(flops, (lo, hi), machine, kind)
         if siblings:  # they start first; the largest size is timed twice alone and twice beside them
             seconds += here.start_seconds(siblings) + 4 * measure_seconds(flops, (hi, hi), machine, kind)
         phase(f"measuring per-layer seconds of {len(spec.layers)} layers at micro-batches of {sizes_text} examples "
               f"({f'{threads} thread{plural}' if device == 'cpu' else f'on {device}'})", seconds)
-        real = sample is not None and sample.examples >= max(hi, batch)
-        examples = sample.take if real and sample is not None else generated(spec, seed)
+        real = sample if sample is not None and sample.examples >= max(hi, batch) else None
+        examples = real.take if real is not None else generated(spec, seed)
         work = functools.partial(sibling_work, kind, params, *examples(hi), seed)
         alone = _best_seconds(work, threads) if siblings else 0.0
         speedup = 1.0
@@ -372,7 +357,7 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
                                siblings + 1, links, speedup, optimizer, grad_clip, device, say, phase)
         extra = engine.overhead
         data = sample.build_seconds if sample is not None else 0.0
-        where = sample.note if real and sample is not None else "generated examples of the model's full length"
+        where = real.note if real is not None else "generated examples of the model's full length"
         beside = f", {siblings} other rank{'s' if siblings > 1 else ''} computing beside" if siblings else ""
         engine_note = (f"the engine adds {extra.action * 1e3:.2f} ms per layer call and {extra.step * 1e3:.1f} ms "
                        f"per step, its optimizer's update included (measured)" if not engine.replicated else
@@ -385,9 +370,11 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, sizes: Call
                       f"simulator gives the ranks still busy while others wait" if siblings else "")
         note = (f"measured on {on} at micro-batches of {sizes_text} "
                 f"examples of {where}, affine in between; {engine_note}{alone_note}")
-        return Inputs(costs, figs, least, note, memory_note, extra.action, extra.step, data, engine.drift, speedup,
+        model = Model(costs, figs, bytes_per_param, batch, least, extra.action, extra.step, data, speedup,
                       calibrate.by_shape(engine.replicated, engine.staged))
+        return Inputs(model, note, memory_note, engine.drift)
     rate, per_call = machine_rate(machine, kind)
     note = (f"estimated from FLOPs at this machine's measured {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank "
             f"({machine.kind}; --tflops for other devices)")
-    return Inputs(estimated_costs(spec.layer_names, flops, figs, rate, per_call), figs, least, note, memory_note)
+    costs = estimated_costs(spec.layer_names, flops, figs, rate, per_call)
+    return Inputs(Model(costs, figs, bytes_per_param, batch, least), note, memory_note)

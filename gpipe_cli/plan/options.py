@@ -70,10 +70,11 @@ def output_path(text: str | None) -> Path | None:
     return Path(text)
 
 
-def _finite(value: float | None, least: float, strict: bool) -> bool:
-    """Whether a rate or latency flag is a usable number: finite, and above `least` (or at it, unless strict)."""
+def _finite(flag: str, value: float | None, unit: str = "", zero: bool = False) -> tuple[bool, str]:
+    """A rate or latency flag's check: a finite number above 0 (or at it, where `zero`), and its refusal."""
     # An infinite link or rate prices messages or layers at no time, or at no speed: a plan of nonsense.
-    return value is None or (math.isfinite(value) and (value > least if strict else value >= least))
+    ok = value is None or (math.isfinite(value) and (value >= 0 if zero else value > 0))
+    return ok, f"{flag} must be a finite number {'>=' if zero else '>'} 0{unit} (got {value})"
 
 
 def validate(options: PlanOptions) -> None:
@@ -87,16 +88,12 @@ def validate(options: PlanOptions) -> None:
         (options.nodes < 1 or (options.nodes <= options.devices and options.devices % options.nodes == 0),
          f"--nodes {options.nodes} must divide --devices {options.devices} (the same devices on every node)"),
         (1 <= options.top <= MAX_COUNT, outside("--top", options.top, 1, MAX_COUNT) or ""),
-        (_finite(options.bandwidth, 0, True),
-         f"--bandwidth must be a finite number > 0 GB/s (got {options.bandwidth})"),
-        (_finite(options.latency_us, 0, False),
-         f"--latency-us must be a finite number >= 0 (got {options.latency_us})"),
-        (_finite(options.node_bandwidth, 0, True),
-         f"--node-bandwidth must be a finite number > 0 GB/s (got {options.node_bandwidth})"),
-        (_finite(options.node_latency_us, 0, False),
-         f"--node-latency-us must be a finite number >= 0 (got {options.node_latency_us})"),
+        _finite("--bandwidth", options.bandwidth, " GB/s"),
+        _finite("--latency-us", options.latency_us, zero=True),
+        _finite("--node-bandwidth", options.node_bandwidth, " GB/s"),
+        _finite("--node-latency-us", options.node_latency_us, zero=True),
         (options.timing in TIMINGS, f"--timing must be one of {', '.join(TIMINGS)} (got {options.timing})"),
-        (_finite(options.tflops, 0, True), f"--tflops must be a finite number > 0 (got {options.tflops})"),
+        _finite("--tflops", options.tflops),
         (options.tflops is None or options.timing != "measure", "--tflops estimates per-layer seconds: it cannot "
          "be combined with --timing measure"),
         (options.output is None or options.output.suffix in (".yaml", ".yml"),

@@ -171,19 +171,18 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     measuring = options.tflops is None and options.timing != "estimate"
     sample = _sample(recipe, say) if measuring else None
     link, reduce_link, link_note = _links(options, measuring and here_ranks > 1, here_ranks, say, phase)
-    fed = inputs.inputs(recipe.model.kind, params, recipe.seed, batch, sizes, options.timing, threads, say,
+    per_param = mm.bytes_per_parameter(optimizer_name(recipe))
+    fed = inputs.inputs(recipe.model.kind, params, recipe.seed, batch, per_param, sizes, options.timing, threads, say,
                         options.tflops, sample, here_ranks - 1, (link, reduce_link) if reduce_link else None,
                         functools.partial(build_optimizer, recipe=recipe), recipe.train.grad_clip, device, phase)
-    per_param = mm.bytes_per_parameter(optimizer_name(recipe))
-    model = search.Model(fed.costs, fed.figures, per_param, batch, fed.min_microbatch, fed.action_overhead,
-                         fed.step_overhead, fed.data_seconds, fed.alone_speedup, fed.factor)
+    model = fed.model
     hw = search.Hardware(n, budget, link, Link.of(options.node_bandwidth, options.node_latency_us), options.nodes,
                          reduce_link)
     result = search.search(model, hw)
     evaluated = len(result.ranked) + len(result.refused)
     if not evaluated:
         raise UserError(f"--devices {n}: no pipeline uses exactly {n} devices with micro-batches of at least "
-                        f"{fed.min_microbatch} examples (data.batch_size {batch})")
+                        f"{model.min_microbatch} examples (data.batch_size {batch})")
     best = result.best
     if best is None:
         assert result.smallest is not None and result.smallest_memory is not None

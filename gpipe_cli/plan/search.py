@@ -24,6 +24,7 @@ at no time, as they overlap the backward), then to the one needing less memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -191,19 +192,14 @@ def _virtual(name: str, k: int, m: int, layers: int) -> list[int]:
     return [v for v in VIRTUAL_STAGES if k >= 2 and k * v <= layers and m % k == 0]
 
 
-def _stage_fits(model: Model, config: Config, size_batch: int, budget: float) -> Callable[[int, int, int], bool]:
-    memo: dict[tuple[int, int, int], bool] = {}
-
-    def fits(stage: int, start: int, stop: int) -> bool:
-        key = (stage, start, stop)
-        if key not in memo:
-            fp = mm.stage_footprint(model.figures, start, stop, stage, config.partitions, size_batch,
-                                    config.microbatches, config.schedule, config.checkpoint, model.bytes_per_param,
-                                    config.offload)
-            memo[key] = fp.total_bytes <= budget
-        return memo[key]
-
-    return fits
+def _stage_need(model: Model, config: Config, per_replica: int) -> Callable[[int, int, int], float]:
+    """The bytes stage `stage` needs holding layers `start` to `stop` (V=1), remembered."""
+    @functools.cache
+    def need(stage: int, start: int, stop: int) -> float:
+        return mm.stage_footprint(model.figures, start, stop, stage, config.partitions, per_replica,
+                                  config.microbatches, config.schedule, config.checkpoint, model.bytes_per_param,
+                                  config.offload).total_bytes
+    return need
 
 
 def _memory(model: Model, config: Config, balance: list[int], per_replica: int) -> list[float]:
@@ -243,7 +239,8 @@ def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | No
     fits = max(memory) <= hw.memory
     if not fits and cut is None:
         if config.virtual == 1:
-            within = partition.balance_within(weights, chunks, _stage_fits(model, config, per_replica, hw.memory))
+            need = _stage_need(model, config, per_replica)
+            within = partition.balance_within(weights, chunks, lambda stage, i, j: need(stage, i, j) <= hw.memory)
         else:
             within = partition.interleaved_within(weights, chunks, _needs(model, config, per_replica), hw.memory)
         if within is not None:
@@ -284,14 +281,7 @@ def min_max_memory(model: Model, config: Config) -> tuple[float, list[int]]:
         balance = partition.balance_by_cost(weights, config.partitions * config.virtual)
         balance = partition.least_memory(balance, _needs(model, config, per_replica))
         return max(_memory(model, config, balance, per_replica)), balance
-    n, k_total = model.layers, config.partitions
-
-    def need(stage: int, start: int, stop: int) -> float:
-        return mm.stage_footprint(model.figures, start, stop, stage, k_total, per_replica, config.microbatches,
-                                  config.schedule, config.checkpoint, model.bytes_per_param,
-                                  config.offload).total_bytes
-
-    found = partition.min_max_split(n, k_total, need)
+    found = partition.min_max_split(model.layers, config.partitions, _stage_need(model, config, per_replica))
     assert found is not None  # every stage has a finite need
     return found
 
@@ -304,13 +294,7 @@ def search(model: Model, hw: Hardware, schedules: Sequence[str] = SCHEDULES,
     refused = sorted((o for o in outcomes if not o.fits), key=_rank_key)
     result = Result(ranked, refused)
     if not ranked and refused:
-        smallest = None
-        for outcome in refused:
-            need, balance = min_max_memory(model, outcome.config)
-            if smallest is None or need < smallest[0]:
-                smallest = (need, balance, outcome)
-        assert smallest is not None
-        need, balance, outcome = smallest
+        need, balance, outcome = min(((*min_max_memory(model, o.config), o) for o in refused), key=lambda x: x[0])
         result.smallest_memory = need
         result.smallest = dataclasses.replace(outcome, balance=balance,
                                               memory=_memory(model, outcome.config, balance,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shlex
 from collections.abc import Sequence
@@ -41,8 +42,7 @@ def reason(model: search.Model, winner: Outcome, other: Outcome, budget: float) 
     if slower < 0.005:
         return "as fast (within 0.5%), needs more memory" if other.peak > winner.peak else "as fast (within 0.5%)"
     mine, theirs = search.parts(model, other), search.parts(model, winner)
-    deltas = {"compute": mine.compute - theirs.compute, "bubble": mine.bubble - theirs.bubble,
-              "messages": mine.messages - theirs.messages, "allreduce": mine.allreduce - theirs.allreduce}
+    deltas = {f.name: getattr(mine, f.name) - getattr(theirs, f.name) for f in dataclasses.fields(mine)}
     worst = max(deltas, key=lambda k: deltas[k])
     pct = f"{slower * 100:.0f}% slower"
     c, w = other.config, winner.config
@@ -99,17 +99,12 @@ def rows(model: search.Model, result: search.Result, top: int, budget: float) ->
     shown = [best] + sorted(others, key=lambda o: -o.samples_per_s)
     shown = shown[:top] + [o for o in ranked if o not in shown][:max(top - len(shown), 0)]
     faster = distinct([o for o in result.refused if o.samples_per_s > best.samples_per_s])[:2]
-    chosen = sorted(shown + faster, key=lambda o: -o.samples_per_s)
-    out = []
-    for outcome in chosen:
-        c = outcome.config
-        out.append({"winner": outcome is best, "partitions": c.partitions, "replicas": c.replicas,
-                    "microbatches": c.microbatches, "schedule": c.schedule, "virtual_stages": c.virtual,
-                    "checkpoint": c.checkpoint, "offload": c.offload, "balance": outcome.balance, "fits": outcome.fits,
-                    "samples_per_s": outcome.samples_per_s, "bubble": outcome.bubble,
-                    "memory": outcome.memory, "step_time": outcome.step_time,
-                    "why": "winner" if outcome is best else reason(model, best, outcome, budget)})
-    return out
+    return [{"winner": o is best, "partitions": o.config.partitions, "replicas": o.config.replicas,
+             "microbatches": o.config.microbatches, "schedule": o.config.schedule, "virtual_stages": o.config.virtual,
+             "checkpoint": o.config.checkpoint, "offload": o.config.offload, "balance": o.balance, "fits": o.fits,
+             "samples_per_s": o.samples_per_s, "bubble": o.bubble, "memory": o.memory, "step_time": o.step_time,
+             "why": "winner" if o is best else reason(model, best, o, budget)}
+            for o in sorted(shown + faster, key=lambda o: -o.samples_per_s)]
 
 
 def table(items: Sequence[dict[str, Any]], title: str) -> Table:
@@ -122,12 +117,16 @@ def table(items: Sequence[dict[str, Any]], title: str) -> Table:
     t.add_column("peak memory per stage (pred.)")
     t.add_column("why it loses")
     for item in items:
-        sched = item["schedule"] + (f" V={item['virtual_stages']}" if item["virtual_stages"] > 1 else "")
         t.add_row("*" if item["winner"] else "", str(item["partitions"]), str(item["replicas"]),
-                  str(item["microbatches"]), sched, _remat(item), ",".join(map(str, item["balance"])),
+                  str(item["microbatches"]), _schedule(item), _remat(item), ",".join(map(str, item["balance"])),
                   rate(item["samples_per_s"]), f"{item['bubble']:.3f}",
                   per_stage(item["memory"]), "" if item["winner"] else item["why"])
     return t
+
+
+def _schedule(item: dict[str, Any]) -> str:
+    """The schedule, and its V where there are several chunks per stage, e.g. "interleaved V=2"."""
+    return item["schedule"] + (f" V={item['virtual_stages']}" if item["virtual_stages"] > 1 else "")
 
 
 def _remat(item: dict[str, Any]) -> str:
@@ -140,13 +139,11 @@ def plain(items: Sequence[dict[str, Any]], title: str) -> str:
     """The configurations as plain lines."""
     lines = [title]
     for item in items:
-        sched = item["schedule"] + (f" V={item['virtual_stages']}" if item["virtual_stages"] > 1 else "")
+        why = "" if item["winner"] else f" | {item['why']}"
         lines.append(f"{'*' if item['winner'] else ' '} K={item['partitions']} D={item['replicas']} "
-                     f"M={item['microbatches']} {sched} {_remat(item)} balance "
+                     f"M={item['microbatches']} {_schedule(item)} {_remat(item)} balance "
                      f"{','.join(map(str, item['balance']))} | predicted {rate(item['samples_per_s'])} samples/s, "
-                     f"bubble {item['bubble']:.3f}, peak memory "
-                     f"{per_stage(item['memory'])}"
-                     + ("" if item["winner"] else f" | {item['why']}"))
+                     f"bubble {item['bubble']:.3f}, peak memory {per_stage(item['memory'])}{why}")
     return "\n".join(lines)
 
 
@@ -161,11 +158,9 @@ def pipeline_section(outcome: Outcome, backend: str) -> dict[str, Any]:
 
 def set_lines(section: dict[str, Any]) -> list[str]:
     """`--set pipeline.KEY=VALUE` for every key of the section, quoted for a shell."""
-    out = []
-    for key, value in section.items():
-        text = "[" + ",".join(map(str, value)) + "]" if isinstance(value, list) else str(value)
-        out.append(f"--set {shlex.quote(f'pipeline.{key}={text}')}")
-    return out
+    def text(value: Any) -> str:
+        return "[" + ",".join(map(str, value)) + "]" if isinstance(value, list) else str(value)
+    return [f"--set {shlex.quote(f'pipeline.{key}={text(value)}')}" for key, value in section.items()]
 
 
 HEADER = "# written by gpipe plan"
