@@ -14,6 +14,22 @@ from gpipe_cli.models.families import Task
 Batch = Any  # a tensor or a tuple of tensors, split along dim 0 into micro-batches
 
 
+def require(condition: bool, message: str) -> None:
+    """Refuse a model's size parameter: ValueError(message) unless `condition` holds."""
+    if not condition:
+        raise ValueError(message)
+
+
+def is_int(value: Any) -> bool:
+    """Whether `value` is an integer (YAML's true and false are not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_fraction(value: Any) -> bool:
+    """Whether `value` is a number in [0, 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value < 1.0
+
+
 @dataclass(frozen=True)
 class LayerSpec:
     """One pipeline layer: a name for plans and checkpoints, and a function that builds only it."""

@@ -110,12 +110,8 @@ def tensors_of(value: Batch) -> list[torch.Tensor]:
 
 def batch_bytes(value: Batch, batch_size: int) -> int:
     """Bytes per example of the tensors in `value` (tensors without the batch dimension count whole)."""
-    total = 0
-    for t in tensors_of(value):
-        size = t.numel() * t.element_size()
-        per_example = t.dim() > 0 and t.shape[0] == batch_size and batch_size > 0
-        total += size // batch_size if per_example else size
-    return total
+    sizes = [(t.numel() * t.element_size(), t.dim() > 0 and t.shape[0] == batch_size > 0) for t in tensors_of(value)]
+    return sum(size // batch_size if per_example else size for size, per_example in sizes)
 
 
 def _param_stats(module: nn.Module) -> tuple[int, int]:
@@ -125,31 +121,20 @@ def _param_stats(module: nn.Module) -> tuple[int, int]:
 
 def _tied_duplicates(spec: ModelSpec, sizes: dict[str, tuple[int, int]]) -> tuple[int, int]:
     """Parameters and bytes counted more than once because they are copies of one tied tensor."""
-    count = nbytes = 0
-    for group in spec.tied:
-        for name in group[1:]:
-            numel, size = sizes.get(name, (0, 0))
-            count, nbytes = count + numel, nbytes + size
-    return count, nbytes
+    copies = [sizes.get(name, (0, 0)) for group in spec.tied for name in group[1:]]
+    return sum(numel for numel, _ in copies), sum(size for _, size in copies)
 
 
 def _named_sizes(index: int, module: nn.Module, names: Iterable[str]) -> dict[str, tuple[int, int]]:
     wanted = set(names)
-    out = {}
-    for name, p in module.named_parameters():
-        key = f"{index}.{name}"
-        if key in wanted:
-            out[key] = (p.numel(), p.numel() * p.element_size())
-    return out
+    return {f"{index}.{name}": (p.numel(), p.numel() * p.element_size())
+            for name, p in module.named_parameters() if f"{index}.{name}" in wanted}
 
 
 def layer_params(spec: ModelSpec) -> list[int]:
     """The parameter count of every layer, building each alone on the meta device."""
-    counts = []
     with torch.device("meta"):
-        for layer in spec.layers:
-            counts.append(_param_stats(layer.build())[0])
-    return counts
+        return [_param_stats(layer.build())[0] for layer in spec.layers]
 
 
 def count_parameters(spec: ModelSpec) -> int:

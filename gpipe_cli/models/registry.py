@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpipe_cli.errors import shown
+from gpipe_cli.models import families
 from gpipe_cli.models.amoebanet import build_amoebanet
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.transformer import build_transformer
@@ -116,8 +117,7 @@ def resolve_preset(name: str, **overrides: Any) -> tuple[str, dict[str, Any]]:
                 break
         else:
             raise ValueError(f"unknown model preset {shown(name)}; use {names_help()}")
-    params = dict(params)
-    params.update(overrides)
+    params = {**params, **overrides}
     _check_params(kind, params)
     return kind, params
 
@@ -135,9 +135,7 @@ def build_preset(name: str, **overrides: Any) -> ModelSpec:
 
 
 def _builder(kind: str) -> Callable[..., ModelSpec]:
-    if kind not in BUILDERS:
-        raise ValueError(f"unknown model kind {kind!r}; allowed kinds: {', '.join(BUILDERS)}")
-    return BUILDERS[kind]
+    return BUILDERS[families.of(kind).kind]  # an unknown kind is refused there, naming the kinds
 
 
 def _check_params(kind: str, params: dict[str, Any]) -> None:

@@ -84,30 +84,21 @@ class _Counter:
             torch.cuda.reset_peak_memory_stats(device)
         meter.reset_peak()
 
-    def _grads(self) -> int:
-        return _unique_bytes([p.grad for p in self.module.parameters() if p.grad is not None])
+    def _activations(self, allocated: int) -> int:
+        """Allocated bytes less what was held before and the gradients."""
+        grads = _unique_bytes([p.grad for p in self.module.parameters() if p.grad is not None])
+        return max(allocated - self.base - grads, 0)
 
     def current(self) -> int:
-        if self.cuda:
-            return max(torch.cuda.memory_allocated(self.device) - self.base - self._grads(), 0)
-        return self.meter.current
+        return self._activations(torch.cuda.memory_allocated(self.device)) if self.cuda else self.meter.current
 
     def peak(self) -> int:
-        if self.cuda:
-            return max(torch.cuda.max_memory_allocated(self.device) - self.base - self._grads(), 0)
-        return self.meter.peak
+        return self._activations(torch.cuda.max_memory_allocated(self.device)) if self.cuda else self.meter.peak
 
 
 def _on(device: torch.device, batch: Any) -> Any:
     """A batch (a tensor or a tuple of them) on `device`."""
     return batch.to(device) if isinstance(batch, torch.Tensor) else tuple(_on(device, b) for b in batch)
-
-
-def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
-    """What the next stage receives: a fresh leaf that requires grad when floating (as the transport makes it)."""
-    if t is None:
-        return None
-    return t.detach().requires_grad_(t.is_floating_point())
 
 
 class _Stored:
@@ -147,8 +138,8 @@ class _Received:
         tensors, bare, offset = self.messages[microbatch + self.shift]
         if self.ones:
             out = [None if t is None or not t.is_floating_point() else torch.ones_like(t) for t in tensors]
-        else:
-            out = [_leaf(t) for t in tensors]
+        else:  # fresh leaves that require grad when floating, as the transport makes them
+            out = [None if t is None else t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
         return Header(microbatch, self.chunks, offset, (), bare), out
 
 

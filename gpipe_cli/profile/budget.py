@@ -17,6 +17,7 @@ says that the bound, not the budget, stopped it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -24,13 +25,11 @@ from typing import Any, NamedTuple
 from gpipe_cli import memory_model as mm
 from gpipe_cli.limits import MAX_LAYERS
 from gpipe_cli.memory_model import Affine, Footprint, LayerFigures, ModelFigures, bytes_per_parameter, greedy_fit, v_fit
-from gpipe_cli.models import families
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import layer_params
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline import placement, schedules
-from gpipe_cli.profile.probe import Correction, Probe, steps
-from gpipe_cli.units import parse_size
+from gpipe_cli.profile.probe import NONE, Correction, Probe, steps
 
 # The families' fixed sizes in the paper's Table 1.
 TRANSFORMER_L = dict(arch="decoder-only", d_model=2048, ff=8192, heads=32, vocab_size=32000, max_len=1024)
@@ -62,16 +61,6 @@ class Found(NamedTuple):
     bound: str = ""
 
 
-def smallest(kind: str) -> dict[str, int]:
-    """The searched sizes of the family's smallest member."""
-    return {"layers": 1} if kind == "transformer" else {"layers": 6, "filters": AmoebaNetD.WIDTH_STEP}
-
-
-def parse_bytes(text: str) -> int:
-    """`8GiB`, `16GB`, `500MiB` or a plain number of bytes."""
-    return parse_size(text, "--budget")
-
-
 def _by_role(model: ModelFigures) -> dict[str, LayerFigures]:
     """The last layer of each role (the steady state of a repeated layer)."""
     return {mm.role(layer.name): layer for layer in model.layers}
@@ -79,11 +68,8 @@ def _by_role(model: ModelFigures) -> dict[str, LayerFigures]:
 
 def _assemble(names: list[str], roles: dict[str, LayerFigures], inputs: Affine,
               params: Callable[[str], int]) -> ModelFigures:
-    layers = []
-    for name in names:
-        r = roles[mm.role(name)]
-        layers.append(LayerFigures(name, params(mm.role(name)), r.saved, r.output, r.saved_input))
-    return ModelFigures(inputs, tuple(layers))
+    return ModelFigures(inputs, tuple(LayerFigures(name, params(mm.role(name)), r.saved, r.output, r.saved_input)
+                                      for name in names for r in [roles[mm.role(name)]]))
 
 
 def _measure(spec: Any, seed: int, batches: tuple[int, int] = mm.PROBE_BATCHES,
@@ -113,6 +99,8 @@ class TransformerL:
 
     kind = "transformer"
     title = "Transformer-L"
+    PAPER = TRANSFORMER_L
+    SMALLEST = {"layers": 1}  # the searched sizes of its smallest member
     # What probing and searching cost in fixed layer calls (`sizing.Machine.call_seconds`), measured on a 2-core
     # x86 CPU at budgets of 16 GB and 80 GB: the probe is arithmetic, priced from its FLOPs instead; pricing a
     # member is a few sums (eight rows in 0.1 s).
@@ -172,6 +160,7 @@ class AmoebaNetD:
 
     kind = "amoebanet"
     title = "AmoebaNet-D (L, D)"
+    PAPER = AMOEBANET_D
     # Probing (shape passes and accounted forwards of two small members) and searching are bound by Python, so
     # their cost is counted in fixed layer calls (`sizing.Machine.call_seconds`), measured on a 2-core x86 CPU
     # at budgets of 1 GB to 80 GB: the probe 11,000 (3.5 s there), a row 1,000 + 150 per device (K=8: 0.7 s),
@@ -182,6 +171,7 @@ class AmoebaNetD:
     PROBE_LAYERS = 9        # three normal cells per stack: the first two of a stack differ from the rest
     PROBE_WIDTHS = (16, 32, 48)
     WIDTH_STEP = 16
+    SMALLEST = {"layers": 6, "filters": WIDTH_STEP}
 
     def __init__(self, fixed: dict[str, Any], seed: int = 0, max_layers: int = 240, max_width: int = 4096) -> None:
         self.fixed, self.max_layers, self.max_width = fixed, max_layers, max_width
@@ -283,37 +273,21 @@ class BudgetRow:
         return dict(vars(self))
 
 
-def searcher(kind: str, fixed: dict[str, Any], seed: int) -> TransformerL | AmoebaNetD:
-    """The family `kind` as the search grows it, with its `fixed` sizes."""
-    return TransformerL(fixed, seed) if kind == "transformer" else AmoebaNetD(fixed, seed)
+# Each family as the search grows it, by kind: `GROWN[kind](fixed, seed)`.
+GROWN: dict[str, type[TransformerL] | type[AmoebaNetD]] = {"transformer": TransformerL, "amoebanet": AmoebaNetD}
 
 
 def search_calls(kind: str, scenarios: list[tuple[Any, ...]], schedule: str) -> float:
     """What searching `scenarios` (as `search` takes them) costs, in fixed layer calls."""
-    grown = TransformerL if kind == "transformer" else AmoebaNetD
-    total = 0.0
-    for _, k, _, _, *how in scenarios:
-        v = schedules.get(how[0] if how else schedule).placement == "v"
-        total += grown.V_ROW_CALLS * k if v else grown.ROW_CALLS[0] + grown.ROW_CALLS[1] * k
-    return total
-
-
-def probe_calls(kind: str) -> float:
-    """What probing family `kind` costs in fixed layer calls beyond its arithmetic (0: priced from FLOPs)."""
-    return (TransformerL if kind == "transformer" else AmoebaNetD).PROBE_CALLS
-
-
-def paper_sizes(kind: str) -> dict[str, Any]:
-    """The fixed sizes of family `kind` in the paper's Table 1."""
-    return dict(TRANSFORMER_L if kind == "transformer" else AMOEBANET_D)
+    grown = GROWN[kind]
+    return sum(grown.V_ROW_CALLS * k if schedules.get(how[0] if how else schedule).placement == "v"
+               else grown.ROW_CALLS[0] + grown.ROW_CALLS[1] * k for _, k, _, _, *how in scenarios)
 
 
 def device_probes(family: TransformerL | AmoebaNetD, scenarios: list[tuple[str, int, int, str]], schedule: str,
                   optimizer: str, seed: int = 0) -> list[Probe]:
     """The probe steps that fit the device correction: the family's two smallest members."""
-    least = families.of(family.kind).least_examples
-    sizes = (least, 2 * least)
-    return steps(family.members(), scenarios, sizes, schedule, optimizer, seed)
+    return steps(family.members(), scenarios, family.kind, schedule, optimizer, seed)
 
 
 def _balance(stages: list[Footprint], schedule: str) -> list[int]:
@@ -339,15 +313,10 @@ def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[Any, ...]], 
         placed, moved = how or (schedule, offload)
         moved = moved if name != "naive-1" else "none"  # naive-1 is plain training
         fit = v_fit if schedules.get(placed).placement == "v" else greedy_fit
-
-        def need(fp: Footprint, checkpoint: str = checkpoint) -> float:
-            return fp.total_bytes if correction is None else correction.bytes(fp, checkpoint)
-
-        def fits(model: ModelFigures, k: int = k, m: int = m, checkpoint: str = checkpoint, placed: str = placed,
-                 moved: str = moved, fit: Any = fit,
-                 need: Callable[[Footprint], float] = need) -> list[Footprint] | None:
-            return fit(model, k, budget, batch_size, m, placed, checkpoint, per_param, moved, need=need)
-
+        # Without a correction a stage needs its total: NONE prices it so.
+        need = functools.partial((correction or NONE).bytes, checkpoint=checkpoint)
+        fits = functools.partial(fit, stages=k, budget=budget, batch_size=batch_size, microbatches=m, schedule=placed,
+                                 checkpoint=checkpoint, bytes_per_param=per_param, offload=moved, need=need)
         found = family.search(fits, 2 * k if fit is v_fit else 1)
         if found is None:
             rows.append(None)

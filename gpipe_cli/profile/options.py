@@ -45,7 +45,6 @@ class ProfileOptions(SizeFlags):
     json: Path | None = None
 
 
-
 # Flag name -> help text of profile-memory's own flags (the recipe's keys have the schema's).
 FLAGS: dict[str, str] = {
     "model": "Without a recipe: a preset (model.preset) or a family (amoebanet, transformer: the paper's models, "
@@ -109,13 +108,11 @@ def validate(options: ProfileOptions) -> None:
         (1 <= options.microbatches <= MAX_SIZE, outside("--microbatches", options.microbatches, 1, MAX_SIZE) or ""),
         (options.batch_size is None or not microbatch_problem(options.microbatches, options.batch_size),
          microbatch_problem(options.microbatches, options.batch_size, "--microbatches", "--batch-size") or ""),
-        (options.schedule in SCHEDULES, f"--schedule must be one of {', '.join(SCHEDULES)} (got {options.schedule})"),
-        (options.checkpoint in REMAT_MODES,
-         f"--checkpoint must be one of {', '.join(REMAT_MODES)} (got {options.checkpoint})"),
-        (options.offload in OFFLOAD_MODES,
-         f"--offload must be one of {', '.join(OFFLOAD_MODES)} (got {options.offload})"),
-        (options.optimizer in OPTIMIZER_NAMES,
-         f"--optimizer must be one of {', '.join(OPTIMIZER_NAMES)} (got {options.optimizer})"),
+        *((value in allowed, f"--{flag} must be one of {', '.join(allowed)} (got {value})")
+          for flag, value, allowed in (("schedule", options.schedule, SCHEDULES),
+                                       ("checkpoint", options.checkpoint, REMAT_MODES),
+                                       ("offload", options.offload, OFFLOAD_MODES),
+                                       ("optimizer", options.optimizer, OPTIMIZER_NAMES))),
         (options.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda (got {options.device})"),
         (options.balance is None or len(options.partitions) == 1, "--balance needs a single K in --partitions"),
         (options.budget is None or (options.layers is None and options.filters is None),

@@ -18,8 +18,8 @@ CPU runs the same fitting, and its correction comes out as none).
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -27,6 +27,7 @@ import torch
 from gpipe_cli import memory_model as mm
 from gpipe_cli.estimate.subject import example_batch
 from gpipe_cli.memory_model import Footprint, ModelFigures
+from gpipe_cli.models import families
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.profile import account
 from gpipe_cli.units import human_bytes
@@ -79,23 +80,6 @@ class AccountingMeter:
         return float(probe.run(torch.device("cpu"))[0].total_bytes)
 
 
-def cuda_peak(step: Callable[[], Any], device: torch.device) -> int:
-    """The CUDA caching allocator's reserved peak over `step`, above what it held before (what the card must have:
-    allocations with their rounding, the allocator's cache and library workspaces)."""
-    gc.collect()
-    torch.empty(1, device=device)  # the allocator's state must exist before its peak is reset
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_reserved(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    step()
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_reserved(device)
-    gc.collect()
-    torch.cuda.empty_cache()
-    return int(peak - base)
-
-
 class CudaMeter:
     """A CUDA GPU: the allocator's reserved peak over the step."""
 
@@ -105,8 +89,20 @@ class CudaMeter:
         self.device = device
 
     def peak(self, probe: Probe) -> float:
-        """The reserved peak over the step."""
-        return float(cuda_peak(lambda: probe.run(self.device), self.device))
+        """The reserved peak over the step, above what it held before (what the card must have: allocations with
+        their rounding, the allocator's cache and library workspaces)."""
+        gc.collect()
+        torch.empty(1, device=self.device)  # the allocator's state must exist before its peak is reset
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_reserved(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        probe.run(self.device)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_reserved(self.device)
+        gc.collect()
+        torch.cuda.empty_cache()
+        return float(peak - base)
 
 
 def meter_for(device: torch.device) -> Meter:
@@ -194,30 +190,21 @@ def fit(points: Sequence[tuple[Footprint, str, float]], meter: str = "") -> Corr
     weights, factors = solution[0], solution[1:]
     guarded = {k: f if f > 0.1 else 1.0 for k, f in zip(keys, factors)}
     correction = Correction(workspace, weights if weights > 0.1 else 1.0, guarded, meter)
-    return Correction(correction.workspace, correction.weights, correction.activations, meter,
-                      tuple((fp.total_bytes, m, correction.bytes(fp, c)) for fp, c, m in points))
+    return replace(correction, points=tuple((fp.total_bytes, m, correction.bytes(fp, c)) for fp, c, m in points))
 
 
 def steps(members: Sequence[tuple[ModelSpec, ModelFigures, dict[str, Any]]],
-          rows: Sequence[tuple[str, int, int, str]], sizes: tuple[int, int], schedule: str, optimizer: str,
+          rows: Sequence[tuple[str, int, int, str]], kind: str, schedule: str, optimizer: str,
           seed: int = 0) -> list[Probe]:
-    """The probe steps of two small members (built, priced, with their build parameters): per (M, checkpoint) of
-    the (name, K, M, checkpoint) rows, both at the smaller micro-batch size and the first at the larger, so that
-    weights and activations vary apart."""
-    (small, large) = members
-    out = []
-    for m, checkpoint in dict.fromkeys((m, c) for _, _, m, c in rows):
-        for (spec, figures, params), size in ((small, sizes[0]), (large, sizes[0]), (small, sizes[1])):
-            out.append(Probe(spec, figures, size * m, m, schedule, checkpoint, optimizer, seed, params))
-    return out
+    """The probe steps of two small members of family `kind` (built, priced, with their build parameters): per
+    (M, checkpoint) of the (name, K, M, checkpoint) rows, both at the family's smallest micro-batch and the first
+    at twice that, so that weights and activations vary apart."""
+    (small, large), least = members, families.of(kind).least_examples
+    return [Probe(spec, figures, size * m, m, schedule, checkpoint, optimizer, seed, params)
+            for m, checkpoint in dict.fromkeys((m, c) for _, _, m, c in rows)
+            for (spec, figures, params), size in ((small, least), (large, least), (small, 2 * least))]
 
 
-def calibrate(probes: Sequence[Probe], meter: Meter, progress: Callable[[str], None] | None = None) -> Correction:
+def calibrate(probes: Sequence[Probe], meter: Meter) -> Correction:
     """Run each probe step under `meter` and fit the correction."""
-    points = []
-    for probe in probes:
-        if progress is not None:
-            progress(f"probe: {probe.spec.name}, batch {probe.batch_size}, M={probe.microbatches}, "
-                     f"checkpoint {probe.checkpoint}")
-        points.append((probe.predicted(), probe.checkpoint, meter.peak(probe)))
-    return fit(points, meter.name)
+    return fit([(probe.predicted(), probe.checkpoint, meter.peak(probe)) for probe in probes], meter.name)

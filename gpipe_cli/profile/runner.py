@@ -38,7 +38,7 @@ from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.profile import account, budget, probe, scenarios, tables
 from gpipe_cli.profile.options import ProfileOptions, validate
 from gpipe_cli.progress import Progress
-from gpipe_cli.units import human_bytes, human_count, human_seconds
+from gpipe_cli.units import human_bytes, human_count, human_seconds, parse_size
 
 
 def _device(choice: str) -> torch.device:
@@ -93,10 +93,8 @@ def paced(machine: sizing.Machine, spec: ModelSpec, kind: str, examples: int, se
 def estimate_seconds(cand: sizing.Candidate, machine: sizing.Machine, batch: int,
                      rows: list[tuple[str, int, int, str]]) -> float:
     """Seconds the profile should take: one step per row (each stage driven in turn) and the per-layer probes."""
-    total = FIXED_S + probe_seconds(cand, machine)
-    for _, _, m, checkpoint in rows:
-        total += row_seconds(cand, machine, batch, m, checkpoint)
-    return total
+    return FIXED_S + probe_seconds(cand, machine) + sum(
+        row_seconds(cand, machine, batch, m, checkpoint) for _, _, m, checkpoint in rows)
 
 
 def _judge(options: ProfileOptions, machine: sizing.Machine, batch: int) -> Callable[[sizing.Candidate],
@@ -182,11 +180,8 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
         source = f"saved-tensor accounting of each layer's forward and backward on {device}"
     correction = None
     if device.type == "cuda" and any(not sc.measured for sc in rows):  # the extrapolated rows are predicted
-        probes = member_probes(subject, names, options.schedule, options.optimizer, options.seed)
-        progress.phase(f"probing {device}: {len(probes)} short training steps of small members",
-                       probe_steps_seconds(probes, subject.kind, machine), add=True)
-        correction = probe.calibrate(probes, probe.meter_for(device))
-        console.print(correction.describe(), highlight=False)
+        correction = _calibrate(member_probes(subject, names, options.schedule, options.optimizer, options.seed),
+                                subject.kind, machine, device, console, progress)
     inputs, targets = example_batch(spec, batch, options.seed)
     params = sum(layer_params(spec))
     out = []
@@ -217,20 +212,16 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
 def member_probes(subject: Subject, rows: list[tuple[str, int, int, str]], schedule: str, optimizer: str,
                   seed: int) -> list[probe.Probe]:
     """The device probe's steps for a given model: two shallow members of it, with its widths."""
-    facts = families.of(subject.kind)
-    depths, sizes = facts.device_probe_depths, (facts.least_examples, 2 * facts.least_examples)
-    members = []
-    for depth in depths:
-        params = {**subject.params, "layers": depth}
-        spec = build_model(subject.kind, **params)
-        members.append((spec, mm.measure(spec, seed, device="meta"), params))
-    return probe.steps(members, rows, sizes, schedule, optimizer, seed)
+    params = [{**subject.params, "layers": depth} for depth in families.of(subject.kind).device_probe_depths]
+    specs = [build_model(subject.kind, **p) for p in params]
+    members = [(spec, mm.measure(spec, seed, device="meta"), p) for spec, p in zip(specs, params)]
+    return probe.steps(members, rows, subject.kind, schedule, optimizer, seed)
 
 
 def _family(options: ProfileOptions) -> tuple[str, dict[str, Any]]:
     """The family --budget searches and its fixed parameters: the paper's, with --set and the size flags."""
     kind = resolve(options.model, {}, ()).kind
-    fixed = budget.paper_sizes(kind)
+    fixed = dict(budget.GROWN[kind].PAPER)
     allowed = [p for p in allowed_params(kind) if p not in budget.SEARCHED]
     named = {}
     for key, value in model_overrides(options.set).items():
@@ -249,7 +240,7 @@ def _family(options: ProfileOptions) -> tuple[str, dict[str, Any]]:
         fixed[param], named[param] = value, f"--{flag.replace('_', '-')}"
     check_limits(kind, fixed, named, "--budget")
     try:  # the family's smallest member, to refuse what no member can be (heads that do not divide d_model)
-        build_model(kind, **budget.smallest(kind), **fixed)
+        build_model(kind, **budget.GROWN[kind].SMALLEST, **fixed)
     except ValueError as exc:
         raise UserError(f"--budget: {exc}") from None
     return kind, fixed
@@ -259,16 +250,21 @@ def budget_probe_seconds(kind: str, fixed: dict[str, Any], machine: sizing.Machi
     """Seconds measuring the budget search's per-layer figures should take: its Python-bound calls where the
     family states them (describing its layers to count FLOPs would cost as much), else each small member's
     accounted forward and backward."""
-    if calls := budget.probe_calls(kind):
+    if calls := budget.GROWN[kind].PROBE_CALLS:
         return calls * machine.call_seconds
     return sum(sizing.step_seconds(sizing.candidate(kind, params), machine, examples, 1, 2.0)
                for params, examples in budget.probes(kind, fixed))
 
 
-def probe_steps_seconds(probes: list[probe.Probe], kind: str, machine: sizing.Machine) -> float:
-    """Seconds the device probe's training steps should take."""
-    return sum(row_seconds(sizing.candidate(kind, p.params), machine, p.batch_size, p.microbatches, p.checkpoint)
-               for p in probes)
+def _calibrate(probes: list[probe.Probe], kind: str, machine: sizing.Machine, device: torch.device,
+               console: Console, progress: Progress) -> probe.Correction:
+    """The device correction, fitted from the probe's training steps (their time said on `progress`)."""
+    seconds = sum(row_seconds(sizing.candidate(kind, p.params), machine, p.batch_size, p.microbatches, p.checkpoint)
+                  for p in probes)
+    progress.phase(f"probing {device}: {len(probes)} short training steps of small members", seconds, add=True)
+    correction = probe.calibrate(probes, probe.meter_for(device))
+    console.print(correction.describe(), highlight=False)
+    return correction
 
 
 def variants(k: int, m: int, options: ProfileOptions) -> list[tuple[Any, ...]]:
@@ -316,31 +312,27 @@ def measured_row(row: budget.BudgetRow, kind: str, family: budget.TransformerL |
 
 def search(options: ProfileOptions, console: Console, progress: Progress) -> dict[str, Any]:
     """The largest model per scenario within the budget; the figures as the JSON file holds them."""
-    limit = budget.parse_bytes(options.budget or "")
+    limit = parse_size(options.budget or "", "--budget")
     device = _device(options.device)  # before anything is measured: a missing GPU is said at once
     kind, fixed = _family(options)
     batch = options.batch_size or families.of(kind).paper_batch
     machine = sizing.this_machine(torch.get_num_threads())
     m = options.microbatches
-    base: list[tuple[Any, ...]] = [("naive-1", 1, 1, "never"), ("pipeline-1", 1, m, options.checkpoint)]
-    base += [(f"pipeline-{k}", k, m, options.checkpoint) for k in options.partitions if k > 1]
-    scenarios = base + variants(max(options.partitions), m, options)
+    base = scenarios.names(options.partitions, m, options.checkpoint)
+    rows_asked = [*base, *variants(max(options.partitions), m, options)]
     probe_s = budget_probe_seconds(kind, fixed, machine)
-    search_s = budget.search_calls(kind, scenarios, options.schedule) * machine.call_seconds
+    search_s = budget.search_calls(kind, rows_asked, options.schedule) * machine.call_seconds
     progress.estimated = FIXED_S + probe_s + search_s
     progress.phase(f"measuring per-layer figures of small {kind} models", probe_s)
-    family = budget.searcher(kind, fixed, options.seed)
+    family = budget.GROWN[kind](fixed, options.seed)
     correction = None
     # On a GPU the accounting misses the allocator and the libraries: a few probe steps measure that. On the CPU
     # the meter is the accounting itself, so the probe runs only when asked for (--device cpu), as a check.
     if device.type == "cuda" or options.device == "cpu":
-        probes = budget.device_probes(family, base, options.schedule, options.optimizer, options.seed)
-        progress.phase(f"probing {device}: {len(probes)} short training steps of small members",
-                       probe_steps_seconds(probes, kind, machine), add=True)
-        correction = probe.calibrate(probes, probe.meter_for(device))
-        console.print(correction.describe(), highlight=False)
-    progress.phase(f"searching the largest model of each of {len(scenarios)} rows", search_s)
-    rows = budget.search(family, scenarios, limit, batch, options.schedule, options.optimizer, options.offload,
+        correction = _calibrate(budget.device_probes(family, base, options.schedule, options.optimizer, options.seed),
+                                kind, machine, device, console, progress)
+    progress.phase(f"searching the largest model of each of {len(rows_asked)} rows", search_s)
+    rows = budget.search(family, rows_asked, limit, batch, options.schedule, options.optimizer, options.offload,
                          correction)
     rows = [None if r is None else measured_row(r, kind, family, batch, options, machine, progress, limit)
             for r in rows]
@@ -351,7 +343,7 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
             "method": "per-layer figures measured by saved-tensor accounting on small members, scaled" + (
                 "" if family.measured else " (on the meta device, from shapes: the members do not fit this machine)"),
             "rows": [None if r is None else r.to_json() for r in rows],
-            "scenarios": [s[0] for s in scenarios], "paper": budget.PAPER_TABLE1[kind]}
+            "scenarios": [s[0] for s in rows_asked], "paper": budget.PAPER_TABLE1[kind]}
 
 
 def run(options: ProfileOptions) -> int:
@@ -372,11 +364,10 @@ def _run(options: ProfileOptions, console: Console) -> int:
     if options.budget is not None:
         summary = search(options, console, progress)
         tables.show_budget(summary, console)
-        console.print(f"[dim]{progress.took()}[/]")
     else:
         summary = measure(options, console, progress)
         tables.show_measured(summary, console)
-        console.print(f"[dim]{progress.took()}[/]")
+    console.print(f"[dim]{progress.took()}[/]")
     if options.json is not None:
         atomic_write_text(options.json, json.dumps(summary, indent=2))
         console.print(f"[dim]figures written to {options.json}[/]")

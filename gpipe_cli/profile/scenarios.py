@@ -102,8 +102,8 @@ def choose_rows(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, in
     layers = len(spec.layers)
     out = []
     for name, k, m, checkpoint in rows:
-        moved = offload if name != "naive-1" else "none"  # naive-1 is plain training
-        # naive-1 is plain training: one chunk, whatever the pipeline rows' schedule.
+        # naive-1 is plain training: no offload and one chunk, whatever the pipeline rows' schedule.
+        moved = offload if name != "naive-1" else "none"
         v = chunks_per_stage(schedule) if name != "naive-1" else 1
         placed = schedule if v == chunks_per_stage(schedule) else "gpipe"
         chunks = k * v

@@ -30,11 +30,8 @@ def show_measured(s: dict[str, Any], console: Console) -> None:
                 (("offloaded to host",) if moved else ()):
             table.add_column(name, justify="right")
         for st in sc["stages"]:
-            table.add_row(str(st["stage"]), _layers(st),
-                          human_bytes(st["params_bytes"]), human_bytes(st["grads_bytes"]),
-                          human_bytes(st["optimizer_bytes"]), human_bytes(st["stored_bytes"]),
-                          human_bytes(st["peak_bytes"]), human_bytes(st["total_bytes"]),
-                          *((human_bytes(st.get("host_bytes", 0)),) if moved else ()))
+            keys = ("params", "grads", "optimizer", "stored", "peak", "total") + (("host",) if moved else ())
+            table.add_row(str(st["stage"]), _layers(st), *(human_bytes(st.get(f"{key}_bytes", 0)) for key in keys))
         console.print(table)
     console.print(_table1(s))
     for sc in s["scenarios"]:
@@ -48,13 +45,19 @@ def _layers(stage: dict[str, Any]) -> str:
     return " · ".join(number_range(first, last) for first, last in chunks)
 
 
+def _columns(title: str, names: list[str]) -> Table:
+    """A table in the paper's Table 1 layout: a column of labels, then one column per name."""
+    table = Table(title=title)
+    table.add_column("")
+    for name in names:
+        table.add_column(name, justify="right")
+    return table
+
+
 def _table1(s: dict[str, Any]) -> Table:
     """The paper's Table 1 layout: one column per row of the profile, each saying how it was obtained."""
-    table = Table(title=f"Memory per scenario, {s['model']['name']} (totals over all stages)")
-    table.add_column("")
     rows = s["scenarios"]
-    for sc in rows:
-        table.add_column(sc["name"], justify="right")
+    table = _columns(f"Memory per scenario, {s['model']['name']} (totals over all stages)", [sc["name"] for sc in rows])
     table.add_row("# of model parameters", *(human_count(sc["params"]) for sc in rows))
     table.add_row("total model parameter memory", *(human_bytes(sc["param_memory_bytes"]) for sc in rows))
     table.add_row("peak activation memory", *(human_bytes(sc["peak_activation_bytes"]) for sc in rows))
@@ -82,10 +85,7 @@ def show_budget(s: dict[str, Any], console: Console) -> None:
                   f"checkpoint {s['checkpoint']} · {s['optimizer']} ({s['bytes_per_param']:.0f} bytes per parameter "
                   f"with its gradient)")
     console.print(f"[dim]{s['method']}[/]")
-    table = Table(title=f"Largest {s['family']} per device budget (memory totals over all devices)")
-    table.add_column("")
-    for name in s["scenarios"]:
-        table.add_column(name, justify="right")
+    table = _columns(f"Largest {s['family']} per device budget (memory totals over all devices)", s["scenarios"])
     rows = s["rows"]
 
     def cells(key: str, fmt: Any) -> list[str]:
@@ -111,11 +111,8 @@ def show_budget(s: dict[str, Any], console: Console) -> None:
         console.print(f"[yellow]{', '.join(names)}: the search stopped at its bound ({bound}), not at the budget: "
                       f"larger models fit {human_bytes(s['budget_bytes'])} too[/]")
     paper = s["paper"]
-    ptable = Table(title=f"GPipe Table 1, {paper['hardware']} (the paper counts 12 bytes per parameter, RMSProp)")
-    ptable.add_column("")
     names = list(paper["rows"])
-    for name in names:
-        ptable.add_column(name, justify="right")
+    ptable = _columns(f"GPipe Table 1, {paper['hardware']} (the paper counts 12 bytes per parameter, RMSProp)", names)
     for i, label in enumerate((s["family"], "# of model parameters", "total model parameter memory",
                                "peak activation memory")):
         ptable.add_row(label, *(paper["rows"][n][i] for n in names))

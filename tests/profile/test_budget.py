@@ -9,6 +9,7 @@ from gpipe_cli.memory_model import bytes_per_parameter, stage_footprint
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline.partition import stage_ranges
 from gpipe_cli.profile import account, budget
+from gpipe_cli.units import parse_size
 
 AMOEBA = dict(variant="d", image_size=32, num_classes=4)
 TRANSFORMER = dict(arch="decoder-only", d_model=32, ff=64, heads=2, vocab_size=64, max_len=8)
@@ -133,12 +134,12 @@ def test_bytes_per_parameter_is_measured_from_the_optimizer():
 @pytest.mark.parametrize("text,value", [("8GiB", 8 * 2**30), ("16GB", 16 * 10**9), ("500 MiB", 500 * 2**20),
                                         ("1024", 1024), ("1.5KiB", 1536)])
 def test_sizes_parse(text, value):
-    assert budget.parse_bytes(text) == value
+    assert parse_size(text, "--budget") == value
 
 
 def test_bad_sizes_are_refused():
     with pytest.raises(UserError, match="--budget"):
-        budget.parse_bytes("eight gigs")
+        parse_size("eight gigs", "--budget")
 
 
 def test_a_huge_budget_stops_at_the_searchs_bound_and_says_so():

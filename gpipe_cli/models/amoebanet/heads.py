@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,8 +16,9 @@ from gpipe_cli.pipeline.dropout import Dropout
 AUX_SCALING = 0.4
 
 
-def init_conv_weights(module: nn.Module) -> nn.Module:
-    """He-normal (fan-out) initialisation of every convolution, as in the reference; returns `module`."""
+def he_built(make: Callable[..., nn.Module], *args: Any) -> nn.Module:
+    """`make(*args)` with He-normal (fan-out) initialisation of every convolution, as in the reference."""
+    module = make(*args)
     for m in module.modules():
         if isinstance(m, nn.Conv2d):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")

@@ -28,8 +28,8 @@ from torch import nn
 
 from gpipe_cli.models.amoebanet.cells import Cell, PrevMode
 from gpipe_cli.models.amoebanet.genotype import GENOTYPES, CellGenotype
-from gpipe_cli.models.amoebanet.heads import AuxHead, Classifier, Stem, init_conv_weights
-from gpipe_cli.models.base import LayerSpec, ModelSpec
+from gpipe_cli.models.amoebanet.heads import AuxHead, Classifier, Stem, he_built
+from gpipe_cli.models.base import LayerSpec, ModelSpec, is_fraction, is_int, require
 from gpipe_cli.models.losses import smoothed_cross_entropy
 
 STEM_FILTERS = 32  # the reference's stem convolution width, independent of D
@@ -84,23 +84,11 @@ def plan_cells(genotype_name: str, layers: int, filters: int, image_size: int) -
     return plans
 
 
-def _build_stem() -> nn.Module:
-    return init_conv_weights(Stem(STEM_FILTERS))
-
-
 def _build_cell(genotype_name: str, plan: CellPlan) -> nn.Module:
     genotype = GENOTYPES[genotype_name]
     cell_genotype = genotype.reduction if plan.reduction else genotype.normal
-    return init_conv_weights(Cell(cell_genotype, plan.in_channels, plan.prev_channels, plan.channels,
-                                  plan.reduction, plan.prev_mode))
-
-
-def _build_aux(in_channels: int, num_classes: int, spatial: int) -> nn.Module:
-    return init_conv_weights(AuxHead(in_channels, num_classes, spatial))
-
-
-def _build_classifier(in_channels: int, num_classes: int, dropout: float) -> nn.Module:
-    return Classifier(in_channels, num_classes, dropout)
+    return he_built(Cell, cell_genotype, plan.in_channels, plan.prev_channels, plan.channels, plan.reduction,
+                    plan.prev_mode)
 
 
 def amoebanet_loss(output: Any, targets: torch.Tensor, label_smoothing: float = 0.1,
@@ -117,52 +105,33 @@ def amoebanet_loss(output: Any, targets: torch.Tensor, label_smoothing: float = 
 def image_batch(n: int, device: torch.device | str, image_size: int,
                 num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random images [n, 3, S, S] and class labels [n]."""
-    images = torch.randn(n, 3, image_size, image_size, device=device)
-    labels = torch.randint(0, num_classes, (n,), device=device)
-    return images, labels
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_fraction(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value < 1.0
+    return (torch.randn(n, 3, image_size, image_size, device=device),
+            torch.randint(0, num_classes, (n,), device=device))
 
 
 def build_amoebanet(variant: str = "d", layers: int = 18, filters: int = 256, num_classes: int = 1000,
                     image_size: int = 224, dropout: float = 0.5, aux_head: bool = False,
                     label_smoothing: float = 0.1) -> ModelSpec:
     """AmoebaNet-<variant>(layers, filters) for `num_classes` classes at `image_size` pixels."""
-    _check(variant in GENOTYPES, f"AmoebaNet variant must be one of {sorted(GENOTYPES)} (got {variant!r})")
-    _check(_is_int(layers) and layers >= 3 and layers % 3 == 0,
-           f"AmoebaNet layers must be a positive multiple of 3 (got {layers!r})")
-    _check(_is_int(filters) and filters >= 4 and filters % 4 == 0,
-           f"AmoebaNet filters must be a positive multiple of 4 (got {filters!r})")
-    _check(_is_int(num_classes) and num_classes >= 2,
-           f"num_classes must be an integer >= 2 (got {num_classes!r})")
-    _check(_is_int(image_size) and image_size >= MIN_IMAGE_SIZE,
-           f"image_size must be an integer >= {MIN_IMAGE_SIZE} (got {image_size!r})")
-    _check(_is_fraction(dropout), f"dropout must be a number in [0, 1) (got {dropout!r})")
-    _check(_is_fraction(label_smoothing),
-           f"label_smoothing must be a number in [0, 1) (got {label_smoothing!r})")
-    _check(isinstance(aux_head, bool), f"aux_head must be true or false (got {aux_head!r})")
+    require(variant in GENOTYPES, f"AmoebaNet variant must be one of {sorted(GENOTYPES)} (got {variant!r})")
+    for name, value, step in (("layers", layers, 3), ("filters", filters, 4)):
+        require(is_int(value) and value >= step and value % step == 0,
+                f"AmoebaNet {name} must be a positive multiple of {step} (got {value!r})")
+    for name, value, least in (("num_classes", num_classes, 2), ("image_size", image_size, MIN_IMAGE_SIZE)):
+        require(is_int(value) and value >= least, f"{name} must be an integer >= {least} (got {value!r})")
+    for name, share in (("dropout", dropout), ("label_smoothing", label_smoothing)):
+        require(is_fraction(share), f"{name} must be a number in [0, 1) (got {share!r})")
+    require(isinstance(aux_head, bool), f"aux_head must be true or false (got {aux_head!r})")
 
     plans = plan_cells(variant, layers, filters, image_size)
-    specs = [LayerSpec("stem", _build_stem)]
+    specs = [LayerSpec("stem", functools.partial(he_built, Stem, STEM_FILTERS))]
     aux_after = f"cell_2_{layers // 3}"
     for plan in plans:
         specs.append(LayerSpec(plan.name, functools.partial(_build_cell, variant, plan)))
         if aux_head and plan.name == aux_after:
             specs.append(LayerSpec("aux_head", functools.partial(
-                _build_aux, plan.out_channels, num_classes, plan.spatial)))
-    specs.append(LayerSpec("classifier", functools.partial(
-        _build_classifier, plans[-1].out_channels, num_classes, dropout)))
+                he_built, AuxHead, plan.out_channels, num_classes, plan.spatial)))
+    specs.append(LayerSpec("classifier", functools.partial(Classifier, plans[-1].out_channels, num_classes, dropout)))
 
     config = dict(kind="amoebanet", variant=variant, layers=layers, filters=filters,
                   num_classes=num_classes, image_size=image_size, dropout=dropout,
@@ -173,6 +142,5 @@ def build_amoebanet(variant: str = "d", layers: int = 18, filters: int = 256, nu
         layers=specs,
         loss=functools.partial(amoebanet_loss, label_smoothing=label_smoothing),
         example_batch=functools.partial(image_batch, image_size=image_size, num_classes=num_classes),
-        units=None,
         config=config,
     )

@@ -138,11 +138,9 @@ _POOL = re.compile(r"^(max|avg)_pool_(\d)x\2$")
 
 def build_operation(name: str, in_channels: int, out_channels: int, stride: int) -> nn.Module:
     """Build the genotype operation `name` mapping `in_channels` to `out_channels` at `stride`."""
-    if name == "none":
-        if stride == 1 and in_channels == out_channels:
-            return nn.Identity()
-        return conv_bn(in_channels, out_channels, 1, stride)
-    if name == "1x1":
+    if name == "none" and stride == 1 and in_channels == out_channels:
+        return nn.Identity()
+    if name in ("none", "1x1"):  # "none" must still match the cell's width and stride
         return conv_bn(in_channels, out_channels, 1, stride)
     if name == "3x3":
         return _conv_3x3(in_channels, out_channels, stride)

@@ -7,34 +7,14 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
 
-from gpipe_cli.models.base import Batch, LayerSpec, ModelSpec
+from gpipe_cli.models.base import Batch, LayerSpec, ModelSpec, is_fraction, is_int, require
 from gpipe_cli.models.losses import count_tokens, token_cross_entropy
 from gpipe_cli.models.transformer.layers import DecoderLayer, Embedding, EncoderLayer, Positions, Softmax
 
 ARCHS = ("encoder-decoder", "decoder-only")
 POSITIONS = ("sinusoidal", "learned")
 FIRST_WORD_ID = 4  # ids 0-3 are padding, unk, bos, eos
-
-
-def _build_embedding(vocab_size: int, d_model: int, max_len: int, positions: Positions,
-                     dropout: float, two_streams: bool) -> nn.Module:
-    return Embedding(vocab_size, d_model, max_len, positions, dropout, two_streams)
-
-
-def _build_encoder(d_model: int, ff: int, heads: int, dropout: float, ff_init_scale: float,
-                   final_norm: bool) -> nn.Module:
-    return EncoderLayer(d_model, ff, heads, dropout, ff_init_scale, final_norm)
-
-
-def _build_decoder(d_model: int, ff: int, heads: int, dropout: float, ff_init_scale: float,
-                   cross_attention: bool) -> nn.Module:
-    return DecoderLayer(d_model, ff, heads, dropout, ff_init_scale, cross_attention)
-
-
-def _build_softmax(d_model: int, vocab_size: int, logit_clip: float | None) -> nn.Module:
-    return Softmax(d_model, vocab_size, logit_clip)
 
 
 def token_batch(n: int, device: torch.device | str, vocab_size: int, length: int,
@@ -53,55 +33,39 @@ def transformer_loss(output: Any, targets: torch.Tensor, label_smoothing: float 
     return token_cross_entropy(output, targets, label_smoothing)
 
 
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
-def _positive_int(name: str, value: Any) -> None:
-    _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-           f"{name} must be a positive integer (got {value!r})")
-
-
 def build_transformer(arch: str = "encoder-decoder", layers: int = 6, d_model: int = 1024,
                       ff: int = 4096, heads: int = 16, vocab_size: int = 32000, max_len: int = 256,
                       dropout: float = 0.1, positions: str = "sinusoidal", tie_embeddings: bool = False,
                       scaled_init: bool = False, logit_clip: float | None = None,
                       label_smoothing: float = 0.1) -> ModelSpec:
     """T(layers, ff, heads) with `d_model`-wide states, or the decoder-only LM built from the same layers."""
-    _check(arch in ARCHS, f"transformer arch must be one of {', '.join(ARCHS)} (got {arch!r})")
+    require(arch in ARCHS, f"transformer arch must be one of {', '.join(ARCHS)} (got {arch!r})")
     for name, value in (("layers", layers), ("d_model", d_model), ("ff", ff), ("heads", heads),
-                        ("max_len", max_len)):
-        _positive_int(name, value)
-    _positive_int("vocab_size", vocab_size)
-    _check(vocab_size > FIRST_WORD_ID, f"vocab_size must exceed {FIRST_WORD_ID} (got {vocab_size})")
-    _check(d_model % heads == 0, f"d_model ({d_model}) must be divisible by heads ({heads})")
-    _check(positions in POSITIONS, f"positions must be one of {', '.join(POSITIONS)} (got {positions!r})")
-    _check(isinstance(dropout, (int, float)) and 0.0 <= dropout < 1.0,
-           f"dropout must be in [0, 1) (got {dropout!r})")
-    _check(isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing < 1.0,
-           f"label_smoothing must be in [0, 1) (got {label_smoothing!r})")
-    _check(logit_clip is None or (isinstance(logit_clip, (int, float)) and logit_clip > 0),
-           f"logit_clip must be a positive number or null (got {logit_clip!r})")
+                        ("max_len", max_len), ("vocab_size", vocab_size)):
+        require(is_int(value) and value >= 1, f"{name} must be a positive integer (got {value!r})")
+    require(vocab_size > FIRST_WORD_ID, f"vocab_size must exceed {FIRST_WORD_ID} (got {vocab_size})")
+    require(d_model % heads == 0, f"d_model ({d_model}) must be divisible by heads ({heads})")
+    require(positions in POSITIONS, f"positions must be one of {', '.join(POSITIONS)} (got {positions!r})")
+    for name, share in (("dropout", dropout), ("label_smoothing", label_smoothing)):
+        require(is_fraction(share), f"{name} must be a number in [0, 1) (got {share!r})")
+    require(logit_clip is None or (isinstance(logit_clip, (int, float)) and logit_clip > 0),
+            f"logit_clip must be a positive number or null (got {logit_clip!r})")
     for name, flag in (("tie_embeddings", tie_embeddings), ("scaled_init", scaled_init)):
-        _check(isinstance(flag, bool), f"{name} must be true or false (got {flag!r})")
+        require(isinstance(flag, bool), f"{name} must be true or false (got {flag!r})")
 
     translation = arch == "encoder-decoder"
     # The paper's stability aid: shrink the feed-forward initialisation with depth (variance / L),
     # so the summed residual branches start at a depth-independent scale.
     ff_scale = 1.0 / math.sqrt(layers) if scaled_init else 1.0
     pos: Positions = "learned" if positions == "learned" else "sinusoidal"
-    specs = [LayerSpec("embed", functools.partial(
-        _build_embedding, vocab_size, d_model, max_len, pos, dropout, translation))]
+    specs = [LayerSpec("embed", functools.partial(Embedding, vocab_size, d_model, max_len, pos, dropout, translation))]
     if translation:
-        for i in range(layers):
-            specs.append(LayerSpec(f"encoder_{i + 1}", functools.partial(
-                _build_encoder, d_model, ff, heads, dropout, ff_scale, i == layers - 1)))
+        specs += [LayerSpec(f"encoder_{i + 1}", functools.partial(
+            EncoderLayer, d_model, ff, heads, dropout, ff_scale, i == layers - 1)) for i in range(layers)]
     prefix = "decoder" if translation else "layer"
-    for i in range(layers):
-        specs.append(LayerSpec(f"{prefix}_{i + 1}", functools.partial(
-            _build_decoder, d_model, ff, heads, dropout, ff_scale, translation)))
-    specs.append(LayerSpec("softmax", functools.partial(_build_softmax, d_model, vocab_size,
+    specs += [LayerSpec(f"{prefix}_{i + 1}", functools.partial(
+        DecoderLayer, d_model, ff, heads, dropout, ff_scale, translation)) for i in range(layers)]
+    specs.append(LayerSpec("softmax", functools.partial(Softmax, d_model, vocab_size,
                                                         None if logit_clip is None else float(logit_clip))))
 
     tied: list[tuple[str, ...]] = []
