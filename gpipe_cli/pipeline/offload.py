@@ -98,7 +98,9 @@ class Parcel:
         self.layer = 0
         self.layers: list[list[weakref.ref[_Block]]] = [[]]
         self.out: dict[int, Marker] = {}   # per layer: passed when its copy out is done
-        self.into: dict[int, Marker] = {}  # per layer: passed when its copy in is done
+        # Per layer on its way in: the marker its copy passes, and the device tensors, kept until the compute
+        # stream waits for it (so that no memory the copy writes goes back to the allocator before).
+        self.into: dict[int, tuple[Marker, list[Any]]] = {}
         self._back: set[int] = set()       # layers brought back, whose device copies a later backward drops
         self._blocks: dict[int, _Block] = {}  # by storage, while the forward holds its device bytes
         # The stage's inputs stay where they are (the stage holds them, or they are the mini-batch).
@@ -151,7 +153,10 @@ class Parcel:
         offloader.follow_compute()
         with offloader.on_side():
             for b in blocks:
-                b.host = offloader.to_host(_tensor(b.device))
+                # Not recorded on the side stream: `_sent` makes the compute stream wait for this copy before
+                # it lets the device bytes go, and a recorded use would hold them back until the side stream
+                # reached later copies too (on a GPU, a third layer's worth in the allocator's cache).
+                b.host = offloader.to_host(_tensor(b.device), record=False)
             self.out[layer] = Marker(offloader.device)
         offloader.meter.host_hold(sum(b.host.nbytes for b in blocks if b.host is not None))
 
@@ -170,7 +175,8 @@ class Parcel:
         blocks = [b for b in self._blocks_of(layer) if b.device is None and b.host is not None]
         if not blocks:
             return
-        back, self.into[layer] = self.offloader.to_device([b.host for b in blocks])
+        back, marker = self.offloader.to_device([b.host for b in blocks], record=False)
+        self.into[layer] = (marker, back)
         for b, t in zip(blocks, back):
             b.device = self.offloader.meter.hold(t)
         self._back.add(layer)
@@ -187,15 +193,24 @@ class Parcel:
         # The backward runs from the last layer down: of the layers brought back, it keeps this one's neighbours.
         for other in [b for b in self._back if abs(b - layer) > 1]:
             self._back.discard(other)
+            self._arrived(other)
             for b in self._blocks_of(other):
                 if b.host is not None:  # the host copy stays, should a later pass (a split backward's W) need it
                     b.device = None
         self.fetch(layer)
         self.fetch(layer - 1)
-        marker = self.into.pop(layer, None)
-        if marker is not None:
-            wait_on(marker, self.offloader.device)
+        self._arrived(layer)
         return saved.tensor()
+
+    def _arrived(self, layer: int) -> None:
+        arriving = self.into.pop(layer, None)
+        if arriving is not None:
+            wait_on(arriving[0], self.offloader.device)
+
+    def settle(self) -> None:
+        """The compute stream waits for every copy still on its way in: the parcel's device memory may then go."""
+        for layer in list(self.into):
+            self._arrived(layer)
 
 
 class Offloader:
@@ -214,19 +229,21 @@ class Offloader:
         if self._side is not None:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
 
-    def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """A host copy of `t`, started on the side stream (call inside `on_side`)."""
+    def to_host(self, t: torch.Tensor, record: bool = True) -> torch.Tensor:
+        """A host copy of `t`, started on the side stream (call inside `on_side`); `record`: tell the allocator
+        that the side stream reads `t` (needless where the compute stream waits for the copy before `t` may go)."""
         # Shapes only: a meta stand-in, so that pricing a large model allocates nothing.
         host = torch.empty_like(t, device="meta" if t.device.type == "meta" else "cpu",
                                 pin_memory=self._side is not None)
         if t.device.type != "meta":
             host.copy_(t.detach(), non_blocking=True)
-        if self._side is not None:
+        if self._side is not None and record:
             t.record_stream(self._side)  # the allocator must not reuse the tensor before the copy read it
         return host
 
-    def to_device(self, hosts: Sequence[torch.Tensor | None]) -> tuple[list[Any], Marker]:
-        """Device copies of host tensors, started on the side stream, and the marker the copies pass."""
+    def to_device(self, hosts: Sequence[torch.Tensor | None], record: bool = True) -> tuple[list[Any], Marker]:
+        """Device copies of host tensors, started on the side stream, and the marker the copies pass; `record`:
+        tell the allocator that the side stream writes them (needless where the compute stream waits first)."""
         # Allocated from the compute stream: memory allocated on the side stream would stay in a pool of its own,
         # which the compute stream never reuses (on an H100 the reserved peak came out 1.7x the allocated one).
         back = [None if h is None else torch.empty_like(h, device=self.device) for h in hosts]
@@ -235,7 +252,7 @@ class Offloader:
             for h, t in zip(hosts, back):
                 if h is not None and t is not None and h.device.type != "meta":
                     t.copy_(h, non_blocking=True)
-                    if self._side is not None:
+                    if self._side is not None and record:
                         t.record_stream(self._side)  # dropped unused, it must outlive the copy
             return back, Marker(self.device)
 

@@ -169,6 +169,8 @@ class Stage:
         if roots:
             with self.meter.saved_tensors():
                 torch.autograd.backward([o for o, _ in roots], [g for _, g in roots])
+        if state.parcel is not None:
+            state.parcel.settle()
         inputs = held(state.inputs)
         return [t.grad if t is not None and t.requires_grad else None for t in inputs]
 
@@ -193,6 +195,8 @@ class Stage:
         with self.meter.saved_tensors():
             backward_split.backward_weight(state.pending, self.params)
         state.pending = None
+        if state.parcel is not None:
+            state.parcel.settle()
 
     def evaluate(self, inputs: Sequence[torch.Tensor | None], bare: bool, offset: int) -> Any:
         """A no-grad forward of one micro-batch (evaluation)."""

@@ -111,6 +111,7 @@ def test_saved_tensors_go_out_layer_by_layer_and_come_back_three_at_most():
     for h in hook:
         h.remove()
     assert max(during) <= x.nbytes + 3 * layer_bytes
+    assert not parcel.into  # every copy in was waited for by the compute that used it
     found = [p.grad for p in model.parameters()] + [x.grad]
     assert all(torch.equal(a, b) for a, b in zip(found, expected))
     del loss, out
