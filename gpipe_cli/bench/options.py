@@ -32,7 +32,7 @@ class BenchOptions(SizeFlags):
     schedule: str = "gpipe"
     virtual_stages: int = 1            # V: chunks per stage (interleaved)
     checkpoint: str = "except_last"
-    offload: str = "none"              # "activations": stored inputs wait in host memory (pipeline.offload)
+    offload: str = "none"              # "activations": stored activations wait in host memory (pipeline.offload)
     balance: str | None = None         # "3,5": layers per stage; None: by measured per-layer time
     set: list[str] = field(default_factory=list)
     sweep: bool = False

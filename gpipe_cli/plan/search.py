@@ -108,7 +108,7 @@ class Config:
     schedule: str
     virtual: int      # V (interleaved), else 1
     checkpoint: str
-    offload: str = "none"  # pipeline.offload: none, or activations (stored inputs in host memory)
+    offload: str = "none"  # pipeline.offload: none, or activations (stored activations in host memory)
 
     def label(self) -> str:
         """e.g. 'K=2 D=1 M=8 interleaved V=2 except_last'."""
