@@ -359,8 +359,10 @@ def chunked_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int
     # it): the stage of the first chunk holds all of it through the step, whatever number of micro-batches
     # it keeps, so the first chunk's inputs count once, whole, rather than per micro-batch held.
     batch_input = figures.input.at(batch_size) if any(r.start == 0 for r in chunks) else 0.0
+    # The window only counts under offload; a memory search prices thousands of cuts without it.
     kept = [Kept(0.0 if r.start == 0 else _boundary(figures, r.start, size), _saved(figures, r.start, r.stop, size),
-                 _output(figures, r.stop, size), *_window(figures, r.start, r.stop, size)) for r in chunks]
+                 _output(figures, r.stop, size),
+                 *(_window(figures, r.start, r.stop, size) if offload != "none" else (0.0, 0.0))) for r in chunks]
     params = sum(layer.params for r in chunks for layer in figures.layers[r.start:r.stop])
     found = _footprint(kept, params, stage, stages, microbatches, schedule, checkpoint, bytes_per_param,
                        len(chunks), offload)

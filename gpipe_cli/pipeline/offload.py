@@ -2,8 +2,9 @@
 
 Two kinds of stored activations move:
   boundary inputs   under rematerialization a stage keeps one boundary input per in-flight micro-batch;
-                    it is copied out right after the forward and comes back one recompute ahead in the
-                    schedule's order (the executor asks for the next one as each recompute starts).
+                    it is copied out right after the forward and comes back one restore ahead in the
+                    schedule's order (as each recompute, or each first backward of a micro-batch kept
+                    whole, ends, the executor asks for the next one's).
   saved tensors     what autograd saves inside the layers, for a micro-batch kept whole and for a
                     recompute, go out layer by layer as the forward moves on (`Parcel`) and come back
                     layer by layer as the backward reaches them, the layer below fetched ahead.
@@ -280,7 +281,7 @@ class Offloader:
         wait_on(parked.ready, self.device)
         back = parked.back
         for handle, grad in zip(back, parked.grads):
-            t = getattr(handle, "tensor", handle)
+            t = _tensor(handle)
             if t is not None:
                 t.requires_grad_(grad)
         return back

@@ -123,22 +123,26 @@ def test_one_wait_per_step_on_one_stage(schedule, virtual, monkeypatch):
     assert per_step and max(per_step) <= 1, per_step
 
 
-def _rank(rank: int, world: loopback.World, schedule: str, virtual: int, waits: Waits, offload: str) -> list[int]:
+def _rank(rank: int, world: loopback.World, schedule: str, virtual: int, waits: Waits, offload: str,
+          checkpoint: str) -> list[int]:
     topo = loopback.topology(world, rank, 2)
     cut = [12 // (2 * virtual)] * (2 * virtual)
     layers = build_layers(factories(), stage_layers(cut, 2, rank), 7, META)
-    config = PipelineConfig(2, 4, virtual=virtual, schedule=schedule, balance=tuple(cut), offload=offload)
+    config = PipelineConfig(2, 4, virtual=virtual, schedule=schedule, balance=tuple(cut), offload=offload,
+                            checkpoint=checkpoint)
     pipe = Pipeline(layers, topo, config, token_loss, tied=TIED)
     return steps(pipe, topo.layout.is_first, topo.layout.is_last, 4, waits, rank)
 
 
-@pytest.mark.parametrize("offload", ["none", "activations"])
+# Offload moves stored inputs (except_last) and saved tensors layer by layer (never, and the last micro-batch).
+@pytest.mark.parametrize(("offload", "checkpoint"), [("none", "except_last"), ("activations", "except_last"),
+                                                     ("activations", "never")])
 @pytest.mark.parametrize(("schedule", "virtual"), SCHEDULES)
-def test_one_wait_per_step_on_two_stages(schedule, virtual, offload, monkeypatch):
+def test_one_wait_per_step_on_two_stages(schedule, virtual, offload, checkpoint, monkeypatch):
     waits = Waits()
     with counted(waits, monkeypatch):
         world = loopback.World(2)
-        per_rank = world.run(_rank, world, schedule, virtual, waits, offload)
+        per_rank = world.run(_rank, world, schedule, virtual, waits, offload, checkpoint)
     for rank, per_step in enumerate(per_rank):
         assert per_step and max(per_step) <= 1, f"rank {rank}: {per_step}"
 
