@@ -58,6 +58,8 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
 cd "$ROOT" || exit 1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# gpipe_cli sets this on import; set here too so that Python that loads torch first (the tests) runs alike.
+[[ -n "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]] || export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
 # Time bounds in seconds of each command (coreutils timeout, then SIGKILL 20 s later), each next to its
 # time on one H100 80GB (torch 2.11, CUDA 13): measured there where it says so, else estimated. The

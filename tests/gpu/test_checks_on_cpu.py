@@ -377,3 +377,14 @@ def test_fits_trains_each_row_of_a_budget_table_on_the_cpu(tmp_path: Path) -> No
     assert measure.main(["fits", "--device", "cpu", "--table", str(table), "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     assert [r["trained"] for r in figures["rows"]] == [True, True] and "resident" in figures["method"]
+
+
+@pytest.mark.parametrize("own", [{}, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"},
+                                 {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}])
+def test_cuda_allocator_grows_segments_in_place_unless_the_user_chose(own: dict[str, str]) -> None:
+    env = {k: v for k, v in os.environ.items() if "ALLOC_CONF" not in k} | own
+    code = "import os, gpipe_cli; print(*map(os.environ.get, ('PYTORCH_CUDA_ALLOC_CONF', 'PYTORCH_ALLOC_CONF')))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    expected = (own.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True" if not own else None),
+                own.get("PYTORCH_ALLOC_CONF"))
+    assert out.split() == [str(v) for v in expected]
