@@ -477,7 +477,6 @@ class Capacity:
     """What each rank of a job may use on the machine it runs on, and why."""
 
     per_rank_bytes: float
-    total_bytes: float
     shared: bool        # True: the ranks share one pool (CPU RAM); False: a device each
     description: str    # e.g. "22.1 GiB of available RAM shared by 4 ranks"
 
@@ -489,8 +488,8 @@ def capacity(ranks_on_node: int, device: str | None = None, available: float | N
     kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda":
         free = available if available is not None else float(available_bytes("cuda"))
-        return Capacity(free, free * ranks_on_node, False, f"{human_bytes(free)} free on each GPU")
+        return Capacity(free, False, f"{human_bytes(free)} free on each GPU")
     free = available if available is not None else float(available_bytes("cpu"))
     ranks = max(ranks_on_node, 1)
     share = f"shared by {ranks} ranks" if ranks > 1 else "for 1 rank"
-    return Capacity(free / ranks, free, True, f"{human_bytes(free)} of available RAM {share}")
+    return Capacity(free / ranks, True, f"{human_bytes(free)} of available RAM {share}")
