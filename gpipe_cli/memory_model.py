@@ -22,7 +22,6 @@ and the sizing of `bench` and `profile-memory` all price memory here.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import re
@@ -307,28 +306,6 @@ class Kept:
         return (self.boundary, self.saved, self.saved, self.saved, self.saved - self.last)
 
 
-def _footprint(kept: Sequence[Kept], params: int, stage: int, stages: int, microbatches: int, schedule: str,
-               checkpoint: str, bytes_per_param: float, virtual: int, offload: str = "none") -> Footprint:
-    """Bytes of a stage whose chunks keep micro-batches of `kept` bytes each."""
-    stored, peak, host = _readings(schedule, stage, stages, microbatches, checkpoint, virtual, offload)
-    on_device = [b for k in kept for b in k.device()]
-    in_host = [b for k in kept for b in k.host()]
-
-    def most(counts: tuple[tuple[int, ...], ...], bytes_each: Sequence[float]) -> float:
-        return max((sum(n * b for n, b in zip(c, bytes_each)) for c in counts), default=0.0)
-    return Footprint(params, params * bytes_per_param, most(stored, on_device), most(peak, on_device),
-                     host_bytes=most(host, in_host))
-
-
-def _boundary(figures: ModelFigures, start: int, size: int) -> float:
-    return figures.input.at(size) if start == 0 else figures.layers[start - 1].output.at(size)
-
-
-def _output(figures: ModelFigures, stop: int, size: int) -> float:
-    # The last stage's output is its loss, a scalar.
-    return 0.0 if stop == len(figures.layers) else figures.layers[stop - 1].output.at(size)
-
-
 def _saved(figures: ModelFigures, start: int, stop: int, size: int) -> float:
     # The stage's first layer saves the stage's input, which the walk already holds as the boundary.
     layers = figures.layers[start:stop]
@@ -359,27 +336,39 @@ def chunked_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int
     # it): the stage of the first chunk holds all of it through the step, whatever number of micro-batches
     # it keeps, so the first chunk's inputs count once, whole, rather than per micro-batch held.
     batch_input = figures.input.at(batch_size) if any(r.start == 0 for r in chunks) else 0.0
-    # The window only counts under offload; a memory search prices thousands of cuts without it.
-    kept = [Kept(0.0 if r.start == 0 else _boundary(figures, r.start, size), _saved(figures, r.start, r.stop, size),
-                 _output(figures, r.stop, size),
+    last = len(figures.layers)
+    # The last stage's output is its loss, a scalar. The window only counts under offload; a memory search
+    # prices thousands of cuts without it.
+    kept = [Kept(figures.layers[r.start - 1].output.at(size) if r.start else 0.0,
+                 _saved(figures, r.start, r.stop, size),
+                 figures.layers[r.stop - 1].output.at(size) if r.stop != last else 0.0,
                  *(_window(figures, r.start, r.stop, size) if offload != "none" else (0.0, 0.0))) for r in chunks]
     params = sum(layer.params for r in chunks for layer in figures.layers[r.start:r.stop])
-    found = _footprint(kept, params, stage, stages, microbatches, schedule, checkpoint, bytes_per_param,
-                       len(chunks), offload)
-    return dataclasses.replace(found, stored_bytes=found.stored_bytes + batch_input,
-                               peak_bytes=found.peak_bytes + batch_input, layers=sum(len(r) for r in chunks),
-                               chunks=tuple(len(r) for r in chunks))
+    stored, peak, host = _readings(schedule, stage, stages, microbatches, checkpoint, len(chunks), offload)
+    on_device = [b for k in kept for b in k.device()]
+    in_host = [b for k in kept for b in k.host()]
+
+    def most(counts: tuple[tuple[int, ...], ...], bytes_each: Sequence[float]) -> float:
+        return max((sum(n * b for n, b in zip(c, bytes_each)) for c in counts), default=0.0)
+    return Footprint(params, params * bytes_per_param, most(stored, on_device) + batch_input,
+                     most(peak, on_device) + batch_input, sum(len(r) for r in chunks), most(host, in_host),
+                     tuple(len(r) for r in chunks))
+
+
+def stage_chunks(balance: Sequence[int], schedule: str, virtual: int) -> list[list[range]]:
+    """Each stage's layer ranges under `balance` (K x V chunks, placed as the schedule says), in chunk order."""
+    ranges = partition.stage_ranges(balance)
+    stages = len(balance) // virtual
+    placed = schedules.get(schedule).placement
+    return [[ranges[c] for c in placement.chunks_of(s, stages, virtual, placed)] for s in range(stages)]
 
 
 def footprints(figures: ModelFigures, balance: Sequence[int], batch_size: int, microbatches: int, schedule: str,
                checkpoint: str, bytes_per_param: float, virtual: int = 1, offload: str = "none") -> list[Footprint]:
     """Every stage's predicted memory under `balance` (K x V chunks, placed as the schedule says)."""
-    ranges = partition.stage_ranges(balance)
-    stages = len(balance) // virtual
-    placed = schedules.get(schedule).placement
-    return [chunked_footprint(figures, [ranges[c] for c in placement.chunks_of(s, stages, virtual, placed)], s,
-                              stages, batch_size, microbatches, schedule, checkpoint, bytes_per_param, offload)
-            for s in range(stages)]
+    per_stage = stage_chunks(balance, schedule, virtual)
+    return [chunked_footprint(figures, chunks, s, len(per_stage), batch_size, microbatches, schedule, checkpoint,
+                              bytes_per_param, offload) for s, chunks in enumerate(per_stage)]
 
 
 def stage_needs(figures: ModelFigures, balance: Sequence[int], batch_size: int, microbatches: int, schedule: str,
@@ -387,15 +376,12 @@ def stage_needs(figures: ModelFigures, balance: Sequence[int], batch_size: int, 
                 known: dict[tuple[int, tuple[int, ...]], float], offload: str = "none") -> list[float]:
     """Every stage's bytes under `balance`, as `footprints`; `known` remembers stages by their chunks, so a
     search that moves one cut prices only the stages it changed."""
-    ranges = partition.stage_ranges(balance)
-    stages = len(balance) // virtual
-    placed = schedules.get(schedule).placement
+    per_stage = stage_chunks(balance, schedule, virtual)
     out = []
-    for s in range(stages):
-        chunks = [ranges[c] for c in placement.chunks_of(s, stages, virtual, placed)]
+    for s, chunks in enumerate(per_stage):
         key = (s, tuple(b for r in chunks for b in (r.start, r.stop)))
         if key not in known:
-            known[key] = chunked_footprint(figures, chunks, s, stages, batch_size, microbatches, schedule,
+            known[key] = chunked_footprint(figures, chunks, s, len(per_stage), batch_size, microbatches, schedule,
                                            checkpoint, bytes_per_param, offload).total_bytes
         out.append(known[key])
     return out
@@ -483,9 +469,7 @@ def available_bytes(device: torch.device | str) -> int:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     found = meminfo_available()
-    if found is not None:
-        return found
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return found if found is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
@@ -493,7 +477,6 @@ class Capacity:
     """What each rank of a job may use on the machine it runs on, and why."""
 
     per_rank_bytes: float
-    total_bytes: float
     shared: bool        # True: the ranks share one pool (CPU RAM); False: a device each
     description: str    # e.g. "22.1 GiB of available RAM shared by 4 ranks"
 
@@ -505,8 +488,8 @@ def capacity(ranks_on_node: int, device: str | None = None, available: float | N
     kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda":
         free = available if available is not None else float(available_bytes("cuda"))
-        return Capacity(free, free * ranks_on_node, False, f"{human_bytes(free)} free on each GPU")
+        return Capacity(free, False, f"{human_bytes(free)} free on each GPU")
     free = available if available is not None else float(available_bytes("cpu"))
     ranks = max(ranks_on_node, 1)
     share = f"shared by {ranks} ranks" if ranks > 1 else "for 1 rank"
-    return Capacity(free / ranks, free, True, f"{human_bytes(free)} of available RAM {share}")
+    return Capacity(free / ranks, True, f"{human_bytes(free)} of available RAM {share}")

@@ -61,14 +61,10 @@ def build_optimizer(params: Sequence[nn.Parameter], recipe: Recipe) -> torch.opt
     fused = all(p.device.type in ("cuda", "cpu") for p in params)
     if opt.name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=opt.momentum, weight_decay=opt.weight_decay, fused=fused)
-    if opt.name == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
-                                fused=fused)
-    if opt.name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
-                                 fused=fused)
-    if opt.name == "rmsprop":
-        return torch.optim.RMSprop(params, lr=lr, alpha=opt.decay, eps=opt.eps, momentum=opt.momentum,
-                                   weight_decay=opt.weight_decay)
+    if opt.name in ("adam", "adamw"):
+        adam = torch.optim.Adam if opt.name == "adam" else torch.optim.AdamW
+        return adam(params, lr=lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay, fused=fused)
     # The paper's AmoebaNet optimizer: RMSProp with decay 0.9 and momentum 0.9.
-    return torch.optim.RMSprop(params, lr=lr, alpha=0.9, eps=opt.eps, momentum=0.9, weight_decay=opt.weight_decay)
+    paper = opt.name == "amoebanet-rmsprop"
+    return torch.optim.RMSprop(params, lr=lr, alpha=0.9 if paper else opt.decay, eps=opt.eps,
+                               momentum=0.9 if paper else opt.momentum, weight_decay=opt.weight_decay)

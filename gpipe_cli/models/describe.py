@@ -8,7 +8,7 @@ models far larger than the machine running it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +83,6 @@ class ModelSummary:
     input_bytes: int
     layers: tuple[LayerCost, ...]
     total_params: int
-    total_param_bytes: int
     total_flops: int
 
     def cut_bytes(self, after: int) -> int:
@@ -119,16 +118,10 @@ def _param_stats(module: nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
 
 
-def _tied_duplicates(spec: ModelSpec, sizes: dict[str, tuple[int, int]]) -> tuple[int, int]:
-    """Parameters and bytes counted more than once because they are copies of one tied tensor."""
-    copies = [sizes.get(name, (0, 0)) for group in spec.tied for name in group[1:]]
-    return sum(numel for numel, _ in copies), sum(size for _, size in copies)
-
-
-def _named_sizes(index: int, module: nn.Module, names: Iterable[str]) -> dict[str, tuple[int, int]]:
-    wanted = set(names)
-    return {f"{index}.{name}": (p.numel(), p.numel() * p.element_size())
-            for name, p in module.named_parameters() if f"{index}.{name}" in wanted}
+def _tied_copies(spec: ModelSpec, index: int, module: nn.Module) -> int:
+    """Parameters of layer `index` counted more than once: the later copies of a tied tensor."""
+    copies = {name for group in spec.tied for name in group[1:]}
+    return sum(p.numel() for name, p in module.named_parameters() if f"{index}.{name}" in copies)
 
 
 def layer_params(spec: ModelSpec) -> list[int]:
@@ -139,15 +132,12 @@ def layer_params(spec: ModelSpec) -> list[int]:
 
 def count_parameters(spec: ModelSpec) -> int:
     """The model's parameter count (tied tensors once), without allocating any of them."""
-    tied_names = [name for group in spec.tied for name in group]
     total = 0
-    sizes: dict[str, tuple[int, int]] = {}
     with torch.device("meta"):
         for index, layer in enumerate(spec.layers):
             module = layer.build()
-            total += _param_stats(module)[0]
-            sizes.update(_named_sizes(index, module, tied_names))
-    return total - _tied_duplicates(spec, sizes)[0]
+            total += _param_stats(module)[0] - _tied_copies(spec, index, module)
+    return total
 
 
 def describe(spec: ModelSpec, batch_size: int = 1, inputs: Batch | None = None) -> ModelSummary:
@@ -163,8 +153,7 @@ def describe(spec: ModelSpec, batch_size: int = 1, inputs: Batch | None = None) 
     else:
         inputs = _to_meta(inputs)
         batch_size = tensors_of(inputs)[0].shape[0]
-    tied_names = [name for group in spec.tied for name in group]
-    sizes: dict[str, tuple[int, int]] = {}
+    tied = 0
     costs = []
     x = inputs
     input_bytes = batch_bytes(inputs, batch_size)
@@ -172,7 +161,7 @@ def describe(spec: ModelSpec, batch_size: int = 1, inputs: Batch | None = None) 
         for index, layer in enumerate(spec.layers):
             module = layer.build()
             params, param_bytes = _param_stats(module)
-            sizes.update(_named_sizes(index, module, tied_names))
+            tied += _tied_copies(spec, index, module)
             counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS)
             with counter:
                 x = module(x)
@@ -183,12 +172,10 @@ def describe(spec: ModelSpec, batch_size: int = 1, inputs: Batch | None = None) 
                 activation_bytes=batch_bytes(x, batch_size),
                 output_shapes=tuple(tuple(t.shape) for t in outputs),
             ))
-    dup_params, dup_bytes = _tied_duplicates(spec, sizes)
     return ModelSummary(
         name=spec.name, task=spec.task, batch_size=batch_size, input_bytes=input_bytes,
         layers=tuple(costs),
-        total_params=sum(c.params for c in costs) - dup_params,
-        total_param_bytes=sum(c.param_bytes for c in costs) - dup_bytes,
+        total_params=sum(c.params for c in costs) - tied,
         total_flops=sum(c.flops for c in costs),
     )
 

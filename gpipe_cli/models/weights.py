@@ -37,11 +37,6 @@ def store_once(tensors: dict[str, torch.Tensor],
     return kept, aliases
 
 
-def with_aliases(tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
-    """The tensors with every name of the tie map present again (the same tensor under each name)."""
-    return {**tensors, **{alias: tensors[first] for alias, first in aliases.items()}}
-
-
 def describe(spec: ModelSpec, aliases: dict[str, str], *, dtype: str, step: int, recipe: str | None,
              tokenizer: bytes | None) -> dict[str, str]:
     """The metadata of an export of `spec`: model, tie map, dtype, and the recipe and tokenizer when known."""
@@ -100,4 +95,6 @@ def parse(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> 
     absent = [first for first in aliases.values() if first not in tensors]
     if absent:
         raise ValueError(f"its tie map names {absent[0]}, which it does not hold")
-    return Exported(spec, with_aliases(tensors, aliases), meta.get("dtype", ""), tokenizer, meta)
+    # Every name of the tie map present again: the same tensor under each name.
+    state = {**tensors, **{alias: tensors[first] for alias, first in aliases.items()}}
+    return Exported(spec, state, meta.get("dtype", ""), tokenizer, meta)

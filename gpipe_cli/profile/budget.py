@@ -61,6 +61,18 @@ class Found(NamedTuple):
     bound: str = ""
 
 
+def _largest(fits: Callable[[int], list[Footprint] | None], lo: int, hi: int,
+             found: list[Footprint] | None = None) -> tuple[int, list[Footprint] | None]:
+    """The largest size in [lo, hi) that fits, and its stages, by bisection (`found`: what `lo` fits with)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if (stages := fits(mid)) is not None:
+            lo, found = mid, stages
+        else:
+            hi = mid
+    return lo, found
+
+
 def _by_role(model: ModelFigures) -> dict[str, LayerFigures]:
     """The last layer of each role (the steady state of a repeated layer)."""
     return {mm.role(layer.name): layer for layer in model.layers}
@@ -137,22 +149,13 @@ class TransformerL:
         best = None
         lo, hi = 0, min(max(1, least - 2), self.max_layers)  # the embedding and the softmax are layers too
         while (found := fits(self.figures(hi))) is not None:  # grow until it no longer fits
-            best, lo = (hi, found), hi
+            best, lo = found, hi
             if hi == self.max_layers:  # a deeper member would fit too: the bound stops the search
                 return Found(str(hi), sum(s.params for s in found), found,
                              f"{self.max_layers} layers, the most a recipe may have")
             hi = min(hi * 2, self.max_layers)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            found = fits(self.figures(mid))
-            if found is not None:
-                best, lo = (mid, found), mid
-            else:
-                hi = mid
-        if best is None:
-            return None
-        layers, stages = best
-        return Found(str(layers), sum(s.params for s in stages), stages)
+        layers, stages = _largest(lambda n: fits(self.figures(n)), lo, hi, best)
+        return None if stages is None else Found(str(layers), sum(s.params for s in stages), stages)
 
 
 class AmoebaNetD:
@@ -225,15 +228,10 @@ class AmoebaNetD:
         of 16 up to `max_width`, among those with at least `least` pipeline layers (a V needs one per chunk)."""
         best: Found | None = None
         for layers in range(6, self.max_layers + 1, 6):
-            lo, hi = 0, self.max_width // self.WIDTH_STEP + 1  # widths in units of WIDTH_STEP
-            found_at: list[Footprint] | None = None
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                found = fits(self.figures(layers, mid * self.WIDTH_STEP))
-                if found is not None:
-                    lo, found_at = mid, found
-                else:
-                    hi = mid
+            def at(steps: int, layers: int = layers) -> list[Footprint] | None:
+                return fits(self.figures(layers, steps * self.WIDTH_STEP))
+
+            lo, found_at = _largest(at, 0, self.max_width // self.WIDTH_STEP + 1)  # widths in units of WIDTH_STEP
             if found_at is None:
                 if len(self._spec(layers, self.WIDTH_STEP).layer_names) < least:
                     continue  # too shallow to cut into every chunk

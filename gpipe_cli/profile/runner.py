@@ -36,7 +36,7 @@ from gpipe_cli.models.describe import describe, layer_params
 from gpipe_cli.models.registry import allowed_params, build_model
 from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.profile import account, budget, probe, scenarios, tables
-from gpipe_cli.profile.options import ProfileOptions, validate
+from gpipe_cli.profile.options import ProfileOptions
 from gpipe_cli.progress import Progress
 from gpipe_cli.units import human_bytes, human_count, human_seconds, parse_size
 
@@ -45,12 +45,6 @@ def _device(choice: str) -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA GPU is visible")
     return torch.device("cuda" if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()) else "cpu")
-
-
-def sizable(options: ProfileOptions) -> bool:
-    """Whether the model is left to this machine: a family name and no size flag or --set."""
-    return options.model in FAMILIES and not any(v is not None for v in options.sizes().values()) \
-        and not options.set
 
 
 # Besides its rows: loading, sizing and shaping the model on the meta device, and the ranks-free set-up.
@@ -90,13 +84,6 @@ def paced(machine: sizing.Machine, spec: ModelSpec, kind: str, examples: int, se
     return dataclasses.replace(machine, flops_per_s=rate / sizing.layer_efficiency(machine.kind, kind))
 
 
-def estimate_seconds(cand: sizing.Candidate, machine: sizing.Machine, batch: int,
-                     rows: list[tuple[str, int, int, str]]) -> float:
-    """Seconds the profile should take: one step per row (each stage driven in turn) and the per-layer probes."""
-    return FIXED_S + probe_seconds(cand, machine) + sum(
-        row_seconds(cand, machine, batch, m, checkpoint) for _, _, m, checkpoint in rows)
-
-
 def _judge(options: ProfileOptions, machine: sizing.Machine, batch: int) -> Callable[[sizing.Candidate],
                                                                                     sizing.Verdict]:
     rows = scenarios.names(options.partitions, options.microbatches, options.checkpoint)
@@ -105,15 +92,18 @@ def _judge(options: ProfileOptions, machine: sizing.Machine, batch: int) -> Call
     def verdict(cand: sizing.Candidate) -> sizing.Verdict:
         # naive-1 holds the whole model and the whole batch's activations: it must fit to be measured.
         need = cand.parameters * per_param + sizing.activation_bytes(cand, batch)
-        return sizing.Verdict(need, machine.memory_bytes * sizing.MEMORY_SHARE,
-                              estimate_seconds(cand, machine, batch, rows), sizing.TIME_BUDGET_S)
+        # One step per row (each stage driven in turn) and the per-layer probes.
+        seconds = FIXED_S + probe_seconds(cand, machine) + sum(
+            row_seconds(cand, machine, batch, m, checkpoint) for _, _, m, checkpoint in rows)
+        return sizing.Verdict(need, machine.memory_bytes * sizing.MEMORY_SHARE, seconds, sizing.TIME_BUDGET_S)
     return verdict
 
 
 def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tuple[Subject, str, float]:
     """The model (sized to the machine without model flags), the announcement, and the estimated seconds."""
     judge = _judge(options, machine, batch)
-    if sizable(options):
+    # Left to this machine: a family name and no size flag or --set.
+    if options.model in FAMILIES and all(v is None for v in options.sizes().values()) and not options.set:
         choice = sizing.choose(options.model, judge, max(options.partitions))
         assert choice.verdict is not None
         return Subject(choice.kind, choice.params, options.model), choice.note, choice.verdict.seconds
@@ -285,8 +275,7 @@ MEASURE_LAYERS = 64
 
 
 def measured_row(row: budget.BudgetRow, kind: str, family: budget.TransformerL | budget.AmoebaNetD, batch: int,
-                 options: ProfileOptions, machine: sizing.Machine, progress: Progress,
-                 limit: float) -> budget.BudgetRow:
+                 options: ProfileOptions, machine: sizing.Machine, progress: Progress) -> budget.BudgetRow:
     """`row` with its fullest device measured by one step of the member it names, where that runs here soon."""
     params = family.member(row.model)
     cand = sizing.candidate(kind, params)
@@ -334,7 +323,7 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
     progress.phase(f"searching the largest model of each of {len(rows_asked)} rows", search_s)
     rows = budget.search(family, rows_asked, limit, batch, options.schedule, options.optimizer, options.offload,
                          correction)
-    rows = [None if r is None else measured_row(r, kind, family, batch, options, machine, progress, limit)
+    rows = [None if r is None else measured_row(r, kind, family, batch, options, machine, progress)
             for r in rows]
     return {"correction": None if correction is None else correction.to_json(),
             "budget_bytes": limit, "family": family.title, "kind": kind, "fixed": fixed, "batch_size": batch,
@@ -350,7 +339,6 @@ def run(options: ProfileOptions) -> int:
     """Run `gpipe profile-memory`; print the figures and return an exit code (UserError for bad options,
     130 on Ctrl-C)."""
     console = output_console()
-    validate(options)
     try:
         with interrupts.remembered():
             return _run(options, console)

@@ -23,7 +23,7 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.memory_model import Footprint, ModelFigures
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import describe
-from gpipe_cli.pipeline import microbatch, partition, placement, schedules
+from gpipe_cli.pipeline import microbatch, partition, schedules
 from gpipe_cli.units import human_bytes
 
 
@@ -141,12 +141,10 @@ def row(scenario: Scenario, stages: list[dict[str, Any]], params: int) -> dict[s
 
 def predicted_stages(scenario: Scenario, figures: ModelFigures, batch: int, per_param: float) -> list[dict[str, Any]]:
     """An extrapolated row's stages in the measured rows' shape."""
-    out, ranges = [], partition.stage_ranges(scenario.balance)
-    stages = scenario.partitions
-    for s, fp in enumerate(scenario.predict(figures, batch, per_param)):
+    out = []
+    placed = mm.stage_chunks(scenario.balance, scenario.schedule, scenario.virtual)
+    for s, (fp, spans) in enumerate(zip(scenario.predict(figures, batch, per_param), placed)):
         weights = fp.params * mm.PARAM_BYTES
-        spans = [ranges[c] for c in placement.chunks_of(s, stages, scenario.virtual,
-                                                        schedules.get(scenario.schedule).placement)]
         out.append({"stage": s, "first_layer": spans[0].start, "layers": fp.layers, "params_bytes": weights,
                     "grads_bytes": weights, "optimizer_bytes": round(fp.weights_bytes) - 2 * weights,
                     "stored_bytes": round(fp.stored_bytes), "peak_bytes": round(fp.peak_bytes),

@@ -55,11 +55,6 @@ class Classifier(nn.Module):
         return (logits, *carried) if carried else logits
 
 
-def aux_pooled_size(spatial: int) -> int:
-    """The side of the auxiliary head's map after its 5x5 stride-3 pooling (no pooling below 5 px)."""
-    return (spatial - 5) // 3 + 1 if spatial >= 5 else spatial
-
-
 class AuxHead(nn.Module):
     """The auxiliary classifier; appends its logits to the carried states: (x, prev) -> (x, prev, aux).
 
@@ -69,7 +64,8 @@ class AuxHead(nn.Module):
 
     def __init__(self, in_channels: int, num_classes: int, spatial: int) -> None:
         super().__init__()
-        self.grid = aux_pooled_size(spatial)
+        # The side of the map after the 5x5 stride-3 pooling (no pooling below 5 px).
+        self.grid = (spatial - 5) // 3 + 1 if spatial >= 5 else spatial
         hidden, features = int(128 * AUX_SCALING), int(768 * AUX_SCALING)
         self.proj = nn.Conv2d(in_channels, hidden, 1, bias=False)
         self.bn0 = DeferredBatchNorm(hidden)
