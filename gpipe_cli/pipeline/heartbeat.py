@@ -35,17 +35,17 @@ from typing import Any
 
 from gpipe_cli.pipeline import failure
 
+INTERVAL_S = 1.0
 FLOOR_S = 60.0
 SLOWEST_FACTOR = 10.0
 _KEY_PREFIX = "gpipe/beat/"
 
 # This process's progress, written by the compute thread and read by the heartbeat thread.
-_progress = 0
 _steps = 0
 _slowest = 0.0
 _paused = 0
 _started = False
-_on_start: Callable[[], None] | None = None  # beats at once when training starts (set by Heartbeat)
+_on_start: Callable[[], object] | None = None  # beats at once when training starts (set by Heartbeat)
 
 
 class Waits:
@@ -98,8 +98,7 @@ waits = Waits()
 
 def step_done(seconds: float) -> None:
     """Note progress: a training step finished, after `seconds`."""
-    global _progress, _steps, _slowest
-    _progress += 1
+    global _steps, _slowest
     _steps += 1
     _slowest = max(_slowest, seconds)
 
@@ -162,13 +161,9 @@ class Judge:
         self._heard: dict[int, tuple[int, float]] = {}  # rank -> (beat count, when it last changed)
         self._progress: tuple[tuple[int, ...], float] | None = None
 
-    def limit(self, beats: list[Beat]) -> float:
-        """The timeout in force."""
-        return self.timeout if self.timeout is not None else default_timeout(max(b.slowest for b in beats))
-
     def verdict(self, beats: list[Beat], now: float) -> tuple[str, list[int]] | None:
         """None, or why the job stalled and which ranks are to blame."""
-        limit = self.limit(beats)
+        limit = self.timeout if self.timeout is not None else default_timeout(max(b.slowest for b in beats))
         for rank, beat in enumerate(beats):
             if rank != self.rank and self._heard.get(rank, (None, 0.0))[0] != beat.count:
                 self._heard[rank] = (beat.count, now)
@@ -203,12 +198,10 @@ class Heartbeat:
     """Beats for this rank and ends the job when any rank stalls."""
 
     def __init__(self, watch: failure.AbortWatch, rank: int, world: int, timeout: float | None,
-                 name: Callable[[int], str], interval: float = 1.0) -> None:
-        self.watch, self.rank, self.world, self.interval = watch, rank, world, interval
+                 name: Callable[[int], str]) -> None:
+        self.watch, self.rank = watch, rank
         self.judge = Judge(rank, timeout, name)
-        run = os.environ.get("TORCHELASTIC_RUN_ID", "job")
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self._keys = [f"{_KEY_PREFIX}{run}/{attempt}/{r}" for r in range(world)]
+        self._keys = [f"{failure.job_key(_KEY_PREFIX)}/{r}" for r in range(world)]
         self._store = failure.connect()
         self._stopped = threading.Event()
         self._lock = threading.Lock()  # the compute thread beats once too (training_started)
@@ -228,46 +221,37 @@ class Heartbeat:
         self._stopped.set()
         _on_start = None
 
-    def _send(self) -> None:
-        """Write this rank's beat (raises when the store is gone)."""
-        with self._lock:
-            self._write()
-
-    def _write(self) -> None:
-        assert self._store is not None
-        self._count += 1
-        transfers, waiting = waits.poll()
-        mine = Beat(self._count, _progress + transfers, _steps, _slowest, _paused > 0, os.getpid(),
-                    socket.gethostname(), _started, waiting)
-        self._store.set(self._keys[self.rank], mine.encode())
-
-    def _exchange(self) -> list[Beat] | None:
-        """Write this rank's beat and read everyone's (None until every rank beats)."""
+    def _send(self, read: bool = False) -> list[Beat] | None:
+        """Write this rank's beat (raises when the store is gone); with `read`, everyone's beats (None until
+        every rank beats)."""
         assert self._store is not None
         with self._lock:
-            self._write()
-            if not self._store.check(self._keys):
+            self._count += 1
+            transfers, waiting = waits.poll()
+            mine = Beat(self._count, _steps + transfers, _steps, _slowest, _paused > 0, os.getpid(),
+                        socket.gethostname(), _started, waiting)
+            self._store.set(self._keys[self.rank], mine.encode())
+            if not read or not self._store.check(self._keys):
                 return None
             return [Beat.decode(v.decode()) for v in self._store.multi_get(self._keys)]
 
     def _beat(self) -> None:
-        host = socket.gethostname()
-        while not self._stopped.wait(self.interval):
+        while not self._stopped.wait(INTERVAL_S):
             try:
-                beats = self._exchange()
+                beats = self._send(read=True)
                 if beats is None:
                     continue  # not every rank beats yet
             except Exception:
                 return  # the store is gone: the abort watch ends this rank
             found = self.judge.verdict(beats, time.monotonic())
             if found is not None and not self._stopped.is_set():
-                self._end(found[0], [beats[r] for r in found[1]], host)
+                self._end(found[0], [beats[r] for r in found[1]])
 
-    def _end(self, message: str, culprits: list[Beat], host: str) -> None:
+    def _end(self, message: str, culprits: list[Beat]) -> None:
         if self.watch.announce(message):
             # A stopped process would never end on the launcher's SIGTERM: end the ones on this host now.
             for beat in culprits:
-                if beat.host == host and beat.pid != os.getpid():
+                if beat.host == socket.gethostname() and beat.pid != os.getpid():
                     with contextlib.suppress(OSError):
                         os.kill(beat.pid, signal.SIGKILL)
         os._exit(failure.ANNOUNCED)
