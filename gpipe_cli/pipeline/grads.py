@@ -66,11 +66,10 @@ def norms(params: Sequence[nn.Parameter]) -> tuple[torch.Tensor | None, tuple[in
         return None, ()
     grads = [params[i].grad for i in positions]
     groups = _by_dtype(tuple(g.dtype for g in grads))  # type: ignore[union-attr]
-    if len(groups) == 1:  # the usual case: one foreach kernel, in the parameters' order
-        return torch.stack(torch._foreach_norm(grads)).to(torch.float64), positions  # type: ignore[arg-type]
     parts = [torch.stack(torch._foreach_norm([grads[j] for j in group])).to(torch.float64)  # type: ignore[misc]
              for group in groups]
-    return torch.cat(parts), tuple(positions[j] for group in groups for j in group)
+    # The usual case is one dtype: one foreach kernel, in the parameters' order, and no copy.
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)), tuple(positions[j] for group in groups for j in group)
 
 
 @functools.lru_cache(maxsize=64)
@@ -99,8 +98,7 @@ def clip_(params: Sequence[nn.Parameter], norm: torch.Tensor, max_norm: float) -
     """Scale gradients so their global norm is at most `max_norm` (a clamped factor: no host decision)."""
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
-        factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, factor.to(grads[0].dtype))
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
 
 
 def scale_(params: Sequence[nn.Parameter], factor: torch.Tensor | float) -> None:
@@ -121,10 +119,8 @@ def commit_batchnorms(norms_: Sequence[DeferredBatchNorm], fabric: Fabric | None
     stats = [bn.statistics() for bn in norms_]
     flat = torch.cat(stats)
     fabric.all_reduce(flat, ranks)
-    at = 0
-    for bn, s in zip(norms_, stats):
-        bn.commit(flat[at:at + s.numel()])
-        at += s.numel()
+    for bn, summed in zip(norms_, flat.split([s.numel() for s in stats])):
+        bn.commit(summed)
 
 
 class LossScale:

@@ -2,21 +2,18 @@
 
 A daemon thread on every rank writes a beat once a second and reads everyone's. Two signs of trouble:
 
-- silence: a rank in training whose beat stops changing is stopped (SIGSTOP) or frozen; its own thread
-  stopped too. Each rank beats once from its compute thread when it starts and when it starts training,
-  since set-up can hold the interpreter lock and starve the beating thread.
-- no progress: every rank still beats, but no rank finished a step or a transfer (the training loop
-  calls `step_done`; the transport counts a transfer once the work waiting on it finished, which on a
-  GPU is when the device passed an event recorded after it, since the host runs ahead of the device);
-  the ranks furthest behind are named with what they wait for ("receiving activations of micro-batch
-  3 from rank 0").
+- silence: a rank in training whose beat stops changing is stopped (SIGSTOP) or frozen. Each rank also
+  beats from its compute thread when it starts and when it starts training, since set-up can hold the
+  interpreter lock and starve the beating thread.
+- no progress: every rank beats, but no rank finished a step (`step_done`) or a transfer (on a GPU, once
+  the device passed an event recorded after it: the host runs ahead); the ranks furthest behind are named
+  with what they wait for ("receiving activations of micro-batch 3 from rank 0").
 
-Either ends the job when it lasts the timeout: a fixed number of seconds, or by default the larger of
-60 s and 10x the slowest step so far (so a big model is not ended for being big). Progress is judged
-once every rank finished a step (set-up, such as tokenizer training, can be long), or with a fixed timeout
-once every rank started training, so a hang inside the first step is caught too; neither sign is judged
-for a rank that writes a checkpoint (`paused`). The first rank to see it prints one line and stops every
-rank.
+Either ends the job when it lasts the timeout: fixed, or by default the larger of 60 s and 10x the slowest
+step so far (a big model is not ended for being big). Progress is judged once every rank finished a step
+(set-up, such as tokenizer training, can be long), or with a fixed timeout once every rank started
+training, so a hang in the first step is caught too; neither is judged for a rank writing a checkpoint
+(`paused`). The first rank to see it prints one line and stops every rank.
 """
 
 from __future__ import annotations
@@ -49,12 +46,7 @@ _on_start: Callable[[], object] | None = None  # beats at once when training sta
 
 
 class Waits:
-    """What this rank waits for: host waits in progress, and device waits not yet passed by the device.
-
-    The compute thread notes each wait; the heartbeat thread asks how many finished and what is
-    pending. On a GPU a stream wait returns to the host at once, so an event recorded after it tells
-    when the device really got past it.
-    """
+    """What this rank waits for: host waits in progress, and device waits the device has not passed yet."""
 
     _KEEP = 4096  # device waits remembered; older ones count as finished
 

@@ -184,9 +184,7 @@ def init(stages: int, replicas: int = 1, backend: str = "auto", timeout: float =
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world == 1:
-        topo = local(dev)
-        topo.layout = Layout(1, 1, 0, virtual, placement)
-        return topo
+        return Topology(Layout(1, 1, 0, virtual, placement), dev, Transport(dev))
     nccl = name == "nccl"
     if not dist.is_initialized():
         # With NCCL the default group has both backends, so a host tensor on it goes to gloo, never NCCL.
