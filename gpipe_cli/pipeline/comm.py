@@ -72,7 +72,9 @@ class _End:
     evaluation), which both ends use to post receives ahead."""
 
     def __init__(self, transport: Transport, link: Link) -> None:
-        self.transport, self.link, self.name = transport, link, STREAM_NAMES[link.stream]
+        assert transport.fabric is not None  # a link joins two ranks
+        self.transport, self.fabric, self.link = transport, transport.fabric, link
+        self.name = STREAM_NAMES[link.stream]
         self._last: dict[bool, list[int]] = {True: [], False: []}
         self._sizes: list[int] = []  # this step's, so far
         self._training: bool | None = None
@@ -99,9 +101,7 @@ class Outbound(_End):
     def send(self, microbatch: int, chunks: int, offset: int, tensors: Sequence[torch.Tensor | None],
              bare: bool = False, differentiable: bool = False) -> None:
         """Post a message; returns at once, the operations holding the buffers until they complete."""
-        transport, link = self.transport, self.link
-        fabric = transport.fabric
-        assert fabric is not None
+        transport, fabric, link = self.transport, self.fabric, self.link
         metas = [meta_of(t, differentiable) for t in tensors]
         size = layout(metas)[1]
         ahead = self._ahead_bytes()
@@ -158,8 +158,7 @@ class Inbound(_End):
         self._post()
 
     def _post(self) -> None:
-        fabric = self.transport.fabric
-        assert fabric is not None
+        fabric = self.fabric
         while self._unposted and len(self._headers) < self.window:
             header = torch.empty(HEADER_LEN, dtype=torch.int64)
             self._headers.append((fabric.recv_header(self.link, header), header))
@@ -176,8 +175,7 @@ class Inbound(_End):
 
     def take(self, microbatch: int) -> tuple[Header, list[torch.Tensor | None]]:
         """The next message (which must be for `microbatch`): its header and its tensors on the device."""
-        transport, fabric = self.transport, self.transport.fabric
-        assert fabric is not None
+        transport = self.transport
         what = f"receiving {self.name} of micro-batch {microbatch} from rank {self.link.src}"
         if not self._headers:
             raise CommError(f"no {self.name} message for micro-batch {microbatch} was expected")
@@ -193,8 +191,13 @@ class Inbound(_End):
         if header.microbatch != microbatch:
             raise CommError(f"expected {self.name} of micro-batch {microbatch}, got micro-batch "
                             f"{header.microbatch}: the stages run different schedules")
-        first, self._ahead = self._ahead, None
-        payload, rest = self._receive_rest(header, first)
+        # The payload is read from the receive posted ahead, or from a buffer whose tail is part 2.
+        first, self._ahead, rest = self._ahead, None, None
+        if header.payload <= header.ahead:
+            payload = first[1][:header.payload] if first is not None else self._buffer(0)
+        else:
+            payload = self._buffer(header.payload)
+            rest = self.fabric.recv(self.link, payload[header.ahead:])
         self._post()  # the next message's part 1 goes after this one's part 2, as the sender posts them
         if first is not None:
             transport.wait(first[0], data=True, what=what)
@@ -205,13 +208,3 @@ class Inbound(_End):
         return header, [None if t is None or meta is None else
                         t.to(transport.device, non_blocking=True).requires_grad_(meta.requires_grad)
                         for meta, t in zip(header.tensors, unpack(payload, header))]
-
-    def _receive_rest(self, header: Header, first: _Posted | None) -> tuple[torch.Tensor, Work | None]:
-        """The buffer the payload will be read from, and the receive of its part 2 if there is one."""
-        if header.payload <= header.ahead:
-            assert first is not None or header.payload == 0
-            return (first[1][:header.payload] if first is not None else self._buffer(0)), None
-        payload = self._buffer(header.payload)
-        fabric = self.transport.fabric
-        assert fabric is not None
-        return payload, fabric.recv(self.link, payload[header.ahead:])

@@ -65,11 +65,6 @@ def connect() -> dist.Store | None:
 _FAILED, _BAD_INPUT, _ANNOUNCED = "0", "1", "2"
 
 
-def _encode(summary: str, kind: str) -> str:
-    # Who reported (so a rank knows whether it was first, and on which host) and what kind of report.
-    return f"{os.getpid()}@{socket.gethostname()}\n{kind}\n{summary}"
-
-
 def _decode(text: str) -> tuple[str, str, str]:
     parts = text.split("\n", 2)
     return (parts[2], parts[1], parts[0]) if len(parts) == 3 else (text, _FAILED, "")
@@ -90,25 +85,20 @@ class AbortWatch:
         """Stop watching (a clean shutdown)."""
         self._stopped.set()
 
-    def report(self, summary: str, user_error: bool = False, code: int = 2) -> tuple[bool, str, bool]:
-        """Tell every rank to stop because of `summary` (with `user_error`, the other ranks exit with `code`).
-
-        Returns whether this rank reported first, and the first report's message and kind. The first
-        report wins, so a rank that fails only because a peer vanished cannot hide the cause.
-        """
-        first, text, kind = self._report(summary, f"{_BAD_INPUT}:{code}" if user_error else _FAILED)
-        return first, text, kind.startswith(_BAD_INPUT)
-
     def announce(self, summary: str) -> bool:
         """Stop every rank because of `summary`, which this rank prints (once for the whole job) if it is
         the first report; returns whether it was."""
-        first, _, _ = self._report(summary, _ANNOUNCED)
+        first, _, _ = self.report(summary, _ANNOUNCED)
         if first:
             print(f"[gpipe] {summary}", file=sys.stderr, flush=True)
         return first
 
-    def _report(self, summary: str, kind: str) -> tuple[bool, str, str]:
-        mine = _encode(summary, kind)
+    def report(self, summary: str, kind: str = _FAILED) -> tuple[bool, str, str]:
+        """Tell every rank to stop because of `summary`: whether this rank reported first, and the first
+        report's message and kind (the first wins, so a rank failing because a peer vanished cannot hide
+        the cause). A bad-input report's kind carries the exit code of the other ranks."""
+        # Who reported (so a rank knows whether it was first, and on which host) and what kind of report.
+        mine = f"{os.getpid()}@{socket.gethostname()}\n{kind}\n{summary}"
         if self._reporter is None:
             return True, summary, kind
         with contextlib.suppress(Exception):  # the store may already be gone; exiting matters more
@@ -167,10 +157,12 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
             os._exit(EXIT_CODE)
         user_error = isinstance(exc, quiet)
         summary = str(exc) if user_error else f"{label} failed: {type(exc).__name__}: {exc}"
-        was_first, first, first_quiet = True, summary, user_error
+        kind = f"{_BAD_INPUT}:{getattr(exc, 'exit_code', 2)}" if user_error else _FAILED
+        was_first, first, first_kind = True, summary, kind
         if watch is not None:
             watch.stop()
-            was_first, first, first_quiet = watch.report(summary, user_error, getattr(exc, "exit_code", 2))
+            was_first, first, first_kind = watch.report(summary, kind)
+        first_quiet = first_kind.startswith(_BAD_INPUT)
         if not was_first:
             if not first_quiet and first != summary:  # a consequence of another rank's failure: name it
                 print(f"[gpipe] {label} stopped: {first}", file=sys.stderr, flush=True)
