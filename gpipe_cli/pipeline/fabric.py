@@ -119,10 +119,8 @@ def _posted(work: Any) -> Any:
 
 
 class TorchFabric:
-    """torch.distributed: gloo control plane; links on NCCL with a GPU per rank, else gloo.
-
-    What is NCCL-only is this class's choice of backend and data device, and `wait`'s stream wait.
-    """
+    """torch.distributed: gloo control plane; links on NCCL with a GPU per rank, else gloo (what is NCCL-only
+    is this class's choice of backend and data device, and `wait`'s stream wait)."""
 
     def __init__(self, device: torch.device, nccl: bool, control: dist.ProcessGroup | None) -> None:
         self.rank = dist.get_rank()

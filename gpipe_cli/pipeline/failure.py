@@ -136,10 +136,8 @@ class AbortWatch:
 
 def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None,
                 quiet: tuple[type[BaseException], ...] = ()) -> T:
-    """Run `fn`; on an exception print it with `label`, stop every rank, and exit this one.
-
-    Exceptions of the `quiet` types (bad user input) are shown as one line without a traceback.
-    """
+    """Run `fn`; on an exception print it with `label`, stop every rank, and exit this one (exceptions of
+    the `quiet` types, bad user input, are shown as one line without a traceback)."""
     try:
         return fn()
     except BaseException as exc:

@@ -31,10 +31,8 @@ class SharedCopy:
 
 def all_reduce_replicas(params: Sequence[nn.Parameter], fabric: Fabric | None, ranks: Ranks,
                         flag: torch.Tensor) -> torch.Tensor:
-    """Sum gradients over the data-parallel replicas of a stage, in one flat buffer.
-
-    `flag` (a 0-d count, e.g. 1 for a non-finite loss) rides along in the same buffer; returns its sum.
-    """
+    """Sum gradients over the data-parallel replicas of a stage, in one flat buffer where `flag` (a 0-d
+    count, e.g. 1 for a non-finite loss) rides along; returns the flag's sum."""
     if fabric is None or len(ranks) < 2:
         return flag
     for p in params:
@@ -83,10 +81,8 @@ def _by_dtype(dtypes: tuple[torch.dtype, ...]) -> list[list[int]]:
 
 def global_norm(local_squares: torch.Tensor, flag: torch.Tensor, fabric: Fabric | None,
                 ranks: Ranks) -> tuple[torch.Tensor, torch.Tensor]:
-    """The L2 norm over all stages' gradients, and `flag` summed over the stages, in one collective.
-
-    The flag is how a non-finite loss, known only to the last stage, reaches every stage in the same step.
-    """
+    """The L2 norm over all stages' gradients, and `flag` summed over the stages, in one collective (how a
+    non-finite loss, known only to the last stage, reaches every stage in the same step)."""
     if fabric is None or len(ranks) < 2:
         return local_squares.sqrt(), flag
     values = torch.stack([local_squares.to(torch.float64), flag.to(torch.float64)])
@@ -124,11 +120,9 @@ def commit_batchnorms(norms_: Sequence[DeferredBatchNorm], fabric: Fabric | None
 
 
 class LossScale:
-    """Dynamic loss scaling for fp16, kept on the device and the same on every rank (its input is global).
-
-    Halves after a step with a non-finite value (never below 1) and doubles after `growth_interval` clean
-    steps, as torch.amp.GradScaler does, without the host reading anything.
-    """
+    """Dynamic loss scaling for fp16, on the device and the same on every rank (its input is global): halves
+    after a non-finite step (never below 1), doubles after `growth_interval` clean ones, as torch.amp's
+    GradScaler does, without the host reading anything."""
 
     def __init__(self, enabled: bool, device: torch.device, initial: float = 2.0 ** 16,
                  growth_interval: int = 2000) -> None:

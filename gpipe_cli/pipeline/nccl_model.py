@@ -1,9 +1,6 @@
 """NCCL's rules, simulated over what each rank posts, so a deadlock or a mismatch shows on the CPU.
 
-A rank's program is what its host did, in order: post a payload send or receive, or a collective, on a
-communicator; make the compute stream wait for one of them; block the host until the device caught
-up (a synchronisation); send or wait for a host message on the control plane; meet the other ranks
-in a host collective. The device then runs as a GPU would:
+A rank's program is what its host did, in order (the `Op`s below); the device then runs as a GPU would:
 
 - each communicator is a FIFO per rank (NCCL matches by order, not tag); an operation starts once the
   compute stream reached the point where it was posted, and completes only together with its match

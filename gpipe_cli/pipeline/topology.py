@@ -88,11 +88,8 @@ class Layout:
 
 
 def links(layout: Layout) -> list[Link]:
-    """Every link of the job (every rank's, in one order): consecutive chunks on two stages, both ways,
-    and the last chunk's outputs to rank 0.
-
-    Consecutive chunks of one stage (the turn of a V) hand over in memory and need no link.
-    """
+    """Every link of the job (every rank's, in one order): consecutive chunks on two stages, both ways
+    (on one stage, the turn of a V, they hand over in memory), and the last chunk's outputs to rank 0."""
     out: list[Link] = []
     for replica in range(layout.replicas):
         for chunk in range(layout.stages * layout.virtual - 1):

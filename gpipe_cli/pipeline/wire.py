@@ -81,9 +81,8 @@ def encode(microbatch: int, chunks: int, offset: int, metas: Sequence[TensorMeta
            ahead: int = 0) -> torch.Tensor:
     """Pack a message's header into HEADER_LEN int64 values on the host.
 
-    A floating tensor marked `requires_grad` becomes a leaf that requires grad on the receiver: the
-    sender cannot tell from the tensor itself, since a rematerialised forward runs without a graph.
-    """
+    A tensor marked `requires_grad` becomes a leaf that requires grad on the receiver: the sender says so
+    (a rematerialised forward runs without a graph, so the tensor itself cannot tell)."""
     payload = layout(metas)[1]
     values = [MAGIC, microbatch, chunks, offset, int(bare), payload, ahead, len(metas)]
     for meta in metas:
@@ -118,9 +117,8 @@ def decode(header: torch.Tensor) -> Header:
 def pack(tensors: Sequence[torch.Tensor | None], size: int, device: torch.device) -> torch.Tensor:
     """The tensors' bytes at their aligned offsets in one uint8 buffer of `size` bytes on `device`.
 
-    Copies are asynchronous: into device memory they queue on the stream; into host memory (ranks
-    sharing a GPU) the buffer is pinned, and the caller waits for the copies before the bytes leave.
-    """
+    Copies are asynchronous: on the device they queue on the stream; into host memory (ranks sharing a
+    GPU) the buffer is pinned, and the caller waits for the copies before the bytes leave."""
     pinned = device.type == "cpu" and any(t is not None and t.device.type == "cuda" for t in tensors)
     buffer = torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pinned)
     starts, _ = layout([meta_of(t, False) for t in tensors])
