@@ -53,9 +53,8 @@ class Transport:
     def wait(self, work: Work, data: bool, what: str) -> None:
         """Wait for one operation; a stuck one is named by the heartbeat as `what`."""
         assert self.fabric is not None
-        device_wait = data and self.data_device.type == "cuda"
         try:
-            if device_wait:
+            if data and self.data_device.type == "cuda":
                 self.fabric.wait(work, True, self.timeout)
                 event = torch.cuda.Event()
                 event.record()
