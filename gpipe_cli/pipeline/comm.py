@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,9 +53,8 @@ class Transport:
     def wait(self, work: Work, data: bool, what: str) -> None:
         """Wait for one operation; a stuck one is named by the heartbeat as `what`."""
         assert self.fabric is not None
-        device_wait = data and self.data_device.type == "cuda"
         try:
-            if device_wait:
+            if data and self.data_device.type == "cuda":
                 self.fabric.wait(work, True, self.timeout)
                 event = torch.cuda.Event()
                 event.record()
@@ -67,50 +66,45 @@ class Transport:
             raise CommError(f"{what} failed: {exc}") from exc
 
 
-@dataclass
-class _Sizes:
-    """Payload sizes of a link's last step of each kind, which both ends use to post receives ahead."""
-
-    last: dict[bool, list[int]] = field(default_factory=lambda: {True: [], False: []})
-    now: list[int] = field(default_factory=list)
-    training: bool | None = None
-
-    def begin_step(self, training: bool) -> None:
-        if self.training is not None:
-            self.last[self.training] = self.now
-        self.now, self.training = [], training
-
-    def ahead(self) -> int:
-        """The bytes posted ahead for the next message of this step."""
-        last = self.last[bool(self.training)]
-        return last[len(self.now)] if len(self.now) < len(last) else 0
-
-    def record(self, size: int) -> None:
-        self.now.append(size)
-
-
-class Outbound:
-    """Messages from this rank over one link, in schedule order."""
+class _End:
+    """One end of a link, with the payload sizes of the link's last step of each kind (training or
+    evaluation), which both ends use to post receives ahead."""
 
     def __init__(self, transport: Transport, link: Link) -> None:
-        self.transport, self.link = transport, link
-        self.sizes = _Sizes()
-        self._pending: deque[tuple[list[Work], int]] = deque()
+        assert transport.fabric is not None  # a link joins two ranks
+        self.transport, self.fabric, self.link = transport, transport.fabric, link
+        self.name = STREAM_NAMES[link.stream]
+        self._last: dict[bool, list[int]] = {True: [], False: []}
+        self._sizes: list[int] = []  # this step's, so far
+        self._training: bool | None = None
 
     def begin_step(self, training: bool = True) -> None:
         """Mark a step boundary (both ends of the link call it, in step)."""
-        self.sizes.begin_step(training)
+        if self._training is not None:
+            self._last[self._training] = self._sizes
+        self._sizes, self._training = [], training
+
+    def _ahead_bytes(self) -> int:
+        """The bytes posted ahead for the next message of this step."""
+        last = self._last[bool(self._training)]
+        return last[len(self._sizes)] if len(self._sizes) < len(last) else 0
+
+
+class Outbound(_End):
+    """Messages from this rank over one link, in schedule order."""
+
+    def __init__(self, transport: Transport, link: Link) -> None:
+        super().__init__(transport, link)
+        self._pending: deque[tuple[list[Work], int]] = deque()
 
     def send(self, microbatch: int, chunks: int, offset: int, tensors: Sequence[torch.Tensor | None],
              bare: bool = False, differentiable: bool = False) -> None:
         """Post a message; returns at once, the operations holding the buffers until they complete."""
-        transport, link = self.transport, self.link
-        fabric = transport.fabric
-        assert fabric is not None
+        transport, fabric, link = self.transport, self.fabric, self.link
         metas = [meta_of(t, differentiable) for t in tensors]
         size = layout(metas)[1]
-        ahead = self.sizes.ahead()
-        self.sizes.record(size)
+        ahead = self._ahead_bytes()
+        self._sizes.append(size)
         works = [fabric.send_header(link, encode(microbatch, chunks, offset, metas, bare, ahead))]
         if size or ahead:
             buffer = pack(tensors, max(size, ahead), transport.data_device)
@@ -122,39 +116,28 @@ class Outbound:
                 works.append(fabric.send(link, buffer[ahead:size]))
         self._pending.append((works, microbatch))
         # Completed sends release their buffers now; nothing here waits for a receiver.
-        while self._pending and all(_done(w) for w in self._pending[0][0]):
+        while self._pending and all(w.is_completed() for w in self._pending[0][0]):
             self._pending.popleft()
 
     def flush(self) -> None:
         """Wait until every posted message has left (on a GPU: the compute stream waits)."""
         while self._pending:
             works, microbatch = self._pending.popleft()
-            what = (f"sending {STREAM_NAMES[self.link.stream]} of micro-batch {microbatch} to rank "
-                    f"{self.link.dst}")
+            what = f"sending {self.name} of micro-batch {microbatch} to rank {self.link.dst}"
             for i, work in enumerate(works):
                 self.transport.wait(work, data=i > 0, what=what)
 
 
-def _done(work: Work) -> bool:
-    probe = getattr(work, "is_completed", None)
-    return bool(probe()) if probe is not None else False
+_Posted = tuple[Work, torch.Tensor]  # a payload receive posted on a link, and its buffer
 
 
-@dataclass
-class _Posted:
-    """A payload receive posted on a link: its operation, buffer and size."""
-
-    work: Work
-    buffer: torch.Tensor
-
-
-class Inbound:
+class Inbound(_End):
     """Messages arriving over one link, their receives posted ahead of use."""
 
-    def __init__(self, transport: Transport, link: Link, window: int = 4) -> None:
-        self.transport, self.link, self.window = transport, link, window
-        self.name = STREAM_NAMES[link.stream]
-        self.sizes = _Sizes()
+    window = 4  # header receives posted ahead at most
+
+    def __init__(self, transport: Transport, link: Link) -> None:
+        super().__init__(transport, link)
         self._unposted = 0  # headers expected but not posted yet
         self._expected = 0  # messages expected and not taken yet
         self._headers: deque[tuple[Work, torch.Tensor]] = deque()
@@ -165,7 +148,7 @@ class Inbound:
         if self._expected or self._ahead is not None:
             raise CommError(f"{self._expected} {self.name} message(s) from rank {self.link.src} were expected and "
                             f"never taken")
-        self.sizes.begin_step(training)
+        super().begin_step(training)
 
     def expect(self, count: int) -> None:
         """Receive the next `count` messages."""
@@ -174,16 +157,15 @@ class Inbound:
         self._post()
 
     def _post(self) -> None:
-        fabric = self.transport.fabric
-        assert fabric is not None
+        fabric = self.fabric
         while self._unposted and len(self._headers) < self.window:
             header = torch.empty(HEADER_LEN, dtype=torch.int64)
             self._headers.append((fabric.recv_header(self.link, header), header))
             self._unposted -= 1
-        ahead = self.sizes.ahead()
+        ahead = self._ahead_bytes()
         if self._expected and self._ahead is None and ahead:
             buffer = self._buffer(ahead)
-            self._ahead = _Posted(fabric.recv(self.link, buffer), buffer)
+            self._ahead = fabric.recv(self.link, buffer), buffer
 
     def _buffer(self, size: int) -> torch.Tensor:
         # Host buffers of ranks sharing a GPU are pinned, so the copy to the device does not block.
@@ -192,16 +174,15 @@ class Inbound:
 
     def take(self, microbatch: int) -> tuple[Header, list[torch.Tensor | None]]:
         """The next message (which must be for `microbatch`): its header and its tensors on the device."""
-        transport, fabric = self.transport, self.transport.fabric
-        assert fabric is not None
+        transport = self.transport
         what = f"receiving {self.name} of micro-batch {microbatch} from rank {self.link.src}"
         if not self._headers:
             raise CommError(f"no {self.name} message for micro-batch {microbatch} was expected")
         work, raw = self._headers.popleft()
         transport.wait(work, data=False, what=what)
         header = decode(raw)
-        ahead = self.sizes.ahead()
-        self.sizes.record(header.payload)
+        ahead = self._ahead_bytes()
+        self._sizes.append(header.payload)
         self._expected -= 1
         if header.ahead != ahead:
             raise CommError(f"{what}: the sender split it for {header.ahead} bytes posted ahead, this rank posted "
@@ -209,30 +190,20 @@ class Inbound:
         if header.microbatch != microbatch:
             raise CommError(f"expected {self.name} of micro-batch {microbatch}, got micro-batch "
                             f"{header.microbatch}: the stages run different schedules")
-        first, self._ahead = self._ahead, None
-        payload, rest = self._receive_rest(header, first)
+        # The payload is read from the receive posted ahead, or from a buffer whose tail is part 2.
+        first, self._ahead, rest = self._ahead, None, None
+        if header.payload <= header.ahead:
+            payload = first[1][:header.payload] if first is not None else self._buffer(0)
+        else:
+            payload = self._buffer(header.payload)
+            rest = self.fabric.recv(self.link, payload[header.ahead:])
         self._post()  # the next message's part 1 goes after this one's part 2, as the sender posts them
         if first is not None:
-            transport.wait(first.work, data=True, what=what)
+            transport.wait(first[0], data=True, what=what)
             if rest is not None:
-                payload[:header.ahead].copy_(first.buffer, non_blocking=True)
+                payload[:header.ahead].copy_(first[1], non_blocking=True)
         if rest is not None:
             transport.wait(rest, data=True, what=what)
-        out: list[torch.Tensor | None] = []
-        for meta, t in zip(header.tensors, unpack(payload, header)):
-            if t is not None and meta is not None:
-                t = t.to(transport.device, non_blocking=True)
-                if meta.requires_grad:
-                    t.requires_grad_(True)
-            out.append(t)
-        return header, out
-
-    def _receive_rest(self, header: Header, first: _Posted | None) -> tuple[torch.Tensor, Work | None]:
-        """The buffer the payload will be read from, and the receive of its part 2 if there is one."""
-        if header.payload <= header.ahead:
-            assert first is not None or header.payload == 0
-            return (first.buffer[:header.payload] if first is not None else self._buffer(0)), None
-        payload = self._buffer(header.payload)
-        fabric = self.transport.fabric
-        assert fabric is not None
-        return payload, fabric.recv(self.link, payload[header.ahead:])
+        return header, [None if t is None or meta is None else
+                        t.to(transport.device, non_blocking=True).requires_grad_(meta.requires_grad)
+                        for meta, t in zip(header.tensors, unpack(payload, header))]

@@ -52,7 +52,9 @@ class Work(Protocol):
 
     def wait(self, timeout: datetime.timedelta = ...) -> Any:
         """Wait for it (on NCCL: make the current stream wait)."""
-        ...
+
+    def is_completed(self) -> bool:
+        """Whether it is done (never waits)."""
 
 
 class Fabric(Protocol):
@@ -64,51 +66,39 @@ class Fabric(Protocol):
 
     def open(self, links: Sequence[Link], groups: Sequence[Ranks]) -> None:
         """Create communicators for these links and rank sets (every rank, same lists, same order)."""
-        ...
 
     def send(self, link: Link, payload: torch.Tensor) -> Work:
         """Post a payload on a link."""
-        ...
 
     def recv(self, link: Link, payload: torch.Tensor) -> Work:
         """Post a receive of exactly `payload`'s bytes on a link."""
-        ...
 
     def send_header(self, link: Link, header: torch.Tensor) -> Work:
         """Post a header (host memory) for a link on the control plane."""
-        ...
 
     def recv_header(self, link: Link, header: torch.Tensor) -> Work:
         """Post a receive of a link's next header on the control plane."""
-        ...
 
     def wait(self, work: Work, data: bool, timeout: float) -> None:
         """Wait for an operation: data ones on a GPU only make the compute stream wait."""
-        ...
 
     def all_reduce(self, tensor: torch.Tensor, ranks: Ranks) -> None:
         """Sum a compute-device tensor over `ranks` in place (queued on a GPU)."""
-        ...
 
     def broadcast(self, tensor: torch.Tensor, src: int, ranks: Ranks) -> None:
         """Copy rank `src`'s compute-device tensor to every rank of `ranks`."""
-        ...
 
     def host_sum(self, values: torch.Tensor) -> None:
         """Sum a host tensor over every rank in place (control plane)."""
-        ...
 
     def gather_rows(self, row: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's host row, on rank 0 (None elsewhere)."""
-        ...
 
     def gather_objects(self, value: Any) -> list[Any] | None:
         """Every rank's picklable value, on rank 0 (None elsewhere)."""
-        ...
 
     def share(self, value: Any, src: int) -> Any:
         """Rank `src`'s picklable value, on every rank."""
-        ...
 
 
 def check_device(tensor: torch.Tensor, device: torch.device, plane: str) -> None:
@@ -129,10 +119,8 @@ def _posted(work: Any) -> Any:
 
 
 class TorchFabric:
-    """torch.distributed: gloo control plane; links on NCCL with a GPU per rank, else gloo.
-
-    What is NCCL-only is this class's choice of backend and data device, and `wait`'s stream wait.
-    """
+    """torch.distributed: gloo control plane; links on NCCL with a GPU per rank, else gloo (what is NCCL-only
+    is this class's choice of backend and data device, and `wait`'s stream wait)."""
 
     def __init__(self, device: torch.device, nccl: bool, control: dist.ProcessGroup | None) -> None:
         self.rank = dist.get_rank()
@@ -193,33 +181,28 @@ class TorchFabric:
             raise CommError(f"no communicator was opened for ranks {sorted(ranks)}")
         return group
 
-    def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The tensor where the group's backend reads it: itself, or a host copy (ranks sharing a GPU)."""
+    def _collective(self, op: Any, tensor: torch.Tensor, ranks: Ranks, **kwargs: Any) -> None:
+        """Run `op` over `ranks` where the group's backend reads the tensor: itself, or a host copy (ranks
+        sharing a GPU)."""
+        if len(set(ranks)) < 2:
+            return
         check_device(tensor, self.device, "collectives")
-        if tensor.device == self.data_device or self.data_device != _HOST:
-            return tensor
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-        torch.cuda.current_stream(tensor.device).synchronize()  # gloo reads host memory now
-        return host
+        staged = tensor
+        if tensor.device != self.data_device and self.data_device == _HOST:
+            staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            staged.copy_(tensor, non_blocking=True)
+            torch.cuda.current_stream(tensor.device).synchronize()  # gloo reads host memory now
+        op(staged, group=self._group(ranks), **kwargs)
+        if staged is not tensor:
+            tensor.copy_(staged, non_blocking=True)
 
     def all_reduce(self, tensor: torch.Tensor, ranks: Ranks) -> None:
         """Sum in place over `ranks`."""
-        if len(set(ranks)) < 2:
-            return
-        staged = self._staged(tensor)
-        dist.all_reduce(staged, group=self._group(ranks))
-        if staged is not tensor:
-            tensor.copy_(staged, non_blocking=True)
+        self._collective(dist.all_reduce, tensor, ranks)
 
     def broadcast(self, tensor: torch.Tensor, src: int, ranks: Ranks) -> None:
         """Copy `src`'s tensor to every rank of `ranks`."""
-        if len(set(ranks)) < 2:
-            return
-        staged = self._staged(tensor)
-        dist.broadcast(staged, src=src, group=self._group(ranks))
-        if staged is not tensor:
-            tensor.copy_(staged, non_blocking=True)
+        self._collective(dist.broadcast, tensor, ranks, src=src)
 
     def host_sum(self, values: torch.Tensor) -> None:
         """Sum a host tensor over every rank (control plane)."""

@@ -32,6 +32,7 @@ _KEY_PREFIX = "gpipe/abort/"
 EXIT_CODE = 1
 # A rank ended because the job's failure was already told in one line (a stall): the launcher adds nothing.
 ANNOUNCED = 4
+POLL_S = 0.5  # how often a rank looks for another rank's report
 PEER_GRACE_S = 5.0  # how long a rank whose peer vanished waits for the launcher to end it
 # What gloo says when the rank at the other end of a connection is gone.
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ECONNRESET", "EPIPE",
@@ -43,10 +44,10 @@ def peer_lost(exc: BaseException) -> bool:
     return any(marker in text for marker in _PEER_LOST)
 
 
-def _abort_key() -> str:
+def job_key(prefix: str) -> str:
+    """A store key of this attempt of the job, under `prefix`."""
     run = os.environ.get("TORCHELASTIC_RUN_ID", "job")
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"{_KEY_PREFIX}{run}/{attempt}"
+    return f"{prefix}{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def connect() -> dist.Store | None:
@@ -64,11 +65,6 @@ def connect() -> dist.Store | None:
 _FAILED, _BAD_INPUT, _ANNOUNCED = "0", "1", "2"
 
 
-def _encode(summary: str, kind: str) -> str:
-    # Who reported (so a rank knows whether it was first, and on which host) and what kind of report.
-    return f"{os.getpid()}@{socket.gethostname()}\n{kind}\n{summary}"
-
-
 def _decode(text: str) -> tuple[str, str, str]:
     parts = text.split("\n", 2)
     return (parts[2], parts[1], parts[0]) if len(parts) == 3 else (text, _FAILED, "")
@@ -77,8 +73,8 @@ def _decode(text: str) -> tuple[str, str, str]:
 class AbortWatch:
     """Exits this process when another rank reports a failure."""
 
-    def __init__(self, label: str, poll: float = 0.5) -> None:
-        self.label, self.poll = label, poll
+    def __init__(self, label: str) -> None:
+        self.label = label
         self._store = connect()
         self._reporter = connect()
         self._stopped = threading.Event()
@@ -89,37 +85,32 @@ class AbortWatch:
         """Stop watching (a clean shutdown)."""
         self._stopped.set()
 
-    def report(self, summary: str, user_error: bool = False, code: int = 2) -> tuple[bool, str, bool]:
-        """Tell every rank to stop because of `summary` (with `user_error`, the other ranks exit with `code`).
-
-        Returns whether this rank reported first, and the first report's message and kind. The first
-        report wins, so a rank that fails only because a peer vanished cannot hide the cause.
-        """
-        first, text, kind = self._report(summary, f"{_BAD_INPUT}:{code}" if user_error else _FAILED)
-        return first, text, kind.startswith(_BAD_INPUT)
-
     def announce(self, summary: str) -> bool:
         """Stop every rank because of `summary`, which this rank prints (once for the whole job) if it is
         the first report; returns whether it was."""
-        first, _, _ = self._report(summary, _ANNOUNCED)
+        first, _, _ = self.report(summary, _ANNOUNCED)
         if first:
             print(f"[gpipe] {summary}", file=sys.stderr, flush=True)
         return first
 
-    def _report(self, summary: str, kind: str) -> tuple[bool, str, str]:
-        mine = _encode(summary, kind)
+    def report(self, summary: str, kind: str = _FAILED) -> tuple[bool, str, str]:
+        """Tell every rank to stop because of `summary`: whether this rank reported first, and the first
+        report's message and kind (the first wins, so a rank failing because a peer vanished cannot hide
+        the cause). A bad-input report's kind carries the exit code of the other ranks."""
+        # Who reported (so a rank knows whether it was first, and on which host) and what kind of report.
+        mine = f"{os.getpid()}@{socket.gethostname()}\n{kind}\n{summary}"
         if self._reporter is None:
             return True, summary, kind
         with contextlib.suppress(Exception):  # the store may already be gone; exiting matters more
-            first = self._reporter.compare_set(_abort_key(), "", mine)
+            first = self._reporter.compare_set(job_key(_KEY_PREFIX), "", mine)
             text = first.decode(errors="replace") if isinstance(first, bytes) else str(first)
             message, first_kind, _ = _decode(text)
             return text == mine, message, first_kind
         return True, summary, kind
 
     def _watch(self) -> None:
-        key = _abort_key()
-        while not self._stopped.wait(self.poll):
+        key = job_key(_KEY_PREFIX)
+        while not self._stopped.wait(POLL_S):
             try:
                 if self._store is not None and self._store.check([key]):
                     message, kind, origin = _decode(self._store.get(key).decode(errors="replace"))
@@ -138,17 +129,15 @@ class AbortWatch:
                 if self._stopped.is_set():
                     return
                 # The store is gone: the job's launcher or its first rank ended, so this rank must too.
-                time.sleep(self.poll)
+                time.sleep(POLL_S)
                 print(f"[gpipe] {self.label} stopped: lost contact with the job", file=sys.stderr, flush=True)
                 os._exit(EXIT_CODE)
 
 
 def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None,
-                quiet: tuple[type[BaseException], ...] = (), exit_code: int = EXIT_CODE) -> T:
-    """Run `fn`; on an exception print it with `label`, stop every rank, and exit this one.
-
-    Exceptions of the `quiet` types (bad user input) are shown as one line without a traceback.
-    """
+                quiet: tuple[type[BaseException], ...] = ()) -> T:
+    """Run `fn`; on an exception print it with `label`, stop every rank, and exit this one (exceptions of
+    the `quiet` types, bad user input, are shown as one line without a traceback)."""
     try:
         return fn()
     except BaseException as exc:
@@ -163,24 +152,26 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
             if watch is not None:
                 watch.stop()
                 watch.report(f"{label} lost contact with another rank")
-            os._exit(exit_code)
-        summary = str(exc) if isinstance(exc, quiet) else f"{label} failed: {type(exc).__name__}: {exc}"
-        was_first, first, first_quiet = True, summary, isinstance(exc, quiet)
+            os._exit(EXIT_CODE)
+        user_error = isinstance(exc, quiet)
+        summary = str(exc) if user_error else f"{label} failed: {type(exc).__name__}: {exc}"
+        kind = f"{_BAD_INPUT}:{getattr(exc, 'exit_code', 2)}" if user_error else _FAILED
+        was_first, first, first_kind = True, summary, kind
         if watch is not None:
             watch.stop()
-            was_first, first, first_quiet = watch.report(summary, user_error=isinstance(exc, quiet),
-                                                         code=getattr(exc, "exit_code", 2))
+            was_first, first, first_kind = watch.report(summary, kind)
+        first_quiet = first_kind.startswith(_BAD_INPUT)
         if not was_first:
             if not first_quiet and first != summary:  # a consequence of another rank's failure: name it
                 print(f"[gpipe] {label} stopped: {first}", file=sys.stderr, flush=True)
             # bad input, or one error hit by several ranks, is shown once, by the rank that reported it
-        elif isinstance(exc, quiet):
+        elif user_error:
             print(f"error: {summary}", file=sys.stderr, flush=True)
         else:
             traceback.print_exc(file=sys.stderr)
             print(f"[gpipe] {summary}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(getattr(exc, "exit_code", exit_code) if isinstance(exc, quiet) else 2 if first_quiet else exit_code)
+        os._exit(getattr(exc, "exit_code", EXIT_CODE) if user_error else 2 if first_quiet else EXIT_CODE)
 
 
 def _await_teardown() -> None:

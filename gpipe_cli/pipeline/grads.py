@@ -31,10 +31,8 @@ class SharedCopy:
 
 def all_reduce_replicas(params: Sequence[nn.Parameter], fabric: Fabric | None, ranks: Ranks,
                         flag: torch.Tensor) -> torch.Tensor:
-    """Sum gradients over the data-parallel replicas of a stage, in one flat buffer.
-
-    `flag` (a 0-d count, e.g. 1 for a non-finite loss) rides along in the same buffer; returns its sum.
-    """
+    """Sum gradients over the data-parallel replicas of a stage, in one flat buffer where `flag` (a 0-d
+    count, e.g. 1 for a non-finite loss) rides along; returns the flag's sum."""
     if fabric is None or len(ranks) < 2:
         return flag
     for p in params:
@@ -66,11 +64,10 @@ def norms(params: Sequence[nn.Parameter]) -> tuple[torch.Tensor | None, tuple[in
         return None, ()
     grads = [params[i].grad for i in positions]
     groups = _by_dtype(tuple(g.dtype for g in grads))  # type: ignore[union-attr]
-    if len(groups) == 1:  # the usual case: one foreach kernel, in the parameters' order
-        return torch.stack(torch._foreach_norm(grads)).to(torch.float64), positions  # type: ignore[arg-type]
     parts = [torch.stack(torch._foreach_norm([grads[j] for j in group])).to(torch.float64)  # type: ignore[misc]
              for group in groups]
-    return torch.cat(parts), tuple(positions[j] for group in groups for j in group)
+    # The usual case is one dtype: one foreach kernel, in the parameters' order, and no copy.
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)), tuple(positions[j] for group in groups for j in group)
 
 
 @functools.lru_cache(maxsize=64)
@@ -84,10 +81,8 @@ def _by_dtype(dtypes: tuple[torch.dtype, ...]) -> list[list[int]]:
 
 def global_norm(local_squares: torch.Tensor, flag: torch.Tensor, fabric: Fabric | None,
                 ranks: Ranks) -> tuple[torch.Tensor, torch.Tensor]:
-    """The L2 norm over all stages' gradients, and `flag` summed over the stages, in one collective.
-
-    The flag is how a non-finite loss, known only to the last stage, reaches every stage in the same step.
-    """
+    """The L2 norm over all stages' gradients, and `flag` summed over the stages, in one collective (how a
+    non-finite loss, known only to the last stage, reaches every stage in the same step)."""
     if fabric is None or len(ranks) < 2:
         return local_squares.sqrt(), flag
     values = torch.stack([local_squares.to(torch.float64), flag.to(torch.float64)])
@@ -99,8 +94,7 @@ def clip_(params: Sequence[nn.Parameter], norm: torch.Tensor, max_norm: float) -
     """Scale gradients so their global norm is at most `max_norm` (a clamped factor: no host decision)."""
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
-        factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, factor.to(grads[0].dtype))
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
 
 
 def scale_(params: Sequence[nn.Parameter], factor: torch.Tensor | float) -> None:
@@ -121,18 +115,14 @@ def commit_batchnorms(norms_: Sequence[DeferredBatchNorm], fabric: Fabric | None
     stats = [bn.statistics() for bn in norms_]
     flat = torch.cat(stats)
     fabric.all_reduce(flat, ranks)
-    at = 0
-    for bn, s in zip(norms_, stats):
-        bn.commit(flat[at:at + s.numel()])
-        at += s.numel()
+    for bn, summed in zip(norms_, flat.split([s.numel() for s in stats])):
+        bn.commit(summed)
 
 
 class LossScale:
-    """Dynamic loss scaling for fp16, kept on the device and the same on every rank (its input is global).
-
-    Halves after a step with a non-finite value (never below 1) and doubles after `growth_interval` clean
-    steps, as torch.amp.GradScaler does, without the host reading anything.
-    """
+    """Dynamic loss scaling for fp16, on the device and the same on every rank (its input is global): halves
+    after a non-finite step (never below 1), doubles after `growth_interval` clean ones, as torch.amp's
+    GradScaler does, without the host reading anything."""
 
     def __init__(self, enabled: bool, device: torch.device, initial: float = 2.0 ** 16,
                  growth_interval: int = 2000) -> None:

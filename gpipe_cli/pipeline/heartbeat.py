@@ -2,21 +2,18 @@
 
 A daemon thread on every rank writes a beat once a second and reads everyone's. Two signs of trouble:
 
-- silence: a rank in training whose beat stops changing is stopped (SIGSTOP) or frozen; its own thread
-  stopped too. Each rank beats once from its compute thread when it starts and when it starts training,
-  since set-up can hold the interpreter lock and starve the beating thread.
-- no progress: every rank still beats, but no rank finished a step or a transfer (the training loop
-  calls `step_done`; the transport counts a transfer once the work waiting on it finished, which on a
-  GPU is when the device passed an event recorded after it, since the host runs ahead of the device);
-  the ranks furthest behind are named with what they wait for ("receiving activations of micro-batch
-  3 from rank 0").
+- silence: a rank in training whose beat stops changing is stopped (SIGSTOP) or frozen. Each rank also
+  beats from its compute thread when it starts and when it starts training, since set-up can hold the
+  interpreter lock and starve the beating thread.
+- no progress: every rank beats, but no rank finished a step (`step_done`) or a transfer (on a GPU, once
+  the device passed an event recorded after it: the host runs ahead); the ranks furthest behind are named
+  with what they wait for ("receiving activations of micro-batch 3 from rank 0").
 
-Either ends the job when it lasts the timeout: a fixed number of seconds, or by default the larger of
-60 s and 10x the slowest step so far (so a big model is not ended for being big). Progress is judged
-once every rank finished a step (set-up, such as tokenizer training, can be long), or with a fixed timeout
-once every rank started training, so a hang inside the first step is caught too; neither sign is judged
-for a rank that writes a checkpoint (`paused`). The first rank to see it prints one line and stops every
-rank.
+Either ends the job when it lasts the timeout: fixed, or by default the larger of 60 s and 10x the slowest
+step so far (a big model is not ended for being big). Progress is judged once every rank finished a step
+(set-up, such as tokenizer training, can be long), or with a fixed timeout once every rank started
+training, so a hang in the first step is caught too; neither is judged for a rank writing a checkpoint
+(`paused`). The first rank to see it prints one line and stops every rank.
 """
 
 from __future__ import annotations
@@ -35,26 +32,21 @@ from typing import Any
 
 from gpipe_cli.pipeline import failure
 
+INTERVAL_S = 1.0
 FLOOR_S = 60.0
 SLOWEST_FACTOR = 10.0
 _KEY_PREFIX = "gpipe/beat/"
 
 # This process's progress, written by the compute thread and read by the heartbeat thread.
-_progress = 0
 _steps = 0
 _slowest = 0.0
 _paused = 0
 _started = False
-_on_start: Callable[[], None] | None = None  # beats at once when training starts (set by Heartbeat)
+_on_start: Callable[[], object] | None = None  # beats at once when training starts (set by Heartbeat)
 
 
 class Waits:
-    """What this rank waits for: host waits in progress, and device waits not yet passed by the device.
-
-    The compute thread notes each wait; the heartbeat thread asks how many finished and what is
-    pending. On a GPU a stream wait returns to the host at once, so an event recorded after it tells
-    when the device really got past it.
-    """
+    """What this rank waits for: host waits in progress, and device waits the device has not passed yet."""
 
     _KEEP = 4096  # device waits remembered; older ones count as finished
 
@@ -98,8 +90,7 @@ waits = Waits()
 
 def step_done(seconds: float) -> None:
     """Note progress: a training step finished, after `seconds`."""
-    global _progress, _steps, _slowest
-    _progress += 1
+    global _steps, _slowest
     _steps += 1
     _slowest = max(_slowest, seconds)
 
@@ -162,13 +153,9 @@ class Judge:
         self._heard: dict[int, tuple[int, float]] = {}  # rank -> (beat count, when it last changed)
         self._progress: tuple[tuple[int, ...], float] | None = None
 
-    def limit(self, beats: list[Beat]) -> float:
-        """The timeout in force."""
-        return self.timeout if self.timeout is not None else default_timeout(max(b.slowest for b in beats))
-
     def verdict(self, beats: list[Beat], now: float) -> tuple[str, list[int]] | None:
         """None, or why the job stalled and which ranks are to blame."""
-        limit = self.limit(beats)
+        limit = self.timeout if self.timeout is not None else default_timeout(max(b.slowest for b in beats))
         for rank, beat in enumerate(beats):
             if rank != self.rank and self._heard.get(rank, (None, 0.0))[0] != beat.count:
                 self._heard[rank] = (beat.count, now)
@@ -203,12 +190,10 @@ class Heartbeat:
     """Beats for this rank and ends the job when any rank stalls."""
 
     def __init__(self, watch: failure.AbortWatch, rank: int, world: int, timeout: float | None,
-                 name: Callable[[int], str], interval: float = 1.0) -> None:
-        self.watch, self.rank, self.world, self.interval = watch, rank, world, interval
+                 name: Callable[[int], str]) -> None:
+        self.watch, self.rank = watch, rank
         self.judge = Judge(rank, timeout, name)
-        run = os.environ.get("TORCHELASTIC_RUN_ID", "job")
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self._keys = [f"{_KEY_PREFIX}{run}/{attempt}/{r}" for r in range(world)]
+        self._keys = [f"{failure.job_key(_KEY_PREFIX)}/{r}" for r in range(world)]
         self._store = failure.connect()
         self._stopped = threading.Event()
         self._lock = threading.Lock()  # the compute thread beats once too (training_started)
@@ -228,46 +213,37 @@ class Heartbeat:
         self._stopped.set()
         _on_start = None
 
-    def _send(self) -> None:
-        """Write this rank's beat (raises when the store is gone)."""
-        with self._lock:
-            self._write()
-
-    def _write(self) -> None:
-        assert self._store is not None
-        self._count += 1
-        transfers, waiting = waits.poll()
-        mine = Beat(self._count, _progress + transfers, _steps, _slowest, _paused > 0, os.getpid(),
-                    socket.gethostname(), _started, waiting)
-        self._store.set(self._keys[self.rank], mine.encode())
-
-    def _exchange(self) -> list[Beat] | None:
-        """Write this rank's beat and read everyone's (None until every rank beats)."""
+    def _send(self, read: bool = False) -> list[Beat] | None:
+        """Write this rank's beat (raises when the store is gone); with `read`, everyone's beats (None until
+        every rank beats)."""
         assert self._store is not None
         with self._lock:
-            self._write()
-            if not self._store.check(self._keys):
+            self._count += 1
+            transfers, waiting = waits.poll()
+            mine = Beat(self._count, _steps + transfers, _steps, _slowest, _paused > 0, os.getpid(),
+                        socket.gethostname(), _started, waiting)
+            self._store.set(self._keys[self.rank], mine.encode())
+            if not read or not self._store.check(self._keys):
                 return None
             return [Beat.decode(v.decode()) for v in self._store.multi_get(self._keys)]
 
     def _beat(self) -> None:
-        host = socket.gethostname()
-        while not self._stopped.wait(self.interval):
+        while not self._stopped.wait(INTERVAL_S):
             try:
-                beats = self._exchange()
+                beats = self._send(read=True)
                 if beats is None:
                     continue  # not every rank beats yet
             except Exception:
                 return  # the store is gone: the abort watch ends this rank
             found = self.judge.verdict(beats, time.monotonic())
             if found is not None and not self._stopped.is_set():
-                self._end(found[0], [beats[r] for r in found[1]], host)
+                self._end(found[0], [beats[r] for r in found[1]])
 
-    def _end(self, message: str, culprits: list[Beat], host: str) -> None:
+    def _end(self, message: str, culprits: list[Beat]) -> None:
         if self.watch.announce(message):
             # A stopped process would never end on the launcher's SIGTERM: end the ones on this host now.
             for beat in culprits:
-                if beat.host == host and beat.pid != os.getpid():
+                if beat.host == socket.gethostname() and beat.pid != os.getpid():
                     with contextlib.suppress(OSError):
                         os.kill(beat.pid, signal.SIGKILL)
         os._exit(failure.ANNOUNCED)

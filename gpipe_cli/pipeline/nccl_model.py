@@ -1,9 +1,6 @@
 """NCCL's rules, simulated over what each rank posts, so a deadlock or a mismatch shows on the CPU.
 
-A rank's program is what its host did, in order: post a payload send or receive, or a collective, on a
-communicator; make the compute stream wait for one of them; block the host until the device caught
-up (a synchronisation); send or wait for a host message on the control plane; meet the other ranks
-in a host collective. The device then runs as a GPU would:
+A rank's program is what its host did, in order (the `Op`s below); the device then runs as a GPU would:
 
 - each communicator is a FIFO per rank (NCCL matches by order, not tag); an operation starts once the
   compute stream reached the point where it was posted, and completes only together with its match
@@ -21,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -88,11 +85,8 @@ class Mismatch(RuntimeError):
 class _Rank:
     program: Sequence[Op]
     pc: int = 0
-    stream: list[int] | None = None  # the ops the compute stream waits for, in order
-    passed: int = 0                   # how many of them it got past
-
-    def __post_init__(self) -> None:
-        self.stream = []
+    stream: list[int] = field(default_factory=list)  # the ops the compute stream waits for, in order
+    passed: int = 0                                  # how many of them it got past
 
 
 def run(programs: Mapping[int, Sequence[Op]]) -> None:
@@ -108,13 +102,12 @@ def run(programs: Mapping[int, Sequence[Op]]) -> None:
         for r, rank in ranks.items():
             moved |= _host(r, rank, fifos, sent, met)
         for rank in ranks.values():
-            assert rank.stream is not None
             while rank.passed < len(rank.stream) and rank.stream[rank.passed] in done:
                 rank.passed += 1
                 moved = True
         moved |= _match(ranks, fifos, done)
     stuck = [_describe(r, rank, fifos) for r, rank in ranks.items()
-             if rank.pc < len(rank.program) or rank.passed < len(rank.stream or [])
+             if rank.pc < len(rank.program) or rank.passed < len(rank.stream)
              or any(queue for (owner, _), queue in fifos.items() if owner == r)]
     if stuck:
         raise Deadlock("; ".join(stuck))
@@ -123,7 +116,6 @@ def run(programs: Mapping[int, Sequence[Op]]) -> None:
 def _host(r: int, rank: _Rank, fifos: dict, sent: set, met: dict) -> bool:
     """Advance one rank's host as far as it can go; whether it moved."""
     moved = False
-    assert rank.stream is not None
     while rank.pc < len(rank.program):
         op = rank.program[rank.pc]
         if isinstance(op, Post):

@@ -69,10 +69,8 @@ def _announce(signum: int) -> None:
 
 
 def until_started(announce: bool, marker: Path | None = None) -> None:
-    """From now until `started()`, Ctrl-C or SIGTERM ends this rank quietly (call from the main thread).
-
-    `marker` is created by `started()`.
-    """
+    """From now until `started()` (which creates `marker`), Ctrl-C or SIGTERM ends this rank quietly (call
+    from the main thread)."""
     global _pipe, _marker
     _marker = marker or _marker
 

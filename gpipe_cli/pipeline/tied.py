@@ -22,18 +22,17 @@ def _stage_of(index: int, ranges: Sequence[range]) -> int:
 
 def tie_parameters(module: nn.Module, topology: Topology, ranges: Sequence[range],
                    tied: Sequence[Sequence[str]]) -> list[SharedCopy]:
-    """Make tied parameters one tensor within this stage and synchronised copies across stages.
+    """Make tied parameters one tensor within this stage and synchronised copies across stages; returns the
+    local parameters whose copies live on other stages.
 
     Names are "<global layer index>.<parameter>"; `ranges` are the layers of each chunk, placed on stages
-    as the topology's layout says. Every rank must call this with the same groups. Returns the local parameters whose
-    copies live on other stages.
-    """
+    as the topology's layout says. Every rank must call this with the same groups."""
     layout = topology.layout
     plans = []
     for group in tied:
-        members = [(int(name.split(".", 1)[0]), name) for name in group]
-        owners = sorted({layout.owner(_stage_of(i, ranges)) for i, _ in members})
-        local = [name for i, name in members if layout.owner(_stage_of(i, ranges)) == layout.stage]
+        stage = {name: layout.owner(_stage_of(int(name.split(".", 1)[0]), ranges)) for name in group}
+        owners = sorted(set(stage.values()))
+        local = [name for name in group if stage[name] == layout.stage]
         if len(local) > 1:
             first = module.get_parameter(local[0])
             for name in local[1:]:

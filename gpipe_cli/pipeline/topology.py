@@ -88,11 +88,8 @@ class Layout:
 
 
 def links(layout: Layout) -> list[Link]:
-    """Every link of the job (every rank's, in one order): consecutive chunks on two stages, both ways,
-    and the last chunk's outputs to rank 0.
-
-    Consecutive chunks of one stage (the turn of a V) hand over in memory and need no link.
-    """
+    """Every link of the job (every rank's, in one order): consecutive chunks on two stages, both ways
+    (on one stage, the turn of a V, they hand over in memory), and the last chunk's outputs to rank 0."""
     out: list[Link] = []
     for replica in range(layout.replicas):
         for chunk in range(layout.stages * layout.virtual - 1):
@@ -150,16 +147,14 @@ def local(device: torch.device | str = "cpu") -> Topology:
     return Topology(Layout(1, 1, 0), device, Transport(device))
 
 
-def choose_backend(backend: str = "auto") -> tuple[str, torch.device, bool]:
-    """The backend, this rank's device, and whether tensors are staged through the CPU."""
+def choose_backend(backend: str = "auto") -> tuple[bool, torch.device, bool]:
+    """Whether links use NCCL (else gloo), this rank's device, and whether tensors are staged through the CPU."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"unknown backend '{backend}': allowed are auto, gloo, nccl")
     if not torch.cuda.is_available():
         if backend == "nccl":
             raise ValueError("backend nccl needs CUDA GPUs, and none is visible")
-        return "gloo", torch.device("cpu"), False
+        return False, torch.device("cpu"), False
     gpus = torch.cuda.device_count()
     device = torch.device("cuda", local_rank % gpus)
     shared = local_world > gpus  # NCCL refuses two ranks on one GPU: go through host memory
@@ -167,8 +162,8 @@ def choose_backend(backend: str = "auto") -> tuple[str, torch.device, bool]:
         raise ValueError(f"{local_world} ranks on this node share {gpus} GPU(s); NCCL needs one GPU per rank: "
                          f"use backend gloo")
     if backend == "gloo" or shared:
-        return "gloo", device, True
-    return "nccl", device, False
+        return False, device, True
+    return True, device, False
 
 
 def init(stages: int, replicas: int = 1, backend: str = "auto", timeout: float = 600.0,
@@ -178,16 +173,13 @@ def init(stages: int, replicas: int = 1, backend: str = "auto", timeout: float =
     if world != stages * replicas:
         raise ValueError(f"the job has {world} processes but partitions × data_parallel = {stages} × "
                          f"{replicas} = {stages * replicas}")
-    name, dev, staging = choose_backend(backend)
+    nccl, dev, staging = choose_backend(backend)
     if device == "cpu":
-        name, dev, staging = "gloo", torch.device("cpu"), False
+        nccl, dev, staging = False, torch.device("cpu"), False
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world == 1:
-        topo = local(dev)
-        topo.layout = Layout(1, 1, 0, virtual, placement)
-        return topo
-    nccl = name == "nccl"
+        return Topology(Layout(1, 1, 0, virtual, placement), dev, Transport(dev))
     if not dist.is_initialized():
         # With NCCL the default group has both backends, so a host tensor on it goes to gloo, never NCCL.
         dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo",

@@ -9,6 +9,7 @@ since only bytes cross the wire, any dtype can travel on any backend (NCCL has n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,10 +39,7 @@ class TensorMeta:
     @property
     def nbytes(self) -> int:
         """Bytes of the tensor's data."""
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -83,16 +81,13 @@ def encode(microbatch: int, chunks: int, offset: int, metas: Sequence[TensorMeta
            ahead: int = 0) -> torch.Tensor:
     """Pack a message's header into HEADER_LEN int64 values on the host.
 
-    A floating tensor marked `requires_grad` becomes a leaf that requires grad on the receiver: the
-    sender cannot tell from the tensor itself, since a rematerialised forward runs without a graph.
-    """
+    A tensor marked `requires_grad` becomes a leaf that requires grad on the receiver: the sender says so
+    (a rematerialised forward runs without a graph, so the tensor itself cannot tell)."""
     payload = layout(metas)[1]
     values = [MAGIC, microbatch, chunks, offset, int(bare), payload, ahead, len(metas)]
     for meta in metas:
-        if meta is None:
-            values.append(_ABSENT)
-        else:
-            values += [DTYPES.index(meta.dtype) * 2 + int(meta.requires_grad), len(meta.shape), *meta.shape]
+        values += [_ABSENT] if meta is None else [DTYPES.index(meta.dtype) * 2 + int(meta.requires_grad),
+                                                  len(meta.shape), *meta.shape]
     if len(values) > HEADER_LEN:
         raise CommError(f"a stage boundary carries {len(metas)} tensors with too many dimensions for "
                         f"the {HEADER_LEN}-value header")
@@ -122,12 +117,11 @@ def decode(header: torch.Tensor) -> Header:
 def pack(tensors: Sequence[torch.Tensor | None], size: int, device: torch.device) -> torch.Tensor:
     """The tensors' bytes at their aligned offsets in one uint8 buffer of `size` bytes on `device`.
 
-    Copies are asynchronous: into device memory they queue on the stream; into host memory (ranks
-    sharing a GPU) the buffer is pinned, and the caller waits for the copies before the bytes leave.
-    """
+    Copies are asynchronous: on the device they queue on the stream; into host memory (ranks sharing a
+    GPU) the buffer is pinned, and the caller waits for the copies before the bytes leave."""
     pinned = device.type == "cpu" and any(t is not None and t.device.type == "cuda" for t in tensors)
     buffer = torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pinned)
-    starts, _ = layout([None if t is None else TensorMeta(t.dtype, tuple(t.shape), False) for t in tensors])
+    starts, _ = layout([meta_of(t, False) for t in tensors])
     for t, start in zip(tensors, starts):
         if t is not None and t.numel():
             raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -138,10 +132,5 @@ def pack(tensors: Sequence[torch.Tensor | None], size: int, device: torch.device
 def unpack(payload: torch.Tensor, header: Header) -> list[torch.Tensor | None]:
     """Typed views of the tensors in a packed payload (no copy)."""
     starts, _ = layout(header.tensors)
-    out: list[torch.Tensor | None] = []
-    for meta, start in zip(header.tensors, starts):
-        if meta is None:
-            out.append(None)
-            continue
-        out.append(payload[start:start + meta.nbytes].view(meta.dtype).view(meta.shape))
-    return out
+    return [None if meta is None else payload[start:start + meta.nbytes].view(meta.dtype).view(meta.shape)
+            for meta, start in zip(header.tensors, starts)]
