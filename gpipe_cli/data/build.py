@@ -43,11 +43,9 @@ def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_
             baselines["unigram_perplexity"] = unigram_perplexity(train, evl, tok.vocab_size)
     else:
         raise ValueError(f"unknown task {task!r}")
-    loader = Loader(task=task, train=train, eval=evl, tokenizer=tok, batch_size=data.batch_size,
+    loader = Loader(train=train, eval=evl, tokenizer=tok, batch_size=data.batch_size,
                     tokens_per_batch=data.tokens_per_batch, drop_last=data.drop_last, shuffle=data.shuffle,
-                    seed=seed, min_batch=min_batch, workers=workers,
-                    num_classes=num_classes if task == "image" else None)
-    loader.baselines.update(baselines)
+                    seed=seed, min_batch=min_batch, workers=workers, baselines=baselines)
     return _non_empty(loader, data)
 
 

@@ -11,21 +11,15 @@ from rich.table import Table
 
 from gpipe_cli import plots
 from gpipe_cli.console import output_console
+from gpipe_cli.errors import UserError
 from gpipe_cli.files import check_output
-from gpipe_cli.report import target as place
-from gpipe_cli.report.runs import (
-    PARTS,
-    Run,
-    eval_metric,
-    read_runs,
-    segment_throughputs,
-    series,
-    throughput,
-    time_breakdown,
-)
+from gpipe_cli.records import PARTS
+from gpipe_cli.report import page
+from gpipe_cli.report.runs import Run, eval_metric, read_runs, segment_throughputs, series, throughput, time_breakdown
 from gpipe_cli.units import human_bytes
 
-__all__ = ["default_output", "report", "resume_table", "stage_table", "summary_table"]
+# Said after a default place that cannot be written (a read-only run of someone else's, say).
+ELSEWHERE = "; give --output FILE to write the page elsewhere"
 
 
 def _table(title: str, columns: tuple[str, ...], left: tuple[str, ...] = ("run",), caption: str | None = None) -> Table:
@@ -129,9 +123,13 @@ def report(paths: list[Path], output: Path | None = None, console: Any = None) -
         print(f"gpipe report: {plots.MISSING}; no PNG written", file=sys.stderr)
         return 1
     # The default place may be in a read-only run: the tables are shown, and the line says what to do.
-    flag, hint = ("--output", "") if output is not None else ("", place.ELSEWHERE)
+    flag, hint = ("--output", "") if output is not None else ("", ELSEWHERE)
     target = output or default_output(paths)
     check_output(target, flag, "report.png", hint)
-    place.write(runs, target, flag, hint)
+    try:
+        page.draw(runs, target)
+    except OSError as exc:  # a disk can fill, or a folder change, after the check; the page is never half there
+        where = (f"{flag}: " if flag else "") + f"cannot write {target}"
+        raise UserError(f"{where} ({exc.strerror or exc}){hint}") from None
     console.print(f"wrote {target}", soft_wrap=True)  # a path stays one line, ready to copy
     return 0

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli import plots
-from gpipe_cli.report.runs import PARTS, Run, series, time_breakdown
+from gpipe_cli.records import PARTS
+from gpipe_cli.report.runs import Run, series, time_breakdown
 
 WIDTH_PX, HEIGHT_PX = 1800, 1000
 MIB = float(1 << 20)

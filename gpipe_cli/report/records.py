@@ -9,9 +9,7 @@ from typing import Any
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
-from gpipe_cli.records import EVAL_NUMBERS, PARTS, RESUMED, TRAIN_NUMBERS, WARMUP
-
-__all__ = ["EVAL_NUMBERS", "PARTS", "RESUMED", "TRAIN_NUMBERS", "WARMUP", "Records", "read_recipe", "read_records"]
+from gpipe_cli.records import EVAL_NUMBERS, PARTS, TRAIN_NUMBERS
 
 
 @dataclass

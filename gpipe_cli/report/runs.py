@@ -9,12 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli.errors import UserError
-from gpipe_cli.records import mean_over
-from gpipe_cli.report.records import PARTS, RESUMED, WARMUP, read_recipe, read_records
+from gpipe_cli.records import PARTS, RESUMED, WARMUP, mean_over
+from gpipe_cli.report.records import read_recipe, read_records
 from gpipe_cli.units import number_range
-
-__all__ = ["EVAL_METRICS", "PARTS", "Run", "Throughput", "eval_metric", "read_run", "read_runs", "segment_throughputs",
-           "segments", "series", "steady", "throughput", "time_breakdown", "warming_up"]
 
 Series = tuple[list[int], list[float]]  # steps, values
 
@@ -70,17 +67,15 @@ def read_runs(paths: list[Path]) -> list[Run]:
 
 
 def _numbers(records: list[dict[str, Any]], get: Any) -> Series:
-    steps, values = [], []
-    for r in records:
-        value = get(r)
-        if value is not None:  # null: a non-finite value in metrics.jsonl
-            steps.append(int(r["step"]))
-            values.append(float(value))
-    return steps, values
+    """The steps and values of the records that hold a number (`get`: a key or how to read one)."""
+    read = [(int(r["step"]), r.get(get) if isinstance(get, str) else get(r)) for r in records]
+    pairs = [(step, float(value)) for step, value in read if value is not None]  # null: not finite when written
+    return [step for step, _ in pairs], [value for _, value in pairs]
 
 
 # The task metrics an eval record may hold, each drawn in its own panel.
 EVAL_METRICS = ("accuracy", "bleu", "perplexity")
+TIMED = ("samples_per_s", "bubble", "bubble_theory")  # curves of the steps after warm-up
 
 
 def _exp(loss: float | None) -> float | None:
@@ -112,21 +107,13 @@ def series(run: Run) -> dict[str, Series]:
     """Every curve the report draws for a run, by name: the values of its metrics.jsonl, the timing figures
     (throughput, bubble) without the warm-up steps."""
     timed = steady(run)
-    out: dict[str, Series] = {
-        "loss": _numbers(run.train, lambda r: r.get("loss")),
-        "samples_per_s": _numbers(timed, lambda r: r.get("samples_per_s")),
-        "bubble": _numbers(timed, lambda r: r.get("bubble")),
-        "bubble_theory": _numbers(timed, lambda r: r.get("bubble_theory")),
-        "eval_loss": _numbers(run.evals, lambda r: r.get("loss")),
-    }
-    for metric in EVAL_METRICS:
-        if any(r.get(metric) is not None for r in run.evals):
-            out[f"eval_{metric}"] = _numbers(run.evals, lambda r, m=metric: r.get(m))
+    out = {"loss": _numbers(run.train, "loss"), **{key: _numbers(timed, key) for key in TIMED},
+           "eval_loss": _numbers(run.evals, "loss")}
+    out |= {f"eval_{metric}": _numbers(run.evals, metric) for metric in EVAL_METRICS
+            if any(r.get(metric) is not None for r in run.evals)}
     if any("tokens_per_s" in r for r in run.train):  # a text task: its loss is a mean per-token cross-entropy
         out["perplexity"] = _numbers(run.train, lambda r: _exp(r.get("loss")))
-    for key in ("tflops", "mfu"):
-        if any(r.get(key) is not None for r in timed):
-            out[key] = _numbers(timed, lambda r, k=key: r.get(k))
+    out |= {key: _numbers(timed, key) for key in ("tflops", "mfu") if any(r.get(key) is not None for r in timed)}
     for s in range(run.stages):
         out[f"mem_peak_bytes/stage{s}"] = _numbers(run.train, lambda r, s=s: _at(r.get("mem_peak_bytes"), s))
     return out
@@ -140,14 +127,12 @@ def time_breakdown(run: Run) -> dict[str, list[float]]:
     """Mean seconds per step of each part (compute, wait, ...) on each stage, over the run's steps but its warm-up
     steps."""
     timed = steady(run)
-    out = {}
-    for part in PARTS:
-        per_stage = []
-        for s in range(run.stages):
-            values = [v for r in timed if (v := _at(r["time_s"].get(part), s)) is not None]
-            per_stage.append(sum(values) / len(values) if values else 0.0)
-        out[part] = per_stage
-    return out
+    return {part: [_mean([v for r in timed if (v := _at(r["time_s"].get(part), s)) is not None])
+                   for s in range(run.stages)] for part in PARTS}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 @dataclass(frozen=True)
