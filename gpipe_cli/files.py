@@ -48,7 +48,7 @@ def atomic_path(path: Path, suffix: str = "") -> Iterator[Path]:
         raise
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Write a file so that it either exists whole or not at all (write to a temporary file, then rename)."""
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         write(f)
@@ -58,11 +58,7 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` whole or not at all."""
-
-    def write(f: IO[bytes]) -> None:
-        f.write(data)
-
-    atomic_write(path, write)
+    atomic_write(path, lambda f: f.write(data))
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -14,10 +14,7 @@ _TRUE = {"1", "true", "yes", "on"}
 
 def offline_flag() -> bool:
     """Whether the environment asks the Hugging Face libraries to stay offline."""
-    return _flag("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
-
-
-def _flag(*names: str) -> bool:
+    names = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
     return any(os.environ.get(n, "").strip().lower() in _TRUE for n in names)
 
 

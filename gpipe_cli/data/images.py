@@ -141,7 +141,7 @@ def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, ca
                 ImageExamples(ev, ev.labels, eval_tf, seed) if ev is not None else None)
 
     splits, where = _open(data, cache_dir)
-    train_ds, eval_ds = pick_splits(splits, data.train_split, data.eval_split, where)
+    train_ds, eval_ds = pick_splits(splits, data, where)
     train_ds, col, labels, classes = _as_images(train_ds, data.image_field, data.label_field, where)
     _check_labels(labels, classes, num_classes, where)
     if len(labels) == 0:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpipe_cli.data.sources import EVAL_SPLIT_NAMES, first_line, load_hub, pick_splits
+from gpipe_cli.data.sources import eval_split_name, first_line, load_hub, pick_splits
 from gpipe_cli.errors import DataError
 from gpipe_cli.progress import note
 from gpipe_cli.recipe.schema import Data
@@ -29,13 +29,6 @@ def _new_folder(output: Path) -> Path:
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise DataError(f"--output '{output}' already exists and is not an empty folder; choose a new folder")
     return output
-
-
-def _eval_split_name(splits: Any, data: Data) -> str | None:
-    """The eval split the recipe reads from the hub (as pick_splits chooses it)."""
-    if data.eval_split is not None:
-        return data.eval_split
-    return next((n for n in EVAL_SPLIT_NAMES if n in splits and n != data.train_split), None)
 
 
 def _embedded(ds: Any) -> Any:
@@ -55,11 +48,9 @@ def save_splits(splits: Any, data: Data, output: Path, say: Callable[[str], None
     `say` receives a progress line before each shard.
     """
     output = _new_folder(output)
-    train, evl = pick_splits(splits, data.train_split, data.eval_split, f"dataset '{data.name}'")
-    chosen = [(data.train_split, train)]
-    eval_name = _eval_split_name(splits, data)
-    if evl is not None and eval_name is not None:
-        chosen.append((eval_name, evl))
+    train, evl = pick_splits(splits, data, f"dataset '{data.name}'")
+    eval_name = eval_split_name(splits, data)
+    chosen = [(data.train_split, train), *([(eval_name, evl)] if evl is not None and eval_name else [])]
     output.parent.mkdir(parents=True, exist_ok=True)
     # Written next to the destination and renamed at the end: an interrupted run leaves no half folder.
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))

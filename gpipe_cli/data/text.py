@@ -269,7 +269,7 @@ def read_records(data: Data, task: TextTask, *, seed: int, words: int,
         return pydoc_documents(), None  # text_splits holds out data.eval_fraction of the paragraphs
     if data.source in ("hub", "parquet"):
         splits, where = open_splits(data, cache_dir, "jsonl/tsv/parquet")
-        train_ds, eval_ds = pick_splits(splits, data.train_split, data.eval_split, where)
+        train_ds, eval_ds = pick_splits(splits, data, where)
         return (from_dataset(train_ds, task, data, where),
                 None if eval_ds is None else from_dataset(eval_ds, task, data, where))
     exts = {"jsonl": (".jsonl", ".json"), "tsv": (".tsv", ".txt"),

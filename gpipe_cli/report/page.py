@@ -16,6 +16,7 @@ Draw = Callable[[Any, list[Run]], None]  # draws one panel of the runs on a matp
 
 
 def _lines(ax: Any, runs: list[Run], key: str, title: str, ylabel: str, style: str = "-") -> None:
+    """A curve of `key` for each run, with its legend."""
     for i, run in enumerate(runs):
         steps, values = series(run).get(key, ([], []))
         if steps:
@@ -26,6 +27,7 @@ def _lines(ax: Any, runs: list[Run], key: str, title: str, ylabel: str, style: s
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
 
 
 def _with_eval(key: str, title: str, ylabel: str) -> Draw:
@@ -49,11 +51,7 @@ def _no_eval(ax: Any, runs: list[Run]) -> None:
 
 
 def _eval(metric: str, title: str) -> Draw:
-    def draw(ax: Any, runs: list[Run]) -> None:
-        _lines(ax, runs, f"eval_{metric}", title, metric, "o-")
-        ax.legend(fontsize="small")
-
-    return draw
+    return lambda ax, runs: _lines(ax, runs, f"eval_{metric}", title, metric, "o-")
 
 
 def _utilization(ax: Any, runs: list[Run]) -> None:
@@ -64,14 +62,12 @@ def _utilization(ax: Any, runs: list[Run]) -> None:
     else:
         _lines(ax, runs, "tflops", "achieved model TFLOP/s, all ranks (warm-up steps left out)", "TFLOP/s")
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize="small")
 
 
 def _throughput(ax: Any, runs: list[Run]) -> None:
     # The first step of each start (warm-up: one-time costs) is left out of throughput and bubble: a dip there
     # would stretch the axis over the steps that matter.
     _lines(ax, runs, "samples_per_s", "throughput (warm-up steps left out)", "samples/s")
-    ax.legend(fontsize="small")
 
 
 def _bubble(ax: Any, runs: list[Run]) -> None:
@@ -79,9 +75,8 @@ def _bubble(ax: Any, runs: list[Run]) -> None:
            "share of step")
     for i, run in enumerate(runs):
         steps, values = series(run)["bubble_theory"]
-        ax.plot(steps, values, "--", color=f"C{i}")
+        ax.plot(steps, values, "--", color=f"C{i}")  # unlabelled: the legend has the measured line's
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize="small")
 
 
 def _breakdown(ax: Any, runs: list[Run]) -> None:
