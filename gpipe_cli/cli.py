@@ -361,12 +361,10 @@ def main() -> None:
 
 def _bare_resume(args: list[str]) -> list[str]:
     """Let `--resume` stand alone (meaning 'latest') as well as take a path."""
-    out = list(args)
-    for i, arg in enumerate(out):
-        following = out[i + 1] if i + 1 < len(out) else None
+    for i, arg in enumerate(args):
+        following = args[i + 1] if i + 1 < len(args) else None
         if arg == "--resume" and (following is None or following.startswith("-")
                                   or following.endswith((".yaml", ".yml"))):
-            out.insert(i + 1, "latest")
-            break
-    return out
+            return [*args[:i + 1], "latest", *args[i + 1:]]
+    return args
 

@@ -27,11 +27,6 @@ def umask() -> int:
     return mask
 
 
-def new_file_mode() -> int:
-    """The mode `open()` would give a new file: 0o666 less the umask (mkstemp's files are 0o600)."""
-    return 0o666 & ~umask()
-
-
 @contextlib.contextmanager
 def atomic_path(path: Path, suffix: str = "") -> Iterator[Path]:
     """A hidden name beside `path` for the block to write a file at, renamed to `path` when the block ends and
@@ -41,7 +36,8 @@ def atomic_path(path: Path, suffix: str = "") -> Iterator[Path]:
     try:
         os.close(fd)
         yield Path(tmp)
-        os.chmod(tmp, new_file_mode())  # as any new file, not mkstemp's 0o600 (after: a writer may make it anew)
+        # The mode `open()` gives a new file, not mkstemp's 0o600 (set after: a writer may make the file anew).
+        os.chmod(tmp, 0o666 & ~umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
