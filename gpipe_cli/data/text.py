@@ -129,11 +129,8 @@ class LMExamples(Examples):
 
 
 def unigram_perplexity(train: LMExamples, held_out: LMExamples, vocab_size: int) -> float:
-    """Perplexity of the held-out targets under the training stream's add-one smoothed unigram distribution.
-
-    The baseline a language model must beat: it knows token frequencies and nothing of context. The
-    targets are those the model is scored on (every held-out token after the first).
-    """
+    """Perplexity of the held-out targets (every token after the first, as the model is scored) under the training
+    stream's add-one smoothed unigram distribution: a baseline that knows token frequencies and no context."""
     counts = np.bincount(train.stream, minlength=vocab_size).astype(np.float64)
     log_p = np.log(counts + 1.0) - np.log(counts.sum() + len(counts))
     targets = held_out.stream[1:]
