@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from gpipe_cli.data.hub import hub_reachable, offline_flag
+from gpipe_cli.data.offline import hub_reachable, offline_flag
 from gpipe_cli.data.rng import rng
 from gpipe_cli.errors import DataError
 from gpipe_cli.recipe.schema import Data
