@@ -293,10 +293,9 @@ def predict(
     top: int = typer.Option(1, help="Classes to print per image, most likely first."),
 ) -> int:
     """Use an exported model without the pipeline: translate, continue a prompt or classify images."""
-    from gpipe_cli.predict import PredictOptions
     from gpipe_cli.predict import predict as run_predict
 
-    return run_predict(PredictOptions(model, inputs or None, max_tokens, top))
+    return run_predict(model, inputs or None, max_tokens, top)
 
 
 @app.command("prepare-data")
