@@ -179,10 +179,7 @@ def _kind(value: Any) -> type:
 
     if isinstance(value, (bool, ScalarBoolean)):
         return bool
-    for kind in (int, float, str, dict, list):
-        if isinstance(value, kind):
-            return kind
-    return type(value)
+    return next((kind for kind in (int, float, str, dict, list) if isinstance(value, kind)), type(value))
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -96,11 +95,6 @@ def resume_table(runs: list[Run]) -> Table | None:
     return table
 
 
-def default_output(paths: list[Path]) -> Path:
-    """RUN_DIR/report.png for one run, report.png here for several."""
-    return paths[0] / "report.png" if len(paths) == 1 else Path("report.png")
-
-
 def _console(tables: list[Table]) -> Console:
     """The terminal's console; elsewhere (a file, a pipe) one wide enough for the widest table, no cell cut."""
     console = output_console()
@@ -110,13 +104,14 @@ def _console(tables: list[Table]) -> Console:
     return output_console(widest)
 
 
-def report(paths: list[Path], output: Path | None = None, console: Any = None) -> int:
-    """Print the tables of the runs and write the PNG page; 1 when matplotlib is missing (the tables are shown),
-    2 when the page cannot be written (a line says why, and where else to write it)."""
+def report(paths: list[Path], output: Path | None = None) -> int:
+    """Print the tables of the runs and write the PNG page (by default RUN_DIR/report.png for one run, report.png
+    here for several); 1 when matplotlib is missing (the tables are shown), 2 when the page cannot be written (a
+    line says why, and where else to write it)."""
     runs = read_runs(paths)
     check_output(output, "--output", "report.png")  # a mistake in the argument: one line, before anything is shown
     tables = [table for table in (summary_table(runs), resume_table(runs), stage_table(runs)) if table is not None]
-    console = console or _console(tables)
+    console = _console(tables)
     for table in tables:
         console.print(table)
     if plots.pyplot() is None:
@@ -124,7 +119,7 @@ def report(paths: list[Path], output: Path | None = None, console: Any = None) -
         return 1
     # The default place may be in a read-only run: the tables are shown, and the line says what to do.
     flag, hint = ("--output", "") if output is not None else ("", ELSEWHERE)
-    target = output or default_output(paths)
+    target = output or (paths[0] / "report.png" if len(paths) == 1 else Path("report.png"))
     check_output(target, flag, "report.png", hint)
     try:
         page.draw(runs, target)
