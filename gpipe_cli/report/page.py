@@ -23,6 +23,11 @@ def _lines(ax: Any, runs: list[Run], key: str, title: str, ylabel: str, style: s
             # A marker keeps a curve of one or two points visible.
             fmt = style if "o" in style or len(steps) >= 3 else style + "o"
             ax.plot(steps, values, fmt, color=f"C{i}", label=run.label)
+    _frame(ax, title, ylabel)
+
+
+def _frame(ax: Any, title: str, ylabel: str) -> None:
+    """A panel's title, axis labels (x: step), grid and legend."""
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
@@ -103,11 +108,7 @@ def _memory(ax: Any, runs: list[Run]) -> None:
             steps, values = data[f"mem_peak_bytes/stage{s}"]
             ax.plot(steps, [v / MIB for v in values], styles[s % len(styles)], color=f"C{i}",
                     label=f"{run.label} stage {s}")
-    ax.set_title("memory peak per stage (GPU: CUDA peak; CPU: activations)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("MiB")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    _frame(ax, "memory peak per stage (GPU: CUDA peak; CPU: activations)", "MiB")
 
 
 def panels(runs: list[Run]) -> list[tuple[str, Draw]]:
