@@ -45,8 +45,7 @@ class Tokenizer:
         if not p.is_file():
             raise DataError(f"tokenizer file '{p}' does not exist")
         try:
-            proto = p.read_bytes()
-            return cls(proto, p)
+            return cls(p.read_bytes(), p)
         except DataError:
             raise
         except Exception as e:  # sentencepiece raises RuntimeError/OSError for non-model files
