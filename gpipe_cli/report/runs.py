@@ -149,10 +149,7 @@ def _exp(loss: float | None) -> float | None:
 
 def eval_metric(run: Run) -> str | None:
     """The eval figure the summary table shows: accuracy, else BLEU, else perplexity (None: no evals)."""
-    for key in EVAL_METRICS:
-        if any(r.get(key) is not None for r in run.evals):
-            return key
-    return None
+    return next((key for key in EVAL_METRICS if any(r.get(key) is not None for r in run.evals)), None)
 
 
 def warming_up(record: dict[str, Any], index: int) -> bool:
