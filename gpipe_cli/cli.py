@@ -293,10 +293,9 @@ def predict(
     top: int = typer.Option(1, help="Classes to print per image, most likely first."),
 ) -> int:
     """Use an exported model without the pipeline: translate, continue a prompt or classify images."""
-    from gpipe_cli.predict import PredictOptions
     from gpipe_cli.predict import predict as run_predict
 
-    return run_predict(PredictOptions(model, inputs or None, max_tokens, top))
+    return run_predict(model, inputs or None, max_tokens, top)
 
 
 @app.command("prepare-data")
@@ -361,12 +360,10 @@ def main() -> None:
 
 def _bare_resume(args: list[str]) -> list[str]:
     """Let `--resume` stand alone (meaning 'latest') as well as take a path."""
-    out = list(args)
-    for i, arg in enumerate(out):
-        following = out[i + 1] if i + 1 < len(out) else None
+    for i, arg in enumerate(args):
+        following = args[i + 1] if i + 1 < len(args) else None
         if arg == "--resume" and (following is None or following.startswith("-")
                                   or following.endswith((".yaml", ".yml"))):
-            out.insert(i + 1, "latest")
-            break
-    return out
+            return [*args[:i + 1], "latest", *args[i + 1:]]
+    return args
 

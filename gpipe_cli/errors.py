@@ -25,7 +25,7 @@ def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
     booleans and null, as the user wrote them)."""
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
-    if isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, int):
         try:
             return cut(str(value), limit)
         except ValueError:  # more digits than Python converts to text

@@ -27,11 +27,6 @@ def umask() -> int:
     return mask
 
 
-def new_file_mode() -> int:
-    """The mode `open()` would give a new file: 0o666 less the umask (mkstemp's files are 0o600)."""
-    return 0o666 & ~umask()
-
-
 @contextlib.contextmanager
 def atomic_path(path: Path, suffix: str = "") -> Iterator[Path]:
     """A hidden name beside `path` for the block to write a file at, renamed to `path` when the block ends and
@@ -41,14 +36,15 @@ def atomic_path(path: Path, suffix: str = "") -> Iterator[Path]:
     try:
         os.close(fd)
         yield Path(tmp)
-        os.chmod(tmp, new_file_mode())  # as any new file, not mkstemp's 0o600 (after: a writer may make it anew)
+        # The mode `open()` gives a new file, not mkstemp's 0o600 (set after: a writer may make the file anew).
+        os.chmod(tmp, 0o666 & ~umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Write a file so that it either exists whole or not at all (write to a temporary file, then rename)."""
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         write(f)
@@ -58,11 +54,7 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` whole or not at all."""
-
-    def write(f: IO[bytes]) -> None:
-        f.write(data)
-
-    atomic_write(path, write)
+    atomic_write(path, lambda f: f.write(data))
 
 
 def atomic_write_text(path: Path, text: str) -> None:

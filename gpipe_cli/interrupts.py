@@ -19,8 +19,9 @@ _terminated = False
 
 
 def _on_interrupt(signum: int, frame: object) -> None:
-    global _interrupted
+    global _interrupted, _terminated
     _interrupted = True
+    _terminated = _terminated or signum == signal.SIGTERM
     raise KeyboardInterrupt
 
 
@@ -61,17 +62,11 @@ def interrupted() -> bool:
     return _interrupted
 
 
-def _on_terminate(signum: int, frame: object) -> None:
-    global _interrupted, _terminated
-    _interrupted = _terminated = True
-    raise KeyboardInterrupt
-
-
 def stop_on_signals() -> None:
     """From now on Ctrl-C (unless ignored) and SIGTERM stop this process with one line, nothing half-written or
     left behind, and are remembered for `check`."""
     on_sigint(_on_interrupt)
-    signal.signal(signal.SIGTERM, _on_terminate)
+    signal.signal(signal.SIGTERM, _on_interrupt)
     sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
 
 

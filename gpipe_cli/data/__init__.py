@@ -16,15 +16,10 @@ if TYPE_CHECKING:
     from gpipe_cli.data.tokenizer import BOS, EOS, PAD, UNK, Tokenizer
     from gpipe_cli.errors import DataError
 
-_WHERE = {
-    "corpus_bleu": "gpipe_cli.data.bleu",
-    "Task": "gpipe_cli.data.build", "build_data": "gpipe_cli.data.build", "build_data_for": "gpipe_cli.data.build",
-    "task_for": "gpipe_cli.data.build",
-    "Batch": "gpipe_cli.data.loader", "Examples": "gpipe_cli.data.loader", "Loader": "gpipe_cli.data.loader",
-    "BOS": "gpipe_cli.data.tokenizer", "EOS": "gpipe_cli.data.tokenizer", "PAD": "gpipe_cli.data.tokenizer",
-    "UNK": "gpipe_cli.data.tokenizer", "Tokenizer": "gpipe_cli.data.tokenizer",
-    "DataError": "gpipe_cli.errors",
-}
+_NAMES = {"data.bleu": ("corpus_bleu",), "data.build": ("Task", "build_data", "build_data_for", "task_for"),
+          "data.loader": ("Batch", "Examples", "Loader"), "data.tokenizer": ("BOS", "EOS", "PAD", "UNK", "Tokenizer"),
+          "errors": ("DataError",)}
+_WHERE = {name: f"gpipe_cli.{module}" for module, names in _NAMES.items() for name in names}
 
 __all__ = ["BOS", "EOS", "PAD", "UNK", "Batch", "DataError", "Examples", "Loader", "Task", "Tokenizer", "build_data",
            "build_data_for", "corpus_bleu", "task_for"]

@@ -17,12 +17,8 @@ from gpipe_cli.recipe.schema import Data, Recipe
 def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_classes: int = 1000,
                vocab_size: int = 32000, max_len: int = 256, run_dir: Path | None = None, min_batch: int = 1,
                workers: int = 0, cache_dir: Path | None = None, augment_backend: Backend = "auto") -> Loader:
-    """The Loader for `data` and `task`.
-
-    min_batch: fewest examples in any mini-batch (pass microbatches x data-parallel replicas so no
-    shard's micro-batch is empty). workers: background processes that build batches (0: inline).
-    cache_dir: the `datasets` cache (its default when None).
-    """
+    """The Loader for `data` and `task`: `min_batch` examples or more in every mini-batch (microbatches x replicas:
+    no shard's micro-batch is empty), built by `workers` background processes (0: inline)."""
     train: Examples
     evl: Examples | None
     tok: Tokenizer | None = None
@@ -43,11 +39,9 @@ def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_
             baselines["unigram_perplexity"] = unigram_perplexity(train, evl, tok.vocab_size)
     else:
         raise ValueError(f"unknown task {task!r}")
-    loader = Loader(task=task, train=train, eval=evl, tokenizer=tok, batch_size=data.batch_size,
+    loader = Loader(train=train, eval=evl, tokenizer=tok, batch_size=data.batch_size,
                     tokens_per_batch=data.tokens_per_batch, drop_last=data.drop_last, shuffle=data.shuffle,
-                    seed=seed, min_batch=min_batch, workers=workers,
-                    num_classes=num_classes if task == "image" else None)
-    loader.baselines.update(baselines)
+                    seed=seed, min_batch=min_batch, workers=workers, baselines=baselines)
     return _non_empty(loader, data)
 
 

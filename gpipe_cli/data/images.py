@@ -20,15 +20,11 @@ from gpipe_cli.recipe.schema import Data
 class ImageSource(Protocol):
     """Random access to images as float [3,h,w] in [0,1]."""
 
-    policy: Any
-
     def load(self, i: int) -> torch.Tensor: ...
 
 
 class DatasetImages:
     """Images in one column of a `datasets` Dataset, restricted to some rows."""
-
-    policy = "auto"
 
     def __init__(self, dataset: Any, column: str, rows: np.ndarray) -> None:
         self.dataset = dataset.select_columns([column])  # decoding one column leaves the others untouched
@@ -134,6 +130,7 @@ def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, ca
     eval_tf = ImageTransform(image_size, augment=False, backend=backend)
     if data.source == "synthetic":
         tr = SyntheticImages(data.synthetic_size, num_classes, image_size, seed, "train")
+        # Generated at full size: pad-and-crop keeps the pattern, a resized crop could lose it.
         train_tf.policy = eval_tf.policy = "pad"
         n_eval = int(round(data.synthetic_size * data.eval_fraction))
         ev = SyntheticImages(n_eval, num_classes, image_size, seed, "eval") if n_eval else None
@@ -141,19 +138,20 @@ def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, ca
                 ImageExamples(ev, ev.labels, eval_tf, seed) if ev is not None else None)
 
     splits, where = _open(data, cache_dir)
-    train_ds, eval_ds = pick_splits(splits, data.train_split, data.eval_split, where)
+    train_ds, eval_ds = pick_splits(splits, data, where)
     train_ds, col, labels, classes = _as_images(train_ds, data.image_field, data.label_field, where)
     _check_labels(labels, classes, num_classes, where)
     if len(labels) == 0:
         raise DataError(f"the '{data.train_split}' split of {where} is empty")
+
+    def examples(ds: Any, column: str, labels: np.ndarray, rows: np.ndarray, tf: ImageTransform) -> ImageExamples:
+        return ImageExamples(DatasetImages(ds, column, rows), labels[rows], tf, seed)
+
     if eval_ds is None:
         rows, held = hold_out(len(labels), data.eval_fraction)
-        train = ImageExamples(DatasetImages(train_ds, col, rows), labels[rows], train_tf, seed)
-        if not len(held):
-            return train, None
-        return train, ImageExamples(DatasetImages(train_ds, col, held), labels[held], eval_tf, seed)
+        return (examples(train_ds, col, labels, rows, train_tf),
+                examples(train_ds, col, labels, held, eval_tf) if len(held) else None)
     eval_ds, ecol, elabels, _ = _as_images(eval_ds, data.image_field, data.label_field, where)
     _check_labels(elabels, None, num_classes, f"the eval split of {where}")
-    train = ImageExamples(DatasetImages(train_ds, col, np.arange(len(labels))), labels, train_tf, seed)
-    evl = ImageExamples(DatasetImages(eval_ds, ecol, np.arange(len(elabels))), elabels, eval_tf, seed)
-    return train, evl
+    return (examples(train_ds, col, labels, np.arange(len(labels)), train_tf),
+            examples(eval_ds, ecol, elabels, np.arange(len(elabels)), eval_tf))

@@ -83,55 +83,48 @@ def pack_by_budget(sorted_lengths: np.ndarray, budget: int, min_batch: int) -> l
     return bounds
 
 
-def _merge_small_tail(bounds: list[tuple[int, int]], min_batch: int) -> list[tuple[int, int]]:
-    """Fold a last run shorter than min_batch into the one before it (so no shard micro-batch is empty)."""
-    if len(bounds) >= 2 and bounds[-1][1] - bounds[-1][0] < min_batch:
-        bounds = bounds[:-2] + [(bounds[-2][0], bounds[-1][1])]
-    return bounds
-
-
+@dataclass(kw_only=True)
 class Loader:
     """Train/eval mini-batches of one task, identical on every rank for a given seed."""
 
-    def __init__(self, *, task: str, train: Examples, eval: Examples | None, tokenizer: Tokenizer | None,
-                 batch_size: int, tokens_per_batch: int | None, drop_last: bool, shuffle: bool, seed: int,
-                 min_batch: int = 1, workers: int = 0, num_classes: int | None = None) -> None:
-        self.task = task
-        self.train = train
-        self.eval = eval
-        self.tokenizer = tokenizer
-        self.batch_size = batch_size
-        self.tokens_per_batch = tokens_per_batch
-        self.drop_last = drop_last
-        self.shuffle = shuffle
-        self.seed = seed
-        self.min_batch = max(1, min_batch)
-        self.workers = workers
-        self.num_classes = num_classes
-        if tokens_per_batch is not None and train.lengths is None:
+    train: Examples
+    eval: Examples | None
+    tokenizer: Tokenizer | None
+    batch_size: int
+    tokens_per_batch: int | None
+    drop_last: bool
+    shuffle: bool
+    seed: int
+    min_batch: int = 1
+    workers: int = 0
+    # Figures a trained model should beat on the held-out split, reported next to its own (text: unigram).
+    baselines: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.min_batch = max(1, self.min_batch)
+        if self.tokens_per_batch is not None and self.train.lengths is None:
             raise ValueError("tokens_per_batch needs examples with lengths (text)")
-        self._bounds = self._train_bounds()
-        # Figures a trained model should beat on the held-out split, reported next to its own (text: unigram).
-        self.baselines: dict[str, float] = {}
+        self._bounds = self._batch_bounds(self.train, self.drop_last)  # the same for every epoch
         self._cache: tuple[int, list[np.ndarray]] | None = None
         self._eval_plan: list[np.ndarray] | None = None
 
     # ---- planning -------------------------------------------------------------------------------
 
-    def _train_bounds(self) -> list[tuple[int, int]]:
-        """Batch boundaries over the (shuffled or length-sorted) order; the same for every epoch."""
-        n = len(self.train)
-        if self.tokens_per_batch is None:
+    def _batch_bounds(self, examples: Examples, drop_last: bool) -> list[tuple[int, int]]:
+        """[lo, hi) of each mini-batch over the examples in order (by a token budget: sorted by length)."""
+        n = len(examples)
+        if self.tokens_per_batch is None or examples.lengths is None:
             bounds = [(lo, min(lo + self.batch_size, n)) for lo in range(0, n, self.batch_size)]
-            if bounds and self.drop_last and bounds[-1][1] - bounds[-1][0] < self.batch_size:
+            if bounds and drop_last and bounds[-1][1] - bounds[-1][0] < self.batch_size:
                 bounds.pop()
-            return _merge_small_tail(bounds, self.min_batch)
-        assert self.train.lengths is not None
-        lengths = np.sort(self.train.lengths, kind="stable")
-        # drop_last does not apply: budget batches vary in size by design, and the last run always holds
-        # the longest examples, so dropping it would never train on them.
-        bounds = pack_by_budget(lengths, self.tokens_per_batch, self.min_batch)
-        return _merge_small_tail(bounds, self.min_batch)
+        else:
+            # drop_last does not apply: budget batches vary in size by design, and the last run always holds
+            # the longest examples, so dropping it would never train on them.
+            bounds = pack_by_budget(np.sort(examples.lengths, kind="stable"), self.tokens_per_batch, self.min_batch)
+        # A last run shorter than min_batch joins the one before it, so that no shard's micro-batch is empty.
+        if len(bounds) >= 2 and bounds[-1][1] - bounds[-1][0] < self.min_batch:
+            bounds = bounds[:-2] + [(bounds[-2][0], bounds[-1][1])]
+        return bounds
 
     def steps_per_epoch(self) -> int:
         """Number of training mini-batches per epoch (the same for every epoch)."""
@@ -157,18 +150,13 @@ class Loader:
 
     def eval_plan(self) -> list[np.ndarray]:
         """Example ids of each eval mini-batch: fixed order, nothing dropped."""
-        if self._eval_plan is not None:
-            return self._eval_plan
-        if self.eval is None or len(self.eval) == 0:
-            return []
-        n = len(self.eval)
-        if self.tokens_per_batch is None or self.eval.lengths is None:
-            order = np.arange(n)
-            bounds = [(lo, min(lo + self.batch_size, n)) for lo in range(0, n, self.batch_size)]
-        else:
-            order = np.argsort(self.eval.lengths, kind="stable")
-            bounds = pack_by_budget(self.eval.lengths[order], self.tokens_per_batch, self.min_batch)
-        self._eval_plan = [order[lo:hi] for lo, hi in _merge_small_tail(bounds, self.min_batch)]
+        if self._eval_plan is None:
+            if self.eval is None or len(self.eval) == 0:
+                return []
+            order = np.arange(len(self.eval))
+            if self.tokens_per_batch is not None and self.eval.lengths is not None:
+                order = np.argsort(self.eval.lengths, kind="stable")
+            self._eval_plan = [order[lo:hi] for lo, hi in self._batch_bounds(self.eval, drop_last=False)]
         return self._eval_plan
 
     def eval_steps(self, limit: int | None = None) -> int:
@@ -195,21 +183,16 @@ class Loader:
         if not 0 <= start <= len(plan):
             raise ValueError(f"start {start} is outside the epoch's {len(plan)} batches")
         shard_bounds(0, *shard)
-        job = _BatchJob(self.train, plan, list(range(start, len(plan))), epoch, shard, need_inputs,
-                        need_targets, False)
-        return self._run(job)
+        return self._run(_BatchJob(self.train, plan, start, epoch, shard, need_inputs, need_targets, False))
 
     def eval_batches(self, shard: tuple[int, int] = (0, 1), limit: int | None = None, *,
                      need_inputs: bool = True, need_targets: bool = True) -> Iterator[Batch]:
         """This shard's part of each eval mini-batch (no augmentation, fixed order)."""
-        plan = self.eval_plan()
-        if limit is not None:
-            plan = plan[:limit]
+        plan = self.eval_plan()[:limit]
         shard_bounds(0, *shard)
         if self.eval is None or not plan:
             return iter(())
-        job = _BatchJob(self.eval, plan, list(range(len(plan))), None, shard, need_inputs, need_targets, True)
-        return self._run(job)
+        return self._run(_BatchJob(self.eval, plan, 0, None, shard, need_inputs, need_targets, True))
 
     def _run(self, job: _BatchJob) -> Iterator[Batch]:
         """Build batches in this process, or in `workers` background processes (order preserved)."""
@@ -224,21 +207,24 @@ def _identity(x: Any) -> Any:
     return x
 
 
+@dataclass
 class _BatchJob(torch.utils.data.Dataset):
-    """Positions of a plan to turn into Batches (picklable, so worker processes can build them)."""
+    """The plan's batches from position `start` on, to turn into Batches (picklable, for worker processes)."""
 
-    def __init__(self, examples: Examples, plan: Sequence[np.ndarray], positions: list[int],
-                 epoch: int | None, shard: tuple[int, int], need_inputs: bool, need_targets: bool,
-                 with_refs: bool) -> None:
-        self.examples, self.plan, self.positions = examples, plan, positions
-        self.epoch, self.shard = epoch, shard
-        self.need_inputs, self.need_targets, self.with_refs = need_inputs, need_targets, with_refs
+    examples: Examples
+    plan: Sequence[np.ndarray]
+    start: int
+    epoch: int | None
+    shard: tuple[int, int]
+    need_inputs: bool
+    need_targets: bool
+    with_refs: bool
 
     def __len__(self) -> int:
-        return len(self.positions)
+        return len(self.plan) - self.start
 
     def __getitem__(self, k: int) -> Batch:
-        pos = self.positions[k]
+        pos = self.start + k
         group = self.plan[pos]
         lo, hi = shard_bounds(len(group), *self.shard)
         ids = group[lo:hi]

@@ -1,4 +1,5 @@
-"""Before any rank starts: can a hub recipe get its data? If not, say in one line how to prepare it.
+"""Can the Hugging Face hub be reached, and before any rank starts, can a hub recipe get its data (if not, one
+line says how to prepare it)?
 
 Runs on the launching side without importing torch or `datasets` in the common case (no network and
 nothing cached), so an offline machine is told within seconds, not after the ranks have started.
@@ -8,12 +9,46 @@ from __future__ import annotations
 
 import os
 import shlex
+import threading
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpipe_cli.data.hub import PROBE_TIMEOUT_S, hub_reachable, offline_flag
 from gpipe_cli.errors import DataError
 from gpipe_cli.recipe.schema import Data
+
+# Short: the answer decides in seconds whether a run can start, and huggingface.co answers a HEAD in < 1 s.
+PROBE_TIMEOUT_S = 2.0
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def offline_flag() -> bool:
+    """Whether the environment asks the Hugging Face libraries to stay offline."""
+    names = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+    return any(os.environ.get(n, "").strip().lower() in _TRUE for n in names)
+
+
+def hub_reachable(endpoint: str | None = None, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether the hub endpoint answers at all within `timeout` (proxies honoured, DNS hangs bounded)."""
+    url = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+            result.append(True)
+        except urllib.error.HTTPError:  # any HTTP answer means the network path works
+            result.append(True)
+        except Exception:
+            result.append(False)
+
+    # A thread bounds name resolution too, which socket timeouts do not cover.
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout + 0.5)
+    return bool(result and result[0])
+
 
 # Keys prepare-data reads; other --set values of a run do not change which data it saves.
 PREPARE_KEYS = ("data.name=", "data.config=", "data.train_split=", "data.eval_split=")

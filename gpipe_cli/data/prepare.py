@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpipe_cli.data.sources import EVAL_SPLIT_NAMES, first_line, load_hub, pick_splits
+from gpipe_cli.data.sources import eval_split_name, first_line, load_hub, pick_splits
 from gpipe_cli.errors import DataError
 from gpipe_cli.progress import note
 from gpipe_cli.recipe.schema import Data
@@ -31,13 +31,6 @@ def _new_folder(output: Path) -> Path:
     return output
 
 
-def _eval_split_name(splits: Any, data: Data) -> str | None:
-    """The eval split the recipe reads from the hub (as pick_splits chooses it)."""
-    if data.eval_split is not None:
-        return data.eval_split
-    return next((n for n in EVAL_SPLIT_NAMES if n in splits and n != data.train_split), None)
-
-
 def _embedded(ds: Any) -> Any:
     """The dataset with images and audio stored as bytes, not as paths into a download cache."""
     import datasets
@@ -50,16 +43,12 @@ def _embedded(ds: Any) -> Any:
 
 
 def save_splits(splits: Any, data: Data, output: Path, say: Callable[[str], None] | None = None) -> list[Path]:
-    """Write the recipe's training and eval splits of a DatasetDict as parquet shards into a new folder.
-
-    `say` receives a progress line before each shard.
-    """
+    """Write the recipe's training and eval splits of a DatasetDict as parquet shards into a new folder (`say`
+    receives a progress line before each shard)."""
     output = _new_folder(output)
-    train, evl = pick_splits(splits, data.train_split, data.eval_split, f"dataset '{data.name}'")
-    chosen = [(data.train_split, train)]
-    eval_name = _eval_split_name(splits, data)
-    if evl is not None and eval_name is not None:
-        chosen.append((eval_name, evl))
+    train, evl = pick_splits(splits, data, f"dataset '{data.name}'")
+    eval_name = eval_split_name(splits, data)
+    chosen = [(data.train_split, train), *([(eval_name, evl)] if evl is not None and eval_name else [])]
     output.parent.mkdir(parents=True, exist_ok=True)
     # Written next to the destination and renamed at the end: an interrupted run leaves no half folder.
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
@@ -84,10 +73,8 @@ def save_splits(splits: Any, data: Data, output: Path, say: Callable[[str], None
 
 def prepare_data(data: Data, output: Path, cache_dir: Path | None = None,
                  say: Callable[[str], None] | None = None) -> list[Path]:
-    """Download the recipe's hub dataset (data.name, data.config) and save it with save_splits.
-
-    Progress lines go to `say` (default: stdout with the seconds since the call).
-    """
+    """Download the recipe's hub dataset (data.name, data.config) and save it with save_splits (progress lines go
+    to `say`, by default stdout with the seconds since the call)."""
     started = time.time()
     say = say or (lambda text: print(note(started, text), flush=True))
     if not data.name:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from gpipe_cli.data.hub import hub_reachable, offline_flag
+from gpipe_cli.data.offline import hub_reachable, offline_flag
 from gpipe_cli.data.rng import rng
 from gpipe_cli.errors import DataError
 from gpipe_cli.recipe.schema import Data
@@ -67,21 +67,22 @@ def hold_out(n: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
     return np.sort(perm[k:]), np.sort(perm[:k])
 
 
-def pick_splits(splits: Any, train_split: str, eval_split: str | None, where: str) -> tuple[Any, Any]:
+def eval_split_name(splits: Any, data: Data) -> str | None:
+    """The held-out split of a DatasetDict: data.eval_split, else the first of EVAL_SPLIT_NAMES it has."""
+    if data.eval_split is not None:
+        return data.eval_split
+    return next((name for name in EVAL_SPLIT_NAMES if name in splits and name != data.train_split), None)
+
+
+def pick_splits(splits: Any, data: Data, where: str) -> tuple[Any, Any]:
     """(train, eval or None) datasets out of a DatasetDict."""
-    names = list(splits.keys())
-    if train_split not in splits:
-        raise DataError(f"{where} has no split '{train_split}' (it has {', '.join(names) or 'none'}); "
-                        "set data.train_split")
-    if eval_split is not None:
-        if eval_split not in splits:
-            raise DataError(f"{where} has no split '{eval_split}' (it has {', '.join(names)}); "
-                            "set data.eval_split")
-        return splits[train_split], splits[eval_split]
-    for name in EVAL_SPLIT_NAMES:
-        if name in splits and name != train_split:
-            return splits[train_split], splits[name]
-    return splits[train_split], None
+    names = ", ".join(splits.keys())
+    if data.train_split not in splits:
+        raise DataError(f"{where} has no split '{data.train_split}' (it has {names or 'none'}); set data.train_split")
+    if data.eval_split is not None and data.eval_split not in splits:
+        raise DataError(f"{where} has no split '{data.eval_split}' (it has {names}); set data.eval_split")
+    held = eval_split_name(splits, data)
+    return splits[data.train_split], None if held is None else splits[held]
 
 
 def load_builder(builder: str, where: str, cache_dir: Path | None, **kwargs: Any) -> Any:
@@ -161,7 +162,4 @@ def load_hub(name: str, config: str | None, cache_dir: Path | None, kind: str) -
 
 def first_line(e: BaseException) -> str:
     """The first non-empty line of an exception's message, for one-line errors."""
-    for line in str(e).splitlines():
-        if line.strip():
-            return line.strip()
-    return type(e).__name__
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)

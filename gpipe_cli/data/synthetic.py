@@ -16,8 +16,6 @@ _PATTERN_CELLS = 4  # each class is a 4x4 colour pattern, upsampled: survives cr
 class SyntheticImages:
     """Class-dependent colour patterns plus per-example noise, generated on demand at `image_size`."""
 
-    policy = "pad"  # generated at full size: pad-and-crop keeps the pattern, a resized crop could lose it
-
     def __init__(self, n: int, num_classes: int, image_size: int, seed: int, split: str) -> None:
         self.size = image_size
         self.seed = seed

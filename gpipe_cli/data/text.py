@@ -54,16 +54,11 @@ class TranslationExamples(Examples):
         """(examples, pairs dropped): training drops pairs longer than max_len, eval truncates them."""
         src = tok.encode_batch([p[0] for p in pairs])
         tgt = tok.encode_batch([p[1] for p in pairs])
-        keep_src, keep_tgt, refs = [], [], []
-        for (_, ref), s, t in zip(pairs, src, tgt, strict=True):
-            if not s or not t:
-                continue
-            if train and (len(s) > max_len or len(t) + 1 > max_len):
-                continue
-            keep_src.append(s[:max_len])
-            keep_tgt.append(t[:max_len - 1])
-            refs.append(ref)
-        return cls(Ragged(keep_src), Ragged(keep_tgt), None if train else refs), len(pairs) - len(keep_src)
+        kept = [(s[:max_len], t[:max_len - 1], ref) for (_, ref), s, t in zip(pairs, src, tgt, strict=True)
+                if s and t and not (train and (len(s) > max_len or len(t) + 1 > max_len))]
+        examples = cls(Ragged([k[0] for k in kept]), Ragged([k[1] for k in kept]),
+                       None if train else [k[2] for k in kept])
+        return examples, len(pairs) - len(kept)
 
     def __len__(self) -> int:
         return len(self.src)
@@ -134,11 +129,8 @@ class LMExamples(Examples):
 
 
 def unigram_perplexity(train: LMExamples, held_out: LMExamples, vocab_size: int) -> float:
-    """Perplexity of the held-out targets under the training stream's add-one smoothed unigram distribution.
-
-    The baseline a language model must beat: it knows token frequencies and nothing of context. The
-    targets are those the model is scored on (every held-out token after the first).
-    """
+    """Perplexity of the held-out targets (every token after the first, as the model is scored) under the training
+    stream's add-one smoothed unigram distribution: a baseline that knows token frequencies and no context."""
     counts = np.bincount(train.stream, minlength=vocab_size).astype(np.float64)
     log_p = np.log(counts + 1.0) - np.log(counts.sum() + len(counts))
     targets = held_out.stream[1:]
@@ -269,7 +261,7 @@ def read_records(data: Data, task: TextTask, *, seed: int, words: int,
         return pydoc_documents(), None  # text_splits holds out data.eval_fraction of the paragraphs
     if data.source in ("hub", "parquet"):
         splits, where = open_splits(data, cache_dir, "jsonl/tsv/parquet")
-        train_ds, eval_ds = pick_splits(splits, data.train_split, data.eval_split, where)
+        train_ds, eval_ds = pick_splits(splits, data, where)
         return (from_dataset(train_ds, task, data, where),
                 None if eval_ds is None else from_dataset(eval_ds, task, data, where))
     exts = {"jsonl": (".jsonl", ".json"), "tsv": (".tsv", ".txt"),
@@ -282,12 +274,8 @@ def read_records(data: Data, task: TextTask, *, seed: int, words: int,
                         "use jsonl or tsv for translation")
     path = existing_path(data.path, f"data.source '{data.source}'")
     train_f, eval_f = split_files(path, exts, data.train_split, data.eval_split)
-
-    def read(files: Sequence[Path]) -> list[Record]:
-        if data.source == "jsonl":
-            return read_jsonl(files, task, data)
-        return read_tsv(files, task, data) if data.source == "tsv" else list(read_text(files))
-
+    read = {"jsonl": lambda files: read_jsonl(files, task, data), "tsv": lambda files: read_tsv(files, task, data),
+            "text": read_text}[data.source]
     return read(train_f), (read(eval_f) if eval_f else None)
 
 
@@ -304,13 +292,9 @@ def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_l
     where = f"the '{data.train_split}' split" if data.source != "synthetic" else "the synthetic data"
     if not any((r[0].strip() and r[1].strip()) if task == "translation" else r.strip() for r in train_recs):
         raise DataError(f"{where} of data.source '{data.source}' has no text")
-
-    def corpus() -> Iterator[str]:
-        for r in train_recs:
-            yield from (r if task == "translation" else (r,))
-
-    tok = load_or_train(path=data.tokenizer, run_dir=run_dir, texts=corpus,
-                        vocab_size=data.vocab_size or vocab_size, model_vocab_size=vocab_size)
+    tok = load_or_train(path=data.tokenizer, run_dir=run_dir, vocab_size=data.vocab_size or vocab_size,
+                        model_vocab_size=vocab_size,  # the corpus, read only when a tokenizer is trained:
+                        texts=lambda: (text for r in train_recs for text in (r if task == "translation" else (r,))))
     if task == "translation":
         train, _ = TranslationExamples.build(train_recs, tok, max_len, train=True)
         if len(train) == 0:

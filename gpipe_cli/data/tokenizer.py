@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -44,8 +45,7 @@ class Tokenizer:
         if not p.is_file():
             raise DataError(f"tokenizer file '{p}' does not exist")
         try:
-            proto = p.read_bytes()
-            return cls(proto, p)
+            return cls(p.read_bytes(), p)
         except DataError:
             raise
         except Exception as e:  # sentencepiece raises RuntimeError/OSError for non-model files
@@ -68,16 +68,8 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int] | Any) -> str:
         """Text of `ids` (a list or 1-d tensor): stops at eos, skips pad and bos."""
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        out: list[int] = []
-        for i in ids:
-            i = int(i)
-            if i == EOS:
-                break
-            if i not in (PAD, BOS):
-                out.append(i)
-        return str(self._sp.decode(out))
+        ids = itertools.takewhile(lambda i: i != EOS, map(int, ids.tolist() if hasattr(ids, "tolist") else ids))
+        return str(self._sp.decode([i for i in ids if i not in (PAD, BOS)]))
 
     def pieces(self, text: str) -> list[str]:
         """The subword pieces of `text`."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from gpipe_cli.errors import UserError
 
@@ -12,41 +11,31 @@ DEFAULT_MAX_TOKENS = 50
 _KINDS = {"translation": "a translation model", "lm": "a language model", "image": "an image classifier"}
 
 
-@dataclass(frozen=True)
-class PredictOptions:
-    """The command's arguments: the export, the inputs (None: stdin's lines) and the per-task options."""
-
-    model: str
-    inputs: list[str] | None = None
-    max_tokens: int | None = None
-    top: int = 1
-
-
-def predict(options: PredictOptions) -> int:
-    """Print one line per input: its translation, its continuation, or its most likely classes."""
+def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None = None, top: int = 1) -> int:
+    """Print one line per input (None: stdin's lines) of the export at `path`: its translation, its continuation,
+    or its most likely classes."""
     from gpipe_cli.predict import tasks
-    from gpipe_cli.predict.load import load_export
 
-    exported = load_export(options.model)
+    exported = tasks.load_export(path)
     task = exported.task
-    if options.max_tokens is not None and task != "lm":
-        raise UserError(f"--max-tokens continues a language model's prompt; {options.model} is {_KINDS[task]}")
-    if options.max_tokens is not None and options.max_tokens < 1:
-        raise UserError(f"--max-tokens: {options.max_tokens} is not a positive number of tokens")
+    if max_tokens is not None and task != "lm":
+        raise UserError(f"--max-tokens continues a language model's prompt; {path} is {_KINDS[task]}")
+    if max_tokens is not None and max_tokens < 1:
+        raise UserError(f"--max-tokens: {max_tokens} is not a positive number of tokens")
     if task == "image":
-        for path in options.inputs or ():  # found before the model is built, not after
-            tasks.check_image_path(path)
+        for image in inputs or ():  # found before the model is built, not after
+            tasks.check_image_path(image)
     try:
         model = exported.build()
     except ValueError as exc:
-        raise UserError(f"{options.model}: {exc}") from None
+        raise UserError(f"{path}: {exc}") from None
     if task == "translation":
         answer = tasks.translator(exported, model)
     elif task == "lm":
-        answer = tasks.generator(exported, model, options.max_tokens or DEFAULT_MAX_TOKENS)
+        answer = tasks.generator(exported, model, max_tokens or DEFAULT_MAX_TOKENS)
     else:
-        answer = tasks.classifier(exported, model, options.top)
-    for item in _inputs(options.inputs, _KINDS[task]):
+        answer = tasks.classifier(exported, model, top)
+    for item in _inputs(inputs, _KINDS[task]):
         print(answer(item), flush=True)  # each as soon as it is known: stdin may be a conversation
     return 0
 

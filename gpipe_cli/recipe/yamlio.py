@@ -1,14 +1,11 @@
 """The only place that reads and writes YAML: recipe files and `--set` values, with limits that hostile input
 cannot pass; recipes written back with the user's comments.
 
-PyYAML builds aliases as shared objects, so a small file of nested aliases (the "billion laughs") costs
-nothing to parse but explodes when validated or copied. We therefore inspect the composed node graph
-first: its size with every alias expanded, its depth, cycles and duplicate keys, and only then build
-Python objects. Floats written as `1e-3` (YAML 1.2 style) are numbers, not strings.
-
-A recipe written back over the one it was read from (`gpipe plan --output`) goes through ruamel.yaml's
-round trip, which keeps comments, key order and layout; PyYAML drops comments. Only text that PyYAML
-above has already read within the limits reaches it.
+PyYAML builds aliases as shared objects, so a small file of nested aliases (the "billion laughs") parses
+cheaply but explodes when validated or copied: the composed node graph is checked first (its size with every
+alias expanded, depth, cycles, duplicate keys), and only then built. `1e-3` (YAML 1.2 style) is a number.
+A recipe written back (`gpipe plan --output`) goes through ruamel.yaml's round trip, which keeps comments,
+key order and layout; only text that PyYAML has read within the limits reaches it.
 """
 
 from __future__ import annotations
@@ -182,10 +179,7 @@ def _kind(value: Any) -> type:
 
     if isinstance(value, (bool, ScalarBoolean)):
         return bool
-    for kind in (int, float, str, dict, list):
-        if isinstance(value, kind):
-            return kind
-    return type(value)
+    return next((kind for kind in (int, float, str, dict, list) if isinstance(value, kind)), type(value))
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -4,28 +4,21 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from gpipe_cli import plots
 from gpipe_cli.console import output_console
+from gpipe_cli.errors import UserError
 from gpipe_cli.files import check_output
-from gpipe_cli.report import target as place
-from gpipe_cli.report.runs import (
-    PARTS,
-    Run,
-    eval_metric,
-    read_runs,
-    segment_throughputs,
-    series,
-    throughput,
-    time_breakdown,
-)
+from gpipe_cli.records import PARTS
+from gpipe_cli.report import page
+from gpipe_cli.report.runs import Run, eval_metric, read_runs, segment_throughputs, series, throughput, time_breakdown
 from gpipe_cli.units import human_bytes
 
-__all__ = ["default_output", "report", "resume_table", "stage_table", "summary_table"]
+# Said after a default place that cannot be written (a read-only run of someone else's, say).
+ELSEWHERE = "; give --output FILE to write the page elsewhere"
 
 
 def _table(title: str, columns: tuple[str, ...], left: tuple[str, ...] = ("run",), caption: str | None = None) -> Table:
@@ -102,11 +95,6 @@ def resume_table(runs: list[Run]) -> Table | None:
     return table
 
 
-def default_output(paths: list[Path]) -> Path:
-    """RUN_DIR/report.png for one run, report.png here for several."""
-    return paths[0] / "report.png" if len(paths) == 1 else Path("report.png")
-
-
 def _console(tables: list[Table]) -> Console:
     """The terminal's console; elsewhere (a file, a pipe) one wide enough for the widest table, no cell cut."""
     console = output_console()
@@ -116,22 +104,27 @@ def _console(tables: list[Table]) -> Console:
     return output_console(widest)
 
 
-def report(paths: list[Path], output: Path | None = None, console: Any = None) -> int:
-    """Print the tables of the runs and write the PNG page; 1 when matplotlib is missing (the tables are shown),
-    2 when the page cannot be written (a line says why, and where else to write it)."""
+def report(paths: list[Path], output: Path | None = None) -> int:
+    """Print the tables of the runs and write the PNG page (by default RUN_DIR/report.png for one run, report.png
+    here for several); 1 when matplotlib is missing (the tables are shown), 2 when the page cannot be written (a
+    line says why, and where else to write it)."""
     runs = read_runs(paths)
     check_output(output, "--output", "report.png")  # a mistake in the argument: one line, before anything is shown
     tables = [table for table in (summary_table(runs), resume_table(runs), stage_table(runs)) if table is not None]
-    console = console or _console(tables)
+    console = _console(tables)
     for table in tables:
         console.print(table)
     if plots.pyplot() is None:
         print(f"gpipe report: {plots.MISSING}; no PNG written", file=sys.stderr)
         return 1
     # The default place may be in a read-only run: the tables are shown, and the line says what to do.
-    flag, hint = ("--output", "") if output is not None else ("", place.ELSEWHERE)
-    target = output or default_output(paths)
+    flag, hint = ("--output", "") if output is not None else ("", ELSEWHERE)
+    target = output or (paths[0] / "report.png" if len(paths) == 1 else Path("report.png"))
     check_output(target, flag, "report.png", hint)
-    place.write(runs, target, flag, hint)
+    try:
+        page.draw(runs, target)
+    except OSError as exc:  # a disk can fill, or a folder change, after the check; the page is never half there
+        where = (f"{flag}: " if flag else "") + f"cannot write {target}"
+        raise UserError(f"{where} ({exc.strerror or exc}){hint}") from None
     console.print(f"wrote {target}", soft_wrap=True)  # a path stays one line, ready to copy
     return 0

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli import plots
-from gpipe_cli.report.runs import PARTS, Run, series, time_breakdown
+from gpipe_cli.records import PARTS
+from gpipe_cli.report.runs import Run, series, time_breakdown
 
 WIDTH_PX, HEIGHT_PX = 1800, 1000
 MIB = float(1 << 20)
@@ -15,16 +16,23 @@ Draw = Callable[[Any, list[Run]], None]  # draws one panel of the runs on a matp
 
 
 def _lines(ax: Any, runs: list[Run], key: str, title: str, ylabel: str, style: str = "-") -> None:
+    """A curve of `key` for each run, with its legend."""
     for i, run in enumerate(runs):
         steps, values = series(run).get(key, ([], []))
         if steps:
             # A marker keeps a curve of one or two points visible.
             fmt = style if "o" in style or len(steps) >= 3 else style + "o"
             ax.plot(steps, values, fmt, color=f"C{i}", label=run.label)
+    _frame(ax, title, ylabel)
+
+
+def _frame(ax: Any, title: str, ylabel: str) -> None:
+    """A panel's title, axis labels (x: step), grid and legend."""
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
 
 
 def _with_eval(key: str, title: str, ylabel: str) -> Draw:
@@ -48,11 +56,7 @@ def _no_eval(ax: Any, runs: list[Run]) -> None:
 
 
 def _eval(metric: str, title: str) -> Draw:
-    def draw(ax: Any, runs: list[Run]) -> None:
-        _lines(ax, runs, f"eval_{metric}", title, metric, "o-")
-        ax.legend(fontsize="small")
-
-    return draw
+    return lambda ax, runs: _lines(ax, runs, f"eval_{metric}", title, metric, "o-")
 
 
 def _utilization(ax: Any, runs: list[Run]) -> None:
@@ -63,14 +67,12 @@ def _utilization(ax: Any, runs: list[Run]) -> None:
     else:
         _lines(ax, runs, "tflops", "achieved model TFLOP/s, all ranks (warm-up steps left out)", "TFLOP/s")
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize="small")
 
 
 def _throughput(ax: Any, runs: list[Run]) -> None:
     # The first step of each start (warm-up: one-time costs) is left out of throughput and bubble: a dip there
     # would stretch the axis over the steps that matter.
     _lines(ax, runs, "samples_per_s", "throughput (warm-up steps left out)", "samples/s")
-    ax.legend(fontsize="small")
 
 
 def _bubble(ax: Any, runs: list[Run]) -> None:
@@ -78,9 +80,8 @@ def _bubble(ax: Any, runs: list[Run]) -> None:
            "share of step")
     for i, run in enumerate(runs):
         steps, values = series(run)["bubble_theory"]
-        ax.plot(steps, values, "--", color=f"C{i}")
+        ax.plot(steps, values, "--", color=f"C{i}")  # unlabelled: the legend has the measured line's
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize="small")
 
 
 def _breakdown(ax: Any, runs: list[Run]) -> None:
@@ -107,11 +108,7 @@ def _memory(ax: Any, runs: list[Run]) -> None:
             steps, values = data[f"mem_peak_bytes/stage{s}"]
             ax.plot(steps, [v / MIB for v in values], styles[s % len(styles)], color=f"C{i}",
                     label=f"{run.label} stage {s}")
-    ax.set_title("memory peak per stage (GPU: CUDA peak; CPU: activations)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("MiB")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    _frame(ax, "memory peak per stage (GPU: CUDA peak; CPU: activations)", "MiB")
 
 
 def panels(runs: list[Run]) -> list[tuple[str, Draw]]:

@@ -1,7 +1,9 @@
-"""Read run directories (recipe.yaml and metrics.jsonl) into the series and figures `gpipe report` shows."""
+"""Read run directories (recipe.yaml and the usable records of metrics.jsonl) into the series and figures
+`gpipe report` shows."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from dataclasses import dataclass, field
@@ -9,12 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli.errors import UserError
-from gpipe_cli.records import mean_over
-from gpipe_cli.report.records import PARTS, RESUMED, WARMUP, read_recipe, read_records
+from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
+from gpipe_cli.records import EVAL_NUMBERS, PARTS, RESUMED, TRAIN_NUMBERS, WARMUP, mean_over
 from gpipe_cli.units import number_range
-
-__all__ = ["EVAL_METRICS", "PARTS", "Run", "Throughput", "eval_metric", "read_run", "read_runs", "segment_throughputs",
-           "segments", "series", "steady", "throughput", "time_breakdown", "warming_up"]
 
 Series = tuple[list[int], list[float]]  # steps, values
 
@@ -43,17 +42,79 @@ def _label(recipe: dict[str, Any]) -> str:
     return label + (f" D={replicas}" if replicas != 1 else "")
 
 
+def _is_number(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+def _are_numbers(values: Any) -> bool:
+    return isinstance(values, list) and all(_is_number(v) for v in values)
+
+
+def _usable(record: dict[str, Any]) -> bool:
+    """Whether a train or eval record holds every figure the report reads, each of the right type."""
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        return False
+    if record["kind"] == "eval":
+        return all(_is_number(record.get(key)) for key in EVAL_NUMBERS)
+    time_s = record.get("time_s")
+    return (all(key in record for key in ("samples_per_s", "step_time_s"))
+            and all(_is_number(record.get(key)) for key in TRAIN_NUMBERS)
+            and isinstance(time_s, dict) and all(_are_numbers(time_s.get(part)) for part in PARTS)
+            and bool(time_s["compute"])
+            and (record.get("mem_peak_bytes") is None or _are_numbers(record["mem_peak_bytes"])))
+
+
+def read_records(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
+    """The usable train and eval records of a metrics.jsonl, and the lines that are not in words (empty: none)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror})") from None
+    lines = data.split(b"\n")
+    train: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
+    damaged: list[int] = []  # the numbers of the malformed lines, from 1
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested past what Python parses
+            if number < len(lines):  # the last line, unended, is still being written (or was cut by a crash)
+                damaged.append(number)
+            continue
+        if not isinstance(record, dict):
+            damaged.append(number)
+        elif record.get("kind") in ("train", "eval"):  # other kinds, should there ever be any, are not read
+            if _usable(record):
+                (train if record["kind"] == "train" else evals).append(record)
+            else:
+                damaged.append(number)
+    if len(damaged) <= 1:
+        return train, evals, f"1 malformed line (line {damaged[0]})" if damaged else ""
+    return train, evals, f"{len(damaged)} malformed lines, the first on line {damaged[0]}"
+
+
+def read_recipe(path: Path) -> dict[str, Any]:
+    """A run's recipe.yaml as a mapping (empty when there is none); UserError when it cannot be read."""
+    if not path.is_file():
+        return {}
+    loaded = parse_document(read_recipe_file(path), str(path))
+    return loaded if isinstance(loaded, dict) else {}
+
+
 def read_run(path: Path) -> Run:
     """A run directory's records, labelled by its K, M and schedule; UserError when it is not one."""
     metrics = path / "metrics.jsonl"
     if not metrics.is_file():
         raise UserError(f"{path}: not a run directory (no metrics.jsonl); give the folder `gpipe train` wrote")
     recipe = read_recipe(path / "recipe.yaml")
-    records = read_records(metrics)
-    if not records.train:
-        raise UserError(f"{metrics}: holds no train records yet" if not records.damaged else
-                        f"{metrics}: holds no usable train record ({records.damage()})")
-    return Run(path, _label(recipe), records.train, records.evals, records.damage())
+    train, evals, damage = read_records(metrics)
+    if not train:
+        raise UserError(f"{metrics}: holds no usable train record ({damage})" if damage else
+                        f"{metrics}: holds no train records yet")
+    return Run(path, _label(recipe), train, evals, damage)
 
 
 def read_runs(paths: list[Path]) -> list[Run]:
@@ -70,17 +131,15 @@ def read_runs(paths: list[Path]) -> list[Run]:
 
 
 def _numbers(records: list[dict[str, Any]], get: Any) -> Series:
-    steps, values = [], []
-    for r in records:
-        value = get(r)
-        if value is not None:  # null: a non-finite value in metrics.jsonl
-            steps.append(int(r["step"]))
-            values.append(float(value))
-    return steps, values
+    """The steps and values of the records that hold a number (`get`: a key or how to read one)."""
+    read = [(int(r["step"]), r.get(get) if isinstance(get, str) else get(r)) for r in records]
+    pairs = [(step, float(value)) for step, value in read if value is not None]  # null: not finite when written
+    return [step for step, _ in pairs], [value for _, value in pairs]
 
 
 # The task metrics an eval record may hold, each drawn in its own panel.
 EVAL_METRICS = ("accuracy", "bleu", "perplexity")
+TIMED = ("samples_per_s", "bubble", "bubble_theory")  # curves of the steps after warm-up
 
 
 def _exp(loss: float | None) -> float | None:
@@ -90,10 +149,7 @@ def _exp(loss: float | None) -> float | None:
 
 def eval_metric(run: Run) -> str | None:
     """The eval figure the summary table shows: accuracy, else BLEU, else perplexity (None: no evals)."""
-    for key in EVAL_METRICS:
-        if any(r.get(key) is not None for r in run.evals):
-            return key
-    return None
+    return next((key for key in EVAL_METRICS if any(r.get(key) is not None for r in run.evals)), None)
 
 
 def warming_up(record: dict[str, Any], index: int) -> bool:
@@ -112,21 +168,13 @@ def series(run: Run) -> dict[str, Series]:
     """Every curve the report draws for a run, by name: the values of its metrics.jsonl, the timing figures
     (throughput, bubble) without the warm-up steps."""
     timed = steady(run)
-    out: dict[str, Series] = {
-        "loss": _numbers(run.train, lambda r: r.get("loss")),
-        "samples_per_s": _numbers(timed, lambda r: r.get("samples_per_s")),
-        "bubble": _numbers(timed, lambda r: r.get("bubble")),
-        "bubble_theory": _numbers(timed, lambda r: r.get("bubble_theory")),
-        "eval_loss": _numbers(run.evals, lambda r: r.get("loss")),
-    }
-    for metric in EVAL_METRICS:
-        if any(r.get(metric) is not None for r in run.evals):
-            out[f"eval_{metric}"] = _numbers(run.evals, lambda r, m=metric: r.get(m))
+    out = {"loss": _numbers(run.train, "loss"), **{key: _numbers(timed, key) for key in TIMED},
+           "eval_loss": _numbers(run.evals, "loss")}
+    out |= {f"eval_{metric}": _numbers(run.evals, metric) for metric in EVAL_METRICS
+            if any(r.get(metric) is not None for r in run.evals)}
     if any("tokens_per_s" in r for r in run.train):  # a text task: its loss is a mean per-token cross-entropy
         out["perplexity"] = _numbers(run.train, lambda r: _exp(r.get("loss")))
-    for key in ("tflops", "mfu"):
-        if any(r.get(key) is not None for r in timed):
-            out[key] = _numbers(timed, lambda r, k=key: r.get(k))
+    out |= {key: _numbers(timed, key) for key in ("tflops", "mfu") if any(r.get(key) is not None for r in timed)}
     for s in range(run.stages):
         out[f"mem_peak_bytes/stage{s}"] = _numbers(run.train, lambda r, s=s: _at(r.get("mem_peak_bytes"), s))
     return out
@@ -140,14 +188,12 @@ def time_breakdown(run: Run) -> dict[str, list[float]]:
     """Mean seconds per step of each part (compute, wait, ...) on each stage, over the run's steps but its warm-up
     steps."""
     timed = steady(run)
-    out = {}
-    for part in PARTS:
-        per_stage = []
-        for s in range(run.stages):
-            values = [v for r in timed if (v := _at(r["time_s"].get(part), s)) is not None]
-            per_stage.append(sum(values) / len(values) if values else 0.0)
-        out[part] = per_stage
-    return out
+    return {part: [_mean([v for r in timed if (v := _at(r["time_s"].get(part), s)) is not None])
+                   for s in range(run.stages)] for part in PARTS}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 @dataclass(frozen=True)
