@@ -32,7 +32,13 @@ def _frame(ax: Any, title: str, ylabel: str) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    _legend(ax)
+
+
+def _legend(ax: Any) -> None:
+    """The legend of the labelled curves (none, and no matplotlib warning, where nothing is labelled)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
 
 
 def _with_eval(key: str, title: str, ylabel: str) -> Draw:
@@ -45,7 +51,7 @@ def _with_eval(key: str, title: str, ylabel: str) -> Draw:
         values = [v for run in runs for k in (key, f"eval_{key}") for v in series(run).get(k, ([], []))[1]]
         if values and min(values) > 0 and max(values) > 20 * min(values):  # keep train and eval both readable
             ax.set_yscale("log")
-        ax.legend(fontsize="small")
+        _legend(ax)
 
     return draw
 
