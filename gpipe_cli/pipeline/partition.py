@@ -54,7 +54,7 @@ def balance_by_cost(costs: Sequence[float], partitions: int) -> list[int]:
     n = len(costs)
     prefix = [0.0, *itertools.accumulate(float(c) for c in costs)]
     best = [prefix[:]]  # one stage: everything so far
-    cut: list[list[int]] = [[0] * (n + 1)]
+    cut: list[list[int]] = [[], [0] * (n + 1)]  # cut[k][j]: where the last of k stages starts
     for k in range(2, partitions + 1):
         row, cuts = [float("inf")] * (n + 1), [0] * (n + 1)
         prev = best[-1]
@@ -71,13 +71,16 @@ def balance_by_cost(costs: Sequence[float], partitions: int) -> list[int]:
                         row[j], cuts[j] = value, i
         best.append(row)
         cut.append(cuts)
+    return _unwind(cut, n, partitions)
+
+
+def _unwind(cut: list[list[int]], n: int, partitions: int) -> list[int]:
+    """The layers per stage of the best split, from each k-stage prefix's last cut (`cut[k][j]`)."""
     bounds, j = [n], n
     for k in range(partitions, 1, -1):
-        j = cut[k - 1][j]
+        j = cut[k][j]
         bounds.append(j)
-    bounds.append(0)
-    bounds.reverse()
-    return [bounds[s + 1] - bounds[s] for s in range(partitions)]
+    return [b - a for a, b in itertools.pairwise([0, *reversed(bounds)])]
 
 
 def balance_stages(costs: Sequence[float], chunks: int, owners: Sequence[int] | None = None,
@@ -138,14 +141,7 @@ def min_max_split(layers: int, partitions: int,
                     row[j], cuts[j] = found, i
         best.append(row)
         cut.append(cuts)
-    if best[partitions][n] == inf:
-        return None
-    bounds, j = [n], n
-    for k in range(partitions, 0, -1):
-        j = cut[k][j]
-        bounds.append(j)
-    bounds.reverse()
-    return best[partitions][n], [bounds[s + 1] - bounds[s] for s in range(partitions)]
+    return None if best[partitions][n] == inf else (best[partitions][n], _unwind(cut, n, partitions))
 
 
 def balance_within(costs: Sequence[float], partitions: int, fits: Callable[[int, int, int], bool]) -> list[int] | None:
@@ -252,17 +248,12 @@ def least_memory(balance: Sequence[int], needs: Callable[[list[int]], Sequence[f
 
 def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
     """The summed cost of each stage under a balance."""
-    out, start = [], 0
-    for size in balance:
-        out.append(float(sum(costs[start:start + size])))
-        start += size
-    return out
+    return [float(sum(costs[r.start:r.stop])) for r in stage_ranges(balance)]
 
 
 def stage_ranges(balance: Sequence[int]) -> list[range]:
     """The global layer indices of each stage."""
-    bounds = [0, *itertools.accumulate(balance)]
-    return [range(bounds[s], bounds[s + 1]) for s in range(len(balance))]
+    return [range(a, b) for a, b in itertools.pairwise(itertools.accumulate(balance, initial=0))]
 
 
 def stage_layers(balance: Sequence[int], stages: int, stage: int, placement: str = "loop") -> list[int]:

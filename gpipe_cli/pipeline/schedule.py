@@ -19,7 +19,7 @@ from gpipe_cli.pipeline.actions import COMPUTE, GRADIENT, RELEASE, Action, Kind,
 from gpipe_cli.pipeline.config import REMAT_MODES, PipelineConfig, microbatch_problem
 
 __all__ = ["COMPUTE", "GRADIENT", "RELEASE", "REMAT_MODES", "SCHEDULES", "Action", "Kind", "ActionList", "Span",
-           "Step", "bubble", "build", "build_all", "check", "forward_only", "message_order", "owner", "peer",
+           "Step", "bubble", "build", "build_all", "check", "forward_only", "owner", "peer",
            "remat_pairs", "rematerialised", "render", "simulate", "theoretical_bubble"]
 
 
@@ -57,16 +57,14 @@ def remat_pairs(mode: str, order: Sequence[Step]) -> set[tuple[int, int]]:
     raise ValueError(f"unknown checkpoint mode '{mode}': allowed are {', '.join(REMAT_MODES)}")
 
 
-def _forward(chunk: int, chunks: int, mb: int, remat: bool = False,
-             local: Callable[[int], bool] = lambda chunk: False) -> list[Action]:
+def _forward(chunk: int, chunks: int, mb: int, remat: bool, local: Callable[[int], bool]) -> list[Action]:
     # A neighbouring chunk on this same stage hands over in memory: no message.
     first, last = chunk == 0, chunk == chunks - 1
     return ([] if first or local(chunk - 1) else [Action(Kind.RECV_FWD, mb, chunk)]) + \
         [Action(Kind.FWD, mb, chunk, remat)] + ([] if last or local(chunk + 1) else [Action(Kind.SEND_FWD, mb, chunk)])
 
 
-def _gradient(chunk: int, chunks: int, kind: Kind, mb: int, remat: bool,
-              local: Callable[[int], bool] = lambda chunk: False) -> list[Action]:
+def _gradient(chunk: int, chunks: int, kind: Kind, mb: int, remat: bool, local: Callable[[int], bool]) -> list[Action]:
     first, last = chunk == 0, chunk == chunks - 1
     # Recompute before waiting for the gradient, so the rematerialisation hides the wait.
     return ([Action(Kind.RECOMPUTE, mb, chunk)] if remat else []) + \
@@ -74,9 +72,8 @@ def _gradient(chunk: int, chunks: int, kind: Kind, mb: int, remat: bool,
         ([] if first or local(chunk - 1) else [Action(Kind.SEND_BWD, mb, chunk)])
 
 
-def _local(name: str, stage: int, stages: int) -> Callable[[int], bool]:
-    """Whether a chunk runs on `stage` under the schedule's placement."""
-    placement = schedules.get(name).placement
+def _local(placement: str, stage: int, stages: int) -> Callable[[int], bool]:
+    """Whether a chunk runs on `stage` under `placement`."""
     return lambda chunk: owner(chunk, stages, placement) == stage
 
 
@@ -87,7 +84,7 @@ def build(name: str, stage: int, stages: int, microbatches: int, checkpoint: str
     check(name, stages, microbatches, virtual)
     order = schedules.get(name).order(stage, stages, microbatches, virtual)
     remat = remat_pairs(checkpoint, order)
-    chunks, local = stages * virtual, _local(name, stage, stages)
+    chunks, local = stages * virtual, _local(schedules.get(name).placement, stage, stages)
     actions: ActionList = []
     for kind, mb, chunk in order:
         if kind == Kind.FWD:
@@ -103,13 +100,9 @@ def forward_only(stage: int, stages: int, microbatches: int, virtual: int = 1,
                  placement: str = "loop") -> ActionList:
     """The action list of one stage for an evaluation (no-grad) pass: each chunk in turn, any M."""
     _check(stage, stages, microbatches)
-    chunks = stages * virtual
-
-    def local(chunk: int) -> bool:
-        return owner(chunk, stages, placement) == stage
-
+    local = _local(placement, stage, stages)
     return [a for chunk in placement_.chunks_of(stage, stages, virtual, placement) for mb in range(microbatches)
-            for a in _forward(chunk, chunks, mb, local=local)]
+            for a in _forward(chunk, stages * virtual, mb, False, local)]
 
 
 def build_all(name: str, stages: int, microbatches: int, checkpoint: str = "except_last",
@@ -140,11 +133,6 @@ def peer(action: Action, stages: int, placement: str = "loop") -> tuple[int, int
     """The stage and chunk at the other end of a message action."""
     chunk = action.chunk + (1 if action.kind in (Kind.SEND_FWD, Kind.RECV_BWD) else -1)
     return owner(chunk, stages, placement), chunk
-
-
-def message_order(schedule: ActionList, kind: Kind) -> list[int]:
-    """The micro-batches of one kind of message, in the order the stage handles them."""
-    return [a.microbatch for a in schedule if a.kind == kind]
 
 
 def render(lists: Sequence[ActionList]) -> str:
