@@ -1,8 +1,7 @@
 """Run one stage's action list: one small function per action kind, for training and evaluation alike.
 
-The list (pipeline/schedule.py) already says everything: which forward keeps no graph, where the
-recompute goes, whether a backward is whole or split into input (Bi) and weight (W) gradients. The
-executor holds the step's in-flight tensors between actions and derives nothing from the schedule.
+The list (pipeline/schedule.py) already says which forward keeps no graph, where recomputes go and
+which backwards split; the executor only holds the step's in-flight tensors between actions.
 """
 
 from __future__ import annotations
@@ -62,11 +61,10 @@ def _of(channel: Any, chunk: int) -> Any:
 class Executor:
     """The state of one step on one stage while its actions run.
 
-    `stages` are this rank's chunks of layers by global chunk index (of `chunk_count` in all); `feed` holds
-    the first chunk's micro-batches; `targets` and `weights` the last chunk's (training); `on_output`
-    receives the last chunk's outputs (evaluation). `received` may hold messages taken before the run
-    (evaluation learns M from its first message). A message is keyed by its receiving chunk and
-    micro-batch, so that the several chunks sharing a channel can never take each other's.
+    `stages` are this rank's chunks by global index (of `chunk_count`); `feed` holds the first chunk's
+    micro-batches, `targets` and `weights` the last's; `on_output` takes the last chunk's outputs
+    (evaluation); `received` may hold messages taken before the run. Messages are keyed by receiving
+    chunk and micro-batch, so chunks sharing a channel never take each other's.
     """
 
     stages: dict[int, Stage]

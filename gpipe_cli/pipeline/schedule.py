@@ -1,10 +1,8 @@
 """Pipeline schedules as data: one list of actions per stage, built once, read by everything.
 
-A schedule (pipeline/schedules/) states each stage's order of forwards and backwards; here that order
-becomes the stage's action list: receives and sends around each compute step, and the forwards that
-keep no graph (rematerialised micro-batches, recomputed just before their backward). Every schedule
-gives the same gradients. The lists can be printed, simulated, drawn and accounted for without
-processes; the runtime executes exactly these lists, for training and for evaluation.
+A schedule (pipeline/schedules/) orders each stage's forwards and backwards; here that order gets its
+receives and sends and the forwards that keep no graph (recomputed before their backward). The lists
+are printed, simulated and accounted for without processes, and the runtime executes exactly them.
 """
 
 from __future__ import annotations
@@ -151,9 +149,8 @@ _UNIT = {Kind.FWD: 1.0, Kind.RECOMPUTE: 1.0, Kind.BWD: 2.0, Kind.BWD_INPUT: 1.0,
 def theoretical_bubble(stages: int, microbatches: int, name: str = "gpipe", virtual: int = 1) -> float:
     """A schedule's idle fraction for equal stage costs (backward = 2 forwards), free messages, no remat.
 
-    Its closed form where it has one (GPipe and 1F1B: (K-1)/(M+K-1)); otherwise its action lists run on
-    ideal devices, each of the V chunks of a stage costing 1/V of it (zero-bubble, B and W one forward
-    each: (K-1)/(3M+K-1)).
+    Its closed form where it has one, else its action lists run on ideal devices, each of a stage's V chunks
+    costing 1/V of it (B and W one forward each).
     """
     closed = schedules.get(name).bubble(stages, microbatches, virtual)
     if closed is not None:
@@ -181,13 +178,9 @@ _SEND = (Kind.SEND_FWD, Kind.SEND_BWD)
 
 def simulate(lists: Sequence[ActionList], cost: Cost, latency: Cost | None = None,
              placement: str = "loop", rate: Rate | None = None) -> list[list[Span]]:
-    """Run the action lists on ideal devices: compute takes `cost`, a message arrives `latency` after its send.
-
-    Sends do not block (as in the runtime); a receive waits for the matching send. `rate(busy)` says how
-    much faster compute drains while only `busy` stages compute (ranks sharing one machine's cores; 1
-    throughout by default): an action's cost counts all-busy seconds. Returns the spans of every action
-    of every stage.
-    """
+    """Every stage's spans when the lists run on ideal devices: compute takes `cost`, a message arrives
+    `latency` after its send (which does not block). `rate(busy)` says how much faster compute drains while
+    only `busy` stages compute (ranks sharing a machine's cores): a cost counts all-busy seconds."""
     run = _Run(lists, cost, latency or (lambda stage, action: 0.0), placement)
     while True:
         while any([run.advance(s) for s in range(len(lists))]):  # a message sent now may be received now
