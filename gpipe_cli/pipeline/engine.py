@@ -285,12 +285,13 @@ class Pipeline:
             with self.timeline.span(stats.OPTIMIZER):
                 optimizer.step()
         times = self.timeline.finish()
+        peaks = stats.StageStats(layout.stage, layout.replica, 0.0, 0.0, meter.peak if measure_memory else -1,
+                                 memory.peak_rss_bytes(), memory.cuda_peak_bytes(self.device),
+                                 offloaded_peak=meter.host_peak if measure_memory else -1)
         return step_.PendingStep(
-            layout, self.topology.fabric, times, copy, examples, units_total, meter.peak if measure_memory else -1,
-            memory.peak_rss_bytes(), memory.cuda_peak_bytes(self.device),
+            layout, self.topology.fabric, times, copy, examples, units_total, peaks,
             sched.theoretical_bubble(layout.stages, chunks, self.schedule_name, self.virtual), trace,
-            functools.partial(self.last_bad_layer, positions), self.loss_scale.enabled,
-            meter.host_peak if measure_memory else -1)
+            functools.partial(self.last_bad_layer, positions), self.loss_scale.enabled)
 
     def _finish_gradients(self, max_grad_norm: float | None, loss: torch.Tensor, zero: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, ...]]:

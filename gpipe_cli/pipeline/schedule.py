@@ -15,6 +15,7 @@ from gpipe_cli.pipeline import placement as placement_
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.actions import COMPUTE, GRADIENT, RELEASE, Action, Kind, Step
 from gpipe_cli.pipeline.config import REMAT_MODES, PipelineConfig, microbatch_problem
+from gpipe_cli.pipeline.placement import owner
 
 __all__ = ["COMPUTE", "GRADIENT", "RELEASE", "REMAT_MODES", "SCHEDULES", "Action", "Kind", "ActionList", "Span",
            "Step", "bubble", "build", "build_all", "check", "forward_only", "owner", "peer",
@@ -120,11 +121,6 @@ def restores(schedule: ActionList) -> list[Action]:
     remat = rematerialised(schedule)
     return [a for a in schedule if a.kind == Kind.RECOMPUTE
             or (a.kind in GRADIENT and (a.microbatch, a.chunk) not in remat)]
-
-
-def owner(chunk: int, stages: int, placement: str = "loop") -> int:
-    """The stage (rank in a replica) that runs `chunk` under `placement`."""
-    return placement_.owner(chunk, stages, placement)
 
 
 def peer(action: Action, stages: int, placement: str = "loop") -> tuple[int, int]:
