@@ -40,10 +40,8 @@ class Marker:
 
 
 def wait_for(marker: Marker) -> None:
-    """Make sure the device passed `marker`; blocks (see `block`) only if the host cannot know it already has.
-
-    It has when the host already waited for a later marker, or when the event says so.
-    """
+    """Make sure the device passed `marker`; blocks (see `block`) only if neither a later marker the host
+    waited for nor the event says it has."""
     if marker.order <= getattr(_seen, "order", 0) or (marker.event is not None and marker.event.query()):
         return
     _seen.order = marker.order

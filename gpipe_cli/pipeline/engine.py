@@ -297,9 +297,8 @@ class Pipeline:
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
         """Sum over replicas and shared copies, unscale, take the global norm and clip; all on the device.
 
-        Returns the global norm, the count of non-finite losses over every stage and replica, and this
-        stage's per-parameter gradient norms with the positions of their parameters.
-        """
+        Returns the global norm, the non-finite loss count over all ranks, and this stage's per-parameter
+        gradient norms with their parameters' positions."""
         topology, fabric = self.topology, self.topology.fabric
         with self.timeline.span(stats.COMM):
             flag = (~loss.isfinite()).to(torch.float64) if self.layout.is_last else zero
@@ -322,10 +321,8 @@ class Pipeline:
         return norm, bad, found, positions
 
     def _counted(self, positions: tuple[int, ...]) -> torch.Tensor | None:
-        """Which of the parameters at `positions` count in the global norm (None: all of them).
-
-        Made once per set of parameters with a gradient (the same every step), so no step copies it.
-        """
+        """Which of the parameters at `positions` count in the global norm (None: all of them); made once per set
+        of parameters with a gradient (the same every step), so no step copies it."""
         if positions not in self._per_param:
             mask = [float(self._in_norm[i]) for i in positions]
             self._per_param[positions] = (None if all(mask) else
@@ -391,10 +388,8 @@ class Pipeline:
             self.module.train(was_training)
 
     def _eval_chunks(self, inputs: Any, microbatches: int) -> tuple[int, dict[int, Message]]:
-        """How many micro-batches this evaluation runs; other stages learn it from their first message.
-
-        Returns M and the messages already taken, keyed as the executor keys them.
-        """
+        """How many micro-batches this evaluation runs (other stages learn it from their first message), and the
+        messages already taken, keyed as the executor keys them."""
         layout = self.layout
         taken: dict[int, Message] = {}
         if layout.is_first:

@@ -113,9 +113,8 @@ def _time_layer(run: Callable[[bool], list[torch.Tensor]], repeats: int,
                 device: torch.device) -> tuple[float, float, float, float]:
     """Median seconds of a layer's forward, graph-less forward, recompute and backward (`run(recomputing)`).
 
-    Each round runs one micro-batch's actions in the schedule's order, so each kind meets the memory
-    and caches it meets in a stage; the first rounds pay for allocator growth and kernel selection.
-    """
+    Each round runs one micro-batch's actions in the schedule's order, so each kind meets the memory and
+    caches it meets in a stage."""
     rounds: list[tuple[float, float, float, float]] = []
     for i in range(repeats + WARMUP_ROUNDS):
         with torch.no_grad():

@@ -28,11 +28,8 @@ from gpipe_cli.pipeline.memory import ActivationMeter, storage_key, unwrap
 
 
 def offloaded(mode: str, chunk: int) -> bool:
-    """Whether a chunk's stored boundary inputs go to host memory under an offload mode.
-
-    Not the first chunk's: its inputs are views of the mini-batch, which the step holds to its end anyway,
-    so moving them would free nothing on the device.
-    """
+    """Whether a chunk's stored boundary inputs go to host memory under an offload mode: not the first chunk's,
+    views of the mini-batch the step holds anyway (moving them would free nothing on the device)."""
     return mode == "activations" and chunk > 0
 
 

@@ -138,10 +138,8 @@ def min_max_split(layers: int, partitions: int,
 
 
 def balance_within(costs: Sequence[float], partitions: int, fits: Callable[[int, int, int], bool]) -> list[int] | None:
-    """The contiguous K-way split minimising the largest stage cost among those where every stage fits.
-
-    `fits(stage, start, stop)` says whether layers start..stop-1 fit as stage `stage`. None when no split fits.
-    """
+    """The contiguous K-way split minimising the largest stage cost among those where every stage fits
+    (`fits(stage, start, stop)`: layers start..stop-1 fit as stage `stage`); None when none does."""
     prefix = [0.0, *itertools.accumulate(float(c) for c in costs)]
     found = min_max_split(len(costs), partitions,
                           lambda stage, i, j: prefix[j] - prefix[i] if fits(stage, i, j) else float("inf"))
@@ -152,13 +150,11 @@ TRIALS = 20_000  # cuts one search may price: a bound on its time for deep model
 FIT_TRIALS = 100  # cuts a search for any cut that fits may price at least (a model search asks it many times)
 
 
-def _moves(chunks: int, runs: bool = True) -> Iterator[list[tuple[int, int]]]:
+def _moves(chunks: int) -> Iterator[list[tuple[int, int]]]:
     """Every move of one cut by one layer; then (tried only where none of those helps) of a run of cuts."""
     for first in range(chunks - 1):
         for step in (-1, 1):
             yield [(first, step)]
-    if not runs:
-        return
     for first in range(chunks - 1):
         for last in range(first + 1, chunks - 1):
             for step in (-1, 1):

@@ -8,11 +8,8 @@ from gpipe_cli.pipeline.actions import Kind, Step
 
 
 class Schedule(ABC):
-    """A pipeline schedule: its compute order per stage; its bubble and memory in theory come from that order.
-
-    A schedule states only its order of forwards (FWD) and backwards (BWD, or BWD_INPUT then BWD_WEIGHT);
-    `pipeline/schedule.py` adds the messages and the rematerialisation, and simulates it for the bubble.
-    """
+    """A pipeline schedule: each stage's order of forwards and backwards (BWD, or BWD_INPUT then BWD_WEIGHT);
+    `pipeline/schedule.py` adds the messages and rematerialisation, and simulates the order for the bubble."""
 
     name = ""
     chunked = False  # runs V > 1 chunks of layers per stage

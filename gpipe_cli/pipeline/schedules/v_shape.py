@@ -33,6 +33,7 @@ import heapq
 from abc import abstractmethod
 
 from gpipe_cli.pipeline.actions import Kind, Step
+from gpipe_cli.pipeline.placement import owner
 from gpipe_cli.pipeline.schedules.base import Schedule
 
 _TICKS = 2  # ticks per unit of work: a message's delay is a tick, half a forward
@@ -52,10 +53,6 @@ def orders(stages: int, microbatches: int, cap: int) -> Orders:
     lengths = [_replay(run, stages, 0) for run in runs]
     shortest = [run for run, length in zip(runs, lengths) if length == min(lengths)]  # the theory's bubble
     return min(shortest, key=lambda run: _replay(run, stages, _DELAY))
-
-
-def _owner(chunk: int, stages: int) -> int:
-    return chunk if chunk < stages else 2 * stages - 1 - chunk
 
 
 def _needs(step: Step, stages: int) -> list[tuple[Kind, int, int]]:
@@ -82,7 +79,7 @@ def _replay(run: Orders, stages: int, delay: int) -> int:
                 needs = _needs(order[at[s]], stages)
                 if any(need not in ended for need in needs):
                     break
-                start = max([free[s], *(ended[need] + (delay if _owner(need[2], stages) != s else 0)
+                start = max([free[s], *(ended[need] + (delay if owner(need[2], stages, "v") != s else 0)
                                         for need in needs)])
                 free[s] = start + _COST[kind]
                 ended[(Kind.BWD if kind == Kind.BWD_INPUT else kind, mb, chunk)] = free[s]
@@ -103,11 +100,11 @@ def _greedy(stages: int, microbatches: int, cap: int, forwards_first: bool,
     held, kept, free_at = [0] * k, [0] * k, [0] * k
     out: list[list[Step]] = [[] for _ in range(k)]
     left, now = 6 * m * k - m, 0  # F, B and W of each of 2K chunks; chunk 0 has no W
-    owner = [_owner(chunk, k) for chunk in range(last + 1)]
+    owners = [owner(chunk, k, "v") for chunk in range(last + 1)]
     events: list[int] = []  # ticks when a step ends or its result reaches the other stages
 
     def ended(kind: Kind, mb: int, chunk: int, reader: int) -> bool:
-        return finished.get((kind, mb, chunk), now + 1) + (delay if owner[chunk] != owner[reader] else 0) <= now
+        return finished.get((kind, mb, chunk), now + 1) + (delay if owners[chunk] != owners[reader] else 0) <= now
 
     def backward(chunk: int) -> Step | None:
         mb = next_bwd[chunk]
