@@ -28,8 +28,9 @@ class Schedule(ABC):
             raise ValueError(f"virtual_stages {virtual} needs schedule 'interleaved' (got '{self.name}')")
 
     def bubble(self, stages: int, microbatches: int, virtual: int) -> float | None:
-        """The idle fraction in closed form, or None to simulate the order on ideal devices."""
-        return None
+        """The idle fraction in closed form (the fill-drain one, where `bubble_formula` states it), or None to
+        simulate the order on ideal devices."""
+        return fill_drain_bubble(stages, microbatches) if self.bubble_formula else None
 
 
 def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[Step]:
