@@ -1,16 +1,14 @@
 """A backward in two halves: B, the gradient of the stage's input, now; W, the weight gradients, later.
 
-B runs autograd only towards the input, so it skips every weight-gradient product. On the way it
-records the gradient arriving at each "boundary" node: a node on the path to the input with an edge
-off that path (towards a matrix product's weight, a normalisation's scale). W restarts from each
-boundary node towards its off-path edges only, then from those edges on to the parameters: each weight
-gradient is computed once and nothing of the input path again. A graph in which an off-path node has
-two users (a weight used twice) would be counted twice that way; W then runs one backward towards
-the parameters instead, which is exact and merely slower. The graph is kept from B until W.
+B runs autograd only towards the input and records the gradient arriving at each "boundary" node (on
+the input's path, with an edge off it towards a weight). W restarts from those nodes along their
+off-path edges to the parameters, so nothing is computed twice. Where an off-path node has two users
+(a weight used twice) that would count it twice: W then runs one whole backward to the parameters.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,10 +25,6 @@ class Pending:
     whole: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)  # restart towards all params
 
 
-def _leaf_variable(node: Node) -> torch.Tensor | None:
-    return getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf tensor
-
-
 def _towards_inputs(roots: Sequence[Node], inputs: Sequence[torch.Tensor]) -> set[Node]:
     """The nodes from which some input can be reached (iteratively: graphs are deep)."""
     wanted = {id(t) for t in inputs}
@@ -42,7 +36,7 @@ def _towards_inputs(roots: Sequence[Node], inputs: Sequence[torch.Tensor]) -> se
             continue
         children = [c for c, _ in node.next_functions if c is not None]
         if not expanded:
-            variable = _leaf_variable(node)
+            variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf tensor
             if variable is not None:
                 reaches[node] = id(variable) in wanted
                 continue
@@ -56,18 +50,16 @@ def _towards_inputs(roots: Sequence[Node], inputs: Sequence[torch.Tensor]) -> se
 
 def _parents(roots: Sequence[Node]) -> dict[Node, int]:
     """How many edges point at each node of the graph."""
-    count: dict[Node, int] = {}
+    count: Counter[Node] = Counter()
     seen: set[Node] = set()
     stack = list(roots)
     while stack:
         node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        for child, _ in node.next_functions:
-            if child is not None:
-                count[child] = count.get(child, 0) + 1
-                stack.append(child)
+        if node not in seen:
+            seen.add(node)
+            children = [c for c, _ in node.next_functions if c is not None]
+            count.update(children)
+            stack.extend(children)
     return count
 
 
@@ -138,9 +130,5 @@ def backward_weight(pending: Pending, params: Sequence[torch.Tensor]) -> None:
 
 def _accumulate(params: Sequence[torch.Tensor], found: Sequence[torch.Tensor | None]) -> None:
     for param, grad in zip(params, found):
-        if grad is None:
-            continue
-        if param.grad is None:
-            param.grad = grad
-        else:
-            param.grad.add_(grad)
+        if grad is not None:
+            param.grad = grad if param.grad is None else param.grad.add_(grad)

@@ -66,11 +66,8 @@ class DeferredBatchNorm(nn.Module):
 
     @torch.no_grad()
     def commit(self, reduced: torch.Tensor | None = None) -> None:
-        """Fold this mini-batch's statistics into the running averages and reset the accumulators.
-
-        All on the device: a mini-batch that saw no example (count 0) leaves the averages unchanged
-        through `torch.where`, so the host never reads the count.
-        """
+        """Fold this mini-batch's statistics into the running averages and reset the accumulators; a mini-batch
+        that saw no example leaves the averages as they are through `torch.where` (the host never reads the count)."""
         stats = self.statistics() if reduced is None else reduced
         c = self.num_features
         total_sum, total_squares, n = stats[:c], stats[c:2 * c], stats[-1]

@@ -6,6 +6,7 @@ It imports nothing heavy, so commands check their flags with it before torch loa
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -34,7 +35,6 @@ def sizes(examples: int, chunks: int) -> list[int]:
                          f"{chunks} micro-batches: each needs an example")
     base, extra = divmod(examples, chunks)
     return [base + (i < extra) for i in range(chunks)]
-
 
 
 @dataclass(frozen=True)
@@ -88,11 +88,6 @@ class PipelineConfig:
         if any(b < 1 for b in self.balance):
             raise ValueError(f"every chunk of balance {list(self.balance)} needs at least one layer")
 
-    def microbatch_sizes(self, examples: int) -> list[int]:
-        """How many examples each micro-batch of a replica's `examples` gets (M <= examples)."""
-        return sizes(examples, self.microbatches)
-
     def cut(self, balance: Sequence[int]) -> PipelineConfig:
         """The same pipeline cut by `balance`."""
-        return PipelineConfig(self.stages, self.microbatches, self.replicas, self.virtual, self.schedule,
-                              self.checkpoint, tuple(balance), self.offload)
+        return dataclasses.replace(self, balance=tuple(balance))

@@ -1,11 +1,8 @@
 """Time and figures from the device without making the host wait for it, but once per step.
 
-On a GPU the host queues work and runs ahead; reading anything the device computed (a loss, a norm,
-an event's time) makes the host wait until the device gets there, and the device then idles while
-Python catches up. So the engine records events and copies its figures into pinned host memory
-without waiting, and `wait_for` (the one wait of a step) is called when they are read, a step later.
-On the CPU everything has happened by the time the host asks; the meta device (shapes only) stands
-in for an accelerator in tests and reads as zeros.
+Reading anything a GPU computed makes the host wait, and the device then idles while Python catches
+up; so the engine records events and copies figures into pinned memory, and `wait_for` (the step's
+one wait) runs when they are read, a step later. The meta device stands in for one in tests (zeros).
 """
 
 from __future__ import annotations
@@ -43,10 +40,8 @@ class Marker:
 
 
 def wait_for(marker: Marker) -> None:
-    """Make sure the device passed `marker`; blocks (see `block`) only if the host cannot know it already has.
-
-    It has when the host already waited for a later marker, or when the event says so.
-    """
+    """Make sure the device passed `marker`; blocks (see `block`) only if neither a later marker the host
+    waited for nor the event says it has."""
     if marker.order <= getattr(_seen, "order", 0) or (marker.event is not None and marker.event.query()):
         return
     _seen.order = marker.order

@@ -1,11 +1,9 @@
 """The engine: this rank's stage, driven through a schedule, one synchronous mini-batch at a time.
 
-A training step is launched without the host ever waiting for the device: the loss, the global
-gradient norm, the non-finite count and the clip stay on the device, the optimizer skips a
-non-finite step on the device (fused optimizers' `found_inf`), and the step's figures are copied
-into host memory as it ends, for `step.PendingStep.result` to read, normally a step later. An
-optimizer without a fused implementation (RMSprop) cannot skip on the device: its step reads the
-figures before the update, and that read is the step's one wait.
+A training step never makes the host wait for the device: loss, global norm, clip and the skip of a
+non-finite step (fused optimizers' `found_inf`) stay on the device, and the step's figures reach host
+memory for `step.PendingStep.result` to read a step later. An optimizer with no fused kernel
+(RMSprop) reads the figures before its update: that read is the step's one wait.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,11 +145,8 @@ class Pipeline:
 
     def _expect(self, actions: sched.ActionList, taken: int = 0) -> None:
         """Tell each inbound channel how many messages this pass takes from it (`taken` already from the first)."""
-        counts: dict[int, int] = {}
-        for a in actions:
-            if a.kind in (Kind.RECV_FWD, Kind.RECV_BWD):
-                channel = (self.fwd_in if a.kind == Kind.RECV_FWD else self.bwd_in)[a.chunk]
-                counts[id(channel)] = counts.get(id(channel), 0) + 1
+        counts = Counter(id((self.fwd_in if a.kind == Kind.RECV_FWD else self.bwd_in)[a.chunk])
+                         for a in actions if a.kind in (Kind.RECV_FWD, Kind.RECV_BWD))
         first = self.fwd_in.get(min(self.stages))
         for inbound in self._channels:
             if isinstance(inbound, Inbound) and id(inbound) in counts:
@@ -290,20 +285,20 @@ class Pipeline:
             with self.timeline.span(stats.OPTIMIZER):
                 optimizer.step()
         times = self.timeline.finish()
+        peaks = stats.StageStats(layout.stage, layout.replica, 0.0, 0.0, meter.peak if measure_memory else -1,
+                                 memory.peak_rss_bytes(), memory.cuda_peak_bytes(self.device),
+                                 offloaded_peak=meter.host_peak if measure_memory else -1)
         return step_.PendingStep(
-            layout, self.topology.fabric, times, copy, examples, units_total, meter.peak if measure_memory else -1,
-            memory.peak_rss_bytes(), memory.cuda_peak_bytes(self.device),
+            layout, self.topology.fabric, times, copy, examples, units_total, peaks,
             sched.theoretical_bubble(layout.stages, chunks, self.schedule_name, self.virtual), trace,
-            functools.partial(self.last_bad_layer, positions), self.loss_scale.enabled,
-            meter.host_peak if measure_memory else -1)
+            functools.partial(self.last_bad_layer, positions), self.loss_scale.enabled)
 
     def _finish_gradients(self, max_grad_norm: float | None, loss: torch.Tensor, zero: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
         """Sum over replicas and shared copies, unscale, take the global norm and clip; all on the device.
 
-        Returns the global norm, the count of non-finite losses over every stage and replica, and this
-        stage's per-parameter gradient norms with the positions of their parameters.
-        """
+        Returns the global norm, the non-finite loss count over all ranks, and this stage's per-parameter
+        gradient norms with their parameters' positions."""
         topology, fabric = self.topology, self.topology.fabric
         with self.timeline.span(stats.COMM):
             flag = (~loss.isfinite()).to(torch.float64) if self.layout.is_last else zero
@@ -326,10 +321,8 @@ class Pipeline:
         return norm, bad, found, positions
 
     def _counted(self, positions: tuple[int, ...]) -> torch.Tensor | None:
-        """Which of the parameters at `positions` count in the global norm (None: all of them).
-
-        Made once per set of parameters with a gradient (the same every step), so no step copies it.
-        """
+        """Which of the parameters at `positions` count in the global norm (None: all of them); made once per set
+        of parameters with a gradient (the same every step), so no step copies it."""
         if positions not in self._per_param:
             mask = [float(self._in_norm[i]) for i in positions]
             self._per_param[positions] = (None if all(mask) else
@@ -359,7 +352,7 @@ class Pipeline:
             feed = self._feed(inputs, chunks) if layout.is_first and chunks else []
             targets_mb = microbatch.scatter(targets, chunks) if layout.is_last and chunks and targets is not None \
                 else []
-            sums: dict[str, Any] = dict.fromkeys(["loss", *(metrics or {})], 0.0)
+            sums: dict[str, Any] = dict.fromkeys(["loss", *sorted(metrics or {})], 0.0)  # the same order on every rank
             units_sum = 0.0
             outputs: list[Any] = []
 
@@ -386,22 +379,17 @@ class Pipeline:
                     self._forward_only(chunks))
             self._flush()
             # One read of the device's sums for the whole batch.
-            keys = sorted(sums)
-            host = [0.0] * len(keys)
+            host = [0.0] * len(sums)
             if layout.is_last:
-                device_sums = torch.stack([torch.as_tensor(sums[k], device=self.device).to(torch.float64)
-                                           for k in keys])
-                host = dev.HostCopy(device_sums).read().tolist()
-            totals = dict(zip(keys, host))
-            return self._eval_result(totals.pop("loss"), units_sum, totals, outputs, return_outputs)
+                host = dev.HostCopy(torch.stack([torch.as_tensor(s, device=self.device).to(torch.float64)
+                                                 for s in sums.values()])).read().tolist()
+            return self._eval_result(dict(zip(sums, host)), units_sum, outputs, return_outputs)
         finally:
             self.module.train(was_training)
 
     def _eval_chunks(self, inputs: Any, microbatches: int) -> tuple[int, dict[int, Message]]:
-        """How many micro-batches this evaluation runs; other stages learn it from their first message.
-
-        Returns M and the messages already taken, keyed as the executor keys them.
-        """
+        """How many micro-batches this evaluation runs (other stages learn it from their first message), and the
+        messages already taken, keyed as the executor keys them."""
         layout = self.layout
         taken: dict[int, Message] = {}
         if layout.is_first:
@@ -419,13 +407,13 @@ class Pipeline:
         layout = self.layout
         return sched.forward_only(layout.stage, layout.stages, chunks, self.virtual, layout.placement)
 
-    def _eval_result(self, loss_sum: float, units_sum: float, sums: dict[str, float], outputs: list[Any],
+    def _eval_result(self, sums: dict[str, float], units_sum: float, outputs: list[Any],
                      return_outputs: bool) -> EvalResult:
+        """Loss and metric sums over every rank; outputs gathered on rank 0 when asked."""
         layout = self.layout
-        keys = sorted(sums)
-        totals = self._sum_over_ranks([loss_sum, units_sum, *(sums[k] for k in keys)])
-        loss_sum, units_sum = totals[0], totals[1]
-        sums = dict(zip(keys, totals[2:]))
+        totals = self._sum_over_ranks([units_sum, *sums.values()])
+        units_sum, sums = totals[0], dict(zip(sums, totals[1:]))
+        loss_sum = sums.pop("loss")
         result = EvalResult(loss=loss_sum / units_sum if units_sum else float("nan"), units=units_sum,
                             metrics=sums)
         gathered = microbatch.gather(outputs) if return_outputs and outputs else None

@@ -1,8 +1,7 @@
 """Run one stage's action list: one small function per action kind, for training and evaluation alike.
 
-The list (pipeline/schedule.py) already says everything: which forward keeps no graph, where the
-recompute goes, whether a backward is whole or split into input (Bi) and weight (W) gradients. The
-executor holds the step's in-flight tensors between actions and derives nothing from the schedule.
+The list (pipeline/schedule.py) already says which forward keeps no graph, where recomputes go and
+which backwards split; the executor only holds the step's in-flight tensors between actions.
 """
 
 from __future__ import annotations
@@ -62,11 +61,10 @@ def _of(channel: Any, chunk: int) -> Any:
 class Executor:
     """The state of one step on one stage while its actions run.
 
-    `stages` are this rank's chunks of layers by global chunk index (of `chunk_count` in all); `feed` holds
-    the first chunk's micro-batches; `targets` and `weights` the last chunk's (training); `on_output`
-    receives the last chunk's outputs (evaluation). `received` may hold messages taken before the run
-    (evaluation learns M from its first message). A message is keyed by its receiving chunk and
-    micro-batch, so that the several chunks sharing a channel can never take each other's.
+    `stages` are this rank's chunks by global index (of `chunk_count`); `feed` holds the first chunk's
+    micro-batches, `targets` and `weights` the last's; `on_output` takes the last chunk's outputs
+    (evaluation); `received` may hold messages taken before the run. Messages are keyed by receiving
+    chunk and micro-batch, so chunks sharing a channel never take each other's.
     """
 
     stages: dict[int, Stage]
@@ -91,18 +89,12 @@ class Executor:
         """A message's number on its channel: its receiving chunk and micro-batch (chunk alone for mb 0)."""
         return mb * self.chunk_count + chunk
 
-    def _first(self, action: Action) -> bool:
-        return action.chunk == 0
-
-    def _last(self, action: Action) -> bool:
-        return action.chunk == self.chunk_count - 1
-
     def run(self, actions: Sequence[Action]) -> None:
         """Execute the actions in order (receives are timed as waiting, sends as communication)."""
         handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.RECV_FWD: self._recv_fwd, Kind.FWD: self._forward, Kind.SEND_FWD: self._send_fwd,
             Kind.RECOMPUTE: self._recompute, Kind.RECV_BWD: self._recv_bwd, Kind.BWD: self._backward,
-            Kind.BWD_INPUT: self._backward_input, Kind.BWD_WEIGHT: self._backward_weight,
+            Kind.BWD_INPUT: self._backward, Kind.BWD_WEIGHT: self._backward_weight,
             Kind.SEND_BWD: self._send_bwd,
         }
         # Each micro-batch's recompute or backward brings the next one's offloaded activations back, so the
@@ -132,9 +124,9 @@ class Executor:
         self.received[key] = (tensors, header.bare, header.offset)
 
     def _forward(self, action: Action) -> None:
-        mb, stage, last = action.microbatch, self.stages[action.chunk], self._last(action)
+        mb, stage, last = action.microbatch, self.stages[action.chunk], action.chunk == self.chunk_count - 1
         key = self.key(action.chunk, mb)
-        tensors, bare, offset = self.feed[mb] if self._first(action) else self.received.pop(key)
+        tensors, bare, offset = self.feed[mb] if action.chunk == 0 else self.received.pop(key)
         if not self.training:
             out = stage.evaluate(tensors, bare, offset)
             if last:
@@ -168,24 +160,16 @@ class Executor:
         key = self.key(action.chunk, action.microbatch)
         self._grads_in[key] = _of(self.channels.bwd_in, action.chunk).take(key)[1]
 
-    def _gradient_in(self, action: Action) -> Tensors | None:
-        return None if self._last(action) else self._grads_in.pop(self.key(action.chunk, action.microbatch))
-
-    def _keep_gradient_out(self, action: Action, grads: Tensors) -> None:
-        if self._first(action):
-            return
-        if action.chunk - 1 in self.stages:  # the previous chunk is here: it takes the gradient directly
-            self._grads_in[self.key(action.chunk - 1, action.microbatch)] = grads
-        else:
-            self._grads_out[self.key(action.chunk, action.microbatch)] = grads
-
     def _backward(self, action: Action) -> None:
-        stage = self.stages[action.chunk]
-        self._keep_gradient_out(action, stage.backward(action.microbatch, self._gradient_in(action)))
-
-    def _backward_input(self, action: Action) -> None:
-        stage = self.stages[action.chunk]
-        self._keep_gradient_out(action, stage.backward_input(action.microbatch, self._gradient_in(action)))
+        chunk, mb, stage = action.chunk, action.microbatch, self.stages[action.chunk]
+        grads_in = None if chunk == self.chunk_count - 1 else self._grads_in.pop(self.key(chunk, mb))
+        grads = (stage.backward if action.kind == Kind.BWD else stage.backward_input)(mb, grads_in)
+        if chunk == 0:
+            return
+        if chunk - 1 in self.stages:  # the previous chunk is here: it takes the gradient directly
+            self._grads_in[self.key(chunk - 1, mb)] = grads
+        else:
+            self._grads_out[self.key(chunk, mb)] = grads
 
     def _backward_weight(self, action: Action) -> None:
         self.stages[action.chunk].backward_weight(action.microbatch)

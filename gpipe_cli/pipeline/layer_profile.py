@@ -1,18 +1,10 @@
 """The one per-layer measurer: each layer's time and memory on a sample micro-batch.
 
 Layers are built, measured and freed one at a time, each fed the previous layer's real output, so
-profiling never needs the whole model in memory. Per layer it gives the kinds of compute the schedule
-runs (a forward that builds the autograd graph, the graph-less first forward of a rematerialised
-micro-batch, its recompute, the backward), the bytes autograd saves in the forward (counted by the
-engine's own `ActivationMeter`) and the bytes handed to the next layer.
-
-Each kind is timed as a stage runs it, or the cut mispredicts the stages: a recompute skips what the
-first forward already did (deferred BatchNorm's statistics, which cost as much as a stem convolution),
-and the first layer's input is data, whose gradient no stage computes.
-
-On the meta device only shapes exist: nothing is timed, but the saved and output bytes are exact,
-so models far larger than the machine can be priced. Balance (`partition.balance_by_cost`), the
-simulator, the plan's memory and `profile-memory` all read these figures.
+profiling never needs the whole model in memory. Each kind of compute is timed as a stage runs it, or
+the cut mispredicts the stages: a recompute skips deferred BatchNorm's statistics, and the first
+layer's input is data, whose gradient no stage computes. On the meta device nothing is timed but the
+saved and output bytes are exact, so models far larger than the machine can be priced.
 """
 
 from __future__ import annotations
@@ -87,14 +79,7 @@ def _leaves(tensors: Sequence[torch.Tensor | None], grad: bool = True) -> list[t
 
 def _median_time(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
     fn()  # the first call pays for allocator growth and kernel selection
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) if times else 0.0
+    return statistics.median([_clock(fn, device)[0] for _ in range(repeats)]) if repeats else 0.0
 
 
 def _time_backward(run: Callable[[], list[torch.Tensor]], repeats: int, device: torch.device) -> float:
@@ -104,13 +89,10 @@ def _time_backward(run: Callable[[], list[torch.Tensor]], repeats: int, device: 
         roots = [o for o in run() if o.requires_grad]
         if not roots:
             return 0.0
-        grads = [torch.ones_like(o) for o in roots]
-        _sync(device)
-        start = time.perf_counter()
-        torch.autograd.backward(roots, grads)
-        _sync(device)
+        seconds, _ = _clock(functools.partial(torch.autograd.backward, roots, [torch.ones_like(o) for o in roots]),
+                            device)
         if i:
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
     return statistics.median(times) if times else 0.0
 
 
@@ -131,9 +113,8 @@ def _time_layer(run: Callable[[bool], list[torch.Tensor]], repeats: int,
                 device: torch.device) -> tuple[float, float, float, float]:
     """Median seconds of a layer's forward, graph-less forward, recompute and backward (`run(recomputing)`).
 
-    Each round runs one micro-batch's actions in the schedule's order, so each kind meets the memory
-    and caches it meets in a stage; the first rounds pay for allocator growth and kernel selection.
-    """
+    Each round runs one micro-batch's actions in the schedule's order, so each kind meets the memory and
+    caches it meets in a stage."""
     rounds: list[tuple[float, float, float, float]] = []
     for i in range(repeats + WARMUP_ROUNDS):
         with torch.no_grad():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -100,26 +100,22 @@ class ActivationMeter:
 
     def saved_tensors(self) -> contextlib.AbstractContextManager[Any]:
         """Count every tensor autograd saves for backward inside this block (nothing when disabled)."""
-        return self._saved_tensors() if self.enabled else contextlib.nullcontext()
+        if not self.enabled:
+            return contextlib.nullcontext()
+        # Detached (same storage, same version counter): a saved output must not keep its own grad_fn
+        # alive, or a graph whose buffers autograd never frees (a split backward's input path) would be
+        # a reference cycle that nothing collects.
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.hold(t.detach()), unwrap)
 
-    @contextlib.contextmanager
-    def _saved_tensors(self) -> Iterator[None]:
-        def pack(t: torch.Tensor) -> Any:
-            # Detached (same storage, same version counter): a saved output must not keep its own
-            # grad_fn alive, or a graph whose buffers autograd never frees (a split backward's input
-            # path) would be a reference cycle that nothing collects.
-            return self.hold(t.detach())
 
-        def unpack(handle: Any) -> torch.Tensor:
-            return handle.tensor if isinstance(handle, _Held) else handle
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield
+def unwrap(handle: Any) -> Any:
+    """The tensor behind a handle returned by `ActivationMeter.hold` (or the tensor itself)."""
+    return handle.tensor if isinstance(handle, _Held) else handle
 
 
 def held(handles: Iterable[Any]) -> list[torch.Tensor | None]:
     """The tensors behind handles returned by `ActivationMeter.hold`."""
-    return [h.tensor if isinstance(h, _Held) else h for h in handles]
+    return [unwrap(h) for h in handles]
 
 
 def peak_rss_bytes() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,8 +42,4 @@ def gather(outputs: Sequence[Batch]) -> Batch:
 
 def offsets(split: Sequence[int], start: int = 0) -> list[int]:
     """The global index of each micro-batch's first example."""
-    out, at = [], start
-    for size in split:
-        out.append(at)
-        at += size
-    return out
+    return list(itertools.accumulate(split[:-1], initial=start)) if split else []

@@ -1,25 +1,17 @@
 """What a stage stores for its backward, waiting in host memory until the backward needs it.
 
-Two kinds of stored activations move:
-  boundary inputs   under rematerialization a stage keeps one boundary input per in-flight micro-batch;
-                    it is copied out right after the forward and comes back one restore ahead in the
-                    schedule's order (as each recompute, or each first backward of a micro-batch kept
-                    whole, ends, the executor asks for the next one's).
-  saved tensors     what autograd saves inside the layers, for a micro-batch kept whole and for a
-                    recompute, go out layer by layer as the forward moves on (`Parcel`) and come back
-                    layer by layer as the backward reaches them, the layer below fetched ahead.
+Boundary inputs kept for rematerialization go out after the forward and come back one restore ahead
+in the schedule's order. Saved tensors (`Parcel`) go out layer by layer as the forward moves on and
+come back layer by layer as the backward reaches them, the layer below fetched ahead:
 
     forward    compute:  layer 0 | layer 1      | wait out(0), layer 2 | wait out(1), layer 3 ...
                side:               copy out(0)  | copy out(1)          | copy out(2)
     backward   compute:  ... layer 2            | wait in(1), layer 1  | wait in(0), layer 0
                side:         copy in(1)         | copy in(0)
 
-On a GPU the copies run on a side stream into and out of pinned memory: the compute stream waits on an
-event only for a copy it needs (a layer's saved tensors back), or two layers behind a forward (so about
-two layers' saved tensors are on the device while a micro-batch computes); the host waits for neither.
-On the CPU the same steps run without streams and the host copy is a separate tensor; on the meta device
-(shapes only) nothing is copied, as in `device.HostCopy`. Saved tensors go by storage: views of one
-storage (a projection's heads, say) are copied once.
+On a GPU the copies run on a side stream through pinned memory and the compute stream waits on an
+event only for a copy it needs; the host waits for neither. On the meta device nothing is copied.
+Saved tensors go by storage: views of one storage (a projection's heads) are copied once.
 """
 
 from __future__ import annotations
@@ -32,15 +24,12 @@ from typing import Any
 import torch
 
 from gpipe_cli.pipeline.device import Marker, wait_on
-from gpipe_cli.pipeline.memory import ActivationMeter, storage_key
+from gpipe_cli.pipeline.memory import ActivationMeter, storage_key, unwrap
 
 
 def offloaded(mode: str, chunk: int) -> bool:
-    """Whether a chunk's stored boundary inputs go to host memory under an offload mode.
-
-    Not the first chunk's: its inputs are views of the mini-batch, which the step holds to its end anyway,
-    so moving them would free nothing on the device.
-    """
+    """Whether a chunk's stored boundary inputs go to host memory under an offload mode: not the first chunk's,
+    views of the mini-batch the step holds anyway (moving them would free nothing on the device)."""
     return mode == "activations" and chunk > 0
 
 
@@ -53,11 +42,6 @@ class Parked:
         self.host, self.grads = host, grads
         self.back: list[Any] | None = None  # meter handles of the device copies, once fetched
         self.ready: Marker | None = None    # passed when the copy in is done
-
-
-def _tensor(handle: Any) -> torch.Tensor:
-    """The tensor behind a meter handle (or the tensor itself)."""
-    return getattr(handle, "tensor", handle)
 
 
 class _Block:
@@ -86,7 +70,7 @@ class _Saved:
 
     def tensor(self) -> torch.Tensor:
         """The saved tensor, over the block's device bytes."""
-        flat = _tensor(self.block.device)
+        flat = unwrap(self.block.device)
         return torch.empty(0, dtype=self.dtype, device=flat.device).set_(
             flat.untyped_storage(), self.offset, self.shape, self.stride)
 
@@ -157,7 +141,7 @@ class Parcel:
                 # Not recorded on the side stream: `_sent` makes the compute stream wait for this copy before
                 # it lets the device bytes go, and a recorded use would hold them back until the side stream
                 # reached later copies too (on a GPU, a third layer's worth in the allocator's cache).
-                b.host = offloader.to_host(_tensor(b.device), record=False)
+                b.host = offloader.to_host(unwrap(b.device), record=False)
             self.out[layer] = Marker(offloader.device)
         offloader.meter.host_hold(sum(b.host.nbytes for b in blocks if b.host is not None))
 
@@ -168,7 +152,7 @@ class Parcel:
         for b in self._blocks_of(layer):
             if b.host is not None and b.device is not None:
                 # The copy has read it: the device memory may go, and its address become another storage's.
-                self._blocks.pop(storage_key(_tensor(b.device)), None)
+                self._blocks.pop(storage_key(unwrap(b.device)), None)
                 b.device = None
 
     def fetch(self, layer: int) -> None:
@@ -189,7 +173,7 @@ class Parcel:
     def unpack(self, saved: Any) -> torch.Tensor:
         """Autograd's unpack hook: the saved tensor on the device, its layer's neighbours kept or fetched."""
         if not isinstance(saved, _Saved):
-            return _tensor(saved)
+            return unwrap(saved)
         layer = saved.block.layer
         # The backward runs from the last layer down: of the layers brought back, it keeps this one's neighbours.
         for other in [b for b in self._back if abs(b - layer) > 1]:
@@ -281,7 +265,7 @@ class Offloader:
         wait_on(parked.ready, self.device)
         back = parked.back
         for handle, grad in zip(back, parked.grads):
-            t = _tensor(handle)
+            t = unwrap(handle)
             if t is not None:
                 t.requires_grad_(grad)
         return back

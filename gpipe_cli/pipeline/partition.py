@@ -43,10 +43,9 @@ def check_partitions(num_layers: int, partitions: int) -> None:
 def balance_by_cost(costs: Sequence[float], partitions: int) -> list[int]:
     """The contiguous K-way split minimising the largest stage cost (exact, O(K·L)).
 
-    best[k][j] is the smallest possible maximum stage cost when the first j layers form k stages.
-    best[k-1][i] grows with i while the cost of layers i..j shrinks, so the optimal cut is where
-    the two cross; that crossing only moves later as j grows, so one pointer per k finds it. Ties are
-    broken towards later cuts, so earlier stages never end up with more cost than needed.
+    best[k][j], the least largest cost of the first j layers as k stages: best[k-1][i] grows with i
+    while the cost of layers i..j shrinks, so the best cut is where they cross, which only moves later
+    as j grows (one pointer per k). Ties go to later cuts: earlier stages carry no more than needed.
     """
     check_partitions(len(costs), partitions)
     if any(c < 0 for c in costs):
@@ -54,7 +53,7 @@ def balance_by_cost(costs: Sequence[float], partitions: int) -> list[int]:
     n = len(costs)
     prefix = [0.0, *itertools.accumulate(float(c) for c in costs)]
     best = [prefix[:]]  # one stage: everything so far
-    cut: list[list[int]] = [[0] * (n + 1)]
+    cut: list[list[int]] = [[], [0] * (n + 1)]  # cut[k][j]: where the last of k stages starts
     for k in range(2, partitions + 1):
         row, cuts = [float("inf")] * (n + 1), [0] * (n + 1)
         prev = best[-1]
@@ -71,25 +70,23 @@ def balance_by_cost(costs: Sequence[float], partitions: int) -> list[int]:
                         row[j], cuts[j] = value, i
         best.append(row)
         cut.append(cuts)
+    return _unwind(cut, n, partitions)
+
+
+def _unwind(cut: list[list[int]], n: int, partitions: int) -> list[int]:
+    """The layers per stage of the best split, from each k-stage prefix's last cut (`cut[k][j]`)."""
     bounds, j = [n], n
     for k in range(partitions, 1, -1):
-        j = cut[k - 1][j]
+        j = cut[k][j]
         bounds.append(j)
-    bounds.append(0)
-    bounds.reverse()
-    return [bounds[s + 1] - bounds[s] for s in range(partitions)]
+    return [b - a for a, b in itertools.pairwise([0, *reversed(bounds)])]
 
 
 def balance_stages(costs: Sequence[float], chunks: int, owners: Sequence[int] | None = None,
                    microbatches: int = 1) -> list[int]:
-    """The cut into `chunks` with the shortest step by a simple account: M times the busiest stage (the summed
-    cost of the chunks it owns), plus the fill and drain, each chunk in turn at the slowest chunk's pace.
-    `owners[c]` is the stage of chunk c (None: one chunk per stage, `balance_by_cost`).
-
-    Equal chunks need not make equal stages: a V puts the first and the last chunk (an embedding and a
-    softmax) on one stage; nor does evening out the stages alone do: a tiny first chunk beside a huge last
-    one stalls the fill. Every cut is priced where there are few enough, else `descend` from the min-max one.
-    """
+    """The cut into `chunks` with the shortest step: M times the busiest stage, plus the fill and drain at the
+    slowest chunk's pace (a V puts the first and last chunk on one stage, so equal chunks need not make equal
+    stages). `owners[c]` is the stage of chunk c (None: one chunk per stage, `balance_by_cost`)."""
     start = balance_by_cost(costs, chunks)
     if owners is None or len(set(owners)) == chunks:
         return start
@@ -118,9 +115,8 @@ def min_max_split(layers: int, partitions: int,
                   value: Callable[[int, int, int], float]) -> tuple[float, list[int]] | None:
     """The contiguous K-way split minimising the largest `value(stage, start, stop)`, and that largest value.
 
-    A stage's value may depend on its place (earlier stages hold more micro-batches in flight) and need not
-    add up over layers (a memory peak); `inf` marks a stage that cannot be. None when every split has one.
-    Exact dynamic programme, O(K·L²) calls of `value`; ties favour later cuts (lighter early stages).
+    A value may depend on the stage's place and need not add up over layers (a memory peak); `inf` marks a
+    stage that cannot be, and None a problem where every split has one. Exact, O(K·L²) calls of `value`.
     """
     check_partitions(layers, partitions)
     n, inf = layers, float("inf")
@@ -138,21 +134,12 @@ def min_max_split(layers: int, partitions: int,
                     row[j], cuts[j] = found, i
         best.append(row)
         cut.append(cuts)
-    if best[partitions][n] == inf:
-        return None
-    bounds, j = [n], n
-    for k in range(partitions, 0, -1):
-        j = cut[k][j]
-        bounds.append(j)
-    bounds.reverse()
-    return best[partitions][n], [bounds[s + 1] - bounds[s] for s in range(partitions)]
+    return None if best[partitions][n] == inf else (best[partitions][n], _unwind(cut, n, partitions))
 
 
 def balance_within(costs: Sequence[float], partitions: int, fits: Callable[[int, int, int], bool]) -> list[int] | None:
-    """The contiguous K-way split minimising the largest stage cost among those where every stage fits.
-
-    `fits(stage, start, stop)` says whether layers start..stop-1 fit as stage `stage`. None when no split fits.
-    """
+    """The contiguous K-way split minimising the largest stage cost among those where every stage fits
+    (`fits(stage, start, stop)`: layers start..stop-1 fit as stage `stage`); None when none does."""
     prefix = [0.0, *itertools.accumulate(float(c) for c in costs)]
     found = min_max_split(len(costs), partitions,
                           lambda stage, i, j: prefix[j] - prefix[i] if fits(stage, i, j) else float("inf"))
@@ -163,13 +150,11 @@ TRIALS = 20_000  # cuts one search may price: a bound on its time for deep model
 FIT_TRIALS = 100  # cuts a search for any cut that fits may price at least (a model search asks it many times)
 
 
-def _moves(chunks: int, runs: bool = True) -> Iterator[list[tuple[int, int]]]:
+def _moves(chunks: int) -> Iterator[list[tuple[int, int]]]:
     """Every move of one cut by one layer; then (tried only where none of those helps) of a run of cuts."""
     for first in range(chunks - 1):
         for step in (-1, 1):
             yield [(first, step)]
-    if not runs:
-        return
     for first in range(chunks - 1):
         for last in range(first + 1, chunks - 1):
             for step in (-1, 1):
@@ -180,12 +165,9 @@ def descend(balance: Sequence[int], key: Callable[[list[int]], tuple[float, ...]
             enough: Callable[[tuple[float, ...]], bool] | None = None) -> list[int]:
     """From `balance`, take the move that lowers `key` most, until none does (or `TRIALS` cuts were priced).
 
-    With `enough`, a search for any cut whose key is enough: the first such cut is returned, each step takes
-    the first move that helps, and it prices at most half of layers x chunks cuts (`FIT_TRIALS` at least).
-
-    A move shifts one cut by one layer; a run of cuts at once only where no single move helps. A run
-    slides the chunks between its ends by a layer, which moves memory between stages holding
-    interleaved chunks far apart where any one cut would overfill a neighbour.
+    With `enough`, the first cut whose key is enough is returned, each step takes the first move that helps,
+    and it prices at most half of layers x chunks cuts (`FIT_TRIALS` at least). A run of cuts moves only
+    where no single cut helps: it shifts memory between stages holding interleaved chunks far apart.
     """
     current, best, trials = list(balance), key(list(balance)), 0
     # A fit search may walk every cut across half its chunk: deep models need more trials than shallow ones.
@@ -217,13 +199,11 @@ def descend(balance: Sequence[int], key: Callable[[list[int]], tuple[float, ...]
 
 def interleaved_within(costs: Sequence[float], chunks: int, needs: Callable[[list[int]], Sequence[float]],
                        budget: float) -> list[int] | None:
-    """A cut of K x V chunks whose every stage fits `budget`, as fast as found: None when none is found.
+    """A cut of K x V chunks whose every stage fits `budget` (`needs(balance)`: every stage's bytes), or None.
 
-    A stage holds V chunks far apart, so its memory is no function of one run of layers and the exact
-    split of `balance_within` does not apply. The min-max cut when it fits; else from it, `descend`'s
-    moves lower first the excess over the budget, then the slowest chunk, then the fullest stage
-    (`needs(balance)`: every stage's bytes); failing that, the same from `least_memory`'s cut. A local
-    search: it can miss a cut that fits, never returns one that does not.
+    A stage's V chunks lie far apart, so `balance_within`'s exact split does not apply: from the min-max cut,
+    then from `least_memory`'s, `descend` lowers the excess, the slowest chunk, then the fullest stage. It can
+    miss a cut that fits, never returns one that does not.
     """
     prefix = [0.0, *itertools.accumulate(float(c) for c in costs)]
 
@@ -252,17 +232,12 @@ def least_memory(balance: Sequence[int], needs: Callable[[list[int]], Sequence[f
 
 def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
     """The summed cost of each stage under a balance."""
-    out, start = [], 0
-    for size in balance:
-        out.append(float(sum(costs[start:start + size])))
-        start += size
-    return out
+    return [float(sum(costs[r.start:r.stop])) for r in stage_ranges(balance)]
 
 
 def stage_ranges(balance: Sequence[int]) -> list[range]:
     """The global layer indices of each stage."""
-    bounds = [0, *itertools.accumulate(balance)]
-    return [range(bounds[s], bounds[s + 1]) for s in range(len(balance))]
+    return [range(a, b) for a, b in itertools.pairwise(itertools.accumulate(balance, initial=0))]
 
 
 def stage_layers(balance: Sequence[int], stages: int, stage: int, placement: str = "loop") -> list[int]:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import functools
 
-PLACEMENTS = ("loop", "v")
-
 
 def owner(chunk: int, stages: int, placement: str = "loop") -> int:
     """The stage that runs `chunk`."""

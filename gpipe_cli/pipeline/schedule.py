@@ -1,10 +1,8 @@
 """Pipeline schedules as data: one list of actions per stage, built once, read by everything.
 
-A schedule (pipeline/schedules/) states each stage's order of forwards and backwards; here that order
-becomes the stage's action list: receives and sends around each compute step, and the forwards that
-keep no graph (rematerialised micro-batches, recomputed just before their backward). Every schedule
-gives the same gradients. The lists can be printed, simulated, drawn and accounted for without
-processes; the runtime executes exactly these lists, for training and for evaluation.
+A schedule (pipeline/schedules/) orders each stage's forwards and backwards; here that order gets its
+receives and sends and the forwards that keep no graph (recomputed before their backward). The lists
+are printed, simulated and accounted for without processes, and the runtime executes exactly them.
 """
 
 from __future__ import annotations
@@ -17,9 +15,10 @@ from gpipe_cli.pipeline import placement as placement_
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.actions import COMPUTE, GRADIENT, RELEASE, Action, Kind, Step
 from gpipe_cli.pipeline.config import REMAT_MODES, PipelineConfig, microbatch_problem
+from gpipe_cli.pipeline.placement import owner
 
 __all__ = ["COMPUTE", "GRADIENT", "RELEASE", "REMAT_MODES", "SCHEDULES", "Action", "Kind", "ActionList", "Span",
-           "Step", "bubble", "build", "build_all", "check", "forward_only", "message_order", "owner", "peer",
+           "Step", "bubble", "build", "build_all", "check", "forward_only", "owner", "peer",
            "remat_pairs", "rematerialised", "render", "simulate", "theoretical_bubble"]
 
 
@@ -57,16 +56,14 @@ def remat_pairs(mode: str, order: Sequence[Step]) -> set[tuple[int, int]]:
     raise ValueError(f"unknown checkpoint mode '{mode}': allowed are {', '.join(REMAT_MODES)}")
 
 
-def _forward(chunk: int, chunks: int, mb: int, remat: bool = False,
-             local: Callable[[int], bool] = lambda chunk: False) -> list[Action]:
+def _forward(chunk: int, chunks: int, mb: int, remat: bool, local: Callable[[int], bool]) -> list[Action]:
     # A neighbouring chunk on this same stage hands over in memory: no message.
     first, last = chunk == 0, chunk == chunks - 1
     return ([] if first or local(chunk - 1) else [Action(Kind.RECV_FWD, mb, chunk)]) + \
         [Action(Kind.FWD, mb, chunk, remat)] + ([] if last or local(chunk + 1) else [Action(Kind.SEND_FWD, mb, chunk)])
 
 
-def _gradient(chunk: int, chunks: int, kind: Kind, mb: int, remat: bool,
-              local: Callable[[int], bool] = lambda chunk: False) -> list[Action]:
+def _gradient(chunk: int, chunks: int, kind: Kind, mb: int, remat: bool, local: Callable[[int], bool]) -> list[Action]:
     first, last = chunk == 0, chunk == chunks - 1
     # Recompute before waiting for the gradient, so the rematerialisation hides the wait.
     return ([Action(Kind.RECOMPUTE, mb, chunk)] if remat else []) + \
@@ -74,9 +71,8 @@ def _gradient(chunk: int, chunks: int, kind: Kind, mb: int, remat: bool,
         ([] if first or local(chunk - 1) else [Action(Kind.SEND_BWD, mb, chunk)])
 
 
-def _local(name: str, stage: int, stages: int) -> Callable[[int], bool]:
-    """Whether a chunk runs on `stage` under the schedule's placement."""
-    placement = schedules.get(name).placement
+def _local(placement: str, stage: int, stages: int) -> Callable[[int], bool]:
+    """Whether a chunk runs on `stage` under `placement`."""
     return lambda chunk: owner(chunk, stages, placement) == stage
 
 
@@ -87,7 +83,7 @@ def build(name: str, stage: int, stages: int, microbatches: int, checkpoint: str
     check(name, stages, microbatches, virtual)
     order = schedules.get(name).order(stage, stages, microbatches, virtual)
     remat = remat_pairs(checkpoint, order)
-    chunks, local = stages * virtual, _local(name, stage, stages)
+    chunks, local = stages * virtual, _local(schedules.get(name).placement, stage, stages)
     actions: ActionList = []
     for kind, mb, chunk in order:
         if kind == Kind.FWD:
@@ -103,13 +99,9 @@ def forward_only(stage: int, stages: int, microbatches: int, virtual: int = 1,
                  placement: str = "loop") -> ActionList:
     """The action list of one stage for an evaluation (no-grad) pass: each chunk in turn, any M."""
     _check(stage, stages, microbatches)
-    chunks = stages * virtual
-
-    def local(chunk: int) -> bool:
-        return owner(chunk, stages, placement) == stage
-
+    local = _local(placement, stage, stages)
     return [a for chunk in placement_.chunks_of(stage, stages, virtual, placement) for mb in range(microbatches)
-            for a in _forward(chunk, chunks, mb, local=local)]
+            for a in _forward(chunk, stages * virtual, mb, False, local)]
 
 
 def build_all(name: str, stages: int, microbatches: int, checkpoint: str = "except_last",
@@ -131,20 +123,10 @@ def restores(schedule: ActionList) -> list[Action]:
             or (a.kind in GRADIENT and (a.microbatch, a.chunk) not in remat)]
 
 
-def owner(chunk: int, stages: int, placement: str = "loop") -> int:
-    """The stage (rank in a replica) that runs `chunk` under `placement`."""
-    return placement_.owner(chunk, stages, placement)
-
-
 def peer(action: Action, stages: int, placement: str = "loop") -> tuple[int, int]:
     """The stage and chunk at the other end of a message action."""
     chunk = action.chunk + (1 if action.kind in (Kind.SEND_FWD, Kind.RECV_BWD) else -1)
     return owner(chunk, stages, placement), chunk
-
-
-def message_order(schedule: ActionList, kind: Kind) -> list[int]:
-    """The micro-batches of one kind of message, in the order the stage handles them."""
-    return [a.microbatch for a in schedule if a.kind == kind]
 
 
 def render(lists: Sequence[ActionList]) -> str:
@@ -163,9 +145,8 @@ _UNIT = {Kind.FWD: 1.0, Kind.RECOMPUTE: 1.0, Kind.BWD: 2.0, Kind.BWD_INPUT: 1.0,
 def theoretical_bubble(stages: int, microbatches: int, name: str = "gpipe", virtual: int = 1) -> float:
     """A schedule's idle fraction for equal stage costs (backward = 2 forwards), free messages, no remat.
 
-    Its closed form where it has one (GPipe and 1F1B: (K-1)/(M+K-1)); otherwise its action lists run on
-    ideal devices, each of the V chunks of a stage costing 1/V of it (zero-bubble, B and W one forward
-    each: (K-1)/(3M+K-1)).
+    Its closed form where it has one, else its action lists run on ideal devices, each of a stage's V chunks
+    costing 1/V of it (B and W one forward each).
     """
     closed = schedules.get(name).bubble(stages, microbatches, virtual)
     if closed is not None:
@@ -193,13 +174,9 @@ _SEND = (Kind.SEND_FWD, Kind.SEND_BWD)
 
 def simulate(lists: Sequence[ActionList], cost: Cost, latency: Cost | None = None,
              placement: str = "loop", rate: Rate | None = None) -> list[list[Span]]:
-    """Run the action lists on ideal devices: compute takes `cost`, a message arrives `latency` after its send.
-
-    Sends do not block (as in the runtime); a receive waits for the matching send. `rate(busy)` says how
-    much faster compute drains while only `busy` stages compute (ranks sharing one machine's cores; 1
-    throughout by default): an action's cost counts all-busy seconds. Returns the spans of every action
-    of every stage.
-    """
+    """Every stage's spans when the lists run on ideal devices: compute takes `cost`, a message arrives
+    `latency` after its send (which does not block). `rate(busy)` says how much faster compute drains while
+    only `busy` stages compute (ranks sharing a machine's cores): a cost counts all-busy seconds."""
     run = _Run(lists, cost, latency or (lambda stage, action: 0.0), placement)
     while True:
         while any([run.advance(s) for s in range(len(lists))]):  # a message sent now may be received now

@@ -1,10 +1,8 @@
 """One stage's compute for each micro-batch: forward, recompute and backward, with rematerialization.
 
-A rematerialised micro-batch runs its forward without building a graph and keeps only its boundary
-input and the RNG state; its recompute restores that state (identical dropout masks) and rebuilds the
-graph just before the backward. Other micro-batches keep their graph from the forward. With an
-offloader (pipeline/offload.py) what is stored waits in host memory: a rematerialised micro-batch's input
-(past the first chunk) until its recompute, and the layers' saved tensors until the backward reaches them.
+A rematerialised micro-batch's forward builds no graph and keeps only its boundary input and RNG
+state; its recompute restores that state (identical dropout masks) just before the backward. With an
+offloader (pipeline/offload.py) what is stored waits in host memory until it is needed.
 """
 
 from __future__ import annotations
@@ -179,14 +177,11 @@ class Stage:
         roots = self._roots(mb, grads)
         state = self._states[mb]
         inputs = held(state.inputs)
-        wanted = [(i, t) for i, t in enumerate(inputs) if t is not None and t.requires_grad]
-        out: list[torch.Tensor | None] = [None] * len(inputs)
+        wanted = [t for t in inputs if t is not None and t.requires_grad]
         with self.meter.saved_tensors():
-            found, state.pending = backward_split.backward_input([o for o, _ in roots], [g for _, g in roots],
-                                                        [t for _, t in wanted])
-        for (i, _), g in zip(wanted, found):
-            out[i] = g
-        return out
+            found, state.pending = backward_split.backward_input([o for o, _ in roots], [g for _, g in roots], wanted)
+        by_input = dict(zip(map(id, wanted), found))
+        return [by_input.get(id(t)) for t in inputs]
 
     def backward_weight(self, mb: int) -> None:
         """Accumulate the weight gradients of micro-batch `mb` (after its `backward_input`); free its graph."""

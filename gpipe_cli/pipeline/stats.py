@@ -8,6 +8,7 @@ receive, or in the gradient-norm collective until the slowest stage arrives: the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ PARTS = ("compute", WAIT, COMM, OPTIMIZER, "other")  # where a step's time goes,
 _WAITS = frozenset({Kind.RECV_FWD.value, Kind.RECV_BWD.value})
 _SENDS = frozenset({Kind.SEND_FWD.value, Kind.SEND_BWD.value})
 _COMPUTE = frozenset(k.value for k in COMPUTE)
+_SECONDS = frozenset({"step_time", "busy", "wait", "comm", "optimizer"})  # a StageStats' other figures are whole
 
 
 @dataclass(frozen=True)
@@ -104,12 +106,9 @@ class StepTimes:
 
     def events(self) -> list[Event]:
         """Every action of the step, in seconds from its start."""
-        out = []
-        for action, begin, stop in self.spans:
-            start = self.origin.seconds_to(begin)
-            out.append(Event(self.stage, action.kind.value, action.microbatch, start, start + begin.seconds_to(stop),
-                             action.chunk))
-        return out
+        return [Event(self.stage, action.kind.value, action.microbatch, start, start + begin.seconds_to(stop),
+                      action.chunk)
+                for action, begin, stop in self.spans for start in [self.origin.seconds_to(begin)]]
 
     def busy(self, events: list[Event]) -> float:
         """Seconds spent in forward, recompute and backward."""
@@ -117,12 +116,12 @@ class StepTimes:
 
     def parts(self, events: list[Event]) -> tuple[float, float, float]:
         """Seconds waiting for a peer, communicating and in the optimizer during the step."""
-        extra: dict[str, float] = {}
-        for part, begin, stop in self.extra:
-            extra[part] = extra.get(part, 0.0) + begin.seconds_to(stop)
-        wait = sum(e.end - e.start for e in events if e.kind in _WAITS) + extra.get(WAIT, 0.0)
-        comm = sum(e.end - e.start for e in events if e.kind in _SENDS) + extra.get(COMM, 0.0)
-        return wait, comm, extra.get(OPTIMIZER, 0.0)
+        def extra(part: str) -> float:
+            return sum(begin.seconds_to(stop) for name, begin, stop in self.extra if name == part)
+
+        wait = sum(e.end - e.start for e in events if e.kind in _WAITS) + extra(WAIT)
+        comm = sum(e.end - e.start for e in events if e.kind in _SENDS) + extra(COMM)
+        return wait, comm, extra(OPTIMIZER)
 
 
 @dataclass
@@ -204,20 +203,15 @@ class StepStats:
 
     def nonfinite(self) -> tuple[int, int] | None:
         """(stage, layer) of the first non-finite gradient in backward order, over every stage; None if none."""
-        bad = [s for s in self.stages if s.nonfinite_layer >= 0]
-        if not bad:
-            return None
-        first = max(bad, key=lambda s: s.nonfinite_layer)
-        return first.stage, first.nonfinite_layer
+        first = max((s for s in self.stages if s.nonfinite_layer >= 0), key=lambda s: s.nonfinite_layer, default=None)
+        return None if first is None else (first.stage, first.nonfinite_layer)
 
 
 def gather(mine: StageStats, loss: float, examples: int, units: float, grad_norm: float,
            bubble_theory: float, fabric: Fabric | None,
            events: list[Event] | None = None) -> StepStats | None:
     """Combine every rank's figures on rank 0 (others get None), over the control plane; events only when given."""
-    row = torch.tensor([mine.stage, mine.replica, mine.step_time, mine.busy, mine.activation_peak,
-                        mine.rss_peak, mine.cuda_peak, loss, examples, units, mine.wait, mine.comm,
-                        mine.optimizer, mine.nonfinite_layer, mine.offloaded_peak], dtype=torch.float64)
+    row = torch.tensor([*dataclasses.astuple(mine), loss, examples, units], dtype=torch.float64)
     if fabric is None:
         rows, all_events = [row], list(events or [])
     else:
@@ -227,11 +221,10 @@ def gather(mine: StageStats, loss: float, examples: int, units: float, grad_norm
             return None
         rows = gathered_rows
         all_events = [e for part in parts or [] if part for e in part]
-    stages = [StageStats(int(r[0]), int(r[1]), float(r[2]), float(r[3]), int(r[4]), int(r[5]), int(r[6]),
-                         float(r[10]), float(r[11]), float(r[12]), int(r[13]), int(r[14]))
-              for r in (x.tolist() for x in rows)]
+    names, values = [f.name for f in dataclasses.fields(StageStats)], [r.tolist() for r in rows]
+    stages = [StageStats(**{k: v if k in _SECONDS else int(v) for k, v in zip(names, r)}) for r in values]
     # Only the ranks running the last chunk (stage K-1 in a loop, stage 0 in a V) bring a loss and counts.
-    lasts = [r.tolist() for r in rows]
-    return StepStats(loss=float(sum(r[7] for r in lasts)), examples=int(sum(r[8] for r in lasts)),
-                     units=float(sum(r[9] for r in lasts)), step_time=max(s.step_time for s in stages),
+    total_loss, total_examples, total_units = (sum(r[i] for r in values) for i in range(len(names), len(names) + 3))
+    return StepStats(loss=float(total_loss), examples=int(total_examples), units=float(total_units),
+                     step_time=max(s.step_time for s in stages),
                      bubble_theory=bubble_theory, grad_norm=grad_norm, stages=stages, events=all_events)

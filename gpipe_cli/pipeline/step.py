@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,14 +58,11 @@ class PendingStep:
     figures: dev.HostCopy
     examples: float
     units: float
-    activation_peak: int
-    rss_peak: int
-    cuda_peak: int
+    memory: StageStats  # this rank's memory peaks; its times are read with the figures
     bubble_theory: float
     trace: bool
     bad_layer: Callable[[Sequence[float]], int]  # per-parameter gradient norms -> the first bad layer backward
     loss_scaling: bool
-    offloaded_peak: int = 0  # activation bytes that waited in host memory at once (pipeline.offload)
 
     def result(self) -> StepResult:
         """The step's figures, gathered on rank 0 (waits for the device once, if it is not there yet)."""
@@ -75,9 +73,9 @@ class PendingStep:
         wait, comm, optimizer = self.times.parts(events)
         skipped = not finite(values)
         loss = values[_LOSS] if layout.is_last else None
-        mine = stats.StageStats(layout.stage, layout.replica, self.times.step_time, self.times.busy(events),
-                                self.activation_peak, self.rss_peak, self.cuda_peak, wait, comm, optimizer,
-                                self.bad_layer(values[_NORMS:]) if skipped else -1, self.offloaded_peak)
+        mine = dataclasses.replace(self.memory, step_time=self.times.step_time, busy=self.times.busy(events),
+                                   wait=wait, comm=comm, optimizer=optimizer,
+                                   nonfinite_layer=self.bad_layer(values[_NORMS:]) if skipped else -1)
         gathered = stats.gather(mine, loss or 0.0, int(self.examples), self.units, values[_NORM],
                                 self.bubble_theory, self.fabric, events if self.trace else None)
         if gathered is not None and loss is None:

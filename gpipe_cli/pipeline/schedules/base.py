@@ -8,11 +8,8 @@ from gpipe_cli.pipeline.actions import Kind, Step
 
 
 class Schedule(ABC):
-    """A pipeline schedule: its compute order per stage; its bubble and memory in theory come from that order.
-
-    A schedule states only its order of forwards (FWD) and backwards (BWD, or BWD_INPUT then BWD_WEIGHT);
-    `pipeline/schedule.py` adds the messages and the rematerialisation, and simulates it for the bubble.
-    """
+    """A pipeline schedule: each stage's order of forwards and backwards (BWD, or BWD_INPUT then BWD_WEIGHT);
+    `pipeline/schedule.py` adds the messages and rematerialisation, and simulates the order for the bubble."""
 
     name = ""
     chunked = False  # runs V > 1 chunks of layers per stage
@@ -31,8 +28,9 @@ class Schedule(ABC):
             raise ValueError(f"virtual_stages {virtual} needs schedule 'interleaved' (got '{self.name}')")
 
     def bubble(self, stages: int, microbatches: int, virtual: int) -> float | None:
-        """The idle fraction in closed form, or None to simulate the order on ideal devices."""
-        return None
+        """The idle fraction in closed form (the fill-drain one, where `bubble_formula` states it), or None to
+        simulate the order on ideal devices."""
+        return fill_drain_bubble(stages, microbatches) if self.bubble_formula else None
 
 
 def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[Step]:

@@ -10,7 +10,7 @@ K=3 stages, M=4 micro-batches (F forward, B backward, time flows right):
 from __future__ import annotations
 
 from gpipe_cli.pipeline.actions import Kind, Step
-from gpipe_cli.pipeline.schedules.base import Schedule, fill_drain_bubble
+from gpipe_cli.pipeline.schedules.base import Schedule
 
 
 class GPipe(Schedule):
@@ -25,7 +25,3 @@ class GPipe(Schedule):
         """Forwards in order, backwards in reverse."""
         return [(Kind.FWD, i, stage) for i in range(microbatches)] + \
             [(Kind.BWD, i, stage) for i in reversed(range(microbatches))]
-
-    def bubble(self, stages: int, microbatches: int, virtual: int) -> float:
-        """(K-1)/(M+K-1)."""
-        return fill_drain_bubble(stages, microbatches)

@@ -10,7 +10,7 @@ It keeps at most K - stage micro-batches in flight, with GPipe's bubble:
 from __future__ import annotations
 
 from gpipe_cli.pipeline.actions import Step
-from gpipe_cli.pipeline.schedules.base import Schedule, fill_drain_bubble, one_f_one_b
+from gpipe_cli.pipeline.schedules.base import Schedule, one_f_one_b
 
 
 class OneFOneB(Schedule):
@@ -24,7 +24,3 @@ class OneFOneB(Schedule):
     def order(self, stage: int, stages: int, microbatches: int, virtual: int) -> list[Step]:
         """1F1B's order."""
         return one_f_one_b(stage, stages, microbatches)
-
-    def bubble(self, stages: int, microbatches: int, virtual: int) -> float:
-        """(K-1)/(M+K-1), as GPipe."""
-        return fill_drain_bubble(stages, microbatches)

@@ -7,25 +7,20 @@ stage 0 and the two chunks at the turn share stage K-1 (they hand over in memory
     stage 1     1 ........ 4
     stage 2       2 .. 3
 
-Each stage's order comes from running all stages on ideal devices (a forward, an input-gradient B
-and a weight-gradient W one unit each; chunk 0's backward stays whole): a free stage runs a ready
-B, then a ready forward (the upper chunk first), then a pending W, which fills what would be idle;
-or forwards before Bs. A chunk's activations are held from its forward to its W (or whole backward),
-and no stage ever holds more than a cap of them, counted in chunks. Two rules admit a micro-batch on
-a stage's lower chunk, both sure to run to the end for any cap of at least 2:
+Each stage's order comes from a greedy run of all stages on ideal devices (F, B and W one unit each;
+chunk 0's backward stays whole): a free stage runs a ready B, then a ready forward (the upper chunk
+first), then a pending W; or forwards before Bs. No stage holds more than a cap of chunk activations
+(from a forward to its W). Two rules admit a micro-batch on a stage's lower chunk, both sure to finish
+for any cap of at least 2:
 
     reserve   held + one slot kept for each started micro-batch's upper chunk + 2 within the cap
     drain n   a free slot, and at most n < cap micro-batches between their lower and upper chunk
-              here; an upper chunk then waits for a slot. A micro-batch past its upper chunk here
-              needs only backwards and upper chunks nearer stage 0 to free its slots, so stage 0
-              drains first, then stage 1, and so on, until each stage holds at most n: room.
+              here (stage 0 drains first, then stage 1, and so on, until each holds at most n)
 
-Of the runs (each rule, each n, Bs first or forwards first) the shortest gives the orders; of equally
-short ones, the one that loses least when each message between stages takes half a unit. The
-runs are made twice, with messages free and with that delay: on ideal devices a V's round trip through
-the turn or through stage 0 has no slack (stage K-1 waits for a gradient while its peer computes the
-two steps in between), so on real ranks every message's latency is idle time, twice per micro-batch;
-a run made with the delay sends earlier and waits later, at the same length where messages are free.
+Of the runs (each rule, each n, Bs or forwards first, messages free or half a unit late) the shortest
+with messages free wins, then the one that loses least with them late: a V's round trip has no slack
+on ideal devices, so on real ranks every message's latency is idle time, and a run made with the
+delay sends earlier and waits later at the same length.
 
     zero-bubble-v  cap 2K: 1F1B's peak (K micro-batches of a whole stage), B and W apart (ZB-V)
     v-half         cap K: half of 1F1B's peak, at some bubble (V-Half)
@@ -38,6 +33,7 @@ import heapq
 from abc import abstractmethod
 
 from gpipe_cli.pipeline.actions import Kind, Step
+from gpipe_cli.pipeline.placement import owner
 from gpipe_cli.pipeline.schedules.base import Schedule
 
 _TICKS = 2  # ticks per unit of work: a message's delay is a tick, half a forward
@@ -57,10 +53,6 @@ def orders(stages: int, microbatches: int, cap: int) -> Orders:
     lengths = [_replay(run, stages, 0) for run in runs]
     shortest = [run for run, length in zip(runs, lengths) if length == min(lengths)]  # the theory's bubble
     return min(shortest, key=lambda run: _replay(run, stages, _DELAY))
-
-
-def _owner(chunk: int, stages: int) -> int:
-    return chunk if chunk < stages else 2 * stages - 1 - chunk
 
 
 def _needs(step: Step, stages: int) -> list[tuple[Kind, int, int]]:
@@ -87,7 +79,7 @@ def _replay(run: Orders, stages: int, delay: int) -> int:
                 needs = _needs(order[at[s]], stages)
                 if any(need not in ended for need in needs):
                     break
-                start = max([free[s], *(ended[need] + (delay if _owner(need[2], stages) != s else 0)
+                start = max([free[s], *(ended[need] + (delay if owner(need[2], stages, "v") != s else 0)
                                         for need in needs)])
                 free[s] = start + _COST[kind]
                 ended[(Kind.BWD if kind == Kind.BWD_INPUT else kind, mb, chunk)] = free[s]
@@ -108,11 +100,11 @@ def _greedy(stages: int, microbatches: int, cap: int, forwards_first: bool,
     held, kept, free_at = [0] * k, [0] * k, [0] * k
     out: list[list[Step]] = [[] for _ in range(k)]
     left, now = 6 * m * k - m, 0  # F, B and W of each of 2K chunks; chunk 0 has no W
-    owner = [_owner(chunk, k) for chunk in range(last + 1)]
+    owners = [owner(chunk, k, "v") for chunk in range(last + 1)]
     events: list[int] = []  # ticks when a step ends or its result reaches the other stages
 
     def ended(kind: Kind, mb: int, chunk: int, reader: int) -> bool:
-        return finished.get((kind, mb, chunk), now + 1) + (delay if owner[chunk] != owner[reader] else 0) <= now
+        return finished.get((kind, mb, chunk), now + 1) + (delay if owners[chunk] != owners[reader] else 0) <= now
 
     def backward(chunk: int) -> Step | None:
         mb = next_bwd[chunk]

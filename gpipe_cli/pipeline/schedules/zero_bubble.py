@@ -1,10 +1,9 @@
 """Zero-bubble (ZB-H1, Qi et al., 2024): 1F1B with each backward split into B and a deferred W.
 
 Each backward becomes Bi (the input gradient, which the previous stage waits for) and W (the weight
-gradient, which nobody waits for). It runs 1F1B's order with Bi in place of B, and stage s puts each
-W s backwards later: the Bs travel up the pipeline twice as fast, and the Ws fill the slots where the
-stage would wait. Under 1F1B stage s holds K - s micro-batches and stage 0 holds K, so s pending Ws
-keep every stage at stage 0's peak. Stage 0 lags by nothing and keeps whole backwards. K=4, M=4:
+gradient, which nobody waits for), and stage s runs each W s backwards later: the Bs travel up twice
+as fast and the Ws fill the waits. Stage s holds K - s micro-batches under 1F1B, so s pending Ws keep
+every stage at stage 0's peak; stage 0 keeps whole backwards. K=4, M=4:
 
     stage 0  F0 F1 F2 F3 B0 B1 B2 B3
     stage 1  F0 F1 F2 Bi0 F3 Bi1 W0 Bi2 W1 Bi3 W2 W3
