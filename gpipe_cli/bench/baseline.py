@@ -11,17 +11,15 @@
 A class the installed torch lacks is reported as skipped, with the reason. Each rank wraps the same
 layers our engine ran (same seed, same cut) in one `PipelineStage` per chunk it holds.
 
-Same checkpointing: torch runs our `--checkpoint` mode, applied to its own order of work. A first,
-unmeasured step records the order in which each rank runs forwards and backwards; then the rule of our action
-lists (`schedule.remat_pairs`) picks from that order the forwards to recompute, and they run under
-activation checkpointing of the whole chunk (see `recompute`) and are recomputed in their backward.
-Where the two orders differ, so may the number of recomputed forwards: both are reported.
+Same checkpointing: a first, unmeasured step records torch's order of forwards and backwards; the rule of
+our action lists (`schedule.remat_pairs`) then picks from that order the forwards to recompute, run under
+activation checkpointing of the whole chunk (see `recompute`). Where the two orders differ, so may the
+number of recomputed forwards: both are reported.
 
-Memory is measured by the method our engine uses: the same `ActivationMeter` counts every tensor
-autograd saves during their step (loss included), the recomputed ones, and the chunk inputs and
-outputs they keep from a micro-batch's forward until its backward. On CUDA both sides report the
-allocator's peak instead. A rank's idle share is its step time less the
-time inside their stages' forward and backward calls (compute), over its step time, as ours.
+Memory is measured as our engine measures it: the same `ActivationMeter` counts every tensor autograd
+saves (loss and recomputation included) and the chunk inputs and outputs kept from a micro-batch's
+forward until its backward; on CUDA both sides report the allocator's peak. A rank's idle share is its
+step time less the time inside their stages' forward and backward calls, over its step time, as ours.
 
 Their known trap: receive buffers are allocated once, from the first micro-batch's shapes, so the
 batch must split into equal micro-batches (the options refuse anything else with --compare).
@@ -39,7 +37,7 @@ from gpipe_cli.bench import recompute
 from gpipe_cli.estimate.machine_load import Load, gather
 from gpipe_cli.estimate.measure import median, timed
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.pipeline import partition, schedules
+from gpipe_cli.pipeline import partition, placement, schedules
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.memory import ActivationMeter
@@ -60,11 +58,6 @@ def counterpart(schedule: str) -> tuple[str, type | None, str]:
 
     cls = getattr(torch_schedules, cls_name, None)
     return cls_name, cls, "" if cls is not None else f"torch {torch.__version__} has no {cls_name}"
-
-
-def chunks_of(rank: int, stages: int, chunks: int, placement: str = "loop") -> list[int]:
-    """The chunks (torch's stage indices) a rank holds, placed as our engine places them."""
-    return [c for c in range(chunks) if sched.owner(c, stages, placement) == rank]
 
 
 class _Probe:
@@ -132,15 +125,18 @@ def _metered_stage_class() -> type:
     return MeteredStage
 
 
-def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, inputs: Any,
-                 targets: torch.Tensor) -> dict[str, Any] | None:
-    """Time and meter torch's counterpart of `schedule_name`; its figures on rank 0, None elsewhere."""
+def compare(spec: ModelSpec, topo: Topology, job: Job, inputs: Any, targets: torch.Tensor) -> dict[str, Any]:
+    """Time and meter torch's counterpart of the job's schedule on its model, K, M and cut (figures on rank 0)."""
     layout, device = topo.layout, topo.device
-    cls_name, cls, missing = counterpart(schedule_name)
+
+    def on_rank0(figures: dict[str, Any]) -> dict[str, Any]:
+        return {f"torch-{job.schedule}": figures} if layout.rank == 0 else {}
+
+    cls_name, cls, missing = counterpart(job.schedule)
     k, chunks, microbatches = layout.stages, len(job.balance), job.microbatches[-1]
-    mine = chunks_of(layout.stage, k, chunks, schedules.get(job.schedule).placement)
+    mine = placement.chunks_of(layout.stage, k, chunks // k, schedules.get(job.schedule).placement)
     if cls is None:
-        return {"class": cls_name, "skipped": missing} if layout.rank == 0 else None
+        return on_rank0({"class": cls_name, "skipped": missing})
     ranges = partition.stage_ranges(job.balance)
     ours = sched.build(job.schedule, layout.stage, k, microbatches, job.checkpoint, chunks // k)
     meter = ActivationMeter()
@@ -166,7 +162,7 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
         single = issubclass(cls, PipelineScheduleSingle)
         schedule = cls(stages[0] if single else stages, microbatches, loss_fn=loss)
     except ValueError as exc:  # torch refuses this K, M (the same on every rank)
-        return {"class": cls_name, "skipped": f"{cls_name}: {exc}"} if layout.rank == 0 else None
+        return on_rank0({"class": cls_name, "skipped": f"{cls_name}: {exc}"})
     first, last = 0 in mine, chunks - 1 in mine
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     args = tuple(a.to(device) for a in args) if first else ()
@@ -201,18 +197,10 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
         idle.append(max(wall[0] - probe.busy, 0.0) / wall[0] if wall[0] > 0 else 0.0)
     shares = load.finish()
     rows = gather([max(peaks), median(idle), len(probe.remat), len(sched.rematerialised(ours))])
-    if layout.rank != 0:
-        return None
     stage_peaks = [int(r[0]) for r in rows[:k]]
     stage_idle = [r[1] for r in rows[:k]]
-    return {"class": cls_name, "samples_per_s": median([job.batch_size / t for t in times]), "step_times": times,
-            "stage_peak_bytes": stage_peaks, "peak_mem_bytes": max(stage_peaks),
-            "stage_idle": stage_idle, "bubble": sum(stage_idle) / len(stage_idle),
-            "checkpoint": job.checkpoint, "stage_recomputed": [int(r[2]) for r in rows[:k]],
-            "stage_recomputed_ours": [int(r[3]) for r in rows[:k]], "load": shares}
-
-
-def compare(spec: ModelSpec, topo: Topology, job: Job, inputs: Any, targets: torch.Tensor) -> dict[str, Any]:
-    """torch's counterpart of the job's schedule on its model, K, M and cut (rank 0 gets the figures)."""
-    figures = run_baseline(job.schedule, spec, topo, job, inputs, targets)
-    return {f"torch-{job.schedule}": figures} if figures is not None else {}
+    return on_rank0({"class": cls_name, "samples_per_s": median([job.batch_size / t for t in times]),
+                     "step_times": times, "stage_peak_bytes": stage_peaks, "peak_mem_bytes": max(stage_peaks),
+                     "stage_idle": stage_idle, "bubble": sum(stage_idle) / len(stage_idle),
+                     "checkpoint": job.checkpoint, "stage_recomputed": [int(r[2]) for r in rows[:k]],
+                     "stage_recomputed_ours": [int(r[3]) for r in rows[:k]], "load": shares})

@@ -7,11 +7,9 @@ the job (a baseline) still leaves the earlier figures behind.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from gpipe_cli.estimate import costs
 from gpipe_cli.estimate.measure import build_pipeline, measure_engine
@@ -40,23 +38,12 @@ class Job:
     trace: bool = False
     compare: bool = False
     host_overhead: bool = False  # K=1 only: the engine against a plain loop (see `overhead`)
-    extra: dict[str, Any] = field(default_factory=dict)
+    profile_chunks: int | None = None  # M whose micro-batch the costs are timed on (None: the job's largest M)
     offload: str = "none"
-
-    def write(self, path: Path) -> None:
-        """Save the job for the ranks to read."""
-        path.write_text(json.dumps(asdict(self)))
 
 
 def _save(result: dict[str, Any], out: str) -> None:
     atomic_write_text(Path(out), json.dumps(result))  # readers never see half a file
-
-
-def _profile_costs(job: Job, spec: Any, inputs: Any, targets: torch.Tensor) -> dict[str, Any]:
-    # Time layers at the smallest micro-batch the job runs: the size whose per-message overhead matters.
-    chunks = int(job.extra.get("profile_chunks", max(job.microbatches, default=1)))
-    first_inputs, first_targets = microbatch.scatter(inputs, chunks)[0], microbatch.scatter(targets, chunks)[0]
-    return costs.profile(spec, first_inputs, first_targets, job.seed).to_json()
 
 
 def run_job(job: Job, topo: topology.Topology) -> None:
@@ -66,7 +53,10 @@ def run_job(job: Job, topo: topology.Topology) -> None:
     rank0 = topo.layout.rank == 0
     result: dict[str, Any] = {"runs": []}
     if job.profile_costs and rank0:
-        result["costs"] = _profile_costs(job, spec, inputs, targets)
+        # Time layers at the smallest micro-batch the job runs: the size whose per-message overhead matters.
+        chunks = job.profile_chunks or max(job.microbatches, default=1)
+        first = microbatch.scatter(inputs, chunks)[0], microbatch.scatter(targets, chunks)[0]
+        result["costs"] = costs.profile(spec, *first, job.seed).to_json()
         _save(result, job.out)
     for chunks in job.microbatches:
         stages = topo.layout.stages
@@ -91,5 +81,3 @@ def run_job(job: Job, topo: topology.Topology) -> None:
         result["compare"] = baseline.compare(spec, topo, job, inputs, targets)
     if rank0:
         _save(result, job.out)
-
-

@@ -1,17 +1,13 @@
 """The engine's host overhead: K=1 engine steps against a plain PyTorch loop over the same layers.
 
-The plain loop is gradient accumulation as one would write it by hand: the mini-batch split into the
-engine's micro-batch sizes, and for each micro-batch a forward, the loss weighted as the engine weights
-it (its share of the mini-batch's units) and a backward. The micro-batches the engine's schedule
-rematerialises run each layer under `torch.utils.checkpoint` (one more forward before the backward, as
-the engine's recompute). Both sides start from the same weights and leave the same gradients, and
-neither runs an optimizer step: bench's engine steps run none, the update would be the same work on
-both sides, and without it the weights stay put, so every step of both sides computes the same thing.
+The plain loop is gradient accumulation written by hand: the engine's micro-batches, each loss weighted
+as the engine weights it, and `torch.utils.checkpoint` on the micro-batches the schedule rematerialises.
+Both sides start from the same weights, and neither runs an optimizer step (bench's engine steps run none),
+so the weights stay put and every step of both computes the same thing and leaves the same gradients.
 
-On a model small enough that its arithmetic is negligible, the difference of the two step times is what
-the engine adds in Python per step and per micro-batch: on a GPU, time the device idles. The two sides
-alternate over rounds in one process (same threads, same batch), and each keeps its best step, so drift
-in the machine's load hits both alike.
+On a model whose arithmetic is negligible, the difference of the step times is what the engine adds in
+Python per step and per micro-batch (on a GPU, time the device idles). The sides alternate over rounds
+in one process and each keeps its best step, so drift in the machine's load hits both alike.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Activation checkpointing for the baselines, with the recomputed activations counted by our meter.
 
-A checkpointed forward keeps no activation: autograd's saved-tensor hooks hand the graph a placeholder
-for each tensor it would save. The first time backward asks for one, the forward is run again from
-the stored input with the forward's RNG state (identical dropout masks), and every tensor it saves is
-held through the `ActivationMeter` until the graph lets go of its placeholder. So recomputation costs
-what our engine's does (one more forward of the stage, just before its backward) and weighs what
-ours weighs, and it works under a split backward (input gradient, then weight gradient) because the
-recomputed tensors stay while the graph does.
-
-`torch.utils.checkpoint` does the same, but keeps the recomputed tensors in its own hooks, out of the
-meter's sight: the CPU memory figures would then miss the recomputation that ours include.
+A checkpointed forward keeps no activation: saved-tensor hooks hand the graph a placeholder per tensor.
+The first time backward asks for one, the forward runs again from the stored input with its RNG state
+(identical dropout masks), and every tensor it saves is held through the `ActivationMeter` until the
+graph lets go of its placeholder: recomputation costs and weighs what our engine's does, also under a
+split backward. `torch.utils.checkpoint` keeps the recomputed tensors out of the meter's sight.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ launching them to read back what rank 0 wrote."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +32,9 @@ class JobFailed(RuntimeError):
 
 def launch_job(job: Job, folder: Path, name: str, threads: int) -> dict[str, Any]:
     """Run `job` on `job.stages` ranks; rank 0's figures (raises JobFailed with what was written)."""
-    out = folder / f"{name}.out.json"
+    out, path = folder / f"{name}.out.json", folder / f"{name}.job.json"
     job = replace(job, out=str(out))
-    path = folder / f"{name}.job.json"
-    job.write(path)
+    path.write_text(json.dumps(asdict(job)))
     code = launch(WORKER, [str(path)], job.stages, LaunchOptions(threads=threads))
     result = json.loads(out.read_text()) if out.exists() else {}
     if code != 0:

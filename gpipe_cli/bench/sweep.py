@@ -33,7 +33,7 @@ def run(options: BenchOptions, subject: Subject, folder: Path, progress: Progres
     ks = sweep_partitions(options, layers)
     progress.phase(f"measuring per-layer costs ({layers} layers)", phases.get(1, 0.0))
     job = base_job(options, subject, 1, [layers], microbatches=[], profile_costs=True,
-                   extra={"profile_chunks": max(SWEEP_MICROBATCHES)})
+                   profile_chunks=max(SWEEP_MICROBATCHES))
     costs = CostProfile.from_json(setup.launch_job(job, folder, "costs", options.threads)["costs"])
     cells: list[dict[str, Any]] = []
     for k in ks:

@@ -1,9 +1,7 @@
 """Whether the machine was the job's alone while it was measured: CPU used by other processes, and stolen.
 
-A benchmark on a shared machine measures the neighbours as much as itself. The machine's busy CPU
-seconds (all cores, /proc/stat) less every rank's own CPU seconds (all its threads) is what other
-processes used; a share of a few percent already skews timings. In a virtual machine, "steal" is
-time the hypervisor gave the cores to someone else.
+A benchmark on a shared machine measures the neighbours too: the machine's busy CPU seconds (/proc/stat)
+less every rank's own are what others used; in a virtual machine, "steal" is what the hypervisor gave away.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Time training steps on this rank: the engine's, or any other step function, by one common clock.
 
-Every step starts after a barrier and is timed on every rank from the barrier to its return; the
-step's time is the slowest rank's. Ours and the baselines are timed by this same function, so their
-ratios compare like with like. Warm-up steps are run and dropped.
+Every step starts after a barrier and lasts as long as its slowest rank, so ours and the baselines,
+timed by the same function, compare like with like. Warm-up steps are run and dropped.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The model a benchmark or a memory profile runs: a preset, a family name or a recipe's model, resized.
 
-`--model` takes a preset of the zoo (`registry.names_help`), a family name (`families.FAMILIES`: the
-paper's speed-table models), or a recipe file (`*.yaml`), whose
-model section is used. Size flags and `--set KEY=VALUE` then replace individual model parameters,
-so a paper-sized model can be shrunk to something a CPU can time.
+`--model` takes a preset of the zoo, a family name (the paper's speed-table model) or a recipe file;
+size flags and `--set KEY=VALUE` then replace model parameters, so a paper-sized model can be shrunk
+to something a CPU can time.
 """
 
 from __future__ import annotations
