@@ -13,8 +13,12 @@ layers our engine ran (same seed, same cut) in one `PipelineStage` per chunk it 
 
 Same checkpointing: a first, unmeasured step records torch's order of forwards and backwards; the rule of
 our action lists (`schedule.remat_pairs`) then picks from that order the forwards to recompute, run under
-activation checkpointing of the whole chunk (see `recompute`). Where the two orders differ, so may the
-number of recomputed forwards: both are reported.
+activation checkpointing of the whole chunk. Where the two orders differ, so may the number of recomputed
+forwards: both are reported. That checkpointing (`checkpoint`) hands the graph a placeholder for each tensor
+it would save; the first time backward asks for one, the forward runs again from the stored input with its
+RNG state (identical dropout masks), and every tensor it saves is held through the `ActivationMeter` until
+the graph lets go of its placeholder: recomputation costs and weighs what our engine's does, also under a
+split backward. `torch.utils.checkpoint` would keep the recomputed tensors out of the meter's sight.
 
 Memory is measured as our engine measures it: the same `ActivationMeter` counts every tensor autograd
 saves (loss and recomputation included) and the chunk inputs and outputs kept from a micro-batch's
@@ -28,23 +32,23 @@ batch must split into equal micro-batches (the options refuse anything else with
 from __future__ import annotations
 
 import time
+import weakref
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
-from gpipe_cli.bench import recompute
-from gpipe_cli.estimate.machine_load import Load, gather
-from gpipe_cli.estimate.measure import median, timed
+from gpipe_cli.estimate.measure import Load, gather, median, timed
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import partition, placement, schedules
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.layers import build_layers
-from gpipe_cli.pipeline.memory import ActivationMeter
+from gpipe_cli.pipeline.memory import ActivationMeter, held
 from gpipe_cli.pipeline.topology import Topology
 
 if TYPE_CHECKING:
-    from gpipe_cli.bench.job import Job
+    from gpipe_cli.bench.setup import Job
 
 
 def counterpart(schedule: str) -> tuple[str, type | None, str]:
@@ -58,6 +62,84 @@ def counterpart(schedule: str) -> tuple[str, type | None, str]:
 
     cls = getattr(torch_schedules, cls_name, None)
     return cls_name, cls, "" if cls is not None else f"torch {torch.__version__} has no {cls_name}"
+
+
+class _Slot:
+    """The graph's placeholder for one tensor a checkpointed forward would have saved."""
+
+    __slots__ = ("frame", "value", "__weakref__")
+
+    def __init__(self, frame: _Frame) -> None:
+        self.frame, self.value = frame, None  # value: the meter's handle once recomputed
+
+
+def _tensor(handle: Any) -> Any:
+    return held([handle])[0]
+
+
+class _Frame:
+    """One checkpointed forward: its function, input, RNG state and the placeholders it handed out."""
+
+    def __init__(self, fn: Callable[..., Any], args: Sequence[Any], meter: ActivationMeter) -> None:
+        self.fn, self.meter = fn, meter
+        # Detached (same storage), so the stored input keeps no graph alive; held through the meter, so it is
+        # counted for as long as the graph may recompute from it (until the weight gradient, when split).
+        self.args = [meter.hold(a.detach().requires_grad_(a.requires_grad)) if isinstance(a, torch.Tensor) else a
+                     for a in args]
+        self.cpu_rng = torch.get_rng_state()
+        self.devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
+        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in self.devices]
+        self.slots: list[weakref.ref[_Slot]] = []
+        self.recomputed = False
+
+    def pack(self, tensor: torch.Tensor) -> _Slot:
+        """Hand the graph a placeholder instead of the tensor."""
+        slot = _Slot(self)
+        self.slots.append(weakref.ref(slot))
+        return slot
+
+    def recompute(self) -> None:
+        """Run the forward again and fill every placeholder still in use, in the order they were made."""
+        index = 0
+
+        def capture(tensor: torch.Tensor) -> None:
+            nonlocal index
+            slot = self.slots[index]() if index < len(self.slots) else None
+            index += 1
+            if slot is not None:
+                slot.value = self.meter.hold(tensor.detach())
+            # The recomputed graph itself is never run backward: it keeps nothing (returning the tensor
+            # would let a saved output keep its own graph alive, a cycle nothing collects).
+
+        with torch.random.fork_rng(devices=self.devices), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(capture, _never):
+            torch.set_rng_state(self.cpu_rng)
+            for device, state in zip(self.devices, self.cuda_rng):
+                torch.cuda.set_rng_state(state, device)
+            self.fn(*[_tensor(a) for a in self.args])
+        if index != len(self.slots):
+            raise RuntimeError(f"the recomputed forward saved {index} tensors, the original {len(self.slots)}: "
+                               f"the layers are not deterministic under recomputation")
+        self.recomputed = True
+
+
+def _never(_: Any) -> torch.Tensor:
+    raise RuntimeError("a recomputed forward's own graph is never run backward")
+
+
+def _unpack(slot: _Slot) -> torch.Tensor:
+    if slot.value is None and not slot.frame.recomputed:
+        slot.frame.recompute()
+    if slot.value is None:
+        raise RuntimeError("a checkpointed activation was asked for after the graph released it")
+    return _tensor(slot.value)
+
+
+def checkpoint(fn: Callable[..., Any], args: Sequence[Any], meter: ActivationMeter) -> Any:
+    """`fn(*args)` keeping no activation; they are recomputed, and counted by `meter`, when backward needs them."""
+    frame = _Frame(fn, args, meter)
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack):
+        return fn(*args)
 
 
 class _Probe:
@@ -80,7 +162,7 @@ class _Chunk(nn.Module):
     def forward(self, *args: Any) -> Any:
         # Their stages pass a tuple as several arguments; our layers take it as one.
         if self.checkpointed and torch.is_grad_enabled():
-            return recompute.checkpoint(self._run, args, self.probe.meter)
+            return checkpoint(self._run, args, self.probe.meter)
         return self._run(*args)
 
     def _run(self, *args: Any) -> Any:

@@ -22,8 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gpipe_cli.bench.options import overhead_rounds
-from gpipe_cli.estimate.machine_load import Load
-from gpipe_cli.estimate.measure import build_pipeline, timed
+from gpipe_cli.estimate.measure import Load, build_pipeline, timed
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import microbatch
 from gpipe_cli.pipeline import schedule as sched

@@ -31,8 +31,7 @@ from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate import simulate
 from gpipe_cli.estimate.costs import CostProfile
-from gpipe_cli.estimate.machine_load import contended
-from gpipe_cli.estimate.measure import RunFigures, median
+from gpipe_cli.estimate.measure import RunFigures, contended, median
 from gpipe_cli.estimate.subject import Subject, is_text
 from gpipe_cli.files import atomic_write_text
 from gpipe_cli.pipeline import partition

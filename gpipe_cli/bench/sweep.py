@@ -17,8 +17,7 @@ from gpipe_cli.bench import setup
 from gpipe_cli.bench.options import SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions
 from gpipe_cli.bench.setup import base_job, model_json, oversubscription, sweep_partitions
 from gpipe_cli.estimate.costs import CostProfile
-from gpipe_cli.estimate.machine_load import contended
-from gpipe_cli.estimate.measure import RunFigures
+from gpipe_cli.estimate.measure import RunFigures, contended
 from gpipe_cli.estimate.subject import Subject
 from gpipe_cli.models import families
 from gpipe_cli.pipeline.schedule import theoretical_bubble
