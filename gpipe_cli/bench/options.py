@@ -56,10 +56,6 @@ class BenchOptions(SizeFlags):
         """The M values this invocation measures."""
         return list(SWEEP_MICROBATCHES) if self.sweep else [self.microbatches]
 
-    def chunk_count(self, stages: int) -> int:
-        """The entries of a balance for K=`stages`: K x V chunks."""
-        return stages * self.virtual_stages
-
     def virtual_at(self, stages: int) -> int:
         """V at K=`stages`: a K=1 run holds one chunk, except under a V-shaped schedule (two, in memory)."""
         return self.virtual_stages if stages > 1 or schedules.get(self.schedule).placement == "v" else 1

@@ -12,6 +12,7 @@ in one process and each keeps its best step, so drift in the machine's load hits
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -108,13 +109,11 @@ def compare(spec: ModelSpec, topo: Topology, inputs: Any, targets: torch.Tensor,
     remat = remat_microbatches(schedule, chunks, checkpoint_mode)
     pipe = engine_pipeline(spec, topo, schedule, checkpoint_mode, seed)
     plain = PlainLoop(spec, topo.device, seed, chunks, remat)
-    index = 0
+    index = itertools.count(1)
 
     def engine() -> float | None:
-        nonlocal index
         pipe.zero_grad()
-        index += 1
-        return pipe.train_step(inputs, targets, microbatches=chunks, step=index, measure_memory=False).loss
+        return pipe.train_step(inputs, targets, microbatches=chunks, step=next(index), measure_memory=False).loss
 
     sides: dict[str, Callable[[], Any]] = {"engine": engine, "plain": lambda: plain.step(inputs, targets)}
     for side in sides.values():

@@ -104,7 +104,7 @@ def _compare_json(summary: dict[str, Any], kk: RunFigures, baselines: dict[str, 
 def check_cut(options: BenchOptions, subject: Subject) -> None:
     """Refuse K (and --balance) that the model's layers cannot take, before anything is measured."""
     layers = len(subject.build().layers)
-    chunks = options.chunk_count(options.stages)
+    chunks = options.stages * options.virtual_stages
     try:
         partition.check_partitions(layers, chunks)
         explicit = parse_balance(options.balance, chunks)

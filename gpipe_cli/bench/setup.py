@@ -139,11 +139,12 @@ def base_job(options: BenchOptions, subject: Subject, stages: int, balance: list
 def choose_balance(options: BenchOptions, costs: CostProfile, stages: int) -> tuple[list[int], str]:
     """The explicit balance, or the split of the measured per-layer time into K x V chunks whose busiest stage is
     least (the runner's `check_cut` has refused a cut the model cannot take)."""
-    explicit = parse_balance(options.balance, options.chunk_count(stages))
+    chunks = stages * options.virtual_stages
+    explicit = parse_balance(options.balance, chunks)
     if explicit is not None:
         return explicit, "explicit"
     owners = placement.cut_owners(stages, options.virtual_stages, schedules.get(options.schedule).placement)
-    balance = costs.balance(options.chunk_count(stages), options.checkpoint, owners, max(options.microbatch_values()))
+    balance = costs.balance(chunks, options.checkpoint, owners, max(options.microbatch_values()))
     return balance, "measured time"
 
 

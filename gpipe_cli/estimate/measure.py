@@ -162,9 +162,7 @@ class RunFigures:
     @staticmethod
     def from_json(data: dict[str, Any]) -> RunFigures:
         """The inverse of `to_json`."""
-        fields = dict(data)
-        fields["stages"] = [StageFigures(**s) for s in data["stages"]]
-        return RunFigures(**fields)
+        return RunFigures(**{**data, "stages": [StageFigures(**s) for s in data["stages"]]})
 
 
 def _stage_figures(history: list[StepStats], balance: list[int], layout: topology.Layout) -> list[StageFigures]:

@@ -80,10 +80,7 @@ def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microba
                 link: Link, scale: float, overhead: float = 0.0) -> tuple[Any, Any]:
     ranges = partition.stage_ranges(balance)  # one per chunk
     last = len(balance) - 1
-    sizes = microbatch.sizes(batch_size, microbatches)
-
-    def per_example(mb: int) -> float:
-        return sizes[mb] / costs.microbatch_size
+    per_example = [size / costs.microbatch_size for size in microbatch.sizes(batch_size, microbatches)]
 
     def cost(stage: int, action: Action) -> float:
         layers = [costs.layers[i] for i in ranges[action.chunk]]
@@ -97,14 +94,14 @@ def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microba
             seconds = sum(t.backward for t in layers) * BACKWARD_SHARES[kind]
         else:
             return 0.0
-        return seconds * scale * per_example(mb) + overhead * len(layers)
+        return seconds * scale * per_example[mb] + overhead * len(layers)
 
     def latency(stage: int, action: Action) -> float:
         # A forward message carries this stage's output; a backward one the gradient of its input.
         chunk = ranges[action.chunk]
         boundary = chunk.stop - 1 if action.kind == Kind.SEND_FWD else chunk.start - 1
         nbytes = costs.layers[boundary].output_bytes if boundary >= 0 else costs.input_bytes
-        return link.latency + nbytes * per_example(action.microbatch) / link.bandwidth
+        return link.latency + nbytes * per_example[action.microbatch] / link.bandwidth
 
     return cost, latency
 

@@ -109,12 +109,8 @@ def size_limits(kind: str) -> dict[str, tuple[int, int]]:
     """(least, most) of each integer model parameter of `kind`, as the recipe schema allows."""
     from gpipe_cli.recipe.schema import MODEL_SECTIONS, bounds
 
-    out = {}
-    for name, info in MODEL_SECTIONS[kind].model_fields.items():
-        found = bounds(info)
-        if info.annotation is int and "ge" in found and "le" in found:
-            out[name] = (int(found["ge"]), int(found["le"]))
-    return out
+    return {name: (int(found["ge"]), int(found["le"])) for name, info in MODEL_SECTIONS[kind].model_fields.items()
+            if info.annotation is int and {"ge", "le"} <= (found := bounds(info)).keys()}
 
 
 def _from_recipe(path: str, overrides: Sequence[str]) -> tuple[str, dict[str, Any]]:

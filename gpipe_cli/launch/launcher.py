@@ -53,10 +53,8 @@ class LaunchOptions:
 def launch_options(nnodes: str | None = None, node_rank: int | None = None, rdzv_endpoint: str | None = None,
                    rdzv_backend: str | None = None, rdzv_id: str | None = None, threads: int | None = None,
                    environ: Mapping[str, str] | None = None) -> LaunchOptions:
-    """The options as given; inside a multi-node srun step, what is not given comes from Slurm.
-
-    --nnodes on the command line means the nodes are laid out by hand: then nothing comes from Slurm.
-    """
+    """The options as given; inside a multi-node srun step, what is not given comes from Slurm (unless --nnodes
+    is given: then the nodes are laid out by hand)."""
     step = None if nnodes is not None or under_torchrun() else slurm_step(environ)
     if step is None:
         return LaunchOptions(nnodes=nnodes or "1", node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
@@ -230,9 +228,8 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
            stages: int | None = None, started: Path | None = None) -> int:
     """Run `python -m module *args` on `world` ranks (this node's share of them); return an exit code.
 
-    `stages` (ranks per pipeline) lets messages name a rank's stage. `started` is the file the ranks
-    create once they have work to finish: stopped before it exists, the job says so here, as no rank will.
-    """
+    `stages` (ranks per pipeline) lets messages name a rank's stage. `started` is the file the ranks create
+    once they have work to finish: stopped before it exists, the job says so here, as no rank will."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
