@@ -24,7 +24,7 @@ from typing import Any
 
 from gpipe_cli import interrupts
 from gpipe_cli.errors import NONFINITE_EXIT_CODE, UserError
-from gpipe_cli.launch.rendezvous import rendezvous, threads_per_rank
+from gpipe_cli.launch.preflight import rendezvous, threads_per_rank
 from gpipe_cli.launch.slurm import SlurmStep, check_one_task_per_node, slurm_step
 
 _STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
