@@ -86,10 +86,8 @@ class BenchOptions(SizeFlags):
 
 
 def overhead_rounds(steps: int) -> tuple[int, int]:
-    """How the host-overhead comparison runs `steps` measured steps a side: (rounds, steps of each side per round).
-
-    Up to 10 rounds of at least 2 steps (when there are), so that a side's best step need not be its first
-    after a switch."""
+    """How the host-overhead comparison runs `steps` measured steps a side: (rounds, steps of each side per round);
+    up to 10 rounds of at least 2 steps where there are, so that a side's best step need not follow a switch."""
     count = max(1, min(10, steps // 2))
     return count, -(-steps // count)
 
