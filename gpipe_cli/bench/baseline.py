@@ -11,17 +11,19 @@
 A class the installed torch lacks is reported as skipped, with the reason. Each rank wraps the same
 layers our engine ran (same seed, same cut) in one `PipelineStage` per chunk it holds.
 
-Same checkpointing: torch runs our `--checkpoint` mode, applied to its own order of work. A first,
-unmeasured step records the order in which each rank runs forwards and backwards; then the rule of our action
-lists (`schedule.remat_pairs`) picks from that order the forwards to recompute, and they run under
-activation checkpointing of the whole chunk (see `recompute`) and are recomputed in their backward.
-Where the two orders differ, so may the number of recomputed forwards: both are reported.
+Same checkpointing: a first, unmeasured step records torch's order of forwards and backwards; the rule of
+our action lists (`schedule.remat_pairs`) then picks from that order the forwards to recompute, run under
+activation checkpointing of the whole chunk. Where the two orders differ, so may the number of recomputed
+forwards: both are reported. That checkpointing (`checkpoint`) hands the graph a placeholder for each tensor
+it would save; the first time backward asks for one, the forward runs again from the stored input with its
+RNG state (identical dropout masks), and every tensor it saves is held through the `ActivationMeter` until
+the graph lets go of its placeholder: recomputation costs and weighs what our engine's does, also under a
+split backward. `torch.utils.checkpoint` would keep the recomputed tensors out of the meter's sight.
 
-Memory is measured by the method our engine uses: the same `ActivationMeter` counts every tensor
-autograd saves during their step (loss included), the recomputed ones, and the chunk inputs and
-outputs they keep from a micro-batch's forward until its backward. On CUDA both sides report the
-allocator's peak instead. A rank's idle share is its step time less the
-time inside their stages' forward and backward calls (compute), over its step time, as ours.
+Memory is measured as our engine measures it: the same `ActivationMeter` counts every tensor autograd
+saves (loss and recomputation included) and the chunk inputs and outputs kept from a micro-batch's
+forward until its backward; on CUDA both sides report the allocator's peak. A rank's idle share is its
+step time less the time inside their stages' forward and backward calls, over its step time, as ours.
 
 Their known trap: receive buffers are allocated once, from the first micro-batch's shapes, so the
 batch must split into equal micro-batches (the options refuse anything else with --compare).
@@ -30,23 +32,23 @@ batch must split into equal micro-batches (the options refuse anything else with
 from __future__ import annotations
 
 import time
+import weakref
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
-from gpipe_cli.bench import recompute
-from gpipe_cli.estimate.machine_load import Load, gather
-from gpipe_cli.estimate.measure import median, timed
+from gpipe_cli.estimate.measure import Load, gather, median, timed
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.pipeline import partition, schedules
+from gpipe_cli.pipeline import partition, placement, schedules
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.layers import build_layers
-from gpipe_cli.pipeline.memory import ActivationMeter
+from gpipe_cli.pipeline.memory import ActivationMeter, held
 from gpipe_cli.pipeline.topology import Topology
 
 if TYPE_CHECKING:
-    from gpipe_cli.bench.job import Job
+    from gpipe_cli.bench.setup import Job
 
 
 def counterpart(schedule: str) -> tuple[str, type | None, str]:
@@ -62,9 +64,82 @@ def counterpart(schedule: str) -> tuple[str, type | None, str]:
     return cls_name, cls, "" if cls is not None else f"torch {torch.__version__} has no {cls_name}"
 
 
-def chunks_of(rank: int, stages: int, chunks: int, placement: str = "loop") -> list[int]:
-    """The chunks (torch's stage indices) a rank holds, placed as our engine places them."""
-    return [c for c in range(chunks) if sched.owner(c, stages, placement) == rank]
+class _Slot:
+    """The graph's placeholder for one tensor a checkpointed forward would have saved."""
+
+    __slots__ = ("frame", "value", "__weakref__")
+
+    def __init__(self, frame: _Frame) -> None:
+        self.frame, self.value = frame, None  # value: the meter's handle once recomputed
+
+
+def _tensor(handle: Any) -> Any:
+    return held([handle])[0]
+
+
+class _Frame:
+    """One checkpointed forward: its function, input, RNG state and the placeholders it handed out."""
+
+    def __init__(self, fn: Callable[..., Any], args: Sequence[Any], meter: ActivationMeter) -> None:
+        self.fn, self.meter = fn, meter
+        # Detached (same storage), so the stored input keeps no graph alive; held through the meter, so it is
+        # counted for as long as the graph may recompute from it (until the weight gradient, when split).
+        self.args = [meter.hold(a.detach().requires_grad_(a.requires_grad)) if isinstance(a, torch.Tensor) else a
+                     for a in args]
+        self.cpu_rng = torch.get_rng_state()
+        self.devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
+        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in self.devices]
+        self.slots: list[weakref.ref[_Slot]] = []
+        self.recomputed = False
+
+    def pack(self, tensor: torch.Tensor) -> _Slot:
+        """Hand the graph a placeholder instead of the tensor."""
+        slot = _Slot(self)
+        self.slots.append(weakref.ref(slot))
+        return slot
+
+    def recompute(self) -> None:
+        """Run the forward again and fill every placeholder still in use, in the order they were made."""
+        index = 0
+
+        def capture(tensor: torch.Tensor) -> None:
+            nonlocal index
+            slot = self.slots[index]() if index < len(self.slots) else None
+            index += 1
+            if slot is not None:
+                slot.value = self.meter.hold(tensor.detach())
+            # The recomputed graph itself is never run backward: it keeps nothing (returning the tensor
+            # would let a saved output keep its own graph alive, a cycle nothing collects).
+
+        with torch.random.fork_rng(devices=self.devices), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(capture, _never):
+            torch.set_rng_state(self.cpu_rng)
+            for device, state in zip(self.devices, self.cuda_rng):
+                torch.cuda.set_rng_state(state, device)
+            self.fn(*[_tensor(a) for a in self.args])
+        if index != len(self.slots):
+            raise RuntimeError(f"the recomputed forward saved {index} tensors, the original {len(self.slots)}: "
+                               f"the layers are not deterministic under recomputation")
+        self.recomputed = True
+
+
+def _never(_: Any) -> torch.Tensor:
+    raise RuntimeError("a recomputed forward's own graph is never run backward")
+
+
+def _unpack(slot: _Slot) -> torch.Tensor:
+    if slot.value is None and not slot.frame.recomputed:
+        slot.frame.recompute()
+    if slot.value is None:
+        raise RuntimeError("a checkpointed activation was asked for after the graph released it")
+    return _tensor(slot.value)
+
+
+def checkpoint(fn: Callable[..., Any], args: Sequence[Any], meter: ActivationMeter) -> Any:
+    """`fn(*args)` keeping no activation; they are recomputed, and counted by `meter`, when backward needs them."""
+    frame = _Frame(fn, args, meter)
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack):
+        return fn(*args)
 
 
 class _Probe:
@@ -87,7 +162,7 @@ class _Chunk(nn.Module):
     def forward(self, *args: Any) -> Any:
         # Their stages pass a tuple as several arguments; our layers take it as one.
         if self.checkpointed and torch.is_grad_enabled():
-            return recompute.checkpoint(self._run, args, self.probe.meter)
+            return checkpoint(self._run, args, self.probe.meter)
         return self._run(*args)
 
     def _run(self, *args: Any) -> Any:
@@ -132,15 +207,18 @@ def _metered_stage_class() -> type:
     return MeteredStage
 
 
-def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, inputs: Any,
-                 targets: torch.Tensor) -> dict[str, Any] | None:
-    """Time and meter torch's counterpart of `schedule_name`; its figures on rank 0, None elsewhere."""
+def compare(spec: ModelSpec, topo: Topology, job: Job, inputs: Any, targets: torch.Tensor) -> dict[str, Any]:
+    """Time and meter torch's counterpart of the job's schedule on its model, K, M and cut (figures on rank 0)."""
     layout, device = topo.layout, topo.device
-    cls_name, cls, missing = counterpart(schedule_name)
+
+    def on_rank0(figures: dict[str, Any]) -> dict[str, Any]:
+        return {f"torch-{job.schedule}": figures} if layout.rank == 0 else {}
+
+    cls_name, cls, missing = counterpart(job.schedule)
     k, chunks, microbatches = layout.stages, len(job.balance), job.microbatches[-1]
-    mine = chunks_of(layout.stage, k, chunks, schedules.get(job.schedule).placement)
+    mine = placement.chunks_of(layout.stage, k, chunks // k, schedules.get(job.schedule).placement)
     if cls is None:
-        return {"class": cls_name, "skipped": missing} if layout.rank == 0 else None
+        return on_rank0({"class": cls_name, "skipped": missing})
     ranges = partition.stage_ranges(job.balance)
     ours = sched.build(job.schedule, layout.stage, k, microbatches, job.checkpoint, chunks // k)
     meter = ActivationMeter()
@@ -166,7 +244,7 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
         single = issubclass(cls, PipelineScheduleSingle)
         schedule = cls(stages[0] if single else stages, microbatches, loss_fn=loss)
     except ValueError as exc:  # torch refuses this K, M (the same on every rank)
-        return {"class": cls_name, "skipped": f"{cls_name}: {exc}"} if layout.rank == 0 else None
+        return on_rank0({"class": cls_name, "skipped": f"{cls_name}: {exc}"})
     first, last = 0 in mine, chunks - 1 in mine
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     args = tuple(a.to(device) for a in args) if first else ()
@@ -201,18 +279,10 @@ def run_baseline(schedule_name: str, spec: ModelSpec, topo: Topology, job: Job, 
         idle.append(max(wall[0] - probe.busy, 0.0) / wall[0] if wall[0] > 0 else 0.0)
     shares = load.finish()
     rows = gather([max(peaks), median(idle), len(probe.remat), len(sched.rematerialised(ours))])
-    if layout.rank != 0:
-        return None
     stage_peaks = [int(r[0]) for r in rows[:k]]
     stage_idle = [r[1] for r in rows[:k]]
-    return {"class": cls_name, "samples_per_s": median([job.batch_size / t for t in times]), "step_times": times,
-            "stage_peak_bytes": stage_peaks, "peak_mem_bytes": max(stage_peaks),
-            "stage_idle": stage_idle, "bubble": sum(stage_idle) / len(stage_idle),
-            "checkpoint": job.checkpoint, "stage_recomputed": [int(r[2]) for r in rows[:k]],
-            "stage_recomputed_ours": [int(r[3]) for r in rows[:k]], "load": shares}
-
-
-def compare(spec: ModelSpec, topo: Topology, job: Job, inputs: Any, targets: torch.Tensor) -> dict[str, Any]:
-    """torch's counterpart of the job's schedule on its model, K, M and cut (rank 0 gets the figures)."""
-    figures = run_baseline(job.schedule, spec, topo, job, inputs, targets)
-    return {f"torch-{job.schedule}": figures} if figures is not None else {}
+    return on_rank0({"class": cls_name, "samples_per_s": median([job.batch_size / t for t in times]),
+                     "step_times": times, "stage_peak_bytes": stage_peaks, "peak_mem_bytes": max(stage_peaks),
+                     "stage_idle": stage_idle, "bubble": sum(stage_idle) / len(stage_idle),
+                     "checkpoint": job.checkpoint, "stage_recomputed": [int(r[2]) for r in rows[:k]],
+                     "stage_recomputed_ours": [int(r[3]) for r in rows[:k]], "load": shares})

@@ -56,10 +56,6 @@ class BenchOptions(SizeFlags):
         """The M values this invocation measures."""
         return list(SWEEP_MICROBATCHES) if self.sweep else [self.microbatches]
 
-    def chunk_count(self, stages: int) -> int:
-        """The entries of a balance for K=`stages`: K x V chunks."""
-        return stages * self.virtual_stages
-
     def virtual_at(self, stages: int) -> int:
         """V at K=`stages`: a K=1 run holds one chunk, except under a V-shaped schedule (two, in memory)."""
         return self.virtual_stages if stages > 1 or schedules.get(self.schedule).placement == "v" else 1
@@ -71,9 +67,8 @@ class BenchOptions(SizeFlags):
 
     @property
     def measures_host_overhead(self) -> bool:
-        """Whether the K=1 run also times the engine against a plain loop: when the benchmark is of K=1 itself.
-
-        At K > 1 it would add as many K=1 steps again to every run; the report says it is measured at K=1 only."""
+        """Whether the K=1 run also times the engine against a plain loop: only when the benchmark is of K=1 itself
+        (at K > 1 it would add as many K=1 steps again to every run)."""
         return self.stages == 1 and not self.sweep
 
     def sweep_plot(self) -> Path | None:
@@ -91,10 +86,8 @@ class BenchOptions(SizeFlags):
 
 
 def overhead_rounds(steps: int) -> tuple[int, int]:
-    """How the host-overhead comparison runs `steps` measured steps a side: (rounds, steps of each side per round).
-
-    Up to 10 rounds of at least 2 steps (when there are), so that a side's best step need not be its first
-    after a switch."""
+    """How the host-overhead comparison runs `steps` measured steps a side: (rounds, steps of each side per round);
+    up to 10 rounds of at least 2 steps where there are, so that a side's best step need not follow a switch."""
     count = max(1, min(10, steps // 2))
     return count, -(-steps // count)
 
@@ -153,30 +146,29 @@ def bench_options(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[s
 
 def validate(options: BenchOptions) -> None:
     """Refuse options that cannot describe a benchmark, with one line naming the flag."""
-    checks = [
-        *((message is None, message or "") for message in (
-            outside("--partitions", options.partitions, 1, MAX_RANKS),
-            outside("--microbatches", options.microbatches, 1, MAX_SIZE),
-            outside("--steps", options.steps, 1, MAX_COUNT),
-            outside("--warmup", options.warmup, 0, MAX_COUNT),
-            outside("--threads", options.threads, 1, MAX_THREADS),
-            *(f"{flag} must be one of {', '.join(allowed)} (got {value})" for flag, value, allowed in (
-                ("--schedule", options.schedule, SCHEDULES), ("--checkpoint", options.checkpoint, REMAT_MODES),
-                ("--offload", options.offload, OFFLOAD_MODES)) if value not in allowed))),
-        (options.bandwidth > 0, f"--bandwidth must be > 0 GB/s (got {options.bandwidth})"),
-        (options.latency_us >= 0, f"--latency-us must be >= 0 (got {options.latency_us})"),
-        (options.devices is None or outside("--devices", options.devices, 1, MAX_RANKS) is None,
-         outside("--devices", options.devices or 0, 1, MAX_RANKS) or ""),
-        (options.devices is None or options.simulate, "--devices needs --simulate"),
-        (not (options.sweep and options.simulate), "--sweep and --simulate cannot be combined"),
-        (not (options.sweep and options.compare), "--sweep and --compare cannot be combined"),
-        (options.virtual_stages == 1 or not options.sweep, "--virtual-stages > 1 cannot be combined with --sweep"),
-        (options.trace is None or not (options.sweep or options.simulate),
-         "--trace records the K ranks' measured step: it cannot be combined with --sweep or --simulate"),
+    problems = [
+        outside("--partitions", options.partitions, 1, MAX_RANKS),
+        outside("--microbatches", options.microbatches, 1, MAX_SIZE),
+        outside("--steps", options.steps, 1, MAX_COUNT),
+        outside("--warmup", options.warmup, 0, MAX_COUNT),
+        outside("--threads", options.threads, 1, MAX_THREADS),
+        *(f"{flag} must be one of {', '.join(allowed)} (got {value})" for flag, value, allowed in (
+            ("--schedule", options.schedule, SCHEDULES), ("--checkpoint", options.checkpoint, REMAT_MODES),
+            ("--offload", options.offload, OFFLOAD_MODES)) if value not in allowed),
+        None if options.bandwidth > 0 else f"--bandwidth must be > 0 GB/s (got {options.bandwidth})",
+        None if options.latency_us >= 0 else f"--latency-us must be >= 0 (got {options.latency_us})",
+        None if options.devices is None else outside("--devices", options.devices, 1, MAX_RANKS),
+        None if options.devices is None or options.simulate else "--devices needs --simulate",
+        "--sweep and --simulate cannot be combined" if options.sweep and options.simulate else None,
+        "--sweep and --compare cannot be combined" if options.sweep and options.compare else None,
+        "--virtual-stages > 1 cannot be combined with --sweep" if options.virtual_stages != 1 and options.sweep
+        else None,
+        "--trace records the K ranks' measured step: it cannot be combined with --sweep or --simulate"
+        if options.trace is not None and (options.sweep or options.simulate) else None,
     ]
-    for ok, message in checks:
-        if not ok:
-            raise UserError(message)
+    problem = next((p for p in problems if p), None)
+    if problem:
+        raise UserError(problem)
     _check_outputs(options)
     _check_ranks_fit(options.partitions)
     from gpipe_cli.pipeline.schedule import check as check_schedule  # torch: only once the flags above are good

@@ -1,21 +1,18 @@
 """The engine's host overhead: K=1 engine steps against a plain PyTorch loop over the same layers.
 
-The plain loop is gradient accumulation as one would write it by hand: the mini-batch split into the
-engine's micro-batch sizes, and for each micro-batch a forward, the loss weighted as the engine weights
-it (its share of the mini-batch's units) and a backward. The micro-batches the engine's schedule
-rematerialises run each layer under `torch.utils.checkpoint` (one more forward before the backward, as
-the engine's recompute). Both sides start from the same weights and leave the same gradients, and
-neither runs an optimizer step: bench's engine steps run none, the update would be the same work on
-both sides, and without it the weights stay put, so every step of both sides computes the same thing.
+The plain loop is gradient accumulation written by hand: the engine's micro-batches, each loss weighted
+as the engine weights it, and `torch.utils.checkpoint` on the micro-batches the schedule rematerialises.
+Both sides start from the same weights, and neither runs an optimizer step (bench's engine steps run none),
+so the weights stay put and every step of both computes the same thing and leaves the same gradients.
 
-On a model small enough that its arithmetic is negligible, the difference of the two step times is what
-the engine adds in Python per step and per micro-batch: on a GPU, time the device idles. The two sides
-alternate over rounds in one process (same threads, same batch), and each keeps its best step, so drift
-in the machine's load hits both alike.
+On a model whose arithmetic is negligible, the difference of the step times is what the engine adds in
+Python per step and per micro-batch (on a GPU, time the device idles). The sides alternate over rounds
+in one process and each keeps its best step, so drift in the machine's load hits both alike.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -26,8 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gpipe_cli.bench.options import overhead_rounds
-from gpipe_cli.estimate.machine_load import Load
-from gpipe_cli.estimate.measure import build_pipeline, timed
+from gpipe_cli.estimate.measure import Load, build_pipeline, timed
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import microbatch
 from gpipe_cli.pipeline import schedule as sched
@@ -113,13 +109,11 @@ def compare(spec: ModelSpec, topo: Topology, inputs: Any, targets: torch.Tensor,
     remat = remat_microbatches(schedule, chunks, checkpoint_mode)
     pipe = engine_pipeline(spec, topo, schedule, checkpoint_mode, seed)
     plain = PlainLoop(spec, topo.device, seed, chunks, remat)
-    index = 0
+    index = itertools.count(1)
 
     def engine() -> float | None:
-        nonlocal index
         pipe.zero_grad()
-        index += 1
-        return pipe.train_step(inputs, targets, microbatches=chunks, step=index, measure_memory=False).loss
+        return pipe.train_step(inputs, targets, microbatches=chunks, step=next(index), measure_memory=False).loss
 
     sides: dict[str, Callable[[], Any]] = {"engine": engine, "plain": lambda: plain.step(inputs, targets)}
     for side in sides.values():

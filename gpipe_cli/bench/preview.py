@@ -1,10 +1,8 @@
 """What `gpipe bench` will measure, said before it measures anything.
 
-Without model flags the family's model is sized to this machine (see `gpipe_cli.sizing`); `--set` of a
-setting that leaves the model's size alone (dropout, for example) keeps the sizing. A model that the
-memory model says cannot fit this machine's free memory in one of its runs is refused in one line before
-anything starts. Then the plan is printed: the model and its parameters, the memory of each stage,
-the ranks per core or GPU (with the oversubscription warning), and how long it should take.
+Without model flags the family's model is sized to this machine (see `gpipe_cli.sizing`); a model the memory
+model says cannot fit this machine's free memory in one of its runs is refused in one line. Then the plan is
+printed: the model, each stage's memory, the ranks per core or GPU and how long it should take.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from gpipe_cli.pipeline import partition
 from gpipe_cli.units import human_bytes, human_count, human_seconds
 
 NO_STATE = "plain-sgd"  # bench steps without an optimizer: weights and gradients, as an optimizer without state
+
 
 def sizable(options: BenchOptions) -> bool:
     """Whether the model is left to this machine: a family name, no size flag, and `--set` only of settings
@@ -143,9 +142,8 @@ class Memory:
 
 
 def memory(subject: Subject, options: BenchOptions, machine: sizing.Machine) -> Memory:
-    """Each stage's memory (weights, gradients, activations; from the memory model) at K and K=1, and what every
-    run of the command needs at once on this machine: on a CPU all of its ranks with their runtimes; on GPUs
-    the fullest one, its ranks dealt out in turn."""
+    """Each stage's memory (from the memory model) at K and K=1, and what every run of the command needs at once
+    here: on a CPU all of its ranks with their runtimes; on GPUs the fullest one, its ranks dealt out in turn."""
     spec = subject.build()
     figures = mm.measure(spec, options.seed, device="meta")  # shapes only
     # Stages are cut by FLOPs, which grow alike in every layer with the micro-batch: one size cuts every M.
@@ -155,12 +153,8 @@ def memory(subject: Subject, options: BenchOptions, machine: sizing.Machine) -> 
     stages = {(k, m): _stage_memory(figures, flops, options, k, m)
               for k, m in {*configs, *((k, options.microbatches) for k in ks)}}
     units = max(machine.units, 1)
-    needs = []
-    for k, m in configs:
-        held = stages[(k, m)]
-        need = (max(sum(held[g::units]) for g in range(min(k, units))) if machine.kind == "cuda"
-                else sum(held) + k * RANK_BYTES)
-        needs.append((k, m, need))
+    needs = [(k, m, max(sum(stages[(k, m)][g::units]) for g in range(min(k, units))) if machine.kind == "cuda"
+              else sum(stages[(k, m)]) + k * RANK_BYTES) for k, m in configs]
     return Memory({k: stages[(k, options.microbatches)] for k in ks}, needs)
 
 

@@ -3,11 +3,9 @@
     K=1 job   per-layer costs (for the balance and the simulator) + T(K=1) at the same M and remat
     K job     T(K), measured bubble, per-stage memory, optional trace and baselines
 
-Before anything is measured the plan is printed (see `preview`): the model, sized to this machine
-when no model flag was given, its memory per stage, the ranks per core or GPU and the time it should
-take; a model that cannot fit this machine's free memory is refused in one line instead. Ctrl-C stops
-the ranks and exits 130 with no traceback; the job folder is removed. Once measuring is over, Ctrl-C
-and SIGTERM are ignored for the moment it takes to print and write the results.
+The plan is printed first (see `preview`), or a model too large for this machine refused in one line.
+Ctrl-C stops the ranks and exits 130 with no traceback, the job folder removed; once measuring is over,
+Ctrl-C and SIGTERM wait the moment it takes to print and write the results.
 
 Efficiency is T(K) / (K × T(K=1) × M/(M+K-1)): 1.0 means the only loss is GPipe's bubble.
 """
@@ -33,11 +31,11 @@ from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate import simulate
 from gpipe_cli.estimate.costs import CostProfile
-from gpipe_cli.estimate.machine_load import contended
-from gpipe_cli.estimate.measure import RunFigures, median
+from gpipe_cli.estimate.measure import RunFigures, contended, median
 from gpipe_cli.estimate.subject import Subject, is_text
 from gpipe_cli.files import atomic_write_text
 from gpipe_cli.pipeline import partition
+from gpipe_cli.pipeline.config import sizes  # nearly equal parts, larger first
 from gpipe_cli.pipeline.schedule import theoretical_bubble
 from gpipe_cli.progress import Progress, took_line
 
@@ -106,7 +104,7 @@ def _compare_json(summary: dict[str, Any], kk: RunFigures, baselines: dict[str, 
 def check_cut(options: BenchOptions, subject: Subject) -> None:
     """Refuse K (and --balance) that the model's layers cannot take, before anything is measured."""
     layers = len(subject.build().layers)
-    chunks = options.chunk_count(options.stages)
+    chunks = options.stages * options.virtual_stages
     try:
         partition.check_partitions(layers, chunks)
         explicit = parse_balance(options.balance, chunks)
@@ -119,12 +117,6 @@ def check_cut(options: BenchOptions, subject: Subject) -> None:
         raise UserError(f"--{flag}/--balance: {exc} (the model has {layers} pipeline layers)") from None
 
 
-def _even(layers: int, chunks: int) -> list[int]:
-    """`layers` cut into `chunks` nearly equal contiguous parts, larger first: each part's layers."""
-    base, extra = divmod(layers, chunks)
-    return [base + (c < extra) for c in range(chunks)]
-
-
 def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Progress,
             phases: dict[int, float]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Measure K=1 and K ranks (or predict K devices): the figures, and the K ranks' step for --trace (each job
@@ -134,7 +126,7 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
     then = ", then the engine against a plain loop" if options.measures_host_overhead else ""
     progress.phase(f"measuring K=1 ({len(spec.layers)} layers, per-layer costs and {options.steps} steps{then})",
                    phases.get(1, 0.0))
-    k1_job = base_job(options, subject, 1, _even(len(spec.layers), options.virtual_at(1)), profile_costs=True,
+    k1_job = base_job(options, subject, 1, sizes(len(spec.layers), options.virtual_at(1)), profile_costs=True,
                       host_overhead=options.measures_host_overhead)
     k1_raw = setup.launch_job(k1_job, folder, "k1", options.threads)
     costs = CostProfile.from_json(k1_raw["costs"])

@@ -1,25 +1,95 @@
-"""How a benchmark is set up and started: its jobs, their balance, whether their ranks fit the hardware, and
-launching them to read back what rank 0 wrote."""
+"""How a benchmark is set up and started: its jobs, their balance, whether their ranks fit the hardware, what
+each rank of a job measures, and launching them to read back what rank 0 wrote.
+
+Rank 0 writes the figures as JSON to the job's `out` path after every phase, so a failure late in
+the job (a baseline) still leaves the earlier figures behind.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gpipe_cli.bench.job import Job
 from gpipe_cli.bench.options import SWEEP_PARTITIONS, BenchOptions, parse_balance
-from gpipe_cli.estimate.costs import CostProfile
-from gpipe_cli.estimate.subject import Subject
+from gpipe_cli.estimate.costs import CostProfile, profile
+from gpipe_cli.estimate.measure import build_pipeline, measure_engine
+from gpipe_cli.estimate.subject import Subject, example_batch
+from gpipe_cli.files import atomic_write_text
 from gpipe_cli.launch.launcher import LaunchOptions, launch
 from gpipe_cli.models.describe import count_parameters
-from gpipe_cli.pipeline import placement, schedules
+from gpipe_cli.pipeline import microbatch, placement, schedules, topology
+from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.sizing import usable_cores
 
 WORKER = "gpipe_cli.bench.worker"
+
+
+@dataclass
+class Job:
+    """One launch of K ranks: the model, the cut, what to run and where rank 0 writes the figures."""
+
+    subject: dict[str, Any]
+    stages: int
+    balance: list[int]
+    batch_size: int
+    microbatches: list[int]
+    schedule: str
+    checkpoint: str
+    steps: int
+    warmup: int
+    seed: int
+    out: str
+    profile_costs: bool = False
+    trace: bool = False
+    compare: bool = False
+    host_overhead: bool = False  # K=1 only: the engine against a plain loop (see `overhead`)
+    profile_chunks: int | None = None  # M whose micro-batch the costs are timed on (None: the job's largest M)
+    offload: str = "none"
+
+
+def _save(result: dict[str, Any], out: str) -> None:
+    atomic_write_text(Path(out), json.dumps(result))  # readers never see half a file
+
+
+def run_job(job: Job, topo: topology.Topology) -> None:
+    """Measure what the job asks for on this rank."""
+    spec = Subject.from_json(job.subject).build()
+    inputs, targets = example_batch(spec, job.batch_size, job.seed)
+    rank0 = topo.layout.rank == 0
+    result: dict[str, Any] = {"runs": []}
+    if job.profile_costs and rank0:
+        # Time layers at the smallest micro-batch the job runs: the size whose per-message overhead matters.
+        chunks = job.profile_chunks or max(job.microbatches, default=1)
+        first = microbatch.scatter(inputs, chunks)[0], microbatch.scatter(targets, chunks)[0]
+        result["costs"] = profile(spec, *first, job.seed).to_json()
+        _save(result, job.out)
+    for chunks in job.microbatches:
+        stages = topo.layout.stages
+        config = PipelineConfig(stages, chunks, topo.layout.replicas, len(job.balance) // stages, job.schedule,
+                                job.checkpoint, tuple(job.balance), job.offload)
+        pipe = build_pipeline(spec, topo, config, job.seed)
+        figures = measure_engine(pipe, inputs, targets, job.batch_size, chunks, job.steps, job.warmup,
+                                 trace=job.trace)
+        pipe.close()
+        if figures is not None:
+            result["runs"].append(figures.to_json())
+            _save(result, job.out)
+    if job.host_overhead and job.stages == 1:
+        from gpipe_cli.bench import overhead
+
+        result["host_overhead"] = overhead.compare(spec, topo, inputs, targets, job.microbatches[0], job.schedule,
+                                                   job.checkpoint, job.seed, job.steps, job.warmup)
+        _save(result, job.out)
+    if job.compare:
+        from gpipe_cli.bench import baseline
+
+        result["compare"] = baseline.compare(spec, topo, job, inputs, targets)
+    if rank0:
+        _save(result, job.out)
 
 
 class JobFailed(RuntimeError):
@@ -32,10 +102,9 @@ class JobFailed(RuntimeError):
 
 def launch_job(job: Job, folder: Path, name: str, threads: int) -> dict[str, Any]:
     """Run `job` on `job.stages` ranks; rank 0's figures (raises JobFailed with what was written)."""
-    out = folder / f"{name}.out.json"
+    out, path = folder / f"{name}.out.json", folder / f"{name}.job.json"
     job = replace(job, out=str(out))
-    path = folder / f"{name}.job.json"
-    job.write(path)
+    path.write_text(json.dumps(asdict(job)))
     code = launch(WORKER, [str(path)], job.stages, LaunchOptions(threads=threads))
     result = json.loads(out.read_text()) if out.exists() else {}
     if code != 0:
@@ -70,11 +139,12 @@ def base_job(options: BenchOptions, subject: Subject, stages: int, balance: list
 def choose_balance(options: BenchOptions, costs: CostProfile, stages: int) -> tuple[list[int], str]:
     """The explicit balance, or the split of the measured per-layer time into K x V chunks whose busiest stage is
     least (the runner's `check_cut` has refused a cut the model cannot take)."""
-    explicit = parse_balance(options.balance, options.chunk_count(stages))
+    chunks = stages * options.virtual_stages
+    explicit = parse_balance(options.balance, chunks)
     if explicit is not None:
         return explicit, "explicit"
     owners = placement.cut_owners(stages, options.virtual_stages, schedules.get(options.schedule).placement)
-    balance = costs.balance(options.chunk_count(stages), options.checkpoint, owners, max(options.microbatch_values()))
+    balance = costs.balance(chunks, options.checkpoint, owners, max(options.microbatch_values()))
     return balance, "measured time"
 
 

@@ -17,8 +17,7 @@ from gpipe_cli.bench import setup
 from gpipe_cli.bench.options import SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions
 from gpipe_cli.bench.setup import base_job, model_json, oversubscription, sweep_partitions
 from gpipe_cli.estimate.costs import CostProfile
-from gpipe_cli.estimate.machine_load import contended
-from gpipe_cli.estimate.measure import RunFigures
+from gpipe_cli.estimate.measure import RunFigures, contended
 from gpipe_cli.estimate.subject import Subject
 from gpipe_cli.models import families
 from gpipe_cli.pipeline.schedule import theoretical_bubble
@@ -33,7 +32,7 @@ def run(options: BenchOptions, subject: Subject, folder: Path, progress: Progres
     ks = sweep_partitions(options, layers)
     progress.phase(f"measuring per-layer costs ({layers} layers)", phases.get(1, 0.0))
     job = base_job(options, subject, 1, [layers], microbatches=[], profile_costs=True,
-                   extra={"profile_chunks": max(SWEEP_MICROBATCHES)})
+                   profile_chunks=max(SWEEP_MICROBATCHES))
     costs = CostProfile.from_json(setup.launch_job(job, folder, "costs", options.threads)["costs"])
     cells: list[dict[str, Any]] = []
     for k in ks:

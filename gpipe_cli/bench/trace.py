@@ -1,10 +1,8 @@
 """One step's timeline: a Chrome trace (Perfetto, chrome://tracing) and a Gantt chart like GPipe's Figure 2.
 
-One complete ("X") trace event per executed schedule action: forward, recompute, backward (whole, or
-its input-gradient half B and weight-gradient half W, drawn in their own colours), send, and receive,
-whose duration is the wait for the message. Each stage is one track; a stage running several chunks
-(interleaved) names each action's chunk. Times are seconds from each rank's own start of the step;
-the ranks start together after a barrier.
+One "X" event per executed action (a receive's duration is the wait for its message), one track per stage,
+naming each action's chunk where a stage runs several. Times are seconds from each rank's start of the
+step; the ranks start together after a barrier.
 """
 
 from __future__ import annotations

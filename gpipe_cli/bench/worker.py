@@ -35,7 +35,7 @@ def main(argv: list[str]) -> None:
 def _run(argv: list[str]) -> None:
     import torch
 
-    from gpipe_cli.bench.job import Job, run_job
+    from gpipe_cli.bench.setup import Job, run_job
     from gpipe_cli.errors import UserError
     from gpipe_cli.pipeline import failure, topology
 

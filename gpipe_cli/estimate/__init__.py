@@ -4,6 +4,6 @@
     costs         per-layer seconds of one micro-batch, from the one per-layer measurer
     cost_cache    those costs measured at launch for `balance: auto`/`time`, cached per machine
     simulate      the step time of the engine's own action lists, from per-layer costs
-    measure       timed training steps of the engine on the ranks, by one common clock
-    machine_load  whether the machine was the job's alone while it was measured
+    measure       timed training steps of the engine on the ranks, by one common clock, and whether the
+                  machine was the job's alone meanwhile
 """

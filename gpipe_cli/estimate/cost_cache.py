@@ -1,11 +1,9 @@
 """Per-layer seconds for the cut of `balance: auto` and `time`: measured at launch, cached per machine.
 
-Rank 0 times every layer on one micro-batch on the device the run uses (`estimate.costs.profile`: the
-forward, the backward and the graph-less forward a rematerialised micro-batch adds, so the costs
-follow the run's `pipeline.checkpoint`), with few repeats so that it takes seconds. The figures are
-kept in a per-user cache keyed by the model, the micro-batch size, the precision, the device (type,
-name and, on a CPU, the threads a rank uses) and the torch version: launching the same run again
-measures nothing. A cache file that cannot be read is measured again and replaced.
+Rank 0 times every layer on one micro-batch on the run's device (`estimate.costs.profile`, so the costs
+follow the run's `pipeline.checkpoint`), with few repeats so that it takes seconds. A per-user cache,
+keyed by everything the seconds depend on (`cache_key`), spares the next launch of the same run the
+measurement; a cache file that cannot be read is measured again and replaced.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Per-layer costs of one micro-batch as the balance and the simulator read them.
 
-The figures come from the one per-layer measurer (`pipeline.layer_profile`): the kinds of compute
-the schedule runs per layer (a forward that builds the graph, the graph-less first forward of a
-rematerialised micro-batch, its recompute, the backward) timed separately, so that each action is
-charged what it really costs.
+From the one per-layer measurer (`pipeline.layer_profile`): each kind of compute the schedule runs per
+layer is timed apart, so that each action is charged what it really costs.
 """
 
 from __future__ import annotations

@@ -1,13 +1,17 @@
 """Time training steps on this rank: the engine's, or any other step function, by one common clock.
 
-Every step starts after a barrier and is timed on every rank from the barrier to its return; the
-step's time is the slowest rank's. Ours and the baselines are timed by this same function, so their
-ratios compare like with like. Warm-up steps are run and dropped.
+Every step starts after a barrier and lasts as long as its slowest rank, so ours and the baselines,
+timed by the same function, compare like with like. Warm-up steps are run and dropped.
+
+A benchmark on a shared machine measures the neighbours too, so `Load` says whether the machine was the
+job's alone: its busy CPU seconds (/proc/stat) less every rank's own are what others used; in a virtual
+machine, "steal" is what the hypervisor gave away.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -17,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpipe_cli.estimate.machine_load import Load, distributed, gather
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import partition, placement, topology
 from gpipe_cli.pipeline.config import PipelineConfig
@@ -25,6 +28,59 @@ from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.stats import StepStats
 from gpipe_cli.pipeline.topology import Topology
+
+
+def distributed() -> bool:
+    """Whether this process is one of several ranks."""
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def gather(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order."""
+    if not distributed():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def machine_cpu() -> tuple[float, float] | None:
+    """The whole machine's busy and stolen CPU seconds so far (Linux /proc/stat), None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    steal = fields[7] if len(fields) > 7 else 0
+    return (sum(fields[:8]) - idle - steal) / hz, steal / hz
+
+
+class Load:
+    """Started on every rank at the start of a measured window; `finish` (on every rank) gives the shares."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.machine = machine_cpu() if not dist.is_initialized() or dist.get_rank() == 0 else None
+        self.mine = time.process_time()
+
+    def finish(self) -> dict[str, float]:
+        """The shares of the machine's CPU time used by others and stolen, on rank 0 ({} elsewhere)."""
+        ranks_cpu = sum(gather(time.process_time() - self.mine))
+        now = machine_cpu() if self.machine is not None else None
+        if self.machine is None or now is None:
+            return {}
+        window = time.perf_counter() - self.started
+        capacity = window * (os.cpu_count() or 1)
+        busy, steal = now[0] - self.machine[0], now[1] - self.machine[1]
+        return {"window_s": window, "ranks_cpu_s": ranks_cpu, "machine_busy_s": busy,
+                "others_share": max(busy - ranks_cpu, 0.0) / capacity, "stolen_share": steal / capacity}
+
+
+def contended(load: dict[str, float], threshold: float = 0.05) -> bool:
+    """Whether other processes or the hypervisor took more than `threshold` of the machine's CPU."""
+    return load.get("others_share", 0.0) > threshold or load.get("stolen_share", 0.0) > threshold
 
 
 def timed(step: Callable[[], Any]) -> tuple[float, Any]:
@@ -106,9 +162,7 @@ class RunFigures:
     @staticmethod
     def from_json(data: dict[str, Any]) -> RunFigures:
         """The inverse of `to_json`."""
-        fields = dict(data)
-        fields["stages"] = [StageFigures(**s) for s in data["stages"]]
-        return RunFigures(**fields)
+        return RunFigures(**{**data, "stages": [StageFigures(**s) for s in data["stages"]]})
 
 
 def _stage_figures(history: list[StepStats], balance: list[int], layout: topology.Layout) -> list[StageFigures]:

@@ -1,11 +1,9 @@
 """Predict a pipeline's step time for devices that are not here, from measured per-layer costs.
 
-The prediction runs the engine's own action lists (`schedule.build_all`) through `schedule.simulate`:
-each forward, recompute and backward costs what its stage's layers measured for a micro-batch of that
-size (a split backward's input and weight halves share the measured backward), and each message
-arrives `latency + bytes / bandwidth` after its send. Per-layer timings taken in isolation miss the
-engine's per-step overhead, so they are first calibrated: scaled so that the simulated single-device
-step equals the single-device step actually measured.
+The engine's own action lists (`schedule.build_all`) run through `schedule.simulate`: each compute action
+costs what its layers measured for a micro-batch of that size, each message arrives `latency + bytes /
+bandwidth` after its send. Per-layer timings miss the engine's own per-step work, so they are first
+calibrated: scaled until the simulated single-device step lasts as long as the measured one.
 """
 
 from __future__ import annotations
@@ -42,12 +40,7 @@ FREE = Link(1e30, 0.0)  # messages cost nothing: compute alone
 
 def rate_model(alone_speedup: float, stages: int, replicas: int = 1) -> Rate:
     """Speed with `busy` of a pipeline's stages computing, its replicas in step: `alone_speedup` for one rank
-    of all computing, 1 for all of them, linear in the share of ranks idle in between.
-
-    Per-layer seconds timed while every rank computes are what an action costs in a pipeline's steady
-    state; in its fill and drain the ranks still computing have the shared cores, caches and memory to
-    fewer, and run faster.
-    """
+    of all computing, 1 for all of them, linear in between (in fill and drain, fewer ranks share the cores)."""
     ranks = stages * replicas
 
     def rate(busy: int) -> float:
@@ -87,10 +80,7 @@ def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microba
                 link: Link, scale: float, overhead: float = 0.0) -> tuple[Any, Any]:
     ranges = partition.stage_ranges(balance)  # one per chunk
     last = len(balance) - 1
-    sizes = microbatch.sizes(batch_size, microbatches)
-
-    def per_example(mb: int) -> float:
-        return sizes[mb] / costs.microbatch_size
+    per_example = [size / costs.microbatch_size for size in microbatch.sizes(batch_size, microbatches)]
 
     def cost(stage: int, action: Action) -> float:
         layers = [costs.layers[i] for i in ranges[action.chunk]]
@@ -104,14 +94,14 @@ def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microba
             seconds = sum(t.backward for t in layers) * BACKWARD_SHARES[kind]
         else:
             return 0.0
-        return seconds * scale * per_example(mb) + overhead * len(layers)
+        return seconds * scale * per_example[mb] + overhead * len(layers)
 
     def latency(stage: int, action: Action) -> float:
         # A forward message carries this stage's output; a backward one the gradient of its input.
         chunk = ranges[action.chunk]
         boundary = chunk.stop - 1 if action.kind == Kind.SEND_FWD else chunk.start - 1
         nbytes = costs.layers[boundary].output_bytes if boundary >= 0 else costs.input_bytes
-        return link.latency + nbytes * per_example(action.microbatch) / link.bandwidth
+        return link.latency + nbytes * per_example[action.microbatch] / link.bandwidth
 
     return cost, latency
 

@@ -1,9 +1,8 @@
 """The model a benchmark or a memory profile runs: a preset, a family name or a recipe's model, resized.
 
-`--model` takes a preset of the zoo (`registry.names_help`), a family name (`families.FAMILIES`: the
-paper's speed-table models), or a recipe file (`*.yaml`), whose
-model section is used. Size flags and `--set KEY=VALUE` then replace individual model parameters,
-so a paper-sized model can be shrunk to something a CPU can time.
+`--model` takes a preset of the zoo, a family name (the paper's speed-table model) or a recipe file;
+size flags and `--set KEY=VALUE` then replace model parameters, so a paper-sized model can be shrunk
+to something a CPU can time.
 """
 
 from __future__ import annotations
@@ -110,12 +109,8 @@ def size_limits(kind: str) -> dict[str, tuple[int, int]]:
     """(least, most) of each integer model parameter of `kind`, as the recipe schema allows."""
     from gpipe_cli.recipe.schema import MODEL_SECTIONS, bounds
 
-    out = {}
-    for name, info in MODEL_SECTIONS[kind].model_fields.items():
-        found = bounds(info)
-        if info.annotation is int and "ge" in found and "le" in found:
-            out[name] = (int(found["ge"]), int(found["le"]))
-    return out
+    return {name: (int(found["ge"]), int(found["le"])) for name, info in MODEL_SECTIONS[kind].model_fields.items()
+            if info.annotation is int and {"ge", "le"} <= (found := bounds(info)).keys()}
 
 
 def _from_recipe(path: str, overrides: Sequence[str]) -> tuple[str, dict[str, Any]]:

@@ -1,9 +1,8 @@
 """Start the ranks of a job with torchrun's elastic agent (in this process) and report how they ended.
 
-Using the agent in-process rather than shelling out to `torchrun` lets us turn its failure report
-into one line for the user; the worker that failed has already printed its own error and stage. A
-rank killed by a signal cannot say so itself: the launcher names it, with its stage and the signal.
-Multi-node jobs use torchrun's rendezvous: static (with a node rank) or c10d (elastic).
+In-process rather than a `torchrun` child, so that its failure report becomes one line for the user (the
+failed worker has printed its own error); a rank killed by a signal cannot say so, so the launcher names
+it. Multi-node jobs use torchrun's rendezvous: static (with a node rank) or c10d (elastic).
 """
 
 from __future__ import annotations
@@ -25,11 +24,12 @@ from typing import Any
 
 from gpipe_cli import interrupts
 from gpipe_cli.errors import NONFINITE_EXIT_CODE, UserError
-from gpipe_cli.launch.rendezvous import rendezvous, threads_per_rank
+from gpipe_cli.launch.preflight import rendezvous, threads_per_rank
 from gpipe_cli.launch.slurm import SlurmStep, check_one_task_per_node, slurm_step
 
 _STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 FORCE_S = 20.0  # after a stop with nothing to save, the most a command may take to end
+SHUTDOWN_S = 120  # seconds ranks get to finish a step and checkpoint on Ctrl-C/SIGTERM
 
 
 def under_torchrun() -> bool:
@@ -46,19 +46,15 @@ class LaunchOptions:
     rdzv_endpoint: str | None = None
     rdzv_backend: str | None = None
     rdzv_id: str | None = None
-    max_restarts: int = 0
     threads: int | None = None  # intra-op threads per rank; default: cores / local ranks
-    shutdown_timeout: int = 120  # seconds ranks get to finish a step and checkpoint on Ctrl-C/SIGTERM
     slurm: SlurmStep | None = None  # the srun step the defaults came from, if any
 
 
 def launch_options(nnodes: str | None = None, node_rank: int | None = None, rdzv_endpoint: str | None = None,
                    rdzv_backend: str | None = None, rdzv_id: str | None = None, threads: int | None = None,
                    environ: Mapping[str, str] | None = None) -> LaunchOptions:
-    """The options as given; inside a multi-node srun step, what is not given comes from Slurm.
-
-    --nnodes on the command line means the nodes are laid out by hand: then nothing comes from Slurm.
-    """
+    """The options as given; inside a multi-node srun step, what is not given comes from Slurm (unless --nnodes
+    is given: then the nodes are laid out by hand)."""
     step = None if nnodes is not None or under_torchrun() else slurm_step(environ)
     if step is None:
         return LaunchOptions(nnodes=nnodes or "1", node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
@@ -86,8 +82,8 @@ def _config(world: int, options: LaunchOptions) -> object:
         "min_nodes": rdzv.min_nodes, "max_nodes": rdzv.max_nodes, "nproc_per_node": rdzv.ranks_per_node,
         "run_id": rdzv.run_id or uuid.uuid4().hex[:12],
         "rdzv_endpoint": rdzv.endpoint or f"127.0.0.1:{_free_port()}", "rdzv_backend": rdzv.backend,
-        "rdzv_configs": configs, "max_restarts": options.max_restarts, "monitor_interval": 0.1,
-        "start_method": "spawn", "shutdown_timeout": options.shutdown_timeout,
+        "rdzv_configs": configs, "max_restarts": 0, "monitor_interval": 0.1, "start_method": "spawn",
+        "shutdown_timeout": SHUTDOWN_S,
         # Ctrl-C is forwarded to the ranks by this process (see _Stops.forward_interrupt); the agent must not
         # also turn it into SIGTERM-then-kill, which would cut the final checkpoint short. It still
         # forwards SIGTERM.
@@ -100,12 +96,11 @@ def _config(world: int, options: LaunchOptions) -> object:
 def _children() -> list[int]:
     """This process's child processes (from /proc; empty where there is none)."""
     me, found = os.getpid(), []
-    proc = "/proc"
-    for entry in os.listdir(proc) if os.path.isdir(proc) else []:
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not entry.isdigit():
             continue
         try:
-            with open(f"{proc}/{entry}/stat") as f:
+            with open(f"/proc/{entry}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
@@ -233,9 +228,8 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
            stages: int | None = None, started: Path | None = None) -> int:
     """Run `python -m module *args` on `world` ranks (this node's share of them); return an exit code.
 
-    `stages` (ranks per pipeline) lets messages name a rank's stage. `started` is the file the ranks
-    create once they have work to finish: stopped before it exists, the job says so here, as no rank will.
-    """
+    `stages` (ranks per pipeline) lets messages name a rank's stage. `started` is the file the ranks create
+    once they have work to finish: stopped before it exists, the job says so here, as no rank will."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch

@@ -1,9 +1,16 @@
-"""Checks made before any rank starts, so that a job that cannot run is one line, not a failing rank."""
+"""A launch worked out and checked before any rank starts, so that a job that cannot run is one line.
+
+The rendezvous goes to torchrun's agent; `gpipe train --dry-run` prints it, with the `torchrun` command that
+would start the same ranks on this node, so a Slurm script can be checked before a job waits for its nodes.
+"""
 
 from __future__ import annotations
 
 import os
+import shlex
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,3 +86,77 @@ def check_writable(path: Path, what: str) -> None:
             pass
     except OSError as exc:
         raise UserError(f"{what}: cannot write to {shown(str(existing))} ({exc.strerror})") from None
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """How this node's ranks meet the job's others."""
+
+    min_nodes: int
+    max_nodes: int
+    ranks_per_node: int
+    backend: str             # static or c10d
+    endpoint: str | None     # HOST:PORT; None: one node, on a free local port chosen at launch
+    run_id: str | None       # None: one node, a fresh id chosen at launch
+    node_rank: int | None    # static: this node's rank; c10d: given as the nodes join
+
+
+def rendezvous(world: int, options: LaunchOptions) -> Rendezvous:
+    """The rendezvous of a job of `world` ranks launched with `options` (as `check_launch` has accepted them)."""
+    min_nodes, max_nodes = parse_nodes(options.nnodes)
+    backend = options.rdzv_backend or ("static" if options.node_rank is not None or max_nodes == 1 else "c10d")
+    return Rendezvous(min_nodes=min_nodes, max_nodes=max_nodes, ranks_per_node=world // max_nodes, backend=backend,
+                      endpoint=options.rdzv_endpoint or None,
+                      run_id=options.rdzv_id or ("gpipe" if max_nodes > 1 else None),
+                      node_rank=(options.node_rank or 0) if backend == "static" else None)
+
+
+def threads_per_rank(options: LaunchOptions, local: int) -> int:
+    """Intra-op threads of each of this node's `local` ranks: --threads, else the cores shared out."""
+    return options.threads or max((os.cpu_count() or 1) // local, 1)
+
+
+def torchrun_command(rdzv: Rendezvous, threads: int, train_args: Sequence[str]) -> str:
+    """The `torchrun` command that starts the ranks of this node as the launch would, for a shell."""
+    if rdzv.max_nodes == 1:
+        flags = ["--standalone", "--nproc-per-node", str(rdzv.ranks_per_node)]
+    else:
+        nodes = str(rdzv.max_nodes) if rdzv.min_nodes == rdzv.max_nodes else f"{rdzv.min_nodes}:{rdzv.max_nodes}"
+        flags = ["--nnodes", nodes, "--nproc-per-node", str(rdzv.ranks_per_node)]
+        if rdzv.node_rank is not None:
+            flags += ["--node-rank", str(rdzv.node_rank)]
+        flags += ["--rdzv-backend", rdzv.backend, "--rdzv-endpoint", str(rdzv.endpoint), "--rdzv-id", str(rdzv.run_id)]
+    # The launcher gives every rank its threads through these two; torchrun alone would give each one thread.
+    env = [f"OMP_NUM_THREADS={threads}", f"GPIPE_THREADS={threads}"]
+    return " ".join([*env, "torchrun", *flags, "-m", "gpipe_cli", "train", *map(shlex.quote, train_args)])
+
+
+def dry_run_lines(options: LaunchOptions, world: int, shape: str, train_args: Sequence[str]) -> list[str]:
+    """What `gpipe train --dry-run` prints: where the launch settings come from, the rendezvous (host, port, nodes,
+    ranks per node, this node's rank) and the equivalent torchrun command. `shape` says what makes the world."""
+    rdzv = rendezvous(world, options)
+    threads = threads_per_rank(options, rdzv.ranks_per_node)
+    step = options.slurm
+    lines = ["gpipe train --dry-run: the launch on this node; nothing is started"]
+    if step is not None:
+        lines.append(f"  from Slurm:     job {step.job_id}, an srun step of {step.nodes} nodes ({step.nodelist}); this "
+                     f"task's node index {step.node_rank} (flags given win)")
+    if rdzv.endpoint is None:
+        lines.append("  rendezvous:     this node alone, on 127.0.0.1 at a free port chosen at launch")
+    else:
+        host, _, port = rdzv.endpoint.rpartition(":")
+        source = ""
+        if step is not None and rdzv.endpoint == f"{step.first_host}:{step.port}":
+            source = (" (from $MASTER_PORT)" if step.port_from == "MASTER_PORT"
+                      else f" (from SLURM_JOB_ID {step.job_id}; $MASTER_PORT sets another)")
+        lines.append(f"  rendezvous:     {rdzv.backend}, host {host}, port {port}{source}, id {rdzv.run_id}")
+    nodes = str(rdzv.max_nodes) if rdzv.min_nodes == rdzv.max_nodes else f"{rdzv.min_nodes} to {rdzv.max_nodes}"
+    lines.append(f"  nodes:          {nodes}")
+    lines.append(f"  ranks:          {world} ({shape}), {rdzv.ranks_per_node} per node, {threads} thread(s) each")
+    if rdzv.node_rank is None:
+        lines.append("  this node:      its rank is given as the nodes join (c10d)")
+    else:
+        first, last = rdzv.node_rank * rdzv.ranks_per_node, (rdzv.node_rank + 1) * rdzv.ranks_per_node - 1
+        lines.append(f"  this node:      node rank {rdzv.node_rank}, ranks {first} to {last}")
+    lines.append(f"  torchrun:       {torchrun_command(rdzv, threads, train_args)}")
+    return lines

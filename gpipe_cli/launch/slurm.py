@@ -1,11 +1,9 @@
 """Launch defaults from Slurm: inside an `srun` step (one task per node) the same command works on every node.
 
-The step's node count and this node's index give --nnodes and --node-rank, the first host of the
-node list is the rendezvous endpoint and the job id the rendezvous id. The port is $MASTER_PORT where it is
-set, else one derived from the job id: a fixed port would make two jobs whose first node is the same meet
-at one rendezvous.
-Flags given on the command line win. Outside an srun step (the batch script itself, a login node)
-nothing changes: a job that would wait for nodes that never come is worse than a one-node run.
+The step's node count and this node's index give --nnodes and --node-rank, the node list's first host the
+rendezvous endpoint and the job id its id; the port is $MASTER_PORT, else one derived from the job id (a
+fixed port would make two jobs on the same first node meet). Flags given on the command line win. Outside
+an srun step nothing changes: a job that waits for nodes that never come is worse than a one-node run.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from gpipe_cli.console import say
 from gpipe_cli.data.offline import check_hub_data
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.launch import LaunchOptions, check_device, check_launch, check_writable, launch, under_torchrun
-from gpipe_cli.launch.rendezvous import dry_run_lines
+from gpipe_cli.launch.preflight import dry_run_lines
 from gpipe_cli.progress import note
 from gpipe_cli.recipe.load import recipe_label
 from gpipe_cli.train.announce import announce, checking, first_line, local_ranks

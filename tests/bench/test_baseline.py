@@ -3,9 +3,10 @@
 import pytest
 from torch.distributed.pipelining import schedules
 
-from gpipe_cli.bench.baseline import chunks_of, counterpart
+from gpipe_cli.bench.baseline import counterpart
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline import schedules as ours
+from gpipe_cli.pipeline.placement import chunks_of
 from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES, Kind
 
 
@@ -25,9 +26,9 @@ def test_a_class_this_torch_lacks_is_a_reason_not_an_error(monkeypatch):
 
 @pytest.mark.parametrize("stages,chunks", [(2, 2), (2, 4), (3, 9)])
 def test_every_chunk_lives_on_exactly_one_rank_as_ours(stages, chunks):
-    held = [c for rank in range(stages) for c in chunks_of(rank, stages, chunks)]
+    held = [c for rank in range(stages) for c in chunks_of(rank, stages, chunks // stages)]
     assert sorted(held) == list(range(chunks))
-    assert all(c % stages == rank for rank in range(stages) for c in chunks_of(rank, stages, chunks))
+    assert all(c % stages == rank for rank in range(stages) for c in chunks_of(rank, stages, chunks // stages))
 
 
 # What the baseline records of torch's work: a forward, a backward (whole or of the input), a weight gradient.

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_cli.bench.recompute import checkpoint
+from gpipe_cli.bench.baseline import checkpoint
 from gpipe_cli.pipeline.memory import ActivationMeter
 
 
