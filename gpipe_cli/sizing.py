@@ -13,10 +13,11 @@ layers, so that K=8 stays possible.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,11 +49,20 @@ class Machine:
     call_seconds: float    # one rank's measured cost of a small layer's forward and backward
 
 
-def _calls_per_s(call: Callable[[], Any], device: str, threads: int, seconds: float) -> float:
-    """How many times a second `call` runs on `device` with `threads` intra-op threads, after three untimed."""
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Run the body with `threads` intra-op threads, and the previous count again after it."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _calls_per_s(call: Callable[[], Any], device: str, threads: int, seconds: float) -> float:
+    """How many times a second `call` runs on `device` with `threads` intra-op threads, after three untimed."""
+    with torch_threads(threads):
         for _ in range(3):
             call()  # warm-up: allocator and kernel selection
         count, start = 0, time.perf_counter()
@@ -62,8 +72,6 @@ def _calls_per_s(call: Callable[[], Any], device: str, threads: int, seconds: fl
         if device == "cuda":
             torch.cuda.synchronize()
         return count / (time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def measured_rate(device: str = "cpu", threads: int = 1, seconds: float = 0.2) -> float:
@@ -257,14 +265,17 @@ def passes(checkpoint: str) -> float:
     return 3.0 if checkpoint == "never" else 4.0
 
 
+def layer_rate(machine: Machine, kind: str) -> tuple[float, float]:
+    """The effective FLOP/s of model family `kind`'s layers on `machine`, and the fixed seconds of a layer call."""
+    # A pipeline layer runs several small blocks' worth of operators (attention, two norms, a feed-forward).
+    return machine.flops_per_s * layer_efficiency(machine.kind, kind), 1.5 * machine.call_seconds
+
+
 def step_seconds(cand: Candidate, machine: Machine, examples: int, microbatches: int, passes: float) -> float:
     """Estimated seconds of one training step's compute on one rank: FLOPs at the measured rate plus
     the fixed cost of every layer call (which dominates small models)."""
-    efficiency = layer_efficiency(machine.kind, cand.kind)
-    # A pipeline layer runs several small blocks' worth of operators (attention, two norms, a feed-forward).
-    per_call = 1.5 * machine.call_seconds
-    flops = examples * cand.flops * passes
-    return flops / (machine.flops_per_s * efficiency) + microbatches * cand.pipeline_layers * passes * per_call
+    rate, per_call = layer_rate(machine, cand.kind)
+    return examples * cand.flops * passes / rate + microbatches * cand.pipeline_layers * passes * per_call
 
 
 def activation_bytes(cand: Candidate, examples: float) -> float:

@@ -36,6 +36,7 @@ from gpipe_cli.pipeline import schedules, topology
 from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.plan.here import OptimizerOf
 from gpipe_cli.plan.search import Factor
+from gpipe_cli.sizing import torch_threads
 
 STEPS, WARMUP = 4, 1
 Examples = Callable[[int], tuple[Any, torch.Tensor]]  # n -> (inputs, targets) of n examples
@@ -61,22 +62,20 @@ def local_steps(spec: ModelSpec, batch: int, microbatches: list[int], seed: int,
     """Seconds of one training step (`optimizer`'s update included) of the whole model as one stage in this
     process on `device`, at each micro-batch count."""
     inputs, targets = examples(batch)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    pipe = build_pipeline(spec, topology.local(device), PipelineConfig(checkpoint="never", balance=(len(spec.layers),)),
-                          seed)
-    update = optimizer(pipe.parameters()) if optimizer is not None else None
-    try:
-        found = {}
-        for m in microbatches:
-            figures = measure_engine(pipe, inputs, targets, batch, m, STEPS, WARMUP,
-                                     optimizer=update, max_grad_norm=grad_clip)
-            assert figures is not None  # a single process is rank 0
-            # The fastest step: on a shared machine the others are slowed by neighbours, not by the engine.
-            found[m] = min(figures.step_times)
-    finally:
-        pipe.close()
-        torch.set_num_threads(previous)
+    found = {}
+    with torch_threads(threads):
+        pipe = build_pipeline(spec, topology.local(device),
+                              PipelineConfig(checkpoint="never", balance=(len(spec.layers),)), seed)
+        update = optimizer(pipe.parameters()) if optimizer is not None else None
+        try:
+            for m in microbatches:
+                figures = measure_engine(pipe, inputs, targets, batch, m, STEPS, WARMUP,
+                                         optimizer=update, max_grad_norm=grad_clip)
+                assert figures is not None  # a single process is rank 0
+                # The fastest step: on a shared machine the others are slowed by neighbours, not by the engine.
+                found[m] = min(figures.step_times)
+        finally:
+            pipe.close()
     return found
 
 

@@ -126,15 +126,9 @@ def estimated_costs(names: list[str], flops: list[float], figs: ModelFigures, ra
     return at
 
 
-def machine_rate(machine: sizing.Machine, kind: str) -> tuple[float, float]:
-    """This machine's effective FLOP/s for model family `kind`'s layers and fixed seconds per layer call
-    (as `sizing` prices them)."""
-    return machine.flops_per_s * sizing.layer_efficiency(machine.kind, kind), 1.5 * machine.call_seconds
-
-
 def measure_seconds(flops: list[float], sizes: tuple[int, int], machine: sizing.Machine, kind: str) -> float:
     """About how long measuring per-layer seconds of a model family `kind` at both sizes takes here."""
-    rate, per_call = machine_rate(machine, kind)
+    rate, per_call = sizing.layer_rate(machine, kind)
     runs = 3 * (REPEATS + 1) + 2  # three kinds timed, plus warm-up and the memory pass
     return sum(sum(f * s / rate + per_call for f in flops) * 4 * runs / 3 for s in set(sizes))
 
@@ -159,31 +153,23 @@ def engine_seconds(costs: Callable[[int], CostProfile], examples: int, counts: l
 def measured_costs(spec: ModelSpec, sizes: tuple[int, int], seed: int, threads: int,
                    examples: Examples, device: str = "cpu") -> Callable[[int], CostProfile]:
     """Per-layer seconds measured here on `device` at two micro-batch sizes, with `threads` intra-op threads."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        profiles = []
+    profiles = []
+    with sizing.torch_threads(threads):
         for size in sorted(set(sizes)):
             inputs, targets = examples(size)
             measured = layer_costs.profile(spec, inputs, targets.to(device), seed, REPEATS, device)
             profiles.append(dataclasses.replace(measured, microbatch_size=size))
             interrupts.check()
-    finally:
-        torch.set_num_threads(previous)
     return affine_costs(profiles[0], profiles[-1])
 
 
 def _best_seconds(work: Callable[[], None], threads: int, runs: int = 2) -> float:
     """The fastest of `runs` timings of `work` with `threads` intra-op threads."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        best = math.inf
+    best = math.inf
+    with sizing.torch_threads(threads):
         for _ in range(runs):
             best = min(best, timed(work)[0])
             interrupts.check()
-    finally:
-        torch.set_num_threads(previous)
     return best
 
 
@@ -373,7 +359,7 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, bytes_per_p
         model = Model(costs, figs, bytes_per_param, batch, least, extra.action, extra.step, data, speedup,
                       calibrate.by_shape(engine.replicated, engine.staged))
         return Inputs(model, note, memory_note, engine.drift)
-    rate, per_call = machine_rate(machine, kind)
+    rate, per_call = sizing.layer_rate(machine, kind)
     note = (f"estimated from FLOPs at this machine's measured {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank "
             f"({machine.kind}; --tflops for other devices)")
     costs = estimated_costs(spec.layer_names, flops, figs, rate, per_call)

@@ -34,13 +34,10 @@ def _raw(options: PlanOptions) -> tuple[str, dict[str, Any]]:
 
 def micro_sizes(layers: int, batch: int, devices: int, least: int) -> list[int]:
     """Every micro-batch size the search can try: batch / D / M for K | N, K <= layers, D | batch, M | batch / D."""
-    sizes: set[int] = set()
-    for k in range(1, min(devices, layers) + 1):  # K beyond the layers cuts nothing: no need to count that far
-        d = devices // k
-        if devices % k or batch % d:
-            continue
-        sizes.update(s for s in range(least, batch // d + 1) if (batch // d) % s == 0)
-    return sorted(sizes)
+    from gpipe_cli.plan.search import divisors
+
+    replicas = [devices // k for k in divisors(devices) if k <= layers]
+    return sorted({s for d in replicas if batch % d == 0 for s in divisors(batch // d) if s >= least})
 
 
 def as_written_line(model: Any, hw: Any, recipe: Recipe, best: Any, budget: float) -> str:

@@ -202,11 +202,8 @@ def _stage_need(model: Model, config: Config, per_replica: int) -> Callable[[int
     return need
 
 
-def _memory(model: Model, config: Config, balance: list[int], per_replica: int) -> list[float]:
-    return _needs(model, config, per_replica)(balance)
-
-
 def _needs(model: Model, config: Config, per_replica: int) -> Callable[[list[int]], list[float]]:
+    """The bytes every stage needs under `config`, for a balance."""
     known: dict[tuple[int, tuple[int, ...]], float] = {}
     return lambda balance: mm.stage_needs(model.figures, balance, per_replica, config.microbatches, config.schedule,
                                           config.checkpoint, model.bytes_per_param, config.virtual, known,
@@ -235,16 +232,17 @@ def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | No
     weights = costs.balance_costs(config.checkpoint)
     chunks = config.partitions * config.virtual
     balance = list(cut) if cut is not None else partition.balance_by_cost(weights, chunks)
-    memory = _memory(model, config, balance, per_replica)
+    needs = _needs(model, config, per_replica)
+    memory = needs(balance)
     fits = max(memory) <= hw.memory
     if not fits and cut is None:
         if config.virtual == 1:
             need = _stage_need(model, config, per_replica)
             within = partition.balance_within(weights, chunks, lambda stage, i, j: need(stage, i, j) <= hw.memory)
         else:
-            within = partition.interleaved_within(weights, chunks, _needs(model, config, per_replica), hw.memory)
+            within = partition.interleaved_within(weights, chunks, needs, hw.memory)
         if within is not None:
-            balance, memory, fits = within, _memory(model, config, within, per_replica), True
+            balance, memory, fits = within, needs(within), True
     link = hw.node_link if spans_nodes(hw, config.partitions) else hw.link
     prediction = simulate.simulate_step(costs, balance, per_replica, config.microbatches, config.schedule,
                                         config.checkpoint, link, 1.0, config.virtual, model.action_overhead,
@@ -278,43 +276,31 @@ def min_max_memory(model: Model, config: Config) -> tuple[float, list[int]]:
     per_replica = model.batch // config.replicas
     if config.virtual > 1:
         weights = model.profile(config).balance_costs(config.checkpoint)
-        balance = partition.balance_by_cost(weights, config.partitions * config.virtual)
-        balance = partition.least_memory(balance, _needs(model, config, per_replica))
-        return max(_memory(model, config, balance, per_replica)), balance
+        needs = _needs(model, config, per_replica)
+        balance = partition.least_memory(partition.balance_by_cost(weights, config.partitions * config.virtual), needs)
+        return max(needs(balance)), balance
     found = partition.min_max_split(model.layers, config.partitions, _stage_need(model, config, per_replica))
     assert found is not None  # every stage has a finite need
     return found
 
 
-def search(model: Model, hw: Hardware, schedules: Sequence[str] = SCHEDULES,
-           remat: Sequence[str] = REMAT_MODES) -> Result:
+def search(model: Model, hw: Hardware) -> Result:
     """Evaluate every configuration; the fitting ones ranked fastest first (and, if none fits, the least memory)."""
-    outcomes = [evaluate(model, hw, c) for c in configs(model, hw, schedules, remat)]
+    outcomes = [evaluate(model, hw, c) for c in configs(model, hw)]
     ranked = sorted((o for o in outcomes if o.fits), key=_rank_key)
     refused = sorted((o for o in outcomes if not o.fits), key=_rank_key)
     result = Result(ranked, refused)
     if not ranked and refused:
         need, balance, outcome = min(((*min_max_memory(model, o.config), o) for o in refused), key=lambda x: x[0])
         result.smallest_memory = need
-        result.smallest = dataclasses.replace(outcome, balance=balance,
-                                              memory=_memory(model, outcome.config, balance,
-                                                             model.batch // outcome.config.replicas))
+        needs = _needs(model, outcome.config, model.batch // outcome.config.replicas)
+        result.smallest = dataclasses.replace(outcome, balance=balance, memory=needs(balance))
     return result
 
 
-@dataclass(frozen=True)
-class Parts:
-    """Where a configuration's predicted step goes: compute, bubble, messages, all-reduce (seconds)."""
-
-    compute: float
-    bubble: float
-    messages: float
-    allreduce: float
-
-
-def parts(model: Model, outcome: Outcome) -> Parts:
-    """Split a predicted step into compute (mean per stage, with the per-step work), idle waiting, message
-    transit and all-reduce."""
+def parts(model: Model, outcome: Outcome) -> dict[str, float]:
+    """Split a predicted step into seconds of compute (mean per stage, with the per-step work), idle waiting
+    (bubble), message transit (messages) and all-reduce (allreduce)."""
     c = outcome.config
     per_replica = model.batch // c.replicas
     costs = model.profile(c)
@@ -322,5 +308,6 @@ def parts(model: Model, outcome: Outcome) -> Parts:
                                   simulate.FREE, 1.0, c.virtual, model.action_overhead, model.rate(c))
     pipeline = outcome.step_time - outcome.allreduce - outcome.fixed
     busy = free.step_time * (1.0 - free.bubble)
-    return Parts(busy + outcome.fixed, free.step_time - busy, max(pipeline - free.step_time, 0.0), outcome.allreduce)
+    return {"compute": busy + outcome.fixed, "bubble": free.step_time - busy,
+            "messages": max(pipeline - free.step_time, 0.0), "allreduce": outcome.allreduce}
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import shlex
 from collections.abc import Sequence
@@ -42,7 +41,7 @@ def reason(model: search.Model, winner: Outcome, other: Outcome, budget: float) 
     if slower < 0.005:
         return "as fast (within 0.5%), needs more memory" if other.peak > winner.peak else "as fast (within 0.5%)"
     mine, theirs = search.parts(model, other), search.parts(model, winner)
-    deltas = {f.name: getattr(mine, f.name) - getattr(theirs, f.name) for f in dataclasses.fields(mine)}
+    deltas = {name: seconds - theirs[name] for name, seconds in mine.items()}
     worst = max(deltas, key=lambda k: deltas[k])
     pct = f"{slower * 100:.0f}% slower"
     c, w = other.config, winner.config
@@ -87,9 +86,9 @@ def distinct(outcomes: Sequence[Outcome]) -> list[Outcome]:
     return out
 
 
-def rows(model: search.Model, result: search.Result, top: int, budget: float) -> list[dict[str, Any]]:
+def rows(model: search.Model, result: search.Result, top: int, budget: float) -> list[tuple[Outcome, str | None]]:
     """The best `top` fitting configurations (the best of each K among them) and up to two faster ones that
-    do not fit, as plain data."""
+    do not fit, fastest first, each with why it loses (None: the winner)."""
     best = result.best
     assert best is not None
     ranked = distinct(result.ranked)
@@ -99,15 +98,11 @@ def rows(model: search.Model, result: search.Result, top: int, budget: float) ->
     shown = [best] + sorted(others, key=lambda o: -o.samples_per_s)
     shown = shown[:top] + [o for o in ranked if o not in shown][:max(top - len(shown), 0)]
     faster = distinct([o for o in result.refused if o.samples_per_s > best.samples_per_s])[:2]
-    return [{"winner": o is best, "partitions": o.config.partitions, "replicas": o.config.replicas,
-             "microbatches": o.config.microbatches, "schedule": o.config.schedule, "virtual_stages": o.config.virtual,
-             "checkpoint": o.config.checkpoint, "offload": o.config.offload, "balance": o.balance, "fits": o.fits,
-             "samples_per_s": o.samples_per_s, "bubble": o.bubble, "memory": o.memory, "step_time": o.step_time,
-             "why": "winner" if o is best else reason(model, best, o, budget)}
+    return [(o, None if o is best else reason(model, best, o, budget))
             for o in sorted(shown + faster, key=lambda o: -o.samples_per_s)]
 
 
-def table(items: Sequence[dict[str, Any]], title: str) -> Table:
+def table(items: Sequence[tuple[Outcome, str | None]], title: str) -> Table:
     """The configurations as a rich table, every figure labelled as predicted."""
     t = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
     for name in ("", "K", "D", "M", "schedule", "remat", "balance"):
@@ -116,35 +111,22 @@ def table(items: Sequence[dict[str, Any]], title: str) -> Table:
     t.add_column("bubble (pred.)", justify="right")
     t.add_column("peak memory per stage (pred.)")
     t.add_column("why it loses")
-    for item in items:
-        t.add_row("*" if item["winner"] else "", str(item["partitions"]), str(item["replicas"]),
-                  str(item["microbatches"]), _schedule(item), _remat(item), ",".join(map(str, item["balance"])),
-                  rate(item["samples_per_s"]), f"{item['bubble']:.3f}",
-                  per_stage(item["memory"]), "" if item["winner"] else item["why"])
+    for o, why in items:
+        c = o.config
+        schedule = c.schedule + (f" V={c.virtual}" if c.virtual > 1 else "")
+        remat = c.checkpoint + (f" offload {c.offload}" if c.offload != "none" else "")
+        t.add_row("*" if why is None else "", str(c.partitions), str(c.replicas), str(c.microbatches), schedule,
+                  remat, ",".join(map(str, o.balance)), rate(o.samples_per_s), f"{o.bubble:.3f}",
+                  per_stage(o.memory), why or "")
     return t
 
 
-def _schedule(item: dict[str, Any]) -> str:
-    """The schedule, and its V where there are several chunks per stage, e.g. "interleaved V=2"."""
-    return item["schedule"] + (f" V={item['virtual_stages']}" if item["virtual_stages"] > 1 else "")
-
-
-def _remat(item: dict[str, Any]) -> str:
-    """The remat mode, and the offload where there is one, e.g. "except_last offload activations"."""
-    moved = item.get("offload", "none")
-    return item["checkpoint"] + (f" offload {moved}" if moved != "none" else "")
-
-
-def plain(items: Sequence[dict[str, Any]], title: str) -> str:
+def plain(items: Sequence[tuple[Outcome, str | None]], title: str) -> str:
     """The configurations as plain lines."""
-    lines = [title]
-    for item in items:
-        why = "" if item["winner"] else f" | {item['why']}"
-        lines.append(f"{'*' if item['winner'] else ' '} K={item['partitions']} D={item['replicas']} "
-                     f"M={item['microbatches']} {_schedule(item)} {_remat(item)} balance "
-                     f"{','.join(map(str, item['balance']))} | predicted {rate(item['samples_per_s'])} samples/s, "
-                     f"bubble {item['bubble']:.3f}, peak memory {per_stage(item['memory'])}{why}")
-    return "\n".join(lines)
+    return "\n".join([title, *(f"{'*' if why is None else ' '} {o.config.label()} balance "
+                               f"{','.join(map(str, o.balance))} | predicted {rate(o.samples_per_s)} samples/s, "
+                               f"bubble {o.bubble:.3f}, peak memory {per_stage(o.memory)}"
+                               f"{'' if why is None else f' | {why}'}" for o, why in items)])
 
 
 def pipeline_section(outcome: Outcome, backend: str) -> dict[str, Any]:
@@ -185,10 +167,6 @@ def write_recipe(text: str, raw: dict[str, Any], section: dict[str, Any], path: 
 
 def _with_pipeline(raw: dict[str, Any], section: dict[str, Any]) -> dict[str, Any]:
     # Keep the usual order: the pipeline section right after the model.
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        out[key] = value
-        if key == "model":
-            out["pipeline"] = section
-    out.setdefault("pipeline", section)
-    return out
+    items = list(raw.items())
+    at = list(raw).index("model") + 1 if "model" in raw else len(items)
+    return dict([*items[:at], ("pipeline", section), *items[at:]])
