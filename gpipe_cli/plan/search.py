@@ -1,21 +1,16 @@
 """Search K, D, M, schedule, remat mode, offload and balance for the fastest pipeline that fits: predictions only.
 
-Nothing here measures or prints. The inputs are passed in: per-layer seconds at any micro-batch size
-(`Model.profile`), the memory model's per-layer figures, and the hardware (devices, nodes, memory per
-device, links). For every configuration that uses all N devices (K stages x D = N / K replicas):
+Nothing here measures or prints. For every configuration that uses all N devices (K stages x D = N / K
+replicas), from per-layer seconds (`Model.profile`), the memory model's figures and the hardware:
 
-    balance     the min-max cut of per-layer time (forward, backward and the recompute the remat mode
-                implies) among the cuts whose every stage fits the device (`partition.balance_within`);
-                interleaved and the V placements (K x V chunks): the min-max cut of the chunks, or when a
-                stage does not fit, the fastest fitting cut a local search finds (`partition.interleaved_within`)
-    time        the engine's own action lists run by the simulator (`estimate.simulate.simulate_step`),
-                each compute action its layers' seconds plus the engine's own cost per layer call, each
-                message `latency + bytes / bandwidth` on the link it crosses; then the gradient
-                all-reduce over the D replicas (a ring: 2 (D-1)/D of a stage's gradient bytes) and the
-                engine's per-step cost (optimizer and the rest) for the busiest stage's parameters, and
-                each replica's share of building the mini-batch
-    memory      every stage's peak by the memory model (`memory_model.footprints`), offloaded stored inputs
-                counted on the device only while they come back
+    balance     the min-max cut of per-layer time among the cuts whose every stage fits the device
+                (`partition.balance_within`; with K x V chunks, `partition.interleaved_within`)
+    time        the engine's action lists run by the simulator (`estimate.simulate.simulate_step`), each
+                message `latency + bytes / bandwidth` on the link it crosses; then the ring all-reduce over
+                the D replicas, the engine's per-step cost for the busiest stage's parameters, and each
+                replica's share of building the mini-batch
+    memory      every stage's peak by the memory model, offloaded stored inputs counted on the device
+                only while they come back
 
 The fastest fitting configuration wins; ties go to one that offloads nothing (the host copies are priced
 at no time, as they overlap the backward), then to the one needing less memory.
@@ -49,11 +44,6 @@ class Hardware:
     node_link: simulate.Link         # between nodes
     nodes: int = 1
     reduce_link: simulate.Link | None = None  # per hop of a ring all-reduce within a node (None: `link`)
-
-    @property
-    def per_node(self) -> int:
-        """Devices per node."""
-        return self.devices // self.nodes
 
 
 # (micro-batch size, K, D, V, schedule) -> how much slower the engine runs the layers than they were timed
@@ -212,7 +202,8 @@ def _needs(model: Model, config: Config, per_replica: int) -> Callable[[list[int
 
 def spans_nodes(hw: Hardware, partitions: int) -> bool:
     """Whether some pipeline has neighbouring stages on different nodes (rank = replica x K + stage)."""
-    return any((r * partitions + s) // hw.per_node != (r * partitions + s + 1) // hw.per_node
+    per_node = hw.devices // hw.nodes
+    return any((r * partitions + s) // per_node != (r * partitions + s + 1) // per_node
                for r in range(hw.devices // partitions) for s in range(partitions - 1))
 
 
@@ -302,10 +293,9 @@ def parts(model: Model, outcome: Outcome) -> dict[str, float]:
     """Split a predicted step into seconds of compute (mean per stage, with the per-step work), idle waiting
     (bubble), message transit (messages) and all-reduce (allreduce)."""
     c = outcome.config
-    per_replica = model.batch // c.replicas
-    costs = model.profile(c)
-    free = simulate.simulate_step(costs, outcome.balance, per_replica, c.microbatches, c.schedule, c.checkpoint,
-                                  simulate.FREE, 1.0, c.virtual, model.action_overhead, model.rate(c))
+    free = simulate.simulate_step(model.profile(c), outcome.balance, model.batch // c.replicas, c.microbatches,
+                                  c.schedule, c.checkpoint, simulate.FREE, 1.0, c.virtual, model.action_overhead,
+                                  model.rate(c))
     pipeline = outcome.step_time - outcome.allreduce - outcome.fixed
     busy = free.step_time * (1.0 - free.bubble)
     return {"compute": busy + outcome.fixed, "bubble": free.step_time - busy,

@@ -45,12 +45,10 @@ def reason(model: search.Model, winner: Outcome, other: Outcome, budget: float) 
     worst = max(deltas, key=lambda k: deltas[k])
     pct = f"{slower * 100:.0f}% slower"
     c, w = other.config, winner.config
-    if worst == "bubble":
-        return f"{pct}: bubble {other.bubble:.2f} (winner {winner.bubble:.2f})"
-    if worst == "messages":
-        return f"{pct}: more messages"
-    if worst == "allreduce":
-        return f"{pct}: gradient all-reduce over {c.replicas} replicas"
+    because = {"bubble": f"bubble {other.bubble:.2f} (winner {winner.bubble:.2f})", "messages": "more messages",
+               "allreduce": f"gradient all-reduce over {c.replicas} replicas"}
+    if worst in because:
+        return f"{pct}: {because[worst]}"
     if c.checkpoint != w.checkpoint and c.checkpoint != "never":
         return f"{pct}: recomputes more ({c.checkpoint})"
     size, win_size = model.batch // c.replicas // c.microbatches, model.batch // w.replicas // w.microbatches
@@ -76,14 +74,10 @@ def rate(samples_per_s: float) -> str:
 def distinct(outcomes: Sequence[Outcome]) -> list[Outcome]:
     """The outcomes without repeats: configurations predicted alike (same speed, cut and memory) show once,
     the first (simplest) of them."""
-    seen: set[tuple[float, tuple[int, ...], tuple[float, ...]]] = set()
-    out = []
+    first: dict[tuple[float, tuple[int, ...], tuple[int, ...]], Outcome] = {}
     for o in outcomes:
-        key = (round(o.samples_per_s, 6), tuple(o.balance), tuple(round(m) for m in o.memory))
-        if key not in seen:
-            seen.add(key)
-            out.append(o)
-    return out
+        first.setdefault((round(o.samples_per_s, 6), tuple(o.balance), tuple(round(m) for m in o.memory)), o)
+    return list(first.values())
 
 
 def rows(model: search.Model, result: search.Result, top: int, budget: float) -> list[tuple[Outcome, str | None]]:
