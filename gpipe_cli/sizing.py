@@ -247,10 +247,9 @@ def choose(family: str, judge: Callable[[Candidate], Verdict], stages: int = 1,
             note = f"measuring {cand.describe()}: {reason}; choose with --model/--layers" if index else ""
             return Choice(kind, params, index > 0, note, verdict)
         reason = reason or verdict.why_not(f"the paper's {families.of(kind).short(params)}")
-    kind, params = members[-1]
-    cand = candidate(kind, params)
+    # None fits: the last, smallest member, as judged in the loop.
     note = f"measuring {cand.describe()}, the smallest member: {reason}; choose with --model/--layers"
-    return Choice(kind, params, True, note, judge(cand))
+    return Choice(kind, params, True, note, verdict)
 
 
 def layer_efficiency(device: str, kind: str) -> float:

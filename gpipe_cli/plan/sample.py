@@ -66,9 +66,8 @@ def typical_batch(recipe: Recipe) -> Sample:
     it = loader.train_batches(epoch=0)
     for _ in range(min(DRAWS, loader.steps_per_epoch())):
         started = time.perf_counter()
-        batch = next(it)
+        batches.append(next(it))
         seconds.append(time.perf_counter() - started)
-        batches.append(batch)
     if not batches:
         raise ValueError("the training split has no mini-batch")
     full = max(b.size for b in batches)  # a short last batch is not typical
