@@ -50,11 +50,6 @@ class Hardware:
 Factor = Callable[[int, int, int, int, str], float]
 
 
-def as_timed(size: int, partitions: int, replicas: int, virtual: int, schedule: str) -> float:
-    """The layers' seconds as timed, in every shape."""
-    return 1.0
-
-
 @dataclass(frozen=True)
 class Model:
     """What the search knows of a model: per-layer seconds at any micro-batch size and memory figures."""
@@ -68,7 +63,8 @@ class Model:
     step_overhead: float = 0.0           # seconds the engine adds per step on one stage (optimizer, ...)
     data_seconds: float = 0.0            # building one global mini-batch; each replica builds its share
     alone_speedup: float = 1.0           # how much faster a rank computes alone than with every rank busy
-    factor: Factor = as_timed  # the engine's measured steps over the simulated ones, by shape: scales `costs`
+    # The engine's measured steps over the simulated ones, by shape: scales `costs` (default: as timed).
+    factor: Factor = lambda *shape: 1.0
 
     def profile(self, config: Config) -> CostProfile:
         """Per-layer seconds of one of `config`'s micro-batches, as the engine runs them in that shape."""
