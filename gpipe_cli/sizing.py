@@ -1,14 +1,11 @@
 """Which model a command measures on this machine: the paper's where it fits, else the same architecture smaller.
 
-`gpipe bench` and `gpipe profile-memory` without model flags measure the paper's model of the family
-(`families.Family.paper_preset`) when the devices' memory holds it and the command would
-finish in about a minute; otherwise they walk down a ladder of the same architecture, fewer
-layers and narrower, to the first member that does. Time is estimated from the model's FLOPs at a
-quick measured rate of this machine (a matrix product on one rank's threads) times the share of it
-the family's layers reach, plus the fixed costs
-of starting ranks and of running a layer (a tiny block's forward and backward, also measured);
-memory from the parameters and the activations' shapes. Every member keeps at least eight pipeline
-layers, so that K=8 stays possible.
+`gpipe bench` and `gpipe profile-memory` without model flags measure the family's paper model
+(`families.Family.paper_preset`) when the devices' memory holds it and the command would finish in about
+a minute, else the first member down a ladder of the same architecture, fewer layers and narrower, that
+does. Time is the model's FLOPs at a quick measured rate of this machine (a matrix product) times the share
+the family's layers reach, plus the measured fixed costs of starting ranks and running a layer; memory is
+from the parameters and the activations' shapes. Every member keeps at least eight pipeline layers (K=8).
 """
 
 from __future__ import annotations

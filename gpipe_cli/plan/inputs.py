@@ -1,13 +1,11 @@
 """What the plan's search is fed for a recipe's model: per-layer seconds and the memory model's figures.
 
-    seconds   measured by the one per-layer measurer (`estimate.costs.profile`, as `gpipe bench` does) on
-              this machine, with the threads a rank would get, at the smallest and the largest
-              micro-batch the search tries; in between (and beyond) they are affine in the examples,
-              which keeps each call's fixed cost. A model too large or too slow to time here is
-              estimated instead: its FLOPs per layer at this machine's measured rate (as `sizing` does).
-    memory    the memory model's per-layer figures, from shapes on the meta device. A deep model is
-              priced the way `profile-memory` extrapolates: a shallow member with the same widths is
-              measured and each layer takes the figures of its kind (`memory_model.role`).
+    seconds   measured by the one per-layer measurer (`estimate.costs.profile`) with the threads a rank
+              would get, at the smallest and the largest micro-batch the search tries, affine in between
+              (which keeps each call's fixed cost); a model too large or slow to time here is estimated
+              from its FLOPs at this machine's measured rate (as `sizing` does)
+    memory    the memory model's figures from shapes on the meta device; a deep model takes, layer by
+              layer, those of its kind in a shallow member of the same widths (`memory_model.role`)
 """
 
 from __future__ import annotations
