@@ -206,21 +206,6 @@ def _staged_counts(batch: int, sizes: list[int], ranks: int) -> list[int]:
     return sorted({max(batch // size // ranks, 1) * ranks for size in sizes})
 
 
-def _staged(kind: str, params: dict[str, Any], costs: Callable[[int], CostProfile], batch: int, sizes: list[int],
-            seed: int, threads: int, examples: Examples, ranks: int, virtual: int, link: Link, speedup: float,
-            optimizer: here.OptimizerOf | None, grad_clip: float | None) -> tuple[dict[int, float], float]:
-    """Ratios by micro-batch size measured on one pipeline of `ranks` stages of `virtual` chunks each here (the
-    whole batch, cut by time at the middle size), and its drift."""
-    balance = costs(sizes[len(sizes) // 2]).balance(ranks * virtual, "never")
-    counts = _staged_counts(batch, sizes, ranks)
-    steps = here.engine_steps(kind, params, *examples(batch), seed, ranks, threads, counts, optimizer, grad_clip,
-                              balance, virtual)
-    # The busiest stage's update is part of the step; it is charged per step apart (`search.step_overhead`).
-    measured = {m: step - update for m, (step, update) in steps.per_count.items()}
-    return calibrate.factors(balance, costs, batch, measured, 0.0, link, rate_model(speedup, ranks),
-                             virtual), steps.drift
-
-
 def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Callable[[int], CostProfile],
                   figs: ModelFigures, batch: int, least: int, seed: int, threads: int, examples: Examples,
                   ranks: int, links: tuple[Link, Link] | None, speedup: float, optimizer: here.OptimizerOf | None,
@@ -249,17 +234,23 @@ def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Cal
             replicated = calibrate.factors([len(spec.layers)], costs, per_replica,
                                            {m: t for m, (t, _) in steps.per_count.items()}, reduce + update)
             staged: dict[int, dict[int, float]] = {}
-            drift = steps.drift
-            # GPipe, and interleaved with 2 chunks per stage (the V the search tries first).
+            drift, sizes = steps.drift, sorted(replicated)
+            # One pipeline of `ranks` stages on the whole batch, cut by time at the middle size: GPipe, and
+            # interleaved with 2 chunks per stage (the V the search tries first).
             for virtual in (v for v in (1, 2) if len(spec.layers) >= ranks * v):
+                balance = costs(sizes[len(sizes) // 2]).balance(ranks * virtual, "never")
                 try:
-                    staged[virtual], staged_drift = _staged(kind, params, costs, batch, sorted(replicated), seed,
-                                                            threads, examples, ranks, virtual, links[0], speedup,
-                                                            optimizer, grad_clip)
+                    piped = here.engine_steps(kind, params, *examples(batch), seed, ranks, threads,
+                                              _staged_counts(batch, sizes, ranks), optimizer, grad_clip, balance,
+                                              virtual)
                 except here.Unavailable as exc:
                     say(f"{exc}; pipelines of {virtual} chunk(s) per stage are priced as the other shapes measured")
                     continue
-                drift = max(drift, staged_drift, key=abs)
+                # The busiest stage's update is part of the step; it is charged per step apart (`search.step_overhead`).
+                measured = {m: step - own for m, (step, own) in piped.per_count.items()}
+                staged[virtual] = calibrate.factors(balance, costs, batch, measured, 0.0, links[0],
+                                                    rate_model(speedup, ranks), virtual)
+                drift = max(drift, piped.drift, key=abs)
             return _Engine(calibrate.Overhead(0.0, update), replicated, staged, drift)
     counts = calibrate.counts(batch, least)
     phase("measuring the engine's own cost per layer call and per step (one stage, this process)",
