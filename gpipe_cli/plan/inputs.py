@@ -131,13 +131,6 @@ def measure_seconds(flops: list[float], sizes: tuple[int, int], machine: sizing.
     return sum(sum(f * s / rate + per_call for f in flops) * 4 * runs / 3 for s in set(sizes))
 
 
-def step_seconds(costs: Callable[[int], CostProfile], examples: int, microbatches: int, stages: int = 1) -> float:
-    """One training step of `examples` in `microbatches` on each of `stages` stages, from the per-layer seconds
-    (GPipe's bubble included; the engine's own costs are what is being measured, so left out)."""
-    per_microbatch = sum(costs(max(examples // microbatches, 1)).balance_costs("never"))
-    return per_microbatch * (microbatches + stages - 1) / stages
-
-
 def engine_seconds(costs: Callable[[int], CostProfile], examples: int, counts: list[int], ranks: int = 0,
                    stages: int = 1, steps: int = here.STEPS + 1, again: bool = True) -> float:
     """About how long timing the engine's steps at each micro-batch count takes: `ranks` processes started (0: in
@@ -145,7 +138,9 @@ def engine_seconds(costs: Callable[[int], CostProfile], examples: int, counts: l
     `here.engine_steps` does)."""
     runs = [*counts, *counts[:1]] if again else counts
     start = here.start_seconds(ranks) if ranks else 0.0
-    return start + sum(steps * step_seconds(costs, examples, m, stages) for m in runs)
+    # A step from the per-layer seconds, GPipe's bubble included (the engine's own costs are what is measured).
+    return start + sum(steps * sum(costs(max(examples // m, 1)).balance_costs("never")) * (m + stages - 1) / stages
+                       for m in runs)
 
 
 def measured_costs(spec: ModelSpec, sizes: tuple[int, int], seed: int, threads: int,
