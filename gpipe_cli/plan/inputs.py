@@ -282,9 +282,7 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, bytes_per_p
     and the engine are timed (on a GPU: one, alone; no ranks beside it). `phase(what, seconds)` says a step of
     measuring that takes a while, with its estimate (else `say` does, without).
     """
-    if phase is None:
-        def phase(what: str, seconds: float) -> None:
-            say(f"{what}...")
+    phase = phase or (lambda what, seconds: say(f"{what}..."))
     spec = build_model(kind, **params)
     figs, flops, memory_note = figures(kind, params, spec, seed)
     probe = _probe_params(kind, params)

@@ -152,15 +152,13 @@ def write_recipe(text: str, raw: dict[str, Any], section: dict[str, Any], path: 
                  header: str) -> None:
     """The recipe `raw` (read from `text`, with the --set overrides) with its pipeline section replaced, validated,
     written whole or not at all, over `text`: the user's comments and key order stay."""
-    out = {**raw, "pipeline": section} if "pipeline" in raw else _with_pipeline(raw, section)
+    if "pipeline" in raw:
+        out = {**raw, "pipeline": section}
+    else:  # the usual order: the pipeline section right after the model
+        items = list(raw.items())
+        at = list(raw).index("model") + 1 if "model" in raw else len(items)
+        out = dict([*items[:at], ("pipeline", section), *items[at:]])
     validate_recipe(out, f"{label} with the planned pipeline", check_data=False)
     if text.startswith(HEADER):  # planned again: the new plan's line replaces the old one's
         text = text.partition("\n")[2]
     atomic_write_bytes(path, (header + rewrite(text, out, label)).encode())
-
-
-def _with_pipeline(raw: dict[str, Any], section: dict[str, Any]) -> dict[str, Any]:
-    # Keep the usual order: the pipeline section right after the model.
-    items = list(raw.items())
-    at = list(raw).index("model") + 1 if "model" in raw else len(items)
-    return dict([*items[:at], ("pipeline", section), *items[at:]])
