@@ -1,22 +1,20 @@
 """Which model a command measures on this machine: the paper's where it fits, else the same architecture smaller.
 
-`gpipe bench` and `gpipe profile-memory` without model flags measure the paper's model of the family
-(`families.Family.paper_preset`) when the devices' memory holds it and the command would
-finish in about a minute; otherwise they walk down a ladder of the same architecture, fewer
-layers and narrower, to the first member that does. Time is estimated from the model's FLOPs at a
-quick measured rate of this machine (a matrix product on one rank's threads) times the share of it
-the family's layers reach, plus the fixed costs
-of starting ranks and of running a layer (a tiny block's forward and backward, also measured);
-memory from the parameters and the activations' shapes. Every member keeps at least eight pipeline
-layers, so that K=8 stays possible.
+`gpipe bench` and `gpipe profile-memory` without model flags measure the family's paper model
+(`families.Family.paper_preset`) when the devices' memory holds it and the command would finish in about
+a minute, else the first member down a ladder of the same architecture, fewer layers and narrower, that
+does. Time is the model's FLOPs at a quick measured rate of this machine (a matrix product) times the share
+the family's layers reach, plus the measured fixed costs of starting ranks and running a layer; memory is
+from the parameters and the activations' shapes. Every member keeps at least eight pipeline layers (K=8).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,11 +46,20 @@ class Machine:
     call_seconds: float    # one rank's measured cost of a small layer's forward and backward
 
 
-def _calls_per_s(call: Callable[[], Any], device: str, threads: int, seconds: float) -> float:
-    """How many times a second `call` runs on `device` with `threads` intra-op threads, after three untimed."""
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Run the body with `threads` intra-op threads, and the previous count again after it."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _calls_per_s(call: Callable[[], Any], device: str, threads: int, seconds: float) -> float:
+    """How many times a second `call` runs on `device` with `threads` intra-op threads, after three untimed."""
+    with torch_threads(threads):
         for _ in range(3):
             call()  # warm-up: allocator and kernel selection
         count, start = 0, time.perf_counter()
@@ -62,8 +69,6 @@ def _calls_per_s(call: Callable[[], Any], device: str, threads: int, seconds: fl
         if device == "cuda":
             torch.cuda.synchronize()
         return count / (time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def measured_rate(device: str = "cpu", threads: int = 1, seconds: float = 0.2) -> float:
@@ -239,10 +244,9 @@ def choose(family: str, judge: Callable[[Candidate], Verdict], stages: int = 1,
             note = f"measuring {cand.describe()}: {reason}; choose with --model/--layers" if index else ""
             return Choice(kind, params, index > 0, note, verdict)
         reason = reason or verdict.why_not(f"the paper's {families.of(kind).short(params)}")
-    kind, params = members[-1]
-    cand = candidate(kind, params)
+    # None fits: the last, smallest member, as judged in the loop.
     note = f"measuring {cand.describe()}, the smallest member: {reason}; choose with --model/--layers"
-    return Choice(kind, params, True, note, judge(cand))
+    return Choice(kind, params, True, note, verdict)
 
 
 def layer_efficiency(device: str, kind: str) -> float:
@@ -257,14 +261,17 @@ def passes(checkpoint: str) -> float:
     return 3.0 if checkpoint == "never" else 4.0
 
 
+def layer_rate(machine: Machine, kind: str) -> tuple[float, float]:
+    """The effective FLOP/s of model family `kind`'s layers on `machine`, and the fixed seconds of a layer call."""
+    # A pipeline layer runs several small blocks' worth of operators (attention, two norms, a feed-forward).
+    return machine.flops_per_s * layer_efficiency(machine.kind, kind), 1.5 * machine.call_seconds
+
+
 def step_seconds(cand: Candidate, machine: Machine, examples: int, microbatches: int, passes: float) -> float:
     """Estimated seconds of one training step's compute on one rank: FLOPs at the measured rate plus
     the fixed cost of every layer call (which dominates small models)."""
-    efficiency = layer_efficiency(machine.kind, cand.kind)
-    # A pipeline layer runs several small blocks' worth of operators (attention, two norms, a feed-forward).
-    per_call = 1.5 * machine.call_seconds
-    flops = examples * cand.flops * passes
-    return flops / (machine.flops_per_s * efficiency) + microbatches * cand.pipeline_layers * passes * per_call
+    rate, per_call = layer_rate(machine, cand.kind)
+    return examples * cand.flops * passes / rate + microbatches * cand.pipeline_layers * passes * per_call
 
 
 def activation_bytes(cand: Candidate, examples: float) -> float:

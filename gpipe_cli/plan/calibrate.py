@@ -1,21 +1,17 @@
 """The engine's own cost beyond its layers', measured once: per layer call and per step.
 
-Per-layer seconds are timed layer by layer; the engine adds work every time an action runs a layer
-(saved-tensor hooks, RNG states, statistics, Python) and per step (the recipe's optimizer, the
-gradient norm, gathering statistics). A single-stage pipeline is run here, in this process, at three
-micro-batch counts with the same mini-batch: the gap between its measured step and the simulated one
-grows with M by the per-call cost (a forward and a backward of every layer per micro-batch) and
-starts at the per-step cost. This is `bench`'s calibration, split so that it holds for any K and M.
+The engine adds work every time an action runs a layer (saved-tensor hooks, RNG states, statistics,
+Python) and per step (the optimizer, the gradient norm, gathering statistics). A single-stage pipeline
+timed in this process at three micro-batch counts of one mini-batch shows both: the gap between its
+measured and simulated steps grows with M by the per-call cost and starts at the per-step cost
+(`bench`'s calibration, split so that it holds for any K and M).
 
-When several ranks share this machine, the steps run on those ranks instead: as that many replicas
-of one stage, and as one pipeline of that many stages, GPipe's and interleaved with 2 chunks per stage
-(`plan.here.engine_steps`). There the measured step is a multiple of the simulated one (the ranks
-share cores, caches and memory, and wait on each other) that differs with the micro-batch size and
-with the shape: a replica holds the whole model and waits on all-reduces, a stage holds a part and
-waits on its neighbours. So the ratio measured at each size and shape, interpolated between sizes,
-scales every layer's seconds for that shape, and a shape not measured takes the largest (`by_shape`):
-a measured shape is predicted as its step was timed. The optimizer's update is timed apart in those
-steps and kept as a per-step cost: it scales with a stage's parameters, not with its layers' compute.
+When several ranks share this machine, the steps run on them instead (`plan.here.engine_steps`), as
+replicas of one stage and as one pipeline, GPipe's and interleaved with 2 chunks per stage. The ranks
+share cores and wait on each other (a replica on all-reduces, a stage on its neighbours), so the measured
+step is a multiple of the simulated one that differs with the micro-batch size and the shape: that ratio
+scales every layer's seconds for its shape (`by_shape`). The optimizer's update is timed apart and kept
+per step: it scales with a stage's parameters, not with its layers' compute.
 """
 
 from __future__ import annotations
@@ -36,6 +32,7 @@ from gpipe_cli.pipeline import schedules, topology
 from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.plan.here import OptimizerOf
 from gpipe_cli.plan.search import Factor
+from gpipe_cli.sizing import torch_threads
 
 STEPS, WARMUP = 4, 1
 Examples = Callable[[int], tuple[Any, torch.Tensor]]  # n -> (inputs, targets) of n examples
@@ -61,22 +58,20 @@ def local_steps(spec: ModelSpec, batch: int, microbatches: list[int], seed: int,
     """Seconds of one training step (`optimizer`'s update included) of the whole model as one stage in this
     process on `device`, at each micro-batch count."""
     inputs, targets = examples(batch)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    pipe = build_pipeline(spec, topology.local(device), PipelineConfig(checkpoint="never", balance=(len(spec.layers),)),
-                          seed)
-    update = optimizer(pipe.parameters()) if optimizer is not None else None
-    try:
-        found = {}
-        for m in microbatches:
-            figures = measure_engine(pipe, inputs, targets, batch, m, STEPS, WARMUP,
-                                     optimizer=update, max_grad_norm=grad_clip)
-            assert figures is not None  # a single process is rank 0
-            # The fastest step: on a shared machine the others are slowed by neighbours, not by the engine.
-            found[m] = min(figures.step_times)
-    finally:
-        pipe.close()
-        torch.set_num_threads(previous)
+    found = {}
+    with torch_threads(threads):
+        pipe = build_pipeline(spec, topology.local(device),
+                              PipelineConfig(checkpoint="never", balance=(len(spec.layers),)), seed)
+        update = optimizer(pipe.parameters()) if optimizer is not None else None
+        try:
+            for m in microbatches:
+                figures = measure_engine(pipe, inputs, targets, batch, m, STEPS, WARMUP,
+                                         optimizer=update, max_grad_norm=grad_clip)
+                assert figures is not None  # a single process is rank 0
+                # The fastest step: on a shared machine the others are slowed by neighbours, not by the engine.
+                found[m] = min(figures.step_times)
+        finally:
+            pipe.close()
     return found
 
 

@@ -193,16 +193,12 @@ def _probe(rank: int, world: int) -> dict[str, float]:
     return results
 
 
-def _slope(small: float, large: float) -> float:
-    """Seconds per byte through the timings of the two sizes; all of the large one's when noise on a busy
-    machine leaves it no slower than the small one (else the link would be read as infinitely fast)."""
-    rise = large - small
-    return max(rise / (LARGE - SMALL) if rise > 0 else large / LARGE, 1e-15)
-
-
 def _line(small: float, large: float) -> Link:
     """latency + bytes / bandwidth through the timings of the two sizes."""
-    slope = _slope(small, large)
+    # All of the large one's seconds per byte when noise on a busy machine leaves it no slower than the small
+    # one (else the link would be read as infinitely fast).
+    rise = large - small
+    slope = max(rise / (LARGE - SMALL) if rise > 0 else large / LARGE, 1e-15)
     return Link(1.0 / slope, max(small - SMALL * slope, 0.0))
 
 
@@ -213,9 +209,8 @@ def links(ranks: int) -> tuple[Link, Link]:
     p2p = _line(results[f"p2p{SMALL}"], results[f"p2p{LARGE}"])
     hops = 2 * (ranks - 1)
     # A ring all-reduce moves 2 (D-1)/D of the bytes in 2 (D-1) steps (as `plan.search` charges it).
-    slope = _slope(results[f"allreduce{SMALL}"], results[f"allreduce{LARGE}"])
-    reduce = Link(hops / ranks / slope, max(results[f"allreduce{SMALL}"] - SMALL * slope, 0.0) / hops)
-    return p2p, reduce
+    whole = _line(results[f"allreduce{SMALL}"], results[f"allreduce{LARGE}"])
+    return p2p, Link(whole.bandwidth * hops / ranks, whole.latency / hops)
 
 
 STEPS = 10  # measured engine steps per micro-batch count (after one warm-up)
@@ -286,6 +281,5 @@ def engine_steps(kind: str, params: dict[str, Any], inputs: Any, targets: torch.
     stages = len(balance or [0]) // virtual
     what = (f"running the engine on {ranks} replicas" if balance is None else
             f"running the engine as {stages} stages x {ranks // stages} replicas, {virtual} chunk(s) per stage")
-    found: Steps = _on_ranks(ranks, threads, what, _engine_rank, kind, params, balance or [], virtual, inputs, targets,
-                             seed, counts, optimizer, grad_clip)
-    return found
+    return _on_ranks(ranks, threads, what, _engine_rank, kind, params, balance or [], virtual, inputs, targets, seed,
+                     counts, optimizer, grad_clip)

@@ -1,13 +1,11 @@
 """What the plan's search is fed for a recipe's model: per-layer seconds and the memory model's figures.
 
-    seconds   measured by the one per-layer measurer (`estimate.costs.profile`, as `gpipe bench` does) on
-              this machine, with the threads a rank would get, at the smallest and the largest
-              micro-batch the search tries; in between (and beyond) they are affine in the examples,
-              which keeps each call's fixed cost. A model too large or too slow to time here is
-              estimated instead: its FLOPs per layer at this machine's measured rate (as `sizing` does).
-    memory    the memory model's per-layer figures, from shapes on the meta device. A deep model is
-              priced the way `profile-memory` extrapolates: a shallow member with the same widths is
-              measured and each layer takes the figures of its kind (`memory_model.role`).
+    seconds   measured by the one per-layer measurer (`estimate.costs.profile`) with the threads a rank
+              would get, at the smallest and the largest micro-batch the search tries, affine in between
+              (which keeps each call's fixed cost); a model too large or slow to time here is estimated
+              from its FLOPs at this machine's measured rate (as `sizing` does)
+    memory    the memory model's figures from shapes on the meta device; a deep model takes, layer by
+              layer, those of its kind in a shallow member of the same widths (`memory_model.role`)
 """
 
 from __future__ import annotations
@@ -126,24 +124,11 @@ def estimated_costs(names: list[str], flops: list[float], figs: ModelFigures, ra
     return at
 
 
-def machine_rate(machine: sizing.Machine, kind: str) -> tuple[float, float]:
-    """This machine's effective FLOP/s for model family `kind`'s layers and fixed seconds per layer call
-    (as `sizing` prices them)."""
-    return machine.flops_per_s * sizing.layer_efficiency(machine.kind, kind), 1.5 * machine.call_seconds
-
-
 def measure_seconds(flops: list[float], sizes: tuple[int, int], machine: sizing.Machine, kind: str) -> float:
     """About how long measuring per-layer seconds of a model family `kind` at both sizes takes here."""
-    rate, per_call = machine_rate(machine, kind)
+    rate, per_call = sizing.layer_rate(machine, kind)
     runs = 3 * (REPEATS + 1) + 2  # three kinds timed, plus warm-up and the memory pass
     return sum(sum(f * s / rate + per_call for f in flops) * 4 * runs / 3 for s in set(sizes))
-
-
-def step_seconds(costs: Callable[[int], CostProfile], examples: int, microbatches: int, stages: int = 1) -> float:
-    """One training step of `examples` in `microbatches` on each of `stages` stages, from the per-layer seconds
-    (GPipe's bubble included; the engine's own costs are what is being measured, so left out)."""
-    per_microbatch = sum(costs(max(examples // microbatches, 1)).balance_costs("never"))
-    return per_microbatch * (microbatches + stages - 1) / stages
 
 
 def engine_seconds(costs: Callable[[int], CostProfile], examples: int, counts: list[int], ranks: int = 0,
@@ -153,37 +138,31 @@ def engine_seconds(costs: Callable[[int], CostProfile], examples: int, counts: l
     `here.engine_steps` does)."""
     runs = [*counts, *counts[:1]] if again else counts
     start = here.start_seconds(ranks) if ranks else 0.0
-    return start + sum(steps * step_seconds(costs, examples, m, stages) for m in runs)
+    # A step from the per-layer seconds, GPipe's bubble included (the engine's own costs are what is measured).
+    return start + sum(steps * sum(costs(max(examples // m, 1)).balance_costs("never")) * (m + stages - 1) / stages
+                       for m in runs)
 
 
 def measured_costs(spec: ModelSpec, sizes: tuple[int, int], seed: int, threads: int,
                    examples: Examples, device: str = "cpu") -> Callable[[int], CostProfile]:
     """Per-layer seconds measured here on `device` at two micro-batch sizes, with `threads` intra-op threads."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        profiles = []
+    profiles = []
+    with sizing.torch_threads(threads):
         for size in sorted(set(sizes)):
             inputs, targets = examples(size)
             measured = layer_costs.profile(spec, inputs, targets.to(device), seed, REPEATS, device)
             profiles.append(dataclasses.replace(measured, microbatch_size=size))
             interrupts.check()
-    finally:
-        torch.set_num_threads(previous)
     return affine_costs(profiles[0], profiles[-1])
 
 
 def _best_seconds(work: Callable[[], None], threads: int, runs: int = 2) -> float:
     """The fastest of `runs` timings of `work` with `threads` intra-op threads."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        best = math.inf
+    best = math.inf
+    with sizing.torch_threads(threads):
         for _ in range(runs):
             best = min(best, timed(work)[0])
             interrupts.check()
-    finally:
-        torch.set_num_threads(previous)
     return best
 
 
@@ -222,21 +201,6 @@ def _staged_counts(batch: int, sizes: list[int], ranks: int) -> list[int]:
     return sorted({max(batch // size // ranks, 1) * ranks for size in sizes})
 
 
-def _staged(kind: str, params: dict[str, Any], costs: Callable[[int], CostProfile], batch: int, sizes: list[int],
-            seed: int, threads: int, examples: Examples, ranks: int, virtual: int, link: Link, speedup: float,
-            optimizer: here.OptimizerOf | None, grad_clip: float | None) -> tuple[dict[int, float], float]:
-    """Ratios by micro-batch size measured on one pipeline of `ranks` stages of `virtual` chunks each here (the
-    whole batch, cut by time at the middle size), and its drift."""
-    balance = costs(sizes[len(sizes) // 2]).balance(ranks * virtual, "never")
-    counts = _staged_counts(batch, sizes, ranks)
-    steps = here.engine_steps(kind, params, *examples(batch), seed, ranks, threads, counts, optimizer, grad_clip,
-                              balance, virtual)
-    # The busiest stage's update is part of the step; it is charged per step apart (`search.step_overhead`).
-    measured = {m: step - update for m, (step, update) in steps.per_count.items()}
-    return calibrate.factors(balance, costs, batch, measured, 0.0, link, rate_model(speedup, ranks),
-                             virtual), steps.drift
-
-
 def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Callable[[int], CostProfile],
                   figs: ModelFigures, batch: int, least: int, seed: int, threads: int, examples: Examples,
                   ranks: int, links: tuple[Link, Link] | None, speedup: float, optimizer: here.OptimizerOf | None,
@@ -265,17 +229,23 @@ def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Cal
             replicated = calibrate.factors([len(spec.layers)], costs, per_replica,
                                            {m: t for m, (t, _) in steps.per_count.items()}, reduce + update)
             staged: dict[int, dict[int, float]] = {}
-            drift = steps.drift
-            # GPipe, and interleaved with 2 chunks per stage (the V the search tries first).
+            drift, sizes = steps.drift, sorted(replicated)
+            # One pipeline of `ranks` stages on the whole batch, cut by time at the middle size: GPipe, and
+            # interleaved with 2 chunks per stage (the V the search tries first).
             for virtual in (v for v in (1, 2) if len(spec.layers) >= ranks * v):
+                balance = costs(sizes[len(sizes) // 2]).balance(ranks * virtual, "never")
                 try:
-                    staged[virtual], staged_drift = _staged(kind, params, costs, batch, sorted(replicated), seed,
-                                                            threads, examples, ranks, virtual, links[0], speedup,
-                                                            optimizer, grad_clip)
+                    piped = here.engine_steps(kind, params, *examples(batch), seed, ranks, threads,
+                                              _staged_counts(batch, sizes, ranks), optimizer, grad_clip, balance,
+                                              virtual)
                 except here.Unavailable as exc:
                     say(f"{exc}; pipelines of {virtual} chunk(s) per stage are priced as the other shapes measured")
                     continue
-                drift = max(drift, staged_drift, key=abs)
+                # The busiest stage's update is part of the step; it is charged per step apart (`search.step_overhead`).
+                measured = {m: step - own for m, (step, own) in piped.per_count.items()}
+                staged[virtual] = calibrate.factors(balance, costs, batch, measured, 0.0, links[0],
+                                                    rate_model(speedup, ranks), virtual)
+                drift = max(drift, piped.drift, key=abs)
             return _Engine(calibrate.Overhead(0.0, update), replicated, staged, drift)
     counts = calibrate.counts(batch, least)
     phase("measuring the engine's own cost per layer call and per step (one stage, this process)",
@@ -312,9 +282,7 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, bytes_per_p
     and the engine are timed (on a GPU: one, alone; no ranks beside it). `phase(what, seconds)` says a step of
     measuring that takes a while, with its estimate (else `say` does, without).
     """
-    if phase is None:
-        def phase(what: str, seconds: float) -> None:
-            say(f"{what}...")
+    phase = phase or (lambda what, seconds: say(f"{what}..."))
     spec = build_model(kind, **params)
     figs, flops, memory_note = figures(kind, params, spec, seed)
     probe = _probe_params(kind, params)
@@ -373,7 +341,7 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, bytes_per_p
         model = Model(costs, figs, bytes_per_param, batch, least, extra.action, extra.step, data, speedup,
                       calibrate.by_shape(engine.replicated, engine.staged))
         return Inputs(model, note, memory_note, engine.drift)
-    rate, per_call = machine_rate(machine, kind)
+    rate, per_call = sizing.layer_rate(machine, kind)
     note = (f"estimated from FLOPs at this machine's measured {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank "
             f"({machine.kind}; --tflops for other devices)")
     costs = estimated_costs(spec.layer_names, flops, figs, rate, per_call)

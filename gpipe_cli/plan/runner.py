@@ -34,13 +34,10 @@ def _raw(options: PlanOptions) -> tuple[str, dict[str, Any]]:
 
 def micro_sizes(layers: int, batch: int, devices: int, least: int) -> list[int]:
     """Every micro-batch size the search can try: batch / D / M for K | N, K <= layers, D | batch, M | batch / D."""
-    sizes: set[int] = set()
-    for k in range(1, min(devices, layers) + 1):  # K beyond the layers cuts nothing: no need to count that far
-        d = devices // k
-        if devices % k or batch % d:
-            continue
-        sizes.update(s for s in range(least, batch // d + 1) if (batch // d) % s == 0)
-    return sorted(sizes)
+    from gpipe_cli.plan.search import divisors
+
+    replicas = [devices // k for k in divisors(devices) if k <= layers]
+    return sorted({s for d in replicas if batch % d == 0 for s in divisors(batch // d) if s >= least})
 
 
 def as_written_line(model: Any, hw: Any, recipe: Recipe, best: Any, budget: float) -> str:
@@ -158,8 +155,8 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
         found = micro_sizes(layers, batch, n, least) or [least]
         return found[0], found[-1]
 
-    def say(line: str) -> None:
-        console.print(f"[dim]{line}[/]", highlight=False)
+    def say(text: str) -> None:
+        console.print(f"[dim]{text}[/]", highlight=False)
 
     # The plan's estimate is its phases' (each known only once the one before has measured what it needs).
     progress = Progress(say)
@@ -192,33 +189,32 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
                         f"more --devices, or a smaller data.batch_size")
     where = "this machine's per-rank memory" if memory is None else "--device-memory"
     node_text = f" on {options.nodes} nodes" if options.nodes > 1 else ""
-    console.print(f"[bold]gpipe plan[/] · {spec.name} ({layers} pipeline layers) · {n} devices{node_text}, "
-                  f"{human_bytes(budget)} each ({where}) · batch {batch}", highlight=False)
-    console.print(f"  per-layer seconds: {fed.timing}", highlight=False)
+    line = functools.partial(console.print, highlight=False)
+    line(f"[bold]gpipe plan[/] · {spec.name} ({layers} pipeline layers) · {n} devices{node_text}, "
+         f"{human_bytes(budget)} each ({where}) · batch {batch}")
+    line(f"  per-layer seconds: {fed.timing}")
     if fed.drift is not None:
-        console.print(f"  steadiness: {steadiness(fed.drift)}", highlight=False)
-    console.print(f"  memory: the memory model, {fed.memory}; {per_param:.0f} bytes per parameter "
-                  f"({optimizer_name(recipe)})", highlight=False)
+        line(f"  steadiness: {steadiness(fed.drift)}")
+    line(f"  memory: the memory model, {fed.memory}; {per_param:.0f} bytes per parameter ({optimizer_name(recipe)})")
     node_note = (f", between nodes (assumed) {options.node_bandwidth:g} GB/s and {options.node_latency_us:g} µs"
                  if options.nodes > 1 else "")
-    console.print(f"  links: {link_note}{node_note}", highlight=False)
-    console.print(f"  searched {evaluated} configurations (K, D, M, schedule, V, remat, offload; balance: min-max "
-                  f"time among cuts that fit): {len(result.ranked)} fit", highlight=False)
+    line(f"  links: {link_note}{node_note}")
+    line(f"  searched {evaluated} configurations (K, D, M, schedule, V, remat, offload; balance: min-max time among "
+         f"cuts that fit): {len(result.ranked)} fit")
     items = show.rows(model, result, options.top, budget)
     title = "predictions (simulated from the per-layer seconds; not measured)"
     if options.plain:
-        console.print(show.plain(items, title), highlight=False, markup=False)
+        line(show.plain(items, title), markup=False)
     else:
         console.print(show.table(items, title))
-    console.print(as_written_line(model, hw, recipe, best, budget), highlight=False)
+    line(as_written_line(model, hw, recipe, best, budget))
     section = show.pipeline_section(best, recipe.pipeline.backend)
     target = shlex.quote(options.recipe) if options.recipe is not None else ""
     # The settings typed for the model and data (by --set or a size flag) travel with it; its pipeline is the plan's.
     kept = [f"--set {shlex.quote(item)}" for item in options.set if not item.lstrip().startswith("pipeline.")]
     command = " ".join(["gpipe train", *([target] if target else []), *kept, *show.set_lines(section)])
-    console.print(f"predicted best: {best.config.label()}, {show.rate(best.samples_per_s)} samples/s. Train it with:",
-                  highlight=False)
-    console.print(f"  {command}", highlight=False, markup=False, soft_wrap=True)
+    line(f"predicted best: {best.config.label()}, {show.rate(best.samples_per_s)} samples/s. Train it with:")
+    line(f"  {command}", markup=False, soft_wrap=True)
     header = show.header_line(n, budget, best)
 
     def finish() -> int:
@@ -229,8 +225,7 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
             except OSError as exc:  # a disk can fill, or a folder change, after the check; nothing is half there
                 raise UserError(f"--output: cannot write {shown(str(options.output))} ({exc.strerror or exc})") \
                     from None
-            console.print(f"wrote {options.output}; train with: gpipe train {shlex.quote(str(options.output))}",
-                          highlight=False, markup=False)
+            line(f"wrote {options.output}; train with: gpipe train {shlex.quote(str(options.output))}", markup=False)
         console.print(f"[dim]{took_line(time.perf_counter() - started, progress.estimated)}[/]"
                       if progress.estimated else f"[dim]took {human_seconds(time.perf_counter() - started)}[/]")
         return 0

@@ -45,16 +45,10 @@ def _first(value: Any, n: int) -> Any:
     return type(value)(_first(v, n) for v in value)
 
 
-def _elements(value: Any) -> int:
+def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
-        return value.numel()
-    return sum(_elements(v) for v in value)
-
-
-def _shape(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return " x ".join(str(d) for d in value.shape)
-    return ", ".join(_shape(v) for v in value)
+        return [value]
+    return [t for v in value for t in _tensors(v)]
 
 
 def typical_batch(recipe: Recipe) -> Sample:
@@ -66,16 +60,16 @@ def typical_batch(recipe: Recipe) -> Sample:
     it = loader.train_batches(epoch=0)
     for _ in range(min(DRAWS, loader.steps_per_epoch())):
         started = time.perf_counter()
-        batch = next(it)
+        batches.append(next(it))
         seconds.append(time.perf_counter() - started)
-        batches.append(batch)
     if not batches:
         raise ValueError("the training split has no mini-batch")
     full = max(b.size for b in batches)  # a short last batch is not typical
     batches = [b for b in batches if b.size == full]
-    batches.sort(key=lambda b: _elements(b.inputs))
+    batches.sort(key=lambda b: sum(t.numel() for t in _tensors(b.inputs)))
     median = batches[len(batches) // 2]
-    note = (f"the recipe's data (the median of {len(batches)} mini-batches: {_shape(median.inputs)}; "
+    shape = ", ".join(" x ".join(map(str, t.shape)) for t in _tensors(median.inputs))
+    note = (f"the recipe's data (the median of {len(batches)} mini-batches: {shape}; "
             f"{statistics.median(seconds) * 1e3:.1f} ms to build one)")
     assert median.targets is not None
     return Sample(median.inputs, median.targets, statistics.median(seconds), note)

@@ -1,21 +1,16 @@
 """Search K, D, M, schedule, remat mode, offload and balance for the fastest pipeline that fits: predictions only.
 
-Nothing here measures or prints. The inputs are passed in: per-layer seconds at any micro-batch size
-(`Model.profile`), the memory model's per-layer figures, and the hardware (devices, nodes, memory per
-device, links). For every configuration that uses all N devices (K stages x D = N / K replicas):
+Nothing here measures or prints. For every configuration that uses all N devices (K stages x D = N / K
+replicas), from per-layer seconds (`Model.profile`), the memory model's figures and the hardware:
 
-    balance     the min-max cut of per-layer time (forward, backward and the recompute the remat mode
-                implies) among the cuts whose every stage fits the device (`partition.balance_within`);
-                interleaved and the V placements (K x V chunks): the min-max cut of the chunks, or when a
-                stage does not fit, the fastest fitting cut a local search finds (`partition.interleaved_within`)
-    time        the engine's own action lists run by the simulator (`estimate.simulate.simulate_step`),
-                each compute action its layers' seconds plus the engine's own cost per layer call, each
-                message `latency + bytes / bandwidth` on the link it crosses; then the gradient
-                all-reduce over the D replicas (a ring: 2 (D-1)/D of a stage's gradient bytes) and the
-                engine's per-step cost (optimizer and the rest) for the busiest stage's parameters, and
-                each replica's share of building the mini-batch
-    memory      every stage's peak by the memory model (`memory_model.footprints`), offloaded stored inputs
-                counted on the device only while they come back
+    balance     the min-max cut of per-layer time among the cuts whose every stage fits the device
+                (`partition.balance_within`; with K x V chunks, `partition.interleaved_within`)
+    time        the engine's action lists run by the simulator (`estimate.simulate.simulate_step`), each
+                message `latency + bytes / bandwidth` on the link it crosses; then the ring all-reduce over
+                the D replicas, the engine's per-step cost for the busiest stage's parameters, and each
+                replica's share of building the mini-batch
+    memory      every stage's peak by the memory model, offloaded stored inputs counted on the device
+                only while they come back
 
 The fastest fitting configuration wins; ties go to one that offloads nothing (the host copies are priced
 at no time, as they overlap the backward), then to the one needing less memory.
@@ -50,19 +45,9 @@ class Hardware:
     nodes: int = 1
     reduce_link: simulate.Link | None = None  # per hop of a ring all-reduce within a node (None: `link`)
 
-    @property
-    def per_node(self) -> int:
-        """Devices per node."""
-        return self.devices // self.nodes
-
 
 # (micro-batch size, K, D, V, schedule) -> how much slower the engine runs the layers than they were timed
 Factor = Callable[[int, int, int, int, str], float]
-
-
-def as_timed(size: int, partitions: int, replicas: int, virtual: int, schedule: str) -> float:
-    """The layers' seconds as timed, in every shape."""
-    return 1.0
 
 
 @dataclass(frozen=True)
@@ -78,7 +63,8 @@ class Model:
     step_overhead: float = 0.0           # seconds the engine adds per step on one stage (optimizer, ...)
     data_seconds: float = 0.0            # building one global mini-batch; each replica builds its share
     alone_speedup: float = 1.0           # how much faster a rank computes alone than with every rank busy
-    factor: Factor = as_timed  # the engine's measured steps over the simulated ones, by shape: scales `costs`
+    # The engine's measured steps over the simulated ones, by shape: scales `costs` (default: as timed).
+    factor: Factor = lambda *shape: 1.0
 
     def profile(self, config: Config) -> CostProfile:
         """Per-layer seconds of one of `config`'s micro-batches, as the engine runs them in that shape."""
@@ -202,11 +188,8 @@ def _stage_need(model: Model, config: Config, per_replica: int) -> Callable[[int
     return need
 
 
-def _memory(model: Model, config: Config, balance: list[int], per_replica: int) -> list[float]:
-    return _needs(model, config, per_replica)(balance)
-
-
 def _needs(model: Model, config: Config, per_replica: int) -> Callable[[list[int]], list[float]]:
+    """The bytes every stage needs under `config`, for a balance."""
     known: dict[tuple[int, tuple[int, ...]], float] = {}
     return lambda balance: mm.stage_needs(model.figures, balance, per_replica, config.microbatches, config.schedule,
                                           config.checkpoint, model.bytes_per_param, config.virtual, known,
@@ -215,7 +198,8 @@ def _needs(model: Model, config: Config, per_replica: int) -> Callable[[list[int
 
 def spans_nodes(hw: Hardware, partitions: int) -> bool:
     """Whether some pipeline has neighbouring stages on different nodes (rank = replica x K + stage)."""
-    return any((r * partitions + s) // hw.per_node != (r * partitions + s + 1) // hw.per_node
+    per_node = hw.devices // hw.nodes
+    return any((r * partitions + s) // per_node != (r * partitions + s + 1) // per_node
                for r in range(hw.devices // partitions) for s in range(partitions - 1))
 
 
@@ -235,16 +219,17 @@ def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | No
     weights = costs.balance_costs(config.checkpoint)
     chunks = config.partitions * config.virtual
     balance = list(cut) if cut is not None else partition.balance_by_cost(weights, chunks)
-    memory = _memory(model, config, balance, per_replica)
+    needs = _needs(model, config, per_replica)
+    memory = needs(balance)
     fits = max(memory) <= hw.memory
     if not fits and cut is None:
         if config.virtual == 1:
             need = _stage_need(model, config, per_replica)
             within = partition.balance_within(weights, chunks, lambda stage, i, j: need(stage, i, j) <= hw.memory)
         else:
-            within = partition.interleaved_within(weights, chunks, _needs(model, config, per_replica), hw.memory)
+            within = partition.interleaved_within(weights, chunks, needs, hw.memory)
         if within is not None:
-            balance, memory, fits = within, _memory(model, config, within, per_replica), True
+            balance, memory, fits = within, needs(within), True
     link = hw.node_link if spans_nodes(hw, config.partitions) else hw.link
     prediction = simulate.simulate_step(costs, balance, per_replica, config.microbatches, config.schedule,
                                         config.checkpoint, link, 1.0, config.virtual, model.action_overhead,
@@ -278,49 +263,37 @@ def min_max_memory(model: Model, config: Config) -> tuple[float, list[int]]:
     per_replica = model.batch // config.replicas
     if config.virtual > 1:
         weights = model.profile(config).balance_costs(config.checkpoint)
-        balance = partition.balance_by_cost(weights, config.partitions * config.virtual)
-        balance = partition.least_memory(balance, _needs(model, config, per_replica))
-        return max(_memory(model, config, balance, per_replica)), balance
+        needs = _needs(model, config, per_replica)
+        balance = partition.least_memory(partition.balance_by_cost(weights, config.partitions * config.virtual), needs)
+        return max(needs(balance)), balance
     found = partition.min_max_split(model.layers, config.partitions, _stage_need(model, config, per_replica))
     assert found is not None  # every stage has a finite need
     return found
 
 
-def search(model: Model, hw: Hardware, schedules: Sequence[str] = SCHEDULES,
-           remat: Sequence[str] = REMAT_MODES) -> Result:
+def search(model: Model, hw: Hardware) -> Result:
     """Evaluate every configuration; the fitting ones ranked fastest first (and, if none fits, the least memory)."""
-    outcomes = [evaluate(model, hw, c) for c in configs(model, hw, schedules, remat)]
+    outcomes = [evaluate(model, hw, c) for c in configs(model, hw)]
     ranked = sorted((o for o in outcomes if o.fits), key=_rank_key)
     refused = sorted((o for o in outcomes if not o.fits), key=_rank_key)
     result = Result(ranked, refused)
     if not ranked and refused:
         need, balance, outcome = min(((*min_max_memory(model, o.config), o) for o in refused), key=lambda x: x[0])
         result.smallest_memory = need
-        result.smallest = dataclasses.replace(outcome, balance=balance,
-                                              memory=_memory(model, outcome.config, balance,
-                                                             model.batch // outcome.config.replicas))
+        needs = _needs(model, outcome.config, model.batch // outcome.config.replicas)
+        result.smallest = dataclasses.replace(outcome, balance=balance, memory=needs(balance))
     return result
 
 
-@dataclass(frozen=True)
-class Parts:
-    """Where a configuration's predicted step goes: compute, bubble, messages, all-reduce (seconds)."""
-
-    compute: float
-    bubble: float
-    messages: float
-    allreduce: float
-
-
-def parts(model: Model, outcome: Outcome) -> Parts:
-    """Split a predicted step into compute (mean per stage, with the per-step work), idle waiting, message
-    transit and all-reduce."""
+def parts(model: Model, outcome: Outcome) -> dict[str, float]:
+    """Split a predicted step into seconds of compute (mean per stage, with the per-step work), idle waiting
+    (bubble), message transit (messages) and all-reduce (allreduce)."""
     c = outcome.config
-    per_replica = model.batch // c.replicas
-    costs = model.profile(c)
-    free = simulate.simulate_step(costs, outcome.balance, per_replica, c.microbatches, c.schedule, c.checkpoint,
-                                  simulate.FREE, 1.0, c.virtual, model.action_overhead, model.rate(c))
+    free = simulate.simulate_step(model.profile(c), outcome.balance, model.batch // c.replicas, c.microbatches,
+                                  c.schedule, c.checkpoint, simulate.FREE, 1.0, c.virtual, model.action_overhead,
+                                  model.rate(c))
     pipeline = outcome.step_time - outcome.allreduce - outcome.fixed
     busy = free.step_time * (1.0 - free.bubble)
-    return Parts(busy + outcome.fixed, free.step_time - busy, max(pipeline - free.step_time, 0.0), outcome.allreduce)
+    return {"compute": busy + outcome.fixed, "bubble": free.step_time - busy,
+            "messages": max(pipeline - free.step_time, 0.0), "allreduce": outcome.allreduce}
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import shlex
 from collections.abc import Sequence
@@ -42,16 +41,14 @@ def reason(model: search.Model, winner: Outcome, other: Outcome, budget: float) 
     if slower < 0.005:
         return "as fast (within 0.5%), needs more memory" if other.peak > winner.peak else "as fast (within 0.5%)"
     mine, theirs = search.parts(model, other), search.parts(model, winner)
-    deltas = {f.name: getattr(mine, f.name) - getattr(theirs, f.name) for f in dataclasses.fields(mine)}
+    deltas = {name: seconds - theirs[name] for name, seconds in mine.items()}
     worst = max(deltas, key=lambda k: deltas[k])
     pct = f"{slower * 100:.0f}% slower"
     c, w = other.config, winner.config
-    if worst == "bubble":
-        return f"{pct}: bubble {other.bubble:.2f} (winner {winner.bubble:.2f})"
-    if worst == "messages":
-        return f"{pct}: more messages"
-    if worst == "allreduce":
-        return f"{pct}: gradient all-reduce over {c.replicas} replicas"
+    because = {"bubble": f"bubble {other.bubble:.2f} (winner {winner.bubble:.2f})", "messages": "more messages",
+               "allreduce": f"gradient all-reduce over {c.replicas} replicas"}
+    if worst in because:
+        return f"{pct}: {because[worst]}"
     if c.checkpoint != w.checkpoint and c.checkpoint != "never":
         return f"{pct}: recomputes more ({c.checkpoint})"
     size, win_size = model.batch // c.replicas // c.microbatches, model.batch // w.replicas // w.microbatches
@@ -77,19 +74,15 @@ def rate(samples_per_s: float) -> str:
 def distinct(outcomes: Sequence[Outcome]) -> list[Outcome]:
     """The outcomes without repeats: configurations predicted alike (same speed, cut and memory) show once,
     the first (simplest) of them."""
-    seen: set[tuple[float, tuple[int, ...], tuple[float, ...]]] = set()
-    out = []
+    first: dict[tuple[float, tuple[int, ...], tuple[int, ...]], Outcome] = {}
     for o in outcomes:
-        key = (round(o.samples_per_s, 6), tuple(o.balance), tuple(round(m) for m in o.memory))
-        if key not in seen:
-            seen.add(key)
-            out.append(o)
-    return out
+        first.setdefault((round(o.samples_per_s, 6), tuple(o.balance), tuple(round(m) for m in o.memory)), o)
+    return list(first.values())
 
 
-def rows(model: search.Model, result: search.Result, top: int, budget: float) -> list[dict[str, Any]]:
+def rows(model: search.Model, result: search.Result, top: int, budget: float) -> list[tuple[Outcome, str | None]]:
     """The best `top` fitting configurations (the best of each K among them) and up to two faster ones that
-    do not fit, as plain data."""
+    do not fit, fastest first, each with why it loses (None: the winner)."""
     best = result.best
     assert best is not None
     ranked = distinct(result.ranked)
@@ -99,15 +92,11 @@ def rows(model: search.Model, result: search.Result, top: int, budget: float) ->
     shown = [best] + sorted(others, key=lambda o: -o.samples_per_s)
     shown = shown[:top] + [o for o in ranked if o not in shown][:max(top - len(shown), 0)]
     faster = distinct([o for o in result.refused if o.samples_per_s > best.samples_per_s])[:2]
-    return [{"winner": o is best, "partitions": o.config.partitions, "replicas": o.config.replicas,
-             "microbatches": o.config.microbatches, "schedule": o.config.schedule, "virtual_stages": o.config.virtual,
-             "checkpoint": o.config.checkpoint, "offload": o.config.offload, "balance": o.balance, "fits": o.fits,
-             "samples_per_s": o.samples_per_s, "bubble": o.bubble, "memory": o.memory, "step_time": o.step_time,
-             "why": "winner" if o is best else reason(model, best, o, budget)}
+    return [(o, None if o is best else reason(model, best, o, budget))
             for o in sorted(shown + faster, key=lambda o: -o.samples_per_s)]
 
 
-def table(items: Sequence[dict[str, Any]], title: str) -> Table:
+def table(items: Sequence[tuple[Outcome, str | None]], title: str) -> Table:
     """The configurations as a rich table, every figure labelled as predicted."""
     t = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
     for name in ("", "K", "D", "M", "schedule", "remat", "balance"):
@@ -116,35 +105,22 @@ def table(items: Sequence[dict[str, Any]], title: str) -> Table:
     t.add_column("bubble (pred.)", justify="right")
     t.add_column("peak memory per stage (pred.)")
     t.add_column("why it loses")
-    for item in items:
-        t.add_row("*" if item["winner"] else "", str(item["partitions"]), str(item["replicas"]),
-                  str(item["microbatches"]), _schedule(item), _remat(item), ",".join(map(str, item["balance"])),
-                  rate(item["samples_per_s"]), f"{item['bubble']:.3f}",
-                  per_stage(item["memory"]), "" if item["winner"] else item["why"])
+    for o, why in items:
+        c = o.config
+        schedule = c.schedule + (f" V={c.virtual}" if c.virtual > 1 else "")
+        remat = c.checkpoint + (f" offload {c.offload}" if c.offload != "none" else "")
+        t.add_row("*" if why is None else "", str(c.partitions), str(c.replicas), str(c.microbatches), schedule,
+                  remat, ",".join(map(str, o.balance)), rate(o.samples_per_s), f"{o.bubble:.3f}",
+                  per_stage(o.memory), why or "")
     return t
 
 
-def _schedule(item: dict[str, Any]) -> str:
-    """The schedule, and its V where there are several chunks per stage, e.g. "interleaved V=2"."""
-    return item["schedule"] + (f" V={item['virtual_stages']}" if item["virtual_stages"] > 1 else "")
-
-
-def _remat(item: dict[str, Any]) -> str:
-    """The remat mode, and the offload where there is one, e.g. "except_last offload activations"."""
-    moved = item.get("offload", "none")
-    return item["checkpoint"] + (f" offload {moved}" if moved != "none" else "")
-
-
-def plain(items: Sequence[dict[str, Any]], title: str) -> str:
+def plain(items: Sequence[tuple[Outcome, str | None]], title: str) -> str:
     """The configurations as plain lines."""
-    lines = [title]
-    for item in items:
-        why = "" if item["winner"] else f" | {item['why']}"
-        lines.append(f"{'*' if item['winner'] else ' '} K={item['partitions']} D={item['replicas']} "
-                     f"M={item['microbatches']} {_schedule(item)} {_remat(item)} balance "
-                     f"{','.join(map(str, item['balance']))} | predicted {rate(item['samples_per_s'])} samples/s, "
-                     f"bubble {item['bubble']:.3f}, peak memory {per_stage(item['memory'])}{why}")
-    return "\n".join(lines)
+    return "\n".join([title, *(f"{'*' if why is None else ' '} {o.config.label()} balance "
+                               f"{','.join(map(str, o.balance))} | predicted {rate(o.samples_per_s)} samples/s, "
+                               f"bubble {o.bubble:.3f}, peak memory {per_stage(o.memory)}"
+                               f"{'' if why is None else f' | {why}'}" for o, why in items)])
 
 
 def pipeline_section(outcome: Outcome, backend: str) -> dict[str, Any]:
@@ -176,19 +152,13 @@ def write_recipe(text: str, raw: dict[str, Any], section: dict[str, Any], path: 
                  header: str) -> None:
     """The recipe `raw` (read from `text`, with the --set overrides) with its pipeline section replaced, validated,
     written whole or not at all, over `text`: the user's comments and key order stay."""
-    out = {**raw, "pipeline": section} if "pipeline" in raw else _with_pipeline(raw, section)
+    if "pipeline" in raw:
+        out = {**raw, "pipeline": section}
+    else:  # the usual order: the pipeline section right after the model
+        items = list(raw.items())
+        at = list(raw).index("model") + 1 if "model" in raw else len(items)
+        out = dict([*items[:at], ("pipeline", section), *items[at:]])
     validate_recipe(out, f"{label} with the planned pipeline", check_data=False)
     if text.startswith(HEADER):  # planned again: the new plan's line replaces the old one's
         text = text.partition("\n")[2]
     atomic_write_bytes(path, (header + rewrite(text, out, label)).encode())
-
-
-def _with_pipeline(raw: dict[str, Any], section: dict[str, Any]) -> dict[str, Any]:
-    # Keep the usual order: the pipeline section right after the model.
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        out[key] = value
-        if key == "model":
-            out["pipeline"] = section
-    out.setdefault("pipeline", section)
-    return out
