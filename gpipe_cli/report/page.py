@@ -82,7 +82,7 @@ def _throughput(ax: Any, runs: list[Run]) -> None:
 
 
 def _bubble(ax: Any, runs: list[Run]) -> None:
-    _lines(ax, runs, "bubble", "bubble: measured (line) against theory (K-1)/(M+K-1) (dashed), no warm-up steps",
+    _lines(ax, runs, "bubble", "bubble: measured (line), theory (K-1)/(M+K-1) (dashed); no warm-up",
            "share of step")
     for i, run in enumerate(runs):
         steps, values = series(run)["bubble_theory"]
