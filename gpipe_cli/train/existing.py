@@ -1,4 +1,5 @@
-"""Checks of an existing run directory, made before any rank starts.
+"""The run directory (`outputs/<name>/<timestamp>/` or exactly `--output-dir`), and checks of an existing one
+made before any rank starts.
 
 A new run never writes into a directory that holds another run's metrics or checkpoints; a resume never
 changes what the run's checkpoints hold, never trains from a checkpoint past the run's end (that would
@@ -9,6 +10,7 @@ torch at module level: the first checks come before it is loaded.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,9 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli.errors import UserError, cut, shown
+from gpipe_cli.files import atomic_write_bytes
+from gpipe_cli.recipe.load import recipe_yaml
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
-from gpipe_cli.train.rundir import CHECKPOINTS, METRICS, PREFIX, RECIPE
+
+RECIPE = "recipe.yaml"
+METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+PREFIX = "step-"  # of a checkpoint folder: checkpoints/step-00000100
 
 # Model keys that leave the parameters as they are (regularisation, the loss, the initialisation, a
 # preset's name whose values are compared key by key): a resume may change them. Every other model key
@@ -40,6 +48,24 @@ class Change:
 
     def __str__(self) -> str:
         return f"{self.key} {_value(self.old)} -> {_value(self.new)}"
+
+
+def choose_run_dir(recipe: Recipe, output_dir: str | None, root: str = "outputs") -> Path:
+    """The directory this run will write to (not created yet)."""
+    if output_dir:
+        return Path(output_dir)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = Path(root) / recipe.name / stamp
+    suffix = 1
+    while path.exists():  # two runs started in the same second
+        path = Path(root) / recipe.name / f"{stamp}-{suffix}"
+        suffix += 1
+    return path
+
+
+def save_recipe(recipe: Recipe, run_dir: Path) -> None:
+    """Store the resolved recipe (every default filled in) with the run."""
+    atomic_write_bytes(run_dir / RECIPE, recipe_yaml(recipe).encode())
 
 
 def run_dir_of(location: str) -> Path:
@@ -167,18 +193,16 @@ def resume_end(recipe: Recipe, location: str) -> int | None:
     if steps is None:
         return None
     for path in checkpoint.candidates(Path(location)):
-        if checkpoint.problem(path) is not None:
+        found, _ = checkpoint.inspect(path)
+        if found is None:
             continue
-        manifest, _ = checkpoint.read_manifest(path)
-        assert manifest is not None
-        step = manifest["step"]
-        if step < steps:  # older ones are earlier still: training goes on as usual
+        if found.step < steps:  # older ones are earlier still: training goes on as usual
             return None
         if checkpoint.problem(path, verify=True) is not None or saved_keys(path) is None:
             continue
-        if step > steps:
-            raise UserError(past_end(location, path.name, step, f"train.steps {steps}"))
-        return step if recipe.train.epochs is None else None
+        if found.step > steps:
+            raise UserError(past_end(location, path.name, found.step, f"train.steps {steps}"))
+        return found.step if recipe.train.epochs is None else None
     return None
 
 

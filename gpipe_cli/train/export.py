@@ -18,8 +18,7 @@ from gpipe_cli.models import weights
 from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.recipe_model import model_spec
 from gpipe_cli.train import checkpoint
-from gpipe_cli.train.existing import run_dir_of
-from gpipe_cli.train.rundir import RECIPE
+from gpipe_cli.train.existing import RECIPE, run_dir_of
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
 
 _MODEL = "model."

@@ -33,14 +33,13 @@ from gpipe_cli.pipeline.step import PendingStep
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
 from gpipe_cli.recipe_model import build_optimizer, model_spec, optimizer_name, pipeline_config
 from gpipe_cli.records import EvalRecord, TrainRecord
-from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, recut, translate, utilization
-from gpipe_cli.train.existing import complete_line, past_end
+from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, recut, utilization
+from gpipe_cli.train.existing import CHECKPOINTS, choose_run_dir, complete_line, past_end, save_recipe
 from gpipe_cli.train.export import export as export_model
 from gpipe_cli.train.job import Job
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
 from gpipe_cli.train.profiling import StepProfiler
 from gpipe_cli.train.resume import Checkpointer, run_dir_of, saved_cut, trim_metrics
-from gpipe_cli.train.rundir import choose_run_dir, create_run_dir, save_recipe
 from gpipe_cli.train.settings import continue_command
 from gpipe_cli.train.signals import StopRequest
 from gpipe_cli.train.sinks import open_sinks
@@ -84,7 +83,7 @@ class Trainer:
         if self.data is not None:
             self._note(self._data_summary(self.data))
         if self.layout.rank == 0:
-            create_run_dir(self.run_dir)
+            (self.run_dir / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
         k = recipe.pipeline.partitions
         self._note(f"building {k} stage{'s' if k > 1 else ''} of {self.spec.name} "
                    f"({self.plan.total_params:,} parameters): {self._cut_text()}")
@@ -302,13 +301,12 @@ class Trainer:
 
     def batches(self, start_step: int) -> Iterator[Batch | None]:
         """This rank's shard of every training mini-batch from `start_step` on (None: no data here)."""
+        if self.data is None:
+            yield from [None] * (self.total_steps - start_step)
+            return
         step = start_step
         while step < self.total_steps:
             epoch, index = divmod(step, self.steps_per_epoch)
-            if self.data is None:
-                yield None
-                step += 1
-                continue
             for batch in self.data.train_batches(epoch=epoch, start=index,
                                                  shard=(self.layout.replica, self.layout.replicas),
                                                  need_inputs=self.layout.is_first, need_targets=self.layout.is_last):
@@ -476,8 +474,8 @@ class Trainer:
         record: EvalRecord = {"kind": "eval", "step": step, "loss": loss / units if units else float("nan"),
                               **evaluation.summarise(sums, units, baselines)}
         if self.spec.task == "translation" and isinstance(self.recipe.model, TransformerModel):
-            score = translate.bleu(self.pipe, self.topo, self.data, self.eval_steps,
-                                   self.recipe.pipeline.microbatches, self.recipe.model.max_len)
+            score = evaluation.bleu(self.pipe, self.topo, self.data, self.eval_steps,
+                                    self.recipe.pipeline.microbatches, self.recipe.model.max_len)
             if score is not None:
                 record["bleu"] = score
         if layout.rank == 0:

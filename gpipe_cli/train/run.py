@@ -38,8 +38,7 @@ from gpipe_cli.train.existing import (
     run_dir_of,
 )
 from gpipe_cli.train.job import Job
-from gpipe_cli.train.settings import check_resume_path, resume_line, train_recipe
-from gpipe_cli.train.settings import resume_location as find_resume
+from gpipe_cli.train.settings import check_resume_path, resume_line, resume_location, train_recipe
 from gpipe_cli.train.worker import STARTED
 
 OUTPUTS = "outputs"
@@ -70,11 +69,6 @@ def train_args(options: TrainOptions) -> list[str]:
     if options.plain is not None:
         args.append("--plain" if options.plain else "--live")
     return args
-
-
-def resume_location(options: TrainOptions, name: str, root: str = OUTPUTS) -> str:
-    """Where --resume continues from: an explicit path, --output-dir, or the newest run of this recipe."""
-    return find_resume(options.resume or "latest", options.output_dir, name, root)
 
 
 def train(options: TrainOptions) -> int:
@@ -113,7 +107,7 @@ def train(options: TrainOptions) -> int:
         available = float(memory_model.available_bytes("cuda" if torch.cuda.is_available() else "cpu"))
         checked_plan(recipe, recipe_label(recipe_file), must_fit=not under_torchrun(), available=available)
         check_device(recipe.pipeline.backend, recipe.train.device, int(os.environ.get("LOCAL_WORLD_SIZE", local)))
-        resume = resume_location(options, recipe.name) if options.resume else None
+        resume = resume_location(options.resume, options.output_dir, recipe.name, OUTPUTS) if options.resume else None
         fresh = resume is not None and options.resume == "latest" and options.output_dir is not None \
             and not holds_run(Path(options.output_dir))
         if fresh:  # a scheduler's first launch of a job that resumes when requeued: nothing to continue yet

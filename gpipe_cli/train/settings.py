@@ -19,8 +19,7 @@ from pathlib import Path
 from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.recipe.load import apply_override, default_recipe_text, load_recipe, parse_yaml
 from gpipe_cli.recipe.schema import Recipe
-from gpipe_cli.train.existing import PATH_CHARS, Change, holds_run, run_dir_of
-from gpipe_cli.train.rundir import RECIPE
+from gpipe_cli.train.existing import PATH_CHARS, RECIPE, Change, holds_run, run_dir_of
 
 LATEST = "latest"  # a bare --resume
 
