@@ -26,8 +26,7 @@ def describe_model(recipe: Recipe) -> str:
 def first_line(recipe: Recipe) -> str:
     """What is starting: recipe, model, K, M, D and the number of ranks."""
     p, t = recipe.pipeline, recipe.train
-    length = " and ".join(x for x in (_count(t.steps, "step") if t.steps else "",
-                                      _count(t.epochs, "epoch") if t.epochs else "") if x)
+    length = " and ".join(_count(n, unit) for n, unit in ((t.steps, "step"), (t.epochs, "epoch")) if n)
     return (f"gpipe train {recipe.name}: {describe_model(recipe)}, K={_count(p.partitions, 'stage')} x "
             f"D={p.data_parallel} = {_count(p.partitions * p.data_parallel, 'rank')}, "
             f"M={_count(p.microbatches, 'micro-batch', 'micro-batches')}, batch {recipe.data.batch_size}, {length}, "
@@ -85,9 +84,7 @@ def announce(recipe: Recipe, nnodes: str, threads: int | None, stream: TextIO, s
 
     from gpipe_cli.sizing import usable_cores
 
-    gpus = 0
-    if recipe.train.device != "cpu":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count() if recipe.train.device != "cpu" and torch.cuda.is_available() else 0
     cores = usable_cores()
     warning = oversubscription(ranks, threads or max(cores // ranks, 1), cores, gpus)
     if warning:

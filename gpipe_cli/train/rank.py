@@ -19,10 +19,9 @@ from gpipe_cli.train.loop import Trainer, configure_threads
 def run_job(job: Job, started: Path | None = None, announce: bool = True) -> int:
     """Join the job as this rank and train; any failure stops every rank with its message.
 
-    Returns 0, 128 + the signal that stopped the run early (after its checkpoint, or before its first
-    step was done, with nothing to save), or the non-finite exit code (a loss or gradient was not
-    finite; nothing of it was saved). `started` is created once this rank's first step is done (a stop then saves one);
-    `announce`: rank 0 says at once that a Ctrl-C during set-up stops it (else its launcher does).
+    Returns 0, 128 + the signal that stopped the run early, or the non-finite exit code. `started` is created
+    once this rank's first step is done (a stop then saves one); `announce`: rank 0 says at once that a
+    Ctrl-C during set-up stops it (else its launcher does).
     """
     try:
         stopping.until_started(announce=announce and os.environ.get("RANK", "0") == "0", marker=started)

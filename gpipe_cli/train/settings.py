@@ -39,7 +39,6 @@ def train_recipe(recipe: str | None, overrides: Sequence[str], resume: str | Non
     """
     if resume is None or recipe is not None:
         return load_recipe(recipe, overrides), recipe
-    check_resume_path(resume)
     run = _run_to_continue(resume, output_dir, overrides, root)
     if run is None:
         return load_recipe(None, overrides), None
@@ -53,8 +52,7 @@ def train_recipe(recipe: str | None, overrides: Sequence[str], resume: str | Non
 
 def resume_location(resume: str, output_dir: str | None, name: str, root: str) -> str:
     """Where --resume continues from: an explicit path, --output-dir, or the newest run named `name`."""
-    if resume != LATEST:
-        check_resume_path(resume)
+    if resume != LATEST:  # checked to exist before the recipe was read
         return resume
     if output_dir:
         return output_dir

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from gpipe_cli.recipe.schema import Metrics, Wandb
 from gpipe_cli.records import TIMING, WARMUP
@@ -59,18 +59,6 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
         if key not in _NOT_FIGURES:
             add(f"{WARMUP_SECTION if warmup and key in TIMING else record['kind']}/{key}", value)
     return out
-
-
-class Sink(Protocol):
-    """Somewhere records go."""
-
-    name: str
-
-    def log(self, values: dict[str, float], step: int) -> None:
-        """Record the scalars of one step."""
-
-    def close(self) -> None:
-        """Flush and close."""
 
 
 class TensorBoardSink:
@@ -144,6 +132,9 @@ class WandbSink:
         self._run.finish()
 
 
+Sink = TensorBoardSink | WandbSink
+
+
 def _start(name: str, make: Callable[[], Sink], say: Callable[[str], None], hint: str) -> Sink | None:
     try:
         return make()
@@ -163,8 +154,6 @@ class Sinks:
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Send one train or eval record (already free of NaN) to every sink."""
-        if not self.sinks:
-            return
         values, step = scalars(record), int(record["step"])
         self._each(lambda sink: sink.log(values, step), "stopped logging", drop=True)
 

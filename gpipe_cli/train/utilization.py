@@ -37,10 +37,8 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 
 def table_peak(device_name: str, precision: str) -> float | None:
     """The data-sheet TFLOP/s of a GPU named `device_name` at `precision` (None: not in the table)."""
-    for key, rates in PEAK_TFLOPS.items():
-        if key.lower() in device_name.lower():
-            return rates.get(precision)
-    return None
+    return next((rates.get(precision) for key, rates in PEAK_TFLOPS.items() if key.lower() in device_name.lower()),
+                None)
 
 
 @dataclass(frozen=True)

@@ -112,17 +112,12 @@ def counted_activations(record: Mapping[str, Any], last: Counted | None) -> Coun
     return (record["step"], record["activation_peak_bytes"]) if "activation_peak_bytes" in record else last
 
 
-def _activations(record: Mapping[str, Any], stage: int, counted: Counted | None) -> str:
-    if counted is None:
-        return "-"
-    step, values = counted
-    return human_bytes(values[stage]) + ("" if step == record["step"] else f" (step {step})")
-
-
 def stage_memory(record: Mapping[str, Any], stage: int, counted: Counted | None = None) -> str:
     """One stage's memory, each figure named: stored activations (as last counted), process RSS peak, CUDA peak."""
-    text = (f"activations {_activations(record, stage, counted_activations(record, counted))}, "
-            f"RSS peak {human_bytes(record['rss_peak_bytes'][stage])}")
+    counted = counted_activations(record, counted)
+    activations = "-" if counted is None else \
+        human_bytes(counted[1][stage]) + ("" if counted[0] == record["step"] else f" (step {counted[0]})")
+    text = f"activations {activations}, RSS peak {human_bytes(record['rss_peak_bytes'][stage])}"
     if "cuda_peak_bytes" in record:
         text += f", CUDA peak {human_bytes(record['cuda_peak_bytes'][stage])}"
     return text
@@ -185,8 +180,8 @@ class StepView:
             for part in PARTS:
                 table.add_column(_SHORT_PARTS[part], justify="right", no_wrap=True)
         cuda = "cuda_peak_bytes" in r
+        counted = counted_activations(r, self.counted)
         if memory:
-            counted = counted_activations(r, self.counted)
             # The step the activations were counted at goes in the header: the cells keep to one figure each.
             table.add_column("activations" + (f"\n(step {counted[0]})" if counted else ""), justify="right",
                              no_wrap=True)
@@ -196,7 +191,6 @@ class StepView:
         for s in range(len(r["rss_peak_bytes"])):
             cells = [f"{v:.0%}" for v in stage_shares(r, s).values()] if time else []
             if memory:
-                counted = counted_activations(r, self.counted)
                 cells += [human_bytes(counted[1][s]) if counted else "-", human_bytes(r["rss_peak_bytes"][s])]
                 if cuda:
                     cells.append(human_bytes(r["cuda_peak_bytes"][s]))
