@@ -79,21 +79,14 @@ def run_dir_of(location: str) -> Path:
 def last_step(run_dir: Path) -> int | None:
     """The last step a run directory records: its newest metrics record, else its newest checkpoint."""
     steps: list[int] = []
-    try:
+    with contextlib.suppress(OSError):
         for line in (run_dir / METRICS).read_text(errors="replace").splitlines():
-            try:
+            with contextlib.suppress(ValueError, AttributeError):  # a torn last line: the run died writing it
                 step = json.loads(line).get("step")
-            except (ValueError, AttributeError):  # a torn last line: the run died writing it
-                continue
-            if isinstance(step, int) and not isinstance(step, bool):
-                steps.append(step)
-    except OSError:
-        pass
-    if steps:
-        return max(steps)
-    names = [p.name for p in _checkpoints(run_dir)]
-    numbers = [int(n[len(PREFIX):]) for n in names if n[len(PREFIX):].isdigit()]
-    return max(numbers) if numbers else None
+                if isinstance(step, int) and not isinstance(step, bool):
+                    steps.append(step)
+    saved = [int(p.name[len(PREFIX):]) for p in _checkpoints(run_dir) if p.name[len(PREFIX):].isdigit()]
+    return max(steps or saved, default=None)
 
 
 def holds_run(run_dir: Path) -> bool:

@@ -7,7 +7,6 @@ targets; middle stages read no data at all.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import sys
@@ -34,21 +33,19 @@ from gpipe_cli.recipe.schema import Recipe, TransformerModel
 from gpipe_cli.recipe_model import build_optimizer, model_spec, optimizer_name, pipeline_config
 from gpipe_cli.records import EvalRecord, TrainRecord
 from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, recut, utilization
-from gpipe_cli.train.existing import CHECKPOINTS, choose_run_dir, complete_line, past_end, save_recipe
+from gpipe_cli.train.existing import CHECKPOINTS, choose_run_dir, complete_line, past_end, run_dir_of, save_recipe
 from gpipe_cli.train.export import export as export_model
-from gpipe_cli.train.job import Job
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
 from gpipe_cli.train.profiling import StepProfiler
-from gpipe_cli.train.resume import Checkpointer, run_dir_of, saved_cut, trim_metrics
+from gpipe_cli.train.resume import Checkpointer, saved_cut, trim_metrics
 from gpipe_cli.train.settings import continue_command
 from gpipe_cli.train.signals import StopRequest
 from gpipe_cli.train.sinks import open_sinks
 from gpipe_cli.train.step_figures import step_figures
 from gpipe_cli.train.summary import RunSummary
 from gpipe_cli.train.view import MetricsFile, TerminalView
+from gpipe_cli.train.worker import Job
 from gpipe_cli.units import number_range
-
-__all__ = ["Job", "Trainer", "configure_threads"]
 
 
 class Trainer:
@@ -531,10 +528,3 @@ class Trainer:
         """A line on the launching terminal (rank 0)."""
         if self.view is not None:
             self.view.message(text)
-
-
-def configure_threads() -> None:
-    """Use the intra-op threads the launcher chose for this rank."""
-    threads = int(os.environ.get("GPIPE_THREADS", "0"))
-    if threads > 0:
-        torch.set_num_threads(threads)

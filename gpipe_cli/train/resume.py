@@ -20,11 +20,9 @@ from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.topology import Topology
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.train import checkpoint
-from gpipe_cli.train.existing import no_usable, run_dir_of
+from gpipe_cli.train.existing import no_usable
 from gpipe_cli.train.plan import Plan
 from gpipe_cli.train.safe_dcp import saved_keys
-
-__all__ = ["Checkpointer", "run_dir_of", "saved_cut", "trim_metrics"]
 
 
 def saved_cut(location: str, recipe: Recipe, layers: int) -> list[int] | None:

@@ -37,9 +37,8 @@ from gpipe_cli.train.existing import (
     resume_end,
     run_dir_of,
 )
-from gpipe_cli.train.job import Job
 from gpipe_cli.train.settings import check_resume_path, resume_line, resume_location, train_recipe
-from gpipe_cli.train.worker import STARTED
+from gpipe_cli.train.worker import STARTED, Job
 
 OUTPUTS = "outputs"
 
@@ -144,7 +143,7 @@ def train(options: TrainOptions) -> int:
         if int(os.environ["WORLD_SIZE"]) != world:
             raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the recipe needs "
                             f"partitions x data_parallel = {world}")
-        from gpipe_cli.train.rank import run_job
+        from gpipe_cli.train.worker import run_job
 
         return run_job(job)
     here = local_ranks(world, options.launch.nnodes)
