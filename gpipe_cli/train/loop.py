@@ -32,7 +32,7 @@ from gpipe_cli.pipeline.step import PendingStep
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
 from gpipe_cli.recipe_model import build_optimizer, model_spec, optimizer_name, pipeline_config
 from gpipe_cli.records import EvalRecord, TrainRecord
-from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, recut, utilization
+from gpipe_cli.train import checkpoint, cut, evaluation, nonfinite, optim
 from gpipe_cli.train.existing import CHECKPOINTS, choose_run_dir, complete_line, past_end, run_dir_of, save_recipe
 from gpipe_cli.train.export import export as export_model
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
@@ -41,7 +41,7 @@ from gpipe_cli.train.resume import Checkpointer, saved_cut, trim_metrics
 from gpipe_cli.train.settings import continue_command
 from gpipe_cli.train.signals import StopRequest
 from gpipe_cli.train.sinks import open_sinks
-from gpipe_cli.train.step_figures import step_figures
+from gpipe_cli.train.step_figures import ModelFlops, Peak, find_peak, step_figures, utilization_of
 from gpipe_cli.train.summary import RunSummary
 from gpipe_cli.train.view import MetricsFile, TerminalView
 from gpipe_cli.train.worker import Job
@@ -136,29 +136,29 @@ class Trainer:
                         units=self.spec.units, tied=self.spec.tied, precision=recipe.train.precision)
 
     def _check_cut(self) -> None:
-        """Time untrained steps of the stages and cut again where their compute differs (see `recut`)."""
+        """Time untrained steps of the stages and cut again where their compute differs (see cut.py)."""
         recipe, pipe_cfg, costs = self.recipe, self.recipe.pipeline, self._costs
         wanted = (costs is not None and self.plan.balance_by.startswith("measured time")
-                  and pipe_cfg.virtual_stages == 1 and recut.worth_checking(costs, self.plan.balance,
-                                                                            pipe_cfg.microbatches))
+                  and pipe_cfg.virtual_stages == 1 and cut.worth_checking(costs, self.plan.balance,
+                                                                          pipe_cfg.microbatches))
         if not self.topo.share(wanted if self.layout.rank == 0 else None):
             return
-        self._note(f"timing {recut.TRIAL_STEPS} untrained steps of the stages to check the cut")
+        self._note(f"timing {cut.TRIAL_STEPS} untrained steps of the stages to check the cut")
         per_replica = max(recipe.data.batch_size // pipe_cfg.data_parallel, 1)
-        measured = recut.stage_compute(self.pipe, self.spec, per_replica, pipe_cfg.microbatches, recipe.seed)
+        measured = cut.stage_compute(self.pipe, self.spec, per_replica, pipe_cfg.microbatches, recipe.seed)
         decided: Plan | None = None
         if self.layout.rank == 0 and measured is not None and costs is not None:
-            text = f"the stages computed {recut.describe(measured)} a step"
-            if recut.imbalance(measured) <= recut.TOLERANCE:
-                text += f", within {recut.TOLERANCE:.0%} of each other: the cut stands"
+            text = f"the stages computed {cut.describe(measured)} a step"
+            if cut.imbalance(measured) <= cut.TOLERANCE:
+                text += f", within {cut.TOLERANCE:.0%} of each other: the cut stands"
             else:
-                refined = recut.refined_costs(costs, self.plan.balance, measured)
+                refined = cut.refined_costs(costs, self.plan.balance, measured)
                 try:
                     plan = make_plan(recipe, self.spec, refined, available=self.job.available,
                                      measured_by=f"{self.plan.balance_by}, corrected by the stages' compute")
                 except UserError:
                     plan = None
-                if plan is not None and plan.fits and recut.better(refined, self.plan.balance, plan.balance):
+                if plan is not None and plan.fits and cut.better(refined, self.plan.balance, plan.balance):
                     decided = plan
                     text += "; cut again"
                 else:
@@ -177,7 +177,7 @@ class Trainer:
         if self.view is not None:
             self.view.note(text)
 
-    def _utilization(self) -> tuple[utilization.ModelFlops | None, utilization.Peak | None]:
+    def _utilization(self) -> tuple[ModelFlops | None, Peak | None]:
         """The model FLOPs of a step and the peak MFU is measured against (rank 0), said in one line."""
         forward = float(sum(stage.flops for stage in self.plan.stages))
         if forward <= 0:
@@ -187,12 +187,12 @@ class Trainer:
         if self.spec.task != "image":  # text: FLOPs per token, as a step's batch holds any number of tokens
             units = self.spec.example_batch(1, "meta")[1].numel()
         device, train = self.topo.device, self.recipe.train
-        peak = utilization.find_peak(train.peak_tflops, device.type, train.precision,
+        peak = find_peak(train.peak_tflops, device.type, train.precision,
                                      lambda: torch.cuda.get_device_name(device),
                                      lambda: sizing.measured_rate("cpu", torch.get_num_threads()))
         self.summary.peak, self.summary.ranks = peak, self.layout.world_size
         self._note(f"MFU: model FLOPs (3x forward, recomputation not counted) over {peak.source}")
-        return utilization.ModelFlops(forward, units), peak
+        return ModelFlops(forward, units), peak
 
     def _reading_data(self) -> str:
         data, model = self.recipe.data, self.recipe.model
@@ -429,7 +429,7 @@ class Trainer:
             record["tokens_per_s"] = stats.units / seconds
         if self.model_flops is not None and self.peak is not None:
             flops = self.model_flops.of_step(batch.global_size, stats.units if self.spec.task != "image" else None)
-            record.update(utilization.figures(flops, seconds, self.peak.flops_per_s, self.layout.world_size))
+            record.update(utilization_of(flops, seconds, self.peak.flops_per_s, self.layout.world_size))
         if result.skipped:
             record["skipped"] = True
         if step == self.start_step:  # the first step of each start carries one-time costs (allocations, lazy set-up)

@@ -9,7 +9,7 @@ from typing import Any
 
 from gpipe_cli.pipeline.stats import PARTS
 from gpipe_cli.records import mean_over
-from gpipe_cli.train.utilization import Peak, rate_text
+from gpipe_cli.train.step_figures import Peak, rate_text
 from gpipe_cli.units import number_range
 
 _NOT_METRICS = ("kind", "step", "nonfinite")

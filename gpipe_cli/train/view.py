@@ -27,8 +27,8 @@ from gpipe_cli.console import fit, say
 from gpipe_cli.pipeline.stats import PARTS
 from gpipe_cli.progress import eta_text, note, run_eta
 from gpipe_cli.train.sinks import Sinks
+from gpipe_cli.train.step_figures import rate_text
 from gpipe_cli.train.summary import eval_figures
-from gpipe_cli.train.utilization import rate_text
 from gpipe_cli.units import human_bytes
 
 
