@@ -69,9 +69,7 @@ def partial_for(path: Path) -> Path:
 
 def remove_partials(run_dir: Path) -> list[Path]:
     """Remove the hidden folders of saves that never finished (a second Ctrl-C, a killed job); return them.
-
-    Call it from one process, before any rank saves: a save in progress writes into such a folder.
-    """
+    Call it from one process, before any rank saves: a save in progress writes into such a folder."""
     stale = sorted((run_dir / "checkpoints").glob(f".{PREFIX}*.partial"))
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
@@ -193,10 +191,8 @@ def _cause(exc: BaseException) -> str:
 
 def save(path: Path, state: dict[str, Any], manifest: dict[str, Any], keep: int, rank: int,
          group: dist.ProcessGroup | None) -> None:
-    """Write a checkpoint collectively; it appears at `path` only once every rank's part is on disk.
-
-    Raises CheckpointWriteError (on the ranks that see it) when the storage fails.
-    """
+    """Write a checkpoint collectively; it appears at `path` only once every rank's part is on disk (a storage
+    failure raises CheckpointWriteError on the ranks that see it)."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     partial = partial_for(path)
     with heartbeat.paused():

@@ -90,10 +90,8 @@ class StageMemory:
 
 def within_memory(costs: Sequence[float], memory: StageMemory, virtual: int = 1) -> tuple[list[int], bool]:
     """The min-max cut of `costs` (K x `virtual` chunks) whose every stage fits, and whether memory moved it
-    off the unconstrained one (interleaved: the fastest fitting cut `partition.interleaved_within` finds).
-
-    Raises NoCutFits when no cut fits.
-    """
+    off the unconstrained one (interleaved: the fastest fitting cut `partition.interleaved_within` finds);
+    raises NoCutFits when no cut fits."""
     chunks = memory.stages * virtual
     owners = placement.cut_owners(memory.stages, virtual, schedules.get(memory.schedule).placement)
     free = partition.balance_stages(costs, chunks, owners, memory.microbatches)
@@ -139,9 +137,7 @@ def worth_checking(costs: Sequence[float], balance: Sequence[int], microbatches:
 def stage_compute(pipe: Pipeline, spec: ModelSpec, batch_size: int, microbatches: int, seed: int,
                   steps: int = TRIAL_STEPS) -> list[float] | None:
     """Every stage's median compute seconds per step over untrained trial steps (on rank 0, None elsewhere).
-
-    Gradients are left accumulated and deferred BatchNorm's statistics committed: build the layers again.
-    """
+    Gradients are left accumulated and deferred BatchNorm's statistics committed: build the layers again."""
     layout, device = pipe.layout, pipe.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)

@@ -33,12 +33,19 @@ from gpipe_cli.recipe.schema import Recipe, TransformerModel
 from gpipe_cli.recipe_model import build_optimizer, model_spec, optimizer_name, pipeline_config
 from gpipe_cli.records import EvalRecord, TrainRecord
 from gpipe_cli.train import checkpoint, cut, evaluation, nonfinite, optim
-from gpipe_cli.train.existing import CHECKPOINTS, choose_run_dir, complete_line, past_end, run_dir_of, save_recipe
+from gpipe_cli.train.existing import (
+    CHECKPOINTS,
+    choose_run_dir,
+    complete_line,
+    continue_command,
+    past_end,
+    run_dir_of,
+    save_recipe,
+)
 from gpipe_cli.train.export import export as export_model
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
 from gpipe_cli.train.profiling import StepProfiler
 from gpipe_cli.train.resume import Checkpointer, saved_cut, trim_metrics
-from gpipe_cli.train.settings import continue_command
 from gpipe_cli.train.signals import StopRequest
 from gpipe_cli.train.sinks import open_sinks
 from gpipe_cli.train.step_figures import ModelFlops, Peak, find_peak, step_figures, utilization_of
@@ -58,7 +65,7 @@ class Trainer:
                    f"{topo.device.type}; planning the cut")
         self.spec: ModelSpec = model_spec(recipe)
         self.plan: Plan = self._plan()
-        chosen = run_dir_of(job.resume) if job.resume else choose_run_dir(recipe, job.output_dir, job.outputs_root)
+        chosen = run_dir_of(job.resume) if job.resume else choose_run_dir(recipe, job.output_dir)
         self.run_dir = Path(self.topo.share(str(chosen) if self.layout.rank == 0 else None))
         fresh = not self.run_dir.exists()
         try:
@@ -313,10 +320,8 @@ class Trainer:
                     return
 
     def run(self) -> int:
-        """Train for the recipe's steps or epochs, evaluating and checkpointing as asked and at the end.
-
-        Returns 0, or the number of the signal that stopped the run early (after a checkpoint).
-        """
+        """Train for the recipe's steps or epochs, evaluating and checkpointing as asked and at the end; return
+        0, the non-finite exit code, or 128 + the signal that stopped the run early (after a checkpoint)."""
         recipe = self.recipe
         if self.complete:
             self._message(complete_line(self.run_dir, self.start_step, *self._end()))

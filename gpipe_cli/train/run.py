@@ -4,7 +4,7 @@ Everything a user can get wrong (the recipe, `--set`, the arguments) is checked 
 imported, so such a mistake is reported at once (a new run into a directory that holds one too); the
 plan, the devices, the output directory and what a resume would do to its run (see existing.py) are
 checked next, before any rank starts. A resume without a recipe continues the run with its own
-recipe.yaml (see settings.py), and says so in one line before any rank starts.
+recipe.yaml (see existing.py), and says so in one line before any rank starts.
 
 On a terminal the first line, what runs and on what, shows as soon as the recipe is read, as a transient
 status while the plan is checked (an error then stands alone, as one line); it stays once the checks pass.
@@ -38,13 +38,16 @@ from gpipe_cli.train.existing import (
     check_checkpoint_keys,
     check_new_run_dir,
     check_resumable,
+    check_resume_path,
     complete_line,
     holds_run,
     recipe_changes,
     resume_end,
+    resume_line,
+    resume_location,
     run_dir_of,
+    train_recipe,
 )
-from gpipe_cli.train.settings import check_resume_path, resume_line, resume_location, train_recipe
 from gpipe_cli.train.worker import STARTED, Job
 
 OUTPUTS = "outputs"

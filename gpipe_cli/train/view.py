@@ -33,10 +33,8 @@ from gpipe_cli.units import human_bytes
 
 
 def finite_json(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The record with every NaN or infinity replaced by null, and a `nonfinite` list naming those keys.
-
-    Strict JSON has no NaN; null keeps numeric columns numeric for readers such as pandas.
-    """
+    """The record with every NaN or infinity replaced by null, and a `nonfinite` list naming those keys (strict
+    JSON has no NaN; null keeps numeric columns numeric for readers such as pandas)."""
     bad: list[str] = []
 
     def clean(value: Any, key: str) -> Any:
@@ -56,10 +54,8 @@ def finite_json(record: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class MetricsFile:
-    """Appends records to metrics.jsonl; each record is one whole line of strict JSON, flushed at once.
-
-    The same records then go to the recipe's other sinks (TensorBoard, W&B).
-    """
+    """Appends records to metrics.jsonl, each one whole line of strict JSON flushed at once, then sends them to
+    the recipe's other sinks (TensorBoard, W&B)."""
 
     def __init__(self, path: Path, sinks: Sinks | None = None) -> None:
         self.path, self.sinks = path, sinks

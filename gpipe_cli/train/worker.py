@@ -26,7 +26,6 @@ class Job:
 
     recipe: dict[str, Any]
     output_dir: str | None = None
-    outputs_root: str = "outputs"
     plain: bool | None = None
     resume: str | None = None  # a run directory or checkpoint to continue from
     started: float | None = None  # time.time() when the command started, for elapsed times on screen
