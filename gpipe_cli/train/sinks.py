@@ -73,20 +73,18 @@ class TensorBoardSink:
         # metrics.jsonl drops their lines.
         self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
                                      purge_step=first_step + 1 if first_step else None)
-        if config is not None:
-            self._recipe(config, first_step)
-
-    def _recipe(self, config: dict[str, Any], step: int) -> None:
-        """The resolved recipe as a text summary (`recipe`), and its values as hyperparameters (HParams tab)."""
+        if config is None:
+            return
         import yaml
         from torch.utils.tensorboard.summary import hparams
 
-        text = yaml.safe_dump(config, sort_keys=False)
+        # The resolved recipe as a text summary (`recipe`), and its values as hyperparameters (HParams tab).
         # Markdown: indented by four spaces, the YAML shows as a code block with its indentation kept.
-        self._writer.add_text("recipe", "".join(f"    {line}\n" for line in text.splitlines()), global_step=step)
+        text = "".join(f"    {line}\n" for line in yaml.safe_dump(config, sort_keys=False).splitlines())
+        self._writer.add_text("recipe", text, global_step=first_step)
         # Into this event file, not add_hparams' own sub-run, so the HParams tab links the run's own curves.
         for summary in hparams(hyperparameters(config), dict.fromkeys(HPARAM_METRICS, 0.0)):
-            self._writer._get_file_writer().add_summary(summary, step)
+            self._writer._get_file_writer().add_summary(summary, first_step)
         self._writer.flush()
 
     def log(self, values: dict[str, float], step: int) -> None:
