@@ -413,8 +413,7 @@ class Trainer:
         stats = result.stats
         assert stats is not None and self.metrics is not None and self.view is not None
         stages = stats.of_replica(0)
-        # The loop's wall time and the stages' own timelines, made to agree (see step_figures.py): the step
-        # time is never shorter than a stage spent in it, and every stage's parts add up to it.
+        # The loop's wall time and the stages' own timelines, made to agree (see step_figures.py).
         figures = step_figures(stats, seconds)
         seconds = figures.seconds
         record: TrainRecord = {

@@ -134,9 +134,6 @@ class Plan:
         return out
 
 
-AT_LAUNCH = "gpipe train measures time at launch"
-
-
 def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float] | None = None,
                     measured_by: str | None = None,
                     memory: cut.StageMemory | None = None) -> tuple[list[int], str, str]:
@@ -161,7 +158,7 @@ def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float]
         else:
             flops = [float(c.flops) for c in summary.layers]
             costs = flops if any(flops) else [float(c.params) for c in summary.layers]
-            later = AT_LAUNCH if balance == "auto" else f"measured {balance} at launch"
+            later = "gpipe train measures time at launch" if balance == "auto" else f"measured {balance} at launch"
             by = measured_by or f"estimated FLOPs ({later})"
             if not any(flops):  # no FLOP estimate for this model: the estimate is its parameters
                 by = by.replace("estimated FLOPs", "parameters (no FLOP estimate)", 1)
