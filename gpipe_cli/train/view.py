@@ -141,9 +141,6 @@ def train_lines(record: Mapping[str, Any], total: int, counted: Counted | None =
     return lines
 
 
-_SHORT_PARTS = {"compute": "compute", "wait": "wait", "comm": "comm", "optimizer": "optim", "other": "other"}
-
-
 class StepView:
     """A train record as the live view shows it, laid out for the width it is given.
 
@@ -174,7 +171,7 @@ class StepView:
         table.add_column("stage", justify="right", no_wrap=True)
         if time:
             for part in PARTS:
-                table.add_column(_SHORT_PARTS[part], justify="right", no_wrap=True)
+                table.add_column("optim" if part == "optimizer" else part, justify="right", no_wrap=True)
         cuda = "cuda_peak_bytes" in r
         counted = counted_activations(r, self.counted)
         if memory:
