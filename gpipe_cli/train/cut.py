@@ -1,4 +1,5 @@
-"""Where `balance: auto` cuts: the min-max per-layer cost among the cuts whose every stage fits memory.
+"""Where `balance: auto` cuts (the min-max per-layer cost among the cuts whose every stage fits memory), and
+the check of a cut by measured time inside the running pipeline.
 
 A stage's memory comes from the one memory model (`memory_model.stage_footprint`): it depends on the
 stage's place in the schedule (earlier stages hold more micro-batches in flight), so `fits` takes the
