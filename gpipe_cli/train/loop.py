@@ -20,7 +20,7 @@ import torch
 from gpipe_cli import memory_model as mm
 from gpipe_cli import sizing
 from gpipe_cli.data import Batch, Loader, build_data_for
-from gpipe_cli.errors import UserError
+from gpipe_cli.errors import NONFINITE_EXIT_CODE, UserError
 from gpipe_cli.estimate import cost_cache
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import heartbeat, schedules, topology
@@ -377,7 +377,7 @@ class Trainer:
                 self.evaluate(self.total_steps)
         self.close()
         if self.diverged:
-            return nonfinite.EXIT_CODE
+            return NONFINITE_EXIT_CODE
         return 128 + self.stopped_by if self.stopped_by else 0
 
     def _counts_memory(self, step: int) -> bool:
