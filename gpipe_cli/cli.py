@@ -132,8 +132,7 @@ def validate(
 
     loaded = load_recipe(recipe, set_ or [])
     check_output(json_file, "--json", "recipe.json")
-    from gpipe_cli.train.plan import checked_plan  # torch: only once the recipe is valid
-    from gpipe_cli.train.plan_table import plan_table
+    from gpipe_cli.train.plan import checked_plan, plan_table  # torch: only once the recipe is valid
 
     plan = checked_plan(loaded, recipe_label(recipe))
     console = output_console()

@@ -39,7 +39,7 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.files import atomic_write_bytes
 from gpipe_cli.pipeline import heartbeat
 from gpipe_cli.pipeline.failure import ANNOUNCED
-from gpipe_cli.train.rundir import PREFIX
+from gpipe_cli.train.existing import PREFIX
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
 from gpipe_cli.units import human_bytes
 
@@ -69,9 +69,7 @@ def partial_for(path: Path) -> Path:
 
 def remove_partials(run_dir: Path) -> list[Path]:
     """Remove the hidden folders of saves that never finished (a second Ctrl-C, a killed job); return them.
-
-    Call it from one process, before any rank saves: a save in progress writes into such a folder.
-    """
+    Call it from one process, before any rank saves: a save in progress writes into such a folder."""
     stale = sorted((run_dir / "checkpoints").glob(f".{PREFIX}*.partial"))
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
@@ -96,48 +94,42 @@ def checksum(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_manifest(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """A checkpoint's manifest, or why it cannot be used."""
-    manifest_path = path / MANIFEST
+def inspect(path: Path, verify: bool = False) -> tuple[Found | None, str | None]:
+    """A checkpoint folder and its manifest when it is whole (and, with `verify`, when every file matches its
+    checksum), or why it cannot be used."""
     if not path.is_dir():
         return None, "it does not exist"
-    if not manifest_path.exists():
+    if not (path / MANIFEST).exists():
         return None, "it has no manifest (the save did not finish)"
     try:
-        manifest = json.loads(manifest_path.read_text())
-        files, sums = manifest["files"], manifest.get("checksums", {})
-        step = manifest["step"]
+        manifest = json.loads((path / MANIFEST).read_text())
+        files, sums, step = manifest["files"], manifest.get("checksums", {}), manifest["step"]
         valid = (isinstance(files, dict) and isinstance(sums, dict)
                  and all(isinstance(v, int) and not isinstance(v, bool) for v in files.values())
                  and all(isinstance(v, str) for v in sums.values()))
     except (OSError, ValueError, KeyError, TypeError):
-        return None, "its manifest is unreadable"
+        valid = False
     if not valid:
         return None, "its manifest is unreadable"
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         return None, f"its manifest gives step {str(step)[:40]!r}, which is not a step count"
-    return manifest, None
+    for name, size in files.items():
+        target = path / name
+        if os.sep in name or name in ("", ".", "..") or not target.is_file():
+            return None, f"file {name} is missing"
+        if target.stat().st_size != size:
+            return None, f"file {name} has {target.stat().st_size} bytes where {size} were written"
+    for name, expected in sums.items() if verify else ():
+        if name not in files:
+            return None, f"file {name} is missing"
+        if checksum(path / name) != expected:
+            return None, f"file {name} does not match its checksum (the data changed after it was written)"
+    return Found(path, step, manifest), None
 
 
 def problem(path: Path, verify: bool = False) -> str | None:
-    """Why a checkpoint folder cannot be used, or None when it is whole (and, with `verify`, when every
-    file matches its checksum)."""
-    manifest, why = read_manifest(path)
-    if manifest is None:
-        return why
-    for name, size in manifest["files"].items():
-        target = path / name
-        if os.sep in name or name in ("", ".", "..") or not target.is_file():
-            return f"file {name} is missing"
-        if target.stat().st_size != size:
-            return f"file {name} has {target.stat().st_size} bytes where {size} were written"
-    if verify:
-        for name, expected in manifest.get("checksums", {}).items():
-            if name not in manifest["files"]:
-                return f"file {name} is missing"
-            if checksum(path / name) != expected:
-                return f"file {name} does not match its checksum (the data changed after it was written)"
-    return None
+    """Why a checkpoint folder cannot be used (see `inspect`), or None when it is whole."""
+    return inspect(path, verify)[1]
 
 
 def candidates(location: Path) -> list[Path]:
@@ -154,12 +146,10 @@ def newest_whole(location: Path, verify: bool = False) -> tuple[Found | None, li
     """The newest usable checkpoint at `location`, and a message for each newer one that was refused."""
     refused: list[str] = []
     for path in candidates(location):
-        why = problem(path, verify)
-        if why is None:
-            manifest, _ = read_manifest(path)
-            assert manifest is not None
-            return Found(path, manifest["step"], manifest), refused
-        refused.append(refusal(path, why))
+        found, why = inspect(path, verify)
+        if found is not None:
+            return found, refused
+        refused.append(refusal(path, str(why)))
     return None, refused
 
 
@@ -201,10 +191,8 @@ def _cause(exc: BaseException) -> str:
 
 def save(path: Path, state: dict[str, Any], manifest: dict[str, Any], keep: int, rank: int,
          group: dist.ProcessGroup | None) -> None:
-    """Write a checkpoint collectively; it appears at `path` only once every rank's part is on disk.
-
-    Raises CheckpointWriteError (on the ranks that see it) when the storage fails.
-    """
+    """Write a checkpoint collectively; it appears at `path` only once every rank's part is on disk (a storage
+    failure raises CheckpointWriteError on the ranks that see it)."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     partial = partial_for(path)
     with heartbeat.paused():

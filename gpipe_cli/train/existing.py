@@ -1,24 +1,39 @@
-"""Checks of an existing run directory, made before any rank starts.
+"""The run directory (`outputs/<name>/<timestamp>/` or exactly `--output-dir`), checks of an existing one made
+before any rank starts, and the settings a resume runs with.
 
 A new run never writes into a directory that holds another run's metrics or checkpoints; a resume never
 changes what the run's checkpoints hold, never trains from a checkpoint past the run's end (that would
-write older step numbers over a newer model), and says which settings it changes. Nothing here imports
-torch at module level: the first checks come before it is loaded.
+write older step numbers over a newer model), and says which settings it changes, in one line before any
+rank starts. A resume without a recipe continues the run as it was started: the run's own resolved
+recipe.yaml is the configuration, with any `--set` of the resume on top (the built-in quick-start recipe
+says nothing about a run started with other settings: `--set train.steps=2000` would silently become its
+200 steps). A recipe given explicitly is used as given (a requeued job's script names its recipe every
+time), and every difference from the run's recipe.yaml is listed. Nothing here imports torch at module
+level: the first checks come before it is loaded.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
-from collections.abc import Iterator
+import os
+import shlex
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpipe_cli.errors import UserError, cut, shown
+from gpipe_cli.files import atomic_write_bytes
+from gpipe_cli.recipe.load import apply_override, default_recipe_text, load_recipe, parse_yaml, recipe_yaml
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
-from gpipe_cli.train.rundir import CHECKPOINTS, METRICS, PREFIX, RECIPE
+
+RECIPE = "recipe.yaml"
+METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+PREFIX = "step-"  # of a checkpoint folder: checkpoints/step-00000100
 
 # Model keys that leave the parameters as they are (regularisation, the loss, the initialisation, a
 # preset's name whose values are compared key by key): a resume may change them. Every other model key
@@ -28,6 +43,7 @@ FREE_MODEL_KEYS = frozenset({"preset", "dropout", "label_smoothing", "logit_clip
 _MOMENTUM_BUFFER = frozenset({"sgd", "rmsprop"})
 _ABSENT = object()
 PATH_CHARS = 200  # paths are named whole, as recipe paths are; a value is cut sooner
+LATEST = "latest"  # a bare --resume
 
 
 @dataclass(frozen=True)
@@ -42,6 +58,24 @@ class Change:
         return f"{self.key} {_value(self.old)} -> {_value(self.new)}"
 
 
+def choose_run_dir(recipe: Recipe, output_dir: str | None, root: str = "outputs") -> Path:
+    """The directory this run will write to (not created yet)."""
+    if output_dir:
+        return Path(output_dir)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = Path(root) / recipe.name / stamp
+    suffix = 1
+    while path.exists():  # two runs started in the same second
+        path = Path(root) / recipe.name / f"{stamp}-{suffix}"
+        suffix += 1
+    return path
+
+
+def save_recipe(recipe: Recipe, run_dir: Path) -> None:
+    """Store the resolved recipe (every default filled in) with the run."""
+    atomic_write_bytes(run_dir / RECIPE, recipe_yaml(recipe).encode())
+
+
 def run_dir_of(location: str) -> Path:
     """The run directory a --resume location belongs to (a run directory or one of its checkpoints)."""
     path = Path(location)
@@ -53,21 +87,14 @@ def run_dir_of(location: str) -> Path:
 def last_step(run_dir: Path) -> int | None:
     """The last step a run directory records: its newest metrics record, else its newest checkpoint."""
     steps: list[int] = []
-    try:
+    with contextlib.suppress(OSError):
         for line in (run_dir / METRICS).read_text(errors="replace").splitlines():
-            try:
+            with contextlib.suppress(ValueError, AttributeError):  # a torn last line: the run died writing it
                 step = json.loads(line).get("step")
-            except (ValueError, AttributeError):  # a torn last line: the run died writing it
-                continue
-            if isinstance(step, int) and not isinstance(step, bool):
-                steps.append(step)
-    except OSError:
-        pass
-    if steps:
-        return max(steps)
-    names = [p.name for p in _checkpoints(run_dir)]
-    numbers = [int(n[len(PREFIX):]) for n in names if n[len(PREFIX):].isdigit()]
-    return max(numbers) if numbers else None
+                if isinstance(step, int) and not isinstance(step, bool):
+                    steps.append(step)
+    saved = [int(p.name[len(PREFIX):]) for p in _checkpoints(run_dir) if p.name[len(PREFIX):].isdigit()]
+    return max(steps or saved, default=None)
 
 
 def holds_run(run_dir: Path) -> bool:
@@ -167,18 +194,16 @@ def resume_end(recipe: Recipe, location: str) -> int | None:
     if steps is None:
         return None
     for path in checkpoint.candidates(Path(location)):
-        if checkpoint.problem(path) is not None:
+        found, _ = checkpoint.inspect(path)
+        if found is None:
             continue
-        manifest, _ = checkpoint.read_manifest(path)
-        assert manifest is not None
-        step = manifest["step"]
-        if step < steps:  # older ones are earlier still: training goes on as usual
+        if found.step < steps:  # older ones are earlier still: training goes on as usual
             return None
         if checkpoint.problem(path, verify=True) is not None or saved_keys(path) is None:
             continue
-        if step > steps:
-            raise UserError(past_end(location, path.name, step, f"train.steps {steps}"))
-        return step if recipe.train.epochs is None else None
+        if found.step > steps:
+            raise UserError(past_end(location, path.name, found.step, f"train.steps {steps}"))
+        return found.step if recipe.train.epochs is None else None
     return None
 
 
@@ -226,3 +251,94 @@ def _value(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {_value(v)}" for k, v in value.items()) + "}"
     return cut(str(value))
+
+
+def check_resume_path(resume: str | None) -> None:
+    """Refuse a --resume location that does not exist (a bare --resume is looked up later)."""
+    if resume not in (None, LATEST) and not os.path.exists(resume):
+        raise UserError(f"--resume: no such run directory or checkpoint: {shown(resume)}")
+
+
+def train_recipe(recipe: str | None, overrides: Sequence[str], resume: str | None, output_dir: str | None,
+                 root: str) -> tuple[Recipe, str | None]:
+    """The recipe this command trains, and the file it was read from (None: the built-in one).
+
+    Without a recipe a resume reads the run's own recipe.yaml (and applies `overrides` to it); a
+    directory that holds no run yet, as a requeued job's first launch finds it, takes the built-in one.
+    """
+    if resume is None or recipe is not None:
+        return load_recipe(recipe, overrides), recipe
+    run = _run_to_continue(resume, output_dir, overrides, root)
+    if run is None:
+        return load_recipe(None, overrides), None
+    path = run / RECIPE
+    if not path.is_file():
+        where = cut(str(run), PATH_CHARS)
+        raise UserError(f"--resume {where}: the run has no {RECIPE} to continue with; give the recipe it was started "
+                        f"with: gpipe train RECIPE --resume {where}")
+    return load_recipe(str(path), overrides), str(path)
+
+
+def resume_location(resume: str, output_dir: str | None, name: str, root: str) -> str:
+    """Where --resume continues from: an explicit path, --output-dir, or the newest run named `name`."""
+    if resume != LATEST:  # checked to exist before the recipe was read
+        return resume
+    if output_dir:
+        return output_dir
+    from gpipe_cli.train.checkpoint import newest_whole  # torch: only once the first checks are done
+
+    runs = sorted((p for p in Path(root, name).glob("*") if p.is_dir()), reverse=True)
+    for run in runs:
+        if newest_whole(run)[0] is not None:
+            return str(run)
+    raise UserError(f"--resume: no run of '{name}' with a complete checkpoint under {Path(root, name)}/")
+
+
+def _run_to_continue(resume: str, output_dir: str | None, overrides: Sequence[str], root: str) -> Path | None:
+    """The run directory a resume without a recipe continues (None: --output-dir holds no run yet)."""
+    if resume == LATEST and output_dir:
+        return Path(output_dir) if holds_run(Path(output_dir)) else None
+    # A bare --resume looks for the newest run of the built-in recipe's name (or a `--set name=` given).
+    name = "" if resume != LATEST else _name(overrides)
+    return run_dir_of(resume_location(resume, output_dir, name, root))
+
+
+def _name(overrides: Sequence[str]) -> str:
+    """The run name of the built-in recipe with `overrides` applied (only the name: the run's recipe.yaml,
+    not the built-in recipe, is what the rest of them apply to)."""
+    raw = parse_yaml(default_recipe_text(), "quickstart.yaml (built in)")
+    for item in overrides:
+        apply_override(raw, item)
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise UserError(f"--set name: must be a run name (got {shown(name)})")
+    return name
+
+
+def resume_line(run_dir: Path, step: int | None, changes: list[Change] | None, recipe: str | None,
+                continued: bool, overrides: Sequence[str]) -> str:
+    """The one line that says which run a resume continues, from which step, and with which settings.
+
+    `continued`: the run's own recipe.yaml is the configuration (no recipe was given), so every change
+    is one of the `overrides`; otherwise `recipe` (None: the built-in one) replaces the run's, and
+    `changes` lists every difference from it (None: the run has no readable recipe.yaml).
+    """
+    where = f"resuming {run_dir}" + (f" at step {step}" if step is not None else "")
+    listed = ", ".join(map(str, changes or []))
+    if continued:
+        if listed:
+            return f"{where} with {listed} (--set)"
+        return f"{where} with the run's own settings ({run_dir / RECIPE})"
+    given = recipe if recipe is not None else "the built-in quick-start recipe"
+    if overrides:
+        given += " and --set"
+    if changes is None:
+        return f"{where} with {given} (the run has no readable {RECIPE} to compare it with)"
+    if not listed:
+        return f"{where} with {given}, the same settings as the run's"
+    return f"{where} with {given}, which {'differ' if overrides else 'differs'} from the run's {RECIPE}: {listed}"
+
+
+def continue_command(run_dir: Path) -> str:
+    """The command that continues a stopped run as it was started, ready to copy."""
+    return f"gpipe train --resume {shlex.quote(str(run_dir))}"

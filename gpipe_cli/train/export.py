@@ -18,8 +18,7 @@ from gpipe_cli.models import weights
 from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.recipe_model import model_spec
 from gpipe_cli.train import checkpoint
-from gpipe_cli.train.existing import run_dir_of
-from gpipe_cli.train.rundir import RECIPE
+from gpipe_cli.train.existing import RECIPE, run_dir_of
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
 
 _MODEL = "model."
@@ -36,7 +35,10 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
         if os.path.isdir(output):  # found now, not after the checkpoint has been read
             raise UserError(f"--output: {shown(output)} is a directory; give the safetensors file to write")
         check_writable(Path(output).parent, "--output")
-    _check_location(location)
+    if not location or not os.path.exists(location):
+        raise UserError(f"no such run directory or checkpoint: {shown(location)}")
+    if not os.path.isdir(location):
+        raise UserError(f"{shown(location)} is a file; give a run directory or one of its checkpoint folders")
     found, refused = checkpoint.newest_whole(Path(location), verify=True)
     for message in refused:
         print(f"[gpipe] {message}", file=sys.stderr)
@@ -59,14 +61,6 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     except OSError as exc:  # a full disk, a read-only file system: say so, leave nothing behind
         raise UserError(f"cannot write {shown(str(target))} ({exc.strerror})") from None
     return target
-
-
-def _check_location(location: str) -> None:
-    """Refuse a RUN argument that is no folder, in words that say what it must be."""
-    if not location or not os.path.exists(location):
-        raise UserError(f"no such run directory or checkpoint: {shown(location)}")
-    if not os.path.isdir(location):
-        raise UserError(f"{shown(location)} is a file; give a run directory or one of its checkpoint folders")
 
 
 def _described(tensors: dict[str, torch.Tensor], run_dir: Path, step: int,

@@ -7,7 +7,6 @@ targets; middle stages read no data at all.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import sys
@@ -21,7 +20,7 @@ import torch
 from gpipe_cli import memory_model as mm
 from gpipe_cli import sizing
 from gpipe_cli.data import Batch, Loader, build_data_for
-from gpipe_cli.errors import UserError
+from gpipe_cli.errors import NONFINITE_EXIT_CODE, UserError
 from gpipe_cli.estimate import cost_cache
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import heartbeat, schedules, topology
@@ -33,23 +32,27 @@ from gpipe_cli.pipeline.step import PendingStep
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
 from gpipe_cli.recipe_model import build_optimizer, model_spec, optimizer_name, pipeline_config
 from gpipe_cli.records import EvalRecord, TrainRecord
-from gpipe_cli.train import checkpoint, evaluation, nonfinite, optim, recut, translate, utilization
-from gpipe_cli.train.existing import complete_line, past_end
+from gpipe_cli.train import checkpoint, cut, evaluation, nonfinite, optim
+from gpipe_cli.train.existing import (
+    CHECKPOINTS,
+    choose_run_dir,
+    complete_line,
+    continue_command,
+    past_end,
+    run_dir_of,
+    save_recipe,
+)
 from gpipe_cli.train.export import export as export_model
-from gpipe_cli.train.job import Job
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
 from gpipe_cli.train.profiling import StepProfiler
-from gpipe_cli.train.resume import Checkpointer, run_dir_of, saved_cut, trim_metrics
-from gpipe_cli.train.rundir import choose_run_dir, create_run_dir, save_recipe
-from gpipe_cli.train.settings import continue_command
+from gpipe_cli.train.resume import Checkpointer, saved_cut, trim_metrics
 from gpipe_cli.train.signals import StopRequest
 from gpipe_cli.train.sinks import open_sinks
-from gpipe_cli.train.step_figures import step_figures
+from gpipe_cli.train.step_figures import ModelFlops, Peak, find_peak, step_figures, utilization_of
 from gpipe_cli.train.summary import RunSummary
 from gpipe_cli.train.view import MetricsFile, TerminalView
+from gpipe_cli.train.worker import Job
 from gpipe_cli.units import number_range
-
-__all__ = ["Job", "Trainer", "configure_threads"]
 
 
 class Trainer:
@@ -62,7 +65,7 @@ class Trainer:
                    f"{topo.device.type}; planning the cut")
         self.spec: ModelSpec = model_spec(recipe)
         self.plan: Plan = self._plan()
-        chosen = run_dir_of(job.resume) if job.resume else choose_run_dir(recipe, job.output_dir, job.outputs_root)
+        chosen = run_dir_of(job.resume) if job.resume else choose_run_dir(recipe, job.output_dir)
         self.run_dir = Path(self.topo.share(str(chosen) if self.layout.rank == 0 else None))
         fresh = not self.run_dir.exists()
         try:
@@ -84,7 +87,7 @@ class Trainer:
         if self.data is not None:
             self._note(self._data_summary(self.data))
         if self.layout.rank == 0:
-            create_run_dir(self.run_dir)
+            (self.run_dir / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
         k = recipe.pipeline.partitions
         self._note(f"building {k} stage{'s' if k > 1 else ''} of {self.spec.name} "
                    f"({self.plan.total_params:,} parameters): {self._cut_text()}")
@@ -140,29 +143,29 @@ class Trainer:
                         units=self.spec.units, tied=self.spec.tied, precision=recipe.train.precision)
 
     def _check_cut(self) -> None:
-        """Time untrained steps of the stages and cut again where their compute differs (see `recut`)."""
+        """Time untrained steps of the stages and cut again where their compute differs (see cut.py)."""
         recipe, pipe_cfg, costs = self.recipe, self.recipe.pipeline, self._costs
         wanted = (costs is not None and self.plan.balance_by.startswith("measured time")
-                  and pipe_cfg.virtual_stages == 1 and recut.worth_checking(costs, self.plan.balance,
-                                                                            pipe_cfg.microbatches))
+                  and pipe_cfg.virtual_stages == 1 and cut.worth_checking(costs, self.plan.balance,
+                                                                          pipe_cfg.microbatches))
         if not self.topo.share(wanted if self.layout.rank == 0 else None):
             return
-        self._note(f"timing {recut.TRIAL_STEPS} untrained steps of the stages to check the cut")
+        self._note(f"timing {cut.TRIAL_STEPS} untrained steps of the stages to check the cut")
         per_replica = max(recipe.data.batch_size // pipe_cfg.data_parallel, 1)
-        measured = recut.stage_compute(self.pipe, self.spec, per_replica, pipe_cfg.microbatches, recipe.seed)
+        measured = cut.stage_compute(self.pipe, self.spec, per_replica, pipe_cfg.microbatches, recipe.seed)
         decided: Plan | None = None
         if self.layout.rank == 0 and measured is not None and costs is not None:
-            text = f"the stages computed {recut.describe(measured)} a step"
-            if recut.imbalance(measured) <= recut.TOLERANCE:
-                text += f", within {recut.TOLERANCE:.0%} of each other: the cut stands"
+            text = f"the stages computed {cut.describe(measured)} a step"
+            if cut.imbalance(measured) <= cut.TOLERANCE:
+                text += f", within {cut.TOLERANCE:.0%} of each other: the cut stands"
             else:
-                refined = recut.refined_costs(costs, self.plan.balance, measured)
+                refined = cut.refined_costs(costs, self.plan.balance, measured)
                 try:
                     plan = make_plan(recipe, self.spec, refined, available=self.job.available,
                                      measured_by=f"{self.plan.balance_by}, corrected by the stages' compute")
                 except UserError:
                     plan = None
-                if plan is not None and plan.fits and recut.better(refined, self.plan.balance, plan.balance):
+                if plan is not None and plan.fits and cut.better(refined, self.plan.balance, plan.balance):
                     decided = plan
                     text += "; cut again"
                 else:
@@ -181,7 +184,7 @@ class Trainer:
         if self.view is not None:
             self.view.note(text)
 
-    def _utilization(self) -> tuple[utilization.ModelFlops | None, utilization.Peak | None]:
+    def _utilization(self) -> tuple[ModelFlops | None, Peak | None]:
         """The model FLOPs of a step and the peak MFU is measured against (rank 0), said in one line."""
         forward = float(sum(stage.flops for stage in self.plan.stages))
         if forward <= 0:
@@ -191,12 +194,12 @@ class Trainer:
         if self.spec.task != "image":  # text: FLOPs per token, as a step's batch holds any number of tokens
             units = self.spec.example_batch(1, "meta")[1].numel()
         device, train = self.topo.device, self.recipe.train
-        peak = utilization.find_peak(train.peak_tflops, device.type, train.precision,
+        peak = find_peak(train.peak_tflops, device.type, train.precision,
                                      lambda: torch.cuda.get_device_name(device),
                                      lambda: sizing.measured_rate("cpu", torch.get_num_threads()))
         self.summary.peak, self.summary.ranks = peak, self.layout.world_size
         self._note(f"MFU: model FLOPs (3x forward, recomputation not counted) over {peak.source}")
-        return utilization.ModelFlops(forward, units), peak
+        return ModelFlops(forward, units), peak
 
     def _reading_data(self) -> str:
         data, model = self.recipe.data, self.recipe.model
@@ -302,13 +305,12 @@ class Trainer:
 
     def batches(self, start_step: int) -> Iterator[Batch | None]:
         """This rank's shard of every training mini-batch from `start_step` on (None: no data here)."""
+        if self.data is None:
+            yield from [None] * (self.total_steps - start_step)
+            return
         step = start_step
         while step < self.total_steps:
             epoch, index = divmod(step, self.steps_per_epoch)
-            if self.data is None:
-                yield None
-                step += 1
-                continue
             for batch in self.data.train_batches(epoch=epoch, start=index,
                                                  shard=(self.layout.replica, self.layout.replicas),
                                                  need_inputs=self.layout.is_first, need_targets=self.layout.is_last):
@@ -318,10 +320,8 @@ class Trainer:
                     return
 
     def run(self) -> int:
-        """Train for the recipe's steps or epochs, evaluating and checkpointing as asked and at the end.
-
-        Returns 0, or the number of the signal that stopped the run early (after a checkpoint).
-        """
+        """Train for the recipe's steps or epochs, evaluating and checkpointing as asked and at the end; return
+        0, the non-finite exit code, or 128 + the signal that stopped the run early (after a checkpoint)."""
         recipe = self.recipe
         if self.complete:
             self._message(complete_line(self.run_dir, self.start_step, *self._end()))
@@ -377,7 +377,7 @@ class Trainer:
                 self.evaluate(self.total_steps)
         self.close()
         if self.diverged:
-            return nonfinite.EXIT_CODE
+            return NONFINITE_EXIT_CODE
         return 128 + self.stopped_by if self.stopped_by else 0
 
     def _counts_memory(self, step: int) -> bool:
@@ -413,8 +413,7 @@ class Trainer:
         stats = result.stats
         assert stats is not None and self.metrics is not None and self.view is not None
         stages = stats.of_replica(0)
-        # The loop's wall time and the stages' own timelines, made to agree (see step_figures.py): the step
-        # time is never shorter than a stage spent in it, and every stage's parts add up to it.
+        # The loop's wall time and the stages' own timelines, made to agree (see step_figures.py).
         figures = step_figures(stats, seconds)
         seconds = figures.seconds
         record: TrainRecord = {
@@ -434,7 +433,7 @@ class Trainer:
             record["tokens_per_s"] = stats.units / seconds
         if self.model_flops is not None and self.peak is not None:
             flops = self.model_flops.of_step(batch.global_size, stats.units if self.spec.task != "image" else None)
-            record.update(utilization.figures(flops, seconds, self.peak.flops_per_s, self.layout.world_size))
+            record.update(utilization_of(flops, seconds, self.peak.flops_per_s, self.layout.world_size))
         if result.skipped:
             record["skipped"] = True
         if step == self.start_step:  # the first step of each start carries one-time costs (allocations, lazy set-up)
@@ -476,8 +475,8 @@ class Trainer:
         record: EvalRecord = {"kind": "eval", "step": step, "loss": loss / units if units else float("nan"),
                               **evaluation.summarise(sums, units, baselines)}
         if self.spec.task == "translation" and isinstance(self.recipe.model, TransformerModel):
-            score = translate.bleu(self.pipe, self.topo, self.data, self.eval_steps,
-                                   self.recipe.pipeline.microbatches, self.recipe.model.max_len)
+            score = evaluation.bleu(self.pipe, self.topo, self.data, self.eval_steps,
+                                    self.recipe.pipeline.microbatches, self.recipe.model.max_len)
             if score is not None:
                 record["bleu"] = score
         if layout.rank == 0:
@@ -533,10 +532,3 @@ class Trainer:
         """A line on the launching terminal (rank 0)."""
         if self.view is not None:
             self.view.message(text)
-
-
-def configure_threads() -> None:
-    """Use the intra-op threads the launcher chose for this rank."""
-    threads = int(os.environ.get("GPIPE_THREADS", "0"))
-    if threads > 0:
-        torch.set_num_threads(threads)

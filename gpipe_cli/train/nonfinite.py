@@ -2,7 +2,7 @@
 
 fp16 always skips (dynamic loss scaling expects overflows and lowers the scale); in every precision
 `max_skipped` consecutive skips stop the run. A stopped run writes no checkpoint of the broken model,
-so the newest checkpoint stays the last good one, and ends with `EXIT_CODE`.
+so the newest checkpoint stays the last good one, and ends with `errors.NONFINITE_EXIT_CODE`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,6 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from gpipe_cli.errors import NONFINITE_EXIT_CODE
-
-EXIT_CODE = NONFINITE_EXIT_CODE
 Decision = Literal["ok", "skip", "stop"]
 
 

@@ -11,6 +11,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rich.table import Table
+
 from gpipe_cli import memory_model as mm
 from gpipe_cli.errors import UserError
 from gpipe_cli.models.base import ModelSpec
@@ -19,7 +21,7 @@ from gpipe_cli.pipeline import partition, schedule
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe_model import model_spec, optimizer_name
 from gpipe_cli.train import cut
-from gpipe_cli.units import human_bytes
+from gpipe_cli.units import human_bytes, human_count
 
 
 def checked_plan(recipe: Recipe, label: str, must_fit: bool = False, available: float | None = None) -> Plan:
@@ -132,9 +134,6 @@ class Plan:
         return out
 
 
-AT_LAUNCH = "gpipe train measures time at launch"
-
-
 def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float] | None = None,
                     measured_by: str | None = None,
                     memory: cut.StageMemory | None = None) -> tuple[list[int], str, str]:
@@ -159,7 +158,7 @@ def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float]
         else:
             flops = [float(c.flops) for c in summary.layers]
             costs = flops if any(flops) else [float(c.params) for c in summary.layers]
-            later = AT_LAUNCH if balance == "auto" else f"measured {balance} at launch"
+            later = "gpipe train measures time at launch" if balance == "auto" else f"measured {balance} at launch"
             by = measured_by or f"estimated FLOPs ({later})"
             if not any(flops):  # no FLOP estimate for this model: the estimate is its parameters
                 by = by.replace("estimated FLOPs", "parameters (no FLOP estimate)", 1)
@@ -227,3 +226,26 @@ def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[floa
                 bubble_theory=schedule.theoretical_bubble(pipe.partitions, pipe.microbatches, pipe.schedule,
                                                           pipe.virtual_stages),
                 stages=stages, capacity=room.description, no_cut_fits=refusal)
+
+
+def _layers(names: list[str]) -> str:
+    return ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]} … {names[-1]} ({len(names)})"
+
+
+def plan_table(plan: Plan) -> Table:
+    """One row per stage: layers, parameters, forward FLOPs, estimated peak memory and whether it fits."""
+    table = Table(title=f"{plan.model}: {human_count(plan.total_params)} parameters, {plan.partitions} stages x "
+                        f"{plan.data_parallel} replicas, {plan.microbatches} micro-batches of "
+                        f"{plan.microbatch_size}", title_justify="left")
+    for column in ("stage", "layers", "params", "GFLOPs/example", "memory (est.)", "of which activations",
+                   "fits"):
+        table.add_column(column, justify="left" if column == "layers" else "right")
+    for s in plan.stages:
+        fits = "yes" if s.fits else f"[bold red]no: {s.over()}[/]"
+        table.add_row(str(s.index), _layers(s.layers), human_count(s.params), f"{s.flops / 1e9:.3f}",
+                      human_bytes(s.memory.total), human_bytes(s.memory.activations), fits)
+    verdict = "every stage fits" if plan.fits else f"{sum(not s.fits for s in plan.stages)} stage(s) do not fit"
+    table.caption = (f"balance {plan.balance} by {plan.balance_by}; schedule {plan.schedule}, "
+                     f"rematerialization {plan.checkpoint}; theoretical bubble {plan.bubble_theory:.3f}\n"
+                     f"memory: {human_bytes(plan.stages[0].capacity)} per rank ({plan.capacity}): {verdict}")
+    return table

@@ -32,10 +32,8 @@ def trace_path(run_dir: Path, rank: int, first: int, last: int) -> Path:
 def quiet() -> Iterator[None]:
     """Silence the profiler for the moment of a transition: its Python warnings, and file descriptor 2.
 
-    Kineto, torch.profiler's C++ side, prints `USDT: ... profiler_start` and `STAGE: ...` lines at every start
-    and stop whatever KINETO_LOG_LEVEL says, straight to the process's stderr; and torch warns of choices made
-    on purpose (no warm-up step before step 1, events cleared after each cycle). The run's output would carry
-    them all.
+    Kineto prints `USDT: ...` and `STAGE: ...` lines at every start and stop straight to stderr, whatever
+    KINETO_LOG_LEVEL says, and torch warns of choices made on purpose (no warm-up before step 1).
     """
     sys.stderr.flush()
     saved = os.dup(2)
@@ -54,10 +52,8 @@ class StepProfiler:
 
     def __init__(self, config: Profile | None, run_dir: Path, rank: int, device: torch.device,
                  total_steps: int = 0) -> None:
-        self.config = config
         self.total_steps = total_steps  # the run's last step: the profiler is not stepped past it
         self.run_dir, self.rank = run_dir, rank
-        self.written: list[Path] = []
         self.traced = (0, 0)  # the steps of the last trace written
         self._profiler: profile | None = None
         self._started = False
@@ -119,6 +115,5 @@ class StepProfiler:
         path = trace_path(self.run_dir, self.rank, first, last)
         with atomic_path(path, suffix=".gz") as partial:  # torch gzips a name ending in .gz
             profiler.export_chrome_trace(str(partial))
-        self.written.append(path)
         self.traced = (first, last)
         self._ready = path

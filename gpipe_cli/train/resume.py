@@ -20,11 +20,9 @@ from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.topology import Topology
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.train import checkpoint
-from gpipe_cli.train.existing import no_usable, run_dir_of
+from gpipe_cli.train.existing import no_usable
 from gpipe_cli.train.plan import Plan
 from gpipe_cli.train.safe_dcp import saved_keys
-
-__all__ = ["Checkpointer", "run_dir_of", "saved_cut", "trim_metrics"]
 
 
 def saved_cut(location: str, recipe: Recipe, layers: int) -> list[int] | None:
@@ -104,7 +102,6 @@ class Checkpointer:
         self.last_saved = step
         return step
 
-
     def _failures(self, mine: str | None) -> list[str]:
         """What failed on each rank (empty: every rank succeeded)."""
         if not self.topo.distributed:
@@ -116,17 +113,12 @@ class Checkpointer:
     def resume(self, location: str) -> checkpoint.Found:
         """Load the newest usable checkpoint at a --resume location (collective); say why newer ones were
         skipped, one line each."""
-        mine = [str(p) for p in checkpoint.candidates(Path(location))] if self.layout.rank == 0 else None
-        paths = self.topo.share(mine)
+        paths = self.topo.share([str(p) for p in checkpoint.candidates(Path(location))] if self.layout.rank == 0
+                                else None)
         refused: list[str] = []
         for path in map(Path, paths):
-            verdict = None
-            if self.layout.rank == 0:
-                why = checkpoint.problem(path, verify=True)
-                verdict = (why, None) if why else (None, checkpoint.read_manifest(path)[0])
-            why, manifest = self.topo.share(verdict)
-            if why is None:
-                found = checkpoint.Found(path, manifest["step"], manifest)
+            found, why = self.topo.share(checkpoint.inspect(path, verify=True) if self.layout.rank == 0 else None)
+            if found is not None:
                 error: str | None = None
                 try:
                     if self.restore(found) != found.step:

@@ -4,45 +4,127 @@ Everything a user can get wrong (the recipe, `--set`, the arguments) is checked 
 imported, so such a mistake is reported at once (a new run into a directory that holds one too); the
 plan, the devices, the output directory and what a resume would do to its run (see existing.py) are
 checked next, before any rank starts. A resume without a recipe continues the run with its own
-recipe.yaml (see settings.py), and says so in one line before any rank starts.
+recipe.yaml (see existing.py), and says so in one line before any rank starts.
+
+On a terminal the first line, what runs and on what, shows as soon as the recipe is read, as a transient
+status while the plan is checked (an error then stands alone, as one line); it stays once the checks pass.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 from gpipe_cli.console import say
 from gpipe_cli.data.offline import check_hub_data
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.launch import LaunchOptions, check_device, check_launch, check_writable, launch, under_torchrun
 from gpipe_cli.launch.preflight import dry_run_lines
+from gpipe_cli.models import families
 from gpipe_cli.progress import note
 from gpipe_cli.recipe.load import recipe_label
-from gpipe_cli.train.announce import announce, checking, first_line, local_ranks
+from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.train.existing import (
     Change,
     check_checkpoint_keys,
     check_new_run_dir,
     check_resumable,
+    check_resume_path,
     complete_line,
     holds_run,
     recipe_changes,
     resume_end,
+    resume_line,
+    resume_location,
     run_dir_of,
+    train_recipe,
 )
-from gpipe_cli.train.job import Job
-from gpipe_cli.train.settings import check_resume_path, resume_line, train_recipe
-from gpipe_cli.train.settings import resume_location as find_resume
-from gpipe_cli.train.worker import STARTED
+from gpipe_cli.train.worker import STARTED, Job
 
 OUTPUTS = "outputs"
+
+
+def describe_model(recipe: Recipe) -> str:
+    """The recipe's model in a few words."""
+    m = recipe.model
+    return m.preset or families.of(m.kind).title(m.model_dump(), False)
+
+
+def first_line(recipe: Recipe) -> str:
+    """What is starting: recipe, model, K, M, D and the number of ranks."""
+    p, t = recipe.pipeline, recipe.train
+    length = " and ".join(_count(n, unit) for n, unit in ((t.steps, "step"), (t.epochs, "epoch")) if n)
+    return (f"gpipe train {recipe.name}: {describe_model(recipe)}, K={_count(p.partitions, 'stage')} x "
+            f"D={p.data_parallel} = {_count(p.partitions * p.data_parallel, 'rank')}, "
+            f"M={_count(p.microbatches, 'micro-batch', 'micro-batches')}, batch {recipe.data.batch_size}, {length}, "
+            f"{t.precision}")
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+@contextlib.contextmanager
+def checking(recipe: Recipe, terminal: bool) -> Iterator[None]:
+    """While the block runs, the first line as a transient status on a terminal (nothing elsewhere)."""
+    if not terminal:
+        yield
+        return
+    from rich.console import Console
+
+    with Console().status(f"{first_line(recipe)}: checking the plan", spinner="dots"):
+        yield
+
+
+def oversubscription(ranks: int, threads: int, cores: int, gpus: int) -> str | None:
+    """A warning when this node's ranks outnumber its GPUs (gpus > 0) or their threads its cores."""
+    if gpus > 0:
+        if ranks <= gpus:
+            return None
+        return (f"warning: {ranks} ranks share {gpus} GPU{'s' if gpus != 1 else ''} on this node (oversubscribed): "
+                f"they take turns on the devices and exchange tensors through host memory, so steps are slower "
+                f"and the measured bubble larger than with a GPU per rank")
+    if ranks * threads <= cores:
+        return None
+    return (f"warning: {ranks} ranks x {threads} thread{'s' if threads != 1 else ''} on {cores} CPU "
+            f"core{'s' if cores != 1 else ''} (oversubscribed): the ranks take turns on the cores, so steps are "
+            f"slower and the measured bubble larger than with a core per rank")
+
+
+def local_ranks(world: int, nnodes: str) -> int:
+    """Ranks this node runs: the job's share per node, or torchrun's count when already under it."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    try:
+        nodes = int(nnodes.partition(":")[2] or nnodes.partition(":")[0])
+    except ValueError:  # the launcher reports a bad --nnodes
+        nodes = 1
+    return max(world // max(nodes, 1), 1)
+
+
+def announce(recipe: Recipe, nnodes: str, threads: int | None, stream: TextIO, said: bool = False) -> None:
+    """Print the first line (unless `said`), then (after looking for GPUs) any oversubscription warning."""
+    if not said:
+        say(first_line(recipe), stream)
+    ranks = local_ranks(recipe.pipeline.partitions * recipe.pipeline.data_parallel, nnodes)
+    import torch  # only now: the first line is already on the screen
+
+    from gpipe_cli.sizing import usable_cores
+
+    gpus = torch.cuda.device_count() if recipe.train.device != "cpu" and torch.cuda.is_available() else 0
+    cores = usable_cores()
+    warning = oversubscription(ranks, threads or max(cores // ranks, 1), cores, gpus)
+    if warning:
+        say(warning, stream)
 
 
 @dataclass
@@ -70,11 +152,6 @@ def train_args(options: TrainOptions) -> list[str]:
     if options.plain is not None:
         args.append("--plain" if options.plain else "--live")
     return args
-
-
-def resume_location(options: TrainOptions, name: str, root: str = OUTPUTS) -> str:
-    """Where --resume continues from: an explicit path, --output-dir, or the newest run of this recipe."""
-    return find_resume(options.resume or "latest", options.output_dir, name, root)
 
 
 def train(options: TrainOptions) -> int:
@@ -113,7 +190,7 @@ def train(options: TrainOptions) -> int:
         available = float(memory_model.available_bytes("cuda" if torch.cuda.is_available() else "cpu"))
         checked_plan(recipe, recipe_label(recipe_file), must_fit=not under_torchrun(), available=available)
         check_device(recipe.pipeline.backend, recipe.train.device, int(os.environ.get("LOCAL_WORLD_SIZE", local)))
-        resume = resume_location(options, recipe.name) if options.resume else None
+        resume = resume_location(options.resume, options.output_dir, recipe.name, OUTPUTS) if options.resume else None
         fresh = resume is not None and options.resume == "latest" and options.output_dir is not None \
             and not holds_run(Path(options.output_dir))
         if fresh:  # a scheduler's first launch of a job that resumes when requeued: nothing to continue yet
@@ -150,7 +227,7 @@ def train(options: TrainOptions) -> int:
         if int(os.environ["WORLD_SIZE"]) != world:
             raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the recipe needs "
                             f"partitions x data_parallel = {world}")
-        from gpipe_cli.train.rank import run_job
+        from gpipe_cli.train.worker import run_job
 
         return run_job(job)
     here = local_ranks(world, options.launch.nnodes)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from gpipe_cli.recipe.schema import Metrics, Wandb
 from gpipe_cli.records import TIMING, WARMUP
@@ -61,18 +61,6 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-class Sink(Protocol):
-    """Somewhere records go."""
-
-    name: str
-
-    def log(self, values: dict[str, float], step: int) -> None:
-        """Record the scalars of one step."""
-
-    def close(self) -> None:
-        """Flush and close."""
-
-
 class TensorBoardSink:
     """Event files under RUN_DIR/tensorboard, read by `tensorboard --logdir RUN_DIR`."""
 
@@ -85,20 +73,18 @@ class TensorBoardSink:
         # metrics.jsonl drops their lines.
         self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
                                      purge_step=first_step + 1 if first_step else None)
-        if config is not None:
-            self._recipe(config, first_step)
-
-    def _recipe(self, config: dict[str, Any], step: int) -> None:
-        """The resolved recipe as a text summary (`recipe`), and its values as hyperparameters (HParams tab)."""
+        if config is None:
+            return
         import yaml
         from torch.utils.tensorboard.summary import hparams
 
-        text = yaml.safe_dump(config, sort_keys=False)
+        # The resolved recipe as a text summary (`recipe`), and its values as hyperparameters (HParams tab).
         # Markdown: indented by four spaces, the YAML shows as a code block with its indentation kept.
-        self._writer.add_text("recipe", "".join(f"    {line}\n" for line in text.splitlines()), global_step=step)
+        text = "".join(f"    {line}\n" for line in yaml.safe_dump(config, sort_keys=False).splitlines())
+        self._writer.add_text("recipe", text, global_step=first_step)
         # Into this event file, not add_hparams' own sub-run, so the HParams tab links the run's own curves.
         for summary in hparams(hyperparameters(config), dict.fromkeys(HPARAM_METRICS, 0.0)):
-            self._writer._get_file_writer().add_summary(summary, step)
+            self._writer._get_file_writer().add_summary(summary, first_step)
         self._writer.flush()
 
     def log(self, values: dict[str, float], step: int) -> None:
@@ -144,6 +130,9 @@ class WandbSink:
         self._run.finish()
 
 
+Sink = TensorBoardSink | WandbSink
+
+
 def _start(name: str, make: Callable[[], Sink], say: Callable[[str], None], hint: str) -> Sink | None:
     try:
         return make()
@@ -163,8 +152,6 @@ class Sinks:
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Send one train or eval record (already free of NaN) to every sink."""
-        if not self.sinks:
-            return
         values, step = scalars(record), int(record["step"])
         self._each(lambda sink: sink.log(values, step), "stopped logging", drop=True)
 

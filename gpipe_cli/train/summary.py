@@ -9,7 +9,7 @@ from typing import Any
 
 from gpipe_cli.pipeline.stats import PARTS
 from gpipe_cli.records import mean_over
-from gpipe_cli.train.utilization import Peak, rate_text
+from gpipe_cli.train.step_figures import Peak, rate_text
 from gpipe_cli.units import number_range
 
 _NOT_METRICS = ("kind", "step", "nonfinite")
@@ -115,11 +115,9 @@ class RunSummary:
         # The run's final eval is printed here only (the view leaves it out), once: as the best when it is.
         if final is not None and final["step"] == self.total_steps and final is not best:
             out.append(f"  final eval: step {final['step']}: {eval_figures(final)}")
-        out.append(f"  best eval: step {best['step']}: {eval_figures(best)}" if best else "  best eval: none")
-        out.append(f"  skipped steps: {self.skipped}")
-        out.append(f"  checkpoint: {checkpoint or 'none written'}")
-        out.append(f"  run directory: {run_dir}")
-        return out
+        return [*out, f"  best eval: step {best['step']}: {eval_figures(best)}" if best else "  best eval: none",
+                f"  skipped steps: {self.skipped}", f"  checkpoint: {checkpoint or 'none written'}",
+                f"  run directory: {run_dir}"]
 
     def _utilization(self, shown: _Steps) -> str:
         """Mean achieved model TFLOP/s of all ranks, and MFU against what the peak is (when known)."""

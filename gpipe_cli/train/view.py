@@ -27,16 +27,14 @@ from gpipe_cli.console import fit, say
 from gpipe_cli.pipeline.stats import PARTS
 from gpipe_cli.progress import eta_text, note, run_eta
 from gpipe_cli.train.sinks import Sinks
+from gpipe_cli.train.step_figures import rate_text
 from gpipe_cli.train.summary import eval_figures
-from gpipe_cli.train.utilization import rate_text
 from gpipe_cli.units import human_bytes
 
 
 def finite_json(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The record with every NaN or infinity replaced by null, and a `nonfinite` list naming those keys.
-
-    Strict JSON has no NaN; null keeps numeric columns numeric for readers such as pandas.
-    """
+    """The record with every NaN or infinity replaced by null, and a `nonfinite` list naming those keys (strict
+    JSON has no NaN; null keeps numeric columns numeric for readers such as pandas)."""
     bad: list[str] = []
 
     def clean(value: Any, key: str) -> Any:
@@ -56,10 +54,8 @@ def finite_json(record: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class MetricsFile:
-    """Appends records to metrics.jsonl; each record is one whole line of strict JSON, flushed at once.
-
-    The same records then go to the recipe's other sinks (TensorBoard, W&B).
-    """
+    """Appends records to metrics.jsonl, each one whole line of strict JSON flushed at once, then sends them to
+    the recipe's other sinks (TensorBoard, W&B)."""
 
     def __init__(self, path: Path, sinks: Sinks | None = None) -> None:
         self.path, self.sinks = path, sinks
@@ -112,17 +108,12 @@ def counted_activations(record: Mapping[str, Any], last: Counted | None) -> Coun
     return (record["step"], record["activation_peak_bytes"]) if "activation_peak_bytes" in record else last
 
 
-def _activations(record: Mapping[str, Any], stage: int, counted: Counted | None) -> str:
-    if counted is None:
-        return "-"
-    step, values = counted
-    return human_bytes(values[stage]) + ("" if step == record["step"] else f" (step {step})")
-
-
 def stage_memory(record: Mapping[str, Any], stage: int, counted: Counted | None = None) -> str:
     """One stage's memory, each figure named: stored activations (as last counted), process RSS peak, CUDA peak."""
-    text = (f"activations {_activations(record, stage, counted_activations(record, counted))}, "
-            f"RSS peak {human_bytes(record['rss_peak_bytes'][stage])}")
+    counted = counted_activations(record, counted)
+    activations = "-" if counted is None else \
+        human_bytes(counted[1][stage]) + ("" if counted[0] == record["step"] else f" (step {counted[0]})")
+    text = f"activations {activations}, RSS peak {human_bytes(record['rss_peak_bytes'][stage])}"
     if "cuda_peak_bytes" in record:
         text += f", CUDA peak {human_bytes(record['cuda_peak_bytes'][stage])}"
     return text
@@ -148,9 +139,6 @@ def train_lines(record: Mapping[str, Any], total: int, counted: Counted | None =
         shares = " | ".join(f"{part} {share:.0%}" for part, share in stage_shares(record, s).items())
         lines.append(f"  stage {s}: {shares} | {stage_memory(record, s, counted)}")
     return lines
-
-
-_SHORT_PARTS = {"compute": "compute", "wait": "wait", "comm": "comm", "optimizer": "optim", "other": "other"}
 
 
 class StepView:
@@ -183,10 +171,10 @@ class StepView:
         table.add_column("stage", justify="right", no_wrap=True)
         if time:
             for part in PARTS:
-                table.add_column(_SHORT_PARTS[part], justify="right", no_wrap=True)
+                table.add_column("optim" if part == "optimizer" else part, justify="right", no_wrap=True)
         cuda = "cuda_peak_bytes" in r
+        counted = counted_activations(r, self.counted)
         if memory:
-            counted = counted_activations(r, self.counted)
             # The step the activations were counted at goes in the header: the cells keep to one figure each.
             table.add_column("activations" + (f"\n(step {counted[0]})" if counted else ""), justify="right",
                              no_wrap=True)
@@ -196,7 +184,6 @@ class StepView:
         for s in range(len(r["rss_peak_bytes"])):
             cells = [f"{v:.0%}" for v in stage_shares(r, s).values()] if time else []
             if memory:
-                counted = counted_activations(r, self.counted)
                 cells += [human_bytes(counted[1][s]) if counted else "-", human_bytes(r["rss_peak_bytes"][s])]
                 if cuda:
                     cells.append(human_bytes(r["cuda_peak_bytes"][s]))

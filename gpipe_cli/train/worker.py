@@ -1,14 +1,18 @@
-"""Entry point of every training rank: `python -m gpipe_cli.train.worker JOB.json` (started by the launcher).
+"""One training rank: `python -m gpipe_cli.train.worker JOB.json` (started by the launcher), or `run_job` under
+torchrun. It joins the job, trains, and stops every rank with one message if anything fails.
 
 The stop handler goes in before torch is imported: a Ctrl-C while a rank imports or sets up ends it
-quietly (see `pipeline/stopping.py`), not with a traceback.
+quietly (see `pipeline/stopping.py`), not with a traceback. So importing this module costs nothing.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpipe_cli.pipeline import stopping
 from gpipe_cli.quick_exit import exit_now
@@ -16,18 +20,81 @@ from gpipe_cli.quick_exit import exit_now
 STARTED = "training"  # beside the job file: created once a rank of this node has a step to finish
 
 
+@dataclass
+class Job:
+    """A training job, what the launcher hands every rank: the resolved recipe and where and how to run it."""
+
+    recipe: dict[str, Any]
+    output_dir: str | None = None
+    plain: bool | None = None
+    resume: str | None = None  # a run directory or checkpoint to continue from
+    started: float | None = None  # time.time() when the command started, for elapsed times on screen
+    available: float | None = None  # memory free when the plan was checked: the ranks cut for the same
+
+
 def main(argv: list[str] | None = None) -> None:
     """Read the job file named on the command line and run it."""
     path = Path((sys.argv[1:] if argv is None else argv)[0])
     try:
         stopping.until_started(announce=False)  # through the imports; the launcher tells a stop in set-up
-        from gpipe_cli.train.job import Job
-        from gpipe_cli.train.rank import run_job
-
         code = run_job(Job(**json.loads(path.read_text())), path.parent / STARTED, announce=False)
     except stopping.StoppedEarly as stop:
         code = 128 + stop.signum
     exit_now(code)
+
+
+def run_job(job: Job, started: Path | None = None, announce: bool = True) -> int:
+    """Join the job as this rank and train; any failure stops every rank with its message.
+
+    Returns 0, 128 + the signal that stopped the run early, or the non-finite exit code. `started` is created
+    once this rank's first step is done (a stop then saves one); `announce`: rank 0 says at once that a
+    Ctrl-C during set-up stops it (else its launcher does).
+    """
+    try:
+        stopping.until_started(announce=announce and os.environ.get("RANK", "0") == "0", marker=started)
+        return _run(job)
+    except stopping.StoppedEarly as stop:
+        return 128 + stop.signum
+
+
+def _run(job: Job) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from gpipe_cli.errors import UserError
+    from gpipe_cli.pipeline import failure, topology
+    from gpipe_cli.pipeline.heartbeat import Heartbeat
+    from gpipe_cli.recipe.schema import Recipe
+    from gpipe_cli.recipe_model import pipeline_config
+    from gpipe_cli.train.loop import Trainer
+
+    if int(os.environ.get("GPIPE_THREADS", "0")) > 0:  # the intra-op threads the launcher chose for this rank
+        torch.set_num_threads(int(os.environ["GPIPE_THREADS"]))
+    recipe = Recipe.model_validate(job.recipe)
+    pipe = recipe.pipeline
+    placed = pipeline_config(recipe)
+    topo = topology.init(pipe.partitions, pipe.data_parallel, backend=pipe.backend, device=recipe.train.device,
+                         virtual=placed.virtual, placement=placed.placement)
+    label = f"stage {topo.layout.stage} (rank {topo.layout.rank})"
+    watch = failure.AbortWatch(label) if topo.distributed else None
+    stages = topo.layout.stages
+    beat = (Heartbeat(watch, topo.layout.rank, topo.layout.world_size, recipe.train.stall_timeout,
+                      lambda r: f"rank {r} (stage {r % stages})") if watch is not None else None)
+
+    def train() -> int:
+        code = Trainer(recipe, job, topo).run()
+        if topo.distributed:  # inside the guard: a peer that fails now still stops this rank cleanly
+            dist.barrier(group=topo.transport.control)
+        return code
+
+    code = failure.run_guarded(train, label, watch, quiet=(UserError,))
+    if beat is not None:
+        beat.stop()
+    if watch is not None:
+        watch.stop()
+    if topo.distributed:
+        dist.destroy_process_group()
+    return code
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 import copy
 
 from gpipe_cli.recipe.schema import Recipe
-from gpipe_cli.train.announce import first_line, local_ranks, oversubscription
+from gpipe_cli.train.run import first_line, local_ranks, oversubscription
 from tests.train.recipes import TINY_TRANSLATION
 
 

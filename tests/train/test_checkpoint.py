@@ -10,7 +10,8 @@ from torch import nn
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.train import checkpoint
-from gpipe_cli.train.resume import run_dir_of, trim_metrics
+from gpipe_cli.train.existing import run_dir_of
+from gpipe_cli.train.resume import trim_metrics
 
 
 def save_one(run_dir: Path, step: int, value: float = 1.0, keep: int = 5) -> nn.Module:

@@ -16,7 +16,7 @@ from gpipe_cli.cli import app
 from gpipe_cli.errors import UserError
 from gpipe_cli.recipe.load import load_recipe, recipe_yaml
 from gpipe_cli.train import checkpoint, existing
-from gpipe_cli.train.settings import resume_line
+from gpipe_cli.train.existing import resume_line
 from tests.train import recipes
 
 runner = CliRunner()

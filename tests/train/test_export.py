@@ -80,7 +80,7 @@ def test_predict_translates_as_the_training_decoder_in_a_process_without_the_eng
     from gpipe_cli.pipeline import topology
     from gpipe_cli.pipeline.config import PipelineConfig
     from gpipe_cli.pipeline.engine import Pipeline
-    from gpipe_cli.train.translate import greedy_decode
+    from gpipe_cli.train.evaluation import greedy_decode
 
     path = export(str(trained), str(tmp_path / "model.safetensors"))
     sentences = ["three hundred twelve", "seven"]

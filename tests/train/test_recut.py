@@ -11,7 +11,7 @@ from gpipe_cli.pipeline import partition, topology
 from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
-from gpipe_cli.train import recut
+from gpipe_cli.train import cut as recut
 from tests.multiproc import results, run_ranks
 
 UNIT = 0.004  # seconds a layer of weight 1 waits in its forward; its backward waits twice that

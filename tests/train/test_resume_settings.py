@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from gpipe_cli.cli import app
 from gpipe_cli.cli import run as cli
 from gpipe_cli.recipe.load import load_recipe, recipe_yaml
-from gpipe_cli.train.settings import continue_command
+from gpipe_cli.train.existing import continue_command
 from tests.train.test_existing_run import error_line, hashes, make_run, save
 
 runner = CliRunner()

@@ -5,8 +5,9 @@ import io
 import pytest
 from rich.console import Console
 
+from gpipe_cli.train.step_figures import ModelFlops, Peak, find_peak, rate_text, table_peak
+from gpipe_cli.train.step_figures import utilization_of as figures
 from gpipe_cli.train.summary import RunSummary
-from gpipe_cli.train.utilization import ModelFlops, Peak, figures, find_peak, rate_text, table_peak
 from gpipe_cli.train.view import TerminalView, train_lines
 from tests.train.test_view import train_record
 
