@@ -222,7 +222,7 @@ def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_siz
         # A separate step, so that gathering the events never slows a measured one.
         _, result = timed(lambda: step(warmup + steps, traced=True))
         if result.stats is not None:
-            figures.events = [asdict(e) for e in result.stats.events]
+            figures.events = [e.record() for e in result.stats.events]
     if layout.rank != 0:
         return None
     figures.bubbles = [stats.bubble for stats in history]

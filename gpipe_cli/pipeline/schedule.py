@@ -8,8 +8,9 @@ are printed, simulated and accounted for without processes, and the runtime exec
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gpipe_cli.pipeline import placement as placement_
 from gpipe_cli.pipeline import schedules
@@ -19,7 +20,7 @@ from gpipe_cli.pipeline.placement import owner
 
 __all__ = ["COMPUTE", "GRADIENT", "RELEASE", "REMAT_MODES", "SCHEDULES", "Action", "Kind", "ActionList", "Span",
            "Step", "bubble", "build", "build_all", "check", "forward_only", "owner", "peer",
-           "remat_pairs", "rematerialised", "render", "simulate", "theoretical_bubble"]
+           "remat_pairs", "rematerialised", "render", "seconds", "simulate", "theoretical_bubble"]
 
 
 ActionList = list[Action]
@@ -165,6 +166,16 @@ class Span:
     start: float
     end: float
 
+    def record(self) -> dict[str, Any]:
+        """As the plain data a trace reads: the action's kind by name."""
+        return {"stage": self.stage, "kind": self.action.kind.value, "microbatch": self.action.microbatch,
+                "start": self.start, "end": self.end, "chunk": self.action.chunk}
+
+
+def seconds(spans: Iterable[Span], kinds: Collection[Kind] = COMPUTE) -> float:
+    """How long the spans of actions of `kinds` last, together (compute actions unless told)."""
+    return sum(sp.end - sp.start for sp in spans if sp.action.kind in kinds)
+
 
 Cost = Callable[[int, Action], float]
 Rate = Callable[[int], float]
@@ -260,6 +271,5 @@ def bubble(spans: Sequence[Sequence[Span]]) -> float:
     makespan = max(span.end for stage in spans for span in stage)
     if makespan <= 0:
         return 0.0
-    idle = [1.0 - sum(sp.end - sp.start for sp in stage if sp.action.kind in COMPUTE) / makespan
-            for stage in spans]
+    idle = [1.0 - seconds(stage) / makespan for stage in spans]
     return sum(idle) / len(idle)

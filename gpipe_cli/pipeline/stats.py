@@ -16,26 +16,11 @@ import torch
 
 from gpipe_cli.pipeline.device import Marker
 from gpipe_cli.pipeline.fabric import Fabric
-from gpipe_cli.pipeline.schedule import COMPUTE, Action, Kind
+from gpipe_cli.pipeline.schedule import Action, Kind, Span, seconds
 
 WAIT, COMM, OPTIMIZER = "wait", "comm", "optimizer"
 PARTS = ("compute", WAIT, COMM, OPTIMIZER, "other")  # where a step's time goes, in display order
-_WAITS = frozenset({Kind.RECV_FWD.value, Kind.RECV_BWD.value})
-_SENDS = frozenset({Kind.SEND_FWD.value, Kind.SEND_BWD.value})
-_COMPUTE = frozenset(k.value for k in COMPUTE)
 _SECONDS = frozenset({"step_time", "busy", "wait", "comm", "optimizer"})  # a StageStats' other figures are whole
-
-
-@dataclass(frozen=True)
-class Event:
-    """One executed action of one stage, in seconds from the step's start."""
-
-    stage: int
-    kind: str
-    microbatch: int
-    start: float
-    end: float
-    chunk: int = 0  # the virtual stage (the stage itself unless interleaved)
 
 
 class Timeline:
@@ -104,23 +89,22 @@ class StepTimes:
         """Seconds from the step's start to its end."""
         return self.origin.seconds_to(self.end)
 
-    def events(self) -> list[Event]:
+    def events(self) -> list[Span]:
         """Every action of the step, in seconds from its start."""
-        return [Event(self.stage, action.kind.value, action.microbatch, start, start + begin.seconds_to(stop),
-                      action.chunk)
+        return [Span(self.stage, action, start, start + begin.seconds_to(stop))
                 for action, begin, stop in self.spans for start in [self.origin.seconds_to(begin)]]
 
-    def busy(self, events: list[Event]) -> float:
+    def busy(self, events: list[Span]) -> float:
         """Seconds spent in forward, recompute and backward."""
-        return sum(e.end - e.start for e in events if e.kind in _COMPUTE)
+        return seconds(events)
 
-    def parts(self, events: list[Event]) -> tuple[float, float, float]:
+    def parts(self, events: list[Span]) -> tuple[float, float, float]:
         """Seconds waiting for a peer, communicating and in the optimizer during the step."""
         def extra(part: str) -> float:
             return sum(begin.seconds_to(stop) for name, begin, stop in self.extra if name == part)
 
-        wait = sum(e.end - e.start for e in events if e.kind in _WAITS) + extra(WAIT)
-        comm = sum(e.end - e.start for e in events if e.kind in _SENDS) + extra(COMM)
+        wait = seconds(events, (Kind.RECV_FWD, Kind.RECV_BWD)) + extra(WAIT)
+        comm = seconds(events, (Kind.SEND_FWD, Kind.SEND_BWD)) + extra(COMM)
         return wait, comm, extra(OPTIMIZER)
 
 
@@ -168,7 +152,7 @@ class StepStats:
     bubble_theory: float
     grad_norm: float
     stages: list[StageStats] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
+    events: list[Span] = field(default_factory=list)
 
     @property
     def bubble(self) -> float:
@@ -209,7 +193,7 @@ class StepStats:
 
 def gather(mine: StageStats, loss: float, examples: int, units: float, grad_norm: float,
            bubble_theory: float, fabric: Fabric | None,
-           events: list[Event] | None = None) -> StepStats | None:
+           events: list[Span] | None = None) -> StepStats | None:
     """Combine every rank's figures on rank 0 (others get None), over the control plane; events only when given."""
     row = torch.tensor([*dataclasses.astuple(mine), loss, examples, units], dtype=torch.float64)
     if fabric is None:

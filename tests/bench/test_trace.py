@@ -5,8 +5,7 @@ from gpipe_cli.pipeline import schedule as sched
 def events_of(name: str, stages: int, microbatches: int, virtual: int = 1) -> list[dict]:
     """A simulated step's spans as the events a measured step records."""
     spans = sched.simulate(sched.build_all(name, stages, microbatches, "never", virtual), lambda s, a: 1.0)
-    return [{"stage": sp.stage, "kind": sp.action.kind.value, "microbatch": sp.action.microbatch,
-             "start": sp.start, "end": sp.end, "chunk": sp.action.chunk} for stage in spans for sp in stage]
+    return [sp.record() for stage in spans for sp in stage]
 
 
 def x_events(events: list[dict]) -> list[dict]:
