@@ -44,7 +44,7 @@ from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import partition, placement, schedules
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.layers import build_layers
-from gpipe_cli.pipeline.memory import ActivationMeter, held
+from gpipe_cli.pipeline.memory import ActivationMeter, cuda_peak_bytes, held, reset_cuda_peak
 from gpipe_cli.pipeline.topology import Topology
 
 if TYPE_CHECKING:
@@ -257,8 +257,7 @@ def compare(spec: ModelSpec, topo: Topology, job: Job, inputs: Any, targets: tor
         meter.reset_peak()
         probe.busy = 0.0
         probe.order.clear()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        reset_cuda_peak(device)
         start = time.perf_counter()
         with meter.saved_tensors():
             schedule.step(*args, **({"target": target, "losses": []} if last else {}), return_outputs=False)
@@ -275,7 +274,7 @@ def compare(spec: ModelSpec, topo: Topology, job: Job, inputs: Any, targets: tor
     load = Load()
     for _ in range(job.steps):
         times.append(timed(step)[0])
-        peaks.append(int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else meter.peak)
+        peaks.append(cuda_peak_bytes(device) if device.type == "cuda" else meter.peak)
         idle.append(max(wall[0] - probe.busy, 0.0) / wall[0] if wall[0] > 0 else 0.0)
     shares = load.finish()
     rows = gather([max(peaks), median(idle), len(probe.remat), len(sched.rematerialised(ours))])

@@ -28,7 +28,7 @@ from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.comm import Header
 from gpipe_cli.pipeline.executor import Channels, Executor, Message
 from gpipe_cli.pipeline.layers import build_layers
-from gpipe_cli.pipeline.memory import ActivationMeter
+from gpipe_cli.pipeline.memory import ActivationMeter, cuda_peak_bytes, reset_cuda_peak
 from gpipe_cli.pipeline.offload import Offloader, offloaded
 from gpipe_cli.pipeline.schedule import Action, Kind
 from gpipe_cli.pipeline.stage import Stage, as_tensors
@@ -80,8 +80,7 @@ class _Counter:
         self.meter, self.module, self.device = meter, module, device
         self.cuda = device.type == "cuda"
         self.base = torch.cuda.memory_allocated(device) if self.cuda else 0
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(device)
+        reset_cuda_peak(device)
         meter.reset_peak()
 
     def _activations(self, allocated: int) -> int:
@@ -93,7 +92,7 @@ class _Counter:
         return self._activations(torch.cuda.memory_allocated(self.device)) if self.cuda else self.meter.current
 
     def peak(self) -> int:
-        return self._activations(torch.cuda.max_memory_allocated(self.device)) if self.cuda else self.meter.peak
+        return self._activations(cuda_peak_bytes(self.device)) if self.cuda else self.meter.peak
 
 
 def _on(device: torch.device, batch: Any) -> Any:
