@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -80,8 +81,11 @@ class HostCopy:
         return self._host
 
 
-def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host batch on the device without blocking the host: staged through pinned memory on a GPU."""
+def to_device(batch: Any, device: torch.device) -> Any:
+    """A host batch (a tensor or a tuple of them) on the device without blocking the host: staged through pinned
+    memory on a GPU."""
+    if not isinstance(batch, torch.Tensor):
+        return tuple(to_device(b, device) for b in batch)
     if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
         batch = batch.pin_memory()
     return batch.to(device, non_blocking=True)

@@ -27,7 +27,7 @@ from gpipe_cli.pipeline import topology as topo_
 from gpipe_cli.pipeline.batchnorm import deferred_batchnorms
 from gpipe_cli.pipeline.comm import Inbound, Outbound
 from gpipe_cli.pipeline.config import PipelineConfig
-from gpipe_cli.pipeline.executor import Channels, Executor, Message
+from gpipe_cli.pipeline.executor import Channels, Executor, Message, feed_messages
 from gpipe_cli.pipeline.fabric import BACKWARD, FORWARD, RESULT, Link
 from gpipe_cli.pipeline.offload import Offloader, offloaded
 from gpipe_cli.pipeline.schedule import Kind
@@ -169,16 +169,6 @@ class Pipeline:
 
     # ----------------------------------------------------------------- helpers
 
-    def _to_device(self, batch: Any) -> Any:
-        if isinstance(batch, torch.Tensor):
-            return dev.to_device(batch, self.device)
-        return tuple(self._to_device(b) for b in batch)
-
-    def _feed(self, inputs: Any, chunks: int, example_offset: int = 0) -> list[Message]:
-        """The first stage's micro-batches as messages: tensors, bareness and global example offset."""
-        offsets = microbatch.offsets(microbatch.sizes(microbatch.batch_size(inputs), chunks), example_offset)
-        return [(*as_tensors(mb), off) for mb, off in zip(microbatch.scatter(self._to_device(inputs), chunks), offsets)]
-
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
         """Host values summed over every rank (each replica's last stage brings its own; others zeros)."""
         fabric = self.topology.fabric
@@ -234,7 +224,7 @@ class Pipeline:
         if layout.is_first:
             if inputs is None:
                 raise ValueError("the first stage needs the inputs of the mini-batch")
-            feed = self._feed(inputs, chunks, example_offset)
+            feed = feed_messages(inputs, chunks, self.device, example_offset)
         targets_mb: list[torch.Tensor] = []
         weights: list[float | torch.Tensor] = []
         examples = units_total = 0.0
@@ -251,7 +241,7 @@ class Pipeline:
             weights = [u / global_units for u in units]
             if self.loss_scale.enabled:
                 weights = [self.loss_scale.value * w for w in weights]
-            targets_mb = [self._to_device(t) for t in targets_mb]
+            targets_mb = [dev.to_device(t, self.device) for t in targets_mb]
 
         self._begin_step(True)
         self._expect(actions)
@@ -349,7 +339,7 @@ class Pipeline:
         self._begin_step(False)
         try:
             chunks, received = self._eval_chunks(inputs, microbatches or self.config.microbatches)
-            feed = self._feed(inputs, chunks) if layout.is_first and chunks else []
+            feed = feed_messages(inputs, chunks, self.device) if layout.is_first and chunks else []
             targets_mb = microbatch.scatter(targets, chunks) if layout.is_last and chunks and targets is not None \
                 else []
             sums: dict[str, Any] = dict.fromkeys(["loss", *sorted(metrics or {})], 0.0)  # the same order on every rank
@@ -359,7 +349,7 @@ class Pipeline:
             def on_output(mb: int, out: Any) -> None:
                 nonlocal units_sum
                 if targets_mb:
-                    target = self._to_device(targets_mb[mb])
+                    target = dev.to_device(targets_mb[mb], self.device)
                     n = self._count_units(targets_mb[mb])
                     assert self.stage.loss is not None
                     sums["loss"] = sums["loss"] + self.stage.loss(out, target).double() * n

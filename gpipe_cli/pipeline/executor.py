@@ -12,14 +12,23 @@ from typing import Any, Protocol
 
 import torch
 
+from gpipe_cli.pipeline import microbatch
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.comm import Header
+from gpipe_cli.pipeline.device import to_device
 from gpipe_cli.pipeline.schedule import Action, Kind
 from gpipe_cli.pipeline.stage import Stage, as_tensors
 from gpipe_cli.pipeline.stats import Timeline
 
 Tensors = list[torch.Tensor | None]
 Message = tuple[Tensors, bool, int]  # tensors, whether the value was a bare tensor, example offset
+
+
+def feed_messages(inputs: Any, chunks: int, device: torch.device, example_offset: int = 0) -> list[Message]:
+    """The first stage's micro-batches as messages: tensors, bareness and global example offset (the mini-batch
+    moved whole, then split into views: the first chunk's stage holds all of it)."""
+    offsets = microbatch.offsets(microbatch.sizes(microbatch.batch_size(inputs), chunks), example_offset)
+    return [(*as_tensors(mb), off) for mb, off in zip(microbatch.scatter(to_device(inputs, device), chunks), offsets)]
 
 
 class Source(Protocol):

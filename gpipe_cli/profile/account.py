@@ -26,7 +26,7 @@ from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import microbatch, partition, placement, schedules
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.comm import Header
-from gpipe_cli.pipeline.executor import Channels, Executor, Message
+from gpipe_cli.pipeline.executor import Channels, Executor, Message, feed_messages
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.memory import ActivationMeter, cuda_peak_bytes, reset_cuda_peak
 from gpipe_cli.pipeline.offload import Offloader, offloaded
@@ -93,11 +93,6 @@ class _Counter:
 
     def peak(self) -> int:
         return self._activations(cuda_peak_bytes(self.device)) if self.cuda else self.meter.peak
-
-
-def _on(device: torch.device, batch: Any) -> Any:
-    """A batch (a tensor or a tuple of them) on `device`."""
-    return batch.to(device) if isinstance(batch, torch.Tensor) else tuple(_on(device, b) for b in batch)
 
 
 class _Stored:
@@ -167,10 +162,7 @@ def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[i
     placed = schedules.get(schedule).placement
     virtual = 2 if placed == "v" else 1  # interleaved is counted with one chunk per stage, as 1F1B
     stages, count = len(ranges) // virtual, len(ranges)
-    split = microbatch.sizes(microbatch.batch_size(inputs), microbatches)
-    offsets = microbatch.offsets(split)
-    # Moved whole, then split into views, as the engine feeds a mini-batch: the first chunk's stage holds all of it.
-    feed = [(*as_tensors(mb), off) for mb, off in zip(microbatch.scatter(_on(device, inputs), microbatches), offsets)]
+    feed = feed_messages(inputs, microbatches, device)  # as the engine feeds a mini-batch
     labels = [t.to(device) for t in microbatch.scatter(targets, microbatches)]
     units = [float(spec.units(t)) if spec.units else float(t.shape[0]) for t in labels]
     weights = [u / sum(units) for u in units]
