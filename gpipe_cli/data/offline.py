@@ -29,14 +29,14 @@ def offline_flag() -> bool:
     return any(os.environ.get(n, "").strip().lower() in _TRUE for n in names)
 
 
-def hub_reachable(endpoint: str | None = None, timeout: float = PROBE_TIMEOUT_S) -> bool:
-    """Whether the hub endpoint answers at all within `timeout` (proxies honoured, DNS hangs bounded)."""
-    url = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+def hub_reachable() -> bool:
+    """Whether the hub endpoint answers at all within PROBE_TIMEOUT_S (proxies honoured, DNS hangs bounded)."""
+    url = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
     result: list[bool] = []
 
     def probe() -> None:
         try:
-            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=PROBE_TIMEOUT_S).close()
             result.append(True)
         except urllib.error.HTTPError:  # any HTTP answer means the network path works
             result.append(True)
@@ -46,7 +46,7 @@ def hub_reachable(endpoint: str | None = None, timeout: float = PROBE_TIMEOUT_S)
     # A thread bounds name resolution too, which socket timeouts do not cover.
     t = threading.Thread(target=probe, daemon=True)
     t.start()
-    t.join(timeout + 0.5)
+    t.join(PROBE_TIMEOUT_S + 0.5)
     return bool(result and result[0])
 
 

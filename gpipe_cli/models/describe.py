@@ -85,10 +85,6 @@ class ModelSummary:
     total_params: int
     total_flops: int
 
-    def cut_bytes(self, after: int) -> int:
-        """Bytes per example sent across a cut after layer `after` (-1: the model's input)."""
-        return self.input_bytes if after < 0 else self.layers[after].activation_bytes
-
     def stage_params(self, start: int, stop: int) -> int:
         """Parameters held by a stage running layers [start, stop), tied copies included."""
         return sum(layer.params for layer in self.layers[start:stop])
@@ -140,19 +136,11 @@ def count_parameters(spec: ModelSpec) -> int:
     return total
 
 
-def describe(spec: ModelSpec, batch_size: int = 1, inputs: Batch | None = None) -> ModelSummary:
-    """Parameters, forward FLOPs and output bytes of every layer for a batch of `batch_size` examples.
-
-    `inputs` (meta or real tensors; moved to meta) replaces the model's example batch, e.g. to
-    profile another image size or sequence length.
-    """
+def describe(spec: ModelSpec, batch_size: int = 1) -> ModelSummary:
+    """Parameters, forward FLOPs and output bytes of every layer for a batch of `batch_size` examples."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer (got {batch_size})")
-    if inputs is None:
-        inputs, _ = spec.example_batch(batch_size, "meta")
-    else:
-        inputs = _to_meta(inputs)
-        batch_size = tensors_of(inputs)[0].shape[0]
+    inputs, _ = spec.example_batch(batch_size, "meta")
     tied = 0
     costs = []
     x = inputs
@@ -178,11 +166,3 @@ def describe(spec: ModelSpec, batch_size: int = 1, inputs: Batch | None = None) 
         total_params=sum(c.params for c in costs) - tied,
         total_flops=sum(c.flops for c in costs),
     )
-
-
-def _to_meta(value: Batch) -> Batch:
-    if isinstance(value, torch.Tensor):
-        return value.to("meta")
-    if isinstance(value, (tuple, list)):
-        return tuple(_to_meta(v) for v in value)
-    raise TypeError(f"inputs must be a tensor or a tuple of tensors (got {type(value).__name__})")

@@ -128,12 +128,6 @@ def build_model(kind: str, **size_params: Any) -> ModelSpec:
     return _builder(kind)(**size_params)
 
 
-def build_preset(name: str, **overrides: Any) -> ModelSpec:
-    """Build preset `name`, with `overrides` replacing individual parameters."""
-    kind, params = resolve_preset(name, **overrides)
-    return build_model(kind, **params)
-
-
 def _builder(kind: str) -> Callable[..., ModelSpec]:
     return BUILDERS[families.of(kind).kind]  # an unknown kind is refused there, naming the kinds
 

@@ -177,14 +177,6 @@ class StepStats:
         """The stages of one replica, in stage order."""
         return sorted((s for s in self.stages if s.replica == replica), key=lambda s: s.stage)
 
-    def breakdown(self, step_time: float, replica: int = 0) -> dict[str, list[float]]:
-        """Seconds of each part (`PARTS`) per stage of one replica; `other` is what is left of `step_time`."""
-        stages = self.of_replica(replica)
-        parts: dict[str, list[float]] = {"compute": [s.busy for s in stages], WAIT: [s.wait for s in stages],
-                                         COMM: [s.comm for s in stages], OPTIMIZER: [s.optimizer for s in stages]}
-        parts["other"] = [max(step_time - sum(p[i] for p in parts.values()), 0.0) for i in range(len(stages))]
-        return parts
-
     def nonfinite(self) -> tuple[int, int] | None:
         """(stage, layer) of the first non-finite gradient in backward order, over every stage; None if none."""
         first = max((s for s in self.stages if s.nonfinite_layer >= 0), key=lambda s: s.nonfinite_layer, default=None)

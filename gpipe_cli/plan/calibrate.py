@@ -75,13 +75,13 @@ def local_steps(spec: ModelSpec, batch: int, microbatches: list[int], seed: int,
     return found
 
 
-def overhead(layers: int, costs: Callable[[int], CostProfile], per_replica: int, measured: dict[int, float],
-             known: float = 0.0) -> Overhead:
+def overhead(layers: int, costs: Callable[[int], CostProfile], per_replica: int,
+             measured: dict[int, float]) -> Overhead:
     """The engine's per-layer-call and per-step seconds: what the measured steps of `per_replica` examples
-    took beyond the simulated layers and the `known` seconds (the gradient all-reduce)."""
+    took beyond the simulated layers."""
     ms = sorted(measured)
-    gaps = [measured[m] - known - simulate.simulate_step(costs(per_replica // m), [layers], per_replica, m, "gpipe",
-                                                         "never", simulate.FREE).step_time for m in ms]
+    gaps = [measured[m] - simulate.simulate_step(costs(per_replica // m), [layers], per_replica, m, "gpipe", "never",
+                                                 simulate.FREE).step_time for m in ms]
     if len(gaps) == 1:
         return Overhead(0.0, max(gaps[0], 0.0))
     # Least squares through the points: one noisy step (a shared machine) moves the line less.

@@ -148,8 +148,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def configs(model: Model, hw: Hardware, schedules: Sequence[str] = SCHEDULES,
-            remat: Sequence[str] = REMAT_MODES) -> Iterator[Config]:
+def configs(model: Model, hw: Hardware) -> Iterator[Config]:
     """Every configuration that uses all the devices: K | N, K <= layers, the batch split evenly over D and M."""
     for k in divisors(hw.devices):
         d = hw.devices // k
@@ -159,9 +158,9 @@ def configs(model: Model, hw: Hardware, schedules: Sequence[str] = SCHEDULES,
         for m in divisors(per_replica):
             if per_replica // m < model.min_microbatch:
                 continue
-            for name in schedules:
+            for name in SCHEDULES:
                 for v in _virtual(name, k, m, model.layers):
-                    for mode in remat:
+                    for mode in REMAT_MODES:
                         # Its host copies are priced at no time (docs/planning.md): without rematerialization
                         # offload would be priced as fast as keeping every graph on the device, which it is not.
                         for offload in ("none", "activations") if mode != "never" else ("none",):

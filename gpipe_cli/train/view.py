@@ -215,9 +215,8 @@ def _width(console: Console, options: ConsoleOptions, renderable: Table) -> int:
 class TerminalView:
     """The terminal view of a run (rank 0)."""
 
-    def __init__(self, title: str, plain: bool | None = None, stream: TextIO | None = None,
-                 started: float | None = None) -> None:
-        self.stream = stream or sys.stdout
+    def __init__(self, title: str, plain: bool | None = None, started: float | None = None) -> None:
+        self.stream: TextIO = sys.stdout
         self.plain = (not self.stream.isatty()) if plain is None else plain
         self.total, self.title = 0, title
         self.started = time.time() if started is None else started

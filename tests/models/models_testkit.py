@@ -8,6 +8,13 @@ import torch
 from torch import nn
 
 from gpipe_cli.models.base import ModelSpec
+from gpipe_cli.models.registry import build_model, resolve_preset
+
+
+def build_preset(name: str, **overrides: Any) -> ModelSpec:
+    """Build preset `name`, with `overrides` replacing individual parameters, as a recipe naming it does."""
+    kind, params = resolve_preset(name, **overrides)
+    return build_model(kind, **params)
 
 
 def build_layers(spec: ModelSpec, seed: int = 0) -> list[nn.Module]:

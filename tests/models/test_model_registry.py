@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from models_testkit import build_preset
 
 from gpipe_cli.errors import one_line
 from gpipe_cli.models import families
@@ -15,7 +16,6 @@ from gpipe_cli.models.registry import (
     BUILDERS,
     allowed_params,
     build_model,
-    build_preset,
     is_preset_name,
     presets,
     resolve_preset,

@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from models_testkit import build_layers, check_every_cut, run
+from models_testkit import build_layers, build_preset, check_every_cut, run
 
 from gpipe_cli.models.describe import count_parameters
-from gpipe_cli.models.registry import build_model, build_preset
+from gpipe_cli.models.registry import build_model
 
 TINY = dict(layers=2, d_model=32, ff=64, heads=4, vocab_size=50, max_len=16, dropout=0.1)
 

@@ -14,17 +14,6 @@ def stage(index, busy, wait, comm, optimizer, layer=-1):
                             wait=wait, comm=comm, optimizer=optimizer, nonfinite_layer=layer)
 
 
-def test_the_parts_of_a_step_add_up_to_its_time():
-    step = stats.StepStats(loss=1.0, examples=8, units=8, step_time=1.0, bubble_theory=0.2, grad_norm=1.0,
-                           stages=[stage(1, 0.5, 0.3, 0.1, 0.05), stage(0, 0.6, 0.2, 0.1, 0.05)])
-    parts = step.breakdown(step_time=1.0)
-    assert list(parts) == list(stats.PARTS)
-    assert parts["compute"] == [0.6, 0.5]  # stage order
-    for s in range(2):
-        assert sum(p[s] for p in parts.values()) == pytest.approx(1.0)
-    assert step.breakdown(step_time=0.5)["other"] == [0.0, 0.0]  # never negative
-
-
 def test_the_first_bad_layer_in_backward_order_is_the_highest():
     step = stats.StepStats(loss=1.0, examples=8, units=8, step_time=1.0, bubble_theory=0.2, grad_norm=1.0,
                            stages=[stage(0, 0.5, 0, 0, 0, layer=2), stage(1, 0.5, 0, 0, 0, layer=5),

@@ -117,12 +117,12 @@ def test_the_measured_steps_run_and_time_the_optimizer_update_as_training_does()
 def test_the_fit_recovers_the_per_call_and_per_step_costs_it_is_given():
     spec = build_model("transformer", **PARAMS)
     costs = inputs.measured_costs(spec, (1, 8), 0, 1, inputs.generated(spec, 0))
-    layers, per_call, per_step, known = len(spec.layers), 2e-4, 3e-3, 1e-3
+    layers, per_call, per_step = len(spec.layers), 2e-4, 3e-3
     from gpipe_cli.estimate import simulate
     measured = {m: simulate.simulate_step(costs(8 // m), [layers], 8, m, "gpipe", "never",
-                                          simulate.Link(1e30, 0.0)).step_time + known + per_step
+                                          simulate.Link(1e30, 0.0)).step_time + per_step
                 + 2 * layers * m * per_call for m in (1, 2, 8)}
-    extra = calibrate.overhead(layers, costs, 8, measured, known)
+    extra = calibrate.overhead(layers, costs, 8, measured)
     assert extra.action == pytest.approx(per_call, rel=1e-6) and extra.step == pytest.approx(per_step, rel=1e-6)
 
 

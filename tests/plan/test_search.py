@@ -112,10 +112,15 @@ def test_search_finds_the_brute_force_optimum(seed, layers, devices, tightness):
     assert [o.samples_per_s for o in result.ranked] == sorted((o.samples_per_s for o in result.ranked), reverse=True)
 
 
+def plain_configs(model, hw, schedules):
+    """The configurations of `schedules` that keep every activation (no rematerialization)."""
+    return [c for c in search.configs(model, hw) if c.schedule in schedules and c.checkpoint == "never"]
+
+
 def test_equal_layers_and_free_links_predict_the_theoretical_bubble():
     model = synthetic(8, 0, batch=16, equal=True)
     hw = search.Hardware(4, math.inf, simulate.FREE, simulate.FREE)
-    for config in search.configs(model, hw, ("gpipe", "1f1b"), ("never",)):
+    for config in plain_configs(model, hw, ("gpipe", "1f1b")):
         if config.partitions == 4:
             outcome = search.evaluate(model, hw, config)
             assert outcome.balance == [2, 2, 2, 2]
@@ -192,7 +197,7 @@ def test_ranks_that_run_faster_alone_speed_up_pipelines_by_their_idle_share_and_
     faster = dataclasses.replace(base, alone_speedup=1.5)
     hw = search.Hardware(2, math.inf, FAST, FAST)
     gains = {}
-    for config in search.configs(base, hw, ("gpipe", "zero-bubble"), ("never",)):
+    for config in plain_configs(base, hw, ("gpipe", "zero-bubble")):
         before, after = search.evaluate(base, hw, config), search.evaluate(faster, hw, config)
         if config.partitions == 1:  # two replicas compute at once all the time: nothing runs alone
             assert after.step_time == pytest.approx(before.step_time)

@@ -56,6 +56,17 @@ def test_overlapping_spans_are_scaled_into_the_step_keeping_their_proportions():
     assert figures.parts["other"] == [0.0]
 
 
+def test_the_parts_of_a_step_add_up_to_its_time_in_stage_order_and_are_never_negative():
+    stats = step(stage(1, 1.0, 0.5, 0.3, 0.1, 0.05), stage(0, 1.0, 0.6, 0.2, 0.1, 0.05))
+    parts = step_figures(stats, wall=1.0).parts
+    assert list(parts) == list(PARTS)
+    assert parts["compute"] == [0.6, 0.5]  # stage order
+    for s in range(2):
+        assert sum(p[s] for p in parts.values()) == pytest.approx(1.0)
+    short = step(stage(1, 0.5, 0.5, 0.3, 0.1, 0.05), stage(0, 0.5, 0.6, 0.2, 0.1, 0.05))
+    assert step_figures(short, wall=0.5).parts["other"] == [0.0, 0.0]  # never negative
+
+
 def test_every_replica_bounds_the_step_but_the_first_replicas_parts_are_shown():
     stats = step(stage(0, 0.2, 0.1, 0.05, 0.01, 0.0), stage(1, 0.2, 0.1, 0.05, 0.01, 0.0),
                  stage(0, 0.4, 0.1, 0.25, 0.01, 0.0, replica=1), stage(1, 0.2, 0.1, 0.05, 0.01, 0.0, replica=1))

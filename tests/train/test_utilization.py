@@ -63,7 +63,7 @@ def test_the_step_line_and_the_summary_show_them():
 
 
 def test_the_live_frame_shows_them():
-    view = TerminalView("tiny", plain=False, stream=io.StringIO(), started=0.0)
+    view = TerminalView("tiny", plain=False, started=0.0)
     view.show({**train_record(step=2), "tflops": 400.0, "mfu": 0.4})
     console = Console(file=io.StringIO(), width=200)
     console.print(view.frame())

@@ -70,16 +70,15 @@ def test_an_eval_line_shows_whatever_the_record_holds():
     assert line.startswith("eval  step 6/10") and "loss 1.25" in line and "perplexity 3.49" in line
 
 
-def test_plain_mode_prints_logged_steps_the_last_step_and_every_eval():
-    out = io.StringIO()
-    view = TerminalView("tiny", plain=True, stream=out, started=0.0)
+def test_plain_mode_prints_logged_steps_the_last_step_and_every_eval(capsys):
+    view = TerminalView("tiny", plain=True, started=0.0)
     view.start(total=5)
     for step in range(1, 6):
         view.show(train_record(step=step), log_every=2)
         if step == 4:
             view.show({"kind": "eval", "step": 4, "loss": 1.5})
     view.show({"kind": "eval", "step": 5, "loss": 1.0})  # the run's final eval: the summary gives it
-    lines = out.getvalue().splitlines()
+    lines = capsys.readouterr().out.splitlines()
     assert "training tiny: steps 1 to 5" in lines[0]
     assert [line.split("|")[0].strip() for line in lines if line.startswith("step ")] == \
         ["step 2/5", "step 4/5", "step 5/5"]
@@ -87,7 +86,7 @@ def test_plain_mode_prints_logged_steps_the_last_step_and_every_eval():
 
 
 def test_the_live_frame_shows_each_stage_time_and_labelled_memory_and_no_eval():
-    view = TerminalView("tiny", plain=False, stream=io.StringIO(), started=0.0)
+    view = TerminalView("tiny", plain=False, started=0.0)
     view.show(train_record(step=2))
     view.show({"kind": "eval", "step": 2, "loss": 3.0})
     view.show(train_record(step=4))
@@ -103,7 +102,7 @@ def test_the_live_frame_shows_each_stage_time_and_labelled_memory_and_no_eval():
 @pytest.mark.parametrize("width", [80, 120, 50])
 @pytest.mark.parametrize("cuda", [False, True])
 def test_the_live_view_reads_whole_at_any_width(width, cuda):
-    view = TerminalView("tiny-translation", plain=False, stream=io.StringIO(), started=0.0)
+    view = TerminalView("tiny-translation", plain=False, started=0.0)
     view.start(total=200)
     try:
         for step in (1, 2, 3):
@@ -126,9 +125,8 @@ def test_the_live_view_reads_whole_at_any_width(width, cuda):
         assert figure in text
 
 
-def test_plain_step_lines_carry_the_runs_eta_from_steps_past_the_warm_up():
-    out = io.StringIO()
-    view = TerminalView("tiny", plain=True, stream=out, started=0.0)
+def test_plain_step_lines_carry_the_runs_eta_from_steps_past_the_warm_up(capsys):
+    view = TerminalView("tiny", plain=True, started=0.0)
     view.start(total=4)
     for step, seconds in ((1, 9.0), (2, 1.0), (3, 3.0), (4, 2.0)):
         record = train_record(step=step)
@@ -136,7 +134,7 @@ def test_plain_step_lines_carry_the_runs_eta_from_steps_past_the_warm_up():
         if step == 1:
             record["warmup"] = True  # one-time costs: not in the mean
         view.show(record)
-    heads = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
+    heads = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert "eta" not in heads[0]
     assert heads[1].endswith("| eta 2s") and heads[2].endswith("| eta 2s")  # 2 steps x 1 s, then 1 step x 2 s
     assert "eta" not in heads[3]  # the last step: nothing left
