@@ -8,6 +8,7 @@ from pathlib import Path
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, outside
+from gpipe_cli.recipe.aliases import SET_HELP
 from gpipe_cli.units import parse_size
 
 TIMINGS = ("auto", "measure", "estimate")
@@ -46,6 +47,7 @@ FLAGS: dict[str, str] = {
     "top": "How many configurations to print.",
     "output": "Write the winning plan as a recipe here (the input recipe with its pipeline section replaced, its "
               "comments and key order kept).",
+    "set": SET_HELP,
     "bandwidth": "Link between devices of one node, GB/s [default: measured between the CPU ranks here unless "
                  f"--tflops or --timing estimate, else {ASSUMED_BANDWIDTH:g} (PCIe 4 x16 in practice)]; giving it or "
                  "--latency-us assumes both.",

@@ -13,7 +13,7 @@ from gpipe_cli.estimate.size_flags import SizeFlags, size_values
 from gpipe_cli.files import check_output
 from gpipe_cli.limits import MAX_RANKS, MAX_SIZE, outside, words
 from gpipe_cli.pipeline.config import microbatch_problem
-from gpipe_cli.recipe.aliases import ALIASES, balance_text, settings
+from gpipe_cli.recipe.aliases import ALIASES, SET_HELP, balance_text, settings
 from gpipe_cli.units import parse_size
 
 # The largest K: the paper's largest pipeline (Transformer-L on 128 TPUs). Every stage of every row is
@@ -59,7 +59,7 @@ FLAGS: dict[str, str] = {
                  "momentum 0.9).",
     "budget": "Per-device memory, more than 0 bytes, e.g. 8GiB: find the largest model of the family that "
               "fits at each K (the paper's Table 1).",
-    "set": "Override a recipe key: KEY=VALUE, the value read as YAML (repeatable).",
+    "set": SET_HELP,
     "device": "Where to measure: auto (CUDA if present), cpu or cuda.",
     "seed": "Seed of the weights and of the synthetic batch.",
     "json": "Write every figure as JSON to FILE.",
