@@ -54,7 +54,9 @@ class _Commands(typer.core.TyperGroup):
 app = typer.Typer(cls=_Commands, add_completion=False, pretty_exceptions_enable=False,
                   help="GPipe pipeline-parallel training from YAML recipes.")
 
-RECIPE_HELP = "Recipe YAML file (default: the built-in quick-start recipe)."
+# The recipe argument and --set of the commands that read a recipe as it is written.
+RECIPE = typer.Argument(None, help="Recipe YAML file (default: the built-in quick-start recipe).")
+SET = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP)
 SIZE = "Model size (overrides)"
 MODES = "Sweep, compare, simulate"
 LAUNCH = "Nodes and ranks"
@@ -96,8 +98,8 @@ def _root(version: bool = typer.Option(False, "--version", callback=_print_versi
 
 @app.command()
 def train(
-    recipe: str | None = typer.Argument(None, help=RECIPE_HELP),
-    set_: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
+    recipe: str | None = RECIPE,
+    set_: list[str] | None = SET,
     output_dir: str | None = typer.Option(None, help="Write the run exactly here instead of outputs/<name>/<time>."),
     plain: bool | None = typer.Option(None, "--plain/--live", help="Plain log lines or the live view "
                                       "(default: live on a terminal)."),
@@ -128,8 +130,8 @@ def train(
 
 @app.command()
 def validate(
-    recipe: str | None = typer.Argument(None, help=RECIPE_HELP),
-    set_: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
+    recipe: str | None = RECIPE,
+    set_: list[str] | None = SET,
     json_file: Path | None = typer.Option(None, "--json", help="Also write the recipe and plan as JSON here."),
 ) -> None:
     """Check a recipe and print the resolved recipe and the plan; trains nothing, reads no data."""
@@ -229,7 +231,7 @@ def profile_memory(
 @app.command()
 @_flags(PlanOptions, L, "batch_size", *SIZE_FLAGS)
 def plan(
-    recipe: str | None = typer.Argument(None, help=RECIPE_HELP),
+    recipe: str | None = RECIPE,
     devices: int = typer.Option(..., help=L["devices"]),
     output: str | None = typer.Option(None, metavar="FILE", help=L["output"]),
     *, own: dict[str, Any], flags: dict[str, Any],
@@ -282,7 +284,7 @@ def prepare_data(
     recipe: str = typer.Argument(..., metavar="RECIPE", help="A recipe with data.source hub: its data.name and "
                                  "data.config are saved."),
     output: str = typer.Option(..., metavar="DIR", help="The new folder to write the parquet files into."),
-    set_: list[str] | None = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
+    set_: list[str] | None = SET,
 ) -> None:
     """Save a recipe's Hugging Face dataset once as local parquet files, for machines without network."""
     from gpipe_cli.data.prepare import prepare_data as save
