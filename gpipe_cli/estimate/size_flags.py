@@ -66,8 +66,7 @@ def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[
     checked as `train` checks them, before torch loads; `cuts` are the command's own `--balance` cuts, and
     `defaults` add to the fields' own where there is no recipe."""
     own = {f.name: f.default for f in fields(options) if f.name in ALIASES and f.default not in (None, MISSING)}
-    chosen = settings(recipe, flags, sets, {**own, **defaults})
-    given = dict(chosen.given)
+    given, model_sets = settings(recipe, flags, sets, {**own, **defaults})
     if "balance" in given:
         given["balance"] = balance_text(given["balance"], cuts)
-    return {**given, **{name: flags.get(name) for name in SIZE_FLAGS}, "set": chosen.model_sets}
+    return {**given, **{name: flags.get(name) for name in SIZE_FLAGS}, "set": model_sets}
