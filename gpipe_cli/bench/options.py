@@ -10,7 +10,7 @@ from typing import Any
 
 from gpipe_cli.bench.trace import paths as trace_paths
 from gpipe_cli.errors import UserError, shown
-from gpipe_cli.estimate.size_flags import ModelFlags, choice_problems, model_of, shared_fields
+from gpipe_cli.estimate.model_flags import SEED_HELP, ModelFlags, choice_problems, model_of, shared_fields
 from gpipe_cli.files import check_output
 from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, MAX_SIZE, MAX_THREADS, outside, refuse
 from gpipe_cli.pipeline import schedules
@@ -108,7 +108,7 @@ FLAGS: dict[str, str] = {
     "latency_us": "Simulated per-message latency in microseconds.",
     "threads": "Intra-op threads per rank (1 keeps timings comparable).",
     "oversubscribe": "With --sweep, also K values that exceed the cores or GPUs (their timings mean little).",
-    "seed": "Seed of the weights and of the synthetic batch.",
+    "seed": SEED_HELP,
     "json": "Write every figure as JSON to FILE (with --sweep, the plot too, to FILE with '.png' in place of its "
             "suffix).",
 }

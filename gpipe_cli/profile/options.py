@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpipe_cli.errors import UserError, cut, shown
-from gpipe_cli.estimate.size_flags import ModelFlags, choice_problems, model_of, shared_fields
+from gpipe_cli.estimate.model_flags import SEED_HELP, ModelFlags, choice_problems, model_of, shared_fields
 from gpipe_cli.files import check_output
 from gpipe_cli.limits import MAX_RANKS, MAX_SIZE, one_of, outside, refuse, words
 from gpipe_cli.pipeline.config import microbatch_problem
@@ -49,7 +49,7 @@ FLAGS: dict[str, str] = {
               "fits at each K (the paper's Table 1).",
     "set": SET_HELP,
     "device": "Where to measure: auto (CUDA if present), cpu or cuda.",
-    "seed": "Seed of the weights and of the synthetic batch.",
+    "seed": SEED_HELP,
     "json": "Write every figure as JSON to FILE.",
 }
 

@@ -16,6 +16,7 @@ from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, balance_text, settings
 # The command line loads this module for its help and checks these flags before torch loads: the schedules'
 # registry and the pipeline configuration import nothing heavy.
 SCHEDULES = schedules.names()
+SEED_HELP = "Seed of the weights and of the synthetic batch."
 
 
 @dataclass
