@@ -59,7 +59,7 @@ RECIPE = typer.Argument(None, help="Recipe YAML file (default: the built-in quic
 SET = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP)
 SIZE = "Model size (overrides)"
 MODES = "Sweep, compare, simulate"
-LAUNCH = "Nodes and ranks"
+_launch = functools.partial(typer.Option, rich_help_panel="Nodes and ranks")  # train's options of where ranks run
 
 
 def _interruptible(command: str, callback: Callable[..., Any], started: list[str]) -> Callable[..., Any]:
@@ -103,21 +103,18 @@ def train(
     output_dir: str | None = typer.Option(None, help="Write the run exactly here instead of outputs/<name>/<time>."),
     plain: bool | None = typer.Option(None, "--plain/--live", help="Plain log lines or the live view "
                                       "(default: live on a terminal)."),
-    nnodes: str | None = typer.Option(None, help="N or MIN:MAX (torchrun; default 1, or the nodes of the "
-                                      "enclosing srun step).", rich_help_panel=LAUNCH),
-    node_rank: int | None = typer.Option(None, help="This node's rank (static rendezvous).", rich_help_panel=LAUNCH),
-    rdzv_endpoint: str | None = typer.Option(None, help="The rendezvous, the same on every node.",
-                                             rich_help_panel=LAUNCH),
-    rdzv_backend: str | None = typer.Option(None, help="static (with --node-rank) or c10d.", rich_help_panel=LAUNCH),
-    rdzv_id: str | None = typer.Option(None, help="Job id shared by all nodes (c10d).", rich_help_panel=LAUNCH),
-    threads: int | None = typer.Option(None, help="Intra-op threads per rank (default: cores / local ranks).",
-                                       rich_help_panel=LAUNCH),
+    nnodes: str | None = _launch(None, help="N or MIN:MAX (torchrun; default 1, or the nodes of the enclosing srun "
+                                 "step)."),
+    node_rank: int | None = _launch(None, help="This node's rank (static rendezvous)."),
+    rdzv_endpoint: str | None = _launch(None, help="The rendezvous, the same on every node."),
+    rdzv_backend: str | None = _launch(None, help="static (with --node-rank) or c10d."),
+    rdzv_id: str | None = _launch(None, help="Job id shared by all nodes (c10d)."),
+    threads: int | None = _launch(None, help="Intra-op threads per rank (default: cores / local ranks)."),
     resume: str | None = typer.Option(None, help="Continue from the newest whole checkpoint: bare --resume or "
                                       "'latest' (the newest run of this recipe, or --output-dir's), a run directory or "
                                       "a checkpoint."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch on this node (rendezvous, nodes, "
-                                 "ranks, from Slurm under srun) and the torchrun command for it; start nothing.",
-                                 rich_help_panel=LAUNCH),
+    dry_run: bool = _launch(False, "--dry-run", help="Print the launch on this node (rendezvous, nodes, ranks, from "
+                            "Slurm under srun) and the torchrun command for it; start nothing."),
 ) -> int:
     """Train a model with GPipe on partitions x data_parallel processes."""
     from gpipe_cli.train.run import TrainOptions
