@@ -9,11 +9,14 @@ if __name__ == "__main__":
 
     _entry()
 
+import dataclasses
 import functools
 import inspect
 import json
 import sys
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import MISSING
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,15 +24,18 @@ import typer
 
 from gpipe_cli import __version__, interrupts
 from gpipe_cli.bench import FLAGS as B
+from gpipe_cli.bench import BenchOptions
 from gpipe_cli.cli_help import polish
 from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError, one_line, shown
 from gpipe_cli.files import atomic_write_text, check_output
 from gpipe_cli.launch import launch_options
 from gpipe_cli.plan import FLAGS as L
+from gpipe_cli.plan import PlanOptions
 from gpipe_cli.profile import FLAGS as P
+from gpipe_cli.profile import ProfileOptions
 from gpipe_cli.quick_exit import exit_now
-from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS
+from gpipe_cli.recipe.aliases import ALIASES, SET_HELP, SIZE_FLAGS
 
 
 class _Commands(typer.core.TyperGroup):
@@ -48,11 +54,12 @@ class _Commands(typer.core.TyperGroup):
 app = typer.Typer(cls=_Commands, add_completion=False, pretty_exceptions_enable=False,
                   help="GPipe pipeline-parallel training from YAML recipes.")
 
-RECIPE_HELP = "Recipe YAML file (default: the built-in quick-start recipe)."
+# The recipe argument and --set of the commands that read a recipe as it is written.
+RECIPE = typer.Argument(None, help="Recipe YAML file (default: the built-in quick-start recipe).")
+SET = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP)
 SIZE = "Model size (overrides)"
 MODES = "Sweep, compare, simulate"
-LAUNCH = "Nodes and ranks"
-SET_HELP = "Override a recipe key: KEY=VALUE, the value read as YAML (repeatable)."
+_launch = functools.partial(typer.Option, rich_help_panel="Nodes and ranks")  # train's options of where ranks run
 
 
 def _interruptible(command: str, callback: Callable[..., Any], started: list[str]) -> Callable[..., Any]:
@@ -91,26 +98,23 @@ def _root(version: bool = typer.Option(False, "--version", callback=_print_versi
 
 @app.command()
 def train(
-    recipe: str | None = typer.Argument(None, help=RECIPE_HELP),
-    set_: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
+    recipe: str | None = RECIPE,
+    set_: list[str] | None = SET,
     output_dir: str | None = typer.Option(None, help="Write the run exactly here instead of outputs/<name>/<time>."),
     plain: bool | None = typer.Option(None, "--plain/--live", help="Plain log lines or the live view "
                                       "(default: live on a terminal)."),
-    nnodes: str | None = typer.Option(None, help="N or MIN:MAX (torchrun; default 1, or the nodes of the "
-                                      "enclosing srun step).", rich_help_panel=LAUNCH),
-    node_rank: int | None = typer.Option(None, help="This node's rank (static rendezvous).", rich_help_panel=LAUNCH),
-    rdzv_endpoint: str | None = typer.Option(None, help="The rendezvous, the same on every node.",
-                                             rich_help_panel=LAUNCH),
-    rdzv_backend: str | None = typer.Option(None, help="static (with --node-rank) or c10d.", rich_help_panel=LAUNCH),
-    rdzv_id: str | None = typer.Option(None, help="Job id shared by all nodes (c10d).", rich_help_panel=LAUNCH),
-    threads: int | None = typer.Option(None, help="Intra-op threads per rank (default: cores / local ranks).",
-                                       rich_help_panel=LAUNCH),
+    nnodes: str | None = _launch(None, help="N or MIN:MAX (torchrun; default 1, or the nodes of the enclosing srun "
+                                 "step)."),
+    node_rank: int | None = _launch(None, help="This node's rank (static rendezvous)."),
+    rdzv_endpoint: str | None = _launch(None, help="The rendezvous, the same on every node."),
+    rdzv_backend: str | None = _launch(None, help="static (with --node-rank) or c10d."),
+    rdzv_id: str | None = _launch(None, help="Job id shared by all nodes (c10d)."),
+    threads: int | None = _launch(None, help="Intra-op threads per rank (default: cores / local ranks)."),
     resume: str | None = typer.Option(None, help="Continue from the newest whole checkpoint: bare --resume or "
                                       "'latest' (the newest run of this recipe, or --output-dir's), a run directory or "
                                       "a checkpoint."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch on this node (rendezvous, nodes, "
-                                 "ranks, from Slurm under srun) and the torchrun command for it; start nothing.",
-                                 rich_help_panel=LAUNCH),
+    dry_run: bool = _launch(False, "--dry-run", help="Print the launch on this node (rendezvous, nodes, ranks, from "
+                            "Slurm under srun) and the torchrun command for it; start nothing."),
 ) -> int:
     """Train a model with GPipe on partitions x data_parallel processes."""
     from gpipe_cli.train.run import TrainOptions
@@ -123,8 +127,8 @@ def train(
 
 @app.command()
 def validate(
-    recipe: str | None = typer.Argument(None, help=RECIPE_HELP),
-    set_: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
+    recipe: str | None = RECIPE,
+    set_: list[str] | None = SET,
     json_file: Path | None = typer.Option(None, "--json", help="Also write the recipe and plan as JSON here."),
 ) -> None:
     """Check a recipe and print the resolved recipe and the plan; trains nothing, reads no data."""
@@ -149,25 +153,38 @@ def validate(
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _aliased(*names: str, shown: dict[str, str] | None = None) -> Callable[[F], F]:
-    """Give a command the alias flags `names`, each `--set KEY=VALUE` of one recipe key with the schema's help
-    (and `shown` as its default); the command receives the values typed as `flags`, by name (None: not typed)."""
+def _flags(options: type, own: Mapping[str, str], *aliases: str, modes: Collection[str] = (),
+           shown: dict[str, str] | None = None) -> Callable[[F], F]:
+    """Give a command its own flags `own` (name -> help) and the alias flags `aliases`, each `--set KEY=VALUE` of one
+    recipe key with the schema's help (and `shown` as its default). An own flag the command does not declare takes
+    the type and default of the field of `options` (a dataclass; a field's factory: None); the command receives
+    those as `own`, and the alias values typed as `flags`, by name (None: not typed)."""
     from gpipe_cli.recipe.aliases import description, flag, kind
 
+    def option(name: str, annotation: Any, default: Any, **settings: Any) -> inspect.Parameter:
+        panel = MODES if name in modes else SIZE if name in SIZE_FLAGS else None
+        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                                 default=typer.Option(default, flag(name), rich_help_panel=panel, **settings))
+
     def add(command: F) -> F:
-        own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "flags"]
-        aliases = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=kind(name) | None,
-                                     default=typer.Option(None, flag(name), help=description(ALIASES[name]),
-                                                          show_default=(shown or {}).get(name, False),
-                                                          rich_help_panel=SIZE if name in SIZE_FLAGS else None))
-                   for name in names]
+        declared = {p.name: p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+                    for p in inspect.signature(command, eval_str=True).parameters.values()
+                    if p.name not in ("own", "flags")}
+        hints = typing.get_type_hints(options)
+        defaults = {f.name: f.default for f in dataclasses.fields(options)}
+        made = {name: option(name, hints[name] if defaults[name] is not MISSING else hints[name] | None,
+                             None if defaults[name] is MISSING else defaults[name], help=own[name])
+                for name in own if name not in declared}
+        params = [*(p for name, p in declared.items() if name not in own), *(declared.get(n) or made[n] for n in own),
+                  *(option(name, kind(name) | None, None, help=description(ALIASES[name]),
+                           show_default=(shown or {}).get(name, False)) for name in aliases)]
 
         @functools.wraps(command)
         def with_flags(**kwargs: Any) -> Any:
-            return command(**{k: v for k, v in kwargs.items() if k not in names},
-                           flags={name: kwargs[name] for name in names})
+            return command(**{name: kwargs[name] for name in declared},
+                           own={name: kwargs[name] for name in made},
+                           flags={name: kwargs[name] for name in aliases})
 
-        params = [*own, *aliases]
         with_flags.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         with_flags.__annotations__ = {p.name: p.annotation for p in params}
         return with_flags  # type: ignore[return-value]
@@ -175,97 +192,59 @@ def _aliased(*names: str, shown: dict[str, str] | None = None) -> Callable[[F], 
 
 
 @app.command()
-@_aliased(*ALIASES, shown={"partitions": "2", "microbatches": "8", "batch_size": "4 x M",
-                           "balance": "by measured per-layer time"})
+@_flags(BenchOptions, B, *ALIASES, modes=("sweep", "compare", "simulate", "devices", "bandwidth", "latency_us",
+                                          "oversubscribe"),
+        shown={"partitions": "2", "microbatches": "8", "batch_size": "4 x M", "balance": "by measured per-layer time"})
 def bench(
     recipe: str | None = typer.Argument(None, help=B["recipe"]),
     model: str | None = typer.Option(None, help=B["model"], show_default=False),
-    steps: int = typer.Option(10, help=B["steps"]),
-    warmup: int = typer.Option(3, help=B["warmup"]),
-    set_: list[str] | None = typer.Option(None, "--set", help=B["set"]),
-    sweep: bool = typer.Option(False, "--sweep", help=B["sweep"], rich_help_panel=MODES),
-    compare: bool = typer.Option(False, "--compare", help=B["compare"], rich_help_panel=MODES),
-    trace: Path | None = typer.Option(None, help=B["trace"]),
-    simulate: bool = typer.Option(False, "--simulate", help=B["simulate"], rich_help_panel=MODES),
-    devices: int | None = typer.Option(None, help=B["devices"], rich_help_panel=MODES),
-    bandwidth: float = typer.Option(12.0, help=B["bandwidth"], rich_help_panel=MODES),
-    latency_us: float = typer.Option(20.0, help=B["latency_us"], rich_help_panel=MODES),
-    threads: int = typer.Option(1, help=B["threads"]),
-    oversubscribe: bool = typer.Option(False, "--oversubscribe", help=B["oversubscribe"], rich_help_panel=MODES),
-    seed: int = typer.Option(0, help=B["seed"]),
-    json_file: Path | None = typer.Option(None, "--json", help=B["json"]),
-    flags: dict[str, Any] | None = None,
+    *, own: dict[str, Any], flags: dict[str, Any],
 ) -> int:
     """Measure training throughput at K stages and M micro-batches against K=1, with baselines and traces."""
     from gpipe_cli.bench import bench_options
     from gpipe_cli.bench import run as run_bench
 
-    return run_bench(bench_options(recipe, flags or {}, set_ or [], model=model, steps=steps, warmup=warmup,
-                                   sweep=sweep, compare=compare, trace=trace, simulate=simulate, devices=devices,
-                                   bandwidth=bandwidth, latency_us=latency_us, threads=threads,
-                                   oversubscribe=oversubscribe, seed=seed, json=json_file))
+    return run_bench(bench_options(recipe, flags, own.pop("set") or [], model=model, **own))
 
 
 @app.command("profile-memory")
 # Its own --partitions takes several K; it cuts every stage into one chunk.
-@_aliased(*(name for name in ALIASES if name not in ("partitions", "virtual_stages")),
-          shown={"microbatches": "8", "batch_size": "4 x M; with --budget the paper's: 128 AmoebaNet, 32 Transformer",
-                 "balance": "by estimated FLOPs, as training"})
+@_flags(ProfileOptions, P, *(name for name in ALIASES if name not in ("partitions", "virtual_stages")),
+        shown={"microbatches": "8", "batch_size": "4 x M; with --budget the paper's: 128 AmoebaNet, 32 Transformer",
+               "balance": "by estimated FLOPs, as training"})
 def profile_memory(
     recipe: str | None = typer.Argument(None, help=P["recipe"]),
     model: str | None = typer.Option(None, help=P["model"], show_default=False),
     partitions: str | None = typer.Option(None, help=P["partitions"], show_default=False),
-    optimizer: str = typer.Option("rmsprop", help=P["optimizer"]),
-    budget: str | None = typer.Option(None, help=P["budget"]),
-    set_: list[str] | None = typer.Option(None, "--set", help=P["set"]),
-    device: str = typer.Option("auto", help=P["device"]),
-    seed: int = typer.Option(0, help=P["seed"]),
-    json_file: Path | None = typer.Option(None, "--json", help=P["json"]),
-    flags: dict[str, Any] | None = None,
+    *, own: dict[str, Any], flags: dict[str, Any],
 ) -> int:
     """Memory per stage (parameters, gradients, optimizer, activations) for naive, pipeline-1 and pipeline-K."""
     from gpipe_cli.profile import profile_options
     from gpipe_cli.profile import run as run_profile
 
-    return run_profile(profile_options(recipe, partitions, flags or {}, set_ or [], model=model, optimizer=optimizer,
-                                       budget=budget, device=device, seed=seed, json=json_file))
+    return run_profile(profile_options(recipe, partitions, flags, own.pop("set") or [], model=model, **own))
 
 
 @app.command()
-@_aliased("batch_size", *SIZE_FLAGS)
+@_flags(PlanOptions, L, "batch_size", *SIZE_FLAGS)
 def plan(
-    recipe: str | None = typer.Argument(None, help=RECIPE_HELP),
+    recipe: str | None = RECIPE,
     devices: int = typer.Option(..., help=L["devices"]),
-    device_memory: str | None = typer.Option(None, help=L["device_memory"]),
-    nodes: int = typer.Option(1, help=L["nodes"]),
-    top: int = typer.Option(5, help=L["top"]),
     output: str | None = typer.Option(None, metavar="FILE", help=L["output"]),
-    set_: list[str] | None = typer.Option(None, "--set", help=SET_HELP),
-    bandwidth: float | None = typer.Option(None, help=L["bandwidth"], show_default=False),
-    latency_us: float | None = typer.Option(None, help=L["latency_us"], show_default=False),
-    node_bandwidth: float = typer.Option(12.5, help=L["node_bandwidth"]),
-    node_latency_us: float = typer.Option(5.0, help=L["node_latency_us"]),
-    timing: str = typer.Option("auto", help=L["timing"]),
-    tflops: float | None = typer.Option(None, help=L["tflops"]),
-    plain: bool = typer.Option(False, "--plain", help=L["plain"]),
-    flags: dict[str, Any] | None = None,
+    *, own: dict[str, Any], flags: dict[str, Any],
 ) -> int:
     """Predict the fastest K, D, M, schedule, remat mode and balance for N devices; write it as a recipe."""
-    from gpipe_cli.plan import PlanOptions
     from gpipe_cli.plan import run as run_plan
     from gpipe_cli.plan.options import output_path
     from gpipe_cli.recipe.aliases import as_sets, by_flag
     from gpipe_cli.recipe.load import RecipeError
 
     # The alias flags are `--set` items, typed before the explicit ones (which win where both name a key).
-    options = PlanOptions(recipe=recipe, set=[*as_sets(flags or {}), *(set_ or [])], devices=devices,
-                          device_memory=device_memory, nodes=nodes, top=top, output=output_path(output),
-                          bandwidth=bandwidth, latency_us=latency_us, node_bandwidth=node_bandwidth,
-                          node_latency_us=node_latency_us, timing=timing, tflops=tflops, plain=plain)
+    own["set"] = [*as_sets(flags), *(own["set"] or [])]
     try:
-        return run_plan(options)
+        return run_plan(PlanOptions(recipe=recipe, devices=devices, output=output_path(output), **own))
     except RecipeError as exc:
-        raise by_flag(exc, flags or {}) from None
+        raise by_flag(exc, flags) from None
 
 
 @app.command()
@@ -302,7 +281,7 @@ def prepare_data(
     recipe: str = typer.Argument(..., metavar="RECIPE", help="A recipe with data.source hub: its data.name and "
                                  "data.config are saved."),
     output: str = typer.Option(..., metavar="DIR", help="The new folder to write the parquet files into."),
-    set_: list[str] | None = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
+    set_: list[str] | None = SET,
 ) -> None:
     """Save a recipe's Hugging Face dataset once as local parquet files, for machines without network."""
     from gpipe_cli.data.prepare import prepare_data as save

@@ -9,13 +9,13 @@ from rich.markup import escape
 
 # What an option takes, by parameter name; the rest by type. Flags take nothing and show nothing.
 _METAVARS = {
-    "recipe": "RECIPE", "run": "RUN", "set_": "KEY=VALUE", "output_dir": "DIR", "output": "FILE",
+    "recipe": "RECIPE", "run": "RUN", "set_": "KEY=VALUE", "set": "KEY=VALUE", "output_dir": "DIR", "output": "FILE",
     "nnodes": "N|MIN:MAX", "node_rank": "N", "rdzv_endpoint": "HOST:PORT", "rdzv_backend": "static|c10d",
-    "rdzv_id": "ID", "threads": "N", "resume": "RUN", "json_file": "FILE", "trace": "FILE", "model": "MODEL",
-    "partitions": "K", "microbatches": "M", "schedule": "NAME", "checkpoint": "MODE", "balance": "N,N,...",
-    "optimizer": "NAME", "budget": "SIZE", "device": "DEVICE", "bandwidth": "GB/S", "latency_us": "US",
-    "device_memory": "SIZE", "node_bandwidth": "GB/S", "node_latency_us": "US", "timing": "MODE",
-    "tflops": "TFLOP/S", "runs": "RUN_DIR",
+    "rdzv_id": "ID", "threads": "N", "resume": "RUN", "json_file": "FILE", "json": "FILE", "trace": "FILE",
+    "model": "MODEL", "partitions": "K", "microbatches": "M", "schedule": "NAME", "checkpoint": "MODE",
+    "balance": "N,N,...", "optimizer": "NAME", "budget": "SIZE", "device": "DEVICE", "bandwidth": "GB/S",
+    "latency_us": "US", "device_memory": "SIZE", "node_bandwidth": "GB/S", "node_latency_us": "US",
+    "timing": "MODE", "tflops": "TFLOP/S", "runs": "RUN_DIR",
 }
 _BY_TYPE = {"int": "N", "float": "X", "Path": "PATH", "str": "VALUE", "list[str]": "VALUE"}
 _SPACE_BEFORE_PUNCTUATION = re.compile(r"\s+([,;:)]|\.(?![.\w]))")  # ".png" is a suffix, not a full stop

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
+from gpipe_cli.errors import UserError
+
 # Upper bounds that no real run reaches: they turn typos such as 1e20 into a clear error instead of an
 # allocation that fails deep inside torch.
 MAX_COUNT = 1_000_000_000  # steps, examples, intervals
@@ -23,3 +27,15 @@ def outside(name: str, value: float, low: float, high: float | None = None) -> s
     if low <= value and (high is None or value <= high):
         return None
     return f"{name}: must be {words(f'>= {low}', f'<= {high}' if high is not None else None)} (got {value})"
+
+
+def one_of(name: str, value: str, allowed: Sequence[str]) -> str | None:
+    """`NAME must be one of A, B (got VALUE)` when `value` is not among `allowed`, else None."""
+    return None if value in allowed else f"{name} must be one of {', '.join(allowed)} (got {value})"
+
+
+def refuse(problems: Iterable[str | None]) -> None:
+    """Raise the first of `problems` (None: no problem) as the one line the user sees."""
+    problem = next((p for p in problems if p), None)
+    if problem:
+        raise UserError(problem)

@@ -4,37 +4,28 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpipe_cli.bench.trace import paths as trace_paths
 from gpipe_cli.errors import UserError, shown
-from gpipe_cli.estimate.size_flags import SizeFlags, size_values
+from gpipe_cli.estimate.model_flags import SEED_HELP, ModelFlags, choice_problems, model_of, shared_fields
 from gpipe_cli.files import check_output
-from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, MAX_SIZE, MAX_THREADS, outside
+from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, MAX_SIZE, MAX_THREADS, outside, refuse
 from gpipe_cli.pipeline import schedules
-from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES, microbatch_problem
-from gpipe_cli.recipe.aliases import ALIASES, balance_text, settings
+from gpipe_cli.pipeline.config import microbatch_problem
 from gpipe_cli.units import human_bytes, meminfo_available
 
 
 @dataclass
-class BenchOptions(SizeFlags):
+class BenchOptions(ModelFlags):
     """What `gpipe bench` measures: its own flags (see `FLAGS`) and the recipe keys it reads (see `ALIASES`)."""
 
-    model: str = "transformer"
     partitions: int = 2
-    microbatches: int = 8
-    batch_size: int | None = None      # None: 4 examples per micro-batch
     steps: int = 10
     warmup: int = 3
-    schedule: str = "gpipe"
     virtual_stages: int = 1            # V: chunks per stage (interleaved)
-    checkpoint: str = "except_last"
-    offload: str = "none"              # "activations": stored activations wait in host memory (pipeline.offload)
-    balance: str | None = None         # "3,5": layers per stage; None: by measured per-layer time
-    set: list[str] = field(default_factory=list)
     sweep: bool = False
     compare: bool = False
     trace: Path | None = None
@@ -44,8 +35,6 @@ class BenchOptions(SizeFlags):
     latency_us: float = 20.0           # per-message latency of the simulated link
     threads: int = 1
     oversubscribe: bool = False
-    seed: int = 0
-    json: Path | None = None
 
     @property
     def batch(self) -> int:
@@ -92,10 +81,6 @@ def overhead_rounds(steps: int) -> tuple[int, int]:
     return count, -(-steps // count)
 
 
-# The command line loads this module for its help and checks these flags before torch loads: the schedules'
-# registry and the pipeline configuration import nothing heavy.
-SCHEDULES = schedules.names()
-
 SWEEP_MICROBATCHES = (1, 4, 32)
 SWEEP_PARTITIONS = (2, 4, 8)
 
@@ -123,7 +108,7 @@ FLAGS: dict[str, str] = {
     "latency_us": "Simulated per-message latency in microseconds.",
     "threads": "Intra-op threads per rank (1 keeps timings comparable).",
     "oversubscribe": "With --sweep, also K values that exceed the cores or GPUs (their timings mean little).",
-    "seed": "Seed of the weights and of the synthetic batch.",
+    "seed": SEED_HELP,
     "json": "Write every figure as JSON to FILE (with --sweep, the plot too, to FILE with '.png' in place of its "
             "suffix).",
 }
@@ -132,29 +117,19 @@ FLAGS: dict[str, str] = {
 def bench_options(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str], **own: Any) -> BenchOptions:
     """The options a recipe (None: bench's own model and pipeline), the alias flags, `--set` and bench's own flags
     give; the recipe's keys are checked as `train` checks them, before torch loads."""
-    model = own.pop("model", None)
-    if recipe is not None and model is not None:
-        raise UserError("give a recipe or --model, not both (the recipe's model section is measured)")
-    defaults = {f.name: f.default for f in fields(BenchOptions) if f.name in ALIASES and f.default is not None}
-    chosen = settings(recipe, flags, sets, defaults)
-    given = dict(chosen.given)
-    if "balance" in given:
-        given["balance"] = balance_text(given["balance"], ("auto", "time"))
-    return BenchOptions(model=recipe or model or "transformer", **given, **size_values(flags),
-                        set=chosen.model_sets, **own)
+    return BenchOptions(model=model_of(recipe, own.pop("model", None), "measured"),
+                        **shared_fields(BenchOptions, recipe, flags, sets, ("auto", "time")), **own)
 
 
 def validate(options: BenchOptions) -> None:
     """Refuse options that cannot describe a benchmark, with one line naming the flag."""
-    problems = [
+    refuse([
         outside("--partitions", options.partitions, 1, MAX_RANKS),
         outside("--microbatches", options.microbatches, 1, MAX_SIZE),
         outside("--steps", options.steps, 1, MAX_COUNT),
         outside("--warmup", options.warmup, 0, MAX_COUNT),
         outside("--threads", options.threads, 1, MAX_THREADS),
-        *(f"{flag} must be one of {', '.join(allowed)} (got {value})" for flag, value, allowed in (
-            ("--schedule", options.schedule, SCHEDULES), ("--checkpoint", options.checkpoint, REMAT_MODES),
-            ("--offload", options.offload, OFFLOAD_MODES)) if value not in allowed),
+        *choice_problems(options),
         None if options.bandwidth > 0 else f"--bandwidth must be > 0 GB/s (got {options.bandwidth})",
         None if options.latency_us >= 0 else f"--latency-us must be >= 0 (got {options.latency_us})",
         None if options.devices is None else outside("--devices", options.devices, 1, MAX_RANKS),
@@ -165,10 +140,7 @@ def validate(options: BenchOptions) -> None:
         else None,
         "--trace records the K ranks' measured step: it cannot be combined with --sweep or --simulate"
         if options.trace is not None and (options.sweep or options.simulate) else None,
-    ]
-    problem = next((p for p in problems if p), None)
-    if problem:
-        raise UserError(problem)
+    ])
     _check_outputs(options)
     _check_ranks_fit(options.partitions)
     from gpipe_cli.pipeline.schedule import check as check_schedule  # torch: only once the flags above are good

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpipe_cli.errors import UserError
-from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, outside
+from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, one_of, outside, refuse
+from gpipe_cli.recipe.aliases import SET_HELP
 from gpipe_cli.units import parse_size
 
 TIMINGS = ("auto", "measure", "estimate")
@@ -46,6 +47,7 @@ FLAGS: dict[str, str] = {
     "top": "How many configurations to print.",
     "output": "Write the winning plan as a recipe here (the input recipe with its pipeline section replaced, its "
               "comments and key order kept).",
+    "set": SET_HELP,
     "bandwidth": "Link between devices of one node, GB/s [default: measured between the CPU ranks here unless "
                  f"--tflops or --timing estimate, else {ASSUMED_BANDWIDTH:g} (PCIe 4 x16 in practice)]; giving it or "
                  "--latency-us assumes both.",
@@ -70,38 +72,36 @@ def output_path(text: str | None) -> Path | None:
     return Path(text)
 
 
-def _finite(flag: str, value: float | None, unit: str = "", zero: bool = False) -> tuple[bool, str]:
-    """A rate or latency flag's check: a finite number above 0 (or at it, where `zero`), and its refusal."""
+def _finite(flag: str, value: float | None, unit: str = "", zero: bool = False) -> str | None:
+    """A rate or latency flag's refusal unless it is a finite number above 0 (or at it, where `zero`)."""
     # An infinite link or rate prices messages or layers at no time, or at no speed: a plan of nonsense.
-    ok = value is None or (math.isfinite(value) and (value >= 0 if zero else value > 0))
-    return ok, f"{flag} must be a finite number {'>=' if zero else '>'} 0{unit} (got {value})"
+    if value is None or (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+        return None
+    return f"{flag} must be a finite number {'>=' if zero else '>'} 0{unit} (got {value})"
 
 
 def validate(options: PlanOptions) -> None:
     """Refuse flags that cannot describe a plan, with one line naming the flag."""
-    checks = [
+    refuse([
         # A planned K or D past the recipe's own limit could never be written or trained; counts beyond it
         # would also only make the search count divisors for minutes.
-        (1 <= options.devices <= MAX_RANKS, outside("--devices", options.devices, 1, MAX_RANKS) or ""),
-        (1 <= options.nodes <= MAX_RANKS, outside("--nodes", options.nodes, 1, MAX_RANKS) or ""),
+        outside("--devices", options.devices, 1, MAX_RANKS),
+        outside("--nodes", options.nodes, 1, MAX_RANKS),
         # Checked only past `--nodes >= 1`, which comes first: N % 0 has no answer.
-        (options.nodes < 1 or (options.nodes <= options.devices and options.devices % options.nodes == 0),
-         f"--nodes {options.nodes} must divide --devices {options.devices} (the same devices on every node)"),
-        (1 <= options.top <= MAX_COUNT, outside("--top", options.top, 1, MAX_COUNT) or ""),
+        None if options.nodes < 1 or (options.nodes <= options.devices and options.devices % options.nodes == 0)
+        else f"--nodes {options.nodes} must divide --devices {options.devices} (the same devices on every node)",
+        outside("--top", options.top, 1, MAX_COUNT),
         _finite("--bandwidth", options.bandwidth, " GB/s"),
         _finite("--latency-us", options.latency_us, zero=True),
         _finite("--node-bandwidth", options.node_bandwidth, " GB/s"),
         _finite("--node-latency-us", options.node_latency_us, zero=True),
-        (options.timing in TIMINGS, f"--timing must be one of {', '.join(TIMINGS)} (got {options.timing})"),
+        one_of("--timing", options.timing, TIMINGS),
         _finite("--tflops", options.tflops),
-        (options.tflops is None or options.timing != "measure", "--tflops estimates per-layer seconds: it cannot "
-         "be combined with --timing measure"),
-        (options.output is None or options.output.suffix in (".yaml", ".yml"),
-         f"--output must name a .yaml file (got {options.output})"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise UserError(message)
+        "--tflops estimates per-layer seconds: it cannot be combined with --timing measure"
+        if options.tflops is not None and options.timing == "measure" else None,
+        f"--output must name a .yaml file (got {options.output})"
+        if options.output is not None and options.output.suffix not in (".yaml", ".yml") else None,
+    ])
     memory = options.memory_bytes()
     if memory is not None and memory <= 0:
         raise UserError(f"--device-memory must be at least 1 byte, a size such as 8GiB, 16GB or 500MiB "

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
-from gpipe_cli.bench.options import OFFLOAD_MODES, REMAT_MODES, SCHEDULES  # the same, and loaded without torch
 from gpipe_cli.errors import UserError, cut, shown
-from gpipe_cli.estimate.size_flags import SizeFlags, size_values
+from gpipe_cli.estimate.model_flags import SEED_HELP, ModelFlags, choice_problems, model_of, shared_fields
 from gpipe_cli.files import check_output
-from gpipe_cli.limits import MAX_RANKS, MAX_SIZE, outside, words
+from gpipe_cli.limits import MAX_RANKS, MAX_SIZE, one_of, outside, refuse, words
 from gpipe_cli.pipeline.config import microbatch_problem
-from gpipe_cli.recipe.aliases import ALIASES, balance_text, settings
+from gpipe_cli.recipe.aliases import SET_HELP
 from gpipe_cli.units import parse_size
 
 # The largest K: the paper's largest pipeline (Transformer-L on 128 TPUs). Every stage of every row is
@@ -26,23 +24,13 @@ OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "rmsprop", "plain-sgd", "rmsprop-no-m
 
 
 @dataclass
-class ProfileOptions(SizeFlags):
+class ProfileOptions(ModelFlags):
     """What `gpipe profile-memory` counts: its own flags (see `FLAGS`) and the recipe keys it reads (`ALIASES`)."""
 
-    model: str = "transformer"
     partitions: list[int] = field(default_factory=lambda: [2, 4, 8])
-    microbatches: int = 8
-    batch_size: int | None = None      # None: 4 per micro-batch; with --budget the paper's batch
-    schedule: str = "gpipe"
-    checkpoint: str = "except_last"
-    offload: str = "none"              # pipeline.offload of pipeline-1 and pipeline-K
-    balance: str | None = None         # "3,5" (one K only); None: by estimated FLOPs, as training does
     optimizer: str = "rmsprop"
     budget: str | None = None
-    set: list[str] = field(default_factory=list)
     device: str = "auto"
-    seed: int = 0
-    json: Path | None = None
 
 
 # Flag name -> help text of profile-memory's own flags (the recipe's keys have the schema's).
@@ -59,9 +47,9 @@ FLAGS: dict[str, str] = {
                  "momentum 0.9).",
     "budget": "Per-device memory, more than 0 bytes, e.g. 8GiB: find the largest model of the family that "
               "fits at each K (the paper's Table 1).",
-    "set": "Override a recipe key: KEY=VALUE, the value read as YAML (repeatable).",
+    "set": SET_HELP,
     "device": "Where to measure: auto (CUDA if present), cpu or cuda.",
-    "seed": "Seed of the weights and of the synthetic batch.",
+    "seed": SEED_HELP,
     "json": "Write every figure as JSON to FILE.",
 }
 
@@ -70,25 +58,17 @@ def profile_options(recipe: str | None, partitions: str | None, flags: Mapping[s
                     **own: Any) -> ProfileOptions:
     """The options a recipe (None: the command's own model), the alias flags, `--set` and profile-memory's own flags
     give; the recipe's keys are checked as `train` checks them, before torch loads."""
-    model = own.pop("model", None)
-    if recipe is not None and model is not None:
-        raise UserError("give a recipe or --model, not both (the recipe's model section is profiled)")
+    model = model_of(recipe, own.pop("model", None), "profiled")
     ks = parse_partitions(partitions) if partitions is not None else None
     if ks is not None:
         _check_partitions(ks)
         if flags.get("balance") is not None and len(ks) != 1:
             raise UserError("--balance needs a single K in --partitions")
-    defaults = {f.name: f.default for f in fields(ProfileOptions)
-                if f.name in ALIASES and f.default not in (None, MISSING)}
-    chosen = settings(recipe, flags, sets, {**defaults, **({"partitions": ks[0]} if ks and len(ks) == 1 else {})})
-    given = dict(chosen.given)
-    if "balance" in given:
-        given["balance"] = balance_text(given["balance"], ("auto",))
+    given = shared_fields(ProfileOptions, recipe, flags, sets, ("auto",),
+                          **({"partitions": ks[0]} if ks and len(ks) == 1 else {}))
     k = given.pop("partitions", None)
-    ks = ks or ([k] if k is not None else [2, 4, 8])
     given.pop("virtual_stages", None)  # one chunk per device is counted
-    return ProfileOptions(model=recipe or model or "transformer", partitions=ks, **given,
-                          **size_values(flags), set=chosen.model_sets, **own)
+    return ProfileOptions(model=model, partitions=ks or ([k] if k is not None else [2, 4, 8]), **given, **own)
 
 
 def parse_partitions(text: str) -> list[int]:
@@ -104,23 +84,18 @@ def validate(options: ProfileOptions) -> None:
     """Refuse options that cannot describe a profile, or a --json that cannot be written, with one line naming the
     flag (before torch loads)."""
     _check_partitions(options.partitions)
-    checks = [
-        (1 <= options.microbatches <= MAX_SIZE, outside("--microbatches", options.microbatches, 1, MAX_SIZE) or ""),
-        (options.batch_size is None or not microbatch_problem(options.microbatches, options.batch_size),
-         microbatch_problem(options.microbatches, options.batch_size, "--microbatches", "--batch-size") or ""),
-        *((value in allowed, f"--{flag} must be one of {', '.join(allowed)} (got {value})")
-          for flag, value, allowed in (("schedule", options.schedule, SCHEDULES),
-                                       ("checkpoint", options.checkpoint, REMAT_MODES),
-                                       ("offload", options.offload, OFFLOAD_MODES),
-                                       ("optimizer", options.optimizer, OPTIMIZER_NAMES))),
-        (options.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda (got {options.device})"),
-        (options.balance is None or len(options.partitions) == 1, "--balance needs a single K in --partitions"),
-        (options.budget is None or (options.layers is None and options.filters is None),
-         "--budget searches the layers and filters: drop --layers/--filters"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise UserError(message)
+    refuse([
+        outside("--microbatches", options.microbatches, 1, MAX_SIZE),
+        microbatch_problem(options.microbatches, options.batch_size, "--microbatches", "--batch-size"),
+        *choice_problems(options),
+        one_of("--optimizer", options.optimizer, OPTIMIZER_NAMES),
+        None if options.device in ("auto", "cpu", "cuda")
+        else f"--device must be auto, cpu or cuda (got {options.device})",
+        "--balance needs a single K in --partitions" if options.balance is not None and len(options.partitions) != 1
+        else None,
+        None if options.budget is None or (options.layers is None and options.filters is None)
+        else "--budget searches the layers and filters: drop --layers/--filters",
+    ])
     if options.budget is not None and parse_size(options.budget, "--budget") <= 0:
         # Nothing fits no memory at all: a table of empty rows would only hide the typo.
         raise UserError(f"--budget must be more than 0 bytes, e.g. 8GiB (got '{cut(options.budget)}')")

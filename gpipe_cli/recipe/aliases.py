@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
@@ -25,6 +24,7 @@ ALIASES: dict[str, str] = {
     "heads": "model.heads", "vocab_size": "model.vocab_size", "image_size": "model.image_size",
     "seq_len": "model.max_len", "num_classes": "model.num_classes",
 }
+SET_HELP = "Override a recipe key: KEY=VALUE, the value read as YAML (repeatable)."
 # The model's sizes: the model is resized by them, the rest of its section comes from the recipe or preset.
 SIZE_FLAGS = tuple(name for name, key in ALIASES.items() if key.startswith("model."))
 _SECTIONS: dict[str, tuple[type[BaseModel], ...]] = {
@@ -72,21 +72,12 @@ def as_sets(flags: Mapping[str, Any]) -> list[str]:
     return [f"{ALIASES[name]}={text(name, value)}" for name, value in flags.items() if value is not None]
 
 
-@dataclass(frozen=True)
-class Settings:
-    """What a recipe and `--set` say of the aliased keys: each value given (by the recipe file or a set), by flag
-    name, and the `--set` items of the model section."""
-
-    given: dict[str, Any] = field(default_factory=dict)
-    model_sets: list[str] = field(default_factory=list)
-    recipe: Recipe | None = None
-
-
 def settings(path: str | None, flags: Mapping[str, Any], sets: Sequence[str],
-             defaults: Mapping[str, Any]) -> Settings:
-    """Validate the recipe with the flags and `--set` items applied, as `train` reads them; a mistake in a flag's
-    value is named by the flag. Without a recipe (None) the command's `defaults` (by flag name) stand for it, and
-    the model is the command's own: its keys are left to it."""
+             defaults: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """What a recipe and `--set` say of the aliased keys: each value given (by the recipe file or a set), by flag
+    name, and the `--set` items of the model section. The recipe is validated with the flags and `--set` items
+    applied, as `train` reads them; a mistake in a flag's value is named by the flag. Without a recipe (None) the
+    command's `defaults` (by flag name) stand for it, and the model is the command's own: its keys are left to it."""
     items = [*as_sets({name: flags[name] for name in flags if name not in SIZE_FLAGS}), *sets]
     keys = [parse_override(item)[0] for item in items]
     model_sets = [item for item, key in zip(items, keys) if key.startswith("model.")]
@@ -94,16 +85,15 @@ def settings(path: str | None, flags: Mapping[str, Any], sets: Sequence[str],
         if path is not None:
             sized = [*items, *as_sets({name: flags[name] for name in flags if name in SIZE_FLAGS})]
             recipe = load_recipe(path, sized, check_data=False)
-            return Settings({name: _value(recipe, key) for name, key in ALIASES.items() if name not in SIZE_FLAGS},
-                            model_sets, recipe)
+            return {name: _value(recipe, key) for name, key in ALIASES.items() if name not in SIZE_FLAGS}, model_sets
         raw: dict[str, Any] = {"model": {"kind": DEFAULT_KIND}, "data": {"batch_size": MAX_SIZE}}
         for item in [*as_sets(defaults), *(item for item in items if item not in model_sets)]:
             apply_override(raw, item)
         recipe = validate(raw, "", check_data=False)
     except RecipeError as exc:
         raise by_flag(exc, flags) from None
-    return Settings({name: _value(recipe, key) for name, key in ALIASES.items()
-                     if key in keys and name not in SIZE_FLAGS}, model_sets)
+    given = {name: _value(recipe, key) for name, key in ALIASES.items() if key in keys and name not in SIZE_FLAGS}
+    return given, model_sets
 
 
 def by_flag(error: RecipeError, flags: Mapping[str, Any]) -> RecipeError:

@@ -115,7 +115,7 @@ def test_the_trace_help_names_both_files_as_they_are_written():
 
 
 def test_the_names_checked_before_torch_loads_are_the_engines():
-    from gpipe_cli.bench.options import REMAT_MODES, SCHEDULES
+    from gpipe_cli.estimate.model_flags import REMAT_MODES, SCHEDULES
     from gpipe_cli.pipeline import schedule
 
     assert REMAT_MODES == schedule.REMAT_MODES and tuple(SCHEDULES) == tuple(schedule.SCHEDULES)

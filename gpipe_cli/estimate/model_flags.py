@@ -1,0 +1,73 @@
+"""Flags shared by the commands that build the measured model from `--model` or a recipe: bench, profile-memory."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from gpipe_cli.errors import UserError
+from gpipe_cli.limits import one_of
+from gpipe_cli.pipeline import schedules
+from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES
+from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, balance_text, settings
+
+# The command line loads this module for its help and checks these flags before torch loads: the schedules'
+# registry and the pipeline configuration import nothing heavy.
+SCHEDULES = schedules.names()
+SEED_HELP = "Seed of the weights and of the synthetic batch."
+
+
+@dataclass
+class ModelFlags:
+    """The flags bench and profile-memory share: the model, the pipeline keys both read, and the model's sizes."""
+
+    model: str = "transformer"
+    microbatches: int = 8
+    batch_size: int | None = None      # None: 4 examples per micro-batch (profile-memory --budget: the paper's batch)
+    schedule: str = "gpipe"
+    checkpoint: str = "except_last"
+    offload: str = "none"              # "activations": stored activations wait in host memory (pipeline.offload)
+    balance: str | None = None         # "3,5": layers per stage; None: the command's own cut
+    set: list[str] = field(default_factory=list)
+    seed: int = 0
+    json: Path | None = None
+    layers: int | None = None
+    filters: int | None = None
+    d_model: int | None = None
+    ff: int | None = None
+    heads: int | None = None
+    vocab_size: int | None = None
+    image_size: int | None = None
+    seq_len: int | None = None
+    num_classes: int | None = None
+
+    def sizes(self) -> dict[str, int | None]:
+        """The size flags, by name."""
+        return {name: getattr(self, name) for name in SIZE_FLAGS}
+
+
+def choice_problems(options: ModelFlags) -> list[str | None]:
+    """The refusals of a --schedule, --checkpoint or --offload that names none of its choices."""
+    return [one_of("--schedule", options.schedule, SCHEDULES), one_of("--checkpoint", options.checkpoint, REMAT_MODES),
+            one_of("--offload", options.offload, OFFLOAD_MODES)]
+
+
+def model_of(recipe: str | None, model: str | None, done: str) -> str:
+    """The model measured: the recipe's, or `--model` (None: a transformer); `done` is what the command does to it."""
+    if recipe is not None and model is not None:
+        raise UserError(f"give a recipe or --model, not both (the recipe's model section is {done})")
+    return recipe or model or "transformer"
+
+
+def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str],
+                  cuts: tuple[str, ...], **defaults: Any) -> dict[str, Any]:
+    """The fields a recipe (None: the command's own model), the alias flags and `--set` give, the recipe's keys
+    checked as `train` checks them, before torch loads; `cuts` are the command's own `--balance` cuts, and
+    `defaults` add to the fields' own where there is no recipe."""
+    own = {f.name: f.default for f in fields(options) if f.name in ALIASES and f.default not in (None, MISSING)}
+    given, model_sets = settings(recipe, flags, sets, {**own, **defaults})
+    if "balance" in given:
+        given["balance"] = balance_text(given["balance"], cuts)
+    return {**given, **{name: flags.get(name) for name in SIZE_FLAGS}, "set": model_sets}
