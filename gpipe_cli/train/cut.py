@@ -11,7 +11,9 @@ on one rank, alone, miss what a stage meets when every rank computes at once (sh
 bandwidth, the engine's own work), so the cut they give can leave one stage far slower than another. A
 few untrained steps time each stage as it really runs; when one stage computes more than `TOLERANCE`
 over another, every layer's cost is scaled by its stage's measured over predicted compute and the model
-is cut again from these costs (the memory limits as before). The trial steps use generated data, draw
+is cut again from these costs (the memory limits as before). Where these costs promise nothing better (a
+layer's cost alone can mislead, as AmoebaNet's stem at 224 px does), the cut with one layer moved off the
+slowest stage is timed too, and kept if its slowest stage computes less. The trial steps use generated data, draw
 nothing from the run's random streams, and every rank builds its layers afresh afterwards, so the run
 trains exactly as it would have without them.
 """
@@ -173,6 +175,19 @@ def refined_costs(costs: Sequence[float], balance: Sequence[int], measured: Sequ
 def better(refined: Sequence[float], balance: Sequence[int], candidate: Sequence[int]) -> bool:
     """Whether `candidate` promises a slowest stage at least `GAIN` faster than `balance` (both by `refined`)."""
     return max(partition.stage_costs(refined, candidate)) < (1.0 - GAIN) * max(partition.stage_costs(refined, balance))
+
+
+def shifted(balance: Sequence[int], measured: Sequence[float]) -> list[int] | None:
+    """The cut with one layer moved off the stage that computed most onto its less busy neighbour (None: that
+    stage holds one layer)."""
+    slowest = max(range(len(measured)), key=measured.__getitem__)
+    if balance[slowest] < 2:
+        return None
+    sides = [s for s in (slowest - 1, slowest + 1) if 0 <= s < len(balance)]
+    out = list(balance)
+    out[slowest] -= 1
+    out[min(sides, key=measured.__getitem__)] += 1
+    return out
 
 
 def describe(measured: Sequence[float]) -> str:

@@ -154,30 +154,59 @@ class Trainer:
         per_replica = max(recipe.data.batch_size // pipe_cfg.data_parallel, 1)
         measured = cut.stage_compute(self.pipe, self.spec, per_replica, pipe_cfg.microbatches, recipe.seed)
         decided: Plan | None = None
+        trial: Plan | None = None
         if self.layout.rank == 0 and measured is not None and costs is not None:
             text = f"the stages computed {cut.describe(measured)} a step"
             if cut.imbalance(measured) <= cut.TOLERANCE:
                 text += f", within {cut.TOLERANCE:.0%} of each other: the cut stands"
             else:
                 refined = cut.refined_costs(costs, self.plan.balance, measured)
-                try:
-                    plan = make_plan(recipe, self.spec, refined, available=self.job.available,
-                                     measured_by=f"{self.plan.balance_by}, corrected by the stages' compute")
-                except UserError:
-                    plan = None
-                if plan is not None and plan.fits and cut.better(refined, self.plan.balance, plan.balance):
+                plan = self._plan_or_none(refined, None)
+                if plan is not None and cut.better(refined, self.plan.balance, plan.balance):
                     decided = plan
                     text += "; cut again"
                 else:
-                    text += "; no other cut makes the slowest stage faster"
+                    nearby = cut.shifted(self.plan.balance, measured)
+                    trial = self._plan_or_none(None, nearby) if nearby is not None else None
+                    text += (f"; timing the cut {trial.balance} too" if trial is not None else
+                             "; no other cut makes the slowest stage faster")
             self._note(text)
-        decided = self.topo.share(decided)
+        decided = self.topo.share(decided) or self._timed(self.topo.share(trial), measured)
         if decided is not None:
             self.plan = decided
             self._note(f"stages: {self._cut_text()}")
         # Fresh layers: the trial steps accumulated gradients and committed BatchNorm statistics.
         del self.pipe
         self.pipe = self._pipeline()
+
+    def _plan_or_none(self, costs: list[float] | None, balance: list[int] | None) -> Plan | None:
+        """The plan cut by `costs` (or as `balance`) after the trial steps, if every stage of it fits."""
+        by = f"{self.plan.balance_by}, " + ("corrected by the stages' compute" if balance is None else
+                                             "checked by trial steps")
+        try:
+            plan = make_plan(self.recipe, self.spec, costs, available=self.job.available, measured_by=by,
+                             chosen=None if balance is None else (balance, by))
+        except UserError:
+            return None
+        return plan if plan.fits else None
+
+    def _timed(self, trial: Plan | None, measured: list[float] | None) -> Plan | None:
+        """`trial` if its trial steps' slowest stage computes less than the current cut's (`measured`), else None."""
+        if trial is None:
+            return None
+        current, self.plan = self.plan, trial
+        del self.pipe
+        self.pipe = self._pipeline()
+        pipe_cfg = self.recipe.pipeline
+        per_replica = max(self.recipe.data.batch_size // pipe_cfg.data_parallel, 1)
+        again = cut.stage_compute(self.pipe, self.spec, per_replica, pipe_cfg.microbatches, self.recipe.seed)
+        keep = None
+        if self.layout.rank == 0 and again is not None and measured is not None:
+            keep = max(again) < max(measured)
+            self._note(f"with the cut {trial.balance} the stages computed {cut.describe(again)} a step: "
+                       + ("it is kept" if keep else f"the cut {current.balance} stands"))
+        self.plan = trial if self.topo.share(keep) else current
+        return None if self.plan is current else trial
 
     def _note(self, text: str) -> None:
         """A preparation step on the launching terminal (rank 0), so the screen is never blank."""

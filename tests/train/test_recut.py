@@ -68,6 +68,13 @@ def test_refined_costs_keep_each_stage_s_shares_and_take_its_measured_sum():
     assert recut.better(refined, [2, 2], [3, 1]) and not recut.better(refined, [2, 2], [1, 3])
 
 
+def test_the_cut_to_time_moves_one_layer_off_the_slowest_stage_to_its_less_busy_neighbour():
+    assert recut.shifted([2, 7], [1.7, 2.6]) == [3, 6]
+    assert recut.shifted([3, 3, 3], [1.0, 3.0, 2.0]) == [4, 2, 3]
+    assert recut.shifted([3, 3, 3], [1.0, 2.0, 3.0]) == [3, 4, 2]
+    assert recut.shifted([1, 4], [3.0, 1.0]) is None  # the slowest stage holds one layer
+
+
 def test_a_short_step_is_not_worth_trial_steps():
     assert not recut.worth_checking([0.01] * 4, [2, 2], microbatches=4)
     assert recut.worth_checking([0.1] * 4, [2, 2], microbatches=4)
