@@ -144,15 +144,14 @@ class Trainer:
 
     def _check_cut(self) -> None:
         """Time untrained steps of the stages and cut again where their compute differs (see cut.py)."""
-        recipe, pipe_cfg, costs = self.recipe, self.recipe.pipeline, self._costs
+        pipe_cfg, costs = self.recipe.pipeline, self._costs
         wanted = (costs is not None and self.plan.balance_by.startswith("measured time")
                   and pipe_cfg.virtual_stages == 1 and cut.worth_checking(costs, self.plan.balance,
                                                                           pipe_cfg.microbatches))
         if not self.topo.share(wanted if self.layout.rank == 0 else None):
             return
         self._note(f"timing {cut.TRIAL_STEPS} untrained steps of the stages to check the cut")
-        per_replica = max(recipe.data.batch_size // pipe_cfg.data_parallel, 1)
-        measured = cut.stage_compute(self.pipe, self.spec, per_replica, pipe_cfg.microbatches, recipe.seed)
+        measured = self._stage_compute()
         decided: Plan | None = None
         trial: Plan | None = None
         if self.layout.rank == 0 and measured is not None and costs is not None:
@@ -179,6 +178,12 @@ class Trainer:
         del self.pipe
         self.pipe = self._pipeline()
 
+    def _stage_compute(self) -> list[float] | None:
+        """Every stage's compute per step in untrained trial steps of the pipeline as it is cut now (rank 0)."""
+        pipe_cfg = self.recipe.pipeline
+        per_replica = max(self.recipe.data.batch_size // pipe_cfg.data_parallel, 1)
+        return cut.stage_compute(self.pipe, self.spec, per_replica, pipe_cfg.microbatches, self.recipe.seed)
+
     def _plan_or_none(self, costs: list[float] | None, balance: list[int] | None) -> Plan | None:
         """The plan cut by `costs` (or as `balance`) after the trial steps, if every stage of it fits."""
         by = f"{self.plan.balance_by}, " + ("corrected by the stages' compute" if balance is None else
@@ -197,9 +202,7 @@ class Trainer:
         current, self.plan = self.plan, trial
         del self.pipe
         self.pipe = self._pipeline()
-        pipe_cfg = self.recipe.pipeline
-        per_replica = max(self.recipe.data.batch_size // pipe_cfg.data_parallel, 1)
-        again = cut.stage_compute(self.pipe, self.spec, per_replica, pipe_cfg.microbatches, self.recipe.seed)
+        again = self._stage_compute()
         keep = None
         if self.layout.rank == 0 and again is not None and measured is not None:
             keep = max(again) < max(measured)
