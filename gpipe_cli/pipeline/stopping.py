@@ -18,11 +18,13 @@ this module costs nothing: the handler is in place before torch is imported.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -32,6 +34,7 @@ _received = 0
 _announced = False
 _pipe: tuple[int, int] | None = None  # (read, write) ends while the set-up's deadline thread waits
 _marker: Path | None = None
+_deferred = False  # inside `deferred()`: the first signal raises once the block ends
 
 
 class StoppedEarly(BaseException):
@@ -80,7 +83,8 @@ def until_started(announce: bool, marker: Path | None = None) -> None:
         note(signum)
         if announce:
             _announce(signum)
-        raise StoppedEarly(signum)
+        if not _deferred:
+            raise StoppedEarly(signum)
 
     if _pipe is None:
         read, write = os.pipe()
@@ -90,6 +94,20 @@ def until_started(announce: bool, marker: Path | None = None) -> None:
         threading.Thread(target=_deadline, args=(read, announce), name="set-up-stop", daemon=True).start()
     for sig in _STOPS:  # last: the caller catches StoppedEarly around this call
         signal.signal(sig, handle)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Code C++ calls back into (torch's import) sees no `StoppedEarly`: an exception there aborts the process
+    (SIGABRT and a frame dump); a stop signal during the block raises when it ends (or the deadline ends the rank)."""
+    global _deferred
+    _deferred = True
+    try:
+        yield
+    finally:
+        _deferred = False
+    if _received and _pipe is not None:
+        raise StoppedEarly(_received)
 
 
 def _deadline(read: int, announce: bool) -> None:

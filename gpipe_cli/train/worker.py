@@ -58,15 +58,16 @@ def run_job(job: Job, started: Path | None = None, announce: bool = True) -> int
 
 
 def _run(job: Job) -> int:
-    import torch
-    import torch.distributed as dist
+    with stopping.deferred():  # torch's import calls back into Python from C++, where a raise aborts the rank
+        import torch
+        import torch.distributed as dist
 
-    from gpipe_cli.errors import UserError
-    from gpipe_cli.pipeline import failure, topology
-    from gpipe_cli.pipeline.heartbeat import Heartbeat
-    from gpipe_cli.recipe.schema import Recipe
-    from gpipe_cli.recipe_model import pipeline_config
-    from gpipe_cli.train.loop import Trainer
+        from gpipe_cli.errors import UserError
+        from gpipe_cli.pipeline import failure, topology
+        from gpipe_cli.pipeline.heartbeat import Heartbeat
+        from gpipe_cli.recipe.schema import Recipe
+        from gpipe_cli.recipe_model import pipeline_config
+        from gpipe_cli.train.loop import Trainer
 
     if int(os.environ.get("GPIPE_THREADS", "0")) > 0:  # the intra-op threads the launcher chose for this rank
         torch.set_num_threads(int(os.environ["GPIPE_THREADS"]))

@@ -103,3 +103,17 @@ def test_a_stop_that_a_library_turned_into_its_own_error_still_ends_the_rank_qui
     assert code == 128 + signal.SIGINT, err
     assert out.splitlines() == [f"unwound {int(signal.SIGINT)}"]
     assert "failed" not in err and "Traceback" not in err
+
+
+def test_a_stop_inside_a_deferred_block_raises_when_the_block_ends(tmp_path):
+    # torch's import runs Python that C++ called: an exception raised there aborts the rank (SIGABRT).
+    code, out, err, _ = _run("""
+        with stopping.deferred():
+            print("ready", flush=True)
+            time.sleep(1)
+            print("block done", flush=True)
+        print("not reached", flush=True)
+    """, tmp_path / "started")
+    assert code == 128 + signal.SIGINT, err
+    assert out.splitlines() == ["block done", f"unwound {int(signal.SIGINT)}"]
+    assert "Traceback" not in err
