@@ -44,7 +44,7 @@ def _close(figures: dict) -> bool:
 @pytest.mark.alone
 def test_prediction_is_within_15_percent_of_the_measured_k2_throughput(tmp_path):
     figures = None
-    for attempt in range(3):
+    for attempt in range(5):
         # A busy machine would make the measurement contended: wait for the other tests to finish.
         if not wait_until_quiet(300.0 if attempt == 0 else 30.0):
             continue
@@ -56,7 +56,8 @@ def test_prediction_is_within_15_percent_of_the_measured_k2_throughput(tmp_path)
             continue
         figures = found
         # This host's own speed can move by a fifth between the calibration and the K=2 steps of one
-        # bench; a miss is measured again, and a real error misses every time.
+        # bench (on 2026-11-27 two benches in five missed 15%); a miss is measured again, and a real error
+        # misses every time.
         if _close(figures):
             break
     if figures is None:
