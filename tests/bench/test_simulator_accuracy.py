@@ -56,7 +56,7 @@ def test_prediction_is_within_15_percent_of_the_measured_k2_throughput(tmp_path)
             continue
         figures = found
         # This host's own speed can move by a fifth between the calibration and the K=2 steps of one
-        # bench (on 2026-11-27 two benches in five missed 15%); a miss is measured again, and a real error
+        # bench (on 2026-11-27 three benches in five missed 15%); a miss is measured again, and a real error
         # misses every time.
         if _close(figures):
             break
