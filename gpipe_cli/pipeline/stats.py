@@ -20,7 +20,6 @@ from gpipe_cli.pipeline.schedule import Action, Kind, Span, seconds
 
 WAIT, COMM, OPTIMIZER = "wait", "comm", "optimizer"
 PARTS = ("compute", WAIT, COMM, OPTIMIZER, "other")  # where a step's time goes, in display order
-_SECONDS = frozenset({"step_time", "busy", "wait", "comm", "optimizer"})  # a StageStats' other figures are whole
 
 
 class Timeline:
@@ -197,8 +196,10 @@ def gather(mine: StageStats, loss: float, examples: int, units: float, grad_norm
             return None
         rows = gathered_rows
         all_events = [e for part in parts or [] if part for e in part]
+    # The row is all float64: a StageStats' fields declared int are read back as int.
     names, values = [f.name for f in dataclasses.fields(StageStats)], [r.tolist() for r in rows]
-    stages = [StageStats(**{k: v if k in _SECONDS else int(v) for k, v in zip(names, r)}) for r in values]
+    whole = {f.name for f in dataclasses.fields(StageStats) if f.type == "int"}
+    stages = [StageStats(**{k: int(v) if k in whole else v for k, v in zip(names, r)}) for r in values]
     # Only the ranks running the last chunk (stage K-1 in a loop, stage 0 in a V) bring a loss and counts.
     total_loss, total_examples, total_units = (sum(r[i] for r in values) for i in range(len(names), len(names) + 3))
     return StepStats(loss=float(total_loss), examples=int(total_examples), units=float(total_units),
