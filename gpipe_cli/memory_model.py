@@ -130,13 +130,14 @@ def measure(spec: ModelSpec, seed: int = 0, batches: Sequence[int] = PROBE_BATCH
 def role(name: str) -> str:
     """The kind of layer a name denotes, equal for layers that are built alike whatever the depth.
 
-    The first two normal cells of a stack (`cell_2_1`, `cell_2_2`) differ from the later ones; all
-    Transformer layers are alike, so `layer_7` is `layer`.
+    The first two normal cells of a stack (`cell_2_1`, `cell_2_2`) differ from the later ones, and so do their
+    layers: `cell_2_5.combine_3` is `cell_2_rest.combine_3`. All Transformer layers are alike, so `layer_7`
+    is `layer`.
     """
-    cell = re.fullmatch(r"cell_(\d+)_(\d+)", name)
+    cell = re.fullmatch(r"cell_(\d+)_(\d+)(\..+)?", name)
     if cell:
         position = {"1": "first", "2": "second"}.get(cell.group(2), "rest")
-        return f"cell_{cell.group(1)}_{position}"
+        return f"cell_{cell.group(1)}_{position}{cell.group(3) or ''}"
     numbered = re.fullmatch(r"(layer|encoder|decoder)_\d+", name)
     return numbered.group(1) if numbered else name
 

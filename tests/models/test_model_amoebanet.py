@@ -44,16 +44,18 @@ def test_forward_shapes_at_any_image_size(variant: str, size: int) -> None:
 
 def test_layers_form_the_documented_sequence() -> None:
     spec = build_model("amoebanet", variant="d", layers=6, filters=16, num_classes=10, aux_head=True)
-    assert spec.layer_names == [
-        "stem", "stem_reduction_1", "stem_reduction_2", "cell_1_1", "cell_1_2", "reduction_1",
-        "cell_2_1", "cell_2_2", "aux_head", "reduction_2", "cell_3_1", "cell_3_2", "classifier"]
+    cells = ["stem_reduction_1", "stem_reduction_2", "cell_1_1", "cell_1_2", "reduction_1", "cell_2_1", "cell_2_2",
+             "reduction_2", "cell_3_1", "cell_3_2"]
+    pieces = ["preprocess", "combine_1", "combine_2", "combine_3", "combine_4", "combine_5"]
+    layers = [f"{cell}.{piece}" for cell in cells for piece in pieces]
+    assert spec.layer_names == ["stem", *layers[:7 * 6], "aux_head", *layers[7 * 6:], "classifier"]
     assert spec.task == "image"
 
 
 def test_max_pooling_is_real_max_pooling() -> None:
     spec = build_model("amoebanet", variant="d", layers=3, filters=8)
-    cell = spec.layers[3].build()  # the first normal cell
-    pools = [m for m in cell.modules() if isinstance(m, Pool)]
+    cell = [layer.build() for layer in spec.layers if layer.name.startswith("cell_1_1.")]  # the first normal cell
+    pools = [m for piece in cell for m in piece.modules() if isinstance(m, Pool)]
     assert sorted(p.kind for p in pools) == ["avg", "max", "max"]
     x = torch.arange(16.0).reshape(1, 1, 4, 4)
     assert Pool("max", 3, 1, 1, 1)(x)[0, 0, 0, 0] == 5.0

@@ -45,12 +45,12 @@ def test_transformer_figures_scale_to_other_depths(transformer):
     ("transformer", dict(layers=4, **TRANSFORMER), [3, 3], 4, "except_last", "none"),
     ("transformer", dict(layers=4, **TRANSFORMER), [2, 2, 2], 8, "always", "none"),
     ("transformer", dict(layers=4, **TRANSFORMER), [3, 3], 4, "always", "activations"),
-    ("amoebanet", dict(layers=6, filters=16, **AMOEBA), [6, 6], 4, "except_last", "none"),
-    ("amoebanet", dict(layers=6, filters=16, **AMOEBA), [12], 1, "never", "none"),
+    ("amoebanet", dict(layers=6, filters=16, **AMOEBA), [31, 31], 4, "except_last", "none"),
+    ("amoebanet", dict(layers=6, filters=16, **AMOEBA), [62], 1, "never", "none"),
     ("transformer", dict(layers=4, **TRANSFORMER), [3, 3], 4, "never", "activations"),
     ("transformer", dict(layers=4, **TRANSFORMER), [3, 3], 4, "except_last", "activations"),
-    ("amoebanet", dict(layers=6, filters=16, **AMOEBA), [6, 6], 4, "never", "activations"),
-    ("amoebanet", dict(layers=6, filters=16, **AMOEBA), [12], 4, "always", "activations"),
+    ("amoebanet", dict(layers=6, filters=16, **AMOEBA), [31, 31], 4, "never", "activations"),
+    ("amoebanet", dict(layers=6, filters=16, **AMOEBA), [62], 4, "always", "activations"),
 ])
 def test_the_footprint_walk_predicts_the_measured_stages(kind, params, balance, chunks, checkpoint, offload):
     spec = build_model(kind, **params)
@@ -94,8 +94,8 @@ def test_a_v_of_images_holds_the_whole_mini_batch_on_its_first_rank(schedule, ch
     # however few micro-batches the V keeps (counting them per micro-batch held fell 8% short on rank 0).
     spec = build_model("amoebanet", layers=6, filters=16, **AMOEBA)
     inputs, targets = example_batch(spec, 16, 0)
-    measured = account.measure(spec, inputs, targets, [3, 3, 3, 3], 4, schedule, checkpoint, "sgd", 0)
-    predicted = fig.footprints(fig.measure(spec), [3, 3, 3, 3], 16, 4, schedule, checkpoint, 12.0, 2)
+    measured = account.measure(spec, inputs, targets, [13, 18, 18, 13], 4, schedule, checkpoint, "sgd", 0)
+    predicted = fig.footprints(fig.measure(spec), [13, 18, 18, 13], 16, 4, schedule, checkpoint, 12.0, 2)
     for p, m in zip(predicted, measured, strict=True):
         assert p.peak_bytes == pytest.approx(m.peak_bytes, rel=0.01)
         assert p.stored_bytes == pytest.approx(m.stored_bytes, rel=0.05)

@@ -1,4 +1,11 @@
-"""AmoebaNet normal and reduction cells as pipeline layers that carry the two previous states."""
+"""AmoebaNet cells cut into pipeline layers: the two inputs' preprocessing, then one layer per combination.
+
+A cell's layers pass one tuple along: (input, *live states, *carried). The cell's input rides along
+because the next cell reads it as its previous input; the live states are the hidden states a later
+combination reads or the output concatenates, known from the genotype, so a cut inside a cell sends
+no dead tensor; anything after them (the auxiliary head's logits) passes through untouched. The last
+combination concatenates the output and hands on (output, input, *carried), as a whole cell would.
+"""
 
 from __future__ import annotations
 
@@ -16,21 +23,39 @@ from gpipe_cli.models.amoebanet.ops import FactorizedReduction, build_operation,
 # "reduce" - it has twice the resolution: a factorized reduction halves it.
 PrevMode = Literal["raw", "identity", "project", "reduce"]
 
+COMBINATIONS = 5  # pairwise combinations per cell (`CellGenotype` checks it)
 
-class Cell(nn.Module):
-    """One AmoebaNet cell: takes (input, previous input, *carried) and returns (output, input, *carried).
 
-    Carrying the previous input in the tuple is what lets the pipeline cut between any two cells.
-    Any further tensors (the auxiliary head's logits) pass through untouched.
+def live_states(genotype: CellGenotype, prev_mode: PrevMode) -> list[tuple[int, ...]]:
+    """The hidden states the tuple carries after the preprocessing and after each combination but the last.
+
+    A state is live while a later combination reads it or the output will concatenate it. With no previous
+    input, state 1 is the cell's input itself, which the tuple carries anyway, so it is never sent twice.
     """
+    out = []
+    for newest in range(1, 1 + COMBINATIONS):  # state 1 after the preprocessing, state 1 + k after combination k
+        wanted = set(genotype.inputs[2 * (newest - 1):]) | set(genotype.concat)
+        out.append(tuple(i for i in range(newest + 1) if i in wanted and not (i == 1 and prev_mode == "raw")))
+    return out
 
-    def __init__(self, genotype: CellGenotype, in_channels: int, prev_channels: int, channels: int,
-                 reduction: bool, prev_mode: PrevMode) -> None:
+
+def _split(states: tuple[torch.Tensor, ...], live: tuple[int, ...],
+           raw: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor], tuple[torch.Tensor, ...]]:
+    """(input, live states by index, carried) of a tuple between two layers of a cell."""
+    x = states[0]
+    hidden = dict(zip(live, states[1:1 + len(live)], strict=True))
+    if raw:
+        hidden[1] = x
+    return x, hidden, tuple(states[1 + len(live):])
+
+
+class Preprocess(nn.Module):
+    """A cell's first layer: (input, previous input, *carried) -> (input, *live states 0 and 1, *carried)."""
+
+    def __init__(self, in_channels: int, prev_channels: int, channels: int, prev_mode: PrevMode,
+                 live: tuple[int, ...]) -> None:
         super().__init__()
-        self.reduction = reduction
-        self.prev_mode = prev_mode
-        self.inputs = genotype.inputs
-        self.concat = genotype.concat
+        self.prev_mode, self.live = prev_mode, live
         self.preprocess = conv_bn(in_channels, channels)
         self.prev_preprocess: nn.Module
         if prev_mode == "reduce":
@@ -38,38 +63,65 @@ class Cell(nn.Module):
         elif prev_mode == "project":
             self.prev_preprocess = conv_bn(prev_channels, channels)
         else:
+            if prev_mode == "identity" and prev_channels != channels:
+                raise ValueError(f"previous state has {prev_channels} channels, the cell needs {channels}")
             self.prev_preprocess = nn.Identity()
-        # Width of every state: with no previous input, state 1 is the raw input (not projected).
-        widths = [channels, in_channels if prev_mode == "raw" else channels] + [channels] * 5
-        if prev_mode == "identity" and prev_channels != channels:
-            raise ValueError(f"previous state has {prev_channels} channels, the cell needs {channels}")
-        self.ops = nn.ModuleList()
-        for name, index in zip(genotype.operations, genotype.inputs, strict=True):
-            # Only operations reading the cell's two inputs are strided, as in the reference.
-            stride = 2 if reduction and index < 2 else 1
-            self.ops.append(build_operation(name, widths[index], channels, stride))
-        for index in genotype.concat:
-            if index < 2 and reduction:
-                raise ValueError("a reduction cell cannot concatenate one of its unreduced inputs")
-            if widths[index] != channels:
-                raise ValueError(f"state {index} of the cell has {widths[index]} channels, not {channels}")
-        self.out_channels = channels * len(genotype.concat)
 
     def extra_repr(self) -> str:
-        return f"reduction={self.reduction}, prev={self.prev_mode}, concat={self.concat}"
+        return f"prev={self.prev_mode}, live={self.live}"
 
     def forward(self, states: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         carried: tuple[torch.Tensor, ...] = ()
-        if isinstance(states, torch.Tensor):
+        if isinstance(states, torch.Tensor):  # straight after the stem: no previous input
             x, prev = states, states
         else:
             x, prev, carried = states[0], states[1], tuple(states[2:])
-        if self.prev_mode == "raw":
-            prev = x
-        hidden = [self.preprocess(x), self.prev_preprocess(prev)]
-        for k in range(0, len(self.ops), 2):
-            left = self.ops[k](hidden[self.inputs[k]])
-            right = self.ops[k + 1](hidden[self.inputs[k + 1]])
-            hidden.append(left + right)
-        out = torch.cat([hidden[i] for i in self.concat], dim=1)
-        return (out, x, *carried)
+        hidden = {0: self.preprocess(x)}
+        if 1 in self.live:
+            hidden[1] = self.prev_preprocess(prev)
+        return (x, *(hidden[i] for i in self.live), *carried)
+
+
+class Combination(nn.Module):
+    """One pairwise combination of a cell: applies its two operations to two live states and adds the results.
+
+    Reads (input, *live states, *carried); hands on the states live after it, or, as the cell's last layer,
+    (the concatenated output, input, *carried).
+    """
+
+    def __init__(self, genotype: CellGenotype, index: int, widths: list[int], channels: int, reduction: bool,
+                 prev_mode: PrevMode) -> None:
+        super().__init__()
+        self.index, self.raw = index, prev_mode == "raw"
+        self.reads = genotype.inputs[2 * index:2 * index + 2]
+        live = live_states(genotype, prev_mode)
+        self.live_in = live[index]
+        self.live_out = live[index + 1] if index + 1 < COMBINATIONS else ()
+        self.concat = genotype.concat if index + 1 == COMBINATIONS else ()
+        # Only operations reading the cell's two inputs are strided, as in the reference.
+        self.left, self.right = (build_operation(genotype.operations[2 * index + side], widths[state], channels,
+                                                 2 if reduction and state < 2 else 1)
+                                 for side, state in enumerate(self.reads))
+
+    def extra_repr(self) -> str:
+        return f"state {2 + self.index} = {self.reads[0]} + {self.reads[1]}, live={self.live_in}"
+
+    def forward(self, states: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        x, hidden, carried = _split(states, self.live_in, self.raw)
+        hidden[2 + self.index] = self.left(hidden[self.reads[0]]) + self.right(hidden[self.reads[1]])
+        if self.concat:
+            return (torch.cat([hidden[i] for i in self.concat], dim=1), x, *carried)
+        return (x, *(hidden[i] for i in self.live_out), *carried)
+
+
+def state_widths(genotype: CellGenotype, in_channels: int, channels: int, reduction: bool,
+                 prev_mode: PrevMode) -> list[int]:
+    """Every state's channels; refuses a genotype whose output would mix widths or resolutions."""
+    # With no previous input, state 1 is the raw input (not projected).
+    widths = [channels, in_channels if prev_mode == "raw" else channels] + [channels] * COMBINATIONS
+    for index in genotype.concat:
+        if index < 2 and reduction:
+            raise ValueError("a reduction cell cannot concatenate one of its unreduced inputs")
+        if widths[index] != channels:
+            raise ValueError(f"state {index} of the cell has {widths[index]} channels, not {channels}")
+    return widths

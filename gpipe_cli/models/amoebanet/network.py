@@ -3,7 +3,10 @@
 Layout (as in the TensorFlow TPU reference ImageNet model): a 32-filter stride-2 stem convolution,
 two reduction cells at D/4 and D/2 filters, then three stacks of L/3 normal cells at D, 2D and 4D
 filters with a reduction cell before the second and third stacks, then ReLU, global average
-pooling, dropout and the classifier.
+pooling, dropout and the classifier. Each cell is six pipeline layers (its inputs' preprocessing and one
+per combination, see `cells`), as torchgpipe flattened AmoebaNet's cells, so that a cut can fall inside a
+cell: at 224 pixels whole cells differ too much in cost for any cut of them to balance the stages.
+AmoebaNet-D(L, D) has 6 (L + 4) + 2 layers: 44 for L = 3.
 
 Parameter counts (1000 classes) against the GPipe paper: D(18, 208) 81.14M (82M), D(18, 416)
 317.5M (318M), D(18, 544) 540.2M (542M), D(36, 544) 1.0533B (1.05B), B(18, 512) 557.3M (557M).
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_cli.models.amoebanet.cells import Cell, PrevMode
+from gpipe_cli.models.amoebanet.cells import COMBINATIONS, Combination, Preprocess, PrevMode, live_states, state_widths
 from gpipe_cli.models.amoebanet.genotype import GENOTYPES, CellGenotype
 from gpipe_cli.models.amoebanet.heads import AuxHead, Classifier, Stem, he_built
 from gpipe_cli.models.base import LayerSpec, ModelSpec, is_fraction, is_int, require
@@ -84,11 +87,22 @@ def plan_cells(genotype_name: str, layers: int, filters: int, image_size: int) -
     return plans
 
 
-def _build_cell(genotype_name: str, plan: CellPlan) -> nn.Module:
+def _build_piece(genotype_name: str, plan: CellPlan, piece: int) -> nn.Module:
+    """Layer `piece` of a cell: 0 its preprocessing, k its k-th combination."""
     genotype = GENOTYPES[genotype_name]
-    cell_genotype = genotype.reduction if plan.reduction else genotype.normal
-    return he_built(Cell, cell_genotype, plan.in_channels, plan.prev_channels, plan.channels, plan.reduction,
-                    plan.prev_mode)
+    cell = genotype.reduction if plan.reduction else genotype.normal
+    widths = state_widths(cell, plan.in_channels, plan.channels, plan.reduction, plan.prev_mode)
+    if piece == 0:
+        return he_built(Preprocess, plan.in_channels, plan.prev_channels, plan.channels, plan.prev_mode,
+                        live_states(cell, plan.prev_mode)[0])
+    return he_built(Combination, cell, piece - 1, widths, plan.channels, plan.reduction, plan.prev_mode)
+
+
+def cell_layers(genotype_name: str, plan: CellPlan) -> list[LayerSpec]:
+    """A cell's pipeline layers: `<cell>.preprocess`, then `<cell>.combine_1` to `_5` (the last concatenates)."""
+    names = ["preprocess", *(f"combine_{k}" for k in range(1, COMBINATIONS + 1))]
+    return [LayerSpec(f"{plan.name}.{name}", functools.partial(_build_piece, genotype_name, plan, piece))
+            for piece, name in enumerate(names)]
 
 
 def amoebanet_loss(output: Any, targets: torch.Tensor, label_smoothing: float = 0.1,
@@ -127,7 +141,7 @@ def build_amoebanet(variant: str = "d", layers: int = 18, filters: int = 256, nu
     specs = [LayerSpec("stem", functools.partial(he_built, Stem, STEM_FILTERS))]
     aux_after = f"cell_2_{layers // 3}"
     for plan in plans:
-        specs.append(LayerSpec(plan.name, functools.partial(_build_cell, variant, plan)))
+        specs += cell_layers(variant, plan)
         if aux_head and plan.name == aux_after:
             specs.append(LayerSpec("aux_head", functools.partial(
                 he_built, AuxHead, plan.out_channels, num_classes, plan.spatial)))
