@@ -21,7 +21,7 @@ from torch import nn
 
 from gpipe_cli.pipeline import context
 from gpipe_cli.pipeline.layers import build_layers
-from gpipe_cli.pipeline.memory import ActivationMeter
+from gpipe_cli.pipeline.memory import ActivationMeter, storage_key
 from gpipe_cli.pipeline.stage import as_tensors, from_tensors
 
 WARMUP_ROUNDS = 2  # untimed rounds per layer: the first backward of a layer can take ten times the next
@@ -133,13 +133,13 @@ def _time_layer(run: Callable[[bool], list[torch.Tensor]], repeats: int,
 
 
 def saved_by(fn: Callable[[], Any], exclude: Sequence[torch.Tensor] = (),
-             inputs: Sequence[torch.Tensor] = ()) -> tuple[int, int, Any]:
+             inputs: Sequence[torch.Tensor] = ()) -> tuple[int, int, Any, set[int]]:
     """Bytes autograd saves while `fn` runs (storages of `exclude` not counted), the part of them that
-    is `inputs`, and its result."""
+    is `inputs`, its result, and the storages saved."""
     meter = ActivationMeter(exclude)
     with meter.saved_tensors():
         result = fn()
-    return meter.peak, meter.held_bytes(inputs), result
+    return meter.peak, meter.held_bytes(inputs), result, meter.held_storages()
 
 
 def _profile_loss(loss: Callable[[Any], torch.Tensor], tensors: list[torch.Tensor | None], bare: bool,
@@ -150,7 +150,7 @@ def _profile_loss(loss: Callable[[Any], torch.Tensor], tensors: list[torch.Tenso
 
     fwd = _median_time(run, repeats, device) if timed else 0.0
     bwd = _time_backward(run, repeats, device) if timed else 0.0
-    saved, saved_input, _ = saved_by(run, inputs=[t for t in tensors if t is not None])
+    saved, saved_input, _, _ = saved_by(run, inputs=[t for t in tensors if t is not None])
     return LayerProfile(fwd, 0.0, bwd, saved, 0, saved_input, 0, 0)
 
 
@@ -166,6 +166,7 @@ def profile_layers(factories: Sequence[Callable[[], nn.Module]], sample: Any, se
     tensors = [t.to(device) if t is not None else None for t in x]
     timed = repeats > 0 and device.type != "meta"
     out = Profile(input_bytes=nbytes(tensors))
+    charged: set[int] = set()  # storages in `tensors` that an earlier layer saved
     for index in range(len(factories)):
         (layer,) = build_layers(factories, [index], seed, device)
         layer.train()
@@ -182,7 +183,12 @@ def profile_layers(factories: Sequence[Callable[[], nn.Module]], sample: Any, se
 
         fwd, nograd, recompute, bwd = _time_layer(timed_run, repeats, device) if timed else (0.0, 0.0, 0.0, 0.0)
         weights = [*layer.parameters(), *layer.buffers()]
-        saved, saved_input, (outputs, bare) = saved_by(run, weights, [t for t in tensors if t is not None])
+        # A tensor handed on unchanged and saved by an earlier layer too is charged to that layer alone: a stage
+        # holding both saves it once, and a stage cut between them holds it as its input anyway.
+        handed = [t for t in tensors if t is not None and storage_key(t) in charged]
+        saved, saved_input, (outputs, bare), keys = saved_by(run, weights + handed,
+                                                             [t for t in tensors if t is not None])
+        charged = {storage_key(t) for t in outputs if t is not None} & (charged | keys)
         # The next layer is fed this output without its graph, which frees what this layer saved.
         tensors = [t.detach() if t is not None else None for t in outputs]
         del outputs

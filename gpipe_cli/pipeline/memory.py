@@ -56,6 +56,10 @@ class ActivationMeter:
         keys = {storage_key(t) for t in tensors}
         return sum(entry[1] for key, entry in self._live.items() if key in keys)
 
+    def held_storages(self) -> set[int]:
+        """The storages counted now (by `storage_key`)."""
+        return set(self._live)
+
     def reset_peak(self) -> None:
         """Start a new peak from what is held now."""
         self.peak = self.current
