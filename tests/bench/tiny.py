@@ -7,7 +7,8 @@ from typing import Any
 # A decoder-only Transformer: embedding, 4 layers, softmax (6 pipeline layers).
 TRANSFORMER: dict[str, Any] = dict(model="transformer", layers=4, d_model=32, ff=64, heads=2, vocab_size=64,
                                    seq_len=8, set=["arch=decoder-only"])
-# AmoebaNet-D (3, 8) on 32-pixel images: stem, 4 reduction cells, 3 normal cells, classifier (9 layers).
+# AmoebaNet-D (3, 8) on 32-pixel images: stem, 4 reduction cells and 3 normal cells of six layers each, classifier
+# (44 layers).
 AMOEBANET: dict[str, Any] = dict(model="amoebanet", layers=3, filters=8, image_size=32, num_classes=4)
 
 

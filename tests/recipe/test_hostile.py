@@ -167,7 +167,7 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "partitions zero": (GOOD, ["--set", "pipeline.partitions=0"], "pipeline.partitions: must be >= 1 and <= 65536"),
     "partitions 1e6": (GOOD, ["--set", "pipeline.partitions=1e6"], "pipeline.partitions: must be >= 1 and <= 65536"),
     "partitions true": (GOOD, ["--set", "pipeline.partitions=true"], "pipeline.partitions: must be a number"),
-    "partitions over layers": (GOOD, ["--set", "pipeline.partitions=12"], "cannot cut 9 layers into 12"),
+    "partitions over layers": (GOOD, ["--set", "pipeline.partitions=45"], "cannot cut 44 layers into 45"),
     "microbatches zero": (GOOD, ["--set", "pipeline.microbatches=0"], "pipeline.microbatches: must be >= 1"),
     "microbatches over batch": (GOOD, ["--set", "pipeline.microbatches=32"], "must be <= data.batch_size"),
     "data parallel zero": (GOOD, ["--set", "pipeline.data_parallel=0"], "pipeline.data_parallel: must be >= 1"),

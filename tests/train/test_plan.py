@@ -32,7 +32,7 @@ def test_a_plan_fits_a_large_machine_and_not_a_tiny_one(recipe_path):
 
 
 def test_offloaded_activations_count_against_the_host_memory(recipe_path, monkeypatch):
-    cut = ["pipeline.checkpoint=never", "pipeline.balance=[4, 5]"]
+    cut = ["pipeline.checkpoint=never", "pipeline.balance=[25, 19]"]
     recipe = load_recipe(str(recipe_path), ["pipeline.offload=activations", *cut])
     kept = make_plan(load_recipe(str(recipe_path), cut), device="cpu", available=1e15)
     moved = make_plan(recipe, device="cpu", available=1e15)
@@ -52,7 +52,7 @@ def test_estimates_grow_with_the_batch(recipe_path):
     assert all(b.memory.activations > a.memory.activations for a, b in zip(small.stages, large.stages))
 
 
-@pytest.mark.parametrize("balance", ["auto", "[4, 5]"])
+@pytest.mark.parametrize("balance", ["auto", "[25, 19]"])
 def test_train_refuses_a_plan_that_cannot_fit_before_starting_ranks(recipe_path, monkeypatch, balance):
     monkeypatch.setattr("gpipe_cli.memory_model.available_bytes", lambda device: 1000)
     monkeypatch.setattr(train_run, "launch", lambda *a, **k: pytest.fail("ranks were started"))
@@ -61,7 +61,7 @@ def test_train_refuses_a_plan_that_cannot_fit_before_starting_ranks(recipe_path,
     line = str(caught.value)
     assert UserError.exit_code == 2 and "\n" not in line and "each rank has 500 B" in line
     if balance == "auto":  # no cut at all fits: the smallest peak any cut reaches, against what a rank has
-        assert "no cut of the 9 layers into 2 stages fits; the smallest per-stage peak any cut reaches is" in line
+        assert "no cut of the 44 layers into 2 stages fits; the smallest per-stage peak any cut reaches is" in line
     else:
         assert "stage 1 needs" in line
 

@@ -8,7 +8,7 @@ from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.train.resume import saved_cut
 from tests.train import recipes
 
-LAYERS = 9  # the tiny AmoebaNet
+LAYERS = 44  # the tiny AmoebaNet (six layers per cell)
 
 
 def checkpoint(run, step: int, **layout) -> None:
@@ -26,21 +26,21 @@ def recipe(tmp_path, *overrides: str):
 @pytest.mark.parametrize("balance", ["auto", "time", "memory"])
 def test_a_cut_chosen_by_cost_is_kept_from_the_newest_checkpoint(tmp_path, balance):
     run = tmp_path / "run"
-    checkpoint(run, 3, balance=[2, 7])
-    checkpoint(run, 6, balance=[4, 5])
+    checkpoint(run, 3, balance=[7, 37])
+    checkpoint(run, 6, balance=[25, 19])
     wanted = recipe(tmp_path, f"pipeline.balance={balance}")
-    assert saved_cut(str(run), wanted, LAYERS) == [4, 5]
-    assert saved_cut(str(run / "checkpoints" / "step-00000003"), wanted, LAYERS) == [2, 7]
+    assert saved_cut(str(run), wanted, LAYERS) == [25, 19]
+    assert saved_cut(str(run / "checkpoints" / "step-00000003"), wanted, LAYERS) == [7, 37]
 
 
 @pytest.mark.parametrize(("overrides", "layout"), [
-    (["pipeline.balance=[3, 6]"], {"balance": [4, 5]}),           # the user's own cut
-    (["pipeline.balance=params"], {"balance": [4, 5]}),           # the same on every launch anyway
-    (["pipeline.partitions=3"], {"balance": [4, 5]}),             # another K
-    ([], {"balance": [4, 5], "data_parallel": 2}),                # another D
-    ([], {"balance": [4, 4]}),                                    # not this model's layers
-    ([], {"balance": [4, 5, 0]}),
-    ([], {"balance": "4,5"}),
+    (["pipeline.balance=[19, 25]"], {"balance": [25, 19]}),           # the user's own cut
+    (["pipeline.balance=params"], {"balance": [25, 19]}),           # the same on every launch anyway
+    (["pipeline.partitions=3"], {"balance": [25, 19]}),             # another K
+    ([], {"balance": [25, 19], "data_parallel": 2}),                # another D
+    ([], {"balance": [25, 18]}),                                    # not this model's layers
+    ([], {"balance": [25, 19, 0]}),
+    ([], {"balance": "25,19"}),
 ])
 def test_otherwise_the_cut_is_chosen_again(tmp_path, overrides, layout):
     run = tmp_path / "run"
