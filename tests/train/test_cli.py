@@ -28,7 +28,7 @@ def bad(recipe_changes):
 CASES = {
     "unknown key": (bad({"pipeline.speed": "fast"}), [], "pipeline.speed: unknown key"),
     "wrong type": (bad({"data.batch_size": "lots"}), [], "data.batch_size: must be an integer (got 'lots')"),
-    "K > layers": (bad({"pipeline.partitions": 12}), [], "pipeline.partitions: cannot cut 9 layers into 12"),
+    "K > layers": (bad({"pipeline.partitions": 45}), [], "pipeline.partitions: cannot cut 44 layers into 45"),
     "M > batch": (bad({"pipeline.microbatches": 32}), [], "pipeline.microbatches (32) must be <= data.batch_size"),
     "missing data path": (bad({"data.source": "imagefolder", "data.path": "/no/such/images"}), [],
                           "data.path: no such file or directory"),
@@ -74,7 +74,7 @@ def test_validate_prints_the_plan_and_writes_json(tmp_path):
     assert "theoretical bubble 0.200" in result.output and "stem" in result.output
     plan = json.loads(target.read_text())
     assert plan["total_params"] > 0 and len(plan["stages"]) == 2
-    assert sum(len(s["layers"]) for s in plan["stages"]) == 9
+    assert sum(len(s["layers"]) for s in plan["stages"]) == 44
     assert all({"layers", "params"} <= set(s) for s in plan["stages"])
     assert plan["recipe"]["pipeline"]["partitions"] == 2
 
