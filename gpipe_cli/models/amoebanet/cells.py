@@ -9,7 +9,7 @@ combination concatenates the output and hands on (output, input, *carried), as a
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -47,6 +47,18 @@ def _split(states: tuple[torch.Tensor, ...], live: tuple[int, ...],
     if raw:
         hidden[1] = x
     return x, hidden, tuple(states[1 + len(live):])
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose gradient is made contiguous."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 class Preprocess(nn.Module):
@@ -110,7 +122,11 @@ class Combination(nn.Module):
         x, hidden, carried = _split(states, self.live_in, self.raw)
         hidden[2 + self.index] = self.left(hidden[self.reads[0]]) + self.right(hidden[self.reads[1]])
         if self.concat:
-            return (torch.cat([hidden[i] for i in self.concat], dim=1), x, *carried)
+            # The concatenation hands each state a strided slice of its gradient, where a state received across a
+            # cut gets a contiguous one (autograd copies a leaf's): made contiguous here too, the BatchNorms before
+            # it sum the same numbers in the same order wherever the model is cut.
+            concatenated = torch.cat([_ContiguousGrad.apply(hidden[i]) for i in self.concat], dim=1)
+            return (concatenated, x, *carried)
         return (x, *(hidden[i] for i in self.live_out), *carried)
 
 
