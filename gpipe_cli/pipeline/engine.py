@@ -197,7 +197,7 @@ class Pipeline:
                     microbatches: int | None = None, example_offset: int = 0, max_grad_norm: float | None = None,
                     trace: bool = False, optimizer: torch.optim.Optimizer | None = None,
                     measure_memory: bool = True) -> step_.PendingStep:
-        """Forward and backward one mini-batch as M micro-batches, then update; the host never waits for it."""
+        """Forward and backward M micro-batches of one mini-batch, then update; the host never waits for the device."""
         layout, chunks = self.layout, microbatches or self.config.microbatches
         actions = self._plan(chunks)
         if not self.module.training:  # evaluation restores the mode it found: no need to visit every module

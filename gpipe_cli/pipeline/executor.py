@@ -73,7 +73,7 @@ class Executor:
     training: bool
     timeline: Timeline | None = None
     feed: Sequence[Message] = ()  # the first chunk's micro-batches
-    targets: Sequence[torch.Tensor] = ()  # and `weights`: the last chunk's
+    targets: Sequence[torch.Tensor] = ()  # the last chunk's, as are `weights`
     weights: Sequence[float | torch.Tensor] = ()
     on_output: Callable[[int, Any], None] | None = None  # takes the last chunk's outputs (evaluation)
     received: dict[int, Message] = field(default_factory=dict)  # may hold messages taken before the run

@@ -1,6 +1,6 @@
 """Gradients after the last backward: replicas summed, shared copies summed, one global norm and clip."""
-# Micro-batch losses are already weighted by their share of the global mini-batch, so every reduction is a sum.
 
+# Micro-batch losses are already weighted by their share of the global mini-batch, so every reduction is a sum.
 from __future__ import annotations
 
 import functools

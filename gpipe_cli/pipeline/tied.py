@@ -1,4 +1,4 @@
-"""Parameters held by several stages (a tied embedding and softmax): one tensor per stage, gradients summed across."""
+"""Parameters held by several stages (a tied embedding and softmax): one tensor per stage, gradients summed."""
 
 from __future__ import annotations
 
