@@ -39,8 +39,7 @@ from gpipe_cli.recipe.aliases import ALIASES, SET_HELP, SIZE_FLAGS
 
 
 class _Commands(typer.core.TyperGroup):
-    """The commands: the int a command returns is its exit code; bad input is one line on stderr and its exit
-    code, never a traceback."""
+    """The commands: an int returned is the exit code; bad input is one line on stderr, never a traceback."""
 
     def invoke(self, ctx: Any) -> Any:
         try:
@@ -63,8 +62,7 @@ _launch = functools.partial(typer.Option, rich_help_panel="Nodes and ranks")  # 
 
 
 def _interruptible(command: str, callback: Callable[..., Any], started: list[str]) -> Callable[..., Any]:
-    """The command's function, saying in one line that Ctrl-C stopped it (from its first import on);
-    `started` records that it began, and so speaks for itself."""
+    """The command's function, noted in `started` as it begins, saying in one line that Ctrl-C stopped it."""
     @functools.wraps(callback)
     def run_command(*args: Any, **kwargs: Any) -> Any:
         started.append(command)
@@ -153,12 +151,11 @@ def validate(
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# An own flag the command does not declare takes the type and default of the field of `options` (a dataclass; a
+# factory gives None) and reaches the command in `own`; alias values reach it in `flags` (None: not typed).
 def _flags(options: type, own: Mapping[str, str], *aliases: str, modes: Collection[str] = (),
            shown: dict[str, str] | None = None) -> Callable[[F], F]:
-    """Give a command its own flags `own` (name -> help) and the alias flags `aliases`, each `--set KEY=VALUE` of one
-    recipe key with the schema's help (and `shown` as its default). An own flag the command does not declare takes
-    the type and default of the field of `options` (a dataclass; a field's factory: None); the command receives
-    those as `own`, and the alias values typed as `flags`, by name (None: not typed)."""
+    """Give a command its own flags `own` (name -> help) and a `--set` alias flag per recipe key of `aliases`."""
     from gpipe_cli.recipe.aliases import description, flag, kind
 
     def option(name: str, annotation: Any, default: Any, **settings: Any) -> inspect.Parameter:

@@ -32,13 +32,12 @@ def _hang(text: str) -> int:
 
 
 def fit(text: str, width: int) -> str:
-    """`text` wrapped at spaces to `width` columns, continuation lines indented: never a word or a number split
-    from its unit by the terminal (a word longer than the width, such as a path, stays whole)."""
+    """`text` wrapped at spaces to `width` columns, continuation lines indented, never a number split from its unit."""
     if len(text) <= width:
         return text
     indent = " " * min(_hang(text), width // 2)
     held = _UNIT_SPACE.sub(_HELD, text)
-    return textwrap.fill(held, width, subsequent_indent=indent, break_long_words=False,
+    return textwrap.fill(held, width, subsequent_indent=indent, break_long_words=False,  # a long path stays whole
                          break_on_hyphens=False).replace(_HELD, " ")
 
 

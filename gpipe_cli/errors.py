@@ -21,8 +21,7 @@ class DataError(UserError):
 
 
 def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
-    """`repr(value)` cut to a readable length, with the number of characters left out (YAML's words for
-    booleans and null, as the user wrote them)."""
+    """`repr(value)` cut to a readable length, with the number of characters left out (YAML's words as written)."""
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
     if isinstance(value, int):

@@ -29,8 +29,7 @@ def umask() -> int:
 
 @contextlib.contextmanager
 def atomic_path(path: Path, suffix: str = "") -> Iterator[Path]:
-    """A hidden name beside `path` for the block to write a file at, renamed to `path` when the block ends and
-    removed when it fails, so that `path` exists whole or not at all (for writers that want a file name)."""
+    """A hidden file name beside `path` for the block to write, renamed to `path` when it ends, removed if it fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
     try:
@@ -72,8 +71,7 @@ def _shown(path: Path) -> str:
 
 
 def check_output(path: Path | None, flag: str, example: str = "out.json", hint: str = "") -> None:
-    """Refuse, in one line naming `flag` and `path`, a file that `atomic_write` could not write there; checked
-    before any work, so that a command never measures for minutes and then fails to save (None: no file)."""
+    """Refuse, before any work and in one line naming `flag` and `path`, a file `atomic_write` could not write."""
     # An empty `flag`: a default place the user never named; `hint` then ends the line with what to do instead.
     if path is None:
         return

@@ -1,10 +1,4 @@
-"""Ctrl-C that cannot be lost while a command measures, and SIGTERM that stops a command as Ctrl-C does.
-
-The engine's memory meter releases its records in `__del__`, and Python ignores a KeyboardInterrupt raised
-there; so a measuring command also remembers the signal and checks it between measurements. SIGTERM (a
-`kill`, `timeout`, a scheduler's cancel) would end the process where it stands, leaving its temporary
-files; raised as a KeyboardInterrupt instead, it takes the same way out and only the exit code differs.
-"""
+"""Ctrl-C that cannot be lost while a command measures, and SIGTERM that stops a command as Ctrl-C does."""
 
 from __future__ import annotations
 
@@ -18,6 +12,7 @@ _interrupted = False
 _terminated = False
 
 
+# SIGTERM would end the process where it stands, leaving temporary files: as a KeyboardInterrupt it takes Ctrl-C's way.
 def _on_interrupt(signum: int, frame: object) -> None:
     global _interrupted, _terminated
     _interrupted = True
@@ -49,6 +44,8 @@ def remembered() -> Iterator[None]:
         sys.unraisablehook = hook
 
 
+# The engine's memory meter releases its records in `__del__`, where Python drops a KeyboardInterrupt: measuring
+# commands call this between measurements.
 def check() -> None:
     """Raise a Ctrl-C that arrived but was swallowed on the way."""
     if _interrupted:
@@ -63,16 +60,14 @@ def interrupted() -> bool:
 
 
 def stop_on_signals() -> None:
-    """From now on Ctrl-C (unless ignored) and SIGTERM stop this process with one line, nothing half-written or
-    left behind, and are remembered for `check`."""
+    """From now on Ctrl-C (unless ignored) and SIGTERM stop this process in one line, remembered for `check`."""
     on_sigint(_on_interrupt)
     signal.signal(signal.SIGTERM, _on_interrupt)
     sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
 
 
 def _quiet_unraisable(previous: Callable[[Any], object]) -> Callable[[Any], object]:
-    """`previous`, less the KeyboardInterrupts that Python cannot raise (in a finalizer): they are remembered,
-    and `check` raises them where the command can act, so they need no traceback of their own."""
+    """`previous`, less the tracebacks of KeyboardInterrupts raised in finalizers (`check` raises them later)."""
     if getattr(previous, "quiet", False):
         return previous
 
@@ -91,7 +86,6 @@ def exit_code(code: int) -> int:
 
 
 def finishing() -> None:
-    """The work is done and its results are being written: Ctrl-C and SIGTERM no longer stop the command,
-    which ends in a moment saying truly what it wrote."""
+    """Results are being written: Ctrl-C and SIGTERM no longer stop the command, so it says truly what it wrote."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

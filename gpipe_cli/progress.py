@@ -1,12 +1,4 @@
-"""A long command's phases said as they start, each with its estimate, and at the end what it all took.
-
-    measuring K=1 (10 layers, per-layer costs and 10 steps) (about 12 s)...
-    measuring K=2 (balance [5, 5]) (about 9 s)...
-    took 24 s (estimated 22 s)
-
-A phase's estimate is the command's own (from this machine's measured rate); the total estimate is what
-was said before anything ran, so the last line judges it.
-"""
+"""A long command's phases said as they start, each with its estimate, and at the end what it all took."""
 
 from __future__ import annotations
 
@@ -37,12 +29,7 @@ def took_line(elapsed: float, estimated: float) -> str:
 
 
 class Progress:
-    """Says each phase with its estimate, and keeps the start and the total estimate for the last line.
-
-    Estimates come from a rate measured in a fraction of a second at the start; a machine busier (or quieter)
-    since then runs every phase slower (or faster) alike. So once a phase is over, the later phases' estimates
-    are scaled by how long the finished ones took against theirs.
-    """
+    """Says each phase with its estimate, and keeps the start and the total estimate for the last line."""
 
     def __init__(self, say: Callable[[str], None], estimated: float = 0.0,
                  clock_s: Callable[[], float] = time.perf_counter) -> None:
@@ -89,9 +76,8 @@ MIN_PACED_S = 1.0
 
 
 def run_eta(step_times: Sequence[float], done: int, total: int, warmup: int = 1) -> float | None:
-    """Seconds left of a run of `total` steps after `done`, at the mean of the `step_times` seen so far past the
-    first `warmup` (the first steps build caches and allocators; None until a step past them is seen)."""
-    steady = list(step_times[warmup:])
+    """Seconds left of a run of `total` steps after `done`, at the mean step time past the first `warmup` steps."""
+    steady = list(step_times[warmup:])  # the first steps build caches and allocators
     if not steady:
         return None
     return max(total - done, 0) * statistics.fmean(steady)

@@ -1,8 +1,4 @@
-"""The model and the optimizer a recipe describes, and the name the memory model prices its optimizer by.
-
-Shared by the commands that read a recipe's model (train, validate, plan, which also times the optimizer's
-step); the model zoo itself knows nothing of recipes.
-"""
+"""The model and the optimizer a recipe describes, and the name the memory model prices its optimizer by."""
 
 from __future__ import annotations
 

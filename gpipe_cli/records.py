@@ -1,12 +1,10 @@
-"""A step's record as metrics.jsonl holds it: written by the training loop, read by the sinks and `gpipe report`.
-
-Kept free of torch and of the engine, so that `gpipe report` reads runs without importing either; a test
-checks that `PARTS` is the engine's.
-"""
+"""A step's record as metrics.jsonl holds it: written by the training loop, read by the sinks and `gpipe report`."""
 
 from __future__ import annotations
 
 from typing import Literal, TypedDict
+
+# No torch and no engine here: `gpipe report` reads runs without importing either (a test pins PARTS to the engine's).
 
 # The keys of a train record's time_s: each a list of seconds per stage, adding up to step_time_s.
 PARTS = ("compute", "wait", "comm", "optimizer", "other")
@@ -24,8 +22,7 @@ RESUMED = "resumed"
 
 
 def mean_over(warmup_s: float | None) -> str:
-    """What a start's mean throughput is over: its steps after the warm-up step of `warmup_s` seconds (None: a lone
-    step, which is all there is)."""
+    """What a start's mean throughput is over: its steps after the warm-up step of `warmup_s` seconds (None: lone)."""
     if warmup_s is None:
         return "the training steps"
     return f"the steps after the first, which took {warmup_s:.2f} s warming up"

@@ -1,12 +1,4 @@
-"""Which model a command measures on this machine: the paper's where it fits, else the same architecture smaller.
-
-`gpipe bench` and `gpipe profile-memory` without model flags measure the family's paper model
-(`families.Family.paper_preset`) when the devices' memory holds it and the command would finish in about
-a minute, else the first member down a ladder of the same architecture, fewer layers and narrower, that
-does. Time is the model's FLOPs at a quick measured rate of this machine (a matrix product) times the share
-the family's layers reach, plus the measured fixed costs of starting ranks and running a layer; memory is
-from the parameters and the activations' shapes. Every member keeps at least eight pipeline layers (K=8).
-"""
+"""Which model a command measures on this machine: the paper's where it fits, else the same architecture smaller."""
 
 from __future__ import annotations
 
@@ -165,8 +157,7 @@ def ladder(name: str, settings: dict[str, Any] | None = None) -> list[tuple[str,
 
 
 def keeps_size(family: str, settings: dict[str, Any]) -> bool:
-    """Whether model `settings` leave every member of `family` its size: training-only settings, and values the
-    members have already (`arch=decoder-only` for the Transformer-L)."""
+    """Whether model `settings` leave every member of `family` its size: training-only ones, or values members have."""
     members = [params for _, params in ladder(family)]
     return all(key in TRAINING_ONLY or all(key in params and params[key] == value for params in members)
                for key, value in settings.items())
@@ -233,8 +224,7 @@ def deep_enough(kind: str, params: dict[str, Any], stages: int) -> dict[str, Any
 
 def choose(family: str, judge: Callable[[Candidate], Verdict], stages: int = 1,
            settings: dict[str, Any] | None = None) -> Choice:
-    """The paper's member of `family` if `judge` says it fits, else the largest smaller member that does
-    (each deep enough for `stages` stages, and with model `settings` that `keeps_size`)."""
+    """The paper's member of `family` if `judge` says it fits, else the largest smaller member that does."""
     members = [(kind, deep_enough(kind, params, stages)) for kind, params in ladder(family, settings)]
     reason = ""  # why the paper's member does not fit
     for index, (kind, params) in enumerate(members):
@@ -268,8 +258,7 @@ def layer_rate(machine: Machine, kind: str) -> tuple[float, float]:
 
 
 def step_seconds(cand: Candidate, machine: Machine, examples: int, microbatches: int, passes: float) -> float:
-    """Estimated seconds of one training step's compute on one rank: FLOPs at the measured rate plus
-    the fixed cost of every layer call (which dominates small models)."""
+    """Estimated seconds of a step's compute on a rank: FLOPs at the measured rate plus a fixed cost per layer call."""
     rate, per_call = layer_rate(machine, cand.kind)
     return examples * cand.flops * passes / rate + microbatches * cand.pipeline_layers * passes * per_call
 

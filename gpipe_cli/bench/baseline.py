@@ -1,33 +1,4 @@
-"""torch.distributed.pipelining's counterpart of the measured schedule, on our layers, timed and metered like ours.
-
-    ours           torch                          chunks per rank
-    gpipe          ScheduleGPipe                  1
-    1f1b           Schedule1F1B                   1
-    interleaved    ScheduleInterleaved1F1B        V, chunk c on rank c mod K (as ours)
-    zero-bubble    ScheduleInterleavedZeroBubble  1 (its ZB1P with one chunk per rank is ZB-H1)
-    zero-bubble-v  ScheduleZBVZeroBubble          2, in a V: chunks r and 2K-1-r on rank r (as ours)
-    v-half         (none)
-
-A class the installed torch lacks is reported as skipped, with the reason. Each rank wraps the same
-layers our engine ran (same seed, same cut) in one `PipelineStage` per chunk it holds.
-
-Same checkpointing: a first, unmeasured step records torch's order of forwards and backwards; the rule of
-our action lists (`schedule.remat_pairs`) then picks from that order the forwards to recompute, run under
-activation checkpointing of the whole chunk. Where the two orders differ, so may the number of recomputed
-forwards: both are reported. That checkpointing (`checkpoint`) hands the graph a placeholder for each tensor
-it would save; the first time backward asks for one, the forward runs again from the stored input with its
-RNG state (identical dropout masks), and every tensor it saves is held through the `ActivationMeter` until
-the graph lets go of its placeholder: recomputation costs and weighs what our engine's does, also under a
-split backward. `torch.utils.checkpoint` would keep the recomputed tensors out of the meter's sight.
-
-Memory is measured as our engine measures it: the same `ActivationMeter` counts every tensor autograd
-saves (loss and recomputation included) and the chunk inputs and outputs kept from a micro-batch's
-forward until its backward; on CUDA both sides report the allocator's peak. A rank's idle share is its
-step time less the time inside their stages' forward and backward calls, over its step time, as ours.
-
-Their known trap: receive buffers are allocated once, from the first micro-batch's shapes, so the
-batch must split into equal micro-batches (the options refuse anything else with --compare).
-"""
+"""torch.distributed.pipelining's counterpart of the measured schedule, on our layers, timed and metered like ours."""
 
 from __future__ import annotations
 
@@ -135,6 +106,8 @@ def _unpack(slot: _Slot) -> torch.Tensor:
     return _tensor(slot.value)
 
 
+# Not `torch.utils.checkpoint`, which would keep the recomputed tensors out of the meter's sight: here each is held
+# through the meter until the graph lets go of its placeholder, so recomputation weighs what our engine's does.
 def checkpoint(fn: Callable[..., Any], args: Sequence[Any], meter: ActivationMeter) -> Any:
     """`fn(*args)` keeping no activation; they are recomputed, and counted by `meter`, when backward needs them."""
     frame = _Frame(fn, args, meter)

@@ -56,8 +56,8 @@ class BenchOptions(ModelFlags):
 
     @property
     def measures_host_overhead(self) -> bool:
-        """Whether the K=1 run also times the engine against a plain loop: only when the benchmark is of K=1 itself
-        (at K > 1 it would add as many K=1 steps again to every run)."""
+        """Whether the K=1 run also times the engine against a plain loop: only when benchmarking K=1 itself."""
+        # At K > 1 it would add as many K=1 steps again to every run.
         return self.stages == 1 and not self.sweep
 
     def sweep_plot(self) -> Path | None:
@@ -75,8 +75,8 @@ class BenchOptions(ModelFlags):
 
 
 def overhead_rounds(steps: int) -> tuple[int, int]:
-    """How the host-overhead comparison runs `steps` measured steps a side: (rounds, steps of each side per round);
-    up to 10 rounds of at least 2 steps where there are, so that a side's best step need not follow a switch."""
+    """How the host-overhead comparison runs `steps` steps a side: (rounds, steps of each side per round)."""
+    # Up to 10 rounds of at least 2 steps, so that a side's best step need not follow a switch.
     count = max(1, min(10, steps // 2))
     return count, -(-steps // count)
 
@@ -115,8 +115,8 @@ FLAGS: dict[str, str] = {
 
 
 def bench_options(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str], **own: Any) -> BenchOptions:
-    """The options a recipe (None: bench's own model and pipeline), the alias flags, `--set` and bench's own flags
-    give; the recipe's keys are checked as `train` checks them, before torch loads."""
+    """The options a recipe (None: bench's own model and pipeline), the alias flags, `--set` and bench's flags give."""
+    # The recipe's keys are checked as `train` checks them, before torch loads.
     return BenchOptions(model=model_of(recipe, own.pop("model", None), "measured"),
                         **shared_fields(BenchOptions, recipe, flags, sets, ("auto", "time")), **own)
 

@@ -1,14 +1,4 @@
-"""The engine's host overhead: K=1 engine steps against a plain PyTorch loop over the same layers.
-
-The plain loop is gradient accumulation written by hand: the engine's micro-batches, each loss weighted
-as the engine weights it, and `torch.utils.checkpoint` on the micro-batches the schedule rematerialises.
-Both sides start from the same weights, and neither runs an optimizer step (bench's engine steps run none),
-so the weights stay put and every step of both computes the same thing and leaves the same gradients.
-
-On a model whose arithmetic is negligible, the difference of the step times is what the engine adds in
-Python per step and per micro-batch (on a GPU, time the device idles). The sides alternate over rounds
-in one process and each keeps its best step, so drift in the machine's load hits both alike.
-"""
+"""The engine's host overhead: K=1 engine steps against a plain PyTorch loop over the same layers."""
 
 from __future__ import annotations
 
@@ -102,10 +92,11 @@ def engine_pipeline(spec: ModelSpec, topo: Topology, schedule: str, checkpoint_m
     return build_pipeline(spec, topo, config, seed)
 
 
+# Neither side runs an optimizer step, so the weights stay put and every step of both computes the same thing; the
+# sides alternate over rounds in one process, each keeping its best step, so drift in the load hits both alike.
 def compare(spec: ModelSpec, topo: Topology, inputs: Any, targets: torch.Tensor, chunks: int, schedule: str,
             checkpoint_mode: str, seed: int, steps: int, warmup: int) -> dict[str, Any]:
-    """Alternate K=1 engine steps and plain-loop steps over rounds: each side's best step, their difference
-    (seconds), and how far apart the two sides' gradients ended."""
+    """Alternate K=1 engine and plain-loop steps: each side's best step, their difference, how far the gradients end."""
     remat = remat_microbatches(schedule, chunks, checkpoint_mode)
     pipe = engine_pipeline(spec, topo, schedule, checkpoint_mode, seed)
     plain = PlainLoop(spec, topo.device, seed, chunks, remat)

@@ -1,9 +1,4 @@
-"""What `gpipe bench` will measure, said before it measures anything.
-
-Without model flags the family's model is sized to this machine (see `gpipe_cli.sizing`); a model the memory
-model says cannot fit this machine's free memory in one of its runs is refused in one line. Then the plan is
-printed: the model, each stage's memory, the ranks per core or GPU and how long it should take.
-"""
+"""What `gpipe bench` will measure, said before it measures anything."""
 
 from __future__ import annotations
 
@@ -26,8 +21,7 @@ NO_STATE = "plain-sgd"  # bench steps without an optimizer: weights and gradient
 
 
 def sizable(options: BenchOptions) -> bool:
-    """Whether the model is left to this machine: a family name, no size flag, and `--set` only of settings
-    that leave the model's size alone (dropout, for example)."""
+    """Whether the model is left to this machine: a family name, no size flag, `--set` only of size-neutral settings."""
     if options.model not in FAMILIES or any(v is not None for v in options.sizes().values()):
         return False
     if options.set:
@@ -54,8 +48,7 @@ def _parallel(machine: sizing.Machine, ranks: int, threads: int) -> float:
 
 
 def phase_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: BenchOptions) -> dict[int, float]:
-    """Seconds each job of the command should take on `machine` with model `cand`, by its K (a job per K: K=1
-    also times the per-layer costs and, when asked, the host overhead)."""
+    """Seconds each job should take on `machine` with model `cand`, by its K (K=1 also times layers, host overhead)."""
     passes = sizing.passes(options.checkpoint)
     configs = runs(options, cand.pipeline_layers)
     seconds = {k: sizing.launch_seconds(k, machine) for k in sorted({k for k, _ in configs})}
@@ -142,8 +135,8 @@ class Memory:
 
 
 def memory(subject: Subject, options: BenchOptions, machine: sizing.Machine) -> Memory:
-    """Each stage's memory (from the memory model) at K and K=1, and what every run of the command needs at once
-    here: on a CPU all of its ranks with their runtimes; on GPUs the fullest one, its ranks dealt out in turn."""
+    """Each stage's memory (the memory model's) at K and K=1, and what every run of the command needs here at once."""
+    # On a CPU all of its ranks with their runtimes; on GPUs the fullest one, its ranks dealt out in turn.
     spec = subject.build()
     figures = mm.measure(spec, options.seed, device="meta")  # shapes only
     # Stages are cut by FLOPs, which grow alike in every layer with the micro-batch: one size cuts every M.
@@ -182,8 +175,7 @@ def _does_not_fit(options: BenchOptions, cand: sizing.Candidate, run: str, need:
 
 
 def _stage_memory(figures: mm.ModelFigures, flops: list[float], options: BenchOptions, k: int, m: int) -> list[float]:
-    """Each stage's estimated bytes at K stages and M micro-batches, cut by FLOPs (the measured cut may differ
-    slightly)."""
+    """Each stage's estimated bytes at K stages and M micro-batches, cut by FLOPs (the measured cut may differ)."""
     virtual = options.virtual_at(k)
     balance = partition.balance_by_cost(flops if any(flops) else [1.0] * len(flops), k * virtual)
     prints = mm.footprints(figures, balance, options.batch, m, options.schedule, options.checkpoint,

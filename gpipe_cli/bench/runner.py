@@ -1,14 +1,4 @@
-"""`gpipe bench`: measure K=1 and K ranks (or predict K devices), then print and save the figures.
-
-    K=1 job   per-layer costs (for the balance and the simulator) + T(K=1) at the same M and remat
-    K job     T(K), measured bubble, per-stage memory, optional trace and baselines
-
-The plan is printed first (see `preview`), or a model too large for this machine refused in one line.
-Ctrl-C stops the ranks and exits 130 with no traceback, the job folder removed; once measuring is over,
-Ctrl-C and SIGTERM wait the moment it takes to print and write the results.
-
-Efficiency is T(K) / (K × T(K=1) × M/(M+K-1)): 1.0 means the only loss is GPipe's bubble.
-"""
+"""`gpipe bench`: measure K=1 and K ranks (or predict K devices), then print and save the figures."""
 
 from __future__ import annotations
 
@@ -119,8 +109,7 @@ def check_cut(options: BenchOptions, subject: Subject) -> None:
 
 def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Progress,
             phases: dict[int, float]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Measure K=1 and K ranks (or predict K devices): the figures, and the K ranks' step for --trace (each job
-    said with its estimated seconds from `phases`, by K)."""
+    """Measure K=1 and K ranks (or predict K devices): the figures, and the K ranks' step for --trace."""
     spec = subject.build()
     k = options.stages
     then = ", then the engine against a plain loop" if options.measures_host_overhead else ""
@@ -164,8 +153,7 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
 
 @contextlib.contextmanager
 def _temporary_root(folder: str) -> Iterator[None]:
-    """Make `folder` the root of temporary files (the launcher's own among them), so that removing it leaves
-    nothing behind, also after Ctrl-C."""
+    """Make `folder` the root of temporary files (the launcher's too), so removing it leaves nothing, Ctrl-C or not."""
     previous = tempfile.tempdir
     tempfile.tempdir = folder
     try:
@@ -203,8 +191,7 @@ def _write_trace(options: BenchOptions, summary: dict[str, Any], events: list[di
 
 
 def run(options: BenchOptions) -> int:
-    """Run `gpipe bench` on options `bench.run` has validated; print the figures and return an exit code (130 on
-    Ctrl-C)."""
+    """Run `gpipe bench` on options `bench.run` has validated; print the figures, return an exit code (130: Ctrl-C)."""
     console = output_console()
     try:
         return _run(options, console)

@@ -1,9 +1,4 @@
-"""How a benchmark is set up and started: its jobs, their balance, whether their ranks fit the hardware, what
-each rank of a job measures, and launching them to read back what rank 0 wrote.
-
-Rank 0 writes the figures as JSON to the job's `out` path after every phase, so a failure late in
-the job (a baseline) still leaves the earlier figures behind.
-"""
+"""How a benchmark is set up and started: its jobs, their balance, what each rank measures, and launching them."""
 
 from __future__ import annotations
 
@@ -51,6 +46,7 @@ class Job:
     offload: str = "none"
 
 
+# Rank 0 writes the figures after every phase, so a failure late in the job (a baseline) leaves the earlier ones.
 def _save(result: dict[str, Any], out: str) -> None:
     atomic_write_text(Path(out), json.dumps(result))  # readers never see half a file
 
@@ -137,8 +133,8 @@ def base_job(options: BenchOptions, subject: Subject, stages: int, balance: list
 
 
 def choose_balance(options: BenchOptions, costs: CostProfile, stages: int) -> tuple[list[int], str]:
-    """The explicit balance, or the split of the measured per-layer time into K x V chunks whose busiest stage is
-    least (the runner's `check_cut` has refused a cut the model cannot take)."""
+    """The explicit balance, or the cut of measured per-layer time into K x V chunks whose busiest stage is least."""
+    # The runner's `check_cut` has already refused a cut the model cannot take.
     chunks = stages * options.virtual_stages
     explicit = parse_balance(options.balance, chunks)
     if explicit is not None:

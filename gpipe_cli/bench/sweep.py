@@ -1,8 +1,4 @@
-"""`gpipe bench --sweep`: the paper's Table 2, M ∈ {1, 4, 32} × K ∈ {2, 4, 8}, normalised to K=2, M=1.
-
-One job per K runs every M (the same balance, measured per-layer time). K values this machine cannot
-host without oversubscribing are skipped unless asked for, and flagged when run.
-"""
+"""`gpipe bench --sweep`: the paper's Table 2, M ∈ {1, 4, 32} × K ∈ {2, 4, 8}, normalised to K=2, M=1."""
 
 from __future__ import annotations
 
@@ -26,8 +22,7 @@ from gpipe_cli.progress import Progress
 
 def run(options: BenchOptions, subject: Subject, folder: Path, progress: Progress,
         phases: dict[int, float]) -> dict[str, Any]:
-    """Measure every (K, M) this machine hosts, each job said with its estimated seconds from `phases` (by K);
-    the figures as the JSON file holds them."""
+    """Measure every (K, M) this machine hosts; the figures as the JSON file holds them."""
     layers = len(subject.build().layers)
     ks = sweep_partitions(options, layers)
     progress.phase(f"measuring per-layer costs ({layers} layers)", phases.get(1, 0.0))

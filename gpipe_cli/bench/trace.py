@@ -1,9 +1,4 @@
-"""One step's timeline: a Chrome trace (Perfetto, chrome://tracing) and a Gantt chart like GPipe's Figure 2.
-
-One "X" event per executed action (a receive's duration is the wait for its message), one track per stage,
-naming each action's chunk where a stage runs several. Times are seconds from each rank's start of the
-step; the ranks start together after a barrier.
-"""
+"""One step's timeline: a Chrome trace (Perfetto, chrome://tracing) and a Gantt chart like GPipe's Figure 2."""
 
 from __future__ import annotations
 
@@ -38,6 +33,8 @@ def paths(target: Path) -> tuple[Path, Path]:
     return target, target.with_suffix(".png") if target.suffix else Path(str(target) + ".png")
 
 
+# Events are timed in seconds from each rank's start of the step (the ranks start together after a barrier); a
+# receive lasts as long as it waited for its message.
 def chrome_trace(events: Sequence[Mapping[str, Any]], title: str) -> dict[str, Any]:
     """The events as a Chrome trace object: one "X" event per action plus track names."""
     stages = sorted({int(e["stage"]) for e in events})

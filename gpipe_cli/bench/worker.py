@@ -1,7 +1,4 @@
-"""What each rank of a benchmark job runs: `python -m gpipe_cli.bench.worker JOB.json`.
-
-Any failure on any rank stops every rank, with the failing rank's message and stage.
-"""
+"""What each rank of a benchmark job runs: `python -m gpipe_cli.bench.worker JOB.json`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Training and evaluation data: sources, tokenizer and mini-batches that are identical on every rank.
-
-The public names are imported on first use, so that light submodules (the offline check of the hub,
-pydoc text) load without torch.
-"""
+"""Training and evaluation data: sources, tokenizer and mini-batches that are identical on every rank."""
 
 from __future__ import annotations
 
@@ -16,6 +12,7 @@ if TYPE_CHECKING:
     from gpipe_cli.data.tokenizer import BOS, EOS, PAD, UNK, Tokenizer
     from gpipe_cli.errors import DataError
 
+# Imported on first use, so that light submodules (the offline hub check, pydoc text) load without torch.
 _NAMES = {"data.bleu": ("corpus_bleu",), "data.build": ("Task", "build_data", "build_data_for", "task_for"),
           "data.loader": ("Batch", "Examples", "Loader"), "data.tokenizer": ("BOS", "EOS", "PAD", "UNK", "Tokenizer"),
           "errors": ("DataError",)}

@@ -1,9 +1,4 @@
-"""Image preprocessing as in the paper: random (resized) crop and horizontal flip, then normalisation.
-
-Random parameters are drawn here from a caller-supplied generator, so the result depends only on
-(seed, epoch, example index); torchvision (when installed) or plain torch then applies them, with the
-same semantics either way.
-"""
+"""Image preprocessing as in the paper: random (resized) crop and horizontal flip, then normalisation."""
 
 from __future__ import annotations
 
@@ -109,6 +104,8 @@ def resized_crop_params(h: int, w: int, rng: np.random.Generator, scale: tuple[f
     return (h - ch) // 2, (w - cw) // 2, ch, cw
 
 
+# Random parameters come from the caller's generator, so a result depends only on (seed, epoch, example index);
+# torchvision (when installed) or plain torch applies them with the same semantics.
 class ImageTransform:
     """Float [3,h,w] image in [0,1] -> normalised [3,S,S]; random only when given a generator."""
 

@@ -17,8 +17,8 @@ from gpipe_cli.recipe.schema import Data, Recipe
 def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_classes: int = 1000,
                vocab_size: int = 32000, max_len: int = 256, run_dir: Path | None = None, min_batch: int = 1,
                workers: int = 0, cache_dir: Path | None = None, augment_backend: Backend = "auto") -> Loader:
-    """The Loader for `data` and `task`: `min_batch` examples or more in every mini-batch (microbatches x replicas:
-    no shard's micro-batch is empty), built by `workers` background processes (0: inline)."""
+    """The Loader for `data` and `task`, built by `workers` background processes (0: inline)."""
+    # `min_batch` (micro-batches x replicas) examples or more in every mini-batch: no shard's micro-batch is empty.
     train: Examples
     evl: Examples | None
     tok: Tokenizer | None = None

@@ -1,8 +1,4 @@
-"""Batching, sharding and epoch positions.
-
-Every rank derives the same plan (which examples form mini-batch i of epoch e) from (seed, epoch)
-alone, so ranks agree without communicating and `start=i` resumes an epoch exactly.
-"""
+"""Batching, sharding and epoch positions."""
 
 from __future__ import annotations
 
@@ -67,10 +63,8 @@ def shard_bounds(n: int, replica: int, replicas: int) -> tuple[int, int]:
 
 
 def pack_by_budget(sorted_lengths: np.ndarray, budget: int, min_batch: int) -> list[tuple[int, int]]:
-    """Greedy [lo, hi) runs of ascending lengths whose padded size (count x longest) fits `budget`.
-
-    A run closes only once it holds `min_batch` examples, so one over-long example still forms a batch.
-    """
+    """Greedy [lo, hi) runs of ascending lengths whose padded size (count x longest) fits `budget`."""
+    # A run closes only once it holds `min_batch` examples, so one over-long example still forms a batch.
     bounds: list[tuple[int, int]] = []
     lo = 0
     for i, length in enumerate(sorted_lengths.tolist()):
@@ -132,6 +126,7 @@ class Loader:
 
     def plan(self, epoch: int) -> list[np.ndarray]:
         """Example ids of each global training mini-batch of `epoch`, in order."""
+        # From (seed, epoch) alone: ranks agree without communicating, and `start=i` resumes an epoch exactly.
         if self._cache is not None and self._cache[0] == epoch:
             return self._cache[1]
         n = len(self.train)

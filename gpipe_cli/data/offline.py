@@ -1,9 +1,4 @@
-"""Can the Hugging Face hub be reached, and before any rank starts, can a hub recipe get its data (if not, one
-line says how to prepare it)?
-
-Runs on the launching side without importing torch or `datasets` in the common case (no network and
-nothing cached), so an offline machine is told within seconds, not after the ranks have started.
-"""
+"""Can the Hugging Face hub be reached, and can a hub recipe get its data before any rank starts?"""
 
 from __future__ import annotations
 
@@ -87,6 +82,8 @@ def maybe_cached(name: str) -> bool:
                for root in _cache_roots())
 
 
+# On the launching side, without torch or `datasets` in the common case (no network, nothing cached), so an
+# offline machine is told within seconds, not after the ranks have started.
 def check_hub_data(data: Data, recipe: str | None, overrides: Sequence[str] = ()) -> None:
     """Fail in one line, with the prepare-data hint, when a hub dataset is neither reachable nor cached."""
     if data.source != "hub" or not data.name:

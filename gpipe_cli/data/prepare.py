@@ -1,9 +1,4 @@
-"""`gpipe prepare-data`: save a recipe's hub dataset once as local parquet files for machines without network.
-
-The folder holds `<split>-<i>-of-<n>.parquet` for the training split and the eval split the recipe would
-use, with images embedded as bytes and the `datasets` features (class names) in the parquet metadata,
-which is exactly what `data.source: parquet` reads back.
-"""
+"""`gpipe prepare-data`: save a recipe's hub dataset once as local parquet files for machines without network."""
 
 from __future__ import annotations
 
@@ -43,8 +38,7 @@ def _embedded(ds: Any) -> Any:
 
 
 def save_splits(splits: Any, data: Data, output: Path, say: Callable[[str], None] | None = None) -> list[Path]:
-    """Write the recipe's training and eval splits of a DatasetDict as parquet shards into a new folder (`say`
-    receives a progress line before each shard)."""
+    """Write the recipe's training and eval splits of a DatasetDict as parquet shards into a new folder."""
     output = _new_folder(output)
     train, evl = pick_splits(splits, data, f"dataset '{data.name}'")
     eval_name = eval_split_name(splits, data)
@@ -73,8 +67,7 @@ def save_splits(splits: Any, data: Data, output: Path, say: Callable[[str], None
 
 def prepare_data(data: Data, output: Path, cache_dir: Path | None = None,
                  say: Callable[[str], None] | None = None) -> list[Path]:
-    """Download the recipe's hub dataset (data.name, data.config) and save it with save_splits (progress lines go
-    to `say`, by default stdout with the seconds since the call)."""
+    """Download the recipe's hub dataset (data.name, data.config) and save it with `save_splits`."""
     started = time.time()
     say = say or (lambda text: print(note(started, text), flush=True))
     if not data.name:

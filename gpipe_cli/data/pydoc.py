@@ -1,8 +1,4 @@
-"""English text that every Python installation carries: the documentation topics of `pydoc_data`.
-
-`data.source: pydoc` reads the language reference's topic pages (the text `help("assert")` prints),
-one document per paragraph, so a language model can be trained and evaluated without any download.
-"""
+"""English text that every Python installation carries: the documentation topics of `pydoc_data`."""
 
 from __future__ import annotations
 

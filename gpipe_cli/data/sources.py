@@ -96,8 +96,7 @@ def load_builder(builder: str, where: str, cache_dir: Path | None, **kwargs: Any
 
 
 def open_splits(data: Data, cache_dir: Path | None, local: str) -> tuple[Any, str]:
-    """(DatasetDict, a description for messages) of a hub or parquet source; `local`: the sources a hub
-    error suggests instead."""
+    """(DatasetDict, a description for messages) of a hub or parquet source; `local`: what a hub error suggests."""
     if data.source == "hub":
         assert data.name is not None
         return load_hub(data.name, data.config, cache_dir, local), f"dataset '{data.name}'"

@@ -129,10 +129,10 @@ class LMExamples(Examples):
 
 
 def unigram_perplexity(train: LMExamples, held_out: LMExamples, vocab_size: int) -> float:
-    """Perplexity of the held-out targets (every token after the first, as the model is scored) under the training
-    stream's add-one smoothed unigram distribution: a baseline that knows token frequencies and no context."""
+    """Perplexity of the held-out targets under the training stream's add-one smoothed unigram distribution."""
     counts = np.bincount(train.stream, minlength=vocab_size).astype(np.float64)
     log_p = np.log(counts + 1.0) - np.log(counts.sum() + len(counts))
+    # Every token after the first, as the model is scored: a baseline that knows token frequencies, no context.
     targets = held_out.stream[1:]
     return float(np.exp(-log_p[targets].mean())) if len(targets) else float("nan")
 

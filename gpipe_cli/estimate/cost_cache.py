@@ -1,10 +1,4 @@
-"""Per-layer seconds for the cut of `balance: auto` and `time`: measured at launch, cached per machine.
-
-Rank 0 times every layer on one micro-batch on the run's device (`estimate.costs.profile`, so the costs
-follow the run's `pipeline.checkpoint`), with few repeats so that it takes seconds. A per-user cache,
-keyed by everything the seconds depend on (`cache_key`), spares the next launch of the same run the
-measurement; a cache file that cannot be read is measured again and replaced.
-"""
+"""Per-layer seconds for the cut of `balance: auto` and `time`: measured at launch by rank 0, cached per machine."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Per-layer costs of one micro-batch as the balance and the simulator read them.
-
-From the one per-layer measurer (`pipeline.layer_profile`): each kind of compute the schedule runs per
-layer is timed apart, so that each action is charged what it really costs.
-"""
+"""Per-layer costs of one micro-batch as the balance and the simulator read them."""
 
 from __future__ import annotations
 
@@ -61,8 +57,7 @@ class CostProfile:
 
     def balance(self, partitions: int, checkpoint: str, owners: Sequence[int] | None = None,
                 microbatches: int = 1) -> list[int]:
-        """The min-max split of measured time into `partitions` contiguous chunks (`owners`: each chunk's stage,
-        when stages hold several: then see `partition.balance_stages`)."""
+        """The min-max split of measured time into `partitions` contiguous chunks (`owners`: each chunk's stage)."""
         return partition.balance_stages(self.balance_costs(checkpoint), partitions, owners, microbatches)
 
     def to_json(self) -> dict[str, Any]:

@@ -1,12 +1,4 @@
-"""Time training steps on this rank: the engine's, or any other step function, by one common clock.
-
-Every step starts after a barrier and lasts as long as its slowest rank, so ours and the baselines,
-timed by the same function, compare like with like. Warm-up steps are run and dropped.
-
-A benchmark on a shared machine measures the neighbours too, so `Load` says whether the machine was the
-job's alone: its busy CPU seconds (/proc/stat) less every rank's own are what others used; in a virtual
-machine, "steal" is what the hypervisor gave away.
-"""
+"""Time training steps on this rank: the engine's, or any other step function, by one common clock."""
 
 from __future__ import annotations
 
@@ -57,6 +49,8 @@ def machine_cpu() -> tuple[float, float] | None:
     return (sum(fields[:8]) - idle - steal) / hz, steal / hz
 
 
+# On a shared machine a benchmark measures the neighbours too: the machine's busy CPU seconds less every rank's
+# own are what others used; in a virtual machine, "steal" is what the hypervisor gave away.
 class Load:
     """Started on every rank at the start of a measured window; `finish` (on every rank) gives the shares."""
 
@@ -83,6 +77,7 @@ def contended(load: dict[str, float], threshold: float = 0.05) -> bool:
     return load.get("others_share", 0.0) > threshold or load.get("stolen_share", 0.0) > threshold
 
 
+# Ours and the baselines are timed by this one function, so they compare like with like.
 def timed(step: Callable[[], Any]) -> tuple[float, Any]:
     """Run `step` on every rank from a common start; return the slowest rank's seconds and its result."""
     if distributed():
@@ -144,8 +139,8 @@ class RunFigures:
 
     @property
     def bubble(self) -> float:
-        """The measured bubble: the mean over stages of each stage's median idle share (so it is the mean of
-        the stage table's column, and aggregated as torch's schedules are in `--compare`)."""
+        """The measured bubble: the mean over stages of each stage's median idle share."""
+        # The mean of the stage table's column, and aggregated as torch's schedules are in `--compare`.
         if self.stages:
             return sum(s.bubble for s in self.stages) / len(self.stages)
         return median(self.bubbles)
@@ -188,9 +183,7 @@ def build_pipeline(spec: ModelSpec, topo: Topology, config: PipelineConfig, seed
 def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_size: int, microbatches: int,
                    steps: int, warmup: int, trace: bool = False, optimizer: torch.optim.Optimizer | None = None,
                    max_grad_norm: float | None = None) -> RunFigures | None:
-    """Run warm-up and measured steps (and one traced step); the figures on rank 0, None elsewhere.
-
-    `optimizer` and `max_grad_norm` run as in training."""
+    """Run warm-up and measured steps (and one traced step) as in training; the figures on rank 0, None elsewhere."""
     layout = pipe.layout
     feed = inputs if layout.is_first else None
     labels = targets if layout.is_last else None

@@ -61,11 +61,11 @@ def model_of(recipe: str | None, model: str | None, done: str) -> str:
     return recipe or model or "transformer"
 
 
+# The recipe's keys are checked as `train` checks them, before torch loads; `cuts`: the command's own `--balance`
+# cuts; `defaults` add to the fields' own where there is no recipe.
 def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str],
                   cuts: tuple[str, ...], **defaults: Any) -> dict[str, Any]:
-    """The fields a recipe (None: the command's own model), the alias flags and `--set` give, the recipe's keys
-    checked as `train` checks them, before torch loads; `cuts` are the command's own `--balance` cuts, and
-    `defaults` add to the fields' own where there is no recipe."""
+    """The fields a recipe (None: the command's own model), the alias flags and `--set` give."""
     own = {f.name: f.default for f in fields(options) if f.name in ALIASES and f.default not in (None, MISSING)}
     given, model_sets = settings(recipe, flags, sets, {**own, **defaults})
     if "balance" in given:

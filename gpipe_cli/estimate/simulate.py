@@ -1,10 +1,4 @@
-"""Predict a pipeline's step time for devices that are not here, from measured per-layer costs.
-
-The engine's own action lists (`schedule.build_all`) run through `schedule.simulate`: each compute action
-costs what its layers measured for a micro-batch of that size, each message arrives `latency + bytes /
-bandwidth` after its send. Per-layer timings miss the engine's own per-step work, so they are first
-calibrated: scaled until the simulated single-device step lasts as long as the measured one.
-"""
+"""Predict a pipeline's step time for devices that are not here, from measured per-layer costs."""
 
 from __future__ import annotations
 
@@ -39,8 +33,8 @@ FREE = Link(1e30, 0.0)  # messages cost nothing: compute alone
 
 
 def rate_model(alone_speedup: float, stages: int, replicas: int = 1) -> Rate:
-    """Speed with `busy` of a pipeline's stages computing, its replicas in step: `alone_speedup` for one rank
-    of all computing, 1 for all of them, linear in between (in fill and drain, fewer ranks share the cores)."""
+    """Speed with `busy` of the ranks computing: `alone_speedup` for one of all, 1 for all, linear in between."""
+    # In fill and drain fewer ranks share the cores; a pipeline's replicas compute in step.
     ranks = stages * replicas
 
     def rate(busy: int) -> float:
@@ -109,9 +103,9 @@ def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microba
 def simulate_step(costs: CostProfile, balance: list[int], batch_size: int, microbatches: int, schedule: str,
                   checkpoint: str, link: Link, scale: float = 1.0, virtual: int = 1,
                   overhead: float = 0.0, rate: Rate | None = None) -> Prediction:
-    """The simulated step of `balance` (K x V chunks, K = its length / V) with M micro-batches
-    (`overhead`: seconds each layer of a compute action costs beyond its measured time: the engine's own work;
-    `rate`: how much faster compute runs with fewer ranks busy, for ranks sharing cores)."""
+    """The simulated step of `balance` (K x V chunks, K = its length / V) with M micro-batches."""
+    # `overhead`: the engine's own seconds per layer of a compute action beyond its measured time; `rate`: how
+    # much faster compute runs with fewer ranks busy, for ranks sharing cores.
     stages = len(balance) // virtual
     cost, latency = _cost_model(costs, balance, batch_size, microbatches, link, scale, overhead)
     lists = sched.build_all(schedule, stages, microbatches, checkpoint, virtual)
@@ -120,6 +114,7 @@ def simulate_step(costs: CostProfile, balance: list[int], batch_size: int, micro
     return Prediction(stages, microbatches, batch_size, list(balance), step, sched.bubble(spans), scale, spans)
 
 
+# Per-layer timings miss the engine's own per-step work, so they are scaled by this factor first.
 def calibration(costs: CostProfile, batch_size: int, microbatches: int, schedule: str, checkpoint: str,
                 measured_step: float) -> float:
     """The factor that makes the simulated single-device step last as long as the measured one."""

@@ -1,9 +1,4 @@
-"""The model a benchmark or a memory profile runs: a preset, a family name or a recipe's model, resized.
-
-`--model` takes a preset of the zoo, a family name (the paper's speed-table model) or a recipe file;
-size flags and `--set KEY=VALUE` then replace model parameters, so a paper-sized model can be shrunk
-to something a CPU can time.
-"""
+"""The model a benchmark or a memory profile runs: a preset, a family name or a recipe's model, resized."""
 
 from __future__ import annotations
 
@@ -95,9 +90,9 @@ def _override_keys(items: Sequence[str]) -> list[str]:
 
 
 def check_limits(kind: str, params: Mapping[str, Any], named: Mapping[str, str], source: str) -> None:
-    """Refuse a size beyond the recipe schema's limits (a recipe could not hold it either): building a model of
-    billions of layers would take the machine's memory and time before anything is said. `named` maps a
-    parameter to the flag that set it; the rest are `source`'s."""
+    """Refuse a size beyond the recipe schema's limits; `named` maps a parameter to its flag, others are `source`'s."""
+    # A recipe could not hold it either, and building billions of layers would take the machine's memory and time
+    # before anything is said.
     for param, (low, high) in size_limits(kind).items():
         value = params.get(param)
         if isinstance(value, bool) or not isinstance(value, int) or low <= value <= high:

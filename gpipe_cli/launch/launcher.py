@@ -1,9 +1,4 @@
-"""Start the ranks of a job with torchrun's elastic agent (in this process) and report how they ended.
-
-In-process rather than a `torchrun` child, so that its failure report becomes one line for the user (the
-failed worker has printed its own error); a rank killed by a signal cannot say so, so the launcher names
-it. Multi-node jobs use torchrun's rendezvous: static (with a node rank) or c10d (elastic).
-"""
+"""Start the ranks of a job with torchrun's elastic agent (in this process) and report how they ended."""
 
 from __future__ import annotations
 
@@ -53,8 +48,7 @@ class LaunchOptions:
 def launch_options(nnodes: str | None = None, node_rank: int | None = None, rdzv_endpoint: str | None = None,
                    rdzv_backend: str | None = None, rdzv_id: str | None = None, threads: int | None = None,
                    environ: Mapping[str, str] | None = None) -> LaunchOptions:
-    """The options as given; inside a multi-node srun step, what is not given comes from Slurm (unless --nnodes
-    is given: then the nodes are laid out by hand)."""
+    """The options as given; inside a multi-node srun step, what is not given comes from Slurm (unless --nnodes is)."""
     step = None if nnodes is not None or under_torchrun() else slurm_step(environ)
     if step is None:
         return LaunchOptions(nnodes=nnodes or "1", node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
@@ -139,9 +133,7 @@ class _Stops:
                   "(nothing to save yet)", file=sys.stderr, flush=True)
 
     def forward_interrupt(self, signum: int, frame: object) -> None:
-        """Pass Ctrl-C on to the ranks, which torchrun starts in sessions of their own (the terminal's
-        Ctrl-C reaches only this process). Training ranks stop after their step (SIGINT; a second Ctrl-C
-        aborts); ranks with nothing to save get SIGTERM, which also ends quietly one still starting Python."""
+        """Pass Ctrl-C on to the ranks, which torchrun starts in sessions of their own, out of the terminal's reach."""
         children, training, proc = _children(), self.training(), os.path.isdir("/proc")
         if proc and not training and not self.finishing:
             self.finishing = True
@@ -150,20 +142,17 @@ class _Stops:
             raise KeyboardInterrupt  # no rank runs yet: the command stops here, as before the launch
         self.interrupted = True
         self.setting_up(signal.SIGINT)
-        _send(children, signal.SIGINT if training else signal.SIGTERM)
+        _send(children, signal.SIGINT if training else signal.SIGTERM)  # SIGTERM ends even a starting Python quietly
         if not children:  # no /proc to find them: the agent turns SIGTERM into a graceful stop of every rank
             os.kill(os.getpid(), signal.SIGTERM)
 
     def _finish(self) -> None:
-        """See a stop with nothing to save through. SIGTERM goes again each second until the launch returns: a
-        rank being started at the instant of the first (forked, its program not yet running) can lose it and
-        would run its whole job. A process still here `FORCE_S` after the stop is stuck: its ranks are killed
-        and it ends, as a second Ctrl-C would end it."""
+        """See a stop with nothing to save through; a process still here `FORCE_S` after it is stuck, and ends."""
         deadline = time.monotonic() + FORCE_S
         while time.monotonic() < deadline:
             if self.training():
                 return  # a rank reached its first step meanwhile: the ranks finish it and save, however long
-            if not self.over.is_set():
+            if not self.over.is_set():  # again each second: a rank forked at the first's instant can lose it
                 _send(_children(), signal.SIGTERM)
             if self.stood_down.wait(1.0):
                 return
@@ -192,8 +181,7 @@ def _killed(rank: int, code: int, stages: int | None) -> tuple[int, str]:
 
 
 def explain(failures: dict[int, Any], stages: int | None = None) -> tuple[int, str | None]:
-    """The job's exit code for the ranks that failed (rank -> torchrun's ProcessFailure), and the line that
-    says why, or None where a rank already said it."""
+    """The job's exit code for the failed ranks (rank -> ProcessFailure), and the line why (None: a rank said it)."""
     from gpipe_cli.pipeline.failure import ANNOUNCED
 
     codes = {rank: f.exitcode for rank, f in failures.items()}
@@ -224,12 +212,12 @@ def explain(failures: dict[int, Any], stages: int | None = None) -> tuple[int, s
             f"gpipe: {_name(rank, stages)} exited with code {code}; see its message above")
 
 
+# In this process rather than a `torchrun` child, so that a failure is one line (the failed rank printed its own
+# error) and a rank killed by a signal, which cannot say so, is named here. `stages` (ranks per pipeline) names a
+# rank's stage; `started` is the file the ranks create once they have work to finish: a stop before it is told here.
 def launch(module: str, args: list[str], world: int, options: LaunchOptions | None = None,
            stages: int | None = None, started: Path | None = None) -> int:
-    """Run `python -m module *args` on `world` ranks (this node's share of them); return an exit code.
-
-    `stages` (ranks per pipeline) lets messages name a rank's stage. `started` is the file the ranks create
-    once they have work to finish: stopped before it exists, the job says so here, as no rank will."""
+    """Run `python -m module *args` on `world` ranks (this node's share of them); return an exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch

@@ -1,8 +1,4 @@
-"""A launch worked out and checked before any rank starts, so that a job that cannot run is one line.
-
-The rendezvous goes to torchrun's agent; `gpipe train --dry-run` prints it, with the `torchrun` command that
-would start the same ranks on this node, so a Slurm script can be checked before a job waits for its nodes.
-"""
+"""A launch worked out and checked before any rank starts, so that a job that cannot run is one line."""
 
 from __future__ import annotations
 
@@ -132,8 +128,7 @@ def torchrun_command(rdzv: Rendezvous, threads: int, train_args: Sequence[str]) 
 
 
 def dry_run_lines(options: LaunchOptions, world: int, shape: str, train_args: Sequence[str]) -> list[str]:
-    """What `gpipe train --dry-run` prints: where the launch settings come from, the rendezvous (host, port, nodes,
-    ranks per node, this node's rank) and the equivalent torchrun command. `shape` says what makes the world."""
+    """What `gpipe train --dry-run` prints: the settings' sources, the rendezvous, the equivalent torchrun command."""
     rdzv = rendezvous(world, options)
     threads = threads_per_rank(options, rdzv.ranks_per_node)
     step = options.slurm

@@ -1,10 +1,4 @@
-"""Launch defaults from Slurm: inside an `srun` step (one task per node) the same command works on every node.
-
-The step's node count and this node's index give --nnodes and --node-rank, the node list's first host the
-rendezvous endpoint and the job id its id; the port is $MASTER_PORT, else one derived from the job id (a
-fixed port would make two jobs on the same first node meet). Flags given on the command line win. Outside
-an srun step nothing changes: a job that waits for nodes that never come is worse than a one-node run.
-"""
+"""Launch defaults from Slurm: inside an `srun` step (one task per node) the same command works on every node."""
 
 from __future__ import annotations
 
@@ -116,6 +110,7 @@ def _integer(environ: Mapping[str, str], name: str) -> int:
 def slurm_step(environ: Mapping[str, str] | None = None) -> SlurmStep | None:
     """This task's srun step when it spans several nodes; None outside Slurm, in a batch script or on one node."""
     env = os.environ if environ is None else environ
+    # Outside a step nothing is read: a job that waits for nodes that never come is worse than a one-node run.
     if not env.get("SLURM_STEP_NUM_NODES") or not env.get("SLURM_JOB_ID") or not env.get("SLURM_NODEID"):
         return None
     nodes = _integer(env, "SLURM_STEP_NUM_NODES")

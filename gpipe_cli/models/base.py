@@ -40,23 +40,16 @@ class LayerSpec:
 
 @dataclass
 class ModelSpec:
-    """A model as the engine sees it: layers that can be cut between any two, plus its loss.
-
-    - Layer i takes what layer i-1 returns (a tensor or a tuple of tensors); layer 0 takes `inputs`.
-    - `loss(output, targets)` returns the mean over the micro-batch's units; `units(targets)` counts
-      them (None: examples, i.e. dim 0). The engine weights micro-batches by units.
-    - `tied` lists groups of parameters that are one tensor, by "<layer index>.<parameter name>".
-    - `example_batch(n, device)` returns (inputs, targets) with the right shapes and dtypes (random
-      values, valid token ids), usable on the meta device for shape and FLOP accounting.
-    """
+    """A model as the engine sees it: layers that can be cut between any two, plus its loss."""
 
     name: str
     task: Task
-    layers: list[LayerSpec]
-    loss: Callable[[Any, torch.Tensor], torch.Tensor]
+    layers: list[LayerSpec]  # layer i takes what layer i-1 returns (a tensor or a tuple); layer 0 takes `inputs`
+    loss: Callable[[Any, torch.Tensor], torch.Tensor]  # the mean over the units; micro-batches are weighted by units
+    # (inputs, targets) of n examples: random values, valid token ids, the right shapes and dtypes; meta device too.
     example_batch: Callable[[int, torch.device | str], tuple[Batch, torch.Tensor]]
-    units: Callable[[torch.Tensor], torch.Tensor | int] | None = None
-    tied: list[tuple[str, ...]] = field(default_factory=list)
+    units: Callable[[torch.Tensor], torch.Tensor | int] | None = None  # counts the units (None: examples, dim 0)
+    tied: list[tuple[str, ...]] = field(default_factory=list)  # one tensor each, by "<layer index>.<parameter name>"
     config: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -1,9 +1,4 @@
-"""Per-layer cost estimates for any ModelSpec, computed on the meta device without allocating.
-
-Each layer is built alone under `torch.device("meta")`, its parameters counted, and a forward of the
-previous layer's (meta) output run under FlopCounterMode. Only shapes exist, so this works for
-models far larger than the machine running it.
-"""
+"""Per-layer cost estimates for any ModelSpec, computed on the meta device without allocating."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""What every command knows of a model family, stated once per family: names, sizes, data and costs.
-
-A family is its builder (`registry.BUILDERS`) plus one `Family` here: the commands read these facts and
-name no family themselves. Plain data without torch, so that flag and recipe checks can read it.
-"""
+"""What every command knows of a model family, stated once per family: names, sizes, data and costs."""
 
 from __future__ import annotations
 
@@ -13,6 +9,7 @@ from typing import Any, Literal
 Task = Literal["image", "translation", "lm"]
 
 
+# Plain data without torch, so that flag and recipe checks can read it.
 @dataclass(frozen=True)
 class Family:
     """One model family's facts."""

@@ -1,9 +1,4 @@
-"""A model's weights as one self-describing file: how to build it, which names share a tensor, its tokenizer.
-
-The tensors are named "<global layer index>.<parameter name>", as ModelSpec.tied names them; a tied group is
-stored once, under its first name, and the metadata's tie map sends every other name of the group to it.
-Metadata values are strings (safetensors allows nothing else), so structured ones are JSON.
-"""
+"""A model's weights as one self-describing file: how to build it, which names share a tensor, its tokenizer."""
 
 from __future__ import annotations
 
@@ -40,6 +35,7 @@ def store_once(tensors: dict[str, torch.Tensor],
 def describe(spec: ModelSpec, aliases: dict[str, str], *, dtype: str, step: int, recipe: str | None,
              tokenizer: bytes | None) -> dict[str, str]:
     """The metadata of an export of `spec`: model, tie map, dtype, and the recipe and tokenizer when known."""
+    # safetensors allows only strings as metadata values, so structured ones are JSON.
     meta = {"format": "pt", MARK: VERSION, "step": str(step), "task": spec.task,
             "model": json.dumps(spec.config), "tied": json.dumps(aliases), "dtype": dtype,
             "layers": "global layer index . parameter name"}

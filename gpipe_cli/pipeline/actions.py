@@ -29,16 +29,12 @@ SHORT = {Kind.RECV_FWD: "rf", Kind.FWD: "F", Kind.SEND_FWD: "sf", Kind.RECOMPUTE
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a stage's schedule: what to do, to which micro-batch, on which chunk of layers.
-
-    `chunk` is the virtual stage the action runs (the stage itself while every rank holds one chunk);
-    `remat` marks a forward that keeps no graph, whose micro-batch is recomputed before its backward.
-    """
+    """One step of a stage's schedule: what to do, to which micro-batch, on which chunk of layers."""
 
     kind: Kind
     microbatch: int
-    chunk: int = 0
-    remat: bool = False
+    chunk: int = 0       # the virtual stage it runs (the stage itself while every rank holds one chunk)
+    remat: bool = False  # a forward that keeps no graph: its micro-batch is recomputed before its backward
 
     def __str__(self) -> str:
         return f"{SHORT[self.kind]}{self.microbatch}"

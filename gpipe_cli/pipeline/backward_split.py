@@ -1,10 +1,4 @@
-"""A backward in two halves: B, the gradient of the stage's input, now; W, the weight gradients, later.
-
-B runs autograd only towards the input and records the gradient arriving at each "boundary" node (on
-the input's path, with an edge off it towards a weight). W restarts from those nodes along their
-off-path edges to the parameters, so nothing is computed twice. Where an off-path node has two users
-(a weight used twice) that would count it twice: W then runs one whole backward to the parameters.
-"""
+"""A backward in two halves: B, the gradient of the stage's input, now; W, the weight gradients, later."""
 
 from __future__ import annotations
 
@@ -78,6 +72,9 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     path = _towards_inputs(roots, inputs)
     parents = _parents(roots)
     off = {n: [c for c, _ in n.next_functions if c is not None and c not in path] for n in path}
+    # B records the gradient arriving at each boundary node (on the input's path, with an edge off it); W
+    # restarts there along the off-path edges, so nothing is computed twice. An off-path node with two users
+    # (a weight used twice) would be counted twice from two boundaries: W then runs one whole backward instead.
     boundary = [n for n, children in off.items() if children]
     shared = any(parents.get(c, 0) > 1 for n in boundary for c in off[n])
     roots_off_path = any(o.grad_fn is None or o.grad_fn not in path for o in outputs)

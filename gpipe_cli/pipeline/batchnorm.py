@@ -1,9 +1,4 @@
-"""Deferred BatchNorm: running statistics over the whole mini-batch, whatever the micro-batch count.
-
-As in the GPipe paper, training normalises each micro-batch by its own statistics; the running
-averages used for evaluation are updated once per mini-batch from statistics accumulated over all of
-its micro-batches (and over data-parallel replicas), so they do not depend on M.
-"""
+"""Deferred BatchNorm: running statistics over the whole mini-batch, whatever the micro-batch count."""
 
 from __future__ import annotations
 
@@ -15,10 +10,7 @@ from gpipe_cli.pipeline import context
 
 
 class DeferredBatchNorm(nn.Module):
-    """BatchNorm over inputs (N, C, ...) whose running statistics are committed once per mini-batch.
-
-    Its state dict has the keys of nn.BatchNorm*d, so checkpoints move freely between the two.
-    """
+    """BatchNorm over inputs (N, C, ...) whose running statistics are committed once per mini-batch."""
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True) -> None:
@@ -29,6 +21,7 @@ class DeferredBatchNorm(nn.Module):
         self.running_mean: torch.Tensor
         self.running_var: torch.Tensor
         self.num_batches_tracked: torch.Tensor
+        # The state dict has nn.BatchNorm*d's keys, so checkpoints move freely between the two.
         self.register_buffer("running_mean", torch.zeros(num_features))
         self.register_buffer("running_var", torch.ones(num_features))
         self.register_buffer("num_batches_tracked", torch.zeros((), dtype=torch.long))
@@ -66,8 +59,7 @@ class DeferredBatchNorm(nn.Module):
 
     @torch.no_grad()
     def commit(self, reduced: torch.Tensor | None = None) -> None:
-        """Fold this mini-batch's statistics into the running averages and reset the accumulators; a mini-batch
-        that saw no example leaves the averages as they are through `torch.where` (the host never reads the count)."""
+        """Fold this mini-batch's statistics into the running averages and reset the accumulators."""
         stats = self.statistics() if reduced is None else reduced
         c = self.num_features
         total_sum, total_squares, n = stats[:c], stats[c:2 * c], stats[-1]
@@ -79,6 +71,7 @@ class DeferredBatchNorm(nn.Module):
         self.num_batches_tracked.add_(seen.to(self.num_batches_tracked.dtype))
         momentum = (1.0 / self.num_batches_tracked.clamp_min(1).to(torch.float64) if self.momentum is None
                     else torch.full((), self.momentum, dtype=torch.float64, device=n.device))
+        # A mini-batch that saw no example leaves the averages as they are: the host never reads the count.
         rate = torch.where(seen, momentum, torch.zeros_like(momentum))
         self.running_mean.lerp_(mean.to(self.running_mean.dtype), rate.to(self.running_mean.dtype))
         self.running_var.lerp_(unbiased.to(self.running_var.dtype), rate.to(self.running_var.dtype))

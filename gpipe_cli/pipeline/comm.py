@@ -1,23 +1,4 @@
-"""Point-to-point messages between stages: one protocol for every backend.
-
-A message on a link (pipeline/fabric.py) is its header on the control plane, then its payload on the
-link's own communicator, in the order the schedule posts them; nothing is matched by tag. Receives
-are posted ahead: each end of a link remembers the payload sizes of the link's previous step of the
-same kind (training or evaluation), so the receiver posts the next message's payload receive before
-its header arrives, and the sender splits the payload to match:
-
-    ahead = size of message i in the previous step (0 in a first step)
-    part 1: exactly `ahead` bytes into the receive posted ahead (a smaller payload is padded)
-    part 2: what does not fit, `size - ahead` bytes, posted by the receiver once the header says so
-
-The receiver posts the next message's part 1 only after this one's part 2, so both ends post a
-link's parts in the same order; shapes may change at any message (an uneven last micro-batch, a
-longer sequence, decoding) and a receive is never read past what its header says.
-
-The same sequence of messages runs on gloo (CPU ranks, ranks sharing a GPU) and on NCCL; what is
-NCCL-only is the data device (CUDA, chosen in `TorchFabric`), the links' backend, and that waiting
-for a payload makes the compute stream wait instead of blocking the host.
-"""
+"""Point-to-point messages between stages: one protocol for every backend."""
 
 from __future__ import annotations
 
@@ -67,8 +48,7 @@ class Transport:
 
 
 class _End:
-    """One end of a link, with the payload sizes of the link's last step of each kind (training or
-    evaluation), which both ends use to post receives ahead."""
+    """One end of a link, with the payload sizes of its last step of each kind, by which receives are posted ahead."""
 
     def __init__(self, transport: Transport, link: Link) -> None:
         assert transport.fabric is not None  # a link joins two ranks
@@ -103,6 +83,8 @@ class Outbound(_End):
         transport, fabric, link = self.transport, self.fabric, self.link
         metas = [meta_of(t, differentiable) for t in tensors]
         size = layout(metas)[1]
+        # Part 1: exactly `ahead` bytes (message i's size in the previous step) into the receive posted ahead,
+        # padded if smaller; part 2: the rest, received once the header says so.
         ahead = self._ahead_bytes()
         self._sizes.append(size)
         works = [fabric.send_header(link, encode(microbatch, chunks, offset, metas, bare, ahead))]

@@ -1,9 +1,6 @@
-"""How a model runs as a pipeline, as one value: K stages x V chunks, D replicas, M micro-batches, the
-schedule, rematerialization and the cut; every constraint between them is checked here, once.
+"""How a model runs as a pipeline, as one value (K, V, D, M, schedule, remat, cut), its constraints checked once."""
 
-It imports nothing heavy, so commands check their flags with it before torch loads.
-"""
-
+# Imports nothing heavy, so commands check their flags with it before torch loads.
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +15,8 @@ OFFLOAD_MODES = ("none", "activations")
 
 def microbatch_problem(microbatches: int, examples: int | None = None, name: str = "microbatches",
                        batch: str = "the batch size") -> str | None:
-    """What keeps M micro-batches from splitting `examples` (M >= 1, and M <= examples: each needs one), or None;
-    `name` and `batch` are the caller's words for M and the examples."""
+    """What keeps M micro-batches from splitting `examples` (M >= 1, and M <= examples), or None."""
+    # `name` and `batch` are the caller's words for M and the examples, as its error message says them.
     if microbatches < 1:
         return f"{name} must be >= 1 (got {microbatches})"
     if examples is not None and microbatches > examples:

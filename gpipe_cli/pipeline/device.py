@@ -1,9 +1,4 @@
-"""Time and figures from the device without making the host wait for it, but once per step.
-
-Reading anything a GPU computed makes the host wait, and the device then idles while Python catches
-up; so the engine records events and copies figures into pinned memory, and `wait_for` (the step's
-one wait) runs when they are read, a step later. The meta device stands in for one in tests (zeros).
-"""
+"""Time and figures from the device without making the host wait for it, but once per step."""
 
 from __future__ import annotations
 
@@ -41,8 +36,7 @@ class Marker:
 
 
 def wait_for(marker: Marker) -> None:
-    """Make sure the device passed `marker`; blocks (see `block`) only if neither a later marker the host
-    waited for nor the event says it has."""
+    """Make sure the device passed `marker`; blocks only if neither a later waited-for marker nor the event says so."""
     if marker.order <= getattr(_seen, "order", 0) or (marker.event is not None and marker.event.query()):
         return
     _seen.order = marker.order
@@ -82,8 +76,7 @@ class HostCopy:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """A host batch (a tensor or a tuple of them) on the device without blocking the host: staged through pinned
-    memory on a GPU."""
+    """A host batch (a tensor or a tuple of them) on the device without blocking the host."""
     if not isinstance(batch, torch.Tensor):
         return tuple(to_device(b, device) for b in batch)
     if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():

@@ -50,13 +50,8 @@ def mix64_(words: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
 
 
 def mask_words(key: int, step: int, offset: int, scratch: torch.Tensor) -> torch.Tensor:
-    """Uniform random int64 words, a row per example from `offset` on, a function of (key, step, example, column).
-
-    Example e's seed is mix64(base + e * A), base depending on (key, step) alone, and its column j is
-    mix64(seed + (j + 1) * B), A and B odd constants: every example has its own SplitMix64 sequence, computed
-    for all examples and columns at once, in integer arithmetic that gives the same words on every device.
-    `scratch` is an int64 tensor of the result's shape, overwritten.
-    """
+    """Uniform random int64 words, a row per example from `offset` on, a function of (key, step, example, column)."""
+    # `scratch`, int64 in the result's shape, is overwritten. Integer arithmetic: the same words on every device.
     rows, columns = scratch.shape
     # The layer and the step only move the base, so they are mixed once here rather than per element.
     base = mix64(mix64(key) ^ step)
@@ -69,11 +64,7 @@ def mask_words(key: int, step: int, offset: int, scratch: torch.Tensor) -> torch
 
 
 class Dropout(nn.Module):
-    """Inverted dropout; inside the engine each example's mask is a function of (layer, step, example).
-
-    That makes masks identical for any number of stages, micro-batches or data-parallel replicas,
-    and identical between a forward and its recompute. Outside the engine it is plain dropout.
-    """
+    """Inverted dropout; inside the engine each example's mask is a function of (layer, step, example)."""
 
     def __init__(self, p: float = 0.1) -> None:
         super().__init__()

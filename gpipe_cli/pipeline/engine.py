@@ -1,10 +1,4 @@
-"""The engine: this rank's stage, driven through a schedule, one synchronous mini-batch at a time.
-
-A training step never makes the host wait for the device: loss, global norm, clip and the skip of a
-non-finite step (fused optimizers' `found_inf`) stay on the device, and the step's figures reach host
-memory for `step.PendingStep.result` to read a step later. An optimizer with no fused kernel
-(RMSprop) reads the figures before its update: that read is the step's one wait.
-"""
+"""The engine: this rank's stage, driven through a schedule, one synchronous mini-batch at a time."""
 
 from __future__ import annotations
 
@@ -196,18 +190,14 @@ class Pipeline:
         """`launch_step`, then read its figures at once (for callers that want them now)."""
         return self.launch_step(inputs, targets, **options).result()
 
+    # The first stage gives `inputs`, the last `targets`; `example_offset` is the global index of this replica's
+    # first example (split-invariant dropout); `optimizer` steps unless some stage's loss or gradient is not
+    # finite; `measure_memory` counts every stored activation, at a Python call per saved tensor.
     def launch_step(self, inputs: Any = None, targets: torch.Tensor | None = None, *, step: int,
                     microbatches: int | None = None, example_offset: int = 0, max_grad_norm: float | None = None,
                     trace: bool = False, optimizer: torch.optim.Optimizer | None = None,
                     measure_memory: bool = True) -> step_.PendingStep:
-        """Forward and backward one mini-batch as M micro-batches, then update; the host never waits for the device.
-
-        The first stage gives `inputs`, the last stage `targets` (a single stage gives both).
-        `microbatches` overrides the configuration's M for this step.
-        `example_offset` is the global index of this replica's first example (split-invariant dropout).
-        `optimizer` steps, timed, with the summed gradients, unless some stage's loss or gradient is not
-        finite. `measure_memory` counts every stored activation (a Python call per saved tensor).
-        """
+        """Forward and backward M micro-batches of one mini-batch, then update; the host never waits for the device."""
         layout, chunks = self.layout, microbatches or self.config.microbatches
         actions = self._plan(chunks)
         if not self.module.training:  # evaluation restores the mode it found: no need to visit every module
@@ -283,12 +273,11 @@ class Pipeline:
             sched.theoretical_bubble(layout.stages, chunks, self.schedule_name, self.virtual), trace,
             functools.partial(self.last_bad_layer, positions), self.loss_scale.enabled)
 
+    # Returns the global norm, the non-finite loss count over all ranks, and this stage's per-parameter gradient
+    # norms with their parameters' positions.
     def _finish_gradients(self, max_grad_norm: float | None, loss: torch.Tensor, zero: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
-        """Sum over replicas and shared copies, unscale, take the global norm and clip; all on the device.
-
-        Returns the global norm, the non-finite loss count over all ranks, and this stage's per-parameter
-        gradient norms with their parameters' positions."""
+        """Sum over replicas and shared copies, unscale, take the global norm and clip; all on the device."""
         topology, fabric = self.topology, self.topology.fabric
         with self.timeline.span(stats.COMM):
             flag = (~loss.isfinite()).to(torch.float64) if self.layout.is_last else zero
@@ -311,8 +300,8 @@ class Pipeline:
         return norm, bad, found, positions
 
     def _counted(self, positions: tuple[int, ...]) -> torch.Tensor | None:
-        """Which of the parameters at `positions` count in the global norm (None: all of them); made once per set
-        of parameters with a gradient (the same every step), so no step copies it."""
+        """Which of the parameters at `positions` count in the global norm (None: all of them)."""
+        # Made once per set of parameters with a gradient (the same every step), so no step copies it.
         if positions not in self._per_param:
             mask = [float(self._in_norm[i]) for i in positions]
             self._per_param[positions] = (None if all(mask) else
@@ -328,11 +317,7 @@ class Pipeline:
 
     def evaluate(self, inputs: Any = None, targets: torch.Tensor | None = None, *, microbatches: int | None = None,
                  metrics: Metrics | None = None, return_outputs: bool = False) -> EvalResult:
-        """A no-grad forward of one batch; loss and metric sums over all replicas, outputs on rank 0.
-
-        A batch smaller than `microbatches` runs with one example per micro-batch; an empty batch (a
-        data-parallel shard with nothing left) passes an empty message down the pipeline.
-        """
+        """A no-grad forward of one batch; loss and metric sums over all replicas, outputs on rank 0."""
         layout = self.layout
         was_training = self.module.training
         self.module.eval()
@@ -378,13 +363,12 @@ class Pipeline:
             self.module.train(was_training)
 
     def _eval_chunks(self, inputs: Any, microbatches: int) -> tuple[int, dict[int, Message]]:
-        """How many micro-batches this evaluation runs (other stages learn it from their first message), and the
-        messages already taken, keyed as the executor keys them."""
+        """How many micro-batches this evaluation runs, and the messages already taken (keyed as the executor's)."""
         layout = self.layout
         taken: dict[int, Message] = {}
         if layout.is_first:
             chunks = min(microbatches, microbatch.batch_size(inputs))
-        else:
+        else:  # the other stages learn it from their first message
             first = min(self.stages)  # this rank's first chunk; its micro-batch 0 has key `first`
             self.fwd_in[first].expect(1)
             header, tensors = self.fwd_in[first].take(first)

@@ -1,8 +1,4 @@
-"""Run one stage's action list: one small function per action kind, for training and evaluation alike.
-
-The list (pipeline/schedule.py) already says which forward keeps no graph, where recomputes go and
-which backwards split; the executor only holds the step's in-flight tensors between actions.
-"""
+"""Run one stage's action list: one small function per action kind, for training and evaluation alike."""
 
 from __future__ import annotations
 
@@ -25,8 +21,8 @@ Message = tuple[Tensors, bool, int]  # tensors, whether the value was a bare ten
 
 
 def feed_messages(inputs: Any, chunks: int, device: torch.device, example_offset: int = 0) -> list[Message]:
-    """The first stage's micro-batches as messages: tensors, bareness and global example offset (the mini-batch
-    moved whole, then split into views: the first chunk's stage holds all of it)."""
+    """The first stage's micro-batches as messages: tensors, bareness and global example offset."""
+    # The mini-batch moves whole, then splits into views: the first chunk's stage holds all of it anyway.
     offsets = microbatch.offsets(microbatch.sizes(microbatch.batch_size(inputs), chunks), example_offset)
     return [(*as_tensors(mb), off) for mb, off in zip(microbatch.scatter(to_device(inputs, device), chunks), offsets)]
 
@@ -50,9 +46,9 @@ class Sink(Protocol):
 
 @dataclass
 class Channels:
-    """This stage's point-to-point channels: one for all its chunks, or one per chunk (keyed by the chunk that
-    runs the action); None, or no entry, where no message goes (the ends of the pipeline, a turn of a V)."""
+    """This stage's point-to-point channels: one for all its chunks, or one per chunk (keyed by the acting chunk)."""
 
+    # None, or no entry, where no message goes (the ends of the pipeline, a turn of a V).
     fwd_in: Source | Mapping[int, Source] | None
     fwd_out: Sink | Mapping[int, Sink] | None
     bwd_in: Source | Mapping[int, Source] | None
@@ -68,25 +64,19 @@ def _of(channel: Any, chunk: int) -> Any:
 
 @dataclass
 class Executor:
-    """The state of one step on one stage while its actions run.
+    """The state of one step on one stage while its actions run."""
 
-    `stages` are this rank's chunks by global index (of `chunk_count`); `feed` holds the first chunk's
-    micro-batches, `targets` and `weights` the last's; `on_output` takes the last chunk's outputs
-    (evaluation); `received` may hold messages taken before the run. Messages are keyed by receiving
-    chunk and micro-batch, so chunks sharing a channel never take each other's.
-    """
-
-    stages: dict[int, Stage]
+    stages: dict[int, Stage]  # this rank's chunks by global index (of `chunk_count`)
     channels: Channels
     chunk_count: int
     chunks: int
     training: bool
     timeline: Timeline | None = None
-    feed: Sequence[Message] = ()
-    targets: Sequence[torch.Tensor] = ()
+    feed: Sequence[Message] = ()  # the first chunk's micro-batches
+    targets: Sequence[torch.Tensor] = ()  # the last chunk's, as are `weights`
     weights: Sequence[float | torch.Tensor] = ()
-    on_output: Callable[[int, Any], None] | None = None
-    received: dict[int, Message] = field(default_factory=dict)
+    on_output: Callable[[int, Any], None] | None = None  # takes the last chunk's outputs (evaluation)
+    received: dict[int, Message] = field(default_factory=dict)  # may hold messages taken before the run
     before: Callable[[Action], None] | None = None  # called before each action (memory accounting reads here)
     losses: list[torch.Tensor] = field(default_factory=list)
     _outgoing: dict[int, Message] = field(default_factory=dict)
@@ -96,6 +86,7 @@ class Executor:
 
     def key(self, chunk: int, mb: int) -> int:
         """A message's number on its channel: its receiving chunk and micro-batch (chunk alone for mb 0)."""
+        # Keyed by the receiving chunk too, so chunks sharing a channel never take each other's messages.
         return mb * self.chunk_count + chunk
 
     def run(self, actions: Sequence[Action]) -> None:

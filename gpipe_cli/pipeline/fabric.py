@@ -1,20 +1,4 @@
-"""Every distributed operation of the engine, behind one small interface, checked for the device it needs.
-
-Three planes, the same on every backend:
-
-- links carry payloads: one communicator per link (one kind of message from one rank to another), on
-  the data device. A link has one sender and one receiver, so its messages match in posting order
-  with no tag, and a send waiting for its receive (NCCL blocks the stream until it is posted) can
-  never sit in front of a message going the other way: the send/send cycle of two ranks that both
-  send first cannot form.
-- collectives (gradient sums, the global norm) on sets of ranks, on the compute device.
-- the control plane: headers and host values, always gloo, always host memory.
-
-`TorchFabric` is torch.distributed. Tests run the same engine over an in-process fabric of threads
-that records what every rank posts, so NCCL's matching and blocking rules can be checked on the CPU
-(`pipeline/nccl_model.py`). A tensor on the wrong device for its plane is refused in one line before
-it reaches a communicator: an NCCL group never sees a host tensor.
-"""
+"""Every distributed operation of the engine, behind one small interface, checked for the device it needs."""
 
 from __future__ import annotations
 
@@ -57,6 +41,8 @@ class Work(Protocol):
         """Whether it is done (never waits)."""
 
 
+# Three planes, alike on every backend: links carry payloads on the data device, collectives (gradient sums,
+# the global norm) run on the compute device, the control plane (headers, host values) is gloo on the host.
 class Fabric(Protocol):
     """What the engine asks of the ranks around it."""
 
@@ -119,8 +105,7 @@ def _posted(work: Any) -> Any:
 
 
 class TorchFabric:
-    """torch.distributed: gloo control plane; links on NCCL with a GPU per rank, else gloo (what is NCCL-only
-    is this class's choice of backend and data device, and `wait`'s stream wait)."""
+    """torch.distributed: gloo control plane; links on NCCL with a GPU per rank, else gloo."""
 
     def __init__(self, device: torch.device, nccl: bool, control: dist.ProcessGroup | None) -> None:
         self.rank = dist.get_rank()
@@ -182,8 +167,7 @@ class TorchFabric:
         return group
 
     def _collective(self, op: Any, tensor: torch.Tensor, ranks: Ranks, **kwargs: Any) -> None:
-        """Run `op` over `ranks` where the group's backend reads the tensor: itself, or a host copy (ranks
-        sharing a GPU)."""
+        """Run `op` over `ranks` on the tensor, or on a host copy where gloo reads it (ranks sharing a GPU)."""
         if len(set(ranks)) < 2:
             return
         check_device(tensor, self.device, "collectives")

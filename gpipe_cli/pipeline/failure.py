@@ -1,13 +1,4 @@
-"""When one stage fails, end every rank quickly and show the original error and the stage.
-
-The failing rank prints its traceback and a one-line summary, writes that summary to an abort key in
-the job's TCP store, and exits. A daemon thread on every rank watches the key (through a store
-connection of its own, so it never contends with the compute thread) and exits its process as soon
-as the key appears, even while the compute thread is blocked in a receive.
-
-A rank whose peer vanished (killed by a signal) does not print a traceback of its own: the launcher
-ends it within a moment and names the rank that died, with its signal.
-"""
+"""When one stage fails, end every rank quickly and show the original error and the stage."""
 
 from __future__ import annotations
 
@@ -70,6 +61,9 @@ def _decode(text: str) -> tuple[str, str, str]:
     return (parts[2], parts[1], parts[0]) if len(parts) == 3 else (text, _FAILED, "")
 
 
+# The failing rank writes its summary to an abort key in the job's store. A daemon thread on every rank watches
+# the key through a store connection of its own (never contending with the compute thread) and exits its
+# process once the key appears, even while the compute thread is blocked in a receive.
 class AbortWatch:
     """Exits this process when another rank reports a failure."""
 
@@ -86,17 +80,16 @@ class AbortWatch:
         self._stopped.set()
 
     def announce(self, summary: str) -> bool:
-        """Stop every rank because of `summary`, which this rank prints (once for the whole job) if it is
-        the first report; returns whether it was."""
+        """Stop every rank because of `summary`, printed once for the whole job; returns whether this was first."""
         first, _, _ = self.report(summary, _ANNOUNCED)
         if first:
             print(f"[gpipe] {summary}", file=sys.stderr, flush=True)
         return first
 
     def report(self, summary: str, kind: str = _FAILED) -> tuple[bool, str, str]:
-        """Tell every rank to stop because of `summary`: whether this rank reported first, and the first
-        report's message and kind (the first wins, so a rank failing because a peer vanished cannot hide
-        the cause). A bad-input report's kind carries the exit code of the other ranks."""
+        """Tell every rank to stop for `summary`: whether this rank was first, the first report's message and kind."""
+        # The first wins, so a rank failing because a peer vanished cannot hide the cause. A bad-input report's
+        # kind carries the exit code of the other ranks.
         # Who reported (so a rank knows whether it was first, and on which host) and what kind of report.
         mine = f"{os.getpid()}@{socket.gethostname()}\n{kind}\n{summary}"
         if self._reporter is None:
@@ -136,8 +129,7 @@ class AbortWatch:
 
 def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None,
                 quiet: tuple[type[BaseException], ...] = ()) -> T:
-    """Run `fn`; on an exception print it with `label`, stop every rank, and exit this one (exceptions of
-    the `quiet` types, bad user input, are shown as one line without a traceback)."""
+    """Run `fn`; on an exception print it with `label`, stop every rank, and exit this one."""
     try:
         return fn()
     except BaseException as exc:
@@ -153,7 +145,7 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
                 watch.stop()
                 watch.report(f"{label} lost contact with another rank")
             os._exit(EXIT_CODE)
-        user_error = isinstance(exc, quiet)
+        user_error = isinstance(exc, quiet)  # bad user input: one line, no traceback
         summary = str(exc) if user_error else f"{label} failed: {type(exc).__name__}: {exc}"
         kind = f"{_BAD_INPUT}:{getattr(exc, 'exit_code', 2)}" if user_error else _FAILED
         was_first, first, first_kind = True, summary, kind
@@ -175,8 +167,8 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
 
 
 def _await_teardown() -> None:
-    """A peer is gone: give the launcher (which ends every rank and names the one that died) a moment
-    to end this rank quietly, rather than print a consequence as if it were the cause."""
+    """A peer is gone: give the launcher a moment to end this rank quietly."""
+    # The launcher ends every rank and names the one that died; this rank would print a consequence as the cause.
     if stopping.received():  # already asked to stop: this is the tear-down
         os._exit(128 + stopping.received())
     with contextlib.suppress(ValueError):  # only the main thread may set handlers

@@ -1,11 +1,6 @@
-"""Gradients after the last backward: replicas summed, shared copies summed, one global norm and clip.
+"""Gradients after the last backward: replicas summed, shared copies summed, one global norm and clip."""
 
-Micro-batch losses are already weighted by their share of the global mini-batch's units, so every
-reduction here is a plain sum and the result equals the gradient of the whole mini-batch. Everything
-stays on the device: the norm, the non-finite count and the clip are tensors the host never reads
-during the step (it reads them with the step's other figures, a step later).
-"""
-
+# Micro-batch losses are already weighted by their share of the global mini-batch, so every reduction is a sum.
 from __future__ import annotations
 
 import functools
@@ -31,8 +26,7 @@ class SharedCopy:
 
 def all_reduce_replicas(params: Sequence[nn.Parameter], fabric: Fabric | None, ranks: Ranks,
                         flag: torch.Tensor) -> torch.Tensor:
-    """Sum gradients over the data-parallel replicas of a stage, in one flat buffer where `flag` (a 0-d
-    count, e.g. 1 for a non-finite loss) rides along; returns the flag's sum."""
+    """Sum gradients over a stage's replicas in one flat buffer, the 0-d count `flag` riding along; returns its sum."""
     if fabric is None or len(ranks) < 2:
         return flag
     for p in params:
@@ -81,8 +75,8 @@ def _by_dtype(dtypes: tuple[torch.dtype, ...]) -> list[list[int]]:
 
 def global_norm(local_squares: torch.Tensor, flag: torch.Tensor, fabric: Fabric | None,
                 ranks: Ranks) -> tuple[torch.Tensor, torch.Tensor]:
-    """The L2 norm over all stages' gradients, and `flag` summed over the stages, in one collective (how a
-    non-finite loss, known only to the last stage, reaches every stage in the same step)."""
+    """The L2 norm over all stages' gradients, and `flag` summed over the stages, in one collective."""
+    # One collective: a non-finite loss, known only to the last stage, reaches every stage in the same step.
     if fabric is None or len(ranks) < 2:
         return local_squares.sqrt(), flag
     values = torch.stack([local_squares.to(torch.float64), flag.to(torch.float64)])
@@ -120,9 +114,7 @@ def commit_batchnorms(norms_: Sequence[DeferredBatchNorm], fabric: Fabric | None
 
 
 class LossScale:
-    """Dynamic loss scaling for fp16, on the device and the same on every rank (its input is global): halves
-    after a non-finite step (never below 1), doubles after `growth_interval` clean ones, as torch.amp's
-    GradScaler does, without the host reading anything."""
+    """Dynamic fp16 loss scaling on the device, as torch.amp's GradScaler does, without the host reading anything."""
 
     def __init__(self, enabled: bool, device: torch.device, initial: float = 2.0 ** 16,
                  growth_interval: int = 2000) -> None:
@@ -145,6 +137,8 @@ class LossScale:
         """Fold in one step's outcome (`bad` > 0: some loss or gradient was not finite)."""
         if not self.enabled:
             return
+        # The same on every rank (its input is global): halves after a non-finite step (never below 1), doubles
+        # after `growth_interval` clean ones.
         found = (bad > 0).to(torch.float32)
         torch._amp_update_scale_(self.value, self._good, found, 2.0, 0.5, self.growth_interval)
         self.value.clamp_(min=1.0)

@@ -1,20 +1,4 @@
-"""Stall detection: every rank beats through the job's store; a silent or stuck rank is named and the job ends.
-
-A daemon thread on every rank writes a beat once a second and reads everyone's. Two signs of trouble:
-
-- silence: a rank in training whose beat stops changing is stopped (SIGSTOP) or frozen. Each rank also
-  beats from its compute thread when it starts and when it starts training, since set-up can hold the
-  interpreter lock and starve the beating thread.
-- no progress: every rank beats, but no rank finished a step (`step_done`) or a transfer (on a GPU, once
-  the device passed an event recorded after it: the host runs ahead); the ranks furthest behind are named
-  with what they wait for ("receiving activations of micro-batch 3 from rank 0").
-
-Either ends the job when it lasts the timeout: fixed, or by default the larger of 60 s and 10x the slowest
-step so far (a big model is not ended for being big). Progress is judged once every rank finished a step
-(set-up, such as tokenizer training, can be long), or with a fixed timeout once every rank started
-training, so a hang in the first step is caught too; neither is judged for a rank writing a checkpoint
-(`paused`). The first rank to see it prints one line and stops every rank.
-"""
+"""Stall detection: every rank beats through the job's store; a silent or stuck rank is named and the job ends."""
 
 from __future__ import annotations
 
@@ -214,8 +198,7 @@ class Heartbeat:
         _on_start = None
 
     def _send(self, read: bool = False) -> list[Beat] | None:
-        """Write this rank's beat (raises when the store is gone); with `read`, everyone's beats (None until
-        every rank beats)."""
+        """Write this rank's beat (raises if the store is gone); with `read`, everyone's (None until all beat)."""
         assert self._store is not None
         with self._lock:
             self._count += 1

@@ -1,11 +1,4 @@
-"""The one per-layer measurer: each layer's time and memory on a sample micro-batch.
-
-Layers are built, measured and freed one at a time, each fed the previous layer's real output, so
-profiling never needs the whole model in memory. Each kind of compute is timed as a stage runs it, or
-the cut mispredicts the stages: a recompute skips deferred BatchNorm's statistics, and the first
-layer's input is data, whose gradient no stage computes. On the meta device nothing is timed but the
-saved and output bytes are exact, so models far larger than the machine can be priced.
-"""
+"""The one per-layer measurer: each layer's time and memory on a sample micro-batch."""
 
 from __future__ import annotations
 
@@ -111,10 +104,9 @@ def _backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
 
 def _time_layer(run: Callable[[bool], list[torch.Tensor]], repeats: int,
                 device: torch.device) -> tuple[float, float, float, float]:
-    """Median seconds of a layer's forward, graph-less forward, recompute and backward (`run(recomputing)`).
-
-    Each round runs one micro-batch's actions in the schedule's order, so each kind meets the memory and
-    caches it meets in a stage."""
+    """Median seconds of a layer's forward, graph-less forward, recompute and backward (`run(recomputing)`)."""
+    # Each round runs one micro-batch's actions in the schedule's order, so each meets the memory and caches it
+    # meets in a stage.
     rounds: list[tuple[float, float, float, float]] = []
     for i in range(repeats + WARMUP_ROUNDS):
         with torch.no_grad():
@@ -134,8 +126,7 @@ def _time_layer(run: Callable[[bool], list[torch.Tensor]], repeats: int,
 
 def saved_by(fn: Callable[[], Any], exclude: Sequence[torch.Tensor] = (),
              inputs: Sequence[torch.Tensor] = ()) -> tuple[int, int, Any, set[int]]:
-    """Bytes autograd saves while `fn` runs (storages of `exclude` not counted), the part of them that
-    is `inputs`, its result, and the storages saved."""
+    """Bytes autograd saves while `fn` runs (but `exclude`'s storages), those of `inputs`, its result, its storages."""
     meter = ActivationMeter(exclude)
     with meter.saved_tensors():
         result = fn()
@@ -157,10 +148,9 @@ def _profile_loss(loss: Callable[[Any], torch.Tensor], tensors: list[torch.Tenso
 def profile_layers(factories: Sequence[Callable[[], nn.Module]], sample: Any, seed: int = 0,
                    device: torch.device | str = "cpu", repeats: int = 3,
                    loss: Callable[[Any], torch.Tensor] | None = None) -> Profile:
-    """Profile every layer in order on `sample` (the model's input for one micro-batch); `repeats=0`: memory only.
-
-    `loss` (the model's output -> a scalar, its targets bound) is profiled too when given.
-    """
+    """Profile every layer in order on `sample` (the model's input for one micro-batch); `repeats=0`: memory only."""
+    # `loss` (the model's output -> a scalar, its targets bound) is profiled too when given. Layers are built,
+    # measured and freed one at a time, each fed the previous one's output, so the whole model is never in memory.
     device = torch.device(device)
     x, bare = as_tensors(sample)
     tensors = [t.to(device) if t is not None else None for t in x]

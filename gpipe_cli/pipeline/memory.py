@@ -1,9 +1,4 @@
-"""Exact accounting of the activation memory a stage holds, through autograd's saved-tensor hooks.
-
-Every tensor autograd saves for backward, and every tensor the stage stores itself (boundary inputs
-kept for recomputation, outputs kept for backward), is counted once per storage while it is alive.
-Parameters are not activations and are never counted.
-"""
+"""Exact accounting of the activation memory a stage holds, through autograd's saved-tensor hooks."""
 
 from __future__ import annotations
 

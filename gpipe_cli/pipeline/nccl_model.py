@@ -1,18 +1,4 @@
-"""NCCL's rules, simulated over what each rank posts, so a deadlock or a mismatch shows on the CPU.
-
-A rank's program is what its host did, in order (the `Op`s below); the device then runs as a GPU would:
-
-- each communicator is a FIFO per rank (NCCL matches by order, not tag); an operation starts once the
-  compute stream reached the point where it was posted, and completes only together with its match
-  at the head of the peer's FIFO: a send blocks its stream until its receive is posted (large
-  messages; small ones may slip through NCCL's buffers, which is how such bugs hide in small tests);
-- the k-th send from a to b on a communicator matches the k-th receive at b from a: their sizes must
-  agree, or NCCL would hand one message's bytes to another;
-- a collective completes when every member has it at the head of its FIFO;
-- the compute stream passes a wait once the awaited operation completed.
-
-`run` raises `Deadlock` naming what each stuck rank waits for, or `Mismatch`.
-"""
+"""NCCL's rules, simulated over what each rank posts, so a deadlock or a mismatch shows on the CPU."""
 
 from __future__ import annotations
 
@@ -149,6 +135,10 @@ def _ready(ranks: Mapping[int, _Rank], fifos: dict, r: int, comm: Hashable) -> P
     return post if ranks[r].passed >= posted_at else None
 
 
+# NCCL matches by order, not tag: each communicator is a FIFO per rank, and an operation completes only with its
+# match at the head of the peer's FIFO (or, for a collective, of every member's), the sizes agreeing. So a send
+# blocks its stream until its receive is posted: true of large messages; small ones slip through NCCL's buffers,
+# which is how such bugs hide in small tests.
 def _match(ranks: Mapping[int, _Rank], fifos: dict, done: set[int]) -> bool:
     moved = False
     for (r, comm) in list(fifos):

@@ -1,18 +1,4 @@
-"""What a stage stores for its backward, waiting in host memory until the backward needs it.
-
-Boundary inputs kept for rematerialization go out after the forward and come back one restore ahead
-in the schedule's order. Saved tensors (`Parcel`) go out layer by layer as the forward moves on and
-come back layer by layer as the backward reaches them, the layer below fetched ahead:
-
-    forward    compute:  layer 0 | layer 1      | wait out(0), layer 2 | wait out(1), layer 3 ...
-               side:               copy out(0)  | copy out(1)          | copy out(2)
-    backward   compute:  ... layer 2            | wait in(1), layer 1  | wait in(0), layer 0
-               side:         copy in(1)         | copy in(0)
-
-On a GPU the copies run on a side stream through pinned memory and the compute stream waits on an
-event only for a copy it needs; the host waits for neither. On the meta device nothing is copied.
-Saved tensors go by storage: views of one storage (a projection's heads) are copied once.
-"""
+"""What a stage stores for its backward, waiting in host memory until the backward needs it."""
 
 from __future__ import annotations
 
@@ -28,9 +14,8 @@ from gpipe_cli.pipeline.memory import ActivationMeter, storage_key, unwrap
 
 
 def offloaded(mode: str, chunk: int) -> bool:
-    """Whether a chunk's stored boundary inputs go to host memory under an offload mode: not the first chunk's,
-    views of the mini-batch the step holds anyway (moving them would free nothing on the device)."""
-    return mode == "activations" and chunk > 0
+    """Whether a chunk's stored boundary inputs go to host memory under an offload mode."""
+    return mode == "activations" and chunk > 0  # the first chunk's are the mini-batch, held anyway: nothing freed
 
 
 class Parked:
@@ -215,8 +200,9 @@ class Offloader:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
 
     def to_host(self, t: torch.Tensor, record: bool = True) -> torch.Tensor:
-        """A host copy of `t`, started on the side stream (call inside `on_side`); `record`: tell the allocator
-        that the side stream reads `t` (needless where the compute stream waits for the copy before `t` may go)."""
+        """A host copy of `t`, started on the side stream (call inside `on_side`)."""
+        # `record` tells the allocator that the side stream reads `t`: needless where the compute stream waits for
+        # the copy before `t` may go.
         # Shapes only: a meta stand-in, so that pricing a large model allocates nothing.
         host = torch.empty_like(t, device="meta" if t.device.type == "meta" else "cpu",
                                 pin_memory=self._side is not None)
@@ -227,8 +213,8 @@ class Offloader:
         return host
 
     def to_device(self, hosts: Sequence[torch.Tensor | None], record: bool = True) -> tuple[list[Any], Marker]:
-        """Device copies of host tensors, started on the side stream, and the marker the copies pass; `record`:
-        tell the allocator that the side stream writes them (needless where the compute stream waits first)."""
+        """Device copies of host tensors, started on the side stream, and the marker the copies pass."""
+        # `record` tells the allocator that the side stream writes them: needless where the compute stream waits first.
         # Allocated from the compute stream: memory allocated on the side stream would stay in a pool of its own,
         # which the compute stream never reuses (on an H100 the reserved peak came out 1.7x the allocated one).
         back = [None if h is None else torch.empty_like(h, device=self.device) for h in hosts]

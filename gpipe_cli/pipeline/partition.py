@@ -41,12 +41,10 @@ def check_partitions(num_layers: int, partitions: int) -> None:
 
 
 def balance_by_cost(costs: Sequence[float], partitions: int) -> list[int]:
-    """The contiguous K-way split minimising the largest stage cost (exact, O(K·L)).
-
-    best[k][j], the least largest cost of the first j layers as k stages: best[k-1][i] grows with i
-    while the cost of layers i..j shrinks, so the best cut is where they cross, which only moves later
-    as j grows (one pointer per k). Ties go to later cuts: earlier stages carry no more than needed.
-    """
+    """The contiguous K-way split minimising the largest stage cost (exact, O(K·L))."""
+    # best[k][j], the least largest cost of the first j layers as k stages: best[k-1][i] grows with i while the
+    # cost of layers i..j shrinks, so the best cut is where they cross, which only moves later as j grows (one
+    # pointer per k). Ties go to later cuts: earlier stages carry no more than needed.
     check_partitions(len(costs), partitions)
     if any(c < 0 for c in costs):
         raise PartitionError("layer costs must be non-negative")
@@ -82,11 +80,10 @@ def _unwind(cut: list[list[int]], n: int, partitions: int) -> list[int]:
     return [b - a for a, b in itertools.pairwise([0, *reversed(bounds)])]
 
 
+# `owners[c]` is the stage of chunk c (None: one chunk per stage, where `balance_by_cost` is the answer).
 def balance_stages(costs: Sequence[float], chunks: int, owners: Sequence[int] | None = None,
                    microbatches: int = 1) -> list[int]:
-    """The cut into `chunks` with the shortest step: M times the busiest stage, plus the fill and drain at the
-    slowest chunk's pace (a V puts the first and last chunk on one stage, so equal chunks need not make equal
-    stages). `owners[c]` is the stage of chunk c (None: one chunk per stage, `balance_by_cost`)."""
+    """The cut into `chunks` with the shortest step: M x the busiest stage, plus fill and drain at the slowest chunk."""
     start = balance_by_cost(costs, chunks)
     if owners is None or len(set(owners)) == chunks:
         return start
@@ -111,13 +108,11 @@ def balance_stages(costs: Sequence[float], chunks: int, owners: Sequence[int] | 
 EXHAUSTIVE = 20_000  # cuts into chunks few enough to price every one
 
 
+# A value may depend on the stage's place and need not add up over layers (a memory peak); `inf` marks a stage
+# that cannot be, and None a problem where every split has one. Exact, O(K·L²) calls of `value`.
 def min_max_split(layers: int, partitions: int,
                   value: Callable[[int, int, int], float]) -> tuple[float, list[int]] | None:
-    """The contiguous K-way split minimising the largest `value(stage, start, stop)`, and that largest value.
-
-    A value may depend on the stage's place and need not add up over layers (a memory peak); `inf` marks a
-    stage that cannot be, and None a problem where every split has one. Exact, O(K·L²) calls of `value`.
-    """
+    """The contiguous K-way split minimising the largest `value(stage, start, stop)`, and that largest value."""
     check_partitions(layers, partitions)
     n, inf = layers, float("inf")
     # best[k][j]: the smallest largest value of the first j layers as stages 0..k-1.
@@ -137,9 +132,9 @@ def min_max_split(layers: int, partitions: int,
     return None if best[partitions][n] == inf else (best[partitions][n], _unwind(cut, n, partitions))
 
 
+# `fits(stage, start, stop)`: whether layers start..stop-1 fit as stage `stage`.
 def balance_within(costs: Sequence[float], partitions: int, fits: Callable[[int, int, int], bool]) -> list[int] | None:
-    """The contiguous K-way split minimising the largest stage cost among those where every stage fits
-    (`fits(stage, start, stop)`: layers start..stop-1 fit as stage `stage`); None when none does."""
+    """The contiguous K-way split minimising the largest stage cost among those where every stage fits, or None."""
     prefix = [0.0, *itertools.accumulate(float(c) for c in costs)]
     found = min_max_split(len(costs), partitions,
                           lambda stage, i, j: prefix[j] - prefix[i] if fits(stage, i, j) else float("inf"))
@@ -161,14 +156,11 @@ def _moves(chunks: int) -> Iterator[list[tuple[int, int]]]:
                 yield [(cut, step) for cut in range(first, last + 1)]
 
 
+# With `enough`, the first cut whose key is enough is returned, pricing at most half of layers x chunks cuts
+# (`FIT_TRIALS` at least). Runs of cuts shift memory between stages whose interleaved chunks lie far apart.
 def descend(balance: Sequence[int], key: Callable[[list[int]], tuple[float, ...]],
             enough: Callable[[tuple[float, ...]], bool] | None = None) -> list[int]:
-    """From `balance`, take the move that lowers `key` most, until none does (or `TRIALS` cuts were priced).
-
-    With `enough`, the first cut whose key is enough is returned, each step takes the first move that helps,
-    and it prices at most half of layers x chunks cuts (`FIT_TRIALS` at least). A run of cuts moves only
-    where no single cut helps: it shifts memory between stages holding interleaved chunks far apart.
-    """
+    """From `balance`, take the move that lowers `key` most, until none does (or `TRIALS` cuts were priced)."""
     current, best, trials = list(balance), key(list(balance)), 0
     # A fit search may walk every cut across half its chunk: deep models need more trials than shallow ones.
     bound = TRIALS if enough is None else min(max(FIT_TRIALS, sum(balance) * len(balance) // 2), TRIALS)
@@ -199,12 +191,7 @@ def descend(balance: Sequence[int], key: Callable[[list[int]], tuple[float, ...]
 
 def interleaved_within(costs: Sequence[float], chunks: int, needs: Callable[[list[int]], Sequence[float]],
                        budget: float) -> list[int] | None:
-    """A cut of K x V chunks whose every stage fits `budget` (`needs(balance)`: every stage's bytes), or None.
-
-    A stage's V chunks lie far apart, so `balance_within`'s exact split does not apply: from the min-max cut,
-    then from `least_memory`'s, `descend` lowers the excess, the slowest chunk, then the fullest stage. It can
-    miss a cut that fits, never returns one that does not.
-    """
+    """A cut of K x V chunks whose every stage fits `budget` (`needs(balance)`: every stage's bytes), or None."""
     prefix = [0.0, *itertools.accumulate(float(c) for c in costs)]
 
     def key(balance: list[int]) -> tuple[float, float, float]:
@@ -223,8 +210,8 @@ def interleaved_within(costs: Sequence[float], chunks: int, needs: Callable[[lis
 
 def least_memory(balance: Sequence[int], needs: Callable[[list[int]], Sequence[float]],
                  budget: float | None = None) -> list[int]:
-    """From `balance`, `descend`'s moves that lower the fullest stage's `needs`, while they do (or until the
-    fullest stage fits `budget`: a search for a cut that fits need not find the leanest)."""
+    """From `balance`, `descend`'s moves that lower the fullest stage's `needs`, while they do."""
+    # With `budget`, only until the fullest stage fits it: a search for a cut that fits need not find the leanest.
     if budget is not None and max(needs(list(balance))) <= budget:
         return list(balance)
     return descend(balance, lambda b: (max(needs(b)),), None if budget is None else lambda key: key[0] <= budget)

@@ -1,14 +1,6 @@
-"""Which stage runs which chunk of layers: "loop" (chunk c on stage c mod K) or "v" (down and back up).
+"""Which stage runs which chunk of layers: "loop" (chunk c on stage c mod K) or "v" (down and back up)."""
 
-With V chunks per stage, K=3, V=2 (chunks 0..5):
-
-    loop   stage 0: 0 3   stage 1: 1 4   stage 2: 2 5     the last chunk on the last stage
-    v      stage 0: 0 5   stage 1: 1 4   stage 2: 2 3     the first and last chunks on stage 0
-
-Under "v" the chunks at each turn (2 and 3 above) share a stage and hand over in memory, with no
-message. It imports nothing heavy.
-"""
-
+# Imports nothing heavy: the configuration's checks use it before torch loads.
 from __future__ import annotations
 
 import functools
@@ -39,6 +31,6 @@ def last_stage(stages: int, virtual: int, placement: str = "loop") -> int:
 
 
 def cut_owners(stages: int, virtual: int, placement: str = "loop") -> list[int] | None:
-    """Each chunk's stage where a cut must even out stages rather than chunks: a V, whose stage 0 holds the
-    first and the last chunk (None under a loop, where equal chunks make equal stages)."""
+    """Each chunk's stage where a cut must even out stages rather than chunks (under a V), else None."""
+    # A V's stage 0 holds the first and the last chunk; under a loop equal chunks make equal stages.
     return [owner(c, stages, placement) for c in range(stages * virtual)] if placement == "v" else None

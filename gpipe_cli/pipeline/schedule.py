@@ -1,9 +1,4 @@
-"""Pipeline schedules as data: one list of actions per stage, built once, read by everything.
-
-A schedule (pipeline/schedules/) orders each stage's forwards and backwards; here that order gets its
-receives and sends and the forwards that keep no graph (recomputed before their backward). The lists
-are printed, simulated and accounted for without processes, and the runtime executes exactly them.
-"""
+"""Pipeline schedules as data: one list of actions per stage, built once, read by everything."""
 
 from __future__ import annotations
 
@@ -40,11 +35,7 @@ def _check(stage: int, stages: int, microbatches: int) -> None:
 
 
 def remat_pairs(mode: str, order: Sequence[Step]) -> set[tuple[int, int]]:
-    """The (micro-batch, chunk) pairs a stage rematerialises under a mode, given its order of work.
-
-    `except_last` skips the micro-batches whose backward directly follows their forward: keeping their
-    activations costs nothing extra (GPipe: the last micro-batch; 1F1B: every one on the last stage).
-    """
+    """The (micro-batch, chunk) pairs a stage rematerialises under a mode, given its order of work."""
     mbs = {(mb, chunk) for kind, mb, chunk in order if kind == Kind.FWD}
     if mode == "always":
         return mbs
@@ -117,8 +108,7 @@ def rematerialised(schedule: ActionList) -> set[tuple[int, int]]:
 
 
 def restores(schedule: ActionList) -> list[Action]:
-    """The actions that first need what a micro-batch stored, in order: each recompute, and the first backward
-    action of a micro-batch kept whole (offload brings each one's activations back as the one before runs)."""
+    """The actions that first need what a micro-batch stored, in order: each recompute, a kept one's first backward."""
     remat = rematerialised(schedule)
     return [a for a in schedule if a.kind == Kind.RECOMPUTE
             or (a.kind in GRADIENT and (a.microbatch, a.chunk) not in remat)]
@@ -144,11 +134,7 @@ _UNIT = {Kind.FWD: 1.0, Kind.RECOMPUTE: 1.0, Kind.BWD: 2.0, Kind.BWD_INPUT: 1.0,
 
 @functools.lru_cache(maxsize=256)
 def theoretical_bubble(stages: int, microbatches: int, name: str = "gpipe", virtual: int = 1) -> float:
-    """A schedule's idle fraction for equal stage costs (backward = 2 forwards), free messages, no remat.
-
-    Its closed form where it has one, else its action lists run on ideal devices, each of a stage's V chunks
-    costing 1/V of it (B and W one forward each).
-    """
+    """A schedule's idle fraction for equal stage costs (backward = 2 forwards), free messages, no remat."""
     closed = schedules.get(name).bubble(stages, microbatches, virtual)
     if closed is not None:
         return closed
@@ -183,11 +169,11 @@ _RECV = (Kind.RECV_FWD, Kind.RECV_BWD)
 _SEND = (Kind.SEND_FWD, Kind.SEND_BWD)
 
 
+# A send does not block. `rate(busy)` says how much faster compute drains while only `busy` stages compute (ranks
+# sharing a machine's cores): a cost counts all-busy seconds.
 def simulate(lists: Sequence[ActionList], cost: Cost, latency: Cost | None = None,
              placement: str = "loop", rate: Rate | None = None) -> list[list[Span]]:
-    """Every stage's spans when the lists run on ideal devices: compute takes `cost`, a message arrives
-    `latency` after its send (which does not block). `rate(busy)` says how much faster compute drains while
-    only `busy` stages compute (ranks sharing a machine's cores): a cost counts all-busy seconds."""
+    """Every stage's spans when the lists run on ideal devices, compute taking `cost` and messages `latency`."""
     run = _Run(lists, cost, latency or (lambda stage, action: 0.0), placement)
     while True:
         while any([run.advance(s) for s in range(len(lists))]):  # a message sent now may be received now

@@ -1,9 +1,4 @@
-"""One stage's compute for each micro-batch: forward, recompute and backward, with rematerialization.
-
-A rematerialised micro-batch's forward builds no graph and keeps only its boundary input and RNG
-state; its recompute restores that state (identical dropout masks) just before the backward. With an
-offloader (pipeline/offload.py) what is stored waits in host memory until it is needed.
-"""
+"""One stage's compute for each micro-batch: forward, recompute and backward, with rematerialization."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""Per-step measurements: when each action ran, where the time went, bubble, memory; gathered to rank 0.
-
-A stage's step splits into compute (forward, recompute, backward), waiting for a peer (blocked in a
-receive, or in the gradient-norm collective until the slowest stage arrives: the bubble), communication
-(sends and the gradient reductions), the optimizer update, and whatever else is left of the step.
-"""
+"""Per-step measurements: when each action ran, where the time went, bubble, memory; gathered to rank 0."""
 
 from __future__ import annotations
 
@@ -23,11 +18,7 @@ PARTS = ("compute", WAIT, COMM, OPTIMIZER, "other")  # where a step's time goes,
 
 
 class Timeline:
-    """When each action of a step ran: device markers around every action, read once the step is over.
-
-    Markers are CUDA events on a GPU (the host runs ahead, so its clock says when work was queued,
-    not when it ran) and host clock readings elsewhere; nothing here waits for the device.
-    """
+    """When each action of a step ran: device markers around every action, read once the step is over."""
 
     def __init__(self, stage: int, device: torch.device) -> None:
         self.stage, self.device = stage, device

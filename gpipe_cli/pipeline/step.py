@@ -32,8 +32,7 @@ class StepResult:
 
 def figures(loss: torch.Tensor, norm: torch.Tensor, bad: torch.Tensor, scale: torch.Tensor,
             norms: torch.Tensor | None) -> torch.Tensor:
-    """A step's device figures as one float64 vector (one copy to the host): loss, global norm, non-finite
-    count, loss scale, then this stage's per-parameter gradient norms."""
+    """A step's device figures as one float64 vector (one copy to the host), this stage's gradient norms last."""
     head = torch.stack([loss, norm, bad, scale.to(torch.float64)])
     return head if norms is None else torch.cat([head, norms])
 

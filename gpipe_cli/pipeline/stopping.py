@@ -1,21 +1,6 @@
-"""The stop signal (Ctrl-C, SIGTERM) a rank received, and what it does before the rank has work to finish.
+"""The stop signal (Ctrl-C, SIGTERM) a rank received, and what it does before the rank has work to finish."""
 
-Until a rank has finished its first step (importing torch, joining the job, reading data, building its
-stage, the first step itself) there is nothing to save: the first signal raises `StoppedEarly`, which
-unwinds the set-up (files being written clean up after themselves) and ends the rank quietly with 128 +
-the signal. Whoever announces it (the launcher, or rank 0 under torchrun) says so at once for Ctrl-C; a
-SIGTERM may be the launcher tearing the job down after another rank failed, which that rank reports. A
-second signal ends the rank at once. Ranks hand over together, at the end of the step they share, so
-no rank stops for good while a peer means to finish a step and save it.
-
-Python runs a signal handler only between bytecodes of the main thread, and a main thread waiting inside
-torch (for a peer, in a collective or on the job's store) may not return for minutes. So the signal is
-also written to a pipe (`signal.set_wakeup_fd`, from C), where a thread waits: if the rank is still
-there `GRACE_S` later, that thread ends it. `started()` hands over to the training loop's own handler
-(finish the step, checkpoint, stop), and creates the marker file that tells the launcher so. Importing
-this module costs nothing: the handler is in place before torch is imported.
-"""
-
+# Importing this module costs nothing: the handler is in place before torch is imported.
 from __future__ import annotations
 
 import contextlib
@@ -37,9 +22,8 @@ _marker: Path | None = None
 _deferred = False  # inside `deferred()`: the first signal raises once the block ends
 
 
-class StoppedEarly(BaseException):
-    """A stop signal before the first step: the rank ends without a report (BaseException: no `except
-    Exception` on the way may swallow it)."""
+class StoppedEarly(BaseException):  # not an Exception: no `except Exception` on the way may swallow it
+    """A stop signal before the first step: the rank ends without a report."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name} before the first step was done")
@@ -58,22 +42,23 @@ def received() -> int:
 
 
 def ending() -> int:
-    """The signal that is ending this rank before its first step (0: none). An error raised meanwhile is its
-    consequence, even one that a library calling back into Python made of `StoppedEarly`."""
+    """The signal that is ending this rank before its first step (0: none)."""
+    # An error raised meanwhile is its consequence, even one a library calling back into Python made of StoppedEarly.
     return _received if _pipe is not None else 0
 
 
 def _announce(signum: int) -> None:
     global _announced
-    if not _announced and signum == signal.SIGINT:  # a person pressed Ctrl-C: answer at once
+    # A person pressed Ctrl-C: answer at once. A SIGTERM may be the launcher tearing the job down after another
+    # rank failed, which that rank reports.
+    if not _announced and signum == signal.SIGINT:
         _announced = True
         print("\n[gpipe] SIGINT: stopping now, before the first step is done (nothing to save yet)",
               file=sys.stderr, flush=True)
 
 
 def until_started(announce: bool, marker: Path | None = None) -> None:
-    """From now until `started()` (which creates `marker`), Ctrl-C or SIGTERM ends this rank quietly (call
-    from the main thread)."""
+    """Until `started()` (which creates `marker`), Ctrl-C or SIGTERM ends this rank quietly (main thread only)."""
     global _pipe, _marker
     _marker = marker or _marker
 
@@ -86,6 +71,9 @@ def until_started(announce: bool, marker: Path | None = None) -> None:
         if not _deferred:
             raise StoppedEarly(signum)
 
+    # Python runs a handler only between the main thread's bytecodes, and a main thread waiting inside torch (for
+    # a peer, on the job's store) may not return for minutes: the signal also goes to a pipe (from C), whose
+    # reader thread ends the rank `GRACE_S` later.
     if _pipe is None:
         read, write = os.pipe()
         os.set_blocking(write, False)
@@ -98,8 +86,8 @@ def until_started(announce: bool, marker: Path | None = None) -> None:
 
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
-    """Code C++ calls back into (torch's import) sees no `StoppedEarly`: an exception there aborts the process
-    (SIGABRT and a frame dump); a stop signal during the block raises when it ends (or the deadline ends the rank)."""
+    """Code C++ calls back into (torch's import) sees no `StoppedEarly`: a stop signal raises when the block ends."""
+    # An exception raised there aborts the process (SIGABRT and a frame dump); the deadline may still end the rank.
     global _deferred
     _deferred = True
     try:
@@ -131,11 +119,13 @@ def _deadline(read: int, announce: bool) -> None:
         os._exit(128 + data[0])
 
 
+# Ranks hand over together, at the end of the step they share, so none stops for good while a peer means to finish
+# a step and save it.
 def started() -> None:
     """The first step is done and the training loop's handler is in place: no deadline any more."""
     global _pipe
     if _marker is not None:
-        _marker.touch()
+        _marker.touch()  # tells the launcher
     if _pipe is None:
         return
     read, write = _pipe

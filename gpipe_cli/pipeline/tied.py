@@ -1,5 +1,4 @@
-"""Parameters held by several stages (a tied embedding and softmax): one tensor within a stage,
-identical copies across stages whose gradients are summed every step."""
+"""Parameters held by several stages (a tied embedding and softmax): one tensor per stage, gradients summed."""
 
 from __future__ import annotations
 
@@ -20,13 +19,11 @@ def _stage_of(index: int, ranges: Sequence[range]) -> int:
     raise ValueError(f"tied parameter names layer {index}, but the model has {ranges[-1].stop} layers")
 
 
+# Names are "<global layer index>.<parameter>"; `ranges` are each chunk's layers, placed on stages as the topology's
+# layout says. Every rank must call this with the same groups.
 def tie_parameters(module: nn.Module, topology: Topology, ranges: Sequence[range],
                    tied: Sequence[Sequence[str]]) -> list[SharedCopy]:
-    """Make tied parameters one tensor within this stage and synchronised copies across stages; returns the
-    local parameters whose copies live on other stages.
-
-    Names are "<global layer index>.<parameter>"; `ranges` are the layers of each chunk, placed on stages
-    as the topology's layout says. Every rank must call this with the same groups."""
+    """Make tied parameters one tensor within this stage; returns the local ones whose copies live on other stages."""
     layout = topology.layout
     plans = []
     for group in tied:

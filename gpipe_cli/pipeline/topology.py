@@ -1,14 +1,4 @@
-"""Rank layout of K pipeline stages × D data-parallel replicas, and process-group setup.
-
-    rank = replica * K + stage
-
-Stages of one pipeline are consecutive ranks, so with torchrun's usual placement a pipeline stays
-inside a node (activations cross fast links every micro-batch) and replicas span nodes (gradients
-cross the network once per mini-batch). Example, K=4, D=2, two nodes of 4 GPUs:
-
-    node 0: ranks 0 1 2 3 = replica 0, stages 0..3
-    node 1: ranks 4 5 6 7 = replica 1, stages 0..3
-"""
+"""Rank layout of K pipeline stages × D data-parallel replicas, and process-group setup."""
 
 from __future__ import annotations
 
@@ -88,8 +78,7 @@ class Layout:
 
 
 def links(layout: Layout) -> list[Link]:
-    """Every link of the job (every rank's, in one order): consecutive chunks on two stages, both ways
-    (on one stage, the turn of a V, they hand over in memory), and the last chunk's outputs to rank 0."""
+    """Every link of the job, in one order on every rank: between chunks on two stages both ways, outputs to rank 0."""
     out: list[Link] = []
     for replica in range(layout.replicas):
         for chunk in range(layout.stages * layout.virtual - 1):

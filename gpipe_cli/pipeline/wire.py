@@ -1,11 +1,4 @@
-"""The bytes of one message between stages: a fixed-size header on the host, the tensors packed in one buffer.
-
-The header (HEADER_LEN int64 values) names the micro-batch, the step's micro-batch count, the global
-offset of its first example, and the dtype and shape of every tensor; it also says how many payload
-bytes follow and how many of them the receiver had posted for ahead. The tensors travel as one
-uint8 buffer on the data device, each starting on a 64-byte boundary so its typed view is aligned:
-since only bytes cross the wire, any dtype can travel on any backend (NCCL has no int16 or bool).
-"""
+"""The bytes of one message between stages: a fixed-size header on the host, the tensors packed in one buffer."""
 
 from __future__ import annotations
 
@@ -16,8 +9,9 @@ from dataclasses import dataclass
 import torch
 
 HEADER_LEN = 64
-ALIGN = 64
+ALIGN = 64  # each tensor starts at a multiple of it in the payload, so its typed view is aligned
 MAGIC = 0x47504950  # "GPIP": a header that does not start with it means the streams are out of step
+# Only bytes cross the wire, so any dtype travels on any backend (NCCL has no int16 or bool).
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool]
 _ABSENT = -1
@@ -79,10 +73,9 @@ def meta_of(t: torch.Tensor | None, differentiable: bool) -> TensorMeta | None:
 
 def encode(microbatch: int, chunks: int, offset: int, metas: Sequence[TensorMeta | None], bare: bool = False,
            ahead: int = 0) -> torch.Tensor:
-    """Pack a message's header into HEADER_LEN int64 values on the host.
-
-    A tensor marked `requires_grad` becomes a leaf that requires grad on the receiver: the sender says so
-    (a rematerialised forward runs without a graph, so the tensor itself cannot tell)."""
+    """Pack a message's header into HEADER_LEN int64 values on the host."""
+    # A tensor marked `requires_grad` becomes a leaf that requires grad on the receiver: the sender says so, as a
+    # rematerialised forward runs without a graph and the tensor itself cannot tell.
     payload = layout(metas)[1]
     values = [MAGIC, microbatch, chunks, offset, int(bare), payload, ahead, len(metas)]
     for meta in metas:
@@ -115,10 +108,9 @@ def decode(header: torch.Tensor) -> Header:
 
 
 def pack(tensors: Sequence[torch.Tensor | None], size: int, device: torch.device) -> torch.Tensor:
-    """The tensors' bytes at their aligned offsets in one uint8 buffer of `size` bytes on `device`.
-
-    Copies are asynchronous: on the device they queue on the stream; into host memory (ranks sharing a
-    GPU) the buffer is pinned, and the caller waits for the copies before the bytes leave."""
+    """The tensors' bytes at their aligned offsets in one uint8 buffer of `size` bytes on `device`."""
+    # Copies are asynchronous; into host memory (ranks sharing a GPU) the buffer is pinned, and the caller waits
+    # for the copies before the bytes leave.
     pinned = device.type == "cpu" and any(t is not None and t.device.type == "cuda" for t in tensors)
     buffer = torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pinned)
     starts, _ = layout([meta_of(t, False) for t in tensors])

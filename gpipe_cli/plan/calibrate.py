@@ -1,18 +1,4 @@
-"""The engine's own cost beyond its layers', measured once: per layer call and per step.
-
-The engine adds work every time an action runs a layer (saved-tensor hooks, RNG states, statistics,
-Python) and per step (the optimizer, the gradient norm, gathering statistics). A single-stage pipeline
-timed in this process at three micro-batch counts of one mini-batch shows both: the gap between its
-measured and simulated steps grows with M by the per-call cost and starts at the per-step cost
-(`bench`'s calibration, split so that it holds for any K and M).
-
-When several ranks share this machine, the steps run on them instead (`plan.here.engine_steps`), as
-replicas of one stage and as one pipeline, GPipe's and interleaved with 2 chunks per stage. The ranks
-share cores and wait on each other (a replica on all-reduces, a stage on its neighbours), so the measured
-step is a multiple of the simulated one that differs with the micro-batch size and the shape: that ratio
-scales every layer's seconds for its shape (`by_shape`). The optimizer's update is timed apart and kept
-per step: it scales with a stage's parameters, not with its layers' compute.
-"""
+"""The engine's own cost beyond its layers', measured once: per layer call and per step."""
 
 from __future__ import annotations
 
@@ -55,8 +41,7 @@ def counts(per_replica: int, least: int) -> list[int]:
 def local_steps(spec: ModelSpec, batch: int, microbatches: list[int], seed: int, threads: int,
                 examples: Examples, optimizer: OptimizerOf | None = None,
                 grad_clip: float | None = None, device: str = "cpu") -> dict[int, float]:
-    """Seconds of one training step (`optimizer`'s update included) of the whole model as one stage in this
-    process on `device`, at each micro-batch count."""
+    """Seconds of one training step (the update included) of the whole model as one stage here, per M."""
     inputs, targets = examples(batch)
     found = {}
     with torch_threads(threads):
@@ -77,8 +62,8 @@ def local_steps(spec: ModelSpec, batch: int, microbatches: list[int], seed: int,
 
 def overhead(layers: int, costs: Callable[[int], CostProfile], per_replica: int,
              measured: dict[int, float]) -> Overhead:
-    """The engine's per-layer-call and per-step seconds: what the measured steps of `per_replica` examples
-    took beyond the simulated layers."""
+    """The engine's per-layer-call and per-step seconds: what the measured steps took beyond the simulated layers."""
+    # The gap grows with M by the per-call cost and starts at the per-step cost, so it holds for any K and M.
     ms = sorted(measured)
     gaps = [measured[m] - simulate.simulate_step(costs(per_replica // m), [layers], per_replica, m, "gpipe", "never",
                                                  simulate.FREE).step_time for m in ms]
@@ -93,9 +78,7 @@ def overhead(layers: int, costs: Callable[[int], CostProfile], per_replica: int,
 def factors(balance: list[int], costs: Callable[[int], CostProfile], per_replica: int,
             measured: dict[int, float], known: float = 0.0, link: simulate.Link = simulate.FREE,
             rate: simulate.Rate | None = None, virtual: int = 1) -> dict[int, float]:
-    """Per micro-batch size: the ratio of the measured step (less the `known` seconds) to the one simulated for
-    a pipeline cut as `balance` (GPipe; interleaved with `virtual` chunks per stage), its messages on `link`,
-    its ranks computing at `rate`."""
+    """Per micro-batch size: the measured step (less `known` seconds) over the one simulated for the cut `balance`."""
     schedule = "interleaved" if virtual > 1 else "gpipe"
     ratios = {}
     for m, seconds in measured.items():
@@ -124,12 +107,9 @@ def by_size(ratios: dict[int, float]) -> Callable[[int], float]:
 
 def by_shape(replicated: dict[int, float],
              staged: dict[int, dict[int, float]]) -> Factor:
-    """The ratio at any (micro-batch size, K, D, V, schedule): the one measured on that shape, else the largest.
-
-    Measured shapes: K=1 (`replicated`), and D=1 with V chunks per stage (`staged`, by V: GPipe's and 1F1B's
-    at V=1, interleaved's above). A shape not measured (zero-bubble's split backward, another V, stages and
-    replicas at once) takes the largest ratio measured at that size, so that what was not seen is not
-    preferred on optimism."""
+    """The ratio at any (micro-batch size, K, D, V, schedule): the one measured on that shape, else the largest."""
+    # Measured at K=1 (`replicated`) and at D=1 by V (`staged`); taking the largest elsewhere means a shape
+    # not seen never wins on optimism.
     of_replicas = by_size(replicated)
     of_stages = {v: by_size(ratios) for v, ratios in staged.items()}
 

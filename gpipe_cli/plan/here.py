@@ -1,13 +1,4 @@
-"""What N ranks on this machine add to one process's measurements: cores, caches and memory shared, and
-the links between them, both measured with real processes.
-
-    loaded      per-layer seconds timed alone run faster than in training, where every rank computes at
-                once; so they are timed while sibling processes do the same timing on the other cores
-    links       messages between ranks here go through the transport a run uses (gloo on the CPU); point
-                to point and all-reduce are timed at two sizes and read as latency + bytes / bandwidth
-    engine_steps  the engine's whole training step (the optimizer's update included) on real ranks here, as
-                replicas of the whole model or as one pipeline of its stages
-"""
+"""What N ranks on this machine add to one process's measurements: shared cores, caches and memory, and links."""
 
 from __future__ import annotations
 
@@ -95,8 +86,7 @@ def _stop(procs: list[Any], wait: float) -> None:
 
 
 def _reported(target: Callable[..., None], out: Any, *args: Any) -> None:
-    """Run `target(out, *args)` in a child; a failure goes to the parent as one line, never as a traceback on the
-    terminal."""
+    """Run `target(out, *args)` in a child; a failure goes to the parent as one line, never as a traceback."""
     try:
         target(out, *args)
     except Exception as exc:  # the parent says what failed and plans on without it
@@ -121,10 +111,10 @@ def _busy(ready: Any, work: Callable[[], None], threads: int, stop: Event) -> No
         work()
 
 
+# `work` is pickled: a module-level function or a partial of one.
 @contextlib.contextmanager
 def loaded(work: Callable[[], None], count: int, threads: int) -> Iterator[None]:
-    """Run `work` over and over in `count` sibling processes (pickled: a module-level function or a partial
-    of one) while the body runs; their first run is done before the body starts."""
+    """Run `work` over and over in `count` sibling processes while the body runs, their first run done before it."""
     if count <= 0:
         yield
         return
@@ -217,8 +207,7 @@ STEPS = 10  # measured engine steps per micro-batch count (after one warm-up)
 
 
 def start_seconds(ranks: int) -> float:
-    """About how long `ranks` processes take to start here: each imports torch, builds its part and joins the group
-    (they share the cores)."""
+    """About how long `ranks` processes take to start here: each imports torch, builds its part and joins."""
     cores = max(min(usable_cores(), ranks), 1)
     return 2.0 + 3.0 * ranks / cores
 
@@ -269,15 +258,12 @@ def _engine_rank(rank: int, world: int, kind: str, params: dict[str, Any], balan
     return found
 
 
+# `balance` None: the whole model on each of `ranks` replicas (data parallel); else cut into those chunks,
+# `virtual` per stage, ranks / stages replicas. Each replica is given `inputs`.
 def engine_steps(kind: str, params: dict[str, Any], inputs: Any, targets: torch.Tensor, seed: int, ranks: int,
                  threads: int, counts: list[int], optimizer: OptimizerOf | None = None,
                  grad_clip: float | None = None, balance: list[int] | None = None, virtual: int = 1) -> Steps:
-    """Seconds of one GPipe training step (`optimizer`'s update included) on `ranks` processes here, at each
-    micro-batch count, and of the update alone; and how much the first count's step moved by the end.
-
-    `balance` None: the whole model as one stage on each of `ranks` replicas (data parallel, gradients
-    all-reduced); else cut into those chunks, `virtual` per stage (interleaved), ranks / stages replicas. Each
-    replica is given `inputs`."""
+    """GPipe steps' seconds on `ranks` processes here per micro-batch count, the update's, and the first's drift."""
     stages = len(balance or [0]) // virtual
     what = (f"running the engine on {ranks} replicas" if balance is None else
             f"running the engine as {stages} stages x {ranks // stages} replicas, {virtual} chunk(s) per stage")

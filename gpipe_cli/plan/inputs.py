@@ -1,12 +1,4 @@
-"""What the plan's search is fed for a recipe's model: per-layer seconds and the memory model's figures.
-
-    seconds   measured by the one per-layer measurer (`estimate.costs.profile`) with the threads a rank
-              would get, at the smallest and the largest micro-batch the search tries, affine in between
-              (which keeps each call's fixed cost); a model too large or slow to time here is estimated
-              from its FLOPs at this machine's measured rate (as `sizing` does)
-    memory    the memory model's figures from shapes on the meta device; a deep model takes, layer by
-              layer, those of its kind in a shallow member of the same widths (`memory_model.role`)
-"""
+"""What the plan's search is fed for a recipe's model: per-layer seconds and the memory model's figures."""
 
 from __future__ import annotations
 
@@ -133,9 +125,8 @@ def measure_seconds(flops: list[float], sizes: tuple[int, int], machine: sizing.
 
 def engine_seconds(costs: Callable[[int], CostProfile], examples: int, counts: list[int], ranks: int = 0,
                    stages: int = 1, steps: int = here.STEPS + 1, again: bool = True) -> float:
-    """About how long timing the engine's steps at each micro-batch count takes: `ranks` processes started (0: in
-    this process), then `steps` steps per count, warm-up included (`again`: the first count once more, as
-    `here.engine_steps` does)."""
+    """About how long timing the engine's steps takes: `ranks` processes started (0: none), `steps` per count."""
+    # `again`: the first count once more at the end, as `here.engine_steps` does.
     runs = [*counts, *counts[:1]] if again else counts
     start = here.start_seconds(ranks) if ranks else 0.0
     # A step from the per-layer seconds, GPipe's bubble included (the engine's own costs are what is measured).
@@ -196,8 +187,7 @@ class _Engine:
 
 
 def _staged_counts(batch: int, sizes: list[int], ranks: int) -> list[int]:
-    """The micro-batch counts a pipeline of `ranks` stages is timed at: the replicas' sizes, M a multiple of K
-    (interleaved needs it)."""
+    """M counts a `ranks`-stage pipeline is timed at: the replicas' sizes, M a multiple of K (interleaved needs it)."""
     return sorted({max(batch // size // ranks, 1) * ranks for size in sizes})
 
 
@@ -206,9 +196,7 @@ def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Cal
                   ranks: int, links: tuple[Link, Link] | None, speedup: float, optimizer: here.OptimizerOf | None,
                   grad_clip: float | None, device: str, say: Callable[[str], None],
                   phase: Callable[[str, float], None]) -> _Engine:
-    """The engine's own costs: on `ranks` real ranks here when they share this machine (ratios on the layers'
-    seconds by micro-batch size, as replicas and as stages; the optimizer's update per step), else in this
-    process (seconds per layer call and per step; no ratios)."""
+    """The engine's own costs: on `ranks` real ranks when they share this machine, else in this process."""
     if ranks > 1 and links is not None and batch % ranks == 0:
         per_replica = batch // ranks
         staged_too = f", then as {ranks} stages," if len(spec.layers) >= ranks else ""
@@ -264,24 +252,19 @@ def _ratios_text(engine: _Engine, ranks: int) -> str:
             f"{'/'.join(map(str, sorted(engine.replicated)))} examples")
 
 
+# `bytes_per_param`: a parameter with its gradient and optimizer state; `sizes(min_microbatch)`: the micro-batch
+# sizes the search tries; `tflops`: per-layer seconds from FLOPs at this assumed rate per device (devices not
+# here); `sample`: the data to time on (else generated full-length examples); `siblings`: processes computing
+# beside this one while it measures, as a machine's other ranks do, and with `links` the ranks the engine's
+# costs are measured on; `device`: where layers and engine are timed (a GPU: one, alone); `phase(what,
+# seconds)`: announces a long step with its estimate (else `say` does, without).
 def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, bytes_per_param: float,
            sizes: Callable[[int], tuple[int, int]], timing: str, threads: int, say: Callable[[str], None],
            tflops: float | None = None, sample: Sample | None = None, siblings: int = 0,
            links: tuple[Link, Link] | None = None, optimizer: here.OptimizerOf | None = None,
            grad_clip: float | None = None, device: str = "cpu",
            phase: Callable[[str, float], None] | None = None) -> Inputs:
-    """Everything the search needs of the model, whose every parameter takes `bytes_per_param` with its gradient and
-    optimizer state; `sizes(min_microbatch)` gives the micro-batch sizes the search will try.
-
-    `tflops`: per-layer seconds from FLOPs at this assumed effective rate per device (devices not here).
-    `sample`: the recipe's own data to time on (else generated examples of full length). `siblings`: processes
-    that compute beside this one while it measures, as the other ranks of this machine do in training;
-    with `links` (theirs measured: point to point, and all-reduce per ring step), the engine's own costs are
-    measured on that many ranks, as replicas and as stages.
-    `optimizer` and `grad_clip`: the recipe's, run in those steps as in training. `device`: where the layers
-    and the engine are timed (on a GPU: one, alone; no ranks beside it). `phase(what, seconds)` says a step of
-    measuring that takes a while, with its estimate (else `say` does, without).
-    """
+    """Everything the plan's search needs of the model."""
     phase = phase or (lambda what, seconds: say(f"{what}..."))
     spec = build_model(kind, **params)
     figs, flops, memory_note = figures(kind, params, spec, seed)

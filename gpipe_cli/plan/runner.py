@@ -1,5 +1,4 @@
-"""`gpipe plan`: measure the recipe's model once, search every way to run it on N devices, print the
-best few (predicted), and write the winner as a recipe that `gpipe train` takes as is."""
+"""`gpipe plan`: measure the recipe's model once, search how to run it on N devices, print and write the best."""
 
 from __future__ import annotations
 
@@ -41,8 +40,8 @@ def micro_sizes(layers: int, batch: int, devices: int, least: int) -> list[int]:
 
 
 def as_written_line(model: Any, hw: Any, recipe: Recipe, best: Any, budget: float) -> str:
-    """The recipe's own pipeline settings, predicted the same way, beside the pick (a balance named by a mode
-    is cut by measured time), or why they cannot be predicted."""
+    """The recipe's own pipeline settings predicted as the pick is, for beside it, or why they cannot be."""
+    # A balance named by a mode is cut by measured time, as the search cuts.
     from gpipe_cli.plan import search, show
 
     p = recipe.pipeline
@@ -86,8 +85,7 @@ def _not_comparable(model: Any, hw: Any, recipe: Recipe) -> str | None:
 
 
 def run(options: PlanOptions) -> int:
-    """Run `gpipe plan`: print the plan, write the recipe when asked (UserError for what cannot be planned,
-    130 on Ctrl-C)."""
+    """Run `gpipe plan` and write the recipe when asked (UserError: what cannot be planned; 130 on Ctrl-C)."""
     validate(options)
     recipe = load_recipe(options.recipe, options.set, check_data=False)
     source = _raw(options)

@@ -1,10 +1,4 @@
-"""The recipe's own training data as the plan times it: a mini-batch of typical shape, and what one costs to build.
-
-Generated examples of `max_len` tokens would price a Transformer far above what it trains on (the data
-pads each mini-batch to its longest example only), so the plan times the layers on real batches: of the
-first few training mini-batches, the one of median size. Building a mini-batch (reading, tokenised
-padding, augmentation) is part of every training step, so its seconds are measured here too.
-"""
+"""The recipe's own training data as the plan times it: a mini-batch of typical shape, and what one costs to build."""
 
 from __future__ import annotations
 

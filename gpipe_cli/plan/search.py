@@ -1,20 +1,4 @@
-"""Search K, D, M, schedule, remat mode, offload and balance for the fastest pipeline that fits: predictions only.
-
-Nothing here measures or prints. For every configuration that uses all N devices (K stages x D = N / K
-replicas), from per-layer seconds (`Model.profile`), the memory model's figures and the hardware:
-
-    balance     the min-max cut of per-layer time among the cuts whose every stage fits the device
-                (`partition.balance_within`; with K x V chunks, `partition.interleaved_within`)
-    time        the engine's action lists run by the simulator (`estimate.simulate.simulate_step`), each
-                message `latency + bytes / bandwidth` on the link it crosses; then the ring all-reduce over
-                the D replicas, the engine's per-step cost for the busiest stage's parameters, and each
-                replica's share of building the mini-batch
-    memory      every stage's peak by the memory model, offloaded stored inputs counted on the device
-                only while they come back
-
-The fastest fitting configuration wins; ties go to one that offloads nothing (the host copies are priced
-at no time, as they overlap the backward), then to the one needing less memory.
-"""
+"""Search K, D, M, schedule, remat mode, offload and balance for the fastest pipeline that fits: predictions only."""
 
 from __future__ import annotations
 
@@ -211,8 +195,7 @@ def allreduce_seconds(stage_params: Sequence[int], replicas: int, link: simulate
 
 
 def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | None = None) -> Outcome:
-    """The predicted step of one configuration (with the fitting min-max cut, or the unconstrained one;
-    `cut`: this balance instead)."""
+    """The predicted step of one configuration, with the fitting min-max cut (else the unconstrained one) or `cut`."""
     per_replica = model.batch // config.replicas
     costs = model.profile(config)
     weights = costs.balance_costs(config.checkpoint)
@@ -244,8 +227,8 @@ def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | No
 
 
 def step_overhead(model: Model, stage_params: Sequence[int]) -> float:
-    """The engine's per-step seconds on the busiest stage: its share of the parameters (the optimizer's work);
-    the data's are added apart."""
+    """The engine's per-step seconds on the busiest stage, by its share of the parameters (the optimizer's work)."""
+    # The data's per-step seconds are added apart.
     total = sum(stage_params)
     return model.step_overhead * (max(stage_params) / total if total else 1.0 / len(stage_params))
 
@@ -257,8 +240,9 @@ def _rank_key(outcome: Outcome) -> tuple[float, bool, float, int, int, int]:
 
 
 def min_max_memory(model: Model, config: Config) -> tuple[float, list[int]]:
-    """The least memory the fullest stage can need under `config` (exact for V=1: a min-max cut of stage
-    memory; interleaved: the least `partition.least_memory` finds from the min-max-time cut)."""
+    """The least memory the fullest stage can need under `config`."""
+    # Exact for V=1 (a min-max cut of stage memory); interleaved: what `partition.least_memory` finds from the
+    # min-max-time cut.
     per_replica = model.batch // config.replicas
     if config.virtual > 1:
         weights = model.profile(config).balance_costs(config.checkpoint)
@@ -285,8 +269,8 @@ def search(model: Model, hw: Hardware) -> Result:
 
 
 def parts(model: Model, outcome: Outcome) -> dict[str, float]:
-    """Split a predicted step into seconds of compute (mean per stage, with the per-step work), idle waiting
-    (bubble), message transit (messages) and all-reduce (allreduce)."""
+    """Split a predicted step into seconds of compute, bubble, messages and allreduce."""
+    # compute: the mean per stage, the per-step work included.
     c = outcome.config
     free = simulate.simulate_step(model.profile(c), outcome.balance, model.batch // c.replicas, c.microbatches,
                                   c.schedule, c.checkpoint, simulate.FREE, 1.0, c.virtual, model.action_overhead,

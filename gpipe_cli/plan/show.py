@@ -1,5 +1,4 @@
-"""How a plan reaches the user: the table of the best configurations, why each runner-up loses, the
-`--set` lines and the recipe file. Every figure is a prediction and says so."""
+"""How a plan reaches the user: the table of the best, why each runner-up loses, the `--set` lines, the recipe file."""
 
 from __future__ import annotations
 
@@ -72,8 +71,7 @@ def rate(samples_per_s: float) -> str:
 
 
 def distinct(outcomes: Sequence[Outcome]) -> list[Outcome]:
-    """The outcomes without repeats: configurations predicted alike (same speed, cut and memory) show once,
-    the first (simplest) of them."""
+    """The outcomes without repeats: those predicted alike (same speed, cut and memory) show once, the first."""
     first: dict[tuple[float, tuple[int, ...], tuple[int, ...]], Outcome] = {}
     for o in outcomes:
         first.setdefault((round(o.samples_per_s, 6), tuple(o.balance), tuple(round(m) for m in o.memory)), o)
@@ -81,8 +79,8 @@ def distinct(outcomes: Sequence[Outcome]) -> list[Outcome]:
 
 
 def rows(model: search.Model, result: search.Result, top: int, budget: float) -> list[tuple[Outcome, str | None]]:
-    """The best `top` fitting configurations (the best of each K among them) and up to two faster ones that
-    do not fit, fastest first, each with why it loses (None: the winner)."""
+    """The best `top` fitting configurations (the best of each K among them) and up to two faster that do not fit."""
+    # Fastest first, each with why it loses (None: the winner).
     best = result.best
     assert best is not None
     ranked = distinct(result.ranked)
@@ -150,8 +148,8 @@ def header_line(devices: int, budget: float, outcome: Outcome) -> str:
 
 def write_recipe(text: str, raw: dict[str, Any], section: dict[str, Any], path: Path, label: str,
                  header: str) -> None:
-    """The recipe `raw` (read from `text`, with the --set overrides) with its pipeline section replaced, validated,
-    written whole or not at all, over `text`: the user's comments and key order stay."""
+    """Write `raw` with its pipeline section replaced, validated, whole or not at all, over the user's `text`."""
+    # `raw` is read from `text` with the --set overrides; the user's comments and key order stay.
     if "pipeline" in raw:
         out = {**raw, "pipeline": section}
     else:  # the usual order: the pipeline section right after the model

@@ -12,8 +12,7 @@ _KINDS = {"translation": "a translation model", "lm": "a language model", "image
 
 
 def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None = None, top: int = 1) -> int:
-    """Print one line per input (None: stdin's lines) of the export at `path`: its translation, its continuation,
-    or its most likely classes."""
+    """Print one line per input (None: stdin's) of the export at `path`: translation, continuation or top classes."""
     from gpipe_cli.predict import tasks
 
     exported = tasks.load_export(path)

@@ -1,5 +1,4 @@
-"""A file written by `gpipe export`, and what each kind of model does with one input: translate it, continue it,
-or classify it."""
+"""A file written by `gpipe export`, and what each kind of model does with one input: translate, continue, classify."""
 
 from __future__ import annotations
 

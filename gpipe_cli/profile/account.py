@@ -1,15 +1,4 @@
-"""What each stage holds during a real training step, measured one stage at a time in this process.
-
-A stage's memory depends only on its own layers and on its own action list: which micro-batches it
-has run forward and not yet backward, and which of those keep a graph. So each stage is measured by
-running the engine's own executor over the engine's own schedule (`schedule.build`) for that stage,
-with in-process channels: the previous stage's real outputs in, ones as output gradients. The figures
-are what that stage holds in a multi-rank step; messages in flight, which the engine never counts, are
-left out.
-
-On CPU the bytes come from the engine's exact saved-tensor accounting (`ActivationMeter`); on CUDA
-from the allocator (allocated bytes less parameters and gradients). Each figure says which.
-"""
+"""What each stage holds during a real training step, measured one stage at a time in this process."""
 
 from __future__ import annotations
 
@@ -139,9 +128,8 @@ class _Received:
 
 def _forwards(spec: ModelSpec, ranges: list[range], feed: list[Message], seed: int,
               device: torch.device) -> dict[int, Message]:
-    """Every chunk's input messages but the first's, from one forward without a graph through the chunks in
-    order: under a V a stage's upper chunk takes what a later stage hands on, so no order of the stages has
-    every input ready before it."""
+    """Every chunk's input messages but the first's, from one forward without a graph through the chunks in order."""
+    # Under a V a stage's upper chunk takes what a later stage hands on: no order of the stages has every input.
     out: dict[int, Message] = {}
     count, messages = len(ranges), feed
     for c, span in enumerate(ranges[:-1]):
@@ -152,11 +140,12 @@ def _forwards(spec: ModelSpec, ranges: list[range], feed: list[Message], seed: i
     return out
 
 
+# A stage's memory depends only on its own layers and action list, so the stages run one after another here;
+# messages in flight, which the engine never counts, are left out.
 def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[int], microbatches: int,
             schedule: str, checkpoint: str, optimizer: str, seed: int,
             device: torch.device | str = "cpu", offload: str = "none") -> list[StageMemory]:
-    """Every stage's memory during one step of `balance` (K x V chunks placed as the schedule says) with M
-    micro-batches (stages run one after another)."""
+    """Every stage's memory during one step of `balance` (K x V chunks placed as the schedule says), M micro-batches."""
     device = torch.device(device)
     ranges = partition.stage_ranges(balance)
     placed = schedules.get(schedule).placement

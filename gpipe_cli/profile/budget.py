@@ -1,19 +1,4 @@
-"""`--budget`: the largest model of a family that fits a per-device memory budget at each K (GPipe Table 1).
-
-Per-layer figures are measured on small members of the family and scaled to any size:
-
-- Transformer-L (layers of d_model 2048, feed-forward 8192, 32 heads): every layer is built alike, so
-  one measured layer, repeated L times, prices any L exactly.
-- AmoebaNet-D (L, D): normal cells of a stack are alike whatever L, and every tensor of a cell has
-  D-proportional channels, so activation bytes are affine in D (measured at two widths) and parameter
-  counts quadratic in D (counted on the meta device at three widths).
-
-A model fits K devices when a contiguous cut into K stages keeps every stage's parameters,
-gradients, optimizer state and peak activations (predicted by walking the schedule, see
-`memory_model`) within the budget. The search is bounded (Transformer-L: the layers a recipe may
-have; AmoebaNet-D: L and D below), so a huge budget ends in seconds; a row whose model reaches a bound
-says that the bound, not the budget, stopped it.
-"""
+"""`--budget`: the largest model of a family that fits a per-device memory budget at each K (GPipe Table 1)."""
 
 from __future__ import annotations
 
@@ -52,8 +37,7 @@ PAPER_TABLE1: dict[str, dict[str, Any]] = {
 }
 
 class Found(NamedTuple):
-    """A search's largest fitting member: its label, parameters and stages, and the bound that stopped the
-    search ("" when the budget did)."""
+    """A search's largest fitting member: label, parameters, stages, and the bound that stopped it ("": the budget)."""
 
     label: str
     params: int
@@ -86,8 +70,7 @@ def _assemble(names: list[str], roles: dict[str, LayerFigures], inputs: Affine,
 
 def _measure(spec: Any, seed: int, batches: tuple[int, int] = mm.PROBE_BATCHES,
              shapes_only: bool = False) -> tuple[ModelFigures, bool]:
-    """A small member's figures, and whether they were measured on this machine: where its weights and
-    activations would not fit its memory (widths given by flags), or when asked, from shapes on the meta device."""
+    """A small member's figures, and whether they were measured on this machine (else shapes on the meta device)."""
     if not shapes_only:
         # One forward of shapes at the larger size says what measuring would hold: weights, gradients and
         # activations, with room to spare.
@@ -126,6 +109,7 @@ class TransformerL:
         # No BatchNorm here, so a single example is a valid probe (it halves the cost at paper sizes).
         self.probe, self.measured = _measure(build_model("transformer", layers=2, **fixed), seed, batches=(1, 2),
                                              shapes_only=shapes_only)
+        # Every layer is built alike, so one measured layer, repeated L times, prices any L exactly.
         self.roles = _by_role(self.probe)
 
     def figures(self, layers: int) -> ModelFigures:
@@ -134,8 +118,7 @@ class TransformerL:
         return _assemble(names, self.roles, self.probe.input, lambda role: self.roles[role].params)
 
     def members(self) -> list[tuple[ModelSpec, ModelFigures, dict[str, Any]]]:
-        """Two small members, built, priced and with their build parameters, for the device probe: one and two
-        layers."""
+        """The device probe's two small members (one and two layers): built, priced, and their build parameters."""
         return [(build_model("transformer", **p), self.figures(n), p)
                 for n in (1, 2) for p in [{"layers": n, **self.fixed}]]
 
@@ -144,8 +127,7 @@ class TransformerL:
         return {"layers": int(label), **self.fixed}
 
     def search(self, fits: Callable[[ModelFigures], list[Footprint] | None], least: int = 1) -> Found | None:
-        """The deepest member that fits, up to `max_layers` (the most a recipe may have), from the first with at
-        least `least` pipeline layers (a V needs one per chunk)."""
+        """The deepest member that fits, up to `max_layers`, from the first with `least` pipeline layers or more."""
         best = None
         lo, hi = 0, min(max(1, least - 2), self.max_layers)  # the embedding and the softmax are layers too
         while (found := fits(self.figures(hi))) is not None:  # grow until it no longer fits
@@ -209,6 +191,7 @@ class AmoebaNetD:
     def figures(self, layers: int, width: int) -> ModelFigures:
         """The figures of AmoebaNet-D (layers, width)."""
         d0, d1, _ = self.PROBE_WIDTHS
+        # Every tensor of a cell has D-proportional channels, so activation bytes are affine in D.
         t = (width - d0) / (d1 - d0)
         roles = {role: LayerFigures(role, 0, self.at[0][role].saved.blend(self.at[1][role].saved, t),
                                     self.at[0][role].output.blend(self.at[1][role].output, t),
@@ -218,14 +201,12 @@ class AmoebaNetD:
         return _assemble(names, roles, self.input, lambda role: self._params(role, width))
 
     def members(self) -> list[tuple[ModelSpec, ModelFigures, dict[str, Any]]]:
-        """Two small members, built, priced and with their build parameters, for the device probe: 6 cells at
-        the two narrowest widths."""
+        """The device probe's two small members (6 cells, the two narrowest widths): built, priced, build parameters."""
         return [(build_model("amoebanet", **p), self.figures(6, d), p)
                 for d in self.PROBE_WIDTHS[:2] for p in [{"layers": 6, "filters": d, **self.fixed}]]
 
     def search(self, fits: Callable[[ModelFigures], list[Footprint] | None], least: int = 1) -> Found | None:
-        """The member with the most parameters that fits, over L in steps of 6 up to `max_layers` and D in steps
-        of 16 up to `max_width`, among those with at least `least` pipeline layers (a V needs one per chunk)."""
+        """The fitting member with the most parameters: L by 6s, D by 16s up to the bounds, `least` layers or more."""
         best: Found | None = None
         for layers in range(6, self.max_layers + 1, 6):
             def at(steps: int, layers: int = layers) -> list[Footprint] | None:
@@ -289,8 +270,7 @@ def device_probes(family: TransformerL | AmoebaNetD, scenarios: list[tuple[str, 
 
 
 def _balance(stages: list[Footprint], schedule: str) -> list[int]:
-    """Layers per chunk, in chunk order, of stages whose chunks are placed as `schedule` says (one per stage in
-    a loop, so layers per stage)."""
+    """Layers per chunk, in chunk order, of stages whose chunks are placed as `schedule` says."""
     placed, virtual = schedules.get(schedule).placement, len(stages[0].chunks) or 1
     out = [0] * (len(stages) * virtual)
     for s, stage in enumerate(stages):
@@ -299,12 +279,12 @@ def _balance(stages: list[Footprint], schedule: str) -> list[int]:
     return out
 
 
+# A scenario is (name, K, M, checkpoint), or (..., schedule, offload) where a row has its own; a V-shaped schedule
+# cuts 2K chunks.
 def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[Any, ...]], budget: float,
            batch_size: int, schedule: str, optimizer: str, offload: str = "none",
            correction: Correction | None = None) -> list[BudgetRow | None]:
-    """The largest fitting member for each (name, K, M, checkpoint) scenario, or (name, K, M, checkpoint,
-    schedule, offload) where a row has its own (None: nothing fits). A V-shaped schedule cuts 2K chunks. With a
-    `correction`, each stage is priced as the device holds it."""
+    """The largest fitting member per scenario (None: nothing fits), priced as the device holds it by `correction`."""
     per_param = bytes_per_parameter(optimizer)
     rows: list[BudgetRow | None] = []
     for name, k, m, checkpoint, *how in scenarios:

@@ -56,8 +56,8 @@ FLAGS: dict[str, str] = {
 
 def profile_options(recipe: str | None, partitions: str | None, flags: Mapping[str, Any], sets: Sequence[str],
                     **own: Any) -> ProfileOptions:
-    """The options a recipe (None: the command's own model), the alias flags, `--set` and profile-memory's own flags
-    give; the recipe's keys are checked as `train` checks them, before torch loads."""
+    """The options a recipe (None: the command's own model), the alias flags, `--set` and the command's flags give."""
+    # The recipe's keys are checked as `train` checks them, before torch loads.
     model = model_of(recipe, own.pop("model", None), "profiled")
     ks = parse_partitions(partitions) if partitions is not None else None
     if ks is not None:
@@ -81,8 +81,8 @@ def parse_partitions(text: str) -> list[int]:
 
 
 def validate(options: ProfileOptions) -> None:
-    """Refuse options that cannot describe a profile, or a --json that cannot be written, with one line naming the
-    flag (before torch loads)."""
+    """Refuse options that cannot describe a profile, or a --json that cannot be written, naming the flag."""
+    # Before torch loads, so the one line comes at once.
     _check_partitions(options.partitions)
     refuse([
         outside("--microbatches", options.microbatches, 1, MAX_SIZE),

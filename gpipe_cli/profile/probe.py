@@ -1,19 +1,4 @@
-"""The device's own overhead: a few short probe steps fit what the saved-tensor accounting cannot see.
-
-The memory model counts the tensors a step keeps. A GPU also holds what the CUDA caching allocator
-rounds up and keeps cached, library workspaces (cuBLAS) and attention kernels' own buffers, and its
-attention kernels may save less than the accounting's math path. So `--budget` on a device first runs
-one training step of a few small members of the family (the family's widths, one or two layers or
-cells, one or two examples per micro-batch, each scenario's M and rematerialization), reads the
-device's peak, and fits
-
-    device peak = workspace + weights factor x (weights, gradients, optimizer state)
-                            + activations factor[rematerialization] x accounted activation peak
-
-by least squares; the search then prices every stage with it. The meter is the only device-specific
-part: on CUDA the allocator's reserved peak, on the CPU the engine's saved-tensor accounting (so the
-CPU runs the same fitting, and its correction comes out as none).
-"""
+"""The device's own overhead: a few short probe steps fit what the saved-tensor accounting cannot see."""
 
 from __future__ import annotations
 
@@ -89,8 +74,7 @@ class CudaMeter:
         self.device = device
 
     def peak(self, probe: Probe) -> float:
-        """The reserved peak over the step, above what it held before (what the card must have: allocations with
-        their rounding, the allocator's cache and library workspaces)."""
+        """The reserved peak over the step above what it held before: allocations with rounding, cache, workspaces."""
         gc.collect()
         torch.empty(1, device=self.device)  # the allocator's state must exist before its peak is reset
         torch.cuda.synchronize(self.device)
@@ -171,11 +155,7 @@ def _solve(rows: list[list[float]], values: list[float]) -> list[float]:
 
 
 def fit(points: Sequence[tuple[Footprint, str, float]], meter: str = "") -> Correction:
-    """The correction that best maps each (predicted footprint, checkpoint, measured peak) onto its peak.
-
-    A negative workspace (the rounding reads as a larger factor) is refitted as none; a factor the probes
-    cannot tell (nothing of that kind varied) stays 1.
-    """
+    """The correction that best maps each (predicted footprint, checkpoint, measured peak) onto its peak."""
     keys = sorted({remat_key(c) for _, c, _ in points})
     values = [measured for _, _, measured in points]
 
@@ -185,9 +165,10 @@ def fit(points: Sequence[tuple[Footprint, str, float]], meter: str = "") -> Corr
 
     solution = _solve(design(True), values)
     workspace = solution.pop(0)
-    if workspace < 0:
+    if workspace < 0:  # the rounding read as a larger factor: refitted as none
         workspace, solution = 0.0, _solve(design(False), values)
     weights, factors = solution[0], solution[1:]
+    # A factor the probes cannot tell (nothing of that kind varied) stays 1.
     guarded = {k: f if f > 0.1 else 1.0 for k, f in zip(keys, factors)}
     correction = Correction(workspace, weights if weights > 0.1 else 1.0, guarded, meter)
     return replace(correction, points=tuple((fp.total_bytes, m, correction.bytes(fp, c)) for fp, c, m in points))
@@ -196,9 +177,8 @@ def fit(points: Sequence[tuple[Footprint, str, float]], meter: str = "") -> Corr
 def steps(members: Sequence[tuple[ModelSpec, ModelFigures, dict[str, Any]]],
           rows: Sequence[tuple[str, int, int, str]], kind: str, schedule: str, optimizer: str,
           seed: int = 0) -> list[Probe]:
-    """The probe steps of two small members of family `kind` (built, priced, with their build parameters): per
-    (M, checkpoint) of the (name, K, M, checkpoint) rows, both at the family's smallest micro-batch and the first
-    at twice that, so that weights and activations vary apart."""
+    """The probe steps of family `kind`'s two small members (built, priced, build parameters) per (M, checkpoint)."""
+    # The small member again at twice the micro-batch, so that weights and activations vary apart.
     (small, large), least = members, families.of(kind).least_examples
     return [Probe(spec, figures, size * m, m, schedule, checkpoint, optimizer, seed, params)
             for m, checkpoint in dict.fromkeys((m, c) for _, _, m, c in rows)

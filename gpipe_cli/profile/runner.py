@@ -1,9 +1,4 @@
-"""`gpipe profile-memory`: per-stage memory of naive-1, pipeline-1 and pipeline-K, or the largest model per K.
-
-Without model flags the family's model is sized to this machine (see `gpipe_cli.sizing`). Every row
-is decided and the plan printed before anything is measured; rows that cannot be measured here are
-extrapolated from per-layer figures (see `scenarios`). Ctrl-C exits 130 with no traceback.
-"""
+"""`gpipe profile-memory`: per-stage memory of naive-1, pipeline-1 and pipeline-K, or the largest model per K."""
 
 from __future__ import annotations
 
@@ -53,8 +48,7 @@ FIXED_S = 3.0
 
 def row_seconds(cand: sizing.Candidate, machine: sizing.Machine, batch: int, microbatches: int,
                 checkpoint: str) -> float:
-    """Seconds measuring one row takes: one training step (each stage driven in turn) and building its layers and
-    optimizer state (a few writes per parameter)."""
+    """Seconds measuring one row takes: one training step, and building its layers and optimizer state."""
     work = sizing.step_seconds(cand, machine, batch, microbatches, sizing.passes(checkpoint))
     return work + 0.5 + cand.parameters * BUILD_S
 
@@ -70,9 +64,9 @@ def probe_seconds(cand: sizing.Candidate, machine: sizing.Machine) -> float:
 
 
 def paced(machine: sizing.Machine, spec: ModelSpec, kind: str, examples: int, seed: int) -> sizing.Machine:
-    """`machine` with the rate this model's layers reach here now: the heaviest of its first layers timed,
-    forward and backward, on `examples` examples (medians of 3). The quick matrix-product rate fits in cache
-    and misses a busy machine: real layers reach a fraction of it, several times less on a shared CPU."""
+    """`machine` with the rate this model's layers reach here now: the heaviest of its first layers timed."""
+    # The quick matrix-product rate fits in cache and misses a busy machine: real layers reach a fraction of it,
+    # several times less on a shared CPU.
     flops = [layer.flops for layer in describe(spec, 2).layers[:3]]  # per example; the prefix stays cheap
     index = max(range(len(flops)), key=flops.__getitem__)
     inputs, _ = example_batch(spec, examples, seed)
@@ -129,8 +123,7 @@ def _show_plan(spec: ModelSpec, subject: Subject, note: str, rows: list[scenario
 
 
 def measure(options: ProfileOptions, console: Console, progress: Progress | None = None) -> dict[str, Any]:
-    """Decide every row, print the plan, then measure what can be and extrapolate the rest (each phase said on
-    `progress`, which is given the plan's estimate)."""
+    """Decide every row, print the plan, then measure what can be and extrapolate the rest, each phase on `progress`."""
     progress = progress or Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))
     device = _device(options.device)
     m = options.microbatches
@@ -237,9 +230,8 @@ def _family(options: ProfileOptions) -> tuple[str, dict[str, Any]]:
 
 
 def budget_probe_seconds(kind: str, fixed: dict[str, Any], machine: sizing.Machine) -> float:
-    """Seconds measuring the budget search's per-layer figures should take: its Python-bound calls where the
-    family states them (describing its layers to count FLOPs would cost as much), else each small member's
-    accounted forward and backward."""
+    """Seconds measuring the budget search's per-layer figures should take."""
+    # Python-bound calls where the family states them (describing its layers to count FLOPs would cost as much).
     if calls := budget.GROWN[kind].PROBE_CALLS:
         return calls * machine.call_seconds
     return sum(sizing.step_seconds(sizing.candidate(kind, params), machine, examples, 1, 2.0)
@@ -258,8 +250,7 @@ def _calibrate(probes: list[probe.Probe], kind: str, machine: sizing.Machine, de
 
 
 def variants(k: int, m: int, options: ProfileOptions) -> list[tuple[Any, ...]]:
-    """The largest K again without rematerialization, with its stored inputs offloaded, and as V-Half (two
-    chunks per device): what each buys at the same device count."""
+    """The largest K again without remat, with stored inputs offloaded, and as V-Half: what each buys on K devices."""
     remat = options.checkpoint if options.checkpoint != "never" else "except_last"
     return [(f"K={k} never", k, m, "never", options.schedule, "none"),
             (f"K={k} offload", k, m, remat, options.schedule, "activations"),
@@ -336,8 +327,7 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
 
 
 def run(options: ProfileOptions) -> int:
-    """Run `gpipe profile-memory`; print the figures and return an exit code (UserError for bad options,
-    130 on Ctrl-C)."""
+    """Run `gpipe profile-memory`: print the figures, return an exit code (UserError: bad options; 130 on Ctrl-C)."""
     console = output_console()
     try:
         with interrupts.remembered():

@@ -1,15 +1,4 @@
-"""The rows of `gpipe profile-memory` (the paper's Table 1) and how each is obtained: measured or extrapolated.
-
-    naive-1      K=1, one micro-batch, no rematerialization (plain training)
-    pipeline-1   K=1, M micro-batches, rematerialization
-    pipeline-K   K stages, M micro-batches, rematerialization
-
-A row is measured (every stage driven through the engine's own schedule) when it can be: the model
-has at least K layers and the fullest stage fits this machine's memory. Otherwise it is extrapolated
-by the memory model from the model's measured per-layer figures, and says why: for K above the
-number of layers, the model is deepened by repeating its most repeated kind of layer until every
-stage gets one.
-"""
+"""The rows of `gpipe profile-memory` (the paper's Table 1) and how each is obtained: measured or extrapolated."""
 
 from __future__ import annotations
 

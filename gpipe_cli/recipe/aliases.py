@@ -1,7 +1,4 @@
-"""Short flags that are aliases of recipe keys: `--partitions 4` is exactly `--set pipeline.partitions=4`.
-
-Each flag is declared once here; its help is the schema's description of its key. Only the way a mistake
-is named differs: a value typed as a flag is named by the flag."""
+"""Short flags that are aliases of recipe keys: `--partitions 4` is exactly `--set pipeline.partitions=4`."""
 
 from __future__ import annotations
 
@@ -72,12 +69,11 @@ def as_sets(flags: Mapping[str, Any]) -> list[str]:
     return [f"{ALIASES[name]}={text(name, value)}" for name, value in flags.items() if value is not None]
 
 
+# The recipe is validated with the flags and `--set` items applied, as `train` reads it; a bad flag value is named
+# by the flag. Without a recipe, `defaults` (by flag name) stand for it and the model's keys are left to the command.
 def settings(path: str | None, flags: Mapping[str, Any], sets: Sequence[str],
              defaults: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """What a recipe and `--set` say of the aliased keys: each value given (by the recipe file or a set), by flag
-    name, and the `--set` items of the model section. The recipe is validated with the flags and `--set` items
-    applied, as `train` reads them; a mistake in a flag's value is named by the flag. Without a recipe (None) the
-    command's `defaults` (by flag name) stand for it, and the model is the command's own: its keys are left to it."""
+    """What a recipe and `--set` say of the aliased keys, by flag name, and the `--set` items of the model section."""
     items = [*as_sets({name: flags[name] for name in flags if name not in SIZE_FLAGS}), *sets]
     keys = [parse_override(item)[0] for item in items]
     model_sets = [item for item, key in zip(items, keys) if key.startswith("model.")]

@@ -1,8 +1,4 @@
-"""Read a YAML recipe, apply `--set` overrides and presets, and validate it into a typed Recipe.
-
-Every problem becomes a RecipeError whose message is one line naming the file, the key path, the bad
-value and what is allowed, e.g. `recipe.yaml: pipeline.microbatches: must be >= 1 (got 0)`.
-"""
+"""Read a YAML recipe, apply `--set` overrides and presets, and validate it into a typed Recipe."""
 
 from __future__ import annotations
 
@@ -37,10 +33,10 @@ def recipe_label(path: str | Path | None) -> str:
     return "quickstart.yaml (built in)" if path is None else cut(str(path), 200)
 
 
+# Every problem is a RecipeError of one line: the file, the key path, the bad value and what is allowed.
 def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), check_data: bool = True) -> Recipe:
-    """Load, override and validate a recipe (None: the embedded quick-start recipe).
-
-    `check_data=False` skips the check that local data and tokenizer paths exist (to rebuild a model)."""
+    """Load, override and validate a recipe (None: the embedded quick-start recipe)."""
+    # check_data=False skips the check that local data and tokenizer paths exist (to rebuild a model).
     label = recipe_label(path)
     if path is not None and not str(path):  # Path("") would read as the current directory
         raise RecipeError("the recipe path is empty; give a YAML file, or leave it out for the built-in "

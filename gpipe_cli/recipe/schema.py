@@ -32,8 +32,7 @@ def _numeric(text: str) -> bool:
 
 
 def _number(value: object) -> object:
-    """YAML `true` and the string "5" are not numbers, and an integral float such as 1e20 is range-checked as an
-    integer."""
+    """YAML `true` and the string "5" are not numbers; an integral float such as 1e20 is range-checked as an int."""
     _real(value)
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         return int(value)
@@ -232,11 +231,7 @@ class Data(Section):
 
 
 class Profile(Section):
-    """Steps to record with torch.profiler on every rank (gzip'd Chrome traces in RUN_DIR/profile).
-
-    Either `steps: [start, end]` (from 1), or torch.profiler's schedule: `wait` steps, `warmup` steps (recorded
-    and thrown away: the profiler's own start-up), `active` steps recorded, the cycle done `repeat` times (0:
-    until the run ends); `skip_first` steps before the first cycle."""
+    """Steps to record with torch.profiler on every rank (gzip'd Chrome traces in RUN_DIR/profile)."""
 
     steps: tuple[PositiveInt, PositiveInt] | None = None
     skip_first: NonNegInt = 0
@@ -264,8 +259,7 @@ class Profile(Section):
         return self
 
     def cycle(self) -> tuple[int, int, int, int, int]:
-        """(skip_first, wait, warmup, active, repeat) in steps from 1; `steps: [start, end]` is one cycle whose
-        active steps are exactly start..end, after one warm-up step when there is room for it."""
+        """(skip_first, wait, warmup, active, repeat) in steps from 1, `steps: [start, end]` made one cycle."""
         if self.steps is None:
             assert self.active is not None
             return self.skip_first, self.wait, self.warmup, self.active, self.repeat

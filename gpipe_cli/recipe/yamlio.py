@@ -1,12 +1,4 @@
-"""The only place that reads and writes YAML: recipe files and `--set` values, with limits that hostile input
-cannot pass; recipes written back with the user's comments.
-
-PyYAML builds aliases as shared objects, so a small file of nested aliases (the "billion laughs") parses
-cheaply but explodes when validated or copied: the composed node graph is checked first (its size with every
-alias expanded, depth, cycles, duplicate keys), and only then built. `1e-3` (YAML 1.2 style) is a number.
-A recipe written back (`gpipe plan --output`) goes through ruamel.yaml's round trip, which keeps comments,
-key order and layout; only text that PyYAML has read within the limits reaches it.
-"""
+"""The only place that reads and writes YAML: recipe files and `--set` values, with limits hostile input cannot pass."""
 
 from __future__ import annotations
 
@@ -75,6 +67,8 @@ def parse_document(text: str, label: str) -> Any:
         node = loader.get_single_node()
         if node is None:
             return None
+        # Checked before it is built: PyYAML builds aliases as shared objects, so nested aliases (the "billion
+        # laughs") parse cheaply but explode when validated or copied.
         _check(node, label)
         return loader.construct_document(node)
     except yaml.reader.ReaderError as exc:
@@ -114,9 +108,8 @@ def dump(data: Any) -> str:
 
 
 def rewrite(text: str, data: dict[str, Any], label: str) -> str:
-    """`data` as YAML written over `text`, the document it was read from (and then changed): the comments, key
-    order and layout of `text` stay wherever `data` keeps a key, a value it keeps stays as written, and a new key
-    follows the key before it in `data`. Where that cannot give `data` back exactly, `data` as `dump` writes it."""
+    """`data` as YAML written over `text`, the document it was read from: its comments, key order and layout stay."""
+    # A new key follows the key before it in `data`; only text PyYAML has read within the limits reaches ruamel.
     # ruamel.yaml loads in a tenth of a second: only a command that writes a recipe pays for it.
     from ruamel.yaml import YAML
     from ruamel.yaml.comments import CommentedMap

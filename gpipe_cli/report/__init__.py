@@ -22,8 +22,7 @@ ELSEWHERE = "; give --output FILE to write the page elsewhere"
 
 
 def _table(title: str, columns: tuple[str, ...], left: tuple[str, ...] = ("run",), caption: str | None = None) -> Table:
-    """A table whose columns are right-aligned but `left`; a run's label, what a reader looks up in the legend,
-    never wraps (other cells do)."""
+    """A table whose columns are right-aligned but `left`; a run's label, looked up in the legend, never wraps."""
     table = Table(title=title, header_style="bold", caption=caption)
     for name in columns:
         table.add_column(name, justify="left" if name in left else "right", no_wrap=name == "run")
@@ -81,8 +80,7 @@ def stage_table(runs: list[Run]) -> Table:
 
 
 def resume_table(runs: list[Run]) -> Table | None:
-    """For resumed runs, one row per start (the first and each resume): its steps and its throughput, each as that
-    `gpipe train`'s summary gave it (None: no run was resumed)."""
+    """For resumed runs, one row per start: its steps and throughput as that start's `gpipe train` summary gave them."""
     resumed = [(run, parts) for run in runs if len(parts := segment_throughputs(run)) > 1]
     if not resumed:
         return None
@@ -105,9 +103,7 @@ def _console(tables: list[Table]) -> Console:
 
 
 def report(paths: list[Path], output: Path | None = None) -> int:
-    """Print the tables of the runs and write the PNG page (by default RUN_DIR/report.png for one run, report.png
-    here for several); 1 when matplotlib is missing (the tables are shown), 2 when the page cannot be written (a
-    line says why, and where else to write it)."""
+    """Print the tables of the runs and write the PNG page; 1 when matplotlib is missing (the tables are shown)."""
     runs = read_runs(paths)
     check_output(output, "--output", "report.png")  # a mistake in the argument: one line, before anything is shown
     tables = [table for table in (summary_table(runs), resume_table(runs), stage_table(runs)) if table is not None]

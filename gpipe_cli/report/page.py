@@ -118,8 +118,7 @@ def _memory(ax: Any, runs: list[Run]) -> None:
 
 
 def panels(runs: list[Run]) -> list[tuple[str, Draw]]:
-    """The page's panels, by name, in order: the task metrics (accuracy, BLEU, perplexity) and model FLOPs only
-    where some run's records hold them."""
+    """The page's panels, by name, in order; task metrics and model FLOPs only where some run's records hold them."""
     has = set().union(*(series(run) for run in runs))
     out: list[tuple[str, Draw]] = [("loss", _with_eval("loss", "loss (train: line, eval: dots)", "loss"))]
     if "eval_accuracy" in has:

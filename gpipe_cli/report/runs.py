@@ -1,5 +1,4 @@
-"""Read run directories (recipe.yaml and the usable records of metrics.jsonl) into the series and figures
-`gpipe report` shows."""
+"""Read run directories (recipe.yaml, metrics.jsonl's usable records) into the series and figures of `gpipe report`."""
 
 from __future__ import annotations
 
@@ -158,15 +157,13 @@ def warming_up(record: dict[str, Any], index: int) -> bool:
 
 
 def steady(run: Run) -> list[dict[str, Any]]:
-    """The run's train records but its warm-up steps, whose one-time costs would swamp the timing figures
-    (all of them when every step is one: then that is all there is)."""
+    """The run's train records but its warm-up steps, whose one-time costs would swamp the timing figures."""
     kept = [r for i, r in enumerate(run.train) if not warming_up(r, i)]
     return kept or run.train
 
 
 def series(run: Run) -> dict[str, Series]:
-    """Every curve the report draws for a run, by name: the values of its metrics.jsonl, the timing figures
-    (throughput, bubble) without the warm-up steps."""
+    """Every curve the report draws for a run, by name; the timing figures (throughput, bubble) skip warm-up steps."""
     timed = steady(run)
     out = {"loss": _numbers(run.train, "loss"), **{key: _numbers(timed, key) for key in TIMED},
            "eval_loss": _numbers(run.evals, "loss")}
@@ -185,8 +182,7 @@ def _at(values: Any, index: int) -> Any:
 
 
 def time_breakdown(run: Run) -> dict[str, list[float]]:
-    """Mean seconds per step of each part (compute, wait, ...) on each stage, over the run's steps but its warm-up
-    steps."""
+    """Mean seconds per step of each part (compute, wait, ...) on each stage, over the steps but the warm-up ones."""
     timed = steady(run)
     return {part: [_mean([v for r in timed if (v := _at(r["time_s"].get(part), s)) is not None])
                    for s in range(run.stages)] for part in PARTS}
@@ -248,8 +244,7 @@ def _and(words: list[str]) -> str:
 
 
 def throughput(run: Run) -> Throughput:
-    """All samples over all seconds of the run's steps after the first of each start (which warms up), as
-    `gpipe train`'s summary gives it for one start; the time between a stop and its resume is in no step."""
+    """All samples over all seconds of the steps after each start's first (which warms up), as `gpipe train` sums."""
     parts = segments(run)
     if len(parts) == 1:
         return _segment(parts[0])

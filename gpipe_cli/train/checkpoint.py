@@ -1,12 +1,4 @@
-"""Checkpoints: whole or absent, keyed by global layer names, so a run can resume with another K.
-
-Every rank writes its stage through torch.distributed.checkpoint into a hidden folder; the ranks then
-checksum the files (xxh3, each rank a share of them) and rank 0 writes a manifest of every file, its
-size and checksum, and renames the folder into place, which is atomic. A checkpoint without a manifest,
-or whose files do not match it, is refused with a clear message and the one before it is used. Loading
-never unpickles arbitrary objects (see safe_dcp.py). A write that fails (full disk, read-only, I/O
-error) removes its hidden folder and stops the run in one line; earlier checkpoints stay as they were.
-"""
+"""Checkpoints: whole or absent, keyed by global layer names, so a run can resume with another K."""
 
 from __future__ import annotations
 
@@ -68,8 +60,7 @@ def partial_for(path: Path) -> Path:
 
 
 def remove_partials(run_dir: Path) -> list[Path]:
-    """Remove the hidden folders of saves that never finished (a second Ctrl-C, a killed job); return them.
-    Call it from one process, before any rank saves: a save in progress writes into such a folder."""
+    """Remove the hidden folders of unfinished saves and return them; from one process, before any rank saves."""
     stale = sorted((run_dir / "checkpoints").glob(f".{PREFIX}*.partial"))
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
@@ -95,8 +86,7 @@ def checksum(path: Path) -> str:
 
 
 def inspect(path: Path, verify: bool = False) -> tuple[Found | None, str | None]:
-    """A checkpoint folder and its manifest when it is whole (and, with `verify`, when every file matches its
-    checksum), or why it cannot be used."""
+    """A checkpoint folder and its manifest when it is whole (`verify`: every file's checksum too), or why not."""
     if not path.is_dir():
         return None, "it does not exist"
     if not (path / MANIFEST).exists():
@@ -191,8 +181,7 @@ def _cause(exc: BaseException) -> str:
 
 def save(path: Path, state: dict[str, Any], manifest: dict[str, Any], keep: int, rank: int,
          group: dist.ProcessGroup | None) -> None:
-    """Write a checkpoint collectively; it appears at `path` only once every rank's part is on disk (a storage
-    failure raises CheckpointWriteError on the ranks that see it)."""
+    """Write a checkpoint collectively, at `path` once all parts are on disk (CheckpointWriteError where it fails)."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     partial = partial_for(path)
     with heartbeat.paused():
@@ -235,8 +224,7 @@ def _checksums(folder: Path, rank: int, group: dist.ProcessGroup | None, distrib
 
 
 def prune(folder: Path, keep: int) -> None:
-    """Remove checkpoints beyond the newest `keep` whole ones; damaged ones do not count, so a damaged
-    newest checkpoint never costs the last good one."""
+    """Remove checkpoints beyond the newest `keep` whole ones (damaged ones do not count)."""
     whole = 0
     for path in candidates(folder):
         if whole >= keep:

@@ -1,22 +1,4 @@
-"""Where `balance: auto` cuts (the min-max per-layer cost among the cuts whose every stage fits memory), and
-the check of a cut by measured time inside the running pipeline.
-
-A stage's memory comes from the one memory model (`memory_model.stage_footprint`): it depends on the
-stage's place in the schedule (earlier stages hold more micro-batches in flight), so `fits` takes the
-stage index as well as its layers. When no cut fits, the refusal names the smallest per-stage peak any
-cut reaches, so the user sees how far the machine is from enough.
-
-A cut by measured time is checked inside the running pipeline before training starts. Per-layer timings
-on one rank, alone, miss what a stage meets when every rank computes at once (shared cores, memory
-bandwidth, the engine's own work), so the cut they give can leave one stage far slower than another. A
-few untrained steps time each stage as it really runs; when one stage computes more than `TOLERANCE`
-over another, every layer's cost is scaled by its stage's measured over predicted compute and the model
-is cut again from these costs (the memory limits as before). Where these costs promise nothing better (a
-layer's cost alone can mislead, as AmoebaNet's stem at 224 px does), the cut with one layer moved off the
-slowest stage is timed too, and kept if its slowest stage computes less. The trial steps use generated data, draw
-nothing from the run's random streams, and every rank builds its layers afresh afterwards, so the run
-trains exactly as it would have without them.
-"""
+"""Where `balance: auto` cuts, and the check of a cut by measured time inside the running pipeline."""
 
 from __future__ import annotations
 
@@ -60,7 +42,7 @@ class StageMemory:
 
     def need(self, stage: int, start: int, stop: int) -> float:
         """Bytes the stage needs at its peak (weights, gradients, optimizer state and activations)."""
-        key = (stage, start, stop)
+        key = (stage, start, stop)  # the stage's place counts: earlier stages hold more micro-batches in flight
         if key not in self._known:
             self._known[key] = mm.stage_footprint(self.figures, start, stop, stage, self.stages, self.batch_size,
                                                   self.microbatches, self.schedule, self.checkpoint,
@@ -78,8 +60,7 @@ class StageMemory:
                               self.offload)
 
     def smallest_peak(self, costs: Sequence[float] = (), virtual: int = 1) -> tuple[float, list[int], int]:
-        """The smallest largest-stage need over every cut (interleaved: the least a search from the min-max
-        cut of `costs` finds), a cut reaching it, and its largest stage."""
+        """The smallest largest-stage need over every cut, a cut reaching it and its largest stage."""
         if virtual > 1:
             assert costs, "an interleaved search starts from the min-max cut of the layers' costs"
             balance = partition.least_memory(partition.balance_by_cost(costs, self.stages * virtual), self.needs)
@@ -92,9 +73,7 @@ class StageMemory:
 
 
 def within_memory(costs: Sequence[float], memory: StageMemory, virtual: int = 1) -> tuple[list[int], bool]:
-    """The min-max cut of `costs` (K x `virtual` chunks) whose every stage fits, and whether memory moved it
-    off the unconstrained one (interleaved: the fastest fitting cut `partition.interleaved_within` finds);
-    raises NoCutFits when no cut fits."""
+    """The min-max cut of `costs` (K x `virtual` chunks) whose every stage fits, and whether memory moved it."""
     chunks = memory.stages * virtual
     owners = placement.cut_owners(memory.stages, virtual, schedules.get(memory.schedule).placement)
     free = partition.balance_stages(costs, chunks, owners, memory.microbatches)
@@ -139,8 +118,7 @@ def worth_checking(costs: Sequence[float], balance: Sequence[int], microbatches:
 
 def stage_compute(pipe: Pipeline, spec: ModelSpec, batch_size: int, microbatches: int, seed: int,
                   steps: int = TRIAL_STEPS) -> list[float] | None:
-    """Every stage's median compute seconds per step over untrained trial steps (on rank 0, None elsewhere).
-    Gradients are left accumulated and deferred BatchNorm's statistics committed: build the layers again."""
+    """Each stage's median compute seconds over trial steps (rank 0, else None); build the layers anew after."""
     layout, device = pipe.layout, pipe.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
@@ -178,8 +156,7 @@ def better(refined: Sequence[float], balance: Sequence[int], candidate: Sequence
 
 
 def shifted(balance: Sequence[int], measured: Sequence[float]) -> list[int] | None:
-    """The cut with one layer moved off the stage that computed most onto its less busy neighbour (None: that
-    stage holds one layer)."""
+    """The cut with one layer moved off the stage that computed most onto its less busy neighbour (None: it has one)."""
     slowest = max(range(len(measured)), key=measured.__getitem__)
     if balance[slowest] < 2:
         return None

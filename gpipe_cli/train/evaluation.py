@@ -1,11 +1,4 @@
-"""What evaluation measures for each task: accuracy for images; token accuracy and perplexity for text; BLEU of
-greedy translations.
-
-Translation decodes through the pipeline: rank 0 holds the sources and the growing target prefix; each
-decoding step is one evaluation pass through every stage, whose logits come back to rank 0. Rank 0 tells
-every rank after each step whether another is needed. With data parallelism, replica 0 decodes the whole
-split and the others pass empty batches, so every rank takes part in the same collective calls.
-"""
+"""What evaluation measures: image accuracy; token accuracy and perplexity for text; BLEU of greedy translations."""
 
 from __future__ import annotations
 
@@ -57,11 +50,7 @@ def metrics_for(spec: ModelSpec) -> dict[str, Callable[[Any, torch.Tensor], torc
 
 
 def summarise(sums: dict[str, float], units: float, baselines: Mapping[str, float] | None = None) -> EvalFigures:
-    """Turn metric sums into the figures reported: accuracy, and for text the held-out perplexity.
-
-    perplexity = exp(mean cross-entropy per target token); `baselines` (figures of the data the model
-    should beat, such as `unigram_perplexity`) are reported next to it.
-    """
+    """Turn metric sums into the figures reported: accuracy, and for text the held-out perplexity (and its baseline)."""
     if not units:
         return {}
     out: EvalFigures = {"accuracy": sums["correct"] / units}
@@ -73,13 +62,13 @@ def summarise(sums: dict[str, float], units: float, baselines: Mapping[str, floa
     return out
 
 
+# Each decoding step is one evaluation pass through every stage, its logits back on rank 0, which holds the growing
+# prefix and tells every rank whether another step is needed. First stages give their source, the others None; with
+# data parallelism replica 0 decodes the whole split and the other replicas an empty one, so every rank makes the
+# same collective calls. `vocab`: the tokenizer's pieces, where the model's vocabulary may be larger.
 def greedy_decode(pipe: Pipeline, topo: Topology, source: torch.Tensor | None, microbatches: int,
                   max_len: int, vocab: int | None = None) -> list[list[int]]:
-    """Translate `source` greedily; rank 0 gets the token ids.
-
-    First stages give their source (replicas other than 0 an empty one); other stages give None.
-    `vocab` limits the choice to the tokenizer's pieces (the model's vocabulary may be larger).
-    """
+    """Translate `source` greedily; rank 0 gets the token ids."""
     prefix = torch.full((source.shape[0], 1), BOS, dtype=torch.long) if source is not None else None
     finished = torch.zeros(prefix.shape[0] if prefix is not None else 0, dtype=torch.bool)
     while True:

@@ -1,16 +1,4 @@
-"""The run directory (`outputs/<name>/<timestamp>/` or exactly `--output-dir`), checks of an existing one made
-before any rank starts, and the settings a resume runs with.
-
-A new run never writes into a directory that holds another run's metrics or checkpoints; a resume never
-changes what the run's checkpoints hold, never trains from a checkpoint past the run's end (that would
-write older step numbers over a newer model), and says which settings it changes, in one line before any
-rank starts. A resume without a recipe continues the run as it was started: the run's own resolved
-recipe.yaml is the configuration, with any `--set` of the resume on top (the built-in quick-start recipe
-says nothing about a run started with other settings: `--set train.steps=2000` would silently become its
-200 steps). A recipe given explicitly is used as given (a requeued job's script names its recipe every
-time), and every difference from the run's recipe.yaml is listed. Nothing here imports torch at module
-level: the first checks come before it is loaded.
-"""
+"""The run directory, checks of an existing one made before any rank starts, and the settings a resume runs with."""
 
 from __future__ import annotations
 
@@ -160,12 +148,8 @@ def complete_line(run_dir: Path, step: int, end: str, key: str = "train.steps") 
 
 
 def check_resumable(location: str) -> int:
-    """Refuse a resume from a place that holds no whole checkpoint, before any rank starts to look; return
-    the step of the newest whole one.
-
-    Checksums are left to the ranks (they read every byte); a checkpoint that looks whole here but fails
-    them is skipped there, as any damaged one is, in a line of its own.
-    """
+    """Refuse, before any rank starts, a resume from a place with no whole checkpoint; return the newest one's step."""
+    # Checksums are left to the ranks, which read every byte anyway and skip a checkpoint that fails them.
     from gpipe_cli.train import checkpoint  # torch: only once the first line is out
 
     found, _ = checkpoint.newest_whole(Path(location))
@@ -181,12 +165,7 @@ def no_usable(location: str, refused: list[str]) -> UserError:
 
 
 def resume_end(recipe: Recipe, location: str) -> int | None:
-    """Check the checkpoint a resume starts from against train.steps: refuse one past it, and return
-    its step when the run is already complete there (None: there is training to do, or the ranks decide).
-
-    Only a checkpoint the ranks would load counts (whole, checksums and metadata good): they fall back
-    past damaged ones. With train.epochs the end depends on the data, which only the ranks read.
-    """
+    """Refuse a resume past train.steps; the step if the run is complete there (None: to train, or the ranks decide)."""
     from gpipe_cli.train import checkpoint  # torch: only once the first line is out
     from gpipe_cli.train.safe_dcp import saved_keys
 
@@ -200,10 +179,10 @@ def resume_end(recipe: Recipe, location: str) -> int | None:
         if found.step < steps:  # older ones are earlier still: training goes on as usual
             return None
         if checkpoint.problem(path, verify=True) is not None or saved_keys(path) is None:
-            continue
+            continue  # the ranks would not load it either: they fall back past damaged ones
         if found.step > steps:
             raise UserError(past_end(location, path.name, found.step, f"train.steps {steps}"))
-        return found.step if recipe.train.epochs is None else None
+        return found.step if recipe.train.epochs is None else None  # an epochs' end: the ranks read the data
     return None
 
 
@@ -225,8 +204,7 @@ def _differences(old: Any, new: Any, prefix: str) -> Iterator[Change]:
 
 
 def _shapes_checkpoint(change: Change) -> bool:
-    """Whether a changed key changes what a checkpoint holds (another K, D or cut does not: checkpoints are
-    keyed by global layer names)."""
+    """Whether a changed key changes what a checkpoint holds (not K, D or the cut: it is keyed by global names)."""
     section, _, key = change.key.partition(".")
     if section == "model":
         return key.partition(".")[0] not in FREE_MODEL_KEYS
@@ -234,8 +212,7 @@ def _shapes_checkpoint(change: Change) -> bool:
 
 
 def _momentum_buffer_changes(recipe: Recipe, change: Change) -> bool:
-    """Whether optimizer.momentum moves between 0 and not 0 for an optimizer that keeps a momentum buffer
-    only then (another optimizer.name is refused by its name)."""
+    """Whether optimizer.momentum moves between 0 and not 0 for an optimizer keeping a momentum buffer only then."""
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (change.old, change.new))
     return recipe.optimizer.name in _MOMENTUM_BUFFER and numbers and bool(change.old) != bool(change.new)
 
@@ -261,15 +238,11 @@ def check_resume_path(resume: str | None) -> None:
 
 def train_recipe(recipe: str | None, overrides: Sequence[str], resume: str | None, output_dir: str | None,
                  root: str) -> tuple[Recipe, str | None]:
-    """The recipe this command trains, and the file it was read from (None: the built-in one).
-
-    Without a recipe a resume reads the run's own recipe.yaml (and applies `overrides` to it); a
-    directory that holds no run yet, as a requeued job's first launch finds it, takes the built-in one.
-    """
+    """The recipe this command trains, and the file it was read from (None: the built-in one)."""
     if resume is None or recipe is not None:
         return load_recipe(recipe, overrides), recipe
     run = _run_to_continue(resume, output_dir, overrides, root)
-    if run is None:
+    if run is None:  # no run there yet, as a requeued job's first launch finds it
         return load_recipe(None, overrides), None
     path = run / RECIPE
     if not path.is_file():
@@ -304,8 +277,7 @@ def _run_to_continue(resume: str, output_dir: str | None, overrides: Sequence[st
 
 
 def _name(overrides: Sequence[str]) -> str:
-    """The run name of the built-in recipe with `overrides` applied (only the name: the run's recipe.yaml,
-    not the built-in recipe, is what the rest of them apply to)."""
+    """Only the run name of the built-in recipe with `overrides` applied: the rest apply to the run's recipe.yaml."""
     raw = parse_yaml(default_recipe_text(), "quickstart.yaml (built in)")
     for item in overrides:
         apply_override(raw, item)
@@ -315,14 +287,11 @@ def _name(overrides: Sequence[str]) -> str:
     return name
 
 
+# `continued`: no recipe was given, so every change is one of `overrides`; else `recipe` (None: the built-in one)
+# replaces the run's, and `changes` lists every difference from it (None: the run has no readable recipe.yaml).
 def resume_line(run_dir: Path, step: int | None, changes: list[Change] | None, recipe: str | None,
                 continued: bool, overrides: Sequence[str]) -> str:
-    """The one line that says which run a resume continues, from which step, and with which settings.
-
-    `continued`: the run's own recipe.yaml is the configuration (no recipe was given), so every change
-    is one of the `overrides`; otherwise `recipe` (None: the built-in one) replaces the run's, and
-    `changes` lists every difference from it (None: the run has no readable recipe.yaml).
-    """
+    """The one line that says which run a resume continues, from which step, and with which settings."""
     where = f"resuming {run_dir}" + (f" at step {step}" if step is not None else "")
     listed = ", ".join(map(str, changes or []))
     if continued:

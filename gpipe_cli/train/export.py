@@ -25,8 +25,7 @@ _MODEL = "model."
 
 
 def export(location: str, output: str | None = None, dtype: str | None = None) -> Path:
-    """Write the model of the newest verified checkpoint at `location` to a safetensors file that also holds
-    its recipe, tie map and tokenizer; `dtype` casts the floating-point weights (None: as trained)."""
+    """Write the newest verified checkpoint's model, recipe, tie map and tokenizer to one safetensors file."""
     from safetensors.torch import save_file
 
     if dtype is not None and dtype not in weights.DTYPES:

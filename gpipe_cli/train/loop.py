@@ -1,9 +1,4 @@
-"""The training loop every rank runs: build this rank's stage, then train, evaluate and report.
-
-Rank 0 is stage 0 of replica 0: it reads inputs, and it writes the run directory, metrics and the
-terminal view from the statistics the engine gathers to it. The last stage of each replica reads
-targets; middle stages read no data at all.
-"""
+"""The training loop every rank runs: build this rank's stage, then train, evaluate and report."""
 
 from __future__ import annotations
 
@@ -352,8 +347,7 @@ class Trainer:
                     return
 
     def run(self) -> int:
-        """Train for the recipe's steps or epochs, evaluating and checkpointing as asked and at the end; return
-        0, the non-finite exit code, or 128 + the signal that stopped the run early (after a checkpoint)."""
+        """Train for the recipe's steps or epochs, evaluating and checkpointing as asked and at the end; exit code."""
         recipe = self.recipe
         if self.complete:
             self._message(complete_line(self.run_dir, self.start_step, *self._end()))

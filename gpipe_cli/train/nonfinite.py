@@ -1,9 +1,4 @@
-"""What a run does when a loss or gradient is not finite: stop (the default) or skip the step.
-
-fp16 always skips (dynamic loss scaling expects overflows and lowers the scale); in every precision
-`max_skipped` consecutive skips stop the run. A stopped run writes no checkpoint of the broken model,
-so the newest checkpoint stays the last good one, and ends with `errors.NONFINITE_EXIT_CODE`.
-"""
+"""What a run does when a loss or gradient is not finite: stop (the default) or skip the step."""
 
 from __future__ import annotations
 

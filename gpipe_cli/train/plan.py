@@ -1,9 +1,4 @@
-"""The plan of a run: the model, how it is cut into stages, and what each stage costs and holds.
-
-Computed without training or reading data (layers are built on the meta device), so `gpipe validate`
-can show it at once; `gpipe train` executes the same plan and refuses, before starting any rank, a
-plan whose stages do not fit the memory of the machine (see `memory_model`).
-"""
+"""The plan of a run: the model, how it is cut into stages, and what each stage costs and holds."""
 
 from __future__ import annotations
 
@@ -25,8 +20,7 @@ from gpipe_cli.units import human_bytes, human_count
 
 
 def checked_plan(recipe: Recipe, label: str, must_fit: bool = False, available: float | None = None) -> Plan:
-    """The plan, with problems reported against the recipe file (`must_fit`: also a plan too large for this
-    machine, which has `available` bytes free; default: what is free now)."""
+    """The plan, with problems reported against the recipe file (`must_fit`: also one too large for this machine)."""
     try:
         plan = make_plan(recipe, available=available)
     except UserError as exc:
@@ -137,12 +131,8 @@ class Plan:
 def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float] | None = None,
                     measured_by: str | None = None,
                     memory: cut.StageMemory | None = None) -> tuple[list[int], str, str]:
-    """The layers per stage, what they were balanced by, and why no cut fits memory ('' when one does).
-
-    `measured`: per-layer costs measured at launch, called `measured_by` in the plan ("measured time",
-    "measured time, cached"); without them `measured_by` says why the cut falls back to estimated FLOPs.
-    `memory`: the stages' memory, which `auto` respects.
-    """
+    """The layers per stage, what they were balanced by, and why no cut fits memory ('' when one does)."""
+    # `measured`: per-layer costs measured at launch, named `measured_by` in the plan ("measured time, cached").
     k, layers = recipe.pipeline.partitions * recipe.pipeline.virtual_stages, len(summary.layers)  # chunks
     balance = recipe.pipeline.balance
     try:
@@ -185,9 +175,8 @@ def microbatch_size(recipe: Recipe) -> int:
 def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[float] | None = None,
               device: str | None = None, available: float | None = None, measured_by: str | None = None,
               chosen: tuple[list[int], str] | None = None) -> Plan:
-    """The plan of `recipe` (balanced by `measured` per-layer costs when given, see `resolve_balance`, or
-    cut as `chosen` says: (balance, what it was balanced by)), checked against the memory of `device`
-    (default: CUDA if present, else CPU) with `available` bytes (default: what is free now)."""
+    """The plan of `recipe`, cut by `measured` costs or as `chosen` says, checked against the memory of `device`."""
+    # `device` None: CUDA if present, else the CPU; `available` None: the bytes free now.
     spec = spec or model_spec(recipe)
     pipe = recipe.pipeline
     per_replica = max(recipe.data.batch_size // pipe.data_parallel, 1)

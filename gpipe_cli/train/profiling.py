@@ -1,10 +1,4 @@
-"""`train.profile`: chosen steps recorded with torch.profiler on every rank, gzip'd Chrome traces per rank.
-
-torch.profiler's schedule drives it (as torchtitan does): `wait` steps idle, `warmup` steps recorded and
-thrown away, `active` steps kept, `repeat` cycles. The profiler is stepped after every training step, so
-each kept step is a `ProfilerStep#N` range, N the training step (from 1), and the engine's named ranges
-("fwd mb0", "recv_bwd mb3", ...) show the pipeline's schedule above the operators and kernels it ran.
-"""
+"""`train.profile`: chosen steps recorded with torch.profiler on every rank, gzip'd Chrome traces per rank."""
 
 from __future__ import annotations
 
@@ -23,18 +17,15 @@ from gpipe_cli.recipe.schema import Profile
 
 
 def trace_path(run_dir: Path, rank: int, first: int, last: int) -> Path:
-    """Where a rank's trace of steps `first`..`last` goes: RUN_DIR/profile/steps<first>-<last>/rank<N>.trace.json.gz
-    (Perfetto and chrome://tracing open it as is)."""
+    """Where a rank's trace of steps `first`..`last` goes (Perfetto and chrome://tracing open it as is)."""
     return run_dir / "profile" / f"steps{first}-{last}" / f"rank{rank}.trace.json.gz"
 
 
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
-    """Silence the profiler for the moment of a transition: its Python warnings, and file descriptor 2.
-
-    Kineto prints `USDT: ...` and `STAGE: ...` lines at every start and stop straight to stderr, whatever
-    KINETO_LOG_LEVEL says, and torch warns of choices made on purpose (no warm-up before step 1).
-    """
+    """Silence the profiler for the moment of a transition: its Python warnings, and file descriptor 2."""
+    # Kineto prints `USDT: ...` and `STAGE: ...` lines to stderr at every start and stop, whatever KINETO_LOG_LEVEL
+    # says, and torch warns of choices made on purpose (no warm-up before step 1).
     sys.stderr.flush()
     saved = os.dup(2)
     try:

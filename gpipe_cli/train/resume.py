@@ -1,9 +1,4 @@
-"""Saving and restoring a run's state around the checkpoint files (see checkpoint.py for the format).
-
-Resuming tries the newest checkpoint first; any failure to verify or load it (checksum, manifest,
-metadata, a shard that is not plain data, missing files) prints one line and the one before it is
-tried, on every rank together. Only when none is usable does the run stop.
-"""
+"""Saving and restoring a run's state around the checkpoint files (see checkpoint.py for the format)."""
 
 from __future__ import annotations
 
@@ -26,13 +21,9 @@ from gpipe_cli.train.safe_dcp import saved_keys
 
 
 def saved_cut(location: str, recipe: Recipe, layers: int) -> list[int] | None:
-    """The cut the newest whole checkpoint at `location` was written with, when a resumed run should keep it.
-
-    A cut chosen by measured costs may come out differently on each launch (timings vary). Parameters
-    and optimizer state are looked up by global layer name, so any cut could load; keeping the saved
-    one also keeps each rank's RNG streams, so the run continues exactly as if uninterrupted. Only when
-    the recipe leaves the cut to a cost (`auto`, `time`, `memory`) and K, D and V are unchanged.
-    """
+    """The cut the newest whole checkpoint at `location` was written with, when a resumed run should keep it."""
+    # A measured cut may come out differently on each launch; any cut could load, but the saved one also keeps
+    # each rank's RNG streams, so the run continues exactly as if uninterrupted.
     pipe = recipe.pipeline
     if pipe.balance not in ("auto", "time", "memory"):
         return None
@@ -111,8 +102,7 @@ class Checkpointer:
         return [m for m in every if m]
 
     def resume(self, location: str) -> checkpoint.Found:
-        """Load the newest usable checkpoint at a --resume location (collective); say why newer ones were
-        skipped, one line each."""
+        """Load the newest usable checkpoint at a --resume location (collective), a line for each newer one skipped."""
         paths = self.topo.share([str(p) for p in checkpoint.candidates(Path(location))] if self.layout.rank == 0
                                 else None)
         refused: list[str] = []

@@ -1,14 +1,4 @@
-"""`gpipe train` on the launching side: check the recipe and plan, then start (or join) the ranks.
-
-Everything a user can get wrong (the recipe, `--set`, the arguments) is checked before torch is
-imported, so such a mistake is reported at once (a new run into a directory that holds one too); the
-plan, the devices, the output directory and what a resume would do to its run (see existing.py) are
-checked next, before any rank starts. A resume without a recipe continues the run with its own
-recipe.yaml (see existing.py), and says so in one line before any rank starts.
-
-On a terminal the first line, what runs and on what, shows as soon as the recipe is read, as a transient
-status while the plan is checked (an error then stands alone, as one line); it stays once the checks pass.
-"""
+"""`gpipe train` on the launching side: check the recipe and plan, then start (or join) the ranks."""
 
 from __future__ import annotations
 
@@ -75,7 +65,7 @@ def _count(n: int, one: str, many: str | None = None) -> str:
 
 @contextlib.contextmanager
 def checking(recipe: Recipe, terminal: bool) -> Iterator[None]:
-    """While the block runs, the first line as a transient status on a terminal (nothing elsewhere)."""
+    """While the block runs, the first line as a transient status on a terminal, so that an error stands alone."""
     if not terminal:
         yield
         return

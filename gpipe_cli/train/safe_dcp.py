@@ -1,9 +1,4 @@
-"""torch.distributed.checkpoint, read without ever unpickling arbitrary objects.
-
-DCP reads its `.metadata` file with plain pickle and non-tensor items with torch.load(weights_only=False);
-either would run code hidden in a crafted checkpoint. This reader accepts only the classes DCP metadata
-is made of, and this planner loads non-tensor items with weights_only=True.
-"""
+"""torch.distributed.checkpoint, read without ever unpickling arbitrary objects."""
 
 from __future__ import annotations
 
@@ -18,6 +13,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+# DCP itself reads `.metadata` with plain pickle and non-tensor items with torch.load(weights_only=False): either
+# would run code hidden in a crafted checkpoint.
 _METADATA_FILE = ".metadata"
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _ALLOWED = {

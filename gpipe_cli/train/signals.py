@@ -1,11 +1,4 @@
-"""Ctrl-C and SIGTERM: finish the current step, write a checkpoint, stop every rank cleanly.
-
-The first SIGINT or SIGTERM asks for a stop; the ranks agree on it after each step (one tiny
-all-reduce), so they all stop after the same step. A second Ctrl-C aborts at once.
-
-A stop is announced only once the ranks agreed on it, that is when the checkpoint will be written:
-a SIGTERM that is the launcher tearing the job down after a failure announces nothing.
-"""
+"""Ctrl-C and SIGTERM: finish the current step, write a checkpoint, stop every rank cleanly."""
 
 from __future__ import annotations
 
@@ -28,8 +21,7 @@ class StopRequest:
         self.announce = announce
 
     def arm(self) -> None:
-        """Take over Ctrl-C and SIGTERM from the set-up's handler (after the first step: before it, a stop
-        has nothing to save)."""
+        """Take over Ctrl-C and SIGTERM from the set-up's handler (after the first step: before it, nothing to save)."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
         stopping.started()

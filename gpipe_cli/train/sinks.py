@@ -1,11 +1,4 @@
-"""Metric sinks beside metrics.jsonl: TensorBoard event files and Weights & Biases (rank 0 only).
-
-Each sink receives every record metrics.jsonl receives, flattened into scalars with one tag per
-figure and per stage (`train/loss`, `train/time_s/wait/stage1`, `eval/accuracy`). The timing figures of
-a warm-up step (the first of each start, marked `warmup`) go under `train_warmup/` instead, so that
-its one-time costs stand apart and do not stretch the steady curves. A sink that cannot start (package
-missing, no network) or that fails later costs one line, never the run.
-"""
+"""Metric sinks beside metrics.jsonl: TensorBoard event files and Weights & Biases (rank 0 only)."""
 
 from __future__ import annotations
 
@@ -40,8 +33,7 @@ def hyperparameters(config: dict[str, Any], prefix: str = "") -> dict[str, float
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
-    """A record's numbers as flat tags; lists are per stage, null values (non-finite) are left out; a warm-up
-    step's timing figures are tagged `train_warmup/...`."""
+    """A record's numbers as flat tags, per stage for lists, no nulls; a warm-up step's timing in `train_warmup/`."""
     out: dict[str, float] = {}
 
     def add(tag: str, value: Any) -> None:
@@ -160,8 +152,7 @@ class Sinks:
         return any(hasattr(sink, "log_model") for sink in self.sinks)
 
     def log_model(self, path: Path) -> None:
-        """Hand an exported model file to every sink that logs models; a failure is one line (the file is written,
-        only its upload failed)."""
+        """Hand an exported model file to every sink that logs models; a failure (of the upload only) is one line."""
         self._each(lambda sink: sink.log_model(path) if hasattr(sink, "log_model") else None,
                    f"could not log {path.name}")
 

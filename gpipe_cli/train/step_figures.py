@@ -1,20 +1,4 @@
-"""A training step's figures: its time and where each stage spent it (figures that always add up), and its
-achieved model TFLOP/s and MFU.
-
-Rank 0's loop times a step from its launch to the next step's, its own work between launches included;
-each stage times its own part from the engine's timeline (device events on a GPU, the host clock on the
-CPU). A stage can spend longer in a step than rank 0's wall time says: it may start its first step before
-stage 0 does (which first sets up the run directory, the metrics file and its sinks) and wait for it there,
-and on a GPU the host runs ahead of the device, most of all in the first step. A step cannot have been
-shorter than any stage's time in it, so the step time is the longer of the two; each stage's `other` is
-what its measured parts leave of it, so every stage's parts add up to the step time and the bubble (the
-mean share of the step spent waiting) lies in [0, 1].
-
-The FLOPs are model FLOPs, as MFU is usually quoted: three times the forward FLOPs of the step's examples
-(the backward costs about twice the forward), the same whether or not activations are recomputed. The
-recomputed forwards and the pipeline's bubble are not counted: they are time spent on work the model does
-not need, which is what MFU shows. MFU is across all ranks: achieved FLOP/s over (peak per rank x ranks).
-"""
+"""A training step's figures: its time and where each stage spent it (always adding up), its model TFLOP/s and MFU."""
 
 from __future__ import annotations
 
@@ -97,8 +81,7 @@ def table_peak(device_name: str, precision: str) -> float | None:
 
 @dataclass(frozen=True)
 class Peak:
-    """The peak FLOP/s of one rank that MFU is measured against, and where it comes from (None: unknown, `source`
-    says why)."""
+    """The peak FLOP/s of one rank that MFU is measured against (None: unknown), and where it comes from or why not."""
 
     flops_per_s: float | None
     source: str

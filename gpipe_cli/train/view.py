@@ -1,10 +1,4 @@
-"""Where step records go: `metrics.jsonl` (one strict JSON object per line) and the terminal.
-
-On a terminal the view is live (rich): a progress bar with ETA, loss, LR, throughput, the measured
-bubble against theory, where each stage's step time goes and labelled memory per stage, with each
-eval printed above it as a line; it fits 80 columns. Elsewhere (CI, log files) or with --plain it
-prints the same as lines.
-"""
+"""Where step records go: `metrics.jsonl` (one strict JSON object per line) and the terminal."""
 
 from __future__ import annotations
 
@@ -33,14 +27,13 @@ from gpipe_cli.units import human_bytes
 
 
 def finite_json(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The record with every NaN or infinity replaced by null, and a `nonfinite` list naming those keys (strict
-    JSON has no NaN; null keeps numeric columns numeric for readers such as pandas)."""
+    """The record with every NaN or infinity replaced by null, and a `nonfinite` list naming those keys."""
     bad: list[str] = []
 
     def clean(value: Any, key: str) -> Any:
         if isinstance(value, float) and not math.isfinite(value):
             bad.append(key)
-            return None
+            return None  # strict JSON has no NaN; null keeps a column numeric for readers such as pandas
         if isinstance(value, dict):
             return {k: clean(v, f"{key}.{k}" if key else k) for k, v in value.items()}
         if isinstance(value, list):
@@ -54,8 +47,7 @@ def finite_json(record: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class MetricsFile:
-    """Appends records to metrics.jsonl, each one whole line of strict JSON flushed at once, then sends them to
-    the recipe's other sinks (TensorBoard, W&B)."""
+    """Appends records to metrics.jsonl, each a whole line of strict JSON flushed at once, then to the other sinks."""
 
     def __init__(self, path: Path, sinks: Sinks | None = None) -> None:
         self.path, self.sinks = path, sinks
@@ -126,8 +118,7 @@ def eval_line(record: Mapping[str, Any], total: int) -> str:
 
 def train_lines(record: Mapping[str, Any], total: int, counted: Counted | None = None,
                 eta: float | None = None) -> list[str]:
-    """A train record as lines: the step (with `eta`, the run's seconds left, when known), then one line per stage
-    with its time and memory."""
+    """A train record as lines: the step (with `eta`, the run's seconds left, when known), then one per stage."""
     lines = [f"step {record['step']}/{total} | epoch {record['epoch']} | loss {_num(record['loss'], '.4f')} | "
              f"lr {record['lr']:.3g} | {_rate(record)} | "
              + (f"{utilization(record)} | " if "tflops" in record else "")
@@ -142,11 +133,7 @@ def train_lines(record: Mapping[str, Any], total: int, counted: Counted | None =
 
 
 class StepView:
-    """A train record as the live view shows it, laid out for the width it is given.
-
-    The figures are labelled items that fold onto more rows as the width narrows; the stage table has short
-    headers and cells that never wrap, and at a width too narrow for it becomes two: time, then memory.
-    """
+    """A train record as the live view shows it, laid out for the width it is given."""
 
     def __init__(self, record: Mapping[str, Any], skipped: int, counted: Counted | None) -> None:
         self.record, self.skipped, self.counted = record, skipped, counted

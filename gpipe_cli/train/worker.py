@@ -1,9 +1,4 @@
-"""One training rank: `python -m gpipe_cli.train.worker JOB.json` (started by the launcher), or `run_job` under
-torchrun. It joins the job, trains, and stops every rank with one message if anything fails.
-
-The stop handler goes in before torch is imported: a Ctrl-C while a rank imports or sets up ends it
-quietly (see `pipeline/stopping.py`), not with a traceback. So importing this module costs nothing.
-"""
+"""One training rank: `python -m gpipe_cli.train.worker JOB.json` (from the launcher), or `run_job` under torchrun."""
 
 from __future__ import annotations
 
@@ -14,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# No torch on import: the stop handler goes in first, so a Ctrl-C while a rank imports or sets up ends it quietly.
 from gpipe_cli.pipeline import stopping
 from gpipe_cli.quick_exit import exit_now
 
@@ -43,13 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     exit_now(code)
 
 
+# `started` is created once this rank's first step is done (a stop then saves one); `announce`: rank 0 says at once
+# that a Ctrl-C during set-up stops it (else its launcher does).
 def run_job(job: Job, started: Path | None = None, announce: bool = True) -> int:
-    """Join the job as this rank and train; any failure stops every rank with its message.
-
-    Returns 0, 128 + the signal that stopped the run early, or the non-finite exit code. `started` is created
-    once this rank's first step is done (a stop then saves one); `announce`: rank 0 says at once that a
-    Ctrl-C during set-up stops it (else its launcher does).
-    """
+    """Join the job as this rank and train, returning the exit code; any failure stops every rank with its message."""
     try:
         stopping.until_started(announce=announce and os.environ.get("RANK", "0") == "0", marker=started)
         return _run(job)

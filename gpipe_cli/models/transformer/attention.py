@@ -71,11 +71,9 @@ class MultiHeadAttention(nn.Module):
 
 
 def _fused_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention on the meta device (shapes only, to price memory) as the fused kernels compute it.
-
-    There torch picks the math path, which saves every head's attention weights (heads x length^2 per
-    example); the CPU's and the GPU's fused kernels save the inputs, the output and a log-sum-exp instead:
-    priced the math way, a Transformer-L layer at length 1024 came out gigabytes larger than it trains.
-    """
+    """Attention on the meta device (shapes only, to price memory) as the fused kernels compute it."""
+    # On meta torch picks the math path, saving every head's attention weights (heads x length^2 per example);
+    # the fused kernels save the inputs, the output and a log-sum-exp: priced the math way, a Transformer-L layer
+    # at length 1024 came out gigabytes larger than it trains.
     bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)[0]

@@ -23,17 +23,15 @@ def translation_limit(source_length: int, max_len: int) -> int:
 
 def greedy_step(logits: torch.Tensor, prefix: torch.Tensor, finished: torch.Tensor,
                 vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`prefix` with each row's most likely next token appended (padding once a row has ended), and the
-    rows ended so far; `vocab` limits the choice to the tokenizer's pieces (the model's may be more)."""
-    token = logits[:, -1, :vocab].argmax(-1).cpu()
+    """`prefix` with each row's most likely next token appended (padding once a row has ended), and the rows ended."""
+    token = logits[:, -1, :vocab].argmax(-1).cpu()  # vocab: the tokenizer's pieces (the model's may be more)
     token[finished] = PAD_ID
     return torch.cat([prefix, token[:, None]], dim=1), finished | (token == EOS_ID)
 
 
 @torch.no_grad()
 def translate(forward: Forward, source: torch.Tensor, max_len: int, vocab: int | None = None) -> list[list[int]]:
-    """Greedy translations of `source` [N, S] (padded with 0): the token ids after bos, up to eos or
-    `max_len` tokens."""
+    """Greedy translations of `source` [N, S] (padded with 0): the token ids after bos, up to eos or `max_len`."""
     prefix = torch.full((source.shape[0], 1), BOS_ID, dtype=torch.long)
     finished = torch.zeros(source.shape[0], dtype=torch.bool)
     while bool((~finished).any()) and prefix.shape[1] <= max_len:
@@ -44,8 +42,7 @@ def translate(forward: Forward, source: torch.Tensor, max_len: int, vocab: int |
 @torch.no_grad()
 def continue_text(forward: Forward, prompt: list[int], max_tokens: int, window: int,
                   vocab: int | None = None) -> list[int]:
-    """Up to `max_tokens` greedy next tokens after `prompt` (stopping at eos), each predicted from at most
-    the last `window` tokens (the model's positions)."""
+    """Up to `max_tokens` greedy next tokens after `prompt` (stopping at eos), each from the last `window` tokens."""
     tokens = torch.tensor([prompt or [EOS_ID]], dtype=torch.long)  # an empty prompt starts a new document
     finished = torch.zeros(1, dtype=torch.bool)
     start = tokens.shape[1]

@@ -1,11 +1,4 @@
-"""Pre-layer-norm Transformer pipeline layers; masks travel in the tuple with the activations.
-
-Tuples between layers:
-- encoder-decoder: (source states [N,S,d], source keep [N,S] bool, target states [N,T,d],
-  target keep [N,T] bool); encoder layers update the first, decoder layers the third.
-- decoder-only: (states [N,T,d], keep [N,T] bool).
-"keep" is True at real tokens and False at padding (token id 0).
-"""
+"""Pre-layer-norm Transformer pipeline layers; masks travel in the tuple with the activations."""
 
 from __future__ import annotations
 
@@ -25,6 +18,9 @@ from gpipe_cli.models.transformer.attention import (
 )
 from gpipe_cli.pipeline.dropout import Dropout
 
+# Between layers, encoder-decoder: (source states [N,S,d], source keep [N,S], target states [N,T,d], target keep
+# [N,T]), encoder layers updating the first, decoder layers the third; decoder-only: (states [N,T,d], keep [N,T]).
+# "keep" (bool) is True at real tokens and False at padding (token id 0).
 Positions = Literal["sinusoidal", "learned"]
 
 
@@ -45,11 +41,8 @@ class FeedForward(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embedding (scaled by sqrt(d)) plus positions and dropout; also derives the padding masks.
-
-    With `two_streams` it takes (source ids, target input ids) and embeds both with the one shared
-    table, as the encoder-decoder shares its vocabulary; otherwise it takes a single id tensor.
-    """
+    """Token embedding (scaled by sqrt(d)) plus positions and dropout; also derives the padding masks."""
+    # `two_streams`: (source ids, target input ids), both through the one table the encoder-decoder shares.
 
     def __init__(self, vocab_size: int, d_model: int, max_len: int, positions: Positions,
                  dropout: float, two_streams: bool) -> None:

@@ -8,8 +8,7 @@ from gpipe_cli.pipeline.actions import Kind, Step
 
 
 class Schedule(ABC):
-    """A pipeline schedule: each stage's order of forwards and backwards (BWD, or BWD_INPUT then BWD_WEIGHT);
-    `pipeline/schedule.py` adds the messages and rematerialisation, and simulates the order for the bubble."""
+    """A pipeline schedule: each stage's order of forwards and backwards (BWD, or BWD_INPUT then BWD_WEIGHT)."""
 
     name = ""
     chunked = False  # runs V > 1 chunks of layers per stage
@@ -28,8 +27,7 @@ class Schedule(ABC):
             raise ValueError(f"virtual_stages {virtual} needs schedule 'interleaved' (got '{self.name}')")
 
     def bubble(self, stages: int, microbatches: int, virtual: int) -> float | None:
-        """The idle fraction in closed form (the fill-drain one, where `bubble_formula` states it), or None to
-        simulate the order on ideal devices."""
+        """The idle fraction in closed form (fill-drain's, where `bubble_formula` states it), or None to simulate."""
         return fill_drain_bubble(stages, microbatches) if self.bubble_formula else None
 
 

@@ -1,11 +1,4 @@
-"""GPipe (Huang et al., 2019): every forward, then every backward in reverse (fill, then drain).
-
-K=3 stages, M=4 micro-batches (F forward, B backward, time flows right):
-
-    stage 0  F0 F1 F2 F3 .. .. .. .. B3 B2 B1 B0
-    stage 1  .. F0 F1 F2 F3 .. .. B3 B2 B1 B0 ..
-    stage 2  .. .. F0 F1 F2 F3 B3 B2 B1 B0 .. ..
-"""
+"""GPipe (Huang et al., 2019): every forward, then every backward in reverse (fill, then drain)."""
 
 from __future__ import annotations
 

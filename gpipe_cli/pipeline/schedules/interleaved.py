@@ -1,12 +1,4 @@
-"""Interleaved 1F1B (Narayanan et al., 2021): V chunks of layers per stage, chunk c on stage c mod K.
-
-The last stage's chunks feed the first stage's next ones; forwards go K micro-batches per chunk in
-turn, with a deeper warm-up, and the fill and drain shrink V times. Compute order, K=2, V=2, M=2
-(chunk after the slash):
-
-    stage 0  F0/0 F1/0 F0/2 F1/2 B0/2 B1/2 B0/0 B1/0
-    stage 1  F0/1 F1/1 F0/3 B0/3 F1/3 B1/3 B0/1 B1/1
-"""
+"""Interleaved 1F1B (Narayanan et al., 2021): V chunks of layers per stage, chunk c on stage c mod K."""
 
 from __future__ import annotations
 
@@ -23,8 +15,7 @@ class Interleaved(Schedule):
     priced_like = "interleaved"
 
     def order(self, stage: int, stages: int, microbatches: int, virtual: int) -> list[Step]:
-        """The k-th forward of a rank runs chunk (k // K) mod V on micro-batch (k // KV) K + k mod K; the
-        k-th backward the same in reverse chunk order. A deeper warm-up than 1F1B's keeps every chunk fed."""
+        """Forward k runs chunk (k // K) mod V on micro-batch (k // KV) K + k mod K; backwards, chunks reversed."""
         if virtual == 1:
             return one_f_one_b(stage, stages, microbatches)
         total = microbatches * virtual
@@ -34,7 +25,7 @@ class Interleaved(Schedule):
             v = within // stages
             return group * stages + within % stages, (virtual - 1 - v if backward else v) * stages + stage
 
-        warmup = min((stages - stage - 1) * 2 + (virtual - 1) * stages, total)
+        warmup = min((stages - stage - 1) * 2 + (virtual - 1) * stages, total)  # deeper than 1F1B's: every chunk fed
         order: list[Step] = [(Kind.FWD, *at(k, False)) for k in range(warmup)]
         for j in range(total - warmup):
             order += [(Kind.FWD, *at(warmup + j, False)), (Kind.BWD, *at(j, True))]

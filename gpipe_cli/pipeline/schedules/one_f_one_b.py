@@ -1,11 +1,4 @@
-"""1F1B (PipeDream-flush, Narayanan et al., 2021): GPipe's work, each backward as early as it can run.
-
-It keeps at most K - stage micro-batches in flight, with GPipe's bubble:
-
-    stage 0  F0 F1 F2 .. .. B0 F3 B1 .. B2 .. B3
-    stage 1  .. F0 F1 .. B0 F2 B1 F3 B2 .. B3 ..
-    stage 2  .. .. F0 B0 F1 B1 F2 B2 F3 B3 .. ..
-"""
+"""1F1B (PipeDream-flush, Narayanan et al., 2021): GPipe's work, each backward as early as it can run."""
 
 from __future__ import annotations
 

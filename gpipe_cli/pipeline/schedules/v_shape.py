@@ -1,30 +1,4 @@
-"""V-shaped schedules (Qi et al., 2024): two chunks per stage, down the stages and back up.
-
-Chunk c runs on stage c for c < K and on stage 2K-1-c after, so the first and last chunks share
-stage 0 and the two chunks at the turn share stage K-1 (they hand over in memory). K=3 (chunks 0..5):
-
-    stage 0   0 ............ 5       the inputs go in and the loss comes out on stage 0
-    stage 1     1 ........ 4
-    stage 2       2 .. 3
-
-Each stage's order comes from a greedy run of all stages on ideal devices (F, B and W one unit each;
-chunk 0's backward stays whole): a free stage runs a ready B, then a ready forward (the upper chunk
-first), then a pending W; or forwards before Bs. No stage holds more than a cap of chunk activations
-(from a forward to its W). Two rules admit a micro-batch on a stage's lower chunk, both sure to finish
-for any cap of at least 2:
-
-    reserve   held + one slot kept for each started micro-batch's upper chunk + 2 within the cap
-    drain n   a free slot, and at most n < cap micro-batches between their lower and upper chunk
-              here (stage 0 drains first, then stage 1, and so on, until each holds at most n)
-
-Of the runs (each rule, each n, Bs or forwards first, messages free or half a unit late) the shortest
-with messages free wins, then the one that loses least with them late: a V's round trip has no slack
-on ideal devices, so on real ranks every message's latency is idle time, and a run made with the
-delay sends earlier and waits later at the same length.
-
-    zero-bubble-v  cap 2K: 1F1B's peak (K micro-batches of a whole stage), B and W apart (ZB-V)
-    v-half         cap K: half of 1F1B's peak, at some bubble (V-Half)
-"""
+"""V-shaped schedules (Qi et al., 2024): two chunks per stage, down the stages and back up."""
 
 from __future__ import annotations
 
@@ -45,9 +19,9 @@ Orders = tuple[tuple[Step, ...], ...]
 
 @functools.lru_cache(maxsize=64)
 def orders(stages: int, microbatches: int, cap: int) -> Orders:
-    """Every stage's order under a cap of `cap` held chunk activations (at least 2): of the greedy runs under
-    each rule, with Bs first and with forwards first, with messages free and delayed, the one that ends
-    soonest with messages free, then with them delayed (the first of equals)."""
+    """Every stage's order under a cap of `cap` (at least 2) held chunk activations: the best of the greedy runs."""
+    # The shortest with messages free, then with them delayed: a run made with the delay sends earlier and waits
+    # later at the same length (the first of equals wins).
     runs = [run for delay in (0, _DELAY) for between in (None, *range(1, cap)) for forwards_first in (False, True)
             if (run := _greedy(stages, microbatches, cap, forwards_first, between, delay)) is not None]
     lengths = [_replay(run, stages, 0) for run in runs]
@@ -66,8 +40,7 @@ def _needs(step: Step, stages: int) -> list[tuple[Kind, int, int]]:
 
 
 def _replay(run: Orders, stages: int, delay: int) -> int:
-    """When the orders end on ideal devices, each step as soon as its stage is free and what it needs has
-    ended (`delay` ticks later where that ran on another stage)."""
+    """When the orders end on ideal devices, each step as soon as its stage is free and what it needs has ended."""
     ended: dict[tuple[Kind, int, int], int] = {}
     at, free = [0] * stages, [0] * stages
     moved = True
@@ -88,11 +61,10 @@ def _replay(run: Orders, stages: int, delay: int) -> int:
     return max(free)
 
 
+# A step on one stage sees one on another `delay` ticks after it ended. Both rules finish for any cap of at least 2.
 def _greedy(stages: int, microbatches: int, cap: int, forwards_first: bool,
             between: int | None, delay: int = 0) -> Orders | None:
-    """Every stage's order in the greedy run on ideal devices, under the reserve rule (`between` None) or the
-    drain rule with n = `between`, a step on one stage seeing one on another `delay` ticks after it ended;
-    None if it gets stuck (which the rules above exclude)."""
+    """Every stage's order in the greedy run on ideal devices under the reserve or drain-`between` rule, or None."""
     k, m, last = stages, microbatches, 2 * stages - 1
     finished: dict[tuple[Kind, int, int], int] = {}  # (F or B, micro-batch, chunk) -> when it ended
     next_fwd, next_bwd = [0] * (last + 1), [0] * (last + 1)
