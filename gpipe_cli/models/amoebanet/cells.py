@@ -1,11 +1,4 @@
-"""AmoebaNet cells cut into pipeline layers: the two inputs' preprocessing, then one layer per combination.
-
-A cell's layers pass one tuple along: (input, *live states, *carried). The cell's input rides along
-because the next cell reads it as its previous input; the live states are the hidden states a later
-combination reads or the output concatenates, known from the genotype, so a cut inside a cell sends
-no dead tensor; anything after them (the auxiliary head's logits) passes through untouched. The last
-combination concatenates the output and hands on (output, input, *carried), as a whole cell would.
-"""
+"""AmoebaNet cells cut into pipeline layers: the two inputs' preprocessing, then one layer per combination."""
 
 from __future__ import annotations
 
@@ -25,13 +18,18 @@ PrevMode = Literal["raw", "identity", "project", "reduce"]
 
 COMBINATIONS = 5  # pairwise combinations per cell (`CellGenotype` checks it)
 
+# A cell's layers pass one tuple along: (input, *live states, *carried). The cell's input rides along because
+# the next cell reads it as its previous input; the live states are the hidden states a later combination reads
+# or the output concatenates, known from the genotype, so a cut inside a cell sends no dead tensor; what follows
+# them (the auxiliary head's logits) passes through untouched. Each layer knows from its place in the cell how
+# many live states there are. The last combination concatenates the output and hands on (output, input,
+# *carried), as a whole cell would.
+
 
 def live_states(genotype: CellGenotype, prev_mode: PrevMode) -> list[tuple[int, ...]]:
-    """The hidden states the tuple carries after the preprocessing and after each combination but the last.
-
-    A state is live while a later combination reads it or the output will concatenate it. With no previous
-    input, state 1 is the cell's input itself, which the tuple carries anyway, so it is never sent twice.
-    """
+    """The hidden states the tuple carries after the preprocessing and after each combination but the last."""
+    # A state is live while a later combination reads it or the output will concatenate it. With no previous
+    # input, state 1 is the cell's input itself, which the tuple carries anyway, so it is never sent twice.
     out = []
     for newest in range(1, 1 + COMBINATIONS):  # state 1 after the preprocessing, state 1 + k after combination k
         wanted = set(genotype.inputs[2 * (newest - 1):]) | set(genotype.concat)
@@ -95,11 +93,10 @@ class Preprocess(nn.Module):
 
 
 class Combination(nn.Module):
-    """One pairwise combination of a cell: applies its two operations to two live states and adds the results.
+    """One pairwise combination of a cell: its two operations on two live states, added."""
 
-    Reads (input, *live states, *carried); hands on the states live after it, or, as the cell's last layer,
-    (the concatenated output, input, *carried).
-    """
+    # Reads (input, *live states, *carried); hands on the states live after it, or, as the cell's last layer,
+    # (the concatenated output, input, *carried).
 
     def __init__(self, genotype: CellGenotype, index: int, widths: list[int], channels: int, reduction: bool,
                  prev_mode: PrevMode) -> None:
