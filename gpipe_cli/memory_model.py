@@ -23,6 +23,7 @@ and the sizing of `bench` and `profile-memory` all price memory here.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -95,6 +96,19 @@ class ModelFigures:
 
     input: Affine
     layers: tuple[LayerFigures, ...]
+
+    @functools.cached_property
+    def sums(self) -> tuple[list[float], list[float], list[int]]:
+        """Running sums of the layers' saved bytes (fixed, per example) and parameters: a stage's total in O(1)."""
+        # A memory search prices millions of stages; byte counts and their halves add exactly in a float.
+        fixed = [0.0, *itertools.accumulate(layer.saved.fixed for layer in self.layers)]
+        per_example = [0.0, *itertools.accumulate(layer.saved.per_example for layer in self.layers)]
+        return fixed, per_example, [0, *itertools.accumulate(layer.params for layer in self.layers)]
+
+    @functools.cached_property
+    def window_sums(self) -> dict[int, list[float]]:
+        """Per micro-batch size, what WINDOW neighbouring layers save from each layer on (filled as priced)."""
+        return {}
 
 
 def probe(spec: ModelSpec, examples: int, seed: int, device: str) -> tuple[int, list[tuple[int, int, int, int]]]:
@@ -307,17 +321,27 @@ class Kept:
         return (self.boundary, self.saved, self.saved, self.saved, self.saved - self.last)
 
 
-def _saved(figures: ModelFigures, start: int, stop: int, size: int) -> float:
+def _saved(figures: ModelFigures, start: int, stop: int, size: int, first: bool = True) -> float:
     # The stage's first layer saves the stage's input, which the walk already holds as the boundary.
-    layers = figures.layers[start:stop]
-    return sum(layer.saved.at(size) for layer in layers) - (layers[0].saved_input.at(size) if layers else 0.0)
+    fixed, per_example, _ = figures.sums
+    total = fixed[stop] - fixed[start] + (per_example[stop] - per_example[start]) * size
+    return total - (figures.layers[start].saved_input.at(size) if first and stop > start else 0.0)
 
 
 def _window(figures: ModelFigures, start: int, stop: int, size: int) -> tuple[float, float]:
     """The most that WINDOW neighbouring layers of [start, stop) save, and what its last layer saves."""
-    per_layer = [_saved(figures, i, i + 1, size) if i == start else figures.layers[i].saved.at(size)
-                 for i in range(start, stop)]
-    return max(sum(per_layer[i:i + WINDOW]) for i in range(max(len(per_layer) - WINDOW + 1, 1))), per_layer[-1]
+    if size not in figures.window_sums:
+        figures.window_sums[size] = [_saved(figures, i, i + WINDOW, size, first=False)
+                                     for i in range(len(figures.layers) - WINDOW + 1)]
+    # Only the window at the stage's first layer leaves out the stage's input.
+    first = _saved(figures, start, min(start + WINDOW, stop), size)
+    most = max(figures.window_sums[size][start + 1:stop - WINDOW + 1], default=first)
+    return max(first, most), _saved(figures, stop - 1, stop, size, first=stop - 1 == start)
+
+
+@functools.lru_cache(maxsize=256)
+def _largest_microbatch(batch_size: int, microbatches: int) -> int:
+    return max(microbatch.sizes(batch_size, microbatches))
 
 
 def stage_footprint(figures: ModelFigures, start: int, stop: int, stage: int, stages: int, batch_size: int,
@@ -332,7 +356,7 @@ def chunked_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int
                       microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float,
                       offload: str = "none") -> Footprint:
     """The predicted memory of the stage holding the layer ranges `chunks` (V of them, in chunk order)."""
-    size = max(microbatch.sizes(batch_size, microbatches))
+    size = _largest_microbatch(batch_size, microbatches)
     # The model's input reaches the device as the whole mini-batch, split there into views (as the engine feeds
     # it): the stage of the first chunk holds all of it through the step, whatever number of micro-batches
     # it keeps, so the first chunk's inputs count once, whole, rather than per micro-batch held.
@@ -344,7 +368,7 @@ def chunked_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int
                  _saved(figures, r.start, r.stop, size),
                  figures.layers[r.stop - 1].output.at(size) if r.stop != last else 0.0,
                  *(_window(figures, r.start, r.stop, size) if offload != "none" else (0.0, 0.0))) for r in chunks]
-    params = sum(layer.params for r in chunks for layer in figures.layers[r.start:r.stop])
+    params = sum(figures.sums[2][r.stop] - figures.sums[2][r.start] for r in chunks)
     stored, peak, host = _readings(schedule, stage, stages, microbatches, checkpoint, len(chunks), offload)
     on_device = [b for k in kept for b in k.device()]
     in_host = [b for k in kept for b in k.host()]
