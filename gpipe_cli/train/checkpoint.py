@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -143,9 +144,13 @@ def newest_whole(location: Path, verify: bool = False) -> tuple[Found | None, li
     return None, refused
 
 
+OTHER_MODEL = "it was written for another model, or by a gpipe that built this model's layers otherwise"
+
+
 def refusal(path: Path, why: str) -> str:
     """The one line that says a checkpoint is skipped."""
-    return f"checkpoint {path} is incomplete or corrupt: {why}; using the one before it"
+    what = "is not of this model" if why.startswith(OTHER_MODEL) else "is incomplete or corrupt"
+    return f"checkpoint {path} {what}: {why}; using the one before it"
 
 
 def state_of(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any]) -> dict[str, Any]:
@@ -176,6 +181,9 @@ def _cause(exc: BaseException) -> str:
     if isinstance(exc, pickle.UnpicklingError):
         return "it holds an object that is not plain data, and checkpoints are never unpickled beyond that"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    missing = re.match(r"Missing key in checkpoint state_dict: (?:model\.)?(.+?)\.?$", text)
+    if missing:  # DCP's words when the model asks for a parameter the checkpoint lacks
+        return f"{OTHER_MODEL} (parameter {missing.group(1)} is missing)"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

@@ -79,6 +79,16 @@ def test_loading_never_unpickles_arbitrary_objects(tmp_path):
     assert not Payload.ran
 
 
+def test_a_checkpoint_of_other_layers_is_named_so_not_called_corrupt(tmp_path):
+    save_one(tmp_path, 2)
+    found, _ = checkpoint.newest_whole(tmp_path)
+    with pytest.raises(UserError) as info:  # the same model with its layers built otherwise
+        checkpoint.load(found, nn.Sequential(nn.Linear(3, 2)), None, {"train": {"step": torch.tensor(0)}})
+    why = str(info.value).removeprefix(f"cannot load checkpoint {found.path}: ")
+    assert why == f"{checkpoint.OTHER_MODEL} (parameter 0.weight is missing)"
+    assert checkpoint.refusal(found.path, why).startswith(f"checkpoint {found.path} is not of this model: ")
+
+
 def test_trim_metrics_drops_records_after_the_checkpoint(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"kind": "train", "step": s}) + "\n" for s in range(1, 8)))
