@@ -1,24 +1,4 @@
-"""The one memory model: what each stage of a pipeline holds, and what the device it runs on has.
-
-    per-layer figures   measured by the one per-layer measurer (`pipeline.layer_profile`) at two
-                        micro-batch sizes: parameters, bytes saved for backward, bytes handed on.
-                        Activation bytes are affine in the batch (per-example tensors plus a few fixed
-                        ones such as masks and per-channel statistics), so two sizes give both parts.
-                        On the meta device only shapes exist, so any model can be priced at once.
-    a stage's bytes     predicted by walking the engine's own action list for that stage: after a
-                        rematerialised forward it holds the micro-batch's boundary input; after any
-                        other forward or a recompute, its input, saved activations and output; a
-                        full backward, or the weight half of a split one, frees its micro-batch.
-                        With offloaded activations a stored input waits in host memory instead
-                        (past the first chunk), and saved activations too but for two layers' worth
-                        while a micro-batch computes (`KEPT`).
-                        Weights, gradients and optimizer state come from bytes per parameter,
-                        measured by one optimizer step.
-    the device          CUDA: each GPU's memory; CPU: the available RAM, shared by this node's ranks.
-
-`gpipe validate`, `gpipe train`'s plan, `gpipe profile-memory` (its extrapolated rows and `--budget`)
-and the sizing of `bench` and `profile-memory` all price memory here.
-"""
+"""The one memory model: what each stage of a pipeline holds, and what the device it runs on has."""
 
 from __future__ import annotations
 
@@ -40,6 +20,8 @@ from gpipe_cli.pipeline.offload import offloaded
 from gpipe_cli.pipeline.schedule import Kind
 from gpipe_cli.units import meminfo_available
 
+# Activation bytes are affine in the batch (per-example tensors plus a few fixed ones such as masks and per-channel
+# statistics), so two sizes give both parts. On the meta device only shapes exist: any model is priced at once.
 PROBE_BATCHES = (2, 4)  # two examples at least: BatchNorm refuses a single value per channel
 
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
@@ -142,12 +124,9 @@ def measure(spec: ModelSpec, seed: int = 0, batches: Sequence[int] = PROBE_BATCH
 
 
 def role(name: str) -> str:
-    """The kind of layer a name denotes, equal for layers that are built alike whatever the depth.
-
-    The first two normal cells of a stack (`cell_2_1`, `cell_2_2`) differ from the later ones, and so do their
-    layers: `cell_2_5.combine_3` is `cell_2_rest.combine_3`. All Transformer layers are alike, so `layer_7`
-    is `layer`.
-    """
+    """The kind of layer a name denotes, equal for layers that are built alike whatever the depth."""
+    # The first two normal cells of a stack (`cell_2_1`, `cell_2_2`) differ from the later ones, and so do their
+    # layers: `cell_2_5.combine_3` is `cell_2_rest.combine_3`. All Transformer layers are alike: `layer_7` is `layer`.
     cell = re.fullmatch(r"cell_(\d+)_(\d+)(\..+)?", name)
     if cell:
         position = {"1": "first", "2": "second"}.get(cell.group(2), "rest")
@@ -160,12 +139,9 @@ PARAM_BYTES = 4  # an fp32 weight, and so its gradient
 
 
 def primed(optimizer: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """Optimizer `optimizer` over `params` with its state made now, by a step of zero gradients.
-
-    A run past its first step holds that state through every forward and backward; an optimizer made after
-    a step's backward (as a first step does) never holds it beside the activations, so a peak measured over
-    such a step misses it (on a GPU a probe step read the weights at half their bytes).
-    """
+    """Optimizer `optimizer` over `params` with its state made now, by a step of zero gradients."""
+    # A run past its first step holds that state through every forward and backward; one made after a step's
+    # backward (as a first step does) never holds it beside the activations, so a peak measured then misses it.
     opt = OPTIMIZERS[optimizer](params)
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -221,11 +197,11 @@ WINDOW = 2
 @functools.lru_cache(maxsize=4096)
 def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint: str,
           virtual: int = 1, offload: str = "none") -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """Per backward-phase point and per peak point, how many micro-batches each chunk keeps each way (`KEPT`).
-
-    Returns (kind, counts) pairs: kind 0 marks a "stored" reading, 1 a "peak" reading; counts lists the
-    `KEPT` counts of each of the stage's chunks in order.
-    """
+    """(kind, counts) per point of the walk: kind 0 a stored reading, 1 a peak; each chunk's `KEPT` counts in order."""
+    # A stage's bytes are found by walking the engine's own action list: after a rematerialised forward it holds the
+    # micro-batch's boundary input; after any other forward or a recompute, its input, saved activations and
+    # output; a full backward, or the weight half of a split one, frees its micro-batch. Under offload a stored
+    # input waits in host memory (past the first chunk), and saved activations too but for WINDOW layers' worth.
     actions = sched.build(schedule, stage, stages, microbatches, checkpoint, virtual)
     chunks = sorted({a.chunk for a in actions})
     moved = offload != "none"
@@ -274,8 +250,7 @@ def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint:
 
 
 def _maximal(vectors: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
-    """The vectors no other one covers in every entry: for bytes per count that are never negative, the only
-    ones that can hold the most."""
+    """The vectors no other one covers in every entry: with bytes never negative, the only ones that can be most."""
     unique = sorted(set(vectors), key=sum, reverse=True)
     kept: list[tuple[int, ...]] = []
     for v in unique:
@@ -291,9 +266,8 @@ def _only(counts: tuple[int, ...], positions: tuple[int, ...]) -> tuple[int, ...
 @functools.lru_cache(maxsize=4096)
 def _readings(schedule: str, stage: int, stages: int, microbatches: int, checkpoint: str, virtual: int,
               offload: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """The walk's counts that can set the stored, peak and host readings (the device's `KEPT` counts per chunk
-    for the first two, the host's for the third). A search prices thousands of cuts of one schedule, so each
-    reading is taken over these few maximal counts rather than every point of the walk."""
+    """The walk's counts that can set the stored, peak (device `KEPT` counts) and host readings, per chunk."""
+    # A search prices thousands of cuts of one schedule: each reading is taken over these few maximal counts.
     points = _walk(schedule, stage, stages, microbatches, checkpoint, virtual, offload)
     return (_maximal([_only(c, _ON_DEVICE) for kind, c in points if kind == 0]),
             _maximal([_only(c, _ON_DEVICE) for _, c in points]), _maximal([_only(c, _IN_HOST) for _, c in points]))
@@ -301,9 +275,7 @@ def _readings(schedule: str, stage: int, stages: int, microbatches: int, checkpo
 
 @dataclass(frozen=True)
 class Kept:
-    """Bytes of one micro-batch on one chunk: its input, its layers' saved tensors, its output; under offload, the
-    most that WINDOW neighbouring layers save (what it leaves on the device while it computes) and its last
-    layer's."""
+    """Bytes of one micro-batch on one chunk: input, saved tensors, output; under offload its window and last layer."""
 
     boundary: float
     saved: float
@@ -399,8 +371,8 @@ def footprints(figures: ModelFigures, balance: Sequence[int], batch_size: int, m
 def stage_needs(figures: ModelFigures, balance: Sequence[int], batch_size: int, microbatches: int, schedule: str,
                 checkpoint: str, bytes_per_param: float, virtual: int,
                 known: dict[tuple[int, tuple[int, ...]], float], offload: str = "none") -> list[float]:
-    """Every stage's bytes under `balance`, as `footprints`; `known` remembers stages by their chunks, so a
-    search that moves one cut prices only the stages it changed."""
+    """Every stage's bytes under `balance`, as `footprints`, remembered in `known` by the stage's chunks."""
+    # A search that moves one cut so prices only the stages it changed.
     per_stage = stage_chunks(balance, schedule, virtual)
     out = []
     for s, chunks in enumerate(per_stage):
@@ -415,13 +387,9 @@ def stage_needs(figures: ModelFigures, balance: Sequence[int], batch_size: int, 
 def greedy_fit(figures: ModelFigures, stages: int, budget: float, batch_size: int, microbatches: int,
                schedule: str, checkpoint: str, bytes_per_param: float, offload: str = "none",
                need: Callable[[Footprint], float] | None = None) -> list[Footprint] | None:
-    """Cut the layers into at most `stages` stages, each as long as it fits `budget` (by `need`: the bytes a stage
-    takes on the device, its total unless told); None if they do not fit.
-
-    Filling each stage as far as it fits, in order, uses the fewest stages a contiguous cut can,
-    because a stage never needs less memory when it gains a layer. So each stage's end is found by
-    doubling its length, then halving the step: a few trials instead of one per layer (deep models).
-    """
+    """At most `stages` stages, each as long as it fits `budget` by `need` (default: its total); None if none fits."""
+    # Filling each stage as far as it fits uses the fewest stages a contiguous cut can, as a stage never needs less
+    # when it gains a layer; so its end is found by doubling its length, then halving the step (deep models).
     n = len(figures.layers)
     out: list[Footprint] = []
     start = 0
@@ -465,9 +433,9 @@ V_SEARCHED = 512
 def v_fit(figures: ModelFigures, stages: int, budget: float, batch_size: int, microbatches: int, schedule: str,
           checkpoint: str, bytes_per_param: float, offload: str = "none",
           need: Callable[[Footprint], float] | None = None) -> list[Footprint] | None:
-    """Cut the layers into 2K chunks placed in a V so that the fullest stage needs the least memory a local
-    search finds from the cut balanced by per-layer bytes (that cut alone past `V_SEARCHED` layers); None if it
-    does not fit `budget` (or there are fewer layers than chunks), each stage's bytes by `need` where given."""
+    """2K chunks placed in a V whose fullest stage fits `budget` (by `need` where given) with the least; or None."""
+    # The least a local search finds from the cut balanced by per-layer bytes (that cut alone past `V_SEARCHED`
+    # layers); None too with fewer layers than chunks.
     n, chunks = len(figures.layers), 2 * stages
     if n < chunks:
         return None

@@ -1,17 +1,14 @@
-"""AmoebaNet cell genotypes (Real et al. 2018, as defined by the TensorFlow TPU reference models).
-
-A cell starts with two hidden states: 0 is the cell's input (the previous cell's output) after a
-1x1 convolution, 1 is the input of the previous cell, matched to the same shape. Each of the five
-combinations applies `operations[2k]` to state `inputs[2k]` and `operations[2k + 1]` to state
-`inputs[2k + 1]`, adds the results and appends the sum as state 2 + k. The cell's output is the
-channel concatenation of the states listed in `concat`.
-"""
+"""AmoebaNet cell genotypes (Real et al. 2018, as defined by the TensorFlow TPU reference models)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 
+# A cell starts with two hidden states: 0 is the cell's input (the previous cell's output) after a 1x1 convolution,
+# 1 is the input of the previous cell, matched to the same shape. Combination k applies `operations[2k]` to state
+# `inputs[2k]` and `operations[2k + 1]` to state `inputs[2k + 1]`, adds the results and appends the sum as state
+# 2 + k. The cell's output is the channel concatenation of the states listed in `concat`.
 @dataclass(frozen=True)
 class CellGenotype:
     """The operations, their input states and the concatenated output states of one cell type."""

@@ -38,10 +38,7 @@ class Stem(nn.Module):
 
 
 class Classifier(nn.Module):
-    """ReLU, global average pooling, dropout and the fully connected layer on the last cell's output.
-
-    Returns the logits, or (logits, auxiliary logits) when an auxiliary head rides along the tuple.
-    """
+    """ReLU, global average pooling, dropout and a linear layer: the logits, then any auxiliary logits carried."""
 
     def __init__(self, in_channels: int, num_classes: int, dropout: float) -> None:
         super().__init__()
@@ -56,11 +53,10 @@ class Classifier(nn.Module):
 
 
 class AuxHead(nn.Module):
-    """The auxiliary classifier; appends its logits to the carried states: (x, prev) -> (x, prev, aux).
+    """The auxiliary classifier; appends its logits to the carried states: (x, prev) -> (x, prev, aux)."""
 
-    The reference's last convolution spans the whole pooled map, so its kernel is sized for the
-    nominal image size; other image sizes are average-pooled to that grid first.
-    """
+    # The reference's last convolution spans the whole pooled map, so its kernel is sized for the nominal image
+    # size; other image sizes are average-pooled to that grid first.
 
     def __init__(self, in_channels: int, num_classes: int, spatial: int) -> None:
         super().__init__()

@@ -1,24 +1,4 @@
-"""AmoebaNet-D(L, D) and AmoebaNet-B(N, F) as flat sequences of independently built layers.
-
-Layout (as in the TensorFlow TPU reference ImageNet model): a 32-filter stride-2 stem convolution,
-two reduction cells at D/4 and D/2 filters, then three stacks of L/3 normal cells at D, 2D and 4D
-filters with a reduction cell before the second and third stacks, then ReLU, global average
-pooling, dropout and the classifier. Each cell is six pipeline layers (its inputs' preprocessing and one
-per combination, see `cells`), as torchgpipe flattened AmoebaNet's cells, so that a cut can fall inside a
-cell: at 224 pixels whole cells differ too much in cost for any cut of them to balance the stages.
-AmoebaNet-D(L, D) has 6 (L + 4) + 2 layers: 44 for L = 3.
-
-Parameter counts (1000 classes) against the GPipe paper: D(18, 208) 81.14M (82M), D(18, 416)
-317.5M (318M), D(18, 544) 540.2M (542M), D(36, 544) 1.0533B (1.05B), B(18, 512) 557.3M (557M).
-D(72, 512) has 1.8426B against the published "1.8B": that figure has two significant digits and
-1.8426B rounds to it; the per-cell growth implied by the (36, 544) entry predicts the same 1.84B.
-
-Auxiliary head (optional, after the last cell of the second stack, as in the reference): its
-logits ride along the tuple to the classifier, which then returns (logits, aux_logits); the loss
-adds 0.4 times the auxiliary cross-entropy. With the head off the model returns plain logits.
-`image_size` is the nominal size: it sets the example batch and the auxiliary head's last kernel;
-any image of at least 32 pixels runs.
-"""
+"""AmoebaNet-D(L, D) and AmoebaNet-B(N, F) as flat sequences of independently built layers."""
 
 from __future__ import annotations
 
@@ -34,6 +14,25 @@ from gpipe_cli.models.amoebanet.genotype import GENOTYPES, CellGenotype
 from gpipe_cli.models.amoebanet.heads import AuxHead, Classifier, Stem, he_built
 from gpipe_cli.models.base import LayerSpec, ModelSpec, is_fraction, is_int, require
 from gpipe_cli.models.losses import smoothed_cross_entropy
+
+# Layout (as in the TensorFlow TPU reference ImageNet model): a 32-filter stride-2 stem convolution,
+# two reduction cells at D/4 and D/2 filters, then three stacks of L/3 normal cells at D, 2D and 4D
+# filters with a reduction cell before the second and third stacks, then ReLU, global average
+# pooling, dropout and the classifier. Each cell is six pipeline layers (its inputs' preprocessing and one
+# per combination, see `cells`), as torchgpipe flattened AmoebaNet's cells, so that a cut can fall inside a
+# cell: at 224 pixels whole cells differ too much in cost for any cut of them to balance the stages.
+# AmoebaNet-D(L, D) has 6 (L + 4) + 2 layers: 44 for L = 3.
+#
+# Parameter counts (1000 classes) against the GPipe paper: D(18, 208) 81.14M (82M), D(18, 416)
+# 317.5M (318M), D(18, 544) 540.2M (542M), D(36, 544) 1.0533B (1.05B), B(18, 512) 557.3M (557M).
+# D(72, 512) has 1.8426B against the published "1.8B": that figure has two significant digits and
+# 1.8426B rounds to it; the per-cell growth implied by the (36, 544) entry predicts the same 1.84B.
+#
+# Auxiliary head (optional, after the last cell of the second stack, as in the reference): its
+# logits ride along the tuple to the classifier, which then returns (logits, aux_logits); the loss
+# adds 0.4 times the auxiliary cross-entropy. With the head off the model returns plain logits.
+# `image_size` is the nominal size: it sets the example batch and the auxiliary head's last kernel;
+# any image of at least 32 pixels runs.
 
 STEM_FILTERS = 32  # the reference's stem convolution width, independent of D
 AUX_WEIGHT = 0.4  # the reference's weight of the auxiliary loss
