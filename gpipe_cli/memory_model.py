@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -346,7 +347,7 @@ def chunked_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int
     in_host = [b for k in kept for b in k.host()]
 
     def most(counts: tuple[tuple[int, ...], ...], bytes_each: Sequence[float]) -> float:
-        return max((sum(n * b for n, b in zip(c, bytes_each)) for c in counts), default=0.0)
+        return max((sum(map(operator.mul, c, bytes_each)) for c in counts), default=0.0)
     return Footprint(params, params * bytes_per_param, most(stored, on_device) + batch_input,
                      most(peak, on_device) + batch_input, sum(len(r) for r in chunks), most(host, in_host),
                      tuple(len(r) for r in chunks))
