@@ -187,9 +187,9 @@ def gather(mine: StageStats, loss: float, examples: int, units: float, grad_norm
             return None
         rows = gathered_rows
         all_events = [e for part in parts or [] if part for e in part]
-    # The row is all float64: a StageStats' fields declared int are read back as int.
+    # The row is all float64: the fields declared int (a string where annotations are lazy) are read back as int.
     names, values = [f.name for f in dataclasses.fields(StageStats)], [r.tolist() for r in rows]
-    whole = {f.name for f in dataclasses.fields(StageStats) if f.type == "int"}
+    whole = {f.name for f in dataclasses.fields(StageStats) if f.type in ("int", int)}
     stages = [StageStats(**{k: int(v) if k in whole else v for k, v in zip(names, r)}) for r in values]
     # Only the ranks running the last chunk (stage K-1 in a loop, stage 0 in a V) bring a loss and counts.
     total_loss, total_examples, total_units = (sum(r[i] for r in values) for i in range(len(names), len(names) + 3))

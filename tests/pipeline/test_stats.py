@@ -41,3 +41,4 @@ def test_the_timeline_splits_receives_sends_and_spans():
     gathered = stats.gather(mine, 1.0, 8, 8.0, 1.0, 0.2, None)
     assert gathered is not None
     assert gathered.stages[0].wait == pytest.approx(wait) and gathered.stages[0].nonfinite_layer == 3
+    assert all(type(getattr(gathered.stages[0], f)) is int for f in ("stage", "activation_peak", "nonfinite_layer"))
