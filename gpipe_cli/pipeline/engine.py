@@ -25,7 +25,7 @@ from gpipe_cli.pipeline.executor import Channels, Executor, Message, feed_messag
 from gpipe_cli.pipeline.fabric import BACKWARD, FORWARD, RESULT, Link
 from gpipe_cli.pipeline.offload import Offloader, offloaded
 from gpipe_cli.pipeline.schedule import Kind
-from gpipe_cli.pipeline.stage import Stage, as_tensors
+from gpipe_cli.pipeline.stage import Stage, as_tensors, from_tensors
 from gpipe_cli.pipeline.tied import tie_parameters
 from gpipe_cli.pipeline.topology import Topology
 
@@ -56,7 +56,7 @@ class Pipeline:
                              f"{self.layout.stages} x {self.layout.replicas}")
         if not config.balance:
             raise ValueError("the pipeline is not cut: its balance is empty")
-        self.balance, self.virtual = list(config.balance), config.virtual
+        self.balance = list(config.balance)
         # The configuration places the chunks; the topology's layout states it for every later reader.
         self.layout = topology.layout = dataclasses.replace(self.layout, virtual=config.virtual,
                                                             placement=config.placement)
@@ -67,7 +67,6 @@ class Pipeline:
             raise ValueError(f"stage {self.layout.stage} needs {len(self.layer_indices)} layers, got {len(layers)}")
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision '{precision}': allowed are {', '.join(PRECISIONS)}")
-        self.schedule_name, self.checkpoint = config.schedule, config.checkpoint
         self.device = topology.device
         self.module = nn.Sequential(OrderedDict((str(i), layer) for i, layer in zip(self.layer_indices, layers)))
         self.module.to(self.device)
@@ -97,8 +96,6 @@ class Pipeline:
         self._plans: dict[int, sched.ActionList] = {}
         self._open_channels()
 
-    # ----------------------------------------------------------------- set-up
-
     def _open_channels(self) -> None:
         layout, transport, fabric = self.layout, self.topology.transport, self.topology.fabric
         if fabric is not None:
@@ -125,6 +122,7 @@ class Pipeline:
                 self.fwd_out[c] = channel(Outbound, Link(me, nxt, FORWARD))
                 self.bwd_in[c] = channel(Inbound, Link(nxt, me, BACKWARD))
         self._channels = list(links.values())
+        self._links = Channels(self.fwd_in, self.fwd_out, self.bwd_in, self.bwd_out)
         result_src = layout.rank_of(layout.last_stage, 0)
         self.result_in = (Inbound(transport, Link(result_src, 0, RESULT))
                           if self.topology.distributed and me == 0 and result_src != 0 else None)
@@ -151,18 +149,6 @@ class Pipeline:
             if isinstance(channel, Outbound):
                 channel.flush()
 
-    def _plan(self, chunks: int) -> sched.ActionList:
-        if chunks not in self._plans:
-            self._plans[chunks] = sched.build(self.schedule_name, self.layout.stage, self.layout.stages, chunks,
-                                              self.checkpoint, self.virtual)
-        return self._plans[chunks]
-
-    def _executor(self, chunks: int, training: bool, **state: Any) -> Executor:
-        channels = Channels(self.fwd_in, self.fwd_out, self.bwd_in, self.bwd_out)
-        return Executor(self.stages, channels, len(self.ranges), chunks, training, **state)
-
-    # ----------------------------------------------------------------- helpers
-
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
         """Host values summed over every rank (each replica's last stage brings its own; others zeros)."""
         fabric = self.topology.fabric
@@ -184,8 +170,6 @@ class Pipeline:
         for p in self.params:
             p.grad = None
 
-    # ----------------------------------------------------------------- training
-
     def train_step(self, inputs: Any = None, targets: torch.Tensor | None = None, **options: Any) -> step_.StepResult:
         """`launch_step`, then read its figures at once (for callers that want them now)."""
         return self.launch_step(inputs, targets, **options).result()
@@ -198,8 +182,11 @@ class Pipeline:
                     trace: bool = False, optimizer: torch.optim.Optimizer | None = None,
                     measure_memory: bool = True) -> step_.PendingStep:
         """Forward and backward M micro-batches of one mini-batch, then update; the host never waits for the device."""
-        layout, chunks = self.layout, microbatches or self.config.microbatches
-        actions = self._plan(chunks)
+        layout, config, chunks = self.layout, self.config, microbatches or self.config.microbatches
+        if chunks not in self._plans:
+            self._plans[chunks] = sched.build(config.schedule, layout.stage, layout.stages, chunks, config.checkpoint,
+                                              config.virtual)
+        actions = self._plans[chunks]
         if not self.module.training:  # evaluation restores the mode it found: no need to visit every module
             self.module.train()
         for stage in self.stages.values():
@@ -236,20 +223,20 @@ class Pipeline:
         self._begin_step(True)
         self._expect(actions)
 
-        run = self._executor(chunks, True, timeline=self.timeline, feed=feed, targets=targets_mb, weights=weights)
+        run = Executor(self.stages, self._links, len(self.ranges), chunks, True, timeline=self.timeline, feed=feed,
+                       targets=targets_mb, weights=weights)
         run.run(actions)
         with self.timeline.span(stats.COMM):
             self._flush()
         in_flight = sum(stage.in_flight for stage in self.stages.values())
         if in_flight:
-            raise RuntimeError(f"the {self.schedule_name} schedule left {in_flight} micro-batches of "
+            raise RuntimeError(f"the {config.schedule} schedule left {in_flight} micro-batches of "
                                f"stage {layout.stage} without a backward")
 
-        zero = self._zero
-        loss = torch.stack(run.losses).sum().to(torch.float64) if run.losses else zero
+        loss = torch.stack(run.losses).sum().to(torch.float64) if run.losses else self._zero
         if self.loss_scale.enabled:
             loss = loss / self.loss_scale.value
-        norm, bad, found, positions = self._finish_gradients(max_grad_norm, loss, zero)
+        norm, bad, found, positions = self._finish_gradients(max_grad_norm, loss)
         figures = step_.figures(loss, norm, bad, self.loss_scale.value, found)
         finite = (bad == 0) & norm.isfinite() if optimizer is not None or self.loss_scale.enabled else None
         if finite is not None and self.loss_scale.enabled:
@@ -270,18 +257,18 @@ class Pipeline:
                                  offloaded_peak=meter.host_peak if measure_memory else -1)
         return step_.PendingStep(
             layout, self.topology.fabric, times, copy, examples, units_total, peaks,
-            sched.theoretical_bubble(layout.stages, chunks, self.schedule_name, self.virtual), trace,
+            sched.theoretical_bubble(layout.stages, chunks, config.schedule, config.virtual), trace,
             functools.partial(self.last_bad_layer, positions), self.loss_scale.enabled)
 
     # Returns the global norm, the non-finite loss count over all ranks, and this stage's per-parameter gradient
     # norms with their parameters' positions.
-    def _finish_gradients(self, max_grad_norm: float | None, loss: torch.Tensor, zero: torch.Tensor
+    def _finish_gradients(self, max_grad_norm: float | None, loss: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
         """Sum over replicas and shared copies, unscale, take the global norm and clip; all on the device."""
-        topology, fabric = self.topology, self.topology.fabric
+        layout, fabric, zero = self.layout, self.topology.fabric, self._zero
         with self.timeline.span(stats.COMM):
-            flag = (~loss.isfinite()).to(torch.float64) if self.layout.is_last else zero
-            bad = grads.all_reduce_replicas(self.params, fabric, topology.replica_ranks(), flag)
+            flag = (~loss.isfinite()).to(torch.float64) if layout.is_last else zero
+            bad = grads.all_reduce_replicas(self.params, fabric, layout.replica_ranks(), flag)
             grads.sum_shared(self.shared, fabric)
         if self.loss_scale.enabled:
             grads.scale_(self.params, self.loss_scale.value.reciprocal())
@@ -292,11 +279,11 @@ class Pipeline:
             squares = found.dot(found) if counted is None else found.square().mul(counted).sum()
         # The norm's collective waits for the slowest stage to finish its backward: that is the bubble.
         with self.timeline.span(stats.WAIT):
-            norm, bad = grads.global_norm(squares, bad, fabric, topology.pipeline_ranks())
+            norm, bad = grads.global_norm(squares, bad, fabric, layout.pipeline_ranks())
         if max_grad_norm is not None:
             grads.clip_(self.params, norm, max_grad_norm)
         with self.timeline.span(stats.COMM):
-            grads.commit_batchnorms(self.batchnorms, fabric, topology.replica_ranks())
+            grads.commit_batchnorms(self.batchnorms, fabric, layout.replica_ranks())
         return norm, bad, found, positions
 
     def _counted(self, positions: tuple[int, ...]) -> torch.Tensor | None:
@@ -313,8 +300,6 @@ class Pipeline:
         bad = [self._layer_of[i] for i, value in zip(positions, norms) if not math.isfinite(value)]
         return max(bad, default=-1)
 
-    # ----------------------------------------------------------------- evaluation
-
     def evaluate(self, inputs: Any = None, targets: torch.Tensor | None = None, *, microbatches: int | None = None,
                  metrics: Metrics | None = None, return_outputs: bool = False) -> EvalResult:
         """A no-grad forward of one batch; loss and metric sums over all replicas, outputs on rank 0."""
@@ -323,7 +308,17 @@ class Pipeline:
         self.module.eval()
         self._begin_step(False)
         try:
-            chunks, received = self._eval_chunks(inputs, microbatches or self.config.microbatches)
+            received: dict[int, Message] = {}  # messages already taken (keyed as the executor's)
+            if layout.is_first:
+                chunks = min(microbatches or self.config.microbatches, microbatch.batch_size(inputs))
+            else:  # the other stages learn it from their first message
+                first = min(self.stages)  # this rank's first chunk; its micro-batch 0 has key `first`
+                self.fwd_in[first].expect(1)
+                header, tensors = self.fwd_in[first].take(first)
+                chunks, received = header.chunks, {first: (tensors, header.bare, header.offset)}
+            actions = sched.forward_only(layout.stage, layout.stages, chunks, self.config.virtual,
+                                         layout.placement) if chunks else []
+            self._expect(actions, len(received))
             feed = feed_messages(inputs, chunks, self.device) if layout.is_first and chunks else []
             targets_mb = microbatch.scatter(targets, chunks) if layout.is_last and chunks and targets is not None \
                 else []
@@ -350,63 +345,35 @@ class Pipeline:
             if chunks == 0 and first in self.fwd_out and first + 1 < layout.stages:
                 self.fwd_out[first].send(first + 1, 0, 0, [])
             if chunks:
-                self._executor(chunks, False, feed=feed, on_output=on_output, received=received).run(
-                    self._forward_only(chunks))
+                Executor(self.stages, self._links, len(self.ranges), chunks, False, feed=feed, on_output=on_output,
+                         received=received).run(actions)
             self._flush()
-            # One read of the device's sums for the whole batch.
+            # One read of the device's sums for the whole batch, then their totals over every rank.
             host = [0.0] * len(sums)
             if layout.is_last:
                 host = dev.HostCopy(torch.stack([torch.as_tensor(s, device=self.device).to(torch.float64)
                                                  for s in sums.values()])).read().tolist()
-            return self._eval_result(dict(zip(sums, host)), units_sum, outputs, return_outputs)
+            units_sum, *totals = self._sum_over_ranks([units_sum, *host])
+            metric_sums = dict(zip(sums, totals))
+            loss_sum = metric_sums.pop("loss")
+            result = EvalResult(loss=loss_sum / units_sum if units_sum else float("nan"), units=units_sum,
+                                metrics=metric_sums)
+            gathered = microbatch.gather(outputs) if return_outputs and outputs else None
+            fabric = self.topology.fabric
+            if fabric is not None:
+                result = fabric.share(result, layout.rank_of(layout.last_stage, 0))
+                if return_outputs and self.result_out is not None and gathered is not None:
+                    self.result_out.send(0, 1, 0, *as_tensors(gathered))
+                    self.result_out.flush()
+                if return_outputs and self.result_in is not None:
+                    self.result_in.expect(1)
+                    header, tensors = self.result_in.take(0)
+                    gathered = from_tensors(tensors, header.bare)
+            if return_outputs and layout.rank == 0:
+                result.outputs = gathered
+            return result
         finally:
             self.module.train(was_training)
-
-    def _eval_chunks(self, inputs: Any, microbatches: int) -> tuple[int, dict[int, Message]]:
-        """How many micro-batches this evaluation runs, and the messages already taken (keyed as the executor's)."""
-        layout = self.layout
-        taken: dict[int, Message] = {}
-        if layout.is_first:
-            chunks = min(microbatches, microbatch.batch_size(inputs))
-        else:  # the other stages learn it from their first message
-            first = min(self.stages)  # this rank's first chunk; its micro-batch 0 has key `first`
-            self.fwd_in[first].expect(1)
-            header, tensors = self.fwd_in[first].take(first)
-            chunks, taken = header.chunks, {first: (tensors, header.bare, header.offset)}
-        if chunks:
-            self._expect(self._forward_only(chunks), len(taken))
-        return chunks, taken
-
-    def _forward_only(self, chunks: int) -> sched.ActionList:
-        layout = self.layout
-        return sched.forward_only(layout.stage, layout.stages, chunks, self.virtual, layout.placement)
-
-    def _eval_result(self, sums: dict[str, float], units_sum: float, outputs: list[Any],
-                     return_outputs: bool) -> EvalResult:
-        """Loss and metric sums over every rank; outputs gathered on rank 0 when asked."""
-        layout = self.layout
-        totals = self._sum_over_ranks([units_sum, *sums.values()])
-        units_sum, sums = totals[0], dict(zip(sums, totals[1:]))
-        loss_sum = sums.pop("loss")
-        result = EvalResult(loss=loss_sum / units_sum if units_sum else float("nan"), units=units_sum,
-                            metrics=sums)
-        gathered = microbatch.gather(outputs) if return_outputs and outputs else None
-        fabric = self.topology.fabric
-        if fabric is not None:
-            result = fabric.share(result, layout.rank_of(layout.last_stage, 0))
-            if return_outputs and self.result_out is not None and gathered is not None:
-                tensors, bare = as_tensors(gathered)
-                self.result_out.send(0, 1, 0, tensors, bare)
-                self.result_out.flush()
-            if return_outputs and self.result_in is not None:
-                self.result_in.expect(1)
-                header, tensors = self.result_in.take(0)
-                gathered = tensors[0] if header.bare else tuple(tensors)
-        if return_outputs and layout.rank == 0:
-            result.outputs = gathered
-        return result
-
-    # ----------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters and buffers, keyed by global layer index ("<layer>.<name>")."""

@@ -93,8 +93,9 @@ class Executor:
         """Execute the actions in order (receives are timed as waiting, sends as communication)."""
         handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.RECV_FWD: self._recv_fwd, Kind.FWD: self._forward, Kind.SEND_FWD: self._send_fwd,
-            Kind.RECOMPUTE: self._recompute, Kind.RECV_BWD: self._recv_bwd, Kind.BWD: self._backward,
-            Kind.BWD_INPUT: self._backward, Kind.BWD_WEIGHT: self._backward_weight,
+            Kind.RECOMPUTE: lambda action: self.stages[action.chunk].recompute(action.microbatch),
+            Kind.RECV_BWD: self._recv_bwd, Kind.BWD: self._backward, Kind.BWD_INPUT: self._backward,
+            Kind.BWD_WEIGHT: lambda action: self.stages[action.chunk].backward_weight(action.microbatch),
             Kind.SEND_BWD: self._send_bwd,
         }
         # Each micro-batch's recompute or backward brings the next one's offloaded activations back, so the
@@ -153,9 +154,6 @@ class Executor:
         _of(self.channels.fwd_out, action.chunk).send(self.key(action.chunk + 1, action.microbatch), self.chunks,
                                                       offset, tensors, bare, differentiable=self.training)
 
-    def _recompute(self, action: Action) -> None:
-        self.stages[action.chunk].recompute(action.microbatch)
-
     def _recv_bwd(self, action: Action) -> None:
         key = self.key(action.chunk, action.microbatch)
         self._grads_in[key] = _of(self.channels.bwd_in, action.chunk).take(key)[1]
@@ -170,9 +168,6 @@ class Executor:
             self._grads_in[self.key(chunk - 1, mb)] = grads
         else:
             self._grads_out[self.key(chunk, mb)] = grads
-
-    def _backward_weight(self, action: Action) -> None:
-        self.stages[action.chunk].backward_weight(action.microbatch)
 
     def _send_bwd(self, action: Action) -> None:
         grads = self._grads_out.pop(self.key(action.chunk, action.microbatch))

@@ -29,11 +29,6 @@ PEER_GRACE_S = 5.0  # how long a rank whose peer vanished waits for the launcher
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ECONNRESET", "EPIPE",
               "Connection refused")
 
-def peer_lost(exc: BaseException) -> bool:
-    """Whether `exc` says that another rank's process is gone."""
-    text = str(exc)
-    return any(marker in text for marker in _PEER_LOST)
-
 
 def job_key(prefix: str) -> str:
     """A store key of this attempt of the job, under `prefix`."""
@@ -137,8 +132,14 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
             raise
         if stopping.ending():  # e.g. sentencepiece's training turns the StoppedEarly of its callback into an error
             raise stopping.StoppedEarly(stopping.ending()) from None
-        if peer_lost(exc):
-            _await_teardown()
+        if any(marker in str(exc) for marker in _PEER_LOST):  # another rank's process is gone
+            # The launcher ends every rank and names the one that died; this rank would print a consequence as the
+            # cause: it gives the launcher a moment to end it quietly.
+            if stopping.received():  # already asked to stop: this is the tear-down
+                os._exit(128 + stopping.received())
+            with contextlib.suppress(ValueError):  # only the main thread may set handlers
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(PEER_GRACE_S)
             print(f"[gpipe] {label} lost contact with another rank: {type(exc).__name__}: "
                   f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}", file=sys.stderr, flush=True)
             if watch is not None:
@@ -164,15 +165,3 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
             print(f"[gpipe] {summary}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(getattr(exc, "exit_code", EXIT_CODE) if user_error else 2 if first_quiet else EXIT_CODE)
-
-
-def _await_teardown() -> None:
-    """A peer is gone: give the launcher a moment to end this rank quietly."""
-    # The launcher ends every rank and names the one that died; this rank would print a consequence as the cause.
-    if stopping.received():  # already asked to stop: this is the tear-down
-        os._exit(128 + stopping.received())
-    with contextlib.suppress(ValueError):  # only the main thread may set handlers
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    deadline = time.monotonic() + PEER_GRACE_S
-    while time.monotonic() < deadline:
-        time.sleep(0.1)

@@ -68,13 +68,13 @@ class Layout:
         """Whether this rank runs the last chunk (the one with the loss)."""
         return self.stage == self.last_stage
 
-    def pipeline_ranks(self, replica: int) -> list[int]:
-        """All stages of one replica."""
-        return [self.rank_of(s, replica) for s in range(self.stages)]
+    def pipeline_ranks(self, replica: int | None = None) -> Ranks:
+        """All stages of one replica (this rank's by default: the global gradient norm)."""
+        return tuple(self.rank_of(s, replica) for s in range(self.stages))
 
-    def replica_ranks(self, stage: int) -> list[int]:
-        """All replicas of one stage."""
-        return [self.rank_of(stage, r) for r in range(self.replicas)]
+    def replica_ranks(self, stage: int | None = None) -> Ranks:
+        """All replicas of one stage (this rank's by default: the gradient sum)."""
+        return tuple(self.rank_of(self.stage if stage is None else stage, r) for r in range(self.replicas))
 
 
 def links(layout: Layout) -> list[Link]:
@@ -109,19 +109,11 @@ class Topology:
         """The other ranks (None alone)."""
         return self.transport.fabric
 
-    def pipeline_ranks(self) -> Ranks:
-        """This replica's stages (the global gradient norm)."""
-        return tuple(self.layout.pipeline_ranks(self.layout.replica))
-
-    def replica_ranks(self) -> Ranks:
-        """This stage's replicas (the gradient sum)."""
-        return tuple(self.layout.replica_ranks(self.layout.stage))
-
     def groups(self) -> list[Ranks]:
         """Every rank set the engine reduces over, in one order for every rank."""
         layout = self.layout
-        return ([tuple(layout.pipeline_ranks(r)) for r in range(layout.replicas)] +
-                [tuple(layout.replica_ranks(s)) for s in range(layout.stages)])
+        return ([layout.pipeline_ranks(r) for r in range(layout.replicas)] +
+                [layout.replica_ranks(s) for s in range(layout.stages)])
 
     def share(self, value: Any) -> Any:
         """Rank 0's `value`, on every rank (a collective)."""
