@@ -70,25 +70,6 @@ def _leaves(tensors: Sequence[torch.Tensor | None], grad: bool = True) -> list[t
     return [None if t is None else t.detach().requires_grad_(grad and t.is_floating_point()) for t in tensors]
 
 
-def _median_time(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
-    fn()  # the first call pays for allocator growth and kernel selection
-    return statistics.median([_clock(fn, device)[0] for _ in range(repeats)]) if repeats else 0.0
-
-
-def _time_backward(run: Callable[[], list[torch.Tensor]], repeats: int, device: torch.device) -> float:
-    """Median seconds of the backward alone (a fresh graph each time, built outside the clock)."""
-    times = []
-    for i in range(repeats + 1):
-        roots = [o for o in run() if o.requires_grad]
-        if not roots:
-            return 0.0
-        seconds, _ = _clock(functools.partial(torch.autograd.backward, roots, [torch.ones_like(o) for o in roots]),
-                            device)
-        if i:
-            times.append(seconds)
-    return statistics.median(times) if times else 0.0
-
-
 def _clock(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
     _sync(device)
     start = time.perf_counter()
@@ -139,8 +120,8 @@ def _profile_loss(loss: Callable[[Any], torch.Tensor], tensors: list[torch.Tenso
     def run() -> list[torch.Tensor]:
         return [loss(from_tensors(_leaves(tensors), bare))]
 
-    fwd = _median_time(run, repeats, device) if timed else 0.0
-    bwd = _time_backward(run, repeats, device) if timed else 0.0
+    # Timed as a layer is: each backward on a fresh graph, built outside the clock.
+    fwd, _, _, bwd = _time_layer(lambda recomputing: run(), repeats, device) if timed else (0.0, 0.0, 0.0, 0.0)
     saved, saved_input, _, _ = saved_by(run, inputs=[t for t in tensors if t is not None])
     return LayerProfile(fwd, 0.0, bwd, saved, 0, saved_input, 0, 0)
 

@@ -48,24 +48,20 @@ def remat_pairs(mode: str, order: Sequence[Step]) -> set[tuple[int, int]]:
     raise ValueError(f"unknown checkpoint mode '{mode}': allowed are {', '.join(REMAT_MODES)}")
 
 
-def _forward(chunk: int, chunks: int, mb: int, remat: bool, local: Callable[[int], bool]) -> list[Action]:
-    # A neighbouring chunk on this same stage hands over in memory: no message.
+# `local`: the chunks of this stage. A neighbouring chunk on this same stage hands over in memory: no message.
+def _forward(chunk: int, chunks: int, mb: int, remat: bool, local: Collection[int]) -> list[Action]:
     first, last = chunk == 0, chunk == chunks - 1
-    return ([] if first or local(chunk - 1) else [Action(Kind.RECV_FWD, mb, chunk)]) + \
-        [Action(Kind.FWD, mb, chunk, remat)] + ([] if last or local(chunk + 1) else [Action(Kind.SEND_FWD, mb, chunk)])
+    return ([] if first or chunk - 1 in local else [Action(Kind.RECV_FWD, mb, chunk)]) + \
+        [Action(Kind.FWD, mb, chunk, remat)] + \
+        ([] if last or chunk + 1 in local else [Action(Kind.SEND_FWD, mb, chunk)])
 
 
-def _gradient(chunk: int, chunks: int, kind: Kind, mb: int, remat: bool, local: Callable[[int], bool]) -> list[Action]:
+def _gradient(chunk: int, chunks: int, kind: Kind, mb: int, remat: bool, local: Collection[int]) -> list[Action]:
     first, last = chunk == 0, chunk == chunks - 1
     # Recompute before waiting for the gradient, so the rematerialisation hides the wait.
     return ([Action(Kind.RECOMPUTE, mb, chunk)] if remat else []) + \
-        ([] if last or local(chunk + 1) else [Action(Kind.RECV_BWD, mb, chunk)]) + [Action(kind, mb, chunk)] + \
-        ([] if first or local(chunk - 1) else [Action(Kind.SEND_BWD, mb, chunk)])
-
-
-def _local(placement: str, stage: int, stages: int) -> Callable[[int], bool]:
-    """Whether a chunk runs on `stage` under `placement`."""
-    return lambda chunk: owner(chunk, stages, placement) == stage
+        ([] if last or chunk + 1 in local else [Action(Kind.RECV_BWD, mb, chunk)]) + [Action(kind, mb, chunk)] + \
+        ([] if first or chunk - 1 in local else [Action(Kind.SEND_BWD, mb, chunk)])
 
 
 def build(name: str, stage: int, stages: int, microbatches: int, checkpoint: str = "except_last",
@@ -75,7 +71,7 @@ def build(name: str, stage: int, stages: int, microbatches: int, checkpoint: str
     check(name, stages, microbatches, virtual)
     order = schedules.get(name).order(stage, stages, microbatches, virtual)
     remat = remat_pairs(checkpoint, order)
-    chunks, local = stages * virtual, _local(schedules.get(name).placement, stage, stages)
+    chunks, local = stages * virtual, placement_.chunks_of(stage, stages, virtual, schedules.get(name).placement)
     actions: ActionList = []
     for kind, mb, chunk in order:
         if kind == Kind.FWD:
@@ -91,8 +87,8 @@ def forward_only(stage: int, stages: int, microbatches: int, virtual: int = 1,
                  placement: str = "loop") -> ActionList:
     """The action list of one stage for an evaluation (no-grad) pass: each chunk in turn, any M."""
     _check(stage, stages, microbatches)
-    local = _local(placement, stage, stages)
-    return [a for chunk in placement_.chunks_of(stage, stages, virtual, placement) for mb in range(microbatches)
+    local = placement_.chunks_of(stage, stages, virtual, placement)
+    return [a for chunk in local for mb in range(microbatches)
             for a in _forward(chunk, stages * virtual, mb, False, local)]
 
 
