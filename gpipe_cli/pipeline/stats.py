@@ -84,10 +84,6 @@ class StepTimes:
         return [Span(self.stage, action, start, start + begin.seconds_to(stop))
                 for action, begin, stop in self.spans for start in [self.origin.seconds_to(begin)]]
 
-    def busy(self, events: list[Span]) -> float:
-        """Seconds spent in forward, recompute and backward."""
-        return seconds(events)
-
     def parts(self, events: list[Span]) -> tuple[float, float, float]:
         """Seconds waiting for a peer, communicating and in the optimizer during the step."""
         def extra(part: str) -> float:

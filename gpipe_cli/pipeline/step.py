@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from gpipe_cli.pipeline import device as dev
+from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline import stats
 from gpipe_cli.pipeline.fabric import Fabric
 from gpipe_cli.pipeline.stats import StageStats
@@ -72,7 +73,7 @@ class PendingStep:
         wait, comm, optimizer = self.times.parts(events)
         skipped = not finite(values)
         loss = values[_LOSS] if layout.is_last else None
-        mine = dataclasses.replace(self.memory, step_time=self.times.step_time, busy=self.times.busy(events),
+        mine = dataclasses.replace(self.memory, step_time=self.times.step_time, busy=sched.seconds(events),
                                    wait=wait, comm=comm, optimizer=optimizer,
                                    nonfinite_layer=self.bad_layer(values[_NORMS:]) if skipped else -1)
         gathered = stats.gather(mine, loss or 0.0, int(self.examples), self.units, values[_NORM],
