@@ -33,6 +33,11 @@ def human_bytes(n: float | None) -> str:
     return f"{value:.1f} TiB"
 
 
+def figure(value: float | None, spec: str) -> str:
+    """`value` formatted by `spec`, or "-" when there is none."""
+    return "-" if value is None else format(value, spec)
+
+
 def number_range(first: int, last: int) -> str:
     """`first`-`last` as "4-7", or "4" when they are the same (a range of one)."""
     return str(first) if first == last else f"{first}-{last}"

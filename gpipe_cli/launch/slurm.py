@@ -38,22 +38,6 @@ class SlurmStep:
     nodelist: str
 
 
-def _first(environ: Mapping[str, str], *names: str) -> str | None:
-    return next((environ[n] for n in names if environ.get(n)), None)
-
-
-def _split_top(text: str) -> list[str]:
-    """Split at commas that are not inside brackets: `a[1-2,4],b` -> [`a[1-2,4]`, `b`]."""
-    parts, depth, start = [], 0, 0
-    for i, char in enumerate(text):
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return [p for p in parts if p]
-
-
 def _range(spec: str) -> list[str]:
     """`01-04,07` -> 01 02 03 04 07 (zero padding kept, as Slurm writes it)."""
     out = []
@@ -71,7 +55,8 @@ def _range(spec: str) -> list[str]:
 def expand_nodelist(nodelist: str) -> list[str]:
     """Slurm's compressed host list as host names: `node[01-02,07],gpu[1-2]-a` -> node01 node02 node07 ..."""
     hosts: list[str] = []
-    for part in _split_top(nodelist.strip()):
+    # Split at the commas outside brackets: `a[1-2,4],b` -> `a[1-2,4]`, `b`.
+    for part in filter(None, re.split(r",(?![^\[]*\])", nodelist.strip())):
         pieces = re.split(r"(\[[^\]]*\])", part)
         choices = [_range(p[1:-1]) if p.startswith("[") else [p] for p in pieces if p]
         if any("[" in c or "]" in c for options in choices for c in options):
@@ -116,7 +101,8 @@ def slurm_step(environ: Mapping[str, str] | None = None) -> SlurmStep | None:
     nodes = _integer(env, "SLURM_STEP_NUM_NODES")
     if nodes <= 1:
         return None
-    nodelist = _first(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+    nodelist = next((env[n] for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(n)),
+                    None)
     if nodelist is None:
         raise UserError("this srun step names no nodes (SLURM_STEP_NODELIST); give --rdzv-endpoint HOST:PORT")
     named = next((n for n in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if env.get(n)), None)

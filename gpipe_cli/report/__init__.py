@@ -15,7 +15,7 @@ from gpipe_cli.files import check_output
 from gpipe_cli.records import PARTS
 from gpipe_cli.report import page
 from gpipe_cli.report.runs import Run, eval_metric, read_runs, segment_throughputs, series, throughput, time_breakdown
-from gpipe_cli.units import human_bytes
+from gpipe_cli.units import figure, human_bytes
 
 # Said after a default place that cannot be written (a read-only run of someone else's, say).
 ELSEWHERE = "; give --output FILE to write the page elsewhere"
@@ -31,10 +31,6 @@ def _table(title: str, columns: tuple[str, ...], left: tuple[str, ...] = ("run",
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def summary_table(runs: list[Run]) -> Table:
@@ -60,9 +56,9 @@ def summary_table(runs: list[Run]) -> Table:
         total = sum(sum(v) for v in parts.values())
         wait = sum(parts["wait"]) / total if total else None
         peak = max((max(data[f"mem_peak_bytes/stage{s}"][1], default=0.0) for s in range(run.stages)), default=0.0)
-        table.add_row(run.label, str(run.train[-1]["step"]), _fmt(losses[-1] if losses else None, ".4f"), best,
-                      _fmt(rate.samples_per_s, ".1f"), _fmt(_mean(data["bubble"][1]), ".3f"),
-                      _fmt(_mean(data["bubble_theory"][1]), ".3f"), _fmt(wait, ".0%"), human_bytes(int(peak)))
+        table.add_row(run.label, str(run.train[-1]["step"]), figure(losses[-1] if losses else None, ".4f"), best,
+                      figure(rate.samples_per_s, ".1f"), figure(_mean(data["bubble"][1]), ".3f"),
+                      figure(_mean(data["bubble_theory"][1]), ".3f"), figure(wait, ".0%"), human_bytes(int(peak)))
     return table
 
 
@@ -89,7 +85,7 @@ def resume_table(runs: list[Run]) -> Table | None:
                    caption="samples/s: mean over the start's steps after its first, which warms up")
     for run, parts in resumed:
         for rate in parts:
-            table.add_row(run.label, rate.steps, _fmt(rate.samples_per_s, ".1f"), _fmt(rate.warmup_s, ".2f"))
+            table.add_row(run.label, rate.steps, figure(rate.samples_per_s, ".1f"), figure(rate.warmup_s, ".2f"))
     return table
 
 

@@ -75,12 +75,6 @@ def _utilization(ax: Any, runs: list[Run]) -> None:
     ax.set_ylim(bottom=0)
 
 
-def _throughput(ax: Any, runs: list[Run]) -> None:
-    # The first step of each start (warm-up: one-time costs) is left out of throughput and bubble: a dip there
-    # would stretch the axis over the steps that matter.
-    _lines(ax, runs, "samples_per_s", "throughput (warm-up steps left out)", "samples/s")
-
-
 def _bubble(ax: Any, runs: list[Run]) -> None:
     _lines(ax, runs, "bubble", "bubble: measured (line), theory (K-1)/(M+K-1) (dashed); no warm-up",
            "share of step")
@@ -131,7 +125,10 @@ def panels(runs: list[Run]) -> list[tuple[str, Draw]]:
                                              "perplexity")))
     if len(out) == 1:
         out.append(("eval", _no_eval))
-    out.append(("throughput", _throughput))
+    # The first step of each start (warm-up: one-time costs) is left out of throughput and bubble: a dip there
+    # would stretch the axis over the steps that matter.
+    out.append(("throughput", lambda ax, runs: _lines(ax, runs, "samples_per_s", "throughput (warm-up steps left out)",
+                                                      "samples/s")))
     if "tflops" in has:
         out.append(("model flops", _utilization))
     out += [("bubble", _bubble), ("step time", _breakdown), ("memory", _memory)]

@@ -33,8 +33,8 @@ class Run:
         return len(self.train[-1]["time_s"]["compute"]) if self.train else 0
 
 
-def _label(recipe: dict[str, Any]) -> str:
-    pipe = recipe.get("pipeline")
+def _label(recipe: Any) -> str:
+    pipe = recipe.get("pipeline") if isinstance(recipe, dict) else None
     pipe = pipe if isinstance(pipe, dict) else {}
     label = f"K={pipe.get('partitions', 1)} M={pipe.get('microbatches', 1)} {pipe.get('schedule', 'gpipe')}"
     replicas = pipe.get("data_parallel", 1)
@@ -95,20 +95,13 @@ def read_records(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     return train, evals, f"{len(damaged)} malformed lines, the first on line {damaged[0]}"
 
 
-def read_recipe(path: Path) -> dict[str, Any]:
-    """A run's recipe.yaml as a mapping (empty when there is none); UserError when it cannot be read."""
-    if not path.is_file():
-        return {}
-    loaded = parse_document(read_recipe_file(path), str(path))
-    return loaded if isinstance(loaded, dict) else {}
-
-
 def read_run(path: Path) -> Run:
     """A run directory's records, labelled by its K, M and schedule; UserError when it is not one."""
     metrics = path / "metrics.jsonl"
     if not metrics.is_file():
         raise UserError(f"{path}: not a run directory (no metrics.jsonl); give the folder `gpipe train` wrote")
-    recipe = read_recipe(path / "recipe.yaml")
+    recipe_file = path / "recipe.yaml"  # none, or one that is not a mapping: the defaults' K, M and schedule
+    recipe = parse_document(read_recipe_file(recipe_file), str(recipe_file)) if recipe_file.is_file() else {}
     train, evals, damage = read_records(metrics)
     if not train:
         raise UserError(f"{metrics}: holds no usable train record ({damage})" if damage else
@@ -151,14 +144,10 @@ def eval_metric(run: Run) -> str | None:
     return next((key for key in EVAL_METRICS if any(r.get(key) is not None for r in run.evals)), None)
 
 
-def warming_up(record: dict[str, Any], index: int) -> bool:
-    """Whether the train record at `index` of a run is a warm-up step: the first of a start."""
-    return index == 0 or record.get(WARMUP) is True or record.get(RESUMED) is True
-
-
 def steady(run: Run) -> list[dict[str, Any]]:
     """The run's train records but its warm-up steps, whose one-time costs would swamp the timing figures."""
-    kept = [r for i, r in enumerate(run.train) if not warming_up(r, i)]
+    # The first record, and each that says it is the first of a start, warms up.
+    kept = [r for r in run.train[1:] if r.get(WARMUP) is not True and r.get(RESUMED) is not True]
     return kept or run.train
 
 

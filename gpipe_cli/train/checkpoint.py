@@ -118,11 +118,6 @@ def inspect(path: Path, verify: bool = False) -> tuple[Found | None, str | None]
     return Found(path, step, manifest), None
 
 
-def problem(path: Path, verify: bool = False) -> str | None:
-    """Why a checkpoint folder cannot be used (see `inspect`), or None when it is whole."""
-    return inspect(path, verify)[1]
-
-
 def candidates(location: Path) -> list[Path]:
     """Checkpoint folders at `location` (a run directory, its checkpoints/ or one checkpoint), newest first."""
     if location.name.startswith(PREFIX):
@@ -237,7 +232,7 @@ def prune(folder: Path, keep: int) -> None:
     for path in candidates(folder):
         if whole >= keep:
             shutil.rmtree(path, ignore_errors=True)
-        elif problem(path) is None:
+        elif inspect(path)[1] is None:
             whole += 1
 
 

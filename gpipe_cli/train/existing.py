@@ -155,7 +155,7 @@ def check_resumable(location: str) -> int:
     found, _ = checkpoint.newest_whole(Path(location))
     if found is not None:
         return found.step
-    raise no_usable(location, [f"{p.name}: {checkpoint.problem(p)}" for p in checkpoint.candidates(Path(location))])
+    raise no_usable(location, [f"{p.name}: {checkpoint.inspect(p)[1]}" for p in checkpoint.candidates(Path(location))])
 
 
 def no_usable(location: str, refused: list[str]) -> UserError:
@@ -178,7 +178,7 @@ def resume_end(recipe: Recipe, location: str) -> int | None:
             continue
         if found.step < steps:  # older ones are earlier still: training goes on as usual
             return None
-        if checkpoint.problem(path, verify=True) is not None or saved_keys(path) is None:
+        if checkpoint.inspect(path, verify=True)[1] is not None or saved_keys(path) is None:
             continue  # the ranks would not load it either: they fall back past damaged ones
         if found.step > steps:
             raise UserError(past_end(location, path.name, found.step, f"train.steps {steps}"))

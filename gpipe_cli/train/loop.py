@@ -76,7 +76,10 @@ class Trainer:
         self._note(self._reading_data())
         if self.layout.is_first or self.layout.is_last:
             self.data = build_data_for(recipe, run_dir=self.run_dir)
-            self._check_vocabulary()
+            tokenizer, model = self.data.tokenizer, recipe.model
+            if tokenizer is not None and model.kind == "transformer" and tokenizer.vocab_size > model.vocab_size:
+                raise UserError(f"model.vocab_size ({model.vocab_size}) is smaller than the tokenizer's vocabulary "
+                                f"({tokenizer.vocab_size}); raise model.vocab_size")
         counts = (self.data.steps_per_epoch(), self.data.eval_steps(recipe.eval.batches)) if self.data else None
         self.steps_per_epoch, self.eval_steps = self.topo.share(counts)
         if self.data is not None:
@@ -88,7 +91,8 @@ class Trainer:
                    f"({self.plan.total_params:,} parameters): {self._cut_text()}")
         self.pipe = self._pipeline()
         self._check_cut()
-        self.total_steps = self._total_steps()
+        train = recipe.train
+        self.total_steps = min(n for n in (train.steps, train.epochs and train.epochs * self.steps_per_epoch) if n)
         self.optimizer = build_optimizer(self.pipe.parameters(), recipe)
         self.scheduler = optim.build_scheduler(self.optimizer, recipe, self.steps_per_epoch, self.total_steps)
         self.lr = optim.lr_factor(recipe, self.steps_per_epoch, self.total_steps)
@@ -314,20 +318,6 @@ class Trainer:
             return f"the {self.total_steps} steps of train.epochs {train.epochs}", "train.epochs"
         return f"train.steps {train.steps}", "train.steps"
 
-    def _check_vocabulary(self) -> None:
-        assert self.data is not None
-        tokenizer, model = self.data.tokenizer, self.recipe.model
-        if tokenizer is not None and model.kind == "transformer" and tokenizer.vocab_size > model.vocab_size:
-            raise UserError(f"model.vocab_size ({model.vocab_size}) is smaller than the tokenizer's vocabulary "
-                            f"({tokenizer.vocab_size}); raise model.vocab_size")
-
-    def _total_steps(self) -> int:
-        train = self.recipe.train
-        limits = [train.steps] if train.steps else []
-        if train.epochs:
-            limits.append(train.epochs * self.steps_per_epoch)
-        return min(limits)
-
     # ----------------------------------------------------------------- the loop
 
     def batches(self, start_step: int) -> Iterator[Batch | None]:
@@ -369,7 +359,9 @@ class Trainer:
                 batch.inputs if batch else None, batch.targets if batch else None,
                 microbatches=recipe.pipeline.microbatches, step=step,
                 example_offset=batch.offset if batch is not None else 0, max_grad_norm=recipe.train.grad_clip,
-                optimizer=self.optimizer, measure_memory=self._counts_memory(step))
+                optimizer=self.optimizer,
+                # The first step of a start and every memory_every-th count every stored activation.
+                measure_memory=step == self.start_step or (step + 1) % recipe.train.memory_every == 0)
             if self.scheduler is not None:
                 self.scheduler.step()
             self.pipe.zero_grad()
@@ -405,10 +397,6 @@ class Trainer:
         if self.diverged:
             return NONFINITE_EXIT_CODE
         return 128 + self.stopped_by if self.stopped_by else 0
-
-    def _counts_memory(self, step: int) -> bool:
-        """Whether this step counts every stored activation: the first of a start and every memory_every-th."""
-        return step == self.start_step or (step + 1) % self.recipe.train.memory_every == 0
 
     def _finish(self, step: int, batch: Batch | None, launched: PendingStep, started: float,
                 ended: float | None = None) -> str:
@@ -479,7 +467,7 @@ class Trainer:
             path = str(checkpoint.path_for(self.run_dir, saved)) if saved >= 0 else None
             self.diverged = nonfinite.stop_line(step + 1, what, self.policy, path)
 
-    def evaluate(self, step: int) -> EvalRecord:
+    def evaluate(self, step: int) -> None:
         """Loss and accuracy (and BLEU for translation) on the held-out split."""
         layout = self.layout
         batches: Iterator[Batch | None] = iter([None] * self.eval_steps)
@@ -510,7 +498,6 @@ class Trainer:
             self.metrics.write(record)
             self.summary.add(record, 0, None)
             self.view.show(record)
-        return record
 
     def close(self) -> None:
         """Finish the run: stop the view, close files and channels."""

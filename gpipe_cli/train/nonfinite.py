@@ -31,14 +31,10 @@ class NonFinitePolicy:
         return "skip"
 
 
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g}" if math.isfinite(value) else str(value)
-
-
 def what_went_wrong(loss: float | None, grad_norm: float, where: tuple[int, int] | None,
                     layer_names: list[str]) -> str:
     """The non-finite values of a step and the first layer, in backward order, whose gradient is not finite."""
-    bad = [f"{name} {_number(v)}" for name, v in (("loss", loss), ("gradient norm", grad_norm))
+    bad = [f"{name} {v}" for name, v in (("loss", loss), ("gradient norm", grad_norm))
            if v is not None and not math.isfinite(v)]
     text = f"non-finite {' and '.join(bad) if bad else 'values'}"
     if where is None:

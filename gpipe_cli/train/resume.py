@@ -93,14 +93,6 @@ class Checkpointer:
         self.last_saved = step
         return step
 
-    def _failures(self, mine: str | None) -> list[str]:
-        """What failed on each rank (empty: every rank succeeded)."""
-        if not self.topo.distributed:
-            return [mine] if mine else []
-        every: list[str | None] = [None] * self.layout.world_size
-        dist.all_gather_object(every, mine, group=self.topo.transport.control)
-        return [m for m in every if m]
-
     def resume(self, location: str) -> checkpoint.Found:
         """Load the newest usable checkpoint at a --resume location (collective), a line for each newer one skipped."""
         paths = self.topo.share([str(p) for p in checkpoint.candidates(Path(location))] if self.layout.rank == 0
@@ -115,7 +107,11 @@ class Checkpointer:
                         error = f"it holds step {self.last_saved} where its manifest says {found.step}"
                 except Exception as exc:  # anything that stops this one loading: try the one before
                     error = str(exc).removeprefix(f"cannot load checkpoint {path}: ")
-                failed = self._failures(error)
+                every: list[str | None] = [error]  # what failed on each rank
+                if self.topo.distributed:
+                    every = [None] * self.layout.world_size
+                    dist.all_gather_object(every, error, group=self.topo.transport.control)
+                failed = [e for e in every if e]
                 if not failed:
                     return found
                 why = failed[0]

@@ -9,10 +9,9 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from gpipe_cli.console import say
 from gpipe_cli.data.offline import check_hub_data
@@ -43,17 +42,12 @@ from gpipe_cli.train.worker import STARTED, Job
 OUTPUTS = "outputs"
 
 
-def describe_model(recipe: Recipe) -> str:
-    """The recipe's model in a few words."""
-    m = recipe.model
-    return m.preset or families.of(m.kind).title(m.model_dump(), False)
-
-
 def first_line(recipe: Recipe) -> str:
     """What is starting: recipe, model, K, M, D and the number of ranks."""
-    p, t = recipe.pipeline, recipe.train
+    m, p, t = recipe.model, recipe.pipeline, recipe.train
     length = " and ".join(_count(n, unit) for n, unit in ((t.steps, "step"), (t.epochs, "epoch")) if n)
-    return (f"gpipe train {recipe.name}: {describe_model(recipe)}, K={_count(p.partitions, 'stage')} x "
+    model = m.preset or families.of(m.kind).title(m.model_dump(), False)
+    return (f"gpipe train {recipe.name}: {model}, K={_count(p.partitions, 'stage')} x "
             f"D={p.data_parallel} = {_count(p.partitions * p.data_parallel, 'rank')}, "
             f"M={_count(p.microbatches, 'micro-batch', 'micro-batches')}, batch {recipe.data.batch_size}, {length}, "
             f"{t.precision}")
@@ -63,16 +57,13 @@ def _count(n: int, one: str, many: str | None = None) -> str:
     return f"{n} {one if n == 1 else many or one + 's'}"
 
 
-@contextlib.contextmanager
-def checking(recipe: Recipe, terminal: bool) -> Iterator[None]:
+def checking(recipe: Recipe, terminal: bool) -> contextlib.AbstractContextManager[Any]:
     """While the block runs, the first line as a transient status on a terminal, so that an error stands alone."""
     if not terminal:
-        yield
-        return
+        return contextlib.nullcontext()
     from rich.console import Console
 
-    with Console().status(f"{first_line(recipe)}: checking the plan", spinner="dots"):
-        yield
+    return Console().status(f"{first_line(recipe)}: checking the plan", spinner="dots")
 
 
 def oversubscription(ranks: int, threads: int, cores: int, gpus: int) -> str | None:

@@ -23,7 +23,7 @@ from gpipe_cli.progress import eta_text, note, run_eta
 from gpipe_cli.train.sinks import Sinks
 from gpipe_cli.train.step_figures import rate_text
 from gpipe_cli.train.summary import eval_figures
-from gpipe_cli.units import human_bytes
+from gpipe_cli.units import figure, human_bytes
 
 
 def finite_json(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -68,17 +68,6 @@ class MetricsFile:
             self.sinks.close()
 
 
-def _num(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _rate(record: Mapping[str, Any]) -> str:
-    rate = f"{record['samples_per_s']:.1f} samples/s"
-    if "tokens_per_s" in record:
-        rate += f", {record['tokens_per_s']:.0f} tokens/s"
-    return rate
-
-
 def utilization(record: Mapping[str, Any]) -> str:
     """The step's achieved model TFLOP/s and MFU ('' when the record has neither)."""
     if "tflops" not in record:
@@ -119,8 +108,9 @@ def eval_line(record: Mapping[str, Any], total: int) -> str:
 def train_lines(record: Mapping[str, Any], total: int, counted: Counted | None = None,
                 eta: float | None = None) -> list[str]:
     """A train record as lines: the step (with `eta`, the run's seconds left, when known), then one per stage."""
-    lines = [f"step {record['step']}/{total} | epoch {record['epoch']} | loss {_num(record['loss'], '.4f')} | "
-             f"lr {record['lr']:.3g} | {_rate(record)} | "
+    lines = [f"step {record['step']}/{total} | epoch {record['epoch']} | loss {figure(record['loss'], '.4f')} | "
+             f"lr {record['lr']:.3g} | {record['samples_per_s']:.1f} samples/s"
+             + (f", {record['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in record else "") + " | "
              + (f"{utilization(record)} | " if "tflops" in record else "")
              + f"{record['step_time_s'] * 1e3:.0f} ms/step | "
              f"bubble {record['bubble']:.3f} (theory {record['bubble_theory']:.3f})"
@@ -141,7 +131,8 @@ class StepView:
     def figures(self) -> list[Text]:
         """Each figure with its label, one item that is never split."""
         r = self.record
-        items = [("loss", _num(r["loss"], ".4f")), ("lr", f"{r['lr']:.3g}"), ("grad norm", _num(r["grad_norm"], ".3g")),
+        items = [("loss", figure(r["loss"], ".4f")), ("lr", f"{r['lr']:.3g}"),
+                 ("grad norm", figure(r["grad_norm"], ".3g")),
                  ("skipped", str(self.skipped)), ("step", f"{r['step_time_s'] * 1e3:.0f} ms"),
                  ("samples/s", f"{r['samples_per_s']:.1f}")]
         if "tokens_per_s" in r:

@@ -28,7 +28,7 @@ def test_save_is_whole_and_newest_is_found(tmp_path):
     save_one(tmp_path, 10, value=2.0)
     found, refused = checkpoint.newest_whole(tmp_path)
     assert found is not None and found.step == 10 and refused == []
-    assert checkpoint.problem(found.path) is None
+    assert checkpoint.inspect(found.path)[1] is None
     assert not list((tmp_path / "checkpoints").glob(".*")), "no partial folder is left behind"
     module = nn.Linear(3, 2)
     extra = checkpoint.load(found, module, None, {"train": {"step": torch.tensor(0)}})
@@ -51,7 +51,7 @@ def test_truncated_or_unfinished_checkpoints_are_refused_and_the_previous_used(t
     assert found is not None and found.step == 5
     assert len(refused) == 1 and "incomplete or corrupt" in refused[0] and data.name in refused[0]
     (checkpoint.path_for(tmp_path, 5) / checkpoint.MANIFEST).unlink()
-    assert "no manifest" in checkpoint.problem(checkpoint.path_for(tmp_path, 5))
+    assert "no manifest" in checkpoint.inspect(checkpoint.path_for(tmp_path, 5))[1]
     assert checkpoint.newest_whole(tmp_path)[0] is None
 
 
@@ -128,7 +128,7 @@ def test_every_file_has_a_checksum_and_flipped_bytes_are_refused(tmp_path):
     assert set(manifest["checksums"]) == set(manifest["files"]) and ".metadata" in manifest["files"]
     data = next(p for p in newest.iterdir() if p.suffix == ".distcp")
     flip(data)
-    assert checkpoint.problem(newest) is None, "sizes alone cannot see flipped bytes"
+    assert checkpoint.inspect(newest)[1] is None, "sizes alone cannot see flipped bytes"
     found, refused = checkpoint.newest_whole(tmp_path, verify=True)
     assert found is not None and found.step == 5
     assert len(refused) == 1 and f"file {data.name} does not match its checksum" in refused[0]
@@ -140,7 +140,7 @@ def test_a_manifest_with_a_bad_step_is_refused(tmp_path, step):
     path = checkpoint.path_for(tmp_path, 2)
     text = (path / checkpoint.MANIFEST).read_text()
     (path / checkpoint.MANIFEST).write_text(text.replace('"step": 2', f'"step": {step}'))
-    assert "which is not a step count" in checkpoint.problem(path)
+    assert "which is not a step count" in checkpoint.inspect(path)[1]
     assert checkpoint.newest_whole(tmp_path)[0] is None
 
 
@@ -165,7 +165,7 @@ def test_a_failed_write_removes_its_partial_folder_and_says_how_much_space_is_le
     assert "cannot write checkpoint step-00000002 (ENOSPC: No space left on device)" in message
     assert " free on " in message and "earlier checkpoints are intact" in message
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000001"]
-    assert checkpoint.problem(checkpoint.path_for(tmp_path, 1), verify=True) is None
+    assert checkpoint.inspect(checkpoint.path_for(tmp_path, 1), verify=True)[1] is None
 
 
 def checkpointer(run_dir: Path):

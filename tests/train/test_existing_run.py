@@ -279,7 +279,7 @@ def test_stale_partial_folders_are_removed_and_nothing_else(tmp_path):
     other.write_text("")
     assert checkpoint.remove_partials(tmp_path) == [stale]
     assert not stale.exists() and other.exists()
-    assert checkpoint.problem(whole, verify=True) is None
+    assert checkpoint.inspect(whole, verify=True)[1] is None
     assert checkpoint.remove_partials(tmp_path / "nothing-here") == []
 
 
