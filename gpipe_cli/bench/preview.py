@@ -41,12 +41,6 @@ def runs(options: BenchOptions, layers: int) -> list[tuple[int, int]]:
     return [(1, options.microbatches), (options.partitions, options.microbatches)]
 
 
-def _parallel(machine: sizing.Machine, ranks: int, threads: int) -> float:
-    if machine.kind == "cuda":
-        return float(min(ranks, machine.units))
-    return max(min(ranks, machine.units // max(threads, 1)), 1)
-
-
 def phase_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: BenchOptions) -> dict[int, float]:
     """Seconds each job should take on `machine` with model `cand`, by its K (K=1 also times layers, host overhead)."""
     passes = sizing.passes(options.checkpoint)
@@ -58,7 +52,9 @@ def phase_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: Benc
         if k == 1:
             seconds[k] += steps * work + 10 * work / m  # the per-layer costs, timed on one micro-batch
             continue
-        parallel = _parallel(machine, k, options.threads)
+        # The ranks that compute at once: one per GPU, or as many as the cores host at --threads each.
+        units = machine.units if machine.kind == "cuda" else machine.units // max(options.threads, 1)
+        parallel = max(min(k, units), 1)
         # A stage's share with its bubble, but never faster than the cores can run all of the work.
         step = max(work * (m + k - 1) / (m * k), work / parallel)
         messages = 2 * m * 1e-3 * max(1.0, k / parallel)  # one send per micro-batch and direction
