@@ -67,11 +67,6 @@ def phase_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: Benc
     return seconds
 
 
-def estimate_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: BenchOptions) -> float:
-    """Seconds the command should take on `machine` with model `cand`."""
-    return sum(phase_seconds(cand, machine, options).values())
-
-
 def need_bytes(cand: sizing.Candidate, machine: sizing.Machine, options: BenchOptions) -> float:
     """Memory the command needs at once: K=1 holds the whole model; on a CPU every rank also holds a runtime."""
     m = options.microbatches
@@ -88,7 +83,7 @@ def judge(options: BenchOptions, machine: sizing.Machine) -> Any:
     """The sizing verdict of a candidate for this command on this machine."""
     def verdict(cand: sizing.Candidate) -> sizing.Verdict:
         return sizing.Verdict(need_bytes(cand, machine, options), machine.memory_bytes * sizing.MEMORY_SHARE,
-                              estimate_seconds(cand, machine, options), sizing.TIME_BUDGET_S)
+                              sum(phase_seconds(cand, machine, options).values()), sizing.TIME_BUDGET_S)
     return verdict
 
 
