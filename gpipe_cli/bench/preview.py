@@ -69,8 +69,7 @@ def phase_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: Benc
 
 def need_bytes(cand: sizing.Candidate, machine: sizing.Machine, options: BenchOptions) -> float:
     """Memory the command needs at once: K=1 holds the whole model; on a CPU every rank also holds a runtime."""
-    m = options.microbatches
-    mb = sizing.ceil_div(options.batch, m)
+    mb = sizing.ceil_div(options.batch, options.microbatches)
     whole = (cand.parameters * mm.bytes_per_parameter(NO_STATE) + sizing.activation_bytes(cand, mb)
              + options.batch * cand.input_bytes)
     if machine.kind == "cuda":

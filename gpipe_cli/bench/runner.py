@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from gpipe_cli import interrupts, sizing
+from gpipe_cli import interrupts, plots, sizing
 from gpipe_cli.bench import preview, setup, sweep, tables, trace
 from gpipe_cli.bench.options import BenchOptions, parse_balance
 from gpipe_cli.bench.setup import base_job, choose_balance, model_json, oversubscription
@@ -167,7 +167,9 @@ def results(options: BenchOptions, summary: dict[str, Any], events: list[dict[st
         chrome, png = trace.write(options.trace, events, title)
         summary["trace"] = {"chrome": str(chrome), "png": str(png) if png else None, "events": len(events)}
     if options.sweep:
-        sweep.write_plot(options, summary, console)
+        if (target := options.sweep_plot()) is not None:  # beside the --json file
+            png = sweep.plot(summary, target)
+            console.print(f"[dim]plot written to {png}[/]" if png else f"[yellow]no plot: {plots.MISSING}[/]")
         sweep.show(summary, console)
     else:
         tables.show(summary, console)

@@ -42,10 +42,6 @@ def _stages(s: dict[str, Any]) -> Table:
     return table
 
 
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
 def _compare(s: dict[str, Any]) -> Table:
     """One row per figure: ours, torch's counterpart, and ours / theirs."""
     measured = [c for c in s["compare"].values() if "skipped" not in c]
@@ -62,7 +58,7 @@ def _compare(s: dict[str, Any]) -> Table:
         cells = [label, show(mine)]
         for c in measured:
             theirs = c[key] if stage is None else c[key][stage]
-            cells += [show(theirs), _ratio(mine / theirs if ratio and theirs else None)]
+            cells += [show(theirs), f"{mine / theirs:.2f}x" if ratio and theirs else "-"]
         table.add_row(*cells)
 
     row("samples/s", s["samples_per_s"], "samples_per_s", _rate)
