@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpipe_cli import plots
-from gpipe_cli.bench.trace import write_chrome
+from gpipe_cli.bench import trace
 from gpipe_cli.errors import UserError
 from gpipe_cli.files import atomic_write, atomic_write_text, check_output
 
@@ -67,7 +67,7 @@ def test_a_png_is_written_whole(tmp_path: Path):
 
 def test_the_chrome_trace_is_whole_json(tmp_path: Path):
     events = [{"stage": 0, "microbatch": 0, "kind": "fwd", "start": 0.0, "end": 0.001}]
-    write_chrome(tmp_path / "trace.json", events, "title")
+    trace.write(tmp_path / "trace.json", events, "title")
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from gpipe_cli import sizing
 from gpipe_cli.bench.options import BenchOptions
-from gpipe_cli.bench.preview import estimate_seconds, judge, need_bytes
+from gpipe_cli.bench.preview import judge, need_bytes
 
 GIB = 2**30
 
@@ -69,9 +69,9 @@ def test_bench_estimates_grow_with_the_work():
     cand = sizing.candidate(*sizing.ladder("transformer")[4])
     slow, fast = machine(16 * GIB, 1e10), machine(16 * GIB, 1e11)
     options = BenchOptions(partitions=8, microbatches=32)
-    assert estimate_seconds(cand, slow, options) > estimate_seconds(cand, fast, options)
+    assert judge(options, slow)(cand).seconds > judge(options, fast)(cand).seconds
     longer = BenchOptions(partitions=8, microbatches=32, steps=40)
-    assert estimate_seconds(cand, slow, longer) > estimate_seconds(cand, slow, options)
+    assert judge(longer, slow)(cand).seconds > judge(options, slow)(cand).seconds
     # On a CPU every rank holds a runtime: more ranks need more memory.
     assert need_bytes(cand, slow, options) > need_bytes(cand, slow, BenchOptions(partitions=2, microbatches=32))
 

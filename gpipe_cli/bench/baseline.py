@@ -15,7 +15,7 @@ from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import partition, placement, schedules
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.layers import build_layers
-from gpipe_cli.pipeline.memory import ActivationMeter, cuda_peak_bytes, held, reset_cuda_peak
+from gpipe_cli.pipeline.memory import ActivationMeter, cuda_peak_bytes, held, reset_cuda_peak, unwrap
 from gpipe_cli.pipeline.topology import Topology
 
 if TYPE_CHECKING:
@@ -42,10 +42,6 @@ class _Slot:
 
     def __init__(self, frame: _Frame) -> None:
         self.frame, self.value = frame, None  # value: the meter's handle once recomputed
-
-
-def _tensor(handle: Any) -> Any:
-    return held([handle])[0]
 
 
 class _Frame:
@@ -87,7 +83,7 @@ class _Frame:
             torch.set_rng_state(self.cpu_rng)
             for device, state in zip(self.devices, self.cuda_rng):
                 torch.cuda.set_rng_state(state, device)
-            self.fn(*[_tensor(a) for a in self.args])
+            self.fn(*held(self.args))
         if index != len(self.slots):
             raise RuntimeError(f"the recomputed forward saved {index} tensors, the original {len(self.slots)}: "
                                f"the layers are not deterministic under recomputation")
@@ -103,7 +99,7 @@ def _unpack(slot: _Slot) -> torch.Tensor:
         slot.frame.recompute()
     if slot.value is None:
         raise RuntimeError("a checkpointed activation was asked for after the graph released it")
-    return _tensor(slot.value)
+    return unwrap(slot.value)
 
 
 # Not `torch.utils.checkpoint`, which would keep the recomputed tensors out of the meter's sight: here each is held

@@ -83,6 +83,7 @@ def overhead_rounds(steps: int) -> tuple[int, int]:
 
 SWEEP_MICROBATCHES = (1, 4, 32)
 SWEEP_PARTITIONS = (2, 4, 8)
+RANK_BYTES = 400 << 20  # a rank's own memory before its stage: the interpreter, torch, its transport and buffers
 
 # Flag name -> help text of bench's own flags (the recipe's keys have the schema's).
 FLAGS: dict[str, str] = {
@@ -141,8 +142,19 @@ def validate(options: BenchOptions) -> None:
         "--trace records the K ranks' measured step: it cannot be combined with --sweep or --simulate"
         if options.trace is not None and (options.sweep or options.simulate) else None,
     ])
-    _check_outputs(options)
-    _check_ranks_fit(options.partitions)
+    seen: dict[str, str] = {}
+    for flag, path in options.outputs():  # before anything is measured: a file that cannot be written, or twice
+        check_output(path, flag, "trace.json" if flag == "--trace" else "bench.json")
+        where = os.path.abspath(path)
+        if where in seen:  # the second write would replace the first
+            raise UserError(f"{flag} would write {shown(str(path))}, which {seen[where]} writes too; name "
+                            f"different files")
+        seen[where] = flag
+    available = meminfo_available()  # a bench starts every stage on this machine
+    if available is not None and options.partitions * RANK_BYTES > available:
+        raise UserError(f"--partitions {options.partitions}: a bench starts one rank per stage on this machine, each "
+                        f"needing about {human_bytes(RANK_BYTES)} before its model; {human_bytes(available)} "
+                        f"available here holds at most {max(available // RANK_BYTES, 1)}")
     from gpipe_cli.pipeline.schedule import check as check_schedule  # torch: only once the flags above are good
 
     try:
@@ -159,18 +171,6 @@ def validate(options: BenchOptions) -> None:
                         f"buffers sized by the first micro-batch")
 
 
-def _check_outputs(options: BenchOptions) -> None:
-    """Refuse, before anything is measured, a file that cannot be written, or two outputs in one file."""
-    seen: dict[str, str] = {}
-    for flag, path in options.outputs():
-        check_output(path, flag, "trace.json" if flag == "--trace" else "bench.json")
-        where = os.path.abspath(path)
-        if where in seen:  # the second write would replace the first
-            raise UserError(f"{flag} would write {shown(str(path))}, which {seen[where]} writes too; name "
-                            f"different files")
-        seen[where] = flag
-
-
 def parse_balance(text: str | None, partitions: int) -> list[int] | None:
     """`--balance 3,5` as a list (validated against the model later); `partitions` counts chunks (K x V)."""
     if text is None or not text.strip():
@@ -184,15 +184,3 @@ def parse_balance(text: str | None, partitions: int) -> list[int] | None:
                         f"(--partitions x --virtual-stages)")
     return balance
 
-
-RANK_BYTES = 400 << 20  # a rank's own memory before its stage: the interpreter, torch, its transport and buffers
-
-
-def _check_ranks_fit(partitions: int) -> None:
-    """Refuse more ranks than this machine's memory can start (a bench runs every stage here)."""
-    available = meminfo_available()
-    if available is None or partitions * RANK_BYTES <= available:
-        return
-    raise UserError(f"--partitions {partitions}: a bench starts one rank per stage on this machine, each needing "
-                    f"about {human_bytes(RANK_BYTES)} before its model; {human_bytes(available)} available here "
-                    f"holds at most {max(available // RANK_BYTES, 1)}")

@@ -18,7 +18,6 @@ from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import microbatch
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.config import PipelineConfig
-from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.topology import Topology
 
@@ -50,11 +49,6 @@ class PlainLoop:
         self.loss, self.units, self.device = spec.loss, spec.units, device
         self.chunks, self.remat = chunks, set(remat)
 
-    def _forward(self, x: Any, remat: bool) -> Any:
-        for layer in self.module:
-            x = checkpoint(layer, x, use_reentrant=False) if remat else layer(x)
-        return x
-
     def step(self, inputs: Any, targets: torch.Tensor) -> float:
         """One mini-batch: drop the gradients, accumulate every micro-batch's, return the mean loss."""
         for p in self.params:
@@ -66,7 +60,9 @@ class PlainLoop:
         total = sum(units)
         losses = []
         for mb, (x, y) in enumerate(zip(xs, ys)):
-            loss = self.loss(self._forward(x, mb in self.remat), _to(y, self.device)) * (units[mb] / total)
+            for layer in self.module:
+                x = checkpoint(layer, x, use_reentrant=False) if mb in self.remat else layer(x)
+            loss = self.loss(x, _to(y, self.device)) * (units[mb] / total)
             loss.backward()
             losses.append(loss.detach())
         return float(torch.stack(losses).sum())
@@ -86,19 +82,15 @@ def _max_difference(ours: list[nn.Parameter], theirs: list[nn.Parameter]) -> flo
     return worst / scale if scale else worst
 
 
-def engine_pipeline(spec: ModelSpec, topo: Topology, schedule: str, checkpoint_mode: str, seed: int) -> Pipeline:
-    """The K=1 engine the comparison runs (all of the model's layers on this rank)."""
-    config = PipelineConfig(schedule=schedule, checkpoint=checkpoint_mode, balance=(len(spec.layers),))
-    return build_pipeline(spec, topo, config, seed)
-
-
 # Neither side runs an optimizer step, so the weights stay put and every step of both computes the same thing; the
 # sides alternate over rounds in one process, each keeping its best step, so drift in the load hits both alike.
 def compare(spec: ModelSpec, topo: Topology, inputs: Any, targets: torch.Tensor, chunks: int, schedule: str,
             checkpoint_mode: str, seed: int, steps: int, warmup: int) -> dict[str, Any]:
     """Alternate K=1 engine and plain-loop steps: each side's best step, their difference, how far the gradients end."""
     remat = remat_microbatches(schedule, chunks, checkpoint_mode)
-    pipe = engine_pipeline(spec, topo, schedule, checkpoint_mode, seed)
+    # The K=1 engine: all of the model's layers on this rank.
+    config = PipelineConfig(schedule=schedule, checkpoint=checkpoint_mode, balance=(len(spec.layers),))
+    pipe = build_pipeline(spec, topo, config, seed)
     plain = PlainLoop(spec, topo.device, seed, chunks, remat)
     index = itertools.count(1)
 

@@ -41,12 +41,6 @@ def runs(options: BenchOptions, layers: int) -> list[tuple[int, int]]:
     return [(1, options.microbatches), (options.partitions, options.microbatches)]
 
 
-def _parallel(machine: sizing.Machine, ranks: int, threads: int) -> float:
-    if machine.kind == "cuda":
-        return float(min(ranks, machine.units))
-    return max(min(ranks, machine.units // max(threads, 1)), 1)
-
-
 def phase_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: BenchOptions) -> dict[int, float]:
     """Seconds each job should take on `machine` with model `cand`, by its K (K=1 also times layers, host overhead)."""
     passes = sizing.passes(options.checkpoint)
@@ -58,7 +52,9 @@ def phase_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: Benc
         if k == 1:
             seconds[k] += steps * work + 10 * work / m  # the per-layer costs, timed on one micro-batch
             continue
-        parallel = _parallel(machine, k, options.threads)
+        # The ranks that compute at once: one per GPU, or as many as the cores host at --threads each.
+        units = machine.units if machine.kind == "cuda" else machine.units // max(options.threads, 1)
+        parallel = max(min(k, units), 1)
         # A stage's share with its bubble, but never faster than the cores can run all of the work.
         step = max(work * (m + k - 1) / (m * k), work / parallel)
         messages = 2 * m * 1e-3 * max(1.0, k / parallel)  # one send per micro-batch and direction
@@ -71,15 +67,9 @@ def phase_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: Benc
     return seconds
 
 
-def estimate_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: BenchOptions) -> float:
-    """Seconds the command should take on `machine` with model `cand`."""
-    return sum(phase_seconds(cand, machine, options).values())
-
-
 def need_bytes(cand: sizing.Candidate, machine: sizing.Machine, options: BenchOptions) -> float:
     """Memory the command needs at once: K=1 holds the whole model; on a CPU every rank also holds a runtime."""
-    m = options.microbatches
-    mb = sizing.ceil_div(options.batch, m)
+    mb = sizing.ceil_div(options.batch, options.microbatches)
     whole = (cand.parameters * mm.bytes_per_parameter(NO_STATE) + sizing.activation_bytes(cand, mb)
              + options.batch * cand.input_bytes)
     if machine.kind == "cuda":
@@ -92,7 +82,7 @@ def judge(options: BenchOptions, machine: sizing.Machine) -> Any:
     """The sizing verdict of a candidate for this command on this machine."""
     def verdict(cand: sizing.Candidate) -> sizing.Verdict:
         return sizing.Verdict(need_bytes(cand, machine, options), machine.memory_bytes * sizing.MEMORY_SHARE,
-                              estimate_seconds(cand, machine, options), sizing.TIME_BUDGET_S)
+                              sum(phase_seconds(cand, machine, options).values()), sizing.TIME_BUDGET_S)
     return verdict
 
 

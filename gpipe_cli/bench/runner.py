@@ -7,13 +7,14 @@ import json
 import signal
 import tempfile
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 
-from gpipe_cli import interrupts, sizing
+from gpipe_cli import interrupts, plots, sizing
 from gpipe_cli.bench import preview, setup, sweep, tables, trace
 from gpipe_cli.bench.options import BenchOptions, parse_balance
 from gpipe_cli.bench.setup import base_job, choose_balance, model_json, oversubscription
@@ -22,7 +23,7 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.estimate import simulate
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.measure import RunFigures, contended, median
-from gpipe_cli.estimate.subject import Subject, is_text
+from gpipe_cli.estimate.subject import Subject
 from gpipe_cli.files import atomic_write_text
 from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline.config import sizes  # nearly equal parts, larger first
@@ -35,7 +36,7 @@ STOPPED = 128 + signal.SIGINT
 def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFigures | None, costs: CostProfile,
               balance: list[int], balance_by: str, prediction: simulate.Prediction) -> dict[str, Any]:
     """Every figure of a single-configuration benchmark, as the JSON file holds them."""
-    text = is_text(subject.build())
+    text = subject.build().task in ("translation", "lm")  # throughput is also counted in tokens
     k, m = kk.partitions if kk else prediction.partitions, options.microbatches
     over, hardware = oversubscription(k, options.threads)
     ideal = k * m / (m + k - 1)
@@ -71,24 +72,8 @@ def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFi
                        # The simulator judged against the measurement of the same configuration.
                        "measured_over_predicted": ours / prediction.samples_per_s
                        if measured and prediction.samples_per_s else None},
-        "layer_costs": costs.to_json(),
+        "layer_costs": asdict(costs),
     }
-
-
-def _compare_json(summary: dict[str, Any], kk: RunFigures, baselines: dict[str, Any]) -> dict[str, Any]:
-    ours_peak = kk.peak_bytes
-    out = {}
-    for name, figures in baselines.items():
-        if "skipped" in figures:  # the installed torch has no counterpart, or refuses this K and M
-            out[name] = figures
-            continue
-        theirs, peak, idle = figures["samples_per_s"], figures["peak_mem_bytes"], figures["bubble"]
-        out[name] = {**figures, "throughput_ratio": summary["samples_per_s"] / theirs if theirs else None,
-                     "memory_ratio": ours_peak / peak if peak else None,
-                     "bubble_ratio": summary["bubble"] / idle if idle else None}
-    summary["peak_mem_bytes"] = ours_peak
-    summary["stage_peak_bytes"] = [s.cuda_peak_bytes or s.activation_peak_bytes for s in kk.stages]
-    return out
 
 
 def check_cut(options: BenchOptions, subject: Subject) -> None:
@@ -121,9 +106,9 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
     costs = CostProfile.from_json(k1_raw["costs"])
     k1 = RunFigures.from_json(k1_raw["runs"][0])
     balance, balance_by = choose_balance(options, costs, k)
-    link = simulate.Link.of(options.bandwidth, options.latency_us)
-    prediction = simulate.predict(costs, k, options.batch, options.microbatches, options.schedule,
-                                  options.checkpoint, link, median(k1.step_times), balance, options.virtual_stages)
+    prediction = simulate.predict(costs, k, options.batch, options.microbatches, options.schedule, options.checkpoint,
+                                  simulate.Link.of(options.bandwidth, options.latency_us), median(k1.step_times),
+                                  balance, options.virtual_stages)
     kk: RunFigures | None = None
     raw: dict[str, Any] = {}
     if not options.simulate:
@@ -143,7 +128,16 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
     if "failed" in raw:
         summary["failed"] = raw["failed"]
     if kk is not None and options.compare:
-        summary["compare"] = _compare_json(summary, kk, raw.get("compare", {}))
+        summary["peak_mem_bytes"] = kk.peak_bytes
+        summary["stage_peak_bytes"] = [s.cuda_peak_bytes or s.activation_peak_bytes for s in kk.stages]
+        summary["compare"] = {}
+        for name, figures in raw.get("compare", {}).items():
+            if "skipped" not in figures:  # else the installed torch has no counterpart, or refuses this K and M
+                theirs, peak, idle = figures["samples_per_s"], figures["peak_mem_bytes"], figures["bubble"]
+                figures = {**figures, "throughput_ratio": summary["samples_per_s"] / theirs if theirs else None,
+                           "memory_ratio": kk.peak_bytes / peak if peak else None,
+                           "bubble_ratio": summary["bubble"] / idle if idle else None}
+            summary["compare"][name] = figures
         loads |= {name: theirs.get("load", {}) for name, theirs in summary["compare"].items()
                   if "skipped" not in theirs}
     summary["load"] |= loads
@@ -167,11 +161,17 @@ def results(options: BenchOptions, summary: dict[str, Any], events: list[dict[st
     # Measuring is over: a Ctrl-C or SIGTERM from here on would stop the command between files it has
     # written and claim it wrote nothing, so they wait the moment it takes to finish.
     interrupts.finishing()
+    if options.trace is not None and summary["measured"]:  # the K ranks' step, and where it went
+        title = (f"{summary['model']['name']}: K={summary['partitions']}, M={options.microbatches}, "
+                 f"{options.schedule}, {options.checkpoint}")
+        chrome, png = trace.write(options.trace, events, title)
+        summary["trace"] = {"chrome": str(chrome), "png": str(png) if png else None, "events": len(events)}
     if options.sweep:
-        sweep.write_plot(options, summary, console)
+        if (target := options.sweep_plot()) is not None:  # beside the --json file
+            png = sweep.plot(summary, target)
+            console.print(f"[dim]plot written to {png}[/]" if png else f"[yellow]no plot: {plots.MISSING}[/]")
         sweep.show(summary, console)
     else:
-        _write_trace(options, summary, events)
         tables.show(summary, console)
     sized = summary["sized"]
     console.print(f"[dim]{took_line(sized['elapsed_s'], sized['estimate_s'])}[/]")
@@ -180,53 +180,38 @@ def results(options: BenchOptions, summary: dict[str, Any], events: list[dict[st
         console.print(f"[dim]figures written to {options.json}[/]")
 
 
-def _write_trace(options: BenchOptions, summary: dict[str, Any], events: list[dict[str, Any]]) -> None:
-    """Write the K ranks' step as --trace asks, and say in the summary where it went."""
-    if options.trace is None or not summary["measured"]:
-        return
-    title = (f"{summary['model']['name']}: K={summary['partitions']}, M={options.microbatches}, {options.schedule}, "
-             f"{options.checkpoint}")
-    chrome, png = trace.write(options.trace, events, title)
-    summary["trace"] = {"chrome": str(chrome), "png": str(png) if png else None, "events": len(events)}
-
-
 def run(options: BenchOptions) -> int:
     """Run `gpipe bench` on options `bench.run` has validated; print the figures, return an exit code (130: Ctrl-C)."""
     console = output_console()
     try:
-        return _run(options, console)
+        progress = Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))
+        machine = sizing.this_machine(options.threads)
+        chosen = preview.choose_subject(options, machine)
+        subject = chosen.subject
+        check_cut(options, subject)
+        memory = preview.memory(subject, options, machine)
+        preview.check_fits(chosen, memory, options, machine)
+        preview.show(chosen, memory, options, machine, console)
+        progress.estimated = chosen.seconds
+        with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp, _temporary_root(tmp):
+            try:
+                events: list[dict[str, Any]] = []  # the K ranks' step, for --trace
+                if options.sweep:
+                    summary = sweep.run(options, subject, Path(tmp), progress, chosen.phases)
+                else:
+                    summary, events = _single(options, subject, Path(tmp), progress, chosen.phases)
+            except setup.JobFailed as exc:
+                stopped = exc.code in (STOPPED, 128 + signal.SIGTERM)
+                console.print("[yellow]gpipe bench: stopped; nothing was written[/]" if stopped
+                              else f"[red]gpipe bench: the benchmark ranks failed (exit code {exc.code}); see above[/]")
+                return exc.code
+            progress.done()
+            summary["sized"] = {"note": chosen.note, "estimate_s": chosen.seconds, "elapsed_s": progress.elapsed()}
+            results(options, summary, events, console)
+        if summary.get("failed"):
+            console.print(f"[red]gpipe bench: {summary['failed']}[/]")
+            return 1
+        return 0
     except KeyboardInterrupt:
         console.print("[yellow]gpipe bench: interrupted; nothing was measured to the end, nothing was written[/]")
         return STOPPED
-
-
-def _run(options: BenchOptions, console: Console) -> int:
-    progress = Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))
-    machine = sizing.this_machine(options.threads)
-    chosen = preview.choose_subject(options, machine)
-    subject = chosen.subject
-    check_cut(options, subject)
-    memory = preview.memory(subject, options, machine)
-    preview.check_fits(chosen, memory, options, machine)
-    preview.show(chosen, memory, options, machine, console)
-    progress.estimated = chosen.seconds
-    with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp, _temporary_root(tmp):
-        try:
-            events: list[dict[str, Any]] = []  # the K ranks' step, for --trace
-            if options.sweep:
-                summary = sweep.run(options, subject, Path(tmp), progress, chosen.phases)
-            else:
-                summary, events = _single(options, subject, Path(tmp), progress, chosen.phases)
-        except setup.JobFailed as exc:
-            if exc.code in (STOPPED, 128 + signal.SIGTERM):
-                console.print("[yellow]gpipe bench: stopped; nothing was written[/]")
-                return exc.code
-            console.print(f"[red]gpipe bench: the benchmark ranks failed (exit code {exc.code}); see above[/]")
-            return exc.code
-        progress.done()
-        summary["sized"] = {"note": chosen.note, "estimate_s": chosen.seconds, "elapsed_s": progress.elapsed()}
-        results(options, summary, events, console)
-    if summary.get("failed"):
-        console.print(f"[red]gpipe bench: {summary['failed']}[/]")
-        return 1
-    return 0

@@ -61,7 +61,7 @@ def run_job(job: Job, topo: topology.Topology) -> None:
         # Time layers at the smallest micro-batch the job runs: the size whose per-message overhead matters.
         chunks = job.profile_chunks or max(job.microbatches, default=1)
         first = microbatch.scatter(inputs, chunks)[0], microbatch.scatter(targets, chunks)[0]
-        result["costs"] = profile(spec, *first, job.seed).to_json()
+        result["costs"] = asdict(profile(spec, *first, job.seed))
         _save(result, job.out)
     for chunks in job.microbatches:
         stages = topo.layout.stages
@@ -72,7 +72,7 @@ def run_job(job: Job, topo: topology.Topology) -> None:
                                  trace=job.trace)
         pipe.close()
         if figures is not None:
-            result["runs"].append(figures.to_json())
+            result["runs"].append(asdict(figures))
             _save(result, job.out)
     if job.host_overhead and job.stages == 1:
         from gpipe_cli.bench import overhead

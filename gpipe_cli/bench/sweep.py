@@ -56,15 +56,6 @@ def run(options: BenchOptions, subject: Subject, folder: Path, progress: Progres
             "contended": any(c["contended"] for c in cells)}
 
 
-def write_plot(options: BenchOptions, summary: dict[str, Any], console: Console) -> None:
-    """Draw the sweep beside the --json file, when one is asked for, and say where."""
-    target = options.sweep_plot()
-    if target is None:
-        return
-    png = plot(summary, target)
-    console.print(f"[dim]plot written to {png}[/]" if png else f"[yellow]no plot: {plots.MISSING}[/]")
-
-
 PLOT_PX = (1000, 600)
 
 

@@ -15,13 +15,6 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
-def _header(s: dict[str, Any]) -> str:
-    model = s["model"]
-    return (f"[bold]gpipe bench[/] · {model['name']} ({model['parameters'] / 1e6:.2f}M parameters, "
-            f"{model['layers']} layers) · K={s['partitions']} M={s['microbatches']} · batch {s['batch_size']} · "
-            f"{s['schedule']} · checkpoint {s['checkpoint']} · balance {s['balance']} ({s['balance_by']})")
-
-
 def _throughput(s: dict[str, Any]) -> Table:
     text = s["tokens_per_s_k1"] is not None
     table = Table(title=f"Throughput (median of {s['steps']} steps after {s['warmup']} warm-up)")
@@ -49,10 +42,6 @@ def _stages(s: dict[str, Any]) -> Table:
     return table
 
 
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
 def _compare(s: dict[str, Any]) -> Table:
     """One row per figure: ours, torch's counterpart, and ours / theirs."""
     measured = [c for c in s["compare"].values() if "skipped" not in c]
@@ -69,7 +58,7 @@ def _compare(s: dict[str, Any]) -> Table:
         cells = [label, show(mine)]
         for c in measured:
             theirs = c[key] if stage is None else c[key][stage]
-            cells += [show(theirs), _ratio(mine / theirs if ratio and theirs else None)]
+            cells += [show(theirs), f"{mine / theirs:.2f}x" if ratio and theirs else "-"]
         table.add_row(*cells)
 
     row("samples/s", s["samples_per_s"], "samples_per_s", _rate)
@@ -79,17 +68,6 @@ def _compare(s: dict[str, Any]) -> Table:
     for stage, count in enumerate(measured[0]["stage_recomputed_ours"] if measured else []):
         row(f"recomputed, stage {stage}", count, "stage_recomputed", str, stage, ratio=False)
     return table
-
-
-def _prediction(s: dict[str, Any]) -> str:
-    """The simulator's prediction beside the measurement of the same configuration."""
-    p = s["prediction"]
-    ratio = s["samples_per_s"] / p["samples_per_s"] if p["samples_per_s"] else 0.0
-    return (f"simulator vs measurement ({s['schedule']}): predicted {p['samples_per_s']:,.1f} samples/s, bubble "
-            f"{p['bubble']:.3f}; measured {s['samples_per_s']:,.1f} samples/s, bubble {s['bubble']:.3f}; "
-            f"measured / predicted throughput [bold]{ratio:.2f}[/] (calibration x{p['calibration']:.2f})"
-            + ("; the prediction gives every rank its own core or GPU, which they share here" if s["oversubscribed"]
-               else ""))
 
 
 GRADIENTS_AGREE = 1e-4  # relative: float sums in another order, not another computation
@@ -114,7 +92,10 @@ def host_overhead(s: dict[str, Any]) -> str:
 
 def show(s: dict[str, Any], console: Console) -> None:
     """Print the figures."""
-    console.print(_header(s))
+    model = s["model"]
+    console.print(f"[bold]gpipe bench[/] · {model['name']} ({model['parameters'] / 1e6:.2f}M parameters, "
+                  f"{model['layers']} layers) · K={s['partitions']} M={s['microbatches']} · batch {s['batch_size']} · "
+                  f"{s['schedule']} · checkpoint {s['checkpoint']} · balance {s['balance']} ({s['balance_by']})")
     if s["oversubscribed"]:
         console.print(f"[bold yellow]OVERSUBSCRIBED:[/] {s['ranks']} ranks x {s['threads']} thread(s) on "
                       f"{s['hardware']}; the speed figures below mean little")
@@ -137,8 +118,13 @@ def show(s: dict[str, Any], console: Console) -> None:
     if s["stages"]:
         console.print(_stages(s))
     p = s["prediction"]
-    if not s["simulated"]:
-        console.print(_prediction(s))
+    if not s["simulated"]:  # the simulator's prediction beside the measurement of the same configuration
+        ratio = s["samples_per_s"] / p["samples_per_s"] if p["samples_per_s"] else 0.0
+        shared = "; the prediction gives every rank its own core or GPU, which they share here"
+        console.print(f"simulator vs measurement ({s['schedule']}): predicted {p['samples_per_s']:,.1f} samples/s, "
+                      f"bubble {p['bubble']:.3f}; measured {s['samples_per_s']:,.1f} samples/s, bubble "
+                      f"{s['bubble']:.3f}; measured / predicted throughput [bold]{ratio:.2f}[/] (calibration "
+                      f"x{p['calibration']:.2f})" + (shared if s["oversubscribed"] else ""))
     else:
         console.print(f"[bold yellow]PREDICTION[/] for {p['partitions']} devices linked at {p['bandwidth_gb_s']} GB/s, "
                       f"{p['latency_us']} µs per message, from per-layer costs measured here (calibrated "

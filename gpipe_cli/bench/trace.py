@@ -55,11 +55,6 @@ def chrome_trace(events: Sequence[Mapping[str, Any]], title: str) -> dict[str, A
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
 
-def write_chrome(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> None:
-    """Write the Chrome trace file."""
-    atomic_write_text(path, json.dumps(chrome_trace(events, title)))
-
-
 def write_gantt(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> bool:
     """Draw the Gantt chart as a PNG; False when matplotlib is not installed."""
     plt = plots.pyplot()
@@ -98,5 +93,5 @@ def write_gantt(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> 
 def write(target: Path, events: Sequence[Mapping[str, Any]], title: str) -> tuple[Path, Path | None]:
     """Write both files for `--trace FILE`; the PNG path is None when matplotlib is missing."""
     json_path, png_path = paths(target)
-    write_chrome(json_path, events, title)
+    atomic_write_text(json_path, json.dumps(chrome_trace(events, title)))
     return json_path, png_path if write_gantt(png_path, events, title) else None

@@ -23,36 +23,32 @@ def main(argv: list[str]) -> None:
     # period while its main thread waits inside torch.
     try:
         stopping.until_started(announce=False)
-        _run(argv)
+        import torch
+
+        from gpipe_cli.bench.setup import Job, run_job
+        from gpipe_cli.errors import UserError
+        from gpipe_cli.pipeline import failure, topology
+
+        for sig in (signal.SIGINT, signal.SIGTERM):  # imported: now leave at once, unwinding nothing
+            signal.signal(sig, _stop)
+        try:
+            text = Path(argv[0]).read_text()
+        except FileNotFoundError:  # the launcher was stopped and cleaned up before this rank read its job
+            sys.stdout.flush()
+            os._exit(128 + signal.SIGTERM)
+        job = Job(**json.loads(text))
+        torch.set_num_threads(int(os.environ.get("GPIPE_THREADS", "1")))
+        topo = topology.init(job.stages)
+        label = f"bench stage {topo.layout.stage} (rank {topo.layout.rank})"
+        watch = failure.AbortWatch(label)
+        failure.run_guarded(lambda: run_job(job, topo), label, watch, quiet=(UserError,))
+        watch.stop()
+        sys.stdout.flush()
+        # Skip process-group teardown: every figure is written, and gloo's shutdown can stall.
+        os._exit(0)
     except stopping.StoppedEarly as stop:
         sys.stdout.flush()
         os._exit(128 + stop.signum)
-
-
-def _run(argv: list[str]) -> None:
-    import torch
-
-    from gpipe_cli.bench.setup import Job, run_job
-    from gpipe_cli.errors import UserError
-    from gpipe_cli.pipeline import failure, topology
-
-    for sig in (signal.SIGINT, signal.SIGTERM):  # imported: now leave at once, unwinding nothing
-        signal.signal(sig, _stop)
-    try:
-        text = Path(argv[0]).read_text()
-    except FileNotFoundError:  # the launcher was stopped and cleaned up before this rank read its job
-        sys.stdout.flush()
-        os._exit(128 + signal.SIGTERM)
-    job = Job(**json.loads(text))
-    torch.set_num_threads(int(os.environ.get("GPIPE_THREADS", "1")))
-    topo = topology.init(job.stages)
-    label = f"bench stage {topo.layout.stage} (rank {topo.layout.rank})"
-    watch = failure.AbortWatch(label)
-    failure.run_guarded(lambda: run_job(job, topo), label, watch, quiet=(UserError,))
-    watch.stop()
-    sys.stdout.flush()
-    # Skip process-group teardown: every figure is written, and gloo's shutdown can stall.
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import json
 import os
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,25 +79,6 @@ def cache_path(key: dict[str, Any]) -> Path:
     return cache_dir() / f"{digest}.json"
 
 
-def load(key: dict[str, Any]) -> costs.CostProfile | None:
-    """The cached costs for `key`, or None when there are none or the file is damaged."""
-    path = cache_path(key)
-    try:
-        data = json.loads(path.read_text())
-        if data["key"] != key:  # a file for another key under this name: measure again
-            return None
-        found = costs.CostProfile.from_json(data["costs"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return found if found.layers else None
-
-
-def store(key: dict[str, Any], profile: costs.CostProfile) -> None:
-    """Keep measured costs for the next launch (a cache that cannot be written only costs a measurement)."""
-    with contextlib.suppress(OSError):
-        atomic_write_bytes(cache_path(key), json.dumps({"key": key, "costs": profile.to_json()}).encode())
-
-
 def measure(spec: ModelSpec, recipe: Recipe, microbatch_size: int, device: torch.device,
             repeats: int = REPEATS) -> costs.CostProfile:
     """Time every layer of the recipe's model on one micro-batch on `device`, in the run's precision."""
@@ -114,10 +95,15 @@ def measured_costs(spec: ModelSpec, recipe: Recipe, microbatch_size: int, device
                    measuring: Callable[[], None] = lambda: None) -> Measured:
     """The recipe's per-layer costs on `device`: from the cache, or measured now (`measuring` says so) and cached."""
     key = cache_key(recipe, microbatch_size, device)
-    found = load(key)
-    if found is not None and len(found.layers) == len(spec.layers):
-        return Measured(found, cached=True)
+    path = cache_path(key)
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none cached, or a damaged file
+        data = json.loads(path.read_text())
+        found = costs.CostProfile.from_json(data["costs"])
+        # A file for another key under this name, or of another number of layers: measure again.
+        if data["key"] == key and found.layers and len(found.layers) == len(spec.layers):
+            return Measured(found, cached=True)
     measuring()
     profile = measure(spec, recipe, microbatch_size, device)
-    store(key, profile)
+    with contextlib.suppress(OSError):  # a cache that cannot be written only costs a measurement
+        atomic_write_bytes(path, json.dumps({"key": key, "costs": asdict(profile)}).encode())
     return Measured(profile, cached=False)

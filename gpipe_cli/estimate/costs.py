@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -60,13 +60,9 @@ class CostProfile:
         """The min-max split of measured time into `partitions` contiguous chunks (`owners`: each chunk's stage)."""
         return partition.balance_stages(self.balance_costs(checkpoint), partitions, owners, microbatches)
 
-    def to_json(self) -> dict[str, Any]:
-        """As plain data."""
-        return asdict(self)
-
     @staticmethod
     def from_json(data: dict[str, Any]) -> CostProfile:
-        """The inverse of `to_json`."""
+        """The profile from its `dataclasses.asdict` form."""
         layers = [LayerTiming(**t) for t in data["layers"]]
         return CostProfile(int(data["microbatch_size"]), int(data["input_bytes"]), float(data["loss"]), layers)
 

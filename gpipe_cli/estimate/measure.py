@@ -7,7 +7,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -150,13 +150,9 @@ class RunFigures:
         """The largest per-stage memory peak (the CUDA allocator's when on CUDA, else stored activations)."""
         return max((s.cuda_peak_bytes or s.activation_peak_bytes for s in self.stages), default=0)
 
-    def to_json(self) -> dict[str, Any]:
-        """As plain data."""
-        return asdict(self)
-
     @staticmethod
     def from_json(data: dict[str, Any]) -> RunFigures:
-        """The inverse of `to_json`."""
+        """The figures from their `dataclasses.asdict` form."""
         return RunFigures(**{**data, "stages": [StageFigures(**s) for s in data["stages"]]})
 
 

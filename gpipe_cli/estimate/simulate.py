@@ -114,24 +114,21 @@ def simulate_step(costs: CostProfile, balance: list[int], batch_size: int, micro
     return Prediction(stages, microbatches, batch_size, list(balance), step, sched.bubble(spans), scale, spans)
 
 
-# Per-layer timings miss the engine's own per-step work, so they are scaled by this factor first.
-def calibration(costs: CostProfile, batch_size: int, microbatches: int, schedule: str, checkpoint: str,
-                measured_step: float) -> float:
-    """The factor that makes the simulated single-device step last as long as the measured one."""
-    # A V-shaped schedule runs its two chunks on the one device; any other runs one.
-    virtual = 2 if schedules.get(schedule).placement == "v" else 1
-    cut = costs.balance(virtual, checkpoint) if virtual > 1 else [len(costs.layers)]
-    alone = simulate_step(costs, cut, batch_size, microbatches, schedule, checkpoint, Link(1.0, 0.0), virtual=virtual)
-    return measured_step / alone.step_time if alone.step_time > 0 and measured_step > 0 else 1.0
-
-
 def predict(costs: CostProfile, devices: int, batch_size: int, microbatches: int, schedule: str, checkpoint: str,
             link: Link, measured_k1_step: float | None = None, balance: list[int] | None = None,
             virtual: int = 1) -> Prediction:
     """Predict K=`devices` with V=`virtual` chunks each (balanced by the measured costs unless `balance` is given)."""
     partition.check_partitions(len(costs.layers), devices * virtual)
-    owners = placement.cut_owners(devices, virtual, schedules.get(schedule).placement)
-    balance = balance or costs.balance(devices * virtual, checkpoint, owners, microbatches)
-    scale = (calibration(costs, batch_size, microbatches, schedule, checkpoint, measured_k1_step)
-             if measured_k1_step else 1.0)
+    shape = schedules.get(schedule).placement
+    balance = balance or costs.balance(devices * virtual, checkpoint, placement.cut_owners(devices, virtual, shape),
+                                       microbatches)
+    scale = 1.0
+    if measured_k1_step and measured_k1_step > 0:
+        # Per-layer timings miss the engine's own per-step work, so they are scaled until the simulated single-device
+        # step lasts as long as the measured one (a V-shaped schedule runs its two chunks on the one device).
+        alone_virtual = 2 if shape == "v" else 1
+        cut = costs.balance(alone_virtual, checkpoint) if alone_virtual > 1 else [len(costs.layers)]
+        alone = simulate_step(costs, cut, batch_size, microbatches, schedule, checkpoint, Link(1.0, 0.0),
+                              virtual=alone_virtual)
+        scale = measured_k1_step / alone.step_time if alone.step_time > 0 else 1.0
     return simulate_step(costs, balance, batch_size, microbatches, schedule, checkpoint, link, scale, virtual)

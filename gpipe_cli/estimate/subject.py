@@ -50,26 +50,12 @@ class Subject:
         return Subject(str(data["kind"]), dict(data["params"]), str(data.get("label", "")))
 
 
-def is_recipe(model: str) -> bool:
-    """Whether `--model` names a recipe file rather than a preset."""
-    return model.endswith((".yaml", ".yml")) or stat.S_ISREG(_mode(model))
-
-
 def _mode(model: str) -> int:
     """The file mode `--model` names as a path (0: none, or a name no path can have, e.g. too long)."""
     try:
         return os.stat(model).st_mode
     except (OSError, ValueError):
         return 0
-
-
-def _unknown(model: str) -> UserError:
-    """The one line for a `--model` that is no family, preset or recipe file: everything it may be."""
-    if stat.S_ISDIR(_mode(model)):
-        # As `gpipe plan DIR` says it: the user meant a recipe.
-        return UserError(f"--model {cut(model)}: is a directory, not a recipe file")
-    return UserError(f"--model: unknown model preset {shown(model)}; use a family ({', '.join(FAMILIES)}), "
-                     f"a recipe file (.yaml), {names_help()}")
 
 
 def model_overrides(items: Sequence[str]) -> dict[str, Any]:
@@ -82,11 +68,6 @@ def model_overrides(items: Sequence[str]) -> dict[str, Any]:
             raise UserError(f"--set expects KEY=VALUE naming a model parameter, e.g. dropout=0 (got {shown(item)})")
         out[key] = value
     return out
-
-
-def _override_keys(items: Sequence[str]) -> list[str]:
-    """The model parameters `--set` items name (their syntax is checked where they are applied)."""
-    return [item.partition("=")[0].strip().removeprefix("model.") for item in items]
 
 
 def check_limits(kind: str, params: Mapping[str, Any], named: Mapping[str, str], source: str) -> None:
@@ -108,29 +89,27 @@ def size_limits(kind: str) -> dict[str, tuple[int, int]]:
             if info.annotation is int and {"ge", "le"} <= (found := bounds(info)).keys()}
 
 
-def _from_recipe(path: str, overrides: Sequence[str]) -> tuple[str, dict[str, Any]]:
-    from gpipe_cli.recipe.load import load_recipe
-
-    dotted = [item if "." in item.partition("=")[0] else f"model.{item}" for item in overrides]
-    recipe = load_recipe(path, dotted)
-    params = recipe.model.model_dump(exclude={"kind", "preset"})
-    return recipe.model.kind, params
-
-
 def resolve(model: str, sizes: Mapping[str, int | None] | None = None, overrides: Sequence[str] = ()) -> Subject:
     """The subject `--model`, the size flags (None: keep) and `--set` items describe."""
-    if is_recipe(model):
-        kind, params = _from_recipe(model, overrides)
+    if model.endswith((".yaml", ".yml")) or stat.S_ISREG(_mode(model)):  # a recipe file rather than a preset
+        from gpipe_cli.recipe.load import load_recipe
+
+        recipe = load_recipe(model, [item if "." in item.partition("=")[0] else f"model.{item}" for item in overrides])
+        kind, params = str(recipe.model.kind), recipe.model.model_dump(exclude={"kind", "preset"})
     else:
         name = FAMILIES.get(model, model)
         if not is_preset_name(name):
-            raise _unknown(model)
+            if stat.S_ISDIR(_mode(model)):  # as `gpipe plan DIR` says it: the user meant a recipe
+                raise UserError(f"--model {cut(model)}: is a directory, not a recipe file")
+            raise UserError(f"--model: unknown model preset {shown(model)}; use a family ({', '.join(FAMILIES)}), "
+                            f"a recipe file (.yaml), {names_help()}")
         try:
             kind, params = resolve_preset(name, **model_overrides(overrides))
         except ValueError as exc:  # the name is known: a parameter of --set is not
             raise UserError(f"--set: {exc}") from None
     accepted = allowed_params(kind)
-    named = {key: f"--set {key}" for key in _override_keys(overrides)}
+    keys = [item.partition("=")[0].strip().removeprefix("model.") for item in overrides]  # syntax: checked above
+    named = {key: f"--set {key}" for key in keys}
     for name, value in (sizes or {}).items():
         if value is None:
             continue
@@ -151,7 +130,3 @@ def example_batch(spec: ModelSpec, examples: int, seed: int) -> tuple[Batch, Any
         torch.manual_seed(seed)
         return spec.example_batch(examples, "cpu")
 
-
-def is_text(spec: ModelSpec) -> bool:
-    """Whether throughput is also counted in tokens."""
-    return spec.task in ("translation", "lm")

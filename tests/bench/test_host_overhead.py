@@ -8,8 +8,10 @@ import torch
 
 from gpipe_cli.bench import BenchOptions, overhead, run, tables
 from gpipe_cli.bench.options import overhead_rounds
+from gpipe_cli.estimate.measure import build_pipeline
 from gpipe_cli.estimate.subject import example_batch, resolve
 from gpipe_cli.pipeline import topology
+from gpipe_cli.pipeline.config import PipelineConfig
 from tests.bench import tiny
 
 M = 2
@@ -28,7 +30,8 @@ def test_the_plain_loop_leaves_the_engines_gradients(mode):
     inputs, targets = example_batch(spec, BATCH, seed=0)
     remat = overhead.remat_microbatches("gpipe", M, mode)
     assert remat == {"never": [], "except_last": [0], "always": [0, 1]}[mode]  # K=1 GPipe: all but the last
-    pipe = overhead.engine_pipeline(spec, topology.local("cpu"), "gpipe", mode, seed=0)
+    config = PipelineConfig(schedule="gpipe", checkpoint=mode, balance=(len(spec.layers),))
+    pipe = build_pipeline(spec, topology.local("cpu"), config, seed=0)
     plain = overhead.PlainLoop(spec, torch.device("cpu"), 0, M, remat)
     ours = pipe.train_step(inputs, targets, microbatches=M, step=0)
     theirs = plain.step(inputs, targets)
