@@ -14,7 +14,7 @@ from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import layer_params
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline import placement, schedules
-from gpipe_cli.profile.probe import NONE, Correction, Probe, steps
+from gpipe_cli.profile.probe import NONE, Correction
 
 # The families' fixed sizes in the paper's Table 1.
 TRANSFORMER_L = dict(arch="decoder-only", d_model=2048, ff=8192, heads=32, vocab_size=32000, max_len=1024)
@@ -247,10 +247,6 @@ class BudgetRow:
     accounted_peak_bytes: float = 0.0  # the fullest device by the accounting alone, before the device correction
     host_peak_bytes: float = 0.0   # the most one device's offloaded activations hold in host memory at once
 
-    def to_json(self) -> dict[str, Any]:
-        """As plain data."""
-        return dict(vars(self))
-
 
 # Each family as the search grows it, by kind: `GROWN[kind](fixed, seed)`.
 GROWN: dict[str, type[TransformerL] | type[AmoebaNetD]] = {"transformer": TransformerL, "amoebanet": AmoebaNetD}
@@ -261,12 +257,6 @@ def search_calls(kind: str, scenarios: list[tuple[Any, ...]], schedule: str) -> 
     grown = GROWN[kind]
     return sum(grown.V_ROW_CALLS * k if schedules.get(how[0] if how else schedule).placement == "v"
                else grown.ROW_CALLS[0] + grown.ROW_CALLS[1] * k for _, k, _, _, *how in scenarios)
-
-
-def device_probes(family: TransformerL | AmoebaNetD, scenarios: list[tuple[str, int, int, str]], schedule: str,
-                  optimizer: str, seed: int = 0) -> list[Probe]:
-    """The probe steps that fit the device correction: the family's two smallest members."""
-    return steps(family.members(), scenarios, family.kind, schedule, optimizer, seed)
 
 
 def _balance(stages: list[Footprint], schedule: str) -> list[int]:

@@ -79,11 +79,6 @@ def deepened(figures: ModelFigures, layers: int) -> tuple[ModelFigures, str]:
     return ModelFigures(figures.input, out), kind
 
 
-def _memory_balance(figures: ModelFigures, k: int, size: int, per_param: float) -> list[int]:
-    costs = [layer.saved.at(size) + layer.params * per_param for layer in figures.layers]
-    return partition.balance_by_cost(costs, k)
-
-
 def choose_rows(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, int, int, str]], batch: int,
                 schedule: str, per_param: float, have: float, explicit: str | None,
                 offload: str = "none") -> list[Scenario]:
@@ -102,8 +97,9 @@ def choose_rows(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, in
             what = f"K={k}" if v == 1 else f"K={k} x {v} chunks"
             why = (f"{name} extrapolated: {what} > the {layers} layers measured (figures of {chunks - layers} more "
                    f"'{kind}' layers repeated)")
-            out.append(Scenario(name, k, m, checkpoint, _memory_balance(deeper, chunks, size, per_param), False, why,
-                                deeper, moved, placed, v))
+            costs = [layer.saved.at(size) + layer.params * per_param for layer in deeper.layers]
+            out.append(Scenario(name, k, m, checkpoint, partition.balance_by_cost(costs, chunks), False, why, deeper,
+                                moved, placed, v))
             continue
         balance = flops_balance(spec, chunks, batch, m, explicit) if chunks > 1 else [layers]
         scenario = Scenario(name, k, m, checkpoint, balance, True, offload=moved, schedule=placed, virtual=v)
