@@ -19,7 +19,7 @@ from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.offload import offloaded
 from gpipe_cli.pipeline.schedule import Kind
-from gpipe_cli.units import meminfo_available
+from gpipe_cli.units import human_bytes, meminfo_available
 
 # Activation bytes are affine in the batch (per-example tensors plus a few fixed ones such as masks and per-channel
 # statistics), so two sizes give both parts. On the meta device only shapes exist: any model is priced at once.
@@ -469,8 +469,6 @@ class Capacity:
 
 def capacity(ranks_on_node: int, device: str | None = None, available: float | None = None) -> Capacity:
     """Each rank's memory: a GPU's free memory each on CUDA, else an equal share of the available RAM."""
-    from gpipe_cli.units import human_bytes
-
     kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda":
         free = available if available is not None else float(available_bytes("cuda"))

@@ -15,10 +15,11 @@ from typing import Any
 from gpipe_cli import interrupts
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.files import check_output
-from gpipe_cli.plan.options import PlanOptions, validate
+from gpipe_cli.plan.options import ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US, PlanOptions, validate
 from gpipe_cli.recipe.load import apply_override, default_recipe_text, load_recipe, parse_yaml, recipe_label
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import read_recipe_file
+from gpipe_cli.units import human_bytes, human_seconds
 
 
 def micro_sizes(layers: int, batch: int, devices: int, least: int) -> list[int]:
@@ -126,7 +127,6 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     from gpipe_cli.progress import Progress, took_line
     from gpipe_cli.recipe_model import model_spec, optimizer_name
     from gpipe_cli.sizing import usable_cores
-    from gpipe_cli.units import human_bytes, human_seconds
 
     interrupts.check()  # one that arrived while torch loaded, which swallows it: stop before any work
     started = time.perf_counter()
@@ -257,7 +257,6 @@ def _links(options: PlanOptions, measure: bool, ranks: int, say: Any, phase: Any
     """The link within a node and the all-reduce's (measured between ranks here unless given), and their line."""
     from gpipe_cli.estimate.simulate import Link
     from gpipe_cli.plan import here
-    from gpipe_cli.plan.options import ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US
 
     if measure and options.bandwidth is None and options.latency_us is None:
         # Starting the ranks, then a few hundred messages of up to 4 MiB.

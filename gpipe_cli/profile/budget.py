@@ -165,7 +165,8 @@ class AmoebaNetD:
         self.at = [_by_role(figures) for figures, _ in probes]
         self.input = probes[0][0].input
         self.measured = all(measured for _, measured in probes)
-        counts = [self._role_params(d) for d in self.PROBE_WIDTHS]
+        specs = [self._spec(self.PROBE_LAYERS, d) for d in self.PROBE_WIDTHS]
+        counts = [{mm.role(n): p for n, p in zip(spec.layer_names, layer_params(spec))} for spec in specs]
         self.param_fit = {role: [c[role] for c in counts] for role in counts[0]}
 
     def member(self, label: str) -> dict[str, Any]:
@@ -175,10 +176,6 @@ class AmoebaNetD:
 
     def _spec(self, layers: int, width: int) -> Any:
         return build_model("amoebanet", layers=layers, filters=width, **self.fixed)
-
-    def _role_params(self, width: int) -> dict[str, int]:
-        spec = self._spec(self.PROBE_LAYERS, width)
-        return {mm.role(n): p for n, p in zip(spec.layer_names, layer_params(spec))}
 
     def _params(self, role: str, width: int) -> int:
         """Exact: parameter counts are quadratic in D; interpolate through the three probe widths."""

@@ -93,7 +93,6 @@ def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tu
     # Left to this machine: a family name and no size flag or --set.
     if options.model in FAMILIES and all(v is None for v in options.sizes().values()) and not options.set:
         choice = sizing.choose(options.model, judge, max(options.partitions))
-        assert choice.verdict is not None
         return Subject(choice.kind, choice.params, options.model), choice.note, choice.verdict.seconds
     subject = resolve(options.model, options.sizes(), options.set)
     return subject, "", judge(sizing.candidate(subject.kind, subject.params)).seconds

@@ -44,11 +44,6 @@ def names(partitions: list[int], microbatches: int, checkpoint: str) -> list[tup
     return rows + [(f"pipeline-{k}", k, microbatches, checkpoint) for k in dict.fromkeys(partitions) if k > 1]
 
 
-def chunks_per_stage(schedule: str) -> int:
-    """V: a V-shaped schedule's two chunks per stage, else one (interleaved is counted with one, as 1F1B)."""
-    return 2 if schedules.get(schedule).placement == "v" else 1
-
-
 def flops_balance(spec: ModelSpec, k: int, batch: int, microbatches: int, explicit: str | None) -> list[int]:
     """Layers per chunk (`k` chunks): explicit, or balanced by estimated FLOPs as training does."""
     layers = len(spec.layers)
@@ -84,12 +79,14 @@ def choose_rows(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, in
                 offload: str = "none") -> list[Scenario]:
     """Decide every row before anything is measured: its cut, and measured or extrapolated (and why)."""
     layers = len(spec.layers)
+    # V: a V-shaped schedule's two chunks per stage, else one (interleaved is counted with one, as 1F1B).
+    per_stage = 2 if schedules.get(schedule).placement == "v" else 1
     out = []
     for name, k, m, checkpoint in rows:
         # naive-1 is plain training: no offload and one chunk, whatever the pipeline rows' schedule.
         moved = offload if name != "naive-1" else "none"
-        v = chunks_per_stage(schedule) if name != "naive-1" else 1
-        placed = schedule if v == chunks_per_stage(schedule) else "gpipe"
+        v = per_stage if name != "naive-1" else 1
+        placed = schedule if v == per_stage else "gpipe"
         chunks = k * v
         if chunks > layers:
             deeper, kind = deepened(figures, chunks)
