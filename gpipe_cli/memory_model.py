@@ -19,7 +19,7 @@ from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.offload import offloaded
 from gpipe_cli.pipeline.schedule import Kind
-from gpipe_cli.units import meminfo_available
+from gpipe_cli.units import human_bytes, meminfo_available
 
 # Activation bytes are affine in the batch (per-example tensors plus a few fixed ones such as masks and per-channel
 # statistics), so two sizes give both parts. On the meta device only shapes exist: any model is priced at once.
@@ -317,17 +317,9 @@ def _largest_microbatch(batch_size: int, microbatches: int) -> int:
     return max(microbatch.sizes(batch_size, microbatches))
 
 
-def stage_footprint(figures: ModelFigures, start: int, stop: int, stage: int, stages: int, batch_size: int,
+def stage_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int, stages: int, batch_size: int,
                     microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float,
                     offload: str = "none") -> Footprint:
-    """The predicted memory of the stage holding layers [start, stop) (`batch_size`: the mini-batch)."""
-    return chunked_footprint(figures, [range(start, stop)], stage, stages, batch_size, microbatches, schedule,
-                             checkpoint, bytes_per_param, offload)
-
-
-def chunked_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int, stages: int, batch_size: int,
-                      microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float,
-                      offload: str = "none") -> Footprint:
     """The predicted memory of the stage holding the layer ranges `chunks` (V of them, in chunk order)."""
     size = _largest_microbatch(batch_size, microbatches)
     # The model's input reaches the device as the whole mini-batch, split there into views (as the engine feeds
@@ -365,8 +357,8 @@ def footprints(figures: ModelFigures, balance: Sequence[int], batch_size: int, m
                checkpoint: str, bytes_per_param: float, virtual: int = 1, offload: str = "none") -> list[Footprint]:
     """Every stage's predicted memory under `balance` (K x V chunks, placed as the schedule says)."""
     per_stage = stage_chunks(balance, schedule, virtual)
-    return [chunked_footprint(figures, chunks, s, len(per_stage), batch_size, microbatches, schedule, checkpoint,
-                              bytes_per_param, offload) for s, chunks in enumerate(per_stage)]
+    return [stage_footprint(figures, chunks, s, len(per_stage), batch_size, microbatches, schedule, checkpoint,
+                            bytes_per_param, offload) for s, chunks in enumerate(per_stage)]
 
 
 def stage_needs(figures: ModelFigures, balance: Sequence[int], batch_size: int, microbatches: int, schedule: str,
@@ -379,8 +371,8 @@ def stage_needs(figures: ModelFigures, balance: Sequence[int], batch_size: int, 
     for s, chunks in enumerate(per_stage):
         key = (s, tuple(b for r in chunks for b in (r.start, r.stop)))
         if key not in known:
-            known[key] = chunked_footprint(figures, chunks, s, len(per_stage), batch_size, microbatches, schedule,
-                                           checkpoint, bytes_per_param, offload).total_bytes
+            known[key] = stage_footprint(figures, chunks, s, len(per_stage), batch_size, microbatches, schedule,
+                                         checkpoint, bytes_per_param, offload).total_bytes
         out.append(known[key])
     return out
 
@@ -399,7 +391,7 @@ def greedy_fit(figures: ModelFigures, stages: int, budget: float, batch_size: in
             break
 
         def trial(stop: int, stage: int = stage, start: int = start) -> Footprint | None:
-            found = stage_footprint(figures, start, stop, stage, stages, batch_size, microbatches, schedule,
+            found = stage_footprint(figures, [range(start, stop)], stage, stages, batch_size, microbatches, schedule,
                                     checkpoint, bytes_per_param, offload)
             return found if (need(found) if need else found.total_bytes) <= budget else None
 
@@ -477,8 +469,6 @@ class Capacity:
 
 def capacity(ranks_on_node: int, device: str | None = None, available: float | None = None) -> Capacity:
     """Each rank's memory: a GPU's free memory each on CUDA, else an equal share of the available RAM."""
-    from gpipe_cli.units import human_bytes
-
     kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda":
         free = available if available is not None else float(available_bytes("cuda"))

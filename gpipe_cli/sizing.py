@@ -196,8 +196,8 @@ class Choice:
     kind: str
     params: dict[str, Any]
     scaled: bool
-    note: str = ""                         # the one-line announcement when scaled ('' otherwise)
-    verdict: Verdict | None = None
+    note: str                              # the one-line announcement when scaled ('' otherwise)
+    verdict: Verdict
 
 
 def _pipeline_layers(kind: str, params: dict[str, Any], layers: int) -> int:

@@ -212,11 +212,6 @@ def start_seconds(ranks: int) -> float:
     return 2.0 + 3.0 * ranks / cores
 
 
-def links_seconds(ranks: int) -> float:
-    """About how long `links` takes: starting the ranks, then a few hundred messages of up to 4 MiB."""
-    return start_seconds(max(ranks, 2)) + 1.0
-
-
 @dataclass
 class Steps:
     """The engine's measured training steps: (step, update) seconds per micro-batch count, and the drift."""

@@ -27,8 +27,11 @@ from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_cli.plan import calibrate, here
 from gpipe_cli.plan.calibrate import Examples
+from gpipe_cli.plan.options import PlanOptions
 from gpipe_cli.plan.sample import Sample
 from gpipe_cli.plan.search import Model, allreduce_seconds
+from gpipe_cli.recipe.schema import Recipe
+from gpipe_cli.recipe_model import build_optimizer, optimizer_name
 
 # Time spent measuring per-layer seconds is worth it up to about this; beyond, estimate from FLOPs.
 MEASURE_BUDGET_S = 60.0
@@ -76,15 +79,6 @@ def figures(kind: str, params: dict[str, Any], spec: ModelSpec, seed: int) -> tu
             note = f"extrapolated from the {probe['layers']}-layer member (each layer priced by its kind)"
             return ModelFigures(measured.input, layers), [flops_by_role[mm.role(n)] for n in names], note
     return mm.measure(spec, seed, device="meta"), _flops(spec), "shapes of every layer (meta device)"
-
-
-def has_batchnorm(spec: ModelSpec) -> bool:
-    """Whether a layer normalises by batch statistics (a micro-batch then needs two examples)."""
-    with torch.device("meta"):
-        for factory in spec.factories():
-            if any(isinstance(m, (DeferredBatchNorm, nn.modules.batchnorm._BatchNorm)) for m in factory().modules()):
-                return True
-    return False
 
 
 def affine_costs(lo: CostProfile, hi: CostProfile) -> Callable[[int], CostProfile]:
@@ -229,7 +223,7 @@ def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Cal
                 except here.Unavailable as exc:
                     say(f"{exc}; pipelines of {virtual} chunk(s) per stage are priced as the other shapes measured")
                     continue
-                # The busiest stage's update is part of the step; it is charged per step apart (`search.step_overhead`).
+                # The busiest stage's update is part of the step; it is charged per step apart (`Model.step_overhead`).
                 measured = {m: step - own for m, (step, own) in piped.per_count.items()}
                 staged[virtual] = calibrate.factors(balance, costs, batch, measured, 0.0, links[0],
                                                     rate_model(speedup, ranks), virtual)
@@ -252,24 +246,27 @@ def _ratios_text(engine: _Engine, ranks: int) -> str:
             f"{'/'.join(map(str, sorted(engine.replicated)))} examples")
 
 
-# `bytes_per_param`: a parameter with its gradient and optimizer state; `sizes(min_microbatch)`: the micro-batch
-# sizes the search tries; `tflops`: per-layer seconds from FLOPs at this assumed rate per device (devices not
-# here); `sample`: the data to time on (else generated full-length examples); `siblings`: processes computing
-# beside this one while it measures, as a machine's other ranks do, and with `links` the ranks the engine's
-# costs are measured on; `device`: where layers and engine are timed (a GPU: one, alone); `phase(what,
-# seconds)`: announces a long step with its estimate (else `say` does, without).
-def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, bytes_per_param: float,
-           sizes: Callable[[int], tuple[int, int]], timing: str, threads: int, say: Callable[[str], None],
-           tflops: float | None = None, sample: Sample | None = None, siblings: int = 0,
-           links: tuple[Link, Link] | None = None, optimizer: here.OptimizerOf | None = None,
-           grad_clip: float | None = None, device: str = "cpu",
-           phase: Callable[[str, float], None] | None = None) -> Inputs:
+# `sizes(min_microbatch)`: the micro-batch sizes the search tries; `sample`: the data to time on (else generated
+# full-length examples); `siblings`: processes computing beside this one while it measures, as a machine's other
+# ranks do, and with `links` the ranks the engine's costs are measured on; `device`: where layers and engine are
+# timed (a GPU: one, alone); `phase(what, seconds)`: announces a long step with its estimate.
+def inputs(recipe: Recipe, options: PlanOptions, sizes: Callable[[int], tuple[int, int]], threads: int,
+           say: Callable[[str], None], phase: Callable[[str, float], None], sample: Sample | None, siblings: int,
+           links: tuple[Link, Link] | None, device: str) -> Inputs:
     """Everything the plan's search needs of the model."""
-    phase = phase or (lambda what, seconds: say(f"{what}..."))
+    kind, seed, batch, timing, tflops = (recipe.model.kind, recipe.seed, recipe.data.batch_size, options.timing,
+                                         options.tflops)
+    params = recipe.model.model_dump(exclude={"kind", "preset"})
+    # A parameter with its gradient and optimizer state.
+    bytes_per_param = mm.bytes_per_parameter(optimizer_name(recipe))
     spec = build_model(kind, **params)
     figs, flops, memory_note = figures(kind, params, spec, seed)
     probe = _probe_params(kind, params)
-    least = 2 if has_batchnorm(build_model(kind, **probe) if probe else spec) else 1
+    # A layer that normalises by batch statistics needs two examples per micro-batch.
+    factories = (build_model(kind, **probe) if probe else spec).factories()
+    with torch.device("meta"):
+        modules = (module for factory in factories for module in factory().modules())
+        least = 2 if any(isinstance(m, (DeferredBatchNorm, nn.modules.batchnorm._BatchNorm)) for m in modules) else 1
     if tflops is not None:
         note = (f"estimated from FLOPs at the assumed {tflops:g} TFLOP/s per device (--tflops) plus "
                 f"{ASSUMED_CALL_S * 1e6:.0f} µs per layer call")
@@ -304,8 +301,9 @@ def inputs(kind: str, params: dict[str, Any], seed: int, batch: int, bytes_per_p
             siblings = 0
             costs = measured_costs(spec, (lo, hi), seed, threads, examples, device)
         interrupts.check()
-        engine = _engine_costs(kind, params, spec, costs, figs, batch, least, seed, threads, examples,
-                               siblings + 1, links, speedup, optimizer, grad_clip, device, say, phase)
+        engine = _engine_costs(kind, params, spec, costs, figs, batch, least, seed, threads, examples, siblings + 1,
+                               links, speedup, functools.partial(build_optimizer, recipe=recipe),
+                               recipe.train.grad_clip, device, say, phase)
         extra = engine.overhead
         data = sample.build_seconds if sample is not None else 0.0
         where = real.note if real is not None else "generated examples of the model's full length"

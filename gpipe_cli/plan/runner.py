@@ -15,20 +15,11 @@ from typing import Any
 from gpipe_cli import interrupts
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.files import check_output
-from gpipe_cli.plan.options import PlanOptions, validate
+from gpipe_cli.plan.options import ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US, PlanOptions, validate
 from gpipe_cli.recipe.load import apply_override, default_recipe_text, load_recipe, parse_yaml, recipe_label
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import read_recipe_file
-
-
-def _raw(options: PlanOptions) -> tuple[str, dict[str, Any]]:
-    """The recipe's text, and its data with the --set overrides: written back with a new pipeline section."""
-    label = recipe_label(options.recipe)
-    text = default_recipe_text() if options.recipe is None else read_recipe_file(Path(options.recipe))
-    raw = parse_yaml(text, label)
-    for item in options.set:
-        apply_override(raw, item)
-    return text, raw
+from gpipe_cli.units import human_bytes, human_seconds
 
 
 def micro_sizes(layers: int, batch: int, devices: int, least: int) -> list[int]:
@@ -88,12 +79,16 @@ def run(options: PlanOptions) -> int:
     """Run `gpipe plan` and write the recipe when asked (UserError: what cannot be planned; 130 on Ctrl-C)."""
     validate(options)
     recipe = load_recipe(options.recipe, options.set, check_data=False)
-    source = _raw(options)
+    # The recipe's text, and its data with the --set overrides: written back with a new pipeline section.
+    text = default_recipe_text() if options.recipe is None else read_recipe_file(Path(options.recipe))
+    raw = parse_yaml(text, recipe_label(options.recipe))
+    for item in options.set:
+        apply_override(raw, item)
     check_output(options.output, "--output", "planned.yaml")
     _not_the_recipe(options)
     try:
         with interrupts.remembered():
-            finish = _plan(options, recipe, source)
+            finish = _plan(options, recipe, (text, raw))
             # A Ctrl-C that a library swallowed while it loaded (torch's import does) is remembered only:
             # without this, a plan that measures nothing would go on to write --output after it.
             interrupts.check()
@@ -130,9 +125,8 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     from gpipe_cli.estimate.simulate import Link
     from gpipe_cli.plan import inputs, search, show
     from gpipe_cli.progress import Progress, took_line
-    from gpipe_cli.recipe_model import build_optimizer, model_spec, optimizer_name
+    from gpipe_cli.recipe_model import model_spec, optimizer_name
     from gpipe_cli.sizing import usable_cores
-    from gpipe_cli.units import human_bytes, human_seconds
 
     interrupts.check()  # one that arrived while torch loaded, which swallows it: stop before any work
     started = time.perf_counter()
@@ -147,7 +141,6 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     threads = max(1, usable_cores() // per_node)
     memory = options.memory_bytes()
     budget = float(memory) if memory is not None else mm.capacity(per_node).per_rank_bytes
-    params = recipe.model.model_dump(exclude={"kind", "preset"})
 
     def sizes(least: int) -> tuple[int, int]:
         found = micro_sizes(layers, batch, n, least) or [least]
@@ -166,10 +159,8 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     measuring = options.tflops is None and options.timing != "estimate"
     sample = _sample(recipe, say) if measuring else None
     link, reduce_link, link_note = _links(options, measuring and here_ranks > 1, here_ranks, say, phase)
-    per_param = mm.bytes_per_parameter(optimizer_name(recipe))
-    fed = inputs.inputs(recipe.model.kind, params, recipe.seed, batch, per_param, sizes, options.timing, threads, say,
-                        options.tflops, sample, here_ranks - 1, (link, reduce_link) if reduce_link else None,
-                        functools.partial(build_optimizer, recipe=recipe), recipe.train.grad_clip, device, phase)
+    fed = inputs.inputs(recipe, options, sizes, threads, say, phase, sample, here_ranks - 1,
+                        (link, reduce_link) if reduce_link else None, device)
     model = fed.model
     hw = search.Hardware(n, budget, link, Link.of(options.node_bandwidth, options.node_latency_us), options.nodes,
                          reduce_link)
@@ -193,7 +184,8 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     line(f"  per-layer seconds: {fed.timing}")
     if fed.drift is not None:
         line(f"  steadiness: {steadiness(fed.drift)}")
-    line(f"  memory: the memory model, {fed.memory}; {per_param:.0f} bytes per parameter ({optimizer_name(recipe)})")
+    line(f"  memory: the memory model, {fed.memory}; {model.bytes_per_param:.0f} bytes per parameter "
+         f"({optimizer_name(recipe)})")
     node_note = (f", between nodes (assumed) {options.node_bandwidth:g} GB/s and {options.node_latency_us:g} µs"
                  if options.nodes > 1 else "")
     line(f"  links: {link_note}{node_note}")
@@ -265,10 +257,10 @@ def _links(options: PlanOptions, measure: bool, ranks: int, say: Any, phase: Any
     """The link within a node and the all-reduce's (measured between ranks here unless given), and their line."""
     from gpipe_cli.estimate.simulate import Link
     from gpipe_cli.plan import here
-    from gpipe_cli.plan.options import ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US
 
     if measure and options.bandwidth is None and options.latency_us is None:
-        phase(f"measuring the links between {ranks} ranks here (gloo)", here.links_seconds(ranks))
+        # Starting the ranks, then a few hundred messages of up to 4 MiB.
+        phase(f"measuring the links between {ranks} ranks here (gloo)", here.start_seconds(max(ranks, 2)) + 1.0)
         try:
             p2p, reduce = here.links(ranks)
         except here.Unavailable as exc:

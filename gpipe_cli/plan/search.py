@@ -165,7 +165,7 @@ def _stage_need(model: Model, config: Config, per_replica: int) -> Callable[[int
     """The bytes stage `stage` needs holding layers `start` to `stop` (V=1), remembered."""
     @functools.cache
     def need(stage: int, start: int, stop: int) -> float:
-        return mm.stage_footprint(model.figures, start, stop, stage, config.partitions, per_replica,
+        return mm.stage_footprint(model.figures, [range(start, stop)], stage, config.partitions, per_replica,
                                   config.microbatches, config.schedule, config.checkpoint, model.bytes_per_param,
                                   config.offload).total_bytes
     return need
@@ -221,16 +221,12 @@ def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | No
               for s in range(config.partitions)]
     reduce_link = hw.node_link if hw.nodes > 1 else hw.reduce_link or hw.link
     reduce = allreduce_seconds(params, config.replicas, reduce_link)
-    fixed = step_overhead(model, params) + model.data_seconds / config.replicas
+    # The engine's per-step seconds on the busiest stage, by its share of the parameters (the optimizer's work).
+    total = sum(params)
+    share = max(params) / total if total else 1.0 / len(params)
+    fixed = model.step_overhead * share + model.data_seconds / config.replicas
     return Outcome(config, balance, memory, fits, prediction.step_time + reduce + fixed, prediction.bubble, reduce,
                    fixed, model.batch)
-
-
-def step_overhead(model: Model, stage_params: Sequence[int]) -> float:
-    """The engine's per-step seconds on the busiest stage, by its share of the parameters (the optimizer's work)."""
-    # The data's per-step seconds are added apart.
-    total = sum(stage_params)
-    return model.step_overhead * (max(stage_params) / total if total else 1.0 / len(stage_params))
 
 
 def _rank_key(outcome: Outcome) -> tuple[float, bool, float, int, int, int]:

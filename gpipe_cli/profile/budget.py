@@ -14,7 +14,7 @@ from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import layer_params
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline import placement, schedules
-from gpipe_cli.profile.probe import NONE, Correction, Probe, steps
+from gpipe_cli.profile.probe import NONE, Correction
 
 # The families' fixed sizes in the paper's Table 1.
 TRANSFORMER_L = dict(arch="decoder-only", d_model=2048, ff=8192, heads=32, vocab_size=32000, max_len=1024)
@@ -165,7 +165,8 @@ class AmoebaNetD:
         self.at = [_by_role(figures) for figures, _ in probes]
         self.input = probes[0][0].input
         self.measured = all(measured for _, measured in probes)
-        counts = [self._role_params(d) for d in self.PROBE_WIDTHS]
+        specs = [self._spec(self.PROBE_LAYERS, d) for d in self.PROBE_WIDTHS]
+        counts = [{mm.role(n): p for n, p in zip(spec.layer_names, layer_params(spec))} for spec in specs]
         self.param_fit = {role: [c[role] for c in counts] for role in counts[0]}
 
     def member(self, label: str) -> dict[str, Any]:
@@ -175,10 +176,6 @@ class AmoebaNetD:
 
     def _spec(self, layers: int, width: int) -> Any:
         return build_model("amoebanet", layers=layers, filters=width, **self.fixed)
-
-    def _role_params(self, width: int) -> dict[str, int]:
-        spec = self._spec(self.PROBE_LAYERS, width)
-        return {mm.role(n): p for n, p in zip(spec.layer_names, layer_params(spec))}
 
     def _params(self, role: str, width: int) -> int:
         """Exact: parameter counts are quadratic in D; interpolate through the three probe widths."""
@@ -247,10 +244,6 @@ class BudgetRow:
     accounted_peak_bytes: float = 0.0  # the fullest device by the accounting alone, before the device correction
     host_peak_bytes: float = 0.0   # the most one device's offloaded activations hold in host memory at once
 
-    def to_json(self) -> dict[str, Any]:
-        """As plain data."""
-        return dict(vars(self))
-
 
 # Each family as the search grows it, by kind: `GROWN[kind](fixed, seed)`.
 GROWN: dict[str, type[TransformerL] | type[AmoebaNetD]] = {"transformer": TransformerL, "amoebanet": AmoebaNetD}
@@ -261,12 +254,6 @@ def search_calls(kind: str, scenarios: list[tuple[Any, ...]], schedule: str) -> 
     grown = GROWN[kind]
     return sum(grown.V_ROW_CALLS * k if schedules.get(how[0] if how else schedule).placement == "v"
                else grown.ROW_CALLS[0] + grown.ROW_CALLS[1] * k for _, k, _, _, *how in scenarios)
-
-
-def device_probes(family: TransformerL | AmoebaNetD, scenarios: list[tuple[str, int, int, str]], schedule: str,
-                  optimizer: str, seed: int = 0) -> list[Probe]:
-    """The probe steps that fit the device correction: the family's two smallest members."""
-    return steps(family.members(), scenarios, family.kind, schedule, optimizer, seed)
 
 
 def _balance(stages: list[Footprint], schedule: str) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -45,16 +45,6 @@ class Probe:
                                self.schedule, self.checkpoint, self.optimizer, self.seed, device)
 
 
-class Meter(Protocol):
-    """Reads the bytes a device peaked at over one probe step."""
-
-    name: str
-
-    def peak(self, probe: Probe) -> float:
-        """The device's peak over `probe`'s step: weights, gradients, optimizer state, activations and overhead."""
-        ...
-
-
 class AccountingMeter:
     """The CPU: the engine's exact saved-tensor accounting, stage totals as `account.measure` reads them."""
 
@@ -87,6 +77,10 @@ class CudaMeter:
         gc.collect()
         torch.cuda.empty_cache()
         return float(peak - base)
+
+
+# Reads the bytes a device peaked at over one probe step: weights, gradients, optimizer state, activations, overhead.
+Meter = AccountingMeter | CudaMeter
 
 
 def meter_for(device: torch.device) -> Meter:

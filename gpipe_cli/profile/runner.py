@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,28 +77,22 @@ def paced(machine: sizing.Machine, spec: ModelSpec, kind: str, examples: int, se
     return dataclasses.replace(machine, flops_per_s=rate / sizing.layer_efficiency(machine.kind, kind))
 
 
-def _judge(options: ProfileOptions, machine: sizing.Machine, batch: int) -> Callable[[sizing.Candidate],
-                                                                                    sizing.Verdict]:
+def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tuple[Subject, str, float]:
+    """The model (sized to the machine without model flags), the announcement, and the estimated seconds."""
     rows = scenarios.names(options.partitions, options.microbatches, options.checkpoint)
     per_param = mm.bytes_per_parameter(options.optimizer)
 
-    def verdict(cand: sizing.Candidate) -> sizing.Verdict:
+    def judge(cand: sizing.Candidate) -> sizing.Verdict:
         # naive-1 holds the whole model and the whole batch's activations: it must fit to be measured.
         need = cand.parameters * per_param + sizing.activation_bytes(cand, batch)
         # One step per row (each stage driven in turn) and the per-layer probes.
         seconds = FIXED_S + probe_seconds(cand, machine) + sum(
             row_seconds(cand, machine, batch, m, checkpoint) for _, _, m, checkpoint in rows)
         return sizing.Verdict(need, machine.memory_bytes * sizing.MEMORY_SHARE, seconds, sizing.TIME_BUDGET_S)
-    return verdict
 
-
-def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tuple[Subject, str, float]:
-    """The model (sized to the machine without model flags), the announcement, and the estimated seconds."""
-    judge = _judge(options, machine, batch)
     # Left to this machine: a family name and no size flag or --set.
     if options.model in FAMILIES and all(v is None for v in options.sizes().values()) and not options.set:
         choice = sizing.choose(options.model, judge, max(options.partitions))
-        assert choice.verdict is not None
         return Subject(choice.kind, choice.params, options.model), choice.note, choice.verdict.seconds
     subject = resolve(options.model, options.sizes(), options.set)
     return subject, "", judge(sizing.candidate(subject.kind, subject.params)).seconds
@@ -249,14 +242,6 @@ def _calibrate(probes: list[probe.Probe], kind: str, machine: sizing.Machine, de
     return correction
 
 
-def variants(k: int, m: int, options: ProfileOptions) -> list[tuple[Any, ...]]:
-    """The largest K again without remat, with stored inputs offloaded, and as V-Half: what each buys on K devices."""
-    remat = options.checkpoint if options.checkpoint != "never" else "except_last"
-    return [(f"K={k} never", k, m, "never", options.schedule, "none"),
-            (f"K={k} offload", k, m, remat, options.schedule, "activations"),
-            (f"K={k} v-half", k, m, remat, "v-half", "none")]
-
-
 # A budget row is measured here only when its step is expected within this many seconds, its member has at
 # most this many pipeline layers, and it fits. Deep members of tiny layers run far slower than the estimate's
 # arithmetic says: 10,002 such layers, estimated at 29 s, ran for over 10 minutes, and 92 of them (d_model
@@ -299,7 +284,11 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
     machine = sizing.this_machine(torch.get_num_threads())
     m = options.microbatches
     base = scenarios.names(options.partitions, m, options.checkpoint)
-    rows_asked = [*base, *variants(max(options.partitions), m, options)]
+    # The largest K again without remat, with stored inputs offloaded, and as V-Half: what each buys on K devices.
+    k, remat = max(options.partitions), options.checkpoint if options.checkpoint != "never" else "except_last"
+    rows_asked = [*base, (f"K={k} never", k, m, "never", options.schedule, "none"),
+                  (f"K={k} offload", k, m, remat, options.schedule, "activations"),
+                  (f"K={k} v-half", k, m, remat, "v-half", "none")]
     probe_s = budget_probe_seconds(kind, fixed, machine)
     search_s = budget.search_calls(kind, rows_asked, options.schedule) * machine.call_seconds
     progress.estimated = FIXED_S + probe_s + search_s
@@ -309,8 +298,9 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
     # On a GPU the accounting misses the allocator and the libraries: a few probe steps measure that. On the CPU
     # the meter is the accounting itself, so the probe runs only when asked for (--device cpu), as a check.
     if device.type == "cuda" or options.device == "cpu":
-        correction = _calibrate(budget.device_probes(family, base, options.schedule, options.optimizer, options.seed),
-                                kind, machine, device, console, progress)
+        # The family's two smallest members fit the device correction.
+        probes = probe.steps(family.members(), base, kind, options.schedule, options.optimizer, options.seed)
+        correction = _calibrate(probes, kind, machine, device, console, progress)
     progress.phase(f"searching the largest model of each of {len(rows_asked)} rows", search_s)
     rows = budget.search(family, rows_asked, limit, batch, options.schedule, options.optimizer, options.offload,
                          correction)
@@ -322,7 +312,7 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
             "optimizer": options.optimizer, "bytes_per_param": mm.bytes_per_parameter(options.optimizer),
             "method": "per-layer figures measured by saved-tensor accounting on small members, scaled" + (
                 "" if family.measured else " (on the meta device, from shapes: the members do not fit this machine)"),
-            "rows": [None if r is None else r.to_json() for r in rows],
+            "rows": [None if r is None else dataclasses.asdict(r) for r in rows],
             "scenarios": [s[0] for s in rows_asked], "paper": budget.PAPER_TABLE1[kind]}
 
 

@@ -44,11 +44,6 @@ def names(partitions: list[int], microbatches: int, checkpoint: str) -> list[tup
     return rows + [(f"pipeline-{k}", k, microbatches, checkpoint) for k in dict.fromkeys(partitions) if k > 1]
 
 
-def chunks_per_stage(schedule: str) -> int:
-    """V: a V-shaped schedule's two chunks per stage, else one (interleaved is counted with one, as 1F1B)."""
-    return 2 if schedules.get(schedule).placement == "v" else 1
-
-
 def flops_balance(spec: ModelSpec, k: int, batch: int, microbatches: int, explicit: str | None) -> list[int]:
     """Layers per chunk (`k` chunks): explicit, or balanced by estimated FLOPs as training does."""
     layers = len(spec.layers)
@@ -79,22 +74,19 @@ def deepened(figures: ModelFigures, layers: int) -> tuple[ModelFigures, str]:
     return ModelFigures(figures.input, out), kind
 
 
-def _memory_balance(figures: ModelFigures, k: int, size: int, per_param: float) -> list[int]:
-    costs = [layer.saved.at(size) + layer.params * per_param for layer in figures.layers]
-    return partition.balance_by_cost(costs, k)
-
-
 def choose_rows(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, int, int, str]], batch: int,
                 schedule: str, per_param: float, have: float, explicit: str | None,
                 offload: str = "none") -> list[Scenario]:
     """Decide every row before anything is measured: its cut, and measured or extrapolated (and why)."""
     layers = len(spec.layers)
+    # V: a V-shaped schedule's two chunks per stage, else one (interleaved is counted with one, as 1F1B).
+    per_stage = 2 if schedules.get(schedule).placement == "v" else 1
     out = []
     for name, k, m, checkpoint in rows:
         # naive-1 is plain training: no offload and one chunk, whatever the pipeline rows' schedule.
         moved = offload if name != "naive-1" else "none"
-        v = chunks_per_stage(schedule) if name != "naive-1" else 1
-        placed = schedule if v == chunks_per_stage(schedule) else "gpipe"
+        v = per_stage if name != "naive-1" else 1
+        placed = schedule if v == per_stage else "gpipe"
         chunks = k * v
         if chunks > layers:
             deeper, kind = deepened(figures, chunks)
@@ -102,8 +94,9 @@ def choose_rows(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, in
             what = f"K={k}" if v == 1 else f"K={k} x {v} chunks"
             why = (f"{name} extrapolated: {what} > the {layers} layers measured (figures of {chunks - layers} more "
                    f"'{kind}' layers repeated)")
-            out.append(Scenario(name, k, m, checkpoint, _memory_balance(deeper, chunks, size, per_param), False, why,
-                                deeper, moved, placed, v))
+            costs = [layer.saved.at(size) + layer.params * per_param for layer in deeper.layers]
+            out.append(Scenario(name, k, m, checkpoint, partition.balance_by_cost(costs, chunks), False, why, deeper,
+                                moved, placed, v))
             continue
         balance = flops_balance(spec, chunks, batch, m, explicit) if chunks > 1 else [layers]
         scenario = Scenario(name, k, m, checkpoint, balance, True, offload=moved, schedule=placed, virtual=v)

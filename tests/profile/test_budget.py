@@ -59,8 +59,8 @@ def test_the_footprint_walk_predicts_the_measured_stages(kind, params, balance, 
                                offload=offload)
     figures = fig.measure(spec)
     for s, span in enumerate(stage_ranges(balance)):
-        predicted = stage_footprint(figures, span.start, span.stop, s, len(balance), 16, chunks, "gpipe",
-                                    checkpoint, 12.0, offload)
+        predicted = stage_footprint(figures, [span], s, len(balance), 16, chunks, "gpipe", checkpoint, 12.0,
+                                    offload)
         # Within 5%, or a few hundred bytes where the inputs are views of a larger token tensor.
         assert predicted.peak_bytes == pytest.approx(measured[s].peak_bytes, rel=0.05, abs=1024)
         assert predicted.stored_bytes == pytest.approx(measured[s].stored_bytes, rel=0.05, abs=1024)
@@ -174,7 +174,7 @@ def _linear_fit(figures, stages, limit, batch, microbatches, schedule, checkpoin
             break
         best, stop = None, start
         while stop < n:
-            trial = stage_footprint(figures, start, stop + 1, stage, stages, batch, microbatches, schedule,
+            trial = stage_footprint(figures, [range(start, stop + 1)], stage, stages, batch, microbatches, schedule,
                                     checkpoint, per_param)
             if trial.total_bytes > limit:
                 break

@@ -55,7 +55,7 @@ def test_fit_recovers_a_known_workspace_and_factors():
 
 def test_the_corrected_search_peaks_within_five_percent_below_the_budget(transformer):
     meter = FakeMeter()
-    probes = budget.device_probes(transformer, SCENARIOS, "gpipe", "rmsprop")
+    probes = probe.steps(transformer.members(), SCENARIOS, transformer.kind, "gpipe", "rmsprop")
     assert meter.steps == 0 and len(probes) == 6  # three per (M, checkpoint): weights and activations vary apart
     correction = probe.calibrate(probes, meter)
     assert meter.steps == 6 and correction.workspace > 0 and correction.activations["remat"] < 1
