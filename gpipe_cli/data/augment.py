@@ -116,16 +116,13 @@ class ImageTransform:
         self.policy = policy
         self.ops = make_ops(backend)
 
-    def _policy(self, h: int, w: int) -> Policy:
-        if self.policy != "auto":
-            return self.policy
-        return "pad" if min(h, w) <= SMALL_IMAGE else "resized"
-
     def __call__(self, img: torch.Tensor, rng: np.random.Generator | None = None) -> torch.Tensor:
         """Train transform when `rng` is given (and augmentation is on), else the eval transform."""
         s, ops = self.size, self.ops
         h, w = int(img.shape[-2]), int(img.shape[-1])
-        policy = self._policy(h, w)
+        policy = self.policy
+        if policy == "auto":
+            policy = "pad" if min(h, w) <= SMALL_IMAGE else "resized"
         if rng is None or not self.augment:
             if policy == "pad":
                 img = ops.resize(img, (s, s))

@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
-from gpipe_cli.data.augment import IMAGE_EXTS, Backend, ImageTransform, pil_to_tensor
+from gpipe_cli.data.augment import IMAGE_EXTS, ImageTransform, pil_to_tensor
 from gpipe_cli.data.loader import Examples
 from gpipe_cli.data.rng import rng
 from gpipe_cli.data.sources import existing_path, first_line, hold_out, load_builder, open_splits, pick_splits
 from gpipe_cli.data.synthetic import SyntheticImages
 from gpipe_cli.errors import DataError
 from gpipe_cli.recipe.schema import Data
-
-
-class ImageSource(Protocol):
-    """Random access to images as float [3,h,w] in [0,1]."""
-
-    def load(self, i: int) -> torch.Tensor: ...
 
 
 class DatasetImages:
@@ -42,7 +36,8 @@ class DatasetImages:
 class ImageExamples(Examples):
     """Images with int labels; augmentation randomness is a function of (seed, epoch, index)."""
 
-    def __init__(self, source: ImageSource, labels: np.ndarray, transform: ImageTransform, seed: int) -> None:
+    def __init__(self, source: DatasetImages | SyntheticImages, labels: np.ndarray, transform: ImageTransform,
+                 seed: int) -> None:
         self.source = source
         self.labels = labels.astype(np.int64)
         self.transform = transform
@@ -123,11 +118,11 @@ def _open(data: Data, cache_dir: Path | None) -> tuple[Any, str]:
     return load_builder("imagefolder", f"'{path}'", cache_dir, data_dir=str(path)), f"'{path}'"
 
 
-def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, cache_dir: Path | None = None,
-                 backend: Backend = "auto") -> tuple[ImageExamples, ImageExamples | None]:
+def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int,
+                 cache_dir: Path | None = None) -> tuple[ImageExamples, ImageExamples | None]:
     """(train, held-out) image examples for `data`."""
-    train_tf = ImageTransform(image_size, augment=data.augment, backend=backend)
-    eval_tf = ImageTransform(image_size, augment=False, backend=backend)
+    train_tf = ImageTransform(image_size, augment=data.augment)
+    eval_tf = ImageTransform(image_size, augment=False)
     if data.source == "synthetic":
         tr = SyntheticImages(data.synthetic_size, num_classes, image_size, seed, "train")
         # Generated at full size: pad-and-crop keeps the pattern, a resized crop could lose it.

@@ -193,13 +193,8 @@ class Loader:
         """Build batches in this process, or in `workers` background processes (order preserved)."""
         if self.workers <= 0 or len(job) == 0:
             return (job[k] for k in range(len(job)))
-        loader = torch.utils.data.DataLoader(job, batch_size=None, shuffle=False, num_workers=self.workers,
-                                             collate_fn=_identity)
-        return iter(loader)
-
-
-def _identity(x: Any) -> Any:
-    return x
+        # Without batching, the default collate hands each Batch over unchanged.
+        return iter(torch.utils.data.DataLoader(job, batch_size=None, shuffle=False, num_workers=self.workers))
 
 
 @dataclass

@@ -50,15 +50,13 @@ class TranslationExamples(Examples):
 
     @classmethod
     def build(cls, pairs: Sequence[tuple[str, str]], tok: Tokenizer, max_len: int, *,
-              train: bool) -> tuple[TranslationExamples, int]:
-        """(examples, pairs dropped): training drops pairs longer than max_len, eval truncates them."""
+              train: bool) -> TranslationExamples:
+        """The examples of `pairs`: training drops pairs longer than max_len, eval truncates them."""
         src = tok.encode_batch([p[0] for p in pairs])
         tgt = tok.encode_batch([p[1] for p in pairs])
         kept = [(s[:max_len], t[:max_len - 1], ref) for (_, ref), s, t in zip(pairs, src, tgt, strict=True)
                 if s and t and not (train and (len(s) > max_len or len(t) + 1 > max_len))]
-        examples = cls(Ragged([k[0] for k in kept]), Ragged([k[1] for k in kept]),
-                       None if train else [k[2] for k in kept])
-        return examples, len(pairs) - len(kept)
+        return cls(Ragged([k[0] for k in kept]), Ragged([k[1] for k in kept]), None if train else [k[2] for k in kept])
 
     def __len__(self) -> int:
         return len(self.src)
@@ -296,10 +294,10 @@ def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_l
                         model_vocab_size=vocab_size,  # the corpus, read only when a tokenizer is trained:
                         texts=lambda: (text for r in train_recs for text in (r if task == "translation" else (r,))))
     if task == "translation":
-        train, _ = TranslationExamples.build(train_recs, tok, max_len, train=True)
+        train = TranslationExamples.build(train_recs, tok, max_len, train=True)
         if len(train) == 0:
             raise DataError(f"every training pair is empty or longer than model.max_len ({max_len}) tokens")
-        evl = TranslationExamples.build(eval_recs, tok, max_len, train=False)[0] if eval_recs else None
+        evl = TranslationExamples.build(eval_recs, tok, max_len, train=False) if eval_recs else None
         return train, evl, tok
     lm_train = LMExamples.build(train_recs, tok, seq_len)
     if len(lm_train) == 0:

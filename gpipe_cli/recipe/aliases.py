@@ -93,20 +93,16 @@ def settings(path: str | None, flags: Mapping[str, Any], sets: Sequence[str],
 
 
 def by_flag(error: RecipeError, flags: Mapping[str, Any]) -> RecipeError:
-    """`error` with the key of a value typed as a flag named by that flag."""
-    return RecipeError(_named(str(error), {ALIASES[name]: name for name, value in flags.items() if value is not None}))
+    """`error` with the key of a value typed as a flag named by that flag, and without the empty label of no recipe."""
+    message = str(error).removeprefix(": ")
+    typed = [name for name, value in flags.items() if value is not None]
+    for name in typed:
+        head, sep, rest = message.partition(f"{ALIASES[name]}:")
+        if sep and (not head or head.endswith(": ")):  # the key leads the message (after the recipe's name)
+            return RecipeError(f"{flag(name)}:{rest}")
+    return RecipeError(message)
 
 
 def _value(recipe: Recipe, key: str) -> Any:
     section, _, name = key.partition(".")
     return getattr(getattr(recipe, section), name)
-
-
-def _named(message: str, typed: Mapping[str, str]) -> str:
-    """The message with a key typed as a flag named by the flag, and without the empty label of no recipe."""
-    message = message.removeprefix(": ")
-    for key, name in typed.items():
-        head, sep, rest = message.partition(f"{key}:")
-        if sep and (not head or head.endswith(": ")):  # the key leads the message (after the recipe's name)
-            return f"{flag(name)}:{rest}"
-    return message

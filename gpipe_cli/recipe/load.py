@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import typing
 from collections.abc import Sequence
@@ -88,10 +87,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     node[parts[-1]] = value
 
 
-def _resolve_preset(raw: dict[str, Any], label: str) -> dict[str, Any]:
-    model = raw.get("model")
-    if not isinstance(model, dict) or not model.get("preset"):
-        return raw
+def _preset_section(model: dict[str, Any], label: str) -> dict[str, Any]:
+    """The model section with its preset's parameters filled in under the keys the recipe gives."""
     from gpipe_cli.models.registry import resolve_preset
 
     explicit = {k: v for k, v in model.items() if k not in ("kind", "preset")}
@@ -102,11 +99,8 @@ def _resolve_preset(raw: dict[str, Any], label: str) -> dict[str, Any]:
     if model.get("kind") not in (None, kind):
         raise RecipeError(f"{label}: model.kind is {shown(model['kind'])} but preset {shown(model['preset'])} "
                           f"is a model of kind {shown(kind)}; leave model.kind out or set it to {shown(kind)}")
-    section = MODEL_SECTIONS[kind]
-    known = {k: v for k, v in params.items() if k in section.model_fields}
-    out = copy.deepcopy(raw)
-    out["model"] = {"kind": kind, "preset": model["preset"], **known, **explicit}
-    return out
+    known = {k: v for k, v in params.items() if k in MODEL_SECTIONS[kind].model_fields}
+    return {"kind": kind, "preset": model["preset"], **known, **explicit}
 
 
 def validate(raw: dict[str, Any], label: str, check_data: bool = True) -> Recipe:
@@ -116,7 +110,8 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True) -> Recipe
         # Resolving a preset needs the model zoo, which imports torch: check every other section
         # first, so that their mistakes are still reported at once.
         _validated({**raw, "model": {"kind": DEFAULT_KIND}}, label)
-    recipe = _validated(_resolve_preset(raw, label), label)
+        raw = {**raw, "model": _preset_section(model, label)}
+    recipe = _validated(raw, label)
     if check_data:
         _check_paths(recipe, label)
     return recipe
@@ -192,7 +187,9 @@ def _allowed_range(loc: Sequence[str | int], raw: dict[str, Any]) -> str | None:
 # Errors whose words need nothing of the schema: what the key must be (and the value given).
 _PLAIN = {"missing": "is required", "string_too_short": "must not be empty",
           "finite_number": "must be a finite number {got}", "bool_number": "must be a number, not true or false {got}",
-          "string_pattern_mismatch": "may contain only letters, digits, '.', '_' and '-' {got}"}
+          "literal_error": "must be {expected} {got}",
+          "string_pattern_mismatch": "may contain only letters, digits, '.', '_' and '-' {got}",
+          "string_too_long": "must be at most {max_length} characters long {got}"}
 _KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
           "list": "a list", "dict": "a mapping", "model": "a mapping", "tuple": "a list"}
 
@@ -216,13 +213,9 @@ def _describe(error: dict[str, Any], raw: dict[str, Any]) -> str:
         allowed = _allowed_range(loc, raw) or f"{op} {ctx[bound]}"
         return f"{key}: must be {allowed} {got}"
     if kind in _PLAIN:
-        return f"{key}: " + _PLAIN[kind].format(got=got)
-    if kind == "string_too_long":
-        return f"{key}: must be at most {ctx.get('max_length')} characters long {got}"
+        return f"{key}: " + _PLAIN[kind].format(got=got, **ctx)
     if kind in ("too_long", "too_short") and isinstance(ctx.get("field_type"), str):
         return f"{key}: must be a list of {ctx.get('min_length', ctx.get('max_length'))} numbers {got}"
-    if kind == "literal_error":
-        return f"{key}: must be {ctx.get('expected', 'one of the allowed values')} {got}"
     if kind == "union_tag_invalid":
         tags = [t.strip() for t in str(ctx.get("expected_tags", "")).split(",")]
         allowed = " or ".join([", ".join(tags[:-1]), tags[-1]] if len(tags) > 1 else tags)
