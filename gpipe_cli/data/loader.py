@@ -102,8 +102,6 @@ class Loader:
         self._cache: tuple[int, list[np.ndarray]] | None = None
         self._eval_plan: list[np.ndarray] | None = None
 
-    # ---- planning -------------------------------------------------------------------------------
-
     def _batch_bounds(self, examples: Examples, drop_last: bool) -> list[tuple[int, int]]:
         """[lo, hi) of each mini-batch over the examples in order (by a token budget: sorted by length)."""
         n = len(examples)
@@ -168,8 +166,6 @@ class Loader:
     def eval_size(self) -> int:
         """Examples in the held-out split."""
         return 0 if self.eval is None else len(self.eval)
-
-    # ---- iteration ------------------------------------------------------------------------------
 
     def train_batches(self, epoch: int = 0, start: int = 0, shard: tuple[int, int] = (0, 1), *,
                       need_inputs: bool = True, need_targets: bool = True) -> Iterator[Batch]:

@@ -135,8 +135,6 @@ def unigram_perplexity(train: LMExamples, held_out: LMExamples, vocab_size: int)
     return float(np.exp(-log_p[targets].mean())) if len(targets) else float("nan")
 
 
-# ---- reading records ----------------------------------------------------------------------------
-
 def _record(obj: Mapping[str, Any], task: TextTask, data: Data, where: str) -> Record:
     """One record of a JSON object or dataset row."""
     keys = ", ".join(map(str, obj.keys()))
