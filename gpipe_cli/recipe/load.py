@@ -112,8 +112,17 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True) -> Recipe
         _validated({**raw, "model": {"kind": DEFAULT_KIND}}, label)
         raw = {**raw, "model": _preset_section(model, label)}
     recipe = _validated(raw, label)
-    if check_data:
-        _check_paths(recipe, label)
+    if not check_data:
+        return recipe
+    data = recipe.data
+    # os.path.exists: False (not an exception) for names too long for the file system
+    if data.source in LOCAL_SOURCES and data.path and not os.path.exists(data.path):
+        raise RecipeError(f"{label}: data.path: no such file or directory: {shown(data.path)}")
+    if data.tokenizer and not os.path.exists(data.tokenizer):
+        raise RecipeError(f"{label}: data.tokenizer: no such sentencepiece model: {shown(data.tokenizer)}")
+    if data.tokenizer and os.path.isdir(data.tokenizer):
+        raise RecipeError(f"{label}: data.tokenizer: {shown(data.tokenizer)} is a directory; give the "
+                          "sentencepiece model file (.model) in it")
     return recipe
 
 
@@ -125,18 +134,6 @@ def _validated(raw: dict[str, Any], label: str) -> Recipe:
         message = _describe(dict(errors[0]), raw)
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
         raise RecipeError(f"{label}: {message}{more}") from None
-
-
-def _check_paths(recipe: Recipe, label: str) -> None:
-    data = recipe.data
-    # os.path.exists: False (not an exception) for names too long for the file system
-    if data.source in LOCAL_SOURCES and data.path and not os.path.exists(data.path):
-        raise RecipeError(f"{label}: data.path: no such file or directory: {shown(data.path)}")
-    if data.tokenizer and not os.path.exists(data.tokenizer):
-        raise RecipeError(f"{label}: data.tokenizer: no such sentencepiece model: {shown(data.tokenizer)}")
-    if data.tokenizer and os.path.isdir(data.tokenizer):
-        raise RecipeError(f"{label}: data.tokenizer: {shown(data.tokenizer)} is a directory; give the "
-                          "sentencepiece model file (.model) in it")
 
 
 def _section_model(loc: Sequence[str | int], raw: dict[str, Any]) -> type[BaseModel] | None:
