@@ -73,13 +73,12 @@ def _column(ds: Any, wanted: str, feature: type, what: str, key: str) -> str:
     raise DataError(f"no {what} column '{wanted}' (columns: {', '.join(ds.column_names)}); set {key}")
 
 
-def _as_images(ds: Any, image_field: str, label_field: str,
-               where: str) -> tuple[Any, str, np.ndarray, int | None]:
+def _as_images(ds: Any, data: Data, where: str) -> tuple[Any, str, np.ndarray, int | None]:
     """(dataset with a decodable image column, its name, labels, number of class names if known)."""
     import datasets
 
-    col = _column(ds, image_field, datasets.Image, "image", "data.image_field")
-    lab = _column(ds, label_field, datasets.ClassLabel, "label", "data.label_field")
+    col = _column(ds, data.image_field, datasets.Image, "image", "data.image_field")
+    lab = _column(ds, data.label_field, datasets.ClassLabel, "label", "data.label_field")
     if not isinstance(ds.features[col], datasets.Image):
         try:
             ds = ds.cast_column(col, datasets.Image())  # encoded bytes, {bytes, path} structs or file paths
@@ -134,7 +133,7 @@ def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int,
 
     splits, where = _open(data, cache_dir)
     train_ds, eval_ds = pick_splits(splits, data, where)
-    train_ds, col, labels, classes = _as_images(train_ds, data.image_field, data.label_field, where)
+    train_ds, col, labels, classes = _as_images(train_ds, data, where)
     _check_labels(labels, classes, num_classes, where)
     if len(labels) == 0:
         raise DataError(f"the '{data.train_split}' split of {where} is empty")
@@ -146,7 +145,7 @@ def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int,
         rows, held = hold_out(len(labels), data.eval_fraction)
         return (examples(train_ds, col, labels, rows, train_tf),
                 examples(train_ds, col, labels, held, eval_tf) if len(held) else None)
-    eval_ds, ecol, elabels, _ = _as_images(eval_ds, data.image_field, data.label_field, where)
+    eval_ds, ecol, elabels, _ = _as_images(eval_ds, data, where)
     _check_labels(elabels, None, num_classes, f"the eval split of {where}")
     return (examples(train_ds, col, labels, np.arange(len(labels)), train_tf),
             examples(eval_ds, ecol, elabels, np.arange(len(elabels)), eval_tf))

@@ -162,11 +162,12 @@ def _record(obj: Mapping[str, Any], task: TextTask, data: Data, where: str) -> R
 
 
 def _lines(f: Path) -> Iterator[tuple[int, str]]:
-    """(line number, line without newline), with one clear error for non-text files."""
+    """(line number, line without newline) of each non-blank line, with one clear error for non-text files."""
     try:
         with open(f, encoding="utf-8") as fh:
             for n, line in enumerate(fh, 1):
-                yield n, line.rstrip("\n").rstrip("\r")
+                if line.strip():
+                    yield n, line.rstrip("\n").rstrip("\r")
     except UnicodeDecodeError:
         raise DataError(f"'{f}' is not UTF-8 text") from None
 
@@ -176,8 +177,6 @@ def read_jsonl(files: Sequence[Path], task: TextTask, data: Data) -> list[Record
     out = []
     for f in files:
         for n, line in _lines(f):
-            if not line.strip():
-                continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
@@ -194,8 +193,6 @@ def read_tsv(files: Sequence[Path], task: TextTask, data: Data) -> list[Record]:
     for f in files:
         cols: tuple[int, int] = (0, 1)
         for n, line in _lines(f):
-            if not line.strip():
-                continue
             cells = line.split("\t")
             if n == 1:  # a header naming the configured fields picks the columns
                 names = [c.strip() for c in cells]
@@ -217,7 +214,7 @@ def read_tsv(files: Sequence[Path], task: TextTask, data: Data) -> list[Record]:
 
 def read_text(files: Sequence[Path]) -> list[str]:
     """Non-empty lines of plain text files (each line a document: a paragraph or a sentence)."""
-    return [line for f in files for _, line in _lines(f) if line.strip()]
+    return [line for f in files for _, line in _lines(f)]
 
 
 def from_dataset(ds: Any, task: TextTask, data: Data, where: str) -> list[Record]:

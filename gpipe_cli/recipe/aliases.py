@@ -63,10 +63,8 @@ def balance_text(value: Any, cuts: tuple[str, ...]) -> str | None:
 
 def as_sets(flags: Mapping[str, Any]) -> list[str]:
     """The `--set KEY=VALUE` items that the alias flags given (not None) stand for."""
-    def text(name: str, value: Any) -> str:
-        return f"[{value}]" if name == "balance" and _LIST.match(str(value)) else str(value)  # `5,5`: [5, 5]
-
-    return [f"{ALIASES[name]}={text(name, value)}" for name, value in flags.items() if value is not None]
+    return [f"{ALIASES[name]}=" + (f"[{value}]" if name == "balance" and _LIST.match(str(value)) else str(value))
+            for name, value in flags.items() if value is not None]  # `--balance 5,5`: [5, 5]
 
 
 # The recipe is validated with the flags and `--set` items applied, as `train` reads it; a bad flag value is named

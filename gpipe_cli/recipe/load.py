@@ -223,6 +223,6 @@ def _describe(error: dict[str, Any], raw: dict[str, Any]) -> str:
     if kind == "value_error":
         return str(error["msg"]).removeprefix("Value error, ")
     for name, kind_words in _KINDS.items():
-        if kind.startswith(name + "_") or kind == name + "_type":
+        if kind.startswith(name + "_"):
             return f"{key}: must be {kind_words} {got}"
     return f"{key}: {error['msg']} {got}"
