@@ -62,16 +62,13 @@ def build_transformer(arch: str = "encoder-decoder", layers: int = 6, d_model: i
     specs.append(LayerSpec("softmax", functools.partial(Softmax, d_model, vocab_size,
                                                         None if logit_clip is None else float(logit_clip))))
 
-    tied: list[tuple[str, ...]] = []
-    if tie_embeddings:
-        tied.append(("0.embed.weight", f"{len(specs) - 1}.proj.weight"))
+    tied: list[tuple[str, ...]] = [("0.embed.weight", f"{len(specs) - 1}.proj.weight")] if tie_embeddings else []
     config = dict(kind="transformer", arch=arch, layers=layers, d_model=d_model, ff=ff, heads=heads,
                   vocab_size=vocab_size, max_len=max_len, dropout=dropout, positions=positions,
                   tie_embeddings=tie_embeddings, scaled_init=scaled_init, logit_clip=logit_clip,
                   label_smoothing=label_smoothing)
-    name = f"t-{layers}-{ff}-{heads}" if translation else f"lm-{layers}-{ff}-{heads}"
     return ModelSpec(
-        name=name,
+        name=f"t-{layers}-{ff}-{heads}" if translation else f"lm-{layers}-{ff}-{heads}",
         task="translation" if translation else "lm",
         layers=specs,
         loss=functools.partial(token_cross_entropy, label_smoothing=label_smoothing),
