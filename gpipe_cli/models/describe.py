@@ -132,15 +132,10 @@ def describe(spec: ModelSpec, batch_size: int = 1) -> ModelSummary:
             counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS)
             with counter:
                 x = module(x)
-            costs.append(LayerCost(
-                index=index, name=layer.name, params=params, param_bytes=param_bytes,
-                flops=counter.get_total_flops() // batch_size,
-                activation_bytes=batch_bytes(x, batch_size),
-                output_shapes=tuple(tuple(t.shape) for t in tensors_of(x)),
-            ))
-    return ModelSummary(
-        name=spec.name, task=spec.task, batch_size=batch_size, input_bytes=batch_bytes(inputs, batch_size),
-        layers=tuple(costs),
-        total_params=sum(c.params for c in costs) - tied,
-        total_flops=sum(c.flops for c in costs),
-    )
+            costs.append(LayerCost(index=index, name=layer.name, params=params, param_bytes=param_bytes,
+                                   flops=counter.get_total_flops() // batch_size,
+                                   activation_bytes=batch_bytes(x, batch_size),
+                                   output_shapes=tuple(tuple(t.shape) for t in tensors_of(x))))
+    return ModelSummary(name=spec.name, task=spec.task, batch_size=batch_size,
+                        input_bytes=batch_bytes(inputs, batch_size), layers=tuple(costs),
+                        total_params=sum(c.params for c in costs) - tied, total_flops=sum(c.flops for c in costs))

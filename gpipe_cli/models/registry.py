@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gpipe_cli.errors import shown
@@ -31,8 +31,8 @@ class Preset:
 
     name: str
     kind: str
-    params: dict[str, Any] = field(default_factory=dict)
-    description: str = ""
+    params: dict[str, Any]
+    description: str
 
 
 def _amoebanet(variant: str, layers: int, filters: int, **extra: Any) -> dict[str, Any]:

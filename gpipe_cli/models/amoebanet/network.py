@@ -140,14 +140,9 @@ def build_amoebanet(variant: str = "d", layers: int = 18, filters: int = 256, nu
                 he_built, AuxHead, plan.out_channels, num_classes, plan.spatial)))
     specs.append(LayerSpec("classifier", functools.partial(Classifier, plans[-1].out_channels, num_classes, dropout)))
 
-    config = dict(kind="amoebanet", variant=variant, layers=layers, filters=filters,
-                  num_classes=num_classes, image_size=image_size, dropout=dropout,
-                  aux_head=aux_head, label_smoothing=label_smoothing)
     return ModelSpec(
-        name=f"amoebanet-{variant}-{layers}-{filters}",
-        task="image",
-        layers=specs,
+        name=f"amoebanet-{variant}-{layers}-{filters}", task="image", layers=specs,
         loss=functools.partial(amoebanet_loss, label_smoothing=label_smoothing),
         example_batch=functools.partial(image_batch, image_size=image_size, num_classes=num_classes),
-        config=config,
-    )
+        config=dict(kind="amoebanet", variant=variant, layers=layers, filters=filters, num_classes=num_classes,
+                    image_size=image_size, dropout=dropout, aux_head=aux_head, label_smoothing=label_smoothing))

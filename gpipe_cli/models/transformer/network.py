@@ -63,18 +63,12 @@ def build_transformer(arch: str = "encoder-decoder", layers: int = 6, d_model: i
                                                         None if logit_clip is None else float(logit_clip))))
 
     tied: list[tuple[str, ...]] = [("0.embed.weight", f"{len(specs) - 1}.proj.weight")] if tie_embeddings else []
-    config = dict(kind="transformer", arch=arch, layers=layers, d_model=d_model, ff=ff, heads=heads,
-                  vocab_size=vocab_size, max_len=max_len, dropout=dropout, positions=positions,
-                  tie_embeddings=tie_embeddings, scaled_init=scaled_init, logit_clip=logit_clip,
-                  label_smoothing=label_smoothing)
     return ModelSpec(
         name=f"t-{layers}-{ff}-{heads}" if translation else f"lm-{layers}-{ff}-{heads}",
-        task="translation" if translation else "lm",
-        layers=specs,
+        task="translation" if translation else "lm", layers=specs, units=count_tokens, tied=tied,
         loss=functools.partial(token_cross_entropy, label_smoothing=label_smoothing),
-        example_batch=functools.partial(token_batch, vocab_size=vocab_size, length=max_len,
-                                        translation=translation),
-        units=count_tokens,
-        tied=tied,
-        config=config,
-    )
+        example_batch=functools.partial(token_batch, vocab_size=vocab_size, length=max_len, translation=translation),
+        config=dict(kind="transformer", arch=arch, layers=layers, d_model=d_model, ff=ff, heads=heads,
+                    vocab_size=vocab_size, max_len=max_len, dropout=dropout, positions=positions,
+                    tie_embeddings=tie_embeddings, scaled_init=scaled_init, logit_clip=logit_clip,
+                    label_smoothing=label_smoothing))
