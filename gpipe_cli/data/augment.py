@@ -109,11 +109,10 @@ def resized_crop_params(h: int, w: int, rng: np.random.Generator, scale: tuple[f
 class ImageTransform:
     """Float [3,h,w] image in [0,1] -> normalised [3,S,S]; random only when given a generator."""
 
-    def __init__(self, image_size: int, *, augment: bool = True, policy: Policy = "auto",
-                 backend: Backend = "auto") -> None:
+    def __init__(self, image_size: int, *, augment: bool = True, backend: Backend = "auto") -> None:
         self.size = image_size
         self.augment = augment
-        self.policy = policy
+        self.policy: Policy = "auto"  # pad-and-crop for small images, random resized crops for large ones
         self.ops = make_ops(backend)
 
     def __call__(self, img: torch.Tensor, rng: np.random.Generator | None = None) -> torch.Tensor:

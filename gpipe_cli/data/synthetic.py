@@ -24,9 +24,6 @@ class SyntheticImages:
                                                                      _PATTERN_CELLS))
         self._patterns = torch.from_numpy(((p + p[..., ::-1]) / 2).astype(np.float32))
 
-    def __len__(self) -> int:
-        return len(self.labels)
-
     def load(self, i: int) -> torch.Tensor:
         """Image i as float [3,S,S] in [0,1]."""
         s = self.size

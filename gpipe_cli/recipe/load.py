@@ -19,12 +19,9 @@ from gpipe_cli.recipe.yamlio import RecipeError, dump, parse_document, parse_val
 __all__ = ["RecipeError", "apply_override", "default_recipe_text", "load_recipe", "parse_override",
            "recipe_label", "recipe_yaml", "validate"]
 
-DEFAULT_RECIPE = "quickstart.yaml"
-
-
 def default_recipe_text() -> str:
     """The small recipe `gpipe train` runs when given none."""
-    return resources.files("gpipe_cli.recipe").joinpath(DEFAULT_RECIPE).read_text()
+    return resources.files("gpipe_cli.recipe").joinpath("quickstart.yaml").read_text()
 
 
 def recipe_label(path: str | Path | None) -> str:
