@@ -7,19 +7,19 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gpipe_cli.data.bleu import corpus_bleu
-    from gpipe_cli.data.build import Task, build_data, build_data_for, task_for
+    from gpipe_cli.data.build import Task, build_data, build_data_for
     from gpipe_cli.data.loader import Batch, Examples, Loader
     from gpipe_cli.data.tokenizer import BOS, EOS, PAD, UNK, Tokenizer
     from gpipe_cli.errors import DataError
 
 # Imported on first use, so that light submodules (the offline hub check, pydoc text) load without torch.
-_NAMES = {"data.bleu": ("corpus_bleu",), "data.build": ("Task", "build_data", "build_data_for", "task_for"),
+_NAMES = {"data.bleu": ("corpus_bleu",), "data.build": ("Task", "build_data", "build_data_for"),
           "data.loader": ("Batch", "Examples", "Loader"), "data.tokenizer": ("BOS", "EOS", "PAD", "UNK", "Tokenizer"),
           "errors": ("DataError",)}
 _WHERE = {name: f"gpipe_cli.{module}" for module, names in _NAMES.items() for name in names}
 
 __all__ = ["BOS", "EOS", "PAD", "UNK", "Batch", "DataError", "Examples", "Loader", "Task", "Tokenizer", "build_data",
-           "build_data_for", "corpus_bleu", "task_for"]
+           "build_data_for", "corpus_bleu"]
 
 
 def __getattr__(name: str) -> Any:

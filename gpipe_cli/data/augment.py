@@ -109,23 +109,19 @@ def resized_crop_params(h: int, w: int, rng: np.random.Generator, scale: tuple[f
 class ImageTransform:
     """Float [3,h,w] image in [0,1] -> normalised [3,S,S]; random only when given a generator."""
 
-    def __init__(self, image_size: int, *, augment: bool = True, policy: Policy = "auto",
-                 backend: Backend = "auto") -> None:
+    def __init__(self, image_size: int, *, augment: bool = True, backend: Backend = "auto") -> None:
         self.size = image_size
         self.augment = augment
-        self.policy = policy
+        self.policy: Policy = "auto"  # pad-and-crop for small images, random resized crops for large ones
         self.ops = make_ops(backend)
-
-    def _policy(self, h: int, w: int) -> Policy:
-        if self.policy != "auto":
-            return self.policy
-        return "pad" if min(h, w) <= SMALL_IMAGE else "resized"
 
     def __call__(self, img: torch.Tensor, rng: np.random.Generator | None = None) -> torch.Tensor:
         """Train transform when `rng` is given (and augmentation is on), else the eval transform."""
         s, ops = self.size, self.ops
         h, w = int(img.shape[-2]), int(img.shape[-1])
-        policy = self._policy(h, w)
+        policy = self.policy
+        if policy == "auto":
+            policy = "pad" if min(h, w) <= SMALL_IMAGE else "resized"
         if rng is None or not self.augment:
             if policy == "pad":
                 img = ops.resize(img, (s, s))

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gpipe_cli.data.augment import Backend
 from gpipe_cli.data.loader import Examples, Loader
 from gpipe_cli.data.tokenizer import Tokenizer
 from gpipe_cli.errors import DataError
@@ -16,7 +15,7 @@ from gpipe_cli.recipe.schema import Data, Recipe
 
 def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_classes: int = 1000,
                vocab_size: int = 32000, max_len: int = 256, run_dir: Path | None = None, min_batch: int = 1,
-               workers: int = 0, cache_dir: Path | None = None, augment_backend: Backend = "auto") -> Loader:
+               workers: int = 0, cache_dir: Path | None = None) -> Loader:
     """The Loader for `data` and `task`, built by `workers` background processes (0: inline)."""
     # `min_batch` (micro-batches x replicas) examples or more in every mini-batch: no shard's micro-batch is empty.
     train: Examples
@@ -29,7 +28,7 @@ def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_
         from gpipe_cli.data.images import image_splits
 
         train, evl = image_splits(data, seed=seed, image_size=image_size, num_classes=num_classes,
-                                  cache_dir=cache_dir, backend=augment_backend)
+                                  cache_dir=cache_dir)
     elif task in ("translation", "lm"):
         from gpipe_cli.data.text import LMExamples, text_splits, unigram_perplexity
 
@@ -42,12 +41,7 @@ def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_
     loader = Loader(train=train, eval=evl, tokenizer=tok, batch_size=data.batch_size,
                     tokens_per_batch=data.tokens_per_batch, drop_last=data.drop_last, shuffle=data.shuffle,
                     seed=seed, min_batch=min_batch, workers=workers, baselines=baselines)
-    return _non_empty(loader, data)
-
-
-def _non_empty(loader: Loader, data: Data) -> Loader:
-    """The loader, unless an epoch would have no batch at all (training would never advance)."""
-    if loader.steps_per_epoch() == 0:
+    if loader.steps_per_epoch() == 0:  # an epoch without a batch: training would never advance
         size = (f"data.tokens_per_batch ({data.tokens_per_batch})" if data.tokens_per_batch
                 else f"data.batch_size ({data.batch_size})")
         raise DataError(f"the training split has {loader.train_size} examples, too few for one batch of "
@@ -55,15 +49,9 @@ def _non_empty(loader: Loader, data: Data) -> Loader:
     return loader
 
 
-def task_for(model: Any) -> Task:
-    """The task of a recipe's model section (image, translation or lm), as its family says."""
-    return families.of(model.kind).task(model)
-
-
 def build_data_for(recipe: Recipe, *, run_dir: Path | None = None, **kwargs: Any) -> Loader:
     """build_data with the task and sizes taken from a whole recipe."""
-    model = recipe.model
-    task = task_for(model)
-    sizes = {key: getattr(model, key) for key in families.of(model.kind).data_sizes}
+    model, family = recipe.model, families.of(recipe.model.kind)
+    sizes = {key: getattr(model, key) for key in family.data_sizes}
     kwargs.setdefault("min_batch", recipe.pipeline.microbatches * recipe.pipeline.data_parallel)
-    return build_data(recipe.data, task, seed=recipe.seed, run_dir=run_dir, **sizes, **kwargs)
+    return build_data(recipe.data, family.task(model), seed=recipe.seed, run_dir=run_dir, **sizes, **kwargs)

@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
-from gpipe_cli.data.augment import IMAGE_EXTS, Backend, ImageTransform, pil_to_tensor
+from gpipe_cli.data.augment import IMAGE_EXTS, ImageTransform, pil_to_tensor
 from gpipe_cli.data.loader import Examples
 from gpipe_cli.data.rng import rng
 from gpipe_cli.data.sources import existing_path, first_line, hold_out, load_builder, open_splits, pick_splits
 from gpipe_cli.data.synthetic import SyntheticImages
 from gpipe_cli.errors import DataError
 from gpipe_cli.recipe.schema import Data
-
-
-class ImageSource(Protocol):
-    """Random access to images as float [3,h,w] in [0,1]."""
-
-    def load(self, i: int) -> torch.Tensor: ...
 
 
 class DatasetImages:
@@ -42,7 +36,8 @@ class DatasetImages:
 class ImageExamples(Examples):
     """Images with int labels; augmentation randomness is a function of (seed, epoch, index)."""
 
-    def __init__(self, source: ImageSource, labels: np.ndarray, transform: ImageTransform, seed: int) -> None:
+    def __init__(self, source: DatasetImages | SyntheticImages, labels: np.ndarray, transform: ImageTransform,
+                 seed: int) -> None:
         self.source = source
         self.labels = labels.astype(np.int64)
         self.transform = transform
@@ -78,13 +73,12 @@ def _column(ds: Any, wanted: str, feature: type, what: str, key: str) -> str:
     raise DataError(f"no {what} column '{wanted}' (columns: {', '.join(ds.column_names)}); set {key}")
 
 
-def _as_images(ds: Any, image_field: str, label_field: str,
-               where: str) -> tuple[Any, str, np.ndarray, int | None]:
+def _as_images(ds: Any, data: Data, where: str) -> tuple[Any, str, np.ndarray, int | None]:
     """(dataset with a decodable image column, its name, labels, number of class names if known)."""
     import datasets
 
-    col = _column(ds, image_field, datasets.Image, "image", "data.image_field")
-    lab = _column(ds, label_field, datasets.ClassLabel, "label", "data.label_field")
+    col = _column(ds, data.image_field, datasets.Image, "image", "data.image_field")
+    lab = _column(ds, data.label_field, datasets.ClassLabel, "label", "data.label_field")
     if not isinstance(ds.features[col], datasets.Image):
         try:
             ds = ds.cast_column(col, datasets.Image())  # encoded bytes, {bytes, path} structs or file paths
@@ -123,11 +117,11 @@ def _open(data: Data, cache_dir: Path | None) -> tuple[Any, str]:
     return load_builder("imagefolder", f"'{path}'", cache_dir, data_dir=str(path)), f"'{path}'"
 
 
-def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, cache_dir: Path | None = None,
-                 backend: Backend = "auto") -> tuple[ImageExamples, ImageExamples | None]:
+def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int,
+                 cache_dir: Path | None = None) -> tuple[ImageExamples, ImageExamples | None]:
     """(train, held-out) image examples for `data`."""
-    train_tf = ImageTransform(image_size, augment=data.augment, backend=backend)
-    eval_tf = ImageTransform(image_size, augment=False, backend=backend)
+    train_tf = ImageTransform(image_size, augment=data.augment)
+    eval_tf = ImageTransform(image_size, augment=False)
     if data.source == "synthetic":
         tr = SyntheticImages(data.synthetic_size, num_classes, image_size, seed, "train")
         # Generated at full size: pad-and-crop keeps the pattern, a resized crop could lose it.
@@ -139,7 +133,7 @@ def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, ca
 
     splits, where = _open(data, cache_dir)
     train_ds, eval_ds = pick_splits(splits, data, where)
-    train_ds, col, labels, classes = _as_images(train_ds, data.image_field, data.label_field, where)
+    train_ds, col, labels, classes = _as_images(train_ds, data, where)
     _check_labels(labels, classes, num_classes, where)
     if len(labels) == 0:
         raise DataError(f"the '{data.train_split}' split of {where} is empty")
@@ -151,7 +145,7 @@ def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, ca
         rows, held = hold_out(len(labels), data.eval_fraction)
         return (examples(train_ds, col, labels, rows, train_tf),
                 examples(train_ds, col, labels, held, eval_tf) if len(held) else None)
-    eval_ds, ecol, elabels, _ = _as_images(eval_ds, data.image_field, data.label_field, where)
+    eval_ds, ecol, elabels, _ = _as_images(eval_ds, data, where)
     _check_labels(elabels, None, num_classes, f"the eval split of {where}")
     return (examples(train_ds, col, labels, np.arange(len(labels)), train_tf),
             examples(eval_ds, ecol, elabels, np.arange(len(elabels)), eval_tf))

@@ -102,8 +102,6 @@ class Loader:
         self._cache: tuple[int, list[np.ndarray]] | None = None
         self._eval_plan: list[np.ndarray] | None = None
 
-    # ---- planning -------------------------------------------------------------------------------
-
     def _batch_bounds(self, examples: Examples, drop_last: bool) -> list[tuple[int, int]]:
         """[lo, hi) of each mini-batch over the examples in order (by a token budget: sorted by length)."""
         n = len(examples)
@@ -145,19 +143,16 @@ class Loader:
 
     def eval_plan(self) -> list[np.ndarray]:
         """Example ids of each eval mini-batch: fixed order, nothing dropped."""
-        if self._eval_plan is None:
-            if self.eval is None or len(self.eval) == 0:
-                return []
+        if self._eval_plan is None and self.eval is not None:
             order = np.arange(len(self.eval))
             if self.tokens_per_batch is not None and self.eval.lengths is not None:
                 order = np.argsort(self.eval.lengths, kind="stable")
             self._eval_plan = [order[lo:hi] for lo, hi in self._batch_bounds(self.eval, drop_last=False)]
-        return self._eval_plan
+        return self._eval_plan or []
 
     def eval_steps(self, limit: int | None = None) -> int:
         """Number of eval mini-batches (at most `limit`)."""
-        n = len(self.eval_plan())
-        return n if limit is None else min(n, limit)
+        return len(self.eval_plan()[:limit])
 
     @property
     def train_size(self) -> int:
@@ -169,8 +164,6 @@ class Loader:
         """Examples in the held-out split."""
         return 0 if self.eval is None else len(self.eval)
 
-    # ---- iteration ------------------------------------------------------------------------------
-
     def train_batches(self, epoch: int = 0, start: int = 0, shard: tuple[int, int] = (0, 1), *,
                       need_inputs: bool = True, need_targets: bool = True) -> Iterator[Batch]:
         """This shard's part of each training mini-batch of `epoch`, from position `start`."""
@@ -178,7 +171,7 @@ class Loader:
         if not 0 <= start <= len(plan):
             raise ValueError(f"start {start} is outside the epoch's {len(plan)} batches")
         shard_bounds(0, *shard)
-        return self._run(_BatchJob(self.train, plan, start, epoch, shard, need_inputs, need_targets, False))
+        return self._run(_BatchJob(self.train, plan, start, epoch, shard, need_inputs, need_targets))
 
     def eval_batches(self, shard: tuple[int, int] = (0, 1), limit: int | None = None, *,
                      need_inputs: bool = True, need_targets: bool = True) -> Iterator[Batch]:
@@ -187,19 +180,14 @@ class Loader:
         shard_bounds(0, *shard)
         if self.eval is None or not plan:
             return iter(())
-        return self._run(_BatchJob(self.eval, plan, 0, None, shard, need_inputs, need_targets, True))
+        return self._run(_BatchJob(self.eval, plan, 0, None, shard, need_inputs, need_targets))
 
     def _run(self, job: _BatchJob) -> Iterator[Batch]:
         """Build batches in this process, or in `workers` background processes (order preserved)."""
         if self.workers <= 0 or len(job) == 0:
             return (job[k] for k in range(len(job)))
-        loader = torch.utils.data.DataLoader(job, batch_size=None, shuffle=False, num_workers=self.workers,
-                                             collate_fn=_identity)
-        return iter(loader)
-
-
-def _identity(x: Any) -> Any:
-    return x
+        # Without batching, the default collate hands each Batch over unchanged.
+        return iter(torch.utils.data.DataLoader(job, batch_size=None, shuffle=False, num_workers=self.workers))
 
 
 @dataclass
@@ -213,7 +201,6 @@ class _BatchJob(torch.utils.data.Dataset):
     shard: tuple[int, int]
     need_inputs: bool
     need_targets: bool
-    with_refs: bool
 
     def __len__(self) -> int:
         return len(self.plan) - self.start
@@ -225,7 +212,7 @@ class _BatchJob(torch.utils.data.Dataset):
         ids = group[lo:hi]
         inputs, targets = self.examples.collate(ids, group, epoch=self.epoch, need_inputs=self.need_inputs,
                                                 need_targets=self.need_targets)
-        refs = self.examples.references(ids) if self.with_refs else None
+        refs = self.examples.references(ids) if self.epoch is None else None  # eval batches (no epoch) carry them
         return Batch(index=pos, size=hi - lo, offset=lo, global_size=len(group), inputs=inputs,
                      targets=targets, tokens=self.examples.target_tokens(ids),
                      global_tokens=self.examples.target_tokens(group), ids=[int(i) for i in ids],

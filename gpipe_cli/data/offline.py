@@ -67,19 +67,15 @@ def prepare_hint(data: Data, recipe: str | None, overrides: Sequence[str] = ()) 
     return f"run `{shlex.join(args)}` once where there is network (copy the folder here), then add {point}"
 
 
-def _cache_roots() -> list[Path]:
-    """The hub download cache and the `datasets` cache, as the Hugging Face libraries resolve them."""
+def maybe_cached(name: str) -> bool:
+    """Whether a cache folder could hold dataset `name` (a cheap test; loading it is the real one)."""
+    # The hub download cache and the `datasets` cache, as the Hugging Face libraries resolve them.
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     home = Path(os.environ.get("HF_HOME") or os.path.join(xdg, "huggingface")).expanduser()
     hub = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or home / "hub"
-    return [Path(hub).expanduser(), Path(os.environ.get("HF_DATASETS_CACHE") or home / "datasets").expanduser()]
-
-
-def maybe_cached(name: str) -> bool:
-    """Whether a cache folder could hold dataset `name` (a cheap test; loading it is the real one)."""
+    roots = [Path(hub).expanduser(), Path(os.environ.get("HF_DATASETS_CACHE") or home / "datasets").expanduser()]
     leaf = name.rstrip("/").split("/")[-1].lower()
-    return any(root.is_dir() and any(leaf in entry.name.lower() for entry in root.iterdir())
-               for root in _cache_roots())
+    return any(root.is_dir() and any(leaf in entry.name.lower() for entry in root.iterdir()) for root in roots)
 
 
 # On the launching side, without torch or `datasets` in the common case (no network, nothing cached), so an

@@ -41,18 +41,13 @@ def split_files(path: Path, exts: Sequence[str], train_split: str,
     def named(split: str) -> list[Path]:
         return [f for f in files if split.lower() in str(f.relative_to(path)).lower()]
 
-    eval_files: list[Path] = []
     if eval_split:
         eval_files = named(eval_split)
         if not eval_files:
             raise DataError(f"no file under '{path}' has data.eval_split '{eval_split}' in its name")
     else:
-        for name in EVAL_SPLIT_NAMES:
-            if name != train_split and (eval_files := named(name)):
-                break
-    train_files = [f for f in named(train_split) if f not in eval_files]
-    if not train_files:
-        train_files = [f for f in files if f not in eval_files]
+        eval_files = next((found for name in EVAL_SPLIT_NAMES if name != train_split and (found := named(name))), [])
+    train_files = [f for f in named(train_split) if f not in eval_files] or [f for f in files if f not in eval_files]
     if not train_files:
         raise DataError(f"no training files under '{path}' (every file looks like an eval split)")
     return train_files, eval_files or None

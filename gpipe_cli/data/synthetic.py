@@ -8,8 +8,6 @@ import torch.nn.functional as F
 
 from gpipe_cli.data.rng import rng
 
-# ---- images -------------------------------------------------------------------------------------
-
 _PATTERN_CELLS = 4  # each class is a 4x4 colour pattern, upsampled: survives crops of 1/8 of the side
 
 
@@ -26,9 +24,6 @@ class SyntheticImages:
                                                                      _PATTERN_CELLS))
         self._patterns = torch.from_numpy(((p + p[..., ::-1]) / 2).astype(np.float32))
 
-    def __len__(self) -> int:
-        return len(self.labels)
-
     def load(self, i: int) -> torch.Tensor:
         """Image i as float [3,S,S] in [0,1]."""
         s = self.size
@@ -37,8 +32,6 @@ class SyntheticImages:
         noise = rng(self.seed, f"synthetic-image-noise-{self.split}", i).normal(0.0, 0.15, (3, s, s))
         return (base + torch.from_numpy(noise.astype(np.float32))).clamp_(0.0, 1.0)
 
-
-# ---- number words -------------------------------------------------------------------------------
 
 _EN_ONES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
             "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen")
@@ -109,8 +102,6 @@ def translation_pairs(n: int, seed: int, split: str) -> list[tuple[str, str]]:
         pairs.append((" , ".join(english(x) for x in nums), " , ".join(french(x) for x in nums)))
     return pairs
 
-
-# ---- structured text ----------------------------------------------------------------------------
 
 _NOUNS = ("fox", "owl", "cat", "dog", "bear", "frog", "hare", "wolf", "duck", "goat", "lion", "mole", "crow",
           "seal", "deer", "swan")

@@ -50,15 +50,13 @@ class TranslationExamples(Examples):
 
     @classmethod
     def build(cls, pairs: Sequence[tuple[str, str]], tok: Tokenizer, max_len: int, *,
-              train: bool) -> tuple[TranslationExamples, int]:
-        """(examples, pairs dropped): training drops pairs longer than max_len, eval truncates them."""
+              train: bool) -> TranslationExamples:
+        """The examples of `pairs`: training drops pairs longer than max_len, eval truncates them."""
         src = tok.encode_batch([p[0] for p in pairs])
         tgt = tok.encode_batch([p[1] for p in pairs])
         kept = [(s[:max_len], t[:max_len - 1], ref) for (_, ref), s, t in zip(pairs, src, tgt, strict=True)
                 if s and t and not (train and (len(s) > max_len or len(t) + 1 > max_len))]
-        examples = cls(Ragged([k[0] for k in kept]), Ragged([k[1] for k in kept]),
-                       None if train else [k[2] for k in kept])
-        return examples, len(pairs) - len(kept)
+        return cls(Ragged([k[0] for k in kept]), Ragged([k[1] for k in kept]), None if train else [k[2] for k in kept])
 
     def __len__(self) -> int:
         return len(self.src)
@@ -137,8 +135,6 @@ def unigram_perplexity(train: LMExamples, held_out: LMExamples, vocab_size: int)
     return float(np.exp(-log_p[targets].mean())) if len(targets) else float("nan")
 
 
-# ---- reading records ----------------------------------------------------------------------------
-
 def _record(obj: Mapping[str, Any], task: TextTask, data: Data, where: str) -> Record:
     """One record of a JSON object or dataset row."""
     keys = ", ".join(map(str, obj.keys()))
@@ -166,11 +162,12 @@ def _record(obj: Mapping[str, Any], task: TextTask, data: Data, where: str) -> R
 
 
 def _lines(f: Path) -> Iterator[tuple[int, str]]:
-    """(line number, line without newline), with one clear error for non-text files."""
+    """(line number, line without newline) of each non-blank line, with one clear error for non-text files."""
     try:
         with open(f, encoding="utf-8") as fh:
             for n, line in enumerate(fh, 1):
-                yield n, line.rstrip("\n").rstrip("\r")
+                if line.strip():
+                    yield n, line.rstrip("\n").rstrip("\r")
     except UnicodeDecodeError:
         raise DataError(f"'{f}' is not UTF-8 text") from None
 
@@ -180,8 +177,6 @@ def read_jsonl(files: Sequence[Path], task: TextTask, data: Data) -> list[Record
     out = []
     for f in files:
         for n, line in _lines(f):
-            if not line.strip():
-                continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
@@ -198,8 +193,6 @@ def read_tsv(files: Sequence[Path], task: TextTask, data: Data) -> list[Record]:
     for f in files:
         cols: tuple[int, int] = (0, 1)
         for n, line in _lines(f):
-            if not line.strip():
-                continue
             cells = line.split("\t")
             if n == 1:  # a header naming the configured fields picks the columns
                 names = [c.strip() for c in cells]
@@ -221,7 +214,7 @@ def read_tsv(files: Sequence[Path], task: TextTask, data: Data) -> list[Record]:
 
 def read_text(files: Sequence[Path]) -> list[str]:
     """Non-empty lines of plain text files (each line a document: a paragraph or a sentence)."""
-    return [line for f in files for _, line in _lines(f) if line.strip()]
+    return [line for f in files for _, line in _lines(f)]
 
 
 def from_dataset(ds: Any, task: TextTask, data: Data, where: str) -> list[Record]:
@@ -296,10 +289,10 @@ def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_l
                         model_vocab_size=vocab_size,  # the corpus, read only when a tokenizer is trained:
                         texts=lambda: (text for r in train_recs for text in (r if task == "translation" else (r,))))
     if task == "translation":
-        train, _ = TranslationExamples.build(train_recs, tok, max_len, train=True)
+        train = TranslationExamples.build(train_recs, tok, max_len, train=True)
         if len(train) == 0:
             raise DataError(f"every training pair is empty or longer than model.max_len ({max_len}) tokens")
-        evl = TranslationExamples.build(eval_recs, tok, max_len, train=False)[0] if eval_recs else None
+        evl = TranslationExamples.build(eval_recs, tok, max_len, train=False) if eval_recs else None
         return train, evl, tok
     lm_train = LMExamples.build(train_recs, tok, seq_len)
     if len(lm_train) == 0:

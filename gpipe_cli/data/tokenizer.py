@@ -81,12 +81,6 @@ class Tokenizer:
         self.path = path
         return path
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"proto": self._proto, "path": self.path}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["proto"], state["path"])  # type: ignore[misc]
-
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Train a BPE model on `texts` (BPE: unigram degenerates to characters on small repetitive corpora)."""
@@ -119,18 +113,16 @@ def load_or_train(*, path: str | None, run_dir: Path | None, texts: Callable[[],
         tok = Tokenizer.load(path)
     elif run_dir is None:
         tok = train_tokenizer(texts(), vocab_size)
+    elif (stored := Path(run_dir) / TOKENIZER_FILE).is_file():  # resuming, or another rank already trained it
+        tok = Tokenizer.load(stored)
     else:
-        stored = Path(run_dir) / TOKENIZER_FILE
-        if stored.is_file():  # resuming, or another rank already trained it
-            tok = Tokenizer.load(stored)
-        else:
-            # One rank trains while the others wait on the (hidden) lock, then all read the same file.
-            with _locked(stored.parent / f".{stored.stem}.lock"):
-                if stored.is_file():
-                    tok = Tokenizer.load(stored)
-                else:
-                    tok = train_tokenizer(texts(), vocab_size)
-                    tok.save(stored)
+        # One rank trains while the others wait on the (hidden) lock, then all read the same file.
+        with _locked(stored.parent / f".{stored.stem}.lock"):
+            if stored.is_file():
+                tok = Tokenizer.load(stored)
+            else:
+                tok = train_tokenizer(texts(), vocab_size)
+                tok.save(stored)
     if tok.vocab_size > model_vocab_size:
         raise DataError(f"the tokenizer has {tok.vocab_size} pieces but model.vocab_size is "
                         f"{model_vocab_size}; raise model.vocab_size or use a smaller tokenizer")

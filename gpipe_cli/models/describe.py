@@ -23,19 +23,6 @@ def _numel(shape: Any) -> int:
     return math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else 1
 
 
-def _per_output(*args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    return _numel(out_shape)
-
-
-def _per_input(input_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    return _numel(input_shape)
-
-
-def _normalisation(input_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    # Mean, variance, subtract, divide, scale and shift: about five operations per element.
-    return 5 * _numel(input_shape)
-
-
 def _pooling(input_shape: Any, kernel: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
     area = math.prod(kernel) if isinstance(kernel, (tuple, list)) else kernel * kernel
     return _numel(out_shape) * area
@@ -45,13 +32,14 @@ def _pooling(input_shape: Any, kernel: Any, *args: Any, out_shape: Any = None, *
 # pooling are added (one FLOP per element touched) so that layers made mostly of those, such as an
 # embedding lookup or pooling-heavy cells, do not appear free.
 _EXTRA_FLOPS: dict[Any, Callable[..., int]] = {
-    **{op: _per_output for op in (aten.add, aten.sub, aten.mul, aten.div, aten.relu, aten.clamp,
-                                  aten.clamp_min, aten.where, aten.exp, aten.sin, aten.cos)},
-    **{op: _per_input for op in (aten.mean, aten.sum)},
-    **{op: _normalisation for op in (aten.native_layer_norm, aten.native_batch_norm,
-                                     aten._native_batch_norm_legit,
-                                     aten._native_batch_norm_legit_no_training)},
-    **{op: _pooling for op in (aten.max_pool2d_with_indices, aten.avg_pool2d)},
+    **dict.fromkeys((aten.add, aten.sub, aten.mul, aten.div, aten.relu, aten.clamp, aten.clamp_min, aten.where,
+                     aten.exp, aten.sin, aten.cos), lambda *args, out_shape=None, **kwargs: _numel(out_shape)),
+    **dict.fromkeys((aten.mean, aten.sum), lambda input_shape, *args, **kwargs: _numel(input_shape)),
+    # Mean, variance, subtract, divide, scale and shift: about five operations per element.
+    **dict.fromkeys((aten.native_layer_norm, aten.native_batch_norm, aten._native_batch_norm_legit,
+                     aten._native_batch_norm_legit_no_training),
+                    lambda input_shape, *args, **kwargs: 5 * _numel(input_shape)),
+    **dict.fromkeys((aten.max_pool2d_with_indices, aten.avg_pool2d), _pooling),
 }
 
 
@@ -123,12 +111,9 @@ def layer_params(spec: ModelSpec) -> list[int]:
 
 def count_parameters(spec: ModelSpec) -> int:
     """The model's parameter count (tied tensors once), without allocating any of them."""
-    total = 0
     with torch.device("meta"):
-        for index, layer in enumerate(spec.layers):
-            module = layer.build()
-            total += _param_stats(module)[0] - _tied_copies(spec, index, module)
-    return total
+        modules = [layer.build() for layer in spec.layers]
+    return sum(_param_stats(module)[0] - _tied_copies(spec, index, module) for index, module in enumerate(modules))
 
 
 def describe(spec: ModelSpec, batch_size: int = 1) -> ModelSummary:
@@ -139,7 +124,6 @@ def describe(spec: ModelSpec, batch_size: int = 1) -> ModelSummary:
     tied = 0
     costs = []
     x = inputs
-    input_bytes = batch_bytes(inputs, batch_size)
     with torch.device("meta"), torch.no_grad():
         for index, layer in enumerate(spec.layers):
             module = layer.build()
@@ -148,16 +132,10 @@ def describe(spec: ModelSpec, batch_size: int = 1) -> ModelSummary:
             counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS)
             with counter:
                 x = module(x)
-            outputs = tensors_of(x)
-            costs.append(LayerCost(
-                index=index, name=layer.name, params=params, param_bytes=param_bytes,
-                flops=counter.get_total_flops() // batch_size,
-                activation_bytes=batch_bytes(x, batch_size),
-                output_shapes=tuple(tuple(t.shape) for t in outputs),
-            ))
-    return ModelSummary(
-        name=spec.name, task=spec.task, batch_size=batch_size, input_bytes=input_bytes,
-        layers=tuple(costs),
-        total_params=sum(c.params for c in costs) - tied,
-        total_flops=sum(c.flops for c in costs),
-    )
+            costs.append(LayerCost(index=index, name=layer.name, params=params, param_bytes=param_bytes,
+                                   flops=counter.get_total_flops() // batch_size,
+                                   activation_bytes=batch_bytes(x, batch_size),
+                                   output_shapes=tuple(tuple(t.shape) for t in tensors_of(x))))
+    return ModelSummary(name=spec.name, task=spec.task, batch_size=batch_size,
+                        input_bytes=batch_bytes(inputs, batch_size), layers=tuple(costs),
+                        total_params=sum(c.params for c in costs) - tied, total_flops=sum(c.flops for c in costs))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 Task = Literal["image", "translation", "lm"]
@@ -28,7 +28,7 @@ class Family:
     title: Callable[[dict[str, Any], bool], str]  # how it is named to the user (`full`: every size)
     short: Callable[[dict[str, Any]], str]         # a few words naming one member
     task: Callable[[Any], Task]                    # the data task of a recipe's model section
-    data_sizes: tuple[str, ...] = field(default=())  # the model-section keys the data must agree with
+    data_sizes: tuple[str, ...] = ()  # the model-section keys the data must agree with
     least_examples: int = 1     # the smallest micro-batch it trains on (BatchNorm needs two)
     device_probe_depths: tuple[int, int] = (1, 2)  # the shallow members that fit a device's memory correction
 

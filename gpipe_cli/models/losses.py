@@ -8,12 +8,6 @@ import torch.nn.functional as F
 PAD_ID = 0
 
 
-def smoothed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
-                           label_smoothing: float = 0.0) -> torch.Tensor:
-    """Cross-entropy with label smoothing, averaged over the examples of the batch."""
-    return F.cross_entropy(logits.float(), targets, label_smoothing=label_smoothing)
-
-
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
                         label_smoothing: float = 0.0) -> torch.Tensor:
     """Cross-entropy over tokens, averaged over the non-padding target tokens."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gpipe_cli.errors import shown
@@ -31,8 +31,8 @@ class Preset:
 
     name: str
     kind: str
-    params: dict[str, Any] = field(default_factory=dict)
-    description: str = ""
+    params: dict[str, Any]
+    description: str
 
 
 def _amoebanet(variant: str, layers: int, filters: int, **extra: Any) -> dict[str, Any]:
@@ -101,7 +101,8 @@ def names_help() -> str:
 
 def allowed_params(kind: str) -> list[str]:
     """The size parameters `kind` accepts."""
-    return list(inspect.signature(_builder(kind)).parameters)
+    # An unknown kind is refused by `families.of`, naming the kinds.
+    return list(inspect.signature(BUILDERS[families.of(kind).kind]).parameters)
 
 
 def resolve_preset(name: str, **overrides: Any) -> tuple[str, dict[str, Any]]:
@@ -125,11 +126,7 @@ def resolve_preset(name: str, **overrides: Any) -> tuple[str, dict[str, Any]]:
 def build_model(kind: str, **size_params: Any) -> ModelSpec:
     """Build the ModelSpec of model family `kind` ("amoebanet" or "transformer") with these sizes."""
     _check_params(kind, size_params)
-    return _builder(kind)(**size_params)
-
-
-def _builder(kind: str) -> Callable[..., ModelSpec]:
-    return BUILDERS[families.of(kind).kind]  # an unknown kind is refused there, naming the kinds
+    return BUILDERS[kind](**size_params)
 
 
 def _check_params(kind: str, params: dict[str, Any]) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_cli.models.base import ModelSpec, Task
+from gpipe_cli.models.base import ModelSpec
 
 MARK = "gpipe_export"  # its presence marks a gpipe export; its value is the format's version
 VERSION = "1"
@@ -55,11 +55,6 @@ class Exported:
     dtype: str
     tokenizer: bytes | None
     metadata: dict[str, str]
-
-    @property
-    def task(self) -> Task:
-        """translation, lm or image."""
-        return self.spec.task
 
     def build(self, dtype: torch.dtype = torch.float32) -> nn.Sequential:
         """The model's layers in one sequence with the exported weights, in eval mode, computing in `dtype`."""

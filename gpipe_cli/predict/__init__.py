@@ -16,7 +16,7 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
     from gpipe_cli.predict import tasks
 
     exported = tasks.load_export(path)
-    task = exported.task
+    task = exported.spec.task
     if max_tokens is not None and task != "lm":
         raise UserError(f"--max-tokens continues a language model's prompt; {path} is {_KINDS[task]}")
     if max_tokens is not None and max_tokens < 1:

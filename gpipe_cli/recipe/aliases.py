@@ -63,10 +63,8 @@ def balance_text(value: Any, cuts: tuple[str, ...]) -> str | None:
 
 def as_sets(flags: Mapping[str, Any]) -> list[str]:
     """The `--set KEY=VALUE` items that the alias flags given (not None) stand for."""
-    def text(name: str, value: Any) -> str:
-        return f"[{value}]" if name == "balance" and _LIST.match(str(value)) else str(value)  # `5,5`: [5, 5]
-
-    return [f"{ALIASES[name]}={text(name, value)}" for name, value in flags.items() if value is not None]
+    return [f"{ALIASES[name]}=" + (f"[{value}]" if name == "balance" and _LIST.match(str(value)) else str(value))
+            for name, value in flags.items() if value is not None]  # `--balance 5,5`: [5, 5]
 
 
 # The recipe is validated with the flags and `--set` items applied, as `train` reads it; a bad flag value is named
@@ -93,20 +91,16 @@ def settings(path: str | None, flags: Mapping[str, Any], sets: Sequence[str],
 
 
 def by_flag(error: RecipeError, flags: Mapping[str, Any]) -> RecipeError:
-    """`error` with the key of a value typed as a flag named by that flag."""
-    return RecipeError(_named(str(error), {ALIASES[name]: name for name, value in flags.items() if value is not None}))
+    """`error` with the key of a value typed as a flag named by that flag, and without the empty label of no recipe."""
+    message = str(error).removeprefix(": ")
+    typed = [name for name, value in flags.items() if value is not None]
+    for name in typed:
+        head, sep, rest = message.partition(f"{ALIASES[name]}:")
+        if sep and (not head or head.endswith(": ")):  # the key leads the message (after the recipe's name)
+            return RecipeError(f"{flag(name)}:{rest}")
+    return RecipeError(message)
 
 
 def _value(recipe: Recipe, key: str) -> Any:
     section, _, name = key.partition(".")
     return getattr(getattr(recipe, section), name)
-
-
-def _named(message: str, typed: Mapping[str, str]) -> str:
-    """The message with a key typed as a flag named by the flag, and without the empty label of no recipe."""
-    message = message.removeprefix(": ")
-    for key, name in typed.items():
-        head, sep, rest = message.partition(f"{key}:")
-        if sep and (not head or head.endswith(": ")):  # the key leads the message (after the recipe's name)
-            return f"{flag(name)}:{rest}"
-    return message

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import typing
 from collections.abc import Sequence
@@ -20,12 +19,9 @@ from gpipe_cli.recipe.yamlio import RecipeError, dump, parse_document, parse_val
 __all__ = ["RecipeError", "apply_override", "default_recipe_text", "load_recipe", "parse_override",
            "recipe_label", "recipe_yaml", "validate"]
 
-DEFAULT_RECIPE = "quickstart.yaml"
-
-
 def default_recipe_text() -> str:
     """The small recipe `gpipe train` runs when given none."""
-    return resources.files("gpipe_cli.recipe").joinpath(DEFAULT_RECIPE).read_text()
+    return resources.files("gpipe_cli.recipe").joinpath("quickstart.yaml").read_text()
 
 
 def recipe_label(path: str | Path | None) -> str:
@@ -88,10 +84,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     node[parts[-1]] = value
 
 
-def _resolve_preset(raw: dict[str, Any], label: str) -> dict[str, Any]:
-    model = raw.get("model")
-    if not isinstance(model, dict) or not model.get("preset"):
-        return raw
+def _preset_section(model: dict[str, Any], label: str) -> dict[str, Any]:
+    """The model section with its preset's parameters filled in under the keys the recipe gives."""
     from gpipe_cli.models.registry import resolve_preset
 
     explicit = {k: v for k, v in model.items() if k not in ("kind", "preset")}
@@ -102,11 +96,8 @@ def _resolve_preset(raw: dict[str, Any], label: str) -> dict[str, Any]:
     if model.get("kind") not in (None, kind):
         raise RecipeError(f"{label}: model.kind is {shown(model['kind'])} but preset {shown(model['preset'])} "
                           f"is a model of kind {shown(kind)}; leave model.kind out or set it to {shown(kind)}")
-    section = MODEL_SECTIONS[kind]
-    known = {k: v for k, v in params.items() if k in section.model_fields}
-    out = copy.deepcopy(raw)
-    out["model"] = {"kind": kind, "preset": model["preset"], **known, **explicit}
-    return out
+    known = {k: v for k, v in params.items() if k in MODEL_SECTIONS[kind].model_fields}
+    return {"kind": kind, "preset": model["preset"], **known, **explicit}
 
 
 def validate(raw: dict[str, Any], label: str, check_data: bool = True) -> Recipe:
@@ -116,9 +107,19 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True) -> Recipe
         # Resolving a preset needs the model zoo, which imports torch: check every other section
         # first, so that their mistakes are still reported at once.
         _validated({**raw, "model": {"kind": DEFAULT_KIND}}, label)
-    recipe = _validated(_resolve_preset(raw, label), label)
-    if check_data:
-        _check_paths(recipe, label)
+        raw = {**raw, "model": _preset_section(model, label)}
+    recipe = _validated(raw, label)
+    if not check_data:
+        return recipe
+    data = recipe.data
+    # os.path.exists: False (not an exception) for names too long for the file system
+    if data.source in LOCAL_SOURCES and data.path and not os.path.exists(data.path):
+        raise RecipeError(f"{label}: data.path: no such file or directory: {shown(data.path)}")
+    if data.tokenizer and not os.path.exists(data.tokenizer):
+        raise RecipeError(f"{label}: data.tokenizer: no such sentencepiece model: {shown(data.tokenizer)}")
+    if data.tokenizer and os.path.isdir(data.tokenizer):
+        raise RecipeError(f"{label}: data.tokenizer: {shown(data.tokenizer)} is a directory; give the "
+                          "sentencepiece model file (.model) in it")
     return recipe
 
 
@@ -130,18 +131,6 @@ def _validated(raw: dict[str, Any], label: str) -> Recipe:
         message = _describe(dict(errors[0]), raw)
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
         raise RecipeError(f"{label}: {message}{more}") from None
-
-
-def _check_paths(recipe: Recipe, label: str) -> None:
-    data = recipe.data
-    # os.path.exists: False (not an exception) for names too long for the file system
-    if data.source in LOCAL_SOURCES and data.path and not os.path.exists(data.path):
-        raise RecipeError(f"{label}: data.path: no such file or directory: {shown(data.path)}")
-    if data.tokenizer and not os.path.exists(data.tokenizer):
-        raise RecipeError(f"{label}: data.tokenizer: no such sentencepiece model: {shown(data.tokenizer)}")
-    if data.tokenizer and os.path.isdir(data.tokenizer):
-        raise RecipeError(f"{label}: data.tokenizer: {shown(data.tokenizer)} is a directory; give the "
-                          "sentencepiece model file (.model) in it")
 
 
 def _section_model(loc: Sequence[str | int], raw: dict[str, Any]) -> type[BaseModel] | None:
@@ -192,7 +181,9 @@ def _allowed_range(loc: Sequence[str | int], raw: dict[str, Any]) -> str | None:
 # Errors whose words need nothing of the schema: what the key must be (and the value given).
 _PLAIN = {"missing": "is required", "string_too_short": "must not be empty",
           "finite_number": "must be a finite number {got}", "bool_number": "must be a number, not true or false {got}",
-          "string_pattern_mismatch": "may contain only letters, digits, '.', '_' and '-' {got}"}
+          "literal_error": "must be {expected} {got}",
+          "string_pattern_mismatch": "may contain only letters, digits, '.', '_' and '-' {got}",
+          "string_too_long": "must be at most {max_length} characters long {got}"}
 _KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
           "list": "a list", "dict": "a mapping", "model": "a mapping", "tuple": "a list"}
 
@@ -216,13 +207,9 @@ def _describe(error: dict[str, Any], raw: dict[str, Any]) -> str:
         allowed = _allowed_range(loc, raw) or f"{op} {ctx[bound]}"
         return f"{key}: must be {allowed} {got}"
     if kind in _PLAIN:
-        return f"{key}: " + _PLAIN[kind].format(got=got)
-    if kind == "string_too_long":
-        return f"{key}: must be at most {ctx.get('max_length')} characters long {got}"
+        return f"{key}: " + _PLAIN[kind].format(got=got, **ctx)
     if kind in ("too_long", "too_short") and isinstance(ctx.get("field_type"), str):
         return f"{key}: must be a list of {ctx.get('min_length', ctx.get('max_length'))} numbers {got}"
-    if kind == "literal_error":
-        return f"{key}: must be {ctx.get('expected', 'one of the allowed values')} {got}"
     if kind == "union_tag_invalid":
         tags = [t.strip() for t in str(ctx.get("expected_tags", "")).split(",")]
         allowed = " or ".join([", ".join(tags[:-1]), tags[-1]] if len(tags) > 1 else tags)
@@ -233,6 +220,6 @@ def _describe(error: dict[str, Any], raw: dict[str, Any]) -> str:
     if kind == "value_error":
         return str(error["msg"]).removeprefix("Value error, ")
     for name, kind_words in _KINDS.items():
-        if kind.startswith(name + "_") or kind == name + "_type":
+        if kind.startswith(name + "_"):
             return f"{key}: must be {kind_words} {got}"
     return f"{key}: {error['msg']} {got}"

@@ -37,16 +37,6 @@ def live_states(genotype: CellGenotype, prev_mode: PrevMode) -> list[tuple[int, 
     return out
 
 
-def _split(states: tuple[torch.Tensor, ...], live: tuple[int, ...],
-           raw: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor], tuple[torch.Tensor, ...]]:
-    """(input, live states by index, carried) of a tuple between two layers of a cell."""
-    x = states[0]
-    hidden = dict(zip(live, states[1:1 + len(live)], strict=True))
-    if raw:
-        hidden[1] = x
-    return x, hidden, tuple(states[1 + len(live):])
-
-
 class _ContiguousGrad(torch.autograd.Function):
     """The identity, whose gradient is made contiguous."""
 
@@ -116,7 +106,10 @@ class Combination(nn.Module):
         return f"state {2 + self.index} = {self.reads[0]} + {self.reads[1]}, live={self.live_in}"
 
     def forward(self, states: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        x, hidden, carried = _split(states, self.live_in, self.raw)
+        x, carried = states[0], tuple(states[1 + len(self.live_in):])
+        hidden = dict(zip(self.live_in, states[1:1 + len(self.live_in)], strict=True))
+        if self.raw:
+            hidden[1] = x
         hidden[2 + self.index] = self.left(hidden[self.reads[0]]) + self.right(hidden[self.reads[1]])
         if self.concat:
             # The concatenation hands each state a strided slice of its gradient, where a state received across a

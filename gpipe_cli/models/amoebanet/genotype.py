@@ -29,7 +29,6 @@ class CellGenotype:
 class Genotype:
     """A normal cell and a reduction cell."""
 
-    name: str
     normal: CellGenotype
     reduction: CellGenotype
 
@@ -39,7 +38,6 @@ class Genotype:
 # read it. That is what the reference builds (and what the published parameter counts need), so it
 # is kept rather than "corrected" to the paper's figure.
 AMOEBANET_D = Genotype(
-    name="d",
     normal=CellGenotype(
         operations=("1x1", "max_pool_3x3", "none", "1x7_7x1", "1x1",
                     "1x7_7x1", "max_pool_3x3", "none", "avg_pool_3x3", "1x1"),
@@ -55,7 +53,6 @@ AMOEBANET_D = Genotype(
 )
 
 AMOEBANET_B = Genotype(
-    name="b",
     normal=CellGenotype(
         operations=("1x1", "max_pool_3x3", "none", "separable_3x3_2", "1x1",
                     "separable_3x3_2", "1x1", "none", "avg_pool_3x3", "1x1"),

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gpipe_cli.models.amoebanet.cells import COMBINATIONS, Combination, Preprocess, PrevMode, live_states, state_widths
 from gpipe_cli.models.amoebanet.genotype import GENOTYPES, CellGenotype
 from gpipe_cli.models.amoebanet.heads import AuxHead, Classifier, Stem, he_built
 from gpipe_cli.models.base import LayerSpec, ModelSpec, is_fraction, is_int, require
-from gpipe_cli.models.losses import smoothed_cross_entropy
 
 # Layout (as in the TensorFlow TPU reference ImageNet model): a 32-filter stride-2 stem convolution,
 # two reduction cells at D/4 and D/2 filters, then three stacks of L/3 normal cells at D, 2D and 4D
@@ -97,21 +97,13 @@ def _build_piece(genotype_name: str, plan: CellPlan, piece: int) -> nn.Module:
     return he_built(Combination, cell, piece - 1, widths, plan.channels, plan.reduction, plan.prev_mode)
 
 
-def cell_layers(genotype_name: str, plan: CellPlan) -> list[LayerSpec]:
-    """A cell's pipeline layers: `<cell>.preprocess`, then `<cell>.combine_1` to `_5` (the last concatenates)."""
-    names = ["preprocess", *(f"combine_{k}" for k in range(1, COMBINATIONS + 1))]
-    return [LayerSpec(f"{plan.name}.{name}", functools.partial(_build_piece, genotype_name, plan, piece))
-            for piece, name in enumerate(names)]
-
-
 def amoebanet_loss(output: Any, targets: torch.Tensor, label_smoothing: float = 0.1,
                    aux_weight: float = AUX_WEIGHT) -> torch.Tensor:
     """Label-smoothed cross-entropy, plus the weighted auxiliary loss when the output carries one."""
-    if isinstance(output, torch.Tensor):
-        return smoothed_cross_entropy(output, targets, label_smoothing)
-    loss = smoothed_cross_entropy(output[0], targets, label_smoothing)
-    for aux in output[1:]:
-        loss = loss + aux_weight * smoothed_cross_entropy(aux, targets, label_smoothing)
+    logits, *auxiliary = (output,) if isinstance(output, torch.Tensor) else output
+    loss = F.cross_entropy(logits.float(), targets, label_smoothing=label_smoothing)
+    for aux in auxiliary:
+        loss = loss + aux_weight * F.cross_entropy(aux.float(), targets, label_smoothing=label_smoothing)
     return loss
 
 
@@ -139,21 +131,18 @@ def build_amoebanet(variant: str = "d", layers: int = 18, filters: int = 256, nu
     plans = plan_cells(variant, layers, filters, image_size)
     specs = [LayerSpec("stem", functools.partial(he_built, Stem, STEM_FILTERS))]
     aux_after = f"cell_2_{layers // 3}"
+    pieces = ["preprocess", *(f"combine_{k}" for k in range(1, COMBINATIONS + 1))]  # the last concatenates
     for plan in plans:
-        specs += cell_layers(variant, plan)
+        specs += [LayerSpec(f"{plan.name}.{name}", functools.partial(_build_piece, variant, plan, piece))
+                  for piece, name in enumerate(pieces)]
         if aux_head and plan.name == aux_after:
             specs.append(LayerSpec("aux_head", functools.partial(
                 he_built, AuxHead, plan.out_channels, num_classes, plan.spatial)))
     specs.append(LayerSpec("classifier", functools.partial(Classifier, plans[-1].out_channels, num_classes, dropout)))
 
-    config = dict(kind="amoebanet", variant=variant, layers=layers, filters=filters,
-                  num_classes=num_classes, image_size=image_size, dropout=dropout,
-                  aux_head=aux_head, label_smoothing=label_smoothing)
     return ModelSpec(
-        name=f"amoebanet-{variant}-{layers}-{filters}",
-        task="image",
-        layers=specs,
+        name=f"amoebanet-{variant}-{layers}-{filters}", task="image", layers=specs,
         loss=functools.partial(amoebanet_loss, label_smoothing=label_smoothing),
         example_batch=functools.partial(image_batch, image_size=image_size, num_classes=num_classes),
-        config=config,
-    )
+        config=dict(kind="amoebanet", variant=variant, layers=layers, filters=filters, num_classes=num_classes,
+                    image_size=image_size, dropout=dropout, aux_head=aux_head, label_smoothing=label_smoothing))

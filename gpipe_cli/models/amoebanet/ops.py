@@ -68,11 +68,7 @@ class SeparableStack(nn.Module):
 
 def _bottleneck(in_channels: int, out_channels: int, core: list[nn.Module], reduced: int) -> nn.Sequential:
     """ReLU-1x1 down to `reduced` channels, the core convolution(s), ReLU-1x1 back up, with BNs."""
-    return nn.Sequential(
-        *conv_bn(in_channels, reduced),
-        nn.ReLU(), *core,
-        *conv_bn(reduced, out_channels),
-    )
+    return nn.Sequential(*conv_bn(in_channels, reduced), nn.ReLU(), *core, *conv_bn(reduced, out_channels))
 
 
 def _conv_3x3(in_channels: int, out_channels: int, stride: int) -> nn.Module:

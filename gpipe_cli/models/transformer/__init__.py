@@ -1,5 +1,5 @@
 """The GPipe paper's Transformer (encoder-decoder and decoder-only) as pipeline layer sequences."""
 
-from gpipe_cli.models.transformer.network import build_transformer, token_batch, transformer_loss
+from gpipe_cli.models.transformer.network import build_transformer
 
-__all__ = ["build_transformer", "token_batch", "transformer_loss"]
+__all__ = ["build_transformer"]

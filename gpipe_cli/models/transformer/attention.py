@@ -60,7 +60,12 @@ class MultiHeadAttention(nn.Module):
         # let it see every key instead. Its output is padding that the loss ignores anyway.
         mask = mask | ~mask.any(dim=-1, keepdim=True)
         if q.device.type == "meta":
-            y = _fused_shapes(q, k, v, mask)
+            # Shapes only, to price memory, as the fused kernels compute them: on meta torch picks the math path,
+            # saving every head's attention weights (heads x length^2 per example); the fused kernels save the
+            # inputs, the output and a log-sum-exp: priced the math way, a Transformer-L layer at length 1024 came
+            # out gigabytes larger than it trains.
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+            y = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)[0]
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out(y.transpose(1, 2).reshape(n, length, d))
@@ -68,12 +73,3 @@ class MultiHeadAttention(nn.Module):
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         n, length, d = x.shape
         return x.view(n, length, self.heads, d // self.heads).transpose(1, 2)
-
-
-def _fused_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention on the meta device (shapes only, to price memory) as the fused kernels compute it."""
-    # On meta torch picks the math path, saving every head's attention weights (heads x length^2 per example);
-    # the fused kernels save the inputs, the output and a log-sum-exp: priced the math way, a Transformer-L layer
-    # at length 1024 came out gigabytes larger than it trains.
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)[0]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
 
 import torch
 
@@ -26,11 +25,6 @@ def token_batch(n: int, device: torch.device | str, vocab_size: int, length: int
         return (source, target[:, :-1]), target[:, 1:]
     tokens = torch.randint(FIRST_WORD_ID, vocab_size, (n, length + 1), device=device)
     return tokens[:, :-1], tokens[:, 1:]
-
-
-def transformer_loss(output: Any, targets: torch.Tensor, label_smoothing: float = 0.1) -> torch.Tensor:
-    """Label-smoothed token cross-entropy averaged over non-padding target tokens."""
-    return token_cross_entropy(output, targets, label_smoothing)
 
 
 def build_transformer(arch: str = "encoder-decoder", layers: int = 6, d_model: int = 1024,
@@ -68,22 +62,13 @@ def build_transformer(arch: str = "encoder-decoder", layers: int = 6, d_model: i
     specs.append(LayerSpec("softmax", functools.partial(Softmax, d_model, vocab_size,
                                                         None if logit_clip is None else float(logit_clip))))
 
-    tied: list[tuple[str, ...]] = []
-    if tie_embeddings:
-        tied.append(("0.embed.weight", f"{len(specs) - 1}.proj.weight"))
-    config = dict(kind="transformer", arch=arch, layers=layers, d_model=d_model, ff=ff, heads=heads,
-                  vocab_size=vocab_size, max_len=max_len, dropout=dropout, positions=positions,
-                  tie_embeddings=tie_embeddings, scaled_init=scaled_init, logit_clip=logit_clip,
-                  label_smoothing=label_smoothing)
-    name = f"t-{layers}-{ff}-{heads}" if translation else f"lm-{layers}-{ff}-{heads}"
+    tied: list[tuple[str, ...]] = [("0.embed.weight", f"{len(specs) - 1}.proj.weight")] if tie_embeddings else []
     return ModelSpec(
-        name=name,
-        task="translation" if translation else "lm",
-        layers=specs,
-        loss=functools.partial(transformer_loss, label_smoothing=label_smoothing),
-        example_batch=functools.partial(token_batch, vocab_size=vocab_size, length=max_len,
-                                        translation=translation),
-        units=count_tokens,
-        tied=tied,
-        config=config,
-    )
+        name=f"t-{layers}-{ff}-{heads}" if translation else f"lm-{layers}-{ff}-{heads}",
+        task="translation" if translation else "lm", layers=specs, units=count_tokens, tied=tied,
+        loss=functools.partial(token_cross_entropy, label_smoothing=label_smoothing),
+        example_batch=functools.partial(token_batch, vocab_size=vocab_size, length=max_len, translation=translation),
+        config=dict(kind="transformer", arch=arch, layers=layers, d_model=d_model, ff=ff, heads=heads,
+                    vocab_size=vocab_size, max_len=max_len, dropout=dropout, positions=positions,
+                    tie_embeddings=tie_embeddings, scaled_init=scaled_init, logit_clip=logit_clip,
+                    label_smoothing=label_smoothing))
