@@ -81,6 +81,12 @@ class Tokenizer:
         self.path = path
         return path
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {"proto": self._proto, "path": self.path}  # the model once: the processor rebuilds from it
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["proto"], state["path"])  # type: ignore[misc]
+
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Train a BPE model on `texts` (BPE: unigram degenerates to characters on small repetitive corpora)."""
