@@ -345,6 +345,12 @@ def stage_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int, 
                      tuple(len(r) for r in chunks))
 
 
+def weights_floor(figures: ModelFigures, bytes_per_param: float) -> Callable[[int, int], float]:
+    """A stage's bytes at least, by its layers [start, stop): its weights, never fewer for a longer stage."""
+    params = figures.sums[2]
+    return lambda start, stop: (params[stop] - params[start]) * bytes_per_param
+
+
 def stage_chunks(balance: Sequence[int], schedule: str, virtual: int) -> list[list[range]]:
     """Each stage's layer ranges under `balance` (K x V chunks, placed as the schedule says), in chunk order."""
     ranges = partition.stage_ranges(balance)

@@ -109,10 +109,12 @@ EXHAUSTIVE = 20_000  # cuts into chunks few enough to price every one
 
 
 # A value may depend on the stage's place and need not add up over layers (a memory peak); `inf` marks a stage
-# that cannot be, and None a problem where every split has one. Exact, O(K·L²) calls of `value`.
-def min_max_split(layers: int, partitions: int,
-                  value: Callable[[int, int, int], float]) -> tuple[float, list[int]] | None:
+# that cannot be, and None a problem where every split has one. Exact, at most O(K·L²) calls of `value`: a pair
+# that cannot beat the best split found so far is not priced, nor, past a `floor` that reaches it, any longer stage.
+def min_max_split(layers: int, partitions: int, value: Callable[[int, int, int], float],
+                  floor: Callable[[int, int], float] | None = None) -> tuple[float, list[int]] | None:
     """The contiguous K-way split minimising the largest `value(stage, start, stop)`, and that largest value."""
+    # `floor(start, stop)`: at most `value`, and never smaller for a longer stage (a sum of non-negative costs).
     check_partitions(layers, partitions)
     n, inf = layers, float("inf")
     # best[k][j]: the smallest largest value of the first j layers as stages 0..k-1.
@@ -120,9 +122,12 @@ def min_max_split(layers: int, partitions: int,
     cut: list[list[int]] = [[0] * (n + 1)]
     for k in range(1, partitions + 1):
         row, cuts = [inf] * (n + 1), [0] * (n + 1)
-        for j in range(k, n - (partitions - k) + 1):
+        # The last stage ends at the last layer: of its row only that entry is read.
+        for j in range(k, n - (partitions - k) + 1) if k < partitions else (n,):
             for i in range(j - 1, k - 2, -1):
-                if best[k - 1][i] == inf:
+                if floor is not None and floor(i, j) >= row[j]:
+                    break
+                if best[k - 1][i] >= row[j]:
                     continue
                 found = max(best[k - 1][i], value(k - 1, i, j))
                 if found < row[j]:
@@ -137,7 +142,8 @@ def balance_within(costs: Sequence[float], partitions: int, fits: Callable[[int,
     """The contiguous K-way split minimising the largest stage cost among those where every stage fits, or None."""
     prefix = [0.0, *itertools.accumulate(float(c) for c in costs)]
     found = min_max_split(len(costs), partitions,
-                          lambda stage, i, j: prefix[j] - prefix[i] if fits(stage, i, j) else float("inf"))
+                          lambda stage, i, j: prefix[j] - prefix[i] if fits(stage, i, j) else float("inf"),
+                          lambda i, j: prefix[j] - prefix[i])
     return None if found is None else found[1]
 
 

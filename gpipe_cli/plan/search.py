@@ -245,7 +245,8 @@ def min_max_memory(model: Model, config: Config) -> tuple[float, list[int]]:
         needs = _needs(model, config, per_replica)
         balance = partition.least_memory(partition.balance_by_cost(weights, config.partitions * config.virtual), needs)
         return max(needs(balance)), balance
-    found = partition.min_max_split(model.layers, config.partitions, _stage_need(model, config, per_replica))
+    found = partition.min_max_split(model.layers, config.partitions, _stage_need(model, config, per_replica),
+                                    mm.weights_floor(model.figures, model.bytes_per_param))
     assert found is not None  # every stage has a finite need
     return found
 

@@ -65,7 +65,8 @@ class StageMemory:
             assert costs, "an interleaved search starts from the min-max cut of the layers' costs"
             balance = partition.least_memory(partition.balance_by_cost(costs, self.stages * virtual), self.needs)
         else:
-            found = partition.min_max_split(len(self.figures.layers), self.stages, self.need)
+            found = partition.min_max_split(len(self.figures.layers), self.stages, self.need,
+                                            mm.weights_floor(self.figures, self.bytes_per_param))
             assert found is not None  # every stage has a finite need
             balance = found[1]
         needs = self.needs(balance)

@@ -205,3 +205,51 @@ def _compositions(total, parts):
     for first in range(1, total - parts + 2):
         for rest in _compositions(total - first, parts - 1):
             yield (first, *rest)
+
+
+
+def _every_pair_priced(n, k, value):
+    """The min-max split by pricing every (stage, start, stop) the recurrence visits: the reference."""
+    inf = float("inf")
+    best, cut = [[0.0] + [inf] * n], [[0] * (n + 1)]
+    for stage in range(1, k + 1):
+        row, cuts = [inf] * (n + 1), [0] * (n + 1)
+        for j in range(stage, n - (k - stage) + 1):
+            for i in range(j - 1, stage - 2, -1):
+                found = max(best[stage - 1][i], value(stage - 1, i, j))
+                if found < row[j]:
+                    row[j], cuts[j] = found, i
+        best.append(row)
+        cut.append(cuts)
+    bounds = [n]
+    for stage in range(k, 0, -1):
+        bounds.append(cut[stage][bounds[-1]])
+    return best[k][n], [b - a for a, b in itertools.pairwise(reversed(bounds))]
+
+
+def test_the_pruned_split_is_the_split_of_every_pair_priced_and_a_floor_prices_fewer():
+    rng = random.Random(11)
+    priced = {"every": 0, "pruned": 0, "floored": 0}
+    for _ in range(300):
+        n, k = rng.randint(1, 24), rng.randint(1, 5)
+        if k > n:
+            continue
+        weights = [rng.uniform(0.0, 5.0) for _ in range(n)]
+        bumps = [rng.uniform(0.0, 8.0) for _ in range(n + 1)]
+        prefix = [0.0, *itertools.accumulate(weights)]
+
+        # Not additive (a peak at the stage's boundary), yet never below the stage's summed weights.
+        def value(stage, start, stop, prefix=prefix, bumps=bumps, k=k):
+            return prefix[stop] - prefix[start] + (k - stage) * bumps[start]
+
+        def counted(name, value=value):
+            def priced_value(*args):
+                priced[name] += 1
+                return value(*args)
+            return priced_value
+
+        expected = _every_pair_priced(n, k, counted("every"))
+        assert partition.min_max_split(n, k, counted("pruned")) == expected
+        floor = lambda i, j, prefix=prefix: prefix[j] - prefix[i]  # noqa: E731
+        assert partition.min_max_split(n, k, counted("floored"), floor) == expected
+    assert priced["floored"] < priced["pruned"] < priced["every"]
