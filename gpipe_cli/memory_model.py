@@ -195,6 +195,27 @@ _IN_HOST = (2, 3, 4, 5, 6)       # and host memory
 WINDOW = 2
 
 
+class _Tally:
+    """Keys (micro-batch, chunk) that count themselves per chunk as they come and go."""
+
+    def __init__(self, chunks: Sequence[int]) -> None:
+        self.keys: set[tuple[int, int]] = set()
+        self.per_chunk = dict.fromkeys(chunks, 0)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys
+
+    def add(self, key: tuple[int, int]) -> None:
+        if key not in self.keys:
+            self.keys.add(key)
+            self.per_chunk[key[1]] += 1
+
+    def discard(self, key: tuple[int, int]) -> None:
+        if key in self.keys:
+            self.keys.remove(key)
+            self.per_chunk[key[1]] -= 1
+
+
 @functools.lru_cache(maxsize=4096)
 def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint: str,
           virtual: int = 1, offload: str = "none") -> tuple[tuple[int, tuple[int, ...]], ...]:
@@ -210,16 +231,17 @@ def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint:
     restores = [(a.microbatch, a.chunk) for a in restoring]
     after = dict(zip(restores, restores[1:]))  # what each restore brings back next (pipeline/executor.py)
     first = {id(a) for a in restoring}
-    held: tuple[set[tuple[int, int]], ...] = tuple(set() for _ in KEPT)
+    # Counted as they change: a walk of M micro-batches would otherwise recount O(M) keys at each of its points.
+    held = tuple(_Tally(chunks) for _ in KEPT)
     whole, inputs, host, parked, fetched, active, redone = held
     points = []
 
     def counts() -> tuple[int, ...]:
-        return tuple(sum(k[1] == c for k in kept) for c in chunks for kept in held)
+        return tuple(kept.per_chunk[c] for c in chunks for kept in held)
 
-    def bring(key: tuple[int, int] | None, moves: tuple[tuple[set, set], ...]) -> None:
+    def bring(key: tuple[int, int] | None, moves: tuple[tuple[_Tally, _Tally], ...]) -> None:
         for away, back in moves:
-            if key in away:
+            if key is not None and key in away:
                 away.discard(key)
                 back.add(key)
 
