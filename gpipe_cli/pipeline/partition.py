@@ -112,16 +112,18 @@ EXHAUSTIVE = 20_000  # cuts into chunks few enough to price every one
 # that cannot be, and None a problem where every split has one. Exact, at most O(K·L²) calls of `value`: a pair
 # that cannot beat the best split found so far is not priced, nor, past a `floor` that reaches it, any longer stage.
 def min_max_split(layers: int, partitions: int, value: Callable[[int, int, int], float],
-                  floor: Callable[[int, int], float] | None = None) -> tuple[float, list[int]] | None:
+                  floor: Callable[[int, int], float] | None = None,
+                  below: float = float("inf")) -> tuple[float, list[int]] | None:
     """The contiguous K-way split minimising the largest `value(stage, start, stop)`, and that largest value."""
     # `floor(start, stop)`: at most `value`, and never smaller for a longer stage (a sum of non-negative costs).
+    # `below`: only a split whose largest value is less counts (None if none is): what cannot beat it goes unpriced.
     check_partitions(layers, partitions)
     n, inf = layers, float("inf")
     # best[k][j]: the smallest largest value of the first j layers as stages 0..k-1.
     best = [[0.0] + [inf] * n]
     cut: list[list[int]] = [[0] * (n + 1)]
     for k in range(1, partitions + 1):
-        row, cuts = [inf] * (n + 1), [0] * (n + 1)
+        row, cuts = [below] * (n + 1), [0] * (n + 1)
         # The last stage ends at the last layer: of its row only that entry is read.
         for j in range(k, n - (partitions - k) + 1) if k < partitions else (n,):
             for i in range(j - 1, k - 2, -1):
@@ -134,7 +136,7 @@ def min_max_split(layers: int, partitions: int, value: Callable[[int, int, int],
                     row[j], cuts[j] = found, i
         best.append(row)
         cut.append(cuts)
-    return None if best[partitions][n] == inf else (best[partitions][n], _unwind(cut, n, partitions))
+    return None if best[partitions][n] >= below else (best[partitions][n], _unwind(cut, n, partitions))
 
 
 # `fits(stage, start, stop)`: whether layers start..stop-1 fit as stage `stage`.

@@ -235,8 +235,8 @@ def _rank_key(outcome: Outcome) -> tuple[float, bool, float, int, int, int]:
             REMAT_MODES.index(c.checkpoint))
 
 
-def min_max_memory(model: Model, config: Config) -> tuple[float, list[int]]:
-    """The least memory the fullest stage can need under `config`."""
+def min_max_memory(model: Model, config: Config, below: float = math.inf) -> tuple[float, list[int]] | None:
+    """The least memory the fullest stage can need under `config`, if less than `below`."""
     # Exact for V=1 (a min-max cut of stage memory); interleaved: what `partition.least_memory` finds from the
     # min-max-time cut.
     per_replica = model.batch // config.replicas
@@ -244,11 +244,9 @@ def min_max_memory(model: Model, config: Config) -> tuple[float, list[int]]:
         weights = model.profile(config).balance_costs(config.checkpoint)
         needs = _needs(model, config, per_replica)
         balance = partition.least_memory(partition.balance_by_cost(weights, config.partitions * config.virtual), needs)
-        return max(needs(balance)), balance
-    found = partition.min_max_split(model.layers, config.partitions, _stage_need(model, config, per_replica),
-                                    mm.weights_floor(model.figures, model.bytes_per_param))
-    assert found is not None  # every stage has a finite need
-    return found
+        return (max(needs(balance)), balance) if max(needs(balance)) < below else None
+    return partition.min_max_split(model.layers, config.partitions, _stage_need(model, config, per_replica),
+                                   mm.weights_floor(model.figures, model.bytes_per_param), below)
 
 
 def search(model: Model, hw: Hardware) -> Result:
@@ -258,7 +256,12 @@ def search(model: Model, hw: Hardware) -> Result:
     refused = sorted((o for o in outcomes if not o.fits), key=_rank_key)
     result = Result(ranked, refused)
     if not ranked and refused:
-        need, balance, outcome = min(((*min_max_memory(model, o.config), o) for o in refused), key=lambda x: x[0])
+        need, outcome = math.inf, refused[0]
+        balance: list[int] = []
+        for candidate in refused:  # the first of the least; each search prices only what could need less
+            found = min_max_memory(model, candidate.config, need)
+            if found is not None:
+                (need, balance), outcome = found, candidate
         result.smallest_memory = need
         needs = _needs(model, outcome.config, model.batch // outcome.config.replicas)
         result.smallest = dataclasses.replace(outcome, balance=balance, memory=needs(balance))
