@@ -244,7 +244,8 @@ def min_max_memory(model: Model, config: Config, below: float = math.inf) -> tup
         weights = model.profile(config).balance_costs(config.checkpoint)
         needs = _needs(model, config, per_replica)
         balance = partition.least_memory(partition.balance_by_cost(weights, config.partitions * config.virtual), needs)
-        return (max(needs(balance)), balance) if max(needs(balance)) < below else None
+        least = max(needs(balance))
+        return (least, balance) if least < below else None
     return partition.min_max_split(model.layers, config.partitions, _stage_need(model, config, per_replica),
                                    mm.weights_floor(model.figures, model.bytes_per_param), below)
 
