@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import heapq
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -171,12 +172,12 @@ def simulate(lists: Sequence[ActionList], cost: Cost, latency: Cost | None = Non
              placement: str = "loop", rate: Rate | None = None) -> list[list[Span]]:
     """Every stage's spans when the lists run on ideal devices, compute taking `cost` and messages `latency`."""
     run = _Run(lists, cost, latency or (lambda stage, action: 0.0), placement)
+    movable = list(range(len(lists)))
     while True:
-        while any([run.advance(s) for s in range(len(lists))]):  # a message sent now may be received now
-            pass
+        run.settle(movable)
         if not run.running and run.done():
             return run.spans
-        run.step(rate(len(run.running)) if rate is not None and run.running else 1.0)
+        movable = run.step(rate(len(run.running)) if rate is not None and run.running else 1.0)
 
 
 class _Run:
@@ -187,7 +188,8 @@ class _Run:
         self.arrival: dict[tuple[int, Kind, int, int], float] = {}
         self.spans: list[list[Span]] = [[] for _ in lists]
         self.cursor, self.since = [0] * len(lists), [0.0] * len(lists)
-        self.running: dict[int, tuple[float, float]] = {}  # stage -> (start, work left in all-busy seconds)
+        self.running: dict[int, float] = {}  # stage -> work left in all-busy seconds (it started at `since`)
+        self.waiting: dict[int, tuple[int, Kind, int, int]] = {}  # stage -> the arrival its next receive waits for
         self.now = 0.0
 
     def done(self) -> bool:
@@ -203,49 +205,60 @@ class _Run:
         self.since[stage] = end
         self.cursor[stage] += 1
 
-    def advance(self, stage: int) -> bool:
-        """Take `stage` through its messages up to its next compute (started) or a message not yet here."""
-        moved = False
-        while stage not in self.running and (action := self._next(stage)) is not None:
+    # As polling every stage in turn until none moves, in the same order (the costs are asked for in it): a message
+    # sent now lets a later stage move in this round, an earlier one in the next.
+    def settle(self, stages: list[int]) -> None:
+        """Advance `stages` (all that may move now) in rounds of ascending stage order until none moves."""
+        turns = [(0, stage) for stage in sorted(stages)]
+        while turns:
+            turn, stage = heapq.heappop(turns)
+            for other in self.advance(stage):
+                heapq.heappush(turns, (turn + (other <= stage), other))
+
+    def advance(self, stage: int) -> list[int]:
+        """Take `stage` up to its next compute (started) or a message not yet here: whom its messages reach now."""
+        reached, now, actions, cursor = [], self.now, self.lists[stage], self.cursor
+        while stage not in self.running and cursor[stage] < len(actions):
+            action = actions[cursor[stage]]
             if action.kind in _RECV:
-                at = self.arrival.get(_key(action, stage))
-                if at is None or at > self.now:
+                key = (stage, action.kind, action.chunk, action.microbatch)
+                at = self.arrival.get(key)
+                if at is None or at > now:
+                    self.waiting[stage] = key
                     break
-                self._finish(stage, self.since[stage], self.now)
+                self.waiting.pop(stage, None)
+                self._finish(stage, self.since[stage], now)
             elif action.kind in _SEND:
                 other, chunk = peer(action, len(self.lists), self.placement)
                 recv = Kind.RECV_FWD if action.kind == Kind.SEND_FWD else Kind.RECV_BWD
-                self.arrival[(other, recv, chunk, action.microbatch)] = self.now + self.latency(stage, action)
-                self._finish(stage, self.now, self.now)
+                at = self.arrival[(other, recv, chunk, action.microbatch)] = now + self.latency(stage, action)
+                if at <= now:
+                    reached.append(other)
+                self._finish(stage, now, now)
             elif action.kind in COMPUTE:
-                self.running[stage] = (self.now, self.cost(stage, action))
+                self.running[stage] = self.cost(stage, action)
             else:
-                self._finish(stage, self.now, self.now)
-            moved = True
-        return moved
+                self._finish(stage, now, now)
+        return reached
 
-    def step(self, speed: float) -> None:
-        """Move time to the next compute end or awaited arrival, draining the running compute at `speed`."""
-        ends = {s: self.now + left / speed for s, (_, left) in self.running.items()}
-        waits = [at for s in range(len(self.lists)) if s not in self.running
-                 for action in [self._next(s)] if action is not None and action.kind in _RECV
-                 for at in [self.arrival.get(_key(action, s), -1.0)] if at > self.now]
-        if not ends and not waits:
+    def step(self, speed: float) -> list[int]:
+        """Move time to the next compute end or awaited arrival, draining compute at `speed`: who may move then."""
+        now = self.now
+        waits = {s: at for s, key in self.waiting.items() if (at := self.arrival.get(key, -1.0)) > now}
+        if not self.running and not waits:
             stuck = {s: str(a) for s in range(len(self.lists)) if (a := self._next(s)) is not None}
             raise RuntimeError(f"schedule deadlocks: stages wait at {stuck}")
-        later = min([*ends.values(), *waits])
-        for s, (start, left) in list(self.running.items()):
-            if ends[s] <= later:
-                del self.running[s]
-                self._finish(s, start, later)
-            else:
-                self.running[s] = (start, left - (later - self.now) * speed)
+        ends = [now + left / speed for left in self.running.values()]
+        later = min([*ends, *waits.values()])
+        movable = [s for s, at in waits.items() if at <= later]
+        ended = [s for s, end in zip(self.running, ends) if end <= later]
+        for s in ended:
+            del self.running[s]
+            self._finish(s, self.since[s], later)
+        drained = (later - now) * speed
+        self.running = {s: left - drained for s, left in self.running.items()}
         self.now = later
-
-
-def _key(action: Action, stage: int) -> tuple[int, Kind, int, int]:
-    """The arrival a receive waits for."""
-    return stage, action.kind, action.chunk, action.microbatch
+        return movable + ended
 
 
 def bubble(spans: Sequence[Sequence[Span]]) -> float:

@@ -4,10 +4,11 @@ import pytest
 
 from gpipe_cli.estimate.simulate import rate_model
 from gpipe_cli.pipeline import schedule as sched
+from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.schedule import Kind, Span
 
 
-def reference(lists, cost, latency):
+def reference(lists, cost, latency, placement="loop"):
     """The plain simulation, each stage on its own clock: what the simulator must give at one speed."""
     arrival, spans = {}, [[] for _ in lists]
     cursor, clock = [0] * len(lists), [0.0] * len(lists)
@@ -23,7 +24,7 @@ def reference(lists, cost, latency):
                     end = max(start, arrival[key])
                 elif action.kind in (Kind.SEND_FWD, Kind.SEND_BWD):
                     end = start
-                    other, chunk = sched.peer(action, len(lists))
+                    other, chunk = sched.peer(action, len(lists), placement)
                     recv = Kind.RECV_FWD if action.kind == Kind.SEND_FWD else Kind.RECV_BWD
                     arrival[(other, recv, chunk, action.microbatch)] = end + latency(s, action)
                 else:
@@ -66,6 +67,18 @@ def test_at_one_speed_each_stage_runs_on_its_own_clock(schedule, stages, microba
     for ours, theirs in zip(found, plain):
         for a, b in zip(ours, theirs):
             assert (a.start, a.end) == pytest.approx((b.start, b.end), abs=1e-9)
+
+
+@pytest.mark.parametrize("schedule", sched.SCHEDULES)
+@pytest.mark.parametrize("late", [0.0, 0.5])
+def test_tied_costs_and_free_messages_give_the_reference_spans_exactly(schedule, late):
+    """Costs of 1 or 2, messages free or half a unit late: stages wake each other at one instant (binary exact)."""
+    shape = schedules.get(schedule)
+    lists = sched.build_all(schedule, 4, 8, "except_last", 2 if shape.chunked else 1)
+    rng = random.Random(late)
+    drawn = {(s, a): rng.choice([1.0, 2.0]) for s, actions in enumerate(lists) for a in actions}
+    cost, latency = (lambda stage, action: drawn[(stage, action)]), (lambda stage, action: late)
+    assert sched.simulate(lists, cost, latency, shape.placement) == reference(lists, cost, latency, shape.placement)
 
 
 def test_a_rank_computing_alone_runs_at_its_alone_speed():
