@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,19 +77,20 @@ def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microba
     last = len(balance) - 1
     per_example = [size / costs.microbatch_size for size in microbatch.sizes(batch_size, microbatches)]
 
-    def cost(stage: int, action: Action) -> float:
-        layers = [costs.layers[i] for i in ranges[action.chunk]]
-        mb, kind = action.microbatch, action.kind
+    @functools.cache  # a chunk's seconds of one kind of work, summed once per simulation
+    def seconds(chunk: int, kind: Kind, remat: bool) -> float:
+        layers, loss = [costs.layers[i] for i in ranges[chunk]], costs.loss if chunk == last else 0.0
         if kind == Kind.FWD:
-            seconds = sum(t.forward_nograd if action.remat else t.forward for t in layers)
-            seconds += costs.loss if action.chunk == last else 0.0
-        elif kind == Kind.RECOMPUTE:
-            seconds = sum(t.recompute_seconds for t in layers)
-        elif kind in BACKWARD_SHARES:
-            seconds = sum(t.backward for t in layers) * BACKWARD_SHARES[kind]
-        else:
+            return sum(t.forward_nograd if remat else t.forward for t in layers) + loss
+        if kind == Kind.RECOMPUTE:
+            return sum(t.recompute_seconds for t in layers)
+        return sum(t.backward for t in layers) * BACKWARD_SHARES[kind]
+
+    def cost(stage: int, action: Action) -> float:
+        if action.kind not in sched.COMPUTE:
             return 0.0
-        return seconds * scale * per_example[mb] + overhead * len(layers)
+        return seconds(action.chunk, action.kind, action.remat) * scale * per_example[action.microbatch] + \
+            overhead * len(ranges[action.chunk])
 
     def latency(stage: int, action: Action) -> float:
         # A forward message carries this stage's output; a backward one the gradient of its input.
