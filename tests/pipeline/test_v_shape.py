@@ -3,6 +3,7 @@ zero-bubble-v and v-half train to plain training's parameters."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -11,11 +12,13 @@ import torch
 from gpipe_cli import memory_model as mm
 from gpipe_cli.pipeline import placement
 from gpipe_cli.pipeline import schedule as sched
+from gpipe_cli.pipeline.actions import SHORT
 from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_layers
 from gpipe_cli.pipeline.schedule import Kind
+from gpipe_cli.pipeline.schedules import v_shape
 from tests.multiproc import results, run_ranks
 from tests.pipeline import loopback, ranks, toy
 from tests.pipeline.test_engine import TOLERANCE
@@ -73,6 +76,32 @@ def test_zero_bubble_v_on_two_stages_idles_no_more_than_zero_bubble_when_message
 
     for latency in (0.1, 0.25):
         assert idle("zero-bubble-v", 2, latency) <= idle("zero-bubble", 1, latency) + 1e-9, latency
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_a_greedy_run_replayed_lasts_as_the_simulator_runs_its_orders(stages, monkeypatch):
+    """A run lists each step after what it needs, so its replay (a tick half a forward, a message one tick late or
+    free) ends when the simulated step of its orders does."""
+    units = {Kind.FWD: 1.0, Kind.BWD_INPUT: 1.0, Kind.BWD_WEIGHT: 1.0, Kind.BWD: 2.0}
+    microbatches, cost = 2 * stages + 1, lambda stage, action: units.get(action.kind, 0.0)
+    for forwards_first, between, delay in itertools.product((False, True), (None, 1, 2), (0, 1)):
+        run = v_shape._greedy(stages, microbatches, 2 * stages, forwards_first, between, delay)
+        ordered = tuple(tuple(step for s, step in run if s == stage) for stage in range(stages))
+        monkeypatch.setattr(v_shape, "orders", lambda *_, chosen=ordered: chosen)
+        lists = sched.build_all("zero-bubble-v", stages, microbatches, "never", 2)
+        for late in (0, 1):
+            spans = sched.simulate(lists, cost, lambda stage, action, t=late: t / 2, placement="v")
+            step = max(span.end for stage in spans for span in stage)
+            assert 2 * step == v_shape._replay(run, stages, microbatches, late), (forwards_first, between, delay)
+
+
+def test_zero_bubble_v_on_two_stages_keeps_its_order():
+    """The greedy run chosen for K=2, M=3: each stage's F, Bi, W and B (the first chunk's whole backward)."""
+    shown = [" ".join(f"{SHORT[kind]}{mb}/c{chunk}" for kind, mb, chunk in order)
+             for order in v_shape.orders(2, 3, 4)]
+    assert shown == ["F0/c0 F1/c0 F2/c0 F0/c3 Bi0/c3 W0/c3 F1/c3 Bi1/c3 B0/c0 B1/c0 W1/c3 F2/c3 Bi2/c3 W2/c3 B2/c0",
+                     "F0/c1 F0/c2 F1/c1 F1/c2 Bi0/c2 Bi0/c1 W0/c2 Bi1/c2 Bi1/c1 F2/c1 W0/c1 F2/c2 W1/c2 W1/c1 Bi2/c2 "
+                     "Bi2/c1 W2/c2 W2/c1"]
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])

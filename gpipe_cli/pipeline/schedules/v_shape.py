@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import collections
 import functools
-import heapq
 from abc import abstractmethod
 
 from gpipe_cli.pipeline.actions import Kind, Step
@@ -15,6 +15,8 @@ _COST = {Kind.FWD: _TICKS, Kind.BWD_INPUT: _TICKS, Kind.BWD_WEIGHT: _TICKS, Kind
 _DELAY = 1  # ticks a message takes between stages in the runs made with a delay
 
 Orders = tuple[tuple[Step, ...], ...]
+Run = list[tuple[int, Step]]  # (stage, step) in the order the steps started: what each needs comes before it
+_NEVER = 1 << 62  # when a step that has not run ended
 
 
 @functools.lru_cache(maxsize=64)
@@ -24,111 +26,103 @@ def orders(stages: int, microbatches: int, cap: int) -> Orders:
     # later at the same length (the first of equals wins).
     runs = [run for delay in (0, _DELAY) for between in (None, *range(1, cap)) for forwards_first in (False, True)
             if (run := _greedy(stages, microbatches, cap, forwards_first, between, delay)) is not None]
-    lengths = [_replay(run, stages, 0) for run in runs]
+    lengths = [_replay(run, stages, microbatches, 0) for run in runs]
     shortest = [run for run, length in zip(runs, lengths) if length == min(lengths)]  # the theory's bubble
-    return min(shortest, key=lambda run: _replay(run, stages, _DELAY))
+    best = min(shortest, key=lambda run: _replay(run, stages, microbatches, _DELAY))
+    return tuple(tuple(step for s, step in best if s == stage) for stage in range(stages))
 
 
-def _needs(step: Step, stages: int) -> list[tuple[Kind, int, int]]:
-    """What a step waits for: the (F or B, micro-batch, chunk) before it in the V."""
-    kind, mb, chunk = step
-    if kind == Kind.FWD:
-        return [(Kind.FWD, mb, chunk - 1)] if chunk else []
-    if kind == Kind.BWD_WEIGHT:
-        return [(Kind.BWD, mb, chunk)]
-    return [(Kind.FWD, mb, chunk)] + ([(Kind.BWD, mb, chunk + 1)] if chunk < 2 * stages - 1 else [])
+def _sees(stages: int, delay: int) -> tuple[list[int], list[int]]:
+    """The delay until each chunk sees the forward before it and the backward after it (0 on its own stage)."""
+    owners = [owner(chunk, stages, "v") for chunk in range(2 * stages)]
+    return ([delay if c > 0 and owners[c - 1] != owners[c] else 0 for c in range(2 * stages)],
+            [delay if c < 2 * stages - 1 and owners[c + 1] != owners[c] else 0 for c in range(2 * stages)])
 
 
-def _replay(run: Orders, stages: int, delay: int) -> int:
-    """When the orders end on ideal devices, each step as soon as its stage is free and what it needs has ended."""
-    ended: dict[tuple[Kind, int, int], int] = {}
-    at, free = [0] * stages, [0] * stages
-    moved = True
-    while moved:
-        moved = False
-        for s, order in enumerate(run):
-            while at[s] < len(order):
-                kind, mb, chunk = order[at[s]]
-                needs = _needs(order[at[s]], stages)
-                if any(need not in ended for need in needs):
-                    break
-                start = max([free[s], *(ended[need] + (delay if owner(need[2], stages, "v") != s else 0)
-                                        for need in needs)])
-                free[s] = start + _COST[kind]
-                ended[(Kind.BWD if kind == Kind.BWD_INPUT else kind, mb, chunk)] = free[s]
-                at[s] += 1
-                moved = True
+def _replay(run: Run, stages: int, microbatches: int, delay: int) -> int:
+    """When the run ends on ideal devices, each step as soon as its stage is free and what it needs has ended."""
+    # Rows of when each chunk's steps ended, per micro-batch: forwards shifted by one, row 0 the input, and the
+    # backwards' row 2K the loss, both there from the start.
+    fwd, bwd = ([[0] * microbatches for _ in range(2 * stages + 1)] for _ in range(2))
+    free, (sees_fwd, sees_bwd) = [0] * stages, _sees(stages, delay)
+    for s, (kind, mb, chunk) in run:
+        if kind == Kind.FWD:
+            free[s] = fwd[chunk + 1][mb] = max(free[s], fwd[chunk][mb] + sees_fwd[chunk]) + _COST[kind]
+        elif kind == Kind.BWD_WEIGHT:
+            free[s] = max(free[s], bwd[chunk][mb]) + _COST[kind]
+        else:
+            free[s] = bwd[chunk][mb] = max(free[s], fwd[chunk + 1][mb], bwd[chunk + 1][mb] + sees_bwd[chunk]) + \
+                _COST[kind]
     return max(free)
 
 
 # A step on one stage sees one on another `delay` ticks after it ended. Both rules finish for any cap of at least 2.
 def _greedy(stages: int, microbatches: int, cap: int, forwards_first: bool,
-            between: int | None, delay: int = 0) -> Orders | None:
-    """Every stage's order in the greedy run on ideal devices under the reserve or drain-`between` rule, or None."""
+            between: int | None, delay: int = 0) -> Run | None:
+    """The steps of the greedy run on ideal devices under the reserve or drain-`between` rule, or None."""
     k, m, last = stages, microbatches, 2 * stages - 1
-    finished: dict[tuple[Kind, int, int], int] = {}  # (F or B, micro-batch, chunk) -> when it ended
+    # When each chunk's steps ended, as in `_replay`, but not yet run: never.
+    fwd = [[0] * m] + [[_NEVER] * m for _ in range(2 * k)]
+    bwd = [[_NEVER] * m for _ in range(2 * k)] + [[0] * m]
+    sees_fwd, sees_bwd = _sees(k, delay)
     next_fwd, next_bwd = [0] * (last + 1), [0] * (last + 1)
-    pending: list[list[tuple[int, int]]] = [[] for _ in range(k)]  # (micro-batch, chunk) with B done, W not
+    pending: list[collections.deque[tuple[int, int]]] = [collections.deque() for _ in range(k)]  # B done, W not
     held, kept, free_at = [0] * k, [0] * k, [0] * k
-    out: list[list[Step]] = [[] for _ in range(k)]
+    out: Run = []
     left, now = 6 * m * k - m, 0  # F, B and W of each of 2K chunks; chunk 0 has no W
-    owners = [owner(chunk, k, "v") for chunk in range(last + 1)]
-    events: list[int] = []  # ticks when a step ends or its result reaches the other stages
+    # A stage that found nothing to start finds nothing until a step of its own or a neighbour's ends (or its result
+    # reaches it): only those ticks, and those stages, are looked at.
+    woken: collections.defaultdict[int, set[int]] = collections.defaultdict(set, {0: set(range(k))})
+    near = [{t for t in (s - 1, s, s + 1) if 0 <= t < k} for s in range(k)]
 
-    def ended(kind: Kind, mb: int, chunk: int, reader: int) -> bool:
-        return finished.get((kind, mb, chunk), now + 1) + (delay if owners[chunk] != owners[reader] else 0) <= now
-
-    def backward(chunk: int) -> Step | None:
-        mb = next_bwd[chunk]
-        if mb < m and ended(Kind.FWD, mb, chunk, chunk) and (chunk == last or ended(Kind.BWD, mb, chunk + 1, chunk)):
-            return (Kind.BWD if chunk == 0 else Kind.BWD_INPUT, mb, chunk)
-        return None
-
-    def forward(chunk: int) -> Step | None:
+    def forward(chunk: int) -> bool:
         mb = next_fwd[chunk]
-        if mb < m and (chunk == 0 or ended(Kind.FWD, mb, chunk - 1, chunk)):
-            return (Kind.FWD, mb, chunk)
-        return None
+        return mb < m and fwd[chunk][mb] + sees_fwd[chunk] <= now
+
+    def backward(chunk: int) -> bool:
+        mb = next_bwd[chunk]
+        return mb < m and fwd[chunk + 1][mb] <= now and bwd[chunk + 1][mb] + sees_bwd[chunk] <= now
 
     while left:
-        for s in range(k):
+        if not woken:  # nothing runs, nothing on its way: no later tick differs
+            return None
+        now = min(woken)
+        for s in woken.pop(now):
             if free_at[s] > now:
                 continue
             down, up = s, last - s
             slot = between is None or held[s] < cap
             room = held[s] + kept[s] + 2 <= cap if between is None else slot and kept[s] < between
-            upper = forward(up) if slot else None
-            if forwards_first:
-                step = upper or (forward(down) if room else None) or backward(up) or backward(down)
-            else:
-                step = backward(up) or backward(down) or upper or (forward(down) if room else None)
-            if step is None and pending[s]:
-                step = (Kind.BWD_WEIGHT, *pending[s].pop(0))
-            if step is None:
+            forwards = up if slot and forward(up) else down if room and forward(down) else None
+            backwards = up if backward(up) else down if backward(down) else None
+            back = backwards is not None and (forwards is None or not forwards_first)
+            chunk = backwards if back else forwards
+            if chunk is None and not pending[s]:
                 continue
-            kind, mb, chunk = step
-            if kind == Kind.FWD:
+            if chunk is None:
+                kind, (mb, chunk) = Kind.BWD_WEIGHT, pending[s].popleft()
+                held[s] -= 1
+                end = now + _TICKS
+            elif back:
+                kind, mb = Kind.BWD if chunk == 0 else Kind.BWD_INPUT, next_bwd[chunk]
+                next_bwd[chunk] += 1
+                if chunk:
+                    pending[s].append((mb, chunk))
+                else:
+                    held[s] -= 1
+                end = bwd[chunk][mb] = now + (_TICKS if chunk else 2 * _TICKS)
+            else:
+                kind, mb = Kind.FWD, next_fwd[chunk]
                 next_fwd[chunk] += 1
                 held[s] += 1
                 kept[s] += 1 if chunk == down else -1
-            elif kind in (Kind.BWD, Kind.BWD_INPUT):
-                next_bwd[chunk] += 1
-                if kind == Kind.BWD_INPUT:
-                    pending[s].append((mb, chunk))
-            if kind in (Kind.BWD, Kind.BWD_WEIGHT):
-                held[s] -= 1
-            free_at[s] = now + _COST[kind]
-            heapq.heappush(events, free_at[s])
-            heapq.heappush(events, free_at[s] + delay)
-            finished[(Kind.BWD if kind == Kind.BWD_INPUT else kind, mb, chunk)] = free_at[s]
-            out[s].append(step)
+                end = fwd[chunk + 1][mb] = now + _TICKS
+            free_at[s] = end
+            woken[end].add(s)
+            woken[end + delay] |= near[s]
+            out.append((s, (kind, mb, chunk)))
             left -= 1
-        while events and events[0] <= now:
-            heapq.heappop(events)
-        if left and not events:  # nothing runs, nothing on its way: no later tick differs
-            return None
-        now = events[0] if events else now  # the next tick where a step ends or its result arrives
-    return tuple(tuple(o) for o in out)
+    return out
 
 
 class _VShape(Schedule):
