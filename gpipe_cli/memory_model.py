@@ -93,6 +93,11 @@ class ModelFigures:
         """Per micro-batch size, what WINDOW neighbouring layers save from each layer on (filled as priced)."""
         return {}
 
+    @functools.cached_property
+    def kept(self) -> dict[tuple[int, int, int, bool], tuple[tuple[float, ...], ...]]:
+        """Per chunk's bounds, micro-batch size and offload, what `_kept` found (filled as priced)."""
+        return {}
+
 
 def probe(spec: ModelSpec, examples: int, seed: int, device: str) -> tuple[int, list[tuple[int, int, int, int]]]:
     """Input bytes and per layer (params, saved, output, saved input) for one micro-batch of `examples`."""
@@ -280,9 +285,12 @@ def _maximal(vectors: Iterable[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
     return tuple(kept)
 
 
+Counts = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # per count vector, where it is not zero and what
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _readings(schedule: str, stage: int, stages: int, microbatches: int, checkpoint: str, virtual: int,
-              offload: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
+              offload: str) -> tuple[Counts, ...]:
     """The walk's counts that can set the stored, peak (device `KEPT` counts) and host readings, per chunk."""
     # A search prices thousands of cuts of one schedule: each reading is taken over these few maximal counts. Each
     # stage is walked once: an 8-device search walks more than 4,096 (4,385 for the ImageNet AmoebaNet-B recipe).
@@ -290,28 +298,11 @@ def _readings(schedule: str, stage: int, stages: int, microbatches: int, checkpo
     width = len(next(iter(points))[1])
     device, in_host = (operator.itemgetter(*(i for i in range(width) if i % len(KEPT) in positions))
                        for positions in (_ON_DEVICE, _IN_HOST))
-    return (_maximal(device(c) for kind, c in points if kind == 0), _maximal(device(c) for _, c in points),
-            _maximal(in_host(c) for _, c in points))
-
-
-@dataclass(frozen=True)
-class Kept:
-    """Bytes of one micro-batch on one chunk: input, saved tensors, output; under offload its window and last layer."""
-
-    boundary: float
-    saved: float
-    output: float
-    window: float
-    last: float
-
-    def device(self) -> tuple[float, ...]:
-        """Device bytes of each way of keeping it, in `_ON_DEVICE`'s order."""
-        kept = self.boundary + self.output
-        return (kept + self.saved, self.boundary, kept, kept + self.last, kept + self.window, kept + self.window)
-
-    def host(self) -> tuple[float, ...]:
-        """Host bytes of each way, in `_IN_HOST`'s order (a backward keeps the host copies until it is done)."""
-        return (self.boundary, self.saved, self.saved, self.saved, self.saved - self.last)
+    readings = (_maximal(device(c) for kind, c in points if kind == 0), _maximal(device(c) for _, c in points),
+                _maximal(in_host(c) for _, c in points))
+    # Each as the places it counts anything at and those counts: a count of zero adds nothing to the bytes.
+    return tuple(tuple((tuple(i for i, n in enumerate(c) if n), tuple(n for n in c if n)) for c in counts)
+                 for counts in readings)
 
 
 def _saved(figures: ModelFigures, start: int, stop: int, size: int, first: bool = True) -> float:
@@ -332,37 +323,66 @@ def _window(figures: ModelFigures, start: int, stop: int, size: int) -> tuple[fl
     return max(first, most), _saved(figures, stop - 1, stop, size, first=stop - 1 == start)
 
 
+def _kept(figures: ModelFigures, start: int, stop: int, size: int, moved: bool) -> tuple[tuple[float, ...], ...]:
+    """Bytes of a micro-batch kept each way on chunk [start, stop): on the device (`_ON_DEVICE`'s order), in host."""
+    # A search prices each chunk many times over, in stages and configurations that differ elsewhere.
+    key = (start, stop, size, moved)
+    if key not in figures.kept:
+        # The last stage's output is its loss, a scalar. The window only counts under offload.
+        boundary = figures.layers[start - 1].output.at(size) if start else 0.0
+        output = figures.layers[stop - 1].output.at(size) if stop != len(figures.layers) else 0.0
+        saved = _saved(figures, start, stop, size)
+        window, last = _window(figures, start, stop, size) if moved else (0.0, 0.0)
+        kept = boundary + output
+        figures.kept[key] = ((kept + saved, boundary, kept, kept + last, kept + window, kept + window),
+                             (boundary, saved, saved, saved, saved - last))  # a backward keeps its host copies
+    return figures.kept[key]
+
+
+def _most(counts: Counts, bytes_each: Sequence[float]) -> float:
+    """The most bytes any of the count vectors holds."""
+    return max((sum(map(operator.mul, n, map(bytes_each.__getitem__, at)), 0.0) for at, n in counts), default=0.0)
+
+
 @functools.lru_cache(maxsize=256)
 def _largest_microbatch(batch_size: int, microbatches: int) -> int:
     return max(microbatch.sizes(batch_size, microbatches))
+
+
+def _stage(figures: ModelFigures, chunks: Sequence[range], stage: int, stages: int, batch_size: int,
+           microbatches: int, schedule: str, checkpoint: str,
+           offload: str) -> tuple[int, list[tuple[tuple[float, ...], ...]], float, tuple[Counts, ...]]:
+    """The stage's parameters, `_kept` per chunk, the model input it holds and its readings' counts."""
+    size = _largest_microbatch(batch_size, microbatches)
+    # The model's input reaches the device as the whole mini-batch, split there into views (as the engine feeds
+    # it): the stage of the first chunk holds all of it through the step, whatever number of micro-batches
+    # it keeps, so the first chunk's inputs count once, whole, rather than per micro-batch held.
+    batch_input = figures.input.at(batch_size) if any(r.start == 0 for r in chunks) else 0.0
+    params = sum(figures.sums[2][r.stop] - figures.sums[2][r.start] for r in chunks)
+    return (params, [_kept(figures, r.start, r.stop, size, offload != "none") for r in chunks], batch_input,
+            _readings(schedule, stage, stages, microbatches, checkpoint, len(chunks), offload))
 
 
 def stage_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int, stages: int, batch_size: int,
                     microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float,
                     offload: str = "none") -> Footprint:
     """The predicted memory of the stage holding the layer ranges `chunks` (V of them, in chunk order)."""
-    size = _largest_microbatch(batch_size, microbatches)
-    # The model's input reaches the device as the whole mini-batch, split there into views (as the engine feeds
-    # it): the stage of the first chunk holds all of it through the step, whatever number of micro-batches
-    # it keeps, so the first chunk's inputs count once, whole, rather than per micro-batch held.
-    batch_input = figures.input.at(batch_size) if any(r.start == 0 for r in chunks) else 0.0
-    last = len(figures.layers)
-    # The last stage's output is its loss, a scalar. The window only counts under offload; a memory search
-    # prices thousands of cuts without it.
-    kept = [Kept(figures.layers[r.start - 1].output.at(size) if r.start else 0.0,
-                 _saved(figures, r.start, r.stop, size),
-                 figures.layers[r.stop - 1].output.at(size) if r.stop != last else 0.0,
-                 *(_window(figures, r.start, r.stop, size) if offload != "none" else (0.0, 0.0))) for r in chunks]
-    params = sum(figures.sums[2][r.stop] - figures.sums[2][r.start] for r in chunks)
-    stored, peak, host = _readings(schedule, stage, stages, microbatches, checkpoint, len(chunks), offload)
-    on_device = [b for k in kept for b in k.device()]
-    in_host = [b for k in kept for b in k.host()]
-
-    def most(counts: tuple[tuple[int, ...], ...], bytes_each: Sequence[float]) -> float:
-        return max((sum(map(operator.mul, c, bytes_each)) for c in counts), default=0.0)
-    return Footprint(params, params * bytes_per_param, most(stored, on_device) + batch_input,
-                     most(peak, on_device) + batch_input, sum(len(r) for r in chunks), most(host, in_host),
+    params, kept, batch_input, (stored, peak, host) = _stage(figures, chunks, stage, stages, batch_size,
+                                                             microbatches, schedule, checkpoint, offload)
+    on_device = [b for device, _ in kept for b in device]
+    in_host = [b for _, held in kept for b in held]
+    return Footprint(params, params * bytes_per_param, _most(stored, on_device) + batch_input,
+                     _most(peak, on_device) + batch_input, sum(len(r) for r in chunks), _most(host, in_host),
                      tuple(len(r) for r in chunks))
+
+
+def stage_total(figures: ModelFigures, chunks: Sequence[range], stage: int, stages: int, batch_size: int,
+                microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float,
+                offload: str = "none") -> float:
+    """`stage_footprint(...).total_bytes`, its peak alone priced: what a memory search asks millions of times."""
+    params, kept, batch_input, (_, peak, _) = _stage(figures, chunks, stage, stages, batch_size, microbatches,
+                                                     schedule, checkpoint, offload)
+    return params * bytes_per_param + (_most(peak, [b for device, _ in kept for b in device]) + batch_input)
 
 
 def weights_floor(figures: ModelFigures, bytes_per_param: float) -> Callable[[int, int], float]:
@@ -397,8 +417,8 @@ def stage_needs(figures: ModelFigures, balance: Sequence[int], batch_size: int, 
     for s, chunks in enumerate(per_stage):
         key = (s, tuple(b for r in chunks for b in (r.start, r.stop)))
         if key not in known:
-            known[key] = stage_footprint(figures, chunks, s, len(per_stage), batch_size, microbatches, schedule,
-                                         checkpoint, bytes_per_param, offload).total_bytes
+            known[key] = stage_total(figures, chunks, s, len(per_stage), batch_size, microbatches, schedule,
+                                     checkpoint, bytes_per_param, offload)
         out.append(known[key])
     return out
 
