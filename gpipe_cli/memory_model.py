@@ -412,15 +412,25 @@ def stage_needs(figures: ModelFigures, balance: Sequence[int], batch_size: int, 
                 known: dict[tuple[int, tuple[int, ...]], float], offload: str = "none") -> list[float]:
     """Every stage's bytes under `balance`, as `footprints`, remembered in `known` by the stage's chunks."""
     # A search that moves one cut so prices only the stages it changed.
-    per_stage = stage_chunks(balance, schedule, virtual)
+    bounds = list(itertools.accumulate(balance, initial=0))
+    picks = _bounds_of(len(balance) // virtual, virtual, schedules.get(schedule).placement)
     out = []
-    for s, chunks in enumerate(per_stage):
-        key = (s, tuple(b for r in chunks for b in (r.start, r.stop)))
+    for s, pick in enumerate(picks):
+        key = (s, pick(bounds))
         if key not in known:
-            known[key] = stage_total(figures, chunks, s, len(per_stage), batch_size, microbatches, schedule,
-                                     checkpoint, bytes_per_param, offload)
+            chunks = [range(start, stop) for start, stop in zip(key[1][::2], key[1][1::2])]
+            known[key] = stage_total(figures, chunks, s, len(picks), batch_size, microbatches, schedule, checkpoint,
+                                     bytes_per_param, offload)
         out.append(known[key])
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _bounds_of(stages: int, virtual: int, placed: str) -> tuple[Callable[[list[int]], tuple[int, ...]], ...]:
+    """Per stage, what takes its chunks' starts and stops, in chunk order, out of a balance's running sums."""
+    # A search asks every stage's chunks of millions of cuts: picked at once, as its key in `stage_needs`.
+    return tuple(operator.itemgetter(*(b for c in placement.chunks_of(s, stages, virtual, placed) for b in (c, c + 1)))
+                 for s in range(stages))
 
 
 def greedy_fit(figures: ModelFigures, stages: int, budget: float, batch_size: int, microbatches: int,
