@@ -7,7 +7,7 @@ import itertools
 import operator
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +91,11 @@ class ModelFigures:
     @functools.cached_property
     def window_sums(self) -> dict[int, list[float]]:
         """Per micro-batch size, what WINDOW neighbouring layers save from each layer on (filled as priced)."""
+        return {}
+
+    @functools.cached_property
+    def kept(self) -> dict[tuple[int, int, int, bool], tuple[tuple[float, ...], ...]]:
+        """Per chunk's bounds, micro-batch size and offload, what `_kept` found (filled as priced)."""
         return {}
 
 
@@ -196,11 +201,11 @@ WINDOW = 2
 
 
 class _Tally:
-    """Keys (micro-batch, chunk) that count themselves per chunk as they come and go."""
+    """Keys (micro-batch, chunk) held one way, each chunk's count at its place in a list shared by every way."""
 
-    def __init__(self, chunks: Sequence[int]) -> None:
+    def __init__(self, counts: list[int], place: dict[int, int]) -> None:
         self.keys: set[tuple[int, int]] = set()
-        self.per_chunk = dict.fromkeys(chunks, 0)
+        self.counts, self.place = counts, place
 
     def __contains__(self, key: object) -> bool:
         return key in self.keys
@@ -208,17 +213,16 @@ class _Tally:
     def add(self, key: tuple[int, int]) -> None:
         if key not in self.keys:
             self.keys.add(key)
-            self.per_chunk[key[1]] += 1
+            self.counts[self.place[key[1]]] += 1
 
     def discard(self, key: tuple[int, int]) -> None:
         if key in self.keys:
             self.keys.remove(key)
-            self.per_chunk[key[1]] -= 1
+            self.counts[self.place[key[1]]] -= 1
 
 
-@functools.lru_cache(maxsize=4096)
-def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint: str,
-          virtual: int = 1, offload: str = "none") -> tuple[tuple[int, tuple[int, ...]], ...]:
+def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint: str, virtual: int,
+          offload: str) -> set[tuple[int, tuple[int, ...]]]:
     """(kind, counts) per point of the walk: kind 0 a stored reading, 1 a peak; each chunk's `KEPT` counts in order."""
     # A stage's bytes are found by walking the engine's own action list: after a rematerialised forward it holds the
     # micro-batch's boundary input; after any other forward or a recompute, its input, saved activations and
@@ -232,12 +236,10 @@ def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint:
     after = dict(zip(restores, restores[1:]))  # what each restore brings back next (pipeline/executor.py)
     first = {id(a) for a in restoring}
     # Counted as they change: a walk of M micro-batches would otherwise recount O(M) keys at each of its points.
-    held = tuple(_Tally(chunks) for _ in KEPT)
+    counts = [0] * (len(chunks) * len(KEPT))
+    held = tuple(_Tally(counts, {c: i * len(KEPT) + k for i, c in enumerate(chunks)}) for k in range(len(KEPT)))
     whole, inputs, host, parked, fetched, active, redone = held
-    points = []
-
-    def counts() -> tuple[int, ...]:
-        return tuple(kept.per_chunk[c] for c in chunks for kept in held)
+    points: set[tuple[int, tuple[int, ...]]] = set()
 
     def bring(key: tuple[int, int] | None, moves: tuple[tuple[_Tally, _Tally], ...]) -> None:
         for away, back in moves:
@@ -245,75 +247,62 @@ def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint:
                 away.discard(key)
                 back.add(key)
 
-    for action in actions:
-        key = (action.microbatch, action.chunk)
+    # A message changes nothing: its point is the one before it (or none held, which any point covers).
+    for action in (a for a in actions if a.kind in sched.COMPUTE):
+        key, kind = (action.microbatch, action.chunk), action.kind
         restore = id(action) in first
         if restore:
-            points.append((0, counts()))
+            points.add((0, tuple(counts)))
             bring(key, ((host, inputs), (parked, active), (fetched, active)))  # what was not brought back ahead
-        if action.kind == Kind.FWD and action.remat:
+        if kind is Kind.FWD and action.remat:
             (host if offloaded(offload, action.chunk) else inputs).add(key)
-        elif action.kind == Kind.FWD and moved:  # its layers go out as the forward moves on
+        elif kind is Kind.FWD and moved:  # its layers go out as the forward moves on
             active.add(key)
-            points.append((1, counts()))
+            points.add((1, tuple(counts)))
             active.discard(key)
             parked.add(key)
-        elif action.kind == Kind.FWD:
+        elif kind is Kind.FWD:
             whole.add(key)
-        elif action.kind == Kind.RECOMPUTE:
+        elif kind is Kind.RECOMPUTE:
             inputs.discard(key)
             (redone if moved else whole).add(key)
-        elif action.kind in sched.RELEASE:  # a split backward keeps the graph until its W
+        elif kind in sched.RELEASE:  # a split backward keeps the graph until its W
             for kept in (whole, active, redone):
                 kept.discard(key)
         if restore:
             bring(after.get(key), ((host, inputs), (parked, fetched)))
-        points.append((1, counts()))
-    return tuple(sorted(set(points)))
+        points.add((1, tuple(counts)))
+    return points
 
 
-def _maximal(vectors: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+def _maximal(vectors: Iterable[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
     """The vectors no other one covers in every entry: with bytes never negative, the only ones that can be most."""
     unique = sorted(set(vectors), key=sum, reverse=True)
     kept: list[tuple[int, ...]] = []
     for v in unique:
-        if not any(all(a >= b for a, b in zip(k, v)) for k in kept):
+        if not any(all(map(operator.ge, k, v)) for k in kept):
             kept.append(v)
     return tuple(kept)
 
 
-def _only(counts: tuple[int, ...], positions: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(n for i, n in enumerate(counts) if i % len(KEPT) in positions)
+Counts = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # per count vector, where it is not zero and what
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1 << 16)
 def _readings(schedule: str, stage: int, stages: int, microbatches: int, checkpoint: str, virtual: int,
-              offload: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
+              offload: str) -> tuple[Counts, ...]:
     """The walk's counts that can set the stored, peak (device `KEPT` counts) and host readings, per chunk."""
-    # A search prices thousands of cuts of one schedule: each reading is taken over these few maximal counts.
+    # A search prices thousands of cuts of one schedule: each reading is taken over these few maximal counts. Each
+    # stage is walked once: an 8-device search walks more than 4,096 (4,385 for the ImageNet AmoebaNet-B recipe).
     points = _walk(schedule, stage, stages, microbatches, checkpoint, virtual, offload)
-    return (_maximal([_only(c, _ON_DEVICE) for kind, c in points if kind == 0]),
-            _maximal([_only(c, _ON_DEVICE) for _, c in points]), _maximal([_only(c, _IN_HOST) for _, c in points]))
-
-
-@dataclass(frozen=True)
-class Kept:
-    """Bytes of one micro-batch on one chunk: input, saved tensors, output; under offload its window and last layer."""
-
-    boundary: float
-    saved: float
-    output: float
-    window: float
-    last: float
-
-    def device(self) -> tuple[float, ...]:
-        """Device bytes of each way of keeping it, in `_ON_DEVICE`'s order."""
-        kept = self.boundary + self.output
-        return (kept + self.saved, self.boundary, kept, kept + self.last, kept + self.window, kept + self.window)
-
-    def host(self) -> tuple[float, ...]:
-        """Host bytes of each way, in `_IN_HOST`'s order (a backward keeps the host copies until it is done)."""
-        return (self.boundary, self.saved, self.saved, self.saved, self.saved - self.last)
+    width = len(next(iter(points))[1])
+    device, in_host = (operator.itemgetter(*(i for i in range(width) if i % len(KEPT) in positions))
+                       for positions in (_ON_DEVICE, _IN_HOST))
+    readings = (_maximal(device(c) for kind, c in points if kind == 0), _maximal(device(c) for _, c in points),
+                _maximal(in_host(c) for _, c in points))
+    # Each as the places it counts anything at and those counts: a count of zero adds nothing to the bytes.
+    return tuple(tuple((tuple(i for i, n in enumerate(c) if n), tuple(n for n in c if n)) for c in counts)
+                 for counts in readings)
 
 
 def _saved(figures: ModelFigures, start: int, stop: int, size: int, first: bool = True) -> float:
@@ -334,37 +323,66 @@ def _window(figures: ModelFigures, start: int, stop: int, size: int) -> tuple[fl
     return max(first, most), _saved(figures, stop - 1, stop, size, first=stop - 1 == start)
 
 
+def _kept(figures: ModelFigures, start: int, stop: int, size: int, moved: bool) -> tuple[tuple[float, ...], ...]:
+    """Bytes of a micro-batch kept each way on chunk [start, stop): on the device (`_ON_DEVICE`'s order), in host."""
+    # A search prices each chunk many times over, in stages and configurations that differ elsewhere.
+    key = (start, stop, size, moved)
+    if key not in figures.kept:
+        # The last stage's output is its loss, a scalar. The window only counts under offload.
+        boundary = figures.layers[start - 1].output.at(size) if start else 0.0
+        output = figures.layers[stop - 1].output.at(size) if stop != len(figures.layers) else 0.0
+        saved = _saved(figures, start, stop, size)
+        window, last = _window(figures, start, stop, size) if moved else (0.0, 0.0)
+        kept = boundary + output
+        figures.kept[key] = ((kept + saved, boundary, kept, kept + last, kept + window, kept + window),
+                             (boundary, saved, saved, saved, saved - last))  # a backward keeps its host copies
+    return figures.kept[key]
+
+
+def _most(counts: Counts, bytes_each: Sequence[float]) -> float:
+    """The most bytes any of the count vectors holds."""
+    return max((sum(map(operator.mul, n, map(bytes_each.__getitem__, at)), 0.0) for at, n in counts), default=0.0)
+
+
 @functools.lru_cache(maxsize=256)
 def _largest_microbatch(batch_size: int, microbatches: int) -> int:
     return max(microbatch.sizes(batch_size, microbatches))
+
+
+def _stage(figures: ModelFigures, chunks: Sequence[range], stage: int, stages: int, batch_size: int,
+           microbatches: int, schedule: str, checkpoint: str,
+           offload: str) -> tuple[int, list[tuple[tuple[float, ...], ...]], float, tuple[Counts, ...]]:
+    """The stage's parameters, `_kept` per chunk, the model input it holds and its readings' counts."""
+    size = _largest_microbatch(batch_size, microbatches)
+    # The model's input reaches the device as the whole mini-batch, split there into views (as the engine feeds
+    # it): the stage of the first chunk holds all of it through the step, whatever number of micro-batches
+    # it keeps, so the first chunk's inputs count once, whole, rather than per micro-batch held.
+    batch_input = figures.input.at(batch_size) if any(r.start == 0 for r in chunks) else 0.0
+    params = sum(figures.sums[2][r.stop] - figures.sums[2][r.start] for r in chunks)
+    return (params, [_kept(figures, r.start, r.stop, size, offload != "none") for r in chunks], batch_input,
+            _readings(schedule, stage, stages, microbatches, checkpoint, len(chunks), offload))
 
 
 def stage_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int, stages: int, batch_size: int,
                     microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float,
                     offload: str = "none") -> Footprint:
     """The predicted memory of the stage holding the layer ranges `chunks` (V of them, in chunk order)."""
-    size = _largest_microbatch(batch_size, microbatches)
-    # The model's input reaches the device as the whole mini-batch, split there into views (as the engine feeds
-    # it): the stage of the first chunk holds all of it through the step, whatever number of micro-batches
-    # it keeps, so the first chunk's inputs count once, whole, rather than per micro-batch held.
-    batch_input = figures.input.at(batch_size) if any(r.start == 0 for r in chunks) else 0.0
-    last = len(figures.layers)
-    # The last stage's output is its loss, a scalar. The window only counts under offload; a memory search
-    # prices thousands of cuts without it.
-    kept = [Kept(figures.layers[r.start - 1].output.at(size) if r.start else 0.0,
-                 _saved(figures, r.start, r.stop, size),
-                 figures.layers[r.stop - 1].output.at(size) if r.stop != last else 0.0,
-                 *(_window(figures, r.start, r.stop, size) if offload != "none" else (0.0, 0.0))) for r in chunks]
-    params = sum(figures.sums[2][r.stop] - figures.sums[2][r.start] for r in chunks)
-    stored, peak, host = _readings(schedule, stage, stages, microbatches, checkpoint, len(chunks), offload)
-    on_device = [b for k in kept for b in k.device()]
-    in_host = [b for k in kept for b in k.host()]
-
-    def most(counts: tuple[tuple[int, ...], ...], bytes_each: Sequence[float]) -> float:
-        return max((sum(map(operator.mul, c, bytes_each)) for c in counts), default=0.0)
-    return Footprint(params, params * bytes_per_param, most(stored, on_device) + batch_input,
-                     most(peak, on_device) + batch_input, sum(len(r) for r in chunks), most(host, in_host),
+    params, kept, batch_input, (stored, peak, host) = _stage(figures, chunks, stage, stages, batch_size,
+                                                             microbatches, schedule, checkpoint, offload)
+    on_device = [b for device, _ in kept for b in device]
+    in_host = [b for _, held in kept for b in held]
+    return Footprint(params, params * bytes_per_param, _most(stored, on_device) + batch_input,
+                     _most(peak, on_device) + batch_input, sum(len(r) for r in chunks), _most(host, in_host),
                      tuple(len(r) for r in chunks))
+
+
+def stage_total(figures: ModelFigures, chunks: Sequence[range], stage: int, stages: int, batch_size: int,
+                microbatches: int, schedule: str, checkpoint: str, bytes_per_param: float,
+                offload: str = "none") -> float:
+    """`stage_footprint(...).total_bytes`, its peak alone priced: what a memory search asks millions of times."""
+    params, kept, batch_input, (_, peak, _) = _stage(figures, chunks, stage, stages, batch_size, microbatches,
+                                                     schedule, checkpoint, offload)
+    return params * bytes_per_param + (_most(peak, [b for device, _ in kept for b in device]) + batch_input)
 
 
 def weights_floor(figures: ModelFigures, bytes_per_param: float) -> Callable[[int, int], float]:
@@ -394,15 +412,25 @@ def stage_needs(figures: ModelFigures, balance: Sequence[int], batch_size: int, 
                 known: dict[tuple[int, tuple[int, ...]], float], offload: str = "none") -> list[float]:
     """Every stage's bytes under `balance`, as `footprints`, remembered in `known` by the stage's chunks."""
     # A search that moves one cut so prices only the stages it changed.
-    per_stage = stage_chunks(balance, schedule, virtual)
+    bounds = list(itertools.accumulate(balance, initial=0))
+    picks = _bounds_of(len(balance) // virtual, virtual, schedules.get(schedule).placement)
     out = []
-    for s, chunks in enumerate(per_stage):
-        key = (s, tuple(b for r in chunks for b in (r.start, r.stop)))
+    for s, pick in enumerate(picks):
+        key = (s, pick(bounds))
         if key not in known:
-            known[key] = stage_footprint(figures, chunks, s, len(per_stage), batch_size, microbatches, schedule,
-                                         checkpoint, bytes_per_param, offload).total_bytes
+            chunks = [range(start, stop) for start, stop in zip(key[1][::2], key[1][1::2])]
+            known[key] = stage_total(figures, chunks, s, len(picks), batch_size, microbatches, schedule, checkpoint,
+                                     bytes_per_param, offload)
         out.append(known[key])
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _bounds_of(stages: int, virtual: int, placed: str) -> tuple[Callable[[list[int]], tuple[int, ...]], ...]:
+    """Per stage, what takes its chunks' starts and stops, in chunk order, out of a balance's running sums."""
+    # A search asks every stage's chunks of millions of cuts: picked at once, as its key in `stage_needs`.
+    return tuple(operator.itemgetter(*(b for c in placement.chunks_of(s, stages, virtual, placed) for b in (c, c + 1)))
+                 for s in range(stages))
 
 
 def greedy_fit(figures: ModelFigures, stages: int, budget: float, batch_size: int, microbatches: int,

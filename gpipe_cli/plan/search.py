@@ -165,9 +165,9 @@ def _stage_need(model: Model, config: Config, per_replica: int) -> Callable[[int
     """The bytes stage `stage` needs holding layers `start` to `stop` (V=1), remembered."""
     @functools.cache
     def need(stage: int, start: int, stop: int) -> float:
-        return mm.stage_footprint(model.figures, [range(start, stop)], stage, config.partitions, per_replica,
-                                  config.microbatches, config.schedule, config.checkpoint, model.bytes_per_param,
-                                  config.offload).total_bytes
+        return mm.stage_total(model.figures, [range(start, stop)], stage, config.partitions, per_replica,
+                              config.microbatches, config.schedule, config.checkpoint, model.bytes_per_param,
+                              config.offload)
     return need
 
 

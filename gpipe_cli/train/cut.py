@@ -44,9 +44,9 @@ class StageMemory:
         """Bytes the stage needs at its peak (weights, gradients, optimizer state and activations)."""
         key = (stage, start, stop)  # the stage's place counts: earlier stages hold more micro-batches in flight
         if key not in self._known:
-            self._known[key] = mm.stage_footprint(self.figures, [range(start, stop)], stage, self.stages,
-                                                  self.batch_size, self.microbatches, self.schedule, self.checkpoint,
-                                                  self.bytes_per_param, self.offload).total_bytes
+            self._known[key] = mm.stage_total(self.figures, [range(start, stop)], stage, self.stages,
+                                              self.batch_size, self.microbatches, self.schedule, self.checkpoint,
+                                              self.bytes_per_param, self.offload)
         return self._known[key]
 
     def fits(self, stage: int, start: int, stop: int) -> bool:
