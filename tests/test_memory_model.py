@@ -87,3 +87,20 @@ def test_a_primed_optimizer_holds_its_state_before_the_first_step_and_moves_no_w
     opt = mm.primed(optimizer, list(layer.parameters()))
     assert len(opt.state) == 2 and all(p.grad is None for p in layer.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters()))
+
+
+def test_a_search_prices_each_stage_as_its_whole_footprint_totals():
+    """`stage_needs` (the search's peak-only pricing) equals every stage's footprint total, bit for bit."""
+    from gpipe_cli.pipeline import schedules
+    from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES
+
+    figures = mm.measure(build_model("transformer", **{**TRANSFORMER, "layers": 6}), device="meta")
+    for schedule in schedules.names():
+        virtual = 2 if schedules.get(schedule).chunked else 1
+        balance = [2, 1, 2, 1, 1, 1][:2 * virtual] if virtual == 2 else [3, 2, 1]
+        balance[-1] += len(figures.layers) - sum(balance)
+        for checkpoint in REMAT_MODES:
+            for offload in OFFLOAD_MODES:
+                args = (figures, balance, 31, 6, schedule, checkpoint, 16.0)
+                totals = [fp.total_bytes for fp in mm.footprints(*args, virtual, offload)]
+                assert mm.stage_needs(*args, virtual, {}, offload) == totals, (schedule, checkpoint, offload)
