@@ -82,11 +82,11 @@ declare -A BOUND=(
     [overhead]=70             # measured 63.0: 55 s of rows, ~8 s start and sync counts
     [table1-amoebanet]=30     # measured 25.7 and 17.6 (H100, 2026-11-27), its 6 device probe steps included
     [table1-transformer]=45   # measured 27.7, 32.7 and 39.1 (H100, 2026-11-27), its 6 device probe steps included
-    [fits-amoebanet]=25       # measured 13.6 to 17.2: (6, 64) and (6, 528) at 224 px, batch 128, one step each
-    [fits-transformer]=60     # measured 40.0 and 42.2: 1 and 7 layers of d_model 2048, one fp32 step of 32 x 1024
-                              # tokens each, 7 as V-Half and 11 with offload on the one GPU
+    [fits-amoebanet]=20       # measured 13.6 to 17.2, 14.8 (H100, 2026-11-27): two members at 224 px, batch 128, one step each
+    [fits-transformer]=70     # measured 40.0, 42.2 and 57.2 (H100, 2026-11-27: its 3-layer naive model peaked at 35 GB):
+                              # one fp32 step of 32 x 1024 tokens of each member, V-Half and offload on the one GPU
     [bench-k2]=100            # measured 74: K=1 in-process, then 2 ranks start and run 4 steps (named only)
-    [messages]=30             # measured 21.1: 20 messages a size, 2 x 2 ranks start
+    [messages]=25             # measured 21.1, 17.9: 20 messages a size, 2 x 2 ranks start
     [figures]=10              # est 3: merging the raw files and writing figures.json
     [multigpu]=150            # est 110 (2 GPUs), 130 (4); beside the tests, within their 185 s; 30 s a run
 )

@@ -106,8 +106,8 @@ class Correction:
     def bytes(self, footprint: Footprint, checkpoint: str) -> float:
         """The device's bytes for a stage the memory model predicts as `footprint`."""
         factor = self.activations.get(remat_key(checkpoint), 1.0)
-        # The step's peak, or the optimizer's: every gradient and its temporaries beside the state, whatever the
-        # fit made of the weights (probes that peak in the step hold only part of the gradients).
+        # The step's peak, or the optimizer update's (every gradient, the state and the update's temporaries): a
+        # fit may scale the weights below what the update holds.
         return self.workspace + max(self.weights * footprint.weights_bytes + factor * footprint.peak_bytes,
                                     footprint.weights_bytes)
 
@@ -173,32 +173,13 @@ def fit(points: Sequence[tuple[Footprint, str, float]], meter: str = "") -> Corr
 
 def steps(members: Sequence[tuple[ModelSpec, ModelFigures, dict[str, Any]]],
           rows: Sequence[tuple[str, int, int, str]], kind: str, schedule: str, optimizer: str,
-          seed: int = 0, room: float | None = None) -> list[Probe]:
-    """The probe steps of family `kind`'s two small members (built, priced, build parameters) per (M, checkpoint);
-    with `room` (a device's bytes for one probe), micro-batches grow until activations outweigh the weights."""
+          seed: int = 0) -> list[Probe]:
+    """The probe steps of family `kind`'s two small members (built, priced, build parameters) per (M, checkpoint)."""
+    # The small member again at twice the micro-batch, so that weights and activations vary apart.
     (small, large), least = members, families.of(kind).least_examples
-    out = []
-    for m, checkpoint in dict.fromkeys((m, c) for _, _, m, c in rows):
-        def at(member: tuple[ModelSpec, ModelFigures, dict[str, Any]], size: int, m: int = m,
-               checkpoint: str = checkpoint) -> Probe:
-            return Probe(member[0], member[1], size * m, m, schedule, checkpoint, optimizer, seed, member[2])
-
-        # A device peaks in the step or in the optimizer's update (gradients, state and its temporaries): where a
-        # probe's activations weigh less than its weights, the update's peak hides them. On an H100 the paper's
-        # Transformer probed at one example fitted its activations x0.47, and its 3-layer model then peaked at
-        # 35 GB against 16 GB predicted.
-        size = least
-        while room is not None and _hidden(at(small, size)) and at(small, 4 * size).predicted().total_bytes <= room:
-            size *= 2
-        # The small member again at twice the micro-batch, so that weights and activations vary apart.
-        out += [at(small, size), at(large, size), at(small, 2 * size)]
-    return out
-
-
-def _hidden(step: Probe) -> bool:
-    """Whether the step's activations weigh less than its weights, gradients and optimizer state."""
-    predicted = step.predicted()
-    return predicted.peak_bytes < predicted.weights_bytes
+    return [Probe(spec, figures, size * m, m, schedule, checkpoint, optimizer, seed, params)
+            for m, checkpoint in dict.fromkeys((m, c) for _, _, m, c in rows)
+            for (spec, figures, params), size in ((small, least), (large, least), (small, 2 * least))]
 
 
 def calibrate(probes: Sequence[Probe], meter: Meter) -> Correction:

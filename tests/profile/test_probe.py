@@ -85,48 +85,6 @@ def test_on_the_cpu_the_accounting_meter_fits_no_correction():
     assert correction.worst_error() < 0.01
 
 
-WEIGHTY = dict(TRANSFORMER, vocab_size=4096)  # its vocabulary outweighs a few examples' activations
-
-
-def phased_device_bytes(fp: Footprint) -> float:
-    """A made-up device whose optimizer update peaks apart from the step: the step holds the weights, the state and
-    part of the gradients beside activations that kernels' temporaries make 1.3x the accounting; the update
-    holds every gradient and its temporaries, and no activation."""
-    return 256 * 1024 + max(0.75 * fp.weights_bytes + 1.3 * fp.peak_bytes, fp.weights_bytes)
-
-
-class PhasedMeter:
-    """What the device above reads for a probe step."""
-
-    name = "phased device"
-
-    def peak(self, step: probe.Probe) -> float:
-        return phased_device_bytes(step.predicted())
-
-
-def test_probes_grow_until_the_update_no_longer_hides_the_activations():
-    family = budget.TransformerL(WEIGHTY)
-    rows = [("naive-1", 1, 1, "never")]
-    small = probe.steps(family.members(), rows, family.kind, "gpipe", "rmsprop")
-    assert all(step.predicted().peak_bytes < step.predicted().weights_bytes for step in small[:2])
-    # Probed at one example the device reads flat in the activations: the fit cannot find their 1.3.
-    assert probe.calibrate(small, PhasedMeter()).activations["never"] != pytest.approx(1.3, rel=0.1)
-    room = 16 * MiB
-    grown = probe.steps(family.members(), rows, family.kind, "gpipe", "rmsprop", room=room)
-    assert grown[0].batch_size > small[0].batch_size
-    assert all(step.predicted().total_bytes <= room for step in grown)
-    assert grown[0].predicted().peak_bytes >= grown[0].predicted().weights_bytes
-    correction = probe.calibrate(grown, PhasedMeter())
-    assert correction.activations["never"] == pytest.approx(1.3, rel=1e-3) and correction.worst_error() < 1e-3
-    limit = 24 * MiB
-    (row,) = budget.search(family, rows, limit, 8, "gpipe", "rmsprop", correction=correction)
-    assert row is not None
-    stages = footprints(family.figures(int(row.model)), row.balance, 8, 1, "gpipe", "never",
-                        bytes_per_parameter("rmsprop"))
-    real = max(phased_device_bytes(fp) for fp in stages)
-    assert 0.95 * limit <= real <= limit and row.device_peak_bytes == pytest.approx(real, rel=0.01)
-
-
 def test_a_corrected_stage_needs_at_least_its_weights_gradients_and_optimizer_state():
     correction = probe.Correction(1e6, 0.75, {"never": 1.3})
     assert correction.bytes(Footprint(0, 8e6, 0, 1e6), "never") == 1e6 + 8e6
