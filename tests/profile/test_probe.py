@@ -89,3 +89,22 @@ def test_a_corrected_stage_needs_at_least_its_weights_gradients_and_optimizer_st
     correction = probe.Correction(1e6, 0.75, {"never": 1.3})
     assert correction.bytes(Footprint(0, 8e6, 0, 1e6), "never") == 1e6 + 8e6
     assert correction.bytes(Footprint(0, 8e6, 0, 4e6), "never") == pytest.approx(1e6 + 6e6 + 5.2e6)
+
+
+def test_a_factor_whose_probes_peaked_alike_whatever_their_activations_stays_one():
+    # A device whose optimizer update peaks above a step of few activations: the update holds every gradient
+    # and its temporaries; the step part of the gradients beside activations its kernels make 1.3x the accounting.
+    def device(fp: Footprint) -> float:
+        return 256 * 1024 + max(0.75 * fp.weights_bytes + 1.3 * fp.peak_bytes, fp.weights_bytes)
+
+    family = budget.TransformerL(dict(TRANSFORMER, vocab_size=4096))  # its vocabulary outweighs the activations
+    probes = probe.steps(family.members(), [("naive-1", 1, 1, "never")], family.kind, "gpipe", "rmsprop")
+    assert all(step.predicted().peak_bytes < step.predicted().weights_bytes for step in probes)
+    correction = probe.fit([(step.predicted(), step.checkpoint, device(step.predicted())) for step in probes])
+    assert correction.unseen == ("never",) and correction.activations == {"never": 1.0}
+    assert "never kept x1.000, unsure" in correction.describe()
+    assert probe.from_json(correction.to_json()).unseen == ("never",)
+    # Where the probes follow their activations, the factor is fitted as before.
+    seen = probe.fit([(fp, c, device_bytes(fp, c)) for fp, c in
+                      [(step.predicted(), step.checkpoint) for step in probes]])
+    assert seen.unseen == () and seen.activations["never"] == pytest.approx(1.1, rel=0.01)
