@@ -180,6 +180,9 @@ class Footprint:
     layers: int = 0
     host_bytes: float = 0.0  # the most offloaded activations held in host memory at once (pipeline.offload)
     chunks: tuple[int, ...] = ()  # layers of each of its chunks, in chunk order
+    # The last layer's output for one micro-batch, on the stage holding it: the loss's backward holds gradients of
+    # its size (a language model's logits), which the saved-tensor accounting does not see.
+    loss_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
@@ -371,9 +374,12 @@ def stage_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int, 
                                                              microbatches, schedule, checkpoint, offload)
     on_device = [b for device, _ in kept for b in device]
     in_host = [b for _, held in kept for b in held]
+    last = len(figures.layers)
+    loss = figures.layers[-1].output.at(_largest_microbatch(batch_size, microbatches)) \
+        if any(r.stop == last for r in chunks) else 0.0
     return Footprint(params, params * bytes_per_param, _most(stored, on_device) + batch_input,
                      _most(peak, on_device) + batch_input, sum(len(r) for r in chunks), _most(host, in_host),
-                     tuple(len(r) for r in chunks))
+                     tuple(len(r) for r in chunks), loss)
 
 
 def stage_total(figures: ModelFigures, chunks: Sequence[range], stage: int, stages: int, batch_size: int,

@@ -156,8 +156,8 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
         source = f"saved-tensor accounting of each layer's forward and backward on {device}"
     correction = None
     if device.type == "cuda" and any(not sc.measured for sc in rows):  # the extrapolated rows are predicted
-        correction = _calibrate(member_probes(subject, names, options.schedule, options.optimizer, options.seed),
-                                subject.kind, machine, device, console, progress)
+        correction = _calibrate(member_probes(subject, names, options.schedule, options.optimizer, options.seed,
+                                              probe_room(device)), subject.kind, machine, device, console, progress)
     inputs, targets = example_batch(spec, batch, options.seed)
     params = sum(layer_params(spec))
     out = []
@@ -185,13 +185,19 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
             "correction": None if correction is None else correction.to_json()}
 
 
+def probe_room(device: torch.device) -> float | None:
+    """The bytes one probe step may take on `device`: a quarter of a GPU's free memory (None on the CPU, whose
+    meter is the accounting itself, without an update's peak to hide the activations)."""
+    return mm.available_bytes(device) / 4 if device.type == "cuda" else None
+
+
 def member_probes(subject: Subject, rows: list[tuple[str, int, int, str]], schedule: str, optimizer: str,
-                  seed: int) -> list[probe.Probe]:
+                  seed: int, room: float | None = None) -> list[probe.Probe]:
     """The device probe's steps for a given model: two shallow members of it, with its widths."""
     params = [{**subject.params, "layers": depth} for depth in families.of(subject.kind).device_probe_depths]
     specs = [build_model(subject.kind, **p) for p in params]
     members = [(spec, mm.measure(spec, seed, device="meta"), p) for spec, p in zip(specs, params)]
-    return probe.steps(members, rows, subject.kind, schedule, optimizer, seed)
+    return probe.steps(members, rows, subject.kind, schedule, optimizer, seed, room)
 
 
 def _family(options: ProfileOptions) -> tuple[str, dict[str, Any]]:
@@ -299,7 +305,8 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
     # the meter is the accounting itself, so the probe runs only when asked for (--device cpu), as a check.
     if device.type == "cuda" or options.device == "cpu":
         # The family's two smallest members fit the device correction.
-        probes = probe.steps(family.members(), base, kind, options.schedule, options.optimizer, options.seed)
+        probes = probe.steps(family.members(), base, kind, options.schedule, options.optimizer, options.seed,
+                             probe_room(device))
         correction = _calibrate(probes, kind, machine, device, console, progress)
     progress.phase(f"searching the largest model of each of {len(rows_asked)} rows", search_s)
     rows = budget.search(family, rows_asked, limit, batch, options.schedule, options.optimizer, options.offload,
