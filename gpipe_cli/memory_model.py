@@ -374,9 +374,8 @@ def stage_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int, 
                                                              microbatches, schedule, checkpoint, offload)
     on_device = [b for device, _ in kept for b in device]
     in_host = [b for _, held in kept for b in held]
-    last = len(figures.layers)
-    loss = figures.layers[-1].output.at(_largest_microbatch(batch_size, microbatches)) \
-        if any(r.stop == last for r in chunks) else 0.0
+    holds_loss = any(r.stop == len(figures.layers) for r in chunks)
+    loss = figures.layers[-1].output.at(_largest_microbatch(batch_size, microbatches)) if holds_loss else 0.0
     return Footprint(params, params * bytes_per_param, _most(stored, on_device) + batch_input,
                      _most(peak, on_device) + batch_input, sum(len(r) for r in chunks), _most(host, in_host),
                      tuple(len(r) for r in chunks), loss)
