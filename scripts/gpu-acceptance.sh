@@ -77,7 +77,8 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 #  - multigpu: 4 steps a run; 5 runs (6 with 4 GPUs) of ~21 s each (measured with 2 ranks sharing one).
 declare -A BOUND=(
     [wheels]=6                # est 4: pip from wheels/ (pydantic and its few wheels), only when present
-    [setup]=10                # est 4: one Python start: CUDA, gpipe's imports, GPUs and free memory (a busy CPU: 6 s was too few)
+    [setup]=10                # est 4: one Python start: CUDA, gpipe's imports, GPUs and free memory (6 s: too few
+                              # on a busy CPU)
     [tests]=185               # measured 146 and 159.7 (H100, 2026-11-27): 13 tests, 13 gpipe runs on 8 workers
     [overhead]=70             # measured 63.0: 55 s of rows, ~8 s start and sync counts
     [table1-amoebanet]=38     # measured 17.6 to 30.6 (H100, 2026-11-27), its 6 device probe steps included

@@ -17,9 +17,12 @@ def transformer():
     return budget.TransformerL(TRANSFORMER_L, shapes_only=True)
 
 
-def _transformer(family, layers, batch, m, checkpoint):
-    figures = family.figures(layers)
+def _one_stage(figures, batch, m, checkpoint):
     return footprints(figures, [len(figures.layers)], batch, m, "gpipe", checkpoint, PER_PARAM)[0]
+
+
+def _transformer(family, layers, batch, m, checkpoint):
+    return _one_stage(family.figures(layers), batch, m, checkpoint)
 
 
 def test_transformer_probes_grown_past_the_update_predict_the_trained_members(transformer):
@@ -53,8 +56,7 @@ def test_amoebanet_probes_predict_the_trained_members():
               (16, 32, 8, "except_last", 113246208)]
 
     def stage(layers, filters, batch, m, checkpoint):
-        figures = family.figures(layers, filters)
-        return footprints(figures, [len(figures.layers)], batch, m, "gpipe", checkpoint, PER_PARAM)[0]
+        return _one_stage(family.figures(layers, filters), batch, m, checkpoint)
 
     correction = probe.fit([(stage(6, *p[:4]), p[3], p[4]) for p in probes])
     assert correction.loss == {}  # 1,000 classes weigh nothing beside the cells' feature maps
