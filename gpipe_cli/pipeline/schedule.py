@@ -68,6 +68,13 @@ def _gradient(chunk: int, chunks: int, kind: Kind, mb: int, remat: bool, local: 
 def build(name: str, stage: int, stages: int, microbatches: int, checkpoint: str = "except_last",
           virtual: int = 1) -> ActionList:
     """The action list of one stage (of V chunks) for a training step; rematerialisation is decided here, once."""
+    return list(_built(name, stage, stages, microbatches, checkpoint, virtual))
+
+
+# The planner and the memory walk ask for the same lists hundreds of times; building V-shapes greedily is slow.
+@functools.lru_cache(maxsize=4096)
+def _built(name: str, stage: int, stages: int, microbatches: int, checkpoint: str,
+           virtual: int) -> tuple[Action, ...]:
     _check(stage, stages, microbatches)
     check(name, stages, microbatches, virtual)
     order = schedules.get(name).order(stage, stages, microbatches, virtual)
@@ -81,7 +88,7 @@ def build(name: str, stage: int, stages: int, microbatches: int, checkpoint: str
             actions += _gradient(chunk, chunks, kind, mb, (mb, chunk) in remat, local)
         else:
             actions.append(Action(kind, mb, chunk))
-    return actions
+    return tuple(actions)
 
 
 def forward_only(stage: int, stages: int, microbatches: int, virtual: int = 1,

@@ -79,15 +79,17 @@ def test_zero_bubble_v_on_two_stages_idles_no_more_than_zero_bubble_when_message
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
-def test_a_greedy_run_replayed_lasts_as_the_simulator_runs_its_orders(stages, monkeypatch):
+def test_a_greedy_run_replayed_lasts_as_the_simulator_runs_its_orders(stages, monkeypatch, request):
     """A run lists each step after what it needs, so its replay (a tick half a forward, a message one tick late or
     free) ends when the simulated step of its orders does."""
+    request.addfinalizer(sched._built.cache_clear)
     units = {Kind.FWD: 1.0, Kind.BWD_INPUT: 1.0, Kind.BWD_WEIGHT: 1.0, Kind.BWD: 2.0}
     microbatches, cost = 2 * stages + 1, lambda stage, action: units.get(action.kind, 0.0)
     for forwards_first, between, delay in itertools.product((False, True), (None, 1, 2), (0, 1)):
         run = v_shape._greedy(stages, microbatches, 2 * stages, forwards_first, between, delay)
         ordered = tuple(tuple(step for s, step in run if s == stage) for stage in range(stages))
         monkeypatch.setattr(v_shape, "orders", lambda *_, chosen=ordered: chosen)
+        sched._built.cache_clear()  # built lists are kept: these orders are not the schedule's
         lists = sched.build_all("zero-bubble-v", stages, microbatches, "never", 2)
         for late in (0, 1):
             spans = sched.simulate(lists, cost, lambda stage, action, t=late: t / 2, placement="v")
