@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -135,7 +137,7 @@ def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float]
     # `measured`: per-layer costs measured at launch, named `measured_by` in the plan ("measured time, cached").
     k, layers = recipe.pipeline.partitions * recipe.pipeline.virtual_stages, len(summary.layers)  # chunks
     balance = recipe.pipeline.balance
-    try:
+    with _cut_errors(recipe):
         partition.check_partitions(layers, k)
         if isinstance(balance, list):
             return partition.check_balance(balance, layers, k), "explicit", ""
@@ -159,10 +161,18 @@ def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float]
         except cut.NoCutFits as exc:  # shown as the fastest cut; `gpipe train` refuses with this line
             return partition.balance_by_cost(costs, k), f"{by}; no cut fits memory", exc.line()
         return chosen, (f"{by}, the fastest cut that fits memory" if moved else by), ""
+
+
+@contextlib.contextmanager
+def _cut_errors(recipe: Recipe) -> Iterator[None]:
+    """A cut the model's layers cannot take, as one line naming the recipe key that asked for it."""
+    try:
+        yield
     except partition.PartitionError as exc:
-        key = "pipeline.balance" if isinstance(balance, list) else "pipeline.partitions"
-        if recipe.pipeline.virtual_stages > 1 and not isinstance(balance, list):
-            key = f"pipeline.partitions x pipeline.virtual_stages ({k} chunks)"
+        pipe = recipe.pipeline
+        key = "pipeline.balance" if isinstance(pipe.balance, list) else "pipeline.partitions"
+        if pipe.virtual_stages > 1 and not isinstance(pipe.balance, list):
+            key = f"pipeline.partitions x pipeline.virtual_stages ({pipe.partitions * pipe.virtual_stages} chunks)"
         raise UserError(f"{key}: {exc}") from None
 
 
@@ -179,6 +189,12 @@ def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[floa
     # `device` None: CUDA if present, else the CPU; `available` None: the bytes free now.
     spec = spec or model_spec(recipe)
     pipe = recipe.pipeline
+    if chosen is None:  # an impossible cut: refused before the seconds of describing and measuring the model
+        with _cut_errors(recipe):
+            chunks_wanted = pipe.partitions * pipe.virtual_stages
+            partition.check_partitions(len(spec.layers), chunks_wanted)
+            if isinstance(pipe.balance, list):
+                partition.check_balance(pipe.balance, len(spec.layers), chunks_wanted)
     per_replica = max(recipe.data.batch_size // pipe.data_parallel, 1)
     mb = microbatch_size(recipe)
     summary = describe(spec, mb)

@@ -148,6 +148,10 @@ def train(options: TrainOptions) -> int:
     if options.output_dir and not options.resume:
         check_new_run_dir(Path(options.output_dir))
     check_hub_data(recipe.data, recipe_file, options.overrides)  # offline: fail now, not inside the ranks
+    if not options.resume:  # a new run's folder: refused before the plan's seconds of measuring
+        new_run = (Path(options.output_dir), "--output-dir") if options.output_dir else \
+            (Path(OUTPUTS) / recipe.name, "the output directory")
+        check_writable(*new_run)
     if options.dry_run:
         if under_torchrun():
             raise UserError("--dry-run: this process is already a rank that torchrun started; run it outside "
@@ -166,11 +170,11 @@ def train(options: TrainOptions) -> int:
         from gpipe_cli import memory_model
         from gpipe_cli.train.plan import checked_plan
 
+        check_device(recipe.pipeline.backend, recipe.train.device, int(os.environ.get("LOCAL_WORLD_SIZE", local)))
         # Refuses impossible cuts and plans that cannot fit, before any rank starts. The ranks cut for the
         # memory free now, not for what is left while their siblings load.
         available = float(memory_model.available_bytes("cuda" if torch.cuda.is_available() else "cpu"))
         checked_plan(recipe, recipe_label(recipe_file), must_fit=not under_torchrun(), available=available)
-        check_device(recipe.pipeline.backend, recipe.train.device, int(os.environ.get("LOCAL_WORLD_SIZE", local)))
         resume = resume_location(options.resume, options.output_dir, recipe.name, OUTPUTS) if options.resume else None
         fresh = resume is not None and options.resume == "latest" and options.output_dir is not None \
             and not holds_run(Path(options.output_dir))
@@ -185,10 +189,8 @@ def train(options: TrainOptions) -> int:
             changes = recipe_changes(recipe, run_dir_of(resume))
             check_checkpoint_keys(recipe, changes or [], resume)
             complete = resume_end(recipe, resume)
-        elif options.output_dir:
+        elif fresh and options.output_dir:
             check_writable(Path(options.output_dir), "--output-dir")
-        else:
-            check_writable(Path(OUTPUTS) / recipe.name, "the output directory")
     if complete is not None:  # e.g. a scheduler requeued a finished job: say so, touch nothing
         if first:
             say(complete_line(run_dir_of(str(resume)), complete, f"train.steps {recipe.train.steps}"), sys.stdout)
