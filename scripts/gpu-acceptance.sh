@@ -31,7 +31,8 @@
 # --cpu checks this script itself where there is no GPU: every step at tiny sizes on the CPU (the gpu
 # tests are skipped there, and allowed to be). GPU_ACCEPTANCE_GPUS=N pretends N GPUs for the multigpu
 # step's choice (--cpu only: N >= 2 runs its ranks on the CPU). GPU_ACCEPTANCE_BOUND_SCALE=X multiplies
-# every step's time bound (a slower machine; or a small X to see a step time out).
+# every step's time bound (a slower machine; or a small X to see a step time out). Under --cpu the whole run
+# also ends within 480 s (what a test may wait for it): each step's bound is cut to what is left of them.
 #
 # Without network: wheels/ (from scripts/gpu-wheels.sh) is installed first when present.
 # Exits non-zero, naming the failed steps, when any step failed or ran past its bound.
@@ -94,12 +95,23 @@ declare -A BOUND=(
 )
 MULTIGPU_RUN_BOUND=30
 SCALE=${GPU_ACCEPTANCE_BOUND_SCALE:-1}
+STARTED=$(date +%s)
+CPU_TOTAL=480  # --cpu: seconds the whole run may take, setup and figures included
 bound() {  # bound NAME: the steps' bounds scaled by GPU_ACCEPTANCE_BOUND_SCALE, at least 1 s
     local scale=$SCALE
     # One Python start and pip are not a step's work: unscaled, but under --cpu (a machine busy with a test
-    # suite's workers takes up to a minute to start Python and import torch) six times longer.
-    case $1 in wheels|setup|figures) scale=$([ "$CPU" = 1 ] && echo 6 || echo 1) ;; esac
+    # suite's workers took over a minute to start Python and import torch) twelve times longer.
+    case $1 in wheels|setup|figures) scale=$([ "$CPU" = 1 ] && echo 12 || echo 1) ;; esac
     awk -v b="${BOUND[$1]}" -v s="$scale" 'BEGIN { v = int(b * s + 0.5); print (v < 1 ? 1 : v) }'
+}
+limit() {  # limit NAME: its bound; under --cpu at most what is left of CPU_TOTAL after it, its SIGKILL and figures
+    local b
+    b=$(bound "$1")
+    if [ "$CPU" = 1 ]; then
+        local left=$(( CPU_TOTAL - ($(date +%s) - STARTED) - 20 - $(bound figures) - 5 ))
+        b=$(( b < left ? b : (left > 1 ? left : 1) ))
+    fi
+    echo "$b"
 }
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-acceptance.XXXXXX") || exit 1
@@ -175,17 +187,17 @@ echo "gpu-acceptance: $GPUS GPU(s); the default steps' time bounds add up to ${t
 FAILED=()
 
 now() { date +%s.%N; }
-# record NAME STATUS CODE SECONDS [WHY]: one line of steps.jsonl.
+# record NAME STATUS CODE SECONDS BOUND [WHY]: one line of steps.jsonl.
 record() {
     printf '{"step": "%s", "status": "%s", "exit_code": %s, "seconds": %.1f, "bound_s": %s%s}\n' \
-        "$1" "$2" "$3" "$4" "$(bound "$1")" "${5:+, \"why\": \"$5\"}" >> "$RECORDS"
+        "$1" "$2" "$3" "$4" "$5" "${6:+, \"why\": \"$6\"}" >> "$RECORDS"
 }
 # step NAME COMMAND...: run it within its bound, append its output to the log (STEP_LOG: another file),
 # record how it ended; returns non-zero unless it passed. STOP_SIGNAL: what `timeout` sends first.
 step() {
     local name=$1; shift
     local limit started code seconds status log=${STEP_LOG:-$LOG}
-    limit=$(bound "$name")
+    limit=$(limit "$name")
     echo "== $name (bound $limit s): $*" | tee -a "$log"
     started=$(now)
     timeout -s "${STOP_SIGNAL:-TERM}" -k 20 "$limit" "$@" 2>&1 | tee -a "$log"
@@ -196,7 +208,7 @@ step() {
         124|137) status="timed out" ;;
         *) status=failed ;;
     esac
-    record "$name" "$status" "$code" "$seconds"
+    record "$name" "$status" "$code" "$seconds" "$limit"
     if [ "$status" != passed ]; then
         FAILED+=("$name")
         echo "gpu-acceptance: step $name $status (exit code $code) after ${seconds%.*} s" | tee -a "$log" >&2
@@ -205,7 +217,7 @@ step() {
 }
 skip() {  # skip NAME WHY
     echo "$1: $2: skipped" | tee -a "$LOG"
-    record "$1" skipped 0 0 "$2"
+    record "$1" skipped 0 0 "$(bound "$1")" "$2"
 }
 GPIPE=("$PY" -m gpipe_cli.cli)  # an array, not a function: `timeout` runs programs
 wants() { [[ " ${STEPS[*]} " == *" $1 "* ]]; }
@@ -233,7 +245,7 @@ if wants multigpu; then
         [ -z "$visible" ] || gpus=$(( (${#visible} + 1) / 2 ))
         run_bound=$(awk -v b="$MULTIGPU_RUN_BOUND" -v s="$SCALE" 'BEGIN { print b * s }')
         command=("$PY" scripts/gpu_measure.py multigpu --device "$DEVICE" --gpus "$gpus" "${sizes[@]}"
-                 --run-timeout "$run_bound" --budget-s "$(( $(bound multigpu) > 20 ? $(bound multigpu) - 15 : 1 ))"
+                 --run-timeout "$run_bound" --budget-s "$(( $(limit multigpu) > 20 ? $(limit multigpu) - 15 : 1 ))"
                  --work-dir "$WORK/multigpu" --json "$RAW/multigpu.json")
         if wants tests; then
             (
@@ -254,7 +266,8 @@ if wants tests; then
     workers=()
     most=8
     [ -z "$MULTIGPU_PID" ] || most=6
-    if "$PY" -c 'import xdist' >/dev/null 2>&1; then
+    # --cpu: no workers, whose start (torch imported again) costs more than the skipped tests.
+    if [ "$CPU" = 0 ] && "$PY" -c 'import xdist' >/dev/null 2>&1; then
         cores=$(nproc)
         workers=(-n "$(( cores / 2 < most ? (cores / 2 > 1 ? cores / 2 : 1) : most ))" --dist load)
     fi
@@ -287,13 +300,14 @@ if wants overhead; then
                --rounds 3 --round-s 0.25 --sync-batch 32 --sync-microbatches 4)
     fi
     step overhead "$PY" scripts/gpu_measure.py overhead --device "$DEVICE" "${sizes[@]}" \
-        --budget-s "$(( $(bound overhead) > 40 ? $(bound overhead) - 15 : $(bound overhead) / 2 ))" \
+        --budget-s "$(( $(limit overhead) > 40 ? $(limit overhead) - 15 : $(limit overhead) / 2 ))" \
         --json "$RAW/overhead.json"
 fi
 if wants table1; then
     # The families' sizes and batches of the paper's Table 1, at its memory per device.
     if [ "$CPU" = 1 ]; then
-        amoeba=(--budget 200MiB --microbatches 2 --batch-size 8 --image-size 32 --num-classes 10)
+        # 20 MiB: models of under a million parameters (200 MiB: 12M, twice the search and training time)
+        amoeba=(--budget 20MiB --microbatches 2 --batch-size 8 --image-size 32 --num-classes 10)
         trans=(--budget 20MiB --microbatches 2 --batch-size 4 --d-model 64 --ff 256 --heads 4 --vocab-size 512
                --seq-len 32)
     else

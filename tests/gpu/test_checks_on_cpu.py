@@ -228,7 +228,9 @@ def test_acceptance_bounds_fit_eight_minutes_and_say_what_each_step_takes() -> N
 
 
 def _acceptance(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(ACCEPTANCE), *args], capture_output=True, text=True, timeout=300,
+    # Under --cpu the script ends itself within 480 s (its steps' bounds cut to fit): this waits longer, within
+    # the 600 s a test may take, so that a loaded machine gets the script's own record of what ran past its bound.
+    return subprocess.run(["bash", str(ACCEPTANCE), *args], capture_output=True, text=True, timeout=540,
                           env={**os.environ, "PYTHON": sys.executable, **env}, cwd=ACCEPTANCE.parents[1])
 
 

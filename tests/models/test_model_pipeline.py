@@ -7,6 +7,7 @@ import torch
 
 from tests.models import pipeline_ranks as pr
 from tests.multiproc import results, run_ranks
+from tests.pipeline.together import several, shared_jobs
 
 pytestmark = pytest.mark.slow
 
@@ -34,41 +35,56 @@ def errors(state: dict, reference: dict) -> dict[str, float]:
 SCHEDULES = {"amoebanet": [], "transformer": [(2, "zero-bubble", 1)], "lm": [(2, "interleaved", 2)]}
 
 
-@pytest.mark.parametrize("family", ["amoebanet", "transformer", "lm"])
-def test_the_same_parameters_for_any_number_of_stages(family):
+FAMILIES = ["amoebanet", "transformer", "lm"]
+DOUBLE = [("1f1b", 1), ("zero-bubble", 1), ("interleaved", 2)]
+
+# Every multi-rank run of this module by number of ranks (with pr.train's arguments): the runs of one
+# size share one job's rank processes.
+JOBS: dict[int, dict] = {
+    2: {**{("same", family, schedule, virtual): (pr.train, (family, 2, 3, 4, False, schedule, virtual))
+           for family in FAMILIES for stages, schedule, virtual in [(2, "gpipe", 1), *SCHEDULES[family]]
+           if stages == 2},
+        **{("double", schedule, virtual): (pr.train, ("amoebanet", 2, 3, 4, False, schedule, virtual, True))
+           for schedule, virtual in DOUBLE},
+        **{("learned", family): (pr.train, (family, 2, 40, 4, True)) for family in FAMILIES}},
+    4: {("same", family, "gpipe", 1): (pr.train, (family, 4, 3, 4, False, "gpipe", 1)) for family in FAMILIES},
+}
+
+
+@pytest.fixture(scope="module")
+def ran() -> Callable[[int, tuple], list[dict]]:
+    """(ranks, key) -> each rank's outcome of that run of JOBS (each size's runs made once, in one job)."""
+    return shared_jobs(lambda world, calls: results(run_ranks(several, world, calls, timeout=540)), JOBS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_same_parameters_for_any_number_of_stages(family, ran):
     """K=1 vs K=2 vs K=4 after 3 steps, fp32, dropout on, BatchNorm deferred: relative difference <= 1e-5."""
     reference = pr.train(family, 1, steps=3)["state"]
     for stages, schedule, virtual in [(2, "gpipe", 1), (4, "gpipe", 1), *SCHEDULES[family]]:
-        state = merged(results(run_ranks(pr.train, stages, family, stages, 3, 4, False, schedule, virtual)))
+        state = merged(ran(stages, ("same", family, schedule, virtual)))
         for key, error in errors(state, reference).items():
             assert error <= 1e-5, (stages, schedule, key, error)
 
 
-def test_every_schedule_trains_amoebanet_as_one_process_does_in_float64():
+def test_every_schedule_trains_amoebanet_as_one_process_does_in_float64(ran):
     """1F1B, zero-bubble and interleaved against K=1 after 3 steps, with BatchNorm and dropout: <= 1e-9."""
     reference = pr.train("amoebanet", 1, steps=3, double=True)["state"]
     assert torch.get_default_dtype() == torch.float32  # restored for the tests that follow in this process
-    for schedule, virtual in [("1f1b", 1), ("zero-bubble", 1), ("interleaved", 2)]:
-        state = merged(results(run_ranks(pr.train, 2, "amoebanet", 2, 3, 4, False, schedule, virtual, True)))
+    for schedule, virtual in DOUBLE:
+        state = merged(ran(2, ("double", schedule, virtual)))
         assert all(v.dtype == torch.float64 for v in reference.values() if v.is_floating_point())
         for key, error in errors(state, reference).items():
             assert error <= 1e-9, (schedule, key, error)
 
 
 @pytest.fixture(scope="module")
-def learned() -> Callable[[str], list[dict]]:
+def learned(ran) -> Callable[[str], list[dict]]:
     """A family trained for 40 steps on its generated task through two stages (each family run once)."""
-    runs: dict[str, list[dict]] = {}
-
-    def get(family: str) -> list[dict]:
-        if family not in runs:
-            runs[family] = results(run_ranks(pr.train, 2, family, 2, 40, 4, True))
-        return runs[family]
-
-    return get
+    return lambda family: ran(2, ("learned", family))
 
 
-@pytest.mark.parametrize("family", ["amoebanet", "transformer", "lm"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_generated_task_is_learned_through_two_stages(family, learned):
     outcome = learned(family)
     losses = outcome[-1]["losses"]

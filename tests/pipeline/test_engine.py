@@ -13,6 +13,7 @@ from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
 from tests.multiproc import results, run_ranks
 from tests.pipeline import ranks, toy
+from tests.pipeline.together import several, shared_jobs
 
 MODES = ["always", "except_last", "never"]
 CONFIGS = list(itertools.product([1, 3, 4, 8], ["gpipe", "1f1b"], MODES)) + \
@@ -44,28 +45,61 @@ def check(states: dict, model: str) -> None:
     assert not failures, "\n".join(failures)
 
 
+DATA_PARALLEL = (("ln", [2, 3], "1f1b"), ("bn", [3, 3], "zero-bubble"), ("bn", [2, 1, 2, 1], "interleaved"))
+TIED_CONFIGS = [(3, "gpipe", "except_last"), (2, "1f1b", "always"), (3, "zero-bubble", "except_last")]
+
+
+def grid_configs(stages: int, model: str) -> list[tuple]:
+    return CONFIGS + ([(m, "interleaved", mode, CHUNKS[model]) for m in (2, 4) for mode in MODES]
+                      if stages == 2 else [])
+
+
+def tied_configs(balance: list[int]) -> list[tuple]:
+    return TIED_CONFIGS + ([(2, "interleaved", "except_last", (1, 1, 1, 1))] if len(balance) == 2 else [])
+
+
+# Every multi-rank run of this module, by world size: the runs of one size share one job's rank processes.
+JOBS: dict[int, dict] = {
+    2: {**{("grid", model): (ranks.grid, (model, 2, BALANCES[2][model], grid_configs(2, model)))
+           for model in ("bn", "ln")},
+        ("tied", 2): (ranks.grid, ("tied", 2, [2, 2], tied_configs([2, 2]))),
+        ("evaluate", 10): (ranks.evaluate, ("bn", 2, [3, 3], 10, 4)),
+        ("evaluate", 3): (ranks.evaluate, ("bn", 2, [3, 3], 3, 4)),
+        ("evaluate", "ring"): (ranks.evaluate, ("bn", 2, [2, 1, 2, 1], 3, 4, "interleaved")),
+        ("shapes", 2): (ranks.varying_shapes, ([1, 2],))},
+    3: {("shapes", 3): (ranks.varying_shapes, ([1, 1, 1],))},
+    4: {**{("grid", model): (ranks.grid, (model, 4, BALANCES[4][model], grid_configs(4, model)))
+           for model in ("bn", "ln")},
+        ("tied", 4): (ranks.grid, ("tied", 4, [1, 1, 1, 1], tied_configs([1, 1, 1, 1]))),
+        **{("data-parallel", i): (ranks.data_parallel, (model, 2, 2, balance, 2, schedule))
+           for i, (model, balance, schedule) in enumerate(DATA_PARALLEL)}},
+}
+
+
+@pytest.fixture(scope="module")
+def ran():
+    """(world, key) -> each rank's result of that run of JOBS (each world's runs made once, in one job)."""
+    return shared_jobs(lambda world, calls: results(run_ranks(several, world, calls, timeout=540)), JOBS)
+
+
 @pytest.mark.parametrize("model", ["bn", "ln"])
 @pytest.mark.parametrize("stages", [1, 2, 4])
-def test_parameters_equal_plain_training(stages, model):
+def test_parameters_equal_plain_training(stages, model, ran):
     """K in {1,2,4} x M in {1,3,4,8} x every schedule x all remat modes, uneven and final smaller batches.
 
     The BatchNorm model also checks the running statistics (deferred BatchNorm); the LayerNorm model is
     compared with whole-batch training, which shows the result does not depend on M at all.
     """
-    balance = BALANCES[stages][model]
     if stages == 1:
-        states = ranks.grid(model, 1, balance, CONFIGS)
+        states = ranks.grid(model, 1, BALANCES[1][model], CONFIGS)
     else:
-        configs = CONFIGS + ([(m, "interleaved", mode, CHUNKS[model]) for m in (2, 4) for mode in MODES]
-                             if stages == 2 else [])
-        states = merged_states(results(run_ranks(ranks.grid, stages, model, stages, balance, configs)))
+        states = merged_states(ran(stages, ("grid", model)))
     check(states, model)
 
 
-def test_data_parallel_times_pipeline_equals_concatenated_batch():
-    for model, balance, schedule in (("ln", [2, 3], "1f1b"), ("bn", [3, 3], "zero-bubble"),
-                                     ("bn", [2, 1, 2, 1], "interleaved")):
-        outcome = results(run_ranks(ranks.data_parallel, 4, model, 2, 2, balance, 2, schedule))
+def test_data_parallel_times_pipeline_equals_concatenated_batch(ran):
+    for i, (model, _, _) in enumerate(DATA_PARALLEL):
+        outcome = ran(4, ("data-parallel", i))
         ref = toy.reference(model, microbatches=2, replicas=2)
         for part in outcome:
             errors = toy.relative_errors(part["state"], ref)
@@ -79,13 +113,11 @@ def test_data_parallel_times_pipeline_equals_concatenated_batch():
         assert outcome[0]["losses"][0] is not None
 
 
-def test_tied_parameters_across_stages_stay_equal_and_match_one_process():
+def test_tied_parameters_across_stages_stay_equal_and_match_one_process(ran):
     ref = toy.reference("tied", 1)
     for balance in ([2, 2], [1, 1, 1, 1]):
-        configs = [(3, "gpipe", "except_last"), (2, "1f1b", "always"), (3, "zero-bubble", "except_last")]
-        if len(balance) == 2:
-            configs.append((2, "interleaved", "except_last", (1, 1, 1, 1)))
-        states = merged_states(results(run_ranks(ranks.grid, len(balance), "tied", len(balance), balance, configs)))
+        states = merged_states(ran(len(balance), ("tied", len(balance))))
+        assert set(states) == set(tied_configs(balance))
         for config, state in states.items():
             assert torch.equal(state["0.embed.weight"], state["3.proj.weight"]), config
             errors = toy.relative_errors(state, ref)
@@ -102,10 +134,10 @@ def test_tied_parameters_within_one_stage_are_one_tensor():
     assert len(pipe.parameters()) == len(list(pipe.module.named_parameters(remove_duplicate=False))) - 1
 
 
-def test_evaluation_returns_loss_metrics_and_outputs_on_rank_zero():
+def test_evaluation_returns_loss_metrics_and_outputs_on_rank_zero(ran):
     single = ranks.evaluate("bn", 1, [6], 10, 4)
     for size in (10, 3):  # 3 < M: one example per micro-batch
-        outcome = results(run_ranks(ranks.evaluate, 2, "bn", 2, [3, 3], size, 4))
+        outcome = ran(2, ("evaluate", size))
         rank0 = next(o for o in outcome if o["rank"] == 0)
         ref = single if size == 10 else ranks.evaluate("bn", 1, [6], size, 4)
         assert rank0["loss"] == pytest.approx(ref["loss"], rel=1e-5)
@@ -113,18 +145,17 @@ def test_evaluation_returns_loss_metrics_and_outputs_on_rank_zero():
         assert torch.allclose(rank0["outputs"], ref["outputs"], rtol=1e-5, atol=1e-6)
         assert all(o["loss"] == pytest.approx(rank0["loss"]) for o in outcome)
     # interleaved chunks pass activations round the ring, also for a batch smaller than M
-    ring = next(o for o in results(run_ranks(ranks.evaluate, 2, "bn", 2, [2, 1, 2, 1], 3, 4, "interleaved"))
-                if o["rank"] == 0)
+    ring = next(o for o in ran(2, ("evaluate", "ring")) if o["rank"] == 0)
     ref = ranks.evaluate("bn", 1, [6], 3, 4)
     assert ring["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     assert torch.allclose(ring["outputs"], ref["outputs"], rtol=1e-5, atol=1e-6)
 
 
-def test_shapes_change_between_steps_and_microbatches():
+def test_shapes_change_between_steps_and_microbatches(ran):
     """Sequence length changes every step and micro-batches are uneven: fresh buffers, right results."""
     single = ranks.varying_shapes([3])
-    for balance in ([1, 2], [1, 1, 1]):
-        losses = results(run_ranks(ranks.varying_shapes, len(balance), balance))[-1]
+    for stages in (2, 3):  # balances [1, 2] and [1, 1, 1]
+        losses = ran(stages, ("shapes", stages))[-1]
         assert losses == pytest.approx(single, rel=1e-5)
 
 

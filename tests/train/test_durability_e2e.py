@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.interrupt import as_from_a_terminal
+from tests.train.as_ranks import gpipe_train
 from tests.train.recipes import TINY_TRANSLATION, write
 
 pytestmark = pytest.mark.slow
@@ -40,8 +41,9 @@ def losses(run_dir: Path) -> dict[int, float]:
 def full_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("full")
     path = write(folder, recipe())
-    proc = gpipe("train", str(path), "--output-dir", str(folder / "run"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The uninterrupted reference, its ranks forked ready as torchrun's (the resumes below are launched)
+    proc = gpipe_train(2, str(path), "--output-dir", str(folder / "run"), "--threads", "1")
+    assert proc.codes == [0, 0], proc.stderr[-3000:]
     return path, folder / "run"
 
 
@@ -69,17 +71,19 @@ def _start(path: Path, run: Path) -> subprocess.Popen:
     raise AssertionError("the run did not start")
 
 
-@pytest.mark.parametrize("changes", [["--set", "pipeline.partitions=1"], ["--set", "pipeline.partitions=3"],
-                                     ["--set", "pipeline.balance=[1,5]"],
-                                     ["--set", "pipeline.schedule=interleaved", "--set", "pipeline.virtual_stages=2",
-                                      "--set", "pipeline.microbatches=4"],
-                                     ["--set", "pipeline.schedule=zero-bubble", "--set", "pipeline.checkpoint=always"]],
-                         ids=["K=1", "K=3", "balance", "interleaved-V=2", "zero-bubble"])
-def test_resume_with_another_cut_continues_with_the_same_losses(full_run, tmp_path, changes):
+@pytest.mark.parametrize(("ranks", "changes"), [
+    (1, ["--set", "pipeline.partitions=1"]), (3, ["--set", "pipeline.partitions=3"]),
+    (2, ["--set", "pipeline.balance=[1,5]"]),
+    (2, ["--set", "pipeline.schedule=interleaved", "--set", "pipeline.virtual_stages=2",
+         "--set", "pipeline.microbatches=4"]),
+    (2, ["--set", "pipeline.schedule=zero-bubble", "--set", "pipeline.checkpoint=always"])],
+    ids=["K=1", "K=3", "balance", "interleaved-V=2", "zero-bubble"])
+def test_resume_with_another_cut_continues_with_the_same_losses(full_run, tmp_path, ranks, changes):
     path, run = full_run
     copy_dir = interrupted_copy(run, tmp_path / "copy", keep_step=6)
-    proc = gpipe("train", str(path), "--output-dir", str(copy_dir), "--resume", *changes)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # As torchrun starts the ranks, forked ready: what is proven is the losses, not how the ranks started.
+    proc = gpipe_train(ranks, str(path), "--output-dir", str(copy_dir), "--resume", *changes, "--threads", "1")
+    assert proc.codes == [0] * ranks, proc.stderr[-3000:]
     resumed, reference = losses(copy_dir), losses(run)
     assert set(resumed) == set(reference)
     for step in (7, 8):
@@ -113,23 +117,24 @@ def test_sigterm_leaves_a_complete_checkpoint_and_a_resumable_run(tmp_path):
     assert (found / "manifest.json").exists(), (out[-2000:], err[-2000:])
     assert f"stopped by SIGTERM after step {done}" in out
     assert done < 400
-    resumed = gpipe("train", str(path), "--output-dir", str(run), "--resume", "--set", "train.steps=" + str(done + 2))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # What is proven is that the run resumes: its ranks may start forked ready, as torchrun's
+    resumed = gpipe_train(2, str(path), "--output-dir", str(run), "--resume", "--set", f"train.steps={done + 2}",
+                          "--threads", "1")
+    assert resumed.codes == [0, 0], resumed.stderr[-3000:]
     assert max(losses(run)) == done + 2
 
 
-def test_export_writes_the_consolidated_model(full_run, tmp_path):
+def test_export_writes_the_consolidated_model(full_run, tmp_path, handlers):
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
+    from gpipe_cli.cli import run as gpipe_here
     from gpipe_cli.recipe.load import load_recipe
     from gpipe_cli.recipe_model import model_spec
 
     path, run = full_run
     target = tmp_path / "model.safetensors"
-    proc = subprocess.run([sys.executable, "-m", "gpipe_cli.cli", "export", str(run), "--output", str(target)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    from safetensors import safe_open
+    assert gpipe_here(["export", str(run), "--output", str(target)]) == 0  # in this process: what it writes counts
 
     tensors = load_file(str(target))
     with safe_open(str(target), "pt") as f:
