@@ -102,6 +102,8 @@ def planned(tmp_path_factory: pytest.TempPathFactory) -> Planned:
     return found
 
 
+# Slow: the plan run starts ranks five times; marked, this module is handed out with the suite's other long ones.
+@pytest.mark.slow
 def test_the_plan_is_printed_and_written_as_a_recipe_that_validates(planned):
     recipe, output, out = planned.recipe, planned.output, planned.out
     assert "predicted" in out and "prediction" in out
