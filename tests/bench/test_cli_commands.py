@@ -3,18 +3,27 @@
 import json
 import re
 import subprocess
-import sys
+
+import pytest
+
+from gpipe_cli.cli import run
 
 TINY = ["--model", "transformer", "--set", "model.arch=decoder-only", "--layers", "2", "--d-model", "32", "--ff", "64",
         "--heads", "4", "--seq-len", "16", "--vocab-size", "64"]
 
 
-def gpipe(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gpipe_cli.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+@pytest.fixture
+def gpipe(capsys, handlers):
+    """`gpipe ARGS` through the command line's own `run` in this process: its exit code, stdout and stderr."""
+    # Not a process of its own, which would import torch again first (seconds): the exit code is `run`'s.
+    def command(*args: str) -> subprocess.CompletedProcess:
+        code = run(list(args))
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(["gpipe", *args], code, captured.out, captured.err)
+    return command
 
 
-def test_bench_writes_the_figures_and_a_chrome_trace(tmp_path):
+def test_bench_writes_the_figures_and_a_chrome_trace(tmp_path, gpipe):
     out, trace = tmp_path / "bench.json", tmp_path / "trace.json"
     proc = gpipe("bench", *TINY, "--partitions", "2", "--microbatches", "4", "--steps", "3", "--warmup", "1",
                  "--schedule", "zero-bubble", "--compare", "--trace", str(trace), "--json", str(out))
@@ -37,7 +46,7 @@ def test_bench_writes_the_figures_and_a_chrome_trace(tmp_path):
     assert re.search(r"^took \d+ (s|min) \(estimated \d+ (s|min)\)$", proc.stdout, re.M), proc.stdout
 
 
-def test_profile_memory_prints_every_scenario_and_writes_json(tmp_path):
+def test_profile_memory_prints_every_scenario_and_writes_json(tmp_path, gpipe):
     out = tmp_path / "memory.json"
     proc = gpipe("profile-memory", *TINY, "--partitions", "2", "--microbatches", "4", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -54,6 +63,6 @@ def test_profile_memory_prints_every_scenario_and_writes_json(tmp_path):
     assert pipe1["stages"][0]["peak_bytes"] < naive["stages"][0]["peak_bytes"]
 
 
-def test_bad_flags_are_one_line_with_exit_code_2():
+def test_bad_flags_are_one_line_with_exit_code_2(gpipe):
     proc = gpipe("bench", "--model", "no-such-model", "--steps", "1")
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr

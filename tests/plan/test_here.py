@@ -1,25 +1,136 @@
 """What ranks sharing this machine add, measured with real processes: links, load, the engine's steps."""
 
+import contextlib
 import functools
+import inspect
+import io
 import multiprocessing
 import multiprocessing.util
 import os
+import re
 import signal
 import threading
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from gpipe_cli.cli import run
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.plan import calibrate, here, inputs
-from tests.plan.test_runner import TINY
+from gpipe_cli.recipe.load import load_recipe
+from gpipe_cli.sizing import usable_cores
+from tests.plan.test_runner import TINY, set_lines
+from tests.train.recipes import write
 
 PARAMS = {k: v for k, v in TINY["model"].items() if k != "kind"}
 
 
-def test_links_between_two_ranks_are_read_as_latency_and_bandwidth():
-    p2p, reduce = here.links(2)
+@dataclass
+class Planned:
+    """One `gpipe plan --timing measure` for 2 devices, and what its ranks here were asked and measured."""
+
+    recipe: Path
+    output: Path
+    out: str
+    links: list[tuple[int, tuple[here.Link, here.Link]]] = field(default_factory=list)  # (ranks, links)
+    siblings: list[tuple[list[int], bool]] = field(default_factory=list)  # (pids at the body, all gone after it)
+    engine: list[tuple[dict[str, Any], here.Steps]] = field(default_factory=list)  # (arguments, steps)
+
+
+def _record_pid_then(path: str, work: Any) -> None:
+    _record_pid(path)
+    work()
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory: pytest.TempPathFactory) -> Planned:
+    """The plan's run, measured once for this module: its links, siblings and engine steps are the ones tested here.
+
+    Each of those starts ranks (seconds of importing torch each): the tests below check what the plan's own calls
+    measured rather than start their own, and start them only where the plan does not (a single core).
+    """
+    folder = tmp_path_factory.mktemp("plan")
+    # A gradient clip: the ranks' steps clip before the update, as a recipe with one trains.
+    recipe = write(folder, {**TINY, "train": {**TINY["train"], "grad_clip": 1.0}})
+    found = Planned(recipe, folder / "planned.yaml", "")
+    links, loaded, engine_steps = here.links, here.loaded, here.engine_steps
+    signature = inspect.signature(engine_steps)
+    pids = folder / "siblings"
+
+    def recorded_links(ranks: int) -> tuple[here.Link, here.Link]:
+        result = links(ranks)
+        found.links.append((ranks, result))
+        return result
+
+    @contextlib.contextmanager
+    def recorded_loaded(work: Any, count: int, threads: int) -> Any:
+        pids.mkdir(exist_ok=True)
+        with loaded(functools.partial(_record_pid_then, str(pids), work), count, threads):
+            started = [int(p) for p in os.listdir(pids)]
+            yield
+        gone = []
+        for pid in started:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                gone.append(pid)
+        found.siblings.append((started, gone == started))
+
+    def recorded_engine_steps(*args: Any, **kwargs: Any) -> here.Steps:
+        steps = engine_steps(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        found.engine.append((dict(bound.arguments), steps))
+        return steps
+
+    printed = io.StringIO()
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setattr(here, "links", recorded_links)
+        patch.setattr(here, "loaded", recorded_loaded)
+        patch.setattr(here, "engine_steps", recorded_engine_steps)
+        code = run(["plan", str(recipe), "--devices", "2", "--timing", "measure", "--output", str(found.output),
+                    "--plain", "--top", "3"])
+    signal.signal(signal.SIGINT, saved[0])
+    signal.signal(signal.SIGTERM, saved[1])
+    assert code == 0, printed.getvalue()[-3000:]
+    found.out = printed.getvalue()
+    return found
+
+
+# Slow: the plan run starts ranks five times; marked, this module is handed out with the suite's other long ones.
+@pytest.mark.slow
+def test_the_plan_is_printed_and_written_as_a_recipe_that_validates(planned):
+    recipe, output, out = planned.recipe, planned.output, planned.out
+    assert "predicted" in out and "prediction" in out
+    # Each phase of measuring is said before it starts (with its estimate when more than 2 s), and the end
+    # judges the phases' estimates.
+    assert re.search(r"^measuring per-layer seconds of 4 layers .*\)( \(about \d+ s\))?\.\.\.$", out, re.M), out
+    assert re.search(r"^measuring the engine.*( \(about \d+ s\))?\.\.\.$", out, re.M), out
+    assert re.search(r"^took \d+ (s|min) \(estimated \d+ (s|min)\)$", out, re.M), out
+    if usable_cores() > 1:  # two ranks here: each shape is priced from the engine's steps measured on it
+        timing = next(line for line in out.splitlines() if line.strip().startswith("per-layer seconds:"))
+        assert "on 2 replicas and x" in timing and "as 2 stages and x" in timing and "of 2 chunks" in timing
+    rows = [line for line in out.splitlines() if re.match(r"^[* ] K=\d+ D=\d+ M=\d+ ", line)]
+    assert rows and rows[0].startswith("*") and len([r for r in rows if r.startswith("*")]) == 1
+    assert all("| " in r for r in rows[1:]), "every runner-up says why it loses"
+    written = load_recipe(output)
+    # The printed --set lines and the written recipe describe the same pipeline.
+    assert load_recipe(recipe, set_lines(out)).pipeline == written.pipeline
+    assert written.pipeline.partitions * written.pipeline.data_parallel == 2
+    assert written.model == load_recipe(recipe).model and written.data == load_recipe(recipe).data
+    assert run(["validate", str(output)]) == 0
+
+
+def test_links_between_two_ranks_are_read_as_latency_and_bandwidth(planned):
+    # The plan's own measurement of them (a single core plans without: measured here then).
+    measured = planned.links or [(2, here.links(2))]
+    assert [ranks for ranks, _ in measured] == [2]
+    p2p, reduce = measured[0][1]
     for link in (p2p, reduce):
         assert 1e6 < link.bandwidth < 1e13 and 0.0 <= link.latency < 0.1  # a real, finite link
 
@@ -38,7 +149,13 @@ def _record_pid(path: str) -> None:
         pass
 
 
-def test_siblings_work_while_the_body_runs_and_are_gone_after_it(tmp_path):
+def test_siblings_work_while_the_body_runs_and_are_gone_after_it(planned, tmp_path):
+    if planned.siblings:  # the plan's sibling, which computed while it timed the layers
+        assert len(planned.siblings) == 1
+        pids, gone = planned.siblings[0]
+        assert len(pids) == 1 and pids[0] != os.getpid()  # the first run is done before the body
+        assert gone
+        return
     with here.loaded(functools.partial(_record_pid, str(tmp_path)), 1, 1):
         pids = [int(p) for p in os.listdir(tmp_path)]
         assert len(pids) == 1 and pids[0] != os.getpid()  # the first run is done before the body
@@ -81,11 +198,23 @@ def test_ctrl_c_while_children_start_waits_for_all_of_them_and_leaves_no_traceba
     assert "Traceback" not in capfd.readouterr().err
 
 
-def test_the_engine_steps_on_real_replicas_and_its_costs_fit_the_gap_they_leave():
+def _engine_calls(planned: Planned, pipeline: bool) -> list[tuple[dict[str, Any], here.Steps]]:
+    """The plan's engine steps on 2 ranks: those on replicas, or those as pipelines."""
+    return [(args, steps) for args, steps in planned.engine if (args["balance"] is not None) == pipeline]
+
+
+def test_the_engine_steps_on_real_replicas_and_its_costs_fit_the_gap_they_leave(planned):
     spec = build_model("transformer", **PARAMS)
     examples = inputs.generated(spec, 0)
     adam = functools.partial(torch.optim.Adam, lr=1e-3)
-    steps = here.engine_steps("transformer", PARAMS, *examples(4), 0, 2, 1, [1, 2, 4], adam, 1.0)
+    # The plan's own steps on 2 replicas of 4 examples each (a single core plans without: measured here then).
+    calls = _engine_calls(planned, pipeline=False) or [
+        (dict(ranks=2, counts=[1, 2, 4], grad_clip=1.0, inputs=examples(4)[0]),
+         here.engine_steps("transformer", PARAMS, *examples(4), 0, 2, 1, [1, 2, 4], adam, 1.0))]
+    assert len(calls) == 1
+    args, steps = calls[0]
+    assert args["ranks"] == 2 and args["counts"] == [1, 2, 4] and args["grad_clip"] == 1.0
+    assert args["inputs"].shape[0] == 4
     assert sorted(steps.per_count) == [1, 2, 4]
     # the update is timed within the step
     assert all(0 < update < step < 60 for step, update in steps.per_count.values())
@@ -182,13 +311,20 @@ def test_a_shape_takes_the_ratio_measured_on_it_and_one_not_measured_the_largest
     assert calibrate.by_shape({4: 1.6}, {})(4, 2, 1) == pytest.approx(1.6)
 
 
-def test_the_engine_steps_as_a_pipeline_of_the_ranks_here():
+def test_the_engine_steps_as_a_pipeline_of_the_ranks_here(planned):
     spec = build_model("transformer", **PARAMS)
     examples = inputs.generated(spec, 0)
     adam = functools.partial(torch.optim.Adam, lr=1e-3)
-    for balance, virtual in (([1, len(spec.layers) - 1], 1), ([1, 1, 1, len(spec.layers) - 3], 2)):
-        steps = here.engine_steps("transformer", PARAMS, *examples(8), 0, 2, 1, [2, 8], adam, 1.0, balance, virtual)
-        assert sorted(steps.per_count) == [2, 8]
+    # The plan's own pipelines of 2 stages on the whole batch: GPipe, and 2 chunks per stage (a single core plans
+    # without: measured here then).
+    calls = _engine_calls(planned, pipeline=True) or [
+        (dict(balance=balance, virtual=virtual, counts=[2, 8]),
+         here.engine_steps("transformer", PARAMS, *examples(8), 0, 2, 1, [2, 8], adam, 1.0, balance, virtual))
+        for balance, virtual in (([1, len(spec.layers) - 1], 1), ([1, 1, 1, len(spec.layers) - 3], 2))]
+    assert [(len(args["balance"]), args["virtual"]) for args, _ in calls] == [(2, 1), (4, 2)]
+    for args, steps in calls:
+        assert sum(args["balance"]) == len(spec.layers) and len(args["counts"]) > 1
+        assert sorted(steps.per_count) == sorted(args["counts"])
         assert all(0 < update < step < 60 for step, update in steps.per_count.values())
     # The cut reaches the ranks: one that does not cover the model's layers fails there, in one line.
     with pytest.raises(here.Unavailable, match="as 2 stages x 1 replicas"):

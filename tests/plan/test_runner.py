@@ -44,33 +44,6 @@ def set_lines(out: str) -> list[str]:
     return [words[i + 1] for i, w in enumerate(words) if w == "--set"]
 
 
-def test_the_plan_is_printed_and_written_as_a_recipe_that_validates(tmp_path, capsys):
-    recipe = write(tmp_path, TINY)
-    output = tmp_path / "planned.yaml"
-    assert run(["plan", str(recipe), "--devices", "2", "--timing", "measure", "--output", str(output),
-                "--plain", "--top", "3"]) == 0
-    out = capsys.readouterr().out
-    assert "predicted" in out and "prediction" in out
-    # Each phase of measuring is said before it starts (with its estimate when more than 2 s), and the end
-    # judges the phases' estimates.
-    assert re.search(r"^measuring per-layer seconds of 4 layers .*\)( \(about \d+ s\))?\.\.\.$", out, re.M), out
-    assert re.search(r"^measuring the engine.*( \(about \d+ s\))?\.\.\.$", out, re.M), out
-    assert re.search(r"^took \d+ (s|min) \(estimated \d+ (s|min)\)$", out, re.M), out
-    from gpipe_cli.sizing import usable_cores
-    if usable_cores() > 1:  # two ranks here: each shape is priced from the engine's steps measured on it
-        timing = next(line for line in out.splitlines() if line.strip().startswith("per-layer seconds:"))
-        assert "on 2 replicas and x" in timing and "as 2 stages and x" in timing and "of 2 chunks" in timing
-    rows = [line for line in out.splitlines() if re.match(r"^[* ] K=\d+ D=\d+ M=\d+ ", line)]
-    assert rows and rows[0].startswith("*") and len([r for r in rows if r.startswith("*")]) == 1
-    assert all("| " in r for r in rows[1:]), "every runner-up says why it loses"
-    planned = load_recipe(output)
-    # The printed --set lines and the written recipe describe the same pipeline.
-    assert load_recipe(recipe, set_lines(out)).pipeline == planned.pipeline
-    assert planned.pipeline.partitions * planned.pipeline.data_parallel == 2
-    assert planned.model == load_recipe(recipe).model and planned.data == load_recipe(recipe).data
-    assert run(["validate", str(output)]) == 0
-
-
 def test_a_model_too_slow_to_time_keeps_the_links_measured_here(tmp_path, capsys, monkeypatch):
     from gpipe_cli.plan import inputs
     from gpipe_cli.sizing import usable_cores
@@ -146,8 +119,10 @@ def test_paper_models_are_planned_for_eight_80gib_devices_without_building_them(
 @pytest.mark.slow
 def test_ctrl_c_while_measuring_exits_130_and_writes_nothing(tmp_path):
     output = tmp_path / "planned.yaml"
-    code, text = interrupt(["plan", "--devices", "2", "--output", str(output)], tmp_path,
-                           lambda tmp, out: "measuring per-layer seconds" in out)
+    # --bandwidth: the links are assumed, not measured between two ranks started first (seconds each, before the
+    # moment this test is about). --timing measure: on a loaded machine `auto` may only estimate, never measuring.
+    code, text = interrupt(["plan", "--devices", "2", "--bandwidth", "10", "--timing", "measure", "--output",
+                            str(output)], tmp_path, lambda tmp, out: "measuring per-layer seconds" in out)
     assert code == 130, text[-3000:]
     assert "Traceback" not in text and "gpipe plan: interrupted; nothing was written" in text
     assert not output.exists()
