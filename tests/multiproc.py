@@ -59,8 +59,9 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, folder: str
 
 # Ranks fork from one server that imported these once: a fresh interpreter per rank would import torch
 # again each time (seconds per rank, the bulk of a small multi-rank test). The server itself never runs
-# torch work, so no thread pool is forked.
-PRELOAD = ["torch", "torch.distributed", "pytest", "gpipe_cli.pipeline.engine", "gpipe_cli.models", "tests.multiproc"]
+# torch work, so no thread pool is forked. torch._dynamo: a rank's first optimizer imports it (seconds more).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pytest", "gpipe_cli.pipeline.engine", "gpipe_cli.models",
+           "tests.multiproc"]
 
 
 def _context() -> Any:
