@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from gpipe_cli.train import checkpoint
 from gpipe_cli.train.export import export
+from tests.train.inrank import gpipe_ranks
 from tests.train.recipes import TINY_TRANSLATION, write
 from tests.train.test_checkpoint import flip, save_one
 
@@ -43,14 +44,13 @@ _LOADS_ANYWAY = "import json, sys, gpipe_cli.cli, gpipe_cli.models.registry; pri
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """The tiny translation recipe trained for 3 steps in one process: its run directory."""
+    """The tiny translation recipe trained for 3 steps in one process, as torchrun's one rank: its run directory."""
     folder = tmp_path_factory.mktemp("trained")
     recipe = copy.deepcopy(TINY_TRANSLATION)
     recipe["pipeline"]["partitions"] = 1  # the checkpoint holds both names of the tied weight all the same
-    proc = subprocess.run([sys.executable, "-m", "gpipe_cli.cli", "train", str(write(folder, recipe)),
-                           "--output-dir", str(folder / "run"), "--plain", "--threads", "1"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    code, output = gpipe_ranks(["train", str(write(folder, recipe)), "--output-dir", str(folder / "run"),
+                                "--plain", "--threads", "1"])
+    assert code == 0, output[-4000:]
     return folder / "run"
 
 

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import types
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +16,7 @@ from gpipe_cli.recipe.schema import Metrics, Wandb
 from gpipe_cli.train.sinks import Sinks, open_sinks, scalars
 from gpipe_cli.train.view import MetricsFile
 from tests.train.recipes import TINY_AMOEBANET, write
-from tests.train.test_train_e2e import gpipe, records
+from tests.train.test_train_e2e import records
 from tests.train.test_view import train_record
 
 
@@ -80,15 +82,10 @@ def test_wandb_offline_writes_its_run_folder_without_network(tmp_path, monkeypat
 
 
 @pytest.mark.slow
-def test_tensorboard_event_files_hold_the_same_values_as_metrics_jsonl(tmp_path):
+def test_tensorboard_event_files_hold_the_same_values_as_metrics_jsonl(sunk):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    recipe = copy.deepcopy(TINY_AMOEBANET)
-    recipe["train"]["steps"] = 3
-    recipe["metrics"] = {"tensorboard": True}
-    out = tmp_path / "run"
-    proc = gpipe("train", str(write(tmp_path, recipe)), "--output-dir", str(out), "--plain")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = sunk.out
     expected: dict[str, dict[int, float]] = {}
     for record in records(out):
         for tag, value in scalars(record).items():
@@ -237,22 +234,39 @@ def init(**kwargs):
 '''
 
 
-@pytest.mark.slow
-def test_a_run_with_wandb_artifact_exports_its_final_model_and_logs_it(tmp_path):
-    from safetensors.torch import load_file
+@dataclass
+class Sunk:
+    """A finished run that wrote TensorBoard events and logged to the fake wandb: its folder, calls and process."""
 
-    (tmp_path / "fake" / "wandb").mkdir(parents=True)
-    (tmp_path / "fake" / "wandb" / "__init__.py").write_text(FAKE_WANDB)
+    out: Path
+    calls: list
+    proc: subprocess.CompletedProcess
+
+
+@pytest.fixture(scope="module")
+def sunk(tmp_path_factory) -> Sunk:
+    """One 2-stage run with both sinks on (each writes its own files): the TensorBoard and the W&B test read it."""
+    folder = tmp_path_factory.mktemp("sunk")
+    (folder / "fake" / "wandb").mkdir(parents=True)
+    (folder / "fake" / "wandb" / "__init__.py").write_text(FAKE_WANDB)
     recipe = copy.deepcopy(TINY_AMOEBANET)
     recipe["train"]["steps"] = 2
-    recipe["metrics"] = {"wandb": {"project": "p", "group": "g", "tags": ["a"], "artifact": True}}
-    out, log = tmp_path / "run", tmp_path / "calls.jsonl"
+    recipe["metrics"] = {"tensorboard": True,
+                         "wandb": {"project": "p", "group": "g", "tags": ["a"], "artifact": True}}
+    out, log = folder / "run", folder / "calls.jsonl"
     env = {**os.environ, "FAKE_WANDB_LOG": str(log),
-           "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "gpipe_cli.cli", "train", str(write(tmp_path, recipe)),
-                           "--output-dir", str(out), "--plain"], capture_output=True, text=True, env=env, timeout=300)
+           "PYTHONPATH": os.pathsep.join([str(folder / "fake"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "gpipe_cli.cli", "train", str(write(folder, recipe)),
+                           "--output-dir", str(out), "--plain"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    return Sunk(out, [json.loads(line) for line in log.read_text().splitlines()], proc)
+
+
+@pytest.mark.slow
+def test_a_run_with_wandb_artifact_exports_its_final_model_and_logs_it(sunk):
+    from safetensors.torch import load_file
+
+    out, calls, proc = sunk.out, sunk.calls, sunk.proc
     assert calls[0] == ["init", {"project": "p", "name": "run", "entity": None, "group": "g", "tags": ["a"]}]
     assert [c[1] for c in calls if c[0] == "log"] == [1, 2, 2]  # the two steps, then the final evaluation
     model = out / "model.safetensors"
