@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import pickle
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.multiproc import PRELOAD, free_port
+from tests.multiproc import run_ranks
 
 
 @dataclass
@@ -21,53 +19,35 @@ class Ranks:
     stdout: str
     stderr: str
 
+    @property
+    def code(self) -> int | None:
+        """The job's exit code as the launcher gives it: the first rank's that is not 0, else 0."""
+        return next((c for c in self.codes if c != 0), 0)
 
-def _rank(args: list[str], rank: int, world: int, port: int, folder: str, env: dict[str, str]) -> None:
-    # The caller's environment (the session's cache of layer costs), then torchrun's for this rank.
-    os.environ.clear()
-    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-    for fd, name in ((1, "out"), (2, "err")):  # stdout and stderr apart, as the tests read them
-        os.dup2(os.open(os.path.join(folder, f"{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-    sys.stdout = os.fdopen(1, "w", buffering=1)
-    sys.stderr = os.fdopen(2, "w", buffering=1)
-    import torch
+    @property
+    def output(self) -> str:
+        """Everything the ranks printed, stdout then stderr."""
+        return self.stdout + self.stderr
 
-    torch.set_num_threads(1)  # as the launcher's --threads 1: the same sums in the same order
+
+def _train(args: list[str], env: dict[str, str], errors: str) -> int:
+    os.environ.update(env)
+    # stdout goes to the rank's log (tests.multiproc); stderr apart, as the tests read them. The same file object
+    # on fd 2: a second one would close the fd when either is collected.
+    sys.stderr.flush()
+    os.dup2(os.open(os.path.join(errors, f"{os.environ['RANK']}.err"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     from gpipe_cli.cli import run
 
     try:
-        code = run(["train", *args, "--plain"])
+        return run(["train", *args, "--plain"])
     except SystemExit as end:
-        code = end.code if isinstance(end.code, int) else 1
-    with open(os.path.join(folder, f"{rank}.code"), "wb") as f:
-        pickle.dump(code, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # the exit code is written; skip the process-group teardown at exit
+        return end.code if isinstance(end.code, int) else 1
 
 
 def gpipe_train(world: int, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0) -> Ranks:
     """`gpipe train *args --plain` on `world` ranks (the recipe's K x D) started as torchrun would; wait for all."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # the same server as tests.multiproc's, whichever starts it
-    with tempfile.TemporaryDirectory() as folder:
-        port, env = free_port(), {**os.environ, **(env or {})}
-        procs = [ctx.Process(target=_rank, args=(list(args), r, world, port, folder, env)) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(deadline - time.monotonic(), 0.1))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        codes = []
-        for r, p in enumerate(procs):
-            path = Path(folder, f"{r}.code")
-            codes.append(pickle.loads(path.read_bytes()) if p.exitcode == 0 and path.exists() else p.exitcode)
-        out, err = ("".join(Path(folder, f"{r}.{name}").read_text() for r in range(world)) for name in ("out", "err"))
-        return Ranks(codes, out, err)
+    with tempfile.TemporaryDirectory() as errors:
+        outcomes = run_ranks(_train, world, list(args), env or {}, errors, timeout=timeout)
+        codes = [o.result if o.exitcode == 0 else o.exitcode for o in outcomes]
+        err = "".join(p.read_text() for r in range(world) if (p := Path(errors, f"{r}.err")).exists())
+        return Ranks(codes, "".join(o.output for o in outcomes), err)

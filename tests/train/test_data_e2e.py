@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.data.datagen import make_imagefolder
-from tests.train.inrank import gpipe_ranks
+from tests.train.as_ranks import gpipe_train
 from tests.train.recipes import TINY_AMOEBANET, write
 
 pytestmark = pytest.mark.slow
@@ -43,8 +43,8 @@ def short_run(tmp_path_factory) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("short")
     recipe = translation(2)
     path, run = write(folder, recipe), folder / "run"
-    code, output = gpipe_ranks(["train", str(path), "--output-dir", str(run), "--plain"])
-    assert code == 0, output[-3000:]
+    ranks = gpipe_train(1, str(path), "--output-dir", str(run))
+    assert ranks.code == 0, ranks.output[-3000:]
     return path, run
 
 
@@ -64,9 +64,8 @@ def test_an_imagefolder_of_pngs_trains(tmp_path):
     recipe["data"] = {"source": "imagefolder", "path": str(root), "batch_size": 8}
     recipe["pipeline"].update(partitions=1, microbatches=2)  # the stages see what the data gave: one will do
     recipe["train"]["steps"] = 2
-    code, output = gpipe_ranks(["train", str(write(tmp_path, recipe)), "--output-dir", str(tmp_path / "run"),
-                                "--plain"])
-    assert code == 0, output[-3000:]
+    ranks = gpipe_train(1, str(write(tmp_path, recipe)), "--output-dir", str(tmp_path / "run"))
+    assert ranks.code == 0, ranks.output[-3000:]
     final = evals(tmp_path / "run")[-1]
     assert 0.0 <= final["accuracy"] <= 1.0 and final["loss"] > 0
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from gpipe_cli.train import checkpoint
 from gpipe_cli.train.export import export
-from tests.train.inrank import gpipe_ranks
+from tests.train.as_ranks import gpipe_train
 from tests.train.recipes import TINY_TRANSLATION, write
 from tests.train.test_checkpoint import flip, save_one
 
@@ -48,9 +48,8 @@ def trained(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("trained")
     recipe = copy.deepcopy(TINY_TRANSLATION)
     recipe["pipeline"]["partitions"] = 1  # the checkpoint holds both names of the tied weight all the same
-    code, output = gpipe_ranks(["train", str(write(folder, recipe)), "--output-dir", str(folder / "run"),
-                                "--plain", "--threads", "1"])
-    assert code == 0, output[-4000:]
+    ranks = gpipe_train(1, str(write(folder, recipe)), "--output-dir", str(folder / "run"), "--threads", "1")
+    assert ranks.code == 0, ranks.output[-4000:]
     return folder / "run"
 
 

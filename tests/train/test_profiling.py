@@ -12,7 +12,7 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.recipe.schema import Profile
 from gpipe_cli.train.profiling import StepProfiler, trace_path
-from tests.train.inrank import gpipe_ranks
+from tests.train.as_ranks import gpipe_train
 from tests.train.recipes import TINY_AMOEBANET, write
 
 # What torch.profiler's C++ side (Kineto) and its Python warnings print when left alone.
@@ -97,7 +97,8 @@ def test_a_profiled_run_writes_gzip_traces_per_rank_with_steps_and_pipeline_rang
     recipe["eval"] = {}
     out = tmp_path / "run"
     # As torchrun's two ranks run it: what each prints (Kineto's chatter too) comes back as one text.
-    code, output = gpipe_ranks(["train", str(write(tmp_path, recipe)), "--output-dir", str(out), "--plain"], 2)
+    ranks = gpipe_train(2, str(write(tmp_path, recipe)), "--output-dir", str(out))
+    code, output = ranks.code, ranks.output
     assert code == 0, output[-4000:]
     assert "profile: steps 2-3 traced" in output
     assert not CHATTER.search(output), output[-4000:]

@@ -22,7 +22,7 @@ from tests.interrupt import as_from_a_terminal
 
 pytestmark = pytest.mark.slow
 
-STEPS = 40  # the built-in recipe trains 200
+STEPS = 16  # the built-in recipe trains 200
 
 
 def gpipe(cwd: Path, *args: str) -> subprocess.CompletedProcess:
@@ -43,7 +43,7 @@ def copy_of(cwd: Path, target: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory) -> tuple[Path, Path, int, str]:
-    """The quick start with `--set train.steps=40` at M=8, its cut timed first (nothing cached), stopped by
+    """The quick start with `--set train.steps=16` at M=8, its cut timed first (nothing cached), stopped by
     Ctrl-C after a few steps: (the folder it ran in, the run it names, the step it stopped after, its output)."""
     cwd = tmp_path_factory.mktemp("as-started")
     env = {**os.environ, "GPIPE_CACHE_DIR": str(cwd.parent / f"{cwd.name}-costs")}  # an empty cache: timed
@@ -83,7 +83,7 @@ def test_resuming_with_only_the_run_trains_to_its_own_steps_and_every_step_adds_
     assert "differ" not in proc.stdout and f"{STEPS} steps" in proc.stdout.splitlines()[0]
     assert f"summary: steps {done + 1}-{STEPS} of {STEPS}, since the resume," in proc.stdout
     records = train_records(here / run)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # to 40, not the recipe's 200
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # to 16, not the recipe's 200
     saved = yaml.safe_load((here / run / "recipe.yaml").read_text())
     assert saved["train"]["steps"] == STEPS and saved["pipeline"]["microbatches"] == 8
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.multiproc import free_port
-from tests.train.inrank import gpipe_ranks
+from tests.train.as_ranks import gpipe_train
 from tests.train.recipes import TINY_AMOEBANET, TINY_TRANSLATION, write
 
 pytestmark = pytest.mark.slow
@@ -58,13 +58,12 @@ def cuts(request, tmp_path_factory) -> dict[tuple[int, str], tuple[dict, Path, s
         out = folder / name
         # One intra-op thread everywhere: a multithreaded kernel sums in another order, and that rounding,
         # not the pipeline, is what would differ between a 1-rank and a 2-rank run on this machine.
-        args = ["train", str(write(folder, recipe, f"{name}.yaml")), "--output-dir", str(out), "--plain",
-                "--threads", "1"]
+        args = [str(write(folder, recipe, f"{name}.yaml")), "--output-dir", str(out), "--threads", "1"]
         if stages == 1:
-            code, output = gpipe_ranks(args)  # the ranks' stdout and stderr together: both are searched below
-            proc = subprocess.CompletedProcess(args, code, output, output)
+            ranks = gpipe_train(1, *args)  # the ranks' stdout and stderr together: both are searched below
+            proc = subprocess.CompletedProcess(args, ranks.code, ranks.output, ranks.output)
         else:
-            proc = gpipe(*args)
+            proc = gpipe("train", *args, "--plain")
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         runs[(stages, schedule)] = (copy.deepcopy(recipe), out, proc)
     return runs
