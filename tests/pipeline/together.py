@@ -17,10 +17,7 @@ def several(calls: list[Call]) -> list[Any]:
 
 def shared_jobs(run: Callable[[int, list[Call]], list[list[Any]]],
                 jobs: dict[int, dict[Any, Call]]) -> Callable[[int, Any], list[Any]]:
-    """Get (world, key) -> every rank's result of that call; a world's calls all run in one job, on first demand.
-
-    `run(world, calls)` starts the job and returns each rank's list of results.
-    """
+    """(world, key) -> every rank's result of that call: a world's calls run in one job (`run`), on first demand."""
     done: dict[int, dict[Any, list[Any]]] = {}
 
     def get(world: int, key: Any) -> list[Any]:
