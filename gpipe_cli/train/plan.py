@@ -137,10 +137,10 @@ def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float]
     # `measured`: per-layer costs measured at launch, named `measured_by` in the plan ("measured time, cached").
     k, layers = recipe.pipeline.partitions * recipe.pipeline.virtual_stages, len(summary.layers)  # chunks
     balance = recipe.pipeline.balance
+    explicit = checked_cut(recipe, layers)
+    if explicit is not None:
+        return explicit, "explicit", ""
     with _cut_errors(recipe):
-        partition.check_partitions(layers, k)
-        if isinstance(balance, list):
-            return partition.check_balance(balance, layers, k), "explicit", ""
         if balance == "params":
             return partition.balance_by_cost([c.params for c in summary.layers], k), "parameters", ""
         if balance in ("auto", "time") and k in (1, layers):  # nothing to choose, nothing to measure
@@ -161,6 +161,16 @@ def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float]
         except cut.NoCutFits as exc:  # shown as the fastest cut; `gpipe train` refuses with this line
             return partition.balance_by_cost(costs, k), f"{by}; no cut fits memory", exc.line()
         return chosen, (f"{by}, the fastest cut that fits memory" if moved else by), ""
+
+
+def checked_cut(recipe: Recipe, layers: int) -> list[int] | None:
+    """Refuse K x V chunks, or an explicit balance, that the model's `layers` cannot take; the explicit balance."""
+    pipe = recipe.pipeline
+    with _cut_errors(recipe):
+        partition.check_partitions(layers, pipe.partitions * pipe.virtual_stages)
+        if isinstance(pipe.balance, list):
+            return partition.check_balance(pipe.balance, layers, pipe.partitions * pipe.virtual_stages)
+    return None
 
 
 @contextlib.contextmanager
@@ -190,11 +200,7 @@ def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[floa
     spec = spec or model_spec(recipe)
     pipe = recipe.pipeline
     if chosen is None:  # an impossible cut: refused before the seconds of describing and measuring the model
-        with _cut_errors(recipe):
-            chunks_wanted = pipe.partitions * pipe.virtual_stages
-            partition.check_partitions(len(spec.layers), chunks_wanted)
-            if isinstance(pipe.balance, list):
-                partition.check_balance(pipe.balance, len(spec.layers), chunks_wanted)
+        checked_cut(recipe, len(spec.layers))
     per_replica = max(recipe.data.batch_size // pipe.data_parallel, 1)
     mb = microbatch_size(recipe)
     summary = describe(spec, mb)

@@ -145,13 +145,13 @@ def train(options: TrainOptions) -> int:
     local = check_launch(options.launch, world)
     if options.output_dir and os.path.exists(options.output_dir) and not os.path.isdir(options.output_dir):
         raise UserError(f"--output-dir: {shown(options.output_dir)} exists and is not a directory")
-    if options.output_dir and not options.resume:
-        check_new_run_dir(Path(options.output_dir))
-    check_hub_data(recipe.data, recipe_file, options.overrides)  # offline: fail now, not inside the ranks
     if not options.resume:  # a new run's folder: refused before the plan's seconds of measuring
+        if options.output_dir:
+            check_new_run_dir(Path(options.output_dir))
         new_run = (Path(options.output_dir), "--output-dir") if options.output_dir else \
             (Path(OUTPUTS) / recipe.name, "the output directory")
         check_writable(*new_run)
+    check_hub_data(recipe.data, recipe_file, options.overrides)  # offline: fail now, not inside the ranks
     if options.dry_run:
         if under_torchrun():
             raise UserError("--dry-run: this process is already a rank that torchrun started; run it outside "

@@ -303,6 +303,26 @@ def test_there_are_at_least_80_cases():
     assert len(CASES) + len(output_cases()) >= 80
 
 
+@pytest.fixture
+def unmeasured(monkeypatch):
+    """The plan's measuring of the model fails the test: what it guards is refused before those seconds."""
+    from gpipe_cli import memory_model
+
+    def measure(*args, **kwargs):
+        raise AssertionError("the model was measured before the refusal")
+
+    monkeypatch.setattr(memory_model, "measure", measure)
+
+
+def test_a_cut_the_model_cannot_take_is_refused_before_it_is_measured(tmp_path, monkeypatch, capsys, unmeasured):
+    monkeypatch.chdir(tmp_path)
+    for extra, fragment in ((["--set", "pipeline.partitions=45"], "cannot cut 44 layers into 45"),
+                            (["--set", "pipeline.balance=[40,5]"], "sums to 45 but the model has 44")):
+        code = run(["train", GOOD(tmp_path), "--plain", *extra])
+        captured = capsys.readouterr()
+        assert_one_line(code, captured.err, captured.out, fragment)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, capsys, case):
     setup, extra, fragment = CASES[case]
@@ -316,7 +336,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, 
 
 
 @pytest.mark.parametrize("case", list(cuda_cases()) or ["(this machine has a GPU)"])
-def test_a_device_this_machine_lacks_is_refused_before_any_rank(tmp_path, monkeypatch, capsys, case):
+def test_a_device_this_machine_lacks_is_refused_before_any_rank(tmp_path, monkeypatch, capsys, case, unmeasured):
     cases = cuda_cases()
     if not cases:
         pytest.skip("a CUDA GPU is visible")
@@ -330,7 +350,7 @@ def test_a_device_this_machine_lacks_is_refused_before_any_rank(tmp_path, monkey
 
 @pytest.mark.parametrize("case", list(output_cases()))
 def test_an_output_directory_that_cannot_be_written_is_refused_before_any_rank(tmp_path, monkeypatch, capsys,
-                                                                                case):
+                                                                                case, unmeasured):
     setup, target, fragment = output_cases()[case]
     monkeypatch.chdir(tmp_path)
     recipe = setup(tmp_path)
