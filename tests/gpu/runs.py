@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tests.train.as_ranks import gpipe_train
 from tests.train.recipes import TINY_AMOEBANET, TINY_TRANSLATION, write
 
 MiB = 2**20
@@ -75,19 +76,26 @@ def gpipe(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
                           timeout=timeout)
 
 
-def train(folder: Path, recipe: dict[str, Any], device: str, *sets: str, resume: bool = False) -> Run:
-    """Train `recipe` on `device` into folder/run (or continue the run there with `resume`)."""
+def train(folder: Path, recipe: dict[str, Any], device: str, *sets: str, resume: bool = False,
+          as_ranks: bool = False) -> Run:
+    """Train `recipe` on `device` into folder/run (or continue the run there with `resume`).
+
+    `as_ranks`: run as torchrun's ranks would, forked from the suite's preloaded server, not through the launcher."""
     folder.mkdir(parents=True, exist_ok=True)
     path = write(folder, recipe)
-    args = ["train", str(path), "--output-dir", str(folder / "run"), "--plain", "--threads", "1",
-            "--set", f"train.device={device}"]
+    args = [str(path), "--output-dir", str(folder / "run"), "--set", f"train.device={device}"]
     for item in sets:
         args += ["--set", item]
     if resume:
         args.append("--resume")
-    proc = gpipe(*args)
-    assert proc.returncode == 0, f"gpipe {' '.join(args)} failed:\n{proc.stderr[-4000:]}"
-    return Run(folder / "run", proc.stderr)
+    if as_ranks:
+        ranks = gpipe_train(recipe["pipeline"]["partitions"], *args)
+        code, stderr = ranks.code, ranks.stderr
+    else:
+        proc = gpipe("train", *args, "--plain", "--threads", "1")
+        code, stderr = proc.returncode, proc.stderr
+    assert code == 0, f"gpipe train {' '.join(args)} failed:\n{stderr[-4000:]}"
+    return Run(folder / "run", stderr)
 
 
 def relative_gap(actual: float, expected: float) -> float:
@@ -131,14 +139,15 @@ def check_precision(run: Run, reference: Run, precision: str) -> None:
     assert (value, good) == expected, f"{precision}: loss scale {value} after {good} clean steps, expected {expected}"
 
 
-def resume_on(run: Run, recipe: dict[str, Any], folder: Path, device: str, keep_step: int, *sets: str) -> Run:
+def resume_on(run: Run, recipe: dict[str, Any], folder: Path, device: str, keep_step: int, *sets: str,
+              as_ranks: bool = False) -> Run:
     """Continue a copy of `run` on `device` from its checkpoint after `keep_step`, to the end."""
     target = folder / "run"
     shutil.copytree(run.run_dir, target)
     for checkpoint in (target / "checkpoints").iterdir():
         if int(checkpoint.name.split("-")[1]) > keep_step:
             shutil.rmtree(checkpoint)
-    resumed = train(folder, recipe, device, *sets, resume=True)
+    resumed = train(folder, recipe, device, *sets, resume=True, as_ranks=as_ranks)
     assert "resumed from" in resumed.stderr, resumed.stderr[-2000:]
     return resumed
 

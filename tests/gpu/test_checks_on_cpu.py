@@ -42,11 +42,12 @@ GiB = 1024 * MiB
 
 @pytest.mark.slow
 def test_precision_and_resume_checks_pass_on_the_cpu(tmp_path: Path) -> None:
-    reference = runs.train(tmp_path / "fp32", PRECISION_RECIPE, "cpu")
-    half = runs.train(tmp_path / "fp16", PRECISION_RECIPE, "cpu", "train.precision=fp16")
+    # The checks are what is tested here: the runs start as ranks do, without the launcher (tests/gpu uses it).
+    reference = runs.train(tmp_path / "fp32", PRECISION_RECIPE, "cpu", as_ranks=True)
+    half = runs.train(tmp_path / "fp16", PRECISION_RECIPE, "cpu", "train.precision=fp16", as_ranks=True)
     runs.check_precision(half, reference, "fp16")
     runs.check_precision(reference, reference, "fp32")
-    resumed = runs.resume_on(reference, PRECISION_RECIPE, tmp_path / "resumed", "cpu", keep_step=2)
+    resumed = runs.resume_on(reference, PRECISION_RECIPE, tmp_path / "resumed", "cpu", keep_step=2, as_ranks=True)
     runs.check_resumed(resumed, reference, runs.TOLERANCE["fp32"])
     with pytest.raises(AssertionError, match="fp32: loss scale 65536"):  # the fp16 run is told apart
         runs.check_precision(half, reference, "fp32")

@@ -90,7 +90,7 @@ def test_the_tokenizer_is_stored_with_the_run_and_reused_on_resume(short_run, tm
     assert tokenizer.exists()
     digest = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
     stamp = tokenizer.stat().st_mtime_ns
-    resumed = gpipe("train", str(path), "--output-dir", str(run), "--resume", "--set", "train.steps=4")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = gpipe_train(1, str(path), "--output-dir", str(run), "--resume", "--set", "train.steps=4")
+    assert resumed.code == 0, resumed.output[-3000:]
     assert "resumed from" in resumed.stderr and max(r["step"] for r in evals(run)) == 4
     assert tokenizer.stat().st_mtime_ns == stamp and hashlib.sha256(tokenizer.read_bytes()).hexdigest() == digest
