@@ -31,8 +31,9 @@
 # --cpu checks this script itself where there is no GPU: every step at tiny sizes on the CPU (the gpu
 # tests are skipped there, and allowed to be). GPU_ACCEPTANCE_GPUS=N pretends N GPUs for the multigpu
 # step's choice (--cpu only: N >= 2 runs its ranks on the CPU). GPU_ACCEPTANCE_BOUND_SCALE=X multiplies
-# every step's time bound (a slower machine; or a small X to see a step time out). Under --cpu the whole run
-# also ends within 480 s (what a test may wait for it): each step's bound is cut to what is left of them.
+# every step's time bound (a slower machine, whose Python start and pip it lengthens too; or a small X to see a
+# step time out). Under --cpu the whole run also ends within 480 s (what a test may wait for it): each step's
+# bound is cut to what is left of them.
 #
 # Without network: wheels/ (from scripts/gpu-wheels.sh) is installed first when present.
 # Exits non-zero, naming the failed steps, when any step failed or ran past its bound.
@@ -99,9 +100,11 @@ STARTED=$(date +%s)
 CPU_TOTAL=480  # --cpu: seconds the whole run may take, setup and figures included
 bound() {  # bound NAME: the steps' bounds scaled by GPU_ACCEPTANCE_BOUND_SCALE, at least 1 s
     local scale=$SCALE
-    # One Python start and pip are not a step's work: unscaled, but under --cpu (a machine busy with a test
-    # suite's workers took over a minute to start Python and import torch) twelve times longer.
-    case $1 in wheels|setup|figures) scale=$([ "$CPU" = 1 ] && echo 12 || echo 1) ;; esac
+    # One Python start and pip are not a step's work: a small scale leaves them as they are, a slower machine's
+    # lengthens them; under --cpu (a machine busy with a test suite's workers took over a minute to start Python
+    # and import torch) they are twelve times longer.
+    case $1 in wheels|setup|figures)
+        scale=$([ "$CPU" = 1 ] && echo 12 || awk -v s="$SCALE" 'BEGIN { print (s > 1 ? s : 1) }') ;; esac
     awk -v b="${BOUND[$1]}" -v s="$scale" 'BEGIN { v = int(b * s + 0.5); print (v < 1 ? 1 : v) }'
 }
 limit() {  # limit NAME: its bound; under --cpu at most what is left of CPU_TOTAL after it, its SIGKILL and figures
