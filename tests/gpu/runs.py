@@ -78,9 +78,7 @@ def gpipe(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
 
 def train(folder: Path, recipe: dict[str, Any], device: str, *sets: str, resume: bool = False,
           as_ranks: bool = False) -> Run:
-    """Train `recipe` on `device` into folder/run (or continue the run there with `resume`).
-
-    `as_ranks`: run as torchrun's ranks would, forked from the suite's preloaded server, not through the launcher."""
+    """Train `recipe` on `device` into folder/run (or continue the run there with `resume`), `as_ranks` or launched."""
     folder.mkdir(parents=True, exist_ok=True)
     path = write(folder, recipe)
     args = [str(path), "--output-dir", str(folder / "run"), "--set", f"train.device={device}"]
@@ -88,8 +86,9 @@ def train(folder: Path, recipe: dict[str, Any], device: str, *sets: str, resume:
         args += ["--set", item]
     if resume:
         args.append("--resume")
-    if as_ranks:
-        ranks = gpipe_train(recipe["pipeline"]["partitions"], *args)
+    if as_ranks:  # as torchrun's ranks, forked from the suite's preloaded server: no launcher, no Python start
+        pipe = recipe["pipeline"]
+        ranks = gpipe_train(pipe["partitions"] * pipe.get("data_parallel", 1), *args)
         code, stderr = ranks.code, ranks.stderr
     else:
         proc = gpipe("train", *args, "--plain", "--threads", "1")
