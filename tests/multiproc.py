@@ -44,8 +44,10 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, folder: str
     os.dup2(log, 2)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
+    # The job's store is the caller's, as torchrun's agent holds it: a rank that ends first takes no store with it.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
+                      TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
     import torch
 
     torch.set_num_threads(1)
@@ -72,9 +74,12 @@ def _context() -> Any:
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> list[RankOutcome]:
     """Start `world` processes running fn(*args) with torchrun's environment; wait for all."""
+    import torch.distributed as dist
+
     ctx = _context()
     with tempfile.TemporaryDirectory() as folder:
         port = free_port()
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)  # noqa: F841 (held until the ranks end)
         env = dict(os.environ)
         procs = [ctx.Process(target=_entry, args=(fn, r, world, port, folder, args, env)) for r in range(world)]
         for p in procs:
