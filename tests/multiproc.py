@@ -79,7 +79,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 3
     ctx = _context()
     with tempfile.TemporaryDirectory() as folder:
         port = free_port()
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)  # noqa: F841 (held until the ranks end)
+        # Held here until the ranks end, as torchrun's agent holds the job's store.
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)  # noqa: F841
         env = dict(os.environ)
         procs = [ctx.Process(target=_entry, args=(fn, r, world, port, folder, args, env)) for r in range(world)]
         for p in procs:

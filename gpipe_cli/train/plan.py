@@ -166,10 +166,11 @@ def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float]
 def checked_cut(recipe: Recipe, layers: int) -> list[int] | None:
     """Refuse K x V chunks, or an explicit balance, that the model's `layers` cannot take; the explicit balance."""
     pipe = recipe.pipeline
+    chunks = pipe.partitions * pipe.virtual_stages
     with _cut_errors(recipe):
-        partition.check_partitions(layers, pipe.partitions * pipe.virtual_stages)
+        partition.check_partitions(layers, chunks)
         if isinstance(pipe.balance, list):
-            return partition.check_balance(pipe.balance, layers, pipe.partitions * pipe.virtual_stages)
+            return partition.check_balance(pipe.balance, layers, chunks)
     return None
 
 
