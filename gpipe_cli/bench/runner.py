@@ -106,9 +106,9 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
     costs = CostProfile.from_json(k1_raw["costs"])
     k1 = RunFigures.from_json(k1_raw["runs"][0])
     balance, balance_by = choose_balance(options, costs, k)
+    link = simulate.Link.of(options.bandwidth, options.latency_us)
     prediction = simulate.predict(costs, k, options.batch, options.microbatches, options.schedule, options.checkpoint,
-                                  simulate.Link.of(options.bandwidth, options.latency_us), median(k1.step_times),
-                                  balance, options.virtual_stages)
+                                  link, median(k1.step_times), balance, options.virtual_stages)
     kk: RunFigures | None = None
     raw: dict[str, Any] = {}
     if not options.simulate:
@@ -123,6 +123,12 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
             raw = {**exc.partial, "compare": {}, "failed": f"a baseline failed (exit code {exc.code}); see above"}
         kk = RunFigures.from_json(raw["runs"][0])
     summary = summarise(options, subject, k1, kk, costs, balance, balance_by, prediction)
+    if kk is not None and len(kk.stages) == k:
+        replay = simulate.replayed(costs, prediction, [s.busy_s for s in kk.stages], options.schedule,
+                                   options.checkpoint, link, options.virtual_stages)
+        summary["prediction"]["from_stage_busy"] = {
+            "samples_per_s": replay.samples_per_s, "bubble": replay.bubble,
+            "measured_over_predicted": summary["samples_per_s"] / replay.samples_per_s}
     summary["host_overhead"] = host = k1_raw.get("host_overhead")  # None: measured at K=1 only
     loads = {"host_overhead": host["load"]} if host is not None else {}
     if "failed" in raw:

@@ -125,6 +125,10 @@ def show(s: dict[str, Any], console: Console) -> None:
                       f"bubble {p['bubble']:.3f}; measured {s['samples_per_s']:,.1f} samples/s, bubble "
                       f"{s['bubble']:.3f}; measured / predicted throughput [bold]{ratio:.2f}[/] (calibration "
                       f"x{p['calibration']:.2f})" + (shared if s["oversubscribed"] else ""))
+        if (busy := p.get("from_stage_busy")) is not None:  # the schedule alone, the stages' measured compute given
+            console.print(f"  with each stage's measured busy time: predicted {busy['samples_per_s']:,.1f} samples/s, "
+                          f"bubble {busy['bubble']:.3f}; measured / predicted [bold]"
+                          f"{busy['measured_over_predicted']:.2f}[/]")
     else:
         console.print(f"[bold yellow]PREDICTION[/] for {p['partitions']} devices linked at {p['bandwidth_gb_s']} GB/s, "
                       f"{p['latency_us']} µs per message, from per-layer costs measured here (calibrated "

@@ -48,12 +48,13 @@ class CostProfile:
         out[-1] += self.loss
         return out
 
-    def scaled(self, ratio: float) -> CostProfile:
-        """Every layer's seconds and the loss's multiplied by `ratio` (sizes and bytes unchanged)."""
-        layers = [replace(t, forward=t.forward * ratio, forward_nograd=t.forward_nograd * ratio,
-                          backward=t.backward * ratio,
-                          recompute=None if t.recompute is None else t.recompute * ratio) for t in self.layers]
-        return replace(self, loss=self.loss * ratio, layers=layers)
+    def scaled(self, ratio: float | Sequence[float]) -> CostProfile:
+        """Each layer's seconds multiplied by `ratio` (or its own of them), the loss by the last layer's."""
+        ratios = [ratio] * len(self.layers) if isinstance(ratio, (int, float)) else list(ratio)
+        layers = [replace(t, forward=t.forward * r, forward_nograd=t.forward_nograd * r, backward=t.backward * r,
+                          recompute=None if t.recompute is None else t.recompute * r)
+                  for t, r in zip(self.layers, ratios, strict=True)]
+        return replace(self, loss=self.loss * (ratios[-1] if ratios else 1.0), layers=layers)
 
     def balance(self, partitions: int, checkpoint: str, owners: Sequence[int] | None = None,
                 microbatches: int = 1) -> list[int]:

@@ -134,3 +134,18 @@ def predict(costs: CostProfile, devices: int, batch_size: int, microbatches: int
                               virtual=alone_virtual)
         scale = measured_k1_step / alone.step_time if alone.step_time > 0 else 1.0
     return simulate_step(costs, balance, batch_size, microbatches, schedule, checkpoint, link, scale, virtual)
+
+
+def replayed(costs: CostProfile, prediction: Prediction, stage_busy: list[float], schedule: str, checkpoint: str,
+             link: Link, virtual: int = 1) -> Prediction:
+    """`prediction` simulated again with each stage computing for its measured `stage_busy` seconds a step."""
+    # Splits a miss in two: the stages' compute (this host's speed, which drifts between runs) and the schedule
+    # (order, dependencies, messages), which is what the simulator models.
+    ranges, ratios = partition.stage_ranges(prediction.balance), [1.0] * len(costs.layers)
+    for stage, spans in enumerate(prediction.spans):
+        simulated = sum(span.end - span.start for span in spans if span.action.kind in sched.COMPUTE)
+        for chunk in {span.action.chunk for span in spans}:
+            for layer in ranges[chunk]:
+                ratios[layer] = stage_busy[stage] / simulated if simulated > 0 else 1.0
+    return simulate_step(costs.scaled(ratios), prediction.balance, prediction.batch_size, prediction.microbatches,
+                         schedule, checkpoint, link, prediction.calibration, virtual)

@@ -49,6 +49,22 @@ def test_calibration_makes_the_single_device_step_match_the_measured_one():
     assert calibrated.step_time == pytest.approx(2 * alone.step_time)
 
 
+def busy(prediction) -> list[float]:
+    return [sum(s.end - s.start for s in spans if s.action.kind in sched.COMPUTE) for spans in prediction.spans]
+
+
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble-v", 2)])
+def test_a_replay_with_the_stages_measured_busy_time_computes_for_exactly_that_long(schedule, virtual):
+    costs = equal_costs()
+    prediction = simulate.predict(costs, 2, 8, 8, schedule, "always", IDEAL, measured_k1_step=30.0, virtual=virtual)
+    same = simulate.replayed(costs, prediction, busy(prediction), schedule, "always", IDEAL, virtual)
+    assert same.step_time == pytest.approx(prediction.step_time)
+    slower = simulate.replayed(costs, prediction, [busy(prediction)[0], 2 * busy(prediction)[1]], schedule,
+                               "always", IDEAL, virtual)
+    assert busy(slower) == pytest.approx([busy(prediction)[0], 2 * busy(prediction)[1]])
+    assert slower.step_time > prediction.step_time
+
+
 def test_a_slow_link_lengthens_the_step_and_the_bubble():
     costs = equal_costs()
     fast = simulate.predict(costs, 4, 16, 8, "gpipe", "never", IDEAL)
