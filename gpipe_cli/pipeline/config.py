@@ -3,8 +3,6 @@
 # Imports nothing heavy, so commands check their flags with it before torch loads.
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpipe_cli.pipeline import schedules
@@ -84,7 +82,3 @@ class PipelineConfig:
                              f"{self.stages} stages x {self.virtual} virtual stages")
         if any(b < 1 for b in self.balance):
             raise ValueError(f"every chunk of balance {list(self.balance)} needs at least one layer")
-
-    def cut(self, balance: Sequence[int]) -> PipelineConfig:
-        """The same pipeline cut by `balance`."""
-        return dataclasses.replace(self, balance=tuple(balance))

@@ -145,16 +145,6 @@ class StepStats:
         """The measured bubble: mean over stages of idle time / step time."""
         return sum(s.bubble for s in self.stages) / len(self.stages) if self.stages else 0.0
 
-    @property
-    def samples_per_s(self) -> float:
-        """Examples trained per second, over all replicas."""
-        return self.examples / self.step_time if self.step_time > 0 else 0.0
-
-    @property
-    def units_per_s(self) -> float:
-        """Loss units (tokens for text) trained per second."""
-        return self.units / self.step_time if self.step_time > 0 else 0.0
-
     def memory_peaks(self, replica: int = 0) -> list[int]:
         """Peak memory of each stage of one replica, in stage order."""
         return [s.memory_peak for s in self.of_replica(replica)]

@@ -2,7 +2,7 @@
 
 The engine runs unchanged, usually on the meta device: shapes only, as an accelerator whose memory
 the host cannot read, so any host read of device data or host tensor sent as device data shows.
-Each rank's program (pipeline/nccl_model.py) is what a GPU run would post: payload waits are stream
+Each rank's program (tests/pipeline/nccl_model.py) is what a GPU run would post: payload waits are stream
 waits, the host waits only on the control plane and in `device.block`.
 """
 
@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from gpipe_cli.pipeline import device as dev
-from gpipe_cli.pipeline import nccl_model as nm
 from gpipe_cli.pipeline.comm import Transport
 from gpipe_cli.pipeline.fabric import STREAM_NAMES, Link, Ranks, check_device
 from gpipe_cli.pipeline.topology import Layout, Topology
 from gpipe_cli.pipeline.wire import CommError, decode
+from tests.pipeline import nccl_model as nm
 
 TIMEOUT = 60.0
 _rank = threading.local()

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from gpipe_cli.pipeline import device as dev
-from gpipe_cli.pipeline import nccl_model as nm
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import PipelineConfig
@@ -29,6 +28,7 @@ from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_layers
 from gpipe_cli.pipeline.wire import CommError
 from tests.pipeline import loopback
+from tests.pipeline import nccl_model as nm
 from tests.pipeline.toy import Embed, Project, token_loss
 
 LAYERS = 12

@@ -26,9 +26,4 @@ def get(name: str) -> Schedule:
     return found
 
 
-def register(schedule: Schedule) -> None:
-    """Add a schedule under its name (or replace the one of that name)."""
-    REGISTRY[schedule.name] = schedule
-
-
-__all__ = ["REGISTRY", "Schedule", "get", "names", "register"]
+__all__ = ["REGISTRY", "Schedule", "get", "names"]
