@@ -19,6 +19,7 @@ from gpipe_cli.estimate import costs as layer_costs
 from gpipe_cli.estimate.costs import CostProfile, LayerTiming
 from gpipe_cli.estimate.measure import timed
 from gpipe_cli.estimate.simulate import Link, rate_model
+from gpipe_cli.estimate.subject import example_batch
 from gpipe_cli.memory_model import ModelFigures
 from gpipe_cli.models import families
 from gpipe_cli.models.base import ModelSpec
@@ -153,11 +154,7 @@ def _best_seconds(work: Callable[[], None], threads: int, runs: int = 2) -> floa
 
 def generated(spec: ModelSpec, seed: int) -> Examples:
     """Random examples of the model's full input shape (the same for a seed)."""
-    def make(n: int) -> tuple[Any, torch.Tensor]:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return spec.example_batch(n, "cpu")
-    return make
+    return functools.partial(example_batch, spec, seed=seed)
 
 
 _SIBLING_SPEC: dict[str, ModelSpec] = {}
