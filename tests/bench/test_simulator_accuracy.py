@@ -36,6 +36,21 @@ def wait_until_quiet(limit: float = 300.0) -> bool:
     return True
 
 
+# The schedule (order, dependencies, messages), given each stage's measured compute: within a few percent when
+# measured (0.0 and 2.4% on 2026-11-28).
+REPLAYED = 0.10
+# From K=1 alone: this host's speed drifts between the K=1 and K=2 runs of one bench (calibration x0.63 to x1.08
+# over the benches of 2026-11-28), and in the CI's four benches of that day two ranks computed a fifth to a
+# third slower than one alone (measured / predicted 0.75 to 0.82); a wrong model misses by more.
+FROM_K1 = 0.35
+
+
+def _within(figures: dict) -> bool:
+    measured, prediction = figures["samples_per_s"], figures["prediction"]
+    return (_off(prediction["from_stage_busy"]["samples_per_s"], measured) <= REPLAYED
+            and _off(prediction["samples_per_s"], measured) <= FROM_K1)
+
+
 def _off(predicted: float, measured: float) -> float:
     return abs(predicted - measured) / measured
 
@@ -55,15 +70,8 @@ def test_the_simulator_predicts_the_measured_k2_throughput(tmp_path):
         if found["contended"]:
             continue
         figures = found
-        if _off(figures["prediction"]["samples_per_s"], figures["samples_per_s"]) <= 0.15:
+        if _within(figures):  # a miss is measured again (a real error misses every time)
             break
     if figures is None:
         pytest.skip("other processes used the CPU during every attempt: no reliable measurement")
-    measured, prediction = figures["samples_per_s"], figures["prediction"]
-    # The schedule (order, dependencies, messages), given each stage's measured compute: within a few percent
-    # when measured (0.0 and 2.4% on 2026-11-28).
-    assert _off(prediction["from_stage_busy"]["samples_per_s"], measured) <= 0.10, prediction
-    # From K=1 alone: this host's speed drifts between the K=1 and K=2 runs of one bench (calibration x0.63 to
-    # x1.08 over the benches of 2026-11-28), and in the CI's four benches of that day two ranks computed
-    # a fifth to a third slower than one alone (measured / predicted 0.75 to 0.82); a wrong model misses by more.
-    assert _off(prediction["samples_per_s"], measured) <= 0.35, prediction
+    assert _within(figures), figures["prediction"]
