@@ -40,8 +40,8 @@ def wait_until_quiet(limit: float = 300.0) -> bool:
 # measured (0.0 and 2.4% on 2026-11-28).
 REPLAYED = 0.10
 # From K=1 alone: this host's speed drifts between the K=1 and K=2 runs of one bench (calibration x0.63 to x1.08
-# over the benches of 2026-11-28), and in the CI's four benches of that day two ranks computed a fifth to a
-# third slower than one alone (measured / predicted 0.75 to 0.82); a wrong model misses by more.
+# over the benches of 2026-11-28), and in the CI's four benches of that day the K=2 measurement was 0.75 to
+# 0.82 of the prediction; a wrong model misses by more.
 FROM_K1 = 0.35
 
 
