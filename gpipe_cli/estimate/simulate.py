@@ -143,7 +143,7 @@ def replayed(costs: CostProfile, prediction: Prediction, stage_busy: list[float]
     # (order, dependencies, messages), which is what the simulator models.
     ranges, ratios = partition.stage_ranges(prediction.balance), [1.0] * len(costs.layers)
     for stage, spans in enumerate(prediction.spans):
-        simulated = sum(span.end - span.start for span in spans if span.action.kind in sched.COMPUTE)
+        simulated = sched.seconds(spans)
         for chunk in {span.action.chunk for span in spans}:
             for layer in ranges[chunk]:
                 ratios[layer] = stage_busy[stage] / simulated if simulated > 0 else 1.0

@@ -50,7 +50,7 @@ def test_calibration_makes_the_single_device_step_match_the_measured_one():
 
 
 def busy(prediction) -> list[float]:
-    return [sum(s.end - s.start for s in spans if s.action.kind in sched.COMPUTE) for spans in prediction.spans]
+    return [sched.seconds(spans) for spans in prediction.spans]
 
 
 @pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble-v", 2)])
