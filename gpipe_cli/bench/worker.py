@@ -10,6 +10,7 @@ from pathlib import Path
 from types import FrameType
 
 from gpipe_cli.pipeline import stopping
+from gpipe_cli.quick_exit import exit_now
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:
@@ -43,9 +44,8 @@ def main(argv: list[str]) -> None:
         watch = failure.AbortWatch(label)
         failure.run_guarded(lambda: run_job(job, topo), label, watch, quiet=(UserError,))
         watch.stop()
-        sys.stdout.flush()
         # Skip process-group teardown: every figure is written, and gloo's shutdown can stall.
-        os._exit(0)
+        exit_now(0)
     except stopping.StoppedEarly as stop:
         sys.stdout.flush()
         os._exit(128 + stop.signum)

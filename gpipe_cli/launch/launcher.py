@@ -19,6 +19,7 @@ from typing import Any
 
 from gpipe_cli import interrupts
 from gpipe_cli.errors import NONFINITE_EXIT_CODE, UserError
+from gpipe_cli.launch import forked
 from gpipe_cli.launch.preflight import rendezvous, threads_per_rank
 from gpipe_cli.launch.slurm import SlurmStep, check_one_task_per_node, slurm_step
 
@@ -67,7 +68,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _config(world: int, options: LaunchOptions) -> object:
+def _config(world: int, options: LaunchOptions, start_method: str) -> object:
     from torch.distributed.launcher.api import LaunchConfig
 
     rdzv = rendezvous(world, options)
@@ -76,7 +77,7 @@ def _config(world: int, options: LaunchOptions) -> object:
         "min_nodes": rdzv.min_nodes, "max_nodes": rdzv.max_nodes, "nproc_per_node": rdzv.ranks_per_node,
         "run_id": rdzv.run_id or uuid.uuid4().hex[:12],
         "rdzv_endpoint": rdzv.endpoint or f"127.0.0.1:{_free_port()}", "rdzv_backend": rdzv.backend,
-        "rdzv_configs": configs, "max_restarts": 0, "monitor_interval": 0.1, "start_method": "spawn",
+        "rdzv_configs": configs, "max_restarts": 0, "monitor_interval": 0.1, "start_method": start_method,
         "shutdown_timeout": SHUTDOWN_S,
         # Ctrl-C is forwarded to the ranks by this process (see _Stops.forward_interrupt); the agent must not
         # also turn it into SIGTERM-then-kill, which would cut the final checkpoint short. It still
@@ -87,20 +88,14 @@ def _config(world: int, options: LaunchOptions) -> object:
     return LaunchConfig(**{k: v for k, v in fields.items() if k in accepted})
 
 
-def _children() -> list[int]:
-    """This process's child processes (from /proc; empty where there is none)."""
-    me, found = os.getpid(), []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 1 and int(fields[1]) == me:
-            found.append(int(entry))
-    return found
+def _ranks() -> list[int]:
+    """This node's ranks: processes in sessions of their own whose parent is this process or a child of it."""
+    # torchrun starts each rank in a session of its own; a forked rank (see forked.run) is a grandchild, the
+    # fork server between, which must not be signalled: it reports the ranks' exit codes.
+    me, table = os.getpid(), forked.processes()
+    children = {pid for pid, (parent, _) in table.items() if parent == me}
+    return sorted(pid for pid, (parent, session) in table.items()
+                  if session == pid and (parent == me or parent in children))
 
 
 def _send(pids: list[int], signum: int) -> None:
@@ -119,6 +114,7 @@ class _Stops:
         self.told = False
         self.over = threading.Event()  # set when the launch has returned
         self.finishing = False
+        self.forking = False  # the ranks fork from a server that imports torch first: none appear for seconds
         self.stood_down = threading.Event()  # a caller that outlives the launch cancels the forced end
 
     def training(self) -> bool:
@@ -134,17 +130,17 @@ class _Stops:
 
     def forward_interrupt(self, signum: int, frame: object) -> None:
         """Pass Ctrl-C on to the ranks, which torchrun starts in sessions of their own, out of the terminal's reach."""
-        children, training, proc = _children(), self.training(), os.path.isdir("/proc")
+        children, training, proc = _ranks(), self.training(), os.path.isdir("/proc")
         if proc and not training and not self.finishing:
             self.finishing = True
             threading.Thread(target=self._finish, daemon=True).start()
-        if proc and not children:
+        if proc and not children and not self.forking:
             raise KeyboardInterrupt  # no rank runs yet: the command stops here, as before the launch
         self.interrupted = True
         self.setting_up(signal.SIGINT)
         _send(children, signal.SIGINT if training else signal.SIGTERM)  # SIGTERM ends even a starting Python quietly
-        if not children:  # no /proc to find them: the agent turns SIGTERM into a graceful stop of every rank
-            os.kill(os.getpid(), signal.SIGTERM)
+        if not children:  # none to find (no /proc, or the fork server still imports torch): the agent turns
+            os.kill(os.getpid(), signal.SIGTERM)  # SIGTERM into a graceful stop of every rank
 
     def _finish(self) -> None:
         """See a stop with nothing to save through; a process still here `FORCE_S` after it is stuck, and ends."""
@@ -153,10 +149,10 @@ class _Stops:
             if self.training():
                 return  # a rank reached its first step meanwhile: the ranks finish it and save, however long
             if not self.over.is_set():  # again each second: a rank forked at the first's instant can lose it
-                _send(_children(), signal.SIGTERM)
+                _send(_ranks(), signal.SIGTERM)
             if self.stood_down.wait(1.0):
                 return
-        _send(_children(), signal.SIGKILL)
+        _send(_ranks(), signal.SIGKILL)
         print(f"gpipe: still running {FORCE_S:.0f} s after the stop; ended it and its ranks", file=sys.stderr,
               flush=True)
         os._exit(128 + signal.SIGINT)
@@ -224,7 +220,8 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
 
     interrupts.check()  # a Ctrl-C swallowed while the command loaded: no rank starts
     options = options or LaunchOptions()
-    config = _config(world, options)
+    fork = forked.available()
+    config = _config(world, options, forked.START_METHOD if fork else "spawn")
     local = config.nproc_per_node  # type: ignore[attr-defined]
     threads = threads_per_rank(options, local)
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -232,13 +229,18 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     for name in list(logging.root.manager.loggerDict):
         # The ranks report their own failures, and a stop is told in one line; the agent's log lines
         # (each of its modules sets its own level) would only repeat them.
-        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     stops = _Stops(started)
+    stops.forking = fork
     previous = interrupts.on_sigint(stops.forward_interrupt)
     previous_term = signal.getsignal(signal.SIGTERM)  # the agent installs its own and leaves it behind
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", module, *args)  # type: ignore[arg-type]
+        if fork:
+            forked.prepare()
+            elastic_launch(config, forked.run)(module, list(args))  # type: ignore[arg-type]
+        else:
+            elastic_launch(config, sys.executable)("-u", "-m", module, *args)  # type: ignore[arg-type]
     except ChildFailedError as exc:
         if stops.quiet(exc.failures):
             return 128 + signal.SIGINT
@@ -255,6 +257,8 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
         return 1
     finally:
         stops.over.set()
+        if fork:
+            forked.stop()
         signal.signal(signal.SIGINT, previous)  # type: ignore[arg-type]
         signal.signal(signal.SIGTERM, previous_term)
     return 0

@@ -23,7 +23,8 @@ time.sleep(120)
 
 def test_a_rank_that_missed_the_stop_is_sent_it_again_until_the_launch_returns():
     stops = _Stops(None)  # no marker: nothing to save, the ranks get SIGTERM
-    rank = subprocess.Popen([sys.executable, "-c", MISSES_ONE], stdout=subprocess.PIPE, text=True)
+    rank = subprocess.Popen([sys.executable, "-c", MISSES_ONE], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)  # as torchrun starts a rank
     try:
         assert rank.stdout is not None and rank.stdout.readline().strip() == "ready"
         stops.forward_interrupt(signal.SIGINT, None)
@@ -45,7 +46,8 @@ def test_a_process_still_there_long_after_a_stop_with_nothing_to_save_ends_with_
         "from gpipe_cli.launch import launcher\n"
         "launcher.FORCE_S = 2.0\n"
         "rank = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-        "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(120)'], stdout=subprocess.PIPE)\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(120)'], stdout=subprocess.PIPE, "
+        "start_new_session=True)\n"
         "rank.stdout.readline()\n"
         "launcher._Stops(None).forward_interrupt(signal.SIGINT, None)\n"
         "time.sleep(120)\n")
@@ -65,7 +67,8 @@ def test_once_a_rank_has_a_step_to_save_the_stop_is_left_to_the_ranks(tmp_path, 
     marker = tmp_path / "training"
     stops = _Stops(marker)
     rank = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
-                             "signal.SIG_IGN); print(flush=True); time.sleep(120)"], stdout=subprocess.PIPE)
+                             "signal.SIG_IGN); print(flush=True); time.sleep(120)"], stdout=subprocess.PIPE,
+                            start_new_session=True)
     try:
         assert rank.stdout is not None and rank.stdout.readline() == b"\n"
         stops.forward_interrupt(signal.SIGINT, None)

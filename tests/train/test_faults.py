@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from gpipe_cli.launch import forked
 from tests.train.as_ranks import gpipe_train
 from tests.train.recipes import TINY_TRANSLATION, write
 
@@ -47,20 +48,17 @@ def error_lines(stderr: str) -> list[str]:
 
 
 def ranks_of(launcher: int) -> dict[int, int]:
-    """rank -> pid of the ranks a launcher started."""
+    """rank -> pid of the ranks a launcher started (forked by its fork server, each named "gpipe rank N")."""
+    table = forked.processes()
+    near = {launcher} | {pid for pid, (parent, _) in table.items() if parent == launcher}
     found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid, (parent, _) in table.items():
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            name = Path(f"/proc/{pid}/comm").read_text().strip() if parent in near else ""
         except OSError:
             continue
-        if int(stat[1]) == launcher:
-            rank = [v for v in env if v.startswith(b"RANK=")]
-            if rank:
-                found[int(rank[0][5:])] = int(entry)
+        if name.startswith("gpipe rank "):
+            found[int(name.split()[-1])] = pid
     return found
 
 

@@ -1,0 +1,108 @@
+"""Ranks forked from one process that imported torch once, where each would import it again (seconds apiece)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import multiprocessing
+import multiprocessing.util
+import os
+import signal
+import sys
+import tempfile
+import traceback
+from multiprocessing import forkserver
+from typing import TextIO
+
+from gpipe_cli import quick_exit
+
+START_METHOD = "forkserver"
+# What the server imports before it forks the first rank: what every rank imports before its first step.
+PRELOAD = ["gpipe_cli.launch.server", "torch", "torch.distributed", "torch._dynamo", "gpipe_cli.train.worker",
+           "gpipe_cli.bench.worker"]
+
+
+def available() -> bool:
+    """Whether ranks can fork from a preloaded server here: POSIX, a server this process can restart, a short path."""
+    if START_METHOD not in multiprocessing.get_all_start_methods() or not hasattr(forkserver.ForkServer, "_stop"):
+        return False
+    # The server listens on a Unix socket in multiprocessing's folder, made on first use under the temporary
+    # folder; not under one a caller made the default for a while (bench removes its own before this process ends).
+    previous, tempfile.tempdir = tempfile.tempdir, None
+    try:
+        folder = multiprocessing.util.get_temp_dir()
+    finally:
+        tempfile.tempdir = previous
+    return len(os.path.join(folder, "listener-12345678").encode()) < 100  # a socket's path has at most 107 bytes
+
+
+def prepare() -> None:
+    """Start every launch from a fresh server: one started earlier holds an older environment and other modules."""
+    stop()
+    multiprocessing.set_forkserver_preload(PRELOAD)
+
+
+def stop() -> None:
+    """End the server and anything it forked that is left: at a launch's end, none of it is needed."""
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None:
+        # A rank is left only when the launch ended early (a stop while it started); the server, still
+        # importing torch then, would read its end only after.
+        for child in [*children_of(pid), pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+    server._stop()  # type: ignore[attr-defined]
+
+
+def processes() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, session id) of every process (none where there is no /proc)."""
+    found = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                found[int(entry)] = (int(fields[1]), int(fields[3]))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    return [child for child, (parent, _) in processes().items() if parent == pid]
+
+
+def run(module: str, args: list[str]) -> None:
+    """Run `module.main(args)` in this forked rank as `python -u -m module *args` would run it."""
+    os.setsid()  # a session of its own, as torchrun starts its ranks: a Ctrl-C comes from the launcher alone
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores these (gpipe_cli.launch.server)
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:  # what `top` and `ps -o comm` show
+        comm.write(f"gpipe rank {os.environ.get('RANK', '')}"[:15])
+    sys.stdout = _unbuffered(1, sys.stdout)
+    sys.stderr = _unbuffered(2, sys.stderr)
+    quick_exit.returning_success()  # torch's wrapper counts a rank done only when its function returns
+    try:
+        importlib.import_module(module).main(args)
+    except SystemExit as stop:
+        if stop.code in (None, 0):
+            return
+        code = stop.code if isinstance(stop.code, int) else 1
+        if not isinstance(stop.code, int):
+            print(stop.code, file=sys.stderr)
+        os._exit(code)
+    except KeyboardInterrupt:
+        os._exit(128 + signal.SIGINT)
+    except BaseException:  # as Python itself ends: torch's wrapper would only hand the traceback to a silent log
+        traceback.print_exc()
+        os._exit(1)
+
+
+def _unbuffered(fd: int, stream: TextIO) -> TextIO:
+    """A text stream on `fd` that writes each call through at once, as Python's -u does."""
+    return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=stream.encoding, errors=stream.errors,
+                            write_through=True)

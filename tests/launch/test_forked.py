@@ -1,0 +1,75 @@
+"""Ranks fork from one server that imported torch once; each runs as `python -u -m` would and ends as it chose."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from gpipe_cli.launch import forked, launcher
+from gpipe_cli.launch.launcher import LaunchOptions, launch
+
+pytestmark = pytest.mark.skipif(not forked.available(), reason="no fork server on this platform")
+PROBE = "tests.launch.forked_probe"
+
+
+def _launch(folder: Path, mode: str, monkeypatch: pytest.MonkeyPatch, value: str, go: bool = True) -> int:
+    for name in ("OMP_NUM_THREADS", "GPIPE_THREADS"):  # the launch sets them for its ranks
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
+    monkeypatch.setenv("GPIPE_PROBE", value)
+    if go:
+        (folder / "go").touch()
+    return launch(PROBE, [str(folder), mode], 2, LaunchOptions(threads=1))
+
+
+def _facts(folder: Path) -> list[dict]:
+    return [json.loads((folder / f"rank-{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_ranks_fork_preloaded_in_sessions_of_their_own_with_the_launch_environment(tmp_path: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch):
+    found: dict[int, str] = {}
+
+    def watch(folder: Path) -> None:  # while the ranks wait for "go", they are what the launcher would signal
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all((folder / f"rank-{r}.json").exists() for r in range(2)):
+            time.sleep(0.05)
+        found.update({pid: Path(f"/proc/{pid}/comm").read_text().strip() for pid in launcher._ranks()})
+        (folder / "go").touch()
+
+    for value in ("first", "second"):  # a server left from an earlier launch would hold the earlier environment
+        folder = tmp_path / value
+        folder.mkdir()
+        thread = threading.Thread(target=watch, args=(folder,))
+        thread.start()
+        assert _launch(folder, "ok", monkeypatch, value, go=False) == 0
+        thread.join()
+        facts = _facts(folder)
+        for rank, rank_facts in enumerate(facts):
+            assert rank_facts["torch_before_main"] and rank_facts["session_leader"] and rank_facts["world"] == 2
+            assert rank_facts["parent"] != os.getpid()  # forked by the server, not by this process
+            assert rank_facts["probe_env"] == value
+            assert found[rank_facts["pid"]] == f"gpipe rank {rank}"
+        assert sorted(found) == sorted(f["pid"] for f in facts)  # the server between is not a rank
+        assert {f["parent"] for f in facts}.isdisjoint(found)
+        found.clear()
+
+
+def test_a_rank_that_exits_with_a_code_ends_the_job_with_it_and_its_output_whole(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch,
+                                                                               capfd: pytest.CaptureFixture[str]):
+    assert _launch(tmp_path, "fail", monkeypatch, "x") == 5
+    out, err = capfd.readouterr()
+    assert "rank 1 fails on purpose" in out
+    assert "gpipe: rank 1 exited with code 5; see its message above" in err
+
+
+def test_a_forked_rank_killed_by_a_signal_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capfd: pytest.CaptureFixture[str]):
+    assert _launch(tmp_path, "kill", monkeypatch, "x") == 128 + signal.SIGKILL
+    assert "gpipe: rank 1 was killed by SIGKILL" in capfd.readouterr().err
