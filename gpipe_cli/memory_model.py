@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import operator
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -438,6 +439,61 @@ def _bounds_of(stages: int, virtual: int, placed: str) -> tuple[Callable[[list[i
                  for s in range(stages))
 
 
+@dataclass
+class CutMemory:
+    """Predicted bytes of the stages of a K-stage pipeline by where it is cut, and the cuts that fit a rank."""
+
+    figures: ModelFigures
+    stages: int
+    batch_size: int   # the mini-batch of one replica
+    microbatches: int
+    schedule: str
+    checkpoint: str
+    bytes_per_param: float
+    capacity: float = math.inf  # what one rank may use
+    capacity_note: str = ""     # e.g. "22.1 GiB of available RAM shared by 4 ranks"
+    offload: str = "none"       # pipeline.offload
+    _known: dict[tuple[int, int, int], float] = field(default_factory=dict, repr=False)
+    _chunked: dict[tuple[int, tuple[int, ...]], float] = field(default_factory=dict, repr=False)
+
+    def need(self, stage: int, start: int, stop: int) -> float:
+        """Bytes the stage holding layers [start, stop) needs at its peak (V=1)."""
+        key = (stage, start, stop)  # the stage's place counts: earlier stages hold more micro-batches in flight
+        if key not in self._known:
+            self._known[key] = stage_total(self.figures, [range(start, stop)], stage, self.stages, self.batch_size,
+                                           self.microbatches, self.schedule, self.checkpoint, self.bytes_per_param,
+                                           self.offload)
+        return self._known[key]
+
+    def fits(self, stage: int, start: int, stop: int) -> bool:
+        """Whether the stage fits its rank's memory."""
+        return self.need(stage, start, stop) <= self.capacity
+
+    def needs(self, balance: Sequence[int]) -> list[float]:
+        """Every stage's bytes under `balance` (K x V chunks, placed as the schedule says)."""
+        return stage_needs(self.figures, balance, self.batch_size, self.microbatches, self.schedule, self.checkpoint,
+                           self.bytes_per_param, len(balance) // self.stages, self._chunked, self.offload)
+
+    def within(self, costs: Sequence[float], virtual: int = 1) -> list[int] | None:
+        """The min-max cut of `costs` into K x `virtual` chunks among those whose every stage fits, or None."""
+        if virtual > 1:
+            return partition.interleaved_within(costs, self.stages * virtual, self.needs, self.capacity)
+        return partition.balance_within(costs, self.stages, self.fits)
+
+    def least(self, costs: Sequence[float] = (), virtual: int = 1,
+              below: float = math.inf) -> tuple[float, list[int]] | None:
+        """The least bytes the fullest stage can need and a cut needing them, if less than `below` (else None)."""
+        # Exact for V=1 (a min-max cut of stage memory); interleaved: what `partition.least_memory` finds from the
+        # min-max cut of `costs`.
+        if virtual == 1:
+            return partition.min_max_split(len(self.figures.layers), self.stages, self.need,
+                                           weights_floor(self.figures, self.bytes_per_param), below)
+        assert costs, "an interleaved search starts from the min-max cut of the layers' costs"
+        balance = partition.least_memory(partition.balance_by_cost(costs, self.stages * virtual), self.needs)
+        peak = max(self.needs(balance))
+        return (peak, balance) if peak < below else None
+
+
 def greedy_fit(figures: ModelFigures, stages: int, budget: float, batch_size: int, microbatches: int,
                schedule: str, checkpoint: str, bytes_per_param: float, offload: str = "none",
                need: Callable[[Footprint], float] | None = None) -> list[Footprint] | None:
@@ -495,12 +551,8 @@ def v_fit(figures: ModelFigures, stages: int, budget: float, batch_size: int, mi
         return None
     size = max(microbatch.sizes(batch_size, microbatches))
     costs = [layer.saved.at(size) + layer.params * bytes_per_param for layer in figures.layers]
-    known: dict[tuple[int, tuple[int, ...]], float] = {}
-
-    def needs(balance: list[int]) -> list[float]:
-        return stage_needs(figures, balance, batch_size, microbatches, schedule, checkpoint, bytes_per_param, 2,
-                           known, offload)
-
+    needs = CutMemory(figures, stages, batch_size, microbatches, schedule, checkpoint, bytes_per_param,
+                      offload=offload).needs
     balance = partition.balance_by_cost(costs, chunks)
     if n <= V_SEARCHED:
         balance = partition.least_memory(balance, needs, budget)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -161,22 +160,10 @@ def _virtual(name: str, k: int, m: int, layers: int) -> list[int]:
     return [v for v in VIRTUAL_STAGES if k >= 2 and k * v <= layers and m % k == 0]
 
 
-def _stage_need(model: Model, config: Config, per_replica: int) -> Callable[[int, int, int], float]:
-    """The bytes stage `stage` needs holding layers `start` to `stop` (V=1), remembered."""
-    @functools.cache
-    def need(stage: int, start: int, stop: int) -> float:
-        return mm.stage_total(model.figures, [range(start, stop)], stage, config.partitions, per_replica,
-                              config.microbatches, config.schedule, config.checkpoint, model.bytes_per_param,
-                              config.offload)
-    return need
-
-
-def _needs(model: Model, config: Config, per_replica: int) -> Callable[[list[int]], list[float]]:
-    """The bytes every stage needs under `config`, for a balance."""
-    known: dict[tuple[int, tuple[int, ...]], float] = {}
-    return lambda balance: mm.stage_needs(model.figures, balance, per_replica, config.microbatches, config.schedule,
-                                          config.checkpoint, model.bytes_per_param, config.virtual, known,
-                                          config.offload)
+def _memory(model: Model, config: Config, capacity: float = math.inf) -> mm.CutMemory:
+    """The bytes every stage needs under `config`, by its cut."""
+    return mm.CutMemory(model.figures, config.partitions, model.batch // config.replicas, config.microbatches,
+                        config.schedule, config.checkpoint, model.bytes_per_param, capacity, offload=config.offload)
 
 
 def spans_nodes(hw: Hardware, partitions: int) -> bool:
@@ -199,19 +186,14 @@ def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | No
     per_replica = model.batch // config.replicas
     costs = model.profile(config)
     weights = costs.balance_costs(config.checkpoint)
-    chunks = config.partitions * config.virtual
-    balance = list(cut) if cut is not None else partition.balance_by_cost(weights, chunks)
-    needs = _needs(model, config, per_replica)
-    memory = needs(balance)
+    balance = list(cut) if cut is not None else partition.balance_by_cost(weights, config.partitions * config.virtual)
+    priced = _memory(model, config, hw.memory)
+    memory = priced.needs(balance)
     fits = max(memory) <= hw.memory
     if not fits and cut is None:
-        if config.virtual == 1:
-            need = _stage_need(model, config, per_replica)
-            within = partition.balance_within(weights, chunks, lambda stage, i, j: need(stage, i, j) <= hw.memory)
-        else:
-            within = partition.interleaved_within(weights, chunks, needs, hw.memory)
+        within = priced.within(weights, config.virtual)
         if within is not None:
-            balance, memory, fits = within, needs(within), True
+            balance, memory, fits = within, priced.needs(within), True
     link = hw.node_link if spans_nodes(hw, config.partitions) else hw.link
     prediction = simulate.simulate_step(costs, balance, per_replica, config.microbatches, config.schedule,
                                         config.checkpoint, link, 1.0, config.virtual, model.action_overhead,
@@ -237,17 +219,8 @@ def _rank_key(outcome: Outcome) -> tuple[float, bool, float, int, int, int]:
 
 def min_max_memory(model: Model, config: Config, below: float = math.inf) -> tuple[float, list[int]] | None:
     """The least memory the fullest stage can need under `config`, if less than `below`."""
-    # Exact for V=1 (a min-max cut of stage memory); interleaved: what `partition.least_memory` finds from the
-    # min-max-time cut.
-    per_replica = model.batch // config.replicas
-    if config.virtual > 1:
-        weights = model.profile(config).balance_costs(config.checkpoint)
-        needs = _needs(model, config, per_replica)
-        balance = partition.least_memory(partition.balance_by_cost(weights, config.partitions * config.virtual), needs)
-        least = max(needs(balance))
-        return (least, balance) if least < below else None
-    return partition.min_max_split(model.layers, config.partitions, _stage_need(model, config, per_replica),
-                                   mm.weights_floor(model.figures, model.bytes_per_param), below)
+    weights = model.profile(config).balance_costs(config.checkpoint) if config.virtual > 1 else ()
+    return _memory(model, config).least(weights, config.virtual, below)
 
 
 def search(model: Model, hw: Hardware) -> Result:
@@ -264,8 +237,8 @@ def search(model: Model, hw: Hardware) -> Result:
             if found is not None:
                 (need, balance), outcome = found, candidate
         result.smallest_memory = need
-        needs = _needs(model, outcome.config, model.batch // outcome.config.replicas)
-        result.smallest = dataclasses.replace(outcome, balance=balance, memory=needs(balance))
+        memory = _memory(model, outcome.config).needs(balance)
+        result.smallest = dataclasses.replace(outcome, balance=balance, memory=memory)
     return result
 
 

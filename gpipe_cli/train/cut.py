@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,67 +22,13 @@ TOLERANCE = 0.10         # stages' compute may differ this much before the model
 GAIN = 0.05              # a new cut must promise a slowest stage at least this much faster
 
 
-@dataclass
-class StageMemory:
-    """Predicted bytes of the stage holding layers [start, stop) at each place of a K-stage pipeline."""
-
-    figures: mm.ModelFigures
-    stages: int
-    batch_size: int   # the mini-batch of one replica
-    microbatches: int
-    schedule: str
-    checkpoint: str
-    bytes_per_param: float
-    capacity: float   # what one rank may use
-    capacity_note: str = ""  # e.g. "22.1 GiB of available RAM shared by 4 ranks"
-    offload: str = "none"    # pipeline.offload
-    _known: dict[tuple[int, int, int], float] = field(default_factory=dict, repr=False)
-    _chunked: dict[tuple[int, tuple[int, ...]], float] = field(default_factory=dict, repr=False)
-
-    def need(self, stage: int, start: int, stop: int) -> float:
-        """Bytes the stage needs at its peak (weights, gradients, optimizer state and activations)."""
-        key = (stage, start, stop)  # the stage's place counts: earlier stages hold more micro-batches in flight
-        if key not in self._known:
-            self._known[key] = mm.stage_total(self.figures, [range(start, stop)], stage, self.stages,
-                                              self.batch_size, self.microbatches, self.schedule, self.checkpoint,
-                                              self.bytes_per_param, self.offload)
-        return self._known[key]
-
-    def fits(self, stage: int, start: int, stop: int) -> bool:
-        """Whether the stage fits its rank's memory."""
-        return self.need(stage, start, stop) <= self.capacity
-
-    def needs(self, balance: Sequence[int]) -> list[float]:
-        """Every stage's bytes under `balance` (K x V chunks when interleaved, chunk c on stage c mod K)."""
-        return mm.stage_needs(self.figures, balance, self.batch_size, self.microbatches, self.schedule,
-                              self.checkpoint, self.bytes_per_param, len(balance) // self.stages, self._chunked,
-                              self.offload)
-
-    def smallest_peak(self, costs: Sequence[float] = (), virtual: int = 1) -> tuple[float, list[int], int]:
-        """The smallest largest-stage need over every cut, a cut reaching it and its largest stage."""
-        if virtual > 1:
-            assert costs, "an interleaved search starts from the min-max cut of the layers' costs"
-            balance = partition.least_memory(partition.balance_by_cost(costs, self.stages * virtual), self.needs)
-        else:
-            found = partition.min_max_split(len(self.figures.layers), self.stages, self.need,
-                                            mm.weights_floor(self.figures, self.bytes_per_param))
-            assert found is not None  # every stage has a finite need
-            balance = found[1]
-        needs = self.needs(balance)
-        return max(needs), balance, needs.index(max(needs))
-
-
-def within_memory(costs: Sequence[float], memory: StageMemory, virtual: int = 1) -> tuple[list[int], bool]:
+def within_memory(costs: Sequence[float], memory: mm.CutMemory, virtual: int = 1) -> tuple[list[int], bool]:
     """The min-max cut of `costs` (K x `virtual` chunks) whose every stage fits, and whether memory moved it."""
-    chunks = memory.stages * virtual
     owners = placement.cut_owners(memory.stages, virtual, schedules.get(memory.schedule).placement)
-    free = partition.balance_stages(costs, chunks, owners, memory.microbatches)
+    free = partition.balance_stages(costs, memory.stages * virtual, owners, memory.microbatches)
     if max(memory.needs(free)) <= memory.capacity:
         return free, False
-    if virtual > 1:
-        found = partition.interleaved_within(costs, chunks, memory.needs, memory.capacity)
-    else:
-        found = partition.balance_within(costs, memory.stages, memory.fits)
+    found = memory.within(costs, virtual)
     if found is None:
         raise NoCutFits(memory, costs, virtual)
     return found, True
@@ -92,14 +37,17 @@ def within_memory(costs: Sequence[float], memory: StageMemory, virtual: int = 1)
 class NoCutFits(Exception):
     """No contiguous cut of the model fits the memory each rank has."""
 
-    def __init__(self, memory: StageMemory, costs: Sequence[float], virtual: int = 1) -> None:
+    def __init__(self, memory: mm.CutMemory, costs: Sequence[float], virtual: int = 1) -> None:
         self.memory, self.costs, self.virtual = memory, list(costs), virtual
         super().__init__(self.line())
 
     def line(self) -> str:
         """The refusal, with the numbers and what to change."""
         m = self.memory
-        peak, balance, stage = m.smallest_peak(self.costs, self.virtual)
+        found = m.least(self.costs, self.virtual)
+        assert found is not None  # every stage has a finite need
+        peak, balance = found
+        stage = m.needs(balance).index(peak)
         change = "raise pipeline.microbatches or pipeline.partitions"
         change += "" if m.checkpoint == "always" else ", or set pipeline.checkpoint: always"
         where = f" ({m.capacity_note})" if m.capacity_note else ""

@@ -132,7 +132,7 @@ class Plan:
 
 def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float] | None = None,
                     measured_by: str | None = None,
-                    memory: cut.StageMemory | None = None) -> tuple[list[int], str, str]:
+                    memory: mm.CutMemory | None = None) -> tuple[list[int], str, str]:
     """The layers per stage, what they were balanced by, and why no cut fits memory ('' when one does)."""
     # `measured`: per-layer costs measured at launch, named `measured_by` in the plan ("measured time, cached").
     k, layers = recipe.pipeline.partitions * recipe.pipeline.virtual_stages, len(summary.layers)  # chunks
@@ -210,8 +210,8 @@ def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[floa
     ranks = pipe.partitions * pipe.data_parallel
     room = mm.capacity(ranks, device, available)
     host_room = 0 if room.shared else int(mm.capacity(ranks, "cpu").per_rank_bytes)  # the CPU: the same RAM
-    stage_memory = cut.StageMemory(figures, pipe.partitions, per_replica, pipe.microbatches, pipe.schedule,
-                             pipe.checkpoint, per_param, room.per_rank_bytes, room.description, pipe.offload)
+    stage_memory = mm.CutMemory(figures, pipe.partitions, per_replica, pipe.microbatches, pipe.schedule,
+                                pipe.checkpoint, per_param, room.per_rank_bytes, room.description, pipe.offload)
     refusal = ""
     if chosen is not None:
         balance, balance_by = chosen

@@ -182,7 +182,7 @@ def test_an_interleaved_plan_is_cut_to_fit_when_its_fastest_cut_does_not(seed):
     model = synthetic(8, seed)
     config = search.Config(2, 1, 4, "interleaved", 2, "never")
     roomy = search.evaluate(model, search.Hardware(2, math.inf, FAST, FAST), config)
-    needs = search._needs(model, config, 8)
+    needs = search._memory(model, config).needs
     # What `gpipe plan` names as the least memory when nothing fits; any budget from there up finds a cut.
     leanest = max(needs(partition.least_memory(roomy.balance, needs)))
     assert leanest < roomy.peak  # the fastest cut is not the leanest

@@ -20,8 +20,8 @@ def figures(layers: int, seed: int) -> mm.ModelFigures:
     return mm.ModelFigures(mm.Affine(0, 1_000), rows)
 
 
-def memory(figs: mm.ModelFigures, stages: int, capacity: float, schedule: str = "gpipe") -> cut.StageMemory:
-    return cut.StageMemory(figs, stages, 8, 4, schedule, "never", 16.0, capacity, "test machine")
+def memory(figs: mm.ModelFigures, stages: int, capacity: float, schedule: str = "gpipe") -> mm.CutMemory:
+    return mm.CutMemory(figs, stages, 8, 4, schedule, "never", 16.0, capacity, "test machine")
 
 
 def cuts(layers: int, stages: int):
@@ -30,7 +30,7 @@ def cuts(layers: int, stages: int):
         yield [bounds[s + 1] - bounds[s] for s in range(stages)]
 
 
-def needs(m: cut.StageMemory, balance: list[int]) -> list[float]:
+def needs(m: mm.CutMemory, balance: list[int]) -> list[float]:
     return [m.need(s, r.start, r.stop) for s, r in enumerate(partition.stage_ranges(balance))]
 
 
@@ -70,9 +70,10 @@ def test_no_cut_fits_refuses_with_the_smallest_peak_and_what_a_rank_has(seed):
     with pytest.raises(cut.NoCutFits) as caught:
         cut.within_memory([1.0] * 6, m)
     line = str(caught.value)
-    peak, balance, stage = m.smallest_peak([1.0] * 6)
+    peak, balance = m.least([1.0] * 6)
     assert peak == pytest.approx(leanest) and max(needs(m, balance)) == pytest.approx(leanest)
-    assert needs(m, balance)[stage] == max(needs(m, balance))
+    stage = needs(m, balance).index(max(needs(m, balance)))
+    assert f"(balance {balance}: stage {stage} needs {human_bytes(peak)})" in line
     assert "\n" not in line and "no cut of the 6 layers into 3 stages fits" in line
     assert f"smallest per-stage peak any cut reaches is {human_bytes(leanest)}" in line
     assert f"each rank has {human_bytes(leanest * 0.9)} (test machine)" in line
@@ -101,6 +102,6 @@ def test_no_interleaved_cut_fits_says_so_in_one_line():
     with pytest.raises(cut.NoCutFits) as caught:
         cut.within_memory([1.0] * 8, m, 2)
     line = str(caught.value)
-    peak, balance, _ = m.smallest_peak([1.0] * 8, 2)
+    peak, balance = m.least([1.0] * 8, 2)
     assert "\n" not in line and "into 2 x 2 chunks (interleaved) fits" in line and len(balance) == 4
     assert f"the smallest per-stage peak the search found is {human_bytes(peak)}" in line

@@ -8,7 +8,6 @@ from gpipe_cli.models.describe import describe
 from gpipe_cli.pipeline import partition
 from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.recipe_model import model_spec, optimizer_name
-from gpipe_cli.train import cut
 from gpipe_cli.train import run as train_run
 from gpipe_cli.train.plan import make_plan, microbatch_size, resolve_balance
 from tests.train import recipes
@@ -74,15 +73,15 @@ def tiny(tmp_path_factory):
     return recipe, describe(spec, microbatch_size(recipe)), mm.measure(spec, recipe.seed, device="meta")
 
 
-def stage_memory(tiny, capacity: float) -> cut.StageMemory:
+def stage_memory(tiny, capacity: float) -> mm.CutMemory:
     """The stages' memory as the plan prices it (the tiny recipe: one replica, GPipe)."""
     recipe, _, figures = tiny
     pipe = recipe.pipeline
-    return cut.StageMemory(figures, pipe.partitions, recipe.data.batch_size, pipe.microbatches, pipe.schedule,
-                           pipe.checkpoint, mm.bytes_per_parameter(optimizer_name(recipe)), capacity)
+    return mm.CutMemory(figures, pipe.partitions, recipe.data.batch_size, pipe.microbatches, pipe.schedule,
+                        pipe.checkpoint, mm.bytes_per_parameter(optimizer_name(recipe)), capacity)
 
 
-def needs(memory: cut.StageMemory, balance: list[int]) -> list[float]:
+def needs(memory: mm.CutMemory, balance: list[int]) -> list[float]:
     return [memory.need(s, r.start, r.stop) for s, r in enumerate(partition.stage_ranges(balance))]
 
 
@@ -91,7 +90,7 @@ def test_auto_moves_the_cut_to_fit_memory(tiny):
     roomy = stage_memory(tiny, float("inf"))
     free, by, _ = resolve_balance(recipe, summary, memory=roomy)
     fastest = max(needs(roomy, free))
-    leanest, _, _ = roomy.smallest_peak()
+    leanest, _ = roomy.least()
     assert leanest < fastest  # the tiny model has a cut that needs less than the balanced one
     tight = stage_memory(tiny, (leanest + fastest) / 2)
     balance, tight_by, refusal = resolve_balance(recipe, summary, memory=tight)
