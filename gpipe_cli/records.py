@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict
+from dataclasses import dataclass
+from typing import Literal, TypedDict, TypeVar
 
 # No torch and no engine here: `gpipe report` reads runs without importing either (a test pins PARTS to the engine's).
 
@@ -21,11 +22,28 @@ WARMUP = "warmup"
 RESUMED = "resumed"
 
 
-def mean_over(warmup_s: float | None) -> str:
-    """What a start's mean throughput is over: its steps after the warm-up step of `warmup_s` seconds (None: lone)."""
-    if warmup_s is None:
-        return "the training steps"
-    return f"the steps after the first, which took {warmup_s:.2f} s warming up"
+@dataclass
+class Rate:
+    """Samples and seconds of some train steps, added up."""
+
+    samples: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
+
+    @property
+    def per_s(self) -> float | None:
+        """Samples per second (None: no time)."""
+        return self.samples / self.seconds if self.seconds > 0 else None
+
+
+R = TypeVar("R", bound=Rate)
+
+
+def after_warmup(warmup: R, after: R) -> tuple[R, str]:
+    """A start's steps its mean figures are over, and in words: those after its warm-up step, else that step alone."""
+    if after.steps:
+        return after, f"the steps after the first, which took {warmup.seconds:.2f} s warming up"
+    return warmup, "the training steps"
 
 
 class _TrainFigures(TypedDict):

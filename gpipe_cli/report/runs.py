@@ -11,7 +11,7 @@ from typing import Any
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
-from gpipe_cli.records import EVAL_NUMBERS, PARTS, RESUMED, TRAIN_NUMBERS, WARMUP, mean_over
+from gpipe_cli.records import EVAL_NUMBERS, PARTS, RESUMED, TRAIN_NUMBERS, WARMUP, Rate, after_warmup
 from gpipe_cli.units import number_range
 
 Series = tuple[list[int], list[float]]  # steps, values
@@ -210,17 +210,16 @@ def _timed(records: list[dict[str, Any]]) -> Timed:
             if r["samples_per_s"] is not None and r["step_time_s"] is not None]
 
 
-def _rate(steps: Timed) -> float | None:
-    seconds = sum(s for _, s in steps)
-    return sum(n for n, _ in steps) / seconds if seconds > 0 else None
+def _rate(steps: Timed) -> Rate:
+    return Rate(sum(n for n, _ in steps), sum(s for _, s in steps), len(steps))
 
 
 def _segment(records: list[dict[str, Any]]) -> Throughput:
     """One start's throughput as its `gpipe train` summary gives it."""
-    steps, warmup = _timed(records), None
-    if len(steps) > 1:  # the first step warms up (allocations, lazy set-up); a lone step is all there is
-        warmup, steps = steps[0][1], steps[1:]
-    return Throughput(_rate(steps), mean_over(warmup), number_range(records[0]['step'], records[-1]['step']), warmup)
+    steps = _timed(records)
+    shown, over = after_warmup(_rate(steps[:1]), _rate(steps[1:]))
+    return Throughput(shown.per_s, over, number_range(records[0]['step'], records[-1]['step']),
+                      steps[0][1] if len(steps) > 1 else None)
 
 
 def segment_throughputs(run: Run) -> list[Throughput]:
@@ -238,10 +237,10 @@ def throughput(run: Run) -> Throughput:
     if len(parts) == 1:
         return _segment(parts[0])
     timed = [_timed(records) for records in parts]
-    measured = [step for steps in timed for step in steps[1:]]
-    if not measured:  # every start ran one step: those steps are all there is
-        return Throughput(_rate([step for steps in timed for step in steps]), "the training steps")
-    warmups = _and([f"{steps[0][1]:.2f}" for steps in timed if steps])
-    at = f"step{'s' if len(parts) > 2 else ''} " + _and([str(records[0]["step"]) for records in parts[1:]])
-    return Throughput(_rate(measured), f"the steps after the first of the run and of each resume (at {at}), "
-                      f"which took {warmups} s warming up")
+    firsts = _rate([steps[0] for steps in timed if steps])
+    shown, over = after_warmup(firsts, _rate([step for steps in timed for step in steps[1:]]))
+    if shown is not firsts:  # the steps after every start's warm-up step: each start named
+        warmups = _and([f"{steps[0][1]:.2f}" for steps in timed if steps])
+        at = f"step{'s' if len(parts) > 2 else ''} " + _and([str(records[0]["step"]) for records in parts[1:]])
+        over = f"the steps after the first of the run and of each resume (at {at}), which took {warmups} s warming up"
+    return Throughput(shown.per_s, over)

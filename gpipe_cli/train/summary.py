@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpipe_cli.pipeline.stats import PARTS
-from gpipe_cli.records import mean_over
+from gpipe_cli.records import Rate, after_warmup
 from gpipe_cli.train.step_figures import Peak, rate_text
 from gpipe_cli.units import number_range
 
@@ -22,13 +22,10 @@ def eval_figures(record: Mapping[str, Any]) -> str:
 
 
 @dataclass
-class _Steps:
+class _Steps(Rate):
     """What a group of train steps adds up to."""
 
-    steps: int = 0
-    examples: float = 0.0
     units: float = 0.0
-    seconds: float = 0.0
     flops: float = 0.0  # model FLOPs, of the steps whose records carry `tflops`
     bubbles: list[float] = field(default_factory=list)
     parts: dict[str, float] = field(default_factory=dict)
@@ -36,7 +33,7 @@ class _Steps:
     def add(self, record: Mapping[str, Any], examples: float, units: float | None) -> None:
         """Take in one train record."""
         self.steps += 1
-        self.examples += examples
+        self.samples += examples
         self.units += units or 0.0
         self.seconds += record["step_time_s"]
         self.flops += record.get("tflops", 0.0) * 1e12 * record["step_time_s"]
@@ -94,12 +91,11 @@ class RunSummary:
             done = (f"step{'s' if last > first else ''} {number_range(first, last)} of {self.total_steps}, "
                     "since the resume,")
         out = [f"summary: {done} in {wall:.1f} s wall time" + (f" ({ended})" if ended else "")]
-        shown = self.measured if self.measured.steps else self.warmup  # a lone warm-up step is all there is
-        if shown.steps and shown.seconds > 0:
-            over = mean_over(self.warmup.seconds if shown is self.measured and self.warmup.steps else None)
+        shown, over = after_warmup(self.warmup, self.measured)
+        if shown.per_s is not None:
             if self.resumed:
                 over += f"; gpipe report {run_dir} gives the whole run's"
-            rate = f"{shown.examples / shown.seconds:.1f} samples/s"
+            rate = f"{shown.per_s:.1f} samples/s"
             if text:
                 rate += f", {shown.units / shown.seconds:.0f} tokens/s"
             out.append(f"  throughput: {rate} (mean over {over})")
