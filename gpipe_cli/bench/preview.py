@@ -11,7 +11,7 @@ from gpipe_cli import memory_model as mm
 from gpipe_cli import sizing
 from gpipe_cli.bench.options import RANK_BYTES, SWEEP_MICROBATCHES, BenchOptions, overhead_rounds
 from gpipe_cli.errors import UserError
-from gpipe_cli.estimate.subject import FAMILIES, Subject, model_overrides, resolve
+from gpipe_cli.estimate.subject import FAMILIES, Subject, model_overrides, resolve, to_measure
 from gpipe_cli.models import families
 from gpipe_cli.models.describe import describe
 from gpipe_cli.pipeline import partition
@@ -100,16 +100,10 @@ class Preview:
 
 def choose_subject(options: BenchOptions, machine: sizing.Machine) -> Preview:
     """The model to measure: sized to the machine when no model flag was given, else exactly what was asked."""
-    verdict = judge(options, machine)
     sized = sizable(options)
-    if sized:
-        stages = options.stages if options.simulate else max(k for k, _ in runs(options, 10**6))
-        choice = sizing.choose(options.model, verdict, stages, model_overrides(options.set))
-        subject, note = Subject(choice.kind, choice.params, options.model), choice.note
-    else:
-        subject, note = resolve(options.model, options.sizes(), options.set), ""
+    stages = options.stages if options.simulate else max(k for k, _ in runs(options, 10**6))
+    subject, note, v = to_measure(options.model, options.sizes(), options.set, judge(options, machine), stages, sized)
     cand = sizing.candidate(subject.kind, subject.params)
-    v = verdict(cand)
     # Plainly too large: said before the memory model prices every layer.
     if not sized and v.need_bytes > machine.memory_bytes:
         raise UserError(_does_not_fit(options, cand, "", v.need_bytes, machine, sized))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from gpipe_cli import sizing
 from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.limits import outside
 from gpipe_cli.models import families
@@ -122,6 +123,17 @@ def resolve(model: str, sizes: Mapping[str, int | None] | None = None, overrides
     subject = Subject(kind, params, model)
     subject.build()  # validate now, with a one-line message
     return subject
+
+
+def to_measure(model: str, sizes: Mapping[str, int | None], settings: Sequence[str],
+               judge: Callable[[sizing.Candidate], sizing.Verdict], stages: int,
+               sized: bool) -> tuple[Subject, str, sizing.Verdict]:
+    """The model a command measures (`sized`: to this machine by `judge`), its announcement and its verdict."""
+    if sized:
+        choice = sizing.choose(model, judge, stages, model_overrides(settings))
+        return Subject(choice.kind, choice.params, model), choice.note, choice.verdict
+    subject = resolve(model, sizes, settings)
+    return subject, "", judge(sizing.candidate(subject.kind, subject.params))
 
 
 def example_batch(spec: ModelSpec, examples: int, seed: int) -> tuple[Batch, Any]:

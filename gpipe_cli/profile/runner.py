@@ -22,6 +22,7 @@ from gpipe_cli.estimate.subject import (
     example_batch,
     model_overrides,
     resolve,
+    to_measure,
 )
 from gpipe_cli.files import atomic_write_text
 from gpipe_cli.models import families
@@ -91,11 +92,10 @@ def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tu
         return sizing.Verdict(need, machine.memory_bytes * sizing.MEMORY_SHARE, seconds, sizing.TIME_BUDGET_S)
 
     # Left to this machine: a family name and no size flag or --set.
-    if options.model in FAMILIES and all(v is None for v in options.sizes().values()) and not options.set:
-        choice = sizing.choose(options.model, judge, max(options.partitions))
-        return Subject(choice.kind, choice.params, options.model), choice.note, choice.verdict.seconds
-    subject = resolve(options.model, options.sizes(), options.set)
-    return subject, "", judge(sizing.candidate(subject.kind, subject.params)).seconds
+    sized = options.model in FAMILIES and all(v is None for v in options.sizes().values()) and not options.set
+    subject, note, verdict = to_measure(options.model, options.sizes(), options.set, judge, max(options.partitions),
+                                        sized)
+    return subject, note, verdict.seconds
 
 
 def _show_plan(spec: ModelSpec, subject: Subject, note: str, rows: list[scenarios.Scenario],
