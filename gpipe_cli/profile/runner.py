@@ -78,8 +78,8 @@ def paced(machine: sizing.Machine, spec: ModelSpec, kind: str, examples: int, se
     return dataclasses.replace(machine, flops_per_s=rate / sizing.layer_efficiency(machine.kind, kind))
 
 
-def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tuple[Subject, str, float]:
-    """The model (sized to the machine without model flags), the announcement, and the estimated seconds."""
+def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tuple[Subject, str]:
+    """The model (sized to the machine without model flags) and the announcement."""
     rows = scenarios.names(options.partitions, options.microbatches, options.checkpoint)
     per_param = mm.bytes_per_parameter(options.optimizer)
 
@@ -93,9 +93,7 @@ def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tu
 
     # Left to this machine: a family name and no size flag or --set.
     sized = options.model in FAMILIES and all(v is None for v in options.sizes().values()) and not options.set
-    subject, note, verdict = to_measure(options.model, options.sizes(), options.set, judge, max(options.partitions),
-                                        sized)
-    return subject, note, verdict.seconds
+    return to_measure(options.model, options.sizes(), options.set, judge, max(options.partitions), sized)[:2]
 
 
 def _show_plan(spec: ModelSpec, subject: Subject, note: str, rows: list[scenarios.Scenario],
@@ -122,7 +120,7 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
     m = options.microbatches
     batch = options.batch_size or 4 * m
     machine = sizing.this_machine(torch.get_num_threads())
-    subject, note, seconds = _subject(options, machine, batch)
+    subject, note = _subject(options, machine, batch)
     spec = subject.build()
     per_param = mm.bytes_per_parameter(options.optimizer)
     have = float(mm.available_bytes(device)) * sizing.MEMORY_SHARE
