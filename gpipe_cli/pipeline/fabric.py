@@ -46,8 +46,6 @@ class Work(Protocol):
 class Fabric(Protocol):
     """What the engine asks of the ranks around it."""
 
-    rank: int
-    device: torch.device       # where this rank computes
     data_device: torch.device  # where payloads travel from: the device for NCCL, the host for gloo
 
     def open(self, links: Sequence[Link], groups: Sequence[Ranks]) -> None:
@@ -104,7 +102,7 @@ def _posted(work: Any) -> Any:
     return work
 
 
-class TorchFabric:
+class TorchFabric(Fabric):
     """torch.distributed: gloo control plane; links on NCCL with a GPU per rank, else gloo."""
 
     def __init__(self, device: torch.device, nccl: bool, control: dist.ProcessGroup | None) -> None:
@@ -117,7 +115,6 @@ class TorchFabric:
         self.groups: dict[Ranks, dist.ProcessGroup] = {}
 
     def open(self, links: Sequence[Link], groups: Sequence[Ranks]) -> None:
-        """Create the missing communicators (a collective: every rank, same lists, same order)."""
         for link in links:
             if link not in self.links:
                 self.links[link] = dist.new_group(sorted((link.src, link.dst)), backend="nccl" if self.nccl else "gloo")
@@ -134,27 +131,22 @@ class TorchFabric:
         return group
 
     def send(self, link: Link, payload: torch.Tensor) -> Work:
-        """Post a payload on a link."""
         check_device(payload, self.data_device, "data plane")
         return _posted(dist.isend(payload, link.dst, group=self._link(link)))
 
     def recv(self, link: Link, payload: torch.Tensor) -> Work:
-        """Post a receive on a link."""
         check_device(payload, self.data_device, "data plane")
         return _posted(dist.irecv(payload, link.src, group=self._link(link)))
 
     def send_header(self, link: Link, header: torch.Tensor) -> Work:
-        """Post a header on the control plane."""
         check_device(header, _HOST, "control plane")
         return _posted(dist.isend(header, link.dst, group=self.control, tag=link.tag))
 
     def recv_header(self, link: Link, header: torch.Tensor) -> Work:
-        """Post a header receive on the control plane."""
         check_device(header, _HOST, "control plane")
         return _posted(dist.irecv(header, link.src, group=self.control, tag=link.tag))
 
     def wait(self, work: Work, data: bool, timeout: float) -> None:
-        """Host wait for gloo (bounded); for NCCL data, the current stream waits and the host goes on."""
         if data and self.nccl:
             work.wait()  # NCCL bounds it with the group's timeout, watched by the heartbeat meanwhile
         else:
@@ -181,33 +173,27 @@ class TorchFabric:
             tensor.copy_(staged, non_blocking=True)
 
     def all_reduce(self, tensor: torch.Tensor, ranks: Ranks) -> None:
-        """Sum in place over `ranks`."""
         self._collective(dist.all_reduce, tensor, ranks)
 
     def broadcast(self, tensor: torch.Tensor, src: int, ranks: Ranks) -> None:
-        """Copy `src`'s tensor to every rank of `ranks`."""
         self._collective(dist.broadcast, tensor, ranks, src=src)
 
     def host_sum(self, values: torch.Tensor) -> None:
-        """Sum a host tensor over every rank (control plane)."""
         check_device(values, _HOST, "control plane")
         dist.all_reduce(values, group=self.control)
 
     def gather_rows(self, row: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every rank's host row, on rank 0."""
         check_device(row, _HOST, "control plane")
         rows = [torch.empty_like(row) for _ in range(dist.get_world_size())] if self.rank == 0 else None
         dist.gather(row, rows, dst=0, group=self.control)
         return rows
 
     def gather_objects(self, value: Any) -> list[Any] | None:
-        """Every rank's value, on rank 0."""
         out: list[Any] | None = [None] * dist.get_world_size() if self.rank == 0 else None
         dist.gather_object(value, out, dst=0, group=self.control)
         return out
 
     def share(self, value: Any, src: int) -> Any:
-        """Rank `src`'s value on every rank."""
         box = [value]
         dist.broadcast_object_list(box, src=src, group=self.control)
         return box[0]
