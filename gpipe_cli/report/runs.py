@@ -145,10 +145,8 @@ def eval_metric(run: Run) -> str | None:
 
 
 def steady(run: Run) -> list[dict[str, Any]]:
-    """The run's train records but its warm-up steps, whose one-time costs would swamp the timing figures."""
-    # The first record, and each that says it is the first of a start, warms up.
-    kept = [r for r in run.train[1:] if r.get(WARMUP) is not True and r.get(RESUMED) is not True]
-    return kept or run.train
+    """The run's train records but its warm-up steps (each start's first), whose one-time costs would swamp timing."""
+    return [r for records in segments(run) for r in records[1:]] or run.train
 
 
 def series(run: Run) -> dict[str, Series]:
