@@ -46,8 +46,8 @@ class NoCutFits(Exception):
         m = self.memory
         found = m.least(self.costs, self.virtual)
         assert found is not None  # every stage has a finite need
-        peak, balance = found
-        stage = m.needs(balance).index(peak)
+        needs = m.needs(found[1])
+        peak, balance, stage = max(needs), found[1], needs.index(max(needs))
         change = "raise pipeline.microbatches or pipeline.partitions"
         change += "" if m.checkpoint == "always" else ", or set pipeline.checkpoint: always"
         where = f" ({m.capacity_note})" if m.capacity_note else ""
