@@ -20,7 +20,7 @@ from gpipe_cli import quick_exit
 START_METHOD = "forkserver"
 # What the server imports before it forks the first rank: what every rank imports before its first step.
 PRELOAD = ["gpipe_cli.launch.server", "torch", "torch.distributed", "torch._dynamo", "gpipe_cli.train.worker",
-           "gpipe_cli.bench.worker"]
+           "gpipe_cli.train.loop", "gpipe_cli.bench.worker", "gpipe_cli.bench.setup"]
 
 
 def available() -> bool:
