@@ -19,9 +19,12 @@ from gpipe_cli import quick_exit
 
 START_METHOD = "forkserver"
 # What the server imports before it forks the first rank: what every rank imports before its first step.
-PRELOAD = ["gpipe_cli.launch.server", "torch", "torch.distributed", "torch._dynamo", "gpipe_cli.train.worker",
-           "gpipe_cli.train.loop", "gpipe_cli.bench.worker", "gpipe_cli.bench.setup"]
-
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "gpipe_cli.train.worker", "gpipe_cli.train.loop",
+           "gpipe_cli.bench.worker", "gpipe_cli.bench.setup"]
+# Signals meant for the job's whole process group (a terminal's Ctrl-C, a scheduler's SIGTERM): ignored by the
+# server from its first instruction, since the launcher reads each rank's exit code through it; each rank takes
+# them back.
+JOB_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 def available() -> bool:
     """Whether ranks can fork from a preloaded server here: POSIX, a server this process can restart, a short path."""
@@ -38,9 +41,23 @@ def available() -> bool:
 
 
 def prepare() -> None:
-    """Start every launch from a fresh server: one started earlier holds an older environment and other modules."""
+    """Start a fresh server, which imports torch while the launch sets up (an older one has an older environment)."""
     stop()
     multiprocessing.set_forkserver_preload(PRELOAD)
+    # A new program keeps ignoring what its parent ignored. Blocked meanwhile, what comes for this process waits
+    # for its own handlers (Linux keeps a blocked signal pending even while it is ignored).
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
+    handlers = {signum: signal.getsignal(signum) for signum in JOB_SIGNALS}
+    for signum, handler in handlers.items():
+        if handler is not None:  # None: a handler not set from Python, which could not be put back
+            signal.signal(signum, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for signum, handler in handlers.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def stop() -> None:
@@ -78,9 +95,10 @@ def children_of(pid: int) -> list[int]:
 def run(module: str, args: list[str]) -> None:
     """Run `module.main(args)` in this forked rank as `python -u -m module *args` would run it."""
     os.setsid()  # a session of its own, as torchrun starts its ranks: a Ctrl-C comes from the launcher alone
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores these (gpipe_cli.launch.server)
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in JOB_SIGNALS[1:]:
         signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)  # the server may have started with them blocked too
     with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:  # what `top` and `ps -o comm` show
         comm.write(f"gpipe rank {os.environ.get('RANK', '')}"[:15])
     sys.stdout = _unbuffered(1, sys.stdout)

@@ -18,7 +18,8 @@ def main(argv: list[str]) -> None:
     rank = int(os.environ["RANK"])
     facts = {"pid": os.getpid(), "parent": os.getppid(), "session_leader": os.getsid(0) == os.getpid(),
              "torch_before_main": "torch" in sys.modules, "probe_env": os.environ.get("GPIPE_PROBE"),
-             "world": int(os.environ["WORLD_SIZE"])}
+             "world": int(os.environ["WORLD_SIZE"]), "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+             "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL}
     (folder / f"rank-{rank}.json").write_text(json.dumps(facts))
     deadline = time.monotonic() + 60
     while not (folder / "go").exists() and time.monotonic() < deadline:

@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from multiprocessing import forkserver
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,8 @@ def test_ranks_fork_preloaded_in_sessions_of_their_own_with_the_launch_environme
         while time.monotonic() < deadline and not all((folder / f"rank-{r}.json").exists() for r in range(2)):
             time.sleep(0.05)
         found.update({pid: Path(f"/proc/{pid}/comm").read_text().strip() for pid in launcher._ranks()})
+        for signum in (signal.SIGINT, signal.SIGTERM):  # meant for the job's process group: the server stays
+            os.kill(forkserver._forkserver._forkserver_pid, signum)  # type: ignore[attr-defined]
         (folder / "go").touch()
 
     for value in ("first", "second"):  # a server left from an earlier launch would hold the earlier environment
@@ -54,6 +57,7 @@ def test_ranks_fork_preloaded_in_sessions_of_their_own_with_the_launch_environme
             assert rank_facts["torch_before_main"] and rank_facts["session_leader"] and rank_facts["world"] == 2
             assert rank_facts["parent"] != os.getpid()  # forked by the server, not by this process
             assert rank_facts["probe_env"] == value
+            assert rank_facts["blocked"] == [] and rank_facts["sigterm_default"]  # the server's are not its own
             assert found[rank_facts["pid"]] == f"gpipe rank {rank}"
         assert sorted(found) == sorted(f["pid"] for f in facts)  # the server between is not a rank
         assert {f["parent"] for f in facts}.isdisjoint(found)
