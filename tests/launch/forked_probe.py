@@ -30,3 +30,7 @@ def main(argv: list[str]) -> None:
     if rank == 1 and mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     exit_now(0)
+
+
+if __name__ == "__main__":  # where ranks start as `python -m` (no fork server)
+    main(sys.argv[1:])

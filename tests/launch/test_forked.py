@@ -64,9 +64,13 @@ def test_ranks_fork_preloaded_in_sessions_of_their_own_with_the_launch_environme
         found.clear()
 
 
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "python -m"])
 def test_a_rank_that_exits_with_a_code_ends_the_job_with_it_and_its_output_whole(tmp_path: Path,
                                                                                monkeypatch: pytest.MonkeyPatch,
-                                                                               capfd: pytest.CaptureFixture[str]):
+                                                                               capfd: pytest.CaptureFixture[str],
+                                                                               fork: bool):
+    if not fork:  # where there is no fork server, or its socket's path would be too long
+        monkeypatch.setattr(forked, "available", lambda: False)
     assert _launch(tmp_path, "fail", monkeypatch, "x") == 5
     out, err = capfd.readouterr()
     assert "rank 1 fails on purpose" in out
