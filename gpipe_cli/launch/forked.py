@@ -26,6 +26,7 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "gpipe_cli.train.worke
 # them back.
 JOB_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
+
 def available() -> bool:
     """Whether ranks can fork from a preloaded server here: POSIX, a server this process can restart, a short path."""
     if START_METHOD not in multiprocessing.get_all_start_methods() or not hasattr(forkserver.ForkServer, "_stop"):
