@@ -110,10 +110,9 @@ def run(module: str, args: list[str]) -> None:
     except SystemExit as stop:
         if stop.code in (None, 0):
             return
-        code = stop.code if isinstance(stop.code, int) else 1
-        if not isinstance(stop.code, int):
+        if not isinstance(stop.code, int):  # a message: printed, exit code 1, as Python does
             print(stop.code, file=sys.stderr)
-        os._exit(code)
+        os._exit(stop.code if isinstance(stop.code, int) else 1)
     except KeyboardInterrupt:
         os._exit(128 + signal.SIGINT)
     except BaseException:  # as Python itself ends: torch's wrapper would only hand the traceback to a silent log

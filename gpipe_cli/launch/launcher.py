@@ -108,13 +108,13 @@ def _send(pids: list[int], signum: int) -> None:
 class _Stops:
     """Ctrl-C on the launching side: passed on to the ranks, and told here while they set up (no rank will)."""
 
-    def __init__(self, started: Path | None) -> None:
+    def __init__(self, started: Path | None, forking: bool = False) -> None:
         self.started = started
         self.interrupted = False  # a Ctrl-C stops the job: its ranks' ends are no news, and it exits with 130
         self.told = False
         self.over = threading.Event()  # set when the launch has returned
         self.finishing = False
-        self.forking = False  # the ranks fork from a server that imports torch first: none appear for seconds
+        self.forking = forking  # the ranks fork from a server that imports torch first: none appear for seconds
         self.stood_down = threading.Event()  # a caller that outlives the launch cancels the forced end
 
     def training(self) -> bool:
@@ -231,8 +231,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
         # (each of its modules sets its own level) would only repeat them.
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    stops = _Stops(started)
-    stops.forking = fork
+    stops = _Stops(started, forking=fork)
     previous = interrupts.on_sigint(stops.forward_interrupt)
     previous_term = signal.getsignal(signal.SIGTERM)  # the agent installs its own and leaves it behind
     try:
