@@ -41,9 +41,10 @@ def available() -> bool:
     return len(os.path.join(folder, "listener-12345678").encode()) < 100  # a socket's path has at most 107 bytes
 
 
-def prepare() -> None:
-    """Start a fresh server, which imports torch while the launch sets up (an older one has an older environment)."""
-    stop()
+def prepare(fresh: bool = True) -> None:
+    """Start a server, which imports torch while the launch sets up; `fresh`: not one started for an older launch."""
+    if fresh:  # an older launch's server has that launch's environment
+        stop()
     multiprocessing.set_forkserver_preload(PRELOAD)
     # A new program keeps ignoring what its parent ignored. Blocked meanwhile, what comes for this process waits
     # for its own handlers (Linux keeps a blocked signal pending even while it is ignored).
@@ -53,7 +54,7 @@ def prepare() -> None:
         if handler is not None:  # None: a handler not set from Python, which could not be put back
             signal.signal(signum, signal.SIG_IGN)
     try:
-        forkserver.ensure_running()
+        forkserver.ensure_running()  # starts one, unless it is running
     finally:
         for signum, handler in handlers.items():
             if handler is not None:

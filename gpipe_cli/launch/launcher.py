@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,30 @@ def launch_options(nnodes: str | None = None, node_rank: int | None = None, rdzv
                          else step.node_rank, rdzv_endpoint=rdzv_endpoint or f"{step.first_host}:{step.port}",
                          rdzv_backend=rdzv_backend, rdzv_id=rdzv_id or f"slurm-{step.job_id}", threads=threads,
                          slurm=step)
+
+
+def _give_ranks(threads: int) -> None:
+    """Set the environment that this node's ranks start in: their intra-op threads."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["GPIPE_THREADS"] = str(threads)
+
+
+_warm = False  # a server that `warming` started serves the launch within it
+
+
+@contextlib.contextmanager
+def warming(options: LaunchOptions, local: int) -> Iterator[None]:
+    """Within the block (planning the job), the ranks' server imports torch already; a launch in it forks from it."""
+    global _warm
+    if forked.available() and not under_torchrun():
+        _give_ranks(threads_per_rank(options, local))
+        forked.prepare()
+        _warm = True
+    try:
+        yield
+    finally:
+        _warm = False
+        forked.stop()  # nothing launched (bad input, Ctrl-C): it would import torch for seconds, for nobody
 
 
 def _free_port() -> int:
@@ -223,9 +247,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     fork = forked.available()
     config = _config(world, options, forked.START_METHOD if fork else "spawn")
     local = config.nproc_per_node  # type: ignore[attr-defined]
-    threads = threads_per_rank(options, local)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ["GPIPE_THREADS"] = str(threads)
+    _give_ranks(threads_per_rank(options, local))
     for name in list(logging.root.manager.loggerDict):
         # The ranks report their own failures, and a stop is told in one line; the agent's log lines
         # (each of its modules sets its own level) would only repeat them.
@@ -236,7 +258,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     previous_term = signal.getsignal(signal.SIGTERM)  # the agent installs its own and leaves it behind
     try:
         if fork:
-            forked.prepare()
+            forked.prepare(fresh=not _warm)
             elastic_launch(config, forked.run)(module, list(args))  # type: ignore[arg-type]
         else:
             elastic_launch(config, sys.executable)("-u", "-m", module, *args)  # type: ignore[arg-type]

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from gpipe_cli import interrupts
 from gpipe_cli.console import say
 from gpipe_cli.data.offline import check_hub_data
 from gpipe_cli.errors import UserError, shown
-from gpipe_cli.launch import LaunchOptions, check_device, check_launch, check_writable, launch, under_torchrun
+from gpipe_cli.launch import LaunchOptions, check_device, check_launch, check_writable, launch, under_torchrun, warming
 from gpipe_cli.launch.preflight import dry_run_lines
 from gpipe_cli.models import families
 from gpipe_cli.progress import note
@@ -159,7 +160,14 @@ def train(options: TrainOptions) -> int:
         shape = f"K={recipe.pipeline.partitions} x D={recipe.pipeline.data_parallel}"
         print("\n".join(dry_run_lines(options.launch, world, shape, train_args(options))), flush=True)
         return 0
-    # torch from here on: the recipe and the arguments are known to be good.
+    # torch from here on: the recipe and the arguments are known to be good. The ranks' server imports it too.
+    with warming(options.launch, local):
+        return _plan_and_run(options, recipe, recipe_file, world, local, started)
+
+
+def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None, world: int, local: int,
+                  started: float) -> int:
+    """Check the plan (and a resume) against this machine, say what starts, and run the ranks; the exit code."""
     first = not under_torchrun() or os.environ.get("RANK", "0") == "0"
     live = options.plain is False or (options.plain is None and sys.stdout.isatty())
     if first and not live:  # lines: say what starts now; a plan error follows on stderr, still one line there
@@ -170,6 +178,7 @@ def train(options: TrainOptions) -> int:
         from gpipe_cli import memory_model
         from gpipe_cli.train.plan import checked_plan
 
+        interrupts.check()  # a Ctrl-C that torch's import swallowed stops now, not after seconds of planning
         check_device(recipe.pipeline.backend, recipe.train.device, int(os.environ.get("LOCAL_WORLD_SIZE", local)))
         # Refuses impossible cuts and plans that cannot fit, before any rank starts. The ranks cut for the
         # memory free now, not for what is left while their siblings load.

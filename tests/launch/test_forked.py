@@ -81,3 +81,26 @@ def test_a_forked_rank_killed_by_a_signal_is_named(tmp_path: Path, monkeypatch: 
                                                    capfd: pytest.CaptureFixture[str]):
     assert _launch(tmp_path, "kill", monkeypatch, "x") == 128 + signal.SIGKILL
     assert "gpipe: rank 1 was killed by SIGKILL" in capfd.readouterr().err
+
+
+def _server() -> int | None:
+    return forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+
+
+def test_the_server_started_while_the_job_is_planned_forks_its_ranks_and_ends_unused(tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch):
+    for name in ("OMP_NUM_THREADS", "GPIPE_THREADS"):  # `warming` sets them for the ranks, as the launch does
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
+    monkeypatch.setenv("GPIPE_PROBE", "warm")
+    with launcher.warming(LaunchOptions(threads=1), 2):
+        early = _server()
+        assert early is not None and os.environ["GPIPE_THREADS"] == "1"
+        (tmp_path / "go").touch()
+        assert launch(PROBE, [str(tmp_path), "ok"], 2, LaunchOptions(threads=1)) == 0
+    assert {facts["parent"] for facts in _facts(tmp_path)} == {early}  # not a second server, started at the launch
+    assert all(facts["torch_before_main"] and facts["probe_env"] == "warm" for facts in _facts(tmp_path))
+
+    with launcher.warming(LaunchOptions(threads=1), 2):  # a plan refused, a Ctrl-C: no launch comes
+        unused = _server()
+        assert unused is not None and unused != early
+    assert _server() is None and not Path(f"/proc/{unused}").exists()

@@ -159,15 +159,17 @@ def test_ctrl_c_finishes_the_step_and_writes_a_checkpoint(tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_while_the_ranks_set_up_is_one_line_and_128_plus_the_signal(tmp_path, signum):
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "gpipe_cli.cli", "train", str(write(tmp_path, recipe(steps=400))),
+    slow = recipe(steps=400)
+    slow["data"]["synthetic_size"] = 100_000  # the ranks build data and a tokenizer for seconds before step 1
+    proc = subprocess.Popen([sys.executable, "-m", "gpipe_cli.cli", "train", str(write(tmp_path, slow)),
                              "--output-dir", str(run), "--plain", "--threads", "1"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=as_from_a_terminal)
     assert proc.stdout is not None
-    for line in proc.stdout:  # the launcher starts the ranks, which take seconds to import torch and join
-        if "starting 2 ranks" in line:
+    for line in proc.stdout:
+        if "reading data" in line:  # a rank said so: the ranks run, and set up
             break
-    time.sleep(1.0)
+    time.sleep(0.5)
     os.killpg(proc.pid, signum)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signum, err[-3000:]
