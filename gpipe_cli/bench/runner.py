@@ -25,6 +25,7 @@ from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.measure import RunFigures, contended, median
 from gpipe_cli.estimate.subject import Subject
 from gpipe_cli.files import atomic_write_text
+from gpipe_cli.launch import LaunchOptions, warming
 from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline.config import sizes  # nearly equal parts, larger first
 from gpipe_cli.pipeline.schedule import theoretical_bubble
@@ -199,7 +200,9 @@ def run(options: BenchOptions) -> int:
         preview.check_fits(chosen, memory, options, machine)
         preview.show(chosen, memory, options, machine, console)
         progress.estimated = chosen.seconds
-        with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp, _temporary_root(tmp):
+        # Every run's ranks fork from one server (the same threads each): it imports torch once, not once a run.
+        with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp, _temporary_root(tmp), \
+                warming(LaunchOptions(threads=options.threads), 1):
             try:
                 events: list[dict[str, Any]] = []  # the K ranks' step, for --trace
                 if options.sweep:

@@ -62,17 +62,18 @@ def prepare(fresh: bool = True) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
-def stop() -> None:
-    """End the server and anything it forked that is left: at a launch's end, none of it is needed."""
-    server = forkserver._forkserver
-    pid = getattr(server, "_forkserver_pid", None)
+def stop(server: bool = True) -> None:
+    """End anything the server forked that is left, and the server unless another launch forks from it."""
+    forks = forkserver._forkserver
+    pid = getattr(forks, "_forkserver_pid", None)
     if pid is not None:
         # A rank is left only when the launch ended early (a stop while it started); the server, still
         # importing torch then, would read its end only after.
-        for child in [*children_of(pid), pid]:
+        for child in [*children_of(pid), *([pid] if server else [])]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
-    server._stop()  # type: ignore[attr-defined]
+    if server:
+        forks._stop()  # type: ignore[attr-defined]
 
 
 def processes() -> dict[int, tuple[int, int]]:

@@ -68,22 +68,23 @@ def _give_ranks(threads: int) -> None:
     os.environ["GPIPE_THREADS"] = str(threads)
 
 
-_warm = False  # a server that `warming` started serves the launch within it
+_warm: int | None = None  # the threads of the ranks that a server `warming` started is for
 
 
 @contextlib.contextmanager
 def warming(options: LaunchOptions, local: int) -> Iterator[None]:
-    """Within the block (planning the job), the ranks' server imports torch already; a launch in it forks from it."""
+    """Within the block the ranks' server imports torch while this process plans; launches in it fork from it."""
     global _warm
     if forked.available() and not under_torchrun():
-        _give_ranks(threads_per_rank(options, local))
+        threads = threads_per_rank(options, local)
+        _give_ranks(threads)
         forked.prepare()
-        _warm = True
+        _warm = threads
     try:
         yield
     finally:
-        _warm = False
-        forked.stop()  # nothing launched (bad input, Ctrl-C): it would import torch for seconds, for nobody
+        _warm = None
+        forked.stop()  # also where nothing was launched (bad input, Ctrl-C): it would import torch for nobody
 
 
 def _free_port() -> int:
@@ -247,7 +248,9 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     fork = forked.available()
     config = _config(world, options, forked.START_METHOD if fork else "spawn")
     local = config.nproc_per_node  # type: ignore[attr-defined]
-    _give_ranks(threads_per_rank(options, local))
+    threads = threads_per_rank(options, local)
+    _give_ranks(threads)
+    warm = fork and _warm == threads  # a server started for ranks like these: it serves this launch, and the next
     for name in list(logging.root.manager.loggerDict):
         # The ranks report their own failures, and a stop is told in one line; the agent's log lines
         # (each of its modules sets its own level) would only repeat them.
@@ -258,7 +261,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     previous_term = signal.getsignal(signal.SIGTERM)  # the agent installs its own and leaves it behind
     try:
         if fork:
-            forked.prepare(fresh=not _warm)
+            forked.prepare(fresh=not warm)
             elastic_launch(config, forked.run)(module, list(args))  # type: ignore[arg-type]
         else:
             elastic_launch(config, sys.executable)("-u", "-m", module, *args)  # type: ignore[arg-type]
@@ -279,7 +282,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     finally:
         stops.over.set()
         if fork:
-            forked.stop()
+            forked.stop(server=not warm)
         signal.signal(signal.SIGINT, previous)  # type: ignore[arg-type]
         signal.signal(signal.SIGTERM, previous_term)
     return 0

@@ -87,20 +87,33 @@ def _server() -> int | None:
     return forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
 
 
-def test_the_server_started_while_the_job_is_planned_forks_its_ranks_and_ends_unused(tmp_path: Path,
-                                                                                    monkeypatch: pytest.MonkeyPatch):
+def test_the_server_started_while_jobs_are_planned_forks_their_ranks_and_ends_with_the_block(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     for name in ("OMP_NUM_THREADS", "GPIPE_THREADS"):  # `warming` sets them for the ranks, as the launch does
         monkeypatch.setenv(name, os.environ.get(name, "1"))
     monkeypatch.setenv("GPIPE_PROBE", "warm")
+    runs = [tmp_path / "first", tmp_path / "second"]
     with launcher.warming(LaunchOptions(threads=1), 2):
         early = _server()
         assert early is not None and os.environ["GPIPE_THREADS"] == "1"
-        (tmp_path / "go").touch()
-        assert launch(PROBE, [str(tmp_path), "ok"], 2, LaunchOptions(threads=1)) == 0
-    assert {facts["parent"] for facts in _facts(tmp_path)} == {early}  # not a second server, started at the launch
-    assert all(facts["torch_before_main"] and facts["probe_env"] == "warm" for facts in _facts(tmp_path))
+        for folder in runs:  # as bench runs K=1, then K ranks
+            folder.mkdir()
+            (folder / "go").touch()
+            assert launch(PROBE, [str(folder), "ok"], 2, LaunchOptions(threads=1)) == 0
+    for folder in runs:  # not a server started at the launch
+        assert {facts["parent"] for facts in _facts(folder)} == {early}
+        assert all(facts["torch_before_main"] and facts["probe_env"] == "warm" for facts in _facts(folder))
+    assert _server() is None and not Path(f"/proc/{early}").exists()
 
     with launcher.warming(LaunchOptions(threads=1), 2):  # a plan refused, a Ctrl-C: no launch comes
         unused = _server()
-        assert unused is not None and unused != early
+        assert unused is not None
     assert _server() is None and not Path(f"/proc/{unused}").exists()
+
+    with launcher.warming(LaunchOptions(threads=1), 2):
+        other = tmp_path / "other threads"
+        other.mkdir()
+        (other / "go").touch()
+        assert launch(PROBE, [str(other), "ok"], 2, LaunchOptions(threads=2)) == 0
+        assert _server() is None  # the launch had a server of its own, started with its threads, and ended it
+    assert {facts["parent"] for facts in _facts(other)}.isdisjoint({early, unused})
