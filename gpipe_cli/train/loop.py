@@ -76,11 +76,8 @@ class Trainer:
         self.data: Loader | None = None
         self._note(self._reading_data())
         if self.layout.is_first or self.layout.is_last:
+            # The tokenizer's vocabulary is checked against model.vocab_size as it is loaded (tokenizer.load_or_train).
             self.data = build_data_for(recipe, run_dir=self.run_dir)
-            tokenizer, model = self.data.tokenizer, recipe.model
-            if tokenizer is not None and model.kind == "transformer" and tokenizer.vocab_size > model.vocab_size:
-                raise UserError(f"model.vocab_size ({model.vocab_size}) is smaller than the tokenizer's vocabulary "
-                                f"({tokenizer.vocab_size}); raise model.vocab_size")
         counts = (self.data.steps_per_epoch(), self.data.eval_steps(recipe.eval.batches)) if self.data else None
         self.steps_per_epoch, self.eval_steps = self.topo.share(counts)
         if self.data is not None:
