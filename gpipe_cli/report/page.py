@@ -85,9 +85,7 @@ def _bubble(ax: Any, runs: list[Run]) -> None:
 
 
 def _breakdown(ax: Any, runs: list[Run]) -> None:
-    names, bottoms = [], []
-    for run in runs:
-        names += [f"{run.label} · {s}" if len(runs) > 1 else f"stage {s}" for s in range(run.stages)]
+    names = [f"{run.label} · {s}" if len(runs) > 1 else f"stage {s}" for run in runs for s in range(run.stages)]
     bottoms = [0.0] * len(names)
     for k, part in enumerate(PARTS):
         values = [v for run in runs for v in time_breakdown(run)[part]]

@@ -32,7 +32,7 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.files import atomic_write_bytes
 from gpipe_cli.pipeline import heartbeat
 from gpipe_cli.pipeline.failure import ANNOUNCED
-from gpipe_cli.train.existing import PREFIX
+from gpipe_cli.train.existing import CHECKPOINTS, PREFIX, candidates
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
 from gpipe_cli.units import human_bytes
 
@@ -52,7 +52,7 @@ class CheckpointWriteError(UserError):
 
 def path_for(run_dir: Path, step: int) -> Path:
     """Where the checkpoint after `step` optimizer steps lives."""
-    return run_dir / "checkpoints" / f"{PREFIX}{step:08d}"
+    return run_dir / CHECKPOINTS / f"{PREFIX}{step:08d}"
 
 
 def partial_for(path: Path) -> Path:
@@ -62,7 +62,7 @@ def partial_for(path: Path) -> Path:
 
 def remove_partials(run_dir: Path) -> list[Path]:
     """Remove the hidden folders of unfinished saves and return them; from one process, before any rank saves."""
-    stale = sorted((run_dir / "checkpoints").glob(f".{PREFIX}*.partial"))
+    stale = sorted((run_dir / CHECKPOINTS).glob(f".{PREFIX}*.partial"))
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return stale
@@ -116,16 +116,6 @@ def inspect(path: Path, verify: bool = False) -> tuple[Found | None, str | None]
         if checksum(path / name) != expected:
             return None, f"file {name} does not match its checksum (the data changed after it was written)"
     return Found(path, step, manifest), None
-
-
-def candidates(location: Path) -> list[Path]:
-    """Checkpoint folders at `location` (a run directory, its checkpoints/ or one checkpoint), newest first."""
-    if location.name.startswith(PREFIX):
-        return [location]
-    folder = location / "checkpoints" if (location / "checkpoints").is_dir() else location
-    if not folder.is_dir():
-        return []
-    return sorted((p for p in folder.iterdir() if p.is_dir() and p.name.startswith(PREFIX)), reverse=True)
 
 
 def newest_whole(location: Path, verify: bool = False) -> tuple[Found | None, list[str]]:

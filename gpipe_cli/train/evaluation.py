@@ -76,8 +76,7 @@ def greedy_decode(pipe: Pipeline, topo: Topology, source: torch.Tensor | None, m
         result = pipe.evaluate(inputs, None, microbatches=microbatches, return_outputs=True)
         more = False
         if topo.layout.rank == 0 and prefix is not None and result.outputs is not None:
-            logits = result.outputs[0] if isinstance(result.outputs, tuple) else result.outputs
-            prefix, finished = greedy_step(logits, prefix, finished, vocab)
+            prefix, finished = greedy_step(_logits(result.outputs), prefix, finished, vocab)
             more = bool((~finished).any()) and prefix.shape[1] <= max_len
         if not topo.share(more):  # rank 0's decision, on every rank
             break

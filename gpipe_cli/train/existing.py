@@ -81,7 +81,7 @@ def last_step(run_dir: Path) -> int | None:
                 step = json.loads(line).get("step")
                 if isinstance(step, int) and not isinstance(step, bool):
                     steps.append(step)
-    saved = [int(p.name[len(PREFIX):]) for p in _checkpoints(run_dir) if p.name[len(PREFIX):].isdigit()]
+    saved = [int(p.name[len(PREFIX):]) for p in candidates(run_dir / CHECKPOINTS) if p.name[len(PREFIX):].isdigit()]
     return max(steps or saved, default=None)
 
 
@@ -92,7 +92,7 @@ def holds_run(run_dir: Path) -> bool:
         recorded = metrics.is_file() and metrics.stat().st_size > 0
     except OSError:
         recorded = False
-    return recorded or bool(_checkpoints(run_dir))
+    return recorded or bool(candidates(run_dir / CHECKPOINTS))
 
 
 def check_new_run_dir(output_dir: Path) -> None:
@@ -155,7 +155,7 @@ def check_resumable(location: str) -> int:
     found, _ = checkpoint.newest_whole(Path(location))
     if found is not None:
         return found.step
-    raise no_usable(location, [f"{p.name}: {checkpoint.inspect(p)[1]}" for p in checkpoint.candidates(Path(location))])
+    raise no_usable(location, [f"{p.name}: {checkpoint.inspect(p)[1]}" for p in candidates(Path(location))])
 
 
 def no_usable(location: str, refused: list[str]) -> UserError:
@@ -172,7 +172,7 @@ def resume_end(recipe: Recipe, location: str) -> int | None:
     steps = recipe.train.steps
     if steps is None:
         return None
-    for path in checkpoint.candidates(Path(location)):
+    for path in candidates(Path(location)):
         found, _ = checkpoint.inspect(path)
         if found is None:
             continue
@@ -186,11 +186,14 @@ def resume_end(recipe: Recipe, location: str) -> int | None:
     return None
 
 
-def _checkpoints(run_dir: Path) -> list[Path]:
-    folder = run_dir / CHECKPOINTS
+def candidates(location: Path) -> list[Path]:
+    """Checkpoint folders at `location` (a run directory, its checkpoints/ or one checkpoint), newest first."""
+    if location.name.startswith(PREFIX):
+        return [location]
+    folder = location / CHECKPOINTS if (location / CHECKPOINTS).is_dir() else location
     try:
-        return [p for p in folder.iterdir() if p.name.startswith(PREFIX)]
-    except OSError:
+        return sorted((p for p in folder.iterdir() if p.is_dir() and p.name.startswith(PREFIX)), reverse=True)
+    except OSError:  # no folder there, or one this process cannot read: no checkpoint it could use
         return []
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import signal
 import sys
@@ -75,11 +76,8 @@ class Trainer:
         self.data: Loader | None = None
         self._note(self._reading_data())
         if self.layout.is_first or self.layout.is_last:
+            # The tokenizer's vocabulary is checked against model.vocab_size as it is loaded (tokenizer.load_or_train).
             self.data = build_data_for(recipe, run_dir=self.run_dir)
-            tokenizer, model = self.data.tokenizer, recipe.model
-            if tokenizer is not None and model.kind == "transformer" and tokenizer.vocab_size > model.vocab_size:
-                raise UserError(f"model.vocab_size ({model.vocab_size}) is smaller than the tokenizer's vocabulary "
-                                f"({tokenizer.vocab_size}); raise model.vocab_size")
         counts = (self.data.steps_per_epoch(), self.data.eval_steps(recipe.eval.batches)) if self.data else None
         self.steps_per_epoch, self.eval_steps = self.topo.share(counts)
         if self.data is not None:
@@ -323,18 +321,13 @@ class Trainer:
     def batches(self, start_step: int) -> Iterator[Batch | None]:
         """This rank's shard of every training mini-batch from `start_step` on (None: no data here)."""
         if self.data is None:
-            yield from [None] * (self.total_steps - start_step)
-            return
-        step = start_step
-        while step < self.total_steps:
-            epoch, index = divmod(step, self.steps_per_epoch)
-            for batch in self.data.train_batches(epoch=epoch, start=index,
-                                                 shard=(self.layout.replica, self.layout.replicas),
-                                                 need_inputs=self.layout.is_first, need_targets=self.layout.is_last):
-                yield batch
-                step += 1
-                if step >= self.total_steps:
-                    return
+            return iter([None] * (self.total_steps - start_step))
+        first, index = divmod(start_step, self.steps_per_epoch)
+        epochs = (self.data.train_batches(epoch=epoch, start=index if epoch == first else 0,
+                                          shard=(self.layout.replica, self.layout.replicas),
+                                          need_inputs=self.layout.is_first, need_targets=self.layout.is_last)
+                  for epoch in itertools.count(first))
+        return itertools.islice(itertools.chain.from_iterable(epochs), self.total_steps - start_step)
 
     def run(self) -> int:
         """Train for the recipe's steps or epochs, evaluating and checkpointing as asked and at the end; exit code."""
