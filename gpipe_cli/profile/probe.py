@@ -84,11 +84,6 @@ class CudaMeter:
 Meter = AccountingMeter | CudaMeter
 
 
-def meter_for(device: torch.device) -> Meter:
-    """The meter of `device`."""
-    return CudaMeter(device) if device.type == "cuda" else AccountingMeter()
-
-
 def remat_key(checkpoint: str) -> str:
     """The activations factor a checkpoint mode uses: rematerialised steps keep and rebuild different tensors."""
     return "never" if checkpoint == "never" else "remat"
