@@ -221,11 +221,12 @@ def _family(options: ProfileOptions) -> tuple[str, dict[str, Any]]:
 
 def budget_probe_seconds(kind: str, fixed: dict[str, Any], machine: sizing.Machine) -> float:
     """Seconds measuring the budget search's per-layer figures should take."""
-    # Python-bound calls where the family states them (describing its layers to count FLOPs would cost as much).
+    # Python-bound calls where the family states them (describing its layers to count FLOPs would cost as much);
+    # else (Transformer-L) the arithmetic of its probe member's batches.
     if calls := budget.GROWN[kind].PROBE_CALLS:
         return calls * machine.call_seconds
-    return sum(sizing.step_seconds(sizing.candidate(kind, params), machine, examples, 1, 2.0)
-               for params, examples in budget.probes(kind, fixed))
+    member = sizing.candidate(kind, {"layers": budget.TransformerL.PROBE_LAYERS, **fixed})
+    return sizing.step_seconds(member, machine, sum(budget.TransformerL.PROBE_BATCHES), 1, 2.0)
 
 
 def _calibrate(probes: list[probe.Probe], kind: str, machine: sizing.Machine, device: torch.device,
