@@ -143,9 +143,8 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
                 figures = {**figures, "throughput_ratio": summary["samples_per_s"] / theirs if theirs else None,
                            "memory_ratio": kk.peak_bytes / peak if peak else None,
                            "bubble_ratio": summary["bubble"] / idle if idle else None}
+                loads[name] = figures.get("load", {})
             summary["compare"][name] = figures
-        loads |= {name: theirs.get("load", {}) for name, theirs in summary["compare"].items()
-                  if "skipped" not in theirs}
     summary["load"] |= loads
     summary["contended"] = summary["contended"] or any(contended(load) for load in loads.values())
     return summary, kk.events if kk is not None else []
