@@ -151,8 +151,7 @@ class AmoebaNetD:
 
     def __init__(self, fixed: dict[str, Any], seed: int = 0, max_layers: int = 240, max_width: int = 4096) -> None:
         self.fixed, self.max_layers, self.max_width = fixed, max_layers, max_width
-        d0, d1, _ = self.PROBE_WIDTHS
-        probes = [_measure(self._spec(self.PROBE_LAYERS, d), seed) for d in (d0, d1)]
+        probes = [_measure(self._spec(self.PROBE_LAYERS, d), seed) for d in self.PROBE_WIDTHS[:2]]
         self.at = [_by_role(figures) for figures, _ in probes]
         self.input = probes[0][0].input
         self.measured = all(measured for _, measured in probes)
