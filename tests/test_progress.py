@@ -66,7 +66,7 @@ def test_every_family_budget_probe_and_search_is_estimated():
     large = budget_probe_seconds("transformer", {**fixed, "d_model": 1024, "ff": 4096, "max_len": 1024}, machine)
     assert 0 < small < large  # from its members' arithmetic
     # AmoebaNet's probe is bound by Python: counted in fixed layer calls of this machine.
-    assert budget_probe_seconds("amoebanet", budget.AMOEBANET_D, machine) == pytest.approx(
+    assert budget_probe_seconds("amoebanet", budget.AmoebaNetD.PAPER, machine) == pytest.approx(
         budget.AmoebaNetD.PROBE_CALLS * machine.call_seconds)
     rows = [("naive-1", 1, 1, "never"), ("pipeline-8", 8, 8, "except_last")]
     for kind in ("transformer", "amoebanet"):

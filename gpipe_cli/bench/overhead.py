@@ -18,6 +18,7 @@ from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import microbatch
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.config import PipelineConfig
+from gpipe_cli.pipeline.device import to_device
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.topology import Topology
 
@@ -26,12 +27,6 @@ def remat_microbatches(schedule: str, chunks: int, checkpoint_mode: str) -> list
     """The micro-batches the engine rematerialises at K=1, as its schedule marks them."""
     plan = sched.build(schedule, 0, 1, chunks, checkpoint_mode)
     return sorted(mb for mb, _ in sched.rematerialised(plan))
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    return tuple(_to(b, device) for b in batch)
 
 
 class PlainLoop:
@@ -54,7 +49,7 @@ class PlainLoop:
         for p in self.params:
             p.grad = None
         self.module.train()
-        xs = microbatch.scatter(_to(inputs, self.device), self.chunks)
+        xs = microbatch.scatter(to_device(inputs, self.device), self.chunks)
         ys = microbatch.scatter(targets, self.chunks)
         units = [float(self.units(y)) if self.units is not None else float(y.shape[0]) for y in ys]
         total = sum(units)
@@ -62,7 +57,7 @@ class PlainLoop:
         for mb, (x, y) in enumerate(zip(xs, ys)):
             for layer in self.module:
                 x = checkpoint(layer, x, use_reentrant=False) if mb in self.remat else layer(x)
-            loss = self.loss(x, _to(y, self.device)) * (units[mb] / total)
+            loss = self.loss(x, to_device(y, self.device)) * (units[mb] / total)
             loss.backward()
             losses.append(loss.detach())
         return float(torch.stack(losses).sum())

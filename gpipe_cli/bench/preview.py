@@ -123,12 +123,18 @@ def memory(subject: Subject, options: BenchOptions, machine: sizing.Machine) -> 
     # On a CPU all of its ranks with their runtimes; on GPUs the fullest one, its ranks dealt out in turn.
     spec = subject.build()
     figures = mm.measure(spec, options.seed, device="meta")  # shapes only
-    # Stages are cut by FLOPs, which grow alike in every layer with the micro-batch: one size cuts every M.
+    # Stages are cut by FLOPs, which grow alike in every layer with the micro-batch: one size cuts every M (the
+    # measured cut may differ).
     flops = [float(c.flops) for c in describe(spec, sizing.ceil_div(options.batch, options.microbatches)).layers]
+    costs = flops if any(flops) else [1.0] * len(flops)
     configs = runs(options, len(spec.layers))
     ks = {1, max(k for k, _ in configs)}
-    stages = {(k, m): _stage_memory(figures, flops, options, k, m)
-              for k, m in {*configs, *((k, options.microbatches) for k in ks)}}
+    stages: dict[tuple[int, int], list[float]] = {}
+    for k, m in {*configs, *((k, options.microbatches) for k in ks)}:  # each stage's estimated bytes
+        virtual = options.virtual_at(k)
+        stages[(k, m)] = [fp.total_bytes for fp in mm.footprints(
+            figures, partition.balance_by_cost(costs, k * virtual), options.batch, m, options.schedule,
+            options.checkpoint, mm.bytes_per_parameter(NO_STATE), virtual)]
     units = max(machine.units, 1)
     needs = [(k, m, max(sum(stages[(k, m)][g::units]) for g in range(min(k, units))) if machine.kind == "cuda"
               else sum(stages[(k, m)]) + k * RANK_BYTES) for k, m in configs]
@@ -156,15 +162,6 @@ def _does_not_fit(options: BenchOptions, cand: sizing.Candidate, run: str, need:
                 f"--partitions, or free memory")
     return (f"the model does not fit: {what}; shrink it ({families.of(cand.kind).shrink_flags}), lower "
             f"--batch-size, or leave the size flags and --set out to let bench size it to this machine")
-
-
-def _stage_memory(figures: mm.ModelFigures, flops: list[float], options: BenchOptions, k: int, m: int) -> list[float]:
-    """Each stage's estimated bytes at K stages and M micro-batches, cut by FLOPs (the measured cut may differ)."""
-    virtual = options.virtual_at(k)
-    balance = partition.balance_by_cost(flops if any(flops) else [1.0] * len(flops), k * virtual)
-    prints = mm.footprints(figures, balance, options.batch, m, options.schedule, options.checkpoint,
-                           mm.bytes_per_parameter(NO_STATE), virtual)
-    return [fp.total_bytes for fp in prints]
 
 
 def show(preview: Preview, mem: Memory, options: BenchOptions, machine: sizing.Machine, console: Console) -> None:

@@ -17,7 +17,7 @@ from rich.console import Console
 from gpipe_cli import interrupts, plots, sizing
 from gpipe_cli.bench import preview, setup, sweep, tables, trace
 from gpipe_cli.bench.options import BenchOptions, parse_balance
-from gpipe_cli.bench.setup import base_job, choose_balance, model_json, oversubscription
+from gpipe_cli.bench.setup import base_job, model_json, oversubscription
 from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate import simulate
@@ -106,10 +106,13 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
     k1_raw = setup.launch_job(k1_job, folder, "k1", options.threads)
     costs = CostProfile.from_json(k1_raw["costs"])
     k1 = RunFigures.from_json(k1_raw["runs"][0])
-    balance, balance_by = choose_balance(options, costs, k)
+    # The explicit balance, else the prediction's cut of measured per-layer time into K x V chunks whose busiest
+    # stage is least (`check_cut` has refused a balance the model cannot take).
+    explicit = parse_balance(options.balance, k * options.virtual_stages)
     link = simulate.Link.of(options.bandwidth, options.latency_us)
     prediction = simulate.predict(costs, k, options.batch, options.microbatches, options.schedule, options.checkpoint,
-                                  link, median(k1.step_times), balance, options.virtual_stages)
+                                  link, median(k1.step_times), explicit, options.virtual_stages)
+    balance, balance_by = prediction.balance, "measured time" if explicit is None else "explicit"
     kk: RunFigures | None = None
     raw: dict[str, Any] = {}
     if not options.simulate:
@@ -144,9 +147,8 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
                 figures = {**figures, "throughput_ratio": summary["samples_per_s"] / theirs if theirs else None,
                            "memory_ratio": kk.peak_bytes / peak if peak else None,
                            "bubble_ratio": summary["bubble"] / idle if idle else None}
+                loads[name] = figures.get("load", {})
             summary["compare"][name] = figures
-        loads |= {name: theirs.get("load", {}) for name, theirs in summary["compare"].items()
-                  if "skipped" not in theirs}
     summary["load"] |= loads
     summary["contended"] = summary["contended"] or any(contended(load) for load in loads.values())
     return summary, kk.events if kk is not None else []

@@ -1,4 +1,4 @@
-"""How a benchmark is set up and started: its jobs, their balance, what each rank measures, and launching them."""
+"""How a benchmark is set up and started: its jobs, what each rank measures, and launching them."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
-from gpipe_cli.bench.options import SWEEP_PARTITIONS, BenchOptions, parse_balance
-from gpipe_cli.estimate.costs import CostProfile, profile
+from gpipe_cli.bench.options import SWEEP_PARTITIONS, BenchOptions
+from gpipe_cli.estimate.costs import profile
 from gpipe_cli.estimate.measure import build_pipeline, measure_engine
 from gpipe_cli.estimate.subject import Subject, example_batch
 from gpipe_cli.files import atomic_write_text
 from gpipe_cli.launch.launcher import LaunchOptions, launch
 from gpipe_cli.models.describe import count_parameters
-from gpipe_cli.pipeline import microbatch, placement, schedules, topology
+from gpipe_cli.pipeline import microbatch, topology
 from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.sizing import usable_cores
 
@@ -130,18 +130,6 @@ def base_job(options: BenchOptions, subject: Subject, stages: int, balance: list
               microbatches=options.microbatch_values(), schedule=options.schedule, checkpoint=options.checkpoint,
               steps=options.steps, warmup=options.warmup, seed=options.seed, out="", offload=options.offload)
     return replace(job, **fields)
-
-
-def choose_balance(options: BenchOptions, costs: CostProfile, stages: int) -> tuple[list[int], str]:
-    """The explicit balance, or the cut of measured per-layer time into K x V chunks whose busiest stage is least."""
-    # The runner's `check_cut` has already refused a cut the model cannot take.
-    chunks = stages * options.virtual_stages
-    explicit = parse_balance(options.balance, chunks)
-    if explicit is not None:
-        return explicit, "explicit"
-    owners = placement.cut_owners(stages, options.virtual_stages, schedules.get(options.schedule).placement)
-    balance = costs.balance(chunks, options.checkpoint, owners, max(options.microbatch_values()))
-    return balance, "measured time"
 
 
 def model_json(subject: Subject) -> dict[str, Any]:

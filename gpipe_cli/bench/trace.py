@@ -9,21 +9,20 @@ from typing import Any
 
 from gpipe_cli import plots
 from gpipe_cli.files import atomic_write_text
-from gpipe_cli.pipeline.actions import Kind  # not pipeline.schedule, which loads torch: the CLI imports this
+from gpipe_cli.pipeline.actions import COMPUTE, SHORT, Kind  # not pipeline.schedule (torch): the CLI imports this
 
+# Each action's category in the trace and its colour in the chart (its short name is the schedule's own: `SHORT`).
 LABELS = {
-    Kind.FWD.value: ("F", "forward"),
-    Kind.RECOMPUTE.value: ("R", "recompute"),
-    Kind.BWD.value: ("B", "backward"),
-    Kind.BWD_INPUT.value: ("Bi", "backward: input gradient"),
-    Kind.BWD_WEIGHT.value: ("W", "backward: weight gradient"),
-    Kind.SEND_FWD.value: ("sf", "send activation"),
-    Kind.RECV_FWD.value: ("rf", "wait for activation"),
-    Kind.SEND_BWD.value: ("sb", "send gradient"),
-    Kind.RECV_BWD.value: ("rb", "wait for gradient"),
+    Kind.FWD: ("forward", "#4c9be8"),
+    Kind.RECOMPUTE: ("recompute", "#f2a541"),
+    Kind.BWD: ("backward", "#5cb85c"),
+    Kind.BWD_INPUT: ("backward: input gradient", "#2e8b57"),
+    Kind.BWD_WEIGHT: ("backward: weight gradient", "#b5651d"),
+    Kind.SEND_FWD: ("send activation", "#555555"),
+    Kind.RECV_FWD: ("wait for activation", "#d9d9d9"),
+    Kind.SEND_BWD: ("send gradient", "#555555"),
+    Kind.RECV_BWD: ("wait for gradient", "#d9d9d9"),
 }
-COLORS = {"fwd": "#4c9be8", "recompute": "#f2a541", "bwd": "#5cb85c", "bwd_input": "#2e8b57", "bwd_weight": "#b5651d",
-          "send_fwd": "#555555", "send_bwd": "#555555", "recv_fwd": "#d9d9d9", "recv_bwd": "#d9d9d9"}
 
 
 def paths(target: Path) -> tuple[Path, Path]:
@@ -44,11 +43,11 @@ def chrome_trace(events: Sequence[Mapping[str, Any]], title: str) -> dict[str, A
                 {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": s, "args": {"sort_index": s}}]
     chunked = {s for s in stages if len({e.get("chunk", s) for e in events if e["stage"] == s}) > 1}
     for e in sorted(events, key=lambda e: (e["stage"], e["start"])):
-        short, long = LABELS[e["kind"]]
         chunk = f"/c{e['chunk']}" if e["stage"] in chunked else ""
         out.append({
-            "name": f"{short}{e['microbatch']}{chunk}", "cat": long, "ph": "X", "pid": 0, "tid": int(e["stage"]),
-            "ts": round(e["start"] * 1e6, 3), "dur": round(max(e["end"] - e["start"], 0.0) * 1e6, 3),
+            "name": f"{SHORT[e['kind']]}{e['microbatch']}{chunk}", "cat": LABELS[e["kind"]][0], "ph": "X", "pid": 0,
+            "tid": int(e["stage"]), "ts": round(e["start"] * 1e6, 3),
+            "dur": round(max(e["end"] - e["start"], 0.0) * 1e6, 3),
             "args": {"stage": e["stage"], "microbatch": e["microbatch"], "chunk": e.get("chunk", e["stage"]),
                      "action": e["kind"]},
         })
@@ -68,22 +67,22 @@ def write_gantt(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> 
     for e in events:
         row = len(stages) - 1 - stages.index(int(e["stage"]))  # stage 0 on top, as in the paper
         start, width = e["start"] * 1e3, (e["end"] - e["start"]) * 1e3
-        compute = e["kind"] in ("fwd", "recompute", "bwd", "bwd_input", "bwd_weight")
+        compute = e["kind"] in COMPUTE
         height = 0.8 if compute else 0.3
-        ax.broken_barh([(start, width)], (row - height / 2, height), facecolors=COLORS[e["kind"]],
+        ax.broken_barh([(start, width)], (row - height / 2, height), facecolors=LABELS[e["kind"]][1],
                        edgecolors="white" if compute else "none", linewidth=0.5)
         if compute and width > end / 150:
-            ax.text(start + width / 2, row, f"{LABELS[e['kind']][0]}{e['microbatch']}", ha="center",
+            ax.text(start + width / 2, row, f"{SHORT[e['kind']]}{e['microbatch']}", ha="center",
                     va="center", fontsize=5 if width < end / 60 else 6, color="white")
     ax.set_yticks(range(len(stages)))
     ax.set_yticklabels([f"stage {s}" for s in reversed(stages)])
     ax.set_xlabel("time in the step (ms)")
     ax.set_xlim(0, end * 1.01 if end else 1)
     ax.set_title(title, fontsize=9)
-    legend = [Patch(color=COLORS[k], label=label) for k, label in
-              (("fwd", "forward"), ("recompute", "recompute"), ("bwd", "backward"),
-               ("bwd_input", "backward: input gradient (B)"), ("bwd_weight", "backward: weight gradient (W)"),
-               ("recv_fwd", "wait for a message"), ("send_fwd", "send"))]
+    legend = [Patch(color=LABELS[k][1], label=label) for k, label in
+              ((Kind.FWD, "forward"), (Kind.RECOMPUTE, "recompute"), (Kind.BWD, "backward"),
+               (Kind.BWD_INPUT, "backward: input gradient (B)"), (Kind.BWD_WEIGHT, "backward: weight gradient (W)"),
+               (Kind.RECV_FWD, "wait for a message"), (Kind.SEND_FWD, "send"))]
     fig.legend(handles=legend, fontsize=7, loc="lower center", ncol=4, frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     plots.write_png(plt, fig, path, 150)

@@ -32,10 +32,6 @@ class Measured:
     profile: costs.CostProfile
     cached: bool
 
-    def seconds(self, checkpoint: str) -> list[float]:
-        """Per-layer seconds under the remat mode `checkpoint` (the weights the cut balances)."""
-        return self.profile.balance_costs(checkpoint)
-
     @property
     def label(self) -> str:
         """What the plan calls these costs."""

@@ -9,9 +9,8 @@ from typing import Any
 import torch
 
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.pipeline import partition
+from gpipe_cli.pipeline import microbatch, partition
 from gpipe_cli.pipeline.layer_profile import profile_layers
-from gpipe_cli.pipeline.stage import as_tensors
 
 
 @dataclass(frozen=True)
@@ -73,9 +72,7 @@ def profile(spec: ModelSpec, inputs: Any, targets: torch.Tensor, seed: int, repe
     """Time every layer of `spec` on one micro-batch `inputs` (with its `targets` for the loss) on `device`."""
     measured = profile_layers(spec.factories(), inputs, seed, device, repeats,
                               loss=lambda output: spec.loss(output, targets))
-    tensors, _ = as_tensors(inputs)
-    size = int(tensors[0].shape[0]) if tensors and tensors[0] is not None else 1
     layers = [LayerTiming(spec.layers[i].name, p.forward, p.forward_nograd, p.backward, p.output_bytes, p.recompute)
               for i, p in enumerate(measured)]
     loss = measured.loss.seconds if measured.loss is not None else 0.0
-    return CostProfile(size, measured.input_bytes, loss, layers)
+    return CostProfile(microbatch.batch_size(inputs), measured.input_bytes, loss, layers)

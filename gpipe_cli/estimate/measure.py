@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.pipeline import partition, placement, topology
+from gpipe_cli.pipeline import partition, placement
 from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
@@ -156,19 +156,6 @@ class RunFigures:
         return RunFigures(**{**data, "stages": [StageFigures(**s) for s in data["stages"]]})
 
 
-def _stage_figures(history: list[StepStats], balance: list[int], layout: topology.Layout) -> list[StageFigures]:
-    out = []
-    for s in range(layout.stages):
-        chunks = placement.chunks_of(s, layout.stages, len(balance) // layout.stages, layout.placement)
-        rows = [st for stats in history for st in stats.stages if st.stage == s and st.replica == 0]
-        out.append(StageFigures(
-            stage=s, layers=sum(balance[c] for c in chunks), busy_s=median([r.busy for r in rows]),  # all its chunks
-            step_s=median([r.step_time for r in rows]), bubble=median([r.bubble for r in rows]),
-            activation_peak_bytes=max(r.activation_peak for r in rows), rss_peak_bytes=max(r.rss_peak for r in rows),
-            cuda_peak_bytes=max(r.cuda_peak for r in rows), offloaded_peak_bytes=max(r.offloaded_peak for r in rows)))
-    return out
-
-
 def build_pipeline(spec: ModelSpec, topo: Topology, config: PipelineConfig, seed: int) -> Pipeline:
     """This rank's stage of `spec` as `config` cuts and runs it."""
     indices = partition.stage_layers(list(config.balance), config.stages, topo.layout.stage, config.placement)
@@ -217,5 +204,12 @@ def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_siz
     figures.bubbles = [stats.bubble for stats in history]
     figures.optimizer_times = [max(s.optimizer for s in stats.stages) for stats in history]
     figures.units_per_step = median([stats.units for stats in history])
-    figures.stages = _stage_figures(history, list(pipe.balance), layout)
+    for s in range(layout.stages):
+        chunks = placement.chunks_of(s, layout.stages, len(figures.balance) // layout.stages, layout.placement)
+        rows = [st for stats in history for st in stats.stages if st.stage == s and st.replica == 0]
+        figures.stages.append(StageFigures(  # its layers and busy time: of all its chunks
+            stage=s, layers=sum(figures.balance[c] for c in chunks), busy_s=median([r.busy for r in rows]),
+            step_s=median([r.step_time for r in rows]), bubble=median([r.bubble for r in rows]),
+            activation_peak_bytes=max(r.activation_peak for r in rows), rss_peak_bytes=max(r.rss_peak for r in rows),
+            cuda_peak_bytes=max(r.cuda_peak for r in rows), offloaded_peak_bytes=max(r.offloaded_peak for r in rows)))
     return figures

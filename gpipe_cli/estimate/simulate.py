@@ -71,8 +71,13 @@ class Prediction:
                 "bubble": self.bubble, "calibration": self.calibration}
 
 
-def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microbatches: int,
-                link: Link, scale: float, overhead: float = 0.0) -> tuple[Any, Any]:
+def simulate_step(costs: CostProfile, balance: list[int], batch_size: int, microbatches: int, schedule: str,
+                  checkpoint: str, link: Link, scale: float = 1.0, virtual: int = 1,
+                  overhead: float = 0.0, rate: Rate | None = None) -> Prediction:
+    """The simulated step of `balance` (K x V chunks, K = its length / V) with M micro-batches."""
+    # `overhead`: the engine's own seconds per layer of a compute action beyond its measured time; `rate`: how
+    # much faster compute runs with fewer ranks busy, for ranks sharing cores.
+    stages = len(balance) // virtual
     ranges = partition.stage_ranges(balance)  # one per chunk
     last = len(balance) - 1
     per_example = [size / costs.microbatch_size for size in microbatch.sizes(batch_size, microbatches)]
@@ -99,17 +104,6 @@ def _cost_model(costs: CostProfile, balance: list[int], batch_size: int, microba
         nbytes = costs.layers[boundary].output_bytes if boundary >= 0 else costs.input_bytes
         return link.latency + nbytes * per_example[action.microbatch] / link.bandwidth
 
-    return cost, latency
-
-
-def simulate_step(costs: CostProfile, balance: list[int], batch_size: int, microbatches: int, schedule: str,
-                  checkpoint: str, link: Link, scale: float = 1.0, virtual: int = 1,
-                  overhead: float = 0.0, rate: Rate | None = None) -> Prediction:
-    """The simulated step of `balance` (K x V chunks, K = its length / V) with M micro-batches."""
-    # `overhead`: the engine's own seconds per layer of a compute action beyond its measured time; `rate`: how
-    # much faster compute runs with fewer ranks busy, for ranks sharing cores.
-    stages = len(balance) // virtual
-    cost, latency = _cost_model(costs, balance, batch_size, microbatches, link, scale, overhead)
     lists = sched.build_all(schedule, stages, microbatches, checkpoint, virtual)
     spans = sched.simulate(lists, cost, latency, schedules.get(schedule).placement, rate)
     step = max(span.end for stage in spans for span in stage)

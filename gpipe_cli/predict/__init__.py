@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
 
 from gpipe_cli.errors import UserError
 
@@ -34,15 +33,8 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
         answer = tasks.generator(exported, model, max_tokens or DEFAULT_MAX_TOKENS)
     else:
         answer = tasks.classifier(exported, model, top)
-    for item in _inputs(inputs, _KINDS[task]):
+    if inputs is None and sys.stdin.isatty():
+        print(f"[gpipe] {_KINDS[task]}: reading inputs from stdin, one per line (Ctrl-D ends)", file=sys.stderr)
+    for item in inputs if inputs is not None else (line.rstrip("\r\n") for line in sys.stdin):
         print(answer(item), flush=True)  # each as soon as it is known: stdin may be a conversation
     return 0
-
-
-def _inputs(given: list[str] | None, kind: str) -> Iterable[str]:
-    """The inputs given, else stdin's lines."""
-    if given is not None:
-        return given
-    if sys.stdin.isatty():
-        print(f"[gpipe] {kind}: reading inputs from stdin, one per line (Ctrl-D ends)", file=sys.stderr)
-    return (line.rstrip("\r\n") for line in sys.stdin)

@@ -16,9 +16,6 @@ from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline import placement, schedules
 from gpipe_cli.profile.probe import NONE, Correction
 
-# The families' fixed sizes in the paper's Table 1.
-TRANSFORMER_L = dict(arch="decoder-only", d_model=2048, ff=8192, heads=32, vocab_size=32000, max_len=1024)
-AMOEBANET_D = dict(variant="d", image_size=224, num_classes=1000)
 # What the search varies: never given by the user.
 SEARCHED = ("layers", "filters")
 
@@ -81,20 +78,13 @@ def _measure(spec: Any, seed: int, batches: tuple[int, int] = mm.PROBE_BATCHES,
     return mm.measure(spec, seed, batches, device="meta"), False
 
 
-def probes(kind: str, fixed: dict[str, Any]) -> list[tuple[dict[str, Any], int]]:
-    """The small members a family measures (their build parameters) and how many examples each runs in all."""
-    if kind == "transformer":
-        return [({"layers": 2, **fixed}, 1 + 2)]
-    return [({"layers": AmoebaNetD.PROBE_LAYERS, "filters": d, **fixed}, sum(mm.PROBE_BATCHES))
-            for d in AmoebaNetD.PROBE_WIDTHS[:2]]
-
-
 class TransformerL:
     """Transformer-L: L identical layers between an embedding and a softmax."""
 
     kind = "transformer"
     title = "Transformer-L"
-    PAPER = TRANSFORMER_L
+    # Its fixed sizes in the paper's Table 1.
+    PAPER = dict(arch="decoder-only", d_model=2048, ff=8192, heads=32, vocab_size=32000, max_len=1024)
     SMALLEST = {"layers": 1}  # the searched sizes of its smallest member
     # What probing and searching cost in fixed layer calls (`sizing.Machine.call_seconds`), measured on a 2-core
     # x86 CPU at budgets of 16 GB and 80 GB: the probe is arithmetic, priced from its FLOPs instead; pricing a
@@ -102,13 +92,14 @@ class TransformerL:
     PROBE_CALLS = 0.0
     ROW_CALLS = (25.0, 0.0)   # a row under a loop placement: fixed, and per device
     V_ROW_CALLS = 350.0       # a row under a V, per device (its cuts of hundreds of layers searched: K=8 0.8 s)
+    PROBE_LAYERS, PROBE_BATCHES = 2, (1, 2)  # the member measured, and its batches
 
     def __init__(self, fixed: dict[str, Any], seed: int = 0, max_layers: int = MAX_LAYERS,
                  shapes_only: bool = False) -> None:
         self.fixed, self.max_layers = fixed, max_layers
         # No BatchNorm here, so a single example is a valid probe (it halves the cost at paper sizes).
-        self.probe, self.measured = _measure(build_model("transformer", layers=2, **fixed), seed, batches=(1, 2),
-                                             shapes_only=shapes_only)
+        self.probe, self.measured = _measure(build_model("transformer", layers=self.PROBE_LAYERS, **fixed), seed,
+                                             self.PROBE_BATCHES, shapes_only)
         # Every layer is built alike, so one measured layer, repeated L times, prices any L exactly.
         self.roles = _by_role(self.probe)
 
@@ -145,7 +136,7 @@ class AmoebaNetD:
 
     kind = "amoebanet"
     title = "AmoebaNet-D (L, D)"
-    PAPER = AMOEBANET_D
+    PAPER = dict(variant="d", image_size=224, num_classes=1000)  # its fixed sizes in the paper's Table 1
     # Probing (shape passes and accounted forwards of two small members) and searching are bound by Python, so
     # their cost is counted in fixed layer calls (`sizing.Machine.call_seconds`), measured on a 2-core x86 CPU
     # at budgets of 1 GB to 80 GB: the probe 11,000 (3.5 s there), a row 1,000 + 150 per device (K=8: 0.7 s),
@@ -160,8 +151,7 @@ class AmoebaNetD:
 
     def __init__(self, fixed: dict[str, Any], seed: int = 0, max_layers: int = 240, max_width: int = 4096) -> None:
         self.fixed, self.max_layers, self.max_width = fixed, max_layers, max_width
-        d0, d1, _ = self.PROBE_WIDTHS
-        probes = [_measure(self._spec(self.PROBE_LAYERS, d), seed) for d in (d0, d1)]
+        probes = [_measure(self._spec(self.PROBE_LAYERS, d), seed) for d in self.PROBE_WIDTHS[:2]]
         self.at = [_by_role(figures) for figures, _ in probes]
         self.input = probes[0][0].input
         self.measured = all(measured for _, measured in probes)

@@ -84,11 +84,6 @@ class CudaMeter:
 Meter = AccountingMeter | CudaMeter
 
 
-def meter_for(device: torch.device) -> Meter:
-    """The meter of `device`."""
-    return CudaMeter(device) if device.type == "cuda" else AccountingMeter()
-
-
 def remat_key(checkpoint: str) -> str:
     """The activations factor a checkpoint mode uses: rematerialised steps keep and rebuild different tensors."""
     return "never" if checkpoint == "never" else "remat"
@@ -147,15 +142,6 @@ def from_json(data: dict[str, Any] | None) -> Correction:
                       data.get("meter", ""), unseen=tuple(data.get("unseen", ())))
 
 
-def _solve(rows: list[list[float]], values: list[float]) -> list[float]:
-    """Least squares, in float64."""
-    a = torch.tensor(rows, dtype=torch.float64)
-    b = torch.tensor(values, dtype=torch.float64).unsqueeze(1)
-    scale = a.abs().amax(dim=0).clamp(min=1.0)  # columns of bytes and of ones: keep the system well scaled
-    solution = torch.linalg.lstsq(a / scale, b).solution.squeeze(1) / scale
-    return [float(v) for v in solution]
-
-
 # A loss term is fitted only where the loss's output is at least this share of the probes' activations: below,
 # its column is the allocator's noise (AmoebaNet-D's 1,000 classes against its cells' feature maps).
 LOSS_SHARE = 0.05
@@ -173,10 +159,13 @@ def fit(points: Sequence[tuple[Footprint, str, float]], meter: str = "") -> Corr
     losses = [k for k in told if max(fp.loss_bytes for fp, c, _ in used if c == k)
               >= LOSS_SHARE * max(fp.peak_bytes for fp, c, _ in used if c == k)]
 
-    def solve(with_workspace: bool) -> list[float]:
+    def solve(with_workspace: bool) -> list[float]:  # least squares, in float64
         rows = [([1.0] if with_workspace else []) + [fp.peak_bytes if c == k else 0.0 for k in told]
                 + [fp.loss_bytes if c == k else 0.0 for k in losses] for fp, c, _ in used]
-        return _solve(rows, [value for _, _, value in used])
+        a = torch.tensor(rows, dtype=torch.float64)
+        b = torch.tensor([value for _, _, value in used], dtype=torch.float64).unsqueeze(1)
+        scale = a.abs().amax(dim=0).clamp(min=1.0)  # columns of bytes and of ones: keep the system well scaled
+        return [float(v) for v in torch.linalg.lstsq(a / scale, b).solution.squeeze(1) / scale]
 
     workspace, factors, found = 0.0, dict[str, float](), dict[str, float]()
     while used:

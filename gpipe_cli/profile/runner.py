@@ -96,23 +96,6 @@ def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tu
     return to_measure(options.model, options.sizes(), options.set, judge, max(options.partitions), sized)[:2]
 
 
-def _show_plan(spec: ModelSpec, subject: Subject, note: str, rows: list[scenarios.Scenario],
-               predicted: list[list[mm.Footprint]], seconds: float, have: float, device: torch.device,
-               machine: sizing.Machine, console: Console) -> None:
-    if note:
-        console.print(f"[bold]{note}[/]")
-    cand = sizing.candidate(subject.kind, subject.params)
-    name = cand.describe(full=True) if "layers" in subject.params else spec.name
-    console.print(f"[bold]plan[/] · {name}: {human_count(cand.parameters)} parameters, {len(spec.layers)} "
-                  f"pipeline layers · {human_bytes(have / sizing.MEMORY_SHARE)} free on {device}")
-    for sc, prints in zip(rows, predicted):
-        how = "measure" if sc.measured else "extrapolate"
-        stages = " · ".join(human_bytes(fp.total_bytes) for fp in prints)
-        console.print(f"  {sc.name:<11} {how:<11} balance {sc.balance}: per stage (est.) {stages}")
-    console.print(f"  estimate: about {human_seconds(seconds)} (this machine: "
-                  f"{machine.flops_per_s / 1e9:.0f} GFLOP/s measured)")
-
-
 def measure(options: ProfileOptions, console: Console, progress: Progress | None = None) -> dict[str, Any]:
     """Decide every row, print the plan, then measure what can be and extrapolate the rest, each phase on `progress`."""
     progress = progress or Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))
@@ -141,7 +124,17 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
     # Now that every row is decided: what this profile runs, not what sizing assumed (every row measured).
     seconds = FIXED_S + (probe_s if probing else 0.0) + sum(
         row_seconds(cand, machine, batch, sc.microbatches, sc.checkpoint) for sc in rows if sc.measured)
-    _show_plan(spec, subject, note, rows, predicted, seconds, have, device, machine, console)
+    if note:
+        console.print(f"[bold]{note}[/]")
+    name = cand.describe(full=True) if "layers" in subject.params else spec.name
+    console.print(f"[bold]plan[/] · {name}: {human_count(cand.parameters)} parameters, {len(spec.layers)} "
+                  f"pipeline layers · {human_bytes(have / sizing.MEMORY_SHARE)} free on {device}")
+    for sc, prints in zip(rows, predicted):
+        how = "measure" if sc.measured else "extrapolate"
+        per_stage = " · ".join(human_bytes(fp.total_bytes) for fp in prints)
+        console.print(f"  {sc.name:<11} {how:<11} balance {sc.balance}: per stage (est.) {per_stage}")
+    console.print(f"  estimate: about {human_seconds(seconds)} (this machine: "
+                  f"{machine.flops_per_s / 1e9:.0f} GFLOP/s measured)")
     progress.estimated = seconds
     source = "saved-tensor accounting of each layer's forward on the meta device (shapes only)"
     if probing:
@@ -228,11 +221,12 @@ def _family(options: ProfileOptions) -> tuple[str, dict[str, Any]]:
 
 def budget_probe_seconds(kind: str, fixed: dict[str, Any], machine: sizing.Machine) -> float:
     """Seconds measuring the budget search's per-layer figures should take."""
-    # Python-bound calls where the family states them (describing its layers to count FLOPs would cost as much).
+    # Python-bound calls where the family states them (describing its layers to count FLOPs would cost as much);
+    # else (Transformer-L) the arithmetic of its probe member's batches.
     if calls := budget.GROWN[kind].PROBE_CALLS:
         return calls * machine.call_seconds
-    return sum(sizing.step_seconds(sizing.candidate(kind, params), machine, examples, 1, 2.0)
-               for params, examples in budget.probes(kind, fixed))
+    member = sizing.candidate(kind, {"layers": budget.TransformerL.PROBE_LAYERS, **fixed})
+    return sizing.step_seconds(member, machine, sum(budget.TransformerL.PROBE_BATCHES), 1, 2.0)
 
 
 def _calibrate(probes: list[probe.Probe], kind: str, machine: sizing.Machine, device: torch.device,
@@ -241,7 +235,7 @@ def _calibrate(probes: list[probe.Probe], kind: str, machine: sizing.Machine, de
     seconds = sum(row_seconds(sizing.candidate(kind, p.params), machine, p.batch_size, p.microbatches, p.checkpoint)
                   for p in probes)
     progress.phase(f"probing {device}: {len(probes)} short training steps of small members", seconds, add=True)
-    correction = probe.calibrate(probes, probe.meter_for(device))
+    correction = probe.calibrate(probes, probe.CudaMeter(device) if device.type == "cuda" else probe.AccountingMeter())
     console.print(correction.describe(), highlight=False)
     return correction
 

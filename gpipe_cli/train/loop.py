@@ -294,7 +294,7 @@ class Trainer:
         except Exception as exc:  # any failure to measure leaves the estimate, never stops the run
             why = (str(exc).strip().splitlines() or [""])[0][:200]
             return None, f"estimated FLOPs: measuring failed ({type(exc).__name__}{f': {why}' if why else ''})"
-        return found.seconds(self.recipe.pipeline.checkpoint), found.label
+        return found.profile.balance_costs(self.recipe.pipeline.checkpoint), found.label
 
     def _resume(self) -> int:
         """Continue from the newest whole checkpoint at the --resume location; return its step."""

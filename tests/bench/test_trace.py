@@ -21,7 +21,7 @@ def test_zero_bubble_draws_input_and_weight_gradients_apart(tmp_path):
     assert {"backward: input gradient", "backward: weight gradient"} <= categories
     names = {e["name"] for e in drawn if e["tid"] == 1}
     assert {"Bi0", "W0"} <= names and "B0" not in names
-    assert trace.COLORS["bwd_input"] != trace.COLORS["bwd_weight"]
+    assert trace.LABELS["bwd_input"][1] != trace.LABELS["bwd_weight"][1]
 
 
 def test_interleaved_names_each_actions_chunk():
