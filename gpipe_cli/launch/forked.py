@@ -76,6 +76,11 @@ def stop(server: bool = True) -> None:
         forks._stop()  # type: ignore[attr-defined]
 
 
+def running() -> bool:
+    """Whether a server has been started (and not stopped) for this process."""
+    return getattr(forkserver._forkserver, "_forkserver_pid", None) is not None
+
+
 def processes() -> dict[int, tuple[int, int]]:
     """pid -> (parent pid, session id) of every process (none where there is no /proc)."""
     found = {}

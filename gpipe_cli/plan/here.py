@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe_cli.estimate.simulate import Link
+from gpipe_cli.launch import forked
 from gpipe_cli.sizing import usable_cores
 
 # The recipe's optimizer over some parameters (a picklable factory: it is built in each rank).
@@ -58,11 +59,35 @@ def _sigint_held() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
+_forking = False  # within `siblings`: children fork from one server that imported torch once
+
+
+@contextlib.contextmanager
+def siblings() -> Iterator[None]:
+    """Within the block, the processes started here fork from one server that imports torch once; ended after."""
+    global _forking
+    _forking = forked.available()
+    try:
+        yield
+    finally:
+        if _forking:
+            forked.stop()
+        _forking = False
+
+
+def _context() -> Any:
+    """Forked from the server (started at the first use) within `siblings`, else spawned: each imports torch."""
+    if not _forking:
+        return mp.get_context("spawn")
+    forked.prepare(fresh=False)
+    return mp.get_context(forked.START_METHOD)
+
+
 @contextlib.contextmanager
 def _children(target: Callable[..., None], args_of: Callable[[int], tuple[Any, ...]],
               count: int) -> Iterator[list[Any]]:
     """Run `count` children of `target` through the body; they are joined after it, or stopped at once on an error."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     procs: list[Any] = []
     try:
         with _sigint_held():
@@ -87,6 +112,9 @@ def _stop(procs: list[Any], wait: float) -> None:
 
 def _reported(target: Callable[..., None], out: Any, *args: Any) -> None:
     """Run `target(out, *args)` in a child; a failure goes to the parent as one line, never as a traceback."""
+    # Forked from the server, which ignores the job's signals: SIGTERM must end it (`_stop`); Ctrl-C stays the parent's.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     try:
         target(out, *args)
     except Exception as exc:  # the parent says what failed and plans on without it
@@ -118,7 +146,7 @@ def loaded(work: Callable[[], None], count: int, threads: int) -> Iterator[None]
     if count <= 0:
         yield
         return
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     stop, ready = ctx.Event(), ctx.Queue()
     with _children(_reported, lambda i: (_busy, ready, work, threads, stop), count) as procs:
         try:
@@ -167,7 +195,7 @@ def _ranked(out: Any, rank: int, world: int, store_path: str, threads: int, targ
 
 def _on_ranks(ranks: int, threads: int, what: str, target: Callable[..., Any], *args: Any) -> Any:
     """Run `target(rank, ranks, *args)` on `ranks` processes here, each with `threads` threads; rank 0's answer."""
-    out = mp.get_context("spawn").Queue()
+    out = _context().Queue()
     with tempfile.TemporaryDirectory(prefix="gpipe-ranks-") as tmp:
         store = os.path.join(tmp, "store")
         with _children(_reported, lambda i: (_ranked, out, i, ranks, store, threads, target, *args), ranks):
@@ -207,8 +235,10 @@ STEPS = 10  # measured engine steps per micro-batch count (after one warm-up)
 
 
 def start_seconds(ranks: int) -> float:
-    """About how long `ranks` processes take to start here: each imports torch, builds its part and joins."""
+    """About how long `ranks` processes take to start here: each imports torch (or forks), builds its part and joins."""
     cores = max(min(usable_cores(), ranks), 1)
+    if _forking:  # the server imports torch once, at the first start
+        return (1.0 if forked.running() else 4.0) + 0.5 * ranks / cores
     return 2.0 + 3.0 * ranks / cores
 
 

@@ -88,7 +88,10 @@ def run(options: PlanOptions) -> int:
     _not_the_recipe(options)
     try:
         with interrupts.remembered():
-            finish = _plan(options, recipe, (text, raw))
+            from gpipe_cli.plan.here import siblings  # torch
+
+            with siblings():  # the processes that measure beside this one fork from one server
+                finish = _plan(options, recipe, (text, raw))
             # A Ctrl-C that a library swallowed while it loaded (torch's import does) is remembered only:
             # without this, a plan that measures nothing would go on to write --output after it.
             interrupts.check()

@@ -4,11 +4,14 @@ import contextlib
 import functools
 import inspect
 import io
+import json
 import multiprocessing
+import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,6 +22,7 @@ import pytest
 import torch
 
 from gpipe_cli.cli import run
+from gpipe_cli.launch import forked
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.plan import calibrate, here, inputs
 from gpipe_cli.recipe.load import load_recipe
@@ -344,3 +348,25 @@ def test_the_steadiness_line_warns_only_when_the_machine_moved():
     assert steadiness(-0.05).endswith("took 5% less: steady while measuring")
     moved = steadiness(0.25)
     assert "took 25% longer: this machine's speed moved while measuring" in moved and "gpipe bench" in moved
+
+
+def _record_facts(path: str) -> None:
+    facts = {"parent": os.getppid(), "torch": "torch" in sys.modules,
+             "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+             "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN}
+    Path(path, str(os.getpid())).write_text(json.dumps(facts))
+
+
+@pytest.mark.skipif(not forked.available(), reason="no fork server on this platform")
+def test_within_siblings_children_fork_from_one_server_and_it_ends_with_the_block(tmp_path):
+    with here.siblings():
+        for name in ("first", "second"):
+            folder = tmp_path / name
+            folder.mkdir()
+            with here.loaded(functools.partial(_record_facts, str(folder)), 1, 1):
+                pass  # the sibling is stopped (SIGTERM) after the body: it computes until then
+        server = forked.running() and multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    facts = [json.loads(path.read_text()) for path in tmp_path.glob("*/*")]
+    assert len(facts) == 2 and all(f["parent"] == server for f in facts)  # one server, not one per `loaded`
+    assert all(f["torch"] and f["sigterm_default"] and f["sigint_ignored"] for f in facts)  # Ctrl-C is the plan's
+    assert not forked.running() and not Path(f"/proc/{server}").exists()
