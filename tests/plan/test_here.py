@@ -365,7 +365,7 @@ def test_within_siblings_children_fork_from_one_server_and_it_ends_with_the_bloc
             folder.mkdir()
             with here.loaded(functools.partial(_record_facts, str(folder)), 1, 1):
                 pass  # the sibling is stopped (SIGTERM) after the body: it computes until then
-        server = forked.running() and multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+        server = multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
     facts = [json.loads(path.read_text()) for path in tmp_path.glob("*/*")]
     assert len(facts) == 2 and all(f["parent"] == server for f in facts)  # one server, not one per `loaded`
     assert all(f["torch"] and f["sigterm_default"] and f["sigint_ignored"] for f in facts)  # Ctrl-C is the plan's
