@@ -62,10 +62,23 @@ def launch_options(nnodes: str | None = None, node_rank: int | None = None, rdzv
                          slurm=step)
 
 
-def _give_ranks(threads: int) -> None:
-    """Set the environment that this node's ranks start in: their intra-op threads."""
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ["GPIPE_THREADS"] = str(threads)
+_THREADS = ("OMP_NUM_THREADS", "GPIPE_THREADS")  # what the ranks' intra-op threads are read from
+
+
+@contextlib.contextmanager
+def _giving_ranks(threads: int) -> Iterator[None]:
+    """Within the block, the environment this node's ranks start in holds their intra-op threads; restored after."""
+    # Restored: a caller that goes on (a test, a command run in-process) would hand them to every process it starts.
+    before = {name: os.environ.get(name) for name in _THREADS}
+    os.environ.update(dict.fromkeys(_THREADS, str(threads)))
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 _warm: int | None = None  # the threads of the ranks that a server `warming` started is for
@@ -75,16 +88,18 @@ _warm: int | None = None  # the threads of the ranks that a server `warming` sta
 def warming(options: LaunchOptions, local: int) -> Iterator[None]:
     """Within the block the ranks' server imports torch while this process plans; launches in it fork from it."""
     global _warm
-    if forked.available() and not under_torchrun():
-        threads = threads_per_rank(options, local)
-        _give_ranks(threads)
+    if not forked.available() or under_torchrun():
+        yield
+        return
+    threads = threads_per_rank(options, local)
+    with _giving_ranks(threads):
         forked.prepare()
         _warm = threads
-    try:
-        yield
-    finally:
-        _warm = None
-        forked.stop()  # also where nothing was launched (bad input, Ctrl-C): it would import torch for nobody
+        try:
+            yield
+        finally:
+            _warm = None
+            forked.stop()  # also where nothing was launched (bad input, Ctrl-C): it would import torch for nobody
 
 
 def _free_port() -> int:
@@ -249,7 +264,6 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     config = _config(world, options, forked.START_METHOD if fork else "spawn")
     local = config.nproc_per_node  # type: ignore[attr-defined]
     threads = threads_per_rank(options, local)
-    _give_ranks(threads)
     warm = fork and _warm == threads  # a server started for ranks like these: it serves this launch, and the next
     for name in list(logging.root.manager.loggerDict):
         # The ranks report their own failures, and a stop is told in one line; the agent's log lines
@@ -260,11 +274,12 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     previous = interrupts.on_sigint(stops.forward_interrupt)
     previous_term = signal.getsignal(signal.SIGTERM)  # the agent installs its own and leaves it behind
     try:
-        if fork:
-            forked.prepare(fresh=not warm)
-            elastic_launch(config, forked.run)(module, list(args))  # type: ignore[arg-type]
-        else:
-            elastic_launch(config, sys.executable)("-u", "-m", module, *args)  # type: ignore[arg-type]
+        with _giving_ranks(threads):
+            if fork:
+                forked.prepare(fresh=not warm)
+                elastic_launch(config, forked.run)(module, list(args))  # type: ignore[arg-type]
+            else:
+                elastic_launch(config, sys.executable)("-u", "-m", module, *args)  # type: ignore[arg-type]
     except ChildFailedError as exc:
         if stops.quiet(exc.failures):
             return 128 + signal.SIGINT

@@ -89,13 +89,14 @@ def _server() -> int | None:
 
 def test_the_server_started_while_jobs_are_planned_forks_their_ranks_and_ends_with_the_block(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    for name in ("OMP_NUM_THREADS", "GPIPE_THREADS"):  # `warming` sets them for the ranks, as the launch does
-        monkeypatch.setenv(name, os.environ.get(name, "1"))
+    threads = ("OMP_NUM_THREADS", "GPIPE_THREADS")
+    for name in threads:  # the caller's own: `warming` and a launch set them for the ranks, and restore them
+        monkeypatch.setenv(name, "7")
     monkeypatch.setenv("GPIPE_PROBE", "warm")
     runs = [tmp_path / "first", tmp_path / "second"]
     with launcher.warming(LaunchOptions(threads=1), 2):
         early = _server()
-        assert early is not None and os.environ["GPIPE_THREADS"] == "1"
+        assert early is not None and [os.environ[name] for name in threads] == ["1", "1"]
         for folder in runs:  # as bench runs K=1, then K ranks
             folder.mkdir()
             (folder / "go").touch()
@@ -116,4 +117,6 @@ def test_the_server_started_while_jobs_are_planned_forks_their_ranks_and_ends_wi
         (other / "go").touch()
         assert launch(PROBE, [str(other), "ok"], 2, LaunchOptions(threads=2)) == 0
         assert _server() is None  # the launch had a server of its own, started with its threads, and ended it
+        assert [os.environ[name] for name in threads] == ["1", "1"]
+    assert [os.environ[name] for name in threads] == ["7", "7"]
     assert {facts["parent"] for facts in _facts(other)}.isdisjoint({early, unused})
