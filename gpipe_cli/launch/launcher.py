@@ -93,9 +93,9 @@ def warming(options: LaunchOptions, local: int) -> Iterator[None]:
         return
     threads = threads_per_rank(options, local)
     with _giving_ranks(threads):
-        forked.prepare()
-        _warm = threads
         try:
+            forked.prepare()
+            _warm = threads
             yield
         finally:
             _warm = None
