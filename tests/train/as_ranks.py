@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +31,10 @@ class Ranks:
         return self.stdout + self.stderr
 
 
-def _train(args: list[str], env: dict[str, str], errors: str) -> int:
+def _train(args: list[str], env: dict[str, str], errors: str, before: Callable[[], None] | None) -> int:
     os.environ.update(env)
+    if before is not None:
+        before()
     # stdout goes to the rank's log (tests.multiproc); stderr apart, as the tests read them. The same file object
     # on fd 2: a second one would close the fd when either is collected.
     sys.stderr.flush()
@@ -44,10 +47,12 @@ def _train(args: list[str], env: dict[str, str], errors: str) -> int:
         return end.code if isinstance(end.code, int) else 1
 
 
-def gpipe_train(world: int, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0) -> Ranks:
+# `before`: a module-level function each rank calls first (a test's stand-in for part of the product).
+def gpipe_train(world: int, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0,
+                before: Callable[[], None] | None = None) -> Ranks:
     """`gpipe train *args --plain` on `world` ranks (the recipe's K x D) started as torchrun would; wait for all."""
     with tempfile.TemporaryDirectory() as errors:
-        outcomes = run_ranks(_train, world, list(args), env or {}, errors, timeout=timeout)
+        outcomes = run_ranks(_train, world, list(args), env or {}, errors, before, timeout=timeout)
         codes = [o.result if o.exitcode == 0 else o.exitcode for o in outcomes]
         err = "".join(p.read_text() for r in range(world) if (p := Path(errors, f"{r}.err")).exists())
         return Ranks(codes, "".join(o.output for o in outcomes), err)

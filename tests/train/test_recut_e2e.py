@@ -1,0 +1,74 @@
+"""The cut checked inside `gpipe train`: every rank takes rank 0's decision, and a recut run trains as any other cut."""
+
+import copy
+import functools
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.train.as_ranks import Ranks, gpipe_train
+from tests.train.recipes import TINY_TRANSLATION, write
+
+pytestmark = pytest.mark.slow
+
+LAYERS = 6  # TINY_TRANSLATION's pipeline layers: equal costs cut them [3, 3]
+
+
+def _scripted(computed: list[list[float]]) -> None:
+    """Make the check run on a tiny model, with equal layer costs and rank 0 reading `computed` from its trial steps."""
+    from gpipe_cli.train import cut, loop
+
+    real = cut.stage_compute
+    answers = iter(computed)
+
+    def stage_compute(*args, **kwargs):
+        measured = real(*args, **kwargs)  # the real trial steps, on every rank
+        return next(answers) if measured is not None else None
+
+    cut.MIN_STEP_SECONDS = 0.0
+    cut.stage_compute = stage_compute
+    loop.Trainer._measure = lambda self: ([1.0] * LAYERS, "measured time (scripted)")
+
+
+def _train(folder: Path, name: str, computed: list[list[float]] | None) -> tuple[Ranks, list[float]]:
+    recipe = copy.deepcopy(TINY_TRANSLATION)
+    recipe["eval"] = {"batches": 1}  # after the last step only
+    out = folder / name
+    ranks = gpipe_train(2, str(write(folder, recipe, f"{name}.yaml")), "--output-dir", str(out), "--threads", "1",
+                        before=functools.partial(_scripted, computed) if computed is not None else None)
+    assert ranks.code == 0, ranks.output[-3000:]
+    assert "Traceback" not in ranks.output
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return ranks, [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[float]:
+    ranks, losses = _train(tmp_path_factory.mktemp("plain"), "plain", None)
+    assert "untrained steps" not in ranks.stdout  # a tiny model's step is too short to be worth checking
+    return losses
+
+
+@pytest.mark.parametrize(("computed", "said", "cut"), [
+    ([[1.0, 1.05]], "the stages computed 1.00 s, 1.05 s a step, within 10% of each other: the cut stands",
+     "layers 0-2, stage 1 layers 3-5"),
+    ([[1.0, 3.0]], "the stages computed 1.00 s, 3.00 s a step; cut again",
+     "layers 0-3, stage 1 layers 4-5 (cut by measured time (scripted), corrected by the stages' compute)"),
+    # Refined by these figures no cut promises 5% less, so the one with a layer moved is timed in trial steps.
+    ([[1.0, 1.2], [1.1, 0.9]], "with the cut [4, 2] the stages computed 1.10 s, 0.90 s a step: it is kept",
+     "layers 0-3, stage 1 layers 4-5 (cut by measured time (scripted), checked by trial steps)"),
+    ([[1.0, 1.2], [1.5, 0.9]], "with the cut [4, 2] the stages computed 1.50 s, 0.90 s a step: the cut [3, 3] stands",
+     "layers 0-2, stage 1 layers 3-5"),
+], ids=["stands", "cut-again", "trial-kept", "trial-refused"])
+def test_every_outcome_of_the_check_trains_as_plain_training(tmp_path, reference, computed, said, cut):
+    ranks, losses = _train(tmp_path, "checked", computed)
+    out = ranks.stdout
+    assert "timing 3 untrained steps of the stages to check the cut" in out, out[-3000:]
+    assert said in out, out[-3000:]
+    changed = cut.startswith("layers 0-3")
+    assert out.count("stage 0 layers") == 1 + changed  # said again only when the cut changed
+    trained = out[out.rindex("stage 0 layers"):].splitlines()[0]
+    assert trained.startswith(f"stage 0 {cut}"), trained
+    # The trial steps leave nothing behind: fresh layers, the same data and random streams.
+    assert losses == pytest.approx(reference, rel=1e-4)
