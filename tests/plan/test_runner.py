@@ -44,6 +44,20 @@ def set_lines(out: str) -> list[str]:
     return [words[i + 1] for i, w in enumerate(words) if w == "--set"]
 
 
+def test_one_device_measures_the_engine_on_one_stage_in_this_process(tmp_path, capsys):
+    recipe = write(tmp_path, TINY)
+    assert run(["plan", str(recipe), "--devices", "1", "--timing", "measure", "--plain"]) == 0
+    out = capsys.readouterr().out
+    assert "measuring the engine's own cost per layer call and per step (one stage, this process)" in out
+    timing = next(line for line in out.splitlines() if line.strip().startswith("per-layer seconds:"))
+    engine = re.search(r"the engine adds ([0-9.]+) ms per layer call and ([0-9.]+) ms per step, its optimizer's "
+                       r"update included \(measured\)", timing)
+    assert engine is not None, timing
+    assert float(engine.group(1)) > 0 and float(engine.group(2)) >= 0
+    assert "on 1 replicas" not in timing and "as 1 stages" not in timing  # no ranks: no replicated or staged ratios
+    assert {"pipeline.partitions=1", "pipeline.data_parallel=1"} <= set(set_lines(out))
+
+
 def test_a_model_too_slow_to_time_keeps_the_links_measured_here(tmp_path, capsys, monkeypatch):
     from gpipe_cli.plan import inputs
     from gpipe_cli.sizing import usable_cores
