@@ -1,0 +1,60 @@
+"""A rank that loses its peer or its job's store ends by itself, in one line that says so."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from gpipe_cli.pipeline import failure
+from tests.multiproc import free_port
+
+STORE = """
+import sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, is_master=True, wait_for_workers=False)
+print("up", flush=True)
+time.sleep(120)
+"""
+
+
+def _python(code: str, *args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_a_rank_whose_job_store_is_gone_ends_saying_so():
+    port = str(free_port())
+    store = _python(STORE, port)
+    try:
+        assert store.stdout is not None and store.stdout.readline().strip() == "up"
+        rank = _python("""
+            import time
+            from gpipe_cli.pipeline import failure
+            watch = failure.AbortWatch("stage 1 (rank 1)")
+            print("watching", flush=True)
+            time.sleep(120)
+            """, env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "watching"
+    finally:
+        store.kill()  # the launcher (or rank 0, which held the store) is gone
+        store.wait()
+    _, err = rank.communicate(timeout=60)
+    assert rank.returncode == failure.EXIT_CODE
+    assert err.strip().splitlines()[-1] == "[gpipe] stage 1 (rank 1) stopped: lost contact with the job", err
+
+
+def test_a_rank_whose_peer_vanished_waits_for_the_launcher_then_names_the_cause_itself():
+    code = """
+        from gpipe_cli.pipeline import failure
+        failure.PEER_GRACE_S = 0.1  # no launcher here to end it meanwhile
+
+        def work():
+            raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4567")
+
+        failure.run_guarded(work, "stage 0 (rank 0)")
+        """
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == failure.EXIT_CODE
+    assert proc.stderr.strip().splitlines() == [
+        "[gpipe] stage 0 (rank 0) lost contact with another rank: RuntimeError: [../gloo/transport/tcp/pair.cc:534] "
+        "Connection closed by peer [127.0.0.1]:4567"], proc.stderr
