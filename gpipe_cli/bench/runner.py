@@ -90,7 +90,7 @@ def check_cut(options: BenchOptions, subject: Subject) -> None:
         flag = "devices" if options.simulate else "partitions"
         if options.virtual_stages > 1:
             flag += f"/--virtual-stages ({chunks} chunks)"
-        raise UserError(f"--{flag}/--balance: {exc} (the model has {layers} pipeline layers)") from None
+        raise UserError(f"--{flag}/--balance: {exc}") from None
 
 
 def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Progress,

@@ -18,13 +18,13 @@ def check_balance(balance: Sequence[int], num_layers: int, partitions: int | Non
     balance = list(balance)
     if partitions is not None and len(balance) != partitions:
         raise PartitionError(f"balance {balance} has {len(balance)} stages but {partitions} partitions "
-                             f"were asked for")
+                             f"were asked for (the model has {num_layers} layers)")
     if not balance:
         raise PartitionError("balance is empty: give the number of layers of each stage")
     bad = [b for b in balance if not isinstance(b, int) or b < 1]
     if bad:
         raise PartitionError(f"balance {balance} has a non-positive entry {bad[0]}: every stage needs at "
-                             f"least one layer")
+                             f"least one layer (the model has {num_layers} layers)")
     if sum(balance) != num_layers:
         raise PartitionError(f"balance {balance} sums to {sum(balance)} but the model has {num_layers} "
                              f"layers")

@@ -119,3 +119,16 @@ def test_the_names_checked_before_torch_loads_are_the_engines():
     from gpipe_cli.pipeline import schedule
 
     assert REMAT_MODES == schedule.REMAT_MODES and tuple(SCHEDULES) == tuple(schedule.SCHEDULES)
+
+
+@pytest.mark.parametrize("command", ["bench", "profile-memory"])
+@pytest.mark.parametrize(("balance", "message"), [
+    ("1,1", "balance [1, 1] sums to 2 but the model has 10 layers"),
+    ("5,4,1", "pipeline.balance has 3 entries but the pipeline has 2; give one layer count per stage"),
+])
+def test_a_balance_the_model_cannot_take_is_one_line_naming_its_layers_once(capsys, command, balance, message):
+    from gpipe_cli.cli import run
+
+    assert run([command, "--partitions", "2", "--balance", balance]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"error: {'--partitions/--balance: ' if balance == '1,1' else ''}{message}"], err
