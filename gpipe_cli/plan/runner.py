@@ -152,9 +152,14 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     def say(text: str) -> None:
         console.print(f"[dim]{text}[/]", highlight=False)
 
-    # The plan's estimate is its phases' (each known only once the one before has measured what it needs).
+    # The plan's estimate is its phases' (each known only once the one before has measured what it needs), after the
+    # time its first phase finds already spent (reading the data, sizing the model), which it need not guess.
     progress = Progress(say)
-    phase = functools.partial(progress.phase, add=True)
+
+    def phase(what: str, seconds: float) -> None:
+        if not progress.estimated:
+            progress.estimated = time.perf_counter() - started
+        progress.phase(what, seconds, add=True)
 
     device = "cuda" if recipe.train.device != "cpu" and torch.cuda.is_available() else "cpu"  # as training picks
     # Ranks of one node that compute at once on this machine's cores; GPUs do not share them.
