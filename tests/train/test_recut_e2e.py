@@ -1,4 +1,4 @@
-"""The cut checked inside `gpipe train`: every rank takes rank 0's decision, and a recut run trains as any other cut."""
+"""How `gpipe train` cuts: by memory, or by time and checked in trial steps; each cut trains as plain training."""
 
 import copy
 import functools
@@ -31,8 +31,10 @@ def _scripted(computed: list[list[float]]) -> None:
     loop.Trainer._measure = lambda self: ([1.0] * LAYERS, "measured time (scripted)")
 
 
-def _train(folder: Path, name: str, computed: list[list[float]] | None) -> tuple[Ranks, list[float]]:
+def _train(folder: Path, name: str, computed: list[list[float]] | None,
+           balance: str = "auto") -> tuple[Ranks, list[float]]:
     recipe = copy.deepcopy(TINY_TRANSLATION)
+    recipe["pipeline"]["balance"] = balance
     recipe["eval"] = {"batches": 1}  # after the last step only
     out = folder / name
     ranks = gpipe_train(2, str(write(folder, recipe, f"{name}.yaml")), "--output-dir", str(out), "--threads", "1",
@@ -71,4 +73,12 @@ def test_every_outcome_of_the_check_trains_as_plain_training(tmp_path, reference
     trained = out[out.rindex("stage 0 layers"):].splitlines()[0]
     assert trained.startswith(f"stage 0 {cut}"), trained
     # The trial steps leave nothing behind: fresh layers, the same data and random streams.
+    assert losses == pytest.approx(reference, rel=1e-4)
+
+
+def test_a_cut_balanced_by_measured_memory_trains_as_plain_training(tmp_path, reference):
+    ranks, losses = _train(tmp_path, "memory", None, balance="memory")
+    building = next(line for line in ranks.stdout.splitlines() if "building 2 stages" in line)
+    assert building.endswith("(cut by measured memory)"), building
+    assert "untrained steps" not in ranks.stdout  # only a cut by time is checked by time
     assert losses == pytest.approx(reference, rel=1e-4)
