@@ -48,9 +48,10 @@ class Progress:
     def phase(self, what: str, seconds: float, add: bool = False) -> None:
         """Say that `what` starts and about how long it takes (`add`: its estimate is part of the total)."""
         self.done()
-        if add:
-            self.estimated += seconds
-        self._say(phase_line(what, seconds * self.pace()))
+        said = seconds * self.pace()
+        if add:  # the total is what the lines said, so the last line compares with what was promised
+            self.estimated += said
+        self._say(phase_line(what, said))
         self._open = (self._clock(), seconds)
 
     def done(self) -> None:

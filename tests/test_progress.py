@@ -39,6 +39,17 @@ def test_later_phases_are_scaled_by_how_the_finished_ones_ran():
     assert progress.pace() == 8.0
 
 
+def test_a_phase_added_to_the_total_counts_as_its_line_said_it():
+    said, now = [], [0.0]
+    progress = Progress(said.append, clock_s=lambda: now[0])
+    progress.phase("links", 6.0, add=True)
+    now[0] = 9.0                              # half as long again as estimated
+    progress.phase("layers", 4.0, add=True)
+    now[0] = 15.0
+    assert said == ["links (about 6 s)...", "layers (about 6 s)..."]
+    assert progress.estimated == 12.0 and progress.took() == "took 15 s (estimated 12 s)"
+
+
 def test_the_run_eta_is_the_mean_steady_step_times_the_steps_left():
     # The first step builds caches: left out of the mean.
     assert run_eta([5.0, 1.0, 3.0], done=3, total=10) == pytest.approx(7 * 2.0)
