@@ -74,6 +74,15 @@ def test_every_send_meets_its_receive_in_order(name, stages, mbs, virtual):
     S.simulate(plans, lambda s, a: 1.0)  # raises on deadlock
 
 
+def test_the_simulator_names_where_a_deadlocked_schedule_waits():
+    # The checks above rely on it: lists whose stages wait on each other end in one error, never a hang.
+    stage0, stage1 = S.build_all("gpipe", 2, 1, "never")
+    assert text(stage0) == "F0 sf0 rb0 B0"
+    waits_first = [stage0[2], *stage0[:2], stage0[3]]  # the gradient awaited before the forward is sent
+    with pytest.raises(RuntimeError, match=r"^schedule deadlocks: stages wait at \{0: 'rb0', 1: 'rf0'\}$"):
+        S.simulate([waits_first, stage1], lambda s, a: 1.0)
+
+
 @pytest.mark.parametrize("stages,mbs", [(2, 1), (2, 4), (2, 32), (4, 4), (4, 32), (8, 1), (8, 32)])
 def test_simulated_gpipe_bubble_is_theory_for_equal_costs(stages, mbs):
     plans = S.build_all("gpipe", stages, mbs, "never")
