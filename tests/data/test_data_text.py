@@ -47,6 +47,28 @@ def test_jsonl_nested_translation_and_split_files(tmp_path: Path) -> None:
     assert refs == [t for _, t in p[40:]]
 
 
+def test_an_eval_split_named_in_the_recipe_picks_the_files_with_that_name(tmp_path: Path) -> None:
+    p = pairs(50)
+    corpus = tmp_path / "corpus"
+    write_jsonl(corpus / "train.jsonl", [{"en": s, "de": t} for s, t in p[:30]])
+    write_jsonl(corpus / "valid.jsonl", [{"en": s, "de": t} for s, t in p[30:40]])  # the default would take it
+    write_jsonl(corpus / "heldout.jsonl", [{"en": s, "de": t} for s, t in p[40:]])
+    d = data(source="jsonl", path=str(corpus), source_field="en", target_field="de", eval_split="heldout")
+    ds = _translation(d, tmp_path)
+    assert ds.eval_size == 10 and [r for b in ds.eval_batches() for r in b.references] == [t for _, t in p[40:]]
+    assert ds.train_size == 30  # the files named as data.train_split: valid.jsonl is neither split
+    with pytest.raises(DataError, match=f"^no file under '{corpus}' has data.eval_split 'test' in its name$"):
+        _translation(d.model_copy(update={"eval_split": "test"}), tmp_path)
+
+
+def test_a_folder_whose_every_file_is_held_out_has_no_training_data(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    write_jsonl(corpus / "dev.jsonl", [{"en": s, "de": t} for s, t in pairs(10)])
+    d = data(source="jsonl", path=str(corpus), source_field="en", target_field="de", eval_split="dev")
+    with pytest.raises(DataError, match=r"^no training files under '.*corpus' \(every file looks like an eval split"):
+        _translation(d, tmp_path)
+
+
 def test_jsonl_wrong_language_names_the_choice(tmp_path: Path) -> None:
     f = write_jsonl(tmp_path / "t.jsonl", [{"translation": {"en": "one", "fr": "un"}}])
     with pytest.raises(DataError, match="languages en, fr"):
