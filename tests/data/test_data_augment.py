@@ -61,6 +61,15 @@ def test_resized_crop_params_stay_inside() -> None:
         assert top >= 0 and top + ch <= h and left >= 0 and left + cw <= w and ch > 0 and cw > 0
 
 
+@pytest.mark.parametrize(("h", "w", "scale", "crop"), [
+    (10, 1000, (0.08, 1.0), (0, 493, 10, 13)),   # too wide for any crop of the allowed aspects: the widest, centred
+    (1000, 10, (0.08, 1.0), (493, 0, 13, 10)),   # too tall: the tallest, centred
+    (20, 20, (2.0, 2.0), (0, 0, 20, 20)),        # no crop of that area fits: the whole image
+])
+def test_a_crop_no_random_draw_fits_falls_back_to_the_centre_as_torchvision_does(h, w, scale, crop) -> None:
+    assert resized_crop_params(h, w, np.random.default_rng(0), scale) == crop
+
+
 def test_eval_transform_of_large_images_centre_crops() -> None:
     tf = ImageTransform(32, backend="torch")
     out = tf(torch.rand(3, 80, 120))
