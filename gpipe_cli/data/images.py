@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,9 @@ class DatasetImages:
         try:
             return pil_to_tensor(self.dataset[row][self.column])
         except Exception as e:
-            raise DataError(f"cannot decode image {row} of column '{self.column}': {first_line(e)}") from None
+            # PIL names the buffer it read ("<_io.BytesIO object at 0x...>"): an address, nothing a user can act on.
+            why = re.sub(r" <[\w.]+ object at 0x[0-9a-f]+>", "", first_line(e))
+            raise DataError(f"cannot decode image {row} of column '{self.column}': {why}") from None
 
 
 class ImageExamples(Examples):
@@ -85,9 +88,13 @@ def _as_images(ds: Any, data: Data, where: str) -> tuple[Any, str, np.ndarray, i
         except Exception as e:
             raise DataError(f"column '{col}' of {where} does not hold images: {first_line(e)}") from None
     try:
-        labels = np.asarray(ds.with_format("numpy", columns=[lab])[lab], dtype=np.int64)
+        raw = np.asarray(ds.with_format("numpy", columns=[lab])[lab])
+        labels = raw.astype(np.int64)
     except Exception as e:
         raise DataError(f"column '{lab}' of {where} does not hold integer labels: {first_line(e)}") from None
+    if raw.dtype.kind == "f" and not np.array_equal(labels, raw):  # a cast would make label 0.5 class 0
+        row = int(np.flatnonzero(labels != raw)[0])
+        raise DataError(f"column '{lab}' of {where} does not hold integer labels: {raw[row]:g} in row {row}")
     feature = ds.features[lab]
     classes = len(feature.names) if isinstance(feature, datasets.ClassLabel) else None
     return ds, col, labels, classes

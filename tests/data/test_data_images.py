@@ -91,3 +91,18 @@ def test_parquet_missing_column_names_the_field(tmp_path: Path, cache_dir: Path)
     pq.write_table(pa.table({"pixels": [png_bytes(COLOURS[0])], "label": [0]}), f)
     with pytest.raises(DataError, match="image_field"):
         _build(data(source="parquet", path=str(f)), cache_dir)
+
+
+def test_labels_must_be_whole_numbers(tmp_path: Path, cache_dir: Path) -> None:
+    imgs = pa.array([png_bytes(COLOURS[i % 3], 20, seed=i) for i in range(6)])
+    whole, halves = tmp_path / "whole.parquet", tmp_path / "halves.parquet"
+    pq.write_table(pa.table({"img": imgs, "y": [0.0, 1.0, 2.0, 0.0, 1.0, 2.0]}), whole)
+    pq.write_table(pa.table({"img": imgs, "y": [0.0, 1.0, 2.0, 0.5, 1.0, 2.0]}), halves)
+    ds = _build(data(source="parquet", path=str(whole), image_field="img", label_field="y", batch_size=2,
+                     eval_fraction=0.0), cache_dir, num_classes=3)
+    assert sorted(int(y) for b in ds.train_batches() for y in b.targets) == [0, 0, 1, 1, 2, 2]
+    # Cast, 0.5 would have become class 0 without a word.
+    refused = r"^column 'y' of '.*halves.parquet' does not hold integer labels: 0.5 in row 3$"
+    with pytest.raises(DataError, match=refused):
+        _build(data(source="parquet", path=str(halves), image_field="img", label_field="y", batch_size=2),
+               cache_dir, num_classes=3)
