@@ -265,7 +265,7 @@ def predict(
                                               "one per line of stdin)."),
     max_tokens: int | None = typer.Option(None, help="Tokens to generate after a language model's prompt "
                                           "[default: 50]."),
-    top: int = typer.Option(1, help="Classes to print per image, most likely first."),
+    top: int | None = typer.Option(None, help="Classes to print per image, most likely first [default: 1]."),
 ) -> int:
     """Use an exported model without the pipeline: translate, continue a prompt or classify images."""
     from gpipe_cli.predict import predict as run_predict

@@ -10,7 +10,7 @@ DEFAULT_MAX_TOKENS = 50
 _KINDS = {"translation": "a translation model", "lm": "a language model", "image": "an image classifier"}
 
 
-def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None = None, top: int = 1) -> int:
+def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None = None, top: int | None = None) -> int:
     """Print one line per input (None: stdin's) of the export at `path`: translation, continuation or top classes."""
     from gpipe_cli.predict import tasks
 
@@ -18,6 +18,8 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
     task = exported.spec.task
     if max_tokens is not None and task != "lm":
         raise UserError(f"--max-tokens continues a language model's prompt; {path} is {_KINDS[task]}")
+    if top is not None and task != "image":
+        raise UserError(f"--top ranks an image classifier's classes; {path} is {_KINDS[task]}")
     if max_tokens is not None and max_tokens < 1:
         raise UserError(f"--max-tokens: {max_tokens} is not a positive number of tokens")
     if task == "image":
@@ -32,7 +34,7 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
     elif task == "lm":
         answer = tasks.generator(exported, model, max_tokens or DEFAULT_MAX_TOKENS)
     else:
-        answer = tasks.classifier(exported, model, top)
+        answer = tasks.classifier(exported, model, 1 if top is None else top)
     if inputs is None and sys.stdin.isatty():
         print(f"[gpipe] {_KINDS[task]}: reading inputs from stdin, one per line (Ctrl-D ends)", file=sys.stderr)
     for item in inputs if inputs is not None else (line.rstrip("\r\n") for line in sys.stdin):

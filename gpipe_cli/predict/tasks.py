@@ -111,6 +111,12 @@ def _text(text: str, kind: str) -> str:
     if text.lower().endswith(IMAGE_EXTS) and os.path.isfile(text):
         raise UserError(f"{shown(text)} is an image file, but this is a {kind} model: give it sentences, "
                         "as arguments or one per line on stdin")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # bytes that are not UTF-8 reach Python as lone surrogates (PEP 383)
+        byte = ord(text[exc.start]) & 0xFF
+        raise UserError(f"an input is not UTF-8 text (byte 0x{byte:02x} at character {exc.start + 1}); give "
+                        "sentences in UTF-8") from None
     return text
 
 

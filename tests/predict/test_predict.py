@@ -58,6 +58,15 @@ def test_without_inputs_it_reads_the_lines_of_stdin(exports, monkeypatch, capsys
     assert capsys.readouterr().out.count("\n") == 4
 
 
+def test_a_stdin_line_that_is_not_utf8_stops_in_one_line_after_the_lines_before_it(exports, monkeypatch, capsys):
+    stdin = io.TextIOWrapper(io.BytesIO(b"one two\n\xff three\n"), encoding="utf-8", errors="surrogateescape")
+    monkeypatch.setattr("sys.stdin", stdin)
+    code = run(["predict", str(exports["lm"])])
+    captured = capsys.readouterr()
+    assert captured.out.count("\n") == 1  # the first line's answer
+    assert "an input is not UTF-8 text (byte 0xff at character 1)" in one_error_line(code, captured.err, "")
+
+
 def not_an_export(folder: Path) -> Path:
     path = folder / "plain.safetensors"
     save_file({}, str(path), metadata={"format": "pt"})
@@ -92,9 +101,13 @@ def text_file(folder: Path) -> Path:
     (lambda tmp, exports: exports["image"], ["PICTURE", "--top", "4"], "--top: 4 is not between 1 and the model's 3"),
     (lambda tmp, exports: exports["translation"], ["x", "--max-tokens", "3"], "--max-tokens continues a language"),
     (lambda tmp, exports: exports["lm"], ["x", "--max-tokens", "0"], "--max-tokens: 0 is not a positive number"),
+    (lambda tmp, exports: exports["lm"], ["x", "--top", "2"], "--top ranks an image classifier's classes; "),
+    # Bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer cannot take (a traceback).
+    (lambda tmp, exports: exports["translation"], ["caf\udce9"], "an input is not UTF-8 text (byte 0xe9 at "
+                                                                  "character 4)"),
 ], ids=["missing", "directory", "text file", "plain safetensors", "damaged", "no tokenizer", "image to lm",
         "image to translation", "text to image model", "non-image file", "top", "max-tokens of translation",
-        "max-tokens 0"])
+        "max-tokens 0", "top of a text model", "not UTF-8"])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, exports, picture, capsys, model, args, fragment):
     args = [str(picture) if a == "PICTURE" else a for a in args]
     code = run(["predict", str(model(tmp_path, exports)), *args])
