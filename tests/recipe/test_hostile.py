@@ -221,6 +221,8 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "set self alias": (GOOD, ["--set", "pipeline.balance=&a [*a]"], "an alias refers to itself"),
     "set duplicate keys": (GOOD, ["--set", "train={steps: 1, steps: 2}"], "duplicate key 'steps'"),
     "set laughs": (GOOD, ["--set", "model.x=" + "[" * 70 + "]" * 70], "levels deep"),
+    # bytes that are not UTF-8, as Python hands them over (PEP 383): the recipe file's rule, on the command line
+    "set not utf-8": (GOOD, ["--set", "name=caf\udce9"], "not UTF-8 text (byte 0xe9 at character 9)"),
     # arguments
     "threads zero": (GOOD, ["--threads", "0"], "--threads: must be >= 1"),
     "threads negative": (GOOD, ["--threads", "-3"], "--threads"),
