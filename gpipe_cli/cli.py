@@ -292,8 +292,8 @@ def prepare_data(
 @app.command("report")
 def report_runs(
     runs: list[str] = typer.Argument(..., help="Run directories (each with metrics.jsonl)."),
-    output: str | None = typer.Option(None, metavar="FILE", help="The PNG to write (default: RUN_DIR/report.png "
-                                      "for one run, report.png here for several)."),
+    output: str | None = typer.Option(None, metavar="FILE", help="The page to write: .png, .pdf or .svg (default: "
+                                      "RUN_DIR/report.png for one run, report.png here for several)."),
 ) -> int:
     """Compare runs: a table of their figures here and a one-page PNG of curves (several runs overlaid)."""
     from gpipe_cli.report import report

@@ -31,17 +31,21 @@ def figure(plt: Any, width_px: int, height_px: int, rows: int, cols: int, title:
     return fig, axes
 
 
+FORMATS = ("png", "pdf", "svg")  # what a figure can be written as, named by the file's suffix
+
+
 def save(plt: Any, fig: Any, path: Path) -> Path:
-    """Write the figure as a PNG at its own pixel size (no tight bounding box, which would change it)."""
+    """Write the figure at its own pixel size (no tight bounding box, which would change it), as its suffix says."""
     fig.tight_layout()
-    write_png(plt, fig, path, DPI)
+    write(plt, fig, path, DPI)
     return path
 
 
-def write_png(plt: Any, fig: Any, path: Path, dpi: int) -> None:
-    """Write the figure as a PNG, whole or not at all, and release it."""
+def write(plt: Any, fig: Any, path: Path, dpi: int) -> None:
+    """Write the figure as its suffix says (PNG, PDF or SVG; PNG without one), whole or not at all, and release it."""
+    kind = path.suffix.lower().lstrip(".")
     try:
-        atomic_write(path, lambda f: fig.savefig(f, dpi=dpi, format="png"))
+        atomic_write(path, lambda f: fig.savefig(f, dpi=dpi, format=kind if kind in FORMATS else "png"))
     finally:
         plt.close(fig)
 

@@ -85,7 +85,7 @@ def write_gantt(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> 
                (Kind.RECV_FWD, "wait for a message"), (Kind.SEND_FWD, "send"))]
     fig.legend(handles=legend, fontsize=7, loc="lower center", ncol=4, frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
-    plots.write_png(plt, fig, path, 150)
+    plots.write(plt, fig, path, 150)
     return True
 
 

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from gpipe_cli import plots
 from gpipe_cli.console import output_console
-from gpipe_cli.errors import UserError
+from gpipe_cli.errors import UserError, shown
 from gpipe_cli.files import check_output
 from gpipe_cli.records import PARTS
 from gpipe_cli.report import page
@@ -99,15 +99,18 @@ def _console(tables: list[Table]) -> Console:
 
 
 def report(paths: list[Path], output: Path | None = None) -> int:
-    """Print the tables of the runs and write the PNG page; 1 when matplotlib is missing (the tables are shown)."""
+    """Print the tables of the runs and write the page (PNG, PDF or SVG); 1 without matplotlib (tables still shown)."""
     runs = read_runs(paths)
     check_output(output, "--output", "report.png")  # a mistake in the argument: one line, before anything is shown
+    if output is not None and output.suffix.lower().lstrip(".") not in plots.FORMATS:
+        raise UserError(f"--output: the page is written as PNG, PDF or SVG: name a file ending in .png, .pdf or .svg "
+                        f"(got {shown(str(output))})")
     tables = [table for table in (summary_table(runs), resume_table(runs), stage_table(runs)) if table is not None]
     console = _console(tables)
     for table in tables:
         console.print(table)
     if plots.pyplot() is None:
-        print(f"gpipe report: {plots.MISSING}; no PNG written", file=sys.stderr)
+        print(f"gpipe report: {plots.MISSING}; no page written", file=sys.stderr)
         return 1
     # The default place may be in a read-only run: the tables are shown, and the line says what to do.
     flag, hint = ("--output", "") if output is not None else ("", ELSEWHERE)

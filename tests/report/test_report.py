@@ -61,6 +61,13 @@ def test_two_runs_make_one_page_of_the_expected_size_with_a_legend_entry_each(tm
     assert "K=2 M=4 1f1b" in shown and "K=4 M=4 1f1b" in shown and str(out) in shown
 
 
+@pytest.mark.parametrize(("name", "starts"), [("page.pdf", b"%PDF-"), ("page.svg", b"<?xml"), ("PAGE.PNG", b"\x89PNG")])
+def test_the_page_is_written_in_the_format_its_name_says(tmp_path, name, starts):
+    out = tmp_path / name
+    assert cli(["report", str(make_run(tmp_path / "a", 2)), "--output", str(out)]) == 0
+    assert out.read_bytes().startswith(starts)  # a .pdf or .svg name held PNG bytes
+
+
 def test_runs_with_the_same_pipeline_are_told_apart_by_folder(tmp_path):
     runs = read_runs([make_run(tmp_path / "one", 2), make_run(tmp_path / "two", 2)])
     assert [r.label for r in runs] == ["K=2 M=4 1f1b (one)", "K=2 M=4 1f1b (two)"]

@@ -147,3 +147,14 @@ def test_piped_tables_cut_no_number(tmp_path, capsys):
     first = json.loads((runs[0] / "metrics.jsonl").read_text().splitlines()[-2])
     for text in (f"{first['loss']:.4f}", "samples/s", "bubble", "memory peak", f"K=2 M=4 1f1b ({runs[1].name})"):
         assert text in out
+
+
+@pytest.mark.parametrize("name", ["page.txt", "page"])
+def test_an_output_of_another_format_is_refused_before_the_tables(tmp_path, capsys, name):
+    run = make_run(tmp_path / "run", 2)
+    before = files(tmp_path)
+    assert cli(["report", str(run), "--output", str(tmp_path / name)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and one_line(captured.err)
+    assert "--output: the page is written as PNG, PDF or SVG: name a file ending in .png, .pdf or .svg" in captured.err
+    assert files(tmp_path) == before
