@@ -12,6 +12,7 @@ from typing import Any
 
 from gpipe_cli.data.sources import eval_split_name, first_line, load_hub, pick_splits
 from gpipe_cli.errors import DataError
+from gpipe_cli.launch.preflight import check_writable
 from gpipe_cli.progress import note
 from gpipe_cli.recipe.schema import Data
 
@@ -74,6 +75,7 @@ def prepare_data(data: Data, output: Path, cache_dir: Path | None = None,
         raise DataError("prepare-data saves a Hugging Face hub dataset, and the recipe has no data.name; "
                         "set data.name (and data.config)")
     output = _new_folder(output)  # before a long download
+    check_writable(output, "--output")
     say(f"downloading {data.name}{f' ({data.config})' if data.config else ''} from the Hugging Face hub "
         f"(or reading it from the local cache)")
     splits = load_hub(data.name, data.config, cache_dir, "parquet")

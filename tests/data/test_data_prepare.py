@@ -90,6 +90,20 @@ def test_prepare_without_a_hub_name_says_so(tmp_path: Path) -> None:
         prepare_data(data(source="synthetic"), tmp_path / "out")
 
 
+def test_an_output_that_cannot_be_written_is_refused_before_the_download(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpipe_cli.data import prepare as prepare_mod
+    from gpipe_cli.errors import UserError
+
+    def no_download(*args: object) -> None:
+        raise AssertionError("downloaded before the output was checked")
+
+    monkeypatch.setattr(prepare_mod, "load_hub", no_download)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match=r"^--output: .* exists and is not a directory$"):
+        prepare_data(data(source="hub", name="x"), tmp_path / "file" / "out")
+
+
 def test_the_prepare_data_command_saves_what_the_printed_set_reads(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
