@@ -39,6 +39,15 @@ def cut(text: str, limit: int = SHOWN_CHARS) -> str:
     return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
+def not_utf8(text: str) -> str | None:
+    """Where `text` stops being UTF-8, e.g. "byte 0xff at character 3" (None: it is UTF-8 throughout)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # bytes that are not UTF-8 reach Python as lone surrogates (PEP 383)
+        return f"byte 0x{ord(text[exc.start]) & 0xFF:02x} at character {exc.start + 1}"
+    return None
+
+
 def one_line(message: str) -> str:
     """A message as one line of readable length (newlines joined, the tail cut)."""
     return cut(" ".join(message.split()), LINE_CHARS)

@@ -12,7 +12,7 @@ from torch import nn
 from gpipe_cli.data.augment import IMAGE_EXTS, ImageTransform, pil_to_tensor
 from gpipe_cli.data.sources import first_line
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
-from gpipe_cli.errors import UserError, shown
+from gpipe_cli.errors import UserError, not_utf8, shown
 from gpipe_cli.models.transformer.decode import continue_text, translate, translation_limit
 from gpipe_cli.models.weights import Exported, parse
 
@@ -111,12 +111,9 @@ def _text(text: str, kind: str) -> str:
     if text.lower().endswith(IMAGE_EXTS) and os.path.isfile(text):
         raise UserError(f"{shown(text)} is an image file, but this is a {kind} model: give it sentences, "
                         "as arguments or one per line on stdin")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:  # bytes that are not UTF-8 reach Python as lone surrogates (PEP 383)
-        byte = ord(text[exc.start]) & 0xFF
-        raise UserError(f"an input is not UTF-8 text (byte 0x{byte:02x} at character {exc.start + 1}); give "
-                        "sentences in UTF-8") from None
+    where = not_utf8(text)
+    if where is not None:
+        raise UserError(f"an input is not UTF-8 text ({where}); give sentences in UTF-8")
     return text
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from gpipe_cli.errors import cut, shown
+from gpipe_cli.errors import cut, not_utf8, shown
 from gpipe_cli.limits import words
 from gpipe_cli.recipe.schema import DEFAULT_KIND, LOCAL_SOURCES, MODEL_SECTIONS, Recipe, bounds
 from gpipe_cli.recipe.yamlio import RecipeError, dump, parse_document, parse_value, read_recipe_file
@@ -61,12 +61,10 @@ def parse_yaml(text: str, label: str) -> dict[str, Any]:
 
 def parse_override(item: str) -> tuple[str, Any]:
     """One `--set KEY=VALUE` as (dotted key, value); VALUE is read as YAML, e.g. `[3, 3]`, `1e-3`, `null`."""
-    try:
-        item.encode("utf-8")
-    except UnicodeEncodeError as exc:  # bytes that are not UTF-8 reach Python as lone surrogates (PEP 383)
-        raise RecipeError(f"--set {shown(item)}: not UTF-8 text (byte 0x{ord(item[exc.start]) & 0xFF:02x} at "
-                          f"character {exc.start + 1}); a recipe is UTF-8 text, in a file or on the command line") \
-            from None
+    where = not_utf8(item)
+    if where is not None:
+        raise RecipeError(f"--set {shown(item)}: not UTF-8 text ({where}); a recipe is UTF-8 text, in a file or on "
+                          "the command line")
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
