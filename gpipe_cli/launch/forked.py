@@ -53,9 +53,18 @@ def prepare(fresh: bool = True) -> None:
     for signum, handler in handlers.items():
         if handler is not None:  # None: a handler not set from Python, which could not be put back
             signal.signal(signum, signal.SIG_IGN)
+    # It starts multiprocessing's resource tracker too, which the ranks share. A rank that fails ends with
+    # os._exit, leaving it the semaphores `datasets` makes; it cleans them up and warns, two lines of noise after
+    # the one that says what failed. Started with this filter, it keeps its other warnings.
+    warnings = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (warnings, "ignore:resource_tracker:UserWarning")))
     try:
         forkserver.ensure_running()  # starts one, unless it is running
     finally:
+        if warnings is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = warnings
         for signum, handler in handlers.items():
             if handler is not None:
                 signal.signal(signum, handler)

@@ -83,6 +83,28 @@ def test_an_unreachable_hub_dataset_is_one_line_and_writes_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_rank_that_fails_after_reading_parquet_says_one_line_and_no_more(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.data.datagen import pairs
+
+    folder = tmp_path / "pairs"
+    folder.mkdir()
+    pq.write_table(pa.table({"translation": [{"en": s, "de": t} for s, t in pairs(100)]}), folder / "train.parquet")
+    recipe = translation(2)
+    recipe["pipeline"]["partitions"] = 2
+    recipe["data"] = {"source": "parquet", "path": str(folder), "batch_size": 8}  # fields 'source', 'target'
+    proc = gpipe("train", str(write(tmp_path, recipe)), "--output-dir", str(tmp_path / "run"), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: '{folder}': no fields 'source' and 'target' (fields: en, de); set data.source_field "
+                      "and data.target_field"], proc.stderr[-3000:]
+    # The ranks end with os._exit, leaving `datasets`' semaphores to multiprocessing's resource tracker, which
+    # warned of them in two more lines.
+    assert "leaked semaphore" not in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+
+
 def test_the_tokenizer_is_stored_with_the_run_and_reused_on_resume(short_run, tmp_path):
     path, finished = short_run
     run = shutil.copytree(finished, tmp_path / "run")  # copy2 keeps the modification times
