@@ -97,10 +97,24 @@ def open_splits(data: Data, cache_dir: Path | None, local: str) -> tuple[Any, st
         return load_hub(data.name, data.config, cache_dir, local), f"dataset '{data.name}'"
     path = existing_path(data.path, "data.source 'parquet'")
     train, evl = split_files(path, (".parquet",), data.train_split, data.eval_split)
+    for file in [*train, *(evl or [])]:
+        _check_parquet(file)
     files = {data.train_split: [str(f) for f in train]}
     if evl:
         files[data.eval_split or "validation"] = [str(f) for f in evl]
     return load_builder("parquet", f"'{path}'", cache_dir, data_files=files), f"'{path}'"
+
+
+def _check_parquet(file: Path) -> None:
+    """Refuse, naming it, a parquet file that cannot be read or holds no rows (the loader's error names neither)."""
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_metadata(file).num_rows
+    except Exception as e:
+        raise DataError(f"'{file}' is not a parquet file ({first_line(e)})") from None
+    if rows == 0:
+        raise DataError(f"'{file}' holds no rows; remove it or give data.path a folder of parquet files with data")
 
 
 @contextlib.contextmanager

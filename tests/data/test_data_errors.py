@@ -56,7 +56,19 @@ def test_malformed_files(tmp_path: Path) -> None:
     _fails(data(source="text", path=str(binary)), "lm", "not UTF-8", tmp_path)
     pq = tmp_path / "bad.parquet"
     pq.write_bytes(b"PAR1 this is not parquet")
-    _fails(data(source="parquet", path=str(pq)), "image", "cannot read", tmp_path)
+    _fails(data(source="parquet", path=str(pq)), "image", r"^'.*bad.parquet' is not a parquet file \(", tmp_path)
+
+
+def test_a_parquet_file_without_rows_is_named(tmp_path: Path) -> None:
+    # The loader said "An error occurred while generating the dataset", naming neither the file nor the cause.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "pq"
+    folder.mkdir()
+    pq.write_table(pa.table({"text": ["a b c"] * 20}), folder / "train-0.parquet")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), folder / "train-1.parquet")
+    _fails(data(source="parquet", path=str(folder)), "lm", r"^'.*train-1.parquet' holds no rows; remove it", tmp_path)
 
 
 def test_corrupt_image_is_reported_when_decoded(imagefolder: Callable[..., Path], tmp_path: Path) -> None:
