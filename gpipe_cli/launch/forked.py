@@ -12,6 +12,7 @@ import signal
 import sys
 import tempfile
 import traceback
+from collections.abc import Iterator
 from multiprocessing import forkserver
 from typing import TextIO
 
@@ -56,19 +57,30 @@ def prepare(fresh: bool = True) -> None:
     # It starts multiprocessing's resource tracker too, which the ranks share. A rank that fails ends with
     # os._exit, leaving it the semaphores `datasets` makes; it cleans them up and warns, two lines of noise after
     # the one that says what failed. Started with this filter, it keeps its other warnings.
-    warnings = os.environ.get("PYTHONWARNINGS")
-    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (warnings, "ignore:resource_tracker:UserWarning")))
+    warnings = ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"), "ignore:resource_tracker:UserWarning")))
     try:
-        forkserver.ensure_running()  # starts one, unless it is running
+        with environment({"PYTHONWARNINGS": warnings}):
+            forkserver.ensure_running()  # starts one, unless it is running
     finally:
-        if warnings is None:
-            del os.environ["PYTHONWARNINGS"]
-        else:
-            os.environ["PYTHONWARNINGS"] = warnings
         for signum, handler in handlers.items():
             if handler is not None:
                 signal.signal(signum, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Within the block this process's environment holds `values`, which the processes it starts inherit; restored."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def stop(server: bool = True) -> None:

@@ -65,20 +65,10 @@ def launch_options(nnodes: str | None = None, node_rank: int | None = None, rdzv
 _THREADS = ("OMP_NUM_THREADS", "GPIPE_THREADS")  # what the ranks' intra-op threads are read from
 
 
-@contextlib.contextmanager
-def _giving_ranks(threads: int) -> Iterator[None]:
+def _giving_ranks(threads: int) -> contextlib.AbstractContextManager[None]:
     """Within the block, the environment this node's ranks start in holds their intra-op threads; restored after."""
     # Restored: a caller that goes on (a test, a command run in-process) would hand them to every process it starts.
-    before = {name: os.environ.get(name) for name in _THREADS}
-    os.environ.update(dict.fromkeys(_THREADS, str(threads)))
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return forked.environment(dict.fromkeys(_THREADS, str(threads)))
 
 
 _warm: int | None = None  # the threads of the ranks that a server `warming` started is for
