@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import os
 import sys
 import typing
 from collections.abc import Callable, Collection, Mapping
@@ -45,7 +46,7 @@ class _Commands(typer.core.TyperGroup):
         try:
             code = super().invoke(ctx)
         except UserError as exc:
-            print(f"error: {one_line(str(exc))}", file=sys.stderr)
+            _error(one_line(str(exc)))
             raise typer.Exit(exc.exit_code) from None
         raise typer.Exit(code if isinstance(code, int) else 0)
 
@@ -59,6 +60,14 @@ SET = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP)
 SIZE = "Model size (overrides)"
 MODES = "Sweep, compare, simulate"
 _launch = functools.partial(typer.Option, rich_help_panel="Nodes and ranks")  # train's options of where ranks run
+
+
+def _error(message: str) -> None:
+    """Print an error line; under torchrun only each node's first rank does, as its siblings hit the same one."""
+    # Errors reach here only before a rank joins its job (a rank's own failure ends it inside the job), from the
+    # arguments and recipe every rank reads alike: one line a node, not one a rank. The exit code stays.
+    if "WORLD_SIZE" not in os.environ or os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"error: {message}", file=sys.stderr)
 
 
 def _interruptible(command: str, callback: Callable[..., Any], started: list[str]) -> Callable[..., Any]:
@@ -317,7 +326,7 @@ def run(args: list[str]) -> int:
         named = f"gpipe {args[0]}" if args and args[0] in getattr(command, "commands", {}) else "gpipe"
         # Some of click's errors (an option missing its value) carry no context: the command typed names it.
         where = getattr(getattr(exc, "ctx", None), "command_path", None) or named
-        print(f"error: {one_line(exc.format_message())} (see '{where} --help')", file=sys.stderr)
+        _error(f"{one_line(exc.format_message())} (see '{where} --help')")
         return int(exc.exit_code)
     except typer.Abort:
         print("aborted", file=sys.stderr)

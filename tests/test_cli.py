@@ -102,6 +102,16 @@ def test_usage_errors_are_one_line(capsys):
     assert len(err.splitlines()) == 1 and "--threads" in err and "gpipe train --help" in err
 
 
+@pytest.mark.parametrize("local_rank, lines", [("0", 1), ("1", 0)])
+@pytest.mark.parametrize("args", [["train", "--set", "pipeline.microbatches=0"], ["train", "--threads", "many"]])
+def test_under_torchrun_each_node_says_an_error_once(monkeypatch, capsys, args, local_rank, lines):
+    # Every rank torchrun starts reads the same arguments and recipe, and fails alike before it joins the job.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert run(args) == 2
+    assert len(capsys.readouterr().err.splitlines()) == lines
+
+
 def _interrupted(*args, **kwargs):
     raise KeyboardInterrupt
 
