@@ -15,6 +15,7 @@ from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from gpipe_cli.errors import UserError, not_utf8, shown
 from gpipe_cli.models.transformer.decode import continue_text, translate, translation_limit
 from gpipe_cli.models.weights import Exported, parse
+from gpipe_cli.train.existing import EXPORTED
 
 Answer = Callable[[str], str]  # one input -> its line of output
 
@@ -28,8 +29,10 @@ def load_export(path: str) -> Exported:
     file = Path(path)
     if not path or not file.exists():
         raise UserError(f"no such model file: {shown(path)}; {_WRITE_ONE}")
-    if file.is_dir():
-        raise UserError(f"{shown(path)} is a directory; give the safetensors file gpipe export wrote")
+    if file.is_dir():  # a run directory: the file gpipe export writes there by default
+        if not (file / EXPORTED).is_file():
+            raise UserError(f"{shown(path)} is a directory without {EXPORTED}; {_WRITE_ONE}")
+        file = file / EXPORTED
     try:
         with safe_open(str(file), framework="pt") as f:
             metadata = f.metadata()

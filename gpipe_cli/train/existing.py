@@ -19,6 +19,7 @@ from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
 
 RECIPE = "recipe.yaml"
+EXPORTED = "model.safetensors"  # what gpipe export writes into the run directory by default
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 PREFIX = "step-"  # of a checkpoint folder: checkpoints/step-00000100

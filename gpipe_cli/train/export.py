@@ -18,7 +18,7 @@ from gpipe_cli.models import weights
 from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.recipe_model import model_spec
 from gpipe_cli.train import checkpoint
-from gpipe_cli.train.existing import RECIPE, run_dir_of
+from gpipe_cli.train.existing import EXPORTED, RECIPE, run_dir_of
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
 
 _MODEL = "model."
@@ -53,7 +53,7 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     tensors = {key[len(_MODEL):]: value.contiguous() for key, value in state.items()}
     run_dir = run_dir_of(str(found.path))
     tensors, metadata = _described(tensors, run_dir, found.step, dtype)
-    target = Path(output) if output else run_dir / "model.safetensors"
+    target = Path(output) if output else run_dir / EXPORTED
     try:
         with atomic_path(target) as tmp:
             save_file(tensors, str(tmp), metadata=metadata)

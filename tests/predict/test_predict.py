@@ -52,6 +52,12 @@ def test_an_image_model_names_the_top_classes_of_each_file(exports, picture, cap
     assert path == str(picture) and classes.count("class ") == 2 and classes.count("%") == 2
 
 
+def test_a_run_directory_stands_for_the_model_gpipe_export_wrote_into_it(exports, tmp_path, capsys):
+    (tmp_path / "model.safetensors").write_bytes(exports["translation"].read_bytes())
+    assert run(["predict", str(tmp_path), "seven"]) == 0
+    assert capsys.readouterr().out.count("\n") == 1
+
+
 def test_without_inputs_it_reads_the_lines_of_stdin(exports, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO("one two\nthree\n\nfive\n"))
     assert run(["predict", str(exports["translation"])]) == 0
@@ -89,7 +95,7 @@ def text_file(folder: Path) -> Path:
 
 @pytest.mark.parametrize(("model", "args", "fragment"), [
     (lambda tmp, exports: tmp / "missing.safetensors", ["x"], "no such model file"),
-    (lambda tmp, exports: tmp, ["x"], "is a directory"),
+    (lambda tmp, exports: tmp, ["x"], "is a directory without model.safetensors; write one with: gpipe export"),
     (lambda tmp, exports: text_file(tmp), ["x"], "is not a safetensors file"),
     (lambda tmp, exports: not_an_export(tmp), ["x"], "is not a gpipe export: it has no gpipe model description"),
     (lambda tmp, exports: damaged(tmp), ["x"], "is not a gpipe export: its model description is damaged"),
