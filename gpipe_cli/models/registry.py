@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import re
 from collections.abc import Callable
@@ -133,5 +134,6 @@ def _check_params(kind: str, params: dict[str, Any]) -> None:
     allowed = allowed_params(kind)
     for key in params:
         if key not in allowed:
-            raise ValueError(f"unknown parameter {key!r} for model kind {kind!r}; "
-                             f"allowed: {', '.join(allowed)}")
+            near = difflib.get_close_matches(key, allowed, 1, 0.75)
+            raise ValueError(f"unknown parameter {key!r} for model kind {kind!r}"
+                             f"{f' (did you mean {near[0]}?)' if near else ''}; allowed: {', '.join(allowed)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import typing
 from collections.abc import Sequence
@@ -143,16 +144,43 @@ def _section_model(loc: Sequence[str | int], raw: dict[str, Any]) -> type[BaseMo
     for part in loc[:-1]:
         if model is None or not isinstance(part, str) or part not in model.model_fields:
             return None
-        if part == "model":
-            kind = raw.get("model", {}).get("kind", DEFAULT_KIND) if isinstance(raw.get("model"), dict) else None
-            model = MODEL_SECTIONS.get(str(kind))
-            continue
-        annotation = model.model_fields[part].annotation
-        # An optional section (`Profile | None`) is its model.
-        members = [a for a in (typing.get_args(annotation) or (annotation,)) if a is not type(None)]
-        first = members[0] if len(members) == 1 else None
-        model = first if isinstance(first, type) and issubclass(first, BaseModel) else None
+        model = _subsection(model, part, raw)
     return model
+
+
+def _subsection(model: type[BaseModel], part: str, raw: dict[str, Any]) -> type[BaseModel] | None:
+    """The schema class of `model`'s field `part` when it is a section (the model's by its kind), else None."""
+    if model is Recipe and part == "model":
+        kind = raw.get("model", {}).get("kind", DEFAULT_KIND) if isinstance(raw.get("model"), dict) else None
+        return MODEL_SECTIONS.get(str(kind))
+    annotation = model.model_fields[part].annotation
+    # An optional section (`Profile | None`) is its model.
+    members = [a for a in (typing.get_args(annotation) or (annotation,)) if a is not type(None)]
+    first = members[0] if len(members) == 1 else None
+    return first if isinstance(first, type) and issubclass(first, BaseModel) else None
+
+
+def _keys(raw: dict[str, Any], model: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
+    """Every key the schema allows, dotted (the model section's for the recipe's kind)."""
+    out = []
+    for name in model.model_fields:
+        sub = _subsection(model, name, raw)
+        out += _keys(raw, sub, f"{prefix}{name}.") if sub is not None else [prefix + name]
+    return out
+
+
+def _nearest(loc: Sequence[str | int], section: type[BaseModel] | None, raw: dict[str, Any]) -> str:
+    """` (did you mean KEY?)` for an unknown key: a near spelling here, or the key as another section holds it."""
+    name, prefix = str(loc[-1]), "".join(f"{p}." for p in loc[:-1])
+    here = difflib.get_close_matches(name, list(section.model_fields) if section else [], 1, 0.75)
+    # `train.lr` is optimizer.lr; `train.checkpoint_every` is checkpoint.every.
+    elsewhere = [k for k in _keys(raw) if k.endswith("." + name) or k == name.replace("_", ".", 1)]
+    if here or len(elsewhere) == 1:
+        return f" (did you mean {prefix + here[0] if here else elsewhere[0]}?)"
+    kinds = [kind for kind, model in MODEL_SECTIONS.items() if name in model.model_fields]
+    if list(loc[:-1]) == ["model"] and kinds:  # model.filters in a Transformer recipe
+        return f" (a key of model.kind {' or '.join(kinds)})"
+    return ""
 
 
 def _path(loc: Sequence[str | int]) -> list[str | int]:
@@ -200,7 +228,7 @@ def _describe(error: dict[str, Any], raw: dict[str, Any]) -> str:
     if kind == "extra_forbidden":
         section = _section_model(loc, raw)
         allowed = ", ".join(section.model_fields) if section else "see the recipe reference"
-        return f"{key}: unknown key; allowed keys here: {allowed}"
+        return f"{key}: unknown key{_nearest(loc, section, raw)}; allowed keys here: {allowed}"
     if kind == "missing" and len(loc) > 1 and isinstance(loc[-1], int):  # a list too short for its tuple
         section = _section_model(loc[:-1], raw)
         info = section.model_fields.get(str(loc[-2])) if section else None

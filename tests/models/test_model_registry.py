@@ -64,6 +64,8 @@ def test_defaults_build() -> None:
 @pytest.mark.parametrize(("call", "message"), [
     (lambda: build_model("resnet"), "unknown model kind 'resnet'"),
     (lambda: build_model("amoebanet", depth=3), "unknown parameter 'depth'"),
+    (lambda: build_model("amoebanet", filter=3), r"unknown parameter 'filter' for model kind 'amoebanet' \(did you "
+                                                 r"mean filters\?\); allowed: "),
     (lambda: resolve_preset("amoebanet-x"), "unknown model preset 'amoebanet-x'"),
     (lambda: build_preset("transformer-big", heads=0), "heads"),
     (lambda: resolve_preset("transformer-big", colour="red"), "unknown parameter 'colour'"),

@@ -47,7 +47,11 @@ def test_every_shipped_recipe_validates_and_plans(path):
     (["pipeline.checkpoint=sometimes"], "pipeline.checkpoint: must be 'always', 'except_last' or 'never'"),
     (["pipeline.offload=all"], "pipeline.offload: must be 'none' or 'activations' (got 'all')"),
     (["model.heads=abc"], "model.heads: must be an integer (got 'abc')"),
-    (["model.filters=8"], "model.filters: unknown key; allowed keys here: kind, preset, arch, layers"),
+    (["model.filters=8"], "model.filters: unknown key (a key of model.kind amoebanet); allowed keys here: kind, "
+                          "preset, arch, layers"),
+    (["pipeline.microbatch=4"], "pipeline.microbatch: unknown key (did you mean pipeline.microbatches?); allowed"),
+    (["train.lr=0.1"], "train.lr: unknown key (did you mean optimizer.lr?); allowed keys here: steps"),
+    (["train.checkpoint_every=5"], "train.checkpoint_every: unknown key (did you mean checkpoint.every?)"),
     (["colour=blue"], "colour: unknown key; allowed keys here: name, seed, model"),
     (["model.kind=resnet"], "model.kind: must be 'amoebanet' or 'transformer' (got 'resnet')"),
     (["pipeline.microbatches=16"], "pipeline.microbatches (16) must be <= data.batch_size (8)"),
