@@ -41,7 +41,7 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), check_da
     raw = parse_yaml(default_recipe_text() if path is None else read_recipe_file(Path(path)), label)
     for item in overrides:
         apply_override(raw, item)
-    return validate(raw, label, check_data)
+    return validate(raw, label, check_data, Path(path).parent if path is not None else None)
 
 
 def recipe_yaml(recipe: Recipe) -> str:
@@ -105,8 +105,8 @@ def _preset_section(model: dict[str, Any], label: str) -> dict[str, Any]:
     return {"kind": kind, "preset": model["preset"], **known, **explicit}
 
 
-def validate(raw: dict[str, Any], label: str, check_data: bool = True) -> Recipe:
-    """Validate a raw recipe mapping, raising one RecipeError line for the first problem."""
+def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: Path | None = None) -> Recipe:
+    """Validate a raw recipe mapping (read from `folder`), raising one RecipeError line for the first problem."""
     model = raw.get("model")
     if isinstance(model, dict) and model.get("preset"):
         # Resolving a preset needs the model zoo, which imports torch: check every other section
@@ -119,13 +119,22 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True) -> Recipe
     data = recipe.data
     # os.path.exists: False (not an exception) for names too long for the file system
     if data.source in LOCAL_SOURCES and data.path and not os.path.exists(data.path):
-        raise RecipeError(f"{label}: data.path: no such file or directory: {shown(data.path)}")
+        raise RecipeError(f"{label}: data.path: no such file or directory: {shown(data.path)}"
+                          f"{_beside(data.path, folder)}")
     if data.tokenizer and not os.path.exists(data.tokenizer):
-        raise RecipeError(f"{label}: data.tokenizer: no such sentencepiece model: {shown(data.tokenizer)}")
+        raise RecipeError(f"{label}: data.tokenizer: no such sentencepiece model: {shown(data.tokenizer)}"
+                          f"{_beside(data.tokenizer, folder)}")
     if data.tokenizer and os.path.isdir(data.tokenizer):
         raise RecipeError(f"{label}: data.tokenizer: {shown(data.tokenizer)} is a directory; give the "
                           "sentencepiece model file (.model) in it")
     return recipe
+
+
+def _beside(path: str, folder: Path | None) -> str:
+    """A hint for a relative path missing here that the recipe's folder holds (paths are read from here)."""
+    if folder is None or os.path.isabs(path) or folder.resolve() == Path.cwd() or not (folder / path).exists():
+        return ""
+    return f" (a relative path is read from the directory gpipe runs in; the recipe's folder holds {folder / path})"
 
 
 def _validated(raw: dict[str, Any], label: str) -> Recipe:

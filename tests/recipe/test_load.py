@@ -73,6 +73,21 @@ def test_errors_name_the_key_the_value_and_what_is_allowed(tmp_path, overrides, 
     assert message in text and "\n" not in text
 
 
+def test_a_relative_data_path_beside_the_recipe_but_not_here_says_where_paths_are_read_from(tmp_path, monkeypatch):
+    import yaml
+
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "pairs.jsonl").write_text('{"source": "one", "target": "un"}\n')
+    path = write(folder, yaml.safe_dump({**BASE, "data": {"source": "jsonl", "path": "pairs.jsonl"}}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError, match=r"data.path: no such file or directory: 'pairs.jsonl' \(a relative path "
+                                          r"is read from the directory gpipe runs in; the recipe's folder holds "):
+        load_recipe(path.relative_to(tmp_path))
+    monkeypatch.chdir(folder)
+    assert load_recipe(path.name).data.path == "pairs.jsonl"
+
+
 @pytest.mark.parametrize("text,message", [
     ("", "the recipe is empty"),
     ("# only a comment\n", "the recipe is empty"),
