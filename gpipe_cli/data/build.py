@@ -44,7 +44,8 @@ def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_
     if loader.steps_per_epoch() == 0:  # an epoch without a batch: training would never advance
         size = (f"data.tokens_per_batch ({data.tokens_per_batch})" if data.tokens_per_batch
                 else f"data.batch_size ({data.batch_size})")
-        raise DataError(f"the training split has {loader.train_size} examples, too few for one batch of "
+        examples = f"{loader.train_size} example{'s' if loader.train_size != 1 else ''}"
+        raise DataError(f"the training split has {examples}, too few for one batch of "
                         f"{size} with data.drop_last; lower the batch size or set data.drop_last: false")
     return loader
 

@@ -16,7 +16,7 @@ from gpipe_cli.data.pydoc import pydoc_documents
 from gpipe_cli.data.sources import existing_path, hold_out, open_splits, pick_splits, split_files
 from gpipe_cli.data.synthetic import lm_documents, translation_pairs
 from gpipe_cli.data.tokenizer import BOS, EOS, PAD, Tokenizer, load_or_train
-from gpipe_cli.errors import DataError
+from gpipe_cli.errors import DataError, shown
 from gpipe_cli.recipe.schema import Data
 
 TextTask = Literal["translation", "lm"]
@@ -283,8 +283,9 @@ def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_l
         rows, held = hold_out(len(train_recs), data.eval_fraction)
         train_recs, eval_recs = [train_recs[i] for i in rows], [train_recs[i] for i in held]
     where = f"the '{data.train_split}' split" if data.source != "synthetic" else "the synthetic data"
+    where += f" of data.source '{data.source}'" + (f" ({shown(data.path, 200)})" if data.path else "")
     if not any((r[0].strip() and r[1].strip()) if task == "translation" else r.strip() for r in train_recs):
-        raise DataError(f"{where} of data.source '{data.source}' has no text")
+        raise DataError(f"{where} has no text")
     tok = load_or_train(path=data.tokenizer, run_dir=run_dir, vocab_size=data.vocab_size or vocab_size,
                         model_vocab_size=vocab_size,  # the corpus, read only when a tokenizer is trained:
                         texts=lambda: (text for r in train_recs for text in (r if task == "translation" else (r,))))
@@ -296,6 +297,6 @@ def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_l
         return train, evl, tok
     lm_train = LMExamples.build(train_recs, tok, seq_len)
     if len(lm_train) == 0:
-        raise DataError(f"{where} of data.source '{data.source}' has too little text for one sequence")
+        raise DataError(f"{where} has too little text for one sequence")
     return lm_train, (LMExamples.build(eval_recs, tok, seq_len) if eval_recs else None), tok
 

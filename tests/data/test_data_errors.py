@@ -31,7 +31,7 @@ def test_empty_folders(tmp_path: Path) -> None:
     _fails(data(source="imagefolder", path=str(empty)), "image", "no images", tmp_path)
     _fails(data(source="jsonl", path=str(empty)), "translation", "no .jsonl", tmp_path)
     (tmp_path / "e.txt").write_text("\n\n", encoding="utf-8")
-    _fails(data(source="text", path=str(tmp_path / "e.txt")), "lm", "has no text", tmp_path)
+    _fails(data(source="text", path=str(tmp_path / "e.txt")), "lm", r"e\.txt'\) has no text", tmp_path)
 
 
 def test_single_class_folder_has_no_labels(imagefolder: Callable[..., Path], tmp_path: Path) -> None:
