@@ -223,7 +223,7 @@ def _allowed_range(loc: Sequence[str | int], raw: dict[str, Any]) -> str | None:
 _PLAIN = {"missing": "is required", "string_too_short": "must not be empty",
           "finite_number": "must be a finite number {got}", "bool_number": "must be a number, not true or false {got}",
           "literal_error": "must be {expected} {got}",
-          "string_pattern_mismatch": "may contain only letters, digits, '.', '_' and '-' {got}",
+          "string_pattern_mismatch": "may contain only ASCII letters, digits, '.', '_' and '-', not dots alone {got}",
           "string_too_long": "must be at most {max_length} characters long {got}"}
 _KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
           "list": "a list", "dict": "a mapping", "model": "a mapping", "tuple": "a list"}

@@ -61,7 +61,9 @@ def test_every_shipped_recipe_validates_and_plans(path):
     (["data.source=jsonl"], "data.path is required for data.source 'jsonl'"),
     (["model.d_model=30"], "model.d_model (30) must be divisible by model.heads (4)"),
     (["train.steps=null"], "give train.steps or train.epochs"),
-    (["name=has space"], "name: may contain only letters, digits"),
+    (["name=has space"], "name: may contain only ASCII letters, digits"),
+    (["name=.."], "name: may contain only ASCII letters, digits, '.', '_' and '-', not dots alone (got '..')"),
+    (["name=."], "not dots alone (got '.')"),
 ])
 def test_errors_name_the_key_the_value_and_what_is_allowed(tmp_path, overrides, message):
     import yaml
