@@ -32,6 +32,19 @@ def store_once(tensors: dict[str, torch.Tensor],
     return kept, aliases
 
 
+def misfit(spec: ModelSpec, state: dict[str, torch.Tensor]) -> str | None:
+    """Why `state` cannot be `spec`'s weights (a name it lacks or a shape it differs in); None: they fit."""
+    with torch.device("meta"):  # shapes only: no memory for a model of any size
+        expected = {k: tuple(v.shape) for k, v in nn.Sequential(*spec.build_all()).state_dict().items()}
+    unknown = [k for k in state if k not in expected]
+    if unknown:
+        return f"{len(unknown)} tensor(s) the model has no place for, e.g. {unknown[0]}"
+    for key, tensor in state.items():
+        if tuple(tensor.shape) != expected[key]:
+            return f"{key} has shape {tuple(tensor.shape)} where the model has {expected[key]}"
+    return None
+
+
 def describe(spec: ModelSpec, aliases: dict[str, str], *, dtype: str, step: int, recipe: str | None,
              tokenizer: bytes | None) -> dict[str, str]:
     """The metadata of an export of `spec`: model, tie map, dtype, and the recipe and tokenizer when known."""
@@ -58,6 +71,9 @@ class Exported:
 
     def build(self, dtype: torch.dtype = torch.float32) -> nn.Sequential:
         """The model's layers in one sequence with the exported weights, in eval mode, computing in `dtype`."""
+        why = misfit(self.spec, self.state)
+        if why is not None:  # load_state_dict would raise a page of every mismatch
+            raise ValueError(f"its weights do not fit its model ({why})")
         model = nn.Sequential(*self.spec.build_all())
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.state.items()}
         missing, unexpected = model.load_state_dict(state, strict=False)

@@ -12,13 +12,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE
 from gpipe_cli.errors import UserError, shown
-from gpipe_cli.files import atomic_path
-from gpipe_cli.launch import check_writable
+from gpipe_cli.files import atomic_path, check_output
 from gpipe_cli.models import weights
 from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.recipe_model import model_spec
 from gpipe_cli.train import checkpoint
-from gpipe_cli.train.existing import EXPORTED, RECIPE, run_dir_of
+from gpipe_cli.train.existing import EXPORTED, RECIPE, candidates, run_dir_of
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
 
 _MODEL = "model."
@@ -30,19 +29,18 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
 
     if dtype is not None and dtype not in weights.DTYPES:
         raise UserError(f"--dtype: {shown(dtype)} is not one of {', '.join(weights.DTYPES)}")
-    if output:
-        if os.path.isdir(output):  # found now, not after the checkpoint has been read
-            raise UserError(f"--output: {shown(output)} is a directory; give the safetensors file to write")
-        check_writable(Path(output).parent, "--output")
+    if output:  # found now, not after the checkpoint has been read
+        check_output(Path(output), "--output", EXPORTED)
     if not location or not os.path.exists(location):
         raise UserError(f"no such run directory or checkpoint: {shown(location)}")
     if not os.path.isdir(location):
         raise UserError(f"{shown(location)} is a file; give a run directory or one of its checkpoint folders")
     found, refused = checkpoint.newest_whole(Path(location), verify=True)
+    if found is None:  # each refused one's reason, in the one line (they are read again: only on this way out)
+        reasons = "; ".join(f"{p.name}: {checkpoint.inspect(p, verify=True)[1]}" for p in candidates(Path(location)))
+        raise UserError(f"{location}: no complete checkpoint to export ({reasons or 'there are no checkpoints'})")
     for message in refused:
         print(f"[gpipe] {message}", file=sys.stderr)
-    if found is None:
-        raise UserError(f"{location}: no complete checkpoint to export")
     reader = SafeReader(str(found.path))
     entries = reader.read_metadata().state_dict_metadata
     state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
@@ -76,6 +74,9 @@ def _described(tensors: dict[str, torch.Tensor], run_dir: Path, step: int,
         return tensors, {"step": str(step), "format": "pt", "layers": "global layer index . parameter name"}
     recipe = load_recipe(recipe_file, check_data=False)
     spec = model_spec(recipe)
+    why = weights.misfit(spec, tensors)
+    if why is not None:  # an edited recipe.yaml: an export that gpipe predict could never build
+        raise UserError(f"{recipe_file} does not describe the checkpoint's model: {why}")
     tokenizer = None
     if spec.task != "image":
         source = Path(recipe.data.tokenizer) if recipe.data.tokenizer else run_dir / TOKENIZER_FILE

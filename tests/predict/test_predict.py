@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from gpipe_cli.cli import run
-from tests.predict.exports import write_export
+from tests.predict.exports import SIZES, write_export
 from tests.train.test_export_inputs import one_error_line
 
 
@@ -83,6 +84,11 @@ def damaged(folder: Path) -> Path:
     return write_export(folder, "lm", model='{"kind": "transformer", "layers": "many"}')
 
 
+def misfit(folder: Path) -> Path:  # a model description whose d_model is not the weights'
+    config = {**SIZES["lm"], "d_model": 32}
+    return write_export(folder, "lm", model=json.dumps(config))
+
+
 def no_tokenizer(folder: Path) -> Path:
     return write_export(folder, "lm", tokenizer=None)
 
@@ -100,6 +106,8 @@ def text_file(folder: Path) -> Path:
     (lambda tmp, exports: not_an_export(tmp), ["x"], "is not a gpipe export: it has no gpipe model description"),
     (lambda tmp, exports: damaged(tmp), ["x"], "is not a gpipe export: its model description is damaged"),
     (lambda tmp, exports: no_tokenizer(tmp), ["x"], "the export holds no tokenizer"),
+    (lambda tmp, exports: misfit(tmp), ["x"], "its weights do not fit its model (0.embed.weight has shape (64, 16) "
+                                              "where the model has (64, 32))"),
     (lambda tmp, exports: exports["lm"], ["PICTURE"], "is an image file, but this is a language model"),
     (lambda tmp, exports: exports["translation"], ["PICTURE"], "is an image file, but this is a translation"),
     (lambda tmp, exports: exports["image"], ["one two"], "'one two': no such file; an image model classifies"),
@@ -111,7 +119,7 @@ def text_file(folder: Path) -> Path:
     # Bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer cannot take (a traceback).
     (lambda tmp, exports: exports["translation"], ["caf\udce9"], "an input is not UTF-8 text (byte 0xe9 at "
                                                                   "character 4)"),
-], ids=["missing", "directory", "text file", "plain safetensors", "damaged", "no tokenizer", "image to lm",
+], ids=["missing", "directory", "text file", "plain safetensors", "damaged", "no tokenizer", "weights of another shape", "image to lm",
         "image to translation", "text to image model", "non-image file", "top", "max-tokens of translation",
         "max-tokens 0", "top of a text model", "not UTF-8"])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, exports, picture, capsys, model, args, fragment):

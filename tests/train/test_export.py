@@ -111,3 +111,21 @@ def test_predict_translates_as_the_training_decoder_in_a_process_without_the_eng
                             tok.vocab_size)
         expected.append(tok.decode(out[0]))
     assert proc.stdout.split("\n")[:-1] == expected
+
+
+@pytest.mark.slow
+def test_a_run_whose_recipe_was_edited_to_another_model_is_refused_at_export(trained, tmp_path):
+    import shutil
+
+    import yaml
+
+    from gpipe_cli.errors import UserError
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    recipe["model"]["d_model"] *= 2
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    with pytest.raises(UserError, match=r"recipe.yaml does not describe the checkpoint's model: \S+ has shape"):
+        export(str(run_dir), str(tmp_path / "model.safetensors"))
+    assert not (tmp_path / "model.safetensors").exists()

@@ -43,7 +43,7 @@ def test_an_output_that_is_a_directory_is_refused_before_the_checkpoint_is_read(
     code = run(["export", str(run_dir), "--output", str(tmp_path / "folder")])
     captured = capsys.readouterr()
     line = one_error_line(code, captured.err, captured.out)
-    assert line.startswith("error: --output: '") and line.endswith("is a directory; give the safetensors file to write")
+    assert line.startswith("error: --output: cannot write '") and "it is a directory; name a file, e.g. '" in line
     assert sorted(tmp_path.rglob("*")) == before
 
 
@@ -53,3 +53,25 @@ def test_a_run_folder_without_checkpoints_says_so(tmp_path: Path, capsys):
     captured = capsys.readouterr()
     assert "no complete checkpoint to export" in one_error_line(code, captured.err, captured.out)
     assert list((tmp_path / "run").iterdir()) == []
+
+
+def test_an_output_that_is_a_symbolic_link_is_refused_not_replaced(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    save_one(run_dir, 2, value=1.0)
+    (tmp_path / "target.safetensors").write_bytes(b"kept")
+    (tmp_path / "link.safetensors").symlink_to(tmp_path / "target.safetensors")
+    code = run(["export", str(run_dir), "--output", str(tmp_path / "link.safetensors")])
+    captured = capsys.readouterr()
+    assert "it is a symbolic link" in one_error_line(code, captured.err, captured.out)
+    assert (tmp_path / "link.safetensors").is_symlink() and (tmp_path / "target.safetensors").read_bytes() == b"kept"
+
+
+def test_a_run_whose_only_checkpoint_is_damaged_is_one_line_with_the_reason(tmp_path, capsys):
+    save_one(tmp_path, 3, value=1.0)
+    data = next(p for p in (tmp_path / "checkpoints" / "step-00000003").iterdir() if p.suffix == ".distcp")
+    data.write_bytes(b"short")
+    code = run(["export", str(tmp_path)])
+    captured = capsys.readouterr()
+    line = one_error_line(code, captured.err, captured.out)
+    assert "no complete checkpoint to export (step-00000003: " in line and data.name in line
+    assert "using the one before it" not in captured.err
