@@ -49,7 +49,8 @@ Ranks = Annotated[int, Number, Field(ge=1, le=MAX_RANKS)]
 Vocabulary = Annotated[int, Number, Field(ge=8, le=MAX_SIZE * 16)]
 Probability = Annotated[float, Real, Field(ge=0.0, lt=1.0)]
 Text = Annotated[str, Field(min_length=1, max_length=128)]
-Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]*[A-Za-z0-9_-][A-Za-z0-9._-]*$")]  # a folder or W&B name: `.` and `..` are not
+# A folder or W&B name: `.` and `..` would name a folder that is not the run's.
+Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]*[A-Za-z0-9_-][A-Za-z0-9._-]*$")]
 PositiveReal = Annotated[float, Real, Field(gt=0.0, le=MAX_REAL)]
 NonNegReal = Annotated[float, Real, Field(ge=0.0, le=MAX_REAL)]
 

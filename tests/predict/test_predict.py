@@ -119,7 +119,8 @@ def text_file(folder: Path) -> Path:
     # Bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer cannot take (a traceback).
     (lambda tmp, exports: exports["translation"], ["caf\udce9"], "an input is not UTF-8 text (byte 0xe9 at "
                                                                   "character 4)"),
-], ids=["missing", "directory", "text file", "plain safetensors", "damaged", "no tokenizer", "weights of another shape", "image to lm",
+], ids=["missing", "directory", "text file", "plain safetensors", "damaged", "no tokenizer", "weights of another shape",
+        "image to lm",
         "image to translation", "text to image model", "non-image file", "top", "max-tokens of translation",
         "max-tokens 0", "top of a text model", "not UTF-8"])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, exports, picture, capsys, model, args, fragment):
