@@ -71,9 +71,10 @@ def prepare_data(data: Data, output: Path, cache_dir: Path | None = None,
     """Download the recipe's hub dataset (data.name, data.config) and save it with `save_splits`."""
     started = time.time()
     say = say or (lambda text: print(note(started, text), flush=True))
-    if not data.name:
-        raise DataError("prepare-data saves a Hugging Face hub dataset, and the recipe has no data.name; "
-                        "set data.name (and data.config)")
+    if data.source != "hub":  # data.name alone would download a dataset the recipe does not read
+        raise DataError(f"prepare-data saves a recipe's Hugging Face hub dataset, and this recipe reads data.source "
+                        f"'{data.source}', which needs no download; for a hub dataset set data.source=hub and "
+                        f"data.name (and data.config)")
     output = _new_folder(output)  # before a long download
     check_writable(output, "--output")
     say(f"downloading {data.name}{f' ({data.config})' if data.config else ''} from the Hugging Face hub "

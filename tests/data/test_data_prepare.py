@@ -85,9 +85,12 @@ def test_an_existing_folder_is_refused_and_nothing_is_left_half_written(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]
 
 
-def test_prepare_without_a_hub_name_says_so(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="data.name"):
-        prepare_data(data(source="synthetic"), tmp_path / "out")
+@pytest.mark.parametrize("source", [{"source": "synthetic"}, {"source": "synthetic", "name": "cifar10"}])
+def test_prepare_of_a_recipe_that_reads_no_hub_data_says_so(tmp_path: Path, source: dict[str, str]) -> None:
+    with pytest.raises(DataError, match="reads data.source 'synthetic', which needs no download; for a hub dataset "
+                                        "set data.source=hub and data.name"):
+        prepare_data(data(**source), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_output_that_cannot_be_written_is_refused_before_the_download(tmp_path: Path,
