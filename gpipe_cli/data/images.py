@@ -111,9 +111,6 @@ def _check_labels(labels: np.ndarray, classes: int | None, num_classes: int, whe
 
 def _open(data: Data, cache_dir: Path | None) -> tuple[Any, str]:
     """(DatasetDict, a description for messages) of an imagefolder, parquet or hub source."""
-    if data.source not in ("imagefolder", "parquet", "hub"):
-        raise DataError(f"data.source '{data.source}' holds text; images come from synthetic, imagefolder, "
-                        "parquet or hub")
     if data.source != "imagefolder":
         return open_splits(data, cache_dir, "imagefolder/parquet")
     path = existing_path(data.path, "data.source 'imagefolder'")

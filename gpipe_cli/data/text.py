@@ -248,23 +248,13 @@ def read_records(data: Data, task: TextTask, *, seed: int, words: int,
         return (lm_documents(data.synthetic_size, seed, "train", words),
                 lm_documents(n_eval, seed, "eval", words))
     if data.source == "pydoc":
-        if task == "translation":
-            raise DataError("data.source 'pydoc' is English text for language modelling; "
-                            "use jsonl, tsv, parquet or hub for translation")
         return pydoc_documents(), None  # text_splits holds out data.eval_fraction of the paragraphs
     if data.source in ("hub", "parquet"):
         splits, where = open_splits(data, cache_dir, "jsonl/tsv/parquet")
         train_ds, eval_ds = pick_splits(splits, data, where)
         return (from_dataset(train_ds, task, data, where),
                 None if eval_ds is None else from_dataset(eval_ds, task, data, where))
-    exts = {"jsonl": (".jsonl", ".json"), "tsv": (".tsv", ".txt"),
-            "text": (".txt", ".text", ".raw")}.get(data.source)
-    if exts is None:
-        raise DataError(f"data.source '{data.source}' holds images; text comes from synthetic, jsonl, tsv, "
-                        "text, parquet, pydoc or hub")
-    if data.source == "text" and task == "translation":
-        raise DataError("data.source 'text' is plain text for language modelling; "
-                        "use jsonl or tsv for translation")
+    exts = {"jsonl": (".jsonl", ".json"), "tsv": (".tsv", ".txt"), "text": (".txt", ".text", ".raw")}[data.source]
     path = existing_path(data.path, f"data.source '{data.source}'")
     train_f, eval_f = split_files(path, exts, data.train_split, data.eval_split)
     read = {"jsonl": lambda files: read_jsonl(files, task, data), "tsv": lambda files: read_tsv(files, task, data),

@@ -195,6 +195,9 @@ class Pipeline(Section):
 
 
 LOCAL_SOURCES = ("imagefolder", "parquet", "jsonl", "tsv", "text")  # the data sources read from data.path
+IMAGE_SOURCES = ("synthetic", "imagefolder", "parquet", "hub")
+TEXT_SOURCES = ("synthetic", "jsonl", "tsv", "text", "parquet", "pydoc", "hub")
+LM_ONLY_SOURCES = ("text", "pydoc")  # plain text: nothing to translate
 
 
 class Data(Section):
@@ -373,6 +376,20 @@ class Recipe(Section):
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     eval: Eval = Field(default_factory=Eval)
     metrics: Metrics = Field(default_factory=Metrics)
+
+    @model_validator(mode="after")
+    def _data_fits_model(self) -> Recipe:
+        source, model = self.data.source, self.model
+        if isinstance(model, AmoebaNetModel) and source not in IMAGE_SOURCES:
+            raise ValueError(f"data.source '{source}' holds text, and model.kind amoebanet classifies images: "
+                             f"images come from {', '.join(IMAGE_SOURCES)}")
+        if isinstance(model, TransformerModel) and source not in TEXT_SOURCES:
+            raise ValueError(f"data.source '{source}' holds images, and model.kind transformer reads text: text "
+                             f"comes from {', '.join(TEXT_SOURCES)}")
+        if isinstance(model, TransformerModel) and model.arch == "encoder-decoder" and source in LM_ONLY_SOURCES:
+            raise ValueError(f"data.source '{source}' is plain text for a language model (model.arch decoder-only); "
+                             f"an encoder-decoder translates pairs: jsonl, tsv, parquet or hub")
+        return self
 
     @model_validator(mode="after")
     def _microbatches_fit_batch(self) -> Recipe:

@@ -81,12 +81,8 @@ def test_corrupt_image_is_reported_when_decoded(imagefolder: Callable[..., Path]
     assert "\n" not in str(err.value) and " object at 0x" not in str(err.value), err.value
 
 
-def test_wrong_source_for_the_task(tmp_path: Path) -> None:
-    f = tmp_path / "t.txt"
-    f.write_text("hello\n", encoding="utf-8")
-    _fails(data(source="text", path=str(f)), "translation", "language modelling", tmp_path)
-    _fails(data(source="text", path=str(f)), "image", "holds text", tmp_path)
-    _fails(data(source="imagefolder", path=str(tmp_path)), "lm", "holds images", tmp_path)
+def test_tokens_per_batch_is_for_text(tmp_path: Path) -> None:
+    # A source of the wrong kind for the model is refused with the recipe (tests/recipe/test_load.py).
     _fails(data(tokens_per_batch=100), "image", "tokens_per_batch", tmp_path)
 
 

@@ -62,6 +62,13 @@ def test_every_shipped_recipe_validates_and_plans(path):
     (["model.d_model=30"], "model.d_model (30) must be divisible by model.heads (4)"),
     (["train.steps=null"], "give train.steps or train.epochs"),
     (["name=has space"], "name: may contain only ASCII letters, digits"),
+    (["data.source=imagefolder", "data.path=/"], "data.source 'imagefolder' holds images, and model.kind transformer "
+                                                 "reads text: text comes from synthetic, jsonl, tsv, text, parquet, "
+                                                 "pydoc, hub"),
+    (["data.source=pydoc"], "data.source 'pydoc' is plain text for a language model (model.arch decoder-only); an "
+                            "encoder-decoder translates pairs"),
+    (["model={kind: amoebanet}", "data.source=text", "data.path=/"], "data.source 'text' holds text, and "
+                                                                     "model.kind amoebanet classifies images"),
     (["name=.."], "name: may contain only ASCII letters, digits, '.', '_' and '-', not dots alone (got '..')"),
     (["name=."], "not dots alone (got '.')"),
 ])
