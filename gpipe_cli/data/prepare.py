@@ -71,7 +71,7 @@ def prepare_data(data: Data, output: Path, cache_dir: Path | None = None,
     """Download the recipe's hub dataset (data.name, data.config) and save it with `save_splits`."""
     started = time.time()
     say = say or (lambda text: print(note(started, text), flush=True))
-    if data.source != "hub":  # data.name alone would download a dataset the recipe does not read
+    if data.source != "hub" or not data.name:  # data.name alone would download a dataset the recipe does not read
         raise DataError(f"prepare-data saves a recipe's Hugging Face hub dataset, and this recipe reads data.source "
                         f"'{data.source}', which needs no download; for a hub dataset set data.source=hub and "
                         f"data.name (and data.config)")
