@@ -98,6 +98,11 @@ def read_records(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
 def read_run(path: Path) -> Run:
     """A run directory's records, labelled by its K, M and schedule; UserError when it is not one."""
     metrics = path / "metrics.jsonl"
+    if not path.exists():
+        raise UserError(f"{path}: no such run directory; give the folder `gpipe train` wrote")
+    if not path.is_dir():
+        raise UserError(f"{path}: is a file, not a run directory; give the folder `gpipe train` wrote"
+                        + (f" ({path.parent})" if path.name == "metrics.jsonl" else ""))
     if not metrics.is_file():
         raise UserError(f"{path}: not a run directory (no metrics.jsonl); give the folder `gpipe train` wrote")
     recipe_file = path / "recipe.yaml"  # none, or one that is not a mapping: the defaults' K, M and schedule

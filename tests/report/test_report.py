@@ -85,6 +85,15 @@ def test_a_folder_that_is_not_a_run_is_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "metrics.jsonl" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("where, says", [("missing", "no such run directory"),
+                                         ("metrics.jsonl", "is a file, not a run directory; give the folder")])
+def test_a_path_that_is_no_folder_is_named_as_what_it_is(tmp_path, capsys, where, says):
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert cli(["report", str(tmp_path / where)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err
+
+
 def test_without_matplotlib_the_table_still_shows_and_one_line_says_why(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     folder = make_run(tmp_path / "a", 2)
