@@ -238,6 +238,8 @@ def check_resume_path(resume: str | None) -> None:
     """Refuse a --resume location that does not exist (a bare --resume is looked up later)."""
     if resume not in (None, LATEST) and not os.path.exists(resume):
         raise UserError(f"--resume: no such run directory or checkpoint: {shown(resume)}")
+    if resume not in (None, LATEST) and not os.path.isdir(resume):
+        raise UserError(f"--resume: {shown(resume)} is a file; give a run directory or one of its checkpoint folders")
 
 
 def train_recipe(recipe: str | None, overrides: Sequence[str], resume: str | None, output_dir: str | None,
@@ -251,6 +253,9 @@ def train_recipe(recipe: str | None, overrides: Sequence[str], resume: str | Non
     path = run / RECIPE
     if not path.is_file():
         where = cut(str(run), PATH_CHARS)
+        if not holds_run(run):
+            raise UserError(f"--resume {where}: not a run directory (no {RECIPE}, {METRICS} or {CHECKPOINTS}); give a "
+                            "folder gpipe train wrote, or one of its checkpoint folders")
         raise UserError(f"--resume {where}: the run has no {RECIPE} to continue with; give the recipe it was started "
                         f"with: gpipe train RECIPE --resume {where}")
     return load_recipe(str(path), overrides), str(path)

@@ -108,6 +108,18 @@ def test_a_run_without_recipe_yaml_asks_for_the_recipe_in_one_line(tmp_path, job
     assert not jobs
 
 
+@pytest.mark.parametrize("what, says", [("folder", "not a run directory (no recipe.yaml, metrics.jsonl or "
+                                                    "checkpoints); give a folder gpipe train wrote"),
+                                         ("file", "is a file; give a run directory or one of its checkpoint folders")])
+def test_a_resume_location_that_is_no_run_is_named_as_what_it_is(tmp_path, jobs, what, says):
+    place = tmp_path / "place"
+    place.mkdir() if what == "folder" else place.write_text("{}")
+    result = resume("--resume", str(place))
+    assert result.exit_code == 2, result.output
+    assert says in error_line(result)
+    assert not jobs
+
+
 def test_a_missing_resume_location_is_one_line(tmp_path, jobs):
     result = resume("--resume", str(tmp_path / "nowhere"))
     assert result.exit_code == 2, result.output
