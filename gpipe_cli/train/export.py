@@ -10,8 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from gpipe_cli.data.tokenizer import TOKENIZER_FILE
-from gpipe_cli.errors import UserError, shown
+from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
+from gpipe_cli.errors import DataError, UserError, shown
 from gpipe_cli.files import atomic_path, check_output
 from gpipe_cli.models import weights
 from gpipe_cli.recipe.load import load_recipe
@@ -81,10 +81,9 @@ def _described(tensors: dict[str, torch.Tensor], run_dir: Path, step: int,
     if spec.task != "image":
         source = Path(recipe.data.tokenizer) if recipe.data.tokenizer else run_dir / TOKENIZER_FILE
         try:
-            tokenizer = source.read_bytes()
-        except OSError as exc:
-            print(f"[gpipe] cannot read the tokenizer {source} ({exc.strerror}): the export holds no "
-                  "tokenizer, which gpipe predict needs", file=sys.stderr)
+            tokenizer = Tokenizer.load(source)._proto  # a damaged one is found now, not by gpipe predict
+        except DataError as exc:
+            print(f"[gpipe] {exc}: the export holds no tokenizer, which gpipe predict needs", file=sys.stderr)
     try:
         tensors, aliases = weights.store_once(tensors, spec.tied)
     except ValueError as exc:

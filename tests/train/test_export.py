@@ -129,3 +129,17 @@ def test_a_run_whose_recipe_was_edited_to_another_model_is_refused_at_export(tra
     with pytest.raises(UserError, match=r"recipe.yaml does not describe the checkpoint's model: \S+ has shape"):
         export(str(run_dir), str(tmp_path / "model.safetensors"))
     assert not (tmp_path / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_damaged_tokenizer_is_said_at_export_and_left_out(trained, tmp_path, capsys):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    (run_dir / "tokenizer.model").write_bytes(b"")
+    path = export(str(run_dir), str(tmp_path / "model.safetensors"))
+    err = capsys.readouterr().err
+    assert "tokenizer.model' has pad/unk/bos/eos ids" in err and "the export holds no tokenizer" in err
+    with safe_open(str(path), framework="pt") as f:
+        assert "tokenizer" not in f.metadata()
