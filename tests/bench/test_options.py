@@ -37,6 +37,11 @@ def test_default_batch_gives_four_examples_per_microbatch():
     (BenchOptions(partitions=60_000, microbatches=1, batch_size=1), "a bench starts one rank per stage"),
     (BenchOptions(partitions=10**20, microbatches=1, batch_size=1), "--partitions: must be >= 1 and <= 65536"),
     (BenchOptions(threads=100000), "--threads: must be >= 1 and <= 1024"),
+    # As plan refuses them: an infinite link prices every message at no time or at no speed.
+    (BenchOptions(simulate=True, latency_us=float("inf")), r"--latency-us must be a finite number >= 0 \(got inf\)"),
+    (BenchOptions(simulate=True, bandwidth=float("inf")), r"--bandwidth must be a finite number > 0 GB/s \(got inf\)"),
+    (BenchOptions(simulate=True, bandwidth=float("nan")), r"--bandwidth must be a finite number > 0 GB/s \(got nan\)"),
+    (BenchOptions(simulate=True, bandwidth=0.0), r"--bandwidth must be a finite number > 0 GB/s \(got 0.0\)"),
 ])
 def test_bad_options_are_refused(options, message):
     with pytest.raises(UserError, match=message):
