@@ -86,7 +86,7 @@ def _interruptible(command: str, callback: Callable[..., Any], started: list[str
                 raise
             # A library loading at the Ctrl-C turned it into an error of its own.
         # What is written is written whole or not at all.
-        print(f"gpipe {command}: interrupted; nothing was written", file=sys.stderr)
+        interrupts.say_stopped(f"gpipe {command}")
         raise typer.Exit(130) from None
     return run_command
 
@@ -333,7 +333,7 @@ def run(args: list[str]) -> int:
         print("aborted", file=sys.stderr)
         return 130
     if result == 130 and not started:  # typer turns a Ctrl-C while it parses the arguments into a silent 130
-        print("gpipe: interrupted; nothing was written", file=sys.stderr)
+        interrupts.say_stopped("gpipe")
     return result if isinstance(result, int) else 0
 
 

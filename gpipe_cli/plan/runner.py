@@ -6,7 +6,6 @@ import functools
 import os
 import shlex
 import signal
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -100,7 +99,7 @@ def run(options: PlanOptions) -> int:
         interrupts.finishing()
         return finish()
     except KeyboardInterrupt:
-        print("gpipe plan: interrupted; nothing was written", file=sys.stderr, flush=True)
+        interrupts.say_stopped("gpipe plan")
         return 128 + signal.SIGINT
 
 
