@@ -9,7 +9,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, 
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
-from gpipe_cli.errors import cut
+from gpipe_cli.errors import shown
 from gpipe_cli.limits import MAX_COUNT, MAX_LAYERS, MAX_RANKS, MAX_REAL, MAX_SIZE, MAX_VIRTUAL
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
@@ -153,7 +153,7 @@ class Pipeline(Section):
         if isinstance(value, str) and value in schedules.names():
             return value
         raise ValueError(f"pipeline.schedule: must be {', '.join(allowed[:-1])} or {allowed[-1]} "
-                         f"(got {cut(repr(value))})")
+                         f"(got {shown(value)})")
 
     @field_validator("balance", mode="before")
     @classmethod
@@ -165,9 +165,9 @@ class Pipeline(Section):
             if not bad:
                 return value
             raise ValueError(f"pipeline.balance: every entry must be a number of layers from 1 to {MAX_LAYERS} "
-                             f"(got {cut(repr(bad[0]))} in {cut(repr(value))})")
+                             f"(got {shown(bad[0])} in {shown(value)})")
         raise ValueError(f"pipeline.balance: must be {', '.join(BALANCE_MODES)} or a list of layer counts "
-                         f"per stage (got {cut(repr(value))})")
+                         f"per stage (got {shown(value)})")
 
     @model_validator(mode="after")
     def _balance_matches_partitions(self) -> Pipeline:
