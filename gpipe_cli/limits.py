@@ -16,6 +16,7 @@ MAX_RANKS = 65_536  # K, D, devices
 MAX_VIRTUAL = 64  # chunks per stage (interleaved)
 MAX_REAL = 1e9  # learning rates, clipping thresholds, decay intervals
 MAX_THREADS = 1024
+MAX_SEED = 2**32 - 1  # a recipe's seed and --seed alike
 
 
 def words(low: str | None, high: str | None) -> str:

@@ -73,11 +73,17 @@ def profile_options(recipe: str | None, partitions: str | None, flags: Mapping[s
 
 def parse_partitions(text: str) -> list[int]:
     """`2,4,8` as a list of K values."""
+    parts = text.split(",")
+    if not any(part.strip() for part in parts):
+        return []  # refused as listing no K
+    empty = next((i for i, part in enumerate(parts, 1) if not part.strip()), None)
+    if empty is not None:  # `2,,4`: a K left out as likely as a stray comma
+        raise UserError(f"--partitions: entry {empty} is empty; give K values separated by commas, e.g. 2,4,8 "
+                        f"(got '{cut(text)}')")
     try:
-        values = [int(part) for part in text.split(",") if part.strip()]
+        return [int(part) for part in parts]
     except ValueError:
         raise UserError(f"--partitions expects K values separated by commas, e.g. 2,4,8 (got '{cut(text)}')") from None
-    return values
 
 
 def validate(options: ProfileOptions) -> None:

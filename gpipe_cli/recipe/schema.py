@@ -10,7 +10,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from gpipe_cli.errors import shown
-from gpipe_cli.limits import MAX_COUNT, MAX_LAYERS, MAX_RANKS, MAX_REAL, MAX_SIZE, MAX_VIRTUAL
+from gpipe_cli.limits import MAX_COUNT, MAX_LAYERS, MAX_RANKS, MAX_REAL, MAX_SEED, MAX_SIZE, MAX_VIRTUAL
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
 
@@ -362,7 +362,7 @@ class Recipe(Section):
     """A whole training recipe."""
 
     name: Name = "run"
-    seed: Annotated[int, Number, Field(ge=0, le=2**32 - 1)] = 0
+    seed: Annotated[int, Number, Field(ge=0, le=MAX_SEED)] = 0
     model: Model = Field(default_factory=AmoebaNetModel)  # DEFAULT_KIND
     pipeline: Pipeline = Field(default_factory=Pipeline)
     data: Data = Field(default_factory=Data)

@@ -37,6 +37,9 @@ def test_default_batch_gives_four_examples_per_microbatch():
     (BenchOptions(partitions=60_000, microbatches=1, batch_size=1), "a bench starts one rank per stage"),
     (BenchOptions(partitions=10**20, microbatches=1, batch_size=1), "--partitions: must be >= 1 and <= 65536"),
     (BenchOptions(threads=100000), "--threads: must be >= 1 and <= 1024"),
+    # As a recipe's seed: it ran with --seed -1.
+    (BenchOptions(seed=-1), r"--seed: must be >= 0 and <= 4294967295 \(got -1\)"),
+    (BenchOptions(seed=2**32), r"--seed: must be >= 0 and <= 4294967295 \(got 4294967296\)"),
     # As plan refuses them: an infinite link prices every message at no time or at no speed.
     (BenchOptions(simulate=True, latency_us=float("inf")), r"--latency-us must be a finite number >= 0 \(got inf\)"),
     (BenchOptions(simulate=True, bandwidth=float("inf")), r"--bandwidth must be a finite number > 0 GB/s \(got inf\)"),
