@@ -5,7 +5,16 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
@@ -124,6 +133,7 @@ DEFAULT_KIND = "amoebanet"  # the kind of a recipe without a model section (`Rec
 
 
 BALANCE_MODES = ("auto", "params", "time", "memory")
+PLANNING = "planning"  # the validation context's key set by `gpipe plan`, which picks M and D itself
 
 
 class Pipeline(Section):
@@ -374,9 +384,9 @@ class Recipe(Section):
     metrics: Metrics = Field(default_factory=Metrics)
 
     @model_validator(mode="after")
-    def _microbatches_fit_batch(self) -> Recipe:
+    def _microbatches_fit_batch(self, info: ValidationInfo) -> Recipe:
         pipe, batch = self.pipeline, self.data.batch_size
-        if self.data.tokens_per_batch is not None:
+        if self.data.tokens_per_batch is not None or (info.context or {}).get(PLANNING):
             return self
         if problem := microbatch_problem(pipe.microbatches, batch, "pipeline.microbatches", "data.batch_size"):
             raise ValueError(problem)
