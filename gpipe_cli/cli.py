@@ -14,6 +14,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import sys
 import typing
 from collections.abc import Callable, Collection, Mapping
@@ -86,9 +87,35 @@ def _interruptible(command: str, callback: Callable[..., Any], started: list[str
                 raise
             # A library loading at the Ctrl-C turned it into an error of its own.
         # What is written is written whole or not at all.
-        print(f"gpipe {command}: interrupted; nothing was written", file=sys.stderr)
+        interrupts.say_stopped(f"gpipe {command}")
         raise typer.Exit(130) from None
     return run_command
+
+
+_DIGITS = re.compile(r"[+-]?[0-9]+")
+
+
+class _Usage(typer.BadParameter):
+    """A flag's value refused in a line that names the flag itself (click would prefix 'Invalid value for')."""
+
+    def format_message(self) -> str:
+        return self.message
+
+
+def _whole(flag: str) -> Callable[[Any], int]:
+    """The parser of an integer flag: a whole number written in digits, else one line naming `flag`."""
+    def parse(value: Any) -> int:
+        if isinstance(value, int):  # the default
+            return value
+        text = str(value).strip()
+        # Not pydantic's lax int, which takes 2.0 for 2 and words its refusals its own way.
+        if not _DIGITS.fullmatch(text):
+            raise _Usage(f"{flag}: must be a whole number written in digits, e.g. 4 (got {shown(str(value))})")
+        try:
+            return int(text)
+        except ValueError:  # more digits than Python reads: beyond every bound a count has
+            raise _Usage(f"{flag}: {len(text)} digits is beyond any value it takes") from None
+    return parse
 
 
 def _print_version(value: bool) -> None:
@@ -112,11 +139,12 @@ def train(
                                       "(default: live on a terminal)."),
     nnodes: str | None = _launch(None, help="N or MIN:MAX (torchrun; default 1, or the nodes of the enclosing srun "
                                  "step)."),
-    node_rank: int | None = _launch(None, help="This node's rank (static rendezvous)."),
+    node_rank: int | None = _launch(None, parser=_whole("--node-rank"), help="This node's rank (static rendezvous)."),
     rdzv_endpoint: str | None = _launch(None, help="The rendezvous, the same on every node."),
     rdzv_backend: str | None = _launch(None, help="static (with --node-rank) or c10d."),
     rdzv_id: str | None = _launch(None, help="Job id shared by all nodes (c10d)."),
-    threads: int | None = _launch(None, help="Intra-op threads per rank (default: cores / local ranks)."),
+    threads: int | None = _launch(None, parser=_whole("--threads"),
+                                  help="Intra-op threads per rank (default: cores / local ranks)."),
     resume: str | None = typer.Option(None, help="Continue from the newest whole checkpoint: bare --resume or "
                                       "'latest' (the newest run of this recipe, or --output-dir's), a run directory or "
                                       "a checkpoint."),
@@ -169,6 +197,8 @@ def _flags(options: type, own: Mapping[str, str], *aliases: str, modes: Collecti
 
     def option(name: str, annotation: Any, default: Any, **settings: Any) -> inspect.Parameter:
         panel = MODES if name in modes else SIZE if name in SIZE_FLAGS else None
+        if int in (annotation, *typing.get_args(annotation)):
+            settings["parser"] = _whole(flag(name))
         return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
                                  default=typer.Option(default, flag(name), rich_help_panel=panel, **settings))
 
@@ -235,7 +265,7 @@ def profile_memory(
 @_flags(PlanOptions, L, "batch_size", *SIZE_FLAGS)
 def plan(
     recipe: str | None = RECIPE,
-    devices: int = typer.Option(..., help=L["devices"]),
+    devices: int = typer.Option(..., parser=_whole("--devices"), help=L["devices"]),
     output: str | None = typer.Option(None, metavar="FILE", help=L["output"]),
     *, own: dict[str, Any], flags: dict[str, Any],
 ) -> int:
@@ -273,9 +303,11 @@ def predict(
     inputs: list[str] | None = typer.Argument(None, metavar="[INPUT]...", help="Sentences to translate, a "
                                               "prompt to continue, or image files to classify (default: "
                                               "one per line of stdin)."),
-    max_tokens: int | None = typer.Option(None, help="Tokens to generate after a language model's prompt "
+    max_tokens: int | None = typer.Option(None, parser=_whole("--max-tokens"),
+                                          help="Tokens to generate after a language model's prompt "
                                           "[default: 50]."),
-    top: int | None = typer.Option(None, help="Classes to print per image, most likely first [default: 1]."),
+    top: int | None = typer.Option(None, parser=_whole("--top"),
+                                   help="Classes to print per image, most likely first [default: 1]."),
 ) -> int:
     """Use an exported model without the pipeline: translate, continue a prompt or classify images."""
     from gpipe_cli.predict import predict as run_predict
@@ -333,7 +365,7 @@ def run(args: list[str]) -> int:
         print("aborted", file=sys.stderr)
         return 130
     if result == 130 and not started:  # typer turns a Ctrl-C while it parses the arguments into a silent 130
-        print("gpipe: interrupted; nothing was written", file=sys.stderr)
+        interrupts.say_stopped("gpipe")
     return result if isinstance(result, int) else 0
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 from gpipe_cli import interrupts
 
 
@@ -23,5 +21,5 @@ def main() -> None:
 
 
 def _interrupted() -> None:
-    print("gpipe: interrupted; nothing was written", file=sys.stderr)
+    interrupts.say_stopped("gpipe")
     raise SystemExit(interrupts.exit_code(130)) from None

@@ -22,14 +22,23 @@ class DataError(UserError):
 
 def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
     """`repr(value)` cut to a readable length, with the number of characters left out (YAML's words as written)."""
+    return cut(_words(value), limit)
+
+
+def _words(value: Any) -> str:
+    """`repr(value)` with YAML's true, false and null for Python's True, False and None, in lists and mappings too."""
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
     if isinstance(value, int):
         try:
-            return cut(str(value), limit)
+            return str(value)
         except ValueError:  # more digits than Python converts to text
             return f"an integer of {value.bit_length()} bits"
-    return cut(repr(value), limit)
+    if isinstance(value, (list, tuple)):
+        return f"[{', '.join(_words(item) for item in value)}]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_words(k)}: {_words(v)}" for k, v in value.items()) + "}"
+    return repr(value)
 
 
 def cut(text: str, limit: int = SHOWN_CHARS) -> str:

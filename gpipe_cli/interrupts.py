@@ -80,6 +80,12 @@ def _quiet_unraisable(previous: Callable[[Any], object]) -> Callable[[Any], obje
     return hook
 
 
+def say_stopped(command: str) -> None:
+    """Say on stderr, in the one line every command uses, that a Ctrl-C or SIGTERM stopped `command` (or `gpipe`)."""
+    # stderr: a command's output piped into a file stays its figures alone.
+    print(f"{command}: interrupted; nothing was written", file=sys.stderr, flush=True)
+
+
 def exit_code(code: int) -> int:
     """`code`, with a stop that SIGTERM caused reported as 128 + SIGTERM rather than Ctrl-C's 130."""
     return 128 + signal.SIGTERM if _terminated and code == 128 + signal.SIGINT else code

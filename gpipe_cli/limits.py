@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 from gpipe_cli.errors import UserError
@@ -15,6 +16,7 @@ MAX_RANKS = 65_536  # K, D, devices
 MAX_VIRTUAL = 64  # chunks per stage (interleaved)
 MAX_REAL = 1e9  # learning rates, clipping thresholds, decay intervals
 MAX_THREADS = 1024
+MAX_SEED = 2**32 - 1  # a recipe's seed and --seed alike
 
 
 def words(low: str | None, high: str | None) -> str:
@@ -27,6 +29,14 @@ def outside(name: str, value: float, low: float, high: float | None = None) -> s
     if low <= value and (high is None or value <= high):
         return None
     return f"{name}: must be {words(f'>= {low}', f'<= {high}' if high is not None else None)} (got {value})"
+
+
+def finite(flag: str, value: float | None, unit: str = "", zero: bool = False) -> str | None:
+    """A rate or latency flag's refusal unless it is a finite number above 0 (or at it, where `zero`)."""
+    # An infinite link or rate prices messages or layers at no time, or at no speed: a result of nonsense.
+    if value is None or (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+        return None
+    return f"{flag} must be a finite number {'>=' if zero else '>'} 0{unit} (got {value})"
 
 
 def one_of(name: str, value: str, allowed: Sequence[str]) -> str | None:

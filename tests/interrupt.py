@@ -20,17 +20,20 @@ def as_from_a_terminal() -> None:
 
 
 def interrupt(args: list[str], tmp: Path, measuring: Callable[[Path, str], bool],
-              timeout: float = 300, signum: int = signal.SIGINT) -> tuple[int, str]:
-    """Run `gpipe *args` with its temporary files under `tmp`; send `signum` once `measuring(tmp, output)`."""
+              timeout: float = 300, signum: int = signal.SIGINT) -> tuple[int, str, str]:
+    """Run `gpipe *args` (temporary files under `tmp`), send `signum` once `measuring(tmp, output)`: code, out, err."""
     env = {**os.environ, "TMPDIR": str(tmp)}
     proc = subprocess.Popen([sys.executable, "-u", "-m", "gpipe_cli.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=as_from_a_terminal)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
-    reader.start()
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=as_from_a_terminal)
+    out: list[str] = []
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda: out.extend(proc.stdout or []), daemon=True),
+               threading.Thread(target=lambda: err.extend(proc.stderr or []), daemon=True)]
+    for reader in readers:
+        reader.start()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if measuring(tmp, "".join(lines)):
+        if measuring(tmp, "".join(out) + "".join(err)):
             proc.send_signal(signum)
             break
         time.sleep(0.2)
@@ -38,5 +41,6 @@ def interrupt(args: list[str], tmp: Path, measuring: Callable[[Path, str], bool]
         proc.wait(timeout=timeout)
     finally:
         proc.kill()
-    reader.join(timeout=10)
-    return proc.returncode, "".join(lines)
+    for reader in readers:
+        reader.join(timeout=10)
+    return proc.returncode, "".join(out), "".join(err)

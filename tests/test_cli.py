@@ -102,6 +102,35 @@ def test_usage_errors_are_one_line(capsys):
     assert len(err.splitlines()) == 1 and "--threads" in err and "gpipe train --help" in err
 
 
+@pytest.mark.parametrize("args, flag, value", [
+    (["bench", "--partitions", "2.5"], "--partitions", "2.5"),
+    (["bench", "--partitions", "2.0"], "--partitions", "2.0"),  # pydantic took it for 2
+    (["bench", "--microbatches", "8.0"], "--microbatches", "8.0"),
+    (["bench", "--steps", "1.5"], "--steps", "1.5"),
+    (["bench", "--seed", "1e3"], "--seed", "1e3"),
+    (["bench", "--layers", "1_0"], "--layers", "1_0"),
+    (["profile-memory", "--microbatches", "2.5"], "--microbatches", "2.5"),
+    (["plan", "--devices", "2.5"], "--devices", "2.5"),
+    (["plan", "--devices", "2.0"], "--devices", "2.0"),
+    (["plan", "--devices", "2", "--top", "abc"], "--top", "abc"),
+    (["train", "--threads", "2.5"], "--threads", "2.5"),
+    (["train", "--node-rank", "1.0"], "--node-rank", "1.0"),
+    (["predict", "model.safetensors", "--top", "1.5"], "--top", "1.5"),
+])
+def test_an_integer_flag_takes_only_digits_and_says_so_naming_the_flag(capsys, args, flag, value):
+    assert run(args) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"error: {flag}: must be a whole number written in digits, e.g. 4 (got '{value}') "
+                            f"(see 'gpipe {args[0]} --help')\n"), captured.err
+    assert captured.out == ""
+
+
+def test_an_integer_flag_of_more_digits_than_python_reads_is_one_line(capsys):
+    assert run(["bench", "--steps", "9" * 5000]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --steps: 5000 digits is beyond any value it takes (see 'gpipe bench --help')\n", err
+
+
 @pytest.mark.parametrize("local_rank, lines", [("0", 1), ("1", 0)])
 @pytest.mark.parametrize("args", [["train", "--set", "pipeline.microbatches=0"], ["train", "--threads", "many"]])
 def test_under_torchrun_each_node_says_an_error_once(monkeypatch, capsys, args, local_rank, lines):

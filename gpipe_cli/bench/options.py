@@ -12,7 +12,7 @@ from gpipe_cli.bench.trace import paths as trace_paths
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.estimate.model_flags import SEED_HELP, ModelFlags, choice_problems, model_of, shared_fields
 from gpipe_cli.files import check_output
-from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, MAX_SIZE, MAX_THREADS, outside, refuse
+from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, MAX_SIZE, MAX_THREADS, finite, outside, refuse
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
 from gpipe_cli.units import human_bytes, meminfo_available
@@ -131,8 +131,8 @@ def validate(options: BenchOptions) -> None:
         outside("--warmup", options.warmup, 0, MAX_COUNT),
         outside("--threads", options.threads, 1, MAX_THREADS),
         *choice_problems(options),
-        None if options.bandwidth > 0 else f"--bandwidth must be > 0 GB/s (got {options.bandwidth})",
-        None if options.latency_us >= 0 else f"--latency-us must be >= 0 (got {options.latency_us})",
+        finite("--bandwidth", options.bandwidth, " GB/s"),
+        finite("--latency-us", options.latency_us, zero=True),
         None if options.devices is None else outside("--devices", options.devices, 1, MAX_RANKS),
         None if options.devices is None or options.simulate else "--devices needs --simulate",
         "--sweep and --simulate cannot be combined" if options.sweep and options.simulate else None,

@@ -212,9 +212,10 @@ def run(options: BenchOptions) -> int:
                 else:
                     summary, events = _single(options, subject, Path(tmp), progress, chosen.phases)
             except setup.JobFailed as exc:
-                stopped = exc.code in (STOPPED, 128 + signal.SIGTERM)
-                console.print("[yellow]gpipe bench: stopped; nothing was written[/]" if stopped
-                              else f"[red]gpipe bench: the benchmark ranks failed (exit code {exc.code}); see above[/]")
+                if exc.code in (STOPPED, 128 + signal.SIGTERM):
+                    interrupts.say_stopped("gpipe bench")
+                else:
+                    console.print(f"[red]gpipe bench: the benchmark ranks failed (exit code {exc.code}); see above[/]")
                 return exc.code
             progress.done()
             summary["sized"] = {"note": chosen.note, "estimate_s": chosen.seconds, "elapsed_s": progress.elapsed()}
@@ -224,5 +225,5 @@ def run(options: BenchOptions) -> int:
             return 1
         return 0
     except KeyboardInterrupt:
-        console.print("[yellow]gpipe bench: interrupted; nothing was measured to the end, nothing was written[/]")
+        interrupts.say_stopped("gpipe bench")
         return STOPPED

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli.errors import UserError
-from gpipe_cli.limits import one_of
+from gpipe_cli.limits import MAX_SEED, one_of, outside
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES
 from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, balance_text, settings
@@ -49,9 +49,10 @@ class ModelFlags:
 
 
 def choice_problems(options: ModelFlags) -> list[str | None]:
-    """The refusals of a --schedule, --checkpoint or --offload that names none of its choices."""
+    """The refusals of a --schedule, --checkpoint or --offload that names none of its choices, and of a --seed."""
     return [one_of("--schedule", options.schedule, SCHEDULES), one_of("--checkpoint", options.checkpoint, REMAT_MODES),
-            one_of("--offload", options.offload, OFFLOAD_MODES)]
+            one_of("--offload", options.offload, OFFLOAD_MODES),
+            outside("--seed", options.seed, 0, MAX_SEED)]  # as a recipe's seed
 
 
 def model_of(recipe: str | None, model: str | None, done: str) -> str:

@@ -12,7 +12,7 @@ import torch
 
 from gpipe_cli import sizing
 from gpipe_cli.errors import UserError, cut, shown
-from gpipe_cli.limits import outside
+from gpipe_cli.limits import outside, words
 from gpipe_cli.models import families
 from gpipe_cli.models.base import Batch, ModelSpec
 from gpipe_cli.models.registry import allowed_params, build_model, is_preset_name, names_help, resolve_preset
@@ -76,10 +76,14 @@ def check_limits(kind: str, params: Mapping[str, Any], named: Mapping[str, str],
     # A recipe could not hold it either, and building billions of layers would take the machine's memory and time
     # before anything is said.
     for param, (low, high) in size_limits(kind).items():
-        value = params.get(param)
-        if isinstance(value, bool) or not isinstance(value, int) or low <= value <= high:
-            continue  # other types are the builder's to refuse, with its own words
-        raise UserError(outside(named.get(param, f"{source}: {param}"), value, low, high) or "")
+        if param not in params:
+            continue
+        value, name = params[param], named.get(param, f"{source}: {param}")
+        if isinstance(value, bool) or not isinstance(value, int):  # `--set model.layers=true`, or left empty
+            raise UserError(f"{name}: must be an integer {words(f'>= {low}', f'<= {high}')} (got {shown(value)})")
+        problem = outside(name, value, low, high)
+        if problem:
+            raise UserError(problem)
 
 
 def size_limits(kind: str) -> dict[str, tuple[int, int]]:
@@ -109,8 +113,8 @@ def resolve(model: str, sizes: Mapping[str, int | None] | None = None, overrides
         except ValueError as exc:  # the name is known: a parameter of --set is not
             raise UserError(f"--set: {exc}") from None
     accepted = allowed_params(kind)
-    keys = [item.partition("=")[0].strip().removeprefix("model.") for item in overrides]  # syntax: checked above
-    named = {key: f"--set {key}" for key in keys}
+    typed = [item.partition("=")[0].strip() for item in overrides]  # syntax: checked above
+    named = {key.removeprefix("model."): f"--set {key}" for key in typed}  # named as the user typed them
     for name, value in (sizes or {}).items():
         if value is None:
             continue
@@ -121,8 +125,20 @@ def resolve(model: str, sizes: Mapping[str, int | None] | None = None, overrides
         params[param], named[param] = value, flag(name)
     check_limits(kind, params, named, f"--model {cut(model)}")
     subject = Subject(kind, params, model)
-    subject.build()  # validate now, with a one-line message
+    try:
+        subject.build()  # validate now, with a one-line message
+    except UserError as exc:
+        raise UserError(by_setting(str(exc), f"--model {model}: ", named)) from None
     return subject
+
+
+def by_setting(message: str, label: str, named: Mapping[str, str]) -> str:
+    """A builder's `label` + `PARAM must ...` as `--set model.PARAM: must ...` where the user typed PARAM."""
+    text = message.removeprefix(label).removeprefix("AmoebaNet ")  # its builder names the family first
+    for param, where in named.items():
+        if text.startswith(f"{param} must "):
+            return f"{where}: {text.removeprefix(param + ' ')}"
+    return message
 
 
 def to_measure(model: str, sizes: Mapping[str, int | None], settings: Sequence[str],

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpipe_cli.errors import UserError
-from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, one_of, outside, refuse
+from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, finite, one_of, outside, refuse
 from gpipe_cli.recipe.aliases import SET_HELP
 from gpipe_cli.units import parse_size
 
@@ -68,16 +67,8 @@ def output_path(text: str | None) -> Path | None:
     if text is None:
         return None
     if not text.strip():
-        raise UserError(f"--output must name a .yaml file, e.g. planned.yaml (got {text!r})")
+        raise UserError(f"--output must name a .yaml or .yml file, e.g. planned.yaml (got {text!r})")
     return Path(text)
-
-
-def _finite(flag: str, value: float | None, unit: str = "", zero: bool = False) -> str | None:
-    """A rate or latency flag's refusal unless it is a finite number above 0 (or at it, where `zero`)."""
-    # An infinite link or rate prices messages or layers at no time, or at no speed: a plan of nonsense.
-    if value is None or (math.isfinite(value) and (value >= 0 if zero else value > 0)):
-        return None
-    return f"{flag} must be a finite number {'>=' if zero else '>'} 0{unit} (got {value})"
 
 
 def validate(options: PlanOptions) -> None:
@@ -91,16 +82,16 @@ def validate(options: PlanOptions) -> None:
         None if options.nodes < 1 or (options.nodes <= options.devices and options.devices % options.nodes == 0)
         else f"--nodes {options.nodes} must divide --devices {options.devices} (the same devices on every node)",
         outside("--top", options.top, 1, MAX_COUNT),
-        _finite("--bandwidth", options.bandwidth, " GB/s"),
-        _finite("--latency-us", options.latency_us, zero=True),
-        _finite("--node-bandwidth", options.node_bandwidth, " GB/s"),
-        _finite("--node-latency-us", options.node_latency_us, zero=True),
+        finite("--bandwidth", options.bandwidth, " GB/s"),
+        finite("--latency-us", options.latency_us, zero=True),
+        finite("--node-bandwidth", options.node_bandwidth, " GB/s"),
+        finite("--node-latency-us", options.node_latency_us, zero=True),
         one_of("--timing", options.timing, TIMINGS),
-        _finite("--tflops", options.tflops),
+        finite("--tflops", options.tflops),
         "--tflops estimates per-layer seconds: it cannot be combined with --timing measure"
         if options.tflops is not None and options.timing == "measure" else None,
-        f"--output must name a .yaml file (got {options.output})"
-        if options.output is not None and options.output.suffix not in (".yaml", ".yml") else None,
+        f"--output must name a .yaml or .yml file, e.g. planned.yaml (got {options.output})"
+        if options.output is not None and options.output.suffix.lower() not in (".yaml", ".yml") else None,
     ])
     memory = options.memory_bytes()
     if memory is not None and memory <= 0:

@@ -6,7 +6,6 @@ import functools
 import os
 import shlex
 import signal
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -61,8 +60,8 @@ def _not_comparable(model: Any, hw: Any, recipe: Recipe) -> str | None:
     if model.batch % p.data_parallel:
         return f"data.batch_size {model.batch} is not a multiple of D={p.data_parallel}"
     if model.batch // p.data_parallel < p.microbatches:
-        return (f"each replica's {model.batch // p.data_parallel} examples cannot make M={p.microbatches} "
-                f"micro-batches")
+        share = model.batch // p.data_parallel
+        return f"each replica's {share} example{'s' if share != 1 else ''} cannot make M={p.microbatches} micro-batches"
     chunks = p.partitions * p.virtual_stages
     try:
         schedule.check(p.schedule, p.partitions, p.microbatches, p.virtual_stages)
@@ -78,7 +77,9 @@ def _not_comparable(model: Any, hw: Any, recipe: Recipe) -> str | None:
 def run(options: PlanOptions) -> int:
     """Run `gpipe plan` and write the recipe when asked (UserError: what cannot be planned; 130 on Ctrl-C)."""
     validate(options)
-    recipe = load_recipe(options.recipe, options.set, check_data=False)
+    # Its M and D need not fit a smaller --batch-size: they are the plan's to pick (the line comparing the recipe
+    # as written says why they cannot run).
+    recipe = load_recipe(options.recipe, options.set, check_data=False, planning=True)
     # The recipe's text, and its data with the --set overrides: written back with a new pipeline section.
     text = default_recipe_text() if options.recipe is None else read_recipe_file(Path(options.recipe))
     raw = parse_yaml(text, recipe_label(options.recipe))
@@ -100,7 +101,7 @@ def run(options: PlanOptions) -> int:
         interrupts.finishing()
         return finish()
     except KeyboardInterrupt:
-        print("gpipe plan: interrupted; nothing was written", file=sys.stderr, flush=True)
+        interrupts.say_stopped("gpipe plan")
         return 128 + signal.SIGINT
 
 

@@ -20,7 +20,10 @@ MAX_PARTITIONS = 128
 
 # The optimizers whose state can be counted: memory_model.OPTIMIZERS builds them, with torch; their names are
 # here so that a misspelt --optimizer is refused before torch loads (a test keeps the two alike).
-OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "rmsprop", "plain-sgd", "rmsprop-no-momentum")
+# Name -> what it is, for the help: every name accepted is listed there.
+OPTIMIZER_WORDS = {"sgd": "momentum 0.9", "adam": "", "adamw": "", "rmsprop": "the paper's, momentum 0.9",
+                   "plain-sgd": "SGD without momentum: no state", "rmsprop-no-momentum": "RMSprop without momentum"}
+OPTIMIZER_NAMES = tuple(OPTIMIZER_WORDS)
 
 
 @dataclass
@@ -43,8 +46,9 @@ FLAGS: dict[str, str] = {
     "partitions": f"K values to profile (pipeline-K), comma-separated, each 1 to {MAX_PARTITIONS} (the paper's "
                   "largest), e.g. 2,4,8; naive-1 and pipeline-1 are always shown [default: 2,4,8, or the recipe's "
                   "pipeline.partitions].",
-    "optimizer": "Optimizer whose state is counted: sgd (momentum), adam, adamw, rmsprop (the paper's, "
-                 "momentum 0.9).",
+    "optimizer": "Optimizer whose state is counted: " + ", ".join(f"{name} ({words})" if words else name
+                                                                   for name, words in OPTIMIZER_WORDS.items())
+                 + ".",
     "budget": "Per-device memory, more than 0 bytes, e.g. 8GiB: find the largest model of the family that "
               "fits at each K (the paper's Table 1).",
     "set": SET_HELP,
@@ -73,11 +77,17 @@ def profile_options(recipe: str | None, partitions: str | None, flags: Mapping[s
 
 def parse_partitions(text: str) -> list[int]:
     """`2,4,8` as a list of K values."""
+    parts = text.split(",")
+    if not any(part.strip() for part in parts):
+        return []  # refused as listing no K
+    empty = next((i for i, part in enumerate(parts, 1) if not part.strip()), None)
+    if empty is not None:  # `2,,4`: a K left out as likely as a stray comma
+        raise UserError(f"--partitions: entry {empty} is empty; give K values separated by commas, e.g. 2,4,8 "
+                        f"(got '{cut(text)}')")
     try:
-        values = [int(part) for part in text.split(",") if part.strip()]
+        return [int(part) for part in parts]
     except ValueError:
         raise UserError(f"--partitions expects K values separated by commas, e.g. 2,4,8 (got '{cut(text)}')") from None
-    return values
 
 
 def validate(options: ProfileOptions) -> None:

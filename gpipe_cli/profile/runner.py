@@ -322,7 +322,7 @@ def run(options: ProfileOptions) -> int:
         with interrupts.remembered():
             return _run(options, console)
     except KeyboardInterrupt:
-        console.print("[yellow]gpipe profile-memory: interrupted; nothing was written[/]")
+        interrupts.say_stopped("gpipe profile-memory")
         return 128 + signal.SIGINT
 
 

@@ -7,6 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from gpipe_cli.models import families
 from gpipe_cli.units import human_bytes, human_count, number_range
 
 __all__ = ["show_budget", "show_measured"]
@@ -80,8 +81,10 @@ def _measured(row: dict[str, Any] | None) -> str:
 
 def show_budget(s: dict[str, Any], console: Console) -> None:
     """The paper's Table 1 layout: one column per scenario, ours above the paper's."""
+    # The searched sizes by the letters the table's rows fill in, the fixed ones as every header names a model.
+    model = families.of(s["kind"]).title({**s["fixed"], "layers": "L", "filters": "D"}, True)
     console.print(f"[bold]gpipe profile-memory --budget[/] {human_bytes(s['budget_bytes'])} per device · "
-                  f"{s['family']} with {s['fixed']} · batch {s['batch_size']} · M={s['microbatches']} · "
+                  f"{model} · batch {s['batch_size']} · M={s['microbatches']} · "
                   f"checkpoint {s['checkpoint']} · {s['optimizer']} ({s['bytes_per_param']:.0f} bytes per parameter "
                   f"with its gradient)")
     console.print(f"[dim]{s['method']}[/]")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -11,6 +12,7 @@ from pydantic import BaseModel
 from gpipe_cli.limits import MAX_SIZE
 from gpipe_cli.recipe.load import RecipeError, apply_override, load_recipe, parse_override, validate
 from gpipe_cli.recipe.schema import DEFAULT_KIND, MODEL_SECTIONS, Data, Pipeline, Recipe
+from gpipe_cli.recipe.yamlio import parse_value
 
 # Flag (its parameter name) -> recipe key.
 ALIASES: dict[str, str] = {
@@ -63,8 +65,22 @@ def balance_text(value: Any, cuts: tuple[str, ...]) -> str | None:
 
 def as_sets(flags: Mapping[str, Any]) -> list[str]:
     """The `--set KEY=VALUE` items that the alias flags given (not None) stand for."""
-    return [f"{ALIASES[name]}=" + (f"[{value}]" if name == "balance" and _LIST.match(str(value)) else str(value))
-            for name, value in flags.items() if value is not None]  # `--balance 5,5`: [5, 5]
+    return [f"{ALIASES[name]}=" + _as_yaml(name, str(value)) for name, value in flags.items() if value is not None]
+
+
+def _as_yaml(name: str, text: str) -> str:
+    """A flag's text as the YAML of its `--set` item: `--balance 5,5` is [5, 5]; a word stays the word typed."""
+    if name == "balance" and _LIST.match(text):
+        return f"[{text}]"
+    # YAML reads `--offload yes` as true and `--schedule null` as null: an error would show a value never typed.
+    if kind(name) is str:
+        try:
+            value = parse_value(text, flag(name))
+        except RecipeError:  # said where the item is read
+            return text
+        if value is None or isinstance(value, bool):
+            return json.dumps(text)
+    return text
 
 
 # The recipe is validated with the flags and `--set` items applied, as `train` reads it; a bad flag value is named

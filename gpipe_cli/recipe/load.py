@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from gpipe_cli.errors import cut, not_utf8, shown
 from gpipe_cli.limits import words
-from gpipe_cli.recipe.schema import DEFAULT_KIND, LOCAL_SOURCES, MODEL_SECTIONS, Recipe, bounds
+from gpipe_cli.recipe.schema import DEFAULT_KIND, LOCAL_SOURCES, MODEL_SECTIONS, PLANNING, STAND_IN, Recipe, bounds
 from gpipe_cli.recipe.yamlio import RecipeError, dump, parse_document, parse_value, read_recipe_file
 
 __all__ = ["RecipeError", "apply_override", "default_recipe_text", "load_recipe", "parse_override",
@@ -31,9 +31,11 @@ def recipe_label(path: str | Path | None) -> str:
 
 
 # Every problem is a RecipeError of one line: the file, the key path, the bad value and what is allowed.
-def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), check_data: bool = True) -> Recipe:
+def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), check_data: bool = True,
+                planning: bool = False) -> Recipe:
     """Load, override and validate a recipe (None: the embedded quick-start recipe)."""
-    # check_data=False skips the check that local data and tokenizer paths exist (to rebuild a model).
+    # check_data=False skips the check that local data and tokenizer paths exist (to rebuild a model); `planning`:
+    # the pipeline's M and D are the plan's to choose, so they need not fit data.batch_size.
     label = recipe_label(path)
     if path is not None and not str(path):  # Path("") would read as the current directory
         raise RecipeError("the recipe path is empty; give a YAML file, or leave it out for the built-in "
@@ -41,7 +43,7 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), check_da
     raw = parse_yaml(default_recipe_text() if path is None else read_recipe_file(Path(path)), label)
     for item in overrides:
         apply_override(raw, item)
-    return validate(raw, label, check_data, Path(path).parent if path is not None else None)
+    return validate(raw, label, check_data, Path(path).parent if path is not None else None, planning)
 
 
 def recipe_yaml(recipe: Recipe) -> str:
@@ -105,15 +107,16 @@ def _preset_section(model: dict[str, Any], label: str) -> dict[str, Any]:
     return {"kind": kind, "preset": model["preset"], **known, **explicit}
 
 
-def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: Path | None = None) -> Recipe:
+def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: Path | None = None,
+             planning: bool = False) -> Recipe:
     """Validate a raw recipe mapping (read from `folder`), raising one RecipeError line for the first problem."""
     model = raw.get("model")
     if isinstance(model, dict) and model.get("preset"):
         # Resolving a preset needs the model zoo, which imports torch: check every other section
         # first, so that their mistakes are still reported at once.
-        _validated({**raw, "model": {"kind": DEFAULT_KIND}}, label)
+        _validated({**raw, "model": {"kind": DEFAULT_KIND}}, label, planning, stand_in=True)
         raw = {**raw, "model": _preset_section(model, label)}
-    recipe = _validated(raw, label)
+    recipe = _validated(raw, label, planning)
     if not check_data:
         return recipe
     data = recipe.data
@@ -137,9 +140,9 @@ def _beside(path: str, folder: Path | None) -> str:
     return f" (a relative path is read from the directory gpipe runs in; the recipe's folder holds {folder / path})"
 
 
-def _validated(raw: dict[str, Any], label: str) -> Recipe:
+def _validated(raw: dict[str, Any], label: str, planning: bool = False, stand_in: bool = False) -> Recipe:
     try:
-        return Recipe.model_validate(raw)
+        return Recipe.model_validate(raw, context={PLANNING: planning, STAND_IN: stand_in})
     except ValidationError as exc:
         errors = exc.errors()
         message = _describe(dict(errors[0]), raw)

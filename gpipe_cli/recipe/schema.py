@@ -5,12 +5,21 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
-from gpipe_cli.errors import cut
-from gpipe_cli.limits import MAX_COUNT, MAX_LAYERS, MAX_RANKS, MAX_REAL, MAX_SIZE, MAX_VIRTUAL
+from gpipe_cli.errors import shown
+from gpipe_cli.limits import MAX_COUNT, MAX_LAYERS, MAX_RANKS, MAX_REAL, MAX_SEED, MAX_SIZE, MAX_VIRTUAL
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
 
@@ -125,6 +134,8 @@ DEFAULT_KIND = "amoebanet"  # the kind of a recipe without a model section (`Rec
 
 
 BALANCE_MODES = ("auto", "params", "time", "memory")
+PLANNING = "planning"  # the validation context's key set by `gpipe plan`, which picks M and D itself
+STAND_IN = "stand_in"  # set while a preset's model section is a stand-in, checked before the zoo resolves it
 
 
 class Pipeline(Section):
@@ -154,7 +165,7 @@ class Pipeline(Section):
         if isinstance(value, str) and value in schedules.names():
             return value
         raise ValueError(f"pipeline.schedule: must be {', '.join(allowed[:-1])} or {allowed[-1]} "
-                         f"(got {cut(repr(value))})")
+                         f"(got {shown(value)})")
 
     @field_validator("balance", mode="before")
     @classmethod
@@ -166,9 +177,9 @@ class Pipeline(Section):
             if not bad:
                 return value
             raise ValueError(f"pipeline.balance: every entry must be a number of layers from 1 to {MAX_LAYERS} "
-                             f"(got {cut(repr(bad[0]))} in {cut(repr(value))})")
+                             f"(got {shown(bad[0])} in {shown(value)})")
         raise ValueError(f"pipeline.balance: must be {', '.join(BALANCE_MODES)} or a list of layer counts "
-                         f"per stage (got {cut(repr(value))})")
+                         f"per stage (got {shown(value)})")
 
     @model_validator(mode="after")
     def _balance_matches_partitions(self) -> Pipeline:
@@ -366,7 +377,7 @@ class Recipe(Section):
     """A whole training recipe."""
 
     name: Name = "run"
-    seed: Annotated[int, Number, Field(ge=0, le=2**32 - 1)] = 0
+    seed: Annotated[int, Number, Field(ge=0, le=MAX_SEED)] = 0
     model: Model = Field(default_factory=AmoebaNetModel)  # DEFAULT_KIND
     pipeline: Pipeline = Field(default_factory=Pipeline)
     data: Data = Field(default_factory=Data)
@@ -378,8 +389,10 @@ class Recipe(Section):
     metrics: Metrics = Field(default_factory=Metrics)
 
     @model_validator(mode="after")
-    def _data_fits_model(self) -> Recipe:
+    def _data_fits_model(self, info: ValidationInfo) -> Recipe:
         source, model = self.data.source, self.model
+        if (info.context or {}).get(STAND_IN):
+            return self
         if isinstance(model, AmoebaNetModel) and source not in IMAGE_SOURCES:
             raise ValueError(f"data.source '{source}' holds text, and model.kind amoebanet classifies images: "
                              f"images come from {', '.join(IMAGE_SOURCES)}")
@@ -392,9 +405,9 @@ class Recipe(Section):
         return self
 
     @model_validator(mode="after")
-    def _microbatches_fit_batch(self) -> Recipe:
+    def _microbatches_fit_batch(self, info: ValidationInfo) -> Recipe:
         pipe, batch = self.pipeline, self.data.batch_size
-        if self.data.tokens_per_batch is not None:
+        if self.data.tokens_per_batch is not None or (info.context or {}).get(PLANNING):
             return self
         if problem := microbatch_problem(pipe.microbatches, batch, "pipeline.microbatches", "data.batch_size"):
             raise ValueError(problem)

@@ -8,6 +8,8 @@ import pytest
 from tests.bench.test_cli_commands import TINY
 from tests.interrupt import interrupt
 
+STOPPED = "gpipe bench: interrupted; nothing was written\n"
+
 
 @pytest.mark.slow
 def test_ctrl_c_mid_measurement_exits_130_quietly_and_cleans_up(tmp_path):
@@ -15,10 +17,12 @@ def test_ctrl_c_mid_measurement_exits_130_quietly_and_cleans_up(tmp_path):
         # The K=1 ranks have written their per-layer costs: they are timing steps now.
         return any(tmp.glob("gpipe-bench-*/k1.out.json"))
 
-    code, output = interrupt(["bench", *TINY, "--partitions", "2", "--microbatches", "4", "--steps", "100000"],
-                             tmp_path, measuring)
-    assert code == 130, output[-3000:]
-    assert "Traceback" not in output and "stopped" in output
+    code, output, err = interrupt(["bench", *TINY, "--partitions", "2", "--microbatches", "4", "--steps", "100000"],
+                                  tmp_path, measuring)
+    assert code == 130, (output + err)[-3000:]
+    # On stderr, in the words every command uses: the figures piped to a file stay figures.
+    assert "Traceback" not in output + err and err == STOPPED, err
+    assert "interrupted" not in output, output[-3000:]
     # Nothing of the command's is left (torch's compile cache, which it keeps by design, aside).
     assert not [p for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")]
 
@@ -28,11 +32,12 @@ def test_ctrl_c_while_the_ranks_import_torch_is_quiet_too(tmp_path):
     def starting(tmp, output):
         return "measuring K=1" in output  # its rank is starting: importing torch takes it seconds
 
-    code, output = interrupt(["bench", *TINY, "--partitions", "2", "--microbatches", "4", "--steps", "100000"],
-                             tmp_path, starting)
-    assert code == 130, output[-3000:]
+    code, output, err = interrupt(["bench", *TINY, "--partitions", "2", "--microbatches", "4", "--steps", "100000"],
+                                  tmp_path, starting)
+    assert code == 130, (output + err)[-3000:]
     for noise in ("Traceback", "KeyboardInterrupt", "killed"):
-        assert noise not in output, output[-3000:]
+        assert noise not in output + err, (output + err)[-3000:]
+    assert err == STOPPED, err
     assert not [p for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")]
 
 
@@ -43,10 +48,10 @@ def test_sigterm_stops_it_as_ctrl_c_does_with_143(tmp_path, moment):
     def now(tmp, output):
         return "plan" in output if moment == "sizing" else any(tmp.glob("gpipe-bench-*"))
 
-    code, output = interrupt(["bench", *TINY, "--partitions", "2", "--microbatches", "4", "--steps", "100000"],
-                             tmp_path, now, signum=signal.SIGTERM)
-    assert code == 128 + signal.SIGTERM, output[-3000:]
-    assert "Traceback" not in output and "nothing was written" in output, output[-3000:]
+    code, output, err = interrupt(["bench", *TINY, "--partitions", "2", "--microbatches", "4", "--steps", "100000"],
+                                  tmp_path, now, signum=signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, (output + err)[-3000:]
+    assert "Traceback" not in output + err and err == STOPPED, err
     assert not [p for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")]
 
 

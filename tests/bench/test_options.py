@@ -37,6 +37,14 @@ def test_default_batch_gives_four_examples_per_microbatch():
     (BenchOptions(partitions=60_000, microbatches=1, batch_size=1), "a bench starts one rank per stage"),
     (BenchOptions(partitions=10**20, microbatches=1, batch_size=1), "--partitions: must be >= 1 and <= 65536"),
     (BenchOptions(threads=100000), "--threads: must be >= 1 and <= 1024"),
+    # As a recipe's seed: it ran with --seed -1.
+    (BenchOptions(seed=-1), r"--seed: must be >= 0 and <= 4294967295 \(got -1\)"),
+    (BenchOptions(seed=2**32), r"--seed: must be >= 0 and <= 4294967295 \(got 4294967296\)"),
+    # As plan refuses them: an infinite link prices every message at no time or at no speed.
+    (BenchOptions(simulate=True, latency_us=float("inf")), r"--latency-us must be a finite number >= 0 \(got inf\)"),
+    (BenchOptions(simulate=True, bandwidth=float("inf")), r"--bandwidth must be a finite number > 0 GB/s \(got inf\)"),
+    (BenchOptions(simulate=True, bandwidth=float("nan")), r"--bandwidth must be a finite number > 0 GB/s \(got nan\)"),
+    (BenchOptions(simulate=True, bandwidth=0.0), r"--bandwidth must be a finite number > 0 GB/s \(got 0.0\)"),
 ])
 def test_bad_options_are_refused(options, message):
     with pytest.raises(UserError, match=message):
@@ -132,3 +140,23 @@ def test_a_balance_the_model_cannot_take_is_one_line_naming_its_layers_once(caps
     assert run([command, "--partitions", "2", "--balance", balance]) == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [f"error: {'--partitions/--balance: ' if balance == '1,1' else ''}{message}"], err
+
+
+@pytest.mark.parametrize("command", ["bench", "profile-memory"])
+@pytest.mark.parametrize(("flags", "line"), [
+    # YAML reads yes and null as true and None: the line showed a value never typed, or Python's None.
+    (["--offload", "yes"], "error: --offload: must be 'none' or 'activations' (got 'yes')"),
+    (["--schedule", "null"], "error: --schedule: must be 'gpipe', '1f1b', 'interleaved', 'zero-bubble', "
+                             "'zero-bubble-v' or 'v-half' (got 'null')"),
+    (["--checkpoint", ""], "error: --checkpoint: must be 'always', 'except_last' or 'never' (got '')"),
+    # A model key is named as typed, not as --model (and never as Python's True or None).
+    (["--set", "model.layers=true"], "error: --set model.layers: must be an integer >= 1 and <= 10000 (got true)"),
+    (["--set", "model.d_model="], "error: --set model.d_model: must be an integer >= 1 and <= 1048576 (got null)"),
+    (["--set", "model.dropout=true"], "error: --set model.dropout: must be a number in [0, 1) (got true)"),
+])
+def test_a_value_is_shown_as_typed_and_named_by_what_the_user_typed(capsys, command, flags, line):
+    from gpipe_cli.cli import run
+
+    assert run([command, *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [line], captured.err

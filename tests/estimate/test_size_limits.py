@@ -25,8 +25,16 @@ def test_the_limits_are_the_recipe_schemas():
 @pytest.mark.parametrize("sizes,sets,message", [
     ({"layers": 99999999999}, [], f"--layers: must be >= 1 and <= {MAX_LAYERS} (got 99999999999)"),
     ({}, ["layers=99999999999"], f"--set layers: must be >= 1 and <= {MAX_LAYERS} (got 99999999999)"),
-    ({}, ["model.layers=20000"], f"--set layers: must be >= 1 and <= {MAX_LAYERS} (got 20000)"),
+    ({}, ["model.layers=20000"], f"--set model.layers: must be >= 1 and <= {MAX_LAYERS} (got 20000)"),
     ({"seq_len": 0}, [], f"--seq-len: must be >= 1 and <= {MAX_SIZE} (got 0)"),
+    # Not a count at all: named as typed, the value in YAML's words (the builder said `--model transformer: layers
+    # must be a positive integer (got True)`).
+    ({}, ["model.layers=true"], f"--set model.layers: must be an integer >= 1 and <= {MAX_LAYERS} (got true)"),
+    ({}, ["model.d_model="], f"--set model.d_model: must be an integer >= 1 and <= {MAX_SIZE} (got null)"),
+    ({}, ["model.heads=2.5"], f"--set model.heads: must be an integer >= 1 and <= {MAX_SIZE} (got 2.5)"),
+    ({}, ["model.dropout=true"], "--set model.dropout: must be a number in [0, 1) (got true)"),
+    ({}, ["model.arch=foo"], "--model transformer: transformer arch must be one of encoder-decoder, decoder-only "
+                             "(got 'foo')"),
 ])
 def test_a_size_beyond_the_limits_names_its_flag(sizes, sets, message):
     with pytest.raises(UserError) as caught:

@@ -23,7 +23,10 @@ QUICK = ["--devices", "2", "--tflops", "100", "--plain"]  # estimated seconds: n
     (["--devices", "2", "--node-latency-us", "inf"],
      "error: --node-latency-us must be a finite number >= 0 (got inf)"),
     # An empty --output read as '.', and the line named a file nobody gave.
-    (["--devices", "2", "--output", ""], "error: --output must name a .yaml file, e.g. planned.yaml (got '')"),
+    (["--devices", "2", "--output", ""], "error: --output must name a .yaml or .yml file, e.g. planned.yaml "
+                                         "(got '')"),
+    (["--devices", "2", "--output", "out.txt"], "error: --output must name a .yaml or .yml file, e.g. planned.yaml "
+                                                "(got out.txt)"),
     (["--devices", "2", "--device-memory", "0.4"],
      "error: --device-memory must be at least 1 byte, a size such as 8GiB, 16GB or 500MiB (got '0.4')"),
 ])
@@ -75,3 +78,28 @@ def test_a_ctrl_c_a_library_swallowed_still_stops_the_plan(tmp_path, capsys, mon
     err = capsys.readouterr().err
     assert err == "gpipe plan: interrupted; nothing was written\n"
     assert not output.exists() and list(tmp_path.iterdir()) == [recipe]
+
+
+@pytest.mark.parametrize("name", ["out.yaml", "out.yml", "out.YAML", "out.Yml"])
+def test_an_output_suffix_is_taken_in_any_case(name):
+    from pathlib import Path
+
+    from gpipe_cli.plan.options import PlanOptions, validate
+
+    validate(PlanOptions(devices=2, output=Path(name)))  # out.YAML was refused while out.yml was taken
+
+
+def test_a_batch_smaller_than_the_recipes_m_is_planned_with_an_m_that_fits_it(capsys):
+    # The built-in recipe's M=4 was held against --batch-size 1 and refused, though M is what plan picks.
+    assert run(["plan", *QUICK, "--batch-size", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "is not compared: each replica's 1 example cannot make M=4 micro-batches" in out
+    assert "--set data.batch_size=1" in out and "--set pipeline.microbatches=1 " in out
+
+
+def test_only_plan_reads_a_recipe_whose_m_does_not_fit_its_batch():
+    from gpipe_cli.recipe.load import RecipeError, load_recipe
+
+    assert load_recipe(None, ["data.batch_size=1"], check_data=False, planning=True).pipeline.microbatches == 4
+    with pytest.raises(RecipeError, match=r"pipeline.microbatches \(4\) must be <= data.batch_size \(1\)"):
+        load_recipe(None, ["data.batch_size=1"], check_data=False)

@@ -176,11 +176,13 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
                             "replicas gets 3 of the mini-batch's examples"),
     "replicas over examples": (GOOD, ["--set", "pipeline.data_parallel=64"], "each of the 64 replicas gets 0"),
     "balance zero entry": (GOOD, ["--set", "pipeline.balance=[9, 0]"], "pipeline.balance: every entry"),
-    "balance bool entry": (GOOD, ["--set", "pipeline.balance=[true, 8]"], "pipeline.balance: every entry"),
+    "balance bool entry": (GOOD, ["--set", "pipeline.balance=[true, 8]"], "pipeline.balance: every entry must be a "
+                           "number of layers from 1 to 10000 (got true in [true, 8])"),  # YAML's words, not Python's
     "balance huge entry": (GOOD, ["--set", f"pipeline.balance=[{BIG}, 1]"], "pipeline.balance: every entry"),
     "balance word": (GOOD, ["--set", "pipeline.balance=fast"], "pipeline.balance: must be auto"),
     "balance length": (GOOD, ["--set", "pipeline.balance=[3, 3, 3]"], "pipeline.balance has 3 entries"),
     "schedule": (GOOD, ["--set", "pipeline.schedule=zb"], "pipeline.schedule: must be"),
+    "schedule null": (GOOD, ["--set", "pipeline.schedule=null"], "'zero-bubble-v' or 'v-half' (got null)"),
     "remat": (GOOD, ["--set", "pipeline.checkpoint=sometimes"], "pipeline.checkpoint: must be"),
     "backend": (GOOD, ["--set", "pipeline.backend=mpi"], "pipeline.backend: must be"),
     "data source": (GOOD, ["--set", "data.source=s3"], "data.source: must be"),
@@ -227,6 +229,8 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "threads zero": (GOOD, ["--threads", "0"], "--threads: must be >= 1"),
     "threads negative": (GOOD, ["--threads", "-3"], "--threads"),
     "threads word": (GOOD, ["--threads", "many"], "--threads"),
+    "threads decimal": (GOOD, ["--threads", "2.0"], "--threads: must be a whole number written in digits, e.g. 4 "
+                        "(got '2.0') (see 'gpipe train --help')"),
     "threads beyond any machine": (GOOD, ["--threads", "100000"], "--threads: must be >= 1 and <= 1024 (got 100000)"),
     "nnodes zero": (GOOD, ["--nnodes", "0"], "--nnodes must satisfy"),
     "nnodes reversed": (GOOD, ["--nnodes", "2:1"], "--nnodes must satisfy"),

@@ -171,3 +171,12 @@ def test_set_fills_an_optional_section_a_resolved_recipe_leaves_null(tmp_path):
     assert recipe.metrics.wandb is not None and recipe.metrics.wandb.project == "p"
     with pytest.raises(RecipeError, match="'steps' is a value, not a section"):
         load_recipe(resolved, ["train.steps.max=3"])
+
+
+def test_a_preset_model_is_checked_against_its_data_as_the_preset_resolves(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"source": "one", "target": "un"}\n')
+    text = ["data.source=jsonl", f"data.path={pairs}"]
+    assert load_recipe(None, ["model={preset: transformer-big}", *text]).model.kind == "transformer"
+    with pytest.raises(RecipeError, match="data.source 'jsonl' holds text, and model.kind amoebanet"):
+        load_recipe(None, ["model={preset: amoebanet-d-18-256}", *text])

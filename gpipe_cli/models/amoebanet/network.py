@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpipe_cli.errors import shown
 from gpipe_cli.models.amoebanet.cells import COMBINATIONS, Combination, Preprocess, PrevMode, live_states, state_widths
 from gpipe_cli.models.amoebanet.genotype import GENOTYPES, CellGenotype
 from gpipe_cli.models.amoebanet.heads import AuxHead, Classifier, Stem, he_built
@@ -118,15 +119,15 @@ def build_amoebanet(variant: str = "d", layers: int = 18, filters: int = 256, nu
                     image_size: int = 224, dropout: float = 0.5, aux_head: bool = False,
                     label_smoothing: float = 0.1) -> ModelSpec:
     """AmoebaNet-<variant>(layers, filters) for `num_classes` classes at `image_size` pixels."""
-    require(variant in GENOTYPES, f"AmoebaNet variant must be one of {sorted(GENOTYPES)} (got {variant!r})")
+    require(variant in GENOTYPES, f"AmoebaNet variant must be one of {sorted(GENOTYPES)} (got {shown(variant)})")
     for name, value, step in (("layers", layers, 3), ("filters", filters, 4)):
         require(is_int(value) and value >= step and value % step == 0,
-                f"AmoebaNet {name} must be a positive multiple of {step} (got {value!r})")
+                f"AmoebaNet {name} must be a positive multiple of {step} (got {shown(value)})")
     for name, value, least in (("num_classes", num_classes, 2), ("image_size", image_size, MIN_IMAGE_SIZE)):
-        require(is_int(value) and value >= least, f"{name} must be an integer >= {least} (got {value!r})")
+        require(is_int(value) and value >= least, f"{name} must be an integer >= {least} (got {shown(value)})")
     for name, share in (("dropout", dropout), ("label_smoothing", label_smoothing)):
-        require(is_fraction(share), f"{name} must be a number in [0, 1) (got {share!r})")
-    require(isinstance(aux_head, bool), f"aux_head must be true or false (got {aux_head!r})")
+        require(is_fraction(share), f"{name} must be a number in [0, 1) (got {shown(share)})")
+    require(isinstance(aux_head, bool), f"aux_head must be true or false (got {shown(aux_head)})")
 
     plans = plan_cells(variant, layers, filters, image_size)
     specs = [LayerSpec("stem", functools.partial(he_built, Stem, STEM_FILTERS))]
