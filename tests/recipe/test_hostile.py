@@ -75,7 +75,7 @@ def not_utf8(folder: Path) -> str:
 def long_value(folder: Path) -> str:
     recipe = copy.deepcopy(TINY_AMOEBANET)
     recipe["data"]["path"] = "p" * 900_000
-    recipe["data"]["source"] = "jsonl"
+    recipe["data"]["source"] = "imagefolder"
     return recipe_text(yaml.safe_dump(recipe))(folder)
 
 
@@ -187,7 +187,7 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "backend": (GOOD, ["--set", "pipeline.backend=mpi"], "pipeline.backend: must be"),
     "data source": (GOOD, ["--set", "data.source=s3"], "data.source: must be"),
     "data path missing": (GOOD, ["--set", "data.source=jsonl"], "data.path is required"),
-    "data path absent": (GOOD, ["--set", "data.source=jsonl", "--set", "data.path=/no/such"], "no such file"),
+    "data path absent": (GOOD, ["--set", "data.source=imagefolder", "--set", "data.path=/no/such"], "no such file"),
     "eval fraction one": (GOOD, ["--set", "data.eval_fraction=1"], "data.eval_fraction: must be >= 0.0 and < 1.0"),
     "seq len zero": (GOOD, ["--set", "data.seq_len=0"], "data.seq_len: must be >= 1"),
     "synthetic negative": (GOOD, ["--set", "data.synthetic_size=-5"], "data.synthetic_size: must be >= 1"),
@@ -395,7 +395,8 @@ def test_validate_refuses_the_same_recipes(tmp_path, monkeypatch, capsys, comman
     (["validate", "--json", ""], "it is a directory; name a file"),
     (["validate", "--json", "."], "it is a directory; name a file"),
     (["export", "/no/such/run"], "no such run directory or checkpoint"),
-    (["export", "/no/such/run", "--output", "/proc/gpipe/model.safetensors"], "--output: cannot write to"),
+    (["export", "/no/such/run", "--output", "/proc/gpipe/model.safetensors"],
+     "--output: cannot write '/proc/gpipe/model.safetensors': cannot write to"),
 ], ids=["validate json", "validate json empty", "validate json directory", "export missing run", "export output"])
 def test_validate_and_export_arguments(tmp_path, monkeypatch, capsys, args, fragment):
     if not Path("/proc/self").is_dir() and "/proc" in " ".join(args):
