@@ -78,7 +78,7 @@ class PendingStep:
                                    nonfinite_layer=self.bad_layer(values[_NORMS:]) if skipped else -1)
         gathered = stats.gather(mine, loss or 0.0, int(self.examples), self.units, values[_NORM],
                                 self.bubble_theory, self.fabric, events if self.trace else None)
-        if gathered is not None and loss is None:
+        if gathered is not None:  # rank 0: the sum over every replica's last stage, its own among them
             loss = gathered.loss
         return StepResult(loss=loss, grad_norm=values[_NORM], skipped=skipped, stats=gathered,
                           loss_scale=values[_SCALE] if self.loss_scaling else None, own=mine)

@@ -112,6 +112,21 @@ def test_losses_agree_for_any_number_of_stages_and_both_schedules(cuts):
         assert values[:steps] == pytest.approx(reference[:steps], rel=1e-4), key
 
 
+def test_data_parallel_reports_the_loss_of_the_whole_mini_batch(cuts, tmp_path):
+    # K=1 x D=2: rank 0 is a last stage too, and its replica's share alone is half the mini-batch's loss.
+    recipe, _, _ = cuts[(1, "gpipe")]
+    if recipe["model"]["kind"] != "transformer":
+        pytest.skip("one family is enough: the loss is summed over replicas alike for both")
+    recipe = copy.deepcopy(recipe)
+    recipe["pipeline"].update(partitions=1, data_parallel=2, schedule="gpipe")
+    out = tmp_path / "d2"
+    ranks = gpipe_train(2, str(write(tmp_path, recipe, "d2.yaml")), "--output-dir", str(out), "--threads", "1")
+    assert ranks.code == 0, ranks.output[-4000:]
+    losses = [r["loss"] for r in records(out) if r["kind"] == "train"]
+    reference = [r["loss"] for r in records(cuts[(1, "gpipe")][1]) if r["kind"] == "train"]
+    assert losses == pytest.approx(reference, rel=1e-4)
+
+
 def test_two_processes_act_as_two_nodes_of_one_job(tmp_path):
     recipe = copy.deepcopy(TINY_AMOEBANET)
     recipe["train"]["steps"] = 2
