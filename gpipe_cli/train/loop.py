@@ -236,7 +236,7 @@ class Trainer:
         text = f"reading data ({data.source}{f': {where}' if where else ''})"
         stored = (self.run_dir / "tokenizer.model").exists()
         if isinstance(model, TransformerModel) and not data.tokenizer and not stored:
-            text += f" and training the tokenizer (vocabulary {model.vocab_size})"
+            text += f" and training the tokenizer (vocabulary {data.vocab_size or model.vocab_size})"
         return text
 
     def _data_summary(self, data: Loader) -> str:
@@ -245,6 +245,12 @@ class Trainer:
         text = (f"data: {data.train_size:,} training examples, {self.steps_per_epoch:,} steps per epoch, "
                 f"{data.eval_size:,} held out")
         dropped = data.train_size - used
+        model, given = self.recipe.model, self.recipe.data
+        wanted = given.vocab_size or (model.vocab_size if isinstance(model, TransformerModel) else None)
+        pieces = data.tokenizer.vocab_size if data.tokenizer is not None and not given.tokenizer else None
+        if pieces is not None and wanted and pieces < wanted:  # sentencepiece's soft limit on a small corpus
+            text += (f"; the tokenizer has {pieces:,} pieces, fewer than the {wanted:,} asked: the "
+                     "training text holds no more")
         if dropped:
             text += (f"; data.drop_last leaves out {dropped:,} of {data.train_size:,} training examples per epoch "
                      f"(a partial last batch; data.drop_last: false keeps them)")

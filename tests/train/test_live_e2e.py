@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from gpipe_cli.data.tokenizer import Tokenizer
 from gpipe_cli.pipeline.stats import PARTS
 from gpipe_cli.train.checkpoint import newest_whole
 from tests.train.recipes import TINY_TRANSLATION, write
@@ -56,6 +57,9 @@ def test_a_run_says_what_it_does_from_the_first_line_to_the_summary(tmp_path):
                            for what in ("training examples", "steps per epoch"))
     dropped = examples - per_epoch * 12
     assert dropped > 0 and f"data.drop_last leaves out {dropped} of {examples} training examples per epoch" in data
+    assert any("and training the tokenizer (vocabulary 512)" in line for line in lines)
+    pieces = Tokenizer.load(out / "tokenizer.model").vocab_size  # 200 synthetic pairs hold fewer than 512
+    assert pieces < 512 and f"the tokenizer has {pieces} pieces, fewer than the 512 asked" in data
     stage_lines = [line for line in lines if line.startswith("  stage ")]
     assert len(stage_lines) == 2 * 3 and all("activations " in line and "RSS peak " in line for line in stage_lines)
     assert all("(step 1)" in line for line in stage_lines[2:])  # later steps show the last count, and its step
