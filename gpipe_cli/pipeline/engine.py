@@ -237,10 +237,10 @@ class Pipeline:
         if self.loss_scale.enabled:
             loss = loss / self.loss_scale.value
         norm, bad, found, positions = self._finish_gradients(max_grad_norm, loss)
-        figures = step_.figures(loss, norm, bad, self.loss_scale.value, found)
         finite = (bad == 0) & norm.isfinite() if optimizer is not None or self.loss_scale.enabled else None
         if finite is not None and self.loss_scale.enabled:
             self.loss_scale.update(bad + (~finite).to(bad.dtype))
+        figures = step_.figures(loss, norm, bad, self.loss_scale.value, found)  # the scale after this step's update
         copy = dev.HostCopy(figures)  # queued now; read after the step's last marker, with one wait
         if optimizer is not None and finite is not None and step_.fused(optimizer):
             with self.timeline.span(stats.OPTIMIZER):

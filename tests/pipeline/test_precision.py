@@ -42,3 +42,4 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
     x, y = torch.full((4, 8), 1e30), torch.zeros(4, dtype=torch.long)
     result = pipe.train_step(x, y, microbatches=2, step=0)
     assert result.skipped and pipe.loss_scale.value == 2.0 ** 15
+    assert result.loss_scale == 2.0 ** 15  # what the skipped step's line says the scale is now
