@@ -139,7 +139,7 @@ def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float]
     balance = recipe.pipeline.balance
     explicit = checked_cut(recipe, layers)
     if explicit is not None:
-        return explicit, "explicit", ""
+        return explicit, "pipeline.balance", ""
     with _cut_errors(recipe):
         if balance == "params":
             return partition.balance_by_cost([c.params for c in summary.layers], k), "parameters", ""

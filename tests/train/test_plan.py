@@ -97,7 +97,7 @@ def test_auto_moves_the_cut_to_fit_memory(tiny):
     assert balance != free and max(needs(tight, balance)) <= tight.capacity and refusal == ""
     assert tight_by == f"{by}, the fastest cut that fits memory"
     explicit = recipe.model_copy(update={"pipeline": recipe.pipeline.model_copy(update={"balance": free})})
-    assert resolve_balance(explicit, summary, memory=tight)[:2] == (free, "explicit")  # the user's cut stands
+    assert resolve_balance(explicit, summary, memory=tight)[:2] == (free, "pipeline.balance")  # the user's cut stands
 
 
 def test_the_plan_says_what_the_cut_was_balanced_by(tiny):
