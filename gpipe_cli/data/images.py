@@ -14,7 +14,7 @@ from gpipe_cli.data.loader import Examples
 from gpipe_cli.data.rng import rng
 from gpipe_cli.data.sources import existing_path, first_line, hold_out, load_builder, open_splits, pick_splits
 from gpipe_cli.data.synthetic import SyntheticImages
-from gpipe_cli.errors import DataError
+from gpipe_cli.errors import DataError, shown
 from gpipe_cli.recipe.schema import Data
 
 
@@ -76,6 +76,14 @@ def _column(ds: Any, wanted: str, feature: type, what: str, key: str) -> str:
     raise DataError(f"no {what} column '{wanted}' (columns: {', '.join(ds.column_names)}); set {key}")
 
 
+def _integral(value: Any) -> bool:
+    """Whether a label reads as an integer class number."""
+    try:
+        return int(value) == float(value)
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
 def _as_images(ds: Any, data: Data, where: str) -> tuple[Any, str, np.ndarray, int | None]:
     """(dataset with a decodable image column, its name, labels, number of class names if known)."""
     import datasets
@@ -91,7 +99,11 @@ def _as_images(ds: Any, data: Data, where: str) -> tuple[Any, str, np.ndarray, i
         raw = np.asarray(ds.with_format("numpy", columns=[lab])[lab])
         labels = raw.astype(np.int64)
     except Exception as e:
-        raise DataError(f"column '{lab}' of {where} does not hold integer labels: {first_line(e)}") from None
+        values = list(ds[lab])  # as stored: name the first value that is no class number, not numpy's words
+        row = next((i for i, value in enumerate(values) if not _integral(value)), None)
+        found = f"{shown(values[row])} in row {row}" if row is not None else first_line(e)
+        raise DataError(f"column '{lab}' of {where} does not hold integer labels: {found}; give class numbers "
+                        "from 0") from None
     if raw.dtype.kind == "f" and not np.array_equal(labels, raw):  # a cast would make label 0.5 class 0
         row = int(np.flatnonzero(labels != raw)[0])
         raise DataError(f"column '{lab}' of {where} does not hold integer labels: {raw[row]:g} in row {row}")
@@ -116,8 +128,12 @@ def _open(data: Data, cache_dir: Path | None) -> tuple[Any, str]:
     path = existing_path(data.path, "data.source 'imagefolder'")
     if not path.is_dir():
         raise DataError(f"data.path '{path}' is not a folder (imagefolder wants train/<class>/*.png)")
-    if not any(p.suffix.lower() in IMAGE_EXTS for p in path.rglob("*")):
+    classes = {p.parent.name for p in path.rglob("*") if p.suffix.lower() in IMAGE_EXTS}
+    if not classes:
         raise DataError(f"no images under '{path}' (imagefolder wants train/<class>/*.png)")
+    if len(classes) == 1:  # the loader gives a lone folder no labels at all: say what is missing, not the column
+        raise DataError(f"the images under '{path}' are all in one folder ('{classes.pop()}'); imagefolder takes "
+                        "each folder as a class and a classifier needs two at least: train/<class>/*.png")
     return load_builder("imagefolder", f"'{path}'", cache_dir, data_dir=str(path)), f"'{path}'"
 
 

@@ -36,7 +36,8 @@ def test_empty_folders(tmp_path: Path) -> None:
 
 def test_single_class_folder_has_no_labels(imagefolder: Callable[..., Path], tmp_path: Path) -> None:
     root = imagefolder(classes=1, test=False)
-    _fails(data(source="imagefolder", path=str(root)), "image", "label", tmp_path)
+    _fails(data(source="imagefolder", path=str(root)), "image", r"are all in one folder \('\w+'\); imagefolder "
+                                                                 r"takes each folder as a class", tmp_path)
 
 
 def test_malformed_files(tmp_path: Path) -> None:

@@ -106,3 +106,8 @@ def test_labels_must_be_whole_numbers(tmp_path: Path, cache_dir: Path) -> None:
     with pytest.raises(DataError, match=refused):
         _build(data(source="parquet", path=str(halves), image_field="img", label_field="y", batch_size=2),
                cache_dir, num_classes=3)
+    words = tmp_path / "words.parquet"
+    pq.write_table(pa.table({"img": imgs, "y": ["0", "1", "cat", "0", "1", "2"]}), words)
+    with pytest.raises(DataError, match=r"does not hold integer labels: 'cat' in row 2; give class numbers from 0$"):
+        _build(data(source="parquet", path=str(words), image_field="img", label_field="y", batch_size=2),
+               cache_dir, num_classes=3)
