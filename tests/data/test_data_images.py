@@ -21,9 +21,11 @@ def _build(d, cache_dir: Path, **kw):  # type: ignore[no-untyped-def]
                       cache_dir=cache_dir, **kw)
 
 
-def test_imagefolder_with_test_split(imagefolder: Callable[..., Path], cache_dir: Path) -> None:
+def test_imagefolder_with_test_split(imagefolder: Callable[..., Path], cache_dir: Path,
+                                     capfd: pytest.CaptureFixture[str]) -> None:
     root = imagefolder(classes=3, per_class=6, test=True)
     ds = _build(data(source="imagefolder", path=str(root), batch_size=4), cache_dir)
+    assert "%|" not in capfd.readouterr().err  # a local read draws no progress bars between the run's lines
     assert ds.train_size == 18 and ds.eval_size == 6 and ds.steps_per_epoch() == 4
     b = next(ds.train_batches())
     assert b.inputs.shape == (4, 3, 32, 32) and b.inputs.dtype == torch.float32
