@@ -310,6 +310,14 @@ class Train(Section):
             raise ValueError("give train.steps or train.epochs (or both: training stops at whichever comes first)")
         return self
 
+    @model_validator(mode="after")
+    def _profile_within_run(self) -> Train:
+        first = self.profile.steps[0] if self.profile is not None and self.profile.steps is not None else None
+        if first is not None and self.steps is not None and first > self.steps:
+            raise ValueError(f"train.profile.steps starts at step {first}, after the run's last (train.steps "
+                             f"{self.steps}): nothing would be traced")
+        return self
+
 
 class Optimizer(Section):
     """The optimizer; `amoebanet-rmsprop` is the paper's RMSProp (decay 0.9, momentum 0.9)."""

@@ -54,7 +54,9 @@ class StepProfiler:
             return
         skip_first, wait, warmup, active, repeat = config.cycle()
         # Steps count from 1: the schedule's step 0 is never a training step, so it is skipped first.
-        self._schedule = schedule(skip_first=skip_first + 1, wait=wait, warmup=warmup, active=active, repeat=repeat)
+        with quiet():  # torch's advice against no warm-up, for a cycle the recipe chose, once per rank
+            self._schedule = schedule(skip_first=skip_first + 1, wait=wait, warmup=warmup, active=active,
+                                      repeat=repeat)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with quiet():
             self._profiler = profile(activities=activities, schedule=self._schedule, on_trace_ready=self._save,

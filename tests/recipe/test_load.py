@@ -62,6 +62,8 @@ def test_every_shipped_recipe_validates_and_plans(path):
     (["model.d_model=30"], "model.d_model (30) must be divisible by model.heads (4)"),
     (["train.steps=null"], "give train.steps or train.epochs"),
     (["name=has space"], "name: may contain only ASCII letters, digits"),
+    (["train.profile={steps: [5, 9]}"], "train.profile.steps starts at step 5, after the run's last (train.steps 2): "
+                                        "nothing would be traced"),
     (["data.source=imagefolder", "data.path=/"], "data.source 'imagefolder' holds images, and model.kind transformer "
                                                  "reads text: text comes from synthetic, jsonl, tsv, text, parquet, "
                                                  "pydoc, hub"),
