@@ -199,7 +199,7 @@ def _family(options: ProfileOptions) -> tuple[str, dict[str, Any]]:
     named = {}
     for key, value in model_overrides(options.set).items():
         if key in budget.SEARCHED:
-            raise UserError(f"--budget searches the layers and filters: drop --set {key}")
+            raise UserError(f"--budget searches the layers and filters: drop --set model.{key}")
         if key not in allowed:
             raise UserError(f"--set: unknown parameter {shown(key)} for the {kind} family of --budget; allowed: "
                             f"{', '.join(allowed)}")
