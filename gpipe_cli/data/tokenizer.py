@@ -52,6 +52,11 @@ class Tokenizer:
             raise DataError(f"'{p}' is not a sentencepiece model ({first_line(e)})") from None
 
     @property
+    def model_bytes(self) -> bytes:
+        """The sentencepiece model file's bytes."""
+        return self._proto
+
+    @property
     def vocab_size(self) -> int:
         """The real number of pieces (can be below the requested size for small corpora)."""
         return int(self._sp.get_piece_size())

@@ -81,7 +81,7 @@ def _described(tensors: dict[str, torch.Tensor], run_dir: Path, step: int,
     if spec.task != "image":
         source = Path(recipe.data.tokenizer) if recipe.data.tokenizer else run_dir / TOKENIZER_FILE
         try:
-            tokenizer = Tokenizer.load(source)._proto  # a damaged one is found now, not by gpipe predict
+            tokenizer = Tokenizer.load(source).model_bytes  # a damaged one is found now, not by gpipe predict
         except DataError as exc:
             print(f"[gpipe] {exc}: the export holds no tokenizer, which gpipe predict needs", file=sys.stderr)
     try:
