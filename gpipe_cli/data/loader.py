@@ -35,6 +35,7 @@ class Examples(ABC):
     """One split's examples: counts and lengths up front, tensors only when asked for."""
 
     lengths: np.ndarray | None = None  # padded cost of each example in tokens (text only)
+    left_out: str | None = None  # what reading the split passed over, in words for the run's data line
 
     @abstractmethod
     def __len__(self) -> int: ...

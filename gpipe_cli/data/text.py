@@ -54,9 +54,14 @@ class TranslationExamples(Examples):
         """The examples of `pairs`: training drops pairs longer than max_len, eval truncates them."""
         src = tok.encode_batch([p[0] for p in pairs])
         tgt = tok.encode_batch([p[1] for p in pairs])
-        kept = [(s[:max_len], t[:max_len - 1], ref) for (_, ref), s, t in zip(pairs, src, tgt, strict=True)
-                if s and t and not (train and (len(s) > max_len or len(t) + 1 > max_len))]
-        return cls(Ragged([k[0] for k in kept]), Ragged([k[1] for k in kept]), None if train else [k[2] for k in kept])
+        fits = [len(s) <= max_len and len(t) + 1 <= max_len for s, t in zip(src, tgt, strict=True)]
+        kept = [(s[:max_len], t[:max_len - 1], ref) for (_, ref), s, t, fit in zip(pairs, src, tgt, fits, strict=True)
+                if s and t and (fit or not train)]
+        out = cls(Ragged([k[0] for k in kept]), Ragged([k[1] for k in kept]), None if train else [k[2] for k in kept])
+        if long := sum(1 for s, t, fit in zip(src, tgt, fits, strict=True) if s and t and not fit):
+            out.left_out = (f"{long:,} of {len(pairs):,} {'training' if train else 'held-out'} pairs are longer "
+                            f"than model.max_len ({max_len} tokens): " + ("left out" if train else "cut short"))
+        return out
 
     def __len__(self) -> int:
         return len(self.src)
@@ -192,21 +197,27 @@ def read_tsv(files: Sequence[Path], task: TextTask, data: Data) -> list[Record]:
     out: list[Record] = []
     for f in files:
         cols: tuple[int, int] = (0, 1)
+        named = False  # a header picked the columns: other columns are allowed, and ignored
         for n, line in _lines(f):
             cells = line.split("\t")
             if n == 1:  # a header naming the configured fields picks the columns
                 names = [c.strip() for c in cells]
                 if task == "lm" and data.text_field in names:
-                    cols = (names.index(data.text_field), 0)
+                    cols, named = (names.index(data.text_field), 0), True
                     continue
                 if task == "translation" and data.source_field in names and data.target_field in names:
-                    cols = (names.index(data.source_field), names.index(data.target_field))
+                    cols, named = (names.index(data.source_field), names.index(data.target_field)), True
                     continue
+            # Without a header, a stray tab would silently cut a sentence short: the count must be exact.
             if task == "lm":
+                if not named and len(cells) > 1:
+                    raise DataError(f"{f}:{n}: expected one column (the text), got {len(cells)} tab-separated; "
+                                    f"a first line naming data.text_field ('{data.text_field}') picks a column")
                 out.append(cells[cols[0]] if cols[0] < len(cells) else "")
-            elif max(cols) >= len(cells):
-                raise DataError(f"{f}:{n}: expected two tab-separated columns (source, target), "
-                                f"got {len(cells)}")
+            elif max(cols) >= len(cells) or (not named and len(cells) > 2):
+                raise DataError(f"{f}:{n}: expected two tab-separated columns (source, target), got "
+                                f"{len(cells)}" + ("" if named else f"; a first line naming data.source_field "
+                                f"('{data.source_field}') and data.target_field ('{data.target_field}') picks two"))
             else:
                 out.append((cells[cols[0]], cells[cols[1]]))
     return out

@@ -52,6 +52,12 @@ def test_malformed_files(tmp_path: Path) -> None:
     tsv.write_text("a\tb\nonly one column\n", encoding="utf-8")
     _fails(data(source="tsv", path=str(tsv)), "translation", "one.tsv:2: expected two tab-separated",
            tmp_path)
+    # Without a header, a tab inside a sentence would silently cut it short.
+    tsv.write_text("a\tb\nc\td\te\n", encoding="utf-8")
+    _fails(data(source="tsv", path=str(tsv)), "translation", r"one.tsv:2: expected two tab-separated columns "
+           r"\(source, target\), got 3; a first line naming data.source_field \('source'\)", tmp_path)
+    _fails(data(source="tsv", path=str(tsv)), "lm", r"one.tsv:1: expected one column \(the text\), got 2 "
+           r"tab-separated; a first line naming data.text_field \('text'\) picks a column", tmp_path)
     binary = tmp_path / "bin.txt"
     binary.write_bytes(b"\xff\xfe\x00\x81" * 10)
     _fails(data(source="text", path=str(binary)), "lm", "not UTF-8", tmp_path)

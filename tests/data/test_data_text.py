@@ -93,6 +93,8 @@ def test_long_pairs_are_dropped_from_training(tmp_path: Path) -> None:
     ds = _translation(data(source="tsv", path=str(f), eval_fraction=0.0), tmp_path, max_len=16)
     assert ds.train_size == 30
     assert all(b.targets.shape[1] <= 16 for b in ds.train_batches())
+    # ... and the run's data line says so: they used to go without a word.
+    assert ds.train.left_out == "1 of 31 training pairs are longer than model.max_len (16 tokens): left out"
 
 
 def test_plain_text_lm(tmp_path: Path) -> None:

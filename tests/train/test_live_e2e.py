@@ -46,6 +46,7 @@ def recipe(**train: object) -> dict:
 def test_a_run_says_what_it_does_from_the_first_line_to_the_summary(tmp_path):
     r = recipe(steps=3)
     r["eval"] = {"every": 2, "batches": 1}
+    r["model"]["max_len"] = 12  # some synthetic pairs are longer, and the data line says how many
     out = tmp_path / "run"
     proc = gpipe(str(write(tmp_path, r)), "--output-dir", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -60,6 +61,9 @@ def test_a_run_says_what_it_does_from_the_first_line_to_the_summary(tmp_path):
     assert any("and training the tokenizer (vocabulary 512)" in line for line in lines)
     pieces = Tokenizer.load(out / "tokenizer.model").vocab_size  # 200 synthetic pairs hold fewer than 512
     assert pieces < 512 and f"the tokenizer has {pieces} pieces, fewer than the 512 asked" in data
+    pairs, longer = (int(n) for n in re.search(r"; (\d+) of (\d+) training pairs are longer than model.max_len "
+                                                r"\(12 tokens\): left out", data).group(2, 1))
+    assert 0 < longer < pairs and examples == pairs - longer
     stage_lines = [line for line in lines if line.startswith("  stage ")]
     assert len(stage_lines) == 2 * 3 and all("activations " in line and "RSS peak " in line for line in stage_lines)
     assert all("(step 1)" in line for line in stage_lines[2:])  # later steps show the last count, and its step
