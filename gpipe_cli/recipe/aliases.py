@@ -112,7 +112,7 @@ def by_flag(error: RecipeError, flags: Mapping[str, Any]) -> RecipeError:
     typed = [name for name, value in flags.items() if value is not None]
     for name in typed:
         head, sep, rest = message.partition(f"{ALIASES[name]}:")
-        if sep and (not head or head.endswith(": ")):  # the key leads the message (after the recipe's name)
+        if sep and (not head or head.endswith((": ", "--set "))):  # the key leads (after the recipe's name)
             return RecipeError(f"{flag(name)}:{rest}")
     return RecipeError(message)
 

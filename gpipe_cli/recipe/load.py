@@ -41,9 +41,12 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), check_da
         raise RecipeError("the recipe path is empty; give a YAML file, or leave it out for the built-in "
                           "quick-start recipe")
     raw = parse_yaml(default_recipe_text() if path is None else read_recipe_file(Path(path)), label)
+    typed: dict[str, str] = {}  # the `--set` items' values as typed, by key: an error names the `--set`
     for item in overrides:
         apply_override(raw, item)
-    return validate(raw, label, check_data, Path(path).parent if path is not None else None, planning)
+        key, _, text = item.partition("=")
+        typed[key.strip()] = text.strip()
+    return validate(raw, label, check_data, Path(path).parent if path is not None else None, planning, typed)
 
 
 def recipe_yaml(recipe: Recipe) -> str:
@@ -108,15 +111,15 @@ def _preset_section(model: dict[str, Any], label: str) -> dict[str, Any]:
 
 
 def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: Path | None = None,
-             planning: bool = False) -> Recipe:
-    """Validate a raw recipe mapping (read from `folder`), raising one RecipeError line for the first problem."""
+             planning: bool = False, typed: dict[str, str] | None = None) -> Recipe:
+    """Validate a raw recipe mapping (read from `folder`, `typed`: --set values), raising one RecipeError line."""
     model = raw.get("model")
     if isinstance(model, dict) and model.get("preset"):
         # Resolving a preset needs the model zoo, which imports torch: check every other section
         # first, so that their mistakes are still reported at once.
-        _validated({**raw, "model": {"kind": DEFAULT_KIND}}, label, planning, stand_in=True)
+        _validated({**raw, "model": {"kind": DEFAULT_KIND}}, label, planning, typed, stand_in=True)
         raw = {**raw, "model": _preset_section(model, label)}
-    recipe = _validated(raw, label, planning)
+    recipe = _validated(raw, label, planning, typed)
     if not check_data:
         return recipe
     data = recipe.data
@@ -140,14 +143,16 @@ def _beside(path: str, folder: Path | None) -> str:
     return f" (a relative path is read from the directory gpipe runs in; the recipe's folder holds {folder / path})"
 
 
-def _validated(raw: dict[str, Any], label: str, planning: bool = False, stand_in: bool = False) -> Recipe:
+def _validated(raw: dict[str, Any], label: str, planning: bool = False, typed: dict[str, str] | None = None,
+               stand_in: bool = False) -> Recipe:
     try:
         return Recipe.model_validate(raw, context={PLANNING: planning, STAND_IN: stand_in})
     except ValidationError as exc:
         errors = exc.errors()
-        message = _describe(dict(errors[0]), raw)
+        text = (typed or {}).get(".".join(str(p) for p in _path(errors[0]["loc"])))
+        message = _describe(dict(errors[0]), raw, text)
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-        raise RecipeError(f"{label}: {message}{more}") from None
+        raise RecipeError(f"{label}: {'' if text is None else '--set '}{message}{more}") from None
 
 
 def _section_model(loc: Sequence[str | int], raw: dict[str, Any]) -> type[BaseModel] | None:
@@ -232,11 +237,12 @@ _KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "st
           "list": "a list", "dict": "a mapping", "model": "a mapping", "tuple": "a list"}
 
 
-def _describe(error: dict[str, Any], raw: dict[str, Any]) -> str:
+def _describe(error: dict[str, Any], raw: dict[str, Any], typed: str | None = None) -> str:
     loc = _path(error["loc"])
     key = cut(".".join(str(p) for p in loc))
     kind, ctx, value = error["type"], error.get("ctx", {}), error.get("input")
-    got = f"(got {shown(value)})"
+    # A `--set` value as typed: YAML reads `yes` as true and `1e3` as 1000.0, which the user never wrote.
+    got = f"(got {shown(value) if typed is None or isinstance(parse_value(typed, ''), str) else cut(typed)})"
     if kind == "extra_forbidden":
         section = _section_model(loc, raw)
         allowed = ", ".join(section.model_fields) if section else "see the recipe reference"

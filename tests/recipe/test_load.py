@@ -31,7 +31,10 @@ def test_every_shipped_recipe_validates_and_plans(path):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["pipeline.microbatches=0"], "recipe.yaml: pipeline.microbatches: must be >= 1 and <= 1048576 (got 0)"),
+    (["pipeline.microbatches=0"], "recipe.yaml: --set pipeline.microbatches: must be >= 1 and <= 1048576 (got 0)"),
+    # A value as typed: YAML reads `yes` as true and `null` as None.
+    (["pipeline.offload=yes"], "--set pipeline.offload: must be 'none' or 'activations' (got yes)"),
+    (["pipeline.microbatches=null"], "--set pipeline.microbatches: must be an integer (got null)"),
     (["pipeline.schedule=zb"], "pipeline.schedule: must be 'gpipe', '1f1b', 'interleaved', 'zero-bubble', "
                                "'zero-bubble-v' or 'v-half' (got 'zb')"),
     (["pipeline.virtual_stages=2"],

@@ -94,7 +94,7 @@ def test_an_invalid_set_on_the_runs_settings_is_one_line_naming_its_recipe_yaml(
     _, run = make_run(tmp_path, None, "train.steps=20", steps=(10,))
     result = resume("--resume", str(run), "--set", "pipeline.microbatches=0")
     assert result.exit_code == 2, result.output
-    assert error_line(result).startswith(f"error: {run}/recipe.yaml: pipeline.microbatches: must be >= 1")
+    assert error_line(result).startswith(f"error: {run}/recipe.yaml: --set pipeline.microbatches: must be >= 1")
     assert not jobs
 
 
