@@ -5,8 +5,8 @@ would make the host wait for a GPU is counted when it touches device data: readi
 `tolist`, `float`, `int`, `bool`, `numpy`), a copy to the host (`cpu`, `to("cpu")`, `copy_` into a
 host tensor), a blocking copy to the device, and the engine's own wait (`device.block`, an event's
 synchronize on a GPU). Steps run as the training loop runs them: step t+1 is launched before step t
-is read. At most one wait per step, for K = 1 and 2 under every schedule, and on two stages with the
-stored activations offloaded to the host too.
+is read. At most one wait per step, for K = 1 and 2 under every schedule, on two stages with the
+stored activations offloaded to the host, and with fp16's dynamic loss scaling.
 """
 
 from __future__ import annotations
@@ -155,3 +155,29 @@ def test_the_counter_counts_what_would_wait(monkeypatch):
         torch.ones(2).to(META, non_blocking=True)  # from pinned memory on a GPU: no wait
         dev.wait_for(dev.Marker(META))
     assert waits.count[0] == 5
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_fp16_loss_scaling_adds_no_wait(stages, monkeypatch):
+    # Autocast refuses the meta device; what fp16 adds to a step is the loss scale, its overflow test and its
+    # update, and those run here as on a GPU: autocast's casts stand aside.
+    monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())
+    waits = Waits()
+
+    def rank(rank: int, world: loopback.World | None) -> list[int]:
+        topo = loopback.topology(world, rank, 2) if world is not None else topology.local(META)
+        cut = (12,) if world is None else (6, 6)
+        layers = build_layers(factories(), stage_layers(list(cut), len(cut), rank), 7, META)
+        pipe = Pipeline(layers, topo, PipelineConfig(len(cut), 4, balance=cut), token_loss, tied=TIED,
+                        precision="fp16")
+        assert pipe.loss_scale.enabled
+        return steps(pipe, topo.layout.is_first, topo.layout.is_last, 4, waits, rank)
+
+    with counted(waits, monkeypatch):
+        if stages == 1:
+            per_rank = [rank(0, None)]
+        else:
+            world = loopback.World(2)
+            per_rank = world.run(rank, world)
+    for r, per_step in enumerate(per_rank):
+        assert per_step and max(per_step) <= 1, f"rank {r}: {per_step}"
