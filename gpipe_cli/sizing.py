@@ -49,32 +49,29 @@ def torch_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def _calls_per_s(call: Callable[[], Any], device: str, threads: int, seconds: float) -> float:
+def _calls_per_s(call: Callable[[], Any], device: str, threads: int, seconds: float, fastest: bool = False) -> float:
     """How many times a second `call` runs on `device` with `threads` intra-op threads, after three untimed."""
+    # `fastest`: at the rate of the fastest call (a CPU's peak, which other processes on its cores cannot lower);
+    # else the mean, which they do lower, as they will lower the work a time estimate is for.
     with torch_threads(threads):
         for _ in range(3):
             call()  # warm-up: allocator and kernel selection
-        if device == "cuda":
-            count, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds:
-                call()
-                count += 1
-            torch.cuda.synchronize()
-            return count / (time.perf_counter() - start)
-        # On a CPU the fastest call: other processes on the cores (a job's other ranks starting) only slow calls
-        # down, and a mean over them once put a peak at a tenth of what the cores reach.
-        fastest, start = float("inf"), time.perf_counter()
+        best, count, start = float("inf"), 0, time.perf_counter()
         while (begun := time.perf_counter()) - start < seconds:
             call()
-            fastest = min(fastest, time.perf_counter() - begun)
-        return 1 / fastest
+            count += 1
+            if fastest:
+                best = min(best, time.perf_counter() - begun)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return 1 / best if fastest else count / (time.perf_counter() - start)
 
 
-def measured_rate(device: str = "cpu", threads: int = 1, seconds: float = 0.2) -> float:
-    """FLOP/s of a matrix product on `device` with `threads` intra-op threads (a quick calibration)."""
+def measured_rate(device: str = "cpu", threads: int = 1, seconds: float = 0.2, fastest: bool = False) -> float:
+    """FLOP/s of a matrix product on `device` with `threads` intra-op threads (a quick calibration; see `fastest`)."""
     n = 1024 if device == "cuda" else 256
     a, b = torch.randn(n, 2 * n, device=device), torch.randn(2 * n, 2 * n, device=device)
-    return _calls_per_s(lambda: a @ b, device, threads, seconds) * 2 * n * (2 * n) * (2 * n)
+    return _calls_per_s(lambda: a @ b, device, threads, seconds, fastest) * 2 * n * (2 * n) * (2 * n)
 
 
 def measured_call(device: str = "cpu", threads: int = 1, seconds: float = 0.1) -> float:

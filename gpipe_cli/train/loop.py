@@ -225,7 +225,7 @@ class Trainer:
         device, train = self.topo.device, self.recipe.train
         peak = find_peak(train.peak_tflops, device.type, train.precision,
                                      lambda: torch.cuda.get_device_name(device),
-                                     lambda: sizing.measured_rate("cpu", torch.get_num_threads()))
+                                     lambda: sizing.measured_rate("cpu", torch.get_num_threads(), fastest=True))
         self.summary.peak, self.summary.ranks = peak, self.layout.world_size
         self._note(f"MFU: model FLOPs (3x forward, recomputation not counted) over {peak.source}")
         return ModelFlops(forward, units), peak
