@@ -99,7 +99,8 @@ def settings(path: str | None, flags: Mapping[str, Any], sets: Sequence[str],
         raw: dict[str, Any] = {"model": {"kind": DEFAULT_KIND}, "data": {"batch_size": MAX_SIZE}}
         for item in [*as_sets(defaults), *(item for item in items if item not in model_sets)]:
             apply_override(raw, item)
-        recipe = validate(raw, "", check_data=False)
+        typed = {key: item.partition("=")[2].strip() for item, key in zip(items, keys, strict=True)}
+        recipe = validate(raw, "", check_data=False, typed=typed)
     except RecipeError as exc:
         raise by_flag(exc, flags) from None
     given = {name: _value(recipe, key) for name, key in ALIASES.items() if key in keys and name not in SIZE_FLAGS}

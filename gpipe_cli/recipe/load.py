@@ -197,6 +197,8 @@ def _nearest(loc: Sequence[str | int], section: type[BaseModel] | None, raw: dic
     kinds = [kind for kind, model in MODEL_SECTIONS.items() if name in model.model_fields]
     if list(loc[:-1]) == ["model"] and kinds:  # model.filters in a Transformer recipe
         return f" (a key of model.kind {' or '.join(kinds)})"
+    if not loc[:-1] and kinds:  # `--set positions=learned`, where the model section is of another kind
+        return f" (did you mean model.{name}, a key of model.kind {' or '.join(kinds)}?)"
     return ""
 
 

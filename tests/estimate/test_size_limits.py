@@ -33,8 +33,7 @@ def test_the_limits_are_the_recipe_schemas():
     ({}, ["model.d_model="], f"--set model.d_model: must be an integer >= 1 and <= {MAX_SIZE} (got null)"),
     ({}, ["model.heads=2.5"], f"--set model.heads: must be an integer >= 1 and <= {MAX_SIZE} (got 2.5)"),
     ({}, ["model.dropout=true"], "--set model.dropout: must be a number in [0, 1) (got true)"),
-    ({}, ["model.arch=foo"], "--model transformer: transformer arch must be one of encoder-decoder, decoder-only "
-                             "(got 'foo')"),
+    ({}, ["model.arch=foo"], "--set model.arch: must be one of encoder-decoder, decoder-only (got 'foo')"),
 ])
 def test_a_size_beyond_the_limits_names_its_flag(sizes, sets, message):
     with pytest.raises(UserError) as caught:

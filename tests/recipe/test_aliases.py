@@ -25,8 +25,10 @@ def test_a_recipe_gives_its_pipeline_batch_and_model():
 
 
 def test_set_means_a_recipe_key_as_in_train():
-    with pytest.raises(RecipeError, match="^dropout: unknown key"):
+    with pytest.raises(RecipeError, match=r"^--set dropout: unknown key \(did you mean model.dropout\?\)"):
         bench_options(None, {}, ["dropout=0"])
+    with pytest.raises(RecipeError, match=r"^--set pipeline.offload: must be 'none' or 'activations' \(got yes\)"):
+        bench_options(None, {}, ["pipeline.offload=yes"])
 
 
 def test_a_bad_value_is_named_as_typed():

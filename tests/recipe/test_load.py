@@ -56,6 +56,7 @@ def test_every_shipped_recipe_validates_and_plans(path):
     (["train.lr=0.1"], "train.lr: unknown key (did you mean optimizer.lr?); allowed keys here: steps"),
     (["train.checkpoint_every=5"], "train.checkpoint_every: unknown key (did you mean checkpoint.every?)"),
     (["colour=blue"], "colour: unknown key; allowed keys here: name, seed, model"),
+    (["filters=8"], "--set filters: unknown key (did you mean model.filters, a key of model.kind amoebanet?)"),
     (["model.kind=resnet"], "model.kind: must be 'amoebanet' or 'transformer' (got 'resnet')"),
     (["pipeline.microbatches=16"], "pipeline.microbatches (16) must be <= data.batch_size (8)"),
     (["pipeline.balance=[1, 0]"], "pipeline.balance: every entry must be a number of layers from 1 to"),

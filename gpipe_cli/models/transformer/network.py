@@ -34,7 +34,7 @@ def build_transformer(arch: str = "encoder-decoder", layers: int = 6, d_model: i
                       scaled_init: bool = False, logit_clip: float | None = None,
                       label_smoothing: float = 0.1) -> ModelSpec:
     """T(layers, ff, heads) with `d_model`-wide states, or the decoder-only LM built from the same layers."""
-    require(arch in ARCHS, f"transformer arch must be one of {', '.join(ARCHS)} (got {shown(arch)})")
+    require(arch in ARCHS, f"arch must be one of {', '.join(ARCHS)} (got {shown(arch)})")
     for name, value in (("layers", layers), ("d_model", d_model), ("ff", ff), ("heads", heads),
                         ("max_len", max_len), ("vocab_size", vocab_size)):
         require(is_int(value) and value >= 1, f"{name} must be a positive integer (got {shown(value)})")
