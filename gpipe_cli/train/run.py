@@ -153,15 +153,11 @@ def train(options: TrainOptions) -> int:
             (Path(OUTPUTS) / recipe.name, "the output directory")
         check_writable(*new_run)
     check_hub_data(recipe.data, recipe_file, options.overrides)  # offline: fail now, not inside the ranks
-    if options.dry_run:
-        if under_torchrun():
-            raise UserError("--dry-run: this process is already a rank that torchrun started; run it outside "
-                            "torchrun to see the launch")
-        shape = f"K={recipe.pipeline.partitions} x D={recipe.pipeline.data_parallel}"
-        print("\n".join(dry_run_lines(options.launch, world, shape, train_args(options))), flush=True)
-        return 0
+    if options.dry_run and under_torchrun():
+        raise UserError("--dry-run: this process is already a rank that torchrun started; run it outside "
+                        "torchrun to see the launch")
     # torch from here on: the recipe and the arguments are known to be good. The ranks' server imports it too.
-    with warming(options.launch, local):
+    with contextlib.nullcontext() if options.dry_run else warming(options.launch, local):  # no rank to fork
         return _plan_and_run(options, recipe, recipe_file, world, local, started)
 
 
@@ -170,6 +166,8 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
     """Check the plan (and a resume) against this machine, say what starts, and run the ranks; the exit code."""
     first = not under_torchrun() or os.environ.get("RANK", "0") == "0"
     live = options.plain is False or (options.plain is None and sys.stdout.isatty())
+    if options.dry_run:  # the same checks, then the launch in place of the run's lines
+        first = live = False
     if first and not live:  # lines: say what starts now; a plan error follows on stderr, still one line there
         say(first_line(recipe), sys.stdout)
     with checking(recipe, first and live):
@@ -200,6 +198,10 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
             complete = resume_end(recipe, resume)
         elif fresh and options.output_dir:
             check_writable(Path(options.output_dir), "--output-dir")
+    if options.dry_run:  # every check a launch makes has passed: what it would start, and nothing else
+        shape = f"K={recipe.pipeline.partitions} x D={recipe.pipeline.data_parallel}"
+        print("\n".join(dry_run_lines(options.launch, world, shape, train_args(options))), flush=True)
+        return 0
     if complete is not None:  # e.g. a scheduler requeued a finished job: say so, touch nothing
         if first:
             say(complete_line(run_dir_of(str(resume)), complete, f"train.steps {recipe.train.steps}"), sys.stdout)

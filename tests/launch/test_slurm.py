@@ -161,3 +161,23 @@ def test_two_fake_slurm_nodes_train_k2_with_the_same_command(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if r["kind"] == "train"]
     assert len(losses) == 2 and all(isinstance(loss, float) for loss in losses)
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["pipeline.backend=nccl"], "error: pipeline.backend: nccl needs a CUDA GPU"),
+    (["train.device=cuda"], "error: train.device: cuda needs a CUDA GPU"),
+    (["data.batch_size=4096", "pipeline.checkpoint=never"], "the plan does not fit this machine"),
+])
+def test_a_dry_run_refuses_what_a_launch_would(tmp_path, monkeypatch, capsys, sets, message):
+    # It exited 0 for launches that `gpipe train` refuses, so it could not tell whether a job would start.
+    import torch
+
+    if "CUDA" in message and torch.cuda.is_available():
+        pytest.skip("this machine has the GPU the setting needs")
+    recipe = write(tmp_path, TINY_AMOEBANET)
+    _in_step(monkeypatch, {})
+    monkeypatch.setattr("gpipe_cli.train.run.launch", _nothing_starts)
+    monkeypatch.setattr("gpipe_cli.memory_model.available_bytes", lambda device: 2**26)  # 64 MiB of RAM
+    assert run(["train", str(recipe), *(item for s in sets for item in ("--set", s)), "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "nothing is started" not in captured.out, captured

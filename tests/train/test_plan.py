@@ -28,6 +28,12 @@ def test_a_plan_fits_a_large_machine_and_not_a_tiny_one(recipe_path):
     # The ranks share the CPU's RAM: each gets an equal part.
     assert cramped.stages[0].capacity == pytest.approx(1e5 / 2, abs=1)
     assert cramped.to_json()["fits"] is False
+    # Past two stages, the fullest is named and the others counted, so that the advice stays on the one line.
+    many = make_plan(load_recipe(str(recipe_path), ["pipeline.partitions=3", "pipeline.balance=params"]), device="cpu",
+                     available=1e5)
+    text = many.misfit()
+    assert "3 of 3 stages are over, stage " in text and text.count(" needs ") == 1, text
+    assert text.endswith("or set pipeline.checkpoint: always") and len(text) < 400, text
 
 
 def test_offloaded_activations_count_against_the_host_memory(recipe_path, monkeypatch):
