@@ -15,7 +15,7 @@ from gpipe_cli import interrupts
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.files import check_output
 from gpipe_cli.plan.options import ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US, PlanOptions, validate
-from gpipe_cli.recipe.load import apply_override, default_recipe_text, load_recipe, parse_yaml, recipe_label
+from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_label
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import read_recipe_file
 from gpipe_cli.units import human_bytes, human_seconds
@@ -82,9 +82,7 @@ def run(options: PlanOptions) -> int:
     recipe = load_recipe(options.recipe, options.set, check_data=False, planning=True)
     # The recipe's text, and its data with the --set overrides: written back with a new pipeline section.
     text = default_recipe_text() if options.recipe is None else read_recipe_file(Path(options.recipe))
-    raw = parse_yaml(text, recipe_label(options.recipe))
-    for item in options.set:
-        apply_override(raw, item)
+    raw = parse_yaml(text, recipe_label(options.recipe), options.set)
     check_output(options.output, "--output", "planned.yaml")
     _not_the_recipe(options)
     try:

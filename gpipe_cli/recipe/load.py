@@ -40,9 +40,7 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), check_da
     if path is not None and not str(path):  # Path("") would read as the current directory
         raise RecipeError("the recipe path is empty; give a YAML file, or leave it out for the built-in "
                           "quick-start recipe")
-    raw = parse_yaml(default_recipe_text() if path is None else read_recipe_file(Path(path)), label)
-    for item in overrides:
-        apply_override(raw, item)
+    raw = parse_yaml(default_recipe_text() if path is None else read_recipe_file(Path(path)), label, overrides)
     return validate(raw, label, check_data, Path(path).parent if path is not None else None, planning)
 
 
@@ -51,14 +49,16 @@ def recipe_yaml(recipe: Recipe) -> str:
     return dump(recipe.model_dump(mode="json"))
 
 
-def parse_yaml(text: str, label: str) -> dict[str, Any]:
-    """The recipe's YAML as a mapping."""
+def parse_yaml(text: str, label: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The recipe's YAML as a mapping, with the `--set KEY=VALUE` items of `overrides` applied."""
     data = parse_document(text, label)
     if data is None:
         raise RecipeError(f"{label}: the recipe is empty; give at least one section (model, data, train...), "
                           "every key left out takes its default")
     if not isinstance(data, dict):
         raise RecipeError(f"{label}: a recipe must be a mapping of sections (got {type(data).__name__})")
+    for item in overrides:
+        apply_override(data, item)
     return data
 
 
