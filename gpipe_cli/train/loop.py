@@ -439,7 +439,7 @@ class Trainer:
         if all(s.activation_peak >= 0 for s in stages):  # a step that counted its stored activations
             record["activation_peak_bytes"] = [s.activation_peak for s in stages]
         if all(s.memory_peak >= 0 for s in stages):
-            record["mem_peak_bytes"] = stats.memory_peaks(0)
+            record["mem_peak_bytes"] = [s.memory_peak for s in stages]
         if any(s.cuda_peak for s in stages):
             record["cuda_peak_bytes"] = [s.cuda_peak for s in stages]
         if self.spec.task != "image":
