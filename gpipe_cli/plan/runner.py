@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import os
 import shlex
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -75,7 +74,7 @@ def _not_comparable(model: Any, hw: Any, recipe: Recipe) -> str | None:
 
 
 def run(options: PlanOptions) -> int:
-    """Run `gpipe plan` and write the recipe when asked (UserError: what cannot be planned; 130 on Ctrl-C)."""
+    """Run `gpipe plan` and write the recipe when asked (UserError: what cannot be planned)."""
     validate(options)
     # Its M and D need not fit a smaller --batch-size: they are the plan's to pick (the line comparing the recipe
     # as written says why they cannot run).
@@ -85,22 +84,18 @@ def run(options: PlanOptions) -> int:
     raw = parse_yaml(text, recipe_label(options.recipe), options.set)
     check_output(options.output, "--output", "planned.yaml")
     _not_the_recipe(options)
-    try:
-        with interrupts.remembered():
-            from gpipe_cli.plan.here import siblings  # torch
+    with interrupts.remembered():
+        from gpipe_cli.plan.here import siblings  # torch
 
-            with siblings():  # the processes that measure beside this one fork from one server
-                finish = _plan(options, recipe, (text, raw))
-            # A Ctrl-C that a library swallowed while it loaded (torch's import does) is remembered only:
-            # without this, a plan that measures nothing would go on to write --output after it.
-            interrupts.check()
-        # Planned: from here on a Ctrl-C or SIGTERM waits the moment it takes to write --output and say so,
-        # rather than claim that nothing was written after it was (outside `remembered`, which would undo it).
-        interrupts.finishing()
-        return finish()
-    except KeyboardInterrupt:
-        interrupts.say_stopped("gpipe plan")
-        return 128 + signal.SIGINT
+        with siblings():  # the processes that measure beside this one fork from one server
+            finish = _plan(options, recipe, (text, raw))
+        # A Ctrl-C that a library swallowed while it loaded (torch's import does) is remembered only:
+        # without this, a plan that measures nothing would go on to write --output after it.
+        interrupts.check()
+    # Planned: from here on a Ctrl-C or SIGTERM waits the moment it takes to write --output and say so,
+    # rather than claim that nothing was written after it was (outside `remembered`, which would undo it).
+    interrupts.finishing()
+    return finish()
 
 
 def _not_the_recipe(options: PlanOptions) -> None:
