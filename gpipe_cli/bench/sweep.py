@@ -18,6 +18,7 @@ from gpipe_cli.estimate.subject import Subject
 from gpipe_cli.models import families
 from gpipe_cli.pipeline.schedule import theoretical_bubble
 from gpipe_cli.progress import Progress
+from gpipe_cli.units import figure
 
 
 def run(options: BenchOptions, subject: Subject, folder: Path, progress: Progress,
@@ -104,7 +105,7 @@ def show(summary: dict[str, Any], console: Console) -> None:
             if c is None:
                 row.append("-")
                 continue
-            ours = "-" if c["normalized"] is None else f"{c['normalized']:.2f}"
+            ours = figure(c["normalized"], ".2f")
             row.append(ours + (f" ({c['paper']:.2f})" if c["paper"] is not None else ""))
         table.add_row(*row)
     console.print(table)

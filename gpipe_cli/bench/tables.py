@@ -9,11 +9,7 @@ from rich.table import Table
 
 from gpipe_cli.console import figure_table
 from gpipe_cli.pipeline import schedules
-from gpipe_cli.units import human_bytes
-
-
-def _rate(value: float | None) -> str:
-    return "-" if value is None else f"{value:,.1f}"
+from gpipe_cli.units import figure, human_bytes
 
 
 def _throughput(s: dict[str, Any]) -> Table:
@@ -23,7 +19,7 @@ def _throughput(s: dict[str, Any]) -> Table:
     label = f"K={s['partitions']}" + (" (predicted)" if s["simulated"] else "")
     for name, samples, tokens, step in [("K=1", s["samples_per_s_k1"], s["tokens_per_s_k1"], s["step_time_k1_s"]),
                                         (label, s["samples_per_s"], s["tokens_per_s"], s["step_time_s"])]:
-        table.add_row(name, _rate(samples), *([_rate(tokens)] if text else []), f"{step * 1e3:.1f}")
+        table.add_row(name, figure(samples, ",.1f"), *([figure(tokens, ",.1f")] if text else []), f"{step * 1e3:.1f}")
     return table
 
 
@@ -57,7 +53,7 @@ def _compare(s: dict[str, Any]) -> Table:
             cells += [show(theirs), f"{mine / theirs:.2f}x" if ratio and theirs else "-"]
         table.add_row(*cells)
 
-    row("samples/s", s["samples_per_s"], "samples_per_s", _rate)
+    row("samples/s", s["samples_per_s"], "samples_per_s", lambda v: figure(v, ",.1f"))
     row("idle (mean)", s["bubble"], "bubble", lambda v: f"{v:.3f}")
     for stage, peak in enumerate(s.get("stage_peak_bytes", [])):
         row(f"peak, stage {stage}", peak, "stage_peak_bytes", human_bytes, stage)
