@@ -5,9 +5,11 @@ from __future__ import annotations
 import re
 import shutil
 import textwrap
-from typing import TextIO
+from collections.abc import Collection, Iterable
+from typing import Any, TextIO
 
 from rich.console import Console
+from rich.table import Table
 
 _NOTE = re.compile(r"\[\s*[\d.]+ s\] ")  # a timed note's prefix, "[  3.2 s] "
 # A number and its unit stay on one line: the space between them is held by a mark no text contains.
@@ -23,6 +25,14 @@ def output_console(least: int = 0) -> Console:
     if console.is_terminal:
         return console
     return Console(width=max(console.width, FILE_WIDTH, least), soft_wrap=True)
+
+
+def figure_table(title: str, columns: Iterable[str], left: Collection[str] = (), **settings: Any) -> Table:
+    """A table of figures: its columns right-aligned but those named in `left` (`settings`: the Table's own)."""
+    table = Table(title=title, **settings)
+    for name in columns:
+        table.add_column(name, justify="left" if name in left else "right")
+    return table
 
 
 def _hang(text: str) -> int:

@@ -15,13 +15,11 @@ from gpipe_cli.launch.preflight import check_writable
 
 def umask() -> int:
     """The process's file-creation mask."""
-    try:  # Linux reports it without changing it; os.umask can only be read by setting it
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
+    # Linux reports it without changing it; os.umask can only be read by setting it
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

@@ -583,10 +583,9 @@ class Capacity:
 def capacity(ranks_on_node: int, device: str | None = None, available: float | None = None) -> Capacity:
     """Each rank's memory: a GPU's free memory each on CUDA, else an equal share of the available RAM."""
     kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    free = available if available is not None else float(available_bytes(kind))
     if kind == "cuda":
-        free = available if available is not None else float(available_bytes("cuda"))
         return Capacity(free, False, f"{human_bytes(free)} free on each GPU")
-    free = available if available is not None else float(available_bytes("cpu"))
     ranks = max(ranks_on_node, 1)
     share = f"shared by {ranks} ranks" if ranks > 1 else "for 1 rank"
     return Capacity(free / ranks, True, f"{human_bytes(free)} of available RAM {share}")

@@ -190,40 +190,36 @@ def results(options: BenchOptions, summary: dict[str, Any], events: list[dict[st
 
 
 def run(options: BenchOptions) -> int:
-    """Run `gpipe bench` on options `bench.run` has validated; print the figures, return an exit code (130: Ctrl-C)."""
+    """Run `gpipe bench` on options `bench.run` has validated; print the figures, return an exit code."""
     console = output_console()
-    try:
-        progress = Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))
-        machine = sizing.this_machine(options.threads)
-        chosen = preview.choose_subject(options, machine)
-        subject = chosen.subject
-        check_cut(options, subject)
-        memory = preview.memory(subject, options, machine)
-        preview.check_fits(chosen, memory, options, machine)
-        preview.show(chosen, memory, options, machine, console)
-        progress.estimated = chosen.seconds
-        # Every run's ranks fork from one server (the same threads each): it imports torch once, not once a run.
-        with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp, _temporary_root(tmp), \
-                warming(LaunchOptions(threads=options.threads), 1):
-            try:
-                events: list[dict[str, Any]] = []  # the K ranks' step, for --trace
-                if options.sweep:
-                    summary = sweep.run(options, subject, Path(tmp), progress, chosen.phases)
-                else:
-                    summary, events = _single(options, subject, Path(tmp), progress, chosen.phases)
-            except setup.JobFailed as exc:
-                if exc.code in (STOPPED, 128 + signal.SIGTERM):
-                    interrupts.say_stopped("gpipe bench")
-                else:
-                    console.print(f"[red]gpipe bench: the benchmark ranks failed (exit code {exc.code}); see above[/]")
-                return exc.code
-            progress.done()
-            summary["sized"] = {"note": chosen.note, "estimate_s": chosen.seconds, "elapsed_s": progress.elapsed()}
-            results(options, summary, events, console)
-        if summary.get("failed"):
-            console.print(f"[red]gpipe bench: {summary['failed']}[/]")
-            return 1
-        return 0
-    except KeyboardInterrupt:
-        interrupts.say_stopped("gpipe bench")
-        return STOPPED
+    progress = Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))
+    machine = sizing.this_machine(options.threads)
+    chosen = preview.choose_subject(options, machine)
+    subject = chosen.subject
+    check_cut(options, subject)
+    memory = preview.memory(subject, options, machine)
+    preview.check_fits(chosen, memory, options, machine)
+    preview.show(chosen, memory, options, machine, console)
+    progress.estimated = chosen.seconds
+    # Every run's ranks fork from one server (the same threads each): it imports torch once, not once a run.
+    with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp, _temporary_root(tmp), \
+            warming(LaunchOptions(threads=options.threads), 1):
+        try:
+            events: list[dict[str, Any]] = []  # the K ranks' step, for --trace
+            if options.sweep:
+                summary = sweep.run(options, subject, Path(tmp), progress, chosen.phases)
+            else:
+                summary, events = _single(options, subject, Path(tmp), progress, chosen.phases)
+        except setup.JobFailed as exc:
+            if exc.code in (STOPPED, 128 + signal.SIGTERM):
+                interrupts.say_stopped("gpipe bench")
+            else:
+                console.print(f"[red]gpipe bench: the benchmark ranks failed (exit code {exc.code}); see above[/]")
+            return exc.code
+        progress.done()
+        summary["sized"] = {"note": chosen.note, "estimate_s": chosen.seconds, "elapsed_s": progress.elapsed()}
+        results(options, summary, events, console)
+    if summary.get("failed"):
+        console.print(f"[red]gpipe bench: {summary['failed']}[/]")
+        return 1
+    return 0

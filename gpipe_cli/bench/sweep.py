@@ -6,18 +6,19 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from gpipe_cli import plots
 from gpipe_cli.bench import setup
 from gpipe_cli.bench.options import SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions
 from gpipe_cli.bench.setup import base_job, model_json, oversubscription, sweep_partitions
+from gpipe_cli.console import figure_table
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.measure import RunFigures, contended
 from gpipe_cli.estimate.subject import Subject
 from gpipe_cli.models import families
 from gpipe_cli.pipeline.schedule import theoretical_bubble
 from gpipe_cli.progress import Progress
+from gpipe_cli.units import figure
 
 
 def run(options: BenchOptions, subject: Subject, folder: Path, progress: Progress,
@@ -96,10 +97,7 @@ def show(summary: dict[str, Any], console: Console) -> None:
     base = summary["normalized_to"]
     title = (f"Normalised throughput, {model['name']} (batch {summary['batch_size']}, {summary['schedule']}, "
              f"checkpoint {summary['checkpoint']})" + (f" · normalised to K={base['partitions']}, M=1" if base else ""))
-    table = Table(title=title)
-    table.add_column("M")
-    for k in ks:
-        table.add_column(f"K={k}" + (" (paper)" if paper else ""), justify="right")
+    table = figure_table(title, ("M", *(f"K={k}" + (" (paper)" if paper else "") for k in ks)), left=("M",))
     for m in SWEEP_MICROBATCHES:
         row = [str(m)]
         for k in ks:
@@ -107,7 +105,7 @@ def show(summary: dict[str, Any], console: Console) -> None:
             if c is None:
                 row.append("-")
                 continue
-            ours = "-" if c["normalized"] is None else f"{c['normalized']:.2f}"
+            ours = figure(c["normalized"], ".2f")
             row.append(ours + (f" ({c['paper']:.2f})" if c["paper"] is not None else ""))
         table.add_row(*row)
     console.print(table)

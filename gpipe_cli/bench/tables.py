@@ -7,33 +7,27 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from gpipe_cli.console import figure_table
 from gpipe_cli.pipeline import schedules
-from gpipe_cli.units import human_bytes
-
-
-def _rate(value: float | None) -> str:
-    return "-" if value is None else f"{value:,.1f}"
+from gpipe_cli.units import figure, human_bytes
 
 
 def _throughput(s: dict[str, Any]) -> Table:
     text = s["tokens_per_s_k1"] is not None
-    table = Table(title=f"Throughput (median of {s['steps']} steps after {s['warmup']} warm-up)")
-    table.add_column("run")
-    for column in ("samples/s", *(("tokens/s",) if text else ()), "step (ms)"):
-        table.add_column(column, justify="right")
+    table = figure_table(f"Throughput (median of {s['steps']} steps after {s['warmup']} warm-up)",
+                         ("run", "samples/s", *(("tokens/s",) if text else ()), "step (ms)"), left=("run",))
     label = f"K={s['partitions']}" + (" (predicted)" if s["simulated"] else "")
     for name, samples, tokens, step in [("K=1", s["samples_per_s_k1"], s["tokens_per_s_k1"], s["step_time_k1_s"]),
                                         (label, s["samples_per_s"], s["tokens_per_s"], s["step_time_s"])]:
-        table.add_row(name, _rate(samples), *([_rate(tokens)] if text else []), f"{step * 1e3:.1f}")
+        table.add_row(name, figure(samples, ",.1f"), *([figure(tokens, ",.1f")] if text else []), f"{step * 1e3:.1f}")
     return table
 
 
 def _stages(s: dict[str, Any]) -> Table:
-    table = Table(title=f"Stages (memory: {s['memory_method']})")
     offloaded = s.get("offload", "none") != "none"
-    for name in ("stage", "layers", "busy (ms)", "step (ms)", "idle", "activation peak") + \
-            (("offloaded to host",) if offloaded else ()):
-        table.add_column(name, justify="right")
+    table = figure_table(f"Stages (memory: {s['memory_method']})",
+                         ("stage", "layers", "busy (ms)", "step (ms)", "idle", "activation peak")
+                         + (("offloaded to host",) if offloaded else ()))
     for st in s["stages"]:
         peak = st["cuda_peak_bytes"] or st["activation_peak_bytes"]
         table.add_row(str(st["stage"]), str(st["layers"]), f"{st['busy_s'] * 1e3:.1f}", f"{st['step_s'] * 1e3:.1f}",
@@ -45,13 +39,11 @@ def _stages(s: dict[str, Any]) -> Table:
 def _compare(s: dict[str, Any]) -> Table:
     """One row per figure: ours, torch's counterpart, and ours / theirs."""
     measured = [c for c in s["compare"].values() if "skipped" not in c]
-    table = Table(title=f"Against torch.distributed.pipelining (same model, K, M, cut; same clock and meter; same "
-                        f"checkpointing: {s['checkpoint']}, whole chunk, each side on its own order of work)")
-    table.add_column("figure")
-    table.add_column(f"ours\n{s['schedule']}", justify="right")
-    for c in measured:
-        table.add_column(f"torch\n{c['class']}", justify="right")
-        table.add_column("ours /\ntheirs", justify="right")
+    table = figure_table(f"Against torch.distributed.pipelining (same model, K, M, cut; same clock and meter; same "
+                         f"checkpointing: {s['checkpoint']}, whole chunk, each side on its own order of work)",
+                         ("figure", f"ours\n{s['schedule']}",
+                          *(name for c in measured for name in (f"torch\n{c['class']}", "ours /\ntheirs"))),
+                         left=("figure",))
 
     def row(label: str, mine: Any, key: str, show: Any, stage: int | None = None, ratio: bool = True) -> None:
         """Our figure beside each counterpart's `key` (of `stage`, for a per-stage figure)."""
@@ -61,7 +53,7 @@ def _compare(s: dict[str, Any]) -> Table:
             cells += [show(theirs), f"{mine / theirs:.2f}x" if ratio and theirs else "-"]
         table.add_row(*cells)
 
-    row("samples/s", s["samples_per_s"], "samples_per_s", _rate)
+    row("samples/s", s["samples_per_s"], "samples_per_s", lambda v: figure(v, ",.1f"))
     row("idle (mean)", s["bubble"], "bubble", lambda v: f"{v:.3f}")
     for stage, peak in enumerate(s.get("stage_peak_bytes", [])):
         row(f"peak, stage {stage}", peak, "stage_peak_bytes", human_bytes, stage)

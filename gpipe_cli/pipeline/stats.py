@@ -145,10 +145,6 @@ class StepStats:
         """The measured bubble: mean over stages of idle time / step time."""
         return sum(s.bubble for s in self.stages) / len(self.stages) if self.stages else 0.0
 
-    def memory_peaks(self, replica: int = 0) -> list[int]:
-        """Peak memory of each stage of one replica, in stage order."""
-        return [s.memory_peak for s in self.of_replica(replica)]
-
     def of_replica(self, replica: int = 0) -> list[StageStats]:
         """The stages of one replica, in stage order."""
         return sorted((s for s in self.stages if s.replica == replica), key=lambda s: s.stage)

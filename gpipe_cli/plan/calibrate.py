@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from gpipe_cli.estimate import simulate
@@ -93,16 +94,8 @@ def by_size(ratios: dict[int, float]) -> Callable[[int], float]:
     points = sorted((math.log(size), ratio) for size, ratio in ratios.items())
     if not points:
         return lambda size: 1.0
-
-    def at(size: int) -> float:
-        x = math.log(max(size, 1))
-        if x <= points[0][0]:
-            return points[0][1]
-        for (x0, y0), (x1, y1) in zip(points, points[1:]):
-            if x <= x1:
-                return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-        return points[-1][1]
-    return at
+    xs, ys = zip(*points)
+    return lambda size: float(np.interp(math.log(max(size, 1)), xs, ys))
 
 
 def by_shape(replicated: dict[int, float],

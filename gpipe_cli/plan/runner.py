@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import os
 import shlex
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +14,7 @@ from gpipe_cli import interrupts
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.files import check_output
 from gpipe_cli.plan.options import ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US, PlanOptions, validate
-from gpipe_cli.recipe.load import apply_override, default_recipe_text, load_recipe, parse_yaml, recipe_label
+from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_label
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import read_recipe_file
 from gpipe_cli.units import human_bytes, human_seconds
@@ -75,34 +74,28 @@ def _not_comparable(model: Any, hw: Any, recipe: Recipe) -> str | None:
 
 
 def run(options: PlanOptions) -> int:
-    """Run `gpipe plan` and write the recipe when asked (UserError: what cannot be planned; 130 on Ctrl-C)."""
+    """Run `gpipe plan` and write the recipe when asked (UserError: what cannot be planned)."""
     validate(options)
     # Its M and D need not fit a smaller --batch-size: they are the plan's to pick (the line comparing the recipe
     # as written says why they cannot run).
     recipe = load_recipe(options.recipe, options.set, check_data=False, planning=True)
     # The recipe's text, and its data with the --set overrides: written back with a new pipeline section.
     text = default_recipe_text() if options.recipe is None else read_recipe_file(Path(options.recipe))
-    raw = parse_yaml(text, recipe_label(options.recipe))
-    for item in options.set:
-        apply_override(raw, item)
+    raw = parse_yaml(text, recipe_label(options.recipe), options.set)
     check_output(options.output, "--output", "planned.yaml")
     _not_the_recipe(options)
-    try:
-        with interrupts.remembered():
-            from gpipe_cli.plan.here import siblings  # torch
+    with interrupts.remembered():
+        from gpipe_cli.plan.here import siblings  # torch
 
-            with siblings():  # the processes that measure beside this one fork from one server
-                finish = _plan(options, recipe, (text, raw))
-            # A Ctrl-C that a library swallowed while it loaded (torch's import does) is remembered only:
-            # without this, a plan that measures nothing would go on to write --output after it.
-            interrupts.check()
-        # Planned: from here on a Ctrl-C or SIGTERM waits the moment it takes to write --output and say so,
-        # rather than claim that nothing was written after it was (outside `remembered`, which would undo it).
-        interrupts.finishing()
-        return finish()
-    except KeyboardInterrupt:
-        interrupts.say_stopped("gpipe plan")
-        return 128 + signal.SIGINT
+        with siblings():  # the processes that measure beside this one fork from one server
+            finish = _plan(options, recipe, (text, raw))
+        # A Ctrl-C that a library swallowed while it loaded (torch's import does) is remembered only:
+        # without this, a plan that measures nothing would go on to write --output after it.
+        interrupts.check()
+    # Planned: from here on a Ctrl-C or SIGTERM waits the moment it takes to write --output and say so,
+    # rather than claim that nothing was written after it was (outside `remembered`, which would undo it).
+    interrupts.finishing()
+    return finish()
 
 
 def _not_the_recipe(options: PlanOptions) -> None:

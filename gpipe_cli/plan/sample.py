@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from gpipe_cli.models.describe import tensors_of
 from gpipe_cli.recipe.schema import Recipe
 
 DRAWS = 12  # mini-batches drawn: enough for a median shape, few enough to take a second
@@ -39,12 +40,6 @@ def _first(value: Any, n: int) -> Any:
     return type(value)(_first(v, n) for v in value)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    return [t for v in value for t in _tensors(v)]
-
-
 def typical_batch(recipe: Recipe) -> Sample:
     """A full training mini-batch of median size from the recipe's data (raises what loading raises)."""
     from gpipe_cli.data.build import build_data_for
@@ -60,9 +55,9 @@ def typical_batch(recipe: Recipe) -> Sample:
         raise ValueError("the training split has no mini-batch")
     full = max(b.size for b in batches)  # a short last batch is not typical
     batches = [b for b in batches if b.size == full]
-    batches.sort(key=lambda b: sum(t.numel() for t in _tensors(b.inputs)))
+    batches.sort(key=lambda b: sum(t.numel() for t in tensors_of(b.inputs)))
     median = batches[len(batches) // 2]
-    shape = ", ".join(" x ".join(map(str, t.shape)) for t in _tensors(median.inputs))
+    shape = ", ".join(" x ".join(map(str, t.shape)) for t in tensors_of(median.inputs))
     note = (f"the recipe's data (the median of {len(batches)} mini-batches: {shape}; "
             f"{statistics.median(seconds) * 1e3:.1f} ms to build one)")
     assert median.targets is not None

@@ -11,6 +11,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
+from gpipe_cli.console import figure_table
 from gpipe_cli.files import atomic_write_bytes
 from gpipe_cli.plan import search
 from gpipe_cli.plan.search import Outcome
@@ -96,13 +97,10 @@ def rows(model: search.Model, result: search.Result, top: int, budget: float) ->
 
 def table(items: Sequence[tuple[Outcome, str | None]], title: str) -> Table:
     """The configurations as a rich table, every figure labelled as predicted."""
-    t = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
-    for name in ("", "K", "D", "M", "schedule", "remat", "balance"):
-        t.add_column(name, justify="right" if name in ("K", "D", "M") else "left")
-    t.add_column("samples/s (pred.)", justify="right")
-    t.add_column("bubble (pred.)", justify="right")
-    t.add_column("peak memory per stage (pred.)")
-    t.add_column("why it loses")
+    words = ("", "schedule", "remat", "balance", "peak memory per stage (pred.)", "why it loses")
+    t = figure_table(title, ("", "K", "D", "M", "schedule", "remat", "balance", "samples/s (pred.)", "bubble (pred.)",
+                             "peak memory per stage (pred.)", "why it loses"), words, box=box.SIMPLE_HEAD,
+                     title_justify="left")
     for o, why in items:
         c = o.config
         schedule = c.schedule + (f" V={c.virtual}" if c.virtual > 1 else "")

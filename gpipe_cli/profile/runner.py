@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import signal
 from typing import Any
 
 import torch
@@ -316,14 +315,9 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
 
 
 def run(options: ProfileOptions) -> int:
-    """Run `gpipe profile-memory`: print the figures, return an exit code (UserError: bad options; 130 on Ctrl-C)."""
-    console = output_console()
-    try:
-        with interrupts.remembered():
-            return _run(options, console)
-    except KeyboardInterrupt:
-        interrupts.say_stopped("gpipe profile-memory")
-        return 128 + signal.SIGINT
+    """Run `gpipe profile-memory`: print the figures, return an exit code (UserError: bad options)."""
+    with interrupts.remembered():
+        return _run(options, output_console())
 
 
 def _run(options: ProfileOptions, console: Console) -> int:

@@ -7,6 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from gpipe_cli.console import figure_table
 from gpipe_cli.models import families
 from gpipe_cli.units import human_bytes, human_count, number_range
 
@@ -24,12 +25,11 @@ def show_measured(s: dict[str, Any], console: Console) -> None:
     for sc in (sc for sc in s["scenarios"] if sc["measured"]):
         v = sc.get("virtual", 1)
         shape = f" x V={v} in a V ({sc['schedule']})" if v > 1 else ""
-        table = Table(title=f"{sc['name']}: K={sc['partitions']}{shape}, M={sc['microbatches']}, checkpoint "
-                            f"{sc['checkpoint']}, balance {sc['balance']}")
         moved = s.get("offload", "none") != "none" and sc["checkpoint"] != "never"
-        for name in ("stage", "layers", "params", "grads", "optim.", "stored act.", "peak act.", "total") + \
-                (("offloaded to host",) if moved else ()):
-            table.add_column(name, justify="right")
+        table = figure_table(f"{sc['name']}: K={sc['partitions']}{shape}, M={sc['microbatches']}, checkpoint "
+                             f"{sc['checkpoint']}, balance {sc['balance']}",
+                             ("stage", "layers", "params", "grads", "optim.", "stored act.", "peak act.", "total")
+                             + (("offloaded to host",) if moved else ()))
         for st in sc["stages"]:
             keys = ("params", "grads", "optimizer", "stored", "peak", "total") + (("host",) if moved else ())
             table.add_row(str(st["stage"]), _layers(st), *(human_bytes(st.get(f"{key}_bytes", 0)) for key in keys))
@@ -46,19 +46,11 @@ def _layers(stage: dict[str, Any]) -> str:
     return " · ".join(number_range(first, last) for first, last in chunks)
 
 
-def _columns(title: str, names: list[str]) -> Table:
-    """A table in the paper's Table 1 layout: a column of labels, then one column per name."""
-    table = Table(title=title)
-    table.add_column("")
-    for name in names:
-        table.add_column(name, justify="right")
-    return table
-
-
 def _table1(s: dict[str, Any]) -> Table:
     """The paper's Table 1 layout: one column per row of the profile, each saying how it was obtained."""
     rows = s["scenarios"]
-    table = _columns(f"Memory per scenario, {s['model']['name']} (totals over all stages)", [sc["name"] for sc in rows])
+    table = figure_table(f"Memory per scenario, {s['model']['name']} (totals over all stages)",
+                         ("", *(sc["name"] for sc in rows)), left=("",))
     table.add_row("# of model parameters", *(human_count(sc["params"]) for sc in rows))
     table.add_row("total model parameter memory", *(human_bytes(sc["param_memory_bytes"]) for sc in rows))
     table.add_row("peak activation memory", *(human_bytes(sc["peak_activation_bytes"]) for sc in rows))
@@ -88,7 +80,8 @@ def show_budget(s: dict[str, Any], console: Console) -> None:
                   f"checkpoint {s['checkpoint']} · {s['optimizer']} ({s['bytes_per_param']:.0f} bytes per parameter "
                   f"with its gradient)")
     console.print(f"[dim]{s['method']}[/]")
-    table = _columns(f"Largest {s['family']} per device budget (memory totals over all devices)", s["scenarios"])
+    table = figure_table(f"Largest {s['family']} per device budget (memory totals over all devices)",
+                         ("", *s["scenarios"]), left=("",))
     rows = s["rows"]
 
     def cells(key: str, fmt: Any) -> list[str]:
@@ -115,7 +108,8 @@ def show_budget(s: dict[str, Any], console: Console) -> None:
                       f"larger models fit {human_bytes(s['budget_bytes'])} too[/]")
     paper = s["paper"]
     names = list(paper["rows"])
-    ptable = _columns(f"GPipe Table 1, {paper['hardware']} (the paper counts 12 bytes per parameter, RMSProp)", names)
+    ptable = figure_table(f"GPipe Table 1, {paper['hardware']} (the paper counts 12 bytes per parameter, RMSProp)",
+                          ("", *names), left=("",))
     for i, label in enumerate((s["family"], "# of model parameters", "total model parameter memory",
                                "peak activation memory")):
         ptable.add_row(label, *(paper["rows"][n][i] for n in names))

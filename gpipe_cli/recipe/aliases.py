@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from gpipe_cli.limits import MAX_SIZE
-from gpipe_cli.recipe.load import RecipeError, apply_override, load_recipe, parse_override, validate
+from gpipe_cli.recipe.load import RecipeError, apply_override, load_recipe, parse_override, typed_values, validate
 from gpipe_cli.recipe.schema import DEFAULT_KIND, MODEL_SECTIONS, Data, Pipeline, Recipe
 from gpipe_cli.recipe.yamlio import parse_value
 
@@ -99,8 +99,7 @@ def settings(path: str | None, flags: Mapping[str, Any], sets: Sequence[str],
         raw: dict[str, Any] = {"model": {"kind": DEFAULT_KIND}, "data": {"batch_size": MAX_SIZE}}
         for item in [*as_sets(defaults), *(item for item in items if item not in model_sets)]:
             apply_override(raw, item)
-        typed = {key: item.partition("=")[2].strip() for item, key in zip(items, keys, strict=True)}
-        recipe = validate(raw, "", check_data=False, typed=typed)
+        recipe = validate(raw, "", check_data=False, typed=typed_values(items))
     except RecipeError as exc:
         raise by_flag(exc, flags) from None
     given = {name: _value(recipe, key) for name, key in ALIASES.items() if key in keys and name not in SIZE_FLAGS}

@@ -18,7 +18,7 @@ from gpipe_cli.recipe.schema import DEFAULT_KIND, LOCAL_SOURCES, MODEL_SECTIONS,
 from gpipe_cli.recipe.yamlio import RecipeError, dump, parse_document, parse_value, read_recipe_file
 
 __all__ = ["RecipeError", "apply_override", "default_recipe_text", "load_recipe", "parse_override",
-           "recipe_label", "recipe_yaml", "validate"]
+           "recipe_label", "recipe_yaml", "typed_values", "validate"]
 
 def default_recipe_text() -> str:
     """The small recipe `gpipe train` runs when given none."""
@@ -40,13 +40,14 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), check_da
     if path is not None and not str(path):  # Path("") would read as the current directory
         raise RecipeError("the recipe path is empty; give a YAML file, or leave it out for the built-in "
                           "quick-start recipe")
-    raw = parse_yaml(default_recipe_text() if path is None else read_recipe_file(Path(path)), label)
-    typed: dict[str, str] = {}  # the `--set` items' values as typed, by key: an error names the `--set`
-    for item in overrides:
-        apply_override(raw, item)
-        key, _, text = item.partition("=")
-        typed[key.strip()] = text.strip()
-    return validate(raw, label, check_data, Path(path).parent if path is not None else None, planning, typed)
+    raw = parse_yaml(default_recipe_text() if path is None else read_recipe_file(Path(path)), label, overrides)
+    return validate(raw, label, check_data, Path(path).parent if path is not None else None, planning,
+                    typed_values(overrides))
+
+
+def typed_values(overrides: Sequence[str]) -> dict[str, str]:
+    """The `--set` items' values as typed, by key: an error names the `--set` and shows what was typed."""
+    return {key.strip(): text.strip() for key, _, text in (item.partition("=") for item in overrides)}
 
 
 def recipe_yaml(recipe: Recipe) -> str:
@@ -54,14 +55,16 @@ def recipe_yaml(recipe: Recipe) -> str:
     return dump(recipe.model_dump(mode="json"))
 
 
-def parse_yaml(text: str, label: str) -> dict[str, Any]:
-    """The recipe's YAML as a mapping."""
+def parse_yaml(text: str, label: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The recipe's YAML as a mapping, with the `--set KEY=VALUE` items of `overrides` applied."""
     data = parse_document(text, label)
     if data is None:
         raise RecipeError(f"{label}: the recipe is empty; give at least one section (model, data, train...), "
                           "every key left out takes its default")
     if not isinstance(data, dict):
         raise RecipeError(f"{label}: a recipe must be a mapping of sections (got {type(data).__name__})")
+    for item in overrides:
+        apply_override(data, item)
     return data
 
 

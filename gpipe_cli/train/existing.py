@@ -14,7 +14,7 @@ from typing import Any
 
 from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.files import atomic_write_bytes
-from gpipe_cli.recipe.load import apply_override, default_recipe_text, load_recipe, parse_yaml, recipe_yaml
+from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_yaml
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
 
@@ -287,9 +287,7 @@ def _run_to_continue(resume: str, output_dir: str | None, overrides: Sequence[st
 
 def _name(overrides: Sequence[str]) -> str:
     """Only the run name of the built-in recipe with `overrides` applied: the rest apply to the run's recipe.yaml."""
-    raw = parse_yaml(default_recipe_text(), "quickstart.yaml (built in)")
-    for item in overrides:
-        apply_override(raw, item)
+    raw = parse_yaml(default_recipe_text(), "quickstart.yaml (built in)", overrides)
     name = raw.get("name")
     if not isinstance(name, str) or not name:
         raise UserError(f"--set name: must be a run name (got {shown(name)})")

@@ -128,8 +128,9 @@ class Trainer:
 
     def _cut_text(self) -> str:
         ranges = stage_ranges(self.plan.balance)  # one per chunk, placed as the layout says
+        by = self.plan.balance_by  # what chose the cut
         return (", ".join(f"stage {self.layout.owner(i)} layer{'s' if len(r) > 1 else ''} {number_range(r[0], r[-1])}"
-                          for i, r in enumerate(ranges)) + f" ({_cut_words(self.plan.balance_by)})")
+                          for i, r in enumerate(ranges)) + (f" ({by})" if by == "the only cut" else f" (cut by {by})"))
 
     def _pipeline(self) -> Pipeline:
         """This rank's stage as the plan cuts it, its layers built afresh from their seeds."""
@@ -440,7 +441,7 @@ class Trainer:
         if all(s.activation_peak >= 0 for s in stages):  # a step that counted its stored activations
             record["activation_peak_bytes"] = [s.activation_peak for s in stages]
         if all(s.memory_peak >= 0 for s in stages):
-            record["mem_peak_bytes"] = stats.memory_peaks(0)
+            record["mem_peak_bytes"] = [s.memory_peak for s in stages]
         if any(s.cuda_peak for s in stages):
             record["cuda_peak_bytes"] = [s.cuda_peak for s in stages]
         if self.spec.task != "image":
@@ -545,8 +546,3 @@ class Trainer:
         """A line on the launching terminal (rank 0)."""
         if self.view is not None:
             self.view.message(text)
-
-
-def _cut_words(balance_by: str) -> str:
-    """What chose the cut, as the building line says it."""
-    return balance_by if balance_by == "the only cut" else f"cut by {balance_by}"

@@ -11,6 +11,7 @@ from typing import Any
 from rich.table import Table
 
 from gpipe_cli import memory_model as mm
+from gpipe_cli.console import figure_table
 from gpipe_cli.errors import UserError
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import ModelSummary, describe
@@ -250,12 +251,10 @@ def _layers(names: list[str]) -> str:
 
 def plan_table(plan: Plan) -> Table:
     """One row per stage: layers, parameters, forward FLOPs, estimated peak memory and whether it fits."""
-    table = Table(title=f"{plan.model}: {human_count(plan.total_params)} parameters, {plan.partitions} stages x "
-                        f"{plan.data_parallel} replicas, {plan.microbatches} micro-batches of "
-                        f"{plan.microbatch_size}", title_justify="left")
-    for column in ("stage", "layers", "params", "GFLOPs/example", "memory (est.)", "of which activations",
-                   "fits"):
-        table.add_column(column, justify="left" if column == "layers" else "right")
+    table = figure_table(f"{plan.model}: {human_count(plan.total_params)} parameters, {plan.partitions} stages x "
+                         f"{plan.data_parallel} replicas, {plan.microbatches} micro-batches of {plan.microbatch_size}",
+                         ("stage", "layers", "params", "GFLOPs/example", "memory (est.)", "of which activations",
+                          "fits"), left=("layers",), title_justify="left")
     for s in plan.stages:
         fits = "yes" if s.fits else f"[bold red]no: {s.over()}[/]"
         table.add_row(str(s.index), _layers(s.layers), human_count(s.params), f"{s.flops / 1e9:.3f}",
