@@ -45,13 +45,26 @@ OUTPUTS = "outputs"
 
 def first_line(recipe: Recipe) -> str:
     """What is starting: recipe, model, K, M, D and the number of ranks."""
-    m, p, t = recipe.model, recipe.pipeline, recipe.train
+    p, t = recipe.pipeline, recipe.train
     length = " and ".join(_count(n, unit) for n, unit in ((t.steps, "step"), (t.epochs, "epoch")) if n)
-    model = m.preset or families.of(m.kind).title(m.model_dump(), False)
-    return (f"gpipe train {recipe.name}: {model}, K={_count(p.partitions, 'stage')} x "
+    batch = recipe.data.batch_size if recipe.data.tokens_per_batch is None else \
+        f"{recipe.data.tokens_per_batch:,} tokens"  # the budget decides how many examples
+    return (f"gpipe train {recipe.name}: {_model_name(recipe)}, K={_count(p.partitions, 'stage')} x "
             f"D={p.data_parallel} = {_count(p.partitions * p.data_parallel, 'rank')}, "
-            f"M={_count(p.microbatches, 'micro-batch', 'micro-batches')}, batch {recipe.data.batch_size}, {length}, "
-            f"{t.precision}")
+            f"M={_count(p.microbatches, 'micro-batch', 'micro-batches')}, batch {batch}, {length}, {t.precision}")
+
+
+def _model_name(recipe: Recipe) -> str:
+    """The preset's name where the recipe keeps its shape, else the model's own (`model.layers` on a preset)."""
+    m, family = recipe.model, families.of(recipe.model.kind)
+    title = family.title(m.model_dump(), False)
+    if not m.preset:
+        return title
+    from gpipe_cli.models.registry import resolve_preset  # loaded already: the recipe's preset was resolved
+
+    given = m.model_dump()  # the sizes the data sets (vocabulary, image size) are not part of a preset's name
+    return m.preset if all(given.get(k, v) == v for k, v in resolve_preset(m.preset)[1].items()
+                           if k not in family.data_sizes) else title
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:

@@ -24,6 +24,17 @@ def test_the_first_line_counts_one_of_each_in_the_singular():
     assert "K=1 stage x D=1 = 1 rank, M=1 micro-batch, batch 10, 1 step and 1 epoch, fp32" in line, line
 
 
+def test_the_first_line_names_the_model_that_is_built():
+    from gpipe_cli.recipe.load import load_recipe
+
+    wmt = "recipes/transformer-wmt-en-de.yaml"
+    assert ": t-6-8192-16, K=" in first_line(load_recipe(wmt, check_data=False))
+    # A preset resized by the recipe is not that preset; a token budget, not batch_size, sets the batch.
+    line = first_line(load_recipe(wmt, ["model.layers=2", "model.d_model=128", "data.tokens_per_batch=1024"],
+                                  check_data=False))
+    assert ": Transformer encoder-decoder with 2 layers, d_model 128, K=" in line and "batch 1,024 tokens" in line
+
+
 def test_oversubscription_is_flagged_for_cores_and_for_gpus():
     assert oversubscription(ranks=2, threads=1, cores=2, gpus=0) is None
     cpu = oversubscription(ranks=4, threads=1, cores=2, gpus=0)
