@@ -244,8 +244,8 @@ def bench(
 
 
 @app.command("profile-memory")
-# Its own --partitions takes several K; it cuts every stage into one chunk.
-@_flags(ProfileOptions, P, *(name for name in ALIASES if name not in ("partitions", "virtual_stages")),
+# Its own --partitions takes several K.
+@_flags(ProfileOptions, P, *(name for name in ALIASES if name != "partitions"),
         shown={"microbatches": "8", "batch_size": "4 x M; with --budget the paper's: 128 AmoebaNet, 32 Transformer",
                "balance": "by estimated FLOPs, as training"})
 def profile_memory(

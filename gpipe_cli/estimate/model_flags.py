@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from gpipe_cli.errors import UserError
-from gpipe_cli.limits import MAX_SEED, one_of, outside
+from gpipe_cli.limits import MAX_SEED, one_of, outside, refuse
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES
 from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, balance_text, settings
@@ -55,6 +56,51 @@ def choice_problems(options: ModelFlags) -> list[str | None]:
             outside("--seed", options.seed, 0, MAX_SEED)]  # as a recipe's seed
 
 
+def is_v(schedule: Any) -> bool:
+    """Whether `schedule` names a V-shaped schedule, which runs two chunks per stage."""
+    return schedule in SCHEDULES and schedules.get(schedule).placement == "v"
+
+
+# Only where the flags decide it: a recipe may hold the V's chunks, and a --set item names its key itself.
+def v_problem(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str]) -> str | None:
+    """The refusal of a V schedule typed as --schedule without --virtual-stages 2, naming the flags."""
+    schedule, virtual = flags.get("schedule"), flags.get("virtual_stages")
+    if not is_v(schedule) or virtual == 2:
+        return None
+    if virtual is None and (recipe is not None
+                            or any(item.partition("=")[0].strip() == "pipeline.virtual_stages" for item in sets)):
+        return None
+    return f"--schedule {schedule} runs 2 chunks per stage in a V: give --virtual-stages 2 (got {virtual or 1})"
+
+
+def balance_entries(balance: str | None) -> int | None:
+    """How many stages a --balance list cuts (None: no list, e.g. a cut by a mode such as auto)."""
+    if balance is None or not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", balance):
+        return None
+    return len(balance.split(","))
+
+
+def entries_problem(balance: str | None, partitions: int, virtual: int) -> str | None:
+    """The refusal of a --balance list whose entries are not K x V, naming the flags that set both."""
+    entries = balance_entries(balance)
+    if entries is None or partitions < 1 or virtual < 1 or entries == partitions * virtual:
+        return None  # a K or V below 1 is refused by the schema
+    if virtual == 1:
+        return (f"--balance {balance} has {entries} entries but --partitions {partitions} has {partitions} stages: "
+                f"give one layer count per stage")
+    return (f"--balance {balance} has {entries} entries but --partitions {partitions} x --virtual-stages {virtual} "
+            f"is {partitions * virtual} chunks: give one layer count per chunk")
+
+
+def _flag_value(name: str, recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str], default: Any) -> Any:
+    """An aliased key's value where the flags alone decide it (None: a recipe or a --set item may)."""
+    if flags.get(name) is not None:
+        return flags[name]
+    if recipe is None and not any(item.partition("=")[0].strip() == ALIASES[name] for item in sets):
+        return default
+    return None
+
+
 def model_of(recipe: str | None, model: str | None, done: str) -> str:
     """The model measured: the recipe's, or `--model` (None: a transformer); `done` is what the command does to it."""
     if recipe is not None and model is not None:
@@ -68,6 +114,11 @@ def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[
                   cuts: tuple[str, ...], **defaults: Any) -> dict[str, Any]:
     """The fields a recipe (None: the command's own model), the alias flags and `--set` give."""
     own = {f.name: f.default for f in fields(options) if f.name in ALIASES and f.default not in (None, MISSING)}
+    # Named by the flags, before the schema names the keys they stand for.
+    k, v = (_flag_value(name, recipe, flags, sets, {**own, **defaults}.get(name, 1))
+            for name in ("partitions", "virtual_stages"))
+    refuse([v_problem(recipe, flags, sets),
+            None if k is None or v is None else entries_problem(flags.get("balance"), k, v)])
     given, model_sets = settings(recipe, flags, sets, {**own, **defaults})
     if "balance" in given:
         given["balance"] = balance_text(given["balance"], cuts)

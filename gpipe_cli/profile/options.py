@@ -7,7 +7,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpipe_cli.errors import UserError, cut, shown
-from gpipe_cli.estimate.model_flags import SEED_HELP, ModelFlags, choice_problems, model_of, shared_fields
+from gpipe_cli.estimate.model_flags import (
+    SEED_HELP,
+    ModelFlags,
+    balance_entries,
+    choice_problems,
+    is_v,
+    model_of,
+    shared_fields,
+    v_problem,
+)
 from gpipe_cli.files import check_output
 from gpipe_cli.limits import MAX_RANKS, MAX_SIZE, one_of, outside, refuse, words
 from gpipe_cli.pipeline.config import microbatch_problem
@@ -17,6 +26,7 @@ from gpipe_cli.units import parse_size
 # The largest K: the paper's largest pipeline (Transformer-L on 128 TPUs). Every stage of every row is
 # priced, and measured rows driven, in this one process; far larger K only ran for minutes, silently.
 MAX_PARTITIONS = 128
+DEFAULT_PARTITIONS = (2, 4, 8)  # the paper's Table 1
 
 # The optimizers whose state can be counted: memory_model.OPTIMIZERS builds them, with torch; their names are
 # here so that a misspelt --optimizer is refused before torch loads (a test keeps the two alike).
@@ -30,7 +40,8 @@ OPTIMIZER_NAMES = tuple(OPTIMIZER_WORDS)
 class ProfileOptions(ModelFlags):
     """What `gpipe profile-memory` counts: its own flags (see `FLAGS`) and the recipe keys it reads (`ALIASES`)."""
 
-    partitions: list[int] = field(default_factory=lambda: [2, 4, 8])
+    partitions: list[int] = field(default_factory=lambda: list(DEFAULT_PARTITIONS))
+    virtual_stages: int = 1  # V: 2 under a V schedule; interleaved is counted with one chunk per stage
     optimizer: str = "rmsprop"
     budget: str | None = None
     device: str = "auto"
@@ -66,13 +77,38 @@ def profile_options(recipe: str | None, partitions: str | None, flags: Mapping[s
     ks = parse_partitions(partitions) if partitions is not None else None
     if ks is not None:
         _check_partitions(ks)
-        if flags.get("balance") is not None and len(ks) != 1:
-            raise UserError("--balance needs a single K in --partitions")
-    given = shared_fields(ProfileOptions, recipe, flags, sets, ("auto",),
-                          **({"partitions": ks[0]} if ks and len(ks) == 1 else {}))
+    # A recipe holds one K; without one, the default is several.
+    listed = ks if ks is not None else None if recipe is not None else list(DEFAULT_PARTITIONS)
+    typed_v = flags.get("virtual_stages")
+    virtual = typed_v if typed_v is not None and typed_v >= 1 else 1  # a V below 1 is refused by the schema
+    refuse([v_problem(recipe, flags, sets), _chunks_problem(flags, recipe),
+            None if listed is None else one_cut_problem(flags.get("balance"), listed, virtual, default=ks is None)])
+    if ks is not None and len(ks) == 1:
+        # The single K is the pipeline's K, so that a --balance is checked against it, with a recipe too.
+        flags = {**flags, "partitions": ks[0]}
+    given = shared_fields(ProfileOptions, recipe, flags, sets, ("auto",))
     k = given.pop("partitions", None)
-    given.pop("virtual_stages", None)  # one chunk per device is counted
-    return ProfileOptions(model=model, partitions=ks or ([k] if k is not None else [2, 4, 8]), **given, **own)
+    return ProfileOptions(model=model, partitions=ks or ([k] if k is not None else list(DEFAULT_PARTITIONS)),
+                          **given, **own)
+
+
+def _chunks_problem(flags: Mapping[str, Any], recipe: str | None) -> str | None:
+    """The refusal of a --virtual-stages this command would not count: only a V's two chunks are placed apart."""
+    virtual, schedule = flags.get("virtual_stages"), flags.get("schedule")
+    if virtual is None or virtual <= 1 or is_v(schedule) or (schedule is None and recipe is not None):
+        return None  # below 1: refused by the schema; without --schedule a recipe's may be a V
+    return (f"--virtual-stages {virtual}: profile-memory counts {schedule or 'gpipe'} with one chunk per stage; it "
+            f"takes --virtual-stages 2 with zero-bubble-v or v-half only")
+
+
+def one_cut_problem(balance: str | None, partitions: list[int], virtual: int, default: bool = False) -> str | None:
+    """The refusal of a --balance list beside several K: a list of layers per stage is one K's cut."""
+    entries = balance_entries(balance)
+    if entries is None or len(partitions) == 1:
+        return None
+    hint = f"--partitions {entries // virtual}" if entries % virtual == 0 else "a single K in --partitions"
+    listed = ",".join(map(str, partitions)) + (", the default" if default else "")
+    return f"--balance {balance} cuts a single K: give {hint} (got {listed})"
 
 
 def parse_partitions(text: str) -> list[int]:
@@ -101,8 +137,8 @@ def validate(options: ProfileOptions) -> None:
         one_of("--optimizer", options.optimizer, OPTIMIZER_NAMES),
         None if options.device in ("auto", "cpu", "cuda")
         else f"--device must be auto, cpu or cuda (got {options.device})",
-        "--balance needs a single K in --partitions" if options.balance is not None and len(options.partitions) != 1
-        else None,
+        one_cut_problem(options.balance, options.partitions, options.virtual_stages),
+        _virtual_problem(options.schedule, options.virtual_stages),
         None if options.budget is None or (options.layers is None and options.filters is None)
         else "--budget searches the layers and filters: drop --layers/--filters",
     ])
@@ -110,6 +146,13 @@ def validate(options: ProfileOptions) -> None:
         # Nothing fits no memory at all: a table of empty rows would only hide the typo.
         raise UserError(f"--budget must be more than 0 bytes, e.g. 8GiB (got '{cut(options.budget)}')")
     check_output(options.json, "--json", "memory.json")
+
+
+def _virtual_problem(schedule: str, virtual: int) -> str | None:
+    """The refusal of a V schedule that is not given 2 chunks per stage."""
+    if not is_v(schedule) or virtual == 2:
+        return None
+    return f"--schedule {schedule} runs 2 chunks per stage in a V: give --virtual-stages 2 (got {virtual})"
 
 
 def _check_partitions(partitions: list[int]) -> None:

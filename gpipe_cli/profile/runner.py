@@ -26,7 +26,7 @@ from gpipe_cli.estimate.subject import (
 from gpipe_cli.files import atomic_write_text
 from gpipe_cli.models import families
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.models.describe import describe, layer_params
+from gpipe_cli.models.describe import count_parameters, describe, layer_params
 from gpipe_cli.models.registry import allowed_params, build_model
 from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.profile import account, budget, probe, scenarios, tables
@@ -149,7 +149,9 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
         correction = _calibrate(member_probes(subject, names, options.schedule, options.optimizer, options.seed,
                                               probe_room(device)), subject.kind, machine, device, console, progress)
     inputs, targets = example_batch(spec, batch, options.seed)
-    params = sum(layer_params(spec))
+    # The model's count, a tied weight once (as the plan line says); each stage's bytes hold every copy it keeps.
+    params = count_parameters(spec)
+    copies = sum(layer_params(spec)) - params  # the later copies of tied weights, in every layer count
     out = []
     for sc in rows:
         if sc.measured:
@@ -162,7 +164,8 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
             out.append(scenarios.row(sc, stages, params))
         else:
             stages = scenarios.predicted_stages(sc, figures, batch, per_param)
-            out.append(scenarios.row(sc, stages, sum(layer.params for layer in (sc.figures or figures).layers)))
+            out.append(scenarios.row(sc, stages, sum(layer.params for layer in (sc.figures or figures).layers)
+                                     - copies))
             if correction is not None:  # what the device holds, beside the accounting
                 device_bytes = [correction.bytes(fp, sc.checkpoint)
                                 for fp in sc.predict(figures, batch, per_param)]

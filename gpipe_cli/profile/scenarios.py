@@ -81,6 +81,8 @@ def choose_rows(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, in
     layers = len(spec.layers)
     # V: a V-shaped schedule's two chunks per stage, else one (interleaved is counted with one, as 1F1B).
     per_stage = 2 if schedules.get(schedule).placement == "v" else 1
+    # An explicit cut is one K's (a single K is profiled then): pipeline-1's chunks under a V are cut by FLOPs.
+    cut_k = max(k for _, k, _, _ in rows)
     out = []
     for name, k, m, checkpoint in rows:
         # naive-1 is plain training: no offload and one chunk, whatever the pipeline rows' schedule.
@@ -98,7 +100,8 @@ def choose_rows(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, in
             out.append(Scenario(name, k, m, checkpoint, partition.balance_by_cost(costs, chunks), False, why, deeper,
                                 moved, placed, v))
             continue
-        balance = flops_balance(spec, chunks, batch, m, explicit) if chunks > 1 else [layers]
+        given = explicit if name != "naive-1" and k == cut_k else None
+        balance = flops_balance(spec, chunks, batch, m, given) if chunks > 1 or given else [layers]
         scenario = Scenario(name, k, m, checkpoint, balance, True, offload=moved, schedule=placed, virtual=v)
         fullest = max(fp.total_bytes for fp in scenario.predict(figures, batch, per_param))
         if fullest > have:

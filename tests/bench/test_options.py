@@ -132,7 +132,7 @@ def test_the_names_checked_before_torch_loads_are_the_engines():
 @pytest.mark.parametrize("command", ["bench", "profile-memory"])
 @pytest.mark.parametrize(("balance", "message"), [
     ("1,1", "balance [1, 1] sums to 2 but the model has 10 layers"),
-    ("5,4,1", "pipeline.balance has 3 entries but the pipeline has 2; give one layer count per stage"),
+    ("5,4,1", "--balance 5,4,1 has 3 entries but --partitions 2 has 2 stages: give one layer count per stage"),
 ])
 def test_a_balance_the_model_cannot_take_is_one_line_naming_its_layers_once(capsys, command, balance, message):
     from gpipe_cli.cli import run
@@ -160,3 +160,25 @@ def test_a_value_is_shown_as_typed_and_named_by_what_the_user_typed(capsys, comm
     assert run([command, *flags]) == 2
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [line], captured.err
+
+
+@pytest.mark.parametrize("command", ["bench", "profile-memory"])
+@pytest.mark.parametrize("schedule", ["v-half", "zero-bubble-v"])
+def test_a_v_schedule_without_its_two_chunks_is_refused_naming_the_flag(capsys, command, schedule):
+    # It named the recipe key pipeline.virtual_stages, which neither command line had typed.
+    from gpipe_cli.cli import run
+
+    assert run([command, "--partitions", "2", "--schedule", schedule]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --schedule {schedule} runs 2 chunks per stage in a V: give --virtual-stages 2 (got 1)"]
+
+
+@pytest.mark.parametrize("command", ["bench", "profile-memory"])
+def test_a_v_balance_counts_partitions_times_virtual_stages(capsys, command):
+    from gpipe_cli.cli import run
+
+    assert run([command, "--partitions", "2", "--schedule", "v-half", "--virtual-stages", "2",
+                "--balance", "5,5"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --balance 5,5 has 2 entries but --partitions 2 x --virtual-stages 2 is 4 chunks: give one layer "
+        "count per chunk"]

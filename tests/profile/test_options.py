@@ -80,7 +80,7 @@ def test_a_small_budget_is_a_valid_question():
 def test_every_schedule_is_accepted_the_v_shaped_ones_too():
     assert {n for n in SCHEDULES if schedules.get(n).placement == "v"} == {"v-half", "zero-bubble-v"}
     for name in SCHEDULES:
-        validate(ProfileOptions(schedule=name))
+        validate(ProfileOptions(schedule=name, virtual_stages=2 if name in ("v-half", "zero-bubble-v") else 1))
     with pytest.raises(UserError, match="--schedule must be one of gpipe, "):
         validate(ProfileOptions(schedule="v-full"))
 
@@ -105,3 +105,30 @@ def test_every_optimizer_name_accepted_is_in_the_help_and_the_docs():
     for name in OPTIMIZER_NAMES:
         word = re.compile(rf"(?<![\w-]){re.escape(name)}(?![\w-])")  # sgd is not plain-sgd
         assert word.search(tidy(FLAGS["optimizer"]) or "") and word.search(line), name
+
+
+@pytest.mark.parametrize("args,line", [
+    # The default K are several: it blamed pipeline.balance against a pipeline of 1 stage.
+    (["--balance", "2,2"], "--balance 2,2 cuts a single K: give --partitions 2 (got 2,4,8, the default)"),
+    (["--partitions", "2,4", "--balance", "3,3"], "--balance 3,3 cuts a single K: give --partitions 2 (got 2,4)"),
+    (["--partitions", "2,4", "--schedule", "v-half", "--virtual-stages", "2", "--balance", "1,1,1,1"],
+     "--balance 1,1,1,1 cuts a single K: give --partitions 2 (got 2,4)"),
+    (["--partitions", "2", "--balance", "1,1,1"],
+     "--balance 1,1,1 has 3 entries but --partitions 2 has 2 stages: give one layer count per stage"),
+])
+def test_a_balance_is_one_ks_cut_named_by_the_flags(capsys, nothing_runs, args, line):
+    assert refused(capsys, *TINY, *args) == f"error: {line}"
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
+def test_virtual_stages_this_command_would_not_count_are_refused(capsys, nothing_runs, schedule):
+    # interleaved is counted with one chunk per stage: a V of 2 would have been left out without a word.
+    assert refused(capsys, *TINY, "--schedule", schedule, "--virtual-stages", "2") == (
+        f"error: --virtual-stages 2: profile-memory counts {schedule} with one chunk per stage; it takes "
+        f"--virtual-stages 2 with zero-bubble-v or v-half only")
+
+
+def test_a_v_schedule_is_validated_with_its_two_chunks():
+    validate(ProfileOptions(schedule="v-half", virtual_stages=2))
+    with pytest.raises(UserError, match="give --virtual-stages 2"):
+        validate(ProfileOptions(schedule="zero-bubble-v"))

@@ -83,6 +83,33 @@ def test_a_model_too_large_for_this_machine_is_extrapolated_not_refused(tmp_path
     assert "too large for this machine's memory" in naive["why"]
 
 
+def test_a_v_schedule_takes_a_cut_of_2k_chunks(tmp_path, capsys):
+    # --balance 1,1,1,1 was put to pipeline-1 too, which has 2 chunks under a V, and refused.
+    from gpipe_cli.cli import run as gpipe
+
+    out = tmp_path / "profile.json"
+    assert gpipe(["profile-memory", "--layers", "2", "--d-model", "32", "--ff", "64", "--heads", "2", "--seq-len", "8",
+                  "--vocab-size", "64", "--partitions", "2", "--schedule", "v-half", "--virtual-stages", "2",
+                  "--balance", "1,1,1,1", "--json", str(out)]) == 0, capsys.readouterr().err
+    rows = {s["name"]: s for s in json.loads(out.read_text())["scenarios"]}
+    assert rows["pipeline-2"]["balance"] == [1, 1, 1, 1] and rows["pipeline-2"]["virtual"] == 2
+    assert rows["pipeline-1"]["balance"] == [2, 2] and rows["naive-1"]["balance"] == [4]
+
+
+def test_a_tied_weight_is_counted_once(tmp_path):
+    # The plan line counted it once and the table twice; each stage's bytes still hold every copy it keeps.
+    counts = {}
+    for tied in ("false", "true"):
+        out = tmp_path / f"{tied}.json"
+        options = dict(tiny.TRANSFORMER, set=["arch=decoder-only", f"tie_embeddings={tied}"])
+        assert run(ProfileOptions(**options, partitions=[2, 8], microbatches=4, json=out)) == 0
+        counts[tied] = {s["name"]: (s["params"], s["measured"]) for s in json.loads(out.read_text())["scenarios"]}
+    table = tiny.TRANSFORMER["vocab_size"] * tiny.TRANSFORMER["d_model"]
+    assert not counts["true"]["pipeline-8"][1]  # an extrapolated row too
+    for name, (params, _) in counts["false"].items():
+        assert counts["true"][name][0] == params - table, name
+
+
 def test_partitions_parse():
     assert parse_partitions("2,4,8") == [2, 4, 8]
     with pytest.raises(UserError):
