@@ -15,7 +15,6 @@ from gpipe_cli.estimate.model_flags import (
     is_v,
     model_of,
     shared_fields,
-    v_problem,
 )
 from gpipe_cli.files import check_output
 from gpipe_cli.limits import MAX_RANKS, MAX_SIZE, one_of, outside, refuse, words
@@ -81,7 +80,7 @@ def profile_options(recipe: str | None, partitions: str | None, flags: Mapping[s
     listed = ks if ks is not None else None if recipe is not None else list(DEFAULT_PARTITIONS)
     typed_v = flags.get("virtual_stages")
     virtual = typed_v if typed_v is not None and typed_v >= 1 else 1  # a V below 1 is refused by the schema
-    refuse([v_problem(recipe, flags, sets), _chunks_problem(flags, recipe),
+    refuse([_chunks_problem(flags, recipe),
             None if listed is None else one_cut_problem(flags.get("balance"), listed, virtual, default=ks is None)])
     if ks is not None and len(ks) == 1:
         # The single K is the pipeline's K, so that a --balance is checked against it, with a recipe too.
