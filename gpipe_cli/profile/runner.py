@@ -77,8 +77,8 @@ def paced(machine: sizing.Machine, spec: ModelSpec, kind: str, examples: int, se
     return dataclasses.replace(machine, flops_per_s=rate / sizing.layer_efficiency(machine.kind, kind))
 
 
-def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tuple[Subject, str]:
-    """The model (sized to the machine without model flags) and the announcement."""
+def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tuple[Subject, str, bool]:
+    """The model (sized to the machine without model flags), the announcement, and whether it was sized."""
     rows = scenarios.names(options.partitions, options.microbatches, options.checkpoint)
     per_param = mm.bytes_per_parameter(options.optimizer)
 
@@ -92,7 +92,7 @@ def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tu
 
     # Left to this machine: a family name and no size flag or --set.
     sized = options.model in FAMILIES and all(v is None for v in options.sizes().values()) and not options.set
-    return to_measure(options.model, options.sizes(), options.set, judge, max(options.partitions), sized)[:2]
+    return *to_measure(options.model, options.sizes(), options.set, judge, max(options.partitions), sized)[:2], sized
 
 
 def measure(options: ProfileOptions, console: Console, progress: Progress | None = None) -> dict[str, Any]:
@@ -102,27 +102,33 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
     m = options.microbatches
     batch = options.batch_size or 4 * m
     machine = sizing.this_machine(torch.get_num_threads())
-    subject, note = _subject(options, machine, batch)
-    spec = subject.build()
     per_param = mm.bytes_per_parameter(options.optimizer)
     have = float(mm.available_bytes(device)) * sizing.MEMORY_SHARE
-    # Per-layer figures from shapes first (instant at any size), to decide and announce every row.
-    figures = mm.measure(spec, options.seed, device="meta")
     names = scenarios.names(options.partitions, m, options.checkpoint)
-    rows = scenarios.choose_rows(spec, figures, names, batch, options.schedule, per_param, have, options.balance,
-                          options.offload)
-    predicted = [sc.predict(figures, batch, per_param) for sc in rows]
-    cand = sizing.candidate(subject.kind, subject.params)
-    probe_s = probe_seconds(cand, machine)
-    probing = any(not sc.measured for sc in rows) and probe_s < 30 and max(layer_params(spec)) * per_param < have
-    if device.type == "cpu" and any(sc.measured for sc in rows):  # the model fits: a layer of it can be timed
-        # A quarter of the batch: large enough that the arithmetic, not each call's fixed cost, sets the time
-        # (within a fifth of the whole batch's rate on a 2-core CPU), at a fifth of the cost.
-        machine = paced(machine, spec, subject.kind, min(max(batch // 4, 2), batch), options.seed)
+    for again in (False, True):
+        subject, note, sized = _subject(options, machine, batch)
+        spec = subject.build()
+        # Per-layer figures from shapes first (instant at any size), to decide and announce every row.
+        figures = mm.measure(spec, options.seed, device="meta")
+        rows = scenarios.choose_rows(spec, figures, names, batch, options.schedule, per_param, have, options.balance,
+                                     options.offload)
+        cand = sizing.candidate(subject.kind, subject.params)
         probe_s = probe_seconds(cand, machine)
-    # Now that every row is decided: what this profile runs, not what sizing assumed (every row measured).
-    seconds = FIXED_S + (probe_s if probing else 0.0) + sum(
-        row_seconds(cand, machine, batch, sc.microbatches, sc.checkpoint) for sc in rows if sc.measured)
+        probing = any(not sc.measured for sc in rows) and probe_s < 30 and max(layer_params(spec)) * per_param < have
+        timed = device.type == "cpu" and any(sc.measured for sc in rows)  # the model fits: a layer can be timed
+        if timed:
+            # A quarter of the batch: large enough that the arithmetic, not each call's fixed cost, sets the time
+            # (within a fifth of the whole batch's rate on a 2-core CPU), at a fifth of the cost.
+            machine = paced(machine, spec, subject.kind, min(max(batch // 4, 2), batch), options.seed)
+            probe_s = probe_seconds(cand, machine)
+        # Now that every row is decided: what this profile runs, not what sizing assumed (every row measured).
+        seconds = FIXED_S + (probe_s if probing else 0.0) + sum(
+            row_seconds(cand, machine, batch, sc.microbatches, sc.checkpoint) for sc in rows if sc.measured)
+        # A model sized by the quick rate, which a busy machine's layers fall far below, is sized once more by the
+        # rate its layers reach (once: the smaller member's estimate stands as it is).
+        if again or not (sized and timed) or seconds <= sizing.TIME_BUDGET_S:
+            break
+    predicted = [sc.predict(figures, batch, per_param) for sc in rows]
     if note:
         console.print(f"[bold]{note}[/]")
     name = cand.describe(full=True) if "layers" in subject.params else spec.name

@@ -114,3 +114,25 @@ def test_partitions_parse():
     assert parse_partitions("2,4,8") == [2, 4, 8]
     with pytest.raises(UserError):
         parse_partitions("two")
+
+
+def test_a_model_sized_by_the_quick_rate_is_sized_again_by_the_rate_its_layers_reach(tmp_path, monkeypatch, capsys):
+    # On a busy machine the quick matrix-product rate chose a member its layers then ran for minutes, not about one.
+    import dataclasses
+
+    from gpipe_cli import sizing
+    from gpipe_cli.profile import runner
+
+    quick = sizing.this_machine(1)
+    monkeypatch.setattr(sizing, "this_machine", lambda threads=1: dataclasses.replace(quick, flops_per_s=1e13))
+    paced: list[float] = []
+
+    def slow(machine, *args):  # the layers reach a millionth of the quick rate
+        paced.append(machine.flops_per_s)
+        return dataclasses.replace(machine, flops_per_s=1e7)
+    monkeypatch.setattr(runner, "paced", slow)
+    out = tmp_path / "profile.json"
+    assert run(ProfileOptions(partitions=[2], json=out)) == 0
+    assert paced == [1e13, 1e7]  # sized once more, at the rate the layers reached
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the smallest member" in text, text[:600]
