@@ -230,6 +230,8 @@ def _write_failure(path: Path, exc: BaseException) -> str:
     """One line: what failed, and how much space is left."""
     cause = _os_error(exc)
     what = f"{errno.errorcode.get(cause.errno, '')}: {cause.strerror}" if cause and cause.errno else _cause(exc)
+    if cause is None and "unexpected pos" in what:  # how torch's zip writer reports a write that fell short
+        what += "; a write fell short, as on a full disk"
     try:
         free = f"{human_bytes(shutil.disk_usage(path.parent).free)} free on {path.parent}"
     except OSError:

@@ -168,6 +168,13 @@ def test_a_failed_write_removes_its_partial_folder_and_says_how_much_space_is_le
     assert checkpoint.inspect(checkpoint.path_for(tmp_path, 1), verify=True)[1] is None
 
 
+def test_a_short_write_reported_by_torch_says_what_it_means(tmp_path):
+    # On a full disk torch's zip writer can fail before the file system says ENOSPC, in words of its own.
+    torn = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    message = checkpoint._write_failure(checkpoint.path_for(tmp_path, 2), torn)
+    assert "unexpected pos 704 vs 598; a write fell short, as on a full disk)" in message, message
+
+
 def checkpointer(run_dir: Path):
     from types import SimpleNamespace
 
