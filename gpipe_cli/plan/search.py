@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpipe_cli import memory_model as mm
 from gpipe_cli.estimate import simulate
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.memory_model import ModelFigures
 from gpipe_cli.pipeline import partition, schedules
-from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES
+from gpipe_cli.pipeline.schedule import REMAT_MODES, SCHEDULES, build_all, rematerialised
 
 VIRTUAL_STAGES = (2, 4)   # V tried for the interleaved schedule
 
@@ -78,6 +77,15 @@ class Config:
     virtual: int      # V (interleaved), else 1
     checkpoint: str
     offload: str = "none"  # pipeline.offload: none, or activations (stored activations in host memory)
+
+    def recomputation(self) -> int:
+        """How much it recomputes: 0 nothing, 1 some forwards (except_last), 2 every forward (always)."""
+        if self.checkpoint == "always":
+            return 2
+        # except_last recomputes nothing where each forward is followed at once by its backward (one micro-batch,
+        # or 1F1B on one stage): the schedule's action lists say which.
+        lists = build_all(self.schedule, self.partitions, self.microbatches, self.checkpoint, self.virtual)
+        return 1 if any(rematerialised(actions) for actions in lists) else 0
 
     def label(self) -> str:
         """e.g. 'K=2 D=1 M=8 interleaved V=2 except_last'."""
@@ -146,8 +154,10 @@ def configs(model: Model, hw: Hardware) -> Iterator[Config]:
                     for mode in REMAT_MODES:
                         # Its host copies are priced at no time (docs/planning.md): without rematerialization
                         # offload would be priced as fast as keeping every graph on the device, which it is not.
-                        for offload in ("none", "activations") if mode != "never" else ("none",):
-                            yield Config(k, d, m, name, v, mode, offload)
+                        kept = Config(k, d, m, name, v, mode)
+                        yield kept
+                        if kept.recomputation():
+                            yield replace(kept, offload="activations")
 
 
 def _virtual(name: str, k: int, m: int, layers: int) -> list[int]:
@@ -238,7 +248,7 @@ def search(model: Model, hw: Hardware) -> Result:
                 (need, balance), outcome = found, candidate
         result.smallest_memory = need
         memory = _memory(model, outcome.config).needs(balance)
-        result.smallest = dataclasses.replace(outcome, balance=balance, memory=memory)
+        result.smallest = replace(outcome, balance=balance, memory=memory)
     return result
 
 

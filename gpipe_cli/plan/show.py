@@ -49,7 +49,7 @@ def reason(model: search.Model, winner: Outcome, other: Outcome, budget: float) 
                "allreduce": f"gradient all-reduce over {c.replicas} replicas"}
     if worst in because:
         return f"{pct}: {because[worst]}"
-    if c.checkpoint != w.checkpoint and c.checkpoint != "never":
+    if c.recomputation() > w.recomputation():
         return f"{pct}: recomputes more ({c.checkpoint})"
     size, win_size = model.batch // c.replicas // c.microbatches, model.batch // w.replicas // w.microbatches
     if size < win_size:

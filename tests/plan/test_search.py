@@ -55,9 +55,9 @@ def brute_force(model: search.Model, hw: search.Hardware) -> tuple[float, search
                     allowed = v == 2 and k >= 2
                 else:
                     allowed = (v > 1 and m % k == 0 and k >= 2) if name == "interleaved" else v == 1
-                if not allowed or k * v > n or (mode == "never" and offload != "none"):
-                    continue
                 config = search.Config(k, d, m, name, v, mode, offload)
+                if not allowed or k * v > n or (offload != "none" and not config.recomputation()):
+                    continue
                 costs = model.costs(per_replica // m)
                 weights = costs.balance_costs(mode)
                 chunks = k * v
@@ -152,6 +152,16 @@ def test_configurations_use_every_device_and_split_the_batch_evenly():
     assert {(c.checkpoint, c.offload) for c in seen} == {("always", "none"), ("always", "activations"),
                                                          ("except_last", "none"), ("except_last", "activations"),
                                                          ("never", "none")}
+    assert all(c.recomputation() for c in seen if c.offload != "none")
+
+
+def test_except_last_recomputes_nothing_where_each_forward_meets_its_backward_at_once():
+    # The plan offered offload at K=1, M=1 except_last, and called such a run slower because it "recomputes more".
+    def recomputation(k: int, m: int, schedule: str, v: int = 1, mode: str = "except_last") -> int:
+        return search.Config(k, 1, m, schedule, v, mode).recomputation()
+    assert recomputation(1, 1, "gpipe") == recomputation(2, 1, "gpipe") == recomputation(1, 4, "1f1b") == 0
+    assert recomputation(1, 4, "gpipe") == recomputation(2, 4, "1f1b") == recomputation(2, 1, "v-half", 2) == 1
+    assert recomputation(1, 1, "gpipe", mode="always") == 2 and recomputation(2, 4, "gpipe", mode="never") == 0
 
 
 def test_where_only_offloading_or_a_v_fits_the_pick_is_one_of_them():
