@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import inspect
 import json
-import os
 import re
 import sys
 import typing
@@ -67,7 +66,7 @@ def _error(message: str) -> None:
     """Print an error line; under torchrun only each node's first rank does, as its siblings hit the same one."""
     # Errors reach here only before a rank joins its job (a rank's own failure ends it inside the job), from the
     # arguments and recipe every rank reads alike: one line a node, not one a rank. The exit code stays.
-    if "WORLD_SIZE" not in os.environ or os.environ.get("LOCAL_RANK", "0") == "0":
+    if interrupts.speaks_for_node():
         print(f"error: {message}", file=sys.stderr)
 
 

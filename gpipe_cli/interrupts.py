@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -80,10 +81,17 @@ def _quiet_unraisable(previous: Callable[[Any], object]) -> Callable[[Any], obje
     return hook
 
 
+def speaks_for_node() -> bool:
+    """Whether this process says what every rank of its node would say alike: outside torchrun, or local rank 0."""
+    return "WORLD_SIZE" not in os.environ or os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 def say_stopped(command: str) -> None:
     """Say on stderr, in the one line every command uses, that a Ctrl-C or SIGTERM stopped `command` (or `gpipe`)."""
-    # stderr: a command's output piped into a file stays its figures alone.
-    print(f"{command}: interrupted; nothing was written", file=sys.stderr, flush=True)
+    # stderr: a command's output piped into a file stays its figures alone. Under torchrun, once a node: its agent
+    # stops every rank alike, e.g. the others once one has refused the recipe.
+    if speaks_for_node():
+        print(f"{command}: interrupted; nothing was written", file=sys.stderr, flush=True)
 
 
 def exit_code(code: int) -> int:

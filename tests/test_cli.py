@@ -159,6 +159,16 @@ def test_ctrl_c_in_any_command_is_one_line_and_code_130(monkeypatch, capsys, com
     assert err == f"gpipe {command[0]}: interrupted; nothing was written\n"
 
 
+@pytest.mark.parametrize("local_rank, lines", [("0", 1), ("1", 0)])
+def test_under_torchrun_each_node_says_a_stop_once(monkeypatch, capsys, local_rank, lines):
+    # torchrun stops every rank alike, e.g. the others once one has refused the recipe: one line a node.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    monkeypatch.setattr(__import__("gpipe_cli.train.plan", fromlist=["checked_plan"]), "checked_plan", _interrupted)
+    assert run(["validate"]) == 130
+    assert len(capsys.readouterr().err.splitlines()) == lines
+
+
 def test_ctrl_c_while_the_arguments_are_parsed_is_one_line_too(monkeypatch, capsys):
     # typer turns it into a silent exit code 130 before any command's function has begun.
     import typer.core
