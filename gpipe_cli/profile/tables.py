@@ -63,8 +63,8 @@ def _table1(s: dict[str, Any]) -> Table:
 
 def _measured(row: dict[str, Any] | None) -> str:
     """A budget row's measured fullest device and how far the prediction is from it, e.g. "5.1 MiB (pred. +2%)"."""
-    if row is None:
-        return ""
+    if row is None:  # as every other row of that column says
+        return "does not fit"
     found = row.get("measured_device_peak_bytes")
     if found is None:
         return "not run here"

@@ -63,3 +63,10 @@ def test_set_reaches_the_searched_family(capsys, tmp_path):
     assert gpipe(["profile-memory", *TINY, "--set", "model.dropout=0", "--budget", "8MiB", "--partitions", "2",
                   "--json", str(out)]) == 0
     assert json.loads(out.read_text())["fixed"]["dropout"] == 0
+
+
+def test_a_column_where_nothing_fits_says_so_in_the_measured_row_too():
+    # Its cell was left blank while every other row of the column said "does not fit".
+    from gpipe_cli.profile import tables
+
+    assert tables._measured(None) == "does not fit"
