@@ -13,6 +13,7 @@ from gpipe_cli.limits import MAX_SEED, one_of, outside, refuse
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES
 from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, balance_text, settings
+from gpipe_cli.recipe.load import typed_values
 
 # The command line loads this module for its help and checks these flags before torch loads: the schedules'
 # registry and the pipeline configuration import nothing heavy.
@@ -67,8 +68,7 @@ def v_problem(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str])
     schedule, virtual = flags.get("schedule"), flags.get("virtual_stages")
     if not is_v(schedule) or virtual == 2:
         return None
-    if virtual is None and (recipe is not None
-                            or any(item.partition("=")[0].strip() == "pipeline.virtual_stages" for item in sets)):
+    if virtual is None and (recipe is not None or "pipeline.virtual_stages" in typed_values(sets)):
         return None
     return f"--schedule {schedule} runs 2 chunks per stage in a V: give --virtual-stages 2 (got {virtual or 1})"
 
@@ -96,7 +96,7 @@ def _flag_value(name: str, recipe: str | None, flags: Mapping[str, Any], sets: S
     """An aliased key's value where the flags alone decide it (None: a recipe or a --set item may)."""
     if flags.get(name) is not None:
         return flags[name]
-    if recipe is None and not any(item.partition("=")[0].strip() == ALIASES[name] for item in sets):
+    if recipe is None and ALIASES[name] not in typed_values(sets):
         return default
     return None
 

@@ -80,8 +80,8 @@ class Config:
 
     def recomputation(self) -> int:
         """How much it recomputes: 0 nothing, 1 some forwards (except_last), 2 every forward (always)."""
-        if self.checkpoint == "always":
-            return 2
+        if self.checkpoint in ("always", "never"):
+            return 2 if self.checkpoint == "always" else 0
         # except_last recomputes nothing where each forward is followed at once by its backward (one micro-batch,
         # or 1F1B on one stage): the schedule's action lists say which.
         lists = build_all(self.schedule, self.partitions, self.microbatches, self.checkpoint, self.virtual)

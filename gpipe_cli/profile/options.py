@@ -15,6 +15,7 @@ from gpipe_cli.estimate.model_flags import (
     is_v,
     model_of,
     shared_fields,
+    v_problem,
 )
 from gpipe_cli.files import check_output
 from gpipe_cli.limits import MAX_RANKS, MAX_SIZE, one_of, outside, refuse, words
@@ -137,7 +138,7 @@ def validate(options: ProfileOptions) -> None:
         None if options.device in ("auto", "cpu", "cuda")
         else f"--device must be auto, cpu or cuda (got {options.device})",
         one_cut_problem(options.balance, options.partitions, options.virtual_stages),
-        _virtual_problem(options.schedule, options.virtual_stages),
+        v_problem(None, {"schedule": options.schedule, "virtual_stages": options.virtual_stages}, ()),
         None if options.budget is None or (options.layers is None and options.filters is None)
         else "--budget searches the layers and filters: drop --layers/--filters",
     ])
@@ -145,13 +146,6 @@ def validate(options: ProfileOptions) -> None:
         # Nothing fits no memory at all: a table of empty rows would only hide the typo.
         raise UserError(f"--budget must be more than 0 bytes, e.g. 8GiB (got '{cut(options.budget)}')")
     check_output(options.json, "--json", "memory.json")
-
-
-def _virtual_problem(schedule: str, virtual: int) -> str | None:
-    """The refusal of a V schedule that is not given 2 chunks per stage."""
-    if not is_v(schedule) or virtual == 2:
-        return None
-    return f"--schedule {schedule} runs 2 chunks per stage in a V: give --virtual-stages 2 (got {virtual})"
 
 
 def _check_partitions(partitions: list[int]) -> None:

@@ -252,7 +252,8 @@ class Trainer:
         if pieces is not None and wanted and pieces < wanted:  # sentencepiece's soft limit on a small corpus
             text += (f"; the tokenizer has {pieces:,} pieces, fewer than the {wanted:,} asked: the "
                      "training text holds no more")
-        text += "".join(f"; {split.left_out}" for split in (data.train, data.eval) if split and split.left_out)
+        text += "".join(f"; {split.left_out}" for split in (data.train, data.eval)
+                       if split is not None and split.left_out)
         if dropped:
             text += (f"; data.drop_last leaves out {dropped:,} of {data.train_size:,} training examples per epoch "
                      f"(a partial last batch; data.drop_last: false keeps them)")

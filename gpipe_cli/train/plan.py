@@ -116,11 +116,12 @@ class Plan:
             return ""
         if self.no_cut_fits:
             return self.no_cut_fits
-        parts = ", ".join(f"stage {s.index} {s.over()}" for s in over)
         if len(over) > 2:  # every stage named would push the advice out of the one line an error gets
             worst = max(over, key=lambda s: s.memory.total + s.memory.host)
             parts = (f"{len(over)} of {len(self.stages)} stages are over, stage {worst.index} the most: "
                      f"it {worst.over()}")
+        else:
+            parts = ", ".join(f"stage {s.index} {s.over()}" for s in over)
         return (f"the plan does not fit this machine: {parts}; each rank has {human_bytes(over[0].capacity)} "
                 f"({self.capacity}). Lower data.batch_size, raise pipeline.microbatches or pipeline.partitions, "
                 f"or set pipeline.checkpoint: always")

@@ -62,7 +62,8 @@ def _model_name(recipe: Recipe) -> str:
         return title
     from gpipe_cli.models.registry import resolve_preset  # loaded already: the recipe's preset was resolved
 
-    given = m.model_dump()  # the sizes the data sets (vocabulary, image size) are not part of a preset's name
+    given = m.model_dump()
+    # The sizes the data sets (vocabulary, image size) are not part of a preset's name.
     return m.preset if all(given.get(k, v) == v for k, v in resolve_preset(m.preset)[1].items()
                            if k not in family.data_sizes) else title
 
