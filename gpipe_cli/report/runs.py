@@ -74,14 +74,17 @@ def read_records(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     train: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
     damaged: list[int] = []  # the numbers of the malformed lines, from 1
+    unended = ""
     for number, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
         try:
             record = json.loads(raw.decode("utf-8"))
         except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested past what Python parses
-            if number < len(lines):  # the last line, unended, is still being written (or was cut by a crash)
+            if number < len(lines):
                 damaged.append(number)
+            else:  # unended: still being written, or cut by a crash; said apart, as it is not damage
+                unended = f"the last line ({number}), unfinished: still being written or cut short"
             continue
         if not isinstance(record, dict):
             damaged.append(number)
@@ -90,9 +93,9 @@ def read_records(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
                 (train if record["kind"] == "train" else evals).append(record)
             else:
                 damaged.append(number)
-    if len(damaged) <= 1:
-        return train, evals, f"1 malformed line (line {damaged[0]})" if damaged else ""
-    return train, evals, f"{len(damaged)} malformed lines, the first on line {damaged[0]}"
+    words = ("" if not damaged else f"1 malformed line (line {damaged[0]})" if len(damaged) == 1
+             else f"{len(damaged)} malformed lines, the first on line {damaged[0]}")
+    return train, evals, "; ".join(part for part in (words, unended) if part)
 
 
 def read_run(path: Path) -> Run:

@@ -15,8 +15,8 @@ from gpipe_cli.report.runs import read_runs, series, time_breakdown
 from tests.train.test_view import train_record
 
 
-def make_run(folder: Path, partitions: int, steps: int = 5) -> Path:
-    """A run directory as `gpipe train` writes it: recipe.yaml and metrics.jsonl (one line cut short)."""
+def make_run(folder: Path, partitions: int, steps: int = 5, cut: bool = False) -> Path:
+    """A run directory as `gpipe train` writes it: recipe.yaml and metrics.jsonl (its last line cut short if `cut`)."""
     folder.mkdir(parents=True)
     recipe = {"name": "r", "pipeline": {"partitions": partitions, "microbatches": 4, "schedule": "1f1b"}}
     (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
@@ -28,12 +28,12 @@ def make_run(folder: Path, partitions: int, steps: int = 5) -> Path:
         lines.append(json.dumps(record))
         if step % 2 == 0:
             lines.append(json.dumps({"kind": "eval", "step": step, "loss": 2.0 / step, "accuracy": 0.1 * step}))
-    (folder / "metrics.jsonl").write_text("\n".join(lines) + '\n{"kind": "tra')
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + ('\n{"kind": "tra' if cut else "\n"))
     return folder
 
 
 def test_the_plotted_series_are_the_values_of_metrics_jsonl(tmp_path):
-    folder = make_run(tmp_path / "a", partitions=3)
+    folder = make_run(tmp_path / "a", partitions=3, cut=True)
     (run,) = read_runs([folder])
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()[:-1]]
     train = [r for r in records if r["kind"] == "train"]
@@ -104,7 +104,7 @@ def test_without_matplotlib_the_table_still_shows_and_one_line_says_why(tmp_path
 
 
 def test_warm_up_steps_are_left_out_of_the_throughput_and_bubble_axes_and_the_stage_means(tmp_path):
-    folder = make_run(tmp_path / "a", partitions=2, steps=7)
+    folder = make_run(tmp_path / "a", partitions=2, steps=7, cut=True)
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()[:-1]]
     for record in records:
         if record["kind"] == "train" and record["step"] in (1, 5):  # the run's first step and the first after a resume
