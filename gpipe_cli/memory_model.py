@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from gpipe_cli.models.base import ModelSpec
+from gpipe_cli.models.describe import tie_groups
 from gpipe_cli.pipeline import microbatch, partition, placement, schedules
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.layer_profile import profile_layers
@@ -80,6 +81,17 @@ class ModelFigures:
 
     input: Affine
     layers: tuple[LayerFigures, ...]
+    ties: tuple[tuple[tuple[int, ...], int], ...] = ()  # tied groups: their layers, and parameters in one copy
+
+    def params(self, chunks: Sequence[range]) -> int:
+        """The parameters a stage of these layer ranges holds: a tied tensor once per stage, as the engine ties it."""
+        total = sum(self.sums[2][r.stop] - self.sums[2][r.start] for r in chunks)
+        if not self.ties:  # the common case, priced millions of times by a search
+            return total
+        for layers, numel in self.ties:
+            held = sum(any(i in r for r in chunks) for i in layers)
+            total -= max(held - 1, 0) * numel
+        return total
 
     @functools.cached_property
     def sums(self) -> tuple[list[float], list[float], list[int]]:
@@ -127,7 +139,7 @@ def measure(spec: ModelSpec, seed: int = 0, batches: Sequence[int] = PROBE_BATCH
     layers = tuple(LayerFigures(name, r0[0], Affine.through(b0, r0[1], b1, r1[1]),
                                 Affine.through(b0, r0[2], b1, r1[2]), Affine.through(b0, r0[3], b1, r1[3]))
                    for name, r0, r1 in zip(spec.layer_names, rows0, rows1))
-    return ModelFigures(Affine.through(b0, in0, b1, in1), layers)
+    return ModelFigures(Affine.through(b0, in0, b1, in1), layers, tie_groups(spec))
 
 
 def role(name: str) -> str:
@@ -362,8 +374,8 @@ def _stage(figures: ModelFigures, chunks: Sequence[range], stage: int, stages: i
     # it): the stage of the first chunk holds all of it through the step, whatever number of micro-batches
     # it keeps, so the first chunk's inputs count once, whole, rather than per micro-batch held.
     batch_input = figures.input.at(batch_size) if any(r.start == 0 for r in chunks) else 0.0
-    params = sum(figures.sums[2][r.stop] - figures.sums[2][r.start] for r in chunks)
-    return (params, [_kept(figures, r.start, r.stop, size, offload != "none") for r in chunks], batch_input,
+    kept = [_kept(figures, r.start, r.stop, size, offload != "none") for r in chunks]
+    return (figures.params(chunks), kept, batch_input,
             _readings(schedule, stage, stages, microbatches, checkpoint, len(chunks), offload))
 
 
@@ -393,8 +405,7 @@ def stage_total(figures: ModelFigures, chunks: Sequence[range], stage: int, stag
 
 def weights_floor(figures: ModelFigures, bytes_per_param: float) -> Callable[[int, int], float]:
     """A stage's bytes at least, by its layers [start, stop): its weights, never fewer for a longer stage."""
-    params = figures.sums[2]
-    return lambda start, stop: (params[stop] - params[start]) * bytes_per_param
+    return lambda start, stop: figures.params([range(start, stop)]) * bytes_per_param
 
 
 def stage_chunks(balance: Sequence[int], schedule: str, virtual: int) -> list[list[range]]:

@@ -20,6 +20,7 @@ from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.device import to_device
 from gpipe_cli.pipeline.layers import build_layers
+from gpipe_cli.pipeline.tied import tie_within
 from gpipe_cli.pipeline.topology import Topology
 
 
@@ -36,10 +37,7 @@ class PlainLoop:
         layers = build_layers(spec.factories(), range(len(spec.layers)), seed, device)
         self.module = nn.Sequential(OrderedDict((str(i), layer) for i, layer in enumerate(layers)))
         for group in spec.tied:  # one tensor, as the engine makes tied parameters within a stage
-            first = self.module.get_parameter(group[0])
-            for name in group[1:]:
-                path, _, attr = name.rpartition(".")
-                setattr(self.module.get_submodule(path), attr, first)
+            tie_within(self.module, group)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.loss, self.units, self.device = spec.loss, spec.units, device
         self.chunks, self.remat = chunks, set(remat)

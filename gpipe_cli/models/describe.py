@@ -103,6 +103,17 @@ def _tied_copies(spec: ModelSpec, index: int, module: nn.Module) -> int:
     return sum(p.numel() for name, p in module.named_parameters() if f"{index}.{name}" in copies)
 
 
+def tie_groups(spec: ModelSpec) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """Each tied group's layer indices and the parameters of one copy, building its first layer on the meta device."""
+    out = []
+    for group in spec.tied:
+        index, name = group[0].split(".", 1)
+        with torch.device("meta"):
+            numel = spec.layers[int(index)].build().get_parameter(name).numel()
+        out.append((tuple(int(member.split(".", 1)[0]) for member in group), numel))
+    return tuple(out)
+
+
 def layer_params(spec: ModelSpec) -> list[int]:
     """The parameter count of every layer, building each alone on the meta device."""
     with torch.device("meta"):

@@ -19,6 +19,18 @@ def _stage_of(index: int, ranges: Sequence[range]) -> int:
     raise ValueError(f"tied parameter names layer {index}, but the model has {ranges[-1].stop} layers")
 
 
+def tie_within(module: nn.Module, names: Sequence[str]) -> None:
+    """Make the named parameters of `module` the first one's tensor."""
+    if not names:
+        return
+    first = module.get_parameter(names[0])
+    for name in names[1:]:
+        path, _, attr = name.rpartition(".")
+        if module.get_parameter(name).shape != first.shape:
+            raise ValueError(f"tied parameters {names[0]} and {name} have different shapes")
+        setattr(module.get_submodule(path), attr, first)
+
+
 # Names are "<global layer index>.<parameter>"; `ranges` are each chunk's layers, placed on stages as the topology's
 # layout says. Every rank must call this with the same groups.
 def tie_parameters(module: nn.Module, topology: Topology, ranges: Sequence[range],
@@ -30,13 +42,7 @@ def tie_parameters(module: nn.Module, topology: Topology, ranges: Sequence[range
         stage = {name: layout.owner(_stage_of(int(name.split(".", 1)[0]), ranges)) for name in group}
         owners = sorted(set(stage.values()))
         local = [name for name in group if stage[name] == layout.stage]
-        if len(local) > 1:
-            first = module.get_parameter(local[0])
-            for name in local[1:]:
-                path, _, attr = name.rpartition(".")
-                if module.get_parameter(name).shape != first.shape:
-                    raise ValueError(f"tied parameters {local[0]} and {name} have different shapes")
-                setattr(module.get_submodule(path), attr, first)
+        tie_within(module, local)
         plans.append((owners, local))
     # Every rank opens every group, in the same order, even those it is not part of.
     fabric = topology.fabric

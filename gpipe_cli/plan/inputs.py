@@ -23,7 +23,7 @@ from gpipe_cli.estimate.subject import example_batch
 from gpipe_cli.memory_model import ModelFigures
 from gpipe_cli.models import families
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.models.describe import describe
+from gpipe_cli.models.describe import describe, tie_groups
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_cli.plan import calibrate, here
@@ -78,7 +78,8 @@ def figures(kind: str, params: dict[str, Any], spec: ModelSpec, seed: int) -> tu
         if all(mm.role(n) in by_role for n in names):
             layers = tuple(dataclasses.replace(by_role[mm.role(n)], name=n) for n in names)
             note = f"extrapolated from the {probe['layers']}-layer member (each layer priced by its kind)"
-            return ModelFigures(measured.input, layers), [flops_by_role[mm.role(n)] for n in names], note
+            flops = [flops_by_role[mm.role(n)] for n in names]
+            return ModelFigures(measured.input, layers, tie_groups(spec)), flops, note
     return mm.measure(spec, seed, device="meta"), _flops(spec), "shapes of every layer (meta device)"
 
 

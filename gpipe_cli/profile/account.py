@@ -21,6 +21,7 @@ from gpipe_cli.pipeline.memory import ActivationMeter, cuda_peak_bytes, reset_cu
 from gpipe_cli.pipeline.offload import Offloader, offloaded
 from gpipe_cli.pipeline.schedule import Action, Kind
 from gpipe_cli.pipeline.stage import Stage, as_tensors
+from gpipe_cli.pipeline.tied import tie_within
 
 
 def method(device: torch.device) -> str:
@@ -163,6 +164,8 @@ def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[i
         indices = [i for c in chunks for i in ranges[c]]
         layers = build_layers(spec.factories(), indices, seed, device)
         module = nn.Sequential(OrderedDict((str(i), layer) for i, layer in zip(indices, layers))).to(device)
+        for group in spec.tied:  # one tensor within the stage, as the engine ties it
+            tie_within(module, [name for name in group if int(name.split(".", 1)[0]) in indices])
         module.train()
         meter = ActivationMeter([*module.parameters(), *module.buffers()])
         offloader = Offloader(device, meter)

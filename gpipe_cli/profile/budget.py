@@ -11,7 +11,7 @@ from gpipe_cli import memory_model as mm
 from gpipe_cli.limits import MAX_LAYERS
 from gpipe_cli.memory_model import Affine, Footprint, LayerFigures, ModelFigures, bytes_per_parameter, greedy_fit, v_fit
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.models.describe import layer_params
+from gpipe_cli.models.describe import layer_params, tie_groups
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline import placement, schedules
 from gpipe_cli.profile.probe import NONE, Correction
@@ -59,10 +59,11 @@ def _by_role(model: ModelFigures) -> dict[str, LayerFigures]:
     return {mm.role(layer.name): layer for layer in model.layers}
 
 
-def _assemble(names: list[str], roles: dict[str, LayerFigures], inputs: Affine,
+def _assemble(spec: ModelSpec, roles: dict[str, LayerFigures], inputs: Affine,
               params: Callable[[str], int]) -> ModelFigures:
     return ModelFigures(inputs, tuple(LayerFigures(name, params(mm.role(name)), r.saved, r.output, r.saved_input)
-                                      for name in names for r in [roles[mm.role(name)]]))
+                                      for name in spec.layer_names for r in [roles[mm.role(name)]]),
+                        tie_groups(spec))
 
 
 def _measure(spec: Any, seed: int, batches: tuple[int, int] = mm.PROBE_BATCHES,
@@ -105,8 +106,8 @@ class TransformerL:
 
     def figures(self, layers: int) -> ModelFigures:
         """The figures of the member with `layers` layers."""
-        names = ["embed", *(f"layer_{i + 1}" for i in range(layers)), "softmax"]
-        return _assemble(names, self.roles, self.probe.input, lambda role: self.roles[role].params)
+        return _assemble(build_model("transformer", layers=layers, **self.fixed), self.roles, self.probe.input,
+                         lambda role: self.roles[role].params)
 
     def members(self) -> list[tuple[ModelSpec, ModelFigures, dict[str, Any]]]:
         """The device probe's two small members (one and two layers): built, priced, and their build parameters."""
@@ -184,8 +185,7 @@ class AmoebaNetD:
                                     self.at[0][role].output.blend(self.at[1][role].output, t),
                                     self.at[0][role].saved_input.blend(self.at[1][role].saved_input, t))
                  for role in self.at[0]}
-        names = self._spec(layers, width).layer_names
-        return _assemble(names, roles, self.input, lambda role: self._params(role, width))
+        return _assemble(self._spec(layers, width), roles, self.input, lambda role: self._params(role, width))
 
     def members(self) -> list[tuple[ModelSpec, ModelFigures, dict[str, Any]]]:
         """The device probe's two small members (6 cells, the two narrowest widths): built, priced, build parameters."""

@@ -155,9 +155,7 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
         correction = _calibrate(member_probes(subject, names, options.schedule, options.optimizer, options.seed,
                                               probe_room(device)), subject.kind, machine, device, console, progress)
     inputs, targets = example_batch(spec, batch, options.seed)
-    # The model's count, a tied weight once (as the plan line says); each stage's bytes hold every copy it keeps.
-    params = count_parameters(spec)
-    copies = sum(layer_params(spec)) - params  # the later copies of tied weights, in every layer count
+    params = count_parameters(spec)  # a tied weight once, as the plan line says
     out = []
     for sc in rows:
         if sc.measured:
@@ -170,8 +168,8 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
             out.append(scenarios.row(sc, stages, params))
         else:
             stages = scenarios.predicted_stages(sc, figures, batch, per_param)
-            out.append(scenarios.row(sc, stages, sum(layer.params for layer in (sc.figures or figures).layers)
-                                     - copies))
+            priced = sc.figures or figures
+            out.append(scenarios.row(sc, stages, priced.params([range(len(priced.layers))])))
             if correction is not None:  # what the device holds, beside the accounting
                 device_bytes = [correction.bytes(fp, sc.checkpoint)
                                 for fp in sc.predict(figures, batch, per_param)]

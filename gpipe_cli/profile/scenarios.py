@@ -71,7 +71,8 @@ def deepened(figures: ModelFigures, layers: int) -> tuple[ModelFigures, str]:
     extra = layers - len(figures.layers)
     copies = tuple(dataclasses.replace(figures.layers[last], name=f"{kind}+{i + 1}") for i in range(extra))
     out = figures.layers[:last + 1] + copies + figures.layers[last + 1:]
-    return ModelFigures(figures.input, out), kind
+    ties = tuple((tuple(i + extra if i > last else i for i in layers), numel) for layers, numel in figures.ties)
+    return ModelFigures(figures.input, out, ties), kind
 
 
 def choose_rows(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, int, int, str]], batch: int,

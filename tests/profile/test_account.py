@@ -2,6 +2,7 @@
 
 import pytest
 
+from gpipe_cli import memory_model as mm
 from gpipe_cli.estimate.subject import example_batch, resolve
 from gpipe_cli.profile import account
 from tests.bench import tiny
@@ -40,6 +41,24 @@ def test_weights_gradients_and_optimizer_state_are_counted_exactly():
     assert naive.params_bytes == naive.grads_bytes == params
     assert naive.optimizer_bytes == pytest.approx(2 * params, rel=0.01)  # Adam: two moments (+ step counters)
     assert naive.stored_bytes == naive.peak_bytes  # nothing is recomputed
+
+
+@pytest.mark.parametrize("schedule, balance, first_holds_both", [("gpipe", [6], True), ("1f1b", [3, 3], False),
+                                                                 ("v-half", [1] * 6, True)])
+def test_a_tied_weight_is_held_once_per_stage_as_measured_and_as_predicted(schedule, balance, first_holds_both):
+    # Stage 0 of a V, and a single stage, hold both the embedding and the softmax: one tensor, as the engine ties it.
+    spec = resolve("transformer", tiny.sizes(tiny.TRANSFORMER), ["arch=decoder-only", "tie_embeddings=true"]).build()
+    inputs, targets = example_batch(spec, 4, 0)
+    stages = account.measure(spec, inputs, targets, balance, 2, schedule, "never", "sgd", 0)
+    figures = mm.measure(spec, device="meta")
+    table = tiny.TRANSFORMER["vocab_size"] * tiny.TRANSFORMER["d_model"]
+    untied = [sum(figures.layers[i].params for c in chunks for i in range(c[0], c[1] + 1))
+              for chunks in (s.chunks for s in stages)]
+    holds_both = [any(c[0] == 0 for c in s.chunks) and any(c[1] == 5 for c in s.chunks) for s in stages]
+    assert holds_both[0] == first_holds_both and [s.params_bytes // 4 for s in stages] == [
+        n - table * both for n, both in zip(untied, holds_both)]
+    assert [figures.params([range(c[0], c[1] + 1) for c in s.chunks]) for s in stages] == [
+        s.params_bytes // 4 for s in stages]
 
 
 def test_rematerialization_stores_less_than_it_peaks_and_less_than_naive():

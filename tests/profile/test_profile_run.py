@@ -97,7 +97,7 @@ def test_a_v_schedule_takes_a_cut_of_2k_chunks(tmp_path, capsys):
 
 
 def test_a_tied_weight_is_counted_once(tmp_path):
-    # The plan line counted it once and the table twice; each stage's bytes still hold every copy it keeps.
+    # The plan line counted it once and the table twice.
     counts = {}
     for tied in ("false", "true"):
         out = tmp_path / f"{tied}.json"
