@@ -553,11 +553,12 @@ V_SEARCHED = 512
 
 def v_fit(figures: ModelFigures, stages: int, budget: float, batch_size: int, microbatches: int, schedule: str,
           checkpoint: str, bytes_per_param: float, offload: str = "none",
-          need: Callable[[Footprint], float] | None = None) -> list[Footprint] | None:
-    """2K chunks placed in a V whose fullest stage fits `budget` (by `need` where given) with the least; or None."""
+          need: Callable[[Footprint], float] | None = None, virtual: int = 2) -> list[Footprint] | None:
+    """K x `virtual` chunks (a V's 2, or interleaved) whose fullest stage fits `budget` (by `need` where given) with
+    the least; or None."""
     # The least a local search finds from the cut balanced by per-layer bytes (that cut alone past `V_SEARCHED`
     # layers); None too with fewer layers than chunks.
-    n, chunks = len(figures.layers), 2 * stages
+    n, chunks = len(figures.layers), virtual * stages
     if n < chunks:
         return None
     size = max(microbatch.sizes(batch_size, microbatches))
@@ -569,7 +570,8 @@ def v_fit(figures: ModelFigures, stages: int, budget: float, batch_size: int, mi
         balance = partition.least_memory(balance, needs, budget)
     if max(needs(balance)) > budget:
         return None
-    found = footprints(figures, balance, batch_size, microbatches, schedule, checkpoint, bytes_per_param, 2, offload)
+    found = footprints(figures, balance, batch_size, microbatches, schedule, checkpoint, bytes_per_param, virtual,
+                       offload)
     return found if need is None or max(need(fp) for fp in found) <= budget else None
 
 

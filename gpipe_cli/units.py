@@ -60,6 +60,11 @@ def clock(seconds: float) -> str:
     return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
 
 
+def flop_rate(per_s: float) -> str:
+    """A FLOP rate for people: "312 TFLOP/s", or "0.667 GFLOP/s" below one TFLOP/s (CPUs)."""
+    return f"{per_s / 1e12:.3g} TFLOP/s" if per_s >= 1e12 else f"{per_s / 1e9:.3g} GFLOP/s"
+
+
 def human_count(n: float) -> str:
     """A count as 1.23B, 4.56M, 7.89K or the number itself."""
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):

@@ -15,7 +15,7 @@ from gpipe_cli.estimate.subject import FAMILIES, Subject, model_overrides, resol
 from gpipe_cli.models import families
 from gpipe_cli.models.describe import describe
 from gpipe_cli.pipeline import partition
-from gpipe_cli.units import human_bytes, human_count, human_seconds
+from gpipe_cli.units import flop_rate, human_bytes, human_count, human_seconds
 
 NO_STATE = "plain-sgd"  # bench steps without an optimizer: weights and gradients, as an optimizer without state
 
@@ -195,5 +195,5 @@ def show(preview: Preview, mem: Memory, options: BenchOptions, machine: sizing.M
                    if over else "")
         console.print(f"  ranks: K={ranks} runs {ranks} ranks x {options.threads} thread(s) on {hardware}{warning}")
     console.print(f"  estimate: about {human_seconds(preview.seconds)} "
-                  f"(this machine: {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank measured, "
+                  f"(this machine: {flop_rate(machine.flops_per_s)} per rank measured, "
                   f"{human_bytes(machine.memory_bytes)} free)")

@@ -33,6 +33,7 @@ from gpipe_cli.plan.sample import Sample
 from gpipe_cli.plan.search import Model, allreduce_seconds
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe_model import build_optimizer, optimizer_name
+from gpipe_cli.units import flop_rate
 
 # Time spent measuring per-layer seconds is worth it up to about this; beyond, estimate from FLOPs.
 MEASURE_BUDGET_S = 60.0
@@ -321,7 +322,7 @@ def inputs(recipe: Recipe, options: PlanOptions, sizes: Callable[[int], tuple[in
                       calibrate.by_shape(engine.replicated, engine.staged))
         return Inputs(model, note, memory_note, engine.drift)
     rate, per_call = sizing.layer_rate(machine, kind)
-    note = (f"estimated from FLOPs at this machine's measured {machine.flops_per_s / 1e9:.0f} GFLOP/s per rank "
+    note = (f"estimated from FLOPs at this machine's measured {flop_rate(machine.flops_per_s)} per rank "
             f"({machine.kind}; --tflops for other devices)")
     costs = estimated_costs(spec.layer_names, flops, figs, rate, per_call)
     return Inputs(Model(costs, figs, bytes_per_param, batch, least), note, memory_note)

@@ -145,19 +145,20 @@ def _forwards(spec: ModelSpec, ranges: list[range], feed: list[Message], seed: i
 # messages in flight, which the engine never counts, are left out.
 def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[int], microbatches: int,
             schedule: str, checkpoint: str, optimizer: str, seed: int,
-            device: torch.device | str = "cpu", offload: str = "none") -> list[StageMemory]:
-    """Every stage's memory during one step of `balance` (K x V chunks placed as the schedule says), M micro-batches."""
+            device: torch.device | str = "cpu", offload: str = "none", virtual: int = 1) -> list[StageMemory]:
+    """Every stage's memory during one step of `balance` (K x V chunks placed as the schedule says; a V's V is 2),
+    M micro-batches."""
     device = torch.device(device)
     ranges = partition.stage_ranges(balance)
     placed = schedules.get(schedule).placement
-    virtual = 2 if placed == "v" else 1  # interleaved is counted with one chunk per stage, as 1F1B
+    virtual = 2 if placed == "v" else virtual
     stages, count = len(ranges) // virtual, len(ranges)
     feed = feed_messages(inputs, microbatches, device)  # as the engine feeds a mini-batch
     labels = [t.to(device) for t in microbatch.scatter(targets, microbatches)]
     units = [float(spec.units(t)) if spec.units else float(t.shape[0]) for t in labels]
     weights = [u / sum(units) for u in units]
     out: list[StageMemory] = []
-    # In a loop each stage's inputs are what the stage before it sent; in a V they are computed first.
+    # With one chunk per stage each stage's inputs are what the stage before it sent; with more they come first.
     arrived = _forwards(spec, ranges, feed, seed, device) if virtual > 1 else {}
     for s in range(stages):
         chunks = placement.chunks_of(s, stages, virtual, placed)

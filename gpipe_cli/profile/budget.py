@@ -15,6 +15,7 @@ from gpipe_cli.models.describe import layer_params, tie_groups
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline import placement, schedules
 from gpipe_cli.profile.probe import NONE, Correction
+from gpipe_cli.profile.scenarios import chunks_per_stage
 
 # What the search varies: never given by the user.
 SEARCHED = ("layers", "filters")
@@ -239,10 +240,10 @@ class BudgetRow:
 GROWN: dict[str, type[TransformerL] | type[AmoebaNetD]] = {"transformer": TransformerL, "amoebanet": AmoebaNetD}
 
 
-def search_calls(kind: str, scenarios: list[tuple[Any, ...]], schedule: str) -> float:
+def search_calls(kind: str, scenarios: list[tuple[Any, ...]], schedule: str, virtual: int = 1) -> float:
     """What searching `scenarios` (as `search` takes them) costs, in fixed layer calls."""
     grown = GROWN[kind]
-    return sum(grown.V_ROW_CALLS * k if schedules.get(how[0] if how else schedule).placement == "v"
+    return sum(grown.V_ROW_CALLS * k if chunks_per_stage(how[0] if how else schedule, virtual, k) > 1
                else grown.ROW_CALLS[0] + grown.ROW_CALLS[1] * k for _, k, _, _, *how in scenarios)
 
 
@@ -260,19 +261,20 @@ def _balance(stages: list[Footprint], schedule: str) -> list[int]:
 # cuts 2K chunks.
 def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[Any, ...]], budget: float,
            batch_size: int, schedule: str, optimizer: str, offload: str = "none",
-           correction: Correction | None = None) -> list[BudgetRow | None]:
+           correction: Correction | None = None, virtual: int = 1) -> list[BudgetRow | None]:
     """The largest fitting member per scenario (None: nothing fits), priced as the device holds it by `correction`."""
     per_param = bytes_per_parameter(optimizer)
     rows: list[BudgetRow | None] = []
     for name, k, m, checkpoint, *how in scenarios:
         placed, moved = how or (schedule, offload)
         moved = moved if name != "naive-1" else "none"  # naive-1 is plain training
-        fit = v_fit if schedules.get(placed).placement == "v" else greedy_fit
+        v = 1 if name == "naive-1" else chunks_per_stage(placed, virtual, k)
         # Without a correction a stage needs its total: NONE prices it so.
         need = functools.partial((correction or NONE).bytes, checkpoint=checkpoint)
-        fits = functools.partial(fit, stages=k, budget=budget, batch_size=batch_size, microbatches=m, schedule=placed,
-                                 checkpoint=checkpoint, bytes_per_param=per_param, offload=moved, need=need)
-        found = family.search(fits, 2 * k if fit is v_fit else 1)
+        common = dict(stages=k, budget=budget, batch_size=batch_size, microbatches=m, schedule=placed,
+                      checkpoint=checkpoint, bytes_per_param=per_param, offload=moved, need=need)
+        fits = functools.partial(v_fit, **common, virtual=v) if v > 1 else functools.partial(greedy_fit, **common)
+        found = family.search(fits, v * k if v > 1 else 1)
         if found is None:
             rows.append(None)
             continue

@@ -12,13 +12,13 @@ from gpipe_cli.estimate.model_flags import (
     ModelFlags,
     balance_entries,
     choice_problems,
-    is_v,
     model_of,
     shared_fields,
     v_problem,
 )
 from gpipe_cli.files import check_output
 from gpipe_cli.limits import MAX_RANKS, MAX_SIZE, one_of, outside, refuse, words
+from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
 from gpipe_cli.recipe.aliases import SET_HELP
 from gpipe_cli.units import parse_size
@@ -41,7 +41,7 @@ class ProfileOptions(ModelFlags):
     """What `gpipe profile-memory` counts: its own flags (see `FLAGS`) and the recipe keys it reads (`ALIASES`)."""
 
     partitions: list[int] = field(default_factory=lambda: list(DEFAULT_PARTITIONS))
-    virtual_stages: int = 1  # V: 2 under a V schedule; interleaved is counted with one chunk per stage
+    virtual_stages: int = 1  # chunks per stage: 2 under a V schedule, V >= 2 interleaved (K > 1 only)
     optimizer: str = "rmsprop"
     budget: str | None = None
     device: str = "auto"
@@ -83,22 +83,33 @@ def profile_options(recipe: str | None, partitions: str | None, flags: Mapping[s
     virtual = typed_v if typed_v is not None and typed_v >= 1 else 1  # a V below 1 is refused by the schema
     refuse([_chunks_problem(flags, recipe),
             None if listed is None else one_cut_problem(flags.get("balance"), listed, virtual, default=ks is None)])
-    if ks is not None and len(ks) == 1:
-        # The single K is the pipeline's K, so that a --balance is checked against it, with a recipe too.
-        flags = {**flags, "partitions": ks[0]}
+    if listed is not None and (len(listed) == 1 or virtual > 1):
+        # The single K is the pipeline's K, so that a --balance is checked against it, with a recipe too; with
+        # chunks, the largest K's rules are the recipe's (`validate` checks the others').
+        flags = {**flags, "partitions": max(listed)}
     given = shared_fields(ProfileOptions, recipe, flags, sets, ("auto",))
     k = given.pop("partitions", None)
-    return ProfileOptions(model=model, partitions=ks or ([k] if k is not None else list(DEFAULT_PARTITIONS)),
+    return ProfileOptions(model=model, partitions=listed or ([k] if k is not None else list(DEFAULT_PARTITIONS)),
                           **given, **own)
 
 
 def _chunks_problem(flags: Mapping[str, Any], recipe: str | None) -> str | None:
-    """The refusal of a --virtual-stages this command would not count: only a V's two chunks are placed apart."""
+    """The refusal of a --virtual-stages above 1 with a schedule that runs one chunk per stage."""
     virtual, schedule = flags.get("virtual_stages"), flags.get("schedule")
-    if virtual is None or virtual <= 1 or is_v(schedule) or (schedule is None and recipe is not None):
-        return None  # below 1: refused by the schema; without --schedule a recipe's may be a V
-    return (f"--virtual-stages {virtual}: profile-memory counts {schedule or 'gpipe'} with one chunk per stage; it "
-            f"takes --virtual-stages 2 with zero-bubble-v or v-half only")
+    if virtual is None or virtual <= 1 or (schedule is None and recipe is not None) \
+            or (schedule in schedules.names() and schedules.get(schedule).chunked):
+        return None  # below 1: refused by the schema; without --schedule a recipe's may be chunked
+    return (f"--virtual-stages {virtual}: {schedule or 'gpipe'} runs one chunk per stage; give --schedule "
+            f"interleaved, or zero-bubble-v or v-half with --virtual-stages 2")
+
+
+def _interleaved_problem(options: ProfileOptions) -> str | None:
+    """The refusal of interleaved chunks at a K that does not divide M (the schedule's rule, as in a recipe)."""
+    if options.virtual_stages <= 1 or options.schedule != "interleaved":
+        return None
+    bad = next((k for k in options.partitions if k > 1 and options.microbatches % k), None)
+    return None if bad is None else (f"--microbatches {options.microbatches}: interleaved needs a multiple of each K "
+                                     f"in --partitions (got K={bad})")
 
 
 def one_cut_problem(balance: str | None, partitions: list[int], virtual: int, default: bool = False) -> str | None:
@@ -139,6 +150,7 @@ def validate(options: ProfileOptions) -> None:
         else f"--device must be auto, cpu or cuda (got {options.device})",
         one_cut_problem(options.balance, options.partitions, options.virtual_stages),
         v_problem(None, {"schedule": options.schedule, "virtual_stages": options.virtual_stages}, ()),
+        _interleaved_problem(options),
         None if options.budget is None or (options.layers is None and options.filters is None)
         else "--budget searches the layers and filters: drop --layers/--filters",
     ])

@@ -32,7 +32,7 @@ from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.profile import account, budget, probe, scenarios, tables
 from gpipe_cli.profile.options import ProfileOptions
 from gpipe_cli.progress import Progress
-from gpipe_cli.units import human_bytes, human_count, human_seconds, parse_size
+from gpipe_cli.units import flop_rate, human_bytes, human_count, human_seconds, parse_size
 
 
 def _device(choice: str) -> torch.device:
@@ -111,7 +111,7 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
         # Per-layer figures from shapes first (instant at any size), to decide and announce every row.
         figures = mm.measure(spec, options.seed, device="meta")
         rows = scenarios.choose_rows(spec, figures, names, batch, options.schedule, per_param, have, options.balance,
-                                     options.offload)
+                                     options.offload, options.virtual_stages)
         cand = sizing.candidate(subject.kind, subject.params)
         probe_s = probe_seconds(cand, machine)
         probing = any(not sc.measured for sc in rows) and probe_s < 30 and max(layer_params(spec)) * per_param < have
@@ -139,7 +139,7 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
         per_stage = " · ".join(human_bytes(fp.total_bytes) for fp in prints)
         console.print(f"  {sc.name:<11} {how:<11} balance {sc.balance}: per stage (est.) {per_stage}")
     console.print(f"  estimate: about {human_seconds(seconds)} (this machine: "
-                  f"{machine.flops_per_s / 1e9:.0f} GFLOP/s measured)")
+                  f"{flop_rate(machine.flops_per_s)} measured)")
     progress.estimated = seconds
     source = "saved-tensor accounting of each layer's forward on the meta device (shapes only)"
     if probing:
@@ -148,7 +148,7 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
         figures = mm.measure(spec, options.seed, device=str(device))
         interrupts.check()
         rows = scenarios.choose_rows(spec, figures, names, batch, options.schedule, per_param, have, options.balance,
-                              options.offload)
+                                     options.offload, options.virtual_stages)
         source = f"saved-tensor accounting of each layer's forward and backward on {device}"
     correction = None
     if device.type == "cuda" and any(not sc.measured for sc in rows):  # the extrapolated rows are predicted
@@ -163,7 +163,7 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
             progress.phase(f"measuring {sc.name} (balance {sc.balance})", seconds_here)
             stages = [s.to_json() for s in account.measure(spec, inputs, targets, sc.balance, sc.microbatches,
                                                            sc.schedule, sc.checkpoint, options.optimizer,
-                                                           options.seed, device, sc.offload)]
+                                                           options.seed, device, sc.offload, sc.virtual)]
             interrupts.check()
             out.append(scenarios.row(sc, stages, params))
         else:
@@ -272,7 +272,8 @@ def measured_row(row: budget.BudgetRow, kind: str, family: budget.TransformerL |
     torch.set_flush_denormal(True)
     try:
         stages = account.measure(spec, inputs, targets, row.balance, row.microbatches, row.schedule,
-                                 row.checkpoint, options.optimizer, options.seed, "cpu", row.offload)
+                                 row.checkpoint, options.optimizer, options.seed, "cpu", row.offload,
+                                 len(row.balance) // row.partitions)
     finally:
         torch.set_flush_denormal(False)
     interrupts.check()
@@ -294,7 +295,7 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
                   (f"K={k} offload", k, m, remat, options.schedule, "activations"),
                   (f"K={k} v-half", k, m, remat, "v-half", "none")]
     probe_s = budget_probe_seconds(kind, fixed, machine)
-    search_s = budget.search_calls(kind, rows_asked, options.schedule) * machine.call_seconds
+    search_s = budget.search_calls(kind, rows_asked, options.schedule, options.virtual_stages) * machine.call_seconds
     progress.estimated = FIXED_S + probe_s + search_s
     progress.phase(f"measuring per-layer figures of small {kind} models", probe_s)
     family = budget.GROWN[kind](fixed, options.seed)
@@ -308,7 +309,7 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
         correction = _calibrate(probes, kind, machine, device, console, progress)
     progress.phase(f"searching the largest model of each of {len(rows_asked)} rows", search_s)
     rows = budget.search(family, rows_asked, limit, batch, options.schedule, options.optimizer, options.offload,
-                         correction)
+                         correction, options.virtual_stages)
     rows = [None if r is None else measured_row(r, kind, family, batch, options, machine, progress)
             for r in rows]
     return {"correction": None if correction is None else correction.to_json(),

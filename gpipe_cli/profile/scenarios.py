@@ -30,7 +30,7 @@ class Scenario:
     figures: ModelFigures | None = None  # the (possibly deepened) figures an extrapolated row is priced from
     offload: str = "none"         # pipeline.offload (never for the naive row: plain training)
     schedule: str = "gpipe"
-    virtual: int = 1              # chunks per stage: 2 under a V (the balance then lists K x 2 chunks)
+    virtual: int = 1              # chunks per stage: 2 under a V, V interleaved (the balance then lists K x V chunks)
 
     def predict(self, figures: ModelFigures, batch: int, per_param: float) -> list[Footprint]:
         """Each stage's bytes by the memory model."""
@@ -75,21 +75,24 @@ def deepened(figures: ModelFigures, layers: int) -> tuple[ModelFigures, str]:
     return ModelFigures(figures.input, out, ties), kind
 
 
+def chunks_per_stage(schedule: str, virtual: int, k: int) -> int:
+    """A row's chunks per stage: a V's two at any K; interleaved's V where there are stages to loop over."""
+    return 2 if schedules.get(schedule).placement == "v" else virtual if k > 1 else 1
+
+
 def choose_rows(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, int, int, str]], batch: int,
                 schedule: str, per_param: float, have: float, explicit: str | None,
-                offload: str = "none") -> list[Scenario]:
+                offload: str = "none", virtual: int = 1) -> list[Scenario]:
     """Decide every row before anything is measured: its cut, and measured or extrapolated (and why)."""
     layers = len(spec.layers)
-    # V: a V-shaped schedule's two chunks per stage, else one (interleaved is counted with one, as 1F1B).
-    per_stage = 2 if schedules.get(schedule).placement == "v" else 1
     # An explicit cut is one K's (a single K is profiled then): pipeline-1's chunks under a V are cut by FLOPs.
     cut_k = max(k for _, k, _, _ in rows)
     out = []
     for name, k, m, checkpoint in rows:
         # naive-1 is plain training: no offload and one chunk, whatever the pipeline rows' schedule.
         moved = offload if name != "naive-1" else "none"
-        v = per_stage if name != "naive-1" else 1
-        placed = schedule if v == per_stage else "gpipe"
+        v = 1 if name == "naive-1" else chunks_per_stage(schedule, virtual, k)
+        placed = "gpipe" if name == "naive-1" else schedule
         chunks = k * v
         if chunks > layers:
             deeper, kind = deepened(figures, chunks)

@@ -24,7 +24,7 @@ def show_measured(s: dict[str, Any], console: Console) -> None:
                   f"backward phase; peak act.: stored plus the micro-batch being recomputed and backpropagated")
     for sc in (sc for sc in s["scenarios"] if sc["measured"]):
         v = sc.get("virtual", 1)
-        shape = f" x V={v} in a V ({sc['schedule']})" if v > 1 else ""
+        shape = f" x V={v} ({sc['schedule']})" if v > 1 else ""
         moved = s.get("offload", "none") != "none" and sc["checkpoint"] != "never"
         table = figure_table(f"{sc['name']}: K={sc['partitions']}{shape}, M={sc['microbatches']}, checkpoint "
                              f"{sc['checkpoint']}, balance {sc['balance']}",
@@ -55,7 +55,7 @@ def _table1(s: dict[str, Any]) -> Table:
     table.add_row("total model parameter memory", *(human_bytes(sc["param_memory_bytes"]) for sc in rows))
     table.add_row("peak activation memory", *(human_bytes(sc["peak_activation_bytes"]) for sc in rows))
     table.add_row("fullest device", *(human_bytes(sc["device_peak_bytes"]) for sc in rows))
-    per = "chunk (two per stage in a V)" if any(sc.get("virtual", 1) > 1 for sc in rows) else "stage"
+    per = "chunk (V per stage)" if any(sc.get("virtual", 1) > 1 for sc in rows) else "stage"
     table.add_row(f"layers per {per}", *(",".join(map(str, sc["balance"])) for sc in rows))
     table.add_row("figures", *("measured" if sc["measured"] else "[yellow]extrapolated[/]" for sc in rows))
     return table
@@ -97,7 +97,7 @@ def show_budget(s: dict[str, Any], console: Console) -> None:
     table.add_row("fullest device (measured)", *(_measured(r) for r in rows))
     if any(r and r.get("offload", "none") != "none" for r in rows):
         table.add_row("host memory, fullest device", *cells("host_peak_bytes", lambda b: human_bytes(b) if b else "-"))
-    table.add_row("layers per stage (chunk in a V)", *cells("balance", lambda b: ",".join(map(str, b))))
+    table.add_row("layers per stage (per chunk, V > 1)", *cells("balance", lambda b: ",".join(map(str, b))))
     console.print(table)
     bounded: dict[str, list[str]] = {}
     for name, r in zip(s["scenarios"], rows):

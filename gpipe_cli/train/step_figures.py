@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from gpipe_cli.pipeline.stats import PARTS, StepStats
 from gpipe_cli.records import Utilization
+from gpipe_cli.units import flop_rate
 
 _MEASURED = PARTS[:-1]  # every part but `other`, which is what is left of the step
 
@@ -99,7 +100,7 @@ def find_peak(override: float | None, device: str, precision: str, device_name: 
             return Peak(None, f"no known {precision} peak for {name}: set train.peak_tflops to see MFU")
         return Peak(tflops * 1e12, f"{name}'s data-sheet {precision} peak, {tflops:g} TFLOP/s per rank")
     rate = measured()
-    return Peak(rate, f"this CPU's measured matrix-product rate, {rate / 1e9:.0f} GFLOP/s per rank (not a "
+    return Peak(rate, f"this CPU's measured matrix-product rate, {flop_rate(rate)} per rank (not a "
                       f"data-sheet peak)")
 
 
@@ -126,8 +127,3 @@ def utilization_of(flops: float, seconds: float, peak_per_rank: float | None, ra
     if peak_per_rank:
         out["mfu"] = achieved / (peak_per_rank * ranks)
     return out
-
-
-def rate_text(tflops: float) -> str:
-    """A FLOP rate for people: "312 TFLOP/s", or "0.667 GFLOP/s" below one TFLOP/s (CPUs)."""
-    return f"{tflops:.3g} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:.3g} GFLOP/s"

@@ -9,8 +9,8 @@ from typing import Any
 
 from gpipe_cli.pipeline.stats import PARTS
 from gpipe_cli.records import Rate, after_warmup
-from gpipe_cli.train.step_figures import Peak, rate_text
-from gpipe_cli.units import number_range
+from gpipe_cli.train.step_figures import Peak
+from gpipe_cli.units import flop_rate, number_range
 
 _NOT_METRICS = ("kind", "step", "nonfinite")
 
@@ -118,7 +118,7 @@ class RunSummary:
     def _utilization(self, shown: _Steps) -> str:
         """Mean achieved model TFLOP/s of all ranks, and MFU against what the peak is (when known)."""
         achieved = shown.flops / shown.seconds
-        text = rate_text(achieved / 1e12) + " (all ranks)"
+        text = flop_rate(achieved) + " (all ranks)"
         if self.peak is not None and self.peak.flops_per_s:
             text += (f", MFU {achieved / (self.peak.flops_per_s * self.ranks):.1%} against {self.ranks} "
                      f"rank{'s' if self.ranks != 1 else ''} x {self.peak.source}")

@@ -21,9 +21,8 @@ from gpipe_cli.console import fit, say
 from gpipe_cli.pipeline.stats import PARTS
 from gpipe_cli.progress import eta_text, note, run_eta
 from gpipe_cli.train.sinks import Sinks
-from gpipe_cli.train.step_figures import rate_text
 from gpipe_cli.train.summary import eval_figures
-from gpipe_cli.units import figure, human_bytes
+from gpipe_cli.units import figure, flop_rate, human_bytes
 
 
 def finite_json(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -72,7 +71,7 @@ def utilization(record: Mapping[str, Any]) -> str:
     """The step's achieved model TFLOP/s and MFU ('' when the record has neither)."""
     if "tflops" not in record:
         return ""
-    return rate_text(record["tflops"]) + (f" (MFU {record['mfu']:.1%})" if "mfu" in record else "")
+    return flop_rate(record["tflops"] * 1e12) + (f" (MFU {record['mfu']:.1%})" if "mfu" in record else "")
 
 
 def stage_shares(record: Mapping[str, Any], stage: int) -> dict[str, float]:

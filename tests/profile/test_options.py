@@ -120,12 +120,22 @@ def test_a_balance_is_one_ks_cut_named_by_the_flags(capsys, nothing_runs, args, 
     assert refused(capsys, *TINY, *args) == f"error: {line}"
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
-def test_virtual_stages_this_command_would_not_count_are_refused(capsys, nothing_runs, schedule):
-    # interleaved is counted with one chunk per stage: a V of 2 would have been left out without a word.
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_virtual_stages_a_schedule_would_not_run_are_refused(capsys, nothing_runs, schedule):
+    # A V of 2 would have been left out without a word.
     assert refused(capsys, *TINY, "--schedule", schedule, "--virtual-stages", "2") == (
-        f"error: --virtual-stages 2: profile-memory counts {schedule} with one chunk per stage; it takes "
-        f"--virtual-stages 2 with zero-bubble-v or v-half only")
+        f"error: --virtual-stages 2: {schedule} runs one chunk per stage; give --schedule interleaved, or "
+        f"zero-bubble-v or v-half with --virtual-stages 2")
+
+
+def test_interleaved_chunks_need_m_a_multiple_of_each_k(capsys, nothing_runs):
+    # The largest K is checked as a recipe's (bench says the same); the others here.
+    assert refused(capsys, *TINY, "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "6",
+                   "--partitions", "2,4") == ("error: pipeline.microbatches (6) must be a multiple of "
+                                              "pipeline.partitions (4) for the interleaved schedule")
+    assert refused(capsys, *TINY, "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4",
+                   "--partitions", "3,4") == (
+        "error: --microbatches 4: interleaved needs a multiple of each K in --partitions (got K=3)")
 
 
 def test_a_v_schedule_is_validated_with_its_two_chunks():

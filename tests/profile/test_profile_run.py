@@ -4,7 +4,9 @@ import json
 
 import pytest
 
+from gpipe_cli import memory_model as mm
 from gpipe_cli.errors import UserError
+from gpipe_cli.estimate.subject import resolve
 from gpipe_cli.profile import FLAGS, ProfileOptions, parse_partitions, run
 from tests.bench import tiny
 
@@ -81,6 +83,25 @@ def test_a_model_too_large_for_this_machine_is_extrapolated_not_refused(tmp_path
     naive = json.loads(out.read_text())["scenarios"][0]
     assert naive["name"] == "naive-1" and not naive["measured"]
     assert "too large for this machine's memory" in naive["why"]
+
+
+def test_interleaved_chunks_are_counted_where_each_stage_holds_them_as_the_model_predicts(tmp_path):
+    # It was counted as 1F1B with one chunk per stage, and a recipe's K x V balance was refused.
+    out = tmp_path / "profile.json"
+    options = dict(tiny.TRANSFORMER, layers=6)
+    assert run(ProfileOptions(**options, partitions=[2], microbatches=4, schedule="interleaved",
+                              virtual_stages=2, balance="2,2,2,2", json=out)) == 0
+    found = json.loads(out.read_text())
+    rows = {s["name"]: s for s in found["scenarios"]}
+    piped = rows["pipeline-2"]
+    assert piped["measured"] and piped["virtual"] == 2 and piped["balance"] == [2, 2, 2, 2]
+    assert [s["chunks"] for s in piped["stages"]] == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    assert rows["pipeline-1"]["virtual"] == 1  # one stage: nothing to interleave over
+    spec = resolve("transformer", tiny.sizes(options), tiny.TRANSFORMER["set"]).build()
+    predicted = mm.footprints(mm.measure(spec, device="meta"), [2, 2, 2, 2], found["batch_size"], 4, "interleaved", "except_last",
+                              mm.bytes_per_parameter("rmsprop"), 2)
+    for stage, fp in zip(piped["stages"], predicted):
+        assert stage["total_bytes"] == pytest.approx(fp.total_bytes, rel=0.01)
 
 
 def test_a_v_schedule_takes_a_cut_of_2k_chunks(tmp_path, capsys):

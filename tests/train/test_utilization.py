@@ -5,10 +5,11 @@ import io
 import pytest
 from rich.console import Console
 
-from gpipe_cli.train.step_figures import ModelFlops, Peak, find_peak, rate_text, table_peak
+from gpipe_cli.train.step_figures import ModelFlops, Peak, find_peak, table_peak
 from gpipe_cli.train.step_figures import utilization_of as figures
 from gpipe_cli.train.summary import RunSummary
 from gpipe_cli.train.view import TerminalView, train_lines
+from gpipe_cli.units import flop_rate
 from tests.train.test_view import train_record
 
 
@@ -48,7 +49,7 @@ def test_mfu_is_achieved_flops_over_the_peak_of_all_ranks():
     assert out["tflops"] == pytest.approx(3.0) and out["mfu"] == pytest.approx(0.75)
     assert "mfu" not in figures(6e12, 2.0, None, 4)
     assert figures(6e12, 0.0, 1e12, 4) == {} and figures(0.0, 1.0, 1e12, 4) == {}
-    assert rate_text(312.4) == "312 TFLOP/s" and rate_text(0.000667) == "0.667 GFLOP/s"
+    assert flop_rate(312.4e12) == "312 TFLOP/s" and flop_rate(0.667e9) == "0.667 GFLOP/s"
 
 
 def test_the_step_line_and_the_summary_show_them():
