@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -138,6 +139,10 @@ def by_setting(message: str, label: str, named: Mapping[str, str]) -> str:
     for param, where in named.items():
         if text.startswith(f"{param} must "):
             return f"{where}: {text.removeprefix(param + ' ')}"
+    # `d_model (32) must be divisible by heads (3)`: each part as the user set it, else as a recipe names it.
+    parts = re.findall(r"\b([a-z_]+) \(", text)
+    if text != message and parts and any(part in named for part in parts):
+        return re.sub(r"\b([a-z_]+) \(", lambda m: f"{named.get(m[1], 'model.' + m[1])} (", text)
     return message
 
 

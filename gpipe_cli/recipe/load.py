@@ -152,7 +152,10 @@ def _validated(raw: dict[str, Any], label: str, planning: bool = False, typed: d
         return Recipe.model_validate(raw, context={PLANNING: planning, STAND_IN: stand_in})
     except ValidationError as exc:
         errors = exc.errors()
-        text = (typed or {}).get(".".join(str(p) for p in _path(errors[0]["loc"])))
+        key = ".".join(str(p) for p in _path(errors[0]["loc"]))
+        # An unknown section is named by the --set items under it too (`--set pipline.partitions=2`).
+        under = [v for k, v in (typed or {}).items() if k.startswith(key + ".")]
+        text = (typed or {}).get(key, under[0] if under and errors[0]["type"] == "extra_forbidden" else None)
         message = _describe(dict(errors[0]), raw, text)
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
         raise RecipeError(f"{label}: {'' if text is None else '--set '}{message}{more}") from None

@@ -53,6 +53,8 @@ def test_every_shipped_recipe_validates_and_plans(path):
     (["model.filters=8"], "model.filters: unknown key (a key of model.kind amoebanet); allowed keys here: kind, "
                           "preset, arch, layers"),
     (["pipeline.microbatch=4"], "pipeline.microbatch: unknown key (did you mean pipeline.microbatches?); allowed"),
+    # A misspelt section is named as the --set under it, not blamed on the recipe.
+    (["pipline.partitions=2"], "recipe.yaml: --set pipline: unknown key (did you mean pipeline?)"),
     (["train.lr=0.1"], "train.lr: unknown key (did you mean optimizer.lr?); allowed keys here: steps"),
     (["train.checkpoint_every=5"], "train.checkpoint_every: unknown key (did you mean checkpoint.every?)"),
     (["colour=blue"], "colour: unknown key; allowed keys here: name, seed, model"),
