@@ -98,8 +98,8 @@ def test_interleaved_chunks_are_counted_where_each_stage_holds_them_as_the_model
     assert [s["chunks"] for s in piped["stages"]] == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
     assert rows["pipeline-1"]["virtual"] == 1  # one stage: nothing to interleave over
     spec = resolve("transformer", tiny.sizes(options), tiny.TRANSFORMER["set"]).build()
-    predicted = mm.footprints(mm.measure(spec, device="meta"), [2, 2, 2, 2], found["batch_size"], 4, "interleaved", "except_last",
-                              mm.bytes_per_parameter("rmsprop"), 2)
+    predicted = mm.footprints(mm.measure(spec, device="meta"), [2, 2, 2, 2], found["batch_size"], 4, "interleaved",
+                              "except_last", mm.bytes_per_parameter("rmsprop"), 2)
     for stage, fp in zip(piped["stages"], predicted):
         assert stage["total_bytes"] == pytest.approx(fp.total_bytes, rel=0.01)
 
