@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import inspect
 import json
-import re
 import sys
 import typing
 from collections.abc import Callable, Collection, Mapping
@@ -31,6 +30,7 @@ from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError, one_line, shown
 from gpipe_cli.files import atomic_write_text, check_output
 from gpipe_cli.launch import launch_options
+from gpipe_cli.limits import DIGITS
 from gpipe_cli.plan import FLAGS as L
 from gpipe_cli.plan import PlanOptions
 from gpipe_cli.profile import FLAGS as P
@@ -91,7 +91,6 @@ def _interruptible(command: str, callback: Callable[..., Any], started: list[str
     return run_command
 
 
-_DIGITS = re.compile(r"[+-]?[0-9]+")
 
 
 class _Usage(typer.BadParameter):
@@ -108,7 +107,7 @@ def _whole(flag: str) -> Callable[[Any], int]:
             return value
         text = str(value).strip()
         # Not pydantic's lax int, which takes 2.0 for 2 and words its refusals its own way.
-        if not _DIGITS.fullmatch(text):
+        if not DIGITS.fullmatch(text):
             raise _Usage(f"{flag}: must be a whole number written in digits, e.g. 4 (got {shown(str(value))})")
         try:
             return int(text)

@@ -17,7 +17,7 @@ from gpipe_cli.estimate.model_flags import (
     v_problem,
 )
 from gpipe_cli.files import check_output
-from gpipe_cli.limits import MAX_RANKS, MAX_SIZE, one_of, outside, refuse, words
+from gpipe_cli.limits import DIGITS, MAX_RANKS, MAX_SIZE, one_of, outside, refuse, words
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
 from gpipe_cli.recipe.aliases import SET_HELP
@@ -131,10 +131,11 @@ def parse_partitions(text: str) -> list[int]:
     if empty is not None:  # `2,,4`: a K left out as likely as a stray comma
         raise UserError(f"--partitions: entry {empty} is empty; give K values separated by commas, e.g. 2,4,8 "
                         f"(got '{cut(text)}')")
-    try:
-        return [int(part) for part in parts]
-    except ValueError:
-        raise UserError(f"--partitions expects K values separated by commas, e.g. 2,4,8 (got '{cut(text)}')") from None
+    bad = next((part for part in parts if not DIGITS.fullmatch(part.strip())), None)
+    if bad is not None:
+        raise UserError(f"--partitions: each K must be a whole number written in digits, separated by commas, "
+                        f"e.g. 2,4,8 (got {shown(bad.strip())} in '{cut(text)}')")
+    return [int(part) for part in parts]
 
 
 def validate(options: ProfileOptions) -> None:

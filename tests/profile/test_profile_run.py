@@ -132,9 +132,11 @@ def test_a_tied_weight_is_counted_once(tmp_path):
 
 
 def test_partitions_parse():
-    assert parse_partitions("2,4,8") == [2, 4, 8]
-    with pytest.raises(UserError):
-        parse_partitions("two")
+    assert parse_partitions("2,4,8") == [2, 4, 8] and parse_partitions(" 2, +4") == [2, 4]
+    # Python's int() reads `1_0` as 10 and other scripts' digits: a count flag takes ASCII digits only.
+    for text in ("two", "1_0", "2.0", "2,\u0663"):
+        with pytest.raises(UserError, match="each K must be a whole number written in digits"):
+            parse_partitions(text)
 
 
 def test_a_model_sized_by_the_quick_rate_is_sized_again_by_the_rate_its_layers_reach(tmp_path, monkeypatch, capsys):
