@@ -99,16 +99,20 @@ def run(options: PlanOptions) -> int:
 
 
 def _not_the_recipe(options: PlanOptions) -> None:
-    """Refuse an --output that is the input recipe itself: the plan would replace it, comments and all."""
+    """Refuse an --output that is the input recipe itself (or, for the built-in one, its copy in recipes/): the plan
+    would replace it, comments and all."""
     output, recipe = options.output, options.recipe
-    if output is None or recipe is None or not output.exists():
+    if output is None or not output.is_file():
         return
     try:
-        same = os.path.samefile(output, recipe)
+        # Without a recipe the built-in one is planned: a checkout ships it as recipes/quickstart.yaml too.
+        same = (os.path.samefile(output, recipe) if recipe is not None
+                else output.read_text(errors="replace") == default_recipe_text())
     except OSError:  # one vanished or cannot be looked at: the write itself then says what is wrong
         return
     if same:
-        raise UserError(f"--output {shown(str(output))} is the recipe itself: the plan would replace it; name "
+        what = "the recipe itself" if recipe is not None else "the built-in recipe being planned"
+        raise UserError(f"--output {shown(str(output))} is {what}: the plan would replace it; name "
                         f"another file, e.g. {shown(str(output.with_name(output.stem + '.planned.yaml')))}")
 
 

@@ -4,6 +4,7 @@
 import pytest
 
 from gpipe_cli.cli import run
+from gpipe_cli.recipe.load import default_recipe_text
 from tests.plan.test_runner import TINY, refused_before_torch
 from tests.train.recipes import write
 
@@ -53,6 +54,17 @@ def test_an_output_that_is_the_recipe_itself_is_refused_and_the_recipe_kept(tmp_
     assert recipe.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted({recipe.name, "link.yaml"} if spelling == "link"
                                                                 else {recipe.name})
+
+
+def test_planning_the_built_in_recipe_never_overwrites_its_copy_in_recipes(tmp_path, capsys, monkeypatch):
+    # Without a recipe the built-in one is planned; `--output recipes/quickstart.yaml` replaced the shipped copy.
+    monkeypatch.chdir(tmp_path)
+    copy = tmp_path / "quickstart.yaml"
+    copy.write_text(default_recipe_text())
+    assert run(["plan", *QUICK, "--output", copy.name]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --output 'quickstart.yaml' is the built-in recipe being planned"), err
+    assert copy.read_text() == default_recipe_text() and [p.name for p in tmp_path.iterdir()] == [copy.name]
 
 
 @pytest.mark.parametrize("where", ["gpipe_cli.recipe_model.model_spec", "gpipe_cli.plan.search.search"])
