@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import typing
 from collections.abc import Sequence
 from importlib import resources
@@ -158,7 +159,10 @@ def _validated(raw: dict[str, Any], label: str, planning: bool = False, typed: d
         text = (typed or {}).get(key, under[0] if under and errors[0]["type"] == "extra_forbidden" else None)
         message = _describe(dict(errors[0]), raw, text)
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-        raise RecipeError(f"{label}: {'' if text is None else '--set '}{message}{more}") from None
+        # A check across keys (`pipeline.balance has 1 entries but ...`) names the --set of the key it starts with.
+        leading = re.match(r"[a-z_]+(\.[a-z_]+)+", message)
+        named = text is not None or (leading is not None and leading[0] in (typed or {}))
+        raise RecipeError(f"{label}: {'--set ' if named else ''}{message}{more}") from None
 
 
 def _section_model(loc: Sequence[str | int], raw: dict[str, Any]) -> type[BaseModel] | None:
@@ -279,5 +283,6 @@ def _describe(error: dict[str, Any], raw: dict[str, Any], typed: str | None = No
         return str(error["msg"]).removeprefix("Value error, ")
     for name, kind_words in _KINDS.items():
         if kind.startswith(name + "_"):
-            return f"{key}: must be {kind_words} {got}"
+            allowed = _allowed_range(loc, raw) if name in ("int", "float") else None
+            return f"{key}: must be {kind_words}{' ' + allowed if allowed else ''} {got}"
     return f"{key}: {error['msg']} {got}"

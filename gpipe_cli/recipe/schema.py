@@ -186,7 +186,8 @@ class Pipeline(Section):
         chunks = self.partitions * self.virtual_stages
         if isinstance(self.balance, list) and len(self.balance) != chunks:
             per = "per stage" if self.virtual_stages == 1 else "per chunk (partitions x virtual_stages)"
-            raise ValueError(f"pipeline.balance has {len(self.balance)} entries but the pipeline has {chunks}; "
+            raise ValueError(f"pipeline.balance has {len(self.balance)} entr{'y' if len(self.balance) == 1 else 'ies'} "
+                             f"but the pipeline has {chunks}; "
                              f"give one layer count {per}")
         chunked = [name for name in schedules.names() if schedules.get(name).chunked]
         if self.virtual_stages > 1 and self.schedule not in chunked:

@@ -252,8 +252,9 @@ def _layers(names: list[str]) -> str:
 
 def plan_table(plan: Plan) -> Table:
     """One row per stage: layers, parameters, forward FLOPs, estimated peak memory and whether it fits."""
+    replicas = f"{plan.data_parallel} replica{'s' if plan.data_parallel > 1 else ''}"
     table = figure_table(f"{plan.model}: {human_count(plan.total_params)} parameters, {plan.partitions} stages x "
-                         f"{plan.data_parallel} replicas, {plan.microbatches} micro-batches of {plan.microbatch_size}",
+                         f"{replicas}, {plan.microbatches} micro-batches of {plan.microbatch_size}",
                          ("stage", "layers", "params", "GFLOPs/example", "memory (est.)", "of which activations",
                           "fits"), left=("layers",), title_justify="left")
     for s in plan.stages:

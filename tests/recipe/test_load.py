@@ -34,7 +34,7 @@ def test_every_shipped_recipe_validates_and_plans(path):
     (["pipeline.microbatches=0"], "recipe.yaml: --set pipeline.microbatches: must be >= 1 and <= 1048576 (got 0)"),
     # A value as typed: YAML reads `yes` as true and `null` as None.
     (["pipeline.offload=yes"], "--set pipeline.offload: must be 'none' or 'activations' (got yes)"),
-    (["pipeline.microbatches=null"], "--set pipeline.microbatches: must be an integer (got null)"),
+    (["pipeline.microbatches=null"], "--set pipeline.microbatches: must be an integer >= 1 and <= 1048576 (got null)"),
     (["pipeline.schedule=zb"], "pipeline.schedule: must be 'gpipe', '1f1b', 'interleaved', 'zero-bubble', "
                                "'zero-bubble-v' or 'v-half' (got 'zb')"),
     (["pipeline.virtual_stages=2"],
@@ -49,12 +49,18 @@ def test_every_shipped_recipe_validates_and_plans(path):
      "pipeline.balance has 2 entries but the pipeline has 4; give one layer count per chunk"),
     (["pipeline.checkpoint=sometimes"], "pipeline.checkpoint: must be 'always', 'except_last' or 'never'"),
     (["pipeline.offload=all"], "pipeline.offload: must be 'none' or 'activations' (got 'all')"),
-    (["model.heads=abc"], "model.heads: must be an integer (got 'abc')"),
+    (["model.heads=abc"], "model.heads: must be an integer >= 1 and <= 1048576 (got 'abc')"),
     (["model.filters=8"], "model.filters: unknown key (a key of model.kind amoebanet); allowed keys here: kind, "
                           "preset, arch, layers"),
     (["pipeline.microbatch=4"], "pipeline.microbatch: unknown key (did you mean pipeline.microbatches?); allowed"),
     # A misspelt section is named as the --set under it, not blamed on the recipe.
     (["pipline.partitions=2"], "recipe.yaml: --set pipline: unknown key (did you mean pipeline?)"),
+    # Checks across keys and of a union's tag name the --set too; a type error gives the range as well.
+    (["model.kind=gpt"], "recipe.yaml: --set model.kind: must be 'amoebanet' or 'transformer' (got 'gpt')"),
+    (["optimizer.betas=[0.9]"], "recipe.yaml: --set optimizer.betas: must be a list of 2 numbers"),
+    (["pipeline.microbatches=64"], "recipe.yaml: --set pipeline.microbatches (64) must be <= data.batch_size"),
+    (["pipeline.partitions=2.5"], "recipe.yaml: --set pipeline.partitions: must be an integer >= 1 and <= 65536 "
+                                  "(got 2.5)"),
     (["train.lr=0.1"], "train.lr: unknown key (did you mean optimizer.lr?); allowed keys here: steps"),
     (["train.checkpoint_every=5"], "train.checkpoint_every: unknown key (did you mean checkpoint.every?)"),
     (["colour=blue"], "colour: unknown key; allowed keys here: name, seed, model"),
