@@ -34,6 +34,9 @@ class StopRequest:
                 print("\n[gpipe] SIGINT: stopping after this step (Ctrl-C again to abort at once)",
                       file=sys.stderr, flush=True)
         elif signum == signal.SIGINT:
+            if self.announce:
+                print("[gpipe] SIGINT again: aborted at once; a checkpoint it cut short is removed on resume",
+                      file=sys.stderr, flush=True)
             os._exit(128 + signum)
 
     def agreed(self, group: dist.ProcessGroup | None, distributed: bool) -> int:

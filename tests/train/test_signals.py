@@ -1,0 +1,38 @@
+"""A rank's stop request: the first Ctrl-C finishes the step, a second aborts at once, each said in one line."""
+
+import signal
+
+import pytest
+
+from gpipe_cli.pipeline import stopping
+from gpipe_cli.train import signals
+
+
+@pytest.fixture(autouse=True)
+def no_signal_remembered(monkeypatch):
+    monkeypatch.setattr(stopping, "_received", 0)  # the handler notes the signal for the process: put back after
+
+
+def test_a_second_ctrl_c_aborts_at_once_with_one_line(monkeypatch, capsys):
+    # It ended the job with exit 130 and no word after "Ctrl-C again to abort at once".
+    def exit_now(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(signals.os, "_exit", exit_now)
+    request = signals.StopRequest(announce=True)
+    request._handle(signal.SIGINT, None)
+    assert request.signum == signal.SIGINT
+    with pytest.raises(SystemExit) as ended:
+        request._handle(signal.SIGINT, None)
+    assert ended.value.code == 128 + signal.SIGINT
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["[gpipe] SIGINT: stopping after this step (Ctrl-C again to abort at once)",
+                     "[gpipe] SIGINT again: aborted at once; a checkpoint it cut short is removed on resume"]
+
+
+def test_only_the_rank_that_speaks_says_it(monkeypatch, capsys):
+    monkeypatch.setattr(signals.os, "_exit", lambda code: None)
+    request = signals.StopRequest(announce=False)
+    request._handle(signal.SIGINT, None)
+    request._handle(signal.SIGINT, None)
+    assert capsys.readouterr().err == ""
