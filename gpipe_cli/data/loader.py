@@ -174,6 +174,18 @@ class Loader:
         shard_bounds(0, *shard)
         return self._run(_BatchJob(self.train, plan, start, epoch, shard, need_inputs, need_targets))
 
+    def heaviest_batch(self, shard: tuple[int, int] = (0, 1), *, need_inputs: bool = True,
+                       need_targets: bool = True) -> Batch:
+        """This shard's part of the training mini-batch that pads to the most tokens (images: the most examples)."""
+        # Trial steps time and size a real step from it: under a token budget far fewer than batch_size examples.
+        plan = self.plan(0)
+        lengths = self.train.lengths
+        padded = [len(group) * (max(int(lengths[group].max()), 1) if lengths is not None and len(group) else 1)
+                  for group in plan]
+        position = max(range(len(plan)), key=padded.__getitem__)
+        shard_bounds(0, *shard)
+        return _BatchJob(self.train, plan, position, 0, shard, need_inputs, need_targets)[0]
+
     def eval_batches(self, shard: tuple[int, int] = (0, 1), limit: int | None = None, *,
                      need_inputs: bool = True, need_targets: bool = True) -> Iterator[Batch]:
         """This shard's part of each eval mini-batch (no augmentation, fixed order)."""

@@ -13,7 +13,7 @@ from gpipe_cli.pipeline import partition, placement, schedules
 from gpipe_cli.units import human_bytes
 
 if TYPE_CHECKING:
-    from gpipe_cli.models.base import ModelSpec
+    from gpipe_cli.data import Batch
     from gpipe_cli.pipeline.engine import Pipeline
 
 TRIAL_STEPS = 3          # the first is dropped: it pays for allocator growth and the first messages
@@ -65,17 +65,21 @@ def worth_checking(costs: Sequence[float], balance: Sequence[int], microbatches:
     return max(partition.stage_costs(costs, balance)) * microbatches >= MIN_STEP_SECONDS
 
 
-def stage_compute(pipe: Pipeline, spec: ModelSpec, batch_size: int, microbatches: int, seed: int,
+def stage_compute(pipe: Pipeline, batch: Batch | None, microbatches: int, seed: int,
                   steps: int = TRIAL_STEPS) -> list[float] | None:
-    """Each stage's median compute seconds over trial steps (rank 0, else None); build the layers anew after."""
+    """Each stage's median compute seconds over trial steps of `batch` (rank 0, else None); rebuild layers after."""
+    # `batch`: this rank's shard of a real training mini-batch (None where the stage takes no data), so the
+    # trial steps compute and hold what a step of the run does, token budget included.
     layout, device = pipe.layout, pipe.device
+    inputs = batch.inputs if batch is not None and layout.is_first else None
+    targets = batch.targets if batch is not None and layout.is_last else None
+    offset = batch.offset if batch is not None else 0
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        inputs, targets = spec.example_batch(batch_size, device)
+        torch.manual_seed(seed)  # the same dropout in every trial step of every cut timed
         rows: list[list[float]] = []
         for step in range(steps):
-            result = pipe.train_step(inputs if layout.is_first else None, targets if layout.is_last else None,
-                                     step=step, microbatches=microbatches, measure_memory=False)
+            result = pipe.train_step(inputs, targets, step=step, microbatches=microbatches, example_offset=offset,
+                                     measure_memory=False)
             if step and result.stats is not None:
                 busy = {s.stage: s.busy for s in result.stats.stages if s.replica == 0}
                 rows.append([busy[s] for s in range(layout.stages)])

@@ -178,9 +178,11 @@ class Trainer:
 
     def _stage_compute(self) -> list[float] | None:
         """Every stage's compute per step in untrained trial steps of the pipeline as it is cut now (rank 0)."""
-        pipe_cfg = self.recipe.pipeline
-        per_replica = max(self.recipe.data.batch_size // pipe_cfg.data_parallel, 1)
-        return cut.stage_compute(self.pipe, self.spec, per_replica, pipe_cfg.microbatches, self.recipe.seed)
+        # The loader's heaviest batch, not data.batch_size examples of model.max_len: a token budget packs far fewer.
+        batch = self.data.heaviest_batch(shard=(self.layout.replica, self.layout.replicas),
+                                         need_inputs=self.layout.is_first, need_targets=self.layout.is_last) \
+            if self.data is not None else None
+        return cut.stage_compute(self.pipe, batch, self.recipe.pipeline.microbatches, self.recipe.seed)
 
     def _plan_or_none(self, costs: list[float] | None, balance: list[int] | None) -> Plan | None:
         """The plan cut by `costs` (or as `balance`) after the trial steps, if every stage of it fits."""

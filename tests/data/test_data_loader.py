@@ -135,6 +135,22 @@ def test_token_budget_batches() -> None:
     assert sum(b.size for b in ds.eval_batches()) == ds.eval_size
 
 
+def test_the_heaviest_batch_is_a_real_step_s_shard_under_a_token_budget() -> None:
+    budget = 200
+    ds = build_data(data(synthetic_size=300, batch_size=64, tokens_per_batch=budget), "translation", seed=0,
+                    vocab_size=400, max_len=64, min_batch=2)
+    steps = list(ds.train_batches(epoch=0))
+    padded = [b.size * int(ds.train.lengths[b.ids].max()) for b in steps]
+    heaviest = steps[padded.index(max(padded))]
+    for replica in range(2):
+        got = ds.heaviest_batch(shard=(replica, 2))
+        real = list(ds.train_batches(epoch=0, shard=(replica, 2)))[heaviest.index]
+        assert got.ids == real.ids and got.offset == real.offset
+        assert [t.shape for t in _flat(got)] == [t.shape for t in _flat(real)]
+    whole = ds.heaviest_batch()
+    assert whole.size * max(t.shape[1] for t in whole.inputs) <= budget < 64 * 64  # not batch_size x max_len
+
+
 def test_pack_by_budget_and_shard_bounds() -> None:
     bounds = pack_by_budget(np.array([1, 2, 2, 3, 5, 9]), budget=6, min_batch=1)
     assert bounds == [(0, 3), (3, 4), (4, 5), (5, 6)]

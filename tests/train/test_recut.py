@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from gpipe_cli.data import Batch
 from gpipe_cli.models.base import LayerSpec, ModelSpec
 from gpipe_cli.pipeline import partition, topology
 from gpipe_cli.pipeline.config import PipelineConfig
@@ -57,7 +58,9 @@ def trial_rank(balance: list[int]) -> list[float] | None:
     spec = slow_spec()
     config = PipelineConfig(2, microbatches=2, checkpoint="always", balance=tuple(balance))
     layers = build_layers(spec.factories(), partition.stage_layers(balance, 2, topo.layout.stage), 0)
-    return recut.stage_compute(Pipeline(layers, topo, config, spec.loss), spec, 4, 2, seed=0)
+    inputs, targets = spec.example_batch(4, "cpu")
+    batch = Batch(index=0, size=4, offset=0, global_size=4, inputs=inputs, targets=targets)
+    return recut.stage_compute(Pipeline(layers, topo, config, spec.loss), batch, 2, seed=0)
 
 
 def test_refined_costs_keep_each_stage_s_shares_and_take_its_measured_sum():

@@ -82,3 +82,39 @@ def test_a_cut_balanced_by_measured_memory_trains_as_plain_training(tmp_path, re
     assert building.endswith("(cut by measured memory)"), building
     assert "untrained steps" not in ranks.stdout  # only a cut by time is checked by time
     assert losses == pytest.approx(reference, rel=1e-4)
+
+
+def _recording(path: Path, computed: list[list[float]]) -> None:
+    """_scripted, and rank 0 (the first stage) adds the shapes of each step's inputs to `path`, trial steps first."""
+    from gpipe_cli.pipeline.engine import Pipeline
+
+    _scripted(computed)
+    launch = Pipeline.launch_step
+
+    def launch_step(self, inputs=None, targets=None, **options):
+        if self.layout.rank == 0:
+            with open(path, "a") as out:
+                out.write(json.dumps([list(t.shape) for t in inputs]) + "\n")
+        return launch(self, inputs, targets, **options)
+
+    Pipeline.launch_step = launch_step
+
+
+def test_trial_steps_under_a_token_budget_take_the_heaviest_batch_the_loader_gives(tmp_path):
+    recipe = copy.deepcopy(TINY_TRANSLATION)
+    budget = 400
+    recipe["data"].update(batch_size=64, tokens_per_batch=budget)  # 64 x max_len 40 would be 2,560 tokens
+    recipe["train"] = {"epochs": 1}  # every batch of the epoch, the heaviest among them
+    recipe["eval"] = {"batches": 1}
+    shapes = tmp_path / "shapes.jsonl"
+    ranks = gpipe_train(2, str(write(tmp_path, recipe)), "--output-dir", str(tmp_path / "run"), "--threads", "1",
+                        before=functools.partial(_recording, shapes, [[1.0, 1.05]]))
+    assert ranks.code == 0, ranks.output[-3000:]
+    assert "timing 3 untrained steps of the stages to check the cut" in ranks.stdout, ranks.stdout[-3000:]
+    steps = [json.loads(line) for line in shapes.read_text().splitlines()]
+    trial, real = steps[:3], steps[3:]
+    assert len(real) > 1
+    # Each input is (examples, padded length); a budget batch pads to at most `budget` tokens.
+    padded = [s[0][0] * max(t[1] for t in s) for s in real]
+    assert trial == [real[padded.index(max(padded))]] * 3, (trial, real)
+    assert max(padded) <= budget
