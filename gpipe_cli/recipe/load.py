@@ -283,6 +283,6 @@ def _describe(error: dict[str, Any], raw: dict[str, Any], typed: str | None = No
         return str(error["msg"]).removeprefix("Value error, ")
     for name, kind_words in _KINDS.items():
         if kind.startswith(name + "_"):
-            allowed = _allowed_range(loc, raw) if name in ("int", "float") else None
-            return f"{key}: must be {kind_words}{' ' + allowed if allowed else ''} {got}"
+            span = _allowed_range(loc, raw) if name in ("int", "float") else None
+            return f"{key}: must be {kind_words}{' ' + span if span else ''} {got}"
     return f"{key}: {error['msg']} {got}"
