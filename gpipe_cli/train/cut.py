@@ -41,7 +41,7 @@ class NoCutFits(Exception):
         self.memory, self.costs, self.virtual = memory, list(costs), virtual
         super().__init__(self.line())
 
-    def line(self) -> str:
+    def line(self, batch_key: str = "data.batch_size") -> str:
         """The refusal, with the numbers and what to change."""
         m = self.memory
         found = m.least(self.costs, self.virtual)
@@ -57,7 +57,7 @@ class NoCutFits(Exception):
         return (f"the plan does not fit this machine: no cut of the {len(m.figures.layers)} layers into "
                 f"{what} fits; the smallest per-stage peak {reach} is {human_bytes(peak)} "
                 f"(balance {balance}: stage {stage} needs {human_bytes(peak)}), and each rank has "
-                f"{human_bytes(m.capacity)}{where}. Lower data.batch_size, {change}")
+                f"{human_bytes(m.capacity)}{where}. Lower {batch_key}, {change}")
 
 
 def worth_checking(costs: Sequence[float], balance: Sequence[int], microbatches: int) -> bool:

@@ -289,9 +289,7 @@ class Trainer:
         """Per-layer costs for balance `auto`, `time` or `memory`, measured here, and what the plan calls them."""
         mode, device = self.recipe.pipeline.balance, self.topo.device
         if mode == "memory":
-            size = max(self.recipe.data.batch_size // (self.recipe.pipeline.data_parallel *
-                                                       self.recipe.pipeline.microbatches), 1)
-            sample, _ = self.spec.example_batch(size, device)
+            sample, _ = self.spec.example_batch(microbatch_size(self.recipe), device)
             profile = profile_layers(self.spec.factories(), sample, self.recipe.seed, device)
             per_param = mm.bytes_per_parameter(optimizer_name(self.recipe))
             return [float(p.activation_bytes + p.params * per_param) for p in profile], None

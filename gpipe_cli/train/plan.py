@@ -103,6 +103,7 @@ class Plan:
     stages: list[StagePlan]
     capacity: str  # what the ranks run on, e.g. "22.1 GiB of available RAM shared by 4 ranks"
     no_cut_fits: str = ""  # `balance: auto` found no cut whose every stage fits: why, with the numbers
+    batch_key: str = "data.batch_size"  # the key that sizes a mini-batch (data.tokens_per_batch under a budget)
 
     @property
     def fits(self) -> bool:
@@ -123,7 +124,7 @@ class Plan:
         else:
             parts = ", ".join(f"stage {s.index} {s.over()}" for s in over)
         return (f"the plan does not fit this machine: {parts}; each rank has {human_bytes(over[0].capacity)} "
-                f"({self.capacity}). Lower data.batch_size, raise pipeline.microbatches or pipeline.partitions, "
+                f"({self.capacity}). Lower {self.batch_key}, raise pipeline.microbatches or pipeline.partitions, "
                 f"or set pipeline.checkpoint: always")
 
     def to_json(self) -> dict[str, Any]:
@@ -165,7 +166,7 @@ def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float]
         try:
             chosen, moved = cut.within_memory(costs, memory, recipe.pipeline.virtual_stages)
         except cut.NoCutFits as exc:  # shown as the fastest cut; `gpipe train` refuses with this line
-            return partition.balance_by_cost(costs, k), f"{by}; no cut fits memory", exc.line()
+            return partition.balance_by_cost(costs, k), f"{by}; no cut fits memory", exc.line(batch_key(recipe))
         return chosen, (f"{by}, the fastest cut that fits memory" if moved else by), ""
 
 
@@ -193,10 +194,26 @@ def _cut_errors(recipe: Recipe) -> Iterator[None]:
         raise UserError(f"{key}: {exc}") from None
 
 
+def examples_per_replica(recipe: Recipe) -> int:
+    """The examples of the model's full length one replica's step is priced at."""
+    data, pipe = recipe.data, recipe.pipeline
+    total = data.batch_size
+    if data.tokens_per_batch is not None:
+        # A budget batch pads count x longest to at most tokens_per_batch, or holds the M x D examples every batch
+        # needs: no more tokens, nor attention, than this many examples of max_len (data.batch_size is not used).
+        length = int(getattr(recipe.model, "max_len", 1))
+        total = max(math.ceil(data.tokens_per_batch / length), pipe.microbatches * pipe.data_parallel)
+    return max(total // pipe.data_parallel, 1)
+
+
+def batch_key(recipe: Recipe) -> str:
+    """The recipe key that sizes a mini-batch."""
+    return "data.batch_size" if recipe.data.tokens_per_batch is None else "data.tokens_per_batch"
+
+
 def microbatch_size(recipe: Recipe) -> int:
     """Examples in the largest micro-batch of one replica."""
-    per_replica = max(recipe.data.batch_size // recipe.pipeline.data_parallel, 1)
-    return max(math.ceil(per_replica / recipe.pipeline.microbatches), 1)
+    return max(math.ceil(examples_per_replica(recipe) / recipe.pipeline.microbatches), 1)
 
 
 def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[float] | None = None,
@@ -208,7 +225,7 @@ def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[floa
     pipe = recipe.pipeline
     if chosen is None:  # an impossible cut: refused before the seconds of describing and measuring the model
         checked_cut(recipe, len(spec.layers))
-    per_replica = max(recipe.data.batch_size // pipe.data_parallel, 1)
+    per_replica = examples_per_replica(recipe)
     mb = microbatch_size(recipe)
     summary = describe(spec, mb)
     figures = mm.measure(spec, recipe.seed, device="meta")  # shapes only: prices models of any size at once
@@ -243,7 +260,8 @@ def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[floa
                 balance=balance, balance_by=balance_by, schedule=pipe.schedule, checkpoint=pipe.checkpoint,
                 bubble_theory=schedule.theoretical_bubble(pipe.partitions, pipe.microbatches, pipe.schedule,
                                                           pipe.virtual_stages),
-                stages=stages, capacity=room.description, no_cut_fits=refusal)
+                stages=stages, capacity=room.description, no_cut_fits=refusal,
+                batch_key=batch_key(recipe))
 
 
 def _layers(names: list[str]) -> str:

@@ -57,6 +57,21 @@ def test_estimates_grow_with_the_batch(recipe_path):
     assert all(b.memory.activations > a.memory.activations for a, b in zip(small.stages, large.stages))
 
 
+def test_a_token_budget_is_priced_as_the_full_length_examples_it_bounds(tmp_path):
+    # It priced data.batch_size examples of max_len, which a budget does not use: 24 times the tokens of the
+    # wmt recipe's CPU trial, and advised lowering data.batch_size.
+    path = recipes.write(tmp_path, recipes.TINY_TRANSLATION)  # max_len 40, M=3, batch_size 10
+    budget = load_recipe(str(path), ["data.batch_size=500", "data.tokens_per_batch=200"])
+    assert microbatch_size(budget) == 2  # 200 / 40 = 5 examples of max_len, in 3 micro-batches
+    few = load_recipe(str(path), ["data.batch_size=500", "data.tokens_per_batch=40"])
+    assert microbatch_size(few) == 1  # a budget batch still holds one example per micro-batch
+    priced = make_plan(budget, available=1e15)
+    plain = make_plan(load_recipe(str(path), ["data.batch_size=5"]), available=1e15)
+    assert [s.memory.total for s in priced.stages] == [s.memory.total for s in plain.stages]
+    cramped = make_plan(budget, available=1e3)
+    assert "Lower data.tokens_per_batch" in cramped.misfit()
+
+
 @pytest.mark.parametrize("balance", ["auto", "[25, 19]"])
 def test_train_refuses_a_plan_that_cannot_fit_before_starting_ranks(recipe_path, monkeypatch, balance):
     monkeypatch.setattr("gpipe_cli.memory_model.available_bytes", lambda device: 1000)
