@@ -20,6 +20,8 @@ TIMING = frozenset({"samples_per_s", "tokens_per_s", "step_time_s", "bubble", "i
 WARMUP = "warmup"
 # True on the first train record after a resume: that step warms up again, as the run's first did.
 RESUMED = "resumed"
+# A train record's pipeline beside its stages (the length of its per-stage lists): a resume may change any of them.
+PIPELINE: dict[str, type] = {"microbatches": int, "schedule": str, "data_parallel": int}  # key -> type
 
 
 @dataclass
@@ -60,6 +62,9 @@ class _TrainFigures(TypedDict):
     time_s: dict[str, list[float]]   # part -> seconds per stage (PARTS)
     rss_peak_bytes: list[int]
     grad_norm: float
+    microbatches: int                 # PIPELINE: M, the schedule and D of the start that wrote it
+    schedule: str
+    data_parallel: int
 
 
 class Utilization(TypedDict, total=False):

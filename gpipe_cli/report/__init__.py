@@ -14,7 +14,19 @@ from gpipe_cli.errors import UserError, shown
 from gpipe_cli.files import check_output
 from gpipe_cli.records import PARTS
 from gpipe_cli.report import page
-from gpipe_cli.report.runs import Run, eval_metric, read_runs, segment_throughputs, series, throughput, time_breakdown
+from gpipe_cli.report.runs import (
+    Run,
+    cut_steps,
+    eval_metric,
+    memory_peak,
+    read_runs,
+    segment_throughputs,
+    segments,
+    series,
+    throughput,
+    time_breakdown,
+    wait_share,
+)
 from gpipe_cli.units import figure, human_bytes
 
 # Said after a default place that cannot be written (a read-only run of someone else's, say).
@@ -22,10 +34,10 @@ ELSEWHERE = "; give --output FILE to write the page elsewhere"
 
 
 def _table(title: str, columns: tuple[str, ...], left: tuple[str, ...] = ("run",), caption: str | None = None) -> Table:
-    """A table whose columns are right-aligned but `left`; a run's label, looked up in the legend, never wraps."""
+    """A table whose columns are right-aligned but `left`; a run's or start's label never wraps."""
     table = Table(title=title, header_style="bold", caption=caption)
     for name in columns:
-        table.add_column(name, justify="left" if name in left else "right", no_wrap=name == "run")
+        table.add_column(name, justify="left" if name in left else "right", no_wrap=name in ("run", "pipeline"))
     return table
 
 
@@ -52,19 +64,22 @@ def summary_table(runs: list[Run]) -> Table:
             best = f"{top['loss']:.4g} @{top['step']}"
             if metric and top.get(metric) is not None:
                 best += f", {metric[:3]} {top[metric]:.3g}"
-        parts = time_breakdown(run)
-        total = sum(sum(v) for v in parts.values())
-        wait = sum(parts["wait"]) / total if total else None
-        peak = max((max(data[f"mem_peak_bytes/stage{s}"][1], default=0.0) for s in range(run.stages)), default=0.0)
         table.add_row(run.label, str(run.train[-1]["step"]), figure(losses[-1] if losses else None, ".4f"), best,
                       figure(rate.samples_per_s, ".1f"), figure(_mean(data["bubble"][1]), ".3f"),
-                      figure(_mean(data["bubble_theory"][1]), ".3f"), figure(wait, ".0%"), human_bytes(int(peak)))
+                      figure(_mean(data["bubble_theory"][1]), ".3f"), figure(wait_share(run), ".0%"),
+                      human_bytes(int(memory_peak(run))))
     return table
+
+
+def _last_pipeline(runs: list[Run]) -> str:
+    """For runs resumed with another pipeline, the steps their per-stage figures are of, in words ('' for none)."""
+    return "".join(f"; {run.label}: steps {steps} only, its last pipeline" for run in runs if (steps := cut_steps(run)))
 
 
 def stage_table(runs: list[Run]) -> Table:
     """One row per run and stage: mean milliseconds per step of each part, and the memory peak."""
-    table = _table("per stage (mean over the steps after warm-up)",
+    # A stage of another pipeline holds other layers: its figures are never averaged with this one's.
+    table = _table(f"per stage (mean over the steps after warm-up{_last_pipeline(runs)})",
                    ("run", "stage", *(f"{part} ms" for part in PARTS), "memory peak"))
     for run in runs:
         parts, data = time_breakdown(run), series(run)
@@ -80,12 +95,18 @@ def resume_table(runs: list[Run]) -> Table | None:
     resumed = [(run, parts) for run in runs if len(parts := segment_throughputs(run)) > 1]
     if not resumed:
         return None
+    # The run's label is its last pipeline's: beside an earlier start it would read as that start's, so one
+    # resumed run has no run column, and several name theirs on their first row only.
+    named = len(resumed) > 1
     table = _table("per start of a resumed run (as its gpipe train summary gave it)",
-                   ("run", "steps", "samples/s", "warm-up s"),
+                   ("run", "pipeline", "steps", "samples/s", "warm-up s")[0 if named else 1:], ("run", "pipeline"),
                    caption="samples/s: mean over the start's steps after its first, which warms up")
     for run, parts in resumed:
-        for rate in parts:
-            table.add_row(run.label, rate.steps, figure(rate.samples_per_s, ".1f"), figure(rate.warmup_s, ".2f"))
+        for i, (records, rate) in enumerate(zip(segments(run), parts)):
+            cells = [run.pipeline(records[0]), rate.steps, figure(rate.samples_per_s, ".1f"),
+                     figure(rate.warmup_s, ".2f")]
+            table.add_row(*([run.label if i == 0 else ""] if named else []), *cells,
+                          end_section=named and i == len(parts) - 1)
     return table
 
 

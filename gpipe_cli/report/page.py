@@ -8,7 +8,7 @@ from typing import Any
 
 from gpipe_cli import plots
 from gpipe_cli.records import PARTS
-from gpipe_cli.report.runs import Run, series, time_breakdown
+from gpipe_cli.report.runs import Run, cut_steps, series, time_breakdown
 
 WIDTH_PX, HEIGHT_PX = 1800, 1000
 MIB = float(1 << 20)
@@ -93,7 +93,8 @@ def _breakdown(ax: Any, runs: list[Run]) -> None:
         bottoms = [b + v * 1e3 for b, v in zip(bottoms, values)]
     ax.set_xticks(range(len(names)), names, fontsize="small", rotation=30 if len(runs) > 1 else 0, ha="right"
                   if len(runs) > 1 else "center")
-    ax.set_title("step time per stage (mean over steps after warm-up)" + (": run · stage" if len(runs) > 1 else ""))
+    ax.set_title("step time per stage (mean over steps after warm-up)" + (": run · stage" if len(runs) > 1 else "")
+                 + _last(runs))
     ax.set_ylabel("ms per step")
     ax.legend(fontsize="small")
 
@@ -106,7 +107,12 @@ def _memory(ax: Any, runs: list[Run]) -> None:
             steps, values = data[f"mem_peak_bytes/stage{s}"]
             ax.plot(steps, [v / MIB for v in values], styles[s % len(styles)], color=f"C{i}",
                     label=f"{run.label} stage {s}")
-    _frame(ax, "memory peak per stage (GPU: CUDA peak; CPU: activations)", "MiB")
+    _frame(ax, "memory peak per stage (GPU: CUDA peak; CPU: activations)" + _last(runs), "MiB")
+
+
+def _last(runs: list[Run]) -> str:
+    """Said in a per-stage panel's title when some run was resumed with another pipeline (its stages are not these)."""
+    return "\nof a run resumed with another pipeline: its last one's steps" if any(map(cut_steps, runs)) else ""
 
 
 def panels(runs: list[Run]) -> list[tuple[str, Draw]]:

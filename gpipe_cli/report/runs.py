@@ -11,7 +11,7 @@ from typing import Any
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
-from gpipe_cli.records import EVAL_NUMBERS, PARTS, RESUMED, TRAIN_NUMBERS, WARMUP, Rate, after_warmup
+from gpipe_cli.records import EVAL_NUMBERS, PARTS, PIPELINE, RESUMED, TRAIN_NUMBERS, WARMUP, Rate, after_warmup
 from gpipe_cli.units import number_range
 
 Series = tuple[list[int], list[float]]  # steps, values
@@ -22,23 +22,23 @@ class Run:
     """One run directory's records and what its recipe says about the pipeline."""
 
     path: Path
-    label: str
+    label: str  # its last start's pipeline (the one its recipe.yaml now holds)
     train: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     damage: str = ""  # the lines of metrics.jsonl left out, in words (empty: none)
+    recipe: dict[str, Any] = field(default_factory=dict)  # the recipe's pipeline section: records without PIPELINE
 
     @property
     def stages(self) -> int:
         """Stages of the first replica (as the records hold them)."""
         return len(self.train[-1]["time_s"]["compute"]) if self.train else 0
 
-
-def _label(recipe: Any) -> str:
-    pipe = recipe.get("pipeline") if isinstance(recipe, dict) else None
-    pipe = pipe if isinstance(pipe, dict) else {}
-    label = f"K={pipe.get('partitions', 1)} M={pipe.get('microbatches', 1)} {pipe.get('schedule', 'gpipe')}"
-    replicas = pipe.get("data_parallel", 1)
-    return label + (f" D={replicas}" if replicas != 1 else "")
+    def pipeline(self, record: dict[str, Any]) -> str:
+        """The K, M, schedule (and D) a train record was written with; the recipe's for records without them."""
+        pipe = {"microbatches": 1, "schedule": "gpipe", "data_parallel": 1, **self.recipe}
+        pipe |= {key: record[key] for key in PIPELINE if key in record}
+        label = f"K={len(record['time_s']['compute'])} M={pipe['microbatches']} {pipe['schedule']}"
+        return label + (f" D={pipe['data_parallel']}" if pipe["data_parallel"] != 1 else "")
 
 
 def _is_number(value: Any) -> bool:
@@ -61,6 +61,7 @@ def _usable(record: dict[str, Any]) -> bool:
             and all(_is_number(record.get(key)) for key in TRAIN_NUMBERS)
             and isinstance(time_s, dict) and all(_are_numbers(time_s.get(part)) for part in PARTS)
             and bool(time_s["compute"])
+            and all(type(record.get(key, kind())) is kind for key, kind in PIPELINE.items())  # a bool is no count
             and (record.get("mem_peak_bytes") is None or _are_numbers(record["mem_peak_bytes"])))
 
 
@@ -110,11 +111,14 @@ def read_run(path: Path) -> Run:
         raise UserError(f"{path}: not a run directory (no metrics.jsonl); give the folder `gpipe train` wrote")
     recipe_file = path / "recipe.yaml"  # none, or one that is not a mapping: the defaults' K, M and schedule
     recipe = parse_document(read_recipe_file(recipe_file), str(recipe_file)) if recipe_file.is_file() else {}
+    pipe = recipe.get("pipeline") if isinstance(recipe, dict) else None
     train, evals, damage = read_records(metrics)
     if not train:
         raise UserError(f"{metrics}: holds no usable train record ({damage})" if damage else
                         f"{metrics}: holds no train records yet")
-    return Run(path, _label(recipe), train, evals, damage)
+    run = Run(path, "", train, evals, damage, pipe if isinstance(pipe, dict) else {})
+    run.label = run.pipeline(train[-1])
+    return run
 
 
 def read_runs(paths: list[Path]) -> list[Run]:
@@ -152,9 +156,31 @@ def eval_metric(run: Run) -> str | None:
     return next((key for key in EVAL_METRICS if any(r.get(key) is not None for r in run.evals)), None)
 
 
+def _steady(starts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    return [r for records in starts for r in records[1:]] or [r for records in starts for r in records]
+
+
 def steady(run: Run) -> list[dict[str, Any]]:
     """The run's train records but its warm-up steps (each start's first), whose one-time costs would swamp timing."""
-    return [r for records in segments(run) for r in records[1:]] or run.train
+    return _steady(segments(run))
+
+
+def last_cut(run: Run) -> list[list[dict[str, Any]]]:
+    """The starts since the run's pipeline last changed: the only ones whose stages are the run's stages now."""
+    starts = segments(run)
+    now = run.pipeline(starts[-1][0])
+    first = len(starts)
+    while first > 0 and run.pipeline(starts[first - 1][0]) == now:
+        first -= 1
+    return starts[first:]
+
+
+def cut_steps(run: Run) -> str | None:
+    """The steps of the run's last pipeline, "21-22", when earlier steps ran another (None: one pipeline)."""
+    starts = last_cut(run)
+    if len(starts) == len(segments(run)):
+        return None
+    return number_range(starts[0][0]["step"], starts[-1][-1]["step"])
 
 
 def series(run: Run) -> dict[str, Series]:
@@ -167,8 +193,10 @@ def series(run: Run) -> dict[str, Series]:
     if any("tokens_per_s" in r for r in run.train):  # a text task: its loss is a mean per-token cross-entropy
         out["perplexity"] = _numbers(run.train, lambda r: _exp(r.get("loss")))
     out |= {key: _numbers(timed, key) for key in ("tflops", "mfu") if any(r.get(key) is not None for r in timed)}
+    # Stage s of another pipeline holds other layers: a stage's curve is of the last pipeline's steps alone.
+    cut = [r for records in last_cut(run) for r in records]
     for s in range(run.stages):
-        out[f"mem_peak_bytes/stage{s}"] = _numbers(run.train, lambda r, s=s: _at(r.get("mem_peak_bytes"), s))
+        out[f"mem_peak_bytes/stage{s}"] = _numbers(cut, lambda r, s=s: _at(r.get("mem_peak_bytes"), s))
     return out
 
 
@@ -177,10 +205,22 @@ def _at(values: Any, index: int) -> Any:
 
 
 def time_breakdown(run: Run) -> dict[str, list[float]]:
-    """Mean seconds per step of each part (compute, wait, ...) on each stage, over the steps but the warm-up ones."""
-    timed = steady(run)
+    """Mean seconds per step of each part on each stage, over the last pipeline's steps but the warm-up ones."""
+    timed = _steady(last_cut(run))
     return {part: [_mean([v for r in timed if (v := _at(r["time_s"].get(part), s)) is not None])
                    for s in range(run.stages)] for part in PARTS}
+
+
+def wait_share(run: Run) -> float | None:
+    """The share of every stage's time spent waiting, over the run's steps but the warm-up ones (None: no time)."""
+    seconds = {part: sum(v for r in steady(run) for v in r["time_s"][part] if v is not None) for part in PARTS}
+    total = sum(seconds.values())
+    return seconds["wait"] / total if total else None
+
+
+def memory_peak(run: Run) -> float:
+    """The largest memory peak of any stage at any step, whatever pipeline ran it."""
+    return max((float(v) for r in run.train for v in r.get("mem_peak_bytes") or [] if v is not None), default=0.0)
 
 
 def _mean(values: list[float]) -> float:

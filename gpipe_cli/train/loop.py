@@ -432,12 +432,14 @@ class Trainer:
         # The loop's wall time and the stages' own timelines, made to agree (see step_figures.py).
         figures = step_figures(stats, seconds)
         seconds = figures.seconds
+        pipe = self.recipe.pipeline
         record: TrainRecord = {
             "kind": "train", "step": step + 1, "epoch": step // self.steps_per_epoch + 1, "loss": result.loss,
             "lr": optim.base_lr(self.recipe) * self.lr(step), "samples_per_s": batch.global_size / seconds,
             "step_time_s": seconds, "bubble": figures.bubble, "bubble_theory": stats.bubble_theory,
             "idle": figures.idle, "time_s": figures.parts, "rss_peak_bytes": [s.rss_peak for s in stages],
-            "grad_norm": result.grad_norm,
+            "grad_norm": result.grad_norm, "microbatches": pipe.microbatches, "schedule": pipe.schedule,
+            "data_parallel": pipe.data_parallel,
         }
         if all(s.activation_peak >= 0 for s in stages):  # a step that counted its stored activations
             record["activation_peak_bytes"] = [s.activation_peak for s in stages]

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli.recipe.schema import Metrics, Wandb
-from gpipe_cli.records import TIMING, WARMUP
+from gpipe_cli.records import PIPELINE, TIMING, WARMUP
 
-_NOT_FIGURES = ("kind", "step", "nonfinite", WARMUP)
+_NOT_FIGURES = ("kind", "step", "nonfinite", WARMUP, *PIPELINE)  # settings, not curves
 WARMUP_SECTION = "train_warmup"
 
 
