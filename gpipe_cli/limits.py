@@ -40,12 +40,12 @@ def finite(flag: str, value: float | None, unit: str = "", zero: bool = False) -
     # An infinite link or rate prices messages or layers at no time, or at no speed: a result of nonsense.
     if value is None or (math.isfinite(value) and (value >= 0 if zero else value > 0)):
         return None
-    return f"{flag} must be a finite number {'>=' if zero else '>'} 0{unit} (got {value})"
+    return f"{flag}: must be a finite number {'>=' if zero else '>'} 0{unit} (got {value})"
 
 
 def one_of(name: str, value: str, allowed: Sequence[str]) -> str | None:
-    """`NAME must be one of A, B (got VALUE)` when `value` is not among `allowed`, else None."""
-    return None if value in allowed else f"{name} must be one of {', '.join(allowed)} (got {value})"
+    """`NAME: must be one of A, B (got VALUE)` when `value` is not among `allowed`, else None."""
+    return None if value in allowed else f"{name}: must be one of {', '.join(allowed)} (got {value})"
 
 
 def refuse(problems: Iterable[str | None]) -> None:

@@ -105,5 +105,5 @@ def parse_size(text: str, flag: str) -> int:
     except OverflowError:  # hundreds of digits: ByteSize multiplies floats, and infinity is no int
         value = MAX_SIZE + 1
     if value > MAX_SIZE:
-        raise UserError(f"{flag} must be at most 1 YiB, a size such as 8GiB, 16GB or 500MiB (got '{cut(text)}')")
+        raise UserError(f"{flag}: must be at most 1 YiB, a size such as 8GiB, 16GB or 500MiB (got '{cut(text)}')")
     return value

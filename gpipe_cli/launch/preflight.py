@@ -23,9 +23,9 @@ def parse_nodes(nnodes: str) -> tuple[int, int]:
         low, _, high = nnodes.partition(":")
         lo, hi = int(low), int(high or low)
     except ValueError:
-        raise UserError(f"--nnodes must be N or MIN:MAX (got {shown(nnodes)})") from None
+        raise UserError(f"--nnodes: must be N or MIN:MAX (got {shown(nnodes)})") from None
     if not 0 < lo <= hi <= 1 << 16:
-        raise UserError(f"--nnodes must satisfy 0 < MIN <= MAX <= 65536 (got {shown(nnodes)})")
+        raise UserError(f"--nnodes: must satisfy 0 < MIN <= MAX <= 65536 (got {shown(nnodes)})")
     return lo, hi
 
 

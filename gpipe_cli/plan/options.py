@@ -67,7 +67,7 @@ def output_path(text: str | None) -> Path | None:
     if text is None:
         return None
     if not text.strip():
-        raise UserError(f"--output must name a .yaml or .yml file, e.g. planned.yaml (got {text!r})")
+        raise UserError(f"--output: must name a .yaml or .yml file, e.g. planned.yaml (got {text!r})")
     return Path(text)
 
 
@@ -90,10 +90,10 @@ def validate(options: PlanOptions) -> None:
         finite("--tflops", options.tflops),
         "--tflops estimates per-layer seconds: it cannot be combined with --timing measure"
         if options.tflops is not None and options.timing == "measure" else None,
-        f"--output must name a .yaml or .yml file, e.g. planned.yaml (got {options.output})"
+        f"--output: must name a .yaml or .yml file, e.g. planned.yaml (got {options.output})"
         if options.output is not None and options.output.suffix.lower() not in (".yaml", ".yml") else None,
     ])
     memory = options.memory_bytes()
     if memory is not None and memory <= 0:
-        raise UserError(f"--device-memory must be at least 1 byte, a size such as 8GiB, 16GB or 500MiB "
+        raise UserError(f"--device-memory: must be at least 1 byte, a size such as 8GiB, 16GB or 500MiB "
                         f"(got '{options.device_memory}')")

@@ -148,7 +148,7 @@ def validate(options: ProfileOptions) -> None:
         *choice_problems(options),
         one_of("--optimizer", options.optimizer, OPTIMIZER_NAMES),
         None if options.device in ("auto", "cpu", "cuda")
-        else f"--device must be auto, cpu or cuda (got {options.device})",
+        else f"--device: must be auto, cpu or cuda (got {options.device})",
         one_cut_problem(options.balance, options.partitions, options.virtual_stages),
         v_problem(None, {"schedule": options.schedule, "virtual_stages": options.virtual_stages}, ()),
         _interleaved_problem(options),
@@ -157,7 +157,7 @@ def validate(options: ProfileOptions) -> None:
     ])
     if options.budget is not None and parse_size(options.budget, "--budget") <= 0:
         # Nothing fits no memory at all: a table of empty rows would only hide the typo.
-        raise UserError(f"--budget must be more than 0 bytes, e.g. 8GiB (got '{cut(options.budget)}')")
+        raise UserError(f"--budget: must be more than 0 bytes, e.g. 8GiB (got '{cut(options.budget)}')")
     check_output(options.json, "--json", "memory.json")
 
 

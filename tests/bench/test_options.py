@@ -25,7 +25,7 @@ def test_default_batch_gives_four_examples_per_microbatch():
     (BenchOptions(batch_size=10, microbatches=4, compare=True), "divisible"),
     (BenchOptions(schedule="zigzag"), "--schedule"),
     (BenchOptions(checkpoint="sometimes"), "--checkpoint"),
-    (BenchOptions(offload="weights"), "--offload must be one of none, activations"),
+    (BenchOptions(offload="weights"), "--offload: must be one of none, activations"),
     (BenchOptions(devices=4), "--devices needs --simulate"),
     (BenchOptions(sweep=True, compare=True), "cannot be combined"),
     (BenchOptions(steps=0), "--steps"),
@@ -41,10 +41,10 @@ def test_default_batch_gives_four_examples_per_microbatch():
     (BenchOptions(seed=-1), r"--seed: must be >= 0 and <= 4294967295 \(got -1\)"),
     (BenchOptions(seed=2**32), r"--seed: must be >= 0 and <= 4294967295 \(got 4294967296\)"),
     # As plan refuses them: an infinite link prices every message at no time or at no speed.
-    (BenchOptions(simulate=True, latency_us=float("inf")), r"--latency-us must be a finite number >= 0 \(got inf\)"),
-    (BenchOptions(simulate=True, bandwidth=float("inf")), r"--bandwidth must be a finite number > 0 GB/s \(got inf\)"),
-    (BenchOptions(simulate=True, bandwidth=float("nan")), r"--bandwidth must be a finite number > 0 GB/s \(got nan\)"),
-    (BenchOptions(simulate=True, bandwidth=0.0), r"--bandwidth must be a finite number > 0 GB/s \(got 0.0\)"),
+    (BenchOptions(simulate=True, latency_us=float("inf")), r"--latency-us: must be a finite number >= 0 \(got inf\)"),
+    (BenchOptions(simulate=True, bandwidth=float("inf")), r"--bandwidth: must be a finite number > 0 GB/s \(got inf\)"),
+    (BenchOptions(simulate=True, bandwidth=float("nan")), r"--bandwidth: must be a finite number > 0 GB/s \(got nan\)"),
+    (BenchOptions(simulate=True, bandwidth=0.0), r"--bandwidth: must be a finite number > 0 GB/s \(got 0.0\)"),
 ])
 def test_bad_options_are_refused(options, message):
     with pytest.raises(UserError, match=message):

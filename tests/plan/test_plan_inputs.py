@@ -16,20 +16,20 @@ QUICK = ["--devices", "2", "--tflops", "100", "--plain"]  # estimated seconds: n
     (["--devices", "99999999999999999999"], "error: --devices: must be >= 1 and <= 65536 (got 99999999999999999999)"),
     (["--devices", "65537"], "error: --devices: must be >= 1 and <= 65536 (got 65537)"),
     # Infinite rates and links were taken: layers or messages priced at no time, a plan of nonsense.
-    (["--devices", "2", "--tflops", "inf"], "error: --tflops must be a finite number > 0 (got inf)"),
-    (["--devices", "2", "--bandwidth", "inf"], "error: --bandwidth must be a finite number > 0 GB/s (got inf)"),
-    (["--devices", "2", "--latency-us", "inf"], "error: --latency-us must be a finite number >= 0 (got inf)"),
+    (["--devices", "2", "--tflops", "inf"], "error: --tflops: must be a finite number > 0 (got inf)"),
+    (["--devices", "2", "--bandwidth", "inf"], "error: --bandwidth: must be a finite number > 0 GB/s (got inf)"),
+    (["--devices", "2", "--latency-us", "inf"], "error: --latency-us: must be a finite number >= 0 (got inf)"),
     (["--devices", "2", "--node-bandwidth", "nan"],
-     "error: --node-bandwidth must be a finite number > 0 GB/s (got nan)"),
+     "error: --node-bandwidth: must be a finite number > 0 GB/s (got nan)"),
     (["--devices", "2", "--node-latency-us", "inf"],
-     "error: --node-latency-us must be a finite number >= 0 (got inf)"),
+     "error: --node-latency-us: must be a finite number >= 0 (got inf)"),
     # An empty --output read as '.', and the line named a file nobody gave.
-    (["--devices", "2", "--output", ""], "error: --output must name a .yaml or .yml file, e.g. planned.yaml "
+    (["--devices", "2", "--output", ""], "error: --output: must name a .yaml or .yml file, e.g. planned.yaml "
                                          "(got '')"),
-    (["--devices", "2", "--output", "out.txt"], "error: --output must name a .yaml or .yml file, e.g. planned.yaml "
+    (["--devices", "2", "--output", "out.txt"], "error: --output: must name a .yaml or .yml file, e.g. planned.yaml "
                                                 "(got out.txt)"),
     (["--devices", "2", "--device-memory", "0.4"],
-     "error: --device-memory must be at least 1 byte, a size such as 8GiB, 16GB or 500MiB (got '0.4')"),
+     "error: --device-memory: must be at least 1 byte, a size such as 8GiB, 16GB or 500MiB (got '0.4')"),
 ])
 def test_flags_that_describe_no_plan_are_one_line_before_torch_loads(tmp_path, args, line):
     assert refused_before_torch(tmp_path, args, timeout=300) == line + "\n"

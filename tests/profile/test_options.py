@@ -66,7 +66,7 @@ def test_the_largest_k_is_accepted_and_the_help_says_it():
 @pytest.mark.parametrize("budget", ["0", "0GiB", "0.4", "0KiB"])
 def test_a_budget_of_no_bytes_is_refused(capsys, nothing_runs, budget):
     line = refused(capsys, "--budget", budget)
-    assert f"--budget must be more than 0 bytes, e.g. 8GiB (got '{budget}')" in line
+    assert f"--budget: must be more than 0 bytes, e.g. 8GiB (got '{budget}')" in line
 
 
 def test_a_negative_budget_is_refused(capsys, nothing_runs):
@@ -81,7 +81,7 @@ def test_every_schedule_is_accepted_the_v_shaped_ones_too():
     assert {n for n in SCHEDULES if schedules.get(n).placement == "v"} == {"v-half", "zero-bubble-v"}
     for name in SCHEDULES:
         validate(ProfileOptions(schedule=name, virtual_stages=2 if name in ("v-half", "zero-bubble-v") else 1))
-    with pytest.raises(UserError, match="--schedule must be one of gpipe, "):
+    with pytest.raises(UserError, match="--schedule: must be one of gpipe, "):
         validate(ProfileOptions(schedule="v-full"))
 
 
@@ -129,10 +129,10 @@ def test_virtual_stages_a_schedule_would_not_run_are_refused(capsys, nothing_run
 
 
 def test_interleaved_chunks_need_m_a_multiple_of_each_k(capsys, nothing_runs):
-    # The largest K is checked as a recipe's (bench says the same); the others here.
+    # The largest K is checked as a recipe's (bench says the same), named by the flags; the others here.
     assert refused(capsys, *TINY, "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "6",
-                   "--partitions", "2,4") == ("error: pipeline.microbatches (6) must be a multiple of "
-                                              "pipeline.partitions (4) for the interleaved schedule")
+                   "--partitions", "2,4") == ("error: --microbatches (6) must be a multiple of --partitions (4) "
+                                              "for the interleaved schedule")
     assert refused(capsys, *TINY, "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4",
                    "--partitions", "3,4") == (
         "error: --microbatches 4: interleaved needs a multiple of each K in --partitions (got K=3)")

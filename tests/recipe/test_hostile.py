@@ -232,9 +232,9 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "threads decimal": (GOOD, ["--threads", "2.0"], "--threads: must be a whole number written in digits, e.g. 4 "
                         "(got '2.0') (see 'gpipe train --help')"),
     "threads beyond any machine": (GOOD, ["--threads", "100000"], "--threads: must be >= 1 and <= 1024 (got 100000)"),
-    "nnodes zero": (GOOD, ["--nnodes", "0"], "--nnodes must satisfy"),
-    "nnodes reversed": (GOOD, ["--nnodes", "2:1"], "--nnodes must satisfy"),
-    "nnodes word": (GOOD, ["--nnodes", "two"], "--nnodes must be N or MIN:MAX"),
+    "nnodes zero": (GOOD, ["--nnodes", "0"], "--nnodes: must satisfy"),
+    "nnodes reversed": (GOOD, ["--nnodes", "2:1"], "--nnodes: must satisfy"),
+    "nnodes word": (GOOD, ["--nnodes", "two"], "--nnodes: must be N or MIN:MAX"),
     "node rank word": (GOOD, ["--node-rank", "first"], "--node-rank"),
     "unknown option": (GOOD, ["--fast"], "No such option: --fast"),
     "nodes without endpoint": (GOOD, ["--nnodes", "2"], "needs --rdzv-endpoint HOST:PORT"),
