@@ -121,6 +121,7 @@ def _console(tables: list[Table]) -> Console:
 
 def report(paths: list[Path], output: Path | None = None) -> int:
     """Print the tables of the runs and write the page (PNG, PDF or SVG); 1 without matplotlib (tables still shown)."""
+    paths = list({path.resolve(): path for path in paths}.values())  # a run given twice is one run
     runs = read_runs(paths)
     check_output(output, "--output", "report.png")  # a mistake in the argument: one line, before anything is shown
     if output is not None and output.suffix.lower().lstrip(".") not in plots.FORMATS:

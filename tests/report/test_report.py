@@ -79,6 +79,16 @@ def test_one_run_writes_its_page_into_the_run_directory(tmp_path):
     assert (folder / "report.png").stat().st_size > 0
 
 
+def test_a_run_given_twice_is_one_run(tmp_path, capsys, monkeypatch):
+    # It showed two identical runs, told apart by the same folder name, and wrote report.png where gpipe ran.
+    folder = make_run(tmp_path / "a", 2)
+    monkeypatch.chdir(tmp_path)
+    assert cli(["report", str(folder), "a/", "./a"]) == 0
+    out = capsys.readouterr().out
+    assert "K=2 M=4 1f1b" in out and "(a)" not in out  # one run: no folder needed to tell it apart
+    assert (folder / "report.png").is_file() and not (tmp_path / "report.png").exists()
+
+
 def test_a_folder_that_is_not_a_run_is_one_line(tmp_path, capsys):
     assert cli(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
