@@ -68,10 +68,6 @@ class ModelSummary:
     total_params: int
     total_flops: int
 
-    def stage_params(self, start: int, stop: int) -> int:
-        """Parameters held by a stage running layers [start, stop), tied copies included."""
-        return sum(layer.params for layer in self.layers[start:stop])
-
     def stage_flops(self, start: int, stop: int) -> int:
         """Forward FLOPs per example of a stage running layers [start, stop)."""
         return sum(layer.flops for layer in self.layers[start:stop])

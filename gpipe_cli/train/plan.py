@@ -247,12 +247,12 @@ def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[floa
     for s, fp in enumerate(prints):
         spans = chunks[s::pipe.partitions]  # the stage's chunks (one unless interleaved)
         indices = [i for span in spans for i in span]
-        param_bytes = sum(summary.layers[i].param_bytes for i in indices)
+        param_bytes = fp.params * mm.PARAM_BYTES  # a tied weight once on a stage that holds both of its layers
         memory = MemoryEstimate(param_bytes, param_bytes, round(fp.weights_bytes) - 2 * param_bytes,
                                 round(fp.stored_bytes), round(fp.peak_bytes), round(fp.host_bytes))
         stages.append(StagePlan(
             index=s, first_layer=spans[0].start, layers=[summary.layers[i].name for i in indices],
-            params=sum(summary.stage_params(r.start, r.stop) for r in spans),
+            params=fp.params,
             flops=sum(summary.stage_flops(r.start, r.stop) for r in spans),
             memory=memory, capacity=int(room.per_rank_bytes), host_capacity=host_room))
     return Plan(model=spec.name, task=spec.task, total_params=summary.total_params, partitions=pipe.partitions,
@@ -280,7 +280,10 @@ def plan_table(plan: Plan) -> Table:
         table.add_row(str(s.index), _layers(s.layers), human_count(s.params), f"{s.flops / 1e9:.3f}",
                       human_bytes(s.memory.total), human_bytes(s.memory.activations), fits)
     verdict = "every stage fits" if plan.fits else f"{sum(not s.fits for s in plan.stages)} stage(s) do not fit"
-    table.caption = (f"balance {plan.balance} by {plan.balance_by}; schedule {plan.schedule}, "
+    held = sum(s.params for s in plan.stages)
+    tied = (f"; each stage holds its own copy of a tied weight (the stages' params add up to {human_count(held)})"
+            if held > plan.total_params else "")
+    table.caption = (f"balance {plan.balance} by {plan.balance_by}{tied}; schedule {plan.schedule}, "
                      f"rematerialization {plan.checkpoint}; theoretical bubble {plan.bubble_theory:.3f}\n"
                      f"memory: {human_bytes(plan.stages[0].capacity)} per rank ({plan.capacity}): {verdict}")
     return table

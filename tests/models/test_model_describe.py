@@ -61,4 +61,4 @@ def test_huge_models_are_described_without_allocating() -> None:
     summary = describe(build_preset("transformer-l-103", max_len=32), batch_size=1)
     assert summary.total_params > 5e9
     assert summary.layers[1].activation_bytes == 32 * 2048 * 4 + 32
-    assert summary.stage_params(0, 1) == 32000 * 2048
+    assert summary.layers[0].params == 32000 * 2048

@@ -9,7 +9,7 @@ from gpipe_cli.pipeline import partition
 from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.recipe_model import model_spec, optimizer_name
 from gpipe_cli.train import run as train_run
-from gpipe_cli.train.plan import make_plan, microbatch_size, resolve_balance
+from gpipe_cli.train.plan import make_plan, microbatch_size, plan_table, resolve_balance
 from tests.train import recipes
 
 
@@ -55,6 +55,19 @@ def test_estimates_grow_with_the_batch(recipe_path):
     small = make_plan(load_recipe(str(recipe_path), []), available=1e15)
     large = make_plan(load_recipe(str(recipe_path), ["data.batch_size=64"]), available=1e15)
     assert all(b.memory.activations > a.memory.activations for a, b in zip(small.stages, large.stages))
+
+
+def test_a_tied_weight_is_one_tensor_on_one_stage_and_said_where_each_stage_holds_a_copy(tmp_path):
+    # At K=1 the stage's params counted the embedding twice; at K=2 the rows added up past the total unexplained.
+    path = recipes.write(tmp_path, recipes.TINY_TRANSLATION)  # tie_embeddings: true
+    one = make_plan(load_recipe(str(path), ["pipeline.partitions=1"]), available=1e15)
+    assert one.stages[0].params == one.total_params
+    assert one.stages[0].memory.params == one.total_params * mm.PARAM_BYTES
+    two = make_plan(load_recipe(str(path), []), available=1e15)
+    table = 32 * 512  # d_model x vocab_size
+    assert sum(s.params for s in two.stages) == two.total_params + table
+    assert "each stage holds its own copy of a tied weight" in str(plan_table(two).caption)
+    assert "tied" not in str(plan_table(one).caption)
 
 
 def test_a_token_budget_is_priced_as_the_full_length_examples_it_bounds(tmp_path):
