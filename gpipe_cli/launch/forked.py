@@ -58,8 +58,11 @@ def prepare(fresh: bool = True) -> None:
     # os._exit, leaving it the semaphores `datasets` makes; it cleans them up and warns, two lines of noise after
     # the one that says what failed. Started with this filter, it keeps its other warnings.
     warnings = ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"), "ignore:resource_tracker:UserWarning")))
+    # c10d's C++ warnings carry a stack of frames each: a job whose launcher vanished printed four pages of them
+    # before its one line. A user's own level wins (e.g. INFO to debug a hang).
+    level = os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
-        with environment({"PYTHONWARNINGS": warnings}):
+        with environment({"PYTHONWARNINGS": warnings, "TORCH_CPP_LOG_LEVEL": level}):
             forkserver.ensure_running()  # starts one, unless it is running
     finally:
         for signum, handler in handlers.items():

@@ -120,3 +120,18 @@ def test_the_server_started_while_jobs_are_planned_forks_their_ranks_and_ends_wi
         assert [os.environ[name] for name in threads] == ["1", "1"]
     assert [os.environ[name] for name in threads] == ["7", "7"]
     assert {facts["parent"] for facts in _facts(other)}.isdisjoint({early, unused})
+
+
+@pytest.mark.parametrize("given, started", [(None, "ERROR"), ("INFO", "INFO")])
+def test_the_server_imports_torch_with_c10d_warnings_off_unless_the_user_sets_their_level(
+        monkeypatch: pytest.MonkeyPatch, given: str | None, started: str):
+    # A job whose launcher was killed printed four pages of C++ frames from c10d's warnings before its one line.
+    if given is None:
+        monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", given)
+    seen: list[str | None] = []
+    monkeypatch.setattr(forked, "stop", lambda: None)
+    monkeypatch.setattr(forkserver, "ensure_running", lambda: seen.append(os.environ.get("TORCH_CPP_LOG_LEVEL")))
+    forked.prepare()
+    assert seen == [started] and os.environ.get("TORCH_CPP_LOG_LEVEL") == given  # put back after the start
