@@ -19,6 +19,7 @@ class StopRequest:
     def __init__(self, announce: bool) -> None:
         self.signum = 0
         self.announce = announce
+        self.parent = os.getppid()  # a rank's parent ending sends it SIGINT (torch's workers ask for it)
 
     def arm(self) -> None:
         """Take over Ctrl-C and SIGTERM from the set-up's handler (after the first step: before it, nothing to save)."""
@@ -31,7 +32,8 @@ class StopRequest:
         if not self.signum:
             self.signum = signum
             if self.announce and signum == signal.SIGINT:  # a person pressed Ctrl-C: answer at once
-                print("\n[gpipe] SIGINT: stopping after this step (Ctrl-C again to abort at once)",
+                print("\n[gpipe] the launcher ended (SIGINT): stopping after this step" if os.getppid() != self.parent
+                      else "\n[gpipe] SIGINT: stopping after this step (Ctrl-C again to abort at once)",
                       file=sys.stderr, flush=True)
         elif signum == signal.SIGINT:
             if self.announce:

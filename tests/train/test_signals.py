@@ -30,6 +30,14 @@ def test_a_second_ctrl_c_aborts_at_once_with_one_line(monkeypatch, capsys):
                      "[gpipe] SIGINT again: aborted at once; a checkpoint it cut short is removed on resume"]
 
 
+def test_a_sigint_sent_because_the_launcher_ended_says_so(monkeypatch, capsys):
+    # Killed, the launcher left its ranks a SIGINT from the system, which they announced as a Ctrl-C.
+    request = signals.StopRequest(announce=True)
+    monkeypatch.setattr(signals.os, "getppid", lambda: request.parent + 1)  # adopted by another process
+    request._handle(signal.SIGINT, None)
+    assert capsys.readouterr().err.strip() == "[gpipe] the launcher ended (SIGINT): stopping after this step"
+
+
 def test_only_the_rank_that_speaks_says_it(monkeypatch, capsys):
     monkeypatch.setattr(signals.os, "_exit", lambda code: None)
     request = signals.StopRequest(announce=False)
