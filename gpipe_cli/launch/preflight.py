@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shlex
 import tempfile
@@ -80,8 +81,9 @@ def check_writable(path: Path, what: str) -> None:
     try:  # access() says yes to root on a read-only file system's permission bits: try it for real
         with tempfile.TemporaryFile(dir=existing, prefix=".gpipe-probe-"):
             pass
-    except OSError as exc:
-        raise UserError(f"{what}: cannot write to {shown(str(existing))} ({exc.strerror})") from None
+    except OSError as exc:  # ENOENT for a folder that exists: a file system that takes no new files (/proc)
+        why = "it takes no new files" if exc.errno == errno.ENOENT else exc.strerror
+        raise UserError(f"{what}: cannot write to {shown(str(existing))} ({why})") from None
 
 
 @dataclass(frozen=True)
