@@ -7,6 +7,7 @@ import sys
 from gpipe_cli.errors import UserError
 
 DEFAULT_MAX_TOKENS = 50
+MAX_TOKENS = 100_000  # a long document's worth: each token is a forward, so a typo of more digits runs for days
 _KINDS = {"translation": "a translation model", "lm": "a language model", "image": "an image classifier"}
 
 
@@ -20,8 +21,8 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
         raise UserError(f"--max-tokens continues a language model's prompt; {path} is {_KINDS[task]}")
     if top is not None and task != "image":
         raise UserError(f"--top ranks an image classifier's classes; {path} is {_KINDS[task]}")
-    if max_tokens is not None and max_tokens < 1:
-        raise UserError(f"--max-tokens: {max_tokens} is not a positive number of tokens")
+    if max_tokens is not None and not 1 <= max_tokens <= MAX_TOKENS:
+        raise UserError(f"--max-tokens: must be >= 1 and <= {MAX_TOKENS:,} (got {max_tokens})")
     if task == "image":
         for image in inputs or ():  # found before the model is built, not after
             tasks.check_image_path(image)

@@ -114,7 +114,10 @@ def text_file(folder: Path) -> Path:
     (lambda tmp, exports: exports["image"], [str(Path(__file__))], "is not an image PIL can read"),
     (lambda tmp, exports: exports["image"], ["PICTURE", "--top", "4"], "--top: 4 is not between 1 and the model's 3"),
     (lambda tmp, exports: exports["translation"], ["x", "--max-tokens", "3"], "--max-tokens continues a language"),
-    (lambda tmp, exports: exports["lm"], ["x", "--max-tokens", "0"], "--max-tokens: 0 is not a positive number"),
+    (lambda tmp, exports: exports["lm"], ["x", "--max-tokens", "0"], "--max-tokens: must be >= 1 and <= 100,000"),
+    # Unbounded, a typo of more digits generated until killed.
+    (lambda tmp, exports: exports["lm"], ["x", "--max-tokens", "99999999999999999999"],
+     "--max-tokens: must be >= 1 and <= 100,000 (got 99999999999999999999)"),
     (lambda tmp, exports: exports["lm"], ["x", "--top", "2"], "--top ranks an image classifier's classes; "),
     # Bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer cannot take (a traceback).
     (lambda tmp, exports: exports["translation"], ["caf\udce9"], "an input is not UTF-8 text (byte 0xe9 at "
@@ -122,7 +125,7 @@ def text_file(folder: Path) -> Path:
 ], ids=["missing", "directory", "text file", "plain safetensors", "damaged", "no tokenizer", "weights of another shape",
         "image to lm",
         "image to translation", "text to image model", "non-image file", "top", "max-tokens of translation",
-        "max-tokens 0", "top of a text model", "not UTF-8"])
+        "max-tokens 0", "max-tokens huge", "top of a text model", "not UTF-8"])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, exports, picture, capsys, model, args, fragment):
     args = [str(picture) if a == "PICTURE" else a for a in args]
     code = run(["predict", str(model(tmp_path, exports)), *args])
