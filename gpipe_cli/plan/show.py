@@ -45,7 +45,7 @@ def reason(model: search.Model, winner: Outcome, other: Outcome, budget: float) 
     worst = max(deltas, key=lambda k: deltas[k])
     pct = f"{slower * 100:.0f}% slower"
     c, w = other.config, winner.config
-    because = {"bubble": f"bubble {other.bubble:.2f} (winner {winner.bubble:.2f})", "messages": "more messages",
+    because = {"bubble": f"bubble {other.bubble:.2f} (winner {winner.bubble:.2f})", "messages": "more time in messages",
                "allreduce": f"gradient all-reduce over {c.replicas} replicas"}
     if worst in because:
         return f"{pct}: {because[worst]}"

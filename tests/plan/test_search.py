@@ -233,3 +233,15 @@ def test_each_shape_is_priced_with_the_engine_ratio_measured_for_it():
         # Compute scales by the shape's ratio; the per-step work (the optimizer) does not.
         assert after.step_time - after.fixed == pytest.approx(ratio * (before.step_time - before.fixed), rel=0.05)
         assert after.fixed == pytest.approx(before.fixed)
+
+
+def test_a_plan_slower_for_its_messages_is_said_to_spend_more_time_in_them():
+    # "more messages" named a K=3 M=1 plan that sends fewer messages than M=2, each twice the size.
+    from gpipe_cli.plan import show
+
+    model = synthetic(8, 1, batch=16)
+    slow = simulate.Link(1e3, 1e-2)
+    result = search.search(model, search.Hardware(2, math.inf, slow, slow))
+    assert result.best is not None
+    reasons = [show.reason(model, result.best, o, math.inf) for o in result.ranked[1:]]
+    assert any(r.endswith("slower: more time in messages") for r in reasons), reasons
