@@ -33,6 +33,8 @@ def _stages(s: dict[str, Any]) -> Table:
         table.add_row(str(st["stage"]), str(st["layers"]), f"{st['busy_s'] * 1e3:.1f}", f"{st['step_s'] * 1e3:.1f}",
                       f"{st['bubble']:.3f}", human_bytes(peak),
                       *((human_bytes(st.get("offloaded_peak_bytes", 0)),) if offloaded else ()))
+    # Each a median over the steps on its own: idle is not 1 - busy / step of the medians beside it.
+    table.caption = "each column is its own median over the steps (idle: of each step's 1 - busy / step)"
     return table
 
 
