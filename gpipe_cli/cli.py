@@ -298,7 +298,7 @@ def export(
 def predict(
     model: str = typer.Argument(..., metavar="MODEL", help="A file written by gpipe export, or the run directory "
                                 "it wrote model.safetensors into."),
-    inputs: list[str] | None = typer.Argument(None, metavar="[INPUT]...", help="Sentences to translate, a "
+    inputs: list[str] | None = typer.Argument(None, metavar="INPUT", help="Sentences to translate, a "
                                               "prompt to continue, or image files to classify (default: "
                                               "one per line of stdin)."),
     max_tokens: int | None = typer.Option(None, parser=_whole("--max-tokens"),

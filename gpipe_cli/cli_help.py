@@ -15,7 +15,7 @@ _METAVARS = {
     "model": "MODEL", "partitions": "K", "microbatches": "M", "schedule": "NAME", "checkpoint": "MODE",
     "balance": "N,N,...", "optimizer": "NAME", "budget": "SIZE", "device": "DEVICE", "bandwidth": "GB/S",
     "latency_us": "US", "device_memory": "SIZE", "node_bandwidth": "GB/S", "node_latency_us": "US",
-    "timing": "MODE", "tflops": "TFLOP/S", "runs": "RUN_DIR",
+    "timing": "MODE", "tflops": "TFLOP/S", "runs": "RUN_DIR", "offload": "MODE",
 }
 _BY_TYPE = {"int": "N", "float": "X", "Path": "PATH", "str": "VALUE", "list[str]": "VALUE"}
 _SPACE_BEFORE_PUNCTUATION = re.compile(r"\s+([,;:)]|\.(?![.\w]))")  # ".png" is a suffix, not a full stop
@@ -41,6 +41,8 @@ def polish(command: Any) -> Any:
             param.display_type_rich = lambda ctx: None
         if getattr(param, "is_flag", False) or getattr(param, "count", False):
             param.metavar = ""
+        elif param.metavar:  # one given where the option is declared: it knows best (prepare-data's DIR)
+            pass
         elif param.name in _METAVARS:
             param.metavar = _METAVARS[param.name]
         else:

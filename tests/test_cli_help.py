@@ -37,3 +37,12 @@ def test_bench_help_fits_a_few_screens_at_80_columns(monkeypatch, capsys):
     # The help column holds a sentence, not a word or two.
     line = next(line for line in out.splitlines() if "--vocab-size" in line)
     assert "Transformer vocabulary." in line and line.index("Transformer") <= 40
+
+
+@pytest.mark.parametrize("command, shown", [("prepare-data", "--output DIR"), ("bench", "--offload MODE"),
+                                            ("export", "--dtype float32|bfloat16|float16"), ("predict", "[INPUT]...")])
+def test_a_placeholder_given_where_the_option_is_declared_is_shown(monkeypatch, capsys, command, shown):
+    # Every option got its placeholder by name or type: prepare-data's folder read FILE, export's dtype VALUE.
+    monkeypatch.setenv("COLUMNS", "200")
+    assert run([command, "--help"]) == 0
+    assert " ".join(capsys.readouterr().out.replace("│", " ").split()).count(shown) >= 1
