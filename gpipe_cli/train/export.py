@@ -29,7 +29,7 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
 
     if dtype is not None and dtype not in weights.DTYPES:
         raise UserError(f"--dtype: {shown(dtype)} is not one of {', '.join(weights.DTYPES)}")
-    if output:  # found now, not after the checkpoint has been read
+    if output is not None:  # found now, not after the checkpoint has been read; "" is the folder here, refused
         check_output(Path(output), "--output", EXPORTED)
     if not location or not os.path.exists(location):
         raise UserError(f"no such run directory or checkpoint: {shown(location)}")
@@ -51,7 +51,7 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     tensors = {key[len(_MODEL):]: value.contiguous() for key, value in state.items()}
     run_dir = run_dir_of(str(found.path))
     tensors, metadata = _described(tensors, run_dir, found.step, dtype)
-    target = Path(output) if output else run_dir / EXPORTED
+    target = Path(output) if output is not None else run_dir / EXPORTED
     try:
         with atomic_path(target) as tmp:
             save_file(tensors, str(tmp), metadata=metadata)
