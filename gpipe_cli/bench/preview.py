@@ -193,7 +193,9 @@ def show(preview: Preview, mem: Memory, options: BenchOptions, machine: sizing.M
         per = f"{ranks * options.threads / max(machine.units, 1):.0f} per {'GPU' if machine.kind == 'cuda' else 'core'}"
         warning = (f" ([bold yellow]warning:[/] oversubscribed, {per}: the speed figures will mean little)"
                    if over else "")
-        console.print(f"  ranks: K={ranks} runs {ranks} ranks x {options.threads} thread(s) on {hardware}{warning}")
+        plural = "s" if ranks > 1 else ""
+        console.print(f"  ranks: K={ranks} runs {ranks} rank{plural} x {options.threads} thread(s) on "
+                      f"{hardware}{warning}")
     console.print(f"  estimate: about {human_seconds(preview.seconds)} "
                   f"(this machine: {flop_rate(machine.flops_per_s)} per rank measured, "
                   f"{human_bytes(machine.memory_bytes)} free)")
