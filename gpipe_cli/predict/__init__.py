@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from gpipe_cli.errors import UserError
+from gpipe_cli.errors import UserError, shown
 
 DEFAULT_MAX_TOKENS = 50
 MAX_TOKENS = 100_000  # a long document's worth: each token is a forward, so a typo of more digits runs for days
@@ -18,9 +18,9 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
     exported = tasks.load_export(path)
     task = exported.spec.task
     if max_tokens is not None and task != "lm":
-        raise UserError(f"--max-tokens continues a language model's prompt; {path} is {_KINDS[task]}")
+        raise UserError(f"--max-tokens continues a language model's prompt; {shown(path)} is {_KINDS[task]}")
     if top is not None and task != "image":
-        raise UserError(f"--top ranks an image classifier's classes; {path} is {_KINDS[task]}")
+        raise UserError(f"--top ranks an image classifier's classes; {shown(path)} is {_KINDS[task]}")
     if max_tokens is not None and not 1 <= max_tokens <= MAX_TOKENS:
         raise UserError(f"--max-tokens: must be >= 1 and <= {MAX_TOKENS:,} (got {max_tokens})")
     if task == "image":
