@@ -13,7 +13,9 @@ import dataclasses
 import functools
 import inspect
 import json
+import os
 import sys
+import time
 import typing
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import MISSING
@@ -59,6 +61,7 @@ RECIPE = typer.Argument(None, help="Recipe YAML file (default: the built-in quic
 SET = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP)
 SIZE = "Model size (overrides)"
 MODES = "Sweep, compare, simulate"
+SIBLING_GRACE_S = 3.0
 _launch = functools.partial(typer.Option, rich_help_panel="Nodes and ranks")  # train's options of where ranks run
 
 
@@ -68,6 +71,10 @@ def _error(message: str) -> None:
     # arguments and recipe every rank reads alike: one line a node, not one a rank. The exit code stays.
     if interrupts.speaks_for_node():
         print(f"error: {message}", file=sys.stderr)
+    elif "LOCAL_RANK" in os.environ:
+        # A sibling that ended first would have torchrun stop the node's first rank before it said the same
+        # error, which then said only that it was interrupted: the siblings give it time to end first.
+        time.sleep(SIBLING_GRACE_S)
 
 
 def _interruptible(command: str, callback: Callable[..., Any], started: list[str]) -> Callable[..., Any]:

@@ -137,8 +137,27 @@ def test_under_torchrun_each_node_says_an_error_once(monkeypatch, capsys, args, 
     # Every rank torchrun starts reads the same arguments and recipe, and fails alike before it joins the job.
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", local_rank)
+    monkeypatch.setattr("gpipe_cli.cli.SIBLING_GRACE_S", 0.3)
+    started = time.monotonic()
     assert run(args) == 2
     assert len(capsys.readouterr().err.splitlines()) == lines
+    # A sibling ends after the node's first rank could say it: had it ended first, torchrun would have stopped
+    # that rank, which then said only "interrupted".
+    assert (time.monotonic() - started >= 0.3) == (local_rank != "0")
+
+
+def test_under_torchrun_a_process_count_other_than_the_recipes_is_said_before_anything_loads(monkeypatch, capsys):
+    # Found after the plan's seconds, by every rank: a sibling's exit often had the first rank say "interrupted".
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr("gpipe_cli.train.run._plan_and_run", _never)
+    assert run(["train", "--set", "train.steps=1"]) == 2
+    assert capsys.readouterr().err == ("error: torchrun started 4 processes but the recipe needs partitions x "
+                                       "data_parallel = 2\n")
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("planned: the process count was checked too late")
 
 
 def _interrupted(*args, **kwargs):

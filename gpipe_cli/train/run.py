@@ -157,6 +157,9 @@ def train(options: TrainOptions) -> int:
     # Without a recipe, a resume trains with the run's own recipe.yaml (`recipe_file` names it).
     recipe, recipe_file = train_recipe(options.recipe, options.overrides, options.resume, options.output_dir, OUTPUTS)
     world = recipe.pipeline.partitions * recipe.pipeline.data_parallel
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != world:  # found by every rank at once, before torch
+        raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the recipe needs "
+                        f"partitions x data_parallel = {world}")
     local = check_launch(options.launch, world)
     if options.output_dir and os.path.exists(options.output_dir) and not os.path.isdir(options.output_dir):
         raise UserError(f"--output-dir: {shown(options.output_dir)} exists and is not a directory")
@@ -232,9 +235,6 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
     job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
               resume=resume, started=started, available=available)
     if under_torchrun():
-        if int(os.environ["WORLD_SIZE"]) != world:
-            raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the recipe needs "
-                            f"partitions x data_parallel = {world}")
         from gpipe_cli.train.worker import run_job
 
         return run_job(job)
