@@ -98,7 +98,7 @@ class Checkpointer:
         paths = self.topo.share([str(p) for p in checkpoint.candidates(Path(location))] if self.layout.rank == 0
                                 else None)
         refused: list[str] = []
-        for path in map(Path, paths):
+        for number, path in enumerate(map(Path, paths), 1):
             found, why = self.topo.share(checkpoint.inspect(path, verify=True) if self.layout.rank == 0 else None)
             if found is not None:
                 error: str | None = None
@@ -116,7 +116,7 @@ class Checkpointer:
                     return found
                 why = failed[0]
             refused.append(f"{path.name}: {why}")
-            if self.layout.rank == 0:
+            if self.layout.rank == 0 and number < len(paths):  # the last: the refusal of the resume says it
                 print(f"[gpipe] {checkpoint.refusal(path, why)}", file=sys.stderr, flush=True)
         self.last_saved = -1
         raise no_usable(location, refused)

@@ -202,7 +202,12 @@ def test_resume_skips_what_does_not_load_and_stops_in_one_line_when_nothing_does
     assert found.step == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"checkpoint {newest} is incomplete or corrupt: it holds step 4" in err
+    # One checkpoint named has none before it: the refusal alone says it (it also said "using the one before it").
+    with pytest.raises(UserError, match="no usable checkpoint"):
+        checkpointer(tmp_path).resume(str(newest))
+    assert capsys.readouterr().err == ""
     flip(checkpoint.path_for(tmp_path, 2) / ".metadata", 16)
     with pytest.raises(UserError, match="no usable checkpoint") as stopped:
         checkpointer(tmp_path).resume(str(tmp_path))
     assert "\n" not in str(stopped.value)
+    assert capsys.readouterr().err.count("using the one before it") == 1  # step 4's; step 2 had none before it
