@@ -186,7 +186,11 @@ echo "gpu-acceptance: $(date -u +%Y-%m-%dT%H:%M:%SZ) steps: ${STEPS[*]}$([ "$CPU
     >> "$LOG"
 total=0
 for s in "${!BOUND[@]}"; do [ "$s" = multigpu ] || [ "$s" = bench-k2 ] || total=$((total + $(bound "$s"))); done
-echo "gpu-acceptance: $GPUS GPU(s); the default steps' time bounds add up to ${total} s (multigpu beside the tests)" | tee -a "$LOG"
+if [ "$CPU" = 1 ]; then  # the bounds are scaled for a GPU's steps; --cpu caps the run itself
+    echo "gpu-acceptance: --cpu; the run is bounded at ${CPU_TOTAL} s in all" | tee -a "$LOG"
+else
+    echo "gpu-acceptance: $GPUS GPU(s); the default steps' time bounds add up to ${total} s (multigpu beside the tests)" | tee -a "$LOG"
+fi
 FAILED=()
 
 now() { date +%s.%N; }

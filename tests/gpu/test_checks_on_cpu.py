@@ -250,6 +250,8 @@ def test_acceptance_skips_multigpu_with_one_gpu_and_records_it(tmp_path: Path) -
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("needs two GPUs") == 1
     assert "multigpu: needs two GPUs, this machine has 1: skipped" in proc.stdout.splitlines()
+    # It said the GPU steps' bounds, scaled for a CPU start, added up to 709 s: --cpu caps the run itself.
+    assert "gpu-acceptance: --cpu; the run is bounded at 480 s in all" in proc.stdout.splitlines()
     records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     assert [(r["step"], r["status"]) for r in records] == [("multigpu", "skipped")]
     figures = json.loads((out / "figures.json").read_text())
