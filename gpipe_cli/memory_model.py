@@ -405,7 +405,10 @@ def stage_total(figures: ModelFigures, chunks: Sequence[range], stage: int, stag
 
 def weights_floor(figures: ModelFigures, bytes_per_param: float) -> Callable[[int, int], float]:
     """A stage's bytes at least, by its layers [start, stop): its weights, never fewer for a longer stage."""
-    return lambda start, stop: figures.params([range(start, stop)]) * bytes_per_param
+    if figures.ties:
+        return lambda start, stop: figures.params([range(start, stop)]) * bytes_per_param
+    params = figures.sums[2]  # a cut search asks this for every pair of layers: two lookups, not a call
+    return lambda start, stop: (params[stop] - params[start]) * bytes_per_param
 
 
 def stage_chunks(balance: Sequence[int], schedule: str, virtual: int) -> list[list[range]]:

@@ -59,6 +59,8 @@ def test_a_tied_weight_is_held_once_per_stage_as_measured_and_as_predicted(sched
         n - table * both for n, both in zip(untied, holds_both)]
     assert [figures.params([range(c[0], c[1] + 1) for c in s.chunks]) for s in stages] == [
         s.params_bytes // 4 for s in stages]
+    # A cut search's floor of a stage's weights counts the tie once too (and, without ties, is the plain sum).
+    assert mm.weights_floor(figures, 1.0)(0, 6) == sum(layer.params for layer in figures.layers) - table
 
 
 def test_rematerialization_stores_less_than_it_peaks_and_less_than_naive():
