@@ -13,7 +13,7 @@ import threading
 import traceback
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -26,6 +26,7 @@ from tests.pipeline import nccl_model as nm
 
 TIMEOUT = 60.0
 _rank = threading.local()
+T = TypeVar("T")
 
 
 class World:
@@ -41,6 +42,18 @@ class World:
         self.meetings: dict[tuple[Any, int], dict[int, Any]] = defaultdict(dict)
         self.seq: dict[tuple[Any, int], int] = defaultdict(int)  # per (key, rank)
         self.syncs = [0] * size
+        self._barrier = threading.Barrier(size)
+        self._building = threading.Lock()
+
+    def build(self, make: Callable[[], T]) -> T:
+        """`make()` on one rank at a time while no rank trains: layers start from the process's one CPU generator."""
+        # A rank's recompute sets that generator to its forward's state (and back): one that ran while
+        # another rank seeded and initialised its layers would change that rank's starting weights.
+        self._barrier.wait(TIMEOUT)
+        with self._building:
+            made = make()
+        self._barrier.wait(TIMEOUT)
+        return made
 
     def record(self, rank: int, op: nm.Op) -> None:
         self.programs[rank].append(op)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import threading
+import functools
 
 import pytest
 import torch
@@ -17,7 +17,6 @@ from gpipe_cli.pipeline.partition import stage_layers
 from tests.multiproc import results, run_ranks
 from tests.pipeline import loopback, ranks, toy
 
-_building = threading.Lock()  # layers are initialised from the process's one CPU generator
 SCHEDULES = [("gpipe", (3, 3)), ("1f1b", (3, 3)), ("zero-bubble", (3, 3)), ("interleaved", (2, 1, 2, 1))]
 # Every schedule rematerialising every micro-batch, and keeping every graph (saved tensors move layer by layer);
 # except_last (both kinds) on two of them.
@@ -32,10 +31,9 @@ def _train(rank: int, world: loopback.World, schedule: str, balance: tuple[int, 
     out = {}
     for offload in ("none", "activations"):
         topo = loopback.topology(world, rank, 2)
-        with _building:
-            placed = schedules.get(schedule).placement
-            layers = build_layers(toy.MODELS["bn"]["factories"](), stage_layers(list(balance), 2, rank, placed),
-                                  toy.SEED)
+        placed = schedules.get(schedule).placement
+        layers = world.build(functools.partial(build_layers, toy.MODELS["bn"]["factories"](),
+                                               stage_layers(list(balance), 2, rank, placed), toy.SEED))
         config = PipelineConfig(2, microbatches, virtual=len(balance) // 2, schedule=schedule, checkpoint=checkpoint,
                                 balance=balance, offload=offload)
         pipe = Pipeline(layers, topo, config, toy.MODELS["bn"]["loss"])

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from gpipe_cli.pipeline import schedule as sched
@@ -15,8 +13,6 @@ from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_layers
 from tests.pipeline import loopback, ranks, toy
 from tests.pipeline.test_engine import TOLERANCE
-
-_building = threading.Lock()  # layers are initialised from the process's one CPU generator
 
 
 class FirstInFirstOut(schedules.Schedule):
@@ -33,8 +29,8 @@ class FirstInFirstOut(schedules.Schedule):
 def _train(rank: int, world: loopback.World, microbatches: int) -> dict:
     topo = loopback.topology(world, rank, 2)
     balance = [2, 3]
-    with _building:
-        layers = build_layers(toy.MODELS["ln"]["factories"](), stage_layers(balance, 2, rank), toy.SEED)
+    layers = world.build(lambda: build_layers(toy.MODELS["ln"]["factories"](), stage_layers(balance, 2, rank),
+                                              toy.SEED))
     config = PipelineConfig(2, schedule="fifo", checkpoint="never", balance=tuple(balance))
     pipe = Pipeline(layers, topo, config, toy.MODELS["ln"]["loss"])
     ranks.train(pipe, "ln", microbatches)

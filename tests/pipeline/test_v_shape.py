@@ -4,7 +4,6 @@ zero-bubble-v and v-half train to plain training's parameters."""
 from __future__ import annotations
 
 import itertools
-import threading
 
 import pytest
 import torch
@@ -25,7 +24,6 @@ from tests.pipeline.test_engine import TOLERANCE
 
 SHAPED = ("zero-bubble-v", "v-half")
 MODES = sched.REMAT_MODES
-_building = threading.Lock()  # layers are initialised from the process's one CPU generator
 
 
 def test_v_placement_goes_down_the_stages_and_back_up():
@@ -131,8 +129,8 @@ def _train(rank: int, world: loopback.World, stages: int, name: str, microbatche
     topo = loopback.topology(world, rank, stages)
     cut = [len(part) for part in torch.arange(8).tensor_split(2 * stages)]
     config = PipelineConfig(stages, microbatches, virtual=2, schedule=name, checkpoint=mode, balance=tuple(cut))
-    with _building:
-        layers = build_layers(toy.MODELS["deep"]["factories"](), stage_layers(cut, stages, rank, "v"), toy.SEED)
+    layers = world.build(lambda: build_layers(toy.MODELS["deep"]["factories"](), stage_layers(cut, stages, rank, "v"),
+                                              toy.SEED))
     pipe = Pipeline(layers, topo, config, toy.MODELS["deep"]["loss"], tied=toy.MODELS["deep"]["tied"])
     assert pipe.layout.is_first == pipe.layout.is_last == (rank == 0)
     step = pipe.train_step(*toy.batch("deep", 9, 11), step=9)  # gathered on rank 0: from itself, the last chunk's
