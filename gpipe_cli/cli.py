@@ -252,7 +252,7 @@ def bench(
 # Its own --partitions takes several K.
 @_flags(ProfileOptions, P, *(name for name in ALIASES if name != "partitions"),
         shown={"microbatches": "8", "batch_size": "4 x M; with --budget the paper's: 128 AmoebaNet, 32 Transformer",
-               "balance": "by estimated FLOPs, as training"})
+               "balance": "by estimated FLOPs (no layer is timed)"})
 def profile_memory(
     recipe: str | None = typer.Argument(None, help=P["recipe"]),
     model: str | None = typer.Option(None, help=P["model"], show_default=False),

@@ -67,7 +67,8 @@ def model_overrides(items: Sequence[str]) -> dict[str, Any]:
         key, value = parse_override(item)  # the recipe's `--set` parser: one syntax everywhere
         key = key.removeprefix("model.")
         if "." in key:
-            raise UserError(f"--set expects KEY=VALUE naming a model parameter, e.g. dropout=0 (got {shown(item)})")
+            raise UserError(f"--set expects KEY=VALUE naming a model parameter, e.g. model.dropout=0 "
+                            f"(got {shown(item)})")
         out[key] = value
     return out
 

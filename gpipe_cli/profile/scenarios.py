@@ -45,7 +45,7 @@ def names(partitions: list[int], microbatches: int, checkpoint: str) -> list[tup
 
 
 def flops_balance(spec: ModelSpec, k: int, batch: int, microbatches: int, explicit: str | None) -> list[int]:
-    """Layers per chunk (`k` chunks): explicit, or balanced by estimated FLOPs as training does."""
+    """Layers per chunk (`k` chunks): explicit, or balanced by estimated FLOPs."""
     layers = len(spec.layers)
     try:
         partition.check_partitions(layers, k)
