@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -23,7 +24,7 @@ from gpipe_cli.launch import forked
 from gpipe_cli.launch.preflight import rendezvous, threads_per_rank
 from gpipe_cli.launch.slurm import SlurmStep, check_one_task_per_node, slurm_step
 
-_STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+_STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGPIPE)  # SIGPIPE: the output closed
 FORCE_S = 20.0  # after a stop with nothing to save, the most a command may take to end
 SHUTDOWN_S = 120  # seconds ranks get to finish a step and checkpoint on Ctrl-C/SIGTERM
 
@@ -98,7 +99,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _config(world: int, options: LaunchOptions, start_method: str) -> object:
+def _config(world: int, options: LaunchOptions, start_method: str, log_dir: str) -> object:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
     rdzv = rendezvous(world, options)
@@ -113,6 +115,9 @@ def _config(world: int, options: LaunchOptions, start_method: str) -> object:
         # also turn it into SIGTERM-then-kill, which would cut the final checkpoint short. It still
         # forwards SIGTERM.
         "signals_to_handle": "SIGTERM,SIGHUP,SIGQUIT",
+        # The agent's folders for each rank's error file, in one the launch removes (by default a new
+        # torchelastic_* folder in the temporary folder is left behind by every launch).
+        "logs_specs": DefaultLogsSpecs(log_dir=log_dir),
     }
     accepted = inspect.signature(LaunchConfig).parameters
     return LaunchConfig(**{k: v for k, v in fields.items() if k in accepted})
@@ -251,7 +256,8 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     interrupts.check()  # a Ctrl-C swallowed while the command loaded: no rank starts
     options = options or LaunchOptions()
     fork = forked.available()
-    config = _config(world, options, forked.START_METHOD if fork else "spawn")
+    logs = tempfile.TemporaryDirectory(prefix="gpipe-launch-", ignore_cleanup_errors=True)  # gone at exit too
+    config = _config(world, options, forked.START_METHOD if fork else "spawn", logs.name)
     local = config.nproc_per_node  # type: ignore[attr-defined]
     threads = threads_per_rank(options, local)
     warm = fork and _warm == threads  # a server started for ranks like these: it serves this launch, and the next
@@ -290,4 +296,5 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
             forked.stop(server=not warm)
         signal.signal(signal.SIGINT, previous)  # type: ignore[arg-type]
         signal.signal(signal.SIGTERM, previous_term)
+        logs.cleanup()
     return 0

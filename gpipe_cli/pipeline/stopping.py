@@ -63,6 +63,9 @@ def until_started(announce: bool, marker: Path | None = None) -> None:
     _marker = marker or _marker
 
     def handle(signum: int, frame: FrameType | None) -> None:
+        if _finalizing(frame):  # what a __del__ raises is printed and dropped: the signal comes again just after
+            threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+            return
         if _received:
             os._exit(128 + signum)
         note(signum)
@@ -82,6 +85,15 @@ def until_started(announce: bool, marker: Path | None = None) -> None:
         threading.Thread(target=_deadline, args=(read, announce), name="set-up-stop", daemon=True).start()
     for sig in _STOPS:  # last: the caller catches StoppedEarly around this call
         signal.signal(sig, handle)
+
+
+def _finalizing(frame: FrameType | None) -> bool:
+    """Whether the main thread was stopped inside an object's `__del__` (directly or below it)."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 @contextlib.contextmanager

@@ -516,7 +516,10 @@ class Trainer:
                 ended = f"stopped by {signal.Signals(self.stopped_by).name}"
                 # Without a recipe the resume trains with the run's own recipe.yaml: this command continues
                 # the run exactly as it was started, whatever recipe and --set started it.
-                self.view.message(f"{ended} after step {saved}; continue with {continue_command(self.run_dir)}")
+                line = f"{ended} after step {saved}; continue with {continue_command(self.run_dir)}"
+                self.view.message(line)
+                if self.stopped_by == signal.SIGPIPE:  # the output is gone: the way on goes where errors go
+                    print(f"[gpipe] {line}", file=sys.stderr, flush=True)
             elif self.diverged:
                 ended = "stopped on non-finite values"
             for line in self.summary.lines(time.time(), str(checkpoint.path_for(self.run_dir, saved))

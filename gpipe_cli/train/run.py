@@ -23,6 +23,7 @@ from gpipe_cli.models import families
 from gpipe_cli.progress import note
 from gpipe_cli.recipe.load import recipe_label
 from gpipe_cli.recipe.schema import Recipe
+from gpipe_cli.train import output
 from gpipe_cli.train.existing import (
     Change,
     check_checkpoint_keys,
@@ -153,6 +154,7 @@ def train_args(options: TrainOptions) -> list[str]:
 def train(options: TrainOptions) -> int:
     """Validate, then run the training job on K × D ranks; returns the exit code."""
     started = time.time()
+    output.guard_stdout()  # a reader that goes loses the launcher's lines; rank 0 stops the run when it finds it gone
     check_resume_path(options.resume)
     # Without a recipe, a resume trains with the run's own recipe.yaml (`recipe_file` names it).
     recipe, recipe_file = train_recipe(options.recipe, options.overrides, options.resume, options.output_dir, OUTPUTS)

@@ -50,6 +50,6 @@ class StopRequest:
             agreed = int(flag.item())
             self.signum = self.signum or agreed
         if agreed and self.announce:
-            print(f"[gpipe] {signal.Signals(agreed).name}: writing a checkpoint, then stopping", file=sys.stderr,
-                  flush=True)
+            why = "the output was closed (SIGPIPE)" if agreed == signal.SIGPIPE else signal.Signals(agreed).name
+            print(f"[gpipe] {why}: writing a checkpoint, then stopping", file=sys.stderr, flush=True)
         return agreed

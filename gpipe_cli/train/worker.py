@@ -12,6 +12,7 @@ from typing import Any
 # No torch on import: the stop handler goes in first, so a Ctrl-C while a rank imports or sets up ends it quietly.
 from gpipe_cli.pipeline import stopping
 from gpipe_cli.quick_exit import exit_now
+from gpipe_cli.train import output
 
 STARTED = "training"  # beside the job file: created once a rank of this node has a step to finish
 
@@ -45,6 +46,7 @@ def run_job(job: Job, started: Path | None = None, announce: bool = True) -> int
     """Join the job as this rank and train, returning the exit code; any failure stops every rank with its message."""
     try:
         stopping.until_started(announce=announce and os.environ.get("RANK", "0") == "0", marker=started)
+        output.guard_stdout(output.stop_run)
         return _run(job)
     except stopping.StoppedEarly as stop:
         return 128 + stop.signum

@@ -188,3 +188,25 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path):
     proc.communicate(timeout=60)
     assert time.monotonic() - start < 10
     assert proc.returncode == 128 + signal.SIGINT
+
+
+def test_a_closed_output_stops_the_run_with_a_checkpoint_as_a_shell_would(tmp_path):
+    # `gpipe train | head` ended with "stage 0 (rank 0) lost contact with another rank: BrokenPipeError", exit 1.
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "gpipe_cli.cli", "train",
+                             str(write(tmp_path, recipe(steps=400, every=1000))), "--output-dir", str(run),
+                             "--plain", "--threads", "1", "--set", "train.log_every=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    for line in proc.stdout:
+        if line.startswith("step 2/"):
+            break
+    proc.stdout.close()  # as `head` does once it has its lines
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 128 + signal.SIGPIPE, err[-3000:]
+    done = max(losses(run))
+    assert (run / "checkpoints" / f"step-{done:08d}" / "manifest.json").exists()
+    assert "[gpipe] the output was closed (SIGPIPE): writing a checkpoint, then stopping" in err
+    assert f"[gpipe] stopped by SIGPIPE after step {done}; continue with gpipe train --resume" in err
+    for noise in ("Traceback", "lost contact", "exited with code"):
+        assert noise not in err

@@ -1,0 +1,63 @@
+"""A run whose reader has gone (`gpipe train | head`): its output is dropped and it stops as a SIGTERM stops it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any, TextIO
+
+CLOSED = signal.SIGPIPE  # the name a stop for a closed output goes by: its exit code is 141, as a shell's
+
+
+class _Guarded:
+    """A text stream that, once a write finds its pipe closed, drops what follows and calls `closed` once."""
+
+    def __init__(self, stream: TextIO, closed: Callable[[], None]) -> None:
+        self._stream, self.closed_by, self._gone = stream, closed, False
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._lost()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._lost()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def _lost(self) -> None:
+        if self._gone:
+            return
+        self._gone = True
+        # What is still buffered, and every later write, goes nowhere rather than failing again.
+        with contextlib.suppress(OSError, ValueError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+        self.closed_by()
+
+
+def guard_stdout(closed: Callable[[], None] = lambda: None) -> None:
+    """Standard output from now on: a closed pipe calls `closed` once instead of raising in whatever printed."""
+    if isinstance(sys.stdout, _Guarded):  # a rank under torchrun: the command guarded it first
+        sys.stdout.closed_by = closed
+    else:
+        sys.stdout = _Guarded(sys.stdout, closed)  # type: ignore[assignment]
+
+
+def stop_run() -> None:
+    """Stop this rank as its SIGTERM handler would: at once during set-up, else after the step with a checkpoint."""
+    # The handler in place knows which of the two applies (pipeline/stopping.py before the first step, then
+    # train/signals.py); it is told SIGPIPE so that the stop says what caused it.
+    handler = signal.getsignal(signal.SIGTERM)
+    if callable(handler):
+        handler(CLOSED, None)

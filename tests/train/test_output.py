@@ -1,0 +1,60 @@
+"""A run's output once its reader has gone: dropped, with one call to stop the run, and nothing raised."""
+
+import os
+import signal
+import sys
+
+import pytest
+
+from gpipe_cli.pipeline import stopping
+from gpipe_cli.train import output
+
+
+def test_a_closed_pipe_is_told_once_and_later_writes_go_nowhere(monkeypatch):
+    read, write = os.pipe()
+    stream = os.fdopen(write, "w")
+    os.close(read)  # the reader has gone
+    calls = []
+    monkeypatch.setattr("sys.stdout", stream)
+    output.guard_stdout(lambda: calls.append(1))
+    print("step 1", flush=True)
+    print("step 2", flush=True)
+    assert calls == [1]
+    assert os.readlink(f"/proc/self/fd/{stream.fileno()}") == os.devnull
+    output.guard_stdout(lambda: calls.append(2))  # guarded once: a second guard only changes what is called
+    assert sys.stdout._stream is stream
+    stream.close()
+
+
+def test_a_closed_output_stops_as_the_sigterm_handler_in_place_would(monkeypatch):
+    seen = []
+    monkeypatch.setattr(output.signal, "getsignal", lambda signum: lambda s, frame: seen.append((signum, s)))
+    output.stop_run()
+    assert seen == [(signal.SIGTERM, signal.SIGPIPE)]
+
+
+def test_a_stop_signal_inside_a_finaliser_comes_again_after_it(monkeypatch):
+    # Raised inside a __del__, the set-up's StoppedEarly was printed as "Exception ignored in: ..." and dropped.
+    class Held:
+        def __del__(self):
+            frames.append(sys._getframe())
+
+    frames: list = []
+    Held()
+    assert stopping._finalizing(frames[0]) and not stopping._finalizing(None)
+    later = []
+    monkeypatch.setattr(stopping.threading, "Timer", lambda delay, fn, args: later.append(args) or _Started())
+    monkeypatch.setattr(stopping, "_received", 0)
+    handlers = {}
+    monkeypatch.setattr(stopping.signal, "signal", lambda sig, handler: handlers.setdefault(sig, handler))
+    monkeypatch.setattr(stopping, "_pipe", (0, 0))  # no deadline thread: only the handler is under test
+    stopping.until_started(announce=False)
+    handlers[signal.SIGTERM](signal.SIGTERM, frames[0])  # nothing raised, nothing noted: sent again shortly
+    assert later == [(os.getpid(), signal.SIGTERM)] and stopping.received() == 0
+    with pytest.raises(stopping.StoppedEarly):
+        handlers[signal.SIGTERM](signal.SIGTERM, None)
+
+
+class _Started:
+    def start(self):
+        pass
