@@ -192,11 +192,13 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path):
 
 def test_a_closed_output_stops_the_run_with_a_checkpoint_as_a_shell_would(tmp_path):
     # `gpipe train | head` ended with "stage 0 (rank 0) lost contact with another rank: BrokenPipeError", exit 1.
-    run = tmp_path / "run"
+    run, temporary = tmp_path / "run", tmp_path / "tmp"
+    temporary.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "gpipe_cli.cli", "train",
                              str(write(tmp_path, recipe(steps=400, every=1000))), "--output-dir", str(run),
                              "--plain", "--threads", "1", "--set", "train.log_every=1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "TMPDIR": str(temporary)})
     assert proc.stdout is not None and proc.stderr is not None
     for line in proc.stdout:
         if line.startswith("step 2/"):
@@ -210,3 +212,5 @@ def test_a_closed_output_stops_the_run_with_a_checkpoint_as_a_shell_would(tmp_pa
     assert f"[gpipe] stopped by SIGPIPE after step {done}; continue with gpipe train --resume" in err
     for noise in ("Traceback", "lost contact", "exited with code"):
         assert noise not in err
+    # The launch's own folders are gone (torch's agent left a torchelastic_* folder behind every launch).
+    assert not [p.name for p in temporary.iterdir() if p.name.startswith(("torchelastic_", "gpipe-launch-"))]
