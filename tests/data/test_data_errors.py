@@ -98,3 +98,12 @@ def test_too_few_examples_for_one_batch(tmp_path: Path) -> None:
     ds = build_data(data(synthetic_size=10, batch_size=16, drop_last=False), "image", seed=0, image_size=32,
                     num_classes=3)
     assert ds.steps_per_epoch() == 1
+
+
+def test_too_few_examples_for_the_micro_batches_of_a_step(tmp_path: Path) -> None:
+    # With drop_last: false a 1-example split reached a rank, which failed splitting it into 2 micro-batches.
+    with pytest.raises(DataError, match=r"the training split has \d+ examples?, fewer than the 64 micro-batches of a "
+                                        r"step \(pipeline.microbatches x pipeline.data_parallel\)") as err:
+        build_data(data(synthetic_size=10, batch_size=16, drop_last=False), "image", seed=0, image_size=32,
+                   num_classes=3, min_batch=64)
+    assert "\n" not in str(err.value)
