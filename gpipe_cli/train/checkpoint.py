@@ -68,6 +68,26 @@ def remove_partials(run_dir: Path) -> list[Path]:
     return stale
 
 
+def set_aside_newer(run_dir: Path, step: int, when: str) -> Path | None:
+    """Move the checkpoints after `step` (another course of the run, or damaged) out of the resume's way."""
+    # A run resumed from an earlier checkpoint trains anew from there: left in place, a newer one from the
+    # course it leaves would be what the next --resume continues. Moved, not removed: they may be worth keeping.
+    newer = [p for p in candidates(run_dir / CHECKPOINTS) if _number(p) > step]
+    if not newer:
+        return None
+    aside = run_dir / CHECKPOINTS / f"superseded-{when}-at-step-{step}"
+    aside.mkdir(parents=True, exist_ok=True)
+    for path in newer:
+        path.rename(aside / path.name)
+    return aside
+
+
+def _number(path: Path) -> int:
+    """The step in a checkpoint folder's name (-1 for a name that holds none)."""
+    digits = path.name.removeprefix(PREFIX)
+    return int(digits) if digits.isdigit() else -1
+
+
 @dataclass(frozen=True)
 class Found:
     """A checkpoint on disk and what its manifest says."""

@@ -316,6 +316,11 @@ class Trainer:
         if self.layout.rank == 0 and step < self.total_steps:
             trim_metrics(self.run_dir / "metrics.jsonl", step)
             print(f"[gpipe] resumed from {path} (step {step})", file=sys.stderr, flush=True)
+            aside = checkpoint.set_aside_newer(self.run_dir, step, time.strftime("%Y%m%d-%H%M%S"))
+            if aside is not None:
+                names = ", ".join(sorted(p.name for p in aside.iterdir()))
+                print(f"[gpipe] moved the checkpoints after step {step} ({names}) to {aside}: the run trains on "
+                      f"from step {step}", file=sys.stderr, flush=True)
         return step
 
     def _end(self) -> tuple[str, str]:

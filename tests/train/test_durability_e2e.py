@@ -100,6 +100,7 @@ def test_resume_skips_a_truncated_checkpoint_and_equals_the_uninterrupted_run_st
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"checkpoint {newest} is incomplete or corrupt: file {data.name} has 100 bytes" in proc.stderr
     assert "resumed from" in proc.stderr and "step-00000003" in proc.stderr
+    assert "moved the checkpoints after step 3 (step-00000006) to" in proc.stderr  # the damaged one, kept aside
     assert "loading the newest whole checkpoint" in proc.stdout  # progress before the load, not silence
     assert "(cut by the checkpoint it resumes)" in proc.stdout  # not measured again: the same cut, exactly
     assert losses(copy_dir) == losses(run)  # exact: same ranks, same data position, RNG and optimizer state

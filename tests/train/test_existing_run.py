@@ -283,6 +283,16 @@ def test_stale_partial_folders_are_removed_and_nothing_else(tmp_path):
     assert checkpoint.remove_partials(tmp_path / "nothing-here") == []
 
 
+def test_a_resume_from_an_earlier_checkpoint_moves_the_newer_ones_out_of_the_next_resumes_way(tmp_path):
+    # They stayed: the next --resume would have continued the course the run had left (its metrics trimmed).
+    kept, newer = save(tmp_path, 4), [save(tmp_path, 6), save(tmp_path, 7)]
+    aside = checkpoint.set_aside_newer(tmp_path, 4, "20261202-101010")
+    assert aside == tmp_path / "checkpoints" / "superseded-20261202-101010-at-step-4"
+    assert sorted(p.name for p in aside.iterdir()) == [p.name for p in newer]
+    assert checkpoint.candidates(tmp_path) == [kept]
+    assert checkpoint.set_aside_newer(tmp_path, 4, "later") is None  # nothing newer: nothing made
+
+
 def test_retention_runs_on_the_next_save_after_an_abort_left_one_too_many(tmp_path):
     for step in (10, 15, 20, 23):  # an abort after the rename, before pruning: four with keep 3
         save(tmp_path, step, keep=5)
