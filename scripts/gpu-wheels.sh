@@ -11,6 +11,7 @@ set -euo pipefail
 
 usage() { echo "usage: scripts/gpu-wheels.sh DIR [--python-version X.Y] [--glibc 2.N] [--packages \"REQ ...\"]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
+case "$1" in -h|--help) sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;; -*) usage ;; esac
 DIR=$1; shift
 PY=${PYTHON:-python3}
 PYVER=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
