@@ -28,10 +28,12 @@ class Tokenizer:
 
         self.path = path
         self._proto = proto
+        where = f"'{path}'" if path else "the tokenizer"
+        if not proto:  # sentencepiece takes an empty model and gives every special id as -1
+            raise DataError(f"{where} is empty (0 bytes), not a sentencepiece model")
         self._sp = spm.SentencePieceProcessor(model_proto=proto)
         ids = (self._sp.pad_id(), self._sp.unk_id(), self._sp.bos_id(), self._sp.eos_id())
         if ids != (PAD, UNK, BOS, EOS):
-            where = f"'{path}'" if path else "the tokenizer"
             raise DataError(f"{where} has pad/unk/bos/eos ids {ids} but the models need (0, 1, 2, 3); "
                             "train it with --pad_id=0 --unk_id=1 --bos_id=2 --eos_id=3 "
                             "or leave data.tokenizer unset")

@@ -123,8 +123,8 @@ def _text(text: str, kind: str) -> str:
 def _tokenizer(exported: Exported) -> Tokenizer:
     """The tokenizer stored in the export."""
     if exported.tokenizer is None:
-        raise UserError("the export holds no tokenizer (the run had none to store); export it again from a run "
-                        f"directory that has {TOKENIZER_FILE}")
+        raise UserError(f"the export holds no tokenizer (its run had no usable {TOKENIZER_FILE}: gpipe export said "
+                        f"why); export it again from a run directory whose {TOKENIZER_FILE} loads")
     try:
         return Tokenizer(exported.tokenizer)
     except UserError:

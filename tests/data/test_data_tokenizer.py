@@ -53,6 +53,9 @@ def test_explicit_tokenizer_path(tmp_path: Path) -> None:
     junk.write_bytes(b"not a model")
     with pytest.raises(DataError, match="not a sentencepiece model"):
         Tokenizer.load(junk)
+    junk.write_bytes(b"")  # an empty file was taken, then refused for special ids (-1, -1, -1, -1)
+    with pytest.raises(DataError, match=r"junk\.model' is empty \(0 bytes\), not a sentencepiece model"):
+        Tokenizer.load(junk)
 
 
 def test_special_ids_encode_decode_and_pickle() -> None:
