@@ -10,6 +10,7 @@ if __name__ == "__main__":
     _entry()
 
 import dataclasses
+import errno
 import functools
 import inspect
 import json
@@ -30,8 +31,9 @@ from gpipe_cli.bench import BenchOptions
 from gpipe_cli.cli_help import polish
 from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError, one_line, shown
-from gpipe_cli.files import atomic_write_text, check_output
+from gpipe_cli.files import atomic_write_text, check_output, writing
 from gpipe_cli.launch import launch_options
+from gpipe_cli.launch.preflight import too_long_line
 from gpipe_cli.limits import DIGITS
 from gpipe_cli.plan import FLAGS as L
 from gpipe_cli.plan import PlanOptions
@@ -50,6 +52,12 @@ class _Commands(typer.core.TyperGroup):
         except UserError as exc:
             _error(one_line(str(exc)))
             raise typer.Exit(exc.exit_code) from None
+        except OSError as exc:
+            if exc.errno != errno.ENAMETOOLONG:
+                raise
+            # A path a command's own checks let through (each checks those it is given, before any work).
+            _error(one_line(too_long_line(exc.filename)))
+            raise typer.Exit(UserError.exit_code) from None
         raise typer.Exit(code if isinstance(code, int) else 0)
 
 
@@ -184,10 +192,8 @@ def validate(
     console.print(plan_table(plan))
     if json_file is not None:
         payload = {"recipe": loaded.model_dump(mode="json"), **plan.to_json()}
-        try:
+        with writing(json_file, "--json"):
             atomic_write_text(json_file, json.dumps(payload, indent=2))
-        except OSError as exc:
-            raise UserError(f"--json: cannot write {shown(str(json_file))} ({exc.strerror})") from None
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -6,6 +6,8 @@ from typing import Any
 
 # How much of a user's value an error message repeats: enough to recognise it, never a whole file.
 SHOWN_CHARS = 60
+# How much of a path it repeats: more, since a path's end is what tells it apart.
+PATH_SHOWN_CHARS = 160
 # The longest line an error may print (a last guard for messages built from user input).
 LINE_CHARS = 400
 

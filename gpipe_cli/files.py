@@ -9,8 +9,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
-from gpipe_cli.errors import UserError, shown
-from gpipe_cli.launch.preflight import check_writable
+from gpipe_cli.errors import PATH_SHOWN_CHARS, UserError, shown
+from gpipe_cli.launch.preflight import NAME_MAX, PATH_MAX, check_writable, path_problem
+
+# The random characters mkstemp and mkdtemp put between a temporary name's prefix and suffix.
+_RANDOM_CHARS = 8
 
 
 def umask() -> int:
@@ -25,11 +28,40 @@ def umask() -> int:
     return mask
 
 
+def make_folders(folder: Path) -> None:
+    """Create `folder` and its missing parents, as `mkdir -p` does."""
+    # Not pathlib's or os.makedirs's: they recurse once a level, and a path of 4095 bytes can be 2047 deep.
+    missing = []
+    while not os.path.isdir(folder) and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for each in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile; a file there fails at the write that follows
+            each.mkdir()
+
+
+def _room(path: Path, suffix: str) -> int:
+    """The bytes of `path`'s name that a temporary name beside it can repeat (negative: its folder leaves none)."""
+    folder = len(os.fsencode(os.path.join(path.parent, "")))
+    return min(NAME_MAX, PATH_MAX - folder) - len(os.fsencode(suffix)) - _RANDOM_CHARS - 2
+
+
+def hidden_prefix(path: Path, suffix: str = "") -> str:
+    """`.NAME.`, the prefix of a temporary name beside `path`, NAME cut so that the name fits where `path`'s does."""
+    # A legal name of 246 to 255 bytes would otherwise make a temporary one over NAME_MAX, and a path near
+    # PATH_MAX one over that; the random part keeps a cut name apart from others.
+    room = _room(path, suffix)
+    name = path.name
+    while name and len(os.fsencode(name)) > room:  # whole characters: a cut one would not be UTF-8
+        name = name[:-1]
+    return f".{name}."
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path, suffix: str = "") -> Iterator[Path]:
     """A hidden file name beside `path` for the block to write, renamed to `path` when it ends, removed if it fails."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    make_folders(path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=hidden_prefix(path, suffix), suffix=suffix, dir=path.parent)
     try:
         os.close(fd)
         yield Path(tmp)
@@ -59,10 +91,6 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-# How much of a path an error repeats: more than of other values, since a path's end is what tells it apart.
-PATH_SHOWN_CHARS = 160
-
-
 def _shown(path: Path) -> str:
     """`path` as an error repeats it."""
     return shown(str(path), PATH_SHOWN_CHARS)
@@ -73,7 +101,13 @@ def check_output(path: Path | None, flag: str, example: str = "out.json", hint: 
     # An empty `flag`: a default place the user never named; `hint` then ends the line with what to do instead.
     if path is None:
         return
-    where = (f"{flag}: " if flag else "") + f"cannot write {_shown(path)}"
+    where = _cannot_write(path, flag)
+    problem = path_problem(path)
+    if problem is not None:  # before pathlib is asked anything about it
+        raise UserError(f"{where}: it {problem}{hint}")
+    if _room(path, "") < 0:
+        raise UserError(f"{where}: its folder's path leaves no room for the temporary file it is written to first "
+                        f"(a path may have at most {PATH_MAX} bytes); name a shorter folder{hint}")
     if os.path.islink(path):  # the rename would replace the link itself: /dev/stdout is one, to a terminal or a pipe
         raise UserError(f"{where}: it is a symbolic link, which the write would replace rather than follow; name "
                         f"the file itself{hint}")
@@ -85,3 +119,17 @@ def check_output(path: Path | None, flag: str, example: str = "out.json", hint: 
         check_writable(path.parent, where)
     except UserError as exc:
         raise UserError(f"{exc}{hint}") from None
+
+
+def _cannot_write(path: Path, flag: str) -> str:
+    """The start of a line refusing `path`: "--json: cannot write 'x'" (no flag: a default place)."""
+    return (f"{flag}: " if flag else "") + f"cannot write {_shown(path)}"
+
+
+@contextlib.contextmanager
+def writing(path: Path, flag: str, hint: str = "") -> Iterator[None]:
+    """One line for an OSError the block raises writing `path`: a full disk, a folder gone since the check."""
+    try:
+        yield
+    except OSError as exc:  # atomic_write has left nothing behind
+        raise UserError(f"{_cannot_write(path, flag)} ({exc.strerror or exc}){hint}") from None

@@ -96,6 +96,25 @@ def test_help_shows_no_type_placeholders_or_stray_spaces(capsys, monkeypatch, co
         assert re.search(r"--set\s+KEY=VALUE", out) and re.search(r"--threads\s+N\b", out)
 
 
+@pytest.mark.parametrize("filename, says", [
+    ("r" * 300, "error: 'rrr"),
+    ("run/" + "r" * 250, "error: 'run/rrr"),  # a file system of shorter names than Linux's own
+    (None, "error: a file name is too long; "),
+])
+def test_a_name_too_long_that_no_check_caught_is_one_line_and_exit_2(monkeypatch, capsys, filename, says):
+    import errno
+
+    def too_long(*args):
+        raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), filename)
+
+    monkeypatch.setattr("gpipe_cli.report.report", too_long)
+    assert run(["report", "run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(says) and len(err.splitlines()) == 1, err
+    assert err.endswith("a name may have at most 255 bytes, a path at most 4095 bytes" +
+                        (")\n" if filename == "run/" + "r" * 250 else "\n")), err
+
+
 def test_usage_errors_are_one_line(capsys):
     assert run(["train", "--threads", "many"]) == 2
     err = capsys.readouterr().err

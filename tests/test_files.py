@@ -1,5 +1,6 @@
 """What the commands write (JSON figures, traces, PNGs) appears whole or not at all."""
 
+import contextlib
 import errno
 import json
 import os
@@ -10,7 +11,7 @@ import pytest
 from gpipe_cli import plots
 from gpipe_cli.bench import trace
 from gpipe_cli.errors import UserError
-from gpipe_cli.files import atomic_write, atomic_write_text, check_output
+from gpipe_cli.files import atomic_write, atomic_write_text, check_output, hidden_prefix, writing
 
 
 def test_text_is_written_whole_with_no_temporary_file_left(tmp_path: Path):
@@ -134,3 +135,62 @@ def test_profile_memory_refuses_a_json_it_cannot_write_before_measuring(tmp_path
                                 "--seq-len", "8", "--vocab-size", "64", "--partitions", "2", "--json", target]))
     assert f"--json: cannot write {target!r}" in err
     assert os.listdir(tmp_path) == ["folder"] and os.listdir(tmp_path / "folder") == []
+
+
+# A legal name of 246 to 255 bytes made a temporary name `.NAME.XXXXXXXX` over the 255 a file system allows.
+@pytest.mark.parametrize("name", ["c" * 250 + ".json", "é" * 126 + ".j", "x.json"])
+def test_a_name_the_file_system_allows_is_written_however_long(tmp_path: Path, name):
+    atomic_write_text(tmp_path / name, "{}")
+    assert os.listdir(tmp_path) == [name] and (tmp_path / name).read_text() == "{}"
+
+
+def test_a_temporary_name_keeps_to_the_limits_of_its_folder_and_suffix(tmp_path: Path):
+    assert len(os.fsencode(hidden_prefix(tmp_path / ("n" * 255), ".gz"))) + 8 + 3 == 255
+    assert hidden_prefix(tmp_path / "n.json") == ".n.json."
+    # A folder path near PATH_MAX leaves the name fewer bytes: the temporary path fits where the file's does.
+    folder = Path("/" + "/".join(["f" * 200] * 20))
+    assert len(os.fsencode(str(folder / hidden_prefix(folder / ("n" * 70))))) + 8 == 4095
+
+
+def test_a_folder_thousands_deep_is_made(tmp_path: Path):
+    # pathlib's and os.makedirs's mkdir -p recurse once a level: a RecursionError past ~990 levels.
+    target = tmp_path.joinpath(*["a"] * 1500, "x.json")
+    try:
+        atomic_write_text(target, "{}")
+        assert target.read_text() == "{}"
+    finally:  # shutil.rmtree, which pytest cleans up with, recurses too
+        target.unlink(missing_ok=True)
+        for folder in target.parents:
+            if folder == tmp_path:
+                break
+            with contextlib.suppress(FileNotFoundError):
+                folder.rmdir()
+
+
+@pytest.mark.parametrize("target,words", [
+    ("n" * 256 + ".json", "it has a name of 261 bytes; a name may have at most 255 bytes, a path at most 4095 bytes"),
+    ("/".join(["f" * 200] * 21) + "/x.json", "it is 4227 bytes long; a name may have at most 255 bytes"),
+    ("/".join(["f" * 200] * 20) + "/" + "g" * 70 + "/x",
+     "its folder's path leaves no room for the temporary file it is written to first"),
+], ids=["name", "path", "no room beside"])
+def test_a_path_no_file_system_holds_is_one_line_naming_the_flag_and_what_is_allowed(tmp_path: Path, monkeypatch,
+                                                                                  target, words):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as caught:
+        check_output(Path(target), "--json")
+    message = str(caught.value)
+    assert message.startswith("--json: cannot write '") and words in message and "\n" not in message, message
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_write_that_fails_is_one_line_naming_the_flag_and_the_reason(tmp_path: Path):
+    target = tmp_path / "figures.json"
+
+    def full_disk(f):
+        f.write(b"{\"half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(UserError) as caught, writing(target, "--json"):
+        atomic_write(target, full_disk)
+    assert str(caught.value) == f"--json: cannot write {str(target)!r} (No space left on device)"
+    assert os.listdir(tmp_path) == []

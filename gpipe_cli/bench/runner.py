@@ -24,7 +24,7 @@ from gpipe_cli.estimate import simulate
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.measure import RunFigures, contended, median
 from gpipe_cli.estimate.subject import Subject
-from gpipe_cli.files import atomic_write_text
+from gpipe_cli.files import atomic_write_text, writing
 from gpipe_cli.launch import LaunchOptions, warming
 from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline.config import sizes  # nearly equal parts, larger first
@@ -173,11 +173,13 @@ def results(options: BenchOptions, summary: dict[str, Any], events: list[dict[st
     if options.trace is not None and summary["measured"]:  # the K ranks' step, and where it went
         title = (f"{summary['model']['name']}: K={summary['partitions']}, M={options.microbatches}, "
                  f"{options.schedule}, {options.checkpoint}")
-        chrome, png = trace.write(options.trace, events, title)
+        with writing(options.trace, "--trace"):
+            chrome, png = trace.write(options.trace, events, title)
         summary["trace"] = {"chrome": str(chrome), "png": str(png) if png else None, "events": len(events)}
     if options.sweep:
         if (target := options.sweep_plot()) is not None:  # beside the --json file
-            png = sweep.plot(summary, target)
+            with writing(target, "--json (its --sweep plot)"):
+                png = sweep.plot(summary, target)
             console.print(f"[dim]plot written to {png}[/]" if png else f"[yellow]no plot: {plots.MISSING}[/]")
         sweep.show(summary, console)
     else:
@@ -185,7 +187,8 @@ def results(options: BenchOptions, summary: dict[str, Any], events: list[dict[st
     sized = summary["sized"]
     console.print(f"[dim]{took_line(sized['elapsed_s'], sized['estimate_s'])}[/]")
     if options.json is not None:
-        atomic_write_text(options.json, json.dumps(summary, indent=2))
+        with writing(options.json, "--json"):  # a disk that filled while measuring: one line, no half file
+            atomic_write_text(options.json, json.dumps(summary, indent=2))
         console.print(f"[dim]figures written to {options.json}[/]")
 
 

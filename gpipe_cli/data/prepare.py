@@ -12,7 +12,8 @@ from typing import Any
 
 from gpipe_cli.data.sources import eval_split_name, first_line, load_hub, pick_splits
 from gpipe_cli.errors import DataError
-from gpipe_cli.launch.preflight import check_writable
+from gpipe_cli.files import hidden_prefix, make_folders
+from gpipe_cli.launch.preflight import check_path, check_writable
 from gpipe_cli.progress import note
 from gpipe_cli.recipe.schema import Data
 
@@ -22,6 +23,7 @@ SHARD_BYTES = 512 * 2**20  # parquet files of about this size: large splits stay
 def _new_folder(output: Path) -> Path:
     """--output as a path, refused unless it is new or an empty folder."""
     output = Path(output).expanduser()
+    check_path(output, "--output")
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise DataError(f"--output '{output}' already exists and is not an empty folder; choose a new folder")
     return output
@@ -44,9 +46,9 @@ def save_splits(splits: Any, data: Data, output: Path, say: Callable[[str], None
     train, evl = pick_splits(splits, data, f"dataset '{data.name}'")
     eval_name = eval_split_name(splits, data)
     chosen = [(data.train_split, train), *([(eval_name, evl)] if evl is not None and eval_name else [])]
-    output.parent.mkdir(parents=True, exist_ok=True)
+    make_folders(output.parent)
     # Written next to the destination and renamed at the end: an interrupted run leaves no half folder.
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    staging = Path(tempfile.mkdtemp(prefix=hidden_prefix(output), dir=output.parent))
     try:
         for split, ds in chosen:
             shards = max(1, math.ceil(ds.data.nbytes / SHARD_BYTES))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpipe_cli.errors import UserError, shown
+from gpipe_cli.errors import PATH_SHOWN_CHARS, UserError, shown
 from gpipe_cli.limits import MAX_THREADS, outside
 
 if TYPE_CHECKING:  # the launcher imports this module
@@ -67,8 +67,43 @@ def check_device(backend: str, device: str, local_ranks: int) -> None:
                         f"share {gpus} GPU(s); use backend gloo or auto")
 
 
+# Linux's limits, in bytes: of one name in a path, and of a whole path (PATH_MAX counts the closing NUL too).
+NAME_MAX = 255
+PATH_MAX = 4095
+ALLOWED_LENGTHS = f"a name may have at most {NAME_MAX} bytes, a path at most {PATH_MAX} bytes"
+
+
+def path_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why no file system holds `path`, as words that follow it, e.g. "has a name of 300 bytes; ..." (None: none)."""
+    # Python 3.11's pathlib raises ENAMETOOLONG from is_dir() and exists(): checked before any of them is asked.
+    raw = os.fsencode(path)
+    if len(raw) > PATH_MAX:
+        return f"is {len(raw)} bytes long; {ALLOWED_LENGTHS}"
+    longest = max(len(name) for name in raw.split(b"/"))
+    return f"has a name of {longest} bytes; {ALLOWED_LENGTHS}" if longest > NAME_MAX else None
+
+
+def check_path(path: str | os.PathLike[str] | None, what: str) -> None:
+    """Refuse, in one line naming `what` (a flag), a path no file system holds: a name or the whole too long."""
+    if path is None:
+        return
+    problem = path_problem(path)
+    if problem is not None:
+        raise UserError(f"{what}: {shown(os.fsdecode(path), PATH_SHOWN_CHARS)} {problem}")
+
+
+def too_long_line(filename: object) -> str:
+    """The line for a "File name too long" that no check foresaw: the path the system refused, and what is allowed."""
+    if not isinstance(filename, (str, bytes)) or not filename:
+        return f"a file name is too long; {ALLOWED_LENGTHS}"
+    path = os.fsdecode(filename)
+    problem = path_problem(path) or f"is too long for its file system (on most, {ALLOWED_LENGTHS})"
+    return f"{shown(path, PATH_SHOWN_CHARS)} {problem}"
+
+
 def check_writable(path: Path, what: str) -> None:
     """Refuse an output directory that cannot be created or written, without leaving anything behind."""
+    check_path(path, what)
     existing = path
     while not os.path.exists(existing) and existing != existing.parent:  # os.path: no errors on long names
         if os.path.islink(existing):  # a dangling link: mkdir would fail later

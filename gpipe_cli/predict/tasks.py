@@ -13,6 +13,7 @@ from gpipe_cli.data.augment import IMAGE_EXTS, ImageTransform, pil_to_tensor
 from gpipe_cli.data.sources import first_line
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from gpipe_cli.errors import UserError, not_utf8, shown
+from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.models.transformer.decode import continue_text, translate, translation_limit
 from gpipe_cli.models.weights import Exported, parse
 from gpipe_cli.train.existing import EXPORTED
@@ -26,6 +27,7 @@ def load_export(path: str) -> Exported:
     """The export at `path`: its model description, weights and tokenizer; one line refuses anything else."""
     from safetensors import SafetensorError, safe_open
 
+    check_path(path, "MODEL")
     file = Path(path)
     if not path or not file.exists():
         raise UserError(f"no such model file: {shown(path)}; {_WRITE_ONE}")
@@ -103,6 +105,7 @@ def read_image(path: str) -> torch.Tensor:
 
 def check_image_path(path: str) -> None:
     """Refuse an input of an image model that names no file."""
+    check_path(path, "INPUT")
     if not os.path.isfile(path):
         what = "a directory" if os.path.isdir(path) else "no such file"
         raise UserError(f"{shown(path)}: {what}; an image model classifies image files "

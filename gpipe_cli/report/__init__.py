@@ -11,7 +11,8 @@ from rich.table import Table
 from gpipe_cli import plots
 from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError, shown
-from gpipe_cli.files import check_output
+from gpipe_cli.files import check_output, writing
+from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.records import PARTS
 from gpipe_cli.report import page
 from gpipe_cli.report.runs import (
@@ -121,6 +122,8 @@ def _console(tables: list[Table]) -> Console:
 
 def report(paths: list[Path], output: Path | None = None) -> int:
     """Print the tables of the runs and write the page (PNG, PDF or SVG); 1 without matplotlib (tables still shown)."""
+    for path in paths:  # before pathlib is asked about it
+        check_path(path, "RUN")
     paths = list({path.resolve(): path for path in paths}.values())  # a run given twice is one run
     runs = read_runs(paths)
     check_output(output, "--output", "report.png")  # a mistake in the argument: one line, before anything is shown
@@ -138,10 +141,7 @@ def report(paths: list[Path], output: Path | None = None) -> int:
     flag, hint = ("--output", "") if output is not None else ("", ELSEWHERE)
     target = output or (paths[0] / "report.png" if len(paths) == 1 else Path("report.png"))
     check_output(target, flag, "report.png", hint)
-    try:
+    with writing(target, flag, hint):  # a disk can fill, or a folder change, after the check; never half a page
         page.draw(runs, target)
-    except OSError as exc:  # a disk can fill, or a folder change, after the check; the page is never half there
-        where = (f"{flag}: " if flag else "") + f"cannot write {target}"
-        raise UserError(f"{where} ({exc.strerror or exc}){hint}") from None
     console.print(f"wrote {target}", soft_wrap=True)  # a path stays one line, ready to copy
     return 0

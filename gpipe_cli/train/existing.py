@@ -14,6 +14,7 @@ from typing import Any
 
 from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.files import atomic_write_bytes
+from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_yaml
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
@@ -236,6 +237,8 @@ def _value(value: Any) -> str:
 
 def check_resume_path(resume: str | None) -> None:
     """Refuse a --resume location that does not exist (a bare --resume is looked up later)."""
+    if resume != LATEST:
+        check_path(resume, "--resume")
     if resume not in (None, LATEST) and not os.path.exists(resume):
         raise UserError(f"--resume: no such run directory or checkpoint: {shown(resume)}")
     if resume not in (None, LATEST) and not os.path.isdir(resume):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -12,7 +13,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from gpipe_cli.errors import DataError, UserError, shown
-from gpipe_cli.files import atomic_path, check_output
+from gpipe_cli.files import atomic_path, check_output, writing
+from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.models import weights
 from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.recipe_model import model_spec
@@ -25,12 +27,14 @@ _MODEL = "model."
 
 def export(location: str, output: str | None = None, dtype: str | None = None) -> Path:
     """Write the newest verified checkpoint's model, recipe, tie map and tokenizer to one safetensors file."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     if dtype is not None and dtype not in weights.DTYPES:
         raise UserError(f"--dtype: {shown(dtype)} is not one of {', '.join(weights.DTYPES)}")
     if output is not None:  # found now, not after the checkpoint has been read; "" is the folder here, refused
         check_output(Path(output), "--output", EXPORTED)
+    check_path(location, "RUN")
     if not location or not os.path.exists(location):
         raise UserError(f"no such run directory or checkpoint: {shown(location)}")
     if not os.path.isdir(location):
@@ -52,12 +56,19 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     run_dir = run_dir_of(str(found.path))
     tensors, metadata = _described(tensors, run_dir, found.step, dtype)
     target = Path(output) if output is not None else run_dir / EXPORTED
-    try:
-        with atomic_path(target) as tmp:
+    # A full disk, a read-only file system: one line, and nothing left behind.
+    with writing(target, "--output" if output is not None else ""), atomic_path(target) as tmp:
+        try:
             save_file(tensors, str(tmp), metadata=metadata)
-    except OSError as exc:  # a full disk, a read-only file system: say so, leave nothing behind
-        raise UserError(f"cannot write {shown(str(target))} ({exc.strerror})") from None
+        except SafetensorError as exc:
+            raise _os_error(exc) from None
     return target
+
+
+def _os_error(exc: Exception) -> Exception:
+    """The OSError that a safetensors error words as text (its I/O errors end "(os error 28)"); else `exc`."""
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    return OSError(int(found[1]), os.strerror(int(found[1]))) if found else exc
 
 
 def _described(tensors: dict[str, torch.Tensor], run_dir: Path, step: int,

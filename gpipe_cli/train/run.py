@@ -17,7 +17,16 @@ from gpipe_cli import interrupts
 from gpipe_cli.console import say
 from gpipe_cli.data.offline import check_hub_data
 from gpipe_cli.errors import UserError, shown
-from gpipe_cli.launch import LaunchOptions, check_device, check_launch, check_writable, launch, under_torchrun, warming
+from gpipe_cli.launch import (
+    LaunchOptions,
+    check_device,
+    check_launch,
+    check_path,
+    check_writable,
+    launch,
+    under_torchrun,
+    warming,
+)
 from gpipe_cli.launch.preflight import dry_run_lines
 from gpipe_cli.models import families
 from gpipe_cli.progress import note
@@ -155,6 +164,7 @@ def train(options: TrainOptions) -> int:
     """Validate, then run the training job on K × D ranks; returns the exit code."""
     started = time.time()
     output.guard_stdout()  # a reader that goes loses the launcher's lines; rank 0 stops the run when it finds it gone
+    check_path(options.output_dir, "--output-dir")
     check_resume_path(options.resume)
     # Without a recipe, a resume trains with the run's own recipe.yaml (`recipe_file` names it).
     recipe, recipe_file = train_recipe(options.recipe, options.overrides, options.resume, options.output_dir, OUTPUTS)

@@ -182,3 +182,46 @@ def test_a_v_balance_counts_partitions_times_virtual_stages(capsys, command):
     assert capsys.readouterr().err.splitlines() == [
         "error: --balance 5,5 has 2 entries but --partitions 2 x --virtual-stages 2 is 4 chunks: give one layer "
         "count per chunk"]
+
+
+@pytest.mark.parametrize("flag", ["--json", "--trace"])
+def test_a_name_too_long_is_refused_in_one_line_before_measuring(tmp_path, capsys, monkeypatch, flag):
+    # It was a traceback (File name too long) once the whole measurement was done.
+    from gpipe_cli import sizing
+    from gpipe_cli.cli import run
+
+    def measured(*args):
+        raise AssertionError("sized or measured before the outputs were checked")
+
+    monkeypatch.setattr(sizing, "this_machine", measured)
+    monkeypatch.chdir(tmp_path)
+    code = run(["bench", *TINY, flag, "outputs/" + "a" * 300 + ".json", "--steps", "1", "--warmup", "0"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: {flag}: cannot write 'outputs/aaa") and err.endswith(
+        ": it has a name of 305 bytes; a name may have at most 255 bytes, a path at most 4095 bytes\n"), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_after_measuring_is_one_line_naming_the_flag(tmp_path, monkeypatch, handlers):
+    import errno
+    import io
+
+    from rich.console import Console
+
+    from gpipe_cli import files
+    from gpipe_cli.bench import runner, tables
+
+    class FullDisk(io.BytesIO):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_open = open
+    monkeypatch.setattr(files, "open", lambda path, mode="r": FullDisk() if "w" in mode else real_open(path, mode),
+                        raising=False)
+    monkeypatch.setattr(tables, "show", lambda summary, console: None)
+    summary = {"measured": True, "sized": {"note": "", "estimate_s": 1.0, "elapsed_s": 1.0}}
+    with pytest.raises(UserError) as caught:
+        runner.results(BenchOptions(json=tmp_path / "figures.json"), summary, [], Console(file=io.StringIO()))
+    assert str(caught.value) == f"--json: cannot write {str(tmp_path / 'figures.json')!r} (No space left on device)"
+    assert list(tmp_path.iterdir()) == []

@@ -107,6 +107,29 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_download(tmp_pat
         prepare_data(data(source="hub", name="x"), tmp_path / "file" / "out")
 
 
+def test_an_output_name_too_long_is_refused_before_the_download(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpipe_cli.data import prepare as prepare_mod
+    from gpipe_cli.errors import UserError
+
+    def no_download(*args: object) -> None:
+        raise AssertionError("downloaded before the output was checked")
+
+    monkeypatch.setattr(prepare_mod, "load_hub", no_download)
+    with pytest.raises(UserError, match=r"^--output: '.* has a name of 300 bytes; a name may have at most 255 bytes"):
+        prepare_data(data(source="hub", name="x"), tmp_path / ("a" * 300))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_name_of_255_bytes_is_staged_beside_it_and_renamed(tmp_path: Path) -> None:
+    # Its staging folder's name, `.NAME.XXXXXXXX`, was over the 255 bytes a name may have.
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a", "b"]})})
+    out = tmp_path / ("p" * 255)
+    assert [p.name for p in save_splits(splits, data(source="hub", name="x"), out)] == [
+        "train-00000-of-00001.parquet"]
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
 def test_the_prepare_data_command_saves_what_the_printed_set_reads(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner

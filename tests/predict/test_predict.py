@@ -112,6 +112,9 @@ def text_file(folder: Path) -> Path:
     (lambda tmp, exports: exports["translation"], ["PICTURE"], "is an image file, but this is a translation"),
     (lambda tmp, exports: exports["image"], ["one two"], "'one two': no such file; an image model classifies"),
     (lambda tmp, exports: exports["image"], [str(Path(__file__))], "is not an image PIL can read"),
+    # Python 3.11's pathlib raised "File name too long" from exists().
+    (lambda tmp, exports: tmp / ("m" * 300), ["x"], "has a name of 300 bytes; a name may have at most 255"),
+    (lambda tmp, exports: exports["image"], ["p" * 300 + ".png"], "has a name of 304 bytes"),
     (lambda tmp, exports: exports["image"], ["PICTURE", "--top", "4"], "--top: 4 is not between 1 and the model's 3"),
     (lambda tmp, exports: exports["translation"], ["x", "--max-tokens", "3"], "--max-tokens continues a language"),
     (lambda tmp, exports: exports["lm"], ["x", "--max-tokens", "0"], "--max-tokens: must be >= 1 and <= 100,000"),
@@ -124,7 +127,8 @@ def text_file(folder: Path) -> Path:
                                                                   "character 4)"),
 ], ids=["missing", "directory", "text file", "plain safetensors", "damaged", "no tokenizer", "weights of another shape",
         "image to lm",
-        "image to translation", "text to image model", "non-image file", "top", "max-tokens of translation",
+        "image to translation", "text to image model", "non-image file", "model name too long",
+        "image name too long", "top", "max-tokens of translation",
         "max-tokens 0", "max-tokens huge", "top of a text model", "not UTF-8"])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, exports, picture, capsys, model, args, fragment):
     args = [str(picture) if a == "PICTURE" else a for a in args]

@@ -103,6 +103,25 @@ def test_a_disk_that_fills_while_the_page_is_written_is_one_line_and_leaves_noth
     assert files(tmp_path) == before
 
 
+@pytest.mark.parametrize("args, says", [
+    (["RUN"], "error: RUN: '"),
+    (["run", "--output", "RUN.png"], "error: --output: cannot write '"),
+], ids=["run", "output"])
+def test_a_name_too_long_is_one_line_naming_the_argument_and_what_is_allowed(tmp_path, capsys, monkeypatch, args,
+                                                                             says):
+    # Python 3.11's pathlib raised "File name too long" from exists(): a traceback.
+    make_run(tmp_path / "run", 2)
+    monkeypatch.chdir(tmp_path)
+    before = files(tmp_path)
+    long = "a" * 300
+    assert cli(["report", *[a.replace("RUN", long) for a in args]]) == 2
+    captured = capsys.readouterr()
+    assert one_line(captured.err) and captured.err.startswith(says + "aaa"), captured.err
+    assert f"has a name of {len(long) + 4 * ('--output' in args)} bytes; a name may have at most 255 bytes, a " \
+           "path at most 4095 bytes" in captured.err
+    assert files(tmp_path) == before
+
+
 @pytest.mark.parametrize("name, content, says", [
     ("recipe.yaml", b": : :\n", "not valid YAML"),
     ("recipe.yaml", b"\xff\xfe\x00binary", "not UTF-8"),

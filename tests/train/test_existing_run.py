@@ -232,6 +232,23 @@ def test_a_new_run_into_a_directory_that_holds_a_run_is_refused_before_any_rank_
     assert hashes(run) == before and not no_ranks
 
 
+@pytest.mark.parametrize("flags", [["--output-dir", "OUT"], ["--resume", "OUT"], ["--output-dir", "OUT", "--resume"]])
+def test_a_run_directory_name_too_long_is_one_line_naming_the_flag_before_anything_starts(tmp_path, monkeypatch,
+                                                                                         no_ranks, capsys, flags):
+    # Python 3.11's pathlib raised "File name too long" from is_dir(): a traceback.
+    from gpipe_cli.cli import run
+
+    monkeypatch.chdir(tmp_path)
+    long = "outputs/" + "a" * 300
+    code = run(["train", "--plain", "--set", "train.steps=2", *[long if f == "OUT" else f for f in flags]])
+    captured = capsys.readouterr()
+    flag = flags[0]
+    assert code == 2 and captured.out == "" and len(captured.err.splitlines()) == 1, captured
+    assert captured.err.startswith(f"error: {flag}: 'outputs/aaa") and captured.err.endswith(
+        " has a name of 300 bytes; a name may have at most 255 bytes, a path at most 4095 bytes\n"), captured.err
+    assert list(tmp_path.iterdir()) == [] and not no_ranks
+
+
 def test_an_empty_or_never_started_directory_takes_a_new_run(tmp_path):
     existing.check_new_run_dir(tmp_path / "missing")
     folder = tmp_path / "run"

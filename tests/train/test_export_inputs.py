@@ -75,3 +75,22 @@ def test_a_run_whose_only_checkpoint_is_damaged_is_one_line_with_the_reason(tmp_
     line = one_error_line(code, captured.err, captured.out)
     assert "no complete checkpoint to export (step-00000003: " in line and data.name in line
     assert "using the one before it" not in captured.err
+
+
+def test_a_full_disk_is_one_line_naming_the_flag_and_leaves_no_partial_file(tmp_path, monkeypatch, capsys):
+    # safetensors says it in its own error, which was a traceback: "I/O error: No space left on device (os error 28)".
+    from safetensors import SafetensorError
+
+    def full_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr("safetensors.torch.save_file", full_disk)
+    save_one(tmp_path / "run", 2, value=1.0)
+    (tmp_path / "out").mkdir()
+    code = run(["export", str(tmp_path / "run"), "--output", str(tmp_path / "out" / "model.safetensors")])
+    err = capsys.readouterr().err  # after a line that the run has no recipe.yaml: the weights alone are exported
+    target = tmp_path / "out" / "model.safetensors"
+    assert code == 2 and "Traceback" not in err and [line for line in err.splitlines() if "error" in line] == [
+        f"error: --output: cannot write {str(target)!r} (No space left on device)"], err
+    assert list((tmp_path / "out").iterdir()) == []
