@@ -28,6 +28,7 @@ from gpipe_cli.train.existing import (
     check_checkpoint_keys,
     check_new_run_dir,
     check_resumable,
+    check_resume_output,
     check_resume_path,
     complete_line,
     holds_run,
@@ -154,6 +155,7 @@ def train(options: TrainOptions) -> int:
     """Validate, then run the training job on K × D ranks; returns the exit code."""
     started = time.time()
     check_resume_path(options.resume)
+    check_resume_output(options.resume, options.output_dir)
     # Without a recipe, a resume trains with the run's own recipe.yaml (`recipe_file` names it).
     recipe, recipe_file = train_recipe(options.recipe, options.overrides, options.resume, options.output_dir, OUTPUTS)
     world = recipe.pipeline.partitions * recipe.pipeline.data_parallel
