@@ -47,17 +47,21 @@ class Change:
         return f"{self.key} {_value(self.old)} -> {_value(self.new)}"
 
 
-def choose_run_dir(recipe: Recipe, output_dir: str | None, root: str = "outputs") -> Path:
-    """The directory this run will write to (not created yet)."""
+def choose_run_dir(recipe: Recipe, output_dir: str | None, root: str = "outputs", make: bool = False) -> Path:
+    """The directory this run will write to: not made yet, or with `make` made here, so that no other run takes it."""
     if output_dir:
         return Path(output_dir)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = Path(root) / recipe.name / stamp
-    suffix = 1
-    while path.exists():  # two runs started in the same second
-        path = Path(root) / recipe.name / f"{stamp}-{suffix}"
+    path, suffix = Path(root) / recipe.name / stamp, 0
+    while True:  # two runs started in the same second: the second gets "-1"
+        if make:
+            with contextlib.suppress(FileExistsError):
+                path.mkdir(parents=True)
+                return path
+        elif not path.exists():
+            return path
         suffix += 1
-    return path
+        path = Path(root) / recipe.name / f"{stamp}-{suffix}"
 
 
 def save_recipe(recipe: Recipe, run_dir: Path) -> None:
