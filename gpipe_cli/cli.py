@@ -31,7 +31,7 @@ from gpipe_cli.bench import BenchOptions
 from gpipe_cli.cli_help import polish
 from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError, one_line, shown
-from gpipe_cli.files import atomic_write_text, check_output, writing
+from gpipe_cli.files import another_file, atomic_write_text, check_not_input, check_output, writing
 from gpipe_cli.launch import launch_options
 from gpipe_cli.launch.preflight import too_long_line
 from gpipe_cli.limits import DIGITS
@@ -180,10 +180,13 @@ def validate(
     json_file: Path | None = typer.Option(None, "--json", help="Also write the recipe and plan as JSON here."),
 ) -> None:
     """Check a recipe and print the resolved recipe and the plan; trains nothing, reads no data."""
-    from gpipe_cli.recipe.load import load_recipe, recipe_label, recipe_yaml
+    from gpipe_cli.recipe.load import load_recipe, recipe_label, recipe_read, recipe_yaml
 
     loaded = load_recipe(recipe, set_ or [])
     check_output(json_file, "--json", "recipe.json")
+    if json_file is not None:
+        instead = another_file(json_file, f"{json_file.stem}.plan.json")
+        check_not_input(json_file, "--json", [recipe_read(recipe)], instead)
     from gpipe_cli.train.plan import checked_plan, plan_table  # torch: only once the recipe is valid
 
     plan = checked_plan(loaded, recipe_label(recipe))
@@ -335,8 +338,9 @@ def prepare_data(
 ) -> None:
     """Save a recipe's Hugging Face dataset once as local parquet files, for machines without network."""
     from gpipe_cli.data.prepare import prepare_data as save
-    from gpipe_cli.recipe.load import load_recipe
+    from gpipe_cli.recipe.load import load_recipe, recipe_read
 
+    check_not_input(Path(output), "--output", [recipe_read(recipe)], "name a new folder")
     files = save(load_recipe(recipe, set_ or []).data, Path(output))
     print(f"wrote {output} ({len(files)} parquet file{'s' if len(files) > 1 else ''}); train with "
           f"--set data.source=parquet --set data.path={output}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -91,7 +91,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def _shown(path: Path) -> str:
+def shown_path(path: Path) -> str:
     """`path` as an error repeats it."""
     return shown(str(path), PATH_SHOWN_CHARS)
 
@@ -112,7 +112,7 @@ def check_output(path: Path | None, flag: str, example: str = "out.json", hint: 
         raise UserError(f"{where}: it is a symbolic link, which the write would replace rather than follow; name "
                         f"the file itself{hint}")
     if os.path.isdir(path):  # os.path: no errors on names too long or looping links
-        raise UserError(f"{where}: it is a directory; name a file, e.g. {_shown(path / example)}{hint}")
+        raise UserError(f"{where}: it is a directory; name a file, e.g. {shown_path(path / example)}{hint}")
     if os.path.exists(path) and not os.path.isfile(path):  # a device or a FIFO: the rename would replace it
         raise UserError(f"{where}: it exists and is not a regular file; name a regular file or a new one{hint}")
     try:  # its folder, or the nearest existing parent atomic_write would fill
@@ -123,7 +123,7 @@ def check_output(path: Path | None, flag: str, example: str = "out.json", hint: 
 
 def _cannot_write(path: Path, flag: str) -> str:
     """The start of a line refusing `path`: "--json: cannot write 'x'" (no flag: a default place)."""
-    return (f"{flag}: " if flag else "") + f"cannot write {_shown(path)}"
+    return (f"{flag}: " if flag else "") + f"cannot write {shown_path(path)}"
 
 
 @contextlib.contextmanager
@@ -133,3 +133,27 @@ def writing(path: Path, flag: str, hint: str = "") -> Iterator[None]:
         yield
     except OSError as exc:  # atomic_write has left nothing behind
         raise UserError(f"{_cannot_write(path, flag)} ({exc.strerror or exc}){hint}") from None
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two names reach one existing file (another spelling, a link); False when either is missing."""
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):  # missing, unreadable, or a name no file system takes
+        return False
+
+
+def another_file(path: Path, name: str) -> str:
+    """What a refusal of `path` suggests instead: `name` in the same folder."""
+    return f"name another file, e.g. {shown_path(path.with_name(name))}"
+
+
+# `inputs`: each file the command reads (None: none there) and what it is, e.g. "the recipe itself".
+def check_not_input(path: Path | None, flag: str, inputs: Iterable[tuple[str | Path | None, str]],
+                    instead: str) -> None:
+    """Refuse, before any work and in one line naming `flag`, an output that is a file the command itself reads."""
+    if path is None:
+        return
+    for source, what in inputs:
+        if source is not None and same_file(path, source):
+            raise UserError(f"{flag} {shown_path(path)} is {what}: writing there would replace it; {instead}")

@@ -11,7 +11,8 @@ import pytest
 from gpipe_cli import plots
 from gpipe_cli.bench import trace
 from gpipe_cli.errors import UserError
-from gpipe_cli.files import atomic_write, atomic_write_text, check_output, hidden_prefix, writing
+from gpipe_cli.files import atomic_write, atomic_write_text, check_not_input, check_output, hidden_prefix, writing
+from gpipe_cli.recipe.load import default_recipe_text
 
 
 def test_text_is_written_whole_with_no_temporary_file_left(tmp_path: Path):
@@ -194,3 +195,84 @@ def test_a_write_that_fails_is_one_line_naming_the_flag_and_the_reason(tmp_path:
         atomic_write(target, full_disk)
     assert str(caught.value) == f"--json: cannot write {str(target)!r} (No space left on device)"
     assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------- an output that is the command's own input
+
+def test_an_output_that_is_an_input_by_any_name_is_refused_and_another_is_not(tmp_path: Path):
+    source = tmp_path / "r.yaml"
+    source.write_text("name: r\n")
+    (tmp_path / "link.yaml").symlink_to(source.name)
+    os.link(source, tmp_path / "hard.yaml")
+    for spelling in (source, tmp_path / "." / "r.yaml", tmp_path / "link.yaml", tmp_path / "hard.yaml"):
+        with pytest.raises(UserError) as caught:
+            check_not_input(spelling, "--json", [(None, "nothing"), (source, "the recipe itself")], "name another file")
+        assert str(caught.value) == (f"--json {str(spelling)!r} is the recipe itself: writing there would replace it; "
+                                     "name another file")
+    check_not_input(tmp_path / "other.json", "--json", [(source, "the recipe itself")], "")  # a new file
+    check_not_input(None, "--json", [(source, "the recipe itself")], "")
+    assert source.read_text() == "name: r\n"
+
+
+def _recipe(folder: Path) -> Path:
+    """A small recipe file, as a user keeps one beside the outputs they ask for."""
+    path = folder / "r.yaml"
+    path.write_text(default_recipe_text())
+    return path
+
+
+# Each command with an output flag naming the recipe it reads (the refusal comes before any work: nothing that
+# measures or loads torch for the model runs).
+@pytest.mark.parametrize("args,flag,instead", [
+    (["validate", "r.yaml", "--json", "r.yaml"], "--json", "r.plan.json"),
+    (["validate", "link.yaml", "--json", "./r.yaml"], "--json", "r.plan.json"),
+    (["bench", "r.yaml", "--steps", "1", "--warmup", "0", "--json", "r.yaml"], "--json", "r.bench.json"),
+    (["bench", "r.yaml", "--steps", "1", "--warmup", "0", "--trace", "r.yaml"], "--trace", "r.trace.json"),
+    (["profile-memory", "r.yaml", "--json", "r.yaml"], "--json", "r.memory.json"),
+    (["plan", "link.yaml", "--devices", "2", "--output", "r.yaml"], "--output", "r.planned.yaml"),
+], ids=["validate", "validate link", "bench json", "bench trace", "profile-memory", "plan"])
+def test_an_output_that_is_the_recipe_read_is_refused_before_any_work(tmp_path, capsys, monkeypatch, args, flag,
+                                                                      instead):
+    from gpipe_cli.cli import run
+
+    def worked(*args, **kwargs):
+        raise AssertionError("the command worked before refusing its output")
+
+    for where in ("gpipe_cli.train.plan.checked_plan", "gpipe_cli.bench.runner.run", "gpipe_cli.profile.runner.run",
+                  "gpipe_cli.plan.runner._plan"):
+        monkeypatch.setattr(where, worked)
+    monkeypatch.chdir(tmp_path)
+    recipe = _recipe(tmp_path)
+    (tmp_path / "link.yaml").symlink_to(recipe.name)
+    err = _refused(capsys, run(args))
+    named = str(Path(args[args.index(flag) + 1]))
+    assert err == (f"error: {flag} {named!r} is the recipe itself: writing there would replace it; name another "
+                   f"file, e.g. {str(Path(named).with_name(instead))!r}\n")
+    assert recipe.read_text() == default_recipe_text()
+    assert sorted(os.listdir(tmp_path)) == ["link.yaml", "r.yaml"]
+
+
+def test_validate_without_a_recipe_never_writes_over_the_built_in_one(capsys, monkeypatch):
+    from gpipe_cli.cli import run
+    from gpipe_cli.recipe.load import recipe_read
+
+    built_in, what = recipe_read(None)
+    assert isinstance(built_in, Path) and what == "the built-in recipe"
+    monkeypatch.setattr("gpipe_cli.train.plan.checked_plan", lambda *a, **k: pytest.fail("planned first"))
+    err = _refused(capsys, run(["validate", "--json", str(built_in)]))
+    assert err.startswith(f"error: --json {str(built_in)!r} is the built-in recipe: writing there would replace it")
+    assert built_in.read_text() == default_recipe_text()
+
+
+def test_prepare_data_refuses_an_output_that_is_its_recipe(tmp_path, capsys, monkeypatch):
+    from gpipe_cli.cli import run
+
+    monkeypatch.setattr("gpipe_cli.data.prepare.prepare_data", lambda *a, **k: pytest.fail("prepared first"))
+    monkeypatch.chdir(tmp_path)
+    recipe = _recipe(tmp_path)
+    (tmp_path / "link.yaml").symlink_to(recipe.name)
+    err = _refused(capsys, run(["prepare-data", "link.yaml", "--output", "r.yaml"]))
+    assert err == ("error: --output 'r.yaml' is the recipe itself: writing there would replace it; name a new "
+                   "folder\n")
+    assert recipe.read_text() == default_recipe_text() and sorted(os.listdir(tmp_path)) == ["link.yaml", "r.yaml"]
+

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import shlex
 import time
 from collections.abc import Callable
@@ -12,9 +11,9 @@ from typing import Any
 
 from gpipe_cli import interrupts
 from gpipe_cli.errors import UserError, shown
-from gpipe_cli.files import check_output
+from gpipe_cli.files import another_file, check_not_input, check_output
 from gpipe_cli.plan.options import ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US, PlanOptions, validate
-from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_label
+from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_label, recipe_read
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import read_recipe_file
 from gpipe_cli.units import human_bytes, human_seconds
@@ -102,18 +101,19 @@ def _not_the_recipe(options: PlanOptions) -> None:
     """Refuse an --output that is the input recipe itself (or, for the built-in one, its copy in recipes/): the plan
     would replace it, comments and all."""
     output, recipe = options.output, options.recipe
-    if output is None or not output.is_file():
+    if output is None:
         return
-    try:
-        # Without a recipe the built-in one is planned: a checkout ships it as recipes/quickstart.yaml too.
-        same = (os.path.samefile(output, recipe) if recipe is not None
-                else output.read_text(errors="replace") == default_recipe_text())
-    except OSError:  # one vanished or cannot be looked at: the write itself then says what is wrong
+    instead = another_file(output, output.stem + ".planned.yaml")
+    check_not_input(output, "--output", [recipe_read(recipe)], instead)
+    if recipe is not None or not output.is_file():
         return
-    if same:
-        what = "the recipe itself" if recipe is not None else "the built-in recipe being planned"
-        raise UserError(f"--output {shown(str(output))} is {what}: the plan would replace it; name "
-                        f"another file, e.g. {shown(str(output.with_name(output.stem + '.planned.yaml')))}")
+    try:  # without a recipe the built-in one is planned: a checkout ships it as recipes/quickstart.yaml too
+        copy = output.read_text(errors="replace") == default_recipe_text()
+    except OSError:  # it vanished or cannot be read: the write itself then says what is wrong
+        return
+    if copy:
+        raise UserError(f"--output {shown(str(output))} is the built-in recipe being planned: writing there would "
+                        f"replace it; {instead}")
 
 
 def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any]]) -> Callable[[], int]:

@@ -16,7 +16,7 @@ from gpipe_cli.estimate.model_flags import (
     shared_fields,
     v_problem,
 )
-from gpipe_cli.files import check_output
+from gpipe_cli.files import another_file, check_not_input, check_output
 from gpipe_cli.limits import DIGITS, MAX_RANKS, MAX_SIZE, one_of, outside, refuse, words
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
@@ -159,6 +159,9 @@ def validate(options: ProfileOptions) -> None:
         # Nothing fits no memory at all: a table of empty rows would only hide the typo.
         raise UserError(f"--budget: must be more than 0 bytes, e.g. 8GiB (got '{cut(options.budget)}')")
     check_output(options.json, "--json", "memory.json")
+    if options.json is not None:  # a --model that names a file is the recipe read
+        check_not_input(options.json, "--json", [(options.model, "the recipe itself")],
+                        another_file(options.json, f"{options.json.stem}.memory.json"))
 
 
 def _check_partitions(partitions: list[int]) -> None:

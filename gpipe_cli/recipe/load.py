@@ -19,11 +19,19 @@ from gpipe_cli.recipe.schema import DEFAULT_KIND, LOCAL_SOURCES, MODEL_SECTIONS,
 from gpipe_cli.recipe.yamlio import RecipeError, dump, parse_document, parse_value, read_recipe_file
 
 __all__ = ["RecipeError", "apply_override", "default_recipe_text", "load_recipe", "parse_override",
-           "recipe_label", "recipe_yaml", "typed_values", "validate"]
+           "recipe_label", "recipe_read", "recipe_yaml", "typed_values", "validate"]
 
 def default_recipe_text() -> str:
     """The small recipe `gpipe train` runs when given none."""
     return resources.files("gpipe_cli.recipe").joinpath("quickstart.yaml").read_text()
+
+
+def recipe_read(path: str | Path | None) -> tuple[str | Path | None, str]:
+    """The file a command reads its recipe from (None: not a file) and what to call it: an output must not be it."""
+    if path is not None:
+        return path, "the recipe itself"
+    built_in = resources.files("gpipe_cli.recipe").joinpath("quickstart.yaml")
+    return (built_in if isinstance(built_in, Path) else None), "the built-in recipe"
 
 
 def recipe_label(path: str | Path | None) -> str:

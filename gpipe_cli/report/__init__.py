@@ -11,7 +11,7 @@ from rich.table import Table
 from gpipe_cli import plots
 from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError, shown
-from gpipe_cli.files import check_output, writing
+from gpipe_cli.files import check_not_input, check_output, writing
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.records import PARTS
 from gpipe_cli.report import page
@@ -127,6 +127,9 @@ def report(paths: list[Path], output: Path | None = None) -> int:
     paths = list({path.resolve(): path for path in paths}.values())  # a run given twice is one run
     runs = read_runs(paths)
     check_output(output, "--output", "report.png")  # a mistake in the argument: one line, before anything is shown
+    check_not_input(output, "--output", [(path / name, f"a run's {name}") for path in paths
+                                         for name in ("metrics.jsonl", "recipe.yaml")],
+                    "name another file, e.g. report.png")
     if output is not None and output.suffix.lower().lstrip(".") not in plots.FORMATS:
         raise UserError(f"--output: the page is written as PNG, PDF or SVG: name a file ending in .png, .pdf or .svg "
                         f"(got {shown(str(output))})")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli.errors import UserError, cut, shown
-from gpipe_cli.files import atomic_write_bytes
+from gpipe_cli.files import atomic_write_bytes, same_file
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_yaml
 from gpipe_cli.recipe.schema import Recipe
@@ -48,17 +48,21 @@ class Change:
         return f"{self.key} {_value(self.old)} -> {_value(self.new)}"
 
 
-def choose_run_dir(recipe: Recipe, output_dir: str | None, root: str = "outputs") -> Path:
-    """The directory this run will write to (not created yet)."""
+def choose_run_dir(recipe: Recipe, output_dir: str | None, root: str = "outputs", make: bool = False) -> Path:
+    """The directory this run will write to: not made yet, or with `make` made here, so that no other run takes it."""
     if output_dir:
         return Path(output_dir)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = Path(root) / recipe.name / stamp
-    suffix = 1
-    while path.exists():  # two runs started in the same second
-        path = Path(root) / recipe.name / f"{stamp}-{suffix}"
+    path, suffix = Path(root) / recipe.name / stamp, 0
+    while True:  # two runs started in the same second: the second gets "-1"
+        if make:
+            with contextlib.suppress(FileExistsError):
+                path.mkdir(parents=True)
+                return path
+        elif not path.exists():
+            return path
         suffix += 1
-    return path
+        path = Path(root) / recipe.name / f"{stamp}-{suffix}"
 
 
 def save_recipe(recipe: Recipe, run_dir: Path) -> None:
@@ -243,6 +247,19 @@ def check_resume_path(resume: str | None) -> None:
         raise UserError(f"--resume: no such run directory or checkpoint: {shown(resume)}")
     if resume not in (None, LATEST) and not os.path.isdir(resume):
         raise UserError(f"--resume: {shown(resume)} is a file; give a run directory or one of its checkpoint folders")
+
+
+def check_resume_output(resume: str | None, output_dir: str | None) -> None:
+    """Refuse an --output-dir beside a --resume that names a run elsewhere: a resume writes where its run is."""
+    if resume in (None, LATEST) or not output_dir:  # a bare --resume continues (or starts) the run in --output-dir
+        return
+    run = run_dir_of(resume)
+    if same_file(run, output_dir):
+        return
+    which = "that run" if run == Path(resume) else f"the run in {cut(str(run), PATH_CHARS)}"
+    raise UserError(f"--output-dir {cut(output_dir, PATH_CHARS)}: --resume {cut(resume, PATH_CHARS)} continues "
+                    f"{which} where it is; drop --output-dir, or give --output-dir with a bare --resume to continue "
+                    "the run in it")
 
 
 def train_recipe(recipe: str | None, overrides: Sequence[str], resume: str | None, output_dir: str | None,

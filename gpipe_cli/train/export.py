@@ -13,13 +13,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from gpipe_cli.errors import DataError, UserError, shown
-from gpipe_cli.files import atomic_path, check_output, writing
+from gpipe_cli.files import atomic_path, check_not_input, check_output, shown_path, writing
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.models import weights
 from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.recipe_model import model_spec
 from gpipe_cli.train import checkpoint
-from gpipe_cli.train.existing import EXPORTED, RECIPE, candidates, run_dir_of
+from gpipe_cli.train.existing import CHECKPOINTS, EXPORTED, METRICS, RECIPE, candidates, run_dir_of
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
 
 _MODEL = "model."
@@ -39,6 +39,8 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
         raise UserError(f"no such run directory or checkpoint: {shown(location)}")
     if not os.path.isdir(location):
         raise UserError(f"{shown(location)} is a file; give a run directory or one of its checkpoint folders")
+    if output is not None:  # the run directory of the checkpoint that will be read
+        _check_not_the_runs(Path(output), run_dir_of(str(next(iter(candidates(Path(location))), location))))
     found, refused = checkpoint.newest_whole(Path(location), verify=True)
     if found is None:  # each refused one's reason, in the one line (they are read again: only on this way out)
         reasons = "; ".join(f"{p.name}: {checkpoint.inspect(p, verify=True)[1]}" for p in candidates(Path(location)))
@@ -69,6 +71,24 @@ def _os_error(exc: Exception) -> Exception:
     """The OSError that a safetensors error words as text (its I/O errors end "(os error 28)"); else `exc`."""
     found = re.search(r"\(os error (\d+)\)", str(exc))
     return OSError(int(found[1]), os.strerror(int(found[1]))) if found else exc
+
+
+def _check_not_the_runs(output: Path, run_dir: Path) -> None:
+    """Refuse an --output that is one of the files the run keeps: its recipe, metrics, tokenizer or checkpoints."""
+    instead = f"name another file, e.g. {shown_path(run_dir / EXPORTED)}"
+    kept = [run_dir / name for name in (RECIPE, METRICS, TOKENIZER_FILE)]
+    check_not_input(output, "--output", [(path, f"the run's {path.name}") for path in kept], instead)  # a hard link
+    try:  # by name too: such a file need not be there yet
+        where, named = output.resolve(), {path.resolve(): path.name for path in kept}
+        inside = where.is_relative_to((run_dir / CHECKPOINTS).resolve())
+    except (OSError, RuntimeError):  # a name that cannot be resolved: the write then says what is wrong
+        return
+    if where in named:
+        raise UserError(f"--output {shown_path(output)} is the run's {named[where]}: writing there would replace "
+                        f"it; {instead}")
+    if inside:
+        raise UserError(f"--output {shown_path(output)} is inside the run's {CHECKPOINTS}/, which training prunes and "
+                        f"resumes from; {instead}")
 
 
 def _described(tensors: dict[str, torch.Tensor], run_dir: Path, step: int,

@@ -61,9 +61,9 @@ class Trainer:
                    f"{topo.device.type}; planning the cut")
         self.spec: ModelSpec = model_spec(recipe)
         self.plan: Plan = self._plan()
-        chosen = run_dir_of(job.resume) if job.resume else choose_run_dir(recipe, job.output_dir)
+        chosen = job.run_dir or (run_dir_of(job.resume) if job.resume else choose_run_dir(recipe, job.output_dir))
         self.run_dir = Path(self.topo.share(str(chosen) if self.layout.rank == 0 else None))
-        fresh = not self.run_dir.exists()
+        fresh = job.run_dir is not None or not self.run_dir.exists()  # made for this run by its launcher, or not yet
         try:
             self._build()
         except BaseException:

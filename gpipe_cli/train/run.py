@@ -27,18 +27,21 @@ from gpipe_cli.launch import (
     under_torchrun,
     warming,
 )
-from gpipe_cli.launch.preflight import dry_run_lines
+from gpipe_cli.launch.preflight import dry_run_lines, rendezvous
 from gpipe_cli.models import families
 from gpipe_cli.progress import note
 from gpipe_cli.recipe.load import recipe_label
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.train import output
+from gpipe_cli.train.claim import held
 from gpipe_cli.train.existing import (
     Change,
     check_checkpoint_keys,
     check_new_run_dir,
     check_resumable,
+    check_resume_output,
     check_resume_path,
+    choose_run_dir,
     complete_line,
     holds_run,
     recipe_changes,
@@ -166,6 +169,7 @@ def train(options: TrainOptions) -> int:
     output.guard_stdout()  # a reader that goes loses the launcher's lines; rank 0 stops the run when it finds it gone
     check_path(options.output_dir, "--output-dir")
     check_resume_path(options.resume)
+    check_resume_output(options.resume, options.output_dir)
     # Without a recipe, a resume trains with the run's own recipe.yaml (`recipe_file` names it).
     recipe, recipe_file = train_recipe(options.recipe, options.overrides, options.resume, options.output_dir, OUTPUTS)
     world = recipe.pipeline.partitions * recipe.pipeline.data_parallel
@@ -186,12 +190,39 @@ def train(options: TrainOptions) -> int:
         raise UserError("--dry-run: this process is already a rank that torchrun started; run it outside "
                         "torchrun to see the launch")
     # torch from here on: the recipe and the arguments are known to be good. The ranks' server imports it too.
-    with contextlib.nullcontext() if options.dry_run else warming(options.launch, local):  # no rank to fork
-        return _plan_and_run(options, recipe, recipe_file, world, local, started)
+    # `holding` keeps the run directory this launch claims until its ranks have ended.
+    with contextlib.ExitStack() as holding, \
+            contextlib.nullcontext() if options.dry_run else warming(options.launch, local):  # no rank to fork
+        return _plan_and_run(options, recipe, recipe_file, world, local, started, holding)
+
+
+def claims(options: LaunchOptions, world: int) -> bool:
+    """Whether this process claims the job's run directory: rank 0 under torchrun, else rank 0's node's launcher."""
+    # Every rank under torchrun runs this command, and every node's launcher on several nodes, where only rank 0
+    # writes the run; a launcher knows it starts rank 0 on a job's one node, or as node 0 of a static rendezvous.
+    if under_torchrun():
+        return os.environ.get("RANK", "0") == "0"
+    rdzv = rendezvous(world, options)
+    return rdzv.max_nodes == 1 or rdzv.node_rank == 0
+
+
+def _claim(options: TrainOptions, recipe: Recipe, resume: str | None, holding: contextlib.ExitStack) -> Path | None:
+    """Hold this launch's run directory until `holding` closes; the directory when it was made for this run."""
+    made = False
+    if options.output_dir:  # a bare --resume continues, or starts, the run there
+        run_dir, flag, instead = Path(options.output_dir), "--output-dir", "wait until it ends, or give another " \
+            "--output-dir"
+    elif resume is not None:
+        run_dir, flag, instead = run_dir_of(resume), "--resume", "wait until it ends"
+    else:  # made at once, so that two runs started in the same second never share one
+        run_dir, flag, instead = choose_run_dir(recipe, None, OUTPUTS, make=True), "the output directory", \
+            "wait until it ends"
+        made = True
+    return run_dir if holding.enter_context(held(run_dir, flag, instead, made)) else None
 
 
 def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None, world: int, local: int,
-                  started: float) -> int:
+                  started: float, holding: contextlib.ExitStack) -> int:
     """Check the plan (and a resume) against this machine, say what starts, and run the ranks; the exit code."""
     first = not under_torchrun() or os.environ.get("RANK", "0") == "0"
     live = options.plain is False or (options.plain is None and sys.stdout.isatty())
@@ -212,6 +243,12 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
         available = float(memory_model.available_bytes("cuda" if torch.cuda.is_available() else "cpu"))
         checked_plan(recipe, recipe_label(recipe_file), must_fit=not under_torchrun(), available=available)
         resume = resume_location(options.resume, options.output_dir, recipe.name, OUTPUTS) if options.resume else None
+        # Held from here until the ranks end, and what follows judged under the claim: a run that another launch
+        # finished meanwhile is found, and one it is writing refuses this launch.
+        new_dir = _claim(options, recipe, resume, holding) if not options.dry_run and claims(options.launch, world) \
+            else None
+        if options.output_dir and not options.resume:
+            check_new_run_dir(Path(options.output_dir))
         fresh = resume is not None and options.resume == "latest" and options.output_dir is not None \
             and not holds_run(Path(options.output_dir))
         if fresh:  # a scheduler's first launch of a job that resumes when requeued: nothing to continue yet
@@ -245,7 +282,7 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
             say(resume_line(run_dir_of(resume), step, changes, options.recipe, continued, options.overrides),
                 sys.stdout)
     job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
-              resume=resume, started=started, available=available)
+              resume=resume, started=started, available=available, run_dir=str(new_dir) if new_dir else None)
     if under_torchrun():
         from gpipe_cli.train.worker import run_job
 

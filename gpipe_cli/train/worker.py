@@ -27,6 +27,7 @@ class Job:
     resume: str | None = None  # a run directory or checkpoint to continue from
     started: float | None = None  # time.time() when the command started, for elapsed times on screen
     available: float | None = None  # memory free when the plan was checked: the ranks cut for the same
+    run_dir: str | None = None  # a new run's directory, made (and held) by the launcher for it
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,6 +63,7 @@ def _run(job: Job) -> int:
         from gpipe_cli.pipeline.heartbeat import Heartbeat
         from gpipe_cli.recipe.schema import Recipe
         from gpipe_cli.recipe_model import pipeline_config
+        from gpipe_cli.train import claim
         from gpipe_cli.train.loop import Trainer
 
     if int(os.environ.get("GPIPE_THREADS", "0")) > 0:  # the intra-op threads the launcher chose for this rank
@@ -78,7 +80,11 @@ def _run(job: Job) -> int:
                       lambda r: f"rank {r} (stage {r % stages})") if watch is not None else None)
 
     def train() -> int:
-        code = Trainer(recipe, job, topo).run()
+        try:
+            code = Trainer(recipe, job, topo).run()
+        except BaseException:
+            claim.remove_now()  # a failure ends this process at once; under torchrun rank 0 holds the run's claim
+            raise
         if topo.distributed:  # inside the guard: a peer that fails now still stops this rank cleanly
             dist.barrier(group=topo.transport.control)
         return code

@@ -180,3 +180,15 @@ def test_an_output_of_another_format_is_refused_before_the_tables(tmp_path, caps
     assert captured.out == "" and one_line(captured.err)
     assert "--output: the page is written as PNG, PDF or SVG: name a file ending in .png, .pdf or .svg" in captured.err
     assert files(tmp_path) == before
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "recipe.yaml"])
+def test_an_output_that_is_a_runs_own_file_is_refused_and_kept(tmp_path, capsys, name):
+    run = make_run(tmp_path / "run", 2)
+    before = {path: path.read_bytes() for path in files(run) if path.is_file()}
+    code = cli(["report", str(run), "--output", str(run / name)])
+    err = capsys.readouterr().err
+    assert code == 2 and one_line(err), err
+    assert err.startswith(f"error: --output {str(run / name)!r} is a run's {name}: writing there would replace it; "
+                          "name another file, e.g. report.png"), err
+    assert {path: path.read_bytes() for path in files(run) if path.is_file()} == before

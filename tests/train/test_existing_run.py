@@ -277,6 +277,31 @@ def test_resume_into_an_output_dir_that_holds_no_run_yet_starts_one_there(tmp_pa
     assert jobs and jobs[0]["resume"] is None and jobs[0]["output_dir"] == str(tmp_path / "job-17")
 
 
+@pytest.mark.parametrize("given", ["run", "checkpoint"])
+def test_output_dir_beside_a_resume_of_a_run_elsewhere_is_refused_before_anything_starts(tmp_path, no_ranks, given):
+    # It was ignored: the resume trained on in the run it named, and --output-dir was never made.
+    _, run = make_run(tmp_path, steps=(4,))
+    before = hashes(run)
+    location = run if given == "run" else run / "checkpoints" / "step-00000004"
+    which = "that run" if given == "run" else f"the run in {run}"
+    other = tmp_path / "other"
+    result = runner.invoke(app, ["train", "--plain", "--resume", str(location), "--output-dir", str(other), "--set",
+                                 "train.steps=8"])
+    assert result.exit_code == 2, result.output
+    assert error_line(result) == (f"error: --output-dir {other}: --resume {location} continues {which} where it is; "
+                                  "drop --output-dir, or give --output-dir with a bare --resume to continue the run in "
+                                  "it")
+    assert result.stdout == "" and not other.exists() and hashes(run) == before and not no_ranks
+
+
+def test_output_dir_that_is_the_resumed_run_itself_is_accepted(tmp_path, no_ranks):
+    _, run = make_run(tmp_path, steps=(4,))
+    result = runner.invoke(app, ["train", "--plain", "--resume", str(run / "checkpoints" / "step-00000004"),
+                                 "--output-dir", f"{run}/", "--set", "train.steps=8"])
+    assert result.exit_code == 0, result.output
+    assert f"resuming {run} at step 4" in result.stdout and no_ranks == [1]
+
+
 def test_the_last_step_comes_from_metrics_else_the_newest_checkpoint(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / "step-00000012").mkdir(parents=True)

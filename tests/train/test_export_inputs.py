@@ -94,3 +94,37 @@ def test_a_full_disk_is_one_line_naming_the_flag_and_leaves_no_partial_file(tmp_
     assert code == 2 and "Traceback" not in err and [line for line in err.splitlines() if "error" in line] == [
         f"error: --output: cannot write {str(target)!r} (No space left on device)"], err
     assert list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.parametrize("target", ["recipe.yaml", "metrics.jsonl", "tokenizer.model", "checkpoints/model.safetensors",
+                                    "checkpoints/step-00000002/model.safetensors", "sub/../recipe.yaml"])
+@pytest.mark.parametrize("given", ["run", "checkpoint"])
+def test_an_output_that_is_one_of_the_runs_own_files_is_refused_before_the_checkpoint_is_read(
+        tmp_path, monkeypatch, capsys, target, given):
+    # `--output RUN/recipe.yaml` wrote safetensors over the run's recipe, and the run could no longer resume.
+    run_dir = tmp_path / "run"
+    save_one(run_dir, 2, value=1.0)
+    (run_dir / "recipe.yaml").write_text("name: r\n")
+    (run_dir / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    (run_dir / "sub").mkdir()
+    monkeypatch.setattr("gpipe_cli.train.checkpoint.newest_whole",
+                        lambda *args, **kwargs: pytest.fail("the checkpoint was read first"))
+    before = {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")}
+    location = run_dir if given == "run" else run_dir / "checkpoints" / "step-00000002"
+    code = run(["export", str(location), "--output", str(run_dir / target)])
+    captured = capsys.readouterr()
+    line = one_error_line(code, captured.err, captured.out)
+    what = "is inside the run's checkpoints/" if target.startswith("checkpoints") else \
+        f"is the run's {Path(target).name}: writing there would replace it"
+    assert line.startswith(f"error: --output {str(run_dir / target)!r} {what}"), line
+    assert line.endswith(f"name another file, e.g. {str(run_dir / 'model.safetensors')!r}"), line
+    assert {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")} == before
+
+
+def test_an_existing_file_that_is_not_the_runs_is_still_replaced(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    save_one(run_dir, 2, value=1.0)
+    (run_dir / "notes.safetensors").write_bytes(b"old")
+    assert run(["export", str(run_dir), "--output", str(run_dir / "notes.safetensors")]) == 0
+    assert f"wrote {run_dir / 'notes.safetensors'}" in capsys.readouterr().out
+    assert (run_dir / "notes.safetensors").read_bytes() != b"old"

@@ -10,10 +10,10 @@ from tests.train.test_existing_run import error_line, hashes, make_run, no_ranks
 
 
 def test_a_run_directory_without_checkpoints_is_refused_before_any_rank_starts(tmp_path, no_ranks):  # noqa: F811
-    path, run = make_run(tmp_path, steps=(2,))
+    path, _ = make_run(tmp_path, steps=(2,))
     empty = tmp_path / "empty"
     empty.mkdir()
-    result = train(path, run, "--resume", str(empty))
+    result = train(path, empty, "--resume", str(empty))  # --output-dir is where a resume writes: the run itself
     assert result.exit_code == 2, result.output
     assert error_line(result) == f"error: --resume {empty}: no usable checkpoint (there are no checkpoints there)"
     assert list(empty.iterdir()) == [] and not no_ranks

@@ -1,0 +1,107 @@
+"""A run directory held by the one `gpipe train` that writes it, so that a second one into it is refused."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+from gpipe_cli.errors import UserError, cut
+
+LOCK = ".gpipe-train.lock"  # in the run directory while a gpipe train holds it; removed as that one ends
+_TRIES = 100  # claims lost to a holder that ended meanwhile (it removes its lock file): each then tries again
+_HELD: dict[Path, int] = {}  # this process's claims: each lock file and the descriptor that locks it
+
+
+# The lock is an flock on a file in the directory: it ends with the process that holds it, however that process
+# ends, so a failed launch never leaves a claim behind. `flag` names the directory in a refusal, `instead` ends it;
+# `made`: the caller has just made `run_dir` for this run. A directory made for the run and left empty is removed.
+@contextlib.contextmanager
+def held(run_dir: Path, flag: str, instead: str, made: bool = False) -> Iterator[bool]:
+    """Hold `run_dir` in the block (made if missing), refusing one another gpipe train holds; yields if it is new."""
+    fd, created = _claim(run_dir, f"{flag}: {cut(str(run_dir), 200)}", instead, made)
+    if fd is not None:
+        _HELD[run_dir / LOCK] = fd
+    try:
+        yield created
+    finally:
+        if fd is not None:
+            _remove(fd, run_dir / LOCK)
+            del _HELD[run_dir / LOCK]
+            os.close(fd)
+        if created:  # a run that never started leaves nothing behind; a folder with anything in it stays
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
+
+
+def _claim(run_dir: Path, where: str, instead: str, made: bool) -> tuple[int | None, bool]:
+    """The locked file's descriptor (None: no lock can be taken here) and whether the directory is new."""
+    created = made
+    for _ in range(_TRIES):
+        try:
+            run_dir.mkdir(parents=True)
+            created = True
+        except FileExistsError:
+            pass
+        except OSError:  # cannot be made: the checks that follow say why in their own line
+            return None, created
+        try:
+            fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except FileNotFoundError:  # a run that never started removed its directory meanwhile
+            continue
+        except OSError:  # e.g. a directory this user cannot write: the checks that follow refuse it
+            return None, created
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise UserError(f"{where} is being written by another gpipe train ({holder}); {instead}") from None
+        except OSError:  # a file system without locks (some network mounts): the directory is not held
+            os.close(fd)
+            return None, created
+        if _ours(fd, run_dir / LOCK):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+            return fd, created
+        os.close(fd)  # its holder ended and removed it after this process opened it: lock the file there now
+    return None, created
+
+
+def remove_now() -> None:
+    """Remove this process's lock files, still holding them, before it ends without unwinding (a rank that failed)."""
+    # Under torchrun the claim is rank 0's own, and a rank that fails exits at once: its lock ends with it, and
+    # nothing should be left in the run directory either.
+    for path, fd in _HELD.items():
+        _remove(fd, path)
+
+
+def _remove(fd: int, path: Path) -> None:
+    """Remove the lock file `fd` holds, unless another file has taken its name."""
+    # Removed while still held: a claim that opened it meanwhile finds it gone once it gets the lock, and tries anew.
+    if _ours(fd, path):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _ours(fd: int, path: Path) -> bool:
+    """Whether `path` is still the file open as `fd` (its holder removes it as it ends)."""
+    try:
+        mine, there = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _holder(fd: int) -> str:
+    """The process that holds the lock, as its file names it: "pid N", with its host where that is another."""
+    try:
+        pid, _, host = os.pread(fd, 300, 0).decode(errors="replace").strip().partition(" ")
+    except OSError:
+        pid, host = "", ""
+    if not pid.isdigit():  # it has just taken the lock and not yet written its name
+        return "one that has just started"
+    return f"pid {pid}" + (f" on {host}" if host and host != socket.gethostname() else "")

@@ -1,0 +1,207 @@
+"""A run directory is held by the one `gpipe train` writing it: a second launch into it is refused in one line,
+before any rank starts, and a launch that ends, however it ends, leaves no claim behind."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpipe_cli.cli import app
+from gpipe_cli.errors import UserError
+from gpipe_cli.launch import LaunchOptions
+from gpipe_cli.recipe.load import load_recipe
+from gpipe_cli.train import claim
+from gpipe_cli.train.existing import choose_run_dir, run_dir_of
+from gpipe_cli.train.run import claims
+from tests.train import recipes
+from tests.train.test_existing_run import error_line, hashes, make_run
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Start no rank: record each launch's job and what its run directory held while the ranks would run."""
+    seen: list[dict] = []
+
+    def launch(module, args, *rest, **kwargs):
+        job = json.loads(Path(args[0]).read_text())
+        where = Path(job["run_dir"] or job["output_dir"] or run_dir_of(job["resume"]))
+        lock = where / claim.LOCK
+        job["held_by"] = lock.read_text().split()[0] if lock.is_file() else None
+        seen.append(job)
+        return 0
+
+    monkeypatch.setattr("gpipe_cli.train.run.launch", launch)
+    return seen
+
+
+def train(*args: str):
+    return runner.invoke(app, ["train", "--plain", *args])
+
+
+# ----------------------------------------------------------------- the claim itself
+
+def test_a_claim_makes_the_directory_names_its_process_and_leaves_nothing_once_it_ends(tmp_path):
+    run = tmp_path / "new" / "run"
+    with claim.held(run, "--output-dir", "wait") as made:
+        assert made and (run / claim.LOCK).read_text().split()[0] == str(os.getpid())
+    assert not run.exists()  # nothing was written: a run that never started leaves nothing behind
+    run.mkdir()
+    with claim.held(run, "--output-dir", "wait") as made:
+        assert not made
+        (run / "metrics.jsonl").write_text("")
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]  # the lock file goes, the run stays
+
+
+def test_a_second_claim_is_refused_in_one_line_naming_the_holder(tmp_path):
+    run = tmp_path / "run"
+    with claim.held(run, "--output-dir", "wait until it ends"):
+        with pytest.raises(UserError) as caught, claim.held(run, "--output-dir", "wait until it ends"):
+            pytest.fail("claimed twice")
+        assert str(caught.value) == (f"--output-dir: {run} is being written by another gpipe train "
+                                     f"(pid {os.getpid()}); wait until it ends")
+    with claim.held(run, "--output-dir", "wait") as made:  # free again once the first has ended
+        assert made
+
+
+def test_a_holder_on_another_host_is_named_with_it(tmp_path):
+    run = tmp_path / "run"
+    with claim.held(run, "--output-dir", "wait"):
+        (run / claim.LOCK).write_text("4321 node-17\n")
+        with pytest.raises(UserError, match=r"another gpipe train \(pid 4321 on node-17\); wait$"), \
+                claim.held(run, "--output-dir", "wait"):
+            pass
+
+
+def test_a_claim_ends_with_its_process_however_it_ends(tmp_path):
+    # A flock dies with the process: a launch killed outright never leaves a claim that refuses a retry.
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from gpipe_cli.train.claim import held\n"
+                               "with held(Path(sys.argv[1]), '--output-dir', 'wait'):\n"
+                               "    print('held', flush=True); time.sleep(60)", str(run)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(UserError, match=f"pid {holder.pid}"), claim.held(run, "--output-dir", "wait"):
+            pass
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    assert (run / claim.LOCK).exists()  # left by the killed process, and no obstacle
+    with claim.held(run, "--output-dir", "wait") as made:
+        assert not made and (run / claim.LOCK).read_text().split()[0] == str(os.getpid())
+
+
+def test_runs_started_in_the_same_second_each_get_a_directory_of_their_own(tmp_path, monkeypatch):
+    class Clock:  # every launch in the same second
+        class datetime:  # noqa: N801 (stands in for the module's datetime.datetime)
+            @staticmethod
+            def now() -> datetime.datetime:
+                return datetime.datetime(2026, 12, 2, 9, 30, 0)
+
+    monkeypatch.setattr("gpipe_cli.train.existing.datetime", Clock)
+    recipe = load_recipe(recipes.write(tmp_path, copy.deepcopy(recipes.TINY_TRANSLATION)))
+    made = [choose_run_dir(recipe, None, str(tmp_path / "outputs"), make=True) for _ in range(3)]
+    assert [p.name for p in made] == ["20261202-093000", "20261202-093000-1", "20261202-093000-2"]
+    assert all(p.is_dir() for p in made)
+
+
+def test_one_process_of_a_job_claims(monkeypatch):
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert claims(LaunchOptions(), 2)  # the job's one launcher
+    assert claims(LaunchOptions(nnodes="2", node_rank=0, rdzv_endpoint="h:29500"), 4)
+    assert not claims(LaunchOptions(nnodes="2", node_rank=1, rdzv_endpoint="h:29500"), 4)
+    assert not claims(LaunchOptions(nnodes="2", rdzv_backend="c10d", rdzv_endpoint="h:29500"), 4)  # rank 0's node?
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert not claims(LaunchOptions(), 2)  # under torchrun every rank runs the command: rank 0 claims
+    monkeypatch.setenv("RANK", "0")
+    assert claims(LaunchOptions(), 2)
+
+
+# ----------------------------------------------------------------- gpipe train
+
+def test_a_second_train_into_a_directory_being_written_is_refused_before_any_rank_starts(tmp_path, launches):
+    # Two launches seconds apart both passed the checks and wrote one metrics.jsonl, records interleaved.
+    path = recipes.write(tmp_path, copy.deepcopy(recipes.TINY_TRANSLATION))
+    out = tmp_path / "out"
+    with claim.held(out, "--output-dir", "wait"):  # the first launch, its ranks still setting up
+        result = train(str(path), "--output-dir", str(out))
+        assert result.exit_code == 2, result.output
+        assert error_line(result) == (f"error: --output-dir: {out} is being written by another gpipe train "
+                                      f"(pid {os.getpid()}); wait until it ends, or give another --output-dir")
+        assert not launches and [p.name for p in out.iterdir()] == [claim.LOCK]
+    result = train(str(path), "--output-dir", str(out))  # once it has ended
+    assert result.exit_code == 0, result.output
+    assert launches[0]["run_dir"] == str(out) and launches[0]["held_by"] == str(os.getpid())
+    assert not out.exists()  # the stand-in ranks wrote nothing: the directory made for them goes
+
+
+def test_a_resume_of_a_run_being_written_is_refused_and_the_run_kept(tmp_path, launches):
+    path, run = make_run(tmp_path, steps=(4,))
+    with claim.held(run, "--output-dir", "wait"):
+        before = hashes(run)
+        for args in (["--resume", str(run)], [str(path), "--output-dir", str(run), "--resume", "latest"]):
+            result = train(*args, "--set", "train.steps=8")
+            assert result.exit_code == 2, result.output
+            flag = "--resume" if "--output-dir" not in args else "--output-dir"
+            assert error_line(result).startswith(f"error: {flag}: {run} is being written by another gpipe train "
+                                                 f"(pid {os.getpid()}); wait until it ends")
+        assert hashes(run) == before and not launches
+    result = train("--resume", str(run), "--set", "train.steps=8")
+    assert result.exit_code == 0, result.output
+    assert launches[0]["run_dir"] is None and launches[0]["resume"] == str(run) and launches[0]["held_by"] == \
+        str(os.getpid())
+    assert claim.LOCK not in os.listdir(run)
+
+
+def test_a_new_run_in_the_default_place_is_made_and_held_by_its_launch(tmp_path, monkeypatch, launches):
+    monkeypatch.chdir(tmp_path)
+    path = recipes.write(tmp_path, copy.deepcopy(recipes.TINY_TRANSLATION))
+    assert train(str(path)).exit_code == 0
+    made = Path(launches[0]["run_dir"])
+    assert made.parent == Path("outputs", "tiny-translation") and launches[0]["held_by"] == str(os.getpid())
+    assert not made.exists() and Path("outputs", "tiny-translation").is_dir()
+
+
+def test_a_dry_run_claims_nothing(tmp_path, launches):
+    path = recipes.write(tmp_path, copy.deepcopy(recipes.TINY_TRANSLATION))
+    with claim.held(tmp_path / "out", "--output-dir", "wait"):
+        result = train(str(path), "--output-dir", str(tmp_path / "out"), "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert not launches and not (tmp_path / "out").exists()
+
+
+def test_the_command_refuses_a_directory_another_process_holds_in_one_line(tmp_path):
+    path = recipes.write(tmp_path, copy.deepcopy(recipes.TINY_TRANSLATION))
+    out = tmp_path / "out"
+    with claim.held(out, "--output-dir", "wait"):
+        proc = subprocess.run([sys.executable, "-m", "gpipe_cli.cli", "train", str(path), "--output-dir", str(out),
+                               "--plain"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (f"error: --output-dir: {out} is being written by another gpipe train (pid {os.getpid()}); "
+                           "wait until it ends, or give another --output-dir\n")
+    assert "starting" not in proc.stdout and not out.exists()
+
+
+def test_a_rank_that_fails_removes_its_lock_file_before_it_ends(tmp_path):
+    # Under torchrun rank 0 holds the claim itself, and a failed rank exits without unwinding.
+    run = tmp_path / "run"
+    run.mkdir()
+    with claim.held(run, "--output-dir", "wait"):
+        claim.remove_now()
+        assert os.listdir(run) == []
+    assert os.listdir(run) == []
