@@ -249,6 +249,18 @@ def test_a_run_directory_name_too_long_is_one_line_naming_the_flag_before_anythi
     assert list(tmp_path.iterdir()) == [] and not no_ranks
 
 
+def test_an_empty_output_dir_is_refused_rather_than_read_as_none(tmp_path, monkeypatch, no_ranks, capsys):
+    # `--output-dir ''` sent the run to outputs/<name>/<time>, as if the flag were not there.
+    from gpipe_cli.cli import run
+
+    monkeypatch.chdir(tmp_path)
+    assert run(["train", "--plain", "--output-dir", ""]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == ("error: --output-dir: an empty path names no directory; give one, or leave the flag out "
+                            "for outputs/<name>/<time>\n") and captured.out == ""
+    assert list(tmp_path.iterdir()) == [] and not no_ranks
+
+
 def test_an_empty_or_never_started_directory_takes_a_new_run(tmp_path):
     existing.check_new_run_dir(tmp_path / "missing")
     folder = tmp_path / "run"
