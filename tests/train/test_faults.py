@@ -185,9 +185,11 @@ def test_damaged_checkpoints_fall_back_one_line_each_on_every_rank(full_disk, tm
     assert proc.codes == [0, 0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     lines = error_lines(proc.stderr)
-    assert len(lines) == 3, proc.stderr[-3000:]
+    assert len(lines) == 4, proc.stderr[-3000:]
     assert "step-00000006 is incomplete or corrupt: file" in lines[0] and "does not match its checksum" in lines[0]
     assert "step-00000004 is incomplete or corrupt:" in lines[1]
     assert "builtins.print, which a checkpoint never holds" in lines[1]
     assert lines[2].endswith("step-00000002 (step 2)") and "resumed from" in lines[2]
+    # The damaged ones go out of the next resume's way, kept.
+    assert "moved the checkpoints after step 2 (step-00000004, step-00000006) to" in lines[3]
     assert losses(run)[3] == reference[3]
