@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import os
@@ -75,8 +76,12 @@ def set_aside_newer(run_dir: Path, step: int, when: str) -> Path | None:
     newer = [p for p in candidates(run_dir / CHECKPOINTS) if _number(p) > step]
     if not newer:
         return None
-    aside = run_dir / CHECKPOINTS / f"superseded-{when}-at-step-{step}"
-    aside.mkdir(parents=True, exist_ok=True)
+    base = run_dir / CHECKPOINTS / f"superseded-{when}-at-step-{step}"
+    for n in itertools.count():  # a folder of its own, even for two resumes in one second
+        aside = base.with_name(f"{base.name}-{n}") if n else base
+        with contextlib.suppress(FileExistsError):
+            aside.mkdir()
+            break
     for path in newer:
         path.rename(aside / path.name)
     return aside

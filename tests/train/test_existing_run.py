@@ -345,6 +345,9 @@ def test_a_resume_from_an_earlier_checkpoint_moves_the_newer_ones_out_of_the_nex
     assert sorted(p.name for p in aside.iterdir()) == [p.name for p in newer]
     assert checkpoint.candidates(tmp_path) == [kept]
     assert checkpoint.set_aside_newer(tmp_path, 4, "later") is None  # nothing newer: nothing made
+    again = save(tmp_path, 5)  # another resume from step 4 within the same second
+    assert checkpoint.set_aside_newer(tmp_path, 4, "20261202-101010") == aside.with_name(f"{aside.name}-1")
+    assert not again.exists() and sorted(p.name for p in aside.iterdir()) == [p.name for p in newer]
 
 
 def test_retention_runs_on_the_next_save_after_an_abort_left_one_too_many(tmp_path):
