@@ -46,12 +46,31 @@ class _Guarded:
         self.closed_by()
 
 
-def guard_stdout(closed: Callable[[], None] = lambda: None) -> None:
-    """Standard output from now on: a closed pipe calls `closed` once instead of raising in whatever printed."""
-    if isinstance(sys.stdout, _Guarded):  # a rank under torchrun: the command guarded it first
-        sys.stdout.closed_by = closed
-    else:
-        sys.stdout = _Guarded(sys.stdout, closed)  # type: ignore[assignment]
+def guard_output(closed: Callable[[], None] = lambda: None) -> None:
+    """Standard output and error from now on: a closed pipe calls `closed` once instead of raising in the printer."""
+    # Both: `gpipe train 2>&1 | head` closes the one the stop's own lines go to.
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = getattr(sys, name)
+        if isinstance(stream, _Guarded):  # a rank under torchrun: the command guarded it first
+            stream.closed_by = closed
+        elif stream is not None:
+            setattr(sys, name, _Guarded(stream, closed))
+        else:  # started with it closed (`>&-`): what is printed goes nowhere
+            setattr(sys, name, open(_null_on(fd), "w", closefd=False))  # noqa: SIM115 (the process's own stream)
+
+
+def _null_on(fd: int) -> int:
+    """`fd`, made /dev/null when it is closed: else the next file opened (a lock, a checkpoint) would take it."""
+    try:
+        os.fstat(fd)
+        return os.open(os.devnull, os.O_WRONLY)  # taken already: leave it be
+    except OSError:
+        null = os.open(os.devnull, os.O_WRONLY)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        os.set_inheritable(fd, True)  # as the closed one would have been: the ranks print there too
+        return fd
 
 
 def stop_run() -> None:

@@ -166,7 +166,7 @@ def train_args(options: TrainOptions) -> list[str]:
 def train(options: TrainOptions) -> int:
     """Validate, then run the training job on K × D ranks; returns the exit code."""
     started = time.time()
-    output.guard_stdout()  # a reader that goes loses the launcher's lines; rank 0 stops the run when it finds it gone
+    output.guard_output()  # a reader that goes loses the launcher's lines; rank 0 stops the run when it finds it gone
     if options.output_dir == "":  # it read as no flag at all, and the run went to outputs/<name>/<time>
         raise UserError("--output-dir: an empty path names no directory; give one, or leave the flag out for "
                         f"{OUTPUTS}/<name>/<time>")

@@ -47,7 +47,7 @@ def run_job(job: Job, started: Path | None = None, announce: bool = True) -> int
     """Join the job as this rank and train, returning the exit code; any failure stops every rank with its message."""
     try:
         stopping.until_started(announce=announce and os.environ.get("RANK", "0") == "0", marker=started)
-        output.guard_stdout(output.stop_run)
+        output.guard_output(output.stop_run)
         return _run(job)
     except stopping.StoppedEarly as stop:
         return 128 + stop.signum

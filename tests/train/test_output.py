@@ -16,13 +16,30 @@ def test_a_closed_pipe_is_told_once_and_later_writes_go_nowhere(monkeypatch):
     os.close(read)  # the reader has gone
     calls = []
     monkeypatch.setattr("sys.stdout", stream)
-    output.guard_stdout(lambda: calls.append(1))
+    monkeypatch.setattr("sys.stderr", sys.stderr)  # guarded too: put back after
+    output.guard_output(lambda: calls.append(1))
     print("step 1", flush=True)
     print("step 2", flush=True)
     assert calls == [1]
     assert os.readlink(f"/proc/self/fd/{stream.fileno()}") == os.devnull
-    output.guard_stdout(lambda: calls.append(2))  # guarded once: a second guard only changes what is called
+    output.guard_output(lambda: calls.append(2))  # guarded once: a second guard only changes what is called
     assert sys.stdout._stream is stream
+    stream.close()
+
+
+def test_a_closed_stderr_is_told_too_and_a_stream_closed_at_start_is_left_alone(monkeypatch):
+    # `2>&1 | head`: the stop's own line to stderr failed and the ranks ended before their checkpoint.
+    # `>&-`: sys.stdout is None, and wrapping it made the first flush a traceback.
+    read, write = os.pipe()
+    stream = os.fdopen(write, "w")
+    os.close(read)
+    monkeypatch.setattr("sys.stdout", None)
+    monkeypatch.setattr("sys.stderr", stream)
+    calls = []
+    output.guard_output(lambda: calls.append(1))
+    assert sys.stdout is None
+    print("[gpipe] stopping", file=sys.stderr, flush=True)
+    assert calls == [1]
     stream.close()
 
 
@@ -58,3 +75,15 @@ def test_a_stop_signal_inside_a_finaliser_comes_again_after_it(monkeypatch):
 class _Started:
     def start(self):
         pass
+
+
+def test_a_closed_descriptor_becomes_dev_null_that_the_ranks_inherit():
+    # `gpipe train >&-`: os.open's /dev/null on fd 1 was not inheritable, so every rank started without a stdout.
+    fd = 250
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    try:
+        assert output._null_on(fd) == fd
+        assert os.readlink(f"/proc/self/fd/{fd}") == os.devnull and os.get_inheritable(fd)
+    finally:
+        os.close(fd)
