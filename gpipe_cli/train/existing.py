@@ -262,6 +262,15 @@ def check_resume_output(resume: str | None, output_dir: str | None) -> None:
                     "the run in it")
 
 
+def check_recipe_kept(recipe: str | None, output_dir: str | None, resume: str | None) -> None:
+    """Refuse a new run whose --output-dir's recipe.yaml is the recipe given: the run writes its resolved one there."""
+    # A resume rewrites the run's own recipe.yaml as it goes on, which is what that file is for.
+    if recipe and output_dir and not resume and same_file(recipe, Path(output_dir) / RECIPE):
+        raise UserError(f"--output-dir {cut(output_dir, PATH_CHARS)}: its {RECIPE} is the recipe given, which the "
+                        f"run would replace with the resolved recipe (comments gone); keep the recipe elsewhere, or "
+                        "give another --output-dir")
+
+
 def train_recipe(recipe: str | None, overrides: Sequence[str], resume: str | None, output_dir: str | None,
                  root: str) -> tuple[Recipe, str | None]:
     """The recipe this command trains, and the file it was read from (None: the built-in one)."""

@@ -38,6 +38,7 @@ from gpipe_cli.train.existing import (
     Change,
     check_checkpoint_keys,
     check_new_run_dir,
+    check_recipe_kept,
     check_resumable,
     check_resume_output,
     check_resume_path,
@@ -173,6 +174,7 @@ def train(options: TrainOptions) -> int:
     check_path(options.output_dir, "--output-dir")
     check_resume_path(options.resume)
     check_resume_output(options.resume, options.output_dir)
+    check_recipe_kept(options.recipe, options.output_dir, options.resume)
     # Without a recipe, a resume trains with the run's own recipe.yaml (`recipe_file` names it).
     recipe, recipe_file = train_recipe(options.recipe, options.overrides, options.resume, options.output_dir, OUTPUTS)
     world = recipe.pipeline.partitions * recipe.pipeline.data_parallel

@@ -261,6 +261,20 @@ def test_an_empty_output_dir_is_refused_rather_than_read_as_none(tmp_path, monke
     assert list(tmp_path.iterdir()) == [] and not no_ranks
 
 
+def test_a_new_run_never_writes_over_the_recipe_it_was_given(tmp_path, monkeypatch, no_ranks, capsys):
+    # `gpipe train recipe.yaml --output-dir .` beside it replaced the user's recipe with the resolved one.
+    from gpipe_cli.cli import run
+    from gpipe_cli.recipe.load import default_recipe_text
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipe.yaml").write_text(default_recipe_text())
+    assert run(["train", "recipe.yaml", "--plain", "--output-dir", "."]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: --output-dir .: its recipe.yaml is the recipe given, which the run would "
+                                   "replace") and len(captured.err.splitlines()) == 1, captured.err
+    assert (tmp_path / "recipe.yaml").read_text() == default_recipe_text() and not no_ranks
+
+
 def test_an_empty_or_never_started_directory_takes_a_new_run(tmp_path):
     existing.check_new_run_dir(tmp_path / "missing")
     folder = tmp_path / "run"
