@@ -314,9 +314,10 @@ class Trainer:
         if step > self.total_steps:
             raise UserError(past_end(self.job.resume, path.name, step, *self._end()))
         if self.layout.rank == 0 and step < self.total_steps:
+            # The newer checkpoints go first: should that fail, the records of their steps are still there.
+            aside = checkpoint.set_aside_newer(self.run_dir, step, time.strftime("%Y%m%d-%H%M%S"))
             trim_metrics(self.run_dir / "metrics.jsonl", step)
             print(f"[gpipe] resumed from {path} (step {step})", file=sys.stderr, flush=True)
-            aside = checkpoint.set_aside_newer(self.run_dir, step, time.strftime("%Y%m%d-%H%M%S"))
             if aside is not None:
                 names = ", ".join(sorted(p.name for p in aside.iterdir()))
                 print(f"[gpipe] moved the checkpoints after step {step} ({names}) to {aside}: the run trains on "
