@@ -35,7 +35,9 @@ from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.train import output
 from gpipe_cli.train.claim import held
 from gpipe_cli.train.existing import (
+    METRICS,
     Change,
+    candidates,
     check_checkpoint_keys,
     check_new_run_dir,
     check_recipe_kept,
@@ -255,9 +257,15 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
         if options.output_dir and not options.resume:
             check_new_run_dir(Path(options.output_dir))
         fresh = resume is not None and options.resume == "latest" and options.output_dir is not None \
-            and not holds_run(Path(options.output_dir))
+            and not candidates(Path(options.output_dir))  # no checkpoint at all; a damaged one is refused below
         if fresh:  # a scheduler's first launch of a job that resumes when requeued: nothing to continue yet
             resume = None
+        # A launch that ended before its first checkpoint left records of steps no resume can continue.
+        dropped = bool(fresh and options.output_dir and holds_run(Path(options.output_dir)))
+        if dropped and options.output_dir and not options.dry_run:
+            from gpipe_cli.train.resume import trim_metrics
+
+            trim_metrics(Path(options.output_dir) / METRICS, 0)
         changes: list[Change] | None = None
         complete: int | None = None
         step: int | None = None
@@ -280,8 +288,9 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
     if first:
         announce(recipe, options.launch.nnodes, options.launch.threads, sys.stdout, said=not live)
         if fresh:
-            say(note(started, f"--resume: {shown(str(options.output_dir))} holds no run yet; starting a new one "
-                              "there"), sys.stdout)
+            said = ("holds no checkpoint yet; the run starts there again from step 0 (the steps it recorded are "
+                    "dropped)" if dropped else "holds no run yet; starting a new one there")
+            say(note(started, f"--resume: {shown(str(options.output_dir))} {said}"), sys.stdout)
         if resume is not None:  # before any rank starts: the run's recipe.yaml will record what it changes
             continued = options.recipe is None
             say(resume_line(run_dir_of(resume), step, changes, options.recipe, continued, options.overrides),

@@ -303,6 +303,27 @@ def test_resume_into_an_output_dir_that_holds_no_run_yet_starts_one_there(tmp_pa
     assert jobs and jobs[0]["resume"] is None and jobs[0]["output_dir"] == str(tmp_path / "job-17")
 
 
+def test_a_requeued_job_killed_before_its_first_checkpoint_starts_again(tmp_path, monkeypatch, capsys):
+    # Its steps were recorded, no checkpoint written: every requeue was refused ("no usable checkpoint").
+    jobs: list[dict] = []
+
+    def launch(module, args, *rest, **kwargs):
+        jobs.append(json.loads(Path(args[0]).read_text()))
+        return 0
+
+    monkeypatch.setattr("gpipe_cli.train.run.launch", launch)
+    path = recipes.write(tmp_path, copy.deepcopy(recipes.TINY_TRANSLATION))
+    job = tmp_path / "job-18"
+    (job / "checkpoints" / ".step-00000004.partial").mkdir(parents=True)  # cut short by the kill
+    (job / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n{"kind": "train", "step": 2}\n')
+    from gpipe_cli.cli import run
+
+    assert run(["train", str(path), "--output-dir", str(job), "--plain", "--resume"]) == 0
+    assert ("holds no checkpoint yet; the run starts there again from step 0 (the steps it recorded are dropped)"
+            in capsys.readouterr().out)
+    assert jobs and jobs[0]["resume"] is None and (job / "metrics.jsonl").read_text() == ""
+
+
 @pytest.mark.parametrize("given", ["run", "checkpoint"])
 def test_output_dir_beside_a_resume_of_a_run_elsewhere_is_refused_before_anything_starts(tmp_path, no_ranks, given):
     # It was ignored: the resume trained on in the run it named, and --output-dir was never made.
