@@ -33,7 +33,7 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.files import atomic_write_bytes
 from gpipe_cli.pipeline import heartbeat
 from gpipe_cli.pipeline.failure import ANNOUNCED
-from gpipe_cli.train.existing import CHECKPOINTS, PREFIX, candidates
+from gpipe_cli.train.existing import CHECKPOINTS, PREFIX, SUPERSEDED, candidates
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
 from gpipe_cli.units import human_bytes
 
@@ -76,7 +76,7 @@ def set_aside_newer(run_dir: Path, step: int, when: str) -> Path | None:
     newer = [p for p in candidates(run_dir / CHECKPOINTS) if _number(p) > step]
     if not newer:
         return None
-    base = run_dir / CHECKPOINTS / f"superseded-{when}-at-step-{step}"
+    base = run_dir / CHECKPOINTS / f"{SUPERSEDED}{when}-at-step-{step}"
     for n in itertools.count():  # a folder of its own, even for two resumes in one second
         aside = base.with_name(f"{base.name}-{n}") if n else base
         with contextlib.suppress(FileExistsError):

@@ -20,6 +20,7 @@ from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
 
 RECIPE = "recipe.yaml"
+SUPERSEDED = "superseded-"  # checkpoints/superseded-...: a course a resume from an earlier step left
 EXPORTED = "model.safetensors"  # what gpipe export writes into the run directory by default
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
@@ -73,8 +74,8 @@ def save_recipe(recipe: Recipe, run_dir: Path) -> None:
 def run_dir_of(location: str) -> Path:
     """The run directory a --resume location belongs to (a run directory or one of its checkpoints)."""
     path = Path(location)
-    if path.name.startswith(PREFIX):
-        return path.parent.parent
+    if path.name.startswith(PREFIX):  # in checkpoints/, or in a folder a resume set it aside into
+        return path.parents[2] if path.parent.name.startswith(SUPERSEDED) else path.parent.parent
     return path.parent if path.name == CHECKPOINTS else path
 
 

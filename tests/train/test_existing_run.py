@@ -379,6 +379,8 @@ def test_a_resume_from_an_earlier_checkpoint_moves_the_newer_ones_out_of_the_nex
     assert aside == tmp_path / "checkpoints" / "superseded-20261202-101010-at-step-4"
     assert sorted(p.name for p in aside.iterdir()) == [p.name for p in newer]
     assert checkpoint.candidates(tmp_path) == [kept]
+    # One of them can still be resumed: it belongs to this run (it was named a checkpoints/ folder's).
+    assert existing.run_dir_of(str(aside / newer[0].name)) == tmp_path
     assert checkpoint.set_aside_newer(tmp_path, 4, "later") is None  # nothing newer: nothing made
     again = save(tmp_path, 5)  # another resume from step 4 within the same second
     assert checkpoint.set_aside_newer(tmp_path, 4, "20261202-101010") == aside.with_name(f"{aside.name}-1")
