@@ -28,7 +28,7 @@ from gpipe_cli.pipeline.step import PendingStep
 from gpipe_cli.recipe.schema import Recipe, TransformerModel
 from gpipe_cli.recipe_model import build_optimizer, model_spec, optimizer_name, pipeline_config
 from gpipe_cli.records import EvalRecord, TrainRecord
-from gpipe_cli.train import checkpoint, cut, evaluation, nonfinite, optim
+from gpipe_cli.train import checkpoint, cut, evaluation, nonfinite, optim, output
 from gpipe_cli.train.existing import (
     CHECKPOINTS,
     choose_run_dir,
@@ -467,6 +467,7 @@ class Trainer:
         self.metrics.write(record)
         self.summary.add(record, batch.global_size, stats.units)
         self.view.show(record, self.recipe.train.log_every)
+        output.check_readers()
         if decision == "ok":
             return
         what = nonfinite.what_went_wrong(result.loss, result.grad_norm, stats.nonfinite(), self.spec.layer_names)

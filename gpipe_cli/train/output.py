@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
+import stat
 import sys
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -30,6 +32,18 @@ class _Guarded:
             self._stream.flush()
         except BrokenPipeError:
             self._lost()
+
+    def check(self) -> None:
+        """Call `closed` now if this stream is a pipe whose reader has gone, though nothing was written since."""
+        if self._gone:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            fd = self._stream.fileno()
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                poll = select.poll()
+                poll.register(fd, select.POLLOUT)
+                if any(events & select.POLLERR for _, events in poll.poll(0)):  # a pipe's writer, reader gone
+                    self._lost()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
@@ -57,6 +71,15 @@ def guard_output(closed: Callable[[], None] = lambda: None) -> None:
             setattr(sys, name, _Guarded(stream, closed))
         else:  # started with it closed (`>&-`): what is printed goes nowhere
             setattr(sys, name, open(_null_on(fd), "w", closefd=False))  # noqa: SIM115 (the process's own stream)
+
+
+def check_readers() -> None:
+    """Call the guard's `closed` for a pipe whose reader has gone, before anything more is printed there."""
+    # Once a step: a run that prints rarely (the live view into a pipe, a large train.log_every) stops after
+    # this step, not at its next line, which may be hundreds of steps on.
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, _Guarded):
+            stream.check()
 
 
 def _null_on(fd: int) -> int:

@@ -89,3 +89,20 @@ def test_a_closed_descriptor_becomes_dev_null_that_the_ranks_inherit():
         assert os.readlink(f"/proc/self/fd/{fd}") == os.devnull and os.get_inheritable(fd)
     finally:
         os.close(fd)
+
+
+def test_a_reader_gone_is_found_before_anything_more_is_printed(monkeypatch):
+    # With the live view into a pipe (nothing printed between evals) the run trained on for 100 steps, unread.
+    read, write = os.pipe()
+    stream = os.fdopen(write, "w")
+    monkeypatch.setattr("sys.stdout", stream)
+    monkeypatch.setattr("sys.stderr", sys.stderr)
+    calls = []
+    output.guard_output(lambda: calls.append(1))
+    output.check_readers()
+    assert calls == []  # a reader still there
+    os.close(read)
+    output.check_readers()
+    output.check_readers()
+    assert calls == [1]
+    stream.close()
