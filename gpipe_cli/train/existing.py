@@ -257,10 +257,10 @@ def check_resume_output(resume: str | None, output_dir: str | None) -> None:
     run = run_dir_of(resume)
     if same_file(run, output_dir):
         return
-    which = "that run" if run == Path(resume) else f"the run in {cut(str(run), PATH_CHARS)}"
-    raise UserError(f"--output-dir {cut(output_dir, PATH_CHARS)}: --resume {cut(resume, PATH_CHARS)} continues "
-                    f"{which} where it is; drop --output-dir, or give --output-dir with a bare --resume to continue "
-                    "the run in it")
+    # The resume's own path is left out: typed just before, it would make three paths of one line.
+    which = "its run" if run == Path(resume) else f"the run in {cut(str(run), PATH_CHARS)}"
+    raise UserError(f"--output-dir {cut(output_dir, PATH_CHARS)}: --resume continues {which} where it is; drop "
+                    "--output-dir, or give it with a bare --resume to continue the run there")
 
 
 def check_recipe_kept(recipe: str | None, output_dir: str | None, resume: str | None) -> None:

@@ -330,14 +330,13 @@ def test_output_dir_beside_a_resume_of_a_run_elsewhere_is_refused_before_anythin
     _, run = make_run(tmp_path, steps=(4,))
     before = hashes(run)
     location = run if given == "run" else run / "checkpoints" / "step-00000004"
-    which = "that run" if given == "run" else f"the run in {run}"
+    which = "its run" if given == "run" else f"the run in {run}"
     other = tmp_path / "other"
     result = runner.invoke(app, ["train", "--plain", "--resume", str(location), "--output-dir", str(other), "--set",
                                  "train.steps=8"])
     assert result.exit_code == 2, result.output
-    assert error_line(result) == (f"error: --output-dir {other}: --resume {location} continues {which} where it is; "
-                                  "drop --output-dir, or give --output-dir with a bare --resume to continue the run in "
-                                  "it")
+    assert error_line(result) == (f"error: --output-dir {other}: --resume continues {which} where it is; drop "
+                                  "--output-dir, or give it with a bare --resume to continue the run there")
     assert result.stdout == "" and not other.exists() and hashes(run) == before and not no_ranks
 
 
