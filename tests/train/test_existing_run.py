@@ -287,15 +287,21 @@ def test_an_empty_or_never_started_directory_takes_a_new_run(tmp_path):
     assert not existing.holds_run(folder)
 
 
-def test_resume_into_an_output_dir_that_holds_no_run_yet_starts_one_there(tmp_path, monkeypatch, capsys):
-    # A scheduler runs the same command on the first launch and on a requeue: `--output-dir D --resume`.
-    jobs: list[dict] = []
+@pytest.fixture
+def jobs(monkeypatch) -> list[dict]:
+    """The jobs `gpipe train` hands its ranks, recorded in place of starting them."""
+    handed: list[dict] = []
 
     def launch(module, args, *rest, **kwargs):
-        jobs.append(json.loads(Path(args[0]).read_text()))
+        handed.append(json.loads(Path(args[0]).read_text()))
         return 0
 
     monkeypatch.setattr("gpipe_cli.train.run.launch", launch)
+    return handed
+
+
+def test_resume_into_an_output_dir_that_holds_no_run_yet_starts_one_there(tmp_path, jobs, capsys):
+    # A scheduler runs the same command on the first launch and on a requeue: `--output-dir D --resume`.
     path = recipes.write(tmp_path, copy.deepcopy(recipes.TINY_TRANSLATION))
     from gpipe_cli.cli import run  # as typed: a bare --resume
     assert run(["train", str(path), "--output-dir", str(tmp_path / "job-17"), "--plain", "--resume"]) == 0
@@ -303,15 +309,8 @@ def test_resume_into_an_output_dir_that_holds_no_run_yet_starts_one_there(tmp_pa
     assert jobs and jobs[0]["resume"] is None and jobs[0]["output_dir"] == str(tmp_path / "job-17")
 
 
-def test_a_requeued_job_killed_before_its_first_checkpoint_starts_again(tmp_path, monkeypatch, capsys):
+def test_a_requeued_job_killed_before_its_first_checkpoint_starts_again(tmp_path, jobs, capsys):
     # Its steps were recorded, no checkpoint written: every requeue was refused ("no usable checkpoint").
-    jobs: list[dict] = []
-
-    def launch(module, args, *rest, **kwargs):
-        jobs.append(json.loads(Path(args[0]).read_text()))
-        return 0
-
-    monkeypatch.setattr("gpipe_cli.train.run.launch", launch)
     path = recipes.write(tmp_path, copy.deepcopy(recipes.TINY_TRANSLATION))
     job = tmp_path / "job-18"
     (job / "checkpoints" / ".step-00000004.partial").mkdir(parents=True)  # cut short by the kill
