@@ -19,6 +19,7 @@ class _Guarded:
 
     def __init__(self, stream: TextIO, closed: Callable[[], None]) -> None:
         self._stream, self.closed_by, self._gone = stream, closed, False
+        self._pipe = _watch(stream)  # asked once a step: what it is is found once here
 
     def write(self, text: str) -> int:
         try:
@@ -35,15 +36,9 @@ class _Guarded:
 
     def check(self) -> None:
         """Call `closed` now if this stream is a pipe whose reader has gone, though nothing was written since."""
-        if self._gone:
-            return
-        with contextlib.suppress(OSError, ValueError):
-            fd = self._stream.fileno()
-            if stat.S_ISFIFO(os.fstat(fd).st_mode):
-                poll = select.poll()
-                poll.register(fd, select.POLLOUT)
-                if any(events & select.POLLERR for _, events in poll.poll(0)):  # a pipe's writer, reader gone
-                    self._lost()
+        if self._pipe is not None and not self._gone \
+                and any(events & select.POLLERR for _, events in self._pipe.poll(0)):  # a pipe's writer, reader gone
+            self._lost()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
@@ -58,6 +53,19 @@ class _Guarded:
             os.dup2(null, self._stream.fileno())
             os.close(null)
         self.closed_by()
+
+
+def _watch(stream: TextIO) -> Any:
+    """A poll of `stream`'s descriptor when it is a pipe (None for a terminal, a file or no descriptor)."""
+    try:
+        fd = stream.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return None
+    except (OSError, ValueError, AttributeError):
+        return None
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    return poll
 
 
 def guard_output(closed: Callable[[], None] = lambda: None) -> None:
