@@ -9,16 +9,18 @@ if __name__ == "__main__":
 
     _entry()
 
+import contextlib
 import dataclasses
 import errno
 import functools
 import inspect
 import json
 import os
+import signal
 import sys
 import time
 import typing
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import MISSING
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,9 +48,14 @@ from gpipe_cli.recipe.aliases import ALIASES, SET_HELP, SIZE_FLAGS
 class _Commands(typer.core.TyperGroup):
     """The commands: an int returned is the exit code; bad input is one line on stderr, never a traceback."""
 
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        with _reader_gone():  # `gpipe --help | head -1`
+            return super().make_context(*args, **kwargs)
+
     def invoke(self, ctx: Any) -> Any:
         try:
-            code = super().invoke(ctx)
+            with _reader_gone():
+                code = super().invoke(ctx)
         except UserError as exc:
             _error(one_line(str(exc)))
             raise typer.Exit(exc.exit_code) from None
@@ -59,6 +66,23 @@ class _Commands(typer.core.TyperGroup):
             _error(one_line(too_long_line(exc.filename)))
             raise typer.Exit(UserError.exit_code) from None
         raise typer.Exit(code if isinstance(code, int) else 0)
+
+
+@contextlib.contextmanager
+def _reader_gone() -> Iterator[None]:
+    """A closed output pipe (`gpipe report | head -1`) ends the command quietly with a shell's code for it, 141."""
+    # click and rich would exit 1, which reads as a failure of the command itself.
+    try:
+        yield
+    except SystemExit as exc:
+        if not isinstance(exc.__context__, BrokenPipeError):  # rich's way: SystemExit(1) raised from its write
+            raise
+        raise typer.Exit(128 + signal.SIGPIPE) from None
+    except BrokenPipeError:
+        with contextlib.suppress(OSError, ValueError):  # what is still buffered goes nowhere rather than failing
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())
+        raise typer.Exit(128 + signal.SIGPIPE) from None
 
 
 app = typer.Typer(cls=_Commands, add_completion=False, pretty_exceptions_enable=False,

@@ -309,3 +309,16 @@ def test_ctrl_c_while_python_m_loads_the_command_line_is_one_line(tmp_path, modu
     done = subprocess.run([sys.executable, "-m", module, "validate"], capture_output=True, text=True, timeout=120,
                           env=env, preexec_fn=as_from_a_terminal)
     assert (done.returncode, done.stderr) == (130, "gpipe: interrupted; nothing was written\n")
+
+
+@pytest.mark.parametrize("args", [["validate"], ["--help"], ["bench", "--help"]])
+def test_a_reader_that_goes_ends_a_command_quietly_with_code_141(tmp_path, args):
+    # `gpipe validate | head -1`: the shell's code for a closed pipe, not 1 (a failure) and no traceback.
+    read, write = os.pipe()
+    with subprocess.Popen([sys.executable, "-m", "gpipe_cli.cli", *args], stdout=write,
+                          stderr=subprocess.PIPE, cwd=tmp_path) as process:
+        os.close(write)
+        os.close(read)  # before it prints: whatever the output's size, its first write finds the reader gone
+        _, err = process.communicate(timeout=120)
+    assert process.returncode == 141
+    assert err == b""
