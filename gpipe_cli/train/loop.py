@@ -41,7 +41,7 @@ from gpipe_cli.train.existing import (
 from gpipe_cli.train.export import export as export_model
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
 from gpipe_cli.train.profiling import StepProfiler
-from gpipe_cli.train.resume import Checkpointer, saved_cut, trim_metrics
+from gpipe_cli.train.resume import Checkpointer, rewind_metrics, saved_cut
 from gpipe_cli.train.signals import StopRequest
 from gpipe_cli.train.sinks import open_sinks
 from gpipe_cli.train.step_figures import ModelFlops, Peak, find_peak, step_figures, utilization_of
@@ -314,14 +314,17 @@ class Trainer:
         if step > self.total_steps:
             raise UserError(past_end(self.job.resume, path.name, step, *self._end()))
         if self.layout.rank == 0 and step < self.total_steps:
+            # A checkpoint an earlier resume set aside continues its own course, which left this one at `fork`.
+            fork = checkpoint.fork_of(path)
+            fork = step if fork is None else fork
             # The newer checkpoints go first: should that fail, the records of their steps are still there.
-            aside = checkpoint.set_aside_newer(self.run_dir, step, time.strftime("%Y%m%d-%H%M%S"))
-            trim_metrics(self.run_dir / "metrics.jsonl", step)
+            aside = checkpoint.set_aside_newer(self.run_dir, fork, time.strftime("%Y%m%d-%H%M%S"))
+            rewind_metrics(self.run_dir, fork, step, aside, path.parent if fork != step else None)
             print(f"[gpipe] resumed from {path} (step {step})", file=sys.stderr, flush=True)
             if aside is not None:
-                names = ", ".join(sorted(p.name for p in aside.iterdir()))
-                print(f"[gpipe] moved the checkpoints after step {step} ({names}) to {aside}: the run trains on "
-                      f"from step {step}", file=sys.stderr, flush=True)
+                names = ", ".join(sorted(p.name for p in aside.iterdir() if p.is_dir()))
+                print(f"[gpipe] moved the checkpoints after step {fork} ({names}) to {aside}, with their records: "
+                      f"the run trains on from step {step}", file=sys.stderr, flush=True)
         return step
 
     def _end(self) -> tuple[str, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.topology import Topology
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.train import checkpoint
-from gpipe_cli.train.existing import no_usable
+from gpipe_cli.train.existing import METRICS, no_usable
 from gpipe_cli.train.plan import Plan
 from gpipe_cli.train.safe_dcp import saved_keys
 
@@ -124,17 +125,39 @@ class Checkpointer:
 
 def trim_metrics(path: Path, step: int) -> None:
     """Drop records after `step` from metrics.jsonl (written after the checkpoint a run resumes from)."""
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text(errors="replace").splitlines() if _recorded_by(line, step)]
-    atomic_write_bytes(path, "".join(line + "\n" for line in kept).encode())
+    if path.exists():
+        atomic_write_bytes(path, _text(line for line in _lines(path) if _within(line, 0, step)))
 
 
-def _recorded_by(line: str, step: int) -> bool:
-    """Whether a metrics line is a whole record of a step up to `step` (a line torn by a killed run is not)."""
+def rewind_metrics(run_dir: Path, fork: int, step: int, aside: Path | None, course: Path | None) -> None:
+    """metrics.jsonl of a run resumed at `step`: its records after `fork` go to `aside` with the checkpoints set
+    aside, and those up to `step` of the course set aside in `course` (a resume from there) come back."""
+    path = run_dir / METRICS
+    lines = _lines(path)
+    later = [line for line in lines if _within(line, fork + 1)]
+    if aside is not None and later:  # kept beside the checkpoints of their course, for a resume of it
+        atomic_write_bytes(aside / METRICS, _text(later))
+    back = [line for line in _lines(course / METRICS) if _within(line, fork + 1, step)] if course else []
+    if later or back or path.exists():
+        atomic_write_bytes(path, _text([line for line in lines if _within(line, 0, fork)] + back))
+
+
+def _lines(path: Path) -> list[str]:
+    """A metrics file's lines ([] when there is none)."""
+    return path.read_text(errors="replace").splitlines() if path.exists() else []
+
+
+def _text(lines: Iterable[str]) -> bytes:
+    """Lines as a metrics file holds them."""
+    return "".join(line + "\n" for line in lines).encode()
+
+
+def _within(line: str, first: int, last: int | None = None) -> bool:
+    """Whether a metrics line is a whole record of a step from `first` to `last` (not a line torn by a kill)."""
     try:
         record = json.loads(line)
     except ValueError:
         return False
     recorded = record.get("step", 0) if isinstance(record, dict) else None
-    return isinstance(recorded, int) and not isinstance(recorded, bool) and recorded <= step
+    return isinstance(recorded, int) and not isinstance(recorded, bool) and first <= recorded \
+        and (last is None or recorded <= last)

@@ -379,9 +379,12 @@ def test_a_resume_from_an_earlier_checkpoint_moves_the_newer_ones_out_of_the_nex
     assert checkpoint.candidates(tmp_path) == [kept]
     # One of them can still be resumed: it belongs to this run (it was named a checkpoints/ folder's).
     assert existing.run_dir_of(str(aside / newer[0].name)) == tmp_path
+    # A resume of it continues that course, which branched at step 4.
+    assert checkpoint.fork_of(aside / newer[0].name) == 4 and checkpoint.fork_of(kept) is None
     assert checkpoint.set_aside_newer(tmp_path, 4, "later") is None  # nothing newer: nothing made
     again = save(tmp_path, 5)  # another resume from step 4 within the same second
     assert checkpoint.set_aside_newer(tmp_path, 4, "20261202-101010") == aside.with_name(f"{aside.name}-1")
+    assert checkpoint.fork_of(aside.with_name(f"{aside.name}-1") / again.name) == 4
     assert not again.exists() and sorted(p.name for p in aside.iterdir()) == [p.name for p in newer]
 
 

@@ -193,3 +193,28 @@ def test_damaged_checkpoints_fall_back_one_line_each_on_every_rank(full_disk, tm
     # The damaged ones go out of the next resume's way, kept.
     assert "moved the checkpoints after step 2 (step-00000004, step-00000006) to" in lines[3]
     assert losses(run)[3] == reference[3]
+
+
+def train_steps(run: Path) -> list[int]:
+    return list(losses(run))
+
+
+def test_a_resume_of_a_course_set_aside_takes_back_its_records_and_sets_the_other_aside(full_disk, tmp_path):
+    path, finished, _ = full_disk
+    run = shutil.copytree(finished, tmp_path / "run")
+    checkpoints = run / "checkpoints"
+    first = gpipe_train(2, str(path), "--output-dir", str(run), "--threads", "1", "--set", "train.steps=6",
+                        "--resume", str(checkpoints / "step-00000002"))
+    assert first.codes == [0, 0], first.stderr[-3000:]
+    (old,) = checkpoints.glob("superseded-*-at-step-2")
+    assert train_steps(old) == [3, 4, 5, 6, 7, 8] and train_steps(run) == [1, 2, 3, 4, 5, 6]
+    # Back to the course the first resume left, from its step 6: the course trained since goes aside in turn.
+    second = gpipe_train(2, str(path), "--output-dir", str(run), "--threads", "1", "--set", "train.steps=8",
+                         "--resume", str(old / "step-00000006"))
+    assert second.codes == [0, 0], second.stderr[-3000:]
+    assert "Traceback" not in second.stderr
+    (new,) = set(checkpoints.glob("superseded-*-at-step-2*")) - {old}
+    assert sorted(p.name for p in new.iterdir()) == ["metrics.jsonl", "step-00000004", "step-00000006"]
+    assert train_steps(new) == [3, 4, 5, 6]
+    assert train_steps(run) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-00000002", "step-00000008"]
