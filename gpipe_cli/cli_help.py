@@ -39,6 +39,8 @@ def polish(command: Any) -> Any:
         if param.param_type_name == "argument":
             # Typer shows an argument's type (`<str>`) beside its name whatever the metavar; the name says it.
             param.display_type_rich = lambda ctx: None
+            if hasattr(param, "_usage_display_name"):  # typer's `{RUN}` for a required one reads as a choice
+                param._usage_display_name = _usage_name(param)
         if getattr(param, "is_flag", False) or getattr(param, "count", False):
             param.metavar = ""
         elif param.metavar:  # one given where the option is declared: it knows best (prepare-data's DIR)
@@ -53,3 +55,9 @@ def polish(command: Any) -> Any:
     for sub in getattr(command, "commands", {}).values():
         polish(sub)
     return command
+
+
+def _usage_name(param: Any) -> Any:
+    """How an argument shows in the usage line: RUN when required, [RUN] when not, ... when it takes several."""
+    return lambda: (f"{param.display_name_raw}" if param.required else f"[{param.display_name_raw}]") \
+        + ("..." if param.nargs != 1 else "")

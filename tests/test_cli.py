@@ -92,6 +92,8 @@ def test_help_shows_no_type_placeholders_or_stray_spaces(capsys, monkeypatch, co
     assert "--help" in out and "Show this message" in out
     assert not TYPE_PLACEHOLDER.search(out), TYPE_PLACEHOLDER.search(out)
     assert not STRAY_SPACE.search(out), STRAY_SPACE.search(out)
+    usage = re.search(r"Usage: (.*)", out)
+    assert usage and "{" not in usage.group(1)  # a required argument is not shown as a choice of values
     if command == "train":  # a placeholder that says what a value is
         assert re.search(r"--set\s+KEY=VALUE", out) and re.search(r"--threads\s+N\b", out)
 
