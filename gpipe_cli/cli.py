@@ -120,8 +120,8 @@ def _interruptible(command: str, callback: Callable[..., Any], started: list[str
             raise
         except KeyboardInterrupt:  # typer would exit 130 without a word
             pass
-        except Exception:
-            if not interrupts.interrupted():
+        except BaseException as exc:  # torch's CheckpointException is not an Exception
+            if isinstance(exc, SystemExit | GeneratorExit) or not interrupts.interrupted():
                 raise
             # A library loading at the Ctrl-C turned it into an error of its own.
         # What is written is written whole or not at all.

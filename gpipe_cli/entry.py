@@ -14,8 +14,8 @@ def main() -> None:
         run_command_line()
     except KeyboardInterrupt:  # while loading or building the command line; each command speaks for itself
         _interrupted()
-    except Exception:
-        if not interrupts.interrupted():
+    except BaseException as exc:
+        if isinstance(exc, SystemExit | GeneratorExit) or not interrupts.interrupted():
             raise
         _interrupted()  # a library that was loading turned the Ctrl-C into an error of its own
 

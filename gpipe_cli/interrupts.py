@@ -53,6 +53,25 @@ def check() -> None:
         raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Within it Ctrl-C and SIGTERM are only remembered; leaving it whole, one that came raises KeyboardInterrupt."""
+    # For C++ code that calls back into Python (pyarrow writing through fsspec): a KeyboardInterrupt raised
+    # there becomes an error of its own, is swallowed, or aborts the process.
+    def remember(signum: int, frame: object) -> None:
+        global _interrupted, _terminated
+        _interrupted = True
+        _terminated = _terminated or signum == signal.SIGTERM
+
+    previous = on_sigint(remember), signal.signal(signal.SIGTERM, remember)
+    try:
+        yield
+    finally:
+        on_sigint(previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+    check()
+
+
 def interrupted() -> bool:
     """Whether Ctrl-C or SIGTERM arrived: an exception after it is taken for its consequence."""
     # Libraries loading at that moment turn the KeyboardInterrupt into their own errors (pydantic's schema

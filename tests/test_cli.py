@@ -251,9 +251,19 @@ def _turned_into_another_error(*args, **kwargs):
     raise RuntimeError("Error building validator")
 
 
-def test_ctrl_c_that_a_loading_library_turns_into_its_own_error_is_still_one_line(monkeypatch, capsys):
-    monkeypatch.setattr(__import__("gpipe_cli.train.export", fromlist=["export"]), "export",
-                        _turned_into_another_error)
+class _Carried(BaseException):
+    """As torch's CheckpointException, which carries a rank's KeyboardInterrupt: not an Exception."""
+
+
+def _carried_in_a_base_exception(*args, **kwargs):
+    from gpipe_cli import interrupts
+    interrupts._interrupted = True
+    raise _Carried("CheckpointException ranks:dict_keys([0])")
+
+
+@pytest.mark.parametrize("turned", [_turned_into_another_error, _carried_in_a_base_exception])
+def test_ctrl_c_that_a_loading_library_turns_into_its_own_error_is_still_one_line(monkeypatch, capsys, turned):
+    monkeypatch.setattr(__import__("gpipe_cli.train.export", fromlist=["export"]), "export", turned)
     assert run(["export", "RUN"]) == 130
     assert capsys.readouterr().err == "gpipe export: interrupted; nothing was written\n"
 

@@ -10,9 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpipe_cli import interrupts
 from gpipe_cli.data.sources import eval_split_name, first_line, load_hub, pick_splits
 from gpipe_cli.errors import DataError
-from gpipe_cli.files import hidden_prefix, make_folders
+from gpipe_cli.files import hidden_prefix, make_folders, umask
 from gpipe_cli.launch.preflight import check_path, check_writable
 from gpipe_cli.progress import note
 from gpipe_cli.recipe.schema import Data
@@ -50,19 +51,23 @@ def save_splits(splits: Any, data: Data, output: Path, say: Callable[[str], None
     # Written next to the destination and renamed at the end: an interrupted run leaves no half folder.
     staging = Path(tempfile.mkdtemp(prefix=hidden_prefix(output), dir=output.parent))
     try:
+        staging.chmod(0o777 & ~umask())  # mkdtemp's 700 would keep the folder from those it is prepared for
         for split, ds in chosen:
             shards = max(1, math.ceil(ds.data.nbytes / SHARD_BYTES))
             for i in range(shards):
                 if say is not None:
                     say(f"writing {split} shard {i + 1} of {shards} ({len(ds):,} examples in {split})")
                 part = _embedded(ds.shard(num_shards=shards, index=i, contiguous=True))
-                part.to_parquet(str(staging / f"{split}-{i:05d}-of-{shards:05d}.parquet"))
+                with interrupts.deferred():  # a Ctrl-C stops the command once this shard is written
+                    part.to_parquet(str(staging / f"{split}-{i:05d}-of-{shards:05d}.parquet"))
+        interrupts.check()  # one that a library swallowed on the way
         if output.exists():
             output.rmdir()
         staging.rename(output)
     except BaseException as e:  # Ctrl-C included: nothing half-written stays behind
         shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(e, Exception) and not isinstance(e, DataError):
+        # A closed output (`| head`) ends the command as it ends every other, with 141.
+        if isinstance(e, Exception) and not isinstance(e, DataError | BrokenPipeError):
             raise DataError(f"cannot write '{output}': {first_line(e)}") from None
         raise
     return sorted(output.glob("*.parquet"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import datasets
@@ -10,6 +12,7 @@ import pytest
 import torch
 from datagen import COLOURS, data, pairs, png_bytes
 
+from gpipe_cli import interrupts
 from gpipe_cli.data import DataError, build_data
 from gpipe_cli.data.prepare import prepare_data, save_splits
 
@@ -168,3 +171,46 @@ def test_every_shard_written_is_announced_first(tmp_path: Path) -> None:
                         lines.append)
     assert len(lines) == len(files) and {line.split()[1] for line in lines} == {"train", "test"}
     assert all(line.startswith("writing ") and " shard 1 of 1 " in line for line in lines)
+
+
+def test_the_folder_written_takes_the_umask_not_a_private_mode(tmp_path: Path) -> None:
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a b c"] * 4})})
+    previous = os.umask(0o022)
+    try:
+        save_splits(splits, data(source="hub", name="x"), tmp_path / "out")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755  # others read what is prepared for them
+
+
+def test_a_ctrl_c_while_a_shard_is_written_stops_after_it_and_leaves_nothing(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # pyarrow writes through Python file objects: a KeyboardInterrupt raised there became its own error or an abort.
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a b c"] * 4})})
+    written, whole = datasets.Dataset.to_parquet, []
+
+    def interrupted(self: datasets.Dataset, path: str) -> None:
+        signal.raise_signal(signal.SIGINT)  # arrives while the shard is written: the write goes on
+        written(self, path)
+        whole.append(Path(path).stat().st_size)
+
+    monkeypatch.setattr(datasets.Dataset, "to_parquet", interrupted)
+    previous = signal.signal(signal.SIGINT, interrupts._on_interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            save_splits(splits, data(source="hub", name="x"), tmp_path / "out")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        interrupts._interrupted = False
+    assert len(whole) == 1 and whole[0] > 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_reader_gone_is_not_taken_for_a_folder_that_cannot_be_written(tmp_path: Path) -> None:
+    def closed(text: str) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a b c"] * 4})})
+    with pytest.raises(BrokenPipeError):  # the command line ends it with 141, as any command whose reader goes
+        save_splits(splits, data(source="hub", name="x"), tmp_path / "out", closed)
+    assert list(tmp_path.iterdir()) == []
