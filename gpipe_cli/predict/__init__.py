@@ -38,6 +38,14 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
         answer = tasks.classifier(exported, model, 1 if top is None else top)
     if inputs is None and sys.stdin.isatty():
         print(f"[gpipe] {_KINDS[task]}: reading inputs from stdin, one per line (Ctrl-D ends)", file=sys.stderr)
-    for item in inputs if inputs is not None else (line.rstrip("\r\n") for line in sys.stdin):
-        print(answer(item), flush=True)  # each as soon as it is known: stdin may be a conversation
+    answered = 0
+    try:
+        for item in inputs if inputs is not None else (line.rstrip("\r\n") for line in sys.stdin):
+            print(answer(item), flush=True)  # each as soon as it is known: stdin may be a conversation
+            answered += 1
+    except KeyboardInterrupt:
+        if not answered:
+            raise  # the command's own line: nothing was written
+        print(f"gpipe predict: interrupted after {answered} answer{'s' if answered > 1 else ''}", file=sys.stderr)
+        return 130
     return 0

@@ -67,7 +67,10 @@ def generator(exported: Exported, model: nn.Module, max_tokens: int) -> Answer:
 
     def answer(text: str) -> str:
         ids = tok.encode(_text(text, "language"))
-        return tok.decode(ids + continue_text(model, ids, max_tokens, max_len, tok.vocab_size))
+        read, whole = tok.decode(ids), tok.decode(ids + continue_text(model, ids, max_tokens, max_len, tok.vocab_size))
+        # The prompt as typed, not as the tokenizer gives it back (spaces folded, unknown characters as ⁇);
+        # decoding the new tokens alone would lose the space before the first.
+        return text + whole[len(read):] if whole.startswith(read) else whole
 
     return answer
 

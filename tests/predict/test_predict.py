@@ -41,6 +41,24 @@ def test_a_language_model_continues_the_prompt_by_at_most_max_tokens(exports, ca
     assert len(line) <= len("one two") + 3 * max(len(w) for w in ("hundred", "thousand")) + 3
 
 
+def test_a_language_model_answer_starts_with_the_prompt_as_typed(exports, capsys):
+    prompt = "  one  two\tünïcode"  # the tokenizer folds the spaces and knows none of those letters
+    assert run(["predict", str(exports["lm"]), prompt, "--max-tokens", "2"]) == 0
+    assert capsys.readouterr().out.startswith(prompt)
+
+
+def test_a_ctrl_c_after_some_answers_says_how_many_were_printed(exports, monkeypatch, capsys):
+    class Typed(io.StringIO):
+        def __iter__(self):
+            yield "one two\n"
+            raise KeyboardInterrupt  # while the next line is awaited
+
+    monkeypatch.setattr("sys.stdin", Typed())
+    assert run(["predict", str(exports["translation"])]) == 130
+    captured = capsys.readouterr()
+    assert captured.out.count("\n") == 1 and captured.err == "gpipe predict: interrupted after 1 answer\n"
+
+
 def test_a_language_model_prompt_longer_than_its_positions_still_continues(exports, capsys):
     # 40 words are more tokens than the model's 12 learned positions: it reads the last 12.
     assert run(["predict", str(exports["lm"]), " ".join(["twelve"] * 40), "--max-tokens", "2"]) == 0
