@@ -108,6 +108,12 @@ def check_output(path: Path | None, flag: str, example: str = "out.json", hint: 
     if _room(path, "") < 0:
         raise UserError(f"{where}: its folder's path leaves no room for the temporary file it is written to first "
                         f"(a path may have at most {PATH_MAX} bytes); name a shorter folder{hint}")
+    from gpipe_cli.train.existing import kept_by_a_run  # the run directory's layout is described there
+
+    if (kept := kept_by_a_run(path)) is not None:
+        run, what = kept
+        raise UserError(f"{flag + ' ' if flag else ''}{shown_path(path)} {what}; name another file, e.g. "
+                        f"{shown_path(run / example)}{hint}")
     if os.path.islink(path):  # the rename would replace the link itself: /dev/stdout is one, to a terminal or a pipe
         raise UserError(f"{where}: it is a symbolic link, which the write would replace rather than follow; name "
                         f"the file itself{hint}")

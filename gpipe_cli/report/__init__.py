@@ -125,11 +125,12 @@ def report(paths: list[Path], output: Path | None = None) -> int:
     for path in paths:  # before pathlib is asked about it
         check_path(path, "RUN")
     paths = list({path.resolve(): path for path in paths}.values())  # a run given twice is one run
-    runs = read_runs(paths)
-    check_output(output, "--output", "report.png")  # a mistake in the argument: one line, before anything is shown
+    # A mistake in the argument: one line, before anything is read.
     check_not_input(output, "--output", [(path / name, f"a run's {name}") for path in paths
                                          for name in ("metrics.jsonl", "recipe.yaml")],
                     "name another file, e.g. report.png")
+    check_output(output, "--output", "report.png")
+    runs = read_runs(paths)
     if output is not None and output.suffix.lower().lstrip(".") not in plots.FORMATS:
         raise UserError(f"--output: the page is written as PNG, PDF or SVG: name a file ending in .png, .pdf or .svg "
                         f"(got {shown(str(output))})")

@@ -19,7 +19,7 @@ from gpipe_cli.models import weights
 from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.recipe_model import model_spec
 from gpipe_cli.train import checkpoint
-from gpipe_cli.train.existing import CHECKPOINTS, EXPORTED, METRICS, RECIPE, candidates, run_dir_of
+from gpipe_cli.train.existing import EXPORTED, METRICS, RECIPE, candidates, run_dir_of
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
 
 _MODEL = "model."
@@ -74,21 +74,10 @@ def _os_error(exc: Exception) -> Exception:
 
 
 def _check_not_the_runs(output: Path, run_dir: Path) -> None:
-    """Refuse an --output that is one of the files the run keeps: its recipe, metrics, tokenizer or checkpoints."""
+    """Refuse an --output that is a hard link to a file the run keeps (check_output refuses those by name)."""
     instead = f"name another file, e.g. {shown_path(run_dir / EXPORTED)}"
     kept = [run_dir / name for name in (RECIPE, METRICS, TOKENIZER_FILE)]
-    check_not_input(output, "--output", [(path, f"the run's {path.name}") for path in kept], instead)  # a hard link
-    try:  # by name too: such a file need not be there yet
-        where, named = output.resolve(), {path.resolve(): path.name for path in kept}
-        inside = where.is_relative_to((run_dir / CHECKPOINTS).resolve())
-    except (OSError, RuntimeError):  # a name that cannot be resolved: the write then says what is wrong
-        return
-    if where in named:
-        raise UserError(f"--output {shown_path(output)} is the run's {named[where]}: writing there would replace "
-                        f"it; {instead}")
-    if inside:
-        raise UserError(f"--output {shown_path(output)} is inside the run's {CHECKPOINTS}/, which training prunes and "
-                        f"resumes from; {instead}")
+    check_not_input(output, "--output", [(path, f"the run's {path.name}") for path in kept], instead)
 
 
 def _described(tensors: dict[str, torch.Tensor], run_dir: Path, step: int,

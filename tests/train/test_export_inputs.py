@@ -128,3 +128,23 @@ def test_an_existing_file_that_is_not_the_runs_is_still_replaced(tmp_path, capsy
     assert run(["export", str(run_dir), "--output", str(run_dir / "notes.safetensors")]) == 0
     assert f"wrote {run_dir / 'notes.safetensors'}" in capsys.readouterr().out
     assert (run_dir / "notes.safetensors").read_bytes() != b"old"
+
+
+@pytest.mark.parametrize("target", ["recipe.yaml", "metrics.jsonl", "checkpoints/step-00000002/manifest.json",
+                                    "checkpoints"])
+@pytest.mark.parametrize("command", [["validate", "--json"], ["export", "OTHER", "--output"], ["report", "OTHER",
+                                                                                             "--output"]])
+def test_no_command_writes_over_a_file_another_run_keeps(tmp_path, capsys, command, target):
+    # `gpipe export run1 --output lm/checkpoints/step-00000010/.metadata` left lm with a checkpoint it refused.
+    other, run_dir = tmp_path / "other", tmp_path / "run"
+    save_one(other, 2, value=1.0)
+    (other / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    save_one(run_dir, 2, value=1.0)
+    (run_dir / "recipe.yaml").write_text("name: r\n")
+    (run_dir / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    before = {p: p.read_bytes() if p.is_file() else None for p in run_dir.rglob("*")}
+    code = run([str(other) if arg == "OTHER" else arg for arg in command] + [str(run_dir / target)])
+    captured = capsys.readouterr()
+    line = one_error_line(code, captured.err, captured.out)
+    assert f"{str(run_dir / target)!r} is " in line and f"name another file, e.g. '{run_dir}/" in line
+    assert {p: p.read_bytes() if p.is_file() else None for p in run_dir.rglob("*")} == before
