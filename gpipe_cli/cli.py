@@ -213,7 +213,7 @@ def validate(
         check_not_input(json_file, "--json", [recipe_read(recipe)], instead)
     from gpipe_cli.train.plan import checked_plan, plan_table  # torch: only once the recipe is valid
 
-    plan = checked_plan(loaded, recipe_label(recipe))
+    plan = checked_plan(loaded, recipe_label(recipe), sets=set_ or [])
     console = output_console()
     console.print(recipe_yaml(loaded), markup=False, highlight=False)
     console.print(plan_table(plan))

@@ -334,3 +334,10 @@ def test_a_reader_that_goes_ends_a_command_quietly_with_code_141(tmp_path, args)
         _, err = process.communicate(timeout=120)
     assert process.returncode == 141
     assert err == b""
+
+
+@pytest.mark.parametrize("item, says", [("pipeline.partitions=100", "--set pipeline.partitions: cannot cut 6 layers"),
+                                        ("pipeline.balance=[1,1]", "--set pipeline.balance: balance [1, 1] sums to 2")])
+def test_a_cut_the_layers_cannot_take_names_the_set_that_asked_for_it(capsys, item, says):
+    assert run(["validate", "--set", item]) == 2
+    assert says in capsys.readouterr().err

@@ -6,7 +6,7 @@ import difflib
 import os
 import re
 import typing
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -167,10 +167,15 @@ def _validated(raw: dict[str, Any], label: str, planning: bool = False, typed: d
         text = (typed or {}).get(key, under[0] if under and errors[0]["type"] == "extra_forbidden" else None)
         message = _describe(dict(errors[0]), raw, text)
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-        # A check across keys (`pipeline.balance has 1 entries but ...`) names the --set of the key it starts with.
-        leading = re.match(r"[a-z_]+(\.[a-z_]+)+", message)
-        named = text is not None or (leading is not None and leading[0] in (typed or {}))
+        named = text is not None or led_by(message, typed or {})
         raise RecipeError(f"{label}: {'--set ' if named else ''}{message}{more}") from None
+
+
+def led_by(message: str, keys: Collection[str]) -> bool:
+    """Whether an error starts with one of `keys`: a check across keys then names the --set of its first key."""
+    # `pipeline.balance has 1 entries but ...`, `pipeline.partitions: cannot cut 6 layers into 100 partitions`
+    leading = re.match(r"[a-z_]+(\.[a-z_]+)+", message)
+    return leading is not None and leading[0] in keys
 
 
 def _section_model(loc: Sequence[str | int], raw: dict[str, Any]) -> type[BaseModel] | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -16,18 +16,22 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import ModelSummary, describe
 from gpipe_cli.pipeline import partition, schedule
+from gpipe_cli.recipe.load import led_by, parse_override
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe_model import model_spec, optimizer_name
 from gpipe_cli.train import cut
 from gpipe_cli.units import human_bytes, human_count
 
 
-def checked_plan(recipe: Recipe, label: str, must_fit: bool = False, available: float | None = None) -> Plan:
+def checked_plan(recipe: Recipe, label: str, must_fit: bool = False, available: float | None = None,
+                 sets: Sequence[str] = ()) -> Plan:
     """The plan, with problems reported against the recipe file (`must_fit`: also one too large for this machine)."""
     try:
         plan = make_plan(recipe, available=available)
     except UserError as exc:
-        raise UserError(f"{label}: {exc}") from None
+        # A cut the layers cannot take names the `--set` that asked for it, as the schema's checks do.
+        given = led_by(str(exc), {parse_override(item)[0] for item in sets})
+        raise UserError(f"{label}: {'--set ' if given else ''}{exc}") from None
     if must_fit and not plan.fits:
         raise UserError(f"{label}: {plan.misfit()}")
     return plan

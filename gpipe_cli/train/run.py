@@ -248,7 +248,8 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
         # Refuses impossible cuts and plans that cannot fit, before any rank starts. The ranks cut for the
         # memory free now, not for what is left while their siblings load.
         available = float(memory_model.available_bytes("cuda" if torch.cuda.is_available() else "cpu"))
-        checked_plan(recipe, recipe_label(recipe_file), must_fit=not under_torchrun(), available=available)
+        checked_plan(recipe, recipe_label(recipe_file), must_fit=not under_torchrun(), available=available,
+                     sets=options.overrides)
         resume = resume_location(options.resume, options.output_dir, recipe.name, OUTPUTS) if options.resume else None
         # Held from here until the ranks end, and what follows judged under the claim: a run that another launch
         # finished meanwhile is found, and one it is writing refuses this launch.
