@@ -156,8 +156,8 @@ def load_hub(name: str, config: str | None, cache_dir: Path | None, kind: str) -
                 return datasets.load_dataset(name, config, cache_dir=cache)
         except Exception:
             raise DataError(f"cannot download dataset {label} from the Hugging Face hub: {why} "
-                            f"and no cached copy; {local} (gpipe prepare-data RECIPE --output DIR writes "
-                            "one where there is network)") from None
+                            f"and no cached copy; {local} (gpipe prepare-data of this recipe, run where there is "
+                            "network, writes one as a folder to copy here)") from None
     try:
         return datasets.load_dataset(name, config, cache_dir=cache)
     except Exception as e:
