@@ -414,10 +414,20 @@ def main() -> None:
     exit_now(interrupts.exit_code(run(sys.argv[1:])))
 
 
+def _a_runs_recipe(path: str) -> bool:
+    """Whether `path` is the recipe.yaml a run directory keeps beside its checkpoints."""
+    from gpipe_cli.train.existing import CHECKPOINTS, RECIPE
+
+    return os.path.basename(path) == RECIPE and os.path.isdir(os.path.join(os.path.dirname(path), CHECKPOINTS))
+
+
 def _bare_resume(args: list[str]) -> list[str]:
     """Let `--resume` stand alone (meaning 'latest') as well as take a path."""
     for i, arg in enumerate(args):
         following = args[i + 1] if i + 1 < len(args) else None
+        if arg == "--resume" and following is not None and _a_runs_recipe(following):
+            # RUN/recipe.yaml means that run, not the newest run of that recipe's name.
+            return [*args[:i + 1], os.path.dirname(following) or ".", *args[i + 2:]]
         if arg == "--resume" and (following is None or following.startswith("-")
                                   or following.endswith((".yaml", ".yml"))):
             return [*args[:i + 1], "latest", *args[i + 1:]]

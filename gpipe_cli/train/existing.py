@@ -130,6 +130,12 @@ def holds_run(run_dir: Path) -> bool:
     return recorded or bool(candidates(run_dir / CHECKPOINTS))
 
 
+def check_not_in_a_run(output_dir: str | None) -> None:
+    """Refuse an --output-dir inside another run's checkpoints/ (its pruning would delete this run with them)."""
+    if output_dir and (kept := kept_by_a_run(Path(output_dir))) is not None:
+        raise UserError(f"--output-dir {cut(output_dir, PATH_CHARS)} {kept[1]}; give a folder outside it")
+
+
 def check_new_run_dir(output_dir: Path) -> None:
     """Refuse to start a new run in a directory that holds another (the two runs' records would mix)."""
     if not output_dir.is_dir() or not holds_run(output_dir):

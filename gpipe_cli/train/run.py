@@ -40,6 +40,7 @@ from gpipe_cli.train.existing import (
     candidates,
     check_checkpoint_keys,
     check_new_run_dir,
+    check_not_in_a_run,
     check_recipe_kept,
     check_resumable,
     check_resume_output,
@@ -175,6 +176,7 @@ def train(options: TrainOptions) -> int:
                         f"{OUTPUTS}/<name>/<time>")
     check_path(options.output_dir, "--output-dir")
     check_resume_path(options.resume)
+    check_not_in_a_run(options.output_dir)
     check_resume_output(options.resume, options.output_dir)
     check_recipe_kept(options.recipe, options.output_dir, options.resume)
     # Without a recipe, a resume trains with the run's own recipe.yaml (`recipe_file` names it).

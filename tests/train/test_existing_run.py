@@ -400,3 +400,26 @@ def test_resume_locations_map_to_their_run_directory(tmp_path):
     assert existing.run_dir_of(str(run)) == run
     assert existing.run_dir_of(str(run / "checkpoints")) == run
     assert existing.run_dir_of(str(run / "checkpoints" / "step-00000005")) == run
+
+
+@pytest.mark.parametrize("inside", ["checkpoints", "checkpoints/step-00000004"])
+def test_a_new_run_inside_another_runs_checkpoints_is_refused(tmp_path, capsys, inside):
+    # Accepted, it was deleted without a word when the other run's retention pruned that checkpoint.
+    from gpipe_cli.cli import run
+
+    save(tmp_path / "other", 4)
+    target = tmp_path / "other" / inside
+    assert run(["train", "--output-dir", str(target), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"--output-dir {target} is inside the run's checkpoints/" in err and err.count("\n") == 1
+
+
+def test_resume_of_a_runs_recipe_file_continues_that_run(tmp_path):
+    # Read as a recipe with a bare --resume, it continued the newest run of that recipe's name instead.
+    from gpipe_cli.cli import _bare_resume
+
+    save(tmp_path / "run", 4)
+    recipe = str(tmp_path / "run" / "recipe.yaml")
+    assert _bare_resume(["train", "--resume", recipe, "--plain"]) == ["train", "--resume", str(tmp_path / "run"),
+                                                                      "--plain"]
+    assert _bare_resume(["train", "--resume", "mine.yaml"]) == ["train", "--resume", "latest", "mine.yaml"]
