@@ -44,3 +44,9 @@ def test_only_the_rank_that_speaks_says_it(monkeypatch, capsys):
     request._handle(signal.SIGINT, None)
     request._handle(signal.SIGINT, None)
     assert capsys.readouterr().err == ""
+
+
+def test_a_ctrl_c_line_into_a_file_is_that_line_alone(capsys):
+    # It began with an empty line (which moves past the ^C a terminal echoes), so a log held two lines.
+    signals.StopRequest(announce=True)._handle(signal.SIGINT, None)
+    assert capsys.readouterr().err == "[gpipe] SIGINT: stopping after this step (Ctrl-C again to abort at once)\n"
