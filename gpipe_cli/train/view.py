@@ -260,4 +260,6 @@ class TerminalView:
         """Stop the live view (its last frame stays on the screen)."""
         if self._live is not None:
             self._live.stop()
+            if not self._live.console.is_terminal:  # rich leaves a file's last frame without its line end
+                self._live.console.line()
             self._live = None

@@ -138,3 +138,14 @@ def test_plain_step_lines_carry_the_runs_eta_from_steps_past_the_warm_up(capsys)
     assert "eta" not in heads[0]
     assert heads[1].endswith("| eta 2s") and heads[2].endswith("| eta 2s")  # 2 steps x 1 s, then 1 step x 2 s
     assert "eta" not in heads[3]  # the last step: nothing left
+
+
+def test_the_live_views_last_frame_into_a_file_ends_its_line(monkeypatch):
+    # `gpipe train --live > f`: the summary's first line ran on from the frame's last row.
+    stream = io.StringIO()
+    monkeypatch.setattr("sys.stdout", stream)
+    view = TerminalView("tiny", plain=False, started=0.0)
+    view.start(4)
+    view.show(train_record(step=4))
+    view.stop()
+    assert stream.getvalue().endswith("\n")
