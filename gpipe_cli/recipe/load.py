@@ -72,9 +72,20 @@ def parse_yaml(text: str, label: str, overrides: Sequence[str] = ()) -> dict[str
                           "every key left out takes its default")
     if not isinstance(data, dict):
         raise RecipeError(f"{label}: a recipe must be a mapping of sections (got {type(data).__name__})")
+    for item in overrides:  # against the recipe as written, before any --set changes it
+        _written_as_a_value(data, parse_override(item)[0], label)
     for item in overrides:
         apply_override(data, item)
     return data
+
+
+def _written_as_a_value(data: dict[str, Any], key: str, label: str) -> None:
+    """Refuse, naming the recipe, a `--set` into a section that the recipe itself writes as a value (`train: 5`)."""
+    # Every top-level key is a section; below, a value where a --set sees a section is the --set's mistake.
+    section, dot, _ = key.partition(".")
+    value = data.get(section)
+    if dot and value is not None and not isinstance(value, dict):
+        raise RecipeError(f"{label}: {section}: must be a mapping (got {cut(str(value))})")
 
 
 def parse_override(item: str) -> tuple[str, Any]:

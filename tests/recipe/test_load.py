@@ -194,3 +194,13 @@ def test_a_preset_model_is_checked_against_its_data_as_the_preset_resolves(tmp_p
     assert load_recipe(None, ["model={preset: transformer-big}", *text]).model.kind == "transformer"
     with pytest.raises(RecipeError, match="data.source 'jsonl' holds text, and model.kind amoebanet"):
         load_recipe(None, ["model={preset: amoebanet-d-18-256}", *text])
+
+
+def test_a_set_into_a_section_the_recipe_writes_as_a_value_names_the_recipe(tmp_path):
+    # It blamed the --set (`'train' is a value, not a section`), which was right; the recipe was not.
+    path = tmp_path / "sect.yaml"
+    path.write_text("train: 5\n")
+    with pytest.raises(RecipeError, match=r"sect\.yaml: train: must be a mapping \(got 5\)$"):
+        load_recipe(path, ["train.steps=2"])
+    with pytest.raises(RecipeError, match=r"^--set train\.steps: 'train' is a value, not a section$"):
+        load_recipe(None, ["train=5", "train.steps=2"])  # the --set before it made it one
