@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import typer
 
 from gpipe_cli import __version__, interrupts
+from gpipe_cli.bench import CUTS as BENCH_CUTS
 from gpipe_cli.bench import FLAGS as B
 from gpipe_cli.bench import BenchOptions
 from gpipe_cli.cli_help import polish
@@ -39,10 +40,11 @@ from gpipe_cli.launch.preflight import too_long_line
 from gpipe_cli.limits import DIGITS
 from gpipe_cli.plan import FLAGS as L
 from gpipe_cli.plan import PlanOptions
+from gpipe_cli.profile import CUTS as PROFILE_CUTS
 from gpipe_cli.profile import FLAGS as P
 from gpipe_cli.profile import ProfileOptions
 from gpipe_cli.quick_exit import exit_now
-from gpipe_cli.recipe.aliases import ALIASES, SET_HELP, SIZE_FLAGS
+from gpipe_cli.recipe.aliases import ALIASES, SET_HELP, SIZE_FLAGS, balance_help
 
 
 class _Commands(typer.core.TyperGroup):
@@ -229,7 +231,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 # An own flag the command does not declare takes the type and default of the field of `options` (a dataclass; a
 # factory gives None) and reaches the command in `own`; alias values reach it in `flags` (None: not typed).
 def _flags(options: type, own: Mapping[str, str], *aliases: str, modes: Collection[str] = (),
-           shown: dict[str, str] | None = None) -> Callable[[F], F]:
+           shown: dict[str, str] | None = None, helps: Mapping[str, str] | None = None) -> Callable[[F], F]:
     """Give a command its own flags `own` (name -> help) and a `--set` alias flag per recipe key of `aliases`."""
     from gpipe_cli.recipe.aliases import description, flag, kind
 
@@ -250,7 +252,7 @@ def _flags(options: type, own: Mapping[str, str], *aliases: str, modes: Collecti
                              None if defaults[name] is MISSING else defaults[name], help=own[name])
                 for name in own if name not in declared}
         params = [*(p for name, p in declared.items() if name not in own), *(declared.get(n) or made[n] for n in own),
-                  *(option(name, kind(name) | None, None, help=description(ALIASES[name]),
+                  *(option(name, kind(name) | None, None, help=(helps or {}).get(name) or description(ALIASES[name]),
                            show_default=(shown or {}).get(name, False)) for name in aliases)]
 
         @functools.wraps(command)
@@ -268,7 +270,8 @@ def _flags(options: type, own: Mapping[str, str], *aliases: str, modes: Collecti
 @app.command()
 @_flags(BenchOptions, B, *ALIASES, modes=("sweep", "compare", "simulate", "devices", "bandwidth", "latency_us",
                                           "oversubscribe"),
-        shown={"partitions": "2", "microbatches": "8", "batch_size": "4 x M", "balance": "by measured per-layer time"})
+        shown={"partitions": "2", "microbatches": "8", "batch_size": "4 x M", "balance": "by measured per-layer time"},
+        helps={"balance": balance_help(BENCH_CUTS)})
 def bench(
     recipe: str | None = typer.Argument(None, help=B["recipe"]),
     model: str | None = typer.Option(None, help=B["model"], show_default=False),
@@ -285,7 +288,7 @@ def bench(
 # Its own --partitions takes several K.
 @_flags(ProfileOptions, P, *(name for name in ALIASES if name != "partitions"),
         shown={"microbatches": "8", "batch_size": "4 x M; with --budget the paper's: 128 AmoebaNet, 32 Transformer",
-               "balance": "by estimated FLOPs (no layer is timed)"})
+               "balance": "by estimated FLOPs (no layer is timed)"}, helps={"balance": balance_help(PROFILE_CUTS)})
 def profile_memory(
     recipe: str | None = typer.Argument(None, help=P["recipe"]),
     model: str | None = typer.Option(None, help=P["model"], show_default=False),

@@ -341,3 +341,14 @@ def test_a_reader_that_goes_ends_a_command_quietly_with_code_141(tmp_path, args)
 def test_a_cut_the_layers_cannot_take_names_the_set_that_asked_for_it(capsys, item, says):
     assert run(["validate", "--set", item]) == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, says", [
+    (["bench", "--balance", "params"], "error: --balance: this command cuts by auto or time or a list of layers"),
+    (["profile-memory", "--balance", "time"], "error: --balance: this command cuts by auto or a list of layers"),
+    (["bench", "--set", "pipeline.balance=memory"], "error: --set pipeline.balance: this command cuts by auto or time")])
+def test_a_cut_a_command_does_not_make_is_named_by_its_flag_and_its_help_lists_only_those_it_makes(capsys, args, says):
+    assert run(args) == 2
+    assert capsys.readouterr().err.startswith(says)
+    run([args[0], "--help"])
+    assert "params" not in capsys.readouterr().out.split("--balance")[1].split("--")[0]

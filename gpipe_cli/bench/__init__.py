@@ -1,8 +1,8 @@
 """`gpipe bench`: training throughput at K stages and M micro-batches against K=1, baselines, traces, predictions."""
 
-from gpipe_cli.bench.options import FLAGS, BenchOptions, bench_options, validate
+from gpipe_cli.bench.options import CUTS, FLAGS, BenchOptions, bench_options, validate
 
-__all__ = ['FLAGS', 'BenchOptions', 'bench_options', "run"]
+__all__ = ['CUTS', 'FLAGS', 'BenchOptions', 'bench_options', "run"]
 
 
 def run(options: BenchOptions) -> int:

@@ -86,6 +86,7 @@ SWEEP_PARTITIONS = (2, 4, 8)
 RANK_BYTES = 400 << 20  # a rank's own memory before its stage: the interpreter, torch, its transport and buffers
 
 # Flag name -> help text of bench's own flags (the recipe's keys have the schema's).
+CUTS = ("auto", "time")  # the cuts bench makes itself: auto and time are both by measured per-layer time
 FLAGS: dict[str, str] = {
     "model": "Without a recipe: a preset (model.preset: transformer-l-13, amoebanet-d-18-256, ...) or a family "
              "(transformer, amoebanet: the paper's speed-table model, scaled down to this machine and about a minute "
@@ -119,7 +120,7 @@ def bench_options(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[s
     """The options a recipe (None: bench's own model and pipeline), the alias flags, `--set` and bench's flags give."""
     # The recipe's keys are checked as `train` checks them, before torch loads.
     return BenchOptions(model=model_of(recipe, own.pop("model", None), "measured"),
-                        **shared_fields(BenchOptions, recipe, flags, sets, ("auto", "time")), **own)
+                        **shared_fields(BenchOptions, recipe, flags, sets, CUTS), **own)
 
 
 def validate(options: BenchOptions) -> None:

@@ -121,5 +121,7 @@ def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[
             None if k is None or v is None else entries_problem(flags.get("balance"), k, v)])
     given, model_sets = settings(recipe, flags, sets, {**own, **defaults})
     if "balance" in given:
-        given["balance"] = balance_text(given["balance"], cuts)
+        key = ALIASES["balance"]
+        named = "--balance" if flags.get("balance") else f"--set {key}" if key in typed_values(sets) else key
+        given["balance"] = balance_text(given["balance"], cuts, named)
     return {**given, **{name: flags.get(name) for name in SIZE_FLAGS}, "set": model_sets}

@@ -1,8 +1,8 @@
 """`gpipe profile-memory`: per-stage parameters, gradients, optimizer state and activations; budget search."""
 
-from gpipe_cli.profile.options import FLAGS, ProfileOptions, parse_partitions, profile_options, validate
+from gpipe_cli.profile.options import CUTS, FLAGS, ProfileOptions, parse_partitions, profile_options, validate
 
-__all__ = ['FLAGS', 'ProfileOptions', 'parse_partitions', 'profile_options', "run"]
+__all__ = ['CUTS', 'FLAGS', 'ProfileOptions', 'parse_partitions', 'profile_options', "run"]
 
 
 def run(options: ProfileOptions) -> int:

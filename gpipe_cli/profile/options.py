@@ -48,6 +48,7 @@ class ProfileOptions(ModelFlags):
 
 
 # Flag name -> help text of profile-memory's own flags (the recipe's keys have the schema's).
+CUTS = ("auto",)  # the cut profile-memory makes itself: by estimated FLOPs
 FLAGS: dict[str, str] = {
     "model": "Without a recipe: a preset (model.preset) or a family (amoebanet, transformer: the paper's models, "
              "scaled down to this machine when no size flag or --set model.KEY is given) [default: transformer]. "
@@ -87,7 +88,7 @@ def profile_options(recipe: str | None, partitions: str | None, flags: Mapping[s
         # The single K is the pipeline's K, so that a --balance is checked against it, with a recipe too; with
         # chunks, the largest K's rules are the recipe's (`validate` checks the others').
         flags = {**flags, "partitions": max(listed)}
-    given = shared_fields(ProfileOptions, recipe, flags, sets, ("auto",))
+    given = shared_fields(ProfileOptions, recipe, flags, sets, CUTS)
     k = given.pop("partitions", None)
     return ProfileOptions(model=model, partitions=listed or ([k] if k is not None else list(DEFAULT_PARTITIONS)),
                           **given, **own)

@@ -53,14 +53,19 @@ def kind(name: str) -> type:
     return int if info.annotation is int else str
 
 
-def balance_text(value: Any, cuts: tuple[str, ...]) -> str | None:
+def balance_text(value: Any, cuts: tuple[str, ...], named: str = "pipeline.balance") -> str | None:
     """`pipeline.balance` as a command's `--balance` text: `5,5` for a list, None for `cuts` (its own cut)."""
     if isinstance(value, list):
         return ",".join(str(v) for v in value)
     if value in cuts:
         return None
-    raise RecipeError(f"pipeline.balance: this command cuts by {' or '.join(cuts)} or a list of layers per stage "
+    raise RecipeError(f"{named}: this command cuts by {' or '.join(cuts)} or a list of layers per stage "
                       f"(got {value})")
+
+
+def balance_help(cuts: tuple[str, ...]) -> str:
+    """The `--balance` help of a command that cuts by `cuts` (the recipe's key allows more)."""
+    return f"Layers per stage, e.g. 5,5, or how to cut: {' or '.join(cuts)}."
 
 
 def as_sets(flags: Mapping[str, Any]) -> list[str]:
