@@ -346,9 +346,18 @@ def test_a_cut_the_layers_cannot_take_names_the_set_that_asked_for_it(capsys, it
 @pytest.mark.parametrize("args, says", [
     (["bench", "--balance", "params"], "error: --balance: this command cuts by auto or time or a list of layers"),
     (["profile-memory", "--balance", "time"], "error: --balance: this command cuts by auto or a list of layers"),
-    (["bench", "--set", "pipeline.balance=memory"], "error: --set pipeline.balance: this command cuts by auto or time")])
+    (["bench", "--set", "pipeline.balance=memory"], "error: --set pipeline.balance: this command cuts by auto")])
 def test_a_cut_a_command_does_not_make_is_named_by_its_flag_and_its_help_lists_only_those_it_makes(capsys, args, says):
     assert run(args) == 2
     assert capsys.readouterr().err.startswith(says)
     run([args[0], "--help"])
     assert "params" not in capsys.readouterr().out.split("--balance")[1].split("--")[0]
+
+
+@pytest.mark.parametrize("command", ["bench", "profile-memory"])
+@pytest.mark.parametrize("args, says", [
+    (["--virtual-stages", "2"], "error: --virtual-stages 2: gpipe runs one chunk per stage; give --schedule"),
+    (["--batch-size", "7"], "error: pipeline.microbatches (8) must be <= --batch-size (7)")])
+def test_bench_and_profile_memory_word_a_mistake_alike_naming_the_flags_typed(capsys, command, args, says):
+    assert run([command, *args]) == 2
+    assert capsys.readouterr().err.startswith(says)

@@ -63,6 +63,16 @@ def is_v(schedule: Any) -> bool:
 
 
 # Only where the flags decide it: a recipe may hold the V's chunks, and a --set item names its key itself.
+def chunks_problem(flags: Mapping[str, Any], recipe: str | None) -> str | None:
+    """The refusal of a --virtual-stages above 1 with a schedule that runs one chunk per stage."""
+    virtual, schedule = flags.get("virtual_stages"), flags.get("schedule")
+    if virtual is None or virtual <= 1 or (schedule is None and recipe is not None) \
+            or (schedule in schedules.names() and schedules.get(schedule).chunked):
+        return None  # below 1: refused by the schema; without --schedule a recipe's may be chunked
+    return (f"--virtual-stages {virtual}: {schedule or 'gpipe'} runs one chunk per stage; give --schedule "
+            f"interleaved, or zero-bubble-v or v-half with --virtual-stages 2")
+
+
 def v_problem(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str]) -> str | None:
     """The refusal of a V schedule typed as --schedule without --virtual-stages 2, naming the flags."""
     schedule, virtual = flags.get("schedule"), flags.get("virtual_stages")
@@ -117,7 +127,7 @@ def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[
     # Named by the flags, before the schema names the keys they stand for.
     k, v = (_flag_value(name, recipe, flags, sets, {**own, **defaults}.get(name, 1))
             for name in ("partitions", "virtual_stages"))
-    refuse([v_problem(recipe, flags, sets),
+    refuse([chunks_problem(flags, recipe), v_problem(recipe, flags, sets),
             None if k is None or v is None else entries_problem(flags.get("balance"), k, v)])
     given, model_sets = settings(recipe, flags, sets, {**own, **defaults})
     if "balance" in given:

@@ -12,13 +12,13 @@ from gpipe_cli.estimate.model_flags import (
     ModelFlags,
     balance_entries,
     choice_problems,
+    chunks_problem,
     model_of,
     shared_fields,
     v_problem,
 )
 from gpipe_cli.files import another_file, check_not_input, check_output
 from gpipe_cli.limits import DIGITS, MAX_RANKS, MAX_SIZE, one_of, outside, refuse, words
-from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
 from gpipe_cli.recipe.aliases import SET_HELP
 from gpipe_cli.units import parse_size
@@ -82,7 +82,7 @@ def profile_options(recipe: str | None, partitions: str | None, flags: Mapping[s
     listed = ks if ks is not None else None if recipe is not None else list(DEFAULT_PARTITIONS)
     typed_v = flags.get("virtual_stages")
     virtual = typed_v if typed_v is not None and typed_v >= 1 else 1  # a V below 1 is refused by the schema
-    refuse([_chunks_problem(flags, recipe),
+    refuse([chunks_problem(flags, recipe),
             None if listed is None else one_cut_problem(flags.get("balance"), listed, virtual, default=ks is None)])
     if listed is not None and (len(listed) == 1 or virtual > 1):
         # The single K is the pipeline's K, so that a --balance is checked against it, with a recipe too; with
@@ -92,16 +92,6 @@ def profile_options(recipe: str | None, partitions: str | None, flags: Mapping[s
     k = given.pop("partitions", None)
     return ProfileOptions(model=model, partitions=listed or ([k] if k is not None else list(DEFAULT_PARTITIONS)),
                           **given, **own)
-
-
-def _chunks_problem(flags: Mapping[str, Any], recipe: str | None) -> str | None:
-    """The refusal of a --virtual-stages above 1 with a schedule that runs one chunk per stage."""
-    virtual, schedule = flags.get("virtual_stages"), flags.get("schedule")
-    if virtual is None or virtual <= 1 or (schedule is None and recipe is not None) \
-            or (schedule in schedules.names() and schedules.get(schedule).chunked):
-        return None  # below 1: refused by the schema; without --schedule a recipe's may be chunked
-    return (f"--virtual-stages {virtual}: {schedule or 'gpipe'} runs one chunk per stage; give --schedule "
-            f"interleaved, or zero-bubble-v or v-half with --virtual-stages 2")
 
 
 def _interleaved_problem(options: ProfileOptions) -> str | None:

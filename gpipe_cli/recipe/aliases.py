@@ -121,8 +121,8 @@ def by_flag(error: RecipeError, flags: Mapping[str, Any]) -> RecipeError:
             return RecipeError(f"{flag(name)}:{rest}")
     if any(message.startswith(f"--set {ALIASES[name]} ") for name in typed):  # a check across keys a flag leads
         message = message.removeprefix("--set ")
-        for name in typed:  # each key named by the flag that gave it: `--microbatches (6) ... --partitions (4)`
-            message = message.replace(f"{ALIASES[name]} (", f"{flag(name)} (")
+    for name in typed:  # each key named by the flag that gave it: `--microbatches (6) ... --partitions (4)`
+        message = message.replace(f"{ALIASES[name]} (", f"{flag(name)} (")
     return RecipeError(message)
 
 
