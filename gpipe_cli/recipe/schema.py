@@ -199,8 +199,8 @@ class Pipeline(Section):
                                  f"set pipeline.virtual_stages: 2 (got {self.virtual_stages})")
             return self
         if self.virtual_stages > 1 and self.partitions < 2:
-            raise ValueError(f"pipeline.virtual_stages > 1 needs pipeline.partitions >= 2 for {self.schedule} (a "
-                             f"V schedule runs 2 chunks on one stage)")
+            raise ValueError(f"pipeline.virtual_stages > 1 needs pipeline.partitions >= 2 for {self.schedule}, "
+                             f"whose chunks loop over the stages (at K=1, zero-bubble-v and v-half run 2 in a V)")
         if self.virtual_stages > 1 and self.microbatches % self.partitions:
             raise ValueError(f"pipeline.microbatches ({self.microbatches}) must be a multiple of "
                              f"pipeline.partitions ({self.partitions}) for the interleaved schedule")
