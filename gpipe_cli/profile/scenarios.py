@@ -13,6 +13,7 @@ from gpipe_cli.memory_model import Footprint, ModelFigures
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import describe
 from gpipe_cli.pipeline import microbatch, partition, schedules
+from gpipe_cli.sizing import MEMORY_SHARE
 from gpipe_cli.units import human_bytes
 
 
@@ -110,7 +111,7 @@ def choose_rows(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, in
         fullest = max(fp.total_bytes for fp in scenario.predict(figures, batch, per_param))
         if fullest > have:
             why = (f"{name} extrapolated: its fullest stage needs about {human_bytes(fullest)}, too large for this "
-                   f"machine's memory ({human_bytes(have)} free)")
+                   f"machine's memory (a measurement may use {human_bytes(have)}, {MEMORY_SHARE:.0%} of what is free)")
             scenario = dataclasses.replace(scenario, measured=False, why=why)
         out.append(scenario)
     return out
