@@ -15,6 +15,7 @@ from gpipe_cli.files import another_file, check_not_input, check_output
 from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, MAX_SIZE, MAX_THREADS, finite, outside, refuse
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
+from gpipe_cli.recipe.aliases import flag as flag_of
 from gpipe_cli.units import human_bytes, meminfo_available
 
 
@@ -119,6 +120,9 @@ FLAGS: dict[str, str] = {
 def bench_options(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str], **own: Any) -> BenchOptions:
     """The options a recipe (None: bench's own model and pipeline), the alias flags, `--set` and bench's flags give."""
     # The recipe's keys are checked as `train` checks them, before torch loads.
+    typed = [flag_of(name) for name in ("partitions", "microbatches", "balance") if flags.get(name) is not None]
+    if own.get("sweep") and typed:
+        raise UserError(f"--sweep measures its own K and M (the paper's Table 2): leave out {', '.join(typed)}")
     return BenchOptions(model=model_of(recipe, own.pop("model", None), "measured"),
                         **shared_fields(BenchOptions, recipe, flags, sets, CUTS), **own)
 
@@ -138,6 +142,10 @@ def validate(options: BenchOptions) -> None:
         None if options.devices is None or options.simulate else "--devices needs --simulate",
         "--sweep and --simulate cannot be combined" if options.sweep and options.simulate else None,
         "--sweep and --compare cannot be combined" if options.sweep and options.compare else None,
+        "--simulate and --compare cannot be combined: --compare measures torch's schedules on K ranks"
+        if options.simulate and options.compare else None,
+        "--oversubscribe goes with --sweep (the K values it adds are the sweep's)"
+        if options.oversubscribe and not options.sweep else None,
         "--virtual-stages > 1 cannot be combined with --sweep" if options.virtual_stages != 1 and options.sweep
         else None,
         "--trace records the K ranks' measured step: it cannot be combined with --sweep or --simulate"

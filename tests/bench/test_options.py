@@ -28,6 +28,8 @@ def test_default_batch_gives_four_examples_per_microbatch():
     (BenchOptions(offload="weights"), "--offload: must be one of none, activations"),
     (BenchOptions(devices=4), "--devices needs --simulate"),
     (BenchOptions(sweep=True, compare=True), "cannot be combined"),
+    (BenchOptions(simulate=True, compare=True), "--simulate and --compare cannot be combined"),
+    (BenchOptions(oversubscribe=True), "--oversubscribe goes with --sweep"),
     (BenchOptions(steps=0), "--steps"),
     (BenchOptions(schedule="1f1b", virtual_stages=2), "needs schedule 'interleaved'"),
     (BenchOptions(schedule="interleaved", virtual_stages=2, microbatches=3, batch_size=12), "multiple of partitions"),
@@ -225,3 +227,11 @@ def test_a_full_disk_after_measuring_is_one_line_naming_the_flag(tmp_path, monke
         runner.results(BenchOptions(json=tmp_path / "figures.json"), summary, [], Console(file=io.StringIO()))
     assert str(caught.value) == f"--json: cannot write {str(tmp_path / 'figures.json')!r} (No space left on device)"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sweep_refuses_the_k_and_m_it_would_drop(capsys):
+    from gpipe_cli.cli import run
+
+    assert run(["bench", "--sweep", "--partitions", "4", "--balance", "2,2,1,1"]) == 2
+    assert capsys.readouterr().err == ("error: --sweep measures its own K and M (the paper's Table 2): leave out "
+                                       "--partitions, --balance\n")
