@@ -145,6 +145,8 @@ def validate(options: ProfileOptions) -> None:
         _interleaved_problem(options),
         None if options.budget is None or (options.layers is None and options.filters is None)
         else "--budget searches the layers and filters: drop --layers/--filters",
+        None if options.budget is None or options.balance is None
+        else "--budget cuts each model it tries itself (by memory): drop --balance",
     ])
     if options.budget is not None and parse_size(options.budget, "--budget") <= 0:
         # Nothing fits no memory at all: a table of empty rows would only hide the typo.

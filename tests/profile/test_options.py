@@ -142,3 +142,8 @@ def test_a_v_schedule_is_validated_with_its_two_chunks():
     validate(ProfileOptions(schedule="v-half", virtual_stages=2))
     with pytest.raises(UserError, match="give --virtual-stages 2"):
         validate(ProfileOptions(schedule="zero-bubble-v"))
+
+
+def test_a_budget_refuses_a_cut_it_would_drop(capsys, nothing_runs):
+    line = refused(capsys, "--budget", "8GiB", "--partitions", "2", "--balance", "2,2")
+    assert "--budget cuts each model it tries itself (by memory): drop --balance" in line
