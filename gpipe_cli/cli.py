@@ -292,7 +292,7 @@ def bench(
 def profile_memory(
     recipe: str | None = typer.Argument(None, help=P["recipe"]),
     model: str | None = typer.Option(None, help=P["model"], show_default=False),
-    partitions: str | None = typer.Option(None, help=P["partitions"], show_default=False),
+    partitions: str | None = typer.Option(None, metavar="K,K,...", help=P["partitions"], show_default=False),
     *, own: dict[str, Any], flags: dict[str, Any],
 ) -> int:
     """Memory per stage (parameters, gradients, optimizer, activations) for naive, pipeline-1 and pipeline-K."""
