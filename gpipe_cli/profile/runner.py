@@ -43,6 +43,8 @@ def _device(choice: str) -> torch.device:
 
 # Besides its rows: loading, sizing and shaping the model on the meta device, and the ranks-free set-up.
 FIXED_S = 3.0
+# Pricing a layer from its shapes: about 60 ms each on a 2-core CPU (a 300-layer model took 18 s), whatever its width.
+MANY_LAYERS, SHAPE_S_PER_LAYER = 100, 0.06
 
 
 def row_seconds(cand: sizing.Candidate, machine: sizing.Machine, batch: int, microbatches: int,
@@ -108,7 +110,10 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
     for again in (False, True):
         subject, note, sized = _subject(options, machine, batch)
         spec = subject.build()
-        # Per-layer figures from shapes first (instant at any size), to decide and announce every row.
+        # Per-layer figures from shapes first (quick at any width), to decide and announce every row.
+        if len(spec.layers) > MANY_LAYERS:  # else a deep model's pricing is a silence of minutes
+            progress.phase(f"pricing {len(spec.layers):,} layers from their shapes (meta device)",
+                           SHAPE_S_PER_LAYER * len(spec.layers))
         figures = mm.measure(spec, options.seed, device="meta")
         rows = scenarios.choose_rows(spec, figures, names, batch, options.schedule, per_param, have, options.balance,
                                      options.offload, options.virtual_stages)
@@ -121,8 +126,9 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
             # (within a fifth of the whole batch's rate on a 2-core CPU), at a fifth of the cost.
             machine = paced(machine, spec, subject.kind, min(max(batch // 4, 2), batch), options.seed)
             probe_s = probe_seconds(cand, machine)
-        # Now that every row is decided: what this profile runs, not what sizing assumed (every row measured).
-        seconds = FIXED_S + (probe_s if probing else 0.0) + sum(
+        # Now that every row is decided: what this profile runs, not what sizing assumed (every row measured),
+        # and the set-up as long as it took.
+        seconds = max(FIXED_S, progress.elapsed()) + (probe_s if probing else 0.0) + sum(
             row_seconds(cand, machine, batch, sc.microbatches, sc.checkpoint) for sc in rows if sc.measured)
         # A model sized by the quick rate, which a busy machine's layers fall far below, is sized once more by the
         # rate its layers reach (once: the smaller member's estimate stands as it is).
