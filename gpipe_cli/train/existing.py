@@ -86,10 +86,10 @@ def kept_by_a_run(path: Path) -> tuple[Path, str] | None:
 
     try:
         where = Path(os.path.abspath(path))
-        if where.name in (RECIPE, METRICS, TOKENIZER_FILE) and _is_run(where.parent):
+        if where.name in (RECIPE, METRICS, TOKENIZER_FILE) and holds_run(where.parent):
             return _as_named(where.parent, path), f"is the run's {where.name}: writing there would replace it"
         for folder in (where, *where.parents):
-            if folder.name == CHECKPOINTS and _is_run(folder.parent):
+            if folder.name == CHECKPOINTS and holds_run(folder.parent):
                 return _as_named(folder.parent, path), f"is inside the run's {CHECKPOINTS}/, which training " \
                     "prunes and resumes from"
     except (OSError, ValueError):  # a name no file system takes: the write says what is wrong with it
@@ -100,11 +100,6 @@ def kept_by_a_run(path: Path) -> tuple[Path, str] | None:
 def _as_named(folder: Path, path: Path) -> Path:
     """`folder` relative to here when `path` was named so."""
     return folder if path.is_absolute() else Path(os.path.relpath(folder))
-
-
-def _is_run(folder: Path) -> bool:
-    """Whether `folder` is a run directory: it holds checkpoints/ or metrics.jsonl."""
-    return (folder / CHECKPOINTS).is_dir() or (folder / METRICS).is_file()
 
 
 def last_step(run_dir: Path) -> int | None:

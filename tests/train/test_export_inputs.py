@@ -148,3 +148,11 @@ def test_no_command_writes_over_a_file_another_run_keeps(tmp_path, capsys, comma
     line = one_error_line(code, captured.err, captured.out)
     assert f"{str(run_dir / target)!r} is " in line and f"name another file, e.g. '{run_dir}/" in line
     assert {p: p.read_bytes() if p.is_file() else None for p in run_dir.rglob("*")} == before
+
+
+def test_a_folder_named_checkpoints_that_holds_no_run_is_written_to(tmp_path, capsys, monkeypatch):
+    # A project's own checkpoints/ (another tool's) is not a run's: only one beside a run's records is kept.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    assert run(["validate", "--json", "checkpoints/plan.json"]) == 0
+    assert (tmp_path / "checkpoints" / "plan.json").is_file()
