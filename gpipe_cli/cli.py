@@ -81,10 +81,16 @@ def _reader_gone() -> Iterator[None]:
             raise
         raise typer.Exit(128 + signal.SIGPIPE) from None
     except BrokenPipeError:
-        with contextlib.suppress(OSError, ValueError):  # what is still buffered goes nowhere rather than failing
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, sys.stdout.fileno())
+        _to_null(sys.stdout)
         raise typer.Exit(128 + signal.SIGPIPE) from None
+
+
+def _to_null(stream: typing.TextIO) -> None:
+    """Point a stream whose reader has gone at /dev/null: what is still buffered goes nowhere, not failing."""
+    with contextlib.suppress(OSError, ValueError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stream.fileno())
+        os.close(null)
 
 
 app = typer.Typer(cls=_Commands, add_completion=False, pretty_exceptions_enable=False,
@@ -104,7 +110,10 @@ def _error(message: str) -> None:
     # Errors reach here only before a rank joins its job (a rank's own failure ends it inside the job), from the
     # arguments and recipe every rank reads alike: one line a node, not one a rank. The exit code stays.
     if interrupts.speaks_for_node():
-        print(f"error: {message}", file=sys.stderr)
+        try:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        except BrokenPipeError:  # `2>&1 | head -0`: the line has no reader, and the exit code still says it
+            _to_null(sys.stderr)
     elif "LOCAL_RANK" in os.environ:
         # A sibling that ended first would have torchrun stop the node's first rank before it said the same
         # error, which then said only that it was interrupted: the siblings give it time to end first.

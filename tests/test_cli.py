@@ -361,3 +361,14 @@ def test_a_cut_a_command_does_not_make_is_named_by_its_flag_and_its_help_lists_o
 def test_bench_and_profile_memory_word_a_mistake_alike_naming_the_flags_typed(capsys, command, args, says):
     assert run([command, *args]) == 2
     assert capsys.readouterr().err.startswith(says)
+
+
+def test_an_error_whose_reader_has_gone_keeps_its_exit_code(tmp_path):
+    # `gpipe validate --set x=1 2>&1 | head -0`: click exited 1, as if the command itself had failed otherwise.
+    read, write = os.pipe()
+    with subprocess.Popen([sys.executable, "-m", "gpipe_cli.cli", "validate", "--set", "x=1"], stdout=write,
+                          stderr=write, cwd=tmp_path) as process:
+        os.close(write)
+        os.close(read)
+        process.wait(timeout=120)
+    assert process.returncode == 2
