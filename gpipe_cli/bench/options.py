@@ -15,7 +15,9 @@ from gpipe_cli.files import another_file, check_not_input, check_output
 from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, MAX_SIZE, MAX_THREADS, finite, outside, refuse
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
+from gpipe_cli.recipe.aliases import ALIASES
 from gpipe_cli.recipe.aliases import flag as flag_of
+from gpipe_cli.recipe.load import typed_values
 from gpipe_cli.units import human_bytes, meminfo_available
 
 
@@ -120,7 +122,10 @@ FLAGS: dict[str, str] = {
 def bench_options(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str], **own: Any) -> BenchOptions:
     """The options a recipe (None: bench's own model and pipeline), the alias flags, `--set` and bench's flags give."""
     # The recipe's keys are checked as `train` checks them, before torch loads.
-    typed = [flag_of(name) for name in ("partitions", "microbatches", "balance") if flags.get(name) is not None]
+    set_keys = typed_values(sets)
+    typed = [flag_of(name) if flags.get(name) is not None else f"--set {ALIASES[name]}"
+             for name in ("partitions", "microbatches", "balance")
+             if flags.get(name) is not None or ALIASES[name] in set_keys]
     if own.get("sweep") and typed:
         raise UserError(f"--sweep measures its own K and M (the paper's Table 2): leave out {', '.join(typed)}")
     return BenchOptions(model=model_of(recipe, own.pop("model", None), "measured"),

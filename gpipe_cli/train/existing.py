@@ -81,20 +81,33 @@ def run_dir_of(location: str) -> Path:
 
 def kept_by_a_run(path: Path) -> tuple[Path, str] | None:
     """(run directory, what) when `path` is a file a run keeps or lies in its checkpoints/; else None."""
-    # Any command's output named there would replace what a later resume, export or report reads.
+    # Any command's output named there would replace what a later resume, export or report reads. As named
+    # and where links lead: a link to a run's checkpoints/ writes into it all the same.
     from gpipe_cli.data.tokenizer import TOKENIZER_FILE
 
     try:
-        where = Path(os.path.abspath(path))
-        if where.name in (RECIPE, METRICS, TOKENIZER_FILE) and holds_run(where.parent):
-            return _as_named(where.parent, path), f"is the run's {where.name}: writing there would replace it"
-        for folder in (where, *where.parents):
-            if folder.name == CHECKPOINTS and holds_run(folder.parent):
-                return _as_named(folder.parent, path), f"is inside the run's {CHECKPOINTS}/, which training " \
-                    "prunes and resumes from"
+        for where in dict.fromkeys((Path(os.path.abspath(path)), Path(os.path.realpath(path)))):
+            if where.name in (RECIPE, METRICS, TOKENIZER_FILE) and _is_run(where.parent):
+                return _as_named(where.parent, path), f"is the run's {where.name}: writing there would replace it"
+            for folder in (where, *where.parents):
+                if folder.name == CHECKPOINTS and _is_run(folder.parent):
+                    return _as_named(folder.parent, path), f"is inside the run's {CHECKPOINTS}/, which training " \
+                        "prunes and resumes from"
     except (OSError, ValueError):  # a name no file system takes: the write says what is wrong with it
         pass
     return None
+
+
+def _is_run(folder: Path) -> bool:
+    """Whether `folder` is a run directory: it holds step checkpoints, or metrics.jsonl begins with a record."""
+    if candidates(folder / CHECKPOINTS):
+        return True
+    try:
+        with open(folder / METRICS, "rb") as f:
+            first = json.loads(f.readline(1 << 20))
+    except (OSError, ValueError):  # none, unreadable, or not a record (another command's JSON written there)
+        return False
+    return isinstance(first, dict) and "kind" in first
 
 
 def _as_named(folder: Path, path: Path) -> Path:

@@ -235,3 +235,10 @@ def test_a_sweep_refuses_the_k_and_m_it_would_drop(capsys):
     assert run(["bench", "--sweep", "--partitions", "4", "--balance", "2,2,1,1"]) == 2
     assert capsys.readouterr().err == ("error: --sweep measures its own K and M (the paper's Table 2): leave out "
                                        "--partitions, --balance\n")
+
+
+def test_a_sweep_refuses_their_set_forms_too(capsys):
+    from gpipe_cli.cli import run
+
+    assert run(["bench", "--sweep", "--set", "pipeline.microbatches=2"]) == 2
+    assert "leave out --set pipeline.microbatches" in capsys.readouterr().err

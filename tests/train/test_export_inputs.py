@@ -156,3 +156,22 @@ def test_a_folder_named_checkpoints_that_holds_no_run_is_written_to(tmp_path, ca
     (tmp_path / "checkpoints").mkdir()
     assert run(["validate", "--json", "checkpoints/plan.json"]) == 0
     assert (tmp_path / "checkpoints" / "plan.json").is_file()
+
+
+def test_a_link_into_a_runs_checkpoints_is_refused_as_the_folder_itself(tmp_path, capsys, monkeypatch):
+    # Refused by name only, `ck/m.safetensors` (ck -> run/checkpoints) wrote into the run's checkpoints.
+    monkeypatch.chdir(tmp_path)
+    save_one(tmp_path / "run", 2, value=1.0)
+    (tmp_path / "ck").symlink_to(tmp_path / "run" / "checkpoints")
+    assert run(["export", "run", "--output", "ck/m.safetensors"]) == 2
+    assert "is inside the run's checkpoints/" in capsys.readouterr().err
+    assert run(["train", "--output-dir", "ck/new", "--dry-run"]) == 2
+    assert "is inside the run's checkpoints/" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-00000002"]
+
+
+def test_a_command_may_write_again_the_file_it_wrote_though_it_is_named_metrics_jsonl(tmp_path, monkeypatch):
+    # A folder is a run by its records or step checkpoints, not by a file's name: the second write was refused.
+    monkeypatch.chdir(tmp_path)
+    assert run(["validate", "--json", "metrics.jsonl"]) == 0
+    assert run(["validate", "--json", "metrics.jsonl"]) == 0
