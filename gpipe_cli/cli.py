@@ -427,10 +427,10 @@ def main() -> None:
 
 
 def _a_runs_recipe(path: str) -> bool:
-    """Whether `path` is the recipe.yaml a run directory keeps beside its checkpoints."""
-    from gpipe_cli.train.existing import CHECKPOINTS, RECIPE
+    """Whether `path` is the recipe.yaml a run directory keeps beside its records and checkpoints."""
+    from gpipe_cli.train.existing import RECIPE, is_run
 
-    return os.path.basename(path) == RECIPE and os.path.isdir(os.path.join(os.path.dirname(path), CHECKPOINTS))
+    return os.path.basename(path) == RECIPE and is_run(Path(os.path.dirname(path) or "."))
 
 
 def _bare_resume(args: list[str]) -> list[str]:

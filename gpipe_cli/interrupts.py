@@ -15,10 +15,14 @@ _terminated = False
 
 # SIGTERM would end the process where it stands, leaving temporary files: as a KeyboardInterrupt it takes Ctrl-C's way.
 def _on_interrupt(signum: int, frame: object) -> None:
+    _remember(signum, frame)
+    raise KeyboardInterrupt
+
+
+def _remember(signum: int, frame: object) -> None:
     global _interrupted, _terminated
     _interrupted = True
     _terminated = _terminated or signum == signal.SIGTERM
-    raise KeyboardInterrupt
 
 
 def on_sigint(handler: signal.Handlers | object) -> object:
@@ -58,12 +62,7 @@ def deferred() -> Iterator[None]:
     """Within it Ctrl-C and SIGTERM are only remembered; leaving it whole, one that came raises KeyboardInterrupt."""
     # For C++ code that calls back into Python (pyarrow writing through fsspec): a KeyboardInterrupt raised
     # there becomes an error of its own, is swallowed, or aborts the process.
-    def remember(signum: int, frame: object) -> None:
-        global _interrupted, _terminated
-        _interrupted = True
-        _terminated = _terminated or signum == signal.SIGTERM
-
-    previous = on_sigint(remember), signal.signal(signal.SIGTERM, remember)
+    previous = on_sigint(_remember), signal.signal(signal.SIGTERM, _remember)
     try:
         yield
     finally:

@@ -15,9 +15,7 @@ from gpipe_cli.files import another_file, check_not_input, check_output
 from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, MAX_SIZE, MAX_THREADS, finite, outside, refuse
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
-from gpipe_cli.recipe.aliases import ALIASES
-from gpipe_cli.recipe.aliases import flag as flag_of
-from gpipe_cli.recipe.load import typed_values
+from gpipe_cli.recipe.aliases import given_as
 from gpipe_cli.units import human_bytes, meminfo_available
 
 
@@ -88,8 +86,8 @@ SWEEP_MICROBATCHES = (1, 4, 32)
 SWEEP_PARTITIONS = (2, 4, 8)
 RANK_BYTES = 400 << 20  # a rank's own memory before its stage: the interpreter, torch, its transport and buffers
 
-# Flag name -> help text of bench's own flags (the recipe's keys have the schema's).
 CUTS = ("auto", "time")  # the cuts bench makes itself: auto and time are both by measured per-layer time
+# Flag name -> help text of bench's own flags (the recipe's keys have the schema's).
 FLAGS: dict[str, str] = {
     "model": "Without a recipe: a preset (model.preset: transformer-l-13, amoebanet-d-18-256, ...) or a family "
              "(transformer, amoebanet: the paper's speed-table model, scaled down to this machine and about a minute "
@@ -122,10 +120,7 @@ FLAGS: dict[str, str] = {
 def bench_options(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str], **own: Any) -> BenchOptions:
     """The options a recipe (None: bench's own model and pipeline), the alias flags, `--set` and bench's flags give."""
     # The recipe's keys are checked as `train` checks them, before torch loads.
-    set_keys = typed_values(sets)
-    typed = [flag_of(name) if flags.get(name) is not None else f"--set {ALIASES[name]}"
-             for name in ("partitions", "microbatches", "balance")
-             if flags.get(name) is not None or ALIASES[name] in set_keys]
+    typed = [given for name in ("partitions", "microbatches", "balance") if (given := given_as(name, flags, sets))]
     if own.get("sweep") and typed:
         raise UserError(f"--sweep measures its own K and M (the paper's Table 2): leave out {', '.join(typed)}")
     return BenchOptions(model=model_of(recipe, own.pop("model", None), "measured"),

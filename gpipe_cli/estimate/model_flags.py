@@ -12,7 +12,7 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.limits import MAX_SEED, one_of, outside, refuse
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES
-from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, balance_text, settings
+from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, balance_text, given_as, settings
 from gpipe_cli.recipe.load import typed_values
 
 # The command line loads this module for its help and checks these flags before torch loads: the schedules'
@@ -131,7 +131,6 @@ def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[
             None if k is None or v is None else entries_problem(flags.get("balance"), k, v)])
     given, model_sets = settings(recipe, flags, sets, {**own, **defaults})
     if "balance" in given:
-        key = ALIASES["balance"]
-        named = "--balance" if flags.get("balance") else f"--set {key}" if key in typed_values(sets) else key
+        named = given_as("balance", flags, sets) or ALIASES["balance"]
         given["balance"] = balance_text(given["balance"], cuts, named)
     return {**given, **{name: flags.get(name) for name in SIZE_FLAGS}, "set": model_sets}

@@ -53,6 +53,13 @@ def kind(name: str) -> type:
     return int if info.annotation is int else str
 
 
+def given_as(name: str, flags: Mapping[str, Any], sets: Sequence[str]) -> str | None:
+    """How the user gave alias `name`'s key: its flag (`--balance`), its `--set`, or None (not typed)."""
+    if flags.get(name) is not None:
+        return flag(name)
+    return f"--set {ALIASES[name]}" if any(item.partition("=")[0].strip() == ALIASES[name] for item in sets) else None
+
+
 def balance_text(value: Any, cuts: tuple[str, ...], named: str = "pipeline.balance") -> str | None:
     """`pipeline.balance` as a command's `--balance` text: `5,5` for a list, None for `cuts` (its own cut)."""
     if isinstance(value, list):

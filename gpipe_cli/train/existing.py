@@ -87,10 +87,10 @@ def kept_by_a_run(path: Path) -> tuple[Path, str] | None:
 
     try:
         for where in dict.fromkeys((Path(os.path.abspath(path)), Path(os.path.realpath(path)))):
-            if where.name in (RECIPE, METRICS, TOKENIZER_FILE) and _is_run(where.parent):
+            if where.name in (RECIPE, METRICS, TOKENIZER_FILE) and is_run(where.parent):
                 return _as_named(where.parent, path), f"is the run's {where.name}: writing there would replace it"
             for folder in (where, *where.parents):
-                if folder.name == CHECKPOINTS and _is_run(folder.parent):
+                if folder.name == CHECKPOINTS and is_run(folder.parent):
                     return _as_named(folder.parent, path), f"is inside the run's {CHECKPOINTS}/, which training " \
                         "prunes and resumes from"
     except (OSError, ValueError):  # a name no file system takes: the write says what is wrong with it
@@ -98,7 +98,7 @@ def kept_by_a_run(path: Path) -> tuple[Path, str] | None:
     return None
 
 
-def _is_run(folder: Path) -> bool:
+def is_run(folder: Path) -> bool:
     """Whether `folder` is a run directory: it holds step checkpoints, or metrics.jsonl begins with a record."""
     if candidates(folder / CHECKPOINTS):
         return True
