@@ -23,6 +23,7 @@ from gpipe_cli.errors import NONFINITE_EXIT_CODE, UserError
 from gpipe_cli.launch import forked
 from gpipe_cli.launch.preflight import rendezvous, threads_per_rank
 from gpipe_cli.launch.slurm import SlurmStep, check_one_task_per_node, slurm_step
+from gpipe_cli.pipeline.stopping import say_stopping_now
 
 _STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGPIPE)  # SIGPIPE: the output closed
 FORCE_S = 20.0  # after a stop with nothing to save, the most a command may take to end
@@ -160,8 +161,7 @@ class _Stops:
         """Say once, while no rank has a step to finish, that the job stops before its first step."""
         if self.started is not None and not self.training() and not self.told:
             self.told = True
-            print(f"\n[gpipe] {signal.Signals(signum).name}: stopping now, before the first step is done "
-                  "(nothing to save yet)", file=sys.stderr, flush=True)
+            say_stopping_now(signal.Signals(signum).name)
 
     def forward_interrupt(self, signum: int, frame: object) -> None:
         """Pass Ctrl-C on to the ranks, which torchrun starts in sessions of their own, out of the terminal's reach."""

@@ -53,8 +53,17 @@ def _announce(signum: int) -> None:
     # rank failed, which that rank reports.
     if not _announced and signum == signal.SIGINT:
         _announced = True
-        print("\n[gpipe] SIGINT: stopping now, before the first step is done (nothing to save yet)",
-              file=sys.stderr, flush=True)
+        say_stopping_now("SIGINT")
+
+
+def say_stopping_now(name: str) -> None:
+    """Say that signal `name` stops the job before its first step is done."""
+    say_stop(f"{name}: stopping now, before the first step is done (nothing to save yet)")
+
+
+def say_stop(text: str) -> None:
+    """The line that answers a stop signal, on a line of its own: past a terminal's ^C echo, alone in a file."""
+    print(f"{chr(10) if sys.stderr.isatty() else ''}[gpipe] {text}", file=sys.stderr, flush=True)
 
 
 def until_started(announce: bool, marker: Path | None = None) -> None:

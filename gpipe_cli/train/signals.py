@@ -32,10 +32,9 @@ class StopRequest:
         if not self.signum:
             self.signum = signum
             if self.announce and signum == signal.SIGINT:  # a person pressed Ctrl-C: answer at once
-                fresh = "\n" if sys.stderr.isatty() else ""  # off the terminal's ^C echo; a file gets the line alone
                 what = "the launcher ended (SIGINT)" if os.getppid() != self.parent else "SIGINT"
                 again = "" if os.getppid() != self.parent else " (Ctrl-C again to abort at once)"
-                print(f"{fresh}[gpipe] {what}: stopping after this step{again}", file=sys.stderr, flush=True)
+                stopping.say_stop(f"{what}: stopping after this step{again}")
         elif signum == signal.SIGINT:
             if self.announce:
                 print("[gpipe] SIGINT again: aborted at once; a checkpoint it cut short is removed on resume",

@@ -117,3 +117,10 @@ def test_a_stop_inside_a_deferred_block_raises_when_the_block_ends(tmp_path):
     assert code == 128 + signal.SIGINT, err
     assert out.splitlines() == ["block done", f"unwound {int(signal.SIGINT)}"]
     assert "Traceback" not in err
+
+
+def test_a_stop_line_into_a_file_is_that_line_alone(capsys):
+    # It began with an empty line (past a terminal's ^C echo), so a log held the stop as two lines.
+    stopping.say_stopping_now("SIGINT")
+    assert capsys.readouterr().err == \
+        "[gpipe] SIGINT: stopping now, before the first step is done (nothing to save yet)\n"
