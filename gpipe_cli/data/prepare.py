@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli import interrupts
-from gpipe_cli.data.sources import eval_split_name, first_line, load_hub, pick_splits
+from gpipe_cli.data.sources import eval_split_name, first_line, load_hub, pick_splits, progress_bars
 from gpipe_cli.errors import DataError
 from gpipe_cli.files import hidden_prefix, make_folders, umask
 from gpipe_cli.launch.preflight import check_path, check_writable
@@ -57,9 +58,10 @@ def save_splits(splits: Any, data: Data, output: Path, say: Callable[[str], None
             for i in range(shards):
                 if say is not None:
                     say(f"writing {split} shard {i + 1} of {shards} ({len(ds):,} examples in {split})")
-                part = _embedded(ds.shard(num_shards=shards, index=i, contiguous=True))
-                with interrupts.deferred():  # a Ctrl-C stops the command once this shard is written
-                    part.to_parquet(str(staging / f"{split}-{i:05d}-of-{shards:05d}.parquet"))
+                with progress_bars(False):  # the line above says what is written: bars would only repeat it
+                    part = _embedded(ds.shard(num_shards=shards, index=i, contiguous=True))
+                    with interrupts.deferred():  # a Ctrl-C stops the command once this shard is written
+                        part.to_parquet(str(staging / f"{split}-{i:05d}-of-{shards:05d}.parquet"))
         interrupts.check()  # one that a library swallowed on the way
         if output.exists():
             output.rmdir()
@@ -86,5 +88,6 @@ def prepare_data(data: Data, output: Path, cache_dir: Path | None = None,
     check_writable(output, "--output")
     say(f"downloading {data.name}{f' ({data.config})' if data.config else ''} from the Hugging Face hub "
         f"(or reading it from the local cache)")
-    splits = load_hub(data.name, data.config, cache_dir, "parquet")
+    with progress_bars(sys.stderr.isatty()):  # in a log file a download's bars are hundreds of redrawn lines
+        splits = load_hub(data.name, data.config, cache_dir, "parquet")
     return save_splits(splits, data, output, say)

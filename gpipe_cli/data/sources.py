@@ -84,15 +84,24 @@ def load_builder(builder: str, where: str, cache_dir: Path | None, **kwargs: Any
     """A local DatasetDict through a `datasets` packaged builder (imagefolder, parquet)."""
     import datasets
 
-    shown_bars = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()  # a local read: its bars would be escape codes between the run's lines
     try:
-        return datasets.load_dataset(builder, cache_dir=str(cache_dir) if cache_dir else None, **kwargs)
+        with progress_bars(False):  # a local read: its bars would be escape codes between the run's lines
+            return datasets.load_dataset(builder, cache_dir=str(cache_dir) if cache_dir else None, **kwargs)
     except Exception as e:
         raise DataError(f"cannot read {where} as {builder}: {first_line(e)}") from None
+
+
+@contextlib.contextmanager
+def progress_bars(shown: bool) -> Iterator[None]:
+    """`datasets`' progress bars shown or not within the block, as they were after it."""
+    import datasets
+
+    was = datasets.is_progress_bar_enabled()
+    (datasets.enable_progress_bars if shown else datasets.disable_progress_bars)()
+    try:
+        yield
     finally:
-        if shown_bars:
-            datasets.enable_progress_bars()
+        (datasets.enable_progress_bars if was else datasets.disable_progress_bars)()
 
 
 def open_splits(data: Data, cache_dir: Path | None, local: str) -> tuple[Any, str]:

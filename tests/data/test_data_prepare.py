@@ -214,3 +214,12 @@ def test_a_reader_gone_is_not_taken_for_a_folder_that_cannot_be_written(tmp_path
     with pytest.raises(BrokenPipeError):  # the command line ends it with 141, as any command whose reader goes
         save_splits(splits, data(source="hub", name="x"), tmp_path / "out", closed)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_saving_draws_no_progress_bars_and_leaves_them_as_they_were(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    datasets.enable_progress_bars()
+    save_splits(_image_splits(tmp_path / "cache"), data(source="hub", name="cifar10"), tmp_path / "out")
+    err = capsys.readouterr().err
+    assert "%|" not in err and "parquet" not in err.lower(), err
+    assert datasets.is_progress_bar_enabled()
