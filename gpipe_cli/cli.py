@@ -14,7 +14,6 @@ import dataclasses
 import errno
 import functools
 import inspect
-import json
 import os
 import signal
 import sys
@@ -34,7 +33,7 @@ from gpipe_cli.bench import BenchOptions
 from gpipe_cli.cli_help import polish
 from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError, one_line, shown
-from gpipe_cli.files import another_file, atomic_write_text, check_not_input, check_output, writing
+from gpipe_cli.files import another_file, check_not_input, check_output, write_json
 from gpipe_cli.launch import launch_options
 from gpipe_cli.launch.preflight import too_long_line
 from gpipe_cli.limits import DIGITS
@@ -230,8 +229,7 @@ def validate(
     console.print(plan_table(plan))
     if json_file is not None:
         payload = {"recipe": loaded.model_dump(mode="json"), **plan.to_json()}
-        with writing(json_file, "--json"):
-            atomic_write_text(json_file, json.dumps(payload, indent=2))
+        write_json(json_file, payload)
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from gpipe_cli.errors import PATH_SHOWN_CHARS, UserError, shown
 from gpipe_cli.launch.preflight import NAME_MAX, PATH_MAX, check_writable, path_problem
@@ -139,6 +140,12 @@ def writing(path: Path, flag: str, hint: str = "") -> Iterator[None]:
         yield
     except OSError as exc:  # atomic_write has left nothing behind
         raise UserError(f"{_cannot_write(path, flag)} ({exc.strerror or exc}){hint}") from None
+
+
+def write_json(path: Path, data: Any, flag: str = "--json") -> None:
+    """`data` as indented JSON at `path`, whole or not at all; an OSError (a disk filled since) in one line."""
+    with writing(path, flag):
+        atomic_write_text(path, json.dumps(data, indent=2))
 
 
 def same_file(a: str | Path, b: str | Path) -> bool:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import tempfile
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from gpipe_cli.estimate import simulate
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.measure import RunFigures, contended, median
 from gpipe_cli.estimate.subject import Subject
-from gpipe_cli.files import atomic_write_text, writing
+from gpipe_cli.files import write_json, writing
 from gpipe_cli.launch import LaunchOptions, warming
 from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline.config import sizes  # nearly equal parts, larger first
@@ -187,8 +186,7 @@ def results(options: BenchOptions, summary: dict[str, Any], events: list[dict[st
     sized = summary["sized"]
     console.print(f"[dim]{took_line(sized['elapsed_s'], sized['estimate_s'])}[/]")
     if options.json is not None:
-        with writing(options.json, "--json"):  # a disk that filled while measuring: one line, no half file
-            atomic_write_text(options.json, json.dumps(summary, indent=2))
+        write_json(options.json, summary)
         console.print(f"[dim]figures written to {options.json}[/]")
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import torch
@@ -23,7 +22,7 @@ from gpipe_cli.estimate.subject import (
     resolve,
     to_measure,
 )
-from gpipe_cli.files import atomic_write_text, writing
+from gpipe_cli.files import write_json
 from gpipe_cli.models import families
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import count_parameters, describe, layer_params
@@ -345,7 +344,6 @@ def _run(options: ProfileOptions, console: Console) -> int:
         tables.show_measured(summary, console)
     console.print(f"[dim]{progress.took()}[/]")
     if options.json is not None:
-        with writing(options.json, "--json"):  # a disk that filled while measuring: one line, no half file
-            atomic_write_text(options.json, json.dumps(summary, indent=2))
+        write_json(options.json, summary)
         console.print(f"[dim]figures written to {options.json}[/]")
     return 0

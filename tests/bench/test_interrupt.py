@@ -60,6 +60,7 @@ def test_once_measured_the_results_are_written_with_ctrl_c_and_sigterm_waiting(t
     """A Ctrl-C as `figures written to F` printed said "nothing was written" (F was), then a raw traceback."""
     from rich.console import Console
 
+    from gpipe_cli import files
     from gpipe_cli.bench import runner, tables
     from gpipe_cli.bench.options import BenchOptions
 
@@ -73,7 +74,7 @@ def test_once_measured_the_results_are_written_with_ctrl_c_and_sigterm_waiting(t
         now("written")
         path.write_text(text)
 
-    monkeypatch.setattr(runner, "atomic_write_text", write)
+    monkeypatch.setattr(files, "atomic_write_text", write)
     monkeypatch.setattr(tables, "show", lambda summary, console: now("shown"))
     out = tmp_path / "figures.json"
     summary = {"measured": True, "sized": {"note": "", "estimate_s": 1.0, "elapsed_s": 1.0}}
