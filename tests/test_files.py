@@ -276,3 +276,18 @@ def test_prepare_data_refuses_an_output_that_is_its_recipe(tmp_path, capsys, mon
                    "folder\n")
     assert recipe.read_text() == default_recipe_text() and sorted(os.listdir(tmp_path)) == ["link.yaml", "r.yaml"]
 
+
+
+@pytest.mark.parametrize("command", [["validate"], ["bench", "--partitions", "2"], ["profile-memory"]])
+def test_a_json_output_named_as_a_yaml_recipe_is_refused_and_the_recipe_kept(tmp_path: Path, command):
+    """`gpipe bench --json recipes/quickstart.yaml` wrote its figures over the checkout's copy of the recipe."""
+    from typer.testing import CliRunner
+
+    from gpipe_cli.cli import app
+
+    recipe = tmp_path / "quickstart.YML"
+    recipe.write_text(default_recipe_text())
+    got = CliRunner().invoke(app, [*command, "--json", str(recipe)])
+    assert got.exit_code == 2 and "has a recipe's YAML name" in got.output, got.output
+    assert f"name a .json file, e.g. {str(tmp_path / 'quickstart.json')!r}" in got.output
+    assert recipe.read_text() == default_recipe_text()
