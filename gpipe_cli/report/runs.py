@@ -113,17 +113,31 @@ def read_run(path: Path) -> Run:
     recipe = parse_document(read_recipe_file(recipe_file), str(recipe_file)) if recipe_file.is_file() else {}
     pipe = recipe.get("pipeline") if isinstance(recipe, dict) else None
     train, evals, damage = read_records(metrics)
+    if damage and not train:
+        raise UserError(f"{metrics}: holds no usable train record ({damage})")
     if not train:
-        raise UserError(f"{metrics}: holds no usable train record ({damage})" if damage else
-                        f"{metrics}: holds no train records yet")
+        raise NotStarted(f"{metrics}: holds no train records yet")
     run = Run(path, "", train, evals, damage, pipe if isinstance(pipe, dict) else {})
     run.label = run.pipeline(train[-1])
     return run
 
 
+class NotStarted(UserError):
+    """A run directory whose run has not recorded its first step (still starting, or stopped before it)."""
+
+
 def read_runs(paths: list[Path]) -> list[Run]:
     """Every run, each label unique (the folder name is added where two runs share K, M and schedule)."""
-    runs = [read_run(p) for p in paths]
+    runs, waiting = [], []
+    for path in paths:
+        try:
+            runs.append(read_run(path))
+        except NotStarted as exc:  # `outputs/x/*` takes in a run just starting: the others still make a report
+            waiting.append(exc)
+    if waiting and not runs:
+        raise waiting[0]
+    for line in waiting:
+        print(f"warning: {line}; left out", file=sys.stderr)
     for run in runs:  # warned once all are read: a run that cannot be read is then the only line
         if run.damage:  # a crash's cut line or a hand edit: the rest of the run is still worth a report
             print(f"warning: {run.path / 'metrics.jsonl'}: skipped {run.damage}", file=sys.stderr)

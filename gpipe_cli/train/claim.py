@@ -18,7 +18,7 @@ _HELD: dict[Path, int] = {}  # this process's claims: each lock file and the des
 
 # The lock is an flock on a file in the directory: it ends with the process that holds it, however that process
 # ends, so a failed launch never leaves a claim behind. `flag` names the directory in a refusal, `instead` ends it;
-# `made`: the caller has just made `run_dir` for this run. A directory made for the run and left empty is removed.
+# `made`: the caller has just made `run_dir` for this run. One made for the run and left with only its set-up goes.
 @contextlib.contextmanager
 def held(run_dir: Path, flag: str, instead: str, made: bool = False) -> Iterator[bool]:
     """Hold `run_dir` in the block (made if missing), refusing one another gpipe train holds; yields if it is new."""
@@ -32,9 +32,10 @@ def held(run_dir: Path, flag: str, instead: str, made: bool = False) -> Iterator
             _remove(fd, run_dir / LOCK)
             del _HELD[run_dir / LOCK]
             os.close(fd)
-        if created:  # a run that never started leaves nothing behind; a folder with anything in it stays
-            with contextlib.suppress(OSError):
-                run_dir.rmdir()
+        if created:  # a run that never started leaves nothing behind; a folder with anything else in it stays
+            from gpipe_cli.train.existing import remove_set_up
+
+            remove_set_up(run_dir)
 
 
 def _claim(run_dir: Path, where: str, instead: str, made: bool) -> tuple[int | None, bool]:

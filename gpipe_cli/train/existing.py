@@ -138,6 +138,20 @@ def holds_run(run_dir: Path) -> bool:
     return recorded or bool(candidates(run_dir / CHECKPOINTS))
 
 
+def remove_set_up(run_dir: Path) -> None:
+    """Remove a directory made for a run that stopped before its first step, if it holds only that run's set-up."""
+    # Left behind, its recipe and empty records read as a run: `gpipe report outputs/x/*` refused to report.
+    from gpipe_cli.data.tokenizer import TOKENIZER_FILE
+
+    with contextlib.suppress(OSError):
+        names = os.listdir(run_dir)
+        if holds_run(run_dir) or not set(names) <= {RECIPE, METRICS, TOKENIZER_FILE, CHECKPOINTS}:
+            return
+        for name in names:
+            (os.rmdir if name == CHECKPOINTS else os.unlink)(run_dir / name)  # an empty checkpoints/ only
+        run_dir.rmdir()
+
+
 def check_not_in_a_run(output_dir: str | None) -> None:
     """Refuse an --output-dir inside another run's checkpoints/ (its pruning would delete this run with them)."""
     if output_dir and (kept := kept_by_a_run(Path(output_dir))) is not None:

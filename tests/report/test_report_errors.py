@@ -159,6 +159,24 @@ def test_a_last_line_cut_short_is_left_out_with_a_warning(tmp_path, capsys):
                                        "unfinished: still being written or cut short\n")
 
 
+def test_a_run_not_started_is_left_out_of_several_with_a_warning_and_alone_is_one_line(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """`gpipe report outputs/x/*` stopped at a run that had no step yet, and no report was made for the others."""
+    monkeypatch.chdir(tmp_path)  # where the page of several runs goes
+    run = make_run(tmp_path / "run", 2)
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    (starting / "metrics.jsonl").write_text("")
+    assert cli(["report", str(run), str(starting)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == f"warning: {starting / 'metrics.jsonl'}: holds no train records yet; left out\n"
+    assert "K=2 M=4 1f1b" in captured.out and (tmp_path / "report.png").is_file()
+    before = files(tmp_path)
+    assert cli(["report", str(starting)]) == 2
+    captured = capsys.readouterr()
+    assert one_line(captured.err) and "holds no train records yet" in captured.err and files(tmp_path) == before
+
+
 @pytest.mark.filterwarnings("ignore:Tight layout not applied")  # the page's long title: not this test's subject
 def test_piped_tables_cut_no_number(tmp_path, capsys):
     long = "a-run-folder-with-a-name-long-enough-to-crowd-the-table-" * 2

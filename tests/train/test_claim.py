@@ -63,6 +63,28 @@ def test_a_claim_makes_the_directory_names_its_process_and_leaves_nothing_once_i
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]  # the lock file goes, the run stays
 
 
+@pytest.mark.parametrize("then, stays", [
+    ({}, False),
+    ({"metrics.jsonl": '{"kind": "train", "step": 1}\n'}, True),  # a step was recorded: a run, kept
+    ({"notes.txt": "mine"}, True),  # something the run does not write: never removed
+    ({"checkpoints/step-00000001/.metadata": ""}, True),
+])
+def test_a_run_stopped_before_its_first_step_leaves_no_set_up_behind(tmp_path, then, stays):
+    """A Ctrl-C between the run's set-up and its first step left a folder that `gpipe report outputs/x/*` refused."""
+    run = tmp_path / "run"
+    with claim.held(run, "the output directory", "wait", made=True):
+        for name, text in {"recipe.yaml": "name: x\n", "tokenizer.model": "", "metrics.jsonl": "", **then}.items():
+            (run / name).parent.mkdir(parents=True, exist_ok=True)
+            (run / name).write_text(text)
+        (run / "checkpoints").mkdir(exist_ok=True)
+    assert run.exists() == stays and (not stays or (run / "recipe.yaml").is_file())
+    run.mkdir(exist_ok=True)
+    (run / "recipe.yaml").write_text("name: x\n")
+    with claim.held(run, "--output-dir", "wait"):  # a folder the user gave, there before: kept as it is
+        pass
+    assert (run / "recipe.yaml").is_file()
+
+
 def test_a_second_claim_is_refused_in_one_line_naming_the_holder(tmp_path):
     run = tmp_path / "run"
     with claim.held(run, "--output-dir", "wait until it ends"):
