@@ -8,6 +8,8 @@ from typing import Any
 SHOWN_CHARS = 60
 # How much of a path it repeats: more, since a path's end is what tells it apart.
 PATH_SHOWN_CHARS = 160
+# Fewer left out than this, and the note saying so would hide what sets the value apart (a path's last digits).
+CUT_AT_LEAST = 30
 # The longest line an error may print (a last guard for messages built from user input).
 LINE_CHARS = 400
 
@@ -45,7 +47,7 @@ def _words(value: Any) -> str:
 
 def cut(text: str, limit: int = SHOWN_CHARS) -> str:
     """`text` cut to `limit` characters, saying how many were left out."""
-    if len(text) <= limit:
+    if len(text) <= limit + CUT_AT_LEAST:
         return text
     return f"{text[:limit]}... ({len(text) - limit} more characters)"
 

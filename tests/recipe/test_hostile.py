@@ -408,3 +408,13 @@ def test_validate_and_export_arguments(tmp_path, monkeypatch, capsys, args, frag
     captured = capsys.readouterr()
     assert_one_line(code, captured.err, "", fragment)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_value_is_cut_only_where_the_cut_saves_more_than_its_note():
+    """`.../step-0000009... (2 more characters)` hid the very digits that were mistyped."""
+    from gpipe_cli.errors import CUT_AT_LEAST, cut
+
+    near = "x" * 50 + "step-00000099"
+    assert cut(near, 50) == near
+    far = "y" * (50 + CUT_AT_LEAST + 1)
+    assert cut(far, 50) == "y" * 50 + f"... ({CUT_AT_LEAST + 1} more characters)"
