@@ -185,7 +185,7 @@ def read_jsonl(files: Sequence[Path], task: TextTask, data: Data) -> list[Record
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{f}:{n}: not valid JSON ({e.msg})") from None
+                raise DataError(f"{f}:{n}: not valid JSON ({e.msg}: column {e.colno})") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{f}:{n}: expected a JSON object, got {type(obj).__name__}")
             out.append(_record(obj, task, data, f"{f}:{n}"))

@@ -418,3 +418,9 @@ def test_a_value_is_cut_only_where_the_cut_saves_more_than_its_note():
     assert cut(near, 50) == near
     far = "y" * (50 + CUT_AT_LEAST + 1)
     assert cut(far, 50) == "y" * 50 + f"... ({CUT_AT_LEAST + 1} more characters)"
+
+
+def test_an_empty_set_value_is_named_as_such(capsys):
+    """`--set name=` was told `must be a string (got )`."""
+    assert run(["validate", "--set", "name="]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("--set name: must be a string (got an empty value)")
