@@ -12,6 +12,7 @@ from gpipe_cli import sizing
 from gpipe_cli.bench.options import RANK_BYTES, SWEEP_MICROBATCHES, BenchOptions, overhead_rounds
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate.subject import FAMILIES, Subject, model_overrides, resolve, to_measure
+from gpipe_cli.launch import forked
 from gpipe_cli.models import families
 from gpipe_cli.models.describe import describe
 from gpipe_cli.pipeline import partition
@@ -45,7 +46,9 @@ def phase_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: Benc
     """Seconds each job should take on `machine` with model `cand`, by its K (K=1 also times layers, host overhead)."""
     passes = sizing.passes(options.checkpoint)
     configs = runs(options, cand.pipeline_layers)
-    seconds = {k: sizing.launch_seconds(k, machine) for k in sorted({k for k, _ in configs})}
+    forking = forked.available()  # every launch then forks from the one server that `run` starts
+    seconds = {k: sizing.launch_seconds(k, machine, first=i == 0, forking=forking)
+               for i, k in enumerate(sorted({k for k, _ in configs}))}
     steps = options.steps + options.warmup
     for k, m in configs:
         work = sizing.step_seconds(cand, machine, options.batch, m, passes)

@@ -6,7 +6,7 @@ import contextlib
 import signal
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,10 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.estimate import simulate
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.measure import RunFigures, contended, median
-from gpipe_cli.estimate.subject import Subject
+from gpipe_cli.estimate.subject import Subject, paced
 from gpipe_cli.files import write_json, writing
 from gpipe_cli.launch import LaunchOptions, warming
+from gpipe_cli.models import families
 from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline.config import sizes  # nearly equal parts, larger first
 from gpipe_cli.pipeline.schedule import theoretical_bubble
@@ -200,6 +201,14 @@ def run(options: BenchOptions) -> int:
     check_cut(options, subject)
     memory = preview.memory(subject, options, machine)
     preview.check_fits(chosen, memory, options, machine)
+    if machine.kind == "cpu":  # its own layers at its micro-batch: small matrices reach less than the quick rate
+        examples = max(sizing.ceil_div(options.batch, options.microbatches), families.of(subject.kind).least_examples)
+        with sizing.torch_threads(options.threads):  # as a rank runs them
+            machine = paced(machine, subject.build(), subject.kind, examples, options.seed)
+        chosen = replace(chosen, phases=preview.phase_seconds(sizing.candidate(subject.kind, subject.params),
+                                                              machine, options))
+    # What was spent choosing and pricing the model counts too: `took` is the whole command's time.
+    chosen = replace(chosen, seconds=progress.elapsed() + sum(chosen.phases.values()))
     preview.show(chosen, memory, options, machine, console)
     progress.estimated = chosen.seconds
     # Every run's ranks fork from one server (the same threads each): it imports torch once, not once a run.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import stat
@@ -16,7 +17,9 @@ from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.limits import outside, words
 from gpipe_cli.models import families
 from gpipe_cli.models.base import Batch, ModelSpec
+from gpipe_cli.models.describe import describe
 from gpipe_cli.models.registry import allowed_params, build_model, is_preset_name, names_help, resolve_preset
+from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, flag
 from gpipe_cli.recipe.load import parse_override
 
@@ -164,3 +167,17 @@ def example_batch(spec: ModelSpec, examples: int, seed: int) -> tuple[Batch, Any
         torch.manual_seed(seed)
         return spec.example_batch(examples, "cpu")
 
+
+def paced(machine: sizing.Machine, spec: ModelSpec, kind: str, examples: int, seed: int) -> sizing.Machine:
+    """`machine` with the rate this model's layers reach here now: the heaviest of its first layers timed."""
+    # The quick matrix-product rate fits in cache and misses a busy machine: real layers reach a fraction of it,
+    # several times less on a shared CPU.
+    flops = [layer.flops for layer in describe(spec, 2).layers[:3]]  # per example; the prefix stays cheap
+    index = max(range(len(flops)), key=flops.__getitem__)
+    inputs, _ = example_batch(spec, examples, seed)
+    layer = profile_layers(spec.factories()[:index + 1], inputs, seed, "cpu", repeats=3)[index]  # medians
+    seconds = layer.forward + layer.backward - 3 * machine.call_seconds  # less the fixed cost, charged apart
+    if flops[index] <= 0 or seconds <= 0:
+        return machine
+    rate = 3 * flops[index] * examples / seconds
+    return dataclasses.replace(machine, flops_per_s=rate / sizing.layer_efficiency(machine.kind, kind))

@@ -19,15 +19,14 @@ from gpipe_cli.estimate.subject import (
     check_limits,
     example_batch,
     model_overrides,
+    paced,
     resolve,
     to_measure,
 )
 from gpipe_cli.files import write_json
 from gpipe_cli.models import families
-from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.models.describe import count_parameters, describe, layer_params
+from gpipe_cli.models.describe import count_parameters, layer_params
 from gpipe_cli.models.registry import allowed_params, build_model
-from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.profile import account, budget, probe, scenarios, tables
 from gpipe_cli.profile.options import ProfileOptions
 from gpipe_cli.progress import Progress
@@ -62,21 +61,6 @@ BUILD_S = 1.2e-8
 def probe_seconds(cand: sizing.Candidate, machine: sizing.Machine) -> float:
     """Seconds measuring per-layer figures takes: each layer's forward and backward at two small batches."""
     return 2 * sizing.step_seconds(cand, machine, 6, 1, 2.0)
-
-
-def paced(machine: sizing.Machine, spec: ModelSpec, kind: str, examples: int, seed: int) -> sizing.Machine:
-    """`machine` with the rate this model's layers reach here now: the heaviest of its first layers timed."""
-    # The quick matrix-product rate fits in cache and misses a busy machine: real layers reach a fraction of it,
-    # several times less on a shared CPU.
-    flops = [layer.flops for layer in describe(spec, 2).layers[:3]]  # per example; the prefix stays cheap
-    index = max(range(len(flops)), key=flops.__getitem__)
-    inputs, _ = example_batch(spec, examples, seed)
-    layer = profile_layers(spec.factories()[:index + 1], inputs, seed, "cpu", repeats=3)[index]  # medians
-    seconds = layer.forward + layer.backward - 3 * machine.call_seconds  # less the fixed cost, charged apart
-    if flops[index] <= 0 or seconds <= 0:
-        return machine
-    rate = 3 * flops[index] * examples / seconds
-    return dataclasses.replace(machine, flops_per_s=rate / sizing.layer_efficiency(machine.kind, kind))
 
 
 def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tuple[Subject, str, bool]:

@@ -40,9 +40,10 @@ def test_bench_writes_the_figures_and_a_chrome_trace(tmp_path, gpipe):
     events = events["traceEvents"] if isinstance(events, dict) else events
     assert any(e.get("ph") == "X" for e in events)
     assert "efficiency" in proc.stdout and "simulator vs measurement" in proc.stdout
-    # Each job is said with its estimate (starting ranks alone is more than 2 s), and the end judges the total.
+    # Each job is said, the first with its estimate (it waits for the ranks' server to import torch, over 2 s); the
+    # next, forked from that server, may take under the 2 s worth an estimate. The end judges the total.
     assert re.search(r"^measuring K=1 \(.*\) \(about \d+ s\)\.\.\.$", proc.stdout, re.M), proc.stdout
-    assert re.search(r"^measuring K=2 \(balance .*\) \(about \d+ s\)\.\.\.$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^measuring K=2 \(balance .*\)( \(about \d+ s\))?\.\.\.$", proc.stdout, re.M), proc.stdout
     assert re.search(r"^took \d+ (s|min) \(estimated \d+ (s|min)\)$", proc.stdout, re.M), proc.stdout
 
 
