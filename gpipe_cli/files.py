@@ -106,10 +106,6 @@ def check_output(path: Path | None, flag: str, example: str = "out.json", hint: 
     problem = path_problem(path)
     if problem is not None:  # before pathlib is asked anything about it
         raise UserError(f"{where}: it {problem}{hint}")
-    if example.endswith(".json") and path.suffix.lower() in (".yaml", ".yml"):  # a recipe, or named as one
-        raise UserError(f"{flag + ' ' if flag else ''}{shown_path(path)} has a recipe's YAML name, and "
-                        f"{flag or 'it'} writes JSON; name a .json file, e.g. "
-                        f"{shown_path(path.with_suffix('.json'))}{hint}")
     if _room(path, "") < 0:
         raise UserError(f"{where}: its folder's path leaves no room for the temporary file it is written to first "
                         f"(a path may have at most {PATH_MAX} bytes); name a shorter folder{hint}")
@@ -144,6 +140,13 @@ def writing(path: Path, flag: str, hint: str = "") -> Iterator[None]:
         yield
     except OSError as exc:  # atomic_write has left nothing behind
         raise UserError(f"{_cannot_write(path, flag)} ({exc.strerror or exc}){hint}") from None
+
+
+def check_json_name(path: Path | None, flag: str) -> None:
+    """Refuse a JSON output named as a YAML recipe: `bench --json recipes/quickstart.yaml` wrote over the recipe."""
+    if path is not None and path.suffix.lower() in (".yaml", ".yml"):
+        raise UserError(f"{flag} {shown_path(path)} has a recipe's YAML name, and {flag} writes JSON; name a .json "
+                        f"file, e.g. {shown_path(path.with_suffix('.json'))}")
 
 
 def write_json(path: Path, data: Any, flag: str = "--json") -> None:
