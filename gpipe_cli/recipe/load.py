@@ -278,8 +278,10 @@ def _describe(error: dict[str, Any], raw: dict[str, Any], typed: str | None = No
     key = cut(".".join(str(p) for p in loc))
     kind, ctx, value = error["type"], error.get("ctx", {}), error.get("input")
     # A `--set` value as typed: YAML reads `yes` as true and `1e3` as 1000.0, which the user never wrote.
-    got = f"(got {shown(value) if typed is None or isinstance(parse_value(typed, ''), str) else cut(typed)})" \
-        if typed is None or typed.strip() else "(got an empty value)"
+    if typed is not None and not typed.strip():
+        got = "(got an empty value)"
+    else:
+        got = f"(got {shown(value) if typed is None or isinstance(parse_value(typed, ''), str) else cut(typed)})"
     if kind == "extra_forbidden":
         section = _section_model(loc, raw)
         allowed = ", ".join(section.model_fields) if section else "see the recipe reference"

@@ -147,8 +147,9 @@ def remove_set_up(run_dir: Path) -> None:
         names = os.listdir(run_dir)
         if holds_run(run_dir) or not set(names) <= {RECIPE, METRICS, TOKENIZER_FILE, CHECKPOINTS}:
             return
-        for name in names:
-            (os.rmdir if name == CHECKPOINTS else os.unlink)(run_dir / name)  # an empty checkpoints/ only
+        # checkpoints/ first: where it is not empty (a checkpoint being written), nothing else has gone either.
+        for name in sorted(names, key=lambda name: name != CHECKPOINTS):
+            (os.rmdir if name == CHECKPOINTS else os.unlink)(run_dir / name)
         run_dir.rmdir()
 
 

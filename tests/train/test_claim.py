@@ -68,9 +68,12 @@ def test_a_claim_makes_the_directory_names_its_process_and_leaves_nothing_once_i
     ({"metrics.jsonl": '{"kind": "train", "step": 1}\n'}, True),  # a step was recorded: a run, kept
     ({"notes.txt": "mine"}, True),  # something the run does not write: never removed
     ({"checkpoints/step-00000001/.metadata": ""}, True),
+    ({"checkpoints/.writing/part": ""}, True),  # a checkpoint cut short: nothing removed, not half the set-up
 ])
-def test_a_run_stopped_before_its_first_step_leaves_no_set_up_behind(tmp_path, then, stays):
+def test_a_run_stopped_before_its_first_step_leaves_no_set_up_behind(tmp_path, monkeypatch, then, stays):
     """A Ctrl-C between the run's set-up and its first step left a folder that `gpipe report outputs/x/*` refused."""
+    listed = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path: sorted(listed(path), key=lambda name: name == "checkpoints"))
     run = tmp_path / "run"
     with claim.held(run, "the output directory", "wait", made=True):
         for name, text in {"recipe.yaml": "name: x\n", "tokenizer.model": "", "metrics.jsonl": "", **then}.items():
