@@ -29,10 +29,15 @@ def existing_path(path: str | None, what: str) -> Path:
     return p
 
 
-def split_files(path: Path, exts: Sequence[str], train_split: str,
-                eval_split: str | None) -> tuple[list[Path], list[Path] | None]:
+def split_files(path: Path, exts: Sequence[str], data: Data) -> tuple[list[Path], list[Path] | None]:
     """(train files, eval files or None) of a file or a folder; split membership is by file name."""
+    train_split, eval_split = data.train_split, data.eval_split
+    named_split = train_split != Data.model_fields["train_split"].default  # the default also reads a plain folder
     if path.is_file():
+        if eval_split or named_split:  # nothing to pick: the split would be ignored without a word
+            key = "data.eval_split" if eval_split else "data.train_split"
+            raise DataError(f"{key} picks files of a folder by name, and data.path '{path}' is one file: leave "
+                            f"{key} out (data.eval_fraction holds out that share of the file)")
         return [path], None
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(tuple(exts)))
     if not files:
@@ -47,7 +52,11 @@ def split_files(path: Path, exts: Sequence[str], train_split: str,
             raise DataError(f"no file under '{path}' has data.eval_split '{eval_split}' in its name")
     else:
         eval_files = next((found for name in EVAL_SPLIT_NAMES if name != train_split and (found := named(name))), [])
-    train_files = [f for f in named(train_split) if f not in eval_files] or [f for f in files if f not in eval_files]
+    train_files = [f for f in named(train_split) if f not in eval_files]
+    if named_split and not train_files:
+        raise DataError(f"no file under '{path}' has data.train_split '{train_split}' in its name"
+                        + (" (besides the held-out ones)" if named(train_split) else ""))
+    train_files = train_files or [f for f in files if f not in eval_files]
     if not train_files:
         raise DataError(f"no training files under '{path}' (every file looks like an eval split)")
     return train_files, eval_files or None
@@ -110,7 +119,7 @@ def open_splits(data: Data, cache_dir: Path | None, local: str) -> tuple[Any, st
         assert data.name is not None
         return load_hub(data.name, data.config, cache_dir, local), f"dataset '{data.name}'"
     path = existing_path(data.path, "data.source 'parquet'")
-    train, evl = split_files(path, (".parquet",), data.train_split, data.eval_split)
+    train, evl = split_files(path, (".parquet",), data)
     for file in [*train, *(evl or [])]:
         _check_parquet(file)
     files = {data.train_split: [str(f) for f in train]}

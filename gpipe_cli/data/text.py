@@ -267,7 +267,7 @@ def read_records(data: Data, task: TextTask, *, seed: int, words: int,
                 None if eval_ds is None else from_dataset(eval_ds, task, data, where))
     exts = {"jsonl": (".jsonl", ".json"), "tsv": (".tsv", ".txt"), "text": (".txt", ".text", ".raw")}[data.source]
     path = existing_path(data.path, f"data.source '{data.source}'")
-    train_f, eval_f = split_files(path, exts, data.train_split, data.eval_split)
+    train_f, eval_f = split_files(path, exts, data)
     read = {"jsonl": lambda files: read_jsonl(files, task, data), "tsv": lambda files: read_tsv(files, task, data),
             "text": read_text}[data.source]
     return read(train_f), (read(eval_f) if eval_f else None)

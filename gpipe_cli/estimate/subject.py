@@ -72,6 +72,9 @@ def model_overrides(items: Sequence[str]) -> dict[str, Any]:
         if "." in key:
             raise UserError(f"--set expects KEY=VALUE naming a model parameter, e.g. model.dropout=0 "
                             f"(got {shown(item)})")
+        if key in ("kind", "preset"):  # the recipe's keys for what this command's --model names
+            raise UserError(f"--set {shown(item)}: the model is chosen by --model (a family or a preset, e.g. "
+                            f"--model {value if key == 'kind' and value in FAMILIES else 'amoebanet'})")
         out[key] = value
     return out
 

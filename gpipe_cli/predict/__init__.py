@@ -38,14 +38,22 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
         answer = tasks.classifier(exported, model, 1 if top is None else top)
     if inputs is None and sys.stdin.isatty():
         print(f"[gpipe] {_KINDS[task]}: reading inputs from stdin, one per line (Ctrl-D ends)", file=sys.stderr)
-    answered = 0
+    answered, begun = 0, False
     try:
         for item in inputs if inputs is not None else (line.rstrip("\r\n") for line in sys.stdin):
-            print(answer(item), flush=True)  # each as soon as it is known: stdin may be a conversation
-            answered += 1
+            for piece in answer(item):  # each piece as soon as it is known: stdin may be a conversation, and a
+                sys.stdout.write(piece)  # long continuation shows as it grows (and ends once its reader has gone)
+                sys.stdout.flush()
+                begun = True
+            print(flush=True)
+            answered, begun = answered + 1, False
     except KeyboardInterrupt:
-        if not answered:
+        if begun:  # the answer cut short still ends its line
+            print(flush=True)
+        if not answered and not begun:
             raise  # the command's own line: nothing was written
-        print(f"gpipe predict: interrupted after {answered} answer{'s' if answered > 1 else ''}", file=sys.stderr)
+        said = (f"during answer {answered + 1}, its line cut short" if begun
+                else f"after {answered} answer{'' if answered == 1 else 's'}")
+        print(f"gpipe predict: interrupted {said}", file=sys.stderr)
         return 130
     return 0

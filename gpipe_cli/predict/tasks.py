@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -18,7 +18,7 @@ from gpipe_cli.models.transformer.decode import continue_text, translate, transl
 from gpipe_cli.models.weights import Exported, parse
 from gpipe_cli.train.existing import EXPORTED
 
-Answer = Callable[[str], str]  # one input -> its line of output
+Answer = Callable[[str], Iterator[str]]  # one input -> the pieces of its line of output, as each is known
 
 _WRITE_ONE = "write one with: gpipe export RUN"
 
@@ -51,26 +51,35 @@ def translator(exported: Exported, model: nn.Module) -> Answer:
     """Greedy translation of a sentence, as the training's BLEU evaluation decodes."""
     tok, max_len = _tokenizer(exported), int(exported.spec.config["max_len"])
 
-    def answer(text: str) -> str:
+    def answer(text: str) -> Iterator[str]:
         ids = tok.encode(_text(text, "translation"))[:max_len]  # as evaluation truncates a long source
-        if not ids:
-            return ""
-        out = translate(model, torch.tensor([ids]), translation_limit(len(ids), max_len), tok.vocab_size)
-        return tok.decode(out[0])
+        if ids:
+            out = translate(model, torch.tensor([ids]), translation_limit(len(ids), max_len), tok.vocab_size)
+            yield tok.decode(out[0])
 
     return answer
 
 
 def generator(exported: Exported, model: nn.Module, max_tokens: int) -> Answer:
-    """The prompt followed by up to `max_tokens` greedy tokens."""
+    """The prompt, then up to `max_tokens` greedy tokens, each piece of text as soon as it is known."""
     tok, max_len = _tokenizer(exported), int(exported.spec.config["max_len"])
 
-    def answer(text: str) -> str:
+    def answer(text: str) -> Iterator[str]:
         ids = tok.encode(_text(text, "language"))
-        read, whole = tok.decode(ids), tok.decode(ids + continue_text(model, ids, max_tokens, max_len, tok.vocab_size))
-        # The prompt as typed, not as the tokenizer gives it back (spaces folded, unknown characters as ⁇);
-        # decoding the new tokens alone would lose the space before the first.
-        return text + whole[len(read):] if whole.startswith(read) else whole
+        # The prompt as typed, not as the tokenizer gives it back (spaces folded, unknown characters as ⁇); the
+        # new text is what decoding grows by past it (the new tokens alone would lose the space before the first).
+        yield text
+        read, new, shown_new = tok.decode(ids), "", ""
+        for token in continue_text(model, ids, max_tokens, max_len, tok.vocab_size):
+            ids.append(token)
+            whole = tok.decode(ids)
+            new = whole[len(read):] if whole.startswith(read) else shown_new
+            # A character's bytes may come over several tokens: its start waits for the rest.
+            if new.startswith(shown_new) and not new.endswith("\ufffd"):
+                yield new[len(shown_new):]
+                shown_new = new
+        if new != shown_new and new.startswith(shown_new):  # the answer ended inside a character
+            yield new[len(shown_new):]
 
     return answer
 
@@ -83,12 +92,12 @@ def classifier(exported: Exported, model: nn.Module, top: int) -> Answer:
         raise UserError(f"--top: {top} is not between 1 and the model's {classes} classes")
     transform = ImageTransform(int(config["image_size"]), augment=False)  # the evaluation transform
 
-    def answer(path: str) -> str:
+    def answer(path: str) -> Iterator[str]:
         with torch.no_grad():
             output = model(transform(read_image(path))[None])
         logits = output if isinstance(output, torch.Tensor) else output[0]  # without the auxiliary head's
         probs, ids = logits.float().softmax(-1)[0].topk(top)
-        return f"{path}\t" + ", ".join(f"class {i} ({p:.1%})" for p, i in zip(probs.tolist(), ids.tolist(),
+        yield f"{path}\t" + ", ".join(f"class {i} ({p:.1%})" for p, i in zip(probs.tolist(), ids.tolist(),
                                                                               strict=True))
 
     return answer

@@ -150,7 +150,8 @@ def validate(options: ProfileOptions) -> None:
     ])
     if options.budget is not None and parse_size(options.budget, "--budget") <= 0:
         # Nothing fits no memory at all: a table of empty rows would only hide the typo.
-        raise UserError(f"--budget: must be more than 0 bytes, e.g. 8GiB (got '{cut(options.budget)}')")
+        whole = "" if not any(c in "123456789" for c in options.budget) else ", and a size counts whole bytes"
+        raise UserError(f"--budget: must be more than 0 bytes, e.g. 8GiB (got '{cut(options.budget)}'){whole}")
     check_output(options.json, "--json", "memory.json")
     if options.json is not None:  # a --model that names a file is the recipe read
         check_not_input(options.json, "--json", [(options.model, "the recipe itself")],

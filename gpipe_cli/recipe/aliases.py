@@ -113,13 +113,15 @@ def settings(path: str | None, flags: Mapping[str, Any], sets: Sequence[str],
             apply_override(raw, item)
         recipe = validate(raw, "", check_data=False, typed=typed_values(items))
     except RecipeError as exc:
-        raise by_flag(exc, flags) from None
+        raise by_flag(exc, flags, None if path is not None else
+                      {n: v for n, v in defaults.items() if ALIASES[n] not in keys}) from None
     given = {name: _value(recipe, key) for name, key in ALIASES.items() if key in keys and name not in SIZE_FLAGS}
     return given, model_sets
 
 
-def by_flag(error: RecipeError, flags: Mapping[str, Any]) -> RecipeError:
-    """`error` with the key of a value typed as a flag named by that flag, and without the empty label of no recipe."""
+def by_flag(error: RecipeError, flags: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> RecipeError:
+    """`error` with each aliased key named by its flag (a typed one, or one of `defaults` left untyped) and without the
+    empty label of no recipe."""
     message = str(error).removeprefix(": ")
     typed = [name for name, value in flags.items() if value is not None]
     for name in typed:
@@ -130,6 +132,8 @@ def by_flag(error: RecipeError, flags: Mapping[str, Any]) -> RecipeError:
         message = message.removeprefix("--set ")
     for name in typed:  # each key named by the flag that gave it: `--microbatches (6) ... --partitions (4)`
         message = message.replace(f"{ALIASES[name]} (", f"{flag(name)} (")
+    for name, value in (defaults or {}).items():  # without a recipe the command's default stood for it
+        message = message.replace(f"{ALIASES[name]} ({value})", f"{flag(name)} ({value}, its default)")
     return RecipeError(message)
 
 

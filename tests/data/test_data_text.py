@@ -61,6 +61,24 @@ def test_an_eval_split_named_in_the_recipe_picks_the_files_with_that_name(tmp_pa
         _translation(d.model_copy(update={"eval_split": "test"}), tmp_path)
 
 
+def test_a_split_that_picks_nothing_is_refused_not_ignored(tmp_path: Path) -> None:
+    p = pairs(20)
+    corpus = tmp_path / "corpus"
+    write_jsonl(corpus / "train.jsonl", [{"en": s, "de": t} for s, t in p[:15]])
+    write_jsonl(corpus / "test.jsonl", [{"en": s, "de": t} for s, t in p[15:]])
+    d = data(source="jsonl", path=str(corpus), source_field="en", target_field="de")
+    with pytest.raises(DataError, match=f"^no file under '{corpus}' has data.train_split 'nope' in its name$"):
+        _translation(d.model_copy(update={"train_split": "nope"}), tmp_path)
+    with pytest.raises(DataError, match=r"data.train_split 'test' in its name \(besides the held-out ones\)$"):
+        _translation(d.model_copy(update={"train_split": "test", "eval_split": "test"}), tmp_path)
+    one = corpus / "train.jsonl"  # a single file has no splits to pick: each key is refused, the default read
+    assert _translation(d.model_copy(update={"path": str(one)}), tmp_path).train_size > 0
+    for key, value in [("eval_split", "test"), ("train_split", "nope")]:
+        with pytest.raises(DataError, match=f"^data.{key} picks files of a folder by name, and data.path '{one}' "
+                                            f"is one file: leave data.{key} out"):
+            _translation(d.model_copy(update={"path": str(one), key: value}), tmp_path)
+
+
 def test_a_folder_whose_every_file_is_held_out_has_no_training_data(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus"
     write_jsonl(corpus / "dev.jsonl", [{"en": s, "de": t} for s, t in pairs(10)])

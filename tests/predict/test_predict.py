@@ -59,6 +59,47 @@ def test_a_ctrl_c_after_some_answers_says_how_many_were_printed(exports, monkeyp
     assert captured.out.count("\n") == 1 and captured.err == "gpipe predict: interrupted after 1 answer\n"
 
 
+class Screen(io.StringIO):
+    """A stdout whose reader acts once `after` pieces of an answer have been written: Ctrl-C, or it goes."""
+
+    def __init__(self, after: int, stop: type[BaseException]) -> None:
+        super().__init__()
+        self.after, self.stop, self.pieces = after, stop, 0
+
+    def write(self, text: str) -> int:
+        if text != "\n":
+            self.pieces += 1
+            if self.pieces > self.after:
+                raise self.stop
+        return super().write(text)
+
+
+def test_a_continuation_is_written_as_it_grows_and_a_ctrl_c_ends_its_line(exports, monkeypatch, capsys):
+    screen = Screen(after=2, stop=KeyboardInterrupt)  # the prompt and the first new text, then Ctrl-C
+    monkeypatch.setattr("sys.stdout", screen)
+    assert run(["predict", str(exports["lm"]), "one two", "--max-tokens", "100000"]) == 130
+    assert screen.getvalue().startswith("one two") and screen.getvalue().count("\n") == 1
+    assert screen.getvalue().endswith("\n") and len(screen.getvalue()) > len("one two\n")
+    assert capsys.readouterr().err == "gpipe predict: interrupted during answer 1, its line cut short\n"
+
+
+def test_a_continuation_whose_reader_has_gone_ends_at_once_with_141(exports, monkeypatch):
+    monkeypatch.setattr("sys.stdout", Screen(after=3, stop=BrokenPipeError))  # `| head -c 10`
+    assert run(["predict", str(exports["lm"]), "one two", "--max-tokens", "100000"]) == 141
+
+
+def test_the_pieces_of_a_continuation_make_the_line_decoding_all_of_it_gives(exports, capsys):
+    from gpipe_cli.models.transformer.decode import continue_text
+    from gpipe_cli.predict import tasks
+
+    exported = tasks.load_export(str(exports["lm"]))
+    model, tok = exported.build(), tasks._tokenizer(exported)
+    ids = tok.encode("one two")
+    new = list(continue_text(model, ids, 6, int(exported.spec.config["max_len"]), tok.vocab_size))
+    assert run(["predict", str(exports["lm"]), "one two", "--max-tokens", "6"]) == 0
+    assert capsys.readouterr().out == "one two" + tok.decode(ids + new)[len(tok.decode(ids)):] + "\n"
+
+
 def test_a_language_model_prompt_longer_than_its_positions_still_continues(exports, capsys):
     # 40 words are more tokens than the model's 12 learned positions: it reads the last 12.
     assert run(["predict", str(exports["lm"]), " ".join(["twelve"] * 40), "--max-tokens", "2"]) == 0

@@ -67,6 +67,7 @@ def test_the_largest_k_is_accepted_and_the_help_says_it():
 def test_a_budget_of_no_bytes_is_refused(capsys, nothing_runs, budget):
     line = refused(capsys, "--budget", budget)
     assert f"--budget: must be more than 0 bytes, e.g. 8GiB (got '{budget}')" in line
+    assert line.endswith("a size counts whole bytes") == (budget == "0.4")  # 0.4 bytes is not 0 as typed
 
 
 def test_a_negative_budget_is_refused(capsys, nothing_runs):

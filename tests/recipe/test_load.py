@@ -83,6 +83,8 @@ def test_every_shipped_recipe_validates_and_plans(path):
                             "encoder-decoder translates pairs"),
     (["model={kind: amoebanet}", "data.source=text", "data.path=/"], "data.source 'text' holds text, and "
                                                                      "model.kind amoebanet classifies images"),
+    (["model.arch=decoder-only", "model.max_len=16", "data.seq_len=17"],
+     "--set data.seq_len (17) must be <= model.max_len (16): a language model reads at most model.max_len tokens"),
     (["name=.."], "name: may contain only ASCII letters, digits, '.', '_' and '-', not dots alone (got '..')"),
     (["name=."], "not dots alone (got '.')"),
 ])
@@ -94,6 +96,17 @@ def test_errors_name_the_key_the_value_and_what_is_allowed(tmp_path, overrides, 
         load_recipe(path, overrides)
     text = str(info.value)
     assert message in text and "\n" not in text
+
+
+def test_a_language_models_default_window_follows_a_shorter_model_but_a_given_one_is_checked(tmp_path):
+    import yaml
+
+    path = write(tmp_path, yaml.safe_dump(BASE))
+    lm = ["model.arch=decoder-only", "model.max_len=16"]
+    assert load_recipe(path, lm).data.seq_len == 16  # the default follows the model (as the run's recipe keeps it)
+    assert load_recipe(path, ["model.arch=decoder-only"]).data.seq_len == 128
+    assert load_recipe(path, [*lm, "data.seq_len=16"]).data.seq_len == 16
+    assert load_recipe(path, ["model.max_len=16", "data.seq_len=64"]).data.seq_len == 64  # a translation's own
 
 
 def test_a_relative_data_path_beside_the_recipe_but_not_here_says_where_paths_are_read_from(tmp_path, monkeypatch):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -39,14 +39,16 @@ def translate(forward: Forward, source: torch.Tensor, max_len: int, vocab: int |
     return [row[1:].tolist() for row in prefix]
 
 
-@torch.no_grad()
 def continue_text(forward: Forward, prompt: list[int], max_tokens: int, window: int,
-                  vocab: int | None = None) -> list[int]:
-    """Up to `max_tokens` greedy next tokens after `prompt` (stopping at eos), each from the last `window` tokens."""
-    tokens = torch.tensor([prompt or [EOS_ID]], dtype=torch.long)  # an empty prompt starts a new document
+                  vocab: int | None = None) -> Iterator[int]:
+    """Up to `max_tokens` greedy next tokens after `prompt`, each as soon as it is known (stopping before eos), each
+    from the last `window` tokens."""
+    tokens = torch.tensor([(prompt or [EOS_ID])[-window:]], dtype=torch.long)  # empty: a new document starts
     finished = torch.zeros(1, dtype=torch.bool)
-    start = tokens.shape[1]
-    while tokens.shape[1] - start < max_tokens and not bool(finished.all()):
-        tokens, finished = greedy_step(forward(tokens[:, -window:]), tokens, finished, vocab)
-    new = tokens[0, start:].tolist()
-    return new[:new.index(EOS_ID)] if EOS_ID in new else new
+    for _ in range(max_tokens):
+        with torch.no_grad():
+            tokens, finished = greedy_step(forward(tokens), tokens, finished, vocab)
+        tokens = tokens[:, -window:]  # what the next step reads: a long answer keeps no more
+        if bool(finished.all()):
+            return
+        yield int(tokens[0, -1])
