@@ -75,7 +75,7 @@ def generator(exported: Exported, model: nn.Module, max_tokens: int) -> Answer:
             whole = tok.decode(ids)
             new = whole[len(read):] if whole.startswith(read) else shown_new
             # A character's bytes may come over several tokens: its start waits for the rest.
-            if new.startswith(shown_new) and not new.endswith("\ufffd"):
+            if new.startswith(shown_new) and len(new) > len(shown_new) and not new.endswith("\ufffd"):
                 yield new[len(shown_new):]
                 shown_new = new
         if new != shown_new and new.startswith(shown_new):  # the answer ended inside a character

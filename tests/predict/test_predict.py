@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 from pathlib import Path
 
@@ -74,7 +75,13 @@ class Screen(io.StringIO):
         return super().write(text)
 
 
+def endless(model, prompt, max_tokens, window, vocab):
+    """A continuation that never reaches the end of a document: the prompt's tokens over and over."""
+    return itertools.islice(itertools.cycle(list(prompt)), max_tokens)
+
+
 def test_a_continuation_is_written_as_it_grows_and_a_ctrl_c_ends_its_line(exports, monkeypatch, capsys):
+    monkeypatch.setattr("gpipe_cli.predict.tasks.continue_text", endless)
     screen = Screen(after=2, stop=KeyboardInterrupt)  # the prompt and the first new text, then Ctrl-C
     monkeypatch.setattr("sys.stdout", screen)
     assert run(["predict", str(exports["lm"]), "one two", "--max-tokens", "100000"]) == 130
@@ -84,6 +91,7 @@ def test_a_continuation_is_written_as_it_grows_and_a_ctrl_c_ends_its_line(export
 
 
 def test_a_continuation_whose_reader_has_gone_ends_at_once_with_141(exports, monkeypatch):
+    monkeypatch.setattr("gpipe_cli.predict.tasks.continue_text", endless)
     monkeypatch.setattr("sys.stdout", Screen(after=3, stop=BrokenPipeError))  # `| head -c 10`
     assert run(["predict", str(exports["lm"]), "one two", "--max-tokens", "100000"]) == 141
 
