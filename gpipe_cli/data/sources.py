@@ -35,9 +35,10 @@ def split_files(path: Path, exts: Sequence[str], data: Data) -> tuple[list[Path]
     named_split = train_split != Data.model_fields["train_split"].default  # the default also reads a plain folder
     if path.is_file():
         if eval_split or named_split:  # nothing to pick: the split would be ignored without a word
-            key = "data.eval_split" if eval_split else "data.train_split"
+            key, default = ("data.eval_split", "null") if eval_split else ("data.train_split", "train")
             raise DataError(f"{key} picks files of a folder by name, and data.path '{path}' is one file: leave "
-                            f"{key} out (data.eval_fraction holds out that share of the file)")
+                            f"{key} out or --set {key}={default} (data.eval_fraction holds out that share of the "
+                            f"file)")
         return [path], None
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(tuple(exts)))
     if not files:

@@ -75,7 +75,7 @@ def test_a_split_that_picks_nothing_is_refused_not_ignored(tmp_path: Path) -> No
     assert _translation(d.model_copy(update={"path": str(one)}), tmp_path).train_size > 0
     for key, value in [("eval_split", "test"), ("train_split", "nope")]:
         with pytest.raises(DataError, match=f"^data.{key} picks files of a folder by name, and data.path '{one}' "
-                                            f"is one file: leave data.{key} out"):
+                                            f"is one file: leave data.{key} out or --set data.{key}="):
             _translation(d.model_copy(update={"path": str(one), key: value}), tmp_path)
 
 
