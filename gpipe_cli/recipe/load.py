@@ -15,7 +15,16 @@ from pydantic import BaseModel, ValidationError
 
 from gpipe_cli.errors import cut, not_utf8, shown
 from gpipe_cli.limits import words
-from gpipe_cli.recipe.schema import DEFAULT_KIND, LOCAL_SOURCES, MODEL_SECTIONS, PLANNING, STAND_IN, Recipe, bounds
+from gpipe_cli.recipe.schema import (
+    DEFAULT_KIND,
+    LOCAL_SOURCES,
+    MODEL_SECTIONS,
+    PLANNING,
+    STAND_IN,
+    Recipe,
+    TransformerModel,
+    bounds,
+)
 from gpipe_cli.recipe.yamlio import RecipeError, dump, parse_document, parse_value, read_recipe_file
 
 __all__ = ["RecipeError", "apply_override", "default_recipe_text", "load_recipe", "parse_override",
@@ -145,7 +154,13 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: P
     recipe = _validated(raw, label, planning, typed)
     if not check_data:
         return recipe
-    data = recipe.data
+    data, model = recipe.data, recipe.model
+    # A window asked for is never cut without a word (the default follows the model); bench, profile-memory and
+    # plan read no data, so only a recipe whose data is read is held to it.
+    if isinstance(model, TransformerModel) and model.arch == "decoder-only" and data.seq_len > model.max_len:
+        given = "--set data.seq_len" if "data.seq_len" in (typed or {}) else "data.seq_len"
+        raise RecipeError(f"{label}: {given} ({data.seq_len}) must be <= model.max_len ({model.max_len}): a "
+                          f"language model reads at most model.max_len tokens at once")
     # os.path.exists: False (not an exception) for names too long for the file system
     if data.source in LOCAL_SOURCES and data.path and not os.path.exists(data.path):
         raise RecipeError(f"{label}: data.path: no such file or directory: {shown(data.path)}"

@@ -412,10 +412,8 @@ class Recipe(Section):
         if isinstance(model, TransformerModel) and model.arch == "encoder-decoder" and source in LM_ONLY_SOURCES:
             raise ValueError(f"data.source '{source}' is plain text for a language model (model.arch decoder-only); "
                              f"an encoder-decoder translates pairs: jsonl, tsv, parquet or hub")
-        if isinstance(model, TransformerModel) and model.arch == "decoder-only" and self.data.seq_len > model.max_len:
-            if "seq_len" in self.data.model_fields_set:  # a window asked for is never cut without a word
-                raise ValueError(f"data.seq_len ({self.data.seq_len}) must be <= model.max_len ({model.max_len}): "
-                                 f"a language model reads at most model.max_len tokens at once")
+        if (isinstance(model, TransformerModel) and model.arch == "decoder-only"
+                and self.data.seq_len > model.max_len and "seq_len" not in self.data.model_fields_set):
             self.data.seq_len = model.max_len  # the default follows the model, and the run's recipe says so
         return self
 

@@ -107,6 +107,10 @@ def test_a_language_models_default_window_follows_a_shorter_model_but_a_given_on
     assert load_recipe(path, ["model.arch=decoder-only"]).data.seq_len == 128
     assert load_recipe(path, [*lm, "data.seq_len=16"]).data.seq_len == 16
     assert load_recipe(path, ["model.max_len=16", "data.seq_len=64"]).data.seq_len == 64  # a translation's own
+    # bench, profile-memory and plan read no data: a recipe's window does not stop their shorter --seq-len
+    assert load_recipe(path, [*lm, "data.seq_len=64"], check_data=False).model.max_len == 16
+    with pytest.raises(RecipeError, match=r"data.seq_len \(64\) must be <= model.max_len \(16\)"):
+        load_recipe(path, [*lm, "data.seq_len=64"])
 
 
 def test_a_relative_data_path_beside_the_recipe_but_not_here_says_where_paths_are_read_from(tmp_path, monkeypatch):
