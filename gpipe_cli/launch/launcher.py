@@ -211,7 +211,14 @@ def _killed(rank: int, code: int, stages: int | None) -> tuple[int, str]:
     return 128 - code, f"gpipe: {_name(rank, stages)} was killed by {name}"
 
 
-def explain(failures: dict[int, Any], stages: int | None = None) -> tuple[int, str | None]:
+def _told(logs: str) -> bool:
+    """Whether a rank of this launch told the job's failure in one line (it left a mark among the ranks' logs)."""
+    from gpipe_cli.pipeline.failure import TOLD
+
+    return any(Path(logs).rglob(TOLD))
+
+
+def explain(failures: dict[int, Any], stages: int | None = None, told: bool = False) -> tuple[int, str | None]:
     """The job's exit code for the failed ranks (rank -> ProcessFailure), and the line why (None: a rank said it)."""
     from gpipe_cli.pipeline.failure import ANNOUNCED
 
@@ -220,7 +227,9 @@ def explain(failures: dict[int, Any], stages: int | None = None) -> tuple[int, s
         return UserError.exit_code, None
     if NONFINITE_EXIT_CODE in codes.values():  # rank 0 said at which step, stage and layer
         return NONFINITE_EXIT_CODE, None
-    if ANNOUNCED in codes.values():  # a rank told the cause (a stall) in one line and ended the job
+    # A rank told the cause (a stall) in one line and ended the job; the stopped rank it killed may be the one
+    # failure heard of.
+    if told or ANNOUNCED in codes.values():
         return 1, None
     # A rank killed by a signal is the cause; the others failed because it vanished, or stopped on the
     # tear-down's SIGTERM. Timestamps only have whole seconds: the first failure by time is no guide.
@@ -279,7 +288,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     except ChildFailedError as exc:
         if stops.quiet(exc.failures):
             return 128 + signal.SIGINT
-        code, line = explain(exc.failures, stages)
+        code, line = explain(exc.failures, stages, _told(logs.name))
         if line:
             print(line, file=sys.stderr, flush=True)
         return code

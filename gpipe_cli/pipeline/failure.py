@@ -23,6 +23,9 @@ _KEY_PREFIX = "gpipe/abort/"
 EXIT_CODE = 1
 # A rank ended because the job's failure was already told in one line (a stall): the launcher adds nothing.
 ANNOUNCED = 4
+# Left beside the announcing rank's error file: a rank it then kills (a stopped one) is the cause already told,
+# whichever of the two ends first (the launcher hears of one failure only).
+TOLD = "told"
 POLL_S = 0.5  # how often a rank looks for another rank's report
 PEER_GRACE_S = 5.0  # how long a rank whose peer vanished waits for the launcher to end it
 # What gloo says when the rank at the other end of a connection is gone.
@@ -78,6 +81,10 @@ class AbortWatch:
         """Stop every rank because of `summary`, printed once for the whole job; returns whether this was first."""
         first, _, _ = self.report(summary, _ANNOUNCED)
         if first:
+            error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+            if error_file:
+                with contextlib.suppress(OSError):
+                    open(os.path.join(os.path.dirname(error_file), TOLD), "w").close()
             print(f"[gpipe] {summary}", file=sys.stderr, flush=True)
         return first
 

@@ -3,8 +3,8 @@
 import signal
 from types import SimpleNamespace
 
-from gpipe_cli.launch.launcher import explain
-from gpipe_cli.pipeline.failure import ANNOUNCED
+from gpipe_cli.launch.launcher import _told, explain
+from gpipe_cli.pipeline.failure import ANNOUNCED, AbortWatch
 
 
 def failed(code: int, timestamp: int = 100) -> SimpleNamespace:
@@ -26,6 +26,19 @@ def test_ranks_that_said_why_get_no_second_line():
     assert explain({0: failed(ANNOUNCED), 1: failed(-signal.SIGKILL)}, stages=2) == (1, None)
     assert explain({0: failed(2), 1: failed(1)}, stages=2) == (2, None)
     assert explain({0: failed(128 + signal.SIGTERM)}) == (128 + signal.SIGTERM, None)
+
+
+def test_the_stopped_rank_a_stall_report_killed_is_not_news(tmp_path, monkeypatch, capsys):
+    # The launcher hears of the first rank to end only: here the killed one, before the rank that told why.
+    error_file = tmp_path / "run_0" / "attempt_0" / "1" / "error.json"
+    error_file.parent.mkdir(parents=True)
+    assert not _told(str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.delenv("MASTER_ADDR", raising=False)  # no store: this rank reports first
+    assert AbortWatch("stage 0").announce("rank 1 (stage 1) stopped responding")
+    assert capsys.readouterr().err == "[gpipe] rank 1 (stage 1) stopped responding\n"
+    assert _told(str(tmp_path))
+    assert explain({1: failed(-signal.SIGKILL)}, stages=2, told=True) == (1, None)
 
 
 def test_a_plain_failure_points_at_the_rank_message():
