@@ -84,8 +84,11 @@ def greedy_decode(pipe: Pipeline, topo: Topology, source: torch.Tensor | None, m
 
 
 def bleu(pipe: Pipeline, topo: Topology, data: Loader | None, batches: int, microbatches: int,
-         max_len: int) -> float | None:
-    """Corpus BLEU of greedy translations of the held-out split (rank 0 returns it; others None)."""
+         max_len: int, stopped: Callable[[], bool] = lambda: False) -> float | None:
+    """Corpus BLEU of greedy translations of the held-out split (rank 0 returns it; others None).
+
+    `stopped` is asked before each batch, alike on every rank; once true, decoding ends and the score is partial.
+    """
     layout = topo.layout
     first_of_replica_0 = layout.is_first and layout.replica == 0
     items: Iterator[Batch | None] = iter([None] * batches)
@@ -95,6 +98,8 @@ def bleu(pipe: Pipeline, topo: Topology, data: Loader | None, batches: int, micr
     hypotheses: list[str] = []
     references: list[str] = []
     for batch in items:
+        if stopped():
+            break
         source = batch.inputs[0] if batch is not None and layout.is_first else None
         if source is not None and not first_of_replica_0:
             source = source[:0]

@@ -395,19 +395,28 @@ class Trainer:
                 self._save(done)
             if self.stopped_by:
                 break
-            if evaluating:
-                self.evaluate(done)
+            if evaluating and not self.evaluate(done):  # a stop came during it: save and stop now
+                if self.checkpoints.last_saved != done:
+                    self._save(done)
+                break
         if pending is not None:
             self._finish(*pending)
         if not self.stopped_by and not self.diverged:
             if self.checkpoints.last_saved != self.total_steps:
                 self._save(self.total_steps)
             if self.eval_steps:
-                self.evaluate(self.total_steps)
+                self.stop.when = "the final evaluation; training is done and saved"
+                self._message(f"evaluating the trained model on {self.eval_steps} held-out "
+                              f"batch{'es' if self.eval_steps > 1 else ''}")
+                self.evaluate(self.total_steps, final=True)
         self.close()
+        self.stop.disarm()
         if self.diverged:
             return NONFINITE_EXIT_CODE
-        return 128 + self.stopped_by if self.stopped_by else 0
+        # A stop in the last moments, after every check: the work is done, but the launcher tearing the job down
+        # would not read a rank that returns as if it had asked nothing.
+        stopped = self.stopped_by or self.stop.signum
+        return 128 + stopped if stopped else 0
 
     def _finish(self, step: int, batch: Batch | None, launched: PendingStep, started: float,
                 ended: float | None = None) -> str:
@@ -481,8 +490,13 @@ class Trainer:
             path = str(checkpoint.path_for(self.run_dir, saved)) if saved >= 0 else None
             self.diverged = nonfinite.stop_line(step + 1, what, self.policy, path)
 
-    def evaluate(self, step: int) -> None:
-        """Loss and accuracy (and BLEU for translation) on the held-out split."""
+    def _stop_agreed(self, final: bool) -> bool:
+        """Whether any rank received a stop signal (every rank calls this alike); it cuts an evaluation short."""
+        self.stopped_by = self.stop.agreed(self.topo.transport.control, self.topo.distributed, say=not final)
+        return bool(self.stopped_by)
+
+    def evaluate(self, step: int, final: bool = False) -> bool:
+        """Loss and accuracy (and BLEU for translation) on the held-out split; False: a stop cut it short unrecorded."""
         layout = self.layout
         batches: Iterator[Batch | None] = iter([None] * self.eval_steps)
         if self.data is not None:
@@ -492,6 +506,8 @@ class Trainer:
         loss = units = 0.0
         sums = dict.fromkeys(metrics, 0.0)
         for batch in batches:
+            if self._stop_agreed(final):
+                return False
             result = self.pipe.evaluate(batch.inputs if batch is not None and layout.is_first else None,
                                         batch.targets if batch is not None and layout.is_last else None,
                                         microbatches=self.recipe.pipeline.microbatches, metrics=metrics)
@@ -504,7 +520,10 @@ class Trainer:
                               **evaluation.summarise(sums, units, baselines)}
         if self.spec.task == "translation" and isinstance(self.recipe.model, TransformerModel):
             score = evaluation.bleu(self.pipe, self.topo, self.data, self.eval_steps,
-                                    self.recipe.pipeline.microbatches, self.recipe.model.max_len)
+                                    self.recipe.pipeline.microbatches, self.recipe.model.max_len,
+                                    stopped=lambda: self._stop_agreed(final))
+            if self.stopped_by:
+                return False
             if score is not None:
                 record["bleu"] = score
         if layout.rank == 0:
@@ -515,6 +534,7 @@ class Trainer:
         # Every rank leaves together: rank 0's scoring and writing would count as the next step's wait on the
         # stages that started it first (0.26 s of the quick start's step 101, which computes 0.16 s).
         self.topo.share(None)
+        return True
 
     def close(self) -> None:
         """Finish the run: stop the view, close files and channels."""
@@ -527,6 +547,8 @@ class Trainer:
                 # Without a recipe the resume trains with the run's own recipe.yaml: this command continues
                 # the run exactly as it was started, whatever recipe and --set started it.
                 line = f"{ended} after step {saved}; continue with {continue_command(self.run_dir)}"
+                if saved == self.total_steps:  # in the final evaluation: a resume would have nothing to do
+                    line = f"{ended} in the final evaluation; training is done and step {saved} saved"
                 self.view.message(line)
                 if self.stopped_by == signal.SIGPIPE:  # the output is gone: the way on goes where errors go
                     print(f"[gpipe] {line}", file=sys.stderr, flush=True)

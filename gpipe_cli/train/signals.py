@@ -20,6 +20,7 @@ class StopRequest:
         self.signum = 0
         self.announce = announce
         self.parent = os.getppid()  # a rank's parent ending sends it SIGINT (torch's workers ask for it)
+        self.when = "after this step"  # what a stop signal cuts short, as the answer to Ctrl-C says
 
     def arm(self) -> None:
         """Take over Ctrl-C and SIGTERM from the set-up's handler (after the first step: before it, nothing to save)."""
@@ -34,22 +35,29 @@ class StopRequest:
             if self.announce and signum == signal.SIGINT:  # a person pressed Ctrl-C: answer at once
                 what = "the launcher ended (SIGINT)" if os.getppid() != self.parent else "SIGINT"
                 again = "" if os.getppid() != self.parent else " (Ctrl-C again to abort at once)"
-                stopping.say_stop(f"{what}: stopping after this step{again}")
+                stopping.say_stop(f"{what}: stopping {self.when}{again}")
         elif signum == signal.SIGINT:
             if self.announce:
                 print("[gpipe] SIGINT again: aborted at once; a checkpoint it cut short is removed on resume",
                       file=sys.stderr, flush=True)
             os._exit(128 + signum)
 
-    def agreed(self, group: dist.ProcessGroup | None, distributed: bool) -> int:
-        """The stop signal any rank received (0: none), the same on every rank."""
+    def disarm(self) -> None:
+        """Once the run's work is done, a stop signal ends this rank at once: there is nothing left to finish."""
+        # Else a rank waiting for its launcher to read its result would only note the signal, and the
+        # launcher's tear-down would wait minutes for it.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
+
+    def agreed(self, group: dist.ProcessGroup | None, distributed: bool, say: bool = True) -> int:
+        """The stop signal any rank received (0: none), the same on every rank; `say`: rank 0 says a save follows."""
         agreed = self.signum
         if distributed:
             flag = torch.tensor([self.signum], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             agreed = int(flag.item())
             self.signum = self.signum or agreed
-        if agreed and self.announce:
+        if agreed and self.announce and say:
             why = "the output was closed (SIGPIPE)" if agreed == signal.SIGPIPE else signal.Signals(agreed).name
             print(f"[gpipe] {why}: writing a checkpoint, then stopping", file=sys.stderr, flush=True)
         return agreed

@@ -158,6 +158,40 @@ def test_ctrl_c_finishes_the_step_and_writes_a_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_in_the_final_evaluation_ends_it_at_once_with_128_plus_the_signal(tmp_path, signum):
+    # Once the last step is saved nothing is left to finish: the evaluation stops, unrecorded, and the command
+    # ends as any stopped run does (a SIGTERM waited two minutes for the launcher's tear-down; a Ctrl-C exited 0).
+    r = recipe(steps=2, every=1000)
+    r["data"]["synthetic_size"] = 3000  # about 30 held-out batches, each decoded word by word for BLEU
+    r["eval"] = {}
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "gpipe_cli.cli", "train", str(write(tmp_path, r)),
+                             "--output-dir", str(run), "--plain", "--threads", "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=as_from_a_terminal)
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("evaluating the trained model on "):
+            break
+    time.sleep(0.5)
+    os.killpg(proc.pid, signum)
+    stopped = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    out = "".join(lines) + out
+    assert proc.returncode == 128 + signum, err[-3000:]
+    assert time.monotonic() - stopped < 60
+    name = signal.Signals(signum).name
+    assert f"stopped by {name} in the final evaluation; training is done and step 2 saved" in out
+    assert (run / "checkpoints" / "step-00000002" / "manifest.json").exists()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+    assert not [r for r in records if r["kind"] == "eval"]  # cut short: nothing recorded as if whole
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_while_the_ranks_set_up_is_one_line_and_128_plus_the_signal(tmp_path, signum):
     run = tmp_path / "run"
     slow = recipe(steps=400)

@@ -50,3 +50,19 @@ def test_a_ctrl_c_line_into_a_file_is_that_line_alone(capsys):
     # It began with an empty line (which moves past the ^C a terminal echoes), so a log held two lines.
     signals.StopRequest(announce=True)._handle(signal.SIGINT, None)
     assert capsys.readouterr().err == "[gpipe] SIGINT: stopping after this step (Ctrl-C again to abort at once)\n"
+
+
+def test_once_the_work_is_done_a_stop_ends_the_rank_at_once():
+    # A rank that had returned waited for its launcher to read it, and a stop only noted (two minutes of tear-down).
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\n"
+            "from gpipe_cli.train.signals import StopRequest\n"
+            "request = StopRequest(announce=False)\n"
+            "request.arm()\n"
+            "request.disarm()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(60)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
