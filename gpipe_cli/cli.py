@@ -325,11 +325,12 @@ def plan(
     from gpipe_cli.recipe.load import RecipeError
 
     # The alias flags are `--set` items, typed before the explicit ones (which win where both name a key).
-    own["set"] = [*as_sets(flags), *(own["set"] or [])]
+    typed = own["set"] or []
+    own["set"] = [*as_sets(flags), *typed]
     try:
         return run_plan(PlanOptions(recipe=recipe, devices=devices, output=output_path(output), **own))
     except RecipeError as exc:
-        raise by_flag(exc, flags) from None
+        raise by_flag(exc, flags, sets=typed) from None
 
 
 @app.command()

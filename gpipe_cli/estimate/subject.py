@@ -124,7 +124,7 @@ def resolve(model: str, sizes: Mapping[str, int | None] | None = None, overrides
     typed = [item.partition("=")[0].strip() for item in overrides]  # syntax: checked above
     named = {key.removeprefix("model."): f"--set {key}" for key in typed}  # named as the user typed them
     for name, value in (sizes or {}).items():
-        if value is None:
+        if value is None or SIZE_PARAMS[name] in named:  # a flag comes before the --set items, which win
             continue
         param = SIZE_PARAMS[name]
         if param not in accepted:

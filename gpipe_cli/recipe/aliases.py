@@ -100,12 +100,13 @@ def _as_yaml(name: str, text: str) -> str:
 def settings(path: str | None, flags: Mapping[str, Any], sets: Sequence[str],
              defaults: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """What a recipe and `--set` say of the aliased keys, by flag name, and the `--set` items of the model section."""
-    items = [*as_sets({name: flags[name] for name in flags if name not in SIZE_FLAGS}), *sets]
+    given_flags = as_sets({name: flags[name] for name in flags if name not in SIZE_FLAGS})
+    items = [*given_flags, *sets]
     keys = [parse_override(item)[0] for item in items]
     model_sets = [item for item, key in zip(items, keys) if key.startswith("model.")]
     try:
-        if path is not None:
-            sized = [*items, *as_sets({name: flags[name] for name in flags if name in SIZE_FLAGS})]
+        if path is not None:  # every flag before the --set items, which win where both name a key
+            sized = [*given_flags, *as_sets({name: flags[name] for name in flags if name in SIZE_FLAGS}), *sets]
             recipe = load_recipe(path, sized, check_data=False)
             return {name: _value(recipe, key) for name, key in ALIASES.items() if name not in SIZE_FLAGS}, model_sets
         raw: dict[str, Any] = {"model": {"kind": DEFAULT_KIND}, "data": {"batch_size": MAX_SIZE}}
@@ -114,16 +115,18 @@ def settings(path: str | None, flags: Mapping[str, Any], sets: Sequence[str],
         recipe = validate(raw, "", check_data=False, typed=typed_values(items))
     except RecipeError as exc:
         raise by_flag(exc, flags, None if path is not None else
-                      {n: v for n, v in defaults.items() if ALIASES[n] not in keys}) from None
+                      {n: v for n, v in defaults.items() if ALIASES[n] not in keys}, sets) from None
     given = {name: _value(recipe, key) for name, key in ALIASES.items() if key in keys and name not in SIZE_FLAGS}
     return given, model_sets
 
 
-def by_flag(error: RecipeError, flags: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> RecipeError:
+def by_flag(error: RecipeError, flags: Mapping[str, Any], defaults: Mapping[str, Any] | None = None,
+            sets: Sequence[str] = ()) -> RecipeError:
     """`error` with each aliased key named by its flag (a typed one, or one of `defaults` left untyped) and without the
-    empty label of no recipe."""
+    empty label of no recipe; a key that a `--set` item also names is that item's (it comes after the flag)."""
     message = str(error).removeprefix(": ")
-    typed = [name for name, value in flags.items() if value is not None]
+    overridden = {item.partition("=")[0].strip() for item in sets}
+    typed = [name for name, value in flags.items() if value is not None and ALIASES[name] not in overridden]
     for name in typed:
         head, sep, rest = message.partition(f"{ALIASES[name]}:")
         if sep and (not head or head.endswith((": ", "--set "))):  # the key leads (after the recipe's name)

@@ -23,6 +23,16 @@ def test_size_flags_and_set_override_the_preset():
     assert len(subject.build().layers) == 6
 
 
+def test_a_set_item_comes_after_the_size_flag_of_its_parameter():
+    # The flag's value was taken and the --set's dropped unread, even `--set model.d_model=abc`.
+    sizes = tiny.sizes(tiny.TRANSFORMER)
+    assert resolve("transformer", sizes, [*tiny.TRANSFORMER["set"], "model.d_model=16"]).params["d_model"] == 16
+    with pytest.raises(UserError, match=r"^--set model.d_model: must be an integer"):
+        resolve("transformer", sizes, [*tiny.TRANSFORMER["set"], "model.d_model=abc"])
+    recipe = "gpipe_cli/recipe/quickstart.yaml"
+    assert resolve(recipe, {"d_model": 64}, ["model.d_model=16"]).params["d_model"] == 16
+
+
 def test_a_size_flag_of_another_family_is_refused():
     with pytest.raises(UserError, match="--filters does not apply to transformer"):
         resolve("transformer", {"filters": 16})

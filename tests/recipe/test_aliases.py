@@ -39,6 +39,14 @@ def test_a_bad_value_is_named_as_typed():
         bench_options(RECIPE, {}, ["pipeline.microbatches=0"])
 
 
+@pytest.mark.parametrize("recipe", [None, RECIPE])
+def test_a_set_item_comes_after_the_flag_of_its_key(recipe):
+    # The flag's name was given to the --set's bad value: `--microbatches: ... (got 'abc')`.
+    assert bench_options(recipe, {"microbatches": 4}, ["pipeline.microbatches=2"]).microbatches == 2
+    with pytest.raises(RecipeError, match=r"--set pipeline.microbatches: must be an integer"):
+        bench_options(recipe, {"microbatches": 4}, ["pipeline.microbatches=abc"])
+
+
 def test_the_help_of_an_alias_is_the_schemas_description():
     import typer
 
