@@ -128,6 +128,13 @@ def announce(recipe: Recipe, nnodes: str, threads: int | None, stream: TextIO, s
     """Print the first line (unless `said`), then (after looking for GPUs) any oversubscription warning."""
     if not said:
         say(first_line(recipe), stream)
+    warning = node_oversubscribed(recipe, nnodes, threads)
+    if warning:
+        say(warning, stream)
+
+
+def node_oversubscribed(recipe: Recipe, nnodes: str, threads: int | None) -> str | None:
+    """The warning when this node's ranks would share its cores or GPUs, else None."""
     ranks = local_ranks(recipe.pipeline.partitions * recipe.pipeline.data_parallel, nnodes)
     import torch  # only now: the first line is already on the screen
 
@@ -135,9 +142,7 @@ def announce(recipe: Recipe, nnodes: str, threads: int | None, stream: TextIO, s
 
     gpus = torch.cuda.device_count() if recipe.train.device != "cpu" and torch.cuda.is_available() else 0
     cores = usable_cores()
-    warning = oversubscription(ranks, threads or max(cores // ranks, 1), cores, gpus)
-    if warning:
-        say(warning, stream)
+    return oversubscription(ranks, threads or max(cores // ranks, 1), cores, gpus)
 
 
 @dataclass
@@ -283,6 +288,9 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
     if options.dry_run:  # every check a launch makes has passed: what it would start, and nothing else
         shape = f"K={recipe.pipeline.partitions} x D={recipe.pipeline.data_parallel}"
         print("\n".join(dry_run_lines(options.launch, world, shape, train_args(options))), flush=True)
+        warning = node_oversubscribed(recipe, options.launch.nnodes, options.launch.threads)
+        if warning:
+            say(warning, sys.stdout)
         return 0
     if complete is not None:  # e.g. a scheduler requeued a finished job: say so, touch nothing
         if first:

@@ -130,6 +130,15 @@ def test_dry_run_outside_slurm_says_the_node_runs_alone(tmp_path, monkeypatch, c
         in out
 
 
+def test_dry_run_warns_of_ranks_sharing_the_cores_as_a_launch_does(tmp_path, monkeypatch, capsys):
+    recipe = write(tmp_path, TINY_AMOEBANET)  # K=2
+    _in_step(monkeypatch, {})
+    monkeypatch.setattr("gpipe_cli.train.run.launch", _nothing_starts)
+    monkeypatch.setattr("gpipe_cli.sizing.usable_cores", lambda: 1)
+    assert run(["train", str(recipe), "--dry-run"]) == 0
+    assert "warning: 2 ranks x 1 thread on 1 CPU core (oversubscribed)" in capsys.readouterr().out
+
+
 def test_outside_a_multi_node_srun_step_nothing_changes():
     batch_script = {k: v for k, v in step_env(0).items() if not k.startswith("SLURM_STEP")}
     assert slurm_step(batch_script) is None
