@@ -25,7 +25,7 @@ from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_layers, stage_ranges
 from gpipe_cli.pipeline.step import PendingStep
-from gpipe_cli.recipe.schema import Recipe, TransformerModel
+from gpipe_cli.recipe.schema import LOCAL_SOURCES, Recipe, TransformerModel
 from gpipe_cli.recipe_model import build_optimizer, model_spec, optimizer_name, pipeline_config
 from gpipe_cli.records import EvalRecord, TrainRecord
 from gpipe_cli.train import checkpoint, cut, evaluation, nonfinite, optim, output
@@ -235,8 +235,11 @@ class Trainer:
 
     def _reading_data(self) -> str:
         data, model = self.recipe.data, self.recipe.model
-        where = data.name or data.path
-        text = f"reading data ({data.source}{f': {where}' if where else ''})"
+        where = data.path if data.source in LOCAL_SOURCES else data.name if data.source == "hub" else None
+        unread = [key for key, value in (("data.name", data.name), ("data.path", data.path))
+                  if value and value != where]  # e.g. a CPU run's `--set data.source=synthetic` over a real recipe
+        text = f"reading data ({data.source}{f': {where}' if where else ''}" + (
+            f"; {' and '.join(unread)} not read by {data.source} data)" if unread else ")")
         stored = (self.run_dir / "tokenizer.model").exists()
         if isinstance(model, TransformerModel) and not data.tokenizer and not stored:
             text += f" and training the tokenizer (vocabulary {data.vocab_size or model.vocab_size})"
