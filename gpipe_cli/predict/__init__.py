@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
-from gpipe_cli.errors import UserError, shown
+from gpipe_cli.errors import UserError, not_utf8, shown
 
 DEFAULT_MAX_TOKENS = 50
 MAX_TOKENS = 100_000  # a long document's worth: each token is a forward, so a typo of more digits runs for days
@@ -40,7 +41,7 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
         print(f"[gpipe] {_KINDS[task]}: reading inputs from stdin, one per line (Ctrl-D ends)", file=sys.stderr)
     answered, begun = 0, False
     try:
-        for item in inputs if inputs is not None else (line.rstrip("\r\n") for line in sys.stdin):
+        for item in inputs if inputs is not None else _stdin_lines(text=task != "image"):
             for piece in answer(item):  # each piece as soon as it is known: stdin may be a conversation, and a
                 sys.stdout.write(piece)  # long continuation shows as it grows (and ends once its reader has gone)
                 sys.stdout.flush()
@@ -57,3 +58,13 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
         print(f"gpipe predict: interrupted {said}", file=sys.stderr)
         return 130
     return 0
+
+
+def _stdin_lines(text: bool) -> Iterator[str]:
+    """stdin's lines; of a text model, each checked to be UTF-8 where its line number can still be said."""
+    for number, line in enumerate(sys.stdin, 1):
+        item = line.rstrip("\r\n")
+        where = not_utf8(item) if text else None  # an image's path may be any bytes
+        if where is not None:
+            raise UserError(f"an input is not UTF-8 text ({where}) on line {number} of stdin; give sentences in UTF-8")
+        yield item

@@ -413,13 +413,11 @@ class Trainer:
                               f"batch{'es' if self.eval_steps > 1 else ''}")
                 self.evaluate(self.total_steps, final=True)
         self.close()
-        self.stop.disarm()
-        if self.diverged:
-            return NONFINITE_EXIT_CODE
+        code = NONFINITE_EXIT_CODE if self.diverged else 128 + self.stopped_by if self.stopped_by else 0
+        self.stop.disarm(code)
         # A stop in the last moments, after every check: the work is done, but the launcher tearing the job down
         # would not read a rank that returns as if it had asked nothing.
-        stopped = self.stopped_by or self.stop.signum
-        return 128 + stopped if stopped else 0
+        return code or (128 + self.stop.signum if self.stop.signum else 0)
 
     def _finish(self, step: int, batch: Batch | None, launched: PendingStep, started: float,
                 ended: float | None = None) -> str:

@@ -42,12 +42,13 @@ class StopRequest:
                       file=sys.stderr, flush=True)
             os._exit(128 + signum)
 
-    def disarm(self) -> None:
-        """Once the run's work is done, a stop signal ends this rank at once: there is nothing left to finish."""
+    def disarm(self, code: int) -> None:
+        """Once the run's work is done, a stop signal ends this rank at once, with exit `code` (0: 128 + the signal)."""
         # Else a rank waiting for its launcher to read its result would only note the signal, and the
-        # launcher's tear-down would wait minutes for it.
+        # launcher's tear-down would wait minutes for it. A run that ended otherwise keeps its own code: the
+        # tear-down's SIGTERM after a peer ended is not news.
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
+            signal.signal(sig, lambda signum, frame: os._exit(code or 128 + signum))
 
     def agreed(self, group: dist.ProcessGroup | None, distributed: bool, say: bool = True) -> int:
         """The stop signal any rank received (0: none), the same on every rank; `say`: rank 0 says a save follows."""

@@ -139,6 +139,7 @@ def test_a_stdin_line_that_is_not_utf8_stops_in_one_line_after_the_lines_before_
     captured = capsys.readouterr()
     assert captured.out.count("\n") == 1  # the first line's answer
     assert "an input is not UTF-8 text (byte 0xff at character 1)" in one_error_line(code, captured.err, "")
+    assert "on line 2 of stdin" in captured.err  # which line: the answers before it do not say
 
 
 def not_an_export(folder: Path) -> Path:

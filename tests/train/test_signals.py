@@ -54,6 +54,8 @@ def test_a_ctrl_c_line_into_a_file_is_that_line_alone(capsys):
 
 def test_once_the_work_is_done_a_stop_ends_the_rank_at_once():
     # A rank that had returned waited for its launcher to read it, and a stop only noted (two minutes of tear-down).
+    # A run that stopped otherwise keeps its code: the tear-down's SIGTERM after a peer ended is no news.
+    import os
     import subprocess
     import sys
 
@@ -61,8 +63,10 @@ def test_once_the_work_is_done_a_stop_ends_the_rank_at_once():
             "from gpipe_cli.train.signals import StopRequest\n"
             "request = StopRequest(announce=False)\n"
             "request.arm()\n"
-            "request.disarm()\n"
+            "request.disarm(int(os.environ['CODE']))\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
             "time.sleep(60)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
-    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    for run_code, exit_code in ((0, 128 + signal.SIGTERM), (128 + signal.SIGPIPE, 128 + signal.SIGPIPE)):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+                              env={**os.environ, "CODE": str(run_code)})
+        assert proc.returncode == exit_code, proc.stderr
