@@ -22,3 +22,12 @@ def test_a_path_synthetic_data_does_not_read_is_said_unread(tmp_path):
     # It read `reading data (synthetic: /nonexistent)`, as if the path were used.
     assert line(tmp_path, "data.path=/nonexistent").startswith(
         "reading data (synthetic; data.path not read by synthetic data)")
+
+
+def test_a_split_synthetic_data_does_not_hold_out_is_said_unread(tmp_path):
+    # An explicit data.eval_split was ignored without a word: synthetic data holds out data.eval_fraction.
+    assert line(tmp_path, "data.eval_split=validation").startswith(
+        "reading data (synthetic; data.eval_split not read by synthetic data)")
+    assert line(tmp_path, "model.arch=decoder-only", "data.source=pydoc", "data.eval_split=test",
+                "data.path=/x").startswith(
+        "reading data (pydoc; data.path and data.eval_split not read by pydoc data)")
