@@ -341,8 +341,10 @@ def train_recipe(recipe: str | None, overrides: Sequence[str], resume: str | Non
     if not path.is_file():
         where = cut(str(run), PATH_CHARS)
         if not holds_run(run):
-            raise UserError(f"--resume {where}: not a run directory (no {RECIPE}, {METRICS} or {CHECKPOINTS}); give a "
-                            "folder gpipe train wrote, or one of its checkpoint folders")
+            lacks = (f"no {RECIPE} or {CHECKPOINTS}, and its {METRICS} is empty" if (run / METRICS).is_file()
+                     else f"no {RECIPE}, {METRICS} or {CHECKPOINTS}")
+            raise UserError(f"--resume {where}: not a run directory ({lacks}); give a folder gpipe train wrote, or "
+                            "one of its checkpoint folders")
         raise UserError(f"--resume {where}: the run has no {RECIPE} to continue with; give the recipe it was started "
                         f"with: gpipe train RECIPE --resume {where}")
     return load_recipe(str(path), overrides), str(path)

@@ -120,6 +120,19 @@ def test_a_resume_location_that_is_no_run_is_named_as_what_it_is(tmp_path, jobs,
     assert not jobs
 
 
+def test_a_folder_whose_records_are_empty_is_not_said_to_lack_them(tmp_path, jobs):
+    # It said "no recipe.yaml, metrics.jsonl or checkpoints" of a folder holding an empty metrics.jsonl.
+    place = tmp_path / "place"
+    place.mkdir()
+    (place / "metrics.jsonl").write_text("")
+    result = resume("--resume", str(place))
+    assert result.exit_code == 2, result.output
+    assert error_line(result) == (f"error: --resume {place}: not a run directory (no recipe.yaml or checkpoints, and "
+                                  "its metrics.jsonl is empty); give a folder gpipe train wrote, or one of its "
+                                  "checkpoint folders")
+    assert not jobs
+
+
 def test_a_missing_resume_location_is_one_line(tmp_path, jobs):
     result = resume("--resume", str(tmp_path / "nowhere"))
     assert result.exit_code == 2, result.output
