@@ -142,11 +142,15 @@ def writing(path: Path, flag: str, hint: str = "") -> Iterator[None]:
         raise UserError(f"{_cannot_write(path, flag)} ({exc.strerror or exc}){hint}") from None
 
 
-def check_json_name(path: Path | None, flag: str) -> None:
-    """Refuse a JSON output named as a YAML recipe: `bench --json recipes/quickstart.yaml` wrote over the recipe."""
-    if path is not None and path.suffix.lower() in (".yaml", ".yml"):
-        raise UserError(f"{flag} {shown_path(path)} has a recipe's YAML name, and {flag} writes JSON; name a .json "
-                        f"file, e.g. {shown_path(path.with_suffix('.json'))}")
+_KINDS = {".yaml": "a recipe's YAML", ".yml": "a recipe's YAML", ".json": "a JSON", ".jsonl": "a JSON lines"}
+
+
+def check_json_name(path: Path | None, flag: str, writes: str = "JSON", suffix: str = ".json",
+                    others: tuple[str, ...] = (".yaml", ".yml")) -> None:
+    """Refuse an output named as a text file of another kind: `bench --json recipes/quickstart.yaml` wrote over it."""
+    if path is not None and path.suffix.lower() in others:
+        raise UserError(f"{flag} {shown_path(path)} has {_KINDS[path.suffix.lower()]} name, and {flag} writes "
+                        f"{writes}; name a {suffix} file, e.g. {shown_path(path.with_suffix(suffix))}")
 
 
 def write_json(path: Path, data: Any, flag: str = "--json") -> None:

@@ -175,3 +175,21 @@ def test_a_command_may_write_again_the_file_it_wrote_though_it_is_named_metrics_
     monkeypatch.chdir(tmp_path)
     assert run(["validate", "--json", "metrics.jsonl"]) == 0
     assert run(["validate", "--json", "metrics.jsonl"]) == 0
+
+
+@pytest.mark.parametrize("name", ["mine.yaml", "plan.JSON", "records.jsonl"])
+def test_an_output_named_as_a_text_file_is_refused_and_the_file_kept(tmp_path, capsys, monkeypatch, name):
+    # `gpipe export run --output recipes/mine.yaml` replaced the user's recipe with the weights.
+    run_dir = tmp_path / "run"
+    save_one(run_dir, 2, value=1.0)
+    (tmp_path / name).write_text("name: mine\n")
+    monkeypatch.setattr("gpipe_cli.train.checkpoint.newest_whole",
+                        lambda *args, **kwargs: pytest.fail("the checkpoint was read first"))
+    code = run(["export", str(run_dir), "--output", str(tmp_path / name)])
+    captured = capsys.readouterr()
+    line = one_error_line(code, captured.err, captured.out)
+    stem = name.split(".")[0]
+    assert line.startswith(f"error: --output {str(tmp_path / name)!r} has a") and (
+        f"name, and --output writes safetensors; name a .safetensors file, e.g. "
+        f"{str(tmp_path / (stem + '.safetensors'))!r}") in line, line
+    assert (tmp_path / name).read_text() == "name: mine\n"
