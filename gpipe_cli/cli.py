@@ -336,7 +336,8 @@ def plan(
 @app.command()
 def export(
     run: str = typer.Argument(..., help="A run directory (its newest whole checkpoint) or one checkpoint folder."),
-    output: str | None = typer.Option(None, help="The safetensors file to write (default: RUN/model.safetensors)."),
+    output: str | None = typer.Option(None, help="The safetensors file to write (default: model.safetensors in "
+                                                 "the run directory, also for a checkpoint folder)."),
     dtype: str | None = typer.Option(None, metavar="float32|bfloat16|float16",
                                      help="Store the floating-point weights in this type (default: as trained)."),
 ) -> None:
