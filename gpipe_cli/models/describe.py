@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +12,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_cli.models.base import Batch, ModelSpec
+from gpipe_cli.pipeline.alike import Outputs, alike_key, outputs_of, remade
+from gpipe_cli.pipeline.stage import as_tensors, from_tensors
 
 aten = torch.ops.aten
 
@@ -131,16 +133,30 @@ def describe(spec: ModelSpec, batch_size: int = 1) -> ModelSummary:
     tied = 0
     costs = []
     x = inputs
+    # Alike layers fed alike are counted once (a recipe may have 10,000); a tied copy's layer is always built.
+    seen: dict[Hashable, tuple[int, int, int, Outputs, bool]] = {}
+    copies = {int(name.split(".", 1)[0]) for group in spec.tied for name in group[1:]}
     with torch.device("meta"), torch.no_grad():
         for index, layer in enumerate(spec.layers):
-            module = layer.build()
-            params, param_bytes = _param_stats(module)
-            tied += _tied_copies(spec, index, module)
-            counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS)
-            with counter:
-                x = module(x)
+            given, bare = as_tensors(x)
+            key = alike_key(layer.build, given, bare)
+            if key is not None and key in seen and index not in copies:
+                flops, params, param_bytes, again, bare = seen[key]
+                x = from_tensors(remade(again, given), bare)
+            else:
+                module = layer.build()
+                params, param_bytes = _param_stats(module)
+                tied += _tied_copies(spec, index, module)
+                counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS)
+                with counter:
+                    x = module(x)
+                flops = counter.get_total_flops()
+                made, bare = as_tensors(x)
+                how = outputs_of(given, made) if key is not None else None
+                if how is not None:
+                    seen[key] = flops, params, param_bytes, how, bare
             costs.append(LayerCost(index=index, name=layer.name, params=params, param_bytes=param_bytes,
-                                   flops=counter.get_total_flops() // batch_size,
+                                   flops=flops // batch_size,
                                    activation_bytes=batch_bytes(x, batch_size),
                                    output_shapes=tuple(tuple(t.shape) for t in tensors_of(x))))
     return ModelSummary(name=spec.name, task=spec.task, batch_size=batch_size,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from gpipe_cli.pipeline import context
+from gpipe_cli.pipeline.alike import Outputs, alike_key, outputs_of, remade
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.memory import ActivationMeter, storage_key
 from gpipe_cli.pipeline.stage import as_tensors, from_tensors
@@ -138,7 +139,17 @@ def profile_layers(factories: Sequence[Callable[[], nn.Module]], sample: Any, se
     timed = repeats > 0 and device.type != "meta"
     out = Profile(input_bytes=nbytes(tensors))
     charged: set[int] = set()  # storages in `tensors` that an earlier layer saved
+    # On the meta device a layer built like an earlier one, fed alike, saves alike: priced once (10,000 layers).
+    seen: dict[Hashable, tuple[LayerProfile, Outputs, tuple[bool, ...], bool]] = {}
     for index in range(len(factories)):
+        key = alike_key(factories[index], tensors, bare, index > 0, tuple(storage_key(t) in charged for t in tensors
+                        if t is not None)) if device.type == "meta" else None
+        if key is not None and key in seen:
+            profile, how, kept, bare = seen[key]
+            out.append(profile)
+            tensors = remade(how, tensors)
+            charged = {storage_key(t) for t, held in zip(tensors, kept) if t is not None and held}
+            continue
         (layer,) = build_layers(factories, [index], seed, device)
         layer.train()
 
@@ -159,6 +170,7 @@ def profile_layers(factories: Sequence[Callable[[], nn.Module]], sample: Any, se
         handed = [t for t in tensors if t is not None and storage_key(t) in charged]
         saved, saved_input, (outputs, bare), keys = saved_by(run, weights + handed,
                                                              [t for t in tensors if t is not None])
+        made = outputs_of(tensors, outputs) if key is not None else None
         charged = {storage_key(t) for t in outputs if t is not None} & (charged | keys)
         # The next layer is fed this output without its graph, which frees what this layer saved.
         tensors = [t.detach() if t is not None else None for t in outputs]
@@ -167,6 +179,8 @@ def profile_layers(factories: Sequence[Callable[[], nn.Module]], sample: Any, se
         out.append(LayerProfile(fwd, nograd, bwd, saved, nbytes(tensors), saved_input,
                                 sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params),
                                 recompute))
+        if made is not None:
+            seen[key] = out[-1], made, tuple(t is not None and storage_key(t) in charged for t in tensors), bare
         del layer
     if loss is not None:
         out.loss = _profile_loss(loss, tensors, bare, repeats, device, timed)

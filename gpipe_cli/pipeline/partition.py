@@ -126,7 +126,7 @@ def min_max_split(layers: int, partitions: int, value: Callable[[int, int, int],
         row, cuts = [below] * (n + 1), [0] * (n + 1)
         # The last stage ends at the last layer: of its row only that entry is read.
         for j in range(k, n - (partitions - k) + 1) if k < partitions else (n,):
-            for i in range(j - 1, k - 2, -1):
+            for i in range(j - 1, k - 2, -1) if k > 1 else (0,):  # the first stage starts at layer 0
                 if floor is not None and floor(i, j) >= row[j]:
                     break
                 if best[k - 1][i] >= row[j]:
