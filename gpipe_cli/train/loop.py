@@ -236,8 +236,7 @@ class Trainer:
     def _reading_data(self) -> str:
         data, model = self.recipe.data, self.recipe.model
         where = data.path if data.source in LOCAL_SOURCES else data.name if data.source == "hub" else None
-        # Synthetic and pydoc data hold out data.eval_fraction, not a named split.
-        held_out = data.eval_split if data.source in ("synthetic", "pydoc") else None
+        held_out = data.eval_split if where is None else None  # data read from nowhere holds out eval_fraction
         unread = [key for key, value in (("data.name", data.name), ("data.path", data.path),
                                          ("data.eval_split", held_out))
                   if value and value != where]  # e.g. a CPU run's `--set data.source=synthetic` over a real recipe

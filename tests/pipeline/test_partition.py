@@ -253,3 +253,16 @@ def test_the_pruned_split_is_the_split_of_every_pair_priced_and_a_floor_prices_f
         floor = lambda i, j, prefix=prefix: prefix[j] - prefix[i]  # noqa: E731
         assert partition.min_max_split(n, k, counted("floored"), floor) == expected
     assert priced["floored"] < priced["pruned"] < priced["every"]
+
+
+def test_two_stages_ask_the_floor_of_each_last_stage_once_not_of_every_pair():
+    # The first stage starts at layer 0: asking the floor of every start made a 10,000-layer check take many minutes.
+    asked: list[tuple[int, int]] = []
+
+    def floor(start: int, stop: int) -> float:
+        asked.append((start, stop))
+        return float(stop - start)
+
+    assert partition.min_max_split(1000, 2, lambda stage, start, stop: float(stop - start), floor) == (
+        500.0, [500, 500])
+    assert len(asked) <= 2 * 1000, len(asked)
