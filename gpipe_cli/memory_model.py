@@ -411,6 +411,25 @@ def weights_floor(figures: ModelFigures, bytes_per_param: float) -> Callable[[in
     return lambda start, stop: (params[stop] - params[start]) * bytes_per_param
 
 
+def memory_floor(figures: ModelFigures, stages: int, batch_size: int, microbatches: int, schedule: str,
+                 checkpoint: str, bytes_per_param: float, offload: str = "none") -> Callable[[int, int], float]:
+    """A stage's bytes at least, by its layers [start, stop) in any place: never fewer for a longer stage."""
+    weights = weights_floor(figures, bytes_per_param)
+    size = _largest_microbatch(batch_size, microbatches)
+    # Each stage's peak holds at least `whole` micro-batches' saved activations (a backward needs them), all its
+    # layers' but the first's, whose input is the stage's boundary; with no byte count below zero, a lower bound
+    # near the peak, so that a cut search prices only the stages that may beat the best it has.
+    whole = min(max((dict(zip(at, n)).get(0, 0) for at, n in
+                     _readings(schedule, s, stages, microbatches, checkpoint, 1, offload)[1]), default=0)
+                for s in range(stages))
+    if not whole or any(min(f.output.at(size), f.saved_input.at(size), f.saved.at(size) - f.saved_input.at(size)) < 0
+                        for f in figures.layers):
+        return weights
+    fixed, per_example, _ = figures.sums
+    return lambda start, stop: weights(start, stop) + whole * (
+        fixed[stop] - fixed[start + 1] + (per_example[stop] - per_example[start + 1]) * size)
+
+
 def stage_chunks(balance: Sequence[int], schedule: str, virtual: int) -> list[list[range]]:
     """Each stage's layer ranges under `balance` (K x V chunks, placed as the schedule says), in chunk order."""
     ranges = partition.stage_ranges(balance)
@@ -479,6 +498,12 @@ class CutMemory:
                                            self.offload)
         return self._known[key]
 
+    @functools.cached_property
+    def floor(self) -> Callable[[int, int], float]:
+        """Bytes any stage of layers [start, stop) needs at least, never fewer for a longer one (`memory_floor`)."""
+        return memory_floor(self.figures, self.stages, self.batch_size, self.microbatches, self.schedule,
+                            self.checkpoint, self.bytes_per_param, self.offload)
+
     def fits(self, stage: int, start: int, stop: int) -> bool:
         """Whether the stage fits its rank's memory."""
         return self.need(stage, start, stop) <= self.capacity
@@ -492,7 +517,9 @@ class CutMemory:
         """The min-max cut of `costs` into K x `virtual` chunks among those whose every stage fits, or None."""
         if virtual > 1:
             return partition.interleaved_within(costs, self.stages * virtual, self.needs, self.capacity)
-        return partition.balance_within(costs, self.stages, self.fits)
+        floor = self.floor
+        return partition.balance_within(costs, self.stages, self.fits,
+                                        lambda start, stop: floor(start, stop) <= self.capacity)
 
     def least(self, costs: Sequence[float] = (), virtual: int = 1,
               below: float = math.inf) -> tuple[float, list[int]] | None:
@@ -500,8 +527,7 @@ class CutMemory:
         # Exact for V=1 (a min-max cut of stage memory); interleaved: what `partition.least_memory` finds from the
         # min-max cut of `costs`.
         if virtual == 1:
-            return partition.min_max_split(len(self.figures.layers), self.stages, self.need,
-                                           weights_floor(self.figures, self.bytes_per_param), below)
+            return partition.min_max_split(len(self.figures.layers), self.stages, self.need, self.floor, below)
         assert costs, "an interleaved search starts from the min-max cut of the layers' costs"
         balance = partition.least_memory(partition.balance_by_cost(costs, self.stages * virtual), self.needs)
         peak = max(self.needs(balance))

@@ -104,3 +104,35 @@ def test_a_search_prices_each_stage_as_its_whole_footprint_totals():
                 args = (figures, balance, 31, 6, schedule, checkpoint, 16.0)
                 totals = [fp.total_bytes for fp in mm.footprints(*args, virtual, offload)]
                 assert mm.stage_needs(*args, virtual, {}, offload) == totals, (schedule, checkpoint, offload)
+
+
+@pytest.mark.parametrize("kind,params", [("transformer", {**TRANSFORMER, "layers": 4}),
+                                         ("transformer", dict(layers=2, d_model=16, ff=32, heads=2, vocab_size=32,
+                                                              max_len=8)),
+                                         ("amoebanet", AMOEBA)])
+def test_the_cut_searchs_memory_floor_is_below_every_stage_and_grows_with_it(kind, params):
+    """`memory_floor` is below every stage in any place, grows as a stage starts earlier, and changes no cut."""
+    from gpipe_cli.pipeline import partition, schedules
+    from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES
+
+    figures = mm.measure(build_model(kind, **params), device="meta")
+    n, stages = len(figures.layers), 3
+    tight = 0
+    for schedule in (name for name in schedules.names() if not schedules.get(name).chunked):
+        for checkpoint in REMAT_MODES:
+            for offload in OFFLOAD_MODES:
+                memory = mm.CutMemory(figures, stages, 12, 3, schedule, checkpoint, 16.0, offload=offload)
+                for stop in range(1, n + 1):
+                    floors = [memory.floor(start, stop) for start in range(stop)]
+                    assert floors == sorted(floors, reverse=True), (schedule, checkpoint, offload, stop)
+                    for start in range(stop):
+                        needs = [memory.need(s, start, stop) for s in range(stages)]
+                        assert floors[start] <= min(needs), (schedule, checkpoint, offload, start, stop)
+                        tight += floors[start] > mm.weights_floor(figures, 16.0)(start, stop)
+                unfloored = partition.min_max_split(n, stages, memory.need)
+                assert memory.least() == unfloored, (schedule, checkpoint, offload)
+                assert unfloored is not None
+                memory.capacity = unfloored[0] * 1.01
+                costs = [float(i % 3 + 1) for i in range(n)]
+                assert memory.within(costs) == partition.balance_within(costs, stages, memory.fits)
+    assert tight, "the floor counts activations, not the weights alone"

@@ -123,29 +123,46 @@ def min_max_split(layers: int, partitions: int, value: Callable[[int, int, int],
     best = [[0.0] + [inf] * n]
     cut: list[list[int]] = [[0] * (n + 1)]
     for k in range(1, partitions + 1):
+        before = best[k - 1]
         row, cuts = [below] * (n + 1), [0] * (n + 1)
+        seed = -1
         # The last stage ends at the last layer: of its row only that entry is read.
         for j in range(k, n - (partitions - k) + 1) if k < partitions else (n,):
+            # The start that served j - 1 is priced first: a bound near the best at once leaves most pairs unpriced
+            # (a deep model's L² pairs took minutes). Of equal splits the latest start is kept, as without it.
+            tie = n  # a later start that only equals the seed's value replaces it; past the seed, only a better one
+            if seed >= 0:
+                found = max(before[seed], value(k - 1, seed, j))
+                if found < below:
+                    row[j], cuts[j], tie = found, seed, seed
             for i in range(j - 1, k - 2, -1) if k > 1 else (0,):  # the first stage starts at layer 0
-                if floor is not None and floor(i, j) >= row[j]:
-                    break
-                if best[k - 1][i] >= row[j]:
+                bound = row[j]
+                if before[i] > bound or (before[i] == bound and i <= tie):
                     continue
-                found = max(best[k - 1][i], value(k - 1, i, j))
-                if found < row[j]:
-                    row[j], cuts[j] = found, i
+                if floor is not None:
+                    least = floor(i, j)
+                    if least > bound or (least == bound and i <= tie):
+                        break
+                if i == seed:
+                    continue
+                found = max(before[i], value(k - 1, i, j))
+                if found < bound or (found == bound and i > tie):
+                    row[j], cuts[j], tie = found, i, n
+            seed = cuts[j] if row[j] < below else -1
         best.append(row)
         cut.append(cuts)
     return None if best[partitions][n] >= below else (best[partitions][n], _unwind(cut, n, partitions))
 
 
-# `fits(stage, start, stop)`: whether layers start..stop-1 fit as stage `stage`.
-def balance_within(costs: Sequence[float], partitions: int, fits: Callable[[int, int, int], bool]) -> list[int] | None:
+# `fits(stage, start, stop)`: whether layers start..stop-1 fit as stage `stage`; `may_fit(start, stop)`: False
+# only where no stage of those layers fits, nor of any longer run ending at `stop` (a bound, spared the pricing).
+def balance_within(costs: Sequence[float], partitions: int, fits: Callable[[int, int, int], bool],
+                   may_fit: Callable[[int, int], bool] = lambda start, stop: True) -> list[int] | None:
     """The contiguous K-way split minimising the largest stage cost among those where every stage fits, or None."""
     prefix = [0.0, *itertools.accumulate(float(c) for c in costs)]
     found = min_max_split(len(costs), partitions,
                           lambda stage, i, j: prefix[j] - prefix[i] if fits(stage, i, j) else float("inf"),
-                          lambda i, j: prefix[j] - prefix[i])
+                          lambda i, j: prefix[j] - prefix[i] if may_fit(i, j) else float("inf"))
     return None if found is None else found[1]
 
 
