@@ -33,7 +33,7 @@ from gpipe_cli.bench import BenchOptions
 from gpipe_cli.cli_help import polish
 from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError, one_line, shown
-from gpipe_cli.files import another_file, check_json_name, check_not_input, check_output, write_json
+from gpipe_cli.files import another_file, check_not_input, check_output, check_output_kind, write_json
 from gpipe_cli.launch import launch_options
 from gpipe_cli.launch.preflight import too_long_line
 from gpipe_cli.limits import DIGITS
@@ -221,7 +221,7 @@ def validate(
     if json_file is not None:
         instead = another_file(json_file, f"{json_file.stem}.plan.json")
         check_not_input(json_file, "--json", [recipe_read(recipe)], instead)
-        check_json_name(json_file, "--json")
+        check_output_kind(json_file, "--json")
     from gpipe_cli.train.plan import checked_plan, plan_table  # torch: only once the recipe is valid
 
     plan = checked_plan(loaded, recipe_label(recipe), sets=set_ or [])
@@ -392,7 +392,7 @@ def report_runs(
     """Compare runs: a table of their figures here and a one-page PNG of curves (several runs overlaid)."""
     from gpipe_cli.report import report
 
-    return report([Path(r) for r in runs], Path(output) if output else None)
+    return report([Path(r) for r in runs], None if output is None else Path(output))
 
 
 def run(args: list[str]) -> int:

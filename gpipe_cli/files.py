@@ -142,13 +142,14 @@ def writing(path: Path, flag: str, hint: str = "") -> Iterator[None]:
         raise UserError(f"{_cannot_write(path, flag)} ({exc.strerror or exc}){hint}") from None
 
 
-_KINDS = {".yaml": "a recipe's YAML", ".yml": "a recipe's YAML", ".json": "a JSON", ".jsonl": "a JSON lines"}
+_KINDS = {".yaml": "a recipe's YAML", ".yml": "a recipe's YAML", ".json": "a JSON", ".jsonl": "a JSON lines",
+          ".png": "an image's", ".pdf": "a PDF", ".svg": "an SVG", ".safetensors": "a safetensors"}
 
 
-def check_json_name(path: Path | None, flag: str, writes: str = "JSON", suffix: str = ".json",
-                    others: tuple[str, ...] = (".yaml", ".yml")) -> None:
-    """Refuse an output named as a text file of another kind: `bench --json recipes/quickstart.yaml` wrote over it."""
-    if path is not None and path.suffix.lower() in others:
+def check_output_kind(path: Path | None, flag: str, writes: str = "JSON", suffix: str = ".json",
+                      allowed: tuple[str, ...] = (".json", ".jsonl")) -> None:
+    """Refuse an output named as a file of another kind: `bench --json recipes/quickstart.yaml` wrote over it."""
+    if path is not None and path.suffix.lower() in _KINDS.keys() - allowed:
         raise UserError(f"{flag} {shown_path(path)} has {_KINDS[path.suffix.lower()]} name, and {flag} writes "
                         f"{writes}; name a {suffix} file, e.g. {shown_path(path.with_suffix(suffix))}")
 

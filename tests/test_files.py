@@ -291,3 +291,18 @@ def test_a_json_output_named_as_a_yaml_recipe_is_refused_and_the_recipe_kept(tmp
     assert got.exit_code == 2 and "has a recipe's YAML name" in got.output, got.output
     assert f"name a .json file, e.g. {str(tmp_path / 'quickstart.json')!r}" in got.output
     assert recipe.read_text() == default_recipe_text()
+
+
+@pytest.mark.parametrize("name,kind", [("report.png", "an image's"), ("curves.SVG", "an SVG"),
+                                       ("model.safetensors", "a safetensors")])
+def test_a_json_output_named_as_a_page_or_weights_is_refused(tmp_path: Path, monkeypatch, name, kind):
+    """`gpipe validate --json report.png` wrote JSON into the run's page of curves."""
+    from typer.testing import CliRunner
+
+    from gpipe_cli.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    got = CliRunner().invoke(app, ["validate", "--json", name])
+    assert got.exit_code == 2, got.output
+    assert f"--json {name!r} has {kind} name, and --json writes JSON; name a .json file" in got.output
+    assert list(tmp_path.iterdir()) == []

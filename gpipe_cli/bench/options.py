@@ -11,7 +11,7 @@ from typing import Any
 from gpipe_cli.bench.trace import paths as trace_paths
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.estimate.model_flags import SEED_HELP, ModelFlags, choice_problems, model_of, shared_fields
-from gpipe_cli.files import another_file, check_json_name, check_not_input, check_output
+from gpipe_cli.files import another_file, check_not_input, check_output, check_output_kind
 from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, MAX_SIZE, MAX_THREADS, finite, outside, refuse
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
@@ -157,7 +157,7 @@ def validate(options: BenchOptions) -> None:
         # A --model that names a file is the recipe read (a name such as `transformer` is a preset).
         check_not_input(path, flag, [(options.model, "the recipe itself")],
                         another_file(path, f"{path.stem}.{'trace' if flag == '--trace' else 'bench'}.json"))
-        check_json_name(path, flag)
+        check_output_kind(path, flag)
         where = os.path.abspath(path)
         if where in seen:  # the second write would replace the first
             raise UserError(f"{flag} would write {shown(str(path))}, which {seen[where]} writes too; name "

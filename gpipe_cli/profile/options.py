@@ -17,7 +17,7 @@ from gpipe_cli.estimate.model_flags import (
     shared_fields,
     v_problem,
 )
-from gpipe_cli.files import another_file, check_json_name, check_not_input, check_output
+from gpipe_cli.files import another_file, check_not_input, check_output, check_output_kind
 from gpipe_cli.limits import DIGITS, MAX_RANKS, MAX_SIZE, one_of, outside, refuse, words
 from gpipe_cli.pipeline.config import microbatch_problem
 from gpipe_cli.recipe.aliases import SET_HELP
@@ -156,7 +156,7 @@ def validate(options: ProfileOptions) -> None:
     if options.json is not None:  # a --model that names a file is the recipe read
         check_not_input(options.json, "--json", [(options.model, "the recipe itself")],
                         another_file(options.json, f"{options.json.stem}.memory.json"))
-        check_json_name(options.json, "--json")
+        check_output_kind(options.json, "--json")
 
 
 def _check_partitions(partitions: list[int]) -> None:

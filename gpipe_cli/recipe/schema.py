@@ -173,6 +173,7 @@ class Pipeline(Section):
         if isinstance(value, str) and value in BALANCE_MODES:
             return value
         if isinstance(value, list):
+            value = [_number(v) if isinstance(v, float) else v for v in value]  # `20.0` is 20, as in every count
             bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_LAYERS]
             if not bad:
                 return value

@@ -72,6 +72,23 @@ def _claim(run_dir: Path, where: str, instead: str, made: bool) -> tuple[int | N
     return None, created
 
 
+def writer_of(run_dir: Path) -> str | None:
+    """The gpipe train that holds `run_dir` now, as `_holder` names it (None: none does)."""
+    try:
+        fd = os.open(run_dir / LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken only where no holder has it, and let go at once
+    except BlockingIOError:
+        return _holder(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return None
+
+
 def remove_now() -> None:
     """Remove this process's lock files, still holding them, before it ends without unwinding (a rank that failed)."""
     # Under torchrun the claim is rank 0's own, and a rank that fails exits at once: its lock ends with it, and

@@ -18,6 +18,7 @@ from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_yaml
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
+from gpipe_cli.train.claim import writer_of
 
 RECIPE = "recipe.yaml"
 SUPERSEDED = "superseded-"  # checkpoints/superseded-...: a course a resume from an earlier step left
@@ -163,6 +164,10 @@ def check_new_run_dir(output_dir: Path) -> None:
     """Refuse to start a new run in a directory that holds another (the two runs' records would mix)."""
     if not output_dir.is_dir() or not holds_run(output_dir):
         return
+    writer = writer_of(output_dir)
+    if writer is not None:  # a resume of it would be refused as well
+        raise UserError(f"--output-dir: {cut(str(output_dir), PATH_CHARS)} is being written by another gpipe train "
+                        f"({writer}); wait until it ends, or give another --output-dir")
     step = last_step(output_dir)
     held = f"already holds a run (its last step is {step})" if step is not None else "already holds a run"
     raise UserError(f"--output-dir {cut(str(output_dir), PATH_CHARS)} {held}; use --resume to continue it, or another "

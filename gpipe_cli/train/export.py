@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from gpipe_cli.errors import DataError, UserError, shown
-from gpipe_cli.files import atomic_path, check_json_name, check_not_input, check_output, shown_path, writing
+from gpipe_cli.files import atomic_path, check_not_input, check_output, check_output_kind, shown_path, writing
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.models import weights
 from gpipe_cli.recipe.load import load_recipe
@@ -35,7 +35,7 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     if output is not None:  # found now, not after the checkpoint has been read; "" is the folder here, refused
         check_output(Path(output), "--output", EXPORTED)
         # A recipe or records named by mistake were replaced by the weights.
-        check_json_name(Path(output), "--output", "safetensors", ".safetensors", (".yaml", ".yml", ".json", ".jsonl"))
+        check_output_kind(Path(output), "--output", "safetensors", ".safetensors", (".safetensors",))
     check_path(location, "RUN")
     if not location or not os.path.exists(location):
         raise UserError(f"no such run directory or checkpoint: {shown(location)}")

@@ -72,6 +72,12 @@ def not_utf8(folder: Path) -> str:
     return str(path)
 
 
+def utf16(folder: Path) -> str:
+    path = folder / "recipe.yaml"
+    path.write_text("name: café\n", encoding="utf-16")
+    return str(path)
+
+
 def long_value(folder: Path) -> str:
     recipe = copy.deepcopy(TINY_AMOEBANET)
     recipe["data"]["path"] = "p" * 900_000
@@ -91,7 +97,8 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "fifo": (fifo, [], "is not a regular file"),
     "device file": (lambda folder: "/dev/zero", [], "is not a regular file"),
     "over 1 MiB": (oversized, [], "at most 1048576"),
-    "not utf-8": (not_utf8, [], "not UTF-8"),
+    "not utf-8": (not_utf8, [], "not UTF-8 text (byte 0xff on line 1); a recipe is UTF-8 text"),
+    "utf-16": (utf16, [], "UTF-16 text (it starts with a UTF-16 byte order mark); a recipe is UTF-8 text: save it"),
     "empty": (recipe_text(""), [], "the recipe is empty"),
     "only a comment": (recipe_text("# nothing\n"), [], "the recipe is empty"),
     "a list": (recipe_text("- a\n- b\n"), [], "must be a mapping of sections"),
@@ -398,8 +405,9 @@ def test_validate_refuses_the_same_recipes(tmp_path, monkeypatch, capsys, comman
     (["export", "/no/such/run", "--output", ""], "--output: cannot write '.': it is a directory; name a file"),
     (["export", "/no/such/run", "--output", "/proc/gpipe/model.safetensors"],
      "--output: cannot write '/proc/gpipe/model.safetensors': cannot write to '/proc' (it takes no new files)"),
+    (["report", "/no/such/run", "--output", ""], "--output: cannot write '.': it is a directory; name a file"),
 ], ids=["validate json", "validate json empty", "validate json directory", "export missing run",
-        "export empty output", "export output"])
+        "export empty output", "export output", "report empty output"])
 def test_validate_and_export_arguments(tmp_path, monkeypatch, capsys, args, fragment):
     if not Path("/proc/self").is_dir() and "/proc" in " ".join(args):
         pytest.skip("needs /proc: a folder no one can write")

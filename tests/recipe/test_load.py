@@ -194,6 +194,14 @@ def test_yaml_1_2_floats_and_merge_keys():
     assert merged["train"] == {"steps": 3, "log_every": 2}  # a merge key is not a duplicate
 
 
+def test_a_balance_entry_is_a_count_written_as_any_whole_number():
+    recipe = load_recipe(None, ["model.layers=2", "pipeline.balance=[3.0, 1e0, 2]", "pipeline.partitions=3"],
+                         check_data=False)
+    assert recipe.pipeline.balance == [3, 1, 2] and all(type(n) is int for n in recipe.pipeline.balance)
+    with pytest.raises(RecipeError, match=r"every entry must be a number of layers .* \(got 2.5 in \[3, 2.5\]\)"):
+        load_recipe(None, ["pipeline.balance=[3, 2.5]"], check_data=False)
+
+
 def test_set_fills_an_optional_section_a_resolved_recipe_leaves_null(tmp_path):
     resolved = write(tmp_path, recipe_yaml(load_recipe(None)))  # as a run's recipe.yaml: `profile: null`
     assert "profile: null" in resolved.read_text() and "wandb: null" in resolved.read_text()

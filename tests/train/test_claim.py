@@ -193,6 +193,21 @@ def test_a_resume_of_a_run_being_written_is_refused_and_the_run_kept(tmp_path, l
     assert claim.LOCK not in os.listdir(run)
 
 
+def test_a_new_run_into_a_run_being_written_says_so_rather_than_advise_a_resume(tmp_path, launches):
+    # It said "already holds a run; use --resume to continue it", and that resume was then refused.
+    path, run = make_run(tmp_path, steps=(4,))
+    assert claim.writer_of(run) is None
+    with claim.held(run, "--output-dir", "wait"):
+        assert claim.writer_of(run) == f"pid {os.getpid()}"
+        result = train(str(path), "--output-dir", str(run))
+        assert result.exit_code == 2, result.output
+        assert error_line(result) == (f"error: --output-dir: {run} is being written by another gpipe train "
+                                      f"(pid {os.getpid()}); wait until it ends, or give another --output-dir")
+    assert claim.writer_of(run) is None and not launches
+    assert "already holds a run (its last step is 4); use --resume" in error_line(train(str(path), "--output-dir",
+                                                                                        str(run)))
+
+
 def test_a_new_run_in_the_default_place_is_made_and_held_by_its_launch(tmp_path, monkeypatch, launches):
     monkeypatch.chdir(tmp_path)
     path = recipes.write(tmp_path, copy.deepcopy(recipes.TINY_TRANSLATION))

@@ -177,7 +177,7 @@ def test_a_command_may_write_again_the_file_it_wrote_though_it_is_named_metrics_
     assert run(["validate", "--json", "metrics.jsonl"]) == 0
 
 
-@pytest.mark.parametrize("name", ["mine.yaml", "plan.JSON", "records.jsonl"])
+@pytest.mark.parametrize("name", ["mine.yaml", "plan.JSON", "records.jsonl", "report.png"])
 def test_an_output_named_as_a_text_file_is_refused_and_the_file_kept(tmp_path, capsys, monkeypatch, name):
     # `gpipe export run --output recipes/mine.yaml` replaced the user's recipe with the weights.
     run_dir = tmp_path / "run"
