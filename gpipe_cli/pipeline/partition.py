@@ -126,6 +126,8 @@ def min_max_split(layers: int, partitions: int, value: Callable[[int, int, int],
         before = best[k - 1]
         row, cuts = [below] * (n + 1), [0] * (n + 1)
         seed = -1
+        # Starts past the last that k - 1 stages can reach are never priced: a stop out of reach is found at once.
+        reached = max((i for i, v in enumerate(before) if v < below), default=-1)
         # The last stage ends at the last layer: of its row only that entry is read.
         for j in range(k, n - (partitions - k) + 1) if k < partitions else (n,):
             # The start that served j - 1 is priced first: a bound near the best at once leaves most pairs unpriced
@@ -135,7 +137,7 @@ def min_max_split(layers: int, partitions: int, value: Callable[[int, int, int],
                 found = max(before[seed], value(k - 1, seed, j))
                 if found < below:
                     row[j], cuts[j], tie = found, seed, seed
-            for i in range(j - 1, k - 2, -1) if k > 1 else (0,):  # the first stage starts at layer 0
+            for i in range(min(j - 1, reached), k - 2, -1) if k > 1 else (0,):  # the first stage starts at 0
                 bound = row[j]
                 if before[i] > bound or (before[i] == bound and i <= tie):
                     continue
