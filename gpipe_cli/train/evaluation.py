@@ -65,13 +65,17 @@ def summarise(sums: dict[str, float], units: float, baselines: Mapping[str, floa
 # Each decoding step is one evaluation pass through every stage, its logits back on rank 0, which holds the growing
 # prefix and tells every rank whether another step is needed. First stages give their source, the others None; with
 # data parallelism replica 0 decodes the whole split and the other replicas an empty one, so every rank makes the
-# same collective calls. `vocab`: the tokenizer's pieces, where the model's vocabulary may be larger.
+# same collective calls. `vocab`: the tokenizer's pieces, where the model's vocabulary may be larger. `stopped` is
+# asked before each step, alike on every rank (a stop waited for the whole batch's translations).
 def greedy_decode(pipe: Pipeline, topo: Topology, source: torch.Tensor | None, microbatches: int,
-                  max_len: int, vocab: int | None = None) -> list[list[int]]:
-    """Translate `source` greedily; rank 0 gets the token ids."""
+                  max_len: int, vocab: int | None = None,
+                  stopped: Callable[[], bool] = lambda: False) -> list[list[int]] | None:
+    """Translate `source` greedily; rank 0 gets the token ids (None: a stop ended it first)."""
     prefix = torch.full((source.shape[0], 1), BOS, dtype=torch.long) if source is not None else None
     finished = torch.zeros(prefix.shape[0] if prefix is not None else 0, dtype=torch.bool)
     while True:
+        if stopped():
+            return None
         inputs = (source, prefix) if source is not None else None
         result = pipe.evaluate(inputs, None, microbatches=microbatches, return_outputs=True)
         more = False
@@ -87,7 +91,8 @@ def bleu(pipe: Pipeline, topo: Topology, data: Loader | None, batches: int, micr
          max_len: int, stopped: Callable[[], bool] = lambda: False) -> float | None:
     """Corpus BLEU of greedy translations of the held-out split (rank 0 returns it; others None).
 
-    `stopped` is asked before each batch, alike on every rank; once true, decoding ends and the score is partial.
+    `stopped` is asked before each decoding step, alike on every rank; once true, decoding ends and the score is
+    partial.
     """
     layout = topo.layout
     first_of_replica_0 = layout.is_first and layout.replica == 0
@@ -98,14 +103,14 @@ def bleu(pipe: Pipeline, topo: Topology, data: Loader | None, batches: int, micr
     hypotheses: list[str] = []
     references: list[str] = []
     for batch in items:
-        if stopped():
-            break
         source = batch.inputs[0] if batch is not None and layout.is_first else None
         if source is not None and not first_of_replica_0:
             source = source[:0]
         limit = translation_limit(source.shape[1], max_len) if source is not None else max_len - 1
         vocab = data.tokenizer.vocab_size if data is not None and data.tokenizer is not None else None
-        ids = greedy_decode(pipe, topo, source, microbatches, limit, vocab)
+        ids = greedy_decode(pipe, topo, source, microbatches, limit, vocab, stopped)
+        if ids is None:
+            break
         if layout.rank == 0 and batch is not None and data is not None and data.tokenizer is not None:
             hypotheses += [data.tokenizer.decode(row) for row in ids]
             references += batch.references or []

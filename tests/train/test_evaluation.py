@@ -48,3 +48,31 @@ def _lm_spec():  # type: ignore[no-untyped-def]
 
     model = TransformerModel(arch="decoder-only", layers=1, d_model=8, ff=16, heads=2, vocab_size=11, max_len=8)
     return model_spec(Recipe(model=model))
+
+
+def test_a_stop_ends_greedy_decoding_before_its_next_step() -> None:
+    # A stop waited for every step of the BLEU batch in progress: up to the longest translation's length of passes.
+    from gpipe_cli.models.registry import build_model
+    from gpipe_cli.pipeline import topology
+    from gpipe_cli.pipeline.config import PipelineConfig
+    from gpipe_cli.pipeline.engine import Pipeline
+
+    torch.manual_seed(0)
+    spec = build_model("transformer", layers=1, d_model=8, ff=16, heads=2, vocab_size=11, max_len=16)
+    layers = list(spec.build_all())
+    topo = topology.local()
+    pipe = Pipeline(layers, topo, PipelineConfig(balance=(len(layers),)), spec.loss, tied=spec.tied)
+    source = torch.randint(4, 11, (3, 6))
+    whole = evaluation.greedy_decode(pipe, topo, source, 1, 12)
+    assert whole is not None and len(whole) == 3
+    asked = []
+
+    def stopped() -> bool:
+        asked.append(len(asked))
+        return len(asked) > 2
+
+    passes = []
+    evaluate = pipe.evaluate
+    pipe.evaluate = lambda *args, **kwargs: passes.append(1) or evaluate(*args, **kwargs)  # type: ignore[method-assign]
+    assert evaluation.greedy_decode(pipe, topo, source, 1, 12, stopped=stopped) is None
+    assert len(passes) == 2 and len(asked) == 3
