@@ -157,12 +157,14 @@ def validate(options: BenchOptions) -> None:
         # A --model that names a file is the recipe read (a name such as `transformer` is a preset).
         check_not_input(path, flag, [(options.model, "the recipe itself")],
                         another_file(path, f"{path.stem}.{'trace' if flag == '--trace' else 'bench'}.json"))
-        check_output_kind(path, flag)
         where = os.path.abspath(path)
         if where in seen:  # the second write would replace the first
             raise UserError(f"{flag} would write {shown(str(path))}, which {seen[where]} writes too; name "
                             f"different files")
         seen[where] = flag
+    # A name of another kind, once no two outputs collide: a sweep's plot is named after --json, in PNG.
+    check_output_kind(options.json, "--json")
+    check_output_kind(options.trace, "--trace", allowed=(".json", ".jsonl", ".png"))  # x.png: x.json beside
     available = meminfo_available()  # a bench starts every stage on this machine
     if available is not None and options.partitions * RANK_BYTES > available:
         raise UserError(f"--partitions {options.partitions}: a bench starts one rank per stage on this machine, each "
