@@ -162,7 +162,19 @@ def check_not_in_a_run(output_dir: str | None) -> None:
 
 def check_new_run_dir(output_dir: Path) -> None:
     """Refuse to start a new run in a directory that holds another (the two runs' records would mix)."""
-    if not output_dir.is_dir() or not holds_run(output_dir):
+    if not output_dir.is_dir():
+        return
+    if not holds_run(output_dir):
+        from gpipe_cli.data.tokenizer import TOKENIZER_FILE
+
+        # The run writes its own; a user's file of that name, in a folder given as the output, was replaced. A run
+        # that stopped in its set-up has left its records' file or checkpoints/ beside it, and takes a new run.
+        started = any((output_dir / name).exists() for name in (METRICS, CHECKPOINTS))
+        kept = next((name for name in (RECIPE, TOKENIZER_FILE) if (output_dir / name).exists() and not started), None)
+        if kept is not None:
+            raise UserError(f"--output-dir {cut(str(output_dir), PATH_CHARS)} holds a {kept} but no run (no records "
+                            f"or checkpoints), and a new run writes its own {kept} there; give a new or empty "
+                            f"folder, or move the file")
         return
     writer = writer_of(output_dir)
     if writer is not None:  # a resume of it would be refused as well

@@ -261,6 +261,21 @@ def test_an_empty_output_dir_is_refused_rather_than_read_as_none(tmp_path, monke
     assert list(tmp_path.iterdir()) == [] and not no_ranks
 
 
+@pytest.mark.parametrize("name", ["recipe.yaml", "tokenizer.model"])
+def test_a_new_run_never_writes_over_a_users_file_of_a_name_it_writes(tmp_path, no_ranks, name):
+    # `gpipe train my.yaml --output-dir .` in a folder holding the user's recipe.yaml replaced it, exit code 0.
+    path = recipes.write(tmp_path, copy.deepcopy(recipes.TINY_TRANSLATION))
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / name).write_text("name: mine\n")
+    result = train(path, folder)
+    assert result.exit_code == 2, result.output
+    assert error_line(result) == (f"error: --output-dir {folder} holds a {name} but no run (no records or "
+                                  f"checkpoints), and a new run writes its own {name} there; give a new or empty "
+                                  f"folder, or move the file")
+    assert (folder / name).read_text() == "name: mine\n" and not no_ranks
+
+
 def test_a_new_run_never_writes_over_the_recipe_it_was_given(tmp_path, monkeypatch, no_ranks, capsys):
     # `gpipe train recipe.yaml --output-dir .` beside it replaced the user's recipe with the resolved one.
     from gpipe_cli.cli import run
