@@ -10,6 +10,7 @@ from typing import Any
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.limits import MAX_SEED, one_of, outside, refuse
+from gpipe_cli.models import families
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES
 from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, balance_text, given_as, settings
@@ -113,6 +114,9 @@ def _flag_value(name: str, recipe: str | None, flags: Mapping[str, Any], sets: S
 
 def model_of(recipe: str | None, model: str | None, done: str) -> str:
     """The model measured: the recipe's, or `--model` (None: a transformer); `done` is what the command does to it."""
+    if model is not None and not model.strip():  # it measured the default model, as if the flag were not there
+        raise UserError(f"--model: an empty name names no model; give a family ({', '.join(families.FAMILIES)}), a "
+                        "preset or a recipe file, or leave the flag out for a transformer")
     if recipe is not None and model is not None:
         raise UserError(f"give a recipe or --model, not both (the recipe's model section is {done})")
     return recipe or model or "transformer"

@@ -242,3 +242,16 @@ def test_a_sweep_refuses_their_set_forms_too(capsys):
 
     assert run(["bench", "--sweep", "--set", "pipeline.microbatches=2"]) == 2
     assert "leave out --set pipeline.microbatches" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["bench", "profile-memory"])
+@pytest.mark.parametrize("model", ["", " "])
+def test_an_empty_model_name_is_refused_not_read_as_the_default_model(capsys, monkeypatch, command, model):
+    # `--model ""` measured the default transformer for a minute, as if the flag were not there.
+    from gpipe_cli.cli import run
+
+    monkeypatch.setattr("gpipe_cli.sizing.this_machine", lambda *args: pytest.fail("measured"))
+    assert run([command, "--model", model]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == ("error: --model: an empty name names no model; give a family (amoebanet, transformer), a "
+                            "preset or a recipe file, or leave the flag out for a transformer\n") and captured.out == ""
