@@ -45,7 +45,7 @@ def finite(flag: str, value: float | None, unit: str = "", zero: bool = False) -
 
 def one_of(name: str, value: str, allowed: Sequence[str]) -> str | None:
     """`NAME: must be one of A, B (got VALUE)` when `value` is not among `allowed`, else None."""
-    return None if value in allowed else f"{name}: must be one of {', '.join(allowed)} (got {value})"
+    return None if value in allowed else f"{name}: must be one of {', '.join(allowed)} (got {value or repr(value)})"
 
 
 def refuse(problems: Iterable[str | None]) -> None:

@@ -255,3 +255,16 @@ def test_an_empty_model_name_is_refused_not_read_as_the_default_model(capsys, mo
     captured = capsys.readouterr()
     assert captured.err == ("error: --model: an empty name names no model; give a family (amoebanet, transformer), a "
                             "preset or a recipe file, or leave the flag out for a transformer\n") and captured.out == ""
+
+
+@pytest.mark.parametrize("args,line", [
+    (["profile-memory", "--device", ""], "error: --device: must be auto, cpu or cuda (got '')\n"),
+    (["profile-memory", "--optimizer", ""], "error: --optimizer: must be one of "),
+    (["plan", "--devices", "2", "--timing", ""], "error: --timing: must be one of ")])
+def test_an_empty_choice_is_shown_as_two_quotes_not_as_nothing(capsys, args, line):
+    # `(got )` read as a cut-off line.
+    from gpipe_cli.cli import run
+
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(line) and err.endswith(" (got '')\n") and len(err.splitlines()) == 1, err
