@@ -13,7 +13,7 @@ from gpipe_cli.limits import MAX_SEED, one_of, outside, refuse
 from gpipe_cli.models import families
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES
-from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, balance_text, given_as, settings
+from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, balance_text, flag, given_as, settings
 from gpipe_cli.recipe.load import typed_values
 
 # The command line loads this module for its help and checks these flags before torch loads: the schedules'
@@ -52,10 +52,11 @@ class ModelFlags:
 
 
 def choice_problems(options: ModelFlags) -> list[str | None]:
-    """The refusals of a --schedule, --checkpoint or --offload that names none of its choices, and of a --seed."""
+    """The refusals of a --schedule, --checkpoint or --offload that names none of its choices, a --seed, a size."""
     return [one_of("--schedule", options.schedule, SCHEDULES), one_of("--checkpoint", options.checkpoint, REMAT_MODES),
             one_of("--offload", options.offload, OFFLOAD_MODES),
-            outside("--seed", options.seed, 0, MAX_SEED)]  # as a recipe's seed
+            outside("--seed", options.seed, 0, MAX_SEED),  # as a recipe's seed
+            size_problem(options.model, options.sizes(), options.set)]
 
 
 def is_v(schedule: Any) -> bool:
@@ -109,6 +110,33 @@ def _flag_value(name: str, recipe: str | None, flags: Mapping[str, Any], sets: S
         return flags[name]
     if recipe is None and ALIASES[name] not in typed_values(sets):
         return default
+    return None
+
+
+# Size flag -> model parameter (the sequence length is the Transformer's max_len: its example length).
+SIZE_PARAMS = {name: ALIASES[name].removeprefix("model.") for name in SIZE_FLAGS}
+
+
+def size_limits(kind: str) -> dict[str, tuple[int, int]]:
+    """(least, most) of each integer model parameter of `kind`, as the recipe schema allows."""
+    from gpipe_cli.recipe.schema import MODEL_SECTIONS, bounds
+
+    return {name: (int(found["ge"]), int(found["le"])) for name, info in MODEL_SECTIONS[kind].model_fields.items()
+            if info.annotation is int and {"ge", "le"} <= (found := bounds(info)).keys()}
+
+
+def size_problem(model: str, sizes: Mapping[str, int | None], sets: Sequence[str]) -> str | None:
+    """A size flag of a family's model (`--model amoebanet`) beyond the schema's limits, said before torch loads."""
+    # A preset or a recipe is resolved with the models, as is a --set, which wins over the flag of its key.
+    if model not in families.FAMILIES:
+        return None
+    limits, typed = size_limits(model), {item.partition("=")[0].strip().removeprefix("model.") for item in sets}
+    for name, value in sizes.items():
+        param = SIZE_PARAMS[name]
+        if value is not None and param in limits and param not in typed:
+            problem = outside(flag(name), value, *limits[param])
+            if problem:
+                return problem
     return None
 
 

@@ -14,20 +14,19 @@ import torch
 
 from gpipe_cli import sizing
 from gpipe_cli.errors import UserError, cut, shown
+from gpipe_cli.estimate.model_flags import SIZE_PARAMS, size_limits
 from gpipe_cli.limits import outside, words
 from gpipe_cli.models import families
 from gpipe_cli.models.base import Batch, ModelSpec
 from gpipe_cli.models.describe import describe
 from gpipe_cli.models.registry import allowed_params, build_model, is_preset_name, names_help, resolve_preset
 from gpipe_cli.pipeline.layer_profile import profile_layers
-from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, flag
+from gpipe_cli.recipe.aliases import flag
 from gpipe_cli.recipe.load import parse_override
 
 # A family name stands for its model of the paper's speed table (Table 2).
 FAMILIES = {kind: family.paper_preset for kind, family in families.FAMILIES.items()}
 
-# Size flag -> model parameter (the sequence length is the Transformer's max_len: its example length).
-SIZE_PARAMS = {name: ALIASES[name].removeprefix("model.") for name in SIZE_FLAGS}
 
 
 @dataclass(frozen=True)
@@ -92,14 +91,6 @@ def check_limits(kind: str, params: Mapping[str, Any], named: Mapping[str, str],
         problem = outside(name, value, low, high)
         if problem:
             raise UserError(problem)
-
-
-def size_limits(kind: str) -> dict[str, tuple[int, int]]:
-    """(least, most) of each integer model parameter of `kind`, as the recipe schema allows."""
-    from gpipe_cli.recipe.schema import MODEL_SECTIONS, bounds
-
-    return {name: (int(found["ge"]), int(found["le"])) for name, info in MODEL_SECTIONS[kind].model_fields.items()
-            if info.annotation is int and {"ge", "le"} <= (found := bounds(info)).keys()}
 
 
 def resolve(model: str, sizes: Mapping[str, int | None] | None = None, overrides: Sequence[str] = ()) -> Subject:

@@ -58,8 +58,8 @@ def read_recipe_file(path: Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # as some Windows editors save text
-            raise RecipeError(f"{path}: UTF-16 text (it starts with a UTF-16 byte order mark); a recipe is UTF-8 "
-                              "text: save it as UTF-8") from None
+            raise RecipeError(f"{path}: not UTF-8 text but UTF-16 (it starts with a UTF-16 byte order mark); a "
+                              "recipe is UTF-8 text: save it as UTF-8") from None
         line = data.count(b"\n", 0, exc.start) + 1
         raise RecipeError(f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}); a recipe is "
                           "UTF-8 text") from None

@@ -98,7 +98,8 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "device file": (lambda folder: "/dev/zero", [], "is not a regular file"),
     "over 1 MiB": (oversized, [], "at most 1048576"),
     "not utf-8": (not_utf8, [], "not UTF-8 text (byte 0xff on line 1); a recipe is UTF-8 text"),
-    "utf-16": (utf16, [], "UTF-16 text (it starts with a UTF-16 byte order mark); a recipe is UTF-8 text: save it"),
+    "utf-16": (utf16, [], "not UTF-8 text but UTF-16 (it starts with a UTF-16 byte order mark); a recipe is UTF-8 "
+                          "text: save it as UTF-8"),
     "empty": (recipe_text(""), [], "the recipe is empty"),
     "only a comment": (recipe_text("# nothing\n"), [], "the recipe is empty"),
     "a list": (recipe_text("- a\n- b\n"), [], "must be a mapping of sections"),
