@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import re
 import shutil
 import textwrap
 from collections.abc import Collection, Iterable
 from typing import Any, TextIO
 
-from rich.console import Console
-from rich.table import Table
+from rich.cells import cell_len
+from rich.console import Console, RenderableType
+from rich.table import Column, Table
+from rich.text import Text
 
 _NOTE = re.compile(r"\[\s*[\d.]+ s\] ")  # a timed note's prefix, "[  3.2 s] "
 # A number and its unit stay on one line: the space between them is held by a mark no text contains.
@@ -33,6 +37,109 @@ def figure_table(title: str, columns: Iterable[str], left: Collection[str] = (),
     for name in columns:
         table.add_column(name, justify="left" if name in left else "right")
     return table
+
+
+_PIECE = re.compile(r"(?<=,) ")  # where a cell of several figures ("4.55 @1200, acc 0.81") may break
+
+
+def _plain(cell: RenderableType) -> str:
+    """The text a cell shows (a str cell is markup)."""
+    return cell.plain if isinstance(cell, Text) else Text.from_markup(str(cell)).plain
+
+
+def _span(column: Column) -> tuple[int, int]:
+    """A column's least width that breaks no figure (its header only between words) and its width on one line."""
+    header = _plain(column.header)
+    lines = [line for cell in column._cells for line in _plain(cell).splitlines()]
+    least = max([cell_len(word) for word in header.split()]
+                + [cell_len(piece) for line in lines for piece in _PIECE.split(line)], default=1)
+    return least, max([cell_len(line) for line in (*header.splitlines(), *lines)] + [least])
+
+
+def _frame(columns: int) -> int:
+    """The columns rich's default box takes around `columns` columns: a space each side, a line between and around."""
+    return 3 * columns + 1
+
+
+def _widths(spans: list[tuple[int, int]], room: int) -> list[int]:
+    """Each column at least its least width; the room left makes the nearest-to-whole headers whole first."""
+    widths = [least for least, _ in spans]
+    left = room - sum(widths)
+    for i in sorted(range(len(spans)), key=lambda i: spans[i][1] - spans[i][0]):
+        grow = max(0, min(left, spans[i][1] - widths[i]))
+        widths[i] += grow
+        left -= grow
+    return widths
+
+
+def _rewrap(cell: RenderableType, width: int) -> RenderableType:
+    """A cell of several figures longer than `width`, broken after their commas only, so each figure stays whole."""
+    text = _plain(cell)
+    if cell_len(text) <= width or "\n" in text:
+        return cell
+    lines: list[str] = []
+    for piece in _PIECE.split(text):
+        if lines and cell_len(lines[-1]) + 1 + cell_len(piece) <= width:
+            lines[-1] += " " + piece
+        else:
+            lines.append(piece)
+    return Text("\n".join(lines))
+
+
+def _part(table: Table, chosen: list[int], width: int, title: str | Text | None, caption: str | Text | None) -> Table:
+    """The columns `chosen` of `table` (every row), each given a width so that together they fit `width`."""
+    columns = [table.columns[i] for i in chosen]
+    widths = _widths([_span(column) for column in columns], width - _frame(len(columns)))
+    part = copy.copy(table)
+    part.title, part.caption, part.rows = title, caption, list(table.rows)
+    # A fixed width is one rich never narrows below; fold, not an ellipsis, should a figure still not fit.
+    part.columns = [dataclasses.replace(column, width=w, overflow="fold", no_wrap=False, _index=j,
+                                        _cells=[_rewrap(cell, w) for cell in column._cells])
+                    for j, (column, w) in enumerate(zip(columns, widths))]
+    return part
+
+
+def _records(table: Table, keys: list[int]) -> list[Table]:
+    """`table` as one two-column table per row, named by its `keys` cells: for a terminal too narrow for the keys."""
+    parts = []
+    for r in range(len(table.rows)):
+        # The first key is the row's name as it stands (a run); the others say what they are ("stage 2").
+        name = ", ".join(text if n == 0 else f"{_plain(table.columns[i].header)} {text}"
+                         for n, i in enumerate(keys) if (text := _plain(table.columns[i]._cells[r])))
+        part = Table(title=f"{_plain(table.title or '')}: {name}" if table.title else name, show_header=False,
+                     caption=table.caption if r == len(table.rows) - 1 else None)
+        part.add_column(overflow="fold")
+        part.add_column(justify="right", overflow="fold")
+        for i, column in enumerate(table.columns):
+            if i not in keys:
+                part.add_row(Text(" ".join(_plain(column.header).split())), column._cells[r])
+        parts.append(part)
+    return parts
+
+
+def fit_table(table: Table, width: int, keys: Collection[str] = ()) -> list[Table]:
+    """`table` at `width` with no figure cut: headers wrap between words, columns left over go to more tables."""
+    # Each further table repeats the columns named in `keys`, which say whose each row is (a run, a stage).
+    spans = [_span(column) for column in table.columns]
+    if sum(natural for _, natural in spans) + _frame(len(spans)) <= width:
+        return [table]  # as rich lays it out: the table at a wide terminal is as it always was
+    key = [i for i, column in enumerate(table.columns) if _plain(column.header) in keys]
+
+    def fits(chosen: list[int]) -> bool:
+        return sum(spans[i][0] for i in chosen) + _frame(len(chosen)) <= width
+
+    groups: list[list[int]] = [[]]
+    for i in (i for i in range(len(spans)) if i not in key):
+        if groups[-1] and not fits(key + groups[-1] + [i]):
+            groups.append([])
+        groups[-1].append(i)
+    if not all(fits(key + group) for group in groups):
+        return _records(table, key)
+    many = len(groups) > 1
+    title = _plain(table.title) if table.title is not None else ""
+    return [_part(table, sorted(key + group), width,
+                  f"{title} ({n} of {len(groups)})" if many and title else table.title,
+                  table.caption if n == len(groups) else None) for n, group in enumerate(groups, 1)]
 
 
 def _hang(text: str) -> int:

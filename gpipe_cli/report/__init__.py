@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpipe_cli import plots
-from gpipe_cli.console import output_console
+from gpipe_cli.console import fit_table, output_console
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.files import check_not_input, check_output, writing
 from gpipe_cli.launch.preflight import check_path
@@ -32,6 +32,8 @@ from gpipe_cli.units import figure, human_bytes
 
 # Said after a default place that cannot be written (a read-only run of someone else's, say).
 ELSEWHERE = "; give --output FILE to write the page elsewhere"
+# The columns that say whose a row is: a table split to fit the terminal repeats them in each part.
+KEYS = ("run", "pipeline", "stage")
 
 
 def _table(title: str, columns: tuple[str, ...], left: tuple[str, ...] = ("run",), caption: str | None = None) -> Table:
@@ -137,7 +139,8 @@ def report(paths: list[Path], output: Path | None = None) -> int:
     tables = [table for table in (summary_table(runs), resume_table(runs), stage_table(runs)) if table is not None]
     console = _console(tables)
     for table in tables:
-        console.print(table)
+        for part in fit_table(table, console.width, KEYS):
+            console.print(part)
     if plots.pyplot() is None:
         print(f"gpipe report: {plots.MISSING}; no page written", file=sys.stderr)
         return 1
