@@ -142,6 +142,12 @@ def fit_table(table: Table, width: int, keys: Collection[str] = ()) -> list[Tabl
                   table.caption if n == len(groups) else None) for n, group in enumerate(groups, 1)]
 
 
+def print_table(console: Console, table: Table, keys: Collection[str] = ()) -> None:
+    """Print `table` as `fit_table` lays it out at the console's width."""
+    for part in fit_table(table, console.width, keys):
+        console.print(part)
+
+
 def _hang(text: str) -> int:
     """Where a wrapped line's continuation starts: after a timed note's "[  3.2 s] ", else two in from its indent."""
     match = _NOTE.match(text)

@@ -7,9 +7,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from gpipe_cli.console import figure_table
+from gpipe_cli.console import figure_table, print_table
 from gpipe_cli.models import families
 from gpipe_cli.units import human_bytes, human_count, number_range
+
+# The columns that say whose a row is: a table split to fit the terminal repeats them in each part.
+KEYS = ("", "stage")
 
 __all__ = ["show_budget", "show_measured"]
 
@@ -33,8 +36,8 @@ def show_measured(s: dict[str, Any], console: Console) -> None:
         for st in sc["stages"]:
             keys = ("params", "grads", "optimizer", "stored", "peak", "total") + (("host",) if moved else ())
             table.add_row(str(st["stage"]), _layers(st), *(human_bytes(st.get(f"{key}_bytes", 0)) for key in keys))
-        console.print(table)
-    console.print(_table1(s))
+        print_table(console, table, KEYS)
+    print_table(console, _table1(s), KEYS)
     for sc in s["scenarios"]:
         if not sc["measured"]:
             console.print(f"[yellow]{sc['why']}[/]; from per-layer figures ({s['per_layer_figures']})")
@@ -98,7 +101,7 @@ def show_budget(s: dict[str, Any], console: Console) -> None:
     if any(r and r.get("offload", "none") != "none" for r in rows):
         table.add_row("host memory, fullest device", *cells("host_peak_bytes", lambda b: human_bytes(b) if b else "-"))
     table.add_row("layers per stage (per chunk, V > 1)", *cells("balance", lambda b: ",".join(map(str, b))))
-    console.print(table)
+    print_table(console, table, KEYS)
     bounded: dict[str, list[str]] = {}
     for name, r in zip(s["scenarios"], rows):
         if r and r.get("bound"):
@@ -113,4 +116,4 @@ def show_budget(s: dict[str, Any], console: Console) -> None:
     for i, label in enumerate((s["family"], "# of model parameters", "total model parameter memory",
                                "peak activation memory")):
         ptable.add_row(label, *(paper["rows"][n][i] for n in names))
-    console.print(ptable)
+    print_table(console, ptable, KEYS)

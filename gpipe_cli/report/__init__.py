@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpipe_cli import plots
-from gpipe_cli.console import fit_table, output_console
+from gpipe_cli.console import output_console, print_table
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.files import check_not_input, check_output, writing
 from gpipe_cli.launch.preflight import check_path
@@ -139,8 +139,7 @@ def report(paths: list[Path], output: Path | None = None) -> int:
     tables = [table for table in (summary_table(runs), resume_table(runs), stage_table(runs)) if table is not None]
     console = _console(tables)
     for table in tables:
-        for part in fit_table(table, console.width, KEYS):
-            console.print(part)
+        print_table(console, table, KEYS)
     if plots.pyplot() is None:
         print(f"gpipe report: {plots.MISSING}; no page written", file=sys.stderr)
         return 1

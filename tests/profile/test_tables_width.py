@@ -1,0 +1,26 @@
+"""profile-memory's tables on a narrow terminal: every figure whole, a table split rather than cut."""
+
+import pytest
+from rich.console import Console
+
+from gpipe_cli.profile import tables
+
+
+def _summary(names: list[str]) -> dict:
+    scenario = {"params": 10_410_000, "param_memory_bytes": 166_600_000, "peak_activation_bytes": 70_450_000,
+                "device_peak_bytes": 51_800_000, "measured": True}
+    return {"model": {"name": "lm-8-1024-4"}, "scenarios": [
+        {**scenario, "name": name, "balance": [1] * (2 ** i)} for i, name in enumerate(names)]}
+
+
+@pytest.mark.parametrize("width", [60, 80, 100])
+def test_table_1_at_a_narrow_width_cuts_no_cut_and_no_figure(width):
+    # At 80 columns pipeline-8's "layers per stage" read `1,1,1,1,1,1…`.
+    names = ["naive-1", "pipeline-1", "pipeline-2", "pipeline-4", "pipeline-8"]
+    console = Console(width=width, record=True, force_terminal=False, color_system=None)
+    tables.print_table(console, tables._table1(_summary(names)), tables.KEYS)
+    text = console.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= width
+    for name in names:
+        assert name in text
+    assert "1,1,1,1,1,1,1,1" in text
