@@ -234,6 +234,8 @@ def validate(
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+# A shown default is the command's own model's; a recipe given brings its own values.
+OR_RECIPE = "; a RECIPE's own"
 
 
 # An own flag the command does not declare takes the type and default of the field of `options` (a dataclass; a
@@ -278,7 +280,8 @@ def _flags(options: type, own: Mapping[str, str], *aliases: str, modes: Collecti
 @app.command()
 @_flags(BenchOptions, B, *ALIASES, modes=("sweep", "compare", "simulate", "devices", "bandwidth", "latency_us",
                                           "oversubscribe"),
-        shown={"partitions": "2", "microbatches": "8", "batch_size": "4 x M", "balance": "by measured per-layer time"},
+        shown={"partitions": f"2{OR_RECIPE}", "microbatches": f"8{OR_RECIPE}", "batch_size": f"4 x M{OR_RECIPE}",
+               "balance": "by measured per-layer time"},
         helps={"balance": balance_help(BENCH_CUTS)})
 def bench(
     recipe: str | None = typer.Argument(None, help=B["recipe"]),
@@ -295,8 +298,9 @@ def bench(
 @app.command("profile-memory")
 # Its own --partitions takes several K.
 @_flags(ProfileOptions, P, *(name for name in ALIASES if name != "partitions"),
-        shown={"microbatches": "8", "batch_size": "4 x M; with --budget the paper's: 128 AmoebaNet, 32 Transformer",
-               "balance": "by estimated FLOPs (no layer is timed)"}, helps={"balance": balance_help(PROFILE_CUTS)})
+        shown={"microbatches": f"8{OR_RECIPE}",
+               "batch_size": f"4 x M; with --budget the paper's: 128 AmoebaNet, 32 Transformer{OR_RECIPE}",
+               "balance": "by estimated FLOPs: no layer is timed"}, helps={"balance": balance_help(PROFILE_CUTS)})
 def profile_memory(
     recipe: str | None = typer.Argument(None, help=P["recipe"]),
     model: str | None = typer.Option(None, help=P["model"], show_default=False),

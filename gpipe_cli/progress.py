@@ -24,8 +24,9 @@ def phase_line(what: str, seconds: float) -> str:
 
 
 def took_line(elapsed: float, estimated: float) -> str:
-    """e.g. "took 35 s (estimated 30 s)"."""
-    return f"took {human_seconds(elapsed)} (estimated {human_seconds(estimated)})"
+    """e.g. "took 35 s (estimated 30 s)", both in one unit."""
+    scale = max(elapsed, estimated)
+    return f"took {human_seconds(elapsed, scale)} (estimated {human_seconds(estimated, scale)})"
 
 
 class Progress:

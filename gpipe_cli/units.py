@@ -41,12 +41,15 @@ def number_range(first: int, last: int) -> str:
     return str(first) if first == last else f"{first}-{last}"
 
 
-def human_seconds(seconds: float) -> str:
-    """e.g. "40 s", "3 min", "2.5 h"."""
-    if seconds < 90:
+def human_seconds(seconds: float, scale: float | None = None) -> str:
+    """e.g. "40 s", "3 min", "2.5 h"; in the unit `scale` seconds would take, so that two figures compare."""
+    # Beside another figure, a whole minute can hide a third of it: 80 s is not "1 min".
+    digits = 1 if scale is not None and scale < 600 else 0
+    scale = seconds if scale is None else scale
+    if scale < 90:
         return f"{max(seconds, 1):.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
+    if scale < 5400:
+        return f"{seconds / 60:.{digits}f} min"
     return f"{seconds / 3600:.1f} h"
 
 

@@ -14,6 +14,8 @@ def test_a_phase_worth_waiting_on_says_about_how_long():
 
 def test_the_last_line_puts_what_it_took_beside_the_estimate():
     assert took_line(35.2, 30.0) == "took 35 s (estimated 30 s)"
+    assert took_line(120.0, 80.0) == "took 2.0 min (estimated 1.3 min)"  # one unit, not "2 min (estimated 80 s)"
+    assert took_line(700.0, 300.0) == "took 12 min (estimated 5 min)"
 
 
 def test_progress_adds_the_phases_it_is_told_to_and_times_from_its_start():
