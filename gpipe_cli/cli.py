@@ -36,7 +36,7 @@ from gpipe_cli.errors import UserError, one_line, shown
 from gpipe_cli.files import another_file, check_not_input, check_output, check_output_kind, write_json
 from gpipe_cli.launch import launch_options
 from gpipe_cli.launch.preflight import too_long_line
-from gpipe_cli.limits import DIGITS
+from gpipe_cli.limits import DIGITS, EXPORT_DTYPES, one_of, refuse
 from gpipe_cli.plan import FLAGS as L
 from gpipe_cli.plan import PlanOptions
 from gpipe_cli.profile import CUTS as PROFILE_CUTS
@@ -342,10 +342,11 @@ def export(
     run: str = typer.Argument(..., help="A run directory (its newest whole checkpoint) or one checkpoint folder."),
     output: str | None = typer.Option(None, help="The safetensors file to write (default: model.safetensors in "
                                                  "the run directory, also for a checkpoint folder)."),
-    dtype: str | None = typer.Option(None, metavar="float32|bfloat16|float16",
+    dtype: str | None = typer.Option(None, metavar="|".join(EXPORT_DTYPES),
                                      help="Store the floating-point weights in this type (default: as trained)."),
 ) -> None:
     """Write a checkpoint's model as one safetensors file holding its recipe, tie map and tokenizer."""
+    refuse([None if dtype is None else one_of("--dtype", dtype, EXPORT_DTYPES)])
     from gpipe_cli.train.export import export as export_model  # torch: a Ctrl-C while it loads is guarded too
 
     print(f"wrote {export_model(run, output, dtype)}")

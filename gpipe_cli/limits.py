@@ -18,6 +18,7 @@ MAX_VIRTUAL = 64  # chunks per stage (interleaved)
 MAX_REAL = 1e9  # learning rates, clipping thresholds, decay intervals
 MAX_THREADS = 1024
 MAX_SEED = 2**32 - 1  # a recipe's seed and --seed alike
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what `gpipe export --dtype` stores
 # A count as a flag takes it: digits, signed (a sign is then checked against the bounds); not Python's int(),
 # which also reads `1_000` and other scripts' digits.
 DIGITS = re.compile(r"[+-]?[0-9]+")

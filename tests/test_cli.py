@@ -52,7 +52,8 @@ HEAVY = "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'nu
 def test_loading_and_checking_a_recipe_imports_no_torch():
     code = ("import sys\n"
             "from gpipe_cli.recipe.load import load_recipe\n"
-            "load_recipe(None, ['pipeline.microbatches=2'])\n" + HEAVY)
+            "load_recipe(None, ['pipeline.microbatches=2'])\n"
+            "load_recipe(None, ['model.preset=transformer-big', 'data.source=synthetic'])\n" + HEAVY)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -63,7 +64,9 @@ PAPER_RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "amoebanet-
 
 @pytest.mark.parametrize("args", [["train", "missing.yaml"], ["train", "--set", "train.steps=true"],
                                   ["train", "--threads", "0"], ["validate", "--set", "colour=blue"],
-                                  ["validate", PAPER_RECIPE, "--set", "pipeline.partitons=2"]])
+                                  ["validate", PAPER_RECIPE, "--set", "pipeline.partitons=2"],
+                                  ["validate", "--set", "model.preset=bogus"], ["export", "run", "--dtype", "half"], ["predict", "missing.safetensors"],
+                                  ["predict", PAPER_RECIPE, "--max-tokens", "0"]])
 def test_the_commands_refuse_bad_input_before_importing_torch(tmp_path, args):
     code = ("import sys\n"
             "from gpipe_cli.cli import run\n"

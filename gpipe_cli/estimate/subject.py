@@ -19,7 +19,8 @@ from gpipe_cli.limits import outside, words
 from gpipe_cli.models import families
 from gpipe_cli.models.base import Batch, ModelSpec
 from gpipe_cli.models.describe import describe
-from gpipe_cli.models.registry import allowed_params, build_model, is_preset_name, names_help, resolve_preset
+from gpipe_cli.models.presets import is_preset_name, names_help
+from gpipe_cli.models.registry import allowed_params, build_model, resolve_preset
 from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.recipe.aliases import flag
 from gpipe_cli.recipe.load import parse_override

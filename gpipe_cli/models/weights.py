@@ -15,7 +15,6 @@ from gpipe_cli.models.base import ModelSpec
 
 MARK = "gpipe_export"  # its presence marks a gpipe export; its value is the format's version
 VERSION = "1"
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def store_once(tensors: dict[str, torch.Tensor],

@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 from gpipe_cli.errors import UserError, not_utf8, shown
+from gpipe_cli.launch.preflight import check_path
+from gpipe_cli.train.existing import EXPORTED
 
 DEFAULT_MAX_TOKENS = 50
 MAX_TOKENS = 100_000  # a long document's worth: each token is a forward, so a typo of more digits runs for days
+WRITE_ONE = "write one with: gpipe export RUN"
 _KINDS = {"translation": "a translation model", "lm": "a language model", "image": "an image classifier"}
 
 
 def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None = None, top: int | None = None) -> int:
     """Print one line per input (None: stdin's) of the export at `path`: translation, continuation or top classes."""
+    # Found before torch loads (seconds), as a mistake is everywhere else.
+    export_file(path)
+    if max_tokens is not None and not 1 <= max_tokens <= MAX_TOKENS:
+        raise UserError(f"--max-tokens: must be >= 1 and <= {MAX_TOKENS:,} (got {max_tokens})")
     from gpipe_cli.predict import tasks
 
     exported = tasks.load_export(path)
@@ -22,8 +30,6 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
         raise UserError(f"--max-tokens continues a language model's prompt; {shown(path)} is {_KINDS[task]}")
     if top is not None and task != "image":
         raise UserError(f"--top ranks an image classifier's classes; {shown(path)} is {_KINDS[task]}")
-    if max_tokens is not None and not 1 <= max_tokens <= MAX_TOKENS:
-        raise UserError(f"--max-tokens: must be >= 1 and <= {MAX_TOKENS:,} (got {max_tokens})")
     if task == "image":
         for image in inputs or ():  # found before the model is built, not after
             tasks.check_image_path(image)
@@ -68,3 +74,16 @@ def _stdin_lines(text: bool) -> Iterator[str]:
         if where is not None:
             raise UserError(f"an input is not UTF-8 text ({where}) on line {number} of stdin; give sentences in UTF-8")
         yield item
+
+
+def export_file(path: str) -> Path:
+    """The file of the export `path` names (a run directory: its model.safetensors); one line refuses none."""
+    check_path(path, "MODEL")
+    file = Path(path)
+    if not path or not file.exists():
+        raise UserError(f"no such model file: {shown(path)}; {WRITE_ONE}")
+    if file.is_dir():  # a run directory: the file gpipe export writes there by default
+        if not (file / EXPORTED).is_file():
+            raise UserError(f"{shown(path)} is a directory without {EXPORTED}; {WRITE_ONE}")
+        file = file / EXPORTED
+    return file

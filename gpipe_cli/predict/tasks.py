@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -16,35 +15,27 @@ from gpipe_cli.errors import UserError, not_utf8, shown
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.models.transformer.decode import continue_text, translate, translation_limit
 from gpipe_cli.models.weights import Exported, parse
-from gpipe_cli.train.existing import EXPORTED
+from gpipe_cli.predict import WRITE_ONE, export_file
 
 Answer = Callable[[str], Iterator[str]]  # one input -> the pieces of its line of output, as each is known
 
-_WRITE_ONE = "write one with: gpipe export RUN"
 
 
 def load_export(path: str) -> Exported:
     """The export at `path`: its model description, weights and tokenizer; one line refuses anything else."""
     from safetensors import SafetensorError, safe_open
 
-    check_path(path, "MODEL")
-    file = Path(path)
-    if not path or not file.exists():
-        raise UserError(f"no such model file: {shown(path)}; {_WRITE_ONE}")
-    if file.is_dir():  # a run directory: the file gpipe export writes there by default
-        if not (file / EXPORTED).is_file():
-            raise UserError(f"{shown(path)} is a directory without {EXPORTED}; {_WRITE_ONE}")
-        file = file / EXPORTED
+    file = export_file(path)
     try:
         with safe_open(str(file), framework="pt") as f:
             metadata = f.metadata()
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safetensors handle)
     except (SafetensorError, OSError, RuntimeError) as exc:
-        raise UserError(f"{shown(path)} is not a safetensors file ({first_line(exc)}); {_WRITE_ONE}") from None
+        raise UserError(f"{shown(path)} is not a safetensors file ({first_line(exc)}); {WRITE_ONE}") from None
     try:
         return parse(tensors, metadata)
     except ValueError as exc:
-        raise UserError(f"{shown(path)} is not a gpipe export: {exc}; {_WRITE_ONE}") from None
+        raise UserError(f"{shown(path)} is not a gpipe export: {exc}; {WRITE_ONE}") from None
 
 
 def translator(exported: Exported, model: nn.Module) -> Answer:

@@ -15,12 +15,12 @@ from pydantic import BaseModel, ValidationError
 
 from gpipe_cli.errors import cut, not_utf8, shown
 from gpipe_cli.limits import words
+from gpipe_cli.models.presets import preset
 from gpipe_cli.recipe.schema import (
     DEFAULT_KIND,
     LOCAL_SOURCES,
     MODEL_SECTIONS,
     PLANNING,
-    STAND_IN,
     Recipe,
     TransformerModel,
     bounds,
@@ -128,11 +128,9 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 def _preset_section(model: dict[str, Any], label: str) -> dict[str, Any]:
     """The model section with its preset's parameters filled in under the keys the recipe gives."""
-    from gpipe_cli.models.registry import resolve_preset
-
     explicit = {k: v for k, v in model.items() if k not in ("kind", "preset")}
     try:
-        kind, params = resolve_preset(str(model["preset"]))
+        kind, params = preset(str(model["preset"]))
     except ValueError as exc:
         raise RecipeError(f"{label}: model.preset: {exc}") from None
     if model.get("kind") not in (None, kind):
@@ -147,9 +145,6 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: P
     """Validate a raw recipe mapping (read from `folder`, `typed`: --set values), raising one RecipeError line."""
     model = raw.get("model")
     if isinstance(model, dict) and model.get("preset"):
-        # Resolving a preset needs the model zoo, which imports torch: check every other section
-        # first, so that their mistakes are still reported at once.
-        _validated({**raw, "model": {"kind": DEFAULT_KIND}}, label, planning, typed, stand_in=True)
         raw = {**raw, "model": _preset_section(model, label)}
     recipe = _validated(raw, label, planning, typed)
     if not check_data:
@@ -181,10 +176,9 @@ def _beside(path: str, folder: Path | None) -> str:
     return f" (a relative path is read from the directory gpipe runs in; the recipe's folder holds {folder / path})"
 
 
-def _validated(raw: dict[str, Any], label: str, planning: bool = False, typed: dict[str, str] | None = None,
-               stand_in: bool = False) -> Recipe:
+def _validated(raw: dict[str, Any], label: str, planning: bool = False, typed: dict[str, str] | None = None) -> Recipe:
     try:
-        return Recipe.model_validate(raw, context={PLANNING: planning, STAND_IN: stand_in})
+        return Recipe.model_validate(raw, context={PLANNING: planning})
     except ValidationError as exc:
         errors = exc.errors()
         key = ".".join(str(p) for p in _path(errors[0]["loc"]))

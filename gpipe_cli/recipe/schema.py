@@ -135,7 +135,6 @@ DEFAULT_KIND = "amoebanet"  # the kind of a recipe without a model section (`Rec
 
 BALANCE_MODES = ("auto", "params", "time", "memory")
 PLANNING = "planning"  # the validation context's key set by `gpipe plan`, which picks M and D itself
-STAND_IN = "stand_in"  # set while a preset's model section is a stand-in, checked before the zoo resolves it
 
 
 class Pipeline(Section):
@@ -400,10 +399,8 @@ class Recipe(Section):
     metrics: Metrics = Field(default_factory=Metrics)
 
     @model_validator(mode="after")
-    def _data_fits_model(self, info: ValidationInfo) -> Recipe:
+    def _data_fits_model(self) -> Recipe:
         source, model = self.data.source, self.model
-        if (info.context or {}).get(STAND_IN):
-            return self
         if isinstance(model, AmoebaNetModel) and source not in IMAGE_SOURCES:
             raise ValueError(f"data.source '{source}' holds text, and model.kind amoebanet classifies images: "
                              f"images come from {', '.join(IMAGE_SOURCES)}")

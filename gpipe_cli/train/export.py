@@ -30,8 +30,6 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    if dtype is not None and dtype not in weights.DTYPES:
-        raise UserError(f"--dtype: {shown(dtype)} is not one of {', '.join(weights.DTYPES)}")
     if output is not None:  # found now, not after the checkpoint has been read; "" is the folder here, refused
         check_output(Path(output), "--output", EXPORTED)
         # A recipe or records named by mistake were replaced by the weights.

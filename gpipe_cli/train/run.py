@@ -77,11 +77,11 @@ def _model_name(recipe: Recipe) -> str:
     title = family.title(m.model_dump(), False)
     if not m.preset:
         return title
-    from gpipe_cli.models.registry import resolve_preset  # loaded already: the recipe's preset was resolved
+    from gpipe_cli.models.presets import preset
 
     given = m.model_dump()
     # The sizes the data sets (vocabulary, image size) are not part of a preset's name.
-    return m.preset if all(given.get(k, v) == v for k, v in resolve_preset(m.preset)[1].items()
+    return m.preset if all(given.get(k, v) == v for k, v in preset(m.preset)[1].items()
                            if k not in family.data_sizes) else title
 
 

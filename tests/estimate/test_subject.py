@@ -5,7 +5,7 @@ import pytest
 from gpipe_cli.cli import run as gpipe
 from gpipe_cli.errors import UserError, one_line
 from gpipe_cli.estimate.subject import FAMILIES, resolve
-from gpipe_cli.models.registry import presets
+from gpipe_cli.models.presets import presets
 from tests.bench import tiny
 
 

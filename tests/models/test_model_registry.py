@@ -12,14 +12,8 @@ from models_testkit import build_preset
 
 from gpipe_cli.errors import one_line
 from gpipe_cli.models import families
-from gpipe_cli.models.registry import (
-    BUILDERS,
-    allowed_params,
-    build_model,
-    is_preset_name,
-    presets,
-    resolve_preset,
-)
+from gpipe_cli.models.presets import is_preset_name, presets
+from gpipe_cli.models.registry import BUILDERS, allowed_params, build_model, resolve_preset
 
 REQUIRED_PRESETS = ["amoebanet-d-18-256", "amoebanet-d-18-208", "amoebanet-b-18-512", "transformer-big",
                     "t-6-8192-16", "transformer-l-3", "transformer-l-13", "transformer-l-103"]
