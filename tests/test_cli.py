@@ -66,7 +66,9 @@ PAPER_RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "amoebanet-
                                   ["train", "--threads", "0"], ["validate", "--set", "colour=blue"],
                                   ["validate", PAPER_RECIPE, "--set", "pipeline.partitons=2"],
                                   ["validate", "--set", "model.preset=bogus"], ["export", "run", "--dtype", "half"], ["predict", "missing.safetensors"],
-                                  ["predict", PAPER_RECIPE, "--max-tokens", "0"]])
+                                  ["predict", PAPER_RECIPE, "--max-tokens", "0"], ["bench", "--layers", "0"],
+                                  ["bench", "--model", "t-6-8192-16", "--layers", "0"],
+                                  ["profile-memory", "--model", "transformer-big", "--filters", "8"]])
 def test_the_commands_refuse_bad_input_before_importing_torch(tmp_path, args):
     code = ("import sys\n"
             "from gpipe_cli.cli import run\n"

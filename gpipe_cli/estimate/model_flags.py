@@ -11,6 +11,7 @@ from typing import Any
 from gpipe_cli.errors import UserError
 from gpipe_cli.limits import MAX_SEED, one_of, outside, refuse
 from gpipe_cli.models import families
+from gpipe_cli.models.presets import is_preset_name, preset
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES
 from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, balance_text, flag, given_as, settings
@@ -126,18 +127,29 @@ def size_limits(kind: str) -> dict[str, tuple[int, int]]:
 
 
 def size_problem(model: str, sizes: Mapping[str, int | None], sets: Sequence[str]) -> str | None:
-    """A size flag of a family's model (`--model amoebanet`) beyond the schema's limits, said before torch loads."""
-    # A preset or a recipe is resolved with the models, as is a --set, which wins over the flag of its key.
-    if model not in families.FAMILIES:
+    """A size flag of a family's or a preset's model beyond the schema's limits, said before torch loads."""
+    # A recipe is resolved with the models, as is a --set, which wins over the flag of its key.
+    if model not in families.FAMILIES and not is_preset_name(model):
         return None
-    limits, typed = size_limits(model), {item.partition("=")[0].strip().removeprefix("model.") for item in sets}
+    kind = model if model in families.FAMILIES else preset(model)[0]
+    limits, typed = size_limits(kind), {item.partition("=")[0].strip().removeprefix("model.") for item in sets}
     for name, value in sizes.items():
         param = SIZE_PARAMS[name]
-        if value is not None and param in limits and param not in typed:
-            problem = outside(flag(name), value, *limits[param])
+        if value is not None and param not in typed:
+            problem = foreign_size(name, kind) or (outside(flag(name), value, *limits[param]) if param in limits
+                                                    else None)
             if problem:
                 return problem
     return None
+
+
+def foreign_size(name: str, kind: str) -> str | None:
+    """The line refusing size flag `name` where models of `kind` have no such size, else None."""
+    from gpipe_cli.recipe.schema import MODEL_SECTIONS
+
+    sizes = [p for p in MODEL_SECTIONS[kind].model_fields if p in SIZE_PARAMS.values()]
+    return None if SIZE_PARAMS[name] in sizes else f"{flag(name)} does not apply to {kind} models (their sizes: " \
+        f"{', '.join(sizes)})"
 
 
 def model_of(recipe: str | None, model: str | None, done: str) -> str:

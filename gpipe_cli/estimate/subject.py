@@ -14,13 +14,13 @@ import torch
 
 from gpipe_cli import sizing
 from gpipe_cli.errors import UserError, cut, shown
-from gpipe_cli.estimate.model_flags import SIZE_PARAMS, size_limits
-from gpipe_cli.limits import outside, words
+from gpipe_cli.estimate.model_flags import SIZE_PARAMS, foreign_size, size_limits
+from gpipe_cli.limits import outside, refuse, words
 from gpipe_cli.models import families
 from gpipe_cli.models.base import Batch, ModelSpec
 from gpipe_cli.models.describe import describe
 from gpipe_cli.models.presets import is_preset_name, names_help
-from gpipe_cli.models.registry import allowed_params, build_model, resolve_preset
+from gpipe_cli.models.registry import build_model, resolve_preset
 from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.recipe.aliases import flag
 from gpipe_cli.recipe.load import parse_override
@@ -112,16 +112,13 @@ def resolve(model: str, sizes: Mapping[str, int | None] | None = None, overrides
             kind, params = resolve_preset(name, **model_overrides(overrides))
         except ValueError as exc:  # the name is known: a parameter of --set is not
             raise UserError(f"--set: {exc}") from None
-    accepted = allowed_params(kind)
     typed = [item.partition("=")[0].strip() for item in overrides]  # syntax: checked above
     named = {key.removeprefix("model."): f"--set {key}" for key in typed}  # named as the user typed them
     for name, value in (sizes or {}).items():
         if value is None or SIZE_PARAMS[name] in named:  # a flag comes before the --set items, which win
             continue
         param = SIZE_PARAMS[name]
-        if param not in accepted:
-            raise UserError(f"{flag(name)} does not apply to {kind} models "
-                            f"(their sizes: {', '.join(p for p in accepted if p in SIZE_PARAMS.values())})")
+        refuse([foreign_size(name, kind)])
         params[param], named[param] = value, flag(name)
     check_limits(kind, params, named, f"--model {cut(model)}")
     subject = Subject(kind, params, model)
