@@ -126,13 +126,13 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     node[parts[-1]] = value
 
 
-def _preset_section(model: dict[str, Any], label: str) -> dict[str, Any]:
-    """The model section with its preset's parameters filled in under the keys the recipe gives."""
+def _preset_section(model: dict[str, Any], label: str, typed: Collection[str]) -> dict[str, Any]:
+    """The model section with its preset's parameters filled in under the keys the recipe gives (`typed`: --set)."""
     explicit = {k: v for k, v in model.items() if k not in ("kind", "preset")}
     try:
         kind, params = preset(str(model["preset"]))
     except ValueError as exc:
-        raise RecipeError(f"{label}: model.preset: {exc}") from None
+        raise RecipeError(f"{label}: {'--set ' if 'model.preset' in typed else ''}model.preset: {exc}") from None
     if model.get("kind") not in (None, kind):
         raise RecipeError(f"{label}: model.kind is {shown(model['kind'])} but preset {shown(model['preset'])} "
                           f"is a model of kind {shown(kind)}; leave model.kind out or set it to {shown(kind)}")
@@ -145,7 +145,7 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: P
     """Validate a raw recipe mapping (read from `folder`, `typed`: --set values), raising one RecipeError line."""
     model = raw.get("model")
     if isinstance(model, dict) and model.get("preset"):
-        raw = {**raw, "model": _preset_section(model, label)}
+        raw = {**raw, "model": _preset_section(model, label, typed or {})}
     recipe = _validated(raw, label, planning, typed)
     if not check_data:
         return recipe

@@ -124,6 +124,7 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "section as list": (recipe_with(train=[1, 2]), [], "train: must be a mapping"),
     "model kind": (recipe_with(model__kind="resnet"), [], "model.kind: must be"),
     "model preset": (recipe_with(model={"preset": "nope"}), [], "unknown model preset"),
+    "model preset by --set": (GOOD, ["--set", "model.preset=nope"], "--set model.preset: unknown model preset 'nope'"),
     "preset of another kind": (recipe_with(model={"kind": "transformer", "preset": "amoebanet-d-18-256"}), [],
                                "is a model of kind 'amoebanet'; leave model.kind out or set it to 'amoebanet'"),
     # numbers: strict, finite, in range
@@ -300,8 +301,9 @@ def cuda_cases() -> dict[str, tuple[Setup, list[str], str]]:
 
     if torch.cuda.is_available():
         return {}
-    return {"nccl without a GPU": (GOOD, ["--set", "pipeline.backend=nccl"], "needs a CUDA GPU"),
-            "cuda without a GPU": (GOOD, ["--set", "train.device=cuda"], "needs a CUDA GPU")}
+    return {"nccl without a GPU": (GOOD, ["--set", "pipeline.backend=nccl"], "--set pipeline.backend: nccl needs a "
+                                                                              "CUDA GPU"),
+            "cuda without a GPU": (GOOD, ["--set", "train.device=cuda"], "--set train.device: cuda needs a CUDA GPU")}
 
 
 def assert_one_line(code: int, err: str, out: str, fragment: str) -> None:
