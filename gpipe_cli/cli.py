@@ -234,6 +234,7 @@ def validate(
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+LEAST_COLUMNS = 40  # the narrowest terminal the help and tables are laid out for
 # A shown default is the command's own model's; a recipe given brings its own values.
 OR_RECIPE = "; a RECIPE's own"
 
@@ -402,6 +403,9 @@ def report_runs(
 
 def run(args: list[str]) -> int:
     """Run the command line on `args`; every usage error is one line on stderr. Returns the exit code."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) < LEAST_COLUMNS:  # rich prints nothing at 0, a word a line at 5
+        os.environ["COLUMNS"] = str(LEAST_COLUMNS)
     command = polish(typer.main.get_command(app))
     started: list[str] = []
     for name, sub in getattr(command, "commands", {}).items():

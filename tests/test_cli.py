@@ -83,6 +83,14 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"gpipe-cli {__version__}"
 
 
+@pytest.mark.parametrize("columns", ["0", "5"])
+def test_the_help_is_laid_out_on_a_terminal_too_narrow_for_it(capsys, monkeypatch, columns):
+    monkeypatch.setenv("COLUMNS", columns)
+    assert run(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Usage: gpipe" in out and "train" in out  # not blank, nor a letter a line
+
+
 def test_no_arguments_prints_the_help(capsys):
     assert run([]) == 0
     out = capsys.readouterr().out
