@@ -65,7 +65,8 @@ PAPER_RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "amoebanet-
 @pytest.mark.parametrize("args", [["train", "missing.yaml"], ["train", "--set", "train.steps=true"],
                                   ["train", "--threads", "0"], ["validate", "--set", "colour=blue"],
                                   ["validate", PAPER_RECIPE, "--set", "pipeline.partitons=2"],
-                                  ["validate", "--set", "model.preset=bogus"], ["export", "run", "--dtype", "half"], ["predict", "missing.safetensors"],
+                                  ["validate", "--set", "model.preset=bogus"], ["export", "run", "--dtype", "half"],
+                                  ["predict", "missing.safetensors"],
                                   ["predict", PAPER_RECIPE, "--max-tokens", "0"], ["bench", "--layers", "0"],
                                   ["bench", "--model", "t-6-8192-16", "--layers", "0"],
                                   ["profile-memory", "--model", "transformer-big", "--filters", "8"]])

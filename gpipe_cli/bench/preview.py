@@ -61,7 +61,8 @@ def phase_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: Benc
         # A stage's share with its bubble, but never faster than the cores can run all of the work.
         step = max(work * (m + k - 1) / (m * k), work / parallel)
         messages = 2 * m * 1e-3 * max(1.0, k / parallel)  # one send per micro-batch and direction
-        seconds[k] += steps * (step + messages)
+        # --compare: torch's counterpart takes as many steps again, and one more that learns its order of work.
+        seconds[k] += (2 * steps + 1 if options.compare else steps) * (step + messages)
     if options.measures_host_overhead:
         # The engine and the plain loop, each its warm-up and measured steps, on the whole model at K=1.
         count, each = overhead_rounds(options.steps)

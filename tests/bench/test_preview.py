@@ -70,3 +70,11 @@ def test_the_command_refuses_before_any_rank_starts(monkeypatch, capsys):
     assert gpipe(args) == 2
     out = capsys.readouterr()
     assert out.out == "" and out.err.startswith("error: the model does not fit") and len(out.err.splitlines()) == 1
+
+
+def test_compare_is_priced_as_torch_running_the_k_stage_steps_again():
+    plain, compared = (preview.choose_subject(BenchOptions(compare=c, **SMALL), machine(64 * GIB)) for c in (0, 1))
+    assert compared.phases[1] == plain.phases[1]
+    # Its warm-up and measured steps again, and one more step that learns torch's order of work.
+    assert plain.phases[2] < compared.phases[2] < 3 * plain.phases[2]
+    assert compared.seconds - plain.seconds == pytest.approx(compared.phases[2] - plain.phases[2])
