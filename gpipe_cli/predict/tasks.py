@@ -13,7 +13,7 @@ from gpipe_cli.data.sources import first_line
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from gpipe_cli.errors import UserError, not_utf8, shown
 from gpipe_cli.launch.preflight import check_path
-from gpipe_cli.models.transformer.decode import continue_text, translate, translation_limit
+from gpipe_cli.models.transformer.decode import continue_text, encoding_once, translate, translation_limit
 from gpipe_cli.models.weights import Exported, parse
 from gpipe_cli.predict import WRITE_ONE, export_file
 
@@ -45,7 +45,8 @@ def translator(exported: Exported, model: nn.Module) -> Answer:
     def answer(text: str) -> Iterator[str]:
         ids = tok.encode(_text(text, "translation"))[:max_len]  # as evaluation truncates a long source
         if ids:
-            out = translate(model, torch.tensor([ids]), translation_limit(len(ids), max_len), tok.vocab_size)
+            out = translate(encoding_once(model), torch.tensor([ids]), translation_limit(len(ids), max_len),
+                            tok.vocab_size)
             yield tok.decode(out[0])
 
     return answer

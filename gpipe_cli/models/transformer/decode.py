@@ -6,8 +6,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from gpipe_cli.models.losses import PAD_ID
+from gpipe_cli.models.transformer.layers import Embedding, EncoderLayer
 
 # The tokenizer's ids, as FIRST_WORD_ID in network.py assumes them: pad 0, unk 1, bos 2, eos 3.
 BOS_ID, EOS_ID = 2, 3
@@ -37,6 +39,28 @@ def translate(forward: Forward, source: torch.Tensor, max_len: int, vocab: int |
     while bool((~finished).any()) and prefix.shape[1] <= max_len:
         prefix, finished = greedy_step(forward((source, prefix.to(source.device))), prefix, finished, vocab)
     return [row[1:].tolist() for row in prefix]
+
+
+def encoding_once(model: nn.Module) -> Forward:
+    """A translation model's forward for decoding, keeping a source's encoder states while the target prefix grows."""
+    embed, *layers = model.children()
+    assert isinstance(embed, Embedding)
+    encoders = [layer for layer in layers if isinstance(layer, EncoderLayer)]
+    decoders = layers[len(encoders):]
+    kept: dict[str, Any] = {}
+
+    def forward(inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        source, prefix = inputs
+        if kept.get("source") is not source:  # each step otherwise reran the encoder on the same source
+            encoded = embed.stream(source)
+            for encoder in encoders:
+                encoded = encoder(encoded)
+            kept.update(source=source, states=encoded)
+        states: Any = (*kept["states"], *embed.stream(prefix))  # the softmax makes them logits
+        for layer in decoders:
+            states = layer(states)
+        return states
+    return forward
 
 
 def continue_text(forward: Forward, prompt: list[int], max_tokens: int, window: int,

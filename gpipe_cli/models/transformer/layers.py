@@ -60,11 +60,12 @@ class Embedding(nn.Module):
     def forward(self, inputs: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         if self.two_streams:
             source, target = inputs
-            return (*self._embed(source), *self._embed(target))
+            return (*self.stream(source), *self.stream(target))
         assert isinstance(inputs, torch.Tensor)
-        return self._embed(inputs)
+        return self.stream(inputs)
 
-    def _embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def stream(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One stream's embedded tokens and its padding mask."""
         length = ids.shape[1]
         x = self.embed(ids) * math.sqrt(self.d_model)
         if self.position is None:
