@@ -317,6 +317,9 @@ def _describe(error: dict[str, Any], raw: dict[str, Any], typed: str | None = No
         return f"{key}.kind: is required ({' or '.join(MODEL_SECTIONS)})"
     if kind == "value_error":
         return str(error["msg"]).removeprefix("Value error, ")
+    if kind == "string_type" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        quoted = f": --set '{key}=\"{typed.strip()}\"'" if typed else ""
+        return f"{key}: must be a string {got}; YAML reads it as a number: put it in quotes{quoted}"
     for name, kind_words in _KINDS.items():
         if kind.startswith(name + "_"):
             span = _allowed_range(loc, raw) if name in ("int", "float") else None

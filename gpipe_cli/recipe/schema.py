@@ -22,27 +22,25 @@ from gpipe_cli.errors import shown
 from gpipe_cli.limits import MAX_COUNT, MAX_LAYERS, MAX_RANKS, MAX_REAL, MAX_SEED, MAX_SIZE, MAX_VIRTUAL
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
+from gpipe_cli.recipe.yamlio import reads_as_number
 
 
-def _real(value: object) -> object:
+def _real(value: object, kind: str = "float_parsing") -> object:
     """YAML `true` and the string "0.1" are not numbers."""
     if isinstance(value, bool):
         raise PydanticCustomError("bool_number", "must be a number, not true or false")
-    if isinstance(value, str) and _numeric(value):  # quoted in YAML: pydantic would read the string as a number
-        raise PydanticCustomError("str_number", "must be a number, not a string (remove the quotes)")
+    if isinstance(value, str):  # pydantic would read "0.1", and "1_000", which YAML does not, as numbers
+        if reads_as_number(value) and value.lower().lstrip("+-") not in (".inf", ".nan"):  # quoted in YAML
+            raise PydanticCustomError("str_number", "must be a number, not a string (remove the quotes)")
+        if value.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):  # words to YAML, numbers to Python
+            raise PydanticCustomError("finite_number", "must be a finite number")
+        raise PydanticCustomError(kind, "not a number")
     return value
-
-
-def _numeric(text: str) -> bool:
-    try:
-        return math.isfinite(float(text))  # `nan` is a word in YAML, refused as not finite
-    except ValueError:
-        return False
 
 
 def _number(value: object) -> object:
     """YAML `true` and the string "5" are not numbers; an integral float such as 1e20 is range-checked as an int."""
-    _real(value)
+    _real(value, "int_parsing")
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         return int(value)
     return value

@@ -24,14 +24,33 @@ class RecipeError(UserError):
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e-3` and `2E5` as floats."""
+    """SafeLoader reading numbers as YAML 1.2 does: `010` is 10 and `1e-3` a float; `1_000` and `1:30` are text."""
 
 
+# YAML 1.1's numbers (PyYAML's) read `010` as 8 and `1:30` as 90: a step count silently other than typed.
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 # add_implicit_resolver appends to lists shared with SafeLoader; give the subclass its own copies first.
-_Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
+_Loader.yaml_implicit_resolvers = {first: [(tag, rule) for tag, rule in rules if tag not in (_INT, _FLOAT)]
+                                   for first, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_INT_TEXT = re.compile(r"^[-+]?[0-9]+$|^0o[0-7]+$|^0x[0-9a-fA-F]+$")
+_FLOAT_TEXT = re.compile(r"^[-+]?(?:(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)$"
+                         r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$")
+_Loader.add_implicit_resolver(_INT, _INT_TEXT, list("-+0123456789"))
+_Loader.add_implicit_resolver(_FLOAT, _FLOAT_TEXT, list("-+0123456789."))
+
+
+def reads_as_number(text: str) -> bool:
+    """Whether YAML, unquoted, reads `text` as a number."""
+    return bool(_INT_TEXT.match(text) or _FLOAT_TEXT.match(text))
+
+
+def _int(loader: _Loader, node: yaml.ScalarNode) -> int:
+    """A YAML 1.2 integer: decimal (leading zeros too), 0o octal or 0x hexadecimal."""
+    text = str(loader.construct_scalar(node))
+    return int(text[2:], 8 if text[1] == "o" else 16) if text.startswith(("0o", "0x")) else int(text)
+
+
+_Loader.add_constructor(_INT, _int)
 
 
 def read_recipe_file(path: Path) -> str:

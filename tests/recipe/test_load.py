@@ -87,6 +87,12 @@ def test_every_shipped_recipe_validates_and_plans(path):
      "--set data.seq_len (17) must be <= model.max_len (16): a language model reads at most model.max_len tokens"),
     (["name=.."], "name: may contain only ASCII letters, digits, '.', '_' and '-', not dots alone (got '..')"),
     (["name=."], "not dots alone (got '.')"),
+    # YAML 1.2's numbers: `1:30` is not YAML 1.1's 90, nor `1_000` 1000 (pydantic would read "1_000" as one).
+    (["train.steps=1:30"], "--set train.steps: must be an integer >= 1 and <= 1000000000 (got '1:30')"),
+    (["train.steps=1_000"], "--set train.steps: must be an integer >= 1 and <= 1000000000 (got '1_000')"),
+    (["optimizer.lr=0b11"], "--set optimizer.lr: must be a number > 0.0 and <= 1000000000.0 (got '0b11')"),
+    (["name=2024"], """--set name: must be a string (got 2024); YAML reads it as a number: put it in quotes: --set \
+'name="2024"'"""),
 ])
 def test_errors_name_the_key_the_value_and_what_is_allowed(tmp_path, overrides, message):
     import yaml
@@ -229,3 +235,12 @@ def test_a_set_into_a_section_the_recipe_writes_as_a_value_names_the_recipe(tmp_
         load_recipe(path, ["train.steps=2"])
     with pytest.raises(RecipeError, match=r"^--set train\.steps: 'train' is a value, not a section$"):
         load_recipe(None, ["train=5", "train.steps=2"])  # the --set before it made it one
+
+
+@pytest.mark.parametrize("text, value", [("010", 10), ("+7", 7), ("0o10", 8), ("0x10", 16), ("1e3", 1000.0),
+                                         ("2.5e-1", 0.25), (".5", 0.5), ("1:30", "1:30"), ("1_000", "1_000"),
+                                         ("0b11", "0b11"), ("yes", True)])
+def test_numbers_read_as_yaml_1_2_reads_them_not_as_yaml_1_1(text, value):
+    # YAML 1.1 read `010` as 8 and `1:30` as 90: a recipe's figure silently other than the one typed.
+    read = parse_yaml(f"x: {text}\n", "recipe.yaml")["x"]
+    assert read == value and type(read) is type(value)
