@@ -103,6 +103,8 @@ def check_output(path: Path | None, flag: str, example: str = "out.json", hint: 
     if path is None:
         return
     where = _cannot_write(path, flag)
+    if str(path) == "-":  # stdout's name to many commands: the write would make a file called '-' instead
+        raise UserError(f"{where}: outputs are written to files, never to stdout; name a file, e.g. {example}{hint}")
     problem = path_problem(path)
     if problem is not None:  # before pathlib is asked anything about it
         raise UserError(f"{where}: it {problem}{hint}")

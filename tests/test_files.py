@@ -306,3 +306,30 @@ def test_a_json_output_named_as_a_page_or_weights_is_refused(tmp_path: Path, mon
     assert got.exit_code == 2, got.output
     assert f"--json {name!r} has {kind} name, and --json writes JSON; name a .json file" in got.output
     assert list(tmp_path.iterdir()) == []
+
+
+# `validate --json -` wrote the plan into a file named '-' (export printed `wrote -`): to many commands '-' is stdout.
+@pytest.mark.parametrize("args", [
+    ["validate", "--json", "-"],
+    ["bench", "--steps", "1", "--warmup", "0", "--json", "-"],
+    ["bench", "--steps", "1", "--warmup", "0", "--trace", "-"],
+    ["profile-memory", "--json", "-"],
+    ["report", "run", "--output", "-"],
+    ["export", "run", "--output", "-"],
+], ids=["validate", "bench json", "bench trace", "profile-memory", "report", "export"])
+def test_an_output_named_dash_is_refused_not_written_as_a_file(tmp_path, capsys, monkeypatch, args):
+    from gpipe_cli.cli import run
+
+    def worked(*args, **kwargs):
+        raise AssertionError("the command worked before refusing its output")
+
+    for where in ("gpipe_cli.train.plan.checked_plan", "gpipe_cli.bench.runner.run", "gpipe_cli.profile.runner.run",
+                  "gpipe_cli.report.read_runs", "gpipe_cli.train.checkpoint.newest_whole"):
+        monkeypatch.setattr(where, worked)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    err = _refused(capsys, run(args))
+    flag = args[-2]
+    assert err.startswith(f"error: {flag}: cannot write '-': outputs are written to files, never to stdout; name a "
+                          "file, e.g. "), err
+    assert os.listdir(tmp_path) == ["run"] and os.listdir(tmp_path / "run") == []
