@@ -15,6 +15,12 @@ from gpipe_cli.models.base import ModelSpec
 
 MARK = "gpipe_export"  # its presence marks a gpipe export; its value is the format's version
 VERSION = "1"
+# How tensors are named, in every file gpipe export writes: also in one of weights only, which has no MARK.
+LAYERS = "global layer index . parameter name"
+
+
+class WeightsOnly(ValueError):
+    """A file gpipe export wrote with the weights alone: its run had no recipe.yaml to say which model they are."""
 
 
 def store_once(tensors: dict[str, torch.Tensor],
@@ -50,7 +56,7 @@ def describe(spec: ModelSpec, aliases: dict[str, str], *, dtype: str, step: int,
     # safetensors allows only strings as metadata values, so structured ones are JSON.
     meta = {"format": "pt", MARK: VERSION, "step": str(step), "task": spec.task,
             "model": json.dumps(spec.config), "tied": json.dumps(aliases), "dtype": dtype,
-            "layers": "global layer index . parameter name"}
+            "layers": LAYERS}
     if recipe is not None:
         meta["recipe"] = recipe
     if tokenizer is not None:
@@ -88,6 +94,9 @@ def parse(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> 
 
     meta = metadata or {}
     if MARK not in meta:
+        if meta.get("layers") == LAYERS:
+            raise WeightsOnly("it holds the weights alone, without the model they belong to (its run had no "
+                              "recipe.yaml when it was exported)")
         raise ValueError("it has no gpipe model description in its metadata")
     if meta[MARK] != VERSION:
         raise ValueError(f"its export format {meta[MARK]!r} is not {VERSION!r}, the one this version reads")

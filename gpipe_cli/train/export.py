@@ -91,7 +91,7 @@ def _described(tensors: dict[str, torch.Tensor], run_dir: Path, step: int,
     if not recipe_file.is_file():  # a checkpoint folder moved away from its run: the weights alone
         print(f"[gpipe] no {RECIPE} in {run_dir}: the export holds the weights only, which gpipe predict "
               "cannot use", file=sys.stderr)
-        return tensors, {"step": str(step), "format": "pt", "layers": "global layer index . parameter name"}
+        return tensors, {"step": str(step), "format": "pt", "layers": weights.LAYERS}
     recipe = load_recipe(recipe_file, check_data=False)
     spec = model_spec(recipe)
     why = weights.misfit(spec, tensors)

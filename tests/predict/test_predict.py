@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from gpipe_cli.cli import run
 from tests.predict.exports import SIZES, write_export
+from tests.train.test_checkpoint import save_one
 from tests.train.test_export_inputs import one_error_line
 
 
@@ -203,3 +204,16 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, exports, picture, capsy
     code = run(["predict", str(model(tmp_path, exports)), *args])
     captured = capsys.readouterr()
     assert fragment in one_error_line(code, captured.err, captured.out)
+
+
+def test_a_weights_only_export_says_so_without_sending_the_user_back_to_gpipe_export(tmp_path, capsys):
+    # A run without recipe.yaml exports its weights alone; predict called that file "not a gpipe export" and
+    # advised `gpipe export RUN`, the command that had just written it.
+    save_one(tmp_path / "run", 2, value=1.0)
+    assert run(["export", str(tmp_path / "run")]) == 0
+    assert "the export holds the weights only" in capsys.readouterr().err
+    code = run(["predict", str(tmp_path / "run"), "one"])
+    captured = capsys.readouterr()
+    line = one_error_line(code, captured.err, captured.out)
+    assert line == (f"error: {str(tmp_path / 'run')!r} cannot be run: it holds the weights alone, without the model "
+                    "they belong to (its run had no recipe.yaml when it was exported)"), line
