@@ -6,12 +6,13 @@ import base64
 import binascii
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from torch import nn
 
 from gpipe_cli.models.base import ModelSpec
+from gpipe_cli.models.families import Task
 
 MARK = "gpipe_export"  # its presence marks a gpipe export; its value is the format's version
 VERSION = "1"
@@ -21,6 +22,10 @@ LAYERS = "global layer index . parameter name"
 
 class WeightsOnly(ValueError):
     """A file gpipe export wrote with the weights alone: its run had no recipe.yaml to say which model they are."""
+
+
+class NewerFormat(ValueError):
+    """An export in a format a later gpipe-cli writes."""
 
 
 def store_once(tensors: dict[str, torch.Tensor],
@@ -98,8 +103,16 @@ def parse(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> 
             raise WeightsOnly("it holds the weights alone, without the model they belong to (its run had no "
                               "recipe.yaml when it was exported)")
         raise ValueError("it has no gpipe model description in its metadata")
-    if meta[MARK] != VERSION:
-        raise ValueError(f"its export format {meta[MARK]!r} is not {VERSION!r}, the one this version reads")
+    version = meta[MARK]
+    if version != VERSION:
+        if version.isascii() and version.isdigit() and int(version) > int(VERSION):
+            raise NewerFormat(f"it was written by a newer gpipe-cli (export format {version}; this one reads "
+                              f"{VERSION})")
+        raise ValueError(f"its export format {version!r} is not {VERSION!r}, the one this version reads")
+    task, tasks = meta.get("task"), get_args(Task)
+    if task not in tasks:  # what predict does follows from the task: an unknown one must not pass for another
+        what = "it names no task" if task is None else f"its task {task!r} is none that this gpipe-cli runs"
+        raise ValueError(f"{what} ({', '.join(tasks)})")
     try:
         config: dict[str, Any] = json.loads(meta["model"])
         aliases: dict[str, str] = json.loads(meta.get("tied", "{}"))
@@ -107,6 +120,8 @@ def parse(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> 
         tokenizer = base64.b64decode(meta["tokenizer"], validate=True) if "tokenizer" in meta else None
     except (KeyError, ValueError, TypeError, binascii.Error) as exc:
         raise ValueError(f"its model description is damaged ({exc})") from None
+    if spec.task != task:
+        raise ValueError(f"its model description is damaged (task {task!r}, but its model's is {spec.task!r})")
     absent = [first for first in aliases.values() if first not in tensors]
     if absent:
         raise ValueError(f"its tie map names {absent[0]}, which it does not hold")

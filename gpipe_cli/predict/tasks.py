@@ -14,7 +14,7 @@ from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from gpipe_cli.errors import UserError, not_utf8, shown
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.models.transformer.decode import continue_text, encoding_once, translate, translation_limit
-from gpipe_cli.models.weights import Exported, WeightsOnly, parse
+from gpipe_cli.models.weights import Exported, NewerFormat, WeightsOnly, parse
 from gpipe_cli.predict import WRITE_ONE, export_file
 
 Answer = Callable[[str], Iterator[str]]  # one input -> the pieces of its line of output, as each is known
@@ -36,6 +36,8 @@ def load_export(path: str) -> Exported:
         return parse(tensors, metadata)
     except WeightsOnly as exc:  # gpipe export wrote it: advising that command again would go round in a circle
         raise UserError(f"{shown(path)} cannot be run: {exc}") from None
+    except NewerFormat as exc:
+        raise UserError(f"{shown(path)} cannot be read: {exc}; upgrade gpipe-cli to use it") from None
     except ValueError as exc:
         raise UserError(f"{shown(path)} is not a gpipe export: {exc}; {WRITE_ONE}") from None
 

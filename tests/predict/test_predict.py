@@ -162,6 +162,10 @@ def no_tokenizer(folder: Path) -> Path:
     return write_export(folder, "lm", tokenizer=None)
 
 
+def speech(folder: Path) -> Path:  # predict treated it as the translation its model is
+    return write_export(folder, "translation", task="speech")
+
+
 def text_file(folder: Path) -> Path:
     path = folder / "notes.txt"
     path.write_text("not a model\n")
@@ -175,6 +179,11 @@ def text_file(folder: Path) -> Path:
     (lambda tmp, exports: not_an_export(tmp), ["x"], "is not a gpipe export: it has no gpipe model description"),
     (lambda tmp, exports: damaged(tmp), ["x"], "is not a gpipe export: its model description is damaged"),
     (lambda tmp, exports: no_tokenizer(tmp), ["x"], "the export holds no tokenizer"),
+    (lambda tmp, exports: speech(tmp), ["x"], "is not a gpipe export: its task 'speech' is none that this "
+                                              "gpipe-cli runs (image, translation, lm)"),
+    (lambda tmp, exports: write_export(tmp, "translation", task="lm"), ["x"],
+     "is not a gpipe export: its model description is damaged (task 'lm', but its model's is 'translation')"),
+    (lambda tmp, exports: write_export(tmp, "image", task=None), ["x"], "is not a gpipe export: it names no task"),
     (lambda tmp, exports: misfit(tmp), ["x"], "its weights do not fit its model (0.embed.weight has shape (64, 16) "
                                               "where the model has (64, 32))"),
     (lambda tmp, exports: exports["lm"], ["PICTURE"], "is an image file, but this is a language model"),
@@ -194,7 +203,8 @@ def text_file(folder: Path) -> Path:
     # Bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer cannot take (a traceback).
     (lambda tmp, exports: exports["translation"], ["caf\udce9"], "an input is not UTF-8 text (byte 0xe9 at "
                                                                   "character 4)"),
-], ids=["missing", "directory", "text file", "plain safetensors", "damaged", "no tokenizer", "weights of another shape",
+], ids=["missing", "directory", "text file", "plain safetensors", "damaged", "no tokenizer", "unknown task",
+        "task of another model", "no task", "weights of another shape",
         "image to lm",
         "image to translation", "text to image model", "non-image file", "model name too long",
         "image name too long", "top", "max-tokens of translation",
@@ -217,3 +227,12 @@ def test_a_weights_only_export_says_so_without_sending_the_user_back_to_gpipe_ex
     line = one_error_line(code, captured.err, captured.out)
     assert line == (f"error: {str(tmp_path / 'run')!r} cannot be run: it holds the weights alone, without the model "
                     "they belong to (its run had no recipe.yaml when it was exported)"), line
+
+
+def test_an_export_of_a_newer_format_says_to_upgrade(tmp_path, capsys):
+    path = write_export(tmp_path, "lm", gpipe_export="99")
+    code = run(["predict", str(path), "one"])
+    captured = capsys.readouterr()
+    line = one_error_line(code, captured.err, captured.out)
+    assert line == (f"error: {str(path)!r} cannot be read: it was written by a newer gpipe-cli (export format 99; "
+                    "this one reads 1); upgrade gpipe-cli to use it"), line
