@@ -16,6 +16,7 @@ from gpipe_cli.models.families import Task
 
 MARK = "gpipe_export"  # its presence marks a gpipe export; its value is the format's version
 VERSION = "1"
+NO_TOKENIZER = "no_tokenizer"  # of a text model exported without its tokenizer: why it was left out
 # How tensors are named, in every file gpipe export writes: also in one of weights only, which has no MARK.
 LAYERS = "global layer index . parameter name"
 
@@ -56,8 +57,8 @@ def misfit(spec: ModelSpec, state: dict[str, torch.Tensor]) -> str | None:
 
 
 def describe(spec: ModelSpec, aliases: dict[str, str], *, dtype: str, step: int, recipe: str | None,
-             tokenizer: bytes | None) -> dict[str, str]:
-    """The metadata of an export of `spec`: model, tie map, dtype, and the recipe and tokenizer when known."""
+             tokenizer: bytes | None, no_tokenizer: str | None = None) -> dict[str, str]:
+    """The metadata of an export of `spec`: model, tie map, dtype, the recipe and tokenizer (or why none)."""
     # safetensors allows only strings as metadata values, so structured ones are JSON.
     meta = {"format": "pt", MARK: VERSION, "step": str(step), "task": spec.task,
             "model": json.dumps(spec.config), "tied": json.dumps(aliases), "dtype": dtype,
@@ -66,6 +67,8 @@ def describe(spec: ModelSpec, aliases: dict[str, str], *, dtype: str, step: int,
         meta["recipe"] = recipe
     if tokenizer is not None:
         meta["tokenizer"] = base64.b64encode(tokenizer).decode("ascii")  # the sentencepiece model file's bytes
+    elif no_tokenizer is not None:  # so that gpipe predict can say why it cannot run the file
+        meta[NO_TOKENIZER] = no_tokenizer
     return meta
 
 

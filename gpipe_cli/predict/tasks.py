@@ -14,7 +14,7 @@ from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from gpipe_cli.errors import UserError, not_utf8, shown
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.models.transformer.decode import continue_text, encoding_once, translate, translation_limit
-from gpipe_cli.models.weights import Exported, NewerFormat, WeightsOnly, parse
+from gpipe_cli.models.weights import NO_TOKENIZER, Exported, NewerFormat, WeightsOnly, parse
 from gpipe_cli.predict import WRITE_ONE, export_file
 
 Answer = Callable[[str], Iterator[str]]  # one input -> the pieces of its line of output, as each is known
@@ -134,8 +134,10 @@ def _text(text: str, kind: str) -> str:
 def _tokenizer(exported: Exported) -> Tokenizer:
     """The tokenizer stored in the export."""
     if exported.tokenizer is None:
-        raise UserError(f"the export holds no tokenizer (its run had no usable {TOKENIZER_FILE}: gpipe export said "
-                        f"why); export it again from a run directory whose {TOKENIZER_FILE} loads")
+        why = exported.metadata.get(NO_TOKENIZER)  # gpipe export records why it left the tokenizer out
+        said = f"at export, {why}" if why else f"at export, its run's {TOKENIZER_FILE} or data.tokenizer did not load"
+        raise UserError(f"the export holds no tokenizer, so gpipe predict cannot run it ({said}); export the run "
+                        "again once its tokenizer file loads")
     try:
         return Tokenizer(exported.tokenizer)
     except UserError:

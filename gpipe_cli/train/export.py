@@ -97,16 +97,19 @@ def _described(tensors: dict[str, torch.Tensor], run_dir: Path, step: int,
     why = weights.misfit(spec, tensors)
     if why is not None:  # an edited recipe.yaml: an export that gpipe predict could never build
         raise UserError(f"{recipe_file} does not describe the checkpoint's model: {why}")
-    tokenizer = None
+    tokenizer, missing = None, None
     if spec.task != "image":
         source = Path(recipe.data.tokenizer) if recipe.data.tokenizer else run_dir / TOKENIZER_FILE
-        try:
-            tokenizer = Tokenizer.load(source).model_bytes  # a damaged one is found now, not by gpipe predict
+        try:  # named whole: gpipe predict repeats the reason, perhaps in another folder
+            tokenizer = Tokenizer.load(os.path.abspath(source.expanduser())).model_bytes  # found now, not by predict
         except DataError as exc:
-            print(f"[gpipe] {exc}: the export holds no tokenizer, which gpipe predict needs", file=sys.stderr)
+            # Written all the same, as a weights-only export is: its weights and recipe still load in Python.
+            missing = str(exc)
+            print(f"[gpipe] {exc}: the export holds no tokenizer, so gpipe predict cannot run it (its weights "
+                  "and recipe still load in Python)", file=sys.stderr)
     try:
         tensors, aliases = weights.store_once(tensors, spec.tied)
     except ValueError as exc:
         raise UserError(f"{run_dir}: {exc}") from None
     return tensors, weights.describe(spec, aliases, dtype=stored, step=step, recipe=recipe_file.read_text(),
-                                     tokenizer=tokenizer)
+                                     tokenizer=tokenizer, no_tokenizer=missing)

@@ -216,6 +216,17 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, exports, picture, capsy
     assert fragment in one_error_line(code, captured.err, captured.out)
 
 
+def test_an_export_without_a_tokenizer_says_why_gpipe_export_left_it_out(tmp_path, capsys):
+    # It said only "gpipe export said why", to a user who may never have seen that line.
+    path = write_export(tmp_path, "lm", tokenizer=None, no_tokenizer="tokenizer file '/runs/a/tokenizer.model' does "
+                                                                      "not exist")
+    code = run(["predict", str(path), "one"])
+    captured = capsys.readouterr()
+    assert one_error_line(code, captured.err, captured.out) == (
+        "error: the export holds no tokenizer, so gpipe predict cannot run it (at export, tokenizer file "
+        "'/runs/a/tokenizer.model' does not exist); export the run again once its tokenizer file loads")
+
+
 def test_a_weights_only_export_says_so_without_sending_the_user_back_to_gpipe_export(tmp_path, capsys):
     # A run without recipe.yaml exports its weights alone; predict called that file "not a gpipe export" and
     # advised `gpipe export RUN`, the command that had just written it.

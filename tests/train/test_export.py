@@ -144,3 +144,30 @@ def test_a_damaged_tokenizer_is_said_at_export_and_left_out(trained, tmp_path, c
     assert "the export holds no tokenizer" in err
     with safe_open(str(path), framework="pt") as f:
         assert "tokenizer" not in f.metadata()
+
+
+@pytest.mark.slow
+def test_an_export_of_a_run_without_its_tokenizer_is_written_and_predict_says_why_it_cannot_run_it(
+        trained, tmp_path, capsys, monkeypatch):
+    # Its weights and recipe still load in Python; the tokenizer was left out with a warning, and predict said only
+    # "gpipe export said why".
+    import shutil
+
+    from gpipe_cli.cli import run
+    from tests.train.test_export_inputs import one_error_line
+
+    shutil.copytree(trained, tmp_path / "run")
+    (tmp_path / "run" / "tokenizer.model").unlink()
+    monkeypatch.chdir(tmp_path)
+    assert run(["export", "run"]) == 0
+    missing = f"tokenizer file {str(tmp_path / 'run' / 'tokenizer.model')!r} does not exist"
+    err = capsys.readouterr().err
+    assert f"[gpipe] {missing}: the export holds no tokenizer, so gpipe predict cannot run it" in err, err
+    with safe_open(str(tmp_path / "run" / "model.safetensors"), framework="pt") as f:
+        assert f.metadata()["no_tokenizer"] == missing
+    monkeypatch.chdir(tmp_path / "run")  # named whole: from another folder too
+    code = run(["predict", ".", "seven"])
+    captured = capsys.readouterr()
+    assert one_error_line(code, captured.err, captured.out) == (
+        f"error: the export holds no tokenizer, so gpipe predict cannot run it (at export, {missing}); export the run "
+        "again once its tokenizer file loads")
