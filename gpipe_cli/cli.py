@@ -342,7 +342,9 @@ def plan(
 def export(
     run: str = typer.Argument(..., help="A run directory (its newest whole checkpoint) or one checkpoint folder."),
     output: str | None = typer.Option(None, help="The safetensors file to write (default: model.safetensors in "
-                                                 "the run directory, also for a checkpoint folder)."),
+                                                 "the run directory, also for a checkpoint folder; "
+                                                 "model-FOLDER.safetensors for a course a resume set aside in "
+                                                 "checkpoints/FOLDER)."),
     dtype: str | None = typer.Option(None, metavar="|".join(EXPORT_DTYPES),
                                      help="Store the floating-point weights in this type (default: as trained)."),
 ) -> None:

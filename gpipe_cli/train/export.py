@@ -57,7 +57,7 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     tensors = {key[len(_MODEL):]: value.contiguous() for key, value in state.items()}
     run_dir = run_dir_of(str(found.path))
     tensors, metadata = _described(tensors, run_dir, found.step, dtype)
-    target = Path(output) if output is not None else run_dir / EXPORTED
+    target = Path(output) if output is not None else _default_place(found.path, run_dir)
     # A full disk, a read-only file system: one line, and nothing left behind.
     with writing(target, "--output" if output is not None else ""), atomic_path(target) as tmp:
         try:
@@ -65,6 +65,15 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
         except SafetensorError as exc:
             raise _os_error(exc) from None
     return target
+
+
+def _default_place(checkpoint_path: Path, run_dir: Path) -> Path:
+    """The run's model.safetensors; for a checkpoint of a course a resume set aside, a file named after its folder."""
+    # The run's own export is of the course it goes on with: an abandoned one's weights must not replace it unasked.
+    if checkpoint.fork_of(checkpoint_path) is None:
+        return run_dir / EXPORTED
+    name = Path(EXPORTED)
+    return run_dir / f"{name.stem}-{checkpoint_path.parent.name}{name.suffix}"
 
 
 def _os_error(exc: Exception) -> Exception:

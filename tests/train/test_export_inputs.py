@@ -193,3 +193,28 @@ def test_an_output_named_as_a_text_file_is_refused_and_the_file_kept(tmp_path, c
         f"name, and --output writes safetensors; name a .safetensors file, e.g. "
         f"{str(tmp_path / (stem + '.safetensors'))!r}") in line, line
     assert (tmp_path / name).read_text() == "name: mine\n"
+
+
+@pytest.mark.parametrize("given", ["course", "checkpoint"])
+def test_a_course_a_resume_set_aside_is_exported_beside_the_runs_model_not_over_it(tmp_path, capsys, given):
+    # `gpipe export RUN/checkpoints/superseded-...` replaced RUN/model.safetensors, the export of the course the run
+    # went on with, with the abandoned course's weights, and said nothing.
+    import torch
+    from safetensors.torch import load_file
+
+    from gpipe_cli.train import checkpoint
+
+    run_dir = tmp_path / "run"
+    save_one(run_dir, 2, value=1.0)
+    save_one(run_dir, 4, value=2.0)  # the course a resume from step 2 leaves
+    aside = checkpoint.set_aside_newer(run_dir, 2, "20261202-101010")
+    assert aside is not None
+    save_one(run_dir, 3, value=3.0)  # the course the run goes on with
+    assert run(["export", str(run_dir)]) == 0
+    own = (run_dir / "model.safetensors").read_bytes()
+    location = aside if given == "course" else aside / "step-00000004"
+    assert run(["export", str(location)]) == 0
+    target = run_dir / "model-superseded-20261202-101010-at-step-2.safetensors"
+    assert f"wrote {target}\n" in capsys.readouterr().out
+    assert torch.all(load_file(str(target))["weight"] == 2.0)
+    assert (run_dir / "model.safetensors").read_bytes() == own
