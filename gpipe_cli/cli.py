@@ -415,7 +415,7 @@ def run(args: list[str]) -> int:
     if not args:
         args = ["--help"]
     try:
-        result = command.main(args=_bare_resume(args), prog_name="gpipe", standalone_mode=False)
+        result = command.main(args=_bare_resume(_short_help(args)), prog_name="gpipe", standalone_mode=False)
     except typer.Exit as exc:
         result = exc.exit_code
     except typer.TyperException as exc:  # click's usage errors: unknown option, bad type, missing argument
@@ -443,6 +443,13 @@ def _a_runs_recipe(path: str) -> bool:
     from gpipe_cli.train.existing import RECIPE, is_run
 
     return os.path.basename(path) == RECIPE and is_run(Path(os.path.dirname(path) or "."))
+
+
+def _short_help(args: list[str]) -> list[str]:
+    """`-h` as `--help`, as most commands take it (before `--`, after which a word is an input)."""
+    # Not declared as a help option name: it would take a column of its own in every listing.
+    end = args.index("--") if "--" in args else len(args)
+    return ["--help" if arg == "-h" else arg for arg in args[:end]] + args[end:]
 
 
 def _bare_resume(args: list[str]) -> list[str]:

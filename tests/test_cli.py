@@ -386,3 +386,9 @@ def test_an_error_whose_reader_has_gone_keeps_its_exit_code(tmp_path):
         os.close(read)
         process.wait(timeout=120)
     assert process.returncode == 2
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_h_is_help_as_most_commands_take_it(capsys, command):
+    assert run([command, "-h"] if command else ["-h"]) == 0
+    assert "Show this message and exit" in capsys.readouterr().out
