@@ -360,7 +360,10 @@ def test_a_cut_the_layers_cannot_take_names_the_set_that_asked_for_it(capsys, it
 @pytest.mark.parametrize("args, says", [
     (["bench", "--balance", "params"], "error: --balance: this command cuts by auto or time or a list of layers"),
     (["profile-memory", "--balance", "time"], "error: --balance: this command cuts by auto or a list of layers"),
-    (["bench", "--set", "pipeline.balance=memory"], "error: --set pipeline.balance: this command cuts by auto")])
+    (["bench", "--set", "pipeline.balance=memory"], "error: --set pipeline.balance: this command cuts by auto"),
+    # Not the recipe key's every mode, which the command would then refuse in turn.
+    (["bench", "--balance", "3,x"], "error: --balance: this command cuts by auto or time or a list of layers per "
+                                    "stage (got '3,x')")])
 def test_a_cut_a_command_does_not_make_is_named_by_its_flag_and_its_help_lists_only_those_it_makes(capsys, args, says):
     assert run(args) == 2
     assert capsys.readouterr().err.startswith(says)

@@ -14,7 +14,7 @@ from gpipe_cli.models import families
 from gpipe_cli.models.presets import is_preset_name, preset
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES
-from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, balance_text, flag, given_as, settings
+from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, balance_problem, balance_text, flag, given_as, settings
 from gpipe_cli.recipe.load import typed_values
 
 # The command line loads this module for its help and checks these flags before torch loads: the schedules'
@@ -171,7 +171,7 @@ def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[
     # Named by the flags, before the schema names the keys they stand for.
     k, v = (_flag_value(name, recipe, flags, sets, {**own, **defaults}.get(name, 1))
             for name in ("partitions", "virtual_stages"))
-    refuse([chunks_problem(flags, recipe), v_problem(recipe, flags, sets),
+    refuse([balance_problem(flags.get("balance"), cuts), chunks_problem(flags, recipe), v_problem(recipe, flags, sets),
             None if k is None or v is None else entries_problem(flags.get("balance"), k, v)])
     given, model_sets = settings(recipe, flags, sets, {**own, **defaults})
     if "balance" in given:

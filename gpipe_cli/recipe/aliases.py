@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from gpipe_cli.errors import shown
 from gpipe_cli.limits import MAX_SIZE
 from gpipe_cli.recipe.load import RecipeError, apply_override, load_recipe, parse_override, typed_values, validate
 from gpipe_cli.recipe.schema import DEFAULT_KIND, MODEL_SECTIONS, Data, Pipeline, Recipe
@@ -66,8 +67,18 @@ def balance_text(value: Any, cuts: tuple[str, ...], named: str = "pipeline.balan
         return ",".join(str(v) for v in value)
     if value in cuts:
         return None
-    raise RecipeError(f"{named}: this command cuts by {' or '.join(cuts)} or a list of layers per stage "
-                      f"(got {value})")
+    raise RecipeError(f"{named}: {_cuts_by(cuts)} (got {value})")
+
+
+def balance_problem(text: str | None, cuts: tuple[str, ...]) -> str | None:
+    """Why `--balance text` is none of a command's `cuts` nor a list of layers per stage (None: it is one)."""
+    if text is None or text in cuts or _LIST.match(text):
+        return None
+    return f"--balance: {_cuts_by(cuts)} (got {shown(text)})"
+
+
+def _cuts_by(cuts: tuple[str, ...]) -> str:
+    return f"this command cuts by {' or '.join(cuts)} or a list of layers per stage"
 
 
 def balance_help(cuts: tuple[str, ...]) -> str:
