@@ -384,8 +384,11 @@ def prepare_data(
     """Save a recipe's Hugging Face dataset once as local parquet files, for machines without network."""
     from gpipe_cli.data.prepare import prepare_data as save
     from gpipe_cli.recipe.load import load_recipe, recipe_read
+    from gpipe_cli.train.existing import kept_by_a_run
 
     check_not_input(Path(output), "--output", [recipe_read(recipe)], "name a new folder")
+    if (kept := kept_by_a_run(Path(output))) is not None:  # a run's pruning would delete the data with it
+        raise UserError(f"--output {shown(output)} {kept[1]}; name a new folder outside it")
     files = save(load_recipe(recipe, set_ or []).data, Path(output))
     print(f"wrote {output} ({len(files)} parquet file{'s' if len(files) > 1 else ''}); train with "
           f"--set data.source=parquet --set data.path={output}")

@@ -26,7 +26,9 @@ def _new_folder(output: Path) -> Path:
     """--output as a path, refused unless it is new or an empty folder."""
     output = Path(output).expanduser()
     check_path(output, "--output")
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+    if output.exists() and not output.is_dir():
+        raise DataError(f"--output '{output}' is a file; name a new folder")
+    if output.exists() and any(output.iterdir()):
         raise DataError(f"--output '{output}' already exists and is not an empty folder; choose a new folder")
     return output
 
@@ -89,5 +91,5 @@ def prepare_data(data: Data, output: Path, cache_dir: Path | None = None,
     say(f"downloading {data.name}{f' ({data.config})' if data.config else ''} from the Hugging Face hub "
         f"(or reading it from the local cache)")
     with progress_bars(sys.stderr.isatty()):  # in a log file a download's bars are hundreds of redrawn lines
-        splits = load_hub(data.name, data.config, cache_dir, "parquet")
+        splits = load_hub(data.name, data.config, cache_dir, None)
     return save_splits(splits, data, output, say)

@@ -157,15 +157,17 @@ def _offline() -> Iterator[None]:
         setattr(hc, "HF_HUB_OFFLINE", saved[1])  # noqa: B010
 
 
-def load_hub(name: str, config: str | None, cache_dir: Path | None, kind: str) -> Any:
-    """A DatasetDict from the hub (or its local cache); DataError in one line when neither works."""
+def load_hub(name: str, config: str | None, cache_dir: Path | None, kind: str | None) -> Any:
+    """A DatasetDict from the hub (or its local cache); DataError in one line when neither works (`kind`: the local
+    source to advise instead; None: gpipe prepare-data's own download)."""
     # Bound each HTTP call; read by huggingface_hub at import, so only effective if not imported yet.
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "60")
     import datasets
 
     label = f"'{name}'" + (f" (config '{config}')" if config else "")
-    local = f"use data.source: {kind} with a local copy"
+    local = f"use data.source: {kind} with a local copy" if kind else \
+        "run this command where there is network, and copy the folder it writes here"
     cache = str(cache_dir) if cache_dir else None
     offline_env = offline_flag()
     if offline_env or not hub_reachable():
@@ -174,9 +176,10 @@ def load_hub(name: str, config: str | None, cache_dir: Path | None, kind: str) -
             with _offline():
                 return datasets.load_dataset(name, config, cache_dir=cache)
         except Exception:
+            made = " (gpipe prepare-data of this recipe, run where there is network, writes one as a folder to copy " \
+                "here)" if kind else ""
             raise DataError(f"cannot download dataset {label} from the Hugging Face hub: {why} "
-                            f"and no cached copy; {local} (gpipe prepare-data of this recipe, run where there is "
-                            "network, writes one as a folder to copy here)") from None
+                            f"and no cached copy; {local}{made}") from None
     try:
         return datasets.load_dataset(name, config, cache_dir=cache)
     except Exception as e:

@@ -223,3 +223,32 @@ def test_saving_draws_no_progress_bars_and_leaves_them_as_they_were(tmp_path: Pa
     err = capsys.readouterr().err
     assert "%|" not in err and "parquet" not in err.lower(), err
     assert datasets.is_progress_bar_enabled()
+
+
+def test_prepare_data_offline_says_to_run_itself_where_there_is_network(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Not the advice train gets (a local copy that prepare-data writes), which sent the user back to this command.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError) as err:
+        prepare_data(data(source="hub", name="cifar10"), tmp_path / "out", cache_dir=tmp_path / "cache")
+    assert str(err.value).endswith("no cached copy; run this command where there is network, and copy the folder "
+                                   "it writes here")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_that_is_a_file_is_called_a_file(tmp_path: Path) -> None:
+    (tmp_path / "taken.yaml").write_text("")
+    with pytest.raises(DataError, match=r"taken.yaml' is a file; name a new folder$"):
+        prepare_data(data(source="hub", name="x"), tmp_path / "taken.yaml")
+
+
+def test_an_output_inside_a_runs_checkpoints_is_refused_before_the_download(tmp_path: Path, capsys) -> None:
+    from gpipe_cli.cli import run
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"kind": "start", "step": 0}\n')
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "amoebanet-d-cifar10.yaml"
+    assert run(["prepare-data", str(recipe), "--output", str(run_dir / "checkpoints" / "x")]) == 2
+    assert "is inside the run's checkpoints/, which training prunes" in capsys.readouterr().err
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "metrics.jsonl"]
