@@ -29,16 +29,12 @@ def checked_plan(recipe: Recipe, label: str, must_fit: bool = False, available: 
     try:
         plan = make_plan(recipe, available=available)
     except UserError as exc:
-        raise against(exc, label, sets) from None
+        # A cut the layers cannot take names the `--set` that asked for it, as the schema's checks do.
+        given = led_by(str(exc), {parse_override(item)[0] for item in sets})
+        raise UserError(f"{label}: {'--set ' if given else ''}{exc}") from None
     if must_fit and not plan.fits:
         raise UserError(f"{label}: {plan.misfit()}")
     return plan
-
-
-def against(error: UserError, label: str, sets: Sequence[str]) -> UserError:
-    """`error` said of the recipe `label`, naming the `--set` that gave its first key, as the schema's checks do."""
-    given = led_by(str(error), {parse_override(item)[0] for item in sets})
-    return UserError(f"{label}: {'--set ' if given else ''}{error}")
 
 
 @dataclass(frozen=True)

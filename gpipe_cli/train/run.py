@@ -248,13 +248,10 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
         import torch  # and the models: the status line is already up
 
         from gpipe_cli import memory_model
-        from gpipe_cli.train.plan import against, checked_plan
+        from gpipe_cli.train.plan import checked_plan
 
         interrupts.check()  # a Ctrl-C that torch's import swallowed stops now, not after seconds of planning
-        try:
-            check_device(recipe.pipeline.backend, recipe.train.device, int(os.environ.get("LOCAL_WORLD_SIZE", local)))
-        except UserError as exc:
-            raise against(exc, recipe_label(recipe_file), options.overrides) from None
+        check_device(recipe.pipeline.backend, recipe.train.device, int(os.environ.get("LOCAL_WORLD_SIZE", local)))
         # Refuses impossible cuts and plans that cannot fit, before any rank starts. The ranks cut for the
         # memory free now, not for what is left while their siblings load.
         available = float(memory_model.available_bytes("cuda" if torch.cuda.is_available() else "cpu"))

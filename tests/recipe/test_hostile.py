@@ -301,9 +301,8 @@ def cuda_cases() -> dict[str, tuple[Setup, list[str], str]]:
 
     if torch.cuda.is_available():
         return {}
-    return {"nccl without a GPU": (GOOD, ["--set", "pipeline.backend=nccl"], "--set pipeline.backend: nccl needs a "
-                                                                              "CUDA GPU"),
-            "cuda without a GPU": (GOOD, ["--set", "train.device=cuda"], "--set train.device: cuda needs a CUDA GPU")}
+    return {"nccl without a GPU": (GOOD, ["--set", "pipeline.backend=nccl"], "needs a CUDA GPU"),
+            "cuda without a GPU": (GOOD, ["--set", "train.device=cuda"], "needs a CUDA GPU")}
 
 
 def assert_one_line(code: int, err: str, out: str, fragment: str) -> None:
