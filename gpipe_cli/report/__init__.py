@@ -125,7 +125,7 @@ def _console(tables: list[Table]) -> Console:
 def report(paths: list[Path], output: Path | None = None) -> int:
     """Print the tables of the runs and write the page (PNG, PDF or SVG); 1 without matplotlib (tables still shown)."""
     for path in paths:  # before pathlib is asked about it
-        check_path(path, "RUN")
+        check_path(path, "RUN_DIR")
     paths = list({path.resolve(): path for path in paths}.values())  # a run given twice is one run
     # A mistake in the argument: one line, before anything is read.
     check_not_input(output, "--output", [(path / name, f"a run's {name}") for path in paths

@@ -104,7 +104,7 @@ def test_a_disk_that_fills_while_the_page_is_written_is_one_line_and_leaves_noth
 
 
 @pytest.mark.parametrize("args, says", [
-    (["RUN"], "error: RUN: '"),
+    (["RUN"], "error: RUN_DIR: '"),  # the argument's name in --help and the docs (it said RUN)
     (["run", "--output", "RUN.png"], "error: --output: cannot write '"),
 ], ids=["run", "output"])
 def test_a_name_too_long_is_one_line_naming_the_argument_and_what_is_allowed(tmp_path, capsys, monkeypatch, args,
