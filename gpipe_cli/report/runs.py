@@ -107,6 +107,11 @@ def read_run(path: Path) -> Run:
     if not path.is_dir():
         raise UserError(f"{path}: is a file, not a run directory; give the folder `gpipe train` wrote"
                         + (f" ({path.parent})" if path.name == "metrics.jsonl" else ""))
+    if metrics.is_dir():
+        raise UserError(f"{metrics}: is a directory, not a run's records file; give the folder `gpipe train` wrote")
+    if metrics.exists() and not metrics.is_file():  # reading a FIFO would wait for a writer for ever
+        raise UserError(f"{metrics}: is a pipe, socket or device, not a run's records file; give the folder "
+                        "`gpipe train` wrote")
     if not metrics.is_file():
         raise UserError(f"{path}: not a run directory (no metrics.jsonl); give the folder `gpipe train` wrote")
     recipe_file = path / "recipe.yaml"  # none, or one that is not a mapping: the defaults' K, M and schedule

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -102,6 +103,18 @@ def test_a_path_that_is_no_folder_is_named_as_what_it_is(tmp_path, capsys, where
     assert cli(["report", str(tmp_path / where)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err
+
+
+@pytest.mark.timeout(20)  # a FIFO read as the records would wait for a writer for ever
+@pytest.mark.parametrize("kind, says", [("directory", "is a directory, not a run's records file"),
+                                        ("fifo", "is a pipe, socket or device, not a run's records file")])
+def test_a_metrics_jsonl_that_is_no_file_is_named_as_what_it_is(tmp_path, capsys, kind, says):
+    # A directory was "not a run directory (no metrics.jsonl)", although there is one.
+    (tmp_path / "metrics.jsonl").mkdir() if kind == "directory" else os.mkfifo(tmp_path / "metrics.jsonl")
+    assert cli(["report", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"error: {tmp_path / 'metrics.jsonl'}: {says}; give the folder `gpipe train` wrote\n"
+    assert captured.out == "" and sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]
 
 
 def test_without_matplotlib_the_table_still_shows_and_one_line_says_why(tmp_path, monkeypatch, capsys):
