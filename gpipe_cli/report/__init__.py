@@ -19,6 +19,7 @@ from gpipe_cli.report.runs import (
     Run,
     cut_steps,
     eval_metric,
+    last_cut,
     memory_peak,
     read_runs,
     segment_throughputs,
@@ -27,6 +28,7 @@ from gpipe_cli.report.runs import (
     throughput,
     time_breakdown,
     wait_share,
+    warm_only,
 )
 from gpipe_cli.units import figure, human_bytes
 
@@ -74,15 +76,29 @@ def summary_table(runs: list[Run]) -> Table:
     return table
 
 
-def _last_pipeline(runs: list[Run]) -> str:
-    """For runs resumed with another pipeline, the steps their per-stage figures are of, in words ('' for none)."""
-    return "".join(f"; {run.label}: steps {steps} only, its last pipeline" for run in runs if (steps := cut_steps(run)))
+def _steps(span: str) -> str:
+    """ "steps 3-4", or "step 3" for a range of one."""
+    return f"step{'s' if '-' in span else ''} {span}"
+
+
+def _stage_steps(runs: list[Run]) -> str:
+    """The steps the per-stage figures are the mean over, in words: each run's last pipeline's after warm-up."""
+    # A run of warm-up steps alone (one step, say) keeps them: they are all it has.
+    warm = [warm_only(last_cut(run)) for run in runs]
+    words = "the training steps" if all(warm) else "the steps after warm-up"
+    for run, only in zip(runs, warm):
+        notes = [f"{_steps(steps)} only, its last pipeline"] if (steps := cut_steps(run)) else []
+        if only and not all(warm):
+            count = sum(map(len, last_cut(run)))
+            notes.append(f"its warm-up step{'s' if count > 1 else ''}, all it has")
+        words += f"; {run.label}: {', '.join(notes)}" if notes else ""
+    return words
 
 
 def stage_table(runs: list[Run]) -> Table:
     """One row per run and stage: mean milliseconds per step of each part, and the memory peak."""
     # A stage of another pipeline holds other layers: its figures are never averaged with this one's.
-    table = _table(f"per stage (mean over the steps after warm-up{_last_pipeline(runs)})",
+    table = _table(f"per stage (mean over {_stage_steps(runs)})",
                    ("run", "stage", *(f"{part} ms" for part in PARTS), "memory peak"))
     for run in runs:
         parts, data = time_breakdown(run), series(run)

@@ -8,11 +8,20 @@ from typing import Any
 
 from gpipe_cli import plots
 from gpipe_cli.records import PARTS
-from gpipe_cli.report.runs import Run, cut_steps, series, time_breakdown
+from gpipe_cli.report.runs import Run, Starts, cut_steps, last_cut, segments, series, time_breakdown, warm_only
 
 WIDTH_PX, HEIGHT_PX = 1800, 1000
 MIB = float(1 << 20)
 Draw = Callable[[Any, list[Run]], None]  # draws one panel of the runs on a matplotlib axes
+
+
+def _no_warmup(runs: list[Run], words: str = "warm-up steps left out",
+               starts: Callable[[Run], Starts] = segments) -> str:
+    """`words`, or what is true instead where some run has warm-up steps alone (kept: they are all it has)."""
+    only = [warm_only(starts(run)) for run in runs]
+    if not any(only):
+        return words
+    return "warm-up steps only: there are no others" if all(only) else "warm-up steps left out where there are others"
 
 
 def _lines(ax: Any, runs: list[Run], key: str, title: str, ylabel: str, style: str = "-") -> None:
@@ -69,15 +78,16 @@ def _utilization(ax: Any, runs: list[Run]) -> None:
     # MFU where every run that has model FLOPs has a peak to compare them with, else the achieved rate.
     mfu = all("mfu" in series(run) for run in runs if "tflops" in series(run))
     if mfu:
-        _lines(ax, runs, "mfu", "MFU: model FLOPs / peak of all ranks (warm-up steps left out)", "MFU")
+        _lines(ax, runs, "mfu", f"MFU: model FLOPs / peak of all ranks ({_no_warmup(runs)})", "MFU")
     else:
-        _lines(ax, runs, "tflops", "achieved model TFLOP/s, all ranks (warm-up steps left out)", "TFLOP/s")
+        _lines(ax, runs, "tflops", f"achieved model TFLOP/s, all ranks ({_no_warmup(runs)})", "TFLOP/s")
     ax.set_ylim(bottom=0)
 
 
 def _bubble(ax: Any, runs: list[Run]) -> None:
-    _lines(ax, runs, "bubble", "bubble: measured (line), theory (K-1)/(M+K-1) (dashed); no warm-up",
-           "share of step")
+    note = _no_warmup(runs, "")  # a longer note than "no warm-up" goes on a line of its own: the title fits its panel
+    _lines(ax, runs, "bubble", "bubble: measured (line), theory (K-1)/(M+K-1) (dashed)"
+           + (f"\n{note}" if note else "; no warm-up"), "share of step")
     for i, run in enumerate(runs):
         steps, values = series(run)["bubble_theory"]
         ax.plot(steps, values, "--", color=f"C{i}")  # unlabelled: the legend has the measured line's
@@ -93,8 +103,8 @@ def _breakdown(ax: Any, runs: list[Run]) -> None:
         bottoms = [b + v * 1e3 for b, v in zip(bottoms, values)]
     ax.set_xticks(range(len(names)), names, fontsize="small", rotation=30 if len(runs) > 1 else 0, ha="right"
                   if len(runs) > 1 else "center")
-    ax.set_title("step time per stage (mean over steps after warm-up)" + (": run · stage" if len(runs) > 1 else "")
-                 + _last(runs))
+    over = _no_warmup(runs, "mean over steps after warm-up", last_cut)
+    ax.set_title(f"step time per stage ({over})" + (": run · stage" if len(runs) > 1 else "") + _last(runs))
     ax.set_ylabel("ms per step")
     ax.legend(fontsize="small")
 
@@ -131,7 +141,7 @@ def panels(runs: list[Run]) -> list[tuple[str, Draw]]:
         out.append(("eval", _no_eval))
     # The first step of each start (warm-up: one-time costs) is left out of throughput and bubble: a dip there
     # would stretch the axis over the steps that matter.
-    out.append(("throughput", lambda ax, runs: _lines(ax, runs, "samples_per_s", "throughput (warm-up steps left out)",
+    out.append(("throughput", lambda ax, runs: _lines(ax, runs, "samples_per_s", f"throughput ({_no_warmup(runs)})",
                                                       "samples/s")))
     if "tflops" in has:
         out.append(("model flops", _utilization))

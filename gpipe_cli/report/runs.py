@@ -15,6 +15,7 @@ from gpipe_cli.records import EVAL_NUMBERS, PARTS, PIPELINE, RESUMED, TRAIN_NUMB
 from gpipe_cli.units import number_range
 
 Series = tuple[list[int], list[float]]  # steps, values
+Starts = list[list[dict[str, Any]]]  # a run's train records, one list per start (the first and each resume)
 
 
 @dataclass
@@ -175,8 +176,13 @@ def eval_metric(run: Run) -> str | None:
     return next((key for key in EVAL_METRICS if any(r.get(key) is not None for r in run.evals)), None)
 
 
-def _steady(starts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    return [r for records in starts for r in records[1:]] or [r for records in starts for r in records]
+def warm_only(starts: Starts) -> bool:
+    """Whether every step of these starts is a start's first: the warm-up steps are then all there is, and kept."""
+    return not any(records[1:] for records in starts)
+
+
+def _steady(starts: Starts) -> list[dict[str, Any]]:
+    return [r for records in starts for r in (records if warm_only(starts) else records[1:])]
 
 
 def steady(run: Run) -> list[dict[str, Any]]:
@@ -184,7 +190,7 @@ def steady(run: Run) -> list[dict[str, Any]]:
     return _steady(segments(run))
 
 
-def last_cut(run: Run) -> list[list[dict[str, Any]]]:
+def last_cut(run: Run) -> Starts:
     """The starts since the run's pipeline last changed: the only ones whose stages are the run's stages now."""
     starts = segments(run)
     now = run.pipeline(starts[-1][0])
@@ -256,9 +262,9 @@ class Throughput:
     warmup_s: float | None = None  # the first step's seconds, left out of the mean
 
 
-def segments(run: Run) -> list[list[dict[str, Any]]]:
+def segments(run: Run) -> Starts:
     """The run's train records split where it was resumed: each segment the steps of one `gpipe train`."""
-    out: list[list[dict[str, Any]]] = []
+    out: Starts = []
     for record in run.train:
         if not out or record.get(RESUMED) is True or record.get(WARMUP) is True:
             out.append([])

@@ -144,6 +144,45 @@ def test_warm_up_steps_are_left_out_of_the_throughput_and_bubble_axes_and_the_st
     assert series(lone)["bubble"][0] == [1]  # a run of one step: that step is all there is
 
 
+def _titles(runs) -> dict[str, str]:
+    """Each panel's title, by panel name, as the page draws it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = {}
+    for name, panel in page.panels(runs):
+        fig, ax = plt.subplots()
+        panel(ax, runs)
+        out[name] = ax.get_title()
+        plt.close(fig)
+    return out
+
+
+def test_a_run_of_one_step_says_its_figures_are_of_that_warm_up_step(tmp_path, capsys, monkeypatch):
+    # The per-stage table said "mean over the steps after warm-up": its only step is the warm-up step.
+    lone = make_run(tmp_path / "lone", 2, steps=1)
+    assert cli(["report", str(lone)]) == 0
+    out = capsys.readouterr().out
+    assert "per stage (mean over the training steps)" in out and "after warm-up" not in out
+    assert "samples/s, bubble and wait: mean over the training steps" in out  # the run table's words, as before
+    titles = _titles(read_runs([lone]))
+    assert titles["step time"] == "step time per stage (warm-up steps only: there are no others)"
+    assert titles["throughput"] == "throughput (warm-up steps only: there are no others)"
+    assert titles["bubble"].endswith("\nwarm-up steps only: there are no others")
+    # Beside a run with steps after warm-up, the one-step run is named as the exception.
+    monkeypatch.chdir(tmp_path)
+    longer = make_run(tmp_path / "longer", 2)
+    assert cli(["report", str(lone), str(longer)]) == 0
+    out = capsys.readouterr().out
+    assert "per stage (mean over the steps after warm-up; K=2 M=4 1f1b (lone): its warm-up step, all it has)" in out
+    titles = _titles(read_runs([lone, longer]))
+    assert titles["step time"].startswith("step time per stage (warm-up steps left out where there are others)")
+    assert titles["throughput"] == "throughput (warm-up steps left out where there are others)"
+    assert _titles(read_runs([longer]))["throughput"] == "throughput (warm-up steps left out)"  # as it was
+
+
 def make_translation_run(folder: Path, steps: int = 4) -> Path:
     """A translation run: train records with tokens, model FLOPs and MFU; evals with BLEU and perplexity."""
     folder.mkdir(parents=True)
