@@ -25,8 +25,10 @@ from gpipe_cli.report.runs import (
     segment_throughputs,
     segments,
     series,
+    steps_words,
     throughput,
     time_breakdown,
+    timed_mean,
     wait_share,
     warm_only,
 )
@@ -46,21 +48,36 @@ def _table(title: str, columns: tuple[str, ...], left: tuple[str, ...] = ("run",
     return table
 
 
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
+def _over(runs: list[Run], after_warmup: str) -> str:
+    """The steps a figure of each run's pipeline is the mean over, in words: those `after_warmup` of its last one."""
+    # A run of warm-up steps alone (one step, say) keeps them: they are all it has.
+    warm = [warm_only(last_cut(run)) for run in runs]
+    words = "the training steps" if all(warm) else after_warmup
+    for run, only in zip(runs, warm):
+        notes = [f"{steps_words(steps)} only, its last pipeline"] if (steps := cut_steps(run)) else []
+        if only and not all(warm):
+            count = sum(map(len, last_cut(run)))
+            notes.append(f"its warm-up step{'s' if count > 1 else ''}, all it has")
+        words += f"; {run.label}: {', '.join(notes)}" if notes else ""
+    return words
 
 
 def summary_table(runs: list[Run]) -> Table:
-    """One row per run: last loss, best eval, mean throughput, mean bubble, wait share, largest stage peak."""
+    """One row per run: last loss, best eval, largest stage peak, and its pipeline's throughput, bubble and wait."""
+    # A run resumed with another pipeline: its row's K, M and schedule are its last pipeline's, and so are its
+    # timing figures, as the row says (its loss, evals and memory are of every step).
     rates = [throughput(run) for run in runs]
     # The words of `gpipe train`'s summary, whose figure this is: one run says what its warm-up took.
-    over = rates[0].over if len(runs) == 1 else "the steps after the first of each run and each resume, which warm up"
-    caption = " · ".join(f"{r.label}: {r.path}" for r in runs) + f"\nsamples/s, bubble and wait: mean over {over}"
+    over = rates[0].over if len(runs) == 1 else _over(runs, "the steps after the first of each run and each "
+                                                            "resume, which warm up")
+    caption = (" · ".join(f"{r.label}: {r.path}" for r in runs)
+               + f"\nsamples/s, bubble and wait: mean over {over}; each step weighted by its time")
+    if any(map(cut_steps, runs)):
+        caption += "\nmemory: the largest peak of any stage at any step, whatever pipeline ran it"
     table = _table("gpipe report", ("run", "steps", "loss", "best eval", "samples/s", "bubble", "theory", "wait",
                                     "memory"), ("run", "best eval"), caption)
     for run, rate in zip(runs, rates):
-        data = series(run)
-        losses = data["loss"][1]
+        losses = series(run)["loss"][1]
         best = "-"
         metric = eval_metric(run)
         evals = [r for r in run.evals if r.get("loss") is not None]
@@ -69,36 +86,20 @@ def summary_table(runs: list[Run]) -> Table:
             best = f"{top['loss']:.4g} @{top['step']}"
             if metric and top.get(metric) is not None:
                 best += f", {metric[:3]} {top[metric]:.3g}"
-        table.add_row(run.label, str(run.train[-1]["step"]), figure(losses[-1] if losses else None, ".4f"), best,
-                      figure(rate.samples_per_s, ".1f"), figure(_mean(data["bubble"][1]), ".3f"),
-                      figure(_mean(data["bubble_theory"][1]), ".3f"), figure(wait_share(run), ".0%"),
+        steps = str(run.train[-1]["step"])
+        if cut_steps(run):
+            steps += f" (pipeline changed at {last_cut(run)[0][0]['step']})"
+        table.add_row(run.label, steps, figure(losses[-1] if losses else None, ".4f"), best,
+                      figure(rate.samples_per_s, ".1f"), figure(timed_mean(run, "bubble"), ".3f"),
+                      figure(timed_mean(run, "bubble_theory"), ".3f"), figure(wait_share(run), ".0%"),
                       human_bytes(int(memory_peak(run))))
     return table
-
-
-def _steps(span: str) -> str:
-    """ "steps 3-4", or "step 3" for a range of one."""
-    return f"step{'s' if '-' in span else ''} {span}"
-
-
-def _stage_steps(runs: list[Run]) -> str:
-    """The steps the per-stage figures are the mean over, in words: each run's last pipeline's after warm-up."""
-    # A run of warm-up steps alone (one step, say) keeps them: they are all it has.
-    warm = [warm_only(last_cut(run)) for run in runs]
-    words = "the training steps" if all(warm) else "the steps after warm-up"
-    for run, only in zip(runs, warm):
-        notes = [f"{_steps(steps)} only, its last pipeline"] if (steps := cut_steps(run)) else []
-        if only and not all(warm):
-            count = sum(map(len, last_cut(run)))
-            notes.append(f"its warm-up step{'s' if count > 1 else ''}, all it has")
-        words += f"; {run.label}: {', '.join(notes)}" if notes else ""
-    return words
 
 
 def stage_table(runs: list[Run]) -> Table:
     """One row per run and stage: mean milliseconds per step of each part, and the memory peak."""
     # A stage of another pipeline holds other layers: its figures are never averaged with this one's.
-    table = _table(f"per stage (mean over {_stage_steps(runs)})",
+    table = _table(f"per stage (mean over {_over(runs, 'the steps after warm-up')})",
                    ("run", "stage", *(f"{part} ms" for part in PARTS), "memory peak"))
     for run in runs:
         parts, data = time_breakdown(run), series(run)

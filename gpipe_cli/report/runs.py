@@ -190,6 +190,11 @@ def steady(run: Run) -> list[dict[str, Any]]:
     return _steady(segments(run))
 
 
+def steady_now(run: Run) -> list[dict[str, Any]]:
+    """The steady steps (`steady`) of the run's last pipeline: what its figures of the pipeline are of."""
+    return _steady(last_cut(run))
+
+
 def last_cut(run: Run) -> Starts:
     """The starts since the run's pipeline last changed: the only ones whose stages are the run's stages now."""
     starts = segments(run)
@@ -206,6 +211,11 @@ def cut_steps(run: Run) -> str | None:
     if len(starts) == len(segments(run)):
         return None
     return number_range(starts[0][0]["step"], starts[-1][-1]["step"])
+
+
+def steps_words(span: str) -> str:
+    """A range of steps in words: "steps 3-4", or "step 3" for a range of one."""
+    return f"step{'s' if '-' in span else ''} {span}"
 
 
 def series(run: Run) -> dict[str, Series]:
@@ -231,14 +241,25 @@ def _at(values: Any, index: int) -> Any:
 
 def time_breakdown(run: Run) -> dict[str, list[float]]:
     """Mean seconds per step of each part on each stage, over the last pipeline's steps but the warm-up ones."""
-    timed = _steady(last_cut(run))
+    timed = steady_now(run)
     return {part: [_mean([v for r in timed if (v := _at(r["time_s"].get(part), s)) is not None])
                    for s in range(run.stages)] for part in PARTS}
 
 
+def timed_mean(run: Run, key: str) -> float | None:
+    """A train figure's mean over the last pipeline's steps after warm-up, each step weighted by its time."""
+    # Weighted as samples/s is (all samples over all seconds), so that the run table's figures agree: a stage's
+    # parts add up to the step, so the bubble weighted so is all the stages' time waiting over all their time.
+    pairs = [(r[key], r["step_time_s"]) for r in steady_now(run) if r.get(key) is not None
+             and r["step_time_s"] is not None]
+    seconds = sum(t for _, t in pairs)
+    return sum(v * t for v, t in pairs) / seconds if seconds > 0 else None
+
+
 def wait_share(run: Run) -> float | None:
-    """The share of every stage's time spent waiting, over the run's steps but the warm-up ones (None: no time)."""
-    seconds = {part: sum(v for r in steady(run) for v in r["time_s"][part] if v is not None) for part in PARTS}
+    """The share of every stage's time spent waiting, over the last pipeline's steps after warm-up (None: no time)."""
+    timed = steady_now(run)
+    seconds = {part: sum(v for r in timed for v in r["time_s"][part] if v is not None) for part in PARTS}
     total = sum(seconds.values())
     return seconds["wait"] / total if total else None
 
@@ -303,15 +324,20 @@ def _and(words: list[str]) -> str:
 
 
 def throughput(run: Run) -> Throughput:
-    """All samples over all seconds of the steps after each start's first (which warms up), as `gpipe train` sums."""
-    parts = segments(run)
-    if len(parts) == 1:
+    """All samples over all seconds of the last pipeline's steps after each start's first, as `gpipe train` sums."""
+    parts, span = last_cut(run), cut_steps(run)
+    if len(parts) == 1 and span is None:
         return _segment(parts[0])
     timed = [_timed(records) for records in parts]
     firsts = _rate([steps[0] for steps in timed if steps])
     shown, over = after_warmup(firsts, _rate([step for steps in timed for step in steps[1:]]))
-    if shown is not firsts:  # the steps after every start's warm-up step: each start named
-        warmups = _and([f"{steps[0][1]:.2f}" for steps in timed if steps])
+    warmups = _and([f"{steps[0][1]:.2f}" for steps in timed if steps])
+    if span is not None:  # resumed with another pipeline: the steps since, whose K, M and schedule the row has
+        over = f"{steps_words(span)} only, its last pipeline"
+        if shown is not firsts:
+            each = f" of each start (at steps {_and([str(records[0]['step']) for records in parts])})"
+            over += f", after the first{each if len(parts) > 1 else ''}, which took {warmups} s warming up"
+    elif shown is not firsts:  # the steps after every start's warm-up step: each start named
         at = f"step{'s' if len(parts) > 2 else ''} " + _and([str(records[0]["step"]) for records in parts[1:]])
         over = f"the steps after the first of the run and of each resume (at {at}), which took {warmups} s warming up"
     return Throughput(shown.per_s, over)

@@ -84,3 +84,103 @@ def test_a_run_resumed_with_its_pipeline_unchanged_keeps_every_step_in_its_stage
 def test_the_pipeline_of_a_record_is_no_curve_of_the_sinks():
     record = {**train_record(), "microbatches": 8, "schedule": "gpipe", "data_parallel": 1}
     assert not [tag for tag in scalars(record) if "microbatches" in tag or "data_parallel" in tag]
+
+
+def _timed_records(first, seconds, k, m, bubble, theory):
+    """One start's records as the loop writes them: each stage's parts add up to the step, the bubble is their wait."""
+    records = []
+    for step, t in enumerate(seconds, first):
+        record = train_record(step=step, stages=k)
+        waits = [bubble * t * (1 + 0.5 * (s - (k - 1) / 2)) for s in range(k)]  # stages wait unevenly, mean bubble*t
+        record["time_s"] = {"compute": [t - w - 0.01 for w in waits], "wait": waits, "comm": [0.004] * k,
+                            "optimizer": [0.003] * k, "other": [0.003] * k}
+        record.update(step_time_s=t, samples_per_s=32 / t, bubble=sum(waits) / k / t, bubble_theory=theory,
+                      microbatches=m, schedule="gpipe", data_parallel=1)
+        records.append(record)
+    records[0]["warmup"] = True
+    records[0]["resumed"] = first > 1
+    return records
+
+
+def _row(out, label):
+    """The cells of the run table's row of `label`."""
+    line = next(line for line in out.splitlines() if line.startswith(f"│ {label} "))
+    return [cell.strip() for cell in line.strip("│").split("│")]
+
+
+def _run_of(folder, *starts):
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for records in starts for r in records))
+    return folder
+
+
+# K=2 M=4, steps 1-4, then resumed at K=1 M=2, steps 5-7: every figure of the two cuts apart.
+BEFORE = (1, (2.0, 0.5, 0.5, 0.5), 2, 4, 0.3, 0.2)
+AFTER = (5, (3.0, 1.0, 2.0), 1, 2, 0.01, 0.0)
+
+
+def test_a_run_resumed_with_another_pipeline_has_its_row_of_that_pipeline_over_its_own_steps(tmp_path, capsys):
+    # The row read "K=1 M=2 gpipe │ 4 │ ... │ bubble 0.149 │ theory 0.100 │ wait 3%": theory neither K=1's nor
+    # K=2's, the bubble a plain mean of the steps of both pipelines, the wait weighted by time.
+    before, after = _timed_records(*BEFORE), _timed_records(*AFTER)
+    for record in before:
+        record["mem_peak_bytes"] = [2 << 30] * 2
+    run = _run_of(tmp_path / "run", before, after)
+    assert cli(["report", str(run), "--output", str(tmp_path / "page.png")]) == 0
+    out = capsys.readouterr().out
+    cells = _row(out, "K=1 M=2 gpipe")
+    steady = after[1:]  # K=1's steps after its warm-up
+    seconds = sum(r["step_time_s"] for r in steady)
+    assert cells[1] == "7 (pipeline changed at 5)"
+    assert cells[4] == f"{32 * len(steady) / seconds:.1f}"
+    assert cells[5] == f"{sum(r['bubble'] * r['step_time_s'] for r in steady) / seconds:.3f}" == "0.010"
+    assert cells[6] == "0.000"  # K=1's theory, not a mean with K=2's 0.2
+    assert cells[7] == "1%"
+    assert cells[8] == "2.0 GiB"  # the largest peak of every step, whatever pipeline ran it
+    assert ("samples/s, bubble and wait: mean over steps 5-7 only, its last pipeline, after the first, which took "
+            "3.00 s warming up; each step weighted by its time") in out
+    assert "memory: the largest peak of any stage at any step, whatever pipeline ran it" in out
+    assert "per stage (mean over the steps after warm-up; K=1 M=2 gpipe: steps 5-7 only, its last pipeline)" in out
+
+
+def test_the_bubble_and_the_wait_are_weighted_alike_by_step_time(tmp_path, capsys):
+    # Steps of uneven length and bubble: the bubble was their plain mean, the wait their time-weighted share.
+    records = _timed_records(1, (1.0, 0.2, 2.0, 0.3), 2, 4, 0.3, 0.2)
+    for record, bubble in zip(records, (0.5, 0.6, 0.1, 0.5)):
+        record["time_s"]["wait"] = [bubble * record["step_time_s"]] * 2
+        record["time_s"]["compute"] = [record["step_time_s"] * (1 - bubble) - 0.01] * 2
+        record["bubble"] = bubble
+    run = _run_of(tmp_path / "run", records)
+    assert cli(["report", str(run), "--output", str(tmp_path / "page.png")]) == 0
+    out = capsys.readouterr().out
+    cells = _row(out, "K=2 M=4 gpipe")
+    steady = records[1:]
+    weighted = sum(r["bubble"] * r["step_time_s"] for r in steady) / sum(r["step_time_s"] for r in steady)
+    plain = sum(r["bubble"] for r in steady) / len(steady)
+    assert f"{plain:.3f}" != f"{weighted:.3f}"
+    assert cells[5] == f"{weighted:.3f}" and cells[7] == f"{weighted:.0%}"  # the same figure, as a share
+    assert "; each step weighted by its time" in out and "whatever pipeline" not in out
+
+
+def test_a_last_pipeline_of_several_starts_or_of_one_step_says_which_steps(tmp_path, capsys, monkeypatch):
+    again = _timed_records(8, (2.5, 1.0, 1.0), 1, 2, 0.01, 0.0)  # K=1 resumed again, unchanged
+    run = _run_of(tmp_path / "run", _timed_records(*BEFORE), _timed_records(*AFTER), again)
+    assert cli(["report", str(run), "--output", str(tmp_path / "page.png")]) == 0
+    out = capsys.readouterr().out
+    assert _row(out, "K=1 M=2 gpipe")[1] == "10 (pipeline changed at 5)"
+    assert ("mean over steps 5-10 only, its last pipeline, after the first of each start (at steps 5 and 8), which "
+            "took 3.00 and 2.50 s warming up; each step weighted by its time") in out
+    lone = _run_of(tmp_path / "lone", _timed_records(*BEFORE), _timed_records(5, (3.0,), 1, 2, 0.01, 0.0))
+    assert cli(["report", str(lone), "--output", str(tmp_path / "page.png")]) == 0
+    out = capsys.readouterr().out
+    assert _row(out, "K=1 M=2 gpipe")[1] == "5 (pipeline changed at 5)"
+    assert "samples/s, bubble and wait: mean over step 5 only, its last pipeline; each step weighted" in out
+    assert "per stage (mean over the training steps; K=1 M=2 gpipe: step 5 only, its last pipeline)" in out
+    # Beside other runs, the run changed is named in the words of the run table, as in the per-stage title.
+    monkeypatch.chdir(tmp_path)
+    plain = _run_of(tmp_path / "plain", _timed_records(*BEFORE))
+    assert cli(["report", str(plain), str(run)]) == 0
+    out = capsys.readouterr().out
+    assert ("samples/s, bubble and wait: mean over the steps after the first of each run and each resume, which warm "
+            "up; K=1 M=2 gpipe: steps 5-10 only, its last pipeline; each step weighted by its time") in out
+    assert _row(out, "K=2 M=4 gpipe")[1] == "4"
