@@ -27,7 +27,7 @@ class _Steps(Rate):
 
     units: float = 0.0
     flops: float = 0.0  # model FLOPs, of the steps whose records carry `tflops`
-    bubbles: list[float] = field(default_factory=list)
+    waiting: float = 0.0  # bubble x step time: weighted as the throughput is, and as `gpipe report` weights it
     parts: dict[str, float] = field(default_factory=dict)
 
     def add(self, record: Mapping[str, Any], examples: float, units: float | None) -> None:
@@ -37,7 +37,7 @@ class _Steps(Rate):
         self.units += units or 0.0
         self.seconds += record["step_time_s"]
         self.flops += record.get("tflops", 0.0) * 1e12 * record["step_time_s"]
-        self.bubbles.append(record["bubble"])
+        self.waiting += record["bubble"] * record["step_time_s"]
         for part in PARTS:
             values = record["time_s"][part]
             self.parts[part] = self.parts.get(part, 0.0) + sum(values) / len(values)
@@ -101,7 +101,7 @@ class RunSummary:
             out.append(f"  throughput: {rate} (mean over {over})")
             if shown.flops > 0:
                 out.append(f"  model FLOPs: {self._utilization(shown)}")
-            mean = sum(shown.bubbles) / len(shown.bubbles)
+            mean = shown.waiting / shown.seconds if shown.seconds else 0.0
             out.append(f"  bubble: {mean:.3f} measured (time waiting for a peer), {self.theory:.3f} in theory "
                        f"({self.formula})")
             total = sum(shown.parts.values())

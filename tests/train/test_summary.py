@@ -96,3 +96,11 @@ def test_the_bubbles_theory_is_named_for_the_runs_schedule():
             summary.add(train_record(step=step), 4, None)
         bubble = [line for line in summary.lines(10.0, None, "run", text=False) if "bubble:" in line]
         assert bubble and bubble[0].endswith(f"in theory ({formula})"), bubble
+
+
+def test_the_bubble_is_weighted_by_step_time_as_gpipe_report_weights_it():
+    summary = RunSummary(total_steps=3, started=0.0)
+    for step, seconds, bubble in ((1, 9.0, 0.9), (2, 3.0, 0.1), (3, 1.0, 0.5)):
+        summary.add({**train_record(step=step), "step_time_s": seconds, "bubble": bubble}, examples=8, units=None)
+    lines = summary.lines(20.0, None, "run", text=False)
+    assert field(lines, "bubble").startswith(f"{(3.0 * 0.1 + 1.0 * 0.5) / 4.0:.3f} measured")  # not 0.300
