@@ -115,8 +115,8 @@ def _memory(ax: Any, runs: list[Run]) -> None:
         data = series(run)
         for s in range(run.stages):
             steps, values = data[f"mem_peak_bytes/stage{s}"]
-            ax.plot(steps, [v / MIB for v in values], styles[s % len(styles)], color=f"C{i}",
-                    label=f"{run.label} stage {s}")
+            style = styles[s % len(styles)] + ("o" if len(steps) < 3 else "")  # as _lines: a point stays visible
+            ax.plot(steps, [v / MIB for v in values], style, color=f"C{i}", label=f"{run.label} stage {s}")
     _frame(ax, "memory peak per stage (GPU: CUDA peak; CPU: activations)" + _last(runs), "MiB")
 
 

@@ -227,3 +227,16 @@ def test_bleu_perplexity_and_mfu_get_their_own_panels_when_the_records_hold_them
     image_run.train = [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in image_run.train]
     assert [name for name, _ in page.panels([image_run])] == ["loss", "accuracy", "throughput", "bubble",
                                                              "step time", "memory"]
+
+
+def test_a_memory_curve_of_one_point_is_drawn_with_a_marker(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = read_runs([make_run(tmp_path / "one", 2, steps=1)])
+    figure, ax = plt.subplots()
+    page._memory(ax, runs)
+    assert [line.get_marker() for line in ax.get_lines()] == ["o", "o"]  # a line of one point alone draws nothing
+    plt.close(figure)
