@@ -30,10 +30,10 @@ def _real(value: object, kind: str = "float_parsing") -> object:
     if isinstance(value, bool):
         raise PydanticCustomError("bool_number", "must be a number, not true or false")
     if isinstance(value, str):  # pydantic would read "0.1", and "1_000", which YAML does not, as numbers
-        if reads_as_number(value) and value.lower().lstrip("+-") not in (".inf", ".nan"):  # quoted in YAML
-            raise PydanticCustomError("str_number", "must be a number, not a string (remove the quotes)")
-        if value.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):  # words to YAML, numbers to Python
+        if value.strip().lower().lstrip("+-.") in ("nan", "inf", "infinity"):  # quoted or not, never finite
             raise PydanticCustomError("finite_number", "must be a finite number")
+        if reads_as_number(value):  # quoted in YAML
+            raise PydanticCustomError("str_number", "must be a number, not a string (remove the quotes)")
         raise PydanticCustomError(kind, "not a number")
     return value
 
