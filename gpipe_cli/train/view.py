@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
+import os
+import shutil
 import sys
 import time
 from collections.abc import Mapping
@@ -18,6 +22,8 @@ from rich.table import Table
 from rich.text import Text
 
 from gpipe_cli.console import fit, say
+from gpipe_cli.errors import UserError
+from gpipe_cli.pipeline.failure import ANNOUNCED
 from gpipe_cli.pipeline.stats import PARTS
 from gpipe_cli.progress import eta_text, note, run_eta
 from gpipe_cli.train.sinks import Sinks
@@ -45,24 +51,50 @@ def finite_json(record: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+class RecordWriteError(UserError):
+    """metrics.jsonl could not take a record; its earlier records are whole and the run stops."""
+
+    exit_code = ANNOUNCED  # told in one line by rank 0: the launcher adds nothing
+
+
 class MetricsFile:
-    """Appends records to metrics.jsonl, each a whole line of strict JSON flushed at once, then to the other sinks."""
+    """Appends records to metrics.jsonl, each a whole line of strict JSON written at once, then to the other sinks."""
 
     def __init__(self, path: Path, sinks: Sinks | None = None) -> None:
         self.path, self.sinks = path, sinks
-        self._file: TextIO = path.open("a", encoding="utf-8")
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        """Append one record (non-finite numbers as null, named in its `nonfinite` list)."""
+        """Append one record (non-finite numbers as null, named in its `nonfinite` list), or RecordWriteError."""
         clean = finite_json(record)
-        self._file.write(json.dumps(clean, separators=(",", ":"), allow_nan=False) + "\n")
-        self._file.flush()
+        line = (json.dumps(clean, separators=(",", ":"), allow_nan=False) + "\n").encode()
+        end = os.fstat(self._fd).st_size
+        try:
+            done = 0
+            while done < len(line):  # a full disk may take part of a line, then refuse the rest
+                done += os.write(self._fd, line[done:])
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # a half-written record would end the file in a broken line
+                os.ftruncate(self._fd, end)
+            raise RecordWriteError(self._failure(exc, record)) from None
         if self.sinks is not None:
             self.sinks.write(clean)
 
+    def _failure(self, exc: OSError, record: Mapping[str, Any]) -> str:
+        """One line: what failed, the space left, and how the run goes on."""
+        what = f"{errno.errorcode.get(exc.errno or 0, 'error')}: {exc.strerror or exc}"
+        try:
+            free = f"{human_bytes(shutil.disk_usage(self.path.parent).free)} free on {self.path.parent}"
+        except OSError:
+            free = f"{self.path.parent} cannot be read"
+        return (f"cannot write {self.path.name} at step {record['step']} ({what}); {free}; its earlier records are "
+                f"whole; once it can be written, continue with gpipe train --resume {self.path.parent}")
+
     def close(self) -> None:
         """Close the file and the sinks."""
-        self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         if self.sinks is not None:
             self.sinks.close()
 

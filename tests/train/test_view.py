@@ -1,14 +1,16 @@
 """The terminal view's lines (plain mode and the live frame) and strict JSON in metrics.jsonl."""
 
+import errno
 import io
 import json
 import math
+import os
 
 import pytest
 from rich.console import Console
 
 from gpipe_cli.pipeline.stats import PARTS
-from gpipe_cli.train.view import MetricsFile, TerminalView, eval_line, finite_json, train_lines
+from gpipe_cli.train.view import MetricsFile, RecordWriteError, TerminalView, eval_line, finite_json, train_lines
 from tests.widths import problems
 
 
@@ -149,3 +151,27 @@ def test_the_live_views_last_frame_into_a_file_ends_its_line(monkeypatch):
     view.show(train_record(step=4))
     view.stop()
     assert stream.getvalue().endswith("\n")
+
+
+def test_a_record_the_disk_cannot_take_leaves_the_earlier_ones_whole_and_stops_in_one_line(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    metrics = MetricsFile(path)
+    metrics.write({"kind": "eval", "step": 1, "loss": 2.0})
+    real_write = os.write
+
+    def full_disk(fd, data):  # as a filling disk does: part of the line goes down, then nothing more
+        if len(data) > 8:
+            return real_write(fd, data[:8])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", full_disk)
+    with pytest.raises(RecordWriteError) as caught:
+        metrics.write(train_record())
+    monkeypatch.undo()
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("cannot write metrics.jsonl at step 4 (ENOSPC: ")
+    assert f"gpipe train --resume {tmp_path}" in message
+    metrics.write({"kind": "eval", "step": 4, "loss": 1.0})  # room again: the file goes on from a whole line
+    metrics.close()
+    metrics.close()  # closing twice is harmless
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 4]
