@@ -222,7 +222,8 @@ def validate(
         instead = another_file(json_file, f"{json_file.stem}.plan.json")
         check_not_input(json_file, "--json", [recipe_read(recipe)], instead)
         check_output_kind(json_file, "--json")
-    from gpipe_cli.train.plan import checked_plan, plan_table  # torch: only once the recipe is valid
+    with interrupts.deferred():  # torch: only once the recipe is valid (and see export's)
+        from gpipe_cli.train.plan import checked_plan, plan_table
 
     plan = checked_plan(loaded, recipe_label(recipe), sets=set_ or [])
     console = output_console()
@@ -350,7 +351,8 @@ def export(
 ) -> None:
     """Write a checkpoint's model as one safetensors file holding its recipe, tie map and tokenizer."""
     refuse([None if dtype is None else one_of("--dtype", dtype, EXPORT_DTYPES)])
-    from gpipe_cli.train.export import export as export_model  # torch: a Ctrl-C while it loads is guarded too
+    with interrupts.deferred():  # torch's import runs Python from C++, where a Ctrl-C is lost or aborts the process
+        from gpipe_cli.train.export import export as export_model
 
     print(f"wrote {export_model(run, output, dtype)}")
 

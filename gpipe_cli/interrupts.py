@@ -119,5 +119,6 @@ def exit_code(code: int) -> int:
 
 def finishing() -> None:
     """Results are being written: Ctrl-C and SIGTERM no longer stop the command, so it says truly what it wrote."""
+    check()  # one that came before, even one a library lost on the way, stops it with nothing written
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -304,6 +304,19 @@ def test_a_ctrl_c_swallowed_while_loading_starts_no_rank(monkeypatch):
         launcher.launch("gpipe_cli.train.worker", [], 1)
 
 
+@pytest.mark.parametrize("command", ["export", "validate"])
+def test_a_ctrl_c_lost_while_torch_loads_still_stops_the_command_before_it_writes(command, tmp_path, capsys):
+    from gpipe_cli import interrupts
+
+    out = tmp_path / ("model.safetensors" if command == "export" else "plan.json")
+    args = (["export", str(tmp_path), "--output", str(out)] if command == "export"
+            else ["validate", "recipes/quickstart.yaml", "--json", str(out)])
+    interrupts._interrupted = True  # the handler ran; the KeyboardInterrupt it raised was lost in torch's import
+    assert run(args) == 130
+    assert capsys.readouterr().err.strip() == f"gpipe {command}: interrupted; nothing was written"
+    assert not out.exists()
+
+
 def test_an_option_missing_its_value_points_at_its_command_help(capsys):
     assert run(["train", "--set"]) == 2
     err = capsys.readouterr().err

@@ -22,7 +22,10 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
     export_file(path)
     if max_tokens is not None and not 1 <= max_tokens <= MAX_TOKENS:
         raise UserError(f"--max-tokens: must be >= 1 and <= {MAX_TOKENS:,} (got {max_tokens})")
-    from gpipe_cli.predict import tasks
+    from gpipe_cli import interrupts
+
+    with interrupts.deferred():  # torch's import runs Python from C++, where a Ctrl-C is lost or aborts the process
+        from gpipe_cli.predict import tasks
 
     exported = tasks.load_export(path)
     task = exported.spec.task
