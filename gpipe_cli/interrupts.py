@@ -1,4 +1,4 @@
-"""Ctrl-C that cannot be lost while a command measures, and SIGTERM that stops a command as Ctrl-C does."""
+"""Ctrl-C that cannot be lost while a command measures, and SIGTERM or SIGHUP that stop a command as Ctrl-C does."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 _interrupted = False
-_terminated = False
+_terminated = 0  # the SIGTERM or SIGHUP that stopped the command (0: none, or Ctrl-C)
+# A closed terminal or a dropped ssh session (SIGHUP) stops a command as a scheduler's SIGTERM does.
+TERMINATING = (signal.SIGTERM, signal.SIGHUP)
 
 
 # SIGTERM would end the process where it stands, leaving temporary files: as a KeyboardInterrupt it takes Ctrl-C's way.
@@ -22,7 +24,7 @@ def _on_interrupt(signum: int, frame: object) -> None:
 def _remember(signum: int, frame: object) -> None:
     global _interrupted, _terminated
     _interrupted = True
-    _terminated = _terminated or signum == signal.SIGTERM
+    _terminated = _terminated or (signum if signum in TERMINATING else 0)
 
 
 def on_sigint(handler: signal.Handlers | object) -> object:
@@ -62,12 +64,13 @@ def deferred() -> Iterator[None]:
     """Within it Ctrl-C and SIGTERM are only remembered; leaving it whole, one that came raises KeyboardInterrupt."""
     # For C++ code that calls back into Python (pyarrow writing through fsspec): a KeyboardInterrupt raised
     # there becomes an error of its own, is swallowed, or aborts the process.
-    previous = on_sigint(_remember), signal.signal(signal.SIGTERM, _remember)
+    previous = on_sigint(_remember), [signal.signal(signum, _remember) for signum in TERMINATING]
     try:
         yield
     finally:
         on_sigint(previous[0])
-        signal.signal(signal.SIGTERM, previous[1])
+        for signum, handler in zip(TERMINATING, previous[1], strict=True):
+            signal.signal(signum, handler)
     check()
 
 
@@ -79,9 +82,10 @@ def interrupted() -> bool:
 
 
 def stop_on_signals() -> None:
-    """From now on Ctrl-C (unless ignored) and SIGTERM stop this process in one line, remembered for `check`."""
+    """From now on Ctrl-C (unless ignored), SIGTERM and SIGHUP stop this process in one line, remembered for `check`."""
     on_sigint(_on_interrupt)
-    signal.signal(signal.SIGTERM, _on_interrupt)
+    for signum in TERMINATING:
+        signal.signal(signum, _on_interrupt)
     sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
 
 
@@ -113,12 +117,12 @@ def say_stopped(command: str) -> None:
 
 
 def exit_code(code: int) -> int:
-    """`code`, with a stop that SIGTERM caused reported as 128 + SIGTERM rather than Ctrl-C's 130."""
-    return 128 + signal.SIGTERM if _terminated and code == 128 + signal.SIGINT else code
+    """`code`, with a stop that SIGTERM or SIGHUP caused reported as 128 + that signal rather than Ctrl-C's 130."""
+    return 128 + _terminated if _terminated and code == 128 + signal.SIGINT else code
 
 
 def finishing() -> None:
     """Results are being written: Ctrl-C and SIGTERM no longer stop the command, so it says truly what it wrote."""
     check()  # one that came before, even one a library lost on the way, stops it with nothing written
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for signum in (signal.SIGINT, *TERMINATING):
+        signal.signal(signum, signal.SIG_IGN)

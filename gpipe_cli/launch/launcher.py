@@ -277,7 +277,8 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
             logging.getLogger(name).setLevel(logging.CRITICAL)
     stops = _Stops(started, forking=fork)
     previous = interrupts.on_sigint(stops.forward_interrupt)
-    previous_term = signal.getsignal(signal.SIGTERM)  # the agent installs its own and leaves it behind
+    # The agent installs its own for these and leaves them behind.
+    previous_stops = {signum: signal.getsignal(signum) for signum in interrupts.TERMINATING}
     try:
         with _giving_ranks(threads):
             if fork:
@@ -304,6 +305,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
         if fork:
             forked.stop(server=not warm)
         signal.signal(signal.SIGINT, previous)  # type: ignore[arg-type]
-        signal.signal(signal.SIGTERM, previous_term)
+        for signum, handler in previous_stops.items():
+            signal.signal(signum, handler)
         logs.cleanup()
     return 0

@@ -1,4 +1,4 @@
-"""The stop signal (Ctrl-C, SIGTERM) a rank received, and what it does before the rank has work to finish."""
+"""The stop signal (Ctrl-C, SIGTERM, SIGHUP) a rank received, and what it does before the rank has work to finish."""
 
 # Importing this module costs nothing: the handler is in place before torch is imported.
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 from types import FrameType
 
 GRACE_S = 2.0
-_STOPS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP: the terminal closed, or the ssh session dropped; the run saves and stops as a scheduler's SIGTERM asks.
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _received = 0
 _announced = False
 _pipe: tuple[int, int] | None = None  # (read, write) ends while the set-up's deadline thread waits
@@ -92,7 +93,7 @@ def until_started(announce: bool, marker: Path | None = None) -> None:
         signal.set_wakeup_fd(write)
         _pipe = (read, write)
         threading.Thread(target=_deadline, args=(read, announce), name="set-up-stop", daemon=True).start()
-    for sig in _STOPS:  # last: the caller catches StoppedEarly around this call
+    for sig in STOPS:  # last: the caller catches StoppedEarly around this call
         signal.signal(sig, handle)
 
 
@@ -129,7 +130,7 @@ def _deadline(read: int, announce: bool) -> None:
         if not data or _pipe is None:
             os.close(read)
             return  # set-up is over
-        if data[0] not in _STOPS:
+        if data[0] not in STOPS:
             continue
         time.sleep(GRACE_S)
         if _pipe is None:

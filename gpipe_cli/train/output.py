@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import select
 import signal
@@ -15,7 +16,7 @@ CLOSED = signal.SIGPIPE  # the name a stop for a closed output goes by: its exit
 
 
 class _Guarded:
-    """A text stream that, once a write finds its pipe closed, drops what follows and calls `closed` once."""
+    """A text stream that, once a write finds its reader gone, drops what follows and calls `closed` once."""
 
     def __init__(self, stream: TextIO, closed: Callable[[], None]) -> None:
         self._stream, self.closed_by, self._gone = stream, closed, False
@@ -24,14 +25,18 @@ class _Guarded:
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
+        except OSError as exc:
+            if not _reader_gone(exc):
+                raise
             self._lost()
             return len(text)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except BrokenPipeError:
+        except OSError as exc:
+            if not _reader_gone(exc):
+                raise
             self._lost()
 
     def check(self) -> None:
@@ -53,6 +58,11 @@ class _Guarded:
             os.dup2(null, self._stream.fileno())
             os.close(null)
         self.closed_by()
+
+
+def _reader_gone(exc: OSError) -> bool:
+    """Whether a write failed for want of a reader: a closed pipe, or a terminal that hung up (EIO)."""
+    return isinstance(exc, BrokenPipeError) or exc.errno == errno.EIO
 
 
 def _watch(stream: TextIO) -> Any:

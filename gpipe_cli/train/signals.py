@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM: finish the current step, write a checkpoint, stop every rank cleanly."""
+"""Ctrl-C, SIGTERM and SIGHUP: finish the current step, write a checkpoint, stop every rank cleanly."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ class StopRequest:
         self.when = "after this step"  # what a stop signal cuts short, as the answer to Ctrl-C says
 
     def arm(self) -> None:
-        """Take over Ctrl-C and SIGTERM from the set-up's handler (after the first step: before it, nothing to save)."""
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        """Take over the stop signals from the set-up's handler (after the first step: before it, nothing to save)."""
+        for sig in stopping.STOPS:
             signal.signal(sig, self._handle)
         stopping.started()
 
@@ -47,7 +47,7 @@ class StopRequest:
         # Else a rank waiting for its launcher to read its result would only note the signal, and the
         # launcher's tear-down would wait minutes for it. A run that ended otherwise keeps its own code: the
         # tear-down's SIGTERM after a peer ended is not news.
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in stopping.STOPS:
             signal.signal(sig, lambda signum, frame: os._exit(code or 128 + signum))
 
     def agreed(self, group: dist.ProcessGroup | None, distributed: bool, say: bool = True) -> int:

@@ -125,6 +125,18 @@ def test_sigterm_leaves_a_complete_checkpoint_and_a_resumable_run(tmp_path):
     assert max(losses(run)) == done + 2
 
 
+def test_a_closed_terminal_saves_and_stops_the_run_as_sigterm_does(tmp_path):
+    path = write(tmp_path, recipe(steps=400, every=1000))
+    run = tmp_path / "run"
+    proc = _start(path, run)
+    os.killpg(proc.pid, signal.SIGHUP)  # a closed terminal window or a dropped ssh session
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGHUP, err[-3000:]
+    done = max(losses(run))
+    assert (run / "checkpoints" / f"step-{done:08d}" / "manifest.json").exists(), (out[-2000:], err[-2000:])
+    assert f"stopped by SIGHUP after step {done}; continue with gpipe train --resume" in out
+
+
 def test_export_writes_the_consolidated_model(full_run, tmp_path, handlers):
     from safetensors import safe_open
     from safetensors.torch import load_file

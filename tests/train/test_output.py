@@ -1,5 +1,7 @@
 """A run's output once its reader has gone: dropped, with one call to stop the run, and nothing raised."""
 
+import errno
+import io
 import os
 import signal
 import sys
@@ -25,6 +27,29 @@ def test_a_closed_pipe_is_told_once_and_later_writes_go_nowhere(monkeypatch):
     output.guard_output(lambda: calls.append(2))  # guarded once: a second guard only changes what is called
     assert sys.stdout._stream is stream
     stream.close()
+
+
+def test_a_terminal_that_hung_up_is_a_gone_reader_and_other_write_errors_still_raise(monkeypatch):
+    main, child = os.openpty()
+    terminal = os.fdopen(child, "w")
+    os.close(main)  # the window closed, or the ssh session dropped: writes fail with EIO
+    calls = []
+    monkeypatch.setattr("sys.stdout", terminal)
+    monkeypatch.setattr("sys.stderr", sys.stderr)  # guarded too: put back after
+    output.guard_output(lambda: calls.append(1))
+    print("[gpipe] SIGHUP: writing a checkpoint, then stopping", flush=True)
+    assert calls == [1]
+    terminal.close()
+
+    class FullDisk(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("sys.stdout", FullDisk())
+    output.guard_output(lambda: calls.append(2))
+    with pytest.raises(OSError, match="No space left"):  # not a gone reader: the failure is said, not hidden
+        print("a line")
+    assert calls == [1]
 
 
 def test_a_closed_stderr_is_told_too_and_a_stream_closed_at_start_writes_nowhere(monkeypatch):
