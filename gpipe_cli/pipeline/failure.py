@@ -33,6 +33,16 @@ _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken p
               "Connection refused")
 
 
+def _timed_out(exc: BaseException) -> bool:
+    """Whether `exc` is a receive or collective that ran past the transport's timeout (gloo's, NCCL's watchdog)."""
+    return isinstance(exc, TimeoutError) or (isinstance(exc, RuntimeError) and "timed out" in str(exc).lower())
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of `exc`'s message ('' when it has none)."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+
+
 def job_key(prefix: str) -> str:
     """A store key of this attempt of the job, under `prefix`."""
     run = os.environ.get("TORCHELASTIC_RUN_ID", "job")
@@ -147,8 +157,8 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
             with contextlib.suppress(ValueError):  # only the main thread may set handlers
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(PEER_GRACE_S)
-            print(f"[gpipe] {label} lost contact with another rank: {type(exc).__name__}: "
-                  f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}", file=sys.stderr, flush=True)
+            print(f"[gpipe] {label} lost contact with another rank: {type(exc).__name__}: {_first_line(exc)}",
+                  file=sys.stderr, flush=True)
             if watch is not None:
                 watch.stop()
                 watch.report(f"{label} lost contact with another rank")
@@ -167,6 +177,9 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
             # bad input, or one error hit by several ranks, is shown once, by the rank that reported it
         elif user_error:
             print(f"error: {summary}", file=sys.stderr, flush=True)
+        elif _timed_out(exc):  # a peer stopped or frozen: the wait is the news, not where this rank waited
+            print(f"[gpipe] {label} gave up waiting for another rank, which is stopped, frozen or unreachable: "
+                  f"{type(exc).__name__}: {_first_line(exc)}", file=sys.stderr, flush=True)
         else:
             traceback.print_exc(file=sys.stderr)
             print(f"[gpipe] {summary}", file=sys.stderr, flush=True)

@@ -58,3 +58,21 @@ def test_a_rank_whose_peer_vanished_waits_for_the_launcher_then_names_the_cause_
     assert proc.stderr.strip().splitlines() == [
         "[gpipe] stage 0 (rank 0) lost contact with another rank: RuntimeError: [../gloo/transport/tcp/pair.cc:534] "
         "Connection closed by peer [127.0.0.1]:4567"], proc.stderr
+
+
+def test_a_rank_that_gave_up_waiting_for_a_frozen_peer_says_so_in_one_line():
+    code = """
+        from gpipe_cli.pipeline import failure
+
+        def work():
+            raise RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 600000ms for send "
+                               "operation to complete")
+
+        failure.run_guarded(work, "stage 0 (rank 0)")
+        """
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == failure.EXIT_CODE
+    assert proc.stderr.strip().splitlines() == [
+        "[gpipe] stage 0 (rank 0) gave up waiting for another rank, which is stopped, frozen or unreachable: "
+        "RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 600000ms for send operation "
+        "to complete"], proc.stderr
