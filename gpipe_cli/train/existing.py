@@ -7,7 +7,7 @@ import datetime
 import json
 import os
 import shlex
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,19 +139,21 @@ def holds_run(run_dir: Path) -> bool:
     return recorded or bool(candidates(run_dir / CHECKPOINTS))
 
 
-def remove_set_up(run_dir: Path) -> None:
-    """Remove a directory made for a run that stopped before its first step, if it holds only that run's set-up."""
-    # Left behind, its recipe and empty records read as a run: `gpipe report outputs/x/*` refused to report.
+def remove_set_up(run_dir: Path, before: Collection[str] | None = None) -> None:
+    """Remove the set-up a run that never started added to `run_dir` (it held `before`; None: made for it, it too)."""
+    # Left behind, its recipe and empty records read as a run: `gpipe report outputs/x/*` refused to report. In a
+    # folder the user made, what it held already is theirs, or an earlier launch's, and stays.
     from gpipe_cli.data.tokenizer import TOKENIZER_FILE
 
     with contextlib.suppress(OSError):
-        names = os.listdir(run_dir)
-        if holds_run(run_dir) or not set(names) <= {RECIPE, METRICS, TOKENIZER_FILE, CHECKPOINTS}:
+        names = set(os.listdir(run_dir)).difference(before or ())
+        if holds_run(run_dir) or not names <= {RECIPE, METRICS, TOKENIZER_FILE, CHECKPOINTS}:
             return
         # checkpoints/ first: where it is not empty (a checkpoint being written), nothing else has gone either.
         for name in sorted(names, key=lambda name: name != CHECKPOINTS):
             (os.rmdir if name == CHECKPOINTS else os.unlink)(run_dir / name)
-        run_dir.rmdir()
+        if before is None:
+            run_dir.rmdir()
 
 
 def check_not_in_a_run(output_dir: str | None) -> None:

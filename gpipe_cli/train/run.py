@@ -49,6 +49,7 @@ from gpipe_cli.train.existing import (
     complete_line,
     holds_run,
     recipe_changes,
+    remove_set_up,
     resume_end,
     resume_line,
     resume_location,
@@ -232,7 +233,13 @@ def _claim(options: TrainOptions, recipe: Recipe, resume: str | None, holding: c
         run_dir, flag, instead = choose_run_dir(recipe, None, OUTPUTS, make=True), "the output directory", \
             "wait until it ends"
         made = True
-    return run_dir if holding.enter_context(held(run_dir, flag, instead, made)) else None
+    if holding.enter_context(held(run_dir, flag, instead, made)):
+        return run_dir
+    # A folder that was there (the user's, or a run's): a launch that ends before the first step takes out only
+    # what it added, while the claim still holds it.
+    with contextlib.suppress(OSError):  # an unreadable folder: the checks that follow refuse it
+        holding.callback(remove_set_up, run_dir, frozenset(os.listdir(run_dir)))
+    return None
 
 
 def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None, world: int, local: int,

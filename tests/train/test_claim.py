@@ -88,6 +88,31 @@ def test_a_run_stopped_before_its_first_step_leaves_no_set_up_behind(tmp_path, m
     assert (run / "recipe.yaml").is_file()
 
 
+@pytest.mark.parametrize("mine, recorded", [({}, False), ({"notes.txt": "mine"}, False), ({"notes.txt": "mine"}, True)])
+def test_a_run_stopped_before_its_first_step_in_a_folder_made_beforehand_takes_out_only_its_own(
+        tmp_path, monkeypatch, mine, recorded):
+    """Its recipe.yaml, empty records, checkpoints/ and tokenizer stayed in an --output-dir the user had made."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, text in mine.items():
+        (out / name).write_text(text)
+
+    def launch(module, args, *rest, **kwargs):  # the ranks set up, and a Ctrl-C comes before (or after) step 1
+        for name, text in {"recipe.yaml": "name: x\n", "tokenizer.model": "", "metrics.jsonl": ""}.items():
+            (out / name).write_text(text)
+        (out / "checkpoints").mkdir()
+        if recorded:
+            (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+        return 128 + signal.SIGINT
+
+    monkeypatch.setattr("gpipe_cli.train.run.launch", launch)
+    result = train(str(recipes.write(tmp_path, copy.deepcopy(recipes.TINY_TRANSLATION))), "--output-dir", str(out))
+    assert result.exit_code == 128 + signal.SIGINT, result.output
+    left = {"checkpoints", "metrics.jsonl", "recipe.yaml", "tokenizer.model"} if recorded else set()
+    assert set(os.listdir(out)) == left | set(mine)
+    assert all((out / name).read_text() == text for name, text in mine.items())
+
+
 def test_a_second_claim_is_refused_in_one_line_naming_the_holder(tmp_path):
     run = tmp_path / "run"
     with claim.held(run, "--output-dir", "wait until it ends"):

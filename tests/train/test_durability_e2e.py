@@ -261,3 +261,29 @@ def test_a_closed_output_stops_the_run_with_a_checkpoint_as_a_shell_would(tmp_pa
         assert noise not in err
     # The launch's own folders are gone (torch's agent left a torchelastic_* folder behind every launch).
     assert not [p.name for p in temporary.iterdir() if p.name.startswith(("torchelastic_", "gpipe-launch-"))]
+
+
+def _stop_before_the_first_step(args: list[str]) -> None:
+    """Start `gpipe train *args` and Ctrl-C its process group once its set-up is done, before its first step."""
+    proc = subprocess.Popen([sys.executable, "-m", "gpipe_cli.cli", "train", *args, "--plain", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=as_from_a_terminal)
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "] training " in line:  # "[ 9.1 s] training NAME: steps ...": the set-up is done, step 1 under way
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert "[gpipe] SIGINT: stopping now, before the first step is done" in err, "".join(lines) + out + err
+
+
+def test_a_stop_before_the_first_step_in_a_folder_the_user_made_takes_out_only_what_the_run_added(tmp_path):
+    # The run's recipe.yaml, empty records, checkpoints/ and tokenizer stayed in an --output-dir made beforehand.
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    _stop_before_the_first_step([str(write(tmp_path, recipe(steps=400))), "--output-dir", str(run)])
+    assert os.listdir(run) == ["notes.txt"] and (run / "notes.txt").read_text() == "mine"
