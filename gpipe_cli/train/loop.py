@@ -103,11 +103,11 @@ class Trainer:
         if self.complete:  # a finished run resumed again (a requeued job): nothing to train, evaluate or write
             return
         if self.layout.rank == 0:
-            # Only now, once a resume is sure to go on: a refused one leaves the run's recipe as it was. No rank
-            # saves before rank 0 reaches its first save, so no partial folder removed here is being written.
+            # No rank saves before rank 0 reaches its first save, so no partial folder removed here is being written.
             for stale in checkpoint.remove_partials(self.run_dir):
                 self._note(f"removed {stale}, a checkpoint whose save never finished")
-            save_recipe(recipe, self.run_dir)
+            if not job.resume:  # a resume's settings are recorded once it goes on (`_going_on`)
+                save_recipe(recipe, self.run_dir)
         self.stop = StopRequest(announce=self.layout.rank == 0)
         self.stopped_by = 0
         self.policy = nonfinite.NonFinitePolicy(recipe.train.on_nonfinite, recipe.train.max_skipped,
@@ -388,7 +388,7 @@ class Trainer:
             self._profiled(self.profiler.after(step + 1))
             done = step + 1
             if step == self.start_step:
-                self.stop.arm()
+                self._going_on()
             self.stopped_by = self.stop.agreed(self.topo.transport.control, self.topo.distributed)
             saving = bool(self.stopped_by or (recipe.checkpoint.every and done % recipe.checkpoint.every == 0))
             evaluating = bool(recipe.eval.every and done % recipe.eval.every == 0 and done < self.total_steps)
@@ -420,6 +420,14 @@ class Trainer:
         # A stop in the last moments, after every check: the work is done, but the launcher tearing the job down
         # would not read a rank that returns as if it had asked nothing.
         return code or (128 + self.stop.signum if self.stop.signum else 0)
+
+    def _going_on(self) -> None:
+        """The first step is in: a stop now saves a checkpoint, and a resume's recipe.yaml records its settings."""
+        self.stop.arm()
+        # Only now: a resume refused, or stopped before its first step, leaves the run's recipe as it was, and the
+        # next resume and `gpipe report` read the settings its steps ran with. Once armed, a stop waits for this.
+        if self.job.resume and self.layout.rank == 0:
+            save_recipe(self.recipe, self.run_dir)
 
     def _finish(self, step: int, batch: Batch | None, launched: PendingStep, started: float,
                 ended: float | None = None) -> str:

@@ -287,3 +287,13 @@ def test_a_stop_before_the_first_step_in_a_folder_the_user_made_takes_out_only_w
     (run / "notes.txt").write_text("mine")
     _stop_before_the_first_step([str(write(tmp_path, recipe(steps=400))), "--output-dir", str(run)])
     assert os.listdir(run) == ["notes.txt"] and (run / "notes.txt").read_text() == "mine"
+
+
+def test_a_resume_stopped_before_its_first_step_leaves_the_runs_recipe_as_it_was(full_run, tmp_path):
+    # Its --set was recorded all the same: a later plain `--resume` trained with it, and `gpipe report` read it.
+    _, run = full_run
+    copy_dir = Path(shutil.copytree(run, tmp_path / "copy"))
+    before = (copy_dir / "recipe.yaml").read_bytes()
+    _stop_before_the_first_step(["--resume", str(copy_dir), "--set", "train.steps=20", "--set", "optimizer.lr=0.01"])
+    assert (copy_dir / "recipe.yaml").read_bytes() == before
+    assert max(losses(copy_dir)) == 8 and not (copy_dir / "checkpoints" / "step-00000009").exists()
