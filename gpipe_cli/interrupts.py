@@ -27,13 +27,14 @@ def _remember(signum: int, frame: object) -> None:
     _terminated = _terminated or (signum if signum in TERMINATING else 0)
 
 
-def on_sigint(handler: signal.Handlers | object) -> object:
-    """Install `handler` for SIGINT unless SIGINT is ignored; return the handler it had."""
-    current = signal.getsignal(signal.SIGINT)
+def take_signal(handler: signal.Handlers | object, signum: int = signal.SIGINT) -> object:
+    """Install `handler` for `signum` (SIGINT) unless the signal is ignored; return the handler it had."""
+    current = signal.getsignal(signum)
     # A command started with SIGINT ignored (`nohup`, a script's background job) keeps ignoring it, as
-    # its user asked: the terminal's Ctrl-C is meant for the foreground job, not for this one.
-    if current is not signal.SIG_IGN:
-        signal.signal(signal.SIGINT, handler)  # type: ignore[arg-type]
+    # its user asked: the terminal's Ctrl-C is meant for the foreground job, not for this one. So does one
+    # started with SIGHUP ignored (`nohup`): it outlives its terminal. SIGTERM still stops either.
+    if current is not signal.SIG_IGN or signum == signal.SIGTERM:
+        signal.signal(signum, handler)  # type: ignore[arg-type]
     return current
 
 
@@ -41,7 +42,7 @@ def on_sigint(handler: signal.Handlers | object) -> object:
 def remembered() -> Iterator[None]:
     """Within it, Ctrl-C raises KeyboardInterrupt as usual and is also remembered for `check`."""
     check()  # one that arrived before, while the command loaded, and was lost there
-    previous = on_sigint(_on_interrupt)
+    previous = take_signal(_on_interrupt)
     hook = sys.unraisablehook
     sys.unraisablehook = _quiet_unraisable(hook)
     try:
@@ -64,13 +65,13 @@ def deferred() -> Iterator[None]:
     """Within it Ctrl-C and SIGTERM are only remembered; leaving it whole, one that came raises KeyboardInterrupt."""
     # For C++ code that calls back into Python (pyarrow writing through fsspec): a KeyboardInterrupt raised
     # there becomes an error of its own, is swallowed, or aborts the process.
-    previous = on_sigint(_remember), [signal.signal(signum, _remember) for signum in TERMINATING]
+    previous = take_signal(_remember), [take_signal(_remember, signum) for signum in TERMINATING]
     try:
         yield
     finally:
-        on_sigint(previous[0])
+        take_signal(previous[0])
         for signum, handler in zip(TERMINATING, previous[1], strict=True):
-            signal.signal(signum, handler)
+            signal.signal(signum, handler)  # type: ignore[arg-type]
     check()
 
 
@@ -83,9 +84,9 @@ def interrupted() -> bool:
 
 def stop_on_signals() -> None:
     """From now on Ctrl-C (unless ignored), SIGTERM and SIGHUP stop this process in one line, remembered for `check`."""
-    on_sigint(_on_interrupt)
+    take_signal(_on_interrupt)
     for signum in TERMINATING:
-        signal.signal(signum, _on_interrupt)
+        take_signal(_on_interrupt, signum)
     sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
 
 

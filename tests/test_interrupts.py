@@ -1,6 +1,7 @@
 """A Ctrl-C swallowed on the way is still honoured between measurements."""
 
 import signal
+import sys
 
 import pytest
 
@@ -26,7 +27,7 @@ def test_a_command_started_with_ctrl_c_ignored_keeps_ignoring_it():
     # `nohup` or a script's background job: the terminal's Ctrl-C is for the foreground job.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        assert interrupts.on_sigint(signal.default_int_handler) is signal.SIG_IGN
+        assert interrupts.take_signal(signal.default_int_handler) is signal.SIG_IGN
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         with interrupts.remembered():
             signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt
@@ -69,3 +70,25 @@ def test_python_m_gpipe_cli_is_the_gpipe_command():
     done = subprocess.run([sys.executable, "-m", "gpipe_cli", "--version"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("gpipe-cli ")
+
+
+def test_a_command_started_under_nohup_outlives_its_terminal_and_sigterm_still_stops_it():
+    from gpipe_cli.launch import launcher
+    from gpipe_cli.launch.launcher import LaunchOptions
+
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGHUP, signal.SIGTERM)}
+    previous[signal.SIGINT], hook = signal.getsignal(signal.SIGINT), sys.unraisablehook
+    try:
+        interrupts.stop_on_signals()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is interrupts._on_interrupt
+        config = launcher._config(1, LaunchOptions(), "spawn", "logs")
+        assert "SIGHUP" not in config.signals_to_handle and "SIGTERM" in config.signals_to_handle
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # from a terminal: its hang-up stops the job
+        interrupts.stop_on_signals()
+        assert signal.getsignal(signal.SIGHUP) is interrupts._on_interrupt
+        assert "SIGHUP" in launcher._config(1, LaunchOptions(), "spawn", "logs").signals_to_handle
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        sys.unraisablehook = hook

@@ -115,7 +115,9 @@ def _config(world: int, options: LaunchOptions, start_method: str, log_dir: str)
         # Ctrl-C is forwarded to the ranks by this process (see _Stops.forward_interrupt); the agent must not
         # also turn it into SIGTERM-then-kill, which would cut the final checkpoint short. It still
         # forwards SIGTERM.
-        "signals_to_handle": "SIGTERM,SIGHUP,SIGQUIT",
+        # SIGHUP too, unless this command was started with it ignored (`nohup`): then the job outlives its terminal.
+        "signals_to_handle": "SIGTERM,SIGQUIT" + ("" if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+                                                  else ",SIGHUP"),
         # The agent's folders for each rank's error file, in one the launch removes (by default a new
         # torchelastic_* folder in the temporary folder is left behind by every launch).
         "logs_specs": DefaultLogsSpecs(log_dir=log_dir),
@@ -276,7 +278,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     stops = _Stops(started, forking=fork)
-    previous = interrupts.on_sigint(stops.forward_interrupt)
+    previous = interrupts.take_signal(stops.forward_interrupt)
     # The agent installs its own for these and leaves them behind.
     previous_stops = {signum: signal.getsignal(signum) for signum in interrupts.TERMINATING}
     try:
