@@ -62,7 +62,7 @@ def check() -> None:
 
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
-    """Within it Ctrl-C and SIGTERM are only remembered; leaving it whole, one that came raises KeyboardInterrupt."""
+    """Within it stop signals are only remembered; leaving it whole, one that came raises KeyboardInterrupt."""
     # For C++ code that calls back into Python (pyarrow writing through fsspec): a KeyboardInterrupt raised
     # there becomes an error of its own, is swallowed, or aborts the process.
     previous = take_signal(_remember), [take_signal(_remember, signum) for signum in TERMINATING]
@@ -123,7 +123,7 @@ def exit_code(code: int) -> int:
 
 
 def finishing() -> None:
-    """Results are being written: Ctrl-C and SIGTERM no longer stop the command, so it says truly what it wrote."""
+    """Results are being written: no stop signal stops the command any more, so it says truly what it wrote."""
     check()  # one that came before, even one a library lost on the way, stops it with nothing written
     for signum in (signal.SIGINT, *TERMINATING):
         signal.signal(signum, signal.SIG_IGN)
