@@ -13,10 +13,13 @@ from pathlib import Path
 
 
 def as_from_a_terminal() -> None:
-    """For `preexec_fn`: start a command with Ctrl-C at its default, as a terminal starts it."""
+    """For `preexec_fn`: start a command with Ctrl-C and SIGHUP at their defaults, as a terminal starts it."""
     # A suite started in the background (`cmd &` from a script) inherits SIGINT ignored, and Python then
-    # never turns it into KeyboardInterrupt: the command must start as a terminal would start it.
+    # never turns it into KeyboardInterrupt; one under `nohup` inherits SIGHUP ignored: the command must start as
+    # a terminal would start it.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGHUP})  # a test's launch may block them
 
 
 def interrupt(args: list[str], tmp: Path, measuring: Callable[[Path, str], bool],

@@ -21,7 +21,7 @@ from typing import Any
 from gpipe_cli import interrupts
 from gpipe_cli.errors import NONFINITE_EXIT_CODE, UserError
 from gpipe_cli.launch import forked
-from gpipe_cli.launch.preflight import rendezvous, threads_per_rank
+from gpipe_cli.launch.preflight import reach, rendezvous, threads_per_rank
 from gpipe_cli.launch.slurm import SlurmStep, check_one_task_per_node, slurm_step
 from gpipe_cli.pipeline.stopping import say_stopping_now
 
@@ -152,6 +152,7 @@ class _Stops:
         self.told = False
         self.over = threading.Event()  # set when the launch has returned
         self.finishing = False
+        self._lock = threading.Lock()  # the handler and the thread that watches for blocked stops both finish
         self.forking = forking  # the ranks fork from a server that imports torch first: none appear for seconds
         self.stood_down = threading.Event()  # a caller that outlives the launch cancels the forced end
 
@@ -168,9 +169,8 @@ class _Stops:
     def forward_interrupt(self, signum: int, frame: object) -> None:
         """Pass Ctrl-C on to the ranks, which torchrun starts in sessions of their own, out of the terminal's reach."""
         children, training, proc = _ranks(), self.training(), os.path.isdir("/proc")
-        if proc and not training and not self.finishing:
-            self.finishing = True
-            threading.Thread(target=self._finish, daemon=True).start()
+        if proc and not training:
+            self.finish(signum)
         if proc and not children and not self.forking:
             raise KeyboardInterrupt  # no rank runs yet: the command stops here, as before the launch
         self.interrupted = True
@@ -179,7 +179,38 @@ class _Stops:
         if not children:  # none to find (no /proc, or the fork server still imports torch): the agent turns
             os.kill(os.getpid(), signal.SIGTERM)  # SIGTERM into a graceful stop of every rank
 
-    def _finish(self) -> None:
+    def finish(self, signum: int) -> None:
+        """Once: see a stop with nothing to save through (`_finish`, in a thread of its own)."""
+        with self._lock:
+            if self.finishing:
+                return
+            self.finishing = True
+        threading.Thread(target=self._finish, args=(signum,), daemon=True).start()
+
+    @contextlib.contextmanager
+    def blocked_stops(self) -> Iterator[None]:
+        """Within it a stop signal before the first step is seen through even while Python cannot run its handler."""
+        # Node 0's main thread waits inside torch's store for the other nodes (for 15 minutes), and Python runs a
+        # handler only between its bytecodes: the signal also goes to a pipe (from C), read by a thread.
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        previous = signal.set_wakeup_fd(write)
+
+        def watch() -> None:
+            while data := os.read(read, 1):
+                if data[0] in (signal.SIGINT, *interrupts.TERMINATING) and not self.training():
+                    self.setting_up(data[0])
+                    self.finish(data[0])
+            os.close(read)
+
+        threading.Thread(target=watch, name="launch-stops", daemon=True).start()
+        try:
+            yield
+        finally:
+            signal.set_wakeup_fd(previous)
+            os.close(write)  # the thread reads the end of the pipe and returns
+
+    def _finish(self, signum: int) -> None:
         """See a stop with nothing to save through; a process still here `FORCE_S` after it is stuck, and ends."""
         deadline = time.monotonic() + FORCE_S
         while time.monotonic() < deadline:
@@ -192,7 +223,7 @@ class _Stops:
         _send(_ranks(), signal.SIGKILL)
         print(f"gpipe: still running {FORCE_S:.0f} s after the stop; ended it and its ranks", file=sys.stderr,
               flush=True)
-        os._exit(128 + signal.SIGINT)
+        os._exit(128 + signum)
 
     def quiet(self, failures: dict[int, Any]) -> bool:
         """Whether every rank just ended as this Ctrl-C asked (nothing for the launcher to explain)."""
@@ -266,6 +297,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
 
     interrupts.check()  # a Ctrl-C swallowed while the command loaded: no rank starts
     options = options or LaunchOptions()
+    reach(rendezvous(world, options), lambda line: print(f"[gpipe] {line}", file=sys.stderr, flush=True))
     fork = forked.available()
     logs = tempfile.TemporaryDirectory(prefix="gpipe-launch-", ignore_cleanup_errors=True)  # gone at exit too
     config = _config(world, options, forked.START_METHOD if fork else "spawn", logs.name)
@@ -282,7 +314,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     # The agent installs its own for these and leaves them behind.
     previous_stops = {signum: signal.getsignal(signum) for signum in interrupts.TERMINATING}
     try:
-        with _giving_ranks(threads):
+        with _giving_ranks(threads), stops.blocked_stops():
             if fork:
                 forked.prepare(fresh=not warm)
                 elastic_launch(config, forked.run)(module, list(args))  # type: ignore[arg-type]

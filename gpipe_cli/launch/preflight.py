@@ -5,8 +5,10 @@ from __future__ import annotations
 import errno
 import os
 import shlex
+import socket
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +18,9 @@ from gpipe_cli.limits import MAX_THREADS, outside
 
 if TYPE_CHECKING:  # the launcher imports this module
     from gpipe_cli.launch.launcher import LaunchOptions
+
+
+RDZV_WAIT_S = 900.0  # how long a node waits for node 0's rendezvous to answer, as torch's store would
 
 
 def parse_nodes(nnodes: str) -> tuple[int, int]:
@@ -142,6 +147,36 @@ def rendezvous(world: int, options: LaunchOptions) -> Rendezvous:
                       endpoint=options.rdzv_endpoint or None,
                       run_id=options.rdzv_id or ("gpipe" if max_nodes > 1 else None),
                       node_rank=(options.node_rank or 0) if backend == "static" else None)
+
+
+def reach(rdzv: Rendezvous, said: Callable[[str], None], patience: float = RDZV_WAIT_S) -> None:
+    """Resolve the rendezvous host; on a node that is not its store's, wait until the store answers (or `patience`)."""
+    # torch's store retries for 15 minutes inside C++, where Ctrl-C and SIGTERM go unanswered: this wait is Python's.
+    if rdzv.endpoint is None:
+        return
+    host, _, port = rdzv.endpoint.rpartition(":")
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise UserError(f"--rdzv-endpoint {rdzv.endpoint}: {host} is not a host name or address this node knows "
+                        f"({exc.strerror or exc}); give the name or address of the node that hosts the rendezvous "
+                        "(node 0)") from None
+    if rdzv.backend != "static" or not rdzv.node_rank:
+        return  # node 0 hosts the store; with c10d the node at the endpoint does
+    deadline, told = time.monotonic() + patience, False
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise UserError(f"--rdzv-endpoint {rdzv.endpoint}: node 0's rendezvous did not answer in "
+                                f"{patience:.0f} s; start node 0 with the same --rdzv-endpoint, or check that this "
+                                "node can reach it") from None
+            if not told:
+                said(f"waiting for node 0's rendezvous at {rdzv.endpoint} (Ctrl-C stops)")
+                told = True
+            time.sleep(1.0)
 
 
 def threads_per_rank(options: LaunchOptions, local: int) -> int:

@@ -78,3 +78,39 @@ def test_once_a_rank_has_a_step_to_save_the_stop_is_left_to_the_ranks(tmp_path, 
     finally:
         stops.stood_down.set()
         rank.kill()
+
+
+def test_a_stop_whose_handler_never_runs_still_ends_the_launch(tmp_path):
+    # Node 0 waits inside torch's store for the other nodes, where Python runs no handler: only the byte the
+    # signal leaves on the wake-up pipe tells.
+    script = tmp_path / "blocked.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "from gpipe_cli.launch import launcher\n"
+        "launcher.FORCE_S = 2.0\n"
+        "with launcher._Stops(None).blocked_stops():\n"
+        "    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as if it never got to run\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(120)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert "still running 2 s after the stop; ended it and its ranks" in proc.stderr
+
+
+def test_a_node_meets_its_rendezvous_only_once_its_host_is_known_and_node_0_answers():
+    import pytest
+
+    from gpipe_cli.errors import UserError
+    from gpipe_cli.launch.launcher import LaunchOptions
+    from gpipe_cli.launch.preflight import reach, rendezvous
+    from tests.multiproc import free_port
+
+    lines = []
+    with pytest.raises(UserError, match=r"^--rdzv-endpoint host0\.invalid:29500: host0\.invalid is not a host name"):
+        reach(rendezvous(2, LaunchOptions(nnodes="2", node_rank=1, rdzv_endpoint="host0.invalid:29500")), lines.append)
+    endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(UserError, match="node 0's rendezvous did not answer in 1 s"):
+        reach(rendezvous(2, LaunchOptions(nnodes="2", node_rank=1, rdzv_endpoint=endpoint)), lines.append, 1.0)
+    assert lines == [f"waiting for node 0's rendezvous at {endpoint} (Ctrl-C stops)"]
+    reach(rendezvous(2, LaunchOptions(nnodes="2", node_rank=0, rdzv_endpoint=endpoint)), lines.append, 1.0)
+    assert len(lines) == 1  # node 0 hosts the store: nothing to wait for
