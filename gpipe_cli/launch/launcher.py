@@ -27,6 +27,7 @@ from gpipe_cli.pipeline.stopping import say_stopping_now
 
 _STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGPIPE)  # SIGPIPE: the output closed
 FORCE_S = 20.0  # after a stop with nothing to save, the most a command may take to end
+HANDLER_GRACE_S = 2.0  # how long a stop signal's handler has to act before the launch takes it as blocked
 SHUTDOWN_S = 120  # seconds ranks get to finish a step and checkpoint on Ctrl-C/SIGTERM
 
 
@@ -198,7 +199,9 @@ class _Stops:
 
         def watch() -> None:
             while data := os.read(read, 1):
-                if data[0] in (signal.SIGINT, *interrupts.TERMINATING) and not self.training():
+                # Left alone where a handler acted: the launch returned, or Ctrl-C's handler is seeing it through.
+                if data[0] in (signal.SIGINT, *interrupts.TERMINATING) and not self.training() \
+                        and not self.over.wait(HANDLER_GRACE_S) and not self.finishing:
                     self.setting_up(data[0])
                     self.finish(data[0])
             os.close(read)
