@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import IO, Any
 
 from gpipe_cli.errors import PATH_SHOWN_CHARS, UserError, shown
 from gpipe_cli.launch.preflight import NAME_MAX, PATH_MAX, check_writable, path_problem
+from gpipe_cli.units import human_bytes
 
 # The random characters mkstemp and mkdtemp put between a temporary name's prefix and suffix.
 _RANDOM_CHARS = 8
@@ -90,6 +92,14 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 def atomic_write_text(path: Path, text: str) -> None:
     """Write `text` (UTF-8) to `path` whole or not at all."""
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def space_left(folder: Path) -> str:
+    """What a failed write's line says of the disk: 'N free on FOLDER', or that FOLDER cannot be read."""
+    try:
+        return f"{human_bytes(shutil.disk_usage(folder).free)} free on {folder}"
+    except OSError:
+        return f"{folder} cannot be read"
 
 
 def shown_path(path: Path) -> str:

@@ -30,12 +30,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from gpipe_cli.errors import UserError
-from gpipe_cli.files import atomic_write_bytes
+from gpipe_cli.files import atomic_write_bytes, space_left
 from gpipe_cli.pipeline import heartbeat
 from gpipe_cli.pipeline.failure import ANNOUNCED
 from gpipe_cli.train.existing import CHECKPOINTS, PREFIX, SUPERSEDED, candidates
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
-from gpipe_cli.units import human_bytes
 
 MANIFEST = "manifest.json"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # one key per parameter: reshardable
@@ -263,10 +262,7 @@ def _write_failure(path: Path, exc: BaseException) -> str:
     what = f"{errno.errorcode.get(cause.errno, '')}: {cause.strerror}" if cause and cause.errno else _cause(exc)
     if cause is None and "unexpected pos" in what:  # how torch's zip writer reports a write that fell short
         what += "; a write fell short, as on a full disk"
-    try:
-        free = f"{human_bytes(shutil.disk_usage(path.parent).free)} free on {path.parent}"
-    except OSError:
-        free = f"{path.parent} cannot be read"
+    free = space_left(path.parent)
     earlier = "earlier checkpoints are intact" if candidates(path.parent) else "no earlier checkpoint exists"
     return f"cannot write checkpoint {path.name} ({what}); {free}; removed the partial checkpoint, {earlier}"
 

@@ -7,7 +7,6 @@ import errno
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from collections.abc import Mapping
@@ -23,6 +22,7 @@ from rich.text import Text
 
 from gpipe_cli.console import fit, say
 from gpipe_cli.errors import UserError
+from gpipe_cli.files import space_left
 from gpipe_cli.pipeline.failure import ANNOUNCED
 from gpipe_cli.pipeline.stats import PARTS
 from gpipe_cli.progress import eta_text, note, run_eta
@@ -83,12 +83,9 @@ class MetricsFile:
     def _failure(self, exc: OSError, record: Mapping[str, Any]) -> str:
         """One line: what failed, the space left, and how the run goes on."""
         what = f"{errno.errorcode.get(exc.errno or 0, 'error')}: {exc.strerror or exc}"
-        try:
-            free = f"{human_bytes(shutil.disk_usage(self.path.parent).free)} free on {self.path.parent}"
-        except OSError:
-            free = f"{self.path.parent} cannot be read"
-        return (f"cannot write {self.path.name} at step {record['step']} ({what}); {free}; its earlier records are "
-                f"whole; once it can be written, continue with gpipe train --resume {self.path.parent}")
+        return (f"cannot write {self.path.name} at step {record['step']} ({what}); {space_left(self.path.parent)}; "
+                f"its earlier records are whole; once it can be written, continue with gpipe train --resume "
+                f"{self.path.parent}")
 
     def close(self) -> None:
         """Close the file and the sinks."""
