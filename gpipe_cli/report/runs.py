@@ -114,6 +114,9 @@ def read_run(path: Path) -> Run:
         raise UserError(f"{metrics}: is a pipe, socket or device, not a run's records file; give the folder "
                         "`gpipe train` wrote")
     if not metrics.is_file():
+        from gpipe_cli.train.existing import check_not_runs  # only on this way out: it reads recipes
+
+        check_not_runs(path)
         raise UserError(f"{path}: not a run directory (no metrics.jsonl); give the folder `gpipe train` wrote")
     recipe_file = path / "recipe.yaml"  # none, or one that is not a mapping: the defaults' K, M and schedule
     recipe = parse_document(read_recipe_file(recipe_file), str(recipe_file)) if recipe_file.is_file() else {}

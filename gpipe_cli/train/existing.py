@@ -139,6 +139,23 @@ def holds_run(run_dir: Path) -> bool:
     return recorded or bool(candidates(run_dir / CHECKPOINTS))
 
 
+def newest_run_in(folder: Path) -> Path | None:
+    """The newest run one or two levels below `folder` (outputs/NAME/STAMP), as `gpipe export outputs` means."""
+    try:
+        runs = [run for pattern in ("*", "*/*") for run in folder.glob(pattern) if run.is_dir() and holds_run(run)]
+        return max(runs, key=lambda run: run.stat().st_mtime, default=None)
+    except OSError:  # a folder this process cannot read, or a run removed meanwhile: nothing to point to
+        return None
+
+
+def check_not_runs(folder: Path, named: str = "") -> None:
+    """Refuse a folder that holds runs rather than being one, naming its newest run (`named`: the flag, if any)."""
+    inside = newest_run_in(folder)
+    if inside is not None:  # outputs/ given for outputs/NAME/STAMP: said otherwise to hold no run at all
+        raise UserError(f"{named}{cut(str(folder), PATH_CHARS)}: not a run directory but a folder of runs; give "
+                        f"one, such as the newest: {cut(str(inside), PATH_CHARS)}")
+
+
 def remove_set_up(run_dir: Path, before: Collection[str] | None = None) -> None:
     """Remove the set-up a run that never started added to `run_dir` (it held `before`; None: made for it, it too)."""
     # Left behind, its recipe and empty records read as a run: `gpipe report outputs/x/*` refused to report. In a
@@ -360,6 +377,7 @@ def train_recipe(recipe: str | None, overrides: Sequence[str], resume: str | Non
     if not path.is_file():
         where = cut(str(run), PATH_CHARS)
         if not holds_run(run):
+            check_not_runs(run, "--resume ")
             lacks = (f"no {RECIPE} or {CHECKPOINTS}, and its {METRICS} is empty" if (run / METRICS).is_file()
                      else f"no {RECIPE}, {METRICS} or {CHECKPOINTS}")
             raise UserError(f"--resume {where}: not a run directory ({lacks}); give a folder gpipe train wrote, or "

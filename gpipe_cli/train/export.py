@@ -19,7 +19,7 @@ from gpipe_cli.models import weights
 from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.recipe_model import model_spec
 from gpipe_cli.train import checkpoint
-from gpipe_cli.train.existing import EXPORTED, METRICS, RECIPE, candidates, run_dir_of
+from gpipe_cli.train.existing import EXPORTED, METRICS, RECIPE, candidates, check_not_runs, run_dir_of
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
 
 _MODEL = "model."
@@ -44,6 +44,8 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     found, refused = checkpoint.newest_whole(Path(location), verify=True)
     if found is None:  # each refused one's reason, in the one line (they are read again: only on this way out)
         reasons = "; ".join(f"{p.name}: {checkpoint.inspect(p, verify=True)[1]}" for p in candidates(Path(location)))
+        if not reasons:
+            check_not_runs(Path(location))
         raise UserError(f"{location}: no complete checkpoint to export ({reasons or 'there are no checkpoints'})")
     for message in refused:
         print(f"[gpipe] {message}", file=sys.stderr)
