@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -102,6 +102,11 @@ def _posted(work: Any) -> Any:
     return work
 
 
+def new_group(ranks: list[int] | None = None, **options: Any) -> dist.ProcessGroup:
+    """dist.new_group, typed as torch 2.13 types it (2.14 adds the marker it returns to ranks outside the group)."""
+    return cast(dist.ProcessGroup, dist.new_group(ranks, **options))
+
+
 class TorchFabric(Fabric):
     """torch.distributed: gloo control plane; links on NCCL with a GPU per rank, else gloo."""
 
@@ -117,11 +122,11 @@ class TorchFabric(Fabric):
     def open(self, links: Sequence[Link], groups: Sequence[Ranks]) -> None:
         for link in links:
             if link not in self.links:
-                self.links[link] = dist.new_group(sorted((link.src, link.dst)), backend="nccl" if self.nccl else "gloo")
+                self.links[link] = new_group(sorted((link.src, link.dst)), backend="nccl" if self.nccl else "gloo")
         for ranks in groups:
             key = tuple(sorted(set(ranks)))
             if len(key) > 1 and key not in self.groups:
-                self.groups[key] = dist.new_group(list(key))  # the default group's backends: host and device
+                self.groups[key] = new_group(list(key))  # the default group's backends: host and device
 
     def _link(self, link: Link) -> dist.ProcessGroup:
         group = self.links.get(link)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from gpipe_cli.pipeline import placement as placement_
 from gpipe_cli.pipeline.comm import Transport
-from gpipe_cli.pipeline.fabric import BACKWARD, FORWARD, RESULT, Fabric, Link, Ranks, TorchFabric
+from gpipe_cli.pipeline.fabric import BACKWARD, FORWARD, RESULT, Fabric, Link, Ranks, TorchFabric, new_group
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ def init(stages: int, replicas: int = 1, backend: str = "auto", timeout: float =
         # With NCCL the default group has both backends, so a host tensor on it goes to gloo, never NCCL.
         dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout), device_id=dev if nccl else None)
-    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)) if nccl else None
+    control = new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)) if nccl else None
     fabric = TorchFabric(dev, nccl, control)
     topo = Topology(Layout(stages, replicas, dist.get_rank(), virtual, placement), dev,
                     Transport(dev, fabric, timeout=timeout, control=control, staging=staging))
