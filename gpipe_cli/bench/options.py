@@ -124,7 +124,7 @@ def bench_options(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[s
     if own.get("sweep") and typed:
         raise UserError(f"--sweep measures its own K and M (the paper's Table 2): leave out {', '.join(typed)}")
     return BenchOptions(model=model_of(recipe, own.pop("model", None), "measured"),
-                        **shared_fields(BenchOptions, recipe, flags, sets, CUTS), **own)
+                        **shared_fields(BenchOptions, recipe, flags, sets, CUTS, "gpipe bench"), **own)
 
 
 def validate(options: BenchOptions) -> None:

@@ -162,11 +162,24 @@ def model_of(recipe: str | None, model: str | None, done: str) -> str:
     return recipe or model or "transformer"
 
 
+def unread_problem(sets: Sequence[str], command: str) -> str | None:
+    """The refusal of a `--set` key of a section these commands do not read: it would have changed nothing."""
+    for item in sets:
+        key = item.partition("=")[0].strip()
+        section, dot, _ = key.partition(".")
+        if dot and section != "model" and key not in ALIASES.values():
+            *pipeline, last = (k.removeprefix("pipeline.") for k in ALIASES.values() if k.startswith("pipeline."))
+            return (f"--set {key}: {command} does not read it; of a recipe it reads the model section, "
+                    f"data.batch_size and the pipeline's {', '.join(pipeline)} and {last}")
+    return None
+
+
 # The recipe's keys are checked as `train` checks them, before torch loads; `cuts`: the command's own `--balance`
 # cuts; `defaults` add to the fields' own where there is no recipe.
 def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str],
-                  cuts: tuple[str, ...], **defaults: Any) -> dict[str, Any]:
+                  cuts: tuple[str, ...], command: str, **defaults: Any) -> dict[str, Any]:
     """The fields a recipe (None: the command's own model), the alias flags and `--set` give."""
+    refuse([unread_problem(sets, command)])
     own = {f.name: f.default for f in fields(options) if f.name in ALIASES and f.default not in (None, MISSING)}
     # Named by the flags, before the schema names the keys they stand for.
     k, v = (_flag_value(name, recipe, flags, sets, {**own, **defaults}.get(name, 1))

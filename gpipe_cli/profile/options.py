@@ -88,7 +88,7 @@ def profile_options(recipe: str | None, partitions: str | None, flags: Mapping[s
         # The single K is the pipeline's K, so that a --balance is checked against it, with a recipe too; with
         # chunks, the largest K's rules are the recipe's (`validate` checks the others').
         flags = {**flags, "partitions": max(listed)}
-    given = shared_fields(ProfileOptions, recipe, flags, sets, CUTS)
+    given = shared_fields(ProfileOptions, recipe, flags, sets, CUTS, "gpipe profile-memory")
     k = given.pop("partitions", None)
     return ProfileOptions(model=model, partitions=listed or ([k] if k is not None else list(DEFAULT_PARTITIONS)),
                           **given, **own)

@@ -78,3 +78,14 @@ def test_compare_is_priced_as_torch_running_the_k_stage_steps_again():
     # Its warm-up and measured steps again, and one more step that learns torch's order of work.
     assert plain.phases[2] < compared.phases[2] < 3 * plain.phases[2]
     assert compared.seconds - plain.seconds == pytest.approx(compared.phases[2] - plain.phases[2])
+
+
+@pytest.mark.parametrize("command", ["bench", "profile-memory"])
+@pytest.mark.parametrize("key", ["train.precision=bf16", "optimizer.name=sgd", "data.seq_len=64", "train.steps=3"])
+def test_a_set_key_the_command_does_not_read_is_refused_not_dropped(capsys, command, key):
+    # train.precision was told "give train.steps or train.epochs"; optimizer.name and data.seq_len changed nothing.
+    assert gpipe([command, "--set", key]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --set {key.partition('=')[0]}: gpipe {command} does not read it; of a recipe it "
+                          "reads the model section, data.batch_size and the pipeline's partitions, ") and \
+        err.count("\n") == 1
