@@ -150,21 +150,24 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: P
     if not check_data:
         return recipe
     data, model = recipe.data, recipe.model
+
+    def given(key: str) -> str:  # a key is named by the --set that gave it, as the schema's checks name it
+        return f"--set {key}" if key in (typed or {}) else key
+
     # A window asked for is never cut without a word (the default follows the model); bench, profile-memory and
     # plan read no data, so only a recipe whose data is read is held to it.
     if isinstance(model, TransformerModel) and model.arch == "decoder-only" and data.seq_len > model.max_len:
-        given = "--set data.seq_len" if "data.seq_len" in (typed or {}) else "data.seq_len"
-        raise RecipeError(f"{label}: {given} ({data.seq_len}) must be <= model.max_len ({model.max_len}): a "
-                          f"language model reads at most model.max_len tokens at once")
+        raise RecipeError(f"{label}: {given('data.seq_len')} ({data.seq_len}) must be <= model.max_len "
+                          f"({model.max_len}): a language model reads at most model.max_len tokens at once")
     # os.path.exists: False (not an exception) for names too long for the file system
     if data.source in LOCAL_SOURCES and data.path and not os.path.exists(data.path):
-        raise RecipeError(f"{label}: data.path: no such file or directory: {shown(data.path)}"
+        raise RecipeError(f"{label}: {given('data.path')}: no such file or directory: {shown(data.path)}"
                           f"{_beside(data.path, folder)}")
     if data.tokenizer and not os.path.exists(data.tokenizer):
-        raise RecipeError(f"{label}: data.tokenizer: no such sentencepiece model: {shown(data.tokenizer)}"
-                          f"{_beside(data.tokenizer, folder)}")
+        raise RecipeError(f"{label}: {given('data.tokenizer')}: no such sentencepiece model: "
+                          f"{shown(data.tokenizer)}{_beside(data.tokenizer, folder)}")
     if data.tokenizer and os.path.isdir(data.tokenizer):
-        raise RecipeError(f"{label}: data.tokenizer: {shown(data.tokenizer)} is a directory; give the "
+        raise RecipeError(f"{label}: {given('data.tokenizer')}: {shown(data.tokenizer)} is a directory; give the "
                           "sentencepiece model file (.model) in it")
     return recipe
 

@@ -70,6 +70,9 @@ def test_every_shipped_recipe_validates_and_plans(path):
     (["pipeline.balance=[1, 0]"], "pipeline.balance: every entry must be a number of layers from 1 to"),
     (["pipeline.balance=fast"], "pipeline.balance: must be auto, params, time, memory or a list"),
     (["data.source=jsonl", "data.path=/no/such/file"], "data.path: no such file or directory: '/no/such/file'"),
+    # Named by the --set that gave it: the recipe file never set it.
+    (["data.source=jsonl", "data.path=/no/such/file"], "recipe.yaml: --set data.path: no such file or directory"),
+    (["data.tokenizer=/no/such.model"], "recipe.yaml: --set data.tokenizer: no such sentencepiece model"),
     (["data.source=jsonl"], "data.path is required for data.source 'jsonl'"),
     (["model.d_model=30"], "model.d_model (30) must be divisible by model.heads (4)"),
     (["train.steps=null"], "give train.steps or train.epochs"),
