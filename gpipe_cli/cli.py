@@ -15,6 +15,7 @@ import errno
 import functools
 import inspect
 import os
+import shlex
 import signal
 import sys
 import time
@@ -427,7 +428,7 @@ def run(args: list[str]) -> int:
         named = f"gpipe {args[0]}" if args and args[0] in getattr(command, "commands", {}) else "gpipe"
         # Some of click's errors (an option missing its value) carry no context: the command typed names it.
         where = getattr(getattr(exc, "ctx", None), "command_path", None) or named
-        _error(f"{one_line(exc.format_message())} (see '{where} --help')")
+        _error(f"{_as_set(exc, where, args) or one_line(exc.format_message())} (see '{where} --help')")
         return int(exc.exit_code)
     except typer.Abort:
         print("aborted", file=sys.stderr)
@@ -441,6 +442,27 @@ def main() -> None:
     """Run this process's command line and exit with its code (`gpipe_cli.entry` calls it once Ctrl-C is held)."""
     interrupts.stop_on_signals()
     exit_now(interrupts.exit_code(run(sys.argv[1:])))
+
+
+def _as_set(exc: Exception, where: str, args: list[str]) -> str:
+    """For a recipe key typed as a flag of a command that reads recipes (`gpipe train --steps 5`), its --set."""
+    from gpipe_cli.recipe.aliases import ALIASES
+    from gpipe_cli.recipe.load import key_of_flag
+
+    # By name: typer may carry its own copy of click, whose classes are not click's.
+    if type(exc).__name__ != "NoSuchOption" or where not in ("gpipe train", "gpipe validate"):
+        return ""
+    option = str(getattr(exc, "option_name", ""))
+    typed, _, value = option.partition("=")
+    key = key_of_flag(typed) or ALIASES.get(typed.lstrip("-").replace("-", "_"))
+    if key is None:
+        return ""
+    for arg, following in zip(args, [*args[1:], None]):  # the value typed after it, or joined to it by =
+        if arg.partition("=")[0] == typed:
+            value = arg.partition("=")[2] if "=" in arg else following or ""
+            break
+    item = shlex.quote(f"{key}={value}") if value else f"{key}=VALUE"
+    return f"No such option: {typed}; {where} takes it as --set {item}"
 
 
 def _a_runs_recipe(path: str) -> bool:

@@ -408,3 +408,18 @@ def test_an_error_whose_reader_has_gone_keeps_its_exit_code(tmp_path):
 def test_h_is_help_as_most_commands_take_it(capsys, command):
     assert run([command, "-h"] if command else ["-h"]) == 0
     assert "Show this message and exit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, says", [
+    (["train", "--partitions", "2"], "No such option: --partitions; gpipe train takes it as --set pipeline.partitions=2"),
+    (["train", "--steps=5"], "No such option: --steps; gpipe train takes it as --set train.steps=5"),
+    (["validate", "--seq-len"], "No such option: --seq-len; gpipe validate takes it as --set data.seq_len=VALUE"),
+    (["train", "--name", "a b"], "No such option: --name; gpipe train takes it as --set 'name=a b'"),
+    (["train", "--colour", "3"], "No such option: --colour (see"),  # no recipe key: click's own words
+    (["plan", "--partitions", "2", "--devices", "2"], "No such option: --partitions (Possible"),  # plan searches K
+])
+def test_a_recipe_key_typed_as_a_flag_is_answered_with_its_set(capsys, args, says):
+    # `gpipe train --partitions 2` was offered --plain.
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {says}") and err.count("\n") == 1

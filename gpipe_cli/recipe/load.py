@@ -232,6 +232,14 @@ def _keys(raw: dict[str, Any], model: type[BaseModel] = Recipe, prefix: str = ""
     return out
 
 
+def key_of_flag(option: str) -> str | None:
+    """The one recipe key an option typed as a flag names (`--steps`: train.steps), else None."""
+    name = option.lstrip("-").partition("=")[0].replace("-", "_")
+    keys = {k for kind in MODEL_SECTIONS for k in _keys({"model": {"kind": kind}}) if k.rpartition(".")[2] == name}
+    nearest = [k for k in keys if k.count(".") == min(k.count(".") for k in keys)]  # train.steps, not its profile's
+    return nearest[0] if len(nearest) == 1 else None
+
+
 def _nearest(loc: Sequence[str | int], section: type[BaseModel] | None, raw: dict[str, Any]) -> str:
     """` (did you mean KEY?)` for an unknown key: a near spelling here, or the key as another section holds it."""
     name, prefix = str(loc[-1]), "".join(f"{p}." for p in loc[:-1])
