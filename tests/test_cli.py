@@ -411,7 +411,8 @@ def test_h_is_help_as_most_commands_take_it(capsys, command):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["train", "--partitions", "2"], "No such option: --partitions; gpipe train takes it as --set pipeline.partitions=2"),
+    (["train", "--partitions", "2"],
+     "No such option: --partitions; gpipe train takes it as --set pipeline.partitions=2"),
     (["train", "--steps=5"], "No such option: --steps; gpipe train takes it as --set train.steps=5"),
     (["validate", "--seq-len"], "No such option: --seq-len; gpipe validate takes it as --set data.seq_len=VALUE"),
     (["train", "--name", "a b"], "No such option: --name; gpipe train takes it as --set 'name=a b'"),

@@ -149,18 +149,24 @@ def rendezvous(world: int, options: LaunchOptions) -> Rendezvous:
                       node_rank=(options.node_rank or 0) if backend == "static" else None)
 
 
+def resolve(endpoint: str) -> tuple[str, str, str]:
+    """`HOST:PORT` split as rpartition splits it, once this node knows HOST; UserError otherwise."""
+    host, sep, port = endpoint.rpartition(":")
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise UserError(f"--rdzv-endpoint {endpoint}: {host} is not a host name or address this node knows "
+                        f"({exc.strerror or exc}); give the name or address of the node that hosts the rendezvous "
+                        "(node 0)") from None
+    return host, sep, port
+
+
 def reach(rdzv: Rendezvous, said: Callable[[str], None], patience: float = RDZV_WAIT_S) -> None:
     """Resolve the rendezvous host; on a node that is not its store's, wait until the store answers (or `patience`)."""
     # torch's store retries for 15 minutes inside C++, where Ctrl-C and SIGTERM go unanswered: this wait is Python's.
     if rdzv.endpoint is None:
         return
-    host, _, port = rdzv.endpoint.rpartition(":")
-    try:
-        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise UserError(f"--rdzv-endpoint {rdzv.endpoint}: {host} is not a host name or address this node knows "
-                        f"({exc.strerror or exc}); give the name or address of the node that hosts the rendezvous "
-                        "(node 0)") from None
+    host, _, port = resolve(rdzv.endpoint)
     if rdzv.backend != "static" or not rdzv.node_rank:
         return  # node 0 hosts the store; with c10d the node at the endpoint does
     deadline, told = time.monotonic() + patience, False

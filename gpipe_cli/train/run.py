@@ -27,7 +27,7 @@ from gpipe_cli.launch import (
     under_torchrun,
     warming,
 )
-from gpipe_cli.launch.preflight import dry_run_lines, rendezvous
+from gpipe_cli.launch.preflight import dry_run_lines, rendezvous, resolve
 from gpipe_cli.models import families
 from gpipe_cli.progress import note
 from gpipe_cli.recipe.load import recipe_label
@@ -192,6 +192,8 @@ def train(options: TrainOptions) -> int:
         raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the recipe needs "
                         f"partitions x data_parallel = {world}")
     local = check_launch(options.launch, world)
+    if options.launch.rdzv_endpoint and not options.dry_run and not under_torchrun():  # before seconds of planning
+        resolve(options.launch.rdzv_endpoint)
     if options.output_dir and os.path.exists(options.output_dir) and not os.path.isdir(options.output_dir):
         raise UserError(f"--output-dir: {shown(options.output_dir)} exists and is not a directory")
     if not options.resume:  # a new run's folder: refused before the plan's seconds of measuring

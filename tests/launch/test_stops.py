@@ -114,3 +114,16 @@ def test_a_node_meets_its_rendezvous_only_once_its_host_is_known_and_node_0_answ
     assert lines == [f"waiting for node 0's rendezvous at {endpoint} (Ctrl-C stops)"]
     reach(rendezvous(2, LaunchOptions(nnodes="2", node_rank=0, rdzv_endpoint=endpoint)), lines.append, 1.0)
     assert len(lines) == 1  # node 0 hosts the store: nothing to wait for
+
+
+def test_an_unknown_rendezvous_host_is_refused_before_the_plan_is_measured(tmp_path, monkeypatch, capsys):
+    # It was said after the plan's seconds of measuring and a line saying that a rank was starting.
+    from gpipe_cli.cli import run
+
+    monkeypatch.setattr("gpipe_cli.train.plan.make_plan", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--plain", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "host0.invalid:29500"]
+    assert run(args) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: --rdzv-endpoint host0.invalid:29500: host0.invalid is not a host name")
+    assert "starting" not in captured.out and list(tmp_path.iterdir()) == []
