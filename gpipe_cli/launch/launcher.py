@@ -55,7 +55,7 @@ def launch_options(nnodes: str | None = None, node_rank: int | None = None, rdzv
     """The options as given; inside a multi-node srun step, what is not given comes from Slurm (unless --nnodes is)."""
     step = None if nnodes is not None or under_torchrun() else slurm_step(environ)
     if step is None:
-        return LaunchOptions(nnodes=nnodes or "1", node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+        return LaunchOptions(nnodes="1" if nnodes is None else nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                              rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, threads=threads)
     check_one_task_per_node(step)
     static = rdzv_backend in (None, "static")  # c10d ranks nodes itself

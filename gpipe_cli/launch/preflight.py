@@ -26,8 +26,8 @@ RDZV_WAIT_S = 900.0  # how long a node waits for node 0's rendezvous to answer, 
 def parse_nodes(nnodes: str) -> tuple[int, int]:
     """`--nnodes N` or `MIN:MAX` as (MIN, MAX)."""
     try:
-        low, _, high = nnodes.partition(":")
-        lo, hi = int(low), int(high or low)
+        low, sep, high = nnodes.partition(":")
+        lo, hi = int(low), int(high if sep else low)  # `1:` names no MAX: refused, not read as 1
     except ValueError:
         raise UserError(f"--nnodes: must be N or MIN:MAX (got {shown(nnodes)})") from None
     if not 0 < lo <= hi <= 1 << 16:
@@ -39,13 +39,21 @@ def check_launch(options: LaunchOptions, world: int) -> int:
     """Check the launch arguments against a job of `world` ranks; returns the ranks on this node."""
     if options.threads is not None and not 1 <= options.threads <= MAX_THREADS:
         raise UserError(outside("--threads", options.threads, 1, MAX_THREADS) or "")
-    _, max_nodes = parse_nodes(options.nnodes)
+    min_nodes, max_nodes = parse_nodes(options.nnodes)
+    if min_nodes < max_nodes:  # torchrun would start the job on MIN nodes, with too few ranks for the pipeline
+        raise UserError(f"--nnodes {options.nnodes}: the job needs all of its {world} ranks, so the nodes cannot be "
+                        f"fewer than {max_nodes}; give --nnodes {max_nodes}")
     if world % max_nodes:
         raise UserError(f"the job needs {world} processes, which does not divide over {max_nodes} nodes")
     if options.node_rank is not None and not 0 <= options.node_rank < max_nodes:
         raise UserError(f"--node-rank: must be >= 0 and < the number of nodes, {max_nodes} (got {options.node_rank})")
     if options.rdzv_backend not in (None, "static", "c10d"):
         raise UserError(f"--rdzv-backend: must be static or c10d (got {shown(options.rdzv_backend)})")
+    if options.rdzv_backend == "static" and max_nodes > 1 and options.node_rank is None:  # all would be node 0
+        raise UserError(f"--rdzv-backend static: give each of the {max_nodes} nodes its --node-rank (0 to "
+                        f"{max_nodes - 1}), or leave the backend out to let c10d rank the nodes")
+    if options.rdzv_id is not None and not options.rdzv_id.strip():
+        raise UserError("--rdzv-id: an empty id names no job; give the same word on every node, or leave it out")
     if options.rdzv_endpoint is not None:
         host, sep, port = options.rdzv_endpoint.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:

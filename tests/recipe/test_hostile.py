@@ -244,6 +244,15 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "nnodes zero": (GOOD, ["--nnodes", "0"], "--nnodes: must satisfy"),
     "nnodes reversed": (GOOD, ["--nnodes", "2:1"], "--nnodes: must satisfy"),
     "nnodes word": (GOOD, ["--nnodes", "two"], "--nnodes: must be N or MIN:MAX"),
+    "nnodes without max": (GOOD, ["--nnodes", "1:", "--rdzv-endpoint", "h:1"], "--nnodes: must be N or MIN:MAX"),
+    "nnodes empty": (GOOD, ["--nnodes", ""], "--nnodes: must be N or MIN:MAX (got '')"),
+    # Started on MIN nodes, the job would have too few ranks for its pipeline.
+    "nnodes range": (GOOD, ["--nnodes", "1:2", "--rdzv-endpoint", "h:1"], "--nnodes 1:2: the job needs all of its "),
+    # Every node would be node 0.
+    "static without node rank": (GOOD, ["--rdzv-backend", "static", "--nnodes", "2", "--rdzv-endpoint", "h:1"],
+                                 "--rdzv-backend static: give each of the 2 nodes its --node-rank (0 to 1)"),
+    "empty rendezvous id": (GOOD, ["--rdzv-id", "", "--nnodes", "2", "--rdzv-endpoint", "h:1"],
+                            "--rdzv-id: an empty id names no job"),
     "node rank word": (GOOD, ["--node-rank", "first"], "--node-rank"),
     "unknown option": (GOOD, ["--fast"], "No such option: --fast"),
     "nodes without endpoint": (GOOD, ["--nnodes", "2"], "needs --rdzv-endpoint HOST:PORT"),
