@@ -47,7 +47,11 @@ class Tokenizer:
         if not p.is_file():
             raise DataError(f"tokenizer file '{p}' does not exist")
         try:
-            return cls(p.read_bytes(), p)
+            proto = p.read_bytes()
+        except OSError as e:  # not "not a sentencepiece model": the file may be fine
+            raise DataError(f"cannot read tokenizer file '{p}' ({e.strerror or e})") from None
+        try:
+            return cls(proto, p)
         except DataError:
             raise
         except Exception as e:  # sentencepiece raises RuntimeError/OSError for non-model files

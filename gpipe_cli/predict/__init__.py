@@ -89,4 +89,8 @@ def export_file(path: str) -> Path:
         if not (file / EXPORTED).is_file():
             raise UserError(f"{shown(path)} is a directory without {EXPORTED}; {WRITE_ONE}")
         file = file / EXPORTED
+    try:  # safetensors words a file it may not read as one that is not there
+        open(file, "rb").close()
+    except OSError as exc:
+        raise UserError(f"cannot read {shown(str(file))} ({exc.strerror or exc})") from None
     return file

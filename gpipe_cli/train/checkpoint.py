@@ -143,7 +143,11 @@ def inspect(path: Path, verify: bool = False) -> tuple[Found | None, str | None]
     for name, expected in sums.items() if verify else ():
         if name not in files:
             return None, f"file {name} is missing"
-        if checksum(path / name) != expected:
+        try:
+            same = checksum(path / name) == expected
+        except OSError as exc:  # no permission, a failing disk: this checkpoint cannot be used, an older one may
+            return None, f"file {name} cannot be read ({exc.strerror or exc})"
+        if not same:
             return None, f"file {name} does not match its checksum (the data changed after it was written)"
     return Found(path, step, manifest), None
 

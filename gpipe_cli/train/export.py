@@ -19,7 +19,7 @@ from gpipe_cli.models import weights
 from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.recipe_model import model_spec
 from gpipe_cli.train import checkpoint
-from gpipe_cli.train.existing import EXPORTED, METRICS, RECIPE, candidates, check_not_runs, run_dir_of
+from gpipe_cli.train.existing import CHECKPOINTS, EXPORTED, METRICS, RECIPE, candidates, check_not_runs, run_dir_of
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
 
 _MODEL = "model."
@@ -46,6 +46,9 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
         reasons = "; ".join(f"{p.name}: {checkpoint.inspect(p, verify=True)[1]}" for p in candidates(Path(location)))
         if not reasons:
             check_not_runs(Path(location))
+            folder = Path(location) / CHECKPOINTS
+            if folder.is_dir() and not os.access(folder, os.R_OK | os.X_OK):  # not "there are no checkpoints"
+                raise UserError(f"{location}: cannot read {shown_path(folder)} (permission denied)")
         raise UserError(f"{location}: no complete checkpoint to export ({reasons or 'there are no checkpoints'})")
     for message in refused:
         print(f"[gpipe] {message}", file=sys.stderr)
@@ -111,6 +114,13 @@ def _described(tensors: dict[str, torch.Tensor], run_dir: Path, step: int,
     tokenizer, missing = None, None
     if spec.task != "image":
         source = Path(recipe.data.tokenizer) if recipe.data.tokenizer else run_dir / TOKENIZER_FILE
+        try:  # a tokenizer this process may not read is refused: once it can be read, the export is whole
+            open(source.expanduser(), "rb").close()
+        except PermissionError as exc:
+            raise UserError(f"cannot read the run's tokenizer {shown_path(source)} ({exc.strerror}); the export "
+                            "holds it for gpipe predict") from None
+        except OSError:  # missing: said below, and written all the same
+            pass
         try:  # named whole: gpipe predict repeats the reason, perhaps in another folder
             tokenizer = Tokenizer.load(os.path.abspath(source.expanduser())).model_bytes  # found now, not by predict
         except DataError as exc:

@@ -247,3 +247,15 @@ def test_an_export_of_a_newer_format_says_to_upgrade(tmp_path, capsys):
     line = one_error_line(code, captured.err, captured.out)
     assert line == (f"error: {str(path)!r} cannot be read: it was written by a newer gpipe-cli (export format 99; "
                     "this one reads 1); upgrade gpipe-cli to use it"), line
+
+
+def test_a_model_file_that_cannot_be_read_is_said_so_not_called_missing(exports, monkeypatch, capsys):
+    # safetensors said "No such file or directory" of a file this process may not read.
+    def refused(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr("gpipe_cli.predict.open", refused, raising=False)
+    code = run(["predict", str(exports["lm"]), "one"])
+    captured = capsys.readouterr()
+    assert one_error_line(code, captured.err, captured.out) == (f"error: cannot read '{exports['lm']}' (Permission "
+                                                                "denied)")

@@ -134,6 +134,26 @@ def test_every_file_has_a_checksum_and_flipped_bytes_are_refused(tmp_path):
     assert len(refused) == 1 and f"file {data.name} does not match its checksum" in refused[0]
 
 
+def test_a_file_that_cannot_be_read_is_named_and_the_checkpoint_before_it_used(tmp_path, monkeypatch):
+    # A shard this process may not read was a PermissionError traceback in export and resume.
+    save_one(tmp_path, 5)
+    save_one(tmp_path, 6, value=2.0)
+    newest = checkpoint.path_for(tmp_path, 6)
+    data = next(p for p in newest.iterdir() if p.suffix == ".distcp")
+    read = checkpoint.checksum
+
+    def checksum(path: Path) -> str:
+        if path == data:
+            raise PermissionError(13, "Permission denied", str(path))
+        return read(path)
+
+    monkeypatch.setattr(checkpoint, "checksum", checksum)
+    found, refused = checkpoint.newest_whole(tmp_path, verify=True)
+    assert found is not None and found.step == 5
+    assert refused == [f"checkpoint {newest} is incomplete or corrupt: file {data.name} cannot be read (Permission "
+                       "denied); using the one before it"]
+
+
 @pytest.mark.parametrize("step", ['"seven"', "-1", "true", "null", "1.5"])
 def test_a_manifest_with_a_bad_step_is_refused(tmp_path, step):
     save_one(tmp_path, 2)

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from gpipe_cli.errors import UserError
 from gpipe_cli.train import checkpoint
 from gpipe_cli.train.export import export
 from tests.train.as_ranks import gpipe_train
@@ -144,6 +145,19 @@ def test_a_damaged_tokenizer_is_said_at_export_and_left_out(trained, tmp_path, c
     assert "the export holds no tokenizer" in err
     with safe_open(str(path), framework="pt") as f:
         assert "tokenizer" not in f.metadata()
+
+
+@pytest.mark.slow
+def test_a_tokenizer_that_cannot_be_read_refuses_the_export(trained, tmp_path, monkeypatch):
+    # It was called "not a sentencepiece model" and left out, and the export that predict refuses exited 0.
+    def refused(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr("gpipe_cli.train.export.open", refused, raising=False)
+    with pytest.raises(UserError, match=r"^cannot read the run's tokenizer '.*tokenizer\.model' \(Permission denied\); "
+                                        "the export holds it for gpipe predict$"):
+        export(str(trained), str(tmp_path / "model.safetensors"))
+    assert not (tmp_path / "model.safetensors").exists()
 
 
 @pytest.mark.slow

@@ -55,6 +55,16 @@ def test_a_run_folder_without_checkpoints_says_so(tmp_path: Path, capsys):
     assert list((tmp_path / "run").iterdir()) == []
 
 
+def test_a_checkpoints_folder_that_cannot_be_read_is_said_so(tmp_path, monkeypatch, capsys):
+    # It was "there are no checkpoints".
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    monkeypatch.setattr("gpipe_cli.train.export.os.access", lambda path, mode: False)
+    code = run(["export", str(tmp_path / "run")])
+    captured = capsys.readouterr()
+    assert one_error_line(code, captured.err, captured.out) == (
+        f"error: {tmp_path / 'run'}: cannot read '{tmp_path / 'run' / 'checkpoints'}' (permission denied)")
+
+
 def test_an_output_that_is_a_symbolic_link_is_refused_not_replaced(tmp_path, capsys):
     run_dir = tmp_path / "run"
     save_one(run_dir, 2, value=1.0)
