@@ -99,6 +99,14 @@ class AmoebaNetModel(Section):
     aux_head: StrictBool = False
     label_smoothing: Probability = 0.1
 
+    @field_validator("layers", "filters")
+    @classmethod
+    def _whole_cells(cls, value: int, info: ValidationInfo) -> int:
+        step = 3 if info.field_name == "layers" else 4  # cells of three stacks; four operations a cell combines
+        if value % step:
+            raise ValueError(f"model.{info.field_name}: must be a positive multiple of {step} (got {value})")
+        return value
+
 
 class TransformerModel(Section):
     """The GPipe Transformer: encoder-decoder for translation or decoder-only for language modelling."""

@@ -247,3 +247,13 @@ def test_numbers_read_as_yaml_1_2_reads_them_not_as_yaml_1_1(text, value):
     # YAML 1.1 read `010` as 8 and `1:30` as 90: a recipe's figure silently other than the one typed.
     read = parse_yaml(f"x: {text}\n", "recipe.yaml")["x"]
     assert read == value and type(read) is type(value)
+
+
+@pytest.mark.parametrize("key, value, says", [("layers", 4, "3"), ("filters", 6, "4")])
+def test_an_amoebanet_size_of_no_whole_cells_reads_as_bench_says_it(tmp_path, key, value, says):
+    # A recipe said "model: AmoebaNet layers must ..." where bench says "--layers: must ...".
+    path = tmp_path / "recipe.yaml"
+    path.write_text("model: {kind: amoebanet}\ntrain: {steps: 1}\n")
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(str(path), [f"model.{key}={value}"])
+    assert str(caught.value) == f"{path}: --set model.{key}: must be a positive multiple of {says} (got {value})"
