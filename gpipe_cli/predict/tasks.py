@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -47,7 +48,11 @@ def translator(exported: Exported, model: nn.Module) -> Answer:
     tok, max_len = _tokenizer(exported), int(exported.spec.config["max_len"])
 
     def answer(text: str) -> Iterator[str]:
-        ids = tok.encode(_text(text, "translation"))[:max_len]  # as evaluation truncates a long source
+        ids = tok.encode(_text(text, "translation"))
+        if len(ids) > max_len:  # cut as evaluation cuts a long source, and said: the translation ends early
+            print(f"[gpipe] a sentence of {len(ids):,} tokens: its first {max_len} are translated (the model reads "
+                  f"at most model.max_len = {max_len})", file=sys.stderr, flush=True)
+            ids = ids[:max_len]
         if ids:
             out = translate(encoding_once(model), torch.tensor([ids]), translation_limit(len(ids), max_len),
                             tok.vocab_size)

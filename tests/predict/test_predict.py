@@ -259,3 +259,13 @@ def test_a_model_file_that_cannot_be_read_is_said_so_not_called_missing(exports,
     captured = capsys.readouterr()
     assert one_error_line(code, captured.err, captured.out) == (f"error: cannot read '{exports['lm']}' (Permission "
                                                                 "denied)")
+
+
+def test_a_sentence_longer_than_the_model_reads_is_said_to_be_cut(exports, capsys):
+    # Its first max_len tokens were translated with no word, the rest of the sentence dropped.
+    assert run(["predict", str(exports["translation"]), " ".join(["seven"] * 40), "seven"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[gpipe] a sentence of ") and lines[0].endswith(
+        "tokens: its first 24 are translated (the model reads at most model.max_len = 24)")
+    assert len(captured.out.split("\n")) == 3  # both sentences answered
