@@ -64,7 +64,8 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     tensors, metadata = _described(tensors, run_dir, found.step, dtype)
     target = Path(output) if output is not None else _default_place(found.path, run_dir)
     # A full disk, a read-only file system: one line, and nothing left behind.
-    with writing(target, "--output" if output is not None else ""), atomic_path(target) as tmp:
+    elsewhere = "" if output is not None else "; write it elsewhere with --output FILE"
+    with writing(target, "--output" if output is not None else "", elsewhere), atomic_path(target) as tmp:
         try:
             save_file(tensors, str(tmp), metadata=metadata)
         except SafetensorError as exc:

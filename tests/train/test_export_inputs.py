@@ -228,3 +228,19 @@ def test_a_course_a_resume_set_aside_is_exported_beside_the_runs_model_not_over_
     assert f"wrote {target}\n" in capsys.readouterr().out
     assert torch.all(load_file(str(target))["weight"] == 2.0)
     assert (run_dir / "model.safetensors").read_bytes() == own
+
+
+def test_a_run_directory_that_cannot_take_the_export_points_to_output(tmp_path, monkeypatch, capsys):
+    # It said only "cannot write" of a read-only run directory, where --output is the way on.
+    from safetensors import SafetensorError
+
+    def read_only(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: Permission denied (os error 13)")
+
+    monkeypatch.setattr("safetensors.torch.save_file", read_only)
+    save_one(tmp_path / "run", 2, value=1.0)
+    code = run(["export", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    target = tmp_path / "run" / "model.safetensors"
+    assert code == 2 and [line for line in err.splitlines() if "error" in line] == [
+        f"error: cannot write {str(target)!r} (Permission denied); write it elsewhere with --output FILE"], err
