@@ -157,16 +157,16 @@ def rendezvous(world: int, options: LaunchOptions) -> Rendezvous:
                       node_rank=(options.node_rank or 0) if backend == "static" else None)
 
 
-def resolve(endpoint: str) -> tuple[str, str, str]:
-    """`HOST:PORT` split as rpartition splits it, once this node knows HOST; UserError otherwise."""
-    host, sep, port = endpoint.rpartition(":")
+def resolve(endpoint: str) -> tuple[str, int]:
+    """`HOST:PORT` as (HOST, PORT), once this node knows HOST; UserError otherwise."""
+    host, _, port = endpoint.rpartition(":")
     try:
         socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
     except OSError as exc:
         raise UserError(f"--rdzv-endpoint {endpoint}: {host} is not a host name or address this node knows "
                         f"({exc.strerror or exc}); give the name or address of the node that hosts the rendezvous "
                         "(node 0)") from None
-    return host, sep, port
+    return host, int(port)
 
 
 def reach(rdzv: Rendezvous, said: Callable[[str], None], patience: float = RDZV_WAIT_S) -> None:
@@ -174,13 +174,13 @@ def reach(rdzv: Rendezvous, said: Callable[[str], None], patience: float = RDZV_
     # torch's store retries for 15 minutes inside C++, where Ctrl-C and SIGTERM go unanswered: this wait is Python's.
     if rdzv.endpoint is None:
         return
-    host, _, port = resolve(rdzv.endpoint)
+    host, port = resolve(rdzv.endpoint)
     if rdzv.backend != "static" or not rdzv.node_rank:
         return  # node 0 hosts the store; with c10d the node at the endpoint does
     deadline, told = time.monotonic() + patience, False
     while True:
         try:
-            socket.create_connection((host, int(port)), timeout=1.0).close()
+            socket.create_connection((host, port), timeout=1.0).close()
             return
         except OSError:
             if time.monotonic() >= deadline:
