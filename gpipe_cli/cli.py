@@ -19,6 +19,7 @@ import shlex
 import signal
 import sys
 import time
+import traceback
 import typing
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import MISSING
@@ -51,12 +52,12 @@ class _Commands(typer.core.TyperGroup):
     """The commands: an int returned is the exit code; bad input is one line on stderr, never a traceback."""
 
     def make_context(self, *args: Any, **kwargs: Any) -> Any:
-        with _reader_gone():  # `gpipe --help | head -1`
+        with _reader_gone(), _stdout_lost():  # `gpipe --help | head -1`, `gpipe --help > /dev/full`
             return super().make_context(*args, **kwargs)
 
     def invoke(self, ctx: Any) -> Any:
         try:
-            with _reader_gone():
+            with _reader_gone(), _stdout_lost():
                 code = super().invoke(ctx)
         except UserError as exc:
             _error(one_line(str(exc)))
@@ -83,6 +84,34 @@ def _reader_gone() -> Iterator[None]:
     except BrokenPipeError:
         _to_null(sys.stdout)
         raise typer.Exit(128 + signal.SIGPIPE) from None
+
+
+@contextlib.contextmanager
+def _stdout_lost() -> Iterator[None]:
+    """Standard output that cannot take what is written (`gpipe validate > /dev/full`) is one line and exit 1."""
+    try:
+        yield
+    except OSError as exc:
+        if not _stdout_failed(exc):
+            raise
+        _to_null(sys.stdout)
+        _error(f"cannot write to standard output ({exc.strerror or exc}); what it should have shown is lost")
+        raise typer.Exit(1) from None
+
+
+def _stdout_failed(exc: OSError) -> bool:
+    """Whether `exc` came from standard output that cannot take what is written (a full disk, a device error)."""
+    # Files a command writes are named by their own checks; one left unhandled fails on stdout, which fails again.
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO) or sys.stdout is None:
+        return False
+    frames = traceback.walk_tb(exc.__traceback__)
+    if any(getattr(frame.f_locals.get("self"), "file", None) is sys.stdout for frame, _ in frames):  # rich's write
+        return True
+    try:  # print's: what it could not write is still buffered
+        sys.stdout.flush()
+    except OSError:
+        return True
+    return False
 
 
 def _to_null(stream: typing.TextIO) -> None:

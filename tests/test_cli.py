@@ -424,3 +424,15 @@ def test_a_recipe_key_typed_as_a_flag_is_answered_with_its_set(capsys, args, say
     assert run(args) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {says}") and err.count("\n") == 1
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["validate"], ["--help"], ["plan", "--devices", "2", "--tflops", "10",
+                                                             "--bandwidth", "10"]])
+def test_standard_output_on_a_full_disk_is_one_line_not_a_traceback(tmp_path, args):
+    # rich's write raised ENOSPC through every command: a traceback of 50 lines, exit 1.
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "gpipe_cli", *args], stdout=full, stderr=subprocess.PIPE,
+                              text=True, cwd=tmp_path, timeout=300, env={**os.environ, "COLUMNS": "120"})
+    assert proc.returncode == 1 and proc.stderr == ("error: cannot write to standard output (No space left on "
+                                                    "device); what it should have shown is lost\n"), proc.stderr
