@@ -12,7 +12,7 @@ from typing import Any
 
 from gpipe_cli.data.sources import first_line
 from gpipe_cli.errors import DataError
-from gpipe_cli.files import atomic_write_bytes
+from gpipe_cli.files import atomic_write_bytes, space_left, writing
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 TOKENIZER_FILE = "tokenizer.model"
@@ -88,7 +88,8 @@ class Tokenizer:
 
     def save(self, path: Path) -> Path:
         """Write the model file atomically (other ranks may be reading the folder)."""
-        atomic_write_bytes(path, self._proto)
+        with writing(path, "", f"; {space_left(path.parent)}"):  # a full disk: one line, as for a checkpoint
+            atomic_write_bytes(path, self._proto)
         self.path = path
         return path
 

@@ -65,8 +65,9 @@ def _claim(run_dir: Path, where: str, instead: str, made: bool) -> tuple[int | N
             os.close(fd)
             return None, created
         if _ours(fd, run_dir / LOCK):
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+            with contextlib.suppress(OSError):  # who holds it, for another launch's line; a full disk is said next
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
             return fd, created
         os.close(fd)  # its holder ended and removed it after this process opened it: lock the file there now
     return None, created

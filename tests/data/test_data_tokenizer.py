@@ -72,3 +72,34 @@ def test_vocab_larger_than_model_is_an_error(tmp_path: Path) -> None:
     d = data(source="jsonl", path=str(_corpus(tmp_path)), vocab_size=100)
     with pytest.raises(DataError, match="exceeds model.vocab_size"):
         build_data(d, "translation", seed=0, vocab_size=64)
+
+
+def test_a_tokenizer_that_cannot_be_saved_is_one_line_saying_the_space_left(tmp_path: Path, monkeypatch) -> None:
+    # A full disk while the run saved its tokenizer was a rank's traceback.
+    import errno
+    import os
+
+    from gpipe_cli.errors import UserError
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(tokenizer_mod, "atomic_write_bytes", full)
+    tok = train_tokenizer(["one two three four five six seven"] * 50, 30)
+    with pytest.raises(UserError) as caught:
+        tok.save(tmp_path / TOKENIZER_FILE)
+    assert str(caught.value).startswith(f"cannot write '{tmp_path / TOKENIZER_FILE}' (No space left on device); ")
+    assert str(caught.value).endswith(f" free on {tmp_path}")
+
+
+def test_a_tokenizer_file_that_cannot_be_read_is_said_so(tmp_path: Path, monkeypatch) -> None:
+    # It was called "not a sentencepiece model".
+    path = tmp_path / TOKENIZER_FILE
+    path.write_bytes(b"x")
+
+    def refused(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", refused)
+    with pytest.raises(DataError, match=r"^cannot read tokenizer file '.*' \(Permission denied\)$"):
+        Tokenizer.load(path)

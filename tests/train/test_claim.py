@@ -63,6 +63,20 @@ def test_a_claim_makes_the_directory_names_its_process_and_leaves_nothing_once_i
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]  # the lock file goes, the run stays
 
 
+def test_a_full_disk_still_holds_the_claim_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    # The line naming the holder could not be written: a traceback, and the directory and its lock left behind.
+    import errno
+
+    def full(fd, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(claim.os, "ftruncate", full)
+    run = tmp_path / "run"
+    with claim.held(run, "--output-dir", "wait") as made:
+        assert made and (run / claim.LOCK).exists()
+    assert not run.exists()
+
+
 @pytest.mark.parametrize("then, stays", [
     ({}, False),
     ({"metrics.jsonl": '{"kind": "train", "step": 1}\n'}, True),  # a step was recorded: a run, kept
