@@ -93,4 +93,9 @@ def write(target: Path, events: Sequence[Mapping[str, Any]], title: str) -> tupl
     """Write both files for `--trace FILE`; the PNG path is None when matplotlib is missing."""
     json_path, png_path = paths(target)
     atomic_write_text(json_path, json.dumps(chrome_trace(events, title)))
-    return json_path, png_path if write_gantt(png_path, events, title) else None
+    try:
+        drawn = write_gantt(png_path, events, title)
+    except BaseException:  # the chart could not be written: nor is the trace, as the error line says
+        json_path.unlink(missing_ok=True)
+        raise
+    return json_path, png_path if drawn else None

@@ -29,3 +29,19 @@ def test_interleaved_names_each_actions_chunk():
     assert {e["name"] for e in drawn if e["tid"] == 0} >= {"F0/c0", "F0/c2"}
     assert all(e["args"]["chunk"] % 2 == e["tid"] for e in drawn)
     assert not any("/c" in e["name"] for e in x_events(events_of("1f1b", 2, 2)))
+
+
+def test_a_chart_that_cannot_be_written_takes_its_trace_back(tmp_path, monkeypatch):
+    # The line said the trace could not be written, and its JSON stayed on the disk.
+    import errno
+    import os
+
+    import pytest
+
+    def full(path, events, title):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(trace, "write_gantt", full)
+    with pytest.raises(OSError, match="No space left"):
+        trace.write(tmp_path / "t.json", events_of("gpipe", 2, 2), "t")
+    assert list(tmp_path.iterdir()) == []
