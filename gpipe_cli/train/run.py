@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -327,5 +328,13 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
     with tempfile.TemporaryDirectory(prefix="gpipe-") as folder:
         path = Path(folder) / "job.json"
         path.write_text(json.dumps(dataclasses.asdict(job)))
-        return launch("gpipe_cli.train.worker", [str(path)], world, options.launch, stages=recipe.pipeline.partitions,
-                      started=Path(folder) / STARTED)
+        try:
+            return launch("gpipe_cli.train.worker", [str(path)], world, options.launch,
+                          stages=recipe.pipeline.partitions, started=Path(folder) / STARTED)
+        except KeyboardInterrupt:  # a second Ctrl-C while the ranks finished: not "nothing was written"
+            run_dir = new_dir or options.output_dir or (run_dir_of(resume) if resume else None)
+            if run_dir is None or not holds_run(Path(run_dir)):
+                raise
+            on = f"; continue with gpipe train --resume {run_dir}" if candidates(Path(run_dir)) else ""
+            print(f"gpipe train: interrupted; {run_dir} keeps what the run wrote{on}", file=sys.stderr, flush=True)
+            return 128 + signal.SIGINT

@@ -284,3 +284,23 @@ def test_a_rank_that_fails_removes_its_lock_file_before_it_ends(tmp_path):
         claim.remove_now()
         assert os.listdir(run) == []
     assert os.listdir(run) == []
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_a_ctrl_c_once_the_run_wrote_says_where_it_is_kept(tmp_path, monkeypatch, capsys, checkpoint):
+    # A second Ctrl-C while the ranks ended said "nothing was written" of a run with its checkpoint and records.
+    from gpipe_cli.cli import run
+
+    run_dir = tmp_path / "run"
+
+    def launch(module, args, *rest, **kwargs):
+        (run_dir / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+        if checkpoint:
+            (run_dir / "checkpoints" / "step-00000001").mkdir(parents=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("gpipe_cli.train.run.launch", launch)
+    recipe = recipes.write(tmp_path, recipes.TINY_AMOEBANET)
+    assert run(["train", str(recipe), "--plain", "--output-dir", str(run_dir)]) == 130
+    on = f"; continue with gpipe train --resume {run_dir}" if checkpoint else ""
+    assert capsys.readouterr().err == f"gpipe train: interrupted; {run_dir} keeps what the run wrote{on}\n"
