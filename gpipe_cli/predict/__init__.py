@@ -20,6 +20,8 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
     """Print one line per input (None: stdin's) of the export at `path`: translation, continuation or top classes."""
     # Found before torch loads (seconds), as a mistake is everywhere else.
     export_file(path)
+    if sys.stdout is None:  # started with it closed (`>&-`): the answers would go nowhere
+        raise UserError("standard output is closed: predict prints its answers there; give it a file or a pipe")
     if max_tokens is not None and not 1 <= max_tokens <= MAX_TOKENS:
         raise UserError(f"--max-tokens: must be >= 1 and <= {MAX_TOKENS:,} (got {max_tokens})")
     from gpipe_cli import interrupts

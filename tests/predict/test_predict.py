@@ -269,3 +269,12 @@ def test_a_sentence_longer_than_the_model_reads_is_said_to_be_cut(exports, capsy
     assert len(lines) == 1 and lines[0].startswith("[gpipe] a sentence of ") and lines[0].endswith(
         "tokens: its first 24 are translated (the model reads at most model.max_len = 24)")
     assert len(captured.out.split("\n")) == 3  # both sentences answered
+
+
+def test_a_closed_standard_output_is_one_line(exports, monkeypatch, capsys):
+    # `gpipe predict M one >&-` was an AttributeError traceback.
+    monkeypatch.setattr("sys.stdout", None)
+    code = run(["predict", str(exports["lm"]), "one"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.err == ("error: standard output is closed: predict prints its answers there; give "
+                                          "it a file or a pipe\n")
