@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -139,6 +140,12 @@ class AbortWatch:
                 os._exit(EXIT_CODE)
 
 
+def _stdout_full(exc: BaseException) -> bool:
+    """Whether `exc` is standard output's disk refusing a line (full, over quota, a file too large)."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) \
+        and any(frame.f_locals.get("self") is sys.stdout for frame, _ in traceback.walk_tb(exc.__traceback__))
+
+
 def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None,
                 quiet: tuple[type[BaseException], ...] = ()) -> T:
     """Run `fn`; on an exception print it with `label`, stop every rank, and exit this one."""
@@ -177,11 +184,16 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
             # bad input, or one error hit by several ranks, is shown once, by the rank that reported it
         elif user_error:
             print(f"error: {summary}", file=sys.stderr, flush=True)
+        elif _stdout_full(exc):  # a log on a full disk: the disk is the news, not where the line was printed
+            why = getattr(exc, "strerror", exc)
+            print(f"[gpipe] {label} stopped: cannot write to standard output ({why}); the run ends at its last "
+                  "checkpoint", file=sys.stderr, flush=True)
         elif _timed_out(exc):  # a peer stopped or frozen: the wait is the news, not where this rank waited
             print(f"[gpipe] {label} gave up waiting for another rank, which is stopped, frozen or unreachable: "
                   f"{type(exc).__name__}: {_first_line(exc)}", file=sys.stderr, flush=True)
         else:
             traceback.print_exc(file=sys.stderr)
             print(f"[gpipe] {summary}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
+        with contextlib.suppress(OSError, ValueError):  # standard output may be what failed
+            sys.stdout.flush()
         os._exit(getattr(exc, "exit_code", EXIT_CODE) if user_error else 2 if first_quiet else EXIT_CODE)

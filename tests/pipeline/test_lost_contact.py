@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from gpipe_cli.pipeline import failure
 from tests.multiproc import free_port
 
@@ -76,3 +78,27 @@ def test_a_rank_that_gave_up_waiting_for_a_frozen_peer_says_so_in_one_line():
         "[gpipe] stage 0 (rank 0) gave up waiting for another rank, which is stopped, frozen or unreachable: "
         "RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 600000ms for send operation "
         "to complete"], proc.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_rank_whose_output_disk_is_full_says_so_in_one_line():
+    # A log on a full disk was a rank's traceback, then the same error again from its last flush.
+    code = """
+        import sys
+        from gpipe_cli.pipeline import failure
+        from gpipe_cli.train import output
+
+        output.guard_output()
+
+        def work():
+            print("step 1", flush=True)
+
+        failure.run_guarded(work, "stage 0 (rank 0)")
+        """
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=60)
+    assert proc.returncode == failure.EXIT_CODE
+    assert proc.stderr.strip().splitlines() == [
+        "[gpipe] stage 0 (rank 0) stopped: cannot write to standard output (No space left on device); the run ends "
+        "at its last checkpoint"], proc.stderr
