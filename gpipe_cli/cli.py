@@ -19,7 +19,6 @@ import shlex
 import signal
 import sys
 import time
-import traceback
 import typing
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import MISSING
@@ -39,6 +38,7 @@ from gpipe_cli.files import another_file, check_not_input, check_output, check_o
 from gpipe_cli.launch import launch_options
 from gpipe_cli.launch.preflight import too_long_line
 from gpipe_cli.limits import DIGITS, EXPORT_DTYPES, one_of, refuse
+from gpipe_cli.pipeline.streams import stdout_refused
 from gpipe_cli.plan import FLAGS as L
 from gpipe_cli.plan import PlanOptions
 from gpipe_cli.profile import CUTS as PROFILE_CUTS
@@ -92,26 +92,11 @@ def _stdout_lost() -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        if not _stdout_failed(exc):
+        if not stdout_refused(exc):
             raise
         _to_null(sys.stdout)
         _error(f"cannot write to standard output ({exc.strerror or exc}); what it should have shown is lost")
         raise typer.Exit(1) from None
-
-
-def _stdout_failed(exc: OSError) -> bool:
-    """Whether `exc` came from standard output that cannot take what is written (a full disk, a device error)."""
-    # Files a command writes are named by their own checks; one left unhandled fails on stdout, which fails again.
-    if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO) or sys.stdout is None:
-        return False
-    frames = traceback.walk_tb(exc.__traceback__)
-    if any(getattr(frame.f_locals.get("self"), "file", None) is sys.stdout for frame, _ in frames):  # rich's write
-        return True
-    try:  # print's: what it could not write is still buffered
-        sys.stdout.flush()
-    except OSError:
-        return True
-    return False
 
 
 def _to_null(stream: typing.TextIO) -> None:

@@ -13,6 +13,8 @@ from gpipe_cli.errors import UserError
 MAX_COUNT = 1_000_000_000  # steps, examples, intervals
 MAX_SIZE = 1 << 20  # model widths, batch and sequence sizes
 MAX_LAYERS = 10_000
+# AmoebaNet's sizes: layers in three stacks of cells, filters D with stem reduction cells of D/4 filters.
+AMOEBANET_STEPS = {"layers": 3, "filters": 4}
 MAX_RANKS = 65_536  # K, D, devices
 MAX_VIRTUAL = 64  # chunks per stage (interleaved)
 MAX_REAL = 1e9  # learning rates, clipping thresholds, decay intervals

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import signal
 import socket
@@ -18,6 +17,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from gpipe_cli.pipeline import stopping
+from gpipe_cli.pipeline.streams import stdout_refused
 
 T = TypeVar("T")
 _KEY_PREFIX = "gpipe/abort/"
@@ -140,12 +140,6 @@ class AbortWatch:
                 os._exit(EXIT_CODE)
 
 
-def _stdout_full(exc: BaseException) -> bool:
-    """Whether `exc` is standard output's disk refusing a line (full, over quota, a file too large)."""
-    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) \
-        and any(frame.f_locals.get("self") is sys.stdout for frame, _ in traceback.walk_tb(exc.__traceback__))
-
-
 def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None,
                 quiet: tuple[type[BaseException], ...] = ()) -> T:
     """Run `fn`; on an exception print it with `label`, stop every rank, and exit this one."""
@@ -184,7 +178,7 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
             # bad input, or one error hit by several ranks, is shown once, by the rank that reported it
         elif user_error:
             print(f"error: {summary}", file=sys.stderr, flush=True)
-        elif _stdout_full(exc):  # a log on a full disk: the disk is the news, not where the line was printed
+        elif stdout_refused(exc):  # a log on a full disk: the disk is the news, not where the line was printed
             why = getattr(exc, "strerror", exc)
             print(f"[gpipe] {label} stopped: cannot write to standard output ({why}); the run ends at its last "
                   "checkpoint", file=sys.stderr, flush=True)

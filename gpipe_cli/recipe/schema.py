@@ -19,7 +19,16 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from gpipe_cli.errors import shown
-from gpipe_cli.limits import MAX_COUNT, MAX_LAYERS, MAX_RANKS, MAX_REAL, MAX_SEED, MAX_SIZE, MAX_VIRTUAL
+from gpipe_cli.limits import (
+    AMOEBANET_STEPS,
+    MAX_COUNT,
+    MAX_LAYERS,
+    MAX_RANKS,
+    MAX_REAL,
+    MAX_SEED,
+    MAX_SIZE,
+    MAX_VIRTUAL,
+)
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
 from gpipe_cli.recipe.yamlio import reads_as_number
@@ -102,7 +111,7 @@ class AmoebaNetModel(Section):
     @field_validator("layers", "filters")
     @classmethod
     def _whole_cells(cls, value: int, info: ValidationInfo) -> int:
-        step = 3 if info.field_name == "layers" else 4  # cells of three stacks; four operations a cell combines
+        step = AMOEBANET_STEPS[str(info.field_name)]
         if value % step:
             raise ValueError(f"model.{info.field_name}: must be a positive multiple of {step} (got {value})")
         return value

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpipe_cli.errors import shown
+from gpipe_cli.limits import AMOEBANET_STEPS
 from gpipe_cli.models.amoebanet.cells import COMBINATIONS, Combination, Preprocess, PrevMode, live_states, state_widths
 from gpipe_cli.models.amoebanet.genotype import GENOTYPES, CellGenotype
 from gpipe_cli.models.amoebanet.heads import AuxHead, Classifier, Stem, he_built
@@ -120,7 +121,8 @@ def build_amoebanet(variant: str = "d", layers: int = 18, filters: int = 256, nu
                     label_smoothing: float = 0.1) -> ModelSpec:
     """AmoebaNet-<variant>(layers, filters) for `num_classes` classes at `image_size` pixels."""
     require(variant in GENOTYPES, f"AmoebaNet variant must be one of {sorted(GENOTYPES)} (got {shown(variant)})")
-    for name, value, step in (("layers", layers, 3), ("filters", filters, 4)):
+    for name, value in (("layers", layers), ("filters", filters)):
+        step = AMOEBANET_STEPS[name]
         require(is_int(value) and value >= step and value % step == 0,
                 f"AmoebaNet {name} must be a positive multiple of {step} (got {shown(value)})")
     for name, value, least in (("num_classes", num_classes, 2), ("image_size", image_size, MIN_IMAGE_SIZE)):
