@@ -36,6 +36,11 @@ def figure(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def share(fraction: float) -> str:
+    """`fraction` as a percentage: one decimal, or two significant digits under 0.1% (a small model on a GPU)."""
+    return f"{percent:.2g}%" if 0 < (percent := fraction * 100) < 0.1 else f"{fraction:.1%}"
+
+
 def number_range(first: int, last: int) -> str:
     """`first`-`last` as "4-7", or "4" when they are the same (a range of one)."""
     return str(first) if first == last else f"{first}-{last}"

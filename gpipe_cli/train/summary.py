@@ -10,7 +10,7 @@ from typing import Any
 from gpipe_cli.pipeline.stats import PARTS
 from gpipe_cli.records import Rate, after_warmup
 from gpipe_cli.train.step_figures import Peak
-from gpipe_cli.units import flop_rate, number_range
+from gpipe_cli.units import flop_rate, number_range, share
 
 _NOT_METRICS = ("kind", "step", "nonfinite")
 
@@ -120,7 +120,7 @@ class RunSummary:
         achieved = shown.flops / shown.seconds
         text = flop_rate(achieved) + " (all ranks)"
         if self.peak is not None and self.peak.flops_per_s:
-            text += (f", MFU {achieved / (self.peak.flops_per_s * self.ranks):.1%} against {self.ranks} "
+            text += (f", MFU {share(achieved / (self.peak.flops_per_s * self.ranks))} against {self.ranks} "
                      f"rank{'s' if self.ranks != 1 else ''} x {self.peak.source}")
         elif self.peak is not None:
             text += f" ({self.peak.source})"

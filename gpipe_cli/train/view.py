@@ -28,7 +28,7 @@ from gpipe_cli.pipeline.stats import PARTS
 from gpipe_cli.progress import eta_text, note, run_eta
 from gpipe_cli.train.sinks import Sinks
 from gpipe_cli.train.summary import eval_figures
-from gpipe_cli.units import figure, flop_rate, human_bytes
+from gpipe_cli.units import figure, flop_rate, human_bytes, share
 
 
 def finite_json(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -100,7 +100,7 @@ def utilization(record: Mapping[str, Any]) -> str:
     """The step's achieved model TFLOP/s and MFU ('' when the record has neither)."""
     if "tflops" not in record:
         return ""
-    return flop_rate(record["tflops"] * 1e12) + (f" (MFU {record['mfu']:.1%})" if "mfu" in record else "")
+    return flop_rate(record["tflops"] * 1e12) + (f" (MFU {share(record['mfu'])})" if "mfu" in record else "")
 
 
 def stage_shares(record: Mapping[str, Any], stage: int) -> dict[str, float]:

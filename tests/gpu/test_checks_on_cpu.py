@@ -332,6 +332,18 @@ def test_overhead_stops_starting_rows_past_its_budget() -> None:
     assert ("bf16", 8, 16, "never") not in configs and ("fp32", 32, 16, "except_last") in configs
 
 
+def test_overhead_prices_a_row_by_the_longest_of_its_precision_and_batch() -> None:
+    measure = _script("gpu_measure")
+    rows = [{"precision": "fp32", "batch_size": 128, "seconds": 7.0}, {"precision": "fp32", "batch_size": 128,
+            "seconds": 9.0}, {"precision": "fp32", "batch_size": 8, "seconds": 30.0},
+            {"precision": "bf16", "batch_size": 128, "seconds": 40.0}]
+    assert measure.row_seconds("fp32", 128, rows) == 9.0
+    # A row of a batch not measured yet starts: nothing prices it (the goals' M=1 row of each batch comes first).
+    assert measure.row_seconds("fp32", 32, rows) == 0.0 and measure.row_seconds("fp16", 128, rows) == 0.0
+    # The H200's timed-out step: 55 s of rows, the last fp32 batch-128 row started at 50 s after one of 7 s.
+    assert 50 + measure.ROW_MARGIN * measure.row_seconds("fp32", 128, rows[:1]) > 55
+
+
 def test_multigpu_runs_cover_every_schedule_with_messages_over_8_mib() -> None:
     measure = _script("gpu_measure")
     args = measure.parser().parse_args(["multigpu", "--json", "x.json"])

@@ -56,6 +56,8 @@ def test_the_step_line_and_the_summary_show_them():
     record = {**train_record(step=1), "tflops": 0.002, "mfu": 0.04}
     assert "2 GFLOP/s (MFU 4.0%)" in train_lines(record, total=2)[0]
     assert "MFU" not in train_lines(train_record(step=1), total=2)[0]  # a model without a FLOP count
+    # A small model on a GPU (the quick start on an H200 read "MFU 0.0%"): two significant digits.
+    assert "(MFU 0.023%)" in train_lines({**record, "mfu": 0.000227}, total=2)[0]
     summary = RunSummary(total_steps=3, started=0.0, peak=Peak(25e9, "a measured rate"), ranks=2)
     for step, tflops in ((1, 0.001), (2, 0.002), (3, 0.003)):  # the first warms up and is left out
         summary.add({**train_record(step=step), "tflops": tflops, "mfu": tflops * 1e12 / 50e9}, 10, None)
