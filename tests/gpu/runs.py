@@ -237,6 +237,9 @@ def check_profile(measured: dict[str, Any], reference: dict[str, Any], device: s
             for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
                 assert a[key] == b[key], (mine["name"], a["stage"], key, a[key], b[key])
             assert a["stored_bytes"] > 0 and a["peak_bytes"] > 0, (mine["name"], a)
+            # The allocator rounds up and also holds what a stage sent; it once read a later stage's inputs as
+            # the stage before it (freed during the measurement), so that most stages of K=8 read 0 B.
+            assert a["stored_bytes"] >= 0.5 * b["stored_bytes"], (mine["name"], a["stage"], a, b)
     by_name = {s["name"]: s for s in measured["scenarios"]}
     # Rematerialization: pipeline-1 holds fewer activations than naive training of the same model.
     assert by_name["pipeline-1"]["stages"][0]["peak_bytes"] < by_name["naive-1"]["stages"][0]["peak_bytes"]
