@@ -193,6 +193,7 @@ def collect(out_dir: Path) -> dict[str, Any]:
     if (data := need("overhead")) is not None:
         figures["engine_overhead"] = overhead(data)
         figures["sync_debug"] = sync_debug(data)
+        figures["host_profile"] = data.get("host_profile", [])
     figures["table1"] = {}
     for kind in ("amoebanet", "transformer"):
         if (data := need(f"table1-{kind}")) is not None:

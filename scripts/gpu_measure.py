@@ -267,6 +267,22 @@ def sync_warnings(side: Side, inputs: Any, targets: torch.Tensor, microbatches: 
             "mode": "warn" if device.type == "cuda" else "not available off CUDA"}
 
 
+def host_profile(side: Side, inputs: Any, targets: torch.Tensor, device: torch.device, top: int = 12) -> dict[str, Any]:
+    """One step at M=1 (after a warm-up step) under torch's profiler, host side only: the step's wall time, the
+    host time of its top-level operators (the rest is Python) and the operators that took the most."""
+    side.run(inputs, targets, 1, device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        seconds, _ = side.run(inputs, targets, 1, device)
+    events = [e for e in prof.events() if e.cpu_parent is None]  # top-level: nested operators are counted in them
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e.name, []).append(e.cpu_time_total / 1e6)
+    heaviest = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"side": side.name, "batch_size": microbatch.batch_size(inputs), "step_s": seconds,
+            "operators_s": sum(e.cpu_time_total for e in events) / 1e6, "operators": len(events),
+            "heaviest": [{"name": name, "calls": len(ts), "seconds": sum(ts)} for name, ts in heaviest]}
+
+
 def overhead(args: argparse.Namespace) -> dict[str, Any]:
     """The engine at K=1 against the hand-written loop, per (precision, batch, M, checkpoint)."""
     device = _device(args)
@@ -308,6 +324,13 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
     print("gpu_measure overhead: synchronisations per step: "
           + ", ".join(f"{r['side']} M={r['microbatches']} {r['per_step']}" for r in out["sync_debug"]), flush=True)
 
+    # Where the host's time of a short step goes (the engine trails the loop most at the smallest batch).
+    small = min(c[1] for c in configs)
+    out["host_profile"] = [{**host_profile(side, *data[small], device), "precision": precision}
+                           for side in pair(precision, "never")]
+    print("gpu_measure overhead: host time of one step, " + ", ".join(
+        f"{r['side']} {r['step_s'] * 1e3:.1f} ms ({r['operators']} operators {r['operators_s'] * 1e3:.1f} ms)"
+        for r in out["host_profile"]) + f" ({precision}, batch {small}, M=1)", flush=True)
     print(f"{'precision':>9} {'batch':>5} {'M':>3} {'checkpoint':>11} {'engine/s':>10} {'plain/s':>10} {'ratio':>6}",
           flush=True)
     for precision, batch, m, remat in configs:

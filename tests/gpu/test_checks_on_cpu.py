@@ -322,6 +322,9 @@ def test_overhead_plain_loop_computes_the_engines_loss_with_and_without_remateri
     assert {(r["side"], r["microbatches"]) for r in figures["sync_debug"]} == {
         ("engine", 1), ("plain", 1), ("engine", 4), ("plain", 4)}
     assert all(r["per_step"] == 0 for r in figures["sync_debug"])  # nothing to wait for on the CPU
+    # Where a short step's host time goes, each side at the smallest batch and M=1.
+    assert [(r["side"], r["batch_size"]) for r in figures["host_profile"]] == [("engine", 3), ("plain", 3)]
+    assert all(r["operators_s"] > 0 and r["heaviest"] for r in figures["host_profile"])
 
 
 def test_overhead_stops_starting_rows_past_its_budget() -> None:
