@@ -128,3 +128,14 @@ def test_deep_enough_builds_a_few_specs_even_for_a_large_k(monkeypatch, stages):
         # Just deep enough: one stack fewer would leave a stage without a layer.
         assert len(build_model(kind, **deeper).layers) >= stages
         assert len(build_model(kind, **{**deeper, "layers": deeper["layers"] - step}).layers) < stages
+
+
+def test_ranks_sharing_a_gpu_start_together_on_the_host_cores(monkeypatch):
+    # Starting a rank is the host's work: eight ranks on one GPU and 16 cores start as one wave, not eight.
+    monkeypatch.setattr(sizing, "usable_cores", lambda: 16)
+    gpu = sizing.Machine("cuda", 1, 1e11, 5e13, 1e-3)
+    assert sizing.launch_seconds(8, gpu) == sizing.launch_seconds(1, gpu)
+    monkeypatch.setattr(sizing, "usable_cores", lambda: 2)
+    assert sizing.launch_seconds(8, gpu) > sizing.launch_seconds(2, gpu)
+    # On a CPU the cores are the machine's units, as before.
+    assert sizing.launch_seconds(8, sizing.Machine("cpu", 2, 1e10, 1e10, 1e-4)) == 6.0 + 4.0 * 4
