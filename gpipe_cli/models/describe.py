@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe_cli.models.base import Batch, ModelSpec
 from gpipe_cli.pipeline.alike import Outputs, alike_key, outputs_of, remade
+from gpipe_cli.pipeline.layers import on_meta
 from gpipe_cli.pipeline.stage import as_tensors, from_tensors
 
 aten = torch.ops.aten
@@ -106,7 +107,7 @@ def tie_groups(spec: ModelSpec) -> tuple[tuple[tuple[int, ...], int], ...]:
     out = []
     for group in spec.tied:
         index, name = group[0].split(".", 1)
-        with torch.device("meta"):
+        with on_meta():
             numel = spec.layers[int(index)].build().get_parameter(name).numel()
         out.append((tuple(int(member.split(".", 1)[0]) for member in group), numel))
     return tuple(out)
@@ -114,13 +115,13 @@ def tie_groups(spec: ModelSpec) -> tuple[tuple[tuple[int, ...], int], ...]:
 
 def layer_params(spec: ModelSpec) -> list[int]:
     """The parameter count of every layer, building each alone on the meta device."""
-    with torch.device("meta"):
+    with on_meta():
         return [_param_stats(layer.build())[0] for layer in spec.layers]
 
 
 def count_parameters(spec: ModelSpec) -> int:
     """The model's parameter count (tied tensors once), without allocating any of them."""
-    with torch.device("meta"):
+    with on_meta():
         modules = [layer.build() for layer in spec.layers]
     return sum(_param_stats(module)[0] - _tied_copies(spec, index, module) for index, module in enumerate(modules))
 
@@ -136,7 +137,7 @@ def describe(spec: ModelSpec, batch_size: int = 1) -> ModelSummary:
     # Alike layers fed alike are counted once (a recipe may have 10,000); a tied copy's layer is always built.
     seen: dict[Hashable, tuple[int, int, int, Outputs, bool]] = {}
     copies = {int(name.split(".", 1)[0]) for group in spec.tied for name in group[1:]}
-    with torch.device("meta"), torch.no_grad():
+    with on_meta(), torch.no_grad():
         for index, layer in enumerate(spec.layers):
             given, bare = as_tensors(x)
             key = alike_key(layer.build, given, bare)

@@ -26,6 +26,7 @@ from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import describe, tie_groups
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline.batchnorm import DeferredBatchNorm
+from gpipe_cli.pipeline.layers import on_meta
 from gpipe_cli.plan import calibrate, here
 from gpipe_cli.plan.calibrate import Examples
 from gpipe_cli.plan.options import PlanOptions
@@ -263,7 +264,7 @@ def inputs(recipe: Recipe, options: PlanOptions, sizes: Callable[[int], tuple[in
     probe = _probe_params(kind, params)
     # A layer that normalises by batch statistics needs two examples per micro-batch.
     factories = (build_model(kind, **probe) if probe else spec).factories()
-    with torch.device("meta"):
+    with on_meta():
         modules = (module for factory in factories for module in factory().modules())
         least = 2 if any(isinstance(m, (DeferredBatchNorm, nn.modules.batchnorm._BatchNorm)) for m in modules) else 1
     if tflops is not None:
