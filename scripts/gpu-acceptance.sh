@@ -71,7 +71,8 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 #    trained its own, 9 of the 11 were done at 180 s: 25 to 50 s a gpipe run with 8 starting at once);
 #  - overhead: the model is 4 layers (not 8) of d_model 1024 at seq 512; each row runs 1 warm-up step
 #    and 3 rounds of at least 2 steps a side (more, up to 50, where steps are short: 0.25 s a round); it
-#    starts no row after 55 s: the goals' rows first (~35 s), then bf16's others, fp32 at batch 128 last;
+#    starts a row only if it should end within 55 s (1.5x the longest row of its precision and batch so far):
+#    the goals' rows first (~35 s), then bf16's others, fp32 at batch 128 last;
 #  - table1: the paper's memory per device, not the GPU's 80 GiB, whose largest models (3.7B and 2.75B
 #    parameters) take minutes to build and train one step;
 #  - bench: named only; 4 layers, batch 32, M = 8, 1 warm-up and 3 measured steps, K = 2 (K = 4, four
@@ -82,7 +83,7 @@ declare -A BOUND=(
     [setup]=10                # est 4: one Python start: CUDA, gpipe's imports, GPUs and free memory (6 s: too few
                               # on a busy CPU)
     [tests]=185               # measured 146 and 159.7 (H100, 2026-11-27): 13 tests, 13 gpipe runs on 8 workers
-    [overhead]=70             # measured 63.0: 55 s of rows, ~8 s start and sync counts
+    [overhead]=70             # measured 63.0, 64.3 (H200, 2026-12-04): 55 s of rows, ~8 s start and sync counts
     [table1-amoebanet]=38     # measured 17.6 to 30.6 (H100, 2026-11-27), its 6 device probe steps included
     [table1-transformer]=55   # measured 27.7 to 39.1; 43 with the probes grown past the optimizer's update
                               # (H100, 2026-11-27), its 6 device probe steps included
