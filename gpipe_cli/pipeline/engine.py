@@ -71,6 +71,7 @@ class Pipeline:
         self.module = nn.Sequential(OrderedDict((str(i), layer) for i, layer in zip(self.layer_indices, layers)))
         self.module.to(self.device)
         self.units = units
+        self.tied = tuple(tuple(group) for group in tied)  # global names, as a checkpoint of any cut holds them
         self.shared = tie_parameters(self.module, topology, self.ranges, tied)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         # Per trainable parameter: its global layer (to name a non-finite gradient) and whether it counts in

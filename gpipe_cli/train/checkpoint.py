@@ -12,7 +12,7 @@ import pickle
 import re
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -302,17 +302,41 @@ class _FullDiskWriter(dcp.FileSystemWriter):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+def tied_sources(keys: Iterable[str], saved: set[str], tied: Sequence[Sequence[str]]) -> dict[str, str]:
+    """Each optimizer key of a tied copy that a checkpoint lacks, to the same key of a copy it holds."""
+    # Where one stage held every copy they were one tensor, whose state torch saves under the first name only; the
+    # copies on other stages hold the same values (their gradients summed, their updates alike).
+    out = {}
+    for key in keys:
+        if f"optim.{key}" in saved:
+            continue
+        for group, part in itertools.product(tied, ("state.", "param_groups.")):
+            name = next((n for n in group if key.startswith(f"{part}{n}.")), None)
+            if name is not None:
+                rest = key.removeprefix(f"{part}{name}.")
+                held = [f"{part}{other}.{rest}" for other in group if f"optim.{part}{other}.{rest}" in saved]
+                if held:
+                    out[key] = held[0]
+                break
+    return out
+
+
 def load(found: Found, module: nn.Module, optimizer: torch.optim.Optimizer | None,
-         extra: dict[str, Any]) -> dict[str, Any]:
+         extra: dict[str, Any], tied: Sequence[Sequence[str]] = ()) -> dict[str, Any]:
     """Load this rank's part of a checkpoint into the module and optimizer; return the `extra` items."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     state = state_of(module, optimizer, extra)
     try:
         # Read the metadata first: DCP logs a failure to read it, with a traceback, before it raises.
-        SafeReader(str(found.path)).read_metadata()
+        saved = set(SafeReader(str(found.path)).read_metadata().state_dict_metadata)
+        moved = tied_sources(list(state["optim"]), saved, tied) if optimizer is not None else {}
+        for key, held in moved.items():
+            state["optim"][held] = state["optim"].pop(key)
         with single_process_quiet(distributed), _root_log_quiet():
             dcp.load(state, storage_reader=SafeReader(str(found.path)), planner=SafeLoadPlanner(),
                      no_dist=not distributed)
+        for key, held in moved.items():
+            state["optim"][key] = state["optim"].pop(held)
         module.load_state_dict(state["model"])
         if optimizer is not None:
             set_optimizer_state_dict(module, optimizer, state["optim"], options=_OPTIONS)

@@ -80,7 +80,7 @@ class Checkpointer:
         rng_key = f"rng.rank{self.layout.rank}"
         if same and "cuda" in wanted[rng_key] and f"{rng_key}.cuda" not in (saved_keys(found.path) or ()):
             del wanted[rng_key]["cuda"]  # written on the CPU: there is no CUDA RNG state to restore
-        extra = checkpoint.load(found, self.pipe.module, self.optimizer, wanted)
+        extra = checkpoint.load(found, self.pipe.module, self.optimizer, wanted, self.pipe.tied)
         step = int(extra["train"]["step"])
         self.pipe.loss_scale.load(extra["train"]["loss_scale"])
         if same:
