@@ -38,7 +38,7 @@ from gpipe_cli.files import another_file, check_not_input, check_output, check_o
 from gpipe_cli.launch import launch_options
 from gpipe_cli.launch.preflight import too_long_line
 from gpipe_cli.limits import DIGITS, EXPORT_DTYPES, one_of, refuse
-from gpipe_cli.pipeline.streams import stdout_refused
+from gpipe_cli.pipeline.streams import stdout_refused, write_out
 from gpipe_cli.plan import FLAGS as L
 from gpipe_cli.plan import PlanOptions
 from gpipe_cli.profile import CUTS as PROFILE_CUTS
@@ -182,7 +182,7 @@ def _whole(flag: str) -> Callable[[Any], int]:
 
 def _print_version(value: bool) -> None:
     if value:
-        print(f"gpipe-cli {__version__}")
+        write_out(f"gpipe-cli {__version__}\n")
         raise typer.Exit(0)
 
 
@@ -369,7 +369,7 @@ def export(
     with interrupts.deferred():  # torch's import runs Python from C++, where a Ctrl-C is lost or aborts the process
         from gpipe_cli.train.export import export as export_model
 
-    print(f"wrote {export_model(run, output, dtype)}")
+    write_out(f"wrote {export_model(run, output, dtype)}\n")
 
 
 @app.command()
@@ -407,8 +407,8 @@ def prepare_data(
     if (kept := kept_by_a_run(Path(output))) is not None:  # a run's pruning would delete the data with it
         raise UserError(f"--output {shown(output)} {kept[1]}; name a new folder outside it")
     files = save(load_recipe(recipe, set_ or []).data, Path(output))
-    print(f"wrote {output} ({len(files)} parquet file{'s' if len(files) > 1 else ''}); train with "
-          f"--set data.source=parquet --set data.path={output}")
+    write_out(f"wrote {output} ({len(files)} parquet file{'s' if len(files) > 1 else ''}); train with "
+              f"--set data.source=parquet --set data.path={output}\n")
 
 
 @app.command("report")

@@ -427,8 +427,8 @@ def test_a_recipe_key_typed_as_a_flag_is_answered_with_its_set(capsys, args, say
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-@pytest.mark.parametrize("args", [["validate"], ["--help"], ["plan", "--devices", "2", "--tflops", "10",
-                                                             "--bandwidth", "10"]])
+@pytest.mark.parametrize("args", [["validate"], ["--help"], ["--version"], ["plan", "--devices", "2", "--tflops",
+                                                                            "10", "--bandwidth", "10"]])
 def test_standard_output_on_a_full_disk_is_one_line_not_a_traceback(tmp_path, args):
     # rich's write raised ENOSPC through every command: a traceback of 50 lines, exit 1.
     with open("/dev/full", "w") as full:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from gpipe_cli.errors import UserError, not_utf8, shown
 from gpipe_cli.launch.preflight import check_path
+from gpipe_cli.pipeline.streams import write_out
 from gpipe_cli.train.existing import EXPORTED
 
 DEFAULT_MAX_TOKENS = 50
@@ -54,14 +55,13 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
     try:
         for item in inputs if inputs is not None else _stdin_lines(text=task != "image"):
             for piece in answer(item):  # each piece as soon as it is known: stdin may be a conversation, and a
-                sys.stdout.write(piece)  # long continuation shows as it grows (and ends once its reader has gone)
-                sys.stdout.flush()
+                write_out(piece)  # long continuation shows as it grows (and ends once its reader has gone)
                 begun = True
-            print(flush=True)
+            write_out("\n")
             answered, begun = answered + 1, False
     except KeyboardInterrupt:
         if begun:  # the answer cut short still ends its line
-            print(flush=True)
+            write_out("\n")
         if not answered and not begun:
             raise  # the command's own line: nothing was written
         said = (f"during answer {answered + 1}, its line cut short" if begun

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import itertools
 import json
@@ -278,3 +279,18 @@ def test_a_closed_standard_output_is_one_line(exports, monkeypatch, capsys):
     captured = capsys.readouterr()
     assert code == 2 and captured.err == ("error: standard output is closed: predict prints its answers there; give "
                                           "it a file or a pipe\n")
+
+
+class FullDisk(io.StringIO):
+    """A stdout on a full disk (`> /dev/full`): every write is refused."""
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_standard_output_on_a_full_disk_is_one_line(exports, monkeypatch, capsys):
+    # print's refusal left no trace of standard output in its traceback: a traceback, exit 1.
+    monkeypatch.setattr("sys.stdout", FullDisk())
+    code = run(["predict", str(exports["translation"]), "one two"])
+    assert code == 1 and capsys.readouterr().err == ("error: cannot write to standard output (No space left on "
+                                                     "device); what it should have shown is lost\n")
