@@ -15,7 +15,7 @@ from gpipe_cli.models.presets import is_preset_name, preset
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES
 from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, balance_problem, balance_text, flag, given_as, settings
-from gpipe_cli.recipe.load import typed_values
+from gpipe_cli.recipe.load import typed_values, unknown_key
 
 # The command line loads this module for its help and checks these flags before torch loads: the schedules'
 # registry and the pipeline configuration import nothing heavy.
@@ -168,6 +168,8 @@ def unread_problem(sets: Sequence[str], command: str) -> str | None:
         key = item.partition("=")[0].strip()
         section, dot, _ = key.partition(".")
         if dot and section != "model" and key not in ALIASES.values():
+            if (unknown := unknown_key(key)) is not None:  # a misspelling, as train says it
+                return f"--set {unknown}"
             *pipeline, last = (k.removeprefix("pipeline.") for k in ALIASES.values() if k.startswith("pipeline."))
             return (f"--set {key}: {command} does not read it; of a recipe it reads the model section, "
                     f"data.batch_size and the pipeline's {', '.join(pipeline)} and {last}")

@@ -243,6 +243,14 @@ def key_of_flag(option: str) -> str | None:
     return nearest[0] if len(nearest) == 1 else None
 
 
+def unknown_key(key: str) -> str | None:
+    """`KEY: unknown key (did you mean ...?)` where no recipe, of any model kind, has `key`; else None."""
+    if any(key in _keys({"model": {"kind": kind}}) for kind in MODEL_SECTIONS):
+        return None
+    loc = key.split(".")
+    return f"{key}: unknown key{_nearest(loc, _section_model(loc, {}), {})}"
+
+
 def _nearest(loc: Sequence[str | int], section: type[BaseModel] | None, raw: dict[str, Any]) -> str:
     """` (did you mean KEY?)` for an unknown key: a near spelling here, or the key as another section holds it."""
     name, prefix = str(loc[-1]), "".join(f"{p}." for p in loc[:-1])

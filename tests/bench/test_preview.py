@@ -89,3 +89,14 @@ def test_a_set_key_the_command_does_not_read_is_refused_not_dropped(capsys, comm
     assert err.startswith(f"error: --set {key.partition('=')[0]}: gpipe {command} does not read it; of a recipe it "
                           "reads the model section, data.batch_size and the pipeline's partitions, ") and \
         err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", ["bench", "profile-memory"])
+@pytest.mark.parametrize("key, says", [("pipeline.partitons=2", "pipeline.partitons: unknown key (did you mean "
+                                                                 "pipeline.partitions?)"),
+                                       ("pipline.partitions=2", "pipline.partitions: unknown key (did you mean "
+                                                                 "pipeline.partitions?)")])
+def test_a_misspelled_set_key_is_called_one_as_train_calls_it(capsys, command, key, says):
+    # It was told that the command does not read it, as though the key were right.
+    assert gpipe([command, "--set", key]) == 2
+    assert capsys.readouterr().err == f"error: --set {says}\n"
