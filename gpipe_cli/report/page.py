@@ -85,9 +85,9 @@ def _utilization(ax: Any, runs: list[Run]) -> None:
 
 
 def _bubble(ax: Any, runs: list[Run]) -> None:
-    note = _no_warmup(runs, "")  # a longer note than "no warm-up" goes on a line of its own: the title fits its panel
-    _lines(ax, runs, "bubble", "bubble: measured (line), theory (K-1)/(M+K-1) (dashed)"
-           + (f"\n{note}" if note else "; no warm-up"), "share of step")
+    # The note on a line of its own: on one line the title ran past its panel.
+    _lines(ax, runs, "bubble", f"bubble: measured (line), theory (K-1)/(M+K-1) (dashed)\n{_no_warmup(runs)}",
+           "share of step")
     for i, run in enumerate(runs):
         steps, values = series(run)["bubble_theory"]
         ax.plot(steps, values, "--", color=f"C{i}")  # unlabelled: the legend has the measured line's
@@ -154,10 +154,12 @@ def draw(runs: list[Run], path: Path) -> Path | None:
     plt = plots.pyplot()
     if plt is None:
         return None
-    title = "gpipe report: " + ", ".join(f"{r.label} ({r.path.name})" for r in runs)
+    # A label made unique by its folder already names it.
+    title = "gpipe report: " + ", ".join(r.label if r.label.endswith(f"({r.path.name})") else
+                                         f"{r.label} ({r.path.name})" for r in runs)
     chosen = panels(runs)
-    rows = 2 if len(chosen) <= 8 else 3  # six panels as 2 x 3; up to four more fit in wider rows
-    cols = -(-len(chosen) // rows)
+    cols = min(len(chosen), 3)  # a fourth column narrows the panels until their titles run into each other
+    rows = -(-len(chosen) // cols)
     fig, axes = plots.figure(plt, WIDTH_PX, HEIGHT_PX, rows, cols, title)
     cells = [ax for row in axes for ax in row]
     for (_, panel), ax in zip(chosen, cells):

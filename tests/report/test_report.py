@@ -240,3 +240,20 @@ def test_a_memory_curve_of_one_point_is_drawn_with_a_marker(tmp_path):
     page._memory(ax, runs)
     assert [line.get_marker() for line in ax.get_lines()] == ["o", "o"]  # a line of one point alone draws nothing
     plt.close(figure)
+
+
+def test_the_page_keeps_to_three_columns_and_names_each_folder_once(tmp_path, monkeypatch):
+    # Seven panels were laid out in four columns, their titles running into each other; two runs alike were
+    # titled "K=2 M=4 1f1b (a) (a)".
+    a, b = make_run(tmp_path / "a", 2), make_run(tmp_path / "b", 2)
+    seen = {}
+    real = page.plots.figure
+
+    def figure(plt, width, height, rows, cols, title):
+        seen.update(rows=rows, cols=cols, title=title)
+        return real(plt, width, height, rows, cols, title)
+
+    monkeypatch.setattr(page.plots, "figure", figure)
+    assert cli(["report", str(a), str(b), "--output", str(tmp_path / "page.png")]) == 0
+    assert seen["cols"] <= 3 and seen["rows"] * seen["cols"] >= len(page.panels(read_runs([a, b])))
+    assert seen["title"] == "gpipe report: K=2 M=4 1f1b (a), K=2 M=4 1f1b (b)"
