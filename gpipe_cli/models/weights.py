@@ -13,7 +13,6 @@ from torch import nn
 
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.families import Task
-from gpipe_cli.pipeline.layers import on_meta
 
 MARK = "gpipe_export"  # its presence marks a gpipe export; its value is the format's version
 VERSION = "1"
@@ -46,7 +45,7 @@ def store_once(tensors: dict[str, torch.Tensor],
 
 def misfit(spec: ModelSpec, state: dict[str, torch.Tensor]) -> str | None:
     """Why `state` cannot be `spec`'s weights (a name it lacks or a shape it differs in); None: they fit."""
-    with on_meta():  # shapes only: no memory for a model of any size
+    with torch.device("meta"):  # shapes only: no memory for a model of any size
         expected = {k: tuple(v.shape) for k, v in nn.Sequential(*spec.build_all()).state_dict().items()}
     unknown = [k for k in state if k not in expected]
     if unknown:
