@@ -24,25 +24,36 @@ def offline_flag() -> bool:
     return any(os.environ.get(n, "").strip().lower() in _TRUE for n in names)
 
 
-def hub_reachable() -> bool:
-    """Whether the hub endpoint answers at all within PROBE_TIMEOUT_S (proxies honoured, DNS hangs bounded)."""
+def hub_problem() -> str | None:
+    """Why the hub endpoint cannot be reached (None: it answered) within PROBE_TIMEOUT_S; proxies honoured."""
     url = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    result: list[bool] = []
+    silent = f"no answer from {url} within {PROBE_TIMEOUT_S:g} s"
+    result: list[str | None] = []
 
     def probe() -> None:
         try:
             urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=PROBE_TIMEOUT_S).close()
-            result.append(True)
+            result.append(None)
         except urllib.error.HTTPError:  # any HTTP answer means the network path works
-            result.append(True)
-        except Exception:
-            result.append(False)
+            result.append(None)
+        except Exception as e:  # refused, or a name that does not resolve, is told at once
+            reason = getattr(e, "reason", e)
+            if isinstance(reason, TimeoutError):
+                result.append(silent)
+            else:
+                said = reason.strerror if isinstance(reason, OSError) and reason.strerror else reason
+                result.append(f"{url} cannot be reached ({said})")
 
     # A thread bounds name resolution too, which socket timeouts do not cover.
     t = threading.Thread(target=probe, daemon=True)
     t.start()
     t.join(PROBE_TIMEOUT_S + 0.5)
-    return bool(result and result[0])
+    return result[0] if result else silent
+
+
+def hub_reachable() -> bool:
+    """Whether the hub endpoint answers at all within PROBE_TIMEOUT_S."""
+    return hub_problem() is None
 
 
 # Keys prepare-data reads; other --set values of a run do not change which data it saves.
@@ -86,11 +97,10 @@ def check_hub_data(data: Data, recipe: str | None, overrides: Sequence[str] = ()
         return
     if offline_flag():
         why = "offline mode is set (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE)"
-    elif hub_reachable():
+    elif (problem := hub_problem()) is None:
         return  # the ranks download it (or report what the hub said)
     else:
-        endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-        why = f"no answer from {endpoint} within {PROBE_TIMEOUT_S:g} s"
+        why = problem
     if maybe_cached(data.name):
         from gpipe_cli.data.sources import load_hub
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from datagen import COLOURS, data, pairs, png_bytes
 
 from gpipe_cli.data import DataError, build_data
 from gpipe_cli.data import sources as sources_mod
+from gpipe_cli.data.offline import hub_problem
 from gpipe_cli.data.sources import hub_reachable
 
 UNREACHABLE = "http://127.0.0.1:9"  # the discard port: connection refused at once
@@ -43,6 +45,17 @@ def test_probe_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     t0 = time.monotonic()
     assert hub_reachable() is False
     assert time.monotonic() - t0 < 4
+
+
+def test_probe_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", UNREACHABLE)
+    assert hub_problem() == f"{UNREACHABLE} cannot be reached (Connection refused)"
+    with socket.socket() as silent:  # listens, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        assert hub_problem() == f"no answer from {endpoint} within 2 s"
 
 
 def _fake_hub(monkeypatch: pytest.MonkeyPatch, splits: datasets.DatasetDict) -> list[tuple]:
