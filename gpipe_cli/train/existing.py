@@ -179,8 +179,8 @@ def check_not_in_a_run(output_dir: str | None) -> None:
         raise UserError(f"--output-dir {cut(output_dir, PATH_CHARS)} {kept[1]}; give a folder outside it")
 
 
-def check_new_run_dir(output_dir: Path) -> None:
-    """Refuse to start a new run in a directory that holds another (the two runs' records would mix)."""
+def check_new_run_dir(output_dir: Path, claimed: bool = False) -> None:
+    """Refuse to start a new run in a directory that holds another (`claimed`: this process holds the directory)."""
     if not output_dir.is_dir():
         return
     if not holds_run(output_dir):
@@ -195,7 +195,8 @@ def check_new_run_dir(output_dir: Path) -> None:
                             f"or checkpoints), and a new run writes its own {kept} there; give a new or empty "
                             f"folder, or move the file")
         return
-    writer = writer_of(output_dir)
+    # Under this launch's own claim the holder is this process: the run there was finished by another meanwhile.
+    writer = None if claimed else writer_of(output_dir)
     if writer is not None:  # a resume of it would be refused as well
         raise UserError(f"--output-dir: {cut(str(output_dir), PATH_CHARS)} is being written by another gpipe train "
                         f"({writer}); wait until it ends, or give another --output-dir")

@@ -270,10 +270,10 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
         resume = resume_location(options.resume, options.output_dir, recipe.name, OUTPUTS) if options.resume else None
         # Held from here until the ranks end, and what follows judged under the claim: a run that another launch
         # finished meanwhile is found, and one it is writing refuses this launch.
-        new_dir = _claim(options, recipe, resume, holding) if not options.dry_run and claims(options.launch, world) \
-            else None
+        claimed = not options.dry_run and claims(options.launch, world)
+        new_dir = _claim(options, recipe, resume, holding) if claimed else None
         if options.output_dir and not options.resume:
-            check_new_run_dir(Path(options.output_dir))
+            check_new_run_dir(Path(options.output_dir), claimed)
         fresh = resume is not None and options.resume == "latest" and options.output_dir is not None \
             and not candidates(Path(options.output_dir))  # no checkpoint at all; a damaged one is refused below
         if fresh:  # a scheduler's first launch of a job that resumes when requeued: nothing to continue yet

@@ -7,6 +7,7 @@ import copy
 import datetime
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.launch import LaunchOptions
 from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.train import claim
+from gpipe_cli.train import run as run_module
 from gpipe_cli.train.existing import choose_run_dir, run_dir_of
 from gpipe_cli.train.run import claims
 from tests.train import recipes
@@ -245,6 +247,25 @@ def test_a_new_run_into_a_run_being_written_says_so_rather_than_advise_a_resume(
     assert claim.writer_of(run) is None and not launches
     assert "already holds a run (its last step is 4); use --resume" in error_line(train(str(path), "--output-dir",
                                                                                         str(run)))
+
+
+def test_a_run_another_launch_finished_while_this_one_was_stopped_is_not_blamed_on_this_one(tmp_path, monkeypatch,
+                                                                                           launches):
+    # Stopped after its first checks and before its claim, it named its own pid as the run's writer.
+    path, done = make_run(tmp_path, steps=(4,))
+    out = tmp_path / "out"
+    real = run_module._claim
+
+    def finished_meanwhile(*args, **kwargs):
+        shutil.copytree(done, out)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "_claim", finished_meanwhile)
+    result = train(str(path), "--output-dir", str(out))
+    assert result.exit_code == 2, result.output
+    assert error_line(result) == (f"error: --output-dir {out} already holds a run (its last step is 4); use --resume "
+                                  f"to continue it, or another --output-dir for a new run")
+    assert not launches and claim.LOCK not in os.listdir(out)
 
 
 def test_a_new_run_in_the_default_place_is_made_and_held_by_its_launch(tmp_path, monkeypatch, launches):
