@@ -145,7 +145,8 @@ def by_flag(error: RecipeError, flags: Mapping[str, Any], defaults: Mapping[str,
     if any(message.startswith(f"--set {ALIASES[name]} ") for name in typed):  # a check across keys a flag leads
         message = message.removeprefix("--set ")
     for name in typed:  # each key named by the flag that gave it: `--microbatches (6) ... --partitions (4)`
-        message = message.replace(f"{ALIASES[name]} (", f"{flag(name)} (")
+        message = message.replace(f"--set {ALIASES[name]} (", f"{flag(name)} (").replace(f"{ALIASES[name]} (",
+                                                                                         f"{flag(name)} (")
     for name, value in (defaults or {}).items():  # without a recipe the command's default stood for it
         message = message.replace(f"{ALIASES[name]} ({value})", f"{flag(name)} ({value}, its default)")
     return RecipeError(message)

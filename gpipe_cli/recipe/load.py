@@ -191,6 +191,11 @@ def _validated(raw: dict[str, Any], label: str, planning: bool = False, typed: d
         message = _describe(dict(errors[0]), raw, text)
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
         named = text is not None or led_by(message, typed or {})
+        # A check across keys names the --set of a later key it reads, `... --set model.heads (5)`, but not one
+        # of a product, whose figures stand after its last factor.
+        if not named:
+            message = re.sub(r"(?<! x )\b([a-z_]+(?:\.[a-z_]+)+) \(",
+                             lambda m: f"--set {m[1]} (" if m[1] in (typed or {}) else m[0], message)
         raise RecipeError(f"{label}: {'--set ' if named else ''}{message}{more}") from None
 
 

@@ -113,5 +113,5 @@ def test_only_plan_reads_a_recipe_whose_m_does_not_fit_its_batch():
     from gpipe_cli.recipe.load import RecipeError, load_recipe
 
     assert load_recipe(None, ["data.batch_size=1"], check_data=False, planning=True).pipeline.microbatches == 4
-    with pytest.raises(RecipeError, match=r"pipeline.microbatches \(4\) must be <= data.batch_size \(1\)"):
+    with pytest.raises(RecipeError, match=r"pipeline.microbatches \(4\) must be <= --set data.batch_size \(1\)"):
         load_recipe(None, ["data.batch_size=1"], check_data=False)

@@ -75,6 +75,8 @@ def test_every_shipped_recipe_validates_and_plans(path):
     (["data.tokenizer=/no/such.model"], "recipe.yaml: --set data.tokenizer: no such sentencepiece model"),
     (["data.source=jsonl"], "data.path is required for data.source 'jsonl'"),
     (["model.d_model=30"], "model.d_model (30) must be divisible by model.heads (4)"),
+    # A check across keys names the --set of the one given so, wherever it stands in the line.
+    (["model.heads=5"], "recipe.yaml: model.d_model (32) must be divisible by --set model.heads (5)"),
     (["train.steps=null"], "give train.steps or train.epochs"),
     (["name=has space"], "name: may contain only ASCII letters, digits"),
     (["train.profile={steps: [5, 9]}"], "train.profile.steps starts at step 5, after the run's last (train.steps 2): "
