@@ -387,7 +387,9 @@ def test_a_cut_a_command_does_not_make_is_named_by_its_flag_and_its_help_lists_o
 @pytest.mark.parametrize("command", ["bench", "profile-memory"])
 @pytest.mark.parametrize("args, says", [
     (["--virtual-stages", "2"], "error: --virtual-stages 2: gpipe runs one chunk per stage; give --schedule"),
-    (["--batch-size", "7"], "error: --microbatches (8, its default) must be <= --batch-size (7)")])
+    (["--batch-size", "7"], "error: --microbatches (8, its default) must be <= --batch-size (7)"),
+    (["--batch-size", "2", "--microbatches", "4"], "error: --microbatches (4) must be <= --batch-size (2)"),
+    (["--set", "data.batch_size=2"], "error: --microbatches (8, its default) must be <= --set data.batch_size (2)")])
 def test_bench_and_profile_memory_word_a_mistake_alike_naming_the_flags_typed(capsys, command, args, says):
     assert run([command, *args]) == 2
     assert capsys.readouterr().err.startswith(says)
