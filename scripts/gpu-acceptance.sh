@@ -124,6 +124,13 @@ RAW=$WORK/raw  # each measurement's own JSON file, merged into OUT_DIR/raw.json 
 mkdir -p "$RAW"
 LOG=$WORK/setup.log  # until OUT_DIR is made: a machine that cannot run the acceptance leaves nothing there
 
+# A machine without a GPU is told so before anything is installed into its Python.
+if [ "$CPU" = 0 ] && ! gpu=$(timeout -k 5 "$(bound setup)" "$PY" -c 'import torch, sys
+print(f"torch {torch.__version__}"); sys.exit(0 if torch.cuda.is_available() else 3)' 2>>"$LOG"); then
+    echo "gpu-acceptance: no CUDA GPU is visible to torch (${gpu:-torch is not importable}): run it on a machine" \
+        "with one CUDA GPU" | tee -a "$LOG" >&2
+    exit 1
+fi
 if [ "$CPU" = 0 ] && compgen -G "$ROOT/wheels/*.whl" >/dev/null; then
     echo "gpu-acceptance: installing the dependencies from wheels/ (offline)" | tee -a "$LOG"
     timeout -k 5 "$(bound wheels)" "$PY" -m pip install --quiet --no-index --find-links "$ROOT/wheels" \

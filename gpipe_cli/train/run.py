@@ -31,7 +31,7 @@ from gpipe_cli.launch import (
 from gpipe_cli.launch.preflight import dry_run_lines, rendezvous, resolve
 from gpipe_cli.models import families
 from gpipe_cli.progress import note
-from gpipe_cli.recipe.load import recipe_label
+from gpipe_cli.recipe.load import recipe_label, typed_values
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.train import output
 from gpipe_cli.train.claim import held
@@ -261,7 +261,8 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
         from gpipe_cli.train.plan import checked_plan
 
         interrupts.check()  # a Ctrl-C that torch's import swallowed stops now, not after seconds of planning
-        check_device(recipe.pipeline.backend, recipe.train.device, int(os.environ.get("LOCAL_WORLD_SIZE", local)))
+        check_device(recipe.pipeline.backend, recipe.train.device, int(os.environ.get("LOCAL_WORLD_SIZE", local)),
+                     typed_values(options.overrides))
         # Refuses impossible cuts and plans that cannot fit, before any rank starts. The ranks cut for the
         # memory free now, not for what is left while their siblings load.
         available = float(memory_model.available_bytes("cuda" if torch.cuda.is_available() else "cpu"))
