@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from gpipe_cli.data import BOS, Batch, Loader, corpus_bleu
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.losses import PAD_ID
-from gpipe_cli.models.transformer.decode import greedy_step, translation_limit
+from gpipe_cli.models.transformer.decode import encodings_reused, greedy_step, translation_limit
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.topology import Topology
 from gpipe_cli.records import EvalFigures
@@ -108,7 +108,8 @@ def bleu(pipe: Pipeline, topo: Topology, data: Loader | None, batches: int, micr
             source = source[:0]
         limit = translation_limit(source.shape[1], max_len) if source is not None else max_len - 1
         vocab = data.tokenizer.vocab_size if data is not None and data.tokenizer is not None else None
-        ids = greedy_decode(pipe, topo, source, microbatches, limit, vocab, stopped)
+        with encodings_reused(pipe.module):
+            ids = greedy_decode(pipe, topo, source, microbatches, limit, vocab, stopped)
         if ids is None:
             break
         if layout.rank == 0 and batch is not None and data is not None and data.tokenizer is not None:
