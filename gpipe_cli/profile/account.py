@@ -100,32 +100,35 @@ class _Stored:
 
 
 class _Sent:
-    """An in-process sink: keeps what a stage sends, by message number."""
+    """An in-process sink: keeps what a stage sends, by message number, in host memory."""
 
     def __init__(self) -> None:
         self.messages: dict[int, Message] = {}
 
+    # On a GPU a message kept there would count as the stage's until it ends; the engine's is freed once sent.
     def send(self, microbatch: int, chunks: int, offset: int, tensors: Sequence[torch.Tensor | None],
              bare: bool = False, differentiable: bool = False) -> None:
         """Keep the message."""
-        self.messages[microbatch] = (list(tensors), bare, offset)
+        self.messages[microbatch] = ([None if t is None else t.detach().cpu() for t in tensors], bare, offset)
 
 
 class _Received:
     """An in-process source: the previous stage's messages as fresh leaves, or ones as output gradients."""
 
-    def __init__(self, messages: dict[int, Message], chunks: int,
+    def __init__(self, messages: dict[int, Message], chunks: int, device: torch.device,
                  ones: bool = False, shift: int = 0) -> None:
-        self.messages, self.chunks, self.ones, self.shift = messages, chunks, ones, shift
+        self.messages, self.chunks, self.device, self.ones, self.shift = messages, chunks, device, ones, shift
 
     def take(self, microbatch: int) -> tuple[Header, list[torch.Tensor | None]]:
         """The message numbered `microbatch` (+ `shift`: a gradient answers the forward it follows)."""
         tensors, bare, offset = self.messages[microbatch + self.shift]
         if self.ones:
-            out = [None if t is None or not t.is_floating_point() else torch.ones_like(t) for t in tensors]
+            out = [None if t is None or not t.is_floating_point() else torch.ones_like(t, device=self.device)
+                   for t in tensors]
         else:  # fresh leaves that require grad when floating, in memory of their own, as the transport makes them
             # (a GPU's allocator then counts a stage's inputs as the engine's stage holds them)
-            out = [None if t is None else t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
+            out = [None if t is None else t.detach().to(self.device, copy=True).requires_grad_(t.is_floating_point())
+                   for t in tensors]
         return Header(microbatch, self.chunks, offset, (), bare), out
 
 
@@ -185,8 +188,8 @@ def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[i
         stored = _Stored(counter, sched.rematerialised(actions))
         # The engine's own executor, with in-process channels: the earlier chunks' real outputs in, ones as
         # the gradients of this stage's outputs (a chunk whose neighbour is here takes it in memory).
-        channels = Channels(_Received(arrived, microbatches), sent, _Received(sent.messages, microbatches, ones=True,
-                                                                              shift=1), _Sent())
+        channels = Channels(_Received(arrived, microbatches, device), sent,
+                            _Received(sent.messages, microbatches, device, ones=True, shift=1), _Sent())
         Executor(parts, channels, count, microbatches, True, feed=feed if 0 in chunks else (),
                  targets=labels if count - 1 in chunks else (), weights=weights if count - 1 in chunks else (),
                  before=stored).run(actions)

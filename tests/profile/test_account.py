@@ -103,6 +103,19 @@ def test_a_stage_receives_its_inputs_in_memory_of_their_own():
     import torch
 
     sent = {0: ([torch.ones(2, 3), torch.arange(3)], False, 0)}
-    _, received = account._Received(sent, 1).take(0)
+    _, received = account._Received(sent, 1, torch.device("cpu")).take(0)
     assert all(r.untyped_storage().data_ptr() != s.untyped_storage().data_ptr() for r, s in zip(received, sent[0][0]))
     assert received[0].requires_grad and not received[1].requires_grad
+
+
+def test_a_sent_message_is_kept_in_host_memory_without_its_graph():
+    # On a GPU a kept message counted as the sender's activations until its stage ended.
+    import torch
+
+    layer = torch.nn.Linear(3, 3)
+    out = layer(torch.ones(2, 3))
+    sink = account._Sent()
+    sink.send(0, 1, 0, [out, None])
+    kept, bare, offset = sink.messages[0]
+    assert kept[0] is not None and kept[0].device.type == "cpu" and kept[0].grad_fn is None and kept[1] is None
+    assert torch.equal(kept[0], out.detach()) and (bare, offset) == (False, 0)
