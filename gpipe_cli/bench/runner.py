@@ -209,6 +209,8 @@ def run(options: BenchOptions) -> int:
                                                               machine, options))
     # What was spent choosing and pricing the model counts too: `took` is the whole command's time.
     chosen = replace(chosen, seconds=progress.elapsed() + sum(chosen.phases.values()))
+    for note in options.notes:
+        console.print(f"[bold]note:[/] {note}", highlight=False)
     preview.show(chosen, memory, options, machine, console)
     progress.estimated = chosen.seconds
     # Every run's ranks fork from one server (the same threads each): it imports torch once, not once a run.

@@ -35,6 +35,7 @@ class ModelFlags:
     offload: str = "none"              # "activations": stored activations wait in host memory (pipeline.offload)
     balance: str | None = None         # "3,5": layers per stage; None: the command's own cut
     set: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the command makes otherwise than the recipe says
     seed: int = 0
     json: Path | None = None
     layers: int | None = None
@@ -189,7 +190,14 @@ def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[
     refuse([balance_problem(flags.get("balance"), cuts), chunks_problem(flags, recipe), v_problem(recipe, flags, sets),
             None if k is None or v is None else entries_problem(flags.get("balance"), k, v)])
     given, model_sets = settings(recipe, flags, sets, {**own, **defaults})
+    notes = []
     if "balance" in given:
-        named = given_as("balance", flags, sets) or ALIASES["balance"]
-        given["balance"] = balance_text(given["balance"], cuts, named)
-    return {**given, **{name: flags.get(name) for name in SIZE_FLAGS}, "set": model_sets}
+        named = given_as("balance", flags, sets)
+        if named is None and isinstance(given["balance"], str) and given["balance"] not in cuts:
+            # The recipe's own cut, which train makes: a mode typed here is refused, one written there is said.
+            notes.append(f"the recipe's pipeline.balance ({given['balance']}) is a cut {command} does not make; "
+                         f"it makes its own, as --balance {cuts[0]}")
+            given["balance"] = None
+        else:
+            given["balance"] = balance_text(given["balance"], cuts, named or ALIASES["balance"])
+    return {**given, **{name: flags.get(name) for name in SIZE_FLAGS}, "set": model_sets, "notes": notes}

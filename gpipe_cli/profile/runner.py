@@ -121,6 +121,8 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
     predicted = [sc.predict(figures, batch, per_param) for sc in rows]
     if note:
         console.print(f"[bold]{note}[/]")
+    for told in options.notes:
+        console.print(f"[bold]note:[/] {told}", highlight=False)
     name = cand.describe(full=True) if "layers" in subject.params else spec.name
     console.print(f"[bold]plan[/] · {name}: {human_count(cand.parameters)} parameters, {len(spec.layers)} "
                   f"pipeline layers · {human_bytes(have / sizing.MEMORY_SHARE)} free on {device}")

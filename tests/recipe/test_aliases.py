@@ -65,3 +65,16 @@ def test_profile_memory_takes_a_recipe():
     assert (options.model, options.partitions, options.microbatches, options.checkpoint) == (RECIPE, [2], 4, "always")
     assert profile_options(RECIPE, "2,4", {}, []).partitions == [2, 4]
     assert profile_options(None, None, {}, []).partitions == [2, 4, 8]
+
+
+@pytest.mark.parametrize("shipped", ["recipes/transformer-wmt-en-de.yaml", "recipes/amoebanet-d-cifar10.yaml"])
+def test_a_recipes_cut_a_command_does_not_make_is_said_and_its_own_made(shipped):
+    # The paper recipes cut by time, which profile-memory does not make: it refused them.
+    options = profile_options(shipped, None, {}, [])
+    assert options.balance is None and options.notes == [
+        "the recipe's pipeline.balance (time) is a cut gpipe profile-memory does not make; it makes its own, as "
+        "--balance auto"]
+    assert bench_options(shipped, {}, []).notes == []  # bench cuts by time itself
+    # Typed, the same mode is refused, as before.
+    with pytest.raises(RecipeError, match=r"^--set pipeline.balance: this command cuts by auto or a list"):
+        profile_options(shipped, None, {}, ["pipeline.balance=time"])
