@@ -164,8 +164,11 @@ def _does_not_fit(options: BenchOptions, cand: sizing.Candidate, run: str, need:
     if sized:  # the family's smallest member: only the batch and the ranks are left to shrink
         return (f"even the smallest model of --model {options.model} does not fit: {what}; lower --batch-size or "
                 f"--partitions, or free memory")
-    return (f"the model does not fit: {what}; shrink it ({families.of(cand.kind).shrink_flags}), lower "
-            f"--batch-size, or leave the size flags and --set out to let bench size it to this machine")
+    # Only a family (--model transformer, amoebanet) is sized to the machine; a recipe or a preset is taken as it is.
+    sizable = ", or leave the size flags and --set out to let bench size it to this machine" \
+        if options.model in FAMILIES else ""
+    return (f"the model does not fit: {what}; shrink it ({families.of(cand.kind).shrink_flags}), "
+            f"{'lower --batch-size' if sizable else 'or lower --batch-size'}{sizable}")
 
 
 def show(preview: Preview, mem: Memory, options: BenchOptions, machine: sizing.Machine, console: Console) -> None:

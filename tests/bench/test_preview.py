@@ -100,3 +100,13 @@ def test_a_misspelled_set_key_is_called_one_as_train_calls_it(capsys, command, k
     # It was told that the command does not read it, as though the key were right.
     assert gpipe([command, "--set", key]) == 2
     assert capsys.readouterr().err == f"error: --set {says}\n"
+
+
+def test_a_recipe_that_cannot_fit_is_not_told_that_bench_would_size_it():
+    # bench sizes only a family to the machine; a recipe's model is measured as it is written.
+    options = BenchOptions(model="recipes/amoebanet-b-imagenet.yaml")
+    with pytest.raises(UserError) as refused:
+        preview.choose_subject(options, machine(4 * GIB))
+    line = str(refused.value)
+    assert line.startswith("the model does not fit: ") and line.endswith("or lower --batch-size")
+    assert "size it to this machine" not in line
