@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 from gpipe_cli.errors import UserError, not_utf8, shown
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.pipeline.streams import write_out
-from gpipe_cli.train.existing import EXPORTED
+from gpipe_cli.train.existing import CHECKPOINTS, EXPORTED, newest_step
 
 DEFAULT_MAX_TOKENS = 50
 MAX_TOKENS = 100_000  # a long document's worth: each token is a forward, so a typo of more digits runs for days
@@ -20,7 +21,7 @@ _KINDS = {"translation": "a translation model", "lm": "a language model", "image
 def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None = None, top: int | None = None) -> int:
     """Print one line per input (None: stdin's) of the export at `path`: translation, continuation or top classes."""
     # Found before torch loads (seconds), as a mistake is everywhere else.
-    export_file(path)
+    file = export_file(path)
     if sys.stdout is None:  # started with it closed (`>&-`): the answers would go nowhere
         raise UserError("standard output is closed: predict prints its answers there; give it a file or a pipe")
     if max_tokens is not None and not 1 <= max_tokens <= MAX_TOKENS:
@@ -31,6 +32,9 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
         from gpipe_cli.predict import tasks
 
     exported = tasks.load_export(path)
+    behind = out_of_date(file, exported.metadata.get("step"))
+    if behind is not None:
+        print(f"[gpipe] {behind}", file=sys.stderr)
     task = exported.spec.task
     if max_tokens is not None and task != "lm":
         raise UserError(f"--max-tokens continues a language model's prompt; {shown(path)} is {_KINDS[task]}")
@@ -79,6 +83,20 @@ def _stdin_lines(text: bool) -> Iterator[str]:
         if where is not None:
             raise UserError(f"an input is not UTF-8 text ({where}) on line {number} of stdin; give sentences in UTF-8")
         yield item
+
+
+def out_of_date(file: Path, exported_step: str | None) -> str | None:
+    """Why a run's own export is not of its newest checkpoint, in one line (None: it is, or it is no run's)."""
+    # Training on (or a resume from an earlier step) writes checkpoints, never the export: it can lag behind.
+    run_dir = file.parent
+    if file.name != EXPORTED or not (run_dir / CHECKPOINTS).is_dir() or not exported_step \
+            or not exported_step.isdigit():
+        return None
+    newest = newest_step(run_dir)
+    if newest is None or newest == int(exported_step):
+        return None
+    return (f"{file} is the export of step {exported_step}, but the run's newest checkpoint is step {newest}: "
+            f"answering with step {exported_step}'s weights; refresh it with: gpipe export {shlex.quote(str(run_dir))}")
 
 
 def export_file(path: str) -> Path:

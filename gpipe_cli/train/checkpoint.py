@@ -33,10 +33,9 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.files import atomic_write_bytes, space_left
 from gpipe_cli.pipeline import heartbeat
 from gpipe_cli.pipeline.failure import ANNOUNCED
-from gpipe_cli.train.existing import CHECKPOINTS, PREFIX, SUPERSEDED, candidates
+from gpipe_cli.train.existing import CHECKPOINTS, MANIFEST, PREFIX, SUPERSEDED, candidates
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
 
-MANIFEST = "manifest.json"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # one key per parameter: reshardable
 CHECKSUM = "xxh3_64"
 _CHUNK = 1 << 22

@@ -26,6 +26,7 @@ EXPORTED = "model.safetensors"  # what gpipe export writes into the run director
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 PREFIX = "step-"  # of a checkpoint folder: checkpoints/step-00000100
+MANIFEST = "manifest.json"  # written last into a checkpoint folder: a folder with it is a finished save
 
 # Model keys that leave the parameters as they are (regularisation, the loss, the initialisation, a
 # preset's name whose values are compared key by key): a resume may change them. Every other model key
@@ -296,6 +297,19 @@ def candidates(location: Path) -> list[Path]:
         return sorted((p for p in folder.iterdir() if p.is_dir() and p.name.startswith(PREFIX)), reverse=True)
     except OSError:  # no folder there, or one this process cannot read: no checkpoint it could use
         return []
+
+
+def newest_step(run_dir: Path) -> int | None:
+    """The step of the run's newest finished checkpoint, as its manifest says (None: there is none)."""
+    # No checksums: a quick look for `gpipe predict`, which must not load the checkpoint code (torch.distributed).
+    for path in candidates(run_dir):
+        try:
+            step = json.loads((path / MANIFEST).read_text())["step"]
+        except (OSError, ValueError, KeyError, TypeError):  # unfinished or unreadable: not one export would use
+            continue
+        if isinstance(step, int) and not isinstance(step, bool):
+            return step
+    return None
 
 
 def _differences(old: Any, new: Any, prefix: str) -> Iterator[Change]:

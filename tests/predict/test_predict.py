@@ -128,6 +128,35 @@ def test_a_run_directory_stands_for_the_model_gpipe_export_wrote_into_it(exports
     assert capsys.readouterr().out.count("\n") == 1
 
 
+def _run_with_checkpoints(folder: Path, exported_step: int, *steps: int) -> Path:
+    """A run directory whose model.safetensors is of `exported_step` and whose checkpoints are `steps`."""
+    write_export(folder, "translation", step=str(exported_step)).rename(folder / "model.safetensors")
+    for step in steps:
+        (folder / "checkpoints" / f"step-{step:08d}").mkdir(parents=True)
+        (folder / "checkpoints" / f"step-{step:08d}" / "manifest.json").write_text(json.dumps({"step": step}))
+    (folder / "checkpoints" / "step-00000009").mkdir()  # a save that never finished: no manifest, not the newest
+    return folder
+
+
+def test_an_export_behind_the_runs_newest_checkpoint_is_said_in_one_line_and_still_answers(tmp_path, capsys):
+    run_dir = _run_with_checkpoints(tmp_path, 3, 3, 5)
+    assert run(["predict", str(run_dir), "seven"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("\n") == 1
+    lines = [line for line in err.splitlines() if "newest checkpoint" in line]
+    assert len(lines) == 1 and "export of step 3" in lines[0] and "newest checkpoint is step 5" in lines[0], err
+    assert lines[0].endswith(f"gpipe export {run_dir}"), lines
+    # The file named directly is the run's export all the same.
+    assert run(["predict", str(run_dir / "model.safetensors"), "seven"]) == 0
+    assert "newest checkpoint is step 5" in capsys.readouterr().err
+
+
+def test_an_export_of_the_runs_newest_checkpoint_says_nothing_of_it(tmp_path, capsys):
+    run_dir = _run_with_checkpoints(tmp_path, 5, 3, 5)
+    assert run(["predict", str(run_dir), "seven"]) == 0
+    assert "checkpoint" not in capsys.readouterr().err
+
+
 def test_without_inputs_it_reads_the_lines_of_stdin(exports, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO("one two\nthree\n\nfive\n"))
     assert run(["predict", str(exports["translation"])]) == 0
