@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, TypedDict, TypeVar
+
+from gpipe_cli.units import number_range
 
 # No torch and no engine here: `gpipe report` reads runs without importing either (a test pins PARTS to the engine's).
 
@@ -20,6 +23,9 @@ TIMING = frozenset({"samples_per_s", "tokens_per_s", "step_time_s", "bubble", "i
 WARMUP = "warmup"
 # True on the first train record after a resume: that step warms up again, as the run's first did.
 RESUMED = "resumed"
+# True on a train record whose time holds the profiler's work (train.profile): starting it, recording, writing
+# the trace (seconds on a CPU). The mean timing figures leave these steps out, as they do warm-up steps.
+PROFILED = "profiled"
 # A train record's pipeline beside its stages (the length of its per-stage lists): a resume may change any of them.
 PIPELINE: dict[str, type] = {"microbatches": int, "schedule": str, "data_parallel": int}  # key -> type
 
@@ -46,6 +52,22 @@ def after_warmup(warmup: R, after: R) -> tuple[R, str]:
     if after.steps:
         return after, f"the steps after the first, which took {warmup.seconds:.2f} s warming up"
     return warmup, "the training steps"
+
+
+def profiled_words(steps: Sequence[int]) -> str:
+    """The profiled steps a mean leaves out, in words: ", and not the 2 profiled (steps 3-4)"; "" for none."""
+    if not steps:
+        return ""
+    spans: list[list[int]] = []
+    for step in sorted(steps):
+        if spans and step == spans[-1][-1] + 1:
+            spans[-1].append(step)
+        else:
+            spans.append([step])
+    named = ", ".join(number_range(span[0], span[-1]) for span in spans)
+    if len(steps) == 1:
+        return f", and not step {named}, which was profiled"
+    return f", and not the {len(steps)} profiled (steps {named})"
 
 
 class _TrainFigures(TypedDict):
@@ -84,6 +106,7 @@ class TrainRecord(_TrainFigures, Utilization, total=False):
     skipped: bool                     # a non-finite step left out of the update
     warmup: bool                      # see WARMUP
     resumed: bool                     # see RESUMED
+    profiled: bool                    # see PROFILED
 
 
 class EvalFigures(TypedDict, total=False):

@@ -13,7 +13,7 @@ from gpipe_cli.console import output_console, print_table
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.files import check_not_input, check_output, writing
 from gpipe_cli.launch.preflight import check_path
-from gpipe_cli.records import PARTS
+from gpipe_cli.records import PARTS, profiled_words
 from gpipe_cli.report import page
 from gpipe_cli.report.runs import (
     Run,
@@ -21,6 +21,7 @@ from gpipe_cli.report.runs import (
     eval_metric,
     last_cut,
     memory_peak,
+    profiled_left_out,
     read_runs,
     segment_throughputs,
     segments,
@@ -58,6 +59,8 @@ def _over(runs: list[Run], after_warmup: str) -> str:
         if only and not all(warm):
             count = sum(map(len, last_cut(run)))
             notes.append(f"its warm-up step{'s' if count > 1 else ''}, all it has")
+        if left := profiled_left_out(run):
+            notes.append(profiled_words(left).removeprefix(", and "))
         words += f"; {run.label}: {', '.join(notes)}" if notes else ""
     return words
 

@@ -8,7 +8,17 @@ from typing import Any
 
 from gpipe_cli import plots
 from gpipe_cli.records import PARTS
-from gpipe_cli.report.runs import Run, Starts, cut_steps, last_cut, segments, series, time_breakdown, warm_only
+from gpipe_cli.report.runs import (
+    Run,
+    Starts,
+    cut_steps,
+    last_cut,
+    profiled_left_out,
+    segments,
+    series,
+    time_breakdown,
+    warm_only,
+)
 
 WIDTH_PX, HEIGHT_PX = 1800, 1000
 MIB = float(1 << 20)
@@ -104,6 +114,8 @@ def _breakdown(ax: Any, runs: list[Run]) -> None:
     ax.set_xticks(range(len(names)), names, fontsize="small", rotation=30 if len(runs) > 1 else 0, ha="right"
                   if len(runs) > 1 else "center")
     over = _no_warmup(runs, "mean over steps after warm-up", last_cut)
+    if any(map(profiled_left_out, runs)):  # their time holds the profiler's
+        over += ", profiled steps left out"
     ax.set_title(f"step time per stage ({over})" + (": run · stage" if len(runs) > 1 else "") + _last(runs))
     ax.set_ylabel("ms per step")
     ax.legend(fontsize="small")

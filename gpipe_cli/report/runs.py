@@ -11,7 +11,18 @@ from typing import Any
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
-from gpipe_cli.records import EVAL_NUMBERS, PARTS, PIPELINE, RESUMED, TRAIN_NUMBERS, WARMUP, Rate, after_warmup
+from gpipe_cli.records import (
+    EVAL_NUMBERS,
+    PARTS,
+    PIPELINE,
+    PROFILED,
+    RESUMED,
+    TRAIN_NUMBERS,
+    WARMUP,
+    Rate,
+    after_warmup,
+    profiled_words,
+)
 from gpipe_cli.units import number_range
 
 Series = tuple[list[int], list[float]]  # steps, values
@@ -194,8 +205,26 @@ def steady(run: Run) -> list[dict[str, Any]]:
 
 
 def steady_now(run: Run) -> list[dict[str, Any]]:
-    """The steady steps (`steady`) of the run's last pipeline: what its figures of the pipeline are of."""
-    return _steady(last_cut(run))
+    """The steady steps (`steady`) of the run's last pipeline but the profiled ones: what its mean figures are of."""
+    starts = last_cut(run)
+    return [r for records in starts for r in _unprofiled(records if warm_only(starts) else records[1:])]
+
+
+def profiled_left_out(run: Run) -> list[int]:
+    """The profiled steps of the run's last pipeline that its mean figures leave out (`steady_now`)."""
+    starts = last_cut(run)
+    return [step for records in starts for step in _left_out(records if warm_only(starts) else records[1:])]
+
+
+def _unprofiled(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records but those of profiled steps, whose time holds the profiler's (kept when they are all there are)."""
+    return [r for r in records if r.get(PROFILED) is not True] or records
+
+
+def _left_out(records: list[dict[str, Any]]) -> list[int]:
+    """The profiled steps `_unprofiled` leaves out of these records."""
+    kept = _unprofiled(records)
+    return [r["step"] for r in records if r.get(PROFILED) is True and kept is not records]
 
 
 def last_cut(run: Run) -> Starts:
@@ -311,8 +340,10 @@ def _rate(steps: Timed) -> Rate:
 
 def _segment(records: list[dict[str, Any]]) -> Throughput:
     """One start's throughput as its `gpipe train` summary gives it."""
-    steps = _timed(records)
+    steps = _timed(records[:1] + _unprofiled(records[1:]))
     shown, over = after_warmup(_rate(steps[:1]), _rate(steps[1:]))
+    if len(steps) > 1:
+        over += profiled_words(_left_out(records[1:]))
     return Throughput(shown.per_s, over, number_range(records[0]['step'], records[-1]['step']),
                       steps[0][1] if len(steps) > 1 else None)
 
@@ -331,7 +362,7 @@ def throughput(run: Run) -> Throughput:
     parts, span = last_cut(run), cut_steps(run)
     if len(parts) == 1 and span is None:
         return _segment(parts[0])
-    timed = [_timed(records) for records in parts]
+    timed = [_timed(records[:1] + _unprofiled(records[1:])) for records in parts]
     firsts = _rate([steps[0] for steps in timed if steps])
     shown, over = after_warmup(firsts, _rate([step for steps in timed for step in steps[1:]]))
     warmups = _and([f"{steps[0][1]:.2f}" for steps in timed if steps])
@@ -343,4 +374,6 @@ def throughput(run: Run) -> Throughput:
     elif shown is not firsts:  # the steps after every start's warm-up step: each start named
         at = f"step{'s' if len(parts) > 2 else ''} " + _and([str(records[0]["step"]) for records in parts[1:]])
         over = f"the steps after the first of the run and of each resume (at {at}), which took {warmups} s warming up"
+    if shown is not firsts:
+        over += profiled_words([step for records in parts for step in _left_out(records[1:])])
     return Throughput(shown.per_s, over)

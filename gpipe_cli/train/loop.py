@@ -487,6 +487,8 @@ class Trainer:
             record["warmup"] = True
         if step == self.start_step > 0:  # the first step after a resume warms up again, as the run's first did
             record["resumed"] = True
+        if self.profiler.profiled(step + 1):  # its time holds the profiler's: the means leave it out
+            record["profiled"] = True
         self.metrics.write(record)
         self.summary.add(record, batch.global_size, stats.units)
         self.view.show(record, self.recipe.train.log_every)

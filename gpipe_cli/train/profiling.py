@@ -6,8 +6,9 @@ import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, schedule
@@ -50,6 +51,7 @@ class StepProfiler:
         self._started = False
         self._done = 0  # the last step finished
         self._ready: Path | None = None
+        self._schedule: Callable[[int], Any] = lambda step: ProfilerAction.NONE  # a ProfilerAction
         if config is None:
             return
         skip_first, wait, warmup, active, repeat = config.cycle()
@@ -62,6 +64,13 @@ class StepProfiler:
             self._profiler = profile(activities=activities, schedule=self._schedule, on_trace_ready=self._save,
                                      profile_memory=config.profile_memory, with_stack=config.with_stack,
                                      record_shapes=config.record_shapes)
+
+    def profiled(self, step: int) -> bool:
+        """Whether the profiler works in step `step`'s time: warming up or recording, or starting for the next step."""
+        # after(step) moves the profiler on inside the step's time (its launch to the next's): its first start
+        # there can take seconds, and the trace of a cycle is written there when the step ends it.
+        starting = step < self.total_steps and self._schedule(step + 1) != ProfilerAction.NONE
+        return starting or self._schedule(step) != ProfilerAction.NONE
 
     def before(self, step: int) -> None:
         """Called before step `step` (from 1): the first call starts the profiler at that step."""

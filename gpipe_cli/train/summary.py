@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpipe_cli.pipeline.stats import PARTS
-from gpipe_cli.records import Rate, after_warmup
+from gpipe_cli.records import PROFILED, Rate, after_warmup, profiled_words
 from gpipe_cli.train.step_figures import Peak
 from gpipe_cli.units import flop_rate, number_range, share
 
@@ -57,6 +57,9 @@ class RunSummary:
     # throughput, bubble and step-time shares are those of the others, when there are any.
     warmup: _Steps = field(default_factory=_Steps)
     measured: _Steps = field(default_factory=_Steps)
+    # Steps whose time holds the profiler's (marked `profiled`): left out of the figures but where they are all.
+    profiled: _Steps = field(default_factory=_Steps)
+    profiled_steps: list[int] = field(default_factory=list)
     steps_seen: tuple[int, int] = (0, 0)  # the first and the last step number taken in
     resumed: bool = False  # the first step came after a resume: the figures are those since it
     best_eval: Mapping[str, Any] | None = None
@@ -80,6 +83,10 @@ class RunSummary:
         self.steps_seen = (self.steps_seen[0] or record["step"], record["step"])
         self.skipped += bool(record.get("skipped"))
         self.theory = record["bubble_theory"]
+        if not warm and record.get(PROFILED) is True:
+            self.profiled.add(record, examples, units)
+            self.profiled_steps.append(record["step"])
+            return
         (self.warmup if warm else self.measured).add(record, examples, units)
 
     def lines(self, now: float, checkpoint: str | None, run_dir: str, text: bool, ended: str = "") -> list[str]:
@@ -91,7 +98,10 @@ class RunSummary:
             done = (f"step{'s' if last > first else ''} {number_range(first, last)} of {self.total_steps}, "
                     "since the resume,")
         out = [f"summary: {done} in {wall:.1f} s wall time" + (f" ({ended})" if ended else "")]
-        shown, over = after_warmup(self.warmup, self.measured)
+        after = self.measured if self.measured.steps else self.profiled  # profiled steps alone: all there is
+        shown, over = after_warmup(self.warmup, after)
+        if shown is self.measured:
+            over += profiled_words(self.profiled_steps)
         if shown.per_s is not None:
             if self.resumed:
                 over += f"; gpipe report {run_dir} gives the whole run's"

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from gpipe_cli.cli import run as cli
-from gpipe_cli.report.runs import read_runs, segment_throughputs, throughput
+from gpipe_cli.report.runs import read_runs, segment_throughputs, throughput, time_breakdown, timed_mean
 from gpipe_cli.train.summary import RunSummary
 from tests.report.test_report import make_run
 from tests.train.test_view import train_record
@@ -115,3 +115,25 @@ def test_starts_of_one_step_each_are_the_mean_over_those_steps(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for records in starts for r in records))
     rate = throughput(read_runs([run])[0])
     assert rate.samples_per_s == pytest.approx(2 * BATCH / 3.0) and rate.over == "the training steps"
+
+
+def test_the_report_leaves_out_profiled_steps_as_the_train_summary_does(tmp_path, capsys):
+    run = make_run(tmp_path / "run", 2)
+    records = segment_records(1, (2.0, 0.1, 1.9, 0.3, 0.2, 0.9), resumed=False)
+    for record in records[2:4]:
+        record["profiled"] = True
+        record["bubble"] = 0.9
+        record["time_s"]["other"] = [record["step_time_s"]] * 2  # the trace's writing
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (report_run,) = read_runs([run])
+    rate = throughput(report_run)
+    kept = (0.1, 0.2, 0.9)
+    assert rate.samples_per_s == pytest.approx(BATCH * len(kept) / sum(kept))
+    assert summary_throughput(records) == f"{rate.samples_per_s:.1f} samples/s (mean over {rate.over})"
+    assert rate.over.endswith(", and not the 2 profiled (steps 3-4)")
+    assert timed_mean(report_run, "bubble") == pytest.approx(0.2)
+    assert time_breakdown(report_run)["other"] == pytest.approx(
+        [sum(r["time_s"]["other"][s] for r in records if r["step"] in (2, 5, 6)) / 3 for s in range(2)])
+    assert cli(["report", str(run), "--output", str(tmp_path / "page.png")]) == 0
+    out = capsys.readouterr().out
+    assert f"mean over {rate.over}" in out and "not the 2 profiled (steps 3-4)" in out.split("per stage", 1)[1]

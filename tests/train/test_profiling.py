@@ -111,3 +111,18 @@ def test_a_profiled_run_writes_gzip_traces_per_rank_with_steps_and_pipeline_rang
         sends = "send_fwd" if rank == 0 else "recv_fwd"
         assert f"{sends} mb0" in names
         assert "recompute mb0" in names  # except_last: all but the micro-batch whose backward follows at once
+
+
+@pytest.mark.parametrize(("config", "total", "profiled"), [
+    (Profile(steps=(3, 4)), 8, {1, 2, 3, 4}),  # step 1's time holds the start of step 2's warm-up
+    (Profile(steps=(5, 6)), 10, {3, 4, 5, 6}),
+    (Profile(steps=(6, 7)), 7, {4, 5, 6, 7}),  # the run ends inside the cycle
+    (Profile(wait=1, warmup=1, active=2, repeat=2), 10, {1, 2, 3, 4, 5, 6, 7, 8}),
+    (None, 8, set()),
+])
+def test_the_profiled_steps_are_those_whose_time_holds_the_profilers_work(tmp_path, config, total, profiled):
+    profiler = StepProfiler(config, tmp_path, 0, torch.device("cpu"), total_steps=total)
+    assert {step for step in range(1, total + 1) if profiler.profiled(step)} == profiled
+    # Every trace is written inside a profiled step's time, and the marks stay once the profiler is closed.
+    assert set(run_steps(profiler, 1, total)) <= profiled
+    assert {step for step in range(1, total + 1) if profiler.profiled(step)} == profiled

@@ -104,3 +104,25 @@ def test_the_bubble_is_weighted_by_step_time_as_gpipe_report_weights_it():
         summary.add({**train_record(step=step), "step_time_s": seconds, "bubble": bubble}, examples=8, units=None)
     lines = summary.lines(20.0, None, "run", text=False)
     assert field(lines, "bubble").startswith(f"{(3.0 * 0.1 + 1.0 * 0.5) / 4.0:.3f} measured")  # not 0.300
+
+
+def test_profiled_steps_are_left_out_of_the_means_and_named():
+    summary = RunSummary(total_steps=6, started=0.0)
+    for step, seconds in enumerate((2.0, 0.5, 1.9, 3.0, 0.5, 0.5), 1):
+        record = {**train_record(step=step), "step_time_s": seconds, "bubble": 0.9 if step in (3, 4) else 0.1}
+        if step in (3, 4):
+            record["profiled"] = True
+        summary.add(record, examples=10, units=None)
+    lines = summary.lines(now=10.0, checkpoint=None, run_dir="r", text=False)
+    assert field(lines, "throughput") == ("20.0 samples/s (mean over the steps after the first, which took 2.00 s "
+                                          "warming up, and not the 2 profiled (steps 3-4))")
+    assert field(lines, "bubble").startswith("0.100 measured")
+    assert lines[0].startswith("summary: 6 of 6 steps"), "profiled steps are steps of the run all the same"
+
+
+def test_profiled_steps_alone_after_the_warm_up_are_the_mean_and_not_said_left_out():
+    summary = RunSummary(total_steps=3, started=0.0)
+    for step, seconds in enumerate((2.0, 0.5, 0.5), 1):
+        summary.add({**train_record(step=step), "step_time_s": seconds, "profiled": True}, examples=10, units=None)
+    throughput = field(summary.lines(now=5.0, checkpoint=None, run_dir="r", text=False), "throughput")
+    assert throughput == "20.0 samples/s (mean over the steps after the first, which took 2.00 s warming up)"
