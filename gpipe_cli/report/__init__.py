@@ -13,7 +13,7 @@ from gpipe_cli.console import output_console, print_table
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.files import check_not_input, check_output, writing
 from gpipe_cli.launch.preflight import check_path
-from gpipe_cli.records import PARTS, profiled_words
+from gpipe_cli.records import PARTS, PROFILED, profiled_words
 from gpipe_cli.report import page
 from gpipe_cli.report.runs import (
     Run,
@@ -123,7 +123,9 @@ def resume_table(runs: list[Run]) -> Table | None:
     named = len(resumed) > 1
     table = _table("per start of a resumed run (as its gpipe train summary gave it)",
                    ("run", "pipeline", "steps", "samples/s", "warm-up s")[0 if named else 1:], ("run", "pipeline"),
-                   caption="samples/s: mean over the start's steps after its first, which warms up")
+                   caption="samples/s: mean over the start's steps after its first, which warms up"
+                   + (", and not its profiled steps" if any(r.get(PROFILED) is True for run, _ in resumed
+                                                            for r in run.train) else ""))
     for run, parts in resumed:
         for i, (records, rate) in enumerate(zip(segments(run), parts)):
             cells = [run.pipeline(records[0]), rate.steps, figure(rate.samples_per_s, ".1f"),
