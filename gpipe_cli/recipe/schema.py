@@ -349,6 +349,9 @@ class Optimizer(Section):
     decay: Annotated[float, Real, Field(gt=0.0, lt=1.0)] = 0.9
 
 
+FLOORED = ("cosine", "exponential")  # the schedules that read schedule.min_lr
+
+
 class Schedule(Section):
     """The learning-rate schedule, applied per optimizer step."""
 
@@ -428,6 +431,19 @@ class Recipe(Section):
         if (isinstance(model, TransformerModel) and model.arch == "decoder-only"
                 and self.data.seq_len > model.max_len and "seq_len" not in self.data.model_fields_set):
             self.data.seq_len = model.max_len  # the default follows the model, and the run's recipe says so
+        return self
+
+    @model_validator(mode="after")
+    def _floor_under_peak(self) -> Recipe:
+        sched, opt = self.schedule, self.optimizer
+        if sched.min_lr and sched.name not in FLOORED:  # it would be read by nothing, without a word
+            raise ValueError(f"schedule.min_lr ({sched.min_lr:g}) is the floor of the {' and '.join(FLOORED)} "
+                             f"schedules, and schedule.name {sched.name} has none: set it to 0, or choose one of them")
+        peak = opt.lr * self.data.batch_size / 256 if opt.lr_per_256 else opt.lr  # as the training computes it
+        if sched.min_lr > peak:  # cosine would climb to it, exponential start at it
+            scaled = " x data.batch_size / 256" if opt.lr_per_256 else ""
+            raise ValueError(f"schedule.min_lr ({sched.min_lr:g}) must be <= the peak learning rate ({peak:g}: "
+                             f"optimizer.lr{scaled})")
         return self
 
     @model_validator(mode="after")

@@ -59,6 +59,11 @@ def test_every_shipped_recipe_validates_and_plans(path):
     (["model.kind=gpt"], "recipe.yaml: --set model.kind: must be 'amoebanet' or 'transformer' (got 'gpt')"),
     (["optimizer.betas=[0.9]"], "recipe.yaml: --set optimizer.betas: must be a list of 2 numbers"),
     (["pipeline.microbatches=64"], "recipe.yaml: --set pipeline.microbatches (64) must be <= data.batch_size"),
+    # A floor no schedule reads, or one above the peak (cosine climbed to it), was taken without a word.
+    (["schedule.min_lr=0.5"], "recipe.yaml: --set schedule.min_lr (0.5) is the floor of the cosine and exponential "
+                              "schedules, and schedule.name constant has none"),
+    (["schedule.name=cosine", "schedule.min_lr=0.5"], "recipe.yaml: --set schedule.min_lr (0.5) must be <= the peak "
+                                                       "learning rate (0.1: optimizer.lr)"),
     (["pipeline.partitions=2.5"], "recipe.yaml: --set pipeline.partitions: must be an integer >= 1 and <= 65536 "
                                   "(got 2.5)"),
     (["train.lr=0.1"], "train.lr: unknown key (did you mean optimizer.lr?); allowed keys here: steps"),
