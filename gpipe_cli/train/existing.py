@@ -203,8 +203,16 @@ def check_new_run_dir(output_dir: Path, claimed: bool = False) -> None:
                         f"({writer}); wait until it ends, or give another --output-dir")
     step = last_step(output_dir)
     held = f"already holds a run (its last step is {step})" if step is not None else "already holds a run"
+    if not candidates(output_dir):  # records, but nothing a resume continues from: it would be refused
+        raise UserError(f"--output-dir {cut(str(output_dir), PATH_CHARS)} {held} but no checkpoint; "
+                        f"{start_again(output_dir)}, or give another --output-dir for a new run")
     raise UserError(f"--output-dir {cut(str(output_dir), PATH_CHARS)} {held}; use --resume to continue it, or another "
                     f"--output-dir for a new run")
+
+
+def start_again(run_dir: Path) -> str:
+    """How to start a run that saved no checkpoint again, in its own directory (its records are replaced)."""
+    return f"start it again from step 0 with: gpipe train --resume --output-dir {shlex.quote(str(run_dir))}"
 
 
 def recipe_changes(recipe: Recipe, run_dir: Path) -> list[Change] | None:
@@ -263,7 +271,8 @@ def check_resumable(location: str) -> int:
 def no_usable(location: str, refused: list[str]) -> UserError:
     """The refusal of a resume from `location`, whose checkpoints were each refused as `refused` says."""
     reasons = "; ".join(refused) if refused else "there are no checkpoints there"
-    return UserError(f"--resume {cut(location, PATH_CHARS)}: no usable checkpoint ({reasons})")
+    again = f"; {start_again(Path(location))}" if not refused and holds_run(Path(location)) else ""
+    return UserError(f"--resume {cut(location, PATH_CHARS)}: no usable checkpoint ({reasons}){again}")
 
 
 def resume_end(recipe: Recipe, location: str) -> int | None:

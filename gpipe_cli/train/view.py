@@ -82,10 +82,13 @@ class MetricsFile:
 
     def _failure(self, exc: OSError, record: Mapping[str, Any]) -> str:
         """One line: what failed, the space left, and how the run goes on."""
+        from gpipe_cli.train.existing import candidates, start_again
+
         what = f"{errno.errorcode.get(exc.errno or 0, 'error')}: {exc.strerror or exc}"
-        return (f"cannot write {self.path.name} at step {record['step']} ({what}); {space_left(self.path.parent)}; "
-                f"its earlier records are whole; once it can be written, continue with gpipe train --resume "
-                f"{self.path.parent}")
+        run_dir = self.path.parent
+        then = f"continue with gpipe train --resume {run_dir}" if candidates(run_dir) else start_again(run_dir)
+        return (f"cannot write {self.path.name} at step {record['step']} ({what}); {space_left(run_dir)}; "
+                f"its earlier records are whole; once it can be written, {then}")
 
     def close(self) -> None:
         """Close the file and the sinks."""

@@ -226,8 +226,12 @@ def test_a_new_run_into_a_directory_that_holds_a_run_is_refused_before_any_rank_
     before = hashes(run)
     result = train(path, run)
     assert result.exit_code == 2, result.output
-    assert error_line(result) == (f"error: --output-dir {run} already holds a run (its last step is 4); "
-                                  f"use --resume to continue it, or another --output-dir for a new run")
+    # Records alone leave a resume nothing to continue: it is told how to start the run again.
+    advice = (f" but no checkpoint; start it again from step 0 with: gpipe train --resume --output-dir {run}, or "
+              f"give another --output-dir" if held == "metrics" else "; use --resume to continue it, or another "
+              "--output-dir")
+    assert error_line(result) == (f"error: --output-dir {run} already holds a run (its last step is 4){advice} for a "
+                                  f"new run")
     assert result.stdout == ""  # found before torch is imported, before even the first line
     assert hashes(run) == before and not no_ranks
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 
+from gpipe_cli.cli import app
 from gpipe_cli.train import checkpoint
 from gpipe_cli.train.resume import trim_metrics
-from tests.train.test_existing_run import error_line, hashes, make_run, no_ranks, train  # noqa: F401 (a fixture)
+from tests.train.test_existing_run import error_line, hashes, make_run, no_ranks, runner, train  # noqa: F401 (a fixture)
 
 
 def test_a_run_directory_without_checkpoints_is_refused_before_any_rank_starts(tmp_path, no_ranks):  # noqa: F811
@@ -54,3 +56,21 @@ def test_metrics_lines_that_are_not_records_are_dropped(tmp_path):
                      b'{"kind": "eval", "step": 1}\n{"kind": "train", "step": 5}\n')
     trim_metrics(path, 3)
     assert path.read_text() == '{"kind": "train", "step": 1}\n{"kind": "eval", "step": 1}\n'
+
+
+def test_a_run_that_saved_no_checkpoint_is_told_how_to_start_again(tmp_path, no_ranks):  # noqa: F811
+    # Stopped before its first checkpoint: a new run was told to --resume it, and that resume was refused.
+    path, run = make_run(tmp_path, steps=(2,))
+    shutil.rmtree(checkpoint.path_for(run, 2))
+    again = f"start it again from step 0 with: gpipe train --resume --output-dir {run}"
+    result = train(path, run)
+    assert result.exit_code == 2, result.output
+    assert error_line(result) == (f"error: --output-dir {run} already holds a run (its last step is 2) but no "
+                                  f"checkpoint; {again}, or give another --output-dir for a new run")
+    result = runner.invoke(app, ["train", "--resume", str(run), "--plain"])
+    assert result.exit_code == 2, result.output
+    assert error_line(result) == (f"error: --resume {run}: no usable checkpoint (there are no checkpoints there); "
+                                  f"{again}")
+    result = train(path, run, "--resume", "latest")  # as it says (a bare --resume is latest): it starts again
+    assert result.exit_code == 0, result.output
+    assert no_ranks == [1]

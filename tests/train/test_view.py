@@ -155,6 +155,7 @@ def test_the_live_views_last_frame_into_a_file_ends_its_line(monkeypatch):
 
 def test_a_record_the_disk_cannot_take_leaves_the_earlier_ones_whole_and_stops_in_one_line(tmp_path, monkeypatch):
     path = tmp_path / "metrics.jsonl"
+    (tmp_path / "checkpoints" / "step-00000002").mkdir(parents=True)  # a resume continues from it
     metrics = MetricsFile(path)
     metrics.write({"kind": "eval", "step": 1, "loss": 2.0})
     real_write = os.write
@@ -175,3 +176,10 @@ def test_a_record_the_disk_cannot_take_leaves_the_earlier_ones_whole_and_stops_i
     metrics.close()
     metrics.close()  # closing twice is harmless
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 4]
+
+
+def test_a_record_the_disk_cannot_take_before_any_checkpoint_says_how_to_start_again(tmp_path):
+    # It advised `--resume RUN`, which found no checkpoint and was refused.
+    message = MetricsFile(tmp_path / "metrics.jsonl")._failure(OSError(errno.ENOSPC, "No space left"), {"step": 3})
+    assert message.endswith(f"once it can be written, start it again from step 0 with: gpipe train --resume "
+                            f"--output-dir {tmp_path}")
