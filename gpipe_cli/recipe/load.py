@@ -123,7 +123,16 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         if not isinstance(child, dict):
             raise RecipeError(f"--set {cut(key)}: {shown(part)} is a value, not a section")
         node = child
-    node[parts[-1]] = value
+    node[parts[-1]] = _merged(node.get(parts[-1]), value)
+
+
+def _merged(old: Any, new: Any) -> Any:
+    """`new` over `old`: a mapping over a section sets the keys it names and keeps the others (as a dotted key
+    would), unless it makes the section anew (another `kind`, or a `preset`); any other value replaces."""
+    if not isinstance(old, dict) or not isinstance(new, dict) or new.get("kind", old.get("kind")) != old.get("kind") \
+            or new.get("preset") is not None:
+        return new
+    return {**old, **{key: _merged(old.get(key), value) for key, value in new.items()}}
 
 
 def _preset_section(model: dict[str, Any], label: str, typed: Collection[str]) -> dict[str, Any]:

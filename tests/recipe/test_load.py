@@ -237,6 +237,16 @@ def test_a_preset_model_is_checked_against_its_data_as_the_preset_resolves(tmp_p
         load_recipe(None, ["model={preset: amoebanet-d-18-256}", *text])
 
 
+def test_a_mapping_set_into_a_section_keeps_its_other_keys_unless_it_makes_it_anew():
+    # `--set 'optimizer={lr: 0.01}'` trained with SGD: the section's other keys went back to their defaults.
+    dotted = load_recipe(None, ["optimizer.lr=0.01", "pipeline.partitions=3"])
+    assert load_recipe(None, ["optimizer={lr: 0.01}", "pipeline={partitions: 3}"]) == dotted
+    assert dotted.optimizer.name == "adam" and dotted.pipeline.microbatches == 4
+    assert load_recipe(None, ["model={layers: 3}"]).model == load_recipe(None, ["model.layers=3"]).model
+    whole = load_recipe(None, ["model={kind: amoebanet}", "data.source=synthetic"]).model
+    assert whole.kind == "amoebanet" and "d_model" not in whole.model_dump()  # another kind: the section anew
+
+
 def test_a_set_into_a_section_the_recipe_writes_as_a_value_names_the_recipe(tmp_path):
     # It blamed the --set (`'train' is a value, not a section`), which was right; the recipe was not.
     path = tmp_path / "sect.yaml"
