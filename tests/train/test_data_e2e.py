@@ -83,6 +83,23 @@ def test_an_unreachable_hub_dataset_is_one_line_and_writes_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_evaluating_data_that_holds_nothing_out_is_refused_and_the_final_evaluation_said_skipped(tmp_path):
+    # It evaluated to `loss nan, bleu 0` at every eval.every, and skipped the final evaluation without a word.
+    recipe = translation(1)
+    recipe["data"]["eval_fraction"] = 0
+    recipe["eval"] = {"every": 1}
+    proc = gpipe("train", str(write(tmp_path, recipe)), "--output-dir", str(tmp_path / "run"), timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr == ("error: eval.every (1): the data holds nothing out to evaluate on (data.eval_fraction 0, "
+                           "data.eval_split null); raise data.eval_fraction, or set eval.every: null\n")
+    assert not (tmp_path / "run").exists()
+    recipe["eval"] = {"every": None}
+    proc = gpipe("train", str(write(tmp_path, recipe)), "--output-dir", str(tmp_path / "run"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "no final evaluation: the data holds nothing out (data.eval_fraction 0)" in proc.stdout
+    assert not evals(tmp_path / "run")
+
+
 def test_a_rank_that_fails_after_reading_parquet_says_one_line_and_no_more(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
