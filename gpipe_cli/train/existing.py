@@ -69,8 +69,18 @@ def choose_run_dir(recipe: Recipe, output_dir: str | None, root: str = "outputs"
 
 
 def save_recipe(recipe: Recipe, run_dir: Path) -> None:
-    """Store the resolved recipe (every default filled in) with the run."""
-    atomic_write_bytes(run_dir / RECIPE, recipe_yaml(recipe).encode())
+    """Store the resolved recipe (every default filled in, its files' paths absolute) with the run."""
+    atomic_write_bytes(run_dir / RECIPE, recipe_yaml(anchored(recipe)).encode())
+
+
+# A relative path is read from the directory gpipe runs in: the run's recipe names its files from anywhere, so
+# that a resume from another directory (a requeued job, a `cd`) reads the same files.
+def anchored(recipe: Recipe) -> Recipe:
+    """`recipe` with its data files' relative paths made absolute from here."""
+    data = recipe.data
+    paths = {key: os.path.abspath(value) for key in ("path", "tokenizer")
+             if isinstance(value := getattr(data, key), str) and value and not os.path.isabs(value)}
+    return recipe.model_copy(update={"data": data.model_copy(update=paths)}) if paths else recipe
 
 
 def run_dir_of(location: str) -> Path:
@@ -229,8 +239,8 @@ def recipe_changes(recipe: Recipe, run_dir: Path) -> list[Change] | None:
     # The same defaults on both sides, so a key the run's version left out is not a change; a recipe of
     # another version that no longer validates is compared as it reads.
     with contextlib.suppress(ValueError):
-        saved = Recipe.model_validate(saved).model_dump(mode="json")
-    return sorted(_differences(saved, recipe.model_dump(mode="json"), ""), key=lambda c: c.key)
+        saved = anchored(Recipe.model_validate(saved)).model_dump(mode="json")
+    return sorted(_differences(saved, anchored(recipe).model_dump(mode="json"), ""), key=lambda c: c.key)
 
 
 def check_checkpoint_keys(recipe: Recipe, changes: list[Change], location: str) -> None:

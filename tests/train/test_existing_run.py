@@ -442,3 +442,19 @@ def test_resume_of_a_runs_recipe_file_continues_that_run(tmp_path):
     assert _bare_resume(["train", "--resume", recipe, "--plain"]) == ["train", "--resume", str(tmp_path / "run"),
                                                                       "--plain"]
     assert _bare_resume(["train", "--resume", "mine.yaml"]) == ["train", "--resume", "latest", "mine.yaml"]
+
+
+def test_the_runs_recipe_names_its_data_files_from_anywhere(tmp_path, monkeypatch):
+    # A relative data.path was stored as typed: a resume from another directory could not find the data.
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "pairs.jsonl").write_text('{"source": "one", "target": "un"}\n')
+    monkeypatch.chdir(here)
+    recipe = load_recipe(None, ["data.source=jsonl", "data.path=pairs.jsonl"])
+    run = tmp_path / "run"
+    run.mkdir()
+    existing.save_recipe(recipe, run)
+    assert existing.recipe_changes(recipe, run) == []  # the same file, however it is named
+    monkeypatch.chdir(tmp_path)
+    resumed = load_recipe(run / "recipe.yaml")
+    assert resumed.data.path == str(here / "pairs.jsonl") and resumed.data.tokenizer is None
