@@ -74,8 +74,8 @@ def flop_rate(per_s: float) -> str:
 
 
 def human_count(n: float) -> str:
-    """A count as 1.23B, 4.56M, 7.89K or the number itself."""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    """A count as 1.23T, 1.23B, 4.56M, 7.89K or the number itself."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
             return f"{n / scale:.2f}{unit}"
     return str(int(n))

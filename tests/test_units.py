@@ -36,3 +36,9 @@ def test_a_range_of_one_is_one_number():
     from gpipe_cli.units import number_range
 
     assert number_range(4, 4) == "4" and number_range(4, 7) == "4-7"
+
+
+def test_counts_past_a_billion_are_read_in_trillions():
+    from gpipe_cli.units import human_count
+
+    assert [human_count(n) for n in (8.7988e12, 2.5e9, 4.2e6, 999)] == ["8.80T", "2.50B", "4.20M", "999"]

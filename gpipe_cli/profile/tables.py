@@ -71,7 +71,8 @@ def _measured(row: dict[str, Any] | None) -> str:
     found = row.get("measured_device_peak_bytes")
     if found is None:
         return "not run here"
-    return f"{human_bytes(found)} (pred. {row['device_peak_bytes'] / found - 1:+.0%})"
+    off = row["device_peak_bytes"] / found - 1
+    return f"{human_bytes(found)} (pred. {off:+.0%})" if round(off, 2) else f"{human_bytes(found)} (pred. ±0%)"
 
 
 def show_budget(s: dict[str, Any], console: Console) -> None:

@@ -24,3 +24,10 @@ def test_table_1_at_a_narrow_width_cuts_no_cut_and_no_figure(width):
     for name in names:
         assert name in text
     assert "1,1,1,1,1,1,1,1" in text
+
+
+def test_a_prediction_within_half_a_percent_reads_plus_minus_nought():
+    from gpipe_cli.profile.tables import _measured
+
+    assert _measured({"measured_device_peak_bytes": 1000, "device_peak_bytes": 997}).endswith("(pred. ±0%)")
+    assert _measured({"measured_device_peak_bytes": 1000, "device_peak_bytes": 1020}).endswith("(pred. +2%)")

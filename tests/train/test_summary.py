@@ -126,3 +126,9 @@ def test_profiled_steps_alone_after_the_warm_up_are_the_mean_and_not_said_left_o
         summary.add({**train_record(step=step), "step_time_s": seconds, "profiled": True}, examples=10, units=None)
     throughput = field(summary.lines(now=5.0, checkpoint=None, run_dir="r", text=False), "throughput")
     assert throughput == "20.0 samples/s (mean over the steps after the first, which took 2.00 s warming up)"
+
+
+def test_an_accuracy_reads_to_four_places_even_when_whole():
+    from gpipe_cli.train.summary import eval_figures
+
+    assert eval_figures({"kind": "eval", "step": 2, "loss": 0.5, "accuracy": 1.0}) == "loss 0.5, accuracy 1.0000"
