@@ -427,13 +427,28 @@ def resume_location(resume: str, output_dir: str | None, name: str, root: str) -
         return resume
     if output_dir:
         return output_dir
+    check_a_run_to_resume(resume, output_dir, name, root)
     from gpipe_cli.train.checkpoint import newest_whole  # torch: only once the first checks are done
 
-    runs = sorted((p for p in Path(root, name).glob("*") if p.is_dir()), reverse=True)
-    for run in runs:
+    for run in _runs_named(name, root):
         if newest_whole(run)[0] is not None:
             return str(run)
-    raise UserError(f"--resume: no run of '{name}' with a complete checkpoint under {Path(root, name)}/")
+    raise _no_run_of(name, root)
+
+
+def check_a_run_to_resume(resume: str | None, output_dir: str | None, name: str, root: str) -> None:
+    """Refuse, before torch loads, a bare --resume where no run of `name` has a checkpoint at all."""
+    if resume == LATEST and not output_dir and not any(candidates(run) for run in _runs_named(name, root)):
+        raise _no_run_of(name, root)
+
+
+def _runs_named(name: str, root: str) -> list[Path]:
+    """The run directories of `name` under `root`, newest first."""
+    return sorted((p for p in Path(root, name).glob("*") if p.is_dir()), reverse=True)
+
+
+def _no_run_of(name: str, root: str) -> UserError:
+    return UserError(f"--resume: no run of '{name}' with a complete checkpoint under {Path(root, name)}/")
 
 
 def _run_to_continue(resume: str, output_dir: str | None, overrides: Sequence[str], root: str) -> Path | None:

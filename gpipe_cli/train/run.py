@@ -39,6 +39,7 @@ from gpipe_cli.train.existing import (
     METRICS,
     Change,
     candidates,
+    check_a_run_to_resume,
     check_checkpoint_keys,
     check_new_run_dir,
     check_not_in_a_run,
@@ -203,6 +204,7 @@ def train(options: TrainOptions) -> int:
         new_run = (Path(options.output_dir), "--output-dir") if options.output_dir else \
             (Path(OUTPUTS) / recipe.name, "the output directory")
         check_writable(*new_run)
+    check_a_run_to_resume(options.resume, options.output_dir, recipe.name, OUTPUTS)  # not after seconds of planning
     check_hub_data(recipe.data, recipe_file, options.overrides)  # offline: fail now, not inside the ranks
     if options.dry_run and under_torchrun():
         raise UserError("--dry-run: this process is already a rank that torchrun started; run it outside "

@@ -74,3 +74,20 @@ def test_a_run_that_saved_no_checkpoint_is_told_how_to_start_again(tmp_path, no_
     result = train(path, run, "--resume", "latest")  # as it says (a bare --resume is latest): it starts again
     assert result.exit_code == 0, result.output
     assert no_ranks == [1]
+
+
+def test_a_bare_resume_with_no_run_of_its_name_is_refused_before_torch_loads(tmp_path, monkeypatch, no_ranks):  # noqa: F811
+    # It planned the run first (seconds, torch imported) to say there was nothing to resume.
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "gpipe_cli.train.checkpoint", raising=False)
+    result = runner.invoke(app, ["train", "--resume", "latest", "--set", "name=nosuch", "--plain"])
+    assert result.exit_code == 2, result.output
+    assert error_line(result) == "error: --resume: no run of 'nosuch' with a complete checkpoint under outputs/nosuch/"
+    assert "gpipe_cli.train.checkpoint" not in sys.modules and not no_ranks
+    path, _ = make_run(tmp_path, steps=(2,))  # a recipe given: its name is looked for
+    result = runner.invoke(app, ["train", str(path), "--resume", "latest", "--plain"])
+    assert result.exit_code == 2, result.output
+    assert error_line(result).startswith("error: --resume: no run of 'tiny-translation' with a complete checkpoint")
+    assert "gpipe_cli.train.checkpoint" not in sys.modules and not no_ranks
