@@ -194,6 +194,8 @@ def results(options: BenchOptions, summary: dict[str, Any], events: list[dict[st
 def run(options: BenchOptions) -> int:
     """Run `gpipe bench` on options `bench.run` has validated; print the figures, return an exit code."""
     console = output_console()
+    for note in options.notes:  # first: sizing a large recipe takes a while
+        console.print(f"[bold]note:[/] {note}", highlight=False)
     progress = Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))
     machine = sizing.this_machine(options.threads)
     chosen = preview.choose_subject(options, machine)
@@ -209,8 +211,6 @@ def run(options: BenchOptions) -> int:
                                                               machine, options))
     # What was spent choosing and pricing the model counts too: `took` is the whole command's time.
     chosen = replace(chosen, seconds=progress.elapsed() + sum(chosen.phases.values()))
-    for note in options.notes:
-        console.print(f"[bold]note:[/] {note}", highlight=False)
     preview.show(chosen, memory, options, machine, console)
     progress.estimated = chosen.seconds
     # Every run's ranks fork from one server (the same threads each): it imports torch once, not once a run.

@@ -121,8 +121,6 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
     predicted = [sc.predict(figures, batch, per_param) for sc in rows]
     if note:
         console.print(f"[bold]{note}[/]")
-    for told in options.notes:
-        console.print(f"[bold]note:[/] {told}", highlight=False)
     name = cand.describe(full=True) if "layers" in subject.params else spec.name
     console.print(f"[bold]plan[/] · {name}: {human_count(cand.parameters)} parameters, {len(spec.layers)} "
                   f"pipeline layers · {human_bytes(have / sizing.MEMORY_SHARE)} free on {device}")
@@ -321,6 +319,8 @@ def run(options: ProfileOptions) -> int:
 
 
 def _run(options: ProfileOptions, console: Console) -> int:
+    for note in options.notes:  # first: sizing a large recipe takes a while
+        console.print(f"[bold]note:[/] {note}", highlight=False)
     progress = Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))
     if options.budget is not None:
         summary = search(options, console, progress)
