@@ -301,6 +301,11 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
     if options.dry_run:  # every check a launch makes has passed: what it would start, and nothing else
         shape = f"K={recipe.pipeline.partitions} x D={recipe.pipeline.data_parallel}"
         print("\n".join(dry_run_lines(options.launch, world, shape, train_args(options))), flush=True)
+        if complete is not None:  # what the launch would say, and then start nothing
+            say(complete_line(run_dir_of(str(resume)), complete, f"train.steps {recipe.train.steps}"), sys.stdout)
+        elif resume is not None:  # which run, from which step, with which changes: a bare --resume picks one
+            say(resume_line(run_dir_of(resume), step, changes, options.recipe, options.recipe is None,
+                            options.overrides), sys.stdout)
         warning = node_oversubscribed(recipe, options.launch.nnodes, options.launch.threads)
         if warning:
             say(warning, sys.stdout)

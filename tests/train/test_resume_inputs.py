@@ -91,3 +91,14 @@ def test_a_bare_resume_with_no_run_of_its_name_is_refused_before_torch_loads(tmp
     assert result.exit_code == 2, result.output
     assert error_line(result).startswith("error: --resume: no run of 'tiny-translation' with a complete checkpoint")
     assert "gpipe_cli.train.checkpoint" not in sys.modules and not no_ranks
+
+
+def test_a_dry_run_of_a_resume_says_which_run_it_continues_and_from_which_step(tmp_path, no_ranks):  # noqa: F811
+    # It said only the torchrun command: a bare --resume picks the newest run, which it did not name.
+    path, run = make_run(tmp_path, steps=(2,))
+    result = runner.invoke(app, ["train", "--resume", str(run), "--set", "train.steps=8", "--dry-run", "--plain"])
+    assert result.exit_code == 0, result.output
+    assert f"resuming {run} at step 2 with train.steps 3 -> 8 (--set)" in result.stdout and not no_ranks
+    result = runner.invoke(app, ["train", "--resume", str(run), "--set", "train.steps=2", "--dry-run", "--plain"])
+    assert result.exit_code == 0, result.output
+    assert f"the run in {run} is already complete at step 2" in result.stdout and not no_ranks
