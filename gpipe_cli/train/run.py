@@ -316,6 +316,9 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
         return 0
     if first:
         announce(recipe, options.launch.nnodes, options.launch.threads, sys.stdout, said=not live)
+        if recipe.train.precision == "fp16" and (recipe.train.device == "cpu" or not torch.cuda.is_available()):
+            say(note(started, "train.precision fp16 on a CPU: most CPUs have no fast float16 arithmetic, and fp32 "
+                              "usually runs faster here"), sys.stdout)
         if fresh:
             said = ("holds no checkpoint yet; the run starts there again from step 0 (the steps it recorded are "
                     "dropped)" if dropped else "holds no run yet; starting a new one there")

@@ -325,3 +325,16 @@ def test_a_ctrl_c_once_the_run_wrote_says_where_it_is_kept(tmp_path, monkeypatch
     assert run(["train", str(recipe), "--plain", "--output-dir", str(run_dir)]) == 130
     on = f"; continue with gpipe train --resume {run_dir}" if checkpoint else ""
     assert capsys.readouterr().err == f"gpipe train: interrupted; {run_dir} keeps what the run wrote{on}\n"
+
+
+def test_fp16_on_a_cpu_is_said_to_be_slow_before_the_ranks_start(tmp_path, launches):
+    # fp16 trained several times slower than fp32 on a CPU, without a word.
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs fp16 fast")
+    path = recipes.write(tmp_path, copy.deepcopy(recipes.TINY_TRANSLATION))
+    result = train(str(path), "--output-dir", str(tmp_path / "out"), "--set", "train.precision=fp16")
+    assert result.exit_code == 0, result.output
+    assert "train.precision fp16 on a CPU: most CPUs have no fast float16 arithmetic" in result.stdout
+    assert "fast float16" not in train(str(path), "--output-dir", str(tmp_path / "out2")).stdout
