@@ -403,6 +403,8 @@ def prepare_data(
     from gpipe_cli.recipe.load import load_recipe, recipe_read
     from gpipe_cli.train.existing import kept_by_a_run
 
+    if not output:  # read as '.', which already exists
+        raise UserError("--output: an empty path names no folder; name a new folder, e.g. data/NAME")
     check_not_input(Path(output), "--output", [recipe_read(recipe)], "name a new folder")
     if (kept := kept_by_a_run(Path(output))) is not None:  # a run's pruning would delete the data with it
         raise UserError(f"--output {shown(output)} {kept[1]}; name a new folder outside it")

@@ -419,8 +419,9 @@ def test_validate_refuses_the_same_recipes(tmp_path, monkeypatch, capsys, comman
     (["export", "/no/such/run", "--output", "/proc/gpipe/model.safetensors"],
      "--output: cannot write '/proc/gpipe/model.safetensors': cannot write to '/proc' (it takes no new files)"),
     (["report", "/no/such/run", "--output", ""], "--output: cannot write '.': it is a directory; name a file"),
+    (["prepare-data", "recipes/amoebanet-d-cifar10.yaml", "--output", ""], "--output: an empty path names no folder"),
 ], ids=["validate json", "validate json empty", "validate json directory", "export missing run",
-        "export empty output", "export output", "report empty output"])
+        "export empty output", "export output", "report empty output", "prepare-data empty output"])
 def test_validate_and_export_arguments(tmp_path, monkeypatch, capsys, args, fragment):
     if not Path("/proc/self").is_dir() and "/proc" in " ".join(args):
         pytest.skip("needs /proc: a folder no one can write")
