@@ -90,7 +90,7 @@ def check_cut(options: BenchOptions, subject: Subject) -> None:
         flag = "devices" if options.simulate else "partitions"
         if options.virtual_stages > 1:
             flag += f"/--virtual-stages ({chunks} chunks)"
-        raise UserError(f"--{flag}/--balance: {exc}") from None
+        raise UserError(f"--{flag}{'/--balance' if options.balance is not None else ''}: {exc}") from None
 
 
 def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Progress,

@@ -61,7 +61,7 @@ def flops_balance(spec: ModelSpec, k: int, batch: int, microbatches: int, explic
         flops = [float(c.flops) for c in describe(spec, size).layers]
         return partition.balance_by_cost(flops if any(flops) else [1.0] * layers, k)
     except partition.PartitionError as exc:
-        raise UserError(f"--partitions/--balance: {exc}") from None
+        raise UserError(f"--partitions{'/--balance' if explicit else ''}: {exc}") from None
 
 
 def deepened(figures: ModelFigures, layers: int) -> tuple[ModelFigures, str]:
