@@ -35,7 +35,8 @@ class ModelFlags:
     offload: str = "none"              # "activations": stored activations wait in host memory (pipeline.offload)
     balance: str | None = None         # "3,5": layers per stage; None: the command's own cut
     set: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # what the command makes otherwise than the recipe says
+    # What the command makes otherwise than the recipe says: printed first, and no flag.
+    notes: list[str] = field(default_factory=list, metadata={"flag": False})
     seed: int = 0
     json: Path | None = None
     layers: int | None = None
