@@ -35,9 +35,8 @@ def optimizer_name(recipe: Recipe) -> str:
 
 
 def base_lr(recipe: Recipe) -> float:
-    """The peak learning rate; with `lr_per_256` it scales with the batch size, as the paper's AmoebaNet."""
-    lr = recipe.optimizer.lr
-    return lr * recipe.data.batch_size / 256 if recipe.optimizer.lr_per_256 else lr
+    """The peak learning rate (see `Recipe.peak_lr`)."""
+    return recipe.peak_lr()
 
 
 def pipeline_config(recipe: Recipe, balance: Sequence[int] = ()) -> PipelineConfig:

@@ -72,7 +72,7 @@ def _measured(row: dict[str, Any] | None) -> str:
     if found is None:
         return "not run here"
     off = row["device_peak_bytes"] / found - 1
-    return f"{human_bytes(found)} (pred. {off:+.0%})" if round(off, 2) else f"{human_bytes(found)} (pred. ±0%)"
+    return f"{human_bytes(found)} (pred. {f'{off:+.0%}' if round(off, 2) else '±0%'})"
 
 
 def show_budget(s: dict[str, Any], console: Console) -> None:

@@ -433,13 +433,18 @@ class Recipe(Section):
             self.data.seq_len = model.max_len  # the default follows the model, and the run's recipe says so
         return self
 
+    def peak_lr(self) -> float:
+        """The peak learning rate; with `lr_per_256` it scales with the batch size, as the paper's AmoebaNet."""
+        lr = self.optimizer.lr
+        return lr * self.data.batch_size / 256 if self.optimizer.lr_per_256 else lr
+
     @model_validator(mode="after")
     def _floor_under_peak(self) -> Recipe:
         sched, opt = self.schedule, self.optimizer
         if sched.min_lr and sched.name not in FLOORED:  # it would be read by nothing, without a word
             raise ValueError(f"schedule.min_lr ({sched.min_lr:g}) is the floor of the {' and '.join(FLOORED)} "
                              f"schedules, and schedule.name {sched.name} has none: set it to 0, or choose one of them")
-        peak = opt.lr * self.data.batch_size / 256 if opt.lr_per_256 else opt.lr  # as the training computes it
+        peak = self.peak_lr()
         if sched.min_lr > peak:  # cosine would climb to it, exponential start at it
             scaled = " x data.batch_size / 256" if opt.lr_per_256 else ""
             raise ValueError(f"schedule.min_lr ({sched.min_lr:g}) must be <= the peak learning rate ({peak:g}: "
