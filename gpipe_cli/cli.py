@@ -365,7 +365,10 @@ def export(
                                      help="Store the floating-point weights in this type (default: as trained)."),
 ) -> None:
     """Write a checkpoint's model as one safetensors file holding its recipe, tie map and tokenizer."""
+    from gpipe_cli.train.existing import check_export_arguments
+
     refuse([None if dtype is None else one_of("--dtype", dtype, EXPORT_DTYPES)])
+    check_export_arguments(run, output)  # in a fraction of a second: torch's import takes seconds
     with interrupts.deferred():  # torch's import runs Python from C++, where a Ctrl-C is lost or aborts the process
         from gpipe_cli.train.export import export as export_model
 

@@ -205,7 +205,9 @@ def _interrupted(*args, **kwargs):
     (["report", "RUN"], "gpipe_cli.report.report"),
     (["bench", "--steps", "2"], "gpipe_cli.bench.bench_options"),  # before the command's own guard
 ])
-def test_ctrl_c_in_any_command_is_one_line_and_code_130(monkeypatch, capsys, command, patched):
+def test_ctrl_c_in_any_command_is_one_line_and_code_130(monkeypatch, capsys, tmp_path, command, patched):
+    (tmp_path / "RUN").mkdir()  # export refuses a missing run before it loads the code patched here
+    monkeypatch.chdir(tmp_path)
     module, name = patched.rsplit(".", 1)
     monkeypatch.setattr(__import__(module, fromlist=[name]), name, _interrupted)
     assert run(command) == 130
@@ -276,19 +278,20 @@ def _carried_in_a_base_exception(*args, **kwargs):
 
 
 @pytest.mark.parametrize("turned", [_turned_into_another_error, _carried_in_a_base_exception])
-def test_ctrl_c_that_a_loading_library_turns_into_its_own_error_is_still_one_line(monkeypatch, capsys, turned):
+def test_ctrl_c_that_a_loading_library_turns_into_its_own_error_is_still_one_line(monkeypatch, capsys, tmp_path,
+                                                                                  turned):
     monkeypatch.setattr(__import__("gpipe_cli.train.export", fromlist=["export"]), "export", turned)
-    assert run(["export", "RUN"]) == 130
+    assert run(["export", str(tmp_path)]) == 130
     assert capsys.readouterr().err == "gpipe export: interrupted; nothing was written\n"
 
 
-def test_an_error_without_a_ctrl_c_is_not_taken_for_one(monkeypatch):
+def test_an_error_without_a_ctrl_c_is_not_taken_for_one(monkeypatch, tmp_path):
     def fails(*args, **kwargs):
         raise RuntimeError("a real failure")
 
     monkeypatch.setattr(__import__("gpipe_cli.train.export", fromlist=["export"]), "export", fails)
     with pytest.raises(RuntimeError, match="a real failure"):
-        run(["export", "RUN"])
+        run(["export", str(tmp_path)])
 
 
 def test_a_ctrl_c_swallowed_while_loading_starts_no_rank(monkeypatch):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli.errors import UserError, cut, shown
-from gpipe_cli.files import atomic_write_bytes, same_file
+from gpipe_cli.files import atomic_write_bytes, check_output, check_output_kind, same_file
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_yaml
 from gpipe_cli.recipe.schema import Recipe
@@ -182,6 +182,19 @@ def remove_set_up(run_dir: Path, before: Collection[str] | None = None) -> None:
             (os.rmdir if name == CHECKPOINTS else os.unlink)(run_dir / name)
         if before is None:
             run_dir.rmdir()
+
+
+def check_export_arguments(location: str, output: str | None) -> None:
+    """Refuse, before torch loads, an export's missing run or an --output it cannot write."""
+    if output is not None:  # found now, not after the checkpoint has been read; "" is the folder here, refused
+        check_output(Path(output), "--output", EXPORTED)
+        # A recipe or records named by mistake were replaced by the weights.
+        check_output_kind(Path(output), "--output", "safetensors", ".safetensors", (".safetensors",))
+    check_path(location, "RUN")
+    if not location or not os.path.exists(location):
+        raise UserError(f"no such run directory or checkpoint: {shown(location)}")
+    if not os.path.isdir(location):
+        raise UserError(f"{shown(location)} is a file; give a run directory or one of its checkpoint folders")
 
 
 def check_not_in_a_run(output_dir: str | None) -> None:

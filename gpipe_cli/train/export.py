@@ -12,14 +12,22 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
-from gpipe_cli.errors import DataError, UserError, shown
-from gpipe_cli.files import atomic_path, check_not_input, check_output, check_output_kind, shown_path, writing
-from gpipe_cli.launch.preflight import check_path
+from gpipe_cli.errors import DataError, UserError
+from gpipe_cli.files import atomic_path, check_not_input, shown_path, writing
 from gpipe_cli.models import weights
 from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.recipe_model import model_spec
 from gpipe_cli.train import checkpoint
-from gpipe_cli.train.existing import CHECKPOINTS, EXPORTED, METRICS, RECIPE, candidates, check_not_runs, run_dir_of
+from gpipe_cli.train.existing import (
+    CHECKPOINTS,
+    EXPORTED,
+    METRICS,
+    RECIPE,
+    candidates,
+    check_export_arguments,
+    check_not_runs,
+    run_dir_of,
+)
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
 
 _MODEL = "model."
@@ -30,15 +38,7 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    if output is not None:  # found now, not after the checkpoint has been read; "" is the folder here, refused
-        check_output(Path(output), "--output", EXPORTED)
-        # A recipe or records named by mistake were replaced by the weights.
-        check_output_kind(Path(output), "--output", "safetensors", ".safetensors", (".safetensors",))
-    check_path(location, "RUN")
-    if not location or not os.path.exists(location):
-        raise UserError(f"no such run directory or checkpoint: {shown(location)}")
-    if not os.path.isdir(location):
-        raise UserError(f"{shown(location)} is a file; give a run directory or one of its checkpoint folders")
+    check_export_arguments(location, output)
     if output is not None:  # the run directory of the checkpoint that will be read
         _check_not_the_runs(Path(output), run_dir_of(str(next(iter(candidates(Path(location))), location))))
     found, refused = checkpoint.newest_whole(Path(location), verify=True)

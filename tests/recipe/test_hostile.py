@@ -446,3 +446,13 @@ def test_an_empty_set_value_is_named_as_such(capsys):
     """`--set name=` was told `must be a string (got )`."""
     assert run(["validate", "--set", "name="]) == 2
     assert capsys.readouterr().err.rstrip().endswith("--set name: must be a string (got an empty value)")
+
+
+def test_an_export_of_nothing_is_refused_before_torchs_checkpoint_code_loads(tmp_path, monkeypatch, capsys):
+    # It took about 3 s to say so: the export module imports torch first.
+    import sys
+
+    monkeypatch.delitem(sys.modules, "gpipe_cli.train.export", raising=False)
+    assert run(["export", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err == f"error: no such run directory or checkpoint: '{tmp_path / 'none'}'\n"
+    assert "gpipe_cli.train.export" not in sys.modules
