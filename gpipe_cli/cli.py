@@ -36,7 +36,7 @@ from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError, one_line, shown
 from gpipe_cli.files import another_file, check_not_input, check_output, check_output_kind, write_json
 from gpipe_cli.launch import launch_options
-from gpipe_cli.launch.preflight import too_long_line
+from gpipe_cli.launch.preflight import check_not_empty, check_path, too_long_line
 from gpipe_cli.limits import DIGITS, EXPORT_DTYPES, one_of, refuse
 from gpipe_cli.pipeline.streams import stdout_refused, write_out
 from gpipe_cli.plan import FLAGS as L
@@ -180,6 +180,16 @@ def _whole(flag: str) -> Callable[[Any], int]:
     return parse
 
 
+def _file(flag: str) -> Callable[[Any], Path]:
+    """The parser of a file flag: a path, refused in one line when empty (Path would read it as '.')."""
+    def parse(value: Any) -> Path:
+        if isinstance(value, Path):
+            return value
+        check_not_empty(value, flag, give="name one, or leave the flag out")  # a long name: check_output's line
+        return Path(value)
+    return parse
+
+
 def _print_version(value: bool) -> None:
     if value:
         write_out(f"gpipe-cli {__version__}\n")
@@ -226,7 +236,8 @@ def train(
 def validate(
     recipe: str | None = RECIPE,
     set_: list[str] | None = SET,
-    json_file: Path | None = typer.Option(None, "--json", help="Also write the recipe and plan as JSON here."),
+    json_file: Path | None = typer.Option(None, "--json", parser=_file("--json"),
+                                          help="Also write the recipe and plan as JSON here."),
 ) -> None:
     """Check a recipe and print the resolved recipe and the plan; trains nothing, reads no data."""
     from gpipe_cli.recipe.load import load_recipe, recipe_label, recipe_read, recipe_yaml
@@ -266,6 +277,8 @@ def _flags(options: type, own: Mapping[str, str], *aliases: str, modes: Collecti
         panel = MODES if name in modes else SIZE if name in SIZE_FLAGS else None
         if int in (annotation, *typing.get_args(annotation)):
             settings["parser"] = _whole(flag(name))
+        if Path in (annotation, *typing.get_args(annotation)):
+            settings["parser"] = _file(flag(name))
         return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
                                  default=typer.Option(default, flag(name), rich_help_panel=panel, **settings))
 
@@ -406,8 +419,7 @@ def prepare_data(
     from gpipe_cli.recipe.load import load_recipe, recipe_read
     from gpipe_cli.train.existing import kept_by_a_run
 
-    if not output:  # read as '.', which already exists
-        raise UserError("--output: an empty path names no folder; name a new folder, e.g. data/NAME")
+    check_path(output, "--output", "folder", "name a new folder, e.g. data/NAME")  # Path would read '' as '.'
     check_not_input(Path(output), "--output", [recipe_read(recipe)], "name a new folder")
     if (kept := kept_by_a_run(Path(output))) is not None:  # a run's pruning would delete the data with it
         raise UserError(f"--output {shown(output)} {kept[1]}; name a new folder outside it")
@@ -425,6 +437,9 @@ def report_runs(
     """Compare runs: a table of their figures here and a one-page PNG of curves (several runs overlaid)."""
     from gpipe_cli.report import report
 
+    for run in runs:  # Path would read '' as '.'
+        check_path(run, "RUN_DIR", "run", "give the folder `gpipe train` wrote")
+    check_not_empty(output, "--output", give="name one, e.g. report.png, or leave the flag out")
     return report([Path(r) for r in runs], None if output is None else Path(output))
 
 

@@ -99,8 +99,16 @@ def path_problem(path: str | os.PathLike[str]) -> str | None:
     return f"has a name of {longest} bytes; {ALLOWED_LENGTHS}" if longest > NAME_MAX else None
 
 
-def check_path(path: str | os.PathLike[str] | None, what: str) -> None:
-    """Refuse, in one line naming `what` (a flag), a path no file system holds: a name or the whole too long."""
+def check_not_empty(path: str | os.PathLike[str] | None, what: str, names: str = "file",
+                    give: str = "name one") -> None:
+    """Refuse an empty path in one line naming `what` (a flag) and what it names: pathlib would read it as '.'."""
+    if path is not None and not os.fspath(path):
+        raise UserError(f"{what}: an empty path names no {names}; {give}")
+
+
+def check_path(path: str | os.PathLike[str] | None, what: str, names: str = "file", give: str = "name one") -> None:
+    """Refuse, in one line naming `what` (a flag), a path no file system holds: empty, or a name or all too long."""
+    check_not_empty(path, what, names, give)
     if path is None:
         return
     problem = path_problem(path)

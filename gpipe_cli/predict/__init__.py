@@ -101,9 +101,9 @@ def out_of_date(file: Path, exported_step: str | None) -> str | None:
 
 def export_file(path: str) -> Path:
     """The file of the export `path` names (a run directory: its model.safetensors); one line refuses none."""
-    check_path(path, "MODEL")
+    check_path(path, "MODEL", "model", "give the file gpipe export wrote, or its run directory")
     file = Path(path)
-    if not path or not file.exists():
+    if not file.exists():
         raise UserError(f"no such model file: {shown(path)}; {WRITE_ONE}")
     if file.is_dir():  # a run directory: the file gpipe export writes there by default
         if not (file / EXPORTED).is_file():

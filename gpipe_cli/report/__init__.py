@@ -12,7 +12,6 @@ from gpipe_cli import plots
 from gpipe_cli.console import output_console, print_table
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.files import check_not_input, check_output, writing
-from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.records import PARTS, PROFILED, profiled_words
 from gpipe_cli.report import page
 from gpipe_cli.report.runs import (
@@ -146,8 +145,6 @@ def _console(tables: list[Table]) -> Console:
 
 def report(paths: list[Path], output: Path | None = None) -> int:
     """Print the tables of the runs and write the page (PNG, PDF or SVG); 1 without matplotlib (tables still shown)."""
-    for path in paths:  # before pathlib is asked about it
-        check_path(path, "RUN_DIR")
     paths = list({path.resolve(): path for path in paths}.values())  # a run given twice is one run
     # A mistake in the argument: one line, before anything is read.
     check_not_input(output, "--output", [(path / name, f"a run's {name}") for path in paths

@@ -14,7 +14,7 @@ from typing import Any
 
 from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.files import atomic_write_bytes, check_output, check_output_kind, same_file
-from gpipe_cli.launch.preflight import check_path
+from gpipe_cli.launch.preflight import check_not_empty, check_path
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_yaml
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
@@ -37,6 +37,7 @@ _MOMENTUM_BUFFER = frozenset({"sgd", "rmsprop"})
 _ABSENT = object()
 PATH_CHARS = 200  # paths are named whole, as recipe paths are; a value is cut sooner
 LATEST = "latest"  # a bare --resume
+RUN_FOLDER = "give the folder gpipe train wrote, or one of its checkpoints"
 
 
 @dataclass(frozen=True)
@@ -186,12 +187,13 @@ def remove_set_up(run_dir: Path, before: Collection[str] | None = None) -> None:
 
 def check_export_arguments(location: str, output: str | None) -> None:
     """Refuse, before torch loads, an export's missing run or an --output it cannot write."""
-    if output is not None:  # found now, not after the checkpoint has been read; "" is the folder here, refused
+    if output is not None:  # found now, not after the checkpoint has been read
+        check_not_empty(output, "--output", give=f"name one, e.g. {EXPORTED}, or leave the flag out")
         check_output(Path(output), "--output", EXPORTED)
         # A recipe or records named by mistake were replaced by the weights.
         check_output_kind(Path(output), "--output", "safetensors", ".safetensors", (".safetensors",))
-    check_path(location, "RUN")
-    if not location or not os.path.exists(location):
+    check_path(location, "RUN", "run", RUN_FOLDER)
+    if not os.path.exists(location):
         raise UserError(f"no such run directory or checkpoint: {shown(location)}")
     if not os.path.isdir(location):
         raise UserError(f"{shown(location)} is a file; give a run directory or one of its checkpoint folders")
@@ -383,7 +385,7 @@ def _value(value: Any) -> str:
 def check_resume_path(resume: str | None) -> None:
     """Refuse a --resume location that does not exist (a bare --resume is looked up later)."""
     if resume != LATEST:
-        check_path(resume, "--resume")
+        check_path(resume, "--resume", "run", f"{RUN_FOLDER}, or no value for the newest run")
     if resume not in (None, LATEST) and not os.path.exists(resume):
         raise UserError(f"--resume: no such run directory or checkpoint: {shown(resume)}")
     if resume not in (None, LATEST) and not os.path.isdir(resume):

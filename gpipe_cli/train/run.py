@@ -179,10 +179,9 @@ def train(options: TrainOptions) -> int:
     """Validate, then run the training job on K × D ranks; returns the exit code."""
     started = time.time()
     output.guard_output()  # a reader that goes loses the launcher's lines; rank 0 stops the run when it finds it gone
-    if options.output_dir == "":  # it read as no flag at all, and the run went to outputs/<name>/<time>
-        raise UserError("--output-dir: an empty path names no directory; give one, or leave the flag out for "
-                        f"{OUTPUTS}/<name>/<time>")
-    check_path(options.output_dir, "--output-dir")
+    # An empty one read as no flag at all, and the run went to outputs/<name>/<time>.
+    check_path(options.output_dir, "--output-dir", "directory",
+               f"give one, or leave the flag out for {OUTPUTS}/<name>/<time>")
     check_resume_path(options.resume)
     check_not_in_a_run(options.output_dir)
     check_resume_output(options.resume, options.output_dir)

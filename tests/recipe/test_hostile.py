@@ -412,17 +412,25 @@ def test_validate_refuses_the_same_recipes(tmp_path, monkeypatch, capsys, comman
 
 @pytest.mark.parametrize("args,fragment", [
     (["validate", "--json", "/proc/gpipe/plan.json"], "--json: cannot write"),
-    (["validate", "--json", ""], "it is a directory; name a file"),
+    (["validate", "--json", ""], "--json: an empty path names no file; name one"),  # it named '.', never typed
     (["validate", "--json", "."], "it is a directory; name a file"),
     (["export", "/no/such/run"], "no such run directory or checkpoint"),
-    (["export", "/no/such/run", "--output", ""], "--output: cannot write '.': it is a directory; name a file"),
+    (["export", "/no/such/run", "--output", ""], "--output: an empty path names no file; name one"),
     (["export", "/no/such/run", "--output", "/proc/gpipe/model.safetensors"],
      "--output: cannot write '/proc/gpipe/model.safetensors': cannot write to '/proc' (it takes no new files)"),
-    (["report", "/no/such/run", "--output", ""], "--output: cannot write '.': it is a directory; name a file"),
+    (["report", "/no/such/run", "--output", ""], "--output: an empty path names no file; name one"),
     (["prepare-data", "recipes/amoebanet-d-cifar10.yaml", "--output", ""], "--output: an empty path names no folder"),
+    (["export", ""], "RUN: an empty path names no run; give the folder gpipe train wrote"),
+    (["report", ""], "RUN_DIR: an empty path names no run; give the folder `gpipe train` wrote"),
+    (["predict", ""], "MODEL: an empty path names no model; give the file gpipe export wrote"),
+    (["train", "--resume", ""], "--resume: an empty path names no run; give the folder gpipe train wrote"),
+    (["bench", "--trace", ""], "--trace: an empty path names no file; name one, or leave the flag out"),
+    (["profile-memory", "--json", ""], "--json: an empty path names no file; name one, or leave the flag out"),
 ], ids=["validate json", "validate json empty", "validate json directory", "export missing run",
-        "export empty output", "export output", "report empty output", "prepare-data empty output"])
-def test_validate_and_export_arguments(tmp_path, monkeypatch, capsys, args, fragment):
+        "export empty output", "export output", "report empty output", "prepare-data empty output",
+        "export empty run", "report empty run", "predict empty model", "resume empty", "bench empty trace",
+        "profile empty json"])
+def test_path_arguments_are_refused_in_one_line(tmp_path, monkeypatch, capsys, args, fragment):
     if not Path("/proc/self").is_dir() and "/proc" in " ".join(args):
         pytest.skip("needs /proc: a folder no one can write")
     monkeypatch.chdir(tmp_path)
