@@ -41,8 +41,10 @@ def check_launch(options: LaunchOptions, world: int) -> int:
         raise UserError(outside("--threads", options.threads, 1, MAX_THREADS) or "")
     min_nodes, max_nodes = parse_nodes(options.nnodes)
     if min_nodes < max_nodes:  # torchrun would start the job on MIN nodes, with too few ranks for the pipeline
-        raise UserError(f"--nnodes {options.nnodes}: the job needs all of its {world} ranks, so the nodes cannot be "
-                        f"fewer than {max_nodes}; give --nnodes {max_nodes}")
+        dividing = [n for n in range(1, max_nodes + 1) if world % n == 0]  # 1 always
+        fits = max((n for n in dividing if n >= min_nodes), default=dividing[-1])
+        raise UserError(f"--nnodes {options.nnodes}: the job needs all of its {world} ranks at once, which a range "
+                        f"of nodes does not promise; give one number of nodes that divides them, e.g. --nnodes {fits}")
     if world % max_nodes:
         raise UserError(f"the job needs {world} processes, which does not divide over {max_nodes} nodes")
     if options.node_rank is not None and not 0 <= options.node_rank < max_nodes:

@@ -248,6 +248,9 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "nnodes empty": (GOOD, ["--nnodes", ""], "--nnodes: must be N or MIN:MAX (got '')"),
     # Started on MIN nodes, the job would have too few ranks for its pipeline.
     "nnodes range": (GOOD, ["--nnodes", "1:2", "--rdzv-endpoint", "h:1"], "--nnodes 1:2: the job needs all of its "),
+    # It advised --nnodes 3, which 2 ranks do not divide over.
+    "nnodes range past the ranks": (GOOD, ["--nnodes", "2:3", "--rdzv-endpoint", "h:1"],
+                                    "give one number of nodes that divides them, e.g. --nnodes 2"),
     # Every node would be node 0.
     "static without node rank": (GOOD, ["--rdzv-backend", "static", "--nnodes", "2", "--rdzv-endpoint", "h:1"],
                                  "--rdzv-backend static: give each of the 2 nodes its --node-rank (0 to 1)"),
