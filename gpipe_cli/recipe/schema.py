@@ -425,6 +425,13 @@ class Recipe(Section):
         if isinstance(model, TransformerModel) and source not in TEXT_SOURCES:
             raise ValueError(f"data.source '{source}' holds images, and model.kind transformer reads text: text "
                              f"comes from {', '.join(TEXT_SOURCES)}")
+        # Found here, not by the ranks once they have started and read the data.
+        if isinstance(model, AmoebaNetModel) and self.data.tokens_per_batch is not None:
+            raise ValueError("data.tokens_per_batch sizes batches of text, and model.kind amoebanet classifies "
+                             "images: leave it out and give data.batch_size")
+        if isinstance(model, TransformerModel) and (self.data.vocab_size or 0) > model.vocab_size:
+            raise ValueError(f"data.vocab_size ({self.data.vocab_size}) must be <= model.vocab_size "
+                             f"({model.vocab_size}): the tokenizer's pieces are the model's vocabulary")
         if isinstance(model, TransformerModel) and model.arch == "encoder-decoder" and source in LM_ONLY_SOURCES:
             raise ValueError(f"data.source '{source}' is plain text for a language model (model.arch decoder-only); "
                              f"an encoder-decoder translates pairs: jsonl, tsv, parquet or hub")

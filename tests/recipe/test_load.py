@@ -93,6 +93,12 @@ def test_every_shipped_recipe_validates_and_plans(path):
                             "encoder-decoder translates pairs"),
     (["model={kind: amoebanet}", "data.source=text", "data.path=/"], "data.source 'text' holds text, and "
                                                                      "model.kind amoebanet classifies images"),
+    # Both were found by the ranks after they had started, and validate had passed them.
+    (["model={kind: amoebanet}", "data.source=synthetic", "data.tokens_per_batch=1000"],
+     "--set data.tokens_per_batch sizes batches of text, and model.kind amoebanet classifies images: leave it out "
+     "and give data.batch_size"),
+    (["data.vocab_size=101"], "--set data.vocab_size (101) must be <= model.vocab_size (100): the tokenizer's pieces "
+                              "are the model's vocabulary"),
     (["model.arch=decoder-only", "model.max_len=16", "data.seq_len=17"],
      "--set data.seq_len (17) must be <= model.max_len (16): a language model reads at most model.max_len tokens"),
     (["name=.."], "name: may contain only ASCII letters, digits, '.', '_' and '-', not dots alone (got '..')"),
