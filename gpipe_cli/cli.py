@@ -218,8 +218,8 @@ def train(
     threads: int | None = _launch(None, parser=_whole("--threads"),
                                   help="Intra-op threads per rank (default: cores / local ranks)."),
     resume: str | None = typer.Option(None, help="Continue from the newest whole checkpoint: bare --resume or "
-                                      "'latest' (the newest run of this recipe, or --output-dir's), a run directory or "
-                                      "a checkpoint."),
+                                      "'latest' (the newest run of this recipe that holds one, or --output-dir's), "
+                                      "a run directory or a checkpoint."),
     dry_run: bool = _launch(False, "--dry-run", help="Print the launch on this node (rendezvous, nodes, ranks, from "
                             "Slurm under srun) and the torchrun command for it; start nothing."),
 ) -> int:

@@ -452,9 +452,17 @@ def resume_location(resume: str, output_dir: str | None, name: str, root: str) -
 
 
 def check_a_run_to_resume(resume: str | None, output_dir: str | None, name: str, root: str) -> None:
-    """Refuse, before torch loads, a bare --resume where no run of `name` has a checkpoint at all."""
+    """Refuse, before torch loads, a resume of a run another gpipe train writes, or of one without a checkpoint."""
     if resume == LATEST and not output_dir and not any(candidates(run) for run in _runs_named(name, root)):
         raise _no_run_of(name, root)
+    if resume in (None, LATEST):
+        return
+    # A --dry-run never claims the run: this is where it learns that a launch would be refused.
+    if (writer := writer_of(run := run_dir_of(resume))) is not None:  # worded as the claim refuses it
+        raise UserError(f"--resume: {cut(str(run), PATH_CHARS)} is being written by another gpipe train ({writer}); "
+                        "wait until it ends")
+    if not candidates(Path(resume)):  # before the first line says what starts
+        raise no_usable(resume, [])
 
 
 def _runs_named(name: str, root: str) -> list[Path]:

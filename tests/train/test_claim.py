@@ -277,6 +277,18 @@ def test_a_new_run_in_the_default_place_is_made_and_held_by_its_launch(tmp_path,
     assert not made.exists() and Path("outputs", "tiny-translation").is_dir()
 
 
+def test_a_dry_run_of_a_resume_of_a_run_being_written_says_a_launch_would_be_refused(tmp_path, launches):
+    # It said the run had no usable checkpoint and advised starting it again from step 0.
+    path, run = make_run(tmp_path, steps=(4,))
+    shutil.rmtree(run / "checkpoints" / "step-00000004")  # the writer has not saved its first yet
+    with claim.held(run, "--output-dir", "wait"):
+        result = train("--resume", str(run), "--dry-run")
+    assert result.exit_code == 2, result.output
+    assert error_line(result) == (f"error: --resume: {run} is being written by another gpipe train "
+                                  f"(pid {os.getpid()}); wait until it ends")
+    assert not launches
+
+
 def test_a_dry_run_claims_nothing(tmp_path, launches):
     path = recipes.write(tmp_path, copy.deepcopy(recipes.TINY_TRANSLATION))
     with claim.held(tmp_path / "out", "--output-dir", "wait"):

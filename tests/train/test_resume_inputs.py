@@ -71,6 +71,7 @@ def test_a_run_that_saved_no_checkpoint_is_told_how_to_start_again(tmp_path, no_
     assert result.exit_code == 2, result.output
     assert error_line(result) == (f"error: --resume {run}: no usable checkpoint (there are no checkpoints there); "
                                   f"{again}")
+    assert result.stdout == ""  # refused before the line that says what starts
     result = train(path, run, "--resume", "latest")  # as it says (a bare --resume is latest): it starts again
     assert result.exit_code == 0, result.output
     assert no_ranks == [1]
