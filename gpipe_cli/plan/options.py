@@ -41,7 +41,8 @@ class PlanOptions:
 # Flag name -> help text, for the CLI's typer options (one to one with the fields above).
 FLAGS: dict[str, str] = {
     "devices": "N: devices to plan for (K stages x D replicas = N), 1 to 65536.",
-    "device_memory": "Memory of each device, e.g. 80GiB [default: what each of N ranks has on this machine].",
+    "device_memory": "Memory of each device, e.g. 80GiB (a number without a unit is bytes) [default: what each of "
+                     "N ranks has on this machine].",
     "nodes": "Nodes the N devices are spread over (N / nodes each); a pipeline crossing nodes uses the node link.",
     "top": "How many configurations to print.",
     "output": "Write the winning plan as a recipe here (the input recipe with its pipeline section replaced, its "

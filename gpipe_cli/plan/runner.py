@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
+import re
 import shlex
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpipe_cli import interrupts
 from gpipe_cli.errors import UserError, shown
@@ -17,6 +18,11 @@ from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, 
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import read_recipe_file
 from gpipe_cli.units import human_bytes, human_seconds
+
+if TYPE_CHECKING:
+    from gpipe_cli.models.base import ModelSpec
+
+_BARE = re.compile(r"\s*[0-9.]+\s*")  # a size typed without a unit
 
 
 def micro_sizes(layers: int, batch: int, devices: int, least: int) -> list[int]:
@@ -97,6 +103,28 @@ def run(options: PlanOptions) -> int:
     return finish()
 
 
+def _check_weights_fit(spec: ModelSpec, bytes_per_param: float, budget: float, devices: int,
+                       options: PlanOptions) -> None:
+    """Refuse a --device-memory below what the weights, gradients and optimizer state alone need on any cut."""
+    from gpipe_cli.models.describe import count_parameters, layer_params
+    from gpipe_cli.plan.show import bytes_up
+
+    # A bound no plan goes under: a layer is never split, and at most min(N, layers) stages share the model.
+    largest = max(layer_params(spec)) * bytes_per_param
+    shared = count_parameters(spec) * bytes_per_param / min(devices, len(spec.layers))
+    floor = max(largest, shared)
+    if budget < floor:
+        raise UserError(f"{_nothing_fits(budget, devices, options)}: the weights, gradients and optimizer state "
+                        f"alone need more than {bytes_up(floor)} per device, however the model is cut; give a larger "
+                        f"--device-memory, e.g. 80GiB, or more --devices")
+
+
+def _nothing_fits(budget: float, devices: int, options: PlanOptions) -> str:
+    """How a refusal for memory begins, saying when --device-memory was typed without a unit (`80` for 80 GiB)."""
+    bare = " (a number without a unit is bytes)" if _BARE.fullmatch(options.device_memory or "") else ""
+    return f"nothing fits {human_bytes(budget)} per device on {devices} devices{bare}"
+
+
 def _not_the_recipe(options: PlanOptions) -> None:
     """Refuse an --output that is the input recipe itself (or, for the built-in one, its copy in recipes/): the plan
     would replace it, comments and all."""
@@ -163,6 +191,8 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     # Ranks of one node that compute at once on this machine's cores; GPUs do not share them.
     here_ranks = min(per_node, max(usable_cores(), 1)) if device == "cpu" else 1
     measuring = options.tflops is None and options.timing != "estimate"
+    if measuring and memory is not None:  # now, not after the minutes of measuring; estimating takes a moment
+        _check_weights_fit(spec, mm.bytes_per_parameter(optimizer_name(recipe)), budget, n, options)
     sample = _sample(recipe, say) if measuring else None
     link, reduce_link, link_note = _links(options, measuring and here_ranks > 1, here_ranks, say, phase)
     fed = inputs.inputs(recipe, options, sizes, threads, say, phase, sample, here_ranks - 1,
@@ -178,10 +208,10 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     best = result.best
     if best is None:
         assert result.smallest is not None and result.smallest_memory is not None
-        raise UserError(f"nothing fits {human_bytes(budget)} per device on {n} devices: the smallest plan "
-                        f"({result.smallest.config.label()}) needs {show.bytes_up(result.smallest_memory)} per "
-                        f"device (predicted); give --device-memory {show.bytes_up(result.smallest_memory)} or more, "
-                        f"more --devices, or a smaller data.batch_size")
+        needed = show.bytes_up(result.smallest_memory)
+        raise UserError(f"{_nothing_fits(budget, n, options)}: the smallest plan ({result.smallest.config.label()}) "
+                        f"needs {needed} per device (predicted); give --device-memory {needed} or more, more "
+                        "--devices, or a smaller data.batch_size")
     where = "this machine's per-rank memory" if memory is None else "--device-memory"
     node_text = f" on {options.nodes} nodes" if options.nodes > 1 else ""
     line = functools.partial(console.print, highlight=False)

@@ -85,6 +85,23 @@ def test_a_budget_nothing_fits_is_one_line_naming_the_memory_that_does(tmp_path,
     assert list(tmp_path.iterdir()) == [recipe]
 
 
+def test_a_memory_the_weights_alone_exceed_is_refused_before_anything_is_measured(tmp_path, capsys, monkeypatch):
+    # `--device-memory 80` (bytes, meant as GiB) was refused after a minute of measuring links, layers and steps.
+    from gpipe_cli.plan import runner
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured before the memory was checked")
+
+    monkeypatch.setattr(runner, "_sample", measured)
+    monkeypatch.setattr(runner, "_links", measured)
+    recipe = write(tmp_path, TINY)
+    assert run(["plan", str(recipe), "--devices", "2", "--device-memory", "80"]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"error: nothing fits 80 B per device on 2 devices \(a number without a unit is bytes\): the "
+                        r"weights, gradients and optimizer state alone need more than \S+ per device, however the "
+                        r"model is cut; give a larger --device-memory, e.g. 80GiB, or more --devices\n", err), err
+
+
 def test_devices_no_pipeline_can_use_are_one_line(tmp_path, capsys):
     recipe = write(tmp_path, TINY)  # 4 layers, batch 8: K <= 4 leaves D = 64 / K > 8
     assert run(["plan", str(recipe), "--devices", "64", "--timing", "estimate"]) == 2
