@@ -355,12 +355,16 @@ def plan(
     """Predict the fastest K, D, M, schedule, remat mode and balance for N devices; write it as a recipe."""
     from gpipe_cli.plan import run as run_plan
     from gpipe_cli.plan.options import output_path
-    from gpipe_cli.recipe.aliases import as_sets, by_flag
+    from gpipe_cli.recipe.aliases import ALIASES, as_sets, by_flag, replaced
     from gpipe_cli.recipe.load import RecipeError
 
-    # The alias flags are `--set` items, typed before the explicit ones (which win where both name a key).
+    # The alias flags are `--set` items, typed before the explicit ones, which win where both name a key (and
+    # leave the flag out of the plan's command line).
     typed = own["set"] or []
-    own["set"] = [*as_sets(flags), *typed]
+    keys = {item.partition("=")[0].strip() for item in typed}
+    own["set"] = [*as_sets({name: value for name, value in flags.items() if ALIASES[name] not in keys}), *typed]
+    for note in replaced(flags, typed):  # first, as bench and profile-memory say theirs
+        output_console().print(f"[bold]note:[/] {note}", highlight=False)
     try:
         return run_plan(PlanOptions(recipe=recipe, devices=devices, output=output_path(output), **own))
     except RecipeError as exc:

@@ -14,7 +14,16 @@ from gpipe_cli.models import families
 from gpipe_cli.models.presets import is_preset_name, preset
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES
-from gpipe_cli.recipe.aliases import ALIASES, SIZE_FLAGS, balance_problem, balance_text, flag, given_as, settings
+from gpipe_cli.recipe.aliases import (
+    ALIASES,
+    SIZE_FLAGS,
+    balance_problem,
+    balance_text,
+    flag,
+    given_as,
+    replaced,
+    settings,
+)
 from gpipe_cli.recipe.load import typed_values, unknown_key
 
 # The command line loads this module for its help and checks these flags before torch loads: the schedules'
@@ -191,7 +200,7 @@ def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[
     refuse([balance_problem(flags.get("balance"), cuts), chunks_problem(flags, recipe), v_problem(recipe, flags, sets),
             None if k is None or v is None else entries_problem(flags.get("balance"), k, v)])
     given, model_sets = settings(recipe, flags, sets, {**own, **defaults})
-    notes = []
+    notes = replaced(flags, sets)
     if "balance" in given:
         named = given_as("balance", flags, sets)
         if named is None and isinstance(given["balance"], str) and given["balance"] not in cuts:

@@ -86,6 +86,13 @@ def balance_help(cuts: tuple[str, ...]) -> str:
     return f"Layers per stage, e.g. 5,5, or how to cut: {' or '.join(cuts)}."
 
 
+def replaced(flags: Mapping[str, Any], sets: Sequence[str]) -> list[str]:
+    """A note for each alias flag given whose key a `--set` item names too: the item, which comes after it, wins."""
+    last = {item.partition("=")[0].strip(): item.strip() for item in sets}
+    return [f"--set {last[ALIASES[name]]} replaces {flag(name)} {value}" for name, value in flags.items()
+            if value is not None and ALIASES[name] in last]
+
+
 def as_sets(flags: Mapping[str, Any]) -> list[str]:
     """The `--set KEY=VALUE` items that the alias flags given (not None) stand for."""
     return [f"{ALIASES[name]}=" + _as_yaml(name, str(value)) for name, value in flags.items() if value is not None]

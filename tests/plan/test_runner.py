@@ -102,6 +102,16 @@ def test_a_memory_the_weights_alone_exceed_is_refused_before_anything_is_measure
                         r"model is cut; give a larger --device-memory, e.g. 80GiB, or more --devices\n", err), err
 
 
+def test_a_set_item_that_replaces_a_flag_is_said_and_leaves_it_out_of_the_plan(tmp_path, capsys):
+    # `--layers 4 --set model.layers=3` planned 3 layers in silence and printed both in the train command.
+    recipe = write(tmp_path, TINY)
+    assert run(["plan", str(recipe), "--devices", "1", "--tflops", "10", "--layers", "4", "--set", "model.layers=3",
+                "--plain"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "note: --set model.layers=3 replaces --layers 4"
+    assert "--set model.layers=3" in out and "model.layers=4" not in out
+
+
 def test_devices_no_pipeline_can_use_are_one_line(tmp_path, capsys):
     recipe = write(tmp_path, TINY)  # 4 layers, batch 8: K <= 4 leaves D = 64 / K > 8
     assert run(["plan", str(recipe), "--devices", "64", "--timing", "estimate"]) == 2

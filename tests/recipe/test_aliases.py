@@ -42,7 +42,9 @@ def test_a_bad_value_is_named_as_typed():
 @pytest.mark.parametrize("recipe", [None, RECIPE])
 def test_a_set_item_comes_after_the_flag_of_its_key(recipe):
     # The flag's name was given to the --set's bad value: `--microbatches: ... (got 'abc')`.
-    assert bench_options(recipe, {"microbatches": 4}, ["pipeline.microbatches=2"]).microbatches == 2
+    options = bench_options(recipe, {"microbatches": 4}, ["pipeline.microbatches=2"])
+    assert options.microbatches == 2
+    assert options.notes == ["--set pipeline.microbatches=2 replaces --microbatches 4"]  # it was silent
     with pytest.raises(RecipeError, match=r"--set pipeline.microbatches: must be an integer"):
         bench_options(recipe, {"microbatches": 4}, ["pipeline.microbatches=abc"])
 
