@@ -55,9 +55,9 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), check_da
     # check_data=False skips the check that local data and tokenizer paths exist (to rebuild a model); `planning`:
     # the pipeline's M and D are the plan's to choose, so they need not fit data.batch_size.
     label = recipe_label(path)
-    if path is not None and not str(path):  # Path("") would read as the current directory
-        raise RecipeError("the recipe path is empty; give a YAML file, or leave it out for the built-in "
-                          "quick-start recipe")
+    if path is not None and not str(path).strip():  # Path("") would read as the current directory
+        raise RecipeError(f"the recipe path is {'only spaces' if str(path) else 'empty'}; give a YAML file, or leave "
+                          "it out for the built-in quick-start recipe")
     raw = parse_yaml(default_recipe_text() if path is None else read_recipe_file(Path(path)), label, overrides)
     return validate(raw, label, check_data, Path(path).parent if path is not None else None, planning,
                     typed_values(overrides))

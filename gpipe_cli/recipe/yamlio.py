@@ -67,8 +67,9 @@ def read_recipe_file(path: Path) -> str:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         with os.fdopen(fd, "rb") as f:
             data = f.read(MAX_RECIPE_BYTES + 1)
-    except FileNotFoundError:
-        raise RecipeError(f"{path}: no such recipe file") from None
+    except FileNotFoundError:  # a name of spaces, or with them around it, quoted: it read ": no such recipe file"
+        named = str(path) if str(path).strip() == str(path) else shown(str(path))
+        raise RecipeError(f"{named}: no such recipe file") from None
     except OSError as exc:
         raise RecipeError(f"{path}: cannot read the recipe ({exc.strerror})") from None
     if len(data) > MAX_RECIPE_BYTES:

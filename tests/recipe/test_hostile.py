@@ -93,6 +93,8 @@ def nested(depth: int) -> str:
 CASES: dict[str, tuple[Setup, list[str], str]] = {
     # the file itself
     "missing file": (lambda folder: str(folder / "nope.yaml"), [], "no such recipe file"),
+    "blank recipe path": (lambda folder: "   ", [], "the recipe path is only spaces; give a YAML file"),
+    "recipe path with a space": (lambda folder: " nope.yaml", [], "' nope.yaml': no such recipe file"),
     "directory": (directory, [], "is a directory"),
     "fifo": (fifo, [], "is not a regular file"),
     "device file": (lambda folder: "/dev/zero", [], "is not a regular file"),
