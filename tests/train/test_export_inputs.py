@@ -20,7 +20,7 @@ def one_error_line(code: int, err: str, out: str) -> str:
 
 @pytest.mark.parametrize(("target", "fragment"), [
     ("nowhere", "error: no such run directory or checkpoint: '"),
-    ("", "error: no such run directory or checkpoint: ''"),
+    ("", "error: RUN: an empty path names no run; give the folder gpipe train wrote"),  # as every command says it
     ("recipe.yaml", "is a file; give a run directory or one of its checkpoint folders"),
 ], ids=["missing", "empty", "a file"])
 def test_a_run_argument_that_is_no_run_is_named_in_one_line(tmp_path, monkeypatch, capsys, target, fragment):
