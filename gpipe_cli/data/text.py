@@ -288,7 +288,8 @@ def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_l
     if not any((r[0].strip() and r[1].strip()) if task == "translation" else r.strip() for r in train_recs):
         raise DataError(f"{where} has no text")
     tok = load_or_train(path=data.tokenizer, run_dir=run_dir, vocab_size=data.vocab_size or vocab_size,
-                        model_vocab_size=vocab_size,  # the corpus, read only when a tokenizer is trained:
+                        model_vocab_size=vocab_size, key="data.vocab_size" if data.vocab_size else "model.vocab_size",
+                        # the corpus, read only when a tokenizer is trained:
                         texts=lambda: (text for r in train_recs for text in (r if task == "translation" else (r,))))
     if task == "translation":
         train = TranslationExamples.build(train_recs, tok, max_len, train=True)

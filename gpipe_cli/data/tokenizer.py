@@ -6,6 +6,7 @@ import contextlib
 import io
 import itertools
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,10 @@ PAD, UNK, BOS, EOS = 0, 1, 2, 3
 TOKENIZER_FILE = "tokenizer.model"
 # sentencepiece samples this many sentences for training: enough for a 32k vocabulary, bounded memory.
 _TRAIN_SENTENCES = 2_000_000
+# The pieces sentencepiece adds to the characters: the special ids the trainer is given (none of them -1).
+_SPECIAL = ("pad", "unk", "bos", "eos")
+# sentencepiece's refusal of a vocabulary below its characters + special pieces, which it counts together.
+_TOO_FEW = re.compile(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)\.")
 
 
 class Tokenizer:
@@ -100,7 +105,8 @@ class Tokenizer:
         self.__init__(state["proto"], state["path"])  # type: ignore[misc]
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+def train_tokenizer(texts: Iterable[str], vocab_size: int, key: str = "model.vocab_size",
+                    model_vocab_size: int | None = None) -> Tokenizer:
     """Train a BPE model on `texts` (BPE: unigram degenerates to characters on small repetitive corpora)."""
     import sentencepiece as spm
 
@@ -115,6 +121,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
             max_sentence_length=1 << 16,  # whole paragraphs/documents, not only short sentences
             num_threads=min(16, os.cpu_count() or 1), minloglevel=2)
     except Exception as e:
+        too_few = _TOO_FEW.search(str(e))
+        if too_few:  # its own words name a --character_coverage option that gpipe does not have
+            raise DataError(_too_small(vocab_size, int(too_few[1]), key, model_vocab_size)) from None
         raise DataError(f"cannot train a {vocab_size}-piece tokenizer on the training text "
                         f"({first_line(e)})") from None
     if not model.getvalue():
@@ -122,15 +131,24 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return Tokenizer(model.getvalue())
 
 
+def _too_small(vocab_size: int, needed: int, key: str, model_vocab_size: int | None) -> str:
+    """The line for a vocabulary that cannot hold the text's characters (those of 99.99% of it) and special pieces."""
+    both = key != "model.vocab_size" and model_vocab_size is not None and needed > model_vocab_size
+    return (f"{key} ({vocab_size}) is smaller than the {needed - len(_SPECIAL)} distinct characters of the training "
+            f"text plus the tokenizer's {len(_SPECIAL)} special pieces ({', '.join(_SPECIAL)}): give "
+            # data.vocab_size may not exceed model.vocab_size: both must grow
+            f"{'it and model.vocab_size ' if both else ''}at least {needed}")
+
+
 def load_or_train(*, path: str | None, run_dir: Path | None, texts: Callable[[], Iterable[str]],
-                  vocab_size: int, model_vocab_size: int) -> Tokenizer:
-    """data.tokenizer if given, else run_dir/tokenizer.model if present, else train one and store it."""
+                  vocab_size: int, model_vocab_size: int, key: str = "model.vocab_size") -> Tokenizer:
+    """data.tokenizer if given, else run_dir/tokenizer.model if present, else train one (of size `key`) and store it."""
     if vocab_size > model_vocab_size:
         raise DataError(f"data.vocab_size ({vocab_size}) exceeds model.vocab_size ({model_vocab_size})")
     if path:
         tok = Tokenizer.load(path)
     elif run_dir is None:
-        tok = train_tokenizer(texts(), vocab_size)
+        tok = train_tokenizer(texts(), vocab_size, key, model_vocab_size)
     elif (stored := Path(run_dir) / TOKENIZER_FILE).is_file():  # resuming, or another rank already trained it
         tok = Tokenizer.load(stored)
     else:
@@ -139,7 +157,7 @@ def load_or_train(*, path: str | None, run_dir: Path | None, texts: Callable[[],
             if stored.is_file():
                 tok = Tokenizer.load(stored)
             else:
-                tok = train_tokenizer(texts(), vocab_size)
+                tok = train_tokenizer(texts(), vocab_size, key, model_vocab_size)
                 tok.save(stored)
     if tok.vocab_size > model_vocab_size:
         raise DataError(f"the tokenizer has {tok.vocab_size} pieces but model.vocab_size is "

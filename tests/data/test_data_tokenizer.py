@@ -103,3 +103,31 @@ def test_a_tokenizer_file_that_cannot_be_read_is_said_so(tmp_path: Path, monkeyp
     monkeypatch.setattr(Path, "read_bytes", refused)
     with pytest.raises(DataError, match=r"^cannot read tokenizer file '.*' \(Permission denied\)$"):
         Tokenizer.load(path)
+
+
+def test_a_vocabulary_below_the_texts_characters_names_its_key_and_the_least_that_works() -> None:
+    # sentencepiece's own line ("8 vs 31 ... decrease character_coverage with --character_coverage option") named
+    # an option gpipe does not have. Its count: 'a', 'b', 'c' and the space, plus pad, unk, bos and eos.
+    text = ["abc cab bca"] * 20
+    with pytest.raises(DataError) as caught:
+        train_tokenizer(text, 7)
+    assert str(caught.value) == ("model.vocab_size (7) is smaller than the 4 distinct characters of the training text "
+                                 "plus the tokenizer's 4 special pieces (pad, unk, bos, eos): give at least 8")
+    assert train_tokenizer(text, 8).vocab_size == 8  # the least that works, as said
+
+
+def test_a_too_small_data_vocab_size_is_named_and_model_vocab_size_too_when_it_must_grow(tmp_path: Path) -> None:
+    # 'a' to 'j' and the space: 11 characters, 15 pieces with the special ones.
+    corpus = write_jsonl(tmp_path / "train.jsonl", [{"source": "abcd efg", "target": "hij"}] * 20)
+    small = data(source="jsonl", path=str(corpus), vocab_size=8)
+    chars = ("the 11 distinct characters of the training text plus the tokenizer's 4 special pieces "
+             "(pad, unk, bos, eos)")
+    with pytest.raises(DataError) as caught:
+        build_data(small, "translation", seed=0, vocab_size=64, max_len=16)
+    assert str(caught.value) == f"data.vocab_size (8) is smaller than {chars}: give at least 15"
+    with pytest.raises(DataError) as caught:  # data.vocab_size may not exceed model.vocab_size: both must grow
+        build_data(small, "translation", seed=0, vocab_size=12, max_len=16)
+    assert str(caught.value) == f"data.vocab_size (8) is smaller than {chars}: give it and model.vocab_size at least 15"
+    with pytest.raises(DataError) as caught:  # data.vocab_size unset: the model's is the tokenizer's
+        build_data(data(source="jsonl", path=str(corpus)), "translation", seed=0, vocab_size=8, max_len=16)
+    assert str(caught.value) == f"model.vocab_size (8) is smaller than {chars}: give at least 15"
