@@ -16,6 +16,7 @@ DEFAULT_MAX_TOKENS = 50
 MAX_TOKENS = 100_000  # a long document's worth: each token is a forward, so a typo of more digits runs for days
 WRITE_ONE = "write one with: gpipe export RUN"
 _KINDS = {"translation": "a translation model", "lm": "a language model", "image": "an image classifier"}
+_GIVE = {"translation": "a sentence to translate", "lm": "a prompt to continue"}
 
 
 def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None = None, top: int | None = None) -> int:
@@ -40,9 +41,13 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
         raise UserError(f"--max-tokens continues a language model's prompt; {shown(path)} is {_KINDS[task]}")
     if top is not None and task != "image":
         raise UserError(f"--top ranks an image classifier's classes; {shown(path)} is {_KINDS[task]}")
-    if task == "image":
-        for image in inputs or ():  # found before the model is built, not after
-            tasks.check_image_path(image)
+    given = inputs or []
+    for number, item in enumerate(given, 1):  # found before the model is built, not after
+        if task == "image":
+            tasks.check_image_path(item)
+        elif not item.strip():  # its answer was a blank line and exit code 0, as if something had been asked
+            which = f"INPUT {number} of {len(given)}" if len(given) > 1 else "INPUT"
+            raise UserError(f"{which}: {'only whitespace' if item else 'empty'}; give {_GIVE[task]}")
     try:
         model = exported.build()
     except ValueError as exc:

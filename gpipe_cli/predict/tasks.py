@@ -70,6 +70,8 @@ def generator(exported: Exported, model: nn.Module, max_tokens: int) -> Answer:
         # The prompt as typed, not as the tokenizer gives it back (spaces folded, unknown characters as ⁇); the
         # new text is what decoding grows by past it (the new tokens alone would lose the space before the first).
         yield text
+        if not text.strip():  # a blank line of stdin: a blank answer keeps the answers beside their lines
+            return
         read, new, shown_new = tok.decode(ids), "", ""
         for token in continue_text(model, ids, max_tokens, max_len, tok.vocab_size):
             ids.append(token)

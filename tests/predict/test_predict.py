@@ -32,9 +32,38 @@ def picture(tmp_path_factory) -> Path:
     return path
 
 
-def test_a_translation_model_answers_each_sentence_on_its_own_line(exports, capsys):
-    assert run(["predict", str(exports["translation"]), "one two three", "seven", ""]) == 0
+def test_a_translation_model_answers_each_sentence_on_its_own_line(exports, monkeypatch, capsys):
+    assert run(["predict", str(exports["translation"]), "one two three", "seven"]) == 0
+    assert len(capsys.readouterr().out.split("\n")) == 3  # two lines
+    # An empty sentence is refused as an argument (below); a blank line of stdin is answered with a blank line.
+    monkeypatch.setattr("sys.stdin", io.StringIO("one two three\nseven\n\n"))
+    assert run(["predict", str(exports["translation"])]) == 0
     assert len(capsys.readouterr().out.split("\n")) == 4  # three lines, the empty sentence's empty
+
+
+@pytest.mark.parametrize(("family", "args", "line"), [
+    ("translation", [""], "error: INPUT: empty; give a sentence to translate"),
+    ("translation", ["one", " \t"], "error: INPUT 2 of 2: only whitespace; give a sentence to translate"),
+    ("lm", ["   ", "--max-tokens", "5"], "error: INPUT: only whitespace; give a prompt to continue"),
+    ("lm", ["one", "", "two"], "error: INPUT 2 of 3: empty; give a prompt to continue"),
+], ids=["empty sentence", "blank sentence", "blank prompt", "empty prompt of three"])
+def test_an_empty_or_blank_input_argument_is_refused_in_one_line(exports, capsys, family, args, line):
+    # It was answered with a blank line and exit code 0, as if something had been asked.
+    code = run(["predict", str(exports[family]), *args])
+    captured = capsys.readouterr()
+    assert one_error_line(code, captured.err, captured.out) == line
+    assert captured.out == ""  # refused before any input is answered
+
+
+@pytest.mark.parametrize(("family", "blank_answers"), [("translation", ["", ""]), ("lm", ["", "   "])])
+def test_blank_lines_of_stdin_are_answered_with_blank_lines(exports, monkeypatch, capsys, family, blank_answers):
+    # They keep the answers beside their lines; a language model began a new document on one.
+    monkeypatch.setattr("sys.stdin", io.StringIO("one two\n\n   \nthree\n"))
+    assert run(["predict", str(exports[family]), *(["--max-tokens", "3"] if family == "lm" else [])]) == 0
+    lines = capsys.readouterr().out.split("\n")
+    assert len(lines) == 5 and lines[1:3] == blank_answers and lines[4] == ""
+    if family == "lm":  # the prompt as typed, then its continuation
+        assert lines[0].startswith("one two") and lines[3].startswith("three")
 
 
 def test_a_language_model_continues_the_prompt_by_at_most_max_tokens(exports, capsys):
