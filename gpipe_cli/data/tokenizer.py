@@ -87,6 +87,10 @@ class Tokenizer:
         ids = itertools.takewhile(lambda i: i != EOS, map(int, ids.tolist() if hasattr(ids, "tolist") else ids))
         return str(self._sp.decode([i for i in ids if i not in (PAD, BOS)]))
 
+    def knows_none(self, ids: Sequence[int]) -> bool:
+        """Whether `ids` are unknown pieces, with no other piece than spaces between them."""
+        return UNK in ids and all(i == UNK or self._sp.id_to_piece(i) == "\u2581" for i in ids)
+
     def pieces(self, text: str) -> list[str]:
         """The subword pieces of `text`."""
         return list(self._sp.encode(text, out_type=str))

@@ -49,6 +49,7 @@ def translator(exported: Exported, model: nn.Module) -> Answer:
 
     def answer(text: str) -> Iterator[str]:
         ids = tok.encode(_text(text, "translation"))
+        _say_if_unknown(tok, ids, text)
         if len(ids) > max_len:  # cut as evaluation cuts a long source, and said: the translation ends early
             print(f"[gpipe] a sentence of {len(ids):,} tokens: its first {max_len} are translated (the model reads "
                   f"at most model.max_len = {max_len})", file=sys.stderr, flush=True)
@@ -67,6 +68,7 @@ def generator(exported: Exported, model: nn.Module, max_tokens: int) -> Answer:
 
     def answer(text: str) -> Iterator[str]:
         ids = tok.encode(_text(text, "language"))
+        _say_if_unknown(tok, ids, text)
         # The prompt as typed, not as the tokenizer gives it back (spaces folded, unknown characters as ⁇); the
         # new text is what decoding grows by past it (the new tokens alone would lose the space before the first).
         yield text
@@ -136,6 +138,13 @@ def _text(text: str, kind: str) -> str:
     if where is not None:
         raise UserError(f"an input is not UTF-8 text ({where}); give sentences in UTF-8")
     return text
+
+
+def _say_if_unknown(tok: Tokenizer, ids: list[int], text: str) -> None:
+    """A line on stderr when the tokenizer knows none of the input's characters: the answer cannot follow from it."""
+    if tok.knows_none(ids):
+        print(f"[gpipe] the model's tokenizer knows none of the characters of {shown(text)}: the model reads it as "
+              "unknown pieces only, so its answer cannot follow from it", file=sys.stderr, flush=True)
 
 
 def _tokenizer(exported: Exported) -> Tokenizer:

@@ -66,6 +66,18 @@ def test_blank_lines_of_stdin_are_answered_with_blank_lines(exports, monkeypatch
         assert lines[0].startswith("one two") and lines[3].startswith("three")
 
 
+@pytest.mark.parametrize("family", ["translation", "lm"])
+def test_an_input_the_tokenizer_knows_none_of_is_said_on_stderr_and_still_answered(exports, capsys, family):
+    # It was answered as any other, though the model read nothing of it.
+    args = ["日本語 ☃ 🙂", "one 日本"] + (["--max-tokens", "3"] if family == "lm" else [])
+    assert run(["predict", str(exports[family]), *args]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [  # the second is partly known: nothing to say
+        "[gpipe] the model's tokenizer knows none of the characters of '日本語 ☃ 🙂': the model reads it as unknown "
+        "pieces only, so its answer cannot follow from it"]
+    assert captured.out.count("\n") == 2
+
+
 def test_a_language_model_continues_the_prompt_by_at_most_max_tokens(exports, capsys):
     assert run(["predict", str(exports["lm"]), "one two", "--max-tokens", "3"]) == 0
     line = capsys.readouterr().out.rstrip("\n")
