@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import re
 import shutil
 import textwrap
@@ -21,6 +22,11 @@ UNITS = ("s", "ms", "us", "B", "KiB", "MiB", "GiB", "TiB", "GB/s", "samples/s", 
 _UNIT_SPACE = re.compile(r"(?<=\d) (?=(?:" + "|".join(re.escape(u) for u in UNITS) + r")(?![\w/]))")
 _HELD = "\0"
 FILE_WIDTH = 200  # columns when no terminal sets them: a log keeps each table row and line on one line
+
+
+def redraws(stream: TextIO) -> bool:
+    """Whether `stream` is a terminal that can redraw a live view (a dumb one, as Emacs's shell, only appends)."""
+    return stream.isatty() and os.environ.get("TERM", "") not in ("dumb", "unknown")
 
 
 def output_console(least: int = 0) -> Console:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gpipe_cli import interrupts
-from gpipe_cli.console import say
+from gpipe_cli.console import redraws, say
 from gpipe_cli.data.offline import check_hub_data
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.launch import (
@@ -250,7 +250,7 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
                   started: float, holding: contextlib.ExitStack) -> int:
     """Check the plan (and a resume) against this machine, say what starts, and run the ranks; the exit code."""
     first = not under_torchrun() or os.environ.get("RANK", "0") == "0"
-    live = options.plain is False or (options.plain is None and sys.stdout.isatty())
+    live = options.plain is False or (options.plain is None and redraws(sys.stdout))
     if options.dry_run:  # the same checks, then the launch in place of the run's lines
         first = live = False
     if first and not live:  # lines: say what starts now; a plan error follows on stderr, still one line there

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from gpipe_cli.console import fit, say
+from gpipe_cli.console import fit, redraws, say
 from gpipe_cli.errors import UserError
 from gpipe_cli.files import space_left
 from gpipe_cli.pipeline.failure import ANNOUNCED
@@ -226,7 +226,7 @@ class TerminalView:
 
     def __init__(self, title: str, plain: bool | None = None, started: float | None = None) -> None:
         self.stream: TextIO = sys.stdout
-        self.plain = (not self.stream.isatty()) if plain is None else plain
+        self.plain = (not redraws(self.stream)) if plain is None else plain
         self.total, self.title = 0, title
         self.started = time.time() if started is None else started
         self._console = Console(file=self.stream, highlight=False)

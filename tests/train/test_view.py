@@ -183,3 +183,17 @@ def test_a_record_the_disk_cannot_take_before_any_checkpoint_says_how_to_start_a
     message = MetricsFile(tmp_path / "metrics.jsonl")._failure(OSError(errno.ENOSPC, "No space left"), {"step": 3})
     assert message.endswith(f"once it can be written, start it again from step 0 with: gpipe train --resume "
                             f"--output-dir {tmp_path}")
+
+
+@pytest.mark.parametrize("term, plain", [("dumb", True), ("xterm-256color", False)])
+def test_a_dumb_terminal_gets_plain_lines(monkeypatch, term, plain):
+    # It got the live view, which such a terminal (Emacs's shell) never redrew: nothing showed until the end.
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setenv("TERM", term)
+    monkeypatch.setattr("sys.stdout", Terminal())
+    assert TerminalView("tiny", started=0.0).plain is plain
