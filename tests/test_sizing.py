@@ -139,3 +139,20 @@ def test_ranks_sharing_a_gpu_start_together_on_the_host_cores(monkeypatch):
     assert sizing.launch_seconds(8, gpu) > sizing.launch_seconds(2, gpu)
     # On a CPU the cores are the machine's units, as before.
     assert sizing.launch_seconds(8, sizing.Machine("cpu", 2, 1e10, 1e10, 1e-4)) == 6.0 + 4.0 * 4
+
+
+def test_the_bench_memory_estimate_prices_the_balance_the_run_uses():
+    # It priced a cut by FLOPs whatever --balance said: `--balance 1,3` and `3,1` printed the same two figures.
+    from gpipe_cli.bench import bench_options
+    from gpipe_cli.bench.preview import explicit_cut, memory
+    from gpipe_cli.estimate.subject import resolve
+
+    sizes = {"layers": 2, "d_model": 64, "ff": 128, "heads": 2, "vocab_size": 256, "seq_len": 16}
+    here = machine(8 * GIB, 1e10)
+    estimates = {}
+    for balance in ("1,3", "3,1", None):
+        options = bench_options(None, {"partitions": 2, "microbatches": 2, "balance": balance, **sizes}, [],
+                                model="transformer")
+        estimates[balance] = memory(resolve("transformer", sizes), options, here).stages[2]
+        assert explicit_cut(options, 2) == (None if balance is None else [int(n) for n in balance.split(",")])
+    assert estimates["1,3"][0] < estimates["1,3"][1] and estimates["3,1"][0] > estimates["3,1"][1]

@@ -9,8 +9,9 @@ from rich.console import Console
 
 from gpipe_cli import memory_model as mm
 from gpipe_cli import sizing
-from gpipe_cli.bench.options import RANK_BYTES, SWEEP_MICROBATCHES, BenchOptions, overhead_rounds
+from gpipe_cli.bench.options import RANK_BYTES, SWEEP_MICROBATCHES, BenchOptions, overhead_rounds, parse_balance
 from gpipe_cli.errors import UserError
+from gpipe_cli.estimate.model_flags import balance_entries
 from gpipe_cli.estimate.subject import FAMILIES, Subject, model_overrides, resolve, to_measure
 from gpipe_cli.launch import forked
 from gpipe_cli.models import families
@@ -136,13 +137,21 @@ def memory(subject: Subject, options: BenchOptions, machine: sizing.Machine) -> 
     stages: dict[tuple[int, int], list[float]] = {}
     for k, m in {*configs, *((k, options.microbatches) for k in ks)}:  # each stage's estimated bytes
         virtual = options.virtual_at(k)
+        cut = explicit_cut(options, k) or partition.balance_by_cost(costs, k * virtual)
         stages[(k, m)] = [fp.total_bytes for fp in mm.footprints(
-            figures, partition.balance_by_cost(costs, k * virtual), options.batch, m, options.schedule,
-            options.checkpoint, mm.bytes_per_parameter(NO_STATE), virtual)]
+            figures, cut, options.batch, m, options.schedule, options.checkpoint, mm.bytes_per_parameter(NO_STATE),
+            virtual)]
     units = max(machine.units, 1)
     needs = [(k, m, max(sum(stages[(k, m)][g::units]) for g in range(min(k, units))) if machine.kind == "cuda"
               else sum(stages[(k, m)]) + k * RANK_BYTES) for k, m in configs]
     return Memory({k: stages[(k, options.microbatches)] for k in ks}, needs)
+
+
+def explicit_cut(options: BenchOptions, k: int) -> list[int] | None:
+    """The --balance list of the K-stage run, which the estimate then prices (None: the run cuts on its own)."""
+    chunks = k * options.virtual_at(k)
+    given = k == options.stages and balance_entries(options.balance) == chunks
+    return parse_balance(options.balance, chunks) if given else None
 
 
 def check_fits(preview: Preview, mem: Memory, options: BenchOptions, machine: sizing.Machine) -> None:
@@ -193,7 +202,9 @@ def show(preview: Preview, mem: Memory, options: BenchOptions, machine: sizing.M
                   f"{options.schedule} · checkpoint {options.checkpoint} · {steps}")
     k = max(ks)
     if k > 1:
-        console.print(f"  memory at K={k} (est.): " + " · ".join(human_bytes(b) for b in mem.stages[k])
+        # Priced at a cut by FLOPs where the run makes its own: the cut it makes is known only once it has timed.
+        how = "est." if explicit_cut(options, k) else "est. at a cut by FLOPs"
+        console.print(f"  memory at K={k} ({how}): " + " · ".join(human_bytes(b) for b in mem.stages[k])
                       + f"; K=1 holds {human_bytes(mem.stages[1][0])}")
     for ranks in ks[1:] or ks:
         over, hardware = oversubscription(ranks, options.threads)
