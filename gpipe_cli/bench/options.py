@@ -123,6 +123,10 @@ def bench_options(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[s
     typed = [given for name in ("partitions", "microbatches", "balance") if (given := given_as(name, flags, sets))]
     if own.get("sweep") and typed:
         raise UserError(f"--sweep measures its own K and M (the paper's Table 2): leave out {', '.join(typed)}")
+    if own.get("simulate") and own.get("devices") is not None and (named := given_as("partitions", flags, sets)):
+        # --devices was the K predicted, and the --partitions beside it was dropped without a word.
+        raise UserError(f"--simulate predicts for --devices {own['devices']} stages: leave out {named}, or "
+                        "--devices to predict for it")
     return BenchOptions(model=model_of(recipe, own.pop("model", None), "measured"),
                         **shared_fields(BenchOptions, recipe, flags, sets, CUTS, "gpipe bench"), **own)
 
@@ -186,7 +190,8 @@ def validate(options: BenchOptions) -> None:
                         f"buffers sized by the first micro-batch")
 
 
-def parse_balance(text: str | None, partitions: int) -> list[int] | None:
+def parse_balance(text: str | None, partitions: int,
+                  named: str = "--partitions x --virtual-stages") -> list[int] | None:
     """`--balance 3,5` as a list (validated against the model later); `partitions` counts chunks (K x V)."""
     if text is None or not text.strip():
         return None
@@ -195,7 +200,6 @@ def parse_balance(text: str | None, partitions: int) -> list[int] | None:
     except ValueError:
         raise UserError(f"--balance expects layer counts separated by commas, e.g. 5,5 (got '{text}')") from None
     if len(balance) != partitions:
-        raise UserError(f"--balance {text} has {len(balance)} entries but the pipeline has {partitions} "
-                        f"(--partitions x --virtual-stages)")
+        raise UserError(f"--balance {text} has {len(balance)} entries but the pipeline has {partitions} ({named})")
     return balance
 

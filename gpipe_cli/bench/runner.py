@@ -81,13 +81,14 @@ def check_cut(options: BenchOptions, subject: Subject) -> None:
     """Refuse K (and --balance) that the model's layers cannot take, before anything is measured."""
     layers = len(subject.build().layers)
     chunks = options.stages * options.virtual_stages
+    k_flag = "--devices" if options.simulate and options.devices is not None else "--partitions"  # K's
     try:
         partition.check_partitions(layers, chunks)
-        explicit = parse_balance(options.balance, chunks)
+        explicit = parse_balance(options.balance, chunks, f"{k_flag} x --virtual-stages")
         if explicit is not None:
             partition.check_balance(explicit, layers, chunks)
     except partition.PartitionError as exc:
-        flag = "devices" if options.simulate else "partitions"
+        flag = k_flag.removeprefix("--")
         if options.virtual_stages > 1:
             flag += f"/--virtual-stages ({chunks} chunks)"
         raise UserError(f"--{flag}{'/--balance' if options.balance is not None else ''}: {exc}") from None

@@ -268,3 +268,14 @@ def test_an_empty_choice_is_shown_as_two_quotes_not_as_nothing(capsys, args, lin
     assert run(args) == 2
     err = capsys.readouterr().err
     assert err.startswith(line) and err.endswith(" (got '')\n") and len(err.splitlines()) == 1, err
+
+
+def test_simulate_names_the_devices_it_predicts_for(capsys):
+    # --devices 4 replaced --partitions 2 without a word, and a balance for it was blamed on --partitions.
+    from gpipe_cli.cli import run
+
+    assert run(["bench", *TINY, "--simulate", "--devices", "4", "--partitions", "2"]) == 2
+    assert capsys.readouterr().err == ("error: --simulate predicts for --devices 4 stages: leave out --partitions, "
+                                       "or --devices to predict for it\n")
+    assert run(["bench", *TINY, "--simulate", "--devices", "4", "--balance", "2,2"]) == 2
+    assert capsys.readouterr().err.endswith("has 2 entries but the pipeline has 4 (--devices x --virtual-stages)\n")
