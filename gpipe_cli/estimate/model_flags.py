@@ -187,6 +187,21 @@ def unread_problem(sets: Sequence[str], command: str) -> str | None:
     return None
 
 
+def _replicas_note(recipe: str | None, command: str) -> list[str]:
+    """A note that the recipe's data-parallel replicas are not measured (its figures were taken as the recipe's)."""
+    if recipe is None:
+        return []
+    from gpipe_cli.recipe.load import parse_yaml, recipe_label
+    from gpipe_cli.recipe.yamlio import read_recipe_file
+
+    pipeline = parse_yaml(read_recipe_file(Path(recipe)), recipe_label(recipe)).get("pipeline") or {}
+    replicas = pipeline.get("data_parallel", 1) if isinstance(pipeline, dict) else 1
+    if not isinstance(replicas, int) or replicas <= 1:
+        return []
+    return [f"the recipe's pipeline.data_parallel ({replicas}) is not read: {command} measures one pipeline, on the "
+            "whole data.batch_size"]
+
+
 # The recipe's keys are checked as `train` checks them, before torch loads; `cuts`: the command's own `--balance`
 # cuts; `defaults` add to the fields' own where there is no recipe.
 def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str],
@@ -200,7 +215,7 @@ def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[
     refuse([balance_problem(flags.get("balance"), cuts), chunks_problem(flags, recipe), v_problem(recipe, flags, sets),
             None if k is None or v is None else entries_problem(flags.get("balance"), k, v)])
     given, model_sets = settings(recipe, flags, sets, {**own, **defaults})
-    notes = replaced(flags, sets)
+    notes = replaced(flags, sets) + _replicas_note(recipe, command)
     if "balance" in given:
         named = given_as("balance", flags, sets)
         if named is None and isinstance(given["balance"], str) and given["balance"] not in cuts:

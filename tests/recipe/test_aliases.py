@@ -1,5 +1,7 @@
 """The short flags of bench and profile-memory are aliases of recipe keys: the same options, the schema's help."""
 
+from pathlib import Path
+
 import pytest
 
 from gpipe_cli.bench import bench_options
@@ -80,3 +82,15 @@ def test_a_recipes_cut_a_command_does_not_make_is_said_and_its_own_made(shipped)
     # Typed, the same mode is refused, as before.
     with pytest.raises(RecipeError, match=r"^--set pipeline.balance: this command cuts by auto or a list"):
         profile_options(shipped, None, {}, ["pipeline.balance=time"])
+
+
+def test_a_recipes_replicas_are_said_not_to_be_measured(tmp_path):
+    # bench ran one pipeline on the whole batch of a recipe with data_parallel 2, and said nothing of it.
+    text = Path(RECIPE).read_text().replace("pipeline:\n", "pipeline:\n  data_parallel: 2\n", 1)
+    recipe = tmp_path / "dp2.yaml"
+    recipe.write_text(text)
+    note = "the recipe's pipeline.data_parallel (2) is not read: gpipe {} measures one pipeline, on the whole " \
+           "data.batch_size"
+    assert bench_options(str(recipe), {}, []).notes == [note.format("bench")]
+    assert profile_options(str(recipe), None, {}, []).notes == [note.format("profile-memory")]
+    assert bench_options(RECIPE, {}, []).notes == []
