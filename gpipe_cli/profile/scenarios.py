@@ -99,8 +99,8 @@ def choose_rows(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, in
             deeper, kind = deepened(figures, chunks)
             size = max(microbatch.sizes(batch, m))
             what = f"K={k}" if v == 1 else f"K={k} x {v} chunks"
-            why = (f"{name} extrapolated: {what} > the {layers} layers measured (figures of {chunks - layers} more "
-                   f"'{kind}' layers repeated)")
+            why = (f"{name} extrapolated: {what} > the {layers} layers measured ({chunks - layers} more priced as "
+                   f"copies of a measured '{kind}')")
             costs = [layer.saved.at(size) + layer.params * per_param for layer in deeper.layers]
             out.append(Scenario(name, k, m, checkpoint, partition.balance_by_cost(costs, chunks), False, why, deeper,
                                 moved, placed, v))
