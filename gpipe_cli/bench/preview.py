@@ -191,7 +191,7 @@ def show(preview: Preview, mem: Memory, options: BenchOptions, machine: sizing.M
     name = (cand.describe(full=True) if preview.subject.kind in families.FAMILIES
             and "layers" in preview.subject.params else spec.name)
     console.print(f"[bold]plan[/] · {name}: {human_count(cand.parameters)} parameters, "
-                  f"{len(spec.layers)} pipeline layers, {cand.flops * 3 / 1e9:.2f} GFLOP per example and step")
+                  f"{len(spec.layers)} pipeline layers, {cand.flops * 3 / 1e9:.3g} GFLOP per example and step")
     configs = runs(options, len(spec.layers))
     ks = sorted({k for k, _ in configs})
     steps = f"{options.warmup} warm-up + {options.steps} measured steps"

@@ -88,7 +88,8 @@ class Section(BaseModel):
 
 
 # Both model kinds have layers: one description, which the `--layers` flag shows.
-LAYERS = "Layers: AmoebaNet L (normal cells), Transformer encoder and decoder layers (each)"
+LAYERS = (f"Layers: AmoebaNet L (normal cells, a multiple of {AMOEBANET_STEPS['layers']}), Transformer encoder and "
+          "decoder layers (each)")
 
 
 class AmoebaNetModel(Section):
@@ -99,7 +100,7 @@ class AmoebaNetModel(Section):
     variant: Literal["d", "b"] = "d"
     layers: Layers = Field(default=18, description=LAYERS)
     filters: Size = Field(default=256, description="AmoebaNet filters D (F): of the first stack, doubled by each "
-                                                   "reduction")
+                                                   f"reduction (a multiple of {AMOEBANET_STEPS['filters']})")
     num_classes: Annotated[int, Number, Field(ge=2, le=MAX_SIZE * 16)] = Field(default=1000,
                                                                               description="AmoebaNet classes")
     image_size: Annotated[int, Number, Field(ge=32, le=MAX_SIZE)] = Field(
