@@ -89,6 +89,9 @@ def profile_options(recipe: str | None, partitions: str | None, flags: Mapping[s
         # chunks, the largest K's rules are the recipe's (`validate` checks the others').
         flags = {**flags, "partitions": max(listed)}
     given = shared_fields(ProfileOptions, recipe, flags, sets, CUTS, "gpipe profile-memory")
+    if recipe is not None and own.get("budget") is not None:  # the header then mixed the two without a word
+        given["notes"].append("--budget searches the family's layers and width at the paper's other sizes, not the "
+                              "recipe's model; the recipe gives the pipeline and the batch")
     k = given.pop("partitions", None)
     return ProfileOptions(model=model, partitions=listed or ([k] if k is not None else list(DEFAULT_PARTITIONS)),
                           **given, **own)

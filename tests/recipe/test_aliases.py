@@ -94,3 +94,11 @@ def test_a_recipes_replicas_are_said_not_to_be_measured(tmp_path):
     assert bench_options(str(recipe), {}, []).notes == [note.format("bench")]
     assert profile_options(str(recipe), None, {}, []).notes == [note.format("profile-memory")]
     assert bench_options(RECIPE, {}, []).notes == []
+
+
+def test_a_budget_search_of_a_recipe_says_the_model_is_the_familys():
+    # The header showed the paper's widths beside the recipe's M and batch, and nothing said why.
+    assert profile_options(RECIPE, None, {}, [], budget="8GiB").notes == [
+        "--budget searches the family's layers and width at the paper's other sizes, not the recipe's model; the "
+        "recipe gives the pipeline and the batch"]
+    assert profile_options(None, None, {}, [], budget="8GiB").notes == []
