@@ -182,9 +182,7 @@ def _whole(flag: str) -> Callable[[Any], int]:
 
 def _file(flag: str) -> Callable[[Any], Path]:
     """The parser of a file flag: a path, refused in one line when empty (Path would read it as '.')."""
-    def parse(value: Any) -> Path:
-        if isinstance(value, Path):
-            return value
+    def parse(value: Any) -> Path:  # never a default: every file flag's is None
         check_not_empty(value, flag, give="name one, or leave the flag out")  # a long name: check_output's line
         return Path(value)
     return parse
@@ -355,13 +353,13 @@ def plan(
     """Predict the fastest K, D, M, schedule, remat mode and balance for N devices; write it as a recipe."""
     from gpipe_cli.plan import run as run_plan
     from gpipe_cli.plan.options import output_path
-    from gpipe_cli.recipe.aliases import ALIASES, as_sets, by_flag, replaced
+    from gpipe_cli.recipe.aliases import ALIASES, as_sets, by_flag, replaced, set_key
     from gpipe_cli.recipe.load import RecipeError
 
     # The alias flags are `--set` items, typed before the explicit ones, which win where both name a key (and
     # leave the flag out of the plan's command line).
     typed = own["set"] or []
-    keys = {item.partition("=")[0].strip() for item in typed}
+    keys = {set_key(item) for item in typed}
     own["set"] = [*as_sets({name: value for name, value in flags.items() if ALIASES[name] not in keys}), *typed]
     for note in replaced(flags, typed):  # first, as bench and profile-memory say theirs
         output_console().print(f"[bold]note:[/] {note}", highlight=False)

@@ -22,6 +22,7 @@ from gpipe_cli.recipe.aliases import (
     flag,
     given_as,
     replaced,
+    set_key,
     settings,
 )
 from gpipe_cli.recipe.load import typed_values, unknown_key
@@ -143,7 +144,7 @@ def size_problem(model: str, sizes: Mapping[str, int | None], sets: Sequence[str
     if model not in families.FAMILIES and not is_preset_name(model):
         return None
     kind = model if model in families.FAMILIES else preset(model)[0]
-    limits, typed = size_limits(kind), {item.partition("=")[0].strip().removeprefix("model.") for item in sets}
+    limits, typed = size_limits(kind), {set_key(item).removeprefix("model.") for item in sets}
     for name, value in sizes.items():
         param = SIZE_PARAMS[name]
         if value is not None and param not in typed:
@@ -176,7 +177,7 @@ def model_of(recipe: str | None, model: str | None, done: str) -> str:
 def unread_problem(sets: Sequence[str], command: str) -> str | None:
     """The refusal of a `--set` key of a section these commands do not read: it would have changed nothing."""
     for item in sets:
-        key = item.partition("=")[0].strip()
+        key = set_key(item)
         section, dot, _ = key.partition(".")
         if dot and section != "model" and key not in ALIASES.values():
             if (unknown := unknown_key(key)) is not None:  # a misspelling, as train says it

@@ -54,11 +54,16 @@ def kind(name: str) -> type:
     return int if info.annotation is int else str
 
 
+def set_key(item: str) -> str:
+    """The dotted key a `--set KEY=VALUE` item names."""
+    return item.partition("=")[0].strip()
+
+
 def given_as(name: str, flags: Mapping[str, Any], sets: Sequence[str]) -> str | None:
     """How the user gave alias `name`'s key: its flag (`--balance`), its `--set`, or None (not typed)."""
     if flags.get(name) is not None:
         return flag(name)
-    return f"--set {ALIASES[name]}" if any(item.partition("=")[0].strip() == ALIASES[name] for item in sets) else None
+    return f"--set {ALIASES[name]}" if any(set_key(item) == ALIASES[name] for item in sets) else None
 
 
 def balance_text(value: Any, cuts: tuple[str, ...], named: str = "pipeline.balance") -> str | None:
@@ -88,7 +93,7 @@ def balance_help(cuts: tuple[str, ...]) -> str:
 
 def replaced(flags: Mapping[str, Any], sets: Sequence[str]) -> list[str]:
     """A note for each alias flag given whose key a `--set` item names too: the item, which comes after it, wins."""
-    last = {item.partition("=")[0].strip(): item.strip() for item in sets}
+    last = {set_key(item): item.strip() for item in sets}
     return [f"--set {last[ALIASES[name]]} replaces {flag(name)} {value}" for name, value in flags.items()
             if value is not None and ALIASES[name] in last]
 
@@ -143,7 +148,7 @@ def by_flag(error: RecipeError, flags: Mapping[str, Any], defaults: Mapping[str,
     """`error` with each aliased key named by its flag (a typed one, or one of `defaults` left untyped) and without the
     empty label of no recipe; a key that a `--set` item also names is that item's (it comes after the flag)."""
     message = str(error).removeprefix(": ")
-    overridden = {item.partition("=")[0].strip() for item in sets}
+    overridden = {set_key(item) for item in sets}
     typed = [name for name, value in flags.items() if value is not None and ALIASES[name] not in overridden]
     for name in typed:
         head, sep, rest = message.partition(f"{ALIASES[name]}:")
