@@ -13,10 +13,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.live import Live
 from rich.measure import Measurement
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
@@ -173,8 +181,8 @@ class StepView:
             items.append(("model", utilization(r)))
         return [Text.assemble((label, "dim"), " ", value, no_wrap=True) for label, value in items]
 
-    def tables(self, time: bool = True, memory: bool = True) -> Table:
-        """Per stage: each part's share of the step time and/or its memory."""
+    def tables(self, time: bool = True, memory: bool = True, stacked: bool = False) -> Table:
+        """Per stage: each part's share of the step time and/or its memory (`stacked`: headers a word a line)."""
         r = self.record
         table = Table(box=None, padding=(0, 1), pad_edge=False, header_style="bold")
         table.add_column("stage", justify="right", no_wrap=True)
@@ -187,9 +195,9 @@ class StepView:
             # The step the activations were counted at goes in the header: the cells keep to one figure each.
             table.add_column("activations" + (f"\n(step {counted[0]})" if counted else ""), justify="right",
                              no_wrap=True)
-            table.add_column("RSS peak", justify="right", no_wrap=True)
+            table.add_column("RSS\npeak" if stacked else "RSS peak", justify="right", no_wrap=True)
             if cuda:
-                table.add_column("CUDA peak", justify="right", no_wrap=True)
+                table.add_column("CUDA\npeak" if stacked else "CUDA peak", justify="right", no_wrap=True)
         for s in range(len(r["rss_peak_bytes"])):
             cells = [f"{v:.0%}" for v in stage_shares(r, s).values()] if time else []
             if memory:
@@ -213,12 +221,45 @@ class StepView:
             yield whole
         else:  # too narrow for one row per stage: the time shares, then the memory
             yield self.tables(memory=False)
-            yield self.tables(time=False)
+            memory = self.tables(time=False)
+            if _width(console, options, memory) > options.max_width:
+                memory = self.tables(time=False, stacked=True)
+            yield memory
 
 
-def _width(console: Console, options: ConsoleOptions, renderable: Table) -> int:
+def _width(console: Console, options: ConsoleOptions, renderable: RenderableType) -> int:
     """The columns `renderable` takes unwrapped (rich caps a measurement at the width it is given)."""
     return Measurement.get(console, options.update_width(10_000), renderable).maximum
+
+
+class FittedProgress(Progress):
+    """A progress line that drops its bar, then its title, where the width would cut a count or a time."""
+
+    def get_renderable(self) -> RenderableType:
+        return _FittedLine(self)
+
+
+class _FittedLine:
+    """The line of a FittedProgress's one task, laid out for the width it is given."""
+
+    SHORTEST_BAR = 10  # a shorter bar says little, and takes the room of a time
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        columns = [c for c in self.progress.columns if isinstance(c, ProgressColumn)]
+        no_bar = [c for c in columns if not isinstance(c, BarColumn)]
+        task = self.progress.tasks[0]
+        for kept in (columns, no_bar, no_bar[1:]):  # the last is the counts and times alone, whatever the width
+            cells = [c(task) for c in kept]
+            need = sum(self.SHORTEST_BAR if isinstance(c, BarColumn) else _width(console, options, cell)
+                       for c, cell in zip(kept, cells)) + len(kept) - 1
+            if need <= options.max_width:
+                break
+        table = Table.grid(*(c.get_table_column().copy() for c in kept), padding=(0, 1))
+        table.add_row(*cells)
+        yield table
 
 
 class TerminalView:
@@ -235,10 +276,10 @@ class TerminalView:
         self._counted: Counted | None = None
         self.skipped = 0
         self._steady: list[float] = []  # step seconds past each start's warm-up step: the run's ETA
-        # The bar takes what the other columns leave, so the counts and times are never cut on a narrow terminal.
-        self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=None),
-                                  MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                                  console=self._console)
+        # The bar takes what the other columns leave; a narrow terminal drops it, then the title, never a time.
+        self._progress = FittedProgress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=None),
+                                        MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
+                                        TimeRemainingColumn(), console=self._console)
         self._task = self._progress.add_task(title, total=None)
 
     def note(self, text: str) -> None:
