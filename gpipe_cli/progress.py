@@ -34,7 +34,7 @@ class Progress:
 
     def __init__(self, say: Callable[[str], None], estimated: float = 0.0,
                  clock_s: Callable[[], float] = time.perf_counter) -> None:
-        self._say, self._clock = say, clock_s
+        self.say, self._clock = say, clock_s  # a line as this command prints its phases
         self.started = clock_s()
         self.estimated = estimated  # the whole command's; phases added with `add` count towards it
         self._open: tuple[float, float] | None = None  # the phase under way: its start and its own estimate
@@ -52,7 +52,7 @@ class Progress:
         said = seconds * self.pace()
         if add:  # the total is what the lines said, so the last line compares with what was promised
             self.estimated += said
-        self._say(phase_line(what, said))
+        self.say(phase_line(what, said))
         self._open = (self._clock(), seconds)
 
     def done(self) -> None:

@@ -207,7 +207,7 @@ def run(options: BenchOptions) -> int:
     if machine.kind == "cpu":  # its own layers at its micro-batch: small matrices reach less than the quick rate
         examples = max(sizing.ceil_div(options.batch, options.microbatches), families.of(subject.kind).least_examples)
         with sizing.torch_threads(options.threads):  # as a rank runs them
-            machine = paced(machine, subject.build(), subject.kind, examples, options.seed)
+            machine = paced(machine, subject.build(), subject.kind, examples, options.seed, progress.say)
         chosen = replace(chosen, phases=preview.phase_seconds(sizing.candidate(subject.kind, subject.params),
                                                               machine, options))
     # What was spent choosing and pricing the model counts too: `took` is the whole command's time.

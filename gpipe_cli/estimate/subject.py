@@ -21,9 +21,16 @@ from gpipe_cli.models.base import Batch, ModelSpec
 from gpipe_cli.models.describe import describe
 from gpipe_cli.models.presets import is_preset_name, names_help
 from gpipe_cli.models.registry import build_model, resolve_preset
-from gpipe_cli.pipeline.layer_profile import profile_layers
+from gpipe_cli.pipeline.layer_profile import WARMUP_ROUNDS, profile_layers
+from gpipe_cli.progress import SAY_BELOW_S, phase_line
 from gpipe_cli.recipe.aliases import flag
 from gpipe_cli.recipe.load import parse_override
+
+TIMING_S = 2.0  # the most a layer's timing may take at the quick rate (real layers may reach a quarter of it)
+REPEATS = 3  # timed rounds per layer, of which the median counts
+# Forward-equivalents a layer's timing runs per example: REPEATS timed and WARMUP_ROUNDS untimed rounds of two
+# forwards without a graph, one with, and a backward (two), then one forward for its memory.
+TIMING_ROUNDS = 5 * (REPEATS + WARMUP_ROUNDS) + 1
 
 # A family name stands for its model of the paper's speed table (Table 2).
 FAMILIES = {kind: family.paper_preset for kind, family in families.FAMILIES.items()}
@@ -160,14 +167,25 @@ def example_batch(spec: ModelSpec, examples: int, seed: int) -> tuple[Batch, Any
         return spec.example_batch(examples, "cpu")
 
 
-def paced(machine: sizing.Machine, spec: ModelSpec, kind: str, examples: int, seed: int) -> sizing.Machine:
-    """`machine` with the rate this model's layers reach here now: the heaviest of its first layers timed."""
+def paced(machine: sizing.Machine, spec: ModelSpec, kind: str, examples: int, seed: int,
+          say: Callable[[str], None] | None = None) -> sizing.Machine:
+    """`machine` with the rate this model's layers reach here now: the heaviest of its first layers timed (`say`:
+    where a timing long enough to wait on is announced)."""
     # The quick matrix-product rate fits in cache and misses a busy machine: real layers reach a fraction of it,
     # several times less on a shared CPU.
-    flops = [layer.flops for layer in describe(spec, 2).layers[:3]]  # per example; the prefix stays cheap
+    layers = describe(spec, 2).layers[:3]
+    flops = [layer.flops for layer in layers]  # per example; the prefix stays cheap
     index = max(range(len(flops)), key=flops.__getitem__)
+    # Timed on fewer examples where the quick rate puts it past TIMING_S: a layer that large reaches its rate on
+    # them (the paper's Transformer-L took two silent minutes on 8 examples on a 2-core CPU).
+    per_example = TIMING_ROUNDS * sum(flops[:index + 1]) / machine.flops_per_s
+    if per_example > 0:
+        examples = max(min(examples, int(TIMING_S / per_example)), families.of(kind).least_examples)
+    if say is not None and per_example * examples >= SAY_BELOW_S:  # not a phase: its pace is what it measures
+        say(phase_line(f"timing a '{layers[index].name}' layer on {examples} example{'s' * (examples > 1)} here",
+                       per_example * examples))
     inputs, _ = example_batch(spec, examples, seed)
-    layer = profile_layers(spec.factories()[:index + 1], inputs, seed, "cpu", repeats=3)[index]  # medians
+    layer = profile_layers(spec.factories()[:index + 1], inputs, seed, "cpu", repeats=REPEATS)[index]  # medians
     seconds = layer.forward + layer.backward - 3 * machine.call_seconds  # less the fixed cost, charged apart
     if flops[index] <= 0 or seconds <= 0:
         return machine

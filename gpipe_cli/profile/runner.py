@@ -108,7 +108,7 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
         if timed:
             # A quarter of the batch: large enough that the arithmetic, not each call's fixed cost, sets the time
             # (within a fifth of the whole batch's rate on a 2-core CPU), at a fifth of the cost.
-            machine = paced(machine, spec, subject.kind, min(max(batch // 4, 2), batch), options.seed)
+            machine = paced(machine, spec, subject.kind, min(max(batch // 4, 2), batch), options.seed, progress.say)
             probe_s = probe_seconds(cand, machine)
         # Now that every row is decided: what this profile runs, not what sizing assumed (every row measured),
         # and the set-up as long as it took.
