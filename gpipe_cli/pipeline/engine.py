@@ -270,7 +270,9 @@ class Pipeline:
         with self.timeline.span(stats.COMM):
             flag = (~loss.isfinite()).to(torch.float64) if layout.is_last else zero
             bad = grads.all_reduce_replicas(self.params, fabric, layout.replica_ranks(), flag)
-            grads.sum_shared(self.shared, fabric)
+        if self.shared:  # timed on the holders alone: the shortest holder's time there is the transfer
+            with self.timeline.span(stats.SHARED):
+                grads.sum_shared(self.shared, fabric)
         if self.loss_scale.enabled:
             grads.scale_(self.params, self.loss_scale.value.reciprocal())
         found, positions = grads.norms(self.params)

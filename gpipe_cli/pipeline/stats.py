@@ -14,6 +14,7 @@ from gpipe_cli.pipeline.fabric import Fabric
 from gpipe_cli.pipeline.schedule import Action, Kind, Span, seconds
 
 WAIT, COMM, OPTIMIZER = "wait", "comm", "optimizer"
+SHARED = "shared"  # a tied weight's gradient sum: part waiting for its other holders, part sending (see StageStats)
 PARTS = ("compute", WAIT, COMM, OPTIMIZER, "other")  # where a step's time goes, in display order
 
 
@@ -86,12 +87,13 @@ class StepTimes:
 
     def parts(self, events: list[Span]) -> tuple[float, float, float]:
         """Seconds waiting for a peer, communicating and in the optimizer during the step."""
-        def extra(part: str) -> float:
-            return sum(begin.seconds_to(stop) for name, begin, stop in self.extra if name == part)
+        wait = seconds(events, (Kind.RECV_FWD, Kind.RECV_BWD)) + self.seconds_in(WAIT)
+        comm = seconds(events, (Kind.SEND_FWD, Kind.SEND_BWD)) + self.seconds_in(COMM)
+        return wait, comm, self.seconds_in(OPTIMIZER)
 
-        wait = seconds(events, (Kind.RECV_FWD, Kind.RECV_BWD)) + extra(WAIT)
-        comm = seconds(events, (Kind.SEND_FWD, Kind.SEND_BWD)) + extra(COMM)
-        return wait, comm, extra(OPTIMIZER)
+    def seconds_in(self, part: str) -> float:
+        """Seconds in the blocks counted towards `part`."""
+        return sum(begin.seconds_to(stop) for name, begin, stop in self.extra if name == part)
 
 
 @dataclass
@@ -106,10 +108,13 @@ class StageStats:
     rss_peak: int
     cuda_peak: int
     wait: float = 0.0        # blocked on a peer: in a receive or the gradient-norm collective
-    comm: float = 0.0        # sending, and reducing gradients over replicas and shared copies
+    comm: float = 0.0        # sending, and reducing gradients over replicas
     optimizer: float = 0.0   # the update, when the engine ran it
     nonfinite_layer: int = -1  # the first layer in backward order with a non-finite gradient (-1: none)
     offloaded_peak: int = 0  # activation bytes that waited in host memory at once (pipeline.offload)
+    # In a tied weight's gradient sum, neither wait nor comm yet: a holder that finished its backward early
+    # waits there for the others (the pipeline's drain), so the holders' figures together tell the two apart.
+    shared: float = 0.0
 
     @property
     def idle(self) -> float:

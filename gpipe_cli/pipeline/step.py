@@ -75,6 +75,7 @@ class PendingStep:
         loss = values[_LOSS] if layout.is_last else None
         mine = dataclasses.replace(self.memory, step_time=self.times.step_time, busy=sched.seconds(events),
                                    wait=wait, comm=comm, optimizer=optimizer,
+                                   shared=self.times.seconds_in(stats.SHARED),
                                    nonfinite_layer=self.bad_layer(values[_NORMS:]) if skipped else -1)
         gathered = stats.gather(mine, loss or 0.0, int(self.examples), self.units, values[_NORM],
                                 self.bubble_theory, self.fabric, events if self.trace else None)

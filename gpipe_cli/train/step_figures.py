@@ -39,8 +39,14 @@ def step_figures(stats: StepStats, wall: float) -> StepFigures:
     # Every stage of every replica bounds the step (they all ran it), not only replica 0, whose parts are shown.
     seconds = max([wall, *(s.step_time for s in stats.stages)])
     parts: dict[str, list[float]] = {part: [] for part in PARTS}
-    for stage in stats.of_replica(0):
-        measured = [max(stage.busy, 0.0), max(stage.wait, 0.0), max(stage.comm, 0.0), max(stage.optimizer, 0.0)]
+    stages = stats.of_replica(0)
+    # The holder of a tied weight that comes last to its gradient sum waits for nobody: its time there is the
+    # transfer, which every holder spends; the rest of a holder's time there it waited for the others.
+    transfer = min((s.shared for s in stages if s.shared > 0), default=0.0)
+    for stage in stages:
+        waited = max(stage.shared - transfer, 0.0)
+        measured = [max(stage.busy, 0.0), max(stage.wait + waited, 0.0), max(stage.comm + stage.shared - waited, 0.0),
+                    max(stage.optimizer, 0.0)]
         total = sum(measured)
         # Spans can overlap (a reduction on another GPU stream while the device computes): parts that
         # would exceed the step keep their proportions and fill it, so no stage reads more than the step.

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from gpipe_cli.pipeline import stats
+from gpipe_cli.pipeline.config import PipelineConfig
+from gpipe_cli.pipeline.engine import Pipeline
+from gpipe_cli.pipeline.layers import build_layers
+from gpipe_cli.pipeline.partition import stage_layers
 from gpipe_cli.pipeline.schedule import Action, Kind, seconds
+from tests.pipeline import loopback, toy
 
 
 def stage(index, busy, wait, comm, optimizer, layer=-1):
@@ -42,3 +47,23 @@ def test_the_timeline_splits_receives_sends_and_spans():
     assert gathered is not None
     assert gathered.stages[0].wait == pytest.approx(wait) and gathered.stages[0].nonfinite_layer == 3
     assert all(type(getattr(gathered.stages[0], f)) is int for f in ("stage", "activation_peak", "nonfinite_layer"))
+
+
+@pytest.mark.parametrize(("model", "holders"), [("tied", [True, True]), ("ln", [False, False])])
+def test_a_tied_weights_gradient_sum_is_timed_apart_on_its_holders(model, holders):
+    # The sum waits on the holder that finished its backward first: rank 0 tells waiting from sending by the
+    # holders' figures together (train/step_figures), so it must not be counted as communication here.
+    world = loopback.World(2, "cpu")
+
+    def rank(r: int) -> float:
+        spec = toy.MODELS[model]
+        topo = loopback.topology(world, r, 2)
+        cut = [2, 2] if model == "tied" else [3, 2]
+        layers = build_layers(spec["factories"](), stage_layers(cut, 2, r), toy.SEED, "cpu")
+        pipe = Pipeline(layers, topo, PipelineConfig(2, 2, balance=tuple(cut)), spec["loss"], tied=spec["tied"])
+        x, y = toy.batch(model, 0, 8)
+        result = pipe.train_step(x if r == 0 else None, y if r == 1 else None, step=0)
+        assert result.own is not None
+        return result.own.shared
+
+    assert [seconds > 0 for seconds in world.run(rank)] == holders

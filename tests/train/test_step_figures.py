@@ -67,6 +67,19 @@ def test_the_parts_of_a_step_add_up_to_its_time_in_stage_order_and_are_never_neg
     assert step_figures(short, wall=0.5).parts["other"] == [0.0, 0.0]  # never negative
 
 
+def test_a_tied_weights_gradient_sum_is_waiting_but_for_the_transfer_every_holder_spends():
+    # The quick start ties its embedding (stage 0) to its softmax (stage 1). Stage 1 ended its backward first and
+    # waited in the sum for stage 0's: that drain read as communication (at M=1, bubble 0.367 against 0.473 untied).
+    first, middle, last = (stage(0, 0.2, busy=0.1, wait=0.05, comm=0.01, optimizer=0.0),
+                           stage(1, 0.2, busy=0.1, wait=0.02, comm=0.01, optimizer=0.0),
+                           stage(2, 0.2, busy=0.1, wait=0.01, comm=0.01, optimizer=0.0))
+    first.shared, last.shared = 0.004, 0.05  # stage 0 came last to the sum: its time there is the transfer
+    figures = step_figures(step(first, middle, last), wall=0.2)
+    assert_adds_up(figures, 3)
+    assert figures.parts["wait"] == pytest.approx([0.05, 0.02, 0.01 + 0.046])
+    assert figures.parts["comm"] == pytest.approx([0.014, 0.01, 0.014])
+
+
 def test_every_replica_bounds_the_step_but_the_first_replicas_parts_are_shown():
     stats = step(stage(0, 0.2, 0.1, 0.05, 0.01, 0.0), stage(1, 0.2, 0.1, 0.05, 0.01, 0.0),
                  stage(0, 0.4, 0.1, 0.25, 0.01, 0.0, replica=1), stage(1, 0.2, 0.1, 0.05, 0.01, 0.0, replica=1))
