@@ -125,5 +125,10 @@ def exit_code(code: int) -> int:
 def finishing() -> None:
     """Results are being written: no stop signal stops the command any more, so it says truly what it wrote."""
     check()  # one that came before, even one a library lost on the way, stops it with nothing written
+    ignore_stops()
+
+
+def ignore_stops() -> None:
+    """From now on no stop signal stops this process: what it started has ended, and it is saying what is left."""
     for signum in (signal.SIGINT, *TERMINATING):
         signal.signal(signum, signal.SIG_IGN)

@@ -106,13 +106,15 @@ def running() -> bool:
 
 
 def processes() -> dict[int, tuple[int, int]]:
-    """pid -> (parent pid, session id) of every process (none where there is no /proc)."""
+    """pid -> (parent pid, session id) of every running process (none where there is no /proc)."""
     found = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
+                if fields[0] == "Z":  # ended, its exit code not yet read by its parent
+                    continue
                 found[int(entry)] = (int(fields[1]), int(fields[3]))
             except (OSError, IndexError, ValueError):
                 continue

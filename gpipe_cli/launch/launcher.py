@@ -228,6 +228,17 @@ class _Stops:
               flush=True)
         os._exit(128 + signum)
 
+    def see_ranks_out(self) -> None:
+        """Give ranks told to stop their `SHUTDOWN_S` to save, whatever stop comes meanwhile; then end them."""
+        # The agent tells the ranks, then waits for them; a SIGTERM again (`kill` twice) ended its wait, and
+        # leaving now would end ranks writing their checkpoint. Telling them again would change nothing.
+        for signum in interrupts.TERMINATING:
+            signal.signal(signum, lambda signum, frame: None)
+        deadline = time.monotonic() + SHUTDOWN_S
+        while _ranks() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _send(_ranks(), signal.SIGKILL)
+
     def quiet(self, failures: dict[int, Any]) -> bool:
         """Whether every rank just ended as this Ctrl-C asked (nothing for the launcher to explain)."""
         ends = {128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM}
@@ -333,6 +344,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     except SignalException as exc:
         signum = signal.SIGINT if stops.interrupted else signal.Signals(int(exc.sigval))
         stops.setting_up(signum)
+        stops.see_ranks_out()
         return 128 + signum
     except Exception as exc:  # rendezvous failures: unreachable endpoint, timeout
         print(f"gpipe: could not start the job: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -49,6 +49,7 @@ from gpipe_cli.train.existing import (
     check_resume_path,
     choose_run_dir,
     complete_line,
+    continue_command,
     holds_run,
     recipe_changes,
     remove_set_up,
@@ -335,16 +336,19 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
     here = local_ranks(world, options.launch.nnodes)
     say(note(started, f"starting {here} rank{'s' if here > 1 else ''}"
                       + (f" of {world} on this node" if here != world else "")), sys.stdout)
-    with tempfile.TemporaryDirectory(prefix="gpipe-") as folder:
-        path = Path(folder) / "job.json"
-        path.write_text(json.dumps(dataclasses.asdict(job)))
-        try:
-            return launch("gpipe_cli.train.worker", [str(path)], world, options.launch,
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpipe-") as folder:
+            path = Path(folder) / "job.json"
+            path.write_text(json.dumps(dataclasses.asdict(job)))
+            code = launch("gpipe_cli.train.worker", [str(path)], world, options.launch,
                           stages=recipe.pipeline.partitions, started=Path(folder) / STARTED)
-        except KeyboardInterrupt:  # a second Ctrl-C while the ranks finished: not "nothing was written"
-            run_dir = new_dir or options.output_dir or (run_dir_of(resume) if resume else None)
-            if run_dir is None or not holds_run(Path(run_dir)):
-                raise
-            on = f"; continue with gpipe train --resume {run_dir}" if candidates(Path(run_dir)) else ""
-            print(f"gpipe train: interrupted; {run_dir} keeps what the run wrote{on}", file=sys.stderr, flush=True)
-            return 128 + signal.SIGINT
+            interrupts.ignore_stops()  # the ranks have ended and said how: a stop now has nothing left to stop
+            return code
+    except KeyboardInterrupt:  # a stop again while the ranks ended: not "nothing was written"
+        interrupts.ignore_stops()  # stops keep coming (a key held down): this line is said whole
+        run_dir = new_dir or options.output_dir or (run_dir_of(resume) if resume else None)
+        if run_dir is None or not holds_run(Path(run_dir)):
+            raise
+        on = f"; continue with {continue_command(Path(run_dir))}" if candidates(Path(run_dir)) else ""
+        print(f"gpipe train: interrupted; {run_dir} keeps what the run wrote{on}", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT

@@ -80,6 +80,24 @@ def test_once_a_rank_has_a_step_to_save_the_stop_is_left_to_the_ranks(tmp_path, 
         rank.kill()
 
 
+def test_a_stop_again_while_the_ranks_save_leaves_them_to_finish():
+    # `kill` twice: the second SIGTERM ended the agent's wait for its ranks, and the launch returned and ended
+    # ranks that were writing their checkpoint: none was left.
+    import os
+    import threading
+
+    saving = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); "
+              "time.sleep(1.5); sys.exit(128 + signal.SIGTERM)")
+    rank = subprocess.Popen([sys.executable, "-c", saving], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline() == b"\n"
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        _Stops(None).see_ranks_out()
+        assert rank.wait(timeout=5) == 128 + signal.SIGTERM  # it ended on its own, not killed
+    finally:
+        rank.kill()
+
+
 def test_a_stop_whose_handler_never_runs_still_ends_the_launch(tmp_path):
     # Node 0 waits inside torch's store for the other nodes, where Python runs no handler: only the byte the
     # signal leaves on the wake-up pipe tells.

@@ -339,6 +339,49 @@ def test_a_ctrl_c_once_the_run_wrote_says_where_it_is_kept(tmp_path, monkeypatch
     assert capsys.readouterr().err == f"gpipe train: interrupted; {run_dir} keeps what the run wrote{on}\n"
 
 
+@pytest.mark.parametrize("when", ["saying so", "after the launch"])
+def test_stops_that_keep_coming_as_the_ranks_end_never_say_nothing_was_written(tmp_path, monkeypatch, capsys, when):
+    # A key held down, or `kill` in a loop: a stop while the launcher said where the run is kept, or while it
+    # removed its temporary folder after the ranks had saved, ended in "interrupted; nothing was written".
+    import signal
+    import tempfile
+
+    from gpipe_cli.cli import run
+    from gpipe_cli.train import existing
+
+    run_dir = tmp_path / "run"
+
+    def launch(module, args, *rest, **kwargs):
+        (run_dir / "checkpoints" / "step-00000001").mkdir(parents=True)
+        if when == "saying so":
+            raise KeyboardInterrupt
+        return 143
+
+    def stopped_again(path):
+        signal.raise_signal(signal.SIGINT)
+        return real_candidates(path)
+
+    class Folder(tempfile.TemporaryDirectory):
+        def __exit__(self, *exc):
+            signal.raise_signal(signal.SIGTERM)
+            return super().__exit__(*exc)
+
+    real_candidates = existing.candidates
+    monkeypatch.setattr("gpipe_cli.train.run.launch", launch)
+    monkeypatch.setattr("gpipe_cli.train.run.candidates", stopped_again)
+    monkeypatch.setattr("gpipe_cli.train.run.tempfile.TemporaryDirectory", Folder)
+    recipe = recipes.write(tmp_path, recipes.TINY_AMOEBANET)
+    code = run(["train", str(recipe), "--plain", "--output-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert "nothing was written" not in err
+    if when == "saying so":
+        assert code == 130
+        assert err == f"gpipe train: interrupted; {run_dir} keeps what the run wrote; continue with gpipe train " \
+                      f"--resume {run_dir}\n"
+    else:
+        assert code == 143 and err == ""  # the ranks said how they stopped
+
+
 def test_fp16_on_a_cpu_is_said_to_be_slow_before_the_ranks_start(tmp_path, launches):
     # fp16 trained several times slower than fp32 on a CPU, without a word.
     import torch
