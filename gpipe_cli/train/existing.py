@@ -222,10 +222,8 @@ def check_new_run_dir(output_dir: Path, claimed: bool = False) -> None:
                             f"folder, or move the file")
         return
     # Under this launch's own claim the holder is this process: the run there was finished by another meanwhile.
-    writer = None if claimed else writer_of(output_dir)
-    if writer is not None:  # a resume of it would be refused as well
-        raise UserError(f"--output-dir: {cut(str(output_dir), PATH_CHARS)} is being written by another gpipe train "
-                        f"({writer}); wait until it ends, or give another --output-dir")
+    if not claimed:  # a resume of it would be refused as well
+        check_no_writer(output_dir, "--output-dir", "wait until it ends, or give another --output-dir")
     step = last_step(output_dir)
     held = f"already holds a run (its last step is {step})" if step is not None else "already holds a run"
     if not candidates(output_dir):  # records, but nothing a resume continues from: it would be refused
@@ -455,14 +453,21 @@ def check_a_run_to_resume(resume: str | None, output_dir: str | None, name: str,
     """Refuse, before torch loads, a resume of a run another gpipe train writes, or of one without a checkpoint."""
     if resume == LATEST and not output_dir and not any(candidates(run) for run in _runs_named(name, root)):
         raise _no_run_of(name, root)
+    # A --dry-run never claims the run: this is where it learns that a launch would be refused.
+    if resume == LATEST and output_dir:
+        check_no_writer(Path(output_dir), "--output-dir", "wait until it ends, or give another --output-dir")
     if resume in (None, LATEST):
         return
-    # A --dry-run never claims the run: this is where it learns that a launch would be refused.
-    if (writer := writer_of(run := run_dir_of(resume))) is not None:  # worded as the claim refuses it
-        raise UserError(f"--resume: {cut(str(run), PATH_CHARS)} is being written by another gpipe train ({writer}); "
-                        "wait until it ends")
+    check_no_writer(run_dir_of(resume), "--resume", "wait until it ends")
     if not candidates(Path(resume)):  # before the first line says what starts
         raise no_usable(resume, [])
+
+
+def check_no_writer(run_dir: Path, flag: str, instead: str) -> None:
+    """Refuse `run_dir` while another gpipe train writes it, worded as the claim refuses it (`instead`: what to do)."""
+    if (writer := writer_of(run_dir)) is not None:
+        raise UserError(f"{flag}: {cut(str(run_dir), PATH_CHARS)} is being written by another gpipe train ({writer}); "
+                        f"{instead}")
 
 
 def _runs_named(name: str, root: str) -> list[Path]:

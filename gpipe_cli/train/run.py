@@ -247,6 +247,13 @@ def _claim(options: TrainOptions, recipe: Recipe, resume: str | None, holding: c
     return None
 
 
+def _fresh_line(output_dir: str | None, dropped: bool) -> str:
+    """What a bare --resume does with an --output-dir that holds no checkpoint (`dropped`: but records of steps)."""
+    said = ("holds no checkpoint yet; the run starts there again from step 0 (the steps it recorded are dropped)"
+            if dropped else "holds no run yet; starting a new one there")
+    return f"--resume: {shown(str(output_dir))} {said}"
+
+
 def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None, world: int, local: int,
                   started: float, holding: contextlib.ExitStack) -> int:
     """Check the plan (and a resume) against this machine, say what starts, and run the ranks; the exit code."""
@@ -306,6 +313,8 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
         elif resume is not None:  # which run, from which step, with which changes: a bare --resume picks one
             say(resume_line(run_dir_of(resume), step, changes, options.recipe, options.recipe is None,
                             options.overrides), sys.stdout)
+        elif fresh:
+            say(_fresh_line(options.output_dir, dropped), sys.stdout)
         warning = node_oversubscribed(recipe, options.launch.nnodes, options.launch.threads)
         if warning:
             say(warning, sys.stdout)
@@ -320,9 +329,7 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
             say(note(started, "train.precision fp16 on a CPU: most CPUs have no fast float16 arithmetic, and fp32 "
                               "usually runs faster here"), sys.stdout)
         if fresh:
-            said = ("holds no checkpoint yet; the run starts there again from step 0 (the steps it recorded are "
-                    "dropped)" if dropped else "holds no run yet; starting a new one there")
-            say(note(started, f"--resume: {shown(str(options.output_dir))} {said}"), sys.stdout)
+            say(note(started, _fresh_line(options.output_dir, dropped)), sys.stdout)
         if resume is not None:  # before any rank starts: the run's recipe.yaml will record what it changes
             continued = options.recipe is None
             say(resume_line(run_dir_of(resume), step, changes, options.recipe, continued, options.overrides),

@@ -289,6 +289,29 @@ def test_a_dry_run_of_a_resume_of_a_run_being_written_says_a_launch_would_be_ref
     assert not launches
 
 
+def test_a_dry_run_of_a_bare_resume_into_a_folder_being_written_says_a_launch_would_be_refused(tmp_path, launches):
+    # `--resume --output-dir RUN --dry-run` printed the launch and nothing else; the launch was refused.
+    path, run = make_run(tmp_path, steps=(4,))
+    with claim.held(run, "--output-dir", "wait"):
+        result = train(str(path), "--output-dir", str(run), "--resume", "latest", "--dry-run")
+    assert result.exit_code == 2, result.output
+    assert error_line(result) == (f"error: --output-dir: {run} is being written by another gpipe train "
+                                  f"(pid {os.getpid()}); wait until it ends, or give another --output-dir")
+    assert not launches
+
+
+def test_a_dry_run_of_a_bare_resume_of_a_run_without_a_checkpoint_says_it_starts_again(tmp_path, launches):
+    # It printed the launch alone: the launch starts the run from step 0 and drops the steps it recorded.
+    path, run = make_run(tmp_path, steps=(4,))
+    shutil.rmtree(run / "checkpoints" / "step-00000004")
+    records = (run / "metrics.jsonl").read_text()
+    result = train(str(path), "--output-dir", str(run), "--resume", "latest", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert f"--resume: '{run}' holds no checkpoint yet; the run starts there again from step 0 (the steps it " \
+           f"recorded are dropped)" in result.output
+    assert (run / "metrics.jsonl").read_text() == records and not launches  # a dry run changes nothing
+
+
 def test_a_dry_run_claims_nothing(tmp_path, launches):
     path = recipes.write(tmp_path, copy.deepcopy(recipes.TINY_TRANSLATION))
     with claim.held(tmp_path / "out", "--output-dir", "wait"):
