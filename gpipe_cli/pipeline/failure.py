@@ -65,6 +65,14 @@ def connect() -> dist.Store | None:
 _FAILED, _BAD_INPUT, _ANNOUNCED = "0", "1", "2"
 
 
+def mark_told() -> None:
+    """Leave the mark that this rank told the job's failure in one line, so that the launcher adds none."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with contextlib.suppress(OSError):
+            open(os.path.join(os.path.dirname(error_file), TOLD), "w").close()
+
+
 def _decode(text: str) -> tuple[str, str, str]:
     parts = text.split("\n", 2)
     return (parts[2], parts[1], parts[0]) if len(parts) == 3 else (text, _FAILED, "")
@@ -92,10 +100,7 @@ class AbortWatch:
         """Stop every rank because of `summary`, printed once for the whole job; returns whether this was first."""
         first, _, _ = self.report(summary, _ANNOUNCED)
         if first:
-            error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-            if error_file:
-                with contextlib.suppress(OSError):
-                    open(os.path.join(os.path.dirname(error_file), TOLD), "w").close()
+            mark_told()
             print(f"[gpipe] {summary}", file=sys.stderr, flush=True)
         return first
 
@@ -166,7 +171,9 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
             os._exit(EXIT_CODE)
         user_error = isinstance(exc, quiet)  # bad user input: one line, no traceback
         summary = str(exc) if user_error else f"{label} failed: {type(exc).__name__}: {exc}"
-        kind = f"{_BAD_INPUT}:{getattr(exc, 'exit_code', 2)}" if user_error else _FAILED
+        # A log on a full disk is told by this rank in one line: the others end without a word.
+        kind = f"{_BAD_INPUT}:{getattr(exc, 'exit_code', 2)}" if user_error else \
+            _ANNOUNCED if stdout_refused(exc) else _FAILED
         was_first, first, first_kind = True, summary, kind
         if watch is not None:
             watch.stop()
@@ -179,6 +186,7 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
         elif user_error:
             print(f"error: {summary}", file=sys.stderr, flush=True)
         elif stdout_refused(exc):  # a log on a full disk: the disk is the news, not where the line was printed
+            mark_told()
             why = getattr(exc, "strerror", exc)
             print(f"[gpipe] {label} stopped: cannot write to standard output ({why}); the run ends at its last "
                   "checkpoint", file=sys.stderr, flush=True)

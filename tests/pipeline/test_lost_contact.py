@@ -81,7 +81,10 @@ def test_a_rank_that_gave_up_waiting_for_a_frozen_peer_says_so_in_one_line():
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_a_rank_whose_output_disk_is_full_says_so_in_one_line():
+def test_a_rank_whose_output_disk_is_full_says_so_in_one_line(tmp_path, monkeypatch):
+    # The launcher added a line of its own (`rank 0 (stage 0) exited with code 1; see its message above`): the
+    # rank leaves the mark that it told the job's failure.
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
     # A log on a full disk was a rank's traceback, then the same error again from its last flush.
     code = """
         import sys
@@ -102,3 +105,4 @@ def test_a_rank_whose_output_disk_is_full_says_so_in_one_line():
     assert proc.stderr.strip().splitlines() == [
         "[gpipe] stage 0 (rank 0) stopped: cannot write to standard output (No space left on device); the run ends "
         "at its last checkpoint"], proc.stderr
+    assert (tmp_path / failure.TOLD).exists()
