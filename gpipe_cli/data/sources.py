@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from gpipe_cli.data.offline import hub_reachable, offline_flag
+from gpipe_cli.data.offline import hub_problem, offline_flag
 from gpipe_cli.data.rng import rng
 from gpipe_cli.errors import DataError
 from gpipe_cli.recipe.schema import Data
@@ -170,8 +170,9 @@ def load_hub(name: str, config: str | None, cache_dir: Path | None, kind: str | 
         "run this command where there is network, and copy the folder it writes here"
     cache = str(cache_dir) if cache_dir else None
     offline_env = offline_flag()
-    if offline_env or not hub_reachable():
-        why = "offline mode is set (HF_HUB_OFFLINE)" if offline_env else "no network connection"
+    problem = None if offline_env else hub_problem()
+    if offline_env or problem is not None:
+        why = "offline mode is set (HF_HUB_OFFLINE)" if offline_env else f"no network connection ({problem})"
         try:
             with _offline():
                 return datasets.load_dataset(name, config, cache_dir=cache)

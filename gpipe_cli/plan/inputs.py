@@ -306,7 +306,7 @@ def inputs(recipe: Recipe, options: PlanOptions, sizes: Callable[[int], tuple[in
                                recipe.train.grad_clip, device, say, phase)
         extra = engine.overhead
         data = sample.build_seconds if sample is not None else 0.0
-        where = real.note if real is not None else "generated examples of the model's full length"
+        where = real.note if real is not None else "generated data of the model's full length"
         beside = f", {siblings} other rank{'s' if siblings > 1 else ''} computing beside" if siblings else ""
         engine_note = (f"the engine adds {extra.action * 1e3:.2f} ms per layer call and {extra.step * 1e3:.1f} ms "
                        f"per step, its optimizer's update included (measured)" if not engine.replicated else

@@ -12,8 +12,7 @@ from datagen import COLOURS, data, pairs, png_bytes
 
 from gpipe_cli.data import DataError, build_data
 from gpipe_cli.data import sources as sources_mod
-from gpipe_cli.data.offline import hub_problem
-from gpipe_cli.data.sources import hub_reachable
+from gpipe_cli.data.offline import hub_problem, hub_reachable
 
 UNREACHABLE = "http://127.0.0.1:9"  # the discard port: connection refused at once
 
@@ -65,7 +64,7 @@ def _fake_hub(monkeypatch: pytest.MonkeyPatch, splits: datasets.DatasetDict) -> 
         calls.append((name, config))
         return splits
 
-    monkeypatch.setattr(sources_mod, "hub_reachable", lambda *a, **k: True)
+    monkeypatch.setattr(sources_mod, "hub_problem", lambda *a, **k: None)  # the hub answers
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     return calls
 
