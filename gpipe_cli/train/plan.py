@@ -247,9 +247,8 @@ def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[floa
     prints = mm.footprints(figures, balance, per_replica, pipe.microbatches, pipe.schedule, pipe.checkpoint,
                            per_param, pipe.virtual_stages, pipe.offload)
     stages = []
-    chunks = partition.stage_ranges(balance)
-    for s, fp in enumerate(prints):
-        spans = chunks[s::pipe.partitions]  # the stage's chunks (one unless interleaved)
+    # Each stage's chunks as the memory model places them, which is as the engine does (a V's too).
+    for s, (fp, spans) in enumerate(zip(prints, mm.stage_chunks(balance, pipe.schedule, pipe.virtual_stages))):
         indices = [i for span in spans for i in span]
         param_bytes = fp.params * mm.PARAM_BYTES  # a tied weight once on a stage that holds both of its layers
         memory = MemoryEstimate(param_bytes, param_bytes, round(fp.weights_bytes) - 2 * param_bytes,

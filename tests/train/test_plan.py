@@ -5,7 +5,7 @@ import pytest
 from gpipe_cli import memory_model as mm
 from gpipe_cli.errors import UserError
 from gpipe_cli.models.describe import describe
-from gpipe_cli.pipeline import partition
+from gpipe_cli.pipeline import partition, schedules
 from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.recipe_model import model_spec, optimizer_name
 from gpipe_cli.train import run as train_run
@@ -68,6 +68,24 @@ def test_a_tied_weight_is_one_tensor_on_one_stage_and_said_where_each_stage_hold
     assert sum(s.params for s in two.stages) == two.total_params + table
     assert "each stage holds its own copy of a tied weight" in str(plan_table(two).caption)
     assert "tied" not in str(plan_table(one).caption)
+
+
+@pytest.mark.parametrize("schedule", ["v-half", "zero-bubble-v", "interleaved"])
+@pytest.mark.parametrize("balance", ["[1, 2, 2, 1]", "auto"])
+def test_each_stage_names_the_layers_the_engine_places_on_it(tmp_path, schedule, balance):
+    # Under a V the table named the layers laid out the interleaved way: embed and the decoders on stage 0.
+    path = recipes.write(tmp_path, recipes.TINY_TRANSLATION)  # embed, encoder_1, encoder_2, decoder_1, ...
+    recipe = load_recipe(str(path), [f"pipeline.schedule={schedule}", "pipeline.virtual_stages=2",
+                                     "pipeline.microbatches=4", f"pipeline.balance={balance}"])
+    plan = make_plan(recipe, available=1e15)
+    names = [layer.name for layer in describe(model_spec(recipe), plan.microbatch_size).layers]
+    placed = schedules.get(schedule).placement  # as the engine's configuration reads it
+    for s, stage in enumerate(plan.stages):
+        held = partition.stage_layers(plan.balance, 2, s, placed)
+        assert stage.layers == [names[i] for i in held]
+        assert plan.to_json()["stages"][s]["layers"] == stage.layers
+    if schedule != "interleaved":  # a V's stage 0 holds the first and the last chunk
+        assert plan.stages[0].layers[0] == "embed" and plan.stages[0].layers[-1] == "softmax"
 
 
 def test_a_token_budget_is_priced_as_the_full_length_examples_it_bounds(tmp_path):
