@@ -57,6 +57,7 @@ class TensorBoardSink:
     """Event files under RUN_DIR/tensorboard, read by `tensorboard --logdir RUN_DIR`."""
 
     name = "metrics.tensorboard"
+    writes = "TensorBoard"
 
     def __init__(self, run_dir: Path, first_step: int, config: dict[str, Any] | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
@@ -94,6 +95,7 @@ class WandbSink:
     """A Weights & Biases run; offline mode writes RUN_DIR/wandb/offline-run-* for `wandb sync`."""
 
     name = "metrics.wandb"
+    writes = "W&B"
 
     def __init__(self, run_dir: Path, options: Wandb, config: dict[str, Any]) -> None:
         # wandb's own chatter (login, sync hints) would break the live view; failures are our one line.
@@ -125,15 +127,14 @@ class WandbSink:
 Sink = TensorBoardSink | WandbSink
 
 
-def _start(name: str, make: Callable[[], Sink], say: Callable[[str], None], hint: str) -> Sink | None:
+def _start(name: str, make: Callable[[], Sink], hint: str) -> Sink | str:
+    """The started sink, or why it could not start (what is written instead is said once all have started)."""
     try:
         return make()
     except ImportError as err:
-        say(f"{name}: {err.name or 'a package'} is not installed ({hint}); writing metrics.jsonl only")
+        return f"{name}: {err.name or 'a package'} is not installed ({hint})"
     except Exception as err:  # noqa: BLE001 - whatever a logging service raises, training goes on
-        say(f"{name}: could not start ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
-            f"writing metrics.jsonl only")
-    return None
+        return f"{name}: could not start ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
 
 
 class Sinks:
@@ -176,12 +177,17 @@ class Sinks:
 def open_sinks(metrics: Metrics, run_dir: Path, first_step: int, config: dict[str, Any],
                say: Callable[[str], None]) -> Sinks:
     """Start the sinks the recipe's `metrics:` section enables; each that cannot start says so in one line."""
-    sinks: list[Sink | None] = []
+    started: list[Sink | str] = []
     if metrics.tensorboard:
-        sinks.append(_start(TensorBoardSink.name, lambda: TensorBoardSink(run_dir, first_step, config), say,
-                            "pip install 'gpipe-cli[tensorboard]'"))
+        started.append(_start(TensorBoardSink.name, lambda: TensorBoardSink(run_dir, first_step, config),
+                              "pip install 'gpipe-cli[tensorboard]'"))
     wandb = metrics.wandb
     if wandb is not None:
-        sinks.append(_start(WandbSink.name, lambda: WandbSink(run_dir, wandb, config), say,
-                            "pip install 'gpipe-cli[wandb]'"))
-    return Sinks([s for s in sinks if s is not None], say)
+        started.append(_start(WandbSink.name, lambda: WandbSink(run_dir, wandb, config),
+                              "pip install 'gpipe-cli[wandb]'"))
+    sinks = [s for s in started if not isinstance(s, str)]
+    # A sink that failed says what the run still writes: the other sink may well be running.
+    written = " and ".join(["metrics.jsonl", *(s.writes for s in sinks)]) if sinks else "metrics.jsonl only"
+    for failed in (s for s in started if isinstance(s, str)):
+        say(f"{failed}; writing {written}")
+    return Sinks(sinks, say)

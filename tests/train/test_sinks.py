@@ -67,6 +67,39 @@ def test_a_missing_package_is_one_line_at_start(tmp_path, monkeypatch):
     assert "metrics.wandb" in lines[1] and "gpipe-cli[wandb]" in lines[1]
 
 
+class Started:
+    """A W&B sink that starts without the package or a network."""
+
+    name, writes = "metrics.wandb", "W&B"
+
+    def __init__(self, *args):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_missing_package_says_what_the_run_still_writes(tmp_path, monkeypatch):
+    # With TensorBoard running, a missing wandb said "writing metrics.jsonl only".
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    lines: list[str] = []
+    sinks = open_sinks(Metrics(tensorboard=True, wandb=Wandb(project="p", mode="offline")), tmp_path, 0, {},
+                       lines.append)
+    sinks.close()
+    assert len(lines) == 1 and lines[0].startswith("metrics.wandb: wandb is not installed")
+    assert lines[0].endswith("; writing metrics.jsonl and TensorBoard"), lines
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    monkeypatch.setattr("gpipe_cli.train.sinks.WandbSink", Started)
+    lines.clear()
+    sinks = open_sinks(Metrics(tensorboard=True, wandb=Wandb(project="p")), tmp_path, 0, {}, lines.append)
+    assert len(sinks.sinks) == 1 and len(lines) == 1 and lines[0].startswith("metrics.tensorboard: ")
+    assert lines[0].endswith("; writing metrics.jsonl and W&B"), lines
+    lines.clear()
+    open_sinks(Metrics(tensorboard=True), tmp_path, 0, {}, lines.append)
+    assert len(lines) == 1 and lines[0].endswith("; writing metrics.jsonl only"), lines
+
+
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed")
 def test_wandb_offline_writes_its_run_folder_without_network(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "")
