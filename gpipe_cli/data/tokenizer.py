@@ -23,6 +23,8 @@ _TRAIN_SENTENCES = 2_000_000
 _SPECIAL = ("pad", "unk", "bos", "eos")
 # sentencepiece's refusal of a vocabulary below its characters + special pieces, which it counts together.
 _TOO_FEW = re.compile(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)\.")
+# The longest line sentencepiece trains on, in UTF-8 bytes (whole paragraphs, not only sentences): it skips longer.
+MAX_LINE_BYTES = 1 << 16
 
 
 class Tokenizer:
@@ -115,24 +117,42 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, key: str = "model.voc
     import sentencepiece as spm
 
     model = io.BytesIO()
-    sentences: Iterator[str] = (t for t in texts if t and t.strip())
+    counts = [0, 0]  # lines given, and of them those sentencepiece skips as too long
+
+    def sentences() -> Iterator[str]:
+        for text in texts:
+            if text and text.strip():
+                counts[0] += 1
+                counts[1] += _too_long(text)
+                yield text
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=sentences, model_writer=model, vocab_size=vocab_size, model_type="bpe",
+            sentence_iterator=sentences(), model_writer=model, vocab_size=vocab_size, model_type="bpe",
             hard_vocab_limit=False,  # small corpora get a smaller vocabulary instead of an error
             pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS, character_coverage=0.9999,
             input_sentence_size=_TRAIN_SENTENCES, shuffle_input_sentence=True,
-            max_sentence_length=1 << 16,  # whole paragraphs/documents, not only short sentences
+            max_sentence_length=MAX_LINE_BYTES,
             num_threads=min(16, os.cpu_count() or 1), minloglevel=2)
     except Exception as e:
         too_few = _TOO_FEW.search(str(e))
         if too_few:  # its own words name a --character_coverage option that gpipe does not have
             raise DataError(_too_small(vocab_size, int(too_few[1]), key, model_vocab_size)) from None
+        if counts[0] and counts[1] == counts[0]:  # sentencepiece says only that it has no sentences
+            raise DataError(f"every line of the training text is longer than {MAX_LINE_BYTES // 1024} KiB, and the "
+                            f"tokenizer leaves lines over {MAX_LINE_BYTES // 1024} KiB out of its training: split "
+                            "the text into shorter lines, e.g. one paragraph a line") from None
         raise DataError(f"cannot train a {vocab_size}-piece tokenizer on the training text "
                         f"({first_line(e)})") from None
     if not model.getvalue():
         raise DataError("cannot train a tokenizer: the training text is empty")
     return Tokenizer(model.getvalue())
+
+
+def _too_long(text: str) -> bool:
+    """Whether sentencepiece skips `text` as longer than MAX_LINE_BYTES."""
+    # A character is 1 to 4 bytes: only a line in between is encoded to count them.
+    return len(text) > MAX_LINE_BYTES or (4 * len(text) > MAX_LINE_BYTES
+                                          and len(text.encode("utf-8", "surrogatepass")) > MAX_LINE_BYTES)
 
 
 def _too_small(vocab_size: int, needed: int, key: str, model_vocab_size: int | None) -> str:

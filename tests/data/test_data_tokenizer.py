@@ -116,6 +116,19 @@ def test_a_vocabulary_below_the_texts_characters_names_its_key_and_the_least_tha
     assert train_tokenizer(text, 8).vocab_size == 8  # the least that works, as said
 
 
+def test_a_text_whose_every_line_is_over_64_kib_says_so_and_to_split_it() -> None:
+    # sentencepiece's own line: "INTERNAL: src/trainer_interface.cc(467) [!sentences_.empty()]".
+    words = " ".join(["pipeline stage"] * 5000)  # 74,999 one-byte characters
+    wide = "é" * 40_000  # 40,000 characters, 80,000 UTF-8 bytes: over the limit, which counts bytes
+    for text in ([words], [words, wide]):
+        with pytest.raises(DataError) as caught:
+            train_tokenizer(text, 30)
+        assert str(caught.value) == ("every line of the training text is longer than 64 KiB, and the tokenizer "
+                                     "leaves lines over 64 KiB out of its training: split the text into shorter "
+                                     "lines, e.g. one paragraph a line")
+    assert train_tokenizer([words, "pipeline stage " * 20], 30).vocab_size > 4  # a short line is enough
+
+
 def test_a_too_small_data_vocab_size_is_named_and_model_vocab_size_too_when_it_must_grow(tmp_path: Path) -> None:
     # 'a' to 'j' and the space: 11 characters, 15 pieces with the special ones.
     corpus = write_jsonl(tmp_path / "train.jsonl", [{"source": "abcd efg", "target": "hij"}] * 20)
