@@ -36,6 +36,7 @@ class Examples(ABC):
 
     lengths: np.ndarray | None = None  # padded cost of each example in tokens (text only)
     left_out: str | None = None  # what reading the split passed over, in words for the run's data line
+    held_none: str | None = None  # why data.eval_fraction held none of the split out, where it could not
 
     @abstractmethod
     def __len__(self) -> int: ...

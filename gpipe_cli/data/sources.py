@@ -72,6 +72,14 @@ def hold_out(n: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
     return np.sort(perm[k:]), np.sort(perm[:k])
 
 
+def held_none(n: int, fraction: float, unit: str, where: str) -> str | None:
+    """Why `hold_out` keeps none of `where`'s `n` records (each a `unit`) back at `fraction`; None where it does."""
+    if fraction <= 0 or n >= 2:  # none asked for, or at least one held out
+        return None
+    return (f"data.eval_fraction ({fraction:g}) holds out whole {unit}s, and {where} has {n} {unit}, which training "
+            f"keeps; give it more {unit}s")
+
+
 def eval_split_name(splits: Any, data: Data) -> str | None:
     """The held-out split of a DatasetDict: data.eval_split, else the first of EVAL_SPLIT_NAMES it has."""
     if data.eval_split is not None:

@@ -13,13 +13,15 @@ import torch
 
 from gpipe_cli.data.loader import Examples
 from gpipe_cli.data.pydoc import pydoc_documents
-from gpipe_cli.data.sources import existing_path, hold_out, open_splits, pick_splits, split_files
+from gpipe_cli.data.sources import existing_path, held_none, hold_out, open_splits, pick_splits, split_files
 from gpipe_cli.data.synthetic import lm_documents, translation_pairs
 from gpipe_cli.data.tokenizer import BOS, EOS, PAD, Tokenizer, load_or_train
 from gpipe_cli.errors import DataError, shown
 from gpipe_cli.recipe.schema import Data
 
 TextTask = Literal["translation", "lm"]
+# What one record of a source is, as the run names it: data.eval_fraction holds out whole records.
+RECORD_UNITS = {"text": "line", "jsonl": "line", "tsv": "line", "hub": "row", "parquet": "row", "pydoc": "paragraph"}
 Record = Any  # a (source, target) pair of strings for translation, a string for lm
 
 
@@ -280,25 +282,31 @@ def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_l
     # Synthetic documents of ~3/4 seq_len words give about one window each (~1.3 tokens a word).
     train_recs, eval_recs = read_records(data, task, seed=seed, words=max(8, seq_len * 3 // 4),
                                          cache_dir=cache_dir)
-    if eval_recs is None:
-        rows, held = hold_out(len(train_recs), data.eval_fraction)
-        train_recs, eval_recs = [train_recs[i] for i in rows], [train_recs[i] for i in held]
     where = f"the '{data.train_split}' split" if data.source != "synthetic" else "the synthetic data"
     where += f" of data.source '{data.source}'" + (f" ({shown(data.path, 200)})" if data.path else "")
+    why_none = None
+    if eval_recs is None:
+        unit = RECORD_UNITS.get(data.source, "record")
+        why_none = held_none(len(train_recs), data.eval_fraction, unit, shown(data.path, 200) if data.path else where)
+        rows, held = hold_out(len(train_recs), data.eval_fraction)
+        train_recs, eval_recs = [train_recs[i] for i in rows], [train_recs[i] for i in held]
     if not any((r[0].strip() and r[1].strip()) if task == "translation" else r.strip() for r in train_recs):
         raise DataError(f"{where} has no text")
     tok = load_or_train(path=data.tokenizer, run_dir=run_dir, vocab_size=data.vocab_size or vocab_size,
                         model_vocab_size=vocab_size, key="data.vocab_size" if data.vocab_size else "model.vocab_size",
                         # the corpus, read only when a tokenizer is trained:
                         texts=lambda: (text for r in train_recs for text in (r if task == "translation" else (r,))))
+    train: Examples
     if task == "translation":
         train = TranslationExamples.build(train_recs, tok, max_len, train=True)
         if len(train) == 0:
             raise DataError(f"every training pair is empty or longer than model.max_len ({max_len}) tokens")
-        evl = TranslationExamples.build(eval_recs, tok, max_len, train=False) if eval_recs else None
-        return train, evl, tok
-    lm_train = LMExamples.build(train_recs, tok, seq_len)
-    if len(lm_train) == 0:
-        raise DataError(f"{where} has too little text for one sequence")
-    return lm_train, (LMExamples.build(eval_recs, tok, seq_len) if eval_recs else None), tok
+        evl: Examples | None = TranslationExamples.build(eval_recs, tok, max_len, train=False) if eval_recs else None
+    else:
+        train = LMExamples.build(train_recs, tok, seq_len)
+        if len(train) == 0:
+            raise DataError(f"{where} has too little text for one sequence")
+        evl = LMExamples.build(eval_recs, tok, seq_len) if eval_recs else None
+    train.held_none = why_none
+    return train, evl, tok
 

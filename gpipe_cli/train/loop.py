@@ -78,12 +78,16 @@ class Trainer:
         if self.layout.is_first or self.layout.is_last:
             # The tokenizer's vocabulary is checked against model.vocab_size as it is loaded (tokenizer.load_or_train).
             self.data = build_data_for(recipe, run_dir=self.run_dir)
-        counts = (self.data.steps_per_epoch(), self.data.eval_steps(recipe.eval.batches)) if self.data else None
-        self.steps_per_epoch, self.eval_steps = self.topo.share(counts)
+        counts = ((self.data.steps_per_epoch(), self.data.eval_steps(recipe.eval.batches), self.data.train.held_none)
+                  if self.data else None)
+        self.steps_per_epoch, self.eval_steps, self.held_none = self.topo.share(counts)
         if recipe.eval.every and not self.eval_steps:  # every rank alike: the counts are shared
-            raise UserError(f"eval.every ({recipe.eval.every}): the data holds nothing out to evaluate on "
-                            f"(data.eval_fraction {recipe.data.eval_fraction:g}, data.eval_split "
-                            f"{recipe.data.eval_split or 'null'}); raise data.eval_fraction, or set eval.every: null")
+            # Too few records for any fraction to hold one out: raising it would not help.
+            why = (f": {self.held_none}" if self.held_none else
+                   f" (data.eval_fraction {recipe.data.eval_fraction:g}, data.eval_split "
+                   f"{recipe.data.eval_split or 'null'}); raise data.eval_fraction")
+            raise UserError(f"eval.every ({recipe.eval.every}): the data holds nothing out to evaluate on{why}, "
+                            "or set eval.every: null")
         if self.data is not None:
             self._note(self._data_summary(self.data))
         if self.layout.rank == 0:
@@ -419,8 +423,9 @@ class Trainer:
                               f"batch{'es' if self.eval_steps > 1 else ''}")
                 self.evaluate(self.total_steps, final=True)
             else:
-                self._message("no final evaluation: the data holds nothing out (data.eval_fraction "
-                              f"{self.recipe.data.eval_fraction:g})")
+                self._message("no final evaluation: the data holds nothing out "
+                              + (f"({self.held_none})" if self.held_none else
+                                 f"(data.eval_fraction {self.recipe.data.eval_fraction:g})"))
         self.close()
         code = NONFINITE_EXIT_CODE if self.diverged else 128 + self.stopped_by if self.stopped_by else 0
         self.stop.disarm(code)

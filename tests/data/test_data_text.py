@@ -134,6 +134,22 @@ def test_plain_text_lm(tmp_path: Path) -> None:
     assert any(not (b.inputs != PAD).all() for b in batches)
 
 
+def test_a_one_line_text_says_that_no_fraction_can_hold_a_line_out(tmp_path: Path) -> None:
+    # The run advised raising data.eval_fraction, which holds out whole lines: of one line, never any.
+    f = tmp_path / "one.txt"
+    f.write_text(" ".join(f"word{i % 13}" for i in range(400)) + "\n", encoding="utf-8")
+    ds = build_data(data(source="text", path=str(f), seq_len=16, eval_fraction=0.5), "lm", seed=0, vocab_size=60,
+                    max_len=32, run_dir=None)
+    assert ds.eval_steps() == 0
+    assert ds.train.held_none == (f"data.eval_fraction (0.5) holds out whole lines, and '{f}' has 1 line, which "
+                                  "training keeps; give it more lines")
+    f.write_text(f.read_text() * 2, encoding="utf-8")  # two lines: one is held out
+    for fraction in (0.5, 0.0):
+        ds = build_data(data(source="text", path=str(f), seq_len=16, eval_fraction=fraction), "lm", seed=0,
+                        vocab_size=60, max_len=32, run_dir=None)
+        assert ds.train.held_none is None and (ds.eval_steps() > 0) == (fraction > 0)
+
+
 def test_jsonl_and_tsv_lm(tmp_path: Path) -> None:
     docs = [f"document {i} has some words in it ." for i in range(80)]
     f = write_jsonl(tmp_path / "d.jsonl", [{"body": d} for d in docs])

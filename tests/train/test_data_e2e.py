@@ -100,6 +100,20 @@ def test_evaluating_data_that_holds_nothing_out_is_refused_and_the_final_evaluat
     assert not evals(tmp_path / "run")
 
 
+def test_evaluating_a_one_line_text_says_that_held_out_data_is_whole_lines(tmp_path):
+    # It advised raising data.eval_fraction, which never holds out the only line.
+    text = tmp_path / "one.txt"
+    text.write_text(" ".join(f"word{i % 13}" for i in range(3000)) + "\n", encoding="utf-8")
+    sets = ["data.source=text", f"data.path={text}", "data.vocab_size=64", "train.steps=2", "eval.every=2"]
+    proc = gpipe("train", "recipes/lm-pydoc.yaml", *(a for item in sets for a in ("--set", item)), "--output-dir",
+                 str(tmp_path / "run"), timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr == ("error: eval.every (2): the data holds nothing out to evaluate on: data.eval_fraction (0.1) "
+                           f"holds out whole lines, and '{text}' has 1 line, which training keeps; give it more "
+                           "lines, or set eval.every: null\n")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_rank_that_fails_after_reading_parquet_says_one_line_and_no_more(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
