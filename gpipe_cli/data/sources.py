@@ -13,7 +13,7 @@ import numpy as np
 from gpipe_cli.data.offline import hub_problem, offline_flag
 from gpipe_cli.data.rng import rng
 from gpipe_cli.errors import DataError
-from gpipe_cli.recipe.schema import Data
+from gpipe_cli.recipe.schema import SOURCE_FILES, Data
 
 # Validation first: test splits may have hidden labels (imagenet-1k's are -1).
 EVAL_SPLIT_NAMES = ("validation", "valid", "dev", "test", "eval")
@@ -128,7 +128,7 @@ def open_splits(data: Data, cache_dir: Path | None, local: str) -> tuple[Any, st
         assert data.name is not None
         return load_hub(data.name, data.config, cache_dir, local), f"dataset '{data.name}'"
     path = existing_path(data.path, "data.source 'parquet'")
-    train, evl = split_files(path, (".parquet",), data)
+    train, evl = split_files(path, SOURCE_FILES["parquet"], data)
     for file in [*train, *(evl or [])]:
         _check_parquet(file)
     files = {data.train_split: [str(f) for f in train]}

@@ -17,7 +17,7 @@ from gpipe_cli.data.sources import existing_path, held_none, hold_out, open_spli
 from gpipe_cli.data.synthetic import lm_documents, translation_pairs
 from gpipe_cli.data.tokenizer import BOS, EOS, PAD, Tokenizer, load_or_train
 from gpipe_cli.errors import DataError, shown
-from gpipe_cli.recipe.schema import Data
+from gpipe_cli.recipe.schema import SOURCE_FILES, Data
 
 TextTask = Literal["translation", "lm"]
 # What one record of a source is, as the run names it: data.eval_fraction holds out whole records.
@@ -267,7 +267,7 @@ def read_records(data: Data, task: TextTask, *, seed: int, words: int,
         train_ds, eval_ds = pick_splits(splits, data, where)
         return (from_dataset(train_ds, task, data, where),
                 None if eval_ds is None else from_dataset(eval_ds, task, data, where))
-    exts = {"jsonl": (".jsonl", ".json"), "tsv": (".tsv", ".txt"), "text": (".txt", ".text", ".raw")}[data.source]
+    exts = SOURCE_FILES[data.source]
     path = existing_path(data.path, f"data.source '{data.source}'")
     train_f, eval_f = split_files(path, exts, data)
     read = {"jsonl": lambda files: read_jsonl(files, task, data), "tsv": lambda files: read_tsv(files, task, data),

@@ -21,6 +21,7 @@ from gpipe_cli.recipe.schema import (
     LOCAL_SOURCES,
     MODEL_SECTIONS,
     PLANNING,
+    SOURCE_FILES,
     Recipe,
     TransformerModel,
     bounds,
@@ -172,6 +173,12 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: P
     if data.source in LOCAL_SOURCES and data.path and not os.path.exists(data.path):
         raise RecipeError(f"{label}: {given('data.path')}: no such file or directory: {shown(data.path)}"
                           f"{_beside(data.path, folder)}")
+    if data.source in SOURCE_FILES and data.path and (wrong := _other_sources_file(data.source, data.path)):
+        typed_source = "data.source" in (typed or {})
+        fix = " or ".join(f"--set data.source={other}" if typed_source else f"data.source: {other}" for other in wrong)
+        raise RecipeError(f"{label}: {given('data.path')}: {shown(data.path)} is a {Path(data.path).suffix} file, "
+                          f"which data.source {' or '.join(wrong)} reads (data.source {data.source} reads "
+                          f"{_either(SOURCE_FILES[data.source])} files); use {fix}")
     if data.tokenizer and not os.path.exists(data.tokenizer):
         raise RecipeError(f"{label}: {given('data.tokenizer')}: no such sentencepiece model: "
                           f"{shown(data.tokenizer)}{_beside(data.tokenizer, folder)}")
@@ -179,6 +186,20 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: P
         raise RecipeError(f"{label}: {given('data.tokenizer')}: {shown(data.tokenizer)} is a directory; give the "
                           "sentencepiece model file (.model) in it")
     return recipe
+
+
+def _other_sources_file(source: str, path: str) -> list[str]:
+    """The other sources whose files a single file `path` is, by its suffix, where `source`'s is not ([] if any)."""
+    # Each source reads any one file it is given: text would train on a .jsonl file's raw JSON without a word.
+    suffix = Path(path).suffix.lower()
+    if suffix in SOURCE_FILES[source] or not os.path.isfile(path):  # a folder's files are picked by suffix
+        return []
+    return [other for other, suffixes in SOURCE_FILES.items() if suffix in suffixes]
+
+
+def _either(items: Sequence[str]) -> str:
+    """`a, b or c`."""
+    return f"{', '.join(items[:-1])} or {items[-1]}" if len(items) > 1 else items[0]
 
 
 def _beside(path: str, folder: Path | None) -> str:

@@ -224,6 +224,9 @@ class Pipeline(Section):
 
 
 LOCAL_SOURCES = ("imagefolder", "parquet", "jsonl", "tsv", "text")  # the data sources read from data.path
+# The files each local text source reads (in a folder, those only; .txt is both tsv's and text's).
+SOURCE_FILES = {"jsonl": (".jsonl", ".json"), "tsv": (".tsv", ".txt"), "text": (".txt", ".text", ".raw"),
+                "parquet": (".parquet",)}
 IMAGE_SOURCES = ("synthetic", "imagefolder", "parquet", "hub")
 TEXT_SOURCES = ("synthetic", "jsonl", "tsv", "text", "parquet", "pydoc", "hub")
 LM_ONLY_SOURCES = ("text", "pydoc")  # plain text: nothing to translate

@@ -150,6 +150,34 @@ def test_a_relative_data_path_beside_the_recipe_but_not_here_says_where_paths_ar
     assert load_recipe(path.name).data.path == "pairs.jsonl"
 
 
+def test_a_single_file_of_another_sources_kind_is_refused_naming_that_source(tmp_path):
+    # data.source text trained on a .jsonl file's raw JSON lines without a word.
+    import yaml
+
+    for name in ("pairs.jsonl", "pairs.json", "pairs.Parquet", "notes.txt", "notes", "more.md"):
+        (tmp_path / name).write_text('{"text": "one two"}\n')
+    (tmp_path / "folder.jsonl").mkdir()  # a folder's files are picked by suffix, and said when none is right
+    lm = {**BASE, "model": {**BASE["model"], "arch": "decoder-only"}}
+    sets = ["data.source=text", f"data.path={tmp_path / 'pairs.jsonl'}"]
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(write(tmp_path, yaml.safe_dump(lm)), sets)
+    assert str(caught.value) == (f"{tmp_path / 'recipe.yaml'}: --set data.path: '{tmp_path / 'pairs.jsonl'}' is a "
+                                 ".jsonl file, which data.source jsonl reads (data.source text reads .txt, .text or "
+                                 ".raw files); use --set data.source=jsonl")
+    path = write(tmp_path, yaml.safe_dump({**lm, "data": {"source": "text", "path": str(tmp_path / "pairs.json")}}))
+    with pytest.raises(RecipeError, match=r"is a \.json file, which data.source jsonl reads .*; use data.source: "
+                                          r"jsonl$"):
+        load_recipe(path)
+    refused = {("jsonl", "notes.txt"): "tsv or text", ("tsv", "pairs.Parquet"): "parquet",
+               ("parquet", "pairs.jsonl"): "jsonl"}
+    for (source, name), owners in refused.items():
+        with pytest.raises(RecipeError, match=f"which data.source {owners} reads"):
+            load_recipe(path, [f"data.source={source}", f"data.path={tmp_path / name}"])
+    for source, name in [("text", "notes.txt"), ("tsv", "notes.txt"), ("jsonl", "pairs.json"), ("text", "notes"),
+                         ("text", "more.md"), ("text", "folder.jsonl")]:
+        assert load_recipe(path, [f"data.source={source}", f"data.path={tmp_path / name}"]).data.source == source
+
+
 @pytest.mark.parametrize("text,message", [
     ("", "the recipe is empty"),
     ("# only a comment\n", "the recipe is empty"),
