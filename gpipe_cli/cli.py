@@ -34,7 +34,14 @@ from gpipe_cli.bench import BenchOptions
 from gpipe_cli.cli_help import polish
 from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError, one_line, shown
-from gpipe_cli.files import another_file, check_not_input, check_output, check_output_kind, write_json
+from gpipe_cli.files import (
+    another_file,
+    check_not_input,
+    check_not_stdout,
+    check_output,
+    check_output_kind,
+    write_json,
+)
 from gpipe_cli.launch import launch_options
 from gpipe_cli.launch.preflight import check_not_empty, check_path, too_long_line
 from gpipe_cli.limits import DIGITS, EXPORT_DTYPES, one_of, refuse
@@ -422,6 +429,7 @@ def prepare_data(
     from gpipe_cli.train.existing import kept_by_a_run
 
     check_path(output, "--output", "folder", "name a new folder, e.g. data/NAME")  # Path would read '' as '.'
+    check_not_stdout(output, "--output", "new folder", "data/NAME")
     check_not_input(Path(output), "--output", [recipe_read(recipe)], "name a new folder")
     if (kept := kept_by_a_run(Path(output))) is not None:  # a run's pruning would delete the data with it
         raise UserError(f"--output {shown(output)} {kept[1]}; name a new folder outside it")

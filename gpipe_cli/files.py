@@ -112,9 +112,8 @@ def check_output(path: Path | None, flag: str, example: str = "out.json", hint: 
     # An empty `flag`: a default place the user never named; `hint` then ends the line with what to do instead.
     if path is None:
         return
+    check_not_stdout(path, flag, "file", example, hint)
     where = _cannot_write(path, flag)
-    if str(path) == "-":  # stdout's name to many commands: the write would make a file called '-' instead
-        raise UserError(f"{where}: outputs are written to files, never to stdout; name a file, e.g. {example}{hint}")
     problem = path_problem(path)
     if problem is not None:  # before pathlib is asked anything about it
         raise UserError(f"{where}: it {problem}{hint}")
@@ -138,6 +137,13 @@ def check_output(path: Path | None, flag: str, example: str = "out.json", hint: 
         check_writable(path.parent, where)
     except UserError as exc:
         raise UserError(f"{exc}{hint}") from None
+
+
+def check_not_stdout(path: str | Path | None, flag: str, names: str, example: str, hint: str = "") -> None:
+    """Refuse, in one line naming `flag`, an output named '-'; `names`: what to name instead, e.g. `example`."""
+    if path is not None and str(path) == "-":  # stdout's name to many commands: the write would make a '-' instead
+        raise UserError(f"{_cannot_write(Path(path), flag)}: outputs are written to files, never to stdout; name a "
+                        f"{names}, e.g. {example}{hint}")
 
 
 def _cannot_write(path: Path, flag: str) -> str:

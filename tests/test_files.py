@@ -333,3 +333,25 @@ def test_an_output_named_dash_is_refused_not_written_as_a_file(tmp_path, capsys,
     assert err.startswith(f"error: {flag}: cannot write '-': outputs are written to files, never to stdout; name a "
                           "file, e.g. "), err
     assert os.listdir(tmp_path) == ["run"] and os.listdir(tmp_path / "run") == []
+
+
+# `train --output-dir - --dry-run` printed a torchrun line that trains into a folder named '-'.
+@pytest.mark.parametrize("args,instead", [
+    (["train", "--output-dir", "-", "--dry-run"], "directory, e.g. runs/NAME, or leave the flag out for outputs/"),
+    (["train", "--output-dir", "-"], "directory, e.g. runs/NAME, or leave the flag out for outputs/"),
+    (["prepare-data", "recipe.yaml", "--output", "-"], "new folder, e.g. data/NAME"),
+], ids=["train dry run", "train", "prepare-data"])
+def test_an_output_folder_named_dash_is_refused_before_any_work(tmp_path, capsys, monkeypatch, args, instead):
+    from gpipe_cli.cli import run
+
+    def worked(*args, **kwargs):
+        raise AssertionError("the command worked before refusing its output")
+
+    for where in ("gpipe_cli.train.run.train_recipe", "gpipe_cli.recipe.load.load_recipe"):
+        monkeypatch.setattr(where, worked)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipe.yaml").write_text("data: {source: hub, name: cifar10}\n")
+    err = _refused(capsys, run(args))
+    assert err.startswith(f"error: {args[args.index('-') - 1]}: cannot write '-': outputs are "
+                          f"written to files, never to stdout; name a {instead}"), err
+    assert os.listdir(tmp_path) == ["recipe.yaml"]

@@ -18,6 +18,7 @@ from gpipe_cli import interrupts
 from gpipe_cli.console import redraws, say
 from gpipe_cli.data.offline import check_hub_data
 from gpipe_cli.errors import UserError, shown
+from gpipe_cli.files import check_not_stdout
 from gpipe_cli.launch import (
     LaunchOptions,
     check_device,
@@ -183,6 +184,8 @@ def train(options: TrainOptions) -> int:
     # An empty one read as no flag at all, and the run went to outputs/<name>/<time>.
     check_path(options.output_dir, "--output-dir", "directory",
                f"give one, or leave the flag out for {OUTPUTS}/<name>/<time>")
+    check_not_stdout(options.output_dir, "--output-dir", "directory", "runs/NAME",
+                     f", or leave the flag out for {OUTPUTS}/<name>/<time>")
     check_resume_path(options.resume)
     check_not_in_a_run(options.output_dir)
     check_resume_output(options.resume, options.output_dir)
