@@ -11,6 +11,7 @@ if __name__ == "__main__":
 
 import contextlib
 import dataclasses
+import difflib
 import errno
 import functools
 import inspect
@@ -472,7 +473,8 @@ def run(args: list[str]) -> int:
         named = f"gpipe {args[0]}" if args and args[0] in getattr(command, "commands", {}) else "gpipe"
         # Some of click's errors (an option missing its value) carry no context: the command typed names it.
         where = getattr(getattr(exc, "ctx", None), "command_path", None) or named
-        _error(f"{_as_set(exc, where, args) or one_line(exc.format_message())} (see '{where} --help')")
+        said = _unknown_option(exc, where, args, getattr(command, "commands", {}))
+        _error(f"{said or one_line(exc.format_message())} (see '{where} --help')")
         return int(exc.exit_code)
     except typer.Abort:
         print("aborted", file=sys.stderr)
@@ -488,25 +490,41 @@ def main() -> None:
     exit_now(interrupts.exit_code(run(sys.argv[1:])))
 
 
-def _as_set(exc: Exception, where: str, args: list[str]) -> str:
-    """For a recipe key typed as a flag of a command that reads recipes (`gpipe train --steps 5`), its --set."""
+def _unknown_option(exc: Exception, where: str, args: list[str], commands: Mapping[str, Any]) -> str:
+    """An unknown option's line: the --set of the recipe key it names, the commands that have it, or a near option."""
     from gpipe_cli.recipe.aliases import ALIASES
     from gpipe_cli.recipe.load import key_of_flag
 
     # By name: typer may carry its own copy of click, whose classes are not click's.
-    if type(exc).__name__ != "NoSuchOption" or where not in ("gpipe train", "gpipe validate"):
+    if type(exc).__name__ != "NoSuchOption":
         return ""
-    option = str(getattr(exc, "option_name", ""))
-    typed, _, value = option.partition("=")
-    key = key_of_flag(typed) or ALIASES.get(typed.lstrip("-").replace("-", "_"))
-    if key is None:
-        return ""
-    for arg, following in zip(args, [*args[1:], None]):  # the value typed after it, or joined to it by =
+    typed, _, value = str(getattr(exc, "option_name", "")).partition("=")
+    said = f"No such option: {typed}"
+    sets = where in ("gpipe train", "gpipe validate")  # the commands that read a recipe as it is written
+    key = (key_of_flag(typed) or ALIASES.get(typed.lstrip("-").replace("-", "_"))) if sets else None
+    if key is not None:
+        return f"{said}; {where} takes it as --set {_set_item(key, typed, value, args)}"
+    # click's own suggestions were any option of a few letters in common: `--step` was offered --help and --set.
+    others = [f"gpipe {name}" for name, sub in commands.items()
+              if f"gpipe {name}" != where and any(typed in (*p.opts, *p.secondary_opts) for p in sub.params)]
+    if others:
+        named = " and ".join([", ".join(others[:-1]), others[-1]] if len(others) > 1 else others)
+        return f"{said}; {named} {'have' if len(others) > 1 else 'has'} it"
+    if sets and (key := key_of_flag(typed, close=True)) is not None:
+        return f"{said}; did you mean --set {_set_item(key, typed, value, args)}?"
+    params = getattr(getattr(getattr(exc, "ctx", None), "command", None), "params", [])
+    own = {name.lstrip("-"): name for p in params for name in (*p.opts, *p.secondary_opts) if name.startswith("--")}
+    near = [own[name] for name in difflib.get_close_matches(typed.lstrip("-"), sorted(own), 3, 0.75)]
+    return f"{said}; did you mean {' or '.join(near)}?" if near else said
+
+
+def _set_item(key: str, typed: str, value: str, args: list[str]) -> str:
+    """`KEY=VALUE` with the value typed after the flag, or joined to it by =, shell-quoted (`KEY=VALUE` if none)."""
+    for arg, following in zip(args, [*args[1:], None]):
         if arg.partition("=")[0] == typed:
             value = arg.partition("=")[2] if "=" in arg else following or ""
             break
-    item = shlex.quote(f"{key}={value}") if value else f"{key}=VALUE"
-    return f"No such option: {typed}; {where} takes it as --set {item}"
+    return shlex.quote(f"{key}={value}") if value else f"{key}=VALUE"
 
 
 def _a_runs_recipe(path: str) -> bool:

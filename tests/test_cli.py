@@ -422,13 +422,33 @@ def test_h_is_help_as_most_commands_take_it(capsys, command):
     (["validate", "--seq-len"], "No such option: --seq-len; gpipe validate takes it as --set data.seq_len=VALUE"),
     (["train", "--name", "a b"], "No such option: --name; gpipe train takes it as --set 'name=a b'"),
     (["train", "--colour", "3"], "No such option: --colour (see"),  # no recipe key: click's own words
-    (["plan", "--partitions", "2", "--devices", "2"], "No such option: --partitions (Possible"),  # plan searches K
+    # plan searches K: no --set, but the commands that take K
+    (["plan", "--partitions", "2", "--devices", "2"],
+     "No such option: --partitions; gpipe bench and gpipe profile-memory have it (see"),
 ])
 def test_a_recipe_key_typed_as_a_flag_is_answered_with_its_set(capsys, args, says):
     # `gpipe train --partitions 2` was offered --plain.
     assert run(args) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {says}") and err.count("\n") == 1
+
+
+# click offered any option with a few letters in common: `--step` got --help and --set, `--budget` got --set.
+@pytest.mark.parametrize("args, says", [
+    (["train", "--step", "20"], "No such option: --step; did you mean --set train.steps=20? (see 'gpipe train"),
+    (["validate", "--microbatch=4"], "No such option: --microbatch; did you mean --set pipeline.microbatches=4? (see"),
+    (["bench", "--budget", "8G"], "No such option: --budget; gpipe profile-memory has it (see 'gpipe bench --help')"),
+    (["export", "run", "--json", "x"],
+     "No such option: --json; gpipe validate, gpipe bench and gpipe profile-memory have it (see"),
+    (["train", "--plian"], "No such option: --plian; did you mean --plain? (see"),
+    (["bench", "--stpes", "3"], "No such option: --stpes; did you mean --steps? (see"),
+    (["validate", "--fast"], "No such option: --fast (see 'gpipe validate --help')"),
+    (["bench", "--colour"], "No such option: --colour (see 'gpipe bench --help')"),
+])
+def test_an_unknown_option_is_answered_with_a_near_key_another_command_or_a_near_option(capsys, args, says):
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {says}") and err.count("\n") == 1, err
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")

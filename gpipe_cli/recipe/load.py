@@ -267,10 +267,14 @@ def _keys(raw: dict[str, Any], model: type[BaseModel] = Recipe, prefix: str = ""
     return out
 
 
-def key_of_flag(option: str) -> str | None:
-    """The one recipe key an option typed as a flag names (`--steps`: train.steps), else None."""
+def key_of_flag(option: str, close: bool = False) -> str | None:
+    """The one recipe key an option typed as a flag names (`--steps`: train.steps; `close`: `--step` too), else None."""
     name = option.lstrip("-").partition("=")[0].replace("-", "_")
-    keys = {k for kind in MODEL_SECTIONS for k in _keys({"model": {"kind": kind}}) if k.rpartition(".")[2] == name}
+    every = {k for kind in MODEL_SECTIONS for k in _keys({"model": {"kind": kind}})}
+    names = {k.rpartition(".")[2] for k in every}
+    if close and name not in names:  # as near as an unknown key's (did you mean ...?)
+        name = next(iter(difflib.get_close_matches(name, sorted(names), 1, 0.75)), name)
+    keys = {k for k in every if k.rpartition(".")[2] == name}
     nearest = [k for k in keys if k.count(".") == min(k.count(".") for k in keys)]  # train.steps, not its profile's
     return nearest[0] if len(nearest) == 1 else None
 
