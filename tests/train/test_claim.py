@@ -277,26 +277,20 @@ def test_a_new_run_in_the_default_place_is_made_and_held_by_its_launch(tmp_path,
     assert not made.exists() and Path("outputs", "tiny-translation").is_dir()
 
 
-def test_a_dry_run_of_a_resume_of_a_run_being_written_says_a_launch_would_be_refused(tmp_path, launches):
-    # It said the run had no usable checkpoint and advised starting it again from step 0.
+@pytest.mark.parametrize("bare", [False, True])
+def test_a_dry_run_of_a_resume_of_a_run_being_written_says_a_launch_would_be_refused(tmp_path, launches, bare):
+    # It said the run had no usable checkpoint and advised starting it again from step 0; with a bare --resume
+    # into --output-dir RUN it printed the launch and nothing else.
     path, run = make_run(tmp_path, steps=(4,))
     shutil.rmtree(run / "checkpoints" / "step-00000004")  # the writer has not saved its first yet
+    args = (str(path), "--output-dir", str(run), "--resume", "latest") if bare else ("--resume", str(run))
     with claim.held(run, "--output-dir", "wait"):
-        result = train("--resume", str(run), "--dry-run")
+        result = train(*args, "--dry-run")
     assert result.exit_code == 2, result.output
-    assert error_line(result) == (f"error: --resume: {run} is being written by another gpipe train "
-                                  f"(pid {os.getpid()}); wait until it ends")
-    assert not launches
-
-
-def test_a_dry_run_of_a_bare_resume_into_a_folder_being_written_says_a_launch_would_be_refused(tmp_path, launches):
-    # `--resume --output-dir RUN --dry-run` printed the launch and nothing else; the launch was refused.
-    path, run = make_run(tmp_path, steps=(4,))
-    with claim.held(run, "--output-dir", "wait"):
-        result = train(str(path), "--output-dir", str(run), "--resume", "latest", "--dry-run")
-    assert result.exit_code == 2, result.output
-    assert error_line(result) == (f"error: --output-dir: {run} is being written by another gpipe train "
-                                  f"(pid {os.getpid()}); wait until it ends, or give another --output-dir")
+    flag, instead = ("--output-dir", "; wait until it ends, or give another --output-dir") if bare else \
+        ("--resume", "; wait until it ends")
+    assert error_line(result) == (f"error: {flag}: {run} is being written by another gpipe train "
+                                  f"(pid {os.getpid()}){instead}")
     assert not launches
 
 
