@@ -27,16 +27,36 @@ def pyplot() -> Any | None:
 def figure(plt: Any, width_px: int, height_px: int, rows: int, cols: int, title: str) -> tuple[Any, Any]:
     """A figure of exactly width_px x height_px pixels with a rows x cols grid of axes."""
     fig, axes = plt.subplots(rows, cols, figsize=(width_px / DPI, height_px / DPI), dpi=DPI, squeeze=False)
-    fig.suptitle(title)
+    fit_width(fig, fig.suptitle(title))
     return fig, axes
+
+
+def fits(fig: Any, text: Any) -> bool:
+    """Whether a text of the figure is no wider than the figure (a centred one then stays within both edges)."""
+    return bool(text.get_window_extent(fig.canvas.get_renderer()).width <= fig.bbox.width * 0.98)
+
+
+def fit_width(fig: Any, text: Any) -> None:
+    """Break a figure's text between its comma-separated items where one line would run past the figure's edges."""
+    items = text.get_text().split(", ")
+    lines = [items[0]]
+    for item in items[1:]:
+        text.set_text(f"{lines[-1]}, {item}")
+        if fits(fig, text):
+            lines[-1] += f", {item}"
+        else:
+            lines[-1] += ","
+            lines.append(item)
+    text.set_text("\n".join(lines))
 
 
 FORMATS = ("png", "pdf", "svg")  # what a figure can be written as, named by the file's suffix
 
 
-def save(plt: Any, fig: Any, path: Path) -> Path:
+def save(plt: Any, fig: Any, path: Path, laid_out: bool = False) -> Path:
     """Write the figure at its own pixel size (no tight bounding box, which would change it), as its suffix says."""
-    fig.tight_layout()
+    if not laid_out:  # a caller that placed figure-wide artists has laid out the panels around them
+        fig.tight_layout()
     write(plt, fig, path, DPI)
     return path
 
@@ -62,3 +82,10 @@ def grouped_bars(ax: Any, groups: Sequence[str], bars: Mapping[str, Sequence[flo
     ax.set_ylabel(ylabel)
     ax.legend(fontsize="small")
     ax.grid(axis="y", alpha=0.3)
+
+
+def line(style: str, color: str) -> Any:
+    """A line of that style and colour to stand for curves in a legend (it is drawn nowhere)."""
+    from matplotlib.lines import Line2D
+
+    return Line2D([], [], linestyle=style, color=color)  # type: ignore[arg-type]  # any style matplotlib takes

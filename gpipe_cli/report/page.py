@@ -1,4 +1,4 @@
-"""The one-page PNG of `gpipe report`: six to ten panels, every run overlaid with its label in the legend."""
+"""The one-page PNG of `gpipe report`: six to ten panels, every run overlaid, named once in the page's legend."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli import plots
+from gpipe_cli.pipeline import schedules
 from gpipe_cli.records import PARTS
 from gpipe_cli.report.runs import (
     Run,
@@ -35,29 +36,22 @@ def _no_warmup(runs: list[Run], words: str = "warm-up steps left out",
 
 
 def _lines(ax: Any, runs: list[Run], key: str, title: str, ylabel: str, style: str = "-") -> None:
-    """A curve of `key` for each run, with its legend."""
+    """A curve of `key` for each run, in the run's colour (the page's legend names it)."""
     for i, run in enumerate(runs):
         steps, values = series(run).get(key, ([], []))
         if steps:
             # A marker keeps a curve of one or two points visible.
             fmt = style if "o" in style or len(steps) >= 3 else style + "o"
-            ax.plot(steps, values, fmt, color=f"C{i}", label=run.label)
+            ax.plot(steps, values, fmt, color=f"C{i}")
     _frame(ax, title, ylabel)
 
 
 def _frame(ax: Any, title: str, ylabel: str) -> None:
-    """A panel's title, axis labels (x: step), grid and legend."""
+    """A panel's title, axis labels (x: step) and grid."""
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    _legend(ax)
-
-
-def _legend(ax: Any) -> None:
-    """The legend of the labelled curves (none, and no matplotlib warning, where nothing is labelled)."""
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize="small")
 
 
 def _with_eval(key: str, title: str, ylabel: str) -> Draw:
@@ -66,11 +60,10 @@ def _with_eval(key: str, title: str, ylabel: str) -> Draw:
         _lines(ax, runs, key, title, ylabel)
         for i, run in enumerate(runs):
             steps, values = series(run).get(f"eval_{key}", ([], []))
-            ax.plot(steps, values, "o--", color=f"C{i}", label=f"{run.label} eval" if steps else None)
+            ax.plot(steps, values, "o--", color=f"C{i}")  # the title says dots are eval
         values = [v for run in runs for k in (key, f"eval_{key}") for v in series(run).get(k, ([], []))[1]]
         if values and min(values) > 0 and max(values) > 20 * min(values):  # keep train and eval both readable
             ax.set_yscale("log")
-        _legend(ax)
 
     return draw
 
@@ -94,42 +87,89 @@ def _utilization(ax: Any, runs: list[Run]) -> None:
     ax.set_ylim(bottom=0)
 
 
-def _bubble(ax: Any, runs: list[Run]) -> None:
+def _formula(schedule: str) -> str | None:
+    """The schedule's bubble in closed form; None where it has none (it is simulated) or the name is unknown."""
+    try:
+        return schedules.get(schedule).bubble_formula
+    except ValueError:  # a run of a schedule this version does not have
+        return None
+
+
+def bubble_title(runs: list[Run]) -> str:
+    """The bubble panel's title: the formula where every run's schedule has that one, else each run's own theory."""
+    formulas = {_formula(run.schedule) for run in runs}
+    formula = formulas.pop() if len(formulas) == 1 else None
+    theory = f"theory {formula}" if formula else ("theory of its schedule" if len(runs) == 1
+                                                  else "theory of each run's own schedule")
     # The note on a line of its own: on one line the title ran past its panel.
-    _lines(ax, runs, "bubble", f"bubble: measured (line), theory (K-1)/(M+K-1) (dashed)\n{_no_warmup(runs)}",
-           "share of step")
+    return f"bubble: measured (line), {theory} (dashed)\n{_no_warmup(runs)}"
+
+
+def _bubble(ax: Any, runs: list[Run]) -> None:
+    _lines(ax, runs, "bubble", bubble_title(runs), "share of step")
     for i, run in enumerate(runs):
         steps, values = series(run)["bubble_theory"]
-        ax.plot(steps, values, "--", color=f"C{i}")  # unlabelled: the legend has the measured line's
+        ax.plot(steps, values, "--", color=f"C{i}")
     ax.set_ylim(bottom=0)
 
 
+def _apart(runs: list[Run]) -> list[str]:
+    """What tells each run apart: its label but the words every run's label shares (the whole label for one run)."""
+    words = [run.label.split(" ") for run in runs]
+    common = set.intersection(*map(set, words)) if len(runs) > 1 else set()
+    return [" ".join(w for w in label if w not in common) or run.label for label, run in zip(words, runs)]
+
+
 def _breakdown(ax: Any, runs: list[Run]) -> None:
-    names = [f"{run.label} · {s}" if len(runs) > 1 else f"stage {s}" for run in runs for s in range(run.stages)]
-    bottoms = [0.0] * len(names)
+    many = len(runs) > 1
+    xs: list[int] = []  # a run's stages side by side, a bar's gap between runs
+    for i, run in enumerate(runs):
+        xs += [len(xs) + i + s for s in range(run.stages)]
+    bottoms = [0.0] * len(xs)
     for k, part in enumerate(PARTS):
         values = [v for run in runs for v in time_breakdown(run)[part]]
-        ax.bar(range(len(names)), [v * 1e3 for v in values], bottom=bottoms, color=f"C{k}", label=part)
+        ax.bar(xs, [v * 1e3 for v in values], bottom=bottoms, color=f"C{k}", label=part)
         bottoms = [b + v * 1e3 for b, v in zip(bottoms, values)]
-    ax.set_xticks(range(len(names)), names, fontsize="small", rotation=30 if len(runs) > 1 else 0, ha="right"
-                  if len(runs) > 1 else "center")
+    stages = [s for run in runs for s in range(run.stages)]
+    if many:
+        # Stage numbers under the bars, and under them once per run what tells it apart: one label per bar ran
+        # into its neighbours; `_fit_ticks` rotates or drops what still does not fit.
+        ax.set_xticks(xs, [str(s) for s in stages], minor=True)
+        firsts = [x for x, s in zip(xs, stages) if s == 0]
+        centers = [first + (run.stages - 1) / 2 for first, run in zip(firsts, runs)]
+        ax.set_xticks(centers, _apart(runs))
+        # Set on the axis, not the labels: a tick matplotlib adds later takes these, and not the labels' own.
+        ax.tick_params(axis="x", which="minor", labelsize="x-small")
+        ax.tick_params(axis="x", which="major", length=0, pad=12, labelsize="small")
+    else:
+        ax.set_xticks(xs, [f"stage {s}" for s in stages], fontsize="small")
     over = _no_warmup(runs, "mean over steps after warm-up", last_cut)
     if any(map(profiled_left_out, runs)):  # their time holds the profiler's
         over += ", profiled steps left out"
-    ax.set_title(f"step time per stage ({over})" + (": run · stage" if len(runs) > 1 else "") + _last(runs))
+    stacked = "\neach run's stages side by side, under its name" if many else ""
+    ax.set_title(f"step time per stage ({over})" + stacked + _last(runs))
     ax.set_ylabel("ms per step")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper center", ncols=len(PARTS))  # `_room` lifts the bars' axis under it
+
+
+STYLES = ["-", "--", ":", "-."]  # the memory panel's line style of stage s: STYLES[s % 4]
 
 
 def _memory(ax: Any, runs: list[Run]) -> None:
-    styles = ["-", "--", ":", "-."]
     for i, run in enumerate(runs):
         data = series(run)
         for s in range(run.stages):
             steps, values = data[f"mem_peak_bytes/stage{s}"]
-            style = styles[s % len(styles)] + ("o" if len(steps) < 3 else "")  # as _lines: a point stays visible
-            ax.plot(steps, [v / MIB for v in values], style, color=f"C{i}", label=f"{run.label} stage {s}")
+            style = STYLES[s % len(STYLES)] + ("o" if len(steps) < 3 else "")  # as _lines: a point stays visible
+            ax.plot(steps, [v / MIB for v in values], style, color=f"C{i}")
     _frame(ax, "memory peak per stage (GPU: CUDA peak; CPU: activations)" + _last(runs), "MiB")
+    # The colour is the run's (the page's legend); a legend of the styles says which stage a line is.
+    most = max(run.stages for run in runs)
+    styles = range(min(most, len(STYLES)))
+    handles = [plots.line(STYLES[j], "dimgray") for j in styles]
+    labels = [f"stage{'s' if most > j + len(STYLES) else ''} "
+              + ", ".join(str(s) for s in range(j, most, len(STYLES))) for j in styles]
+    ax.legend(handles, labels, fontsize="small", loc="upper center", ncols=len(labels))
 
 
 def _last(runs: list[Run]) -> str:
@@ -161,21 +201,86 @@ def panels(runs: list[Run]) -> list[tuple[str, Draw]]:
     return out
 
 
+def _names(runs: list[Run]) -> list[str]:
+    """Each run's label and folder (a label made unique by its folder already names it)."""
+    return [r.label if r.label.endswith(f"({r.path.name})") else f"{r.label} ({r.path.name})" for r in runs]
+
+
+def _short_title(runs: list[Run]) -> str:
+    """The page's title where the runs' names do not fit on one line: their count and what they share."""
+    common = [w for w in runs[0].label.split(" ") if all(w in r.label.split(" ") for r in runs[1:])]
+    return f"gpipe report: {len(runs)} runs" + (f" of {' '.join(common)}" if common else "") + ", named below"
+
+
+def _run_legend(fig: Any, runs: list[Run], top: float) -> Any:
+    """One legend for the page, under its title: each run's colour, label and folder, in as few rows as fit."""
+    handles = [plots.line("-", f"C{i}") for i in range(len(runs))]
+    for ncols in range(len(runs), 0, -1):
+        legend = fig.legend(handles, _names(runs), loc="upper center", bbox_to_anchor=(0.5, top), ncols=ncols,
+                            fontsize="small", frameon=False)
+        if plots.fits(fig, legend) or ncols == 1:
+            return legend
+        legend.remove()
+    return None
+
+
+def _fit_ticks(fig: Any, ax: Any) -> None:
+    """Rotate the run labels under grouped bars that run into each other; drop stage numbers that would."""
+    renderer = fig.canvas.get_renderer()
+    for minor in (False, True):
+        labels = [t for t in ax.get_xticklabels(minor=minor) if t.get_text()]
+        boxes = [t.get_window_extent(renderer) for t in labels]
+        if any(a.x1 + 2 > b.x0 for a, b in zip(boxes, boxes[1:])):
+            for label in labels:
+                if minor:  # too many bars to number each: the title says they are each run's stages
+                    label.set_visible(False)
+                else:
+                    label.set_rotation(90)
+
+
+def _room(fig: Any, ax: Any) -> None:
+    """Raise the top of a panel's y axis until its legend, at the top, covers none of the data."""
+    legend = ax.get_legend()
+    if legend is None:
+        return
+    tops = [max(line.get_ydata(), default=None) for line in ax.get_lines()]
+    tops += [patch.get_y() + patch.get_height() for patch in ax.patches]
+    top = max((float(t) for t in tops if t is not None), default=None)
+    if top is None:
+        return
+    bottom, high = ax.get_ylim()
+    below = legend.get_window_extent(fig.canvas.get_renderer()).y0 - 4  # a few pixels between data and legend
+    share = (below - ax.bbox.y0) / ax.bbox.height  # of the axis's height, what lies under the legend
+    if share > 0.2 and top > bottom:  # a legend over most of its panel is left as it is
+        ax.set_ylim(bottom, max(high, bottom + (top - bottom) / share))
+
+
 def draw(runs: list[Run], path: Path) -> Path | None:
     """Write the report page as a PNG of WIDTH_PX x HEIGHT_PX; None when matplotlib is not installed."""
     plt = plots.pyplot()
     if plt is None:
         return None
-    # A label made unique by its folder already names it.
-    title = "gpipe report: " + ", ".join(r.label if r.label.endswith(f"({r.path.name})") else
-                                         f"{r.label} ({r.path.name})" for r in runs)
     chosen = panels(runs)
     cols = min(len(chosen), 3)  # a fourth column narrows the panels until their titles run into each other
     rows = -(-len(chosen) // cols)
-    fig, axes = plots.figure(plt, WIDTH_PX, HEIGHT_PX, rows, cols, title)
+    fig, axes = plots.figure(plt, WIDTH_PX, HEIGHT_PX, rows, cols, "gpipe report: " + ", ".join(_names(runs)))
+    title = fig._suptitle  # matplotlib's own attribute: the figure has no public getter of the artist
+    if "\n" in title.get_text():  # the names run past one line: the legend under the title names each run
+        title.set_text(_short_title(runs))
+        plots.fit_width(fig, title)
+    renderer = fig.canvas.get_renderer()
+    below_title = (title.get_window_extent(renderer).y0 - 4) / fig.bbox.height
+    legend = _run_legend(fig, runs, below_title)
     cells = [ax for row in axes for ax in row]
     for (_, panel), ax in zip(chosen, cells):
         panel(ax, runs)
     for ax in cells[len(chosen):]:
         ax.axis("off")
-    return plots.save(plt, fig, path)
+    # Twice: the first layout sizes the panels, which decides the ticks that fit; the second makes room for them.
+    for _ in range(2):
+        fig.tight_layout(rect=(0, 0, 1, legend.get_window_extent(renderer).y0 / fig.bbox.height))
+        for ax in cells[:len(chosen)]:
+            _fit_ticks(fig, ax)
+    for ax in cells[:len(chosen)]:
+        _room(fig, ax)
+    return plots.save(plt, fig, path, laid_out=True)

@@ -45,10 +45,19 @@ class Run:
         """Stages of the first replica (as the records hold them)."""
         return len(self.train[-1]["time_s"]["compute"]) if self.train else 0
 
+    def settings(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The M, schedule and D a train record was written with; the recipe's for records without them."""
+        pipe = {"microbatches": 1, "schedule": "gpipe", "data_parallel": 1, **self.recipe}
+        return pipe | {key: record[key] for key in PIPELINE if key in record}
+
+    @property
+    def schedule(self) -> str:
+        """The schedule its last start ran (the one its label names)."""
+        return str(self.settings(self.train[-1])["schedule"])
+
     def pipeline(self, record: dict[str, Any]) -> str:
         """The K, M, schedule (and D) a train record was written with; the recipe's for records without them."""
-        pipe = {"microbatches": 1, "schedule": "gpipe", "data_parallel": 1, **self.recipe}
-        pipe |= {key: record[key] for key in PIPELINE if key in record}
+        pipe = self.settings(record)
         label = f"K={len(record['time_s']['compute'])} M={pipe['microbatches']} {pipe['schedule']}"
         return label + (f" D={pipe['data_parallel']}" if pipe["data_parallel"] != 1 else "")
 
