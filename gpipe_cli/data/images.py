@@ -121,6 +121,11 @@ def _check_labels(labels: np.ndarray, classes: int | None, num_classes: int, whe
         raise DataError(f"{where} has label {labels.max()} but model.num_classes is {num_classes}")
 
 
+def folder_classes(path: Path) -> list[str]:
+    """An imagefolder's class names in label order: each image's folder name, sorted, as `datasets` numbers them."""
+    return sorted({p.parent.name for p in path.rglob("*") if p.suffix.lower() in IMAGE_EXTS})
+
+
 def _open(data: Data, cache_dir: Path | None) -> tuple[Any, str]:
     """(DatasetDict, a description for messages) of an imagefolder, parquet or hub source."""
     if data.source != "imagefolder":
@@ -128,11 +133,11 @@ def _open(data: Data, cache_dir: Path | None) -> tuple[Any, str]:
     path = existing_path(data.path, "data.source 'imagefolder'")
     if not path.is_dir():
         raise DataError(f"data.path '{path}' is not a folder (imagefolder wants train/<class>/*.png)")
-    classes = {p.parent.name for p in path.rglob("*") if p.suffix.lower() in IMAGE_EXTS}
+    classes = folder_classes(path)
     if not classes:
         raise DataError(f"no images under '{path}' (imagefolder wants train/<class>/*.png)")
     if len(classes) == 1:  # the loader gives a lone folder no labels at all: say what is missing, not the column
-        raise DataError(f"the images under '{path}' are all in one folder ('{classes.pop()}'); imagefolder takes "
+        raise DataError(f"the images under '{path}' are all in one folder ('{classes[0]}'); imagefolder takes "
                         "each folder as a class and a classifier needs two at least: train/<class>/*.png")
     return load_builder("imagefolder", f"'{path}'", cache_dir, data_dir=str(path)), f"'{path}'"
 

@@ -17,6 +17,7 @@ from gpipe_cli.models.families import Task
 MARK = "gpipe_export"  # its presence marks a gpipe export; its value is the format's version
 VERSION = "1"
 NO_TOKENIZER = "no_tokenizer"  # of a text model exported without its tokenizer: why it was left out
+CLASSES = "classes"  # of an image model trained on named classes: their names in label order (JSON)
 # How tensors are named, in every file gpipe export writes: also in one of weights only, which has no MARK.
 LAYERS = "global layer index . parameter name"
 
@@ -57,7 +58,8 @@ def misfit(spec: ModelSpec, state: dict[str, torch.Tensor]) -> str | None:
 
 
 def describe(spec: ModelSpec, aliases: dict[str, str], *, dtype: str, step: int, recipe: str | None,
-             tokenizer: bytes | None, no_tokenizer: str | None = None) -> dict[str, str]:
+             tokenizer: bytes | None, no_tokenizer: str | None = None,
+             classes: list[str] | None = None) -> dict[str, str]:
     """The metadata of an export of `spec`: model, tie map, dtype, the recipe and tokenizer (or why none)."""
     # safetensors allows only strings as metadata values, so structured ones are JSON.
     meta = {"format": "pt", MARK: VERSION, "step": str(step), "task": spec.task,
@@ -69,7 +71,18 @@ def describe(spec: ModelSpec, aliases: dict[str, str], *, dtype: str, step: int,
         meta["tokenizer"] = base64.b64encode(tokenizer).decode("ascii")  # the sentencepiece model file's bytes
     elif no_tokenizer is not None:  # so that gpipe predict can say why it cannot run the file
         meta[NO_TOKENIZER] = no_tokenizer
+    if classes:
+        meta[CLASSES] = json.dumps(classes)
     return meta
+
+
+def class_names(metadata: dict[str, str]) -> list[str]:
+    """The class names an export holds, in label order; none for one without (synthetic data, older exports)."""
+    try:
+        names = json.loads(metadata.get(CLASSES, "[]"))
+    except ValueError:  # damaged: the class numbers still say which class it is
+        return []
+    return names if isinstance(names, list) and all(isinstance(n, str) for n in names) else []
 
 
 @dataclass

@@ -15,7 +15,7 @@ from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from gpipe_cli.errors import UserError, not_utf8, shown
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.models.transformer.decode import continue_text, encoding_once, translate, translation_limit
-from gpipe_cli.models.weights import NO_TOKENIZER, Exported, NewerFormat, WeightsOnly, parse
+from gpipe_cli.models.weights import NO_TOKENIZER, Exported, NewerFormat, WeightsOnly, class_names, parse
 from gpipe_cli.predict import WRITE_ONE, export_file
 
 Answer = Callable[[str], Iterator[str]]  # one input -> the pieces of its line of output, as each is known
@@ -96,14 +96,18 @@ def classifier(exported: Exported, model: nn.Module, top: int) -> Answer:
     if not 1 <= top <= classes:
         raise UserError(f"--top: {top} is not between 1 and the model's {classes} classes")
     transform = ImageTransform(int(config["image_size"]), augment=False)  # the evaluation transform
+    names = class_names(exported.metadata)
+
+    def named(i: int) -> str:
+        return names[i] if i < len(names) else f"class {i}"
 
     def answer(path: str) -> Iterator[str]:
         with torch.no_grad():
             output = model(transform(read_image(path))[None])
         logits = output if isinstance(output, torch.Tensor) else output[0]  # without the auxiliary head's
         probs, ids = logits.float().softmax(-1)[0].topk(top)
-        yield f"{path}\t" + ", ".join(f"class {i} ({p:.1%})" for p, i in zip(probs.tolist(), ids.tolist(),
-                                                                              strict=True))
+        yield f"{path}\t" + ", ".join(f"{named(i)} ({p:.1%})" for p, i in zip(probs.tolist(), ids.tolist(),
+                                                                               strict=True))
 
     return answer
 

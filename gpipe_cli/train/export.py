@@ -15,7 +15,9 @@ from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from gpipe_cli.errors import DataError, UserError
 from gpipe_cli.files import atomic_path, check_not_input, shown_path, writing
 from gpipe_cli.models import weights
+from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.recipe.load import load_recipe
+from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe_model import model_spec
 from gpipe_cli.train import checkpoint
 from gpipe_cli.train.existing import (
@@ -134,4 +136,17 @@ def _described(tensors: dict[str, torch.Tensor], run_dir: Path, step: int,
     except ValueError as exc:
         raise UserError(f"{run_dir}: {exc}") from None
     return tensors, weights.describe(spec, aliases, dtype=stored, step=step, recipe=recipe_file.read_text(),
-                                     tokenizer=tokenizer, no_tokenizer=missing)
+                                     tokenizer=tokenizer, no_tokenizer=missing, classes=_classes(recipe, spec))
+
+
+def _classes(recipe: Recipe, spec: ModelSpec) -> list[str] | None:
+    """An imagefolder run's class names in label order, for gpipe predict to print (None: other data, or gone)."""
+    if spec.task != "image" or recipe.data.source != "imagefolder" or not recipe.data.path:
+        return None
+    from gpipe_cli.data.images import folder_classes
+
+    folder = Path(recipe.data.path).expanduser()
+    names = folder_classes(folder) if folder.is_dir() else []
+    if not names or len(names) > int(spec.config["num_classes"]):  # moved or changed since: numbers, not wrong names
+        return None
+    return names
