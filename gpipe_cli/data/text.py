@@ -15,7 +15,7 @@ from gpipe_cli.data.loader import Examples
 from gpipe_cli.data.pydoc import pydoc_documents
 from gpipe_cli.data.sources import existing_path, held_none, hold_out, open_splits, pick_splits, split_files
 from gpipe_cli.data.synthetic import lm_documents, translation_pairs
-from gpipe_cli.data.tokenizer import BOS, EOS, PAD, Tokenizer, load_or_train
+from gpipe_cli.data.tokenizer import BOS, EOS, PAD, Tokenizer, lines_left_out, load_or_train
 from gpipe_cli.errors import DataError, shown
 from gpipe_cli.recipe.schema import SOURCE_FILES, Data
 
@@ -292,10 +292,12 @@ def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_l
         train_recs, eval_recs = [train_recs[i] for i in rows], [train_recs[i] for i in held]
     if not any((r[0].strip() and r[1].strip()) if task == "translation" else r.strip() for r in train_recs):
         raise DataError(f"{where} has no text")
+    def corpus() -> Iterator[str]:
+        return (text for r in train_recs for text in (r if task == "translation" else (r,)))
+
     tok = load_or_train(path=data.tokenizer, run_dir=run_dir, vocab_size=data.vocab_size or vocab_size,
                         model_vocab_size=vocab_size, key="data.vocab_size" if data.vocab_size else "model.vocab_size",
-                        # the corpus, read only when a tokenizer is trained:
-                        texts=lambda: (text for r in train_recs for text in (r if task == "translation" else (r,))))
+                        texts=corpus)  # read only when a tokenizer is trained
     train: Examples
     if task == "translation":
         train = TranslationExamples.build(train_recs, tok, max_len, train=True)
@@ -308,5 +310,7 @@ def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_l
             raise DataError(f"{where} has too little text for one sequence")
         evl = LMExamples.build(eval_recs, tok, seq_len) if eval_recs else None
     train.held_none = why_none
+    if not data.tokenizer:  # trained on this text, here or by the run's first launch: every rank says alike
+        train.left_out = "; ".join(filter(None, (train.left_out, lines_left_out(corpus())))) or None
     return train, evl, tok
 

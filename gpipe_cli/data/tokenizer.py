@@ -148,6 +148,15 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, key: str = "model.voc
     return Tokenizer(model.getvalue())
 
 
+def lines_left_out(texts: Iterable[str]) -> str | None:
+    """What a tokenizer trained on `texts` passes over (lines over MAX_LINE_BYTES), in words; None if nothing."""
+    lines = [text for text in texts if text and text.strip()]
+    if not (long := sum(map(_too_long, lines))):
+        return None
+    return (f"{long:,} of {len(lines):,} lines of the training text are over {MAX_LINE_BYTES // 1024} KiB: the "
+            f"tokenizer's training left them out")
+
+
 def _too_long(text: str) -> bool:
     """Whether sentencepiece skips `text` as longer than MAX_LINE_BYTES."""
     # A character is 1 to 4 bytes: only a line in between is encoded to count them.

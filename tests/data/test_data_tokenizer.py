@@ -129,6 +129,23 @@ def test_a_text_whose_every_line_is_over_64_kib_says_so_and_to_split_it() -> Non
     assert train_tokenizer([words, "pipeline stage " * 20], 30).vocab_size > 4  # a short line is enough
 
 
+def test_lines_the_tokenizer_passes_over_are_said_on_the_runs_data_line(tmp_path: Path) -> None:
+    # sentencepiece leaves a line over 64 KiB out of its training without a word; the model still trains on it.
+    text = tmp_path / "t.txt"
+    text.write_text("\n".join(["pipeline stage " * 20] * 30 + [" ".join(["pipeline stage"] * 5000)]) + "\n")
+    said = "1 of 31 lines of the training text are over 64 KiB: the tokenizer's training left them out"
+    ds = build_data(data(source="text", path=str(text), seq_len=16, eval_fraction=0.0), "lm", seed=0, vocab_size=40)
+    assert ds.train.left_out == said
+    given = build_data(data(source="text", path=str(text), seq_len=16, eval_fraction=0.0, tokenizer=str(
+        _stored(ds.tokenizer, tmp_path))), "lm", seed=0, vocab_size=40)
+    assert given.train.left_out is None  # a tokenizer of the user's: not trained on this text
+
+
+def _stored(tok: Tokenizer, folder: Path) -> Path:
+    tok.save(folder / "tok.model")
+    return folder / "tok.model"
+
+
 def test_a_too_small_data_vocab_size_is_named_and_model_vocab_size_too_when_it_must_grow(tmp_path: Path) -> None:
     # 'a' to 'j' and the space: 11 characters, 15 pieces with the special ones.
     corpus = write_jsonl(tmp_path / "train.jsonl", [{"source": "abcd efg", "target": "hij"}] * 20)
