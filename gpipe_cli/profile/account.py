@@ -181,7 +181,8 @@ def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[i
                           offloader=offloader if offload != "none" else None,
                           park_inputs=offloaded(offload, c)) for c in chunks}
         params = [p for p in module.parameters() if p.requires_grad]
-        opt = primed(optimizer, params)  # held through the step, as from a run's second step on
+        # Held through the step, as from a run's second step on; a stage without weights (a cell's combine) has none.
+        opt = primed(optimizer, params) if params else None
         counter = _Counter(meter, module, device)
         actions = sched.build(schedule, s, stages, microbatches, checkpoint, virtual)
         sent = _Sent()
@@ -194,8 +195,9 @@ def measure(spec: ModelSpec, inputs: Any, targets: torch.Tensor, balance: list[i
                  targets=labels if count - 1 in chunks else (), weights=weights if count - 1 in chunks else (),
                  before=stored).run(actions)
         grads_bytes = _unique_bytes([p.grad for p in params if p.grad is not None])
-        opt.step()
-        state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        if opt is not None:
+            opt.step()
+        state = [t for st in (opt.state.values() if opt else ()) for t in st.values() if isinstance(t, torch.Tensor)]
         out.append(StageMemory(s, indices[0], len(indices), _unique_bytes(params), grads_bytes,
                                _unique_bytes(state), stored.bytes, counter.peak(), meter.host_peak,
                                [[ranges[c].start, ranges[c].stop - 1] for c in chunks]))
