@@ -22,7 +22,7 @@ _HELD: dict[Path, int] = {}  # this process's claims: each lock file and the des
 @contextlib.contextmanager
 def held(run_dir: Path, flag: str, instead: str, made: bool = False) -> Iterator[bool]:
     """Hold `run_dir` in the block (made if missing), refusing one another gpipe train holds; yields if it is new."""
-    fd, created = _claim(run_dir, f"{flag}: {cut(str(run_dir), 200)}", instead, made)
+    fd, created = _claim(run_dir, flag, instead, made)
     if fd is not None:
         _HELD[run_dir / LOCK] = fd
     try:
@@ -38,7 +38,7 @@ def held(run_dir: Path, flag: str, instead: str, made: bool = False) -> Iterator
             remove_set_up(run_dir)
 
 
-def _claim(run_dir: Path, where: str, instead: str, made: bool) -> tuple[int | None, bool]:
+def _claim(run_dir: Path, flag: str, instead: str, made: bool) -> tuple[int | None, bool]:
     """The locked file's descriptor (None: no lock can be taken here) and whether the directory is new."""
     created = made
     for _ in range(_TRIES):
@@ -60,7 +60,7 @@ def _claim(run_dir: Path, where: str, instead: str, made: bool) -> tuple[int | N
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
-            raise UserError(f"{where} is being written by another gpipe train ({holder}); {instead}") from None
+            raise being_written(run_dir, flag, holder, instead) from None
         except OSError:  # a file system without locks (some network mounts): the directory is not held
             os.close(fd)
             return None, created
@@ -71,6 +71,11 @@ def _claim(run_dir: Path, where: str, instead: str, made: bool) -> tuple[int | N
             return fd, created
         os.close(fd)  # its holder ended and removed it after this process opened it: lock the file there now
     return None, created
+
+
+def being_written(run_dir: Path, flag: str, holder: str, instead: str) -> UserError:
+    """The refusal of `run_dir`, named by `flag`, while another gpipe train (`holder`) writes it."""
+    return UserError(f"{flag}: {cut(str(run_dir), 200)} is being written by another gpipe train ({holder}); {instead}")
 
 
 def writer_of(run_dir: Path) -> str | None:

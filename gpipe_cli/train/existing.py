@@ -18,7 +18,7 @@ from gpipe_cli.launch.preflight import check_not_empty, check_path
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_yaml
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
-from gpipe_cli.train.claim import writer_of
+from gpipe_cli.train.claim import being_written, writer_of
 
 RECIPE = "recipe.yaml"
 SUPERSEDED = "superseded-"  # checkpoints/superseded-...: a course a resume from an earlier step left
@@ -466,8 +466,7 @@ def check_a_run_to_resume(resume: str | None, output_dir: str | None, name: str,
 def check_no_writer(run_dir: Path, flag: str, instead: str) -> None:
     """Refuse `run_dir` while another gpipe train writes it, worded as the claim refuses it (`instead`: what to do)."""
     if (writer := writer_of(run_dir)) is not None:
-        raise UserError(f"{flag}: {cut(str(run_dir), PATH_CHARS)} is being written by another gpipe train ({writer}); "
-                        f"{instead}")
+        raise being_written(run_dir, flag, writer, instead)
 
 
 def _runs_named(name: str, root: str) -> list[Path]:
