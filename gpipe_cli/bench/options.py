@@ -56,6 +56,11 @@ class BenchOptions(ModelFlags):
         return self.devices if self.simulate and self.devices is not None else self.partitions
 
     @property
+    def measures_once(self) -> bool:
+        """Whether the K run is the K=1 run (one rank, one chunk): then it is measured once, not twice."""
+        return not self.simulate and not self.sweep and self.partitions == 1 and self.virtual_stages == 1
+
+    @property
     def measures_host_overhead(self) -> bool:
         """Whether the K=1 run also times the engine against a plain loop: only when benchmarking K=1 itself."""
         # At K > 1 it would add as many K=1 steps again to every run.
@@ -148,6 +153,9 @@ def validate(options: BenchOptions) -> None:
         "--sweep and --compare cannot be combined" if options.sweep and options.compare else None,
         "--simulate and --compare cannot be combined: --compare measures torch's schedules on K ranks"
         if options.simulate and options.compare else None,
+        # torch's stages talk through a process group, which one rank alone does not start.
+        "--compare runs torch's schedules across ranks: it needs --partitions 2 or more"
+        if options.compare and options.partitions == 1 and not options.simulate else None,
         "--oversubscribe goes with --sweep (the K values it adds are the sweep's)"
         if options.oversubscribe and not options.sweep else None,
         "--virtual-stages > 1 cannot be combined with --sweep" if options.virtual_stages != 1 and options.sweep

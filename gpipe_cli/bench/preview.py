@@ -40,6 +40,8 @@ def runs(options: BenchOptions, layers: int) -> list[tuple[int, int]]:
 
         ks = sweep_partitions(options, layers)
         return [(1, max(SWEEP_MICROBATCHES))] + [(k, m) for k in ks for m in SWEEP_MICROBATCHES]
+    if options.measures_once:
+        return [(1, options.microbatches)]
     return [(1, options.microbatches), (options.partitions, options.microbatches)]
 
 
@@ -54,7 +56,8 @@ def phase_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: Benc
     for k, m in configs:
         work = sizing.step_seconds(cand, machine, options.batch, m, passes)
         if k == 1:
-            seconds[k] += steps * work + 10 * work / m  # the per-layer costs, timed on one micro-batch
+            again = steps + 1 if options.compare and options.measures_once else 0  # see --compare below
+            seconds[k] += (steps + again) * work + 10 * work / m  # the per-layer costs, timed on one micro-batch
             continue
         # The ranks that compute at once: one per GPU, or as many as the cores host at --threads each.
         units = machine.units if machine.kind == "cuda" else machine.units // max(options.threads, 1)

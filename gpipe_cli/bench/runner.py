@@ -61,7 +61,7 @@ def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFi
         "bubble_theory": theoretical_bubble(k, m, options.schedule, options.virtual_stages),
         "oversubscribed": over and measured, "hardware": hardware, "ranks": k, "threads": options.threads,
         "cpu_per_busy": {"k1": k1.cpu_per_busy, "k": kk.cpu_per_busy if kk else []},
-        "load": {"k1": k1.load, "k": kk.load if kk else {}},
+        "load": {"k1": k1.load, "k": kk.load if kk and kk is not k1 else {}},
         "contended": contended(k1.load) or bool(kk and contended(kk.load)),
         "steps": options.steps, "warmup": options.warmup,
         "memory_method": "CUDA allocator peak" if torch.cuda.is_available()
@@ -94,6 +94,17 @@ def check_cut(options: BenchOptions, subject: Subject) -> None:
         raise UserError(f"--{flag}{'/--balance' if options.balance is not None else ''}: {exc}") from None
 
 
+def _launch(job: setup.Job, folder: Path, name: str, options: BenchOptions) -> dict[str, Any]:
+    """Run `job`'s ranks: their figures, ours kept where only a --compare baseline failed."""
+    try:
+        return setup.launch_job(job, folder, name, options.threads)
+    except setup.JobFailed as exc:
+        if not (job.compare and exc.partial.get("runs")):
+            raise
+        # Our figures are in; only a baseline failed (its rank printed why): report ours.
+        return {**exc.partial, "compare": {}, "failed": f"a baseline failed (exit code {exc.code}); see above"}
+
+
 def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Progress,
             phases: dict[int, float]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Measure K=1 and K ranks (or predict K devices): the figures, and the K ranks' step for --trace."""
@@ -102,9 +113,10 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
     then = ", then the engine against a plain loop" if options.measures_host_overhead else ""
     progress.phase(f"measuring K=1 ({len(spec.layers)} layers, per-layer costs and {options.steps} steps{then})",
                    phases.get(1, 0.0))
+    k_fields = {"trace": options.trace is not None, "compare": options.compare}
     k1_job = base_job(options, subject, 1, sizes(len(spec.layers), options.virtual_at(1)), profile_costs=True,
-                      host_overhead=options.measures_host_overhead)
-    k1_raw = setup.launch_job(k1_job, folder, "k1", options.threads)
+                      host_overhead=options.measures_host_overhead, **(k_fields if options.measures_once else {}))
+    k1_raw = _launch(k1_job, folder, "k1", options)
     costs = CostProfile.from_json(k1_raw["costs"])
     k1 = RunFigures.from_json(k1_raw["runs"][0])
     # The explicit balance, else the prediction's cut of measured per-layer time into K x V chunks whose busiest
@@ -116,16 +128,11 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
     balance, balance_by = prediction.balance, "measured time" if explicit is None else "explicit"
     kk: RunFigures | None = None
     raw: dict[str, Any] = {}
-    if not options.simulate:
+    if options.measures_once:
+        raw, kk = k1_raw, k1
+    elif not options.simulate:
         progress.phase(f"measuring K={k} (balance {balance})", phases.get(k, 0.0))
-        job = base_job(options, subject, k, balance, trace=options.trace is not None, compare=options.compare)
-        try:
-            raw = setup.launch_job(job, folder, f"k{k}", options.threads)
-        except setup.JobFailed as exc:
-            if not (options.compare and exc.partial.get("runs")):
-                raise
-            # Our figures are in; only a baseline failed (its rank printed why): report ours.
-            raw = {**exc.partial, "compare": {}, "failed": f"a baseline failed (exit code {exc.code}); see above"}
+        raw = _launch(base_job(options, subject, k, balance, **k_fields), folder, f"k{k}", options)
         kk = RunFigures.from_json(raw["runs"][0])
     summary = summarise(options, subject, k1, kk, costs, balance, balance_by, prediction)
     if kk is not None and len(kk.stages) == k:

@@ -2,11 +2,12 @@
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 
-from gpipe_cli.bench import BenchOptions, overhead, run, tables
+from gpipe_cli.bench import BenchOptions, overhead, preview, run, tables
 from gpipe_cli.bench.options import overhead_rounds
 from gpipe_cli.estimate.measure import build_pipeline
 from gpipe_cli.estimate.subject import example_batch, resolve
@@ -87,6 +88,14 @@ def test_gradients_that_differ_are_said_in_the_line():
         {"host_overhead": faster})
 
 
+def test_k1_alone_is_measured_once():
+    assert BenchOptions(partitions=1).measures_once
+    assert not BenchOptions(partitions=2).measures_once
+    assert not BenchOptions(partitions=1, virtual_stages=2).measures_once  # one rank's two chunks: another run
+    assert not BenchOptions(partitions=1, sweep=True).measures_once
+    assert not BenchOptions(partitions=1, simulate=True, devices=4).measures_once
+
+
 def test_it_is_measured_when_the_bench_is_of_k1_and_said_to_be_otherwise():
     assert BenchOptions(partitions=1).measures_host_overhead
     assert BenchOptions(partitions=2, simulate=True, devices=1).measures_host_overhead
@@ -108,3 +117,10 @@ def test_bench_at_k1_prints_the_line_and_writes_the_figures(tmp_path, capsys):
     assert "host overhead (K=1, M=2): engine" in printed
     assert "the engine against a plain loop at K=1" in printed  # the plan says it will run
     assert figures["load"]["host_overhead"] == h["load"]
+    # K=1 is the run benchmarked: measured once, so its figures are the run's and it is one row.
+    assert "measuring K=1 (" in printed and "measuring K=1 (balance" not in printed
+    assert figures["samples_per_s"] == figures["samples_per_s_k1"] and figures["efficiency"] == 1.0
+    assert figures["step_times"] == figures["step_times_k1"] and figures["load"]["k"] == {}
+    assert sum(line.startswith("│ K=1 ") for line in printed.splitlines()) == 1
+    assert preview.runs(options, 10) == [(1, M)] and preview.runs(replace(options, virtual_stages=2), 10) == [
+        (1, M), (1, M)]

@@ -29,6 +29,7 @@ def test_default_batch_gives_four_examples_per_microbatch():
     (BenchOptions(devices=4), "--devices needs --simulate"),
     (BenchOptions(sweep=True, compare=True), "cannot be combined"),
     (BenchOptions(simulate=True, compare=True), "--simulate and --compare cannot be combined"),
+    (BenchOptions(partitions=1, compare=True), "--compare runs torch's schedules across ranks: it needs --partitions"),
     (BenchOptions(oversubscribe=True), "--oversubscribe goes with --sweep"),
     (BenchOptions(steps=0), "--steps"),
     (BenchOptions(schedule="1f1b", virtual_stages=2), "needs schedule 'interleaved'"),
