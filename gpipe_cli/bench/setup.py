@@ -124,6 +124,14 @@ def sweep_partitions(options: BenchOptions, layers: int) -> list[int]:
     return ks or [k for k in SWEEP_PARTITIONS[:1] if k <= layers]
 
 
+def sweep_skipped(options: BenchOptions, layers: int) -> dict[int, str]:
+    """Why each K of the paper's sweep that this machine or model does not run is left out."""
+    ks = sweep_partitions(options, layers)
+    return {k: f"the model has {layers} pipeline layers, fewer than K" if k > layers
+            else "more ranks than this machine hosts (--oversubscribe runs them anyway)"
+            for k in SWEEP_PARTITIONS if k not in ks}
+
+
 def base_job(options: BenchOptions, subject: Subject, stages: int, balance: list[int], **fields: Any) -> Job:
     """A job with the options' model, batch, schedule and step counts (`fields`: the job's other fields)."""
     job = Job(subject=subject.to_json(), stages=stages, balance=balance, batch_size=options.batch,

@@ -9,8 +9,8 @@ from rich.console import Console
 
 from gpipe_cli import plots
 from gpipe_cli.bench import setup
-from gpipe_cli.bench.options import SWEEP_MICROBATCHES, SWEEP_PARTITIONS, BenchOptions
-from gpipe_cli.bench.setup import base_job, model_json, oversubscription, sweep_partitions
+from gpipe_cli.bench.options import SWEEP_MICROBATCHES, BenchOptions
+from gpipe_cli.bench.setup import base_job, model_json, oversubscription, sweep_partitions, sweep_skipped
 from gpipe_cli.console import figure_table
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.measure import RunFigures, contended
@@ -52,7 +52,7 @@ def run(options: BenchOptions, subject: Subject, folder: Path, progress: Progres
             "checkpoint": options.checkpoint, "steps": options.steps, "warmup": options.warmup,
             "normalized_to": {"partitions": base["partitions"], "microbatches": 1} if base else None,
             "paper": {"table": "GPipe Table 2 (TPUs)", "model": family.paper_title if family else None},
-            "skipped_partitions": [k for k in SWEEP_PARTITIONS if k not in ks],
+            "skipped_partitions": list(skipped := sweep_skipped(options, layers)), "skipped_why": skipped,
             "oversubscribed": any(c["oversubscribed"] for c in cells),
             "contended": any(c["contended"] for c in cells)}
 
@@ -111,9 +111,9 @@ def show(summary: dict[str, Any], console: Console) -> None:
     console.print(table)
     if paper:
         console.print(f"[dim]paper: GPipe Table 2, {paper} on TPUs; ours: this machine[/]")
-    if summary["skipped_partitions"]:
-        console.print(f"[yellow]K = {', '.join(map(str, summary['skipped_partitions']))} skipped: more ranks than "
-                      f"this machine hosts (--oversubscribe runs them anyway)[/]")
+    why = summary["skipped_why"]
+    for reason in dict.fromkeys(why.values()):
+        console.print(f"[yellow]K = {', '.join(str(k) for k, r in why.items() if r == reason)} skipped: {reason}[/]")
     if summary["contended"]:
         console.print("[bold yellow]CONTENDED:[/] other processes used the CPU while some cells were measured "
                       "(see `load` in the JSON); their speed figures are unreliable")
