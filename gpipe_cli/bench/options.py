@@ -128,12 +128,14 @@ def bench_options(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[s
     typed = [given for name in ("partitions", "microbatches", "balance") if (given := given_as(name, flags, sets))]
     if own.get("sweep") and typed:
         raise UserError(f"--sweep measures its own K and M (the paper's Table 2): leave out {', '.join(typed)}")
-    if own.get("simulate") and own.get("devices") is not None and (named := given_as("partitions", flags, sets)):
-        # --devices was the K predicted, and the --partitions beside it was dropped without a word.
-        raise UserError(f"--simulate predicts for --devices {own['devices']} stages: leave out {named}, or "
+    options = BenchOptions(model=model_of(recipe, own.pop("model", None), "measured"),
+                           **shared_fields(BenchOptions, recipe, flags, sets, CUTS, "gpipe bench"), **own)
+    named = given_as("partitions", flags, sets)
+    if options.simulate and options.devices not in (None, options.partitions) and named:
+        # --devices is the K predicted: a --partitions beside it that differs would be dropped without a word.
+        raise UserError(f"--simulate predicts for --devices {options.devices} stages: leave out {named}, or "
                         "--devices to predict for it")
-    return BenchOptions(model=model_of(recipe, own.pop("model", None), "measured"),
-                        **shared_fields(BenchOptions, recipe, flags, sets, CUTS, "gpipe bench"), **own)
+    return options
 
 
 def validate(options: BenchOptions) -> None:

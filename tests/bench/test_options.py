@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_cli.bench.options import FLAGS, BenchOptions, parse_balance, validate
+from gpipe_cli.bench.options import FLAGS, BenchOptions, bench_options, parse_balance, validate
 from gpipe_cli.bench.setup import oversubscription
 from gpipe_cli.cli_help import tidy
 from gpipe_cli.errors import UserError
@@ -278,5 +278,7 @@ def test_simulate_names_the_devices_it_predicts_for(capsys):
     assert run(["bench", *TINY, "--simulate", "--devices", "4", "--partitions", "2"]) == 2
     assert capsys.readouterr().err == ("error: --simulate predicts for --devices 4 stages: leave out --partitions, "
                                        "or --devices to predict for it\n")
+    # The two agree: nothing is dropped.
+    assert bench_options(None, {"partitions": 4}, [], simulate=True, devices=4).stages == 4
     assert run(["bench", *TINY, "--simulate", "--devices", "4", "--balance", "2,2"]) == 2
     assert capsys.readouterr().err.endswith("has 2 entries but the pipeline has 4 (--devices x --virtual-stages)\n")
