@@ -215,8 +215,10 @@ class Pipeline(Section):
                                  f"set pipeline.virtual_stages: 2 (got {self.virtual_stages})")
             return self
         if self.virtual_stages > 1 and self.partitions < 2:
-            raise ValueError(f"pipeline.virtual_stages > 1 needs pipeline.partitions >= 2 for {self.schedule}, "
-                             f"whose chunks loop over the stages (at K=1, zero-bubble-v and v-half run 2 in a V)")
+            # Each key with its value, as `aliases.by_flag` finds it to name the flag that gave it.
+            raise ValueError(f"pipeline.virtual_stages ({self.virtual_stages}) needs pipeline.partitions "
+                             f"({self.partitions}) to be 2 or more for {self.schedule}, whose chunks loop over the "
+                             f"stages (at K=1, zero-bubble-v and v-half run 2 in a V)")
         if self.virtual_stages > 1 and self.microbatches % self.partitions:
             raise ValueError(f"pipeline.microbatches ({self.microbatches}) must be a multiple of "
                              f"pipeline.partitions ({self.partitions}) for the interleaved schedule")

@@ -139,6 +139,13 @@ def test_interleaved_chunks_need_m_a_multiple_of_each_k(capsys, nothing_runs):
         "error: --microbatches 4: interleaved needs a multiple of each K in --partitions (got K=3)")
 
 
+def test_interleaved_chunks_on_one_stage_are_named_by_the_flags(capsys, nothing_runs):
+    # The schema's words named the recipe's keys (`pipeline.virtual_stages > 1 needs pipeline.partitions >= 2`).
+    assert refused(capsys, *TINY, "--schedule", "interleaved", "--virtual-stages", "2", "--partitions", "1") == (
+        "error: --virtual-stages (2) needs --partitions (1) to be 2 or more for interleaved, whose chunks loop over "
+        "the stages (at K=1, zero-bubble-v and v-half run 2 in a V)")
+
+
 def test_a_v_schedule_is_validated_with_its_two_chunks():
     validate(ProfileOptions(schedule="v-half", virtual_stages=2))
     with pytest.raises(UserError, match="give --virtual-stages 2"):
