@@ -209,6 +209,10 @@ def check_new_run_dir(output_dir: Path, claimed: bool = False) -> None:
     """Refuse to start a new run in a directory that holds another (`claimed`: this process holds the directory)."""
     if not output_dir.is_dir():
         return
+    # Under this launch's own claim the holder is this process; else another holds it, and a launch (a dry run
+    # learns it here) would be refused, whether or not a run is there yet.
+    if not claimed:
+        check_no_writer(output_dir, "--output-dir", "wait until it ends, or give another --output-dir")
     if not holds_run(output_dir):
         from gpipe_cli.data.tokenizer import TOKENIZER_FILE
 
@@ -221,9 +225,6 @@ def check_new_run_dir(output_dir: Path, claimed: bool = False) -> None:
                             f"or checkpoints), and a new run writes its own {kept} there; give a new or empty "
                             f"folder, or move the file")
         return
-    # Under this launch's own claim the holder is this process: the run there was finished by another meanwhile.
-    if not claimed:  # a resume of it would be refused as well
-        check_no_writer(output_dir, "--output-dir", "wait until it ends, or give another --output-dir")
     step = last_step(output_dir)
     held = f"already holds a run (its last step is {step})" if step is not None else "already holds a run"
     if not candidates(output_dir):  # records, but nothing a resume continues from: it would be refused

@@ -306,12 +306,20 @@ def test_a_dry_run_of_a_bare_resume_of_a_run_without_a_checkpoint_says_it_starts
     assert (run / "metrics.jsonl").read_text() == records and not launches  # a dry run changes nothing
 
 
-def test_a_dry_run_claims_nothing(tmp_path, launches):
+def test_a_dry_run_claims_nothing_and_says_a_launch_into_a_held_folder_would_be_refused(tmp_path, launches):
     path = recipes.write(tmp_path, copy.deepcopy(recipes.TINY_TRANSLATION))
-    with claim.held(tmp_path / "out", "--output-dir", "wait"):
-        result = train(str(path), "--output-dir", str(tmp_path / "out"), "--dry-run")
+    out = tmp_path / "out"
+    result = train(str(path), "--output-dir", str(out), "--dry-run")
     assert result.exit_code == 0, result.output
-    assert not launches and not (tmp_path / "out").exists()
+    assert not launches and not out.exists()
+    # Held by another launch that has written nothing yet: the dry run passed, and the launch was then refused.
+    with claim.held(out, "--output-dir", "wait"):
+        result = train(str(path), "--output-dir", str(out), "--dry-run")
+        assert result.exit_code == 2, result.output
+        assert error_line(result) == (f"error: --output-dir: {out} is being written by another gpipe train "
+                                      f"(pid {os.getpid()}); wait until it ends, or give another --output-dir")
+        assert [p.name for p in out.iterdir()] == [claim.LOCK]  # the holder's claim alone
+    assert not launches and not out.exists()
 
 
 def test_the_command_refuses_a_directory_another_process_holds_in_one_line(tmp_path):
