@@ -57,6 +57,22 @@ def misfit(spec: ModelSpec, state: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
+def not_finite(state: dict[str, torch.Tensor]) -> str | None:
+    """Which weights hold NaN or infinity, in words (the first such tensor, how many in all); None: none do."""
+    unique: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, tensor in state.items():  # a tied tensor once, under its first name
+        unique.setdefault(id(tensor), (name, tensor))
+    bad = [(name, t) for name, t in unique.values() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if not bad:
+        return None
+    name, tensor = bad[0]
+    nan, inf = bool(tensor.isnan().any()), bool(tensor.isinf().any())
+    count = int((~torch.isfinite(tensor)).sum())
+    what = "NaN or infinite" if nan and inf else "NaN" if nan else "infinite"
+    more = f"; {len(bad)} of the {len(unique)} tensors hold such values" if len(bad) > 1 else ""
+    return f"{name}: {count:,} of its {tensor.numel():,} values {'is' if count == 1 else 'are'} {what}{more}"
+
+
 def describe(spec: ModelSpec, aliases: dict[str, str], *, dtype: str, step: int, recipe: str | None,
              tokenizer: bytes | None, no_tokenizer: str | None = None,
              classes: list[str] | None = None) -> dict[str, str]:

@@ -14,8 +14,8 @@ from gpipe_cli.data.sources import first_line
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from gpipe_cli.errors import UserError, not_utf8, shown
 from gpipe_cli.launch.preflight import check_path
-from gpipe_cli.models.transformer.decode import continue_text, encoding_once, translate, translation_limit
-from gpipe_cli.models.weights import NO_TOKENIZER, Exported, NewerFormat, WeightsOnly, class_names, parse
+from gpipe_cli.models.transformer.decode import Forward, continue_text, encoding_once, translate, translation_limit
+from gpipe_cli.models.weights import NO_TOKENIZER, Exported, NewerFormat, WeightsOnly, class_names, not_finite, parse
 from gpipe_cli.predict import WRITE_ONE, export_file
 
 Answer = Callable[[str], Iterator[str]]  # one input -> the pieces of its line of output, as each is known
@@ -34,13 +34,19 @@ def load_export(path: str) -> Exported:
     except (SafetensorError, OSError, RuntimeError) as exc:
         raise UserError(f"{shown(path)} is not a safetensors file ({first_line(exc)}); {WRITE_ONE}") from None
     try:
-        return parse(tensors, metadata)
+        exported = parse(tensors, metadata)
     except WeightsOnly as exc:  # gpipe export wrote it: advising that command again would go round in a circle
         raise UserError(f"{shown(path)} cannot be run: {exc}") from None
     except NewerFormat as exc:
         raise UserError(f"{shown(path)} cannot be read: {exc}; upgrade gpipe-cli to use it") from None
     except ValueError as exc:
         raise UserError(f"{shown(path)} is not a gpipe export: {exc}; {WRITE_ONE}") from None
+    bad = not_finite(exported.state)
+    if bad is not None:  # every answer would follow from NaN: a class of "nan%", an empty translation
+        # float16 holds at most 65,504: a larger weight exported in it became infinite.
+        hint = "; export the run again with --dtype bfloat16 or float32" if exported.dtype == "float16" else ""
+        raise UserError(f"{shown(path)} cannot be run: its weights are not all finite ({bad}){hint}")
+    return exported
 
 
 def translator(exported: Exported, model: nn.Module) -> Answer:
@@ -55,8 +61,8 @@ def translator(exported: Exported, model: nn.Module) -> Answer:
                   f"at most model.max_len = {max_len})", file=sys.stderr, flush=True)
             ids = ids[:max_len]
         if ids:
-            out = translate(encoding_once(model), torch.tensor([ids]), translation_limit(len(ids), max_len),
-                            tok.vocab_size)
+            out = translate(_finite(encoding_once(model), text), torch.tensor([ids]),
+                            translation_limit(len(ids), max_len), tok.vocab_size)
             yield tok.decode(out[0])
 
     return answer
@@ -75,7 +81,7 @@ def generator(exported: Exported, model: nn.Module, max_tokens: int) -> Answer:
         if not text.strip():  # a blank line of stdin: a blank answer keeps the answers beside their lines
             return
         read, new, shown_new = tok.decode(ids), "", ""
-        for token in continue_text(model, ids, max_tokens, max_len, tok.vocab_size):
+        for token in continue_text(_finite(model, text), ids, max_tokens, max_len, tok.vocab_size):
             ids.append(token)
             whole = tok.decode(ids)
             new = whole[len(read):] if whole.startswith(read) else shown_new
@@ -104,7 +110,7 @@ def classifier(exported: Exported, model: nn.Module, top: int) -> Answer:
     def answer(path: str) -> Iterator[str]:
         with torch.no_grad():
             output = model(transform(read_image(path))[None])
-        logits = output if isinstance(output, torch.Tensor) else output[0]  # without the auxiliary head's
+        logits = _checked(output if isinstance(output, torch.Tensor) else output[0], path)  # not the auxiliary head
         probs, ids = logits.float().softmax(-1)[0].topk(top)
         yield f"{path}\t" + ", ".join(f"{named(i)} ({p:.1%})" for p, i in zip(probs.tolist(), ids.tolist(),
                                                                                strict=True))
@@ -142,6 +148,23 @@ def _text(text: str, kind: str) -> str:
     if where is not None:
         raise UserError(f"an input is not UTF-8 text ({where}); give sentences in UTF-8")
     return text
+
+
+def _finite(forward: Forward, text: str) -> Forward:
+    """`forward`, refusing outputs that are not finite (greedy decoding would pick a token all the same)."""
+    def checked(inputs: object) -> torch.Tensor:
+        logits = forward(inputs)
+        _checked(logits[:, -1], text)  # the last position: the one decoding reads
+        return logits
+    return checked
+
+
+def _checked(logits: torch.Tensor, given: str) -> torch.Tensor:
+    """`logits`, when finite; else one line: finite weights can still overflow float32 on some input."""
+    if not bool(torch.isfinite(logits).all()):
+        raise UserError(f"the model's outputs for {shown(given)} are not finite (NaN or infinite), though its "
+                        "weights are: it has no answer to give")
+    return logits
 
 
 def _say_if_unknown(tok: Tokenizer, ids: list[int], text: str) -> None:

@@ -6,14 +6,18 @@ import errno
 import io
 import itertools
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from gpipe_cli.cli import run
+from gpipe_cli.errors import shown
 from tests.predict.exports import SIZES, write_export
 from tests.train.test_checkpoint import save_one
 from tests.train.test_export_inputs import one_error_line
@@ -318,6 +322,70 @@ def test_an_export_of_a_newer_format_says_to_upgrade(tmp_path, capsys):
     line = one_error_line(code, captured.err, captured.out)
     assert line == (f"error: {str(path)!r} cannot be read: it was written by a newer gpipe-cli (export format 99; "
                     "this one reads 1); upgrade gpipe-cli to use it"), line
+
+
+def rewritten(path: Path, change) -> Path:
+    """A copy of the export at `path` whose tensors `change` has edited in place (a dict of name -> tensor)."""
+    with safe_open(str(path), framework="pt") as f:
+        metadata, tensors = f.metadata(), {name: f.get_tensor(name).clone() for name in f.keys()}  # noqa: SIM118
+    change(tensors)
+    copy = path.with_name(f"changed-{path.name}")
+    save_file(tensors, str(copy), metadata=metadata)
+    return copy
+
+
+@pytest.mark.parametrize(("family", "value", "what"), [("image", math.nan, "is NaN"), ("translation", math.inf,
+                                                                                        "is infinite"),
+                                                       ("lm", -math.inf, "is infinite")])
+def test_an_export_whose_weights_are_not_finite_is_refused_naming_the_tensor(tmp_path, exports, picture, capsys,
+                                                                            family, value, what):
+    # Its answers followed from NaN: "class 2 (nan%)" and exit code 0, or an empty translation.
+    first = {}
+
+    def spoil(tensors):
+        name = next(n for n, t in tensors.items() if t.is_floating_point())
+        tensors[name].view(-1)[0] = value
+        first.update(name=name, size=tensors[name].numel())
+
+    path = rewritten(write_export(tmp_path, family), spoil)
+    code = run(["predict", str(path), str(picture) if family == "image" else "one two"])
+    captured = capsys.readouterr()
+    assert one_error_line(code, captured.err, captured.out) == (
+        f"error: {shown(str(path))} cannot be run: its weights are not all finite ({first['name']}: 1 of its "
+        f"{first['size']:,} values {what})")
+    assert captured.out == ""
+
+
+def test_non_finite_weights_of_a_float16_export_say_which_dtype_holds_them(tmp_path, capsys):
+    # float16 holds at most 65,504: a larger weight exported in it is infinite.
+    def overflow(tensors):
+        for name, tensor in tensors.items():
+            tensors[name] = (tensor * 1e5).half() if tensor.is_floating_point() else tensor
+
+    path = rewritten(write_export(tmp_path, "lm", dtype="float16"), overflow)
+    code = run(["predict", str(path), "one"])
+    captured = capsys.readouterr()
+    line = one_error_line(code, captured.err, captured.out)
+    assert "its weights are not all finite (" in line and "tensors hold such values" in line
+    assert line.endswith("; export the run again with --dtype bfloat16 or float32"), line
+
+
+@pytest.mark.parametrize("family", ["image", "lm", "translation"])
+def test_outputs_that_are_not_finite_from_finite_weights_are_refused_in_one_line(tmp_path, exports, picture,
+                                                                                 capsys, family):
+    # Weights near float32's largest overflow on the way to the output: an answer would be picked from NaN.
+    def huge(tensors):
+        for name, tensor in tensors.items():
+            if tensor.is_floating_point() and tensor.dim() == 2:
+                tensors[name] = torch.where(tensor < 0, -3e38, 3e38)
+
+    path = rewritten(write_export(tmp_path, family), huge)
+    given = str(picture) if family == "image" else "one two"
+    code = run(["predict", str(path), given])
+    captured = capsys.readouterr()
+    assert one_error_line(code, captured.err, captured.out) == (
+        f"error: the model's outputs for {given!r} are not finite (NaN or infinite), though its weights are: it has "
+        "no answer to give")
 
 
 def test_a_model_file_that_cannot_be_read_is_said_so_not_called_missing(exports, monkeypatch, capsys):
