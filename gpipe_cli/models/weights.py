@@ -6,6 +6,7 @@ import base64
 import binascii
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, get_args
 
 import torch
@@ -20,6 +21,7 @@ NO_TOKENIZER = "no_tokenizer"  # of a text model exported without its tokenizer:
 CLASSES = "classes"  # of an image model trained on named classes: their names in label order (JSON)
 # How tensors are named, in every file gpipe export writes: also in one of weights only, which has no MARK.
 LAYERS = "global layer index . parameter name"
+_MAX_HEADER = 100_000_000  # safetensors refuses a longer header: such a length is no header at all
 
 
 class WeightsOnly(ValueError):
@@ -28,6 +30,32 @@ class WeightsOnly(ValueError):
 
 class NewerFormat(ValueError):
     """An export in a format a later gpipe-cli writes."""
+
+
+def cut_short(path: Path) -> str | None:
+    """What a safetensors file that ends too soon is, in words ("is empty", "is incomplete: ..."); None: it does not."""
+    # The layout: 8 bytes of header length n, n bytes of JSON header, then the data its offsets span.
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = f.read(min(length, _MAX_HEADER))
+    except OSError:  # gone or unreadable since: the caller's own reason stands
+        return None
+    if size == 0:
+        return "is empty (0 bytes)"
+    if size < 8 or not 2 <= length <= _MAX_HEADER or header[:1] not in (b"{", b""):
+        return None  # its first bytes are no safetensors header: not a file of this kind at all
+    if size < 8 + length:
+        return f"is incomplete: it ends after {size:,} bytes, inside its header, which alone is {8 + length:,} bytes"
+    try:
+        entries = json.loads(header)
+        end = max((int(e["data_offsets"][1]) for k, e in entries.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    if size < 8 + length + end:
+        return f"is incomplete: it ends after {size:,} bytes, where its header says {8 + length + end:,}"
+    return None
 
 
 def store_once(tensors: dict[str, torch.Tensor],

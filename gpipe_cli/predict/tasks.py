@@ -15,7 +15,16 @@ from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from gpipe_cli.errors import UserError, not_utf8, shown
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.models.transformer.decode import Forward, continue_text, encoding_once, translate, translation_limit
-from gpipe_cli.models.weights import NO_TOKENIZER, Exported, NewerFormat, WeightsOnly, class_names, not_finite, parse
+from gpipe_cli.models.weights import (
+    NO_TOKENIZER,
+    Exported,
+    NewerFormat,
+    WeightsOnly,
+    class_names,
+    cut_short,
+    not_finite,
+    parse,
+)
 from gpipe_cli.predict import WRITE_ONE, export_file
 
 Answer = Callable[[str], Iterator[str]]  # one input -> the pieces of its line of output, as each is known
@@ -32,7 +41,12 @@ def load_export(path: str) -> Exported:
             metadata = f.metadata()
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safetensors handle)
     except (SafetensorError, OSError, RuntimeError) as exc:
-        raise UserError(f"{shown(path)} is not a safetensors file ({first_line(exc)}); {WRITE_ONE}") from None
+        # A copy or download that stopped early: "not a safetensors file" sent the user looking for another file.
+        short = cut_short(file)
+        if short is not None:
+            raise UserError(f"{shown(str(file))} {short}; copy it again whole, or write it again with: "
+                            "gpipe export RUN") from None
+        raise UserError(f"{shown(str(file))} is not a safetensors file ({first_line(exc)}); {WRITE_ONE}") from None
     try:
         exported = parse(tensors, metadata)
     except WeightsOnly as exc:  # gpipe export wrote it: advising that command again would go round in a circle

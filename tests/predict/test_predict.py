@@ -324,6 +324,32 @@ def test_an_export_of_a_newer_format_says_to_upgrade(tmp_path, capsys):
                     "this one reads 1); upgrade gpipe-cli to use it"), line
 
 
+@pytest.mark.parametrize("where", ["in the header", "in the data", "one byte short"])
+def test_a_truncated_export_is_said_to_end_early_not_to_be_no_safetensors_file(tmp_path, exports, capsys, where):
+    # A copy cut short was "not a safetensors file (Error while deserializing header: invalid header length)".
+    whole = exports["image"].read_bytes()
+    header_end = 8 + int.from_bytes(whole[:8], "little")
+    keep = {"in the header": header_end // 2, "in the data": (header_end + len(whole)) // 2,
+            "one byte short": len(whole) - 1}[where]
+    path = tmp_path / "cut.safetensors"
+    path.write_bytes(whole[:keep])
+    code = run(["predict", str(path), "x"])
+    captured = capsys.readouterr()
+    says = (f"inside its header, which alone is {header_end:,} bytes" if where == "in the header"
+            else f"where its header says {len(whole):,}")
+    assert one_error_line(code, captured.err, captured.out) == (
+        f"error: {shown(str(path))} is incomplete: it ends after {keep:,} bytes, {says}; copy it again whole, or "
+        "write it again with: gpipe export RUN")
+
+
+def test_an_empty_model_file_is_said_to_be_empty(tmp_path, capsys):
+    (tmp_path / "model.safetensors").touch()
+    code = run(["predict", str(tmp_path), "x"])
+    captured = capsys.readouterr()
+    assert one_error_line(code, captured.err, captured.out).endswith(
+        "model.safetensors' is empty (0 bytes); copy it again whole, or write it again with: gpipe export RUN")
+
+
 def rewritten(path: Path, change) -> Path:
     """A copy of the export at `path` whose tensors `change` has edited in place (a dict of name -> tensor)."""
     with safe_open(str(path), framework="pt") as f:
