@@ -9,7 +9,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from gpipe_cli.data.augment import IMAGE_EXTS, ImageTransform, pil_to_tensor
+from gpipe_cli.data.augment import ImageTransform, pil_to_tensor
+from gpipe_cli.data.image_kind import FORMATS, image_format
 from gpipe_cli.data.sources import first_line
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from gpipe_cli.errors import UserError, not_utf8, shown
@@ -28,6 +29,7 @@ from gpipe_cli.models.weights import (
 from gpipe_cli.predict import WRITE_ONE, export_file
 
 Answer = Callable[[str], Iterator[str]]  # one input -> the pieces of its line of output, as each is known
+_CLASSIFIES = f"an image model classifies image files ({FORMATS}, ...)"
 
 
 
@@ -141,7 +143,7 @@ def read_image(path: str) -> torch.Tensor:
         with Image.open(path) as image:
             return pil_to_tensor(image)
     except (OSError, UnidentifiedImageError, ValueError) as exc:
-        raise UserError(f"{shown(path)} is not an image PIL can read ({first_line(exc)})") from None
+        raise UserError(f"{shown(path)} is not an image PIL can read ({first_line(exc)}); {_CLASSIFIES}") from None
 
 
 def check_image_path(path: str) -> None:
@@ -149,13 +151,13 @@ def check_image_path(path: str) -> None:
     check_path(path, "INPUT")
     if not os.path.isfile(path):
         what = "a directory" if os.path.isdir(path) else "no such file"
-        raise UserError(f"{shown(path)}: {what}; an image model classifies image files "
-                        f"({', '.join(IMAGE_EXTS)}, ...)")
+        raise UserError(f"{shown(path)}: {what}; {_CLASSIFIES}")
 
 
 def _text(text: str, kind: str) -> str:
     """The input, refused when it names an image file (a text model reads sentences, not files)."""
-    if text.lower().endswith(IMAGE_EXTS) and os.path.isfile(text):
+    # By its bytes, not its name: a photo saved as notes.txt is one, a text file named x.png is a sentence.
+    if os.path.isfile(text) and image_format(text) is not None:
         raise UserError(f"{shown(text)} is an image file, but this is a {kind} model: give it sentences, "
                         "as arguments or one per line on stdin")
     where = not_utf8(text)

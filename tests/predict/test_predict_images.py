@@ -1,0 +1,80 @@
+"""Whether an input of `gpipe predict` is an image is told by its bytes, never by its file name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from gpipe_cli.cli import run
+from gpipe_cli.data.image_kind import image_format
+from gpipe_cli.errors import shown
+from tests.predict.exports import write_export
+from tests.train.test_export_inputs import one_error_line
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("exports")
+    return {family: write_export(folder, family) for family in ("translation", "lm", "image")}
+
+
+def _picture(path: Path, kind: str = "PNG") -> Path:
+    """A small random picture saved as `kind`, whatever `path`'s name says."""
+    pixels = np.random.default_rng(0).integers(0, 256, (20, 30, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path, format=kind)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF"])
+def test_each_format_training_reads_is_told_by_its_first_bytes(tmp_path, kind):
+    assert image_format(str(_picture(tmp_path / "no-suffix", kind))) == kind
+
+
+@pytest.mark.parametrize("text", ["one two three\n", "BMW and GIF are words\n", "", "\x89PN"])
+def test_text_is_no_image_whatever_its_name(tmp_path, text):
+    path = tmp_path / "x.png"
+    path.write_text(text)
+    assert image_format(str(path)) is None
+
+
+@pytest.mark.parametrize("name", ["holiday.txt", "holiday"])
+def test_an_image_model_classifies_an_image_whatever_its_file_is_named(exports, tmp_path, capsys, name):
+    picture = _picture(tmp_path / name)
+    assert run(["predict", str(exports["image"]), str(picture)]) == 0
+    assert capsys.readouterr().out.startswith(f"{picture}\tclass ")
+
+
+@pytest.mark.parametrize("family", ["translation", "lm"])
+@pytest.mark.parametrize("name", ["holiday.txt", "holiday"])
+def test_a_text_model_refuses_an_image_whatever_its_file_is_named(exports, tmp_path, capsys, monkeypatch, family,
+                                                                  name):
+    # It was read as the sentence of its name: an image with another suffix, or none, was translated as text.
+    monkeypatch.chdir(tmp_path)
+    _picture(tmp_path / name)
+    code = run(["predict", str(exports[family]), name])
+    captured = capsys.readouterr()
+    kind = "translation" if family == "translation" else "language"
+    assert one_error_line(code, captured.err, captured.out) == (
+        f"error: {name!r} is an image file, but this is a {kind} model: give it sentences, as arguments or one per "
+        "line on stdin")
+
+
+def test_a_text_model_reads_the_name_of_a_text_file_named_png_as_a_sentence(exports, tmp_path, capsys, monkeypatch):
+    # It was refused as "an image file" for its suffix.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "seven.png").write_text("seven\n")
+    assert run(["predict", str(exports["translation"]), "seven.png"]) == 0
+    assert capsys.readouterr().out.count("\n") == 1
+
+
+def test_an_image_model_given_a_text_file_named_png_says_so_in_one_line(exports, tmp_path, capsys):
+    path = tmp_path / "x.png"
+    path.write_text("hello world\n")
+    code = run(["predict", str(exports["image"]), str(path)])
+    captured = capsys.readouterr()
+    line = one_error_line(code, captured.err, captured.out)
+    assert line.startswith(f"error: {shown(str(path))} is not an image PIL can read (")
+    assert line.endswith("); an image model classifies image files (PNG, JPEG, GIF, BMP, WEBP, TIFF, ...)"), line
