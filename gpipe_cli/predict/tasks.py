@@ -142,7 +142,8 @@ def read_image(path: str) -> torch.Tensor:
     try:
         with Image.open(path) as image:
             return pil_to_tensor(image)
-    except (OSError, UnidentifiedImageError, ValueError) as exc:
+    # PIL refuses an image of more pixels than it allows with an error of its own (not an OSError).
+    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
         raise UserError(f"{shown(path)} is not an image PIL can read ({first_line(exc)}); {_CLASSIFIES}") from None
 
 

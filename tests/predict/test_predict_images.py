@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -78,3 +79,18 @@ def test_an_image_model_given_a_text_file_named_png_says_so_in_one_line(exports,
     line = one_error_line(code, captured.err, captured.out)
     assert line.startswith(f"error: {shown(str(path))} is not an image PIL can read (")
     assert line.endswith("); an image model classifies image files (PNG, JPEG, GIF, BMP, WEBP, TIFF, ...)"), line
+
+
+def test_an_image_of_more_pixels_than_pil_allows_is_one_line(exports, tmp_path, capsys):
+    # PIL's DecompressionBombError was a traceback.
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+
+    path = tmp_path / "huge.png"  # the header of a 30,000 x 30,000 RGB PNG, its pixels left out
+    header = (30_000).to_bytes(4, "big") * 2 + bytes([8, 2, 0, 0, 0])
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b""))
+                     + chunk(b"IEND", b""))
+    code = run(["predict", str(exports["image"]), str(path)])
+    captured = capsys.readouterr()
+    line = one_error_line(code, captured.err, captured.out)
+    assert line.startswith(f"error: {shown(str(path))} is not an image PIL can read (Image size (900000000 pixels)")
