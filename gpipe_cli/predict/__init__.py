@@ -45,9 +45,8 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
     for number, item in enumerate(given, 1):  # found before the model is built, not after
         if task == "image":
             tasks.check_image_path(item)
-        elif not item.strip():  # its answer was a blank line and exit code 0, as if something had been asked
-            which = f"INPUT {number} of {len(given)}" if len(given) > 1 else "INPUT"
-            raise UserError(f"{which}: {'only whitespace' if item else 'empty'}; give {_GIVE[task]}")
+        else:
+            _check_text(item, number, len(given), task)
     try:
         model = exported.build()
     except ValueError as exc:
@@ -78,6 +77,16 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
         print(f"gpipe predict: interrupted {said}", file=sys.stderr)
         return 130
     return 0
+
+
+def _check_text(item: str, number: int, count: int, task: str) -> None:
+    """Refuse an INPUT of a text model that is blank or not UTF-8, naming it as "INPUT 2 of 3" (of several)."""
+    which = f"INPUT {number} of {count}" if count > 1 else "INPUT"
+    if not item.strip():  # its answer was a blank line and exit code 0, as if something had been asked
+        raise UserError(f"{which}: {'only whitespace' if item else 'empty'}; give {_GIVE[task]}")
+    where = not_utf8(item)  # bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer refuses
+    if where is not None:
+        raise UserError(f"{which}: not UTF-8 text ({where}); give {_GIVE[task]} in UTF-8")
 
 
 def _stdin_lines(text: bool) -> Iterator[str]:

@@ -13,7 +13,7 @@ from gpipe_cli.data.augment import ImageTransform, pil_to_tensor
 from gpipe_cli.data.image_kind import FORMATS, image_format
 from gpipe_cli.data.sources import first_line
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
-from gpipe_cli.errors import UserError, not_utf8, shown
+from gpipe_cli.errors import UserError, shown
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.models.transformer.decode import Forward, continue_text, encoding_once, translate, translation_limit
 from gpipe_cli.models.weights import (
@@ -161,10 +161,7 @@ def _text(text: str, kind: str) -> str:
     if os.path.isfile(text) and image_format(text) is not None:
         raise UserError(f"{shown(text)} is an image file, but this is a {kind} model: give it sentences, "
                         "as arguments or one per line on stdin")
-    where = not_utf8(text)
-    if where is not None:
-        raise UserError(f"an input is not UTF-8 text ({where}); give sentences in UTF-8")
-    return text
+    return text  # UTF-8: each INPUT and line of stdin is checked before it gets here
 
 
 def _finite(forward: Forward, text: str) -> Forward:

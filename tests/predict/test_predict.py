@@ -50,8 +50,14 @@ def test_a_translation_model_answers_each_sentence_on_its_own_line(exports, monk
     ("translation", ["one", " \t"], "error: INPUT 2 of 2: only whitespace; give a sentence to translate"),
     ("lm", ["   ", "--max-tokens", "5"], "error: INPUT: only whitespace; give a prompt to continue"),
     ("lm", ["one", "", "two"], "error: INPUT 2 of 3: empty; give a prompt to continue"),
-], ids=["empty sentence", "blank sentence", "blank prompt", "empty prompt of three"])
-def test_an_empty_or_blank_input_argument_is_refused_in_one_line(exports, capsys, family, args, line):
+    # Named as the empty one is: it was "an input is not UTF-8 text", after the inputs before it were answered.
+    ("translation", ["caf\udce9"], "error: INPUT: not UTF-8 text (byte 0xe9 at character 4); give a sentence to "
+                                    "translate in UTF-8"),
+    ("lm", ["one", "caf\udce9", "two"], "error: INPUT 2 of 3: not UTF-8 text (byte 0xe9 at character 4); give a "
+                                         "prompt to continue in UTF-8"),
+], ids=["empty sentence", "blank sentence", "blank prompt", "empty prompt of three", "not UTF-8",
+        "not UTF-8 of three"])
+def test_an_empty_blank_or_not_utf8_input_argument_is_refused_in_one_line(exports, capsys, family, args, line):
     # It was answered with a blank line and exit code 0, as if something had been asked.
     code = run(["predict", str(exports[family]), *args])
     captured = capsys.readouterr()
@@ -276,8 +282,7 @@ def text_file(folder: Path) -> Path:
      "--max-tokens: must be >= 1 and <= 100,000 (got 99999999999999999999)"),
     (lambda tmp, exports: exports["lm"], ["x", "--top", "2"], "--top ranks an image classifier's classes; "),
     # Bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer cannot take (a traceback).
-    (lambda tmp, exports: exports["translation"], ["caf\udce9"], "an input is not UTF-8 text (byte 0xe9 at "
-                                                                  "character 4)"),
+    (lambda tmp, exports: exports["translation"], ["caf\udce9"], "INPUT: not UTF-8 text (byte 0xe9 at character 4)"),
 ], ids=["missing", "directory", "text file", "plain safetensors", "damaged", "no tokenizer", "unknown task",
         "task of another model", "no task", "weights of another shape",
         "image to lm",
