@@ -20,6 +20,7 @@ from gpipe_cli.report.runs import (
     eval_metric,
     last_cut,
     memory_peak,
+    on_gpu,
     profiled_left_out,
     read_runs,
     segment_throughputs,
@@ -64,6 +65,22 @@ def _over(runs: list[Run], after_warmup: str) -> str:
     return words
 
 
+_HOLDS = {True: "a stage's CUDA allocator peak", False: "the most activations a stage stored at once"}
+
+
+def _memory(runs: list[Run], column: str) -> tuple[str, str]:
+    """The memory column's header, naming what its figures are, and the caption's words for them."""
+    # A CPU run's figure is its stored activations alone (no allocator peak is read there); a GPU run's is the
+    # whole allocator peak, weights, gradients and optimizer state too: read as one another, they mislead.
+    gpu = [on_gpu(run) for run in runs]
+    if all(gpu) or not any(gpu):
+        cuda = "CUDA" if column.endswith("peak") else "CUDA peak"
+        header = f"{column}\n({cuda if gpu[0] else 'activations'})"
+        return header, _HOLDS[gpu[0]] + ("" if gpu[0] else " (a CPU run: no device peak is read)")
+    named = {kind: ", ".join(run.label for run, g in zip(runs, gpu) if g == kind) for kind in (True, False)}
+    return column, f"{_HOLDS[True]} on a GPU ({named[True]}), {_HOLDS[False]} on a CPU ({named[False]})"
+
+
 def summary_table(runs: list[Run]) -> Table:
     """One row per run: last loss, best eval, largest stage peak, and its pipeline's throughput, bubble and wait."""
     # A run resumed with another pipeline: its row's K, M and schedule are its last pipeline's, and so are its
@@ -74,10 +91,13 @@ def summary_table(runs: list[Run]) -> Table:
                                                             "resume, which warm up")
     caption = (" · ".join(f"{r.label}: {r.path}" for r in runs)
                + f"\nsamples/s, bubble and wait: mean over {over}; each step weighted by its time")
+    memory, holds = _memory(runs, "memory")
     if any(map(cut_steps, runs)):
-        caption += "\nmemory: the largest peak of any stage at any step, whatever pipeline ran it"
+        caption += f"\nmemory: the largest peak of any stage at any step, whatever pipeline ran it; {holds}"
+    else:
+        caption += f"\nmemory: {holds}"
     table = _table("gpipe report", ("run", "steps", "loss", "best eval", "samples/s", "bubble", "theory", "wait",
-                                    "memory"), ("run", "best eval"), caption)
+                                    memory), ("run", "best eval"), caption)
     for run, rate in zip(runs, rates):
         losses = series(run)["loss"][1]
         best = "-"
@@ -101,8 +121,9 @@ def summary_table(runs: list[Run]) -> Table:
 def stage_table(runs: list[Run]) -> Table:
     """One row per run and stage: mean milliseconds per step of each part, and the memory peak."""
     # A stage of another pipeline holds other layers: its figures are never averaged with this one's.
+    memory, holds = _memory(runs, "memory peak")
     table = _table(f"per stage (mean over {_over(runs, 'the steps after warm-up')})",
-                   ("run", "stage", *(f"{part} ms" for part in PARTS), "memory peak"))
+                   ("run", "stage", *(f"{part} ms" for part in PARTS), memory), caption=f"memory peak: {holds}")
     for run in runs:
         parts, data = time_breakdown(run), series(run)
         for s in range(run.stages):

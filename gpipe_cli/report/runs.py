@@ -310,6 +310,11 @@ def memory_peak(run: Run) -> float:
     return max((float(v) for r in run.train for v in r.get("mem_peak_bytes") or [] if v is not None), default=0.0)
 
 
+def on_gpu(run: Run) -> bool:
+    """Whether the run's memory figures are CUDA allocator peaks; else (a CPU run) the activations its stages stored."""
+    return any(r.get("cuda_peak_bytes") for r in run.train)
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
