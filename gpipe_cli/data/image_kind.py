@@ -1,28 +1,20 @@
-"""Whether a file holds an image, from its first bytes: the formats a folder of training images holds."""
+"""Whether a file holds an image, told by PIL from its bytes: the formats a folder of training images holds."""
 
 from __future__ import annotations
 
-# The bytes each format's files begin with (WEBP's and BMP's are checked on their own, below).
-_SIGNATURES = {
-    "PNG": (b"\x89PNG\r\n\x1a\n",),
-    "JPEG": (b"\xff\xd8\xff",),
-    "GIF": (b"GIF87a", b"GIF89a"),
-    "TIFF": (b"II*\x00", b"MM\x00*"),
-}
-_BMP_INFO_SIZES = (12, 40, 52, 56, 64, 108, 124)  # the sizes a BMP's info header (bytes 14 to 18) may give
-FORMATS = "PNG, JPEG, GIF, BMP, WEBP, TIFF"
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")
+FORMATS = ", ".join(IMAGE_FORMATS)
 
 
 def image_format(path: str) -> str | None:
-    """The format of the image file at `path`, by its first bytes; None: none of FORMATS, or it cannot be read."""
+    """The format of the image file at `path` (one of IMAGE_FORMATS); None: none of them, or it cannot be read."""
+    from PIL import Image, UnidentifiedImageError
+
     try:
-        with open(path, "rb") as f:
-            head = f.read(18)
-    except OSError:
+        # Only these formats' readers are tried: PIL's others read some plain text (a PBM's "P1 ...") as an image.
+        with Image.open(path, formats=IMAGE_FORMATS) as image:
+            return str(image.format)
+    except Image.DecompressionBombError:  # an image all the same, of more pixels than PIL opens
+        return "image"
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
         return None
-    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":  # RIFF, the size, then the kind of RIFF file
-        return "WEBP"
-    # "BM" begins text too ("BMW"): an info header of a size BMP knows must follow.
-    if head[:2] == b"BM" and int.from_bytes(head[14:18], "little") in _BMP_INFO_SIZES:
-        return "BMP"
-    return next((name for name, signatures in _SIGNATURES.items() if head.startswith(signatures)), None)
