@@ -347,9 +347,11 @@ def test_a_truncated_export_is_said_to_end_early_not_to_be_no_safetensors_file(t
         "write it again with: gpipe export RUN")
 
 
-def test_an_empty_model_file_is_said_to_be_empty(tmp_path, capsys):
-    (tmp_path / "model.safetensors").touch()
-    code = run(["predict", str(tmp_path), "x"])
+def test_an_empty_model_file_is_said_to_be_empty(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a short name: a long path is cut in the line
+    Path("run").mkdir()
+    Path("run", "model.safetensors").touch()
+    code = run(["predict", "run", "x"])
     captured = capsys.readouterr()
     assert one_error_line(code, captured.err, captured.out).endswith(
         "model.safetensors' is empty (0 bytes); copy it again whole, or write it again with: gpipe export RUN")
