@@ -100,8 +100,15 @@ def _check_not_the_runs(output: Path, run_dir: Path) -> None:
 def _described(tensors: dict[str, torch.Tensor], run_dir: Path, step: int,
                dtype: str | None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors to store (tied ones once, cast to `dtype`) and the metadata that makes them usable alone."""
+    source_bad = weights.not_finite(tensors)
+    if source_bad is not None:  # written all the same, as the weights a user may want to look into
+        print(f"[gpipe] the checkpoint's weights are not all finite ({source_bad}): gpipe predict refuses the "
+              "export", file=sys.stderr)
     if dtype is not None:
         tensors = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in tensors.items()}
+        if source_bad is None and (cast_bad := weights.not_finite(tensors)) is not None:
+            raise UserError(f"--dtype {dtype}: the checkpoint's weights do not all fit its range ({cast_bad} "
+                            f"once cast); give --dtype bfloat16 or float32")
     floating = [v.dtype for v in tensors.values() if v.is_floating_point()]
     stored = str(floating[0]).removeprefix("torch.") if floating else "float32"
     recipe_file = run_dir / RECIPE

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from gpipe_cli.errors import UserError
 from gpipe_cli.train import checkpoint
+from gpipe_cli.train import export as export_module
 from gpipe_cli.train.export import export
 from tests.train.as_ranks import gpipe_train
 from tests.train.recipes import TINY_TRANSLATION, write
@@ -185,3 +186,19 @@ def test_an_export_of_a_run_without_its_tokenizer_is_written_and_predict_says_wh
     assert one_error_line(code, captured.err, captured.out) == (
         f"error: the export holds no tokenizer, so gpipe predict cannot run it (at export, {missing}); export the run "
         "again once its tokenizer file loads")
+
+
+def test_a_cast_that_overflows_is_refused_and_weights_not_finite_are_said(tmp_path, capsys):
+    # --dtype float16 of a weight past 65504 wrote infinity, and gpipe predict then refused the export.
+    big = {"0.weight": torch.tensor([1.0, 1e6]), "0.steps": torch.tensor([3])}
+    with pytest.raises(UserError, match=r"^--dtype float16: the checkpoint's weights do not all fit its range "
+                                        r"\(0\.weight: 1 of its 2 values is infinite once cast\); give --dtype "
+                                        r"bfloat16 or float32$"):
+        export_module._described(big, tmp_path, 1, "float16")
+    stored, _ = export_module._described(big, tmp_path, 1, "bfloat16")
+    assert stored["0.weight"].dtype == torch.bfloat16 and bool(torch.isfinite(stored["0.weight"]).all())
+    capsys.readouterr()
+    # Weights that are not finite already are the checkpoint's own: written, and said.
+    export_module._described({"0.weight": torch.tensor([float("nan"), 1.0])}, tmp_path, 1, "float16")
+    assert "the checkpoint's weights are not all finite (0.weight: 1 of its 2 values is NaN): gpipe predict " \
+           "refuses the export" in capsys.readouterr().err
