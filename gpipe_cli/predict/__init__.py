@@ -47,6 +47,7 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
             tasks.check_image_path(item)
         else:
             _check_text(item, number, len(given), task)
+            tasks.not_an_image(item, "translation" if task == "translation" else "language")
     try:
         model = exported.build()
     except ValueError as exc:

@@ -70,7 +70,7 @@ def translator(exported: Exported, model: nn.Module) -> Answer:
     tok, max_len = _tokenizer(exported), int(exported.spec.config["max_len"])
 
     def answer(text: str) -> Iterator[str]:
-        ids = tok.encode(_text(text, "translation"))
+        ids = tok.encode(not_an_image(text, "translation"))
         _say_if_unknown(tok, ids, text)
         if len(ids) > max_len:  # cut as evaluation cuts a long source, and said: the translation ends early
             print(f"[gpipe] a sentence of {len(ids):,} tokens: its first {max_len} are translated (the model reads "
@@ -89,7 +89,7 @@ def generator(exported: Exported, model: nn.Module, max_tokens: int) -> Answer:
     tok, max_len = _tokenizer(exported), int(exported.spec.config["max_len"])
 
     def answer(text: str) -> Iterator[str]:
-        ids = tok.encode(_text(text, "language"))
+        ids = tok.encode(not_an_image(text, "language"))
         _say_if_unknown(tok, ids, text)
         # The prompt as typed, not as the tokenizer gives it back (spaces folded, unknown characters as ⁇); the
         # new text is what decoding grows by past it (the new tokens alone would lose the space before the first).
@@ -155,7 +155,7 @@ def check_image_path(path: str) -> None:
         raise UserError(f"{shown(path)}: {what}; {_CLASSIFIES}")
 
 
-def _text(text: str, kind: str) -> str:
+def not_an_image(text: str, kind: str) -> str:
     """The input, refused when it names an image file (a text model reads sentences, not files)."""
     # By its bytes, not its name: a photo saved as notes.txt is one, a text file named x.png is a sentence.
     if os.path.isfile(text) and image_format(text) is not None:

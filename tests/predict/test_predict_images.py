@@ -61,6 +61,13 @@ def test_a_text_model_refuses_an_image_whatever_its_file_is_named(exports, tmp_p
     assert one_error_line(code, captured.err, captured.out) == (
         f"error: {name!r} is an image file, but this is a {kind} model: give it sentences, as arguments or one per "
         "line on stdin")
+    # Found before any input is answered, as an empty one is.
+    code = run(["predict", str(exports[family]), "seven", name])
+    captured = capsys.readouterr()
+    assert one_error_line(code, captured.err, captured.out).endswith("is an image file, but this is a "
+                                                                     f"{kind} model: give it sentences, as "
+                                                                     "arguments or one per line on stdin")
+    assert captured.out == ""
 
 
 def test_a_text_model_reads_the_name_of_a_text_file_named_png_as_a_sentence(exports, tmp_path, capsys, monkeypatch):
