@@ -8,7 +8,7 @@ import os
 import re
 import shutil
 import textwrap
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any, TextIO
 
 from rich.cells import cell_len
@@ -48,17 +48,39 @@ def figure_table(title: str, columns: Iterable[str], left: Collection[str] = (),
 _PIECE = re.compile(r"(?<=,) ")  # where a cell of several figures ("4.55 @1200, acc 0.81") may break
 
 
+def _words(line: str) -> list[str]:
+    """A line's words, a number and its unit one word."""
+    return [word.replace(_HELD, " ") for word in _UNIT_SPACE.sub(_HELD, line).split()]
+
+
+def wrap_words(text: str, width: int) -> str:
+    """`text` broken into lines of at most `width` between words; a number stays with its unit, and a word longer
+    than `width` stays whole on its own line."""
+    lines: list[str] = []
+    for line in text.splitlines():
+        out: list[str] = []
+        for word in _words(line):
+            if out and cell_len(f"{out[-1]} {word}") <= width:
+                out[-1] += f" {word}"
+            else:
+                out.append(word)
+        lines += out or [""]
+    return "\n".join(lines)
+
+
 def _plain(cell: RenderableType) -> str:
     """The text a cell shows (a str cell is markup)."""
     return cell.plain if isinstance(cell, Text) else Text.from_markup(str(cell)).plain
 
 
-def _span(column: Column) -> tuple[int, int]:
-    """A column's least width that breaks no figure (its header only between words) and its width on one line."""
+def _span(column: Column, prose: bool = False) -> tuple[int, int]:
+    """A column's least width that breaks no figure (its header only between words; `prose`: its cells too) and
+    its width on one line."""
     header = _plain(column.header)
     lines = [line for cell in column._cells for line in _plain(cell).splitlines()]
-    least = max([cell_len(word) for word in header.split()]
-                + [cell_len(piece) for line in lines for piece in _PIECE.split(line)], default=1)
+    pieces = ([word for line in lines for word in _words(line)] if prose
+              else [piece for line in lines for piece in _PIECE.split(line)])
+    least = max([cell_len(word) for word in header.split()] + [cell_len(piece) for piece in pieces], default=1)
     return least, max([cell_len(line) for line in (*header.splitlines(), *lines)] + [least])
 
 
@@ -67,14 +89,22 @@ def _frame(columns: int) -> int:
     return 3 * columns + 1
 
 
-def _widths(spans: list[tuple[int, int]], room: int) -> list[int]:
-    """Each column at least its least width; the room left makes the nearest-to-whole headers whole first."""
+def _widths(spans: list[tuple[int, int]], room: int, prose: Sequence[bool] = ()) -> list[int]:
+    """Each column at least its least width; the room left makes the nearest-to-whole headers whole first, then
+    goes to the columns of `prose` by what each lacks (a few lines of each rather than one whole and one a word
+    a line)."""
     widths = [least for least, _ in spans]
+    worded = [i < len(prose) and prose[i] for i in range(len(spans))]
     left = room - sum(widths)
-    for i in sorted(range(len(spans)), key=lambda i: spans[i][1] - spans[i][0]):
+    for i in sorted((i for i in range(len(spans)) if not worded[i]), key=lambda i: spans[i][1] - spans[i][0]):
         grow = max(0, min(left, spans[i][1] - widths[i]))
         widths[i] += grow
         left -= grow
+    lacking = {i: spans[i][1] - widths[i] for i in range(len(spans)) if worded[i] and spans[i][1] > widths[i]}
+    total = sum(lacking.values())
+    for i, lack in lacking.items():
+        grow = min(lack, left * lack // total)
+        widths[i] += grow
     return widths
 
 
@@ -92,16 +122,20 @@ def _rewrap(cell: RenderableType, width: int) -> RenderableType:
     return Text("\n".join(lines))
 
 
-def _part(table: Table, chosen: list[int], width: int, title: str | Text | None, caption: str | Text | None) -> Table:
+def _part(table: Table, chosen: list[int], width: int, title: str | Text | None, caption: str | Text | None,
+          prose: Collection[str] = ()) -> Table:
     """The columns `chosen` of `table` (every row), each given a width so that together they fit `width`."""
     columns = [table.columns[i] for i in chosen]
-    widths = _widths([_span(column) for column in columns], width - _frame(len(columns)))
+    worded = [_plain(column.header) in prose for column in columns]
+    widths = _widths([_span(column, w) for column, w in zip(columns, worded)], width - _frame(len(columns)),
+                     worded)
     part = copy.copy(table)
     part.title, part.caption, part.rows = title, caption, list(table.rows)
     # A fixed width is one rich never narrows below; fold, not an ellipsis, should a figure still not fit.
     part.columns = [dataclasses.replace(column, width=w, overflow="fold", no_wrap=False, _index=j,
-                                        _cells=[_rewrap(cell, w) for cell in column._cells])
-                    for j, (column, w) in enumerate(zip(columns, widths))]
+                                        _cells=[Text(wrap_words(_plain(cell), w)) if words else _rewrap(cell, w)
+                                                for cell in column._cells])
+                    for j, (column, w, words) in enumerate(zip(columns, widths, worded))]
     return part
 
 
@@ -123,10 +157,11 @@ def _records(table: Table, keys: list[int]) -> list[Table]:
     return parts
 
 
-def fit_table(table: Table, width: int, keys: Collection[str] = ()) -> list[Table]:
+def fit_table(table: Table, width: int, keys: Collection[str] = (), prose: Collection[str] = ()) -> list[Table]:
     """`table` at `width` with no figure cut: headers wrap between words, columns left over go to more tables."""
-    # Each further table repeats the columns named in `keys`, which say whose each row is (a run, a stage).
-    spans = [_span(column) for column in table.columns]
+    # Each further table repeats the columns named in `keys`, which say whose each row is (a run, a stage); the
+    # cells of the columns named in `prose` wrap between words too.
+    spans = [_span(column, _plain(column.header) in prose) for column in table.columns]
     if sum(natural for _, natural in spans) + _frame(len(spans)) <= width:
         return [table]  # as rich lays it out: the table at a wide terminal is as it always was
     key = [i for i, column in enumerate(table.columns) if _plain(column.header) in keys]
@@ -145,12 +180,12 @@ def fit_table(table: Table, width: int, keys: Collection[str] = ()) -> list[Tabl
     title = _plain(table.title) if table.title is not None else ""
     return [_part(table, sorted(key + group), width,
                   f"{title} ({n} of {len(groups)})" if many and title else table.title,
-                  table.caption if n == len(groups) else None) for n, group in enumerate(groups, 1)]
+                  table.caption if n == len(groups) else None, prose) for n, group in enumerate(groups, 1)]
 
 
-def print_table(console: Console, table: Table, keys: Collection[str] = ()) -> None:
+def print_table(console: Console, table: Table, keys: Collection[str] = (), prose: Collection[str] = ()) -> None:
     """Print `table` as `fit_table` lays it out at the console's width."""
-    for part in fit_table(table, console.width, keys):
+    for part in fit_table(table, console.width, keys, prose):
         console.print(part)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from gpipe_cli.console import figure_table
+from gpipe_cli.console import figure_table, print_table
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.units import figure, human_bytes
 
@@ -113,7 +113,7 @@ def show(s: dict[str, Any], console: Console) -> None:
     if "host_overhead" in s:
         console.print(host_overhead(s), highlight=False)
     if s["stages"]:
-        console.print(_stages(s))
+        print_table(console, _stages(s), ("stage",))  # a narrow terminal splits it, each part naming the stages
     p = s["prediction"]
     if not s["simulated"]:  # the simulator's prediction beside the measurement of the same configuration
         ratio = s["samples_per_s"] / p["samples_per_s"] if p["samples_per_s"] else 0.0

@@ -232,7 +232,7 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     if options.plain:
         line(show.plain(items, title), markup=False)
     else:
-        console.print(show.table(items, title))
+        show.print_plan(console, items, title)
     line(as_written_line(model, hw, recipe, best, budget))
     section = show.pipeline_section(best, recipe.pipeline.backend)
     target = shlex.quote(options.recipe) if options.recipe is not None else ""

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from rich import box
+from rich.console import Console
 from rich.table import Table
 
-from gpipe_cli.console import figure_table
+from gpipe_cli.console import figure_table, fit_table, print_table
 from gpipe_cli.files import atomic_write_bytes
 from gpipe_cli.plan import search
 from gpipe_cli.plan.search import Outcome
@@ -95,20 +96,46 @@ def rows(model: search.Model, result: search.Result, top: int, budget: float) ->
             for o in sorted(shown + faster, key=lambda o: -o.samples_per_s)]
 
 
-def table(items: Sequence[tuple[Outcome, str | None]], title: str) -> Table:
-    """The configurations as a rich table, every figure labelled as predicted."""
-    words = ("", "schedule", "remat", "balance", "peak memory per stage (pred.)", "why it loses")
-    t = figure_table(title, ("", "K", "D", "M", "schedule", "remat", "balance", "samples/s (pred.)", "bubble (pred.)",
-                             "peak memory per stage (pred.)", "why it loses"), words, box=box.SIMPLE_HEAD,
-                     title_justify="left")
+FIGURES = ("balance", "samples/s (pred.)", "bubble (pred.)", "peak memory per stage (pred.)", "why it loses")
+# Stacked, for a terminal too narrow for the table: the configuration in one column, a part a line (the winner's
+# marked in it), and headers without "(pred.)", which the title says of every figure.
+STACKED = ("configuration", "balance", "samples/s", "bubble", "peak memory per stage", "why it loses")
+WORDS = ("", "configuration", "schedule", "remat", "balance", "peak memory per stage (pred.)",
+         "peak memory per stage", "why it loses")
+# The column that says whose a row is, repeated by each table the stacked one splits into to fit; those whose cells
+# wrap between words.
+KEYS = ("configuration",)
+PROSE = ("peak memory per stage", "why it loses")
+
+
+def table(items: Sequence[tuple[Outcome, str | None]], title: str, stacked: bool = False) -> Table:
+    """The configurations as a rich table, every figure labelled as predicted (`stacked`: the configuration in one
+    column, a part a line)."""
+    names = STACKED if stacked else ("", "K", "D", "M", "schedule", "remat", *FIGURES)
+    t = figure_table(title, names, WORDS, box=box.SIMPLE_HEAD, title_justify="left")
     for o, why in items:
         c = o.config
+        mark = "*" if why is None else ""
         schedule = c.schedule + (f" V={c.virtual}" if c.virtual > 1 else "")
-        remat = c.checkpoint + (f" offload {c.offload}" if c.offload != "none" else "")
-        t.add_row("*" if why is None else "", str(c.partitions), str(c.replicas), str(c.microbatches), schedule,
-                  remat, ",".join(map(str, o.balance)), rate(o.samples_per_s), f"{o.bubble:.3f}",
-                  per_stage(o.memory), why or "")
+        moved = f"offload {c.offload}" if c.offload != "none" else ""
+        shape = [mark, str(c.partitions), str(c.replicas), str(c.microbatches), schedule,
+                 f"{c.checkpoint} {moved}".strip()]
+        if stacked:
+            shape = ["\n".join(filter(None, (f"{mark} K={c.partitions} D={c.replicas} M={c.microbatches}".lstrip(),
+                                              schedule, c.checkpoint, moved)))]
+        t.add_row(*shape, ",".join(map(str, o.balance)), rate(o.samples_per_s), f"{o.bubble:.3f}",
+                  per_stage(o.memory), why or "", end_section=stacked)
     return t
+
+
+def print_plan(console: Console, items: Sequence[tuple[Outcome, str | None]], title: str) -> None:
+    """The configurations at the console's width: one line each where they fit, else stacked, in as many tables
+    as it takes, no figure cut."""
+    whole = table(items, title)
+    if fit_table(whole, console.width) == [whole]:
+        console.print(whole)
+    else:
+        print_table(console, table(items, title, stacked=True), KEYS, PROSE)
 
 
 def plain(items: Sequence[tuple[Outcome, str | None]], title: str) -> str:
