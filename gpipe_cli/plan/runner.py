@@ -150,6 +150,7 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     import torch
 
     from gpipe_cli import memory_model as mm
+    from gpipe_cli import sizing
     from gpipe_cli.console import output_console
     from gpipe_cli.estimate.simulate import Link
     from gpipe_cli.plan import inputs, search, show
@@ -195,11 +196,15 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
         _check_weights_fit(spec, mm.bytes_per_parameter(optimizer_name(recipe)), budget, n, options)
     sample = _sample(recipe, say) if measuring else None
     link, reduce_link, link_note = _links(options, measuring and here_ranks > 1, here_ranks, say, phase)
+    if not measuring:  # else the data's, the links' or the layers' phase comes first
+        say(f"pricing the {layers} layers from their shapes and FLOPs (meta device)...")
     fed = inputs.inputs(recipe, options, sizes, threads, say, phase, sample, here_ranks - 1,
                         (link, reduce_link) if reduce_link else None, device)
     model = fed.model
     hw = search.Hardware(n, budget, link, Link.of(options.node_bandwidth, options.node_latency_us), options.nodes,
                          reduce_link)
+    phase("searching every K, D, M, schedule, V, remat, offload and balance for the fastest that fits",
+          search.search_seconds(model, hw, sizing.measured_call()))
     result = search.search(model, hw)
     evaluated = len(result.ranked) + len(result.refused)
     if not evaluated:

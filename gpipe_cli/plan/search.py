@@ -139,8 +139,8 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def configs(model: Model, hw: Hardware) -> Iterator[Config]:
-    """Every configuration that uses all the devices: K | N, K <= layers, the batch split evenly over D and M."""
+def shapes(model: Model, hw: Hardware) -> Iterator[tuple[int, int, int, str, int]]:
+    """Every (K, D, M, schedule, V) that uses all the devices: K | N, K <= layers, the batch split evenly over D, M."""
     for k in divisors(hw.devices):
         d = hw.devices // k
         if k > model.layers or model.batch % d:
@@ -151,13 +151,19 @@ def configs(model: Model, hw: Hardware) -> Iterator[Config]:
                 continue
             for name in SCHEDULES:
                 for v in _virtual(name, k, m, model.layers):
-                    for mode in REMAT_MODES:
-                        # Its host copies are priced at no time (docs/planning.md): without rematerialization
-                        # offload would be priced as fast as keeping every graph on the device, which it is not.
-                        kept = Config(k, d, m, name, v, mode)
-                        yield kept
-                        if kept.recomputation():
-                            yield replace(kept, offload="activations")
+                    yield k, d, m, name, v
+
+
+def configs(model: Model, hw: Hardware) -> Iterator[Config]:
+    """Every configuration that uses all the devices: each shape with every remat mode, offloading or not."""
+    for k, d, m, name, v in shapes(model, hw):
+        for mode in REMAT_MODES:
+            # Its host copies are priced at no time (docs/planning.md): without rematerialization
+            # offload would be priced as fast as keeping every graph on the device, which it is not.
+            kept = Config(k, d, m, name, v, mode)
+            yield kept
+            if kept.recomputation():
+                yield replace(kept, offload="activations")
 
 
 def _virtual(name: str, k: int, m: int, layers: int) -> list[int]:
@@ -231,6 +237,18 @@ def min_max_memory(model: Model, config: Config, below: float = math.inf) -> tup
     """The least memory the fullest stage can need under `config`, if less than `below`."""
     weights = model.profile(config).balance_costs(config.checkpoint) if config.virtual > 1 else ()
     return _memory(model, config).least(weights, config.virtual, below)
+
+
+# Searching takes about one of `sizing.measured_call`'s small layer calls per action of every shape (K x V chunks
+# over M micro-batches each): building each shape's action lists, then simulating every remat mode on them and
+# walking their memory. Measured on a loaded 2-core CPU, 0.4 to 1.0 for the quick start, AmoebaNet-D (cifar10) and
+# the Transformer (wmt-en-de) on 2 to 8 devices: the long searches (20 to 35 s) near 1, the short ones under a second.
+CALLS_PER_ACTION = 1.0
+
+
+def search_seconds(model: Model, hw: Hardware, call_seconds: float) -> float:
+    """About how long `search` takes here, at `call_seconds` per small layer call."""
+    return CALLS_PER_ACTION * call_seconds * sum(k * v * m for k, _, m, _, v in shapes(model, hw))
 
 
 def search(model: Model, hw: Hardware) -> Result:

@@ -144,6 +144,20 @@ def test_a_size_flag_is_its_recipe_key_and_travels_to_the_train_command(tmp_path
     assert planned.model.layers == 3 and load_recipe(recipe, lines) == planned
 
 
+def test_a_plan_for_devices_not_here_says_what_it_does_and_ends_with_its_estimate(tmp_path, capsys):
+    # With --tflops nothing is measured: the paper's Transformer on 8 devices was silent for 24 s, the time of the
+    # search, and its last line said only 'took 24 s'.
+    recipe = write(tmp_path, TINY)
+    assert run(["plan", str(recipe), "--devices", "2", "--tflops", "100", "--plain"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("gpipe plan · "))
+    said = lines[:header]
+    assert said[0] == "pricing the 4 layers from their shapes and FLOPs (meta device)...", said
+    assert re.fullmatch(r"searching every K, D, M, schedule, V, remat, offload and balance for the fastest that "
+                        r"fits( \(about \d+ s\))?\.\.\.", said[-1]), said
+    assert re.fullmatch(r"took \d+ s \(estimated \d+ s\)", lines[-1]), lines[-1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset,batch", [("amoebanet-d-18-256", 128), ("transformer-l-48", 32)])
 def test_paper_models_are_planned_for_eight_80gib_devices_without_building_them(tmp_path, capsys, preset, batch):

@@ -245,3 +245,15 @@ def test_a_plan_slower_for_its_messages_is_said_to_spend_more_time_in_them():
     assert result.best is not None
     reasons = [show.reason(model, result.best, o, math.inf) for o in result.ranked[1:]]
     assert any(r.endswith("slower: more time in messages") for r in reasons), reasons
+
+
+def test_the_search_is_estimated_by_the_actions_of_every_shape_it_prices():
+    # Said before it starts, as the plan's phases are: a search of minutes was silent.
+    model = synthetic(8, 1, batch=16)
+    small, large = (search.Hardware(n, math.inf, FAST, FAST) for n in (2, 8))
+    actions = [sum(k * v * m for k, _, m, _, v in search.shapes(model, hw)) for hw in (small, large)]
+    assert 0 < actions[0] < actions[1]
+    assert search.search_seconds(model, small, 1e-3) == pytest.approx(search.CALLS_PER_ACTION * 1e-3 * actions[0])
+    # Every configuration searched is one of those shapes, with a remat mode and offload or not.
+    assert {(c.partitions, c.replicas, c.microbatches, c.schedule, c.virtual) for c in search.configs(model, large)} \
+        == set(search.shapes(model, large))
