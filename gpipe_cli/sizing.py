@@ -7,11 +7,12 @@ import functools
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from gpipe_cli.contention import Load
 from gpipe_cli.models import families
 from gpipe_cli.models.describe import describe
 from gpipe_cli.models.registry import build_model, resolve_preset
@@ -36,6 +37,8 @@ class Machine:
     memory_bytes: float    # free RAM (CPU, shared by all ranks) or free memory of one GPU
     flops_per_s: float     # one rank's measured rate (one thread, or one GPU)
     call_seconds: float    # one rank's measured cost of a small layer's forward and backward
+    # What else used this machine's CPU while the rate was measured (contention.Load; {}: not read)
+    load: dict[str, float] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -100,8 +103,9 @@ def this_machine(threads: int = 1) -> Machine:
     cores = usable_cores()
     # Measured on one thread (threads that share busy cores make a quick measurement meaningless), then
     # scaled: large products use a rank's threads, small layers' fixed costs do not shrink with them.
-    return Machine("cpu", cores, float(available_bytes("cpu")), measured_rate("cpu", 1) * min(threads, cores),
-                   measured_call("cpu", 1))
+    load = Load()
+    rate, call = measured_rate("cpu", 1) * min(threads, cores), measured_call("cpu", 1)
+    return Machine("cpu", cores, float(available_bytes("cpu")), rate, call, load.finish())
 
 
 @dataclass(frozen=True)

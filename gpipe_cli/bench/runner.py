@@ -18,10 +18,11 @@ from gpipe_cli.bench import preview, setup, sweep, tables, trace
 from gpipe_cli.bench.options import BenchOptions, parse_balance
 from gpipe_cli.bench.setup import base_job, model_json, oversubscription
 from gpipe_cli.console import output_console
+from gpipe_cli.contention import contended
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate import simulate
 from gpipe_cli.estimate.costs import CostProfile
-from gpipe_cli.estimate.measure import RunFigures, contended, median
+from gpipe_cli.estimate.measure import RunFigures, median
 from gpipe_cli.estimate.subject import Subject, paced
 from gpipe_cli.files import write_json, writing
 from gpipe_cli.launch import LaunchOptions, warming

@@ -12,8 +12,9 @@ from gpipe_cli.bench import setup
 from gpipe_cli.bench.options import SWEEP_MICROBATCHES, BenchOptions
 from gpipe_cli.bench.setup import base_job, model_json, oversubscription, sweep_partitions, sweep_skipped
 from gpipe_cli.console import figure_table
+from gpipe_cli.contention import contended
 from gpipe_cli.estimate.costs import CostProfile
-from gpipe_cli.estimate.measure import RunFigures, contended
+from gpipe_cli.estimate.measure import RunFigures
 from gpipe_cli.estimate.subject import Subject
 from gpipe_cli.models import families
 from gpipe_cli.pipeline.schedule import theoretical_bubble

@@ -7,6 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from gpipe_cli import contention
 from gpipe_cli.console import figure_table, print_table
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.units import figure, human_bytes
@@ -98,10 +99,7 @@ def show(s: dict[str, Any], console: Console) -> None:
                       f"{s['hardware']}; the speed figures below mean little")
     if s.get("contended"):
         runs = {"k1": "K=1", "k": f"K={s['partitions']}"}  # then the host overhead's and the baselines'
-        parts = [f"{runs.get(run, run)}: {load.get('others_share', 0):.0%} to other processes, "
-                 f"{load.get('stolen_share', 0):.0%} stolen" for run, load in s["load"].items() if load]
-        console.print(f"[bold yellow]CONTENDED:[/] while measuring, the machine's CPU went elsewhere "
-                      f"({'; '.join(parts)}): the speed figures below are unreliable")
+        console.print(contention.note({runs.get(run, run): load for run, load in s["load"].items()}))
     console.print(_throughput(s))
     kind = "PREDICTION (simulated, not measured)" if s["simulated"] else "measured"
     console.print(f"normalised throughput T(K)/T(1) = [bold]{s['normalized']:.2f}[/] ({kind}); "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpipe_cli import contention
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import partition, placement
 from gpipe_cli.pipeline.config import PipelineConfig
@@ -36,45 +36,16 @@ def gather(value: Any) -> list[Any]:
     return out
 
 
-def machine_cpu() -> tuple[float, float] | None:
-    """The whole machine's busy and stolen CPU seconds so far (Linux /proc/stat), None elsewhere."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    hz = os.sysconf("SC_CLK_TCK")
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    steal = fields[7] if len(fields) > 7 else 0
-    return (sum(fields[:8]) - idle - steal) / hz, steal / hz
+class Load(contention.Load):
+    """Started on every rank at the start of a measured window; `finish` (on every rank) gives the shares, on rank 0."""
 
+    def reads(self) -> bool:
+        """Rank 0 reads the machine's figures."""
+        return not dist.is_initialized() or dist.get_rank() == 0
 
-# On a shared machine a benchmark measures the neighbours too: the machine's busy CPU seconds less every rank's
-# own are what others used; in a virtual machine, "steal" is what the hypervisor gave away.
-class Load:
-    """Started on every rank at the start of a measured window; `finish` (on every rank) gives the shares."""
-
-    def __init__(self) -> None:
-        self.started = time.perf_counter()
-        self.machine = machine_cpu() if not dist.is_initialized() or dist.get_rank() == 0 else None
-        self.mine = time.process_time()
-
-    def finish(self) -> dict[str, float]:
-        """The shares of the machine's CPU time used by others and stolen, on rank 0 ({} elsewhere)."""
-        ranks_cpu = sum(gather(time.process_time() - self.mine))
-        now = machine_cpu() if self.machine is not None else None
-        if self.machine is None or now is None:
-            return {}
-        window = time.perf_counter() - self.started
-        capacity = window * (os.cpu_count() or 1)
-        busy, steal = now[0] - self.machine[0], now[1] - self.machine[1]
-        return {"window_s": window, "ranks_cpu_s": ranks_cpu, "machine_busy_s": busy,
-                "others_share": max(busy - ranks_cpu, 0.0) / capacity, "stolen_share": steal / capacity}
-
-
-def contended(load: dict[str, float], threshold: float = 0.05) -> bool:
-    """Whether other processes or the hypervisor took more than `threshold` of the machine's CPU."""
-    return load.get("others_share", 0.0) > threshold or load.get("stolen_share", 0.0) > threshold
+    def own(self, seconds: float) -> float:
+        """Every rank's CPU seconds."""
+        return float(sum(gather(seconds)))
 
 
 # Ours and the baselines are timed by this one function, so they compare like with like.

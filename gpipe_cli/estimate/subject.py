@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from gpipe_cli import sizing
+from gpipe_cli.contention import Load
 from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.estimate.model_flags import SIZE_PARAMS, foreign_size, size_limits
 from gpipe_cli.limits import outside, refuse, words
@@ -185,9 +186,12 @@ def paced(machine: sizing.Machine, spec: ModelSpec, kind: str, examples: int, se
         say(phase_line(f"timing a '{layers[index].name}' layer on {examples} example{'s' * (examples > 1)} here",
                        per_example * examples))
     inputs, _ = example_batch(spec, examples, seed)
+    load = Load()
     layer = profile_layers(spec.factories()[:index + 1], inputs, seed, "cpu", repeats=REPEATS)[index]  # medians
     seconds = layer.forward + layer.backward - 3 * machine.call_seconds  # less the fixed cost, charged apart
     if flops[index] <= 0 or seconds <= 0:
         return machine
     rate = 3 * flops[index] * examples / seconds
-    return dataclasses.replace(machine, flops_per_s=rate / sizing.layer_efficiency(machine.kind, kind))
+    # The machine's rate is this timing's now, and so is what others took from it.
+    return dataclasses.replace(machine, flops_per_s=rate / sizing.layer_efficiency(machine.kind, kind),
+                               load=load.finish())

@@ -13,13 +13,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.synchronize import Event
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from gpipe_cli import contention
 from gpipe_cli.estimate.simulate import Link
 from gpipe_cli.launch import forked
 from gpipe_cli.sizing import usable_cores
@@ -248,6 +249,7 @@ class Steps:
 
     per_count: dict[int, tuple[float, float]]
     drift: float  # the first count's step measured again last, relative to the first time (0.1: 10% slower)
+    load: dict[str, float] = field(default_factory=dict)  # the most others took of the CPU while one count ran
 
 
 def _engine_rank(rank: int, world: int, kind: str, params: dict[str, Any], balance: list[int], virtual: int,
@@ -275,6 +277,7 @@ def _engine_rank(rank: int, world: int, kind: str, params: dict[str, Any], balan
             continue
         # Means, as training averages: waits and stalls included.
         step, update_s = statistics.fmean(figures.step_times), statistics.fmean(figures.optimizer_times)
+        found.load = contention.worst([found.load, figures.load])
         if index < len(counts):
             found.per_count[m] = (step, update_s)
         else:

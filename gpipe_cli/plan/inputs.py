@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_cli import interrupts, sizing
+from gpipe_cli import contention, interrupts, sizing
 from gpipe_cli import memory_model as mm
 from gpipe_cli.estimate import costs as layer_costs
 from gpipe_cli.estimate.costs import CostProfile, LayerTiming
@@ -52,6 +52,8 @@ class Inputs:
     timing: str        # e.g. "measured on cpu (1 thread) at micro-batches of 2 and 64 examples"
     memory: str        # e.g. "shapes of every layer" or "extrapolated from a 9-layer member"
     drift: float | None = None    # how much one engine step moved from the start to the end of measuring
+    # What others took of the CPU while each speed figure was timed, by what it timed (contention.note's windows)
+    loads: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 def _probe_params(kind: str, params: dict[str, Any]) -> dict[str, Any] | None:
@@ -178,6 +180,7 @@ class _Engine:
     replicated: dict[int, float] = dataclasses.field(default_factory=dict)  # ratio by micro-batch size, K=1
     staged: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)  # the same, D=1, by V
     drift: float | None = None
+    load: dict[str, float] = dataclasses.field(default_factory=dict)  # the most others took while it was timed
 
 
 def _staged_counts(batch: int, sizes: list[int], ranks: int) -> list[int]:
@@ -211,7 +214,7 @@ def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Cal
             replicated = calibrate.factors([len(spec.layers)], costs, per_replica,
                                            {m: t for m, (t, _) in steps.per_count.items()}, reduce + update)
             staged: dict[int, dict[int, float]] = {}
-            drift, sizes = steps.drift, sorted(replicated)
+            drift, sizes, load = steps.drift, sorted(replicated), steps.load
             # One pipeline of `ranks` stages on the whole batch, cut by time at the middle size: GPipe, and
             # interleaved with 2 chunks per stage (the V the search tries first).
             for virtual in (v for v in (1, 2) if len(spec.layers) >= ranks * v):
@@ -227,13 +230,14 @@ def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Cal
                 measured = {m: step - own for m, (step, own) in piped.per_count.items()}
                 staged[virtual] = calibrate.factors(balance, costs, batch, measured, 0.0, links[0],
                                                     rate_model(speedup, ranks), virtual)
-                drift = max(drift, piped.drift, key=abs)
-            return _Engine(calibrate.Overhead(0.0, update), replicated, staged, drift)
+                drift, load = max(drift, piped.drift, key=abs), contention.worst([load, piped.load])
+            return _Engine(calibrate.Overhead(0.0, update), replicated, staged, drift, load)
     counts = calibrate.counts(batch, least)
     phase("measuring the engine's own cost per layer call and per step (one stage, this process)",
           engine_seconds(costs, batch, counts, steps=calibrate.STEPS + calibrate.WARMUP, again=False))
+    alone = contention.Load()  # this process computes, no other of the plan's
     steps_here = calibrate.local_steps(spec, batch, counts, seed, threads, examples, optimizer, grad_clip, device)
-    return _Engine(calibrate.overhead(len(spec.layers), costs, batch, steps_here))
+    return _Engine(calibrate.overhead(len(spec.layers), costs, batch, steps_here), load=alone.finish())
 
 
 def _ratios_text(engine: _Engine, ranks: int) -> str:
@@ -291,6 +295,7 @@ def inputs(recipe: Recipe, options: PlanOptions, sizes: Callable[[int], tuple[in
         work = functools.partial(sibling_work, kind, params, *examples(hi), seed)
         alone = _best_seconds(work, threads) if siblings else 0.0
         speedup = 1.0
+        load = contention.Load()
         try:
             with here.loaded(work, siblings, threads):
                 costs = measured_costs(spec, (lo, hi), seed, threads, examples, device)
@@ -299,7 +304,10 @@ def inputs(recipe: Recipe, options: PlanOptions, sizes: Callable[[int], tuple[in
         except here.Unavailable as exc:
             say(f"{exc}; measuring alone")
             siblings = 0
+            load = contention.Load()
             costs = measured_costs(spec, (lo, hi), seed, threads, examples, device)
+        # The processes computing beside this one are the plan's own, yet read as others': alone only.
+        loads = {} if siblings else {"per-layer seconds": load.finish()}
         interrupts.check()
         engine = _engine_costs(kind, params, spec, costs, figs, batch, least, seed, threads, examples, siblings + 1,
                                links, speedup, functools.partial(build_optimizer, recipe=recipe),
@@ -321,9 +329,10 @@ def inputs(recipe: Recipe, options: PlanOptions, sizes: Callable[[int], tuple[in
                 f"examples of {where}, affine in between; {engine_note}{alone_note}")
         model = Model(costs, figs, bytes_per_param, batch, least, extra.action, extra.step, data, speedup,
                       calibrate.by_shape(engine.replicated, engine.staged))
-        return Inputs(model, note, memory_note, engine.drift)
+        return Inputs(model, note, memory_note, engine.drift, {**loads, "the engine's steps": engine.load})
     rate, per_call = sizing.layer_rate(machine, kind)
     note = (f"estimated from FLOPs at this machine's measured {flop_rate(machine.flops_per_s)} per rank "
             f"({machine.kind}; --tflops for other devices)")
     costs = estimated_costs(spec.layer_names, flops, figs, rate, per_call)
-    return Inputs(Model(costs, figs, bytes_per_param, batch, least), note, memory_note)
+    return Inputs(Model(costs, figs, bytes_per_param, batch, least), note, memory_note,
+                  loads={contention.RATE: machine.load})

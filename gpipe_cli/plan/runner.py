@@ -149,8 +149,8 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     # torch from here on: the arguments and the recipe are valid
     import torch
 
+    from gpipe_cli import contention, sizing
     from gpipe_cli import memory_model as mm
-    from gpipe_cli import sizing
     from gpipe_cli.console import output_console
     from gpipe_cli.estimate.simulate import Link
     from gpipe_cli.plan import inputs, search, show
@@ -220,6 +220,8 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     where = "this machine's per-rank memory" if memory is None else "--device-memory"
     node_text = f" on {options.nodes} nodes" if options.nodes > 1 else ""
     line = functools.partial(console.print, highlight=False)
+    if any(contention.contended(load) for load in fed.loads.values()):  # the speed figures that follow
+        line(contention.note(fed.loads))
     line(f"[bold]gpipe plan[/] · {spec.name} ({layers} pipeline layers) · {n} devices{node_text}, "
          f"{human_bytes(budget)} each ({where}) · batch {batch}")
     line(f"  per-layer seconds: {fed.timing}")

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from gpipe_cli import interrupts, sizing
+from gpipe_cli import contention, interrupts, sizing
 from gpipe_cli import memory_model as mm
 from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError, shown
@@ -121,6 +121,8 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
     predicted = [sc.predict(figures, batch, per_param) for sc in rows]
     if note:
         console.print(f"[bold]{note}[/]")
+    if contention.contended(machine.load):  # the rate below, and the estimates from it
+        console.print(contention.note({contention.RATE: machine.load}), highlight=False)
     name = cand.describe(full=True) if "layers" in subject.params else spec.name
     console.print(f"[bold]plan[/] · {name}: {human_count(cand.parameters)} parameters, {len(spec.layers)} "
                   f"pipeline layers · {human_bytes(have / sizing.MEMORY_SHARE)} free on {device}")

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from gpipe_cli.bench import BenchOptions, run
-from gpipe_cli.estimate.measure import contended, machine_cpu
+from gpipe_cli.contention import contended, machine_cpu
 
 # Micro-batches of 8 examples: tens of milliseconds of compute per stage and micro-batch, so the CPU
 # cost of each message (about 0.5 ms on this kind of host, which the simulator does not model) stays small.
