@@ -34,7 +34,7 @@ def bytes_up(n: float) -> str:
 
 
 def reason(model: search.Model, winner: Outcome, other: Outcome, budget: float) -> str:
-    """Why `other` loses to `winner`, in a few words."""
+    """Why `other` loses to `winner`, in a few words: a part of its step where it is worse than the winner."""
     if not other.fits:
         stage = max(range(len(other.memory)), key=lambda s: other.memory[s])
         return f"stage {stage} needs {human_bytes(other.memory[stage])} > {human_bytes(budget)}"
@@ -42,20 +42,44 @@ def reason(model: search.Model, winner: Outcome, other: Outcome, budget: float) 
     if slower < 0.005:
         return "as fast (within 0.5%), needs more memory" if other.peak > winner.peak else "as fast (within 0.5%)"
     mine, theirs = search.parts(model, other), search.parts(model, winner)
-    deltas = {name: seconds - theirs[name] for name, seconds in mine.items()}
-    worst = max(deltas, key=lambda k: deltas[k])
     pct = f"{slower * 100:.0f}% slower"
+    # The parts it spends longer in, most first; each named only by a figure that is worse than the winner's.
+    for part in sorted((p for p in mine if mine[p] > theirs[p]), key=lambda p: theirs[p] - mine[p]):
+        why = _worse(model, winner, other, part)
+        if why is not None:
+            return f"{pct}: {why}"
+    # Only idle longer, at a bubble no larger: the winner's steps are that much shorter.
+    return f"{pct}: longer idle per step ({_ms(mine['bubble'])}, winner {_ms(theirs['bubble'])})"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _worse(model: search.Model, winner: Outcome, other: Outcome, part: str) -> str | None:
+    """How `other` is worse than `winner` in the `part` of its step it spends longer in (None: not in words that
+    say so, e.g. a bubble no larger, its idle longer only as its steps are)."""
     c, w = other.config, winner.config
-    because = {"bubble": f"bubble {other.bubble:.2f} (winner {winner.bubble:.2f})", "messages": "more time in messages",
-               "allreduce": f"gradient all-reduce over {c.replicas} replicas"}
-    if worst in because:
-        return f"{pct}: {because[worst]}"
+    if part == "bubble":
+        return f"bubble {other.bubble:.2f} (winner {winner.bubble:.2f})" if round(other.bubble, 2) > round(
+            winner.bubble, 2) else None
+    if part == "messages":
+        return "more time in messages"
+    if part == "allreduce":
+        if c.replicas > w.replicas:
+            return f"gradient all-reduce over {c.replicas} replicas (winner {w.replicas})"
+        # As many replicas (or fewer): its stages hold more of the parameters to reduce.
+        return f"longer gradient all-reduce ({_ms(other.allreduce)}, winner {_ms(winner.allreduce)})"
     if c.recomputation() > w.recomputation():
-        return f"{pct}: recomputes more ({c.checkpoint})"
+        if c.checkpoint != w.checkpoint:
+            return f"recomputes more ({c.checkpoint}, winner {w.checkpoint})"
+        # One mode, except_last: the winner's forwards each meet their backward at once (M=1, or 1F1B on one stage).
+        return (f"recomputes forwards ({c.checkpoint} with {c.schedule} at M={c.microbatches}; the winner's, with "
+                f"{w.schedule} at M={w.microbatches}, none)")
     size, win_size = model.batch // c.replicas // c.microbatches, model.batch // w.replicas // w.microbatches
     if size < win_size:
-        return f"{pct}: more compute in smaller micro-batches ({size} example{'s' if size > 1 else ''})"
-    return f"{pct}: more compute per step"
+        return f"more compute in smaller micro-batches ({size} example{'s' if size > 1 else ''})"
+    return "more compute per step"
 
 
 def per_stage(memory: Sequence[float]) -> str:

@@ -60,3 +60,69 @@ def test_on_a_wide_terminal_each_configuration_is_one_line_of_named_columns():
     assert header.split()[:5] == ["K", "D", "M", "schedule", "remat"]
     rows = [line for line in text.splitlines() if "slower" in line or line.lstrip().startswith("*")]
     assert len(rows) == len(_items())
+
+
+def _worse_as_named(model, winner: Outcome, other: Outcome, why: str) -> bool:
+    """Whether the figure `why` names is one where `other` is worse than `winner`."""
+    c, w = other.config, winner.config
+    if m := re.search(r"bubble ([\d.]+) \(winner ([\d.]+)\)", why):
+        return float(m[1]) > float(m[2])
+    if m := re.search(r"all-reduce over (\d+) replicas \(winner (\d+)\)", why):
+        return int(m[1]) > int(m[2])
+    if "recomputes" in why:  # and by a mode the winner does not share, where it names one
+        named = re.search(r"recomputes more \((\w+)", why)
+        return c.recomputation() > w.recomputation() and (named is None or named[1] != w.checkpoint)
+    if "smaller micro-batches" in why:
+        return c.replicas * c.microbatches > w.replicas * w.microbatches
+    return True  # in seconds of that part, which it spends longer in by construction
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_runner_up_loses_by_a_figure_worse_than_the_winners(seed):
+    # It read 'bubble 0.29 (winner 0.29)', and 'recomputes more (except_last)' beside a winner of except_last.
+    import math
+
+    from gpipe_cli.estimate import simulate
+    from gpipe_cli.plan import search
+    from tests.plan.test_search import FAST, synthetic
+
+    for layers, batch, devices, link in ((6, 8, 2, FAST), (8, 4, 4, FAST), (8, 16, 4, simulate.Link(1e5, 1e-2))):
+        model = synthetic(layers, seed, batch=batch, equal=seed % 2 == 0)
+        result = search.search(model, search.Hardware(devices, math.inf, link, link))
+        best = result.best
+        assert best is not None
+        for other in result.ranked[1:]:
+            why = show.reason(model, best, other, math.inf)
+            assert _worse_as_named(model, best, other, why), (best.config.label(), other.config.label(), why)
+
+
+def test_the_winners_own_remat_mode_is_no_reason(monkeypatch):
+    import math
+
+    from gpipe_cli.plan import search
+    from tests.plan.test_search import FAST, synthetic
+
+    # except_last at M=1 recomputes nothing, at M=2 it does: the difference is the M, not the mode.
+    model = synthetic(6, 0, batch=8)
+    hw = search.Hardware(2, math.inf, FAST, FAST)
+    best, other = (search.evaluate(model, hw, search.Config(1, 2, m, "gpipe", 1, "except_last")) for m in (1, 2))
+    assert best.samples_per_s > other.samples_per_s
+    why = show.reason(model, best, other, math.inf)
+    assert "recomputes more (except_last)" not in why and "winner" in why and "M=2" in why, why
+
+
+def test_a_bubble_no_larger_than_the_winners_is_no_reason(monkeypatch):
+    import math
+
+    from gpipe_cli.plan import search
+
+    # Idle 1.0 s longer, computing 0.5 s longer: the bubble's seconds grew most, but not its share of the step.
+    winner = Outcome(Config(8, 1, 2, "gpipe", 1, "never"), [1] * 8, [GiB] * 8, True, 10.0, 0.80, batch=16)
+    other = Outcome(Config(8, 1, 4, "gpipe", 1, "never"), [1] * 8, [GiB] * 8, True, 11.5, 9.0 / 11.5, batch=16)
+    parts = {id(winner): {"compute": 2.0, "bubble": 8.0, "messages": 0.0, "allreduce": 0.0},
+             id(other): {"compute": 2.5, "bubble": 9.0, "messages": 0.0, "allreduce": 0.0}}
+    monkeypatch.setattr(search, "parts", lambda model, outcome: parts[id(outcome)])
+    model = search.Model(lambda size: None, None, 16.0, 16)
+    why = show.reason(model, winner, other, math.inf)
+    assert other.bubble < winner.bubble and "bubble" not in why, why
+    assert why == "13% slower: more compute in smaller micro-batches (4 examples)", why
