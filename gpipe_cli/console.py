@@ -16,9 +16,11 @@ from rich.console import Console, RenderableType
 from rich.table import Column, Table
 from rich.text import Text
 
+from gpipe_cli.units import BYTE_UNITS
+
 _NOTE = re.compile(r"\[\s*[\d.]+ s\] ")  # a timed note's prefix, "[  3.2 s] "
 # A number and its unit stay on one line: the space between them is held by a mark no text contains.
-UNITS = ("s", "ms", "us", "B", "KiB", "MiB", "GiB", "TiB", "GB/s", "samples/s", "tokens/s", "px", "%")
+UNITS = ("s", "ms", "us", *BYTE_UNITS, "GB/s", "samples/s", "tokens/s", "px", "%")
 _UNIT_SPACE = re.compile(r"(?<=\d) (?=(?:" + "|".join(re.escape(u) for u in UNITS) + r")(?![\w/]))")
 _HELD = "\0"
 FILE_WIDTH = 200  # columns when no terminal sets them: a log keeps each table row and line on one line

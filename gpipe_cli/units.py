@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import re
 from typing import Any
 
@@ -19,16 +20,27 @@ def meminfo_available() -> int | None:
     return None
 
 
-def human_bytes(n: float | None) -> str:
-    """Bytes as B, KiB, MiB, GiB or TiB ("-" for None)."""
+# Up to YiB: a size flag takes up to 1 YiB (MAX_SIZE), and 99999 EiB read '104856551424.0 TiB' in TiB.
+BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
+
+
+def human_bytes(n: float | None, up: bool = False) -> str:
+    """Bytes as B, KiB, MiB, ... YiB ("-" for None); `up`: rounded up, so that a size named from it holds `n`."""
     if n is None:
         return "-"
     value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+    for unit in BYTE_UNITS:
+        if abs(value) < 1024 or unit == BYTE_UNITS[-1]:
+            break
         value /= 1024
-    return f"{value:.1f} TiB"
+    if up:  # to the digits shown; the 1e-9 keeps a whole figure from going up for a float's error
+        value = math.ceil(value - 1e-9) if unit == "B" else math.ceil(value * 10 - 1e-9) / 10
+    return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def size_flag(n: float) -> str:
+    """`n` bytes as a size flag takes it, rounded up so that it holds them: '901.8MiB' (human_bytes' figure)."""
+    return human_bytes(n, up=True).replace(" ", "")
 
 
 def figure(value: float | None, spec: str) -> str:

@@ -42,3 +42,24 @@ def test_counts_past_a_billion_are_read_in_trillions():
     from gpipe_cli.units import human_count
 
     assert [human_count(n) for n in (8.7988e12, 2.5e9, 4.2e6, 999)] == ["8.80T", "2.50B", "4.20M", "999"]
+
+
+def test_sizes_are_said_in_the_largest_unit_under_1024_up_to_the_largest_a_flag_takes():
+    from gpipe_cli.units import human_bytes, parse_size
+
+    # --budget 99999EiB was said as '104856551424.0 TiB'.
+    assert human_bytes(parse_size("99999EiB", "--budget")) == "97.7 ZiB"
+    assert human_bytes(parse_size("1024EiB", "--budget")) == "1.0 ZiB" and human_bytes(2**80) == "1.0 YiB"
+    assert human_bytes(2**90) == "1024.0 YiB"  # beyond any flag: the largest unit, not a larger
+    assert [human_bytes(n) for n in (0, 1023, 1024, 9 * 2**20, 5 * 2**40, 3 * 2**50, None)] == [
+        "0 B", "1023 B", "1.0 KiB", "9.0 MiB", "5.0 TiB", "3.0 PiB", "-"]
+
+
+def test_a_size_a_budget_is_named_from_is_rounded_up_and_typed_as_a_flag_takes_it():
+    from gpipe_cli.units import human_bytes, parse_size, size_flag
+
+    # plan said 'needs 901.8MiB per device' where every other size reads '901.8 MiB'.
+    need = 901.71 * 2**20
+    assert human_bytes(need) == "901.7 MiB" and human_bytes(need, up=True) == "901.8 MiB"
+    assert size_flag(need) == "901.8MiB" and parse_size(size_flag(need), "--device-memory") >= need
+    assert human_bytes(9 * 2**20, up=True) == "9.0 MiB" and human_bytes(1.2, up=True) == "2 B"

@@ -17,7 +17,7 @@ from gpipe_cli.plan.options import ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US, PlanOp
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_label, recipe_read
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import read_recipe_file
-from gpipe_cli.units import human_bytes, human_seconds
+from gpipe_cli.units import human_bytes, human_seconds, size_flag
 
 if TYPE_CHECKING:
     from gpipe_cli.models.base import ModelSpec
@@ -107,7 +107,6 @@ def _check_weights_fit(spec: ModelSpec, bytes_per_param: float, budget: float, d
                        options: PlanOptions) -> None:
     """Refuse a --device-memory below what the weights, gradients and optimizer state alone need on any cut."""
     from gpipe_cli.models.describe import count_parameters, layer_params
-    from gpipe_cli.plan.show import bytes_up
 
     # A bound no plan goes under: a layer is never split, and at most min(N, layers) stages share the model.
     largest = max(layer_params(spec)) * bytes_per_param
@@ -115,8 +114,8 @@ def _check_weights_fit(spec: ModelSpec, bytes_per_param: float, budget: float, d
     floor = max(largest, shared)
     if budget < floor:
         raise UserError(f"{_nothing_fits(budget, devices, options)}: the weights, gradients and optimizer state "
-                        f"alone need more than {bytes_up(floor)} per device, however the model is cut; give a larger "
-                        f"--device-memory, e.g. 80GiB, or more --devices")
+                        f"alone need more than {human_bytes(floor, up=True)} per device, however the model is cut; "
+                        f"give a larger --device-memory, e.g. 80GiB, or more --devices")
 
 
 def _nothing_fits(budget: float, devices: int, options: PlanOptions) -> str:
@@ -213,10 +212,10 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     best = result.best
     if best is None:
         assert result.smallest is not None and result.smallest_memory is not None
-        needed = show.bytes_up(result.smallest_memory)
+        needed = result.smallest_memory
         raise UserError(f"{_nothing_fits(budget, n, options)}: the smallest plan ({result.smallest.config.label()}) "
-                        f"needs {needed} per device (predicted); give --device-memory {needed} or more, more "
-                        "--devices, or a smaller data.batch_size")
+                        f"needs {human_bytes(needed, up=True)} per device (predicted); give --device-memory "
+                        f"{size_flag(needed)} or more, more --devices, or a smaller data.batch_size")
     where = "this machine's per-rank memory" if memory is None else "--device-memory"
     node_text = f" on {options.nodes} nodes" if options.nodes > 1 else ""
     line = functools.partial(console.print, highlight=False)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,18 +18,6 @@ from gpipe_cli.plan.search import Outcome
 from gpipe_cli.recipe.load import validate as validate_recipe
 from gpipe_cli.recipe.yamlio import rewrite
 from gpipe_cli.units import human_bytes
-
-
-def bytes_up(n: float) -> str:
-    """Bytes as human_bytes does, but rounded up (a budget named from it must hold `n`)."""
-    value, unit = float(n), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            break
-        value /= 1024
-    if unit == "B":
-        return f"{math.ceil(value)} B"
-    return f"{math.ceil(value * 10 - 1e-9) / 10:.1f}{unit}"
 
 
 def reason(model: search.Model, winner: Outcome, other: Outcome, budget: float) -> str:

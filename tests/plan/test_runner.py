@@ -80,6 +80,9 @@ def test_a_budget_nothing_fits_is_one_line_naming_the_memory_that_does(tmp_path,
     assert len(err.splitlines()) == 1 and err.startswith("error: nothing fits"), err
     needed = re.search(r"give --device-memory (\S+) or more", err)
     assert needed, err
+    # Said as every other size is, with a space (one formatter); the flag to type, as a flag is typed.
+    figure, unit = re.fullmatch(r"([\d.]+)(\w+)", needed.group(1)).groups()
+    assert f"needs {figure} {unit} per device (predicted)" in err, err
     assert run(["plan", str(recipe), "--devices", "2", "--device-memory", needed.group(1), "--timing",
                 "estimate"]) == 0
     assert list(tmp_path.iterdir()) == [recipe]
@@ -98,8 +101,9 @@ def test_a_memory_the_weights_alone_exceed_is_refused_before_anything_is_measure
     assert run(["plan", str(recipe), "--devices", "2", "--device-memory", "80"]) == 2
     err = capsys.readouterr().err
     assert re.fullmatch(r"error: nothing fits 80 B per device on 2 devices \(a number without a unit is bytes\): the "
-                        r"weights, gradients and optimizer state alone need more than \S+ per device, however the "
-                        r"model is cut; give a larger --device-memory, e.g. 80GiB, or more --devices\n", err), err
+                        r"weights, gradients and optimizer state alone need more than [\d.]+ [KMGTPEZY]?i?B per "
+                        r"device, however the model is cut; give a larger --device-memory, e.g. 80GiB, or more "
+                        r"--devices\n", err), err
 
 
 def test_a_set_item_that_replaces_a_flag_is_said_and_leaves_it_out_of_the_plan(tmp_path, capsys):

@@ -16,6 +16,8 @@ def test_a_huge_budget_ends_at_the_bound_and_says_the_bound_stopped_it(capsys, t
     text = " ".join(capsys.readouterr().out.split())  # the terminal's width wraps the lines
     assert "Traceback" not in text
     assert "the search stopped at its bound (10000 layers, the most a recipe may have), not at the budget" in text
+    # In the largest unit it is under 1024 of: '100000.0 TiB' read as many digits as it has.
+    assert "gpipe profile-memory --budget 97.7 PiB per device" in text and "larger models fit 97.7 PiB too" in text
     # The model as every header names one: its fixed sizes in words, the searched depth as the table's L.
     assert ("per device · Transformer-L with L layers, d_model 32 (feed-forward 64, 2 heads, sequence 8, "
             "vocabulary 64) · batch") in text and "{" not in text, text[:1000]
