@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Iterator
 from multiprocessing import forkserver
@@ -21,7 +22,7 @@ from gpipe_cli import quick_exit
 START_METHOD = "forkserver"
 # What the server imports before it forks the first rank: what every rank imports before its first step.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "gpipe_cli.train.worker", "gpipe_cli.train.loop",
-           "gpipe_cli.bench.worker", "gpipe_cli.bench.setup"]
+           "gpipe_cli.bench.worker", "gpipe_cli.bench.setup", "gpipe_cli.launch.preloaded"]
 # Signals meant for the job's whole process group (a terminal's Ctrl-C, a scheduler's SIGTERM): ignored by the
 # server from its first instruction, since the launcher reads each rank's exit code through it; each rank takes
 # them back.
@@ -61,8 +62,11 @@ def prepare(fresh: bool = True) -> None:
     # c10d's C++ warnings carry a stack of frames each: a job whose launcher vanished printed four pages of them
     # before its one line. A user's own level wins (e.g. INFO to debug a hang).
     level = os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")
+    with contextlib.suppress(FileNotFoundError):  # a server started anew says anew when it has imported
+        if not running():
+            os.remove(_preloaded())
     try:
-        with environment({"PYTHONWARNINGS": warnings, "TORCH_CPP_LOG_LEVEL": level}):
+        with environment({"PYTHONWARNINGS": warnings, "TORCH_CPP_LOG_LEVEL": level, "GPIPE_PRELOADED": _preloaded()}):
             forkserver.ensure_running()  # starts one, unless it is running
     finally:
         for signum, handler in handlers.items():
@@ -98,6 +102,22 @@ def stop(server: bool = True) -> None:
                 os.kill(child, signal.SIGKILL)
     if server:
         forks._stop()  # type: ignore[attr-defined]
+
+
+def _preloaded() -> str:
+    """The file that the server makes once it has imported PRELOAD (multiprocessing's folder is this process's)."""
+    return os.path.join(multiprocessing.util.get_temp_dir(), "gpipe-preloaded")
+
+
+def wait_preloaded(timeout: float) -> None:
+    """Return once the server has imported PRELOAD, it has ended, or `timeout` seconds have passed; Ctrl-C acts."""
+    # A fork asked for meanwhile waits inside multiprocessing for those seconds of imports, where a caller that holds
+    # Ctrl-C (to start its children whole) would hold it all along.
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    deadline = time.monotonic() + timeout
+    # Alive as /proc says (no /proc: no wait): reaping it here would leave multiprocessing a server it cannot reap.
+    while pid in processes() and not os.path.exists(_preloaded()) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def running() -> bool:

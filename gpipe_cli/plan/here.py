@@ -89,6 +89,8 @@ def _children(target: Callable[..., None], args_of: Callable[[int], tuple[Any, .
               count: int) -> Iterator[list[Any]]:
     """Run `count` children of `target` through the body; they are joined after it, or stopped at once on an error."""
     ctx = _context()
+    if _forking:
+        forked.wait_preloaded(START_TIMEOUT_S)  # its seconds of imports under Ctrl-C's hand, not under `_sigint_held`
     procs: list[Any] = []
     try:
         with _sigint_held():

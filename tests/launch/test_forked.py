@@ -135,3 +135,17 @@ def test_the_server_imports_torch_with_c10d_warnings_off_unless_the_user_sets_th
     monkeypatch.setattr(forkserver, "ensure_running", lambda: seen.append(os.environ.get("TORCH_CPP_LOG_LEVEL")))
     forked.prepare()
     assert seen == [started] and os.environ.get("TORCH_CPP_LOG_LEVEL") == given  # put back after the start
+
+
+def test_a_caller_learns_when_the_server_holds_what_ranks_import_and_waits_for_no_server():
+    # plan held Ctrl-C while its first children started, and a start waits for the server's seconds of imports.
+    forked.prepare()
+    try:
+        forked.wait_preloaded(300)
+        assert os.path.exists(forked._preloaded())
+    finally:
+        forked.stop()
+    assert not forked.running()
+    start = time.monotonic()
+    forked.wait_preloaded(300)
+    assert time.monotonic() - start < 60  # nothing to wait for (generous: a loaded machine)
