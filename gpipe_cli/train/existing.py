@@ -404,10 +404,16 @@ def check_resume_output(resume: str | None, output_dir: str | None) -> None:
                     "--output-dir, or give it with a bare --resume to continue the run there")
 
 
+def starts_anew(resume: str | None, output_dir: str | None) -> bool:
+    """Whether this launch starts a new run: no --resume, or a bare one into an --output-dir that holds no run yet."""
+    return not resume or (resume == LATEST and bool(output_dir) and not holds_run(Path(str(output_dir))))
+
+
 def check_recipe_kept(recipe: str | None, output_dir: str | None, resume: str | None) -> None:
     """Refuse a new run whose --output-dir's recipe.yaml is the recipe given: the run writes its resolved one there."""
-    # A resume rewrites the run's own recipe.yaml as it goes on, which is what that file is for.
-    if recipe and output_dir and not resume and same_file(recipe, Path(output_dir) / RECIPE):
+    # A resume rewrites the run's own recipe.yaml as it goes on, which is what that file is for; a bare --resume
+    # into a folder without a run starts one, and the recipe.yaml there is the user's.
+    if recipe and output_dir and starts_anew(resume, output_dir) and same_file(recipe, Path(output_dir) / RECIPE):
         raise UserError(f"--output-dir {cut(output_dir, PATH_CHARS)}: its {RECIPE} is the recipe given, which the "
                         f"run would replace with the resolved recipe (comments gone); keep the recipe elsewhere, or "
                         "give another --output-dir")

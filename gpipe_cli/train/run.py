@@ -58,6 +58,7 @@ from gpipe_cli.train.existing import (
     resume_line,
     resume_location,
     run_dir_of,
+    starts_anew,
     train_recipe,
 )
 from gpipe_cli.train.worker import STARTED, Job
@@ -201,7 +202,7 @@ def train(options: TrainOptions) -> int:
         resolve(options.launch.rdzv_endpoint)
     if options.output_dir and os.path.exists(options.output_dir) and not os.path.isdir(options.output_dir):
         raise UserError(f"--output-dir: {shown(options.output_dir)} exists and is not a directory")
-    if not options.resume:  # a new run's folder: refused before the plan's seconds of measuring
+    if starts_anew(options.resume, options.output_dir):  # a new run's folder: refused before seconds of measuring
         if options.output_dir:
             check_new_run_dir(Path(options.output_dir))
         new_run = (Path(options.output_dir), "--output-dir") if options.output_dir else \
@@ -285,7 +286,7 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
         # finished meanwhile is found, and one it is writing refuses this launch.
         claimed = not options.dry_run and claims(options.launch, world)
         new_dir = _claim(options, recipe, resume, holding) if claimed else None
-        if options.output_dir and not options.resume:
+        if options.output_dir and starts_anew(options.resume, options.output_dir):
             check_new_run_dir(Path(options.output_dir), claimed)
         fresh = resume is not None and options.resume == "latest" and options.output_dir is not None \
             and not candidates(Path(options.output_dir))  # no checkpoint at all; a damaged one is refused below

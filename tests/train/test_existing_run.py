@@ -265,14 +265,16 @@ def test_an_empty_output_dir_is_refused_rather_than_read_as_none(tmp_path, monke
     assert list(tmp_path.iterdir()) == [] and not no_ranks
 
 
+@pytest.mark.parametrize("resume", [(), ("--resume", "latest")])
 @pytest.mark.parametrize("name", ["recipe.yaml", "tokenizer.model"])
-def test_a_new_run_never_writes_over_a_users_file_of_a_name_it_writes(tmp_path, no_ranks, name):
-    # `gpipe train my.yaml --output-dir .` in a folder holding the user's recipe.yaml replaced it, exit code 0.
+def test_a_new_run_never_writes_over_a_users_file_of_a_name_it_writes(tmp_path, no_ranks, name, resume):
+    # `gpipe train my.yaml --output-dir .` in a folder holding the user's recipe.yaml replaced it, exit code 0; with
+    # a bare --resume (which starts a run where there is none) it still did, and trained on a stray tokenizer.
     path = recipes.write(tmp_path, copy.deepcopy(recipes.TINY_TRANSLATION))
     folder = tmp_path / "mine"
     folder.mkdir()
     (folder / name).write_text("name: mine\n")
-    result = train(path, folder)
+    result = train(path, folder, *resume)
     assert result.exit_code == 2, result.output
     assert error_line(result) == (f"error: --output-dir {folder} holds a {name} but no run (no records or "
                                   f"checkpoints), and a new run writes its own {name} there; give a new or empty "
@@ -287,10 +289,11 @@ def test_a_new_run_never_writes_over_the_recipe_it_was_given(tmp_path, monkeypat
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "recipe.yaml").write_text(default_recipe_text())
-    assert run(["train", "recipe.yaml", "--plain", "--output-dir", "."]) == 2
-    captured = capsys.readouterr()
-    assert captured.err.startswith("error: --output-dir .: its recipe.yaml is the recipe given, which the run would "
-                                   "replace") and len(captured.err.splitlines()) == 1, captured.err
+    for resume in ([], ["--resume"]):  # a bare --resume into a folder without a run starts one
+        assert run(["train", "recipe.yaml", "--plain", "--output-dir", ".", *resume]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith("error: --output-dir .: its recipe.yaml is the recipe given, which the run "
+                                       "would replace") and len(captured.err.splitlines()) == 1, captured.err
     assert (tmp_path / "recipe.yaml").read_text() == default_recipe_text() and not no_ranks
 
 
