@@ -164,6 +164,17 @@ def _console(tables: list[Table]) -> Console:
     return output_console(widest)
 
 
+def _default_page(paths: list[Path]) -> Path:
+    """Where the page goes unless --output says: in the one run given, else here."""
+    if len(paths) != 1:
+        return Path("report.png")
+    from gpipe_cli.train.existing import kept_by_a_run
+
+    # A course a resume set aside lies in its run's checkpoints/, which training prunes: its page goes in the run.
+    kept = kept_by_a_run(paths[0] / "report.png")
+    return kept[0] / f"report-{paths[0].name}.png" if kept is not None else paths[0] / "report.png"
+
+
 def report(paths: list[Path], output: Path | None = None) -> int:
     """Print the tables of the runs and write the page (PNG, PDF or SVG); 1 without matplotlib (tables still shown)."""
     paths = list({path.resolve(): path for path in paths}.values())  # a run given twice is one run
@@ -185,7 +196,7 @@ def report(paths: list[Path], output: Path | None = None) -> int:
         return 1
     # The default place may be in a read-only run: the tables are shown, and the line says what to do.
     flag, hint = ("--output", "") if output is not None else ("", ELSEWHERE)
-    target = output or (paths[0] / "report.png" if len(paths) == 1 else Path("report.png"))
+    target = output or _default_page(paths)
     check_output(target, flag, "report.png", hint)
     with writing(target, flag, hint):  # a disk can fill, or a folder change, after the check; never half a page
         page.draw(runs, target)

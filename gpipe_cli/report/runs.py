@@ -134,8 +134,10 @@ def read_run(path: Path) -> Run:
         raise UserError(f"{metrics}: is a pipe, socket or device, not a run's records file; give the folder "
                         "`gpipe train` wrote")
     if not metrics.is_file():
-        from gpipe_cli.train.existing import check_not_runs  # only on this way out: it reads recipes
+        from gpipe_cli.train.existing import check_not_runs, kept_by_a_run  # only on this way out: it reads recipes
 
+        if (kept := kept_by_a_run(path)) is not None:  # its checkpoints/ or a course a resume set aside there
+            raise UserError(f"{path}: checkpoints of a run, not a run directory; give the run: {kept[0]}")
         check_not_runs(path)
         raise UserError(f"{path}: not a run directory (no metrics.jsonl); give the folder `gpipe train` wrote")
     recipe_file = path / "recipe.yaml"  # none, or one that is not a mapping: the defaults' K, M and schedule

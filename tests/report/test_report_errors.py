@@ -210,3 +210,29 @@ def test_an_output_that_is_a_runs_own_file_is_refused_and_kept(tmp_path, capsys,
     assert err.startswith(f"error: --output {str(run / name)!r} is a run's {name}: writing there would replace it; "
                           "name another file, e.g. report.png"), err
     assert {path: path.read_bytes() for path in files(run) if path.is_file()} == before
+
+
+def test_a_runs_checkpoints_folder_is_refused_naming_the_run(tmp_path, capsys, monkeypatch):
+    # It was "a folder of runs", pointing to a course set aside there, whose page was then refused after the tables.
+    monkeypatch.chdir(tmp_path)
+    run = make_run(Path("run"), partitions=2)
+    (run / "checkpoints" / "step-00000004").mkdir(parents=True)
+    before = files(tmp_path)
+    assert cli(["report", "run/checkpoints"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == "error: run/checkpoints: checkpoints of a run, not a run directory; give the run: run\n"
+    assert files(tmp_path) == before
+
+
+def test_a_course_set_aside_is_reported_with_its_page_in_the_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = make_run(Path("run"), partitions=2)
+    aside = run / "checkpoints" / "superseded-20261205-073247-at-step-3"
+    aside.mkdir(parents=True)
+    (run / "checkpoints" / "step-00000003").mkdir()
+    (aside / "step-00000004").mkdir()
+    (aside / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text())
+    assert cli(["report", str(aside)]) == 0, capsys.readouterr().err
+    page = run / f"report-{aside.name}.png"
+    assert page.is_file() and f"wrote {page}" in capsys.readouterr().out
+    assert not (aside / "report.png").exists()
