@@ -6,7 +6,7 @@ import contextlib
 import fcntl
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from gpipe_cli.errors import UserError, cut
@@ -20,8 +20,10 @@ _HELD: dict[Path, int] = {}  # this process's claims: each lock file and the des
 # ends, so a failed launch never leaves a claim behind. `flag` names the directory in a refusal, `instead` ends it;
 # `made`: the caller has just made `run_dir` for this run. One made for the run and left with only its set-up goes.
 @contextlib.contextmanager
-def held(run_dir: Path, flag: str, instead: str, made: bool = False) -> Iterator[bool]:
+def held(run_dir: Path, flag: str, instead: str, made: bool = False, parents: Sequence[Path] = ()) -> Iterator[bool]:
     """Hold `run_dir` in the block (made if missing), refusing one another gpipe train holds; yields if it is new."""
+    # `parents`: the folders above it made with it (else those missing now), removed with it while empty.
+    parents = list(parents) or missing(run_dir.parent)
     fd, created = _claim(run_dir, flag, instead, made)
     if fd is not None:
         _HELD[run_dir / LOCK] = fd
@@ -35,7 +37,17 @@ def held(run_dir: Path, flag: str, instead: str, made: bool = False) -> Iterator
         if created:  # a run that never started leaves nothing behind; a folder with anything else in it stays
             from gpipe_cli.train.existing import remove_set_up
 
-            remove_set_up(run_dir)
+            remove_set_up(run_dir, parents=parents)
+
+
+def missing(path: Path) -> list[Path]:
+    """`path` and those of its parents that do not exist, nearest first."""
+    found = []
+    for folder in (path, *path.parents):
+        if os.path.lexists(folder):
+            break
+        found.append(folder)
+    return found
 
 
 def _claim(run_dir: Path, flag: str, instead: str, made: bool) -> tuple[int | None, bool]:

@@ -168,8 +168,9 @@ def check_not_runs(folder: Path, named: str = "") -> None:
                         f"one, such as the newest: {cut(str(inside), PATH_CHARS)}")
 
 
-def remove_set_up(run_dir: Path, before: Collection[str] | None = None) -> None:
-    """Remove the set-up a run that never started added to `run_dir` (it held `before`; None: made for it, it too)."""
+def remove_set_up(run_dir: Path, before: Collection[str] | None = None, parents: Sequence[Path] = ()) -> None:
+    """Remove the set-up a run that never started added to `run_dir` (it held `before`; None: made for it, it too,
+    and then `parents`, the folders made above it, while empty)."""
     # Left behind, its recipe and empty records read as a run: `gpipe report outputs/x/*` refused to report. In a
     # folder the user made, what it held already is theirs, or an earlier launch's, and stays.
     from gpipe_cli.data.tokenizer import TOKENIZER_FILE
@@ -182,7 +183,8 @@ def remove_set_up(run_dir: Path, before: Collection[str] | None = None) -> None:
         for name in sorted(names, key=lambda name: name != CHECKPOINTS):
             (os.rmdir if name == CHECKPOINTS else os.unlink)(run_dir / name)
         if before is None:
-            run_dir.rmdir()
+            for folder in (run_dir, *parents):  # the first that holds anything else stops it
+                folder.rmdir()
 
 
 def check_export_arguments(location: str, output: str | None) -> None:

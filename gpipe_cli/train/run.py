@@ -35,7 +35,7 @@ from gpipe_cli.progress import note
 from gpipe_cli.recipe.load import recipe_label, typed_values
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.train import output
-from gpipe_cli.train.claim import held
+from gpipe_cli.train.claim import held, missing
 from gpipe_cli.train.existing import (
     METRICS,
     Change,
@@ -232,7 +232,7 @@ def claims(options: LaunchOptions, world: int) -> bool:
 
 def _claim(options: TrainOptions, recipe: Recipe, resume: str | None, holding: contextlib.ExitStack) -> Path | None:
     """Hold this launch's run directory until `holding` closes; the directory when it was made for this run."""
-    made = False
+    made, parents = False, missing(Path(OUTPUTS, recipe.name))
     if options.output_dir:  # a bare --resume continues, or starts, the run there
         run_dir, flag, instead = Path(options.output_dir), "--output-dir", "wait until it ends, or give another " \
             "--output-dir"
@@ -242,7 +242,7 @@ def _claim(options: TrainOptions, recipe: Recipe, resume: str | None, holding: c
         run_dir, flag, instead = choose_run_dir(recipe, None, OUTPUTS, make=True), "the output directory", \
             "wait until it ends"
         made = True
-    if holding.enter_context(held(run_dir, flag, instead, made)):
+    if holding.enter_context(held(run_dir, flag, instead, made, parents if made else ())):
         return run_dir
     # A folder that was there (the user's, or a run's): a launch that ends before the first step takes out only
     # what it added, while the claim still holds it.

@@ -58,7 +58,8 @@ def test_a_claim_makes_the_directory_names_its_process_and_leaves_nothing_once_i
     with claim.held(run, "--output-dir", "wait") as made:
         assert made and (run / claim.LOCK).read_text().split()[0] == str(os.getpid())
     assert not run.exists()  # nothing was written: a run that never started leaves nothing behind
-    run.mkdir()
+    assert not run.parent.exists()  # nor the folder made above it
+    run.mkdir(parents=True)
     with claim.held(run, "--output-dir", "wait") as made:
         assert not made
         (run / "metrics.jsonl").write_text("")
@@ -274,7 +275,10 @@ def test_a_new_run_in_the_default_place_is_made_and_held_by_its_launch(tmp_path,
     assert train(str(path)).exit_code == 0
     made = Path(launches[0]["run_dir"])
     assert made.parent == Path("outputs", "tiny-translation") and launches[0]["held_by"] == str(os.getpid())
-    assert not made.exists() and Path("outputs", "tiny-translation").is_dir()
+    assert not made.exists() and not Path("outputs").exists()  # made for the run, and nothing else in them
+    Path("outputs", "mine").mkdir(parents=True)  # a folder that holds anything else stays, and what was there
+    assert train(str(path)).exit_code == 0
+    assert os.listdir("outputs") == ["mine"]
 
 
 @pytest.mark.parametrize("bare", [False, True])
