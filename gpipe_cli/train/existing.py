@@ -207,13 +207,13 @@ def check_not_in_a_run(output_dir: str | None) -> None:
         raise UserError(f"--output-dir {cut(output_dir, PATH_CHARS)} {kept[1]}; give a folder outside it")
 
 
-def check_new_run_dir(output_dir: Path, claimed: bool = False) -> None:
-    """Refuse to start a new run in a directory that holds another (`claimed`: this process holds the directory)."""
+def check_new_run_dir(output_dir: Path, ours: bool = False) -> None:
+    """Refuse to start a new run in a directory that holds another (`ours`: this job holds, or claims, its lock)."""
     if not output_dir.is_dir():
         return
-    # Under this launch's own claim the holder is this process; else another holds it, and a launch (a dry run
-    # learns it here) would be refused, whether or not a run is there yet.
-    if not claimed:
+    # Under this launch's own claim the holder is this process (or node 0 of this job, for another node); else
+    # another gpipe train holds it, and a launch (a dry run learns it here) would be refused, run there or not.
+    if not ours:
         check_no_writer(output_dir, "--output-dir", "wait until it ends, or give another --output-dir")
     if not holds_run(output_dir):
         from gpipe_cli.data.tokenizer import TOKENIZER_FILE

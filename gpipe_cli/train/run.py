@@ -204,7 +204,8 @@ def train(options: TrainOptions) -> int:
         raise UserError(f"--output-dir: {shown(options.output_dir)} exists and is not a directory")
     if starts_anew(options.resume, options.output_dir):  # a new run's folder: refused before seconds of measuring
         if options.output_dir:
-            check_new_run_dir(Path(options.output_dir))
+            # Another node's launcher (or rank) of this job: the directory is node 0's to claim, perhaps already.
+            check_new_run_dir(Path(options.output_dir), ours=not claims(options.launch, world))
         new_run = (Path(options.output_dir), "--output-dir") if options.output_dir else \
             (Path(OUTPUTS) / recipe.name, "the output directory")
         check_writable(*new_run)
@@ -287,7 +288,7 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
         claimed = not options.dry_run and claims(options.launch, world)
         new_dir = _claim(options, recipe, resume, holding) if claimed else None
         if options.output_dir and starts_anew(options.resume, options.output_dir):
-            check_new_run_dir(Path(options.output_dir), claimed)
+            check_new_run_dir(Path(options.output_dir), ours=claimed or not claims(options.launch, world))
         fresh = resume is not None and options.resume == "latest" and options.output_dir is not None \
             and not candidates(Path(options.output_dir))  # no checkpoint at all; a damaged one is refused below
         if fresh:  # a scheduler's first launch of a job that resumes when requeued: nothing to continue yet
