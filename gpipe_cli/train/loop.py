@@ -42,7 +42,7 @@ from gpipe_cli.train.export import export as export_model
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
 from gpipe_cli.train.profiling import StepProfiler
 from gpipe_cli.train.resume import Checkpointer, rewind_metrics, saved_cut
-from gpipe_cli.train.signals import StopRequest
+from gpipe_cli.train.signals import AFTER_STEP, StopRequest
 from gpipe_cli.train.sinks import open_sinks
 from gpipe_cli.train.step_figures import ModelFlops, Peak, find_peak, step_figures, utilization_of
 from gpipe_cli.train.summary import RunSummary
@@ -408,10 +408,13 @@ class Trainer:
                 self._save(done)
             if self.stopped_by:
                 break
-            if evaluating and not self.evaluate(done):  # a stop came during it: save and stop now
-                if self.checkpoints.last_saved != done:
-                    self._save(done)
-                break
+            if evaluating:
+                self.stop.when = f"the evaluation at step {done}; step {done} is saved before the run stops"
+                if not self.evaluate(done):  # a stop came during it: save and stop now
+                    if self.checkpoints.last_saved != done:
+                        self._save(done)
+                    break
+                self.stop.when = AFTER_STEP
         if pending is not None:
             self._finish(*pending)
         if not self.stopped_by and not self.diverged:

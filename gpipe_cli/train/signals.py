@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 from gpipe_cli.pipeline import stopping
 
+AFTER_STEP = "after this step"  # what a stop waits for while training (an evaluation says otherwise)
+
 
 class StopRequest:
     """Remembers the first stop signal this rank received."""
@@ -20,7 +22,7 @@ class StopRequest:
         self.signum = 0
         self.announce = announce
         self.parent = os.getppid()  # a rank's parent ending sends it SIGINT (torch's workers ask for it)
-        self.when = "after this step"  # what a stop signal cuts short, as the answer to Ctrl-C says
+        self.when = AFTER_STEP  # what a stop signal cuts short, as the answer to Ctrl-C says
 
     def arm(self) -> None:
         """Take over the stop signals from the set-up's handler (after the first step: before it, nothing to save)."""

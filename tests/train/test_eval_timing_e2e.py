@@ -41,3 +41,34 @@ def test_the_step_after_an_eval_does_not_count_rank_0s_eval_work_as_waiting(tmp_
                if (r := json.loads(line))["kind"] == "train"}
     after = records[3]
     assert max(after["time_s"]["wait"]) < SLOW_S / 2 and after["step_time_s"] < SLOW_S / 2, after
+
+
+def _ctrl_c_in_first_eval() -> None:
+    """Rank 0 gets a Ctrl-C as the evaluation at step 2 begins, as a person pressing it then would send."""
+    import os
+    import signal
+
+    from gpipe_cli.train import loop
+
+    real = loop.Trainer.evaluate
+
+    def evaluate(self, step, final=False):
+        if os.environ["RANK"] == "0" and not final:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, step, final)
+
+    loop.Trainer.evaluate = evaluate
+
+
+def test_a_ctrl_c_during_an_evaluation_says_it_cuts_that_evaluation_short_and_saves_its_step(tmp_path):
+    # It said "stopping after this step", of a step already done.
+    recipe = copy.deepcopy(TINY_TRANSLATION)
+    recipe["train"] = {"steps": 4}
+    recipe["eval"] = {"every": 2, "batches": 1}
+    out = tmp_path / "run"
+    ranks = gpipe_train(2, str(write(tmp_path, recipe)), "--output-dir", str(out), "--threads", "1",
+                        before=_ctrl_c_in_first_eval)
+    assert ranks.code == 130, ranks.output
+    assert ("[gpipe] SIGINT: stopping the evaluation at step 2; step 2 is saved before the run stops (Ctrl-C again "
+            "to abort at once)") in ranks.stderr, ranks.output
+    assert (out / "checkpoints" / "step-00000002").is_dir()
