@@ -274,19 +274,23 @@ def _layers(names: list[str]) -> str:
 def plan_table(plan: Plan) -> Table:
     """One row per stage: layers, parameters, forward FLOPs, estimated peak memory and whether it fits."""
     replicas = f"{plan.data_parallel} replica{'s' if plan.data_parallel > 1 else ''}"
+    offloads = any(s.memory.host for s in plan.stages)  # pipeline.offload: what waits in host memory, beside
     table = figure_table(f"{plan.model}: {human_count(plan.total_params)} parameters, {plan.partitions} stages x "
                          f"{replicas}, {plan.microbatches} micro-batches of {plan.microbatch_size}",
                          ("stage", "layers", "params", "GFLOPs/example", "memory (est.)", "of which activations",
-                          "fits"), left=("layers",), title_justify="left")
+                          *(("offloaded to host",) if offloads else ()), "fits"), left=("layers",),
+                         title_justify="left")
     for s in plan.stages:
         fits = "yes" if s.fits else f"[bold red]no: {s.over()}[/]"
         table.add_row(str(s.index), _layers(s.layers), human_count(s.params), f"{s.flops / 1e9:.3f}",
-                      human_bytes(s.memory.total), human_bytes(s.memory.activations), fits)
+                      human_bytes(s.memory.total), human_bytes(s.memory.activations),
+                      *((human_bytes(s.memory.host),) if offloads else ()), fits)
     verdict = "every stage fits" if plan.fits else f"{sum(not s.fits for s in plan.stages)} stage(s) do not fit"
     held = sum(s.params for s in plan.stages)
     tied = (f"; each stage holds its own copy of a tied weight (the stages' params add up to {human_count(held)})"
             if held > plan.total_params else "")
+    away = ", activations offloaded to host memory" if offloads else ""
     table.caption = (f"balance {plan.balance} by {plan.balance_by}{tied}; schedule {plan.schedule}, "
-                     f"rematerialization {plan.checkpoint}; theoretical bubble {plan.bubble_theory:.3f}\n"
+                     f"rematerialization {plan.checkpoint}{away}; theoretical bubble {plan.bubble_theory:.3f}\n"
                      f"memory: {human_bytes(plan.stages[0].capacity)} per rank ({plan.capacity}): {verdict}")
     return table

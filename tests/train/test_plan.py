@@ -1,6 +1,7 @@
 """The plan says per stage whether it fits the machine; train refuses one that cannot, before any rank starts."""
 
 import pytest
+from rich.console import Console
 
 from gpipe_cli import memory_model as mm
 from gpipe_cli.errors import UserError
@@ -10,6 +11,7 @@ from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.recipe_model import model_spec, optimizer_name
 from gpipe_cli.train import run as train_run
 from gpipe_cli.train.plan import make_plan, microbatch_size, plan_table, resolve_balance
+from gpipe_cli.units import human_bytes
 from tests.train import recipes
 
 
@@ -43,6 +45,15 @@ def test_offloaded_activations_count_against_the_host_memory(recipe_path, monkey
     moved = make_plan(recipe, device="cpu", available=1e15)
     assert all(m.memory.host > 0 and m.memory.activations < k.memory.activations
                for k, m in zip(kept.stages, moved.stages))
+    # validate and train's plan show the host bytes beside (they showed nothing of them while all fitted).
+    console = Console(width=250, record=True)
+    console.print(plan_table(moved))
+    shown = console.export_text()
+    assert "offloaded to host" in shown and "activations offloaded to host memory" in shown
+    assert all(human_bytes(m.memory.host) in shown for m in moved.stages)
+    kept_shown = Console(width=250, record=True)
+    kept_shown.print(plan_table(kept))
+    assert "offloaded" not in kept_shown.export_text()
     # On the CPU the host copies share the RAM with the rest; on a GPU they need the host's share of it.
     cramped = make_plan(recipe, device="cpu", available=2 * moved.stages[0].memory.total)
     assert not cramped.stages[0].fits and "offloaded" in cramped.misfit()
