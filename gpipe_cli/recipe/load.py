@@ -59,6 +59,9 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), check_da
     if path is not None and not str(path).strip():  # Path("") would read as the current directory
         raise RecipeError(f"the recipe path is {'only spaces' if str(path) else 'empty'}; give a YAML file, or leave "
                           "it out for the built-in quick-start recipe")
+    if isinstance(path, str) and path.endswith(os.sep) and os.path.isfile(path.rstrip(os.sep)):
+        # Path() drops the slash, and the file was read; a trailing slash names a directory to every other tool.
+        raise RecipeError(f"{path}: a file named as a directory (the trailing '{os.sep}'); give {path.rstrip(os.sep)}")
     raw = parse_yaml(default_recipe_text() if path is None else read_recipe_file(Path(path)), label, overrides)
     return validate(raw, label, check_data, Path(path).parent if path is not None else None, planning,
                     typed_values(overrides))

@@ -189,6 +189,16 @@ def test_bad_files(tmp_path, text, message):
         load_recipe(write(tmp_path, text))
 
 
+def test_a_file_named_with_a_trailing_slash_is_refused(tmp_path):
+    # `gpipe validate recipe.yaml/` read the file: the slash, which names a directory, was dropped without a word.
+    path = tmp_path / "recipe.yaml"
+    path.write_text(default_recipe_text())
+    with pytest.raises(RecipeError, match=re.escape(f"{path}/: a file named as a directory (the trailing '/'); "
+                                                    f"give {path}")):
+        load_recipe(f"{path}/")
+    assert load_recipe(str(path)).name == load_recipe(None).name
+
+
 def test_missing_file():
     with pytest.raises(RecipeError, match="no such recipe file"):
         load_recipe("/no/such/recipe.yaml")
