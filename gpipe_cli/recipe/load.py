@@ -298,6 +298,8 @@ def _nearest(loc: Sequence[str | int], section: type[BaseModel] | None, raw: dic
     elsewhere = [k for k in _keys(raw) if k.endswith("." + name) or k == name.replace("_", ".", 1)]
     if here or len(elsewhere) == 1:
         return f" (did you mean {prefix + here[0] if here else elsewhere[0]}?)"
+    if 1 < len(elsewhere) <= 3:  # `steps`: train.steps, or train.profile.steps
+        return f" (did you mean {', '.join(elsewhere[:-1])} or {elsewhere[-1]}?)"
     kinds = [kind for kind, model in MODEL_SECTIONS.items() if name in model.model_fields]
     if list(loc[:-1]) == ["model"] and kinds:  # model.filters in a Transformer recipe
         return f" (a key of model.kind {' or '.join(kinds)})"

@@ -68,6 +68,9 @@ def test_every_shipped_recipe_validates_and_plans(path):
                                   "(got 2.5)"),
     (["train.lr=0.1"], "train.lr: unknown key (did you mean optimizer.lr?); allowed keys here: steps"),
     (["train.checkpoint_every=5"], "train.checkpoint_every: unknown key (did you mean checkpoint.every?)"),
+    # A key several sections hold: each of them (it said nothing where `lr` named optimizer.lr).
+    (["steps=20"], "steps: unknown key (did you mean train.steps or train.profile.steps?)"),
+    (["data.steps=20"], "data.steps: unknown key (did you mean train.steps or train.profile.steps?)"),
     (["colour=blue"], "colour: unknown key; allowed keys here: name, seed, model"),
     (["filters=8"], "--set filters: unknown key (did you mean model.filters, a key of model.kind amoebanet?)"),
     (["model.kind=resnet"], "model.kind: must be 'amoebanet' or 'transformer' (got 'resnet')"),
