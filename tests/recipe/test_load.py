@@ -68,6 +68,8 @@ def test_every_shipped_recipe_validates_and_plans(path):
                                   "(got 2.5)"),
     (["train.lr=0.1"], "train.lr: unknown key (did you mean optimizer.lr?); allowed keys here: steps"),
     (["train.checkpoint_every=5"], "train.checkpoint_every: unknown key (did you mean checkpoint.every?)"),
+    # Under a section a --set gave whole: named by that --set, as a key it gave itself is.
+    (["train.profile={steps: [0]}"], "recipe.yaml: --set train.profile.steps.0: must be >= 1 (got 0)"),
     # A key several sections hold: each of them (it said nothing where `lr` named optimizer.lr).
     (["steps=20"], "steps: unknown key (did you mean train.steps or train.profile.steps?)"),
     (["data.steps=20"], "data.steps: unknown key (did you mean train.steps or train.profile.steps?)"),
