@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
+from gpipe_cli.errors import UserError, shown
 from gpipe_cli.estimate import costs
 from gpipe_cli.files import atomic_write_bytes
+from gpipe_cli.launch.preflight import check_writable
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline.engine import PRECISIONS
 from gpipe_cli.recipe.schema import Recipe
@@ -75,6 +77,15 @@ def cache_path(key: dict[str, Any]) -> Path:
     return cache_dir() / f"{digest}.json"
 
 
+def unwritable(folder: Path) -> str | None:
+    """Why measured costs cannot be kept in `folder`: "FOLDER cannot be written: WHY" (None: they can)."""
+    try:  # probes without leaving anything behind, so a run that says "cached" keeps its word
+        check_writable(folder, f"{shown(str(folder))} cannot be written")
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
 def measure(spec: ModelSpec, recipe: Recipe, microbatch_size: int, device: torch.device,
             repeats: int = REPEATS) -> costs.CostProfile:
     """Time every layer of the recipe's model on one micro-batch on `device`, in the run's precision."""
@@ -88,8 +99,12 @@ def measure(spec: ModelSpec, recipe: Recipe, microbatch_size: int, device: torch
 
 
 def measured_costs(spec: ModelSpec, recipe: Recipe, microbatch_size: int, device: torch.device,
-                   measuring: Callable[[], None] = lambda: None) -> Measured:
-    """The recipe's per-layer costs on `device`: from the cache, or measured now (`measuring` says so) and cached."""
+                   measuring: Callable[[str], None] = lambda note: None) -> Measured:
+    """The recipe's per-layer costs on `device`: from the cache, or measured now and cached where it can be.
+
+    `measuring` is told before a measurement whether its result will be kept: "cached for next time" or
+    "not cached: WHY", decided by a probe of the folder, so that the line saying so is true.
+    """
     key = cache_key(recipe, microbatch_size, device)
     path = cache_path(key)
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none cached, or a damaged file
@@ -98,8 +113,11 @@ def measured_costs(spec: ModelSpec, recipe: Recipe, microbatch_size: int, device
         # A file for another key under this name, or of another number of layers: measure again.
         if data["key"] == key and found.layers and len(found.layers) == len(spec.layers):
             return Measured(found, cached=True)
-    measuring()
+    why = unwritable(path.parent)
+    measuring("cached for next time" if why is None else f"not cached: {why}")
     profile = measure(spec, recipe, microbatch_size, device)
-    with contextlib.suppress(OSError):  # a cache that cannot be written only costs a measurement
+    if why is not None:  # already said; a write would only fail
+        return Measured(profile, cached=False)
+    with contextlib.suppress(OSError):  # a folder that turned unwritable since the probe only costs a measurement
         atomic_write_bytes(path, json.dumps({"key": key, "costs": asdict(profile)}).encode())
     return Measured(profile, cached=False)

@@ -312,7 +312,7 @@ class Trainer:
         try:
             found = cost_cache.measured_costs(
                 self.spec, self.recipe, microbatch_size(self.recipe), device,
-                measuring=lambda: self._note(f"timing each layer on {device.type} for the cut (cached for next time)"))
+                measuring=lambda note: self._note(f"timing each layer on {device.type} for the cut ({note})"))
         except Exception as exc:  # any failure to measure leaves the estimate, never stops the run
             why = (str(exc).strip().splitlines() or [""])[0][:200]
             return None, f"estimated FLOPs: measuring failed ({type(exc).__name__}{f': {why}' if why else ''})"

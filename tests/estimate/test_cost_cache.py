@@ -136,3 +136,34 @@ def test_when_measuring_fails_the_cut_falls_back_to_estimated_flops_and_says_why
                            _note=lambda text: None)
     measured, why = Trainer._measure(rank)  # type: ignore[arg-type]
     assert measured is None and why == "estimated FLOPs: measuring failed (RuntimeError: the device is busy)"
+
+
+@pytest.mark.parametrize("where", ["file", "file/cache"])
+def test_the_line_before_a_measurement_claims_the_cache_only_where_it_can_be_written(
+        recipe, tmp_path, monkeypatch, measurements, where):
+    from types import SimpleNamespace
+
+    from gpipe_cli.train.loop import Trainer
+
+    (tmp_path / "file").write_text("")
+    folder = tmp_path / where
+    monkeypatch.setenv(cost_cache.CACHE_ENV, str(folder))
+    notes: list[str] = []
+    rank = SimpleNamespace(recipe=recipe, spec=model_spec(recipe), topo=SimpleNamespace(device=CPU), _note=notes.append)
+    for _ in range(2):  # said each time it measures, which is each launch: nothing was kept
+        measured, _label = Trainer._measure(rank)  # type: ignore[arg-type]
+        assert measured is not None
+    assert len(notes) == 2 and notes[0] == notes[1]
+    assert "cached for next time" not in notes[0]
+    assert f"(not cached: {str(folder)!r} cannot be written: {str(tmp_path / 'file')!r} exists and is not a " \
+           f"directory)" in notes[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "recipe.yaml"]  # the probe left nothing behind
+
+
+def test_the_line_before_a_measurement_says_cached_where_it_is(recipe, cache, measurements):
+    notes: list[str] = []
+    spec, size = model_spec(recipe), microbatch_size(recipe)
+    cost_cache.measured_costs(spec, recipe, size, CPU, measuring=notes.append)
+    assert notes == ["cached for next time"]
+    assert cost_cache.measured_costs(spec, recipe, size, CPU, measuring=notes.append).cached
+    assert notes == ["cached for next time"]  # read back, not measured: nothing more said
