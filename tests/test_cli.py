@@ -373,6 +373,28 @@ def test_a_cut_the_layers_cannot_take_names_the_set_that_asked_for_it(capsys, it
     assert says in capsys.readouterr().err
 
 
+INTERLEAVED = ["--set", "pipeline.microbatches=8", "--set", "pipeline.schedule=interleaved", "--set",
+               "pipeline.virtual_stages=2"]
+
+
+@pytest.mark.parametrize("args, line", [
+    (["validate", "recipes/quickstart.yaml", "--set", "pipeline.partitions=4", *INTERLEAVED],
+     "error: recipes/quickstart.yaml: cannot cut 6 layers into 8 chunks (pipeline.partitions 4 x "
+     "pipeline.virtual_stages 2): at most 6"),
+    (["bench", "--schedule", "interleaved", "--virtual-stages", "2", "--partitions", "4", "--layers", "2",
+      "--microbatches", "8"],
+     "error: cannot cut 4 layers into 8 chunks (--partitions 4 x --virtual-stages 2): at most 4"),
+    (["bench", "--simulate", "--devices", "4", "--schedule", "interleaved", "--virtual-stages", "2", "--layers", "2",
+      "--microbatches", "8"],
+     "error: cannot cut 4 layers into 8 chunks (--devices 4 x --virtual-stages 2): at most 4"),
+])
+def test_too_many_chunks_are_called_chunks_made_of_k_and_v_never_partitions_the_user_did_not_set(capsys, args, line):
+    # Partitions 4 with 2 chunks each read "cannot cut 6 layers into 8 partitions": 8 was never typed.
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [line] and "partitions must be" not in err
+
+
 @pytest.mark.parametrize("args, says", [
     (["bench", "--balance", "params"], "error: --balance: this command cuts by auto or time or a list of layers"),
     (["profile-memory", "--balance", "time"], "error: --balance: this command cuts by auto or a list of layers"),

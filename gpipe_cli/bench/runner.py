@@ -84,11 +84,13 @@ def check_cut(options: BenchOptions, subject: Subject) -> None:
     chunks = options.stages * options.virtual_stages
     k_flag = "--devices" if options.simulate and options.devices is not None else "--partitions"  # K's
     try:
-        partition.check_partitions(layers, chunks)
+        partition.check_chunks(layers, options.stages, options.virtual_stages, (k_flag, "--virtual-stages"))
         explicit = parse_balance(options.balance, chunks, f"{k_flag} x --virtual-stages")
         if explicit is not None:
             partition.check_balance(explicit, layers, chunks)
     except partition.PartitionError as exc:
+        if isinstance(exc, partition.TooManyChunks):
+            raise UserError(str(exc)) from None
         flag = k_flag.removeprefix("--")
         if options.virtual_stages > 1:
             flag += f"/--virtual-stages ({chunks} chunks)"

@@ -13,6 +13,10 @@ class PartitionError(ValueError):
     """A balance that cannot describe a K-stage split of these layers."""
 
 
+class TooManyChunks(PartitionError):
+    """K x V chunks, V > 1, more than the layers: the line names both settings, so callers add no key of their own."""
+
+
 def check_balance(balance: Sequence[int], num_layers: int, partitions: int | None = None) -> list[int]:
     """Validate an explicit balance (layers per stage) and return it as a list."""
     balance = list(balance)
@@ -38,6 +42,17 @@ def check_partitions(num_layers: int, partitions: int) -> None:
     if partitions > num_layers:
         raise PartitionError(f"cannot cut {num_layers} layers into {partitions} partitions: "
                              f"partitions must be <= {num_layers}")
+
+
+def check_chunks(num_layers: int, partitions: int, virtual: int,
+                 names: tuple[str, str] = ("pipeline.partitions", "pipeline.virtual_stages")) -> None:
+    """`check_partitions` for K x V chunks; past V = 1 a refusal names the chunks and the two `names` making them."""
+    # The user set K, not K x V: "8 partitions" for K = 4 read as a number never given.
+    if virtual <= 1 or partitions < 1:
+        check_partitions(num_layers, partitions * max(virtual, 1))
+    elif partitions * virtual > num_layers:
+        raise TooManyChunks(f"cannot cut {num_layers} layers into {partitions * virtual} chunks ({names[0]} "
+                             f"{partitions} x {names[1]} {virtual}): at most {num_layers}")
 
 
 def balance_by_cost(costs: Sequence[float], partitions: int) -> list[int]:

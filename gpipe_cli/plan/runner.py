@@ -72,7 +72,7 @@ def _not_comparable(model: Any, hw: Any, recipe: Recipe) -> str | None:
         if isinstance(p.balance, list):
             partition.check_balance(p.balance, model.layers, chunks)
         else:
-            partition.check_partitions(model.layers, chunks)
+            partition.check_chunks(model.layers, p.partitions, p.virtual_stages)
     except ValueError as exc:  # PartitionError among them
         return str(exc)
     return None

@@ -179,7 +179,7 @@ def checked_cut(recipe: Recipe, layers: int) -> list[int] | None:
     pipe = recipe.pipeline
     chunks = pipe.partitions * pipe.virtual_stages
     with _cut_errors(recipe):
-        partition.check_partitions(layers, chunks)
+        partition.check_chunks(layers, pipe.partitions, pipe.virtual_stages)
         if isinstance(pipe.balance, list):
             return partition.check_balance(pipe.balance, layers, chunks)
     return None
@@ -192,6 +192,8 @@ def _cut_errors(recipe: Recipe) -> Iterator[None]:
         yield
     except partition.PartitionError as exc:
         pipe = recipe.pipeline
+        if isinstance(exc, partition.TooManyChunks):
+            raise UserError(str(exc)) from None
         key = "pipeline.balance" if isinstance(pipe.balance, list) else "pipeline.partitions"
         if pipe.virtual_stages > 1 and not isinstance(pipe.balance, list):
             key = f"pipeline.partitions x pipeline.virtual_stages ({pipe.partitions * pipe.virtual_stages} chunks)"

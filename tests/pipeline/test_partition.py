@@ -302,3 +302,25 @@ def test_a_deep_split_prices_a_few_starts_per_stop_not_every_pair():
 
     assert partition.min_max_split(n, 4, value, lambda i, j: float(j - i)) == (500.0, [500, 500, 500, 500])
     assert priced[0] < 20 * n, priced[0]
+
+
+def test_too_many_chunks_names_the_chunks_and_the_two_settings_making_them():
+    from gpipe_cli.pipeline.partition import TooManyChunks, check_chunks
+
+    with pytest.raises(TooManyChunks) as caught:
+        check_chunks(6, 4, 2)
+    # The user set K = 4: the 8 is K x V chunks, never "8 partitions".
+    assert str(caught.value) == ("cannot cut 6 layers into 8 chunks (pipeline.partitions 4 x "
+                                 "pipeline.virtual_stages 2): at most 6")
+    with pytest.raises(TooManyChunks, match=r"\(--partitions 4 x --virtual-stages 2\)"):
+        check_chunks(6, 4, 2, ("--partitions", "--virtual-stages"))
+    check_chunks(6, 3, 2)  # 6 chunks of 6 layers: fine
+
+
+def test_too_many_chunks_of_one_per_stage_reads_as_partitions():
+    from gpipe_cli.pipeline.partition import TooManyChunks, check_chunks
+
+    with pytest.raises(PartitionError) as caught:
+        check_chunks(3, 4, 1)
+    assert not isinstance(caught.value, TooManyChunks)
+    assert str(caught.value) == "cannot cut 3 layers into 4 partitions: partitions must be <= 3"

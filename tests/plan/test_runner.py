@@ -290,3 +290,12 @@ def test_the_written_recipe_keeps_the_users_comments_and_order_and_replanning_re
     replanned = again.read_text().splitlines()
     assert replanned[0].startswith("# written by gpipe plan") and not replanned[1].startswith("# written by")
     assert replanned[1:] == lines[1:]
+
+
+def test_a_recipe_with_more_chunks_than_layers_names_its_chunks_k_and_v(tmp_path, capsys):
+    pipeline = {"partitions": 4, "microbatches": 4, "schedule": "interleaved", "virtual_stages": 2}
+    recipe = write(tmp_path, {**TINY, "pipeline": pipeline})
+    assert run(["plan", str(recipe), "--devices", "4", "--tflops", "100", "--plain"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("the recipe as written"))
+    assert line.endswith("is not compared: cannot cut 4 layers into 8 chunks (pipeline.partitions 4 x "
+                         "pipeline.virtual_stages 2): at most 4"), line
