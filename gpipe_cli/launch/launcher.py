@@ -47,6 +47,8 @@ class LaunchOptions:
     rdzv_id: str | None = None
     threads: int | None = None  # intra-op threads per rank; default: cores / local ranks
     slurm: SlurmStep | None = None  # the srun step the defaults came from, if any
+    # The options Slurm gave (nnodes, node_rank, rdzv_endpoint): a line about one names its variable, not a flag.
+    from_slurm: frozenset[str] = frozenset()
 
 
 def launch_options(nnodes: str | None = None, node_rank: int | None = None, rdzv_endpoint: str | None = None,
@@ -59,10 +61,12 @@ def launch_options(nnodes: str | None = None, node_rank: int | None = None, rdzv
                              rdzv_backend=rdzv_backend, rdzv_id=rdzv_id, threads=threads)
     check_one_task_per_node(step)
     static = rdzv_backend in (None, "static")  # c10d ranks nodes itself
+    given = {"nnodes", *(["node_rank"] if node_rank is None and static else []),
+             *(["rdzv_endpoint"] if not rdzv_endpoint else [])}
     return LaunchOptions(nnodes=str(step.nodes), node_rank=node_rank if node_rank is not None or not static
                          else step.node_rank, rdzv_endpoint=rdzv_endpoint or f"{step.first_host}:{step.port}",
                          rdzv_backend=rdzv_backend, rdzv_id=rdzv_id or f"slurm-{step.job_id}", threads=threads,
-                         slurm=step)
+                         slurm=step, from_slurm=frozenset(given))
 
 
 _THREADS = ("OMP_NUM_THREADS", "GPIPE_THREADS")  # what the ranks' intra-op threads are read from

@@ -45,10 +45,19 @@ def check_launch(options: LaunchOptions, world: int) -> int:
         fits = max((n for n in dividing if n >= min_nodes), default=dividing[-1])
         raise UserError(f"--nnodes {options.nnodes}: the job needs all of its {world} ranks at once, which a range "
                         f"of nodes does not promise; give one number of nodes that divides them, e.g. --nnodes {fits}")
+    slurm_nodes = "nnodes" in options.from_slurm  # a number the user never typed: named by its variable
     if world % max_nodes:
+        if slurm_nodes:
+            fits = max(n for n in range(1, max_nodes + 1) if world % n == 0)
+            raise UserError(f"the job needs {world} processes, which does not divide over {max_nodes} nodes "
+                            f"(SLURM_STEP_NUM_NODES, this srun step's); run the step on a number of nodes that "
+                            f"divides {world}, e.g. srun --nodes {fits}")
         raise UserError(f"the job needs {world} processes, which does not divide over {max_nodes} nodes")
     if options.node_rank is not None and not 0 <= options.node_rank < max_nodes:
-        raise UserError(f"--node-rank: must be >= 0 and < the number of nodes, {max_nodes} (got {options.node_rank})")
+        nodes = f"{max_nodes}{' from SLURM_STEP_NUM_NODES' if slurm_nodes else ''}"
+        if "node_rank" in options.from_slurm:
+            raise UserError(f"SLURM_NODEID {options.node_rank}: must be >= 0 and < the number of nodes, {nodes}")
+        raise UserError(f"--node-rank: must be >= 0 and < the number of nodes, {nodes} (got {options.node_rank})")
     if options.rdzv_backend not in (None, "static", "c10d"):
         raise UserError(f"--rdzv-backend: must be static or c10d (got {shown(options.rdzv_backend)})")
     if options.rdzv_backend == "static" and max_nodes > 1 and options.node_rank is None:  # all would be node 0
@@ -59,8 +68,8 @@ def check_launch(options: LaunchOptions, world: int) -> int:
     if options.rdzv_endpoint is not None:
         host, sep, port = options.rdzv_endpoint.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise UserError(f"--rdzv-endpoint: must be HOST:PORT with a port from 1 to 65535 "
-                            f"(got {shown(options.rdzv_endpoint)})")
+            raise UserError(f"{endpoint_name(None, endpoint_source(options))}: must be HOST:PORT with a port from 1 "
+                            f"to 65535 (got {shown(options.rdzv_endpoint)})")
     elif max_nodes > 1:
         raise UserError("a multi-node job needs --rdzv-endpoint HOST:PORT (the same on every node)")
     return world // max_nodes
@@ -158,6 +167,19 @@ class Rendezvous:
     endpoint: str | None     # HOST:PORT; None: one node, on a free local port chosen at launch
     run_id: str | None       # None: one node, a fresh id chosen at launch
     node_rank: int | None    # static: this node's rank; c10d: given as the nodes join
+    endpoint_from: str | None = None  # where a Slurm-given endpoint comes from; None: --rdzv-endpoint, or none
+
+
+def endpoint_source(options: LaunchOptions) -> str | None:
+    """Where the endpoint of `options` comes from when Slurm gave it, e.g. "host from SLURM_STEP_NODELIST, ..."."""
+    return options.slurm.endpoint_from if options.slurm and "rdzv_endpoint" in options.from_slurm else None
+
+
+def endpoint_name(endpoint: str | None, source: str | None) -> str:
+    """How a line names the endpoint: the flag the user typed, or the variables it was read from."""
+    if source is None:
+        return "--rdzv-endpoint" + (f" {endpoint}" if endpoint else "")
+    return "the rendezvous endpoint" + (f" {endpoint}" if endpoint else "") + f" ({source})"
 
 
 def rendezvous(world: int, options: LaunchOptions) -> Rendezvous:
@@ -167,18 +189,20 @@ def rendezvous(world: int, options: LaunchOptions) -> Rendezvous:
     return Rendezvous(min_nodes=min_nodes, max_nodes=max_nodes, ranks_per_node=world // max_nodes, backend=backend,
                       endpoint=options.rdzv_endpoint or None,
                       run_id=options.rdzv_id or ("gpipe" if max_nodes > 1 else None),
-                      node_rank=(options.node_rank or 0) if backend == "static" else None)
+                      node_rank=(options.node_rank or 0) if backend == "static" else None,
+                      endpoint_from=endpoint_source(options))
 
 
-def resolve(endpoint: str) -> tuple[str, int]:
-    """`HOST:PORT` as (HOST, PORT), once this node knows HOST; UserError otherwise."""
+def resolve(endpoint: str, source: str | None = None) -> tuple[str, int]:
+    """`HOST:PORT` as (HOST, PORT), once this node knows HOST; UserError otherwise (`source`: see `endpoint_name`)."""
     host, _, port = endpoint.rpartition(":")
     try:
         socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
     except OSError as exc:
-        raise UserError(f"--rdzv-endpoint {endpoint}: {host} is not a host name or address this node knows "
-                        f"({exc.strerror or exc}); give the name or address of the node that hosts the rendezvous "
-                        "(node 0)") from None
+        fix = ("give the name or address of the node that hosts the rendezvous (node 0)" if source is None else
+               "give --rdzv-endpoint HOST:PORT with node 0's name or address as this node knows it")
+        raise UserError(f"{endpoint_name(endpoint, source)}: {host} is not a host name or address this node knows "
+                        f"({exc.strerror or exc}); {fix}") from None
     return host, int(port)
 
 
@@ -187,7 +211,7 @@ def reach(rdzv: Rendezvous, said: Callable[[str], None], patience: float = RDZV_
     # torch's store retries for 15 minutes inside C++, where Ctrl-C and SIGTERM go unanswered: this wait is Python's.
     if rdzv.endpoint is None:
         return
-    host, port = resolve(rdzv.endpoint)
+    host, port = resolve(rdzv.endpoint, rdzv.endpoint_from)
     if rdzv.backend != "static" or not rdzv.node_rank:
         return  # node 0 hosts the store; with c10d the node at the endpoint does
     deadline, told = time.monotonic() + patience, False
@@ -197,9 +221,10 @@ def reach(rdzv: Rendezvous, said: Callable[[str], None], patience: float = RDZV_
             return
         except OSError:
             if time.monotonic() >= deadline:
-                raise UserError(f"--rdzv-endpoint {rdzv.endpoint}: node 0's rendezvous did not answer in "
-                                f"{patience:.0f} s; start node 0 with the same --rdzv-endpoint, or check that this "
-                                "node can reach it") from None
+                start = ("start node 0 with the same --rdzv-endpoint" if rdzv.endpoint_from is None else
+                         "check that node 0 of this srun step started")
+                raise UserError(f"{endpoint_name(rdzv.endpoint, rdzv.endpoint_from)}: node 0's rendezvous did not "
+                                f"answer in {patience:.0f} s; {start}, or check that this node can reach it") from None
             if not told:
                 said(f"waiting for node 0's rendezvous at {rdzv.endpoint} (Ctrl-C stops)")
                 told = True

@@ -36,6 +36,12 @@ class SlurmStep:
     port: int
     port_from: str  # the variable the port comes from: MASTER_PORT, or SLURM_JOB_ID through `job_port`
     nodelist: str
+    nodelist_from: str = "SLURM_STEP_NODELIST"  # the variable the node list, and so the host, comes from
+
+    @property
+    def endpoint_from(self) -> str:
+        """Where the rendezvous endpoint it gives comes from, e.g. "host from SLURM_STEP_NODELIST, port from ..."."""
+        return f"host from {self.nodelist_from}, port from {self.port_from}"
 
 
 def _range(spec: str) -> list[str]:
@@ -92,6 +98,17 @@ def _integer(environ: Mapping[str, str], name: str) -> int:
         raise UserError(f"the Slurm variable {name} is not a number ({environ[name]!r})") from None
 
 
+def _master_port(environ: Mapping[str, str]) -> int:
+    """$MASTER_PORT as a port: the job script's variable, not Slurm's, and named as such."""
+    text = environ["MASTER_PORT"]
+    port = int(text) if text.strip().isdigit() else None
+    if port is None or not 0 < port < 65536:
+        what = "is not a number" if port is None else "is not a port"
+        raise UserError(f"MASTER_PORT {what} ({text!r}): set it to a port from 1 to 65535, or unset it for one "
+                        f"derived from SLURM_JOB_ID")
+    return port
+
+
 def slurm_step(environ: Mapping[str, str] | None = None) -> SlurmStep | None:
     """This task's srun step when it spans several nodes; None outside Slurm, in a batch script or on one node."""
     env = os.environ if environ is None else environ
@@ -101,16 +118,18 @@ def slurm_step(environ: Mapping[str, str] | None = None) -> SlurmStep | None:
     nodes = _integer(env, "SLURM_STEP_NUM_NODES")
     if nodes <= 1:
         return None
-    nodelist = next((env[n] for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(n)),
-                    None)
-    if nodelist is None:
+    nodelist_from = next((n for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(n)),
+                         None)
+    if nodelist_from is None:
         raise UserError("this srun step names no nodes (SLURM_STEP_NODELIST); give --rdzv-endpoint HOST:PORT")
     named = next((n for n in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if env.get(n)), None)
     tasks = _integer(env, named) if named else nodes
     port_from = "MASTER_PORT" if env.get("MASTER_PORT") else "SLURM_JOB_ID"
-    port = _integer(env, "MASTER_PORT") if env.get("MASTER_PORT") else job_port(env["SLURM_JOB_ID"])
+    port = _master_port(env) if env.get("MASTER_PORT") else job_port(env["SLURM_JOB_ID"])
+    nodelist = env[nodelist_from]
     return SlurmStep(nodes=nodes, node_rank=_integer(env, "SLURM_NODEID"), first_host=first_host(nodelist),
-                     job_id=env["SLURM_JOB_ID"], tasks=tasks, port=port, port_from=port_from, nodelist=nodelist)
+                     job_id=env["SLURM_JOB_ID"], tasks=tasks, port=port, port_from=port_from, nodelist=nodelist,
+                     nodelist_from=nodelist_from)
 
 
 def check_one_task_per_node(step: SlurmStep) -> None:

@@ -29,7 +29,7 @@ from gpipe_cli.launch import (
     under_torchrun,
     warming,
 )
-from gpipe_cli.launch.preflight import dry_run_lines, rendezvous, resolve
+from gpipe_cli.launch.preflight import dry_run_lines, endpoint_source, rendezvous, resolve
 from gpipe_cli.models import families
 from gpipe_cli.progress import note
 from gpipe_cli.recipe.load import recipe_label, typed_values
@@ -199,7 +199,7 @@ def train(options: TrainOptions) -> int:
                         f"partitions x data_parallel = {world}")
     local = check_launch(options.launch, world)
     if options.launch.rdzv_endpoint and not options.dry_run and not under_torchrun():  # before seconds of planning
-        resolve(options.launch.rdzv_endpoint)
+        resolve(options.launch.rdzv_endpoint, endpoint_source(options.launch))
     if options.output_dir and os.path.exists(options.output_dir) and not os.path.isdir(options.output_dir):
         raise UserError(f"--output-dir: {shown(options.output_dir)} exists and is not a directory")
     if starts_anew(options.resume, options.output_dir):  # a new run's folder: refused before seconds of measuring

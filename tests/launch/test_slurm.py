@@ -81,7 +81,7 @@ def test_the_port_comes_from_the_job_id_unless_master_port_is_set(monkeypatch):
 
 def test_a_master_port_that_is_no_number_is_one_line(monkeypatch):
     monkeypatch.setenv("PATH", "")
-    with pytest.raises(UserError, match="MASTER_PORT is not a number"):
+    with pytest.raises(UserError, match="^MASTER_PORT is not a number"):
         launch_options(environ=step_env(0, MASTER_PORT="auto"))
 
 
@@ -190,3 +190,49 @@ def test_a_dry_run_refuses_what_a_launch_would(tmp_path, monkeypatch, capsys, se
     assert run(["train", str(recipe), *(item for s in sets for item in ("--set", s)), "--dry-run"]) == 2
     captured = capsys.readouterr()
     assert message in captured.err and "nothing is started" not in captured.out, captured
+
+
+@pytest.mark.parametrize(("env", "flags", "line"), [
+    # A node index from Slurm was called --node-rank, a flag never typed.
+    (step_env(5, port=None), [],
+     "error: SLURM_NODEID 5: must be >= 0 and < the number of nodes, 2 from SLURM_STEP_NUM_NODES"),
+    (step_env(1, port=None), ["--node-rank", "7"],
+     "error: --node-rank: must be >= 0 and < the number of nodes, 2 from SLURM_STEP_NUM_NODES (got 7)"),
+    # The 3 nodes came from Slurm; the line did not say so.
+    (step_env(1, nodes=3, nodelist="node[07-09]", port=None), [],
+     "error: the job needs 2 processes, which does not divide over 3 nodes (SLURM_STEP_NUM_NODES, this srun "
+     "step's); run the step on a number of nodes that divides 2, e.g. srun --nodes 2"),
+    # MASTER_PORT is the job script's variable, not Slurm's.
+    (step_env(1, port=None, MASTER_PORT="abc"), [],
+     "error: MASTER_PORT is not a number ('abc'): set it to a port from 1 to 65535, or unset it for one derived "
+     "from SLURM_JOB_ID"),
+    (step_env(1, port=70000), [],
+     "error: MASTER_PORT is not a port ('70000'): set it to a port from 1 to 65535, or unset it for one derived "
+     "from SLURM_JOB_ID"),
+])
+def test_a_value_from_slurm_is_named_by_its_variable_and_a_flag_only_when_typed(tmp_path, monkeypatch, capsys, env,
+                                                                                  flags, line):
+    recipe = write(tmp_path, TINY_AMOEBANET)
+    _in_step(monkeypatch, env)
+    monkeypatch.setattr("gpipe_cli.train.run.launch", _nothing_starts)
+    assert run(["train", str(recipe), *flags, "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [line], captured.err
+    if not flags:
+        assert "--" not in line.split("; ")[0]  # no flag named for what the user never typed
+
+
+def test_an_endpoint_from_the_node_list_is_named_by_its_variables_not_by_a_flag(monkeypatch):
+    from gpipe_cli.launch.preflight import reach, rendezvous
+
+    monkeypatch.setenv("PATH", "")
+    options = launch_options(environ=step_env(1, nodelist="host[0-1].invalid", port=None))
+    with pytest.raises(UserError) as caught:
+        reach(rendezvous(2, options), lambda line: None)
+    text = str(caught.value)
+    assert text.startswith(f"the rendezvous endpoint host0.invalid:{PORT_BASE + 4242} (host from "
+                           f"SLURM_STEP_NODELIST, port from SLURM_JOB_ID): host0.invalid is not a host name"), text
+    assert not text.startswith("--rdzv-endpoint")
+    typed = launch_options(rdzv_endpoint="host0.invalid:29500", environ=step_env(1))
+    with pytest.raises(UserError, match=r"^--rdzv-endpoint host0\.invalid:29500: host0\.invalid is not a host"):
+        reach(rendezvous(2, typed), lambda line: None)
