@@ -1,4 +1,4 @@
-"""The step after an evaluation is timed as any step: rank 0's scoring and writing are not another stage's wait."""
+"""An evaluation between steps: the step after it is timed as any step, and a Ctrl-C during it says what it stops."""
 
 import copy
 import json
@@ -28,14 +28,19 @@ def _slow_eval_view() -> None:
     view.TerminalView.show = show
 
 
-def test_the_step_after_an_eval_does_not_count_rank_0s_eval_work_as_waiting(tmp_path):
-    # Stage 1 started the step while rank 0 still wrote the eval: its wait, and the step, took that time too.
+def _four_steps_evaluated_every_two(tmp_path, before):
+    """Train 4 steps with an evaluation after step 2, each rank first calling `before`: how it ended, and its run."""
     recipe = copy.deepcopy(TINY_TRANSLATION)
     recipe["train"] = {"steps": 4}
     recipe["eval"] = {"every": 2, "batches": 1}
     out = tmp_path / "run"
-    ranks = gpipe_train(2, str(write(tmp_path, recipe)), "--output-dir", str(out), "--threads", "1",
-                        before=_slow_eval_view)
+    return gpipe_train(2, str(write(tmp_path, recipe)), "--output-dir", str(out), "--threads", "1",
+                       before=before), out
+
+
+def test_the_step_after_an_eval_does_not_count_rank_0s_eval_work_as_waiting(tmp_path):
+    # Stage 1 started the step while rank 0 still wrote the eval: its wait, and the step, took that time too.
+    ranks, out = _four_steps_evaluated_every_two(tmp_path, _slow_eval_view)
     assert ranks.code == 0, ranks.output
     records = {r["step"]: r for line in (out / "metrics.jsonl").read_text().splitlines()
                if (r := json.loads(line))["kind"] == "train"}
@@ -62,12 +67,7 @@ def _ctrl_c_in_first_eval() -> None:
 
 def test_a_ctrl_c_during_an_evaluation_says_it_cuts_that_evaluation_short_and_saves_its_step(tmp_path):
     # It said "stopping after this step", of a step already done.
-    recipe = copy.deepcopy(TINY_TRANSLATION)
-    recipe["train"] = {"steps": 4}
-    recipe["eval"] = {"every": 2, "batches": 1}
-    out = tmp_path / "run"
-    ranks = gpipe_train(2, str(write(tmp_path, recipe)), "--output-dir", str(out), "--threads", "1",
-                        before=_ctrl_c_in_first_eval)
+    ranks, out = _four_steps_evaluated_every_two(tmp_path, _ctrl_c_in_first_eval)
     assert ranks.code == 130, ranks.output
     assert ("[gpipe] SIGINT: stopping the evaluation at step 2; step 2 is saved before the run stops (Ctrl-C again "
             "to abort at once)") in ranks.stderr, ranks.output
