@@ -56,8 +56,7 @@ def _words(line: str) -> list[str]:
 
 
 def wrap_words(text: str, width: int) -> str:
-    """`text` broken into lines of at most `width` between words; a number stays with its unit, and a word longer
-    than `width` stays whole on its own line."""
+    """`text` broken between words into lines of at most `width` (a number kept with its unit, a long word whole)."""
     lines: list[str] = []
     for line in text.splitlines():
         out: list[str] = []
@@ -76,8 +75,7 @@ def _plain(cell: RenderableType) -> str:
 
 
 def _span(column: Column, prose: bool = False) -> tuple[int, int]:
-    """A column's least width that breaks no figure (its header only between words; `prose`: its cells too) and
-    its width on one line."""
+    """A column's least width that breaks no figure (`prose`: cells too break between words) and its widest line."""
     header = _plain(column.header)
     lines = [line for cell in column._cells for line in _plain(cell).splitlines()]
     pieces = ([word for line in lines for word in _words(line)] if prose
@@ -92,9 +90,9 @@ def _frame(columns: int) -> int:
 
 
 def _widths(spans: list[tuple[int, int]], room: int, prose: Sequence[bool] = ()) -> list[int]:
-    """Each column at least its least width; the room left makes the nearest-to-whole headers whole first, then
-    goes to the columns of `prose` by what each lacks (a few lines of each rather than one whole and one a word
-    a line)."""
+    """Each column at least its least width; the room left makes nearest-to-whole headers whole, then `prose` wider."""
+    # The `prose` columns share what is left by what each lacks: a few lines of each, not one whole and one a word a
+    # line.
     widths = [least for least, _ in spans]
     worded = [i < len(prose) and prose[i] for i in range(len(spans))]
     left = room - sum(widths)

@@ -100,11 +100,9 @@ def measure(spec: ModelSpec, recipe: Recipe, microbatch_size: int, device: torch
 
 def measured_costs(spec: ModelSpec, recipe: Recipe, microbatch_size: int, device: torch.device,
                    measuring: Callable[[str], None] = lambda note: None) -> Measured:
-    """The recipe's per-layer costs on `device`: from the cache, or measured now and cached where it can be.
-
-    `measuring` is told before a measurement whether its result will be kept: "cached for next time" or
-    "not cached: WHY", decided by a probe of the folder, so that the line saying so is true.
-    """
+    """The recipe's per-layer costs on `device`: from the cache, or measured now and cached where it can be."""
+    # `measuring` is told before a measurement whether its result will be kept ("cached for next time", or "not
+    # cached: WHY"), decided by a probe of the folder, so that the line saying so is true.
     key = cache_key(recipe, microbatch_size, device)
     path = cache_path(key)
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none cached, or a damaged file

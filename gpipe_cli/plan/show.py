@@ -44,8 +44,7 @@ def _ms(seconds: float) -> str:
 
 
 def _worse(model: search.Model, winner: Outcome, other: Outcome, part: str) -> str | None:
-    """How `other` is worse than `winner` in the `part` of its step it spends longer in (None: not in words that
-    say so, e.g. a bubble no larger, its idle longer only as its steps are)."""
+    """How `other` is worse than `winner` in `part` of its step (None: no figure there is worse, e.g. its bubble)."""
     c, w = other.config, winner.config
     if part == "bubble":
         return f"bubble {other.bubble:.2f} (winner {winner.bubble:.2f})" if round(other.bubble, 2) > round(
@@ -120,8 +119,7 @@ PROSE = ("peak memory per stage", "why it loses")
 
 
 def table(items: Sequence[tuple[Outcome, str | None]], title: str, stacked: bool = False) -> Table:
-    """The configurations as a rich table, every figure labelled as predicted (`stacked`: the configuration in one
-    column, a part a line)."""
+    """The configurations as a rich table of predicted figures (`stacked`: each configuration in one column)."""
     names = STACKED if stacked else ("", "K", "D", "M", "schedule", "remat", *FIGURES)
     t = figure_table(title, names, WORDS, box=box.SIMPLE_HEAD, title_justify="left")
     for o, why in items:
@@ -140,8 +138,7 @@ def table(items: Sequence[tuple[Outcome, str | None]], title: str, stacked: bool
 
 
 def print_plan(console: Console, items: Sequence[tuple[Outcome, str | None]], title: str) -> None:
-    """The configurations at the console's width: one line each where they fit, else stacked, in as many tables
-    as it takes, no figure cut."""
+    """The configurations at the console's width: a line each where they fit, else stacked, no figure cut."""
     whole = table(items, title)
     if fit_table(whole, console.width) == [whole]:
         console.print(whole)

@@ -169,8 +169,8 @@ def check_not_runs(folder: Path, named: str = "") -> None:
 
 
 def remove_set_up(run_dir: Path, before: Collection[str] | None = None, parents: Sequence[Path] = ()) -> None:
-    """Remove the set-up a run that never started added to `run_dir` (it held `before`; None: made for it, it too,
-    and then `parents`, the folders made above it, while empty)."""
+    """Remove the set-up a run that never started added to `run_dir` (it held `before`; None: made for it)."""
+    # Made for it (`before` None), the directory goes too, and then `parents`, the folders made above it, while empty.
     # Left behind, its recipe and empty records read as a run: `gpipe report outputs/x/*` refused to report. In a
     # folder the user made, what it held already is theirs, or an earlier launch's, and stays.
     from gpipe_cli.data.tokenizer import TOKENIZER_FILE
