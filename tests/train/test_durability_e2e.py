@@ -263,8 +263,8 @@ def test_a_closed_output_stops_the_run_with_a_checkpoint_as_a_shell_would(tmp_pa
     assert not [p.name for p in temporary.iterdir() if p.name.startswith(("torchelastic_", "gpipe-launch-"))]
 
 
-def _stop_before_the_first_step(args: list[str]) -> None:
-    """Start `gpipe train *args` and Ctrl-C its process group once its set-up is done, before its first step."""
+def _stop_before_the_first_step(args: list[str], written: Path | None = None) -> None:
+    """Start `gpipe train *args` and Ctrl-C its process group once its set-up is written, before its first step."""
     proc = subprocess.Popen([sys.executable, "-m", "gpipe_cli.cli", "train", *args, "--plain", "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=as_from_a_terminal)
@@ -272,8 +272,15 @@ def _stop_before_the_first_step(args: list[str]) -> None:
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if "] training " in line:  # "[ 9.1 s] training NAME: steps ...": the set-up is done, step 1 under way
+        # "[ 9.1 s] training NAME: steps ...": the set-up is done, step 1 under way; with `written` (a new run's
+        # folder), sooner: at "building 2 stages", once its recipe and records are there too.
+        if f"] {'building' if written else 'training'} " in line:
             break
+    # On a busy machine a Ctrl-C sent at "training NAME" once came after two steps of 0.3 s.
+    deadline = time.monotonic() + 120
+    while written and not all((written / name).exists() for name in ("recipe.yaml", "metrics.jsonl")):
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+        time.sleep(0.005)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
@@ -285,7 +292,10 @@ def test_a_stop_before_the_first_step_in_a_folder_the_user_made_takes_out_only_w
     run = tmp_path / "run"
     run.mkdir()
     (run / "notes.txt").write_text("mine")
-    _stop_before_the_first_step([str(write(tmp_path, recipe(steps=400))), "--output-dir", str(run)])
+    # Steps of a larger batch: the Ctrl-C has their time to land before the first one ends.
+    slow = recipe(steps=400)
+    slow["data"] = {**slow["data"], "batch_size": 40, "synthetic_size": 800}
+    _stop_before_the_first_step([str(write(tmp_path, slow)), "--output-dir", str(run)], run)
     assert os.listdir(run) == ["notes.txt"] and (run / "notes.txt").read_text() == "mine"
 
 
