@@ -49,7 +49,7 @@ def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFi
         "model": model_json(subject), "partitions": k, "microbatches": m, "batch_size": options.batch,
         "schedule": options.schedule, "virtual_stages": options.virtual_stages, "checkpoint": options.checkpoint,
         "offload": options.offload, "balance": balance, "balance_by": balance_by,
-        "measured": measured, "simulated": not measured,
+        "measured": measured, "simulated": not measured, "measured_once": kk is k1,  # K=1 benchmarked: one run
         "samples_per_s": ours, "samples_per_s_k1": k1.samples_per_s,
         # Predicted tokens: the measured tokens per example at the predicted example rate.
         "tokens_per_s": (kk.units_per_s if kk else ours * k1.units_per_step / options.batch) if text else None,
@@ -62,7 +62,7 @@ def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFi
         "bubble_theory": theoretical_bubble(k, m, options.schedule, options.virtual_stages),
         "oversubscribed": over and measured, "hardware": hardware, "ranks": k, "threads": options.threads,
         "cpu_per_busy": {"k1": k1.cpu_per_busy, "k": kk.cpu_per_busy if kk else []},
-        "load": {"k1": k1.load, "k": kk.load if kk and kk is not k1 else {}},
+        "load": {"k1": k1.load, "k": kk.load if kk is not None and kk is not k1 else {}},
         "contended": contended(k1.load) or bool(kk and contended(kk.load)),
         "steps": options.steps, "warmup": options.warmup,
         "memory_method": "CUDA allocator peak" if torch.cuda.is_available()

@@ -20,7 +20,7 @@ def _throughput(s: dict[str, Any]) -> Table:
     label = f"K={s['partitions']}" + (" (predicted)" if s["simulated"] else "")
     rows = [("K=1", s["samples_per_s_k1"], s["tokens_per_s_k1"], s["step_time_k1_s"]),
             (label, s["samples_per_s"], s["tokens_per_s"], s["step_time_s"])]
-    for name, samples, tokens, step in rows[:1] if label == "K=1" else rows:  # K=1 is measured once
+    for name, samples, tokens, step in rows[:1] if s.get("measured_once") else rows:
         table.add_row(name, figure(samples, ",.1f"), *([figure(tokens, ",.1f")] if text else []), f"{step * 1e3:.1f}")
     return table
 

@@ -124,3 +124,16 @@ def test_bench_at_k1_prints_the_line_and_writes_the_figures(tmp_path, capsys):
     assert sum(line.startswith("│ K=1 ") for line in printed.splitlines()) == 1
     assert preview.runs(options, 10) == [(1, M)] and preview.runs(replace(options, virtual_stages=2), 10) == [
         (1, M), (1, M)]
+
+
+def test_a_k1_run_of_two_chunks_keeps_its_own_row_beside_the_one_chunk_k1():
+    # --partitions 1 --virtual-stages 2 measures two runs: only a run measured once is one row.
+    from rich.console import Console
+
+    figures = {"steps": 2, "warmup": 0, "partitions": 1, "simulated": False, "samples_per_s_k1": 10.0,
+               "tokens_per_s_k1": None, "step_time_k1_s": 0.1, "samples_per_s": 12.0, "tokens_per_s": None,
+               "step_time_s": 0.08}
+    for once, rows in ((False, 2), (True, 1)):
+        console = Console(width=120, record=True)
+        console.print(tables._throughput({**figures, "measured_once": once}))
+        assert console.export_text().count("│ K=1 ") == rows
