@@ -27,6 +27,7 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "gpipe_cli.train.worke
 # server from its first instruction, since the launcher reads each rank's exit code through it; each rank takes
 # them back.
 JOB_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+_ours: int | None = None  # the server `prepare` started: one started elsewhere in this process preloads other modules
 
 
 def available() -> bool:
@@ -45,7 +46,9 @@ def available() -> bool:
 
 def prepare(fresh: bool = True) -> None:
     """Start a server, which imports torch while the launch sets up; `fresh`: not one started for an older launch."""
-    if fresh:  # an older launch's server has that launch's environment
+    global _ours
+    # An older launch's server has that launch's environment; one this module did not start never says it preloaded.
+    if fresh or (running() and _server() != _ours):
         stop()
     multiprocessing.set_forkserver_preload(PRELOAD)
     # A new program keeps ignoring what its parent ignored. Blocked meanwhile, what comes for this process waits
@@ -62,12 +65,10 @@ def prepare(fresh: bool = True) -> None:
     # c10d's C++ warnings carry a stack of frames each: a job whose launcher vanished printed four pages of them
     # before its one line. A user's own level wins (e.g. INFO to debug a hang).
     level = os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")
-    with contextlib.suppress(FileNotFoundError):  # a server started anew says anew when it has imported
-        if not running():
-            os.remove(_preloaded())
     try:
-        with environment({"PYTHONWARNINGS": warnings, "TORCH_CPP_LOG_LEVEL": level, "GPIPE_PRELOADED": _preloaded()}):
+        with environment({"PYTHONWARNINGS": warnings, "TORCH_CPP_LOG_LEVEL": level, "GPIPE_PRELOADED": _marker()}):
             forkserver.ensure_running()  # starts one, unless it is running
+        _ours = _server()
     finally:
         for signum, handler in handlers.items():
             if handler is not None:
@@ -93,7 +94,7 @@ def environment(values: dict[str, str]) -> Iterator[None]:
 def stop(server: bool = True) -> None:
     """End anything the server forked that is left, and the server unless another launch forks from it."""
     forks = forkserver._forkserver
-    pid = getattr(forks, "_forkserver_pid", None)
+    pid = _server()
     if pid is not None:
         # A rank is left only when the launch ended early (a stop while it started); the server, still
         # importing torch then, would read its end only after.
@@ -102,27 +103,42 @@ def stop(server: bool = True) -> None:
                 os.kill(child, signal.SIGKILL)
     if server:
         forks._stop()  # type: ignore[attr-defined]
+        if pid is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(_preloaded(pid))
 
 
-def _preloaded() -> str:
-    """The file that the server makes once it has imported PRELOAD (multiprocessing's folder is this process's)."""
+def _server() -> int | None:
+    """The pid of the server started for this process, if one is running."""
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
+def _marker() -> str:
+    """Where the server says it has imported PRELOAD: this, its pid appended (multiprocessing's folder is ours)."""
     return os.path.join(multiprocessing.util.get_temp_dir(), "gpipe-preloaded")
+
+
+def _preloaded(pid: int) -> str:
+    """The file that server `pid` makes once it has imported PRELOAD."""
+    return f"{_marker()}-{pid}"
 
 
 def wait_preloaded(timeout: float) -> None:
     """Return once the server has imported PRELOAD, it has ended, or `timeout` seconds have passed; Ctrl-C acts."""
     # A fork asked for meanwhile waits inside multiprocessing for those seconds of imports, where a caller that holds
     # Ctrl-C (to start its children whole) would hold it all along.
-    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    pid = _server()
+    if pid is None or pid != _ours:  # none, or one that would never say
+        return
     deadline = time.monotonic() + timeout
     # Alive as /proc says (no /proc: no wait): reaping it here would leave multiprocessing a server it cannot reap.
-    while pid in processes() and not os.path.exists(_preloaded()) and time.monotonic() < deadline:
+    while pid in processes() and not os.path.exists(_preloaded(pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
 def running() -> bool:
     """Whether a server has been started (and not stopped) for this process."""
-    return getattr(forkserver._forkserver, "_forkserver_pid", None) is not None
+    return _server() is not None
 
 
 def processes() -> dict[int, tuple[int, int]]:

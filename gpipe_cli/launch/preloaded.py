@@ -3,5 +3,5 @@
 import os
 
 if (_marker := os.environ.get("GPIPE_PRELOADED")) is not None:
-    with open(_marker, "w"):
+    with open(f"{_marker}-{os.getpid()}", "w"):
         pass

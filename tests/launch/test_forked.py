@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import threading
@@ -142,10 +143,40 @@ def test_a_caller_learns_when_the_server_holds_what_ranks_import_and_waits_for_n
     forked.prepare()
     try:
         forked.wait_preloaded(300)
-        assert os.path.exists(forked._preloaded())
+        server = _server()
+        assert server is not None and os.path.exists(forked._preloaded(server))
     finally:
         forked.stop()
     assert not forked.running()
     start = time.monotonic()
     forked.wait_preloaded(300)
     assert time.monotonic() - start < 60  # nothing to wait for (generous: a loaded machine)
+
+
+def _nothing() -> None:
+    pass
+
+
+def test_a_server_started_elsewhere_in_the_process_is_replaced_by_one_that_says_it_preloaded():
+    # The multi-rank tests start one with their own preload: plan's children waited 300 s apiece for its word.
+    ctx = multiprocessing.get_context(forked.START_METHOD)
+    ctx.set_forkserver_preload(["os"])
+    child = ctx.Process(target=_nothing)
+    child.start()
+    child.join(120)
+    elsewhere = _server()
+    assert elsewhere is not None and child.exitcode == 0
+    start = time.monotonic()
+    forked.wait_preloaded(300)
+    assert time.monotonic() - start < 60  # it would never say: no wait (generous: a loaded machine)
+    try:
+        forked.prepare(fresh=False)
+        ours = _server()
+        assert ours not in (None, elsewhere) and not Path(f"/proc/{elsewhere}").exists()
+        forked.wait_preloaded(300)
+        assert ours is not None and os.path.exists(forked._preloaded(ours))
+        forked.prepare(fresh=False)  # its own is kept
+        assert _server() == ours
+    finally:
+        forked.stop()
+    assert not os.path.exists(forked._preloaded(ours))
