@@ -44,7 +44,7 @@ from gpipe_cli.files import (
     write_json,
 )
 from gpipe_cli.launch import launch_options
-from gpipe_cli.launch.preflight import check_not_empty, check_path, too_long_line
+from gpipe_cli.launch.preflight import check_file_name, check_not_empty, check_path, too_long_line
 from gpipe_cli.limits import DIGITS, EXPORT_DTYPES, one_of, refuse
 from gpipe_cli.pipeline.streams import stdout_refused, write_out
 from gpipe_cli.plan import FLAGS as L
@@ -192,6 +192,7 @@ def _file(flag: str) -> Callable[[Any], Path]:
     """The parser of a file flag: a path, refused in one line when empty (Path would read it as '.')."""
     def parse(value: Any) -> Path:  # never a default: every file flag's is None
         check_not_empty(value, flag, give="name one, or leave the flag out")  # a long name: check_output's line
+        check_file_name(str(value), flag)
         return Path(value)
     return parse
 
@@ -451,6 +452,7 @@ def report_runs(
     for run in runs:  # Path would read '' as '.'
         check_path(run, "RUN_DIR", "run", "give the folder `gpipe train` wrote")
     check_not_empty(output, "--output", give="name one, e.g. report.png, or leave the flag out")
+    check_file_name(output, "--output")
     return report([Path(r) for r in runs], None if output is None else Path(output))
 
 

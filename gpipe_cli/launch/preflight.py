@@ -117,6 +117,14 @@ def check_not_empty(path: str | os.PathLike[str] | None, what: str, names: str =
         raise UserError(f"{what}: an empty path names no {names}; {give}")
 
 
+def check_file_name(path: str | None, what: str) -> None:
+    """Refuse a file to write named with a trailing slash, in one line naming `what`: pathlib would drop the slash."""
+    # A folder by that name: the check of the output itself says so, and what to name in it.
+    if path is not None and path.endswith(os.sep) and path.strip(os.sep) and not os.path.isdir(path):
+        raise UserError(f"{what}: {shown(path, PATH_SHOWN_CHARS)} names a folder (the trailing '{os.sep}'), and "
+                        f"{what} names a file; give {shown(path.rstrip(os.sep), PATH_SHOWN_CHARS)}")
+
+
 def check_path(path: str | os.PathLike[str] | None, what: str, names: str = "file", give: str = "name one") -> None:
     """Refuse, in one line naming `what` (a flag), a path no file system holds: empty, or a name or all too long."""
     check_not_empty(path, what, names, give)

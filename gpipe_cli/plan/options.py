@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpipe_cli.errors import UserError
+from gpipe_cli.launch.preflight import check_file_name
 from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, finite, one_of, outside, refuse
 from gpipe_cli.recipe.aliases import SET_HELP
 from gpipe_cli.units import parse_size
@@ -69,6 +70,7 @@ def output_path(text: str | None) -> Path | None:
         return None
     if not text.strip():
         raise UserError(f"--output: must name a .yaml or .yml file, e.g. planned.yaml (got {text!r})")
+    check_file_name(text, "--output")
     return Path(text)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.files import atomic_write_bytes, check_output, check_output_kind, same_file
-from gpipe_cli.launch.preflight import check_not_empty, check_path
+from gpipe_cli.launch.preflight import check_file_name, check_not_empty, check_path
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_yaml
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
@@ -191,6 +191,7 @@ def check_export_arguments(location: str, output: str | None) -> None:
     """Refuse, before torch loads, an export's missing run or an --output it cannot write."""
     if output is not None:  # found now, not after the checkpoint has been read
         check_not_empty(output, "--output", give=f"name one, e.g. {EXPORTED}, or leave the flag out")
+        check_file_name(output, "--output")
         check_output(Path(output), "--output", EXPORTED)
         # A recipe or records named by mistake were replaced by the weights.
         check_output_kind(Path(output), "--output", "safetensors", ".safetensors", (".safetensors",))
