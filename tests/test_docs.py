@@ -138,3 +138,44 @@ def test_every_command_and_flag_is_in_the_command_reference():
                         if flag.startswith("--") and flag != "--help"
                         and not re.search(re.escape(flag) + r"(?![\w-])", text)]
     assert not missing, missing
+
+
+def commands_shown(page: Path) -> list[str]:
+    """The `gpipe ...` command lines of a page's code blocks (continued lines joined), not the output they print."""
+    found, fenced = [], False
+    for line in page.read_text().replace("\\\n", " ").splitlines():
+        if FENCE.match(line.strip()):
+            fenced = not fenced
+            continue
+        line = line.strip().removeprefix("$ ").rpartition("&& ")[2]  # `pip install ... && gpipe train`
+        # Output lines start with the command's name too: `gpipe bench · ...`, `gpipe train --dry-run: ...`, and
+        # a schedule's diagram names its rows `gpipe      stage 0 ...`.
+        if (fenced and re.match(r"gpipe \S", line) and "·" not in line
+                and not re.search(r"\S:(\s|$)", line)):
+            found.append(line)
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_command_shown_takes_its_flags_and_arguments(page):
+    """Each command a page shows parses as the CLI would parse it: no renamed flag, no missing value."""
+    import shlex
+
+    import typer
+
+    from gpipe_cli.cli import _bare_resume, app
+
+    group = typer.main.get_command(app)
+    wrong = []
+    for line in commands_shown(page):
+        # A placeholder for a value the text varies (`--microbatches M`) stands for a valid one.
+        args = ["1" if re.fullmatch(r"[A-Z]", word) else word for word in shlex.split(line, comments=True)[1:]]
+        args = _bare_resume(args)
+        try:
+            parent = group.make_context("gpipe", list(args))
+            command = group.get_command(parent, args[0])  # type: ignore[attr-defined]
+            assert command is not None, f"no command {args[0]}"
+            command.make_context(args[0], args[1:], parent=parent)
+        except Exception as exc:  # click's usage errors, ours from a flag's parser
+            wrong.append(f"{line}: {exc}")
+    assert not wrong, wrong
