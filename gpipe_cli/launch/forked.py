@@ -65,10 +65,12 @@ def prepare(fresh: bool = True) -> None:
     # c10d's C++ warnings carry a stack of frames each: a job whose launcher vanished printed four pages of them
     # before its one line. A user's own level wins (e.g. INFO to debug a hang).
     level = os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")
+    before = _server()
     try:
         with environment({"PYTHONWARNINGS": warnings, "TORCH_CPP_LOG_LEVEL": level, "GPIPE_PRELOADED": _marker()}):
             forkserver.ensure_running()  # starts one, unless it is running
-        _ours = _server()
+        if _server() != before:
+            _ours = _server()
     finally:
         for signum, handler in handlers.items():
             if handler is not None:
