@@ -265,6 +265,7 @@ def validate(
     if json_file is not None:
         payload = {"recipe": loaded.model_dump(mode="json"), **plan.to_json()}
         write_json(json_file, payload)
+        console.print(f"wrote {json_file}", markup=False, highlight=False, soft_wrap=True)  # as export and report say
 
 
 F = TypeVar("F", bound=Callable[..., Any])

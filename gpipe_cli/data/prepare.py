@@ -27,9 +27,9 @@ def _new_folder(output: Path) -> Path:
     output = Path(output).expanduser()
     check_path(output, "--output")
     if output.exists() and not output.is_dir():
-        raise DataError(f"--output '{output}' is a file; name a new folder")
+        raise DataError(f"--output: '{output}' is a file; name a new folder")
     if output.exists() and any(output.iterdir()):
-        raise DataError(f"--output '{output}' already exists and is not an empty folder; choose a new folder")
+        raise DataError(f"--output: '{output}' already exists and is not an empty folder; choose a new folder")
     return output
 
 

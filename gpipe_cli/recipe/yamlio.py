@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import codecs
+import difflib
 import io
+import itertools
 import os
 import re
 import stat
@@ -53,6 +55,23 @@ def _int(loader: _Loader, node: yaml.ScalarNode) -> int:
 _Loader.add_constructor(_INT, _int)
 
 
+def _near_recipe(path: Path) -> str | None:
+    """A recipe beside `path` (or in its recipes/ folder) named close to it: .yml for .yaml, the suffix left out."""
+    found = {}
+    for folder in (path.parent, path.parent / "recipes"):
+        try:
+            with os.scandir(folder) as entries:  # a bounded look: a folder may hold very many files
+                for entry in itertools.islice(entries, 2000):
+                    if entry.name.endswith((".yaml", ".yml")) and entry.is_file():
+                        named = str(folder / entry.name) if folder != Path(".") else entry.name
+                        found.setdefault(entry.name.rpartition(".")[0], named)
+        except OSError:
+            continue
+    stem = path.name.rpartition(".")[0] if path.name.endswith((".yaml", ".yml")) else path.name
+    close = difflib.get_close_matches(stem, list(found), 1, 0.75)
+    return found[close[0]] if close else None
+
+
 def read_recipe_file(path: Path) -> str:
     """The text of a recipe file: a regular file of at most MAX_RECIPE_BYTES, refused at once otherwise."""
     try:
@@ -69,7 +88,8 @@ def read_recipe_file(path: Path) -> str:
             data = f.read(MAX_RECIPE_BYTES + 1)
     except FileNotFoundError:  # a name of spaces, or with them around it, quoted: it read ": no such recipe file"
         named = str(path) if str(path).strip() == str(path) else shown(str(path))
-        raise RecipeError(f"{named}: no such recipe file") from None
+        near = _near_recipe(path)
+        raise RecipeError(f"{named}: no such recipe file" + (f"; did you mean {near}?" if near else "")) from None
     except OSError as exc:
         raise RecipeError(f"{path}: cannot read the recipe ({exc.strerror})") from None
     if len(data) > MAX_RECIPE_BYTES:

@@ -209,6 +209,19 @@ def test_missing_file():
         load_recipe("/no/such/recipe.yaml")
 
 
+@pytest.mark.parametrize("typed", ["recipes/run.yml", "recipes/run", "run", "recipes/rn.yaml"])
+def test_a_missing_recipe_names_the_one_meant(tmp_path, monkeypatch, typed):
+    """`gpipe train recipes/quickstart.yml` was told only that no such file exists."""
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "run.yaml").write_text(default_recipe_text())
+    (tmp_path / "recipes" / "other.yaml").write_text(default_recipe_text())
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError, match=re.escape(f"{typed}: no such recipe file; did you mean recipes/run.yaml?")):
+        load_recipe(typed)
+    with pytest.raises(RecipeError, match="no such recipe file$"):
+        load_recipe("recipes/unlike.yaml")
+
+
 @pytest.mark.parametrize("item", ["foo", "=3", "a..b=1", ".a=1"])
 def test_malformed_set(item):
     with pytest.raises(RecipeError, match="--set expects KEY=VALUE"):

@@ -78,6 +78,7 @@ def test_validate_prints_the_plan_and_writes_json(tmp_path):
     assert sum(len(s["layers"]) for s in plan["stages"]) == 44
     assert all({"layers", "params"} <= set(s) for s in plan["stages"])
     assert plan["recipe"]["pipeline"]["partitions"] == 2
+    assert result.output.rstrip().endswith(f"wrote {target}")  # it wrote silently
 
 
 def test_validate_reads_no_data_and_writes_nothing(tmp_path, monkeypatch):
