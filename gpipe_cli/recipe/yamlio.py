@@ -57,7 +57,7 @@ _Loader.add_constructor(_INT, _int)
 
 def _near_recipe(path: Path) -> str | None:
     """A recipe beside `path` (or in its recipes/ folder) named close to it: .yml for .yaml, the suffix left out."""
-    found = {}
+    found: dict[str, str] = {}
     for folder in (path.parent, path.parent / "recipes"):
         try:
             with os.scandir(folder) as entries:  # a bounded look: a folder may hold very many files
