@@ -93,6 +93,10 @@ class Tokenizer:
         """Whether `ids` are unknown pieces, with no other piece than spaces between them."""
         return UNK in ids and all(i == UNK or self._sp.id_to_piece(i) == "\u2581" for i in ids)
 
+    def unknown_characters(self, text: str) -> list[str]:
+        """The characters of `text` that no piece holds, each once, in order."""
+        return [c for c in dict.fromkeys(text) if not c.isspace() and UNK in self._sp.encode(c)]
+
     def pieces(self, text: str) -> list[str]:
         """The subword pieces of `text`."""
         return list(self._sp.encode(text, out_type=str))

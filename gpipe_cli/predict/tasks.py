@@ -12,7 +12,7 @@ from torch import nn
 from gpipe_cli.data.augment import ImageTransform, pil_to_tensor
 from gpipe_cli.data.image_kind import FORMATS, image_format
 from gpipe_cli.data.sources import first_line
-from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
+from gpipe_cli.data.tokenizer import TOKENIZER_FILE, UNK, Tokenizer
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.models.transformer.decode import Forward, continue_text, encoding_once, translate, translation_limit
@@ -30,6 +30,7 @@ from gpipe_cli.predict import WRITE_ONE, export_file
 
 Answer = Callable[[str], Iterator[str]]  # one input -> the pieces of its line of output, as each is known
 _CLASSIFIES = f"an image model classifies image files ({FORMATS}, ...)"
+SHOWN_UNKNOWN = 8  # characters named in the line; the rest counted
 
 
 
@@ -182,10 +183,17 @@ def _checked(logits: torch.Tensor, given: str) -> torch.Tensor:
 
 
 def _say_if_unknown(tok: Tokenizer, ids: list[int], text: str) -> None:
-    """A line on stderr when the tokenizer knows none of the input's characters: the answer cannot follow from it."""
+    """A line on stderr when the tokenizer knows none, or only some, of the input's characters."""
     if tok.knows_none(ids):
         print(f"[gpipe] the model's tokenizer knows none of the characters of {shown(text)}: the model reads it as "
               "unknown pieces only, so its answer cannot follow from it", file=sys.stderr, flush=True)
+    elif (unknown := tok.unknown_characters(text) if UNK in ids else []):
+        # "Three Hundred Twelve" to a model trained on lower case was answered "dix-neuf" without a word.
+        more = f" and {len(unknown) - SHOWN_UNKNOWN} more" if len(unknown) > SHOWN_UNKNOWN else ""
+        named = ", ".join(map(repr, unknown[:SHOWN_UNKNOWN])) + more
+        print(f"[gpipe] the model's tokenizer knows no piece for {named} of {shown(text)}: the model reads "
+              f"{'it' if len(unknown) == 1 else 'them'} as unknown, so its answer may not follow from the input",
+              file=sys.stderr, flush=True)
 
 
 def _tokenizer(exported: Exported) -> Tokenizer:

@@ -87,8 +87,9 @@ def summary_table(runs: list[Run]) -> Table:
     # timing figures, as the row says (its loss, evals and memory are of every step).
     rates = [throughput(run) for run in runs]
     # The words of `gpipe train`'s summary, whose figure this is: one run says what its warm-up took.
-    over = rates[0].over if len(runs) == 1 else _over(runs, "the steps after the first of each run and each "
-                                                            "resume, which warm up")
+    resumed = " and each resume" if any(len(last_cut(run)) > 1 for run in runs) else ""
+    over = rates[0].over if len(runs) == 1 else _over(runs, f"the steps after the first of each run{resumed}, "
+                                                            "which warm up")
     caption = (" · ".join(f"{r.label}: {r.path}" for r in runs)
                + f"\nsamples/s, bubble and wait: mean over {over}; each step weighted by its time")
     memory, holds = _memory(runs, "memory")

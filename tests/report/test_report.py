@@ -60,6 +60,8 @@ def test_two_runs_make_one_page_of_the_expected_size_with_a_legend_entry_each(tm
         assert image.size == (page.WIDTH_PX, page.HEIGHT_PX)
     shown = capsys.readouterr().out
     assert "K=2 M=4 1f1b" in shown and "K=4 M=4 1f1b" in shown and str(out) in shown
+    # Neither was resumed: the caption spoke of "each resume" all the same.
+    assert "mean over the steps after the first of each run, which warm up; each step" in " ".join(shown.split())
 
 
 @pytest.mark.parametrize(("name", "starts"), [("page.pdf", b"%PDF-"), ("page.svg", b"<?xml"), ("PAGE.PNG", b"\x89PNG")])
