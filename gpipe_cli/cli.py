@@ -11,7 +11,6 @@ if __name__ == "__main__":
 
 import contextlib
 import dataclasses
-import difflib
 import errno
 import functools
 import inspect
@@ -34,7 +33,7 @@ from gpipe_cli.bench import FLAGS as B
 from gpipe_cli.bench import BenchOptions
 from gpipe_cli.cli_help import polish
 from gpipe_cli.console import output_console
-from gpipe_cli.errors import UserError, one_line, shown
+from gpipe_cli.errors import UserError, near, one_line, shown
 from gpipe_cli.files import (
     another_file,
     check_not_input,
@@ -517,8 +516,8 @@ def _unknown_option(exc: Exception, where: str, args: list[str], commands: Mappi
         return f"{said}; did you mean --set {_set_item(key, typed, value, args)}?"
     params = getattr(getattr(getattr(exc, "ctx", None), "command", None), "params", [])
     own = {name.lstrip("-"): name for p in params for name in (*p.opts, *p.secondary_opts) if name.startswith("--")}
-    near = [own[name] for name in difflib.get_close_matches(typed.lstrip("-"), sorted(own), 3, 0.75)]
-    return f"{said}; did you mean {' or '.join(near)}?" if near else said
+    close = [own[name] for name in near(typed.lstrip("-"), own, 3)]
+    return f"{said}; did you mean {' or '.join(close)}?" if close else said
 
 
 def _set_item(key: str, typed: str, value: str, args: list[str]) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
 
 # How much of a user's value an error message repeats: enough to recognise it, never a whole file.
@@ -10,8 +12,15 @@ SHOWN_CHARS = 60
 PATH_SHOWN_CHARS = 160
 # Fewer left out than this, and the note saying so would hide what sets the value apart (a path's last digits).
 CUT_AT_LEAST = 30
+# How alike a typed name and a known one must be to suggest it (difflib's ratio): `--step` finds `--steps`.
+NEAR_RATIO = 0.75
 # The longest line an error may print (a last guard for messages built from user input).
 LINE_CHARS = 400
+
+
+def near(name: str, names: Iterable[str], most: int = 1) -> list[str]:
+    """The known names closest to a mistyped one, best first (none where nothing is alike enough)."""
+    return difflib.get_close_matches(name, sorted(names), most, NEAR_RATIO)
 
 
 class UserError(Exception):

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from collections.abc import Callable
 from typing import Any
 
+from gpipe_cli.errors import near
 from gpipe_cli.models import families
 from gpipe_cli.models.amoebanet import build_amoebanet
 from gpipe_cli.models.base import ModelSpec
@@ -42,6 +42,6 @@ def _check_params(kind: str, params: dict[str, Any]) -> None:
     allowed = allowed_params(kind)
     for key in params:
         if key not in allowed:
-            near = difflib.get_close_matches(key, allowed, 1, 0.75)
+            close = near(key, allowed)
             raise ValueError(f"unknown parameter {key!r} for model kind {kind!r}"
-                             f"{f' (did you mean {near[0]}?)' if near else ''}; allowed: {', '.join(allowed)}")
+                             f"{f' (did you mean {close[0]}?)' if close else ''}; allowed: {', '.join(allowed)}")

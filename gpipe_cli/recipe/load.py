@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import typing
@@ -13,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from gpipe_cli.errors import cut, not_utf8, shown
+from gpipe_cli.errors import cut, near, not_utf8, shown
 from gpipe_cli.limits import words
 from gpipe_cli.models.presets import preset
 from gpipe_cli.recipe.schema import (
@@ -277,7 +276,7 @@ def key_of_flag(option: str, close: bool = False) -> str | None:
     every = {k for kind in MODEL_SECTIONS for k in _keys({"model": {"kind": kind}})}
     names = {k.rpartition(".")[2] for k in every}
     if close and name not in names:  # as near as an unknown key's (did you mean ...?)
-        name = next(iter(difflib.get_close_matches(name, sorted(names), 1, 0.75)), name)
+        name = next(iter(near(name, names)), name)
     keys = {k for k in every if k.rpartition(".")[2] == name}
     nearest = [k for k in keys if k.count(".") == min(k.count(".") for k in keys)]  # train.steps, not its profile's
     return nearest[0] if len(nearest) == 1 else None
@@ -294,7 +293,7 @@ def unknown_key(key: str) -> str | None:
 def _nearest(loc: Sequence[str | int], section: type[BaseModel] | None, raw: dict[str, Any]) -> str:
     """` (did you mean KEY?)` for an unknown key: a near spelling here, or the key as another section holds it."""
     name, prefix = str(loc[-1]), "".join(f"{p}." for p in loc[:-1])
-    here = difflib.get_close_matches(name, list(section.model_fields) if section else [], 1, 0.75)
+    here = near(name, section.model_fields if section else [])
     # `train.lr` is optimizer.lr; `train.checkpoint_every` is checkpoint.every.
     elsewhere = [k for k in _keys(raw) if k.endswith("." + name) or k == name.replace("_", ".", 1)]
     if here or len(elsewhere) == 1:

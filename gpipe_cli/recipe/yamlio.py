@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import codecs
-import difflib
 import io
 import itertools
 import os
@@ -14,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from gpipe_cli.errors import UserError, cut, shown
+from gpipe_cli.errors import UserError, cut, near, shown
 
 MAX_RECIPE_BYTES = 1 << 20  # 1 MiB: a recipe is a page of settings
 MAX_NODES = 100_000  # values after expanding every alias
@@ -68,7 +67,7 @@ def _near_recipe(path: Path) -> str | None:
         except OSError:
             continue
     stem = path.name.rpartition(".")[0] if path.name.endswith((".yaml", ".yml")) else path.name
-    close = difflib.get_close_matches(stem, list(found), 1, 0.75)
+    close = near(stem, found)
     return found[close[0]] if close else None
 
 
