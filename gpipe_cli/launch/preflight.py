@@ -118,11 +118,16 @@ def check_not_empty(path: str | os.PathLike[str] | None, what: str, names: str =
 
 
 def check_file_name(path: str | None, what: str) -> None:
-    """Refuse a file to write named with a trailing slash, in one line naming `what`: pathlib would drop the slash."""
+    """Refuse a file to write named as a folder (`x.png/`, `x.png/.`), in one line naming `what`: pathlib drops both."""
+    if path is None:
+        return
+    name = path.rstrip(os.sep)
+    while name.endswith(os.sep + "."):
+        name = name[:-1].rstrip(os.sep)
     # A folder by that name: the check of the output itself says so, and what to name in it.
-    if path is not None and path.endswith(os.sep) and path.strip(os.sep) and not os.path.isdir(path):
-        raise UserError(f"{what}: {shown(path, PATH_SHOWN_CHARS)} names a folder (the trailing '{os.sep}'), and "
-                        f"{what} names a file; give {shown(path.rstrip(os.sep), PATH_SHOWN_CHARS)}")
+    if name != path and name and not os.path.isdir(path):
+        raise UserError(f"{what}: {shown(path, PATH_SHOWN_CHARS)} names a folder (the trailing '{path[len(name):]}'), "
+                        f"and {what} names a file; give {shown(name, PATH_SHOWN_CHARS)}")
 
 
 def check_path(path: str | os.PathLike[str] | None, what: str, names: str = "file", give: str = "name one") -> None:

@@ -437,10 +437,13 @@ def test_validate_refuses_the_same_recipes(tmp_path, monkeypatch, capsys, comman
     (["export", "/no/such/run", "--output", "m.safetensors/"], "--output: 'm.safetensors/' names a folder"),
     (["bench", "--json", "b.json/"], "--json: 'b.json/' names a folder (the trailing '/'), and --json names a file"),
     (["plan", "--devices", "2", "--output", "p.yaml/"], "--output: 'p.yaml/' names a folder"),
+    (["report", "/no/such/run", "--output", "x.png/."],
+     "--output: 'x.png/.' names a folder (the trailing '/.'), and --output names a file; give 'x.png'"),
 ], ids=["validate json", "validate json empty", "validate json directory", "export missing run",
         "export empty output", "export output", "report empty output", "prepare-data empty output",
         "export empty run", "report empty run", "predict empty model", "resume empty", "bench empty trace",
-        "profile empty json", "report output slash", "export output slash", "bench json slash", "plan output slash"])
+        "profile empty json", "report output slash", "export output slash", "bench json slash", "plan output slash",
+        "report output slash dot"])
 def test_path_arguments_are_refused_in_one_line(tmp_path, monkeypatch, capsys, args, fragment):
     if not Path("/proc/self").is_dir() and "/proc" in " ".join(args):
         pytest.skip("needs /proc: a folder no one can write")
