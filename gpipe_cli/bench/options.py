@@ -167,6 +167,10 @@ def validate(options: BenchOptions) -> None:
     ])
     seen: dict[str, str] = {}
     for flag, path in options.outputs():  # before anything is measured: a file that cannot be written, or twice
+        # A file named after the one the flag names: an example inside the folder would not help.
+        if path not in (options.json, options.trace) and os.path.isdir(path):
+            raise UserError(f"{flag} would also write {shown(str(path))}, which is a folder; name another "
+                            f"{flag.partition(' ')[0]} file")
         check_output(path, flag, "trace.json" if flag == "--trace" else "bench.json")
         # A --model that names a file is the recipe read (a name such as `transformer` is a preset).
         check_not_input(path, flag, [(options.model, "the recipe itself")],

@@ -113,6 +113,23 @@ def test_outputs_that_would_be_lost_are_refused(tmp_path, monkeypatch, options, 
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("flags,folder,message", [
+    (["--trace", "t.json"], "t.png", "--trace would also write 't.png', which is a folder; name another --trace file"),
+    (["--trace", "t.png"], "t.json", "--trace would also write 't.json', which is a folder; name another --trace file"),
+    (["--sweep", "--json", "s.json"], "s.png", "--json (its --sweep plot) would also write 's.png', which is a folder"),
+])
+def test_a_folder_where_a_second_file_goes_is_named_with_the_flag_to_change(tmp_path, monkeypatch, capsys, flags,
+                                                                            folder, message):
+    from gpipe_cli.cli import run
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / folder).mkdir()
+    assert run(["bench", *TINY, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+    assert [p.name for p in tmp_path.iterdir()] == [folder] and not any((tmp_path / folder).iterdir())
+
+
 def test_the_trace_help_names_both_files_as_they_are_written():
     from gpipe_cli.bench.trace import paths
 
