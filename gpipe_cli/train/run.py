@@ -266,8 +266,8 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
     live = options.plain is False or (options.plain is None and redraws(sys.stdout))
     if options.dry_run:  # the same checks, then the launch in place of the run's lines
         first = live = False
-    if first and not live:  # lines: say what starts now; a plan error follows on stderr, still one line there
-        say(first_line(recipe), sys.stdout)
+    if first and not live:  # lines: say what starts now, and what the seconds to the next line do; a plan error
+        say(f"{first_line(recipe)}; checking the plan", sys.stdout)  # follows on stderr, still one line there
     with checking(recipe, first and live):
         import torch  # and the models: the status line is already up
 
