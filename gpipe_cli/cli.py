@@ -215,8 +215,8 @@ def train(
     output_dir: str | None = typer.Option(None, help="Write the run exactly here instead of outputs/<name>/<time>."),
     plain: bool | None = typer.Option(None, "--plain/--live", help="Plain log lines or the live view "
                                       "(default: live on a terminal)."),
-    nnodes: str | None = _launch(None, help="N or MIN:MAX (torchrun; default 1, or the nodes of the enclosing srun "
-                                 "step)."),
+    nnodes: str | None = _launch(None, help="Nodes (torchrun; default 1, or the nodes of the enclosing "
+                                 "srun step); a range MIN:MAX only with MIN = MAX."),
     node_rank: int | None = _launch(None, parser=_whole("--node-rank"), help="This node's rank (static rendezvous)."),
     rdzv_endpoint: str | None = _launch(None, help="The rendezvous, the same on every node."),
     rdzv_backend: str | None = _launch(None, help="static (with --node-rank) or c10d."),

@@ -10,7 +10,7 @@ from rich.markup import escape
 # What an option takes, by parameter name; the rest by type. Flags take nothing and show nothing.
 _METAVARS = {
     "recipe": "RECIPE", "run": "RUN", "set_": "KEY=VALUE", "set": "KEY=VALUE", "output_dir": "DIR", "output": "FILE",
-    "nnodes": "N|MIN:MAX", "node_rank": "N", "rdzv_endpoint": "HOST:PORT", "rdzv_backend": "static|c10d",
+    "nnodes": "N", "node_rank": "N", "rdzv_endpoint": "HOST:PORT", "rdzv_backend": "static|c10d",
     "rdzv_id": "ID", "threads": "N", "resume": "RUN", "json_file": "FILE", "json": "FILE", "trace": "FILE",
     "model": "MODEL", "partitions": "K", "microbatches": "M", "schedule": "NAME", "checkpoint": "MODE",
     "balance": "N,N,...", "optimizer": "NAME", "budget": "SIZE", "device": "DEVICE", "bandwidth": "GB/S",
