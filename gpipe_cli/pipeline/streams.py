@@ -16,6 +16,8 @@ class StdoutRefused(OSError):
 
 def write_out(text: str) -> None:
     """Write `text` to standard output at once; its refusal is raised as StdoutRefused (print's leaves no trace)."""
+    if sys.stdout is None:  # started with it closed (`>&-`): nowhere to say it, as print does
+        return
     try:
         sys.stdout.write(text)
         sys.stdout.flush()

@@ -25,6 +25,9 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
     file = export_file(path)
     if sys.stdout is None:  # started with it closed (`>&-`): the answers would go nowhere
         raise UserError("standard output is closed: predict prints its answers there; give it a file or a pipe")
+    if inputs is None and sys.stdin is None:  # `<&-`: no line to read
+        raise UserError("standard input is closed and no input was given: give the inputs as arguments, or one "
+                        "per line on stdin")
     if max_tokens is not None and not 1 <= max_tokens <= MAX_TOKENS:
         raise UserError(f"--max-tokens: must be >= 1 and <= {MAX_TOKENS:,} (got {max_tokens})")
     from gpipe_cli import interrupts

@@ -455,6 +455,16 @@ def test_a_closed_standard_output_is_one_line(exports, monkeypatch, capsys):
                                           "it a file or a pipe\n")
 
 
+def test_a_closed_standard_input_without_inputs_is_one_line(exports, monkeypatch, capsys):
+    # `gpipe predict M <&-` was an AttributeError traceback (sys.stdin.isatty of None).
+    monkeypatch.setattr("sys.stdin", None)
+    code = run(["predict", str(exports["lm"])])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.err == ("error: standard input is closed and no input was given: give the inputs "
+                                          "as arguments, or one per line on stdin\n") and captured.out == ""
+    assert run(["predict", str(exports["lm"]), "one"]) == 0  # inputs as arguments need no stdin
+
+
 class FullDisk(io.StringIO):
     """A stdout on a full disk (`> /dev/full`): every write is refused."""
 

@@ -33,6 +33,17 @@ def test_export_skips_a_checkpoint_with_flipped_bytes(tmp_path, capsys):
     assert "step-00000006" in err and "does not match its checksum" in err
 
 
+def test_an_export_with_standard_output_closed_is_written_without_a_word(tmp_path, monkeypatch, capsys):
+    # `gpipe export RUN >&-` wrote the file, then ended in an AttributeError traceback saying where.
+    from gpipe_cli.cli import run
+
+    save_one(tmp_path, 5, value=1.0)
+    monkeypatch.setattr("sys.stdout", None)
+    assert run(["export", str(tmp_path), "--output", str(tmp_path / "m.safetensors")]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    assert torch.all(load_file(str(tmp_path / "m.safetensors"))["weight"] == 1.0)
+
+
 # A fresh process that runs `gpipe predict` and, on its way out, writes the gpipe_cli modules it loaded.
 _RECORDING = """
 import atexit, json, runpy, sys
