@@ -509,14 +509,15 @@ def _unknown_option(exc: Exception, where: str, args: list[str], commands: Mappi
     # click's own suggestions were any option of a few letters in common: `--step` was offered --help and --set.
     others = [f"gpipe {name}" for name, sub in commands.items()
               if f"gpipe {name}" != where and any(typed in (*p.opts, *p.secondary_opts) for p in sub.params)]
-    if others:
-        named = " and ".join([", ".join(others[:-1]), others[-1]] if len(others) > 1 else others)
-        return f"{said}; {named} {'have' if len(others) > 1 else 'has'} it"
-    if sets and (key := key_of_flag(typed, close=True)) is not None:
-        return f"{said}; did you mean --set {_set_item(key, typed, value, args)}?"
+    named = " and ".join([", ".join(others[:-1]), others[-1]] if len(others) > 1 else others)
+    has = f"{named} {'have' if len(others) > 1 else 'has'} it"
     params = getattr(getattr(getattr(exc, "ctx", None), "command", None), "params", [])
     own = {name.lstrip("-"): name for p in params for name in (*p.opts, *p.secondary_opts) if name.startswith("--")}
     close = [own[name] for name in near(typed.lstrip("-"), own, 3)]
+    if others:  # `plan --device`: plan's own --devices first, profile-memory's --device (cpu or cuda) beside it
+        return f"{said} ({has}); did you mean {' or '.join(close)}?" if close else f"{said}; {has}"
+    if sets and (key := key_of_flag(typed, close=True)) is not None:
+        return f"{said}; did you mean --set {_set_item(key, typed, value, args)}?"
     return f"{said}; did you mean {' or '.join(close)}?" if close else said
 
 

@@ -466,6 +466,8 @@ def test_a_recipe_key_typed_as_a_flag_is_answered_with_its_set(capsys, args, say
     (["bench", "--stpes", "3"], "No such option: --stpes; did you mean --steps? (see"),
     (["validate", "--fast"], "No such option: --fast (see 'gpipe validate --help')"),
     (["bench", "--colour"], "No such option: --colour (see 'gpipe bench --help')"),
+    # profile-memory's --device is cpu or cuda: plan's own --devices was meant
+    (["plan", "--device", "2"], "No such option: --device (gpipe profile-memory has it); did you mean --devices? (see"),
 ])
 def test_an_unknown_option_is_answered_with_a_near_key_another_command_or_a_near_option(capsys, args, says):
     assert run(args) == 2
