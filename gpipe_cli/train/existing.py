@@ -89,6 +89,8 @@ def run_dir_of(location: str) -> Path:
     path = Path(location)
     if path.name.startswith(PREFIX):  # in checkpoints/, or in a folder a resume set it aside into
         return path.parents[2] if path.parent.name.startswith(SUPERSEDED) else path.parent.parent
+    if path.name.startswith(SUPERSEDED) and path.parent.name == CHECKPOINTS:  # the newest of a course set aside
+        return path.parent.parent
     return path.parent if path.name == CHECKPOINTS else path
 
 

@@ -99,6 +99,11 @@ def test_trim_metrics_drops_records_after_the_checkpoint(tmp_path):
 def test_run_dir_of_accepts_runs_and_checkpoints(tmp_path):
     assert run_dir_of(str(tmp_path)) == tmp_path
     assert run_dir_of(str(tmp_path / "checkpoints" / "step-00000003")) == tmp_path
+    assert run_dir_of(str(tmp_path / "checkpoints")) == tmp_path
+    # A course a resume from an earlier step set aside, and one of its checkpoints: the run's recipe.yaml was not
+    # found (the folder was taken for a run), and its ranks wrote checkpoints/ and a tokenizer into it.
+    aside = tmp_path / "checkpoints" / "superseded-20261205-133256-at-step-2"
+    assert run_dir_of(str(aside)) == tmp_path and run_dir_of(str(aside / "step-00000005")) == tmp_path
 
 
 def test_metadata_naming_anything_but_checkpoint_classes_is_refused(tmp_path):
