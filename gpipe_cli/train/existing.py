@@ -214,6 +214,7 @@ def check_new_run_dir(output_dir: Path, ours: bool = False) -> None:
     """Refuse to start a new run in a directory that holds another (`ours`: this job holds, or claims, its lock)."""
     if not output_dir.is_dir():
         return
+    check_layout(output_dir, "--output-dir", "move it, or give another --output-dir")
     # Under this launch's own claim the holder is this process (or node 0 of this job, for another node); else
     # another gpipe train holds it, and a launch (a dry run learns it here) would be refused, run there or not.
     if not ours:
@@ -237,6 +238,20 @@ def check_new_run_dir(output_dir: Path, ours: bool = False) -> None:
                         f"{start_again(output_dir)}, or give another --output-dir for a new run")
     raise UserError(f"--output-dir {cut(str(output_dir), PATH_CHARS)} {held}; use --resume to continue it, or another "
                     f"--output-dir for a new run")
+
+
+def check_layout(run_dir: Path, flag: str, instead: str) -> None:
+    """Refuse a run directory where a name the run writes is taken by the other kind: a file named checkpoints."""
+    from gpipe_cli.data.tokenizer import TOKENIZER_FILE
+
+    # Found here, not by a rank's traceback once the ranks have started and trained the tokenizer.
+    for name, kept in ((CHECKPOINTS, "a folder of checkpoints"), (METRICS, "its records' file"),
+                       (RECIPE, "its recipe file"), (TOKENIZER_FILE, "its tokenizer file")):
+        path = run_dir / name
+        if os.path.lexists(path) and os.path.isdir(path) != (name == CHECKPOINTS):
+            raise UserError(f"{flag} {cut(str(run_dir), PATH_CHARS)}: its {name} is "
+                            f"{'not a folder' if name == CHECKPOINTS else 'a folder'}, where the run keeps {kept}; "
+                            f"{instead}")
 
 
 def start_again(run_dir: Path) -> str:
@@ -301,6 +316,10 @@ def no_usable(location: str, refused: list[str]) -> UserError:
     """The refusal of a resume from `location`, whose checkpoints were each refused as `refused` says."""
     reasons = "; ".join(refused) if refused else "there are no checkpoints there"
     again = f"; {start_again(Path(location))}" if not refused and holds_run(Path(location)) else ""
+    if refused and not Path(location).name.startswith(PREFIX):  # every checkpoint of the run: no way on but anew
+        run = run_dir_of(location)
+        again = (f"; to train it again from step 0 there, move its {CHECKPOINTS}/ aside, then "
+                 f"{start_again(run).removeprefix('start it again from step 0 with: ')}")
     return UserError(f"--resume {cut(location, PATH_CHARS)}: no usable checkpoint ({reasons}){again}")
 
 
@@ -468,9 +487,11 @@ def check_a_run_to_resume(resume: str | None, output_dir: str | None, name: str,
     # A --dry-run never claims the run: this is where it learns that a launch would be refused.
     if resume == LATEST and output_dir:
         check_no_writer(Path(output_dir), "--output-dir", "wait until it ends, or give another --output-dir")
+        check_layout(Path(output_dir), "--output-dir", "move it, or give another --output-dir")
     if resume in (None, LATEST):
         return
     check_no_writer(run_dir_of(resume), "--resume", "wait until it ends")
+    check_layout(run_dir_of(resume), "--resume", "move it aside to continue the run")
     if not candidates(Path(resume)):  # before the first line says what starts
         raise no_usable(resume, [])
 

@@ -464,6 +464,17 @@ def test_a_value_is_cut_only_where_the_cut_saves_more_than_its_note():
     assert cut(far, 50) == "y" * 50 + f"... ({CUT_AT_LEAST + 1} more characters)"
 
 
+def test_a_message_too_long_for_a_line_keeps_its_end_which_says_what_to_do():
+    # Cut at its tail, a refusal of a run with long paths and many damaged checkpoints lost the command that goes on.
+    from gpipe_cli.errors import LINE_CHARS, one_line
+
+    message = "--resume run: no usable checkpoint (" + "; ".join(["step-1: unreadable"] * 40) + "); then gpipe train x"
+    line = one_line(message)
+    assert line.startswith("--resume run: no usable checkpoint (step-1") and line.endswith("); then gpipe train x")
+    assert len(line) <= LINE_CHARS + 40 and f"({len(message) - LINE_CHARS} characters left out)" in line
+    assert one_line("a\nshort\n  one") == "a short one"
+
+
 def test_an_empty_set_value_is_named_as_such(capsys):
     """`--set name=` was told `must be a string (got )`."""
     assert run(["validate", "--set", "name="]) == 2

@@ -32,6 +32,31 @@ def test_a_run_whose_every_checkpoint_is_unfinished_is_refused_before_any_rank_s
     assert line.startswith(f"error: --resume {run}: no usable checkpoint (step-00000004: it has no manifest")
     assert "step-00000002: it has no manifest" in line
     assert hashes(run) == before and not no_ranks
+    # The refusal said no way on, and a new run in the folder was told to --resume it (round and round).
+    aside = tmp_path / "aside"
+    assert line.endswith(f"move its checkpoints/ aside, then gpipe train --resume --output-dir {run}")
+    (run / "checkpoints").rename(aside)
+    result = runner.invoke(app, ["train", "--resume", "latest", "--output-dir", str(run), "--plain"])  # a bare one
+    assert result.exit_code == 0, result.output
+    assert "the run starts there again from step 0" in result.stdout and no_ranks == [1]
+
+
+def test_a_name_the_run_writes_taken_by_the_other_kind_is_refused_before_any_rank_starts(tmp_path, no_ranks):  # noqa: F811
+    # A file named checkpoints, or a folder named metrics.jsonl: a rank's FileExistsError traceback after set-up.
+    path, run = make_run(tmp_path, steps=(2,))
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "checkpoints").write_text("")
+    result = train(path, tmp_path / "new")
+    assert result.exit_code == 2, result.output
+    assert error_line(result) == (f"error: --output-dir {tmp_path / 'new'}: its checkpoints is not a folder, where the "
+                                  "run keeps a folder of checkpoints; move it, or give another --output-dir")
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").mkdir()
+    result = runner.invoke(app, ["train", "--resume", str(run), "--plain"])
+    assert result.exit_code == 2, result.output
+    assert error_line(result) == (f"error: --resume {run}: its metrics.jsonl is a folder, where the run keeps its "
+                                  "records' file; move it aside to continue the run")
+    assert not no_ranks
 
 
 def test_a_resume_with_one_whole_checkpoint_still_starts_the_ranks(tmp_path, no_ranks):  # noqa: F811
