@@ -47,6 +47,21 @@ def test_an_output_that_is_a_directory_is_refused_before_the_checkpoint_is_read(
     assert sorted(tmp_path.rglob("*")) == before
 
 
+def test_another_runs_own_export_is_not_replaced(tmp_path, monkeypatch, capsys):
+    # It was, and gpipe predict of that run then took the weights for its own, of a step it never trained.
+    save_one(tmp_path / "a", 2, value=1.0)
+    save_one(tmp_path / "b", 7, value=2.0)
+    (tmp_path / "b" / "model.safetensors").write_bytes(b"b's own")
+    monkeypatch.chdir(tmp_path)
+    code = run(["export", "a", "--output", "b/model.safetensors"])
+    captured = capsys.readouterr()
+    assert one_error_line(code, captured.err, captured.out) == (
+        "error: --output 'b/model.safetensors' is the export another run keeps for gpipe predict; name another file, "
+        "or leave --output out to write 'a/model.safetensors'")
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() == b"b's own"
+    assert run(["export", "a/checkpoints/step-00000002", "--output", "a/model.safetensors"]) == 0  # its own
+
+
 def test_a_run_folder_without_checkpoints_says_so(tmp_path: Path, capsys):
     (tmp_path / "run").mkdir()
     code = run(["export", str(tmp_path / "run")])
