@@ -32,7 +32,7 @@ from gpipe_cli.bench import CUTS as BENCH_CUTS
 from gpipe_cli.bench import FLAGS as B
 from gpipe_cli.bench import BenchOptions
 from gpipe_cli.cli_help import polish
-from gpipe_cli.console import output_console
+from gpipe_cli.console import output_console, print_table
 from gpipe_cli.errors import UserError, near, one_line, shown
 from gpipe_cli.files import (
     another_file,
@@ -260,7 +260,7 @@ def validate(
     plan = checked_plan(loaded, recipe_label(recipe), sets=set_ or [])
     console = output_console()
     console.print(recipe_yaml(loaded), markup=False, highlight=False)
-    console.print(plan_table(plan))
+    print_table(console, plan_table(plan), ("stage",), ("layers", "fits"))  # a narrow terminal cuts no figure
     if json_file is not None:
         payload = {"recipe": loaded.model_dump(mode="json"), **plan.to_json()}
         write_json(json_file, payload)

@@ -279,7 +279,7 @@ def plan_table(plan: Plan) -> Table:
     offloads = any(s.memory.host for s in plan.stages)  # pipeline.offload: what waits in host memory, beside
     table = figure_table(f"{plan.model}: {human_count(plan.total_params)} parameters, {plan.partitions} stages x "
                          f"{replicas}, {plan.microbatches} micro-batches of {plan.microbatch_size}",
-                         ("stage", "layers", "params", "GFLOPs/example", "memory (est.)", "of which activations",
+                         ("stage", "layers", "params", "GFLOP per example", "memory (est.)", "of which activations",
                           *(("offloaded to host",) if offloads else ()), "fits"), left=("layers",),
                          title_justify="left")
     for s in plan.stages:

@@ -181,3 +181,21 @@ def test_the_plan_says_what_the_cut_was_balanced_by(tiny):
     assert fallback[:2] == (resolve_balance(recipe, summary)[0], why)
     alone = recipe.model_copy(update={"pipeline": recipe.pipeline.model_copy(update={"partitions": 1})})
     assert resolve_balance(alone, summary)[:2] == ([len(summary.layers)], "the only cut")  # nothing to measure
+
+
+@pytest.mark.parametrize("width", [60, 80])
+def test_validates_plan_table_shows_every_figure_whole_on_a_narrow_terminal(monkeypatch, capsys, width):
+    # At 80 columns the headers read `GFLOPs/ex…` and `activatio…`; at 60 figures were cut too (`462.3…`).
+    import re
+
+    from gpipe_cli.cli import run
+    from tests.widths import problems
+
+    monkeypatch.setenv("COLUMNS", str(width))
+    monkeypatch.setattr(Console, "is_terminal", property(lambda self: True))
+    assert run(["validate", "recipes/quickstart.yaml"]) == 0
+    text = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+    table = text[text.index("t-2-512-4: "):]
+    assert not problems(table, width), table
+    for figure in ("462.34K", "594.94K", "0.038", "0.057", "16.3 MiB", "13.5 MiB", "encoder_2", "softmax"):
+        assert figure in table, (figure, table)
