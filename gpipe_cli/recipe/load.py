@@ -117,6 +117,12 @@ def parse_override(item: str) -> tuple[str, Any]:
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """Apply one `--set KEY=VALUE` (VALUE parsed as YAML) to the raw recipe."""
     key, value = parse_override(item)
+    model = raw.get("model")
+    if key == "model.kind" and isinstance(model, dict) and value != _kind_of(model):
+        # Another kind makes the section anew, as `--set 'model={kind: ...}'` does: the keys of the kind it
+        # replaces were each refused (`model.layers: must be a positive multiple of 3 (and 7 more problems)`).
+        raw["model"] = {"kind": value}
+        return
     node = raw
     parts = key.split(".")
     for part in parts[:-1]:
@@ -127,6 +133,16 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
             raise RecipeError(f"--set {cut(key)}: {shown(part)} is a value, not a section")
         node = child
     node[parts[-1]] = _merged(node.get(parts[-1]), value)
+
+
+def _kind_of(model: dict[str, Any]) -> Any:
+    """The kind a model section describes: its own, its preset's, else the default's (None: an unknown preset)."""
+    if model.get("kind") is not None or model.get("preset") is None:
+        return model.get("kind", DEFAULT_KIND)
+    try:
+        return preset(str(model["preset"]))[0]
+    except ValueError:
+        return None
 
 
 def _merged(old: Any, new: Any) -> Any:

@@ -307,6 +307,11 @@ def test_a_mapping_set_into_a_section_keeps_its_other_keys_unless_it_makes_it_an
     assert load_recipe(None, ["model={layers: 3}"]).model == load_recipe(None, ["model.layers=3"]).model
     whole = load_recipe(None, ["model={kind: amoebanet}", "data.source=synthetic"]).model
     assert whole.kind == "amoebanet" and "d_model" not in whole.model_dump()  # another kind: the section anew
+    # As a dotted key too: it was `model.layers: must be a positive multiple of 3 (got 2) (and 7 more problems)`.
+    assert load_recipe(None, ["model.kind=amoebanet", "data.source=synthetic"]).model == whole
+    assert load_recipe(None, ["model.kind=amoebanet", "model.layers=3"]).model.layers == 3  # later keys: the new one's
+    assert load_recipe(None, ["model.kind=transformer"]).model == load_recipe(None).model  # its own kind: kept
+    assert load_recipe(None, ["model={preset: transformer-big}", "model.kind=transformer"]).model.d_model == 1024
 
 
 def test_a_set_into_a_section_the_recipe_writes_as_a_value_names_the_recipe(tmp_path):
