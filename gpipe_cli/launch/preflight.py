@@ -149,8 +149,9 @@ def too_long_line(filename: object) -> str:
     return f"{shown(path, PATH_SHOWN_CHARS)} {problem}"
 
 
-def check_writable(path: Path, what: str) -> None:
+def check_writable(path: Path, what: str, instead: str = "") -> None:
     """Refuse an output directory that cannot be created or written, without leaving anything behind."""
+    # `instead`: what to do, where the user named no folder (`; give --output-dir DIR ...`).
     check_path(path, what)
     existing = path
     while not os.path.exists(existing) and existing != existing.parent:  # os.path: no errors on long names
@@ -160,13 +161,13 @@ def check_writable(path: Path, what: str) -> None:
     if not os.path.isdir(existing):
         raise UserError(f"{what}: {shown(str(existing))} exists and is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{what}: {shown(str(existing))} is not writable")
+        raise UserError(f"{what}: {shown(str(existing))} is not writable{instead}")
     try:  # access() says yes to root on a read-only file system's permission bits: try it for real
         with tempfile.TemporaryFile(dir=existing, prefix=".gpipe-probe-"):
             pass
     except OSError as exc:  # ENOENT for a folder that exists: a file system that takes no new files (/proc)
         why = "it takes no new files" if exc.errno == errno.ENOENT else exc.strerror
-        raise UserError(f"{what}: cannot write to {shown(str(existing))} ({why})") from None
+        raise UserError(f"{what}: cannot write to {shown(str(existing))} ({why}){instead}") from None
 
 
 @dataclass(frozen=True)

@@ -206,8 +206,8 @@ def train(options: TrainOptions) -> int:
         if options.output_dir:
             # Another node's launcher (or rank) of this job: the directory is node 0's to claim, perhaps already.
             check_new_run_dir(Path(options.output_dir), ours=not claims(options.launch, world))
-        new_run = (Path(options.output_dir), "--output-dir") if options.output_dir else \
-            (Path(OUTPUTS) / recipe.name, "the output directory")
+        new_run = (Path(options.output_dir), "--output-dir", "") if options.output_dir else \
+            (Path(OUTPUTS) / recipe.name, "the output directory", "; give --output-dir DIR to write the run elsewhere")
         check_writable(*new_run)
     check_a_run_to_resume(options.resume, options.output_dir, recipe.name, OUTPUTS)  # not after seconds of planning
     check_hub_data(recipe.data, recipe_file, options.overrides)  # offline: fail now, not inside the ranks

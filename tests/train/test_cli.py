@@ -86,3 +86,14 @@ def test_validate_reads_no_data_and_writes_nothing(tmp_path, monkeypatch):
     result = runner.invoke(app, ["validate"])
     assert result.exit_code == 0, result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unwritable_current_folder_is_told_how_to_write_the_run_elsewhere(tmp_path, monkeypatch):
+    # It said only that '.' is not writable; a user who named no folder was not told of --output-dir.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("gpipe_cli.launch.preflight.os.access", lambda path, mode: False)  # root may write anyway
+    result = runner.invoke(app, ["train", str(write(tmp_path, TINY_AMOEBANET)), "--plain"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == ["error: the output directory: '.' is not writable; give --output-dir DIR to write the run "
+                     "elsewhere"], result.output
