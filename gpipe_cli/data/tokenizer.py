@@ -62,7 +62,10 @@ class Tokenizer:
         except DataError:
             raise
         except Exception as e:  # sentencepiece raises RuntimeError/OSError for non-model files
-            raise DataError(f"'{p}' is not a sentencepiece model ({first_line(e)})") from None
+            # Its words for bytes that do not parse name its own source line: `INTERNAL: src/...cc(109) [...]`.
+            why = "its bytes do not parse: damaged, cut short, or another kind of file" \
+                if "ParseFromArray" in str(e) else first_line(e)
+            raise DataError(f"'{p}' is not a sentencepiece model ({why})") from None
 
     @property
     def model_bytes(self) -> bytes:
