@@ -253,6 +253,9 @@ class Trainer:
         stored = (self.run_dir / "tokenizer.model").exists()
         if isinstance(model, TransformerModel) and not data.tokenizer and not stored:
             text += f" and training the tokenizer (vocabulary {data.vocab_size or model.vocab_size})"
+            if self.job.resume:  # the checkpoint's embedding was trained on the lost one's pieces
+                text += (": the run's tokenizer.model is missing; a new one has the same pieces only if the training "
+                         "text is unchanged")
         return text
 
     def _data_summary(self, data: Loader) -> str:

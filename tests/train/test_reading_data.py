@@ -8,8 +8,19 @@ from gpipe_cli.train.loop import Trainer
 QUICKSTART = "gpipe_cli/recipe/quickstart.yaml"
 
 
-def line(tmp_path, *sets: str) -> str:
-    return Trainer._reading_data(SimpleNamespace(recipe=load_recipe(QUICKSTART, list(sets)), run_dir=tmp_path))
+def line(tmp_path, *sets: str, resume: str | None = None) -> str:
+    return Trainer._reading_data(SimpleNamespace(recipe=load_recipe(QUICKSTART, list(sets)), run_dir=tmp_path,
+                                                 job=SimpleNamespace(resume=resume)))
+
+
+def test_a_resume_that_trains_the_tokenizer_again_says_its_file_was_missing(tmp_path):
+    # A run's lost tokenizer.model was trained again without a word; the checkpoint knows only the old pieces.
+    assert line(tmp_path, resume=str(tmp_path)).endswith(
+        "training the tokenizer (vocabulary 512): the run's tokenizer.model is missing; a new one has the same "
+        "pieces only if the training text is unchanged")
+    assert line(tmp_path).endswith("training the tokenizer (vocabulary 512)")
+    (tmp_path / "tokenizer.model").write_bytes(b"kept")
+    assert line(tmp_path, resume=str(tmp_path)) == "reading data (synthetic)"
 
 
 def test_the_data_a_source_reads_is_named(tmp_path):
