@@ -31,16 +31,19 @@ def umask() -> int:
     return mask
 
 
-def make_folders(folder: Path) -> None:
-    """Create `folder` and its missing parents, as `mkdir -p` does."""
+def make_folders(folder: Path) -> list[Path]:
+    """Create `folder` and its missing parents, as `mkdir -p` does; those it made, nearest first."""
     # Not pathlib's or os.makedirs's: they recurse once a level, and a path of 4095 bytes can be 2047 deep.
     missing = []
     while not os.path.isdir(folder) and folder != folder.parent:
         missing.append(folder)
         folder = folder.parent
+    made: list[Path] = []
     for each in reversed(missing):
         with contextlib.suppress(FileExistsError):  # made meanwhile; a file there fails at the write that follows
             each.mkdir()
+            made.insert(0, each)
+    return made
 
 
 def _room(path: Path, suffix: str) -> int:
@@ -63,16 +66,22 @@ def hidden_prefix(path: Path, suffix: str = "") -> str:
 @contextlib.contextmanager
 def atomic_path(path: Path, suffix: str = "") -> Iterator[Path]:
     """A hidden file name beside `path` for the block to write, renamed to `path` when it ends, removed if it fails."""
-    make_folders(path.parent)
-    fd, tmp = tempfile.mkstemp(prefix=hidden_prefix(path, suffix), suffix=suffix, dir=path.parent)
+    made = make_folders(path.parent)
     try:
-        os.close(fd)
-        yield Path(tmp)
-        # The mode `open()` gives a new file, not mkstemp's 0o600 (set after: a writer may make the file anew).
-        os.chmod(tmp, 0o666 & ~umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=hidden_prefix(path, suffix), suffix=suffix, dir=path.parent)
+        try:
+            os.close(fd)
+            yield Path(tmp)
+            # The mode `open()` gives a new file, not mkstemp's 0o600 (set after: a writer may make the file anew).
+            os.chmod(tmp, 0o666 & ~umask())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except BaseException:  # a failed write leaves no folder it made (a full disk left a/b/ behind)
+        for folder in made:
+            with contextlib.suppress(OSError):  # another writer's file in it meanwhile: it stays
+                folder.rmdir()
         raise
 
 

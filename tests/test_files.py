@@ -32,6 +32,15 @@ def test_a_write_that_fails_midway_leaves_the_old_file_and_no_partial_one(tmp_pa
     with pytest.raises(OSError):
         atomic_write(target, half_then_full_disk)
     assert target.read_text() == "old" and os.listdir(tmp_path) == ["figures.json"]
+    # The folders a failed write made go with it (a full disk left a/b/); one that holds another file stays.
+    with pytest.raises(OSError):
+        atomic_write(tmp_path / "a" / "b" / "figures.json", half_then_full_disk)
+    assert sorted(os.listdir(tmp_path)) == ["figures.json"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "kept").write_text("")
+    with pytest.raises(OSError):
+        atomic_write(tmp_path / "a" / "b" / "figures.json", half_then_full_disk)
+    assert os.listdir(tmp_path / "a") == ["kept"]
 
 
 class _FailingFigure:
