@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -24,23 +24,31 @@ from gpipe_cli.pipeline.tied import tie_within
 from gpipe_cli.pipeline.topology import Topology
 
 
-def remat_microbatches(schedule: str, chunks: int, checkpoint_mode: str) -> list[int]:
-    """The micro-batches the engine rematerialises at K=1, as its schedule marks them."""
-    plan = sched.build(schedule, 0, 1, chunks, checkpoint_mode)
-    return sorted(mb for mb, _ in sched.rematerialised(plan))
+def remat_microbatches(schedule: str, chunks: int, checkpoint_mode: str, virtual: int = 1) -> list[int]:
+    """The micro-batches the engine rematerialises at K=1 (in any of its V chunks), as its schedule marks them."""
+    return sorted({mb for mb, _ in _remat_pairs(schedule, chunks, checkpoint_mode, virtual)})
+
+
+def _remat_pairs(schedule: str, chunks: int, checkpoint_mode: str, virtual: int) -> set[tuple[int, int]]:
+    return sched.rematerialised(sched.build(schedule, 0, 1, chunks, checkpoint_mode, virtual))
 
 
 class PlainLoop:
     """The model's layers in one nn.Sequential, trained by plain gradient accumulation over M micro-batches."""
 
-    def __init__(self, spec: ModelSpec, device: torch.device, seed: int, chunks: int, remat: list[int]) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device, seed: int, chunks: int,
+                 remat: Collection[int | tuple[int, int]], balance: Sequence[int] = ()) -> None:
+        # `remat`: micro-batches recomputed throughout, or (micro-batch, chunk) pairs of a model cut in `balance`.
         layers = build_layers(spec.factories(), range(len(spec.layers)), seed, device)
         self.module = nn.Sequential(OrderedDict((str(i), layer) for i, layer in enumerate(layers)))
         for group in spec.tied:  # one tensor, as the engine makes tied parameters within a stage
             tie_within(self.module, group)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.loss, self.units, self.device = spec.loss, spec.units, device
-        self.chunks, self.remat = chunks, set(remat)
+        self.chunk_of = [c for c, n in enumerate(balance or (len(layers),)) for _ in range(n)]
+        self.chunks = chunks
+        self.remat = {pair for r in remat
+                      for pair in ([r] if isinstance(r, tuple) else [(r, c) for c in set(self.chunk_of)])}
 
     def step(self, inputs: Any, targets: torch.Tensor) -> float:
         """One mini-batch: drop the gradients, accumulate every micro-batch's, return the mean loss."""
@@ -53,8 +61,8 @@ class PlainLoop:
         total = sum(units)
         losses = []
         for mb, (x, y) in enumerate(zip(xs, ys)):
-            for layer in self.module:
-                x = checkpoint(layer, x, use_reentrant=False) if mb in self.remat else layer(x)
+            for layer, chunk in zip(self.module, self.chunk_of):
+                x = checkpoint(layer, x, use_reentrant=False) if (mb, chunk) in self.remat else layer(x)
             loss = self.loss(x, to_device(y, self.device)) * (units[mb] / total)
             loss.backward()
             losses.append(loss.detach())
@@ -78,13 +86,14 @@ def _max_difference(ours: list[nn.Parameter], theirs: list[nn.Parameter]) -> flo
 # Neither side runs an optimizer step, so the weights stay put and every step of both computes the same thing; the
 # sides alternate over rounds in one process, each keeping its best step, so drift in the load hits both alike.
 def compare(spec: ModelSpec, topo: Topology, inputs: Any, targets: torch.Tensor, chunks: int, schedule: str,
-            checkpoint_mode: str, seed: int, steps: int, warmup: int) -> dict[str, Any]:
+            checkpoint_mode: str, seed: int, steps: int, warmup: int, balance: Sequence[int] = ()) -> dict[str, Any]:
     """Alternate K=1 engine and plain-loop steps: each side's best step, their difference, how far the gradients end."""
-    remat = remat_microbatches(schedule, chunks, checkpoint_mode)
-    # The K=1 engine: all of the model's layers on this rank.
-    config = PipelineConfig(schedule=schedule, checkpoint=checkpoint_mode, balance=(len(spec.layers),))
+    # The K=1 engine: all of the model's layers on this rank, in V chunks as `balance` cuts them (a V schedule's 2).
+    cut = tuple(balance) or (len(spec.layers),)
+    remat = remat_microbatches(schedule, chunks, checkpoint_mode, len(cut))
+    config = PipelineConfig(virtual=len(cut), schedule=schedule, checkpoint=checkpoint_mode, balance=cut)
     pipe = build_pipeline(spec, topo, config, seed)
-    plain = PlainLoop(spec, topo.device, seed, chunks, remat)
+    plain = PlainLoop(spec, topo.device, seed, chunks, _remat_pairs(schedule, chunks, checkpoint_mode, len(cut)), cut)
     index = itertools.count(1)
 
     def engine() -> float | None:

@@ -234,7 +234,7 @@ def run(options: BenchOptions) -> int:
             else:
                 summary, events = _single(options, subject, Path(tmp), progress, chosen.phases)
         except setup.JobFailed as exc:
-            if exc.code in (STOPPED, 128 + signal.SIGTERM):
+            if exc.code in (STOPPED, *(128 + signum for signum in interrupts.TERMINATING)):  # SIGHUP too
                 interrupts.say_stopped("gpipe bench")
             else:
                 console.print(f"[red]gpipe bench: the benchmark ranks failed (exit code {exc.code}); see above[/]")

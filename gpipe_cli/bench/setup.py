@@ -78,7 +78,7 @@ def run_job(job: Job, topo: topology.Topology) -> None:
         from gpipe_cli.bench import overhead
 
         result["host_overhead"] = overhead.compare(spec, topo, inputs, targets, job.microbatches[0], job.schedule,
-                                                   job.checkpoint, job.seed, job.steps, job.warmup)
+                                                   job.checkpoint, job.seed, job.steps, job.warmup, job.balance)
         _save(result, job.out)
     if job.compare:
         from gpipe_cli.bench import baseline

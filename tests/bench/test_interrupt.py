@@ -55,6 +55,17 @@ def test_sigterm_stops_it_as_ctrl_c_does_with_143(tmp_path, moment):
     assert not [p for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")]
 
 
+@pytest.mark.slow
+def test_sighup_while_the_ranks_measure_stops_it_as_sigterm_does_with_129(tmp_path):
+    # A closed terminal: it said "the benchmark ranks failed (exit code 129); see above", with nothing above.
+    code, output, err = interrupt(["bench", *TINY, "--partitions", "2", "--microbatches", "4", "--steps", "100000"],
+                                  tmp_path, lambda tmp, output: any(tmp.glob("gpipe-bench-*/k1.out.json")),
+                                  signum=signal.SIGHUP)
+    assert code == 128 + signal.SIGHUP, (output + err)[-3000:]
+    assert "Traceback" not in output + err and err == STOPPED and "failed" not in output, (output + err)[-3000:]
+    assert not [p for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")]
+
+
 
 def test_once_measured_the_results_are_written_with_ctrl_c_and_sigterm_waiting(tmp_path, monkeypatch, handlers):
     """A Ctrl-C as `figures written to F` printed said "nothing was written" (F was), then a raw traceback."""
