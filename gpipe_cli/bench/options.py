@@ -128,9 +128,16 @@ def bench_options(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[s
     typed = [given for name in ("partitions", "microbatches", "balance") if (given := given_as(name, flags, sets))]
     if own.get("sweep") and typed:
         raise UserError(f"--sweep measures its own K and M (the paper's Table 2): leave out {', '.join(typed)}")
-    options = BenchOptions(model=model_of(recipe, own.pop("model", None), "measured"),
-                           **shared_fields(BenchOptions, recipe, flags, sets, CUTS, "gpipe bench"), **own)
     named = given_as("partitions", flags, sets)
+    # --simulate --devices K predicts for K stages: the recipe's keys are checked at that K, not at bench's default
+    # (a --balance's entries against it are checked with the model's layers, naming --devices).
+    k = own.get("devices") if own.get("simulate") and named is None and flags.get("balance") is None else None
+    try:
+        fields = shared_fields(BenchOptions, recipe, flags, sets, CUTS, "gpipe bench",
+                               **({"partitions": k} if k is not None else {}))
+    except UserError as exc:
+        raise type(exc)(str(exc).replace(f"--partitions ({k}, its default)", f"--devices ({k})")) from None
+    options = BenchOptions(model=model_of(recipe, own.pop("model", None), "measured"), **fields, **own)
     if options.simulate and options.devices not in (None, options.partitions) and named:
         # --devices is the K predicted: a --partitions beside it that differs would be dropped without a word.
         raise UserError(f"--simulate predicts for --devices {options.devices} stages: leave out {named}, or "
@@ -184,7 +191,7 @@ def validate(options: BenchOptions) -> None:
     check_output_kind(options.json, "--json")
     check_output_kind(options.trace, "--trace", allowed=(".json", ".jsonl", ".png"))  # x.png: x.json beside
     available = meminfo_available()  # a bench starts every stage on this machine
-    if available is not None and options.partitions * RANK_BYTES > available:
+    if available is not None and not options.simulate and options.partitions * RANK_BYTES > available:
         raise UserError(f"--partitions {options.partitions}: a bench starts one rank per stage on this machine, each "
                         f"needing about {human_bytes(RANK_BYTES)} before its model; {human_bytes(available)} "
                         f"available here holds at most {max(available // RANK_BYTES, 1)}")
@@ -192,7 +199,7 @@ def validate(options: BenchOptions) -> None:
 
     try:
         for m in options.microbatch_values():
-            check_schedule(options.schedule, options.partitions, m, options.virtual_stages)
+            check_schedule(options.schedule, options.stages, m, options.virtual_stages)
     except ValueError as exc:
         raise UserError(f"--schedule/--virtual-stages: {exc}") from None
     batch = options.batch

@@ -299,3 +299,19 @@ def test_simulate_names_the_devices_it_predicts_for(capsys):
     assert bench_options(None, {"partitions": 4}, [], simulate=True, devices=4).stages == 4
     assert run(["bench", *TINY, "--simulate", "--devices", "4", "--balance", "2,2"]) == 2
     assert capsys.readouterr().err.endswith("has 2 entries but the pipeline has 4 (--devices x --virtual-stages)\n")
+
+
+def test_simulate_checks_the_schedule_at_the_devices_it_predicts_for(capsys):
+    # Checked at bench's default K=2: M=3 for 3 devices was refused naming --partitions (2, its default), and M=6
+    # for 4 devices ended in a traceback.
+    from gpipe_cli.cli import run
+
+    interleaved = ["--schedule", "interleaved", "--virtual-stages", "2", "--layers", "8"]
+    options = bench_options(None, {"microbatches": 3, "schedule": "interleaved", "virtual_stages": 2}, [],
+                            simulate=True, devices=3)
+    assert options.stages == 3
+    validate(options)
+    for devices, m in (("4", "6"), ("3", "4")):
+        assert run(["bench", *TINY, *interleaved, "--simulate", "--devices", devices, "--microbatches", m]) == 2
+        assert capsys.readouterr().err == (f"error: --microbatches ({m}) must be a multiple of --devices ({devices}) "
+                                           "for the interleaved schedule\n")
