@@ -299,3 +299,14 @@ def test_a_recipe_with_more_chunks_than_layers_names_its_chunks_k_and_v(tmp_path
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("the recipe as written"))
     assert line.endswith("is not compared: cannot cut 4 layers into 8 chunks (pipeline.partitions 4 x "
                          "pipeline.virtual_stages 2): at most 4"), line
+
+
+def test_more_ranks_per_node_than_this_machines_cores_is_warned_of(tmp_path, capsys, monkeypatch):
+    # Trained here they take turns on the cores; the plan said nothing and predicted each with a core of its own.
+    monkeypatch.setattr("gpipe_cli.sizing.usable_cores", lambda: 2)
+    recipe = write(tmp_path, TINY)
+    assert run(["plan", str(recipe), "--devices", "4", "--timing", "estimate"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: 4 ranks per node on this machine's 2 CPU cores would take turns on them (oversubscribed)" in out
+    assert run(["plan", str(recipe), "--devices", "2", "--timing", "estimate"]) == 0
+    assert "oversubscribed" not in capsys.readouterr().out
