@@ -119,7 +119,8 @@ def show(s: dict[str, Any], console: Console) -> None:
         console.print(f"simulator vs measurement ({s['schedule']}): predicted {p['samples_per_s']:,.1f} samples/s, "
                       f"bubble {p['bubble']:.3f}; measured {s['samples_per_s']:,.1f} samples/s, bubble "
                       f"{s['bubble']:.3f}; measured / predicted throughput [bold]{ratio:.2f}[/] (calibration "
-                      f"x{p['calibration']:.2f})" + (shared if s["oversubscribed"] else ""))
+                      f"x{p['calibration']:.2f}; links of {p['bandwidth_gb_s']} GB/s, {p['latency_us']} µs a message "
+                      "assumed: --bandwidth, --latency-us)" + (shared if s["oversubscribed"] else ""))
         if (busy := p.get("from_stage_busy")) is not None:  # the schedule alone, the stages' measured compute given
             console.print(f"  with each stage's measured busy time: predicted {busy['samples_per_s']:,.1f} samples/s, "
                           f"bubble {busy['bubble']:.3f}; measured / predicted [bold]"
