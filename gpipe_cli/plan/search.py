@@ -227,6 +227,9 @@ def evaluate(model: Model, hw: Hardware, config: Config, cut: Sequence[int] | No
                    fixed, model.batch)
 
 
+TIED = 0.005  # predicted throughputs this close are one: a plan's prediction is not finer
+
+
 def _rank_key(outcome: Outcome) -> tuple[float, bool, float, int, int, int]:
     c = outcome.config
     return (-outcome.samples_per_s, c.offload != "none", outcome.peak, SCHEDULES.index(c.schedule), c.virtual,
@@ -255,6 +258,10 @@ def search(model: Model, hw: Hardware) -> Result:
     """Evaluate every configuration; the fitting ones ranked fastest first (and, if none fits, the least memory)."""
     outcomes = [evaluate(model, hw, c) for c in configs(model, hw)]
     ranked = sorted((o for o in outcomes if o.fits), key=_rank_key)
+    if ranked:  # within TIED of the fastest the prediction cannot tell them apart: the one needing least memory wins
+        tied = [o for o in ranked if o.samples_per_s >= (1 - TIED) * ranked[0].samples_per_s]
+        lean = min(tied, key=lambda o: (o.config.offload != "none", o.peak))
+        ranked.insert(0, ranked.pop(ranked.index(lean)))
     refused = sorted((o for o in outcomes if not o.fits), key=_rank_key)
     result = Result(ranked, refused)
     if not ranked and refused:

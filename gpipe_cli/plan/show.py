@@ -26,7 +26,7 @@ def reason(model: search.Model, winner: Outcome, other: Outcome, budget: float) 
         stage = max(range(len(other.memory)), key=lambda s: other.memory[s])
         return f"stage {stage} needs {human_bytes(other.memory[stage])} > {human_bytes(budget)}"
     slower = 1.0 - other.samples_per_s / winner.samples_per_s if winner.samples_per_s else 0.0
-    if slower < 0.005:
+    if slower < search.TIED:
         return "as fast (within 0.5%), needs more memory" if other.peak > winner.peak else "as fast (within 0.5%)"
     mine, theirs = search.parts(model, other), search.parts(model, winner)
     pct = f"{slower * 100:.0f}% slower"
