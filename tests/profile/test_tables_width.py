@@ -31,3 +31,12 @@ def test_a_prediction_within_half_a_percent_reads_plus_minus_nought():
 
     assert _measured({"measured_device_peak_bytes": 1000, "device_peak_bytes": 997}).endswith("(pred. ±0%)")
     assert _measured({"measured_device_peak_bytes": 1000, "device_peak_bytes": 1020}).endswith("(pred. +2%)")
+
+
+def test_parameter_memory_that_grows_with_the_cut_is_explained_below_table_1():
+    # The quick start's 991.74K parameters read 15.1 MiB at K=1 and 16.1 MiB at K=2, without a word.
+    same = _summary(["naive-1", "pipeline-2"])
+    assert tables._table1(same).caption is None
+    tied = _summary(["naive-1", "pipeline-2"])
+    tied["scenarios"][1]["param_memory_bytes"] += 1_000_000
+    assert "tied weight" in str(tables._table1(tied).caption)
