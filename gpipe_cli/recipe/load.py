@@ -378,7 +378,7 @@ def _describe(error: dict[str, Any], raw: dict[str, Any], typed: str | None = No
         section = _section_model(loc[:-1], raw)
         info = section.model_fields.get(str(loc[-2])) if section else None
         count = len(typing.get_args(info.annotation)) if info is not None else 0
-        return f"{cut('.'.join(str(p) for p in loc[:-1]))}: must be a list of {count or 'more'} numbers"
+        return f"{cut('.'.join(str(p) for p in loc[:-1]))}: must be a list of {count or 'more'} numbers {got}"
     if kind in _BOUNDS:
         op, bound = _BOUNDS[kind]
         allowed = _allowed_range(loc, raw) or f"{op} {ctx[bound]}"
@@ -387,6 +387,8 @@ def _describe(error: dict[str, Any], raw: dict[str, Any], typed: str | None = No
         return f"{key}: " + _PLAIN[kind].format(got=got, **ctx)
     if kind in ("too_long", "too_short") and isinstance(ctx.get("field_type"), str):
         return f"{key}: must be a list of {ctx.get('min_length', ctx.get('max_length'))} numbers {got}"
+    if kind == "invalid_key":  # YAML reads `1:` as a number; pydantic's words: "Keys should be strings"
+        return f"{key}: a key must be a name, not a number {got}"
     if kind == "union_tag_invalid":
         tags = [t.strip() for t in str(ctx.get("expected_tags", "")).split(",")]
         allowed = " or ".join([", ".join(tags[:-1]), tags[-1]] if len(tags) > 1 else tags)

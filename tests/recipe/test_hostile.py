@@ -208,6 +208,7 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "steps quoted": (GOOD, ["--set", 'train.steps="5"'], "train.steps: must be a number, not a string"),
     "lr quoted": (GOOD, ["--set", "optimizer.lr='0.1'"], "optimizer.lr: must be a number, not a string"),
     "betas short": (GOOD, ["--set", "optimizer.betas=[0.9]"], "optimizer.betas: must be a list of 2 numbers"),
+    "number key": (GOOD, ["--set", "train={1: 2}"], "train.1: a key must be a name, not a number (got 1)"),
     "profile steps short": (GOOD, ["--set", "train.profile.steps=[1]"], "train.profile.steps: must be a list of 2"),
     "tokenizer directory": (GOOD, ["--set", "data.tokenizer=/"], "data.tokenizer: '/' is a directory"),
     "warmup negative": (GOOD, ["--set", "schedule.warmup_steps=-1"], "schedule.warmup_steps: must be >= 0"),
