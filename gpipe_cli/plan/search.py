@@ -121,9 +121,9 @@ class Outcome:
 
 @dataclass
 class Result:
-    """Every configuration evaluated, the fitting ones fastest first."""
+    """Every configuration evaluated, the fitting ones fastest first (the winner, of a tie, ahead)."""
 
-    ranked: list[Outcome]          # fitting, fastest first
+    ranked: list[Outcome]          # fitting, fastest first, but the winner of a tie with the fastest first
     refused: list[Outcome]         # not fitting (unconstrained min-max cut), fastest first
     smallest_memory: float | None = None  # when nothing fits: the least memory per device a plan needs
     smallest: Outcome | None = None
@@ -255,7 +255,7 @@ def search_seconds(model: Model, hw: Hardware, call_seconds: float) -> float:
 
 
 def search(model: Model, hw: Hardware) -> Result:
-    """Evaluate every configuration; the fitting ones ranked fastest first (and, if none fits, the least memory)."""
+    """Evaluate every configuration; the fitting ones fastest first, a tie's winner ahead (none fits: least memory)."""
     outcomes = [evaluate(model, hw, c) for c in configs(model, hw)]
     ranked = sorted((o for o in outcomes if o.fits), key=_rank_key)
     if ranked:  # within TIED of the fastest the prediction cannot tell them apart: the one needing least memory wins

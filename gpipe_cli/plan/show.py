@@ -20,14 +20,21 @@ from gpipe_cli.recipe.yamlio import rewrite
 from gpipe_cli.units import human_bytes
 
 
-def reason(model: search.Model, winner: Outcome, other: Outcome, budget: float) -> str:
+def reason(model: search.Model, winner: Outcome, other: Outcome, budget: float, fastest: float = 0.0) -> str:
     """Why `other` loses to `winner`, in a few words: a part of its step where it is worse than the winner."""
+    # `fastest`: the top predicted samples/s, within search.TIED of which the least memory wins (0: the winner's).
     if not other.fits:
         stage = max(range(len(other.memory)), key=lambda s: other.memory[s])
         return f"stage {stage} needs {human_bytes(other.memory[stage])} > {human_bytes(budget)}"
     slower = 1.0 - other.samples_per_s / winner.samples_per_s if winner.samples_per_s else 0.0
-    if slower < search.TIED:
+    top = max(fastest, winner.samples_per_s)
+    below = 1.0 - other.samples_per_s / top if top else 0.0
+    if below < search.TIED:  # a tie, which memory decides
+        if other.config.offload != "none" and winner.config.offload == "none":
+            return "as fast (within 0.5%), offloads activations to host memory"
         return "as fast (within 0.5%), needs more memory" if other.peak > winner.peak else "as fast (within 0.5%)"
+    if slower < search.TIED:  # close to a winner that needs less memory, beyond the tie with the fastest
+        return f"{below * 100:.1f}% below the fastest: only those within 0.5% of it are as fast"
     mine, theirs = search.parts(model, other), search.parts(model, winner)
     pct = f"{slower * 100:.0f}% slower"
     # The parts it spends longer in, most first; each named only by a figure that is worse than the winner's.
@@ -102,7 +109,8 @@ def rows(model: search.Model, result: search.Result, top: int, budget: float) ->
     shown = [best] + sorted(others, key=lambda o: -o.samples_per_s)
     shown = shown[:top] + [o for o in ranked if o not in shown][:max(top - len(shown), 0)]
     faster = distinct([o for o in result.refused if o.samples_per_s > best.samples_per_s])[:2]
-    return [(o, None if o is best else reason(model, best, o, budget))
+    fastest = max(o.samples_per_s for o in ranked)
+    return [(o, None if o is best else reason(model, best, o, budget, fastest))
             for o in sorted(shown + faster, key=lambda o: -o.samples_per_s)]
 
 

@@ -86,7 +86,8 @@ def parse_yaml(text: str, label: str, overrides: Sequence[str] = ()) -> dict[str
         raise RecipeError(f"{label}: a recipe must be a mapping of sections (got {type(data).__name__})")
     for item in overrides:  # against the recipe as written, before any --set changes it
         _written_as_a_value(data, parse_override(item)[0], label)
-    for item in overrides:
+    # Another model.kind first: it starts the section anew, which would drop a model key set before it.
+    for item in sorted(overrides, key=lambda item: item.partition("=")[0].strip() != "model.kind"):
         apply_override(data, item)
     return data
 
@@ -118,7 +119,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     """Apply one `--set KEY=VALUE` (VALUE parsed as YAML) to the raw recipe."""
     key, value = parse_override(item)
     model = raw.get("model")
-    if key == "model.kind" and isinstance(model, dict) and value != _kind_of(model):
+    if key == "model.kind" and isinstance(model, dict) and _kind_of(model) not in (None, value):
         # Another kind makes the section anew, as `--set 'model={kind: ...}'` does: the keys of the kind it
         # replaces were each refused (`model.layers: must be a positive multiple of 3 (and 7 more problems)`).
         raw["model"] = {"kind": value}
@@ -136,9 +137,9 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 
 def _kind_of(model: dict[str, Any]) -> Any:
-    """The kind a model section describes: its own, its preset's, else the default's (None: an unknown preset)."""
+    """The kind a model section names: its own, else its preset's (None: neither, or an unknown preset)."""
     if model.get("kind") is not None or model.get("preset") is None:
-        return model.get("kind", DEFAULT_KIND)
+        return model.get("kind")
     try:
         return preset(str(model["preset"]))[0]
     except ValueError:

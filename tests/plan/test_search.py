@@ -272,3 +272,19 @@ def test_of_predictions_within_half_a_percent_the_one_needing_least_memory_wins(
     monkeypatch.setattr(search, "evaluate", lambda model, hw, config: next(found))
     result = search.search(None, None)
     assert result.best is lean and result.ranked == [lean, fastest, leaner_offloaded, slower]
+
+
+def test_a_runner_up_of_a_tie_says_why_it_loses():
+    # One 0.9% below the fastest but 0.45% below the winner read "as fast (within 0.5%)", and lost for no reason given.
+    from gpipe_cli.plan.show import reason
+
+    def outcome(samples_per_s, peak, offload="none"):
+        config = search.Config(2, 1, 4, "gpipe", 1, "except_last", offload)
+        return search.Outcome(config, [1, 1], [peak, peak], True, step_time=8 / samples_per_s, batch=8)
+
+    winner = outcome(995.5, 26.0)
+    assert reason(None, winner, outcome(1000.0, 60.0), 100.0, 1000.0) == "as fast (within 0.5%), needs more memory"
+    assert reason(None, winner, outcome(996.0, 10.0, "activations"), 100.0, 1000.0) == (
+        "as fast (within 0.5%), offloads activations to host memory")
+    assert reason(None, winner, outcome(991.0, 10.0), 100.0, 1000.0) == (
+        "0.9% below the fastest: only those within 0.5% of it are as fast")

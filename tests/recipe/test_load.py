@@ -312,6 +312,18 @@ def test_a_mapping_set_into_a_section_keeps_its_other_keys_unless_it_makes_it_an
     assert load_recipe(None, ["model.kind=amoebanet", "model.layers=3"]).model.layers == 3  # later keys: the new one's
     assert load_recipe(None, ["model.kind=transformer"]).model == load_recipe(None).model  # its own kind: kept
     assert load_recipe(None, ["model={preset: transformer-big}", "model.kind=transformer"]).model.d_model == 1024
+    # A model key set before it is the new kind's too, not dropped without a word.
+    assert load_recipe(None, ["model.layers=3", "model.kind=amoebanet"]).model.layers == 3
+
+
+def test_naming_the_kind_of_a_model_section_without_one_keeps_its_keys(tmp_path):
+    # `model: {layers: 4, d_model: 64}` is refused as needing model.kind; the --set that says so rebuilt it anew.
+    path = tmp_path / "kindless.yaml"
+    path.write_text("model:\n  layers: 4\n  d_model: 64\n  heads: 4\n")
+    model = load_recipe(path, ["model.kind=transformer"], check_data=False).model
+    assert (model.kind, model.layers, model.d_model) == ("transformer", 4, 64)
+    with pytest.raises(RecipeError, match="unknown model preset 'no-such'"):  # still refused, not rebuilt away
+        load_recipe(None, ["model={preset: no-such}", "model.kind=amoebanet"])
 
 
 def test_a_set_into_a_section_the_recipe_writes_as_a_value_names_the_recipe(tmp_path):
