@@ -190,7 +190,7 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     device = "cuda" if recipe.train.device != "cpu" and torch.cuda.is_available() else "cpu"  # as training picks
     # Ranks of one node that compute at once on this machine's cores; GPUs do not share them.
     here_ranks = min(per_node, max(usable_cores(), 1)) if device == "cpu" else 1
-    if device == "cpu" and per_node > here_ranks:  # as gpipe train and gpipe bench warn of it
+    if device == "cpu" and per_node > here_ranks and options.tflops is None:  # as train and bench warn of it
         console.print(f"[yellow]warning: {per_node} ranks per node on this machine's {here_ranks} CPU "
                       f"core{'s' if here_ranks > 1 else ''} would take turns on them (oversubscribed); the plan "
                       f"predicts each with a core of its own, so training here will be slower than it says[/]",

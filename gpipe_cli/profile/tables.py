@@ -61,7 +61,8 @@ def _table1(s: dict[str, Any]) -> Table:
     per = "chunk (V per stage)" if any(sc.get("virtual", 1) > 1 for sc in rows) else "stage"
     table.add_row(f"layers per {per}", *(",".join(map(str, sc["balance"])) for sc in rows))
     table.add_row("figures", *("measured" if sc["measured"] else "[yellow]extrapolated[/]" for sc in rows))
-    if len({sc["param_memory_bytes"] for sc in rows}) > 1:  # the same parameters, more bytes: a tied weight
+    # The same parameters in more bytes: a tied weight (an extrapolated row, of a larger model, counts more of both).
+    if len({sc["params"] for sc in rows}) == 1 and len({sc["param_memory_bytes"] for sc in rows}) > 1:
         table.caption = ("parameter memory counts a tied weight (the embedding and softmax) on every stage that "
                          "holds one, so a cut model's can exceed its parameters'")
     return table

@@ -202,12 +202,12 @@ def check_export_arguments(location: str, output: str | None) -> None:
         raise UserError(f"no such run directory or checkpoint: {shown(location)}")
     if not os.path.isdir(location):
         raise UserError(f"{shown(location)} is a file; give a run directory or one of its checkpoint folders")
-    other = Path(os.path.abspath(output)).parent if output is not None else None
+    other = Path(os.path.realpath(output)).parent if output is not None else None
     if output is not None and Path(output).name == EXPORTED and other is not None and holds_run(other) \
-            and other != Path(os.path.abspath(run_dir_of(location))):
+            and other != Path(os.path.realpath(run_dir_of(os.path.abspath(location)))):
         # gpipe predict of that run would take these weights for its own, of a step it never trained.
         raise UserError(f"--output {shown(output)} is the export another run keeps for gpipe predict; name another "
-                        f"file, or leave --output out to write {shown(str(run_dir_of(location) / EXPORTED))}")
+                        "file, or leave --output out to write the run's own")
 
 
 def check_not_in_a_run(output_dir: str | None) -> None:

@@ -40,3 +40,5 @@ def test_parameter_memory_that_grows_with_the_cut_is_explained_below_table_1():
     tied = _summary(["naive-1", "pipeline-2"])
     tied["scenarios"][1]["param_memory_bytes"] += 1_000_000
     assert "tied weight" in str(tables._table1(tied).caption)
+    tied["scenarios"][1]["params"] += 1000  # an extrapolated row of more layers: more of both, and no tie
+    assert tables._table1(tied).caption is None

@@ -57,9 +57,13 @@ def test_another_runs_own_export_is_not_replaced(tmp_path, monkeypatch, capsys):
     captured = capsys.readouterr()
     assert one_error_line(code, captured.err, captured.out) == (
         "error: --output 'b/model.safetensors' is the export another run keeps for gpipe predict; name another file, "
-        "or leave --output out to write 'a/model.safetensors'")
+        "or leave --output out to write the run's own")
     assert (tmp_path / "b" / "model.safetensors").read_bytes() == b"b's own"
     assert run(["export", "a/checkpoints/step-00000002", "--output", "a/model.safetensors"]) == 0  # its own
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    monkeypatch.chdir(tmp_path / "a" / "checkpoints")  # its own by another name, or from inside it
+    assert run(["export", "step-00000002", "--output", "../model.safetensors"]) == 0
+    assert run(["export", "../../link", "--output", "../model.safetensors"]) == 0
 
 
 def test_a_run_folder_without_checkpoints_says_so(tmp_path: Path, capsys):
