@@ -73,10 +73,11 @@ def not_utf8(text: str) -> str | None:
 def one_line(message: str) -> str:
     """A message as one line of readable length: newlines joined; past it, its middle cut (its end says what to do)."""
     text = " ".join(message.split())
-    if len(text) <= LINE_CHARS + CUT_AT_LEAST:
+    note = f"... ({len(text) - LINE_CHARS} characters left out) ..."
+    if len(text) <= LINE_CHARS + len(note):  # the cut would save less than its note
         return text
     tail = LINE_CHARS * 2 // 5
-    return f"{text[:LINE_CHARS - tail]}... ({len(text) - LINE_CHARS} characters left out) ...{text[-tail:]}"
+    return f"{text[:LINE_CHARS - tail]}{note}{text[-tail:]}"
 
 
 NONFINITE_EXIT_CODE = 3  # training stopped on a non-finite loss or gradient; rank 0 has said where

@@ -39,11 +39,22 @@ def make_folders(folder: Path) -> list[Path]:
         missing.append(folder)
         folder = folder.parent
     made: list[Path] = []
-    for each in reversed(missing):
-        with contextlib.suppress(FileExistsError):  # made meanwhile; a file there fails at the write that follows
-            each.mkdir()
-            made.insert(0, each)
+    try:
+        for each in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # made meanwhile; a file there fails at the write that follows
+                each.mkdir()
+                made.insert(0, each)
+    except BaseException:  # a name too long, a full disk: the folders made so far go too
+        remove_folders(made)
+        raise
     return made
+
+
+def remove_folders(made: list[Path]) -> None:
+    """Remove the empty folders `make_folders` made, nearest first (one another writer filled stays)."""
+    for folder in made:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def _room(path: Path, suffix: str) -> int:
@@ -79,9 +90,7 @@ def atomic_path(path: Path, suffix: str = "") -> Iterator[Path]:
             Path(tmp).unlink(missing_ok=True)
             raise
     except BaseException:  # a failed write leaves no folder it made (a full disk left a/b/ behind)
-        for folder in made:
-            with contextlib.suppress(OSError):  # another writer's file in it meanwhile: it stays
-                folder.rmdir()
+        remove_folders(made)
         raise
 
 

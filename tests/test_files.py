@@ -41,6 +41,9 @@ def test_a_write_that_fails_midway_leaves_the_old_file_and_no_partial_one(tmp_pa
     with pytest.raises(OSError):
         atomic_write(tmp_path / "a" / "b" / "figures.json", half_then_full_disk)
     assert os.listdir(tmp_path / "a") == ["kept"]
+    with pytest.raises(OSError):  # a folder it cannot make (a name too long): those made before it go too
+        atomic_write(tmp_path / "new" / ("b" * 300) / "figures.json", half_then_full_disk)
+    assert sorted(os.listdir(tmp_path)) == ["a", "figures.json"]
 
 
 class _FailingFigure:

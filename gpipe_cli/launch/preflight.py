@@ -159,7 +159,7 @@ def check_writable(path: Path, what: str, instead: str = "") -> None:
             raise UserError(f"{what}: {shown(str(existing))} is a broken link")
         existing = existing.parent
     if not os.path.isdir(existing):
-        raise UserError(f"{what}: {shown(str(existing))} exists and is not a directory")
+        raise UserError(f"{what}: {shown(str(existing))} exists and is not a directory{instead}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"{what}: {shown(str(existing))} is not writable{instead}")
     try:  # access() says yes to root on a read-only file system's permission bits: try it for real

@@ -322,7 +322,8 @@ def no_usable(location: str, refused: list[str]) -> UserError:
     """The refusal of a resume from `location`, whose checkpoints were each refused as `refused` says."""
     reasons = "; ".join(refused) if refused else "there are no checkpoints there"
     again = f"; {start_again(Path(location))}" if not refused and holds_run(Path(location)) else ""
-    if refused and not Path(location).name.startswith(PREFIX):  # every checkpoint of the run: no way on but anew
+    aside = any(part.startswith(SUPERSEDED) for part in Path(location).parts)  # a course set aside: the run goes on
+    if refused and not Path(location).name.startswith(PREFIX) and not aside:  # every checkpoint: no way on but anew
         run = run_dir_of(location)
         again = (f"; to train it again from step 0 there, move its {CHECKPOINTS}/ aside, then "
                  f"{start_again(run).removeprefix('start it again from step 0 with: ')}")
@@ -482,6 +483,7 @@ def resume_location(resume: str, output_dir: str | None, name: str, root: str) -
 
     for run in _runs_named(name, root):
         if newest_whole(run)[0] is not None:
+            check_layout(run, "--resume", "move it aside to continue the run")
             return str(run)
     raise _no_run_of(name, root)
 

@@ -35,6 +35,10 @@ def test_a_run_whose_every_checkpoint_is_unfinished_is_refused_before_any_rank_s
     # The refusal said no way on, and a new run in the folder was told to --resume it (round and round).
     aside = tmp_path / "aside"
     assert line.endswith(f"move its checkpoints/ aside, then gpipe train --resume --output-dir {run}")
+    from gpipe_cli.train.existing import no_usable
+
+    course = str(run / "checkpoints" / "superseded-20261205-133256-at-step-2")
+    assert str(no_usable(course, ["step-00000004: it has no manifest"])).endswith("(step-00000004: it has no manifest)")
     (run / "checkpoints").rename(aside)
     result = runner.invoke(app, ["train", "--resume", "latest", "--output-dir", str(run), "--plain"])  # a bare one
     assert result.exit_code == 0, result.output
