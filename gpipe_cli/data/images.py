@@ -121,6 +121,22 @@ def _check_labels(labels: np.ndarray, classes: int | None, num_classes: int, whe
         raise DataError(f"{where} has label {labels.max()} but model.num_classes is {num_classes}")
 
 
+def parquet_classes(path: Path, field: str) -> list[str]:
+    """The class names parquet files keep for their label column (as `datasets` writes them), else none."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    try:
+        first = path if path.is_file() else min(path.rglob("*.parquet"), default=None)
+        meta = (pq.read_schema(first).metadata or {}) if first is not None else {}
+        feature = json.loads(meta.get(b"huggingface", b"{}")).get("info", {}).get("features", {}).get(field, {})
+    except (OSError, ValueError, AttributeError):  # unreadable, or metadata of another shape: numbers, not names
+        return []
+    names = feature.get("names") if isinstance(feature, dict) and feature.get("_type") == "ClassLabel" else None
+    return [str(name) for name in names] if isinstance(names, list) else []
+
+
 def folder_classes(path: Path) -> list[str]:
     """An imagefolder's class names in label order: each image's folder name, sorted, as `datasets` numbers them."""
     return sorted({p.parent.name for p in path.rglob("*") if p.suffix.lower() in IMAGE_EXTS})

@@ -147,13 +147,16 @@ def _described(tensors: dict[str, torch.Tensor], run_dir: Path, step: int,
 
 
 def _classes(recipe: Recipe, spec: ModelSpec) -> list[str] | None:
-    """An imagefolder run's class names in label order, for gpipe predict to print (None: other data, or gone)."""
-    if spec.task != "image" or recipe.data.source != "imagefolder" or not recipe.data.path:
+    """An imagefolder's or parquet run's class names in label order, for gpipe predict (None: other data, or gone)."""
+    if spec.task != "image" or recipe.data.source not in ("imagefolder", "parquet") or not recipe.data.path:
         return None
-    from gpipe_cli.data.images import folder_classes
+    from gpipe_cli.data.images import folder_classes, parquet_classes
 
     folder = Path(recipe.data.path).expanduser()
-    names = folder_classes(folder) if folder.is_dir() else []
+    if recipe.data.source == "parquet":
+        names = parquet_classes(folder, recipe.data.label_field) if folder.exists() else []
+    else:
+        names = folder_classes(folder) if folder.is_dir() else []
     if not names or len(names) > int(spec.config["num_classes"]):  # moved or changed since: numbers, not wrong names
         return None
     return names

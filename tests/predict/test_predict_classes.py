@@ -55,6 +55,23 @@ def test_an_imagefolder_run_s_export_holds_its_class_names(tmp_path):
     assert _classes(moved, model_spec(moved)) is None
 
 
+def test_a_parquet_run_s_export_holds_the_class_names_its_files_keep(tmp_path):
+    # prepare-data keeps a hub data set's class names in the parquet files; the export said class 4 for deer.
+    import datasets
+
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["cat", "dog"])})
+    pictures = [Image.fromarray(np.full((8, 8, 3), shade, dtype=np.uint8)) for shade in (0, 200)]
+    folder = tmp_path / "data"
+    folder.mkdir()
+    datasets.Dataset.from_dict({"image": pictures, "label": [0, 1]}, features=features).to_parquet(
+        str(folder / "train-00000-of-00001.parquet"))
+    recipe = load_recipe(_recipe(tmp_path, folder), ["data.source=parquet", "model.num_classes=2"], check_data=False)
+    assert _classes(recipe, model_spec(recipe)) == ["cat", "dog"]
+    numbered = load_recipe(tmp_path / "recipe.yaml", ["data.source=parquet", "data.label_field=other"],
+                           check_data=False)
+    assert _classes(numbered, model_spec(numbered)) is None  # a column that names no classes: numbers
+
+
 def _top(capsys, model: Path, image: Path) -> list[str]:
     assert run(["predict", str(model), str(image), "--top", "3"]) == 0
     path, classes = capsys.readouterr().out.rstrip("\n").split("\t")
