@@ -68,6 +68,16 @@ def _with_eval(key: str, title: str, ylabel: str) -> Draw:
     return draw
 
 
+def _perplexity(ax: Any, runs: list[Run]) -> None:
+    """Train and eval perplexity, and the baseline a language model must get below: the held-out unigram's."""
+    unigram = any("eval_unigram_perplexity" in series(run) for run in runs)
+    _with_eval("perplexity", "perplexity (train: exp(loss), line; eval: dots"
+               + (";\nheld-out unigram baseline: dotted" if unigram else "") + ")", "perplexity")(ax, runs)
+    for i, run in enumerate(runs):
+        steps, values = series(run).get("eval_unigram_perplexity", ([], []))
+        ax.plot(steps, values, ":", color=f"C{i}")
+
+
 def _no_eval(ax: Any, runs: list[Run]) -> None:
     ax.set_title("eval: no evaluations recorded")
     ax.axis("off")
@@ -187,8 +197,7 @@ def panels(runs: list[Run]) -> list[tuple[str, Draw]]:
         out.append(("bleu", _eval("bleu", "eval BLEU")))
     if has & {"perplexity", "eval_perplexity"}:
         # Train perplexity is exp of the training loss, label smoothing included; eval's is without it.
-        out.append(("perplexity", _with_eval("perplexity", "perplexity (train: exp(loss), line; eval: dots)",
-                                             "perplexity")))
+        out.append(("perplexity", _perplexity))
     if len(out) == 1:
         out.append(("eval", _no_eval))
     # The first step of each start (warm-up: one-time costs) is left out of throughput and bubble: a dip there

@@ -266,7 +266,7 @@ def series(run: Run) -> dict[str, Series]:
     timed = steady(run)
     out = {"loss": _numbers(run.train, "loss"), **{key: _numbers(timed, key) for key in TIMED},
            "eval_loss": _numbers(run.evals, "loss")}
-    out |= {f"eval_{metric}": _numbers(run.evals, metric) for metric in EVAL_METRICS
+    out |= {f"eval_{metric}": _numbers(run.evals, metric) for metric in (*EVAL_METRICS, "unigram_perplexity")
             if any(r.get(metric) is not None for r in run.evals)}
     if any("tokens_per_s" in r for r in run.train):  # a text task: its loss is a mean per-token cross-entropy
         out["perplexity"] = _numbers(run.train, lambda r: _exp(r.get("loss")))

@@ -259,3 +259,25 @@ def test_the_page_keeps_to_three_columns_and_names_each_folder_once(tmp_path, mo
     assert cli(["report", str(a), str(b), "--output", str(tmp_path / "page.png")]) == 0
     assert seen["cols"] <= 3 and seen["rows"] * seen["cols"] >= len(page.panels(read_runs([a, b])))
     assert seen["title"] == "gpipe report: K=2 M=4 1f1b (a), K=2 M=4 1f1b (b)"
+
+
+def test_a_language_models_perplexity_panel_draws_its_unigram_baseline(tmp_path):
+    # The records held unigram_perplexity, the figure a language model must get below; the page never showed it.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = make_translation_run(tmp_path / "lm")
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if record["kind"] == "eval":
+            record["unigram_perplexity"] = 500.0
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run,) = read_runs([folder])
+    assert series(run)["eval_unigram_perplexity"] == ([1, 2, 3, 4], [500.0] * 4)
+    fig, ax = plt.subplots()
+    dict(page.panels([run]))["perplexity"](ax, [run])
+    plt.close(fig)
+    assert "unigram baseline: dotted" in ax.get_title()
+    assert any(list(line.get_ydata()) == [500.0] * 4 and line.get_linestyle() == ":" for line in ax.get_lines())
