@@ -2,9 +2,35 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
+
+_HF_KEYS = ("HF_HOME", "HF_DATASETS_CACHE")
+_HF = pytest.StashKey[tuple[str, dict[str, "str | None"]]]()  # the suite's folder, and what the keys held before
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Hugging Face caches of the suite's own (and the commands it starts'): before anything imports `datasets`."""
+    # A data set the user's cache holds is read offline: the tests of an unreachable hub then saw it found.
+    folder = tempfile.mkdtemp(prefix="gpipe-tests-hf-")
+    config.stash[_HF] = (folder, {key: os.environ.get(key) for key in _HF_KEYS})
+    os.environ["HF_HOME"], os.environ["HF_DATASETS_CACHE"] = folder, os.path.join(folder, "datasets")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The environment as it was, and the suite's caches gone."""
+    folder, before = config.stash.get(_HF, (None, {}))
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
