@@ -87,6 +87,17 @@ def anchored(recipe: Recipe) -> Recipe:
 def run_dir_of(location: str) -> Path:
     """The run directory a --resume location belongs to (a run directory or one of its checkpoints)."""
     path = Path(location)
+    # Typed from inside the run (`checkpoints/step-...`) or its checkpoints/ (`step-...`): its run lies above.
+    if not (path.name.startswith((PREFIX, SUPERSEDED)) or path.name == CHECKPOINTS):
+        return _run_dir(path)
+    try:
+        found = _run_dir(path)
+    except IndexError:  # `superseded-.../step-...`: fewer folders typed than lie between it and its run
+        found = path
+    return _run_dir(Path(os.path.abspath(location))) if found in (Path("."), path) else found
+
+
+def _run_dir(path: Path) -> Path:
     if path.name.startswith(PREFIX):  # in checkpoints/, or in a folder a resume set it aside into
         return path.parents[2] if path.parent.name.startswith(SUPERSEDED) else path.parent.parent
     if path.name.startswith(SUPERSEDED) and path.parent.name == CHECKPOINTS:  # the newest of a course set aside

@@ -106,6 +106,21 @@ def test_run_dir_of_accepts_runs_and_checkpoints(tmp_path):
     assert run_dir_of(str(aside)) == tmp_path and run_dir_of(str(aside / "step-00000005")) == tmp_path
 
 
+def test_run_dir_of_a_checkpoint_typed_from_inside_its_run_is_that_run(tmp_path, monkeypatch):
+    # From inside checkpoints/, `step-00000002` was a run in '.': export wrote model.safetensors among the
+    # checkpoints and said the run had no recipe.yaml; `superseded-.../step-...` was an IndexError traceback.
+    aside = "superseded-20261205-133256-at-step-2"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run" / "checkpoints" / aside).mkdir(parents=True)
+    assert run_dir_of("run/checkpoints/step-00000002") == Path("run")  # as typed, where it says enough
+    monkeypatch.chdir(tmp_path / "run" / "checkpoints")
+    for typed in ("step-00000002", aside, f"{aside}/step-00000005", "../checkpoints/step-00000002"):
+        assert run_dir_of(typed).resolve() == tmp_path / "run", typed
+    monkeypatch.chdir(tmp_path / "run")
+    assert run_dir_of("checkpoints") == run_dir_of("checkpoints/step-00000002") == tmp_path / "run"
+    assert run_dir_of(".") == Path(".")
+
+
 def test_metadata_naming_anything_but_checkpoint_classes_is_refused(tmp_path):
     import pickle
 
