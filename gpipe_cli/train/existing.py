@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli.errors import UserError, cut, shown
-from gpipe_cli.files import atomic_write_bytes, check_output, check_output_kind, same_file
+from gpipe_cli.files import atomic_write_bytes, check_output, check_output_kind, remove_folders, same_file
 from gpipe_cli.launch.preflight import check_file_name, check_not_empty, check_path
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_yaml
 from gpipe_cli.recipe.schema import Recipe
@@ -195,9 +195,8 @@ def remove_set_up(run_dir: Path, before: Collection[str] | None = None, parents:
         # checkpoints/ first: where it is not empty (a checkpoint being written), nothing else has gone either.
         for name in sorted(names, key=lambda name: name != CHECKPOINTS):
             (os.rmdir if name == CHECKPOINTS else os.unlink)(run_dir / name)
-        if before is None:
-            for folder in (run_dir, *parents):  # the first that holds anything else stops it
-                folder.rmdir()
+        if before is None:  # the first that holds anything else stays, and so do those above it
+            remove_folders([run_dir, *parents])
 
 
 def check_export_arguments(location: str, output: str | None) -> None:
