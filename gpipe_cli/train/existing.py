@@ -181,6 +181,17 @@ def check_not_runs(folder: Path, named: str = "") -> None:
                         f"one, such as the newest: {cut(str(inside), PATH_CHARS)}")
 
 
+def check_a_run(folder: Path, named: str = "") -> None:
+    """Refuse a folder that is no run directory, saying what it lacks (`named`: the flag, if any)."""
+    if holds_run(folder):
+        return
+    check_not_runs(folder, named)
+    lacks = (f"no {RECIPE} or {CHECKPOINTS}, and its {METRICS} is empty" if (folder / METRICS).is_file()
+             else f"no {RECIPE}, {METRICS} or {CHECKPOINTS}")
+    raise UserError(f"{named}{cut(str(folder), PATH_CHARS)}: not a run directory ({lacks}); give a folder gpipe train "
+                    "wrote, or one of its checkpoint folders")
+
+
 def remove_set_up(run_dir: Path, before: Collection[str] | None = None, parents: Sequence[Path] = ()) -> None:
     """Remove the set-up a run that never started added to `run_dir` (it held `before`; None: made for it)."""
     # Made for it (`before` None), the directory goes too, and then `parents`, the folders made above it, while empty.
@@ -471,12 +482,7 @@ def train_recipe(recipe: str | None, overrides: Sequence[str], resume: str | Non
     path = run / RECIPE
     if not path.is_file():
         where = cut(str(run), PATH_CHARS)
-        if not holds_run(run):
-            check_not_runs(run, "--resume ")
-            lacks = (f"no {RECIPE} or {CHECKPOINTS}, and its {METRICS} is empty" if (run / METRICS).is_file()
-                     else f"no {RECIPE}, {METRICS} or {CHECKPOINTS}")
-            raise UserError(f"--resume {where}: not a run directory ({lacks}); give a folder gpipe train wrote, or "
-                            "one of its checkpoint folders")
+        check_a_run(run, "--resume ")
         raise UserError(f"--resume {where}: the run has no {RECIPE} to continue with; give the recipe it was started "
                         f"with: gpipe train RECIPE --resume {where}")
     return load_recipe(str(path), overrides), str(path)

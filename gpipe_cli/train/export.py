@@ -26,8 +26,8 @@ from gpipe_cli.train.existing import (
     METRICS,
     RECIPE,
     candidates,
+    check_a_run,
     check_export_arguments,
-    check_not_runs,
     run_dir_of,
 )
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
@@ -47,10 +47,10 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     if found is None:  # each refused one's reason, in the one line (they are read again: only on this way out)
         reasons = "; ".join(f"{p.name}: {checkpoint.inspect(p, verify=True)[1]}" for p in candidates(Path(location)))
         if not reasons:
-            check_not_runs(Path(location))
             folder = Path(location) / CHECKPOINTS
             if folder.is_dir() and not os.access(folder, os.R_OK | os.X_OK):  # not "there are no checkpoints"
                 raise UserError(f"{location}: cannot read {shown_path(folder)} (permission denied)")
+            check_a_run(Path(location))
         raise UserError(f"{location}: no complete checkpoint to export ({reasons or 'there are no checkpoints'})")
     for message in refused:
         print(f"[gpipe] {message}", file=sys.stderr)

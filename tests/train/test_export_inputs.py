@@ -68,10 +68,22 @@ def test_another_runs_own_export_is_not_replaced(tmp_path, monkeypatch, capsys):
 
 def test_a_run_folder_without_checkpoints_says_so(tmp_path: Path, capsys):
     (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"kind": "step", "step": 1}\n')
     code = run(["export", str(tmp_path / "run")])
     captured = capsys.readouterr()
     assert "no complete checkpoint to export" in one_error_line(code, captured.err, captured.out)
-    assert list((tmp_path / "run").iterdir()) == []
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["metrics.jsonl"]
+
+
+def test_a_folder_that_is_no_run_is_said_so_as_resume_says_it(tmp_path: Path, capsys):
+    # It was "no complete checkpoint to export (there are no checkpoints)" for any folder at all.
+    (tmp_path / "empty").mkdir()
+    code = run(["export", str(tmp_path / "empty")])
+    captured = capsys.readouterr()
+    assert one_error_line(code, captured.err, captured.out) == (
+        f"error: {tmp_path / 'empty'}: not a run directory (no recipe.yaml, metrics.jsonl or checkpoints); give a "
+        "folder gpipe train wrote, or one of its checkpoint folders")
+    assert list((tmp_path / "empty").iterdir()) == []
 
 
 def test_a_checkpoints_folder_that_cannot_be_read_is_said_so(tmp_path, monkeypatch, capsys):
