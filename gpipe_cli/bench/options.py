@@ -15,7 +15,7 @@ from gpipe_cli.files import another_file, check_not_input, check_output, check_o
 from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, MAX_SIZE, MAX_THREADS, finite, outside, refuse
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
-from gpipe_cli.recipe.aliases import given_as
+from gpipe_cli.recipe.aliases import ALIASES, given_as
 from gpipe_cli.units import human_bytes, meminfo_available
 
 
@@ -132,11 +132,14 @@ def bench_options(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[s
     # --simulate --devices K predicts for K stages: the recipe's keys are checked at that K, not at bench's default
     # (a --balance's entries against it are checked with the model's layers, naming --devices).
     k = own.get("devices") if own.get("simulate") and named is None and flags.get("balance") is None else None
+    # A recipe's own K gives way to it as a --set would (bench's defaults never override a recipe).
+    forced = [f"{ALIASES['partitions']}={k}"] if k is not None and recipe is not None else []
     try:
-        fields = shared_fields(BenchOptions, recipe, flags, sets, CUTS, "gpipe bench",
+        fields = shared_fields(BenchOptions, recipe, flags, [*forced, *sets], CUTS, "gpipe bench",
                                **({"partitions": k} if k is not None else {}))
     except UserError as exc:
-        raise type(exc)(str(exc).replace(f"--partitions ({k}, its default)", f"--devices ({k})")) from None
+        said = str(exc).replace(f"--set {ALIASES['partitions']} ({k})", f"--partitions ({k}, its default)")
+        raise type(exc)(said.replace(f"--partitions ({k}, its default)", f"--devices ({k})")) from None
     options = BenchOptions(model=model_of(recipe, own.pop("model", None), "measured"), **fields, **own)
     if options.simulate and options.devices not in (None, options.partitions) and named:
         # --devices is the K predicted: a --partitions beside it that differs would be dropped without a word.

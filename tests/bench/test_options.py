@@ -312,6 +312,21 @@ def test_simulate_checks_the_schedule_at_the_devices_it_predicts_for(capsys):
     assert options.stages == 3
     validate(options)
     for devices, m in (("4", "6"), ("3", "4")):
-        assert run(["bench", *TINY, *interleaved, "--simulate", "--devices", devices, "--microbatches", m]) == 2
+        assert run(["bench", *TINY[2:], *interleaved, "--simulate", "--devices", devices, "--microbatches", m]) == 2
         assert capsys.readouterr().err == (f"error: --microbatches ({m}) must be a multiple of --devices ({devices}) "
                                            "for the interleaved schedule\n")
+
+
+def test_simulate_checks_a_recipes_schedule_at_the_devices_it_predicts_for(tmp_path, capsys):
+    # The recipe was read at its own K=2, then refused as "--schedule/--virtual-stages: ... (got M=4, K=3)".
+    from gpipe_cli.cli import run
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {kind: transformer, layers: 4, d_model: 16, heads: 2, ff: 32, vocab_size: 32}\n"
+                      "pipeline: {partitions: 2, microbatches: 4, schedule: interleaved, virtual_stages: 2}\n")
+    assert run(["bench", str(recipe), "--simulate", "--devices", "3"]) == 2
+    assert capsys.readouterr().err == (f"error: {recipe}: pipeline.microbatches (4) must be a multiple of --devices "
+                                       "(3) for the interleaved schedule\n")
+    options = bench_options(str(recipe), {}, [], simulate=True, devices=4)
+    assert (options.stages, options.microbatches, options.schedule) == (4, 4, "interleaved")
+    validate(options)
