@@ -15,6 +15,7 @@ from gpipe_cli.files import check_not_input, check_output, writing
 from gpipe_cli.records import PARTS, PROFILED, profiled_words
 from gpipe_cli.report import page
 from gpipe_cli.report.runs import (
+    HEADLINE,
     Run,
     cut_steps,
     eval_metric,
@@ -108,7 +109,7 @@ def summary_table(runs: list[Run]) -> Table:
             top = min(evals, key=lambda r: r["loss"])
             best = f"{top['loss']:.4g} @{top['step']}"
             if metric and top.get(metric) is not None:
-                best += f", {metric[:3]} {top[metric]:.3g}"
+                best += f", {HEADLINE[metric]} {top[metric]:.3g}"
         steps = str(run.train[-1]["step"])
         if cut_steps(run):
             steps += f" (pipeline changed at {last_cut(run)[0][0]['step']})"

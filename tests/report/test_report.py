@@ -281,3 +281,18 @@ def test_a_language_models_perplexity_panel_draws_its_unigram_baseline(tmp_path)
     plt.close(fig)
     assert "unigram baseline: dotted" in ax.get_title()
     assert any(list(line.get_ydata()) == [500.0] * 4 and line.get_linestyle() == ":" for line in ax.get_lines())
+
+
+@pytest.mark.parametrize(("figures", "shown"), [
+    ({"accuracy": 0.5}, "acc 0.5"),  # images
+    ({"accuracy": 0.31, "perplexity": 12.5}, "ppl 12.5"),  # a language model: it showed its token accuracy
+    ({"accuracy": 0.31, "perplexity": 12.5, "bleu": 20.25}, "BLEU 20.2"),  # a translation
+])
+def test_the_table_shows_the_eval_figure_a_task_is_judged_by(tmp_path, capsys, figures, shown):
+    from gpipe_cli.report import summary_table
+
+    folder = make_run(tmp_path / "a", 2)
+    with open(folder / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "eval", "step": 5, "loss": 0.1, **figures}) + "\n")
+    table = summary_table(read_runs([folder]))
+    assert list(table.columns[3].cells) == [f"0.1 @5, {shown}"]
