@@ -161,7 +161,7 @@ def resolve_balance(recipe: Recipe, summary: ModelSummary, measured: list[float]
         else:
             flops = [float(c.flops) for c in summary.layers]
             costs = flops if any(flops) else [float(c.params) for c in summary.layers]
-            later = "gpipe train measures time at launch" if balance == "auto" else f"measured {balance} at launch"
+            later = f"gpipe train measures {'time' if balance == 'auto' else balance} at launch"
             by = measured_by or f"estimated FLOPs ({later})"
             if not any(flops):  # no FLOP estimate for this model: the estimate is its parameters
                 by = by.replace("estimated FLOPs", "parameters (no FLOP estimate)", 1)
@@ -287,7 +287,9 @@ def plan_table(plan: Plan) -> Table:
         table.add_row(str(s.index), _layers(s.layers), human_count(s.params), f"{s.flops / 1e9:.3f}",
                       human_bytes(s.memory.total), human_bytes(s.memory.activations),
                       *((human_bytes(s.memory.host),) if offloads else ()), fits)
-    verdict = "every stage fits" if plan.fits else f"{sum(not s.fits for s in plan.stages)} stage(s) do not fit"
+    over = sum(not s.fits for s in plan.stages)
+    verdict = "every stage fits" if plan.fits else f"{over} stage{'' if over == 1 else 's'} of {len(plan.stages)} " \
+        f"{'does' if over == 1 else 'do'} not fit"
     held = sum(s.params for s in plan.stages)
     tied = (f"; each stage holds its own copy of a tied weight (the stages' params add up to {human_count(held)})"
             if held > plan.total_params else "")

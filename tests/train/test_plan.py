@@ -30,6 +30,8 @@ def test_a_plan_fits_a_large_machine_and_not_a_tiny_one(recipe_path):
     # The ranks share the CPU's RAM: each gets an equal part.
     assert cramped.stages[0].capacity == pytest.approx(1e5 / 2, abs=1)
     assert cramped.to_json()["fits"] is False
+    assert str(plan_table(cramped).caption).endswith("): 2 stages of 2 do not fit")  # it said "2 stage(s)"
+    assert str(plan_table(roomy).caption).endswith("): every stage fits")
     # Past two stages, the fullest is named and the others counted, so that the advice stays on the one line.
     many = make_plan(load_recipe(str(recipe_path), ["pipeline.partitions=3", "pipeline.balance=params"]), device="cpu",
                      available=1e5)
@@ -173,7 +175,7 @@ def test_the_plan_says_what_the_cut_was_balanced_by(tiny):
     costs = [1.0] * 8 + [9.0]
     measured = resolve_balance(recipe, summary, costs, "measured time, cached")
     assert measured[:2] == (partition.balance_by_cost(costs, 2), "measured time, cached")
-    assert resolve_balance(mode("time"), summary)[1] == "estimated FLOPs (measured time at launch)"
+    assert resolve_balance(mode("time"), summary)[1] == "estimated FLOPs (gpipe train measures time at launch)"
     assert resolve_balance(mode("time"), summary, costs, "measured time")[:2] == (measured[0], "measured time")
     assert resolve_balance(mode("params"), summary, costs)[1] == "parameters"
     why = "estimated FLOPs: measuring failed (RuntimeError: the device is busy)"
