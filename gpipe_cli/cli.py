@@ -467,6 +467,8 @@ def run(args: list[str]) -> int:
         sub.callback = _interruptible(name, sub.callback, started)
     if not args:
         args = ["--help"]
+    if args[0] == "help":  # `gpipe help train`, as git and pip take it
+        args = [*args[1:2], "--help"]
     if twice := _given_twice(args, getattr(command, "commands", {})):
         _error(f"{twice} is given more than once; give it once (see 'gpipe {args[0]} --help')")
         return 2

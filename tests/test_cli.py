@@ -487,6 +487,12 @@ def test_an_option_of_one_value_given_twice_is_refused(capsys, args, named):
     assert err == f"error: {named} is given more than once; give it once (see 'gpipe {args[0]} --help')\n"
 
 
+def test_help_as_a_command_shows_the_help_asked_for(capsys):
+    assert run(["help"]) == 0 and "Usage: gpipe [OPTIONS] COMMAND" in capsys.readouterr().out
+    assert run(["help", "train"]) == 0 and "Usage: gpipe train [OPTIONS] [RECIPE]" in capsys.readouterr().out
+    assert run(["help", "trian"]) == 2 and "No such command 'trian'. Did you mean 'train'?" in capsys.readouterr().err
+
+
 _COMMANDS = typer.main.get_command(app).commands  # type: ignore[attr-defined]
 
 

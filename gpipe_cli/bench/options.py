@@ -130,15 +130,18 @@ def bench_options(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[s
         raise UserError(f"--sweep measures its own K and M (the paper's Table 2): leave out {', '.join(typed)}")
     named = given_as("partitions", flags, sets)
     # --simulate --devices K predicts for K stages: the recipe's keys are checked at that K, not at bench's default
-    # (a --balance's entries against it are checked with the model's layers, naming --devices).
-    k = own.get("devices") if own.get("simulate") and named is None and flags.get("balance") is None else None
+    # (without a recipe, a --balance's entries against it are checked with the model's layers, naming --devices).
+    devices = own.get("devices") if own.get("simulate") and named is None else None
+    k = devices if flags.get("balance") is None else None
     # A recipe's own K gives way to it as a --set would (bench's defaults never override a recipe).
-    forced = [f"{ALIASES['partitions']}={k}"] if k is not None and recipe is not None else []
+    forced = [f"{ALIASES['partitions']}={devices}"] if devices is not None and recipe is not None else []
     try:
         fields = shared_fields(BenchOptions, recipe, flags, [*forced, *sets], CUTS, "gpipe bench",
                                **({"partitions": k} if k is not None else {}))
     except UserError as exc:
-        said = str(exc).replace(f"--set {ALIASES['partitions']} ({k})", f"--partitions ({k}, its default)")
+        said = str(exc).replace(f"--set {ALIASES['partitions']} ({devices})", f"--devices ({devices})")
+        if forced:
+            said = said.replace("(partitions x virtual_stages)", "(--devices x virtual_stages)")
         raise type(exc)(said.replace(f"--partitions ({k}, its default)", f"--devices ({k})")) from None
     options = BenchOptions(model=model_of(recipe, own.pop("model", None), "measured"), **fields, **own)
     if options.simulate and options.devices not in (None, options.partitions) and named:

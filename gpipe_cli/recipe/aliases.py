@@ -159,6 +159,7 @@ def by_flag(error: RecipeError, flags: Mapping[str, Any], defaults: Mapping[str,
     for name in typed:  # each key named by the flag that gave it: `--microbatches (6) ... --partitions (4)`
         message = message.replace(f"--set {ALIASES[name]} (", f"{flag(name)} (").replace(f"{ALIASES[name]} (",
                                                                                          f"{flag(name)} (")
+        message = message.replace(f"--set {ALIASES[name]} ", f"{flag(name)} ")  # `--balance has 3 entries ...`
     for name, value in (defaults or {}).items():  # without a recipe the command's default stood for it
         message = message.replace(f"{ALIASES[name]} ({value})", f"{flag(name)} ({value}, its default)")
     return RecipeError(message)

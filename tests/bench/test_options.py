@@ -327,6 +327,14 @@ def test_simulate_checks_a_recipes_schedule_at_the_devices_it_predicts_for(tmp_p
     assert run(["bench", str(recipe), "--simulate", "--devices", "3"]) == 2
     assert capsys.readouterr().err == (f"error: {recipe}: pipeline.microbatches (4) must be a multiple of --devices "
                                        "(3) for the interleaved schedule\n")
+    # With --balance too, the recipe was read at its own K: "--set pipeline.balance has 6 entries but the pipeline
+    # has 4", of entries never given by --set, for a pipeline that --devices 3 makes 6 chunks.
+    assert run(["bench", str(recipe), "--simulate", "--devices", "4", "--balance", "1,1,1"]) == 2
+    assert capsys.readouterr().err == (f"error: {recipe}: --balance has 3 entries but the pipeline has 8; give one "
+                                       "layer count per chunk (--devices x virtual_stages)\n")
+    assert run(["bench", str(recipe), "--simulate", "--devices", "3", "--balance", "1,1,1,1,1,1"]) == 2
+    assert capsys.readouterr().err == (f"error: {recipe}: pipeline.microbatches (4) must be a multiple of --devices "
+                                       "(3) for the interleaved schedule\n")
     options = bench_options(str(recipe), {}, [], simulate=True, devices=4)
     assert (options.stages, options.microbatches, options.schedule) == (4, 4, "interleaved")
     validate(options)
