@@ -469,9 +469,6 @@ def run(args: list[str]) -> int:
         args = ["--help"]
     if args[0] == "help":  # `gpipe help train`, as git and pip take it
         args = [*args[1:2], "--help"]
-    if twice := _given_twice(args, getattr(command, "commands", {})):
-        _error(f"{twice} is given more than once; give it once (see 'gpipe {args[0]} --help')")
-        return 2
     try:
         result = command.main(args=_bare_resume(_short_help(args)), prog_name="gpipe", standalone_mode=False)
     except typer.Exit as exc:
@@ -524,22 +521,6 @@ def _unknown_option(exc: Exception, where: str, args: list[str], commands: Mappi
     if sets and (key := key_of_flag(typed, close=True)) is not None:
         return f"{said}; did you mean --set {_set_item(key, typed, value, args)}?"
     return f"{said}; did you mean {' or '.join(close)}?" if close else said
-
-
-def _given_twice(args: list[str], commands: Mapping[str, Any]) -> str | None:
-    """The first option of the command typed that takes one value yet is given twice, as typed."""
-    sub = commands.get(args[0])
-    if sub is None:
-        return None
-    end = args.index("--") if "--" in args else len(args)
-    typed = [arg.partition("=")[0] for arg in args[1:end]]
-    for param in sub.params:  # click would quietly keep the last: `--resume A --resume B` trained on from B
-        if getattr(param, "multiple", False) or getattr(param, "is_flag", False):
-            continue
-        names = {*getattr(param, "opts", ()), *getattr(param, "secondary_opts", ())}
-        if sum(name in names for name in typed) > 1:
-            return next(name for name in typed if name in names)
-    return None
 
 
 def _set_item(key: str, typed: str, value: str, args: list[str]) -> str:

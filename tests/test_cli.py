@@ -10,10 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-import typer
 
 from gpipe_cli import __version__
-from gpipe_cli.cli import _given_twice, app, run
+from gpipe_cli.cli import run
 from tests.interrupt import as_from_a_terminal
 from tests.train.recipes import TINY_AMOEBANET, write
 
@@ -476,30 +475,10 @@ def test_an_unknown_option_is_answered_with_a_near_key_another_command_or_a_near
     assert err.startswith(f"error: {says}") and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("args, named", [
-    (["train", "--resume", "a", "--resume", "b"], "--resume"),  # trained on from b, quietly
-    (["train", "--output-dir", "x", "--output-dir=y"], "--output-dir"),
-    (["predict", "run", "--top", "3", "--top", "4"], "--top"),
-])
-def test_an_option_of_one_value_given_twice_is_refused(capsys, args, named):
-    assert run(args) == 2
-    err = capsys.readouterr().err
-    assert err == f"error: {named} is given more than once; give it once (see 'gpipe {args[0]} --help')\n"
-
-
 def test_help_as_a_command_shows_the_help_asked_for(capsys):
     assert run(["help"]) == 0 and "Usage: gpipe [OPTIONS] COMMAND" in capsys.readouterr().out
     assert run(["help", "train"]) == 0 and "Usage: gpipe train [OPTIONS] [RECIPE]" in capsys.readouterr().out
     assert run(["help", "trian"]) == 2 and "No such command 'trian'. Did you mean 'train'?" in capsys.readouterr().err
-
-
-_COMMANDS = typer.main.get_command(app).commands  # type: ignore[attr-defined]
-
-
-def test_options_that_repeat_by_design_still_repeat():
-    # --set and flags may be given again; a word after `--` is an input, not an option
-    assert _given_twice(["train", "--set", "a=1", "--set", "b=2", "--plain", "--plain"], _COMMANDS) is None
-    assert _given_twice(["predict", "run", "--", "--top", "--top"], _COMMANDS) is None
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")

@@ -312,7 +312,7 @@ def test_simulate_checks_the_schedule_at_the_devices_it_predicts_for(capsys):
     assert options.stages == 3
     validate(options)
     for devices, m in (("4", "6"), ("3", "4")):
-        assert run(["bench", *TINY[2:], *interleaved, "--simulate", "--devices", devices, "--microbatches", m]) == 2
+        assert run(["bench", *TINY, *interleaved, "--simulate", "--devices", devices, "--microbatches", m]) == 2
         assert capsys.readouterr().err == (f"error: --microbatches ({m}) must be a multiple of --devices ({devices}) "
                                            "for the interleaved schedule\n")
 
