@@ -184,10 +184,29 @@ _KINDS = {".yaml": "a recipe's YAML", ".yml": "a recipe's YAML", ".json": "a JSO
 
 def check_output_kind(path: Path | None, flag: str, writes: str = "JSON", suffix: str = ".json",
                       allowed: tuple[str, ...] = (".json", ".jsonl")) -> None:
-    """Refuse an output named as a file of another kind: `bench --json recipes/quickstart.yaml` wrote over it."""
-    if path is not None and path.suffix.lower() in _KINDS.keys() - allowed:
+    """Refuse an output named as a file of another kind, or an existing file that is not one the flag writes."""
+    if path is None:
+        return
+    instead = f"name a {suffix} file, e.g. {shown_path(path.with_suffix(suffix))}"
+    if path.suffix.lower() in _KINDS.keys() - allowed:  # `bench --json recipes/quickstart.yaml` wrote over it
         raise UserError(f"{flag} {shown_path(path)} has {_KINDS[path.suffix.lower()]} name, and {flag} writes "
-                        f"{writes}; name a {suffix} file, e.g. {shown_path(path.with_suffix(suffix))}")
+                        f"{writes}; {instead}")
+    # `validate --json README.md` replaced the README: a file of any other name is kept unless it holds what is written.
+    if path.suffix.lower() not in allowed and os.path.isfile(path) and not _holds(path, writes):
+        raise UserError(f"{flag} {shown_path(path)} is a file that holds no {writes}, which {flag} would replace; "
+                        f"{instead}, or remove that file first")
+
+
+def _holds(path: Path, writes: str) -> bool:
+    """Whether an existing file begins as `writes` (JSON or safetensors) does, or is empty: written before, perhaps."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError:  # unreadable: the write says why it cannot replace it
+        return True
+    if writes == "safetensors":  # a little-endian header length, then the header's JSON
+        return not head or head[8:9] == b"{"
+    return not head.strip() or head.lstrip()[:1] in (b"{", b"[")
 
 
 def write_json(path: Path, data: Any, flag: str = "--json") -> None:

@@ -320,6 +320,38 @@ def test_a_json_output_named_as_a_page_or_weights_is_refused(tmp_path: Path, mon
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("args,name,writes", [
+    (["validate", "--json"], "README.md", "JSON"),  # the checkout's README became the plan's JSON
+    (["bench", "--steps", "1", "--warmup", "0", "--json"], "pyproject.toml", "JSON"),
+    (["bench", "--steps", "1", "--warmup", "0", "--trace"], "notes", "JSON"),
+    (["profile-memory", "--json"], "figures", "JSON"),
+    (["export", "run", "--output"], "README.md", "safetensors"),
+])
+def test_an_existing_file_of_another_kind_is_kept_not_replaced(tmp_path: Path, monkeypatch, capsys, args, name,
+                                                                writes):
+    from gpipe_cli.cli import run
+
+    monkeypatch.chdir(tmp_path)
+    Path(name).write_text("# mine\n")
+    assert run([*args, name]) == 2
+    flag = args[-1]
+    assert capsys.readouterr().err == (
+        f"error: {flag} {name!r} is a file that holds no {writes}, which {flag} would replace; name a "
+        f"{'.safetensors' if writes == 'safetensors' else '.json'} file, e.g. "
+        f"{Path(name).stem + ('.safetensors' if writes == 'safetensors' else '.json')!r}, or remove that file first\n")
+    assert Path(name).read_text() == "# mine\n" and [p.name for p in tmp_path.iterdir()] == [name]
+
+
+def test_a_json_file_of_any_name_written_before_is_written_again(tmp_path: Path, monkeypatch):
+    from gpipe_cli.cli import run
+
+    monkeypatch.chdir(tmp_path)
+    for content in ("", '{"old": 1}', "  [1]"):  # empty, or JSON: what an earlier --json left
+        Path("plan").write_text(content)
+        assert run(["validate", "--json", "plan"]) == 0
+        assert json.loads(Path("plan").read_text())["fits"] in (True, False)
+
+
 # `validate --json -` wrote the plan into a file named '-' (export printed `wrote -`): to many commands '-' is stdout.
 @pytest.mark.parametrize("args", [
     ["validate", "--json", "-"],
