@@ -20,7 +20,8 @@ from gpipe_cli.estimate.model_flags import (
 from gpipe_cli.files import another_file, check_not_input, check_output, check_output_kind
 from gpipe_cli.limits import DIGITS, MAX_RANKS, MAX_SIZE, one_of, outside, refuse, words
 from gpipe_cli.pipeline.config import microbatch_problem
-from gpipe_cli.recipe.aliases import SET_HELP
+from gpipe_cli.recipe.aliases import ALIASES, SET_HELP, given_as
+from gpipe_cli.recipe.load import recipe_label
 from gpipe_cli.units import parse_size
 
 # The largest K: the paper's largest pipeline (Transformer-L on 128 TPUs). Every stage of every row is
@@ -78,8 +79,9 @@ def profile_options(recipe: str | None, partitions: str | None, flags: Mapping[s
     ks = parse_partitions(partitions) if partitions is not None else None
     if ks is not None:
         _check_partitions(ks)
-    # A recipe holds one K; without one, the default is several.
-    listed = ks if ks is not None else None if recipe is not None else list(DEFAULT_PARTITIONS)
+    # A recipe holds one K, as does a --set of its key; without either, the default is several.
+    set_k = given_as("partitions", {}, sets)
+    listed = ks if ks is not None else None if recipe is not None or set_k else list(DEFAULT_PARTITIONS)
     typed_v = flags.get("virtual_stages")
     virtual = typed_v if typed_v is not None and typed_v >= 1 else 1  # a V below 1 is refused by the schema
     refuse([chunks_problem(flags, recipe),
@@ -93,6 +95,8 @@ def profile_options(recipe: str | None, partitions: str | None, flags: Mapping[s
         given["notes"].append("--budget searches the family's layers and width at the paper's other sizes, not the "
                               "recipe's model; the recipe gives the pipeline and the batch")
     k = given.pop("partitions", None)
+    if listed is None and k is not None:  # the recipe's K, or a --set's, named as it was given
+        _check_partitions([k], set_k or f"{recipe_label(recipe)}: {ALIASES['partitions']}")
     return ProfileOptions(model=model, partitions=listed or ([k] if k is not None else list(DEFAULT_PARTITIONS)),
                           **given, **own)
 
@@ -162,12 +166,13 @@ def validate(options: ProfileOptions) -> None:
         check_output_kind(options.json, "--json")
 
 
-def _check_partitions(partitions: list[int]) -> None:
+def _check_partitions(partitions: list[int], named: str = "--partitions") -> None:
     """Refuse an empty --partitions and any K outside 1..MAX_PARTITIONS, naming the first such K."""
     if not partitions:
-        raise UserError(f"--partitions: must list K values {words('>= 1', f'<= {MAX_PARTITIONS}')}, e.g. 2,4,8 "
+        raise UserError(f"{named}: must list K values {words('>= 1', f'<= {MAX_PARTITIONS}')}, e.g. 2,4,8 "
                         "(got none)")
     bad = next((k for k in partitions if not 1 <= k <= MAX_PARTITIONS), None)
     if bad is not None:
-        raise UserError(f"--partitions: must list K values {words('>= 1', f'<= {MAX_PARTITIONS}')} (the paper's "
+        values = "be" if named != "--partitions" else "list K values"
+        raise UserError(f"{named}: must {values} {words('>= 1', f'<= {MAX_PARTITIONS}')} (the paper's "
                         f"largest pipeline; gpipe train takes up to {MAX_RANKS}) (got {shown(bad)})")

@@ -155,3 +155,19 @@ def test_a_v_schedule_is_validated_with_its_two_chunks():
 def test_a_budget_refuses_a_cut_it_would_drop(capsys, nothing_runs):
     line = refused(capsys, "--budget", "8GiB", "--partitions", "2", "--balance", "2,2")
     assert "--budget cuts each model it tries itself (by memory): drop --balance" in line
+
+
+def test_a_set_of_the_pipelines_k_is_the_k_profiled_and_named_when_refused(capsys, nothing_runs, tmp_path):
+    # Without a recipe, `--set pipeline.partitions=4` profiled the default 2,4,8, and 200 was taken as well.
+    from gpipe_cli.profile.options import profile_options
+
+    assert profile_options(None, None, {}, ["pipeline.partitions=4"]).partitions == [4]
+    assert profile_options(None, None, {}, []).partitions == [2, 4, 8]
+    assert refused(capsys, *TINY, "--set", "pipeline.partitions=200") == (
+        f"error: --set pipeline.partitions: must be >= 1 and <= {MAX_PARTITIONS} (the paper's largest pipeline; "
+        "gpipe train takes up to 65536) (got 200)")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("pipeline: {partitions: 300}\n")
+    assert refused(capsys, str(recipe)) == (
+        f"error: {recipe}: pipeline.partitions: must be >= 1 and <= {MAX_PARTITIONS} (the paper's largest "
+        "pipeline; gpipe train takes up to 65536) (got 300)")
