@@ -200,7 +200,11 @@ def remove_set_up(run_dir: Path, before: Collection[str] | None = None, parents:
     from gpipe_cli.data.tokenizer import TOKENIZER_FILE
 
     with contextlib.suppress(OSError):
-        names = set(os.listdir(run_dir)).difference(before or ())
+        try:
+            names = set(os.listdir(run_dir)).difference(before or ())
+        except FileNotFoundError:  # rank 0, stopped while it built its stage, took it out: those above it go too
+            remove_folders(list(parents) if before is None else [])
+            return
         if holds_run(run_dir) or not names <= {RECIPE, METRICS, TOKENIZER_FILE, CHECKPOINTS}:
             return
         # checkpoints/ first: where it is not empty (a checkpoint being written), nothing else has gone either.

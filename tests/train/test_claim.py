@@ -105,6 +105,17 @@ def test_a_run_stopped_before_its_first_step_leaves_no_set_up_behind(tmp_path, m
     assert (run / "recipe.yaml").is_file()
 
 
+def test_a_run_directory_its_rank_took_out_takes_the_folders_made_above_it_along(tmp_path):
+    """Stopped while building its stage, rank 0 removed the run directory: `outputs/NAME/` stayed, empty."""
+    name = tmp_path / "outputs" / "name"
+    run = name / "20261205-120000"
+    (tmp_path / "outputs" / "other").mkdir(parents=True)  # there before: stays, and so does outputs/
+    with claim.held(run, "the output directory", "wait", made=True, parents=[run, name, name.parent]):
+        (run / "recipe.yaml").write_text("name: x\n")
+        shutil.rmtree(run)
+    assert not name.exists() and (tmp_path / "outputs" / "other").is_dir()
+
+
 @pytest.mark.parametrize("mine, recorded", [({}, False), ({"notes.txt": "mine"}, False), ({"notes.txt": "mine"}, True)])
 def test_a_run_stopped_before_its_first_step_in_a_folder_made_beforehand_takes_out_only_its_own(
         tmp_path, monkeypatch, mine, recorded):
