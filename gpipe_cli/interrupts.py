@@ -11,6 +11,8 @@ from typing import Any
 
 _interrupted = False
 _terminated = 0  # the SIGTERM or SIGHUP that stopped the command (0: none, or Ctrl-C)
+_own_term = False  # the next SIGTERM is this process's own, passing a Ctrl-C on: it stays Ctrl-C's
+_told = False  # the stop was already told in a line of its own: `say_stopped` adds none
 # A closed terminal or a dropped ssh session (SIGHUP) stops a command as a scheduler's SIGTERM does.
 TERMINATING = (signal.SIGTERM, signal.SIGHUP)
 
@@ -22,9 +24,25 @@ def _on_interrupt(signum: int, frame: object) -> None:
 
 
 def _remember(signum: int, frame: object) -> None:
-    global _interrupted, _terminated
+    global _interrupted, _terminated, _own_term
     _interrupted = True
+    if signum == signal.SIGTERM and _own_term:
+        _own_term = False
+        return
     _terminated = _terminated or (signum if signum in TERMINATING else 0)
+
+
+def term_self() -> None:
+    """Send this process SIGTERM to pass a Ctrl-C on: the command still ends as Ctrl-C ends it (130)."""
+    global _own_term
+    _own_term = True
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def told() -> None:
+    """The stop has been told in its own line: the command's closing line would say it twice."""
+    global _told
+    _told = True
 
 
 def take_signal(handler: signal.Handlers | object, signum: int = signal.SIGINT) -> object:
@@ -113,7 +131,7 @@ def say_stopped(command: str) -> None:
     """Say on stderr, in the one line every command uses, that a Ctrl-C or SIGTERM stopped `command` (or `gpipe`)."""
     # stderr: a command's output piped into a file stays its figures alone. Under torchrun, once a node: its agent
     # stops every rank alike, e.g. the others once one has refused the recipe.
-    if speaks_for_node():
+    if speaks_for_node() and not _told:
         print(f"{command}: interrupted; nothing was written", file=sys.stderr, flush=True)
 
 

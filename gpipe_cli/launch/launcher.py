@@ -170,6 +170,7 @@ class _Stops:
         if self.started is not None and not self.training() and not self.told:
             self.told = True
             say_stopping_now(signal.Signals(signum).name)
+            interrupts.told()
 
     def forward_interrupt(self, signum: int, frame: object) -> None:
         """Pass Ctrl-C on to the ranks, which torchrun starts in sessions of their own, out of the terminal's reach."""
@@ -182,7 +183,7 @@ class _Stops:
         self.setting_up(signal.SIGINT)
         _send(children, signal.SIGINT if training else signal.SIGTERM)  # SIGTERM ends even a starting Python quietly
         if not children:  # none to find (no /proc, or the fork server still imports torch): the agent turns
-            os.kill(os.getpid(), signal.SIGTERM)  # SIGTERM into a graceful stop of every rank
+            interrupts.term_self()  # SIGTERM into a graceful stop of every rank
 
     def finish(self, signum: int) -> None:
         """Once: see a stop with nothing to save through (`_finish`, in a thread of its own)."""

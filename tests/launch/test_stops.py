@@ -145,3 +145,25 @@ def test_an_unknown_rendezvous_host_is_refused_before_the_plan_is_measured(tmp_p
     captured = capsys.readouterr()
     assert captured.err.startswith("error: --rdzv-endpoint host0.invalid:29500: host0.invalid is not a host name")
     assert "starting" not in captured.out and list(tmp_path.iterdir()) == []
+
+
+def test_a_ctrl_c_passed_on_before_the_agent_listens_ends_as_ctrl_c_in_one_line(tmp_path):
+    # The launcher passes a Ctrl-C on as its own SIGTERM; caught by the command's handler (the agent not yet
+    # listening), it ended with SIGTERM's 143 and two lines: "stopping now" and "interrupted; nothing was written".
+    script = tmp_path / "early.py"
+    script.write_text(
+        "import signal, sys, time\n"
+        "from pathlib import Path\n"
+        "from gpipe_cli import interrupts\n"
+        "from gpipe_cli.launch import launcher\n"
+        "interrupts.stop_on_signals()\n"
+        f"stops = launcher._Stops(Path({str(tmp_path / 'started')!r}), forking=True)\n"
+        "try:\n"
+        "    stops.forward_interrupt(signal.SIGINT, None)\n"
+        "    time.sleep(30)\n"
+        "except KeyboardInterrupt:\n"
+        "    interrupts.say_stopped('gpipe train')\n"
+        "    sys.exit(interrupts.exit_code(128 + signal.SIGINT))\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr
+    assert proc.stderr == "[gpipe] SIGINT: stopping now, before the first step is done (nothing to save yet)\n"
