@@ -1,7 +1,29 @@
 """Imported last by the rank server: its import says that the server holds what every rank imports (see `forked`)."""
 
 import os
+import sys
+import traceback
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+Hook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
+
+
+def quiet_orphans(previous: Hook) -> Hook:
+    """`previous`, less the traceback of a rank whose launcher went away before handing it its work."""
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> Any:
+        # A stop while the ranks start: the fork reads its work from a pipe the launcher closed (EOFError in
+        # multiprocessing's spawn._main), and the server's child printed that traceback under the stop's one line.
+        frames = traceback.extract_tb(tb)
+        if issubclass(kind, EOFError) and any(f.name == "_main" and f.filename.endswith(os.path.join(
+                "multiprocessing", "spawn.py")) for f in frames):
+            return None
+        return previous(kind, value, tb)
+    return hook
+
 
 if (_marker := os.environ.get("GPIPE_PRELOADED")) is not None:
+    sys.excepthook = quiet_orphans(sys.excepthook)
     with open(f"{_marker}-{os.getpid()}", "w"):
         pass

@@ -167,3 +167,29 @@ def test_a_ctrl_c_passed_on_before_the_agent_listens_ends_as_ctrl_c_in_one_line(
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 128 + signal.SIGINT, proc.stderr
     assert proc.stderr == "[gpipe] SIGINT: stopping now, before the first step is done (nothing to save yet)\n"
+
+
+def test_a_rank_whose_launcher_went_away_before_handing_it_work_ends_without_a_traceback(capsys):
+    # Ctrl-C while the ranks start: the forked rank read its work from a closed pipe, and printed
+    # "EOFError: Ran out of input" from multiprocessing's spawn._main under the stop's one line.
+    import os
+
+    from gpipe_cli.launch.preloaded import quiet_orphans
+
+    def raised(where: str) -> BaseException:
+        space: dict = {}
+        exec(compile("def _main():\n    raise EOFError('Ran out of input')\n", where, "exec"), space)
+        try:
+            space["_main"]()
+        except EOFError as exc:
+            return exc
+        raise AssertionError("no EOFError")
+
+    printed = []
+    hook = quiet_orphans(lambda kind, value, tb: printed.append(value))
+    orphan = raised(os.path.join("lib", "multiprocessing", "spawn.py"))
+    hook(EOFError, orphan, orphan.__traceback__)
+    assert printed == []
+    other = raised("mine.py")  # any other EOFError is told as before
+    hook(EOFError, other, other.__traceback__)
+    assert printed == [other]
