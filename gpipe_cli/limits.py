@@ -43,7 +43,8 @@ def finite(flag: str, value: float | None, unit: str = "", zero: bool = False) -
     # An infinite link or rate prices messages or layers at no time, or at no speed: a result of nonsense.
     if value is None or (math.isfinite(value) and (value >= 0 if zero else value > 0)):
         return None
-    return f"{flag}: must be a finite number {'>=' if zero else '>'} 0{unit} (got {value})"
+    got = int(value) if math.isfinite(value) and value.is_integer() else value  # the 0 typed reads 0, not 0.0
+    return f"{flag}: must be a finite number {'>=' if zero else '>'} 0{unit} (got {got})"
 
 
 def one_of(name: str, value: str, allowed: Sequence[str]) -> str | None:

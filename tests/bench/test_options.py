@@ -47,7 +47,7 @@ def test_default_batch_gives_four_examples_per_microbatch():
     (BenchOptions(simulate=True, latency_us=float("inf")), r"--latency-us: must be a finite number >= 0 \(got inf\)"),
     (BenchOptions(simulate=True, bandwidth=float("inf")), r"--bandwidth: must be a finite number > 0 GB/s \(got inf\)"),
     (BenchOptions(simulate=True, bandwidth=float("nan")), r"--bandwidth: must be a finite number > 0 GB/s \(got nan\)"),
-    (BenchOptions(simulate=True, bandwidth=0.0), r"--bandwidth: must be a finite number > 0 GB/s \(got 0.0\)"),
+    (BenchOptions(simulate=True, bandwidth=0.0), r"--bandwidth: must be a finite number > 0 GB/s \(got 0\)"),
 ])
 def test_bad_options_are_refused(options, message):
     with pytest.raises(UserError, match=message):

@@ -23,6 +23,9 @@ QUICK = ["--devices", "2", "--tflops", "100", "--plain"]  # estimated seconds: n
      "error: --node-bandwidth: must be a finite number > 0 GB/s (got nan)"),
     (["--devices", "2", "--node-latency-us", "inf"],
      "error: --node-latency-us: must be a finite number >= 0 (got inf)"),
+    # The value as typed: it said (got 0.0) and (got -1.0).
+    (["--devices", "2", "--bandwidth", "0"], "error: --bandwidth: must be a finite number > 0 GB/s (got 0)"),
+    (["--devices", "2", "--latency-us", "-1.5"], "error: --latency-us: must be a finite number >= 0 (got -1.5)"),
     # An empty --output read as '.', and the line named a file nobody gave.
     (["--devices", "2", "--output", ""], "error: --output: must name a .yaml or .yml file, e.g. planned.yaml "
                                          "(got '')"),
