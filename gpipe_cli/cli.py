@@ -360,6 +360,7 @@ def plan(
     *, own: dict[str, Any], flags: dict[str, Any],
 ) -> int:
     """Predict the fastest K, D, M, schedule, remat mode and balance for N devices; write it as a recipe."""
+    from gpipe_cli.estimate.model_flags import recipe_size_problem
     from gpipe_cli.plan import run as run_plan
     from gpipe_cli.plan.options import output_path
     from gpipe_cli.recipe.aliases import ALIASES, as_sets, by_flag, replaced, set_key
@@ -368,6 +369,7 @@ def plan(
     # The alias flags are `--set` items, typed before the explicit ones, which win where both name a key (and
     # leave the flag out of the plan's command line).
     typed = own["set"] or []
+    refuse([recipe_size_problem(recipe, flags, typed)])
     keys = {set_key(item) for item in typed}
     own["set"] = [*as_sets({name: value for name, value in flags.items() if ALIASES[name] not in keys}), *typed]
     for note in replaced(flags, typed):  # first, as bench and profile-memory say theirs

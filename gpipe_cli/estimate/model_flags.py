@@ -188,14 +188,38 @@ def unread_problem(sets: Sequence[str], command: str) -> str | None:
     return None
 
 
+def _section(recipe: str, name: str) -> Any:
+    """A section of the recipe file as written ({} where it has none)."""
+    from gpipe_cli.recipe.load import parse_yaml, recipe_label
+    from gpipe_cli.recipe.yamlio import read_recipe_file
+
+    return parse_yaml(read_recipe_file(Path(recipe)), recipe_label(recipe)).get(name) or {}
+
+
+def recipe_size_problem(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str]) -> str | None:
+    """A size flag the recipe's model family has no such size for, worded as without a recipe."""
+    # It was the schema's "--filters: unknown key (a key of model.kind amoebanet); allowed keys here: ...".
+    typed = [name for name in SIZE_FLAGS if flags.get(name) is not None]
+    if recipe is None or not typed:
+        return None
+    from gpipe_cli.recipe.load import parse_override
+    from gpipe_cli.recipe.schema import MODEL_SECTIONS
+
+    model = _section(recipe, "model")
+    kind = model.get("kind") if isinstance(model, dict) else None
+    for item in sets:
+        if set_key(item) == "model.kind":
+            kind = parse_override(item)[1]
+    if not isinstance(kind, str) or kind not in MODEL_SECTIONS:  # the schema says what is wrong with it
+        return None
+    return next((problem for name in typed if (problem := foreign_size(name, kind))), None)
+
+
 def _replicas_note(recipe: str | None, command: str) -> list[str]:
     """A note that the recipe's data-parallel replicas are not measured (its figures were taken as the recipe's)."""
     if recipe is None:
         return []
-    from gpipe_cli.recipe.load import parse_yaml, recipe_label
-    from gpipe_cli.recipe.yamlio import read_recipe_file
-
-    pipeline = parse_yaml(read_recipe_file(Path(recipe)), recipe_label(recipe)).get("pipeline") or {}
+    pipeline = _section(recipe, "pipeline")
     replicas = pipeline.get("data_parallel", 1) if isinstance(pipeline, dict) else 1
     if not isinstance(replicas, int) or replicas <= 1:
         return []
@@ -208,7 +232,7 @@ def _replicas_note(recipe: str | None, command: str) -> list[str]:
 def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str],
                   cuts: tuple[str, ...], command: str, **defaults: Any) -> dict[str, Any]:
     """The fields a recipe (None: the command's own model), the alias flags and `--set` give."""
-    refuse([unread_problem(sets, command)])
+    refuse([unread_problem(sets, command), recipe_size_problem(recipe, flags, sets)])
     own = {f.name: f.default for f in fields(options) if f.name in ALIASES and f.default not in (None, MISSING)}
     # Named by the flags, before the schema names the keys they stand for.
     k, v = (_flag_value(name, recipe, flags, sets, {**own, **defaults}.get(name, 1))

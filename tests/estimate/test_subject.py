@@ -106,3 +106,14 @@ def test_the_commands_refuse_a_bad_model_in_one_line(capsys, tmp_path, monkeypat
     out = capsys.readouterr()
     assert out.err.splitlines() == [out.err.strip()] and out.err.startswith(expected), out
     assert "more characters" not in out.err and list(tmp_path.iterdir()) == [tmp_path / "recipes"]
+
+
+@pytest.mark.parametrize("command", [["bench"], ["profile-memory"], ["plan", "--devices", "2"]])
+def test_a_size_flag_a_recipes_model_has_not_is_worded_as_without_a_recipe(command, capsys):
+    # With a recipe it was the schema's "--filters: unknown key (a key of model.kind amoebanet); allowed keys
+    # here: kind, preset, arch, ..." (keys that are no sizes); without one, this line.
+    assert gpipe([*command, "recipes/quickstart.yaml", "--filters", "16"]) == 2
+    assert capsys.readouterr().err == ("error: --filters does not apply to transformer models (their sizes: layers, "
+                                       "d_model, ff, heads, vocab_size, max_len)\n")
+    assert gpipe([*command, "recipes/quickstart.yaml", "--set", "model.kind=amoebanet", "--d-model", "16"]) == 2
+    assert capsys.readouterr().err.startswith("error: --d-model does not apply to amoebanet models")
