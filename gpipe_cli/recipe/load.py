@@ -198,6 +198,11 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: P
         raise RecipeError(f"{label}: {given('data.path')}: {shown(data.path)} is a {Path(data.path).suffix} file, "
                           f"which data.source {' or '.join(wrong)} reads (data.source {data.source} reads "
                           f"{_either(SOURCE_FILES[data.source])} files); use {fix}")
+    if data.source in SOURCE_FILES and data.path and os.path.isdir(data.path) and \
+            not _holds_any(Path(data.path), SOURCE_FILES[data.source]):  # the ranks found it so after starting
+        raise RecipeError(f"{label}: {given('data.path')}: no {_either(SOURCE_FILES[data.source])} files under "
+                          f"{shown(data.path)}, which data.source {data.source} reads; give a folder that holds "
+                          "some, or one such file")
     if data.tokenizer and not os.path.exists(data.tokenizer):
         raise RecipeError(f"{label}: {given('data.tokenizer')}: no such sentencepiece model: "
                           f"{shown(data.tokenizer)}{_beside(data.tokenizer, folder)}")
@@ -205,6 +210,14 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: P
         raise RecipeError(f"{label}: {given('data.tokenizer')}: {shown(data.tokenizer)} is a directory; give the "
                           "sentencepiece model file (.model) in it")
     return recipe
+
+
+def _holds_any(folder: Path, suffixes: Sequence[str]) -> bool:
+    """Whether a file of one of `suffixes` (any case) is anywhere under `folder`; stops at the first."""
+    try:
+        return any(p.name.lower().endswith(tuple(suffixes)) and p.is_file() for p in folder.rglob("*"))
+    except OSError:  # an unreadable folder: the loader says so in its words
+        return True
 
 
 def _other_sources_file(source: str, path: str) -> list[str]:

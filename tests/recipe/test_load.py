@@ -125,6 +125,21 @@ def test_errors_name_the_key_the_value_and_what_is_allowed(tmp_path, overrides, 
     assert message in text and "\n" not in text
 
 
+def test_a_data_folder_without_files_of_its_source_is_refused_before_any_rank_starts(tmp_path):
+    # `--dry-run` passed it; the ranks then said "no .jsonl/.json files under 'empty'", after starting.
+    import yaml
+
+    path = write(tmp_path, yaml.safe_dump(BASE))
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    (tmp_path / "empty" / "sub" / "notes.md").write_text("not data")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, ["data.source=jsonl", f"data.path={tmp_path / 'empty'}"])
+    assert str(info.value).endswith(f"--set data.path: no .jsonl or .json files under '{tmp_path / 'empty'}', which "
+                                    "data.source jsonl reads; give a folder that holds some, or one such file")
+    (tmp_path / "empty" / "sub" / "pairs.JSONL").write_text('{"src": "a", "tgt": "b"}\n')  # anywhere below, any case
+    load_recipe(path, ["data.source=jsonl", f"data.path={tmp_path / 'empty'}"])
+
+
 def test_a_language_models_default_window_follows_a_shorter_model_but_a_given_one_is_checked(tmp_path):
     import yaml
 
