@@ -112,7 +112,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not sep or not key or any(not part for part in key.split(".")):
         raise RecipeError(f"--set expects KEY=VALUE with a dotted key, e.g. pipeline.microbatches=8 "
                           f"(got {shown(item)})")
-    return key, parse_value(text, f"--set {cut(key)}")
+    return key, parse_value(text, f"--set {cut(key)}", key)
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

@@ -7,6 +7,7 @@ import io
 import itertools
 import os
 import re
+import shlex
 import stat
 from pathlib import Path
 from typing import Any
@@ -135,16 +136,67 @@ def parse_document(text: str, label: str) -> Any:
             loader.dispose()
 
 
-def parse_value(text: str, label: str) -> Any:
-    """A `--set` value: YAML within the same limits; text that is not valid YAML stays a string."""
+def parse_value(text: str, label: str, key: str | None = None) -> Any:
+    """A `--set` value: YAML within the same limits; text that is not valid YAML stays a string, unless it opens a
+    list, a mapping or a quoted string (`key`: the item's, to show it mended)."""
     if not text.strip():
         return None
     try:
         return parse_document(text, label)
     except RecipeError as exc:
-        if "not valid YAML" in str(exc):
+        if "not valid YAML" not in str(exc):
+            raise
+        if not text.lstrip().startswith(_OPENERS):
             return text
-        raise
+        # `[3,3` was the string '[3,3', refused as no list: the mistake is its syntax, not its type.
+        raise RecipeError(f"{label}: {shown(text.strip())} is not valid YAML ({_why(text, str(exc))})"
+                          f"{_mended(text.strip(), key)}") from None
+
+
+# What opens a YAML flow value, and what closes it: a value starting so is YAML, never plain text.
+_CLOSERS = {"[": "]", "{": "}", '"': '"', "'": "'"}
+_OPENERS = tuple(_CLOSERS)
+
+
+def _left_open(text: str) -> list[str]:
+    """The brackets and quotes `text` opens and leaves open, outermost first (YAML's flow syntax, roughly)."""
+    stack: list[str] = []
+    before, escaped = "", False
+    for char in text:
+        if stack and stack[-1] in "\"'":  # inside a quoted string only its quote (unescaped) counts
+            escaped, closes = char == "\\" and stack[-1] == '"' and not escaped, char == stack[-1] and not escaped
+            stack = stack[:-1] if closes else stack
+        elif char in "[{" or (char in "\"'" and before in ("", "[", "{", ",", ":")):  # a quote inside a word is text
+            stack.append(char)
+        elif stack and char == _CLOSERS[stack[-1]]:
+            stack.pop()
+        before = char if not char.isspace() else before
+    return stack
+
+
+def _why(text: str, error: str) -> str:
+    """Why a flow value is not valid YAML: what it leaves open, else YAML's own words (at a column of a line)."""
+    if opened := _left_open(text):
+        return f"an unclosed {' and '.join(repr(char) for char in opened)}"
+    where = error.partition("not valid YAML")[2].strip()
+    return where.replace("at line 1, column", "at column") if "\n" not in text else where
+
+
+def _mended(text: str, key: str | None) -> str:
+    """`; did you mean --set 'KEY=VALUE'?` with what `text` leaves open closed, where that makes it valid YAML."""
+    opened = _left_open(text)
+    if key is None or not opened:
+        return ""
+    closers = "".join(_CLOSERS[char] for char in reversed(opened))
+    if text.endswith((",", ":", *_OPENERS)):  # `--set pipeline.balance=[3, 3]` unquoted: the shell passed `[3,`
+        return (f"; the shell splits an item at its spaces unless it is quoted whole: "
+                f"--set {shlex.quote(f'{key}={text} ...{closers}')}")
+    closed = text + closers
+    try:
+        parse_document(closed, "")
+    except RecipeError:
+        return ""
+    return f"; did you mean --set {shlex.quote(f'{key}={closed}')}?"
 
 
 def dump(data: Any) -> str:

@@ -228,6 +228,32 @@ def test_malformed_set(item):
         load_recipe(None, [item])
 
 
+@pytest.mark.parametrize("item,line", [
+    # They were type errors of the text: `--set optimizer: must be a mapping (got '{lr: 0.01')`.
+    ("optimizer={lr: 0.01", "--set optimizer: '{lr: 0.01' is not valid YAML (an unclosed '{'); did you mean "
+                            "--set 'optimizer={lr: 0.01}'?"),
+    ("pipeline.balance=[3,3", "--set pipeline.balance: '[3,3' is not valid YAML (an unclosed '['); did you mean "
+                              "--set 'pipeline.balance=[3,3]'?"),
+    ("data.name=[a, {b: 1", "--set data.name: '[a, {b: 1' is not valid YAML (an unclosed '[' and '{'); did you "
+                            "mean --set 'data.name=[a, {b: 1}]'?"),
+    ("optimizer.lr=\"abc", "--set optimizer.lr: '\"abc' is not valid YAML (an unclosed '\"'); did you mean "
+                           "--set 'optimizer.lr=\"abc\"'?"),
+    # `--set pipeline.balance=[3, 3]` unquoted: the shell passed `[3,` as the item.
+    ("pipeline.balance=[3,", "--set pipeline.balance: '[3,' is not valid YAML (an unclosed '['); the shell splits "
+                             "an item at its spaces unless it is quoted whole: --set 'pipeline.balance=[3, ...]'"),
+    ("pipeline.balance=[3,,3]", "--set pipeline.balance: '[3,,3]' is not valid YAML (at column 4: expected the "
+                                "node content, but found ',')"),
+])
+def test_a_set_value_that_opens_a_list_mapping_or_quote_but_is_no_yaml_says_so(item, line):
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(None, [item])
+    assert str(caught.value) == line
+
+
+def test_a_set_value_that_is_no_yaml_but_opens_nothing_stays_text():
+    assert load_recipe(None, ["data.name=a: b: c"]).data.name == "a: b: c"  # no YAML (a second ": ")
+
+
 def test_set_parses_yaml_values_and_creates_sections():
     recipe = load_recipe(None, ["pipeline.balance=[3, 3]", "train.grad_clip=1.5", "checkpoint.every=7"])
     assert recipe.pipeline.balance == [3, 3] and recipe.train.grad_clip == 1.5 and recipe.checkpoint.every == 7
