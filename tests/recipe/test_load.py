@@ -254,6 +254,22 @@ def test_a_set_value_that_is_no_yaml_but_opens_nothing_stays_text():
     assert load_recipe(None, ["data.name=a: b: c"]).data.name == "a: b: c"  # no YAML (a second ": ")
 
 
+@pytest.mark.parametrize("item,line", [
+    ("pipeline.balance=3,3", "quickstart.yaml (built in): --set pipeline.balance: must be auto, params, time, memory "
+                             "or a list of layer counts per stage (got '3,3'); did you mean --set "
+                             "'pipeline.balance=[3,3]'?"),
+    ("optimizer.betas=0.9,0.99", "quickstart.yaml (built in): --set optimizer.betas: must be a list (got "
+                                 "'0.9,0.99'); did you mean --set 'optimizer.betas=[0.9,0.99]'?"),
+    # A key that takes no list is not offered one.
+    ("name=a,b", "quickstart.yaml (built in): --set name: may contain only ASCII letters, digits, '.', '_' and '-', "
+                 "not dots alone (got 'a,b')"),
+])
+def test_a_list_typed_without_brackets_for_a_key_that_takes_one_is_shown_with_them(item, line):
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(None, [item])
+    assert str(caught.value) == line
+
+
 def test_set_parses_yaml_values_and_creates_sections():
     recipe = load_recipe(None, ["pipeline.balance=[3, 3]", "train.grad_clip=1.5", "checkpoint.every=7"])
     assert recipe.pipeline.balance == [3, 3] and recipe.train.grad_clip == 1.5 and recipe.checkpoint.every == 7
