@@ -72,6 +72,15 @@ def _near_recipe(path: Path) -> str | None:
     return found[close[0]] if close else None
 
 
+# A dotted recipe key and its value, as a `--set` item gives them: `train.steps=3`.
+_SET_ITEM = re.compile(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*=")
+
+
+def as_set(text: str) -> str | None:
+    """`--set KEY=VALUE` (quoted for the shell) for an argument typed as KEY=VALUE, else None."""
+    return f"--set {shlex.quote(text)}" if _SET_ITEM.match(text) else None
+
+
 def read_recipe_file(path: Path) -> str:
     """The text of a recipe file: a regular file of at most MAX_RECIPE_BYTES, refused at once otherwise."""
     try:
@@ -88,6 +97,8 @@ def read_recipe_file(path: Path) -> str:
             data = f.read(MAX_RECIPE_BYTES + 1)
     except FileNotFoundError:  # a name of spaces, or with them around it, quoted: it read ": no such recipe file"
         named = str(path) if str(path).strip() == str(path) else shown(str(path))
+        if (item := as_set(str(path))) is not None:  # `gpipe train train.steps=3`
+            raise RecipeError(f"{named}: no such recipe file; to override a recipe key give {item}") from None
         near = _near_recipe(path)
         raise RecipeError(f"{named}: no such recipe file" + (f"; did you mean {near}?" if near else "")) from None
     except OSError as exc:

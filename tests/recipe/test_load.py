@@ -222,6 +222,16 @@ def test_a_missing_recipe_names_the_one_meant(tmp_path, monkeypatch, typed):
         load_recipe("recipes/unlike.yaml")
 
 
+@pytest.mark.parametrize("typed, item", [("train.steps=3", "train.steps=3"),
+                                         ("pipeline.balance=[3, 3]", "'pipeline.balance=[3, 3]'")])
+def test_a_missing_recipe_typed_as_key_value_is_answered_with_its_set(tmp_path, monkeypatch, typed, item):
+    """`gpipe train train.steps=3` was told only that no such recipe file exists."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(typed)
+    assert str(caught.value) == f"{typed}: no such recipe file; to override a recipe key give --set {item}"
+
+
 @pytest.mark.parametrize("item", ["foo", "=3", "a..b=1", ".a=1"])
 def test_malformed_set(item):
     with pytest.raises(RecipeError, match="--set expects KEY=VALUE"):
