@@ -515,7 +515,7 @@ def _unknown_option(exc: Exception, where: str, args: list[str], commands: Mappi
     has = f"{named} {'have' if len(others) > 1 else 'has'} it"
     params = getattr(getattr(getattr(exc, "ctx", None), "command", None), "params", [])
     own = {name.lstrip("-"): name for p in params for name in (*p.opts, *p.secondary_opts) if name.startswith("--")}
-    close = [own[name] for name in near(typed.lstrip("-"), own, 3)]
+    close = [own[name] for name in near(typed.lstrip("-"), own, 3, prefix=True)]
     if others:  # `plan --device`: plan's own --devices first, profile-memory's --device (cpu or cuda) beside it
         return f"{said} ({has}); did you mean {' or '.join(close)}?" if close else f"{said}; {has}"
     if sets and (key := key_of_flag(typed, close=True)) is not None:

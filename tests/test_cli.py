@@ -476,6 +476,19 @@ def test_an_unknown_option_is_answered_with_a_near_key_another_command_or_a_near
 
 
 @pytest.mark.parametrize("args, line", [
+    # Too short for difflib's likeness, `--out` got no suggestion.
+    (["report", "RUN", "--out", "r.png"], "No such option: --out; did you mean --output? (see 'gpipe report --help')"),
+    (["train", "--out", "runs/a"], "No such option: --out; did you mean --output-dir? (see 'gpipe train --help')"),
+    (["plan", "--dev", "2"], "No such option: --dev; did you mean --device-memory or --devices? (see 'gpipe plan "
+                             "--help')"),
+    (["train", "--o", "3"], "No such option: --o (see 'gpipe train --help')"),  # one letter begins too many
+])
+def test_an_option_typed_as_the_start_of_an_own_option_is_answered_with_it(capsys, args, line):
+    assert run(args) == 2
+    assert capsys.readouterr().err == f"error: {line}\n"
+
+
+@pytest.mark.parametrize("args, line", [
     (["train", "recipes/quickstart.yaml", "train.steps=3"],
      "Got unexpected extra argument(s) (train.steps=3); to override a recipe key give --set train.steps=3 "
      "(see 'gpipe train --help')"),
