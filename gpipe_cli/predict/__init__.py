@@ -77,7 +77,7 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
         if begun:  # the answer cut short still ends its line
             write_out("\n")
         if not answered and not begun:
-            raise  # the command's own line: nothing was written
+            raise  # the command's own line: nothing was answered
         said = (f"during answer {answered + 1}, its line cut short" if begun
                 else f"after {answered} answer{'' if answered == 1 else 's'}")
         print(f"gpipe predict: interrupted {said}", file=sys.stderr)

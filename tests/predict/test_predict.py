@@ -125,6 +125,18 @@ def test_a_ctrl_c_after_some_answers_says_how_many_were_printed(exports, monkeyp
     assert captured.out.count("\n") == 1 and captured.err == "gpipe predict: interrupted after 1 answer\n"
 
 
+def test_a_ctrl_c_before_any_answer_says_only_that_predict_was_interrupted(exports, monkeypatch, capsys):
+    # It said "interrupted; nothing was written", of a command that never writes a file.
+    class Waiting(io.StringIO):
+        def __iter__(self):
+            raise KeyboardInterrupt  # while the first line is awaited
+
+    monkeypatch.setattr("sys.stdin", Waiting())
+    assert run(["predict", str(exports["translation"])]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == "gpipe predict: interrupted\n"
+
+
 class Screen(io.StringIO):
     """A stdout whose reader acts once `after` pieces of an answer have been written: Ctrl-C, or it goes."""
 
