@@ -479,7 +479,7 @@ def run(args: list[str]) -> int:
         named = f"gpipe {args[0]}" if args and args[0] in getattr(command, "commands", {}) else "gpipe"
         # Some of click's errors (an option missing its value) carry no context: the command typed names it.
         where = getattr(getattr(exc, "ctx", None), "command_path", None) or named
-        said = _unknown_option(exc, where, args, getattr(command, "commands", {}))
+        said = _unknown_option(exc, where, args, getattr(command, "commands", {})) or _extra_argument(exc, args)
         _error(f"{said or one_line(exc.format_message())} (see '{where} --help')")
         return int(exc.exit_code)
     except typer.Abort:
@@ -517,12 +517,27 @@ def _unknown_option(exc: Exception, where: str, args: list[str], commands: Mappi
     has = f"{named} {'have' if len(others) > 1 else 'has'} it"
     params = getattr(getattr(getattr(exc, "ctx", None), "command", None), "params", [])
     own = {name.lstrip("-"): name for p in params for name in (*p.opts, *p.secondary_opts) if name.startswith("--")}
-    close = [own[name] for name in near(typed.lstrip("-"), own, 3)]
+    close = [own[name] for name in near(typed.lstrip("-"), own, 3, prefix=True)]
     if others:  # `plan --device`: plan's own --devices first, profile-memory's --device (cpu or cuda) beside it
         return f"{said} ({has}); did you mean {' or '.join(close)}?" if close else f"{said}; {has}"
     if sets and (key := key_of_flag(typed, close=True)) is not None:
         return f"{said}; did you mean --set {_set_item(key, typed, value, args)}?"
     return f"{said}; did you mean {' or '.join(close)}?" if close else said
+
+
+def _extra_argument(exc: Exception, args: list[str]) -> str:
+    """click's line for extra arguments, with the --set of each typed as KEY=VALUE where the command takes --set."""
+    from gpipe_cli.recipe.yamlio import as_set
+
+    said = one_line(exc.format_message()) if isinstance(exc, typer.TyperException) else ""
+    params = getattr(getattr(getattr(exc, "ctx", None), "command", None), "params", [])
+    if not said.startswith("Got unexpected extra argument") or not any("--set" in p.opts for p in params):
+        return ""
+    # click lists them joined by spaces; an item typed after --set is that option's value, never an extra one.
+    listed = f" {said.partition(' (')[2].removesuffix(')')} "  # `argument(s) (A B)` in some versions of click
+    items = [item for arg, before in zip(args, ["", *args]) if before != "--set" and f" {arg} " in listed
+             and (item := as_set(arg)) is not None]
+    return f"{said}; to override a recipe key give {' '.join(dict.fromkeys(items))}" if items else ""
 
 
 def _set_item(key: str, typed: str, value: str, args: list[str]) -> str:

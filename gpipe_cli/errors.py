@@ -14,13 +14,20 @@ PATH_SHOWN_CHARS = 160
 CUT_AT_LEAST = 30
 # How alike a typed name and a known one must be to suggest it (difflib's ratio): `--step` finds `--steps`.
 NEAR_RATIO = 0.75
+# The fewest letters a prefix must have to suggest the names it begins (`--o` would name every --o... option).
+PREFIX_CHARS = 2
 # The longest line an error may print (a last guard for messages built from user input).
 LINE_CHARS = 400
 
 
-def near(name: str, names: Iterable[str], most: int = 1) -> list[str]:
-    """The known names closest to a mistyped one, best first (none where nothing is alike enough)."""
-    return difflib.get_close_matches(name, sorted(names), most, NEAR_RATIO)
+def near(name: str, names: Iterable[str], most: int = 1, prefix: bool = False) -> list[str]:
+    """The known names closest to a mistyped one, best first (none where nothing is alike enough); `prefix`: where
+    none is alike, those it begins are near it (`out` of `output`, too short for difflib's ratio)."""
+    known = sorted(names)
+    close = difflib.get_close_matches(name, known, most, NEAR_RATIO)
+    if close or not prefix or len(name) < PREFIX_CHARS:
+        return close
+    return [k for k in known if k.startswith(name)][:most]
 
 
 class UserError(Exception):

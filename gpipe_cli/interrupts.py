@@ -127,12 +127,17 @@ def speaks_for_node() -> bool:
     return "WORLD_SIZE" not in os.environ or os.environ.get("LOCAL_RANK", "0") == "0"
 
 
+# Commands that never write a file: "nothing was written" would say that they might have.
+WRITES_NO_FILE = frozenset({"gpipe predict"})
+
+
 def say_stopped(command: str) -> None:
     """Say on stderr, in the one line every command uses, that a Ctrl-C or SIGTERM stopped `command` (or `gpipe`)."""
     # stderr: a command's output piped into a file stays its figures alone. Under torchrun, once a node: its agent
     # stops every rank alike, e.g. the others once one has refused the recipe.
     if speaks_for_node() and not _told:
-        print(f"{command}: interrupted; nothing was written", file=sys.stderr, flush=True)
+        kept = "" if command in WRITES_NO_FILE else "; nothing was written"
+        print(f"{command}: interrupted{kept}", file=sys.stderr, flush=True)
 
 
 def exit_code(code: int) -> int:

@@ -100,6 +100,7 @@ _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
 # The units taken: bytes, powers of 1000 and of 1024. Not ByteSize's one-letter units, which it reads as powers
 # of 1000 where Java and Docker read 8g as 8 GiB, nor its bits: memory is not given in either.
 _UNITS = ("", "b", "kb", "mb", "gb", "tb", "pb", "eb", "kib", "mib", "gib", "tib", "pib", "eib")
+_ONE_LETTER = "KMGTPE"  # `8G`: 8 GB or 8 GiB? Asked back, in the powers each would be
 
 
 @functools.lru_cache(maxsize=1)
@@ -116,6 +117,11 @@ def parse_size(text: str, flag: str) -> int:
 
     expected = f"{flag} expects a size such as 8GiB, 16GB or 500MiB (got '{cut(text)}')"
     match = _SIZE.fullmatch(text)
+    unit = match.group(2).upper() if match else ""
+    if match and len(unit) == 1 and unit in _ONE_LETTER:
+        number, power = match.group(1), _ONE_LETTER.index(unit) + 1
+        raise UserError(f"{flag} {cut(text.strip())}: say {number}{unit}B (10^{3 * power} bytes) or {number}{unit}iB "
+                        f"(2^{10 * power} bytes); a one-letter unit is ambiguous")
     if not match or match.group(2).lower() not in _UNITS:
         raise UserError(expected)
     try:

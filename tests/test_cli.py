@@ -475,6 +475,36 @@ def test_an_unknown_option_is_answered_with_a_near_key_another_command_or_a_near
     assert err.startswith(f"error: {says}") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("args, line", [
+    # Too short for difflib's likeness, `--out` got no suggestion.
+    (["report", "RUN", "--out", "r.png"], "No such option: --out; did you mean --output? (see 'gpipe report --help')"),
+    (["train", "--out", "runs/a"], "No such option: --out; did you mean --output-dir? (see 'gpipe train --help')"),
+    (["plan", "--dev", "2"], "No such option: --dev; did you mean --device-memory or --devices? (see 'gpipe plan "
+                             "--help')"),
+    (["train", "--o", "3"], "No such option: --o (see 'gpipe train --help')"),  # one letter begins too many
+])
+def test_an_option_typed_as_the_start_of_an_own_option_is_answered_with_it(capsys, args, line):
+    assert run(args) == 2
+    assert capsys.readouterr().err == f"error: {line}\n"
+
+
+@pytest.mark.parametrize("args, line", [
+    (["train", "recipes/quickstart.yaml", "train.steps=3"],
+     "Got unexpected extra argument(s) (train.steps=3); to override a recipe key give --set train.steps=3 "
+     "(see 'gpipe train --help')"),
+    (["validate", "recipes/quickstart.yaml", "train.steps=3", "name=a b"],
+     "Got unexpected extra argument(s) (train.steps=3 name=a b); to override a recipe key give --set train.steps=3 "
+     "--set 'name=a b' (see 'gpipe validate --help')"),
+    # Not KEY=VALUE, or a command without --set: click's own words.
+    (["validate", "recipes/quickstart.yaml", "more"], "Got unexpected extra argument(s) (more) (see 'gpipe validate "
+                                                      "--help')"),
+    (["export", "RUN", "x=1"], "Got unexpected extra argument(s) (x=1) (see 'gpipe export --help')"),
+])
+def test_an_extra_argument_typed_as_key_value_is_answered_with_its_set(capsys, args, line):
+    assert run(args) == 2
+    assert capsys.readouterr().err == f"error: {line}\n"
+
+
 def test_help_as_a_command_shows_the_help_asked_for(capsys):
     assert run(["help"]) == 0 and "Usage: gpipe [OPTIONS] COMMAND" in capsys.readouterr().out
     assert run(["help", "train"]) == 0 and "Usage: gpipe train [OPTIONS] [RECIPE]" in capsys.readouterr().out

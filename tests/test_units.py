@@ -20,7 +20,7 @@ def test_sizes_in_the_units_users_type(text, expected):
     ("9" * 5000, "at most 1 YiB"),  # more digits than Python converts to an int
     ("eight", "expects a size such as 8GiB"),
     ("8GiB,16GiB", "expects a size such as 8GiB"),  # one size, whole: nothing after it is dropped
-    ("8G", "expects a size such as 8GiB"),  # GB or GiB? One letter is not taken
+    ("8G", "a one-letter unit is ambiguous"),  # GB or GiB? One letter is not taken
     ("8Gbit", "expects a size such as 8GiB"),
     ("-1GiB", "expects a size such as 8GiB"),
     ("", "expects a size such as 8GiB"),
@@ -30,6 +30,18 @@ def test_sizes_that_are_no_size_are_one_line_naming_the_flag(text, fragment):
         parse_size(text, "--device-memory")
     message = str(caught.value)
     assert message.startswith("--device-memory") and "\n" not in message and len(message) < 300
+
+
+@pytest.mark.parametrize("text,line", [
+    ("8G", "--budget 8G: say 8GB (10^9 bytes) or 8GiB (2^30 bytes); a one-letter unit is ambiguous"),
+    ("1.5 t", "--budget 1.5 t: say 1.5TB (10^12 bytes) or 1.5TiB (2^40 bytes); a one-letter unit is ambiguous"),
+    ("500M", "--budget 500M: say 500MB (10^6 bytes) or 500MiB (2^20 bytes); a one-letter unit is ambiguous"),
+])
+def test_a_one_letter_unit_is_asked_back_as_the_two_sizes_it_could_be(text, line):
+    # It was the generic `--budget expects a size such as 8GiB, 16GB or 500MiB`, not saying why 8G was refused.
+    with pytest.raises(UserError) as caught:
+        parse_size(text, "--budget")
+    assert str(caught.value) == line
 
 
 def test_a_range_of_one_is_one_number():

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpipe_cli.errors import PATH_SHOWN_CHARS, UserError, shown
-from gpipe_cli.limits import MAX_THREADS, outside
+from gpipe_cli.limits import MAX_RANKS, MAX_THREADS, outside, refuse
 
 if TYPE_CHECKING:  # the launcher imports this module
     from gpipe_cli.launch.launcher import LaunchOptions
@@ -30,8 +30,10 @@ def parse_nodes(nnodes: str) -> tuple[int, int]:
         lo, hi = int(low), int(high if sep else low)  # `1:` names no MAX: refused, not read as 1
     except ValueError:
         raise UserError(f"--nnodes: must be N or MIN:MAX (got {shown(nnodes)})") from None
-    if not 0 < lo <= hi <= 1 << 16:
-        raise UserError(f"--nnodes: must satisfy 0 < MIN <= MAX <= 65536 (got {shown(nnodes)})")
+    if not sep:  # one number: worded as every other count's bounds
+        refuse([outside("--nnodes", lo, 1, MAX_RANKS)])
+    if not 0 < lo <= hi <= MAX_RANKS:
+        raise UserError(f"--nnodes: must satisfy 0 < MIN <= MAX <= {MAX_RANKS} (got {shown(nnodes)})")
     return lo, hi
 
 

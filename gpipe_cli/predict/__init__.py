@@ -66,21 +66,30 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
     answered, begun = 0, False
     try:
         for item in inputs if inputs is not None else _stdin_lines(text=task != "image"):
+            written = False
             for piece in answer(item):  # each piece as soon as it is known: stdin may be a conversation, and a
                 write_out(piece)  # long continuation shows as it grows (and ends once its reader has gone)
-                begun = True
+                begun, written = True, written or bool(piece)
             write_out("\n")
             answered, begun = answered + 1, False
+            _say_if_empty(answered, item, written)
     except KeyboardInterrupt:
         if begun:  # the answer cut short still ends its line
             write_out("\n")
         if not answered and not begun:
-            raise  # the command's own line: nothing was written
+            raise  # the command's own line: nothing was answered
         said = (f"during answer {answered + 1}, its line cut short" if begun
                 else f"after {answered} answer{'' if answered == 1 else 's'}")
         print(f"gpipe predict: interrupted {said}", file=sys.stderr)
         return 130
     return 0
+
+
+def _say_if_empty(number: int, item: str, written: bool) -> None:
+    """Note on stderr an answer the model left empty: its empty line alone would read as a fault of the command."""
+    if not written and item.strip():  # a blank line of stdin is answered with a blank line on purpose
+        print(f"[gpipe] input {number}: the model produced no tokens (it may need more training)", file=sys.stderr,
+              flush=True)
 
 
 def _check_text(item: str, number: int, count: int, task: str) -> None:

@@ -111,8 +111,9 @@ def _as_yaml(name: str, text: str) -> str:
     if kind(name) is str:
         try:
             value = parse_value(text, flag(name))
-        except RecipeError:  # said where the item is read
-            return text
+        except RecipeError as exc:  # said where the item is read, but for a word that opens a list (`--schedule
+            # '[a'`): a flag takes words, so it is refused as any other word the flag does not take
+            return json.dumps(text) if "is not valid YAML" in str(exc) else text
         if value is None or isinstance(value, bool):
             return json.dumps(text)
     return text

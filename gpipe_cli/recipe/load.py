@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import types
 import typing
 from collections.abc import Collection, Sequence
 from importlib import resources
@@ -112,7 +114,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not sep or not key or any(not part for part in key.split(".")):
         raise RecipeError(f"--set expects KEY=VALUE with a dotted key, e.g. pipeline.microbatches=8 "
                           f"(got {shown(item)})")
-    return key, parse_value(text, f"--set {cut(key)}")
+    return key, parse_value(text, f"--set {cut(key)}", key)
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -258,7 +260,27 @@ def _validated(raw: dict[str, Any], label: str, planning: bool = False, typed: d
         if not named:
             message = re.sub(r"(?<! x )\b([a-z_]+(?:\.[a-z_]+)+) \(",
                              lambda m: f"--set {m[1]} (" if m[1] in (typed or {}) else m[0], message)
-        raise RecipeError(f"{label}: {'--set ' if named else ''}{message}{more}") from None
+        raise RecipeError(f"{label}: {'--set ' if named else ''}{message}{more}{_bracketed(key, text, raw)}") from None
+
+
+def _bracketed(key: str, text: str | None, raw: dict[str, Any]) -> str:
+    """`; did you mean --set 'KEY=[3,3]'?` for a --set value typed as a list without brackets, where KEY takes one."""
+    if text is None or "," not in text or not isinstance(parse_value(text, ""), str) \
+            or not _takes_list(key.split("."), raw):
+        return ""
+    return f"; did you mean --set {shlex.quote(f'{key}=[{text}]')}?"
+
+
+def _takes_list(loc: Sequence[str], raw: dict[str, Any]) -> bool:
+    """Whether the key at `loc` takes a list, alone or as one of its forms (pipeline.balance: a word or a list)."""
+    section = _section_model(loc, raw)
+    info = section.model_fields.get(loc[-1]) if section is not None else None
+    if info is None:
+        return False
+    annotation = info.annotation
+    forms = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+        else (annotation,)
+    return any(typing.get_origin(form) in (list, tuple) for form in forms)
 
 
 def led_by(message: str, keys: Collection[str]) -> bool:

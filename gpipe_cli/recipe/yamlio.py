@@ -7,6 +7,7 @@ import io
 import itertools
 import os
 import re
+import shlex
 import stat
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,15 @@ def _near_recipe(path: Path) -> str | None:
     return found[close[0]] if close else None
 
 
+# A dotted recipe key and its value, as a `--set` item gives them: `train.steps=3`.
+_SET_ITEM = re.compile(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*=")
+
+
+def as_set(text: str) -> str | None:
+    """`--set KEY=VALUE` (quoted for the shell) for an argument typed as KEY=VALUE, else None."""
+    return f"--set {shlex.quote(text)}" if _SET_ITEM.match(text) else None
+
+
 def read_recipe_file(path: Path) -> str:
     """The text of a recipe file: a regular file of at most MAX_RECIPE_BYTES, refused at once otherwise."""
     try:
@@ -87,6 +97,8 @@ def read_recipe_file(path: Path) -> str:
             data = f.read(MAX_RECIPE_BYTES + 1)
     except FileNotFoundError:  # a name of spaces, or with them around it, quoted: it read ": no such recipe file"
         named = str(path) if str(path).strip() == str(path) else shown(str(path))
+        if (item := as_set(str(path))) is not None:  # `gpipe train train.steps=3`
+            raise RecipeError(f"{named}: no such recipe file; to override a recipe key give {item}") from None
         near = _near_recipe(path)
         raise RecipeError(f"{named}: no such recipe file" + (f"; did you mean {near}?" if near else "")) from None
     except OSError as exc:
@@ -135,16 +147,67 @@ def parse_document(text: str, label: str) -> Any:
             loader.dispose()
 
 
-def parse_value(text: str, label: str) -> Any:
-    """A `--set` value: YAML within the same limits; text that is not valid YAML stays a string."""
+def parse_value(text: str, label: str, key: str | None = None) -> Any:
+    """A `--set` value: YAML within the same limits; text that is not valid YAML stays a string, unless it opens a
+    list, a mapping or a quoted string (`key`: the item's, to show it mended)."""
     if not text.strip():
         return None
     try:
         return parse_document(text, label)
     except RecipeError as exc:
-        if "not valid YAML" in str(exc):
+        if "not valid YAML" not in str(exc):
+            raise
+        if not text.lstrip().startswith(_OPENERS):
             return text
-        raise
+        # `[3,3` was the string '[3,3', refused as no list: the mistake is its syntax, not its type.
+        raise RecipeError(f"{label}: {shown(text.strip())} is not valid YAML ({_why(text, str(exc))})"
+                          f"{_mended(text.strip(), key)}") from None
+
+
+# What opens a YAML flow value, and what closes it: a value starting so is YAML, never plain text.
+_CLOSERS = {"[": "]", "{": "}", '"': '"', "'": "'"}
+_OPENERS = tuple(_CLOSERS)
+
+
+def _left_open(text: str) -> list[str]:
+    """The brackets and quotes `text` opens and leaves open, outermost first (YAML's flow syntax, roughly)."""
+    stack: list[str] = []
+    before, escaped = "", False
+    for char in text:
+        if stack and stack[-1] in "\"'":  # inside a quoted string only its quote (unescaped) counts
+            escaped, closes = char == "\\" and stack[-1] == '"' and not escaped, char == stack[-1] and not escaped
+            stack = stack[:-1] if closes else stack
+        elif char in "[{" or (char in "\"'" and before in ("", "[", "{", ",", ":")):  # a quote inside a word is text
+            stack.append(char)
+        elif stack and char == _CLOSERS[stack[-1]]:
+            stack.pop()
+        before = char if not char.isspace() else before
+    return stack
+
+
+def _why(text: str, error: str) -> str:
+    """Why a flow value is not valid YAML: what it leaves open, else YAML's own words (at a column of a line)."""
+    if opened := _left_open(text):
+        return f"an unclosed {' and '.join(repr(char) for char in opened)}"
+    where = error.partition("not valid YAML")[2].strip()
+    return where.replace("at line 1, column", "at column") if "\n" not in text else where
+
+
+def _mended(text: str, key: str | None) -> str:
+    """`; did you mean --set 'KEY=VALUE'?` with what `text` leaves open closed, where that makes it valid YAML."""
+    opened = _left_open(text)
+    if key is None or not opened:
+        return ""
+    closers = "".join(_CLOSERS[char] for char in reversed(opened))
+    if text.endswith((",", ":", *_OPENERS)):  # `--set pipeline.balance=[3, 3]` unquoted: the shell passed `[3,`
+        return (f"; the shell splits an item at its spaces unless it is quoted whole: "
+                f"--set {shlex.quote(f'{key}={text} ...{closers}')}")
+    closed = text + closers
+    try:
+        parse_document(closed, "")
+    except RecipeError:
+        return ""
+    return f"; did you mean --set {shlex.quote(f'{key}={closed}')}?"
 
 
 def dump(data: Any) -> str:

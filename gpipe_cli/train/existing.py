@@ -478,6 +478,7 @@ def check_recipe_kept(recipe: str | None, output_dir: str | None, resume: str | 
 def train_recipe(recipe: str | None, overrides: Sequence[str], resume: str | None, output_dir: str | None,
                  root: str) -> tuple[Recipe, str | None]:
     """The recipe this command trains, and the file it was read from (None: the built-in one)."""
+    _check_not_a_run(recipe)
     if resume is None or recipe is not None:
         return load_recipe(recipe, overrides), recipe
     run = _run_to_continue(resume, output_dir, overrides, root)
@@ -490,6 +491,18 @@ def train_recipe(recipe: str | None, overrides: Sequence[str], resume: str | Non
         raise UserError(f"--resume {where}: the run has no {RECIPE} to continue with; give the recipe it was started "
                         f"with: gpipe train RECIPE --resume {where}")
     return load_recipe(str(path), overrides), str(path)
+
+
+def _check_not_a_run(recipe: str | None) -> None:
+    """Refuse a run directory given as the recipe, saying how to continue it or to start again with its recipe."""
+    # `gpipe train outputs/NAME/STAMP` means that run; the recipe reader would say only that it is a directory.
+    if recipe is None or not os.path.isdir(recipe) or not is_run(Path(recipe)):
+        return
+    ways = [f"--resume {shlex.quote(recipe)} to continue it"] if candidates(Path(recipe)) else []
+    if os.path.isfile(os.path.join(recipe, RECIPE)):
+        ways.append(f"{shlex.quote(os.path.join(recipe, RECIPE))} to start again with its recipe")
+    raise UserError(f"{cut(recipe, PATH_CHARS)}: is a run directory, not a recipe file; give "
+                    f"{', or '.join(ways) or 'the recipe it was started with'}")
 
 
 def resume_location(resume: str, output_dir: str | None, name: str, root: str) -> str:

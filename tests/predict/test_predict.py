@@ -45,6 +45,16 @@ def test_a_translation_model_answers_each_sentence_on_its_own_line(exports, monk
     assert len(capsys.readouterr().out.split("\n")) == 4  # three lines, the empty sentence's empty
 
 
+def test_an_answer_the_model_leaves_empty_keeps_its_line_and_is_said_on_stderr(exports, monkeypatch, capsys):
+    # An undertrained translation model answered with an empty line and no word of why.
+    monkeypatch.setattr("gpipe_cli.predict.tasks.translate", lambda *args, **kwargs: [[]])
+    assert run(["predict", str(exports["translation"]), "one", "two"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "\n\n"  # one line per input still
+    assert captured.err == ("[gpipe] input 1: the model produced no tokens (it may need more training)\n"
+                            "[gpipe] input 2: the model produced no tokens (it may need more training)\n")
+
+
 @pytest.mark.parametrize(("family", "args", "line"), [
     ("translation", [""], "error: INPUT: empty; give a sentence to translate"),
     ("translation", ["one", " \t"], "error: INPUT 2 of 2: only whitespace; give a sentence to translate"),
@@ -113,6 +123,18 @@ def test_a_ctrl_c_after_some_answers_says_how_many_were_printed(exports, monkeyp
     assert run(["predict", str(exports["translation"])]) == 130
     captured = capsys.readouterr()
     assert captured.out.count("\n") == 1 and captured.err == "gpipe predict: interrupted after 1 answer\n"
+
+
+def test_a_ctrl_c_before_any_answer_says_only_that_predict_was_interrupted(exports, monkeypatch, capsys):
+    # It said "interrupted; nothing was written", of a command that never writes a file.
+    class Waiting(io.StringIO):
+        def __iter__(self):
+            raise KeyboardInterrupt  # while the first line is awaited
+
+    monkeypatch.setattr("sys.stdin", Waiting())
+    assert run(["predict", str(exports["translation"])]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == "gpipe predict: interrupted\n"
 
 
 class Screen(io.StringIO):

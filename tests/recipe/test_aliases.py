@@ -102,3 +102,11 @@ def test_a_budget_search_of_a_recipe_says_the_model_is_the_familys():
         "--budget searches the family's layers and width at the paper's other sizes, not the recipe's model; the "
         "recipe gives the pipeline and the batch"]
     assert profile_options(None, None, {}, [], budget="8GiB").notes == []
+
+
+def test_a_flag_word_that_opens_a_list_is_refused_as_a_word_of_the_flag():
+    # As a `--set` item it is YAML left open; a flag takes words, so it is named by the flag as any other word.
+    with pytest.raises(RecipeError) as caught:
+        bench_options(None, {"schedule": "[a"}, [])
+    assert str(caught.value) == ("--schedule: must be 'gpipe', '1f1b', 'interleaved', 'zero-bubble', "
+                                 "'zero-bubble-v' or 'v-half' (got '[a')")

@@ -244,7 +244,7 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "threads decimal": (GOOD, ["--threads", "2.0"], "--threads: must be a whole number written in digits, e.g. 4 "
                         "(got '2.0') (see 'gpipe train --help')"),
     "threads beyond any machine": (GOOD, ["--threads", "100000"], "--threads: must be >= 1 and <= 1024 (got 100000)"),
-    "nnodes zero": (GOOD, ["--nnodes", "0"], "--nnodes: must satisfy"),
+    "nnodes zero": (GOOD, ["--nnodes", "0"], "--nnodes: must be >= 1 and <= 65536 (got 0)"),
     "nnodes reversed": (GOOD, ["--nnodes", "2:1"], "--nnodes: must satisfy"),
     "nnodes word": (GOOD, ["--nnodes", "two"], "--nnodes: must be N or MIN:MAX"),
     "nnodes without max": (GOOD, ["--nnodes", "1:", "--rdzv-endpoint", "h:1"], "--nnodes: must be N or MIN:MAX"),
@@ -353,6 +353,17 @@ def test_a_cut_the_model_cannot_take_is_refused_before_it_is_measured(tmp_path, 
         code = run(["train", GOOD(tmp_path), "--plain", *extra])
         captured = capsys.readouterr()
         assert_one_line(code, captured.err, captured.out, fragment)
+
+
+@pytest.mark.parametrize("nodes, line", [
+    # One number was worded as a range: `must satisfy 0 < MIN <= MAX <= 65536 (got '0')`.
+    ("0", "--nnodes: must be >= 1 and <= 65536 (got 0)"),
+    ("65537", "--nnodes: must be >= 1 and <= 65536 (got 65537)"),
+    ("2:1", "--nnodes: must satisfy 0 < MIN <= MAX <= 65536 (got '2:1')"),
+])
+def test_nodes_out_of_bounds_are_worded_as_typed_one_number_or_a_range(capsys, nodes, line):
+    assert run(["train", "--nnodes", nodes, "--dry-run"]) == 2
+    assert capsys.readouterr().err == f"error: {line}\n"
 
 
 @pytest.mark.parametrize("case", list(CASES))

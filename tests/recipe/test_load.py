@@ -237,10 +237,62 @@ def test_a_missing_recipe_names_the_one_meant(tmp_path, monkeypatch, typed):
         load_recipe("recipes/unlike.yaml")
 
 
+@pytest.mark.parametrize("typed, item", [("train.steps=3", "train.steps=3"),
+                                         ("pipeline.balance=[3, 3]", "'pipeline.balance=[3, 3]'")])
+def test_a_missing_recipe_typed_as_key_value_is_answered_with_its_set(tmp_path, monkeypatch, typed, item):
+    """`gpipe train train.steps=3` was told only that no such recipe file exists."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(typed)
+    assert str(caught.value) == f"{typed}: no such recipe file; to override a recipe key give --set {item}"
+
+
 @pytest.mark.parametrize("item", ["foo", "=3", "a..b=1", ".a=1"])
 def test_malformed_set(item):
     with pytest.raises(RecipeError, match="--set expects KEY=VALUE"):
         load_recipe(None, [item])
+
+
+@pytest.mark.parametrize("item,line", [
+    # They were type errors of the text: `--set optimizer: must be a mapping (got '{lr: 0.01')`.
+    ("optimizer={lr: 0.01", "--set optimizer: '{lr: 0.01' is not valid YAML (an unclosed '{'); did you mean "
+                            "--set 'optimizer={lr: 0.01}'?"),
+    ("pipeline.balance=[3,3", "--set pipeline.balance: '[3,3' is not valid YAML (an unclosed '['); did you mean "
+                              "--set 'pipeline.balance=[3,3]'?"),
+    ("data.name=[a, {b: 1", "--set data.name: '[a, {b: 1' is not valid YAML (an unclosed '[' and '{'); did you "
+                            "mean --set 'data.name=[a, {b: 1}]'?"),
+    ("optimizer.lr=\"abc", "--set optimizer.lr: '\"abc' is not valid YAML (an unclosed '\"'); did you mean "
+                           "--set 'optimizer.lr=\"abc\"'?"),
+    # `--set pipeline.balance=[3, 3]` unquoted: the shell passed `[3,` as the item.
+    ("pipeline.balance=[3,", "--set pipeline.balance: '[3,' is not valid YAML (an unclosed '['); the shell splits "
+                             "an item at its spaces unless it is quoted whole: --set 'pipeline.balance=[3, ...]'"),
+    ("pipeline.balance=[3,,3]", "--set pipeline.balance: '[3,,3]' is not valid YAML (at column 4: expected the "
+                                "node content, but found ',')"),
+])
+def test_a_set_value_that_opens_a_list_mapping_or_quote_but_is_no_yaml_says_so(item, line):
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(None, [item])
+    assert str(caught.value) == line
+
+
+def test_a_set_value_that_is_no_yaml_but_opens_nothing_stays_text():
+    assert load_recipe(None, ["data.name=a: b: c"]).data.name == "a: b: c"  # no YAML (a second ": ")
+
+
+@pytest.mark.parametrize("item,line", [
+    ("pipeline.balance=3,3", "quickstart.yaml (built in): --set pipeline.balance: must be auto, params, time, memory "
+                             "or a list of layer counts per stage (got '3,3'); did you mean --set "
+                             "'pipeline.balance=[3,3]'?"),
+    ("optimizer.betas=0.9,0.99", "quickstart.yaml (built in): --set optimizer.betas: must be a list (got "
+                                 "'0.9,0.99'); did you mean --set 'optimizer.betas=[0.9,0.99]'?"),
+    # A key that takes no list is not offered one.
+    ("name=a,b", "quickstart.yaml (built in): --set name: may contain only ASCII letters, digits, '.', '_' and '-', "
+                 "not dots alone (got 'a,b')"),
+])
+def test_a_list_typed_without_brackets_for_a_key_that_takes_one_is_shown_with_them(item, line):
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(None, [item])
+    assert str(caught.value) == line
 
 
 def test_set_parses_yaml_values_and_creates_sections():

@@ -461,3 +461,28 @@ def test_the_runs_recipe_names_its_data_files_from_anywhere(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     resumed = load_recipe(run / "recipe.yaml")
     assert resumed.data.path == str(here / "pairs.jsonl") and resumed.data.tokenizer is None
+
+
+@pytest.mark.parametrize("holds, line", [
+    (("checkpoints/step-00000002", "recipe.yaml"),
+     "run: is a run directory, not a recipe file; give --resume run to continue it, or run/recipe.yaml to start "
+     "again with its recipe"),
+    (("recipe.yaml",), "run: is a run directory, not a recipe file; give run/recipe.yaml to start again with its "
+                       "recipe"),  # no checkpoint to continue from
+    ((), "run: is a run directory, not a recipe file; give the recipe it was started with"),
+])
+def test_a_run_directory_given_as_the_recipe_says_how_to_continue_it_or_start_again(tmp_path, monkeypatch, holds,
+                                                                                     line):
+    # It said only "is a directory, not a recipe file".
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 1.0}\n')
+    for name in holds:
+        if name == "recipe.yaml":
+            (run / name).write_text(recipe_yaml(load_recipe(None)))
+        else:
+            (run / name).mkdir(parents=True)
+    with pytest.raises(UserError) as caught:
+        existing.train_recipe("run", [], None, None, "outputs")
+    assert str(caught.value) == line
