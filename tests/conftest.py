@@ -64,7 +64,7 @@ def no_interrupt_left() -> Iterator[None]:
     from gpipe_cli import interrupts
 
     yield
-    interrupts._interrupted = interrupts._terminated = False
+    interrupts._interrupted = interrupts._terminated = interrupts._own_term = interrupts._told = False
 
 
 @pytest.fixture

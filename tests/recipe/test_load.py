@@ -177,6 +177,7 @@ def test_a_single_file_of_another_sources_kind_is_refused_naming_that_source(tmp
     for name in ("pairs.jsonl", "pairs.json", "pairs.Parquet", "notes.txt", "notes", "more.md"):
         (tmp_path / name).write_text('{"text": "one two"}\n')
     (tmp_path / "folder.jsonl").mkdir()  # a folder's files are picked by suffix, and said when none is right
+    (tmp_path / "folder.jsonl" / "notes.txt").write_text("one two\n")
     lm = {**BASE, "model": {**BASE["model"], "arch": "decoder-only"}}
     sets = ["data.source=text", f"data.path={tmp_path / 'pairs.jsonl'}"]
     with pytest.raises(RecipeError) as caught:

@@ -87,7 +87,8 @@ def test_hub_recipe_offline_says_how_to_prepare_and_point_at_the_data(path: Path
     assert args[2] == rel and "data.config=xx" in overrides(args) and "train.steps=3" not in overrides(args)
     folder = args[args.index("--output") + 1]
     monkeypatch.chdir(tmp_path)
-    (tmp_path / folder).mkdir(parents=True)  # what prepare-data writes
+    (tmp_path / folder).mkdir(parents=True)  # what prepare-data writes: a folder of parquet files
+    (tmp_path / folder / "train-00000.parquet").write_bytes(b"")
     pointed = load_recipe(path, re.findall(r"--set (\S+)", msg.split("then add", 1)[1]))
     assert (pointed.data.source, pointed.data.path) == ("parquet", folder)
 
