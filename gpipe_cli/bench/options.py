@@ -198,9 +198,9 @@ def validate(options: BenchOptions) -> None:
     check_output_kind(options.trace, "--trace", allowed=(".json", ".jsonl", ".png"))  # x.png: x.json beside
     available = meminfo_available()  # a bench starts every stage on this machine
     if available is not None and not options.simulate and options.partitions * RANK_BYTES > available:
-        raise UserError(f"--partitions {options.partitions}: a bench starts one rank per stage on this machine, each "
-                        f"needing about {human_bytes(RANK_BYTES)} before its model; {human_bytes(available)} "
-                        f"available here holds at most {max(available // RANK_BYTES, 1)}")
+        raise UserError(f"{options.given('partitions', options.partitions)}: a bench starts one rank per stage on "
+                        f"this machine, each needing about {human_bytes(RANK_BYTES)} before its model; "
+                        f"{human_bytes(available)} available here holds at most {max(available // RANK_BYTES, 1)}")
     from gpipe_cli.pipeline.schedule import check as check_schedule  # torch: only once the flags above are good
 
     try:
@@ -210,11 +210,12 @@ def validate(options: BenchOptions) -> None:
         raise UserError(f"--schedule/--virtual-stages: {exc}") from None
     batch = options.batch
     if microbatch_problem(m := max(options.microbatch_values()), batch):
-        raise UserError(f"--batch-size {batch} is smaller than M={m}: every micro-batch needs an example")
+        raise UserError(f"{options.given('batch_size', batch)} is smaller than M={m}: every micro-batch needs an "
+                        "example")
     if options.compare and batch % options.microbatches:
-        raise UserError(f"--compare needs --batch-size divisible by --microbatches ({batch} % "
-                        f"{options.microbatches} != 0): torch.distributed.pipelining receives into fixed "
-                        f"buffers sized by the first micro-batch")
+        raise UserError(f"--compare needs {options.named('batch_size')} divisible by {options.named('microbatches')} "
+                        f"({batch} % {options.microbatches} != 0): torch.distributed.pipelining receives into fixed "
+                        "buffers sized by the first micro-batch")
 
 
 def parse_balance(text: str | None, partitions: int,

@@ -47,6 +47,8 @@ class ModelFlags:
     set: list[str] = field(default_factory=list)
     # What the command makes otherwise than the recipe says: printed first, and no flag.
     notes: list[str] = field(default_factory=list, metadata={"flag": False})
+    # Alias -> the `--set KEY` that gave it, so that a refusal names what was typed: no flag.
+    typed_as: dict[str, str] = field(default_factory=dict, metadata={"flag": False})
     seed: int = 0
     json: Path | None = None
     layers: int | None = None
@@ -58,6 +60,14 @@ class ModelFlags:
     image_size: int | None = None
     seq_len: int | None = None
     num_classes: int | None = None
+
+    def named(self, name: str) -> str:
+        """How the user gave alias `name`: the `--set KEY` where one gave it, else its flag."""
+        return self.typed_as.get(name, flag(name))
+
+    def given(self, name: str, value: object) -> str:
+        """Alias `name` with `value`, as typed: `--set pipeline.partitions=200` or `--partitions 200`."""
+        return f"{self.named(name)}{'=' if name in self.typed_as else ' '}{value}"
 
     def sizes(self) -> dict[str, int | None]:
         """The size flags, by name."""
@@ -250,4 +260,6 @@ def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[
             given["balance"] = None
         else:
             given["balance"] = balance_text(given["balance"], cuts, named or ALIASES["balance"])
-    return {**given, **{name: flags.get(name) for name in SIZE_FLAGS}, "set": model_sets, "notes": notes}
+    typed_as = {name: how for name in ALIASES if (how := given_as(name, flags, sets)) and how.startswith("--set")}
+    return {**given, **{name: flags.get(name) for name in SIZE_FLAGS}, "set": model_sets, "notes": notes,
+            "typed_as": typed_as}

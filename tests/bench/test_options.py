@@ -338,3 +338,18 @@ def test_simulate_checks_a_recipes_schedule_at_the_devices_it_predicts_for(tmp_p
     options = bench_options(str(recipe), {}, [], simulate=True, devices=4)
     assert (options.stages, options.microbatches, options.schedule) == (4, 4, "interleaved")
     validate(options)
+
+
+def test_a_refusal_names_the_set_that_gave_the_value(capsys, monkeypatch):
+    # `--set pipeline.partitions=200` was refused as "--partitions 200: ...", a flag never typed.
+    from gpipe_cli.cli import run
+
+    monkeypatch.setattr("gpipe_cli.bench.options.meminfo_available", lambda: 10 * 2**30)
+    assert run(["bench", "--set", "pipeline.partitions=200"]) == 2
+    assert capsys.readouterr().err.startswith("error: --set pipeline.partitions=200: a bench starts one rank per "
+                                              "stage on this machine")
+    assert run(["bench", "--partitions", "200"]) == 2
+    assert capsys.readouterr().err.startswith("error: --partitions 200: a bench starts one rank per stage")
+    assert run(["bench", "--set", "data.batch_size=7", "--microbatches", "2", "--compare"]) == 2
+    assert capsys.readouterr().err.startswith("error: --compare needs --set data.batch_size divisible by "
+                                              "--microbatches (7 % 2 != 0)")
