@@ -77,23 +77,23 @@ def check_launch(options: LaunchOptions, world: int) -> int:
     return world // max_nodes
 
 
-def check_device(backend: str, device: str, local_ranks: int, sets: Collection[str] = ()) -> None:
+def check_device(backend: str, device: str, local_ranks: int, sets: Collection[str] = (), label: str = "") -> None:
     """Refuse a backend or device this machine cannot run (nccl or cuda without a GPU, nccl on shared GPUs)."""
     if backend != "nccl" and device != "cuda":
         return
     import torch
 
-    def given(key: str) -> str:  # the --set that gave the value, where one did
-        return f" (given by --set {key})" if key in sets else ""
+    def given(key: str) -> str:  # as every recipe error names a key: the recipe, and the --set that gave it
+        return f"{label + ': ' if label else ''}{'--set ' if key in sets else ''}{key}"
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus == 0:
         key, value = ("pipeline.backend", "nccl") if backend == "nccl" else ("train.device", "cuda")
-        raise UserError(f"{key}: {value} needs a CUDA GPU and this machine has none visible{given(key)}; use "
+        raise UserError(f"{given(key)}: {value} needs a CUDA GPU and this machine has none visible; use "
                         f"{'backend gloo or auto' if backend == 'nccl' else 'device cpu or auto'}")
     if backend == "nccl" and local_ranks > gpus:
-        raise UserError(f"pipeline.backend: nccl needs one GPU per rank, but {local_ranks} ranks on this node "
-                        f"share {gpus} GPU(s){given('pipeline.backend')}; use backend gloo or auto")
+        raise UserError(f"{given('pipeline.backend')}: nccl needs one GPU per rank, but {local_ranks} ranks on this "
+                        f"node share {gpus} GPU{'' if gpus == 1 else 's'}; use backend gloo or auto")
 
 
 # Linux's limits, in bytes: of one name in a path, and of a whole path (PATH_MAX counts the closing NUL too).

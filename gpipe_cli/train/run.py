@@ -276,7 +276,7 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
 
         interrupts.check()  # a Ctrl-C that torch's import swallowed stops now, not after seconds of planning
         check_device(recipe.pipeline.backend, recipe.train.device, int(os.environ.get("LOCAL_WORLD_SIZE", local)),
-                     typed_values(options.overrides))
+                     typed_values(options.overrides), recipe_label(recipe_file))
         # Refuses impossible cuts and plans that cannot fit, before any rank starts. The ranks cut for the
         # memory free now, not for what is left while their siblings load.
         available = float(memory_model.available_bytes("cuda" if torch.cuda.is_available() else "cpu"))

@@ -173,8 +173,8 @@ def test_two_fake_slurm_nodes_train_k2_with_the_same_command(tmp_path):
 
 
 @pytest.mark.parametrize("sets,message", [
-    (["pipeline.backend=nccl"], "error: pipeline.backend: nccl needs a CUDA GPU"),
-    (["train.device=cuda"], "error: train.device: cuda needs a CUDA GPU"),
+    (["pipeline.backend=nccl"], ": --set pipeline.backend: nccl needs a CUDA GPU"),
+    (["train.device=cuda"], ": --set train.device: cuda needs a CUDA GPU"),
     (["data.batch_size=4096", "pipeline.checkpoint=never"], "the plan does not fit this machine"),
 ])
 def test_a_dry_run_refuses_what_a_launch_would(tmp_path, monkeypatch, capsys, sets, message):
@@ -236,3 +236,22 @@ def test_an_endpoint_from_the_node_list_is_named_by_its_variables_not_by_a_flag(
     typed = launch_options(rdzv_endpoint="host0.invalid:29500", environ=step_env(1))
     with pytest.raises(UserError, match=r"^--rdzv-endpoint host0\.invalid:29500: host0\.invalid is not a host"):
         reach(rendezvous(2, typed), lambda line: None)
+
+
+def test_a_device_this_machine_lacks_is_named_as_every_recipe_error_names_a_key(monkeypatch):
+    # It lacked the recipe's label, and said "(given by --set ...)" after the line's reason.
+    import torch
+
+    from gpipe_cli.launch.preflight import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError) as caught:
+        check_device("nccl", "cuda", 2, {"pipeline.backend"}, "r.yaml")
+    assert str(caught.value) == ("r.yaml: --set pipeline.backend: nccl needs one GPU per rank, but 2 ranks on this "
+                                 "node share 1 GPU; use backend gloo or auto")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError) as caught:
+        check_device("gloo", "cuda", 2, (), "r.yaml")
+    assert str(caught.value) == ("r.yaml: train.device: cuda needs a CUDA GPU and this machine has none visible; "
+                                 "use device cpu or auto")

@@ -317,9 +317,9 @@ def cuda_cases() -> dict[str, tuple[Setup, list[str], str]]:
     if torch.cuda.is_available():
         return {}
     return {"nccl without a GPU": (GOOD, ["--set", "pipeline.backend=nccl"],
-                                   "this machine has none visible (given by --set pipeline.backend)"),
+                                   "--set pipeline.backend: nccl needs a CUDA GPU and this machine has none visible"),
             "cuda without a GPU": (GOOD, ["--set", "train.device=cuda"],
-                                   "this machine has none visible (given by --set train.device)")}
+                                   "--set train.device: cuda needs a CUDA GPU and this machine has none visible")}
 
 
 def assert_one_line(code: int, err: str, out: str, fragment: str) -> None:
