@@ -47,8 +47,9 @@ class ModelFlags:
     set: list[str] = field(default_factory=list)
     # What the command makes otherwise than the recipe says: printed first, and no flag.
     notes: list[str] = field(default_factory=list, metadata={"flag": False})
-    # Alias -> the `--set KEY` that gave it, so that a refusal names what was typed: no flag.
-    typed_as: dict[str, str] = field(default_factory=dict, metadata={"flag": False})
+    # Alias -> the `--set KEY` that gave it, so that a refusal names what was typed: no flag, and no part of what
+    # the options ask for (a flag and its --set give equal options).
+    typed_as: dict[str, str] = field(default_factory=dict, compare=False, metadata={"flag": False})
     seed: int = 0
     json: Path | None = None
     layers: int | None = None
