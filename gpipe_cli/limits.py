@@ -6,7 +6,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 
-from gpipe_cli.errors import UserError
+from gpipe_cli.errors import UserError, shown
 
 # Upper bounds that no real run reaches: they turn typos such as 1e20 into a clear error instead of an
 # allocation that fails deep inside torch.
@@ -47,9 +47,15 @@ def finite(flag: str, value: float | None, unit: str = "", zero: bool = False) -
     return f"{flag}: must be a finite number {'>=' if zero else '>'} 0{unit} (got {got})"
 
 
+def choices(allowed: Sequence[str], last: str | None = None) -> str:
+    """`'a', 'b' or 'c'`: the allowed words as every choice message (the recipe's too) lists them."""
+    items = [repr(item) for item in allowed] + ([last] if last else [])
+    return f"{', '.join(items[:-1])} or {items[-1]}" if len(items) > 1 else items[0]
+
+
 def one_of(name: str, value: str, allowed: Sequence[str]) -> str | None:
-    """`NAME: must be one of A, B (got VALUE)` when `value` is not among `allowed`, else None."""
-    return None if value in allowed else f"{name}: must be one of {', '.join(allowed)} (got {value or repr(value)})"
+    """`NAME: must be 'a' or 'b' (got 'VALUE')` when `value` is not among `allowed`, else None."""
+    return None if value in allowed else f"{name}: must be {choices(allowed)} (got {shown(value)})"
 
 
 def refuse(problems: Iterable[str | None]) -> None:

@@ -396,12 +396,12 @@ def test_too_many_chunks_are_called_chunks_made_of_k_and_v_never_partitions_the_
 
 
 @pytest.mark.parametrize("args, says", [
-    (["bench", "--balance", "params"], "error: --balance: this command cuts by auto or time or a list of layers"),
-    (["profile-memory", "--balance", "time"], "error: --balance: this command cuts by auto or a list of layers"),
-    (["bench", "--set", "pipeline.balance=memory"], "error: --set pipeline.balance: this command cuts by auto"),
+    (["bench", "--balance", "params"], "error: --balance: this command cuts by 'auto', 'time' or a list of layer"),
+    (["profile-memory", "--balance", "time"], "error: --balance: this command cuts by 'auto' or a list of layer"),
+    (["bench", "--set", "pipeline.balance=memory"], "error: --set pipeline.balance: this command cuts by 'auto'"),
     # Not the recipe key's every mode, which the command would then refuse in turn.
-    (["bench", "--balance", "3,x"], "error: --balance: this command cuts by auto or time or a list of layers per "
-                                    "stage (got '3,x')")])
+    (["bench", "--balance", "3,x"], "error: --balance: this command cuts by 'auto', 'time' or a list of layer "
+                                    "counts per stage (got '3,x')")])
 def test_a_cut_a_command_does_not_make_is_named_by_its_flag_and_its_help_lists_only_those_it_makes(capsys, args, says):
     assert run(args) == 2
     assert capsys.readouterr().err.startswith(says)

@@ -145,8 +145,7 @@ def validate(options: ProfileOptions) -> None:
         microbatch_problem(options.microbatches, options.batch_size, "--microbatches", "--batch-size"),
         *choice_problems(options),
         one_of("--optimizer", options.optimizer, OPTIMIZER_NAMES),
-        None if options.device in ("auto", "cpu", "cuda")
-        else f"--device: must be auto, cpu or cuda (got {options.device or repr(options.device)})",
+        one_of("--device", options.device, ("auto", "cpu", "cuda")),
         one_cut_problem(options.balance, options.partitions, options.virtual_stages),
         v_problem(None, {"schedule": options.schedule, "virtual_stages": options.virtual_stages}, ()),
         _interleaved_problem(options),

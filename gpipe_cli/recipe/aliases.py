@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from gpipe_cli.errors import shown
-from gpipe_cli.limits import MAX_SIZE
+from gpipe_cli.limits import MAX_SIZE, choices
 from gpipe_cli.recipe.load import RecipeError, apply_override, load_recipe, parse_override, typed_values, validate
 from gpipe_cli.recipe.schema import DEFAULT_KIND, MODEL_SECTIONS, Data, Pipeline, Recipe
 from gpipe_cli.recipe.yamlio import parse_value
@@ -83,7 +83,7 @@ def balance_problem(text: str | None, cuts: tuple[str, ...]) -> str | None:
 
 
 def _cuts_by(cuts: tuple[str, ...]) -> str:
-    return f"this command cuts by {' or '.join(cuts)} or a list of layers per stage"
+    return f"this command cuts by {choices(cuts, 'a list of layer counts per stage')}"
 
 
 def balance_help(cuts: tuple[str, ...]) -> str:

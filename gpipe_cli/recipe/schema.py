@@ -28,6 +28,7 @@ from gpipe_cli.limits import (
     MAX_SEED,
     MAX_SIZE,
     MAX_VIRTUAL,
+    choices,
 )
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
@@ -176,11 +177,9 @@ class Pipeline(Section):
     @field_validator("schedule", mode="before")
     @classmethod
     def _known_schedule(cls, value: object) -> object:
-        allowed = [repr(name) for name in schedules.names()]
         if isinstance(value, str) and value in schedules.names():
             return value
-        raise ValueError(f"pipeline.schedule: must be {', '.join(allowed[:-1])} or {allowed[-1]} "
-                         f"(got {shown(value)})")
+        raise ValueError(f"pipeline.schedule: must be {choices(schedules.names())} (got {shown(value)})")
 
     @field_validator("balance", mode="before")
     @classmethod
@@ -194,8 +193,8 @@ class Pipeline(Section):
                 return value
             raise ValueError(f"pipeline.balance: every entry must be a number of layers from 1 to {MAX_LAYERS} "
                              f"(got {shown(bad[0])} in {shown(value)})")
-        raise ValueError(f"pipeline.balance: must be {', '.join(BALANCE_MODES)} or a list of layer counts "
-                         f"per stage (got {shown(value)})")
+        raise ValueError(f"pipeline.balance: must be {choices(BALANCE_MODES, 'a list of layer counts per stage')} "
+                         f"(got {shown(value)})")
 
     @model_validator(mode="after")
     def _balance_matches_partitions(self) -> Pipeline:

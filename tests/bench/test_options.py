@@ -25,7 +25,7 @@ def test_default_batch_gives_four_examples_per_microbatch():
     (BenchOptions(batch_size=10, microbatches=4, compare=True), "divisible"),
     (BenchOptions(schedule="zigzag"), "--schedule"),
     (BenchOptions(checkpoint="sometimes"), "--checkpoint"),
-    (BenchOptions(offload="weights"), "--offload: must be one of none, activations"),
+    (BenchOptions(offload="weights"), "--offload: must be 'none' or 'activations'"),
     (BenchOptions(devices=4), "--devices needs --simulate"),
     (BenchOptions(sweep=True, compare=True), "cannot be combined"),
     (BenchOptions(simulate=True, compare=True), "--simulate and --compare cannot be combined"),
@@ -276,9 +276,9 @@ def test_an_empty_model_name_is_refused_not_read_as_the_default_model(capsys, mo
 
 
 @pytest.mark.parametrize("args,line", [
-    (["profile-memory", "--device", ""], "error: --device: must be auto, cpu or cuda (got '')\n"),
-    (["profile-memory", "--optimizer", ""], "error: --optimizer: must be one of "),
-    (["plan", "--devices", "2", "--timing", ""], "error: --timing: must be one of ")])
+    (["profile-memory", "--device", ""], "error: --device: must be 'auto', 'cpu' or 'cuda' (got '')\n"),
+    (["profile-memory", "--optimizer", ""], "error: --optimizer: must be 'sgd', "),
+    (["plan", "--devices", "2", "--timing", ""], "error: --timing: must be '")])
 def test_an_empty_choice_is_shown_as_two_quotes_not_as_nothing(capsys, args, line):
     # `(got )` read as a cut-off line.
     from gpipe_cli.cli import run

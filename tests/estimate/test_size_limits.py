@@ -33,7 +33,7 @@ def test_the_limits_are_the_recipe_schemas():
     ({}, ["model.d_model="], f"--set model.d_model: must be an integer >= 1 and <= {MAX_SIZE} (got null)"),
     ({}, ["model.heads=2.5"], f"--set model.heads: must be an integer >= 1 and <= {MAX_SIZE} (got 2.5)"),
     ({}, ["model.dropout=true"], "--set model.dropout: must be a number in [0, 1) (got true)"),
-    ({}, ["model.arch=foo"], "--set model.arch: must be one of encoder-decoder, decoder-only (got 'foo')"),
+    ({}, ["model.arch=foo"], "--set model.arch: must be 'encoder-decoder' or 'decoder-only' (got 'foo')"),
     # A rule between two sizes names each as it was set (it said `--model transformer: d_model (32) must be ...`).
     ({"d_model": 32}, ["model.heads=3"], "--d-model (32) must be divisible by --set model.heads (3)"),
     ({}, ["model.heads=5"], "model.d_model (2048) must be divisible by --set model.heads (5)"),

@@ -82,7 +82,7 @@ def test_every_schedule_is_accepted_the_v_shaped_ones_too():
     assert {n for n in SCHEDULES if schedules.get(n).placement == "v"} == {"v-half", "zero-bubble-v"}
     for name in SCHEDULES:
         validate(ProfileOptions(schedule=name, virtual_stages=2 if name in ("v-half", "zero-bubble-v") else 1))
-    with pytest.raises(UserError, match="--schedule: must be one of gpipe, "):
+    with pytest.raises(UserError, match="--schedule: must be 'gpipe', "):
         validate(ProfileOptions(schedule="v-full"))
 
 

@@ -80,7 +80,7 @@ def test_a_recipes_cut_a_command_does_not_make_is_said_and_its_own_made(shipped)
         "--balance auto"]
     assert bench_options(shipped, {}, []).notes == []  # bench cuts by time itself
     # Typed, the same mode is refused, as before.
-    with pytest.raises(RecipeError, match=r"^--set pipeline.balance: this command cuts by auto or a list"):
+    with pytest.raises(RecipeError, match=r"^--set pipeline.balance: this command cuts by 'auto' or a list"):
         profile_options(shipped, None, {}, ["pipeline.balance=time"])
 
 

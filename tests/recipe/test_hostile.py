@@ -190,7 +190,7 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "balance bool entry": (GOOD, ["--set", "pipeline.balance=[true, 8]"], "pipeline.balance: every entry must be a "
                            "number of layers from 1 to 10000 (got true in [true, 8])"),  # YAML's words, not Python's
     "balance huge entry": (GOOD, ["--set", f"pipeline.balance=[{BIG}, 1]"], "pipeline.balance: every entry"),
-    "balance word": (GOOD, ["--set", "pipeline.balance=fast"], "pipeline.balance: must be auto"),
+    "balance word": (GOOD, ["--set", "pipeline.balance=fast"], "pipeline.balance: must be 'auto'"),
     "balance length": (GOOD, ["--set", "pipeline.balance=[3, 3, 3]"], "pipeline.balance has 3 entries"),
     "schedule": (GOOD, ["--set", "pipeline.schedule=zb"], "pipeline.schedule: must be"),
     "schedule null": (GOOD, ["--set", "pipeline.schedule=null"], "'zero-bubble-v' or 'v-half' (got null)"),

@@ -78,7 +78,7 @@ def test_every_shipped_recipe_validates_and_plans(path):
     (["model.kind=resnet"], "model.kind: must be 'amoebanet' or 'transformer' (got 'resnet')"),
     (["pipeline.microbatches=16"], "pipeline.microbatches (16) must be <= data.batch_size (8)"),
     (["pipeline.balance=[1, 0]"], "pipeline.balance: every entry must be a number of layers from 1 to"),
-    (["pipeline.balance=fast"], "pipeline.balance: must be auto, params, time, memory or a list"),
+    (["pipeline.balance=fast"], "pipeline.balance: must be 'auto', 'params', 'time', 'memory' or a list"),
     (["data.source=jsonl", "data.path=/no/such/file"], "data.path: no such file or directory: '/no/such/file'"),
     # Named by the --set that gave it: the recipe file never set it.
     (["data.source=jsonl", "data.path=/no/such/file"], "recipe.yaml: --set data.path: no such file or directory"),
@@ -281,8 +281,8 @@ def test_a_set_value_that_is_no_yaml_but_opens_nothing_stays_text():
 
 
 @pytest.mark.parametrize("item,line", [
-    ("pipeline.balance=3,3", "quickstart.yaml (built in): --set pipeline.balance: must be auto, params, time, memory "
-                             "or a list of layer counts per stage (got '3,3'); did you mean --set "
+    ("pipeline.balance=3,3", "quickstart.yaml (built in): --set pipeline.balance: must be 'auto', 'params', "
+                             "'time', 'memory' or a list of layer counts per stage (got '3,3'); did you mean --set "
                              "'pipeline.balance=[3,3]'?"),
     ("optimizer.betas=0.9,0.99", "quickstart.yaml (built in): --set optimizer.betas: must be a list (got "
                                  "'0.9,0.99'); did you mean --set 'optimizer.betas=[0.9,0.99]'?"),

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpipe_cli.errors import shown
-from gpipe_cli.limits import AMOEBANET_STEPS
+from gpipe_cli.limits import AMOEBANET_STEPS, choices
 from gpipe_cli.models.amoebanet.cells import COMBINATIONS, Combination, Preprocess, PrevMode, live_states, state_widths
 from gpipe_cli.models.amoebanet.genotype import GENOTYPES, CellGenotype
 from gpipe_cli.models.amoebanet.heads import AuxHead, Classifier, Stem, he_built
@@ -120,7 +120,7 @@ def build_amoebanet(variant: str = "d", layers: int = 18, filters: int = 256, nu
                     image_size: int = 224, dropout: float = 0.5, aux_head: bool = False,
                     label_smoothing: float = 0.1) -> ModelSpec:
     """AmoebaNet-<variant>(layers, filters) for `num_classes` classes at `image_size` pixels."""
-    require(variant in GENOTYPES, f"AmoebaNet variant must be one of {sorted(GENOTYPES)} (got {shown(variant)})")
+    require(variant in GENOTYPES, f"AmoebaNet variant must be {choices(sorted(GENOTYPES))} (got {shown(variant)})")
     for name, value in (("layers", layers), ("filters", filters)):
         step = AMOEBANET_STEPS[name]
         require(is_int(value) and value >= step and value % step == 0,

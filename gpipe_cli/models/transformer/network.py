@@ -8,6 +8,7 @@ import math
 import torch
 
 from gpipe_cli.errors import shown
+from gpipe_cli.limits import choices
 from gpipe_cli.models.base import Batch, LayerSpec, ModelSpec, is_fraction, is_int, require
 from gpipe_cli.models.losses import count_tokens, token_cross_entropy
 from gpipe_cli.models.transformer.layers import DecoderLayer, Embedding, EncoderLayer, Positions, Softmax
@@ -34,13 +35,13 @@ def build_transformer(arch: str = "encoder-decoder", layers: int = 6, d_model: i
                       scaled_init: bool = False, logit_clip: float | None = None,
                       label_smoothing: float = 0.1) -> ModelSpec:
     """T(layers, ff, heads) with `d_model`-wide states, or the decoder-only LM built from the same layers."""
-    require(arch in ARCHS, f"arch must be one of {', '.join(ARCHS)} (got {shown(arch)})")
+    require(arch in ARCHS, f"arch must be {choices(ARCHS)} (got {shown(arch)})")
     for name, value in (("layers", layers), ("d_model", d_model), ("ff", ff), ("heads", heads),
                         ("max_len", max_len), ("vocab_size", vocab_size)):
         require(is_int(value) and value >= 1, f"{name} must be a positive integer (got {shown(value)})")
     require(vocab_size > FIRST_WORD_ID, f"vocab_size must exceed {FIRST_WORD_ID} (got {vocab_size})")
     require(d_model % heads == 0, f"d_model ({d_model}) must be divisible by heads ({heads})")
-    require(positions in POSITIONS, f"positions must be one of {', '.join(POSITIONS)} (got {shown(positions)})")
+    require(positions in POSITIONS, f"positions must be {choices(POSITIONS)} (got {shown(positions)})")
     for name, share in (("dropout", dropout), ("label_smoothing", label_smoothing)):
         require(is_fraction(share), f"{name} must be a number in [0, 1) (got {shown(share)})")
     require(logit_clip is None or (isinstance(logit_clip, (int, float)) and logit_clip > 0),
