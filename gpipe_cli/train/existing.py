@@ -521,17 +521,20 @@ def resume_location(resume: str, output_dir: str | None, name: str, root: str) -
     raise _no_run_of(name, root)
 
 
-def check_a_run_to_resume(resume: str | None, output_dir: str | None, name: str, root: str) -> None:
+def check_a_run_to_resume(resume: str | None, output_dir: str | None, name: str, root: str, ours: bool = False) -> None:
     """Refuse, before torch loads, a resume of a run another gpipe train writes, or of one without a checkpoint."""
+    # `ours`: this job's claimant (rank 0, or node 0's launcher) may hold it already, as in `check_new_run_dir`.
     if resume == LATEST and not output_dir and not any(candidates(run) for run in _runs_named(name, root)):
         raise _no_run_of(name, root)
     # A --dry-run never claims the run: this is where it learns that a launch would be refused.
     if resume == LATEST and output_dir:
-        check_no_writer(Path(output_dir), "--output-dir", "wait until it ends, or give another --output-dir")
+        if not ours:
+            check_no_writer(Path(output_dir), "--output-dir", "wait until it ends, or give another --output-dir")
         check_layout(Path(output_dir), "--output-dir", "move it, or give another --output-dir")
     if resume in (None, LATEST):
         return
-    check_no_writer(run_dir_of(resume), "--resume", "wait until it ends")
+    if not ours:
+        check_no_writer(run_dir_of(resume), "--resume", "wait until it ends")
     check_layout(run_dir_of(resume), "--resume", "move it aside to continue the run")
     if not candidates(Path(resume)):  # before the first line says what starts
         raise no_usable(resume, [])

@@ -209,7 +209,10 @@ def train(options: TrainOptions) -> int:
         new_run = (Path(options.output_dir), "--output-dir", "") if options.output_dir else \
             (Path(OUTPUTS) / recipe.name, "the output directory", "; give --output-dir DIR to write the run elsewhere")
         check_writable(*new_run)
-    check_a_run_to_resume(options.resume, options.output_dir, recipe.name, OUTPUTS)  # not after seconds of planning
+    # Not after seconds of planning. Under torchrun, rank 0 claims the run as the other ranks check it: theirs is not
+    # another gpipe train's.
+    check_a_run_to_resume(options.resume, options.output_dir, recipe.name, OUTPUTS,
+                          ours=not claims(options.launch, world))
     check_hub_data(recipe.data, recipe_file, options.overrides)  # offline: fail now, not inside the ranks
     if options.dry_run and under_torchrun():
         raise UserError("--dry-run: this process is already a rank that torchrun started; run it outside "
@@ -293,9 +296,10 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
             and not candidates(Path(options.output_dir))  # no checkpoint at all; a damaged one is refused below
         if fresh:  # a scheduler's first launch of a job that resumes when requeued: nothing to continue yet
             resume = None
-        # A launch that ended before its first checkpoint left records of steps no resume can continue.
+        # A launch that ended before its first checkpoint left records of steps no resume can continue. Its claimant
+        # drops them: under torchrun the other ranks would rewrite the file beside it.
         dropped = bool(fresh and options.output_dir and holds_run(Path(options.output_dir)))
-        if dropped and options.output_dir and not options.dry_run:
+        if dropped and options.output_dir and claimed:
             from gpipe_cli.train.resume import trim_metrics
 
             trim_metrics(Path(options.output_dir) / METRICS, 0)

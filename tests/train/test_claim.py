@@ -246,6 +246,30 @@ def test_a_resume_of_a_run_being_written_is_refused_and_the_run_kept(tmp_path, l
     assert claim.LOCK not in os.listdir(run)
 
 
+@pytest.mark.parametrize("bare", [False, True])
+def test_under_torchrun_the_other_ranks_resume_the_run_their_rank_0_has_claimed(tmp_path, monkeypatch, bare):
+    # Rank 1, slower to its checks than rank 0 to its claim, refused the run as another gpipe train's; silent (its
+    # node's rank 0 speaks), it left rank 0 waiting for it in the job.
+    path, run = make_run(tmp_path, steps=(4,))
+    joined: list[int] = []
+    monkeypatch.setattr("gpipe_cli.train.worker.run_job", lambda job: joined.append(1) or 0)
+    for name, value in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+    args = (str(path), "--output-dir", str(run), "--resume", "latest") if bare else ("--resume", str(run))
+    with claim.held(run, "--output-dir", "wait"):  # rank 0's claim, or another job's: rank 1 cannot tell them apart
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        result = train(*args, "--set", "train.steps=8")
+        assert result.exit_code == 0, result.output
+        assert joined == [1]
+        monkeypatch.setenv("RANK", "0")  # the claimant: another job's claim refuses it, and so the whole job
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        result = train(*args, "--set", "train.steps=8")
+        assert result.exit_code == 2, result.output
+        assert "is being written by another gpipe train" in error_line(result) and joined == [1]
+
+
 def test_a_new_run_into_a_run_being_written_says_so_rather_than_advise_a_resume(tmp_path, launches):
     # It said "already holds a run; use --resume to continue it", and that resume was then refused.
     path, run = make_run(tmp_path, steps=(4,))
