@@ -193,8 +193,13 @@ def check_output_kind(path: Path | None, flag: str, writes: str = "JSON", suffix
                         f"{writes}; {instead}")
     # `validate --json README.md` replaced the README: a file of any other name is kept unless it holds what is written.
     if path.suffix.lower() not in allowed and os.path.isfile(path) and not _holds(path, writes):
-        raise UserError(f"{flag} {shown_path(path)} is a file that holds no {writes}, which {flag} would replace; "
-                        f"{instead}, or remove that file first")
+        raise holds_no(path, flag, writes, instead)
+
+
+def holds_no(path: Path, flag: str, writes: str, instead: str) -> UserError:
+    """The refusal of an existing file that holds no `writes`, which the output `flag` would replace."""
+    return UserError(f"{flag} {shown_path(path)} is a file that holds no {writes}, which {flag} would replace; "
+                     f"{instead}, or remove that file first")
 
 
 def _holds(path: Path, writes: str) -> bool:

@@ -12,17 +12,18 @@ from typing import TYPE_CHECKING, Any
 
 from gpipe_cli import interrupts
 from gpipe_cli.errors import UserError, shown
-from gpipe_cli.files import another_file, check_not_input, check_output
+from gpipe_cli.files import another_file, check_not_input, check_output, holds_no
 from gpipe_cli.plan.options import ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US, PlanOptions, validate
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_label, recipe_read
 from gpipe_cli.recipe.schema import Recipe
-from gpipe_cli.recipe.yamlio import read_recipe_file
+from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
 from gpipe_cli.units import human_bytes, human_seconds, size_flag
 
 if TYPE_CHECKING:
     from gpipe_cli.models.base import ModelSpec
 
 _BARE = re.compile(r"\s*[0-9.]+\s*")  # a size typed without a unit
+_RECIPE_BYTES = 1 << 20  # a recipe is a page of YAML: a larger file is something else
 
 
 def micro_sizes(layers: int, batch: int, devices: int, least: int) -> list[int]:
@@ -89,6 +90,7 @@ def run(options: PlanOptions) -> int:
     raw = parse_yaml(text, recipe_label(options.recipe), options.set)
     check_output(options.output, "--output", "planned.yaml")
     _not_the_recipe(options)
+    _only_a_recipe_replaced(options.output)
     with interrupts.remembered():
         from gpipe_cli.plan.here import siblings  # torch
 
@@ -141,6 +143,20 @@ def _not_the_recipe(options: PlanOptions) -> None:
     if copy:
         raise UserError(f"--output {shown(str(output))} is the built-in recipe being planned: writing there would "
                         f"replace it; {instead}")
+
+
+def _only_a_recipe_replaced(output: Path | None) -> None:
+    """Refuse an existing --output that is not a recipe (`compose.yaml`, notes): the plan would replace it."""
+    if output is None or not output.is_file():
+        return
+    try:
+        text = output.read_text() if output.stat().st_size <= _RECIPE_BYTES else None
+        data = parse_document(text, str(output)) if text is not None else []
+    except (OSError, UnicodeDecodeError, UserError):  # unreadable as a recipe: another kind of file
+        data = []
+    if data is None or (isinstance(data, dict) and data and set(map(str, data)) <= Recipe.model_fields.keys()):
+        return  # empty, or a recipe: another plan written before, perhaps
+    raise holds_no(output, "--output", "recipe", another_file(output, output.stem + ".planned.yaml"))
 
 
 def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any]]) -> Callable[[], int]:

@@ -70,6 +70,24 @@ def test_planning_the_built_in_recipe_never_overwrites_its_copy_in_recipes(tmp_p
     assert copy.read_text() == default_recipe_text() and [p.name for p in tmp_path.iterdir()] == [copy.name]
 
 
+@pytest.mark.parametrize("held", ["services:\n  web:\n    image: nginx\n", "notes: [\n", "- a\n- b\n", "\x89PNG"])
+def test_an_existing_output_that_holds_no_recipe_is_kept(tmp_path, capsys, monkeypatch, held):
+    # `--output compose.yaml` replaced a compose file with the plan, and said only "wrote".
+    monkeypatch.chdir(tmp_path)
+    recipe, kept = write(tmp_path, TINY), tmp_path / "compose.yaml"
+    kept.write_text(held)
+    assert run(["plan", str(recipe), *QUICK, "--output", kept.name]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: --output 'compose.yaml' is a file that holds no recipe, which --output would replace; name "
+                   "another file, e.g. 'compose.planned.yaml', or remove that file first\n")
+    assert kept.read_text() == held
+    other = write(tmp_path, TINY, "other-recipe.yaml")  # another recipe, or an empty file, is what a plan may replace
+    for name, text in (("other.yaml", other.read_text()), ("empty.yaml", "")):
+        (tmp_path / name).write_text(text)
+        assert run(["plan", str(recipe), *QUICK, "--output", name]) == 0, capsys.readouterr().err
+        assert "pipeline:" in (tmp_path / name).read_text()
+
+
 @pytest.mark.parametrize("where", ["gpipe_cli.recipe_model.model_spec", "gpipe_cli.plan.search.search"])
 def test_a_ctrl_c_a_library_swallowed_still_stops_the_plan(tmp_path, capsys, monkeypatch, handlers, where):
     """torch's import swallows a KeyboardInterrupt: only the remembered signal is left to act on."""
