@@ -1,5 +1,6 @@
 """Imported last by the rank server: its import says that the server holds what every rank imports (see `forked`)."""
 
+import contextlib
 import os
 import sys
 import traceback
@@ -25,5 +26,6 @@ def quiet_orphans(previous: Hook) -> Hook:
 
 if (_marker := os.environ.get("GPIPE_PRELOADED")) is not None:
     sys.excepthook = quiet_orphans(sys.excepthook)
-    with open(f"{_marker}-{os.getpid()}", "w"):
+    # A stop while the server loads: the command has ended and taken its folder along, and none waits for the mark.
+    with contextlib.suppress(OSError), open(f"{_marker}-{os.getpid()}", "w"):
         pass

@@ -6,6 +6,8 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from multiprocessing import forkserver
@@ -180,3 +182,12 @@ def test_a_server_started_elsewhere_in_the_process_is_replaced_by_one_that_says_
     finally:
         forked.stop()
     assert not os.path.exists(forked._preloaded(ours))
+
+
+def test_a_server_whose_command_has_gone_loads_without_a_traceback(tmp_path: Path):
+    # A SIGHUP to `gpipe plan` while its server loaded: the command's folder was gone when the server marked itself
+    # loaded, and a FileNotFoundError's traceback followed the one line of the stop.
+    gone = tmp_path / "gone" / "gpipe-preloaded"
+    proc = subprocess.run([sys.executable, "-c", "import gpipe_cli.launch.preloaded"], capture_output=True, text=True,
+                          env={**os.environ, "GPIPE_PRELOADED": str(gone)}, timeout=120)
+    assert (proc.returncode, proc.stderr) == (0, "")
