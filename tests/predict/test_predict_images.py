@@ -34,6 +34,15 @@ def test_each_format_training_reads_is_told_by_its_first_bytes(tmp_path, kind):
     assert image_format(str(_picture(tmp_path / "no-suffix", kind))) == kind
 
 
+@pytest.mark.parametrize("kind", ["PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF"])
+def test_an_image_cut_short_is_an_image_still(tmp_path, kind):
+    # A copy that stopped early, which no reader opens, was translated as the sentence of its file name.
+    whole = _picture(tmp_path / "whole", kind).read_bytes()
+    cut = tmp_path / "cut"
+    cut.write_bytes(whole[:40])
+    assert image_format(str(cut)) == kind
+
+
 @pytest.mark.parametrize("text", ["one two three\n", "BMW and GIF are words\n", "", "\x89PN"])
 def test_text_is_no_image_whatever_its_name(tmp_path, text):
     path = tmp_path / "x.png"
