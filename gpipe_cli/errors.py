@@ -24,10 +24,18 @@ def near(name: str, names: Iterable[str], most: int = 1, prefix: bool = False) -
     """The known names closest to a mistyped one, best first (none where nothing is alike enough); `prefix`: where
     none is alike, those it begins are near it (`out` of `output`, too short for difflib's ratio)."""
     known = sorted(names)
-    close = difflib.get_close_matches(name, known, most, NEAR_RATIO)
+    # Two letters swapped is the commonest slip, and difflib's ratio leaves it out of short names (`tpo`, `top`).
+    close = difflib.get_close_matches(name, known, most, NEAR_RATIO) or [k for k in known if _swapped(name, k)][:most]
     if close or not prefix or len(name) < PREFIX_CHARS:
         return close
     return [k for k in known if k.startswith(name)][:most]
+
+
+def _swapped(a: str, b: str) -> bool:
+    """Whether `a` is `b` with two neighbouring characters swapped."""
+    apart = [i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y]
+    return len(a) == len(b) and len(apart) == 2 and apart[1] == apart[0] + 1 and a[apart[0]] == b[apart[1]] \
+        and a[apart[1]] == b[apart[0]]
 
 
 class UserError(Exception):

@@ -482,6 +482,9 @@ def test_an_unknown_option_is_answered_with_a_near_key_another_command_or_a_near
     (["plan", "--dev", "2"], "No such option: --dev; did you mean --device-memory or --devices? (see 'gpipe plan "
                              "--help')"),
     (["train", "--o", "3"], "No such option: --o (see 'gpipe train --help')"),  # one letter begins too many
+    # Two letters swapped, which difflib's likeness leaves out of a short name.
+    (["predict", "RUN", "one", "--tpo", "3"],
+     "No such option: --tpo; did you mean --top? (see 'gpipe predict --help')"),
 ])
 def test_an_option_typed_as_the_start_of_an_own_option_is_answered_with_it(capsys, args, line):
     assert run(args) == 2
