@@ -23,7 +23,7 @@ from gpipe_cli.errors import NONFINITE_EXIT_CODE, UserError
 from gpipe_cli.launch import forked
 from gpipe_cli.launch.preflight import reach, rendezvous, threads_per_rank
 from gpipe_cli.launch.slurm import SlurmStep, check_one_task_per_node, slurm_step
-from gpipe_cli.pipeline.stopping import say_stopping_now
+from gpipe_cli.pipeline.stopping import ask, say_stopping_now
 
 _STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGPIPE)  # SIGPIPE: the output closed
 FORCE_S = 20.0  # after a stop with nothing to save, the most a command may take to end
@@ -174,7 +174,11 @@ class _Stops:
 
     def forward_interrupt(self, signum: int, frame: object) -> None:
         """Pass Ctrl-C on to the ranks, which torchrun starts in sessions of their own, out of the terminal's reach."""
-        children, training, proc = _ranks(), self.training(), os.path.isdir("/proc")
+        # Left first, for the ranks that reach their first step unseen: a rank that has not yet looked finds it, one
+        # that has is listed below as training and is sent the signal.
+        if self.started is not None:
+            ask(self.started, signum)
+        training, children, proc = self.training(), _ranks(), os.path.isdir("/proc")
         if proc and not training:
             self.finish(signum)
         if proc and not children and not self.forking:

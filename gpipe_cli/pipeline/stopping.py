@@ -14,6 +14,7 @@ from pathlib import Path
 from types import FrameType
 
 GRACE_S = 2.0
+STOP_ASKED = "stop-asked"  # beside the marker: the signal of a stop the launcher saw through before the first step
 # SIGHUP: the terminal closed, or the ssh session dropped; the run saves and stops as a scheduler's SIGTERM asks.
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _received = 0
@@ -139,6 +140,24 @@ def _deadline(read: int, announce: bool) -> None:
             _announce(data[0])
         sys.stdout.flush()
         os._exit(128 + data[0])
+
+
+def asked() -> int:
+    """The stop signal this node's launcher saw through before any of its ranks had a step to finish (0: none)."""
+    if _marker is None:
+        return 0
+    try:
+        return int(_marker.with_name(STOP_ASKED).read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def ask(marker: Path, signum: int) -> None:
+    """Leave beside `marker` the stop signal `signum` for the ranks that arm after it (launcher side)."""
+    part = marker.with_name(f".{STOP_ASKED}.{os.getpid()}")
+    with contextlib.suppress(OSError):  # written whole: a rank reading it never sees it empty
+        part.write_text(str(signum))
+        os.replace(part, marker.with_name(STOP_ASKED))
 
 
 # Ranks hand over together, at the end of the step they share, so none stops for good while a peer means to finish

@@ -23,11 +23,18 @@ class StopRequest:
         self.announce = announce
         self.parent = os.getppid()  # a rank's parent ending sends it SIGINT (torch's workers ask for it)
         self.when = AFTER_STEP  # what a stop signal cuts short, as the answer to Ctrl-C says
+        self.echo = False  # the stop came as the launcher's note: its signal, if it comes, is no second stop
 
     def arm(self) -> None:
         """Take over the stop signals from the set-up's handler (after the first step: before it, nothing to save)."""
         for sig in stopping.STOPS:
             signal.signal(sig, self._handle)
+        # A stop the launcher saw through while this rank set up, whose signal never came: the rank forked after
+        # the launcher last looked for ranks, and reached its first step before it looked again. Heeded as sent;
+        # the signal may yet come, as the same stop.
+        if not self.signum and (signum := stopping.asked()):
+            self._handle(signum, None)
+            self.echo = True
         stopping.started()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -38,6 +45,8 @@ class StopRequest:
                 what = "the launcher ended (SIGINT)" if os.getppid() != self.parent else "SIGINT"
                 again = "" if os.getppid() != self.parent else " (Ctrl-C again to abort at once)"
                 stopping.say_stop(f"{what}: stopping {self.when}{again}")
+        elif self.echo and signum == signal.SIGINT:  # a SIGTERM again changes nothing anyway
+            self.echo = False
         elif signum == signal.SIGINT:
             if self.announce:
                 print("[gpipe] SIGINT again: aborted at once; a checkpoint it cut short is removed on resume",

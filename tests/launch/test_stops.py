@@ -4,7 +4,11 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from gpipe_cli.launch.launcher import _Stops
+from gpipe_cli.pipeline import stopping
+from gpipe_cli.train.signals import StopRequest
 
 # A rank that loses the first SIGTERM, as one does when it arrives while the rank is being started
 # (forked, its program not yet running), and ends on the next.
@@ -193,3 +197,45 @@ def test_a_rank_whose_launcher_went_away_before_handing_it_work_ends_without_a_t
     other = raised("mine.py")  # any other EOFError is told as before
     hook(EOFError, other, other.__traceback__)
     assert printed == [other]
+
+
+def test_a_rank_the_stop_never_reached_stops_after_its_first_step_and_takes_the_signal_as_the_same_stop(
+        tmp_path, monkeypatch, handlers, capsys):
+    # Forked just after the launcher last looked for ranks, a rank reached its first step before the launcher
+    # looked again: no signal reached it, and the run trained every step after the Ctrl-C.
+    from gpipe_cli.launch import launcher
+    marker = tmp_path / "training"
+    monkeypatch.setattr(launcher, "_ranks", lambda: [])  # none yet
+    stops = _Stops(marker)
+    try:
+        with pytest.raises(KeyboardInterrupt):  # no rank: the command stops where it is, as before the launch
+            stops.forward_interrupt(signal.SIGINT, None)
+    finally:
+        stops.over.set()
+        stops.stood_down.set()
+    hangup = signal.getsignal(signal.SIGHUP)
+    monkeypatch.setattr(stopping, "_marker", marker)
+    monkeypatch.setattr(stopping, "_received", 0)
+    exits: list[int] = []
+    monkeypatch.setattr("gpipe_cli.train.signals.os._exit", exits.append)
+    try:
+        request = StopRequest(announce=True)
+        request.arm()
+        assert request.signum == signal.SIGINT and marker.exists()  # it stops after this step, and saves
+        request._handle(signal.SIGINT, None)  # the launcher's signal, come late: the same stop
+        assert exits == []
+        request._handle(signal.SIGINT, None)  # a Ctrl-C again
+        assert exits == [128 + signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGHUP, hangup)
+    assert capsys.readouterr().err.splitlines()[-2:] == [
+        "[gpipe] SIGINT: stopping after this step (Ctrl-C again to abort at once)",
+        "[gpipe] SIGINT again: aborted at once; a checkpoint it cut short is removed on resume"]
+    # Without a stop, the rank arms as before.
+    (tmp_path / stopping.STOP_ASKED).unlink()
+    try:
+        request = StopRequest(announce=True)
+        request.arm()
+        assert request.signum == 0
+    finally:
+        signal.signal(signal.SIGHUP, hangup)
