@@ -23,7 +23,7 @@ from gpipe_cli.errors import NONFINITE_EXIT_CODE, UserError
 from gpipe_cli.launch import forked
 from gpipe_cli.launch.preflight import reach, rendezvous, threads_per_rank
 from gpipe_cli.launch.slurm import SlurmStep, check_one_task_per_node, slurm_step
-from gpipe_cli.pipeline.stopping import ask, say_stopping_now
+from gpipe_cli.pipeline.stopping import abrupt_exit, ask, say_stopping_now
 
 _STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGPIPE)  # SIGPIPE: the output closed
 FORCE_S = 20.0  # after a stop with nothing to save, the most a command may take to end
@@ -235,7 +235,7 @@ class _Stops:
         _send(_ranks(), signal.SIGKILL)
         print(f"gpipe: still running {FORCE_S:.0f} s after the stop; ended it and its ranks", file=sys.stderr,
               flush=True)
-        os._exit(128 + signum)
+        abrupt_exit(128 + signum)
 
     def see_ranks_out(self) -> None:
         """Give ranks told to stop their `SHUTDOWN_S` to save, whatever stop comes meanwhile; then end them."""

@@ -134,7 +134,7 @@ class AbortWatch:
                         if kind == _FAILED or elsewhere:
                             print(f"[gpipe] {self.label} stopped: {message}", file=sys.stderr, flush=True)
                         kind, _, code = kind.partition(":")
-                        os._exit(int(code) if code.isdigit() else
+                        stopping.abrupt_exit(int(code) if code.isdigit() else
                                  {_BAD_INPUT: 2, _ANNOUNCED: ANNOUNCED}.get(kind, EXIT_CODE))
             except Exception:
                 if self._stopped.is_set():
@@ -142,7 +142,7 @@ class AbortWatch:
                 # The store is gone: the job's launcher or its first rank ended, so this rank must too.
                 time.sleep(POLL_S)
                 print(f"[gpipe] {self.label} stopped: lost contact with the job", file=sys.stderr, flush=True)
-                os._exit(EXIT_CODE)
+                stopping.abrupt_exit(EXIT_CODE)
 
 
 def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None,
@@ -159,7 +159,7 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
             # The launcher ends every rank and names the one that died; this rank would print a consequence as the
             # cause: it gives the launcher a moment to end it quietly.
             if stopping.received():  # already asked to stop: this is the tear-down
-                os._exit(128 + stopping.received())
+                stopping.abrupt_exit(128 + stopping.received())
             with contextlib.suppress(ValueError):  # only the main thread may set handlers
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(PEER_GRACE_S)
@@ -168,7 +168,7 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
             if watch is not None:
                 watch.stop()
                 watch.report(f"{label} lost contact with another rank")
-            os._exit(EXIT_CODE)
+            stopping.abrupt_exit(EXIT_CODE)
         user_error = isinstance(exc, quiet)  # bad user input: one line, no traceback
         summary = str(exc) if user_error else f"{label} failed: {type(exc).__name__}: {exc}"
         # A log on a full disk is told by this rank in one line: the others end without a word.
@@ -198,4 +198,4 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
             print(f"[gpipe] {summary}", file=sys.stderr, flush=True)
         with contextlib.suppress(OSError, ValueError):  # standard output may be what failed
             sys.stdout.flush()
-        os._exit(getattr(exc, "exit_code", EXIT_CODE) if user_error else 2 if first_quiet else EXIT_CODE)
+        stopping.abrupt_exit(getattr(exc, "exit_code", EXIT_CODE) if user_error else 2 if first_quiet else EXIT_CODE)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gpipe_cli.pipeline import failure
+from gpipe_cli.pipeline import failure, stopping
 
 INTERVAL_S = 1.0
 FLOOR_S = 60.0
@@ -229,4 +229,4 @@ class Heartbeat:
                 if beat.host == socket.gethostname() and beat.pid != os.getpid():
                     with contextlib.suppress(OSError):
                         os.kill(beat.pid, signal.SIGKILL)
-        os._exit(failure.ANNOUNCED)
+        stopping.abrupt_exit(failure.ANNOUNCED)

@@ -9,9 +9,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 GRACE_S = 2.0
 STOP_ASKED = "stop-asked"  # beside the marker: the signal of a stop the launcher saw through before the first step
@@ -22,6 +23,7 @@ _announced = False
 _pipe: tuple[int, int] | None = None  # (read, write) ends while the set-up's deadline thread waits
 _marker: Path | None = None
 _deferred = False  # inside `deferred()`: the first signal raises once the block ends
+_undo: list[Callable[[], None]] = []  # what an abrupt exit takes back first (a run directory's claim, its set-up)
 
 
 class StoppedEarly(BaseException):  # not an Exception: no `except Exception` on the way may swallow it
@@ -30,6 +32,20 @@ class StoppedEarly(BaseException):  # not an Exception: no `except Exception` on
     def __init__(self, signum: int) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name} before the first step was done")
         self.signum = signum
+
+
+def on_abrupt_exit(undo: Callable[[], None]) -> Callable[[], None]:
+    """Have `undo` run should this process end at once (`abrupt_exit`); return what cancels that."""
+    _undo.append(undo)
+    return lambda: _undo.remove(undo) if undo in _undo else None
+
+
+def abrupt_exit(code: int) -> NoReturn:
+    """End this process at once with `code`, without unwinding, once what `on_abrupt_exit` asked is undone."""
+    for undo in reversed(_undo):
+        with contextlib.suppress(Exception):  # ending is what matters now
+            undo()
+    os._exit(code)
 
 
 def note(signum: int) -> None:
@@ -78,7 +94,7 @@ def until_started(announce: bool, marker: Path | None = None) -> None:
             threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
             return
         if _received:
-            os._exit(128 + signum)
+            abrupt_exit(128 + signum)
         note(signum)
         if announce:
             _announce(signum)
@@ -139,7 +155,7 @@ def _deadline(read: int, announce: bool) -> None:
         if announce:
             _announce(data[0])
         sys.stdout.flush()
-        os._exit(128 + data[0])
+        abrupt_exit(128 + data[0])
 
 
 def asked() -> int:

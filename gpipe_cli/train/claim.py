@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from gpipe_cli.errors import UserError, cut
+from gpipe_cli.pipeline import stopping
 
 LOCK = ".gpipe-train.lock"  # in the run directory while a gpipe train holds it; removed as that one ends
 _TRIES = 100  # claims lost to a holder that ended meanwhile (it removes its lock file): each then tries again
@@ -27,17 +28,24 @@ def held(run_dir: Path, flag: str, instead: str, made: bool = False, parents: Se
     fd, created = _claim(run_dir, flag, instead, made)
     if fd is not None:
         _HELD[run_dir / LOCK] = fd
-    try:
-        yield created
-    finally:
+
+    def undo() -> None:  # a stop that ends this process where it waits inside torch: no `finally` runs
         if fd is not None:
             _remove(fd, run_dir / LOCK)
-            del _HELD[run_dir / LOCK]
-            os.close(fd)
-        if created:  # a run that never started leaves nothing behind; a folder with anything else in it stays
+        if created:
             from gpipe_cli.train.existing import remove_set_up
 
             remove_set_up(run_dir, parents=parents)
+
+    cancel = stopping.on_abrupt_exit(undo)
+    try:
+        yield created
+    finally:
+        cancel()
+        undo()  # a run that never started leaves nothing behind; a folder with anything else in it stays
+        if fd is not None:
+            del _HELD[run_dir / LOCK]
+            os.close(fd)
 
 
 def missing(path: Path) -> list[Path]:

@@ -51,7 +51,7 @@ class StopRequest:
             if self.announce:
                 print("[gpipe] SIGINT again: aborted at once; a checkpoint it cut short is removed on resume",
                       file=sys.stderr, flush=True)
-            os._exit(128 + signum)
+            stopping.abrupt_exit(128 + signum)
 
     def disarm(self, code: int) -> None:
         """Once the run's work is done, a stop signal ends this rank at once, with exit `code` (0: 128 + the signal)."""
@@ -59,7 +59,7 @@ class StopRequest:
         # launcher's tear-down would wait minutes for it. A run that ended otherwise keeps its own code: the
         # tear-down's SIGTERM after a peer ended is not news.
         for sig in stopping.STOPS:
-            signal.signal(sig, lambda signum, frame: os._exit(code or 128 + signum))
+            signal.signal(sig, lambda signum, frame: stopping.abrupt_exit(code or 128 + signum))
 
     def agreed(self, group: dist.ProcessGroup | None, distributed: bool, say: bool = True) -> int:
         """The stop signal any rank received (0: none), the same on every rank; `say`: rank 0 says a save follows."""

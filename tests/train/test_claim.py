@@ -181,6 +181,27 @@ def test_a_claim_ends_with_its_process_however_it_ends(tmp_path):
         assert not made and (run / claim.LOCK).read_text().split()[0] == str(os.getpid())
 
 
+@pytest.mark.parametrize("made", [True, False])
+def test_a_stop_that_ends_the_process_at_once_takes_its_claim_and_set_up_along(tmp_path, made):
+    # Under torchrun, rank 0 stopped while it waited inside torch for its peers ended 2 s later without unwinding:
+    # the run directory made for it was left holding only the lock file.
+    run = tmp_path / "outputs" / "name" / "run"
+    if not made:
+        (run / "checkpoints" / "step-00000002").mkdir(parents=True)
+        (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    script = ("import sys; from pathlib import Path; from gpipe_cli.train.claim import held\n"
+              "from gpipe_cli.pipeline.stopping import abrupt_exit\n"
+              "with held(Path(sys.argv[1]), '--output-dir', 'wait', made=not Path(sys.argv[1]).exists()):\n"
+              "    (Path(sys.argv[1]) / 'recipe.yaml').write_text('name: x')\n"
+              "    abrupt_exit(130)\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(run)], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (130, "")
+    if made:
+        assert not (tmp_path / "outputs").exists()  # and the folders made above it
+    else:  # a run's own: kept whole, less the claim
+        assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl", "recipe.yaml"]
+
+
 def test_runs_started_in_the_same_second_each_get_a_directory_of_their_own(tmp_path, monkeypatch):
     class Clock:  # every launch in the same second
         class datetime:  # noqa: N801 (stands in for the module's datetime.datetime)
