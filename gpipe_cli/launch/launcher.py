@@ -13,7 +13,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,12 +21,13 @@ from typing import Any
 from gpipe_cli import interrupts
 from gpipe_cli.errors import NONFINITE_EXIT_CODE, UserError
 from gpipe_cli.launch import forked
-from gpipe_cli.launch.preflight import reach, rendezvous, threads_per_rank
+from gpipe_cli.launch.preflight import Rendezvous, reach, rendezvous, threads_per_rank
 from gpipe_cli.launch.slurm import SlurmStep, check_one_task_per_node, slurm_step
 from gpipe_cli.pipeline.stopping import abrupt_exit, ask, say_stopping_now
 
 _STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGPIPE)  # SIGPIPE: the output closed
 FORCE_S = 20.0  # after a stop with nothing to save, the most a command may take to end
+JOIN_TELL_S = 10.0  # a launch of several nodes still without ranks here after this says what it waits for
 HANDLER_GRACE_S = 2.0  # how long a stop signal's handler has to act before the launch takes it as blocked
 SHUTDOWN_S = 120  # seconds ranks get to finish a step and checkpoint on Ctrl-C/SIGTERM
 
@@ -97,6 +98,19 @@ def warming(options: LaunchOptions, local: int) -> Iterator[None]:
         finally:
             _warm = None
             forked.stop()  # also where nothing was launched (bad input, Ctrl-C): it would import torch for nobody
+
+
+def _say(line: str) -> None:
+    print(f"[gpipe] {line}", file=sys.stderr, flush=True)
+
+
+def tell_waiting(rdzv: Rendezvous, over: threading.Event, said: Callable[[str], None],
+                 after: float = JOIN_TELL_S) -> None:
+    """Once, `after` s into a launch of several nodes that has started no rank here, say what it waits for."""
+    # torch waits up to 15 minutes for the other nodes without a word: node 0 looked hung.
+    if rdzv.max_nodes > 1 and not over.wait(after) and not _ranks():
+        said(f"waiting for the job's other nodes to join at {rdzv.endpoint} ({rdzv.max_nodes} nodes in all; "
+             "Ctrl-C stops)")
 
 
 def _free_port() -> int:
@@ -320,7 +334,8 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
 
     interrupts.check()  # a Ctrl-C swallowed while the command loaded: no rank starts
     options = options or LaunchOptions()
-    reach(rendezvous(world, options), lambda line: print(f"[gpipe] {line}", file=sys.stderr, flush=True))
+    rdzv = rendezvous(world, options)
+    reach(rdzv, _say)
     fork = forked.available()
     logs = tempfile.TemporaryDirectory(prefix="gpipe-launch-", ignore_cleanup_errors=True)  # gone at exit too
     config = _config(world, options, forked.START_METHOD if fork else "spawn", logs.name)
@@ -336,6 +351,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     previous = interrupts.take_signal(stops.forward_interrupt)
     # The agent installs its own for these and leaves them behind.
     previous_stops = {signum: signal.getsignal(signum) for signum in interrupts.TERMINATING}
+    threading.Thread(target=tell_waiting, args=(rdzv, stops.over, _say), name="launch-wait", daemon=True).start()
     try:
         with _giving_ranks(threads), stops.blocked_stops():
             if fork:
@@ -356,7 +372,11 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
         stops.see_ranks_out()
         return 128 + signum
     except Exception as exc:  # rendezvous failures: unreachable endpoint, timeout
-        print(f"gpipe: could not start the job: {type(exc).__name__}: {exc}", file=sys.stderr)
+        why = f"{type(exc).__name__}: {exc}"
+        if rdzv.max_nodes > 1 and "clients joined" in str(exc):  # torch's store on node 0: "1/2 clients joined"
+            why = (f"the other nodes did not join at {rdzv.endpoint} in time ({str(exc).strip()}); start gpipe train "
+                   "on every node with the same --nnodes and --rdzv-endpoint")
+        print(f"gpipe: could not start the job: {why}", file=sys.stderr)
         return 1
     finally:
         stops.over.set()

@@ -138,6 +138,28 @@ def test_a_node_meets_its_rendezvous_only_once_its_host_is_known_and_node_0_answ
     assert len(lines) == 1  # node 0 hosts the store: nothing to wait for
 
 
+def test_a_node_whose_ranks_wait_for_the_other_nodes_says_so_once(monkeypatch):
+    # Node 0 of two, node 1 never started: nothing after "starting 1 rank of 2 on this node" for 15 minutes.
+    import threading
+
+    from gpipe_cli.launch import launcher
+    from gpipe_cli.launch.launcher import LaunchOptions, tell_waiting
+    from gpipe_cli.launch.preflight import rendezvous
+
+    two = rendezvous(2, LaunchOptions(nnodes="2", node_rank=0, rdzv_endpoint="127.0.0.1:29500"))
+    lines: list[str] = []
+    monkeypatch.setattr(launcher, "_ranks", lambda: [])
+    tell_waiting(two, threading.Event(), lines.append, after=0.01)
+    assert lines == ["waiting for the job's other nodes to join at 127.0.0.1:29500 (2 nodes in all; Ctrl-C stops)"]
+    over = threading.Event()
+    over.set()
+    tell_waiting(two, over, lines.append, after=0.01)  # the launch has returned
+    tell_waiting(rendezvous(2, LaunchOptions()), threading.Event(), lines.append, after=0.01)  # one node
+    monkeypatch.setattr(launcher, "_ranks", lambda: [4321])  # its ranks have started: the job met
+    tell_waiting(two, threading.Event(), lines.append, after=0.01)
+    assert len(lines) == 1
+
+
 def test_an_unknown_rendezvous_host_is_refused_before_the_plan_is_measured(tmp_path, monkeypatch, capsys):
     # It was said after the plan's seconds of measuring and a line saying that a rank was starting.
     from gpipe_cli.cli import run
