@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpipe_cli.errors import PATH_SHOWN_CHARS, UserError, shown
-from gpipe_cli.limits import MAX_RANKS, MAX_THREADS, outside, refuse
+from gpipe_cli.limits import MAX_RANKS, MAX_THREADS, choices, outside, refuse
 
 if TYPE_CHECKING:  # the launcher imports this module
     from gpipe_cli.launch.launcher import LaunchOptions
@@ -61,7 +61,10 @@ def check_launch(options: LaunchOptions, world: int) -> int:
             raise UserError(f"SLURM_NODEID {options.node_rank}: must be >= 0 and < the number of nodes, {nodes}")
         raise UserError(f"--node-rank: must be >= 0 and < the number of nodes, {nodes} (got {options.node_rank})")
     if options.rdzv_backend not in (None, "static", "c10d"):
-        raise UserError(f"--rdzv-backend: must be static or c10d (got {shown(options.rdzv_backend)})")
+        raise UserError(f"--rdzv-backend: must be {choices(('static', 'c10d'))} (got {shown(options.rdzv_backend)})")
+    if options.rdzv_backend == "c10d" and options.node_rank is not None and "node_rank" not in options.from_slurm:
+        raise UserError("--node-rank: c10d ranks the nodes as they join; leave --node-rank out, or give "
+                        "--rdzv-backend static to rank them yourself")
     if options.rdzv_backend == "static" and max_nodes > 1 and options.node_rank is None:  # all would be node 0
         raise UserError(f"--rdzv-backend static: give each of the {max_nodes} nodes its --node-rank (0 to "
                         f"{max_nodes - 1}), or leave the backend out to let c10d rank the nodes")

@@ -194,8 +194,8 @@ def train(options: TrainOptions) -> int:
     # Without a recipe, a resume trains with the run's own recipe.yaml (`recipe_file` names it).
     recipe, recipe_file = train_recipe(options.recipe, options.overrides, options.resume, options.output_dir, OUTPUTS)
     world = recipe.pipeline.partitions * recipe.pipeline.data_parallel
-    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != world:  # found by every rank at once, before torch
-        raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the recipe needs "
+    if under_torchrun() and (ranks := int(os.environ["WORLD_SIZE"])) != world:  # every rank at once, before torch
+        raise UserError(f"torchrun started {ranks} process{'es' if ranks != 1 else ''} but the recipe needs "
                         f"partitions x data_parallel = {world}")
     local = check_launch(options.launch, world)
     if options.launch.rdzv_endpoint and not options.dry_run and not under_torchrun():  # before seconds of planning

@@ -265,7 +265,10 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "endpoint without port": (GOOD, ["--nnodes", "2", "--rdzv-endpoint", "host"], "--rdzv-endpoint: must be"),
     "endpoint port zero": (GOOD, ["--rdzv-endpoint", "host:0"], "--rdzv-endpoint: must be"),
     "node rank out of range": (GOOD, ["--node-rank", "3"], "--node-rank: must be >= 0 and < the number of nodes"),
-    "rendezvous backend": (GOOD, ["--rdzv-backend", "etcd"], "--rdzv-backend: must be static or c10d"),
+    "rendezvous backend": (GOOD, ["--rdzv-backend", "etcd"], "--rdzv-backend: must be 'static' or 'c10d'"),
+    # It was dropped without a word: c10d ranks the nodes itself.
+    "node rank under c10d": (GOOD, ["--nnodes", "2", "--node-rank", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                    "h:1"], "--node-rank: c10d ranks the nodes as they join; leave --node-rank out"),
     "ranks over nodes": (GOOD, ["--nnodes", "3", "--rdzv-endpoint", "h:1"], "does not divide over 3 nodes"),
     "resume missing": (GOOD, ["--resume", "/no/such/run"], "--resume: no such run directory"),
     "empty recipe path": (lambda folder: "", [], "the recipe path is empty"),
