@@ -100,6 +100,10 @@ def warming(options: LaunchOptions, local: int) -> Iterator[None]:
             forked.stop()  # also where nothing was launched (bad input, Ctrl-C): it would import torch for nobody
 
 
+class NothingStarted(KeyboardInterrupt):  # noqa: N818 (a stop, named for what it left)
+    """A stop while this node waited for the job's rendezvous: it started no rank, and so wrote nothing."""
+
+
 def _say(line: str) -> None:
     print(f"[gpipe] {line}", file=sys.stderr, flush=True)
 
@@ -335,7 +339,10 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     interrupts.check()  # a Ctrl-C swallowed while the command loaded: no rank starts
     options = options or LaunchOptions()
     rdzv = rendezvous(world, options)
-    reach(rdzv, _say)
+    try:
+        reach(rdzv, _say)
+    except KeyboardInterrupt:
+        raise NothingStarted from None
     fork = forked.available()
     logs = tempfile.TemporaryDirectory(prefix="gpipe-launch-", ignore_cleanup_errors=True)  # gone at exit too
     config = _config(world, options, forked.START_METHOD if fork else "spawn", logs.name)

@@ -21,6 +21,7 @@ from gpipe_cli.errors import UserError, shown
 from gpipe_cli.files import check_not_stdout
 from gpipe_cli.launch import (
     LaunchOptions,
+    NothingStarted,
     check_device,
     check_launch,
     check_path,
@@ -360,10 +361,11 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
                           stages=recipe.pipeline.partitions, started=Path(folder) / STARTED)
             interrupts.ignore_stops()  # the ranks have ended and said how: a stop now has nothing left to stop
             return code
-    except KeyboardInterrupt:  # a stop again while the ranks ended: not "nothing was written"
+    except KeyboardInterrupt as stop:  # a stop again while the ranks ended: not "nothing was written"
         interrupts.ignore_stops()  # stops keep coming (a key held down): this line is said whole
         run_dir = new_dir or options.output_dir or (run_dir_of(resume) if resume else None)
-        if run_dir is None or not holds_run(Path(run_dir)):
+        # A node stopped while it waited for node 0 wrote nothing, whatever the run it would resume holds.
+        if run_dir is None or isinstance(stop, NothingStarted) or not holds_run(Path(run_dir)):
             raise
         on = f"; continue with {continue_command(Path(run_dir))}" if candidates(Path(run_dir)) else ""
         print(f"gpipe train: interrupted; {run_dir} keeps what the run wrote{on}", file=sys.stderr, flush=True)

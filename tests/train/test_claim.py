@@ -424,6 +424,23 @@ def test_a_ctrl_c_once_the_run_wrote_says_where_it_is_kept(tmp_path, monkeypatch
     assert capsys.readouterr().err == f"gpipe train: interrupted; {run_dir} keeps what the run wrote{on}\n"
 
 
+def test_a_node_stopped_while_it_waits_for_node_0_says_it_wrote_nothing(tmp_path, monkeypatch, capsys):
+    # Node 1 of a resume, stopped before node 0 answered, said the run kept what it wrote and to resume it.
+    from gpipe_cli.cli import run
+    from gpipe_cli.launch import launcher
+
+    def waiting(rdzv, said):
+        raise KeyboardInterrupt
+
+    path, run_dir = make_run(tmp_path, steps=(4,))
+    monkeypatch.setattr(launcher, "reach", waiting)
+    code = run(["train", "--plain", "--resume", str(run_dir), "--set", "train.steps=8", "--nnodes", "2",
+                "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:1"])
+    assert code == 130
+    assert capsys.readouterr().err.splitlines()[-1] == "gpipe train: interrupted; nothing was written"
+    assert claim.LOCK not in os.listdir(run_dir)
+
+
 @pytest.mark.parametrize("when", ["saying so", "after the launch"])
 def test_stops_that_keep_coming_as_the_ranks_end_never_say_nothing_was_written(tmp_path, monkeypatch, capsys, when):
     # A key held down, or `kill` in a loop: a stop while the launcher said where the run is kept, or while it
