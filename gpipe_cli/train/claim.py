@@ -14,7 +14,6 @@ from gpipe_cli.pipeline import stopping
 
 LOCK = ".gpipe-train.lock"  # in the run directory while a gpipe train holds it; removed as that one ends
 _TRIES = 100  # claims lost to a holder that ended meanwhile (it removes its lock file): each then tries again
-_HELD: dict[Path, int] = {}  # this process's claims: each lock file and the descriptor that locks it
 
 
 # The lock is an flock on a file in the directory: it ends with the process that holds it, however that process
@@ -26,8 +25,6 @@ def held(run_dir: Path, flag: str, instead: str, made: bool = False, parents: Se
     # `parents`: the folders above it made with it (else those missing now), removed with it while empty.
     parents = list(parents) or missing(run_dir.parent)
     fd, created = _claim(run_dir, flag, instead, made)
-    if fd is not None:
-        _HELD[run_dir / LOCK] = fd
 
     def undo() -> None:  # a stop that ends this process where it waits inside torch: no `finally` runs
         if fd is not None:
@@ -44,7 +41,6 @@ def held(run_dir: Path, flag: str, instead: str, made: bool = False, parents: Se
         cancel()
         undo()  # a run that never started leaves nothing behind; a folder with anything else in it stays
         if fd is not None:
-            del _HELD[run_dir / LOCK]
             os.close(fd)
 
 
@@ -113,14 +109,6 @@ def writer_of(run_dir: Path) -> str | None:
     finally:
         os.close(fd)
     return None
-
-
-def remove_now() -> None:
-    """Remove this process's lock files, still holding them, before it ends without unwinding (a rank that failed)."""
-    # Under torchrun the claim is rank 0's own, and a rank that fails exits at once: its lock ends with it, and
-    # nothing should be left in the run directory either.
-    for path, fd in _HELD.items():
-        _remove(fd, path)
 
 
 def _remove(fd: int, path: Path) -> None:

@@ -206,14 +206,14 @@ def train(options: TrainOptions) -> int:
     if starts_anew(options.resume, options.output_dir):  # a new run's folder: refused before seconds of measuring
         if options.output_dir:
             # Another node's launcher (or rank) of this job: the directory is node 0's to claim, perhaps already.
-            check_new_run_dir(Path(options.output_dir), ours=not claims(options.launch, world))
+            check_new_run_dir(Path(options.output_dir), ours=claimed_elsewhere(options.launch, world))
         new_run = (Path(options.output_dir), "--output-dir", "") if options.output_dir else \
             (Path(OUTPUTS) / recipe.name, "the output directory", "; give --output-dir DIR to write the run elsewhere")
         check_writable(*new_run)
     # Not after seconds of planning. Under torchrun, rank 0 claims the run as the other ranks check it: theirs is not
     # another gpipe train's.
     check_a_run_to_resume(options.resume, options.output_dir, recipe.name, OUTPUTS,
-                          ours=not claims(options.launch, world))
+                          ours=claimed_elsewhere(options.launch, world))
     check_hub_data(recipe.data, recipe_file, options.overrides)  # offline: fail now, not inside the ranks
     if options.dry_run and under_torchrun():
         raise UserError("--dry-run: this process is already a rank that torchrun started; run it outside "
@@ -233,6 +233,15 @@ def claims(options: LaunchOptions, world: int) -> bool:
         return os.environ.get("RANK", "0") == "0"
     rdzv = rendezvous(world, options)
     return rdzv.max_nodes == 1 or rdzv.node_rank == 0
+
+
+def claimed_elsewhere(options: LaunchOptions, world: int) -> bool:
+    """Whether another process of this job claims its run directory: rank 0 under torchrun, or node 0's launcher."""
+    # With c10d no launcher knows whether it starts rank 0, and none claims: a holder is another job.
+    if under_torchrun():
+        return os.environ.get("RANK", "0") != "0"
+    rdzv = rendezvous(world, options)
+    return rdzv.max_nodes > 1 and bool(rdzv.node_rank)
 
 
 def _claim(options: TrainOptions, recipe: Recipe, resume: str | None, holding: contextlib.ExitStack) -> Path | None:
@@ -292,7 +301,7 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
         claimed = not options.dry_run and claims(options.launch, world)
         new_dir = _claim(options, recipe, resume, holding) if claimed else None
         if options.output_dir and starts_anew(options.resume, options.output_dir):
-            check_new_run_dir(Path(options.output_dir), ours=claimed or not claims(options.launch, world))
+            check_new_run_dir(Path(options.output_dir), ours=claimed or claimed_elsewhere(options.launch, world))
         fresh = resume is not None and options.resume == "latest" and options.output_dir is not None \
             and not candidates(Path(options.output_dir))  # no checkpoint at all; a damaged one is refused below
         if fresh:  # a scheduler's first launch of a job that resumes when requeued: nothing to continue yet

@@ -63,7 +63,6 @@ def _run(job: Job) -> int:
         from gpipe_cli.pipeline.heartbeat import Heartbeat
         from gpipe_cli.recipe.schema import Recipe
         from gpipe_cli.recipe_model import pipeline_config
-        from gpipe_cli.train import claim
         from gpipe_cli.train.loop import Trainer
 
     if int(os.environ.get("GPIPE_THREADS", "0")) > 0:  # the intra-op threads the launcher chose for this rank
@@ -79,12 +78,10 @@ def _run(job: Job) -> int:
     beat = (Heartbeat(watch, topo.layout.rank, topo.layout.world_size, recipe.train.stall_timeout,
                       lambda r: f"rank {r} (stage {r % stages})") if watch is not None else None)
 
+    # A failure ends this process at once (`stopping.abrupt_exit`), which first lets go of the run's claim: under
+    # torchrun rank 0 holds it.
     def train() -> int:
-        try:
-            code = Trainer(recipe, job, topo).run()
-        except BaseException:
-            claim.remove_now()  # a failure ends this process at once; under torchrun rank 0 holds the run's claim
-            raise
+        code = Trainer(recipe, job, topo).run()
         if topo.distributed:  # inside the guard: a peer that fails now still stops this rank cleanly
             dist.barrier(group=topo.transport.control)
         return code

@@ -23,7 +23,7 @@ from gpipe_cli.recipe.load import load_recipe
 from gpipe_cli.train import claim
 from gpipe_cli.train import run as run_module
 from gpipe_cli.train.existing import choose_run_dir, run_dir_of
-from gpipe_cli.train.run import claims
+from gpipe_cli.train.run import claimed_elsewhere, claims
 from tests.train import recipes
 from tests.train.test_existing_run import error_line, hashes, make_run
 
@@ -291,6 +291,19 @@ def test_under_torchrun_the_other_ranks_resume_the_run_their_rank_0_has_claimed(
         assert "is being written by another gpipe train" in error_line(result) and joined == [1]
 
 
+def test_a_node_of_a_c10d_job_still_refuses_a_run_another_job_writes(tmp_path, launches):
+    # With c10d no launcher claims the run (none knows it starts rank 0): a holder can only be another job's.
+    path, run = make_run(tmp_path, steps=(4,))
+    assert not claimed_elsewhere(LaunchOptions(nnodes="2", rdzv_backend="c10d", rdzv_endpoint="h:29500"), 4)
+    assert claimed_elsewhere(LaunchOptions(nnodes="2", node_rank=1, rdzv_endpoint="h:29500"), 4)
+    with claim.held(run, "--output-dir", "wait"):
+        result = train("--resume", str(run), "--set", "train.steps=8", "--nnodes", "2", "--rdzv-backend", "c10d",
+                       "--rdzv-endpoint", "127.0.0.1:29500")
+    assert result.exit_code == 2, result.output
+    assert error_line(result).startswith(f"error: --resume: {run} is being written by another gpipe train")
+    assert not launches
+
+
 def test_a_new_run_into_a_run_being_written_says_so_rather_than_advise_a_resume(tmp_path, launches):
     # It said "already holds a run; use --resume to continue it", and that resume was then refused.
     path, run = make_run(tmp_path, steps=(4,))
@@ -394,12 +407,15 @@ def test_the_command_refuses_a_directory_another_process_holds_in_one_line(tmp_p
     assert "starting" not in proc.stdout and not out.exists()
 
 
-def test_a_rank_that_fails_removes_its_lock_file_before_it_ends(tmp_path):
+def test_a_rank_that_fails_removes_its_lock_file_before_it_ends(tmp_path, monkeypatch):
     # Under torchrun rank 0 holds the claim itself, and a failed rank exits without unwinding.
+    from gpipe_cli.pipeline import stopping
+
     run = tmp_path / "run"
     run.mkdir()
+    monkeypatch.setattr(stopping.os, "_exit", lambda code: None)  # this process goes on
     with claim.held(run, "--output-dir", "wait"):
-        claim.remove_now()
+        stopping.abrupt_exit(1)
         assert os.listdir(run) == []
     assert os.listdir(run) == []
 
