@@ -21,7 +21,7 @@ from typing import Any
 from gpipe_cli import interrupts
 from gpipe_cli.errors import NONFINITE_EXIT_CODE, UserError
 from gpipe_cli.launch import forked
-from gpipe_cli.launch.preflight import Rendezvous, reach, rendezvous, threads_per_rank
+from gpipe_cli.launch.preflight import NODE_FLAGS, Rendezvous, node_flags, reach, rendezvous, threads_per_rank
 from gpipe_cli.launch.slurm import SlurmStep, check_one_task_per_node, slurm_step
 from gpipe_cli.pipeline.stopping import abrupt_exit, ask, say_stopping_now
 
@@ -73,10 +73,10 @@ def launch_options(nnodes: str | None = None, node_rank: int | None = None, rdzv
 _THREADS = ("OMP_NUM_THREADS", "GPIPE_THREADS")  # what the ranks' intra-op threads are read from
 
 
-def _giving_ranks(threads: int) -> contextlib.AbstractContextManager[None]:
-    """Within the block, the environment this node's ranks start in holds their intra-op threads; restored after."""
+def _giving_ranks(threads: int, options: LaunchOptions) -> contextlib.AbstractContextManager[None]:
+    """Within the block, the environment this node's ranks start in holds their threads and launch flags; restored."""
     # Restored: a caller that goes on (a test, a command run in-process) would hand them to every process it starts.
-    return forked.environment(dict.fromkeys(_THREADS, str(threads)))
+    return forked.environment({**dict.fromkeys(_THREADS, str(threads)), NODE_FLAGS: node_flags(options)})
 
 
 _warm: int | None = None  # the threads of the ranks that a server `warming` started is for
@@ -90,7 +90,7 @@ def warming(options: LaunchOptions, local: int) -> Iterator[None]:
         yield
         return
     threads = threads_per_rank(options, local)
-    with _giving_ranks(threads):
+    with _giving_ranks(threads, options):
         try:
             forked.prepare()
             _warm = threads
@@ -360,7 +360,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     previous_stops = {signum: signal.getsignal(signum) for signum in interrupts.TERMINATING}
     threading.Thread(target=tell_waiting, args=(rdzv, stops.over, _say), name="launch-wait", daemon=True).start()
     try:
-        with _giving_ranks(threads), stops.blocked_stops():
+        with _giving_ranks(threads, options), stops.blocked_stops():
             if fork:
                 forked.prepare(fresh=not warm)
                 elastic_launch(config, forked.run)(module, list(args))  # type: ignore[arg-type]

@@ -250,6 +250,25 @@ def reach(rdzv: Rendezvous, said: Callable[[str], None], patience: float = RDZV_
             time.sleep(1.0)
 
 
+NODE_FLAGS = "GPIPE_NODE_FLAGS"  # how a rank names the flags that start its node's share of the job again
+
+
+def node_flags(options: LaunchOptions) -> str:
+    """The flags typed for this node of a job of several, for a command that continues the run ('' on one node)."""
+    if parse_nodes(options.nnodes)[1] == 1:
+        return ""
+    step = options.slurm
+    typed = {"--nnodes": options.nnodes, "--node-rank": options.node_rank, "--rdzv-backend": options.rdzv_backend,
+             "--rdzv-endpoint": options.rdzv_endpoint,
+             "--rdzv-id": None if step and options.rdzv_id == f"slurm-{step.job_id}" else options.rdzv_id}
+    read = {"--" + key.replace("_", "-") for key in options.from_slurm}
+    flags = [f"{flag} {shlex.quote(str(value))}" for flag, value in typed.items() if value is not None
+             and flag not in read]
+    each = "each node with its own --node-rank" if "--node-rank" not in read and options.node_rank is not None \
+        else "on every node" + (" of an srun step" if step else "")
+    return " ".join([*flags, f"({each})"])
+
+
 def threads_per_rank(options: LaunchOptions, local: int) -> int:
     """Intra-op threads of each of this node's `local` ranks: --threads, else the cores shared out."""
     return options.threads or max((os.cpu_count() or 1) // local, 1)

@@ -14,7 +14,7 @@ from typing import Any
 
 from gpipe_cli.errors import UserError, cut, shown
 from gpipe_cli.files import atomic_write_bytes, check_output, check_output_kind, remove_folders, same_file
-from gpipe_cli.launch.preflight import check_file_name, check_not_empty, check_path
+from gpipe_cli.launch.preflight import NODE_FLAGS, check_file_name, check_not_empty, check_path
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_yaml
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
@@ -287,7 +287,8 @@ def check_layout(run_dir: Path, flag: str, instead: str) -> None:
 
 def start_again(run_dir: Path) -> str:
     """How to start a run that saved no checkpoint again, in its own directory (its records are replaced)."""
-    return f"start it again from step 0 with: gpipe train --resume --output-dir {shlex.quote(str(run_dir))}"
+    return f"start it again from step 0 with: gpipe train --resume --output-dir {shlex.quote(str(run_dir))}" \
+        + _on_nodes(None)
 
 
 def recipe_changes(recipe: Recipe, run_dir: Path) -> list[Change] | None:
@@ -594,6 +595,12 @@ def resume_line(run_dir: Path, step: int | None, changes: list[Change] | None, r
     return f"{where} with {given}, which {'differ' if overrides else 'differs'} from the run's {RECIPE}: {listed}"
 
 
-def continue_command(run_dir: Path) -> str:
-    """The command that continues a stopped run as it was started, ready to copy."""
-    return f"gpipe train --resume {shlex.quote(str(run_dir))}"
+def continue_command(run_dir: Path, flags: str | None = None) -> str:
+    """The command that continues a stopped run as it was started, ready to copy (`flags`: see `_on_nodes`)."""
+    return f"gpipe train --resume {shlex.quote(str(run_dir))}" + _on_nodes(flags)
+
+
+def _on_nodes(flags: str | None) -> str:
+    """The launch flags of this node of several (None: as its launcher handed them to this rank), after a space."""
+    flags = os.environ.get(NODE_FLAGS, "") if flags is None else flags
+    return f" {flags}" if flags else ""

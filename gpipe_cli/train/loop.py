@@ -42,7 +42,7 @@ from gpipe_cli.train.export import export as export_model
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
 from gpipe_cli.train.profiling import StepProfiler
 from gpipe_cli.train.resume import Checkpointer, rewind_metrics, saved_cut
-from gpipe_cli.train.signals import AFTER_STEP, StopRequest
+from gpipe_cli.train.signals import AFTER_STEP, StopRequest, answers_stops
 from gpipe_cli.train.sinks import open_sinks
 from gpipe_cli.train.step_figures import ModelFlops, Peak, find_peak, step_figures, utilization_of
 from gpipe_cli.train.summary import RunSummary
@@ -116,7 +116,7 @@ class Trainer:
                 self._note(f"removed {stale}, a checkpoint whose save never finished")
             if not job.resume:  # a resume's settings are recorded once it goes on (`_going_on`)
                 save_recipe(recipe, self.run_dir)
-        self.stop = StopRequest(announce=self.layout.rank == 0)
+        self.stop = StopRequest(announce=answers_stops(self.layout.rank))
         self.stopped_by = 0
         self.policy = nonfinite.NonFinitePolicy(recipe.train.on_nonfinite, recipe.train.max_skipped,
                                                 loss_scaling=recipe.train.precision == "fp16")

@@ -30,7 +30,7 @@ from gpipe_cli.launch import (
     under_torchrun,
     warming,
 )
-from gpipe_cli.launch.preflight import dry_run_lines, endpoint_source, rendezvous, resolve
+from gpipe_cli.launch.preflight import dry_run_lines, endpoint_source, node_flags, rendezvous, resolve
 from gpipe_cli.models import families
 from gpipe_cli.progress import note
 from gpipe_cli.recipe.load import recipe_label, typed_values
@@ -376,6 +376,7 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
         # A node stopped while it waited for node 0 wrote nothing, whatever the run it would resume holds.
         if run_dir is None or isinstance(stop, NothingStarted) or not holds_run(Path(run_dir)):
             raise
-        on = f"; continue with {continue_command(Path(run_dir))}" if candidates(Path(run_dir)) else ""
+        on = f"; continue with {continue_command(Path(run_dir), node_flags(options.launch))}" \
+            if candidates(Path(run_dir)) else ""
         print(f"gpipe train: interrupted; {run_dir} keeps what the run wrote{on}", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT

@@ -12,7 +12,14 @@ import torch.distributed as dist
 
 from gpipe_cli.pipeline import stopping
 
-AFTER_STEP = "after this step"  # what a stop waits for while training (an evaluation says otherwise)
+# The host launches a step before it reads the one before: a stop waits for both. An evaluation says otherwise.
+AFTER_STEP = "after the steps in flight"
+
+
+def answers_stops(rank: int) -> bool:
+    """Whether this rank answers a stop signal in words: rank 0, and the first rank of every other node."""
+    # A Ctrl-C on node 1 of a job was met with silence there: only rank 0, on node 0, spoke.
+    return rank == 0 or os.environ.get("LOCAL_RANK") == "0"
 
 
 class StopRequest:

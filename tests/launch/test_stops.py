@@ -251,7 +251,7 @@ def test_a_rank_the_stop_never_reached_stops_after_its_first_step_and_takes_the_
     finally:
         signal.signal(signal.SIGHUP, hangup)
     assert capsys.readouterr().err.splitlines()[-2:] == [
-        "[gpipe] SIGINT: stopping after this step (Ctrl-C again to abort at once)",
+        "[gpipe] SIGINT: stopping after the steps in flight (Ctrl-C again to abort at once)",
         "[gpipe] SIGINT again: aborted at once; a checkpoint it cut short is removed on resume"]
     # Without a stop, the rank arms as before.
     (tmp_path / stopping.STOP_ASKED).unlink()

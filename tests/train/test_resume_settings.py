@@ -2,6 +2,7 @@
 resume's `--set` on top, said in one line before any rank starts; checked without starting ranks."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -9,8 +10,12 @@ from typer.testing import CliRunner
 
 from gpipe_cli.cli import app
 from gpipe_cli.cli import run as cli
+from gpipe_cli.launch import launcher
+from gpipe_cli.launch.launcher import launch_options
+from gpipe_cli.launch.preflight import NODE_FLAGS, node_flags
 from gpipe_cli.recipe.load import load_recipe, recipe_yaml
-from gpipe_cli.train.existing import continue_command
+from gpipe_cli.train.existing import continue_command, start_again
+from tests.launch.test_slurm import step_env
 from tests.train.test_existing_run import error_line, hashes, make_run, save
 
 runner = CliRunner()
@@ -152,3 +157,31 @@ def test_the_command_to_continue_is_ready_to_copy(tmp_path):
     assert continue_command(Path("outputs/quickstart/20261123-051412")) == (
         "gpipe train --resume outputs/quickstart/20261123-051412")
     assert continue_command(Path("runs/job 17")) == "gpipe train --resume 'runs/job 17'"
+
+
+@pytest.mark.parametrize(("options", "flags"), [
+    (dict(), ""),
+    (dict(nnodes="2", node_rank=0, rdzv_endpoint="host0:29500"),
+     "--nnodes 2 --node-rank 0 --rdzv-endpoint host0:29500 (each node with its own --node-rank)"),
+    (dict(nnodes="2", rdzv_backend="c10d", rdzv_endpoint="host0:29500", rdzv_id="job 7"),
+     "--nnodes 2 --rdzv-backend c10d --rdzv-endpoint host0:29500 --rdzv-id 'job 7' (on every node)"),
+    (dict(environ=step_env(1)), "(on every node of an srun step)"),  # Slurm gives the flags again
+    (dict(environ=step_env(1), rdzv_id="mine"), "--rdzv-id mine (on every node of an srun step)"),
+])
+def test_on_several_nodes_the_command_to_continue_names_the_launch_flags_typed(options, flags, monkeypatch):
+    # It named none: `gpipe train --resume RUN` alone on node 0 started a job of one node.
+    monkeypatch.delenv(NODE_FLAGS, raising=False)
+    given = node_flags(launch_options(**options))
+    assert given == flags
+    assert continue_command(Path("runs/a"), given) == f"gpipe train --resume runs/a {flags}".strip()
+    monkeypatch.setenv(NODE_FLAGS, given)  # as the launcher hands them to its ranks
+    assert continue_command(Path("runs/a")) == f"gpipe train --resume runs/a {flags}".strip()
+    assert start_again(Path("runs/a")).endswith(f"--output-dir runs/a {flags}".strip())
+
+
+def test_the_launcher_hands_its_ranks_the_flags_that_continue_the_run(monkeypatch):
+    monkeypatch.delenv(NODE_FLAGS, raising=False)
+    options = launch_options(nnodes="2", node_rank=1, rdzv_endpoint="host0:29500")
+    with launcher._giving_ranks(1, options):
+        assert os.environ[NODE_FLAGS] == node_flags(options) != ""
+    assert NODE_FLAGS not in os.environ

@@ -26,7 +26,7 @@ def test_a_second_ctrl_c_aborts_at_once_with_one_line(monkeypatch, capsys):
         request._handle(signal.SIGINT, None)
     assert ended.value.code == 128 + signal.SIGINT
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == ["[gpipe] SIGINT: stopping after this step (Ctrl-C again to abort at once)",
+    assert lines == ["[gpipe] SIGINT: stopping after the steps in flight (Ctrl-C again to abort at once)",
                      "[gpipe] SIGINT again: aborted at once; a checkpoint it cut short is removed on resume"]
 
 
@@ -35,7 +35,7 @@ def test_a_sigint_sent_because_the_launcher_ended_says_so(monkeypatch, capsys):
     request = signals.StopRequest(announce=True)
     monkeypatch.setattr(signals.os, "getppid", lambda: request.parent + 1)  # adopted by another process
     request._handle(signal.SIGINT, None)
-    assert capsys.readouterr().err.strip() == "[gpipe] the launcher ended (SIGINT): stopping after this step"
+    assert capsys.readouterr().err.strip() == "[gpipe] the launcher ended (SIGINT): stopping after the steps in flight"
 
 
 def test_only_the_rank_that_speaks_says_it(monkeypatch, capsys):
@@ -49,7 +49,8 @@ def test_only_the_rank_that_speaks_says_it(monkeypatch, capsys):
 def test_a_ctrl_c_line_into_a_file_is_that_line_alone(capsys):
     # It began with an empty line (which moves past the ^C a terminal echoes), so a log held two lines.
     signals.StopRequest(announce=True)._handle(signal.SIGINT, None)
-    assert capsys.readouterr().err == "[gpipe] SIGINT: stopping after this step (Ctrl-C again to abort at once)\n"
+    assert capsys.readouterr().err == ("[gpipe] SIGINT: stopping after the steps in flight (Ctrl-C again to abort at "
+                                       "once)\n")
 
 
 def test_once_the_work_is_done_a_stop_ends_the_rank_at_once():
@@ -70,3 +71,14 @@ def test_once_the_work_is_done_a_stop_ends_the_rank_at_once():
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
                               env={**os.environ, "CODE": str(run_code)})
         assert proc.returncode == exit_code, proc.stderr
+
+
+@pytest.mark.parametrize(("rank", "local", "answers"), [(0, "0", True), (2, "0", True), (1, "1", False),
+                                                         (3, None, False)])
+def test_the_first_rank_of_every_node_answers_a_stop(monkeypatch, rank, local, answers):
+    # A Ctrl-C on node 1 of a job was met with silence there: only rank 0, on node 0, spoke.
+    if local is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local)
+    assert signals.answers_stops(rank) is answers
