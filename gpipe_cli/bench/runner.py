@@ -41,7 +41,8 @@ def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFi
     text = subject.build().task in ("translation", "lm")  # throughput is also counted in tokens
     k, m = kk.partitions if kk else prediction.partitions, options.microbatches
     over, hardware = oversubscription(k, options.threads)
-    ideal = k * m / (m + k - 1)
+    theory = theoretical_bubble(k, m, options.schedule, options.virtual_stages)
+    ideal = k * (1 - theory)  # the schedule's own: K·M/(M+K-1) for GPipe, more for one that idles less
     measured = kk is not None
     ours = kk.samples_per_s if kk else prediction.samples_per_s
     normalized = ours / k1.samples_per_s if k1.samples_per_s else 0.0
@@ -59,7 +60,7 @@ def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFi
         "step_times": kk.step_times if kk else [], "step_times_k1": k1.step_times,
         "normalized": normalized, "ideal": ideal, "efficiency": normalized / ideal if ideal else 0.0,
         "bubble": kk.bubble if kk else prediction.bubble,
-        "bubble_theory": theoretical_bubble(k, m, options.schedule, options.virtual_stages),
+        "bubble_theory": theory,
         "oversubscribed": over and measured, "hardware": hardware, "ranks": k, "threads": options.threads,
         "cpu_per_busy": {"k1": k1.cpu_per_busy, "k": kk.cpu_per_busy if kk else []},
         "load": {"k1": k1.load, "k": kk.load if kk is not None and kk is not k1 else {}},

@@ -103,7 +103,7 @@ def show(s: dict[str, Any], console: Console) -> None:
     console.print(_throughput(s))
     kind = "PREDICTION (simulated, not measured)" if s["simulated"] else "measured"
     console.print(f"normalised throughput T(K)/T(1) = [bold]{s['normalized']:.2f}[/] ({kind}); "
-                  f"ideal K·M/(M+K-1) = {s['ideal']:.2f}; efficiency = [bold]{s['efficiency']:.3f}[/]")
+                  f"ideal K·(1 - bubble in theory) = {s['ideal']:.2f}; efficiency = [bold]{s['efficiency']:.3f}[/]")
     schedule = s.get("schedule", "gpipe")
     theory = schedules.get(schedule).bubble_formula or f"of {schedule}"
     console.print(f"bubble: {'predicted' if s['simulated'] else 'measured'} [bold]{s['bubble']:.3f}[/], "

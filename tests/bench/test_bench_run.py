@@ -33,6 +33,7 @@ def test_the_json_has_every_figure(bench):
     assert figures["tokens_per_s"] > 0  # a text model also counts tokens
     assert figures["bubble_theory"] == pytest.approx(1 / 5)
     assert figures["efficiency"] == pytest.approx(figures["normalized"] / figures["ideal"])
+    assert figures["ideal"] == pytest.approx(2 * 4 / 5)  # GPipe's K·M/(M+K-1)
     assert isinstance(figures["oversubscribed"], bool)
     assert sum(figures["balance"]) == 6 and len(figures["stages"]) == 2
     assert figures["prediction"]["label"] == "prediction" and figures["prediction"]["samples_per_s"] > 0
@@ -82,6 +83,8 @@ def test_compare_interleaved_against_torchs_interleaved_1f1b(tmp_path):
                            schedule="interleaved", virtual_stages=2, compare=True, json=tmp_path / "bench.json")
     assert run(options) == 0
     figures = json.loads(options.json.read_text())
+    # The schedule's own ideal: it idles less than GPipe, whose K·M/(M+K-1) judged every schedule.
+    assert figures["ideal"] == pytest.approx(2 * (1 - figures["bubble_theory"])) and figures["ideal"] > 2 * 4 / 5
     assert set(figures["compare"]) == {"torch-interleaved"}
     if not hasattr(schedules, "ScheduleInterleaved1F1B"):  # an older torch: a reason, not an error
         assert "skipped" in figures["compare"]["torch-interleaved"]
