@@ -9,7 +9,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -31,6 +31,7 @@ from rich.text import Text
 from gpipe_cli.console import fit, redraws, say
 from gpipe_cli.errors import UserError
 from gpipe_cli.files import space_left
+from gpipe_cli.pipeline import stopping
 from gpipe_cli.pipeline.failure import ANNOUNCED
 from gpipe_cli.pipeline.stats import PARTS
 from gpipe_cli.progress import eta_text, note, run_eta
@@ -272,6 +273,7 @@ class TerminalView:
         self.started = time.time() if started is None else started
         self._console = Console(file=self.stream, highlight=False)
         self._live: Live | None = None
+        self._cursor_back: Callable[[], None] = lambda: None
         self._last_train: Mapping[str, Any] | None = None
         self._counted: Counted | None = None
         self.skipped = 0
@@ -295,6 +297,8 @@ class TerminalView:
         self._progress.update(self._task, total=total, completed=first_step)
         self._live = Live(Group(self._progress), console=self._console, refresh_per_second=4, transient=False)
         self._live.start()
+        # A rank that ends at once leaves the terminal's cursor hidden: given back raw, as no lock may be free then.
+        self._cursor_back = stopping.on_abrupt_exit(self._show_cursor)
 
     def message(self, text: str) -> None:
         """A one-off line (checkpoint written, step skipped, ...), wrapped at spaces on a terminal."""
@@ -329,9 +333,14 @@ class TerminalView:
             return Group(self._progress)
         return Group(self._progress, StepView(self._last_train, self.skipped, self._counted))
 
+    def _show_cursor(self) -> None:
+        if self._console.is_terminal:
+            os.write(self.stream.fileno(), b"\n\x1b[?25h")
+
     def stop(self) -> None:
         """Stop the live view (its last frame stays on the screen)."""
         if self._live is not None:
+            self._cursor_back()
             self._live.stop()
             if not self._live.console.is_terminal:  # rich leaves a file's last frame without its line end
                 self._live.console.line()

@@ -81,7 +81,13 @@ def _run(job: Job) -> int:
     # A failure ends this process at once (`stopping.abrupt_exit`), which first lets go of the run's claim: under
     # torchrun rank 0 holds it.
     def train() -> int:
-        code = Trainer(recipe, job, topo).run()
+        trainer = Trainer(recipe, job, topo)
+        try:
+            code = trainer.run()
+        except BaseException:  # a stop before the first step, a failure: the live view ends first, cursor shown
+            if trainer.view is not None:
+                trainer.view.stop()
+            raise
         if topo.distributed:  # inside the guard: a peer that fails now still stops this rank cleanly
             dist.barrier(group=topo.transport.control)
         return code

@@ -197,3 +197,24 @@ def test_a_dumb_terminal_gets_plain_lines(monkeypatch, term, plain):
     monkeypatch.setenv("TERM", term)
     monkeypatch.setattr("sys.stdout", Terminal())
     assert TerminalView("tiny", started=0.0).plain is plain
+
+
+def test_a_rank_that_ends_at_once_gives_the_terminal_its_cursor_back(monkeypatch):
+    # A Ctrl-C during step 1 ended rank 0 with its live view running: the shell's cursor stayed hidden.
+    from gpipe_cli.pipeline import stopping
+
+    leader, follower = os.openpty()
+    with os.fdopen(follower, "w") as terminal:
+        monkeypatch.setattr("sys.stdout", terminal)
+        monkeypatch.setattr(stopping, "_undo", [])
+        monkeypatch.setattr(stopping.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+        view = TerminalView("tiny", plain=False, started=0.0)
+        view.start(5)
+        with pytest.raises(SystemExit):
+            stopping.abrupt_exit(130)
+        terminal.flush()
+        shown = os.read(leader, 65536)
+        assert shown.rfind(b"\x1b[?25h") > shown.rfind(b"\x1b[?25l") >= 0
+        view.stop()  # and a view stopped in order lets go of its claim on the exit
+        assert stopping._undo == []
+    os.close(leader)
