@@ -315,6 +315,8 @@ def check_checkpoint_keys(recipe: Recipe, changes: list[Change], location: str) 
     refused += [c for c in changes if c.key == "optimizer.momentum" and _momentum_buffer_changes(recipe, c)]
     if not refused:
         return
+    # Another model family differs in most model keys, whose list, cut to a line, hid the one that decides.
+    refused = [c for c in refused if c.key == "model.kind"] or refused
     listed, one = ", ".join(map(str, refused)), len(refused) == 1
     raise UserError(f"--resume {cut(location, PATH_CHARS)}: {listed} {'changes' if one else 'change'} what its "
                     f"checkpoints hold (the model's parameters and the optimizer's state); resume with the run's "

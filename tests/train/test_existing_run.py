@@ -150,6 +150,17 @@ def test_a_resume_that_changes_what_the_checkpoints_hold_is_refused_and_recipe_y
     assert hashes(run) == before and not no_ranks
 
 
+def test_a_recipe_of_another_model_family_is_refused_by_its_family_alone(tmp_path):
+    # Every model key was listed, and the line, cut to its length, hid model.kind among fifteen.
+    path, run = make_run(tmp_path, steps=(2,))
+    recipe = load_recipe(recipes.write(tmp_path, recipes.TINY_AMOEBANET, "other.yaml"), [])
+    with pytest.raises(UserError) as refused:
+        existing.check_checkpoint_keys(recipe, existing.recipe_changes(recipe, run), str(run))
+    assert str(refused.value) == (f"--resume {run}: model.kind transformer -> amoebanet changes what its checkpoints "
+                                  "hold (the model's parameters and the optimizer's state); resume with the run's "
+                                  "value, or start a new run in another --output-dir")
+
+
 def test_every_refused_key_is_named_in_the_one_line(tmp_path):
     path, run = make_run(tmp_path, steps=(2,))
     recipe = load_recipe(path, ["model.d_model=64", "model.ff=128", "train.steps=9"])
