@@ -329,7 +329,7 @@ class Train(Section):
     @model_validator(mode="after")
     def _some_length(self) -> Train:
         if self.steps is None and self.epochs is None:
-            raise ValueError("give train.steps or train.epochs (or both: training stops at whichever comes first)")
+            raise ValueError("give train.steps or train.epochs; with both, training stops at whichever comes first")
         return self
 
     @model_validator(mode="after")

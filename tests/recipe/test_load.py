@@ -88,6 +88,9 @@ def test_every_shipped_recipe_validates_and_plans(path):
     # A check across keys names the --set of the one given so, wherever it stands in the line.
     (["model.heads=5"], "recipe.yaml: model.d_model (32) must be divisible by --set model.heads (5)"),
     (["train.steps=null"], "give train.steps or train.epochs"),
+    # The schema's "train.epochs (or both ...)" read as a key and its value: "give train.steps or --set train.epochs".
+    (["train.steps=null", "train.epochs=null"], "recipe.yaml: give train.steps or train.epochs; with both, training "
+                                                "stops at whichever comes first"),
     (["name=has space"], "name: may contain only ASCII letters, digits"),
     (["train.profile={steps: [5, 9]}"], "train.profile.steps starts at step 5, after the run's last (train.steps 2): "
                                         "nothing would be traced"),
