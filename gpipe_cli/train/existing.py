@@ -602,6 +602,11 @@ def continue_command(run_dir: Path, flags: str | None = None) -> str:
     return f"gpipe train --resume {shlex.quote(str(run_dir))}" + _on_nodes(flags)
 
 
+def way_on(run_dir: Path) -> str:
+    """How a run that ended early goes on: from its newest checkpoint, or from step 0 without one."""
+    return f"continue with {continue_command(run_dir)}" if candidates(run_dir) else start_again(run_dir)
+
+
 def _on_nodes(flags: str | None) -> str:
     """The launch flags of this node of several (None: as its launcher handed them to this rank), after a space."""
     flags = os.environ.get(NODE_FLAGS, "") if flags is None else flags

@@ -37,6 +37,7 @@ from gpipe_cli.train.existing import (
     past_end,
     run_dir_of,
     save_recipe,
+    way_on,
 )
 from gpipe_cli.train.export import export as export_model
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
@@ -117,6 +118,7 @@ class Trainer:
             if not job.resume:  # a resume's settings are recorded once it goes on (`_going_on`)
                 save_recipe(recipe, self.run_dir)
         self.stop = StopRequest(announce=answers_stops(self.layout.rank))
+        self.stop.way_on = lambda: way_on(self.run_dir)
         self.stopped_by = 0
         self.policy = nonfinite.NonFinitePolicy(recipe.train.on_nonfinite, recipe.train.max_skipped,
                                                 loss_scaling=recipe.train.precision == "fp16")

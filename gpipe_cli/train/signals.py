@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Callable
 from types import FrameType
 
 import torch
@@ -31,6 +32,7 @@ class StopRequest:
         self.parent = os.getppid()  # a rank's parent ending sends it SIGINT (torch's workers ask for it)
         self.when = AFTER_STEP  # what a stop signal cuts short, as the answer to Ctrl-C says
         self.echo = False  # the stop came as the launcher's note: its signal, if it comes, is no second stop
+        self.way_on: Callable[[], str] = lambda: ""  # how the run goes on after an abort, said with it
 
     def arm(self) -> None:
         """Take over the stop signals from the set-up's handler (after the first step: before it, nothing to save)."""
@@ -56,8 +58,9 @@ class StopRequest:
             self.echo = False
         elif signum == signal.SIGINT:
             if self.announce:
-                print("[gpipe] SIGINT again: aborted at once; a checkpoint it cut short is removed on resume",
-                      file=sys.stderr, flush=True)
+                then = self.way_on()
+                print("[gpipe] SIGINT again: aborted at once; a checkpoint it cut short is removed on resume"
+                      + (f"; {then}" if then else ""), file=sys.stderr, flush=True)
             stopping.abrupt_exit(128 + signum)
 
     def disarm(self, code: int) -> None:

@@ -91,13 +91,12 @@ class MetricsFile:
 
     def _failure(self, exc: OSError, record: Mapping[str, Any]) -> str:
         """One line: what failed, the space left, and how the run goes on."""
-        from gpipe_cli.train.existing import candidates, continue_command, start_again
+        from gpipe_cli.train.existing import way_on
 
         what = f"{errno.errorcode.get(exc.errno or 0, 'error')}: {exc.strerror or exc}"
         run_dir = self.path.parent
-        then = f"continue with {continue_command(run_dir)}" if candidates(run_dir) else start_again(run_dir)
         return (f"cannot write {self.path.name} at step {record['step']} ({what}); {space_left(run_dir)}; "
-                f"its earlier records are whole; once it can be written, {then}")
+                f"its earlier records are whole; once it can be written, {way_on(run_dir)}")
 
     def close(self) -> None:
         """Close the file and the sinks."""

@@ -6,6 +6,7 @@ import pytest
 
 from gpipe_cli.pipeline import stopping
 from gpipe_cli.train import signals
+from gpipe_cli.train.existing import way_on
 
 
 @pytest.fixture(autouse=True)
@@ -28,6 +29,20 @@ def test_a_second_ctrl_c_aborts_at_once_with_one_line(monkeypatch, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == ["[gpipe] SIGINT: stopping after the steps in flight (Ctrl-C again to abort at once)",
                      "[gpipe] SIGINT again: aborted at once; a checkpoint it cut short is removed on resume"]
+
+
+def test_an_abort_says_how_the_run_goes_on(monkeypatch, capsys, tmp_path):
+    # It said that a cut-short checkpoint is removed on resume, but not the resume that continues the run.
+    monkeypatch.setattr(signals.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    request = signals.StopRequest(announce=True)
+    request.way_on = lambda: way_on(tmp_path)
+    (tmp_path / "checkpoints" / "step-00000004").mkdir(parents=True)
+    request._handle(signal.SIGINT, None)
+    with pytest.raises(SystemExit):
+        request._handle(signal.SIGINT, None)
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "[gpipe] SIGINT again: aborted at once; a checkpoint it cut short is removed on resume; continue with "
+        f"gpipe train --resume {tmp_path}")
 
 
 def test_a_sigint_sent_because_the_launcher_ended_says_so(monkeypatch, capsys):
