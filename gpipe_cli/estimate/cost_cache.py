@@ -1,4 +1,4 @@
-"""Per-layer seconds for the cut of `balance: auto` and `time`: measured at launch by rank 0, cached per machine."""
+"""What a launch measures of this machine, cached: per-layer seconds for the cut, and a CPU's best matrix rate."""
 
 from __future__ import annotations
 
@@ -119,3 +119,20 @@ def measured_costs(spec: ModelSpec, recipe: Recipe, microbatch_size: int, device
     with contextlib.suppress(OSError):  # a folder that turned unwritable since the probe only costs a measurement
         atomic_write_bytes(path, json.dumps({"key": key, "costs": asdict(profile)}).encode())
     return Measured(profile, cached=False)
+
+
+def best_rate(measured: float, threads: int) -> float:
+    """This CPU's fastest matrix-product rate at `threads`: `measured` now, or the best kept from earlier runs."""
+    # A measurement on cores other processes keep busy comes out low (a tenth, seen), and MFU against it above 100%:
+    # the best one seen on this machine stands for its peak, and is kept where the layer costs are.
+    key = {"format": FORMAT, "kind": "cpu matrix-product peak", "device_name": device_name(torch.device("cpu")),
+           "threads": threads, "torch": torch.__version__}
+    path = cache_path(key)
+    kept = 0.0
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none kept yet, or a damaged file
+        data = json.loads(path.read_text())
+        kept = float(data["flop_per_s"]) if data["key"] == key else 0.0
+    if measured > kept and unwritable(path.parent) is None:
+        with contextlib.suppress(OSError):
+            atomic_write_bytes(path, json.dumps({"key": key, "flop_per_s": measured}).encode())
+    return max(measured, kept)

@@ -236,9 +236,9 @@ class Trainer:
         if self.spec.task != "image":  # text: FLOPs per token, as a step's batch holds any number of tokens
             units = self.spec.example_batch(1, "meta")[1].numel()
         device, train = self.topo.device, self.recipe.train
-        peak = find_peak(train.peak_tflops, device.type, train.precision,
-                                     lambda: torch.cuda.get_device_name(device),
-                                     lambda: sizing.measured_rate("cpu", torch.get_num_threads(), fastest=True))
+        threads = torch.get_num_threads()
+        peak = find_peak(train.peak_tflops, device.type, train.precision, lambda: torch.cuda.get_device_name(device),
+                         lambda: cost_cache.best_rate(sizing.measured_rate("cpu", threads, fastest=True), threads))
         self.summary.peak, self.summary.ranks = peak, self.layout.world_size
         self._note(f"MFU: model FLOPs (3x forward, recomputation not counted) over {peak.source}")
         return ModelFlops(forward, units), peak
