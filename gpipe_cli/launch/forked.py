@@ -14,7 +14,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Iterator
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 from typing import TextIO
 
 from gpipe_cli import quick_exit
@@ -23,7 +23,7 @@ START_METHOD = "forkserver"
 # What the server imports before it forks the first rank: what every rank imports before its first step.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "gpipe_cli.train.worker", "gpipe_cli.train.loop",
            "gpipe_cli.bench.worker", "gpipe_cli.bench.setup", "gpipe_cli.launch.preloaded"]
-# Signals meant for the job's whole process group (a terminal's Ctrl-C, a scheduler's SIGTERM): ignored by the
+# Signals meant for the job's whole process group (a terminal's Ctrl-C, a scheduler's SIGTERM): blocked in the
 # server from its first instruction, since the launcher reads each rank's exit code through it; each rank takes
 # them back.
 JOB_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -51,13 +51,6 @@ def prepare(fresh: bool = True) -> None:
     if fresh or (running() and _server() != _ours):
         stop()
     multiprocessing.set_forkserver_preload(PRELOAD)
-    # A new program keeps ignoring what its parent ignored. Blocked meanwhile, what comes for this process waits
-    # for its own handlers (Linux keeps a blocked signal pending even while it is ignored).
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
-    handlers = {signum: signal.getsignal(signum) for signum in JOB_SIGNALS}
-    for signum, handler in handlers.items():
-        if handler is not None:  # None: a handler not set from Python, which could not be put back
-            signal.signal(signum, signal.SIG_IGN)
     # It starts multiprocessing's resource tracker too, which the ranks share. A rank that fails ends with
     # os._exit, leaving it the semaphores `datasets` makes; it cleans them up and warns, two lines of noise after
     # the one that says what failed. Started with this filter, it keeps its other warnings.
@@ -66,16 +59,18 @@ def prepare(fresh: bool = True) -> None:
     # before its one line. A user's own level wins (e.g. INFO to debug a hang).
     level = os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")
     before = _server()
-    try:
-        with environment({"PYTHONWARNINGS": warnings, "TORCH_CPP_LOG_LEVEL": level, "GPIPE_PRELOADED": _marker()}):
+    with environment({"PYTHONWARNINGS": warnings, "TORCH_CPP_LOG_LEVEL": level, "GPIPE_PRELOADED": _marker()}):
+        resource_tracker.ensure_running()  # first: it unblocks SIGINT and SIGTERM on its way out
+        # Blocked in this thread, which forks the server: a new program keeps its parent's mask, so the server
+        # holds them from its first instruction (each rank unblocks them). Not ignored for the whole process: a
+        # signal that this process's other threads took meanwhile was lost, and the command ran on to its end.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
+        try:
             forkserver.ensure_running()  # starts one, unless it is running
-        if _server() != before:
-            _ours = _server()
-    finally:
-        for signum, handler in handlers.items():
-            if handler is not None:
-                signal.signal(signum, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    if _server() != before:
+        _ours = _server()
 
 
 @contextlib.contextmanager
@@ -167,10 +162,14 @@ def children_of(pid: int) -> list[int]:
 def run(module: str, args: list[str]) -> None:
     """Run `module.main(args)` in this forked rank as `python -u -m module *args` would run it."""
     os.setsid()  # a session of its own, as torchrun starts its ranks: a Ctrl-C comes from the launcher alone
+    # Blocked since the server started: what came for the launcher's group while this rank forked is the launcher's
+    # to pass on, dropped here (a pending signal set to be ignored is discarded), then each is taken back.
+    for signum in JOB_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for signum in JOB_SIGNALS[1:]:
         signal.signal(signum, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)  # the server may have started with them blocked too
     with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:  # what `top` and `ps -o comm` show
         comm.write(f"gpipe rank {os.environ.get('RANK', '')}"[:15])
     sys.stdout = _unbuffered(1, sys.stdout)

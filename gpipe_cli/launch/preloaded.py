@@ -2,11 +2,14 @@
 
 import contextlib
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
+
+from gpipe_cli.launch.forked import JOB_SIGNALS
 
 Hook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
 
@@ -26,6 +29,10 @@ def quiet_orphans(previous: Hook) -> Hook:
 
 if (_marker := os.environ.get("GPIPE_PRELOADED")) is not None:
     sys.excepthook = quiet_orphans(sys.excepthook)
+    # Blocked in the server since its first instruction, the job's signals are ignored too from here on, and so in
+    # what it forks, until a child takes them back (`forked.run`); one pending is dropped: it is the launcher's.
+    for _signum in JOB_SIGNALS:
+        signal.signal(_signum, signal.SIG_IGN)
     # A stop while the server loads: the command has ended and taken its folder along, and none waits for the mark.
     with contextlib.suppress(OSError), open(f"{_marker}-{os.getpid()}", "w"):
         pass

@@ -191,3 +191,33 @@ def test_a_server_whose_command_has_gone_loads_without_a_traceback(tmp_path: Pat
     proc = subprocess.run([sys.executable, "-c", "import gpipe_cli.launch.preloaded"], capture_output=True, text=True,
                           env={**os.environ, "GPIPE_PRELOADED": str(gone)}, timeout=120)
     assert (proc.returncode, proc.stderr) == (0, "")
+
+
+def test_a_stop_signal_while_the_server_starts_reaches_the_command(monkeypatch: pytest.MonkeyPatch):
+    # Ignored by the whole process while the server started, a SIGTERM that another of its threads took was lost:
+    # `gpipe bench` stopped right then ran to its end and exited 0.
+    got: list[int] = []
+    blocked: list[bool] = []
+    idle = threading.Event()
+    other = threading.Thread(target=idle.wait)  # a thread that takes what the starting one holds
+    other.start()
+
+    def start() -> None:
+        blocked.append(set(forked.JOB_SIGNALS) <= signal.pthread_sigmask(signal.SIG_BLOCK, []))  # the server's too
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+
+    monkeypatch.setattr(forked, "stop", lambda: None)
+    monkeypatch.setattr("multiprocessing.resource_tracker.ensure_running", lambda: None)
+    monkeypatch.setattr(forkserver, "ensure_running", start)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        forked.prepare()
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        idle.set()
+        other.join()
+    assert blocked == [True] and got == [signal.SIGTERM]
