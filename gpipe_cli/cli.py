@@ -187,6 +187,18 @@ def _whole(flag: str) -> Callable[[Any], int]:
     return parse
 
 
+def _real(flag: str) -> Callable[[Any], float]:
+    """The parser of a number flag: a number as Python writes one, else one line naming `flag` (its range: later)."""
+    def parse(value: Any) -> float:
+        if isinstance(value, int | float):  # the default
+            return float(value)
+        try:
+            return float(str(value).strip())
+        except ValueError:  # not pydantic's "Input should be a valid number", worded as no other flag is
+            raise _Usage(f"{flag}: must be a number, e.g. 12 or 0.5 (got {shown(str(value))})") from None
+    return parse
+
+
 def _file(flag: str) -> Callable[[Any], Path]:
     """The parser of a file flag: a path, refused in one line when empty (Path would read it as '.')."""
     def parse(value: Any) -> Path:  # never a default: every file flag's is None
@@ -284,6 +296,8 @@ def _flags(options: type, own: Mapping[str, str], *aliases: str, modes: Collecti
         panel = MODES if name in modes else SIZE if name in SIZE_FLAGS else None
         if int in (annotation, *typing.get_args(annotation)):
             settings["parser"] = _whole(flag(name))
+        elif float in (annotation, *typing.get_args(annotation)):
+            settings["parser"] = _real(flag(name))
         if Path in (annotation, *typing.get_args(annotation)):
             settings["parser"] = _file(flag(name))
         return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,

@@ -524,3 +524,17 @@ def test_standard_output_on_a_full_disk_is_one_line_not_a_traceback(tmp_path, ar
                               text=True, cwd=tmp_path, timeout=300, env={**os.environ, "COLUMNS": "120"})
     assert proc.returncode == 1 and proc.stderr == ("error: cannot write to standard output (No space left on "
                                                     "device); what it should have shown is lost\n"), proc.stderr
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["plan", "--devices", "2", "--bandwidth", "12GB/s"],
+     "error: --bandwidth: must be a number, e.g. 12 or 0.5 (got '12GB/s') (see 'gpipe plan --help')"),
+    (["plan", "--devices", "2", "--tflops", "abc"],
+     "error: --tflops: must be a number, e.g. 12 or 0.5 (got 'abc') (see 'gpipe plan --help')"),
+    (["bench", "--simulate", "--devices", "4", "--latency-us", ""],
+     "error: --latency-us: must be a number, e.g. 12 or 0.5 (got '') (see 'gpipe bench --help')"),
+])
+def test_a_number_flag_given_no_number_is_told_as_every_flag_is(capsys, args, line):
+    # It was pydantic's "Invalid value for '--bandwidth': Input should be a valid number, unable to parse string".
+    assert run(args) == 2
+    assert capsys.readouterr().err == line + "\n"
