@@ -218,9 +218,14 @@ def recipe_size_problem(recipe: str | None, flags: Mapping[str, Any], sets: Sequ
 
     model = _section(recipe, "model")
     kind = model.get("kind") if isinstance(model, dict) else None
+    named = model.get("preset") if isinstance(model, dict) else None
     for item in sets:
         if set_key(item) == "model.kind":
             kind = parse_override(item)[1]
+        elif set_key(item) == "model.preset":
+            named = parse_override(item)[1]
+    if kind is None and isinstance(named, str) and is_preset_name(named):  # the paper's recipes name a preset alone
+        kind = preset(named)[0]
     if not isinstance(kind, str) or kind not in MODEL_SECTIONS:  # the schema says what is wrong with it
         return None
     return next((problem for name in typed if (problem := foreign_size(name, kind))), None)

@@ -117,3 +117,9 @@ def test_a_size_flag_a_recipes_model_has_not_is_worded_as_without_a_recipe(comma
                                        "d_model, ff, heads, vocab_size, max_len)\n")
     assert gpipe([*command, "recipes/quickstart.yaml", "--set", "model.kind=amoebanet", "--d-model", "16"]) == 2
     assert capsys.readouterr().err.startswith("error: --d-model does not apply to amoebanet models")
+    # The paper's recipes name a preset and no model.kind: the schema's "unknown key" line again.
+    assert gpipe([*command, "recipes/amoebanet-d-cifar10.yaml", "--d-model", "64"]) == 2
+    assert capsys.readouterr().err.startswith("error: --d-model does not apply to amoebanet models")
+    assert gpipe([*command, "recipes/amoebanet-d-cifar10.yaml", "--set", "model.preset=t-6-8192-16",
+                  "--filters", "16"]) == 2
+    assert capsys.readouterr().err.startswith("error: --filters does not apply to transformer models")
