@@ -132,6 +132,8 @@ def bench_options(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[s
     # --simulate --devices K predicts for K stages: the recipe's keys are checked at that K, not at bench's default
     # (without a recipe, a --balance's entries against it are checked with the model's layers, naming --devices).
     devices = own.get("devices") if own.get("simulate") and named is None else None
+    if devices is not None:  # else the recipe's check named it pipeline.partitions
+        refuse([outside("--devices", devices, 1, MAX_RANKS)])
     k = devices if flags.get("balance") is None else None
     # A recipe's own K gives way to it as a --set would (bench's defaults never override a recipe).
     forced = [f"{ALIASES['partitions']}={devices}"] if devices is not None and recipe is not None else []
@@ -139,6 +141,8 @@ def bench_options(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[s
         fields = shared_fields(BenchOptions, recipe, flags, [*forced, *sets], CUTS, "gpipe bench",
                                **({"partitions": k} if k is not None else {}))
     except UserError as exc:
+        if own.get("simulate") and own.get("devices") not in (None, flags.get("partitions")) and named:
+            raise UserError(_predicted_k(own["devices"], named)) from None  # first: the other problem follows it
         said = str(exc).replace(f"--set {ALIASES['partitions']} ({devices})", f"--devices ({devices})")
         if forced:
             said = said.replace("(partitions x virtual_stages)", "(--devices x virtual_stages)")
@@ -146,9 +150,13 @@ def bench_options(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[s
     options = BenchOptions(model=model_of(recipe, own.pop("model", None), "measured"), **fields, **own)
     if options.simulate and options.devices not in (None, options.partitions) and named:
         # --devices is the K predicted: a --partitions beside it that differs would be dropped without a word.
-        raise UserError(f"--simulate predicts for --devices {options.devices} stages: leave out {named}, or "
-                        "--devices to predict for it")
+        raise UserError(_predicted_k(options.devices, named))
     return options
+
+
+def _predicted_k(devices: int, named: str) -> str:
+    """The refusal of --partitions (as `named`) beside a --simulate --devices that differs from it."""
+    return f"--simulate predicts for --devices {devices} stages: leave out {named}, or --devices to predict for it"
 
 
 def validate(options: BenchOptions) -> None:

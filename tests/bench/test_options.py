@@ -295,6 +295,12 @@ def test_simulate_names_the_devices_it_predicts_for(capsys):
     assert run(["bench", *TINY, "--simulate", "--devices", "4", "--partitions", "2"]) == 2
     assert capsys.readouterr().err == ("error: --simulate predicts for --devices 4 stages: leave out --partitions, "
                                        "or --devices to predict for it\n")
+    # With a --balance for --partitions, it was the balance's count that was told first, then this, in a circle.
+    assert run(["bench", *TINY, "--simulate", "--devices", "4", "--partitions", "2", "--balance", "3,3,2,2"]) == 2
+    assert capsys.readouterr().err.startswith("error: --simulate predicts for --devices 4 stages: leave out")
+    # A count out of bounds is named by the flag, not as the recipe key it stands for.
+    assert run(["bench", *TINY, "--simulate", "--devices", "0"]) == 2
+    assert capsys.readouterr().err == "error: --devices: must be >= 1 and <= 65536 (got 0)\n"
     # The two agree: nothing is dropped.
     assert bench_options(None, {"partitions": 4}, [], simulate=True, devices=4).stages == 4
     assert run(["bench", *TINY, "--simulate", "--devices", "4", "--balance", "2,2"]) == 2
