@@ -182,17 +182,25 @@ def results(options: BenchOptions, summary: dict[str, Any], events: list[dict[st
     # Measuring is over: a Ctrl-C or SIGTERM from here on would stop the command between files it has
     # written and claim it wrote nothing, so they wait the moment it takes to finish.
     interrupts.finishing()
+    # A file that cannot be written (a full disk) is told last, under the figures that took minutes to measure.
+    failed: list[UserError] = []
     if options.trace is not None and summary["measured"]:  # the K ranks' step, and where it went
         title = (f"{summary['model']['name']}: K={summary['partitions']}, M={options.microbatches}, "
                  f"{options.schedule}, {options.checkpoint}")
-        with writing(options.trace, "--trace"):
-            chrome, png = trace.write(options.trace, events, title)
-        summary["trace"] = {"chrome": str(chrome), "png": str(png) if png else None, "events": len(events)}
+        try:
+            with writing(options.trace, "--trace"):
+                chrome, png = trace.write(options.trace, events, title)
+            summary["trace"] = {"chrome": str(chrome), "png": str(png) if png else None, "events": len(events)}
+        except UserError as exc:
+            failed.append(exc)
     if options.sweep:
         if (target := options.sweep_plot()) is not None:  # beside the --json file
-            with writing(target, "--json (its --sweep plot)"):
-                png = sweep.plot(summary, target)
-            console.print(f"[dim]plot written to {png}[/]" if png else f"[yellow]no plot: {plots.MISSING}[/]")
+            try:
+                with writing(target, "--json (its --sweep plot)"):
+                    png = sweep.plot(summary, target)
+                console.print(f"[dim]plot written to {png}[/]" if png else f"[yellow]no plot: {plots.MISSING}[/]")
+            except UserError as exc:
+                failed.append(exc)
         sweep.show(summary, console)
     else:
         tables.show(summary, console)
@@ -201,6 +209,8 @@ def results(options: BenchOptions, summary: dict[str, Any], events: list[dict[st
     if options.json is not None:
         write_json(options.json, summary)
         console.print(f"[dim]figures written to {options.json}[/]")
+    if failed:
+        raise failed[0]
 
 
 def run(options: BenchOptions) -> int:

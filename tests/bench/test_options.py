@@ -247,6 +247,30 @@ def test_a_full_disk_after_measuring_is_one_line_naming_the_flag(tmp_path, monke
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_trace_that_cannot_be_written_is_told_under_the_figures(tmp_path, monkeypatch, handlers):
+    # It was told instead of the figures, which had taken minutes to measure.
+    import errno
+    import io
+
+    from rich.console import Console
+
+    from gpipe_cli.bench import runner, tables, trace
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    shown: list[dict] = []
+    monkeypatch.setattr(trace, "write", full)
+    monkeypatch.setattr(tables, "show", lambda summary, console: shown.append(summary))
+    summary = {"measured": True, "partitions": 2, "model": {"name": "t"},
+               "sized": {"note": "", "estimate_s": 1.0, "elapsed_s": 1.0}}
+    with pytest.raises(UserError) as caught:
+        runner.results(BenchOptions(trace=tmp_path / "t.json", json=tmp_path / "b.json"), summary, [],
+                       Console(file=io.StringIO()))
+    assert str(caught.value) == f"--trace: cannot write {str(tmp_path / 't.json')!r} (No space left on device)"
+    assert shown == [summary] and "trace" not in summary and (tmp_path / "b.json").is_file()
+
+
 def test_a_sweep_refuses_the_k_and_m_it_would_drop(capsys):
     from gpipe_cli.cli import run
 
