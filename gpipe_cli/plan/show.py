@@ -145,10 +145,20 @@ def table(items: Sequence[tuple[Outcome, str | None]], title: str, stacked: bool
     return t
 
 
+UNBOUNDED = 100_000  # columns a log's table may take: as many as its rows need
+
+
 def print_plan(console: Console, items: Sequence[tuple[Outcome, str | None]], title: str) -> None:
     """The configurations at the console's width: a line each where they fit, else stacked, no figure cut."""
     whole = table(items, title)
-    if fit_table(whole, console.width) == [whole]:
+    if console.soft_wrap:  # a log's (`output_console`): a configuration a line, however wide, for grep to find whole
+        before = console.width  # print's own width is bounded by the console's
+        console.width = max(before, console.measure(whole, options=console.options.update(max_width=UNBOUNDED)).maximum)
+        try:
+            console.print(whole)
+        finally:
+            console.width = before
+    elif fit_table(whole, console.width) == [whole]:
         console.print(whole)
     else:
         print_table(console, table(items, title, stacked=True), KEYS, PROSE)

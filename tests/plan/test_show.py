@@ -126,3 +126,17 @@ def test_a_bubble_no_larger_than_the_winners_is_no_reason(monkeypatch):
     why = show.reason(model, winner, other, math.inf)
     assert other.bubble < winner.bubble and "bubble" not in why, why
     assert why == "13% slower: more compute in smaller micro-batches (4 examples)", why
+
+
+def test_in_a_log_each_configuration_is_one_line_however_wide(monkeypatch):
+    # Past the log's 200 columns the table was stacked, a configuration over four lines that grep split.
+    import io
+
+    from gpipe_cli.console import output_console
+
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    console = output_console()
+    show.print_plan(console, [(o, why and why + " and more words" * 10) for o, why in _items()], TITLE)
+    rows = [line for line in console.file.getvalue().splitlines() if "slower" in line or line.lstrip().startswith("*")]
+    assert len(rows) == len(_items()) and all(" and more words" * 10 in line for line in rows[1:]), rows
+    assert console.width == max(output_console().width, 200)  # put back
