@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -185,14 +185,21 @@ def model_of(recipe: str | None, model: str | None, done: str) -> str:
     return recipe or model or "transformer"
 
 
-def unread_problem(sets: Sequence[str], command: str) -> str | None:
-    """The refusal of a `--set` key of a section these commands do not read: it would have changed nothing."""
+# Recipe keys a command reads through a flag of its own, not the recipe (profile-memory's --optimizer).
+OWN_FLAGS = {"optimizer.name": "optimizer"}
+
+
+def unread_problem(sets: Sequence[str], command: str, own: Collection[str] = ()) -> str | None:
+    """The refusal of a `--set` key of a section these commands do not read (`own`: their fields, which a flag sets)."""
     for item in sets:
         key = set_key(item)
         section, dot, _ = key.partition(".")
         if dot and section != "model" and key not in ALIASES.values():
             if (unknown := unknown_key(key)) is not None:  # a misspelling, as train says it
                 return f"--set {unknown}"
+            if OWN_FLAGS.get(key) in own:
+                value, instead = item.partition("=")[2].strip(), flag(OWN_FLAGS[key])
+                return f"--set {key}: {command} takes it as {instead}" + (f", e.g. {instead} {value}" if value else "")
             *pipeline, last = (k.removeprefix("pipeline.") for k in ALIASES.values() if k.startswith("pipeline."))
             return (f"--set {key}: {command} does not read it; of a recipe it reads the model section, "
                     f"data.batch_size and the pipeline's {', '.join(pipeline)} and {last}")
@@ -248,7 +255,7 @@ def _replicas_note(recipe: str | None, command: str) -> list[str]:
 def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str],
                   cuts: tuple[str, ...], command: str, **defaults: Any) -> dict[str, Any]:
     """The fields a recipe (None: the command's own model), the alias flags and `--set` give."""
-    refuse([unread_problem(sets, command), recipe_size_problem(recipe, flags, sets)])
+    refuse([unread_problem(sets, command, {f.name for f in fields(options)}), recipe_size_problem(recipe, flags, sets)])
     own = {f.name: f.default for f in fields(options) if f.name in ALIASES and f.default not in (None, MISSING)}
     # Named by the flags, before the schema names the keys they stand for.
     k, v = (_flag_value(name, recipe, flags, sets, {**own, **defaults}.get(name, 1))
