@@ -168,9 +168,15 @@ def newest_run_in(folder: Path) -> Path | None:
     """The newest run one or two levels below `folder` (outputs/NAME/STAMP), as `gpipe export outputs` means."""
     try:
         runs = [run for pattern in ("*", "*/*") for run in folder.glob(pattern) if run.is_dir() and holds_run(run)]
-        return max(runs, key=lambda run: run.stat().st_mtime, default=None)
+        return max(runs, key=_last_trained, default=None)
     except OSError:  # a folder this process cannot read, or a run removed meanwhile: nothing to point to
         return None
+
+
+def _last_trained(run: Path) -> float:
+    """When a run last recorded a step: its records' time, not its folder's, which a report written in it moves."""
+    metrics = run / METRICS
+    return (metrics if metrics.is_file() else run).stat().st_mtime
 
 
 def check_not_runs(folder: Path, named: str = "") -> None:

@@ -18,6 +18,7 @@ def test_a_folder_of_runs_is_answered_with_its_newest_run(tmp_path, monkeypatch,
         folder = outputs / "quickstart" / stamp
         folder.mkdir(parents=True)
         (folder / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+        os.utime(folder / "metrics.jsonl", (when, when))
         os.utime(folder, (when, when))
     (outputs / "empty").mkdir()  # a folder without records is no run to point to
     given = outputs if depth == 2 else outputs / "quickstart"
@@ -29,3 +30,18 @@ def test_a_folder_of_runs_is_answered_with_its_newest_run(tmp_path, monkeypatch,
     assert captured.err == (f"error: {prefix}{given}: not a run directory but a folder of runs; give one, such as the "
                             f"newest: {newest}\n")
     assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_the_newest_run_is_the_one_that_trained_last_not_the_last_written_in(tmp_path):
+    # A report.png written into the older run moved its folder's time, and it was called the newest.
+    from pathlib import Path
+
+    from gpipe_cli.train.existing import newest_run_in
+
+    for name, trained, touched in (("k1", 2_000, 2_000), ("k2", 1_000, 3_000)):
+        folder = Path(tmp_path, name)
+        folder.mkdir()
+        (folder / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+        os.utime(folder / "metrics.jsonl", (trained, trained))
+        os.utime(folder, (touched, touched))
+    assert newest_run_in(tmp_path) == tmp_path / "k1"
