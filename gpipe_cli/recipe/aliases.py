@@ -29,7 +29,7 @@ SET_HELP = "Override a recipe key: KEY=VALUE, the value read as YAML (repeatable
 SIZE_FLAGS = tuple(name for name, key in ALIASES.items() if key.startswith("model."))
 _SECTIONS: dict[str, tuple[type[BaseModel], ...]] = {
     "pipeline": (Pipeline,), "data": (Data,), "model": tuple(MODEL_SECTIONS.values())}
-_LIST = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*$")
+_LIST = re.compile(r"^\s*[-+]?\d+(\s*,\s*[-+]?\d+)*\s*$")  # signed: an entry below 1 is told as 0 is
 
 
 def flag(name: str) -> str:

@@ -150,6 +150,16 @@ def test_the_names_checked_before_torch_loads_are_the_engines():
 
 
 @pytest.mark.parametrize("command", ["bench", "profile-memory"])
+@pytest.mark.parametrize("balance", ["0,10", "-1,11"])
+def test_an_entry_below_one_is_told_the_same_signed_or_not(capsys, command, balance):
+    # A negative entry was told the choices of --balance, as though it were no list.
+    from gpipe_cli.cli import run
+
+    assert run([command, "--partitions", "2", f"--balance={balance}"]) == 2
+    assert capsys.readouterr().err.startswith("error: --balance: every entry must be a number of layers from 1 to ")
+
+
+@pytest.mark.parametrize("command", ["bench", "profile-memory"])
 @pytest.mark.parametrize(("balance", "message"), [
     ("1,1", "balance [1, 1] sums to 2 but the model has 10 layers"),
     ("5,4,1", "--balance 5,4,1 has 3 entries but --partitions 2 has 2 stages: give one layer count per stage"),
