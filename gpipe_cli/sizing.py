@@ -234,6 +234,9 @@ def choose(family: str, judge: Callable[[Candidate], Verdict], stages: int = 1,
            settings: dict[str, Any] | None = None) -> Choice:
     """The paper's member of `family` if `judge` says it fits, else the largest smaller member that does."""
     members = [(kind, deep_enough(kind, params, stages)) for kind, params in ladder(family, settings)]
+    paper = families.of(members[0][0]).short(ladder(family, settings)[0][1])
+    if members[0][1] != ladder(family, settings)[0][1]:  # it was not the paper's own that was judged
+        paper = f"{paper}, deepened to {members[0][1].get('layers')} layers for {stages} stages,"
     reason = ""  # why the paper's member does not fit
     for index, (kind, params) in enumerate(members):
         cand = candidate(kind, params)
@@ -241,7 +244,7 @@ def choose(family: str, judge: Callable[[Candidate], Verdict], stages: int = 1,
         if verdict.fits:
             note = f"measuring {cand.describe()}: {reason}; choose with --model/--layers" if index else ""
             return Choice(kind, params, index > 0, note, verdict)
-        reason = reason or verdict.why_not(f"the paper's {families.of(kind).short(params)}")
+        reason = reason or verdict.why_not(f"the paper's {paper}")
     # None fits: the last, smallest member, as judged in the loop.
     note = f"measuring {cand.describe()}, the smallest member: {reason}; choose with --model/--layers"
     return Choice(kind, params, True, note, verdict)

@@ -32,6 +32,12 @@ def test_a_model_too_large_for_memory_is_scaled_down_and_announced():
     assert members[index - 1].parameters > 50e6
 
 
+def test_the_paper_model_made_deeper_for_more_stages_is_not_called_the_papers():
+    # For 100 stages the note said "the paper's 98-layer model"; the paper's has 48.
+    choice = sizing.choose("transformer", lambda c: sizing.Verdict(c.parameters * 16, 50e6 * 16, 1.0, 2.0), stages=100)
+    assert "the paper's 48-layer model, deepened to 98 layers for 100 stages, needs" in choice.note, choice.note
+
+
 def test_a_model_too_slow_is_scaled_down_and_the_time_is_said():
     choice = sizing.choose("transformer", lambda c: sizing.Verdict(1.0, 2.0, c.flops, 1e9))
     assert choice.scaled and "would take" in choice.note
