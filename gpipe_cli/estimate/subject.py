@@ -14,14 +14,14 @@ import torch
 
 from gpipe_cli import sizing
 from gpipe_cli.contention import Load
-from gpipe_cli.errors import UserError, cut, shown
+from gpipe_cli.errors import UserError, cut, near, shown
 from gpipe_cli.estimate.model_flags import SIZE_PARAMS, foreign_size, size_limits
 from gpipe_cli.limits import outside, refuse, words
 from gpipe_cli.models import families
 from gpipe_cli.models.base import Batch, ModelSpec
 from gpipe_cli.models.describe import describe
-from gpipe_cli.models.presets import is_preset_name, names_help
-from gpipe_cli.models.registry import build_model, resolve_preset
+from gpipe_cli.models.presets import is_preset_name, names_help, preset
+from gpipe_cli.models.registry import allowed_params, build_model, resolve_preset
 from gpipe_cli.pipeline.layer_profile import WARMUP_ROUNDS, profile_layers
 from gpipe_cli.progress import SAY_BELOW_S, phase_line
 from gpipe_cli.recipe.aliases import flag
@@ -87,6 +87,13 @@ def model_overrides(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def unknown_param(key: str, allowed: Sequence[str], where: str = "") -> str:
+    """A `--set` model key no model of the kind has, in train's words: near spellings first, then what is allowed."""
+    close = near(key, allowed)
+    return (f"--set model.{key}: unknown key{f' (did you mean model.{close[0]}?)' if close else ''}; allowed keys "
+            f"{where or 'here'}: {', '.join(allowed)}")
+
+
 def check_limits(kind: str, params: Mapping[str, Any], named: Mapping[str, str], source: str) -> None:
     """Refuse a size beyond the recipe schema's limits; `named` maps a parameter to its flag, others are `source`'s."""
     # A recipe could not hold it either, and building billions of layers would take the machine's memory and time
@@ -116,10 +123,10 @@ def resolve(model: str, sizes: Mapping[str, int | None] | None = None, overrides
                 raise UserError(f"--model {cut(model)}: is a directory, not a recipe file")
             raise UserError(f"--model: unknown model preset {shown(model)}; use a family ({', '.join(FAMILIES)}), "
                             f"a recipe file (.yaml), {names_help()}")
-        try:
-            kind, params = resolve_preset(name, **model_overrides(overrides))
-        except ValueError as exc:  # the name is known: a parameter of --set is not
-            raise UserError(f"--set: {exc}") from None
+        given = model_overrides(overrides)
+        allowed = allowed_params(preset(name)[0])
+        refuse([next((unknown_param(key, allowed) for key in given if key not in allowed), None)])
+        kind, params = resolve_preset(name, **given)
     typed = [item.partition("=")[0].strip() for item in overrides]  # syntax: checked above
     named = {key.removeprefix("model."): f"--set {key}" for key in typed}  # named as the user typed them
     for name, value in (sizes or {}).items():

@@ -11,7 +11,7 @@ from rich.console import Console
 from gpipe_cli import contention, interrupts, sizing
 from gpipe_cli import memory_model as mm
 from gpipe_cli.console import output_console
-from gpipe_cli.errors import UserError, shown
+from gpipe_cli.errors import UserError
 from gpipe_cli.estimate.subject import (
     FAMILIES,
     SIZE_PARAMS,
@@ -22,6 +22,7 @@ from gpipe_cli.estimate.subject import (
     paced,
     resolve,
     to_measure,
+    unknown_param,
 )
 from gpipe_cli.files import write_json
 from gpipe_cli.models import families
@@ -199,8 +200,7 @@ def _family(options: ProfileOptions) -> tuple[str, dict[str, Any]]:
         if key in budget.SEARCHED:
             raise UserError(f"--budget searches the layers and filters: drop --set model.{key}")
         if key not in allowed:
-            raise UserError(f"--set: unknown parameter {shown(key)} for the {kind} family of --budget; allowed: "
-                            f"{', '.join(allowed)}")
+            raise UserError(unknown_param(key, allowed, f"in the {kind} family of --budget"))
         fixed[key], named[key] = value, f"--set {key}"
     for flag, value in options.sizes().items():
         if value is None:

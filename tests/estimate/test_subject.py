@@ -92,8 +92,11 @@ def test_a_directory_named_like_a_family_does_not_hide_it(tmp_path, monkeypatch)
 
 
 def test_an_unknown_parameter_of_set_names_set():
-    with pytest.raises(UserError, match="^--set: unknown parameter 'colour'"):
+    # In train's words (it was "--set: unknown parameter 'colour' for model kind 'transformer'"), the key whole.
+    with pytest.raises(UserError, match=r"^--set model.colour: unknown key; allowed keys here: arch, layers, "):
         resolve("transformer", {}, ["colour=red"])
+    with pytest.raises(UserError, match=r"^--set model.d_modle: unknown key \(did you mean model.d_model\?\)"):
+        resolve("transformer", {}, ["model.d_modle=64"])
 
 
 @pytest.mark.parametrize("command", ["bench", "profile-memory"])

@@ -45,7 +45,8 @@ def test_each_row_names_the_largest_model_with_its_predicted_and_measured_peak(c
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--set", "model.colour=red"], "error: --set: unknown parameter 'colour' for the transformer family of --budget"),
+    (["--set", "model.colour=red"], "error: --set model.colour: unknown key; allowed keys in the transformer family "
+                                    "of --budget: "),
     (["--set", "model.layers=3"], "error: --budget searches the layers and filters: drop --set model.layers"),
     (["--heads", "3"], "error: --budget: d_model (32) must be divisible by heads (3)"),
     (["--d-model", "99999999999"], "error: --d-model: must be >= 1 and <= 1048576 (got 99999999999)"),
