@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
-from gpipe_cli import interrupts
+import os
+import signal
+
+
+def _early(signum: int, frame: object) -> None:
+    os.write(2, b"gpipe: interrupted; nothing was written\n")
+    os._exit(128 + signum)
+
+
+# First, before the rest of this module loads: a Ctrl-C there was a traceback (`interrupts` takes over below).
+if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _early)
+
+from gpipe_cli import interrupts  # noqa: E402 (after the handler above)
 
 
 def main() -> None:

@@ -70,3 +70,10 @@ def test_a_limit_reads_the_same_in_every_command(args, expected):
     done = subprocess.run([sys.executable, "-c", MISTAKE, *args], capture_output=True, text=True, timeout=120)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and expected in lines[0], done.stderr
+
+
+def test_a_ctrl_c_while_the_entry_point_loads_is_one_line():
+    # Between the entry point's first line and its handler's (`interrupts` loading), a Ctrl-C was a traceback.
+    code = "import os, signal\nimport gpipe_cli.entry\nos.kill(os.getpid(), signal.SIGINT)\nimport time\ntime.sleep(5)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "gpipe: interrupted; nothing was written\n")
