@@ -1,5 +1,6 @@
 """Leaving without the interpreter's teardown still does what an exit must."""
 
+import signal
 import subprocess
 import sys
 
@@ -75,5 +76,7 @@ def test_a_limit_reads_the_same_in_every_command(args, expected):
 def test_a_ctrl_c_while_the_entry_point_loads_is_one_line():
     # Between the entry point's first line and its handler's (`interrupts` loading), a Ctrl-C was a traceback.
     code = "import os, signal\nimport gpipe_cli.entry\nos.kill(os.getpid(), signal.SIGINT)\nimport time\ntime.sleep(5)"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # As from a terminal: a test worker may run with SIGINT ignored, which the command would keep ignoring.
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "gpipe: interrupted; nothing was written\n")
