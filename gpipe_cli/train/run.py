@@ -238,10 +238,7 @@ def claims(options: LaunchOptions, world: int) -> bool:
 def claimed_elsewhere(options: LaunchOptions, world: int) -> bool:
     """Whether another process of this job claims its run directory: rank 0 under torchrun, or node 0's launcher."""
     # With c10d no launcher knows whether it starts rank 0, and none claims: a holder is another job.
-    if under_torchrun():
-        return os.environ.get("RANK", "0") != "0"
-    rdzv = rendezvous(world, options)
-    return rdzv.max_nodes > 1 and bool(rdzv.node_rank)
+    return not claims(options, world) and (under_torchrun() or rendezvous(world, options).node_rank is not None)
 
 
 def _claim(options: TrainOptions, recipe: Recipe, resume: str | None, holding: contextlib.ExitStack) -> Path | None:
