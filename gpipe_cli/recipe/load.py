@@ -63,6 +63,8 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), check_da
     if isinstance(path, str) and path.endswith(os.sep) and os.path.isfile(path.rstrip(os.sep)):
         # Path() drops the slash, and the file was read; a trailing slash names a directory to every other tool.
         raise RecipeError(f"{path}: a file named as a directory (the trailing '{os.sep}'); give {path.rstrip(os.sep)}")
+    for item in overrides:  # an unquoted `--set k=[3, 3]` leaves `3]` for the recipe: the cause is told, not that
+        parse_override(item)
     raw = parse_yaml(default_recipe_text() if path is None else read_recipe_file(Path(path)), label, overrides)
     return validate(raw, label, check_data, Path(path).parent if path is not None else None, planning,
                     typed_values(overrides))

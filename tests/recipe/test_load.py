@@ -279,6 +279,13 @@ def test_a_set_value_that_opens_a_list_mapping_or_quote_but_is_no_yaml_says_so(i
     assert str(caught.value) == line
 
 
+def test_an_unquoted_list_whose_tail_the_shell_made_the_recipe_is_told_as_the_set_it_was():
+    # `gpipe train --set pipeline.balance=[3, 3]`: the recipe argument is `3]`, which is no file.
+    with pytest.raises(RecipeError) as caught:
+        load_recipe("3]", ["pipeline.balance=[3,"])
+    assert str(caught.value).startswith("--set pipeline.balance: '[3,' is not valid YAML (an unclosed '['); the shell")
+
+
 def test_a_set_value_that_is_no_yaml_but_opens_nothing_stays_text():
     assert load_recipe(None, ["data.name=a: b: c"]).data.name == "a: b: c"  # no YAML (a second ": ")
 
