@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from gpipe_cli.contention import Load
+from gpipe_cli.estimate import kept
 from gpipe_cli.models import families
-from gpipe_cli.models.describe import describe
 from gpipe_cli.models.registry import build_model, resolve_preset
 from gpipe_cli.units import human_bytes, human_seconds
 
@@ -127,7 +127,7 @@ class Candidate:
 
 @functools.lru_cache(maxsize=64)
 def _described(kind: str, frozen: tuple[tuple[str, Any], ...], microbatch: int) -> tuple[float, float, float, float]:
-    summary = describe(build_model(kind, **dict(frozen)), microbatch)  # on the meta device: shapes only
+    summary = kept.summary(build_model(kind, **dict(frozen)), microbatch)  # on the meta device: shapes only
     return (float(summary.total_params), float(summary.total_flops),
             float(sum(c.activation_bytes for c in summary.layers)), float(summary.input_bytes))
 

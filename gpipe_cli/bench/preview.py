@@ -11,11 +11,11 @@ from gpipe_cli import memory_model as mm
 from gpipe_cli import sizing
 from gpipe_cli.bench.options import RANK_BYTES, SWEEP_MICROBATCHES, BenchOptions, overhead_rounds, parse_balance
 from gpipe_cli.errors import UserError
+from gpipe_cli.estimate import kept
 from gpipe_cli.estimate.model_flags import balance_entries
 from gpipe_cli.estimate.subject import FAMILIES, Subject, model_overrides, resolve, to_measure
 from gpipe_cli.launch import forked
 from gpipe_cli.models import families
-from gpipe_cli.models.describe import describe
 from gpipe_cli.pipeline import partition
 from gpipe_cli.units import flop_rate, human_bytes, human_count, human_seconds
 
@@ -130,10 +130,10 @@ def memory(subject: Subject, options: BenchOptions, machine: sizing.Machine) -> 
     """Each stage's memory (the memory model's) at K and K=1, and what every run of the command needs here at once."""
     # On a CPU all of its ranks with their runtimes; on GPUs the fullest one, its ranks dealt out in turn.
     spec = subject.build()
-    figures = mm.measure(spec, options.seed, device="meta")  # shapes only
+    figures = kept.figures(spec)  # shapes only
     # Stages are cut by FLOPs, which grow alike in every layer with the micro-batch: one size cuts every M (the
     # measured cut may differ).
-    flops = [float(c.flops) for c in describe(spec, sizing.ceil_div(options.batch, options.microbatches)).layers]
+    flops = [float(c.flops) for c in kept.summary(spec, sizing.ceil_div(options.batch, options.microbatches)).layers]
     costs = flops if any(flops) else [1.0] * len(flops)
     configs = runs(options, len(spec.layers))
     ks = {1, max(k for k, _ in configs)}

@@ -15,11 +15,11 @@ import torch
 from gpipe_cli import sizing
 from gpipe_cli.contention import Load
 from gpipe_cli.errors import UserError, cut, near, shown
+from gpipe_cli.estimate import kept
 from gpipe_cli.estimate.model_flags import SIZE_PARAMS, foreign_size, size_limits
 from gpipe_cli.limits import outside, refuse, words
 from gpipe_cli.models import families
 from gpipe_cli.models.base import Batch, ModelSpec
-from gpipe_cli.models.describe import describe
 from gpipe_cli.models.presets import is_preset_name, names_help, preset
 from gpipe_cli.models.registry import allowed_params, build_model, resolve_preset
 from gpipe_cli.pipeline.layer_profile import WARMUP_ROUNDS, profile_layers
@@ -181,7 +181,7 @@ def paced(machine: sizing.Machine, spec: ModelSpec, kind: str, examples: int, se
     where a timing long enough to wait on is announced)."""
     # The quick matrix-product rate fits in cache and misses a busy machine: real layers reach a fraction of it,
     # several times less on a shared CPU.
-    layers = describe(spec, 2).layers[:3]
+    layers = kept.summary(spec, 2).layers[:3]
     flops = [layer.flops for layer in layers]  # per example; the prefix stays cheap
     index = max(range(len(flops)), key=flops.__getitem__)
     # Timed on fewer examples where the quick rate puts it past TIMING_S: a layer that large reaches its rate on

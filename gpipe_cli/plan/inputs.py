@@ -16,6 +16,7 @@ from torch import nn
 from gpipe_cli import contention, interrupts, sizing
 from gpipe_cli import memory_model as mm
 from gpipe_cli.estimate import costs as layer_costs
+from gpipe_cli.estimate import kept
 from gpipe_cli.estimate.costs import CostProfile, LayerTiming
 from gpipe_cli.estimate.measure import timed
 from gpipe_cli.estimate.simulate import Link, rate_model
@@ -23,7 +24,7 @@ from gpipe_cli.estimate.subject import example_batch
 from gpipe_cli.memory_model import ModelFigures
 from gpipe_cli.models import families
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.models.describe import describe, tie_groups
+from gpipe_cli.models.describe import tie_groups
 from gpipe_cli.models.registry import build_model
 from gpipe_cli.pipeline.batchnorm import DeferredBatchNorm
 from gpipe_cli.pipeline.layers import on_meta
@@ -66,15 +67,15 @@ def _probe_params(kind: str, params: dict[str, Any]) -> dict[str, Any] | None:
 
 def _flops(spec: ModelSpec) -> list[float]:
     """Forward FLOPs per example of every layer (two examples described: BatchNorm needs them)."""
-    return [c.flops / 2 for c in describe(spec, 2).layers]
+    return [c.flops / 2 for c in kept.summary(spec, 2).layers]
 
 
-def figures(kind: str, params: dict[str, Any], spec: ModelSpec, seed: int) -> tuple[ModelFigures, list[float], str]:
+def figures(kind: str, params: dict[str, Any], spec: ModelSpec) -> tuple[ModelFigures, list[float], str]:
     """The memory model's figures and forward FLOPs per example of every layer, and how they were found."""
     probe = _probe_params(kind, params)
     if probe is not None:
         shallow = build_model(kind, **probe)
-        measured = mm.measure(shallow, seed, device="meta")
+        measured = kept.figures(shallow)
         by_role = {mm.role(layer.name): layer for layer in measured.layers}
         flops_by_role = dict(zip((mm.role(n) for n in shallow.layer_names), _flops(shallow)))
         names = spec.layer_names
@@ -84,7 +85,7 @@ def figures(kind: str, params: dict[str, Any], spec: ModelSpec, seed: int) -> tu
             note = f"extrapolated from the {probe['layers']}-layer member (each layer priced by its kind)"
             flops = [flops_by_role[mm.role(n)] for n in names]
             return ModelFigures(measured.input, layers, tie_groups(spec)), flops, note
-    return mm.measure(spec, seed, device="meta"), _flops(spec), "shapes of every layer (meta device)"
+    return kept.figures(spec), _flops(spec), "shapes of every layer (meta device)"
 
 
 def affine_costs(lo: CostProfile, hi: CostProfile) -> Callable[[int], CostProfile]:
@@ -264,7 +265,7 @@ def inputs(recipe: Recipe, options: PlanOptions, sizes: Callable[[int], tuple[in
     # A parameter with its gradient and optimizer state.
     bytes_per_param = mm.bytes_per_parameter(optimizer_name(recipe))
     spec = build_model(kind, **params)
-    figs, flops, memory_note = figures(kind, params, spec, seed)
+    figs, flops, memory_note = figures(kind, params, spec)
     probe = _probe_params(kind, params)
     # A layer that normalises by batch statistics needs two examples per micro-batch.
     factories = (build_model(kind, **probe) if probe else spec).factories()

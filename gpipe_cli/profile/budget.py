@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from gpipe_cli import memory_model as mm
+from gpipe_cli.estimate import kept
 from gpipe_cli.limits import MAX_LAYERS
 from gpipe_cli.memory_model import Affine, Footprint, LayerFigures, ModelFigures, bytes_per_parameter, greedy_fit, v_fit
 from gpipe_cli.models.base import ModelSpec
@@ -77,7 +78,7 @@ def _measure(spec: Any, seed: int, batches: tuple[int, int] = mm.PROBE_BATCHES,
         need = sum(params * mm.PARAM_BYTES + saved + output for params, saved, output, _ in rows)
         if 3 * need <= mm.available_bytes("cpu"):
             return mm.measure(spec, seed, batches), True
-    return mm.measure(spec, seed, batches, device="meta"), False
+    return kept.figures(spec, batches), False
 
 
 class TransformerL:

@@ -12,6 +12,7 @@ from gpipe_cli import contention, interrupts, sizing
 from gpipe_cli import memory_model as mm
 from gpipe_cli.console import output_console
 from gpipe_cli.errors import UserError
+from gpipe_cli.estimate import kept
 from gpipe_cli.estimate.subject import (
     FAMILIES,
     SIZE_PARAMS,
@@ -99,7 +100,7 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
         if len(spec.layers) > MANY_LAYERS:  # else a deep model's pricing is a silence of minutes
             progress.phase(f"pricing {len(spec.layers):,} layers from their shapes (meta device)",
                            SHAPE_S_PER_LAYER * len(spec.layers))
-        figures = mm.measure(spec, options.seed, device="meta")
+        figures = kept.figures(spec)
         rows = scenarios.choose_rows(spec, figures, names, batch, options.schedule, per_param, have, options.balance,
                                      options.offload, options.virtual_stages)
         cand = sizing.candidate(subject.kind, subject.params)
@@ -186,7 +187,7 @@ def member_probes(subject: Subject, rows: list[tuple[str, int, int, str]], sched
     """The device probe's steps for a given model: two shallow members of it, with its widths."""
     params = [{**subject.params, "layers": depth} for depth in families.of(subject.kind).device_probe_depths]
     specs = [build_model(subject.kind, **p) for p in params]
-    members = [(spec, mm.measure(spec, seed, device="meta"), p) for spec, p in zip(specs, params)]
+    members = [(spec, kept.figures(spec), p) for spec, p in zip(specs, params)]
     return probe.steps(members, rows, subject.kind, schedule, optimizer, seed, room)
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 from gpipe_cli import memory_model as mm
 from gpipe_cli.errors import UserError
+from gpipe_cli.estimate import kept
 from gpipe_cli.memory_model import Footprint, ModelFigures
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.models.describe import describe
 from gpipe_cli.pipeline import microbatch, partition, schedules
 from gpipe_cli.sizing import MEMORY_SHARE
 from gpipe_cli.units import human_bytes
@@ -58,7 +58,7 @@ def flops_balance(spec: ModelSpec, k: int, batch: int, microbatches: int, explic
                                 f"(got '{explicit}')") from None
             return partition.check_balance(wanted, layers, k)
         size = max(microbatch.sizes(batch, microbatches))
-        flops = [float(c.flops) for c in describe(spec, size).layers]
+        flops = [float(c.flops) for c in kept.summary(spec, size).layers]
         return partition.balance_by_cost(flops if any(flops) else [1.0] * layers, k)
     except partition.PartitionError as exc:
         raise UserError(f"--partitions{'/--balance' if explicit else ''}: {exc}") from None

@@ -13,8 +13,9 @@ from rich.table import Table
 from gpipe_cli import memory_model as mm
 from gpipe_cli.console import figure_table
 from gpipe_cli.errors import UserError
+from gpipe_cli.estimate import kept
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.models.describe import ModelSummary, describe
+from gpipe_cli.models.describe import ModelSummary
 from gpipe_cli.pipeline import partition, schedule
 from gpipe_cli.recipe.load import led_by, parse_override
 from gpipe_cli.recipe.schema import Recipe
@@ -233,9 +234,9 @@ def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[floa
         checked_cut(recipe, len(spec.layers))
     per_replica = examples_per_replica(recipe)
     mb = microbatch_size(recipe)
-    summary = describe(spec, mb)
-    figures = mm.measure(spec, recipe.seed, device="meta")  # shapes only: prices models of any size at once
-    per_param = mm.bytes_per_parameter(optimizer_name(recipe))
+    summary = kept.summary(spec, mb)
+    figures = kept.figures(spec)  # shapes only: prices models of any size at once
+    per_param = kept.bytes_per_parameter(optimizer_name(recipe))
     ranks = pipe.partitions * pipe.data_parallel
     room = mm.capacity(ranks, device, available)
     host_room = 0 if room.shared else int(mm.capacity(ranks, "cpu").per_rank_bytes)  # the CPU: the same RAM

@@ -342,11 +342,14 @@ def test_there_are_at_least_80_cases():
 def unmeasured(monkeypatch):
     """The plan's measuring of the model fails the test: what it guards is refused before those seconds."""
     from gpipe_cli import memory_model
+    from gpipe_cli.estimate import kept
 
     def measure(*args, **kwargs):
         raise AssertionError("the model was measured before the refusal")
 
     monkeypatch.setattr(memory_model, "measure", measure)
+    for name in ("summary", "figures"):  # nor its figures read from an earlier launch
+        monkeypatch.setattr(kept, name, measure)
 
 
 def test_a_cut_the_model_cannot_take_is_refused_before_it_is_measured(tmp_path, monkeypatch, capsys, unmeasured):
