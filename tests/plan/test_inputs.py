@@ -38,7 +38,7 @@ def test_estimated_costs_grow_with_flops_and_examples():
 def test_a_deep_model_is_priced_by_the_kinds_of_its_layers():
     params = dict(arch="decoder-only", layers=6, d_model=16, ff=32, heads=2, vocab_size=64, max_len=8)
     spec = build_model("transformer", **params)
-    extrapolated, flops, note = inputs.figures("transformer", params, spec, 0)
+    extrapolated, flops, note = inputs.figures("transformer", params, spec)
     exact = mm.measure(spec, 0, device="meta")
     assert "extrapolated" in note and len(flops) == len(spec.layers)
     assert [layer.name for layer in extrapolated.layers] == spec.layer_names
