@@ -223,7 +223,7 @@ def run(options: BenchOptions) -> int:
     chosen = preview.choose_subject(options, machine)
     subject = chosen.subject
     check_cut(options, subject)
-    memory = preview.memory(subject, options, machine)
+    memory = preview.memory(subject, options, machine, progress.say)
     preview.check_fits(chosen, memory, options, machine)
     if machine.kind == "cpu":  # its own layers at its micro-batch: small matrices reach less than the quick rate
         examples = max(sizing.ceil_div(options.batch, options.microbatches), families.of(subject.kind).least_examples)

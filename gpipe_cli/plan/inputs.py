@@ -263,7 +263,7 @@ def inputs(recipe: Recipe, options: PlanOptions, sizes: Callable[[int], tuple[in
                                          options.tflops)
     params = recipe.model.model_dump(exclude={"kind", "preset"})
     # A parameter with its gradient and optimizer state.
-    bytes_per_param = mm.bytes_per_parameter(optimizer_name(recipe))
+    bytes_per_param = kept.bytes_per_parameter(optimizer_name(recipe))
     spec = build_model(kind, **params)
     figs, flops, memory_note = figures(kind, params, spec)
     probe = _probe_params(kind, params)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpipe_cli import interrupts
 from gpipe_cli.errors import UserError, shown
+from gpipe_cli.estimate import kept
 from gpipe_cli.files import another_file, check_not_input, check_output, holds_no
 from gpipe_cli.plan.options import ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US, PlanOptions, validate
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_label, recipe_read
@@ -213,7 +214,7 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
                       highlight=False)
     measuring = options.tflops is None and options.timing != "estimate"
     if measuring and memory is not None:  # now, not after the minutes of measuring; estimating takes a moment
-        _check_weights_fit(spec, mm.bytes_per_parameter(optimizer_name(recipe)), budget, n, options)
+        _check_weights_fit(spec, kept.bytes_per_parameter(optimizer_name(recipe)), budget, n, options)
     sample = _sample(recipe, say) if measuring else None
     link, reduce_link, link_note = _links(options, measuring and here_ranks > 1, here_ranks, say, phase)
     if not measuring:  # else the data's, the links' or the layers' phase comes first
@@ -264,8 +265,8 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     section = show.pipeline_section(best, recipe.pipeline.backend)
     target = shlex.quote(options.recipe) if options.recipe is not None else ""
     # The settings typed for the model and data (by --set or a size flag) travel with it; its pipeline is the plan's.
-    kept = [f"--set {shlex.quote(item)}" for item in options.set if not item.lstrip().startswith("pipeline.")]
-    command = " ".join(["gpipe train", *([target] if target else []), *kept, *show.set_lines(section)])
+    carried = [f"--set {shlex.quote(item)}" for item in options.set if not item.lstrip().startswith("pipeline.")]
+    command = " ".join(["gpipe train", *([target] if target else []), *carried, *show.set_lines(section)])
     line(f"predicted best: {best.config.label()}, {show.rate(best.samples_per_s)} samples/s. Train it with:")
     line(f"  {command}", markup=False, soft_wrap=True)
     header = show.header_line(n, budget, best)

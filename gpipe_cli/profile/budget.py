@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 from gpipe_cli import memory_model as mm
 from gpipe_cli.estimate import kept
 from gpipe_cli.limits import MAX_LAYERS
-from gpipe_cli.memory_model import Affine, Footprint, LayerFigures, ModelFigures, bytes_per_parameter, greedy_fit, v_fit
+from gpipe_cli.memory_model import Affine, Footprint, LayerFigures, ModelFigures, greedy_fit, v_fit
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.describe import layer_params, tie_groups
 from gpipe_cli.models.registry import build_model
@@ -264,7 +264,7 @@ def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[Any, ...]], 
            batch_size: int, schedule: str, optimizer: str, offload: str = "none",
            correction: Correction | None = None, virtual: int = 1) -> list[BudgetRow | None]:
     """The largest fitting member per scenario (None: nothing fits), priced as the device holds it by `correction`."""
-    per_param = bytes_per_parameter(optimizer)
+    per_param = kept.bytes_per_parameter(optimizer)
     rows: list[BudgetRow | None] = []
     for name, k, m, checkpoint, *how in scenarios:
         placed, moved = how or (schedule, offload)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from gpipe_cli import memory_model as mm
+from gpipe_cli.estimate import kept
 from gpipe_cli.estimate.subject import example_batch
 from gpipe_cli.memory_model import Footprint, ModelFigures
 from gpipe_cli.models import families
@@ -35,7 +36,7 @@ class Probe:
 
     def predicted(self) -> Footprint:
         """The memory model's single stage for this step."""
-        per_param = mm.bytes_per_parameter(self.optimizer)
+        per_param = kept.bytes_per_parameter(self.optimizer)
         return mm.footprints(self.figures, [len(self.figures.layers)], self.batch_size, self.microbatches,
                              self.schedule, self.checkpoint, per_param)[0]
 

@@ -68,7 +68,7 @@ def probe_seconds(cand: sizing.Candidate, machine: sizing.Machine) -> float:
 def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tuple[Subject, str, bool]:
     """The model (sized to the machine without model flags), the announcement, and whether it was sized."""
     rows = scenarios.names(options.partitions, options.microbatches, options.checkpoint)
-    per_param = mm.bytes_per_parameter(options.optimizer)
+    per_param = kept.bytes_per_parameter(options.optimizer)
 
     def judge(cand: sizing.Candidate) -> sizing.Verdict:
         # naive-1 holds the whole model and the whole batch's activations: it must fit to be measured.
@@ -90,7 +90,7 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
     m = options.microbatches
     batch = options.batch_size or 4 * m
     machine = sizing.this_machine(torch.get_num_threads())
-    per_param = mm.bytes_per_parameter(options.optimizer)
+    per_param = kept.bytes_per_parameter(options.optimizer)
     have = float(mm.available_bytes(device)) * sizing.MEMORY_SHARE
     names = scenarios.names(options.partitions, m, options.checkpoint)
     for again in (False, True):
@@ -308,7 +308,7 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
     return {"correction": None if correction is None else correction.to_json(),
             "budget_bytes": limit, "family": family.title, "kind": kind, "fixed": fixed, "batch_size": batch,
             "microbatches": m, "schedule": options.schedule, "checkpoint": options.checkpoint,
-            "optimizer": options.optimizer, "bytes_per_param": mm.bytes_per_parameter(options.optimizer),
+            "optimizer": options.optimizer, "bytes_per_param": kept.bytes_per_parameter(options.optimizer),
             "method": "per-layer figures measured by saved-tensor accounting on small members, scaled" + (
                 "" if family.measured else " (on the meta device, from shapes: the members do not fit this machine)"),
             "rows": [None if r is None else dataclasses.asdict(r) for r in rows],

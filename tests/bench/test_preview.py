@@ -114,3 +114,18 @@ def test_a_recipe_that_cannot_fit_is_not_told_that_bench_would_size_it():
     line = str(refused.value)
     assert line.startswith("the model does not fit: ") and line.endswith("or lower --batch-size")
     assert "size it to this machine" not in line
+
+
+def test_pricing_the_memory_of_many_micro_batches_is_said_first_with_its_estimate(monkeypatch):
+    # Each stage's schedule is walked action by action: a million micro-batches were minutes of silence.
+    tiny = dict(layers=2, d_model=16, ff=32, heads=2, seq_len=8, vocab_size=64)
+    said: list[str] = []
+    roomy = machine(64 * GIB)
+    for m in (8, 64):
+        options = BenchOptions(set=["arch=decoder-only"], partitions=2, microbatches=m, batch_size=m, **tiny)
+        preview.memory(preview.choose_subject(options, roomy).subject, options, roomy, said.append)
+    assert said == []
+    monkeypatch.setattr(preview, "WALK_S", 1.0)  # as slow as a walk of millions, without its minutes
+    preview.memory(preview.choose_subject(options, roomy).subject, options, roomy, said.append)
+    # K=1 and K=2 at M=64: 3 stages of 64 micro-batches each.
+    assert said == ["pricing each stage's memory, action by action of 64 micro-batches (about 3 min)..."]
