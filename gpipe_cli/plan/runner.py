@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 from gpipe_cli import interrupts
 from gpipe_cli.errors import UserError, shown
-from gpipe_cli.estimate import kept
 from gpipe_cli.files import another_file, check_not_input, check_output, holds_no
 from gpipe_cli.plan.options import ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US, PlanOptions, validate
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_label, recipe_read
@@ -168,6 +167,7 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     from gpipe_cli import contention, sizing
     from gpipe_cli import memory_model as mm
     from gpipe_cli.console import output_console
+    from gpipe_cli.estimate import kept
     from gpipe_cli.estimate.simulate import Link
     from gpipe_cli.plan import inputs, search, show
     from gpipe_cli.progress import Progress, took_line
