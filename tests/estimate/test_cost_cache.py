@@ -21,13 +21,6 @@ def recipe(tmp_path):
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    folder = tmp_path / "cache"
-    monkeypatch.setenv(cost_cache.CACHE_ENV, str(folder))
-    return folder
-
-
-@pytest.fixture
 def measurements(monkeypatch):
     """Count measurements; each returns distinct made-up seconds."""
     calls = []

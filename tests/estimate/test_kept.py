@@ -18,13 +18,6 @@ SMALL = dict(arch="decoder-only", layers=2, d_model=16, ff=32, heads=2, vocab_si
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    folder = tmp_path / "cache"
-    monkeypatch.setenv(cost_cache.CACHE_ENV, str(folder))
-    return folder
-
-
-@pytest.fixture
 def worked(monkeypatch):
     """Count how often figures are worked out, not read."""
     calls: list[str] = []
