@@ -32,12 +32,14 @@ def code_digest() -> str:
     return digest.hexdigest()[:32]
 
 
-def _kept(key: dict[str, Any], work: Callable[[], T], to_json: Callable[[T], Any] = lambda found: found,
+def _kept(key: dict[str, Any] | None, work: Callable[[], T], to_json: Callable[[T], Any] = lambda found: found,
           from_json: Callable[[Any], T] = lambda data: data) -> T:
     """`work()`'s result, from the cache when an earlier launch kept it under `key`, else worked out and kept."""
     # Tracing a model on the meta device takes seconds, and so does importing torch's compiler, which its Python
     # meta kernels and optimizers load first: every launch of a command did both again for the same model, in the
     # launcher's check and then in each rank's plan.
+    if key is None:  # a model built by hand: nothing names it
+        return work()
     key = {**key, "torch": torch.__version__, "code": code_digest()}
     path = cache_path(key)
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none kept yet, or a damaged file
@@ -53,24 +55,23 @@ def _kept(key: dict[str, Any], work: Callable[[], T], to_json: Callable[[T], Any
 
 def _model(spec: ModelSpec, what: dict[str, Any]) -> dict[str, Any] | None:
     """The key of figures of `spec` (None for a model built by hand, which nothing names)."""
-    return {"kind": "shapes", **what, "model": spec.config, "layers": spec.layer_names} if spec.config else None
+    return {"kind": "shapes", **what, "model": spec.config, "layers": len(spec.layers)} if spec.config else None
 
 
 def summary(spec: ModelSpec, batch_size: int) -> ModelSummary:
     """`describe(spec, batch_size)`: parameters, forward FLOPs and output bytes of every layer."""
     key = _model(spec, {"what": "summary", "batch_size": batch_size})
-    return describe(spec, batch_size) if key is None else _kept(key, lambda: describe(spec, batch_size), asdict,
-                                                                _summary)
+    return _kept(key, lambda: describe(spec, batch_size), asdict, _summary)
 
 
 def figures(spec: ModelSpec, batches: Sequence[int] = mm.PROBE_BATCHES) -> mm.ModelFigures:
     """`memory_model.measure` on the meta device: every layer's parameters and bytes, from shapes alone."""
     # On the meta device no value is drawn, so the seed changes nothing.
     key = _model(spec, {"what": "figures", "batches": list(batches)})
-    work = functools.partial(mm.measure, spec, batches=batches, device="meta")
-    return work() if key is None else _kept(key, work, _figures_json, _figures)
+    return _kept(key, functools.partial(mm.measure, spec, batches=batches, device="meta"), _figures_json, _figures)
 
 
+@functools.lru_cache(maxsize=32)  # bench's sizing asks it of every candidate
 def bytes_per_parameter(optimizer: str) -> float:
     """`memory_model.bytes_per_parameter`: weight, gradient and `optimizer`'s state bytes per parameter."""
     return _kept({"kind": "optimizer state", "optimizer": optimizer},
