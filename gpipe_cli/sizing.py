@@ -117,8 +117,6 @@ class Candidate:
     parameters: int
     flops: float             # forward FLOPs per example
     pipeline_layers: int
-    output_bytes: float      # per example, summed over layers (activations scale with it)
-    input_bytes: float       # per example
 
     def describe(self, full: bool = False) -> str:
         """How the model is named to the user."""
@@ -126,10 +124,9 @@ class Candidate:
 
 
 @functools.lru_cache(maxsize=64)
-def _described(kind: str, frozen: tuple[tuple[str, Any], ...], microbatch: int) -> tuple[float, float, float, float]:
+def _described(kind: str, frozen: tuple[tuple[str, Any], ...], microbatch: int) -> tuple[float, float]:
     summary = kept.summary(build_model(kind, **dict(frozen)), microbatch)  # on the meta device: shapes only
-    return (float(summary.total_params), float(summary.total_flops),
-            float(sum(c.activation_bytes for c in summary.layers)), float(summary.input_bytes))
+    return float(summary.total_params), float(summary.total_flops)
 
 
 @functools.lru_cache(maxsize=64)
@@ -137,7 +134,7 @@ def _candidate(kind: str, frozen: tuple[tuple[str, Any], ...], microbatch: int) 
     params = dict(frozen)
     layers = len(build_model(kind, **params).layers)
     depth = params.get("layers")
-    # Parameters, FLOPs and activations grow linearly with the layers past the family's probe depths.
+    # Parameters and FLOPs grow linearly with the layers past the family's probe depths.
     probes = families.of(kind).probe_depths
     if isinstance(depth, int) and depth > probes[1]:
         # Describing a paper-sized model on the meta device takes seconds; two shallow members price it.
@@ -146,8 +143,8 @@ def _candidate(kind: str, frozen: tuple[tuple[str, Any], ...], microbatch: int) 
         figures = tuple(a + (b - a) * t for a, b in zip(lo, hi))
     else:
         figures = _described(kind, frozen, microbatch)
-    total, flops, output, inputs = figures
-    return Candidate(kind, params, round(total), flops, layers, output, inputs)
+    total, flops = figures
+    return Candidate(kind, params, round(total), flops, layers)
 
 
 def candidate(kind: str, params: dict[str, Any], microbatch: int = 2) -> Candidate:
@@ -175,15 +172,21 @@ def keeps_size(family: str, settings: dict[str, Any]) -> bool:
 class Verdict:
     """Whether a candidate fits memory and time, with its estimates."""
 
-    need_bytes: float
+    # Bytes, or what prices them when first asked: a model too slow to measure is never priced (`fits`).
+    need: float | Callable[[], float]
     have_bytes: float
     seconds: float
     budget_s: float
 
+    @functools.cached_property
+    def need_bytes(self) -> float:
+        """The memory it needs."""
+        return self.need() if callable(self.need) else self.need
+
     @property
     def fits(self) -> bool:
         """Whether both fit."""
-        return self.need_bytes <= self.have_bytes and self.seconds <= self.budget_s
+        return self.seconds <= self.budget_s and self.need_bytes <= self.have_bytes
 
     def why_not(self, what: str) -> str:
         """Why `what` does not fit, in a few words ('' when it does)."""
@@ -273,11 +276,6 @@ def step_seconds(cand: Candidate, machine: Machine, examples: int, microbatches:
     """Estimated seconds of a step's compute on a rank: FLOPs at the measured rate plus a fixed cost per layer call."""
     rate, per_call = layer_rate(machine, cand.kind)
     return examples * cand.flops * passes / rate + microbatches * cand.pipeline_layers * passes * per_call
-
-
-def activation_bytes(cand: Candidate, examples: float) -> float:
-    """A rough bound on the activations a forward of `examples` keeps (several tensors per layer output)."""
-    return examples * (6 * cand.output_bytes + cand.input_bytes)
 
 
 # Ranks forked from a server that imports torch once, on CPUs (2-core CPU: the first launch 3.6 to 4.5 s, server

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from rich.console import Console
 
@@ -78,22 +79,34 @@ def phase_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: Benc
 
 
 def need_bytes(cand: sizing.Candidate, machine: sizing.Machine, options: BenchOptions) -> float:
-    """Memory the command needs at once: K=1 holds the whole model; on a CPU every rank also holds a runtime."""
-    mb = sizing.ceil_div(options.batch, options.microbatches)
-    whole = (cand.parameters * kept.bytes_per_parameter(NO_STATE) + sizing.activation_bytes(cand, mb)
-             + options.batch * cand.input_bytes)
-    if machine.kind == "cuda":
-        return whole
-    ranks = max(k for k, _ in runs(options, cand.pipeline_layers))
-    return whole + ranks * RANK_BYTES
+    """Memory the command needs at once, by the memory model: its fullest run (see `memory`)."""
+    return _need(memory(Subject(cand.kind, cand.params, options.model), options, machine))
 
 
-def judge(options: BenchOptions, machine: sizing.Machine) -> Any:
-    """The sizing verdict of a candidate for this command on this machine."""
+def _need(mem: Memory) -> float:
+    return max(need for *_, need in mem.needs)
+
+
+def judge(options: BenchOptions, machine: sizing.Machine, priced: dict[str, Memory] | None = None,
+          say: Callable[[str], None] = lambda line: None) -> Callable[[sizing.Candidate], sizing.Verdict]:
+    """The sizing verdict of a candidate for this command on this machine (each memory priced kept in `priced`)."""
     def verdict(cand: sizing.Candidate) -> sizing.Verdict:
-        return sizing.Verdict(need_bytes(cand, machine, options), machine.memory_bytes * sizing.MEMORY_SHARE,
+        def need() -> float:
+            subject = Subject(cand.kind, cand.params, options.model)
+            try:
+                found = memory(subject, options, machine, say)
+            except partition.PartitionError:  # too few layers for the chunks: refused once chosen (check_cut)
+                return math.inf
+            if priced is not None:
+                priced[_key(subject)] = found
+            return _need(found)
+        return sizing.Verdict(need, machine.memory_bytes * sizing.MEMORY_SHARE,
                               sum(phase_seconds(cand, machine, options).values()), sizing.TIME_BUDGET_S)
     return verdict
+
+
+def _key(subject: Subject) -> str:
+    return json.dumps([subject.kind, subject.params], sort_keys=True, default=repr)
 
 
 @dataclass(frozen=True)
@@ -103,26 +116,52 @@ class Preview:
     subject: Subject
     note: str
     seconds: float
-    need: float
+    memory: Memory
     sized: bool = False  # chosen by sizing to this machine (else exactly what the flags asked)
     phases: dict[int, float] = field(default_factory=dict)  # each job's estimated seconds, by K (see phase_seconds)
 
 
-def choose_subject(options: BenchOptions, machine: sizing.Machine) -> Preview:
-    """The model to measure: sized to the machine when no model flag was given, else exactly what was asked."""
+def choose_subject(options: BenchOptions, machine: sizing.Machine,
+                   say: Callable[[str], None] = lambda line: None) -> Preview:
+    """The model to measure (sized to the machine when no model flag was given, else exactly what was asked) and its
+    memory; refused in one line where its cut or its memory cannot be."""
     sized = sizable(options)
     stages = options.stages if options.simulate else max(k for k, _ in runs(options, 10**6))
-    subject, note, v = to_measure(options.model, options.sizes(), options.set, judge(options, machine), stages, sized)
+    priced: dict[str, Memory] = {}
+    subject, note, v = to_measure(options.model, options.sizes(), options.set, judge(options, machine, priced, say),
+                                  stages, sized)
+    check_cut(options, subject)
+    mem = priced.get(_key(subject)) or memory(subject, options, machine, say)
+    check_fits(subject, mem, options, machine, sized)
     cand = sizing.candidate(subject.kind, subject.params)
-    # Plainly too large: said before the memory model prices every layer.
-    if not sized and v.need_bytes > machine.memory_bytes:
-        raise UserError(_does_not_fit(options, cand, "", v.need_bytes, machine, sized))
-    return Preview(subject, note, v.seconds, v.need_bytes, sized, phase_seconds(cand, machine, options))
+    return Preview(subject, note, v.seconds, mem, sized, phase_seconds(cand, machine, options))
+
+
+def check_cut(options: BenchOptions, subject: Subject) -> None:
+    """Refuse K (and --balance) that the model's layers cannot take, before anything is measured."""
+    layers = len(subject.build().layers)
+    chunks = options.stages * options.virtual_stages
+    k_flag = "--devices" if options.simulate and options.devices is not None else "--partitions"  # K's
+    try:
+        partition.check_chunks(layers, options.stages, options.virtual_stages, (k_flag, "--virtual-stages"))
+        explicit = parse_balance(options.balance, chunks, f"{k_flag} x --virtual-stages")
+        if explicit is not None:
+            partition.check_balance(explicit, layers, chunks)
+    except partition.PartitionError as exc:
+        if isinstance(exc, partition.TooManyChunks):
+            raise UserError(str(exc)) from None
+        flag = k_flag.removeprefix("--")
+        if options.virtual_stages > 1:
+            flag += f"/--virtual-stages ({chunks} chunks)"
+        raise UserError(f"--{flag}{'/--balance' if options.balance is not None else ''}: {exc}") from None
 
 
 # Each stage's memory is priced by walking every action of its schedule: 46 us per micro-batch and stage on a
 # 2-core CPU machine (9 s for M=65,536 at K=1 and K=2).
 WALK_S = 5e-5
+# The walks this process has priced: the memory model keeps each one, so pricing another model (sizing's next
+# candidate) walks nothing again.
+_WALKED: set[tuple[str, str, str, int, int]] = set()
 
 
 @dataclass(frozen=True)
@@ -147,37 +186,41 @@ def memory(subject: Subject, options: BenchOptions, machine: sizing.Machine,
     ks = {1, max(k for k, _ in configs)}
     stages: dict[tuple[int, int], list[float]] = {}
     walks = {*configs, *((k, options.microbatches) for k in ks)}
-    seconds = WALK_S * sum(k * options.virtual_at(k) * m for k, m in walks)
+    fresh = {(options.schedule, options.checkpoint, options.offload, k, m) for k, m in walks} - _WALKED
+    seconds = WALK_S * sum(k * options.virtual_at(k) * m for *_, k, m in fresh)
+    _WALKED.update(fresh)
     if seconds >= SAY_BELOW_S:  # a million micro-batches were minutes of silence
         say(phase_line(f"pricing each stage's memory, action by action of {options.microbatches:,} micro-batches",
                        seconds))
     for k, m in walks:  # each stage's estimated bytes
         virtual = options.virtual_at(k)
-        cut = explicit_cut(options, k) or partition.balance_by_cost(costs, k * virtual)
+        cut = explicit_cut(options, k, len(costs)) or partition.balance_by_cost(costs, k * virtual)
         stages[(k, m)] = [fp.total_bytes for fp in mm.footprints(
             figures, cut, options.batch, m, options.schedule, options.checkpoint, kept.bytes_per_parameter(NO_STATE),
-            virtual)]
+            virtual, options.offload)]
     units = max(machine.units, 1)
     needs = [(k, m, max(sum(stages[(k, m)][g::units]) for g in range(min(k, units))) if machine.kind == "cuda"
               else sum(stages[(k, m)]) + k * RANK_BYTES) for k, m in configs]
     return Memory({k: stages[(k, options.microbatches)] for k in ks}, needs)
 
 
-def explicit_cut(options: BenchOptions, k: int) -> list[int] | None:
-    """The --balance list of the K-stage run, which the estimate then prices (None: the run cuts on its own)."""
+def explicit_cut(options: BenchOptions, k: int, layers: int | None = None) -> list[int] | None:
+    """The --balance list of the K-stage run, which the estimate then prices (None: the run cuts on its own, or
+    the list is not of a model of `layers` layers, as for a candidate that sizing prices)."""
     chunks = k * options.virtual_at(k)
     given = k == options.stages and balance_entries(options.balance) == chunks
-    return parse_balance(options.balance, chunks) if given else None
+    cut = parse_balance(options.balance, chunks) if given else None
+    return cut if cut is not None and sum(cut) == (layers or sum(cut)) else None
 
 
-def check_fits(preview: Preview, mem: Memory, options: BenchOptions, machine: sizing.Machine) -> None:
+def check_fits(subject: Subject, mem: Memory, options: BenchOptions, machine: sizing.Machine, sized: bool) -> None:
     """Refuse, in one line and before anything starts, a command one of whose runs cannot fit the free memory."""
     k, m, need = max(mem.needs, key=lambda run: run[2])
     if need <= machine.memory_bytes:
         return
-    cand = sizing.candidate(preview.subject.kind, preview.subject.params)
+    cand = sizing.candidate(subject.kind, subject.params)
     run = f" in its K={k} run" + (f" at M={m}" if m != options.microbatches else "")
-    raise UserError(_does_not_fit(options, cand, run, need, machine, preview.sized))
+    raise UserError(_does_not_fit(options, cand, run, need, machine, sized))
 
 
 def _does_not_fit(options: BenchOptions, cand: sizing.Candidate, run: str, need: float, machine: sizing.Machine,
@@ -196,7 +239,7 @@ def _does_not_fit(options: BenchOptions, cand: sizing.Candidate, run: str, need:
             f"{'lower --batch-size' if sizable else 'or lower --batch-size'}{sizable}")
 
 
-def show(preview: Preview, mem: Memory, options: BenchOptions, machine: sizing.Machine, console: Console) -> None:
+def show(preview: Preview, options: BenchOptions, machine: sizing.Machine, console: Console) -> None:
     """Print the plan: model, parameters, per-stage memory, ranks per core or GPU, and the time it should take."""
     from gpipe_cli.bench.setup import oversubscription
 
@@ -219,9 +262,9 @@ def show(preview: Preview, mem: Memory, options: BenchOptions, machine: sizing.M
     k = max(ks)
     if k > 1:
         # Priced at a cut by FLOPs where the run makes its own: the cut it makes is known only once it has timed.
-        how = "est." if explicit_cut(options, k) else "est. at a cut by FLOPs"
-        console.print(f"  memory at K={k} ({how}): " + " · ".join(human_bytes(b) for b in mem.stages[k])
-                      + f"; K=1 holds {human_bytes(mem.stages[1][0])}")
+        how = "est." if explicit_cut(options, k, len(spec.layers)) else "est. at a cut by FLOPs"
+        console.print(f"  memory at K={k} ({how}): " + " · ".join(human_bytes(b) for b in preview.memory.stages[k])
+                      + f"; K=1 holds {human_bytes(preview.memory.stages[1][0])}")
     for ranks in ks[1:] or ks:
         over, hardware = oversubscription(ranks, options.threads)
         per = f"{ranks * options.threads / max(machine.units, 1):.0f} per {'GPU' if machine.kind == 'cuda' else 'core'}"

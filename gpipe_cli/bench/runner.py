@@ -27,7 +27,6 @@ from gpipe_cli.estimate.subject import Subject, paced
 from gpipe_cli.files import write_json, writing
 from gpipe_cli.launch import LaunchOptions, warming
 from gpipe_cli.models import families
-from gpipe_cli.pipeline import partition
 from gpipe_cli.pipeline.config import sizes  # nearly equal parts, larger first
 from gpipe_cli.pipeline.schedule import theoretical_bubble
 from gpipe_cli.progress import Progress, took_line
@@ -79,25 +78,6 @@ def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFi
     }
 
 
-def check_cut(options: BenchOptions, subject: Subject) -> None:
-    """Refuse K (and --balance) that the model's layers cannot take, before anything is measured."""
-    layers = len(subject.build().layers)
-    chunks = options.stages * options.virtual_stages
-    k_flag = "--devices" if options.simulate and options.devices is not None else "--partitions"  # K's
-    try:
-        partition.check_chunks(layers, options.stages, options.virtual_stages, (k_flag, "--virtual-stages"))
-        explicit = parse_balance(options.balance, chunks, f"{k_flag} x --virtual-stages")
-        if explicit is not None:
-            partition.check_balance(explicit, layers, chunks)
-    except partition.PartitionError as exc:
-        if isinstance(exc, partition.TooManyChunks):
-            raise UserError(str(exc)) from None
-        flag = k_flag.removeprefix("--")
-        if options.virtual_stages > 1:
-            flag += f"/--virtual-stages ({chunks} chunks)"
-        raise UserError(f"--{flag}{'/--balance' if options.balance is not None else ''}: {exc}") from None
-
-
 def _launch(job: setup.Job, folder: Path, name: str, options: BenchOptions) -> dict[str, Any]:
     """Run `job`'s ranks: their figures, ours kept where only a --compare baseline failed."""
     try:
@@ -124,7 +104,7 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
     costs = CostProfile.from_json(k1_raw["costs"])
     k1 = RunFigures.from_json(k1_raw["runs"][0])
     # The explicit balance, else the prediction's cut of measured per-layer time into K x V chunks whose busiest
-    # stage is least (`check_cut` has refused a balance the model cannot take).
+    # stage is least (`preview.check_cut` has refused a balance the model cannot take).
     explicit = parse_balance(options.balance, k * options.virtual_stages)
     link = simulate.Link.of(options.bandwidth, options.latency_us)
     prediction = simulate.predict(costs, k, options.batch, options.microbatches, options.schedule, options.checkpoint,
@@ -220,11 +200,8 @@ def run(options: BenchOptions) -> int:
         console.print(f"[bold]note:[/] {note}", highlight=False)
     progress = Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))
     machine = sizing.this_machine(options.threads)
-    chosen = preview.choose_subject(options, machine)
+    chosen = preview.choose_subject(options, machine, progress.say)
     subject = chosen.subject
-    check_cut(options, subject)
-    memory = preview.memory(subject, options, machine, progress.say)
-    preview.check_fits(chosen, memory, options, machine)
     if machine.kind == "cpu":  # its own layers at its micro-batch: small matrices reach less than the quick rate
         examples = max(sizing.ceil_div(options.batch, options.microbatches), families.of(subject.kind).least_examples)
         with sizing.torch_threads(options.threads):  # as a rank runs them
@@ -233,7 +210,7 @@ def run(options: BenchOptions) -> int:
                                                               machine, options))
     # What was spent choosing and pricing the model counts too: `took` is the whole command's time.
     chosen = replace(chosen, seconds=progress.elapsed() + sum(chosen.phases.values()))
-    preview.show(chosen, memory, options, machine, console)
+    preview.show(chosen, options, machine, console)
     progress.estimated = chosen.seconds
     # Every run's ranks fork from one server (the same threads each): it imports torch once, not once a run.
     with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp, _temporary_root(tmp), \

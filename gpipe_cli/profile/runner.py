@@ -72,7 +72,9 @@ def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tu
 
     def judge(cand: sizing.Candidate) -> sizing.Verdict:
         # naive-1 holds the whole model and the whole batch's activations: it must fit to be measured.
-        need = cand.parameters * per_param + sizing.activation_bytes(cand, batch)
+        def need() -> float:
+            return scenarios.naive_bytes(kept.figures(build_model(cand.kind, **cand.params)), batch, per_param)
+
         # One step per row (each stage driven in turn) and the per-layer probes.
         seconds = FIXED_S + probe_seconds(cand, machine) + sum(
             row_seconds(cand, machine, batch, m, checkpoint) for _, _, m, checkpoint in rows)

@@ -39,6 +39,12 @@ class Scenario:
                              self.checkpoint, per_param, self.virtual, self.offload)
 
 
+def naive_bytes(figures: ModelFigures, batch: int, per_param: float) -> float:
+    """naive-1's bytes by the memory model: the whole model, and the whole batch's activations kept for its backward."""
+    naive = Scenario("naive-1", 1, 1, "never", [len(figures.layers)], True)
+    return naive.predict(figures, batch, per_param)[0].total_bytes
+
+
 def names(partitions: list[int], microbatches: int, checkpoint: str) -> list[tuple[str, int, int, str]]:
     """(name, K, M, checkpoint) of every row: naive-1, pipeline-1 and pipeline-K for each K > 1."""
     rows = [("naive-1", 1, 1, "never"), ("pipeline-1", 1, microbatches, checkpoint)]

@@ -8,10 +8,11 @@ from gpipe_cli.bench import preview
 from gpipe_cli.bench.options import BenchOptions
 from gpipe_cli.cli import run as gpipe
 from gpipe_cli.errors import UserError
+from gpipe_cli.units import human_bytes
 
 MIB = 2**20
 GIB = 2**30
-# A decoder-only Transformer whose ranks' memory the memory model prices a little above sizing's rough guess.
+# A decoder-only Transformer small enough to price in a moment.
 SMALL = dict(layers=4, d_model=256, ff=1024, heads=4, seq_len=64, vocab_size=1000, batch_size=64)
 
 
@@ -46,18 +47,30 @@ def test_dropout_0_measures_the_member_sized_to_this_machine_with_dropout_0():
 
 def test_a_run_that_cannot_fit_is_refused_naming_what_it_needs_and_what_is_free():
     options = BenchOptions(set=["arch=decoder-only"], **SMALL)
-    roomy = machine(64 * GIB)
-    rough = preview.choose_subject(options, roomy).need
-    need = max(n for *_, n in preview.memory(preview.choose_subject(options, roomy).subject, options, roomy).needs)
-    assert rough < need  # the case of the report: sizing's guess fits, the memory model's figure does not
-    tight = machine((rough + need) / 2)
-    chosen = preview.choose_subject(options, tight)  # passes the rough guess...
-    with pytest.raises(UserError) as refused:  # ...and is refused on the figures the plan prints
-        preview.check_fits(chosen, preview.memory(chosen.subject, options, tight), options, tight)
+    need = max(n for *_, n in preview.choose_subject(options, machine(64 * GIB)).memory.needs)
+    # Sizing's rough guess passed this model on a machine the memory model's figure did not fit, and the plan then
+    # printed that figure: one figure decides now, the plan's.
+    with pytest.raises(UserError) as refused:
+        preview.choose_subject(options, machine(0.95 * need))
     line = str(refused.value)
     assert "\n" not in line and line.startswith("the model does not fit: Transformer-L with 4 layers")
-    assert "in its K=2 run (est.)" in line and "is free on this machine" in line
+    assert f"needs about {human_bytes(need)} in its K=2 run (est.)" in line and "is free on this machine" in line
     assert "--layers, --d-model" in line and "leave the size flags and --set out" in line
+
+
+def test_the_papers_model_is_said_to_need_what_bench_says_it_needs_when_asked_for_by_size():
+    # Sized, it was said to need 22.8 GiB; asked for with --layers 48, 28.3 GiB: two figures for one model.
+    options = BenchOptions(partitions=2, microbatches=8)
+    sized = preview.choose_subject(options, machine(23 * GIB))
+    assert sized.sized and sized.note.startswith("measuring ")
+    kind, paper = sizing.ladder("transformer")[0]
+    with pytest.raises(UserError) as refused:
+        preview.choose_subject(BenchOptions(partitions=2, microbatches=8, layers=paper["layers"],
+                                            d_model=paper["d_model"], ff=paper["ff"], heads=paper["heads"]),
+                               machine(23 * GIB))
+    need = human_bytes(preview.need_bytes(sizing.candidate(kind, paper), machine(23 * GIB), options))
+    assert f"the paper's 48-layer model needs {need}," in sized.note
+    assert f"needs about {need} in its K=2 run" in str(refused.value)
 
 
 def test_the_command_refuses_before_any_rank_starts(monkeypatch, capsys):
@@ -121,11 +134,25 @@ def test_pricing_the_memory_of_many_micro_batches_is_said_first_with_its_estimat
     tiny = dict(layers=2, d_model=16, ff=32, heads=2, seq_len=8, vocab_size=64)
     said: list[str] = []
     roomy = machine(64 * GIB)
+    monkeypatch.setattr(preview, "_WALKED", set())
     for m in (8, 64):
         options = BenchOptions(set=["arch=decoder-only"], partitions=2, microbatches=m, batch_size=m, **tiny)
-        preview.memory(preview.choose_subject(options, roomy).subject, options, roomy, said.append)
+        preview.choose_subject(options, roomy, said.append)
     assert said == []
     monkeypatch.setattr(preview, "WALK_S", 1.0)  # as slow as a walk of millions, without its minutes
-    preview.memory(preview.choose_subject(options, roomy).subject, options, roomy, said.append)
+    monkeypatch.setattr(preview, "_WALKED", set())
+    chosen = preview.choose_subject(options, roomy, said.append)
     # K=1 and K=2 at M=64: 3 stages of 64 micro-batches each.
     assert said == ["pricing each stage's memory, action by action of 64 micro-batches (about 3 min)..."]
+    # The walks are kept: another model on the same schedule (sizing's next candidate) is priced without a word.
+    wider = preview.resolve("transformer", {**tiny, "d_model": 32}, ["arch=decoder-only"])
+    assert preview.memory(wider, options, roomy, said.append).stages[2] > chosen.memory.stages[2]
+    assert len(said) == 1
+
+
+def test_the_plan_prices_the_offload_the_runs_use():
+    # The plan priced every run as though nothing were offloaded.
+    roomy = machine(64 * GIB)
+    kept, moved = (preview.choose_subject(BenchOptions(set=["arch=decoder-only"], offload=offload, **SMALL),
+                                          roomy).memory for offload in ("none", "activations"))
+    assert moved.stages[1][0] < kept.stages[1][0]
