@@ -41,7 +41,7 @@ def _kept(key: dict[str, Any] | None, work: Callable[[], T], to_json: Callable[[
     if key is None:  # a model built by hand: nothing names it
         return work()
     key = {**key, "torch": torch.__version__, "code": code_digest()}
-    path = cache_path(key)
+    path = _named(cache_path(key))
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none kept yet, or a damaged file
         data = json.loads(path.read_text())
         if data["key"] == key:
@@ -50,7 +50,26 @@ def _kept(key: dict[str, Any] | None, work: Callable[[], T], to_json: Callable[[
     if unwritable(path.parent) is None:
         with contextlib.suppress(OSError):  # a folder that turned unwritable since the probe costs only the reuse
             atomic_write_bytes(path, json.dumps({"key": key, "figures": to_json(found)}).encode())
+        _prune(path.parent)
     return found
+
+
+PREFIX = "kept-"
+
+
+def _named(path: Path) -> Path:
+    """The file of figures kept under the digest `path` is named by, its name led by this code's version."""
+    return path.with_name(f"{PREFIX}{code_digest()[:12]}-{path.name}")
+
+
+def _prune(folder: Path) -> None:
+    """Delete the figures that other versions of the code kept: none of them is read again."""
+    # Two versions of the package used in turn delete each other's files: each works its figures out again.
+    ours = _named(folder / "x").name.removesuffix("x")
+    for old in folder.glob(f"{PREFIX}*.json"):
+        if not old.name.startswith(ours):
+            with contextlib.suppress(OSError):  # gone already, or another user's
+                old.unlink()
 
 
 def _model(spec: ModelSpec, what: dict[str, Any]) -> dict[str, Any] | None:

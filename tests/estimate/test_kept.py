@@ -75,3 +75,16 @@ def test_a_launch_that_finds_the_figures_loads_nothing_of_torchs_compiler(cache)
     runs = [subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300, env=env)
             for _ in range(2)]
     assert [run.stdout.strip() for run in runs] == ["True", "False"], [run.stderr[-2000:] for run in runs]
+
+
+def test_figures_kept_by_another_version_of_the_code_are_deleted_when_this_one_keeps_its_own(cache, monkeypatch):
+    # They were never pruned: one file a model, micro-batch size and version of the code, for ever.
+    spec = build_model("transformer", **SMALL)
+    kept.summary(spec, 2)
+    costs = cache / "0123456789abcdef.json"  # measured layer costs share the folder
+    costs.write_text("{}")
+    (older,) = cache.glob("kept-*.json")
+    monkeypatch.setattr(kept, "code_digest", lambda: "another version")
+    kept.summary(spec, 2)
+    (newer,) = cache.glob("kept-*.json")
+    assert newer != older and newer.name.startswith("kept-another ver") and costs.exists()
