@@ -127,18 +127,18 @@ _launch = functools.partial(typer.Option, rich_help_panel="Nodes and ranks")  # 
 
 
 def _error(message: str) -> None:
-    """Print an error line; under torchrun only each node's first rank does, as its siblings hit the same one."""
-    # Errors reach here only before a rank joins its job (a rank's own failure ends it inside the job), from the
-    # arguments and recipe every rank reads alike: one line a node, not one a rank. The exit code stays.
-    if interrupts.speaks_for_node():
-        try:
-            print(f"error: {message}", file=sys.stderr, flush=True)
-        except BrokenPipeError:  # `2>&1 | head -0`: the line has no reader, and the exit code still says it
-            _to_null(sys.stderr)
-    elif "LOCAL_RANK" in os.environ:
-        # A sibling that ended first would have torchrun stop the node's first rank before it said the same
-        # error, which then said only that it was interrupted: the siblings give it time to end first.
+    """Print an error line; under torchrun each node's first rank at once, its siblings only if still running."""
+    # Errors reach here only before a rank joins its job (a rank's own failure ends it inside the job), mostly from
+    # the arguments and recipe every rank reads alike. A sibling that ended first would have torchrun stop the
+    # node's first rank before it said the same error, which then said only that it was interrupted: the siblings
+    # give it time to end first, and torchrun stops them as it does. A sibling still here found an error its
+    # first rank did not. The exit code stays.
+    if not interrupts.speaks_for_node():
         time.sleep(SIBLING_GRACE_S)
+    try:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    except BrokenPipeError:  # `2>&1 | head -0`: the line has no reader, and the exit code still says it
+        _to_null(sys.stderr)
 
 
 def _interruptible(command: str, callback: Callable[..., Any], started: list[str]) -> Callable[..., Any]:
