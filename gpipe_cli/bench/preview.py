@@ -161,7 +161,7 @@ def check_cut(options: BenchOptions, subject: Subject) -> None:
 WALK_S = 5e-5
 # The walks this process has priced: the memory model keeps each one, so pricing another model (sizing's next
 # candidate) walks nothing again.
-_WALKED: set[tuple[str, str, str, int, int]] = set()
+_WALKED: set[tuple[str, str, str, int, int, int]] = set()
 
 
 @dataclass(frozen=True)
@@ -186,8 +186,9 @@ def memory(subject: Subject, options: BenchOptions, machine: sizing.Machine,
     ks = {1, max(k for k, _ in configs)}
     stages: dict[tuple[int, int], list[float]] = {}
     walks = {*configs, *((k, options.microbatches) for k in ks)}
-    fresh = {(options.schedule, options.checkpoint, options.offload, k, m) for k, m in walks} - _WALKED
-    seconds = WALK_S * sum(k * options.virtual_at(k) * m for *_, k, m in fresh)
+    fresh = {(options.schedule, options.checkpoint, options.offload, options.virtual_at(k), k, m)
+             for k, m in walks} - _WALKED
+    seconds = WALK_S * sum(virtual * k * m for *_, virtual, k, m in fresh)
     _WALKED.update(fresh)
     if seconds >= SAY_BELOW_S:  # a million micro-batches were minutes of silence
         say(phase_line(f"pricing each stage's memory, action by action of {options.microbatches:,} micro-batches",
