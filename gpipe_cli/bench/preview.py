@@ -193,15 +193,17 @@ def memory(subject: Subject, options: BenchOptions, machine: sizing.Machine,
     if seconds >= SAY_BELOW_S:  # a million micro-batches were minutes of silence
         say(phase_line(f"pricing each stage's memory, action by action of {options.microbatches:,} micro-batches",
                        seconds))
+    host: dict[tuple[int, int], float] = {}  # what the stages offload, all together
     for k, m in walks:  # each stage's estimated bytes
         virtual = options.virtual_at(k)
         cut = explicit_cut(options, k, len(costs)) or partition.balance_by_cost(costs, k * virtual)
-        stages[(k, m)] = [fp.total_bytes for fp in mm.footprints(
-            figures, cut, options.batch, m, options.schedule, options.checkpoint, kept.bytes_per_parameter(NO_STATE),
-            virtual, options.offload)]
+        found = mm.footprints(figures, cut, options.batch, m, options.schedule, options.checkpoint,
+                              kept.bytes_per_parameter(NO_STATE), virtual, options.offload)
+        stages[(k, m)], host[(k, m)] = [fp.total_bytes for fp in found], sum(fp.host_bytes for fp in found)
     units = max(machine.units, 1)
+    # On a CPU what the stages offload stays in the same RAM.
     needs = [(k, m, max(sum(stages[(k, m)][g::units]) for g in range(min(k, units))) if machine.kind == "cuda"
-              else sum(stages[(k, m)]) + k * RANK_BYTES) for k, m in configs]
+              else sum(stages[(k, m)]) + host[(k, m)] + k * RANK_BYTES) for k, m in configs]
     return Memory({k: stages[(k, options.microbatches)] for k in ks}, needs)
 
 

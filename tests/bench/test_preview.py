@@ -5,7 +5,7 @@ import pytest
 
 from gpipe_cli import sizing
 from gpipe_cli.bench import preview
-from gpipe_cli.bench.options import BenchOptions
+from gpipe_cli.bench.options import RANK_BYTES, BenchOptions
 from gpipe_cli.cli import run as gpipe
 from gpipe_cli.errors import UserError
 from gpipe_cli.units import human_bytes
@@ -156,3 +156,14 @@ def test_the_plan_prices_the_offload_the_runs_use():
     kept, moved = (preview.choose_subject(BenchOptions(set=["arch=decoder-only"], offload=offload, **SMALL),
                                           roomy).memory for offload in ("none", "activations"))
     assert moved.stages[1][0] < kept.stages[1][0]
+
+
+def test_on_a_cpu_what_the_stages_offload_counts_against_the_same_ram():
+    # Offloading let a model that did not fit start measuring: its activations only moved within the same RAM.
+    roomy = machine(64 * GIB)
+    for offload in ("none", "activations"):
+        memory = preview.choose_subject(BenchOptions(set=["arch=decoder-only"], offload=offload, **SMALL),
+                                        roomy).memory
+        # Beyond the stages' device bytes and each rank's runtime: the bytes in host memory, none without offload.
+        beyond = [need - sum(memory.stages[k]) - k * RANK_BYTES for k, _, need in memory.needs]
+        assert all(b > 1e6 for b in beyond) if offload != "none" else beyond == [0, 0]
