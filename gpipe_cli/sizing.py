@@ -234,13 +234,15 @@ def deep_enough(kind: str, params: dict[str, Any], stages: int) -> dict[str, Any
 
 
 def choose(family: str, judge: Callable[[Candidate], Verdict], stages: int = 1,
-           settings: dict[str, Any] | None = None) -> Choice:
-    """The paper's member of `family` if `judge` says it fits, else the largest smaller member that does."""
+           settings: dict[str, Any] | None = None, chunks: int = 1) -> Choice:
+    """The paper's member of `family` if `judge` says it fits, else the largest smaller member that does (each deep
+    enough for `stages` stages of `chunks` chunks)."""
     rungs = ladder(family, settings)
-    members = [(kind, deep_enough(kind, params, stages)) for kind, params in rungs]
+    members = [(kind, deep_enough(kind, params, stages * chunks)) for kind, params in rungs]
     paper = families.of(members[0][0]).short(rungs[0][1])
     if members[0][1] != rungs[0][1]:  # it was not the paper's own that was judged
-        paper = f"{paper}, deepened to {members[0][1].get('layers')} layers for {stages} stages,"
+        of = f" of {chunks} chunks" if chunks > 1 else ""
+        paper = f"{paper}, deepened to {members[0][1].get('layers')} layers for {stages} stages{of},"
     reason = ""  # why the paper's member does not fit
     for index, (kind, params) in enumerate(members):
         cand = candidate(kind, params)

@@ -129,7 +129,7 @@ def choose_subject(options: BenchOptions, machine: sizing.Machine,
     stages = options.stages if options.simulate else max(k for k, _ in runs(options, 10**6))
     priced: dict[str, Memory] = {}
     subject, note, v = to_measure(options.model, options.sizes(), options.set, judge(options, machine, priced, say),
-                                  stages, sized)
+                                  stages, sized, options.virtual_at(stages))
     check_cut(options, subject)
     mem = priced.get(_key(subject)) or memory(subject, options, machine, say)
     check_fits(subject, mem, options, machine, sized)
@@ -178,10 +178,12 @@ def memory(subject: Subject, options: BenchOptions, machine: sizing.Machine,
     # On a CPU all of its ranks with their runtimes; on GPUs the fullest one, its ranks dealt out in turn.
     spec = subject.build()
     figures = kept.figures(spec)  # shapes only
-    # Stages are cut by FLOPs, which grow alike in every layer with the micro-batch: one size cuts every M (the
-    # measured cut may differ).
-    flops = [float(c.flops) for c in kept.summary(spec, sizing.ceil_div(options.batch, options.microbatches)).layers]
-    costs = flops if any(flops) else [1.0] * len(flops)
+    # Each layer's seconds on a micro-batch, as sizing prices them: its FLOPs at the rate the family's layers reach
+    # here, and the fixed cost of a call, which the run's cut by measured time sees and a cut by FLOPs did not (a
+    # small AmoebaNet's stages were cut [1, 1, 18, 24] for the plan and [10, 11, 11, 12] by the run).
+    size = sizing.ceil_div(options.batch, options.microbatches)
+    rate, per_call = sizing.layer_rate(machine, subject.kind)
+    costs = [c.flops * size / rate + per_call for c in kept.summary(spec, size).layers]
     configs = runs(options, len(spec.layers))
     ks = {1, max(k for k, _ in configs)}
     stages: dict[tuple[int, int], list[float]] = {}
@@ -257,17 +259,21 @@ def show(preview: Preview, options: BenchOptions, machine: sizing.Machine, conso
     configs = runs(options, len(spec.layers))
     ks = sorted({k for k, _ in configs})
     steps = f"{options.warmup} warm-up + {options.steps} measured steps"
-    what = "per-layer costs, then " if not options.sweep else ""
+    # A sweep's K=1 run only times each layer (its figures are normalised to K=2, M=1, as the paper's).
+    what = "per-layer costs at K=1, then " if options.sweep else "per-layer costs, then "
+    listed = [k for k in ks if k > 1 or not options.sweep]
     ms = "1,4,32" if options.sweep else str(options.microbatches)
     host = ", the engine against a plain loop at K=1" if options.measures_host_overhead else ""
-    console.print(f"  runs: {what}{', '.join(f'K={k}' for k in ks)}{host} · M={ms} · batch {options.batch} · "
+    console.print(f"  runs: {what}{', '.join(f'K={k}' for k in listed)}{host} · M={ms} · batch {options.batch} · "
                   f"{options.schedule} · checkpoint {options.checkpoint} · {steps}")
-    k = max(ks)
+    k, whole = max(ks), human_bytes(preview.memory.stages[1][0])
     if k > 1:
-        # Priced at a cut by FLOPs where the run makes its own: the cut it makes is known only once it has timed.
-        how = "est." if explicit_cut(options, k, len(spec.layers)) else "est. at a cut by FLOPs"
+        # Priced at an estimated cut where the run makes its own: the cut it makes is known only once it has timed.
+        how = "est." if explicit_cut(options, k, len(spec.layers)) else "est. at a cut by estimated time"
         console.print(f"  memory at K={k} ({how}): " + " · ".join(human_bytes(b) for b in preview.memory.stages[k])
-                      + f"; K=1 holds {human_bytes(preview.memory.stages[1][0])}")
+                      + f"; K=1 holds {whole}")
+    else:
+        console.print(f"  memory at K=1 (est.): {whole}")
     for ranks in ks[1:] or ks:
         over, hardware = oversubscription(ranks, options.threads)
         per = f"{ranks * options.threads / max(machine.units, 1):.0f} per {'GPU' if machine.kind == 'cuda' else 'core'}"

@@ -101,7 +101,7 @@ def show(s: dict[str, Any], console: Console) -> None:
         runs = {"k1": "K=1", "k": f"K={s['partitions']}"}  # then the host overhead's and the baselines'
         console.print(contention.note({runs.get(run, run): load for run, load in s["load"].items()}))
     console.print(_throughput(s))
-    kind = "PREDICTION (simulated, not measured)" if s["simulated"] else "measured"
+    kind = "PREDICTION: simulated, not measured" if s["simulated"] else "measured"
     console.print(f"normalised throughput T(K)/T(1) = [bold]{s['normalized']:.2f}[/] ({kind}); "
                   f"ideal K·(1 - bubble in theory) = {s['ideal']:.2f}; efficiency = [bold]{s['efficiency']:.3f}[/]")
     schedule = s.get("schedule", "gpipe")

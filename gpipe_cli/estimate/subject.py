@@ -159,10 +159,11 @@ def by_setting(message: str, label: str, named: Mapping[str, str]) -> str:
 
 def to_measure(model: str, sizes: Mapping[str, int | None], settings: Sequence[str],
                judge: Callable[[sizing.Candidate], sizing.Verdict], stages: int,
-               sized: bool) -> tuple[Subject, str, sizing.Verdict]:
-    """The model a command measures (`sized`: to this machine by `judge`), its announcement and its verdict."""
+               sized: bool, chunks: int = 1) -> tuple[Subject, str, sizing.Verdict]:
+    """The model a command measures (`sized`: to this machine by `judge`, deep enough for `stages` x `chunks`), its
+    announcement and its verdict."""
     if sized:
-        choice = sizing.choose(model, judge, stages, model_overrides(settings))
+        choice = sizing.choose(model, judge, stages, model_overrides(settings), chunks)
         return Subject(choice.kind, choice.params, model), choice.note, choice.verdict
     subject = resolve(model, sizes, settings)
     return subject, "", judge(sizing.candidate(subject.kind, subject.params))

@@ -167,3 +167,28 @@ def test_on_a_cpu_what_the_stages_offload_counts_against_the_same_ram():
         # Beyond the stages' device bytes and each rank's runtime: the bytes in host memory, none without offload.
         beyond = [need - sum(memory.stages[k]) - k * RANK_BYTES for k, _, need in memory.needs]
         assert all(b > 1e6 for b in beyond) if offload != "none" else beyond == [0, 0]
+
+
+def test_a_model_sized_to_the_machine_is_deep_enough_for_every_chunk():
+    # K=12 was deepened for, but K=4 x V=3 was refused: "cannot cut 10 layers into 12 chunks", of a model never asked.
+    from gpipe_cli.models.registry import build_model
+
+    options = BenchOptions(partitions=4, schedule="interleaved", virtual_stages=3)
+    chosen = preview.choose_subject(options, machine(23 * GIB))
+    assert chosen.sized and len(build_model(chosen.subject.kind, **chosen.subject.params).layers) >= 12
+
+
+@pytest.mark.parametrize("flags, lines", [
+    (dict(partitions=1), ["  runs: per-layer costs, then K=1, ", "  memory at K=1 (est.): "]),
+    (dict(sweep=True), ["  runs: per-layer costs at K=1, then K=2 · M=1,4,32", "  memory at K=2 (est. at a cut by "
+                                                                                  "estimated time): "]),
+])
+def test_the_plan_names_each_run_and_its_memory(flags, lines):
+    # At K=1 the plan had no memory line; a sweep's K=1 run, which only times the layers, was listed as measured.
+    from rich.console import Console
+
+    options = BenchOptions(set=["arch=decoder-only"], **{**SMALL, **flags})
+    console = Console(record=True, width=400)
+    preview.show(preview.choose_subject(options, machine(64 * GIB)), options, machine(64 * GIB), console)
+    printed = console.export_text().splitlines()
+    assert all(any(line.startswith(start) for line in printed) for start in lines), printed
