@@ -57,17 +57,21 @@ def _kept(key: dict[str, Any] | None, work: Callable[[], T], to_json: Callable[[
 PREFIX = "kept-"
 
 
+def _ours() -> str:
+    """How the names of the files this version of the code keeps begin."""
+    return f"{PREFIX}{code_digest()[:12]}-"
+
+
 def _named(path: Path) -> Path:
     """The file of figures kept under the digest `path` is named by, its name led by this code's version."""
-    return path.with_name(f"{PREFIX}{code_digest()[:12]}-{path.name}")
+    return path.with_name(_ours() + path.name)
 
 
 def _prune(folder: Path) -> None:
     """Delete the figures that other versions of the code kept: none of them is read again."""
     # Two versions of the package used in turn delete each other's files: each works its figures out again.
-    ours = _named(folder / "x").name.removesuffix("x")
     for old in folder.glob(f"{PREFIX}*.json"):
-        if not old.name.startswith(ours):
+        if not old.name.startswith(_ours()):
             with contextlib.suppress(OSError):  # gone already, or another user's
                 old.unlink()
 
