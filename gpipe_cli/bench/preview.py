@@ -15,7 +15,7 @@ from gpipe_cli.bench.options import RANK_BYTES, SWEEP_MICROBATCHES, BenchOptions
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate import kept
 from gpipe_cli.estimate.model_flags import balance_entries
-from gpipe_cli.estimate.subject import FAMILIES, Subject, model_overrides, resolve, to_measure
+from gpipe_cli.estimate.subject import FAMILIES, Subject, model_overrides, naming_the_sized, resolve, to_measure
 from gpipe_cli.launch import forked
 from gpipe_cli.models import families
 from gpipe_cli.pipeline import partition
@@ -130,7 +130,10 @@ def choose_subject(options: BenchOptions, machine: sizing.Machine,
     priced: dict[str, Memory] = {}
     subject, note, v = to_measure(options.model, options.sizes(), options.set, judge(options, machine, priced, say),
                                   stages, sized, options.virtual_at(stages))
-    check_cut(options, subject)
+    try:
+        check_cut(options, subject)
+    except partition.PartitionError as exc:
+        raise UserError(naming_the_sized(str(exc), subject) if sized else str(exc)) from None
     mem = priced.get(_key(subject)) or memory(subject, options, machine, say)
     check_fits(subject, mem, options, machine, sized)
     cand = sizing.candidate(subject.kind, subject.params)
@@ -138,7 +141,7 @@ def choose_subject(options: BenchOptions, machine: sizing.Machine,
 
 
 def check_cut(options: BenchOptions, subject: Subject) -> None:
-    """Refuse K (and --balance) that the model's layers cannot take, before anything is measured."""
+    """Refuse K (and --balance) that the model's layers cannot take, before anything is measured (PartitionError)."""
     layers = len(subject.build().layers)
     chunks = options.stages * options.virtual_stages
     k_flag = "--devices" if options.simulate and options.devices is not None else "--partitions"  # K's
@@ -149,11 +152,12 @@ def check_cut(options: BenchOptions, subject: Subject) -> None:
             partition.check_balance(explicit, layers, chunks)
     except partition.PartitionError as exc:
         if isinstance(exc, partition.TooManyChunks):
-            raise UserError(str(exc)) from None
+            raise
         flag = k_flag.removeprefix("--")
         if options.virtual_stages > 1:
             flag += f"/--virtual-stages ({chunks} chunks)"
-        raise UserError(f"--{flag}{'/--balance' if options.balance is not None else ''}: {exc}") from None
+        raise partition.PartitionError(f"--{flag}{'/--balance' if options.balance is not None else ''}: {exc}") \
+            from None
 
 
 # Each stage's memory is priced by walking every action of its schedule: 46 us per micro-batch and stage on a

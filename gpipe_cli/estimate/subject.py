@@ -157,6 +157,12 @@ def by_setting(message: str, label: str, named: Mapping[str, str]) -> str:
     return message
 
 
+def naming_the_sized(message: str, subject: Subject) -> str:
+    """A refused cut of a model sized to this machine, which the user never chose, naming that model."""
+    return (f"{message} (pipeline layers of {families.of(subject.kind).title(subject.params, False)}, the model "
+            f"sized to this machine; choose with --model/--layers)")
+
+
 def to_measure(model: str, sizes: Mapping[str, int | None], settings: Sequence[str],
                judge: Callable[[sizing.Candidate], sizing.Verdict], stages: int,
                sized: bool, chunks: int = 1) -> tuple[Subject, str, sizing.Verdict]:

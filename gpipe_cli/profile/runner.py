@@ -20,6 +20,7 @@ from gpipe_cli.estimate.subject import (
     check_limits,
     example_batch,
     model_overrides,
+    naming_the_sized,
     paced,
     resolve,
     to_measure,
@@ -29,6 +30,7 @@ from gpipe_cli.files import write_json
 from gpipe_cli.models import families
 from gpipe_cli.models.describe import count_parameters, layer_params
 from gpipe_cli.models.registry import allowed_params, build_model
+from gpipe_cli.pipeline.partition import PartitionError
 from gpipe_cli.profile import account, budget, probe, scenarios, tables
 from gpipe_cli.profile.options import ProfileOptions
 from gpipe_cli.progress import Progress
@@ -103,8 +105,11 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
             progress.phase(f"pricing {len(spec.layers):,} layers from their shapes (meta device)",
                            SHAPE_S_PER_LAYER * len(spec.layers))
         figures = kept.figures(spec)
-        rows = scenarios.choose_rows(spec, figures, names, batch, options.schedule, per_param, have, options.balance,
-                                     options.offload, options.virtual_stages)
+        try:
+            rows = scenarios.choose_rows(spec, figures, names, batch, options.schedule, per_param, have,
+                                         options.balance, options.offload, options.virtual_stages)
+        except PartitionError as exc:
+            raise UserError(naming_the_sized(str(exc), subject) if sized else str(exc)) from None
         cand = sizing.candidate(subject.kind, subject.params)
         probe_s = probe_seconds(cand, machine)
         probing = any(not sc.measured for sc in rows) and probe_s < 30 and max(layer_params(spec)) * per_param < have

@@ -52,7 +52,7 @@ def names(partitions: list[int], microbatches: int, checkpoint: str) -> list[tup
 
 
 def flops_balance(spec: ModelSpec, k: int, batch: int, microbatches: int, explicit: str | None) -> list[int]:
-    """Layers per chunk (`k` chunks): explicit, or balanced by estimated FLOPs."""
+    """Layers per chunk (`k` chunks): explicit, or balanced by estimated FLOPs (a cut refused: PartitionError)."""
     layers = len(spec.layers)
     try:
         partition.check_partitions(layers, k)
@@ -67,7 +67,7 @@ def flops_balance(spec: ModelSpec, k: int, batch: int, microbatches: int, explic
         flops = [float(c.flops) for c in kept.summary(spec, size).layers]
         return partition.balance_by_cost(flops if any(flops) else [1.0] * layers, k)
     except partition.PartitionError as exc:
-        raise UserError(f"--partitions{'/--balance' if explicit else ''}: {exc}") from None
+        raise partition.PartitionError(f"--partitions{'/--balance' if explicit else ''}: {exc}") from None
 
 
 def deepened(figures: ModelFigures, layers: int) -> tuple[ModelFigures, str]:
