@@ -368,7 +368,7 @@ def test_a_reader_that_goes_ends_a_command_quietly_with_code_141(tmp_path, args)
     assert err == b""
 
 
-@pytest.mark.parametrize("item, says", [("pipeline.partitions=100", "--set pipeline.partitions: cannot cut 6 layers"),
+@pytest.mark.parametrize("item, says", [("pipeline.partitions=100", "--set pipeline.partitions: cannot cut 6 pipeline layers"),
                                         ("pipeline.balance=[1,1]", "--set pipeline.balance: balance [1, 1] sums to 2")])
 def test_a_cut_the_layers_cannot_take_names_the_set_that_asked_for_it(capsys, item, says):
     assert run(["validate", "--set", item]) == 2
@@ -381,17 +381,17 @@ INTERLEAVED = ["--set", "pipeline.microbatches=8", "--set", "pipeline.schedule=i
 
 @pytest.mark.parametrize("args, line", [
     (["validate", "recipes/quickstart.yaml", "--set", "pipeline.partitions=4", *INTERLEAVED],
-     "error: recipes/quickstart.yaml: cannot cut 6 layers into 8 chunks (pipeline.partitions 4 x "
+     "error: recipes/quickstart.yaml: cannot cut 6 pipeline layers into 8 chunks (pipeline.partitions 4 x "
      "pipeline.virtual_stages 2): at most 6"),
     (["bench", "--schedule", "interleaved", "--virtual-stages", "2", "--partitions", "4", "--layers", "2",
       "--microbatches", "8"],
-     "error: cannot cut 4 layers into 8 chunks (--partitions 4 x --virtual-stages 2): at most 4"),
+     "error: cannot cut 4 pipeline layers into 8 chunks (--partitions 4 x --virtual-stages 2): at most 4"),
     (["bench", "--simulate", "--devices", "4", "--schedule", "interleaved", "--virtual-stages", "2", "--layers", "2",
       "--microbatches", "8"],
-     "error: cannot cut 4 layers into 8 chunks (--devices 4 x --virtual-stages 2): at most 4"),
+     "error: cannot cut 4 pipeline layers into 8 chunks (--devices 4 x --virtual-stages 2): at most 4"),
 ])
 def test_too_many_chunks_are_called_chunks_made_of_k_and_v_never_partitions_the_user_did_not_set(capsys, args, line):
-    # Partitions 4 with 2 chunks each read "cannot cut 6 layers into 8 partitions": 8 was never typed.
+    # Partitions 4 with 2 chunks each read "cannot cut 6 pipeline layers into 8 partitions": 8 was never typed.
     assert run(args) == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [line] and "partitions must be" not in err

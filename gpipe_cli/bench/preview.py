@@ -144,20 +144,20 @@ def check_cut(options: BenchOptions, subject: Subject) -> None:
     """Refuse K (and --balance) that the model's layers cannot take, before anything is measured (PartitionError)."""
     layers = len(subject.build().layers)
     chunks = options.stages * options.virtual_stages
-    k_flag = "--devices" if options.simulate and options.devices is not None else "--partitions"  # K's
+    # K, V and the balance as the user gave them: a flag or a --set.
+    k_named = "--devices" if options.simulate and options.devices is not None else options.named("partitions")
+    v_named = options.named("virtual_stages")
     try:
-        partition.check_chunks(layers, options.stages, options.virtual_stages, (k_flag, "--virtual-stages"))
-        explicit = parse_balance(options.balance, chunks, f"{k_flag} x --virtual-stages")
+        partition.check_chunks(layers, options.stages, options.virtual_stages, (k_named, v_named))
+        explicit = parse_balance(options.balance, chunks, f"{k_named} x {v_named}")
         if explicit is not None:
             partition.check_balance(explicit, layers, chunks)
     except partition.PartitionError as exc:
         if isinstance(exc, partition.TooManyChunks):
             raise
-        flag = k_flag.removeprefix("--")
-        if options.virtual_stages > 1:
-            flag += f"/--virtual-stages ({chunks} chunks)"
-        raise partition.PartitionError(f"--{flag}{'/--balance' if options.balance is not None else ''}: {exc}") \
-            from None
+        named = k_named + (f"/{v_named} ({chunks} chunks)" if options.virtual_stages > 1 else "")
+        named += f"/{options.named('balance')}" if options.balance is not None else ""
+        raise partition.PartitionError(f"{named}: {exc}") from None
 
 
 # Each stage's memory is priced by walking every action of its schedule: 46 us per micro-batch and stage on a

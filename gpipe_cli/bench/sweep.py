@@ -27,7 +27,7 @@ def run(options: BenchOptions, subject: Subject, folder: Path, progress: Progres
     """Measure every (K, M) this machine hosts; the figures as the JSON file holds them."""
     layers = len(subject.build().layers)
     ks = sweep_partitions(options, layers)
-    progress.phase(f"measuring per-layer costs ({layers} layers)", phases.get(1, 0.0))
+    progress.phase(f"measuring per-layer costs ({layers} pipeline layers)", phases.get(1, 0.0))
     job = base_job(options, subject, 1, [layers], microbatches=[], profile_costs=True,
                    profile_chunks=max(SWEEP_MICROBATCHES))
     costs = CostProfile.from_json(setup.launch_job(job, folder, "costs", options.threads)["costs"])

@@ -22,10 +22,11 @@ from gpipe_cli.recipe.aliases import (
     flag,
     given_as,
     replaced,
+    set_balance_problem,
     set_key,
     settings,
 )
-from gpipe_cli.recipe.load import typed_values, unknown_key
+from gpipe_cli.recipe.load import RecipeError, typed_values, unknown_key
 
 # The command line loads this module for its help and checks these flags before torch loads: the schedules'
 # registry and the pipeline configuration import nothing heavy.
@@ -260,6 +261,8 @@ def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[
     # Named by the flags, before the schema names the keys they stand for.
     k, v = (_flag_value(name, recipe, flags, sets, {**own, **defaults}.get(name, 1))
             for name in ("partitions", "virtual_stages"))
+    if problem := set_balance_problem(sets, cuts):
+        raise RecipeError(problem)  # as the recipe's own keys are refused
     refuse([balance_problem(flags.get("balance"), cuts), chunks_problem(flags, recipe), v_problem(recipe, flags, sets),
             None if k is None or v is None else entries_problem(flags.get("balance"), k, v)])
     given, model_sets = settings(recipe, flags, sets, {**own, **defaults})

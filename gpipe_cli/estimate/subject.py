@@ -159,7 +159,7 @@ def by_setting(message: str, label: str, named: Mapping[str, str]) -> str:
 
 def naming_the_sized(message: str, subject: Subject) -> str:
     """A refused cut of a model sized to this machine, which the user never chose, naming that model."""
-    return (f"{message} (pipeline layers of {families.of(subject.kind).title(subject.params, False)}, the model "
+    return (f"{message} (of {families.of(subject.kind).title(subject.params, False)}, the model "
             f"sized to this machine; choose with --model/--layers)")
 
 

@@ -22,16 +22,16 @@ def check_balance(balance: Sequence[int], num_layers: int, partitions: int | Non
     balance = list(balance)
     if partitions is not None and len(balance) != partitions:
         raise PartitionError(f"balance {balance} has {len(balance)} stages but {partitions} partitions "
-                             f"were asked for (the model has {num_layers} layers)")
+                             f"were asked for (the model has {num_layers} pipeline layers)")
     if not balance:
         raise PartitionError("balance is empty: give the number of layers of each stage")
     bad = [b for b in balance if not isinstance(b, int) or b < 1]
     if bad:
         raise PartitionError(f"balance {balance} has a non-positive entry {bad[0]}: every stage needs at "
-                             f"least one layer (the model has {num_layers} layers)")
+                             f"least one layer (the model has {num_layers} pipeline layers)")
     if sum(balance) != num_layers:
         raise PartitionError(f"balance {balance} sums to {sum(balance)} but the model has {num_layers} "
-                             f"layers")
+                             f"pipeline layers")
     return balance
 
 
@@ -40,7 +40,7 @@ def check_partitions(num_layers: int, partitions: int) -> None:
     if partitions < 1:
         raise PartitionError(f"partitions must be >= 1 (got {partitions})")
     if partitions > num_layers:
-        raise PartitionError(f"cannot cut {num_layers} layers into {partitions} partitions: "
+        raise PartitionError(f"cannot cut {num_layers} pipeline layers into {partitions} partitions: "
                              f"partitions must be <= {num_layers}")
 
 
@@ -51,7 +51,7 @@ def check_chunks(num_layers: int, partitions: int, virtual: int,
     if virtual <= 1 or partitions < 1:
         check_partitions(num_layers, partitions * max(virtual, 1))
     elif partitions * virtual > num_layers:
-        raise TooManyChunks(f"cannot cut {num_layers} layers into {partitions * virtual} chunks ({names[0]} "
+        raise TooManyChunks(f"cannot cut {num_layers} pipeline layers into {partitions * virtual} chunks ({names[0]} "
                              f"{partitions} x {names[1]} {virtual}): at most {num_layers}")
 
 

@@ -289,7 +289,8 @@ def inputs(recipe: Recipe, options: PlanOptions, sizes: Callable[[int], tuple[in
         sizes_text = f"{lo}{f' and {hi}' if hi != lo else ''}"
         if siblings:  # they start first; the largest size is timed twice alone and twice beside them
             seconds += here.start_seconds(siblings) + 4 * measure_seconds(flops, (hi, hi), machine, kind)
-        phase(f"measuring per-layer seconds of {len(spec.layers)} layers at micro-batches of {sizes_text} examples "
+        phase(f"measuring per-layer seconds of {len(spec.layers)} pipeline layers at micro-batches of {sizes_text} "
+              f"examples "
               f"({f'{threads} thread{plural}' if device == 'cpu' else f'on {device}'})", seconds)
         real = sample if sample is not None and sample.examples >= max(hi, batch) else None
         examples = real.take if real is not None else generated(spec, seed)

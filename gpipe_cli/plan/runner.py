@@ -182,7 +182,7 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     layers = len(spec.layers)
     if not micro_sizes(layers, batch, n, 1):
         raise UserError(f"--devices {n}: no pipeline uses exactly {n} devices: K stages x D replicas = {n} needs "
-                        f"K <= the model's {layers} layers and D dividing data.batch_size {batch}")
+                        f"K <= the model's {layers} pipeline layers and D dividing data.batch_size {batch}")
     per_node = n // options.nodes
     threads = max(1, usable_cores() // per_node)
     memory = options.memory_bytes()
@@ -218,7 +218,7 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     sample = _sample(recipe, say) if measuring else None
     link, reduce_link, link_note = _links(options, measuring and here_ranks > 1, here_ranks, say, phase)
     if not measuring:  # else the data's, the links' or the layers' phase comes first
-        say(f"pricing the {layers} layers from their shapes and FLOPs (meta device)...")
+        say(f"pricing the {layers} pipeline layers from their shapes and FLOPs (meta device)...")
     fed = inputs.inputs(recipe, options, sizes, threads, say, phase, sample, here_ranks - 1,
                         (link, reduce_link) if reduce_link else None, device)
     model = fed.model

@@ -54,20 +54,17 @@ def names(partitions: list[int], microbatches: int, checkpoint: str) -> list[tup
 def flops_balance(spec: ModelSpec, k: int, batch: int, microbatches: int, explicit: str | None) -> list[int]:
     """Layers per chunk (`k` chunks): explicit, or balanced by estimated FLOPs (a cut refused: PartitionError)."""
     layers = len(spec.layers)
-    try:
-        partition.check_partitions(layers, k)
-        if explicit:
-            try:
-                wanted = [int(p) for p in explicit.split(",")]
-            except ValueError:
-                raise UserError(f"--balance expects layer counts separated by commas, e.g. 5,5 "
-                                f"(got '{explicit}')") from None
-            return partition.check_balance(wanted, layers, k)
-        size = max(microbatch.sizes(batch, microbatches))
-        flops = [float(c.flops) for c in kept.summary(spec, size).layers]
-        return partition.balance_by_cost(flops if any(flops) else [1.0] * layers, k)
-    except partition.PartitionError as exc:
-        raise partition.PartitionError(f"--partitions{'/--balance' if explicit else ''}: {exc}") from None
+    partition.check_partitions(layers, k)
+    if explicit:
+        try:
+            wanted = [int(p) for p in explicit.split(",")]
+        except ValueError:
+            raise UserError(f"--balance expects layer counts separated by commas, e.g. 5,5 "
+                            f"(got '{explicit}')") from None
+        return partition.check_balance(wanted, layers, k)
+    size = max(microbatch.sizes(batch, microbatches))
+    flops = [float(c.flops) for c in kept.summary(spec, size).layers]
+    return partition.balance_by_cost(flops if any(flops) else [1.0] * layers, k)
 
 
 def deepened(figures: ModelFigures, layers: int) -> tuple[ModelFigures, str]:
@@ -105,8 +102,8 @@ def choose_rows(spec: ModelSpec, figures: ModelFigures, rows: list[tuple[str, in
             deeper, kind = deepened(figures, chunks)
             size = max(microbatch.sizes(batch, m))
             what = f"K={k}" if v == 1 else f"K={k} x {v} chunks"
-            why = (f"{name} extrapolated: {what} > the {layers} layers measured ({chunks - layers} more priced as "
-                   f"copies of a measured '{kind}')")
+            why = (f"{name} extrapolated: {what} > the {layers} pipeline layers measured ({chunks - layers} more "
+                   f"priced as copies of a measured '{kind}')")
             costs = [layer.saved.at(size) + layer.params * per_param for layer in deeper.layers]
             out.append(Scenario(name, k, m, checkpoint, partition.balance_by_cost(costs, chunks), False, why, deeper,
                                 moved, placed, v))

@@ -82,6 +82,20 @@ def balance_problem(text: str | None, cuts: tuple[str, ...]) -> str | None:
     return f"--balance: {_cuts_by(cuts)} (got {shown(text)})"
 
 
+def set_balance_problem(sets: Sequence[str], cuts: tuple[str, ...]) -> str | None:
+    """Why the last `--set pipeline.balance=...` is a word none of a command's `cuts` (None: the schema checks it)."""
+    texts = [item.partition("=")[2].strip() for item in sets if set_key(item) == ALIASES["balance"]]
+    try:
+        value = parse_value(texts[-1], "") if texts else None
+    except RecipeError:
+        return None
+    if not isinstance(value, str) or value in cuts:
+        return None
+    # The recipe's words (`params`, `memory`) are valid keys but not this command's cuts: list only its own.
+    mended = f"; did you mean --set 'pipeline.balance=[{value}]'?" if _LIST.match(value) else ""
+    return f"--set pipeline.balance: {_cuts_by(cuts)} (got {shown(value)}){mended}"
+
+
 def _cuts_by(cuts: tuple[str, ...]) -> str:
     return f"this command cuts by {choices(cuts, 'a list of layer counts per stage')}"
 

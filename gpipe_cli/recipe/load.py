@@ -287,7 +287,7 @@ def _takes_list(loc: Sequence[str], raw: dict[str, Any]) -> bool:
 
 def led_by(message: str, keys: Collection[str]) -> bool:
     """Whether an error starts with one of `keys`: a check across keys then names the --set of its first key."""
-    # `pipeline.balance has 1 entries but ...`, `pipeline.partitions: cannot cut 6 layers into 100 partitions`
+    # `pipeline.balance has 1 entries but ...`, `pipeline.partitions: cannot cut 6 pipeline layers into 100 partitions`
     leading = re.match(r"[a-z_]+(\.[a-z_]+)+", message)
     # A key under a section that a --set gave whole (`--set 'train.profile={steps: [0]}'`) is that --set's too.
     return leading is not None and any(leading[0] == key or leading[0].startswith(key + ".") for key in keys)

@@ -54,7 +54,7 @@ class NoCutFits(Exception):
         what = f"{m.stages} stages" if self.virtual == 1 else \
             f"{m.stages} x {self.virtual} chunks (interleaved)"
         reach = "any cut reaches" if self.virtual == 1 else "the search found"
-        return (f"the plan does not fit this machine: no cut of the {len(m.figures.layers)} layers into "
+        return (f"the plan does not fit this machine: no cut of the {len(m.figures.layers)} pipeline layers into "
                 f"{what} fits; the smallest per-stage peak {reach} is {human_bytes(peak)} "
                 f"(balance {balance}: stage {stage} needs {human_bytes(peak)}), and each rank has "
                 f"{human_bytes(m.capacity)}{where}. Lower {batch_key}, {change}")

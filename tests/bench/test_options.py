@@ -161,7 +161,7 @@ def test_an_entry_below_one_is_told_the_same_signed_or_not(capsys, command, bala
 
 @pytest.mark.parametrize("command", ["bench", "profile-memory"])
 @pytest.mark.parametrize(("balance", "message"), [
-    ("1,1", "balance [1, 1] sums to 2 but the model has 10 layers"),
+    ("1,1", "balance [1, 1] sums to 2 but the model has 10 pipeline layers"),
     ("5,4,1", "--balance 5,4,1 has 3 entries but --partitions 2 has 2 stages: give one layer count per stage"),
 ])
 def test_a_balance_the_model_cannot_take_is_one_line_naming_its_layers_once(capsys, command, balance, message):
@@ -174,8 +174,32 @@ def test_a_balance_the_model_cannot_take_is_one_line_naming_its_layers_once(caps
         return
     # The model was sized to this machine, not chosen: which one it is, and what its layers are, is said.
     (line,) = err.splitlines()
-    assert line.startswith(f"error: --partitions/--balance: {message} (pipeline layers of Transformer-L with "), err
+    assert line.startswith(f"error: --partitions/--balance: {message} (of Transformer-L with "), err
     assert line.endswith(", the model sized to this machine; choose with --model/--layers)"), err
+
+
+@pytest.mark.parametrize("command", ["bench", "profile-memory"])
+def test_a_balance_given_by_set_is_named_so_when_the_model_cannot_take_it(capsys, command):
+    # The refusal named "--partitions/--balance", a flag never typed.
+    from gpipe_cli.cli import run
+
+    assert run([command, "--set", "pipeline.partitions=2", "--set", "pipeline.balance=[1,1]"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: --set pipeline.partitions/--set pipeline.balance: balance [1, 1] sums to 2 but "
+                           "the model has 10 pipeline layers (of "), line
+
+
+@pytest.mark.parametrize(("command", "cuts"), [("bench", "'auto', 'time'"), ("profile-memory", "'auto'")])
+@pytest.mark.parametrize(("value", "mended"), [("2,4", "; did you mean --set 'pipeline.balance=[2,4]'?"),
+                                               ("params", ""), ("memory", ""), ("evenly", "")])
+def test_a_set_balance_word_is_told_the_cuts_this_command_makes(capsys, command, cuts, value, mended):
+    # It was told the recipe's words, 'params' and 'memory' among them, which the command then refused.
+    from gpipe_cli.cli import run
+
+    assert run([command, "--set", f"pipeline.balance={value}"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --set pipeline.balance: this command cuts by {cuts} or a list of layer counts per stage "
+        f"(got '{value}'){mended}"]
 
 
 @pytest.mark.parametrize("command", ["bench", "profile-memory"])

@@ -59,7 +59,7 @@ def test_too_many_partitions_is_a_clear_error():
 
 
 @pytest.mark.parametrize("balance,message", [
-    ([2, 2], "sums to 4 but the model has 5 layers"),
+    ([2, 2], "sums to 4 but the model has 5 pipeline layers"),
     ([3, 0, 2], "non-positive entry 0"),
     ([3, -1, 3], "non-positive entry -1"),
     ([], "empty"),
@@ -310,7 +310,7 @@ def test_too_many_chunks_names_the_chunks_and_the_two_settings_making_them():
     with pytest.raises(TooManyChunks) as caught:
         check_chunks(6, 4, 2)
     # The user set K = 4: the 8 is K x V chunks, never "8 partitions".
-    assert str(caught.value) == ("cannot cut 6 layers into 8 chunks (pipeline.partitions 4 x "
+    assert str(caught.value) == ("cannot cut 6 pipeline layers into 8 chunks (pipeline.partitions 4 x "
                                  "pipeline.virtual_stages 2): at most 6")
     with pytest.raises(TooManyChunks, match=r"\(--partitions 4 x --virtual-stages 2\)"):
         check_chunks(6, 4, 2, ("--partitions", "--virtual-stages"))
@@ -323,4 +323,4 @@ def test_too_many_chunks_of_one_per_stage_reads_as_partitions():
     with pytest.raises(PartitionError) as caught:
         check_chunks(3, 4, 1)
     assert not isinstance(caught.value, TooManyChunks)
-    assert str(caught.value) == "cannot cut 3 layers into 4 partitions: partitions must be <= 3"
+    assert str(caught.value) == "cannot cut 3 pipeline layers into 4 partitions: partitions must be <= 3"

@@ -156,7 +156,7 @@ def test_a_plan_for_devices_not_here_says_what_it_does_and_ends_with_its_estimat
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("gpipe plan · "))
     said = lines[:header]
-    assert said[0] == "pricing the 4 layers from their shapes and FLOPs (meta device)...", said
+    assert said[0] == "pricing the 4 pipeline layers from their shapes and FLOPs (meta device)...", said
     assert re.fullmatch(r"searching every K, D, M, schedule, V, remat, offload and balance for the fastest that "
                         r"fits( \(about \d+ s\))?\.\.\.", said[-1]), said
     assert re.fullmatch(r"took \d+ s \(estimated \d+ s\)", lines[-1]), lines[-1]
@@ -240,7 +240,7 @@ def test_recipe_settings_the_layers_cannot_take_say_so(tmp_path, capsys):
     recipe = write(tmp_path, {**TINY, "pipeline": {"partitions": 2, "microbatches": 1, "balance": [1, 1]}})
     assert run(["plan", str(recipe), "--devices", "2", "--tflops", "100", "--plain"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("the recipe as written"))
-    assert "(K=2 D=1 M=1 gpipe except_last) is not compared: balance [1, 1] sums to 2 but the model has 4" in line
+    assert "(K=2 D=1 M=1 gpipe except_last) is not compared: balance [1, 1] sums to 2 but the model has 4 pipeline layers" in line
 
 
 COMMENTED = """\
@@ -297,7 +297,7 @@ def test_a_recipe_with_more_chunks_than_layers_names_its_chunks_k_and_v(tmp_path
     recipe = write(tmp_path, {**TINY, "pipeline": pipeline})
     assert run(["plan", str(recipe), "--devices", "4", "--tflops", "100", "--plain"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("the recipe as written"))
-    assert line.endswith("is not compared: cannot cut 4 layers into 8 chunks (pipeline.partitions 4 x "
+    assert line.endswith("is not compared: cannot cut 4 pipeline layers into 8 chunks (pipeline.partitions 4 x "
                          "pipeline.virtual_stages 2): at most 4"), line
 
 

@@ -71,7 +71,7 @@ def test_rows_beyond_the_layers_are_extrapolated_and_the_measured_rows_kept(tmp_
     assert list(rows) == ["naive-1", "pipeline-1", "pipeline-2", "pipeline-8"]
     assert all(rows[name]["measured"] for name in ("naive-1", "pipeline-1", "pipeline-2"))
     eight = rows["pipeline-8"]
-    assert not eight["measured"] and "K=8 > the 6 layers measured" in eight["why"]
+    assert not eight["measured"] and "K=8 > the 6 pipeline layers measured" in eight["why"]
     assert "(2 more priced as copies of a measured " in eight["why"]  # it read "2 more 'layer' layers repeated"
     assert len(eight["stages"]) == 8 and all(s["layers"] >= 1 for s in eight["stages"])
     assert eight["device_peak_bytes"] < rows["pipeline-2"]["device_peak_bytes"]

@@ -178,7 +178,7 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "partitions zero": (GOOD, ["--set", "pipeline.partitions=0"], "pipeline.partitions: must be >= 1 and <= 65536"),
     "partitions 1e6": (GOOD, ["--set", "pipeline.partitions=1e6"], "pipeline.partitions: must be >= 1 and <= 65536"),
     "partitions true": (GOOD, ["--set", "pipeline.partitions=true"], "pipeline.partitions: must be a number"),
-    "partitions over layers": (GOOD, ["--set", "pipeline.partitions=45"], "cannot cut 44 layers into 45"),
+    "partitions over layers": (GOOD, ["--set", "pipeline.partitions=45"], "cannot cut 44 pipeline layers into 45"),
     "microbatches zero": (GOOD, ["--set", "pipeline.microbatches=0"], "pipeline.microbatches: must be >= 1"),
     "microbatches over batch": (GOOD, ["--set", "pipeline.microbatches=32"], "must be <= data.batch_size"),
     "data parallel zero": (GOOD, ["--set", "pipeline.data_parallel=0"], "pipeline.data_parallel: must be >= 1"),
@@ -354,7 +354,7 @@ def unmeasured(monkeypatch):
 
 def test_a_cut_the_model_cannot_take_is_refused_before_it_is_measured(tmp_path, monkeypatch, capsys, unmeasured):
     monkeypatch.chdir(tmp_path)
-    for extra, fragment in ((["--set", "pipeline.partitions=45"], "cannot cut 44 layers into 45"),
+    for extra, fragment in ((["--set", "pipeline.partitions=45"], "cannot cut 44 pipeline layers into 45"),
                             (["--set", "pipeline.balance=[40,5]"], "sums to 45 but the model has 44")):
         code = run(["train", GOOD(tmp_path), "--plain", *extra])
         captured = capsys.readouterr()

@@ -327,7 +327,7 @@ def test_preset_errors():
 
 def test_more_partitions_than_layers_is_refused_by_the_plan():
     recipe = load_recipe(None, ["pipeline.partitions=9"])
-    with pytest.raises(Exception, match="pipeline.partitions: cannot cut 6 layers into 9 partitions"):
+    with pytest.raises(Exception, match="pipeline.partitions: cannot cut 6 pipeline layers into 9 partitions"):
         checked_plan(recipe, "r.yaml")
 
 

@@ -29,7 +29,7 @@ CASES = {
     "unknown key": (bad({"pipeline.speed": "fast"}), [], "pipeline.speed: unknown key"),
     "wrong type": (bad({"data.batch_size": "lots"}), [],
                    "data.batch_size: must be an integer >= 1 and <= 1048576 (got 'lots')"),
-    "K > layers": (bad({"pipeline.partitions": 45}), [], "pipeline.partitions: cannot cut 44 layers into 45"),
+    "K > layers": (bad({"pipeline.partitions": 45}), [], "pipeline.partitions: cannot cut 44 pipeline layers into 45"),
     "M > batch": (bad({"pipeline.microbatches": 32}), [], "pipeline.microbatches (32) must be <= data.batch_size"),
     "missing data path": (bad({"data.source": "imagefolder", "data.path": "/no/such/images"}), [],
                           "data.path: no such file or directory"),

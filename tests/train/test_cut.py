@@ -74,7 +74,7 @@ def test_no_cut_fits_refuses_with_the_smallest_peak_and_what_a_rank_has(seed):
     assert peak == pytest.approx(leanest) and max(needs(m, balance)) == pytest.approx(leanest)
     stage = needs(m, balance).index(max(needs(m, balance)))
     assert f"(balance {balance}: stage {stage} needs {human_bytes(peak)})" in line
-    assert "\n" not in line and "no cut of the 6 layers into 3 stages fits" in line
+    assert "\n" not in line and "no cut of the 6 pipeline layers into 3 stages fits" in line
     assert f"smallest per-stage peak any cut reaches is {human_bytes(leanest)}" in line
     assert f"each rank has {human_bytes(leanest * 0.9)} (test machine)" in line
     assert "pipeline.checkpoint: always" in line and "data.batch_size" in line
