@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from gpipe_cli.units import clock, human_seconds
 
@@ -27,6 +29,18 @@ def took_line(elapsed: float, estimated: float) -> str:
     """e.g. "took 35 s (estimated 30 s)", both in one unit."""
     scale = max(elapsed, estimated)
     return f"took {human_seconds(elapsed, scale)} (estimated {human_seconds(estimated, scale)})"
+
+
+@contextlib.contextmanager
+def said_if_slow(say: Callable[[str], None], what: str, after: float | None = None) -> Iterator[None]:
+    """Say `what` once the block has run `after` seconds (SAY_BELOW_S): a wait mostly short is explained when not."""
+    timer = threading.Timer(SAY_BELOW_S if after is None else after, say, [f"{what}..."])
+    timer.daemon = True  # never keeps an interrupted command alive
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 class Progress:

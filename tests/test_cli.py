@@ -368,7 +368,8 @@ def test_a_reader_that_goes_ends_a_command_quietly_with_code_141(tmp_path, args)
     assert err == b""
 
 
-@pytest.mark.parametrize("item, says", [("pipeline.partitions=100", "--set pipeline.partitions: cannot cut 6 pipeline layers"),
+@pytest.mark.parametrize("item, says", [("pipeline.partitions=100",
+                                         "--set pipeline.partitions: cannot cut 6 pipeline layers"),
                                         ("pipeline.balance=[1,1]", "--set pipeline.balance: balance [1, 1] sums to 2")])
 def test_a_cut_the_layers_cannot_take_names_the_set_that_asked_for_it(capsys, item, says):
     assert run(["validate", "--set", item]) == 2

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpipe_cli.progress import Progress, eta_text, phase_line, run_eta, took_line
+from gpipe_cli.progress import Progress, eta_text, phase_line, run_eta, said_if_slow, took_line
 from gpipe_cli.units import clock
 
 
@@ -50,6 +50,21 @@ def test_a_phase_added_to_the_total_counts_as_its_line_said_it():
     now[0] = 15.0
     assert said == ["links (about 6 s)...", "layers (about 6 s)..."]
     assert progress.estimated == 12.0 and progress.took() == "took 15 s (estimated 12 s)"
+
+
+def test_a_wait_is_said_only_once_it_runs_long():
+    import threading
+    import time
+
+    said: list[str] = []
+    with said_if_slow(said.append, "choosing", after=0.05):
+        pass  # quick: nothing said, and nothing said later either
+    time.sleep(0.2)
+    assert said == []
+    fired = threading.Event()
+    with said_if_slow(lambda line: (said.append(line), fired.set()), "choosing", after=0.01):
+        assert fired.wait(30)  # the block is still running when its line is said
+    assert said == ["choosing..."]
 
 
 def test_the_run_eta_is_the_mean_steady_step_times_the_steps_left():

@@ -129,7 +129,7 @@ def choose_subject(options: BenchOptions, machine: sizing.Machine,
     stages = options.stages if options.simulate else max(k for k, _ in runs(options, 10**6))
     priced: dict[str, Memory] = {}
     subject, note, v = to_measure(options.model, options.sizes(), options.set, judge(options, machine, priced, say),
-                                  stages, sized, options.virtual_at(stages))
+                                  stages, sized, options.virtual_at(stages), say)
     try:
         check_cut(options, subject)
     except partition.PartitionError as exc:

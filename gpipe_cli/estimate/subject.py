@@ -23,7 +23,7 @@ from gpipe_cli.models.base import Batch, ModelSpec
 from gpipe_cli.models.presets import is_preset_name, names_help, preset
 from gpipe_cli.models.registry import allowed_params, build_model, resolve_preset
 from gpipe_cli.pipeline.layer_profile import WARMUP_ROUNDS, profile_layers
-from gpipe_cli.progress import SAY_BELOW_S, phase_line
+from gpipe_cli.progress import SAY_BELOW_S, phase_line, said_if_slow
 from gpipe_cli.recipe.aliases import flag
 from gpipe_cli.recipe.load import parse_override
 
@@ -165,11 +165,16 @@ def naming_the_sized(message: str, subject: Subject) -> str:
 
 def to_measure(model: str, sizes: Mapping[str, int | None], settings: Sequence[str],
                judge: Callable[[sizing.Candidate], sizing.Verdict], stages: int,
-               sized: bool, chunks: int = 1) -> tuple[Subject, str, sizing.Verdict]:
+               sized: bool, chunks: int = 1,
+               say: Callable[[str], None] = lambda line: None) -> tuple[Subject, str, sizing.Verdict]:
     """The model a command measures (`sized`: to this machine by `judge`, deep enough for `stages` x `chunks`), its
-    announcement and its verdict."""
+    announcement and its verdict (`say`: where a slow choice is explained)."""
     if sized:
-        choice = sizing.choose(model, judge, stages, model_overrides(settings), chunks)
+        # Each member tried is traced on the meta device, kept for the next launch: the first, AmoebaNet's
+        # especially, took 16 s of silence on a 2-core CPU.
+        with said_if_slow(say, "choosing a model this machine can measure (each size tried is traced once, then "
+                               "kept)"):
+            choice = sizing.choose(model, judge, stages, model_overrides(settings), chunks)
         return Subject(choice.kind, choice.params, model), choice.note, choice.verdict
     subject = resolve(model, sizes, settings)
     return subject, "", judge(sizing.candidate(subject.kind, subject.params))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,7 +68,8 @@ def probe_seconds(cand: sizing.Candidate, machine: sizing.Machine) -> float:
     return 2 * sizing.step_seconds(cand, machine, 6, 1, 2.0)
 
 
-def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tuple[Subject, str, bool]:
+def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int,
+             say: Callable[[str], None]) -> tuple[Subject, str, bool]:
     """The model (sized to the machine without model flags), the announcement, and whether it was sized."""
     rows = scenarios.names(options.partitions, options.microbatches, options.checkpoint)
     per_param = kept.bytes_per_parameter(options.optimizer)
@@ -84,7 +86,8 @@ def _subject(options: ProfileOptions, machine: sizing.Machine, batch: int) -> tu
 
     # Left to this machine: a family name and no size flag or --set.
     sized = options.model in FAMILIES and all(v is None for v in options.sizes().values()) and not options.set
-    return *to_measure(options.model, options.sizes(), options.set, judge, max(options.partitions), sized)[:2], sized
+    return *to_measure(options.model, options.sizes(), options.set, judge, max(options.partitions), sized,
+                        say=say)[:2], sized
 
 
 def measure(options: ProfileOptions, console: Console, progress: Progress | None = None) -> dict[str, Any]:
@@ -98,7 +101,9 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
     have = float(mm.available_bytes(device)) * sizing.MEMORY_SHARE
     names = scenarios.names(options.partitions, m, options.checkpoint)
     for again in (False, True):
-        subject, note, sized = _subject(options, machine, batch)
+        subject, note, sized = _subject(options, machine, batch,
+                                        (lambda line: progress.say(f"again, at this pace: {line}")) if again
+                                        else progress.say)
         spec = subject.build()
         # Per-layer figures from shapes first (quick at any width), to decide and announce every row.
         if len(spec.layers) > MANY_LAYERS:  # else a deep model's pricing is a silence of minutes

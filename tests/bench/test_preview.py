@@ -170,7 +170,8 @@ def test_on_a_cpu_what_the_stages_offload_counts_against_the_same_ram():
 
 
 def test_a_model_sized_to_the_machine_is_deep_enough_for_every_chunk():
-    # K=12 was deepened for, but K=4 x V=3 was refused: "cannot cut 10 pipeline layers into 12 chunks", of a model never asked.
+    # K=12 was deepened for, but K=4 x V=3 was refused: "cannot cut 10 pipeline layers into 12 chunks", of a model
+    # never asked.
     from gpipe_cli.models.registry import build_model
 
     options = BenchOptions(partitions=4, schedule="interleaved", virtual_stages=3)

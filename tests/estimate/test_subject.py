@@ -126,3 +126,30 @@ def test_a_size_flag_a_recipes_model_has_not_is_worded_as_without_a_recipe(comma
     assert gpipe([*command, "recipes/amoebanet-d-cifar10.yaml", "--set", "model.preset=t-6-8192-16",
                   "--filters", "16"]) == 2
     assert capsys.readouterr().err.startswith("error: --filters does not apply to transformer models")
+
+
+def test_a_slow_choice_of_the_model_to_measure_is_said_while_it_runs(monkeypatch):
+    # Sizing traces each member tried on the meta device: the first AmoebaNet bench was 16 s of silence.
+    import threading
+
+    from gpipe_cli import sizing
+    from gpipe_cli.estimate.subject import to_measure
+
+    said: list[str] = []
+    heard = threading.Event()
+
+    def slow(cand: sizing.Candidate) -> sizing.Verdict:
+        assert heard.wait(30)  # still choosing when the line is said
+        return sizing.Verdict(1.0, 2.0, 1.0, 2.0)
+
+    def say(line: str) -> None:
+        said.append(line)
+        heard.set()
+
+    monkeypatch.setattr("gpipe_cli.progress.SAY_BELOW_S", 0.01)
+    to_measure("transformer", {}, [], slow, 2, True, say=say)
+    assert said == ["choosing a model this machine can measure (each size tried is traced once, then kept)..."]
+    said.clear()
+    monkeypatch.setattr("gpipe_cli.progress.SAY_BELOW_S", 5.0)
+    to_measure("transformer", {}, [], lambda cand: sizing.Verdict(1.0, 2.0, 1.0, 2.0), 2, True, say=say)
+    assert said == []  # quick: nothing

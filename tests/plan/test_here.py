@@ -113,7 +113,8 @@ def test_the_plan_is_printed_and_written_as_a_recipe_that_validates(planned):
     assert "predicted" in out and "prediction" in out
     # Each phase of measuring is said before it starts (with its estimate when more than 2 s), and the end
     # judges the phases' estimates.
-    assert re.search(r"^measuring per-layer seconds of 4 pipeline layers .*\)( \(about \d+ s\))?\.\.\.$", out, re.M), out
+    assert re.search(r"^measuring per-layer seconds of 4 pipeline layers .*\)( \(about \d+ s\))?\.\.\.$", out,
+                     re.M), out
     assert re.search(r"^measuring the engine.*( \(about \d+ s\))?\.\.\.$", out, re.M), out
     assert re.search(r"^took \d+ (s|min) \(estimated \d+ (s|min)\)$", out, re.M), out
     if usable_cores() > 1:  # two ranks here: each shape is priced from the engine's steps measured on it

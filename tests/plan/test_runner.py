@@ -240,7 +240,8 @@ def test_recipe_settings_the_layers_cannot_take_say_so(tmp_path, capsys):
     recipe = write(tmp_path, {**TINY, "pipeline": {"partitions": 2, "microbatches": 1, "balance": [1, 1]}})
     assert run(["plan", str(recipe), "--devices", "2", "--tflops", "100", "--plain"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("the recipe as written"))
-    assert "(K=2 D=1 M=1 gpipe except_last) is not compared: balance [1, 1] sums to 2 but the model has 4 pipeline layers" in line
+    assert ("(K=2 D=1 M=1 gpipe except_last) is not compared: balance [1, 1] sums to 2 but the model has 4 pipeline "
+            "layers") in line
 
 
 COMMENTED = """\

@@ -125,7 +125,8 @@ def test_train_refuses_a_plan_that_cannot_fit_before_starting_ranks(recipe_path,
     line = str(caught.value)
     assert UserError.exit_code == 2 and "\n" not in line and "each rank has 500 B" in line
     if balance == "auto":  # no cut at all fits: the smallest peak any cut reaches, against what a rank has
-        assert "no cut of the 44 pipeline layers into 2 stages fits; the smallest per-stage peak any cut reaches is" in line
+        assert ("no cut of the 44 pipeline layers into 2 stages fits; the smallest per-stage peak any cut reaches "
+                "is") in line
     else:
         assert "stage 1 needs" in line
 
