@@ -32,9 +32,9 @@ def took_line(elapsed: float, estimated: float) -> str:
 
 
 @contextlib.contextmanager
-def said_if_slow(say: Callable[[str], None], what: str, after: float | None = None) -> Iterator[None]:
-    """Say `what` once the block has run `after` seconds (SAY_BELOW_S): a wait mostly short is explained when not."""
-    timer = threading.Timer(SAY_BELOW_S if after is None else after, say, [f"{what}..."])
+def said_if_slow(say: Callable[[str], None], what: str, after: float) -> Iterator[None]:
+    """Say `what` once the block has run `after` seconds: a wait that is mostly short is explained when it is not."""
+    timer = threading.Timer(after, say, [f"{what}..."])
     timer.daemon = True  # never keeps an interrupted command alive
     timer.start()
     try:

@@ -163,6 +163,11 @@ def naming_the_sized(message: str, subject: Subject) -> str:
             f"sized to this machine; choose with --model/--layers)")
 
 
+# Each member sizing tries is traced on the meta device, kept for the next launch: the first AmoebaNet bench was
+# 16 s of silence on a 2-core CPU; with the figures kept, a choice takes about a second.
+SLOW_CHOICE_S = 5.0
+
+
 def to_measure(model: str, sizes: Mapping[str, int | None], settings: Sequence[str],
                judge: Callable[[sizing.Candidate], sizing.Verdict], stages: int,
                sized: bool, chunks: int = 1,
@@ -170,10 +175,8 @@ def to_measure(model: str, sizes: Mapping[str, int | None], settings: Sequence[s
     """The model a command measures (`sized`: to this machine by `judge`, deep enough for `stages` x `chunks`), its
     announcement and its verdict (`say`: where a slow choice is explained)."""
     if sized:
-        # Each member tried is traced on the meta device, kept for the next launch: the first, AmoebaNet's
-        # especially, took 16 s of silence on a 2-core CPU.
         with said_if_slow(say, "choosing a model this machine can measure (each size tried is traced once, then "
-                               "kept)"):
+                               "kept)", SLOW_CHOICE_S):
             choice = sizing.choose(model, judge, stages, model_overrides(settings), chunks)
         return Subject(choice.kind, choice.params, model), choice.note, choice.verdict
     subject = resolve(model, sizes, settings)

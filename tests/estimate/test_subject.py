@@ -146,10 +146,10 @@ def test_a_slow_choice_of_the_model_to_measure_is_said_while_it_runs(monkeypatch
         said.append(line)
         heard.set()
 
-    monkeypatch.setattr("gpipe_cli.progress.SAY_BELOW_S", 0.01)
+    monkeypatch.setattr("gpipe_cli.estimate.subject.SLOW_CHOICE_S", 0.01)
     to_measure("transformer", {}, [], slow, 2, True, say=say)
     assert said == ["choosing a model this machine can measure (each size tried is traced once, then kept)..."]
     said.clear()
-    monkeypatch.setattr("gpipe_cli.progress.SAY_BELOW_S", 5.0)
+    monkeypatch.setattr("gpipe_cli.estimate.subject.SLOW_CHOICE_S", 5.0)
     to_measure("transformer", {}, [], lambda cand: sizing.Verdict(1.0, 2.0, 1.0, 2.0), 2, True, say=say)
     assert said == []  # quick: nothing
