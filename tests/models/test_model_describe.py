@@ -62,3 +62,21 @@ def test_huge_models_are_described_without_allocating() -> None:
     assert summary.total_params > 5e9
     assert summary.layers[1].activation_bytes == 32 * 2048 * 4 + 32
     assert summary.layers[0].params == 32000 * 2048
+
+
+def test_alike_amoebanet_cells_are_traced_once(monkeypatch) -> None:
+    # Each cell's plan carried its name, so no two cells' layers were alike: 300 cells took minutes to price.
+    from gpipe_cli.models.amoebanet import network
+
+    built: list[str] = []
+    piece = network._build_piece
+    monkeypatch.setattr(network, "_build_piece", lambda *args: (built.append(args[1].name), piece(*args))[1])
+    shallow = describe(build_model("amoebanet", layers=6, filters=8, num_classes=10, image_size=32), 2)
+    traced = len(built)
+    deep = describe(build_model("amoebanet", layers=60, filters=8, num_classes=10, image_size=32), 2)
+    # Ten times the cells, a few more traced: a stack's first cells differ in their inputs, the rest are alike.
+    assert len(deep.layers) > 5 * len(shallow.layers) and len(built) - traced < 1.5 * traced
+    # Priced once, counted for every cell.
+    cell = [layer for layer in deep.layers if layer.name.startswith("cell_1_")]
+    assert len({(layer.flops, layer.params) for layer in cell if layer.name.endswith(".combine_1")}) == 1
+    assert deep.total_params > 8 * shallow.total_params

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,7 +45,8 @@ MIN_IMAGE_SIZE = 32
 class CellPlan:
     """Everything needed to build one cell alone."""
 
-    name: str
+    # Not compared: cells alike in all else build alike layers, which shape pricing then traces once.
+    name: str = field(compare=False)
     reduction: bool
     in_channels: int
     prev_channels: int
