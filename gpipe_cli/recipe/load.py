@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import shlex
@@ -71,8 +73,27 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), check_da
 
 
 def typed_values(overrides: Sequence[str]) -> dict[str, str]:
-    """The `--set` items' values as typed, by key: an error names the `--set` and shows what was typed."""
-    return {key.strip(): text.strip() for key, _, text in (item.partition("=") for item in overrides)}
+    """The `--set` items' values as typed, by key: an error names the `--set` and shows what was typed (a mapping's
+    keys too: `--set 'model={heads: 5}'` typed model.heads, not model.d_model)."""
+    typed: dict[str, str] = {}
+    for key, _, text in (item.partition("=") for item in overrides):
+        typed[key.strip()] = text.strip()
+        with contextlib.suppress(RecipeError):  # text that is no YAML is said as it is
+            typed.update(_leaves(key.strip(), parse_value(text, "")))
+    return typed
+
+
+def _leaves(key: str, value: Any) -> dict[str, str]:
+    """The keys a mapping value gives under `key`, with their values as YAML would write them."""
+    if not isinstance(value, dict):
+        return {}
+    out: dict[str, str] = {}
+    for name, item in value.items():
+        if not isinstance(name, str):  # `{1: 2}`: refused for its key, which is what the line shows
+            continue
+        out[f"{key}.{name}"] = item if isinstance(item, str) else json.dumps(item, default=str)
+        out.update(_leaves(f"{key}.{name}", item))
+    return out
 
 
 def recipe_yaml(recipe: Recipe) -> str:
@@ -252,16 +273,22 @@ def _validated(raw: dict[str, Any], label: str, planning: bool = False, typed: d
         errors = exc.errors()
         key = ".".join(str(p) for p in _path(errors[0]["loc"]))
         # An unknown section is named by the --set items under it too (`--set pipline.partitions=2`).
-        under = [v for k, v in (typed or {}).items() if k.startswith(key + ".")]
-        text = (typed or {}).get(key, under[0] if under and errors[0]["type"] == "extra_forbidden" else None)
+        typed = typed or {}
+        under = [v for k, v in typed.items() if k.startswith(key + ".")]
+        text = typed.get(key, under[0] if under and errors[0]["type"] == "extra_forbidden" else None)
         message = _describe(dict(errors[0]), raw, text)
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-        named = text is not None or led_by(message, typed or {})
-        # A check across keys names the --set of a later key it reads, `... --set model.heads (5)`, but not one
-        # of a product, whose figures stand after its last factor.
+        # A --set of a whole section (`model={heads: 5}`) gave the keys it holds, not the others the line names.
+        leaves = {k for k in typed if not any(other.startswith(k + ".") for other in typed)}
+        named = (text is not None and _leading(message) == key) or led_by(message, leaves)
         if not named:
-            message = re.sub(r"(?<! x )\b([a-z_]+(?:\.[a-z_]+)+) \(",
-                             lambda m: f"--set {m[1]} (" if m[1] in (typed or {}) else m[0], message)
+            # A check across keys names the --set of a later key it reads, `... --set model.heads (5)`, but not
+            # one of a product, whose figures stand after its last factor; any other --set the line names, after it.
+            said = re.sub(r"(?<! x )\b([a-z_]+(?:\.[a-z_]+)+) \(",
+                          lambda m: f"--set {m[1]} (" if m[1] in leaves else m[0], message)
+            given = [f"--set {k}={typed[k]}" for k in sorted(leaves)
+                     if re.search(rf"(?<![\w.]){re.escape(k)}\b", message) and f"--set {k} " not in said]
+            message = said + (f" (from {', '.join(given)})" if given else "")
         raise RecipeError(f"{label}: {'--set ' if named else ''}{message}{more}{_bracketed(key, text, raw)}") from None
 
 
@@ -283,6 +310,12 @@ def _takes_list(loc: Sequence[str], raw: dict[str, Any]) -> bool:
     forms = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
         else (annotation,)
     return any(typing.get_origin(form) in (list, tuple) for form in forms)
+
+
+def _leading(message: str) -> str | None:
+    """The dotted key a line starts with (`model.heads must ...`), if any."""
+    leading = re.match(r"[a-z_]+(\.\w+)*(?=[: ]|$)", message)
+    return leading[0] if leading else None
 
 
 def led_by(message: str, keys: Collection[str]) -> bool:

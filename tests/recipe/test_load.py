@@ -87,7 +87,15 @@ def test_every_shipped_recipe_validates_and_plans(path):
     (["model.d_model=30"], "model.d_model (30) must be divisible by model.heads (4)"),
     # A check across keys names the --set of the one given so, wherever it stands in the line.
     (["model.heads=5"], "recipe.yaml: model.d_model (32) must be divisible by --set model.heads (5)"),
+    # A --set of a whole section names the key it gave, not the section's other keys (it named model.d_model).
+    (["model={heads: 5}"], "recipe.yaml: model.d_model (32) must be divisible by --set model.heads (5)"),
     (["train.steps=null"], "give train.steps or train.epochs"),
+    # A check of a section names the --set items it read after its line ("--set give train.steps ...").
+    (["train={steps: null, epochs: null}"], "recipe.yaml: give train.steps or train.epochs; with both, training stops "
+                                            "at whichever comes first (from --set train.epochs=null, --set "
+                                            "train.steps=null)"),
+    (["pipeline.data_parallel=16"], "must be <= data.batch_size (8): each of the 16 replicas gets 0 of the "),
+    (["pipeline.data_parallel=16"], "micro-batches needs one (from --set pipeline.data_parallel=16)"),
     # The schema's "train.epochs (or both ...)" read as a key and its value: "give train.steps or --set train.epochs".
     (["train.steps=null", "train.epochs=null"], "recipe.yaml: give train.steps or train.epochs; with both, training "
                                                 "stops at whichever comes first"),
