@@ -90,7 +90,14 @@ def profile_options(recipe: str | None, partitions: str | None, flags: Mapping[s
         # The single K is the pipeline's K, so that a --balance is checked against it, with a recipe too; with
         # chunks, the largest K's rules are the recipe's (`validate` checks the others').
         flags = {**flags, "partitions": max(listed)}
-    given = shared_fields(ProfileOptions, recipe, flags, sets, CUTS, "gpipe profile-memory")
+    try:
+        given = shared_fields(ProfileOptions, recipe, flags, sets, CUTS, "gpipe profile-memory")
+    except UserError as exc:
+        if ks is not None or listed is None or virtual <= 1:
+            raise
+        # The rules were checked at the default's largest K, as though it had been typed: name the default.
+        default = f"each K of --partitions ({', '.join(map(str, listed))}, its default)"
+        raise type(exc)(str(exc).replace(f"--partitions ({max(listed)})", default)) from None
     if recipe is not None and own.get("budget") is not None:  # the header then mixed the two without a word
         given["notes"].append("--budget searches the family's layers and width at the paper's other sizes, not the "
                               "recipe's model; the recipe gives the pipeline and the batch")

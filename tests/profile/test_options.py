@@ -137,6 +137,10 @@ def test_interleaved_chunks_need_m_a_multiple_of_each_k(capsys, nothing_runs):
     assert refused(capsys, *TINY, "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4",
                    "--partitions", "3,4") == (
         "error: --microbatches 4: interleaved needs a multiple of each K in --partitions (got K=3)")
+    # Untyped, K was named "--partitions (8)", as though typed, and 6 is no multiple of 4 either.
+    assert refused(capsys, *TINY, "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "6") == (
+        "error: --microbatches (6) must be a multiple of each K of --partitions (2, 4, 8, its default) for the "
+        "interleaved schedule")
 
 
 def test_interleaved_chunks_on_one_stage_are_named_by_the_flags(capsys, nothing_runs):
