@@ -486,6 +486,7 @@ class CutMemory:
     capacity: float = math.inf  # what one rank may use
     capacity_note: str = ""     # e.g. "22.1 GiB of available RAM shared by 4 ranks"
     offload: str = "none"       # pipeline.offload
+    shared: bool = False        # the ranks share one pool (CPU RAM): more of them each get less
     _known: dict[tuple[int, int, int], float] = field(default_factory=dict, repr=False)
     _chunked: dict[tuple[int, tuple[int, ...]], float] = field(default_factory=dict, repr=False)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -48,8 +49,6 @@ class NoCutFits(Exception):
         assert found is not None  # every stage has a finite need
         needs = m.needs(found[1])
         peak, balance, stage = max(needs), found[1], needs.index(max(needs))
-        change = "raise pipeline.microbatches or pipeline.partitions"
-        change += "" if m.checkpoint == "always" else ", or set pipeline.checkpoint: always"
         where = f" ({m.capacity_note})" if m.capacity_note else ""
         what = f"{m.stages} stages" if self.virtual == 1 else \
             f"{m.stages} x {self.virtual} chunks (interleaved)"
@@ -57,7 +56,27 @@ class NoCutFits(Exception):
         return (f"the plan does not fit this machine: no cut of the {len(m.figures.layers)} pipeline layers into "
                 f"{what} fits; the smallest per-stage peak {reach} is {human_bytes(peak)} "
                 f"(balance {balance}: stage {stage} needs {human_bytes(peak)}), and each rank has "
-                f"{human_bytes(m.capacity)}{where}. Lower {batch_key}, {change}")
+                f"{human_bytes(m.capacity)}{where}. {self._change(batch_key)}")
+
+    def _change(self, batch_key: str) -> str:
+        """What to change: what lowers activations, unless no cut's weights alone fit."""
+        m = self.memory
+        layers = range(len(m.figures.layers))
+        each = [m.figures.params([range(i, i + 1)]) for i in layers]
+        lightest = partition.balance_by_cost(each, m.stages)  # the cut with the least weights on its fullest stage
+        starts = [sum(lightest[:s]) for s in range(m.stages)]
+        weights = max(m.figures.params([range(a, a + n)]) for a, n in zip(starts, lightest)) * m.bytes_per_param
+        if self.virtual > 1 or weights <= m.capacity:
+            change = "raise pipeline.microbatches or pipeline.partitions"
+            change += "" if m.checkpoint == "always" else ", or set pipeline.checkpoint: always"
+            return f"Lower {batch_key}, {change}"
+        # A batch, micro-batches or remat change only activations; more ranks sharing one RAM each get less.
+        total = m.figures.params([layers]) * m.bytes_per_param
+        said = f"Weights, gradients and optimizer state alone need {human_bytes(weights)} on some stage of any cut"
+        if m.shared:
+            return f"{said} (all stages' {human_bytes(total)}): choose a smaller model or a larger machine"
+        return (f"{said}: raise pipeline.partitions (all stages' {human_bytes(total)} is "
+                f"{math.ceil(total / m.capacity)} ranks' worth)")
 
 
 def worth_checking(costs: Sequence[float], balance: Sequence[int], microbatches: int) -> bool:

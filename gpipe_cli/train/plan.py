@@ -241,7 +241,8 @@ def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[floa
     room = mm.capacity(ranks, device, available)
     host_room = 0 if room.shared else int(mm.capacity(ranks, "cpu").per_rank_bytes)  # the CPU: the same RAM
     stage_memory = mm.CutMemory(figures, pipe.partitions, per_replica, pipe.microbatches, pipe.schedule,
-                                pipe.checkpoint, per_param, room.per_rank_bytes, room.description, pipe.offload)
+                                pipe.checkpoint, per_param, room.per_rank_bytes, room.description, pipe.offload,
+                                room.shared)
     refusal = ""
     if chosen is not None:
         balance, balance_by = chosen

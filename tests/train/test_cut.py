@@ -1,6 +1,8 @@
 """`balance: auto` cuts by cost among the cuts that fit memory, and refuses with the numbers when none does."""
 
+import dataclasses
 import itertools
+import math
 import random
 
 import pytest
@@ -77,7 +79,32 @@ def test_no_cut_fits_refuses_with_the_smallest_peak_and_what_a_rank_has(seed):
     assert "\n" not in line and "no cut of the 6 pipeline layers into 3 stages fits" in line
     assert f"smallest per-stage peak any cut reaches is {human_bytes(leanest)}" in line
     assert f"each rank has {human_bytes(leanest * 0.9)} (test machine)" in line
-    assert "pipeline.checkpoint: always" in line and "data.batch_size" in line
+    each = [figs.params([range(i, i + 1)]) * 16.0 for i in range(6)]
+    if max(partition.stage_costs(each, partition.balance_by_cost(each, stages))) <= leanest * 0.9:
+        assert "pipeline.checkpoint: always" in line and "data.batch_size" in line
+    else:  # seed 2: no cut's weights alone fit, which no batch or remat changes (it was told to change them)
+        assert "pipeline.checkpoint" not in line and "choose a smaller model" not in line
+        assert "Weights, gradients and optimizer state alone need" in line and "raise pipeline.partitions" in line
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_stage_whose_weights_alone_are_over_is_told_what_can_help(shared):
+    # It was told to lower the batch or rematerialize, which change only activations.
+    figs = figures(6, 0)
+    each = [figs.params([range(i, i + 1)]) * 16.0 for i in range(6)]
+    lightest = max(partition.stage_costs(each, partition.balance_by_cost(each, 2)))  # any cut's stage has this
+    m = dataclasses.replace(memory(figs, 2, lightest * 0.9), shared=shared)
+    with pytest.raises(cut.NoCutFits) as caught:
+        cut.within_memory([1.0] * 6, m)
+    line = str(caught.value)
+    total = figs.params([range(6)]) * 16.0
+    assert f"Weights, gradients and optimizer state alone need {human_bytes(lightest)} on some stage of any cut" \
+        in line and "data.batch_size" not in line, line
+    assert f"all stages' {human_bytes(total)}" in line
+    if shared:
+        assert line.endswith("choose a smaller model or a larger machine"), line
+    else:
+        assert "raise pipeline.partitions" in line and line.endswith(f"{math.ceil(total / m.capacity)} ranks' worth)")
 
 
 @pytest.mark.parametrize("seed", range(6))
