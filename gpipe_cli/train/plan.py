@@ -297,7 +297,7 @@ def plan_table(plan: Plan) -> Table:
     tied = (f"; each stage holds its own copy of a tied weight (the stages' params add up to {human_count(held)})"
             if held > plan.total_params else "")
     away = ", activations offloaded to host memory" if offloads else ""
-    # Real sentences are mostly shorter: the quick start priced 9.2 and 13.5 MiB, its stages measured 2.9 and 5.4.
+    # Real sentences are mostly shorter: the quick start is priced at 9.2 and 13.5 MiB, its stages measured 2.1-5.4.
     worst = (f"; activations priced at examples of model.max_len, {plan.tokens} tokens (shorter ones hold less)"
              if plan.tokens else "")
     table.caption = (f"balance {plan.balance} by {plan.balance_by}{tied}; schedule {plan.schedule}, "
