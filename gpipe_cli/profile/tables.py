@@ -20,7 +20,7 @@ __all__ = ["show_budget", "show_measured"]
 def show_measured(s: dict[str, Any], console: Console) -> None:
     """Per-stage tables, one per scenario, and a one-line comparison of the fullest devices."""
     model = s["model"]
-    console.print(f"[bold]gpipe profile-memory[/] · {model['name']} ({model['layers']} layers) · batch "
+    console.print(f"[bold]gpipe profile-memory[/] · {model['name']} ({model['layers']} pipeline layers) · batch "
                   f"{s['batch_size']} · M={s['microbatches']} · {s['schedule']} · checkpoint {s['checkpoint']} · "
                   f"optimizer {s['optimizer']} · device {s['device']}")
     console.print(f"activations measured by {s['method']}; stored act.: what the forwards keep until the "
