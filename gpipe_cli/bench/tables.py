@@ -92,8 +92,9 @@ def show(s: dict[str, Any], console: Console) -> None:
     """Print the figures."""
     model = s["model"]
     console.print(f"[bold]gpipe bench[/] · {model['name']} ({model['parameters'] / 1e6:.2f}M parameters, "
-                  f"{model['layers']} pipeline layers) · K={s['partitions']} M={s['microbatches']} · batch {s['batch_size']} · "
-                  f"{s['schedule']} · checkpoint {s['checkpoint']} · balance {s['balance']} ({s['balance_by']})")
+                  f"{model['layers']} pipeline layers) · K={s['partitions']} M={s['microbatches']} · batch "
+                  f"{s['batch_size']} · {s['schedule']} · checkpoint {s['checkpoint']} · balance {s['balance']} "
+                  f"({s['balance_by']})")
     if s["oversubscribed"]:
         console.print(f"[bold yellow]OVERSUBSCRIBED:[/] {s['ranks']} ranks x {s['threads']} thread(s) on "
                       f"{s['hardware']}; the speed figures below mean little")

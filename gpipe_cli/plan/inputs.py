@@ -290,8 +290,7 @@ def inputs(recipe: Recipe, options: PlanOptions, sizes: Callable[[int], tuple[in
         if siblings:  # they start first; the largest size is timed twice alone and twice beside them
             seconds += here.start_seconds(siblings) + 4 * measure_seconds(flops, (hi, hi), machine, kind)
         phase(f"measuring per-layer seconds of {len(spec.layers)} pipeline layers at micro-batches of {sizes_text} "
-              f"examples "
-              f"({f'{threads} thread{plural}' if device == 'cpu' else f'on {device}'})", seconds)
+              f"examples ({f'{threads} thread{plural}' if device == 'cpu' else f'on {device}'})", seconds)
         real = sample if sample is not None and sample.examples >= max(hi, batch) else None
         examples = real.take if real is not None else generated(spec, seed)
         work = functools.partial(sibling_work, kind, params, *examples(hi), seed)
