@@ -23,7 +23,7 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.estimate import simulate
 from gpipe_cli.estimate.costs import CostProfile
 from gpipe_cli.estimate.measure import RunFigures, median
-from gpipe_cli.estimate.subject import Subject, paced
+from gpipe_cli.estimate.subject import Subject, paced, resolve
 from gpipe_cli.files import write_json, writing
 from gpipe_cli.launch import LaunchOptions, warming
 from gpipe_cli.models import families
@@ -196,6 +196,7 @@ def results(options: BenchOptions, summary: dict[str, Any], events: list[dict[st
 def run(options: BenchOptions) -> int:
     """Run `gpipe bench` on options `bench.run` has validated; print the figures, return an exit code."""
     console = output_console()
+    resolve(options.model, options.sizes(), options.set)  # a value refused is one line, no note about it first
     for note in options.notes:  # first: sizing a large recipe takes a while
         console.print(f"[bold]note:[/] {note}", highlight=False)
     progress = Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))

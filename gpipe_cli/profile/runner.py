@@ -337,6 +337,7 @@ def run(options: ProfileOptions) -> int:
 
 
 def _run(options: ProfileOptions, console: Console) -> int:
+    resolve(options.model, options.sizes(), options.set)  # a value refused is one line, no note about it first
     for note in options.notes:  # first: sizing a large recipe takes a while
         console.print(f"[bold]note:[/] {note}", highlight=False)
     progress = Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))

@@ -189,6 +189,17 @@ def test_a_balance_given_by_set_is_named_so_when_the_model_cannot_take_it(capsys
                            "the model has 10 pipeline layers (of "), line
 
 
+@pytest.mark.parametrize("command", ["bench", "profile-memory"])
+def test_a_set_value_refused_is_not_first_announced_as_replacing_its_flag(capsys, command):
+    # "note: --set model.d_model=abc replaces --d-model 64" came before the line refusing that value.
+    from gpipe_cli.cli import run
+
+    assert run([command, "--d-model", "64", "--set", "model.d_model=abc"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.splitlines() == [
+        "error: --set model.d_model: must be an integer >= 1 and <= 1048576 (got 'abc')"], captured
+
+
 @pytest.mark.parametrize(("command", "cuts"), [("bench", "'auto', 'time'"), ("profile-memory", "'auto'")])
 @pytest.mark.parametrize(("value", "mended"), [("2,4", "; did you mean --set 'pipeline.balance=[2,4]'?"),
                                                ("params", ""), ("memory", ""), ("evenly", "")])
