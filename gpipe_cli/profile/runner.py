@@ -337,7 +337,8 @@ def run(options: ProfileOptions) -> int:
 
 
 def _run(options: ProfileOptions, console: Console) -> int:
-    resolve(options.model, options.sizes(), options.set)  # a value refused is one line, no note about it first
+    if options.budget is None:  # the budget search checks its family's sizes in its own words
+        resolve(options.model, options.sizes(), options.set)  # a value refused is one line, no note about it first
     for note in options.notes:  # first: sizing a large recipe takes a while
         console.print(f"[bold]note:[/] {note}", highlight=False)
     progress = Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))
