@@ -5,6 +5,8 @@ import io
 import json
 import math
 import os
+import time
+from collections.abc import Callable
 
 import pytest
 from rich.console import Console
@@ -199,6 +201,18 @@ def test_a_dumb_terminal_gets_plain_lines(monkeypatch, term, plain):
     assert TerminalView("tiny", started=0.0).plain is plain
 
 
+def _drained(leader: int, done: Callable[[bytes], bool], timeout: float = 10.0) -> bytes:
+    """What a pseudo-terminal has been given, read until it is `done` or `timeout` passes."""
+    # The kernel hands a pty's writes to its reader asynchronously: one read can miss the last of them.
+    import select
+
+    shown, deadline = b"", time.monotonic() + timeout
+    while not done(shown) and (left := deadline - time.monotonic()) > 0:
+        if select.select([leader], [], [], left)[0]:
+            shown += os.read(leader, 65536)
+    return shown
+
+
 def test_a_rank_that_ends_at_once_gives_the_terminal_its_cursor_back(monkeypatch):
     # A Ctrl-C during step 1 ended rank 0 with its live view running: the shell's cursor stayed hidden.
     from gpipe_cli.pipeline import stopping
@@ -213,8 +227,10 @@ def test_a_rank_that_ends_at_once_gives_the_terminal_its_cursor_back(monkeypatch
         with pytest.raises(SystemExit):
             stopping.abrupt_exit(130)
         terminal.flush()
-        shown = os.read(leader, 65536)
-        assert shown.rfind(b"\x1b[?25h") > shown.rfind(b"\x1b[?25l") >= 0
+        def cursor_back(shown: bytes) -> bool:
+            return shown.rfind(b"\x1b[?25h") > shown.rfind(b"\x1b[?25l") >= 0
+
+        assert cursor_back(_drained(leader, cursor_back))
         view.stop()  # and a view stopped in order lets go of its claim on the exit
         assert stopping._undo == []
     os.close(leader)
