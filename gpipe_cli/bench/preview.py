@@ -155,9 +155,8 @@ def check_cut(options: BenchOptions, subject: Subject) -> None:
     except partition.PartitionError as exc:
         if isinstance(exc, partition.TooManyChunks):
             raise
-        named = k_named + (f"/{v_named} ({chunks} chunks)" if options.virtual_stages > 1 else "")
-        named += f"/{options.named('balance')}" if options.balance is not None else ""
-        raise partition.PartitionError(f"{named}: {exc}") from None
+        chunked = f"/{v_named} ({chunks} chunks)" if options.virtual_stages > 1 else ""
+        raise partition.PartitionError(f"{options.cut_named(k_named + chunked)}: {exc}") from None
 
 
 # Each stage's memory is priced by walking every action of its schedule: 46 us per micro-batch and stage on a

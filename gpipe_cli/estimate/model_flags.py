@@ -71,6 +71,10 @@ class ModelFlags:
         """Alias `name` with `value`, as typed: `--set pipeline.partitions=200` or `--partitions 200`."""
         return f"{self.named(name)}{'=' if name in self.typed_as else ' '}{value}"
 
+    def cut_named(self, k: str | None = None) -> str:
+        """What a refused cut came from, as the user gave it: K (`k`: as given otherwise) and any balance."""
+        return (k or self.named("partitions")) + (f"/{self.named('balance')}" if self.balance is not None else "")
+
     def sizes(self) -> dict[str, int | None]:
         """The size flags, by name."""
         return {name: getattr(self, name) for name in SIZE_FLAGS}

@@ -114,9 +114,7 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
             rows = scenarios.choose_rows(spec, figures, names, batch, options.schedule, per_param, have,
                                          options.balance, options.offload, options.virtual_stages)
         except PartitionError as exc:
-            # K and the balance as the user gave them: a flag or a --set.
-            named = options.named("partitions") + (f"/{options.named('balance')}" if options.balance else "")
-            message = f"{named}: {exc}"
+            message = f"{options.cut_named()}: {exc}"
             raise UserError(naming_the_sized(message, subject) if sized else message) from None
         cand = sizing.candidate(subject.kind, subject.params)
         probe_s = probe_seconds(cand, machine)

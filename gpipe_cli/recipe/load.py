@@ -314,16 +314,17 @@ def _takes_list(loc: Sequence[str], raw: dict[str, Any]) -> bool:
 
 def _leading(message: str) -> str | None:
     """The dotted key a line starts with (`model.heads must ...`), if any."""
-    leading = re.match(r"[a-z_]+(\.\w+)*(?=[: ]|$)", message)
+    leading = re.match(r"[a-z_]+(\.\w+)*", message)
     return leading[0] if leading else None
 
 
 def led_by(message: str, keys: Collection[str]) -> bool:
     """Whether an error starts with one of `keys`: a check across keys then names the --set of its first key."""
     # `pipeline.balance has 1 entries but ...`, `pipeline.partitions: cannot cut 6 pipeline layers into 100 partitions`
-    leading = re.match(r"[a-z_]+(\.[a-z_]+)+", message)
+    leading = _leading(message)
     # A key under a section that a --set gave whole (`--set 'train.profile={steps: [0]}'`) is that --set's too.
-    return leading is not None and any(leading[0] == key or leading[0].startswith(key + ".") for key in keys)
+    return leading is not None and "." in leading and any(leading == key or leading.startswith(key + ".")
+                                                          for key in keys)
 
 
 def _section_model(loc: Sequence[str | int], raw: dict[str, Any]) -> type[BaseModel] | None:
