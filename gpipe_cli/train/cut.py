@@ -70,13 +70,18 @@ class NoCutFits(Exception):
             change = "raise pipeline.microbatches or pipeline.partitions"
             change += "" if m.checkpoint == "always" else ", or set pipeline.checkpoint: always"
             return f"Lower {batch_key}, {change}"
-        # A batch, micro-batches or remat change only activations; more ranks sharing one RAM each get less.
         total = m.figures.params([layers]) * m.bytes_per_param
-        said = f"Weights, gradients and optimizer state alone need {human_bytes(weights)} on some stage of any cut"
-        if m.shared:
-            return f"{said} (all stages' {human_bytes(total)}): choose a smaller model or a larger machine"
-        return (f"{said}: raise pipeline.partitions (all stages' {human_bytes(total)} is "
-                f"{math.ceil(total / m.capacity)} ranks' worth)")
+        return weights_over(f"{human_bytes(weights)} on some stage of any cut", total, m.capacity, m.shared)
+
+
+def weights_over(need: str, total: float, capacity: float, shared: bool) -> str:
+    """What can help when a stage's weights, gradients and optimizer state alone (`need`) are over its memory."""
+    # A batch, micro-batches or remat change only activations; more ranks sharing one RAM each get less.
+    said = f"Weights, gradients and optimizer state alone need {need}"
+    if shared:
+        return f"{said} (all stages' {human_bytes(total)}): choose a smaller model or a larger machine"
+    return (f"{said}: raise pipeline.partitions (all stages' {human_bytes(total)} is "
+            f"{math.ceil(total / capacity)} ranks' worth)")
 
 
 def worth_checking(costs: Sequence[float], balance: Sequence[int], microbatches: int) -> bool:

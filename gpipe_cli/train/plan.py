@@ -130,8 +130,22 @@ class Plan:
         else:
             parts = ", ".join(f"stage {s.index} {s.over()}" for s in over)
         return (f"the plan does not fit this machine: {parts}; each rank has {human_bytes(over[0].capacity)} "
-                f"({self.capacity}). Lower {self.batch_key}, raise pipeline.microbatches or pipeline.partitions, "
-                f"or set pipeline.checkpoint: always")
+                f"({self.capacity}). {self._change(over)}")
+
+    def _change(self, over: list[StagePlan]) -> str:
+        """What to change: what lowers activations, unless some stage's weights alone are over."""
+        weights = [s.memory.params + s.memory.grads + s.memory.optimizer for s in self.stages]
+        heaviest = max(over, key=lambda s: weights[s.index])
+        need, capacity = weights[heaviest.index], heaviest.capacity
+        if need <= capacity:
+            return (f"Lower {self.batch_key}, raise pipeline.microbatches or pipeline.partitions, "
+                    f"or set pipeline.checkpoint: always")
+        said = f"{human_bytes(need)} on stage {heaviest.index}"
+        # `balance: auto` has cut to fit memory already, unless there was one cut only.
+        if sum(weights) > capacity * self.partitions or self.balance_by == "the only cut":
+            return cut.weights_over(said, sum(weights), capacity, shared=heaviest.host_capacity == 0)
+        return (f"Weights, gradients and optimizer state alone need {said} of this cut: "
+                f"set pipeline.balance: auto, which cuts to fit memory")
 
     def to_json(self) -> dict[str, Any]:
         """The plan as plain JSON-able data."""

@@ -37,7 +37,28 @@ def test_a_plan_fits_a_large_machine_and_not_a_tiny_one(recipe_path):
                      available=1e5)
     text = many.misfit()
     assert "3 of 3 stages are over, stage " in text and text.count(" needs ") == 1, text
-    assert text.endswith("or set pipeline.checkpoint: always") and len(text) < 400, text
+    assert text.endswith("choose a smaller model or a larger machine") and len(text) < 400, text
+    # Where activations, not weights, are over, the advice is what lowers them.
+    roomier = make_plan(load_recipe(str(recipe_path), ["pipeline.partitions=3", "pipeline.balance=params"]),
+                        device="cpu", available=1e6)
+    assert roomier.misfit().endswith("or set pipeline.checkpoint: always") and len(roomier.misfit()) < 400
+
+
+def test_a_stage_whose_weights_alone_are_over_is_not_told_to_lower_its_batch(recipe_path):
+    # A smaller batch, more micro-batches or remat lower activations only: they were advised all the same.
+    lopsided = load_recipe(str(recipe_path), ["pipeline.balance=[40, 4]"])
+    stages = make_plan(lopsided, device="cpu", available=1e15).stages
+    weights = [s.memory.params + s.memory.grads + s.memory.optimizer for s in stages]
+    # Room for all the weights on two ranks, not for stage 0's on one: another cut can help.
+    text = make_plan(lopsided, device="cpu", available=sum(weights) * 1.2).misfit()
+    assert f"alone need {human_bytes(weights[0])} on stage 0 of this cut: set pipeline.balance: auto" in text, text
+    assert "Lower data.batch_size" not in text
+    # No room for them on all the ranks: only a smaller model or a larger machine can help on a CPU,
+    text = make_plan(lopsided, device="cpu", available=sum(weights) * 0.8).misfit()
+    assert text.endswith("choose a smaller model or a larger machine"), text
+    # and more ranks on GPUs, each with its own memory.
+    gpus = make_plan(lopsided, device="cuda", available=sum(weights) * 0.4).misfit()
+    assert gpus.endswith(f"raise pipeline.partitions (all stages' {human_bytes(sum(weights))} is 3 ranks' worth)"), gpus
 
 
 def test_offloaded_activations_count_against_the_host_memory(recipe_path, monkeypatch):
