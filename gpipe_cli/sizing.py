@@ -243,17 +243,29 @@ def choose(family: str, judge: Callable[[Candidate], Verdict], stages: int = 1,
     if members[0][1] != rungs[0][1]:  # it was not the paper's own that was judged
         of = f" of {chunks} chunks" if chunks > 1 else ""
         paper = f"{paper}, deepened to {members[0][1].get('layers')} layers for {stages} stages{of},"
-    reason = ""  # why the paper's member does not fit
-    for index, (kind, params) in enumerate(members):
-        cand = candidate(kind, params)
+    cand = candidate(*members[0])
+    verdict = judge(cand)
+    if verdict.fits:
+        return Choice(*members[0], False, "", verdict)
+    reason = verdict.why_not(f"the paper's {paper}")
+    # Each member is smaller than the one before it in every size, so needs less memory and time: the first that
+    # fits is found by bisection (describing a member takes up to a second, each a different model).
+    low, high, first, last = 1, len(members) - 1, None, (cand, verdict)
+    while low <= high:
+        middle = (low + high) // 2
+        cand = candidate(*members[middle])
         verdict = judge(cand)
         if verdict.fits:
-            note = f"measuring {cand.describe()}: {reason}; choose with --model/--layers" if index else ""
-            return Choice(kind, params, index > 0, note, verdict)
-        reason = reason or verdict.why_not(f"the paper's {paper}")
-    # None fits: the last, smallest member, as judged in the loop.
+            first, high = (middle, cand, verdict), middle - 1
+        else:
+            low, last = middle + 1, (cand, verdict)  # all that fail: the smallest member is judged last
+    if first is not None:
+        index, cand, verdict = first
+        return Choice(*members[index], True, f"measuring {cand.describe()}: {reason}; choose with --model/--layers",
+                      verdict)
+    cand, verdict = last
     note = f"measuring {cand.describe()}, the smallest member: {reason}; choose with --model/--layers"
-    return Choice(kind, params, True, note, verdict)
+    return Choice(*members[-1], True, note, verdict)
 
 
 def layer_efficiency(device: str, kind: str) -> float:

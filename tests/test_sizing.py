@@ -1,5 +1,7 @@
 """Sizing: the paper's model where it fits memory and time, else the same architecture smaller."""
 
+import math
+
 import pytest
 
 from gpipe_cli import sizing
@@ -30,6 +32,25 @@ def test_a_model_too_large_for_memory_is_scaled_down_and_announced():
     members = [sizing.candidate(k, p) for k, p in sizing.ladder("transformer")]
     index = [m.params for m in members].index(choice.params)
     assert members[index - 1].parameters > 50e6
+
+
+@pytest.mark.parametrize("family", ["transformer", "amoebanet"])
+def test_the_largest_member_that_fits_is_found_judging_few_of_them(family):
+    # Each member is smaller than the last in every size: the first that fits is found without judging each.
+    members = [sizing.candidate(k, p) for k, p in sizing.ladder(family)]
+    assert all(a.parameters > b.parameters and a.flops > b.flops for a, b in zip(members, members[1:]))
+    for fitting in range(len(members) + 1):  # the index of the largest member that fits (past the end: none)
+        limit = members[fitting].parameters if fitting < len(members) else 0
+        judged = []
+
+        def verdict(cand: sizing.Candidate) -> sizing.Verdict:
+            judged.append(cand.params)
+            return sizing.Verdict(cand.parameters, limit, 1.0, 2.0)
+
+        choice = sizing.choose(family, verdict)
+        assert choice.params == members[min(fitting, len(members) - 1)].params
+        assert choice.scaled == (fitting > 0) and ("the smallest member" in choice.note) == (fitting == len(members))
+        assert len(judged) <= 1 + math.ceil(math.log2(len(members))), (fitting, len(judged))
 
 
 def test_the_paper_model_made_deeper_for_more_stages_is_not_called_the_papers():

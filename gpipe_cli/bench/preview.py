@@ -186,7 +186,8 @@ def memory(subject: Subject, options: BenchOptions, machine: sizing.Machine,
     # small AmoebaNet's stages were cut [1, 1, 18, 24] for the plan and [10, 11, 11, 12] by the run).
     size = sizing.ceil_div(options.batch, options.microbatches)
     rate, per_call = sizing.layer_rate(machine, subject.kind)
-    costs = [c.flops * size / rate + per_call for c in kept.summary(spec, size).layers]
+    # FLOPs per example as sizing described them, at 2 examples: per example they do not depend on the batch.
+    costs = [c.flops * size / rate + per_call for c in kept.summary(spec, 2).layers]
     configs = runs(options, len(spec.layers))
     ks = {1, max(k for k, _ in configs)}
     stages: dict[tuple[int, int], list[float]] = {}
