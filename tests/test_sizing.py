@@ -41,9 +41,9 @@ def test_the_largest_member_that_fits_is_found_judging_few_of_them(family):
     assert all(a.parameters > b.parameters and a.flops > b.flops for a, b in zip(members, members[1:]))
     for fitting in range(len(members) + 1):  # the index of the largest member that fits (past the end: none)
         limit = members[fitting].parameters if fitting < len(members) else 0
-        judged = []
+        judged: list[dict] = []
 
-        def verdict(cand: sizing.Candidate) -> sizing.Verdict:
+        def verdict(cand: sizing.Candidate, limit: float = limit, judged: list[dict] = judged) -> sizing.Verdict:
             judged.append(cand.params)
             return sizing.Verdict(cand.parameters, limit, 1.0, 2.0)
 
