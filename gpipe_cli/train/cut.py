@@ -67,11 +67,16 @@ class NoCutFits(Exception):
         starts = [sum(lightest[:s]) for s in range(m.stages)]
         weights = max(m.figures.params([range(a, a + n)]) for a, n in zip(starts, lightest)) * m.bytes_per_param
         if self.virtual > 1 or weights <= m.capacity:
-            change = "raise pipeline.microbatches or pipeline.partitions"
-            change += "" if m.checkpoint == "always" else ", or set pipeline.checkpoint: always"
-            return f"Lower {batch_key}, {change}"
+            return lower_activations(batch_key, m.checkpoint)
         total = m.figures.params([layers]) * m.bytes_per_param
         return weights_over(f"{human_bytes(weights)} on some stage of any cut", total, m.capacity, m.shared)
+
+
+def lower_activations(batch_key: str, checkpoint: str) -> str:
+    """The advice for a stage whose activations are over its memory: what lowers them."""
+    change = "raise pipeline.microbatches or pipeline.partitions"
+    change += "" if checkpoint == "always" else ", or set pipeline.checkpoint: always"
+    return f"Lower {batch_key}, {change}"
 
 
 def weights_over(need: str, total: float, capacity: float, shared: bool) -> str:

@@ -138,8 +138,7 @@ class Plan:
         heaviest = max(over, key=lambda s: weights[s.index])
         need, capacity = weights[heaviest.index], heaviest.capacity
         if need <= capacity:
-            return (f"Lower {self.batch_key}, raise pipeline.microbatches or pipeline.partitions, "
-                    f"or set pipeline.checkpoint: always")
+            return cut.lower_activations(self.batch_key, self.checkpoint)
         said = f"{human_bytes(need)} on stage {heaviest.index}"
         # `balance: auto` has cut to fit memory already, unless there was one cut only.
         if sum(weights) > capacity * self.partitions or self.balance_by == "the only cut":

@@ -42,6 +42,10 @@ def test_a_plan_fits_a_large_machine_and_not_a_tiny_one(recipe_path):
     roomier = make_plan(load_recipe(str(recipe_path), ["pipeline.partitions=3", "pipeline.balance=params"]),
                         device="cpu", available=1e6)
     assert roomier.misfit().endswith("or set pipeline.checkpoint: always") and len(roomier.misfit()) < 400
+    # Remat already on everywhere is not advised again.
+    remat = make_plan(load_recipe(str(recipe_path), ["pipeline.partitions=3", "pipeline.balance=params",
+                                                     "pipeline.checkpoint=always"]), device="cpu", available=1e6)
+    assert remat.misfit().endswith("raise pipeline.microbatches or pipeline.partitions"), remat.misfit()
 
 
 def test_a_stage_whose_weights_alone_are_over_is_not_told_to_lower_its_batch(recipe_path):
