@@ -85,6 +85,11 @@ def flop_rate(per_s: float) -> str:
     return f"{per_s / 1e12:.3g} TFLOP/s" if per_s >= 1e12 else f"{per_s / 1e9:.3g} GFLOP/s"
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """`n` and the noun, singular for one: '1 device', '8 devices' (`plural`: where it is not the noun and 's')."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def human_count(n: float) -> str:
     """A count as 1.23T, 1.23B, 4.56M, 7.89K or the number itself."""
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):

@@ -75,3 +75,15 @@ def test_a_size_a_budget_is_named_from_is_rounded_up_and_typed_as_a_flag_takes_i
     assert human_bytes(need) == "901.7 MiB" and human_bytes(need, up=True) == "901.8 MiB"
     assert size_flag(need) == "901.8MiB" and parse_size(size_flag(need), "--device-memory") >= need
     assert human_bytes(9 * 2**20, up=True) == "9.0 MiB" and human_bytes(1.2, up=True) == "2 B"
+
+
+def test_a_count_of_one_is_said_in_the_singular():
+    from gpipe_cli.models import families
+    from gpipe_cli.units import counted
+
+    assert (counted(1, "device"), counted(8, "device"), counted(0, "device")) == ("1 device", "8 devices", "0 devices")
+    assert counted(1, "micro-batch", "micro-batches") == "1 micro-batch"
+    assert counted(4, "batch", "batches") == "4 batches"
+    # A recipe of model.layers 1 was announced as "Transformer encoder-decoder with 1 layers".
+    title = families.of("transformer").title({"arch": "encoder-decoder", "layers": 1, "d_model": 32}, False)
+    assert title == "Transformer encoder-decoder with 1 layer, d_model 32"

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from gpipe_cli.units import counted
+
 Task = Literal["image", "translation", "lm"]
 
 
@@ -41,8 +43,8 @@ def _amoebanet_title(params: dict[str, Any], full: bool) -> str:
 
 def _transformer_title(params: dict[str, Any], full: bool) -> str:
     arch = params.get("arch", "decoder-only")
-    name = (f"{'Transformer-L' if arch == 'decoder-only' else f'Transformer {arch}'} with {params.get('layers')} "
-            f"layers, d_model {params.get('d_model')}")
+    name = (f"{'Transformer-L' if arch == 'decoder-only' else f'Transformer {arch}'} with "
+            f"{counted(params.get('layers', 0), 'layer')}, d_model {params.get('d_model')}")
     return name + (f" (feed-forward {params.get('ff')}, {params.get('heads')} heads, sequence "
                    f"{params.get('max_len', 256)}, vocabulary {params.get('vocab_size')})" if full else "")
 

@@ -41,8 +41,9 @@ def counts(per_replica: int, least: int) -> list[int]:
 
 def local_steps(spec: ModelSpec, batch: int, microbatches: list[int], seed: int, threads: int,
                 examples: Examples, optimizer: OptimizerOf | None = None,
-                grad_clip: float | None = None, device: str = "cpu") -> dict[int, float]:
-    """Seconds of one training step (the update included) of the whole model as one stage here, per M."""
+                grad_clip: float | None = None, device: str = "cpu") -> dict[int, tuple[float, float]]:
+    """Seconds of one training step (the update included) of the whole model as one stage here, and of its update,
+    per M."""
     inputs, targets = examples(batch)
     found = {}
     with torch_threads(threads):
@@ -55,25 +56,28 @@ def local_steps(spec: ModelSpec, batch: int, microbatches: list[int], seed: int,
                                          optimizer=update, max_grad_norm=grad_clip)
                 assert figures is not None  # a single process is rank 0
                 # The fastest step: on a shared machine the others are slowed by neighbours, not by the engine.
-                found[m] = min(figures.step_times)
+                fastest = figures.step_times.index(min(figures.step_times))
+                found[m] = figures.step_times[fastest], figures.optimizer_times[fastest]
         finally:
             pipe.close()
     return found
 
 
 def overhead(layers: int, costs: Callable[[int], CostProfile], per_replica: int,
-             measured: dict[int, float]) -> Overhead:
-    """The engine's per-layer-call and per-step seconds: what the measured steps took beyond the simulated layers."""
-    # The gap grows with M by the per-call cost and starts at the per-step cost, so it holds for any K and M.
+             measured: dict[int, float], update: float = 0.0) -> Overhead:
+    """The engine's per-layer-call and per-step seconds: what the measured steps took beyond the simulated layers
+    (`update`: the seconds of the optimizer's update, timed within each step)."""
+    # The gap grows with M by the per-call cost and starts at the per-step cost, so it holds for any K and M. The
+    # update is timed, not fitted: a few ms that the noise of the fit's intercept hid (it came out at 0.0 ms).
     ms = sorted(measured)
-    gaps = [measured[m] - simulate.simulate_step(costs(per_replica // m), [layers], per_replica, m, "gpipe", "never",
-                                                 simulate.FREE).step_time for m in ms]
+    gaps = [measured[m] - update - simulate.simulate_step(costs(per_replica // m), [layers], per_replica, m, "gpipe",
+                                                          "never", simulate.FREE).step_time for m in ms]
     if len(gaps) == 1:
-        return Overhead(0.0, max(gaps[0], 0.0))
+        return Overhead(0.0, update + max(gaps[0], 0.0))
     # Least squares through the points: one noisy step (a shared machine) moves the line less.
     per_microbatch = max(statistics.linear_regression(ms, gaps).slope, 0.0)
     fixed = statistics.fmean(gaps) - per_microbatch * statistics.fmean(ms)
-    return Overhead(per_microbatch / (2 * layers), max(fixed, 0.0))
+    return Overhead(per_microbatch / (2 * layers), update + max(fixed, 0.0))
 
 
 def factors(balance: list[int], costs: Callable[[int], CostProfile], per_replica: int,

@@ -238,7 +238,9 @@ def _engine_costs(kind: str, params: dict[str, Any], spec: ModelSpec, costs: Cal
           engine_seconds(costs, batch, counts, steps=calibrate.STEPS + calibrate.WARMUP, again=False))
     alone = contention.Load()  # this process computes, no other of the plan's
     steps_here = calibrate.local_steps(spec, batch, counts, seed, threads, examples, optimizer, grad_clip, device)
-    return _Engine(calibrate.overhead(len(spec.layers), costs, batch, steps_here), load=alone.finish())
+    update = statistics.fmean(u for _, u in steps_here.values())
+    extra = calibrate.overhead(len(spec.layers), costs, batch, {m: t for m, (t, _) in steps_here.items()}, update)
+    return _Engine(extra, load=alone.finish())
 
 
 def _ratios_text(engine: _Engine, ranks: int) -> str:

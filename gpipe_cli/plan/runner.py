@@ -17,7 +17,7 @@ from gpipe_cli.plan.options import ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US, PlanOp
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_label, recipe_read
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
-from gpipe_cli.units import human_bytes, human_seconds, size_flag
+from gpipe_cli.units import counted, human_bytes, human_seconds, size_flag
 
 if TYPE_CHECKING:
     from gpipe_cli.models.base import ModelSpec
@@ -123,7 +123,7 @@ def _check_weights_fit(spec: ModelSpec, bytes_per_param: float, budget: float, d
 def _nothing_fits(budget: float, devices: int, options: PlanOptions) -> str:
     """How a refusal for memory begins, saying when --device-memory was typed without a unit (`80` for 80 GiB)."""
     bare = " (a number without a unit is bytes)" if _BARE.fullmatch(options.device_memory or "") else ""
-    return f"nothing fits {human_bytes(budget)} per device on {devices} devices{bare}"
+    return f"nothing fits {human_bytes(budget)} per device on {counted(devices, 'device')}{bare}"
 
 
 def _not_the_recipe(options: PlanOptions) -> None:
@@ -243,7 +243,7 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     line = functools.partial(console.print, highlight=False)
     if any(contention.contended(load) for load in fed.loads.values()):  # the speed figures that follow
         line(contention.note(fed.loads))
-    line(f"[bold]gpipe plan[/] · {spec.name} ({layers} pipeline layers) · {n} devices{node_text}, "
+    line(f"[bold]gpipe plan[/] · {spec.name} ({layers} pipeline layers) · {counted(n, 'device')}{node_text}, "
          f"{human_bytes(budget)} each ({where}) · batch {batch}")
     line(f"  per-layer seconds: {fed.timing}")
     if fed.drift is not None:

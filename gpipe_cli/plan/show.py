@@ -17,7 +17,7 @@ from gpipe_cli.plan import search
 from gpipe_cli.plan.search import Outcome
 from gpipe_cli.recipe.load import validate as validate_recipe
 from gpipe_cli.recipe.yamlio import rewrite
-from gpipe_cli.units import human_bytes
+from gpipe_cli.units import counted, human_bytes
 
 
 def reason(model: search.Model, winner: Outcome, other: Outcome, budget: float, fastest: float = 0.0) -> str:
@@ -193,7 +193,7 @@ HEADER = "# written by gpipe plan"
 
 def header_line(devices: int, budget: float, outcome: Outcome) -> str:
     """The comment a planned recipe starts with: what it was planned for, and the prediction."""
-    return (f"{HEADER} for {devices} devices of {human_bytes(budget)}: {outcome.config.label()}, "
+    return (f"{HEADER} for {counted(devices, 'device')} of {human_bytes(budget)}: {outcome.config.label()}, "
             f"predicted {rate(outcome.samples_per_s)} samples/s\n")
 
 

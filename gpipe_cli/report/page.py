@@ -75,7 +75,10 @@ def _perplexity(ax: Any, runs: list[Run]) -> None:
                + (";\nheld-out unigram baseline: dotted" if unigram else "") + ")", "perplexity")(ax, runs)
     for i, run in enumerate(runs):
         steps, values = series(run).get("eval_unigram_perplexity", ([], []))
-        ax.plot(steps, values, ":", color=f"C{i}")
+        if len(steps) == 1:  # a dotted line through one point draws nothing: the baseline is the same at every step
+            ax.axhline(values[0], linestyle=":", color=f"C{i}")
+        else:
+            ax.plot(steps, values, ":", color=f"C{i}")
 
 
 def _no_eval(ax: Any, runs: list[Run]) -> None:

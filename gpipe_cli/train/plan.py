@@ -21,7 +21,7 @@ from gpipe_cli.recipe.load import led_by, parse_override
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe_model import model_spec, optimizer_name
 from gpipe_cli.train import cut
-from gpipe_cli.units import human_bytes, human_count
+from gpipe_cli.units import counted, human_bytes, human_count
 
 
 def checked_plan(recipe: Recipe, label: str, must_fit: bool = False, available: float | None = None,
@@ -291,10 +291,10 @@ def _layers(names: list[str]) -> str:
 
 def plan_table(plan: Plan) -> Table:
     """One row per stage: layers, parameters, forward FLOPs, estimated peak memory and whether it fits."""
-    replicas = f"{plan.data_parallel} replica{'s' if plan.data_parallel > 1 else ''}"
     offloads = any(s.memory.host for s in plan.stages)  # pipeline.offload: what waits in host memory, beside
-    table = figure_table(f"{plan.model}: {human_count(plan.total_params)} parameters, {plan.partitions} stages x "
-                         f"{replicas}, {plan.microbatches} micro-batches of {plan.microbatch_size}",
+    table = figure_table(f"{plan.model}: {human_count(plan.total_params)} parameters, "
+                         f"{counted(plan.partitions, 'stage')} x {counted(plan.data_parallel, 'replica')}, "
+                         f"{counted(plan.microbatches, 'micro-batch', 'micro-batches')} of {plan.microbatch_size}",
                          ("stage", "layers", "params", "GFLOP per example", "memory (est.)", "of which activations",
                           *(("offloaded to host",) if offloads else ()), "fits"), left=("layers",),
                          title_justify="left")

@@ -281,6 +281,17 @@ def test_a_language_models_perplexity_panel_draws_its_unigram_baseline(tmp_path)
     plt.close(fig)
     assert "unigram baseline: dotted" in ax.get_title()
     assert any(list(line.get_ydata()) == [500.0] * 4 and line.get_linestyle() == ":" for line in ax.get_lines())
+    # A run evaluated once still shows it, across the panel (a dotted line through one point drew nothing).
+    once = [r for r in records if r["kind"] != "eval" or r["step"] == 4]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in once))
+    (run,) = read_runs([folder])
+    fig, ax = plt.subplots()
+    dict(page.panels([run]))["perplexity"](ax, [run])
+    fig.canvas.draw()
+    plt.close(fig)
+    (baseline,) = [line for line in ax.get_lines() if line.get_linestyle() == ":"]
+    assert set(baseline.get_ydata()) == {500.0} and list(baseline.get_xdata()) == [0, 1]  # axis-wide
+    assert ax.get_ylim()[0] < 500.0 < ax.get_ylim()[1]
 
 
 @pytest.mark.parametrize(("figures", "shown"), [

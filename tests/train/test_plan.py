@@ -238,3 +238,12 @@ def test_validates_plan_table_shows_every_figure_whole_on_a_narrow_terminal(monk
     assert not problems(table, width), table
     for figure in ("462.34K", "594.94K", "0.038", "0.057", "16.3 MiB", "13.5 MiB", "encoder_2", "softmax"):
         assert figure in table, (figure, table)
+
+
+def test_counts_of_one_are_said_in_the_singular(recipe_path):
+    # `gpipe validate` of a planned one-device recipe said "1 stages x 1 replica, 1 micro-batches of 32".
+    plan = make_plan(load_recipe(str(recipe_path), ["pipeline.partitions=1", "pipeline.microbatches=1"]),
+                     available=1e15)
+    assert ", 1 stage x 1 replica, 1 micro-batch of " in str(plan_table(plan).title)
+    assert ", 2 stages x 1 replica, 4 micro-batches of " in str(plan_table(make_plan(
+        load_recipe(str(recipe_path), []), available=1e15)).title)
