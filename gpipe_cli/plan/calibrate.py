@@ -42,8 +42,7 @@ def counts(per_replica: int, least: int) -> list[int]:
 def local_steps(spec: ModelSpec, batch: int, microbatches: list[int], seed: int, threads: int,
                 examples: Examples, optimizer: OptimizerOf | None = None,
                 grad_clip: float | None = None, device: str = "cpu") -> dict[int, tuple[float, float]]:
-    """Seconds of one training step (the update included) of the whole model as one stage here, and of its update,
-    per M."""
+    """Per M: seconds of a training step (its update included) of the whole model as one stage, and of the update."""
     inputs, targets = examples(batch)
     found = {}
     with torch_threads(threads):
@@ -65,10 +64,10 @@ def local_steps(spec: ModelSpec, batch: int, microbatches: list[int], seed: int,
 
 def overhead(layers: int, costs: Callable[[int], CostProfile], per_replica: int,
              measured: dict[int, float], update: float = 0.0) -> Overhead:
-    """The engine's per-layer-call and per-step seconds: what the measured steps took beyond the simulated layers
-    (`update`: the seconds of the optimizer's update, timed within each step)."""
-    # The gap grows with M by the per-call cost and starts at the per-step cost, so it holds for any K and M. The
-    # update is timed, not fitted: a few ms that the noise of the fit's intercept hid (it came out at 0.0 ms).
+    """The engine's per-layer-call and per-step seconds: what the measured steps took beyond the simulated layers."""
+    # The gap grows with M by the per-call cost and starts at the per-step cost, so it holds for any K and M.
+    # `update`, the optimizer's seconds timed within each step, is taken as measured, not fitted: a few ms that the
+    # noise of the fit's intercept hid (one device's plan said its step cost 0.0 ms).
     ms = sorted(measured)
     gaps = [measured[m] - update - simulate.simulate_step(costs(per_replica // m), [layers], per_replica, m, "gpipe",
                                                           "never", simulate.FREE).step_time for m in ms]
