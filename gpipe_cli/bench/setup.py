@@ -19,6 +19,7 @@ from gpipe_cli.models.describe import count_parameters
 from gpipe_cli.pipeline import microbatch, topology
 from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.sizing import usable_cores
+from gpipe_cli.units import counted
 
 WORKER = "gpipe_cli.bench.worker"
 
@@ -112,7 +113,7 @@ def oversubscription(ranks: int, threads: int) -> tuple[bool, str]:
     """Whether `ranks` ranks share cores or GPUs, and what they run on."""
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
-        return ranks > gpus, f"{gpus} GPU{'s' if gpus != 1 else ''}"
+        return ranks > gpus, counted(gpus, 'GPU')
     cores = usable_cores()
     return ranks * threads > cores, f"{cores} CPU core{'s' if cores != 1 else ''}"
 

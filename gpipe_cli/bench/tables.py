@@ -10,7 +10,7 @@ from rich.table import Table
 from gpipe_cli import contention
 from gpipe_cli.console import figure_table, print_table
 from gpipe_cli.pipeline import schedules
-from gpipe_cli.units import figure, human_bytes
+from gpipe_cli.units import counted, figure, human_bytes
 
 
 def _throughput(s: dict[str, Any]) -> Table:
@@ -75,7 +75,7 @@ def host_overhead(s: dict[str, Any]) -> str:
     if h is None:
         return ("host overhead: measured at K=1 only (gpipe bench --partitions 1, on a model small enough that "
                 "its arithmetic is negligible)")
-    threads = f"{h['threads']} thread{'s' if h['threads'] != 1 else ''}"
+    threads = counted(h['threads'], 'thread')
     # A negative overhead (the engine measured faster: noise, or a loaded machine) is said as a saving.
     verb = "adds" if h["overhead_step_s"] >= 0 else "saves"
     return (f"host overhead (K={h['partitions']}, M={h['microbatches']}): engine {h['engine_step_s'] * 1e3:.1f} "

@@ -11,6 +11,7 @@ from gpipe_cli.errors import DataError
 from gpipe_cli.models import families
 from gpipe_cli.models.families import Task
 from gpipe_cli.recipe.schema import Data, Recipe
+from gpipe_cli.units import counted
 
 
 def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_classes: int = 1000,
@@ -44,17 +45,13 @@ def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_
     if loader.steps_per_epoch() == 0:  # an epoch without a batch: training would never advance
         size = (f"data.tokens_per_batch ({data.tokens_per_batch})" if data.tokens_per_batch
                 else f"data.batch_size ({data.batch_size})")
-        raise DataError(f"the training split has {_examples(loader.train_size)}, too few for one batch of "
+        raise DataError(f"the training split has {counted(loader.train_size, 'example')}, too few for one batch of "
                         f"{size} with data.drop_last; lower the batch size or set data.drop_last: false")
     if loader.train_size < loader.min_batch:  # then every batch is smaller: some micro-batch would be empty
-        raise DataError(f"the training split has {_examples(loader.train_size)}, fewer than the {loader.min_batch} "
-                        f"micro-batches of a step (pipeline.microbatches x pipeline.data_parallel), each of which "
-                        f"needs one; lower them or give more data")
+        raise DataError(f"the training split has {counted(loader.train_size, 'example')}, fewer than the "
+                        f"{loader.min_batch} micro-batches of a step (pipeline.microbatches x pipeline.data_parallel), "
+                        f"each of which needs one; lower them or give more data")
     return loader
-
-
-def _examples(n: int) -> str:
-    return f"{n} example{'s' if n != 1 else ''}"
 
 
 def build_data_for(recipe: Recipe, *, run_dir: Path | None = None, **kwargs: Any) -> Loader:

@@ -66,7 +66,7 @@ def _not_comparable(model: Any, hw: Any, recipe: Recipe) -> str | None:
         return f"data.batch_size {model.batch} is not a multiple of D={p.data_parallel}"
     if model.batch // p.data_parallel < p.microbatches:
         share = model.batch // p.data_parallel
-        return f"each replica's {share} example{'s' if share != 1 else ''} cannot make M={p.microbatches} micro-batches"
+        return f"each replica's {counted(share, 'example')} cannot make M={p.microbatches} micro-batches"
     chunks = p.partitions * p.virtual_stages
     try:
         schedule.check(p.schedule, p.partitions, p.microbatches, p.virtual_stages)

@@ -71,7 +71,7 @@ def _worse(model: search.Model, winner: Outcome, other: Outcome, part: str) -> s
                 f"{w.schedule} at M={w.microbatches}, none)")
     size, win_size = model.batch // c.replicas // c.microbatches, model.batch // w.replicas // w.microbatches
     if size < win_size:
-        return f"more compute in smaller micro-batches ({size} example{'s' if size > 1 else ''})"
+        return f"more compute in smaller micro-batches ({counted(size, 'example')})"
     return "more compute per step"
 
 

@@ -49,7 +49,7 @@ from gpipe_cli.train.step_figures import ModelFlops, Peak, find_peak, step_figur
 from gpipe_cli.train.summary import RunSummary
 from gpipe_cli.train.view import MetricsFile, TerminalView
 from gpipe_cli.train.worker import Job
-from gpipe_cli.units import number_range
+from gpipe_cli.units import counted, number_range
 
 
 class Trainer:
@@ -58,7 +58,7 @@ class Trainer:
     def __init__(self, recipe: Recipe, job: Job, topo: topology.Topology) -> None:
         self.recipe, self.job, self.topo, self.layout = recipe, job, topo, topo.layout
         self.view = (TerminalView(recipe.name, job.plain, started=job.started) if self.layout.rank == 0 else None)
-        self._note(f"{self.layout.world_size} rank{'s' if self.layout.world_size > 1 else ''} started on "
+        self._note(f"{counted(self.layout.world_size, 'rank')} started on "
                    f"{topo.device.type}; planning the cut")
         self.spec: ModelSpec = model_spec(recipe)
         self.plan: Plan = self._plan()
@@ -94,7 +94,7 @@ class Trainer:
         if self.layout.rank == 0:
             (self.run_dir / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
         k = recipe.pipeline.partitions
-        self._note(f"building {k} stage{'s' if k > 1 else ''} of {self.spec.name} "
+        self._note(f"building {counted(k, 'stage')} of {self.spec.name} "
                    f"({self.plan.total_params:,} parameters): {self._cut_text()}")
         self.pipe = self._pipeline()
         self._check_cut()

@@ -63,6 +63,7 @@ from gpipe_cli.train.existing import (
     train_recipe,
 )
 from gpipe_cli.train.worker import STARTED, Job
+from gpipe_cli.units import counted
 
 OUTPUTS = "outputs"
 
@@ -110,12 +111,12 @@ def oversubscription(ranks: int, threads: int, cores: int, gpus: int) -> str | N
     if gpus > 0:
         if ranks <= gpus:
             return None
-        return (f"warning: {ranks} ranks share {gpus} GPU{'s' if gpus != 1 else ''} on this node (oversubscribed): "
+        return (f"warning: {ranks} ranks share {counted(gpus, 'GPU')} on this node (oversubscribed): "
                 f"they take turns on the devices and exchange tensors through host memory, so steps are slower "
                 f"and the measured bubble larger than with a GPU per rank")
     if ranks * threads <= cores:
         return None
-    return (f"warning: {ranks} ranks x {threads} thread{'s' if threads != 1 else ''} on {cores} CPU "
+    return (f"warning: {ranks} ranks x {counted(threads, 'thread')} on {cores} CPU "
             f"core{'s' if cores != 1 else ''} (oversubscribed): the ranks take turns on the cores, so steps are "
             f"slower and the measured bubble larger than with a core per rank")
 
@@ -357,7 +358,7 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
 
         return run_job(job)
     here = local_ranks(world, options.launch.nnodes)
-    say(note(started, f"starting {here} rank{'s' if here > 1 else ''}"
+    say(note(started, f"starting {counted(here, 'rank')}"
                       + (f" of {world} on this node" if here != world else "")), sys.stdout)
     try:
         with tempfile.TemporaryDirectory(prefix="gpipe-") as folder:
