@@ -78,12 +78,17 @@ def summarise(options: BenchOptions, subject: Subject, k1: RunFigures, kk: RunFi
     }
 
 
+def _stopped(code: int) -> bool:
+    """Whether ranks that exited with `code` were stopped by a signal (Ctrl-C, SIGTERM, SIGHUP), not failed."""
+    return code in (STOPPED, *(128 + signum for signum in interrupts.TERMINATING))
+
+
 def _launch(job: setup.Job, folder: Path, name: str, options: BenchOptions) -> dict[str, Any]:
     """Run `job`'s ranks: their figures, ours kept where only a --compare baseline failed."""
     try:
         return setup.launch_job(job, folder, name, options.threads)
     except setup.JobFailed as exc:
-        if not (job.compare and exc.partial.get("runs")):
+        if not (job.compare and exc.partial.get("runs")) or _stopped(exc.code):  # a Ctrl-C stops the whole command
             raise
         # Our figures are in; only a baseline failed (its rank printed why): report ours.
         return {**exc.partial, "compare": {}, "failed": f"a baseline failed (exit code {exc.code}); see above"}
@@ -223,7 +228,7 @@ def run(options: BenchOptions) -> int:
             else:
                 summary, events = _single(options, subject, Path(tmp), progress, chosen.phases)
         except setup.JobFailed as exc:
-            if exc.code in (STOPPED, *(128 + signum for signum in interrupts.TERMINATING)):  # SIGHUP too
+            if _stopped(exc.code):
                 interrupts.say_stopped("gpipe bench")
             else:
                 console.print(f"[red]gpipe bench: the benchmark ranks failed (exit code {exc.code}); see above[/]")

@@ -94,3 +94,25 @@ def test_once_measured_the_results_are_written_with_ctrl_c_and_sigterm_waiting(t
     ignored = (signal.SIG_IGN, signal.SIG_IGN)
     assert states == [("shown", *ignored), ("written", *ignored)] and out.exists()
     assert f"figures written to {out}" in console.file.getvalue()
+
+
+@pytest.mark.parametrize("code", [130, 143, 129])
+def test_a_stop_while_a_compare_baseline_measures_stops_the_command_not_just_the_baseline(code):
+    # Ctrl-C once our figures were in, while torch's schedule measured: "a baseline failed (exit code 130); see
+    # above", exit 1 and a JSON of half the figures, where a stop anywhere else writes nothing and exits 130.
+    from types import SimpleNamespace
+
+    from gpipe_cli.bench import runner, setup
+
+    def stopped(*args, **kwargs):
+        raise setup.JobFailed(code, {"runs": [{"ours": 1}]})
+
+    job = SimpleNamespace(compare=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(setup, "launch_job", stopped)
+        with pytest.raises(setup.JobFailed) as raised:
+            runner._launch(job, None, "k1", SimpleNamespace(threads=1))
+        assert raised.value.code == code
+        patch.setattr(setup, "launch_job", lambda *a, **k: (_ for _ in ()).throw(setup.JobFailed(1, {"runs": [1]})))
+        kept = runner._launch(job, None, "k1", SimpleNamespace(threads=1))  # a baseline that failed: ours are kept
+        assert kept["runs"] == [1] and "a baseline failed (exit code 1)" in kept["failed"]
