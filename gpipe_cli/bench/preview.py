@@ -150,13 +150,16 @@ def check_cut(options: BenchOptions, subject: Subject) -> None:
     try:
         partition.check_chunks(layers, options.stages, options.virtual_stages, (k_named, v_named))
         explicit = parse_balance(options.balance, chunks, f"{k_named} x {v_named}")
-        if explicit is not None:
-            partition.check_balance(explicit, layers, chunks)
     except partition.PartitionError as exc:
         if isinstance(exc, partition.TooManyChunks):
             raise
         chunked = f"/{v_named} ({chunks} chunks)" if options.virtual_stages > 1 else ""
         raise partition.PartitionError(f"{options.cut_named(k_named + chunked)}: {exc}") from None
+    if explicit is not None:  # one entry a chunk, as parsed: only its sum can be at fault, not K
+        try:
+            partition.check_balance(explicit, layers, chunks)
+        except partition.PartitionError as exc:
+            raise partition.PartitionError(f"{options.balance_named()}: {exc}") from None
 
 
 # Each stage's memory is priced by walking every action of its schedule: 46 us per micro-batch and stage on a

@@ -48,8 +48,8 @@ class ModelFlags:
     set: list[str] = field(default_factory=list)
     # What the command makes otherwise than the recipe says: printed first, and no flag.
     notes: list[str] = field(default_factory=list, metadata={"flag": False})
-    # Alias -> the `--set KEY` that gave it, so that a refusal names what was typed: no flag, and no part of what
-    # the options ask for (a flag and its --set give equal options).
+    # Alias -> its flag or the `--set KEY` that gave it (only those typed), so that a refusal names what was typed:
+    # no flag, and no part of what the options ask for (a flag and its --set give equal options).
     typed_as: dict[str, str] = field(default_factory=dict, compare=False, metadata={"flag": False})
     seed: int = 0
     json: Path | None = None
@@ -69,11 +69,15 @@ class ModelFlags:
 
     def given(self, name: str, value: object) -> str:
         """Alias `name` with `value`, as typed: `--set pipeline.partitions=200` or `--partitions 200`."""
-        return f"{self.named(name)}{'=' if name in self.typed_as else ' '}{value}"
+        return f"{self.named(name)}{'=' if self.named(name).startswith('--set') else ' '}{value}"
 
     def cut_named(self, k: str | None = None) -> str:
         """What a refused cut came from, as the user gave it: K (`k`: as given otherwise) and any balance."""
         return (k or self.named("partitions")) + (f"/{self.named('balance')}" if self.balance is not None else "")
+
+    def balance_named(self) -> str:
+        """What a balance whose sum is refused came from: the balance, and K where K was typed too."""
+        return self.cut_named() if "partitions" in self.typed_as else self.named("balance")
 
     def sizes(self) -> dict[str, int | None]:
         """The size flags, by name."""
@@ -280,6 +284,6 @@ def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[
             given["balance"] = None
         else:
             given["balance"] = balance_text(given["balance"], cuts, named or ALIASES["balance"])
-    typed_as = {name: how for name in ALIASES if (how := given_as(name, flags, sets)) and how.startswith("--set")}
+    typed_as = {name: how for name in ALIASES if (how := given_as(name, flags, sets))}
     return {**given, **{name: flags.get(name) for name in SIZE_FLAGS}, "set": model_sets, "notes": notes,
             "typed_as": typed_as}

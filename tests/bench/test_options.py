@@ -178,6 +178,15 @@ def test_a_balance_the_model_cannot_take_is_one_line_naming_its_layers_once(caps
     assert line.endswith(", the model sized to this machine; choose with --model/--layers)"), err
 
 
+def test_a_balance_whose_sum_is_refused_names_no_partitions_flag_never_typed(capsys):
+    # "--partitions/--balance: balance [1, 1] sums to 2 ...", though only --balance was typed.
+    from gpipe_cli.cli import run
+
+    assert run(["bench", "--layers", "2", "--d-model", "64", "--ff", "128", "--heads", "2", "--balance", "1,1"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: --balance: balance [1, 1] sums to 2 but the model has "), line
+
+
 @pytest.mark.parametrize("command", ["bench", "profile-memory"])
 def test_a_balance_given_by_set_is_named_so_when_the_model_cannot_take_it(capsys, command):
     # The refusal named "--partitions/--balance", a flag never typed.
