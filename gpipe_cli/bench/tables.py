@@ -10,7 +10,7 @@ from rich.table import Table
 from gpipe_cli import contention
 from gpipe_cli.console import figure_table, print_table
 from gpipe_cli.pipeline import schedules
-from gpipe_cli.units import counted, figure, human_bytes
+from gpipe_cli.units import counted, figure, human_bytes, human_count
 
 
 def _throughput(s: dict[str, Any]) -> Table:
@@ -91,7 +91,7 @@ def host_overhead(s: dict[str, Any]) -> str:
 def show(s: dict[str, Any], console: Console) -> None:
     """Print the figures."""
     model = s["model"]
-    console.print(f"[bold]gpipe bench[/] · {model['name']} ({model['parameters'] / 1e6:.2f}M parameters, "
+    console.print(f"[bold]gpipe bench[/] · {model['name']} ({human_count(model['parameters'])} parameters, "
                   f"{model['layers']} pipeline layers) · K={s['partitions']} M={s['microbatches']} · batch "
                   f"{s['batch_size']} · {s['schedule']} · checkpoint {s['checkpoint']} · balance {s['balance']} "
                   f"({s['balance_by']})")

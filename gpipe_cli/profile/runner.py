@@ -303,6 +303,11 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
     probe_s = budget_probe_seconds(kind, fixed, machine)
     search_s = budget.search_calls(kind, rows_asked, options.schedule, options.virtual_stages) * machine.call_seconds
     progress.estimated = FIXED_S + probe_s + search_s
+    # Said before any phase: the last line compares what it took with this and the rows measured, each said as it
+    # starts with its own estimate (which rows fit is known only once searched).
+    console.print(f"[bold]budget[/] · the largest {kind} model within {human_bytes(limit)} per device, for "
+                  f"{len(rows_asked)} rows · estimate: about {human_seconds(progress.estimated)} to search (this "
+                  f"machine: {flop_rate(machine.flops_per_s)} measured), then each row measured", highlight=False)
     progress.phase(f"measuring per-layer figures of small {kind} models", probe_s)
     family = budget.GROWN[kind](fixed, options.seed)
     correction = None

@@ -42,6 +42,9 @@ def test_each_row_names_the_largest_model_with_its_predicted_and_measured_peak(c
         assert row["device_peak_bytes"] == pytest.approx(row["measured_device_peak_bytes"], rel=0.10), name
     text = " ".join(capsys.readouterr().out.split())
     assert "fullest device (measured)" in text and "Traceback" not in text
+    # The last line's "(estimated ...)" compares with an estimate said first (none was printed).
+    assert text.startswith("budget · the largest transformer model within 1.0 MiB per device, for 6 rows · "
+                           "estimate: about "), text[:300]
 
 
 @pytest.mark.parametrize("flags,message", [
