@@ -281,14 +281,16 @@ def _validated(raw: dict[str, Any], label: str, planning: bool = False, typed: d
         # A --set of a whole section (`model={heads: 5}`) gave the keys it holds, not the others the line names.
         leaves = {k for k in typed if not any(other.startswith(k + ".") for other in typed)}
         named = (text is not None and _leading(message) == key) or led_by(message, leaves)
-        if not named:
-            # A check across keys names the --set of a later key it reads, `... --set model.heads (5)`, but not
-            # one of a product, whose figures stand after its last factor; any other --set the line names, after it.
-            said = re.sub(r"(?<! x )\b([a-z_]+(?:\.[a-z_]+)+) \(",
-                          lambda m: f"--set {m[1]} (" if m[1] in leaves else m[0], message)
+        # A check across keys names the --set of a later key it reads, `... --set model.heads (5)`, but not one of
+        # a product, whose figures stand after its last factor (a leading key is named in front, below).
+        said = re.sub(r"(?<! x )\b([a-z_]+(?:\.[a-z_]+)+) \(",
+                      lambda m: f"--set {m[1]} (" if m[1] in leaves and not (named and m.start() == 0) else m[0],
+                      message)
+        if not named:  # any other --set the line names, after it
             given = [f"--set {k}={typed[k]}" for k in sorted(leaves)
                      if re.search(rf"(?<![\w.]){re.escape(k)}\b", message) and f"--set {k} " not in said]
-            message = said + (f" (from {', '.join(given)})" if given else "")
+            said += f" (from {', '.join(given)})" if given else ""
+        message = said
         raise RecipeError(f"{label}: {'--set ' if named else ''}{message}{more}{_bracketed(key, text, raw)}") from None
 
 

@@ -439,3 +439,12 @@ def test_an_amoebanet_size_of_no_whole_cells_reads_as_bench_says_it(tmp_path, ke
     with pytest.raises(RecipeError) as caught:
         load_recipe(str(path), [f"model.{key}={value}"])
     assert str(caught.value) == f"{path}: --set model.{key}: must be a positive multiple of {says} (got {value})"
+
+
+def test_both_keys_of_a_check_given_by_set_are_named_so(tmp_path):
+    # "--set pipeline.microbatches (4) must be <= data.batch_size (2)": the 2 came from a --set too, not the recipe.
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {kind: transformer}\ndata: {batch_size: 32}\n")
+    with pytest.raises(RecipeError) as raised:
+        load_recipe(str(path), ["pipeline.microbatches=4", "data.batch_size=2"], check_data=False)
+    assert "--set pipeline.microbatches (4) must be <= --set data.batch_size (2)" in str(raised.value), raised.value
