@@ -204,7 +204,9 @@ def unread_problem(sets: Sequence[str], command: str, own: Collection[str] = ())
         key = set_key(item)
         section, dot, _ = key.partition(".")
         if dot and section != "model" and key not in ALIASES.values():
-            if (unknown := unknown_key(key)) is not None:  # a misspelling, as train says it
+            # A misspelling, as train says it; unless what it suggests is unread here too (`train.lr`: optimizer.lr).
+            unknown = unknown_key(key)
+            if unknown is not None and (_read_here(unknown, own) or "did you mean" not in unknown):
                 return f"--set {unknown}"
             if OWN_FLAGS.get(key) in own:
                 value, instead = item.partition("=")[2].strip(), flag(OWN_FLAGS[key])
@@ -213,6 +215,12 @@ def unread_problem(sets: Sequence[str], command: str, own: Collection[str] = ())
             return (f"--set {key}: {command} does not read it; of a recipe it reads the model section, "
                     f"data.batch_size and the pipeline's {', '.join(pipeline)} and {last}")
     return None
+
+
+def _read_here(unknown: str, own: Collection[str]) -> bool:
+    """Whether a key that an unknown key's line suggests is one these commands read."""
+    suggested = re.findall(r"[a-z_]+(?:\.[a-z_]+)+", unknown.partition("did you mean")[2])
+    return any(k.startswith("model.") or k in ALIASES.values() or OWN_FLAGS.get(k) in own for k in suggested)
 
 
 def _section(recipe: str, name: str) -> Any:

@@ -119,6 +119,13 @@ def test_a_misspelled_set_key_is_called_one_as_train_calls_it(capsys, command, k
     assert capsys.readouterr().err == f"error: --set {says}\n"
 
 
+@pytest.mark.parametrize("command", ["bench", "profile-memory"])
+def test_a_misspelled_set_key_is_not_pointed_at_a_key_the_command_does_not_read_either(capsys, command):
+    # "--set train.lr: unknown key (did you mean optimizer.lr?)", then "--set optimizer.lr: ... does not read it".
+    assert gpipe([command, "--set", "train.lr=1"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --set train.lr: gpipe {command} does not read it; of a recipe ")
+
+
 def test_a_recipe_that_cannot_fit_is_not_told_that_bench_would_size_it():
     # bench sizes only a family to the machine; a recipe's model is measured as it is written.
     options = BenchOptions(model="recipes/amoebanet-b-imagenet.yaml")
