@@ -181,7 +181,8 @@ def measure(options: ProfileOptions, console: Console, progress: Progress | None
                 device_bytes = [correction.bytes(fp, sc.checkpoint)
                                 for fp in sc.predict(figures, batch, per_param)]
                 out[-1].update(accounted_peak_bytes=out[-1]["device_peak_bytes"], device_peak_bytes=max(device_bytes))
-    return {"model": {**subject.to_json(), "name": spec.name, "layers": len(spec.layers)}, "batch_size": batch,
+    return {"model": {**subject.to_json(), "name": spec.name, "layers": len(spec.layers), "tied": bool(spec.tied)},
+            "batch_size": batch,
             "microbatches": m, "schedule": options.schedule, "checkpoint": options.checkpoint,
             "offload": options.offload, "optimizer": options.optimizer, "device": str(device),
             "method": account.method(device),

@@ -62,7 +62,9 @@ def _table1(s: dict[str, Any]) -> Table:
     table.add_row(f"layers per {per}", *(",".join(map(str, sc["balance"])) for sc in rows))
     table.add_row("figures", *("measured" if sc["measured"] else "[yellow]extrapolated[/]" for sc in rows))
     # The same parameters in more bytes: a tied weight (an extrapolated row, of a larger model, counts more of both).
-    if len({sc["params"] for sc in rows}) == 1 and len({sc["param_memory_bytes"] for sc in rows}) > 1:
+    # An AmoebaNet, which ties nothing, was said to count one (`model.tied`: absent from older files).
+    if s["model"].get("tied", True) and len({sc["params"] for sc in rows}) == 1 \
+            and len({sc["param_memory_bytes"] for sc in rows}) > 1:
         table.caption = ("parameter memory counts a tied weight (the embedding and softmax) on every stage that "
                          "holds one, so a cut model's can exceed its parameters'")
     return table

@@ -42,3 +42,13 @@ def test_parameter_memory_that_grows_with_the_cut_is_explained_below_table_1():
     assert "tied weight" in str(tables._table1(tied).caption)
     tied["scenarios"][1]["params"] += 1000  # an extrapolated row of more layers: more of both, and no tie
     assert tables._table1(tied).caption is None
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_more_parameter_bytes_for_the_same_parameters_is_put_down_to_a_tied_weight_only_where_one_is(tied):
+    # An AmoebaNet, which ties nothing, was captioned "parameter memory counts a tied weight (the embedding and
+    # softmax) on every stage that holds one".
+    rows = [{"name": name, "params": 1000, "param_memory_bytes": size, "peak_activation_bytes": 1,
+             "device_peak_bytes": 1, "balance": [1], "measured": True} for name, size in (("a", 16000), ("b", 17000))]
+    table = tables._table1({"model": {"name": "m", "tied": tied}, "scenarios": rows})
+    assert ("counts a tied weight" in str(table.caption or "")) == tied
