@@ -120,6 +120,10 @@ class TransformerL:
         """The build parameters of the member a row names, e.g. "13"."""
         return {"layers": int(label), **self.fixed}
 
+    def figures_of(self, label: str) -> ModelFigures:
+        """The figures of the member a row names."""
+        return self.figures(int(label))
+
     def search(self, fits: Callable[[ModelFigures], list[Footprint] | None], least: int = 1) -> Found | None:
         """The deepest member that fits, up to `max_layers`, from the first with `least` pipeline layers or more."""
         best = None
@@ -166,6 +170,11 @@ class AmoebaNetD:
         """The build parameters of the member a row names, e.g. "(18, 208)"."""
         layers, width = (int(x) for x in label.strip("()").split(","))
         return {"layers": layers, "filters": width, **self.fixed}
+
+    def figures_of(self, label: str) -> ModelFigures:
+        """The figures of the member a row names."""
+        member = self.member(label)
+        return self.figures(member["layers"], member["filters"])
 
     def _spec(self, layers: int, width: int) -> Any:
         return build_model("amoebanet", layers=layers, filters=width, **self.fixed)
@@ -258,6 +267,20 @@ def _balance(stages: list[Footprint], schedule: str) -> list[int]:
     return out
 
 
+def _spread(figures: ModelFigures, stages: int, budget: float, need: Callable[[Footprint], float],
+            **priced: Any) -> list[Footprint] | None:
+    """Each stage's footprint when the layers are dealt out evenly over `stages` (None: some stage is over)."""
+    n = len(figures.layers)
+    if n < stages:
+        return None
+    out, start = [], 0
+    for s in range(stages):
+        size = n // stages + (s < n % stages)
+        out.append(mm.stage_footprint(figures, [range(start, start + size)], s, stages, **priced))
+        start += size
+    return out if all(need(fp) <= budget for fp in out) else None
+
+
 # A scenario is (name, K, M, checkpoint), or (..., schedule, offload) where a row has its own; a V-shaped schedule
 # cuts 2K chunks.
 def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[Any, ...]], budget: float,
@@ -280,6 +303,8 @@ def search(family: TransformerL | AmoebaNetD, scenarios: list[tuple[Any, ...]], 
             rows.append(None)
             continue
         stages = found.stages
+        if v == 1 and len(stages) < k:  # it fits fewer devices (greedy filled the first): shown on all K, as it runs
+            stages = _spread(family.figures_of(found.label), **common) or stages
         rows.append(BudgetRow(name, k, m, checkpoint, found.label, found.params,
                               sum(s.weights_bytes for s in stages), sum(s.peak_bytes for s in stages),
                               max(need(s) for s in stages), _balance(stages, placed), found.bound, placed, moved,

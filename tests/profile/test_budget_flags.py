@@ -23,6 +23,9 @@ def test_a_huge_budget_ends_at_the_bound_and_says_the_bound_stopped_it(capsys, t
             "vocabulary 64) · batch") in text and "{" not in text, text[:1000]
     rows = json.loads(out.read_text())["rows"]
     assert [r["model"] for r in rows] == ["10000"] * 6 and all(r["bound"] for r in rows)
+    # The K=2 rows on two devices: each named one stage of every layer, the fullest device that of pipeline-1.
+    assert [len(r["balance"]) for r in rows] == [1, 1, 2, 2, 2, 4]
+    assert rows[2]["device_peak_bytes"] < rows[1]["device_peak_bytes"]
     assert all(r["measured_device_peak_bytes"] is None for r in rows)  # far too slow to run here
 
 
