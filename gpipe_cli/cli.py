@@ -258,7 +258,7 @@ def validate(
                                           help="Also write the recipe and plan as JSON here."),
 ) -> None:
     """Check a recipe and print the resolved recipe and the plan; trains nothing, reads no data."""
-    from gpipe_cli.recipe.load import load_recipe, recipe_label, recipe_read, recipe_yaml
+    from gpipe_cli.recipe.load import load_recipe, recipe_kind_note, recipe_label, recipe_read, recipe_yaml
 
     loaded = load_recipe(recipe, set_ or [])
     check_output(json_file, "--json", "recipe.json")
@@ -271,6 +271,8 @@ def validate(
 
     plan = checked_plan(loaded, recipe_label(recipe), sets=set_ or [])
     console = output_console()
+    if dropped := recipe_kind_note(recipe, set_ or []):
+        console.print(f"note: {dropped}", markup=False, highlight=False)
     console.print(recipe_yaml(loaded), markup=False, highlight=False)
     print_table(console, plan_table(plan), ("stage",), ("layers", "fits"))  # a narrow terminal cuts no figure
     if json_file is not None:

@@ -26,7 +26,7 @@ from gpipe_cli.recipe.aliases import (
     set_key,
     settings,
 )
-from gpipe_cli.recipe.load import RecipeError, typed_values, unknown_key
+from gpipe_cli.recipe.load import RecipeError, kind_note, typed_values, unknown_key
 
 # The command line loads this module for its help and checks these flags before torch loads: the schedules'
 # registry and the pipeline configuration import nothing heavy.
@@ -283,6 +283,8 @@ def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[
             None if k is None or v is None else entries_problem(flags.get("balance"), k, v)])
     given, model_sets = settings(recipe, flags, sets, {**own, **defaults})
     notes = replaced(flags, sets) + _replicas_note(recipe, command)
+    if recipe is not None and (dropped := kind_note(_section(recipe, "model"), sets)):
+        notes.insert(0, dropped)
     if "balance" in given:
         named = given_as("balance", flags, sets)
         if named is None and isinstance(given["balance"], str) and given["balance"] not in cuts:

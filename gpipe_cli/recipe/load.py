@@ -161,6 +161,26 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     node[parts[-1]] = _merged(node.get(parts[-1]), value)
 
 
+def recipe_kind_note(path: str | Path | None, overrides: Sequence[str]) -> str | None:
+    """`kind_note` of the recipe at `path` (None: the built-in one), once it has loaded."""
+    if not any(parse_override(item)[0] == "model.kind" for item in overrides):
+        return None
+    data = parse_document(default_recipe_text() if path is None else read_recipe_file(Path(path)), recipe_label(path))
+    return kind_note(data.get("model") if isinstance(data, dict) else None, overrides)
+
+
+def kind_note(model: Any, overrides: Sequence[str]) -> str | None:
+    """The note for a `--set model.kind` that starts the recipe's model section (`model`, as written) anew."""
+    kinds = [value for key, value in map(parse_override, overrides) if key == "model.kind"]
+    if not isinstance(model, dict) or not kinds or _kind_of(model) in (None, kinds[-1]):
+        return None
+    left = [str(key) for key in model if key != "kind"]
+    if not left:
+        return None
+    return (f"--set model.kind={kinds[-1]} starts the model section anew: the recipe's model keys of kind "
+            f"{_kind_of(model)} ({', '.join(left)}) are left out; {kinds[-1]}'s keys not set take their defaults")
+
+
 def _kind_of(model: dict[str, Any]) -> Any:
     """The kind a model section names: its own, else its preset's (None: neither, or an unknown preset)."""
     if model.get("kind") is not None or model.get("preset") is None:

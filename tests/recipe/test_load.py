@@ -448,3 +448,27 @@ def test_both_keys_of_a_check_given_by_set_are_named_so(tmp_path):
     with pytest.raises(RecipeError) as raised:
         load_recipe(str(path), ["pipeline.microbatches=4", "data.batch_size=2"], check_data=False)
     assert "--set pipeline.microbatches (4) must be <= --set data.batch_size (2)" in str(raised.value), raised.value
+
+
+def test_a_set_of_another_model_kind_says_which_of_the_recipes_model_keys_it_leaves_out(tmp_path, capsys):
+    # `--set model.kind=amoebanet` on a Transformer's recipe dropped its layers, widths and dropout without a word
+    # (bench then measured the paper's AmoebaNet for half an hour).
+    from gpipe_cli.cli import run
+    from gpipe_cli.recipe.load import recipe_kind_note
+
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {kind: transformer, layers: 2, d_model: 64}\n")
+    said = recipe_kind_note(str(path), ["model.kind=amoebanet", "model.layers=3"])
+    assert said == ("--set model.kind=amoebanet starts the model section anew: the recipe's model keys of kind "
+                    "transformer (layers, d_model) are left out; amoebanet's keys not set take their defaults")
+    assert recipe_kind_note(str(path), ["model.kind=transformer"]) is None  # the same kind keeps the section
+    assert recipe_kind_note(str(path), ["model.layers=3"]) is None
+    assert run(["validate", str(path), "--set", "model.kind=amoebanet", "--set", "model.layers=3",
+                "--set", "model.filters=8"]) == 0
+    assert capsys.readouterr().out.startswith(f"note: {said}\n")
+    # bench and profile-memory say it first among their notes.
+    from gpipe_cli.bench.options import CUTS, BenchOptions
+    from gpipe_cli.estimate.model_flags import shared_fields
+
+    given = shared_fields(BenchOptions, str(path), {}, ["model.kind=amoebanet", "model.layers=3"], CUTS, "gpipe bench")
+    assert given["notes"][0] == said
