@@ -180,8 +180,9 @@ def foreign_size(name: str, kind: str) -> str | None:
     from gpipe_cli.recipe.schema import MODEL_SECTIONS
 
     sizes = [p for p in MODEL_SECTIONS[kind].model_fields if p in SIZE_PARAMS.values()]
-    return None if SIZE_PARAMS[name] in sizes else f"{flag(name)} does not apply to {kind} models (their sizes: " \
-        f"{', '.join(sizes)})"
+    flags = [flag(n) for p in sizes for n, param in SIZE_PARAMS.items() if param == p]  # what the user types
+    return None if SIZE_PARAMS[name] in sizes else f"{flag(name)} does not apply to {kind} models (their size " \
+        f"flags: {', '.join(flags)})"
 
 
 def model_of(recipe: str | None, model: str | None, done: str) -> str:

@@ -116,8 +116,8 @@ def test_a_size_flag_a_recipes_model_has_not_is_worded_as_without_a_recipe(comma
     # With a recipe it was the schema's "--filters: unknown key (a key of model.kind amoebanet); allowed keys
     # here: kind, preset, arch, ..." (keys that are no sizes); without one, this line.
     assert gpipe([*command, "recipes/quickstart.yaml", "--filters", "16"]) == 2
-    assert capsys.readouterr().err == ("error: --filters does not apply to transformer models (their sizes: layers, "
-                                       "d_model, ff, heads, vocab_size, max_len)\n")
+    assert capsys.readouterr().err == ("error: --filters does not apply to transformer models (their size flags: "
+                                       "--layers, --d-model, --ff, --heads, --vocab-size, --seq-len)\n")
     assert gpipe([*command, "recipes/quickstart.yaml", "--set", "model.kind=amoebanet", "--d-model", "16"]) == 2
     assert capsys.readouterr().err.startswith("error: --d-model does not apply to amoebanet models")
     # The paper's recipes name a preset and no model.kind: the schema's "unknown key" line again.
