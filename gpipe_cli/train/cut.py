@@ -69,7 +69,8 @@ class NoCutFits(Exception):
         if self.virtual > 1 or weights <= m.capacity:
             return lower_activations(batch_key, m.checkpoint)
         total = m.figures.params([layers]) * m.bytes_per_param
-        return weights_over(f"{human_bytes(weights)} on some stage of any cut", total, m.capacity, m.shared)
+        return weights_over(f"{human_bytes(weights)} on some stage of any cut", total, m.capacity, m.shared,
+                            max(each) * m.bytes_per_param > m.capacity)
 
 
 def lower_activations(batch_key: str, checkpoint: str) -> str:
@@ -79,11 +80,13 @@ def lower_activations(batch_key: str, checkpoint: str) -> str:
     return f"Lower {batch_key}, {change}"
 
 
-def weights_over(need: str, total: float, capacity: float, shared: bool) -> str:
-    """What can help when a stage's weights, gradients and optimizer state alone (`need`) are over its memory."""
-    # A batch, micro-batches or remat change only activations; more ranks sharing one RAM each get less.
+def weights_over(need: str, total: float, capacity: float, shared: bool, one_layer: bool = False) -> str:
+    """What can help when a stage's weights, gradients and optimizer state alone (`need`) are over its memory
+    (`one_layer`: a single layer's are)."""
+    # A batch, micro-batches or remat change only activations; more ranks sharing one RAM each get less, and no
+    # cut splits a layer.
     said = f"Weights, gradients and optimizer state alone need {need}"
-    if shared:
+    if shared or one_layer:
         return f"{said} (all stages' {human_bytes(total)}): choose a smaller model or a larger machine"
     return (f"{said}: raise pipeline.partitions (all stages' {human_bytes(total)} is "
             f"{math.ceil(total / capacity)} ranks' worth)")

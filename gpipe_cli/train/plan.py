@@ -140,9 +140,10 @@ class Plan:
         if need <= capacity:
             return cut.lower_activations(self.batch_key, self.checkpoint)
         said = f"{human_bytes(need)} on stage {heaviest.index}"
-        # `balance: auto` has cut to fit memory already, unless there was one cut only.
-        if sum(weights) > capacity * self.partitions or self.balance_by == "the only cut":
-            return cut.weights_over(said, sum(weights), capacity, shared=heaviest.host_capacity == 0)
+        # No cut but this one (one chunk, or a layer each: `balance: auto` cuts to fit memory otherwise).
+        one_layer = len(heaviest.layers) == 1  # a layer each: no cut lightens it
+        if sum(weights) > capacity * self.partitions or len(self.balance) == 1 or one_layer:
+            return cut.weights_over(said, sum(weights), capacity, heaviest.host_capacity == 0, one_layer)
         return (f"Weights, gradients and optimizer state alone need {said} of this cut: "
                 f"set pipeline.balance: auto, which cuts to fit memory")
 

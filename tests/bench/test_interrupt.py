@@ -107,12 +107,15 @@ def test_a_stop_while_a_compare_baseline_measures_stops_the_command_not_just_the
     def stopped(*args, **kwargs):
         raise setup.JobFailed(code, {"runs": [{"ours": 1}]})
 
+    def failed(*args, **kwargs):
+        raise setup.JobFailed(1, {"runs": [1]})
+
     job = SimpleNamespace(compare=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(setup, "launch_job", stopped)
         with pytest.raises(setup.JobFailed) as raised:
             runner._launch(job, None, "k1", SimpleNamespace(threads=1))
         assert raised.value.code == code
-        patch.setattr(setup, "launch_job", lambda *a, **k: (_ for _ in ()).throw(setup.JobFailed(1, {"runs": [1]})))
+        patch.setattr(setup, "launch_job", failed)
         kept = runner._launch(job, None, "k1", SimpleNamespace(threads=1))  # a baseline that failed: ours are kept
         assert kept["runs"] == [1] and "a baseline failed (exit code 1)" in kept["failed"]

@@ -105,6 +105,11 @@ def test_a_stage_whose_weights_alone_are_over_is_told_what_can_help(shared):
         assert line.endswith("choose a smaller model or a larger machine"), line
     else:
         assert "raise pipeline.partitions" in line and line.endswith(f"{math.ceil(total / m.capacity)} ranks' worth)")
+    # A layer heavier than a device: more ranks would not split it.
+    heavy = dataclasses.replace(memory(figs, 2, max(each) * 0.9), shared=shared)
+    with pytest.raises(cut.NoCutFits) as caught:
+        cut.within_memory([1.0] * 6, heavy)
+    assert str(caught.value).endswith("choose a smaller model or a larger machine"), caught.value
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -63,6 +63,12 @@ def test_a_stage_whose_weights_alone_are_over_is_not_told_to_lower_its_batch(rec
     # and more ranks on GPUs, each with its own memory.
     gpus = make_plan(lopsided, device="cuda", available=sum(weights) * 0.4).misfit()
     assert gpus.endswith(f"raise pipeline.partitions (all stages' {human_bytes(sum(weights))} is 3 ranks' worth)"), gpus
+    # A stage of one layer too heavy for its device: no cut and no more devices lighten it.
+    each = load_recipe(str(recipe_path), ["pipeline.partitions=44"])
+    heaviest = max(s.memory.params + s.memory.grads + s.memory.optimizer
+                   for s in make_plan(each, device="cuda", available=1e15).stages)
+    text = make_plan(each, device="cuda", available=heaviest * 0.9).misfit()
+    assert text.endswith("choose a smaller model or a larger machine"), text
 
 
 def test_offloaded_activations_count_against_the_host_memory(recipe_path, monkeypatch):
