@@ -24,6 +24,7 @@ from gpipe_cli import contention
 from gpipe_cli.estimate.simulate import Link
 from gpipe_cli.launch import forked
 from gpipe_cli.sizing import usable_cores
+from gpipe_cli.units import counted
 
 # The recipe's optimizer over some parameters (a picklable factory: it is built in each rank).
 OptimizerOf = Callable[[list[torch.nn.Parameter]], "torch.optim.Optimizer | None"]
@@ -295,7 +296,8 @@ def engine_steps(kind: str, params: dict[str, Any], inputs: Any, targets: torch.
                  grad_clip: float | None = None, balance: list[int] | None = None, virtual: int = 1) -> Steps:
     """GPipe steps' seconds on `ranks` processes here per micro-batch count, the update's, and the first's drift."""
     stages = len(balance or [0]) // virtual
-    what = (f"running the engine on {ranks} replicas" if balance is None else
-            f"running the engine as {stages} stages x {ranks // stages} replicas, {virtual} chunk(s) per stage")
+    what = (f"running the engine on {counted(ranks, 'replica')}" if balance is None else
+            f"running the engine as {counted(stages, 'stage')} x {counted(ranks // stages, 'replica')}, "
+            f"{counted(virtual, 'chunk')} per stage")
     return _on_ranks(ranks, threads, what, _engine_rank, kind, params, balance or [], virtual, inputs, targets, seed,
                      counts, optimizer, grad_clip)

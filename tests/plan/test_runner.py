@@ -55,7 +55,7 @@ def test_one_device_measures_the_engine_on_one_stage_in_this_process(tmp_path, c
     assert engine is not None, timing
     # Never negative; zero is a measurement too: on a loaded machine the layers' own timing can leave no gap.
     assert float(engine.group(1)) >= 0 and float(engine.group(2)) >= 0
-    assert "on 1 replicas" not in timing and "as 1 stages" not in timing  # no ranks: no replicated or staged ratios
+    assert "on 1 replica" not in timing and "as 1 stage" not in timing  # no ranks: no replicated or staged ratios
     assert {"pipeline.partitions=1", "pipeline.data_parallel=1"} <= set(set_lines(out))
 
 
