@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from types import FrameType
 
@@ -15,6 +16,9 @@ from gpipe_cli.pipeline import stopping
 
 # The host launches a step before it reads the one before: a stop waits for both. An evaluation says otherwise.
 AFTER_STEP = "after the steps in flight"
+# A SIGINT this soon after the first is the same Ctrl-C come twice: a wrapper in the terminal's process group
+# (`timeout`, a scheduler's step) passes on the one the terminal also sent the launcher, which forwards both.
+ECHO_S = 1.0
 
 
 def answers_stops(rank: int) -> bool:
@@ -28,6 +32,7 @@ class StopRequest:
 
     def __init__(self, announce: bool) -> None:
         self.signum = 0
+        self.since = 0.0  # when the first stop signal came (time.monotonic)
         self.announce = announce
         self.parent = os.getppid()  # a rank's parent ending sends it SIGINT (torch's workers ask for it)
         self.when = AFTER_STEP  # what a stop signal cuts short, as the answer to Ctrl-C says
@@ -49,14 +54,14 @@ class StopRequest:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         stopping.note(signum)
         if not self.signum:
-            self.signum = signum
+            self.signum, self.since = signum, time.monotonic()
             if self.announce and signum == signal.SIGINT:  # a person pressed Ctrl-C: answer at once
                 what = "the launcher ended (SIGINT)" if os.getppid() != self.parent else "SIGINT"
                 again = "" if os.getppid() != self.parent else " (Ctrl-C again to abort at once)"
                 stopping.say_stop(f"{what}: stopping {self.when}{again}")
         elif self.echo and signum == signal.SIGINT:  # a SIGTERM again changes nothing anyway
             self.echo = False
-        elif signum == signal.SIGINT:
+        elif signum == signal.SIGINT and time.monotonic() - self.since >= ECHO_S:
             if self.announce:
                 then = self.way_on()
                 print("[gpipe] SIGINT again: aborted at once; a checkpoint it cut short is removed on resume"

@@ -8,7 +8,7 @@ import pytest
 
 from gpipe_cli.launch.launcher import _Stops
 from gpipe_cli.pipeline import stopping
-from gpipe_cli.train.signals import StopRequest
+from gpipe_cli.train.signals import ECHO_S, StopRequest
 
 # A rank that loses the first SIGTERM, as one does when it arrives while the rank is being started
 # (forked, its program not yet running), and ends on the next.
@@ -246,7 +246,8 @@ def test_a_rank_the_stop_never_reached_stops_after_its_first_step_and_takes_the_
         assert request.signum == signal.SIGINT and marker.exists()  # it stops after this step, and saves
         request._handle(signal.SIGINT, None)  # the launcher's signal, come late: the same stop
         assert exits == []
-        request._handle(signal.SIGINT, None)  # a Ctrl-C again
+        monkeypatch.setattr("gpipe_cli.train.signals.time.monotonic", lambda: request.since + ECHO_S)
+        request._handle(signal.SIGINT, None)  # a Ctrl-C again, pressed a second later
         assert exits == [128 + signal.SIGINT]
     finally:
         signal.signal(signal.SIGHUP, hangup)

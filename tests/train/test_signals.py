@@ -14,6 +14,13 @@ def no_signal_remembered(monkeypatch):
     monkeypatch.setattr(stopping, "_received", 0)  # the handler notes the signal for the process: put back after
 
 
+@pytest.fixture(autouse=True)
+def a_person_presses_again_later(monkeypatch):
+    # A second Ctrl-C pressed by hand comes a while after the first: each reading of the clock is a second on.
+    clock = iter(range(0, 10_000, max(int(signals.ECHO_S), 1)))
+    monkeypatch.setattr(signals.time, "monotonic", lambda: float(next(clock)))
+
+
 def test_a_second_ctrl_c_aborts_at_once_with_one_line(monkeypatch, capsys):
     # It ended the job with exit 130 and no word after "Ctrl-C again to abort at once".
     def exit_now(code):
@@ -43,6 +50,20 @@ def test_an_abort_says_how_the_run_goes_on(monkeypatch, capsys, tmp_path):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "[gpipe] SIGINT again: aborted at once; a checkpoint it cut short is removed on resume; continue with "
         f"gpipe train --resume {tmp_path}")
+
+
+def test_the_same_ctrl_c_come_twice_at_once_is_one_stop(monkeypatch, capsys):
+    # Under `timeout` (or any wrapper that passes signals on) the terminal's Ctrl-C reached the launcher twice, once
+    # from the terminal and once from the wrapper; the ranks took the second for "again" and saved nothing.
+    monkeypatch.setattr(signals.time, "monotonic", lambda: 100.0)
+    exits: list[int] = []
+    monkeypatch.setattr(signals.os, "_exit", exits.append)
+    request = signals.StopRequest(announce=True)
+    request._handle(signal.SIGINT, None)
+    request._handle(signal.SIGINT, None)
+    assert exits == [] and request.signum == signal.SIGINT  # it still stops after the steps in flight, and saves
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "[gpipe] SIGINT: stopping after the steps in flight (Ctrl-C again to abort at once)"]
 
 
 def test_a_sigint_sent_because_the_launcher_ended_says_so(monkeypatch, capsys):
