@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, TypedDict, TypeVar
+from pathlib import Path
+from typing import Any, Literal, TypedDict, TypeVar
 
+from gpipe_cli.errors import UserError
 from gpipe_cli.units import number_range
 
 # No torch and no engine here: `gpipe report` reads runs without importing either (a test pins PARTS to the engine's).
@@ -127,3 +130,60 @@ class _EvalKeys(TypedDict):
 class EvalRecord(_EvalKeys, EvalFigures):
     """One evaluation of the held-out split."""
 
+
+def _is_number(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+def _are_numbers(values: Any) -> bool:
+    return isinstance(values, list) and all(_is_number(v) for v in values)
+
+
+def usable(record: dict[str, Any]) -> bool:
+    """Whether a train or eval record holds every figure the report reads, each of the right type."""
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        return False
+    if record["kind"] == "eval":
+        return all(_is_number(record.get(key)) for key in EVAL_NUMBERS)
+    time_s = record.get("time_s")
+    return (all(key in record for key in ("samples_per_s", "step_time_s"))
+            and all(_is_number(record.get(key)) for key in TRAIN_NUMBERS)
+            and isinstance(time_s, dict) and all(_are_numbers(time_s.get(part)) for part in PARTS)
+            and bool(time_s["compute"])
+            and all(type(record.get(key, kind())) is kind for key, kind in PIPELINE.items())  # a bool is no count
+            and (record.get("mem_peak_bytes") is None or _are_numbers(record["mem_peak_bytes"])))
+
+
+def read_records(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
+    """The usable train and eval records of a metrics.jsonl, and the lines that are not in words (empty: none)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror})") from None
+    lines = data.split(b"\n")
+    train: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
+    damaged: list[int] = []  # the numbers of the malformed lines, from 1
+    unended = ""
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested past what Python parses
+            if number < len(lines):
+                damaged.append(number)
+            else:  # unended: still being written, or cut by a crash; said apart, as it is not damage
+                unended = f"the last line ({number}), unfinished: still being written or cut short"
+            continue
+        if not isinstance(record, dict):
+            damaged.append(number)
+        elif record.get("kind") in ("train", "eval"):  # other kinds, should there ever be any, are not read
+            if usable(record):
+                (train if record["kind"] == "train" else evals).append(record)
+            else:
+                damaged.append(number)
+    words = ("" if not damaged else f"1 malformed line (line {damaged[0]})" if len(damaged) == 1
+             else f"{len(damaged)} malformed lines, the first on line {damaged[0]}")
+    return train, evals, "; ".join(part for part in (words, unended) if part)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gpipe_cli.pipeline.stats import PARTS
-from gpipe_cli.records import PROFILED, Rate, after_warmup, profiled_words
+from gpipe_cli.records import PROFILED, Rate, after_warmup, profiled_words, read_records
 from gpipe_cli.train.step_figures import Peak
 from gpipe_cli.units import flop_rate, number_range, share
 
@@ -90,6 +91,12 @@ class RunSummary:
             self.profiled_steps.append(record["step"])
             return
         (self.warmup if warm else self.measured).add(record, examples, units)
+
+    def take_evals(self, metrics: Path, step: int) -> None:
+        """Take in the evals a run resumed at `step` recorded before it: its best eval is the whole run's."""
+        for record in read_records(metrics)[1] if step and metrics.is_file() else []:
+            if record["step"] <= step:
+                self.add(record, 0, None)
 
     def lines(self, now: float, checkpoint: str | None, run_dir: str, text: bool, ended: str = "") -> list[str]:
         """The summary, one fact per line; `text` adds tokens/s; `ended` says why the run stopped early."""

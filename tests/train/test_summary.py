@@ -132,3 +132,22 @@ def test_an_accuracy_reads_to_four_places_even_when_whole():
     from gpipe_cli.train.summary import eval_figures
 
     assert eval_figures({"kind": "eval", "step": 2, "loss": 0.5, "accuracy": 1.0}) == "loss 0.5, accuracy 1.0000"
+
+
+def test_a_resumed_runs_best_eval_counts_its_evals_before_the_resume(tmp_path):
+    # Resumed at step 200, a run's summary named its step-204 eval the best, though step 200's was better.
+    import json
+
+    metrics = tmp_path / "metrics.jsonl"
+    earlier = [{"kind": "eval", "step": 2, "loss": 3.0}, {"kind": "eval", "step": 4, "loss": 1.0},
+               {"kind": "eval", "step": 5, "loss": 0.5}]  # after the resume's step: another course's, not this one's
+    metrics.write_text("".join(json.dumps(record) + "\n" for record in earlier) + "not json\n")
+    summary = RunSummary(total_steps=6, started=100.0)
+    summary.take_evals(metrics, 4)
+    summary.add({"kind": "eval", "step": 6, "loss": 2.0}, 0, None)
+    lines = summary.lines(now=130.0, checkpoint=None, run_dir="run", text=False)
+    assert field(lines, "best eval").startswith("step 4: loss 1")
+    assert field(lines, "final eval").startswith("step 6: loss 2")
+    fresh = RunSummary(total_steps=6, started=100.0)
+    fresh.take_evals(metrics, 0)  # a run from step 0 has no earlier evals, whatever the folder holds
+    assert fresh.best_eval is None
