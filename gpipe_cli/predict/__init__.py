@@ -10,11 +10,10 @@ from pathlib import Path
 from gpipe_cli.errors import UserError, not_utf8, shown
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.pipeline.streams import write_out
-from gpipe_cli.train.existing import CHECKPOINTS, EXPORTED, newest_step
+from gpipe_cli.train.existing import CHECKPOINTS, EXPORTED, is_run, newest_step
 
 DEFAULT_MAX_TOKENS = 50
 MAX_TOKENS = 100_000  # a long document's worth: each token is a forward, so a typo of more digits runs for days
-WRITE_ONE = "write one with: gpipe export RUN"
 _KINDS = {"translation": "a translation model", "lm": "a language model", "image": "an image classifier"}
 _GIVE = {"translation": "a sentence to translate", "lm": "a prompt to continue"}
 
@@ -126,15 +125,21 @@ def out_of_date(file: Path, exported_step: str | None) -> str | None:
             f"answering with step {exported_step}'s weights; refresh it with: gpipe export {shlex.quote(str(run_dir))}")
 
 
+def export_command(file: Path) -> str:
+    """The command that writes the export `file` names: `gpipe export` of its run directory, where it is in one."""
+    run = next((folder for folder in (file, file.parent) if folder.is_dir() and is_run(folder)), None)
+    return f"gpipe export {shlex.quote(str(run)) if run is not None else 'RUN'}"
+
+
 def export_file(path: str) -> Path:
     """The file of the export `path` names (a run directory: its model.safetensors); one line refuses none."""
     check_path(path, "MODEL", "model", "give the file gpipe export wrote, or its run directory")
     file = Path(path)
     if not file.exists():
-        raise UserError(f"no such model file: {shown(path)}; {WRITE_ONE}")
+        raise UserError(f"no such model file: {shown(path)}; write one with: {export_command(file)}")
     if file.is_dir():  # a run directory: the file gpipe export writes there by default
         if not (file / EXPORTED).is_file():
-            raise UserError(f"{shown(path)} is a directory without {EXPORTED}; {WRITE_ONE}")
+            raise UserError(f"{shown(path)} is a directory without {EXPORTED}; write one with: {export_command(file)}")
         file = file / EXPORTED
     try:  # safetensors words a file it may not read as one that is not there
         open(file, "rb").close()

@@ -26,7 +26,7 @@ from gpipe_cli.models.weights import (
     not_finite,
     parse,
 )
-from gpipe_cli.predict import WRITE_ONE, export_file
+from gpipe_cli.predict import export_command, export_file
 
 Answer = Callable[[str], Iterator[str]]  # one input -> the pieces of its line of output, as each is known
 _CLASSIFIES = f"an image model classifies image files ({FORMATS}, ...)"
@@ -47,9 +47,10 @@ def load_export(path: str) -> Exported:
         # A copy or download that stopped early: "not a safetensors file" sent the user looking for another file.
         short = cut_short(file)
         if short is not None:
-            raise UserError(f"{shown(str(file))} {short}; copy it again whole, or write it again with: "
-                            "gpipe export RUN") from None
-        raise UserError(f"{shown(str(file))} is not a safetensors file ({first_line(exc)}); {WRITE_ONE}") from None
+            raise UserError(f"{shown(str(file))} {short}; copy it again whole, or "
+                            f"write it again with: {export_command(file)}") from None
+        raise UserError(f"{shown(str(file))} is not a safetensors file ({first_line(exc)}); write one with: "
+                        f"{export_command(file)}") from None
     try:
         exported = parse(tensors, metadata)
     except WeightsOnly as exc:  # gpipe export wrote it: advising that command again would go round in a circle
@@ -57,7 +58,7 @@ def load_export(path: str) -> Exported:
     except NewerFormat as exc:
         raise UserError(f"{shown(path)} cannot be read: {exc}; upgrade gpipe-cli to use it") from None
     except ValueError as exc:
-        raise UserError(f"{shown(path)} is not a gpipe export: {exc}; {WRITE_ONE}") from None
+        raise UserError(f"{shown(path)} is not a gpipe export: {exc}; write one with: {export_command(file)}") from None
     bad = not_finite(exported.state)
     if bad is not None:  # every answer would follow from NaN: a class of "nan%", an empty translation
         # float16 holds at most 65,504: a larger weight exported in it became infinite.

@@ -31,6 +31,7 @@ from gpipe_cli.records import EvalRecord, TrainRecord
 from gpipe_cli.train import checkpoint, cut, evaluation, nonfinite, optim, output
 from gpipe_cli.train.existing import (
     CHECKPOINTS,
+    PREFIX,
     choose_run_dir,
     complete_line,
     continue_command,
@@ -106,7 +107,8 @@ class Trainer:
         self.checkpoints = Checkpointer(self.pipe, self.optimizer, self.scheduler, topo, self.plan, self.run_dir,
                                         recipe.checkpoint.keep)
         if job.resume:
-            self._note(f"loading the newest whole checkpoint of {job.resume}")
+            named = Path(str(job.resume)).name.startswith(PREFIX)  # a checkpoint's own folder, not its run's
+            self._note(f"loading {'checkpoint' if named else 'the newest whole checkpoint of'} {job.resume}")
         self.start_step = self._resume() if job.resume else 0
         self.complete = job.resume is not None and self.start_step == self.total_steps
         if self.complete:  # a finished run resumed again (a requeued job): nothing to train, evaluate or write

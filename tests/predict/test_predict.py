@@ -500,3 +500,15 @@ def test_standard_output_on_a_full_disk_is_one_line(exports, monkeypatch, capsys
     code = run(["predict", str(exports["translation"]), "one two"])
     assert code == 1 and capsys.readouterr().err == ("error: cannot write to standard output (No space left on "
                                                      "device); what it should have shown is lost\n")
+
+
+def test_a_run_directory_without_an_export_is_told_the_command_that_writes_it(tmp_path, capsys):
+    # It said "write one with: gpipe export RUN", leaving the user to fill in the folder they had just typed.
+    run_dir = tmp_path / "my run"
+    (run_dir / "checkpoints" / "step-00000004").mkdir(parents=True)
+    code = run(["predict", str(run_dir), "five"])
+    captured = capsys.readouterr()
+    assert one_error_line(code, captured.err, captured.out).endswith(f"write one with: gpipe export '{run_dir}'")
+    code = run(["predict", str(run_dir / "model.safetensors"), "five"])  # the file it would have written there
+    captured = capsys.readouterr()
+    assert one_error_line(code, captured.err, captured.out).endswith(f"write one with: gpipe export '{run_dir}'")

@@ -207,6 +207,8 @@ def test_a_resume_of_a_course_set_aside_takes_back_its_records_and_sets_the_othe
     first = gpipe_train(2, str(path), "--output-dir", str(run), "--threads", "1", "--set", "train.steps=6",
                         "--resume", str(checkpoints / "step-00000002"))
     assert first.codes == [0, 0], first.stderr[-3000:]
+    # A checkpoint named is the one loaded: not "the newest whole checkpoint of" it.
+    assert f"loading checkpoint {checkpoints / 'step-00000002'}" in first.stdout + first.stderr
     (old,) = checkpoints.glob("superseded-*-at-step-2")
     assert train_steps(old) == [3, 4, 5, 6, 7, 8] and train_steps(run) == [1, 2, 3, 4, 5, 6]
     # Back to the course the first resume left, from its step 6: the course trained since goes aside in turn.
