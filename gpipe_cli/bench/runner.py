@@ -26,6 +26,7 @@ from gpipe_cli.estimate.measure import RunFigures, median
 from gpipe_cli.estimate.subject import Subject, paced, resolve
 from gpipe_cli.files import write_json, writing
 from gpipe_cli.launch import LaunchOptions, warming
+from gpipe_cli.limits import refuse
 from gpipe_cli.models import families
 from gpipe_cli.pipeline.config import sizes  # nearly equal parts, larger first
 from gpipe_cli.pipeline.schedule import theoretical_bubble
@@ -201,7 +202,8 @@ def results(options: BenchOptions, summary: dict[str, Any], events: list[dict[st
 def run(options: BenchOptions) -> int:
     """Run `gpipe bench` on options `bench.run` has validated; print the figures, return an exit code."""
     console = output_console()
-    resolve(options.model, options.sizes(), options.set)  # a value refused is one line, no note about it first
+    kind = resolve(options.model, options.sizes(), options.set).kind  # a value refused is one line, no note first
+    refuse([options.examples_problem(kind, max(options.microbatch_values()), options.batch)])
     for note in options.notes:  # first: sizing a large recipe takes a while
         console.print(f"[bold]note:[/] {note}", highlight=False)
     progress = Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))

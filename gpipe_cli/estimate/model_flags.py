@@ -13,7 +13,7 @@ from gpipe_cli.limits import MAX_SEED, one_of, outside, refuse
 from gpipe_cli.models import families
 from gpipe_cli.models.presets import is_preset_name, preset
 from gpipe_cli.pipeline import schedules
-from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES
+from gpipe_cli.pipeline.config import OFFLOAD_MODES, REMAT_MODES, microbatch_problem
 from gpipe_cli.recipe.aliases import (
     ALIASES,
     SIZE_FLAGS,
@@ -78,6 +78,12 @@ class ModelFlags:
     def balance_named(self) -> str:
         """What a balance whose sum is refused came from: the balance, and K where K was typed too."""
         return self.cut_named() if "partitions" in self.typed_as else self.named("balance")
+
+    def examples_problem(self, kind: str, microbatches: int, batch: int) -> str | None:
+        """Where `microbatches` of `batch` leave one fewer examples than model family `kind` trains on, why, or None."""
+        family = families.of(kind)
+        return microbatch_problem(microbatches, batch, self.named("microbatches"), self.named("batch_size"),
+                                  family.least_examples, family.least_why)
 
     def sizes(self) -> dict[str, int | None]:
         """The size flags, by name."""

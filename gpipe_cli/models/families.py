@@ -32,6 +32,7 @@ class Family:
     task: Callable[[Any], Task]                    # the data task of a recipe's model section
     data_sizes: tuple[str, ...] = ()  # the model-section keys the data must agree with
     least_examples: int = 1     # the smallest micro-batch it trains on (BatchNorm needs two)
+    least_why: str = ""         # why, in words
     device_probe_depths: tuple[int, int] = (1, 2)  # the shallow members that fit a device's memory correction
 
 
@@ -65,7 +66,7 @@ AMOEBANET = Family(
     shrink_flags="--layers, --filters, --image-size",
     title=_amoebanet_title, short=lambda p: f"AmoebaNet-D ({p.get('layers')}, {p.get('filters')})",
     task=lambda model: "image", data_sizes=("image_size", "num_classes"), least_examples=2,
-    device_probe_depths=(6, 12))
+    least_why="AmoebaNet's batch normalisation needs two to train on", device_probe_depths=(6, 12))
 
 TRANSFORMER = Family(
     kind="transformer", paper_preset="transformer-l-48", paper_title="Transformer-48", paper_batch=32,

@@ -12,13 +12,17 @@ OFFLOAD_MODES = ("none", "activations")
 
 
 def microbatch_problem(microbatches: int, examples: int | None = None, name: str = "microbatches",
-                       batch: str = "the batch size") -> str | None:
-    """What keeps M micro-batches from splitting `examples` (M >= 1, and M <= examples), or None."""
-    # `name` and `batch` are the caller's words for M and the examples, as its error message says them.
+                       batch: str = "the batch size", least: int = 1, why: str = "") -> str | None:
+    """What keeps M micro-batches from splitting `examples`, `least` each (M >= 1, M x least <= examples), or None."""
+    # `name` and `batch` are the caller's words for M and the examples, as its error message says them; `why`
+    # says why a micro-batch needs more than one example.
     if microbatches < 1:
         return f"{name} must be >= 1 (got {microbatches})"
-    if examples is not None and microbatches > examples:
-        return f"{name} ({microbatches}) must be <= {batch} ({examples}): every micro-batch needs an example"
+    if examples is not None and microbatches * least > examples:
+        if least == 1:
+            return f"{name} ({microbatches}) must be <= {batch} ({examples}): every micro-batch needs an example"
+        return (f"{name} ({microbatches}) must be <= {batch} ({examples}) / {least}: every micro-batch needs "
+                f"{least} examples{f' ({why})' if why else ''}")
     return None
 
 

@@ -28,6 +28,7 @@ from gpipe_cli.estimate.subject import (
     unknown_param,
 )
 from gpipe_cli.files import write_json
+from gpipe_cli.limits import refuse
 from gpipe_cli.models import families
 from gpipe_cli.models.describe import count_parameters, layer_params
 from gpipe_cli.models.registry import allowed_params, build_model
@@ -293,6 +294,7 @@ def search(options: ProfileOptions, console: Console, progress: Progress) -> dic
     device = _device(options.device)  # before anything is measured: a missing GPU is said at once
     kind, fixed = _family(options)
     batch = options.batch_size or families.of(kind).paper_batch
+    refuse([options.examples_problem(kind, options.microbatches, batch)])
     machine = sizing.this_machine(torch.get_num_threads())
     m = options.microbatches
     base = scenarios.names(options.partitions, m, options.checkpoint)
@@ -342,7 +344,8 @@ def run(options: ProfileOptions) -> int:
 
 def _run(options: ProfileOptions, console: Console) -> int:
     if options.budget is None:  # the budget search checks its family's sizes in its own words
-        resolve(options.model, options.sizes(), options.set)  # a value refused is one line, no note about it first
+        kind = resolve(options.model, options.sizes(), options.set).kind  # a value refused is one line, no note first
+        refuse([options.examples_problem(kind, options.microbatches, options.batch_size or 4 * options.microbatches)])
     for note in options.notes:  # first: sizing a large recipe takes a while
         console.print(f"[bold]note:[/] {note}", highlight=False)
     progress = Progress(lambda line: console.print(f"[dim]{line}[/]", highlight=False))

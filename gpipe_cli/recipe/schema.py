@@ -30,6 +30,7 @@ from gpipe_cli.limits import (
     MAX_VIRTUAL,
     choices,
 )
+from gpipe_cli.models import families
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
 from gpipe_cli.recipe.yamlio import reads_as_number
@@ -476,4 +477,10 @@ class Recipe(Section):
                              f"{pipe.data_parallel}) must be <= data.batch_size ({batch}): each of the "
                              f"{pipe.data_parallel} replicas gets {batch // pipe.data_parallel} of the mini-batch's "
                              f"examples, and each of its micro-batches needs one")
+        family = families.of(str(self.model.kind))
+        replicas = f" x pipeline.data_parallel ({pipe.microbatches} x {pipe.data_parallel})" \
+            if pipe.data_parallel > 1 else f" ({pipe.microbatches})"
+        if problem := microbatch_problem(pipe.microbatches * pipe.data_parallel, batch, "pipeline.microbatches",
+                                         "data.batch_size", family.least_examples, family.least_why):
+            raise ValueError(problem.replace(f" ({pipe.microbatches * pipe.data_parallel})", replicas, 1))
         return self

@@ -200,3 +200,26 @@ def test_the_plan_names_each_run_and_its_memory(flags, lines):
     preview.show(preview.choose_subject(options, machine(64 * GIB)), options, machine(64 * GIB), console)
     printed = console.export_text().splitlines()
     assert all(any(line.startswith(start) for line in printed) for start in lines), printed
+
+
+@pytest.mark.parametrize("command", [
+    ["bench", "--model", "amoebanet", "--batch-size", "8", "--microbatches", "8"],
+    ["bench", "--model", "amoebanet", "--batch-size", "8", "--set", "pipeline.microbatches=8"],
+    ["profile-memory", "--model", "amoebanet", "--batch-size", "4", "--microbatches", "4"],
+    ["profile-memory", "--model", "amoebanet", "--batch-size", "4", "--microbatches", "4", "--budget", "1GiB"],
+])
+def test_a_micro_batch_of_one_image_is_refused_before_anything_is_measured(monkeypatch, capsys, command):
+    # bench measured for 13 s, then its ranks failed in BatchNorm ("Expected more than 1 value per channel").
+    def measured(*args, **kwargs):
+        raise AssertionError("the command measured")
+
+    monkeypatch.setattr("gpipe_cli.bench.preview.choose_subject", measured)
+    monkeypatch.setattr("gpipe_cli.profile.runner.measure", measured)
+    monkeypatch.setattr("gpipe_cli.profile.runner.sizing.this_machine", measured)
+    assert gpipe(command) == 2
+    out = capsys.readouterr()
+    typed = "--set pipeline.microbatches" if "--set" in command else "--microbatches"
+    line = out.err.strip()
+    assert out.out == ""
+    assert len(line.splitlines()) == 1 and line.startswith(f"error: {typed} (")
+    assert "--batch-size (" in line and "every micro-batch needs 2 examples (AmoebaNet's batch normalisation" in line

@@ -181,6 +181,12 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "partitions over layers": (GOOD, ["--set", "pipeline.partitions=45"], "cannot cut 44 pipeline layers into 45"),
     "microbatches zero": (GOOD, ["--set", "pipeline.microbatches=0"], "pipeline.microbatches: must be >= 1"),
     "microbatches over batch": (GOOD, ["--set", "pipeline.microbatches=32"], "must be <= data.batch_size"),
+    # A micro-batch of one image ended in BatchNorm's traceback ("Expected more than 1 value per channel").
+    "one image per micro-batch": (GOOD, ["--set", "pipeline.microbatches=16"], "pipeline.microbatches (16) must be "
+                                  "<= data.batch_size (16) / 2: every micro-batch needs 2 examples (AmoebaNet's batch "
+                                  "normalisation needs two to train on)"),
+    "one image per replica's micro-batch": (GOOD, ["--set", "pipeline.data_parallel=3"], "pipeline.microbatches x "
+                                            "pipeline.data_parallel (4 x 3) must be <= data.batch_size (16) / 2"),
     "data parallel zero": (GOOD, ["--set", "pipeline.data_parallel=0"], "pipeline.data_parallel: must be >= 1"),
     "replicas over batch": (GOOD, ["--set", "pipeline.data_parallel=5"], "pipeline.microbatches x "
                             "pipeline.data_parallel (4 x 5) must be <= data.batch_size (16): each of the 5 "
