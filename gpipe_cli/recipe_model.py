@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -37,6 +38,25 @@ def optimizer_name(recipe: Recipe) -> str:
 def base_lr(recipe: Recipe) -> float:
     """The peak learning rate (see `Recipe.peak_lr`)."""
     return recipe.peak_lr()
+
+
+def priced_batch(recipe: Recipe) -> int:
+    """The examples of full length a mini-batch is priced at: data.batch_size, or what a token budget holds."""
+    data = recipe.data
+    if data.tokens_per_batch is None:
+        return data.batch_size
+    # A budget batch pads count x longest to at most tokens_per_batch: no more tokens, nor attention, than this many
+    # examples of max_len (data.batch_size is not used).
+    return max(math.ceil(data.tokens_per_batch / int(getattr(recipe.model, "max_len", 1))), 1)
+
+
+def batch_words(recipe: Recipe) -> str:
+    """The key that sizes a mini-batch, with its value: 'data.tokens_per_batch 4096 (16 examples of 256 tokens)'."""
+    data = recipe.data
+    if data.tokens_per_batch is None:
+        return f"data.batch_size {data.batch_size}"
+    return (f"data.tokens_per_batch {data.tokens_per_batch} ({priced_batch(recipe)} examples of "
+            f"{getattr(recipe.model, 'max_len', 1)} tokens)")
 
 
 def pipeline_config(recipe: Recipe, balance: Sequence[int] = ()) -> PipelineConfig:

@@ -34,7 +34,7 @@ from gpipe_cli.plan.options import PlanOptions
 from gpipe_cli.plan.sample import Sample
 from gpipe_cli.plan.search import Model, allreduce_seconds
 from gpipe_cli.recipe.schema import Recipe
-from gpipe_cli.recipe_model import build_optimizer, optimizer_name
+from gpipe_cli.recipe_model import build_optimizer, optimizer_name, priced_batch
 from gpipe_cli.units import flop_rate
 
 # Time spent measuring per-layer seconds is worth it up to about this; beyond, estimate from FLOPs.
@@ -261,7 +261,7 @@ def inputs(recipe: Recipe, options: PlanOptions, sizes: Callable[[int], tuple[in
            say: Callable[[str], None], phase: Callable[[str, float], None], sample: Sample | None, siblings: int,
            links: tuple[Link, Link] | None, device: str) -> Inputs:
     """Everything the plan's search needs of the model."""
-    kind, seed, batch, timing, tflops = (recipe.model.kind, recipe.seed, recipe.data.batch_size, options.timing,
+    kind, seed, batch, timing, tflops = (recipe.model.kind, recipe.seed, priced_batch(recipe), options.timing,
                                          options.tflops)
     params = recipe.model.model_dump(exclude={"kind", "preset"})
     # A parameter with its gradient and optimizer state.

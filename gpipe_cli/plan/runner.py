@@ -56,6 +56,7 @@ def as_written_line(model: Any, hw: Any, recipe: Recipe, best: Any, budget: floa
 def _not_comparable(model: Any, hw: Any, recipe: Recipe) -> str | None:
     """Why the recipe's own pipeline settings cannot be predicted for these devices (None: they can)."""
     from gpipe_cli.pipeline import partition, schedule
+    from gpipe_cli.recipe_model import batch_words
 
     p = recipe.pipeline
     used = p.partitions * p.data_parallel
@@ -63,7 +64,7 @@ def _not_comparable(model: Any, hw: Any, recipe: Recipe) -> str | None:
         return (f"it uses K x D = {p.partitions} x {p.data_parallel} = {used} devices, not the {hw.devices} "
                 f"planned for")
     if model.batch % p.data_parallel:
-        return f"data.batch_size {model.batch} is not a multiple of D={p.data_parallel}"
+        return f"{batch_words(recipe)} is not a multiple of D={p.data_parallel}"
     if model.batch // p.data_parallel < p.microbatches:
         share = model.batch // p.data_parallel
         return f"each replica's {counted(share, 'example')} cannot make M={p.microbatches} micro-batches"
@@ -171,18 +172,18 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     from gpipe_cli.estimate.simulate import Link
     from gpipe_cli.plan import inputs, search, show
     from gpipe_cli.progress import Progress, took_line
-    from gpipe_cli.recipe_model import model_spec, optimizer_name
+    from gpipe_cli.recipe_model import batch_words, model_spec, optimizer_name, priced_batch
     from gpipe_cli.sizing import usable_cores
 
     interrupts.check()  # one that arrived while torch loaded, which swallows it: stop before any work
     started = time.perf_counter()
     console = output_console()
     spec = model_spec(recipe)
-    batch, n = recipe.data.batch_size, options.devices
+    batch, n = priced_batch(recipe), options.devices
     layers = len(spec.layers)
     if not micro_sizes(layers, batch, n, 1):
         raise UserError(f"--devices {n}: no pipeline uses exactly {n} devices: K stages x D replicas = {n} needs "
-                        f"K <= the model's {layers} pipeline layers and D dividing data.batch_size {batch}")
+                        f"K <= the model's {layers} pipeline layers and D dividing {batch_words(recipe)}")
     per_node = n // options.nodes
     threads = max(1, usable_cores() // per_node)
     memory = options.memory_bytes()
@@ -230,21 +231,22 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     evaluated = len(result.ranked) + len(result.refused)
     if not evaluated:
         raise UserError(f"--devices {n}: no pipeline uses exactly {n} devices with micro-batches of at least "
-                        f"{model.min_microbatch} examples (data.batch_size {batch})")
+                        f"{model.min_microbatch} examples ({batch_words(recipe)})")
     best = result.best
     if best is None:
         assert result.smallest is not None and result.smallest_memory is not None
         needed = result.smallest_memory
         raise UserError(f"{_nothing_fits(budget, n, options)}: the smallest plan ({result.smallest.config.label()}) "
                         f"needs {human_bytes(needed, up=True)} per device (predicted); give --device-memory "
-                        f"{size_flag(needed)} or more, more --devices, or a smaller data.batch_size")
+                        f"{size_flag(needed)} or more, more --devices, or a smaller {batch_words(recipe).split()[0]}")
     where = "this machine's per-rank memory" if memory is None else "--device-memory"
     node_text = f" on {options.nodes} nodes" if options.nodes > 1 else ""
     line = functools.partial(console.print, highlight=False)
     if any(contention.contended(load) for load in fed.loads.values()):  # the speed figures that follow
         line(contention.note(fed.loads))
     line(f"[bold]gpipe plan[/] · {spec.name} ({layers} pipeline layers) · {counted(n, 'device')}{node_text}, "
-         f"{human_bytes(budget)} each ({where}) · batch {batch}")
+         f"{human_bytes(budget)} each ({where}) · "
+         f"{f'batch {batch}' if recipe.data.tokens_per_batch is None else batch_words(recipe)}")
     line(f"  per-layer seconds: {fed.timing}")
     if fed.drift is not None:
         line(f"  steadiness: {steadiness(fed.drift)}")

@@ -19,7 +19,7 @@ from gpipe_cli.models.describe import ModelSummary
 from gpipe_cli.pipeline import partition, schedule
 from gpipe_cli.recipe.load import led_by, parse_override
 from gpipe_cli.recipe.schema import Recipe
-from gpipe_cli.recipe_model import model_spec, optimizer_name
+from gpipe_cli.recipe_model import model_spec, optimizer_name, priced_batch
 from gpipe_cli.train import cut
 from gpipe_cli.units import counted, human_bytes, human_count
 
@@ -218,13 +218,9 @@ def _cut_errors(recipe: Recipe) -> Iterator[None]:
 
 def examples_per_replica(recipe: Recipe) -> int:
     """The examples of the model's full length one replica's step is priced at."""
-    data, pipe = recipe.data, recipe.pipeline
-    total = data.batch_size
-    if data.tokens_per_batch is not None:
-        # A budget batch pads count x longest to at most tokens_per_batch, or holds the M x D examples every batch
-        # needs: no more tokens, nor attention, than this many examples of max_len (data.batch_size is not used).
-        length = int(getattr(recipe.model, "max_len", 1))
-        total = max(math.ceil(data.tokens_per_batch / length), pipe.microbatches * pipe.data_parallel)
+    pipe, total = recipe.pipeline, priced_batch(recipe)
+    if recipe.data.tokens_per_batch is not None:  # or the M x D examples every budget batch holds at least
+        total = max(total, pipe.microbatches * pipe.data_parallel)
     return max(total // pipe.data_parallel, 1)
 
 

@@ -162,6 +162,20 @@ def test_a_plan_for_devices_not_here_says_what_it_does_and_ends_with_its_estimat
     assert re.fullmatch(r"took \d+ s \(estimated \d+ s\)", lines[-1]), lines[-1]
 
 
+def test_a_token_budget_is_planned_as_the_batch_training_prices(tmp_path, capsys):
+    # The plan read data.batch_size (8) where training builds its batch from the token budget: 24 tokens of
+    # examples 8 long, 3 examples. Its memory and its M were those of a batch training never uses.
+    recipe = write(tmp_path, {**TINY, "data": {**TINY["data"], "tokens_per_batch": 24}})
+    assert run(["plan", str(recipe), "--devices", "1", "--tflops", "100", "--plain"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("gpipe plan · "))
+    assert header.endswith("· data.tokens_per_batch 24 (3 examples of 8 tokens)"), header
+    ms = {int(m) for m in re.findall(r"\bK=\d+ D=\d+ M=(\d+)", out)}
+    assert ms and max(ms) <= 3 < TINY["data"]["batch_size"]
+    planned = load_recipe(recipe, set_lines(out))
+    assert planned.pipeline.microbatches <= 3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset,batch", [("amoebanet-d-18-256", 128), ("transformer-l-48", 32)])
 def test_paper_models_are_planned_for_eight_80gib_devices_without_building_them(tmp_path, capsys, preset, batch):
