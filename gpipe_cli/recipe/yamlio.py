@@ -46,10 +46,29 @@ def reads_as_number(text: str) -> bool:
     return bool(_INT_TEXT.match(text) or _FLOAT_TEXT.match(text))
 
 
+class _Huge(int):
+    """A decimal integer of more digits than Python reads as text: its order of magnitude, shown by its length."""
+
+    digits = 0
+
+    def __repr__(self) -> str:
+        return f"a number of {self.digits} digits"
+
+    __str__ = __repr__
+
+
 def _int(loader: _Loader, node: yaml.ScalarNode) -> int:
     """A YAML 1.2 integer: decimal (leading zeros too), 0o octal or 0x hexadecimal."""
     text = str(loader.construct_scalar(node))
-    return int(text[2:], 8 if text[1] == "o" else 16) if text.startswith(("0o", "0x")) else int(text)
+    if text.startswith(("0o", "0x")):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    try:
+        return int(text)
+    except ValueError:  # past Python's limit on digits: no setting takes such a number, and its range says so
+        digits = len(text.lstrip("+-").lstrip("0"))
+        huge = _Huge((-1 if text.startswith("-") else 1) * 10 ** (digits - 1))
+        huge.digits = digits
+        return huge
 
 
 _Loader.add_constructor(_INT, _int)
