@@ -290,7 +290,7 @@ def _validated(raw: dict[str, Any], label: str, planning: bool = False, typed: d
     try:
         return Recipe.model_validate(raw, context={PLANNING: planning})
     except ValidationError as exc:
-        errors = exc.errors()
+        errors = _unknown_first(exc.errors())
         key = ".".join(str(p) for p in _path(errors[0]["loc"]))
         # An unknown section is named by the --set items under it too (`--set pipline.partitions=2`).
         typed = typed or {}
@@ -332,6 +332,12 @@ def _takes_list(loc: Sequence[str], raw: dict[str, Any]) -> bool:
     forms = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
         else (annotation,)
     return any(typing.get_origin(form) in (list, tuple) for form in forms)
+
+
+def _unknown_first(errors: list[Any]) -> list[Any]:
+    """The errors, an unknown key first where its section also misses a key: the misspelling is the cause."""
+    missing = {tuple(_path(e["loc"])[:-1]) for e in errors if e["type"] == "missing"}
+    return sorted(errors, key=lambda e: not (e["type"] == "extra_forbidden" and tuple(_path(e["loc"])[:-1]) in missing))
 
 
 def _leading(message: str) -> str | None:
@@ -403,7 +409,9 @@ def unknown_key(key: str) -> str | None:
 def _nearest(loc: Sequence[str | int], section: type[BaseModel] | None, raw: dict[str, Any]) -> str:
     """` (did you mean KEY?)` for an unknown key: a near spelling here, or the key as another section holds it."""
     name, prefix = str(loc[-1]), "".join(f"{p}." for p in loc[:-1])
-    here = near(name, section.model_fields if section else [])
+    fields = list(section.model_fields) if section else []
+    # Or the start of a key here (`warmup` of warmup_steps), or a key here and more (`every_steps` of every).
+    here = near(name, fields, prefix=True) or [k for k in fields if name.startswith(k + "_")][:1]
     # `train.lr` is optimizer.lr; `train.checkpoint_every` is checkpoint.every.
     elsewhere = [k for k in _keys(raw) if k.endswith("." + name) or k == name.replace("_", ".", 1)]
     if here or len(elsewhere) == 1:

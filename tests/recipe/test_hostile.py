@@ -109,6 +109,9 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
     "unclosed bracket": (recipe_text("model: [unclosed\n"), [], "not valid YAML at line"),
     "a negative number too long to read": (recipe_text("name: long\noptimizer:\n  lr: -" + "9" * 5000 + "\n"), [],
                                            "optimizer.lr: must be a number > 0.0"),
+    # The misspelt key made a required one missing, and the line named only the missing one.
+    "required key misspelt": (recipe_text("metrics:\n  wandb:\n    projct: x\n"), [],
+                              "metrics.wandb.projct: unknown key (did you mean metrics.wandb.project?)"),
     "tab indentation": (recipe_text("model:\n\tkind: amoebanet\n"), [], "not valid YAML"),
     "two documents": (recipe_text("name: a\n---\nname: b\n"), [], "not valid YAML"),
     "billion laughs": (recipe_text(LAUGHS), [], "aliases are expanded"),

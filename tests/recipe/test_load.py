@@ -68,6 +68,10 @@ def test_every_shipped_recipe_validates_and_plans(path):
                                   "(got 2.5)"),
     (["train.lr=0.1"], "train.lr: unknown key (did you mean optimizer.lr?); allowed keys here: steps"),
     (["train.checkpoint_every=5"], "train.checkpoint_every: unknown key (did you mean checkpoint.every?)"),
+    # A key of its own section first: `schedule.warmup` was pointed at train.profile.warmup, the profiler's.
+    (["schedule.warmup=5"], "schedule.warmup: unknown key (did you mean schedule.warmup_steps?)"),
+    (["pipeline.virtual=2"], "pipeline.virtual: unknown key (did you mean pipeline.virtual_stages?)"),
+    (["eval.every_steps=5"], "eval.every_steps: unknown key (did you mean eval.every?)"),
     # Under a section a --set gave whole: named by that --set, as a key it gave itself is.
     (["train.profile={steps: [0]}"], "recipe.yaml: --set train.profile.steps.0: must be >= 1 (got 0)"),
     # A key several sections hold: each of them (it said nothing where `lr` named optimizer.lr).
