@@ -109,6 +109,10 @@ def parse_yaml(text: str, label: str, overrides: Sequence[str] = ()) -> dict[str
                           "every key left out takes its default")
     if not isinstance(data, dict):
         raise RecipeError(f"{label}: a recipe must be a mapping of sections (got {type(data).__name__})")
+    # A section whose keys are all commented out reads as null: they take their defaults, as when it is left out.
+    for section in [k for k, v in data.items() if v is None and (k == "model" or k in Recipe.model_fields and
+                                                                 _subsection(Recipe, k, data) is not None)]:
+        del data[section]
     for item in overrides:  # against the recipe as written, before any --set changes it
         _written_as_a_value(data, parse_override(item)[0], label)
     # Another model.kind first: it starts the section anew, which would drop a model key set before it.
@@ -300,7 +304,8 @@ def _validated(raw: dict[str, Any], label: str, planning: bool = False, typed: d
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
         # A --set of a whole section (`model={heads: 5}`) gave the keys it holds, not the others the line names.
         leaves = {k for k in typed if not any(other.startswith(k + ".") for other in typed)}
-        named = (text is not None and _leading(message) == key) or led_by(message, leaves)
+        named = (text is not None and (_leading(message) == key or message.startswith(key + ":"))) or \
+            led_by(message, leaves)
         # A check across keys names the --set of a later key it reads, `... --set model.heads (5)`, but not one of
         # a product, whose figures stand after its last factor (a leading key is named in front, below).
         said = re.sub(r"(?<! x )\b([a-z_]+(?:\.[a-z_]+)+) \(",

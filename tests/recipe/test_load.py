@@ -55,6 +55,7 @@ def test_every_shipped_recipe_validates_and_plans(path):
     (["pipeline.microbatch=4"], "pipeline.microbatch: unknown key (did you mean pipeline.microbatches?); allowed"),
     # A misspelt section is named as the --set under it, not blamed on the recipe.
     (["pipline.partitions=2"], "recipe.yaml: --set pipline: unknown key (did you mean pipeline?)"),
+    (["Pipeline.partitions=2"], "recipe.yaml: --set Pipeline: unknown key (did you mean pipeline?)"),
     # Checks across keys and of a union's tag name the --set too; a type error gives the range as well.
     (["model.kind=gpt"], "recipe.yaml: --set model.kind: must be 'amoebanet' or 'transformer' (got 'gpt')"),
     (["optimizer.betas=[0.9]"], "recipe.yaml: --set optimizer.betas: must be a list of 2 numbers"),
@@ -476,3 +477,14 @@ def test_a_set_of_another_model_kind_says_which_of_the_recipes_model_keys_it_lea
 
     given = shared_fields(BenchOptions, str(path), {}, ["model.kind=amoebanet", "model.layers=3"], CUTS, "gpipe bench")
     assert given["notes"][0] == said
+
+
+def test_a_section_whose_keys_are_all_commented_out_takes_its_defaults(tmp_path):
+    # `pipeline:` over commented-out keys reads as null, and was refused: "pipeline: must be a mapping (got null)".
+    path = tmp_path / "recipe.yaml"
+    path.write_text("name: commented\npipeline:\n  # partitions: 2\ntrain:\n  steps: 3\nmodel:\n")
+    recipe = load_recipe(str(path), check_data=False)
+    assert recipe.pipeline.partitions == 1 and recipe.train.steps == 3 and recipe.model.kind
+    path.write_text("name:\n")  # a value, not a section: still refused
+    with pytest.raises(RecipeError, match="name: must be a string"):
+        load_recipe(str(path), check_data=False)
