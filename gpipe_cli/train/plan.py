@@ -110,6 +110,7 @@ class Plan:
     no_cut_fits: str = ""  # `balance: auto` found no cut whose every stage fits: why, with the numbers
     batch_key: str = "data.batch_size"  # the key that sizes a mini-batch (data.tokens_per_batch under a budget)
     tokens: int = 0  # a text model's activations are priced at examples of this many tokens (model.max_len)
+    microbatch_least: int = 0  # the smallest micro-batch, where the batch does not split evenly (0: all alike)
 
     @property
     def fits(self) -> bool:
@@ -279,11 +280,18 @@ def make_plan(recipe: Recipe, spec: ModelSpec | None = None, measured: list[floa
                 bubble_theory=schedule.theoretical_bubble(pipe.partitions, pipe.microbatches, pipe.schedule,
                                                           pipe.virtual_stages),
                 stages=stages, capacity=room.description, no_cut_fits=refusal,
-                batch_key=batch_key(recipe), tokens=getattr(recipe.model, "max_len", 0))
+                batch_key=batch_key(recipe), tokens=getattr(recipe.model, "max_len", 0),
+                microbatch_least=per_replica // pipe.microbatches if recipe.data.tokens_per_batch is None else 0)
 
 
 def _layers(names: list[str]) -> str:
     return ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]} … {names[-1]} ({len(names)})"
+
+
+def _sizes(plan: Plan) -> str:
+    """The examples a micro-batch holds: '8', or '7 to 8' where the batch does not split evenly."""
+    least = plan.microbatch_least or plan.microbatch_size
+    return f"{least} to {plan.microbatch_size}" if least != plan.microbatch_size else str(plan.microbatch_size)
 
 
 def plan_table(plan: Plan) -> Table:
@@ -291,7 +299,7 @@ def plan_table(plan: Plan) -> Table:
     offloads = any(s.memory.host for s in plan.stages)  # pipeline.offload: what waits in host memory, beside
     table = figure_table(f"{plan.model}: {human_count(plan.total_params)} parameters, "
                          f"{counted(plan.partitions, 'stage')} x {counted(plan.data_parallel, 'replica')}, "
-                         f"{counted(plan.microbatches, 'micro-batch', 'micro-batches')} of {plan.microbatch_size}",
+                         f"{counted(plan.microbatches, 'micro-batch', 'micro-batches')} of {_sizes(plan)}",
                          ("stage", "layers", "params", "GFLOP per example", "memory (est.)", "of which activations",
                           *(("offloaded to host",) if offloads else ()), "fits"), left=("layers",),
                          title_justify="left")

@@ -253,3 +253,12 @@ def test_counts_of_one_are_said_in_the_singular(recipe_path):
     assert ", 1 stage x 1 replica, 1 micro-batch of " in str(plan_table(plan).title)
     assert ", 2 stages x 1 replica, 4 micro-batches of " in str(plan_table(make_plan(
         load_recipe(str(recipe_path), []), available=1e15)).title)
+
+
+def test_micro_batches_of_unequal_sizes_are_said_so(recipe_path):
+    # `validate --set data.batch_size=30` said "4 micro-batches of 8"; they hold 8, 8, 7 and 7 examples.
+    uneven = make_plan(load_recipe(str(recipe_path), ["data.batch_size=30", "pipeline.microbatches=4"]),
+                       available=1e15)
+    assert str(plan_table(uneven).title).endswith(", 4 micro-batches of 7 to 8")
+    even = make_plan(load_recipe(str(recipe_path), ["data.batch_size=32", "pipeline.microbatches=4"]), available=1e15)
+    assert str(plan_table(even).title).endswith(", 4 micro-batches of 8")
