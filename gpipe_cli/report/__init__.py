@@ -34,7 +34,7 @@ from gpipe_cli.report.runs import (
     wait_share,
     warm_only,
 )
-from gpipe_cli.units import figure, human_bytes
+from gpipe_cli.units import figure, human_bytes, number_range
 
 # Said after a default place that cannot be written (a read-only run of someone else's, say).
 ELSEWHERE = "; give --output FILE to write the page elsewhere"
@@ -82,6 +82,19 @@ def _memory(runs: list[Run], column: str) -> tuple[str, str]:
     return column, f"{_HOLDS[True]} on a GPU ({named[True]}), {_HOLDS[False]} on a CPU ({named[False]})"
 
 
+def _part_of(run: Run) -> str:
+    """For a course a resume set aside (checkpoints/superseded-...), which steps it holds and whose they follow."""
+    first, last = run.train[0]["step"], run.train[-1]["step"]
+    if first == 1:
+        return ""
+    from gpipe_cli.train.existing import CHECKPOINTS, SUPERSEDED  # only here: it reads recipes
+
+    if not run.path.name.startswith(SUPERSEDED) or run.path.parent.name != CHECKPOINTS:
+        return ""
+    return (f" (a course a resume set aside: steps {number_range(first, last)}, after the steps of "
+            f"{run.path.parent.parent})")
+
+
 def summary_table(runs: list[Run]) -> Table:
     """One row per run: last loss, best eval, largest stage peak, and its pipeline's throughput, bubble and wait."""
     # A run resumed with another pipeline: its row's K, M and schedule are its last pipeline's, and so are its
@@ -91,7 +104,7 @@ def summary_table(runs: list[Run]) -> Table:
     resumed = " and each resume" if any(len(last_cut(run)) > 1 for run in runs) else ""
     over = rates[0].over if len(runs) == 1 else _over(runs, f"the steps after the first of each run{resumed}, "
                                                             "which warm up")
-    caption = (" · ".join(f"{r.label}: {r.path}" for r in runs)
+    caption = (" · ".join(f"{r.label}: {r.path}{_part_of(r)}" for r in runs)
                + f"\nsamples/s, bubble and wait: mean over {over}; each step weighted by its time")
     memory, holds = _memory(runs, "memory")
     if any(map(cut_steps, runs)):

@@ -307,3 +307,18 @@ def test_the_table_shows_the_eval_figure_a_task_is_judged_by(tmp_path, capsys, f
         f.write(json.dumps({"kind": "eval", "step": 5, "loss": 0.1, **figures}) + "\n")
     table = summary_table(read_runs([folder]))
     assert list(table.columns[3].cells) == [f"0.1 @5, {shown}"]
+
+
+def test_a_course_a_resume_set_aside_says_which_steps_it_holds_and_whose_they_follow(tmp_path, capsys):
+    # Its table gave "steps 8" and a warm-up "first" step that was the resume's, not the run's first.
+    run_dir = make_run(tmp_path / "run", 2, steps=6)
+    course = run_dir / "checkpoints" / "superseded-20261206-182218-at-step-6"
+    course.mkdir(parents=True)
+    records = [train_record(step=step, stages=2) | ({"resumed": True, "warmup": True} if step == 7 else {})
+               for step in (7, 8)]
+    (course / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert cli(["report", str(course), "--output", str(tmp_path / "course.png")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"(a course a resume set aside: steps 7-8, after the steps of {run_dir})" in out
+    assert cli(["report", str(run_dir), "--output", str(tmp_path / "run.png")]) == 0
+    assert "set aside" not in capsys.readouterr().out
