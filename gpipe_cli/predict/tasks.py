@@ -126,6 +126,8 @@ def classifier(exported: Exported, model: nn.Module, top: int) -> Answer:
         return names[i] if i < len(names) else f"class {i}"
 
     def answer(path: str) -> Iterator[str]:
+        if not path.strip():  # a blank line of stdin (an INPUT is checked first): a blank answer, as text models give
+            return
         with torch.no_grad():
             output = model(transform(read_image(path))[None])
         logits = _checked(output if isinstance(output, torch.Tensor) else output[0], path)  # not the auxiliary head

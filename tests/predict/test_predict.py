@@ -45,6 +45,16 @@ def test_a_translation_model_answers_each_sentence_on_its_own_line(exports, monk
     assert len(capsys.readouterr().out.split("\n")) == 4  # three lines, the empty sentence's empty
 
 
+def test_an_image_model_answers_a_blank_line_of_stdin_with_a_blank_line(exports, picture, monkeypatch, capsys):
+    # It stopped at the blank line ("INPUT: an empty path names no file", exit 2), leaving the next unanswered.
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{picture}\n\n{picture}\n"))
+    assert run(["predict", str(exports["image"])]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.split("\n")
+    assert len(lines) == 4 and lines[1] == "" and lines[0].startswith(f"{picture}\t") and lines[2] == lines[0]
+    assert captured.err == ""
+
+
 def test_an_answer_the_model_leaves_empty_keeps_its_line_and_is_said_on_stderr(exports, monkeypatch, capsys):
     # An undertrained translation model answered with an empty line and no word of why.
     monkeypatch.setattr("gpipe_cli.predict.tasks.translate", lambda *args, **kwargs: [[]])
