@@ -86,8 +86,8 @@ def flop_rate(per_s: float) -> str:
 
 
 def counted(n: int, noun: str, plural: str | None = None) -> str:
-    """`n` and the noun, singular for one: '1 device', '8 devices' (`plural`: where it is not the noun and 's')."""
-    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+    """`n` and the noun, singular for one: '1 device', '1,024 devices' (`plural`: where not the noun and 's')."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
 
 
 def human_count(n: float) -> str:

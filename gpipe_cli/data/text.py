@@ -156,8 +156,9 @@ def _record(obj: Mapping[str, Any], task: TextTask, data: Data, where: str) -> R
     if s not in obj or t not in obj:
         nested = obj.get("translation")
         if not isinstance(nested, Mapping):
-            raise DataError(f"{where}: no fields '{s}' and '{t}' (fields: {keys}); set data.source_field and "
-                            "data.target_field")
+            absent = " and ".join(f"'{name}'" for name in (s, t) if name not in obj)
+            raise DataError(f"{where}: no field{'s' if ' and ' in absent else ''} {absent} (fields: {keys}); set "
+                            "data.source_field and data.target_field")
         if s not in nested or t not in nested:
             raise DataError(f"{where}: the translation has languages {', '.join(map(str, nested))}; set "
                             "data.source_field and data.target_field to two of them")
@@ -171,12 +172,24 @@ def _record(obj: Mapping[str, Any], task: TextTask, data: Data, where: str) -> R
 def _lines(f: Path) -> Iterator[tuple[int, str]]:
     """(line number, line without newline) of each non-blank line, with one clear error for non-text files."""
     try:
-        with open(f, encoding="utf-8") as fh:
+        # utf-8-sig: a byte order mark, as some Windows editors begin a file, is no part of the first line (a header)
+        with open(f, encoding="utf-8-sig") as fh:
             for n, line in enumerate(fh, 1):
                 if line.strip():
                     yield n, line.rstrip("\n").rstrip("\r")
     except UnicodeDecodeError:
-        raise DataError(f"'{f}' is not UTF-8 text") from None
+        raise DataError(_not_utf8(f)) from None
+
+
+def _not_utf8(f: Path) -> str:
+    """Where file `f` stops being UTF-8 text, in one line (a reading error places the byte in a chunk only)."""
+    raw = f.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        return f"'{f}':{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); data files are UTF-8 text"
+    return f"'{f}' is not UTF-8 text"
 
 
 def read_jsonl(files: Sequence[Path], task: TextTask, data: Data) -> list[Record]:
@@ -188,8 +201,9 @@ def read_jsonl(files: Sequence[Path], task: TextTask, data: Data) -> list[Record
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{f}:{n}: not valid JSON ({e.msg}: column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{f}:{n}: expected a JSON object, got {type(obj).__name__}")
+            if not isinstance(obj, dict):  # e.g. a .json file holding one array of them
+                raise DataError(f"{f}:{n}: expected a JSON object, got {type(obj).__name__}; data.source jsonl reads "
+                                "one object per line")
             out.append(_record(obj, task, data, f"{f}:{n}"))
     return out
 

@@ -267,8 +267,8 @@ class Trainer:
     def _data_summary(self, data: Loader) -> str:
         """How much data there is and what `drop_last` leaves out of every epoch."""
         used = sum(len(batch) for batch in data.plan(0))
-        text = (f"data: {data.train_size:,} training examples, {self.steps_per_epoch:,} steps per epoch, "
-                f"{data.eval_size:,} held out")
+        text = (f"data: {counted(data.train_size, 'training example')}, {counted(self.steps_per_epoch, 'step')} per "
+                f"epoch, {data.eval_size:,} held out")
         dropped = data.train_size - used
         model, given = self.recipe.model, self.recipe.data
         wanted = given.vocab_size or (model.vocab_size if isinstance(model, TransformerModel) else None)

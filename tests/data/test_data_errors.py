@@ -61,6 +61,18 @@ def test_malformed_files(tmp_path: Path) -> None:
     binary = tmp_path / "bin.txt"
     binary.write_bytes(b"\xff\xfe\x00\x81" * 10)
     _fails(data(source="text", path=str(binary)), "lm", "not UTF-8", tmp_path)
+    # Named by its line and byte, as predict names its inputs' (it said only "is not UTF-8 text").
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("one line\ntwo lines\ncaf\u00e9\n".encode("latin-1"))
+    _fails(data(source="text", path=str(latin)), "lm", r"latin.txt':3: not UTF-8 text \(byte 0xe9\)", tmp_path)
+    # A field present is not said missing: "no fields 'source' and 'target' (fields: source)".
+    half = write_jsonl(tmp_path / "half.jsonl", [{"source": "a"}])
+    _fails(data(source="jsonl", path=str(half)), "translation", r"no field 'target' \(fields: source\)", tmp_path)
+    # A .json file of one array is told what jsonl reads.
+    array = tmp_path / "array.json"
+    array.write_text('[{"source": "a", "target": "b"}]\n', encoding="utf-8")
+    _fails(data(source="jsonl", path=str(array)), "translation", "got list; data.source jsonl reads one object per "
+           "line", tmp_path)
     pq = tmp_path / "bad.parquet"
     pq.write_bytes(b"PAR1 this is not parquet")
     _fails(data(source="parquet", path=str(pq)), "image", r"^'.*bad.parquet' is not a parquet file \(", tmp_path)

@@ -93,12 +93,13 @@ def test_jsonl_wrong_language_names_the_choice(tmp_path: Path) -> None:
         _translation(data(source="jsonl", path=str(f), source_field="en", target_field="de"), tmp_path)
 
 
-@pytest.mark.parametrize("header", [False, True])
-def test_tsv(tmp_path: Path, header: bool) -> None:
+# utf-8-sig: a file saved with a byte order mark, as Windows editors do; its header became a training pair.
+@pytest.mark.parametrize("header,encoding", [(False, "utf-8"), (True, "utf-8"), (True, "utf-8-sig")])
+def test_tsv(tmp_path: Path, header: bool, encoding: str) -> None:
     p = pairs(40)
     lines = (["target\tsource"] if header else []) + [(f"{t}\t{s}" if header else f"{s}\t{t}") for s, t in p]
     f = tmp_path / "train.tsv"
-    f.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    f.write_text("\n".join(lines) + "\n", encoding=encoding)
     ds = _translation(data(source="tsv", path=str(f), eval_fraction=0.0, drop_last=False), tmp_path)
     assert ds.train_size == 40 and ds.eval_size == 0 and list(ds.eval_batches()) == []
     assert _decoded_pairs(ds) == set(p)
