@@ -29,7 +29,7 @@ def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_
         from gpipe_cli.data.images import image_splits
 
         train, evl = image_splits(data, seed=seed, image_size=image_size, num_classes=num_classes,
-                                  cache_dir=cache_dir)
+                                  cache_dir=cache_dir, run_dir=run_dir)
     elif task in ("translation", "lm"):
         from gpipe_cli.data.text import LMExamples, text_splits, unigram_perplexity
 

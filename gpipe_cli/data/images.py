@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,18 @@ import torch
 from gpipe_cli.data.augment import IMAGE_EXTS, ImageTransform, pil_to_tensor
 from gpipe_cli.data.loader import Examples
 from gpipe_cli.data.rng import rng
-from gpipe_cli.data.sources import existing_path, first_line, hold_out, load_builder, open_splits, pick_splits
+from gpipe_cli.data.sources import (
+    CLASSES_FILE,
+    existing_path,
+    first_line,
+    hold_out,
+    load_builder,
+    open_splits,
+    pick_splits,
+)
 from gpipe_cli.data.synthetic import SyntheticImages
 from gpipe_cli.errors import DataError, shown
+from gpipe_cli.files import atomic_write_bytes
 from gpipe_cli.recipe.schema import Data
 
 
@@ -84,8 +94,8 @@ def _integral(value: Any) -> bool:
         return False
 
 
-def _as_images(ds: Any, data: Data, where: str) -> tuple[Any, str, np.ndarray, int | None]:
-    """(dataset with a decodable image column, its name, labels, number of class names if known)."""
+def _as_images(ds: Any, data: Data, where: str) -> tuple[Any, str, np.ndarray, list[str]]:
+    """(dataset with a decodable image column, its name, labels, the class names in label order if known)."""
     import datasets
 
     col = _column(ds, data.image_field, datasets.Image, "image", "data.image_field")
@@ -108,8 +118,7 @@ def _as_images(ds: Any, data: Data, where: str) -> tuple[Any, str, np.ndarray, i
         row = int(np.flatnonzero(labels != raw)[0])
         raise DataError(f"column '{lab}' of {where} does not hold integer labels: {raw[row]:g} in row {row}")
     feature = ds.features[lab]
-    classes = len(feature.names) if isinstance(feature, datasets.ClassLabel) else None
-    return ds, col, labels, classes
+    return ds, col, labels, [str(n) for n in feature.names] if isinstance(feature, datasets.ClassLabel) else []
 
 
 def _check_labels(labels: np.ndarray, classes: int | None, num_classes: int, where: str) -> None:
@@ -158,9 +167,9 @@ def _open(data: Data, cache_dir: Path | None) -> tuple[Any, str]:
     return load_builder("imagefolder", f"'{path}'", cache_dir, data_dir=str(path)), f"'{path}'"
 
 
-def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int,
-                 cache_dir: Path | None = None) -> tuple[ImageExamples, ImageExamples | None]:
-    """(train, held-out) image examples for `data`."""
+def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, cache_dir: Path | None = None,
+                 run_dir: Path | None = None) -> tuple[ImageExamples, ImageExamples | None]:
+    """(train, held-out) image examples for `data`; the class names kept in `run_dir` for export."""
     train_tf = ImageTransform(image_size, augment=data.augment)
     eval_tf = ImageTransform(image_size, augment=False)
     if data.source == "synthetic":
@@ -174,8 +183,11 @@ def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int,
 
     splits, where = _open(data, cache_dir)
     train_ds, eval_ds = pick_splits(splits, data, where)
-    train_ds, col, labels, classes = _as_images(train_ds, data, where)
-    _check_labels(labels, classes, num_classes, where)
+    train_ds, col, labels, names = _as_images(train_ds, data, where)
+    _check_labels(labels, len(names) or None, num_classes, where)
+    # As trained on: an export reading the folder later (renamed, a class added) would name the classes wrongly.
+    if run_dir is not None and names and not (kept := run_dir / CLASSES_FILE).exists():  # a resume keeps the first
+        atomic_write_bytes(kept, json.dumps(names).encode())
     if len(labels) == 0:
         raise DataError(f"the '{data.train_split}' split of {where} is empty")
 

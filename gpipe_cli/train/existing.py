@@ -203,6 +203,7 @@ def remove_set_up(run_dir: Path, before: Collection[str] | None = None, parents:
     # Made for it (`before` None), the directory goes too, and then `parents`, the folders made above it, while empty.
     # Left behind, its recipe and empty records read as a run: `gpipe report outputs/x/*` refused to report. In a
     # folder the user made, what it held already is theirs, or an earlier launch's, and stays.
+    from gpipe_cli.data.sources import CLASSES_FILE
     from gpipe_cli.data.tokenizer import TOKENIZER_FILE
 
     with contextlib.suppress(OSError):
@@ -211,7 +212,7 @@ def remove_set_up(run_dir: Path, before: Collection[str] | None = None, parents:
         except FileNotFoundError:  # rank 0, stopped while it built its stage, took it out: those above it go too
             remove_folders(list(parents) if before is None else [])
             return
-        if holds_run(run_dir) or not names <= {RECIPE, METRICS, TOKENIZER_FILE, CHECKPOINTS}:
+        if holds_run(run_dir) or not names <= {RECIPE, METRICS, TOKENIZER_FILE, CLASSES_FILE, CHECKPOINTS}:
             return
         # checkpoints/ first: where it is not empty (a checkpoint being written), nothing else has gone either.
         for name in sorted(names, key=lambda name: name != CHECKPOINTS):
@@ -257,12 +258,14 @@ def check_new_run_dir(output_dir: Path, ours: bool = False) -> None:
     if not ours:
         check_no_writer(output_dir, "--output-dir", "wait until it ends, or give another --output-dir")
     if not holds_run(output_dir):
+        from gpipe_cli.data.sources import CLASSES_FILE
         from gpipe_cli.data.tokenizer import TOKENIZER_FILE
 
         # The run writes its own; a user's file of that name, in a folder given as the output, was replaced. A run
         # that stopped in its set-up has left its records' file or checkpoints/ beside it, and takes a new run.
         started = any((output_dir / name).exists() for name in (METRICS, CHECKPOINTS))
-        kept = next((name for name in (RECIPE, TOKENIZER_FILE) if (output_dir / name).exists() and not started), None)
+        kept = next((name for name in (RECIPE, TOKENIZER_FILE, CLASSES_FILE)
+                     if (output_dir / name).exists() and not started), None)
         if kept is not None:
             raise UserError(f"--output-dir {cut(str(output_dir), PATH_CHARS)} holds a {kept} but no run (no records "
                             f"or checkpoints), and a new run writes its own {kept} there; give a new or empty "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import sys
@@ -143,12 +145,20 @@ def _described(tensors: dict[str, torch.Tensor], run_dir: Path, step: int,
     except ValueError as exc:
         raise UserError(f"{run_dir}: {exc}") from None
     return tensors, weights.describe(spec, aliases, dtype=stored, step=step, recipe=recipe_file.read_text(),
-                                     tokenizer=tokenizer, no_tokenizer=missing, classes=_classes(recipe, spec))
+                                     tokenizer=tokenizer, no_tokenizer=missing, classes=_classes(recipe, spec, run_dir))
 
 
-def _classes(recipe: Recipe, spec: ModelSpec) -> list[str] | None:
+def _classes(recipe: Recipe, spec: ModelSpec, run_dir: Path | None = None) -> list[str] | None:
     """An imagefolder's or parquet run's class names in label order, for gpipe predict (None: other data, or gone)."""
-    if spec.task != "image" or recipe.data.source not in ("imagefolder", "parquet") or not recipe.data.path:
+    if spec.task != "image":
+        return None
+    from gpipe_cli.data.sources import CLASSES_FILE
+
+    with contextlib.suppress(OSError, ValueError, TypeError):  # kept as it trained (older runs: read from the data)
+        kept = json.loads((run_dir / CLASSES_FILE).read_text()) if run_dir is not None else None
+        if isinstance(kept, list) and all(isinstance(name, str) for name in kept):
+            return kept
+    if recipe.data.source not in ("imagefolder", "parquet") or not recipe.data.path:
         return None
     from gpipe_cli.data.images import folder_classes, parquet_classes
 

@@ -97,3 +97,22 @@ def test_the_names_match_the_class_numbers(tmp_path, capsys):
     save_file(tensors, str(tmp_path / "named.safetensors"), metadata={**metadata, CLASSES: '["a", "b", "c"]'})
     numbers, named = _top(capsys, plain, image), _top(capsys, tmp_path / "named.safetensors", image)
     assert named == ["abc"[int(n.split()[1])] for n in numbers]  # the same weights: name i is class i
+
+
+def test_the_names_the_run_trained_on_are_exported_though_the_folder_changed_since(tmp_path):
+    # Renamed after training (red -> apple), the folder gave the export its new order: a red image was "blue".
+    from gpipe_cli.data.images import image_splits
+    from gpipe_cli.data.sources import CLASSES_FILE
+
+    folder = _folder(tmp_path / "images")
+    recipe = load_recipe(_recipe(tmp_path, folder), check_data=False)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    image_splits(recipe.data, seed=0, image_size=32, num_classes=3, cache_dir=tmp_path / "cache", run_dir=run_dir)
+    assert json.loads((run_dir / CLASSES_FILE).read_text()) == ["a", "b", "c"]
+    (folder / "train" / "a").rename(folder / "train" / "z")  # now b, c, z
+    assert _classes(recipe, model_spec(recipe), run_dir) == ["a", "b", "c"]
+    assert _classes(recipe, model_spec(recipe)) == ["b", "c", "z"]  # a run from before the names were kept
+    # A resume reads the data again: the names stay those of the first start.
+    image_splits(recipe.data, seed=0, image_size=32, num_classes=3, cache_dir=tmp_path / "cache2", run_dir=run_dir)
+    assert json.loads((run_dir / CLASSES_FILE).read_text()) == ["a", "b", "c"]
