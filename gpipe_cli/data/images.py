@@ -31,10 +31,11 @@ from gpipe_cli.recipe.schema import Data
 class DatasetImages:
     """Images in one column of a `datasets` Dataset, restricted to some rows."""
 
-    def __init__(self, dataset: Any, column: str, rows: np.ndarray) -> None:
+    def __init__(self, dataset: Any, column: str, rows: np.ndarray, folder: bool = False) -> None:
         self.dataset = dataset.select_columns([column])  # decoding one column leaves the others untouched
         self.column = column
         self.rows = rows
+        self.folder = folder  # an image folder's files, not a column of parquet or a hub data set
 
     def load(self, i: int) -> torch.Tensor:
         row = int(self.rows[i])
@@ -43,7 +44,8 @@ class DatasetImages:
         except Exception as e:
             # PIL names the buffer it read ("<_io.BytesIO object at 0x...>"): an address, nothing a user can act on.
             why = re.sub(r" <[\w.]+ object at 0x[0-9a-f]+>", "", first_line(e))
-            raise DataError(f"cannot decode image {row} of column '{self.column}': {why}") from None
+            where = "the image folder" if self.folder else f"column '{self.column}'"
+            raise DataError(f"cannot decode image {row} of {where}: {why}") from None
 
 
 class ImageExamples(Examples):
@@ -192,7 +194,7 @@ def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, ca
         raise DataError(f"the '{data.train_split}' split of {where} is empty")
 
     def examples(ds: Any, column: str, labels: np.ndarray, rows: np.ndarray, tf: ImageTransform) -> ImageExamples:
-        return ImageExamples(DatasetImages(ds, column, rows), labels[rows], tf, seed)
+        return ImageExamples(DatasetImages(ds, column, rows, data.source == "imagefolder"), labels[rows], tf, seed)
 
     if eval_ds is None:
         rows, held = hold_out(len(labels), data.eval_fraction)

@@ -16,7 +16,7 @@ import torch
 from gpipe_cli import memory_model as mm
 from gpipe_cli import sizing
 from gpipe_cli.data import Batch, Loader, build_data_for
-from gpipe_cli.errors import NONFINITE_EXIT_CODE, UserError
+from gpipe_cli.errors import NONFINITE_EXIT_CODE, DataError, UserError
 from gpipe_cli.estimate import cost_cache
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import heartbeat, schedules, topology
@@ -358,6 +358,19 @@ class Trainer:
 
     # ----------------------------------------------------------------- the loop
 
+    def _read(self, batches: Iterator[Batch | None]) -> Iterator[Batch | None]:
+        """`batches`; data unreadable past the first step is said with where the run stopped and how it goes on."""
+        step = self.start_step
+        try:
+            for batch in batches:
+                yield batch
+                step += 1
+        except DataError as exc:  # a damaged file the loader reached only now (an image folder is read lazily)
+            if step == self.start_step:
+                raise
+            raise DataError(f"{exc}; the run stopped at step {step + 1}, whose batch holds it: replace or remove the "
+                            f"file, then {way_on(self.run_dir)}") from None
+
     def batches(self, start_step: int) -> Iterator[Batch | None]:
         """This rank's shard of every training mini-batch from `start_step` on (None: no data here)."""
         if self.data is None:
@@ -384,7 +397,7 @@ class Trainer:
         # the step in flight first.
         # A step's time runs from its launch to the next step's (or, at a boundary, to its own figures).
         pending: tuple[int, Batch | None, PendingStep, float] | None = None
-        for step, batch in enumerate(self.batches(self.start_step), start=self.start_step):
+        for step, batch in enumerate(self._read(self.batches(self.start_step)), start=self.start_step):
             self.profiler.before(step + 1)
             started = time.perf_counter()
             # The loader leaves out what this rank's stage does not need (inputs, targets or both).

@@ -98,6 +98,34 @@ def test_corrupt_image_is_reported_when_decoded(imagefolder: Callable[..., Path]
                         image_size=32, num_classes=2, cache_dir=tmp_path / "cache")
         list(ds.train_batches())
     assert "\n" not in str(err.value) and " object at 0x" not in str(err.value), err.value
+    # An image folder has files, not columns: it said "of column 'image'", parquet's words.
+    assert "of the image folder: " in str(err.value) and "column" not in str(err.value)
+
+
+def test_data_unreadable_past_the_first_step_says_where_the_run_stopped_and_how_it_goes_on(tmp_path: Path) -> None:
+    # The run stopped at step 3 with the decoder's line alone: no word of the checkpoints it kept, or of --resume.
+    from types import SimpleNamespace
+
+    from gpipe_cli.train.loop import Trainer
+
+    def batches():
+        yield None
+        yield None
+        raise DataError("cannot decode image 40 of the image folder: cannot identify image file 'x.png'")
+
+    (tmp_path / "checkpoints" / "step-00000002").mkdir(parents=True)
+    trainer = SimpleNamespace(start_step=0, run_dir=tmp_path)
+    with pytest.raises(DataError) as err:
+        list(Trainer._read(trainer, batches()))  # type: ignore[arg-type]
+    assert str(err.value) == ("cannot decode image 40 of the image folder: cannot identify image file 'x.png'; the "
+                              "run stopped at step 3, whose batch holds it: replace or remove the file, then continue "
+                              f"with gpipe train --resume {tmp_path}")
+    def first():
+        raise DataError("cannot decode image 0 of the image folder: cannot identify image file 'x.png'")
+        yield
+
+    with pytest.raises(DataError, match=r"'x.png'$"):  # at the first step: the data line is all there is to say
+        list(Trainer._read(trainer, first()))  # type: ignore[arg-type]
 
 
 def test_tokens_per_batch_is_for_text(tmp_path: Path) -> None:
