@@ -150,7 +150,7 @@ def settings(path: str | None, flags: Mapping[str, Any], sets: Sequence[str],
         raw: dict[str, Any] = {"model": {"kind": DEFAULT_KIND}, "data": {"batch_size": MAX_SIZE}}
         for item in [*as_sets(defaults), *(item for item in items if item not in model_sets)]:
             apply_override(raw, item)
-        recipe = validate(raw, "", check_data=False, typed=typed_values(items))
+        recipe = validate(raw, "", check_data=False, typed=typed_values(items), stand_in=True)  # the model: --model's
     except RecipeError as exc:
         raise by_flag(exc, flags, None if path is not None else
                       {n: v for n, v in defaults.items() if ALIASES[n] not in keys}, sets) from None

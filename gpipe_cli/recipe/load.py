@@ -25,6 +25,7 @@ from gpipe_cli.recipe.schema import (
     MODEL_SECTIONS,
     PLANNING,
     SOURCE_FILES,
+    STAND_IN,
     Recipe,
     TransformerModel,
     bounds,
@@ -219,12 +220,12 @@ def _preset_section(model: dict[str, Any], label: str, typed: Collection[str]) -
 
 
 def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: Path | None = None,
-             planning: bool = False, typed: dict[str, str] | None = None) -> Recipe:
+             planning: bool = False, typed: dict[str, str] | None = None, stand_in: bool = False) -> Recipe:
     """Validate a raw recipe mapping (read from `folder`, `typed`: --set values), raising one RecipeError line."""
     model = raw.get("model")
     if isinstance(model, dict) and model.get("preset"):
         raw = {**raw, "model": _preset_section(model, label, typed or {})}
-    recipe = _validated(raw, label, planning, typed)
+    recipe = _validated(raw, label, planning, typed, stand_in)
     if not check_data:
         return recipe
     data, model = recipe.data, recipe.model
@@ -290,9 +291,10 @@ def _beside(path: str, folder: Path | None) -> str:
     return f" (a relative path is read from the directory gpipe runs in; the recipe's folder holds {folder / path})"
 
 
-def _validated(raw: dict[str, Any], label: str, planning: bool = False, typed: dict[str, str] | None = None) -> Recipe:
+def _validated(raw: dict[str, Any], label: str, planning: bool = False, typed: dict[str, str] | None = None,
+               stand_in: bool = False) -> Recipe:
     try:
-        return Recipe.model_validate(raw, context={PLANNING: planning})
+        return Recipe.model_validate(raw, context={PLANNING: planning, STAND_IN: stand_in})
     except ValidationError as exc:
         errors = _unknown_first(exc.errors())
         key = ".".join(str(p) for p in _path(errors[0]["loc"]))

@@ -153,6 +153,9 @@ DEFAULT_KIND = "amoebanet"  # the kind of a recipe without a model section (`Rec
 
 BALANCE_MODES = ("auto", "params", "time", "memory")
 PLANNING = "planning"  # the validation context's key set by `gpipe plan`, which picks M and D itself
+# Set where the model section only stands in for the model a command resolves itself (bench's and profile-memory's
+# flags are checked as recipe keys): no check of its kind's own applies.
+STAND_IN = "stand-in model"
 
 
 class Pipeline(Section):
@@ -477,6 +480,8 @@ class Recipe(Section):
                              f"{pipe.data_parallel}) must be <= data.batch_size ({batch}): each of the "
                              f"{pipe.data_parallel} replicas gets {batch // pipe.data_parallel} of the mini-batch's "
                              f"examples, and each of its micro-batches needs one")
+        if (info.context or {}).get(STAND_IN):
+            return self
         family = families.of(str(self.model.kind))
         replicas = f" x pipeline.data_parallel ({pipe.microbatches} x {pipe.data_parallel})" \
             if pipe.data_parallel > 1 else f" ({pipe.microbatches})"

@@ -223,3 +223,24 @@ def test_a_micro_batch_of_one_image_is_refused_before_anything_is_measured(monke
     assert out.out == ""
     assert len(line.splitlines()) == 1 and line.startswith(f"error: {typed} (")
     assert "--batch-size (" in line and "every micro-batch needs 2 examples (AmoebaNet's batch normalisation" in line
+
+
+@pytest.mark.parametrize("command", [
+    ["bench", "--microbatches", "8", "--batch-size", "8"],
+    ["bench", "--model", "transformer", "--set", "pipeline.microbatches=8", "--batch-size", "8"],
+    ["profile-memory", "--microbatches", "4", "--batch-size", "4"],
+])
+def test_a_micro_batch_of_one_sentence_is_measured(monkeypatch, capsys, command):
+    # Without a recipe the flags were checked as a recipe's keys with its default model, an AmoebaNet: a Transformer
+    # at M = batch was refused for "AmoebaNet's batch normalisation".
+    class Measured(Exception):
+        pass
+
+    def measured(*args, **kwargs):
+        raise Measured
+
+    monkeypatch.setattr("gpipe_cli.bench.preview.choose_subject", measured)
+    monkeypatch.setattr("gpipe_cli.profile.runner.measure", measured)
+    with pytest.raises(Measured):
+        gpipe(command)
+    assert "error" not in capsys.readouterr().err
