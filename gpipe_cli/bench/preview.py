@@ -289,6 +289,10 @@ def show(preview: Preview, options: BenchOptions, machine: sizing.Machine, conso
         plural = "s" if ranks > 1 else ""
         console.print(f"  ranks: K={ranks} runs {ranks} rank{plural} x {options.threads} thread(s) on "
                       f"{hardware}{warning}")
+    # On a CPU the rate is the model's own heaviest early layer's, timed just now; elsewhere a matrix product's
+    # scaled by the share such layers reach (a guess). The machine's rate is the one that share scales up to.
+    rate = machine.flops_per_s * sizing.layer_efficiency(machine.kind, preview.subject.kind)
+    how = "timed now" if machine.kind == "cpu" else "estimated"
     console.print(f"  estimate: about {human_seconds(preview.seconds)} "
-                  f"(this machine: {flop_rate(machine.flops_per_s)} per rank measured, "
+                  f"(this machine: its layers at {flop_rate(rate)} per rank, {how}; "
                   f"{human_bytes(machine.memory_bytes)} free)")

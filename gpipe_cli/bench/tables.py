@@ -43,8 +43,11 @@ def _stages(s: dict[str, Any]) -> Table:
 def _compare(s: dict[str, Any]) -> Table:
     """One row per figure: ours, torch's counterpart, and ours / theirs."""
     measured = [c for c in s["compare"].values() if "skipped" not in c]
+    # Offloading is ours alone: our peaks leave out what waits in host memory, torch's hold everything.
+    offload = ("; ours offloads stored activations to host memory (its peaks leave them out), torch's does not"
+               if s.get("offload", "none") != "none" else "")
     table = figure_table(f"Against torch.distributed.pipelining (same model, K, M, cut; same clock and meter; same "
-                         f"checkpointing: {s['checkpoint']}, whole chunk, each side on its own order of work)",
+                         f"checkpointing: {s['checkpoint']}, whole chunk, each side on its own order of work{offload})",
                          ("figure", f"ours\n{s['schedule']}",
                           *(name for c in measured for name in (f"torch\n{c['class']}", "ours /\ntheirs"))),
                          left=("figure",))

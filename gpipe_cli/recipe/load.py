@@ -62,7 +62,8 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), check_da
     label = recipe_label(path)
     if path is not None and not str(path).strip():  # Path("") would read as the current directory
         raise RecipeError(f"the recipe path is {'only spaces' if str(path) else 'empty'}; give a YAML file, or leave "
-                          "it out for the built-in quick-start recipe")
+                          "it out (train, validate and plan: the built-in quick-start recipe; bench and "
+                          "profile-memory: their --model)")
     if isinstance(path, str) and path.endswith(os.sep) and os.path.isfile(path.rstrip(os.sep)):
         # Path() drops the slash, and the file was read; a trailing slash names a directory to every other tool.
         raise RecipeError(f"{path}: a file named as a directory (the trailing '{os.sep}'); give {path.rstrip(os.sep)}")
