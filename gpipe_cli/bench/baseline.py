@@ -249,7 +249,7 @@ def compare(spec: ModelSpec, topo: Topology, job: Job, inputs: Any, targets: tor
     rows = gather([max(peaks), median(idle), len(probe.remat), len(sched.rematerialised(ours))])
     stage_peaks = [int(r[0]) for r in rows[:k]]
     stage_idle = [r[1] for r in rows[:k]]
-    return on_rank0({"class": cls_name, "samples_per_s": median([job.batch_size / t for t in times]),
+    return on_rank0({"class": cls_name, "samples_per_s": job.batch_size / median(times) if times else 0.0,
                      "step_times": times, "stage_peak_bytes": stage_peaks, "peak_mem_bytes": max(stage_peaks),
                      "stage_idle": stage_idle, "bubble": sum(stage_idle) / len(stage_idle),
                      "checkpoint": job.checkpoint, "stage_recomputed": [int(r[2]) for r in rows[:k]],

@@ -98,15 +98,19 @@ class RunFigures:
     load: dict[str, float] = field(default_factory=dict)      # what else used the machine (see `Load`)
     optimizer_times: list[float] = field(default_factory=list)  # per step: the slowest stage's update, if run
 
+    # Of the median step time, which the tables print beside them: the median of the rates differs from it by as
+    # much as the two middle steps do, for an even count of steps.
     @property
     def samples_per_s(self) -> float:
-        """Median examples per second over the measured steps."""
-        return median([self.batch_size / t for t in self.step_times])
+        """Examples per second in the median step."""
+        step = median(self.step_times)
+        return self.batch_size / step if step else 0.0
 
     @property
     def units_per_s(self) -> float:
-        """Median loss units (tokens for text) per second."""
-        return median([self.units_per_step / t for t in self.step_times])
+        """Loss units (tokens for text) per second in the median step."""
+        step = median(self.step_times)
+        return self.units_per_step / step if step else 0.0
 
     @property
     def bubble(self) -> float:
