@@ -87,7 +87,7 @@ def flop_rate(per_s: float) -> str:
 
 def counted(n: int, noun: str, plural: str | None = None) -> str:
     """`n` and the noun, singular for one: '1 device', '1,024 devices' (`plural`: where not the noun and 's')."""
-    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+    return f"{f'{n:,}' if isinstance(n, int) else n} {noun if n == 1 else plural or noun + 's'}"  # or a letter: L
 
 
 def human_count(n: float) -> str:

@@ -52,7 +52,8 @@ def _layers(stage: dict[str, Any]) -> str:
 def _table1(s: dict[str, Any]) -> Table:
     """The paper's Table 1 layout: one column per row of the profile, each saying how it was obtained."""
     rows = s["scenarios"]
-    table = figure_table(f"Memory per scenario, {s['model']['name']} (totals over all stages)",
+    table = figure_table(f"Memory per scenario, {s['model']['name']} (parameters and activations: totals over all "
+                         f"stages; fullest device: its own)",
                          ("", *(sc["name"] for sc in rows)), left=("",))
     table.add_row("# of model parameters", *(human_count(sc["params"]) for sc in rows))
     table.add_row("total model parameter memory", *(human_bytes(sc["param_memory_bytes"]) for sc in rows))
@@ -90,7 +91,8 @@ def show_budget(s: dict[str, Any], console: Console) -> None:
                   f"checkpoint {s['checkpoint']} · {s['optimizer']} ({s['bytes_per_param']:.0f} bytes per parameter "
                   f"with its gradient)")
     console.print(f"[dim]{s['method']}[/]")
-    table = figure_table(f"Largest {s['family']} per device budget (memory totals over all devices)",
+    table = figure_table(f"Largest {s['family']} per device budget (parameters and activations: totals over all "
+                         f"devices; fullest device: its own)",
                          ("", *s["scenarios"]), left=("",))
     rows = s["rows"]
 
@@ -107,7 +109,9 @@ def show_budget(s: dict[str, Any], console: Console) -> None:
     table.add_row("fullest device (measured)", *(_measured(r) for r in rows))
     if any(r and r.get("offload", "none") != "none" for r in rows):
         table.add_row("host memory, fullest device", *cells("host_peak_bytes", lambda b: human_bytes(b) if b else "-"))
-    table.add_row("layers per stage (per chunk, V > 1)", *cells("balance", lambda b: ",".join(map(str, b))))
+    chunked = any(r and len(r["balance"]) > r["partitions"] for r in rows)  # V per stage
+    table.add_row(f"layers per {'chunk (V per stage)' if chunked else 'stage'}",
+                  *cells("balance", lambda b: ",".join(map(str, b))))
     print_table(console, table, KEYS)
     bounded: dict[str, list[str]] = {}
     for name, r in zip(s["scenarios"], rows):
