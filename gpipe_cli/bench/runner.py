@@ -31,6 +31,7 @@ from gpipe_cli.models import families
 from gpipe_cli.pipeline.config import sizes  # nearly equal parts, larger first
 from gpipe_cli.pipeline.schedule import theoretical_bubble
 from gpipe_cli.progress import Progress, took_line
+from gpipe_cli.units import counted
 
 STOPPED = 128 + signal.SIGINT
 
@@ -101,8 +102,8 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
     spec = subject.build()
     k = options.stages
     then = ", then the engine against a plain loop" if options.measures_host_overhead else ""
-    progress.phase(f"measuring K=1 ({len(spec.layers)} pipeline layers, per-layer costs and {options.steps} "
-                   f"steps{then})", phases.get(1, 0.0))
+    progress.phase(f"measuring K=1 ({len(spec.layers)} pipeline layers, per-layer costs and "
+                   f"{counted(options.steps, 'step')}{then})", phases.get(1, 0.0))
     k_fields = {"trace": options.trace is not None, "compare": options.compare}
     k1_job = base_job(options, subject, 1, sizes(len(spec.layers), options.virtual_at(1)), profile_costs=True,
                       host_overhead=options.measures_host_overhead, **(k_fields if options.measures_once else {}))

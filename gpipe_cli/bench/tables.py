@@ -15,7 +15,7 @@ from gpipe_cli.units import counted, figure, human_bytes, human_count
 
 def _throughput(s: dict[str, Any]) -> Table:
     text = s["tokens_per_s_k1"] is not None
-    table = figure_table(f"Throughput (median of {s['steps']} steps after {s['warmup']} warm-up)",
+    table = figure_table(f"Throughput (median of {counted(s['steps'], 'step')} after {s['warmup']} warm-up)",
                          ("run", "samples/s", *(("tokens/s",) if text else ()), "step (ms)"), left=("run",))
     label = f"K={s['partitions']}" + (" (predicted)" if s["simulated"] else "")
     rows = [("K=1", s["samples_per_s_k1"], s["tokens_per_s_k1"], s["step_time_k1_s"]),
@@ -130,9 +130,9 @@ def show(s: dict[str, Any], console: Console) -> None:
                           f"bubble {busy['bubble']:.3f}; measured / predicted [bold]"
                           f"{busy['measured_over_predicted']:.2f}[/]")
     else:
-        console.print(f"[bold yellow]PREDICTION[/] for {p['partitions']} devices linked at {p['bandwidth_gb_s']} GB/s, "
-                      f"{p['latency_us']} µs per message, from per-layer costs measured here (calibrated "
-                      f"x{p['calibration']:.2f} to the measured K=1 step)")
+        console.print(f"[bold yellow]PREDICTION[/] for {counted(p['partitions'], 'device')} linked at "
+                      f"{p['bandwidth_gb_s']} GB/s, {p['latency_us']} µs per message, from per-layer costs measured "
+                      f"here (calibrated x{p['calibration']:.2f} to the measured K=1 step)")
     if any("skipped" not in c for c in s.get("compare", {}).values()):
         console.print(_compare(s))
     for name, c in s.get("compare", {}).items():
