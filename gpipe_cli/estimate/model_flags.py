@@ -80,7 +80,7 @@ class ModelFlags:
         return self.cut_named() if "partitions" in self.typed_as else self.named("balance")
 
     def examples_problem(self, kind: str, microbatches: int, batch: int) -> str | None:
-        """Where `microbatches` of `batch` leave one fewer examples than model family `kind` trains on, why, or None."""
+        """Why `microbatches` of `batch` leave a micro-batch fewer examples than family `kind` trains on, or None."""
         family = families.of(kind)
         return microbatch_problem(microbatches, batch, self.named("microbatches"), self.named("batch_size"),
                                   family.least_examples, family.least_why)
