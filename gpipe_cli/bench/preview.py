@@ -271,6 +271,7 @@ def show(preview: Preview, options: BenchOptions, machine: sizing.Machine, conso
     listed = [k for k in ks if k > 1 or not options.sweep]
     ms = "1,4,32" if options.sweep else str(options.microbatches)
     host = ", the engine against a plain loop at K=1" if options.measures_host_overhead else ""
+    host += f", torch.distributed.pipelining's at K={max(ks)}" if options.compare else ""
     console.print(f"  runs: {what}{', '.join(f'K={k}' for k in listed)}{host} · M={ms} · batch {options.batch} · "
                   f"{options.schedule} · checkpoint {options.checkpoint} · {steps}")
     k, whole = max(ks), human_bytes(preview.memory.stages[1][0])

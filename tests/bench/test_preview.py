@@ -190,6 +190,8 @@ def test_a_model_sized_to_the_machine_is_deep_enough_for_every_chunk():
     (dict(partitions=1), ["  runs: per-layer costs, then K=1, ", "  memory at K=1 (est.): "]),
     (dict(sweep=True), ["  runs: per-layer costs at K=1, then K=2 · M=1,4,32", "  memory at K=2 (est. at a cut by "
                                                                                   "estimated time): "]),
+    # torch's run, which about doubles the K=2 phase, went unnamed.
+    (dict(compare=True), ["  runs: per-layer costs, then K=1, K=2, torch.distributed.pipelining's at K=2 · "]),
 ])
 def test_the_plan_names_each_run_and_its_memory(flags, lines):
     # At K=1 the plan had no memory line; a sweep's K=1 run, which only times the layers, was listed as measured.
