@@ -278,6 +278,11 @@ class Trainer:
                      "training text holds no more")
         text += "".join(f"; {split.left_out}" for split in (data.train, data.eval)
                        if split is not None and split.left_out)
+        labels = getattr(data.train, "labels", None)  # an image model's: more outputs than classes go unnamed
+        classes = getattr(model, "num_classes", 0)
+        if labels is not None and given.source != "synthetic" and 0 < (found := len(set(labels.tolist()))) < classes:
+            text += (f"; the training data holds {found} of the model's {classes} classes (model.num_classes): it "
+                     f"never learns to answer the other{'s' * (classes - found > 1)}")
         if dropped:
             text += (f"; data.drop_last leaves out {dropped:,} of {data.train_size:,} training examples per epoch "
                      f"(a partial last batch; data.drop_last: false keeps them)")

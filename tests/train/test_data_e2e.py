@@ -68,6 +68,30 @@ def test_an_imagefolder_of_pngs_trains(tmp_path):
     assert ranks.code == 0, ranks.output[-3000:]
     final = evals(tmp_path / "run")[-1]
     assert 0.0 <= final["accuracy"] <= 1.0 and final["loss"] > 0
+    # The class names as trained on, kept for export; every class of the model has data: no word of it.
+    names = sorted(p.name for p in (root / "train").iterdir())
+    assert json.loads((tmp_path / "run" / "classes.json").read_text()) == names
+    assert "model.num_classes" not in ranks.output
+
+
+def test_a_model_with_more_classes_than_its_data_says_so_in_the_data_line():
+    # A 3-class model on a 2-class folder trained without a word; predict then named "class 2", which no image was.
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from gpipe_cli.recipe.load import load_recipe
+    from gpipe_cli.train.loop import Trainer
+
+    recipe = load_recipe(None, ["model.kind=amoebanet", "model.num_classes=3", "data.source=imagefolder",
+                                "data.path=/nowhere"], check_data=False)
+    for labels, said in ((np.array([0, 1, 1, 0]), "holds 2 of the model's 3 classes (model.num_classes): it never "
+                                                  "learns to answer the other"), (np.array([0, 1, 2, 0]), None)):
+        train = SimpleNamespace(labels=labels, left_out="")
+        data = SimpleNamespace(plan=lambda epoch: [[0, 1], [2, 3]], train_size=4, eval_size=0, tokenizer=None,
+                               train=train, eval=None)
+        line = Trainer._data_summary(SimpleNamespace(recipe=recipe, steps_per_epoch=2), data)  # type: ignore[arg-type]
+        assert (said in line) if said else "model.num_classes" not in line, line
 
 
 def test_an_unreachable_hub_dataset_is_one_line_and_writes_nothing(tmp_path):
