@@ -122,8 +122,8 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
     if options.measures_once:
         raw, kk = k1_raw, k1
     elif not options.simulate:
-        torch_too = ", then torch.distributed.pipelining's" if options.compare else ""
-        progress.phase(f"measuring K={k} (balance {balance}){torch_too}", phases.get(k, 0.0))
+        torch_too = "; then torch.distributed.pipelining's" if options.compare else ""
+        progress.phase(f"measuring K={k} (balance {balance}{torch_too})", phases.get(k, 0.0))
         raw = _launch(base_job(options, subject, k, balance, **k_fields), folder, f"k{k}", options)
         kk = RunFigures.from_json(raw["runs"][0])
     summary = summarise(options, subject, k1, kk, costs, balance, balance_by, prediction)
