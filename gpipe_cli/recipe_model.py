@@ -50,12 +50,17 @@ def priced_batch(recipe: Recipe) -> int:
     return max(math.ceil(data.tokens_per_batch / int(getattr(recipe.model, "max_len", 1))), 1)
 
 
+def batch_key(recipe: Recipe) -> str:
+    """The recipe key that sizes a mini-batch."""
+    return "data.batch_size" if recipe.data.tokens_per_batch is None else "data.tokens_per_batch"
+
+
 def batch_words(recipe: Recipe) -> str:
     """The key that sizes a mini-batch, with its value: 'data.tokens_per_batch 4096 (16 examples of 256 tokens)'."""
     data = recipe.data
     if data.tokens_per_batch is None:
-        return f"data.batch_size {data.batch_size}"
-    return (f"data.tokens_per_batch {data.tokens_per_batch} ({priced_batch(recipe)} examples of "
+        return f"{batch_key(recipe)} {data.batch_size}"
+    return (f"{batch_key(recipe)} {data.tokens_per_batch} ({priced_batch(recipe)} examples of "
             f"{getattr(recipe.model, 'max_len', 1)} tokens)")
 
 

@@ -85,9 +85,10 @@ def flop_rate(per_s: float) -> str:
     return f"{per_s / 1e12:.3g} TFLOP/s" if per_s >= 1e12 else f"{per_s / 1e9:.3g} GFLOP/s"
 
 
-def counted(n: int, noun: str, plural: str | None = None) -> str:
+def counted(n: int | str, noun: str, plural: str | None = None) -> str:
     """`n` and the noun, singular for one: '1 device', '1,024 devices' (`plural`: where not the noun and 's')."""
-    return f"{f'{n:,}' if isinstance(n, int) else n} {noun if n == 1 else plural or noun + 's'}"  # or a letter: L
+    # `n` a letter: a size a table's rows fill in (`with L layers`).
+    return f"{f'{n:,}' if isinstance(n, int) else n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def human_count(n: float) -> str:

@@ -172,7 +172,7 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     from gpipe_cli.estimate.simulate import Link
     from gpipe_cli.plan import inputs, search, show
     from gpipe_cli.progress import Progress, took_line
-    from gpipe_cli.recipe_model import batch_words, model_spec, optimizer_name, priced_batch
+    from gpipe_cli.recipe_model import batch_key, batch_words, model_spec, optimizer_name, priced_batch
     from gpipe_cli.sizing import usable_cores
 
     interrupts.check()  # one that arrived while torch loaded, which swallows it: stop before any work
@@ -238,7 +238,7 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
         needed = result.smallest_memory
         raise UserError(f"{_nothing_fits(budget, n, options)}: the smallest plan ({result.smallest.config.label()}) "
                         f"needs {human_bytes(needed, up=True)} per device (predicted); give --device-memory "
-                        f"{size_flag(needed)} or more, more --devices, or a smaller {batch_words(recipe).split()[0]}")
+                        f"{size_flag(needed)} or more, more --devices, or a smaller {batch_key(recipe)}")
     where = "this machine's per-rank memory" if memory is None else "--device-memory"
     node_text = f" on {options.nodes} nodes" if options.nodes > 1 else ""
     line = functools.partial(console.print, highlight=False)

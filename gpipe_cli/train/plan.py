@@ -19,7 +19,7 @@ from gpipe_cli.models.describe import ModelSummary
 from gpipe_cli.pipeline import partition, schedule
 from gpipe_cli.recipe.load import led_by, parse_override
 from gpipe_cli.recipe.schema import Recipe
-from gpipe_cli.recipe_model import model_spec, optimizer_name, priced_batch
+from gpipe_cli.recipe_model import batch_key, model_spec, optimizer_name, priced_batch
 from gpipe_cli.train import cut
 from gpipe_cli.units import counted, human_bytes, human_count
 
@@ -223,11 +223,6 @@ def examples_per_replica(recipe: Recipe) -> int:
     if recipe.data.tokens_per_batch is not None:  # or the M x D examples every budget batch holds at least
         total = max(total, pipe.microbatches * pipe.data_parallel)
     return max(total // pipe.data_parallel, 1)
-
-
-def batch_key(recipe: Recipe) -> str:
-    """The recipe key that sizes a mini-batch."""
-    return "data.batch_size" if recipe.data.tokens_per_batch is None else "data.tokens_per_batch"
 
 
 def microbatch_size(recipe: Recipe) -> int:
