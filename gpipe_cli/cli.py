@@ -52,7 +52,7 @@ from gpipe_cli.profile import CUTS as PROFILE_CUTS
 from gpipe_cli.profile import FLAGS as P
 from gpipe_cli.profile import ProfileOptions
 from gpipe_cli.quick_exit import exit_now
-from gpipe_cli.recipe.aliases import ALIASES, SET_HELP, SIZE_FLAGS, balance_help
+from gpipe_cli.recipe.aliases import ALIASES, ONE_PIPELINE_BATCH, SET_HELP, SIZE_FLAGS, balance_help
 
 
 class _Commands(typer.core.TyperGroup):
@@ -335,7 +335,7 @@ def _flags(options: type, own: Mapping[str, str], *aliases: str, modes: Collecti
                                           "oversubscribe"),
         shown={"partitions": f"2{OR_RECIPE}", "microbatches": f"8{OR_RECIPE}", "batch_size": f"4 x M{OR_RECIPE}",
                "balance": "by measured per-layer time"},
-        helps={"balance": balance_help(BENCH_CUTS)})
+        helps={"balance": balance_help(BENCH_CUTS), "batch_size": ONE_PIPELINE_BATCH})
 def bench(
     recipe: str | None = typer.Argument(None, help=B["recipe"]),
     model: str | None = typer.Option(None, help=B["model"], show_default=False),
@@ -353,7 +353,8 @@ def bench(
 @_flags(ProfileOptions, P, *(name for name in ALIASES if name != "partitions"),
         shown={"microbatches": f"8{OR_RECIPE}",
                "batch_size": f"4 x M; with --budget the paper's: 128 AmoebaNet, 32 Transformer{OR_RECIPE}",
-               "balance": "by estimated FLOPs: no layer is timed"}, helps={"balance": balance_help(PROFILE_CUTS)})
+               "balance": "by estimated FLOPs: no layer is timed"},
+        helps={"balance": balance_help(PROFILE_CUTS), "batch_size": ONE_PIPELINE_BATCH})
 def profile_memory(
     recipe: str | None = typer.Argument(None, help=P["recipe"]),
     model: str | None = typer.Option(None, help=P["model"], show_default=False),

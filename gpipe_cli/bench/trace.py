@@ -79,14 +79,21 @@ def write_gantt(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> 
     ax.set_xlabel("time in the step (ms)")
     ax.set_xlim(0, end * 1.01 if end else 1)
     ax.set_title(title, fontsize=9)
-    legend = [Patch(color=LABELS[k][1], label=label) for k, label in
-              ((Kind.FWD, "forward"), (Kind.RECOMPUTE, "recompute"), (Kind.BWD, "backward"),
-               (Kind.BWD_INPUT, "backward: input gradient (B)"), (Kind.BWD_WEIGHT, "backward: weight gradient (W)"),
-               (Kind.RECV_FWD, "wait for a message"), (Kind.SEND_FWD, "send"))]
+    legend = [Patch(color=colour, label=label) for label, colour in legend_entries(events)]
     fig.legend(handles=legend, fontsize=7, loc="lower center", ncol=4, frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     plots.write(plt, fig, path, 150)
     return True
+
+
+def legend_entries(events: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(label, colour) for each kind of action the step holds: a schedule without a split backward shows no W."""
+    drawn = {e["kind"] for e in events}
+    return [(label, LABELS[kinds[0]][1]) for kinds, label in
+            (((Kind.FWD,), "forward"), ((Kind.RECOMPUTE,), "recompute"), ((Kind.BWD,), "backward"),
+             ((Kind.BWD_INPUT,), "backward: input gradient (B)"), ((Kind.BWD_WEIGHT,), "backward: weight gradient (W)"),
+             ((Kind.RECV_FWD, Kind.RECV_BWD), "wait for a message"), ((Kind.SEND_FWD, Kind.SEND_BWD), "send"))
+            if drawn.intersection(kinds)]
 
 
 def write(target: Path, events: Sequence[Mapping[str, Any]], title: str) -> tuple[Path, Path | None]:

@@ -60,9 +60,14 @@ class TranslationExamples(Examples):
         kept = [(s[:max_len], t[:max_len - 1], ref) for (_, ref), s, t, fit in zip(pairs, src, tgt, fits, strict=True)
                 if s and t and (fit or not train)]
         out = cls(Ragged([k[0] for k in kept]), Ragged([k[1] for k in kept]), None if train else [k[2] for k in kept])
+        which = f"{len(pairs):,} {'training' if train else 'held-out'} pairs"
+        notes = []
+        if empty := sum(1 for s, t in zip(src, tgt, strict=True) if not (s and t)):
+            notes.append(f"{empty:,} of {which} have an empty side: left out")
         if long := sum(1 for s, t, fit in zip(src, tgt, fits, strict=True) if s and t and not fit):
-            out.left_out = (f"{long:,} of {len(pairs):,} {'training' if train else 'held-out'} pairs are longer "
-                            f"than model.max_len ({max_len} tokens): " + ("left out" if train else "cut short"))
+            notes.append(f"{long:,} of {which} are longer than model.max_len ({max_len} tokens): "
+                         + ("left out" if train else "cut short"))
+        out.left_out = "; ".join(notes) or None
         return out
 
     def __len__(self) -> int:

@@ -214,7 +214,8 @@ def unread_problem(sets: Sequence[str], command: str, own: Collection[str] = ())
             # A misspelling, as train says it; unless what it suggests is unread here too (`train.lr`: optimizer.lr).
             unknown = unknown_key(key)
             if unknown is not None and (_read_here(unknown, own) or "did you mean" not in unknown):
-                return f"--set {unknown}"
+                read = [k.partition(".")[2] for k in ALIASES.values() if k.startswith(f"{section}.")]
+                return f"--set {unknown}" + (f"; {command} reads of {section}: {', '.join(read)}" if read else "")
             if OWN_FLAGS.get(key) in own:
                 value, instead = item.partition("=")[2].strip(), flag(OWN_FLAGS[key])
                 return f"--set {key}: {command} takes it as {instead}" + (f", e.g. {instead} {value}" if value else "")

@@ -24,6 +24,8 @@ ALIASES: dict[str, str] = {
     "heads": "model.heads", "vocab_size": "model.vocab_size", "image_size": "model.image_size",
     "seq_len": "model.max_len", "num_classes": "model.num_classes",
 }
+# bench and profile-memory run one pipeline: the schema's "(over all replicas)" says nothing there.
+ONE_PIPELINE_BATCH = "Examples per mini-batch (N), split into the M micro-batches."
 SET_HELP = "Override a recipe key: KEY=VALUE, the value read as YAML (repeatable)."
 # The model's sizes: the model is resized by them, the rest of its section comes from the recipe or preset.
 SIZE_FLAGS = tuple(name for name, key in ALIASES.items() if key.startswith("model."))

@@ -110,13 +110,15 @@ def test_a_set_key_the_command_does_not_read_is_refused_not_dropped(capsys, comm
 
 @pytest.mark.parametrize("command", ["bench", "profile-memory"])
 @pytest.mark.parametrize("key, says", [("pipeline.partitons=2", "pipeline.partitons: unknown key (did you mean "
-                                                                 "pipeline.partitions?)"),
+                                                                 "pipeline.partitions?); gpipe {command} reads of "
+                                                                 "pipeline: partitions, microbatches, schedule, "
+                                                                 "virtual_stages, checkpoint, offload, balance"),
                                        ("pipline.partitions=2", "pipline.partitions: unknown key (did you mean "
                                                                  "pipeline.partitions?)")])
 def test_a_misspelled_set_key_is_called_one_as_train_calls_it(capsys, command, key, says):
     # It was told that the command does not read it, as though the key were right.
     assert gpipe([command, "--set", key]) == 2
-    assert capsys.readouterr().err == f"error: --set {says}\n"
+    assert capsys.readouterr().err == f"error: --set {says.format(command=command)}\n"
 
 
 @pytest.mark.parametrize("command", ["bench", "profile-memory"])

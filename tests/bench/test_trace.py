@@ -45,3 +45,13 @@ def test_a_chart_that_cannot_be_written_takes_its_trace_back(tmp_path, monkeypat
     with pytest.raises(OSError, match="No space left"):
         trace.write(tmp_path / "t.json", events_of("gpipe", 2, 2), "t")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_charts_legend_names_only_the_actions_its_schedule_holds():
+    # Every chart's legend listed the split backward's B and W, though only the zero-bubble schedules split it.
+    plain = [label for label, _ in trace.legend_entries(events_of("gpipe", 2, 2))]
+    assert "forward" in plain and "backward" in plain and not any("gradient" in label for label in plain)
+    split = [label for label, _ in trace.legend_entries(events_of("zero-bubble", 2, 4))]
+    assert {"backward: input gradient (B)", "backward: weight gradient (W)"} <= set(split)
+    waits = [{"kind": "recv_fwd", "stage": 1, "microbatch": 0, "start": 0.0, "end": 1.0}]
+    assert [label for label, _ in trace.legend_entries(waits)] == ["wait for a message"]

@@ -116,6 +116,15 @@ def test_long_pairs_are_dropped_from_training(tmp_path: Path) -> None:
     assert ds.train.left_out == "1 of 31 training pairs are longer than model.max_len (16 tokens): left out"
 
 
+def test_pairs_with_an_empty_side_are_counted_where_they_are_left_out(tmp_path: Path) -> None:
+    p = pairs(30)
+    f = tmp_path / "train.tsv"
+    f.write_text("".join(f"{s}\t{t}\n" for s, t in p) + "\tun\ntwo\t \n", encoding="utf-8")
+    ds = _translation(data(source="tsv", path=str(f), eval_fraction=0.0), tmp_path)
+    assert ds.train_size == 30
+    assert ds.train.left_out.startswith("2 of 32 training pairs have an empty side: left out")
+
+
 def test_plain_text_lm(tmp_path: Path) -> None:
     lines = [f"line {i} says {' '.join(['hello'] * (i % 7))} world ." for i in range(200)]
     f = tmp_path / "corpus.txt"
