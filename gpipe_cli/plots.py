@@ -84,8 +84,8 @@ def grouped_bars(ax: Any, groups: Sequence[str], bars: Mapping[str, Sequence[flo
     ax.grid(axis="y", alpha=0.3)
 
 
-def line(style: str, color: str) -> Any:
-    """A line of that style and colour to stand for curves in a legend (it is drawn nowhere)."""
+def line(style: str, color: str, marker: str | None = None) -> Any:
+    """A line of that style, colour and marker to stand for curves in a legend (it is drawn nowhere)."""
     from matplotlib.lines import Line2D
 
-    return Line2D([], [], linestyle=style, color=color)  # type: ignore[arg-type]  # any style matplotlib takes
+    return Line2D([], [], linestyle=style, color=color, marker=marker)  # type: ignore[arg-type]  # any style

@@ -48,8 +48,11 @@ def _lines(ax: Any, runs: list[Run], key: str, title: str, ylabel: str, style: s
 
 def _frame(ax: Any, title: str, ylabel: str) -> None:
     """A panel's title, axis labels (x: step) and grid."""
+    from matplotlib.ticker import MaxNLocator
+
     ax.set_title(title)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 2.5
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
 
@@ -166,6 +169,7 @@ def _breakdown(ax: Any, runs: list[Run]) -> None:
 
 
 STYLES = ["-", "--", ":", "-."]  # the memory panel's line style of stage s: STYLES[s % 4]
+MARKERS = ["o", "s", "^", "D"]  # and its marker, which tells stages apart where a point or two draw no line
 
 
 def _memory(ax: Any, runs: list[Run]) -> None:
@@ -173,13 +177,14 @@ def _memory(ax: Any, runs: list[Run]) -> None:
         data = series(run)
         for s in range(run.stages):
             steps, values = data[f"mem_peak_bytes/stage{s}"]
-            style = STYLES[s % len(STYLES)] + ("o" if len(steps) < 3 else "")  # as _lines: a point stays visible
-            ax.plot(steps, [v / MIB for v in values], style, color=f"C{i}")
+            ax.plot(steps, [v / MIB for v in values], linestyle=STYLES[s % len(STYLES)],
+                    marker=MARKERS[s % len(STYLES)] if len(steps) < 3 else None, color=f"C{i}")
     _frame(ax, "memory peak per stage (GPU: CUDA peak; CPU: activations)" + _last(runs), "MiB")
     # The colour is the run's (the page's legend); a legend of the styles says which stage a line is.
     most = max(run.stages for run in runs)
     styles = range(min(most, len(STYLES)))
-    handles = [plots.line(STYLES[j], "dimgray") for j in styles]
+    dots = any(len(series(run)[f"mem_peak_bytes/stage{s}"][0]) < 3 for run in runs for s in range(run.stages))
+    handles = [plots.line(STYLES[j], "dimgray", MARKERS[j] if dots else None) for j in styles]
     labels = [f"stage{'s' if most > j + len(STYLES) else ''} "
               + ", ".join(str(s) for s in range(j, most, len(STYLES))) for j in styles]
     ax.legend(handles, labels, fontsize="small", loc="upper center", ncols=len(labels))
@@ -236,6 +241,16 @@ def _run_legend(fig: Any, runs: list[Run], top: float) -> Any:
     return None
 
 
+def _whole_steps(ax: Any) -> None:
+    """Widen a step axis around a lone step to the steps beside it: matplotlib ticked 5.68 to 6.32 around step 6."""
+    if ax.get_xlabel() != "step":
+        return
+    low, high = ax.get_xlim()
+    if high - low < 2:
+        middle = round((low + high) / 2)
+        ax.set_xlim(middle - 1, middle + 1)
+
+
 def _fit_ticks(fig: Any, ax: Any) -> None:
     """Rotate the run labels under grouped bars that run into each other; drop stage numbers that would."""
     renderer = fig.canvas.get_renderer()
@@ -286,6 +301,7 @@ def draw(runs: list[Run], path: Path) -> Path | None:
     cells = [ax for row in axes for ax in row]
     for (_, panel), ax in zip(chosen, cells):
         panel(ax, runs)
+        _whole_steps(ax)
     for ax in cells[len(chosen):]:
         ax.axis("off")
     # Twice: the first layout sizes the panels, which decides the ticks that fit; the second makes room for them.

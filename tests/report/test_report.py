@@ -240,7 +240,7 @@ def test_a_memory_curve_of_one_point_is_drawn_with_a_marker(tmp_path):
     runs = read_runs([make_run(tmp_path / "one", 2, steps=1)])
     figure, ax = plt.subplots()
     page._memory(ax, runs)
-    assert [line.get_marker() for line in ax.get_lines()] == ["o", "o"]  # a line of one point alone draws nothing
+    assert [line.get_marker() for line in ax.get_lines()] == ["o", "s"]  # a lone point: no line
     plt.close(figure)
 
 

@@ -90,3 +90,17 @@ def test_the_bubble_title_names_a_formula_only_where_every_run_s_schedule_has_it
         assert title(*mixed) == "bubble: measured (line), theory of each run's own schedule (dashed)"
     assert title("interleaved") == "bubble: measured (line), theory of its schedule (dashed)"
     assert "(K-1)/(M+K-1)" not in title("zero-bubble")
+
+
+def test_a_step_axis_ticks_whole_steps_and_stages_drawn_as_points_differ_in_marker(tmp_path, monkeypatch):
+    # A lone eval at step 2 was ticked 1.7 to 2.3, and two stages' single points were the same dot.
+    fig, _ = _drawn(tmp_path, monkeypatch, read_runs([make_run(tmp_path / "a", 2, steps=2)]))
+    steps = [ax for ax in fig.axes if ax.get_xlabel() == "step"]
+    assert any(ax.get_title() == "eval accuracy" for ax in steps)
+    for ax in steps:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), (ax.get_title(), ticks)
+    memory = next(ax for ax in steps if ax.get_title().startswith("memory peak per stage"))
+    markers = [line.get_marker() for line in memory.get_lines()]
+    assert len(markers) == 2 and len(set(markers)) == 2
+    assert [h.get_marker() for h in memory.get_legend().legend_handles] == markers
