@@ -202,8 +202,20 @@ def holds_no(path: Path, flag: str, writes: str, instead: str) -> UserError:
                      f"{instead}, or remove that file first")
 
 
+def check_picture(path: Path, would: str, instead: str) -> None:
+    """Refuse an existing file at a picture's path (PNG, PDF or SVG, by its suffix) that holds no such picture."""
+    kind = path.suffix.lower().lstrip(".")
+    writes = f"{kind.upper() if kind in ('pdf', 'svg') else 'PNG'} image"
+    if os.path.isfile(path) and not _holds(path, writes):  # `--trace t.json` replaced someone's notes at t.png
+        raise UserError(f"{would} {shown_path(path)}, a file that holds no {writes}; {instead}, or remove that file "
+                        "first")
+
+
+_STARTS = {"PNG": (b"\x89PNG",), "PDF": (b"%PDF",), "SVG": (b"<?xml", b"<svg")}
+
+
 def _holds(path: Path, writes: str) -> bool:
-    """Whether an existing file begins as `writes` (JSON or safetensors) does, or is empty: written before, perhaps."""
+    """Whether an existing file begins as `writes` (JSON, safetensors or a picture) does, or is empty."""
     try:
         with open(path, "rb") as f:
             head = f.read(16)
@@ -211,6 +223,8 @@ def _holds(path: Path, writes: str) -> bool:
         return True
     if writes == "safetensors":  # a little-endian header length, then the header's JSON
         return not head or head[8:9] == b"{"
+    if writes.endswith(" image"):
+        return not head or head.lstrip().startswith(_STARTS[writes.split()[0]])
     return not head.strip() or head.lstrip()[:1] in (b"{", b"[")
 
 

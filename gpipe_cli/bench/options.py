@@ -11,7 +11,7 @@ from typing import Any
 from gpipe_cli.bench.trace import paths as trace_paths
 from gpipe_cli.errors import UserError, shown
 from gpipe_cli.estimate.model_flags import SEED_HELP, ModelFlags, choice_problems, model_of, shared_fields
-from gpipe_cli.files import another_file, check_not_input, check_output, check_output_kind
+from gpipe_cli.files import another_file, check_not_input, check_output, check_output_kind, check_picture
 from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, MAX_SIZE, MAX_THREADS, finite, outside, refuse
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.pipeline.config import microbatch_problem
@@ -201,6 +201,8 @@ def validate(options: BenchOptions) -> None:
             raise UserError(f"{flag} would write {shown(str(path))}, which {seen[where]} writes too; name "
                             f"different files")
         seen[where] = flag
+        if path.suffix.lower() == ".png" and path != options.trace:  # a chart beside a file the user named
+            check_picture(path, f"{flag} would also write", f"name another {flag.partition(' ')[0]} file")
     # A name of another kind, once no two outputs collide: a sweep's plot is named after --json, in PNG.
     check_output_kind(options.json, "--json")
     check_output_kind(options.trace, "--trace", allowed=(".json", ".jsonl", ".png"))  # x.png: x.json beside

@@ -27,7 +27,7 @@ LABELS = {
 
 def paths(target: Path) -> tuple[Path, Path]:
     """Where the Chrome trace and the PNG go for `--trace FILE`."""
-    if target.suffix == ".png":
+    if target.suffix.lower() == ".png":  # as every other suffix is read: T.PNG is the chart
         return target.with_suffix(".json"), target
     return target, target.with_suffix(".png") if target.suffix else Path(str(target) + ".png")
 

@@ -11,7 +11,7 @@ from rich.table import Table
 from gpipe_cli import plots
 from gpipe_cli.console import output_console, print_table
 from gpipe_cli.errors import UserError, shown
-from gpipe_cli.files import check_not_input, check_output, writing
+from gpipe_cli.files import check_not_input, check_output, check_picture, writing
 from gpipe_cli.records import PARTS, PROFILED, profiled_words
 from gpipe_cli.report import page
 from gpipe_cli.report.runs import (
@@ -213,6 +213,8 @@ def report(paths: list[Path], output: Path | None = None) -> int:
     flag, hint = ("--output", "") if output is not None else ("", ELSEWHERE)
     target = output or _default_page(paths)
     check_output(target, flag, "report.png", hint)
+    if output is None:  # a page by default where a file of the user's lies (one named with --output is theirs)
+        check_picture(target, "gpipe report would write its page to", "name another file with --output")
     with writing(target, flag, hint):  # a disk can fill, or a folder change, after the check; never half a page
         page.draw(runs, target)
     console.print(f"wrote {target}", soft_wrap=True)  # a path stays one line, ready to copy

@@ -130,6 +130,26 @@ def test_a_folder_where_a_second_file_goes_is_named_with_the_flag_to_change(tmp_
     assert [p.name for p in tmp_path.iterdir()] == [folder] and not any((tmp_path / folder).iterdir())
 
 
+@pytest.mark.parametrize("flags,kept", [(["--trace", "t.json"], "t.png"), (["--trace", "t"], "t.png"),
+                                         (["--sweep", "--json", "s.json"], "s.png")])
+def test_a_file_of_the_users_where_a_chart_goes_beside_is_kept_and_named(tmp_path, monkeypatch, capsys, flags, kept):
+    # `--trace t.json` wrote its chart over a text file at t.png without a word.
+    from gpipe_cli.cli import run
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / kept).write_text("my notes\n")
+    assert run(["bench", *TINY, *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"would also write '{kept}', a file that holds no PNG image" in err and len(err.splitlines()) == 1, err
+    assert [p.name for p in tmp_path.iterdir()] == [kept] and (tmp_path / kept).read_text() == "my notes\n"
+
+
+def test_a_trace_named_in_capitals_is_the_chart():
+    from gpipe_cli.bench.trace import paths
+
+    assert paths(Path("T.PNG")) == (Path("T.json"), Path("T.PNG"))
+
+
 def test_the_trace_help_names_both_files_as_they_are_written():
     from gpipe_cli.bench.trace import paths
 

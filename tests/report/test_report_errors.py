@@ -89,6 +89,18 @@ def test_an_output_that_cannot_be_a_file_is_one_line(tmp_path, capsys, where):
     assert files(tmp_path) == before and (tmp_path / "link.png").is_symlink()
 
 
+def test_a_file_of_the_users_where_the_page_goes_by_default_is_kept_and_named(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    runs = [str(make_run(tmp_path / name, 2)) for name in ("a", "b")]
+    (tmp_path / "report.png").write_text("my notes\n")
+    assert cli(["report", *runs]) == 2
+    err = capsys.readouterr().err
+    assert one_line(err) and "would write its page to 'report.png', a file that holds no PNG image" in err
+    assert (tmp_path / "report.png").read_text() == "my notes\n"
+    (tmp_path / "report.png").write_bytes(b"")  # an empty file, or a page written before, is replaced
+    assert cli(["report", *runs]) == 0 and (tmp_path / "report.png").read_bytes().startswith(b"\x89PNG")
+
+
 def test_a_disk_that_fills_while_the_page_is_written_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
     run = make_run(tmp_path / "run", 2)
     before = files(tmp_path)
