@@ -61,6 +61,11 @@ class BenchOptions(ModelFlags):
         return not self.simulate and not self.sweep and self.partitions == 1 and self.virtual_stages == 1
 
     @property
+    def runs_torch(self) -> bool:
+        """Whether --compare runs torch's counterpart of the schedule: v-half has none, said after ours is measured."""
+        return self.compare and schedules.get(self.schedule).torch_counterpart is not None
+
+    @property
     def measures_host_overhead(self) -> bool:
         """Whether the K=1 run also times the engine against a plain loop: only when benchmarking K=1 itself."""
         # At K > 1 it would add as many K=1 steps again to every run.
@@ -78,6 +83,11 @@ class BenchOptions(ModelFlags):
         if self.trace is not None:
             named += [("--trace", path) for path in trace_paths(self.trace)]
         return [(flag, path) for flag, path in named if path is not None]
+
+
+def run_name(partitions: int, virtual_stages: int) -> str:
+    """How the K ranks' run is named: `K=1 V=2` where one rank holds a V's two chunks, apart from the K=1 baseline."""
+    return f"K={partitions}" + (f" V={virtual_stages}" if partitions == 1 and virtual_stages > 1 else "")
 
 
 def overhead_rounds(steps: int) -> tuple[int, int]:

@@ -11,7 +11,14 @@ from rich.console import Console
 
 from gpipe_cli import memory_model as mm
 from gpipe_cli import sizing
-from gpipe_cli.bench.options import RANK_BYTES, SWEEP_MICROBATCHES, BenchOptions, overhead_rounds, parse_balance
+from gpipe_cli.bench.options import (
+    RANK_BYTES,
+    SWEEP_MICROBATCHES,
+    BenchOptions,
+    overhead_rounds,
+    parse_balance,
+    run_name,
+)
 from gpipe_cli.errors import UserError
 from gpipe_cli.estimate import kept
 from gpipe_cli.estimate.model_flags import balance_entries
@@ -59,7 +66,7 @@ def phase_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: Benc
     for k, m in configs:
         work = sizing.step_seconds(cand, machine, options.batch, m, passes)
         if k == 1:
-            again = steps + 1 if options.compare and options.measures_once else 0  # see --compare below
+            again = steps + 1 if options.runs_torch and options.measures_once else 0  # see --compare below
             seconds[k] += (steps + again) * work + 10 * work / m  # the per-layer costs, timed on one micro-batch
             continue
         # The ranks that compute at once: one per GPU, or as many as the cores host at --threads each.
@@ -69,7 +76,7 @@ def phase_seconds(cand: sizing.Candidate, machine: sizing.Machine, options: Benc
         step = max(work * (m + k - 1) / (m * k), work / parallel)
         messages = 2 * m * 1e-3 * max(1.0, k / parallel)  # one send per micro-batch and direction
         # --compare: torch's counterpart takes as many steps again, and one more that learns its order of work.
-        seconds[k] += (2 * steps + 1 if options.compare else steps) * (step + messages)
+        seconds[k] += (2 * steps + 1 if options.runs_torch else steps) * (step + messages)
     if options.measures_host_overhead:
         # The engine and the plain loop, each its warm-up and measured steps, on the whole model at K=1.
         count, each = overhead_rounds(options.steps)
@@ -268,11 +275,13 @@ def show(preview: Preview, options: BenchOptions, machine: sizing.Machine, conso
     steps = f"{options.warmup} warm-up + {options.steps} measured steps"
     # A sweep's K=1 run only times each layer (its figures are normalised to K=2, M=1, as the paper's).
     what = "per-layer costs at K=1, then " if options.sweep else "per-layer costs, then "
-    listed = [k for k in ks if k > 1 or not options.sweep]
+    listed = [run_name(k, 1) for k in ks if k > 1 or not options.sweep]
+    if ks == [1] and len(configs) == 2:  # one rank holding a V's two chunks, measured beside K=1
+        listed.append(run_name(1, options.virtual_stages))
     ms = "1,4,32" if options.sweep else str(options.microbatches)
     host = ", the engine against a plain loop at K=1" if options.measures_host_overhead else ""
-    host += f", torch.distributed.pipelining's at K={max(ks)}" if options.compare else ""
-    console.print(f"  runs: {what}{', '.join(f'K={k}' for k in listed)}{host} · M={ms} · batch {options.batch} · "
+    host += f", torch.distributed.pipelining's at K={max(ks)}" if options.runs_torch else ""
+    console.print(f"  runs: {what}{', '.join(listed)}{host} · M={ms} · batch {options.batch} · "
                   f"{options.schedule} · checkpoint {options.checkpoint} · {steps}")
     k, whole = max(ks), human_bytes(preview.memory.stages[1][0])
     if k > 1:

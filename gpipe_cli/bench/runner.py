@@ -15,7 +15,7 @@ from rich.console import Console
 
 from gpipe_cli import interrupts, plots, sizing
 from gpipe_cli.bench import preview, setup, sweep, tables, trace
-from gpipe_cli.bench.options import BenchOptions, parse_balance
+from gpipe_cli.bench.options import BenchOptions, parse_balance, run_name
 from gpipe_cli.bench.setup import base_job, model_json, oversubscription
 from gpipe_cli.console import output_console
 from gpipe_cli.contention import contended
@@ -122,8 +122,9 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
     if options.measures_once:
         raw, kk = k1_raw, k1
     elif not options.simulate:
-        torch_too = "; then torch.distributed.pipelining's" if options.compare else ""
-        progress.phase(f"measuring K={k} (balance {balance}{torch_too})", phases.get(k, 0.0))
+        torch_too = "; then torch.distributed.pipelining's" if options.runs_torch else ""
+        progress.phase(f"measuring {run_name(k, options.virtual_stages)} (balance {balance}{torch_too})",
+                       phases.get(k, 0.0))
         raw = _launch(base_job(options, subject, k, balance, **k_fields), folder, f"k{k}", options)
         kk = RunFigures.from_json(raw["runs"][0])
     summary = summarise(options, subject, k1, kk, costs, balance, balance_by, prediction)

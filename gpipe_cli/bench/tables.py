@@ -8,16 +8,22 @@ from rich.console import Console
 from rich.table import Table
 
 from gpipe_cli import contention
+from gpipe_cli.bench.options import run_name
 from gpipe_cli.console import figure_table, print_table
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.units import counted, figure, human_bytes, human_count
+
+
+def k_run(s: dict[str, Any]) -> str:
+    """The K ranks' run as its rows name it (`K=1 V=2` beside K=1)."""
+    return run_name(s["partitions"], s.get("virtual_stages", 1))
 
 
 def _throughput(s: dict[str, Any]) -> Table:
     text = s["tokens_per_s_k1"] is not None
     table = figure_table(f"Throughput (median of {counted(s['steps'], 'step')} after {s['warmup']} warm-up)",
                          ("run", "samples/s", *(("tokens/s",) if text else ()), "step (ms)"), left=("run",))
-    label = f"K={s['partitions']}" + (" (predicted)" if s["simulated"] else "")
+    label = k_run(s) + (" (predicted)" if s["simulated"] else "")
     rows = [("K=1", s["samples_per_s_k1"], s["tokens_per_s_k1"], s["step_time_k1_s"]),
             (label, s["samples_per_s"], s["tokens_per_s"], s["step_time_s"])]
     for name, samples, tokens, step in rows[:1] if s.get("measured_once") else rows:
@@ -95,14 +101,14 @@ def show(s: dict[str, Any], console: Console) -> None:
     """Print the figures."""
     model = s["model"]
     console.print(f"[bold]gpipe bench[/] · {model['name']} ({human_count(model['parameters'])} parameters, "
-                  f"{model['layers']} pipeline layers) · K={s['partitions']} M={s['microbatches']} · batch "
+                  f"{model['layers']} pipeline layers) · {k_run(s)} M={s['microbatches']} · batch "
                   f"{s['batch_size']} · {s['schedule']} · checkpoint {s['checkpoint']} · balance {s['balance']} "
                   f"({s['balance_by']})")
     if s["oversubscribed"]:
         console.print(f"[bold yellow]OVERSUBSCRIBED:[/] {s['ranks']} ranks x {s['threads']} thread(s) on "
                       f"{s['hardware']}; the speed figures below mean little")
     if s.get("contended"):
-        runs = {"k1": "K=1", "k": f"K={s['partitions']}"}  # then the host overhead's and the baselines'
+        runs = {"k1": "K=1", "k": k_run(s)}  # then the host overhead's and the baselines'
         console.print(contention.note({runs.get(run, run): load for run, load in s["load"].items()}))
     console.print(_throughput(s))
     kind = "PREDICTION: simulated, not measured" if s["simulated"] else "measured"

@@ -194,6 +194,9 @@ def test_a_model_sized_to_the_machine_is_deep_enough_for_every_chunk():
                                                                                   "estimated time): "]),
     # torch's run, which about doubles the K=2 phase, went unnamed.
     (dict(compare=True), ["  runs: per-layer costs, then K=1, K=2, torch.distributed.pipelining's at K=2 · "]),
+    # torch has no v-half: its run was promised, then "not measured"; and one rank's V run was a second "K=1".
+    (dict(compare=True, schedule="v-half", virtual_stages=2), ["  runs: per-layer costs, then K=1, K=2 · "]),
+    (dict(partitions=1, schedule="v-half", virtual_stages=2), ["  runs: per-layer costs, then K=1, K=1 V=2, "]),
 ])
 def test_the_plan_names_each_run_and_its_memory(flags, lines):
     # At K=1 the plan had no memory line; a sweep's K=1 run, which only times the layers, was listed as measured.

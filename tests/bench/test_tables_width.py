@@ -50,3 +50,13 @@ def test_a_comparison_says_when_only_our_side_offloads(offload):
     text = " ".join(console.export_text().split())
     said = "ours offloads stored activations to host memory (its peaks leave them out), torch's does not"
     assert (said in text) == (offload != "none"), text
+
+
+def test_one_rank_holding_a_v_is_named_apart_from_k1():
+    # Both rows read "K=1", and the efficiency above 1 looked like a fault.
+    console = Console(width=200, record=True, force_terminal=False, color_system=None)
+    tables.show(summary(partitions=1, virtual_stages=2, schedule="v-half"), console)
+    text = console.export_text()
+    assert "· K=1 V=2 M=4 ·" in text
+    rows = [line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│ K=")]
+    assert rows == ["K=1", "K=1 V=2 (predicted)"]
