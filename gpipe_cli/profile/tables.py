@@ -22,13 +22,14 @@ def show_measured(s: dict[str, Any], console: Console) -> None:
     model = s["model"]
     console.print(f"[bold]gpipe profile-memory[/] · {model['name']} ({model['layers']} pipeline layers) · batch "
                   f"{s['batch_size']} · M={s['microbatches']} · {s['schedule']} · checkpoint {s['checkpoint']} · "
-                  f"optimizer {s['optimizer']} · device {s['device']}")
+                  f"optimizer {s['optimizer']} · device {s['device']}"
+                  + (f" · offload {s['offload']}" if s.get("offload", "none") != "none" else ""))
     console.print(f"activations measured by {s['method']}; stored act.: what the forwards keep until the "
                   f"backward phase; peak act.: stored plus the micro-batch being recomputed and backpropagated")
     for sc in (sc for sc in s["scenarios"] if sc["measured"]):
         v = sc.get("virtual", 1)
         shape = f" x V={v} ({sc['schedule']})" if v > 1 else ""
-        moved = s.get("offload", "none") != "none" and sc["checkpoint"] != "never"
+        moved = s.get("offload", "none") != "none"  # under `never` too: its micro-batches' whole forwards wait there
         table = figure_table(f"{sc['name']}: K={sc['partitions']}{shape}, M={sc['microbatches']}, checkpoint "
                              f"{sc['checkpoint']}, balance {sc['balance']}",
                              ("stage", "layers", "params", "grads", "optim.", "stored act.", "peak act.", "total")

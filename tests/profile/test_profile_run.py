@@ -39,6 +39,19 @@ def test_measured_profile_has_every_scenario_and_stage(tmp_path):
             > by_name["pipeline-2"]["device_peak_bytes"])
 
 
+def test_offloaded_bytes_are_shown_under_every_remat_mode_and_the_title_says_offload(tmp_path, capsys):
+    # Under `never` the column was left out, though the JSON held the bytes and the stored activations had dropped.
+    out = tmp_path / "profile.json"
+    assert run(ProfileOptions(**tiny.TRANSFORMER, partitions=[2], microbatches=4, offload="activations",
+                              checkpoint="never", json=out)) == 0
+    text = capsys.readouterr().out
+    assert "· offload activations" in text.splitlines()[next(i for i, line in enumerate(text.splitlines())
+                                                             if line.startswith("gpipe profile-memory ·"))]
+    assert text.count("offloaded to host") == 3  # naive-1, pipeline-1 and pipeline-2
+    held = [st["host_bytes"] for sc in json.loads(out.read_text())["scenarios"] for st in sc["stages"]]
+    assert any(held)
+
+
 def test_budget_search_reports_the_papers_table_layout(tmp_path):
     out = tmp_path / "budget.json"
     options = ProfileOptions(model="transformer", d_model=32, ff=64, heads=2, vocab_size=64, seq_len=8,
