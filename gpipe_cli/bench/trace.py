@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +41,26 @@ def chrome_trace(events: Sequence[Mapping[str, Any]], title: str) -> dict[str, A
     for s in stages:
         out += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}},
                 {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": s, "args": {"sort_index": s}}]
-    chunked = {s for s in stages if len({e.get("chunk", s) for e in events if e["stage"] == s}) > 1}
+    named = _names(events)
     for e in sorted(events, key=lambda e: (e["stage"], e["start"])):
-        chunk = f"/c{e['chunk']}" if e["stage"] in chunked else ""
         out.append({
-            "name": f"{SHORT[e['kind']]}{e['microbatch']}{chunk}", "cat": LABELS[e["kind"]][0], "ph": "X", "pid": 0,
+            "name": named(e), "cat": LABELS[e["kind"]][0], "ph": "X", "pid": 0,
             "tid": int(e["stage"]), "ts": round(e["start"] * 1e6, 3),
             "dur": round(max(e["end"] - e["start"], 0.0) * 1e6, 3),
             "args": {"stage": e["stage"], "microbatch": e["microbatch"], "chunk": e.get("chunk", e["stage"]),
                      "action": e["kind"]},
         })
     return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def _names(events: Sequence[Mapping[str, Any]]) -> Callable[[Mapping[str, Any]], str]:
+    """An action's name, `F0`, with its chunk where its stage holds several: `F0/c2`."""
+    stages = {int(e["stage"]) for e in events}
+    chunked = {s for s in stages if len({e.get("chunk", s) for e in events if e["stage"] == s}) > 1}
+
+    def name(e: Mapping[str, Any]) -> str:
+        return f"{SHORT[e['kind']]}{e['microbatch']}" + (f"/c{e['chunk']}" if e["stage"] in chunked else "")
+    return name
 
 
 def write_gantt(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> bool:
@@ -64,6 +73,7 @@ def write_gantt(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> 
     stages = sorted({int(e["stage"]) for e in events})
     end = max((e["end"] for e in events), default=0.0) * 1e3
     fig, ax = plt.subplots(figsize=(14.0, 1.6 + 0.5 * len(stages)))
+    named = _names(events)
     for e in events:
         row = len(stages) - 1 - stages.index(int(e["stage"]))  # stage 0 on top, as in the paper
         start, width = e["start"] * 1e3, (e["end"] - e["start"]) * 1e3
@@ -72,7 +82,7 @@ def write_gantt(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> 
         ax.broken_barh([(start, width)], (row - height / 2, height), facecolors=LABELS[e["kind"]][1],
                        edgecolors="white" if compute else "none", linewidth=0.5)
         if compute and width > end / 150:
-            ax.text(start + width / 2, row, f"{SHORT[e['kind']]}{e['microbatch']}", ha="center",
+            ax.text(start + width / 2, row, named(e), ha="center",
                     va="center", fontsize=5 if width < end / 60 else 6, color="white")
     ax.set_yticks(range(len(stages)))
     ax.set_yticklabels([f"stage {s}" for s in reversed(stages)])
