@@ -12,7 +12,7 @@ import pickle
 import re
 import shutil
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,8 +206,9 @@ def _cause(exc: BaseException) -> str:
 
 
 def save(path: Path, state: dict[str, Any], manifest: dict[str, Any], keep: int, rank: int,
-         group: dist.ProcessGroup | None) -> None:
-    """Write a checkpoint collectively, at `path` once all parts are on disk (CheckpointWriteError where it fails)."""
+         group: dist.ProcessGroup | None, extra: Mapping[str, bytes] | None = None) -> None:
+    """Write a checkpoint collectively, at `path` once all parts are on disk (CheckpointWriteError where it fails);
+    `extra`: more files rank 0 writes into it, checked as the rest."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     partial = partial_for(path)
     with heartbeat.paused():
@@ -219,6 +220,8 @@ def save(path: Path, state: dict[str, Any], manifest: dict[str, Any], keep: int,
                 dist.barrier(group=group)
             with single_process_quiet(distributed):
                 dcp.save(state, storage_writer=_writer(partial, manifest.get("step")), no_dist=not distributed)
+            for name, data in (extra or {}).items() if rank == 0 else ():
+                (partial / name).write_bytes(data)  # the folder becomes the checkpoint only whole: no atomic write
             sums = _checksums(partial, rank, group, distributed)
             if rank == 0:
                 files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}

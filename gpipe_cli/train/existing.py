@@ -71,7 +71,20 @@ def choose_run_dir(recipe: Recipe, output_dir: str | None, root: str = "outputs"
 
 def save_recipe(recipe: Recipe, run_dir: Path) -> None:
     """Store the resolved recipe (every default filled in, its files' paths absolute) with the run."""
-    atomic_write_bytes(run_dir / RECIPE, recipe_yaml(anchored(recipe)).encode())
+    atomic_write_bytes(run_dir / RECIPE, recipe_bytes(recipe))
+
+
+def recipe_bytes(recipe: Recipe) -> bytes:
+    """The resolved recipe as the run keeps it, in its recipe.yaml and in each checkpoint (its course's settings)."""
+    return recipe_yaml(anchored(recipe)).encode()
+
+
+def settings_of(location: str) -> Path:
+    """The recipe.yaml a resume from `location` continues with: the run's, or that of a checkpoint before its newest."""
+    # A resume back to an earlier checkpoint goes back to its course, whose settings a later resume may have changed
+    # in the run's recipe.yaml (a ten times larger learning rate). Checkpoints of older versions keep none.
+    earlier = earlier_checkpoint(location)
+    return earlier / RECIPE if earlier is not None and (earlier / RECIPE).is_file() else run_dir_of(location) / RECIPE
 
 
 # A relative path is read from the directory gpipe runs in: the run's recipe names its files from anywhere, so
@@ -300,9 +313,9 @@ def start_again(run_dir: Path) -> str:
         + _on_nodes(None)
 
 
-def recipe_changes(recipe: Recipe, run_dir: Path) -> list[Change] | None:
-    """Every key whose value differs from the run's recipe.yaml (None: the run has no readable one)."""
-    path = run_dir / RECIPE
+def recipe_changes(recipe: Recipe, where: Path) -> list[Change] | None:
+    """Every key whose value differs from a run's recipe.yaml, or the one `where` names (None: none is readable)."""
+    path = where / RECIPE if where.is_dir() else where
     if not path.is_file():
         return None
     try:
@@ -338,10 +351,23 @@ def past_end(location: str, checkpoint: str, step: int, end: str, key: str = "tr
             f"resuming would write earlier steps over it; raise {key} to train past step {step}")
 
 
-def complete_line(run_dir: Path, step: int, end: str, key: str = "train.steps") -> str:
-    """The line that says a resumed run has nothing left to do (its end, `end`, set by `key`)."""
+def complete_line(run_dir: Path, step: int, end: str, key: str = "train.steps", earlier: Path | None = None) -> str:
+    """The line that says a resumed run has nothing left to do (its end, `end`, set by `key`; `earlier`: a checkpoint
+    before the run's newest, which the resume named)."""
+    if earlier is not None:  # the run itself is further on: "complete at step 4" named a run at step 6
+        return (f"checkpoint {cut(str(earlier), PATH_CHARS)} is at step {step} ({end}), the end already; nothing to "
+                f"do (raise {key} to train on from it: the run's steps after {step} are then set aside)")
     return (f"the run in {cut(str(run_dir), PATH_CHARS)} is already complete at step {step} ({end}); nothing to do "
             f"(raise {key} to train past step {step})")
+
+
+def earlier_checkpoint(location: str) -> Path | None:
+    """The checkpoint `location` names when it is not its run's newest (None: the run's newest, or the run itself)."""
+    path = Path(location)
+    if not (path.name.startswith(PREFIX) or any(part.startswith(SUPERSEDED) for part in path.parts)):
+        return None
+    named, newest = candidates(path), candidates(run_dir_of(location))
+    return named[0] if named and not (newest and same_file(newest[0], named[0])) else None
 
 
 def check_resumable(location: str) -> int:
@@ -496,7 +522,7 @@ def train_recipe(recipe: str | None, overrides: Sequence[str], resume: str | Non
     run = _run_to_continue(resume, output_dir, overrides, root)
     if run is None:  # no run there yet, as a requeued job's first launch finds it
         return load_recipe(None, overrides), None
-    path = run / RECIPE
+    path = settings_of(resume) if resume != LATEST else run / RECIPE
     if not path.is_file():
         where = cut(str(run), PATH_CHARS)
         check_a_run(run, "--resume ")
@@ -588,22 +614,27 @@ def _name(overrides: Sequence[str]) -> str:
 # `continued`: no recipe was given, so every change is one of `overrides`; else `recipe` (None: the built-in one)
 # replaces the run's, and `changes` lists every difference from it (None: the run has no readable recipe.yaml).
 def resume_line(run_dir: Path, step: int | None, changes: list[Change] | None, recipe: str | None,
-                continued: bool, overrides: Sequence[str]) -> str:
-    """The one line that says which run a resume continues, from which step, and with which settings."""
+                continued: bool, overrides: Sequence[str], base: Path | None = None) -> str:
+    """The one line that says which run a resume continues, from which step, and with which settings (`base`: the
+    recipe.yaml they are compared with, the run's unless an earlier checkpoint's)."""
     where = f"resuming {run_dir}" + (f" at step {step}" if step is not None else "")
     listed = ", ".join(map(str, changes or []))
+    base = base or run_dir / RECIPE
+    ours = base == run_dir / RECIPE
     if continued:
+        course = "" if ours else f" with the settings of checkpoint {base.parent.name} ({base}),"
         if listed:
-            return f"{where} with {listed} (--set)"
-        return f"{where} with the run's own settings ({run_dir / RECIPE})"
+            return f"{where}{course} with {listed} (--set)"
+        return f"{where} with the {'run' if ours else 'checkpoint'}'s own settings ({base})"
     given = recipe if recipe is not None else "the built-in quick-start recipe"
     if overrides:
         given += " and --set"
+    owner = "the run" if ours else f"checkpoint {base.parent.name}"
     if changes is None:
-        return f"{where} with {given} (the run has no readable {RECIPE} to compare it with)"
+        return f"{where} with {given} ({owner} has no readable {RECIPE} to compare it with)"
     if not listed:
-        return f"{where} with {given}, the same settings as the run's"
-    return f"{where} with {given}, which {'differ' if overrides else 'differs'} from the run's {RECIPE}: {listed}"
+        return f"{where} with {given}, the same settings as {owner}'s"
+    return f"{where} with {given}, which {'differ' if overrides else 'differs'} from {owner}'s {RECIPE}: {listed}"
 
 
 def continue_command(run_dir: Path, flags: str | None = None) -> str:

@@ -35,7 +35,9 @@ from gpipe_cli.train.existing import (
     choose_run_dir,
     complete_line,
     continue_command,
+    earlier_checkpoint,
     past_end,
+    recipe_bytes,
     run_dir_of,
     save_recipe,
     way_on,
@@ -105,7 +107,7 @@ class Trainer:
         self.scheduler = optim.build_scheduler(self.optimizer, recipe, self.steps_per_epoch, self.total_steps)
         self.lr = optim.lr_factor(recipe, self.steps_per_epoch, self.total_steps)
         self.checkpoints = Checkpointer(self.pipe, self.optimizer, self.scheduler, topo, self.plan, self.run_dir,
-                                        recipe.checkpoint.keep)
+                                        recipe.checkpoint.keep, recipe_bytes(recipe))
         if job.resume:
             named = Path(str(job.resume)).name.startswith(PREFIX)  # a checkpoint's own folder, not its run's
             self._note(f"loading {'checkpoint' if named else 'the newest whole checkpoint of'} {job.resume}")
@@ -391,7 +393,8 @@ class Trainer:
         """Train for the recipe's steps or epochs, evaluating and checkpointing as asked and at the end; exit code."""
         recipe = self.recipe
         if self.complete:
-            self._message(complete_line(self.run_dir, self.start_step, *self._end()))
+            self._message(complete_line(self.run_dir, self.start_step, *self._end(),
+                                        earlier=earlier_checkpoint(str(self.job.resume))))
             self.pipe.close()
             return 0
         if self.view is not None:

@@ -16,7 +16,7 @@ from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.topology import Topology
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.train import checkpoint
-from gpipe_cli.train.existing import METRICS, no_usable
+from gpipe_cli.train.existing import METRICS, RECIPE, no_usable
 from gpipe_cli.train.plan import Plan
 from gpipe_cli.train.safe_dcp import saved_keys
 
@@ -45,9 +45,10 @@ class Checkpointer:
 
     def __init__(self, pipe: Pipeline, optimizer: torch.optim.Optimizer | None,
                  scheduler: torch.optim.lr_scheduler.LambdaLR | None, topo: Topology, plan: Plan,
-                 run_dir: Path, keep: int) -> None:
+                 run_dir: Path, keep: int, settings: bytes = b"") -> None:
         self.pipe, self.optimizer, self.scheduler, self.topo, self.plan = pipe, optimizer, scheduler, topo, plan
         self.run_dir, self.keep = run_dir, keep
+        self.settings = settings  # the run's resolved recipe, kept in each checkpoint: a resume back to it reads them
         self.layout = topo.layout
         self.last_saved = -1
 
@@ -68,7 +69,8 @@ class Checkpointer:
         path = checkpoint.path_for(self.run_dir, step)
         state = checkpoint.state_of(self.pipe.module, self.optimizer, self._extra(step, same_layout=True))
         manifest = {"step": step, "epoch": epoch, **self._layout(), "world_size": self.layout.world_size}
-        checkpoint.save(path, state, manifest, self.keep, self.layout.rank, self.topo.transport.control)
+        checkpoint.save(path, state, manifest, self.keep, self.layout.rank, self.topo.transport.control,
+                        {RECIPE: self.settings} if self.settings else {})
         self.last_saved = step
         return path
 

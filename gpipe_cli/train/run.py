@@ -52,6 +52,7 @@ from gpipe_cli.train.existing import (
     choose_run_dir,
     complete_line,
     continue_command,
+    earlier_checkpoint,
     holds_run,
     recipe_changes,
     remove_set_up,
@@ -59,6 +60,7 @@ from gpipe_cli.train.existing import (
     resume_line,
     resume_location,
     run_dir_of,
+    settings_of,
     starts_anew,
     train_recipe,
 )
@@ -312,12 +314,14 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
 
             trim_metrics(Path(options.output_dir) / METRICS, 0)
         changes: list[Change] | None = None
+        base: Path | None = None
         complete: int | None = None
         step: int | None = None
         if resume is not None:
             check_writable(Path(resume), "--resume")
             step = check_resumable(resume)
-            changes = recipe_changes(recipe, run_dir_of(resume))
+            base = settings_of(resume)
+            changes = recipe_changes(recipe, base)
             check_checkpoint_keys(recipe, changes or [], resume)
             complete = resume_end(recipe, resume)
         elif fresh and options.output_dir:
@@ -326,10 +330,11 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
         shape = f"K={recipe.pipeline.partitions} x D={recipe.pipeline.data_parallel}"
         print("\n".join(dry_run_lines(options.launch, world, shape, train_args(options))), flush=True)
         if complete is not None:  # what the launch would say, and then start nothing
-            say(complete_line(run_dir_of(str(resume)), complete, f"train.steps {recipe.train.steps}"), sys.stdout)
+            say(complete_line(run_dir_of(str(resume)), complete, f"train.steps {recipe.train.steps}",
+                              earlier=earlier_checkpoint(str(resume))), sys.stdout)
         elif resume is not None:  # which run, from which step, with which changes: a bare --resume picks one
             say(resume_line(run_dir_of(resume), step, changes, options.recipe, options.recipe is None,
-                            options.overrides), sys.stdout)
+                            options.overrides, base), sys.stdout)
         elif fresh:
             say(_fresh_line(options.output_dir, dropped), sys.stdout)
         warning = node_oversubscribed(recipe, options.launch.nnodes, options.launch.threads)
@@ -338,7 +343,8 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
         return 0
     if complete is not None:  # e.g. a scheduler requeued a finished job: say so, touch nothing
         if first:
-            say(complete_line(run_dir_of(str(resume)), complete, f"train.steps {recipe.train.steps}"), sys.stdout)
+            say(complete_line(run_dir_of(str(resume)), complete, f"train.steps {recipe.train.steps}",
+                              earlier=earlier_checkpoint(str(resume))), sys.stdout)
         return 0
     if first:
         announce(recipe, options.launch.nnodes, options.launch.threads, sys.stdout, said=not live)
@@ -351,7 +357,7 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
             say(note(started, _fresh_line(options.output_dir, dropped)), sys.stdout)
         if resume is not None:  # before any rank starts: the run's recipe.yaml will record what it changes
             continued = options.recipe is None
-            say(resume_line(run_dir_of(resume), step, changes, options.recipe, continued, options.overrides),
+            say(resume_line(run_dir_of(resume), step, changes, options.recipe, continued, options.overrides, base),
                 sys.stdout)
     job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
               resume=resume, started=started, available=available, run_dir=str(new_dir) if new_dir else None)

@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 from typer.testing import CliRunner
 
 from gpipe_cli.cli import app
@@ -14,6 +16,7 @@ from gpipe_cli.launch import launcher
 from gpipe_cli.launch.launcher import launch_options
 from gpipe_cli.launch.preflight import NODE_FLAGS, node_flags
 from gpipe_cli.recipe.load import load_recipe, recipe_yaml
+from gpipe_cli.train import checkpoint
 from gpipe_cli.train.existing import continue_command, start_again
 from tests.launch.test_slurm import step_env
 from tests.train.test_existing_run import error_line, hashes, make_run, save
@@ -72,6 +75,30 @@ def test_a_checkpoint_location_continues_its_run_from_that_checkpoint(tmp_path, 
     assert result.exit_code == 0, result.output
     assert resume_lines(result) == [f"resuming {run} at step 5 with the run's own settings ({run}/recipe.yaml)"]
     assert jobs[0]["recipe"]["train"]["steps"] == 20
+
+
+def test_a_resume_back_to_an_earlier_checkpoint_takes_its_courses_settings(tmp_path, jobs):
+    # A later resume had set optimizer.lr ten times higher in the run's recipe.yaml, and going back to step 5 trained
+    # its course on with that, the line saying only "train.steps 20 -> 12".
+    path, run = make_run(tmp_path, None, "train.steps=20", steps=(10,))
+    earlier = checkpoint.path_for(run, 5)
+    course = recipe_yaml(load_recipe(path, ["train.steps=20", "optimizer.lr=0.003"]))
+    checkpoint.save(earlier, checkpoint.state_of(nn.Linear(3, 2), None, {"train": {"step": torch.tensor(5)}}),
+                    {"step": 5}, 5, rank=0, group=None, extra={"recipe.yaml": course.encode()})
+    (run / "recipe.yaml").write_text(recipe_yaml(load_recipe(path, ["train.steps=20", "optimizer.lr=0.03"])))
+    result = resume("--resume", str(earlier), "--set", "train.steps=12")
+    assert result.exit_code == 0, result.output
+    assert resume_lines(result) == [f"resuming {run} at step 5 with the settings of checkpoint step-00000005 "
+                                    f"({earlier}/recipe.yaml), with train.steps 20 -> 12 (--set)"]
+    assert jobs[0]["recipe"]["optimizer"]["lr"] == 0.003
+    # The run's newest checkpoint goes on with the run's own settings, the latest resume's.
+    result = resume("--resume", str(run / "checkpoints" / "step-00000010"))
+    assert resume_lines(result) == [f"resuming {run} at step 10 with the run's own settings ({run}/recipe.yaml)"]
+    assert jobs[1]["recipe"]["optimizer"]["lr"] == 0.03
+    # At its end already, the checkpoint is named, not the run, which is at step 10.
+    result = resume("--resume", str(earlier), "--set", "train.steps=5")
+    assert result.exit_code == 0 and len(jobs) == 2
+    assert f"checkpoint {earlier} is at step 5 (train.steps 5), the end already; nothing to do" in result.stdout
 
 
 def test_a_bare_resume_into_an_output_dir_continues_that_run_with_its_settings(tmp_path, jobs):

@@ -87,6 +87,10 @@ def test_a_run_writes_every_metric(cuts):
         evals = [r for r in records(out) if r["kind"] == "eval"]
         assert evals and all({"step", "loss", "accuracy"} <= set(r) for r in evals)
         assert (out / "recipe.yaml").exists() and (out / "checkpoints").is_dir()
+        # Each checkpoint keeps the settings it was trained with, listed and checked as its other files.
+        for saved in (out / "checkpoints").glob("step-*"):
+            assert (saved / "recipe.yaml").read_text() == (out / "recipe.yaml").read_text()
+            assert "recipe.yaml" in json.loads((saved / "manifest.json").read_text())["checksums"]
         if recipe["model"]["kind"] == "transformer":
             assert (out / "tokenizer.model").exists()
         assert "step 1/" in proc.stdout and "Traceback" not in proc.stderr
