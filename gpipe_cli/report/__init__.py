@@ -198,10 +198,10 @@ def report(paths: list[Path], output: Path | None = None) -> int:
                                          for name in ("metrics.jsonl", "recipe.yaml")],
                     "name another file, e.g. report.png")
     check_output(output, "--output", "report.png")
-    runs = read_runs(paths)
-    if output is not None and output.suffix.lower().lstrip(".") not in plots.FORMATS:
+    if output is not None and output.suffix.lower().lstrip(".") not in plots.FORMATS:  # before a run is read
         raise UserError(f"--output: the page is written as PNG, PDF or SVG: name a file ending in .png, .pdf or .svg "
                         f"(got {shown(str(output))})")
+    runs = read_runs(paths)
     tables = [table for table in (summary_table(runs), resume_table(runs), stage_table(runs)) if table is not None]
     console = _console(tables)
     for table in tables:

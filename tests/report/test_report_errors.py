@@ -202,8 +202,10 @@ def test_piped_tables_cut_no_number(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", ["page.txt", "page"])
-def test_an_output_of_another_format_is_refused_before_the_tables(tmp_path, capsys, name):
-    run = make_run(tmp_path / "run", 2)
+@pytest.mark.parametrize("cut", [False, True])
+def test_an_output_of_another_format_is_refused_before_the_tables(tmp_path, capsys, name, cut):
+    # `cut`: a run whose last record was cut short was warned of before the refusal.
+    run = make_run(tmp_path / "run", 2, cut=cut)
     before = files(tmp_path)
     assert cli(["report", str(run), "--output", str(tmp_path / name)]) == 2
     captured = capsys.readouterr()
