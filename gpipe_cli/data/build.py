@@ -16,9 +16,10 @@ from gpipe_cli.units import counted
 
 def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_classes: int = 1000,
                vocab_size: int = 32000, max_len: int = 256, run_dir: Path | None = None, min_batch: int = 1,
-               workers: int = 0, cache_dir: Path | None = None) -> Loader:
+               workers: int = 0, cache_dir: Path | None = None, least: int = 1, least_why: str = "") -> Loader:
     """The Loader for `data` and `task`, built by `workers` background processes (0: inline)."""
-    # `min_batch` (micro-batches x replicas) examples or more in every mini-batch: no shard's micro-batch is empty.
+    # `min_batch` (micro-batches x replicas x `least`) examples or more in every mini-batch: no shard's micro-batch
+    # is empty, nor smaller than the `least` examples the model trains on (`least_why`: why, in words).
     train: Examples
     evl: Examples | None
     tok: Tokenizer | None = None
@@ -48,9 +49,11 @@ def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_
         raise DataError(f"the training split has {counted(loader.train_size, 'example')}, too few for one batch of "
                         f"{size} with data.drop_last; lower the batch size or set data.drop_last: false")
     if loader.train_size < loader.min_batch:  # then every batch is smaller: some micro-batch would be empty
+        count = f"{loader.min_batch // least} micro-batches" if least > 1 else f"{loader.min_batch} micro-batches"
+        needs = f"{least} ({least_why})" if least > 1 else "one"
         raise DataError(f"the training split has {counted(loader.train_size, 'example')}, fewer than the "
-                        f"{loader.min_batch} micro-batches of a step (pipeline.microbatches x pipeline.data_parallel), "
-                        f"each of which needs one; lower them or give more data")
+                        f"{count} of a step (pipeline.microbatches x pipeline.data_parallel), each of which needs "
+                        f"{needs}; lower them or give more data")
     return loader
 
 
@@ -58,5 +61,8 @@ def build_data_for(recipe: Recipe, *, run_dir: Path | None = None, **kwargs: Any
     """build_data with the task and sizes taken from a whole recipe."""
     model, family = recipe.model, families.of(recipe.model.kind)
     sizes = {key: getattr(model, key) for key in family.data_sizes}
-    kwargs.setdefault("min_batch", recipe.pipeline.microbatches * recipe.pipeline.data_parallel)
-    return build_data(recipe.data, family.task(model), seed=recipe.seed, run_dir=run_dir, **sizes, **kwargs)
+    # A last batch shorter than a step's least (an AmoebaNet micro-batch of one image, which BatchNorm cannot train
+    # on, from data.drop_last: false) joins the one before it.
+    kwargs.setdefault("min_batch", recipe.pipeline.microbatches * recipe.pipeline.data_parallel * family.least_examples)
+    return build_data(recipe.data, family.task(model), seed=recipe.seed, run_dir=run_dir, least=family.least_examples,
+                      least_why=family.least_why, **sizes, **kwargs)

@@ -147,3 +147,16 @@ def test_too_few_examples_for_the_micro_batches_of_a_step(tmp_path: Path) -> Non
         build_data(data(synthetic_size=10, batch_size=16, drop_last=False), "image", seed=0, image_size=32,
                    num_classes=3, min_batch=64)
     assert "\n" not in str(err.value)
+
+
+def test_a_short_last_batch_joins_the_one_before_where_a_micro_batch_of_it_would_hold_one_image(tmp_path: Path) -> None:
+    # AmoebaNet with drop_last: false: a last batch of 6 cut into 4 micro-batches gave BatchNorm one image, and a
+    # traceback ("Expected more than 1 value per channel").
+    from gpipe_cli.data.build import build_data_for
+    from gpipe_cli.recipe.load import load_recipe
+    from tests.train.recipes import TINY_AMOEBANET, write
+
+    recipe = load_recipe(write(tmp_path, TINY_AMOEBANET), ["data.synthetic_size=70", "data.drop_last=false"])
+    ds = build_data_for(recipe)
+    sizes = [len(batch.targets) for batch in ds.train_batches(epoch=0)]
+    assert sum(sizes) == ds.train_size and min(sizes) >= 8, sizes
