@@ -19,6 +19,9 @@ MAX_RANKS = 65_536  # K, D, devices
 MAX_VIRTUAL = 64  # chunks per stage (interleaved)
 MAX_REAL = 1e9  # learning rates, clipping thresholds, decay intervals
 MAX_THREADS = 1024
+# The shortest train.stall_timeout: ten of the heartbeat's one-second beats. At 1 s a healthy run's own beat
+# came late, and the job ended "frozen" without its final checkpoint.
+LEAST_STALL_S = 10.0
 MAX_SEED = 2**32 - 1  # a recipe's seed and --seed alike
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what `gpipe export --dtype` stores
 # A count as a flag takes it: digits, signed (a sign is then checked against the bounds); not Python's int(),

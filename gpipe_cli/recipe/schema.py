@@ -21,6 +21,7 @@ from pydantic_core import PydanticCustomError
 from gpipe_cli.errors import shown
 from gpipe_cli.limits import (
     AMOEBANET_STEPS,
+    LEAST_STALL_S,
     MAX_COUNT,
     MAX_LAYERS,
     MAX_RANKS,
@@ -322,7 +323,7 @@ class Train(Section):
     memory_every: PositiveInt = 10
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Seconds without progress before a stalled rank ends the job; null: max(60, 10x the slowest step).
-    stall_timeout: PositiveReal | None = None
+    stall_timeout: Annotated[float, Real, Field(ge=LEAST_STALL_S, le=MAX_REAL)] | None = None
     on_nonfinite: Literal["stop", "skip"] = "stop"  # a non-finite loss or gradient (fp32, bf16)
     max_skipped: PositiveInt = 10  # consecutive skipped steps that stop the run (fp16 overflows too)
     profile: Profile | None = None  # steps [start, end] (from 1), or a schedule, traced with torch.profiler

@@ -1,6 +1,6 @@
 """Stall judgement from successive views of every rank's heartbeat (pure: no processes)."""
 
-from gpipe_cli.pipeline.heartbeat import Beat, Judge, Waits, default_timeout
+from gpipe_cli.pipeline.heartbeat import INTERVAL_S, Beat, Judge, Waits, default_timeout
 
 
 def beat(count: int, progress: int = 0, steps: int = 0, slowest: float = 0.1, paused: bool = False,
@@ -103,3 +103,10 @@ def test_progress_counts_device_waits_only_once_the_device_passed_them():
         assert waits.poll() == (1, "sending gradients of micro-batch 0 to rank 0")
     second.passed = True
     assert waits.poll() == (3, None)
+
+
+def test_the_least_stall_timeout_a_recipe_takes_spans_many_beats():
+    # At 1 s, below two beats, a healthy run was ended as frozen before its final checkpoint.
+    from gpipe_cli.limits import LEAST_STALL_S
+
+    assert LEAST_STALL_S >= 5 * INTERVAL_S

@@ -110,7 +110,7 @@ def test_a_killed_rank_is_named_with_its_signal_and_the_job_ends(tmp_path):
 
 
 def test_a_stopped_rank_is_named_within_the_stall_timeout(tmp_path):
-    proc, pids = start(write(tmp_path, recipe(steps=10_000, stall_timeout=4)), tmp_path / "run")
+    proc, pids = start(write(tmp_path, recipe(steps=10_000, stall_timeout=10)), tmp_path / "run")
     os.kill(pids[1], signal.SIGSTOP)
     stopped = time.monotonic()
     out, err, _ = finish(proc, pids, timeout=90)
@@ -118,8 +118,8 @@ def test_a_stopped_rank_is_named_within_the_stall_timeout(tmp_path):
     assert proc.returncode == 1, err[-3000:]
     assert "Traceback" not in err
     lines = error_lines(err)
-    assert len(lines) == 1 and "rank 1 (stage 1) stopped responding: no heartbeat for 4 s" in lines[0], err[-3000:]
-    assert 4 <= elapsed < 60
+    assert len(lines) == 1 and "rank 1 (stage 1) stopped responding: no heartbeat for 10 s" in lines[0], err[-3000:]
+    assert 10 <= elapsed < 60
 
 
 def losses(run: Path) -> dict[int, float]:
