@@ -360,6 +360,11 @@ class Optimizer(Section):
 
 
 FLOORED = ("cosine", "exponential")  # the schedules that read schedule.min_lr
+# The optimizer keys that only some optimizers read (the paper's RMSProp fixes decay and momentum at 0.9), and
+# the schedule keys only exponential reads: one set elsewhere would change nothing, without a word.
+OPTIMIZER_READS = {"sgd": ("momentum",), "adam": ("betas", "eps"), "adamw": ("betas", "eps"),
+                   "rmsprop": ("momentum", "eps", "decay"), "amoebanet-rmsprop": ("eps",)}
+SCHEDULE_READS = {"exponential": ("decay_rate", "decay_epochs")}
 
 
 class Schedule(Section):
@@ -454,6 +459,23 @@ class Recipe(Section):
         """The peak learning rate; with `lr_per_256` it scales with the batch size, as the paper's AmoebaNet."""
         lr = self.optimizer.lr
         return lr * self.data.batch_size / 256 if self.optimizer.lr_per_256 else lr
+
+    @model_validator(mode="after")
+    def _read_by_the_choice(self) -> Recipe:
+        for section, reads, keys in ((self.optimizer, OPTIMIZER_READS, ("momentum", "betas", "eps", "decay")),
+                                     (self.schedule, SCHEDULE_READS, ("decay_rate", "decay_epochs"))):
+            where = "optimizer" if section is self.optimizer else "schedule"
+            for key in keys:
+                value = getattr(section, key)
+                if value == type(section).model_fields[key].default or key in reads.get(section.name, ()):
+                    continue
+                readers = [name for name, read in reads.items() if key in read]
+                shown_value = list(value) if isinstance(value, tuple) else value
+                paper = " (the paper's RMSProp: decay and momentum 0.9)" if section.name == "amoebanet-rmsprop" else ""
+                raise ValueError(f"{where}.{key} ({shown_value}) is read only by {where}.name "
+                                 f"{' or '.join(readers)}, and {where}.name is {section.name}{paper}: leave it out, "
+                                 f"or choose {'one of them' if len(readers) > 1 else 'it'}")
+        return self
 
     @model_validator(mode="after")
     def _floor_under_peak(self) -> Recipe:

@@ -28,7 +28,8 @@ def lr_factor(recipe: Recipe, steps_per_epoch: int, total_steps: int) -> Callabl
     if sched.name == "exponential":
         # Staircase decay by `decay_rate` every `decay_epochs` epochs, after the warm-up.
         per = max(sched.decay_epochs * steps_per_epoch, 1.0)
-        return lambda step: max(ramp(step) * sched.decay_rate ** math.floor(max(step - warmup, 0) / per), floor)
+        # The floor is under the decay, not the warm-up: it ramps up from 0 as cosine's does.
+        return lambda step: ramp(step) * max(sched.decay_rate ** math.floor(max(step - warmup, 0) / per), floor)
 
     def cosine(step: int) -> float:
         progress = min(max(step - warmup, 0) / max(total_steps - warmup, 1), 1.0)

@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 import torch
@@ -31,6 +32,35 @@ def test_cosine_reaches_the_floor():
     f = lr_factor(recipe(optimizer={"lr": 0.1}, schedule={"name": "cosine", "min_lr": 0.01}), 10, 100)
     assert f(0) == pytest.approx(1.0) and f(99) == pytest.approx(0.1, abs=1e-3)
     assert f(50) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)), rel=1e-2)
+
+
+def test_the_floor_is_under_the_decay_not_the_warm_up_in_both_floored_schedules():
+    # Exponential held min_lr through its warm-up (0.04, 0.04, 0.04) where cosine ramped up from 0 under it.
+    for name in ("exponential", "cosine"):
+        f = lr_factor(recipe(optimizer={"lr": 0.05}, schedule={"name": name, "min_lr": 0.04, "warmup_steps": 4}),
+                      10, 100)
+        assert [f(step) for step in range(3)] == pytest.approx([0.25, 0.5, 0.75]), name
+
+
+@pytest.mark.parametrize("optimizer, schedule, key", [
+    ({"name": "amoebanet-rmsprop", "decay": 0.5}, {}, "optimizer.decay (0.5) is read only by optimizer.name rmsprop"),
+    ({"name": "amoebanet-rmsprop", "momentum": 0.0}, {}, "optimizer.momentum (0.0) is read only by optimizer.name "
+                                                         "sgd or rmsprop"),
+    ({"name": "adam", "momentum": 0.5}, {}, "optimizer.momentum (0.5) is read only"),
+    ({"name": "sgd", "betas": [0.8, 0.9]}, {}, "optimizer.betas ([0.8, 0.9]) is read only by optimizer.name adam or "
+                                               "adamw, and optimizer.name is sgd: leave it out, or choose one of them"),
+    ({}, {"name": "constant", "decay_rate": 0.5}, "schedule.decay_rate (0.5) is read only by schedule.name "
+                                                  "exponential, and schedule.name is constant"),
+])
+def test_a_setting_the_chosen_optimizer_or_schedule_does_not_read_is_refused(optimizer, schedule, key):
+    # The paper's RMSProp trained with decay and momentum 0.9 whatever the recipe said, and said nothing.
+    from gpipe_cli.recipe.load import RecipeError
+
+    with pytest.raises(RecipeError, match=re.escape(key)):
+        recipe(optimizer=optimizer, schedule=schedule)
+    defaults = {"momentum": 0.9, "decay": 0.9, "betas": [0.9, 0.98], "decay_rate": 0.97}
+    recipe(optimizer={k: defaults.get(k, v) for k, v in optimizer.items()},  # the default, as a run's recipe.yaml
+           schedule={k: defaults.get(k, v) for k, v in schedule.items()})    # holds it: taken
 
 
 def test_learning_rate_proportional_to_batch_size():
