@@ -260,6 +260,16 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: P
     if data.tokenizer and os.path.isdir(data.tokenizer):
         raise RecipeError(f"{label}: {given('data.tokenizer')}: {shown(data.tokenizer)} is a directory; give the "
                           "sentencepiece model file (.model) in it")
+    if data.tokenizer and not isinstance(model, TransformerModel):  # it was read by nothing, without a word
+        raise RecipeError(f"{label}: {given('data.tokenizer')}: an image model reads no tokenizer; leave it out")
+    if data.tokenizer:  # a file that is no model was told only once the ranks had started, naming no key
+        from gpipe_cli.data.tokenizer import Tokenizer
+        from gpipe_cli.errors import DataError
+
+        try:
+            Tokenizer.load(data.tokenizer)
+        except DataError as exc:
+            raise RecipeError(f"{label}: {given('data.tokenizer')}: {exc}") from None
     return recipe
 
 

@@ -461,6 +461,20 @@ class Recipe(Section):
         return lr * self.data.batch_size / 256 if self.optimizer.lr_per_256 else lr
 
     @model_validator(mode="after")
+    def _held_out_to_evaluate(self) -> Recipe:
+        # Generated data and pydoc's hold out only data.eval_fraction: the recipe alone says whether any is held out
+        # (train said so once its ranks had read the data; validate passed it).
+        data, every = self.data, self.eval.every
+        if not every or data.source not in ("synthetic", "pydoc"):
+            return self
+        few = data.source == "synthetic" and round(data.synthetic_size * data.eval_fraction) == 0
+        of = f" of data.synthetic_size {data.synthetic_size}" if few and data.eval_fraction else ""
+        if data.eval_fraction == 0 or few:
+            raise ValueError(f"eval.every ({every}): the data holds nothing out to evaluate on (data.eval_fraction "
+                             f"{data.eval_fraction:g}{of}); raise data.eval_fraction, or set eval.every: null")
+        return self
+
+    @model_validator(mode="after")
     def _read_by_the_choice(self) -> Recipe:
         for section, reads, keys in ((self.optimizer, OPTIMIZER_READS, ("momentum", "betas", "eps", "decay")),
                                      (self.schedule, SCHEDULE_READS, ("decay_rate", "decay_epochs"))):

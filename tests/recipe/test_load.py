@@ -141,6 +141,26 @@ def test_errors_name_the_key_the_value_and_what_is_allowed(tmp_path, overrides, 
     assert message in text and "\n" not in text
 
 
+def test_what_train_refused_only_once_its_ranks_had_started_is_refused_by_the_recipe(tmp_path):
+    # validate passed each of these; train said them after starting its ranks, the tokenizer's without its key.
+    import yaml
+
+    path = write(tmp_path, yaml.safe_dump(BASE))
+    junk = tmp_path / "junk.model"
+    junk.write_text("not a model\n")
+    with pytest.raises(RecipeError, match=f"recipe.yaml: --set data.tokenizer: '{junk}' is not a sentencepiece model"):
+        load_recipe(path, [f"data.tokenizer={junk}"])
+    image = ["model={kind: amoebanet, layers: 3, filters: 8, image_size: 32, num_classes: 4}"]
+    with pytest.raises(RecipeError, match="--set data.tokenizer: an image model reads no tokenizer; leave it out"):
+        load_recipe(path, [*image, f"data.tokenizer={junk}"])
+    with pytest.raises(RecipeError, match=re.escape("eval.every (5): the data holds nothing out to evaluate on "
+                                                    "(data.eval_fraction 0); raise data.eval_fraction")):
+        load_recipe(path, ["eval.every=5", "data.eval_fraction=0"])
+    with pytest.raises(RecipeError, match=re.escape("(data.eval_fraction 0.0001 of data.synthetic_size 2048)")):
+        load_recipe(path, ["eval.every=5", "data.eval_fraction=0.0001"])
+    assert load_recipe(path, ["eval.every=5", "data.eval_fraction=0.001"]).eval.every == 5  # two examples held out
+
+
 def test_a_data_folder_without_files_of_its_source_is_refused_before_any_rank_starts(tmp_path):
     # `--dry-run` passed it; the ranks then said "no .jsonl/.json files under 'empty'", after starting.
     import yaml
