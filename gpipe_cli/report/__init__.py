@@ -114,7 +114,7 @@ def summary_table(runs: list[Run]) -> Table:
     table = _table("gpipe report", ("run", "steps", "loss", "best eval", "samples/s", "bubble", "theory", "wait",
                                     memory), ("run", "best eval"), caption)
     for run, rate in zip(runs, rates):
-        losses = series(run)["loss"][1]
+        last = run.train[-1].get("loss")  # non-finite is written null: the last finite one was shown as the run's
         best = "-"
         metric = eval_metric(run)
         evals = [r for r in run.evals if r.get("loss") is not None]
@@ -126,7 +126,7 @@ def summary_table(runs: list[Run]) -> Table:
         steps = str(run.train[-1]["step"])
         if cut_steps(run):
             steps += f" (pipeline changed at {last_cut(run)[0][0]['step']})"
-        table.add_row(run.label, steps, figure(losses[-1] if losses else None, ".4f"), best,
+        table.add_row(run.label, steps, "nan" if last is None else figure(last, ".4f"), best,
                       figure(rate.samples_per_s, ".1f"), figure(timed_mean(run, "bubble"), ".3f"),
                       figure(timed_mean(run, "bubble_theory"), ".3f"), figure(wait_share(run), ".0%"),
                       human_bytes(int(memory_peak(run))))

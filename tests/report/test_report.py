@@ -309,6 +309,17 @@ def test_the_table_shows_the_eval_figure_a_task_is_judged_by(tmp_path, capsys, f
     assert list(table.columns[3].cells) == [f"0.1 @5, {shown}"]
 
 
+def test_a_run_whose_last_loss_was_not_finite_shows_nan_not_an_earlier_loss(tmp_path):
+    # A run skipping non-finite steps showed step 2's 3.5e16 as its loss, with no sign of the NaN after it.
+    from gpipe_cli.report import summary_table
+
+    folder = make_run(tmp_path / "a", 2)
+    with open(folder / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({**train_record(step=6, stages=2), "loss": None, "nonfinite": ["loss"]}) + "\n")
+    assert list(summary_table(read_runs([folder])).columns[2].cells) == ["nan"]
+    assert list(summary_table(read_runs([make_run(tmp_path / "b", 2)])).columns[2].cells) == ["0.6000"]
+
+
 def test_a_course_a_resume_set_aside_says_which_steps_it_holds_and_whose_they_follow(tmp_path, capsys):
     # Its table gave "steps 8" and a warm-up "first" step that was the resume's, not the run's first.
     run_dir = make_run(tmp_path / "run", 2, steps=6)
