@@ -271,8 +271,10 @@ def validate(
 
     plan = checked_plan(loaded, recipe_label(recipe), sets=set_ or [])
     console = output_console()
-    if dropped := recipe_kind_note(recipe, set_ or []):
-        console.print(f"note: {dropped}", markup=False, highlight=False)
+    from gpipe_cli.recipe.schema import unread_settings
+
+    for line in filter(None, [recipe_kind_note(recipe, set_ or []), *unread_settings(loaded)]):
+        console.print(f"note: {line}", markup=False, highlight=False)
     console.print(recipe_yaml(loaded), markup=False, highlight=False)
     print_table(console, plan_table(plan), ("stage",), ("layers", "fits"))  # a narrow terminal cuts no figure
     if json_file is not None:

@@ -361,7 +361,7 @@ class Optimizer(Section):
 
 FLOORED = ("cosine", "exponential")  # the schedules that read schedule.min_lr
 # The optimizer keys that only some optimizers read (the paper's RMSProp fixes decay and momentum at 0.9), and
-# the schedule keys only exponential reads: one set elsewhere would change nothing, without a word.
+# the schedule keys only exponential reads: one set elsewhere changes nothing, which `unread_settings` says.
 OPTIMIZER_READS = {"sgd": ("momentum",), "adam": ("betas", "eps"), "adamw": ("betas", "eps"),
                    "rmsprop": ("momentum", "eps", "decay"), "amoebanet-rmsprop": ("eps",)}
 SCHEDULE_READS = {"exponential": ("decay_rate", "decay_epochs")}
@@ -475,23 +475,6 @@ class Recipe(Section):
         return self
 
     @model_validator(mode="after")
-    def _read_by_the_choice(self) -> Recipe:
-        for section, reads, keys in ((self.optimizer, OPTIMIZER_READS, ("momentum", "betas", "eps", "decay")),
-                                     (self.schedule, SCHEDULE_READS, ("decay_rate", "decay_epochs"))):
-            where = "optimizer" if section is self.optimizer else "schedule"
-            for key in keys:
-                value = getattr(section, key)
-                if value == type(section).model_fields[key].default or key in reads.get(section.name, ()):
-                    continue
-                readers = [name for name, read in reads.items() if key in read]
-                shown_value = list(value) if isinstance(value, tuple) else value
-                paper = " (the paper's RMSProp: decay and momentum 0.9)" if section.name == "amoebanet-rmsprop" else ""
-                raise ValueError(f"{where}.{key} ({shown_value}) is read only by {where}.name "
-                                 f"{' or '.join(readers)}, and {where}.name is {section.name}{paper}: leave it out, "
-                                 f"or choose {'one of them' if len(readers) > 1 else 'it'}")
-        return self
-
-    @model_validator(mode="after")
     def _floor_under_peak(self) -> Recipe:
         sched, opt = self.schedule, self.optimizer
         if sched.min_lr and sched.name not in FLOORED:  # it would be read by nothing, without a word
@@ -526,3 +509,23 @@ class Recipe(Section):
                                          "data.batch_size", family.least_examples, family.least_why):
             raise ValueError(problem.replace(f" ({pipe.microbatches * pipe.data_parallel})", replicas, 1))
         return self
+
+
+def unread_settings(recipe: Recipe) -> list[str]:
+    """A line for each optimizer or schedule key set from its default that the chosen one does not read."""
+    # A note, not a refusal: a recipe carried over from another optimizer keeps its keys, and a resume may change
+    # them (momentum is no state of adam's); but amoebanet-rmsprop trained with decay 0.9 whatever decay said.
+    lines = []
+    for where, section, reads in (("optimizer", recipe.optimizer, OPTIMIZER_READS),
+                                  ("schedule", recipe.schedule, SCHEDULE_READS)):
+        keys = sorted({key for read in reads.values() for key in read}, key=list(type(section).model_fields).index)
+        for key in keys:
+            value = getattr(section, key)
+            if value == type(section).model_fields[key].default or key in reads.get(section.name, ()):
+                continue
+            readers = " or ".join(name for name, read in reads.items() if key in read)
+            shown_value = list(value) if isinstance(value, tuple) else value
+            paper = " (the paper's RMSProp: decay and momentum 0.9)" if section.name == "amoebanet-rmsprop" else ""
+            lines.append(f"{where}.{key} ({shown_value}) is read only by {where}.name {readers}: {section.name}"
+                         f"{paper} trains without it")
+    return lines

@@ -34,7 +34,7 @@ from gpipe_cli.launch.preflight import dry_run_lines, endpoint_source, node_flag
 from gpipe_cli.models import families
 from gpipe_cli.progress import note
 from gpipe_cli.recipe.load import recipe_kind_note, recipe_label, typed_values
-from gpipe_cli.recipe.schema import Recipe
+from gpipe_cli.recipe.schema import Recipe, unread_settings
 from gpipe_cli.train import output
 from gpipe_cli.train.claim import held, missing
 from gpipe_cli.train.existing import (
@@ -351,8 +351,8 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
         if recipe.train.precision == "fp16" and (recipe.train.device == "cpu" or not torch.cuda.is_available()):
             say(note(started, "train.precision fp16 on a CPU: most CPUs have no fast float16 arithmetic, and fp32 "
                               "usually runs faster here"), sys.stdout)
-        if anew := recipe_kind_note(recipe_file, options.overrides):
-            say(note(started, anew), sys.stdout)
+        for line in filter(None, [recipe_kind_note(recipe_file, options.overrides), *unread_settings(recipe)]):
+            say(note(started, line), sys.stdout)
         if fresh:
             say(note(started, _fresh_line(options.output_dir, dropped)), sys.stdout)
         if resume is not None:  # before any rank starts: the run's recipe.yaml will record what it changes
