@@ -388,7 +388,7 @@ def plan(
     # The alias flags are `--set` items, typed before the explicit ones, which win where both name a key (and
     # leave the flag out of the plan's command line).
     typed = own["set"] or []
-    refuse([recipe_size_problem(recipe, flags, typed)])
+    refuse([recipe_size_problem(recipe, flags, typed, built_in=True)])
     keys = {set_key(item) for item in typed}
     own["set"] = [*as_sets({name: value for name, value in flags.items() if ALIASES[name] not in keys}), *typed]
     for note in replaced(flags, typed):  # first, as bench and profile-memory say theirs

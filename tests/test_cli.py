@@ -453,6 +453,15 @@ def test_bench_and_profile_memory_word_a_mistake_alike_naming_the_flags_typed(ca
     assert capsys.readouterr().err.startswith(says)
 
 
+@pytest.mark.parametrize("command", [["bench"], ["plan", "--devices", "2"]])
+def test_a_size_flag_of_another_family_is_worded_alike_by_bench_and_plan(capsys, command):
+    # plan, planning the built-in recipe, listed the schema's keys ("--filters: unknown key (a key of model.kind
+    # amoebanet); allowed keys here: kind, preset, ...").
+    assert run([*command, "--filters", "16"]) == 2
+    assert capsys.readouterr().err.startswith("error: --filters does not apply to transformer models (their size "
+                                              "flags: --layers, --d-model")
+
+
 def test_an_error_whose_reader_has_gone_keeps_its_exit_code(tmp_path):
     # `gpipe validate --set x=1 2>&1 | head -0`: click exited 1, as if the command itself had failed otherwise.
     read, write = os.pipe()

@@ -231,19 +231,22 @@ def _read_here(unknown: str, own: Collection[str]) -> bool:
     return any(k.startswith("model.") or k in ALIASES.values() or OWN_FLAGS.get(k) in own for k in suggested)
 
 
-def _section(recipe: str, name: str) -> Any:
-    """A section of the recipe file as written ({} where it has none)."""
-    from gpipe_cli.recipe.load import parse_yaml, recipe_label
+def _section(recipe: str | None, name: str) -> Any:
+    """A section of the recipe file as written, or of the built-in one for None ({} where it has none)."""
+    from gpipe_cli.recipe.load import default_recipe_text, parse_yaml, recipe_label
     from gpipe_cli.recipe.yamlio import read_recipe_file
 
-    return parse_yaml(read_recipe_file(Path(recipe)), recipe_label(recipe)).get(name) or {}
+    text = default_recipe_text() if recipe is None else read_recipe_file(Path(recipe))
+    return parse_yaml(text, recipe_label(recipe)).get(name) or {}
 
 
-def recipe_size_problem(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str]) -> str | None:
-    """A size flag the recipe's model family has no such size for, worded as without a recipe."""
+def recipe_size_problem(recipe: str | None, flags: Mapping[str, Any], sets: Sequence[str],
+                        built_in: bool = False) -> str | None:
+    """A size flag the recipe's model family has no such size for, worded as without a recipe (`built_in`: a recipe
+    of None is the built-in one, as plan reads it; else there is none)."""
     # It was the schema's "--filters: unknown key (a key of model.kind amoebanet); allowed keys here: ...".
     typed = [name for name in SIZE_FLAGS if flags.get(name) is not None]
-    if recipe is None or not typed:
+    if (recipe is None and not built_in) or not typed:
         return None
     from gpipe_cli.recipe.load import parse_override
     from gpipe_cli.recipe.schema import MODEL_SECTIONS
