@@ -451,6 +451,9 @@ def prepare_data(
     from gpipe_cli.recipe.load import load_recipe, recipe_read
     from gpipe_cli.train.existing import kept_by_a_run
 
+    if not recipe.strip():  # load_recipe's line advises leaving it out, which this command cannot
+        raise UserError(f"the recipe path is {'only spaces' if recipe else 'empty'}; give the YAML file of a recipe "
+                        "with data.source hub")
     check_path(output, "--output", "folder", "name a new folder, e.g. data/NAME")  # Path would read '' as '.'
     check_not_stdout(output, "--output", "new folder", "data/NAME")
     check_not_input(Path(output), "--output", [recipe_read(recipe)], "name a new folder")

@@ -252,3 +252,15 @@ def test_an_output_inside_a_runs_checkpoints_is_refused_before_the_download(tmp_
     assert run(["prepare-data", str(recipe), "--output", str(run_dir / "checkpoints" / "x")]) == 2
     assert "is inside the run's checkpoints/, which training prunes" in capsys.readouterr().err
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "metrics.jsonl"]
+
+
+@pytest.mark.parametrize("typed", ["", "  "])
+def test_an_empty_recipe_path_asks_for_a_recipe_not_to_leave_it_out(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                    typed: str) -> None:
+    # It advised leaving the recipe out, which prepare-data requires.
+    from gpipe_cli.cli import run
+
+    assert run(["prepare-data", typed, "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the recipe path is ") and "give the YAML file of a recipe with data.source hub" in err
+    assert "leave it out" not in err and not (tmp_path / "out").exists()
