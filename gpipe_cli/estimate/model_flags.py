@@ -212,16 +212,20 @@ def unread_problem(sets: Sequence[str], command: str, own: Collection[str] = ())
         section, dot, _ = key.partition(".")
         if dot and section != "model" and key not in ALIASES.values():
             # A misspelling, as train says it; unless what it suggests is unread here too (`train.lr`: optimizer.lr).
+            *pipeline, last = (k.removeprefix("pipeline.") for k in ALIASES.values() if k.startswith("pipeline."))
+            reads = (f"of a recipe it reads the model section, data.batch_size and the pipeline's "
+                     f"{', '.join(pipeline)} and {last}")
             unknown = unknown_key(key)
             if unknown is not None and (_read_here(unknown, own) or "did you mean" not in unknown):
                 read = [k.partition(".")[2] for k in ALIASES.values() if k.startswith(f"{section}.")]
-                return f"--set {unknown}" + (f"; {command} reads of {section}: {', '.join(read)}" if read else "")
+                if read:
+                    return f"--set {unknown}; {command} reads of {section}: {', '.join(read)}"
+                # `--set a.b`: no near key, nor a section it reads; it was "unknown key" and no more.
+                return f"--set {unknown}" + ("" if "did you mean" in unknown else f"; {reads}")
             if OWN_FLAGS.get(key) in own:
                 value, instead = item.partition("=")[2].strip(), flag(OWN_FLAGS[key])
                 return f"--set {key}: {command} takes it as {instead}" + (f", e.g. {instead} {value}" if value else "")
-            *pipeline, last = (k.removeprefix("pipeline.") for k in ALIASES.values() if k.startswith("pipeline."))
-            return (f"--set {key}: {command} does not read it; of a recipe it reads the model section, "
-                    f"data.batch_size and the pipeline's {', '.join(pipeline)} and {last}")
+            return f"--set {key}: {command} does not read it; {reads}"
     return None
 
 

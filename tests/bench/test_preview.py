@@ -122,6 +122,15 @@ def test_a_misspelled_set_key_is_called_one_as_train_calls_it(capsys, command, k
 
 
 @pytest.mark.parametrize("command", ["bench", "profile-memory"])
+def test_a_set_key_near_nothing_is_told_what_the_command_reads(capsys, command):
+    # It was "--set a.b: unknown key" and no more, where train lists the keys allowed.
+    assert gpipe([command, "--set", "a.b=1"]) == 2
+    assert capsys.readouterr().err == ("error: --set a.b: unknown key; of a recipe it reads the model section, "
+                                       "data.batch_size and the pipeline's partitions, microbatches, schedule, "
+                                       "virtual_stages, checkpoint, offload and balance\n")
+
+
+@pytest.mark.parametrize("command", ["bench", "profile-memory"])
 def test_a_misspelled_set_key_is_not_pointed_at_a_key_the_command_does_not_read_either(capsys, command):
     # "--set train.lr: unknown key (did you mean optimizer.lr?)", then "--set optimizer.lr: ... does not read it".
     assert gpipe([command, "--set", "train.lr=1"]) == 2
