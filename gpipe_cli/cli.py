@@ -552,34 +552,20 @@ def _unknown_option(exc: Exception, where: str, args: list[str], commands: Mappi
 
 
 def _option_misuse(args: list[str], commands: Mapping[str, Any]) -> str | None:
-    """An option whose value is the next option, or one given twice with two values: click takes both silently."""
-    # `train --output-dir --dry-run` trained 200 steps into a folder named --dry-run; `--json a --json b` wrote b.
+    """An option whose value would be the next option, which click takes as its value without a word."""
+    # `train --output-dir --dry-run` trained 200 steps into a folder named --dry-run. An option given twice takes
+    # its last value, as a shell alias that gives it first expects.
     command = commands.get(args[0]) if args else None
     if command is None:
         return None
     options = {opt: p for p in command.params if p.param_type_name == "option" for opt in (*p.opts, *p.secondary_opts)}
-    seen: dict[str, tuple[str, str | None]] = {}  # parameter -> (as typed, its value)
-    i = 1
-    while i < len(args) and args[i] != "--":
-        typed, inline, value = *args[i].partition("=")[::2], None
-        param = options.get(typed) if typed.startswith("-") else None
-        if param is not None and not param.is_flag:
-            if "=" in args[i]:
-                value = inline
-            elif i + 1 < len(args):
-                value, i = args[i + 1], i + 1
-                if value.startswith("--") and len(value) > 2:
-                    return (f"{typed} takes a value, and the next word is the option {value}: give {typed} its value "
-                            f"first (a name that begins with -- is written ./{value})")
-        # Each --set key once too: a second value of it won silently.
-        key = f"{typed} {value.partition('=')[0].strip()}" if typed == "--set" and value is not None else None
-        if param is not None and (key or not param.multiple):
-            first = seen.setdefault(key or param.name, (typed, value))
-            if first != (typed, value) and (param.is_flag or first[1] != value):
-                if param.is_flag:
-                    return f"{first[0]} and {typed} both given: give one"
-                return f"{key or typed} given twice ({shown(first[1])} and {shown(value)}): give it once"
-        i += 1
+    for typed, value in zip(args[1:], args[2:]):
+        if typed == "--":
+            break
+        param = options.get(typed)
+        if param is not None and not param.is_flag and value.startswith("--") and len(value) > 2:
+            return (f"{typed} takes a value, and the next word is the option {value}: give {typed} its value first "
+                    f"(a name that begins with -- is written ./{value})")
     return None
 
 
