@@ -104,10 +104,9 @@ RANK_BYTES = 400 << 20  # a rank's own memory before its stage: the interpreter,
 CUTS = ("auto", "time")  # the cuts bench makes itself: auto and time are both by measured per-layer time
 # Flag name -> help text of bench's own flags (the recipe's keys have the schema's).
 FLAGS: dict[str, str] = {
-    "model": "Without a recipe: a preset (model.preset: transformer-l-13, amoebanet-d-18-256, ...) or a family "
-             "(transformer, amoebanet: the paper's speed-table model, scaled down to this machine and about a minute "
-             "unless a size flag or --set model.KEY is given), or a recipe file, read as RECIPE is "
-             "[default: transformer].",
+    "model": "A preset (model.preset: transformer-l-13, amoebanet-d-18-256, ...), a family (transformer, "
+             "amoebanet: the paper's speed-table model, scaled down to this machine and about a minute unless a size "
+             "flag or --set model.KEY is given) or a recipe file [default: transformer].",
     "recipe": "Recipe YAML file: its model, pipeline and data.batch_size [default: --model's model, K=2, M=8].",
     "steps": "Measured steps (each figure is their median).",
     "warmup": "Steps run first and not measured.",

@@ -51,9 +51,8 @@ class ProfileOptions(ModelFlags):
 # Flag name -> help text of profile-memory's own flags (the recipe's keys have the schema's).
 CUTS = ("auto",)  # the cut profile-memory makes itself: by estimated FLOPs
 FLAGS: dict[str, str] = {
-    "model": "Without a recipe: a preset (model.preset) or a family (amoebanet, transformer: the paper's models, "
-             "scaled down to this machine when no size flag or --set model.KEY is given), or a recipe file, read "
-             "as RECIPE is [default: transformer]. "
+    "model": "A preset (model.preset), a family (amoebanet, transformer: the paper's models, scaled down to this "
+             "machine when no size flag or --set model.KEY is given) or a recipe file [default: transformer]. "
              "With --budget, the family searched: AmoebaNet-D (L, D) or Transformer-L.",
     "recipe": "Recipe YAML file: its model, pipeline and data.batch_size, K its pipeline.partitions "
               "[default: --model's model].",
