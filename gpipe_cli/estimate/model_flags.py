@@ -131,15 +131,17 @@ def balance_entries(balance: str | None) -> int | None:
     return len(balance.split(","))
 
 
-def entries_problem(balance: str | None, partitions: int, virtual: int) -> str | None:
-    """The refusal of a --balance list whose entries are not K x V, naming the flags that set both."""
+def entries_problem(balance: str | None, partitions: int, virtual: int, default: bool = False) -> str | None:
+    """The refusal of a --balance list whose entries are not K x V, naming the flags that set both (`default`: K was
+    not typed, nor given by a recipe)."""
     entries = balance_entries(balance)
     if entries is None or partitions < 1 or virtual < 1 or entries == partitions * virtual:
         return None  # a K or V below 1 is refused by the schema
+    k = f"--partitions ({partitions}, its default)" if default else f"--partitions {partitions}"
     if virtual == 1:
-        return (f"--balance {balance} has {entries} entries but --partitions {partitions} has {partitions} stages: "
-                f"give one layer count per stage")
-    return (f"--balance {balance} has {entries} entries but --partitions {partitions} x --virtual-stages {virtual} "
+        return (f"--balance {balance} has {entries} entries but {k} has {partitions} stages: give one layer count "
+                "per stage")
+    return (f"--balance {balance} has {entries} entries but {k} x --virtual-stages {virtual} "
             f"is {partitions * virtual} chunks: give one layer count per chunk")
 
 
@@ -295,7 +297,8 @@ def shared_fields(options: type[ModelFlags], recipe: str | None, flags: Mapping[
     if problem := set_balance_problem(sets, cuts):
         raise RecipeError(problem)  # as the recipe's own keys are refused
     refuse([balance_problem(flags.get("balance"), cuts), chunks_problem(flags, recipe), v_problem(recipe, flags, sets),
-            None if k is None or v is None else entries_problem(flags.get("balance"), k, v)])
+            None if k is None or v is None else entries_problem(
+                flags.get("balance"), k, v, recipe is None and given_as("partitions", flags, sets) is None)])
     given, model_sets = settings(recipe, flags, sets, {**own, **defaults})
     notes = replaced(flags, sets) + _replicas_note(recipe, command)
     if recipe is not None and (dropped := kind_note(_section(recipe, "model"), sets)):

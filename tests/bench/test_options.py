@@ -179,6 +179,15 @@ def test_an_entry_below_one_is_told_the_same_signed_or_not(capsys, command, bala
     assert capsys.readouterr().err.startswith("error: --balance: every entry must be a number of layers from 1 to ")
 
 
+def test_a_balance_against_the_default_k_names_it_a_default(capsys):
+    # "--partitions 2 has 2 stages" named a flag that was never typed (profile-memory's default is several K).
+    from gpipe_cli.cli import run
+
+    assert run(["bench", "--balance", "1,2,3"]) == 2
+    assert capsys.readouterr().err.startswith("error: --balance 1,2,3 has 3 entries but --partitions (2, its "
+                                              "default) has 2 stages")
+
+
 @pytest.mark.parametrize("command", ["bench", "profile-memory"])
 @pytest.mark.parametrize(("balance", "message"), [
     ("1,1", "balance [1, 1] sums to 2 but the model has 10 pipeline layers"),
