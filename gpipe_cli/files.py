@@ -211,7 +211,7 @@ def check_picture(path: Path, would: str, instead: str) -> None:
                         "first")
 
 
-_STARTS = {"PNG": (b"\x89PNG",), "PDF": (b"%PDF",), "SVG": (b"<?xml", b"<svg")}
+_STARTS = {"PNG image": (b"\x89PNG",), "PDF image": (b"%PDF",), "SVG image": (b"<?xml", b"<svg")}
 
 
 def _holds(path: Path, writes: str) -> bool:
@@ -223,8 +223,8 @@ def _holds(path: Path, writes: str) -> bool:
         return True
     if writes == "safetensors":  # a little-endian header length, then the header's JSON
         return not head or head[8:9] == b"{"
-    if writes.endswith(" image"):
-        return not head or head.lstrip().startswith(_STARTS[writes.split()[0]])
+    if writes in _STARTS:
+        return not head or head.lstrip().startswith(_STARTS[writes])
     return not head.strip() or head.lstrip()[:1] in (b"{", b"[")
 
 

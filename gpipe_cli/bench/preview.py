@@ -275,7 +275,7 @@ def show(preview: Preview, options: BenchOptions, machine: sizing.Machine, conso
     steps = f"{options.warmup} warm-up + {options.steps} measured steps"
     # A sweep's K=1 run only times each layer (its figures are normalised to K=2, M=1, as the paper's).
     what = "per-layer costs at K=1, then " if options.sweep else "per-layer costs, then "
-    listed = [run_name(k, 1) for k in ks if k > 1 or not options.sweep]
+    listed = [f"K={k}" for k in ks if k > 1 or not options.sweep]
     if ks == [1] and len(configs) == 2:  # one rank holding a V's two chunks, measured beside K=1
         listed.append(run_name(1, options.virtual_stages))
     ms = "1,4,32" if options.sweep else str(options.microbatches)

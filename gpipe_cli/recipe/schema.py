@@ -470,8 +470,8 @@ class Recipe(Section):
         few = data.source == "synthetic" and round(data.synthetic_size * data.eval_fraction) == 0
         of = f" of data.synthetic_size {data.synthetic_size}" if few and data.eval_fraction else ""
         if data.eval_fraction == 0 or few:
-            raise ValueError(f"eval.every ({every}): the data holds nothing out to evaluate on (data.eval_fraction "
-                             f"{data.eval_fraction:g}{of}); raise data.eval_fraction, or set eval.every: null")
+            raise ValueError(nothing_held_out(every, f" (data.eval_fraction {data.eval_fraction:g}{of}); raise "
+                                                     "data.eval_fraction"))
         return self
 
     @model_validator(mode="after")
@@ -509,6 +509,11 @@ class Recipe(Section):
                                          "data.batch_size", family.least_examples, family.least_why):
             raise ValueError(problem.replace(f" ({pipe.microbatches * pipe.data_parallel})", replicas, 1))
         return self
+
+
+def nothing_held_out(every: int, why: str) -> str:
+    """The refusal of eval.every where the data holds nothing out; `why` follows the words, with what to do."""
+    return f"eval.every ({every}): the data holds nothing out to evaluate on{why}, or set eval.every: null"
 
 
 def unread_settings(recipe: Recipe) -> list[str]:

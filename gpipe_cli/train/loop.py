@@ -25,7 +25,7 @@ from gpipe_cli.pipeline.layer_profile import profile_layers
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_layers, stage_ranges
 from gpipe_cli.pipeline.step import PendingStep
-from gpipe_cli.recipe.schema import LOCAL_SOURCES, Recipe, TransformerModel
+from gpipe_cli.recipe.schema import LOCAL_SOURCES, Recipe, TransformerModel, nothing_held_out
 from gpipe_cli.recipe_model import build_optimizer, model_spec, optimizer_name, pipeline_config
 from gpipe_cli.records import EvalRecord, TrainRecord
 from gpipe_cli.train import checkpoint, cut, evaluation, nonfinite, optim, output
@@ -90,8 +90,7 @@ class Trainer:
             why = (f": {self.held_none}" if self.held_none else
                    f" (data.eval_fraction {recipe.data.eval_fraction:g}, data.eval_split "
                    f"{recipe.data.eval_split or 'null'}); raise data.eval_fraction")
-            raise UserError(f"eval.every ({recipe.eval.every}): the data holds nothing out to evaluate on{why}, "
-                            "or set eval.every: null")
+            raise UserError(nothing_held_out(recipe.eval.every, why))
         if self.data is not None:
             self._note(self._data_summary(self.data))
         if self.layout.rank == 0:
