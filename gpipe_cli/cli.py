@@ -492,6 +492,9 @@ def run(args: list[str]) -> int:
     if not args:
         args = ["--help"]
     if args[0] == "help":  # `gpipe help train`, as git and pip take it
+        if len(args) > 2:
+            _error(f"help takes one command; got {len(args) - 1}: {' '.join(args[1:])} (see 'gpipe --help')")
+            return 2
         args = [*args[1:2], "--help"]
     given = _bare_resume(_short_help(args))
     if said := _option_misuse(given, getattr(command, "commands", {})):

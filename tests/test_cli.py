@@ -550,6 +550,8 @@ def test_help_as_a_command_shows_the_help_asked_for(capsys):
     assert run(["help"]) == 0 and "Usage: gpipe [OPTIONS] COMMAND" in capsys.readouterr().out
     assert run(["help", "train"]) == 0 and "Usage: gpipe train [OPTIONS] [RECIPE]" in capsys.readouterr().out
     assert run(["help", "trian"]) == 2 and "No such command 'trian'. Did you mean 'train'?" in capsys.readouterr().err
+    assert run(["help", "train", "bench"]) == 2
+    assert capsys.readouterr().err == "error: help takes one command; got 2: train bench (see 'gpipe --help')\n"
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")

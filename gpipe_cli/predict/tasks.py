@@ -118,7 +118,7 @@ def classifier(exported: Exported, model: nn.Module, top: int) -> Answer:
     config = exported.spec.config
     classes = int(config["num_classes"])
     if not 1 <= top <= classes:
-        raise UserError(f"--top: {top} is not between 1 and the model's {classes} classes")
+        raise UserError(f"--top: must be >= 1 and <= {classes}, the model's classes (got {top})")
     transform = ImageTransform(int(config["image_size"]), augment=False)  # the evaluation transform
     names = class_names(exported.metadata)
 

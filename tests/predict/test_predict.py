@@ -308,7 +308,8 @@ def text_file(folder: Path) -> Path:
     # Python 3.11's pathlib raised "File name too long" from exists().
     (lambda tmp, exports: tmp / ("m" * 300), ["x"], "has a name of 300 bytes; a name may have at most 255"),
     (lambda tmp, exports: exports["image"], ["p" * 300 + ".png"], "has a name of 304 bytes"),
-    (lambda tmp, exports: exports["image"], ["PICTURE", "--top", "4"], "--top: 4 is not between 1 and the model's 3"),
+    (lambda tmp, exports: exports["image"], ["PICTURE", "--top", "4"],
+     "--top: must be >= 1 and <= 3, the model's classes (got 4)"),
     (lambda tmp, exports: exports["translation"], ["x", "--max-tokens", "3"], "--max-tokens continues a language"),
     (lambda tmp, exports: exports["lm"], ["x", "--max-tokens", "0"], "--max-tokens: must be >= 1 and <= 100,000"),
     # Unbounded, a typo of more digits generated until killed.
