@@ -80,7 +80,14 @@ def build_optimizer(params: Sequence[nn.Parameter], recipe: Recipe) -> torch.opt
     # waits for the device to decide it; they run on CUDA and the CPU.
     fused = all(p.device.type in ("cuda", "cpu") for p in params)
     if opt.name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=opt.momentum, weight_decay=opt.weight_decay, fused=fused)
+        sgd = torch.optim.SGD(params, lr=lr, momentum=opt.momentum, weight_decay=opt.weight_decay, fused=fused)
+        if fused and opt.momentum:
+            # torch's fused SGD makes its momentum buffers uninitialised on its first step, and leaves them so when
+            # it skips that step (fp16's first steps overflow): the weights went NaN a step later. Zeros give the
+            # same first update (momentum x 0 + gradient) and outlast a skip.
+            for p in params:
+                sgd.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        return sgd
     if opt.name in ("adam", "adamw"):
         adam = torch.optim.Adam if opt.name == "adam" else torch.optim.AdamW
         return adam(params, lr=lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay, fused=fused)
