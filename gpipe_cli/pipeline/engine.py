@@ -286,7 +286,7 @@ class Pipeline:
         if max_grad_norm is not None:
             grads.clip_(self.params, norm, max_grad_norm)
         with self.timeline.span(stats.COMM):
-            grads.commit_batchnorms(self.batchnorms, fabric, layout.replica_ranks())
+            grads.commit_batchnorms(self.batchnorms, fabric, layout.replica_ranks(), (bad == 0) & norm.isfinite())
         return norm, bad, found, positions
 
     def _counted(self, positions: tuple[int, ...]) -> torch.Tensor | None:

@@ -98,17 +98,18 @@ def scale_(params: Sequence[nn.Parameter], factor: torch.Tensor | float) -> None
         torch._foreach_mul_(grads, factor)
 
 
-def commit_batchnorms(norms_: Sequence[DeferredBatchNorm], fabric: Fabric | None, ranks: Ranks) -> None:
-    """Fold the mini-batch's BatchNorm statistics, summed over replicas, into the running averages."""
+def commit_batchnorms(norms_: Sequence[DeferredBatchNorm], fabric: Fabric | None, ranks: Ranks,
+                      finite: torch.Tensor) -> None:
+    """Fold the mini-batch's BatchNorm statistics, summed over replicas, into the running averages if `finite`."""
     if not norms_:
-        return
-    if fabric is None or len(ranks) < 2:
-        for bn in norms_:
-            bn.commit()
         return
     stats = [bn.statistics() for bn in norms_]
     flat = torch.cat(stats)
-    fabric.all_reduce(flat, ranks)
+    if fabric is not None and len(ranks) > 1:
+        fabric.all_reduce(flat, ranks)
+    # A step skipped for a non-finite value (fp16's forward overflows) leaves the averages as they were: its
+    # statistics, inf or NaN, would have made every later evaluation NaN. A count of 0 folds nothing in.
+    flat = torch.where(finite, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
     for bn, summed in zip(norms_, flat.split([s.numel() for s in stats])):
         bn.commit(summed)
 

@@ -67,3 +67,19 @@ def test_a_first_step_skipped_on_the_device_leaves_the_optimizer_as_if_it_never_
         trained.append([p.detach().clone() for p in pipe.parameters()])
     for skipped_first, plain in zip(*trained):
         assert torch.isfinite(skipped_first).all() and torch.equal(skipped_first, plain)
+
+
+def test_a_step_skipped_for_an_fp16_forward_overflow_leaves_the_batchnorm_averages_as_they_were():
+    # Its statistics were folded in: inf and NaN averages, and every later evaluation NaN.
+    layers = [lambda: nn.Linear(8, 32), lambda: nn.BatchNorm1d(32), nn.GELU, lambda: nn.Linear(32, 4)]
+    pipe = Pipeline(build_layers(layers, range(4), 0), topology.local(), PipelineConfig(balance=(4,)),
+                    nn.CrossEntropyLoss(), precision="fp16")
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    (bn,) = pipe.batchnorms
+    before = [t.clone() for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked)]
+    y = torch.zeros(4, dtype=torch.long)
+    assert pipe.train_step(torch.full((4, 8), 1e30), y, microbatches=2, step=0, optimizer=optimizer).skipped
+    assert all(torch.equal(a, b) for a, b in zip(before, (bn.running_mean, bn.running_var, bn.num_batches_tracked)))
+    pipe.zero_grad()
+    assert not pipe.train_step(torch.randn(4, 8), y, microbatches=2, step=1, optimizer=optimizer).skipped
+    assert int(bn.num_batches_tracked) == 1 and not torch.equal(bn.running_mean, before[0])
