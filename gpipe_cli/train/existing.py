@@ -205,8 +205,10 @@ def check_a_run(folder: Path, named: str = "") -> None:
     if holds_run(folder):
         return
     check_not_runs(folder, named)
-    lacks = (f"no {RECIPE} or {CHECKPOINTS}, and its {METRICS} is empty" if (folder / METRICS).is_file()
-             else f"no {RECIPE}, {METRICS} or {CHECKPOINTS}")
+    missing = [*(name for name in (RECIPE, METRICS) if not (folder / name).is_file()), CHECKPOINTS]
+    lacks = f"no {', '.join(missing[:-1])} or {missing[-1]}" if len(missing) > 1 else f"no {CHECKPOINTS}"
+    if (folder / METRICS).is_file():
+        lacks += f", and its {METRICS} is empty"
     raise UserError(f"{named}{cut(str(folder), PATH_CHARS)}: not a run directory ({lacks}); give a folder gpipe train "
                     "wrote, or one of its checkpoint folders")
 

@@ -86,6 +86,17 @@ def test_a_folder_that_is_no_run_is_said_so_as_resume_says_it(tmp_path: Path, ca
     assert list((tmp_path / "empty").iterdir()) == []
 
 
+def test_a_folder_holding_a_recipe_alone_is_not_said_to_lack_it(tmp_path: Path, capsys):
+    # It said "no recipe.yaml, metrics.jsonl or checkpoints" of a folder holding recipe.yaml.
+    (tmp_path / "set-up").mkdir()
+    (tmp_path / "set-up" / "recipe.yaml").write_text("name: x\n")
+    code = run(["export", str(tmp_path / "set-up")])
+    captured = capsys.readouterr()
+    assert one_error_line(code, captured.err, captured.out) == (
+        f"error: {tmp_path / 'set-up'}: not a run directory (no metrics.jsonl or checkpoints); give a folder gpipe "
+        "train wrote, or one of its checkpoint folders")
+
+
 def test_a_checkpoints_folder_that_cannot_be_read_is_said_so(tmp_path, monkeypatch, capsys):
     # It was "there are no checkpoints".
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
