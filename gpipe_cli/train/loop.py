@@ -45,7 +45,7 @@ from gpipe_cli.train.existing import (
 from gpipe_cli.train.export import export as export_model
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
 from gpipe_cli.train.profiling import StepProfiler
-from gpipe_cli.train.resume import Checkpointer, rewind_metrics, saved_cut
+from gpipe_cli.train.resume import Checkpointer, rewind_metrics, saved_cut, skipped_until
 from gpipe_cli.train.signals import AFTER_STEP, StopRequest, answers_stops
 from gpipe_cli.train.sinks import open_sinks
 from gpipe_cli.train.step_figures import ModelFlops, Peak, find_peak, step_figures, utilization_of
@@ -125,6 +125,8 @@ class Trainer:
         self.stopped_by = 0
         self.policy = nonfinite.NonFinitePolicy(recipe.train.on_nonfinite, recipe.train.max_skipped,
                                                 loss_scaling=recipe.train.precision == "fp16")
+        if job.resume:
+            self.policy.consecutive, self.policy.total = self.skipped_before
         self.diverged: str | None = None  # the line that ends a run on non-finite values
         self.metrics = (MetricsFile(self.run_dir / "metrics.jsonl",
                                     open_sinks(recipe.metrics, self.run_dir, self.start_step,
@@ -353,6 +355,8 @@ class Trainer:
                 names = ", ".join(sorted(p.name for p in aside.iterdir() if p.is_dir()))
                 print(f"[gpipe] moved the checkpoints after step {fork} ({names}) to {aside}, with their records: "
                       f"the run trains on from step {step}", file=sys.stderr, flush=True)
+        # train.max_skipped counts the skips in a row across a resume, as in a run never stopped.
+        self.skipped_before = self.topo.share(skipped_until(self.run_dir, step) if self.layout.rank == 0 else None)
         return step
 
     def _end(self) -> tuple[str, str]:

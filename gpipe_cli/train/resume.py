@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,13 @@ class Checkpointer:
         rng_key = f"rng.rank{self.layout.rank}"
         if same and "cuda" in wanted[rng_key] and f"{rng_key}.cuda" not in (saved_keys(found.path) or ()):
             del wanted[rng_key]["cuda"]  # written on the CPU: there is no CUDA RNG state to restore
+        # An optimizer's state carries its settings, which would undo a resume's --set of momentum or weight
+        # decay that the resume had just announced: the recipe's own are put back.
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups] \
+            if self.optimizer is not None else []
         extra = checkpoint.load(found, self.pipe.module, self.optimizer, wanted, self.pipe.tied)
+        for group, own in zip(self.optimizer.param_groups if self.optimizer is not None else [], settings):
+            group.update(own)
         step = int(extra["train"]["step"])
         self.pipe.loss_scale.load(extra["train"]["loss_scale"])
         if same:
@@ -92,7 +99,9 @@ class Checkpointer:
                 torch.cuda.set_rng_state(rng["cuda"], self.topo.device)
         if self.scheduler is not None:  # the learning rate is a function of the step alone
             self.scheduler.last_epoch = step - 1
-            self.scheduler.step()
+            with warnings.catch_warnings():  # torch warns of a step before the optimizer's: here it is on purpose
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+                self.scheduler.step()
         self.last_saved = step
         return step
 
@@ -123,6 +132,20 @@ class Checkpointer:
                 print(f"[gpipe] {checkpoint.refusal(path, why)}", file=sys.stderr, flush=True)
         self.last_saved = -1
         raise no_usable(location, refused)
+
+
+def skipped_until(run_dir: Path, step: int) -> tuple[int, int]:
+    """The steps up to `step` its metrics.jsonl records as skipped: in a row up to `step`, and in all."""
+    skipped: dict[int, bool] = {}
+    for line in _lines(run_dir / METRICS):
+        if _within(line, 1, step):
+            record = json.loads(line)
+            if record.get("kind") == "train":
+                skipped[record["step"]] = bool(record.get("skipped"))
+    in_a_row = 0
+    while skipped.get(step - in_a_row):
+        in_a_row += 1
+    return in_a_row, sum(skipped.values())
 
 
 def trim_metrics(path: Path, step: int) -> None:
