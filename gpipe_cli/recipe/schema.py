@@ -444,6 +444,9 @@ class Recipe(Section):
         if isinstance(model, AmoebaNetModel) and self.data.tokens_per_batch is not None:
             raise ValueError("data.tokens_per_batch sizes batches of text, and model.kind amoebanet classifies "
                              "images: leave it out and give data.batch_size")
+        if self.optimizer.lr_per_256 and self.data.tokens_per_batch is not None:  # it scaled by an unused size
+            raise ValueError("optimizer.lr_per_256 scales optimizer.lr by data.batch_size / 256, which "
+                             "data.tokens_per_batch replaces: leave lr_per_256 out and give the learning rate itself")
         if isinstance(model, TransformerModel) and (self.data.vocab_size or 0) > model.vocab_size:
             raise ValueError(f"data.vocab_size ({self.data.vocab_size}) must be <= model.vocab_size "
                              f"({model.vocab_size}): the tokenizer's pieces are the model's vocabulary")

@@ -56,6 +56,7 @@ def stop_line(step: int, what: str, policy: NonFinitePolicy, checkpoint: str | N
     if policy.mode == "stop" and not policy.loss_scaling:
         why = "train.on_nonfinite: stop"
     else:
-        why = f"{policy.consecutive} steps in a row skipped, train.max_skipped: {policy.max_skipped}"
+        steps = "1 step" if policy.consecutive == 1 else f"{policy.consecutive} steps"
+        why = f"{steps} in a row skipped, train.max_skipped: {policy.max_skipped}"
     kept = f"the newest checkpoint, {checkpoint}, is from before it" if checkpoint else "no checkpoint was written"
     return f"stopped at step {step} ({why}): {what}; {kept}"

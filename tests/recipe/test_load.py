@@ -118,6 +118,9 @@ def test_every_shipped_recipe_validates_and_plans(path):
     (["model={kind: amoebanet}", "data.source=synthetic", "data.tokens_per_batch=1000"],
      "--set data.tokens_per_batch sizes batches of text, and model.kind amoebanet classifies images: leave it out "
      "and give data.batch_size"),
+    # The learning rate was scaled by data.batch_size, which a batch sized in tokens does not read.
+    (["optimizer.lr_per_256=true", "data.tokens_per_batch=400"],
+     "optimizer.lr_per_256 scales optimizer.lr by data.batch_size / 256, which data.tokens_per_batch replaces"),
     (["data.vocab_size=101"], "--set data.vocab_size (101) must be <= model.vocab_size (100): the tokenizer's pieces "
                               "are the model's vocabulary"),
     (["model.arch=decoder-only", "model.max_len=16", "data.seq_len=17"],

@@ -47,3 +47,9 @@ def test_the_lines_say_why_and_where_the_last_good_checkpoint_is():
     skip.decide(False)
     assert "2 steps in a row skipped, train.max_skipped: 2" in stop_line(4, "x", skip, None)
     assert "no checkpoint was written" in stop_line(4, "x", skip, None)
+
+
+def test_one_skipped_step_is_said_in_the_singular():
+    skip = NonFinitePolicy(mode="skip", max_skipped=1)
+    assert skip.decide(False) == "stop"
+    assert "(1 step in a row skipped, train.max_skipped: 1)" in stop_line(4, "x", skip, None)
