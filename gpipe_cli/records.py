@@ -107,6 +107,7 @@ class TrainRecord(_TrainFigures, Utilization, total=False):
     cuda_peak_bytes: list[int]
     tokens_per_s: float               # text models
     skipped: bool                     # a non-finite step left out of the update
+    loss_scale: float                 # fp16: the loss scale after this step
     warmup: bool                      # see WARMUP
     resumed: bool                     # see RESUMED
     profiled: bool                    # see PROFILED

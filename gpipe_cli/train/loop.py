@@ -531,6 +531,8 @@ class Trainer:
             record.update(utilization_of(flops, seconds, self.peak.flops_per_s, self.layout.world_size))
         if result.skipped:
             record["skipped"] = True
+        if result.loss_scale is not None:
+            record["loss_scale"] = result.loss_scale
         if step == self.start_step:  # the first step of each start carries one-time costs (allocations, lazy set-up)
             record["warmup"] = True
         if step == self.start_step > 0:  # the first step after a resume warms up again, as the run's first did
@@ -549,7 +551,7 @@ class Trainer:
         else:
             saved = self.checkpoints.last_saved
             path = str(checkpoint.path_for(self.run_dir, saved)) if saved >= 0 else None
-            self.diverged = nonfinite.stop_line(step + 1, what, self.policy, path)
+            self.diverged = nonfinite.stop_line(step + 1, what, self.policy, path, result.loss_scale)
 
     def _stop_agreed(self, final: bool) -> bool:
         """Whether any rank received a stop signal (every rank calls this alike); it cuts an evaluation short."""

@@ -51,7 +51,8 @@ def skipped_line(step: int, total: int, what: str, policy: NonFinitePolicy, loss
             f"{policy.max_skipped} in a row stop the run)")
 
 
-def stop_line(step: int, what: str, policy: NonFinitePolicy, checkpoint: str | None) -> str:
+def stop_line(step: int, what: str, policy: NonFinitePolicy, checkpoint: str | None,
+              loss_scale: float | None = None) -> str:
     """The one line that ends a run on non-finite values."""
     if policy.mode == "stop" and not policy.loss_scaling:
         why = "train.on_nonfinite: stop"
@@ -59,4 +60,6 @@ def stop_line(step: int, what: str, policy: NonFinitePolicy, checkpoint: str | N
         steps = "1 step" if policy.consecutive == 1 else f"{policy.consecutive} steps"
         why = f"{steps} in a row skipped, train.max_skipped: {policy.max_skipped}"
     kept = f"the newest checkpoint, {checkpoint}, is from before it" if checkpoint else "no checkpoint was written"
-    return f"stopped at step {step} ({why}): {what}; {kept}"
+    # fp16's first steps overflow while the scale comes down from 65536: a scale still high says it was that.
+    scale = f"; loss scale now {loss_scale:g}, halved at each skip" if loss_scale is not None else ""
+    return f"stopped at step {step} ({why}): {what}{scale}; {kept}"

@@ -53,3 +53,12 @@ def test_one_skipped_step_is_said_in_the_singular():
     skip = NonFinitePolicy(mode="skip", max_skipped=1)
     assert skip.decide(False) == "stop"
     assert "(1 step in a row skipped, train.max_skipped: 1)" in stop_line(4, "x", skip, None)
+
+
+def test_an_fp16_stop_says_the_loss_scale_it_had_come_down_to():
+    skip = NonFinitePolicy(max_skipped=2, loss_scaling=True)
+    skip.decide(False)
+    skip.decide(False)
+    assert stop_line(2, "x", skip, None, 16384.0) == ("stopped at step 2 (2 steps in a row skipped, train.max_skipped: "
+                                                     "2): x; loss scale now 16384, halved at each skip; no checkpoint "
+                                                     "was written")

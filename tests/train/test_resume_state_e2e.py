@@ -2,6 +2,7 @@
 a loss scale of its own when it turns to fp16, and the skipped steps in a row before it; through the ranks."""
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,9 @@ def test_a_resume_takes_its_set_optimizer_settings_and_starts_its_own_loss_scale
               and key.endswith((".momentum", ".weight_decay"))}
     assert groups == {"momentum": 0.5, "weight_decay": 0.01}
     assert state["train"]["loss_scale"][0] >= 2.0 ** 14  # 2 ** 16, halved at most twice in a step
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    scales = [r.get("loss_scale") for r in records if r["kind"] == "train"]
+    assert scales == [None, None, state["train"]["loss_scale"][0]]  # recorded for the fp16 step alone
 
 
 def test_a_resume_counts_the_steps_skipped_in_a_row_before_it(tmp_path):
