@@ -536,4 +536,8 @@ def unread_settings(recipe: Recipe) -> list[str]:
             paper = " (the paper's RMSProp: decay and momentum 0.9)" if section.name == "amoebanet-rmsprop" else ""
             lines.append(f"{where}.{key} ({shown_value}) is read only by {where}.name {readers}: {section.name}"
                          f"{paper} trains without it")
+    steps, warmup = recipe.train.steps, recipe.schedule.warmup_steps
+    if steps is not None and recipe.train.epochs is None and warmup > steps:  # epochs: the data sets the steps
+        lines.append(f"schedule.warmup_steps ({warmup}) is longer than the run (train.steps {steps}): the learning "
+                     f"rate never reaches its peak, {steps / warmup:.2g} of it at the last step")
     return lines

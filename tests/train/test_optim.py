@@ -95,3 +95,12 @@ def test_scheduler_follows_the_factor():
         opt.step()
         sched.step()
     assert seen == pytest.approx([lr_factor(r, 10, 100)(s) for s in range(6)])
+
+
+def test_a_warm_up_longer_than_the_run_is_said():
+    from gpipe_cli.recipe.schema import unread_settings
+
+    assert unread_settings(recipe(schedule={"warmup_steps": 400})) == [
+        "schedule.warmup_steps (400) is longer than the run (train.steps 100): the learning rate never reaches its "
+        "peak, 0.25 of it at the last step"]
+    assert unread_settings(recipe(schedule={"warmup_steps": 100})) == []
