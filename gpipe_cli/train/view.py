@@ -154,6 +154,7 @@ def train_lines(record: Mapping[str, Any], total: int, counted: Counted | None =
              + f"{record['step_time_s'] * 1e3:.0f} ms/step | "
              f"bubble {record['bubble']:.3f} (theory {record['bubble_theory']:.3f})"
              + (" | warm-up step (one-time costs)" if record.get("warmup") is True else "")
+             + (" | profiled step (the profiler's work in it)" if record.get("profiled") is True else "")
              + (f" | {eta_text(eta)}" if eta is not None and record["step"] < total else "")]
     for s in range(len(record["rss_peak_bytes"])):
         shares = " | ".join(f"{part} {share:.0%}" for part, share in stage_shares(record, s).items())
@@ -277,6 +278,7 @@ class TerminalView:
         self._counted: Counted | None = None
         self.skipped = 0
         self._steady: list[float] = []  # step seconds past each start's warm-up step: the run's ETA
+        self._profiled: list[float] = []  # those of profiled steps, which the ETA leaves out while it has others
         # The bar takes what the other columns leave; a narrow terminal drops it, then the title, never a time.
         self._progress = FittedProgress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=None),
                                         MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
@@ -317,9 +319,9 @@ class TerminalView:
             self._counted = counted_activations(record, self._counted)
             self.skipped += bool(record.get("skipped"))
             if record.get("warmup") is not True:
-                self._steady.append(record["step_time_s"])
+                (self._profiled if record.get("profiled") is True else self._steady).append(record["step_time_s"])
             if self.plain and (record["step"] % log_every == 0 or record["step"] == self.total):
-                eta = run_eta(self._steady, record["step"], self.total, warmup=0)
+                eta = run_eta(self._steady or self._profiled, record["step"], self.total, warmup=0)
                 for line in train_lines(record, self.total, self._counted, eta):
                     print(line, file=self.stream, flush=True)
         if self._live is not None and self._last_train is not None:

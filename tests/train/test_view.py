@@ -144,6 +144,21 @@ def test_plain_step_lines_carry_the_runs_eta_from_steps_past_the_warm_up(capsys)
     assert "eta" not in heads[3]  # the last step: nothing left
 
 
+def test_a_profiled_step_is_marked_and_left_out_of_the_eta_while_others_give_it(capsys):
+    # A step that wrote the profiler's trace took 3 s where the others took 0.1 s: the ETA tripled.
+    view = TerminalView("tiny", plain=True, started=0.0)
+    view.start(total=5)
+    for step, seconds, profiled in ((1, 9.0, False), (2, 5.0, True), (3, 1.0, False), (4, 9.0, True)):
+        record = {**train_record(step=step), "step_time_s": seconds, "warmup": step == 1}
+        if profiled:
+            record["profiled"] = True
+        view.show(record)
+    heads = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert heads[1].endswith("| profiled step (the profiler's work in it) | eta 15s")  # none else yet: 3 x 5 s
+    assert heads[2].endswith("| eta 2s") and heads[3].endswith("| eta 1s")  # 2 x 1 s, then 1 x 1 s
+    assert "profiled" not in heads[0] + heads[2]
+
+
 def test_the_live_views_last_frame_into_a_file_ends_its_line(monkeypatch):
     # `gpipe train --live > f`: the summary's first line ran on from the frame's last row.
     stream = io.StringIO()
