@@ -201,6 +201,9 @@ def report(paths: list[Path], output: Path | None = None) -> int:
     if output is not None and output.suffix.lower().lstrip(".") not in plots.FORMATS:  # before a run is read
         raise UserError(f"--output: the page is written as PNG, PDF or SVG: name a file ending in .png, .pdf or .svg "
                         f"(got {shown(str(output))})")
+    target = output or _default_page(paths)
+    if output is None:  # a page by default where a file of the user's lies (one named with --output is theirs)
+        check_picture(target, "gpipe report would write its page to", "name another file with --output")
     runs = read_runs(paths)
     tables = [table for table in (summary_table(runs), resume_table(runs), stage_table(runs)) if table is not None]
     console = _console(tables)
@@ -211,10 +214,7 @@ def report(paths: list[Path], output: Path | None = None) -> int:
         return 1
     # The default place may be in a read-only run: the tables are shown, and the line says what to do.
     flag, hint = ("--output", "") if output is not None else ("", ELSEWHERE)
-    target = output or _default_page(paths)
     check_output(target, flag, "report.png", hint)
-    if output is None:  # a page by default where a file of the user's lies (one named with --output is theirs)
-        check_picture(target, "gpipe report would write its page to", "name another file with --output")
     with writing(target, flag, hint):  # a disk can fill, or a folder change, after the check; never half a page
         page.draw(runs, target)
     console.print(f"wrote {target}", soft_wrap=True)  # a path stays one line, ready to copy

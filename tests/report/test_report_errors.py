@@ -94,8 +94,9 @@ def test_a_file_of_the_users_where_the_page_goes_by_default_is_kept_and_named(tm
     runs = [str(make_run(tmp_path / name, 2)) for name in ("a", "b")]
     (tmp_path / "report.png").write_text("my notes\n")
     assert cli(["report", *runs]) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert one_line(err) and "would write its page to 'report.png', a file that holds no PNG image" in err
+    assert out == ""  # said before the tables (it came after all of them)
     assert (tmp_path / "report.png").read_text() == "my notes\n"
     (tmp_path / "report.png").write_bytes(b"")  # an empty file, or a page written before, is replaced
     assert cli(["report", *runs]) == 0 and (tmp_path / "report.png").read_bytes().startswith(b"\x89PNG")
