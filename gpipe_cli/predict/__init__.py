@@ -10,7 +10,7 @@ from pathlib import Path
 from gpipe_cli.errors import UserError, not_utf8, shown
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.pipeline.streams import write_out
-from gpipe_cli.train.existing import CHECKPOINTS, EXPORTED, is_run, newest_step
+from gpipe_cli.train.existing import CHECKPOINTS, EXPORTED, PREFIX, SUPERSEDED, is_run, newest_step, run_dir_of
 
 DEFAULT_MAX_TOKENS = 50
 MAX_TOKENS = 100_000  # a long document's worth: each token is a forward, so a typo of more digits runs for days
@@ -138,6 +138,12 @@ def export_file(path: str) -> Path:
     if not file.exists():
         raise UserError(f"no such model file: {shown(path)}; write one with: {export_command(file)}")
     if file.is_dir():  # a run directory: the file gpipe export writes there by default
+        if file.name.startswith(PREFIX) and (file / "manifest.json").is_file():  # one of its checkpoints
+            # Its export goes in its run (the advice was `gpipe export RUN`, and then the same refusal).
+            written = ("the file it names" if file.parent.name.startswith(SUPERSEDED)
+                       else shlex.quote(str(run_dir_of(path) / EXPORTED)))
+            raise UserError(f"{shown(path)} is a checkpoint, and predict reads an export: write one with: gpipe "
+                            f"export {shlex.quote(path)}, then give predict {written}")
         if not (file / EXPORTED).is_file():
             raise UserError(f"{shown(path)} is a directory without {EXPORTED}; write one with: {export_command(file)}")
         file = file / EXPORTED

@@ -523,3 +523,17 @@ def test_a_run_directory_without_an_export_is_told_the_command_that_writes_it(tm
     code = run(["predict", str(run_dir / "model.safetensors"), "five"])  # the file it would have written there
     captured = capsys.readouterr()
     assert one_error_line(code, captured.err, captured.out).endswith(f"write one with: gpipe export '{run_dir}'")
+
+
+def test_a_checkpoint_folder_is_answered_with_the_export_to_write_and_the_file_to_give(tmp_path, capsys,
+                                                                                     monkeypatch):
+    # It said "write one with: gpipe export RUN", a literal RUN, and the export of the checkpoint went in its run.
+    monkeypatch.chdir(tmp_path)
+    folder = Path("run", "checkpoints", "step-00000002")
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text("{}")
+    code = run(["predict", str(folder), "x"])
+    captured = capsys.readouterr()
+    assert one_error_line(code, captured.err, captured.out) == (
+        f"error: '{folder}' is a checkpoint, and predict reads an export: write one with: gpipe export {folder}, "
+        "then give predict run/model.safetensors")
