@@ -23,6 +23,7 @@ _NOTE = re.compile(r"\[\s*[\d.]+ s\] ")  # a timed note's prefix, "[  3.2 s] "
 UNITS = ("s", "ms", "us", *BYTE_UNITS, "GB/s", "samples/s", "tokens/s", "px", "%")
 _UNIT_SPACE = re.compile(r"(?<=\d) (?=(?:" + "|".join(re.escape(u) for u in UNITS) + r")(?![\w/]))")
 _HELD = "\0"
+_COMMAND = re.compile(r"\bgpipe train --resume \S.*$")
 FILE_WIDTH = 200  # columns when no terminal sets them: a log keeps each table row and line on one line
 
 
@@ -201,6 +202,9 @@ def fit(text: str, width: int) -> str:
         return text
     indent = " " * min(_hang(text), width // 2)
     held = _UNIT_SPACE.sub(_HELD, text)
+    # A command to copy (`continue with gpipe train --resume RUN`) goes whole onto the next line, not cut after
+    # `--resume`, which alone resumes the recipe's newest run.
+    held = _COMMAND.sub(lambda command: command[0].replace(" ", _HELD), held)
     return textwrap.fill(held, width, subsequent_indent=indent, break_long_words=False,  # a long path stays whole
                          break_on_hyphens=False).replace(_HELD, " ")
 

@@ -30,6 +30,13 @@ def test_a_long_line_on_a_terminal_wraps_at_spaces_keeping_numbers_with_their_un
     assert not problems("\n".join(wrapped), 80, text)
 
 
+def test_a_command_to_copy_wraps_whole_onto_the_next_line():
+    # Cut after `--resume`, the first line's command alone resumed the recipe's newest run, maybe another.
+    text = "stopped by SIGINT after step 32; continue with gpipe train --resume /tmp/work/r9 --nnodes 2"
+    assert fit(text, 80).splitlines() == ["stopped by SIGINT after step 32; continue with",
+                                          "  gpipe train --resume /tmp/work/r9 --nnodes 2"]
+
+
 def test_the_width_checks_find_what_they_look_for():
     assert problems("x" * 81, 80) and problems("samples/…", 80) and problems("layers 4-4", 80)
     assert problems("RSS peak 370.0\n   MiB", 80) and problems("grad\nnorm", 80, "grad norm") == []
