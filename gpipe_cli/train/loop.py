@@ -606,7 +606,8 @@ class Trainer:
             saved = self.checkpoints.last_saved
             ended = ""
             if self.stopped_by:
-                ended = f"stopped by {signal.Signals(self.stopped_by).name}"
+                cause = self.stop.cause(self.stopped_by)
+                ended = f"stopped as {cause}" if self.stop.orphaned else f"stopped by {cause}"
                 # Without a recipe the resume trains with the run's own recipe.yaml: this command continues
                 # the run exactly as it was started, whatever recipe and --set started it.
                 line = f"{ended} after step {saved}; continue with {continue_command(self.run_dir)}"

@@ -37,6 +37,7 @@ class StopRequest:
         self.parent = os.getppid()  # a rank's parent ending sends it SIGINT (torch's workers ask for it)
         self.when = AFTER_STEP  # what a stop signal cuts short, as the answer to Ctrl-C says
         self.echo = False  # the stop came as the launcher's note: its signal, if it comes, is no second stop
+        self.orphaned = False  # the first stop was the SIGINT a rank gets as its launcher ends (kill -9 of it)
         self.way_on: Callable[[], str] = lambda: ""  # how the run goes on after an abort, said with it
 
     def arm(self) -> None:
@@ -55,9 +56,10 @@ class StopRequest:
         stopping.note(signum)
         if not self.signum:
             self.signum, self.since = signum, time.monotonic()
+            self.orphaned = signum == signal.SIGINT and os.getppid() != self.parent
             if self.announce and signum == signal.SIGINT:  # a person pressed Ctrl-C: answer at once
-                what = "the launcher ended (SIGINT)" if os.getppid() != self.parent else "SIGINT"
-                again = "" if os.getppid() != self.parent else " (Ctrl-C again to abort at once)"
+                what = "the launcher ended (SIGINT)" if self.orphaned else "SIGINT"
+                again = "" if self.orphaned else " (Ctrl-C again to abort at once)"
                 stopping.say_stop(f"{what}: stopping {self.when}{again}")
         elif self.echo and signum == signal.SIGINT:  # a SIGTERM again changes nothing anyway
             self.echo = False
@@ -67,6 +69,10 @@ class StopRequest:
                 print("[gpipe] SIGINT again: aborted at once; a checkpoint it cut short is removed on resume"
                       + (f"; {then}" if then else ""), file=sys.stderr, flush=True)
             stopping.abrupt_exit(128 + signum)
+
+    def cause(self, signum: int) -> str:
+        """What stopped the run, in words: the signal's name, or the launcher's end that sent it."""
+        return "the launcher ended" if self.orphaned and signum == signal.SIGINT else signal.Signals(signum).name
 
     def disarm(self, code: int) -> None:
         """Once the run's work is done, a stop signal ends this rank at once, with exit `code` (0: 128 + the signal)."""
@@ -85,6 +91,6 @@ class StopRequest:
             agreed = int(flag.item())
             self.signum = self.signum or agreed
         if agreed and self.announce and say:
-            why = "the output was closed (SIGPIPE)" if agreed == signal.SIGPIPE else signal.Signals(agreed).name
+            why = "the output was closed (SIGPIPE)" if agreed == signal.SIGPIPE else self.cause(agreed)
             print(f"[gpipe] {why}: writing a checkpoint, then stopping", file=sys.stderr, flush=True)
         return agreed

@@ -118,3 +118,18 @@ def test_the_first_rank_of_every_node_answers_a_stop(monkeypatch, rank, local, a
     else:
         monkeypatch.setenv("LOCAL_RANK", local)
     assert signals.answers_stops(rank) is answers
+
+
+def test_the_sigint_of_a_launcher_that_ended_is_said_as_its_end_not_as_a_ctrl_c(monkeypatch, capsys):
+    # A launcher killed with -9 sends its ranks SIGINT: they saved and stopped, and said "stopped by SIGINT".
+    request = signals.StopRequest(announce=True)
+    monkeypatch.setattr(signals.os, "getppid", lambda: request.parent + 1)  # the rank's parent is gone
+    request._handle(signal.SIGINT, None)
+    assert request.orphaned and request.cause(signal.SIGINT) == "the launcher ended"
+    assert request.agreed(None, distributed=False) == signal.SIGINT
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "[gpipe] the launcher ended (SIGINT): stopping after the steps in flight",
+        "[gpipe] the launcher ended: writing a checkpoint, then stopping"]
+    typed = signals.StopRequest(announce=False)
+    typed._handle(signal.SIGINT, None)
+    assert not typed.orphaned and typed.cause(signal.SIGINT) == "SIGINT"
