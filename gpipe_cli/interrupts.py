@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,13 +14,20 @@ _interrupted = False
 _terminated = 0  # the SIGTERM or SIGHUP that stopped the command (0: none, or Ctrl-C)
 _own_term = False  # the next SIGTERM is this process's own, passing a Ctrl-C on: it stays Ctrl-C's
 _told = False  # the stop was already told in a line of its own: `say_stopped` adds none
+_since = 0.0  # when the last stop was raised (time.monotonic)
+ECHO_S = 1.0  # a stop signal this soon after one raised is the same one come twice
 # A closed terminal or a dropped ssh session (SIGHUP) stops a command as a scheduler's SIGTERM does.
 TERMINATING = (signal.SIGTERM, signal.SIGHUP)
 
 
 # SIGTERM would end the process where it stands, leaving temporary files: as a KeyboardInterrupt it takes Ctrl-C's way.
 def _on_interrupt(signum: int, frame: object) -> None:
+    global _since
+    echo = _interrupted and time.monotonic() - _since < ECHO_S
     _remember(signum, frame)
+    if echo:  # the same Ctrl-C come twice (`timeout` passes on the one the terminal sent): raised while the first
+        return  # unwound, it cut its line short, or said it a second time
+    _since = time.monotonic()
     raise KeyboardInterrupt
 
 

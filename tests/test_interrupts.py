@@ -23,6 +23,21 @@ def test_a_ctrl_c_swallowed_in_a_finalizer_is_still_honoured():
         interrupts._interrupted = False
 
 
+def test_the_same_ctrl_c_come_twice_at_once_is_raised_once(monkeypatch):
+    # Under `timeout` the terminal's Ctrl-C came twice: the second, raised while the first unwound, cut its line
+    # short (no line at all) or said it again ("gpipe report: interrupted", then "gpipe: interrupted").
+    clock = [100.0]
+    monkeypatch.setattr(interrupts.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(interrupts, "_interrupted", False)
+    with pytest.raises(KeyboardInterrupt):
+        interrupts._on_interrupt(signal.SIGINT, None)
+    clock[0] += 0.2
+    interrupts._on_interrupt(signal.SIGINT, None)  # the echo: remembered, not raised
+    clock[0] += interrupts.ECHO_S
+    with pytest.raises(KeyboardInterrupt):  # a person pressing again, later
+        interrupts._on_interrupt(signal.SIGINT, None)
+
+
 def test_a_command_started_with_ctrl_c_ignored_keeps_ignoring_it():
     # `nohup` or a script's background job: the terminal's Ctrl-C is for the foreground job.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
