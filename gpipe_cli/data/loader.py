@@ -120,6 +120,14 @@ class Loader:
             bounds = bounds[:-2] + [(bounds[-2][0], bounds[-1][1])]
         return bounds
 
+    @property
+    def joined(self) -> int:
+        """The examples of a short last batch that joined the one before (which depends on M x D): 0 if none."""
+        if self.tokens_per_batch is not None or len(self._bounds) < 2:
+            return 0  # budget batches are joined by design (documented), not by M x D alone
+        lo, hi = self._bounds[-1]
+        return hi - lo - self.batch_size if hi - lo > self.batch_size else 0
+
     def steps_per_epoch(self) -> int:
         """Number of training mini-batches per epoch (the same for every epoch)."""
         return len(self._bounds)

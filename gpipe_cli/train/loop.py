@@ -289,6 +289,9 @@ class Trainer:
         if dropped:
             text += (f"; data.drop_last leaves out {dropped:,} of {data.train_size:,} training examples per epoch "
                      f"(a partial last batch; data.drop_last: false keeps them)")
+        if data.joined:
+            text += (f"; the last {counted(data.joined, 'example')} of each epoch, fewer than the {data.min_batch} "
+                     f"its micro-batches need, join the batch before (so that step differs with M and D)")
         return text
 
     def _plan(self) -> Plan:

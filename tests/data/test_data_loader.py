@@ -102,6 +102,7 @@ def test_drop_last_and_steps_per_epoch() -> None:
     merged = build_data(data(**kw, drop_last=False), "image", seed=0, image_size=32, num_classes=3,
                         min_batch=4)
     assert [b.global_size for b in merged.train_batches(need_inputs=False)] == [8, 8, 8, 8, 11]
+    assert merged.joined == 3 and keep.joined == drop.joined == 0  # said in the data line: it depends on M x D
     assert sum(b.size for b in keep.eval_batches()) == keep.eval_size == 4
 
 
