@@ -121,9 +121,12 @@ def summary_table(runs: list[Run]) -> Table:
         if evals:
             top = min(evals, key=lambda r: r["loss"])
             best = f"{top['loss']:.4g} @{top['step']}"
-            if metric and top.get(metric) is not None:
-                best += f", {HEADLINE[metric]} {top[metric]:.3g}"
-        steps = str(run.train[-1]["step"])
+            if metric and top.get(metric) is not None:  # BLEU to a tenth, as train's summary gives it
+                best += f", {HEADLINE[metric]} {top[metric]:{'.1f' if metric == 'bleu' else '.3g'}}"
+        done = run.train[-1]["step"]
+        steps = f"{done} of {run.planned}" if run.planned is not None and run.planned > done else str(done)
+        if skipped := sum(r.get("skipped") is True for r in run.train):  # its loss may be a skipped step's
+            steps += f" ({skipped} skipped)"
         if cut_steps(run):
             steps += f" (pipeline changed at {last_cut(run)[0][0]['step']})"
         table.add_row(run.label, steps, "nan" if last is None else figure(last, ".4f"), best,

@@ -37,6 +37,7 @@ class Run:
     evals: list[dict[str, Any]] = field(default_factory=list)
     damage: str = ""  # the lines of metrics.jsonl left out, in words (empty: none)
     recipe: dict[str, Any] = field(default_factory=dict)  # the recipe's pipeline section: records without PIPELINE
+    planned: int | None = None  # the recipe's train.steps, where no train.epochs may end it sooner
 
     @property
     def stages(self) -> int:
@@ -89,6 +90,9 @@ def read_run(path: Path) -> Run:
     if not train:
         raise NotStarted(f"{metrics}: holds no train records yet")
     run = Run(path, "", train, evals, damage, pipe if isinstance(pipe, dict) else {})
+    settings = recipe.get("train") if isinstance(recipe, dict) else None
+    if isinstance(settings, dict) and settings.get("epochs") is None and type(settings.get("steps")) is int:
+        run.planned = settings["steps"]
     run.label = run.pipeline(train[-1])
     return run
 

@@ -19,9 +19,12 @@ _NOT_METRICS = ("kind", "step", "nonfinite")
 def eval_figures(record: Mapping[str, Any]) -> str:
     """An eval record's figures, whatever it holds: "loss 1.0530, accuracy 0.9751, bleu 82.81"."""
     # A share to four places, so that 1 reads 1.0000 beside 0.9751; other figures to four digits.
-    return ", ".join(f"{k} {v:.4f}" if k == "accuracy" and isinstance(v, float) else f"{k} {v:.4g}"
-                     if isinstance(v, float) else f"{k} {v}"
+    return ", ".join(f"{_WORDS.get(k, k)} {v:.4f}" if k == "accuracy" and isinstance(v, float)
+                     else f"{_WORDS.get(k, k)} {v:.4g}" if isinstance(v, float) else f"{_WORDS.get(k, k)} {v}"
                      for k, v in record.items() if k not in _NOT_METRICS and v is not None)
+
+
+_WORDS = {"unigram_perplexity": "unigram perplexity"}  # a record's keys as the line's words
 
 
 @dataclass

@@ -320,6 +320,20 @@ def test_a_run_whose_last_loss_was_not_finite_shows_nan_not_an_earlier_loss(tmp_
     assert list(summary_table(read_runs([make_run(tmp_path / "b", 2)])).columns[2].cells) == ["0.6000"]
 
 
+def test_a_run_stopped_short_of_its_steps_and_its_skipped_steps_are_counted(tmp_path):
+    # A run stopped at step 5 of 200 read "5", as a finished one does; one whose steps were skipped said nothing.
+    from gpipe_cli.report import summary_table
+
+    folder = make_run(tmp_path / "a", 2)
+    recipe = yaml.safe_load((folder / "recipe.yaml").read_text())
+    (folder / "recipe.yaml").write_text(yaml.safe_dump({**recipe, "train": {"steps": 200, "epochs": None}}))
+    with open(folder / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({**train_record(step=6, stages=2), "skipped": True}) + "\n")
+    assert list(summary_table(read_runs([folder])).columns[1].cells) == ["6 of 200 (1 skipped)"]
+    (folder / "recipe.yaml").write_text(yaml.safe_dump({**recipe, "train": {"steps": 200, "epochs": 1}}))
+    assert list(summary_table(read_runs([folder])).columns[1].cells) == ["6 (1 skipped)"]  # epochs may end it
+
+
 def test_a_course_a_resume_set_aside_says_which_steps_it_holds_and_whose_they_follow(tmp_path, capsys):
     # Its table gave "steps 8" and a warm-up "first" step that was the resume's, not the run's first.
     run_dir = make_run(tmp_path / "run", 2, steps=6)

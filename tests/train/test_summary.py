@@ -132,6 +132,8 @@ def test_an_accuracy_reads_to_four_places_even_when_whole():
     from gpipe_cli.train.summary import eval_figures
 
     assert eval_figures({"kind": "eval", "step": 2, "loss": 0.5, "accuracy": 1.0}) == "loss 0.5, accuracy 1.0000"
+    assert eval_figures({"kind": "eval", "step": 2, "loss": 0.5, "unigram_perplexity": 602.4}) == (
+        "loss 0.5, unigram perplexity 602.4")  # in words, as the other figures are
 
 
 def test_a_resumed_runs_best_eval_counts_its_evals_before_the_resume(tmp_path):
