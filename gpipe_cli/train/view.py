@@ -327,6 +327,8 @@ class TerminalView:
         if self._live is not None and self._last_train is not None:
             self._progress.update(self._task, completed=self._last_train["step"])
             self._live.update(self.frame())
+            if self._last_train["step"] >= self.total and not self._live.console.is_terminal:
+                self.stop()  # a file gets its one frame now, before the lines after training (it came after them)
 
     def frame(self) -> Group:
         """What the live view shows now: progress and the latest step's figures per stage (evals print above it)."""

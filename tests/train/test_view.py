@@ -170,6 +170,19 @@ def test_the_live_views_last_frame_into_a_file_ends_its_line(monkeypatch):
     assert stream.getvalue().endswith("\n")
 
 
+def test_the_live_views_frame_into_a_file_comes_before_the_lines_after_training(monkeypatch):
+    # `gpipe train --live > f` wrote the checkpoint and evaluation lines, then the last step's frame.
+    stream = io.StringIO()
+    monkeypatch.setattr("sys.stdout", stream)
+    view = TerminalView("tiny", plain=False, started=0.0)
+    view.start(4)
+    view.show(train_record(step=4))
+    view.message("checkpoint: run/checkpoints/step-00000004")
+    view.stop()
+    text = stream.getvalue()
+    assert text.index("4/4") < text.index("checkpoint: run/") and text.endswith("step-00000004\n")
+
+
 def test_a_record_the_disk_cannot_take_leaves_the_earlier_ones_whole_and_stops_in_one_line(tmp_path, monkeypatch):
     path = tmp_path / "metrics.jsonl"
     (tmp_path / "checkpoints" / "step-00000002").mkdir(parents=True)  # a resume continues from it
