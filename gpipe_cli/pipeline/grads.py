@@ -125,17 +125,14 @@ class LossScale:
         self._good = torch.zeros((), dtype=torch.int32, device=device)
 
     def state(self) -> torch.Tensor:
-        """The scale and the clean steps since it last changed, for a checkpoint (host memory; -1 steps: unused)."""
-        good = self._good.to(torch.float64) if self.enabled else torch.full_like(self.value, -1.0, dtype=torch.float64)
-        return torch.stack([self.value.to(torch.float64), good]).cpu()
+        """The scale and the clean steps since it last changed, for a checkpoint (host memory)."""
+        return torch.stack([self.value.to(torch.float64), self._good.to(torch.float64)]).cpu()
 
     def load(self, state: torch.Tensor) -> None:
-        """Continue from `state` (see `state`)."""
-        value, good = state.tolist()
-        # A run that scaled nothing (fp32 or bf16, before its resume as fp16) leaves the scale to start afresh:
-        # its 1.0 would take 2,000 clean steps to grow. A scale resumed without fp16 stays 1.
-        if not self.enabled or good < 0:
+        """Continue from `state` (see `state`); a scale resumed without fp16 stays 1."""
+        if not self.enabled:
             return
+        value, good = state.tolist()
         self.value.fill_(value)
         self._good.fill_(int(good))
 

@@ -12,10 +12,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpipe_cli.errors import UserError
 from gpipe_cli.files import atomic_write_bytes
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.topology import Topology
 from gpipe_cli.recipe.schema import Recipe
+from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
 from gpipe_cli.train import checkpoint
 from gpipe_cli.train.existing import METRICS, RECIPE, no_usable
 from gpipe_cli.train.plan import Plan
@@ -91,7 +93,10 @@ class Checkpointer:
         for group, own in zip(self.optimizer.param_groups if self.optimizer is not None else [], settings):
             group.update(own)
         step = int(extra["train"]["step"])
-        self.pipe.loss_scale.load(extra["train"]["loss_scale"])
+        # A checkpoint of fp32 or bf16 training, resumed as fp16, leaves the scale to start afresh: its 1.0 would
+        # take 2,000 clean steps to grow.
+        if _precision(found.path) in ("fp16", None):
+            self.pipe.loss_scale.load(extra["train"]["loss_scale"])
         if same:
             rng = extra[f"rng.rank{self.layout.rank}"]
             torch.set_rng_state(rng["cpu"])
@@ -132,6 +137,18 @@ class Checkpointer:
                 print(f"[gpipe] {checkpoint.refusal(path, why)}", file=sys.stderr, flush=True)
         self.last_saved = -1
         raise no_usable(location, refused)
+
+
+def _precision(folder: Path) -> str | None:
+    """The train.precision a checkpoint was trained with, as the recipe.yaml it keeps says (None: it keeps none)."""
+    if not (folder / RECIPE).is_file():  # an older version's checkpoint
+        return None
+    try:
+        recipe = parse_document(read_recipe_file(folder / RECIPE), str(folder / RECIPE))
+    except (OSError, UserError):
+        return None
+    train = recipe.get("train") if isinstance(recipe, dict) else None
+    return str(train.get("precision", "fp32")) if isinstance(train, dict) else "fp32"
 
 
 def skipped_until(run_dir: Path, step: int) -> tuple[int, int]:
