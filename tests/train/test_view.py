@@ -159,7 +159,7 @@ def test_a_profiled_step_is_marked_and_left_out_of_the_eta_while_others_give_it(
     assert "profiled" not in heads[0] + heads[2]
 
 
-def test_the_live_views_last_frame_into_a_file_ends_its_line(monkeypatch):
+def test_the_live_views_last_frame_into_a_file_ends_its_line_before_the_lines_after_training(monkeypatch):
     # `gpipe train --live > f`: the summary's first line ran on from the frame's last row.
     stream = io.StringIO()
     monkeypatch.setattr("sys.stdout", stream)
@@ -168,12 +168,9 @@ def test_the_live_views_last_frame_into_a_file_ends_its_line(monkeypatch):
     view.show(train_record(step=4))
     view.stop()
     assert stream.getvalue().endswith("\n")
-
-
-def test_the_live_views_frame_into_a_file_comes_before_the_lines_after_training(monkeypatch):
-    # `gpipe train --live > f` wrote the checkpoint and evaluation lines, then the last step's frame.
-    stream = io.StringIO()
-    monkeypatch.setattr("sys.stdout", stream)
+    # It wrote the checkpoint and evaluation lines, then the last step's frame.
+    stream.seek(0)
+    stream.truncate(0)
     view = TerminalView("tiny", plain=False, started=0.0)
     view.start(4)
     view.show(train_record(step=4))
