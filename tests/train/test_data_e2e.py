@@ -89,7 +89,7 @@ def test_a_model_with_more_classes_than_its_data_says_so_in_the_data_line():
                                                   "learns to answer the other"), (np.array([0, 1, 2, 0]), None)):
         train = SimpleNamespace(labels=labels, left_out="")
         data = SimpleNamespace(plan=lambda epoch: [[0, 1], [2, 3]], train_size=4, eval_size=0, tokenizer=None,
-                               train=train, eval=None)
+                               train=train, eval=None, joined=0)
         line = Trainer._data_summary(SimpleNamespace(recipe=recipe, steps_per_epoch=2), data)  # type: ignore[arg-type]
         assert (said in line) if said else "model.num_classes" not in line, line
 
