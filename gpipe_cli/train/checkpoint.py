@@ -85,12 +85,6 @@ def set_aside_newer(run_dir: Path, step: int, when: str) -> Path | None:
     return aside
 
 
-def fork_of(path: Path) -> int | None:
-    """The step a checkpoint set aside by an earlier resume branches from (None for one in checkpoints/)."""
-    found = re.fullmatch(rf"{SUPERSEDED}.*-at-step-(\d+)(-\d+)?", path.parent.name)
-    return int(found.group(1)) if found else None
-
-
 def _number(path: Path) -> int:
     """The step in a checkpoint folder's name (-1 for a name that holds none)."""
     digits = path.name.removeprefix(PREFIX)

@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import shlex
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -357,10 +358,18 @@ def complete_line(run_dir: Path, step: int, end: str, key: str = "train.steps", 
     """The line that says a resumed run has nothing left to do (its end, `end`, set by `key`; `earlier`: a checkpoint
     before the run's newest, which the resume named)."""
     if earlier is not None:  # the run itself is further on: "complete at step 4" named a run at step 6
+        fork = fork_of(earlier)  # one of a course set aside goes back to where that course left the run
         return (f"checkpoint {cut(str(earlier), PATH_CHARS)} is at step {step} ({end}), the end already; nothing to "
-                f"do (raise {key} to train on from it: the run's steps after {step} are then set aside)")
+                f"do (raise {key} to train on from it: the run's steps after {step if fork is None else fork} are "
+                "then set aside)")
     return (f"the run in {cut(str(run_dir), PATH_CHARS)} is already complete at step {step} ({end}); nothing to do "
             f"(raise {key} to train past step {step})")
+
+
+def fork_of(path: Path) -> int | None:
+    """The step a checkpoint set aside by an earlier resume branches from (None for one in checkpoints/)."""
+    found = re.fullmatch(rf"{SUPERSEDED}.*-at-step-(\d+)(-\d+)?", path.parent.name)
+    return int(found.group(1)) if found else None
 
 
 def earlier_checkpoint(location: str) -> Path | None:

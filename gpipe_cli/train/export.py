@@ -30,6 +30,7 @@ from gpipe_cli.train.existing import (
     candidates,
     check_a_run,
     check_export_arguments,
+    fork_of,
     run_dir_of,
 )
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
@@ -80,7 +81,7 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
 def _default_place(checkpoint_path: Path, run_dir: Path) -> Path:
     """The run's model.safetensors; for a checkpoint of a course a resume set aside, a file named after its folder."""
     # The run's own export is of the course it goes on with: an abandoned one's weights must not replace it unasked.
-    if checkpoint.fork_of(checkpoint_path) is None:
+    if fork_of(checkpoint_path) is None:
         return run_dir / EXPORTED
     name = Path(EXPORTED)
     return run_dir / f"{name.stem}-{checkpoint_path.parent.name}{name.suffix}"

@@ -36,6 +36,7 @@ from gpipe_cli.train.existing import (
     complete_line,
     continue_command,
     earlier_checkpoint,
+    fork_of,
     past_end,
     recipe_bytes,
     run_dir_of,
@@ -348,7 +349,7 @@ class Trainer:
             raise UserError(past_end(self.job.resume, path.name, step, *self._end()))
         if self.layout.rank == 0 and step < self.total_steps:
             # A checkpoint an earlier resume set aside continues its own course, which left this one at `fork`.
-            fork = checkpoint.fork_of(path)
+            fork = fork_of(path)
             fork = step if fork is None else fork
             # The newer checkpoints go first: should that fail, the records of their steps are still there.
             aside = checkpoint.set_aside_newer(self.run_dir, fork, time.strftime("%Y%m%d-%H%M%S"))

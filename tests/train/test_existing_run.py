@@ -16,7 +16,7 @@ from gpipe_cli.cli import app
 from gpipe_cli.errors import UserError
 from gpipe_cli.recipe.load import load_recipe, recipe_yaml
 from gpipe_cli.train import checkpoint, existing
-from gpipe_cli.train.existing import resume_line
+from gpipe_cli.train.existing import fork_of, resume_line
 from tests.train import recipes
 
 runner = CliRunner()
@@ -413,11 +413,11 @@ def test_a_resume_from_an_earlier_checkpoint_moves_the_newer_ones_out_of_the_nex
     # One of them can still be resumed: it belongs to this run (it was named a checkpoints/ folder's).
     assert existing.run_dir_of(str(aside / newer[0].name)) == tmp_path
     # A resume of it continues that course, which branched at step 4.
-    assert checkpoint.fork_of(aside / newer[0].name) == 4 and checkpoint.fork_of(kept) is None
+    assert fork_of(aside / newer[0].name) == 4 and fork_of(kept) is None
     assert checkpoint.set_aside_newer(tmp_path, 4, "later") is None  # nothing newer: nothing made
     again = save(tmp_path, 5)  # another resume from step 4 within the same second
     assert checkpoint.set_aside_newer(tmp_path, 4, "20261202-101010") == aside.with_name(f"{aside.name}-1")
-    assert checkpoint.fork_of(aside.with_name(f"{aside.name}-1") / again.name) == 4
+    assert fork_of(aside.with_name(f"{aside.name}-1") / again.name) == 4
     assert not again.exists() and sorted(p.name for p in aside.iterdir()) == [p.name for p in newer]
 
 
@@ -497,3 +497,15 @@ def test_a_run_directory_given_as_the_recipe_says_how_to_continue_it_or_start_ag
     with pytest.raises(UserError) as caught:
         existing.train_recipe("run", [], None, None, "outputs")
     assert str(caught.value) == line
+
+
+def test_a_set_aside_checkpoint_at_its_end_says_which_steps_a_longer_resume_sets_aside():
+    # Its course left the run at step 560: training on from its step 600 sets the run's steps after 560 aside
+    # (it said "after 600").
+    from gpipe_cli.train.existing import complete_line
+
+    earlier = Path("run/checkpoints/superseded-20261207-004601-at-step-560/step-00000600")
+    assert complete_line(Path("run"), 600, "train.steps 600", earlier=earlier).endswith(
+        "(raise train.steps to train on from it: the run's steps after 560 are then set aside)")
+    kept = Path("run/checkpoints/step-00000004")
+    assert complete_line(Path("run"), 4, "train.steps 4", earlier=kept).endswith("steps after 4 are then set aside)")
