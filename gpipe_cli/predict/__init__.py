@@ -10,7 +10,16 @@ from pathlib import Path
 from gpipe_cli.errors import UserError, not_utf8, shown
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.pipeline.streams import write_out
-from gpipe_cli.train.existing import CHECKPOINTS, EXPORTED, PREFIX, SUPERSEDED, is_run, newest_step, run_dir_of
+from gpipe_cli.train.existing import (
+    CHECKPOINTS,
+    EXPORTED,
+    PREFIX,
+    SUPERSEDED,
+    course_export,
+    is_run,
+    newest_step,
+    run_dir_of,
+)
 
 DEFAULT_MAX_TOKENS = 50
 MAX_TOKENS = 100_000  # a long document's worth: each token is a forward, so a typo of more digits runs for days
@@ -138,15 +147,20 @@ def export_file(path: str) -> Path:
     if not file.exists():
         raise UserError(f"no such model file: {shown(path)}; write one with: {export_command(file)}")
     if file.is_dir():  # a run directory: the file gpipe export writes there by default
-        if file.name.startswith(PREFIX) and (file / "manifest.json").is_file():  # one of its checkpoints
-            # Its export goes in its run (the advice was `gpipe export RUN`, and then the same refusal).
-            written = ("the file it names" if file.parent.name.startswith(SUPERSEDED)
-                       else shlex.quote(str(run_dir_of(path) / EXPORTED)))
-            raise UserError(f"{shown(path)} is a checkpoint, and predict reads an export: write one with: gpipe "
-                            f"export {shlex.quote(path)}, then give predict {written}")
-        if not (file / EXPORTED).is_file():
+        if file.name.startswith(SUPERSEDED) and course_export(file).is_file():  # what its export wrote
+            file = course_export(file)
+        elif file.name.startswith(SUPERSEDED) or (file.name.startswith(PREFIX) and (file / "manifest.json").is_file()):
+            # A checkpoint, or a course a resume set aside: its export goes in its run (the advice was
+            # `gpipe export RUN`, or to export the folder, and then the same refusal).
+            course = file if file.name.startswith(SUPERSEDED) else file.parent
+            written = course_export(course) if course.name.startswith(SUPERSEDED) else run_dir_of(path) / EXPORTED
+            what = "a checkpoint" if file.name.startswith(PREFIX) else "a course of checkpoints a resume set aside"
+            raise UserError(f"{shown(path)} is {what}, and predict reads an export: write one with: gpipe "
+                            f"export {shlex.quote(path)}, then give predict {shlex.quote(str(written))}")
+        elif not (file / EXPORTED).is_file():
             raise UserError(f"{shown(path)} is a directory without {EXPORTED}; write one with: {export_command(file)}")
-        file = file / EXPORTED
+        else:
+            file = file / EXPORTED
     try:  # safetensors words a file it may not read as one that is not there
         open(file, "rb").close()
     except OSError as exc:

@@ -366,6 +366,12 @@ def complete_line(run_dir: Path, step: int, end: str, key: str = "train.steps", 
             f"(raise {key} to train past step {step})")
 
 
+def course_export(course: Path) -> Path:
+    """Where `gpipe export` of a course a resume set aside writes: in its run, named after the course's folder."""
+    name = Path(EXPORTED)
+    return run_dir_of(str(course)) / f"{name.stem}-{course.name}{name.suffix}"
+
+
 def fork_of(path: Path) -> int | None:
     """The step a checkpoint set aside by an earlier resume branches from (None for one in checkpoints/)."""
     found = re.fullmatch(rf"{SUPERSEDED}.*-at-step-(\d+)(-\d+)?", path.parent.name)

@@ -30,6 +30,7 @@ from gpipe_cli.train.existing import (
     candidates,
     check_a_run,
     check_export_arguments,
+    course_export,
     fork_of,
     run_dir_of,
 )
@@ -81,10 +82,7 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
 def _default_place(checkpoint_path: Path, run_dir: Path) -> Path:
     """The run's model.safetensors; for a checkpoint of a course a resume set aside, a file named after its folder."""
     # The run's own export is of the course it goes on with: an abandoned one's weights must not replace it unasked.
-    if fork_of(checkpoint_path) is None:
-        return run_dir / EXPORTED
-    name = Path(EXPORTED)
-    return run_dir / f"{name.stem}-{checkpoint_path.parent.name}{name.suffix}"
+    return run_dir / EXPORTED if fork_of(checkpoint_path) is None else course_export(checkpoint_path.parent)
 
 
 def _os_error(exc: Exception) -> Exception:

@@ -537,3 +537,17 @@ def test_a_checkpoint_folder_is_answered_with_the_export_to_write_and_the_file_t
     assert one_error_line(code, captured.err, captured.out) == (
         f"error: '{folder}' is a checkpoint, and predict reads an export: write one with: gpipe export {folder}, "
         "then give predict run/model.safetensors")
+    # A course a resume set aside: its export is named after it (the advice was to export it, over and over).
+    course = Path("run", "checkpoints", "superseded-20261207-004601-at-step-560")
+    (course / "step-00000600").mkdir(parents=True)
+    (course / "step-00000600" / "manifest.json").write_text("{}")
+    written = "run/model-superseded-20261207-004601-at-step-560.safetensors"
+    for given in (course, course / "step-00000600"):
+        code = run(["predict", str(given), "x"])
+        captured = capsys.readouterr()
+        assert one_error_line(code, captured.err, captured.out).endswith(
+            f"predict reads an export: write one with: gpipe export {given}, then give predict {written}")
+    Path(written).write_bytes(b"")  # once written, the course's folder names it
+    from gpipe_cli.predict import export_file
+
+    assert export_file(str(course)) == Path(written)
