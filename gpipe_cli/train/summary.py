@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,7 +117,7 @@ class RunSummary:
             over += profiled_words(self.profiled_steps)
         if shown.per_s is not None:
             if self.resumed:
-                over += f"; gpipe report {run_dir} gives the whole run's"
+                over += f"; gpipe report {shlex.quote(run_dir)} gives the whole run's"
             rate = f"{shown.per_s:.1f} samples/s"
             if text:
                 rate += f", {shown.units / shown.seconds:.0f} tokens/s"

@@ -69,6 +69,8 @@ def test_a_marked_warm_up_step_is_left_out_of_the_throughput_bubble_and_shares()
     lines = summary.lines(now=5.0, checkpoint=None, run_dir="r", text=False)
     assert field(lines, "throughput").startswith("20.0 samples/s (mean over the steps after the first, which took "
                                                  "3.00 s warming up; gpipe report r gives the whole run's)")
+    spaced = field(summary.lines(now=5.0, checkpoint=None, run_dir="out dir/r", text=False), "throughput")
+    assert spaced.endswith("; gpipe report 'out dir/r' gives the whole run's)")  # a command to copy, quoted
     assert field(lines, "bubble").startswith("0.250 measured")
 
 
