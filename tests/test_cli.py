@@ -354,6 +354,16 @@ def test_an_option_given_twice_takes_its_last_value_and_a_bare_resume_stands_bef
     capsys.readouterr()
 
 
+def test_a_dry_run_gives_the_notes_the_launch_would(capsys, tmp_path, monkeypatch):
+    # validate and the launch said that adam reads no momentum; the dry run, which a resume is checked with, did not.
+    monkeypatch.chdir(tmp_path)
+    assert run(["train", "--set", "optimizer.name=adam", "--set", "optimizer.momentum=0.5", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == ("note: optimizer.momentum (0.5) is read only by optimizer.name sgd or rmsprop: "
+                                    "adam trains without it")
+    assert not (tmp_path / "outputs").exists()
+
+
 # Loaded first in the command's interpreter: Ctrl-C arrives while the command line's libraries load.
 CTRL_C_WHILE_LOADING = '''
 import builtins, os, signal

@@ -340,6 +340,8 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
         warning = node_oversubscribed(recipe, options.launch.nnodes, options.launch.threads)
         if warning:
             say(warning, sys.stdout)
+        for line in filter(None, [recipe_kind_note(recipe_file, options.overrides), *unread_settings(recipe)]):
+            say(f"note: {line}", sys.stdout)  # what the launch would note, as validate words it
         return 0
     if complete is not None:  # e.g. a scheduler requeued a finished job: say so, touch nothing
         if first:
