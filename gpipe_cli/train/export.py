@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -26,12 +27,14 @@ from gpipe_cli.train.existing import (
     CHECKPOINTS,
     EXPORTED,
     METRICS,
+    PREFIX,
     RECIPE,
     candidates,
     check_a_run,
     check_export_arguments,
     course_export,
     fork_of,
+    newest_step,
     run_dir_of,
 )
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
@@ -76,6 +79,12 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
             save_file(tensors, str(tmp), metadata=metadata)
         except SafetensorError as exc:
             raise _os_error(exc) from None
+    named = Path(location).name.startswith(PREFIX)  # a checkpoint, not the run: its newest whole one
+    newest = newest_step(run_dir) if named and output is None and target == run_dir / EXPORTED else None
+    if newest is not None and newest > found.step:
+        # The run's export now answers with older weights: predict says so each time; this says it as it happens.
+        print(f"[gpipe] {shown_path(target)} now holds step {found.step}, not the run's newest checkpoint (step "
+              f"{newest}): gpipe export {shlex.quote(str(run_dir))} writes that one", file=sys.stderr)
     return target
 
 

@@ -33,6 +33,18 @@ def test_export_skips_a_checkpoint_with_flipped_bytes(tmp_path, capsys):
     assert "step-00000006" in err and "does not match its checksum" in err
 
 
+def test_an_export_of_an_earlier_checkpoint_into_the_run_says_it_now_holds_older_weights(tmp_path, capsys):
+    # It replaced the run's export of step 6 with step 5's without a word; predict said so only later.
+    save_one(tmp_path, 5, value=1.0)
+    save_one(tmp_path, 6, value=2.0)
+    assert export(str(checkpoint.path_for(tmp_path, 5))) == tmp_path / "model.safetensors"
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"[gpipe] '{tmp_path / 'model.safetensors'}' now holds step 5, not the run's newest checkpoint (step 6): "
+        f"gpipe export {tmp_path} writes that one")
+    export(str(tmp_path))  # the run's newest: nothing to say of it
+    assert "now holds" not in capsys.readouterr().err
+
+
 def test_an_export_with_standard_output_closed_is_written_without_a_word(tmp_path, monkeypatch, capsys):
     # `gpipe export RUN >&-` wrote the file, then ended in an AttributeError traceback saying where.
     from gpipe_cli.cli import run
