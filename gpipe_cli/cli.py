@@ -534,6 +534,8 @@ def _unknown_option(exc: Exception, where: str, args: list[str], commands: Mappi
     if type(exc).__name__ != "NoSuchOption":
         return ""
     typed, _, value = str(getattr(exc, "option_name", "")).partition("=")
+    if len(typed) == 2 and typed[0] == "-" != typed[1]:  # `-resume`, which click reads as the short options -r...
+        typed = next((a.partition("=")[0] for a in args if a.startswith(typed) and a[:2] != "--"), typed)
     said = f"No such option: {typed}"
     sets = where in ("gpipe train", "gpipe validate")  # the commands that read a recipe as it is written
     key = (key_of_flag(typed) or ALIASES.get(typed.lstrip("-").replace("-", "_"))) if sets else None

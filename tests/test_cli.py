@@ -508,6 +508,9 @@ def test_a_recipe_key_typed_as_a_flag_is_answered_with_its_set(capsys, args, say
     (["train", "--step", "20"], "No such option: --step; did you mean --set train.steps=20? (see 'gpipe train"),
     (["validate", "--microbatch=4"], "No such option: --microbatch; did you mean --set pipeline.microbatches=4? (see"),
     (["bench", "--budget", "8G"], "No such option: --budget; gpipe profile-memory has it (see 'gpipe bench --help')"),
+    # One dash: click read `-resume` as the short options -r, -e, ... and said "No such option: -r".
+    (["train", "-resume"], "No such option: -resume; did you mean --resume? (see 'gpipe train --help')"),
+    (["bench", "-partitions", "2"], "No such option: -partitions; did you mean --partitions? (see"),
     (["export", "run", "--json", "x"],
      "No such option: --json; gpipe validate, gpipe bench and gpipe profile-memory have it (see"),
     (["train", "--plian"], "No such option: --plian; did you mean --plain? (see"),
