@@ -119,7 +119,10 @@ def read_recipe_file(path: Path) -> str:
         if (item := as_set(str(path))) is not None:  # `gpipe train train.steps=3`
             raise RecipeError(f"{named}: no such recipe file; to override a recipe key give {item}") from None
         near = _near_recipe(path)
-        raise RecipeError(f"{named}: no such recipe file" + (f"; did you mean {near}?" if near else "")) from None
+        hint = f"; did you mean {near}?" if near else ""
+        if not near and path.name.partition(".")[0] == "quickstart":  # the one built into the package
+            hint = "; leave the recipe out to train the built-in quick start"
+        raise RecipeError(f"{named}: no such recipe file{hint}") from None
     except OSError as exc:
         raise RecipeError(f"{path}: cannot read the recipe ({exc.strerror})") from None
     if len(data) > MAX_RECIPE_BYTES:

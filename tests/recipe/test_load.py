@@ -264,6 +264,14 @@ def test_missing_file():
         load_recipe("/no/such/recipe.yaml")
 
 
+def test_the_built_in_recipes_name_where_it_is_not_a_file_points_to_it(tmp_path, monkeypatch):
+    # `gpipe train quickstart` said only "no such recipe file".
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError, match=r"^quickstart: no such recipe file; leave the recipe out to train the "
+                                          r"built-in quick start$"):
+        load_recipe("quickstart")
+
+
 @pytest.mark.parametrize("typed", ["recipes/run.yml", "recipes/run", "run", "recipes/rn.yaml"])
 def test_a_missing_recipe_names_the_one_meant(tmp_path, monkeypatch, typed):
     """`gpipe train recipes/quickstart.yml` was told only that no such file exists."""
