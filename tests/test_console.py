@@ -32,9 +32,10 @@ def test_a_long_line_on_a_terminal_wraps_at_spaces_keeping_numbers_with_their_un
 
 def test_a_command_to_copy_wraps_whole_onto_the_next_line():
     # Cut after `--resume`, the first line's command alone resumed the recipe's newest run, maybe another.
-    text = "stopped by SIGINT after step 32; continue with gpipe train --resume /tmp/work/r9 --nnodes 2"
+    text = ("stopped by SIGINT after step 32; continue with gpipe train --resume outputs/quickstart/20261123-051412 "
+            "--nnodes 2")
     assert fit(text, 80).splitlines() == ["stopped by SIGINT after step 32; continue with",
-                                          "  gpipe train --resume /tmp/work/r9 --nnodes 2"]
+                                          "  gpipe train --resume outputs/quickstart/20261123-051412 --nnodes 2"]
 
 
 def test_the_width_checks_find_what_they_look_for():

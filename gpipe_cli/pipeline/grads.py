@@ -109,7 +109,7 @@ def commit_batchnorms(norms_: Sequence[DeferredBatchNorm], fabric: Fabric | None
         fabric.all_reduce(flat, ranks)
     # A step skipped for a non-finite value (fp16's forward overflows) leaves the averages as they were: its
     # statistics, inf or NaN, would have made every later evaluation NaN. A count of 0 folds nothing in.
-    flat = torch.where(finite, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
+    flat = flat.masked_fill(~finite, 0.0)
     for bn, summed in zip(norms_, flat.split([s.numel() for s in stats])):
         bn.commit(summed)
 

@@ -157,6 +157,29 @@ def test_the_counter_counts_what_would_wait(monkeypatch):
     assert waits.count[0] == 5
 
 
+def test_batchnorm_statistics_kept_or_left_out_add_no_wait(monkeypatch):
+    # Whether a step's statistics fold into the running averages (not if it was skipped) is decided on the device.
+    waits = Waits()
+    with counted(waits, monkeypatch):
+        layers = build_layers([lambda: nn.Linear(6, 8), lambda: nn.BatchNorm1d(8), lambda: nn.Linear(8, 11)],
+                              range(3), 7, META)
+        pipe = Pipeline(layers, topology.local(META), PipelineConfig(balance=(3,)), nn.CrossEntropyLoss())
+        assert pipe.batchnorms
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        per_step, pending = [], None
+        for step in range(4):
+            before = waits.count.get(0, 0)
+            launched = pipe.launch_step(tokens(8, 6, step).float(), tokens(8, 1, 50 + step)[:, 0], microbatches=4,
+                                        step=step, optimizer=opt)
+            pipe.zero_grad()
+            if pending is not None:
+                pending.result()
+            pending = launched
+            if step:
+                per_step.append(waits.count.get(0, 0) - before)
+    assert per_step and max(per_step) <= 1, per_step
+
+
 @pytest.mark.parametrize("stages", [1, 2])
 def test_fp16_loss_scaling_adds_no_wait(stages, monkeypatch):
     # Autocast refuses the meta device; what fp16 adds to a step is the loss scale, its overflow test and its
