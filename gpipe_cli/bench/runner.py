@@ -156,6 +156,16 @@ def _single(options: BenchOptions, subject: Subject, folder: Path, progress: Pro
 
 
 @contextlib.contextmanager
+def _bench_folder() -> Iterator[str]:
+    """A temporary folder for the run's files, removed on the way out, even by a stop that came as it was made."""
+    # A SIGTERM as the plan was shown landed inside TemporaryDirectory, after its mkdir: the folder stayed.
+    with contextlib.ExitStack() as stack:
+        with interrupts.deferred():
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="gpipe-bench-"))
+        yield folder
+
+
+@contextlib.contextmanager
 def _temporary_root(folder: str) -> Iterator[None]:
     """Make `folder` the root of temporary files (the launcher's too), so removing it leaves nothing, Ctrl-C or not."""
     previous = tempfile.tempdir
@@ -224,7 +234,7 @@ def run(options: BenchOptions) -> int:
     preview.show(chosen, options, machine, console)
     progress.estimated = chosen.seconds
     # Every run's ranks fork from one server (the same threads each): it imports torch once, not once a run.
-    with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp, _temporary_root(tmp), \
+    with _bench_folder() as tmp, _temporary_root(tmp), \
             warming(LaunchOptions(threads=options.threads), 1):
         try:
             events: list[dict[str, Any]] = []  # the K ranks' step, for --trace
