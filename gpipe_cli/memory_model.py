@@ -102,8 +102,8 @@ class ModelFigures:
         return fixed, per_example, [0, *itertools.accumulate(layer.params for layer in self.layers)]
 
     @functools.cached_property
-    def window_sums(self) -> dict[int, list[float]]:
-        """Per micro-batch size, what WINDOW neighbouring layers save from each layer on (filled as priced)."""
+    def window_sums(self) -> dict[tuple[int, int], list[float]]:
+        """Per micro-batch size and width, what that many neighbouring layers save from each layer on (as priced)."""
         return {}
 
     @functools.cached_property
@@ -206,13 +206,16 @@ class Footprint:
 # Per chunk, how a micro-batch it holds is kept: with its graph (whole), as its boundary input on the device
 # (inputs) or in host memory (host), or with its saved tensors offloaded: waiting in host memory (parked), its
 # last layer brought back ahead of its backward (fetched), a few layers on the device while its backward runs
-# (active), or while a recompute's backward runs (redone: the recompute's last layer never went out).
-KEPT = ("whole", "inputs", "host", "parked", "fetched", "active", "redone")
-_ON_DEVICE = (0, 1, 3, 4, 5, 6)  # positions in KEPT of what holds device memory
-_IN_HOST = (2, 3, 4, 5, 6)       # and host memory
+# (active), or while a recompute's backward runs (redone: the recompute's last layer never went out), the same
+# two while a split backward's B or W runs (split, split_redone), and a recompute's between its B and W (waiting).
+KEPT = ("whole", "inputs", "host", "parked", "fetched", "active", "redone", "split", "split_redone", "waiting")
+_ON_DEVICE = (0, 1, 3, 4, 5, 6, 7, 8, 9)  # positions in KEPT of what holds device memory
+_IN_HOST = (2, 3, 4, 5, 6, 7, 8, 9)       # and host memory
 # Under offload a forward holds two layers' saved tensors on the device (the one computing, the one going out),
 # and so does a backward (the one it reaches, the one fetched ahead): autograd frees the layer above as its last
-# node runs (pipeline/offload.py; measured to the byte on small models).
+# node runs (pipeline/offload.py; measured to the byte on small models). A split backward retains its graph for
+# W: the layer above stays until the backward reaches the one below (one more), and so does a recompute's last
+# layer, until W.
 WINDOW = 2
 
 
@@ -254,7 +257,7 @@ def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint:
     # Counted as they change: a walk of M micro-batches would otherwise recount O(M) keys at each of its points.
     counts = [0] * (len(chunks) * len(KEPT))
     held = tuple(_Tally(counts, {c: i * len(KEPT) + k for i, c in enumerate(chunks)}) for k in range(len(KEPT)))
-    whole, inputs, host, parked, fetched, active, redone = held
+    whole, inputs, host, parked, fetched, active, redone, split, split_redone, waiting = held
     points: set[tuple[int, tuple[int, ...]]] = set()
 
     def bring(key: tuple[int, int] | None, moves: tuple[tuple[_Tally, _Tally], ...]) -> None:
@@ -270,6 +273,12 @@ def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint:
         if restore:
             points.add((0, tuple(counts)))
             bring(key, ((host, inputs), (parked, active), (fetched, active)))  # what was not brought back ahead
+        if kind is Kind.BWD_INPUT and moved:
+            bring(key, ((active, split), (redone, split_redone)))
+        elif kind is Kind.BWD_WEIGHT and moved:  # W brings back what B left in host memory
+            bring(key, ((parked, split), (waiting, split_redone)))
+        if moved and kind in sched.COMPUTE - {Kind.FWD, Kind.RECOMPUTE}:  # a backward holds its window
+            points.add((1, tuple(counts)))
         if kind is Kind.FWD and action.remat:
             (host if offloaded(offload, action.chunk) else inputs).add(key)
         elif kind is Kind.FWD and moved:  # its layers go out as the forward moves on
@@ -282,10 +291,13 @@ def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint:
         elif kind is Kind.RECOMPUTE:
             inputs.discard(key)
             (redone if moved else whole).add(key)
+        elif kind is Kind.BWD_INPUT and moved:  # B leaves in host memory all that went there, not a last layer kept
+            bring(key, ((split, parked), (split_redone, waiting)))
         elif kind in sched.RELEASE:  # a split backward keeps the graph until its W
-            for kept in (whole, active, redone):
+            for kept in (whole, active, redone, split, split_redone):
                 kept.discard(key)
-        if restore:
+        if restore:  # the next one's input is still in host memory as this action runs
+            points.add((1, tuple(counts)))
             bring(after.get(key), ((host, inputs), (parked, fetched)))
         points.add((1, tuple(counts)))
     return points
@@ -328,15 +340,15 @@ def _saved(figures: ModelFigures, start: int, stop: int, size: int, first: bool 
     return total - (figures.layers[start].saved_input.at(size) if first and stop > start else 0.0)
 
 
-def _window(figures: ModelFigures, start: int, stop: int, size: int) -> tuple[float, float]:
-    """The most that WINDOW neighbouring layers of [start, stop) save, and what its last layer saves."""
-    if size not in figures.window_sums:
-        figures.window_sums[size] = [_saved(figures, i, i + WINDOW, size, first=False)
-                                     for i in range(len(figures.layers) - WINDOW + 1)]
+def _window(figures: ModelFigures, start: int, stop: int, size: int, width: int) -> float:
+    """The most that `width` neighbouring layers of [start, stop) save."""
+    sums = figures.window_sums.get((size, width))
+    if sums is None:
+        sums = figures.window_sums[size, width] = [_saved(figures, i, i + width, size, first=False)
+                                                   for i in range(len(figures.layers) - width + 1)]
     # Only the window at the stage's first layer leaves out the stage's input.
-    first = _saved(figures, start, min(start + WINDOW, stop), size)
-    most = max(figures.window_sums[size][start + 1:stop - WINDOW + 1], default=first)
-    return max(first, most), _saved(figures, stop - 1, stop, size, first=stop - 1 == start)
+    first = _saved(figures, start, min(start + width, stop), size)
+    return max(first, max(sums[start + 1:stop - width + 1], default=first))
 
 
 def _kept(figures: ModelFigures, start: int, stop: int, size: int, moved: bool) -> tuple[tuple[float, ...], ...]:
@@ -348,10 +360,17 @@ def _kept(figures: ModelFigures, start: int, stop: int, size: int, moved: bool) 
         boundary = figures.layers[start - 1].output.at(size) if start else 0.0
         output = figures.layers[stop - 1].output.at(size) if stop != len(figures.layers) else 0.0
         saved = _saved(figures, start, stop, size)
-        window, last = _window(figures, start, stop, size) if moved else (0.0, 0.0)
+        window, wide = (_window(figures, start, stop, size, w) for w in (WINDOW, WINDOW + 1)) if moved else (0, 0)
+        last = _saved(figures, stop - 1, stop, size, first=stop - 1 == start) if moved else 0.0
+        # A split backward of a recompute holds its last layer and a wider window: at the top, or below it.
+        top = max(start, stop - WINDOW - 1)
+        below = _window(figures, start, stop - 1, size, WINDOW + 1) if moved and stop - 1 > start else 0.0
+        wide_last = max(_saved(figures, top, stop, size, first=top == start), last + below) if moved else 0.0
         kept = boundary + output
-        figures.kept[key] = ((kept + saved, boundary, kept, kept + last, kept + window, kept + window),
-                             (boundary, saved, saved, saved, saved - last))  # a backward keeps its host copies
+        # A backward keeps its host copies.
+        figures.kept[key] = ((kept + saved, boundary, kept, kept + last, kept + window, kept + window, kept + wide,
+                              kept + wide_last, kept + last),
+                             (boundary, saved, saved, saved, saved - last, saved, saved - last, saved - last))
     return figures.kept[key]
 
 

@@ -182,6 +182,15 @@ class Parcel:
         for layer in list(self.into):
             self._arrived(layer)
 
+    def put_away(self) -> None:
+        """B is done: the device copies of what host memory holds go (W brings back what it needs)."""
+        # Kept until W, they made each micro-batch waiting for its W hold its first two layers' saved tensors.
+        # What never went out (a recompute's last layer) stays: copying it out would make the compute wait.
+        self.settle()
+        for layer in range(len(self.layers)):
+            self._sent(layer)
+        self._back.clear()
+
 
 class Offloader:
     """Moves stored activations to host memory and back for one device (every chunk of a stage shares it)."""

@@ -175,6 +175,8 @@ class Stage:
         wanted = [t for t in inputs if t is not None and t.requires_grad]
         with self.meter.saved_tensors():
             found, state.pending = backward_split.backward_input([o for o, _ in roots], [g for _, g in roots], wanted)
+        if state.parcel is not None:
+            state.parcel.put_away()
         by_input = dict(zip(map(id, wanted), found))
         return [by_input.get(id(t)) for t in inputs]
 

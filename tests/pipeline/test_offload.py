@@ -14,6 +14,7 @@ from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.memory import ActivationMeter
 from gpipe_cli.pipeline.offload import Offloader, Parcel
 from gpipe_cli.pipeline.partition import stage_layers
+from gpipe_cli.pipeline.stage import Stage
 from tests.multiproc import results, run_ranks
 from tests.pipeline import loopback, ranks, toy
 
@@ -114,6 +115,32 @@ def test_saved_tensors_go_out_layer_by_layer_and_come_back_three_at_most():
     assert all(torch.equal(a, b) for a, b in zip(found, expected))
     del loss, out
     assert meter.host_current == 0 and meter.current == 0
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_a_split_backward_leaves_only_its_boundary_and_a_kept_last_layer_on_the_device_until_its_w(remat):
+    """After B the saved tensors wait in host memory (a recompute's last layer never went out); W is unchanged."""
+    width, depth, batch = 32, 6, 16
+    # Each layer saves one new storage, its Tanh's output (which its Linear saves too).
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(width, width))
+                                  for _ in range(depth)))
+    x, grad = torch.randn(batch, width, requires_grad=True), torch.randn(batch, width)
+    model(x).backward(grad)
+    expected = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad()
+    meter = ActivationMeter(model.parameters())
+    stage = Stage(model, torch.device("cpu"), meter=meter, offloader=Offloader(torch.device("cpu"), meter))
+    inputs = [x.detach().clone().requires_grad_()]
+    stage.forward(0, inputs, bare=True, offset=0, remat=remat)
+    if remat:
+        stage.recompute(0)
+    layer_bytes = batch * width * 4
+    boundary = 2 * layer_bytes  # the input and the output the gradient arrives at
+    found = stage.backward_input(0, [grad])
+    assert meter.current == boundary + (layer_bytes if remat else 0)
+    assert meter.host_current == (depth - 1 if remat else depth) * layer_bytes
+    stage.backward_weight(0)
+    assert all(torch.equal(a, b) for a, b in zip([*[p.grad for p in model.parameters()], found[0]], expected))
 
 
 def _gloo(checkpoint: str) -> dict:
