@@ -159,18 +159,30 @@ def resume_table(runs: list[Run]) -> Table | None:
     # The run's label is its last pipeline's: beside an earlier start it would read as that start's, so one
     # resumed run has no run column, and several name theirs on their first row only.
     named = len(resumed) > 1
+    cut = {run.path: _forks(run.path) for run, _ in resumed}
     table = _table("per start of a resumed run (as its gpipe train summary gave it)",
                    ("run", "pipeline", "steps", "samples/s", "warm-up s")[0 if named else 1:], ("run", "pipeline"),
                    caption="samples/s: mean over the start's steps after its first, which warms up"
                    + (", and not its profiled steps" if any(r.get(PROFILED) is True for run, _ in resumed
-                                                            for r in run.train) else ""))
+                                                            for r in run.train) else "")
+                   + ("; a start whose later steps a resume set aside (+): over its steps kept, not as its summary "
+                      "gave it" if any(cut.values()) else ""))
     for run, parts in resumed:
         for i, (records, rate) in enumerate(zip(segments(run), parts)):
-            cells = [run.pipeline(records[0]), rate.steps, figure(rate.samples_per_s, ".1f"),
+            later = i < len(parts) - 1 and records[-1]["step"] in cut[run.path]
+            cells = [run.pipeline(records[0]), rate.steps + (" +" if later else ""), figure(rate.samples_per_s, ".1f"),
                      figure(rate.warmup_s, ".2f")]
             table.add_row(*([run.label if i == 0 else ""] if named else []), *cells,
                           end_section=named and i == len(parts) - 1)
     return table
+
+
+def _forks(run_dir: Path) -> set[int]:
+    """The steps its resumes from an earlier checkpoint went on from (setting aside the steps after)."""
+    from gpipe_cli.train.existing import CHECKPOINTS, PREFIX, SUPERSEDED, fork_of  # only here: it reads recipes
+
+    aside = (run_dir / CHECKPOINTS).glob(f"{SUPERSEDED}*/{PREFIX}*")
+    return {step for checkpoint in aside if (step := fork_of(checkpoint)) is not None}
 
 
 def _console(tables: list[Table]) -> Console:

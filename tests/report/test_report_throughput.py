@@ -92,6 +92,18 @@ def test_a_resumed_run_gives_each_start_as_its_summary_did_and_the_run_over_ever
         assert re.search(rf"{shown.steps} +│ +{summary_rate(records)} +│ +{shown.warmup_s:.2f}", out)
 
 
+def test_a_start_whose_later_steps_a_resume_set_aside_is_marked_as_not_its_summary(tmp_path, capsys):
+    # The second start ran on past step 8; a resume from step 8's checkpoint set its later steps aside.
+    run = make_run(tmp_path / "run", 2)
+    (run / "checkpoints" / "superseded-20261207-031500-at-step-8" / "step-00000010").mkdir(parents=True)
+    starts = [segment_records(first, seconds, resumed=first > 1) for first, seconds in RESUMED]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for records in starts for r in records))
+    assert cli(["report", str(run), "--output", str(tmp_path / "page.png")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"5-8 \+ +│", out) and not re.search(r"(1-4|9-10) \+", out)
+    assert "a start whose later steps a resume set aside (+): over its steps kept, not as its summary gave" in out
+
+
 def test_the_summary_after_a_resume_says_its_figures_are_since_the_resume():
     summary = RunSummary(total_steps=8, started=0.0)
     for record in segment_records(5, (1.5, 0.4, 0.2, 0.6), resumed=True):
