@@ -607,7 +607,9 @@ def _runs_named(name: str, root: str) -> list[Path]:
 
 
 def _no_run_of(name: str, root: str) -> UserError:
-    return UserError(f"--resume: no run of '{name}' with a complete checkpoint under {Path(root, name)}/")
+    # A bare --resume in another folder than the run's looks under that folder's outputs/: say which.
+    here = "" if Path(root).is_absolute() else f" in {os.getcwd()}"
+    return UserError(f"--resume: no run of '{name}' with a complete checkpoint under {Path(root, name)}/{here}")
 
 
 def _run_to_continue(resume: str, output_dir: str | None, overrides: Sequence[str], root: str) -> Path | None:

@@ -114,7 +114,8 @@ def test_a_bare_resume_with_no_run_of_its_name_is_refused_before_torch_loads(tmp
     monkeypatch.delitem(sys.modules, "gpipe_cli.train.checkpoint", raising=False)
     result = runner.invoke(app, ["train", "--resume", "latest", "--set", "name=nosuch", "--plain"])
     assert result.exit_code == 2, result.output
-    assert error_line(result) == "error: --resume: no run of 'nosuch' with a complete checkpoint under outputs/nosuch/"
+    assert error_line(result) == ("error: --resume: no run of 'nosuch' with a complete checkpoint under "
+                                  f"outputs/nosuch/ in {tmp_path}")
     assert "gpipe_cli.train.checkpoint" not in sys.modules and not no_ranks
     path, _ = make_run(tmp_path, steps=(2,))  # a recipe given: its name is looked for
     result = runner.invoke(app, ["train", str(path), "--resume", "latest", "--plain"])
