@@ -338,6 +338,13 @@ def check_checkpoint_keys(recipe: Recipe, changes: list[Change], location: str) 
     """Refuse changes to what the checkpoints hold: the model's parameters and the optimizer's state."""
     refused = [c for c in changes if _shapes_checkpoint(c)]
     refused += [c for c in changes if c.key == "optimizer.momentum" and _momentum_buffer_changes(recipe, c)]
+    ids = [c for c in changes if c.key in _TOKENIZER_KEYS]
+    if ids and not refused and recipe.model.kind == "transformer":
+        # Another tokenizer's ids would train, and be read, as the ones the embeddings learned.
+        listed, one = ", ".join(map(str, ids)), len(ids) == 1
+        raise UserError(f"--resume {cut(location, PATH_CHARS)}: {listed} {'changes' if one else 'change'} the "
+                        "tokenizer, whose ids its checkpoints' embeddings learned (the run keeps its own); resume "
+                        f"with the run's {'value' if one else 'values'}, or start a new run in another --output-dir")
     if not refused:
         return
     # Another model family differs in most model keys, whose list, cut to a line, hid the one that decides.
@@ -463,6 +470,9 @@ def _differences(old: Any, new: Any, prefix: str) -> Iterator[Change]:
             yield from _differences(old.get(key, _ABSENT), new.get(key, _ABSENT), f"{prefix}{key}.")
     elif old != new:
         yield Change(prefix[:-1], old, new)
+
+
+_TOKENIZER_KEYS = ("data.tokenizer", "data.vocab_size")
 
 
 def _shapes_checkpoint(change: Change) -> bool:

@@ -171,6 +171,25 @@ def test_every_refused_key_is_named_in_the_one_line(tmp_path):
     assert "train.steps" not in str(refused.value) and "\n" not in str(refused.value)
 
 
+@pytest.mark.parametrize("change", ["data.vocab_size=40", "data.tokenizer=other.model"])
+def test_a_resume_that_changes_the_tokenizer_is_refused(tmp_path, change):
+    # The run's tokenizer.model was reused without a word for data.vocab_size; data.tokenizer swapped it, and the
+    # checkpoint's embeddings trained on, and were read, with another tokenizer's ids.
+    from gpipe_cli.data.synthetic import translation_pairs
+    from gpipe_cli.data.tokenizer import train_tokenizer
+
+    path, run = make_run(tmp_path, steps=(2,))
+    train_tokenizer([s for p in translation_pairs(100, 0, "train") for s in p], 40).save(tmp_path / "other.model")
+    recipe = load_recipe(path, [change.replace("other.model", str(tmp_path / "other.model"))])
+    with pytest.raises(UserError) as refused:
+        existing.check_checkpoint_keys(recipe, existing.recipe_changes(recipe, run), str(run))
+    key = change.split("=")[0]
+    assert str(refused.value).startswith(f"--resume {run}: {key} ")
+    assert str(refused.value).endswith("changes the tokenizer, whose ids its checkpoints' embeddings learned (the "
+                                       "run keeps its own); resume with the run's value, or start a new run in "
+                                       "another --output-dir")
+
+
 @pytest.mark.parametrize("change", [
     "pipeline.partitions=1", "pipeline.balance=[1,5]", "pipeline.microbatches=2", "pipeline.schedule=1f1b",
     "pipeline.data_parallel=2", "model.dropout=0.2", "model.label_smoothing=0", "optimizer.lr=0.01",
