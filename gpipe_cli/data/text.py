@@ -156,7 +156,7 @@ def _record(obj: Mapping[str, Any], task: TextTask, data: Data, where: str) -> R
         text = obj[data.text_field]
         if not isinstance(text, str | None):
             raise DataError(f"{where}: field '{data.text_field}' is not a string")
-        return text or ""
+        return _unicode(text or "", where)
     s, t = data.source_field, data.target_field
     if s not in obj or t not in obj:
         nested = obj.get("translation")
@@ -171,7 +171,26 @@ def _record(obj: Mapping[str, Any], task: TextTask, data: Data, where: str) -> R
     src, tgt = obj[s], obj[t]
     if not isinstance(src, str | None) or not isinstance(tgt, str | None):
         raise DataError(f"{where}: fields '{s}' and '{t}' must be strings")
-    return (src or "", tgt or "")
+    return (_unicode(src or "", where), _unicode(tgt or "", where))
+
+
+def _unicode(text: str, where: str) -> str:
+    """`text`, refused where it is no Unicode text (a JSON escape of half a surrogate pair, which UTF-8 cannot hold)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where}: invalid Unicode (a lone surrogate \\u{ord(text[e.start]):04x}); data is UTF-8 "
+                        "text") from None
+    return text
+
+
+def _strings(values: Sequence[Any], column: str, where: str) -> list[str]:
+    """A dataset column's values as text ("" for none), refused in one line where one is not text."""
+    bad = next((i for i, v in enumerate(values) if not isinstance(v, str | None)), None)
+    if bad is not None:
+        raise DataError(f"{where}: row {bad + 1}: column '{column}' holds {type(values[bad]).__name__} values, not "
+                        "text")
+    return [v or "" for v in values]
 
 
 def _lines(f: Path) -> Iterator[tuple[int, str]]:
@@ -258,13 +277,12 @@ def from_dataset(ds: Any, task: TextTask, data: Data, where: str) -> list[Record
         if data.text_field not in cols:
             raise DataError(f"{where} has no column '{data.text_field}' (columns: {', '.join(cols)}); "
                             "set data.text_field")
-        return [t or "" for t in ds[data.text_field]]
+        return _strings(ds[data.text_field], data.text_field, where)
     if data.source_field in cols and data.target_field in cols:
-        return [(s or "", t or "") for s, t in zip(ds[data.source_field], ds[data.target_field], strict=True)]
+        return list(zip(_strings(ds[data.source_field], data.source_field, where),
+                        _strings(ds[data.target_field], data.target_field, where), strict=True))
     if "translation" in cols:
-        rows = list(ds["translation"])
-        _record(rows[0], task, data, where)  # one clear error if the languages are wrong
-        return [(r.get(data.source_field) or "", r.get(data.target_field) or "") for r in rows]
+        return [_record(r, task, data, f"{where}: row {i}") for i, r in enumerate(ds["translation"], 1)]
     raise DataError(f"{where} has no columns '{data.source_field}' and '{data.target_field}' (columns: "
                     f"{', '.join(cols)}); set data.source_field and data.target_field")
 

@@ -90,6 +90,28 @@ def test_a_parquet_file_without_rows_is_named(tmp_path: Path) -> None:
     _fails(data(source="parquet", path=str(folder)), "lm", r"^'.*train-1.parquet' holds no rows; remove it", tmp_path)
 
 
+@pytest.mark.parametrize("values,kind", [(list(range(1, 40)), "int"), ([[1, 2]] * 39, "list")])
+def test_a_parquet_column_of_other_values_than_text_is_one_line(tmp_path: Path, values: list, kind: str) -> None:
+    # It was a traceback from a rank ('int' object has no attribute 'strip'), exit code 1.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": values}), tmp_path / "ints.parquet")
+    _fails(data(source="parquet", path=str(tmp_path / "ints.parquet")), "lm",
+           rf"^.*: row 1: column 'text' holds {kind} values, not text$", tmp_path)
+    pq.write_table(pa.table({"source": ["un"] * 39, "target": [1.5] * 39}), tmp_path / "pairs.parquet")
+    _fails(data(source="parquet", path=str(tmp_path / "pairs.parquet")), "translation",
+           r"^.*: row 1: column 'target' holds float values, not text$", tmp_path)
+
+
+def test_a_json_escape_of_half_a_surrogate_pair_is_one_line_naming_its_line(tmp_path: Path) -> None:
+    # json.loads takes it; sentencepiece then failed with a traceback, or a C++ cast error naming no file.
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"source": "un", "target": "one"}\n' * 30 + '{"source": "bad \\ud83d here", "target": "x"}\n')
+    _fails(data(source="jsonl", path=str(path)), "translation",
+           r"pairs.jsonl:31: invalid Unicode \(a lone surrogate \\ud83d\); data is UTF-8 text$", tmp_path)
+
+
 def test_corrupt_image_is_reported_when_decoded(imagefolder: Callable[..., Path], tmp_path: Path) -> None:
     root = imagefolder(classes=2, test=False)
     (root / "train" / "class0" / "0.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
