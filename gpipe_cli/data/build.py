@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
-from gpipe_cli.data.loader import Examples, Loader
+from gpipe_cli.data.loader import Baseline, Examples, Loader
 from gpipe_cli.data.tokenizer import Tokenizer
 from gpipe_cli.errors import DataError
 from gpipe_cli.models import families
@@ -23,7 +24,7 @@ def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_
     train: Examples
     evl: Examples | None
     tok: Tokenizer | None = None
-    baselines: dict[str, float] = {}  # figures a trained model should beat on the held-out split
+    baselines: dict[str, Baseline] = {}  # figures a trained model should beat on the held-out split
     if task == "image":
         if data.tokens_per_batch is not None:
             raise DataError("data.tokens_per_batch applies to text tasks; images use data.batch_size")
@@ -37,7 +38,7 @@ def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_
         train, evl, tok = text_splits(data, task, seed=seed, vocab_size=vocab_size, max_len=max_len,
                                       run_dir=run_dir, cache_dir=cache_dir)
         if isinstance(train, LMExamples) and isinstance(evl, LMExamples) and len(evl):
-            baselines["unigram_perplexity"] = unigram_perplexity(train, evl, tok.vocab_size)
+            baselines["unigram_perplexity"] = functools.partial(unigram_perplexity, train, evl, tok.vocab_size)
     else:
         raise ValueError(f"unknown task {task!r}")
     loader = Loader(train=train, eval=evl, tokenizer=tok, batch_size=data.batch_size,

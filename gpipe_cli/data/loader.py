@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +12,8 @@ import torch
 
 from gpipe_cli.data.rng import rng
 from gpipe_cli.data.tokenizer import Tokenizer
+
+Baseline = Callable[[np.ndarray | None], float]  # a figure over the held-out examples of these ids (None: all)
 
 
 @dataclass
@@ -93,8 +95,8 @@ class Loader:
     seed: int
     min_batch: int = 1
     workers: int = 0
-    # Figures a trained model should beat on the held-out split, reported next to its own (text: unigram).
-    baselines: dict[str, float] = field(default_factory=dict)
+    # Figures a trained model should beat on the held-out examples it is scored on (text: unigram).
+    baselines: dict[str, Baseline] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.min_batch = max(1, self.min_batch)
@@ -160,9 +162,23 @@ class Loader:
             self._eval_plan = [order[lo:hi] for lo, hi in self._batch_bounds(self.eval, drop_last=False)]
         return self._eval_plan or []
 
+    def eval_subset(self, limit: int | None = None) -> list[np.ndarray]:
+        """The eval mini-batches scored under a limit of `limit`: spread evenly over the held-out split."""
+        plan = self.eval_plan()
+        if limit is None or limit >= len(plan):
+            return plan
+        # The first `limit` alone were the shortest examples under a token budget, which sorts them by length.
+        return [plan[i * len(plan) // limit] for i in range(limit)]
+
     def eval_steps(self, limit: int | None = None) -> int:
         """Number of eval mini-batches (at most `limit`)."""
-        return len(self.eval_plan()[:limit])
+        return len(self.eval_subset(limit))
+
+    def eval_baselines(self, limit: int | None = None) -> dict[str, float]:
+        """The baselines over the held-out examples scored under a limit of `limit`."""
+        subset = self.eval_subset(limit)
+        ids = None if len(subset) == len(self.eval_plan()) else np.concatenate(subset)
+        return {name: baseline(ids) for name, baseline in self.baselines.items()}
 
     @property
     def train_size(self) -> int:
@@ -198,7 +214,7 @@ class Loader:
     def eval_batches(self, shard: tuple[int, int] = (0, 1), limit: int | None = None, *,
                      need_inputs: bool = True, need_targets: bool = True) -> Iterator[Batch]:
         """This shard's part of each eval mini-batch (no augmentation, fixed order)."""
-        plan = self.eval_plan()[:limit]
+        plan = self.eval_subset(limit)
         shard_bounds(0, *shard)
         if self.eval is None or not plan:
             return iter(())

@@ -138,12 +138,16 @@ class LMExamples(Examples):
         return int(self.window[ids].sum())
 
 
-def unigram_perplexity(train: LMExamples, held_out: LMExamples, vocab_size: int) -> float:
-    """Perplexity of the held-out targets under the training stream's add-one smoothed unigram distribution."""
+def unigram_perplexity(train: LMExamples, held_out: LMExamples, vocab_size: int,
+                       ids: np.ndarray | None = None) -> float:
+    """Perplexity of the held-out targets (of windows `ids`, or all) under the training stream's add-one smoothed
+    unigram distribution."""
     counts = np.bincount(train.stream, minlength=vocab_size).astype(np.float64)
     log_p = np.log(counts + 1.0) - np.log(counts.sum() + len(counts))
     # Every token after the first, as the model is scored: a baseline that knows token frequencies, no context.
-    targets = held_out.stream[1:]
+    windows = [] if ids is None else zip(held_out.starts[ids], held_out.window[ids])
+    targets = held_out.stream[1:] if ids is None else np.concatenate(
+        [np.zeros(0, np.int64), *(held_out.stream[s + 1:s + n + 1] for s, n in windows)])
     return float(np.exp(-log_p[targets].mean())) if len(targets) else float("nan")
 
 

@@ -582,7 +582,7 @@ class Trainer:
             units += result.units
             for key in sums:
                 sums[key] += result.metrics[key]
-        baselines = self.data.baselines if self.data is not None else None
+        baselines = self.data.eval_baselines(self.recipe.eval.batches) if self.data is not None else None
         record: EvalRecord = {"kind": "eval", "step": step, "loss": loss / units if units else float("nan"),
                               **evaluation.summarise(sums, units, baselines)}
         if self.spec.task == "translation" and isinstance(self.recipe.model, TransformerModel):

@@ -173,6 +173,32 @@ def test_eval_batches_limit_and_shards(translation) -> None:  # type: ignore[no-
     assert len(refs) == translation.eval_size
 
 
+def test_a_limit_on_eval_batches_scores_batches_spread_over_the_held_out_lengths() -> None:
+    # Under a token budget the held-out examples are sorted by length: the first two batches held only the
+    # shortest (one-word sentences), so BLEU and perplexity spoke of them alone.
+    ds = build_data(data(synthetic_size=2000, tokens_per_batch=200), "translation", seed=0, vocab_size=400,
+                    max_len=64)
+    every = list(ds.eval_batches())
+    picked = list(ds.eval_batches(limit=2))
+    assert len(every) >= 4 and len(picked) == 2 == ds.eval_steps(limit=2)
+    assert picked[0].ids == every[0].ids and picked[-1].ids == every[len(every) // 2].ids
+    lengths = ds.eval.lengths
+    longest = [int(lengths[b.ids].max()) for b in picked]
+    assert longest == sorted(longest) and longest[-1] > longest[0]
+
+
+def test_the_unigram_baseline_is_over_the_held_out_batches_scored(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from gpipe_cli.data.text import unigram_perplexity
+
+    ds = build_data(data(source="pydoc", seq_len=32, vocab_size=300, eval_fraction=0.1, batch_size=8), "lm",
+                    seed=0, vocab_size=300, max_len=32, run_dir=tmp_path / "run")
+    subset = np.concatenate(ds.eval_subset(2))
+    assert ds.eval_baselines(2)["unigram_perplexity"] == unigram_perplexity(ds.train, ds.eval, 300, subset)
+    assert ds.eval_baselines(2) != ds.eval_baselines()
+    assert ds.eval_baselines(10**6) == ds.eval_baselines() == {
+        "unigram_perplexity": unigram_perplexity(ds.train, ds.eval, 300)}
+
+
 def test_worker_processes_give_the_same_batches() -> None:
     kw = dict(synthetic_size=24, batch_size=8)
     inline = build_data(data(**kw), "image", seed=0, image_size=32, num_classes=3)

@@ -26,7 +26,7 @@ def test_pydoc_builds_a_held_out_split_and_its_unigram_perplexity(tmp_path: Path
     train, held = loader.train, loader.eval
     assert isinstance(train, LMExamples) and isinstance(held, LMExamples)
     assert 0.05 < len(held.stream) / (len(train.stream) + len(held.stream)) < 0.2
-    unigram = loader.baselines["unigram_perplexity"]
+    unigram = loader.eval_baselines()["unigram_perplexity"]
     assert 1 < unigram < 300  # better than uniform over the vocabulary, worse than certainty
     again = build_data(d, "lm", seed=7, vocab_size=300, max_len=32, run_dir=tmp_path / "run")
     assert np.array_equal(again.eval.stream, held.stream)  # type: ignore[union-attr]  # fixed for any seed
@@ -41,5 +41,8 @@ def test_unigram_perplexity_matches_its_definition() -> None:
     p = (counts + 1) / (counts.sum() + vocab)
     expected = math.exp(-np.mean(np.log(p[[4, 6, 7]])))  # the targets: every token after the first
     assert math.isclose(unigram_perplexity(train, held, vocab), expected)
+    # Over some windows: theirs alone (window 2 of [5, 4 | 6, 7 | 4, 5] predicts the last token, 5).
+    windowed = LMExamples(np.array([5, 4, 6, 7, 4, 5]), seq_len=2)
+    assert math.isclose(unigram_perplexity(train, windowed, vocab, np.array([2])), 1 / p[5])
     uniform = LMExamples(np.arange(8), seq_len=4)
     assert math.isclose(unigram_perplexity(uniform, uniform, vocab), vocab, rel_tol=1e-9)
