@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpipe_cli.data import corpus_bleu
+from gpipe_cli.data.bleu import bleu_tokenizer
 
 
 def test_identical_corpora_score_100_and_unrelated_ones_near_0() -> None:
@@ -18,3 +19,14 @@ def test_identical_corpora_score_100_and_unrelated_ones_near_0() -> None:
     assert corpus_bleu([], []) == 0.0
     with pytest.raises(ValueError):
         corpus_bleu(["a"], [])
+
+
+def test_chinese_and_japanese_are_scored_by_their_words_not_as_one_word_a_sentence() -> None:
+    # 13a split them at spaces only: a perfect Chinese translation scored 0.
+    zh = ["六千八百九十，六百六十三", "我喜欢吃苹果和香蕉"]
+    assert bleu_tokenizer(zh) == "zh" and corpus_bleu(zh, zh) == pytest.approx(100.0)
+    assert 5.0 < corpus_bleu(["六千八百九十，六百", "我喜欢吃香蕉"], zh) < 100.0
+    ja = ["私はりんごが好きです。", "これはペンです"]
+    assert bleu_tokenizer(ja) in ("ja-mecab", "char") and corpus_bleu(ja, ja) == pytest.approx(100.0)
+    assert 5.0 < corpus_bleu(["私はりんごが好き。", "これはペン"], ja) < 100.0
+    assert bleu_tokenizer(["deux cent quarante-deux", "한국어 문장입니다", "hello 世界"]) == "13a"
