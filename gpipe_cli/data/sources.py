@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,9 @@ def split_files(path: Path, exts: Sequence[str], data: Data) -> tuple[list[Path]
         raise DataError(f"no {'/'.join(exts)} files under '{path}'")
 
     def named(split: str) -> list[Path]:
-        return [f for f in files if split.lower() in str(f.relative_to(path)).lower()]
+        # As words of the path: 'latest.txt' holds no test split, nor 'medieval.txt' an eval one.
+        want = _words(split)
+        return [f for f in files if _holds(_words(str(f.relative_to(path))), want)]
 
     if eval_split:
         eval_files = named(eval_split)
@@ -62,6 +65,27 @@ def split_files(path: Path, exts: Sequence[str], data: Data) -> tuple[list[Path]
     if not train_files:
         raise DataError(f"no training files under '{path}' (every file looks like an eval split)")
     return train_files, eval_files or None
+
+
+def _words(name: str) -> list[str]:
+    """The letter and digit runs of a name, in lower case: `newstest2014.de` is newstest, 2014, de."""
+    return re.findall(r"[a-z]+|[0-9]+", name.lower())
+
+
+def held_out_files(data: Data) -> str | None:
+    """Which files of a folder its split by name held out, in words for the run's data line (None: not a folder)."""
+    if data.source not in SOURCE_FILES or not data.path or not Path(data.path).is_dir():
+        return None
+    folder = Path(data.path)
+    _, held = split_files(folder, SOURCE_FILES[data.source], data)
+    names = [str(f.relative_to(folder)) for f in held or ()]
+    if not names:
+        return None
+    return "from " + (", ".join(names) if len(names) <= 3 else f"{', '.join(names[:2])} and {len(names) - 2} more")
+
+
+def _holds(words: list[str], want: list[str]) -> bool:
+    return any(words[i:i + len(want)] == want for i in range(len(words) - len(want) + 1))
 
 
 def hold_out(n: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:

@@ -16,6 +16,7 @@ import torch
 from gpipe_cli import memory_model as mm
 from gpipe_cli import sizing
 from gpipe_cli.data import Batch, Loader, build_data_for
+from gpipe_cli.data.sources import held_out_files
 from gpipe_cli.errors import NONFINITE_EXIT_CODE, DataError, UserError
 from gpipe_cli.estimate import cost_cache
 from gpipe_cli.models.base import ModelSpec
@@ -271,10 +272,11 @@ class Trainer:
     def _data_summary(self, data: Loader) -> str:
         """How much data there is and what `drop_last` leaves out of every epoch."""
         used = sum(len(batch) for batch in data.plan(0))
-        text = (f"data: {counted(data.train_size, 'training example')}, {counted(self.steps_per_epoch, 'step')} per "
-                f"epoch, {data.eval_size:,} held out")
-        dropped = data.train_size - used
         model, given = self.recipe.model, self.recipe.data
+        held = held_out_files(given)  # a folder's files named as a split: which, as the name may mislead
+        text = (f"data: {counted(data.train_size, 'training example')}, {counted(self.steps_per_epoch, 'step')} per "
+                f"epoch, {data.eval_size:,} held out" + (f" ({held})" if held else ""))
+        dropped = data.train_size - used
         wanted = given.vocab_size or (model.vocab_size if isinstance(model, TransformerModel) else None)
         pieces = data.tokenizer.vocab_size if data.tokenizer is not None and not given.tokenizer else None
         if pieces is not None and wanted and pieces < wanted:  # sentencepiece's soft limit on a small corpus

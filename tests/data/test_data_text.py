@@ -61,6 +61,24 @@ def test_an_eval_split_named_in_the_recipe_picks_the_files_with_that_name(tmp_pa
         _translation(d.model_copy(update={"eval_split": "test"}), tmp_path)
 
 
+def test_split_names_are_words_of_the_file_name_and_the_held_out_files_are_named(tmp_path: Path) -> None:
+    # 'latest.txt' holds "test": half the data was held out without a word.
+    from gpipe_cli.data.sources import held_out_files
+
+    p = pairs(60)
+    corpus = tmp_path / "news"
+    write_jsonl(corpus / "archive.jsonl", [{"en": s, "de": t} for s, t in p[:30]])
+    write_jsonl(corpus / "latest.jsonl", [{"en": s, "de": t} for s, t in p[30:50]])
+    d = data(source="jsonl", path=str(corpus), source_field="en", target_field="de")
+    assert _translation(d, tmp_path).train_size + _translation(d, tmp_path).eval_size == 50
+    assert held_out_files(d) is None  # data.eval_fraction holds out rows of both files
+    write_jsonl(corpus / "news.test.jsonl", [{"en": s, "de": t} for s, t in p[50:]])
+    ds = _translation(d, tmp_path)
+    assert ds.train_size == 50 and ds.eval_size == 10
+    assert held_out_files(d) == "from news.test.jsonl"
+    assert held_out_files(d.model_copy(update={"path": str(corpus / "latest.jsonl")})) is None
+
+
 def test_a_split_that_picks_nothing_is_refused_not_ignored(tmp_path: Path) -> None:
     p = pairs(20)
     corpus = tmp_path / "corpus"
