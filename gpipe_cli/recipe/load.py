@@ -267,9 +267,13 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: P
         from gpipe_cli.errors import DataError
 
         try:
-            Tokenizer.load(data.tokenizer)
+            pieces = Tokenizer.load(data.tokenizer).vocab_size
         except DataError as exc:
             raise RecipeError(f"{label}: {given('data.tokenizer')}: {exc}") from None
+        if isinstance(model, TransformerModel) and pieces > model.vocab_size:  # train said so once its ranks ran
+            raise RecipeError(f"{label}: {given('data.tokenizer')}: the tokenizer has {pieces} pieces but "
+                              f"{given('model.vocab_size')} is {model.vocab_size}; raise model.vocab_size or use a "
+                              "smaller tokenizer")
     return recipe
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import (
@@ -262,6 +263,12 @@ class Data(Section):
     synthetic_size: PositiveInt = 2048
     drop_last: StrictBool = True
     shuffle: StrictBool = True
+
+    @field_validator("path", "tokenizer")
+    @classmethod
+    def _home(cls, value: str | None) -> str | None:
+        # As a shell would: `~/data` was refused as no such file by the checks before launch.
+        return os.path.expanduser(value) if value and value.startswith("~") else value
 
     @model_validator(mode="after")
     def _path_for_local_sources(self) -> Data:

@@ -144,7 +144,7 @@ def test_errors_name_the_key_the_value_and_what_is_allowed(tmp_path, overrides, 
     assert message in text and "\n" not in text
 
 
-def test_what_train_refused_only_once_its_ranks_had_started_is_refused_by_the_recipe(tmp_path):
+def test_what_train_refused_only_once_its_ranks_had_started_is_refused_by_the_recipe(tmp_path, monkeypatch):
     # validate passed each of these; train said them after starting its ranks, the tokenizer's without its key.
     import yaml
 
@@ -153,6 +153,17 @@ def test_what_train_refused_only_once_its_ranks_had_started_is_refused_by_the_re
     junk.write_text("not a model\n")
     with pytest.raises(RecipeError, match=f"recipe.yaml: --set data.tokenizer: '{junk}' is not a sentencepiece model"):
         load_recipe(path, [f"data.tokenizer={junk}"])
+    from gpipe_cli.data.synthetic import translation_pairs
+    from gpipe_cli.data.tokenizer import train_tokenizer
+
+    big = train_tokenizer([s for p in translation_pairs(300, 0, "train") for s in p], 300).save(tmp_path / "big.model")
+    pieces = load_recipe(path, [f"data.tokenizer={big}", "model.vocab_size=300"]).model.vocab_size
+    with pytest.raises(RecipeError, match=re.escape(f"--set data.tokenizer: the tokenizer has {pieces} pieces but "
+                                                    "--set model.vocab_size is 200; raise model.vocab_size")):
+        load_recipe(path, [f"data.tokenizer={big}", "model.vocab_size=200"])
+    monkeypatch.setenv("HOME", str(tmp_path))  # `~` was not expanded: no such file
+    (tmp_path / "pairs.tsv").write_text("a\tb\n")
+    assert load_recipe(path, ["data.source=tsv", "data.path=~/pairs.tsv"]).data.path == str(tmp_path / "pairs.tsv")
     image = ["model={kind: amoebanet, layers: 3, filters: 8, image_size: 32, num_classes: 4}"]
     with pytest.raises(RecipeError, match="--set data.tokenizer: an image model reads no tokenizer; leave it out"):
         load_recipe(path, [*image, f"data.tokenizer={junk}"])
