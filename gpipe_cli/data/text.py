@@ -242,9 +242,9 @@ def read_tsv(files: Sequence[Path], task: TextTask, data: Data) -> list[Record]:
     for f in files:
         cols: tuple[int, int] = (0, 1)
         named = False  # a header picked the columns: other columns are allowed, and ignored
-        for n, line in _lines(f):
+        for k, (n, line) in enumerate(_lines(f)):
             cells = line.split("\t")
-            if n == 1:  # a header naming the configured fields picks the columns
+            if k == 0:  # a first line (blank ones left out) naming the configured fields picks the columns
                 names = [c.strip() for c in cells]
                 if task == "lm" and data.text_field in names:
                     cols, named = (names.index(data.text_field), 0), True

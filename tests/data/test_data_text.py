@@ -111,11 +111,14 @@ def test_jsonl_wrong_language_names_the_choice(tmp_path: Path) -> None:
         _translation(data(source="jsonl", path=str(f), source_field="en", target_field="de"), tmp_path)
 
 
-# utf-8-sig: a file saved with a byte order mark, as Windows editors do; its header became a training pair.
-@pytest.mark.parametrize("header,encoding", [(False, "utf-8"), (True, "utf-8"), (True, "utf-8-sig")])
-def test_tsv(tmp_path: Path, header: bool, encoding: str) -> None:
+# utf-8-sig: a file saved with a byte order mark, as Windows editors do; its header became a training pair, and
+# so did a header after a blank first line.
+@pytest.mark.parametrize("header,encoding,blank", [(False, "utf-8", False), (True, "utf-8", False),
+                                                   (True, "utf-8-sig", False), (True, "utf-8", True)])
+def test_tsv(tmp_path: Path, header: bool, encoding: str, blank: bool) -> None:
     p = pairs(40)
-    lines = (["target\tsource"] if header else []) + [(f"{t}\t{s}" if header else f"{s}\t{t}") for s, t in p]
+    lines = ([""] if blank else []) + (["target\tsource"] if header else []) + [
+        (f"{t}\t{s}" if header else f"{s}\t{t}") for s, t in p]
     f = tmp_path / "train.tsv"
     f.write_text("\n".join(lines) + "\n", encoding=encoding)
     ds = _translation(data(source="tsv", path=str(f), eval_fraction=0.0, drop_last=False), tmp_path)
