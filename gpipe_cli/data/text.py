@@ -212,6 +212,9 @@ def _lines(f: Path) -> Iterator[tuple[int, str]]:
 def _not_utf8(f: Path) -> str:
     """Where file `f` stops being UTF-8 text, in one line (a reading error places the byte in a chunk only)."""
     raw = f.read_bytes()
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):  # a UTF-16 byte order mark: Windows editors save "Unicode" so
+        return (f"'{f}' is not UTF-8 text (it starts with a UTF-16 byte order mark: save it as UTF-8); data files "
+                "are UTF-8")
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as exc:

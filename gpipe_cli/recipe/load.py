@@ -241,8 +241,14 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: P
                           f"({model.max_len}): a language model reads at most model.max_len tokens at once")
     # os.path.exists: False (not an exception) for names too long for the file system
     if data.source in LOCAL_SOURCES and data.path and not os.path.exists(data.path):
+        wild = any(c in Path(data.path).name for c in "*?[")  # a glob reaches us unexpanded from a recipe
         raise RecipeError(f"{label}: {given('data.path')}: no such file or directory: {shown(data.path)}"
-                          f"{_beside(data.path, folder)}")
+                          + ("; patterns are not expanded: give the folder that holds the files" if wild
+                             else _beside(data.path, folder)))
+    if data.source in SOURCE_FILES and data.path and data.path.lower().endswith(".csv") and os.path.isfile(data.path):
+        raise RecipeError(f"{label}: {given('data.path')}: {shown(data.path)} is a .csv file, which no source reads "
+                          "(a comma inside a sentence would split it); save it tab-separated (.tsv, data.source "
+                          "tsv), as JSON lines (jsonl) or as parquet")
     if data.source in SOURCE_FILES and data.path and (wrong := _other_sources_file(data.source, data.path)):
         typed_source = "data.source" in (typed or {})
         fix = " or ".join(f"--set data.source={other}" if typed_source else f"data.source: {other}" for other in wrong)

@@ -65,6 +65,10 @@ def test_malformed_files(tmp_path: Path) -> None:
     latin = tmp_path / "latin.txt"
     latin.write_bytes("one line\ntwo lines\ncaf\u00e9\n".encode("latin-1"))
     _fails(data(source="text", path=str(latin)), "lm", r"latin.txt':3: not UTF-8 text \(byte 0xe9\)", tmp_path)
+    wide = tmp_path / "wide.txt"  # as Windows editors save "Unicode"
+    wide.write_text("one two three\n" * 30, encoding="utf-16")
+    _fails(data(source="text", path=str(wide)), "lm", r"wide.txt' is not UTF-8 text \(it starts with a UTF-16 byte "
+           r"order mark: save it as UTF-8\); data files are UTF-8$", tmp_path)
     # A field present is not said missing: "no fields 'source' and 'target' (fields: source)".
     half = write_jsonl(tmp_path / "half.jsonl", [{"source": "a"}])
     _fails(data(source="jsonl", path=str(half)), "translation", r"no field 'target' \(fields: source\)", tmp_path)

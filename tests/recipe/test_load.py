@@ -220,6 +220,20 @@ def test_a_relative_data_path_beside_the_recipe_but_not_here_says_where_paths_ar
     assert load_recipe(path.name).data.path == "pairs.jsonl"
 
 
+def test_a_csv_file_and_a_pattern_are_refused_saying_what_is_read(tmp_path):
+    # A .csv file given to tsv failed on its first line with a hint to name its columns, which it did (with
+    # commas); a pattern was said to be no such file.
+    import yaml
+
+    (tmp_path / "pairs.csv").write_text("source,target\none,un\n")
+    with pytest.raises(RecipeError, match=re.escape("pairs.csv' is a .csv file, which no source reads (a comma "
+                                                    "inside a sentence would split it); save it tab-separated")):
+        load_recipe(write(tmp_path, yaml.safe_dump(BASE)), ["data.source=tsv", f"data.path={tmp_path / 'pairs.csv'}"])
+    with pytest.raises(RecipeError, match=r"no such file or directory: '.*/\*\.tsv'; patterns are not expanded: "
+                                          r"give the folder that holds the files$"):
+        load_recipe(write(tmp_path, yaml.safe_dump(BASE)), ["data.source=tsv", f"data.path={tmp_path / '*.tsv'}"])
+
+
 def test_a_single_file_of_another_sources_kind_is_refused_naming_that_source(tmp_path):
     # data.source text trained on a .jsonl file's raw JSON lines without a word.
     import yaml
