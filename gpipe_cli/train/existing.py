@@ -334,6 +334,13 @@ def recipe_changes(recipe: Recipe, where: Path) -> list[Change] | None:
     return sorted(_differences(saved, anchored(recipe).model_dump(mode="json"), ""), key=lambda c: c.key)
 
 
+def held_changes(recipe: Recipe, location: str) -> list[Change] | None:
+    """Every key differing from the recipe.yaml of the checkpoint a resume from `location` loads (None: it has none)."""
+    # What the checkpoint holds is its own recipe's: the run's may have been edited, or lost, since.
+    found = candidates(Path(location))
+    return recipe_changes(recipe, found[0]) if found and (found[0] / RECIPE).is_file() else None
+
+
 def check_checkpoint_keys(recipe: Recipe, changes: list[Change], location: str) -> None:
     """Refuse changes to what the checkpoints hold: the model's parameters and the optimizer's state."""
     refused = [c for c in changes if _shapes_checkpoint(c)]

@@ -53,6 +53,7 @@ from gpipe_cli.train.existing import (
     complete_line,
     continue_command,
     earlier_checkpoint,
+    held_changes,
     holds_run,
     recipe_changes,
     remove_set_up,
@@ -322,7 +323,7 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
             step = check_resumable(resume)
             base = settings_of(resume)
             changes = recipe_changes(recipe, base)
-            check_checkpoint_keys(recipe, changes or [], resume)
+            check_checkpoint_keys(recipe, held_changes(recipe, resume) or changes or [], resume)
             complete = resume_end(recipe, resume)
         elif fresh and options.output_dir:
             check_writable(Path(options.output_dir), "--output-dir")

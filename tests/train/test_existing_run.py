@@ -161,6 +161,21 @@ def test_a_recipe_of_another_model_family_is_refused_by_its_family_alone(tmp_pat
                                   "value, or start a new run in another --output-dir")
 
 
+def test_a_model_change_in_an_edited_run_recipe_is_refused_by_the_checkpoints_own_recipe(tmp_path):
+    # The run's recipe.yaml, edited since, was compared alone: the ranks then failed to load the checkpoint and
+    # advised training again from step 0.
+    path, run = make_run(tmp_path, steps=(2,))
+    shutil.copy(run / "recipe.yaml", existing.candidates(run)[0] / "recipe.yaml")  # as the loop saves it
+    edited = load_recipe(path, ["model.d_model=64"])
+    (run / "recipe.yaml").write_text(recipe_yaml(edited))
+    assert existing.recipe_changes(edited, run) == []
+    with pytest.raises(UserError, match=r"model.d_model 32 -> 64 changes what its checkpoints hold"):
+        existing.check_checkpoint_keys(edited, existing.held_changes(edited, str(run)) or [], str(run))
+    (run / "recipe.yaml").unlink()  # and with the run's lost
+    with pytest.raises(UserError, match=r"model.d_model 32 -> 64 changes what its checkpoints hold"):
+        existing.check_checkpoint_keys(edited, existing.held_changes(edited, str(run)) or [], str(run))
+
+
 def test_every_refused_key_is_named_in_the_one_line(tmp_path):
     path, run = make_run(tmp_path, steps=(2,))
     recipe = load_recipe(path, ["model.d_model=64", "model.ff=128", "train.steps=9"])
