@@ -176,6 +176,32 @@ def test_a_model_change_in_an_edited_run_recipe_is_refused_by_the_checkpoints_ow
         existing.check_checkpoint_keys(edited, existing.held_changes(edited, str(run)) or [], str(run))
 
 
+def test_a_checkpoint_copied_out_of_its_run_is_refused_by_resume_and_exported_only_to_a_named_file(tmp_path):
+    # Its run was taken to be the folder two levels up: the user's recipe.yaml and metrics.jsonl there were
+    # replaced by the run's, and an export wrote model.safetensors there.
+    _, run = make_run(tmp_path, steps=(2,))
+    project = tmp_path / "project"
+    (project / "stash").mkdir(parents=True)
+    shutil.copytree(existing.candidates(run)[0], project / "stash" / "step-00000002")
+    (project / "recipe.yaml").write_text("my notes\n")
+    before = hashes(project)
+    loose = project / "stash" / "step-00000002"
+    result = runner.invoke(app, ["train", "--resume", str(loose), "--plain"])
+    assert result.exit_code == 2
+    line = error_line(result)
+    assert line.startswith("error: --resume: '") and line.endswith(
+        " is a checkpoint outside a run's checkpoints/ (it lies in 'stash'), and a resume writes its "
+        "run in the folder above that; put it in a run folder's checkpoints/ with its recipe.yaml beside them, and "
+        "resume that folder")
+    with pytest.raises(UserError, match=r"is a checkpoint outside a run's checkpoints/ \(it lies in 'stash'\); name "
+                                        r"the file to write with --output FILE.safetensors$"):
+        existing.check_export_arguments(str(loose), None)
+    existing.check_export_arguments(str(loose), str(tmp_path / "weights.safetensors"))
+    for kept in (existing.candidates(run)[0], run / "checkpoints" / "superseded-1-at-step-1" / "step-00000001"):
+        assert existing.loose(str(kept)) is None
+    assert hashes(project) == before
+
+
 def test_every_refused_key_is_named_in_the_one_line(tmp_path):
     path, run = make_run(tmp_path, steps=(2,))
     recipe = load_recipe(path, ["model.d_model=64", "model.ff=128", "train.steps=9"])
