@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -92,6 +93,39 @@ def atomic_path(path: Path, suffix: str = "") -> Iterator[Path]:
     except BaseException:  # a failed write leaves no folder it made (a full disk left a/b/ behind)
         remove_folders(made)
         raise
+
+
+@contextlib.contextmanager
+def atomic_path_of_a_writer(path: Path) -> Iterator[Path]:
+    """As `atomic_path`, for a writer that makes temporary files of its own beside what it writes (safetensors):
+    all go in a hidden folder named by this process, which the next such write removes once its process is gone."""
+    prefix = hidden_prefix(path, ".d")[:-1]
+    for stale in path.parent.glob(f"{glob.escape(prefix)}.*.d"):  # a write killed with -9 left one (the model's size)
+        with contextlib.suppress(ValueError, OSError):
+            if not _alive(int(stale.suffixes[-2][1:])):
+                shutil.rmtree(stale)
+    made = make_folders(path.parent)
+    folder = path.parent / f"{prefix}.{os.getpid()}.d"
+    try:
+        folder.mkdir()
+        try:
+            yield folder / path.name
+            os.replace(folder / path.name, path)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    except BaseException:  # as atomic_path: a failed write leaves no folder it made
+        remove_folders(made)
+        raise
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:

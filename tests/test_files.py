@@ -399,3 +399,30 @@ def test_an_output_folder_named_dash_is_refused_before_any_work(tmp_path, capsys
     assert err.startswith(f"error: {args[args.index('-') - 1]}: cannot write '-': outputs are "
                           f"written to files, never to stdout; name a {instead}"), err
     assert os.listdir(tmp_path) == ["recipe.yaml"]
+
+
+def test_a_writer_s_own_temporary_files_go_in_a_folder_that_the_next_write_removes_once_its_process_is_gone(tmp_path):
+    # kill -9 during gpipe export left .tmpXXXXXX (the model's size) beside the run's files, for good.
+    import subprocess
+
+    from gpipe_cli.files import atomic_path_of_a_writer
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = tmp_path / f".model.safetensors.{gone.pid}.d"
+    stale.mkdir()
+    (stale / ".tmpABCDEF").write_bytes(b"x" * 1000)
+    alive = tmp_path / f".model.safetensors.{os.getppid()}.d"  # another process's, writing now
+    alive.mkdir()
+    target = tmp_path / "model.safetensors"
+    with atomic_path_of_a_writer(target) as tmp:
+        assert tmp.parent.name == f".model.safetensors.{os.getpid()}.d" and not stale.exists()
+        (tmp.parent / ".tmpXYZ").write_bytes(b"y")  # as safetensors writes, then renames
+        tmp.write_bytes(b"weights")
+    assert target.read_bytes() == b"weights" and sorted(p.name for p in tmp_path.iterdir()) == [
+        alive.name, "model.safetensors"]
+    with pytest.raises(RuntimeError), atomic_path_of_a_writer(target) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError
+    assert target.read_bytes() == b"weights" and sorted(p.name for p in tmp_path.iterdir()) == [
+        alive.name, "model.safetensors"]

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from gpipe_cli.errors import DataError, UserError
-from gpipe_cli.files import atomic_path, check_not_input, shown_path, writing
+from gpipe_cli.files import atomic_path_of_a_writer, check_not_input, shown_path, writing
 from gpipe_cli.models import weights
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.recipe.load import load_recipe
@@ -74,7 +74,7 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     target = Path(output) if output is not None else _default_place(found.path, run_dir)
     # A full disk, a read-only file system: one line, and nothing left behind.
     elsewhere = "" if output is not None else "; write it elsewhere with --output FILE"
-    with writing(target, "--output" if output is not None else "", elsewhere), atomic_path(target) as tmp:
+    with writing(target, "--output" if output is not None else "", elsewhere), atomic_path_of_a_writer(target) as tmp:
         try:
             save_file(tensors, str(tmp), metadata=metadata)
         except SafetensorError as exc:
