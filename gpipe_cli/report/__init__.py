@@ -132,7 +132,7 @@ def summary_table(runs: list[Run]) -> Table:
         table.add_row(run.label, steps, "nan" if last is None else figure(last, ".4f"), best,
                       figure(rate.samples_per_s, ".1f"), figure(timed_mean(run, "bubble"), ".3f"),
                       figure(timed_mean(run, "bubble_theory"), ".3f"), figure(wait_share(run), ".0%"),
-                      human_bytes(int(memory_peak(run))))
+                      "-" if (peak := memory_peak(run)) is None else human_bytes(int(peak)))
     return table
 
 
@@ -145,9 +145,9 @@ def stage_table(runs: list[Run]) -> Table:
     for run in runs:
         parts, data = time_breakdown(run), series(run)
         for s in range(run.stages):
-            peak = max(data[f"mem_peak_bytes/stage{s}"][1], default=0.0)
+            peak = max(data[f"mem_peak_bytes/stage{s}"][1], default=None)  # "-": no record holds one
             table.add_row(run.label, str(s), *(f"{parts[part][s] * 1e3:.1f}" for part in PARTS),
-                          human_bytes(int(peak)))
+                          "-" if peak is None else human_bytes(int(peak)))
     return table
 
 

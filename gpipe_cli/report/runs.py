@@ -255,9 +255,9 @@ def wait_share(run: Run) -> float | None:
     return seconds["wait"] / total if total else None
 
 
-def memory_peak(run: Run) -> float:
-    """The largest memory peak of any stage at any step, whatever pipeline ran it."""
-    return max((float(v) for r in run.train for v in r.get("mem_peak_bytes") or [] if v is not None), default=0.0)
+def memory_peak(run: Run) -> float | None:
+    """The largest memory peak of any stage at any step, whatever pipeline ran it (None: no record holds one)."""
+    return max((float(v) for r in run.train for v in r.get("mem_peak_bytes") or [] if v is not None), default=None)
 
 
 def on_gpu(run: Run) -> bool:

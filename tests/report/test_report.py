@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from PIL import Image
 
 from gpipe_cli.cli import run as cli
 from gpipe_cli.report import page
-from gpipe_cli.report.runs import read_runs, series, time_breakdown
+from gpipe_cli.report.runs import memory_peak, read_runs, series, time_breakdown
 from tests.train.test_view import train_record
 
 
@@ -347,3 +348,17 @@ def test_a_course_a_resume_set_aside_says_which_steps_it_holds_and_whose_they_fo
     assert f"(a course a resume set aside: steps 7-8, after the steps of {run_dir})" in out
     assert cli(["report", str(run_dir), "--output", str(tmp_path / "run.png")]) == 0
     assert "set aside" not in capsys.readouterr().out
+
+
+def test_a_run_whose_records_hold_no_memory_peak_shows_none_not_zero_bytes(tmp_path, capsys):
+    # A course of steps whose stages read no peak was reported as holding 0 B.
+    folder = make_run(tmp_path / "a", partitions=2)
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        record.pop("mem_peak_bytes", None)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run,) = read_runs([folder])
+    assert memory_peak(run) is None
+    assert cli(["report", str(folder), "--output", str(tmp_path / "page.png")]) == 0
+    out = capsys.readouterr().out
+    assert " 0 B " not in out and re.search(r"│ +- +│?\s*$", out, re.MULTILINE)
