@@ -551,3 +551,14 @@ def test_a_checkpoint_folder_is_answered_with_the_export_to_write_and_the_file_t
     from gpipe_cli.predict import export_file
 
     assert export_file(str(course)) == Path(written)
+
+
+def test_greedy_decoding_never_answers_padding_unknown_or_bos():
+    # Greedy picked unk ("⁇" in the answer), and pad or bos, which print nothing yet use up --max-tokens.
+    from gpipe_cli.models.transformer.decode import continue_text, greedy_step
+
+    logits = torch.tensor([[[9.0, 8.0, 7.0, 1.0, 2.0, 0.5]]])  # pad > unk > bos > word 4 > eos
+    prefix, finished = greedy_step(logits, torch.zeros((1, 1), dtype=torch.long), torch.zeros(1, dtype=torch.bool))
+    assert prefix.tolist() == [[0, 4]] and not finished.any()
+    ranked = torch.tensor([[[9.0, 8.0, 7.0, 3.0, 2.0]]])  # eos next: the answer ends
+    assert list(continue_text(lambda tokens: ranked.expand(1, tokens.shape[1], 5), [4], 5, 8)) == []
