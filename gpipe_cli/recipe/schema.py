@@ -543,6 +543,11 @@ def unread_settings(recipe: Recipe) -> list[str]:
             paper = " (the paper's RMSProp: decay and momentum 0.9)" if section.name == "amoebanet-rmsprop" else ""
             lines.append(f"{where}.{key} ({shown_value}) is read only by {where}.name {readers}: {section.name}"
                          f"{paper} trains without it")
+    model, seq_len = recipe.model, recipe.data.seq_len
+    language = isinstance(model, TransformerModel) and model.arch == "decoder-only"
+    if seq_len != Data.model_fields["seq_len"].default and not language:  # a pair is as long as it is
+        reader = "a translation model reads whole pairs" if isinstance(model, TransformerModel) else "images have none"
+        lines.append(f"data.seq_len ({seq_len}) is read only by a language model (model.arch decoder-only): {reader}")
     steps, warmup = recipe.train.steps, recipe.schedule.warmup_steps
     if steps is not None and recipe.train.epochs is None and warmup > steps:  # epochs: the data sets the steps
         lines.append(f"schedule.warmup_steps ({warmup}) is longer than the run (train.steps {steps}): the learning "

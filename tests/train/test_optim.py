@@ -104,3 +104,15 @@ def test_a_warm_up_longer_than_the_run_is_said():
         "schedule.warmup_steps (400) is longer than the run (train.steps 100): the learning rate never reaches its "
         "peak, 0.25 of it at the last step"]
     assert unread_settings(recipe(schedule={"warmup_steps": 100})) == []
+
+
+def test_a_sequence_length_set_for_a_translation_or_image_model_is_said_unread():
+    # data.seq_len trained a translation model without a word, which reads whole pairs.
+    from gpipe_cli.recipe.load import load_recipe
+    from gpipe_cli.recipe.schema import unread_settings
+
+    quickstart = "gpipe_cli/recipe/quickstart.yaml"
+    assert unread_settings(load_recipe(quickstart, ["data.seq_len=40"])) == [
+        "data.seq_len (40) is read only by a language model (model.arch decoder-only): a translation model reads "
+        "whole pairs"]
+    assert unread_settings(load_recipe(quickstart, ["data.seq_len=40", "model.arch=decoder-only"])) == []
