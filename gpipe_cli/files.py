@@ -110,6 +110,7 @@ def atomic_path_of_a_writer(path: Path) -> Iterator[Path]:
         folder.mkdir()
         try:
             yield folder / path.name
+            os.chmod(folder / path.name, 0o666 & ~umask())  # as `open()` makes a file; a writer's temporary is 0o600
             os.replace(folder / path.name, path)
         finally:
             shutil.rmtree(folder, ignore_errors=True)

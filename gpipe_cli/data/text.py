@@ -289,7 +289,9 @@ def from_dataset(ds: Any, task: TextTask, data: Data, where: str) -> list[Record
         return list(zip(_strings(ds[data.source_field], data.source_field, where),
                         _strings(ds[data.target_field], data.target_field, where), strict=True))
     if "translation" in cols:
-        return [_record(r, task, data, f"{where}: row {i}") for i, r in enumerate(ds["translation"], 1)]
+        rows = list(ds["translation"])
+        _record(rows[0], task, data, where)  # one clear error if the languages are wrong
+        return [_record(r, task, data, f"{where}: row {i}") for i, r in enumerate(rows, 1)]
     raise DataError(f"{where} has no columns '{data.source_field}' and '{data.target_field}' (columns: "
                     f"{', '.join(cols)}); set data.source_field and data.target_field")
 

@@ -27,8 +27,10 @@ def make_pipeline(model: str, topo: topology.Topology, balance: list[int], **opt
     return Pipeline(layers, topo, config, spec["loss"], tied=spec["tied"])
 
 
-def train(pipe: Pipeline, model: str, microbatches: int, steps: int = 3) -> list[float | None]:
-    """Run the toy steps on this rank's shard; return the losses (on the last stages and rank 0)."""
+def train(pipe: Pipeline, model: str, microbatches: int, steps: int = 3, norms: list[float] | None = None,
+          max_grad_norm: float | None = None) -> list[float | None]:
+    """Run the toy steps on this rank's shard; return the losses (on the last stages and rank 0), and append each
+    step's global gradient norm to `norms`."""
     layout = pipe.layout
     opt = toy.optimizer(pipe.parameters())
     losses = []
@@ -36,11 +38,25 @@ def train(pipe: Pipeline, model: str, microbatches: int, steps: int = 3) -> list
         x, y = toy.batch(model, step, toy.SIZES[step])
         sx, sy, offset = toy.shards(x, y, layout.replicas)[layout.replica]
         result = pipe.train_step(sx if layout.is_first else None, sy if layout.is_last else None,
-                                 microbatches=microbatches, step=step, example_offset=offset)
+                                 microbatches=microbatches, step=step, example_offset=offset,
+                                 max_grad_norm=max_grad_norm)
         opt.step()
         pipe.zero_grad()
         losses.append(result.loss)
+        if norms is not None:
+            norms.append(result.grad_norm)
     return losses
+
+
+def clipped(model: str, stages: int, balance: list[int], microbatches: int, max_grad_norm: float) -> dict:
+    """Train clipping at `max_grad_norm`; return this rank's state and the norms it read."""
+    topo = topology.init(stages)
+    pipe = make_pipeline(model, topo, balance, schedule="1f1b", microbatches=microbatches)
+    norms: list[float] = []
+    train(pipe, model, microbatches, norms=norms, max_grad_norm=max_grad_norm)
+    state = {k: v.clone() for k, v in pipe.state_dict().items()}
+    pipe.close()
+    return {"state": state, "norms": norms}
 
 
 def grid(model: str, stages: int, balance: list[int], configs: list[tuple]) -> dict:

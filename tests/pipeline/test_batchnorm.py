@@ -1,3 +1,4 @@
+import pytest
 import torch
 from torch import nn
 
@@ -17,6 +18,21 @@ def test_running_stats_equal_full_batch_for_any_microbatch_count():
         assert torch.allclose(bn.running_mean, reference.running_mean, atol=1e-6)
         assert torch.allclose(bn.running_var, reference.running_var, atol=1e-6)
         assert int(bn.num_batches_tracked) == 1
+
+
+@pytest.mark.parametrize("momentum", [0.3, None])  # None: torch's cumulative average over the steps
+def test_running_stats_over_several_steps_follow_the_momentum_of_a_full_batch(momentum):
+    reference = nn.BatchNorm2d(3, momentum=momentum)
+    bn = DeferredBatchNorm(3, momentum=momentum)
+    for step in range(4):
+        x = torch.randn(12, 3, 5, 5) * (step + 1) + step
+        reference(x)
+        for part in x.tensor_split(3):
+            bn(part)
+        bn.commit()
+    assert torch.allclose(bn.running_mean, reference.running_mean, atol=1e-5)
+    assert torch.allclose(bn.running_var, reference.running_var, atol=1e-4)
+    assert int(bn.num_batches_tracked) == 4
 
 
 def test_training_normalises_each_microbatch_by_its_own_statistics():

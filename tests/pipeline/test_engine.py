@@ -22,6 +22,7 @@ BALANCES = {1: {"bn": [6], "ln": [5]}, 2: {"bn": [3, 3], "ln": [2, 3]}, 4: {"bn"
 # K=2 x V=2 chunks, chunk c on stage c mod 2: interleaved 1F1B, in the same spawned jobs as K=2
 CHUNKS = {"bn": (2, 1, 2, 1), "ln": (1, 1, 2, 1)}
 TOLERANCE = 1e-5
+CLIP = 0.05  # below the toy models' gradient norms: every step clips
 
 
 def merged_states(per_rank: list[dict]) -> dict:
@@ -45,7 +46,9 @@ def check(states: dict, model: str) -> None:
     assert not failures, "\n".join(failures)
 
 
-DATA_PARALLEL = (("ln", [2, 3], "1f1b"), ("bn", [3, 3], "zero-bubble"), ("bn", [2, 1, 2, 1], "interleaved"))
+# The tied model too: its copies' gradients are summed over the stages of every replica.
+DATA_PARALLEL = (("ln", [2, 3], "1f1b"), ("bn", [3, 3], "zero-bubble"), ("bn", [2, 1, 2, 1], "interleaved"),
+                 ("tied", [2, 2], "1f1b"))
 TIED_CONFIGS = [(3, "gpipe", "except_last"), (2, "1f1b", "always"), (3, "zero-bubble", "except_last")]
 
 
@@ -63,6 +66,7 @@ JOBS: dict[int, dict] = {
     2: {**{("grid", model): (ranks.grid, (model, 2, BALANCES[2][model], grid_configs(2, model)))
            for model in ("bn", "ln")},
         ("tied", 2): (ranks.grid, ("tied", 2, [2, 2], tied_configs([2, 2]))),
+        ("clipped", "tied"): (ranks.clipped, ("tied", 2, [2, 2], 3, CLIP)),
         ("evaluate", 10): (ranks.evaluate, ("bn", 2, [3, 3], 10, 4)),
         ("evaluate", 3): (ranks.evaluate, ("bn", 2, [3, 3], 3, 4)),
         ("evaluate", "ring"): (ranks.evaluate, ("bn", 2, [2, 1, 2, 1], 3, 4, "interleaved")),
@@ -100,10 +104,12 @@ def test_parameters_equal_plain_training(stages, model, ran):
 def test_data_parallel_times_pipeline_equals_concatenated_batch(ran):
     for i, (model, _, _) in enumerate(DATA_PARALLEL):
         outcome = ran(4, ("data-parallel", i))
-        ref = toy.reference(model, microbatches=2, replicas=2)
+        ref, losses, _ = toy.trained(model, microbatches=2, replicas=2)
         for part in outcome:
             errors = toy.relative_errors(part["state"], ref)
             assert max(errors.values()) <= TOLERANCE, (model, part["stage"], part["replica"], errors)
+            if part["stage"] == part["replica"] == 0:  # rank 0's loss is the mini-batch's, over every replica
+                assert part["losses"] == pytest.approx(losses, rel=TOLERANCE), model
         # replicas hold identical parameters and BatchNorm statistics
         by_stage: dict = {}
         for part in outcome:
@@ -111,6 +117,15 @@ def test_data_parallel_times_pipeline_equals_concatenated_batch(ran):
         for a, b in by_stage.values():
             assert all(torch.equal(a[k], b[k]) for k in a)
         assert outcome[0]["losses"][0] is not None
+
+
+@pytest.mark.parametrize("microbatches", [1, 3, 8])
+def test_the_step_loss_is_the_mini_batch_loss_of_plain_training(microbatches):
+    # Only the gradients were compared: a loss reported as the mean over micro-batches, M times too small, passed.
+    pipe = ranks.make_pipeline("ln", topology.init(1), BALANCES[1]["ln"], microbatches=microbatches)
+    losses = ranks.train(pipe, "ln", microbatches)
+    pipe.close()
+    assert losses == pytest.approx(toy.trained("ln", microbatches)[1], rel=TOLERANCE)
 
 
 def test_tied_parameters_across_stages_stay_equal_and_match_one_process(ran):
@@ -122,6 +137,16 @@ def test_tied_parameters_across_stages_stay_equal_and_match_one_process(ran):
             assert torch.equal(state["0.embed.weight"], state["3.proj.weight"]), config
             errors = toy.relative_errors(state, ref)
             assert max(errors.values()) <= TOLERANCE, (balance, config, errors)
+
+
+def test_a_tied_weight_counts_once_in_the_clipped_global_norm(ran):
+    # Counted by both stages that hold it, the reported norm was too large and clipping too strong.
+    ref, _, norms = toy.trained("tied", 3, max_grad_norm=CLIP)
+    assert min(norms) > CLIP
+    for part in ran(2, ("clipped", "tied")):
+        assert part["norms"] == pytest.approx(norms, rel=TOLERANCE)
+        errors = toy.relative_errors(part["state"], ref)
+        assert max(errors.values()) <= TOLERANCE, errors
 
 
 def test_tied_parameters_within_one_stage_are_one_tensor():

@@ -87,3 +87,36 @@ def test_one_process_skips_bad_steps_and_names_the_layer():
 @pytest.mark.slow
 def test_every_stage_agrees_even_when_only_the_last_stage_sees_the_bad_loss():
     check(results(run_ranks(steps, 2, 2)))
+
+
+def loss_of_the_second_replica(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Non-finite at BAD_LOSS_STEP on the examples of the second replica (from 4 of 8) alone."""
+    value = nn.functional.cross_entropy(out, target)
+    info = context.current()
+    return value + float("inf") if info is not None and info.step == BAD_LOSS_STEP and info.offset >= 4 else value
+
+
+def replicated(replicas: int) -> dict:
+    topo = topology.init(1, replicas)
+    pipe = Pipeline(build_layers(factories(), range(4), 0), topo, PipelineConfig(1, replicas=replicas, balance=(4,)),
+                    loss_of_the_second_replica)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    skipped = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+        lo, hi = 4 * topo.layout.replica, 4 * topo.layout.replica + 4
+        result = pipe.train_step(x[lo:hi], y[lo:hi], microbatches=2, step=step, optimizer=opt, example_offset=lo)
+        skipped.append(result.skipped)
+        pipe.zero_grad()
+    state = {k: v.clone() for k, v in pipe.state_dict().items()}
+    pipe.close()
+    return {"skipped": skipped, "state": state}
+
+
+@pytest.mark.slow
+def test_a_bad_loss_on_one_replica_makes_every_replica_skip_the_step():
+    # A flag kept per replica let replica 0 apply the step replica 1 skipped: the replicas' weights parted.
+    first, second = results(run_ranks(replicated, 2, 2))
+    assert first["skipped"] == second["skipped"] == [False, True, True]
+    assert all(torch.equal(first["state"][k], second["state"][k]) for k in first["state"])

@@ -132,7 +132,14 @@ def optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def reference(model: str, microbatches: int, replicas: int = 1, steps: int = 3) -> dict[str, torch.Tensor]:
-    """Train without a pipeline in this process and return the final state.
+    """Train without a pipeline in this process and return the final state (`trained` says more)."""
+    return trained(model, microbatches, replicas, steps)[0]
+
+
+def trained(model: str, microbatches: int, replicas: int = 1, steps: int = 3,
+            max_grad_norm: float | None = None) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+    """Train without a pipeline in this process (clipping at `max_grad_norm`); return the final state, and each
+    step's mini-batch loss and gradient norm (before clipping).
 
     BatchNorm normalises by micro-batch statistics in training (as in GPipe), so for the BatchNorm
     model the plain trainer accumulates gradients over the same micro-batches; every other model is
@@ -147,6 +154,7 @@ def reference(model: str, microbatches: int, replicas: int = 1, steps: int = 3) 
             path, _, attr = name.rpartition(".")
             setattr(net.get_submodule(path), attr, first)
     opt = optimizer(list(net.parameters()))
+    losses, norms = [], []
     for step in range(steps):
         x, y = batch(model, step, SIZES[step])
         chunks = [(x, y, 0)]
@@ -155,15 +163,19 @@ def reference(model: str, microbatches: int, replicas: int = 1, steps: int = 3) 
             for shard_x, shard_y, start in shards(x, y, replicas):
                 split = microbatch.sizes(shard_x.shape[0], microbatches)
                 chunks += list(zip(shard_x.split(split), shard_y.split(split), microbatch.offsets(split, start)))
+        total = 0.0
         for cx, cy, offset in chunks:
             with context.microbatch(step, offset):
                 loss = spec["loss"](net(cx), cy) * cy.numel() / y.numel()
             loss.backward()
+            total += loss.item()
+        losses.append(total)
+        norms.append(float(nn.utils.clip_grad_norm_(net.parameters(), max_grad_norm or float("inf"))))
         for bn in deferred_batchnorms(net):
             bn.commit()
         opt.step()
         opt.zero_grad()
-    return net.state_dict()
+    return net.state_dict(), losses, norms
 
 
 def shards(x: torch.Tensor, y: torch.Tensor, replicas: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
