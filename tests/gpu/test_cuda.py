@@ -124,9 +124,11 @@ def test_plan_times_the_layers_and_the_engine_on_the_gpu(tmp_path: Path) -> None
     assert run.returncode == 0, run.stderr[-4000:]
 
 
-@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
-def test_offloaded_activations_on_cuda_train_alike_and_hold_less(checkpoint: str) -> None:
-    """The side-stream copies into pinned memory give the same gradients, with a lower allocator peak."""
+@pytest.mark.parametrize("checkpoint,schedule", [("never", "gpipe"), ("except_last", "gpipe"),
+                                                 ("never", "zero-bubble")])
+def test_offloaded_activations_on_cuda_train_alike_and_hold_less(checkpoint: str, schedule: str) -> None:
+    """The side-stream copies into pinned memory give the same gradients, with a lower allocator peak (a split
+    backward's too, whose device copies go between its B and its W)."""
     import torch
 
     from gpipe_cli.estimate.subject import example_batch
@@ -147,7 +149,8 @@ def test_offloaded_activations_on_cuda_train_alike_and_hold_less(checkpoint: str
         torch.cuda.reset_peak_memory_stats(device)
         n = len(spec.layers)
         pipe = Pipeline(build_layers(spec.factories(), range(n), 0, device), topology.local(device),
-                        PipelineConfig(microbatches=4, checkpoint=checkpoint, balance=(n,), offload=offload),
+                        PipelineConfig(microbatches=4, schedule=schedule, checkpoint=checkpoint, balance=(n,),
+                                       offload=offload),
                         spec.loss, units=spec.units)
         before = torch.cuda.memory_allocated(device)
         pipe.train_step(inputs, targets, microbatches=4, step=0)
