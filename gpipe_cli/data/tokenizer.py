@@ -187,6 +187,12 @@ def load_or_train(*, path: str | None, run_dir: Path | None, texts: Callable[[],
         raise DataError(f"data.vocab_size ({vocab_size}) exceeds model.vocab_size ({model_vocab_size})")
     if path:
         tok = Tokenizer.load(path)
+        if run_dir is not None and not (kept := Path(run_dir) / TOKENIZER_FILE).is_file():
+            # The run keeps a copy of the tokenizer it started with: a resume checks the file still holds it.
+            with _locked(kept.parent / f".{kept.stem}.lock"):
+                if not kept.is_file():
+                    with writing(kept, "", f"; {space_left(kept.parent)}"):
+                        atomic_write_bytes(kept, tok.model_bytes)
     elif run_dir is None:
         tok = train_tokenizer(texts(), vocab_size, key, model_vocab_size)
     elif (stored := Path(run_dir) / TOKENIZER_FILE).is_file():  # resuming, or another rank already trained it

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpipe_cli.errors import UserError, cut, shown
+from gpipe_cli.errors import DataError, UserError, cut, shown
 from gpipe_cli.files import atomic_write_bytes, check_output, check_output_kind, remove_folders, same_file
 from gpipe_cli.launch.preflight import NODE_FLAGS, check_file_name, check_not_empty, check_path
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_yaml
@@ -342,6 +342,23 @@ def held_changes(recipe: Recipe, location: str) -> list[Change] | None:
     # What the checkpoint holds is its own recipe's: the run's may have been edited, or lost, since.
     found = candidates(Path(location))
     return recipe_changes(recipe, found[0]) if found and (found[0] / RECIPE).is_file() else None
+
+
+def check_tokenizer_kept(recipe: Recipe, location: str) -> None:
+    """Refuse a data.tokenizer file that no longer holds the tokenizer the run started with (replaced since)."""
+    from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
+
+    kept = run_dir_of(location) / TOKENIZER_FILE
+    if not recipe.data.tokenizer or not kept.is_file():
+        return
+    try:
+        same = Tokenizer.load(recipe.data.tokenizer).model_bytes == Tokenizer.load(kept).model_bytes
+    except DataError:  # a file that is no tokenizer: the recipe's check says so
+        return
+    if not same:
+        raise UserError(f"--resume {cut(location, PATH_CHARS)}: data.tokenizer {shown(recipe.data.tokenizer)} is "
+                        f"not the tokenizer the run started with (its copy: {kept}), whose ids its checkpoints' "
+                        "embeddings learned; put that file back, or start a new run in another --output-dir")
 
 
 def check_checkpoint_keys(recipe: Recipe, changes: list[Change], location: str) -> None:

@@ -49,6 +49,7 @@ from gpipe_cli.train.existing import (
     check_resumable,
     check_resume_output,
     check_resume_path,
+    check_tokenizer_kept,
     choose_run_dir,
     complete_line,
     continue_command,
@@ -324,6 +325,7 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
             base = settings_of(resume)
             changes = recipe_changes(recipe, base)
             check_checkpoint_keys(recipe, held_changes(recipe, resume) or changes or [], resume)
+            check_tokenizer_kept(recipe, resume)
             complete = resume_end(recipe, resume)
         elif fresh and options.output_dir:
             check_writable(Path(options.output_dir), "--output-dir")

@@ -44,6 +44,8 @@ def test_explicit_tokenizer_path(tmp_path: Path) -> None:
     d = data(source="jsonl", path=str(_corpus(tmp_path)), tokenizer=str(path))
     ds = build_data(d, "translation", seed=0, vocab_size=64, max_len=64, run_dir=tmp_path / "run")
     assert ds.tokenizer is not None and ds.tokenizer.path == path and ds.tokenizer.vocab_size == 64
+    # The run keeps a copy of the one it started with, which a resume checks the file against.
+    assert (tmp_path / "run" / TOKENIZER_FILE).read_bytes() == path.read_bytes()
     with pytest.raises(DataError, match="model.vocab_size"):
         build_data(d, "translation", seed=0, vocab_size=32, max_len=64)
     with pytest.raises(DataError, match="does not exist"):

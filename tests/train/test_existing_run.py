@@ -161,6 +161,24 @@ def test_a_recipe_of_another_model_family_is_refused_by_its_family_alone(tmp_pat
                                   "value, or start a new run in another --output-dir")
 
 
+def test_a_tokenizer_file_replaced_since_the_run_started_is_refused(tmp_path):
+    # The resume said nothing, and trained on another tokenizer's ids: step 5's loss 6.74 against 6.38.
+    from gpipe_cli.data.synthetic import translation_pairs
+    from gpipe_cli.data.tokenizer import TOKENIZER_FILE, train_tokenizer
+
+    texts = [s for p in translation_pairs(100, 0, "train") for s in p]
+    given = train_tokenizer(texts, 40).save(tmp_path / "tok.model")
+    path, run = make_run(tmp_path, recipes.TINY_TRANSLATION, f"data.tokenizer={given}", steps=(2,))
+    (run / TOKENIZER_FILE).write_bytes(given.read_bytes())  # as the run keeps it
+    recipe = load_recipe(path, [f"data.tokenizer={given}"])
+    existing.check_tokenizer_kept(recipe, str(run))
+    train_tokenizer(texts[::-1], 38).save(given)
+    with pytest.raises(UserError, match=r"data.tokenizer '.*tok.model' is not the tokenizer the run started with "
+                                        r"\(its copy: .*tokenizer.model\), whose ids its checkpoints' embeddings "
+                                        r"learned; put that file back, or start a new run in another --output-dir$"):
+        existing.check_tokenizer_kept(recipe, str(run))
+
+
 def test_a_model_change_in_an_edited_run_recipe_is_refused_by_the_checkpoints_own_recipe(tmp_path):
     # The run's recipe.yaml, edited since, was compared alone: the ranks then failed to load the checkpoint and
     # advised training again from step 0.
