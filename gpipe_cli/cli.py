@@ -525,6 +525,11 @@ def main() -> None:
     exit_now(interrupts.exit_code(run(sys.argv[1:])))
 
 
+# Words a user may try for a flag whose name is no near spelling of them: profile-memory's --budget is plan's
+# --device-memory (the memory of each device either way).
+_SAME_MEANING = {"gpipe plan": dict.fromkeys(("budget", "memory", "mem", "gpu-memory"), "--device-memory")}
+
+
 def _unknown_option(exc: Exception, where: str, args: list[str], commands: Mapping[str, Any]) -> str:
     """An unknown option's line: the --set of the recipe key it names, the commands that have it, or a near option."""
     from gpipe_cli.recipe.aliases import ALIASES
@@ -549,6 +554,8 @@ def _unknown_option(exc: Exception, where: str, args: list[str], commands: Mappi
     params = getattr(getattr(getattr(exc, "ctx", None), "command", None), "params", [])
     own = {name.lstrip("-"): name for p in params for name in (*p.opts, *p.secondary_opts) if name.startswith("--")}
     close = [own[name] for name in near(typed.lstrip("-"), own, 3, prefix=True)]
+    meant = _SAME_MEANING.get(where, {}).get(typed.lstrip("-"))
+    close = [meant, *(c for c in close if c != meant)] if meant in own.values() else close
     if others:  # `plan --device`: plan's own --devices first, profile-memory's --device (cpu or cuda) beside it
         return f"{said} ({has}); did you mean {' or '.join(close)}?" if close else f"{said}; {has}"
     if sets and (key := key_of_flag(typed, close=True)) is not None:

@@ -45,7 +45,7 @@ FLAGS: dict[str, str] = {
     "device_memory": "Memory of each device, e.g. 80GiB (a number without a unit is bytes) [default: what each of "
                      "N ranks has on this machine].",
     "nodes": "Nodes the N devices are spread over (N / nodes each); a pipeline crossing nodes uses the node link.",
-    "top": "How many configurations to print.",
+    "top": "How many configurations that fit to print (faster ones that do not fit are listed above them, with why).",
     "output": "Write the winning plan as a recipe here (the input recipe with its pipeline section replaced, its "
               "comments and key order kept).",
     "set": SET_HELP,

@@ -33,6 +33,11 @@ QUICK = ["--devices", "2", "--tflops", "100", "--plain"]  # estimated seconds: n
                                                 "(got out.txt)"),
     (["--devices", "2", "--device-memory", "0.4"],
      "error: --device-memory: must be at least 1 byte, a size such as 8GiB, 16GB or 500MiB (got '0.4')"),
+    # profile-memory's word for it was said to be profile-memory's, and --memory had no hint at all.
+    (["--devices", "2", "--budget", "8GiB"], "error: No such option: --budget (gpipe profile-memory has it); did you "
+                                             "mean --device-memory? (see 'gpipe plan --help')"),
+    (["--devices", "2", "--memory", "8GiB"],
+     "error: No such option: --memory; did you mean --device-memory? (see 'gpipe plan --help')"),
 ])
 def test_flags_that_describe_no_plan_are_one_line_before_torch_loads(tmp_path, args, line):
     assert refused_before_torch(tmp_path, args, timeout=300) == line + "\n"
