@@ -118,7 +118,9 @@ def _check_weights_fit(spec: ModelSpec, bytes_per_param: float, budget: float, d
     if budget < floor:
         raise UserError(f"{_nothing_fits(budget, devices, options)}: the weights, gradients and optimizer state "
                         f"alone need more than {human_bytes(floor, up=True)} per device, however the model is cut; "
-                        f"give a --device-memory above that (activations need more), or more --devices")
+                        f"give a --device-memory above that (activations need more)"
+                        f"{', with its unit, e.g. 80GiB' if _BARE.fullmatch(options.device_memory or '') else ''}, "
+                        "or more --devices")
 
 
 def _nothing_fits(budget: float, devices: int, options: PlanOptions) -> str:

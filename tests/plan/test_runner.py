@@ -102,8 +102,12 @@ def test_a_memory_the_weights_alone_exceed_is_refused_before_anything_is_measure
     err = capsys.readouterr().err
     assert re.fullmatch(r"error: nothing fits 80 B per device on 2 devices \(a number without a unit is bytes\): the "
                         r"weights, gradients and optimizer state alone need more than [\d.]+ [KMGTPEZY]?i?B per "
-                        r"device, however the model is cut; give a larger --device-memory, e.g. 80GiB, or more "
-                        r"--devices\n", err), err
+                        r"device, however the model is cut; give a --device-memory above that \(activations need "
+                        r"more\), with its unit, e.g. 80GiB, or more --devices\n", err), err
+    # Given with its unit, the example was of a size thousands of times the floor just named.
+    assert run(["plan", str(recipe), "--devices", "2", "--device-memory", "1KiB"]) == 2
+    assert capsys.readouterr().err.endswith("give a --device-memory above that (activations need more), or more "
+                                            "--devices\n")
 
 
 def test_a_set_item_that_replaces_a_flag_is_said_and_leaves_it_out_of_the_plan(tmp_path, capsys):
