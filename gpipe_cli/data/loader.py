@@ -105,6 +105,7 @@ class Loader:
         self._bounds = self._batch_bounds(self.train, self.drop_last)  # the same for every epoch
         self._cache: tuple[int, list[np.ndarray]] | None = None
         self._eval_plan: list[np.ndarray] | None = None
+        self._baselines: dict[int | None, dict[str, float]] = {}  # by limit: the same batches at every evaluation
 
     def _batch_bounds(self, examples: Examples, drop_last: bool) -> list[tuple[int, int]]:
         """[lo, hi) of each mini-batch over the examples in order (by a token budget: sorted by length)."""
@@ -176,9 +177,11 @@ class Loader:
 
     def eval_baselines(self, limit: int | None = None) -> dict[str, float]:
         """The baselines over the held-out examples scored under a limit of `limit`."""
-        subset = self.eval_subset(limit)
-        ids = None if len(subset) == len(self.eval_plan()) else np.concatenate(subset)
-        return {name: baseline(ids) for name, baseline in self.baselines.items()}
+        if limit not in self._baselines:  # a pass over the training stream: once, not at each evaluation
+            subset = self.eval_subset(limit)
+            ids = None if len(subset) == len(self.eval_plan()) else np.concatenate(subset)
+            self._baselines[limit] = {name: baseline(ids) for name, baseline in self.baselines.items()}
+        return self._baselines[limit]
 
     @property
     def train_size(self) -> int:

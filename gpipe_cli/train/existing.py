@@ -251,8 +251,7 @@ def check_export_arguments(location: str, output: str | None) -> None:
     if not os.path.isdir(location):
         raise UserError(f"{shown(location)} is a file; give a run directory or one of its checkpoint folders")
     if output is None and (outside := loose(location)) is not None:  # its run's folder would be the one above
-        raise UserError(f"{shown(location)} is a checkpoint outside a run's {CHECKPOINTS}/ (it lies in "
-                        f"{shown(outside.name)}); name the file to write with --output FILE.safetensors")
+        raise UserError(f"{outside}; name the file to write with --output FILE.safetensors")
     other = Path(os.path.realpath(output)).parent if output is not None else None
     if output is not None and Path(output).name == EXPORTED and other is not None and holds_run(other) \
             and other != Path(os.path.realpath(run_dir_of(os.path.abspath(location)))):
@@ -538,19 +537,19 @@ def check_resume_path(resume: str | None) -> None:
     if resume not in (None, LATEST) and not os.path.isdir(resume):
         raise UserError(f"--resume: {shown(resume)} is a file; give a run directory or one of its checkpoint folders")
     if resume not in (None, LATEST) and (outside := loose(resume)) is not None:
-        raise UserError(f"--resume: {shown(resume)} is a checkpoint outside a run's {CHECKPOINTS}/ (it lies in "
-                        f"{shown(outside.name)}), and a resume writes its run in the folder above that; put it in "
-                        f"a run folder's {CHECKPOINTS}/ with its {RECIPE} beside them, and resume that folder")
+        raise UserError(f"--resume: {outside}, and a resume writes its run in the folder above that; put it in a run "
+                        f"folder's {CHECKPOINTS}/ with its {RECIPE} beside them, and resume that folder")
 
 
-def loose(location: str) -> Path | None:
-    """The folder a checkpoint lies in when that is no run's checkpoints/ nor a course set aside there (else None)."""
+def loose(location: str) -> str | None:
+    """What a checkpoint lying in no run's checkpoints/ (nor a course set aside there) is, in words (else None)."""
     path = Path(os.path.abspath(location))
     if not path.name.startswith(PREFIX):
         return None
     parent = path.parent
-    kept = parent.name == CHECKPOINTS or (parent.name.startswith(SUPERSEDED) and parent.parent.name == CHECKPOINTS)
-    return None if kept else parent
+    if parent.name == CHECKPOINTS or (parent.name.startswith(SUPERSEDED) and parent.parent.name == CHECKPOINTS):
+        return None
+    return f"{shown(location)} is a checkpoint outside a run's {CHECKPOINTS}/ (it lies in {shown(parent.name)})"
 
 
 def check_resume_output(resume: str | None, output_dir: str | None) -> None:

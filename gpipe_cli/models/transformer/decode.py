@@ -13,9 +13,7 @@ from gpipe_cli.models.losses import PAD_ID
 from gpipe_cli.models.transformer.layers import Embedding, EncoderLayer
 
 # The tokenizer's ids, as FIRST_WORD_ID in network.py assumes them: pad 0, unk 1, bos 2, eos 3.
-UNK_ID, BOS_ID, EOS_ID = 1, 2, 3
-# Never an answer: padding and bos decode to nothing yet used up a token each, and unk to "⁇".
-_NEVER = [PAD_ID, UNK_ID, BOS_ID]
+BOS_ID, EOS_ID = 2, 3
 
 Forward = Callable[[Any], torch.Tensor]  # model inputs -> logits [N, T, vocab]
 
@@ -30,7 +28,9 @@ def greedy_step(logits: torch.Tensor, prefix: torch.Tensor, finished: torch.Tens
                 vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`prefix` with each row's most likely next token appended (padding once a row has ended), and the rows ended."""
     last = logits[:, -1, :vocab].clone()  # vocab: the tokenizer's pieces (the model's may be more)
-    last[:, _NEVER] = -torch.inf
+    # Never an answer: pad, unk and bos (ids 0 to 2) decode to nothing or "⁇", yet use up a token each. A slice, so
+    # that no index tensor is copied to the device at each token.
+    last[:, PAD_ID:BOS_ID + 1] = -torch.inf
     token = last.argmax(-1).cpu()
     token[finished] = PAD_ID
     return torch.cat([prefix, token[:, None]], dim=1), finished | (token == EOS_ID)
