@@ -220,9 +220,9 @@ WINDOW = 2
 
 
 class _Tally:
-    """Keys (micro-batch, chunk) held one way, each chunk's count at its place in a list shared by every way."""
+    """Keys (micro-batch, chunk) held one way, counted at each key's place in a list shared by every way."""
 
-    def __init__(self, counts: list[int], place: dict[int, int]) -> None:
+    def __init__(self, counts: list[int], place: Callable[[tuple[int, int]], int]) -> None:
         self.keys: set[tuple[int, int]] = set()
         self.counts, self.place = counts, place
 
@@ -232,17 +232,19 @@ class _Tally:
     def add(self, key: tuple[int, int]) -> None:
         if key not in self.keys:
             self.keys.add(key)
-            self.counts[self.place[key[1]]] += 1
+            self.counts[self.place(key)] += 1
 
     def discard(self, key: tuple[int, int]) -> None:
         if key in self.keys:
             self.keys.remove(key)
-            self.counts[self.place[key[1]]] -= 1
+            self.counts[self.place(key)] -= 1
 
 
 def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint: str, virtual: int,
-          offload: str) -> set[tuple[int, tuple[int, ...]]]:
+          offload: str, larger: int = 0) -> set[tuple[int, tuple[int, ...]]]:
     """(kind, counts) per point of the walk: kind 0 a stored reading, 1 a peak; each chunk's `KEPT` counts in order."""
+    # The first `larger` micro-batches hold one example more than the rest (`microbatch.sizes`): where there are
+    # such, each chunk counts them apart, its larger ones' `KEPT` counts first.
     # A stage's bytes are found by walking the engine's own action list: after a rematerialised forward it holds the
     # micro-batch's boundary input; after any other forward or a recompute, its input, saved activations and
     # output; a full backward, or the weight half of a split one, frees its micro-batch. Under offload a stored
@@ -255,8 +257,11 @@ def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint:
     after = dict(zip(restores, restores[1:]))  # what each restore brings back next (pipeline/executor.py)
     first = {id(a) for a in restoring}
     # Counted as they change: a walk of M micro-batches would otherwise recount O(M) keys at each of its points.
-    counts = [0] * (len(chunks) * len(KEPT))
-    held = tuple(_Tally(counts, {c: i * len(KEPT) + k for i, c in enumerate(chunks)}) for k in range(len(KEPT)))
+    blocks = 2 if larger else 1
+    counts = [0] * (len(chunks) * blocks * len(KEPT))
+    start = {c: i * blocks * len(KEPT) for i, c in enumerate(chunks)}
+    held = tuple(_Tally(counts, lambda key, k=k: start[key[1]] + len(KEPT) * (0 < larger <= key[0]) + k)
+                 for k in range(len(KEPT)))
     whole, inputs, host, parked, fetched, active, redone, split, split_redone, waiting = held
     points: set[tuple[int, tuple[int, ...]]] = set()
 
@@ -318,11 +323,11 @@ Counts = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # per count vector
 
 @functools.lru_cache(maxsize=1 << 16)
 def _readings(schedule: str, stage: int, stages: int, microbatches: int, checkpoint: str, virtual: int,
-              offload: str) -> tuple[Counts, ...]:
+              offload: str, larger: int = 0) -> tuple[Counts, ...]:
     """The walk's counts that can set the stored, peak (device `KEPT` counts) and host readings, per chunk."""
     # A search prices thousands of cuts of one schedule: each reading is taken over these few maximal counts. Each
     # stage is walked once: an 8-device search walks more than 4,096 (4,385 for the ImageNet AmoebaNet-B recipe).
-    points = _walk(schedule, stage, stages, microbatches, checkpoint, virtual, offload)
+    points = _walk(schedule, stage, stages, microbatches, checkpoint, virtual, offload, larger)
     width = len(next(iter(points))[1])
     device, in_host = (operator.itemgetter(*(i for i in range(width) if i % len(KEPT) in positions))
                        for positions in (_ON_DEVICE, _IN_HOST))
@@ -380,22 +385,25 @@ def _most(counts: Counts, bytes_each: Sequence[float]) -> float:
 
 
 @functools.lru_cache(maxsize=256)
-def _largest_microbatch(batch_size: int, microbatches: int) -> int:
-    return max(microbatch.sizes(batch_size, microbatches))
+def _microbatch_sizes(batch_size: int, microbatches: int) -> tuple[tuple[int, ...], int]:
+    """The sizes the walk counts apart, largest first, and how many micro-batches have the largest if not all."""
+    split = microbatch.sizes(batch_size, microbatches)
+    larger = split.count(split[0]) if split[0] != split[-1] else 0
+    return tuple(sorted(set(split), reverse=True)), larger
 
 
 def _stage(figures: ModelFigures, chunks: Sequence[range], stage: int, stages: int, batch_size: int,
            microbatches: int, schedule: str, checkpoint: str,
            offload: str) -> tuple[int, list[tuple[tuple[float, ...], ...]], float, tuple[Counts, ...]]:
-    """The stage's parameters, `_kept` per chunk, the model input it holds and its readings' counts."""
-    size = _largest_microbatch(batch_size, microbatches)
+    """The stage's parameters, `_kept` per chunk and micro-batch size, the model input it holds, its counts."""
+    sizes, larger = _microbatch_sizes(batch_size, microbatches)
     # The model's input reaches the device as the whole mini-batch, split there into views (as the engine feeds
     # it): the stage of the first chunk holds all of it through the step, whatever number of micro-batches
     # it keeps, so the first chunk's inputs count once, whole, rather than per micro-batch held.
     batch_input = figures.input.at(batch_size) if any(r.start == 0 for r in chunks) else 0.0
-    kept = [_kept(figures, r.start, r.stop, size, offload != "none") for r in chunks]
+    kept = [_kept(figures, r.start, r.stop, size, offload != "none") for r in chunks for size in sizes]
     return (figures.params(chunks), kept, batch_input,
-            _readings(schedule, stage, stages, microbatches, checkpoint, len(chunks), offload))
+            _readings(schedule, stage, stages, microbatches, checkpoint, len(chunks), offload, larger))
 
 
 def stage_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int, stages: int, batch_size: int,
@@ -407,7 +415,7 @@ def stage_footprint(figures: ModelFigures, chunks: Sequence[range], stage: int, 
     on_device = [b for device, _ in kept for b in device]
     in_host = [b for _, held in kept for b in held]
     holds_loss = any(r.stop == len(figures.layers) for r in chunks)
-    loss = figures.layers[-1].output.at(_largest_microbatch(batch_size, microbatches)) if holds_loss else 0.0
+    loss = figures.layers[-1].output.at(_microbatch_sizes(batch_size, microbatches)[0][0]) if holds_loss else 0.0
     return Footprint(params, params * bytes_per_param, _most(stored, on_device) + batch_input,
                      _most(peak, on_device) + batch_input, sum(len(r) for r in chunks), _most(host, in_host),
                      tuple(len(r) for r in chunks), loss)
@@ -434,7 +442,7 @@ def memory_floor(figures: ModelFigures, stages: int, batch_size: int, microbatch
                  checkpoint: str, bytes_per_param: float, offload: str = "none") -> Callable[[int, int], float]:
     """A stage's bytes at least, by its layers [start, stop) in any place: never fewer for a longer stage."""
     weights = weights_floor(figures, bytes_per_param)
-    size = _largest_microbatch(batch_size, microbatches)
+    size = _microbatch_sizes(batch_size, microbatches)[0][-1]  # the smallest: a floor
     # Each stage's peak holds at least `whole` micro-batches' saved activations (a backward needs them), all its
     # layers' but the first's, whose input is the stage's boundary; with no byte count below zero, a lower bound
     # near the peak, so that a cut search prices only the stages that may beat the best it has.
