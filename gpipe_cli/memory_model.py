@@ -220,11 +220,11 @@ WINDOW = 2
 
 
 class _Tally:
-    """Keys (micro-batch, chunk) held one way, counted at each key's place in a list shared by every way."""
+    """Keys (micro-batch, chunk) held one way (`KEPT`), counted in a list shared by every way, in the key's block."""
 
-    def __init__(self, counts: list[int], place: Callable[[tuple[int, int]], int]) -> None:
+    def __init__(self, counts: list[int], block: Callable[[tuple[int, int]], int], way: int) -> None:
         self.keys: set[tuple[int, int]] = set()
-        self.counts, self.place = counts, place
+        self.counts, self.block, self.way = counts, block, way
 
     def __contains__(self, key: object) -> bool:
         return key in self.keys
@@ -232,12 +232,12 @@ class _Tally:
     def add(self, key: tuple[int, int]) -> None:
         if key not in self.keys:
             self.keys.add(key)
-            self.counts[self.place(key)] += 1
+            self.counts[self.block(key) + self.way] += 1
 
     def discard(self, key: tuple[int, int]) -> None:
         if key in self.keys:
             self.keys.remove(key)
-            self.counts[self.place(key)] -= 1
+            self.counts[self.block(key) + self.way] -= 1
 
 
 def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint: str, virtual: int,
@@ -260,8 +260,11 @@ def _walk(schedule: str, stage: int, stages: int, microbatches: int, checkpoint:
     blocks = 2 if larger else 1
     counts = [0] * (len(chunks) * blocks * len(KEPT))
     start = {c: i * blocks * len(KEPT) for i, c in enumerate(chunks)}
-    held = tuple(_Tally(counts, lambda key, k=k: start[key[1]] + len(KEPT) * (0 < larger <= key[0]) + k)
-                 for k in range(len(KEPT)))
+
+    def block(key: tuple[int, int]) -> int:
+        return start[key[1]] + len(KEPT) * (0 < larger <= key[0])
+
+    held = tuple(_Tally(counts, block, k) for k in range(len(KEPT)))
     whole, inputs, host, parked, fetched, active, redone, split, split_redone, waiting = held
     points: set[tuple[int, tuple[int, ...]]] = set()
 
