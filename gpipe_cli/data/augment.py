@@ -147,7 +147,15 @@ class ImageTransform:
 
 
 def pil_to_tensor(image: Any) -> torch.Tensor:
-    """A PIL image (any mode) as float [3,h,w] in [0,1]."""
+    """A PIL image (any mode) as float [3,h,w] in [0,1], upright as its EXIF orientation says."""
+    from PIL import ImageOps
+
+    image = ImageOps.exif_transpose(image)  # a phone's photo is stored sideways with a tag saying so
+    if image.mode in ("I", "I;16", "I;16B", "I;16L"):  # 16-bit grey: to RGB, PIL clips it at 255 (white)
+        grey = torch.from_numpy(np.asarray(image, dtype=np.float32) / 65535.0).clamp_(0.0, 1.0)
+        return grey.expand(3, *grey.shape).contiguous()
+    if image.mode == "P" and "transparency" in image.info:  # as RGBA first: PIL warns of a direct conversion
+        image = image.convert("RGBA")
     if image.mode != "RGB":
         image = image.convert("RGB")
     arr = np.asarray(image, dtype=np.uint8)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpipe_cli.data.augment import IMAGE_EXTS, ImageTransform, pil_to_tensor
+from gpipe_cli.data import image_folder
+from gpipe_cli.data.augment import ImageTransform, pil_to_tensor
 from gpipe_cli.data.loader import Examples
 from gpipe_cli.data.rng import rng
 from gpipe_cli.data.sources import (
@@ -18,7 +20,6 @@ from gpipe_cli.data.sources import (
     existing_path,
     first_line,
     hold_out,
-    load_builder,
     open_splits,
     pick_splits,
 )
@@ -31,11 +32,11 @@ from gpipe_cli.recipe.schema import Data
 class DatasetImages:
     """Images in one column of a `datasets` Dataset, restricted to some rows."""
 
-    def __init__(self, dataset: Any, column: str, rows: np.ndarray, folder: bool = False) -> None:
+    def __init__(self, dataset: Any, column: str, rows: np.ndarray, files: list[str] | None = None) -> None:
         self.dataset = dataset.select_columns([column])  # decoding one column leaves the others untouched
         self.column = column
         self.rows = rows
-        self.folder = folder  # an image folder's files, not a column of parquet or a hub data set
+        self.files = files  # an image folder's, by row: named where one cannot be read
 
     def load(self, i: int) -> torch.Tensor:
         row = int(self.rows[i])
@@ -44,8 +45,9 @@ class DatasetImages:
         except Exception as e:
             # PIL names the buffer it read ("<_io.BytesIO object at 0x...>"): an address, nothing a user can act on.
             why = re.sub(r" <[\w.]+ object at 0x[0-9a-f]+>", "", first_line(e))
-            where = "the image folder" if self.folder else f"column '{self.column}'"
-            raise DataError(f"cannot decode image {row} of {where}: {why}") from None
+            which = (f"{shown(self.files[row])} of the image folder" if self.files
+                     else f"{row} of column '{self.column}'")
+            raise DataError(f"cannot decode image {which}: {why}") from None
 
 
 class ImageExamples(Examples):
@@ -149,24 +151,39 @@ def parquet_classes(path: Path, field: str) -> list[str]:
 
 
 def folder_classes(path: Path) -> list[str]:
-    """An imagefolder's class names in label order: each image's folder name, sorted, as `datasets` numbers them."""
-    return sorted({p.parent.name for p in path.rglob("*") if p.suffix.lower() in IMAGE_EXTS})
+    """An imagefolder's class names in label order: its class folders' names, sorted."""
+    return image_folder.scan(path).classes
+
+
+def _scanned(data: Data) -> image_folder.Folder:
+    """The image folder `data` names, with two classes at least."""
+    path = existing_path(data.path, "data.source 'imagefolder'")
+    if not path.is_dir():
+        raise DataError(f"data.path '{path}' is not a folder ({image_folder.LAYOUT})")
+    folder = image_folder.scan(path, tuple(filter(None, (data.train_split, data.eval_split))))
+    if not folder.classes:
+        raise DataError(f"no images under '{path}' ({image_folder.LAYOUT})")
+    if len(folder.classes) == 1:
+        raise DataError(f"the images under '{path}' are all in one folder ('{folder.classes[0]}'); imagefolder takes "
+                        "each folder as a class and a classifier needs two at least: train/<class>/*.png")
+    return folder
 
 
 def _open(data: Data, cache_dir: Path | None) -> tuple[Any, str]:
     """(DatasetDict, a description for messages) of an imagefolder, parquet or hub source."""
     if data.source != "imagefolder":
         return open_splits(data, cache_dir, "imagefolder/parquet")
-    path = existing_path(data.path, "data.source 'imagefolder'")
-    if not path.is_dir():
-        raise DataError(f"data.path '{path}' is not a folder (imagefolder wants train/<class>/*.png)")
-    classes = folder_classes(path)
-    if not classes:
-        raise DataError(f"no images under '{path}' (imagefolder wants train/<class>/*.png)")
-    if len(classes) == 1:  # the loader gives a lone folder no labels at all: say what is missing, not the column
-        raise DataError(f"the images under '{path}' are all in one folder ('{classes[0]}'); imagefolder takes "
-                        "each folder as a class and a classifier needs two at least: train/<class>/*.png")
-    return load_builder("imagefolder", f"'{path}'", cache_dir, data_dir=str(path)), f"'{path}'"
+    import datasets
+
+    folder = _scanned(data)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=folder.classes)})
+    # Files, not a `datasets` builder: it took splits from any word of a path ("test tube/" a test split) and
+    # classes from the folder above each image (train/cat/2023/x.png of class "2023").
+    splits = datasets.DatasetDict({
+        name: datasets.Dataset.from_dict({"image": [str(folder.root / f) for f in files], "label": labels},
+                                         features=features)
+        for name, (files, labels) in folder.splits.items()})
+    return splits, f"'{folder.root}'"
 
 
 def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, cache_dir: Path | None = None,
@@ -183,6 +200,10 @@ def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, ca
         return (ImageExamples(tr, tr.labels, train_tf, seed),
                 ImageExamples(ev, ev.labels, eval_tf, seed) if ev is not None else None)
 
+    folder = data.source == "imagefolder"
+    if folder:  # its split folders by the names they mean: val/ or Val/ is the validation split
+        data = data.model_copy(update={"train_split": image_folder.split_name(data.train_split),
+                                       "eval_split": data.eval_split and image_folder.split_name(data.eval_split)})
     splits, where = _open(data, cache_dir)
     train_ds, eval_ds = pick_splits(splits, data, where)
     train_ds, col, labels, names = _as_images(train_ds, data, where)
@@ -193,14 +214,32 @@ def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, ca
     if len(labels) == 0:
         raise DataError(f"the '{data.train_split}' split of {where} is empty")
 
-    def examples(ds: Any, column: str, labels: np.ndarray, rows: np.ndarray, tf: ImageTransform) -> ImageExamples:
-        return ImageExamples(DatasetImages(ds, column, rows, data.source == "imagefolder"), labels[rows], tf, seed)
+    def examples(ds: Any, column: str, labels: np.ndarray, rows: np.ndarray, tf: ImageTransform,
+                 files: list[str] | None) -> ImageExamples:
+        return ImageExamples(DatasetImages(ds, column, rows, files), labels[rows], tf, seed)
 
+    train_files = _files(train_ds, col, data) if folder else None
     if eval_ds is None:
-        rows, held = hold_out(len(labels), data.eval_fraction)
-        return (examples(train_ds, col, labels, rows, train_tf),
-                examples(train_ds, col, labels, held, eval_tf) if len(held) else None)
+        rows, held = hold_out(len(labels), data.eval_fraction, train_files or ())
+        train = examples(train_ds, col, labels, rows, train_tf, train_files)
+        if not len(held):
+            return train, None
+        evaluated = examples(train_ds, col, labels, held, eval_tf, train_files)
+        if folder:
+            evaluated.origin = f"data.eval_fraction {data.eval_fraction:g} of the training images"
+        return train, evaluated
     eval_ds, ecol, elabels, _ = _as_images(eval_ds, data, where)
     _check_labels(elabels, None, num_classes, f"the eval split of {where}")
-    return (examples(train_ds, col, labels, np.arange(len(labels)), train_tf),
-            examples(eval_ds, ecol, elabels, np.arange(len(elabels)), eval_tf))
+    eval_files = _files(eval_ds, ecol, data) if folder else None
+    evaluated = examples(eval_ds, ecol, elabels, np.arange(len(elabels)), eval_tf, eval_files)
+    if eval_files:
+        evaluated.origin = f"from {Path(eval_files[0]).parts[0]}/"
+    return examples(train_ds, col, labels, np.arange(len(labels)), train_tf, train_files), evaluated
+
+
+def _files(ds: Any, column: str, data: Data) -> list[str]:
+    """An image folder split's files, relative to the folder, by row."""
+    import datasets
+
+    paths = ds.cast_column(column, datasets.Image(decode=False))[column]
+    return [os.path.relpath(image["path"], str(data.path)) for image in paths]

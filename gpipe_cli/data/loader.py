@@ -39,6 +39,7 @@ class Examples(ABC):
     lengths: np.ndarray | None = None  # padded cost of each example in tokens (text only)
     left_out: str | None = None  # what reading the split passed over, in words for the run's data line
     held_none: str | None = None  # why data.eval_fraction held none of the split out, where it could not
+    origin: str | None = None  # where a held-out split comes from, in words for the run's data line
 
     @abstractmethod
     def __len__(self) -> int: ...

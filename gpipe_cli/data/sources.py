@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -88,12 +89,15 @@ def _holds(words: list[str], want: list[str]) -> bool:
     return any(words[i:i + len(want)] == want for i in range(len(words) - len(want) + 1))
 
 
-def hold_out(n: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+def hold_out(n: int, fraction: float, keys: Sequence[str] = ()) -> tuple[np.ndarray, np.ndarray]:
     """(train rows, eval rows): a fixed random `fraction` held out, the same for every seed and rank."""
     if fraction <= 0 or n < 2:
         return np.arange(n), np.arange(0)
     k = min(n - 1, max(1, int(round(n * fraction))))
-    perm = rng(0, "hold-out", n).permutation(n)
+    # Keyed (an image folder's paths), each row's place is its key's hash: a file removed or added moves at most
+    # one other between the splits, where a permutation of n would deal them all anew.
+    perm = (np.argsort([hashlib.blake2b(key.encode(), digest_size=8).digest() for key in keys], kind="stable")
+            if keys else rng(0, "hold-out", n).permutation(n))
     return np.sort(perm[k:]), np.sort(perm[:k])
 
 

@@ -276,6 +276,10 @@ class Data(Section):
             raise ValueError(f"data.path is required for data.source '{self.source}'")
         if self.source == "hub" and not self.name:
             raise ValueError("data.name (a Hugging Face dataset name) is required for data.source 'hub'")
+        if self.eval_split is not None and self.eval_split.lower() == self.train_split.lower():
+            raise ValueError(f"data.eval_split '{self.eval_split}' is the training split: evaluation would score "
+                             "examples trained on; name another split, or leave it out to hold out "
+                             "data.eval_fraction of the training data")
         return self
 
 

@@ -33,6 +33,7 @@ from gpipe_cli.train import checkpoint, cut, evaluation, nonfinite, optim, outpu
 from gpipe_cli.train.existing import (
     CHECKPOINTS,
     PREFIX,
+    candidates,
     choose_run_dir,
     complete_line,
     continue_command,
@@ -273,7 +274,8 @@ class Trainer:
         """How much data there is and what `drop_last` leaves out of every epoch."""
         used = sum(len(batch) for batch in data.plan(0))
         model, given = self.recipe.model, self.recipe.data
-        held = held_out_files(given)  # a folder's files named as a split: which, as the name may mislead
+        # A folder's files or folder named as a split: which, as the name may mislead.
+        held = held_out_files(given) or (data.eval.origin if data.eval is not None else None)
         text = (f"data: {counted(data.train_size, 'training example')}, {counted(self.steps_per_epoch, 'step')} per "
                 f"epoch, {data.eval_size:,} held out" + (f" ({held})" if held else ""))
         dropped = data.train_size - used
@@ -384,8 +386,10 @@ class Trainer:
         except DataError as exc:  # a damaged file the loader reached only now (an image folder is read lazily)
             if step == self.start_step:
                 raise
+            # Without a checkpoint nor a step recorded yet the run's directory goes as it ends: nothing to resume.
+            then = way_on(self.run_dir) if candidates(self.run_dir) else "start the run again (it kept no checkpoint)"
             raise DataError(f"{exc}; the run stopped at step {step + 1}, whose batch holds it: replace or remove the "
-                            f"file, then {way_on(self.run_dir)}") from None
+                            f"file, then {then}") from None
 
     def batches(self, start_step: int) -> Iterator[Batch | None]:
         """This rank's shard of every training mini-batch from `start_step` on (None: no data here)."""

@@ -154,6 +154,23 @@ def test_data_unreadable_past_the_first_step_says_where_the_run_stopped_and_how_
         list(Trainer._read(trainer, first()))  # type: ignore[arg-type]
 
 
+def test_data_unreadable_before_any_checkpoint_points_at_no_run_to_resume(tmp_path: Path) -> None:
+    # The run's directory goes as a run with nothing kept ends: `--resume --output-dir` of it trained the quick start.
+    from types import SimpleNamespace
+
+    from gpipe_cli.train.loop import Trainer
+
+    def batches():
+        yield None
+        raise DataError("cannot decode image 'train/a/1.png' of the image folder: image file is truncated")
+
+    trainer = SimpleNamespace(start_step=0, run_dir=tmp_path)
+    with pytest.raises(DataError) as err:
+        list(Trainer._read(trainer, batches()))  # type: ignore[arg-type]
+    assert str(err.value).endswith("the run stopped at step 2, whose batch holds it: replace or remove the file, then "
+                                   "start the run again (it kept no checkpoint)")
+
+
 def test_tokens_per_batch_is_for_text(tmp_path: Path) -> None:
     # A source of the wrong kind for the model is refused with the recipe (tests/recipe/test_load.py).
     _fails(data(tokens_per_batch=100), "image", "tokens_per_batch", tmp_path)

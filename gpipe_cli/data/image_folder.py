@@ -1,0 +1,89 @@
+"""An image folder's splits, classes and files: `<split>/<class>/**/<image>`, or `<class>/**/<image>` alone."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpipe_cli.data.augment import IMAGE_EXTS
+from gpipe_cli.errors import DataError, shown
+from gpipe_cli.units import counted
+
+# A top-level folder of one of these names (any case) is a split, under the name on the left. Only whole names
+# count: a class "test tube" or "val_bird" is a class, and a split is never guessed from a deeper folder.
+SPLIT_FOLDERS = {"train": ("train", "training"), "validation": ("validation", "valid", "val", "dev"),
+                 "test": ("test", "testing"), "eval": ("eval", "evaluation")}
+LAYOUT = "imagefolder wants <split>/<class>/*.png (train/, val/, test/) or <class>/*.png"
+
+
+def split_name(name: str) -> str:
+    """The split a folder or a data.*_split of this name means (its own name, in lower case, if none of ours)."""
+    lower = name.lower()
+    return next((split for split, names in SPLIT_FOLDERS.items() if lower in names), lower)
+
+
+@dataclass(frozen=True)
+class Folder:
+    """Per split, its images (paths relative to the folder, in order) and their class numbers; the class names."""
+
+    root: Path
+    splits: dict[str, tuple[list[str], list[int]]]
+    classes: list[str]
+
+
+def _skipped(name: str) -> bool:
+    # Hidden files and folders (.DS_Store, ._x.png, .thumbs/) and an unzipped archive's __MACOSX/ are no data.
+    return name.startswith((".", "__"))
+
+
+def _images(folder: Path) -> list[Path]:
+    """Every image file below `folder`, sorted, past hidden folders."""
+    found = []
+    for here, dirs, files in os.walk(folder, onerror=_unreadable):
+        dirs[:] = [d for d in dirs if not _skipped(d)]
+        found += [Path(here, f) for f in files if not _skipped(f) and f.lower().endswith(IMAGE_EXTS)]
+    return sorted(found)
+
+
+def _unreadable(error: OSError) -> None:
+    raise DataError(f"cannot read the folder {shown(error.filename)}: {error.strerror}")
+
+
+def _subfolders(folder: Path) -> list[Path]:
+    try:
+        return sorted(p for p in folder.iterdir() if p.is_dir() and not _skipped(p.name))
+    except OSError as e:
+        raise DataError(f"cannot read the folder {shown(str(folder))}: {e.strerror}") from None
+
+
+def scan(root: Path, wanted: tuple[str, ...] = ()) -> Folder:
+    """The splits, classes and images of the folder `root`; `wanted`: split names asked for besides ours."""
+    tops = _subfolders(root)
+    known = {*SPLIT_FOLDERS, *(split_name(w) for w in wanted)}
+    split_dirs = [d for d in tops if split_name(d.name) in known]
+    splits: dict[str, Path] = {}
+    for d in split_dirs:
+        name = split_name(d.name)
+        if name in splits:
+            raise DataError(f"'{splits[name].name}' and '{d.name}' under '{root}' are both the {name} split; keep one")
+        splits[name] = d
+    if split_dirs:  # every image then belongs to a split's class folder
+        stray = [d for d in tops if d not in split_dirs and _images(d)]
+        if stray:
+            raise DataError(f"'{stray[0]}' holds images but is no split beside {', '.join(d.name for d in split_dirs)}:"
+                            f" move them into a split's class folders, or remove it ({LAYOUT})")
+    else:
+        splits = {"train": root}
+    found: dict[str, list[tuple[str, str]]] = {}
+    for name, folder in splits.items():
+        loose = [p for p in _images(folder) if p.parent == folder]
+        if loose:
+            raise DataError(f"{counted(len(loose), 'image')} directly in '{folder}' not in a class folder (e.g. "
+                            f"{loose[0].name}); {LAYOUT}")
+        found[name] = [(str(p.relative_to(root)), cls.name) for cls in _subfolders(folder) for p in _images(cls)]
+    found = {name: pairs for name, pairs in found.items() if pairs}  # an empty split is none, as a missing one
+    classes = sorted({cls for pairs in found.values() for _, cls in pairs})
+    number = {cls: i for i, cls in enumerate(classes)}
+    return Folder(root, {name: ([path for path, _ in pairs], [number[cls] for _, cls in pairs])
+                         for name, pairs in found.items()}, classes)
