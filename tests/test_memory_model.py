@@ -136,3 +136,13 @@ def test_the_cut_searchs_memory_floor_is_below_every_stage_and_grows_with_it(kin
                 costs = [float(i % 3 + 1) for i in range(n)]
                 assert memory.within(costs) == partition.balance_within(costs, stages, memory.fits)
     assert tight, "the floor counts activations, not the weights alone"
+
+
+def test_the_first_stage_holds_the_whole_input_and_the_last_one_micro_batch_s_loss_gradient():
+    # The model's input arrives whole and is split into views on the first stage; the loss's backward holds the
+    # gradient of one micro-batch's logits (the largest: 30 into 4 is 8, 8, 7, 7).
+    layer = mm.LayerFigures("l", 0, mm.Affine(0.0, 10.0), mm.Affine(0.0, 100.0))
+    figures = mm.ModelFigures(mm.Affine(0.0, 1000.0), (layer, layer))
+    first, last = mm.footprints(figures, [1, 1], 30, 4, "gpipe", "never", 12.0)
+    assert first.peak_bytes >= 1000.0 * 30 > last.peak_bytes
+    assert (first.loss_bytes, last.loss_bytes) == (0.0, 800.0)

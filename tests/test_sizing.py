@@ -183,3 +183,14 @@ def test_the_bench_memory_estimate_prices_the_balance_the_run_uses():
         estimates[balance] = memory(resolve("transformer", sizes), options, here).stages[2]
         assert explicit_cut(options, 2) == (None if balance is None else [int(n) for n in balance.split(",")])
     assert estimates["1,3"][0] < estimates["1,3"][1] and estimates["3,1"][0] > estimates["3,1"][1]
+
+
+def test_a_step_is_its_forwards_at_the_rate_and_a_fixed_cost_per_layer_call_of_each_micro_batch():
+    # A recompute is one more forward: `except_last` and `always` run four passes' worth, `never` three.
+    assert [sizing.passes(c) for c in ("never", "except_last", "always")] == [3.0, 4.0, 4.0]
+    cand = sizing.Candidate("transformer", {}, 0, flops=1e9, pipeline_layers=6)
+    cpu = machine(16 * GIB, 1e11, call=1e-3)
+    rate, per_call = sizing.layer_rate(cpu, "transformer")
+    one, eight = (sizing.step_seconds(cand, cpu, 16, m, 4.0) for m in (1, 8))
+    assert one == pytest.approx(16 * 1e9 * 4.0 / rate + 6 * 4.0 * per_call)
+    assert eight - one == pytest.approx(7 * 6 * 4.0 * per_call)

@@ -174,7 +174,10 @@ def _classes(recipe: Recipe, spec: ModelSpec, run_dir: Path | None = None) -> li
     if recipe.data.source == "parquet":
         names = parquet_classes(folder, recipe.data.label_field) if folder.exists() else []
     else:
-        names = folder_classes(folder) if folder.is_dir() else []
+        try:
+            names = folder_classes(folder) if folder.is_dir() else []
+        except DataError:  # a folder that reads as no image folder now: numbers, not names
+            names = []
     if not names or len(names) > int(spec.config["num_classes"]):  # moved or changed since: numbers, not wrong names
         return None
     return names

@@ -104,10 +104,10 @@ class Trainer:
         self.pipe = self._pipeline()
         self._check_cut()
         train = recipe.train
-        self.total_steps = min(n for n in (train.steps, train.epochs and train.epochs * self.steps_per_epoch) if n)
+        self.total_steps = optim.total_steps(train.steps, train.epochs, self.steps_per_epoch)
         self.optimizer = build_optimizer(self.pipe.parameters(), recipe)
-        self.scheduler = optim.build_scheduler(self.optimizer, recipe, self.steps_per_epoch, self.total_steps)
         self.lr = optim.lr_factor(recipe, self.steps_per_epoch, self.total_steps)
+        self.scheduler = optim.following(self.optimizer, self.lr)  # one function: the records say what trains
         self.checkpoints = Checkpointer(self.pipe, self.optimizer, self.scheduler, topo, self.plan, self.run_dir,
                                         recipe.checkpoint.keep, recipe_bytes(recipe))
         if job.resume:

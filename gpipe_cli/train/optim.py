@@ -41,6 +41,15 @@ def lr_factor(recipe: Recipe, steps_per_epoch: int, total_steps: int) -> Callabl
 def build_scheduler(optimizer: torch.optim.Optimizer | None, recipe: Recipe, steps_per_epoch: int,
                     total_steps: int) -> torch.optim.lr_scheduler.LambdaLR | None:
     """A per-step LambdaLR over the optimizer (None without an optimizer)."""
-    if optimizer is None:
-        return None
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(recipe, steps_per_epoch, total_steps))
+    return following(optimizer, lr_factor(recipe, steps_per_epoch, total_steps))
+
+
+def following(optimizer: torch.optim.Optimizer | None,
+              factor: Callable[[int], float]) -> torch.optim.lr_scheduler.LambdaLR | None:
+    """A per-step LambdaLR of `factor` over the optimizer (None without an optimizer)."""
+    return None if optimizer is None else torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def total_steps(steps: int | None, epochs: int | None, steps_per_epoch: int) -> int:
+    """The steps a run trains: train.steps or train.epochs, whichever ends first."""
+    return min(n for n in (steps, epochs and epochs * steps_per_epoch) if n)

@@ -544,3 +544,35 @@ def test_a_section_whose_keys_are_all_commented_out_takes_its_defaults(tmp_path)
     path.write_text("name:\n")  # a value, not a section: still refused
     with pytest.raises(RecipeError, match="name: must be a string"):
         load_recipe(str(path), check_data=False)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["schedule.name=cosine", "optimizer.lr=0.01", "schedule.min_lr=0.01"],  # a floor at the peak: a constant rate
+    ["train.steps=5", "train.profile.steps=[5,5]"],  # the last step traced alone
+    ["data.synthetic_size=10", "data.eval_fraction=0.06", "eval.every=1"],  # 0.6 of an example rounds to one
+    ["pipeline.schedule=interleaved", "pipeline.partitions=2", "pipeline.virtual_stages=3",
+     "pipeline.microbatches=4"],  # a multiple of K, whatever V
+])
+def test_limits_taken_at_their_edge_are_allowed(tmp_path, overrides):
+    import yaml
+
+    load_recipe(write(tmp_path, yaml.safe_dump(BASE)), overrides, check_data=False)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data.synthetic_size=10", "data.eval_fraction=0.04", "eval.every=1"], "data.eval_fraction 0.04 of "
+                                                                           "data.synthetic_size 10"),
+    (["pipeline.schedule=interleaved", "pipeline.partitions=3", "pipeline.virtual_stages=2",
+      "pipeline.microbatches=4"], "pipeline.microbatches (4) must be a multiple of --set pipeline.partitions (3)"),
+])
+def test_limits_just_past_their_edge_are_refused(tmp_path, overrides, message):
+    import yaml
+
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        load_recipe(write(tmp_path, yaml.safe_dump(BASE)), overrides, check_data=False)
+
+
+def test_a_fraction_held_out_rounds_to_the_nearest_example():
+    from gpipe_cli.data.sources import hold_out
+
+    assert [len(hold_out(15, 0.1)[1]), len(hold_out(14, 0.1)[1])] == [2, 1]

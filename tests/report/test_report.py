@@ -362,3 +362,31 @@ def test_a_run_whose_records_hold_no_memory_peak_shows_none_not_zero_bytes(tmp_p
     assert cli(["report", str(folder), "--output", str(tmp_path / "page.png")]) == 0
     out = capsys.readouterr().out
     assert " 0 B " not in out and re.search(r"│ +- +│?\s*$", out, re.MULTILINE)
+
+
+def test_the_tables_show_the_lowest_eval_each_stage_s_own_times_and_a_peak_only_the_first_step_read(tmp_path):
+    from gpipe_cli.report import stage_table, summary_table
+    from gpipe_cli.report.runs import PARTS
+    from gpipe_cli.units import human_bytes
+
+    folder = tmp_path / "a"
+    folder.mkdir()
+    (folder / "recipe.yaml").write_text(yaml.safe_dump({"name": "r", "pipeline": {"partitions": 2}}))
+    records = []
+    for step in range(1, 7):
+        record = train_record(step=step, stages=2)
+        record.pop("mem_peak_bytes")
+        if step == 1:  # a run shorter than 10 steps counts its activations on its first step alone
+            record["mem_peak_bytes"] = [1 << 20, 5 << 20]
+        records.append(record)
+        if step % 2 == 0:
+            records.append({"kind": "eval", "step": step, "loss": {2: 2.0, 4: 1.0, 6: 1.5}[step]})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    runs = read_runs([folder])
+    summary = summary_table(runs)
+    assert list(summary.columns[3].cells) == ["1 @4"]  # the lowest loss, not the last evaluation's
+    assert list(summary.columns[-1].cells) == [human_bytes(5 << 20)]
+    stages = stage_table(runs)
+    for k, part in enumerate(PARTS[:-1]):  # train_record gives stage i's part k 10 x (i + 1) x (k + 1) ms
+        assert list(stages.columns[2 + k].cells) == [f"{10.0 * (k + 1):.1f}", f"{20.0 * (k + 1):.1f}"], part
+    assert list(stages.columns[-1].cells) == [human_bytes(1 << 20), human_bytes(5 << 20)]

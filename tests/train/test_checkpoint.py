@@ -277,3 +277,13 @@ def test_a_tied_copy_resumes_its_optimizer_state_on_another_cut(tmp_path):
     # Without the groups the copy's state is missing, as before: named as another model's.
     with pytest.raises(UserError, match="optim.state.1.weight"):
         checkpoint.load(found, second, second_opt, {"train": {"step": torch.tensor(0)}})
+
+
+def test_a_file_grown_since_it_was_written_is_refused_by_its_size(tmp_path):
+    save_one(tmp_path, 5)
+    newest = checkpoint.path_for(tmp_path, 5)
+    data = next(p for p in newest.iterdir() if p.suffix == ".distcp")
+    size = data.stat().st_size
+    with open(data, "ab") as f:
+        f.write(b"\0" * 8)
+    assert checkpoint.inspect(newest)[1] == f"file {data.name} has {size + 8} bytes where {size} were written"

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import math
 import os
 import shutil
 import signal
@@ -24,6 +25,8 @@ def recipe(steps: int = 8, every: int = 3) -> dict:
     r["train"]["steps"] = steps
     r["checkpoint"] = {"every": every, "keep": 5}
     r["eval"] = {}
+    # A rate that moves at every step: a resume one step off in the schedule trains on other weights.
+    r["schedule"] = {"name": "cosine", "warmup_steps": 2}
     return r
 
 
@@ -88,6 +91,14 @@ def test_resume_with_another_cut_continues_with_the_same_losses(full_run, tmp_pa
     assert set(resumed) == set(reference)
     for step in (7, 8):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-5)
+
+
+def test_the_recorded_learning_rate_is_the_schedule_over_the_run_s_steps(full_run):
+    # The records' rate came from a second copy of the schedule: the optimizer's could differ unseen.
+    _, run = full_run
+    records = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    expected = [0.001 * min(s / 2, 1) * 0.5 * (1 + math.cos(math.pi * max(s - 3, 0) / 6)) for s in range(1, 9)]
+    assert [r["lr"] for r in records] == pytest.approx(expected)
 
 
 def test_resume_skips_a_truncated_checkpoint_and_equals_the_uninterrupted_run_step_for_step(full_run, tmp_path):

@@ -46,6 +46,9 @@ def test_the_step_after_an_eval_does_not_count_rank_0s_eval_work_as_waiting(tmp_
                if (r := json.loads(line))["kind"] == "train"}
     after = records[3]
     assert max(after["time_s"]["wait"]) < SLOW_S / 2 and after["step_time_s"] < SLOW_S / 2, after
+    # Every 2 steps of 4: after step 2, and once at the end (not a mid-run one at step 4 besides the final one).
+    assert [r["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+            if (r := json.loads(line))["kind"] == "eval"] == [2, 4]
 
 
 def _ctrl_c_in_first_eval() -> None:

@@ -76,3 +76,27 @@ def test_a_stop_ends_greedy_decoding_before_its_next_step() -> None:
     pipe.evaluate = lambda *args, **kwargs: passes.append(1) or evaluate(*args, **kwargs)  # type: ignore[method-assign]
     assert evaluation.greedy_decode(pipe, topo, source, 1, 12, stopped=stopped) is None
     assert len(passes) == 2 and len(asked) == 3
+
+
+def test_the_eval_loss_is_the_mean_over_every_scored_unit_of_its_batches() -> None:
+    # Batches' mean losses weighted by what each scored (images, or tokens): a batch of 10 at 1.0 and one of 30 at
+    # 3.0 score 2.5, not their plain mean 2.0.
+    from types import SimpleNamespace
+
+    from gpipe_cli.recipe.schema import Recipe
+    from gpipe_cli.train.loop import Trainer
+
+    written: list[dict] = []
+    results = iter([SimpleNamespace(loss=1.0, units=10.0, metrics={"correct": 4.0}),
+                    SimpleNamespace(loss=3.0, units=30.0, metrics={"correct": 6.0})])
+    spec = _lm_spec()
+    spec.task = "image"
+    trainer = SimpleNamespace(
+        layout=SimpleNamespace(replica=0, replicas=1, is_first=True, is_last=True, rank=0), eval_steps=2,
+        data=SimpleNamespace(eval_batches=lambda **kw: iter([None, None]), eval_baselines=lambda limit: None),
+        recipe=Recipe(), spec=spec, pipe=SimpleNamespace(evaluate=lambda *a, **kw: next(results)),
+        _stop_agreed=lambda final: False, metrics=SimpleNamespace(write=written.append),
+        summary=SimpleNamespace(add=lambda *a: None), view=SimpleNamespace(show=lambda r: None),
+        topo=SimpleNamespace(share=lambda x: x), stopped_by=None)
+    assert Trainer.evaluate(trainer, 4)  # type: ignore[arg-type]
+    assert written == [{"kind": "eval", "step": 4, "loss": 2.5, "accuracy": 0.25}]

@@ -5,7 +5,7 @@ import torch
 
 from gpipe_cli.recipe.load import validate
 from gpipe_cli.recipe_model import base_lr, build_optimizer
-from gpipe_cli.train.optim import build_scheduler, lr_factor
+from gpipe_cli.train.optim import build_scheduler, lr_factor, total_steps
 
 
 def recipe(**sections):
@@ -116,3 +116,29 @@ def test_a_sequence_length_set_for_a_translation_or_image_model_is_said_unread()
         "data.seq_len (40) is read only by a language model (model.arch decoder-only): a translation model reads "
         "whole pairs"]
     assert unread_settings(load_recipe(quickstart, ["data.seq_len=40", "model.arch=decoder-only"])) == []
+
+
+def test_cosine_after_a_warm_up_decays_over_the_steps_after_it():
+    # Spread over the whole run, the last of 100 steps after a warm-up of 50 trained at 0.516 of the peak.
+    f = lr_factor(recipe(schedule={"name": "cosine", "warmup_steps": 50}), 10, 100)
+    assert f(49) == 1.0 and f(99) == pytest.approx(0.0, abs=1e-2)
+    assert f(74) == pytest.approx(0.5 * (1 + math.cos(math.pi * 24 / 50)))
+
+
+def test_an_exponential_decay_of_less_than_an_epoch_counts_steps():
+    f = lr_factor(recipe(schedule={"name": "exponential", "decay_rate": 0.5, "decay_epochs": 0.5}), 10, 1000)
+    assert (f(4), f(5), f(10)) == (1.0, 0.5, 0.25)
+
+
+@pytest.mark.parametrize("name,momentum", [("sgd", True), ("adam", False), ("adamw", False), ("rmsprop", True)])
+def test_the_recipe_s_weight_decay_and_momentum_reach_the_optimizer(name, momentum):
+    opt = build_optimizer([torch.nn.Parameter(torch.zeros(2))],
+                          recipe(optimizer={"name": name, "weight_decay": 0.01, "momentum": 0.5}))
+    group = opt.param_groups[0]
+    assert group["weight_decay"] == 0.01
+    assert group["momentum"] == 0.5 if momentum else "momentum" not in group
+
+
+@pytest.mark.parametrize("steps,epochs,total", [(3, 5, 3), (100, 2, 20), (None, 2, 20), (7, None, 7)])
+def test_a_run_trains_to_whichever_of_steps_and_epochs_ends_first(steps, epochs, total):
+    assert total_steps(steps, epochs, 10) == total

@@ -129,6 +129,9 @@ def test_data_parallel_reports_the_loss_of_the_whole_mini_batch(cuts, tmp_path):
     losses = [r["loss"] for r in records(out) if r["kind"] == "train"]
     reference = [r["loss"] for r in records(cuts[(1, "gpipe")][1]) if r["kind"] == "train"]
     assert losses == pytest.approx(reference, rel=1e-4)
+    # The samples of the whole mini-batch over its step's time, not one replica's share of them.
+    assert all(r["samples_per_s"] == pytest.approx(recipe["data"]["batch_size"] / r["step_time_s"])
+               for r in records(out) if r["kind"] == "train")
 
 
 def test_two_processes_act_as_two_nodes_of_one_job(tmp_path):
