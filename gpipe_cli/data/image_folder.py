@@ -37,13 +37,15 @@ def _skipped(name: str) -> bool:
     return name.startswith((".", "__"))
 
 
-def _images(folder: Path) -> list[Path]:
-    """Every image file below `folder`, sorted, past hidden folders."""
+def _images(folder: Path) -> list[str]:
+    """Every image file below `folder`, as paths relative to it sorted folder by folder, past hidden folders."""
     found = []
     for here, dirs, files in os.walk(folder, onerror=_unreadable):
         dirs[:] = [d for d in dirs if not _skipped(d)]
-        found += [Path(here, f) for f in files if not _skipped(f) and f.lower().endswith(IMAGE_EXTS)]
-    return sorted(found)
+        under = os.path.relpath(here, folder)
+        found += [f if under == "." else os.path.join(under, f) for f in files
+                  if not _skipped(f) and f.lower().endswith(IMAGE_EXTS)]
+    return sorted(found, key=lambda path: path.split(os.sep))
 
 
 def _unreadable(error: OSError) -> None:
@@ -77,11 +79,13 @@ def scan(root: Path, wanted: tuple[str, ...] = ()) -> Folder:
         splits = {"train": root}
     found: dict[str, list[tuple[str, str]]] = {}
     for name, folder in splits.items():
-        loose = [p for p in _images(folder) if p.parent == folder]
+        images = _images(folder)
+        loose = [p for p in images if os.sep not in p]
         if loose:
             raise DataError(f"{counted(len(loose), 'image')} directly in '{folder}' not in a class folder (e.g. "
-                            f"{loose[0].name}); {LAYOUT}")
-        found[name] = [(str(p.relative_to(root)), cls.name) for cls in _subfolders(folder) for p in _images(cls)]
+                            f"{loose[0]}); {LAYOUT}")
+        under = os.path.relpath(folder, root)
+        found[name] = [(p if under == "." else os.path.join(under, p), p.split(os.sep, 1)[0]) for p in images]
     found = {name: pairs for name, pairs in found.items() if pairs}  # an empty split is none, as a missing one
     classes = sorted({cls for pairs in found.values() for _, cls in pairs})
     number = {cls: i for i, cls in enumerate(classes)}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,8 @@ from gpipe_cli.data.synthetic import SyntheticImages
 from gpipe_cli.errors import DataError, shown
 from gpipe_cli.files import atomic_write_bytes
 from gpipe_cli.recipe.schema import Data
+
+FILE = "file"  # an image folder's column of each image's path in it: named where one cannot be decoded
 
 
 class DatasetImages:
@@ -176,12 +177,13 @@ def _open(data: Data, cache_dir: Path | None) -> tuple[Any, str]:
     import datasets
 
     folder = _scanned(data)
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=folder.classes)})
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=folder.classes),
+                                  FILE: datasets.Value("string")})
     # Files, not a `datasets` builder: it took splits from any word of a path ("test tube/" a test split) and
     # classes from the folder above each image (train/cat/2023/x.png of class "2023").
     splits = datasets.DatasetDict({
-        name: datasets.Dataset.from_dict({"image": [str(folder.root / f) for f in files], "label": labels},
-                                         features=features)
+        name: datasets.Dataset.from_dict({"image": [str(folder.root / f) for f in files], "label": labels,
+                                          FILE: files}, features=features)
         for name, (files, labels) in folder.splits.items()})
     return splits, f"'{folder.root}'"
 
@@ -218,7 +220,7 @@ def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, ca
                  files: list[str] | None) -> ImageExamples:
         return ImageExamples(DatasetImages(ds, column, rows, files), labels[rows], tf, seed)
 
-    train_files = _files(train_ds, col, data) if folder else None
+    train_files = list(train_ds[FILE]) if folder else None
     if eval_ds is None:
         rows, held = hold_out(len(labels), data.eval_fraction, train_files or ())
         train = examples(train_ds, col, labels, rows, train_tf, train_files)
@@ -230,16 +232,9 @@ def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, ca
         return train, evaluated
     eval_ds, ecol, elabels, _ = _as_images(eval_ds, data, where)
     _check_labels(elabels, None, num_classes, f"the eval split of {where}")
-    eval_files = _files(eval_ds, ecol, data) if folder else None
+    eval_files = list(eval_ds[FILE]) if folder else None
     evaluated = examples(eval_ds, ecol, elabels, np.arange(len(elabels)), eval_tf, eval_files)
     if eval_files:
         evaluated.origin = f"from {Path(eval_files[0]).parts[0]}/"
     return examples(train_ds, col, labels, np.arange(len(labels)), train_tf, train_files), evaluated
 
-
-def _files(ds: Any, column: str, data: Data) -> list[str]:
-    """An image folder split's files, relative to the folder, by row."""
-    import datasets
-
-    paths = ds.cast_column(column, datasets.Image(decode=False))[column]
-    return [os.path.relpath(image["path"], str(data.path)) for image in paths]
