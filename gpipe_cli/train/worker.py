@@ -70,8 +70,14 @@ def _run(job: Job) -> int:
     recipe = Recipe.model_validate(job.recipe)
     pipe = recipe.pipeline
     placed = pipeline_config(recipe)
-    topo = topology.init(pipe.partitions, pipe.data_parallel, backend=pipe.backend, device=recipe.train.device,
-                         virtual=placed.virtual, placement=placed.placement)
+    try:
+        topo = topology.init(pipe.partitions, pipe.data_parallel, backend=pipe.backend, device=recipe.train.device,
+                             virtual=placed.virtual, placement=placed.placement)
+    except ValueError as exc:  # e.g. nodes started with different --nnodes: a job of another size formed
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node
+            print(f"error: {exc}; start every node of the job with the same --nnodes and recipe", file=sys.stderr,
+                  flush=True)
+        return UserError.exit_code
     label = f"stage {topo.layout.stage} (rank {topo.layout.rank})"
     watch = failure.AbortWatch(label) if topo.distributed else None
     stages = topo.layout.stages
@@ -81,6 +87,8 @@ def _run(job: Job) -> int:
     # A failure ends this process at once (`stopping.abrupt_exit`), which first lets go of the run's claim: under
     # torchrun rank 0 holds it.
     def train() -> int:
+        if topo.distributed:
+            check_same_recipe(job.recipe, topo)
         trainer = Trainer(recipe, job, topo)
         try:
             code = trainer.run()
@@ -100,6 +108,44 @@ def _run(job: Job) -> int:
     if topo.distributed:
         dist.destroy_process_group()
     return code
+
+
+# Paths may differ from node to node (each its own copy of the data); anything else trained differently would fail
+# in a collective of unequal sizes (gloo aborts the process) or part replicas without a word.
+_PER_NODE = ("data.path", "data.tokenizer")
+
+
+def check_same_recipe(recipe: dict[str, Any], topo: Any) -> None:
+    """Refuse, on every rank, a job whose ranks were handed different recipes (nodes started with other --set)."""
+    from gpipe_cli.errors import UserError
+
+    flat = {key: value for key, value in _flat(recipe).items() if key not in _PER_NODE}
+    every = topo.fabric.gather_objects(flat)
+    problem = None
+    if every is not None:  # rank 0
+        for rank, theirs in enumerate(every):
+            differ = sorted(key for key in flat.keys() | theirs.keys() if flat.get(key) != theirs.get(key))
+            if differ:
+                key = differ[0]
+                others = f" (and {len(differ) - 1} more key{'s' * (len(differ) > 2)})" if len(differ) > 1 else ""
+                problem = (f"the nodes were given different recipes: {key} is {json.dumps(theirs.get(key))} on rank "
+                           f"{rank} and {json.dumps(flat.get(key))} on rank 0{others}; start every node with the same "
+                           "recipe and --set values")
+                break
+    problem = topo.share(problem)
+    if problem:
+        raise UserError(problem)
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping's leaves by their dotted keys."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 if __name__ == "__main__":

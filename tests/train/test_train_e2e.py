@@ -148,6 +148,29 @@ def test_two_processes_act_as_two_nodes_of_one_job(tmp_path):
     assert len([r for r in records(tmp_path / "run") if r["kind"] == "train"]) == 2
 
 
+@pytest.mark.parametrize("node_1", [["--set", "model.filters=16"], ["--nnodes", "4"]], ids=["recipe", "nnodes"])
+def test_nodes_started_differently_are_refused_in_one_line(tmp_path, node_1):
+    # Another recipe on node 1 aborted node 0's ranks in gloo (SIGABRT and their thread dumps); another --nnodes
+    # formed a job of 3 processes, each rank a traceback.
+    recipe = copy.deepcopy(TINY_AMOEBANET)
+    recipe["pipeline"]["data_parallel"] = 2
+    path = write(tmp_path, recipe)
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = ["train", str(path), "--plain", "--rdzv-endpoint", endpoint, "--threads", "1",
+              "--output-dir", str(tmp_path / "run")]
+    nodes = [subprocess.Popen([sys.executable, "-m", "gpipe_cli.cli", *common, "--node-rank", str(rank), "--nnodes",
+                               "2", *(node_1 if rank else [])], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [2, 2], outputs
+    errors = "".join(err for _, err in outputs)
+    assert "Traceback" not in errors and "Fatal Python error" not in errors, errors[-3000:]
+    said = {"recipe": "the nodes were given different recipes: model.filters is 16 on rank 2 and 8 on rank 0",
+            "nnodes": "the job has 3 processes but partitions × data_parallel = 2 × 2 = 4; start every node of the "
+                      "job with the same --nnodes and recipe"}
+    assert said["recipe" if "--set" in node_1 else "nnodes"] in errors, errors[-3000:]
+
+
 def test_under_torchrun_it_just_runs_as_the_given_rank(tmp_path):
     recipe = copy.deepcopy(TINY_AMOEBANET)
     recipe["train"]["steps"] = 2
