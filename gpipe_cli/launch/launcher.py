@@ -178,6 +178,7 @@ class _Stops:
         self._lock = threading.Lock()  # the handler and the thread that watches for blocked stops both finish
         self.forking = forking  # the ranks fork from a server that imports torch first: none appear for seconds
         self.stood_down = threading.Event()  # a caller that outlives the launch cancels the forced end
+        self.first = 0  # the first stop signal: the one the ranks act on and name, whatever follows it
 
     def training(self) -> bool:
         """Whether the ranks have a step to finish and save (else a stop ends them at once)."""
@@ -226,6 +227,8 @@ class _Stops:
 
         def watch() -> None:
             while data := os.read(read, 1):
+                if data[0] in (signal.SIGINT, *interrupts.TERMINATING):
+                    self.first = self.first or data[0]
                 # Left alone where a handler acted: the launch returned, or Ctrl-C's handler is seeing it through.
                 if data[0] in (signal.SIGINT, *interrupts.TERMINATING) and not self.training() \
                         and not self.over.wait(HANDLER_GRACE_S) and not self.finishing:
@@ -374,7 +377,8 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
             print(line, file=sys.stderr, flush=True)
         return code
     except SignalException as exc:
-        signum = signal.SIGINT if stops.interrupted else signal.Signals(int(exc.sigval))
+        # A second signal raises again in the agent: the code is the first's, which the ranks name.
+        signum = signal.SIGINT if stops.interrupted else stops.first or signal.Signals(int(exc.sigval))
         stops.setting_up(signum)
         stops.see_ranks_out()
         return 128 + signum

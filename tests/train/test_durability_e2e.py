@@ -136,6 +136,19 @@ def test_sigterm_leaves_a_complete_checkpoint_and_a_resumable_run(tmp_path):
     assert max(losses(run)) == done + 2
 
 
+def test_a_second_stop_signal_changes_neither_the_stop_nor_its_exit_code(tmp_path):
+    # The stop said SIGHUP, the launcher exited 143: the agent raised again for the SIGTERM that followed.
+    path = write(tmp_path, recipe(steps=400, every=1000))
+    run = tmp_path / "run"
+    proc = _start(path, run)
+    os.kill(proc.pid, signal.SIGHUP)
+    time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGHUP, err[-3000:]
+    assert f"stopped by SIGHUP after step {max(losses(run))}" in out
+
+
 def test_a_closed_terminal_saves_and_stops_the_run_as_sigterm_does(tmp_path):
     path = write(tmp_path, recipe(steps=400, every=1000))
     run = tmp_path / "run"
