@@ -276,14 +276,15 @@ def threads_per_rank(options: LaunchOptions, local: int) -> int:
 
 def torchrun_command(rdzv: Rendezvous, threads: int, train_args: Sequence[str]) -> str:
     """The `torchrun` command that starts the ranks of this node as the launch would, for a shell."""
-    if rdzv.max_nodes == 1:
+    if rdzv.max_nodes == 1 and rdzv.endpoint is None:
         flags = ["--standalone", "--nproc-per-node", str(rdzv.ranks_per_node)]
     else:
         nodes = str(rdzv.max_nodes) if rdzv.min_nodes == rdzv.max_nodes else f"{rdzv.min_nodes}:{rdzv.max_nodes}"
         flags = ["--nnodes", nodes, "--nproc-per-node", str(rdzv.ranks_per_node)]
         if rdzv.node_rank is not None:
             flags += ["--node-rank", str(rdzv.node_rank)]
-        flags += ["--rdzv-backend", rdzv.backend, "--rdzv-endpoint", str(rdzv.endpoint), "--rdzv-id", str(rdzv.run_id)]
+        flags += ["--rdzv-backend", rdzv.backend, "--rdzv-endpoint", str(rdzv.endpoint)]
+        flags += ["--rdzv-id", rdzv.run_id] if rdzv.run_id else []  # one node's: torchrun's own
     # The launcher gives every rank its threads through these two; torchrun alone would give each one thread.
     env = [f"OMP_NUM_THREADS={threads}", f"GPIPE_THREADS={threads}"]
     return " ".join([*env, "torchrun", *flags, "-m", "gpipe_cli", "train", *map(shlex.quote, train_args)])
@@ -306,7 +307,8 @@ def dry_run_lines(options: LaunchOptions, world: int, shape: str, train_args: Se
         if step is not None and rdzv.endpoint == f"{step.first_host}:{step.port}":
             source = (" (from $MASTER_PORT)" if step.port_from == "MASTER_PORT"
                       else f" (from SLURM_JOB_ID {step.job_id}; $MASTER_PORT sets another)")
-        lines.append(f"  rendezvous:     {rdzv.backend}, host {host}, port {port}{source}, id {rdzv.run_id}")
+        run_id = rdzv.run_id or "a fresh one chosen at launch"
+        lines.append(f"  rendezvous:     {rdzv.backend}, host {host}, port {port}{source}, id {run_id}")
     nodes = str(rdzv.max_nodes) if rdzv.min_nodes == rdzv.max_nodes else f"{rdzv.min_nodes} to {rdzv.max_nodes}"
     lines.append(f"  nodes:          {nodes}")
     lines.append(f"  ranks:          {world} ({shape}), {rdzv.ranks_per_node} per node, {threads} thread(s) each")

@@ -130,6 +130,18 @@ def test_dry_run_outside_slurm_says_the_node_runs_alone(tmp_path, monkeypatch, c
         in out
 
 
+def test_dry_run_of_one_node_at_a_given_endpoint_shows_that_endpoint(tmp_path, monkeypatch, capsys):
+    # It said "id None" and gave `torchrun --standalone`, where the launch would meet at the endpoint.
+    recipe = write(tmp_path, TINY_AMOEBANET)
+    _in_step(monkeypatch, {})
+    monkeypatch.setattr("gpipe_cli.train.run.launch", _nothing_starts)
+    assert run(["train", str(recipe), "--rdzv-endpoint", "localhost:29500", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "rendezvous:     static, host localhost, port 29500, id a fresh one chosen at launch" in out
+    assert f"torchrun --nnodes 1 --nproc-per-node 2 --node-rank 0 --rdzv-backend static --rdzv-endpoint " \
+           f"localhost:29500 -m gpipe_cli train {recipe}" in out and "None" not in out
+
+
 def test_dry_run_warns_of_ranks_sharing_the_cores_as_a_launch_does(tmp_path, monkeypatch, capsys):
     recipe = write(tmp_path, TINY_AMOEBANET)  # K=2
     _in_step(monkeypatch, {})
