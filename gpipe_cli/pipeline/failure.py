@@ -163,7 +163,9 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
             with contextlib.suppress(ValueError):  # only the main thread may set handlers
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(PEER_GRACE_S)
-            print(f"[gpipe] {label} lost contact with another rank: {type(exc).__name__}: {_first_line(exc)}",
+            # gloo goes on after the peer's address: "This is typically caused by a remote worker crashing ... GLHF!"
+            gist = _first_line(exc).split(". This is typically", 1)[0]
+            print(f"[gpipe] {label} lost contact with another rank: {type(exc).__name__}: {gist}",
                   file=sys.stderr, flush=True)
             if watch is not None:
                 watch.stop()

@@ -51,7 +51,8 @@ def test_a_rank_whose_peer_vanished_waits_for_the_launcher_then_names_the_cause_
         failure.PEER_GRACE_S = 0.1  # no launcher here to end it meanwhile
 
         def work():
-            raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4567")
+            raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4567. This "
+                               "is typically caused by a remote worker crashing ... GLHF!")
 
         failure.run_guarded(work, "stage 0 (rank 0)")
         """
