@@ -13,7 +13,6 @@ MEAN = (0.485, 0.456, 0.406)  # ImageNet statistics, the usual choice for every 
 STD = (0.229, 0.224, 0.225)
 SMALL_IMAGE = 64  # images this small (CIFAR, SVHN, ...) get pad-and-crop instead of random resized crop
 EVAL_CROP_FRACTION = 0.875  # large images: resize the shorter side to size/0.875, then centre crop
-IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 Backend = Literal["auto", "torchvision", "torch"]
 Policy = Literal["auto", "pad", "resized"]

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpipe_cli.data.augment import IMAGE_EXTS
 from gpipe_cli.errors import DataError, shown
 from gpipe_cli.units import counted
 
@@ -14,6 +14,7 @@ from gpipe_cli.units import counted
 # count: a class "test tube" or "val_bird" is a class, and a split is never guessed from a deeper folder.
 SPLIT_FOLDERS = {"train": ("train", "training"), "validation": ("validation", "valid", "val", "dev"),
                  "test": ("test", "testing"), "eval": ("eval", "evaluation")}
+IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 LAYOUT = "imagefolder wants <split>/<class>/*.png (train/, val/, test/) or <class>/*.png"
 
 
@@ -34,22 +35,38 @@ class Folder:
 
 def _skipped(name: str) -> bool:
     # Hidden files and folders (.DS_Store, ._x.png, .thumbs/) and an unzipped archive's __MACOSX/ are no data.
-    return name.startswith((".", "__"))
+    return name.startswith(".") or name == "__MACOSX"
 
 
 def _images(folder: Path) -> list[str]:
     """Every image file below `folder`, as paths relative to it sorted folder by folder, past hidden folders."""
     found = []
-    for here, dirs, files in os.walk(folder, onerror=_unreadable):
-        dirs[:] = [d for d in dirs if not _skipped(d)]
+    seen = {os.path.realpath(folder)}  # linked folders are followed, each once: a link to a folder above would loop
+    for here, dirs, files in os.walk(folder, onerror=_unreadable, followlinks=True):
+        dirs[:] = [d for d in dirs if not _skipped(d) and _first_visit(os.path.join(here, d), seen)]
         under = os.path.relpath(here, folder)
         found += [f if under == "." else os.path.join(under, f) for f in files
                   if not _skipped(f) and f.lower().endswith(IMAGE_EXTS)]
     return sorted(found, key=lambda path: path.split(os.sep))
 
 
+def _first_visit(folder: str, seen: set[str]) -> bool:
+    real = os.path.realpath(folder)
+    if real in seen:
+        return False
+    seen.add(real)
+    return True
+
+
 def _unreadable(error: OSError) -> None:
     raise DataError(f"cannot read the folder {shown(error.filename)}: {error.strerror}")
+
+
+def _listing(folder: Path) -> list[str]:
+    try:
+        return [entry.name for entry in os.scandir(folder) if entry.is_file()]
+    except OSError as e:
+        raise DataError(f"cannot read the folder {shown(str(folder))}: {e.strerror}") from None
 
 
 def _subfolders(folder: Path) -> list[Path]:
@@ -71,6 +88,10 @@ def scan(root: Path, wanted: tuple[str, ...] = ()) -> Folder:
             raise DataError(f"'{splits[name].name}' and '{d.name}' under '{root}' are both the {name} split; keep one")
         splits[name] = d
     if split_dirs:  # every image then belongs to a split's class folder
+        loose = [f for f in _listing(root) if not _skipped(f) and f.lower().endswith(IMAGE_EXTS)]
+        if loose:
+            raise DataError(f"{counted(len(loose), 'image')} directly in '{root}' beside its split folders, in none "
+                            f"of them (e.g. {sorted(loose)[0]}); {LAYOUT}")
         stray = [d for d in tops if d not in split_dirs and _images(d)]
         if stray:
             raise DataError(f"'{stray[0]}' holds images but is no split beside {', '.join(d.name for d in split_dirs)}:"
@@ -85,7 +106,9 @@ def scan(root: Path, wanted: tuple[str, ...] = ()) -> Folder:
             raise DataError(f"{counted(len(loose), 'image')} directly in '{folder}' not in a class folder (e.g. "
                             f"{loose[0]}); {LAYOUT}")
         under = os.path.relpath(folder, root)
-        found[name] = [(p if under == "." else os.path.join(under, p), p.split(os.sep, 1)[0]) for p in images]
+        # A class by the name a person reads: macOS writes 'café' decomposed, Linux as typed; both are one class.
+        found[name] = [(p if under == "." else os.path.join(under, p),
+                        unicodedata.normalize("NFC", p.split(os.sep, 1)[0])) for p in images]
     found = {name: pairs for name, pairs in found.items() if pairs}  # an empty split is none, as a missing one
     classes = sorted({cls for pairs in found.values() for _, cls in pairs})
     number = {cls: i for i, cls in enumerate(classes)}

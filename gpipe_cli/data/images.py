@@ -126,6 +126,18 @@ def _as_images(ds: Any, data: Data, where: str) -> tuple[Any, str, np.ndarray, l
     return ds, col, labels, [str(n) for n in feature.names] if isinstance(feature, datasets.ClassLabel) else []
 
 
+def _renumbered(labels: np.ndarray, names: list[str], into: list[str], where: str, whose: str) -> np.ndarray:
+    """`labels`, numbered by class `names`, renumbered as in `into` (every one of `names` must be there)."""
+    if names == into:
+        return labels
+    new = [name for name in names if name not in into]
+    if new:
+        raise DataError(f"{where} has classes that are not {whose} ({', '.join(map(repr, new[:3]))}"
+                        f"{f' and {len(new) - 3} more' if len(new) > 3 else ''}); the model's outputs are numbered "
+                        f"by {', '.join(map(repr, into[:5]))}{' ...' if len(into) > 5 else ''}")
+    return np.array([into.index(name) for name in names], dtype=np.int64)[labels]
+
+
 def _check_labels(labels: np.ndarray, classes: int | None, num_classes: int, where: str) -> None:
     if classes is not None and classes > num_classes:
         raise DataError(f"{where} has {classes} classes but model.num_classes is {num_classes}")
@@ -202,16 +214,25 @@ def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, ca
         return (ImageExamples(tr, tr.labels, train_tf, seed),
                 ImageExamples(ev, ev.labels, eval_tf, seed) if ev is not None else None)
 
-    folder = data.source == "imagefolder"
+    folder, given = data.source == "imagefolder", data
     if folder:  # its split folders by the names they mean: val/ or Val/ is the validation split
         data = data.model_copy(update={"train_split": image_folder.split_name(data.train_split),
                                        "eval_split": data.eval_split and image_folder.split_name(data.eval_split)})
     splits, where = _open(data, cache_dir)
+    for key in ("train_split", "eval_split"):
+        if folder and getattr(data, key) is not None and getattr(data, key) not in splits:
+            raise DataError(f"{where} has no split folder '{getattr(given, key)}' (its splits: {', '.join(splits)}; "
+                            f"a folder without split folders is all 'train'); set data.{key}")
     train_ds, eval_ds = pick_splits(splits, data, where)
     train_ds, col, labels, names = _as_images(train_ds, data, where)
     _check_labels(labels, len(names) or None, num_classes, where)
     # As trained on: an export reading the folder later (renamed, a class added) would name the classes wrongly.
-    if run_dir is not None and names and not (kept := run_dir / CLASSES_FILE).exists():  # a resume keeps the first
+    kept = run_dir / CLASSES_FILE if run_dir is not None else None
+    if kept is not None and names and kept.exists():  # a resume: its outputs are numbered as the run began
+        first = json.loads(kept.read_text())
+        labels = _renumbered(labels, names, first, f"{where} (resumed)", "the classes the run started with")
+        names = first
+    elif kept is not None and names:
         atomic_write_bytes(kept, json.dumps(names).encode())
     if len(labels) == 0:
         raise DataError(f"the '{data.train_split}' split of {where} is empty")
@@ -230,8 +251,10 @@ def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, ca
         if folder:
             evaluated.origin = f"data.eval_fraction {data.eval_fraction:g} of the training images"
         return train, evaluated
-    eval_ds, ecol, elabels, _ = _as_images(eval_ds, data, where)
+    eval_ds, ecol, elabels, enames = _as_images(eval_ds, data, where)
     _check_labels(elabels, None, num_classes, f"the eval split of {where}")
+    if names and enames:  # parquet files keep each split's own names: numbered alike only where they agree
+        elabels = _renumbered(elabels, enames, names, f"the eval split of {where}", "the training split's")
     eval_files = list(eval_ds[FILE]) if folder else None
     evaluated = examples(eval_ds, ecol, elabels, np.arange(len(elabels)), eval_tf, eval_files)
     if eval_files:

@@ -260,6 +260,14 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: P
         raise RecipeError(f"{label}: {given('data.path')}: no {_either(SOURCE_FILES[data.source])} files under "
                           f"{shown(data.path)}, which data.source {data.source} reads; give a folder that holds "
                           "some, or one such file")
+    if data.source == "imagefolder" and data.path and os.path.isdir(data.path):  # its ranks found it after starting
+        from gpipe_cli.data.image_folder import scan
+        from gpipe_cli.errors import DataError
+
+        try:
+            scan(Path(data.path), tuple(filter(None, (data.train_split, data.eval_split))))
+        except DataError as exc:
+            raise RecipeError(f"{label}: {given('data.path')}: {exc}") from None
     if data.tokenizer and not os.path.exists(data.tokenizer):
         raise RecipeError(f"{label}: {given('data.tokenizer')}: no such sentencepiece model: "
                           f"{shown(data.tokenizer)}{_beside(data.tokenizer, folder)}")

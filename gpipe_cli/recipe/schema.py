@@ -19,6 +19,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
+from gpipe_cli.data.image_folder import split_name
 from gpipe_cli.errors import shown
 from gpipe_cli.limits import (
     AMOEBANET_STEPS,
@@ -276,7 +277,10 @@ class Data(Section):
             raise ValueError(f"data.path is required for data.source '{self.source}'")
         if self.source == "hub" and not self.name:
             raise ValueError("data.name (a Hugging Face dataset name) is required for data.source 'hub'")
-        if self.eval_split is not None and self.eval_split.lower() == self.train_split.lower():
+        same = self.eval_split is not None and (self.eval_split.lower() == self.train_split.lower() or
+                                                self.source == "imagefolder" and
+                                                split_name(self.eval_split) == split_name(self.train_split))
+        if same:
             raise ValueError(f"data.eval_split '{self.eval_split}' is the training split: evaluation would score "
                              "examples trained on; name another split, or leave it out to hold out "
                              "data.eval_fraction of the training data")

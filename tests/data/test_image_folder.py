@@ -126,3 +126,54 @@ def test_an_eval_split_that_is_the_training_split_is_refused(tmp_path: Path) -> 
     with pytest.raises(UserError, match=r"data.eval_split 'Train' is the training split: evaluation would score "
                                         r"examples trained on"):
         load_recipe(None, ["model.kind=amoebanet", "data.eval_split=Train"], check_data=False)
+
+
+def test_a_split_by_another_of_its_names_is_the_training_split_too(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"data.eval_split 'Training' is the training split"):
+        load_recipe(None, ["model.kind=amoebanet", "data.source=imagefolder", f"data.path={tmp_path}",
+                           "data.eval_split=Training"], check_data=False)
+    # Elsewhere a split is its exact name: a hub data set may hold both 'training' and 'train'.
+    load_recipe(None, ["model.kind=amoebanet", "data.source=hub", "data.name=x", "data.eval_split=training"],
+                check_data=False)
+
+
+def test_linked_folders_and_class_names_of_any_spelling_are_read_once_each(tmp_path: Path) -> None:
+    import unicodedata
+
+    root = _write(tmp_path / "images", {"train/__background__": 2, "train/caf\u00e9": 2, "val/cafe\u0301": 1,
+                                        "val/__background__": 1})
+    _write(tmp_path / "more", {"extra": 3})
+    (root / "train" / "caf\u00e9" / "more").symlink_to(tmp_path / "more" / "extra")  # a subfolder elsewhere
+    (root / "train" / "caf\u00e9" / "loop").symlink_to(root / "train")  # back up: read once, not forever
+    folder = scan(root)
+    assert folder.classes == ["__background__", unicodedata.normalize("NFC", "caf\u00e9")]
+    files, labels = folder.splits["train"]
+    assert len(files) == 2 + 2 + 3 and labels.count(1) == 5
+    assert folder.splits["validation"][1] == [0, 1]
+
+
+def test_an_image_beside_the_split_folders_and_a_split_not_there_are_refused(tmp_path: Path) -> None:
+    root = _write(tmp_path / "images", {"train/a": 2, "train/b": 2, ".": 1})
+    with pytest.raises(DataError, match=r"^1 image directly in '.*images' beside its split folders, in none of them"):
+        scan(root)
+    flat = _write(tmp_path / "flat", {"a": 3, "b": 3})
+    with pytest.raises(DataError, match=r"^'.*flat' has no split folder 'Val' \(its splits: train; a folder without "
+                                        r"split folders is all 'train'\); set data.eval_split$"):
+        _build(flat, tmp_path, eval_split="Val")
+
+
+def test_splits_that_number_their_classes_apart_are_numbered_as_the_training_split() -> None:
+    from gpipe_cli.data.images import _renumbered
+
+    assert _renumbered(np.array([0, 2, 1]), ["cat", "bee", "ant"], ["ant", "bee", "cat"], "w", "x").tolist() == \
+        [2, 0, 1]
+    with pytest.raises(DataError, match=r"^w has classes that are not x \('cow'\); the model's outputs are numbered "
+                                        r"by 'ant', 'bee'$"):
+        _renumbered(np.array([0]), ["cow"], ["ant", "bee"], "w", "x")
+
+
+def test_a_layout_is_refused_with_the_recipe_before_any_rank_starts(tmp_path: Path) -> None:
+    # Found by the ranks once started (seconds of planning and timing first); `--dry-run` passed it.
+    root = _write(tmp_path / "images", {"train/a": 2, "train/b": 2, "train": 1})
+    with pytest.raises(UserError, match=r": --set data.path: 1 image directly in '.*train' not in a class folder"):
+        load_recipe(None, ["model.kind=amoebanet", "data.source=imagefolder", f"data.path={root}"])

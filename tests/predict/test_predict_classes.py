@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 from PIL import Image
 from safetensors import safe_open
@@ -113,6 +114,17 @@ def test_the_names_the_run_trained_on_are_exported_though_the_folder_changed_sin
     (folder / "train" / "a").rename(folder / "train" / "z")  # now b, c, z
     assert _classes(recipe, model_spec(recipe), run_dir) == ["a", "b", "c"]
     assert _classes(recipe, model_spec(recipe)) == ["b", "c", "z"]  # a run from before the names were kept
-    # A resume reads the data again: the names stay those of the first start.
-    image_splits(recipe.data, seed=0, image_size=32, num_classes=3, cache_dir=tmp_path / "cache2", run_dir=run_dir)
+    # A resume reads the data again: the names stay those of the first start, and a class the run did not start
+    # with is refused (numbered by the folder's new order, the images of 'a' trained as the third class).
+    from gpipe_cli.errors import DataError
+
+    with pytest.raises(DataError, match=r"\(resumed\) has classes that are not the classes the run started with "
+                                        r"\('z'\); the model's outputs are numbered by 'a', 'b', 'c'$"):
+        image_splits(recipe.data, seed=0, image_size=32, num_classes=3, cache_dir=tmp_path / "cache2",
+                     run_dir=run_dir)
     assert json.loads((run_dir / CLASSES_FILE).read_text()) == ["a", "b", "c"]
+    (folder / "train" / "z").rename(folder / "train" / "a")
+    (folder / "train" / "c").rename(tmp_path / "c")  # a class taken away: the others keep their numbers
+    train, held = image_splits(recipe.data, seed=0, image_size=32, num_classes=3, cache_dir=tmp_path / "cache3",
+                               run_dir=run_dir)
+    assert sorted({*train.labels.tolist(), *held.labels.tolist()}) == [0, 1]
