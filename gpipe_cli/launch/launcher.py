@@ -179,6 +179,7 @@ class _Stops:
         self.forking = forking  # the ranks fork from a server that imports torch first: none appear for seconds
         self.stood_down = threading.Event()  # a caller that outlives the launch cancels the forced end
         self.first = 0  # the first stop signal: the one the ranks act on and name, whatever follows it
+        self.tell: Callable[[], None] | None = None  # tells the other nodes of a stop before the first step
 
     def training(self) -> bool:
         """Whether the ranks have a step to finish and save (else a stop ends them at once)."""
@@ -190,6 +191,8 @@ class _Stops:
             self.told = True
             say_stopping_now(signal.Signals(signum).name)
             interrupts.told()
+            if self.tell is not None:
+                self.tell()
 
     def forward_interrupt(self, signum: int, frame: object) -> None:
         """Pass Ctrl-C on to the ranks, which torchrun starts in sessions of their own, out of the terminal's reach."""
@@ -358,6 +361,12 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     stops = _Stops(started, forking=fork)
+    if rdzv.max_nodes > 1 and rdzv.endpoint:
+        from gpipe_cli.pipeline.failure import tell_stopped
+
+        run_id = config.run_id  # type: ignore[attr-defined]
+        stops.tell = lambda: tell_stopped(str(rdzv.endpoint), run_id, f"node {rdzv.node_rank} ({socket.gethostname()})"
+                                          if rdzv.node_rank is not None else socket.gethostname())
     previous = interrupts.take_signal(stops.forward_interrupt)
     # The agent installs its own for these and leaves them behind.
     previous_stops = {signum: signal.getsignal(signum) for signum in interrupts.TERMINATING}

@@ -62,7 +62,7 @@ def connect() -> dist.Store | None:
         return None
 
 
-_FAILED, _BAD_INPUT, _ANNOUNCED = "0", "1", "2"
+_FAILED, _BAD_INPUT, _ANNOUNCED, _STOPPED = "0", "1", "2", "3"
 
 
 def mark_told() -> None:
@@ -71,6 +71,17 @@ def mark_told() -> None:
     if error_file:
         with contextlib.suppress(OSError):
             open(os.path.join(os.path.dirname(error_file), TOLD), "w").close()
+
+
+def tell_stopped(endpoint: str, run_id: str, who: str) -> None:
+    """Tell the ranks of a job over several nodes, through its store at `endpoint`, that `who` stopped (best effort)."""
+    # A node stopped while its ranks start: they may not have reached their own report, and the other nodes'
+    # ranks wait for them to connect. The store is the rendezvous's, which the ranks reach as MASTER_ADDR:PORT.
+    host, _, port = endpoint.rpartition(":")
+    with contextlib.suppress(Exception):
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2), wait_for_workers=False)
+        store.compare_set(f"{_KEY_PREFIX}{run_id}/0", "",
+                          f"{os.getpid()}@{socket.gethostname()}\n{_STOPPED}\n{who} was stopped before the first step")
 
 
 def _decode(text: str) -> tuple[str, str, str]:
@@ -104,6 +115,11 @@ class AbortWatch:
             print(f"[gpipe] {summary}", file=sys.stderr, flush=True)
         return first
 
+    def stopped(self) -> None:
+        """Tell the ranks of the other nodes that this one was stopped before its first step (they wait for it)."""
+        self.report(f"rank {os.environ.get('RANK', '?')} on {socket.gethostname()} was stopped before the first "
+                    "step", _STOPPED)
+
     def report(self, summary: str, kind: str = _FAILED) -> tuple[bool, str, str]:
         """Tell every rank to stop for `summary`: whether this rank was first, the first report's message and kind."""
         # The first wins, so a rank failing because a peer vanished cannot hide the cause. A bad-input report's
@@ -125,13 +141,15 @@ class AbortWatch:
             try:
                 if self._store is not None and self._store.check([key]):
                     message, kind, origin = _decode(self._store.get(key).decode(errors="replace"))
-                    if origin.startswith(f"{os.getpid()}@"):
-                        continue  # this rank's own report: it ends itself once done
+                    if origin.startswith(f"{os.getpid()}@") or kind == _STOPPED and stopping.received():
+                        continue  # this rank's own report, or a stop it got too: it ends itself once done
                     if not self._stopped.is_set():
                         # Bad input and announced stalls are shown once, by the rank that found them (or
                         # here too when that rank runs on another host, whose terminal this is not).
                         elsewhere = origin.partition("@")[2] not in ("", socket.gethostname())
-                        if kind == _FAILED or elsewhere:
+                        # A node's stop is news on every node, said once by each.
+                        node_speaker = kind == _STOPPED and os.environ.get("LOCAL_RANK", "0") == "0"
+                        if kind == _FAILED or node_speaker or elsewhere and kind != _STOPPED:
                             print(f"[gpipe] {self.label} stopped: {message}", file=sys.stderr, flush=True)
                         kind, _, code = kind.partition(":")
                         stopping.abrupt_exit(int(code) if code.isdigit() else

@@ -70,16 +70,29 @@ def _run(job: Job) -> int:
     recipe = Recipe.model_validate(job.recipe)
     pipe = recipe.pipeline
     placed = pipeline_config(recipe)
+    # A job over several nodes watches for failures from the start: a node stopped while its ranks connect left
+    # the others' ranks waiting for them inside torch, silent, for the connection timeout.
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    early = (failure.AbortWatch(f"stage {rank % pipe.partitions} (rank {rank})")
+             if world > int(os.environ.get("LOCAL_WORLD_SIZE", world)) else None)
+    if early is not None:
+        told = stopping.on_abrupt_exit(lambda: early.stopped() if stopping.ending() else None)
     try:
         topo = topology.init(pipe.partitions, pipe.data_parallel, backend=pipe.backend, device=recipe.train.device,
                              virtual=placed.virtual, placement=placed.placement)
+    except stopping.StoppedEarly:
+        if early is not None:
+            early.stopped()
+        raise
     except ValueError as exc:  # e.g. nodes started with different --nnodes: a job of another size formed
         if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node
             print(f"error: {exc}; start every node of the job with the same --nnodes and recipe", file=sys.stderr,
                   flush=True)
         return UserError.exit_code
+    if early is not None:
+        told()  # set up: a stop from now on is reported as any other
     label = f"stage {topo.layout.stage} (rank {topo.layout.rank})"
-    watch = failure.AbortWatch(label) if topo.distributed else None
+    watch = early or (failure.AbortWatch(label) if topo.distributed else None)
     stages = topo.layout.stages
     beat = (Heartbeat(watch, topo.layout.rank, topo.layout.world_size, recipe.train.stall_timeout,
                       lambda r: f"rank {r} (stage {r % stages})") if watch is not None else None)

@@ -107,3 +107,30 @@ def test_a_rank_whose_output_disk_is_full_says_so_in_one_line(tmp_path, monkeypa
         "[gpipe] stage 0 (rank 0) stopped: cannot write to standard output (No space left on device); the run ends "
         "at its last checkpoint"], proc.stderr
     assert (tmp_path / failure.TOLD).exists()
+
+
+def test_a_node_stopped_while_its_ranks_start_ends_the_ranks_waiting_for_it_on_the_others():
+    # They waited inside torch for its ranks to connect, without a word, for the 10-minute connection timeout.
+    port = str(free_port())
+    store = _python(STORE, port)
+    try:
+        assert store.stdout is not None and store.stdout.readline().strip() == "up"
+        ranks = [_python("""
+            import time
+            from gpipe_cli.pipeline import failure
+            watch = failure.AbortWatch("stage 0 (rank 0)")
+            print("watching", flush=True)
+            time.sleep(120)
+            """, env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "LOCAL_RANK": str(local),
+                      "TORCHELASTIC_RUN_ID": "job7"}) for local in (0, 1)]
+        for rank in ranks:
+            assert rank.stdout is not None and rank.stdout.readline().strip() == "watching"
+        failure.tell_stopped(f"127.0.0.1:{port}", "job7", "node 1 (host1)")  # that node's launcher, on its stop
+        outcomes = [rank.communicate(timeout=60) for rank in ranks]
+    finally:
+        store.kill()
+        store.wait()
+    assert [rank.returncode for rank in ranks] == [failure.EXIT_CODE] * 2
+    # Each node says it once: its first local rank.
+    assert outcomes[0][1].strip() == "[gpipe] stage 0 (rank 0) stopped: node 1 (host1) was stopped before the " \
+                                     "first step" and outcomes[1][1].strip() == ""
