@@ -88,7 +88,8 @@ def _run(job: Job) -> int:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node
             print(f"error: {exc}; start every node of the job with the same --nnodes and recipe", file=sys.stderr,
                   flush=True)
-        return UserError.exit_code
+        # At once: the launcher's SIGTERM to the other ranks may land here in an exit handler, as a traceback.
+        stopping.abrupt_exit(UserError.exit_code)
     if early is not None:
         told()  # set up: a stop from now on is reported as any other
     label = f"stage {topo.layout.stage} (rank {topo.layout.rank})"
