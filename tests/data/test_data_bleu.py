@@ -30,3 +30,9 @@ def test_chinese_and_japanese_are_scored_by_their_words_not_as_one_word_a_senten
     assert bleu_tokenizer(ja) in ("ja-mecab", "char") and corpus_bleu(ja, ja) == pytest.approx(100.0)
     assert 5.0 < corpus_bleu(["私はりんごが好き。", "これはペン"], ja) < 100.0
     assert bleu_tokenizer(["deux cent quarante-deux", "한국어 문장입니다", "hello 世界"]) == "13a"
+
+
+def test_the_hypotheses_are_scored_against_the_references_not_the_other_way() -> None:
+    # Swapped, the brevity penalty falls on the wrong side: a short output scored 30.2 where it scores 0.
+    assert corpus_bleu(["the cat sat on the mat"], ["the cat sat on the mat today"]) == pytest.approx(84.65, abs=0.01)
+    assert corpus_bleu(["the cat sat"], ["the cat sat on the mat"]) == 0.0

@@ -210,3 +210,18 @@ def test_parquet_text(tmp_path: Path) -> None:
     ds3 = build_data(data(source="parquet", path=str(lm), seq_len=8), "lm", seed=0, vocab_size=100, max_len=8,
                      cache_dir=tmp_path / "hf-cache")
     assert ds3.train_size > 0
+
+
+def test_a_target_fits_with_its_bos_or_eos_and_a_held_out_one_is_cut_to_leave_room_for_it() -> None:
+    # A target of max_len tokens trained as its first max_len - 1 and eos (it learned to stop a word early), and
+    # a held-out one cut to max_len made tgt_in one longer than the model's positions.
+    from types import SimpleNamespace
+
+    from gpipe_cli.data.text import TranslationExamples
+
+    words = SimpleNamespace(encode_batch=lambda texts: [[5] * len(t.split()) for t in texts])
+    pairs = [("a b", "w x y"), ("a b", "w x y z")]
+    train = TranslationExamples.build(pairs, words, 4, train=True)  # type: ignore[arg-type]
+    assert len(train) == 1 and train.left_out is not None and train.left_out.startswith("1 of 2 training pairs")
+    held = TranslationExamples.build([("a", "u v w x y z")], words, 4, train=False)  # type: ignore[arg-type]
+    assert max(held.tgt.lengths) + 1 <= 4

@@ -49,3 +49,9 @@ def test_encodings_reused_computes_each_sources_encoding_once_and_changes_no_tok
         model((sources[0], sources[0]))
         model((sources[0], sources[0]))
     assert len(runs) == 2
+
+
+def test_a_translation_may_run_to_twice_its_source_and_eight_more_within_the_model():
+    from gpipe_cli.models.transformer.decode import translation_limit
+
+    assert (translation_limit(10, 512), translation_limit(600, 512)) == (28, 511)

@@ -207,6 +207,15 @@ def test_an_image_model_names_the_top_classes_of_each_file(exports, picture, cap
     assert path == str(picture) and classes.count("class ") == 2 and classes.count("%") == 2
 
 
+def test_the_top_classes_are_a_distribution_over_every_class(exports, picture, capsys):
+    # A softmax over the wrong dimension printed "100.0%" for every class, and the order by it meant nothing.
+    import re
+
+    assert run(["predict", str(exports["image"]), str(picture), "--top", "3"]) == 0
+    shares = [float(x) for x in re.findall(r"\(([\d.]+)%\)", capsys.readouterr().out)]
+    assert len(shares) == 3 and sum(shares) == pytest.approx(100.0, abs=0.5) and shares == sorted(shares, reverse=True)
+
+
 def test_a_run_directory_stands_for_the_model_gpipe_export_wrote_into_it(exports, tmp_path, capsys):
     (tmp_path / "model.safetensors").write_bytes(exports["translation"].read_bytes())
     assert run(["predict", str(tmp_path), "seven"]) == 0

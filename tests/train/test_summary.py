@@ -155,3 +155,11 @@ def test_a_resumed_runs_best_eval_counts_its_evals_before_the_resume(tmp_path):
     fresh = RunSummary(total_steps=6, started=100.0)
     fresh.take_evals(metrics, 0)  # a run from step 0 has no earlier evals, whatever the folder holds
     assert fresh.best_eval is None
+
+
+def test_the_step_time_shares_are_the_mean_over_stages():
+    # train_record's stage i spends 10 (i + 1) (k + 1) ms of its 500 ms on part k: the mean of the two stages' shares,
+    # not the slowest stage's (3, 7, 10, 13, 67).
+    lines = run().lines(now=130.0, checkpoint=None, run_dir="run", text=True)
+    shares = [int(token.rstrip("%,")) for token in field(lines, "step time").split() if token.rstrip(",").endswith("%")]
+    assert shares == [3, 6, 9, 12, 70]
