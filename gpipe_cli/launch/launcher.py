@@ -392,6 +392,8 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
         stops.see_ranks_out()
         return 128 + signum
     except Exception as exc:  # rendezvous failures: unreachable endpoint, timeout
+        if isinstance(exc.__context__, KeyboardInterrupt):  # a Ctrl-C raised in torch's code, which then failed:
+            raise exc.__context__ from None  # its timing wrapper read a variable the interrupt left unset
         why = f"{type(exc).__name__}: {exc}"
         if rdzv.max_nodes > 1 and "clients joined" in str(exc):  # torch's store on node 0: "1/2 clients joined"
             why = (f"the other nodes did not join at {rdzv.endpoint} in time ({str(exc).strip()}); start gpipe train "

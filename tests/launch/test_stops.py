@@ -262,3 +262,24 @@ def test_a_rank_the_stop_never_reached_stops_after_its_first_step_and_takes_the_
         assert request.signum == 0
     finally:
         signal.signal(signal.SIGHUP, hangup)
+
+
+def test_a_ctrl_c_that_torch_s_own_code_fails_on_ends_the_launch_as_ctrl_c(monkeypatch):
+    # torch's timing wrapper reads a variable a Ctrl-C left unset: "gpipe: could not start the job:
+    # UnboundLocalError: cannot access local variable 'start'", exit 1, where a Ctrl-C ends quietly with 130.
+    import torch.distributed.launcher.api as api
+
+    from gpipe_cli.launch import forked, launcher
+
+    def elastic_launch(config, entrypoint):
+        def run(*args):
+            try:
+                raise KeyboardInterrupt
+            finally:
+                raise UnboundLocalError("cannot access local variable 'start' where it is not associated with a value")
+        return run
+
+    monkeypatch.setattr(api, "elastic_launch", elastic_launch)
+    monkeypatch.setattr(forked, "available", lambda: False)
+    with pytest.raises(KeyboardInterrupt):
+        launcher.launch("gpipe_cli.nothing", [], 1)
