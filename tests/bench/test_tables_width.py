@@ -60,3 +60,11 @@ def test_one_rank_holding_a_v_is_named_apart_from_k1():
     assert "· K=1 V=2 M=4 ·" in text
     rows = [line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│ K=")]
     assert rows == ["K=1", "K=1 V=2 (predicted)"]
+
+
+def test_the_tables_give_milliseconds_and_a_gpu_s_own_peak():
+    # A step of 0.0642 s reads 64.2 ms; a stage's CUDA allocator peak, where there is one, is its memory figure.
+    throughput = tables._throughput(summary())
+    assert list(throughput.columns[-1].cells) == ["98.0", "64.2"]
+    stage = {**_stage(0), "cuda_peak_bytes": 5 * 2**30}
+    assert list(tables._stages(summary(stages=[stage])).columns[5].cells) == ["5.0 GiB"]

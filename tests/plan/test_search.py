@@ -288,3 +288,12 @@ def test_a_runner_up_of_a_tie_says_why_it_loses():
         "as fast (within 0.5%), offloads activations to host memory")
     assert reason(None, winner, outcome(991.0, 10.0), 100.0, 1000.0) == (
         "0.9% below the fastest: only those within 0.5% of it are as fast")
+
+
+def test_a_runner_up_that_does_not_fit_names_its_fullest_stage():
+    from gpipe_cli.plan.show import reason
+
+    config = search.Config(2, 1, 4, "gpipe", 1, "except_last", "none")
+    winner = search.Outcome(config, [1, 1], [2.0 * 2**30, 2.0 * 2**30], True, step_time=0.01, batch=8)
+    over = search.Outcome(config, [1, 1], [3.0 * 2**30, 9.0 * 2**30], False, step_time=0.005, batch=8)
+    assert reason(None, winner, over, 8.0 * 2**30).startswith("stage 1 needs 9.0 GiB > 8.0 GiB")
