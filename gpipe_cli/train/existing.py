@@ -333,7 +333,7 @@ def recipe_changes(recipe: Recipe, where: Path) -> list[Change] | None:
     # another version that no longer validates is compared as it reads.
     with contextlib.suppress(ValueError):
         saved = anchored(Recipe.model_validate(saved)).model_dump(mode="json")
-    return sorted(_differences(saved, anchored(recipe).model_dump(mode="json"), ""), key=lambda c: c.key)
+    return sorted(differences(saved, anchored(recipe).model_dump(mode="json"), ""), key=lambda c: c.key)
 
 
 def held_changes(recipe: Recipe, location: str) -> list[Change] | None:
@@ -489,11 +489,11 @@ def newest_step(run_dir: Path) -> int | None:
     return None
 
 
-def _differences(old: Any, new: Any, prefix: str) -> Iterator[Change]:
+def differences(old: Any, new: Any, prefix: str) -> Iterator[Change]:
     """Changed leaves of two nested mappings, by dotted key (a section set on one side only is one change)."""
     if isinstance(old, dict) and isinstance(new, dict):
         for key in [*old, *(k for k in new if k not in old)]:
-            yield from _differences(old.get(key, _ABSENT), new.get(key, _ABSENT), f"{prefix}{key}.")
+            yield from differences(old.get(key, _ABSENT), new.get(key, _ABSENT), f"{prefix}{key}.")
     elif old != new:
         yield Change(prefix[:-1], old, new)
 

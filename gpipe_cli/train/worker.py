@@ -132,34 +132,22 @@ _PER_NODE = ("data.path", "data.tokenizer")
 def check_same_recipe(recipe: dict[str, Any], topo: Any) -> None:
     """Refuse, on every rank, a job whose ranks were handed different recipes (nodes started with other --set)."""
     from gpipe_cli.errors import UserError
+    from gpipe_cli.train.existing import differences
 
-    flat = {key: value for key, value in _flat(recipe).items() if key not in _PER_NODE}
-    every = topo.fabric.gather_objects(flat)
+    every = topo.fabric.gather_objects(recipe)
     problem = None
-    if every is not None:  # rank 0
-        for rank, theirs in enumerate(every):
-            differ = sorted(key for key in flat.keys() | theirs.keys() if flat.get(key) != theirs.get(key))
-            if differ:
-                key = differ[0]
-                others = f" (and {len(differ) - 1} more key{'s' * (len(differ) > 2)})" if len(differ) > 1 else ""
-                problem = (f"the nodes were given different recipes: {key} is {json.dumps(theirs.get(key))} on rank "
-                           f"{rank} and {json.dumps(flat.get(key))} on rank 0{others}; start every node with the same "
-                           "recipe and --set values")
-                break
+    for rank, theirs in enumerate(every or ()):  # rank 0 compares
+        differ = sorted((c for c in differences(recipe, theirs, "") if c.key not in _PER_NODE), key=lambda c: c.key)
+        if differ:
+            first = differ[0]
+            others = f" (and {len(differ) - 1} more key{'s' * (len(differ) > 2)})" if len(differ) > 1 else ""
+            problem = (f"the nodes were given different recipes: {first.key} is {json.dumps(first.new, default=str)} "
+                       f"on rank {rank} and {json.dumps(first.old, default=str)} on rank 0{others}; start every node "
+                       "with the same recipe and --set values")
+            break
     problem = topo.share(problem)
     if problem:
         raise UserError(problem)
-
-
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested mapping's leaves by their dotted keys."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 if __name__ == "__main__":

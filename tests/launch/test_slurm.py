@@ -119,12 +119,17 @@ def test_dry_run_prints_the_rendezvous_and_the_torchrun_command_and_starts_nothi
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]  # no run directory
 
 
-def test_dry_run_outside_slurm_says_the_node_runs_alone(tmp_path, monkeypatch, capsys):
+def _alone(tmp_path, monkeypatch, capsys, *flags) -> tuple:
+    """The recipe and what `train --dry-run` with `flags` prints outside Slurm."""
     recipe = write(tmp_path, TINY_AMOEBANET)
     _in_step(monkeypatch, {})
     monkeypatch.setattr("gpipe_cli.train.run.launch", _nothing_starts)
-    assert run(["train", str(recipe), "--threads", "3", "--dry-run"]) == 0
-    out = capsys.readouterr().out
+    assert run(["train", str(recipe), *flags, "--dry-run"]) == 0
+    return recipe, capsys.readouterr().out
+
+
+def test_dry_run_outside_slurm_says_the_node_runs_alone(tmp_path, monkeypatch, capsys):
+    recipe, out = _alone(tmp_path, monkeypatch, capsys, "--threads", "3")
     assert "this node alone" in out and "Slurm" not in out
     assert f"OMP_NUM_THREADS=3 GPIPE_THREADS=3 torchrun --standalone --nproc-per-node 2 -m gpipe_cli train {recipe}" \
         in out
@@ -132,11 +137,7 @@ def test_dry_run_outside_slurm_says_the_node_runs_alone(tmp_path, monkeypatch, c
 
 def test_dry_run_of_one_node_at_a_given_endpoint_shows_that_endpoint(tmp_path, monkeypatch, capsys):
     # It said "id None" and gave `torchrun --standalone`, where the launch would meet at the endpoint.
-    recipe = write(tmp_path, TINY_AMOEBANET)
-    _in_step(monkeypatch, {})
-    monkeypatch.setattr("gpipe_cli.train.run.launch", _nothing_starts)
-    assert run(["train", str(recipe), "--rdzv-endpoint", "localhost:29500", "--dry-run"]) == 0
-    out = capsys.readouterr().out
+    recipe, out = _alone(tmp_path, monkeypatch, capsys, "--rdzv-endpoint", "localhost:29500")
     assert "rendezvous:     static, host localhost, port 29500, id a fresh one chosen at launch" in out
     assert f"torchrun --nnodes 1 --nproc-per-node 2 --node-rank 0 --rdzv-backend static --rdzv-endpoint " \
            f"localhost:29500 -m gpipe_cli train {recipe}" in out and "None" not in out
