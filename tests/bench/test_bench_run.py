@@ -114,6 +114,9 @@ def test_simulate_predicts_without_launching_k_ranks(tmp_path):
     assert figures["simulated"] and not figures["measured"] and figures["partitions"] == 4
     assert figures["stages"] == [] and figures["prediction"]["partitions"] == 4
     assert figures["bubble"] == pytest.approx(figures["prediction"]["bubble"])
+    # The predicted examples each carry the tokens a measured example did.
+    per_example = figures["tokens_per_s_k1"] / figures["samples_per_s_k1"]
+    assert figures["tokens_per_s"] == pytest.approx(figures["samples_per_s"] * per_example)
 
 
 def test_sweep_prints_the_papers_table(tmp_path):
@@ -124,5 +127,7 @@ def test_sweep_prints_the_papers_table(tmp_path):
     cells = {(c["partitions"], c["microbatches"]): c for c in figures["sweep"]}
     assert {m for _, m in cells} == {1, 4, 32}
     assert cells[(2, 1)]["normalized"] == pytest.approx(1.0)
+    for cell in cells.values():  # each cell's throughput over the K=2, M=1 one's
+        assert cell["normalized"] == pytest.approx(cell["samples_per_s"] / cells[(2, 1)]["samples_per_s"])
     assert cells[(2, 32)]["paper"] == 1.8  # Transformer-48, K=2, M=32 in the paper's Table 2
     assert out.with_suffix(".png").stat().st_size > 0  # the table drawn beside the JSON

@@ -134,6 +134,11 @@ def test_token_budget_batches() -> None:
     assert len({s[1] for s in shapes}) > 1  # padded per batch, not to a global length
     assert [b.ids for b in ds.train_batches(epoch=0)] != [b.ids for b in ds.train_batches(epoch=1)]
     assert sum(b.size for b in ds.eval_batches()) == ds.eval_size
+    # The batches come in a new order each epoch, not shortest first: a model shown the lengths ascending
+    # would see every epoch end on its longest sentences.
+    longest = [[int(lengths[b.ids].max()) for b in ds.train_batches(epoch=e, need_inputs=False)] for e in (0, 1)]
+    assert longest[0] != sorted(longest[0]) and longest[0] != longest[1]
+    assert sorted(longest[0]) == sorted(longest[1])
 
 
 def test_the_heaviest_batch_is_a_real_step_s_shard_under_a_token_budget() -> None:
@@ -204,3 +209,17 @@ def test_worker_processes_give_the_same_batches() -> None:
     inline = build_data(data(**kw), "image", seed=0, image_size=32, num_classes=3)
     workers = build_data(data(**kw), "image", seed=0, image_size=32, num_classes=3, workers=2)
     assert _same(list(inline.train_batches(epoch=1, start=1)), list(workers.train_batches(epoch=1, start=1)))
+
+
+def test_a_short_last_language_window_is_padded_to_its_whole_batch_on_every_shard() -> None:
+    # Each shard is cut from the batch one replica would see, as for every task: the same width on each.
+    from gpipe_cli.data.loader import Loader
+    from gpipe_cli.data.text import LMExamples
+
+    examples = LMExamples(np.arange(2 * 8 + 5, dtype=np.int64), seq_len=8)  # windows of 8, 8 and 4
+    loader = Loader(train=examples, eval=None, tokenizer=None, batch_size=3, tokens_per_batch=None,
+                    drop_last=False, shuffle=False, seed=0)
+    whole = next(loader.train_batches(epoch=0))
+    shards = [next(loader.train_batches(epoch=0, shard=(r, 2))) for r in range(2)]
+    assert shards[1].ids == [2] and [s.inputs.shape[1] for s in shards] == [8, 8]
+    assert torch.equal(torch.cat([s.targets for s in shards]), whole.targets)

@@ -297,3 +297,17 @@ def test_a_runner_up_that_does_not_fit_names_its_fullest_stage():
     winner = search.Outcome(config, [1, 1], [2.0 * 2**30, 2.0 * 2**30], True, step_time=0.01, batch=8)
     over = search.Outcome(config, [1, 1], [3.0 * 2**30, 9.0 * 2**30], False, step_time=0.005, batch=8)
     assert reason(None, winner, over, 8.0 * 2**30).startswith("stage 1 needs 9.0 GiB > 8.0 GiB")
+
+
+def test_a_ring_all_reduce_sends_each_stage_s_gradients_2_d_minus_1_times_a_dth_of_them():
+    link = simulate.Link(1e6, 1e-3)  # bytes per second, seconds per hop
+    # 4 replicas: 6 hops, each of a quarter of the largest stage's 3,000 fp32 gradients (12,000 bytes).
+    assert search.allreduce_seconds([1000, 3000], 4, link) == pytest.approx(6 * 1e-3 + 6 / 4 * 12000 / 1e6)
+    assert search.allreduce_seconds([1000, 3000], 1, link) == 0.0
+
+
+def test_each_replica_is_charged_building_its_own_share_of_the_batch():
+    model = dataclasses.replace(synthetic(4, 0, equal=True), data_seconds=2.0)
+    hw = search.Hardware(4, math.inf, FAST, FAST)
+    shares = {d: search.evaluate(model, hw, search.Config(4 // d, d, 2, "gpipe", 1, "never")).fixed for d in (1, 2, 4)}
+    assert shares == {1: 2.0, 2: 1.0, 4: 0.5}

@@ -477,10 +477,22 @@ def test_a_model_file_that_cannot_be_read_is_said_so_not_called_missing(exports,
                                                                 "denied)")
 
 
-def test_a_sentence_longer_than_the_model_reads_is_said_to_be_cut(exports, capsys):
+def test_a_sentence_longer_than_the_model_reads_is_said_to_be_cut(exports, monkeypatch, capsys):
     # Its first max_len tokens were translated with no word, the rest of the sentence dropped.
     # Words the test's small tokenizer holds whole ("seven" has an 's' it has no piece for, which is said too).
+    from gpipe_cli.predict import tasks
+
+    sources = []
+
+    def translate(model, src, *args):  # type: ignore[no-untyped-def]
+        sources.append(src)
+        return real(model, src, *args)
+
+    real = tasks.translate
+    monkeypatch.setattr("gpipe_cli.predict.tasks.translate", translate)
     assert run(["predict", str(exports["translation"]), " ".join(["one"] * 40), "one"]) == 0
+    tok = tasks._tokenizer(tasks.load_export(str(exports["translation"])))
+    assert sources[0].tolist() == [tok.encode(" ".join(["one"] * 40))[:24]]  # the very tokens it says it reads
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("[gpipe] a sentence of ") and lines[0].endswith(
@@ -571,3 +583,16 @@ def test_greedy_decoding_never_answers_padding_unknown_or_bos():
     assert prefix.tolist() == [[0, 4]] and not finished.any()
     ranked = torch.tensor([[[9.0, 8.0, 7.0, 3.0, 2.0]]])  # eos next: the answer ends
     assert list(continue_text(lambda tokens: ranked.expand(1, tokens.shape[1], 5), [4], 5, 8)) == []
+
+
+def test_a_continuation_reads_the_last_window_of_tokens_at_every_step():
+    from gpipe_cli.models.transformer.decode import continue_text
+
+    widths = []
+
+    def forward(tokens):  # type: ignore[no-untyped-def]
+        widths.append(tokens.shape[1])
+        return torch.tensor([9.0 if v == 7 else 0.0 for v in range(10)]).expand(1, tokens.shape[1], 10)
+
+    assert list(continue_text(forward, [4, 5], 6, 4)) == [7] * 6
+    assert widths == [2, 3, 4, 4, 4, 4]  # the prompt, then each step's window of 4, never fewer
