@@ -55,3 +55,18 @@ def test_the_loss_scale_halves_on_overflow_never_below_one_and_grows_after_clean
     restored = grads.LossScale(True, torch.device("cpu"))
     restored.load(scale.state())
     assert restored.value.item() == 1.0
+
+
+def test_norms_of_several_dtypes_come_back_beside_the_parameters_they_are_of():
+    # Grouped by dtype for one kernel each: the positions must follow the groups, or a norm names another parameter
+    # (and a tied copy counted elsewhere would be left out in its place).
+    values = [[3.0, 4.0], [1.0, 0.0], [0.0, 2.0], [6.0, 8.0]]
+    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float32]
+    params = []
+    for value, dtype in zip(values, dtypes, strict=True):
+        p = nn.Parameter(torch.zeros(2, dtype=dtype))
+        p.grad = torch.tensor(value, dtype=dtype)
+        params.append(p)
+    found, positions = grads.norms(params)
+    assert sorted(positions) == [0, 1, 2, 3] and positions != (0, 1, 2, 3)  # grouped: not the parameters' order
+    assert found.tolist() == [torch.linalg.vector_norm(torch.tensor(values[i])).item() for i in positions]
