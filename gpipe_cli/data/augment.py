@@ -145,6 +145,10 @@ class ImageTransform:
         return ops.normalize(img.contiguous())
 
 
+class FloatRange(ValueError):
+    """A float image whose values are not in [0, 1]: no scale to read it by can be assumed."""
+
+
 def pil_to_tensor(image: Any) -> torch.Tensor:
     """A PIL image (any mode) as float [3,h,w] in [0,1], upright as its EXIF orientation says."""
     from PIL import ImageOps
@@ -152,6 +156,12 @@ def pil_to_tensor(image: Any) -> torch.Tensor:
     image = ImageOps.exif_transpose(image)  # a phone's photo is stored sideways with a tag saying so
     if image.mode in ("I", "I;16", "I;16B", "I;16L"):  # 16-bit grey: to RGB, PIL clips it at 255 (white)
         grey = torch.from_numpy(np.asarray(image, dtype=np.float32) / 65535.0).clamp_(0.0, 1.0)
+        return grey.expand(3, *grey.shape).contiguous()
+    if image.mode == "F":  # 32-bit float: to RGB, PIL rounds [0, 1] to 0 or 1 of 255 (black)
+        grey = torch.from_numpy(np.asarray(image, dtype=np.float32).copy())
+        if grey.numel() and not (grey.isfinite().all() and grey.min() >= 0.0 and grey.max() <= 1.0):
+            raise FloatRange(f"a 32-bit float image is read as values in [0, 1]; this one holds values from "
+                             f"{grey.min().item():g} to {grey.max().item():g}")
         return grey.expand(3, *grey.shape).contiguous()
     if image.mode == "P" and "transparency" in image.info:  # as RGBA first: PIL warns of a direct conversion
         image = image.convert("RGBA")

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from gpipe_cli.data.augment import ImageTransform, pil_to_tensor
+from gpipe_cli.data.augment import FloatRange, ImageTransform, pil_to_tensor
 from gpipe_cli.data.image_kind import FORMATS, image_format
 from gpipe_cli.data.sources import first_line
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE, UNK, Tokenizer
@@ -146,6 +146,8 @@ def read_image(path: str) -> torch.Tensor:
     try:
         with Image.open(path) as image:
             return pil_to_tensor(image)
+    except FloatRange as exc:
+        raise UserError(f"{shown(path)} cannot be classified: {exc}") from None
     # PIL refuses an image of more pixels than it allows with an error of its own (not an OSError).
     except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
         raise UserError(f"{shown(path)} is not an image PIL can read ({first_line(exc)}); {_CLASSIFIES}") from None

@@ -116,6 +116,12 @@ def test_pixels_are_read_upright_at_their_own_depth_without_warnings(tmp_path: P
     Image.fromarray(np.ascontiguousarray(np.rot90(left))).save(tmp_path / "tagged.png", exif=exif)
     tagged, upright = (pil_to_tensor(Image.open(tmp_path / name)) for name in ("tagged.png", "upright.png"))
     assert torch.equal(tagged, upright)
+    Image.fromarray(grey.astype(np.float32) / 255, mode="F").save(tmp_path / "float.tif")  # read black
+    assert torch.allclose(pil_to_tensor(Image.open(tmp_path / "float.tif")), pil_to_tensor(Image.fromarray(grey)))
+    Image.fromarray(grey.astype(np.float32), mode="F").save(tmp_path / "float255.tif")  # no scale to assume
+    with pytest.raises(ValueError, match=r"^a 32-bit float image is read as values in \[0, 1\]; this one holds "
+                                         r"values from 0 to 255$"):
+        pil_to_tensor(Image.open(tmp_path / "float255.tif"))
     Image.fromarray(grey).convert("P").save(tmp_path / "palette.png", transparency=b"\0" * 8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # PIL's warning of palette bytes went to the terminal mid-run

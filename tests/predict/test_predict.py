@@ -314,6 +314,8 @@ def text_file(folder: Path) -> Path:
     (lambda tmp, exports: exports["translation"], ["PICTURE"], "is an image file, but this is a translation"),
     (lambda tmp, exports: exports["image"], ["one two"], "'one two': no such file; an image model classifies"),
     (lambda tmp, exports: exports["image"], [str(Path(__file__))], "is not an image PIL can read"),
+    (lambda tmp, exports: exports["image"], ["FLOATS"], "cannot be classified: a 32-bit float image is read as "
+                                                      "values in [0, 1]; this one holds values from 0 to 599"),
     # Python 3.11's pathlib raised "File name too long" from exists().
     (lambda tmp, exports: tmp / ("m" * 300), ["x"], "has a name of 300 bytes; a name may have at most 255"),
     (lambda tmp, exports: exports["image"], ["p" * 300 + ".png"], "has a name of 304 bytes"),
@@ -330,11 +332,13 @@ def text_file(folder: Path) -> Path:
 ], ids=["missing", "directory", "text file", "plain safetensors", "damaged", "no tokenizer", "unknown task",
         "task of another model", "no task", "weights of another shape",
         "image to lm",
-        "image to translation", "text to image model", "non-image file", "model name too long",
+        "image to translation", "text to image model", "non-image file", "float image", "model name too long",
         "image name too long", "top", "max-tokens of translation",
         "max-tokens 0", "max-tokens huge", "top of a text model", "not UTF-8"])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, exports, picture, capsys, model, args, fragment):
-    args = [str(picture) if a == "PICTURE" else a for a in args]
+    if "FLOATS" in args:
+        Image.fromarray(np.arange(600, dtype=np.float32).reshape(20, 30), mode="F").save(tmp_path / "floats.tif")
+    args = [str(picture) if a == "PICTURE" else str(tmp_path / "floats.tif") if a == "FLOATS" else a for a in args]
     code = run(["predict", str(model(tmp_path, exports)), *args])
     captured = capsys.readouterr()
     assert fragment in one_error_line(code, captured.err, captured.out)
