@@ -52,9 +52,9 @@ R = TypeVar("R", bound=Rate)
 
 def after_warmup(warmup: R, after: R) -> tuple[R, str]:
     """A start's steps its mean figures are over, and in words: those after its warm-up step, else that step alone."""
-    if after.steps:
+    if after.steps and warmup.steps:
         return after, f"the steps after the first, which took {warmup.seconds:.2f} s warming up"
-    return warmup, "the training steps"
+    return (after, "the training steps") if after.steps else (warmup, "the training steps")
 
 
 def profiled_words(steps: Sequence[int]) -> str:

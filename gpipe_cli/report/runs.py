@@ -149,13 +149,26 @@ def eval_metric(run: Run) -> str | None:
 HEADLINE = {"bleu": "BLEU", "perplexity": "ppl", "accuracy": "acc"}  # by precedence, with the table's short name
 
 
+def warm(records: list[dict[str, Any]]) -> int:
+    """How many of a start's records lead it warming up: its first, but for a course a resume set aside that goes
+    on from a start recorded in its run (its first step is then as any other)."""
+    first = records[0] if records else {}
+    return int(first.get(WARMUP) is True or first.get(RESUMED) is True or first.get("step") == 1)
+
+
 def warm_only(starts: Starts) -> bool:
     """Whether every step of these starts is a start's first: the warm-up steps are then all there is, and kept."""
-    return not any(records[1:] for records in starts)
+    return not any(records[warm(records):] for records in starts)
+
+
+def _after(starts: Starts) -> list[list[dict[str, Any]]]:
+    """Each start's records after its warm-up step (all of them, where the warm-up steps are all there is)."""
+    only = warm_only(starts)
+    return [records if only else records[warm(records):] for records in starts]
 
 
 def _steady(starts: Starts) -> list[dict[str, Any]]:
-    return [r for records in starts for r in (records if warm_only(starts) else records[1:])]
+    return [r for records in _after(starts) for r in records]
 
 
 def steady(run: Run) -> list[dict[str, Any]]:
@@ -165,14 +178,12 @@ def steady(run: Run) -> list[dict[str, Any]]:
 
 def steady_now(run: Run) -> list[dict[str, Any]]:
     """The steady steps (`steady`) of the run's last pipeline but the profiled ones: what its mean figures are of."""
-    starts = last_cut(run)
-    return [r for records in starts for r in _unprofiled(records if warm_only(starts) else records[1:])]
+    return [r for records in _after(last_cut(run)) for r in _unprofiled(records)]
 
 
 def profiled_left_out(run: Run) -> list[int]:
     """The profiled steps of the run's last pipeline that its mean figures leave out (`steady_now`)."""
-    starts = last_cut(run)
-    return [step for records in starts for step in _left_out(records if warm_only(starts) else records[1:])]
+    return [step for records in _after(last_cut(run)) for step in _left_out(records)]
 
 
 def _unprofiled(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -304,12 +315,13 @@ def _rate(steps: Timed) -> Rate:
 
 def _segment(records: list[dict[str, Any]]) -> Throughput:
     """One start's throughput as its `gpipe train` summary gives it."""
-    steps = _timed(records[:1] + _unprofiled(records[1:]))
-    shown, over = after_warmup(_rate(steps[:1]), _rate(steps[1:]))
-    if len(steps) > 1:
-        over += profiled_words(_left_out(records[1:]))
+    w = warm(records)
+    steps = _timed(records[:w] + _unprofiled(records[w:]))
+    shown, over = after_warmup(_rate(steps[:w]), _rate(steps[w:]))
+    if len(steps) > w:
+        over += profiled_words(_left_out(records[w:]))
     return Throughput(shown.per_s, over, number_range(records[0]['step'], records[-1]['step']),
-                      steps[0][1] if len(steps) > 1 else None)
+                      steps[0][1] if w and len(steps) > 1 else None)
 
 
 def segment_throughputs(run: Run) -> list[Throughput]:
@@ -326,18 +338,22 @@ def throughput(run: Run) -> Throughput:
     parts, span = last_cut(run), cut_steps(run)
     if len(parts) == 1 and span is None:
         return _segment(parts[0])
-    timed = [_timed(records[:1] + _unprofiled(records[1:])) for records in parts]
-    firsts = _rate([steps[0] for steps in timed if steps])
-    shown, over = after_warmup(firsts, _rate([step for steps in timed for step in steps[1:]]))
-    warmups = _and([f"{steps[0][1]:.2f}" for steps in timed if steps])
+    ws = [warm(records) for records in parts]
+    timed = [_timed(records[:w] + _unprofiled(records[w:])) for records, w in zip(parts, ws, strict=True)]
+    firsts = _rate([steps[0] for steps, w in zip(timed, ws, strict=True) if steps and w])
+    shown, over = after_warmup(firsts, _rate([step for steps, w in zip(timed, ws, strict=True) for step in steps[w:]]))
+    warmups = _and([f"{steps[0][1]:.2f}" for steps, w in zip(timed, ws, strict=True) if steps and w] or ["0"])
+    warming = shown is not firsts and firsts.steps > 0
     if span is not None:  # resumed with another pipeline: the steps since, whose K, M and schedule the row has
         over = f"{steps_words(span)} only, its last pipeline"
-        if shown is not firsts:
+        if warming:
             each = f" of each start (at steps {_and([str(records[0]['step']) for records in parts])})"
             over += f", after the first{each if len(parts) > 1 else ''}, which took {warmups} s warming up"
-    elif shown is not firsts:  # the steps after every start's warm-up step: each start named
+    elif warming:  # the steps after every start's warm-up step: each start named
         at = f"step{'s' if len(parts) > 2 else ''} " + _and([str(records[0]["step"]) for records in parts[1:]])
-        over = f"the steps after the first of the run and of each resume (at {at}), which took {warmups} s warming up"
+        # A course a resume set aside goes on from a start recorded in its run: only its resumes warmed up here.
+        whose = "the run and of each resume" if ws[0] else "each resume" if len(parts) > 2 else "the resume"
+        over = f"the steps after the first of {whose} (at {at}), which took {warmups} s warming up"
     if shown is not firsts:
-        over += profiled_words([step for records in parts for step in _left_out(records[1:])])
+        over += profiled_words([step for records, w in zip(parts, ws, strict=True) for step in _left_out(records[w:])])
     return Throughput(shown.per_s, over)

@@ -149,3 +149,25 @@ def test_the_report_leaves_out_profiled_steps_as_the_train_summary_does(tmp_path
     assert cli(["report", str(run), "--output", str(tmp_path / "page.png")]) == 0
     out = capsys.readouterr().out
     assert f"mean over {rate.over}" in out and "not the 2 profiled (steps 3-4)" in out.split("per stage", 1)[1]
+
+
+def test_a_course_a_resume_set_aside_counts_its_first_step_unless_it_warmed_up_there(tmp_path, capsys):
+    # A run trained steps 1-10 in one start; a resume from step 6 set steps 7-10 aside. Step 7 was taken for a
+    # warm-up and left out of the course's mean, and the words said it warmed up.
+    run = make_run(tmp_path / "run", 2, steps=6)
+    course = run / "checkpoints" / "superseded-20261207-031500-at-step-6"
+    course.mkdir(parents=True)
+    seconds = (0.3, 0.2, 0.9, 0.4)
+    records = segment_records(7, seconds, resumed=False)
+    (course / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    rate = throughput(read_runs([course])[0])
+    assert rate.samples_per_s == pytest.approx(BATCH * 4 / sum(seconds)) and rate.over == "the training steps"
+    # Resumed within the course at step 9: that step warmed up, the course's first did not.
+    records = segment_records(7, seconds[:2], resumed=False) + segment_records(9, seconds[2:], resumed=True)
+    (course / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    rate = throughput(read_runs([course])[0])
+    assert rate.samples_per_s == pytest.approx(BATCH * 3 / (0.3 + 0.2 + 0.4))
+    assert rate.over == "the steps after the first of the resume (at step 9), which took 0.90 s warming up"
+    assert cli(["report", str(course), "--output", str(tmp_path / "page.png")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"samples/s, bubble and wait: mean over {rate.over}" in out
