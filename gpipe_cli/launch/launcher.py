@@ -362,11 +362,13 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
             logging.getLogger(name).setLevel(logging.CRITICAL)
     stops = _Stops(started, forking=fork)
     if rdzv.max_nodes > 1 and rdzv.endpoint:
-        from gpipe_cli.pipeline.failure import tell_stopped
+        from gpipe_cli.pipeline.failure import clear_stopped, tell_stopped
 
         run_id = config.run_id  # type: ignore[attr-defined]
-        stops.tell = lambda: tell_stopped(str(rdzv.endpoint), run_id, f"node {rdzv.node_rank} ({socket.gethostname()})"
-                                          if rdzv.node_rank is not None else socket.gethostname())
+        node = f"node {rdzv.node_rank} ({socket.gethostname()})" if rdzv.node_rank is not None else socket.gethostname()
+        if rdzv.node_rank != 0:  # node 0 holds the store: started again, it starts a new one
+            clear_stopped(str(rdzv.endpoint), run_id, node)
+        stops.tell = lambda: tell_stopped(str(rdzv.endpoint), run_id, node)
     previous = interrupts.take_signal(stops.forward_interrupt)
     # The agent installs its own for these and leaves them behind.
     previous_stops = {signum: signal.getsignal(signum) for signum in interrupts.TERMINATING}

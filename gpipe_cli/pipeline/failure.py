@@ -84,6 +84,23 @@ def tell_stopped(endpoint: str, run_id: str, who: str) -> None:
                           f"{os.getpid()}@{socket.gethostname()}\n{_STOPPED}\n{who} was stopped before the first step")
 
 
+def clear_stopped(endpoint: str, run_id: str, who: str) -> None:
+    """Take back a stop that `who` told the job's store at `endpoint` on an earlier start (best effort)."""
+    # A node stopped while waiting for a third leaves its report in the store on node 0; started again, it would
+    # form the job and every rank would end at once for a stop that is over. Only its own report is taken back.
+    host, _, port = endpoint.rpartition(":")
+    with contextlib.suppress(Exception):
+        # A store not up yet holds no report: a plain socket finds out without c10d's log of a failed connection.
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2), wait_for_workers=False)
+        key = f"{_KEY_PREFIX}{run_id}/0"
+        if store.check([key]):
+            text = store.get(key).decode(errors="replace")
+            message, kind, _ = _decode(text)
+            if kind == _STOPPED and message.startswith(f"{who} was stopped"):
+                store.compare_set(key, text, "")  # "" is no report: a later one still takes its place
+
+
 def _decode(text: str) -> tuple[str, str, str]:
     parts = text.split("\n", 2)
     return (parts[2], parts[1], parts[0]) if len(parts) == 3 else (text, _FAILED, "")
@@ -139,8 +156,9 @@ class AbortWatch:
         key = job_key(_KEY_PREFIX)
         while not self._stopped.wait(POLL_S):
             try:
-                if self._store is not None and self._store.check([key]):
-                    message, kind, origin = _decode(self._store.get(key).decode(errors="replace"))
+                text = self._store.get(key) if self._store is not None and self._store.check([key]) else b""
+                if text:  # empty: none, or one a node took back when it started again (`clear_stopped`)
+                    message, kind, origin = _decode(text.decode(errors="replace"))
                     if origin.startswith(f"{os.getpid()}@") or kind == _STOPPED and stopping.received():
                         continue  # this rank's own report, or a stop it got too: it ends itself once done
                     if not self._stopped.is_set():

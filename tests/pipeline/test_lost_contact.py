@@ -134,3 +134,32 @@ def test_a_node_stopped_while_its_ranks_start_ends_the_ranks_waiting_for_it_on_t
     # Each node says it once: its first local rank.
     assert outcomes[0][1].strip() == "[gpipe] stage 0 (rank 0) stopped: node 1 (host1) was stopped before the " \
                                      "first step" and outcomes[1][1].strip() == ""
+
+
+def test_a_node_started_again_takes_back_the_stop_it_told_while_waiting_for_a_third():
+    # Stopped while three nodes gathered, node 1 left its stop in the store on node 0: started again, it formed
+    # the job and every rank ended at once, "node 1 was stopped before the first step".
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    endpoint, key = f"127.0.0.1:{store.port}", "gpipe/abort/job7/0"
+    failure.tell_stopped(endpoint, "job7", "node 1 (host1)")
+    failure.clear_stopped(endpoint, "job7", "node 2 (host2)")  # another node's report is not its own to take back
+    assert store.get(key).decode().endswith("\nnode 1 (host1) was stopped before the first step")
+    failure.clear_stopped(endpoint, "job7", "node 1 (host1)")
+    assert store.get(key) == b""
+    rank = _python("""
+        import time
+        from gpipe_cli.pipeline import failure
+        watch = failure.AbortWatch("stage 0 (rank 0)")
+        time.sleep(6 * failure.POLL_S)
+        print("still watching", flush=True)
+        watch.stop()
+        time.sleep(2 * failure.POLL_S)  # its thread leaves the store before the interpreter ends
+        """, env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                  "TORCHELASTIC_RUN_ID": "job7"})
+    out, err = rank.communicate(timeout=60)
+    assert (rank.returncode, out.strip(), err.strip()) == (0, "still watching", "")  # the emptied key is no report
+    failure.tell_stopped(endpoint, "job7", "node 2 (host2)")  # a stop told later still takes its place
+    assert store.get(key).decode().endswith("\nnode 2 (host2) was stopped before the first step")
+    failure.clear_stopped("127.0.0.1:1", "job7", "node 1 (host1)")  # no store there yet: nothing to do, no error
