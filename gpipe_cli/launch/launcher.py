@@ -29,6 +29,7 @@ _STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGPIPE)  # 
 FORCE_S = 20.0  # after a stop with nothing to save, the most a command may take to end
 JOIN_TELL_S = 10.0  # a launch of several nodes still without ranks here after this says what it waits for
 HANDLER_GRACE_S = 2.0  # how long a stop signal's handler has to act before the launch takes it as blocked
+NO_RANKS_S = 2.0  # a blocked launch stopped with no rank of its own for this long ends at once
 SHUTDOWN_S = 120  # seconds ranks get to finish a step and checkpoint on Ctrl-C/SIGTERM
 
 
@@ -109,10 +110,10 @@ def _say(line: str) -> None:
 
 
 def tell_waiting(rdzv: Rendezvous, over: threading.Event, said: Callable[[str], None],
-                 after: float = JOIN_TELL_S) -> None:
+                 after: float = JOIN_TELL_S, stopped: Callable[[], bool] = lambda: False) -> None:
     """Once, `after` s into a launch of several nodes that has started no rank here, say what it waits for."""
     # torch waits up to 15 minutes for the other nodes without a word: node 0 looked hung.
-    if rdzv.max_nodes > 1 and not over.wait(after) and not _ranks():
+    if rdzv.max_nodes > 1 and not over.wait(after) and not _ranks() and not stopped():
         said(f"waiting for the job's other nodes to join at {rdzv.endpoint} ({rdzv.max_nodes} nodes in all; "
              "Ctrl-C stops)")
 
@@ -180,6 +181,7 @@ class _Stops:
         self.stood_down = threading.Event()  # a caller that outlives the launch cancels the forced end
         self.first = 0  # the first stop signal: the one the ranks act on and name, whatever follows it
         self.tell: Callable[[], None] | None = None  # tells the other nodes of a stop before the first step
+        self.blocked = False  # the stop's handler could not run: the launch waits inside torch (for other nodes)
 
     def training(self) -> bool:
         """Whether the ranks have a step to finish and save (else a stop ends them at once)."""
@@ -236,6 +238,7 @@ class _Stops:
                 if data[0] in (signal.SIGINT, *interrupts.TERMINATING) and not self.training() \
                         and not self.over.wait(HANDLER_GRACE_S) and not self.finishing:
                     self.setting_up(data[0])
+                    self.blocked = True
                     self.finish(data[0])
             os.close(read)
 
@@ -249,11 +252,18 @@ class _Stops:
     def _finish(self, signum: int) -> None:
         """See a stop with nothing to save through; a process still here `FORCE_S` after it is stuck, and ends."""
         deadline = time.monotonic() + FORCE_S
+        seen = time.monotonic()  # when a rank of this node last ran
         while time.monotonic() < deadline:
             if self.training():
                 return  # a rank reached its first step meanwhile: the ranks finish it and save, however long
+            ranks = _ranks()
+            if ranks:
+                seen = time.monotonic()
+            elif self.blocked and time.monotonic() - seen >= NO_RANKS_S:
+                # Waiting for the other nodes, and no rank here: nothing to see through, its stop already said.
+                abrupt_exit(128 + signum)
             if not self.over.is_set():  # again each second: a rank forked at the first's instant can lose it
-                _send(_ranks(), signal.SIGTERM)
+                _send(ranks, signal.SIGTERM)
             if self.stood_down.wait(1.0):
                 return
         _send(_ranks(), signal.SIGKILL)
@@ -372,7 +382,8 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     previous = interrupts.take_signal(stops.forward_interrupt)
     # The agent installs its own for these and leaves them behind.
     previous_stops = {signum: signal.getsignal(signum) for signum in interrupts.TERMINATING}
-    threading.Thread(target=tell_waiting, args=(rdzv, stops.over, _say), name="launch-wait", daemon=True).start()
+    threading.Thread(target=tell_waiting, args=(rdzv, stops.over, _say, JOIN_TELL_S, lambda: stops.told),
+                     name="launch-wait", daemon=True).start()
     try:
         with _giving_ranks(threads, options), stops.blocked_stops():
             if fork:

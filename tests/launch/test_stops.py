@@ -102,21 +102,41 @@ def test_a_stop_again_while_the_ranks_save_leaves_them_to_finish():
         rank.kill()
 
 
+BLOCKED = (
+    "import os, signal, subprocess, sys, time\n"
+    "from gpipe_cli.launch import launcher\n"
+    "launcher.FORCE_S = {force}\n"
+    "if {stuck_rank}:  # a rank that ignores the stop\n"
+    "    rank = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(120)'], stdout=subprocess.PIPE, "
+    "start_new_session=True)\n"
+    "    rank.stdout.readline()\n"
+    "with launcher._Stops(None).blocked_stops():\n"
+    "    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as if it never got to run\n"
+    "    os.kill(os.getpid(), signal.SIGTERM)\n"
+    "    time.sleep(120)\n")
+
+
 def test_a_stop_whose_handler_never_runs_still_ends_the_launch(tmp_path):
     # Node 0 waits inside torch's store for the other nodes, where Python runs no handler: only the byte the
     # signal leaves on the wake-up pipe tells.
     script = tmp_path / "blocked.py"
-    script.write_text(
-        "import os, signal, time\n"
-        "from gpipe_cli.launch import launcher\n"
-        "launcher.FORCE_S = 2.0\n"
-        "with launcher._Stops(None).blocked_stops():\n"
-        "    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as if it never got to run\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    time.sleep(120)\n")
+    script.write_text(BLOCKED.format(force=2.0, stuck_rank=True))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert "still running 2 s after the stop; ended it and its ranks" in proc.stderr
+
+
+def test_a_launch_waiting_for_the_other_nodes_with_no_rank_ends_soon_after_its_stop(tmp_path):
+    # A node stopped while it waited for a third took the whole 20 s of the forced end, and said it was stuck.
+    import time
+
+    script = tmp_path / "waiting.py"
+    script.write_text(BLOCKED.format(force=60.0, stuck_rank=False))
+    began = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert time.monotonic() - began < 30 and "still running" not in proc.stderr
 
 
 def test_a_node_meets_its_rendezvous_only_once_its_host_is_known_and_node_0_answers():
@@ -157,6 +177,8 @@ def test_a_node_whose_ranks_wait_for_the_other_nodes_says_so_once(monkeypatch):
     tell_waiting(rendezvous(2, LaunchOptions()), threading.Event(), lines.append, after=0.01)  # one node
     monkeypatch.setattr(launcher, "_ranks", lambda: [4321])  # its ranks have started: the job met
     tell_waiting(two, threading.Event(), lines.append, after=0.01)
+    monkeypatch.setattr(launcher, "_ranks", lambda: [])
+    tell_waiting(two, threading.Event(), lines.append, after=0.01, stopped=lambda: True)  # stopped meanwhile
     assert len(lines) == 1
 
 
