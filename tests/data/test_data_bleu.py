@@ -32,6 +32,16 @@ def test_chinese_and_japanese_are_scored_by_their_words_not_as_one_word_a_senten
     assert bleu_tokenizer(["deux cent quarante-deux", "한국어 문장입니다", "hello 世界"]) == "13a"
 
 
+@pytest.mark.parametrize("references", [["แมวสีแดงนั่งอยู่บนเสื่อ", "ฉันชอบกินกล้วย"],  # Thai
+                                        ["ແມວສີແດງນັ່ງຢູ່", "ຂ້ອຍມັກກິນກ້ວຍ"],  # Lao
+                                        ["ကြောင်နီသည်ဖျာပေါ်တွင်ထိုင်နေသည်", "ငှက်ပျောသီးစားရတာကြိုက်တယ်"],  # Myanmar
+                                        ["ឆ្មាក្រហមអង្គុយលើកន្ទេល", "ខ្ញុំចូលចិត្តញ៉ាំចេក"]])  # Khmer
+def test_scripts_written_without_spaces_between_words_are_scored_by_their_characters(references) -> None:
+    # 13a made each sentence one word: a perfect Thai translation scored 0, and the best eval was picked by it.
+    assert bleu_tokenizer(references) == "char" and corpus_bleu(references, references) == pytest.approx(100.0)
+    assert 5.0 < corpus_bleu([references[0][:-3], references[1]], references) < 100.0
+
+
 def test_the_hypotheses_are_scored_against_the_references_not_the_other_way() -> None:
     # Swapped, the brevity penalty falls on the wrong side: a short output scored 30.2 where it scores 0.
     assert corpus_bleu(["the cat sat on the mat"], ["the cat sat on the mat today"]) == pytest.approx(84.65, abs=0.01)
