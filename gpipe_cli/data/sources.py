@@ -131,11 +131,15 @@ def load_builder(builder: str, where: str, cache_dir: Path | None, **kwargs: Any
     """A local DatasetDict through a `datasets` packaged builder (imagefolder, parquet)."""
     import datasets
 
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error line would come before ours
     try:
         with progress_bars(False):  # a local read: its bars would be escape codes between the run's lines
             return datasets.load_dataset(builder, cache_dir=str(cache_dir) if cache_dir else None, **kwargs)
     except Exception as e:
         raise DataError(f"cannot read {where} as {builder}: {first_line(e)}") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
 
 
 @contextlib.contextmanager
@@ -163,7 +167,13 @@ def open_splits(data: Data, cache_dir: Path | None, local: str) -> tuple[Any, st
     files = {data.train_split: [str(f) for f in train]}
     if evl:
         files[data.eval_split or "validation"] = [str(f) for f in evl]
-    return load_builder("parquet", f"'{path}'", cache_dir, data_files=files), f"'{path}'"
+    import datasets
+
+    # Each split on its own: read together, every split takes the first file's features (its class names, its
+    # columns), so a test split whose names come in another order keeps its numbers under the training split's.
+    where = f"'{path}'"
+    return datasets.DatasetDict({split: load_builder("parquet", where, cache_dir, data_files={split: names})[split]
+                                 for split, names in files.items()}), where
 
 
 def _check_parquet(file: Path) -> None:

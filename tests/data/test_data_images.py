@@ -113,3 +113,31 @@ def test_labels_must_be_whole_numbers(tmp_path: Path, cache_dir: Path) -> None:
     with pytest.raises(DataError, match=r"does not hold integer labels: 'cat' in row 2; give class numbers from 0$"):
         _build(data(source="parquet", path=str(words), image_field="img", label_field="y", batch_size=2),
                cache_dir, num_classes=3)
+
+
+def test_parquet_splits_are_each_read_with_their_own_class_names_and_columns(tmp_path: Path, cache_dir: Path) -> None:
+    # Read in one call, every split took the training file's features: a test split whose ClassLabel names come
+    # in another order kept its numbers under the training split's names (accuracy 0.33 for a perfect model), and
+    # one with a column more was refused.
+    import datasets
+
+    names = ["red", "green", "blue"]
+    features = {order: datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=order)})
+                for order in (tuple(names), tuple(reversed(names)))}
+    folder = tmp_path / "pq"
+    folder.mkdir()
+    colour = {name: COLOURS[i] for i, name in enumerate(names)}
+    def rows(pairs):  # type: ignore[no-untyped-def]
+        return {"image": [{"bytes": b, "path": None} for b, _ in pairs], "label": [y for _, y in pairs]}
+
+    train = [(png_bytes(colour[names[i % 3]], 20, seed=i), i % 3) for i in range(9)]
+    datasets.Dataset.from_dict(rows(train), features=features[tuple(names)]).to_parquet(folder / "train.parquet")
+    test_names = list(reversed(names))  # blue, green, red
+    test = [(png_bytes(colour[name], 20, seed=50 + j), test_names.index(name)) for j, name in enumerate(names * 2)]
+    with_id = datasets.Features({**features[tuple(test_names)], "id": datasets.Value("int64")})
+    test_file = folder / "test.parquet"
+    datasets.Dataset.from_dict({**rows(test), "id": list(range(6))}, features=with_id).to_parquet(test_file)
+    ds = _build(data(source="parquet", path=str(folder), batch_size=3), cache_dir, num_classes=3)
+    assert ds.eval_size == 6
+    labels = [int(t) for b in ds.eval_batches() for t in b.targets]
+    assert labels == [0, 1, 2, 0, 1, 2]  # red, green, blue as training numbers them
