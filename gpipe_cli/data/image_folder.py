@@ -33,7 +33,8 @@ class Folder:
     classes: list[str]
 
 
-def _skipped(name: str) -> bool:
+def skipped(name: str) -> bool:
+    """Whether a file or folder of a data folder is no data (hidden, or an archive's __MACOSX/)."""
     # Hidden files and folders (.DS_Store, ._x.png, .thumbs/) and an unzipped archive's __MACOSX/ are no data.
     return name.startswith(".") or name == "__MACOSX"
 
@@ -43,10 +44,10 @@ def _images(folder: Path) -> list[str]:
     found = []
     seen = {os.path.realpath(folder)}  # linked folders are followed, each once: a link to a folder above would loop
     for here, dirs, files in os.walk(folder, onerror=_unreadable, followlinks=True):
-        dirs[:] = [d for d in dirs if not _skipped(d) and _first_visit(os.path.join(here, d), seen)]
+        dirs[:] = [d for d in dirs if not skipped(d) and _first_visit(os.path.join(here, d), seen)]
         under = os.path.relpath(here, folder)
         found += [f if under == "." else os.path.join(under, f) for f in files
-                  if not _skipped(f) and f.lower().endswith(IMAGE_EXTS)]
+                  if not skipped(f) and f.lower().endswith(IMAGE_EXTS)]
     return sorted(found, key=lambda path: path.split(os.sep))
 
 
@@ -71,7 +72,7 @@ def _listing(folder: Path) -> list[str]:
 
 def _subfolders(folder: Path) -> list[Path]:
     try:
-        return sorted(p for p in folder.iterdir() if p.is_dir() and not _skipped(p.name))
+        return sorted(p for p in folder.iterdir() if p.is_dir() and not skipped(p.name))
     except OSError as e:
         raise DataError(f"cannot read the folder {shown(str(folder))}: {e.strerror}") from None
 
@@ -88,7 +89,7 @@ def scan(root: Path, wanted: tuple[str, ...] = ()) -> Folder:
             raise DataError(f"'{splits[name].name}' and '{d.name}' under '{root}' are both the {name} split; keep one")
         splits[name] = d
     if split_dirs:  # every image then belongs to a split's class folder
-        loose = [f for f in _listing(root) if not _skipped(f) and f.lower().endswith(IMAGE_EXTS)]
+        loose = [f for f in _listing(root) if not skipped(f) and f.lower().endswith(IMAGE_EXTS)]
         if loose:
             raise DataError(f"{counted(len(loose), 'image')} directly in '{root}' beside its split folders, in none "
                             f"of them (e.g. {sorted(loose)[0]}); {LAYOUT}")

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from gpipe_cli.data.image_folder import skipped
 from gpipe_cli.data.offline import hub_problem, offline_flag
 from gpipe_cli.data.rng import rng
 from gpipe_cli.errors import DataError
@@ -43,7 +44,7 @@ def split_files(path: Path, exts: Sequence[str], data: Data) -> tuple[list[Path]
                             f"{key} out or --set {key}={default} (data.eval_fraction holds out that share of the "
                             f"file)")
         return [path], None
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(tuple(exts)))
+    files = data_files(path, exts)
     if not files:
         raise DataError(f"no {'/'.join(exts)} files under '{path}'")
 
@@ -62,10 +63,19 @@ def split_files(path: Path, exts: Sequence[str], data: Data) -> tuple[list[Path]
     if named_split and not train_files:
         raise DataError(f"no file under '{path}' has data.train_split '{train_split}' in its name"
                         + (" (besides the held-out ones)" if named(train_split) else ""))
-    train_files = train_files or [f for f in files if f not in eval_files]
+    # Every file not held out, but those named as another held-out split: a test set is never trained on.
+    others = [name for name in EVAL_SPLIT_NAMES if name != train_split]
+    train_files = train_files or [f for f in files if f not in eval_files
+                                  and not any(_holds(_words(str(f.relative_to(path))), _words(o)) for o in others)]
     if not train_files:
         raise DataError(f"no training files under '{path}' (every file looks like an eval split)")
     return train_files, eval_files or None
+
+
+def data_files(folder: Path, exts: Sequence[str]) -> list[Path]:
+    """The files of `folder` (and below) ending in one of `exts`, hidden ones and __MACOSX/ passed over."""
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name.lower().endswith(tuple(exts))
+                  and not any(skipped(part) for part in p.relative_to(folder).parts))
 
 
 def _words(name: str) -> list[str]:
@@ -78,11 +88,18 @@ def held_out_files(data: Data) -> str | None:
     if data.source not in SOURCE_FILES or not data.path or not Path(data.path).is_dir():
         return None
     folder = Path(data.path)
-    _, held = split_files(folder, SOURCE_FILES[data.source], data)
-    names = [str(f.relative_to(folder)) for f in held or ()]
-    if not names:
-        return None
-    return "from " + (", ".join(names) if len(names) <= 3 else f"{', '.join(names[:2])} and {len(names) - 2} more")
+    train, held = split_files(folder, SOURCE_FILES[data.source], data)
+    unread = [f for f in data_files(folder, SOURCE_FILES[data.source]) if f not in train and f not in (held or ())]
+    words = [f"from {_listed(held, folder)}"] if held else []
+    if unread:
+        words.append(f"{_listed(unread, folder)} not read (neither data.train_split nor data.eval_split picks it)")
+    return "; ".join(words) or None
+
+
+def _listed(files: Sequence[Path], folder: Path) -> str:
+    """Some files of `folder` by name, the first two and a count past three."""
+    names = [str(f.relative_to(folder)) for f in files]
+    return ", ".join(names) if len(names) <= 3 else f"{', '.join(names[:2])} and {len(names) - 2} more"
 
 
 def _holds(words: list[str], want: list[str]) -> bool:

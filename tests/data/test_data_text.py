@@ -79,6 +79,28 @@ def test_split_names_are_words_of_the_file_name_and_the_held_out_files_are_named
     assert held_out_files(d.model_copy(update={"path": str(corpus / "latest.jsonl")})) is None
 
 
+def test_a_second_held_out_file_and_hidden_files_are_not_trained_on(tmp_path: Path) -> None:
+    # Beside valid.txt, test.txt was trained on without a word; Jupyter's .ipynb_checkpoints/ copies doubled the
+    # data, and a macOS ._a.txt stopped the run as not UTF-8.
+    from gpipe_cli.data.sources import held_out_files
+
+    corpus = tmp_path / "corpus"
+    (corpus / ".ipynb_checkpoints").mkdir(parents=True)
+    words = [f"line {i} of the corpus says {'hello ' * (i % 5)}world ." for i in range(300)]
+    for name, lines in (("a.txt", words[:200]), ("valid.txt", words[200:250]), ("test.txt", words[250:]),
+                        (".ipynb_checkpoints/a-checkpoint.txt", words[:200])):
+        (corpus / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (corpus / "._a.txt").write_bytes(b"\x00\x05\x16\x07\xff")
+    d = data(source="text", path=str(corpus), seq_len=16)
+    ds = build_data(d, "lm", seed=0, vocab_size=100, max_len=32, run_dir=None)
+    only_a = build_data(d.model_copy(update={"path": str(corpus / "a.txt"), "eval_fraction": 0.0}), "lm", seed=0,
+                        vocab_size=100, max_len=32, run_dir=None)
+    assert ds.train_size == only_a.train_size
+    assert held_out_files(d) == ("from valid.txt; test.txt not read (neither data.train_split nor data.eval_split "
+                                 "picks it)")
+    assert held_out_files(d.model_copy(update={"eval_split": "test"})).startswith("from test.txt; valid.txt not read")
+
+
 def test_a_split_that_picks_nothing_is_refused_not_ignored(tmp_path: Path) -> None:
     p = pairs(20)
     corpus = tmp_path / "corpus"
