@@ -111,10 +111,12 @@ def hold_out(n: int, fraction: float, keys: Sequence[str] = ()) -> tuple[np.ndar
     if fraction <= 0 or n < 2:
         return np.arange(n), np.arange(0)
     k = min(n - 1, max(1, int(round(n * fraction))))
-    # Keyed (an image folder's paths), each row's place is its key's hash: a file removed or added moves at most
-    # one other between the splits, where a permutation of n would deal them all anew.
-    perm = (np.argsort([hashlib.blake2b(key.encode(), digest_size=8).digest() for key in keys], kind="stable")
-            if keys else rng(0, "hold-out", n).permutation(n))
+    # Keyed (an image folder's paths, a text's lines), each row's place is its key's hash: a row removed or added
+    # moves at most one other between the splits, where a permutation of n would deal them all anew; and the
+    # copies of a line fall on one side.
+    hashes = np.fromiter((int.from_bytes(hashlib.blake2b(key.encode(errors="surrogatepass"), digest_size=8).digest(),
+                                         "big") for key in keys), dtype=np.uint64, count=len(keys))
+    perm = np.argsort(hashes, kind="stable") if keys else rng(0, "hold-out", n).permutation(n)
     return np.sort(perm[k:]), np.sort(perm[:k])
 
 

@@ -334,7 +334,8 @@ def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_l
     if eval_recs is None:
         unit = RECORD_UNITS.get(data.source, "record")
         why_none = held_none(len(train_recs), data.eval_fraction, unit, shown(data.path, 200) if data.path else where)
-        rows, held = hold_out(len(train_recs), data.eval_fraction)
+        keys = ["\t".join(r) if isinstance(r, tuple) else r for r in train_recs]
+        rows, held = hold_out(len(train_recs), data.eval_fraction, keys)
         train_recs, eval_recs = [train_recs[i] for i in rows], [train_recs[i] for i in held]
     if not any((r[0].strip() and r[1].strip()) if task == "translation" else r.strip() for r in train_recs):
         raise DataError(f"{where} has no text")
