@@ -44,17 +44,18 @@ def build_data(data: Data, task: Task, *, seed: int, image_size: int = 224, num_
     loader = Loader(train=train, eval=evl, tokenizer=tok, batch_size=data.batch_size,
                     tokens_per_batch=data.tokens_per_batch, drop_last=data.drop_last, shuffle=data.shuffle,
                     seed=seed, min_batch=min_batch, workers=workers, baselines=baselines)
-    if loader.steps_per_epoch() == 0:  # an epoch without a batch: training would never advance
-        size = (f"data.tokens_per_batch ({data.tokens_per_batch})" if data.tokens_per_batch
-                else f"data.batch_size ({data.batch_size})")
-        raise DataError(f"the training split has {counted(loader.train_size, 'example')}, too few for one batch of "
-                        f"{size} with data.drop_last; lower the batch size or set data.drop_last: false")
+    # Too few for a step's micro-batches first: data.drop_last: false, which the other error advises, cannot help it.
     if loader.train_size < loader.min_batch:  # then every batch is smaller: some micro-batch would be empty
         count = f"{loader.min_batch // least} micro-batches" if least > 1 else f"{loader.min_batch} micro-batches"
         needs = f"{least} ({least_why})" if least > 1 else "one"
         raise DataError(f"the training split has {counted(loader.train_size, 'example')}, fewer than the "
                         f"{count} of a step (pipeline.microbatches x pipeline.data_parallel), each of which needs "
                         f"{needs}; lower them or give more data")
+    if loader.steps_per_epoch() == 0:  # an epoch without a batch: training would never advance
+        size = (f"data.tokens_per_batch ({data.tokens_per_batch})" if data.tokens_per_batch
+                else f"data.batch_size ({data.batch_size})")
+        raise DataError(f"the training split has {counted(loader.train_size, 'example')}, too few for one batch of "
+                        f"{size} with data.drop_last; lower the batch size or set data.drop_last: false")
     return loader
 
 

@@ -190,6 +190,9 @@ def test_too_few_examples_for_the_micro_batches_of_a_step(tmp_path: Path) -> Non
         build_data(data(synthetic_size=10, batch_size=16, drop_last=False), "image", seed=0, image_size=32,
                    num_classes=3, min_batch=64)
     assert "\n" not in str(err.value)
+    # With data.drop_last too: its advice (data.drop_last: false) led to this error, a second one.
+    with pytest.raises(DataError, match=r"fewer than the 64 micro-batches of a step"):
+        build_data(data(synthetic_size=10, batch_size=16), "image", seed=0, image_size=32, num_classes=3, min_batch=64)
 
 
 def test_a_short_last_batch_joins_the_one_before_where_a_micro_batch_of_it_would_hold_one_image(tmp_path: Path) -> None:
