@@ -74,13 +74,19 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
     answered, begun = 0, False
     try:
         for item in inputs if inputs is not None else _stdin_lines(text=task != "image"):
-            written = False
-            for piece in answer(item):  # each piece as soon as it is known: stdin may be a conversation, and a
-                write_out(piece)  # long continuation shows as it grows (and ends once its reader has gone)
-                begun, written = True, written or bool(piece)
+            written, nothing = False, None
+            try:
+                for piece in answer(item):  # each piece as soon as it is known: stdin may be a conversation, and a
+                    write_out(piece)  # long continuation shows as it grows (and ends once its reader has gone)
+                    begun, written = True, written or bool(piece)
+            except tasks.NothingRead as exc:
+                nothing = str(exc)
             write_out("\n")
             answered, begun = answered + 1, False
-            _say_if_empty(answered, item, written)
+            if nothing is not None:
+                print(f"[gpipe] input {answered}: {nothing}", file=sys.stderr, flush=True)
+            else:
+                _say_if_empty(answered, item, written)
     except KeyboardInterrupt:
         if begun:  # the answer cut short still ends its line
             write_out("\n")

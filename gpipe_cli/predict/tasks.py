@@ -67,6 +67,10 @@ def load_export(path: str) -> Exported:
     return exported
 
 
+class NothingRead(Exception):
+    """An input the model reads nothing of: its answer is a blank line, said why on stderr."""
+
+
 def translator(exported: Exported, model: nn.Module) -> Answer:
     """Greedy translation of a sentence, as the training's BLEU evaluation decodes."""
     tok, max_len = _tokenizer(exported), int(exported.spec.config["max_len"])
@@ -78,6 +82,8 @@ def translator(exported: Exported, model: nn.Module) -> Answer:
             print(f"[gpipe] a sentence of {len(ids):,} tokens: its first {max_len} are translated (the model reads "
                   f"at most model.max_len = {max_len})", file=sys.stderr, flush=True)
             ids = ids[:max_len]
+        if not ids and text.strip():  # zero-width or control characters alone: the model would read nothing
+            raise NothingRead("nothing to translate: the model's tokenizer drops every character of it")
         if ids:
             out = translate(_finite(encoding_once(model), text), torch.tensor([ids]),
                             translation_limit(len(ids), max_len), tok.vocab_size)
@@ -98,7 +104,7 @@ def generator(exported: Exported, model: nn.Module, max_tokens: int) -> Answer:
         yield text
         if not text.strip():  # a blank line of stdin: a blank answer keeps the answers beside their lines
             return
-        read, new, shown_new = tok.decode(ids), "", ""
+        read, new, shown_new, prompt = tok.decode(ids), "", "", len(ids)
         for token in continue_text(_finite(model, text), ids, max_tokens, max_len, tok.vocab_size):
             ids.append(token)
             whole = tok.decode(ids)
@@ -109,6 +115,9 @@ def generator(exported: Exported, model: nn.Module, max_tokens: int) -> Answer:
                 shown_new = new
         if new != shown_new and new.startswith(shown_new):  # the answer ended inside a character
             yield new[len(shown_new):]
+        if len(ids) == prompt:  # the prompt came back alone, which reads as if nothing had run
+            print(f"[gpipe] the model ended the document right after {shown(text)}, adding nothing (it may need more "
+                  "training)", file=sys.stderr, flush=True)
 
     return answer
 

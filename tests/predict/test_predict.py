@@ -65,6 +65,25 @@ def test_an_answer_the_model_leaves_empty_keeps_its_line_and_is_said_on_stderr(e
                             "[gpipe] input 2: the model produced no tokens (it may need more training)\n")
 
 
+def test_a_sentence_the_tokenizer_reads_nothing_of_is_said_so_not_blamed_on_training(exports, capsys):
+    # A zero-width space alone was answered with a blank line and "the model produced no tokens (it may need more
+    # training)": the model never ran.
+    assert run(["predict", str(exports["translation"]), "\u200b\u200b", "one"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("\n") and captured.out.count("\n") == 2
+    assert captured.err == "[gpipe] input 1: nothing to translate: the model's tokenizer drops every character of it\n"
+
+
+def test_a_continuation_that_ends_the_document_at_once_is_said_so(exports, monkeypatch, capsys):
+    # The prompt came back alone, with no word: it read as if nothing had run.
+    monkeypatch.setattr("gpipe_cli.predict.tasks.continue_text", lambda *args: iter(()))
+    assert run(["predict", str(exports["lm"]), "one two"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "one two\n"
+    assert captured.err == ("[gpipe] the model ended the document right after 'one two', adding nothing (it may need "
+                            "more training)\n")
+
+
 @pytest.mark.parametrize(("family", "args", "line"), [
     ("translation", [""], "error: INPUT: empty; give a sentence to translate"),
     ("translation", ["one", " \t"], "error: INPUT 2 of 2: only whitespace; give a sentence to translate"),
