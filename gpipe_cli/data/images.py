@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,11 +82,11 @@ class ImageExamples(Examples):
         return inputs, targets
 
 
-def _column(ds: Any, wanted: str, feature: type, what: str, key: str) -> str:
-    """`wanted`, or the dataset's only column of `feature` type (cifar10's images are 'img')."""
+def _column(ds: Any, wanted: str, holds: Callable[[Any], bool], what: str, key: str) -> str:
+    """`wanted`, or the dataset's only column whose feature `holds` such values (cifar10's images are 'img')."""
     if wanted in ds.column_names:
         return wanted
-    found = [c for c, f in ds.features.items() if isinstance(f, feature)]
+    found = [c for c, f in ds.features.items() if holds(f)]
     if len(found) == 1:
         return found[0]
     raise DataError(f"no {what} column '{wanted}' (columns: {', '.join(ds.column_names)}); set {key}")
@@ -103,8 +104,10 @@ def _as_images(ds: Any, data: Data, where: str) -> tuple[Any, str, np.ndarray, l
     """(dataset with a decodable image column, its name, labels, the class names in label order if known)."""
     import datasets
 
-    col = _column(ds, data.image_field, datasets.Image, "image", "data.image_field")
-    lab = _column(ds, data.label_field, datasets.ClassLabel, "label", "data.label_field")
+    # Images as `datasets` writes them, or the {bytes, path} structs it writes them as, read without its metadata.
+    col = _column(ds, data.image_field, lambda f: isinstance(f, datasets.Image) or isinstance(f, dict)
+                  and set(f) == {"bytes", "path"}, "image", "data.image_field")
+    lab = _column(ds, data.label_field, lambda f: isinstance(f, datasets.ClassLabel), "label", "data.label_field")
     if not isinstance(ds.features[col], datasets.Image):
         try:
             ds = ds.cast_column(col, datasets.Image())  # encoded bytes, {bytes, path} structs or file paths

@@ -88,6 +88,15 @@ def test_parquet_images(tmp_path: Path, cache_dir: Path, layout: str) -> None:
     assert (single.train_size, single.eval_size) == (9, 3)
 
 
+def test_a_column_of_image_structs_written_without_datasets_is_found(tmp_path: Path, cache_dir: Path) -> None:
+    # {bytes, path} structs written by pyarrow carry no `datasets` metadata: "no image column 'image'".
+    structs = pa.array([{"bytes": png_bytes(COLOURS[i % 2], 20, seed=i), "path": None} for i in range(6)])
+    pq.write_table(pa.table({"img": structs, "label": [i % 2 for i in range(6)]}), tmp_path / "raw.parquet")
+    ds = _build(data(source="parquet", path=str(tmp_path / "raw.parquet"), batch_size=2, eval_fraction=0.0),
+                cache_dir, num_classes=2)
+    assert ds.train_size == 6 and next(ds.train_batches()).inputs.shape == (2, 3, 32, 32)
+
+
 def test_parquet_missing_column_names_the_field(tmp_path: Path, cache_dir: Path) -> None:
     f = tmp_path / "x.parquet"
     pq.write_table(pa.table({"pixels": [png_bytes(COLOURS[0])], "label": [0]}), f)
