@@ -70,7 +70,10 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     tensors = {key[len(_MODEL):]: value.contiguous() for key, value in state.items()}
     run_dir = run_dir_of(str(found.path))
-    tensors, metadata = _described(tensors, run_dir, found.step, dtype)
+    # The checkpoint's own recipe: a resume since may have changed the run's (model.logit_clip, say), and one
+    # copied out of its run has no run around it. Checkpoints of older versions keep none: the run's then.
+    own = found.path / RECIPE
+    tensors, metadata = _described(tensors, run_dir, own if own.is_file() else run_dir / RECIPE, found.step, dtype)
     target = Path(output) if output is not None else _default_place(found.path, run_dir)
     # A full disk, a read-only file system: one line, and nothing left behind.
     elsewhere = "" if output is not None else "; write it elsewhere with --output FILE"
@@ -107,7 +110,7 @@ def _check_not_the_runs(output: Path, run_dir: Path) -> None:
     check_not_input(output, "--output", [(path, f"the run's {path.name}") for path in kept], instead)
 
 
-def _described(tensors: dict[str, torch.Tensor], run_dir: Path, step: int,
+def _described(tensors: dict[str, torch.Tensor], run_dir: Path, recipe_file: Path, step: int,
                dtype: str | None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors to store (tied ones once, cast to `dtype`) and the metadata that makes them usable alone."""
     source_bad = weights.not_finite(tensors)
@@ -121,9 +124,8 @@ def _described(tensors: dict[str, torch.Tensor], run_dir: Path, step: int,
                             f"once cast); give --dtype bfloat16 or float32")
     floating = [v.dtype for v in tensors.values() if v.is_floating_point()]
     stored = str(floating[0]).removeprefix("torch.") if floating else "float32"
-    recipe_file = run_dir / RECIPE
-    if not recipe_file.is_file():  # a checkpoint folder moved away from its run: the weights alone
-        print(f"[gpipe] no {RECIPE} in {run_dir}: the export holds the weights only, which gpipe predict "
+    if not recipe_file.is_file():  # an older version's checkpoint moved away from its run: the weights alone
+        print(f"[gpipe] no {RECIPE} in {recipe_file.parent}: the export holds the weights only, which gpipe predict "
               "cannot use", file=sys.stderr)
         return tensors, {"step": str(step), "format": "pt", "layers": weights.LAYERS}
     recipe = load_recipe(recipe_file, check_data=False)

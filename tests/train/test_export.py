@@ -148,12 +148,43 @@ def test_a_run_whose_recipe_was_edited_to_another_model_is_refused_at_export(tra
 
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
+    # A checkpoint of an older version, which kept no recipe of its own: export reads the run's.
+    older = checkpoint.newest_whole(run_dir)[0].path
+    (older / "recipe.yaml").unlink()
+    manifest = json.loads((older / "manifest.json").read_text())
+    for key in ("files", "checksums"):
+        del manifest[key]["recipe.yaml"]
+    (older / "manifest.json").write_text(json.dumps(manifest))
     recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
     recipe["model"]["d_model"] *= 2
     (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     with pytest.raises(UserError, match=r"recipe.yaml does not describe the checkpoint's model: \S+ has shape"):
         export(str(run_dir), str(tmp_path / "model.safetensors"))
     assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_a_checkpoint_is_exported_with_its_own_recipe_not_the_run_s_newer_one(trained, tmp_path, capsys):
+    # A resume with model.logit_clip 0.5 rewrote the run's recipe.yaml; an export of an earlier checkpoint then
+    # described a model that step never was (its translations differed); one copied out of its run read the
+    # recipe two folders above it, or none.
+    import shutil
+
+    import yaml
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    own = checkpoint.newest_whole(run_dir)[0].path
+    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    recipe["model"]["logit_clip"] = 0.5
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    exported = export(str(own), str(tmp_path / "own.safetensors"))
+    assert safe_open(str(exported), framework="pt").metadata()["recipe"] == (own / "recipe.yaml").read_text()
+    copied = tmp_path / "elsewhere" / own.name
+    shutil.copytree(own, copied)
+    exported = export(str(copied), str(tmp_path / "copied.safetensors"))
+    meta = safe_open(str(exported), framework="pt").metadata()
+    assert meta["recipe"] == (own / "recipe.yaml").read_text() and meta["task"] == "translation"
+    assert "weights only" not in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -217,11 +248,12 @@ def test_a_cast_that_overflows_is_refused_and_weights_not_finite_are_said(tmp_pa
     with pytest.raises(UserError, match=r"^--dtype float16: the checkpoint's weights do not all fit its range "
                                         r"\(0\.weight: 1 of its 2 values is infinite once cast\); give --dtype "
                                         r"bfloat16 or float32$"):
-        export_module._described(big, tmp_path, 1, "float16")
-    stored, _ = export_module._described(big, tmp_path, 1, "bfloat16")
+        export_module._described(big, tmp_path, tmp_path / "recipe.yaml", 1, "float16")
+    stored, _ = export_module._described(big, tmp_path, tmp_path / "recipe.yaml", 1, "bfloat16")
     assert stored["0.weight"].dtype == torch.bfloat16 and bool(torch.isfinite(stored["0.weight"]).all())
     capsys.readouterr()
     # Weights that are not finite already are the checkpoint's own: written, and said.
-    export_module._described({"0.weight": torch.tensor([float("nan"), 1.0])}, tmp_path, 1, "float16")
+    export_module._described({"0.weight": torch.tensor([float("nan"), 1.0])}, tmp_path, tmp_path / "recipe.yaml", 1,
+                              "float16")
     assert "the checkpoint's weights are not all finite (0.weight: 1 of its 2 values is NaN): gpipe predict " \
            "refuses the export" in capsys.readouterr().err
