@@ -73,7 +73,10 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     # The checkpoint's own recipe: a resume since may have changed the run's (model.logit_clip, say), and one
     # copied out of its run has no run around it. Checkpoints of older versions keep none: the run's then.
     own = found.path / RECIPE
-    tensors, metadata = _described(tensors, run_dir, own if own.is_file() else run_dir / RECIPE, found.step, dtype)
+    # A checkpoint copied out of its run: the folder above is not its run, whose tokenizer and classes it would take.
+    inside = (run_dir / CHECKPOINTS).resolve() in found.path.resolve().parents
+    tensors, metadata = _described(tensors, run_dir if inside else None, own if own.is_file() else run_dir / RECIPE,
+                                   found.step, dtype)
     target = Path(output) if output is not None else _default_place(found.path, run_dir)
     # A full disk, a read-only file system: one line, and nothing left behind.
     elsewhere = "" if output is not None else "; write it elsewhere with --output FILE"
@@ -110,7 +113,7 @@ def _check_not_the_runs(output: Path, run_dir: Path) -> None:
     check_not_input(output, "--output", [(path, f"the run's {path.name}") for path in kept], instead)
 
 
-def _described(tensors: dict[str, torch.Tensor], run_dir: Path, recipe_file: Path, step: int,
+def _described(tensors: dict[str, torch.Tensor], run_dir: Path | None, recipe_file: Path, step: int,
                dtype: str | None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors to store (tied ones once, cast to `dtype`) and the metadata that makes them usable alone."""
     source_bad = weights.not_finite(tensors)
@@ -135,15 +138,19 @@ def _described(tensors: dict[str, torch.Tensor], run_dir: Path, recipe_file: Pat
         raise UserError(f"{recipe_file} does not describe the checkpoint's model: {why}")
     tokenizer, missing = None, None
     if spec.task != "image":
-        source = Path(recipe.data.tokenizer) if recipe.data.tokenizer else run_dir / TOKENIZER_FILE
-        try:  # a tokenizer this process may not read is refused: once it can be read, the export is whole
-            open(source.expanduser(), "rb").close()
-        except PermissionError as exc:
-            raise UserError(f"cannot read the run's tokenizer {shown_path(source)} ({exc.strerror}); the export "
-                            "holds it for gpipe predict") from None
-        except OSError:  # missing: said below, and written all the same
-            pass
+        source = Path(recipe.data.tokenizer) if recipe.data.tokenizer else \
+            run_dir / TOKENIZER_FILE if run_dir is not None else None
+        if source is not None:  # a tokenizer this process may not read is refused: once read, the export is whole
+            try:
+                open(source.expanduser(), "rb").close()
+            except PermissionError as exc:
+                raise UserError(f"cannot read the run's tokenizer {shown_path(source)} ({exc.strerror}); the export "
+                                "holds it for gpipe predict") from None
+            except OSError:  # missing: said below, and written all the same
+                pass
         try:  # named whole: gpipe predict repeats the reason, perhaps in another folder
+            if source is None:
+                raise DataError(f"{recipe_file.parent} lies outside its run, whose {TOKENIZER_FILE} it does not hold")
             tokenizer = Tokenizer.load(os.path.abspath(source.expanduser())).model_bytes  # found now, not by predict
         except DataError as exc:
             # Written all the same, as a weights-only export is: its weights and recipe still load in Python.
@@ -153,7 +160,7 @@ def _described(tensors: dict[str, torch.Tensor], run_dir: Path, recipe_file: Pat
     try:
         tensors, aliases = weights.store_once(tensors, spec.tied)
     except ValueError as exc:
-        raise UserError(f"{run_dir}: {exc}") from None
+        raise UserError(f"{recipe_file.parent}: {exc}") from None
     return tensors, weights.describe(spec, aliases, dtype=stored, step=step, recipe=recipe_file.read_text(),
                                      tokenizer=tokenizer, no_tokenizer=missing, classes=_classes(recipe, spec, run_dir))
 

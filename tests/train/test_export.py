@@ -181,10 +181,14 @@ def test_a_checkpoint_is_exported_with_its_own_recipe_not_the_run_s_newer_one(tr
     assert safe_open(str(exported), framework="pt").metadata()["recipe"] == (own / "recipe.yaml").read_text()
     copied = tmp_path / "elsewhere" / own.name
     shutil.copytree(own, copied)
+    (tmp_path / "tokenizer.model").write_bytes(b"another run's")  # two folders above: no run of this checkpoint
+    capsys.readouterr()
     exported = export(str(copied), str(tmp_path / "copied.safetensors"))
     meta = safe_open(str(exported), framework="pt").metadata()
     assert meta["recipe"] == (own / "recipe.yaml").read_text() and meta["task"] == "translation"
-    assert "weights only" not in capsys.readouterr().err
+    assert "tokenizer" not in meta and capsys.readouterr().err == (
+        f"[gpipe] {tmp_path / 'elsewhere' / own.name} lies outside its run, whose tokenizer.model it does not hold: "
+        "the export holds no tokenizer, so gpipe predict cannot run it (its weights and recipe still load in Python)\n")
 
 
 @pytest.mark.slow
