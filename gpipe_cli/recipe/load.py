@@ -260,6 +260,14 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: P
         raise RecipeError(f"{label}: {given('data.path')}: no {_either(SOURCE_FILES[data.source])} files under "
                           f"{shown(data.path)}, which data.source {data.source} reads; give a folder that holds "
                           "some, or one such file")
+    if data.source in SOURCE_FILES and data.path and os.path.exists(data.path):  # splits by name: the ranks found
+        from gpipe_cli.data.sources import split_files  # a split that picks nothing only after starting
+        from gpipe_cli.errors import DataError
+
+        try:
+            split_files(Path(data.path), SOURCE_FILES[data.source], data)
+        except DataError as exc:
+            raise RecipeError(f"{label}: {exc}") from None
     if data.source == "imagefolder" and data.path and os.path.isdir(data.path):  # its ranks found it after starting
         from gpipe_cli.data.image_folder import scan
         from gpipe_cli.errors import DataError

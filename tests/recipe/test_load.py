@@ -234,6 +234,22 @@ def test_a_csv_file_and_a_pattern_are_refused_saying_what_is_read(tmp_path):
         load_recipe(write(tmp_path, yaml.safe_dump(BASE)), ["data.source=tsv", f"data.path={tmp_path / '*.tsv'}"])
 
 
+def test_a_split_that_picks_no_file_is_refused_with_the_recipe_before_any_rank_starts(tmp_path):
+    # `--dry-run` passed it; the launch started its ranks, which stopped 12 s in saying so.
+    import yaml
+
+    (tmp_path / "pairs.tsv").write_text("one\tun\ntwo\tdeux\n")
+    with pytest.raises(RecipeError, match=r"recipe.yaml: data.eval_split picks files of a folder by name, and "
+                                          r"data.path '.*pairs.tsv' is one file"):
+        load_recipe(write(tmp_path, yaml.safe_dump(BASE)), ["data.source=tsv", f"data.path={tmp_path / 'pairs.tsv'}",
+                                                            "data.eval_split=test"])
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "train.tsv").write_text("one\tun\n")
+    with pytest.raises(RecipeError, match=r"no file under '.*corpus' has data.eval_split 'dev' in its name$"):
+        load_recipe(write(tmp_path, yaml.safe_dump(BASE)), ["data.source=tsv", f"data.path={tmp_path / 'corpus'}",
+                                                            "data.eval_split=dev"])
+
+
 def test_a_single_file_of_another_sources_kind_is_refused_naming_that_source(tmp_path):
     # data.source text trained on a .jsonl file's raw JSON lines without a word.
     import yaml

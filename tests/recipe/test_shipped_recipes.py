@@ -89,6 +89,8 @@ def test_hub_recipe_offline_says_how_to_prepare_and_point_at_the_data(path: Path
     monkeypatch.chdir(tmp_path)
     (tmp_path / folder).mkdir(parents=True)  # what prepare-data writes: a folder of parquet files
     (tmp_path / folder / "train-00000.parquet").write_bytes(b"")
+    if recipe.data.eval_split:  # prepare-data writes the split the recipe holds out too
+        (tmp_path / folder / f"{recipe.data.eval_split}-00000.parquet").write_bytes(b"")
     pointed = load_recipe(path, re.findall(r"--set (\S+)", msg.split("then add", 1)[1]))
     assert (pointed.data.source, pointed.data.path) == ("parquet", folder)
 
