@@ -436,14 +436,19 @@ class Trainer:
                 pending = None
                 break
             pending = (step, batch, launched, started)
-            self._profiled(self.profiler.after(step + 1))
+            trace = self.profiler.after(step + 1)
+            if trace is not None:  # said after the traced steps' own lines: the last one's is read first
+                decision, pending = self._finish(*pending), None
+                self._profiled(trace)
+                if decision == "stop":
+                    break
             done = step + 1
             if step == self.start_step:
                 self._going_on()
             self.stopped_by = self.stop.agreed(self.topo.transport.control, self.topo.distributed)
             saving = bool(self.stopped_by or (recipe.checkpoint.every and done % recipe.checkpoint.every == 0))
             evaluating = bool(recipe.eval.every and done % recipe.eval.every == 0 and done < self.total_steps)
-            if saving or evaluating or done == self.total_steps:
+            if pending is not None and (saving or evaluating or done == self.total_steps):
                 decision, pending = self._finish(*pending), None
                 if decision == "stop":
                     break

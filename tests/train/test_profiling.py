@@ -101,6 +101,8 @@ def test_a_profiled_run_writes_gzip_traces_per_rank_with_steps_and_pipeline_rang
     code, output = ranks.code, ranks.output
     assert code == 0, output[-4000:]
     assert "profile: steps 2-3 traced" in output
+    # Said once step 3's figures are: the loop reads a step's figures after launching the next.
+    assert "step 3/4" in output and output.index("step 3/4") < output.index("profile: steps 2-3 traced")
     assert not CHATTER.search(output), output[-4000:]
     for rank in (0, 1):
         steps, names = steps_traced(trace_path(out, rank, 2, 3))
