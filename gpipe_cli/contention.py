@@ -11,6 +11,14 @@ THRESHOLD = 0.05
 RATE = "this machine's rate"  # how a note names the window of the quick rate's measurement (`sizing.this_machine`)
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity: a Slurm job's or a `taskset`'s share of the machine)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def machine_cpu() -> tuple[float, float] | None:
     """The whole machine's busy and stolen CPU seconds so far (Linux /proc/stat), None elsewhere."""
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -12,7 +11,7 @@ from typing import Any
 
 import torch
 
-from gpipe_cli.contention import Load
+from gpipe_cli.contention import Load, usable_cores
 from gpipe_cli.estimate import kept
 from gpipe_cli.models import families
 from gpipe_cli.models.registry import build_model, resolve_preset
@@ -83,14 +82,6 @@ def measured_call(device: str = "cpu", threads: int = 1, seconds: float = 0.1) -
                                 torch.nn.Linear(32, 32)).to(device)
     x = torch.randn(4, 8, 32, device=device, requires_grad=True)
     return 1 / _calls_per_s(lambda: (block(x) + x).sum().backward(), device, threads, seconds)
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def this_machine(threads: int = 1) -> Machine:

@@ -271,7 +271,9 @@ def node_flags(options: LaunchOptions) -> str:
 
 def threads_per_rank(options: LaunchOptions, local: int) -> int:
     """Intra-op threads of each of this node's `local` ranks: --threads, else the cores shared out."""
-    return options.threads or max((os.cpu_count() or 1) // local, 1)
+    from gpipe_cli.contention import usable_cores
+
+    return options.threads or max(usable_cores() // local, 1)
 
 
 def torchrun_command(rdzv: Rendezvous, threads: int, train_args: Sequence[str]) -> str:

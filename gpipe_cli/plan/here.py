@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from gpipe_cli import contention
+from gpipe_cli.contention import usable_cores
 from gpipe_cli.estimate.simulate import Link
 from gpipe_cli.launch import forked
-from gpipe_cli.sizing import usable_cores
 from gpipe_cli.units import counted
 
 # The recipe's optimizer over some parameters (a picklable factory: it is built in each rank).

@@ -170,12 +170,12 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
     from gpipe_cli import contention, sizing
     from gpipe_cli import memory_model as mm
     from gpipe_cli.console import output_console
+    from gpipe_cli.contention import usable_cores
     from gpipe_cli.estimate import kept
     from gpipe_cli.estimate.simulate import Link
     from gpipe_cli.plan import inputs, search, show
     from gpipe_cli.progress import Progress, took_line
     from gpipe_cli.recipe_model import batch_key, batch_words, model_spec, optimizer_name, priced_batch
-    from gpipe_cli.sizing import usable_cores
 
     interrupts.check()  # one that arrived while torch loaded, which swallows it: stop before any work
     started = time.perf_counter()

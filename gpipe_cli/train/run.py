@@ -150,7 +150,7 @@ def node_oversubscribed(recipe: Recipe, nnodes: str, threads: int | None) -> str
     ranks = local_ranks(recipe.pipeline.partitions * recipe.pipeline.data_parallel, nnodes)
     import torch  # only now: the first line is already on the screen
 
-    from gpipe_cli.sizing import usable_cores
+    from gpipe_cli.contention import usable_cores
 
     gpus = torch.cuda.device_count() if recipe.train.device != "cpu" and torch.cuda.is_available() else 0
     cores = usable_cores()

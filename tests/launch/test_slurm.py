@@ -147,7 +147,7 @@ def test_dry_run_warns_of_ranks_sharing_the_cores_as_a_launch_does(tmp_path, mon
     recipe = write(tmp_path, TINY_AMOEBANET)  # K=2
     _in_step(monkeypatch, {})
     monkeypatch.setattr("gpipe_cli.train.run.launch", _nothing_starts)
-    monkeypatch.setattr("gpipe_cli.sizing.usable_cores", lambda: 1)
+    monkeypatch.setattr("gpipe_cli.contention.usable_cores", lambda: 1)
     assert run(["train", str(recipe), "--dry-run"]) == 0
     assert "warning: 2 ranks x 1 thread on 1 CPU core (oversubscribed)" in capsys.readouterr().out
 
@@ -268,3 +268,14 @@ def test_a_device_this_machine_lacks_is_named_as_every_recipe_error_names_a_key(
         check_device("gloo", "cuda", 2, (), "r.yaml")
     assert str(caught.value) == ("r.yaml: train.device: cuda needs a CUDA GPU and this machine has none visible; "
                                  "use device cpu or auto")
+
+
+def test_ranks_share_the_cores_this_process_may_use_not_the_whole_machine(tmp_path, monkeypatch, capsys):
+    # Under `taskset -c 0` (or a Slurm job's share of a large node) each rank was given the machine's cores.
+    from gpipe_cli.launch.launcher import LaunchOptions
+    from gpipe_cli.launch.preflight import threads_per_rank
+
+    monkeypatch.setattr("os.cpu_count", lambda: 128)
+    monkeypatch.setattr("gpipe_cli.contention.usable_cores", lambda: 4)
+    assert threads_per_rank(LaunchOptions(), 2) == 2 and threads_per_rank(LaunchOptions(), 8) == 1
+    assert threads_per_rank(LaunchOptions(threads=3), 2) == 3

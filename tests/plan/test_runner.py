@@ -322,7 +322,7 @@ def test_a_recipe_with_more_chunks_than_layers_names_its_chunks_k_and_v(tmp_path
 
 def test_more_ranks_per_node_than_this_machines_cores_is_warned_of(tmp_path, capsys, monkeypatch):
     # Trained here they take turns on the cores; the plan said nothing and predicted each with a core of its own.
-    monkeypatch.setattr("gpipe_cli.sizing.usable_cores", lambda: 2)
+    monkeypatch.setattr("gpipe_cli.contention.usable_cores", lambda: 2)
     recipe = write(tmp_path, {**TINY, "train": {"steps": 2, "device": "cpu"}})  # a GPU host's ranks: one GPU each
     assert run(["plan", str(recipe), "--devices", "4", "--timing", "estimate"]) == 0
     out = capsys.readouterr().out
