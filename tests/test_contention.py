@@ -24,6 +24,20 @@ def test_a_load_is_contended_past_a_twentieth_taken_by_others_or_stolen():
     assert contention.worst([QUIET, BUSY, {}]) == BUSY and contention.worst([]) == {}
 
 
+
+def test_the_measured_processes_own_cpu_is_not_counted_as_others(monkeypatch):
+    from types import SimpleNamespace
+
+    # A window the measured process kept busy alone was called contended: its own CPU counted as others'.
+    # The machine's busy and stolen seconds before and after a 2 s window, of which 2.5 s of CPU were ours.
+    monkeypatch.setattr(contention, "machine_cpu", iter([(100.0, 0.0), (103.0, 0.5)]).__next__)
+    monkeypatch.setattr(contention, "time", SimpleNamespace(perf_counter=iter([10.0, 12.0]).__next__,
+                                                            process_time=iter([5.0, 7.5]).__next__))
+    monkeypatch.setattr(contention, "os", SimpleNamespace(cpu_count=lambda: 2))
+    load = contention.Load().finish()
+    assert load == {"window_s": 2.0, "ranks_cpu_s": 2.5, "machine_busy_s": 3.0,
+                    "others_share": pytest.approx(0.5 / 4), "stolen_share": pytest.approx(0.5 / 4)}
+
 def test_bench_says_it_in_the_one_note():
     console = Console(width=300, record=True, color_system=None)
     from gpipe_cli.bench import tables

@@ -289,7 +289,6 @@ def test_prepare_data_refuses_an_output_that_is_its_recipe(tmp_path, capsys, mon
     assert recipe.read_text() == default_recipe_text() and sorted(os.listdir(tmp_path)) == ["link.yaml", "r.yaml"]
 
 
-
 @pytest.mark.parametrize("command", [["validate"], ["bench", "--partitions", "2"], ["profile-memory"]])
 def test_a_json_output_named_as_a_yaml_recipe_is_refused_and_the_recipe_kept(tmp_path: Path, command):
     """`gpipe bench --json recipes/quickstart.yaml` wrote its figures over the checkout's copy of the recipe."""
@@ -341,6 +340,21 @@ def test_an_existing_file_of_another_kind_is_kept_not_replaced(tmp_path: Path, m
         f"{Path(name).stem + ('.safetensors' if writes == 'safetensors' else '.json')!r}, or remove that file first\n")
     assert Path(name).read_text() == "# mine\n" and [p.name for p in tmp_path.iterdir()] == [name]
 
+
+def test_weights_written_before_under_another_name_are_replaced_and_json_there_is_kept(tmp_path: Path):
+    import torch
+    from safetensors.torch import save_file
+
+    from gpipe_cli.files import check_output_kind
+
+    # A safetensors file begins with its header's length, then the header's JSON: read from its first byte, an earlier
+    # export's weights were refused as no safetensors and a JSON file was taken for one.
+    weights, notes = tmp_path / "weights", tmp_path / "notes"
+    save_file({"w": torch.zeros(2)}, str(weights))
+    notes.write_text('{"mine": 1}')
+    check_output_kind(weights, "--output", "safetensors", ".safetensors", (".safetensors",))
+    with pytest.raises(UserError, match="notes' is a file that holds no safetensors"):
+        check_output_kind(notes, "--output", "safetensors", ".safetensors", (".safetensors",))
 
 def test_a_json_file_of_any_name_written_before_is_written_again(tmp_path: Path, monkeypatch):
     from gpipe_cli.cli import run
@@ -426,3 +440,12 @@ def test_a_writer_s_own_temporary_files_go_in_a_folder_that_the_next_write_remov
         raise RuntimeError
     assert target.read_bytes() == b"weights" and sorted(p.name for p in tmp_path.iterdir()) == [
         alive.name, "model.safetensors"]
+
+
+def test_a_name_of_256_bytes_is_refused_up_front_and_one_of_255_is_not():
+    from gpipe_cli.launch.preflight import path_problem
+
+    # One byte past Linux's NAME_MAX went on to the file system, which refused it with its own error mid-command.
+    assert path_problem("out/" + "n" * 255) is None
+    assert path_problem("out/" + "n" * 256) == (
+        "has a name of 256 bytes; a name may have at most 255 bytes, a path at most 4095 bytes")

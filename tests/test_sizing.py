@@ -194,3 +194,32 @@ def test_a_step_is_its_forwards_at_the_rate_and_a_fixed_cost_per_layer_call_of_e
     one, eight = (sizing.step_seconds(cand, cpu, 16, m, 4.0) for m in (1, 8))
     assert one == pytest.approx(16 * 1e9 * 4.0 / rate + 6 * 4.0 * per_call)
     assert eight - one == pytest.approx(7 * 6 * 4.0 * per_call)
+
+
+def test_a_member_deeper_than_the_probe_depths_is_priced_as_the_model_built():
+    from gpipe_cli.estimate import kept
+    from gpipe_cli.models import families
+    from gpipe_cli.models.registry import build_model
+
+    # A member deeper than the two probe depths was priced one probe step short (a layer's parameters and FLOPs).
+    params = dict(layers=5, d_model=32, ff=64, heads=2, vocab_size=100, max_len=8)
+    assert params["layers"] > max(families.of("transformer").probe_depths)
+    cand = sizing.candidate("transformer", params)
+    built = kept.summary(build_model("transformer", **params), 2)
+    assert (cand.parameters, cand.flops) == (built.total_params, built.total_flops)
+
+
+def test_forked_ranks_start_in_waves_of_the_cores():
+    # Forked ranks were priced one start each, not one per wave: four ranks on two cores cost four starts.
+    cpu = machine(8 * GIB, 1e10, units=2)
+    assert sizing.launch_seconds(4, cpu, forking=True) == pytest.approx(
+        sizing.FORKED_FIRST_S + 2 * sizing.FORKED_RANK_S)
+    assert sizing.launch_seconds(4, cpu, first=False, forking=True) == pytest.approx(2 * sizing.FORKED_RANK_S)
+
+
+def test_a_model_that_does_not_fit_is_said_against_the_memory_free_not_the_share_measured():
+    # The free memory was said as a quarter of itself: the share a measurement may use, halved again.
+    have = 4 * GIB * sizing.MEMORY_SHARE  # a measurement may use half of 4 GiB free
+    assert sizing.Verdict(3 * GIB, have, 1.0, 2.0).why_not("the model") == (
+        "the model needs 3.0 GiB, more than half of the 4.0 GiB free")
+    assert sizing.Verdict(5 * GIB, have, 1.0, 2.0).why_not("the model") == "the model needs 5.0 GiB, 4.0 GiB is free"

@@ -87,3 +87,26 @@ def test_a_count_of_one_is_said_in_the_singular():
     # A recipe of model.layers 1 was announced as "Transformer encoder-decoder with 1 layers".
     title = families.of("transformer").title({"arch": "encoder-decoder", "layers": 1, "d_model": 32}, False)
     assert title == "Transformer encoder-decoder with 1 layer, d_model 32"
+
+
+def test_a_count_of_exactly_a_thousand_is_said_in_the_larger_unit():
+    from gpipe_cli.units import human_count
+
+    # At exactly 1000 (or a million, ...) the count was said as the number itself, or in the smaller unit.
+    assert [human_count(n) for n in (1e3, 1e6, 1e9, 1e12)] == ["1.00K", "1.00M", "1.00B", "1.00T"]
+
+
+def test_a_share_between_a_tenth_and_one_percent_keeps_one_decimal():
+    from gpipe_cli.units import share
+
+    # Shares from 0.1% to 1% were said with two significant digits ("0.12%") where every other share has one decimal.
+    assert [share(f) for f in (0.00123, 0.0056, 0.5)] == ["0.1%", "0.6%", "50.0%"]
+    assert share(0.000123) == "0.012%"  # under 0.1%: two significant digits
+
+
+def test_a_bound_is_inclusive_at_both_ends():
+    from gpipe_cli.limits import outside
+
+    # The largest value a range names (`<= 65536`) was itself refused.
+    assert outside("--threads", 1024, 1, 1024) is None and outside("--threads", 1, 1, 1024) is None
+    assert outside("--threads", 1025, 1, 1024) == "--threads: must be >= 1 and <= 1024 (got 1025)"

@@ -103,3 +103,43 @@ def test_the_rate_model_spans_alone_to_all_busy_and_keeps_replicas_in_step():
     replicas = simulate.rate_model(1.6, stages=1, replicas=2)  # data parallel alone: every rank always busy
     assert replicas(1) == pytest.approx(1.0)
     assert simulate.rate_model(1.6, stages=1)(1) == pytest.approx(1.0)
+
+
+def test_the_loss_is_charged_to_the_last_layer_and_leaves_it_fewer_layers():
+    costs = equal_costs(4)
+    costs.loss = 6.0
+    # Without the loss in the last layer's cost, a heavy loss still got an even split and an overloaded last stage.
+    assert costs.balance_costs("never") == [3.0, 3.0, 3.0, 9.0]
+    assert costs.balance(2, "never") == [3, 1]  # stage costs 9 and 9, not 6 and 12
+
+
+def test_the_loss_is_scaled_by_the_last_layers_ratio():
+    costs = equal_costs(3)
+    costs.loss = 1.0
+    # The loss runs on the last stage, but was scaled by the first layer's ratio.
+    scaled = costs.scaled([1.0, 1.0, 3.0])
+    assert scaled.loss == pytest.approx(3.0)
+    assert [t.forward for t in scaled.layers] == pytest.approx([1.0, 1.0, 3.0])
+
+
+def test_a_stage_sends_its_last_layers_output_and_gets_back_that_outputs_gradient():
+    # One layer hands the next stage 1 GB; the others, and the input, 1 byte. Forward and backward messages had
+    # their sizes swapped: the first stage sent the input's size and the last the model's output size.
+    timings = [LayerTiming(f"l{i}", forward=1.0, forward_nograd=1.0, backward=2.0,
+                           output_bytes=10**9 if i == 1 else 1) for i in range(4)]
+    costs = CostProfile(microbatch_size=1, input_bytes=1, loss=0.0, layers=timings)
+    link = simulate.Link(bandwidth=1e9, latency=0.0)  # a second for the boundary's output, each way
+    fast = simulate.predict(costs, 2, 1, 1, "gpipe", "never", IDEAL, balance=[2, 2])
+    slow = simulate.predict(costs, 2, 1, 1, "gpipe", "never", link, balance=[2, 2])
+    assert fast.step_time == pytest.approx(12.0)
+    assert slow.step_time == pytest.approx(12.0 + 2 * 1.0, rel=1e-6)
+
+
+def test_the_run_peak_is_the_largest_stages_peak():
+    from gpipe_cli.estimate.measure import RunFigures, StageFigures
+
+    # The headline peak was the smallest stage's: the memory a run needs is its most loaded device's.
+    stages = [StageFigures(s, 2, 1.0, 1.0, 0.1, peak, 0, 0) for s, peak in enumerate((300, 900, 500))]
+    assert RunFigures(3, 4, 8, [2, 2, 2], stages=stages).peak_bytes == 900
+    cuda = [StageFigures(s, 2, 1.0, 1.0, 0.1, 10, 0, peak) for s, peak in enumerate((700, 400))]
+    assert RunFigures(2, 4, 8, [2, 2], stages=cuda).peak_bytes == 700

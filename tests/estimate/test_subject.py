@@ -153,3 +153,20 @@ def test_a_slow_choice_of_the_model_to_measure_is_said_while_it_runs(monkeypatch
     monkeypatch.setattr("gpipe_cli.estimate.subject.SLOW_CHOICE_S", 5.0)
     to_measure("transformer", {}, [], lambda cand: sizing.Verdict(1.0, 2.0, 1.0, 2.0), 2, True, say=say)
     assert said == []  # quick: nothing
+
+
+def test_the_pace_of_a_layer_counts_its_forward_and_backward_as_three_forwards(monkeypatch):
+    from types import SimpleNamespace
+
+    from gpipe_cli import sizing
+    from gpipe_cli.estimate import kept, subject
+
+    # A timed forward and backward is three forwards' FLOPs; counted as two, every model was paced a third slow.
+    spec = resolve("transformer", tiny.sizes(tiny.TRANSFORMER), tiny.TRANSFORMER["set"]).build()
+    timing = SimpleNamespace(forward=0.5, backward=1.0)  # seconds of the timed layer, however many examples
+    monkeypatch.setattr(subject, "profile_layers", lambda factories, *args, **kwargs: [timing] * len(factories))
+    here = sizing.Machine("cpu", 2, 8 * 2**30, 1e15, 0.0)  # fast enough that every example asked for is timed
+    flops = max(layer.flops for layer in kept.summary(spec, 2).layers[:3])
+    paced = subject.paced(here, spec, "transformer", 4, seed=0)
+    efficiency = sizing.layer_efficiency("cpu", "transformer")
+    assert paced.flops_per_s == pytest.approx(3 * flops * 4 / 1.5 / efficiency)

@@ -3,6 +3,8 @@
 import signal
 from types import SimpleNamespace
 
+import pytest
+
 from gpipe_cli.launch.launcher import _told, explain
 from gpipe_cli.pipeline.failure import ANNOUNCED, AbortWatch
 
@@ -56,3 +58,18 @@ def test_a_rank_that_raised_is_the_cause_not_the_peer_the_tear_down_ended():
 def test_a_rank_ended_by_sigterm_before_its_peer_gave_up_is_the_cause():
     code, line = explain({0: failed(1, 106), 1: failed(-signal.SIGTERM, 100)}, stages=2)
     assert code == 128 + signal.SIGTERM and line == "gpipe: rank 1 (stage 1) was killed by SIGTERM"
+
+
+def test_a_node_rank_equal_to_the_number_of_nodes_is_refused_before_any_rank_starts():
+    from gpipe_cli.errors import UserError
+    from gpipe_cli.launch.launcher import LaunchOptions
+    from gpipe_cli.launch.preflight import check_launch
+
+    # Node ranks run from 0 to N-1: `--nnodes 2 --node-rank 2` was let through to a rendezvous that never completes.
+    def options(rank: int) -> LaunchOptions:
+        return LaunchOptions(nnodes="2", node_rank=rank, rdzv_endpoint="head:29500", rdzv_backend="static")
+
+    assert check_launch(options(1), world=4) == 2
+    with pytest.raises(UserError) as caught:
+        check_launch(options(2), world=4)
+    assert str(caught.value) == "--node-rank: must be >= 0 and < the number of nodes, 2 (got 2)"

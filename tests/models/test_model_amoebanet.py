@@ -81,6 +81,27 @@ def test_auxiliary_head_output_and_loss() -> None:
     assert spec.loss(output, labels) > main_only
 
 
+
+def test_the_auxiliary_loss_weighs_four_tenths_of_the_main_one() -> None:
+    import torch.nn.functional as F
+
+    # The auxiliary head's loss counted as much as the main one: the reference weighs it 0.4.
+    spec = build_model("amoebanet", variant="d", layers=3, filters=8, num_classes=6, aux_head=True, image_size=32)
+    torch.manual_seed(0)
+    logits, aux, labels = torch.randn(4, 6), torch.randn(4, 6), torch.tensor([0, 1, 2, 5])
+    main, side = (F.cross_entropy(x, labels, label_smoothing=0.1) for x in (logits, aux))
+    assert spec.loss((logits, aux), labels) == pytest.approx(float(main + 0.4 * side))
+
+
+def test_the_auxiliary_head_at_224_pixels_is_the_references() -> None:
+    # At 224 px the head sees a 14x14 map, pooled to 4x4, of 0.4 x (128, 768) channels; a map side rounded down
+    # (13, pooled to 3x3) or the full 768 channels built another head.
+    spec = build_model("amoebanet", variant="d", layers=3, filters=8, num_classes=10, aux_head=True, image_size=224)
+    head = next(layer for layer in spec.layers if layer.name == "aux_head").build()
+    assert head.grid == 4
+    assert tuple(head.proj.weight.shape[:2]) == (51, 64) and tuple(head.conv.weight.shape) == (307, 51, 4, 4)
+    assert tuple(head.fc.weight.shape) == (10, 307)
+
 def test_example_batch_on_meta() -> None:
     spec = build_model("amoebanet", num_classes=10, image_size=40)
     images, labels = spec.example_batch(2, "meta")

@@ -25,6 +25,17 @@ def test_transformer_l_parameter_counts(preset: str, published: float) -> None:
     assert abs(count - published) <= 0.01 * published, f"{count / 1e6:.1f}M vs {published / 1e6:.1f}M"
 
 
+
+def test_the_papers_translation_models_share_a_64k_vocabulary() -> None:
+    from gpipe_cli.models.presets import presets
+
+    # The T(L, H, A) presets had a 32k vocabulary: T(6, 8192, 16) came to 343M parameters, not the paper's 400M.
+    for name, preset in presets().items():
+        if name.startswith("t-"):
+            assert preset.params["vocab_size"] == 64000 and preset.params["d_model"] == 1024, name
+    count = count_parameters(build_preset("t-6-8192-16"))
+    assert abs(count - 400e6) <= 0.05 * 400e6, f"{count / 1e6:.1f}M vs 400M"
+
 def test_tied_parameters_are_counted_once() -> None:
     untied, tied = tiny(), tiny(tie_embeddings=True)
     assert count_parameters(untied) - count_parameters(tied) == 50 * 32
@@ -117,6 +128,19 @@ def test_logit_clipping_and_scaled_init() -> None:
     ratio = scaled.ffn.inner.weight.detach().std() / plain.ffn.inner.weight.detach().std()
     assert abs(float(ratio) - 0.25) < 1e-3
 
+
+
+def test_sinusoidal_positions_span_the_timescales_from_one_to_ten_thousand() -> None:
+    from gpipe_cli.models.transformer.attention import sinusoidal_positions
+
+    # The frequencies were spaced over `half` steps, not `half - 1`: the slowest timescale fell short of 10,000.
+    table = sinusoidal_positions(3, 8, torch.device("cpu"))
+    assert table.shape == (3, 8)
+    assert table[1, :4].tolist() == pytest.approx([math.sin(1.0), math.sin(10000 ** (-1 / 3)),
+                                                   math.sin(10000 ** (-2 / 3)), math.sin(1e-4)], rel=1e-5)
+    assert table[2, 4:].tolist() == pytest.approx([math.cos(2.0), math.cos(2 * 10000 ** (-1 / 3)),
+                                                   math.cos(2 * 10000 ** (-2 / 3)), math.cos(2e-4)], rel=1e-5)
+    assert table[0].tolist() == [0.0] * 4 + [1.0] * 4
 
 def test_learned_positions_reject_sequences_beyond_max_len() -> None:
     layers = build_layers(tiny("decoder-only", positions="learned", max_len=8))

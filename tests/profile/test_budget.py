@@ -144,6 +144,18 @@ def test_nothing_fits_a_tiny_budget(transformer):
     assert budget.search(transformer, [("naive-1", 1, 1, "never")], 1000, 32, "gpipe", "sgd") == [None]
 
 
+
+def test_the_transformer_search_starts_at_the_shallowest_member_with_enough_pipeline_layers(transformer):
+    from types import SimpleNamespace
+
+    # A V of 8 chunks needs 8 pipeline layers: 6 layers with the embedding and the softmax. The search started at
+    # 8 layers (10 pipeline layers), and where only 6 or 7 fit, it found nothing.
+    def fits(figures):
+        return [SimpleNamespace(params=1)] if 8 <= len(figures.layers) <= 9 else None
+
+    found = transformer.search(fits, least=8)
+    assert found is not None and found.label == "7"
+
 def test_bytes_per_parameter_is_measured_from_the_optimizer():
     assert bytes_per_parameter("sgd") == 12       # weight, gradient, momentum
     assert bytes_per_parameter("rmsprop") == 16   # + square average and momentum

@@ -162,6 +162,23 @@ def test_malformed_records_are_skipped_with_one_warning_naming_the_first(tmp_pat
     assert "K=2 M=4 1f1b" in captured.out and (run / "report.png").is_file()
 
 
+
+def test_a_train_record_that_timed_no_stage_is_skipped_as_malformed(tmp_path, capsys):
+    from gpipe_cli.records import usable
+
+    # A record whose compute times name no stage was read as a usable step, with no warning.
+    run = make_run(tmp_path / "run", 2)
+    lines = (run / "metrics.jsonl").read_text().split("\n")
+    record = json.loads(lines[0])
+    assert usable(record)
+    record["time_s"]["compute"] = []
+    assert not usable(record)
+    lines[0] = json.dumps(record)
+    (run / "metrics.jsonl").write_text("\n".join(lines))
+    assert cli(["report", str(run)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == f"warning: {run / 'metrics.jsonl'}: skipped 1 malformed line (line 1)\n"
+
 def test_a_last_line_cut_short_is_left_out_with_a_warning(tmp_path, capsys):
     run = make_run(tmp_path / "run", 2, cut=True)  # its metrics.jsonl ends in a line cut short, as a crash leaves it
     text = (run / "metrics.jsonl").read_text()
