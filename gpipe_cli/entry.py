@@ -20,6 +20,13 @@ from gpipe_cli import interrupts  # noqa: E402 (after the handler above)
 
 def main() -> None:
     """Load the command line and run it."""
+    import sys
+
+    # A terminal or file whose encoding is not UTF-8 (latin-1, a C locale without coercion) took a spinner or a
+    # translation's "…" as a UnicodeEncodeError traceback: a character it cannot show is written escaped.
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     interrupts.stop_on_signals()
     try:
         from gpipe_cli.cli import main as run_command_line

@@ -591,3 +591,19 @@ def test_a_number_flag_given_no_number_is_told_as_every_flag_is(capsys, args, li
     # It was pydantic's "Invalid value for '--bandwidth': Input should be a valid number, unable to parse string".
     assert run(args) == 2
     assert capsys.readouterr().err == line + "\n"
+
+
+def test_a_terminal_that_is_not_utf_8_gets_escapes_not_a_traceback(tmp_path):
+    # Under latin-1 or a C locale without coercion, a spinner, a "·" or a translation's "…" was a UnicodeEncodeError.
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, gpipe_cli.cli as cli\n"
+            "cli.main = lambda: print('plan · K=2 … done')\n"
+            "from gpipe_cli.entry import main\n"
+            "main()\n")
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
+    assert (out.returncode, out.stdout, out.stderr) == (0, b"plan \\xb7 K=2 \\u2026 done\n", b"")
+

@@ -60,7 +60,13 @@ def prepare(fresh: bool = True) -> None:
     level = os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")
     before = _server()
     with environment({"PYTHONWARNINGS": warnings, "TORCH_CPP_LOG_LEVEL": level, "GPIPE_PRELOADED": _marker()}):
-        resource_tracker.ensure_running()  # first: it unblocks SIGINT and SIGTERM on its way out
+        # First: it unblocks SIGINT and SIGTERM on its way out, but not SIGHUP, whose default would end it with the
+        # job's process group (a closed terminal): eight tracebacks after the run's last line. It keeps this mask.
+        hup = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGHUP,))
+        try:
+            resource_tracker.ensure_running()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, hup)
         # Blocked in this thread, which forks the server: a new program keeps its parent's mask, so the server
         # holds them from its first instruction (each rank unblocks them). Not ignored for the whole process: a
         # signal that this process's other threads took meanwhile was lost, and the command ran on to its end.

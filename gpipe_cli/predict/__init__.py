@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from collections.abc import Iterator
@@ -52,7 +53,11 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
         raise UserError(f"--max-tokens continues a language model's prompt; {shown(path)} is {_KINDS[task]}")
     if top is not None and task != "image":
         raise UserError(f"--top ranks an image classifier's classes; {shown(path)} is {_KINDS[task]}")
-    given = inputs or []
+    # Bytes as typed, read as UTF-8 whatever the locale: under a C locale "zéro" reached Python as two undecodable
+    # bytes and was refused as not UTF-8.
+    given = [os.fsencode(item).decode("utf-8", "surrogateescape") for item in inputs or []]
+    if inputs is not None:
+        inputs = given
     for number, item in enumerate(given, 1):  # found before the model is built, not after
         if task == "image":
             tasks.check_image_path(item)
@@ -118,6 +123,8 @@ def _check_text(item: str, number: int, count: int, task: str) -> None:
 
 def _stdin_lines(text: bool) -> Iterator[str]:
     """stdin's lines; of a text model, each checked to be UTF-8 where its line number can still be said."""
+    if hasattr(sys.stdin, "reconfigure"):  # UTF-8 whatever the locale; bytes that are not are said below
+        sys.stdin.reconfigure(encoding="utf-8", errors="surrogateescape")
     for number, line in enumerate(sys.stdin, 1):
         item = line.rstrip("\r\n")
         where = not_utf8(item) if text else None  # an image's path may be any bytes

@@ -221,3 +221,18 @@ def test_a_stop_signal_while_the_server_starts_reaches_the_command(monkeypatch: 
         idle.set()
         other.join()
     assert blocked == [True] and got == [signal.SIGTERM]
+
+
+def test_the_resource_tracker_outlives_a_sighup_to_the_job_s_process_group():
+    # A closed terminal signals the whole group: the tracker, which keeps only SIGINT and SIGTERM blocked, died on
+    # SIGHUP and the command's last line was followed by a warning and eight KeyError tracebacks.
+    code = ("from multiprocessing import resource_tracker\n"
+            "from gpipe_cli.launch import forked\n"
+            "forked.prepare()\n"
+            "pid = resource_tracker._resource_tracker._pid\n"
+            "status = open(f'/proc/{pid}/status').read().split()\n"
+            "blocked = int(status[status.index('SigBlk:') + 1], 16)\n"
+            "forked.stop()\n"
+            "print(bool(blocked & 1))\n")  # SIGHUP is signal 1: bit 0 of the mask
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr[-2000:]

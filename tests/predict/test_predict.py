@@ -619,3 +619,9 @@ def test_a_continuation_reads_the_last_window_of_tokens_at_every_step():
 
     assert list(continue_text(forward, [4, 5], 6, 4)) == [7] * 6
     assert widths == [2, 3, 4, 4, 4, 4]  # the prompt, then each step's window of 4, never fewer
+
+
+def test_a_sentence_typed_in_utf_8_is_read_so_under_a_c_locale(exports, capsys):
+    # Under LC_ALL=C Python hands "zéro" over as the escaped bytes c3 a9, which predict refused: "not UTF-8 text".
+    assert run(["predict", str(exports["translation"]), "z\udcc3\udca9ro", "one"]) == 0
+    assert capsys.readouterr().out.count("\n") == 2
