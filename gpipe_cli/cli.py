@@ -496,7 +496,7 @@ def run(args: list[str]) -> int:
             _error(f"help takes one command; got {len(args) - 1}: {' '.join(args[1:])} (see 'gpipe --help')")
             return 2
         args = [*args[1:2], "--help"]
-    given = _bare_resume(_short_help(args))
+    given = _home_expanded(_bare_resume(_short_help(args)))
     if said := _option_misuse(given, getattr(command, "commands", {})):
         _error(f"{said} (see 'gpipe {given[0]} --help')")
         return 2
@@ -617,6 +617,12 @@ def _short_help(args: list[str]) -> list[str]:
     # Not declared as a help option name: it would take a column of its own in every listing.
     end = args.index("--") if "--" in args else len(args)
     return ["--help" if arg == "-h" else arg for arg in args[:end]] + args[end:]
+
+
+def _home_expanded(args: list[str]) -> list[str]:
+    """`--flag=~/x` as `--flag ~/x` reaches a command: the shell expands no ~ after the = (a folder named ~ here)."""
+    return [f"{flag}={os.path.expanduser(value)}" if flag.startswith("--") and eq and value.startswith("~") else arg
+            for arg in args for flag, eq, value in [arg.partition("=")]]
 
 
 def _bare_resume(args: list[str]) -> list[str]:

@@ -607,3 +607,16 @@ def test_a_terminal_that_is_not_utf_8_gets_escapes_not_a_traceback(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
     assert (out.returncode, out.stdout, out.stderr) == (0, b"plan \\xb7 K=2 \\u2026 done\n", b"")
 
+
+
+def test_a_flag_written_with_an_equals_sign_and_a_tilde_names_the_home_folder(tmp_path, monkeypatch, capsys):
+    # The shell expands no ~ after `=`: `--output-dir=~/runs/x` made a folder named ~ here, which printed as the
+    # home folder, and a text run's second rank looked for its tokenizer there.
+    from gpipe_cli.cli import _home_expanded
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert _home_expanded(["train", "--output-dir=~/runs/x", "--set", "data.path=~/d", "--json=x~", "~/r"]) == [
+        "train", f"--output-dir={tmp_path}/runs/x", "--set", "data.path=~/d", "--json=x~", "~/r"]
+    monkeypatch.chdir(tmp_path)
+    assert run(["train", "--output-dir=~/runs/x", "--dry-run"]) == 0
+    assert f"--output-dir {tmp_path}/runs/x" in capsys.readouterr().out and not (tmp_path / "~").exists()
