@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
@@ -40,6 +41,7 @@ from gpipe_cli.train.existing import (
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
 
 _MODEL = "model."
+PRUNED_TRIES = 5  # reads of a run whose training removed the checkpoint being read, before giving up
 
 
 def export(location: str, output: str | None = None, dtype: str | None = None) -> Path:
@@ -50,6 +52,34 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     check_export_arguments(location, output)
     if output is not None:  # the run directory of the checkpoint that will be read
         _check_not_the_runs(Path(output), run_dir_of(str(next(iter(candidates(Path(location))), location))))
+    # A training that keeps few checkpoints may prune the one read meanwhile: the newest then is read instead.
+    for attempt in range(PRUNED_TRIES):
+        found = _newest(location)
+        try:
+            run_dir, tensors, metadata = _read(found, dtype)
+            break
+        except (OSError, RuntimeError, ValueError, CheckpointException):
+            if found.path.exists() or attempt == PRUNED_TRIES - 1:
+                raise
+    target = Path(output) if output is not None else _default_place(found.path, run_dir)
+    # A full disk, a read-only file system: one line, and nothing left behind.
+    elsewhere = "" if output is not None else "; write it elsewhere with --output FILE"
+    with writing(target, "--output" if output is not None else "", elsewhere), atomic_path_of_a_writer(target) as tmp:
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+        except SafetensorError as exc:
+            raise _os_error(exc) from None
+    named = Path(location).name.startswith(PREFIX)  # a checkpoint, not the run: its newest whole one
+    newest = newest_step(run_dir) if named and output is None and target == run_dir / EXPORTED else None
+    if newest is not None and newest > found.step:
+        # The run's export now answers with older weights: predict says so each time; this says it as it happens.
+        print(f"[gpipe] {shown_path(target)} now holds step {found.step}, not the run's newest checkpoint (step "
+              f"{newest}): gpipe export {shlex.quote(str(run_dir))} writes that one", file=sys.stderr)
+    return target
+
+
+def _newest(location: str) -> checkpoint.Found:
+    """The newest verified checkpoint of `location`, refused ones said on stderr; UserError when there is none."""
     found, refused = checkpoint.newest_whole(Path(location), verify=True)
     if found is None:  # each refused one's reason, in the one line (they are read again: only on this way out)
         reasons = "; ".join(f"{p.name}: {checkpoint.inspect(p, verify=True)[1]}" for p in candidates(Path(location)))
@@ -61,6 +91,11 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
         raise UserError(f"{location}: no complete checkpoint to export ({reasons or 'there are no checkpoints'})")
     for message in refused:
         print(f"[gpipe] {message}", file=sys.stderr)
+    return found
+
+
+def _read(found: checkpoint.Found, dtype: str | None) -> tuple[Path, dict[str, torch.Tensor], dict[str, str]]:
+    """The checkpoint's run directory, and its tensors and metadata as the export stores them."""
     reader = SafeReader(str(found.path))
     entries = reader.read_metadata().state_dict_metadata
     state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
@@ -77,21 +112,7 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     inside = (run_dir / CHECKPOINTS).resolve() in found.path.resolve().parents
     tensors, metadata = _described(tensors, run_dir if inside else None, own if own.is_file() else run_dir / RECIPE,
                                    found.step, dtype)
-    target = Path(output) if output is not None else _default_place(found.path, run_dir)
-    # A full disk, a read-only file system: one line, and nothing left behind.
-    elsewhere = "" if output is not None else "; write it elsewhere with --output FILE"
-    with writing(target, "--output" if output is not None else "", elsewhere), atomic_path_of_a_writer(target) as tmp:
-        try:
-            save_file(tensors, str(tmp), metadata=metadata)
-        except SafetensorError as exc:
-            raise _os_error(exc) from None
-    named = Path(location).name.startswith(PREFIX)  # a checkpoint, not the run: its newest whole one
-    newest = newest_step(run_dir) if named and output is None and target == run_dir / EXPORTED else None
-    if newest is not None and newest > found.step:
-        # The run's export now answers with older weights: predict says so each time; this says it as it happens.
-        print(f"[gpipe] {shown_path(target)} now holds step {found.step}, not the run's newest checkpoint (step "
-              f"{newest}): gpipe export {shlex.quote(str(run_dir))} writes that one", file=sys.stderr)
-    return target
+    return run_dir, tensors, metadata
 
 
 def _default_place(checkpoint_path: Path, run_dir: Path) -> Path:
