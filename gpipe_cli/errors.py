@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import difflib
+import os
+import shlex
 from collections.abc import Iterable
 from typing import Any
 
@@ -96,3 +98,10 @@ def one_line(message: str) -> str:
 
 
 NONFINITE_EXIT_CODE = 3  # training stopped on a non-finite loss or gradient; rank 0 has said where
+
+
+def shell_path(path: str | os.PathLike[str]) -> str:
+    """A path as the shell word of a command we advise: quoted, and `./` before a relative one that starts with -."""
+    # `gpipe train --resume -run` reads -run as an option: the advice must run as printed.
+    text = os.fsdecode(path)
+    return shlex.quote(f"./{text}" if text.startswith("-") else text)

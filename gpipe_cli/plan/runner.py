@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpipe_cli import interrupts
-from gpipe_cli.errors import UserError, shown
+from gpipe_cli.errors import UserError, shell_path, shown
 from gpipe_cli.files import another_file, check_not_input, check_output, holds_no
 from gpipe_cli.plan.options import ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US, PlanOptions, validate
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_label, recipe_read
@@ -267,7 +267,7 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
         show.print_plan(console, items, title)
     line(as_written_line(model, hw, recipe, best, budget))
     section = show.pipeline_section(best, recipe.pipeline.backend)
-    target = shlex.quote(options.recipe) if options.recipe is not None else ""
+    target = shell_path(options.recipe) if options.recipe is not None else ""
     # The settings typed for the model and data (by --set or a size flag) travel with it; its pipeline is the plan's.
     carried = [f"--set {shlex.quote(item)}" for item in options.set if not item.lstrip().startswith("pipeline.")]
     command = " ".join(["gpipe train", *([target] if target else []), *carried, *show.set_lines(section)])
@@ -283,7 +283,7 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
             except OSError as exc:  # a disk can fill, or a folder change, after the check; nothing is half there
                 raise UserError(f"--output: cannot write {shown(str(options.output))} ({exc.strerror or exc})") \
                     from None
-            line(f"wrote {options.output}; train with: gpipe train {shlex.quote(str(options.output))}", markup=False)
+            line(f"wrote {options.output}; train with: gpipe train {shell_path(options.output)}", markup=False)
         console.print(f"[dim]{took_line(time.perf_counter() - started, progress.estimated)}[/]"
                       if progress.estimated else f"[dim]took {human_seconds(time.perf_counter() - started)}[/]")
         return 0

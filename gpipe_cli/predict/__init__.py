@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpipe_cli.errors import UserError, not_utf8, shown
+from gpipe_cli.errors import UserError, not_utf8, shell_path, shown
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.pipeline.streams import write_out
 from gpipe_cli.train.existing import (
@@ -144,13 +143,13 @@ def out_of_date(file: Path, exported_step: str | None) -> str | None:
     if newest is None or newest == int(exported_step):
         return None
     return (f"{file} is the export of step {exported_step}, but the run's newest checkpoint is step {newest}: "
-            f"answering with step {exported_step}'s weights; refresh it with: gpipe export {shlex.quote(str(run_dir))}")
+            f"answering with step {exported_step}'s weights; refresh it with: gpipe export {shell_path(run_dir)}")
 
 
 def export_command(file: Path) -> str:
     """The command that writes the export `file` names: `gpipe export` of its run directory, where it is in one."""
     run = next((folder for folder in (file, file.parent) if folder.is_dir() and is_run(folder)), None)
-    return f"gpipe export {shlex.quote(str(run)) if run is not None else 'RUN'}"
+    return f"gpipe export {shell_path(run) if run is not None else 'RUN'}"
 
 
 def export_file(path: str) -> Path:
@@ -169,7 +168,7 @@ def export_file(path: str) -> Path:
             written = course_export(course) if course.name.startswith(SUPERSEDED) else run_dir_of(path) / EXPORTED
             what = "a checkpoint" if file.name.startswith(PREFIX) else "a course of checkpoints a resume set aside"
             raise UserError(f"{shown(path)} is {what}, and predict reads an export: write one with: gpipe "
-                            f"export {shlex.quote(path)}, then give predict {shlex.quote(str(written))}")
+                            f"export {shell_path(path)}, then give predict {shell_path(written)}")
         elif not (file / EXPORTED).is_file():
             raise UserError(f"{shown(path)} is a directory without {EXPORTED}; write one with: {export_command(file)}")
         else:

@@ -7,13 +7,12 @@ import datetime
 import json
 import os
 import re
-import shlex
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpipe_cli.errors import DataError, UserError, cut, shown
+from gpipe_cli.errors import DataError, UserError, cut, shell_path, shown
 from gpipe_cli.files import atomic_write_bytes, check_output, check_output_kind, remove_folders, same_file
 from gpipe_cli.launch.preflight import NODE_FLAGS, check_file_name, check_not_empty, check_path
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_yaml
@@ -314,7 +313,7 @@ def check_layout(run_dir: Path, flag: str, instead: str) -> None:
 
 def start_again(run_dir: Path) -> str:
     """How to start a run that saved no checkpoint again, in its own directory (its records are replaced)."""
-    return f"start it again from step 0 with: gpipe train --resume --output-dir {shlex.quote(str(run_dir))}" \
+    return f"start it again from step 0 with: gpipe train --resume --output-dir {shell_path(run_dir)}" \
         + _on_nodes(None)
 
 
@@ -603,9 +602,9 @@ def _check_not_a_run(recipe: str | None) -> None:
     # `gpipe train outputs/NAME/STAMP` means that run; the recipe reader would say only that it is a directory.
     if recipe is None or not os.path.isdir(recipe) or not is_run(Path(recipe)):
         return
-    ways = [f"--resume {shlex.quote(recipe)} to continue it"] if candidates(Path(recipe)) else []
+    ways = [f"--resume {shell_path(recipe)} to continue it"] if candidates(Path(recipe)) else []
     if os.path.isfile(os.path.join(recipe, RECIPE)):
-        ways.append(f"{shlex.quote(os.path.join(recipe, RECIPE))} to start again with its recipe")
+        ways.append(f"{shell_path(os.path.join(recipe, RECIPE))} to start again with its recipe")
     raise UserError(f"{cut(recipe, PATH_CHARS)}: is a run directory, not a recipe file; give "
                     f"{', or '.join(ways) or 'the recipe it was started with'}")
 
@@ -708,7 +707,7 @@ def resume_line(run_dir: Path, step: int | None, changes: list[Change] | None, r
 
 def continue_command(run_dir: Path, flags: str | None = None) -> str:
     """The command that continues a stopped run as it was started, ready to copy (`flags`: see `_on_nodes`)."""
-    return f"gpipe train --resume {shlex.quote(str(run_dir))}" + _on_nodes(flags)
+    return f"gpipe train --resume {shell_path(run_dir)}" + _on_nodes(flags)
 
 
 def way_on(run_dir: Path) -> str:

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import re
-import shlex
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
-from gpipe_cli.errors import DataError, UserError
+from gpipe_cli.errors import DataError, UserError, shell_path
 from gpipe_cli.files import atomic_path_of_a_writer, check_not_input, shown_path, writing
 from gpipe_cli.models import weights
 from gpipe_cli.models.base import ModelSpec
@@ -74,7 +73,7 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
     if newest is not None and newest > found.step:
         # The run's export now answers with older weights: predict says so each time; this says it as it happens.
         print(f"[gpipe] {shown_path(target)} now holds step {found.step}, not the run's newest checkpoint (step "
-              f"{newest}): gpipe export {shlex.quote(str(run_dir))} writes that one", file=sys.stderr)
+              f"{newest}): gpipe export {shell_path(run_dir)} writes that one", file=sys.stderr)
     return target
 
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpipe_cli.errors import shell_path
 from gpipe_cli.pipeline.stats import PARTS
 from gpipe_cli.records import PROFILED, Rate, after_warmup, profiled_words, read_records
 from gpipe_cli.train.step_figures import Peak
@@ -117,7 +117,7 @@ class RunSummary:
             over += profiled_words(self.profiled_steps)
         if shown.per_s is not None:
             if self.resumed:
-                over += f"; gpipe report {shlex.quote(run_dir)} gives the whole run's"
+                over += f"; gpipe report {shell_path(run_dir)} gives the whole run's"
             rate = f"{shown.per_s:.1f} samples/s"
             if text:
                 rate += f", {shown.units / shown.seconds:.0f} tokens/s"

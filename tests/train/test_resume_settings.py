@@ -184,6 +184,9 @@ def test_the_command_to_continue_is_ready_to_copy(tmp_path):
     assert continue_command(Path("outputs/quickstart/20261123-051412")) == (
         "gpipe train --resume outputs/quickstart/20261123-051412")
     assert continue_command(Path("runs/job 17")) == "gpipe train --resume 'runs/job 17'"
+    # A run directory named -run: `gpipe train --resume -run` was "No such option: -run".
+    assert continue_command(Path("-run")) == "gpipe train --resume ./-run"
+    assert continue_command(Path("/runs/-a")) == "gpipe train --resume /runs/-a"
 
 
 @pytest.mark.parametrize(("options", "flags"), [
