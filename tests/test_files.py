@@ -449,3 +449,15 @@ def test_a_name_of_256_bytes_is_refused_up_front_and_one_of_255_is_not():
     assert path_problem("out/" + "n" * 255) is None
     assert path_problem("out/" + "n" * 256) == (
         "has a name of 256 bytes; a name may have at most 255 bytes, a path at most 4095 bytes")
+
+
+def test_a_run_folder_too_deep_for_its_checkpoint_files_is_refused_before_any_step(tmp_path, capsys):
+    # A legal 4,060-byte path trained every step, then failed at the first checkpoint: "File name too long".
+    from gpipe_cli.cli import run
+
+    deep = tmp_path.joinpath(*["d" * 200] * 20)
+    assert run(["train", "--output-dir", str(deep), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --output-dir: ") and "bytes long as a full path, and the run's checkpoint files " \
+        "lie up to 100 bytes below it; a path may have at most 4095 bytes: give a shorter one" in err
+    assert run(["train", "--output-dir", str(tmp_path.joinpath(*["d" * 200] * 18)), "--dry-run"]) == 0

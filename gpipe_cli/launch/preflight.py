@@ -115,6 +115,21 @@ def path_problem(path: str | os.PathLike[str]) -> str | None:
     return f"has a name of {longest} bytes; {ALLOWED_LENGTHS}" if longest > NAME_MAX else None
 
 
+# The longest path a run writes below its folder: checkpoints/superseded-<time>-at-step-<step>/step-<step>/
+# __<rank>_0.distcp, with room to spare.
+RUN_FILES_BYTES = 100
+
+
+def check_room_below(path: Path, what: str, below: int = RUN_FILES_BYTES) -> None:
+    """Refuse a folder whose path leaves no room for the `below` bytes of paths written in it (the checkpoints)."""
+    # Legal itself, it failed only at the first checkpoint, after the steps before it: their work was lost.
+    full = len(os.fsencode(os.path.abspath(path)))
+    if full + below > PATH_MAX:
+        raise UserError(f"{what}: {shown(os.fsdecode(path), PATH_SHOWN_CHARS)} is {full} bytes long as a full path, "
+                        f"and the run's checkpoint files lie up to {below} bytes below it; a path may have at most "
+                        f"{PATH_MAX} bytes: give a shorter one")
+
+
 def check_not_empty(path: str | os.PathLike[str] | None, what: str, names: str = "file",
                     give: str = "name one") -> None:
     """Refuse an empty path in one line naming `what` (a flag) and what it names: pathlib would read it as '.'."""

@@ -30,7 +30,15 @@ from gpipe_cli.launch import (
     under_torchrun,
     warming,
 )
-from gpipe_cli.launch.preflight import dry_run_lines, endpoint_source, node_flags, rendezvous, resolve
+from gpipe_cli.launch.preflight import (
+    RUN_FILES_BYTES,
+    check_room_below,
+    dry_run_lines,
+    endpoint_source,
+    node_flags,
+    rendezvous,
+    resolve,
+)
 from gpipe_cli.models import families
 from gpipe_cli.progress import note
 from gpipe_cli.recipe.load import recipe_kind_note, recipe_label, typed_values
@@ -215,6 +223,8 @@ def train(options: TrainOptions) -> int:
         new_run = (Path(options.output_dir), "--output-dir", "") if options.output_dir else \
             (Path(OUTPUTS) / recipe.name, "the output directory", "; give --output-dir DIR to write the run elsewhere")
         check_writable(*new_run)
+        # outputs/<name> gets a folder of the start's time (20261207-101500-1) below it.
+        check_room_below(new_run[0], new_run[1], RUN_FILES_BYTES + (0 if options.output_dir else 20))
     # Not after seconds of planning. Under torchrun, rank 0 claims the run as the other ranks check it: theirs is not
     # another gpipe train's.
     check_a_run_to_resume(options.resume, options.output_dir, recipe.name, OUTPUTS,
