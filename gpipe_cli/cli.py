@@ -482,6 +482,11 @@ def report_runs(
 
 def run(args: list[str]) -> int:
     """Run the command line on `args`; every usage error is one line on stderr. Returns the exit code."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:  # removed under the shell: relative paths and the ranks' start failed in tracebacks
+        _error("the current directory no longer exists; cd to one that does and run the command again")
+        return 2
     columns = os.environ.get("COLUMNS", "")
     if columns.isdigit() and int(columns) < LEAST_COLUMNS:  # rich prints nothing at 0, a word a line at 5
         os.environ["COLUMNS"] = str(LEAST_COLUMNS)

@@ -620,3 +620,14 @@ def test_a_flag_written_with_an_equals_sign_and_a_tilde_names_the_home_folder(tm
     monkeypatch.chdir(tmp_path)
     assert run(["train", "--output-dir=~/runs/x", "--dry-run"]) == 0
     assert f"--output-dir {tmp_path}/runs/x" in capsys.readouterr().out and not (tmp_path / "~").exists()
+
+
+def test_a_current_directory_removed_under_the_shell_is_one_line(tmp_path, monkeypatch, capsys):
+    # The ranks' start failed in a FileNotFoundError traceback from multiprocessing; other commands inside torch.
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    assert run(["validate"]) == 2
+    assert capsys.readouterr().err == ("error: the current directory no longer exists; cd to one that does and run the "
+                                       "command again\n")

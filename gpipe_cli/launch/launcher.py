@@ -308,6 +308,30 @@ def _told(logs: str) -> bool:
     return any(Path(logs).rglob(TOLD))
 
 
+OPEN_FILES = 65536  # the soft limit the ranks are given, where the hard one allows it
+LEAST_OPEN_FILES = 64  # below this, a rank of two fails opening its sockets
+
+
+def open_files_as_allowed() -> None:
+    """Raise this process's soft limit of open files (the ranks inherit it) towards its hard limit."""
+    # gloo and the store open sockets per peer: under `ulimit -n 40` a rank failed in a traceback of
+    # "epoll_create: Too many open files". Only the soft limit, which any process may raise to the hard one.
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, ValueError, OSError):
+        return
+    want = OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+    if soft != resource.RLIM_INFINITY and soft < LEAST_OPEN_FILES:
+        raise UserError(f"this shell allows {soft} open files (ulimit -n), and the ranks need at least "
+                        f"{LEAST_OPEN_FILES} for their connections: raise it (ulimit -n 1024) and start again")
+
+
 def explain(failures: dict[int, Any], stages: int | None = None, told: bool = False) -> tuple[int, str | None]:
     """The job's exit code for the failed ranks (rank -> ProcessFailure), and the line why (None: a rank said it)."""
     from gpipe_cli.pipeline.failure import ANNOUNCED
@@ -354,6 +378,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
 
     interrupts.check()  # a Ctrl-C swallowed while the command loaded: no rank starts
     options = options or LaunchOptions()
+    open_files_as_allowed()
     rdzv = rendezvous(world, options)
     try:
         reach(rdzv, _say)

@@ -212,6 +212,10 @@ def train(options: TrainOptions) -> int:
         raise UserError(f"torchrun started {ranks} process{'es' if ranks != 1 else ''} but the recipe needs "
                         f"partitions x data_parallel = {world}")
     local = check_launch(options.launch, world)
+    if not under_torchrun():  # before seconds of planning, as the launch would find it
+        from gpipe_cli.launch.launcher import open_files_as_allowed
+
+        open_files_as_allowed()
     if options.launch.rdzv_endpoint and not options.dry_run and not under_torchrun():  # before seconds of planning
         resolve(options.launch.rdzv_endpoint, endpoint_source(options.launch))
     if options.output_dir and os.path.exists(options.output_dir) and not os.path.isdir(options.output_dir):

@@ -73,3 +73,21 @@ def test_a_node_rank_equal_to_the_number_of_nodes_is_refused_before_any_rank_sta
     with pytest.raises(UserError) as caught:
         check_launch(options(2), world=4)
     assert str(caught.value) == "--node-rank: must be >= 0 and < the number of nodes, 2 (got 2)"
+
+
+def test_the_ranks_get_the_open_files_the_hard_limit_allows_and_too_few_is_one_line(monkeypatch):
+    # Under `ulimit -n 40` a rank failed in a gloo traceback, "epoll_create: Too many open files".
+    import resource
+
+    from gpipe_cli.errors import UserError
+    from gpipe_cli.launch.launcher import open_files_as_allowed
+
+    set_to = []
+    monkeypatch.setattr(resource, "setrlimit", lambda which, limits: set_to.append(limits))
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 4096))
+    open_files_as_allowed()
+    assert set_to == [(4096, 4096)]
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (40, 40))
+    with pytest.raises(UserError, match=r"^this shell allows 40 open files \(ulimit -n\), and the ranks need at least "
+                                        r"64 for their connections: raise it \(ulimit -n 1024\) and start again$"):
+        open_files_as_allowed()
