@@ -46,7 +46,9 @@ def split_files(path: Path, exts: Sequence[str], data: Data) -> tuple[list[Path]
         return [path], None
     files = data_files(path, exts)
     if not files:
-        raise DataError(f"no {'/'.join(exts)} files under '{path}'")
+        hidden = any(p.is_file() and p.name.lower().endswith(tuple(exts)) for p in path.rglob("*"))
+        raise DataError(f"no {'/'.join(exts)} files under '{path}'"
+                        + (" (hidden files and __MACOSX/ are passed over)" if hidden else ""))
 
     def named(split: str) -> list[Path]:
         # As words of the path: 'latest.txt' holds no test split, nor 'medieval.txt' an eval one.
@@ -91,8 +93,12 @@ def held_out_files(data: Data) -> str | None:
     train, held = split_files(folder, SOURCE_FILES[data.source], data)
     unread = [f for f in data_files(folder, SOURCE_FILES[data.source]) if f not in train and f not in (held or ())]
     words = [f"from {_listed(held, folder)}"] if held else []
-    if unread:
-        words.append(f"{_listed(unread, folder)} not read (neither data.train_split nor data.eval_split picks it)")
+    other = [f for f in unread if any(_holds(_words(str(f.relative_to(folder))), _words(name))
+                                      for name in EVAL_SPLIT_NAMES)]
+    if other:  # held out by name, but not the split held out: a test set beside a validation set
+        words.append(f"{_listed(other, folder)} not read: another held-out split, which data.eval_split may pick")
+    if rest := [f for f in unread if f not in other]:
+        words.append(f"{_listed(rest, folder)} not read: not named data.train_split '{data.train_split}'")
     return "; ".join(words) or None
 
 
@@ -117,6 +123,10 @@ def hold_out(n: int, fraction: float, keys: Sequence[str] = ()) -> tuple[np.ndar
     hashes = np.fromiter((int.from_bytes(hashlib.blake2b(key.encode(errors="surrogatepass"), digest_size=8).digest(),
                                          "big") for key in keys), dtype=np.uint64, count=len(keys))
     perm = np.argsort(hashes, kind="stable") if keys else rng(0, "hold-out", n).permutation(n)
+    if keys:  # the cut moves to the nearest place between two different keys: no line on both sides
+        ordered = hashes[perm]
+        between = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
+        k = int(between[np.argmin(np.abs(between - k))]) if len(between) else 0
     return np.sort(perm[k:]), np.sort(perm[:k])
 
 

@@ -336,6 +336,10 @@ def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_l
         why_none = held_none(len(train_recs), data.eval_fraction, unit, shown(data.path, 200) if data.path else where)
         keys = ["\t".join(r) if isinstance(r, tuple) else r for r in train_recs]
         rows, held = hold_out(len(train_recs), data.eval_fraction, keys)
+        if why_none is None and data.eval_fraction > 0 and not len(held):  # copies of one line stay together
+            why_none = (f"data.eval_fraction ({data.eval_fraction:g}) holds out whole {unit}s with their copies, and "
+                        f"every {unit} of {shown(data.path, 200) if data.path else where} is the same, which training "
+                        f"keeps; give it other {unit}s")
         train_recs, eval_recs = [train_recs[i] for i in rows], [train_recs[i] for i in held]
     if not any((r[0].strip() and r[1].strip()) if task == "translation" else r.strip() for r in train_recs):
         raise DataError(f"{where} has no text")

@@ -83,7 +83,7 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
                 for piece in answer(item):  # each piece as soon as it is known: stdin may be a conversation, and a
                     write_out(piece)  # long continuation shows as it grows (and ends once its reader has gone)
                     begun, written = True, written or bool(piece)
-            except tasks.NothingRead as exc:
+            except tasks.NoAnswer as exc:
                 nothing = str(exc)
             write_out("\n")
             answered, begun = answered + 1, False

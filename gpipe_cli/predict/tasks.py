@@ -67,8 +67,8 @@ def load_export(path: str) -> Exported:
     return exported
 
 
-class NothingRead(Exception):
-    """An input the model reads nothing of: its answer is a blank line, said why on stderr."""
+class NoAnswer(Exception):
+    """An input answered with nothing past what it was: why, said on stderr once its line is written."""
 
 
 def translator(exported: Exported, model: nn.Module) -> Answer:
@@ -83,7 +83,7 @@ def translator(exported: Exported, model: nn.Module) -> Answer:
                   f"at most model.max_len = {max_len})", file=sys.stderr, flush=True)
             ids = ids[:max_len]
         if not ids and text.strip():  # zero-width or control characters alone: the model would read nothing
-            raise NothingRead("nothing to translate: the model's tokenizer drops every character of it")
+            raise NoAnswer("nothing to translate: the model's tokenizer drops every character of it")
         if ids:
             out = translate(_finite(encoding_once(model), text), torch.tensor([ids]),
                             translation_limit(len(ids), max_len), tok.vocab_size)
@@ -116,8 +116,8 @@ def generator(exported: Exported, model: nn.Module, max_tokens: int) -> Answer:
         if new != shown_new and new.startswith(shown_new):  # the answer ended inside a character
             yield new[len(shown_new):]
         if len(ids) == prompt:  # the prompt came back alone, which reads as if nothing had run
-            print(f"[gpipe] the model ended the document right after {shown(text)}, adding nothing (it may need more "
-                  "training)", file=sys.stderr, flush=True)
+            raise NoAnswer("the model ended the document right after the prompt, adding nothing (it may need more "
+                           "training)")
 
     return answer
 

@@ -96,9 +96,18 @@ def test_a_second_held_out_file_and_hidden_files_are_not_trained_on(tmp_path: Pa
     only_a = build_data(d.model_copy(update={"path": str(corpus / "a.txt"), "eval_fraction": 0.0}), "lm", seed=0,
                         vocab_size=100, max_len=32, run_dir=None)
     assert ds.train_size == only_a.train_size
-    assert held_out_files(d) == ("from valid.txt; test.txt not read (neither data.train_split nor data.eval_split "
-                                 "picks it)")
+    assert held_out_files(d) == ("from valid.txt; test.txt not read: another held-out split, which data.eval_split "
+                                 "may pick")
     assert held_out_files(d.model_copy(update={"eval_split": "test"})).startswith("from test.txt; valid.txt not read")
+    (corpus / "train.txt").write_text("\n".join(words[:10]) + "\n", encoding="utf-8")  # named: a.txt is not
+    assert held_out_files(d).endswith("; a.txt not read: not named data.train_split 'train'")
+    (corpus / "train.txt").unlink()
+    hidden = tmp_path / "hidden"
+    (hidden / ".data").mkdir(parents=True)
+    (hidden / ".data" / "a.txt").write_text("one\n")
+    with pytest.raises(DataError, match=r"^no \.txt/\.text/\.raw files under '.*hidden' \(hidden files and __MACOSX/ "
+                                        r"are passed over\)$"):
+        build_data(d.model_copy(update={"path": str(hidden)}), "lm", seed=0, vocab_size=100, max_len=32)
 
 
 def test_a_split_that_picks_nothing_is_refused_not_ignored(tmp_path: Path) -> None:
@@ -196,7 +205,7 @@ def test_a_one_line_text_says_that_no_fraction_can_hold_a_line_out(tmp_path: Pat
     assert ds.eval_steps() == 0
     assert ds.train.held_none == (f"data.eval_fraction (0.5) holds out whole lines, and '{f}' has 1 line, which "
                                   "training keeps; give it more lines")
-    f.write_text(f.read_text() * 2, encoding="utf-8")  # two lines: one is held out
+    f.write_text(f.read_text() + f.read_text().replace("word1 ", "word2 "), encoding="utf-8")  # two: one held out
     for fraction in (0.5, 0.0):
         ds = build_data(data(source="text", path=str(f), seq_len=16, eval_fraction=fraction), "lm", seed=0,
                         vocab_size=60, max_len=32, run_dir=None)
@@ -261,6 +270,18 @@ def test_a_line_added_to_a_text_moves_at_most_one_other_between_training_and_hel
     before, after = {keys[i] for i in held}, {[*keys, "a line added since"][i] for i in held_more}
     assert len(before - after) <= 1 and len(before) == 30
     assert len({i for i in held if lines[i] == "a repeated line"}) in (0, 4)
+    # A cut at a fixed count split a group of copies: a line both trained on and held out.
+    for keys, fraction in ((["a"] * 50 + ["b"] * 50, 0.3), ([f"l{i % 7}" for i in range(100)], 0.1)):
+        train, held_out = hold_out(len(keys), fraction, keys)
+        assert not {keys[i] for i in train} & {keys[i] for i in held_out} and len(held_out) > 0
+    assert len(hold_out(10, 0.1, ["same"] * 10)[1]) == 0  # one line alone: none can be held out without it
+    f = tmp_path / "same.txt"
+    f.write_text("the same line again\n" * 20, encoding="utf-8")
+    ds = build_data(data(source="text", path=str(f), seq_len=4, eval_fraction=0.1), "lm", seed=0, vocab_size=30,
+                    max_len=32, run_dir=None)
+    assert ds.eval_steps() == 0 and ds.train.held_none == (
+        f"data.eval_fraction (0.1) holds out whole lines with their copies, and every line of '{f}' is the same, "
+        "which training keeps; give it other lines")
     f = tmp_path / "corpus.txt"
     f.write_text("\n".join(lines) + "\n", encoding="utf-8")
     ds = build_data(data(source="text", path=str(f), seq_len=16, eval_fraction=0.1), "lm", seed=0, vocab_size=100,

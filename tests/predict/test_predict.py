@@ -77,11 +77,11 @@ def test_a_sentence_the_tokenizer_reads_nothing_of_is_said_so_not_blamed_on_trai
 def test_a_continuation_that_ends_the_document_at_once_is_said_so(exports, monkeypatch, capsys):
     # The prompt came back alone, with no word: it read as if nothing had run.
     monkeypatch.setattr("gpipe_cli.predict.tasks.continue_text", lambda *args: iter(()))
-    assert run(["predict", str(exports["lm"]), "one two"]) == 0
+    assert run(["predict", str(exports["lm"]), "one two", "three"]) == 0
     captured = capsys.readouterr()
-    assert captured.out == "one two\n"
-    assert captured.err == ("[gpipe] the model ended the document right after 'one two', adding nothing (it may need "
-                            "more training)\n")
+    assert captured.out == "one two\nthree\n"
+    said = "the model ended the document right after the prompt, adding nothing (it may need more training)"
+    assert captured.err == f"[gpipe] input 1: {said}\n[gpipe] input 2: {said}\n"
 
 
 @pytest.mark.parametrize(("family", "args", "line"), [
