@@ -215,8 +215,10 @@ def _tokenizer(exported: Exported) -> Tokenizer:
     if exported.tokenizer is None:
         why = exported.metadata.get(NO_TOKENIZER)  # gpipe export records why it left the tokenizer out
         said = f"at export, {why}" if why else f"at export, its run's {TOKENIZER_FILE} or data.tokenizer did not load"
-        raise UserError(f"the export holds no tokenizer, so gpipe predict cannot run it ({said}); export the run "
-                        "again once its tokenizer file loads")
+        # A checkpoint copied out of its run left the run's tokenizer behind: exporting it again there cannot help.
+        again = ("export the checkpoint from its run's checkpoints/ folder, beside the run's tokenizer" if why and
+                 "lies outside its run" in why else "export the run again once its tokenizer file loads")
+        raise UserError(f"the export holds no tokenizer, so gpipe predict cannot run it ({said}); {again}")
     try:
         return Tokenizer(exported.tokenizer)
     except UserError:

@@ -210,6 +210,13 @@ def test_a_checkpoint_is_exported_with_its_own_recipe_not_the_run_s_newer_one(tr
     assert "tokenizer" not in meta and capsys.readouterr().err == (
         f"[gpipe] {tmp_path / 'elsewhere' / own.name} lies outside its run, whose tokenizer.model it does not hold: "
         "the export holds no tokenizer, so gpipe predict cannot run it (its weights and recipe still load in Python)\n")
+    from gpipe_cli.cli import run
+    from tests.train.test_export_inputs import one_error_line
+
+    code = run(["predict", str(exported), "one"])  # its advice was to export "the run" again: it has none
+    captured = capsys.readouterr()
+    assert one_error_line(code, captured.err, captured.out).endswith(
+        "does not hold); export the checkpoint from its run's checkpoints/ folder, beside the run's tokenizer")
 
 
 @pytest.mark.slow
