@@ -51,9 +51,7 @@ def split_files(path: Path, exts: Sequence[str], data: Data) -> tuple[list[Path]
                         + (" (hidden files and __MACOSX/ are passed over)" if hidden else ""))
 
     def named(split: str) -> list[Path]:
-        # As words of the path: 'latest.txt' holds no test split, nor 'medieval.txt' an eval one.
-        want = _words(split)
-        return [f for f in files if _holds(_words(str(f.relative_to(path))), want)]
+        return [f for f in files if _named_as(f, path, (split,))]
 
     if eval_split:
         eval_files = named(eval_split)
@@ -67,8 +65,7 @@ def split_files(path: Path, exts: Sequence[str], data: Data) -> tuple[list[Path]
                         + (" (besides the held-out ones)" if named(train_split) else ""))
     # Every file not held out, but those named as another held-out split: a test set is never trained on.
     others = [name for name in EVAL_SPLIT_NAMES if name != train_split]
-    train_files = train_files or [f for f in files if f not in eval_files
-                                  and not any(_holds(_words(str(f.relative_to(path))), _words(o)) for o in others)]
+    train_files = train_files or [f for f in files if f not in eval_files and not _named_as(f, path, others)]
     if not train_files:
         raise DataError(f"no training files under '{path}' (every file looks like an eval split)")
     return train_files, eval_files or None
@@ -78,6 +75,13 @@ def data_files(folder: Path, exts: Sequence[str]) -> list[Path]:
     """The files of `folder` (and below) ending in one of `exts`, hidden ones and __MACOSX/ passed over."""
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name.lower().endswith(tuple(exts))
                   and not any(skipped(part) for part in p.relative_to(folder).parts))
+
+
+def _named_as(file: Path, folder: Path, splits: Sequence[str]) -> bool:
+    """Whether one of `splits` is a word of the file's path in `folder`."""
+    # As words of the path: 'latest.txt' holds no test split, nor 'medieval.txt' an eval one.
+    words = _words(str(file.relative_to(folder)))
+    return any(_holds(words, _words(split)) for split in splits)
 
 
 def _words(name: str) -> list[str]:
@@ -93,8 +97,7 @@ def held_out_files(data: Data) -> str | None:
     train, held = split_files(folder, SOURCE_FILES[data.source], data)
     unread = [f for f in data_files(folder, SOURCE_FILES[data.source]) if f not in train and f not in (held or ())]
     words = [f"from {_listed(held, folder)}"] if held else []
-    other = [f for f in unread if any(_holds(_words(str(f.relative_to(folder))), _words(name))
-                                      for name in EVAL_SPLIT_NAMES)]
+    other = [f for f in unread if _named_as(f, folder, EVAL_SPLIT_NAMES)]
     if other:  # held out by name, but not the split held out: a test set beside a validation set
         words.append(f"{_listed(other, folder)} not read: another held-out split, which data.eval_split may pick")
     if rest := [f for f in unread if f not in other]:

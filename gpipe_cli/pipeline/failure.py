@@ -73,31 +73,37 @@ def mark_told() -> None:
             open(os.path.join(os.path.dirname(error_file), TOLD), "w").close()
 
 
+def _launch_store(endpoint: str) -> dist.Store:
+    """A short-lived connection to the job's store at `endpoint` (the rendezvous's: the ranks' MASTER_ADDR:PORT)."""
+    host, _, port = endpoint.rpartition(":")
+    # A store not up yet: a plain socket finds out without c10d's log of a failed connection.
+    socket.create_connection((host, int(port)), timeout=1.0).close()
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2), wait_for_workers=False)
+
+
+def _stopped_line(who: str) -> str:
+    return f"{who} was stopped before the first step"
+
+
 def tell_stopped(endpoint: str, run_id: str, who: str) -> None:
     """Tell the ranks of a job over several nodes, through its store at `endpoint`, that `who` stopped (best effort)."""
     # A node stopped while its ranks start: they may not have reached their own report, and the other nodes'
-    # ranks wait for them to connect. The store is the rendezvous's, which the ranks reach as MASTER_ADDR:PORT.
-    host, _, port = endpoint.rpartition(":")
+    # ranks wait for them to connect.
     with contextlib.suppress(Exception):
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2), wait_for_workers=False)
-        store.compare_set(f"{_KEY_PREFIX}{run_id}/0", "",
-                          f"{os.getpid()}@{socket.gethostname()}\n{_STOPPED}\n{who} was stopped before the first step")
+        _launch_store(endpoint).compare_set(f"{_KEY_PREFIX}{run_id}/0", "",
+                                            f"{os.getpid()}@{socket.gethostname()}\n{_STOPPED}\n{_stopped_line(who)}")
 
 
 def clear_stopped(endpoint: str, run_id: str, who: str) -> None:
     """Take back a stop that `who` told the job's store at `endpoint` on an earlier start (best effort)."""
     # A node stopped while waiting for a third leaves its report in the store on node 0; started again, it would
     # form the job and every rank would end at once for a stop that is over. Only its own report is taken back.
-    host, _, port = endpoint.rpartition(":")
     with contextlib.suppress(Exception):
-        # A store not up yet holds no report: a plain socket finds out without c10d's log of a failed connection.
-        socket.create_connection((host, int(port)), timeout=1.0).close()
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2), wait_for_workers=False)
-        key = f"{_KEY_PREFIX}{run_id}/0"
+        store, key = _launch_store(endpoint), f"{_KEY_PREFIX}{run_id}/0"
         if store.check([key]):
             text = store.get(key).decode(errors="replace")
             message, kind, _ = _decode(text)
-            if kind == _STOPPED and message.startswith(f"{who} was stopped"):
+            if kind == _STOPPED and message == _stopped_line(who):
                 store.compare_set(key, text, "")  # "" is no report: a later one still takes its place
 
 
