@@ -52,11 +52,11 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
         raise UserError(f"--max-tokens continues a language model's prompt; {shown(path)} is {_KINDS[task]}")
     if top is not None and task != "image":
         raise UserError(f"--top ranks an image classifier's classes; {shown(path)} is {_KINDS[task]}")
-    # Bytes as typed, read as UTF-8 whatever the locale: under a C locale "zéro" reached Python as two undecodable
-    # bytes and was refused as not UTF-8.
-    given = [os.fsencode(item).decode("utf-8", "surrogateescape") for item in inputs or []]
-    if inputs is not None:
-        inputs = given
+    if inputs is not None and task != "image":  # an image's path stays as the file system names it
+        # Bytes as typed, read as UTF-8 whatever the locale: under a C locale "zéro" reached Python as two
+        # undecodable bytes and was refused as not UTF-8.
+        inputs = [os.fsencode(item).decode("utf-8", "surrogateescape") for item in inputs]
+    given = inputs or []
     for number, item in enumerate(given, 1):  # found before the model is built, not after
         if task == "image":
             tasks.check_image_path(item)
