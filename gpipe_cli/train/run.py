@@ -368,10 +368,10 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
     if first:
         announce(recipe, options.launch.nnodes, options.launch.threads, sys.stdout, said=not live)
         if recipe.train.precision == "fp16" and (recipe.train.device == "cpu" or not torch.cuda.is_available()):
-            say(note(started, "train.precision fp16 on a CPU: most CPUs have no fast float16 arithmetic, and fp32 "
-                              "usually runs faster here"), sys.stdout)
+            say(note(started, "note: train.precision fp16 on a CPU: most CPUs have no fast float16 arithmetic, and "
+                              "fp32 usually runs faster here"), sys.stdout)
         for line in filter(None, [recipe_kind_note(recipe_file, options.overrides), *unread_settings(recipe)]):
-            say(note(started, line), sys.stdout)
+            say(note(started, f"note: {line}"), sys.stdout)  # as validate and the dry run word it
         if fresh:
             say(note(started, _fresh_line(options.output_dir, dropped)), sys.stdout)
         if resume is not None:  # before any rank starts: the run's recipe.yaml will record what it changes

@@ -507,7 +507,10 @@ def test_fp16_on_a_cpu_is_said_to_be_slow_before_the_ranks_start(tmp_path, launc
     if torch.cuda.is_available():
         pytest.skip("a GPU runs fp16 fast")
     path = recipes.write(tmp_path, copy.deepcopy(recipes.TINY_TRANSLATION))
-    result = train(str(path), "--output-dir", str(tmp_path / "out"), "--set", "train.precision=fp16")
+    result = train(str(path), "--output-dir", str(tmp_path / "out"), "--set", "train.precision=fp16",
+                   "--set", "schedule.warmup_steps=1000")
     assert result.exit_code == 0, result.output
+    assert "s] note: schedule.warmup_steps (1000) is longer than the run" in result.stdout
     assert "train.precision fp16 on a CPU: most CPUs have no fast float16 arithmetic" in result.stdout
+    assert "s] note: train.precision fp16" in result.stdout  # a note is called one, as validate calls it
     assert "fast float16" not in train(str(path), "--output-dir", str(tmp_path / "out2")).stdout
