@@ -58,6 +58,7 @@ from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.fabric import FORWARD, Link, TorchFabric
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.profile import budget, probe
+from gpipe_cli.train import profiling
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -271,8 +272,8 @@ def host_profile(side: Side, inputs: Any, targets: torch.Tensor, device: torch.d
     """One step at M=1 (after a warm-up step) under torch's profiler, host side only: the step's wall time, the
     host time of its top-level operators (the rest is Python) and the operators that took the most."""
     side.run(inputs, targets, 1, device)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        seconds, _ = side.run(inputs, targets, 1, device)
+    with profiling.quiet(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        seconds, _ = side.run(inputs, targets, 1, device)  # quiet: Kineto's own lines at its start and stop
     events = [e for e in prof.events() if e.cpu_parent is None]  # top-level: nested operators are counted in them
     by_name: dict[str, list[float]] = {}
     for e in events:

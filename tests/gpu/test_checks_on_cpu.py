@@ -304,7 +304,8 @@ def test_acceptance_on_the_cpu_runs_every_step_into_at_most_eight_files(tmp_path
 
 # ------------------------------------------------------------------------- gpu_measure.py
 
-def test_overhead_plain_loop_computes_the_engines_loss_with_and_without_rematerialization(tmp_path: Path) -> None:
+def test_overhead_plain_loop_computes_the_engines_loss_with_and_without_rematerialization(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     measure = _script("gpu_measure")
     out = tmp_path / "overhead.json"
     assert measure.main(["overhead", "--device", "cpu", "--layers", "2", "--d-model", "32", "--ff", "64", "--heads",
@@ -325,6 +326,7 @@ def test_overhead_plain_loop_computes_the_engines_loss_with_and_without_remateri
     # Where a short step's host time goes, each side at the smallest batch and M=1.
     assert [(r["side"], r["batch_size"]) for r in figures["host_profile"]] == [("engine", 3), ("plain", 3)]
     assert all(r["operators_s"] > 0 and r["heaviest"] for r in figures["host_profile"])
+    assert "USDT" not in capfd.readouterr().err  # the profiler's own lines at its start and stop stay out of the log
 
 
 def test_overhead_stops_starting_rows_past_its_budget() -> None:
