@@ -111,7 +111,7 @@ def run_dir_of(location: str) -> Path:
 
 
 def _run_dir(path: Path) -> Path:
-    if path.name.startswith(PREFIX):  # in checkpoints/, or in a folder a resume set it aside into
+    if is_checkpoint(path):  # in checkpoints/, or in a folder a resume set it aside into
         return path.parents[2] if path.parent.name.startswith(SUPERSEDED) else path.parent.parent
     if path.name.startswith(SUPERSEDED) and path.parent.name == CHECKPOINTS:  # the newest of a course set aside
         return path.parent.parent
@@ -464,9 +464,14 @@ def resume_end(recipe: Recipe, location: str) -> int | None:
     return None
 
 
+def is_checkpoint(path: Path) -> bool:
+    """Whether `path` names one checkpoint folder: `step-*`, or one renamed or copied, known by its manifest."""
+    return path.name.startswith(PREFIX) or (path / MANIFEST).is_file()
+
+
 def candidates(location: Path) -> list[Path]:
     """Checkpoint folders at `location` (a run directory, its checkpoints/ or one checkpoint), newest first."""
-    if location.name.startswith(PREFIX):
+    if is_checkpoint(location):
         return [location]
     folder = location / CHECKPOINTS if (location / CHECKPOINTS).is_dir() else location
     try:
@@ -543,7 +548,7 @@ def check_resume_path(resume: str | None) -> None:
 def loose(location: str) -> str | None:
     """What a checkpoint lying in no run's checkpoints/ (nor a course set aside there) is, in words (else None)."""
     path = Path(os.path.abspath(location))
-    if not path.name.startswith(PREFIX):
+    if not is_checkpoint(path):
         return None
     parent = path.parent
     if parent.name == CHECKPOINTS or (parent.name.startswith(SUPERSEDED) and parent.parent.name == CHECKPOINTS):

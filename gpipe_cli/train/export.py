@@ -27,13 +27,13 @@ from gpipe_cli.train.existing import (
     CHECKPOINTS,
     EXPORTED,
     METRICS,
-    PREFIX,
     RECIPE,
     candidates,
     check_a_run,
     check_export_arguments,
     course_export,
     fork_of,
+    is_checkpoint,
     newest_step,
     run_dir_of,
 )
@@ -68,7 +68,7 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
             save_file(tensors, str(tmp), metadata=metadata)
         except SafetensorError as exc:
             raise _os_error(exc) from None
-    named = Path(location).name.startswith(PREFIX)  # a checkpoint, not the run: its newest whole one
+    named = is_checkpoint(Path(location))  # a checkpoint, not the run: its newest whole one
     newest = newest_step(run_dir) if named and output is None and target == run_dir / EXPORTED else None
     if newest is not None and newest > found.step:
         # The run's export now answers with older weights: predict says so each time; this says it as it happens.

@@ -32,13 +32,13 @@ from gpipe_cli.records import EvalRecord, TrainRecord
 from gpipe_cli.train import checkpoint, cut, evaluation, nonfinite, optim, output
 from gpipe_cli.train.existing import (
     CHECKPOINTS,
-    PREFIX,
     candidates,
     choose_run_dir,
     complete_line,
     continue_command,
     earlier_checkpoint,
     fork_of,
+    is_checkpoint,
     past_end,
     recipe_bytes,
     run_dir_of,
@@ -48,7 +48,7 @@ from gpipe_cli.train.existing import (
 from gpipe_cli.train.export import export as export_model
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
 from gpipe_cli.train.profiling import StepProfiler
-from gpipe_cli.train.resume import Checkpointer, rewind_metrics, saved_cut, skipped_until
+from gpipe_cli.train.resume import Checkpointer, data_change, rewind_metrics, saved_cut, skipped_until
 from gpipe_cli.train.signals import AFTER_STEP, StopRequest, answers_stops
 from gpipe_cli.train.sinks import open_sinks
 from gpipe_cli.train.step_figures import ModelFlops, Peak, find_peak, step_figures, utilization_of
@@ -110,8 +110,10 @@ class Trainer:
         self.scheduler = optim.following(self.optimizer, self.lr)  # one function: the records say what trains
         self.checkpoints = Checkpointer(self.pipe, self.optimizer, self.scheduler, topo, self.plan, self.run_dir,
                                         recipe.checkpoint.keep, recipe_bytes(recipe))
+        if self.data is not None:
+            self.checkpoints.data = {"train_examples": self.data.train_size, "held_out": self.data.eval_size}
         if job.resume:
-            named = Path(str(job.resume)).name.startswith(PREFIX)  # a checkpoint's own folder, not its run's
+            named = is_checkpoint(Path(str(job.resume)))  # a checkpoint's own folder, not its run's
             self._note(f"loading {'checkpoint' if named else 'the newest whole checkpoint of'} {job.resume}")
         self.start_step = self._resume() if job.resume else 0
         self.complete = job.resume is not None and self.start_step == self.total_steps
@@ -359,6 +361,10 @@ class Trainer:
             aside = checkpoint.set_aside_newer(self.run_dir, fork, time.strftime("%Y%m%d-%H%M%S"))
             rewind_metrics(self.run_dir, fork, step, aside, path.parent if fork != step else None)
             print(f"[gpipe] resumed from {path} (step {step})", file=sys.stderr, flush=True)
+            changed = data_change(found.manifest.get("data"), self.checkpoints.data)
+            if changed:
+                print(f"[gpipe] the data changed since step {step} was saved: {changed}; the run trains on with the "
+                      "data as it is now", file=sys.stderr, flush=True)
             if aside is not None:
                 names = ", ".join(sorted(p.name for p in aside.iterdir() if p.is_dir()))
                 print(f"[gpipe] moved the checkpoints after step {fork} ({names}) to {aside}, with their records: "

@@ -43,6 +43,15 @@ def saved_cut(location: str, recipe: Recipe, layers: int) -> list[int] | None:
     return list(saved) if same and valid else None
 
 
+def data_change(then: Any, now: dict[str, int]) -> str:
+    """How the run's data counts differ from those a checkpoint recorded, in words ('' when alike or unrecorded)."""
+    if not isinstance(then, dict) or not now:  # a checkpoint of an older version records none
+        return ""
+    words = {"train_examples": "training examples", "held_out": "held out"}
+    return " and ".join(f"{words[key]} {then[key]:,} then, {now[key]:,} now" for key in words
+                        if isinstance(then.get(key), int) and key in now and then[key] != now[key])
+
+
 class Checkpointer:
     """Writes and reads this rank's part of the run's checkpoints."""
 
@@ -52,6 +61,7 @@ class Checkpointer:
         self.pipe, self.optimizer, self.scheduler, self.topo, self.plan = pipe, optimizer, scheduler, topo, plan
         self.run_dir, self.keep = run_dir, keep
         self.settings = settings  # the run's resolved recipe, kept in each checkpoint: a resume back to it reads them
+        self.data: dict[str, int] = {}  # how much data the run read (rank 0): a resume says when it has changed
         self.layout = topo.layout
         self.last_saved = -1
 
@@ -71,7 +81,8 @@ class Checkpointer:
         """Write the checkpoint after `step` optimizer steps (collective)."""
         path = checkpoint.path_for(self.run_dir, step)
         state = checkpoint.state_of(self.pipe.module, self.optimizer, self._extra(step, same_layout=True))
-        manifest = {"step": step, "epoch": epoch, **self._layout(), "world_size": self.layout.world_size}
+        manifest = {"step": step, "epoch": epoch, **self._layout(), "world_size": self.layout.world_size,
+                    **({"data": self.data} if self.data else {})}
         checkpoint.save(path, state, manifest, self.keep, self.layout.rank, self.topo.transport.control,
                         {RECIPE: self.settings} if self.settings else {})
         self.last_saved = step

@@ -172,4 +172,17 @@ def test_the_tokenizer_is_stored_with_the_run_and_reused_on_resume(short_run, tm
     resumed = gpipe_train(1, str(path), "--output-dir", str(run), "--resume", "--set", "train.steps=4")
     assert resumed.code == 0, resumed.output[-3000:]
     assert "resumed from" in resumed.stderr and max(r["step"] for r in evals(run)) == 4
+    assert "the data changed" not in resumed.stderr
     assert tokenizer.stat().st_mtime_ns == stamp and hashlib.sha256(tokenizer.read_bytes()).hexdigest() == digest
+
+
+def test_a_resume_says_how_the_data_changed_since_its_checkpoint(short_run, tmp_path):
+    # A file of the data edited between a stop and its resume moved the epochs without a word.
+    path, finished = short_run
+    run = shutil.copytree(finished, tmp_path / "run")
+    resumed = gpipe_train(1, str(path), "--output-dir", str(run), "--resume", "--set", "train.steps=3",
+                          "--set", "data.synthetic_size=3000")
+    assert resumed.code == 0, resumed.output[-3000:]
+    (line,) = [line for line in resumed.stderr.splitlines() if "the data changed" in line]
+    assert line == ("[gpipe] the data changed since step 2 was saved: training examples 4,096 then, 3,000 now and "
+                    "held out 205 then, 150 now; the run trains on with the data as it is now")

@@ -219,6 +219,22 @@ def test_a_checkpoint_is_exported_with_its_own_recipe_not_the_run_s_newer_one(tr
         "does not hold); export the checkpoint from its run's checkpoints/ folder, beside the run's tokenizer")
 
 
+def test_a_checkpoint_folder_renamed_is_known_by_its_manifest(trained, tmp_path, capsys):
+    # `cp -r checkpoints/step-00000004 best` then `gpipe export best` was "not a run directory".
+    import shutil
+
+    own = checkpoint.newest_whole(trained)[0].path
+    exported = load_file(str(export(str(own), str(tmp_path / "own.safetensors"))))
+    for renamed in (tmp_path / "best", tmp_path / "run" / "checkpoints" / "good"):
+        shutil.copytree(own, renamed)
+        again = load_file(str(export(str(renamed), str(tmp_path / f"{renamed.name}.safetensors"))))
+        assert again.keys() == exported.keys() and all(torch.equal(again[k], exported[k]) for k in exported)
+    shutil.copytree(tmp_path / "best", tmp_path / "not-one")
+    (tmp_path / "not-one" / "manifest.json").unlink()  # an unfinished save, or any folder: not a checkpoint
+    with pytest.raises(UserError, match="not a run directory"):
+        export(str(tmp_path / "not-one"), str(tmp_path / "no.safetensors"))
+
+
 @pytest.mark.slow
 def test_a_damaged_tokenizer_is_said_at_export_and_left_out(trained, tmp_path, capsys):
     import shutil

@@ -52,3 +52,13 @@ def test_no_whole_checkpoint_no_saved_cut(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / "step-00000003").mkdir(parents=True)  # no manifest: the save did not finish
     assert saved_cut(str(run), recipe(tmp_path), LAYERS) is None
+
+
+def test_a_data_change_is_said_only_for_counts_a_checkpoint_recorded_and_that_moved():
+    from gpipe_cli.train.resume import data_change
+
+    now = {"train_examples": 1_100, "held_out": 55}
+    assert data_change(None, now) == "" and data_change({}, now) == ""  # a checkpoint of an older version
+    assert data_change(dict(now), now) == "" and data_change({"train_examples": 1_000}, {}) == ""
+    assert data_change({"train_examples": 1_000, "held_out": 55}, now) == "training examples 1,000 then, 1,100 now"
+    assert data_change({"train_examples": 1_100, "held_out": "x"}, now) == ""  # an edited manifest: nothing to say
