@@ -33,7 +33,7 @@ from gpipe_cli.bench import FLAGS as B
 from gpipe_cli.bench import BenchOptions
 from gpipe_cli.cli_help import polish
 from gpipe_cli.console import output_console, print_table
-from gpipe_cli.errors import UserError, near, one_line, shown
+from gpipe_cli.errors import UserError, near, one_line, path_line, shell_path, shown
 from gpipe_cli.files import (
     another_file,
     check_not_input,
@@ -280,7 +280,8 @@ def validate(
     if json_file is not None:
         payload = {"recipe": loaded.model_dump(mode="json"), **plan.to_json()}
         write_json(json_file, payload)
-        console.print(f"wrote {json_file}", markup=False, highlight=False, soft_wrap=True)  # as export and report say
+        # As export and report say it.
+        console.print(f"wrote {path_line(json_file)}", markup=False, highlight=False, soft_wrap=True)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -417,7 +418,7 @@ def export(
     with interrupts.deferred():  # torch's import runs Python from C++, where a Ctrl-C is lost or aborts the process
         from gpipe_cli.train.export import export as export_model
 
-    write_out(f"wrote {export_model(run, output, dtype)}\n")
+    write_out(f"wrote {path_line(export_model(run, output, dtype))}\n")
 
 
 @app.command()
@@ -460,8 +461,8 @@ def prepare_data(
     if (kept := kept_by_a_run(Path(output))) is not None:  # a run's pruning would delete the data with it
         raise UserError(f"--output {shown(output)} {kept[1]}; name a new folder outside it")
     files = save(load_recipe(recipe, set_ or []).data, Path(output))
-    write_out(f"wrote {output} ({len(files)} parquet file{'s' if len(files) > 1 else ''}); train with "
-              f"--set data.source=parquet --set data.path={output}\n")
+    write_out(f"wrote {path_line(output)} ({len(files)} parquet file{'s' if len(files) > 1 else ''}); train with "
+              f"--set data.source=parquet --set data.path={shell_path(output)}\n")
 
 
 @app.command("report")

@@ -104,4 +104,26 @@ def shell_path(path: str | os.PathLike[str]) -> str:
     """A path as the shell word of a command we advise: quoted, and `./` before a relative one that starts with -."""
     # `gpipe train --resume -run` reads -run as an option: the advice must run as printed.
     text = os.fsdecode(path)
-    return shlex.quote(f"./{text}" if text.startswith("-") else text)
+    text = f"./{text}" if text.startswith("-") else text
+    return shlex.quote(text) if text.isprintable() else _ansi_c(text)
+
+
+def path_line(path: str | os.PathLike[str]) -> str:
+    """A path as a line of output names it: as it is, or in bash's $'...' when it holds a newline or such."""
+    text = os.fsdecode(path)
+    return text if text.isprintable() else _ansi_c(text)
+
+
+def _ansi_c(text: str) -> str:
+    """`text` as one bash $'...' word, every unprintable character (and undecodable byte) escaped."""
+    def escaped(char: str) -> str:
+        if char in "\\'":
+            return f"\\{char}"
+        if char.isprintable():
+            return char
+        code = ord(char)
+        if 0xDC80 <= code <= 0xDCFF:  # a byte os.fsdecode could not decode: the same byte again
+            return f"\\x{code - 0xDC00:02x}"
+        return {"\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(char) or (
+            f"\\x{code:02x}" if code < 0x80 else f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}")
+    return "$'" + "".join(map(escaped, text)) + "'"

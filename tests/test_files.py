@@ -461,3 +461,26 @@ def test_a_run_folder_too_deep_for_its_checkpoint_files_is_refused_before_any_st
     assert err.startswith("error: --output-dir: ") and "bytes long as a full path, and the run's checkpoint files " \
         "lie up to 100 bytes below it; a path may have at most 4095 bytes: give a shorter one" in err
     assert run(["train", "--output-dir", str(tmp_path.joinpath(*["d" * 200] * 18)), "--dry-run"]) == 0
+
+
+@pytest.mark.parametrize("name", ["plain run", "new\nline", "tab\there", "it's", "back\\slash", "-run", "é",
+                                  os.fsdecode(b"latin-\xe9"), "bell\x07"])
+def test_a_path_is_one_line_of_output_and_one_word_the_shell_reads_back(name):
+    # A run folder with a newline split the `checkpoint:`, `run directory:` and `wrote` lines in two.
+    import shutil
+    import subprocess
+
+    from gpipe_cli.errors import path_line, shell_path
+
+    assert "\n" not in path_line(name) and "\n" not in shell_path(name)
+    if name.isprintable():
+        assert path_line(name) == name  # as typed, whatever it holds, when it prints as it is
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash to read the words back")
+    words = {shell_path(name): f"./{name}" if name.startswith("-") else name}  # advice runs as printed
+    if not name.isprintable():
+        words[path_line(name)] = name
+    for word, meant in words.items():
+        read = subprocess.run([bash, "-c", f"printf %s {word}"], capture_output=True, check=True).stdout
+        assert read == os.fsencode(meant), word

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpipe_cli import interrupts
-from gpipe_cli.errors import UserError, shell_path, shown
+from gpipe_cli.errors import UserError, path_line, shell_path, shown
 from gpipe_cli.files import another_file, check_not_input, check_output, holds_no
 from gpipe_cli.plan.options import ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US, PlanOptions, validate
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_label, recipe_read
@@ -283,7 +283,8 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
             except OSError as exc:  # a disk can fill, or a folder change, after the check; nothing is half there
                 raise UserError(f"--output: cannot write {shown(str(options.output))} ({exc.strerror or exc})") \
                     from None
-            line(f"wrote {options.output}; train with: gpipe train {shell_path(options.output)}", markup=False)
+            line(f"wrote {path_line(options.output)}; train with: gpipe train {shell_path(options.output)}",
+                 markup=False)
         console.print(f"[dim]{took_line(time.perf_counter() - started, progress.estimated)}[/]"
                       if progress.estimated else f"[dim]took {human_seconds(time.perf_counter() - started)}[/]")
         return 0

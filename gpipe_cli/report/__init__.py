@@ -10,7 +10,7 @@ from rich.table import Table
 
 from gpipe_cli import plots
 from gpipe_cli.console import output_console, print_table
-from gpipe_cli.errors import UserError, shown
+from gpipe_cli.errors import UserError, path_line, shown
 from gpipe_cli.files import check_not_input, check_output, check_picture, writing
 from gpipe_cli.records import PARTS, PROFILED, profiled_words
 from gpipe_cli.report import page
@@ -232,5 +232,5 @@ def report(paths: list[Path], output: Path | None = None) -> int:
     check_output(target, flag, "report.png", hint)
     with writing(target, flag, hint):  # a disk can fill, or a folder change, after the check; never half a page
         page.draw(runs, target)
-    console.print(f"wrote {target}", soft_wrap=True)  # a path stays one line, ready to copy
+    console.print(f"wrote {path_line(target)}", soft_wrap=True, markup=False)  # a path stays one line, ready to copy
     return 0

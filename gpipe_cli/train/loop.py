@@ -17,7 +17,7 @@ from gpipe_cli import memory_model as mm
 from gpipe_cli import sizing
 from gpipe_cli.data import Batch, Loader, build_data_for
 from gpipe_cli.data.sources import held_out_files
-from gpipe_cli.errors import NONFINITE_EXIT_CODE, DataError, UserError
+from gpipe_cli.errors import NONFINITE_EXIT_CODE, DataError, UserError, path_line
 from gpipe_cli.estimate import cost_cache
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline import heartbeat, schedules, topology
@@ -521,7 +521,7 @@ class Trainer:
 
     def _save(self, step: int) -> None:
         path = self.checkpoints.save(step, epoch=(step - 1) // self.steps_per_epoch + 1)
-        self._message(f"checkpoint: {path}")
+        self._message(f"checkpoint: {path_line(path)}")
 
     def _record_step(self, step: int, batch: Batch, result: Any, seconds: float, decision: str) -> None:
         stats = result.stats

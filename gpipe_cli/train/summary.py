@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpipe_cli.errors import shell_path
+from gpipe_cli.errors import path_line, shell_path
 from gpipe_cli.pipeline.stats import PARTS
 from gpipe_cli.records import PROFILED, Rate, after_warmup, profiled_words, read_records
 from gpipe_cli.train.step_figures import Peak
@@ -135,8 +135,9 @@ class RunSummary:
         if final is not None and final["step"] == self.total_steps and final is not best:
             out.append(f"  final eval: step {final['step']}: {eval_figures(final)}")
         return [*out, f"  best eval: step {best['step']}: {eval_figures(best)}" if best else "  best eval: none",
-                f"  skipped steps: {self.skipped}", f"  checkpoint: {checkpoint or 'none written'}",
-                f"  run directory: {run_dir}"]
+                f"  skipped steps: {self.skipped}",
+                f"  checkpoint: {path_line(checkpoint) if checkpoint else 'none written'}",
+                f"  run directory: {path_line(run_dir)}"]
 
     def _utilization(self, shown: _Steps) -> str:
         """Mean achieved model TFLOP/s of all ranks, and MFU against what the peak is (when known)."""
