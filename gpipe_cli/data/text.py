@@ -330,7 +330,7 @@ def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_l
                                          cache_dir=cache_dir)
     where = f"the '{data.train_split}' split" if data.source != "synthetic" else "the synthetic data"
     where += f" of data.source '{data.source}'" + (f" ({shown(data.path, 200)})" if data.path else "")
-    why_none = None
+    why_none = share = None
     if eval_recs is None:
         unit = RECORD_UNITS.get(data.source, "record")
         why_none = held_none(len(train_recs), data.eval_fraction, unit, shown(data.path, 200) if data.path else where)
@@ -341,6 +341,10 @@ def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_l
                         f"every {unit} of {shown(data.path, 200) if data.path else where} is the same, which training "
                         f"keeps; give it other {unit}s")
         train_recs, eval_recs = [train_recs[i] for i in rows], [train_recs[i] for i in held]
+        asked = max(1, round(len(keys) * data.eval_fraction))
+        if len(held) and not asked / 2 <= len(held) <= asked * 2:  # many copies of few lines: say the share moved
+            share = (f"{len(held):,} of the {len(keys):,} {unit}s, where data.eval_fraction {data.eval_fraction:g} "
+                     f"asks {asked:,}: the copies of a {unit} stay on one side")
     if not any((r[0].strip() and r[1].strip()) if task == "translation" else r.strip() for r in train_recs):
         raise DataError(f"{where} has no text")
     def corpus() -> Iterator[str]:
@@ -361,6 +365,8 @@ def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_l
             raise DataError(f"{where} has too little text for one sequence")
         evl = LMExamples.build(eval_recs, tok, seq_len) if eval_recs else None
     train.held_none = why_none
+    if evl is not None and share:
+        evl.origin = share
     if not data.tokenizer:  # trained on this text, here or by the run's first launch: every rank says alike
         train.left_out = "; ".join(filter(None, (train.left_out, lines_left_out(corpus())))) or None
     return train, evl, tok

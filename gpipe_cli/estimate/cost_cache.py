@@ -24,7 +24,7 @@ from gpipe_cli.recipe.schema import Recipe
 
 CACHE_ENV = "GPIPE_CACHE_DIR"
 FORMAT = 2      # bump when what is stored changes meaning (2: the recompute timed apart)
-REPEATS = 3     # timed runs per layer and kind of compute (their median), after one untimed: a launch stays quick
+REPEATS = 3     # timed runs per layer and kind of compute (their median), after two untimed: a launch stays quick
 
 
 @dataclass(frozen=True)

@@ -295,3 +295,30 @@ def test_a_line_added_to_a_text_moves_at_most_one_other_between_training_and_hel
             docs.append(ds.tokenizer.decode(stream[start:i]))  # type: ignore[union-attr]
             start = i + 1
     assert sorted(docs) == sorted(lines[i] for i in held)  # training holds out the very lines hold_out keys
+    assert ds.eval.origin is None  # type: ignore[union-attr]  # the share asked for, or near it: nothing to say
+
+
+def test_a_share_held_out_far_from_the_fraction_asked_is_said_on_the_data_line(tmp_path: Path) -> None:
+    # 600 copies of two lines and 20 others, at 0.1: 2 lines held out without a word where 62 were asked.
+    f = tmp_path / "repeated.txt"
+    f.write_text("alpha beta gamma\n" * 300 + "one two three\n" * 300 + "".join(f"line {i} here\n" for i in range(20)),
+                 encoding="utf-8")
+    ds = build_data(data(source="text", path=str(f), seq_len=4, eval_fraction=0.1), "lm", seed=0, vocab_size=40,
+                    max_len=32, run_dir=None)
+    assert ds.eval is not None and ds.eval.origin is not None
+    held = int(ds.eval.origin.split(" of the ")[0])
+    assert held not in range(31, 125) and ds.eval.origin == (
+        f"{held} of the 620 lines, where data.eval_fraction 0.1 asks 62: the copies of a line stay on one side")
+
+
+def test_a_file_named_val_is_held_out_as_image_folders_hold_it(tmp_path: Path) -> None:
+    # val.tsv beside data.tsv was trained on (only validation, valid, dev, test and eval were held-out names).
+    from gpipe_cli.data.sources import held_out_files, split_files
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("data.tsv", "val.tsv"):
+        (corpus / name).write_text("one\tun\n", encoding="utf-8")
+    d = data(source="tsv", path=str(corpus))
+    assert split_files(corpus, (".tsv",), d) == ([corpus / "data.tsv"], [corpus / "val.tsv"])
+    assert held_out_files(d) == "from val.tsv"
