@@ -68,6 +68,7 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
             save_file(tensors, str(tmp), metadata=metadata)
         except SafetensorError as exc:
             raise _os_error(exc) from None
+        _sort_header(tmp)
     named = is_checkpoint(Path(location))  # a checkpoint, not the run: its newest whole one
     newest = newest_step(run_dir) if named and output is None and target == run_dir / EXPORTED else None
     if newest is not None and newest > found.step:
@@ -75,6 +76,18 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
         print(f"[gpipe] {shown_path(target)} now holds step {found.step}, not the run's newest checkpoint (step "
               f"{newest}): gpipe export {shell_path(run_dir)} writes that one", file=sys.stderr)
     return target
+
+
+def _sort_header(path: Path) -> None:
+    """Put a safetensors header's keys in order: safetensors writes the metadata in a hash map's order, by run."""
+    # Two exports of one checkpoint were different bytes; the header is rewritten in place, at its own length.
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= size:  # the same JSON in another order: always, unless a writer's escapes differ
+            f.seek(8)
+            f.write(text.ljust(size))
 
 
 def _newest(location: str) -> checkpoint.Found:

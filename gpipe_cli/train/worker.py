@@ -58,6 +58,7 @@ def _run(job: Job) -> int:
         import torch
         import torch.distributed as dist
 
+        from gpipe_cli.data.rng import rng
         from gpipe_cli.errors import UserError
         from gpipe_cli.pipeline import failure, topology
         from gpipe_cli.pipeline.heartbeat import Heartbeat
@@ -103,6 +104,9 @@ def _run(job: Job) -> int:
     def train() -> int:
         if topo.distributed:
             check_same_recipe(job.recipe, topo)
+        # Nothing draws from torch's own generator (dropout, data and weights have theirs), but a checkpoint keeps
+        # its state: seeded, two runs of one recipe write the same bytes.
+        torch.manual_seed(int(rng(recipe.seed, "torch", topo.layout.rank).integers(2**63)))
         trainer = Trainer(recipe, job, topo)
         try:
             code = trainer.run()

@@ -219,6 +219,32 @@ def test_a_checkpoint_is_exported_with_its_own_recipe_not_the_run_s_newer_one(tr
         "does not hold); export the checkpoint from its run's checkpoints/ folder, beside the run's tokenizer")
 
 
+def unseeded() -> None:
+    """A rank's torch generator as a process started afresh has it (a forked one has its server's): at random."""
+    torch.seed()
+
+
+@pytest.mark.slow
+def test_one_recipe_trained_twice_writes_the_same_checkpoint_and_export_bytes(trained, tmp_path):
+    # Torch's own generator, which nothing draws from, was saved unseeded: every shard's checksum differed; and
+    # safetensors wrote the export's metadata in a hash map's order, another file each time.
+    import hashlib
+
+    again = tmp_path / "again"
+    recipe = copy.deepcopy(TINY_TRANSLATION)
+    recipe["pipeline"]["partitions"] = 1
+    ranks = gpipe_train(1, str(write(tmp_path, recipe)), "--output-dir", str(again), "--threads", "1",
+                        before=unseeded)
+    assert ranks.code == 0, ranks.output[-4000:]
+    first, second = (checkpoint.newest_whole(run)[0] for run in (trained, again))
+    assert first is not None and second is not None
+    shards = [{k: v for k, v in found.manifest["checksums"].items() if k != ".metadata"} for found in (first, second)]
+    assert shards[0] == shards[1] and shards[0]  # .metadata names its folder
+    digests = {hashlib.sha256(export(str(trained), str(tmp_path / f"{n}.safetensors")).read_bytes()).hexdigest()
+               for n in range(3)}
+    assert len(digests) == 1
+
+
 def test_a_checkpoint_folder_renamed_is_known_by_its_manifest(trained, tmp_path, capsys):
     # `cp -r checkpoints/step-00000004 best` then `gpipe export best` was "not a run directory".
     import shutil
