@@ -141,7 +141,7 @@ class Trainer:
         self.summary = RunSummary(self.total_steps, job.started or time.time(),
                                   formula=schedules.get(chosen).bubble_formula or f"of {chosen}")
         if self.metrics is not None:
-            self.summary.take_evals(self.metrics.path, self.start_step)
+            self.summary.take_earlier(self.metrics.path, self.start_step)
         self.model_flops, self.peak = self._utilization() if self.layout.rank == 0 else (None, None)
         self.profiler = StepProfiler(recipe.train.profile, self.run_dir, self.layout.rank, topo.device,
                                      self.total_steps)

@@ -10,7 +10,7 @@ from typing import Any
 
 from gpipe_cli.errors import path_line, shell_path
 from gpipe_cli.pipeline.stats import PARTS
-from gpipe_cli.records import PROFILED, Rate, after_warmup, profiled_words, read_records
+from gpipe_cli.records import PIPELINE, PROFILED, Rate, after_warmup, profiled_words, read_records
 from gpipe_cli.train.step_figures import Peak
 from gpipe_cli.units import flop_rate, number_range, share
 
@@ -50,6 +50,11 @@ class _Steps(Rate):
             self.parts[part] = self.parts.get(part, 0.0) + sum(values) / len(values)
 
 
+def pipeline_of(record: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The K, M, schedule and D a train record was written with (None where a record of an older version is silent)."""
+    return (len(record["time_s"]["compute"]), *(record.get(key) for key in PIPELINE))
+
+
 @dataclass
 class RunSummary:
     """Collects the train and eval records of a run (rank 0) and says what happened, in lines."""
@@ -73,6 +78,10 @@ class RunSummary:
     peak: Peak | None = None  # what MFU is measured against (rank 0 sets it once it knows)
     ranks: int = 1
     last_eval: Mapping[str, Any] | None = None
+    # The K, M, schedule and D of the steps before a resume, and of this start's first: `gpipe report` gives a
+    # whole run's throughput only where they are the same.
+    earlier_pipeline: tuple[Any, ...] | None = None
+    pipeline: tuple[Any, ...] | None = None
 
     def add(self, record: Mapping[str, Any], examples: float, units: float | None) -> None:
         """Take in one record (train or eval)."""
@@ -84,6 +93,7 @@ class RunSummary:
             return
         if not self.steps:
             self.resumed = record.get("resumed") is True
+            self.pipeline = pipeline_of(record)
         # The first step taken in is a start's first, whether or not its record says so.
         warm = record.get("warmup") is True or not self.steps
         self.steps += 1
@@ -96,11 +106,14 @@ class RunSummary:
             return
         (self.warmup if warm else self.measured).add(record, examples, units)
 
-    def take_evals(self, metrics: Path, step: int) -> None:
-        """Take in the evals a run resumed at `step` recorded before it: its best eval is the whole run's."""
-        for record in read_records(metrics)[1] if step and metrics.is_file() else []:
+    def take_earlier(self, metrics: Path, step: int) -> None:
+        """Take in what a run resumed at `step` recorded before it: its best eval is the whole run's."""
+        train, evals, _ = read_records(metrics) if step and metrics.is_file() else ([], [], "")
+        for record in evals:
             if record["step"] <= step:
                 self.add(record, 0, None)
+        before = [record for record in train if record["step"] <= step]
+        self.earlier_pipeline = pipeline_of(before[-1]) if before else None
 
     def lines(self, now: float, checkpoint: str | None, run_dir: str, text: bool, ended: str = "") -> list[str]:
         """The summary, one fact per line; `text` adds tokens/s; `ended` says why the run stopped early."""
@@ -117,7 +130,9 @@ class RunSummary:
             over += profiled_words(self.profiled_steps)
         if shown.per_s is not None:
             if self.resumed:
-                over += f"; gpipe report {shell_path(run_dir)} gives the whole run's"
+                earlier = self.earlier_pipeline  # when it differs, the report gives each start's figure
+                changed = earlier is not None and None not in earlier and earlier != self.pipeline
+                over += f"; gpipe report {shell_path(run_dir)} gives {'each start' if changed else 'the whole run'}'s"
             rate = f"{shown.per_s:.1f} samples/s"
             if text:
                 rate += f", {shown.units / shown.seconds:.0f} tokens/s"

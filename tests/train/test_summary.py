@@ -147,13 +147,13 @@ def test_a_resumed_runs_best_eval_counts_its_evals_before_the_resume(tmp_path):
                {"kind": "eval", "step": 5, "loss": 0.5}]  # after the resume's step: another course's, not this one's
     metrics.write_text("".join(json.dumps(record) + "\n" for record in earlier) + "not json\n")
     summary = RunSummary(total_steps=6, started=100.0)
-    summary.take_evals(metrics, 4)
+    summary.take_earlier(metrics, 4)
     summary.add({"kind": "eval", "step": 6, "loss": 2.0}, 0, None)
     lines = summary.lines(now=130.0, checkpoint=None, run_dir="run", text=False)
     assert field(lines, "best eval").startswith("step 4: loss 1")
     assert field(lines, "final eval").startswith("step 6: loss 2")
     fresh = RunSummary(total_steps=6, started=100.0)
-    fresh.take_evals(metrics, 0)  # a run from step 0 has no earlier evals, whatever the folder holds
+    fresh.take_earlier(metrics, 0)  # a run from step 0 has no earlier evals, whatever the folder holds
     assert fresh.best_eval is None
 
 
@@ -163,3 +163,22 @@ def test_the_step_time_shares_are_the_mean_over_stages():
     lines = run().lines(now=130.0, checkpoint=None, run_dir="run", text=True)
     shares = [int(token.rstrip("%,")) for token in field(lines, "step time").split() if token.rstrip(",").endswith("%")]
     assert shares == [3, 6, 9, 12, 70]
+
+
+def test_a_resume_on_another_pipeline_points_to_the_report_for_each_start_s_throughput(tmp_path):
+    # Resumed at M=4 after steps at M=2, the summary promised a whole-run figure the report does not give.
+    import json
+
+    metrics = tmp_path / "metrics.jsonl"
+    before = {**train_record(step=2), "microbatches": 2, "schedule": "gpipe", "data_parallel": 1}
+    metrics.write_text(json.dumps(before) + "\n")
+    said = {}
+    for microbatches in (2, 4):
+        summary = RunSummary(total_steps=4, started=0.0)
+        summary.take_earlier(metrics, 2)
+        for step in (3, 4):
+            summary.add({**before, "step": step, "microbatches": microbatches, "resumed": True}, examples=10,
+                        units=None)
+        said[microbatches] = field(summary.lines(now=5.0, checkpoint=None, run_dir="run", text=False), "throughput")
+    assert said[2].endswith("; gpipe report run gives the whole run's)")
+    assert said[4].endswith("; gpipe report run gives each start's)")
