@@ -460,8 +460,26 @@ def resume_end(recipe: Recipe, location: str) -> int | None:
             continue  # the ranks would not load it either: they fall back past damaged ones
         if found.step > steps:
             raise UserError(past_end(location, path.name, found.step, f"train.steps {steps}"))
-        return found.step if recipe.train.epochs is None else None  # an epochs' end: the ranks read the data
+        held = found.manifest.get("data", {}).get("held_out") if isinstance(found.manifest.get("data"), dict) else None
+        if recipe.train.epochs is not None or final_eval_missing(run_dir_of(location), found.step, recipe, held):
+            return None  # an epochs' end: the ranks read the data; a final evaluation to make: the ranks make it
+        return found.step
     return None
+
+
+def final_eval_missing(run_dir: Path, step: int, recipe: Recipe, held: Any = None) -> bool:
+    """Whether a run at its end `step` evaluates and lacks that step's record: a stop cut its final evaluation short
+    (`held`: the held-out examples its checkpoint counted, None where it counted none)."""
+    from gpipe_cli.records import read_records
+
+    metrics = run_dir / METRICS
+    try:
+        evals = read_records(metrics)[1] if metrics.is_file() else []
+    except UserError:  # unreadable: the ranks, which read it too, say so
+        return True
+    # A run holding nothing out has no eval record at all: only one that evaluates, or has, lacks one.
+    evaluates = bool(held) if isinstance(held, int) else bool(recipe.eval.every or evals)
+    return evaluates and not any(record["step"] == step for record in evals)
 
 
 def is_checkpoint(path: Path) -> bool:

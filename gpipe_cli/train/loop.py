@@ -28,7 +28,7 @@ from gpipe_cli.pipeline.partition import stage_layers, stage_ranges
 from gpipe_cli.pipeline.step import PendingStep
 from gpipe_cli.recipe.schema import LOCAL_SOURCES, Recipe, TransformerModel, nothing_held_out
 from gpipe_cli.recipe_model import build_optimizer, model_spec, optimizer_name, pipeline_config
-from gpipe_cli.records import EvalRecord, TrainRecord
+from gpipe_cli.records import EvalRecord, TrainRecord, read_records
 from gpipe_cli.train import checkpoint, cut, evaluation, nonfinite, optim, output
 from gpipe_cli.train.existing import (
     CHECKPOINTS,
@@ -52,7 +52,7 @@ from gpipe_cli.train.resume import Checkpointer, data_change, rewind_metrics, sa
 from gpipe_cli.train.signals import AFTER_STEP, StopRequest, answers_stops
 from gpipe_cli.train.sinks import open_sinks
 from gpipe_cli.train.step_figures import ModelFlops, Peak, find_peak, step_figures, utilization_of
-from gpipe_cli.train.summary import RunSummary
+from gpipe_cli.train.summary import RunSummary, eval_figures
 from gpipe_cli.train.view import MetricsFile, TerminalView
 from gpipe_cli.train.worker import Job
 from gpipe_cli.units import counted, number_range
@@ -117,7 +117,8 @@ class Trainer:
             self._note(f"loading {'checkpoint' if named else 'the newest whole checkpoint of'} {job.resume}")
         self.start_step = self._resume() if job.resume else 0
         self.complete = job.resume is not None and self.start_step == self.total_steps
-        if self.complete:  # a finished run resumed again (a requeued job): nothing to train, evaluate or write
+        self.missed_eval = bool(job.resume) and self._missed_eval()
+        if self.complete and not self.missed_eval:  # a finished run resumed again (a requeued job): nothing to do
             return
         if self.layout.rank == 0:
             # No rank saves before rank 0 reaches its first save, so no partial folder removed here is being written.
@@ -373,6 +374,28 @@ class Trainer:
         self.skipped_before = self.topo.share(skipped_until(self.run_dir, step) if self.layout.rank == 0 else None)
         return step
 
+    def _missed_eval(self) -> bool:
+        """Whether a stop cut short the evaluation of the step this resume starts from (every rank alike)."""
+        step, every = self.start_step, self.recipe.eval.every
+        due = bool(step and self.eval_steps and (step == self.total_steps or (every and step % every == 0)))
+        if not due:  # the same on every rank: nothing to agree on
+            return False
+        if self.layout.rank != 0:
+            return bool(self.topo.share(None))
+        metrics = self.run_dir / "metrics.jsonl"
+        evals = read_records(metrics)[1] if metrics.is_file() else []
+        return bool(self.topo.share(not any(record["step"] == step for record in evals)))
+
+    def _evaluate_missed(self) -> bool:
+        """Evaluate the step resumed from, as the stop that ended the last course kept it from; False: stopped again."""
+        step = self.start_step
+        self._message(f"evaluating step {step} first: the stop that ended the last start cut its evaluation short")
+        if not self.evaluate(step, final=self.complete):
+            return False
+        if self.complete and self.summary.last_eval is not None:  # as the summary would give it
+            self._message(f"final eval: step {step}: {eval_figures(self.summary.last_eval)}")
+        return True
+
     def _end(self) -> tuple[str, str]:
         """The last step in the recipe's words, and the key that sets it."""
         train = self.recipe.train
@@ -411,6 +434,16 @@ class Trainer:
     def run(self) -> int:
         """Train for the recipe's steps or epochs, evaluating and checkpointing as asked and at the end; exit code."""
         recipe = self.recipe
+        if self.complete and self.missed_eval:  # stopped in its final evaluation: that, and nothing else
+            if not self._evaluate_missed():
+                self.close()
+                return 128 + self.stopped_by
+            self._message(f"the run in {path_line(self.run_dir)} is complete at step {self.start_step}, its final "
+                          "evaluation recorded")
+            if self.metrics is not None:
+                self.metrics.close()
+            self.pipe.close()
+            return 0
         if self.complete:
             self._message(complete_line(self.run_dir, self.start_step, *self._end(),
                                         earlier=earlier_checkpoint(str(self.job.resume))))
@@ -418,6 +451,9 @@ class Trainer:
             return 0
         if self.view is not None:
             self.view.start(self.total_steps, self.start_step)
+        if self.missed_eval and not self._evaluate_missed():
+            self.close()
+            return 128 + self.stopped_by
         heartbeat.training_started()
         # The host launches step t+1 before it reads step t's figures, so it never waits for the device
         # inside a step; anything that must see a finished step (a checkpoint, an evaluation, a stop) reads

@@ -75,3 +75,12 @@ def test_a_ctrl_c_during_an_evaluation_says_it_cuts_that_evaluation_short_and_sa
     assert ("[gpipe] SIGINT: stopping the evaluation at step 2; step 2 is saved before the run stops (Ctrl-C again "
             "to abort at once)") in ranks.stderr, ranks.output
     assert (out / "checkpoints" / "step-00000002").is_dir()
+    # The resume evaluates step 2 first: the stop had left the run without that record for good.
+    resumed = gpipe_train(2, "--resume", str(out), "--threads", "1")
+    assert resumed.code == 0, resumed.output
+    assert "evaluating step 2 first: the stop that ended the last start cut its evaluation short" in resumed.stdout
+    evals = [r["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if (r := json.loads(line))["kind"] == "eval"]
+    assert evals == [2, 4], evals
+    again = gpipe_train(2, "--resume", str(out), "--threads", "1")  # complete, every evaluation recorded
+    assert again.code == 0 and "already complete at step 4" in again.stdout, again.output

@@ -62,3 +62,17 @@ def test_a_data_change_is_said_only_for_counts_a_checkpoint_recorded_and_that_mo
     assert data_change(dict(now), now) == "" and data_change({"train_examples": 1_000}, {}) == ""
     assert data_change({"train_examples": 1_000, "held_out": 55}, now) == "training examples 1,000 then, 1,100 now"
     assert data_change({"train_examples": 1_100, "held_out": "x"}, now) == ""  # an edited manifest: nothing to say
+
+
+def test_a_final_evaluation_is_missing_only_where_the_run_holds_data_out_and_has_no_record_of_it(tmp_path):
+    from gpipe_cli.train.existing import final_eval_missing
+
+    quickstart = load_recipe(None)
+    plain, evaluating = (quickstart.model_copy(update={"eval": quickstart.eval.model_copy(update={"every": every})})
+                         for every in (None, 5))
+    assert final_eval_missing(tmp_path, 10, plain, held=3)  # no records at all, and data held out
+    assert not final_eval_missing(tmp_path, 10, evaluating, held=0)  # nothing held out: nothing to evaluate
+    assert final_eval_missing(tmp_path, 10, evaluating) and not final_eval_missing(tmp_path, 10, plain)  # older
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 10, "loss": 1.0}) + "\n")
+    assert not final_eval_missing(tmp_path, 10, plain, held=3)
+    assert final_eval_missing(tmp_path, 12, plain, held=3) and final_eval_missing(tmp_path, 12, plain)
