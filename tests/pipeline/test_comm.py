@@ -1,7 +1,10 @@
 import pytest
 import torch
 
+from gpipe_cli.pipeline.comm import Inbound, Outbound, Transport
+from gpipe_cli.pipeline.fabric import FORWARD, Link
 from gpipe_cli.pipeline.wire import CommError, TensorMeta, decode, encode, meta_of, pack, unpack
+from tests.pipeline import loopback
 
 
 def metas(tensors, differentiable=False):
@@ -49,3 +52,59 @@ def test_every_dtype_travels_as_aligned_bytes_in_one_buffer_padded_to_what_was_p
         if sent is not None:
             assert got.dtype == sent.dtype and torch.equal(got, sent)
             assert got.data_ptr() % 8 == 0
+
+
+class _Work:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+class _Fabric:
+    """Sends that complete when told (`done`); records which works a wait was for."""
+
+    data_device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.done, self.waited = False, []
+
+    def send_header(self, link, header):
+        return _Work(self.done)
+
+    def send(self, link, payload):
+        return _Work(self.done)
+
+    def wait(self, work, data, timeout):
+        self.waited.append(work)
+
+
+def test_a_flush_waits_for_every_send_not_yet_complete_even_behind_a_completed_one():
+    fabric = _Fabric()
+    out = Outbound(Transport(torch.device("cpu"), fabric), Link(0, 1, FORWARD))
+    out.send(0, 2, 0, [torch.ones(4)])  # still on its way
+    fabric.done = True
+    out.send(1, 2, 0, [torch.ones(4)])  # left at once
+    fabric.waited.clear()
+    out.flush()
+    assert any(not w.done for w in fabric.waited), "the first message's buffer was let go before it left"
+
+
+def test_a_message_arrives_in_the_dtype_it_was_sent_in():
+    # bf16 activations (autocast) and their gradients cross as bf16: upcast on arrival, a stage would store
+    # twice the bytes for its boundary inputs and send fp32 gradients back.
+    world = loopback.World(2, "cpu")
+    link = Link(0, 1, FORWARD)
+    sender = Outbound(Transport(world.device, loopback.LoopbackFabric(world, 0)), link)
+    receiver = Inbound(Transport(world.device, loopback.LoopbackFabric(world, 1)), link)
+    for end in (sender, receiver):
+        end.begin_step(True)
+    sent = [torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(2, dtype=torch.float16),
+            torch.arange(5, dtype=torch.int64)]
+    receiver.expect(1)
+    sender.send(7, 1, 0, sent, differentiable=True)
+    header, got = receiver.take(7)
+    for s, g in zip(sent, got):
+        assert g.dtype == s.dtype and torch.equal(g.detach(), s)
+        assert g.requires_grad == s.is_floating_point()

@@ -39,3 +39,13 @@ def test_hold_and_reset_peak():
 
 def test_rss_is_reported():
     assert peak_rss_bytes() > 10 * 2**20
+
+
+def test_reset_peak_starts_the_host_peak_from_what_host_memory_holds_now():
+    meter = ActivationMeter()
+    meter.host_hold(300)
+    meter.host_release(100)
+    meter.reset_peak()
+    assert meter.host_peak == 200
+    meter.host_hold(50)
+    assert meter.host_peak == 250

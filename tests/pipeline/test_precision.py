@@ -88,3 +88,24 @@ def test_a_step_skipped_for_an_fp16_forward_overflow_leaves_the_batchnorm_averag
     pipe.zero_grad()
     assert not pipe.train_step(torch.randn(4, 8), y, microbatches=2, step=1, optimizer=optimizer).skipped
     assert int(bn.num_batches_tracked) == 1 and not torch.equal(bn.running_mean, before[0])
+
+
+def test_fp16_reports_and_clips_by_the_unscaled_gradient_norm():
+    # The norm is of the gradients after unscaling: taken before, it came out 2^16 times fp32's, and clipping by it
+    # shrank every update to almost nothing without a word.
+    def step(precision: str, max_grad_norm: float | None) -> tuple[float, list[torch.Tensor]]:
+        pipe = Pipeline(build_layers(factories(), range(3), 0), topology.local(), PipelineConfig(balance=(3,)),
+                        nn.CrossEntropyLoss(), precision=precision)
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(12, 8, generator=g), torch.randint(0, 4, (12,), generator=g)
+        result = pipe.train_step(x, y, microbatches=3, step=0, max_grad_norm=max_grad_norm)
+        assert not result.skipped
+        return result.grad_norm, [p.grad.clone() for p in pipe.parameters()]
+
+    norm32, _ = step("fp32", None)
+    norm16, _ = step("fp16", None)
+    assert norm16 == pytest.approx(norm32, rel=0.05)
+    _, clipped32 = step("fp32", norm32 / 2)
+    _, clipped16 = step("fp16", norm32 / 2)
+    for g, g32 in zip(clipped16, clipped32):
+        assert float((g - g32).norm() / g32.norm()) < 0.05

@@ -1,5 +1,6 @@
 import pytest
 
+from gpipe_cli.pipeline import placement
 from gpipe_cli.pipeline import schedule as S
 from gpipe_cli.pipeline.schedule import Kind
 
@@ -227,3 +228,21 @@ def test_interleaved_warms_up_as_megatron_does():
         order = schedules.get("interleaved").order(stage, 4, 8, 2)
         first_backward = next(i for i, step in enumerate(order) if step[0] is not Kind.FWD)
         assert first_backward == 2 * (4 - stage - 1) + (2 - 1) * 4 + 1, stage
+
+
+def test_the_bubble_is_the_mean_idle_fraction_over_stages_not_the_worst_stages():
+    # Stage 0 computes the whole makespan, stage 1 half of it: idle 0 and 1/2, mean 1/4 (the worst would say 1/2).
+    spans = [[S.Span(0, S.Action(Kind.FWD, 0), 0.0, 4.0)],
+             [S.Span(1, S.Action(Kind.FWD, 0), 0.0, 1.0), S.Span(1, S.Action(Kind.RECV_FWD, 1), 1.0, 3.0),
+              S.Span(1, S.Action(Kind.FWD, 1), 3.0, 4.0)]]
+    assert S.bubble(spans) == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("name", ["zero-bubble-v", "v-half"])
+def test_an_evaluation_pass_runs_each_stages_own_chunks_of_a_v(name):
+    # Evaluation runs chunk by chunk; under a V stage 0 runs the first and the last chunk, not chunk K.
+    for stages in (2, 3):
+        lists = [S.forward_only(s, stages, 5, 2, "v") for s in range(stages)]
+        for s, plan in enumerate(lists):
+            assert {a.chunk for a in plan} == set(placement.chunks_of(s, stages, 2, "v")), (stages, s)
+        S.simulate(lists, lambda stage, action: 1.0, placement="v")  # raises on a deadlock

@@ -65,3 +65,23 @@ def test_rematerialization_keeps_only_the_boundary_input():
     stored, remat = peak(False), peak(True)
     assert remat == 4 * 16 * 64 * 4  # exactly the four boundary inputs
     assert stored > 6 * remat
+
+
+def test_a_recompute_leaves_the_global_rng_where_it_found_it():
+    # The recompute replays the forward's RNG state for its dropout masks; left there, the global generator would be
+    # rewound, and every later draw (the next micro-batches' nn.Dropout masks, a data shuffle) would repeat old ones.
+    torch.manual_seed(0)
+    stage = stage_with(nn.Linear(8, 64), nn.Dropout(0.5), nn.Linear(64, 2))
+    stage.forward(0, [torch.randn(4, 8, requires_grad=True)], True, 0, remat=True)
+    torch.rand(100)  # other work moves the global RNG on before the recompute
+    before = torch.get_rng_state()
+    stage.recompute(0)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_what_a_forward_hands_on_carries_no_graph():
+    # The next stage's input must be a fresh leaf: a message with this stage's graph attached would let a later
+    # backward run into this stage's layers a second time.
+    stage = stage_with(nn.Linear(8, 16), nn.Tanh())
+    out, bare = stage.forward(0, [torch.randn(3, 8, requires_grad=True)], True, 0, remat=False)
+    assert bare and out[0].grad_fn is None and not out[0].requires_grad

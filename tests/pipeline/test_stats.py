@@ -1,5 +1,6 @@
 """Where a step's time goes: compute, waiting, communication, optimizer and what is left."""
 
+import dataclasses
 import time
 
 import pytest
@@ -67,3 +68,31 @@ def test_a_tied_weights_gradient_sum_is_timed_apart_on_its_holders(model, holder
         return result.own.shared
 
     assert [seconds > 0 for seconds in world.run(rank)] == holders
+
+
+def test_the_gradient_norms_collective_counts_as_waiting():
+    # The norm's collective is where a stage that finished early waits for the slowest: the bubble's drain.
+    timeline = stats.Timeline(0, torch.device("cpu"))
+    timeline.start()
+    with timeline.span(stats.WAIT):
+        time.sleep(0.02)
+    times = timeline.finish()
+    wait, comm, optimizer = times.parts(times.events())
+    assert wait >= 0.02 and comm < 0.02 and optimizer == 0.0
+
+
+class _TwoRanks:
+    """A fabric stand-in for rank 0 of two: the other rank's row comes from `other`."""
+
+    def __init__(self, other: stats.StageStats) -> None:
+        self.other = other
+
+    def gather_rows(self, row):
+        return [row, torch.tensor([*dataclasses.astuple(self.other), 0.0, 0, 0.0], dtype=torch.float64)]
+
+
+def test_the_gathered_step_lasts_as_long_as_its_slowest_rank():
+    mine, other = stage(0, 0.5, 0, 0, 0), stage(1, 0.5, 0, 0, 0)
+    mine.step_time, other.step_time = 1.0, 3.0
+    gathered = stats.gather(mine, 1.0, 8, 8.0, 1.0, 0.2, _TwoRanks(other))
+    assert gathered is not None and gathered.step_time == 3.0 and [s.stage for s in gathered.stages] == [0, 1]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpipe_cli import memory_model as mm
-from gpipe_cli.pipeline import placement
+from gpipe_cli.pipeline import placement, topology
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.actions import SHORT
 from gpipe_cli.pipeline.config import PipelineConfig
@@ -164,3 +164,30 @@ def test_v_schedules_on_two_gloo_ranks_train_to_plain_trainings_parameters():
         assert torch.equal(state["0.embed.weight"], state["7.proj.weight"]), config
         errors = toy.relative_errors(state, toy.reference("deep", config[0]))
         assert max(errors.values()) < TOLERANCE, (config, errors)
+
+
+def _evaluate(rank: int, world: loopback.World, stages: int, name: str, size: int) -> tuple:
+    topo = loopback.topology(world, rank, stages)
+    cut = [len(part) for part in torch.arange(8).tensor_split(2 * stages)]
+    config = PipelineConfig(stages, 4, virtual=2, schedule=name, balance=tuple(cut))
+    spec = toy.MODELS["deep"]
+    layers = world.build(lambda: build_layers(spec["factories"](), stage_layers(cut, stages, rank, "v"), toy.SEED))
+    pipe = Pipeline(layers, topo, config, spec["loss"], tied=spec["tied"])
+    x, y = toy.batch("deep", 7, size)
+    result = pipe.evaluate(x if pipe.layout.is_first else None, y if pipe.layout.is_last else None,
+                           return_outputs=True)
+    return result.loss, result.units, result.outputs
+
+
+@pytest.mark.parametrize("name", SHAPED)
+def test_v_schedules_evaluate_as_one_process_does(name):
+    """Each chunk's forward on its own stage of the V (stage 0 the first and the last), batches above and below M."""
+    spec = toy.MODELS["deep"]
+    single = Pipeline(build_layers(spec["factories"](), range(8), toy.SEED), topology.local(),
+                      PipelineConfig(balance=(8,)), spec["loss"], tied=spec["tied"])
+    for stages, size in ((2, 6), (3, 2)):
+        ref = single.evaluate(*toy.batch("deep", 7, size), microbatches=4, return_outputs=True)
+        world = loopback.World(stages, "cpu")
+        outcome = world.run(_evaluate, world, stages, name, size)
+        assert all(loss == pytest.approx(ref.loss, rel=1e-5) and units == ref.units for loss, units, _ in outcome)
+        assert torch.allclose(outcome[0][2], ref.outputs, rtol=1e-5, atol=1e-6), (stages, size)
