@@ -19,6 +19,7 @@ def pyplot() -> Any | None:
     except ImportError:
         return None
     matplotlib.use("Agg")  # no display needed: figures only go to files
+    matplotlib.rcParams["text.parse_math"] = False  # a run's folder named with two $ is a name, not TeX
     import matplotlib.pyplot as plt
 
     return plt

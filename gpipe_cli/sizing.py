@@ -69,18 +69,25 @@ def _calls_per_s(call: Callable[[], Any], device: str, threads: int, seconds: fl
         return 1 / best if fastest else count / (time.perf_counter() - start)
 
 
+def _own_rng(device: str) -> contextlib.AbstractContextManager[Any]:
+    """Random numbers drawn for a timing only: torch's generators are left as they were (a checkpoint keeps them)."""
+    return torch.random.fork_rng(devices=[torch.device(device)] if device == "cuda" else [])
+
+
 def measured_rate(device: str = "cpu", threads: int = 1, seconds: float = 0.2, fastest: bool = False) -> float:
     """FLOP/s of a matrix product on `device` with `threads` intra-op threads (a quick calibration; see `fastest`)."""
     n = 1024 if device == "cuda" else 256
-    a, b = torch.randn(n, 2 * n, device=device), torch.randn(2 * n, 2 * n, device=device)
+    with _own_rng(device):
+        a, b = torch.randn(n, 2 * n, device=device), torch.randn(2 * n, 2 * n, device=device)
     return _calls_per_s(lambda: a @ b, device, threads, seconds, fastest) * 2 * n * (2 * n) * (2 * n)
 
 
 def measured_call(device: str = "cpu", threads: int = 1, seconds: float = 0.1) -> float:
     """Seconds of a forward and backward through a tiny residual block: the fixed cost of running a layer."""
-    block = torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 32), torch.nn.GELU(),
-                                torch.nn.Linear(32, 32)).to(device)
-    x = torch.randn(4, 8, 32, device=device, requires_grad=True)
+    with _own_rng(device):
+        block = torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 32), torch.nn.GELU(),
+                                    torch.nn.Linear(32, 32)).to(device)
+        x = torch.randn(4, 8, 32, device=device, requires_grad=True)
     return 1 / _calls_per_s(lambda: (block(x) + x).sum().backward(), device, threads, seconds)
 
 

@@ -104,7 +104,7 @@ def summary_table(runs: list[Run]) -> Table:
     resumed = " and each resume" if any(len(last_cut(run)) > 1 for run in runs) else ""
     over = rates[0].over if len(runs) == 1 else _over(runs, f"the steps after the first of each run{resumed}, "
                                                             "which warm up")
-    caption = (" · ".join(f"{r.label}: {r.path}{_part_of(r)}" for r in runs)
+    caption = (" · ".join(f"{r.label}: {path_line(r.path)}{_part_of(r)}" for r in runs)
                + f"\nsamples/s, bubble and wait: mean over {over}; each step weighted by its time")
     memory, holds = _memory(runs, "memory")
     if any(map(cut_steps, runs)):

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli import plots
+from gpipe_cli.errors import path_line
 from gpipe_cli.pipeline import schedules
 from gpipe_cli.records import PARTS
 from gpipe_cli.report.runs import (
@@ -220,7 +221,8 @@ def panels(runs: list[Run]) -> list[tuple[str, Draw]]:
 
 def _names(runs: list[Run]) -> list[str]:
     """Each run's label and folder (a label made unique by its folder already names it)."""
-    return [r.label if r.label.endswith(f"({r.path.name})") else f"{r.label} ({r.path.name})" for r in runs]
+    names = [path_line(r.path.name) for r in runs]  # a name matplotlib can draw: one line, no undecodable byte
+    return [r.label if r.label.endswith(f"({name})") else f"{r.label} ({name})" for r, name in zip(runs, names)]
 
 
 def _short_title(runs: list[Run]) -> str:

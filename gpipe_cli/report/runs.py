@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpipe_cli.errors import UserError
+from gpipe_cli.errors import UserError, path_line
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
 from gpipe_cli.records import (
     PARTS,
@@ -119,7 +119,7 @@ def read_runs(paths: list[Path]) -> list[Run]:
     labels = [r.label for r in runs]
     for run in runs:
         if labels.count(run.label) > 1:
-            run.label = f"{run.label} ({run.path.name})"
+            run.label = f"{run.label} ({path_line(run.path.name)})"
     return runs
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpipe_cli.errors import DataError, UserError, cut, shell_path, shown
+from gpipe_cli.errors import DataError, UserError, cut, path_line, shell_path, shown
 from gpipe_cli.files import atomic_write_bytes, check_output, check_output_kind, remove_folders, same_file
 from gpipe_cli.launch.preflight import NODE_FLAGS, check_file_name, check_not_empty, check_path
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_yaml
@@ -394,8 +394,8 @@ def complete_line(run_dir: Path, step: int, end: str, key: str = "train.steps", 
         return (f"checkpoint {cut(str(earlier), PATH_CHARS)} is at step {step} ({end}), the end already; nothing to "
                 f"do (raise {key} to train on from it: the run's steps after {step if fork is None else fork} are "
                 "then set aside)")
-    return (f"the run in {cut(str(run_dir), PATH_CHARS)} is already complete at step {step} ({end}); nothing to do "
-            f"(raise {key} to train past step {step})")
+    return (f"the run in {cut(path_line(run_dir), PATH_CHARS)} is already complete at step {step} ({end}); nothing "
+            f"to do (raise {key} to train past step {step})")
 
 
 def course_export(course: Path) -> Path:
@@ -430,9 +430,24 @@ def check_resumable(location: str) -> int:
     raise no_usable(location, [f"{p.name}: {checkpoint.inspect(p)[1]}" for p in candidates(Path(location))])
 
 
+def renamed(location: Path, verb: str) -> str:
+    """What a run holds of checkpoints renamed from `step-*`, which only their own name picks ('' if none)."""
+    folder = location / CHECKPOINTS if (location / CHECKPOINTS).is_dir() else location
+    try:
+        names = sorted(p.name for p in folder.iterdir() if is_checkpoint(p) and not p.name.startswith(PREFIX))
+    except OSError:
+        return ""
+    if not names:
+        return ""
+    listed = ", ".join(shown(name) for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"; {shown(str(folder))} holds {listed}, not named {PREFIX}*: {verb} one by its path"
+
+
 def no_usable(location: str, refused: list[str]) -> UserError:
     """The refusal of a resume from `location`, whose checkpoints were each refused as `refused` says."""
     reasons = "; ".join(refused) if refused else "there are no checkpoints there"
+    if not refused and (others := renamed(Path(location), "resume")):
+        return UserError(f"--resume {cut(location, PATH_CHARS)}: no usable checkpoint ({reasons}){others}")
     again = f"; {start_again(Path(location))}" if not refused and holds_run(Path(location)) else ""
     aside = any(part.startswith(SUPERSEDED) for part in Path(location).parts)  # a course set aside: the run goes on
     if refused and not Path(location).name.startswith(PREFIX) and not aside:  # every checkpoint: no way on but anew
@@ -461,7 +476,9 @@ def resume_end(recipe: Recipe, location: str) -> int | None:
         if found.step > steps:
             raise UserError(past_end(location, path.name, found.step, f"train.steps {steps}"))
         held = found.manifest.get("data", {}).get("held_out") if isinstance(found.manifest.get("data"), dict) else None
-        if recipe.train.epochs is not None or final_eval_missing(run_dir_of(location), found.step, recipe, held):
+        newest = earlier_checkpoint(location) is None  # an earlier one at the end: its course went on past it
+        if recipe.train.epochs is not None or (newest and final_eval_missing(run_dir_of(location), found.step,
+                                                                             recipe, held)):
             return None  # an epochs' end: the ranks read the data; a final evaluation to make: the ranks make it
         return found.step
     return None
@@ -477,7 +494,8 @@ def final_eval_missing(run_dir: Path, step: int, recipe: Recipe, held: Any = Non
         evals = read_records(metrics)[1] if metrics.is_file() else []
     except UserError:  # unreadable: the ranks, which read it too, say so
         return True
-    # A run holding nothing out has no eval record at all: only one that evaluates, or has, lacks one.
+    # A run holding nothing out has no eval record at all: only one that evaluates, or has, lacks one (a checkpoint
+    # of an older version counts no held-out examples: one evaluated at its end alone is taken as complete).
     evaluates = bool(held) if isinstance(held, int) else bool(recipe.eval.every or evals)
     return evaluates and not any(record["step"] == step for record in evals)
 
@@ -708,15 +726,15 @@ def resume_line(run_dir: Path, step: int | None, changes: list[Change] | None, r
                 continued: bool, overrides: Sequence[str], base: Path | None = None) -> str:
     """The one line that says which run a resume continues, from which step, and with which settings (`base`: the
     recipe.yaml they are compared with, the run's unless an earlier checkpoint's)."""
-    where = f"resuming {run_dir}" + (f" at step {step}" if step is not None else "")
+    where = f"resuming {path_line(run_dir)}" + (f" at step {step}" if step is not None else "")
     listed = ", ".join(map(str, changes or []))
     base = base or run_dir / RECIPE
     ours = base == run_dir / RECIPE
     if continued:
-        course = "" if ours else f" with the settings of checkpoint {base.parent.name} ({base}),"
+        course = "" if ours else f" with the settings of checkpoint {base.parent.name} ({path_line(base)}),"
         if listed:
             return f"{where}{course} with {listed} (--set)"
-        return f"{where} with the {'run' if ours else 'checkpoint'}'s own settings ({base})"
+        return f"{where} with the {'run' if ours else 'checkpoint'}'s own settings ({path_line(base)})"
     given = recipe if recipe is not None else "the built-in quick-start recipe"
     if overrides:
         given += " and --set"

@@ -35,6 +35,7 @@ from gpipe_cli.train.existing import (
     fork_of,
     is_checkpoint,
     newest_step,
+    renamed,
     run_dir_of,
 )
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
@@ -100,7 +101,9 @@ def _newest(location: str) -> checkpoint.Found:
             if folder.is_dir() and not os.access(folder, os.R_OK | os.X_OK):  # not "there are no checkpoints"
                 raise UserError(f"{location}: cannot read {shown_path(folder)} (permission denied)")
             check_a_run(Path(location))
-        raise UserError(f"{location}: no complete checkpoint to export ({reasons or 'there are no checkpoints'})")
+        others = "" if reasons else renamed(Path(location), "export")  # moved aside by hand: named, it is read
+        raise UserError(f"{location}: no complete checkpoint to export ({reasons or 'there are no checkpoints'})"
+                        f"{others}")
     for message in refused:
         print(f"[gpipe] {message}", file=sys.stderr)
     return found

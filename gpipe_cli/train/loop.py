@@ -114,7 +114,7 @@ class Trainer:
             self.checkpoints.data = {"train_examples": self.data.train_size, "held_out": self.data.eval_size}
         if job.resume:
             named = is_checkpoint(Path(str(job.resume)))  # a checkpoint's own folder, not its run's
-            self._note(f"loading {'checkpoint' if named else 'the newest whole checkpoint of'} {job.resume}")
+            self._note(f"loading {'checkpoint' if named else 'the newest whole checkpoint of'} {path_line(job.resume)}")
         self.start_step = self._resume() if job.resume else 0
         self.complete = job.resume is not None and self.start_step == self.total_steps
         self.missed_eval = bool(job.resume) and self._missed_eval()
@@ -361,15 +361,15 @@ class Trainer:
             # The newer checkpoints go first: should that fail, the records of their steps are still there.
             aside = checkpoint.set_aside_newer(self.run_dir, fork, time.strftime("%Y%m%d-%H%M%S"))
             rewind_metrics(self.run_dir, fork, step, aside, path.parent if fork != step else None)
-            print(f"[gpipe] resumed from {path} (step {step})", file=sys.stderr, flush=True)
-            changed = data_change(found.manifest.get("data"), self.checkpoints.data)
-            if changed:
-                print(f"[gpipe] the data changed since step {step} was saved: {changed}; the run trains on with the "
-                      "data as it is now", file=sys.stderr, flush=True)
+            print(f"[gpipe] resumed from {path_line(path)} (step {step})", file=sys.stderr, flush=True)
             if aside is not None:
                 names = ", ".join(sorted(p.name for p in aside.iterdir() if p.is_dir()))
                 print(f"[gpipe] moved the checkpoints after step {fork} ({names}) to {aside}, with their records: "
                       f"the run trains on from step {step}", file=sys.stderr, flush=True)
+        changed = data_change(found.manifest.get("data"), self.checkpoints.data) if self.layout.rank == 0 else ""
+        if changed:  # an evaluation alone (of a finished run) reads the data as it is now too
+            print(f"[gpipe] the data changed since step {step} was saved: {changed}; the run goes on with the data "
+                  "as it is now", file=sys.stderr, flush=True)
         # train.max_skipped counts the skips in a row across a resume, as in a run never stopped.
         self.skipped_before = self.topo.share(skipped_until(self.run_dir, step) if self.layout.rank == 0 else None)
         return step
@@ -383,15 +383,25 @@ class Trainer:
         if self.layout.rank != 0:
             return bool(self.topo.share(None))
         metrics = self.run_dir / "metrics.jsonl"
-        evals = read_records(metrics)[1] if metrics.is_file() else []
-        return bool(self.topo.share(not any(record["step"] == step for record in evals)))
+        train, evals, _ = read_records(metrics) if metrics.is_file() else ([], [], "")
+        # Records past the step: a checkpoint before the run's newest at its end, whose course went on (and is
+        # complete as it is), not a step whose evaluation was lost.
+        later = any(record["step"] > step for record in train)
+        return bool(self.topo.share(not later and not any(record["step"] == step for record in evals)))
 
     def _evaluate_missed(self) -> bool:
         """Evaluate the step resumed from, as the stop that ended the last course kept it from; False: stopped again."""
         step = self.start_step
-        self._message(f"evaluating step {step} first: the stop that ended the last start cut its evaluation short")
+        self._message(f"evaluating step {step} first: the run's records hold no evaluation of it")
+        self.stop.arm()  # a stop now ends the evaluation and the run: the step is saved already
+        heartbeat.training_started()
+        self.stop.when = (f"the evaluation of step {step}; step {step} is saved" if not self.complete
+                          else "the final evaluation; training is done and saved")
+        if self.view is not None:  # its eval line, or the final one's for the summary line below
+            self.view.total = self.total_steps
         if not self.evaluate(step, final=self.complete):
             return False
+        self.stop.when = AFTER_STEP
         if self.complete and self.summary.last_eval is not None:  # as the summary would give it
             self._message(f"final eval: step {step}: {eval_figures(self.summary.last_eval)}")
         return True

@@ -80,7 +80,7 @@ class RunSummary:
     last_eval: Mapping[str, Any] | None = None
     # The K, M, schedule and D of the steps before a resume, and of this start's first: `gpipe report` gives a
     # whole run's throughput only where they are the same.
-    earlier_pipeline: tuple[Any, ...] | None = None
+    earlier_pipelines: set[tuple[Any, ...]] = field(default_factory=set)
     pipeline: tuple[Any, ...] | None = None
 
     def add(self, record: Mapping[str, Any], examples: float, units: float | None) -> None:
@@ -112,8 +112,7 @@ class RunSummary:
         for record in evals:
             if record["step"] <= step:
                 self.add(record, 0, None)
-        before = [record for record in train if record["step"] <= step]
-        self.earlier_pipeline = pipeline_of(before[-1]) if before else None
+        self.earlier_pipelines = {pipeline_of(record) for record in train if record["step"] <= step}
 
     def lines(self, now: float, checkpoint: str | None, run_dir: str, text: bool, ended: str = "") -> list[str]:
         """The summary, one fact per line; `text` adds tokens/s; `ended` says why the run stopped early."""
@@ -130,8 +129,8 @@ class RunSummary:
             over += profiled_words(self.profiled_steps)
         if shown.per_s is not None:
             if self.resumed:
-                earlier = self.earlier_pipeline  # when it differs, the report gives each start's figure
-                changed = earlier is not None and None not in earlier and earlier != self.pipeline
+                # Any earlier start on another pipeline: the report then gives each start's figure.
+                changed = any(None not in earlier and earlier != self.pipeline for earlier in self.earlier_pipelines)
                 over += f"; gpipe report {shell_path(run_dir)} gives {'each start' if changed else 'the whole run'}'s"
             rate = f"{shown.per_s:.1f} samples/s"
             if text:

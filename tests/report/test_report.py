@@ -77,6 +77,16 @@ def test_runs_with_the_same_pipeline_are_told_apart_by_folder(tmp_path):
     assert [r.label for r in runs] == ["K=2 M=4 1f1b (one)", "K=2 M=4 1f1b (two)"]
 
 
+def test_runs_in_folders_named_with_a_newline_or_an_undecodable_byte_make_a_page(tmp_path, capsys):
+    # matplotlib refused the legend's undecodable byte with a traceback, and the caption split at the newline.
+    odd = [tmp_path / os.fsdecode(name) for name in (b"new\nline", b"b\xffd")]
+    runs = [make_run(path, 2) for path in odd]
+    out = tmp_path / "page.png"
+    assert cli(["report", *map(str, runs), "--output", str(out)]) == 0
+    assert out.stat().st_size > 0 and "$'new\\nline'" in capsys.readouterr().out
+    assert [r.label for r in read_runs(runs)] == ["K=2 M=4 1f1b ($'new\\nline')", "K=2 M=4 1f1b ($'b\\xffd')"]
+
+
 def test_one_run_writes_its_page_into_the_run_directory(tmp_path):
     folder = make_run(tmp_path / "a", 1)
     assert cli(["report", str(folder)]) == 0

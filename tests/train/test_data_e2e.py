@@ -185,4 +185,4 @@ def test_a_resume_says_how_the_data_changed_since_its_checkpoint(short_run, tmp_
     assert resumed.code == 0, resumed.output[-3000:]
     (line,) = [line for line in resumed.stderr.splitlines() if "the data changed" in line]
     assert line == ("[gpipe] the data changed since step 2 was saved: training examples 4,096 then, 3,000 now and "
-                    "held out 205 then, 150 now; the run trains on with the data as it is now")
+                    "held out 205 then, 150 now; the run goes on with the data as it is now")

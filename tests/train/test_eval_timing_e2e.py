@@ -78,9 +78,19 @@ def test_a_ctrl_c_during_an_evaluation_says_it_cuts_that_evaluation_short_and_sa
     # The resume evaluates step 2 first: the stop had left the run without that record for good.
     resumed = gpipe_train(2, "--resume", str(out), "--threads", "1")
     assert resumed.code == 0, resumed.output
-    assert "evaluating step 2 first: the stop that ended the last start cut its evaluation short" in resumed.stdout
+    assert "evaluating step 2 first: the run's records hold no evaluation of it" in resumed.stdout
     evals = [r["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
              if (r := json.loads(line))["kind"] == "eval"]
     assert evals == [2, 4], evals
     again = gpipe_train(2, "--resume", str(out), "--threads", "1")  # complete, every evaluation recorded
     assert again.code == 0 and "already complete at step 4" in again.stdout, again.output
+    # A checkpoint before the newest, at the end of a shorter run, with no record of its evaluation: its course
+    # went on past it, and an evaluation of step 2 after step 4's would be out of place.
+    metrics = out / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
+                               if (r := json.loads(line))["kind"] != "eval" or r["step"] != 2))
+    earlier = gpipe_train(2, "--resume", str(out / "checkpoints" / "step-00000002"), "--set", "train.steps=2",
+                          "--threads", "1")
+    assert earlier.code == 0 and "the end already; nothing to do" in earlier.stdout, earlier.output
+    assert [r["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+            if (r := json.loads(line))["kind"] == "eval"] == [4]

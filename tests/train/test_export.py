@@ -255,6 +255,11 @@ def test_a_checkpoint_folder_renamed_is_known_by_its_manifest(trained, tmp_path,
         shutil.copytree(own, renamed)
         again = load_file(str(export(str(renamed), str(tmp_path / f"{renamed.name}.safetensors"))))
         assert again.keys() == exported.keys() and all(torch.equal(again[k], exported[k]) for k in exported)
+    run = shutil.copytree(trained, tmp_path / "renamed-run")
+    for found in (run / "checkpoints").iterdir():  # every step-* moved aside by hand: named, each still reads
+        found.rename(found.with_name(f"kept-{found.name.removeprefix('step-')}"))
+    with pytest.raises(UserError, match=r"holds 'kept-\d+', not named step-\*: export one by its path$"):
+        export(str(run), str(tmp_path / "none.safetensors"))
     shutil.copytree(tmp_path / "best", tmp_path / "not-one")
     (tmp_path / "not-one" / "manifest.json").unlink()  # an unfinished save, or any folder: not a checkpoint
     with pytest.raises(UserError, match="not a run directory"):

@@ -76,3 +76,15 @@ def test_a_final_evaluation_is_missing_only_where_the_run_holds_data_out_and_has
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 10, "loss": 1.0}) + "\n")
     assert not final_eval_missing(tmp_path, 10, plain, held=3)
     assert final_eval_missing(tmp_path, 12, plain, held=3) and final_eval_missing(tmp_path, 12, plain)
+
+
+def test_a_resume_of_a_run_whose_checkpoints_were_renamed_names_them_instead_of_starting_again(tmp_path):
+    # "there are no checkpoints there; start it again from step 0" of a run holding good-one/, renamed by hand.
+    from gpipe_cli.train.existing import no_usable
+
+    kept = tmp_path / "run" / "checkpoints" / "good-one"
+    kept.mkdir(parents=True)
+    (kept / "manifest.json").write_text("{}")
+    assert str(no_usable(str(tmp_path / "run"), [])) == (
+        f"--resume {tmp_path / 'run'}: no usable checkpoint (there are no checkpoints there); "
+        f"'{tmp_path / 'run' / 'checkpoints'}' holds 'good-one', not named step-*: resume one by its path")

@@ -182,3 +182,11 @@ def test_a_resume_on_another_pipeline_points_to_the_report_for_each_start_s_thro
         said[microbatches] = field(summary.lines(now=5.0, checkpoint=None, run_dir="run", text=False), "throughput")
     assert said[2].endswith("; gpipe report run gives the whole run's)")
     assert said[4].endswith("; gpipe report run gives each start's)")
+    # A start at M=4 before the last one at M=2: the change lies two starts back, and counts all the same.
+    metrics.write_text(json.dumps({**before, "step": 1, "microbatches": 4}) + "\n" + json.dumps(before) + "\n")
+    summary = RunSummary(total_steps=4, started=0.0)
+    summary.take_earlier(metrics, 2)
+    for step in (3, 4):
+        summary.add({**before, "step": step, "resumed": True}, examples=10, units=None)
+    assert field(summary.lines(now=5.0, checkpoint=None, run_dir="run", text=False), "throughput").endswith(
+        "gives each start's)")
