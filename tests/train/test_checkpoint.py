@@ -287,3 +287,15 @@ def test_a_file_grown_since_it_was_written_is_refused_by_its_size(tmp_path):
     with open(data, "ab") as f:
         f.write(b"\0" * 8)
     assert checkpoint.inspect(newest)[1] == f"file {data.name} has {size + 8} bytes where {size} were written"
+
+
+def test_the_newest_checkpoint_is_the_highest_step_whatever_was_touched_last(tmp_path):
+    # Picked by time, step 3 touched after step 10 was written (copied back, restored from a backup) would be resumed
+    # and exported as the newest; its name's step decides.
+    save_one(tmp_path, 3)
+    save_one(tmp_path, 10, value=2.0)
+    later = checkpoint.path_for(tmp_path, 10).stat().st_mtime + 60
+    os.utime(checkpoint.path_for(tmp_path, 3), (later, later))
+    found, _ = checkpoint.newest_whole(tmp_path)
+    assert found is not None and found.step == 10
+    assert [p.name for p in checkpoint.candidates(tmp_path)] == ["step-00000010", "step-00000003"]

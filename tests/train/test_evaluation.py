@@ -100,3 +100,68 @@ def test_the_eval_loss_is_the_mean_over_every_scored_unit_of_its_batches() -> No
         topo=SimpleNamespace(share=lambda x: x), stopped_by=None)
     assert Trainer.evaluate(trainer, 4)  # type: ignore[arg-type]
     assert written == [{"kind": "eval", "step": 4, "loss": 2.5, "accuracy": 0.25}]
+
+
+def _never_ending(vocab: int = 11):  # type: ignore[no-untyped-def]
+    """A stand-in translation model whose most likely next token is always 5 (never eos), and its topology."""
+    from types import SimpleNamespace
+
+    def logits(prefix: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(prefix.shape[0], prefix.shape[1], vocab)
+        out[..., 5] = 1.0
+        return out
+
+    pipe = SimpleNamespace(evaluate=lambda inputs, targets, **kw: SimpleNamespace(outputs=logits(inputs[1])),
+                           module=torch.nn.Identity())
+    topo = SimpleNamespace(layout=SimpleNamespace(rank=0, is_first=True, replica=0), share=lambda value: value)
+    return pipe, topo, logits
+
+
+def test_the_training_decoder_writes_as_many_tokens_as_predicts():
+    # BLEU at each evaluation scores what gpipe predict would answer: the same limit, token for token.
+    from gpipe_cli.models.transformer.decode import translate
+
+    pipe, topo, logits = _never_ending()
+    source = torch.randint(4, 11, (2, 3))
+    decoded = evaluation.greedy_decode(pipe, topo, source, 1, 6)  # type: ignore[arg-type]
+    assert decoded == translate(lambda inputs: logits(inputs[1]), source, 6) == [[5] * 6] * 2
+
+
+def test_bleu_scores_the_batches_the_loss_does_and_replica_0_translates_them_all(monkeypatch):
+    # eval.batches held-out batches, not the whole split; with data parallelism the whole of each, not a shard.
+    from types import SimpleNamespace
+
+    asked: list[dict] = []
+
+    def eval_batches(**kw):  # type: ignore[no-untyped-def]
+        asked.append(kw)
+        return iter([SimpleNamespace(inputs=(torch.randint(4, 11, (2, 3)),), references=["a b", "c"])])
+
+    pipe, topo, _ = _never_ending()
+    topo.layout.replicas = 2
+    tokenizer = SimpleNamespace(vocab_size=11, decode=lambda ids: "a b")
+    data = SimpleNamespace(eval_batches=eval_batches, tokenizer=tokenizer)
+    monkeypatch.setattr(evaluation, "greedy_decode", lambda *args, **kw: [[5], [5]])
+    assert evaluation.bleu(pipe, topo, data, 1, 1, 12) is not None  # type: ignore[arg-type]
+    assert [(kw["shard"], kw["limit"]) for kw in asked] == [((0, 1), 1)]
+
+
+def test_evaluation_runs_the_model_in_eval_mode():
+    # Dropout off and batch-norm statistics left alone: the same batch evaluates to the same loss every time, and a
+    # training step after it finds the model in training mode again.
+    from gpipe_cli.pipeline import topology
+    from gpipe_cli.pipeline.config import PipelineConfig
+    from gpipe_cli.pipeline.engine import Pipeline
+    from gpipe_cli.pipeline.layers import build_layers
+
+    factories = [lambda: torch.nn.Linear(8, 8), lambda: torch.nn.Dropout(0.5), lambda: torch.nn.Linear(8, 2)]
+    pipe = Pipeline(build_layers(factories, [0, 1, 2], 0), topology.local(), PipelineConfig(balance=(3,)),
+                    torch.nn.MSELoss())
+    x, y = torch.randn(6, 8), torch.randn(6, 2)
+    losses = {pipe.evaluate(x, y, microbatches=1).loss for _ in range(3)}
+    pipe.module.eval()
+    with torch.no_grad():
+        expected = float(torch.nn.functional.mse_loss(pipe.module(x), y))
+    pipe.module.train()
+    assert len(losses) == 1 and math.isclose(losses.pop(), expected, rel_tol=1e-6)
+    assert pipe.module.training

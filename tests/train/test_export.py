@@ -336,3 +336,10 @@ def test_a_cast_that_overflows_is_refused_and_weights_not_finite_are_said(tmp_pa
                               "float16")
     assert "the checkpoint's weights are not all finite (0.weight: 1 of its 2 values is NaN): gpipe predict " \
            "refuses the export" in capsys.readouterr().err
+
+
+def test_an_export_of_the_runs_newest_checkpoint_named_by_its_folder_says_nothing_of_older_weights(tmp_path, capsys):
+    save_one(tmp_path, 5, value=1.0)
+    save_one(tmp_path, 6, value=2.0)
+    assert export(str(checkpoint.path_for(tmp_path, 6))) == tmp_path / "model.safetensors"
+    assert "now holds" not in capsys.readouterr().err

@@ -94,3 +94,28 @@ def test_trial_steps_in_the_pipeline_move_a_cut_the_layer_costs_got_wrong():
     refined = recut.refined_costs(claimed, balance, measured)
     again = partition.balance_by_cost(refined, 2)
     assert again == [1, 4] and recut.better(refined, balance, again)  # the heavy layer alone: equal stages
+
+
+def test_a_new_cut_must_promise_a_faster_slowest_stage_by_the_gain():
+    refined = [1.0] * 8
+    assert not recut.better(refined, [4, 4], [4, 4])  # the same: nothing gained
+    assert not recut.better([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.04], [4, 4], [5, 3])  # a slower slowest stage
+    assert recut.better([1.0] * 6 + [2.0, 2.0], [4, 4], [5, 3])  # 6 against 5 on the slowest stage
+
+
+def test_the_first_trial_step_is_left_out_of_the_stages_compute():
+    # It pays for allocator growth and the first messages: 10 s in it, then 1 s and 2 s, make a median of 1.5 s.
+    from types import SimpleNamespace
+
+    from gpipe_cli.pipeline.stats import StageStats
+
+    seconds = iter([10.0, 1.0, 2.0])
+
+    def train_step(*args, **kwargs):  # type: ignore[no-untyped-def]
+        busy = next(seconds)
+        stage = StageStats(0, 0, step_time=busy, busy=busy, activation_peak=0, rss_peak=0, cuda_peak=0)
+        return SimpleNamespace(stats=SimpleNamespace(stages=[stage]))
+
+    pipe = SimpleNamespace(layout=SimpleNamespace(is_first=True, is_last=True, stages=1),
+                           device=torch.device("cpu"), train_step=train_step)
+    assert recut.stage_compute(pipe, None, 1, seed=0) == [1.5]  # type: ignore[arg-type]

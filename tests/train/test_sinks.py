@@ -305,3 +305,11 @@ def test_a_run_with_wandb_artifact_exports_its_final_model_and_logs_it(sunk):
     model = out / "model.safetensors"
     assert calls[-2:] == [["log_artifact", "model-r1", "model", [str(model)]], ["finish"]]
     assert load_file(model) and f"exported {model}" in proc.stdout
+
+
+def test_a_warm_up_steps_loss_stays_on_the_loss_curve_and_only_its_timing_moves_aside():
+    record = {**train_record(stages=2), "warmup": True}
+    values = scalars(record)
+    assert values["train/loss"] == record["loss"] and values["train/lr"] == record["lr"]
+    assert "train_warmup/loss" not in values and "train/step_time_s" not in values
+    assert values["train_warmup/step_time_s"] == record["step_time_s"]

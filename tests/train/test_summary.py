@@ -190,3 +190,15 @@ def test_a_resume_on_another_pipeline_points_to_the_report_for_each_start_s_thro
         summary.add({**before, "step": step, "resumed": True}, examples=10, units=None)
     assert field(summary.lines(now=5.0, checkpoint=None, run_dir="run", text=False), "throughput").endswith(
         "gives each start's)")
+
+
+def test_a_first_evaluation_that_is_not_finite_is_never_the_best():
+    summary = run(evals=[(2, float("nan")), (4, 2.0)])
+    assert field(summary.lines(110.0, None, "run", text=False), "best eval").startswith("step 4: loss 2")
+
+
+def test_a_run_stopped_before_its_end_has_no_final_eval_line():
+    # Its last evaluation is a mid-run one, not the final evaluation of the trained model (total_steps 6).
+    lines = run(evals=[(2, 1.0), (4, 3.0)]).lines(110.0, None, "run", text=False)
+    assert not any(line.strip().startswith("final eval") for line in lines)
+    assert field(lines, "best eval").startswith("step 2: loss 1")
