@@ -511,7 +511,9 @@ def candidates(location: Path) -> list[Path]:
         return [location]
     folder = location / CHECKPOINTS if (location / CHECKPOINTS).is_dir() else location
     try:
-        return sorted((p for p in folder.iterdir() if p.is_dir() and p.name.startswith(PREFIX)), reverse=True)
+        # By step: step-100000000, past eight digits, comes after step-99999999 though it sorts before it as text.
+        return sorted((p for p in folder.iterdir() if p.is_dir() and p.name.startswith(PREFIX)),
+                      key=lambda p: (len(p.name), p.name), reverse=True)
     except OSError:  # no folder there, or one this process cannot read: no checkpoint it could use
         return []
 

@@ -88,3 +88,11 @@ def test_a_resume_of_a_run_whose_checkpoints_were_renamed_names_them_instead_of_
     assert str(no_usable(str(tmp_path / "run"), [])) == (
         f"--resume {tmp_path / 'run'}: no usable checkpoint (there are no checkpoints there); "
         f"'{tmp_path / 'run' / 'checkpoints'}' holds 'good-one', not named step-*: resume one by its path")
+
+
+def test_a_checkpoint_past_eight_digits_of_steps_is_the_newest(tmp_path):
+    from gpipe_cli.train.existing import candidates
+
+    for step in (99_999_999, 100_000_000, 5):
+        (tmp_path / "checkpoints" / f"step-{step:08d}").mkdir(parents=True)
+    assert [p.name for p in candidates(tmp_path)] == ["step-100000000", "step-99999999", "step-00000005"]
