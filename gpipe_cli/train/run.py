@@ -343,6 +343,10 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
             complete = resume_end(recipe, resume)
         elif fresh and options.output_dir:
             check_writable(Path(options.output_dir), "--output-dir")
+    # At its end and not complete: a stop cut its final evaluation short, which the ranks make, and nothing else.
+    only_evaluates = (resume is not None and complete is None and step is not None
+                      and recipe.train.epochs is None and step == recipe.train.steps)
+    evaluating = ", to make its final evaluation, which a stop cut short" if only_evaluates else ""
     if options.dry_run:  # every check a launch makes has passed: what it would start, and nothing else
         shape = f"K={recipe.pipeline.partitions} x D={recipe.pipeline.data_parallel}"
         print("\n".join(dry_run_lines(options.launch, world, shape, train_args(options))), flush=True)
@@ -351,7 +355,7 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
                               earlier=earlier_checkpoint(str(resume))), sys.stdout)
         elif resume is not None:  # which run, from which step, with which changes: a bare --resume picks one
             say(resume_line(run_dir_of(resume), step, changes, options.recipe, options.recipe is None,
-                            options.overrides, base), sys.stdout)
+                            options.overrides, base) + evaluating, sys.stdout)
         elif fresh:
             say(_fresh_line(options.output_dir, dropped), sys.stdout)
         warning = node_oversubscribed(recipe, options.launch.nnodes, options.launch.threads)
@@ -376,8 +380,8 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
             say(note(started, _fresh_line(options.output_dir, dropped)), sys.stdout)
         if resume is not None:  # before any rank starts: the run's recipe.yaml will record what it changes
             continued = options.recipe is None
-            say(resume_line(run_dir_of(resume), step, changes, options.recipe, continued, options.overrides, base),
-                sys.stdout)
+            say(resume_line(run_dir_of(resume), step, changes, options.recipe, continued, options.overrides, base)
+                + evaluating, sys.stdout)
     job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
               resume=resume, started=started, available=available, run_dir=str(new_dir) if new_dir else None)
     if under_torchrun():

@@ -228,11 +228,15 @@ def test_a_stop_in_the_final_evaluation_ends_it_at_once_with_128_plus_the_signal
     if signum != signal.SIGINT:
         return
     # A resume makes that evaluation, and nothing else: it said "already complete; nothing to do" for good.
+    dry = subprocess.run([sys.executable, "-m", "gpipe_cli.cli", "train", "--resume", str(run), "--dry-run"],
+                         capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0 and dry.stdout.count(", to make its final evaluation, which a stop cut short") == 1
     resumed = subprocess.run([sys.executable, "-m", "gpipe_cli.cli", "train", "--resume", str(run), "--plain",
                               "--threads", "1"], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "evaluating step 2 first: the run's records hold no evaluation of it" in resumed.stdout
     assert f"the run in {run} is complete at step 2, its final evaluation recorded" in resumed.stdout
+    assert ", to make its final evaluation, which a stop cut short" in resumed.stdout
     assert resumed.stdout.count("final eval: step 2: loss") == 1 and "eval  step" not in resumed.stdout  # once
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
