@@ -115,11 +115,16 @@ def _holds(words: list[str], want: list[str]) -> bool:
     return any(words[i:i + len(want)] == want for i in range(len(words) - len(want) + 1))
 
 
+def held_count(n: int, fraction: float) -> int:
+    """How many of `n` records `fraction` asks to hold out (n >= 2): at least one, and one fewer than all."""
+    return min(n - 1, max(1, int(round(n * fraction))))
+
+
 def hold_out(n: int, fraction: float, keys: Sequence[str] = ()) -> tuple[np.ndarray, np.ndarray]:
     """(train rows, eval rows): a fixed random `fraction` held out, the same for every seed and rank."""
     if fraction <= 0 or n < 2:
         return np.arange(n), np.arange(0)
-    k = min(n - 1, max(1, int(round(n * fraction))))
+    k = held_count(n, fraction)
     # Keyed (an image folder's paths, a text's lines), each row's place is its key's hash: a row removed or added
     # moves at most one other between the splits, where a permutation of n would deal them all anew; and the
     # copies of a line fall on one side.

@@ -13,7 +13,7 @@ import torch
 
 from gpipe_cli.data.loader import Examples
 from gpipe_cli.data.pydoc import pydoc_documents
-from gpipe_cli.data.sources import existing_path, held_none, hold_out, open_splits, pick_splits, split_files
+from gpipe_cli.data.sources import existing_path, held_count, held_none, hold_out, open_splits, pick_splits, split_files
 from gpipe_cli.data.synthetic import lm_documents, translation_pairs
 from gpipe_cli.data.tokenizer import BOS, EOS, PAD, Tokenizer, lines_left_out, load_or_train
 from gpipe_cli.errors import DataError, shown
@@ -341,7 +341,7 @@ def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_l
                         f"every {unit} of {shown(data.path, 200) if data.path else where} is the same, which training "
                         f"keeps; give it other {unit}s")
         train_recs, eval_recs = [train_recs[i] for i in rows], [train_recs[i] for i in held]
-        asked = max(1, round(len(keys) * data.eval_fraction))
+        asked = held_count(len(keys), data.eval_fraction)
         if len(held) and not asked / 2 <= len(held) <= asked * 2:  # many copies of few lines: say the share moved
             share = (f"{len(held):,} of the {len(keys):,} {unit}s, where data.eval_fraction {data.eval_fraction:g} "
                      f"asks {asked:,}: the copies of a {unit} stay on one side")

@@ -432,11 +432,8 @@ def check_resumable(location: str) -> int:
 
 def renamed(location: Path, verb: str) -> str:
     """What a run holds of checkpoints renamed from `step-*`, which only their own name picks ('' if none)."""
-    folder = location / CHECKPOINTS if (location / CHECKPOINTS).is_dir() else location
-    try:
-        names = sorted(p.name for p in folder.iterdir() if is_checkpoint(p) and not p.name.startswith(PREFIX))
-    except OSError:
-        return ""
+    folder, inside = _checkpoint_folders(location)
+    names = sorted(p.name for p in inside if is_checkpoint(p) and not p.name.startswith(PREFIX))
     if not names:
         return ""
     listed = ", ".join(shown(name) for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
@@ -484,20 +481,28 @@ def resume_end(recipe: Recipe, location: str) -> int | None:
     return None
 
 
-def final_eval_missing(run_dir: Path, step: int, recipe: Recipe, held: Any = None) -> bool:
-    """Whether a run at its end `step` evaluates and lacks that step's record: a stop cut its final evaluation short
-    (`held`: the held-out examples its checkpoint counted, None where it counted none)."""
+def evaluation_missing(run_dir: Path, step: int) -> tuple[bool, bool]:
+    """(whether the run's records lack an evaluation of `step` and go no further, whether they hold any evaluation)."""
+    # Records past the step: a checkpoint before the run's newest, whose course went on, not an evaluation lost.
     from gpipe_cli.records import read_records
 
     metrics = run_dir / METRICS
+    train, evals, _ = read_records(metrics) if metrics.is_file() else ([], [], "")
+    lacks = not any(r["step"] > step for r in train) and not any(r["step"] == step for r in evals)
+    return lacks, bool(evals)
+
+
+def final_eval_missing(run_dir: Path, step: int, recipe: Recipe, held: Any = None) -> bool:
+    """Whether a run at its end `step` evaluates and lacks that step's record: a stop cut its final evaluation short
+    (`held`: the held-out examples its checkpoint counted, None where it counted none)."""
     try:
-        evals = read_records(metrics)[1] if metrics.is_file() else []
+        lacks, evaluated = evaluation_missing(run_dir, step)
     except UserError:  # unreadable: the ranks, which read it too, say so
         return True
     # A run holding nothing out has no eval record at all: only one that evaluates, or has, lacks one (a checkpoint
     # of an older version counts no held-out examples: one evaluated at its end alone is taken as complete).
-    evaluates = bool(held) if isinstance(held, int) else bool(recipe.eval.every or evals)
-    return evaluates and not any(record["step"] == step for record in evals)
+    evaluates = bool(held) if isinstance(held, int) else bool(recipe.eval.every or evaluated)
+    return evaluates and lacks
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -509,13 +514,18 @@ def candidates(location: Path) -> list[Path]:
     """Checkpoint folders at `location` (a run directory, its checkpoints/ or one checkpoint), newest first."""
     if is_checkpoint(location):
         return [location]
+    # By step: step-100000000, past eight digits, comes after step-99999999 though it sorts before it as text.
+    return sorted((p for p in _checkpoint_folders(location)[1] if p.name.startswith(PREFIX)),
+                  key=lambda p: (len(p.name), p.name), reverse=True)
+
+
+def _checkpoint_folders(location: Path) -> tuple[Path, list[Path]]:
+    """The folder of a run's checkpoints (its checkpoints/, or `location` itself) and the folders in it."""
     folder = location / CHECKPOINTS if (location / CHECKPOINTS).is_dir() else location
     try:
-        # By step: step-100000000, past eight digits, comes after step-99999999 though it sorts before it as text.
-        return sorted((p for p in folder.iterdir() if p.is_dir() and p.name.startswith(PREFIX)),
-                      key=lambda p: (len(p.name), p.name), reverse=True)
+        return folder, [p for p in folder.iterdir() if p.is_dir()]
     except OSError:  # no folder there, or one this process cannot read: no checkpoint it could use
-        return []
+        return folder, []
 
 
 def newest_step(run_dir: Path) -> int | None:

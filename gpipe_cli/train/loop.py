@@ -28,7 +28,7 @@ from gpipe_cli.pipeline.partition import stage_layers, stage_ranges
 from gpipe_cli.pipeline.step import PendingStep
 from gpipe_cli.recipe.schema import LOCAL_SOURCES, Recipe, TransformerModel, nothing_held_out
 from gpipe_cli.recipe_model import build_optimizer, model_spec, optimizer_name, pipeline_config
-from gpipe_cli.records import EvalRecord, TrainRecord, read_records
+from gpipe_cli.records import EvalRecord, TrainRecord
 from gpipe_cli.train import checkpoint, cut, evaluation, nonfinite, optim, output
 from gpipe_cli.train.existing import (
     CHECKPOINTS,
@@ -37,6 +37,7 @@ from gpipe_cli.train.existing import (
     complete_line,
     continue_command,
     earlier_checkpoint,
+    evaluation_missing,
     fork_of,
     is_checkpoint,
     past_end,
@@ -108,10 +109,10 @@ class Trainer:
         self.optimizer = build_optimizer(self.pipe.parameters(), recipe)
         self.lr = optim.lr_factor(recipe, self.steps_per_epoch, self.total_steps)
         self.scheduler = optim.following(self.optimizer, self.lr)  # one function: the records say what trains
+        data = self.data
+        read = {"train_examples": data.train_size, "held_out": data.eval_size} if data is not None else {}
         self.checkpoints = Checkpointer(self.pipe, self.optimizer, self.scheduler, topo, self.plan, self.run_dir,
-                                        recipe.checkpoint.keep, recipe_bytes(recipe))
-        if self.data is not None:
-            self.checkpoints.data = {"train_examples": self.data.train_size, "held_out": self.data.eval_size}
+                                        recipe.checkpoint.keep, recipe_bytes(recipe), read)
         if job.resume:
             named = is_checkpoint(Path(str(job.resume)))  # a checkpoint's own folder, not its run's
             self._note(f"loading {'checkpoint' if named else 'the newest whole checkpoint of'} {path_line(job.resume)}")
@@ -380,14 +381,7 @@ class Trainer:
         due = bool(step and self.eval_steps and (step == self.total_steps or (every and step % every == 0)))
         if not due:  # the same on every rank: nothing to agree on
             return False
-        if self.layout.rank != 0:
-            return bool(self.topo.share(None))
-        metrics = self.run_dir / "metrics.jsonl"
-        train, evals, _ = read_records(metrics) if metrics.is_file() else ([], [], "")
-        # Records past the step: a checkpoint before the run's newest at its end, whose course went on (and is
-        # complete as it is), not a step whose evaluation was lost.
-        later = any(record["step"] > step for record in train)
-        return bool(self.topo.share(not later and not any(record["step"] == step for record in evals)))
+        return bool(self.topo.share(evaluation_missing(self.run_dir, step)[0] if self.layout.rank == 0 else None))
 
     def _evaluate_missed(self) -> bool:
         """Evaluate the step resumed from, as the stop that ended the last course kept it from; False: stopped again."""

@@ -57,11 +57,11 @@ class Checkpointer:
 
     def __init__(self, pipe: Pipeline, optimizer: torch.optim.Optimizer | None,
                  scheduler: torch.optim.lr_scheduler.LambdaLR | None, topo: Topology, plan: Plan,
-                 run_dir: Path, keep: int, settings: bytes = b"") -> None:
+                 run_dir: Path, keep: int, settings: bytes = b"", data: dict[str, int] | None = None) -> None:
         self.pipe, self.optimizer, self.scheduler, self.topo, self.plan = pipe, optimizer, scheduler, topo, plan
         self.run_dir, self.keep = run_dir, keep
         self.settings = settings  # the run's resolved recipe, kept in each checkpoint: a resume back to it reads them
-        self.data: dict[str, int] = {}  # how much data the run read (rank 0): a resume says when it has changed
+        self.data = data or {}  # how much data the run read (rank 0): a resume says when it has changed
         self.layout = topo.layout
         self.last_saved = -1
 
