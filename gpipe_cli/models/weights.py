@@ -18,6 +18,7 @@ from gpipe_cli.models.families import Task
 MARK = "gpipe_export"  # its presence marks a gpipe export; its value is the format's version
 VERSION = "1"
 NO_TOKENIZER = "no_tokenizer"  # of a text model exported without its tokenizer: why it was left out
+NO_TOKENIZER_FIX = "no_tokenizer_fix"  # and what would make an export with it
 CLASSES = "classes"  # of an image model trained on named classes: their names in label order (JSON)
 # How tensors are named, in every file gpipe export writes: also in one of weights only, which has no MARK.
 LAYERS = "global layer index . parameter name"
@@ -102,7 +103,7 @@ def not_finite(state: dict[str, torch.Tensor]) -> str | None:
 
 
 def describe(spec: ModelSpec, aliases: dict[str, str], *, dtype: str, step: int, recipe: str | None,
-             tokenizer: bytes | None, no_tokenizer: str | None = None,
+             tokenizer: bytes | None, no_tokenizer: str | None = None, no_tokenizer_fix: str | None = None,
              classes: list[str] | None = None) -> dict[str, str]:
     """The metadata of an export of `spec`: model, tie map, dtype, the recipe and tokenizer (or why none)."""
     # safetensors allows only strings as metadata values, so structured ones are JSON.
@@ -115,6 +116,8 @@ def describe(spec: ModelSpec, aliases: dict[str, str], *, dtype: str, step: int,
         meta["tokenizer"] = base64.b64encode(tokenizer).decode("ascii")  # the sentencepiece model file's bytes
     elif no_tokenizer is not None:  # so that gpipe predict can say why it cannot run the file
         meta[NO_TOKENIZER] = no_tokenizer
+        if no_tokenizer_fix is not None:
+            meta[NO_TOKENIZER_FIX] = no_tokenizer_fix
     if classes:
         meta[CLASSES] = json.dumps(classes)
     return meta

@@ -18,6 +18,7 @@ from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.models.transformer.decode import Forward, continue_text, encoding_once, translate, translation_limit
 from gpipe_cli.models.weights import (
     NO_TOKENIZER,
+    NO_TOKENIZER_FIX,
     Exported,
     NewerFormat,
     WeightsOnly,
@@ -215,9 +216,7 @@ def _tokenizer(exported: Exported) -> Tokenizer:
     if exported.tokenizer is None:
         why = exported.metadata.get(NO_TOKENIZER)  # gpipe export records why it left the tokenizer out
         said = f"at export, {why}" if why else f"at export, its run's {TOKENIZER_FILE} or data.tokenizer did not load"
-        # A checkpoint copied out of its run left the run's tokenizer behind: exporting it again there cannot help.
-        again = ("export the checkpoint from its run's checkpoints/ folder, beside the run's tokenizer" if why and
-                 "lies outside its run" in why else "export the run again once its tokenizer file loads")
+        again = exported.metadata.get(NO_TOKENIZER_FIX, "export the run again once its tokenizer file loads")
         raise UserError(f"the export holds no tokenizer, so gpipe predict cannot run it ({said}); {again}")
     try:
         return Tokenizer(exported.tokenizer)

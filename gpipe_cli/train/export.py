@@ -172,7 +172,7 @@ def _described(tensors: dict[str, torch.Tensor], run_dir: Path | None, recipe_fi
     why = weights.misfit(spec, tensors)
     if why is not None:  # an edited recipe.yaml: an export that gpipe predict could never build
         raise UserError(f"{recipe_file} does not describe the checkpoint's model: {why}")
-    tokenizer, missing = None, None
+    tokenizer, missing, fix = None, None, None
     if spec.task != "image":
         source = Path(recipe.data.tokenizer) if recipe.data.tokenizer else \
             run_dir / TOKENIZER_FILE if run_dir is not None else None
@@ -185,7 +185,8 @@ def _described(tensors: dict[str, torch.Tensor], run_dir: Path | None, recipe_fi
             except OSError:  # missing: said below, and written all the same
                 pass
         try:  # named whole: gpipe predict repeats the reason, perhaps in another folder
-            if source is None:
+            if source is None:  # a checkpoint copied out of its run: exporting it again there cannot help
+                fix = "export the checkpoint from its run's checkpoints/ folder, beside the run's tokenizer"
                 raise DataError(f"{recipe_file.parent} lies outside its run, whose {TOKENIZER_FILE} it does not hold")
             tokenizer = Tokenizer.load(os.path.abspath(source.expanduser())).model_bytes  # found now, not by predict
         except DataError as exc:
@@ -198,7 +199,8 @@ def _described(tensors: dict[str, torch.Tensor], run_dir: Path | None, recipe_fi
     except ValueError as exc:
         raise UserError(f"{recipe_file.parent}: {exc}") from None
     return tensors, weights.describe(spec, aliases, dtype=stored, step=step, recipe=recipe_file.read_text(),
-                                     tokenizer=tokenizer, no_tokenizer=missing, classes=_classes(recipe, spec, run_dir))
+                                     tokenizer=tokenizer, no_tokenizer=missing,
+                                     no_tokenizer_fix=fix, classes=_classes(recipe, spec, run_dir))
 
 
 def _classes(recipe: Recipe, spec: ModelSpec, run_dir: Path | None = None) -> list[str] | None:
