@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpipe_cli.launch import forked
 from tests.multiproc import run_ranks
 
 
@@ -56,3 +57,18 @@ def gpipe_train(world: int, *args: str, env: dict[str, str] | None = None, timeo
         codes = [o.result if o.exitcode == 0 else o.exitcode for o in outcomes]
         err = "".join(p.read_text() for r in range(world) if (p := Path(errors, f"{r}.err")).exists())
         return Ranks(codes, "".join(o.output for o in outcomes), err)
+
+
+def ranks_of(launcher: int) -> dict[int, int]:
+    """rank -> pid of the ranks a launcher started (forked by its fork server, each named "gpipe rank N")."""
+    table = forked.processes()
+    near = {launcher} | {pid for pid, (parent, _) in table.items() if parent == launcher}
+    found = {}
+    for pid, (parent, _) in table.items():
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip() if parent in near else ""
+        except OSError:
+            continue
+        if name.startswith("gpipe rank "):
+            found[int(name.split()[-1])] = pid
+    return found

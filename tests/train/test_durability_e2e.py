@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from gpipe_cli.train.signals import ECHO_S
 from tests.interrupt import as_from_a_terminal
-from tests.train.as_ranks import gpipe_train
+from tests.train.as_ranks import gpipe_train, ranks_of
 from tests.train.recipes import TINY_TRANSLATION, write
 
 pytestmark = pytest.mark.slow
@@ -268,14 +269,27 @@ def test_a_stop_while_the_ranks_set_up_is_one_line_and_128_plus_the_signal(tmp_p
 
 
 def test_a_second_ctrl_c_aborts_at_once(tmp_path):
+    # Sent 0.05 s after the first, the second Ctrl-C was taken as the first one's echo and the run stopped in order:
+    # the test passed without an abort. Rank 1 held stopped keeps the step in flight from ending, however fast.
     proc = _start(write(tmp_path, recipe(steps=400, every=1000)), tmp_path / "run")
-    os.killpg(proc.pid, signal.SIGINT)
-    time.sleep(0.05)
-    start = time.monotonic()
-    os.killpg(proc.pid, signal.SIGINT)
-    proc.communicate(timeout=60)
+    ranks = ranks_of(proc.pid)
+    os.kill(ranks[1], signal.SIGSTOP)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "SIGINT: stopping after the steps in flight" in line:
+                break
+        time.sleep(ECHO_S + 0.3)  # past an echo of the first
+        start = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+    finally:
+        os.kill(ranks[1], signal.SIGCONT)
+    _, err = proc.communicate(timeout=60)
     assert time.monotonic() - start < 10
-    assert proc.returncode == 128 + signal.SIGINT
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert "[gpipe] SIGINT again: aborted at once" in err and "Traceback" not in err, err[-3000:]
+    assert not list((tmp_path / "run" / "checkpoints").glob("step-*"))
 
 
 def test_a_closed_output_stops_the_run_with_a_checkpoint_as_a_shell_would(tmp_path):

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from gpipe_cli.launch import forked
-from tests.train.as_ranks import gpipe_train
+from tests.train.as_ranks import gpipe_train, ranks_of
 from tests.train.recipes import TINY_TRANSLATION, write
 
 pytestmark = pytest.mark.slow
@@ -45,21 +44,6 @@ def gpipe(path: Path, run: Path, *extra: str, env: dict[str, str] | None = None)
 def error_lines(stderr: str) -> list[str]:
     """What the user reads as the error: every line but the progress lines of the plain view."""
     return [line for line in stderr.splitlines() if line.strip()]
-
-
-def ranks_of(launcher: int) -> dict[int, int]:
-    """rank -> pid of the ranks a launcher started (forked by its fork server, each named "gpipe rank N")."""
-    table = forked.processes()
-    near = {launcher} | {pid for pid, (parent, _) in table.items() if parent == launcher}
-    found = {}
-    for pid, (parent, _) in table.items():
-        try:
-            name = Path(f"/proc/{pid}/comm").read_text().strip() if parent in near else ""
-        except OSError:
-            continue
-        if name.startswith("gpipe rank "):
-            found[int(name.split()[-1])] = pid
-    return found
 
 
 def alive(pid: int) -> bool:
