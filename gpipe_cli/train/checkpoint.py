@@ -33,7 +33,7 @@ from gpipe_cli.errors import UserError
 from gpipe_cli.files import atomic_write_bytes, space_left
 from gpipe_cli.pipeline import heartbeat
 from gpipe_cli.pipeline.failure import ANNOUNCED
-from gpipe_cli.train.existing import CHECKPOINTS, MANIFEST, PREFIX, SUPERSEDED, candidates
+from gpipe_cli.train.existing import CHECKPOINTS, MANIFEST, METRICS, PREFIX, SUPERSEDED, candidates
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # one key per parameter: reshardable
@@ -83,6 +83,16 @@ def set_aside_newer(run_dir: Path, step: int, when: str) -> Path | None:
     for path in newer:
         path.rename(aside / path.name)
     return aside
+
+
+def put_back(aside: Path) -> None:
+    """Undo `set_aside_newer`: its checkpoints back where they were, its folder gone."""
+    for path in aside.iterdir():
+        if path.name.startswith(PREFIX):
+            path.rename(aside.parent / path.name)
+    with contextlib.suppress(OSError):  # it holds the records of their steps only once they were written
+        (aside / METRICS).unlink(missing_ok=True)
+        aside.rmdir()
 
 
 def _number(path: Path) -> int:

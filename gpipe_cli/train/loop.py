@@ -49,7 +49,7 @@ from gpipe_cli.train.existing import (
 from gpipe_cli.train.export import export as export_model
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
 from gpipe_cli.train.profiling import StepProfiler
-from gpipe_cli.train.resume import Checkpointer, data_change, rewind_metrics, saved_cut, skipped_until
+from gpipe_cli.train.resume import Checkpointer, data_change, rewind, saved_cut, skipped_until
 from gpipe_cli.train.signals import AFTER_STEP, StopRequest, answers_stops
 from gpipe_cli.train.sinks import open_sinks
 from gpipe_cli.train.step_figures import ModelFlops, Peak, find_peak, step_figures, utilization_of
@@ -359,9 +359,8 @@ class Trainer:
             # A checkpoint an earlier resume set aside continues its own course, which left this one at `fork`.
             fork = fork_of(path)
             fork = step if fork is None else fork
-            # The newer checkpoints go first: should that fail, the records of their steps are still there.
-            aside = checkpoint.set_aside_newer(self.run_dir, fork, time.strftime("%Y%m%d-%H%M%S"))
-            rewind_metrics(self.run_dir, fork, step, aside, path.parent if fork != step else None)
+            aside = rewind(self.run_dir, fork, step, path.parent if fork != step else None,
+                           time.strftime("%Y%m%d-%H%M%S"))
             print(f"[gpipe] resumed from {path_line(path)} (step {step})", file=sys.stderr, flush=True)
             if aside is not None:
                 names = ", ".join(sorted(p.name for p in aside.iterdir() if p.is_dir()))

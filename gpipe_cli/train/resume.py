@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpipe_cli.errors import UserError
-from gpipe_cli.files import atomic_write_bytes
+from gpipe_cli.errors import UserError, path_line
+from gpipe_cli.files import atomic_write_bytes, space_left
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.topology import Topology
 from gpipe_cli.recipe.schema import Recipe
@@ -182,6 +182,21 @@ def trim_metrics(path: Path, step: int) -> None:
         atomic_write_bytes(path, _text(line for line in _lines(path) if _within(line, 0, step)))
 
 
+def rewind(run_dir: Path, fork: int, step: int, course: Path | None, when: str) -> Path | None:
+    """Set the checkpoints after `fork` aside and rewind metrics.jsonl to `step`; where they went (None: nowhere)."""
+    # The newer checkpoints go first: should that fail, the records of their steps are still there.
+    aside = checkpoint.set_aside_newer(run_dir, fork, when)
+    try:
+        rewind_metrics(run_dir, fork, step, aside, course)
+    except OSError as exc:  # a full disk: the run is left as it was, for this resume again
+        if aside is not None:
+            checkpoint.put_back(aside)
+        raise UserError(f"cannot rewrite {path_line(run_dir / METRICS)} for the resume from step {step} "
+                        f"({exc.strerror or exc}); {space_left(run_dir)}; the run is as it was: once the file can "
+                        "be written, resume again") from None
+    return aside
+
+
 def rewind_metrics(run_dir: Path, fork: int, step: int, aside: Path | None, course: Path | None) -> None:
     """metrics.jsonl of a run resumed at `step`: its records after `fork` go to `aside` with the checkpoints set
     aside, and those up to `step` of the course set aside in `course` (a resume from there) come back."""
@@ -191,8 +206,9 @@ def rewind_metrics(run_dir: Path, fork: int, step: int, aside: Path | None, cour
     if aside is not None and later:  # kept beside the checkpoints of their course, for a resume of it
         atomic_write_bytes(aside / METRICS, _text(later))
     back = [line for line in _lines(course / METRICS) if _within(line, fork + 1, step)] if course else []
-    if later or back or path.exists():
-        atomic_write_bytes(path, _text([line for line in lines if _within(line, 0, fork)] + back))
+    kept = [line for line in lines if _within(line, 0, fork)] + back
+    if kept != lines:  # left as it is otherwise: a resume needs no space on the disk for it
+        atomic_write_bytes(path, _text(kept))
 
 
 def _lines(path: Path) -> list[str]:

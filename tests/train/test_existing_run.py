@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from gpipe_cli.cli import app
 from gpipe_cli.errors import UserError
 from gpipe_cli.recipe.load import load_recipe, recipe_yaml
-from gpipe_cli.train import checkpoint, existing
+from gpipe_cli.train import checkpoint, existing, resume
 from gpipe_cli.train.existing import fork_of, resume_line
 from tests.train import recipes
 
@@ -497,6 +497,46 @@ def test_a_resume_from_an_earlier_checkpoint_moves_the_newer_ones_out_of_the_nex
     assert checkpoint.set_aside_newer(tmp_path, 4, "20261202-101010") == aside.with_name(f"{aside.name}-1")
     assert fork_of(aside.with_name(f"{aside.name}-1") / again.name) == 4
     assert not again.exists() and sorted(p.name for p in aside.iterdir()) == [p.name for p in newer]
+
+
+def records(steps: range) -> str:
+    return "".join(json.dumps({"kind": "train", "step": s, "loss": 1.0}) + "\n" for s in steps)
+
+
+def test_a_resume_from_the_newest_checkpoint_leaves_the_records_untouched(tmp_path, monkeypatch):
+    # It rewrote metrics.jsonl all the same: on a full disk, no resume could start, and said so in a traceback.
+    save(tmp_path, 4)
+    (tmp_path / "metrics.jsonl").write_text(records(range(1, 5)))
+
+    def full(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(resume, "atomic_write_bytes", full)
+    assert resume.rewind(tmp_path, 4, 4, None, "now") is None
+    assert (tmp_path / "metrics.jsonl").read_text() == records(range(1, 5))
+
+
+def test_a_resume_that_cannot_rewrite_the_records_leaves_the_run_as_it_was(tmp_path, monkeypatch):
+    # The newer checkpoints had gone aside without their records, which the next resume then dropped.
+    kept, newer = save(tmp_path, 4), save(tmp_path, 6)
+    (tmp_path / "metrics.jsonl").write_text(records(range(1, 7)))
+    writes = []
+
+    def full_after_one(path: Path, data: bytes) -> None:
+        writes.append(path)
+        if len(writes) > 1:  # the records set aside fit; the rewrite of the run's own does not
+            raise OSError(28, "No space left on device")
+        path.write_bytes(data)
+
+    monkeypatch.setattr(resume, "atomic_write_bytes", full_after_one)
+    with pytest.raises(UserError) as caught:
+        resume.rewind(tmp_path, 4, 4, None, "now")
+    assert str(caught.value).startswith(f"cannot rewrite {tmp_path / 'metrics.jsonl'} for the resume from step 4 "
+                                        "(No space left on device); ")
+    assert str(caught.value).endswith("; the run is as it was: once the file can be written, resume again")
+    assert checkpoint.candidates(tmp_path) == [newer, kept] and newer.is_dir()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [kept.name, newer.name]
+    assert (tmp_path / "metrics.jsonl").read_text() == records(range(1, 7))
 
 
 def test_retention_runs_on_the_next_save_after_an_abort_left_one_too_many(tmp_path):
