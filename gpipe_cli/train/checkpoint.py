@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from gpipe_cli.errors import UserError
+from gpipe_cli.errors import UserError, path_line
 from gpipe_cli.files import atomic_write_bytes, space_left
 from gpipe_cli.pipeline import heartbeat
 from gpipe_cli.pipeline.failure import ANNOUNCED
@@ -219,7 +219,8 @@ def save(path: Path, state: dict[str, Any], manifest: dict[str, Any], keep: int,
         try:
             if rank == 0:
                 shutil.rmtree(partial, ignore_errors=True)
-                partial.mkdir(parents=True)
+                partial.parent.mkdir(exist_ok=True)  # not the run's folder: gone, it was moved or removed
+                partial.mkdir()
             if distributed:
                 dist.barrier(group=group)
             with single_process_quiet(distributed):
@@ -268,6 +269,10 @@ def prune(folder: Path, keep: int) -> None:
 
 def _write_failure(path: Path, exc: BaseException) -> str:
     """One line: what failed, and how much space is left."""
+    run_dir = path.parent.parent
+    if not run_dir.is_dir():
+        return (f"cannot write checkpoint {path.name}: the run directory {path_line(run_dir)} was moved or removed "
+                "while the run trained")
     cause = _os_error(exc)
     what = f"{errno.errorcode.get(cause.errno, '')}: {cause.strerror}" if cause and cause.errno else _cause(exc)
     if cause is None and "unexpected pos" in what:  # how torch's zip writer reports a write that fell short

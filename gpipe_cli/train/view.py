@@ -29,7 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpipe_cli.console import fit, redraws, say
-from gpipe_cli.errors import UserError
+from gpipe_cli.errors import UserError, path_line
 from gpipe_cli.files import space_left
 from gpipe_cli.pipeline import stopping
 from gpipe_cli.pipeline.failure import ANNOUNCED
@@ -77,7 +77,10 @@ class MetricsFile:
         """Append one record (non-finite numbers as null, named in its `nonfinite` list), or RecordWriteError."""
         clean = finite_json(record)
         line = (json.dumps(clean, separators=(",", ":"), allow_nan=False) + "\n").encode()
-        end = os.fstat(self._fd).st_size
+        opened = os.fstat(self._fd)
+        if not self._in_place(opened):  # its folder moved or removed: the run's other files would go elsewhere
+            raise RecordWriteError(self._gone(record))
+        end = opened.st_size
         try:
             done = 0
             while done < len(line):  # a full disk may take part of a line, then refuse the rest
@@ -97,6 +100,29 @@ class MetricsFile:
         run_dir = self.path.parent
         return (f"cannot write {self.path.name} at step {record['step']} ({what}); {space_left(run_dir)}; "
                 f"its earlier records are whole; once it can be written, {way_on(run_dir)}")
+
+    def _in_place(self, opened: os.stat_result) -> bool:
+        """Whether the file written is still the one at its path."""
+        try:
+            found = os.stat(self.path)
+        except OSError:
+            return False
+        return (found.st_dev, found.st_ino) == (opened.st_dev, opened.st_ino)
+
+    def _gone(self, record: Mapping[str, Any]) -> str:
+        """One line: the run's folder moved or removed as it trained, and where its records went, if known."""
+        from gpipe_cli.train.existing import way_on
+
+        run_dir = self.path.parent
+        try:  # Linux names the file an open descriptor writes, wherever it went
+            now = os.readlink(f"/proc/self/fd/{self._fd}")
+        except OSError:
+            now = ""
+        moved = Path(now).parent if now.startswith("/") and not now.endswith(" (deleted)") else None
+        where = f"its records are in {path_line(moved)}; {way_on(moved)}" if moved else \
+            "its records and checkpoints went with it"
+        return (f"the run directory {path_line(run_dir)} was moved or removed while the run trained (found at step "
+                f"{record['step']}); the run stops, so that nothing is written to two places: {where}")
 
     def close(self) -> None:
         """Close the file and the sinks."""

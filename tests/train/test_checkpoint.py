@@ -19,6 +19,7 @@ def save_one(run_dir: Path, step: int, value: float = 1.0, keep: int = 5) -> nn.
     with torch.no_grad():
         module.weight.fill_(value)
     state = checkpoint.state_of(module, None, {"train": {"step": torch.tensor(step)}})
+    run_dir.mkdir(parents=True, exist_ok=True)  # a run's folder is made before its first checkpoint
     checkpoint.save(checkpoint.path_for(run_dir, step), state, {"step": step}, keep, rank=0, group=None)
     return module
 

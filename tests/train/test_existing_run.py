@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 from gpipe_cli.cli import app
 from gpipe_cli.errors import UserError
 from gpipe_cli.recipe.load import load_recipe, recipe_yaml
-from gpipe_cli.train import checkpoint, existing, resume
+from gpipe_cli.train import checkpoint, existing
+from gpipe_cli.train import resume as resuming
 from gpipe_cli.train.existing import fork_of, resume_line
 from tests.train import recipes
 
@@ -26,6 +27,7 @@ def save(run: Path, step: int, keep: int = 5) -> Path:
     """A real, whole checkpoint of a small module (what the checks read: manifest, checksums, metadata)."""
     module = nn.Linear(3, 2)
     state = checkpoint.state_of(module, None, {"train": {"step": torch.tensor(step)}})
+    run.mkdir(parents=True, exist_ok=True)  # a run's folder is made before its first checkpoint
     path = checkpoint.path_for(run, step)
     checkpoint.save(path, state, {"step": step}, keep, rank=0, group=None)
     return path
@@ -511,8 +513,8 @@ def test_a_resume_from_the_newest_checkpoint_leaves_the_records_untouched(tmp_pa
     def full(*_: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(resume, "atomic_write_bytes", full)
-    assert resume.rewind(tmp_path, 4, 4, None, "now") is None
+    monkeypatch.setattr(resuming, "atomic_write_bytes", full)
+    assert resuming.rewind(tmp_path, 4, 4, None, "now") is None
     assert (tmp_path / "metrics.jsonl").read_text() == records(range(1, 5))
 
 
@@ -528,15 +530,27 @@ def test_a_resume_that_cannot_rewrite_the_records_leaves_the_run_as_it_was(tmp_p
             raise OSError(28, "No space left on device")
         path.write_bytes(data)
 
-    monkeypatch.setattr(resume, "atomic_write_bytes", full_after_one)
+    monkeypatch.setattr(resuming, "atomic_write_bytes", full_after_one)
     with pytest.raises(UserError) as caught:
-        resume.rewind(tmp_path, 4, 4, None, "now")
+        resuming.rewind(tmp_path, 4, 4, None, "now")
     assert str(caught.value).startswith(f"cannot rewrite {tmp_path / 'metrics.jsonl'} for the resume from step 4 "
                                         "(No space left on device); ")
     assert str(caught.value).endswith("; the run is as it was: once the file can be written, resume again")
     assert checkpoint.candidates(tmp_path) == [newer, kept] and newer.is_dir()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [kept.name, newer.name]
     assert (tmp_path / "metrics.jsonl").read_text() == records(range(1, 7))
+
+
+def test_a_checkpoint_of_a_run_whose_folder_went_away_is_refused_and_makes_no_folder(tmp_path):
+    # The folder was made anew, holding only the checkpoints written after the run's own had been moved.
+    save(tmp_path / "run", 2)
+    shutil.rmtree(tmp_path / "run")
+    state = checkpoint.state_of(nn.Linear(3, 2), None, {"train": {"step": torch.tensor(4)}})
+    with pytest.raises(checkpoint.CheckpointWriteError) as caught:
+        checkpoint.save(checkpoint.path_for(tmp_path / "run", 4), state, {"step": 4}, 5, rank=0, group=None)
+    assert str(caught.value) == (f"cannot write checkpoint step-00000004: the run directory {tmp_path / 'run'} was "
+                                 "moved or removed while the run trained")
+    assert not (tmp_path / "run").exists()
 
 
 def test_retention_runs_on_the_next_save_after_an_abort_left_one_too_many(tmp_path):

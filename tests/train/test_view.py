@@ -5,6 +5,7 @@ import io
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 
@@ -210,6 +211,27 @@ def test_a_record_the_disk_cannot_take_before_any_checkpoint_says_how_to_start_a
     message = MetricsFile(tmp_path / "metrics.jsonl")._failure(OSError(errno.ENOSPC, "No space left"), {"step": 3})
     assert message.endswith(f"once it can be written, start it again from step 0 with: gpipe train --resume "
                             f"--output-dir {tmp_path}")
+
+
+@pytest.mark.parametrize("removed", [False, True])
+def test_a_run_folder_moved_or_removed_as_it_trains_stops_the_run_in_one_line(tmp_path, removed):
+    # The run went on without a word: its records followed the folder, its next checkpoints made it anew.
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000002").mkdir(parents=True)
+    metrics = MetricsFile(run / "metrics.jsonl")
+    metrics.write({"kind": "eval", "step": 1, "loss": 2.0})
+    if removed:
+        shutil.rmtree(run)
+    else:
+        run.rename(tmp_path / "moved")
+    with pytest.raises(RecordWriteError) as caught:
+        metrics.write(train_record())
+    metrics.close()
+    went = "its records and checkpoints went with it" if removed else \
+        f"its records are in {tmp_path / 'moved'}; continue with gpipe train --resume {tmp_path / 'moved'}"
+    assert str(caught.value) == (f"the run directory {run} was moved or removed while the run trained (found at "
+                                 f"step 4); the run stops, so that nothing is written to two places: {went}")
+    assert not run.exists()
 
 
 @pytest.mark.parametrize("term, plain", [("dumb", True), ("xterm-256color", False)])
