@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, schedule
 
+from gpipe_cli.errors import path_line
 from gpipe_cli.files import atomic_path
 from gpipe_cli.recipe.schema import Profile
 
@@ -51,6 +52,7 @@ class StepProfiler:
         self._started = False
         self._done = 0  # the last step finished
         self._ready: Path | None = None
+        self._failed = False  # a trace could not be written: none is recorded after it
         self._schedule: Callable[[int], Any] = lambda step: ProfilerAction.NONE  # a ProfilerAction
         if config is None:
             return
@@ -90,7 +92,8 @@ class StepProfiler:
         if profiler is None or not self._started:
             return None
         self._ready, self._done = None, step
-        if step == self.total_steps:  # stepping on would open an empty ProfilerStep range past the run's end
+        # Stepping on past the run's end would open an empty ProfilerStep range; after a failed write, to no end.
+        if step == self.total_steps or self._failed:
             return self.close()
         if self._schedule(step + 1) == profiler.current_action == ProfilerAction.NONE:
             profiler.step()  # idle: nothing starts or stops, nothing to silence
@@ -115,7 +118,15 @@ class StepProfiler:
         while first > 1 and self._schedule(first - 1) == ProfilerAction.RECORD:  # back to the cycle's first
             first -= 1
         path = trace_path(self.run_dir, self.rank, first, last)
-        with atomic_path(path, suffix=".gz") as partial:  # torch gzips a name ending in .gz
-            profiler.export_chrome_trace(str(partial))
+        if self._failed:
+            return
+        try:
+            with atomic_path(path, suffix=".gz") as partial:  # torch gzips a name ending in .gz
+                profiler.export_chrome_trace(str(partial))
+        except OSError as exc:  # a trace is an aid: the run goes on without more of them
+            self._failed = True
+            print(f"[gpipe] train.profile: cannot write {path_line(path)} ({exc.strerror or exc}); the run goes on "
+                  "without more traces", file=sys.stderr, flush=True)
+            return
         self.traced = (first, last)
         self._ready = path

@@ -82,6 +82,17 @@ def test_a_schedule_traces_each_cycle_with_its_steps_only(tmp_path, capfd):
     assert not CHATTER.search(out + err), out + err
 
 
+def test_a_trace_that_cannot_be_written_is_one_line_and_the_run_goes_on_untraced(tmp_path, capfd):
+    # A full disk at a trace's write ended the run in a traceback, losing the steps since its last checkpoint.
+    (tmp_path / "profile").write_text("a file where the traces' folder goes")
+    config = Profile(wait=1, warmup=1, active=2, repeat=2)
+    assert run_steps(StepProfiler(config, tmp_path, 0, torch.device("cpu")), 1, 10) == {}
+    _, err = capfd.readouterr()
+    assert err.startswith(f"[gpipe] train.profile: cannot write {trace_path(tmp_path, 0, 3, 4)} (") and \
+        err.endswith("); the run goes on without more traces\n") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile"]
+
+
 def test_a_resumed_run_numbers_steps_as_the_run_does_and_a_cut_cycle_is_kept(tmp_path):
     config = Profile(steps=(6, 9))
     written = run_steps(StepProfiler(config, tmp_path, 1, torch.device("cpu"), total_steps=7), 5, 7)  # resumed at 5
