@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -62,9 +63,15 @@ class TensorBoardSink:
     def __init__(self, run_dir: Path, first_step: int, config: dict[str, Any] | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
+        folder = run_dir / "tensorboard"
+        folder.mkdir(exist_ok=True)
+        try:  # an OSError here, not a traceback in the writer's own thread
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(folder)) from None
         # purge_step hides events a resumed run writes again (those after its checkpoint), as
         # metrics.jsonl drops their lines.
-        self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
+        self._writer = SummaryWriter(log_dir=str(folder),
                                      purge_step=first_step + 1 if first_step else None)
         if config is None:
             return

@@ -67,6 +67,21 @@ def test_a_missing_package_is_one_line_at_start(tmp_path, monkeypatch):
     assert "metrics.wandb" in lines[1] and "gpipe-cli[wandb]" in lines[1]
 
 
+def test_a_tensorboard_folder_that_cannot_be_written_is_one_line_and_no_thread_traceback(tmp_path, monkeypatch,
+                                                                                          capfd):
+    # The promised line came with some 40 lines of the event writer's thread failing in its own traceback.
+    def refused(*_: object, **__: object) -> None:
+        raise PermissionError(1, "Operation not permitted", "tmpfile")
+
+    monkeypatch.setattr("gpipe_cli.train.sinks.tempfile.TemporaryFile", refused)
+    lines: list[str] = []
+    sinks = open_sinks(Metrics(tensorboard=True), tmp_path, 0, {}, lines.append)
+    assert sinks.sinks == [] and lines == [
+        f"metrics.tensorboard: could not start (PermissionError: [Errno 1] Operation not permitted: "
+        f"'{tmp_path / 'tensorboard'}'); writing metrics.jsonl only"]
+    assert list((tmp_path / "tensorboard").iterdir()) == [] and capfd.readouterr().err == ""
+
+
 class Started:
     """A W&B sink that starts without the package or a network."""
 
