@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,9 +22,11 @@ from gpipe_cli.launch.preflight import check_writable
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline.engine import PRECISIONS
 from gpipe_cli.recipe.schema import Recipe
+from gpipe_cli.units import human_bytes
 
 CACHE_ENV = "GPIPE_CACHE_DIR"
 FORMAT = 2      # bump when what is stored changes meaning (2: the recompute timed apart)
+LEAST_FREE = 1 << 20  # bytes a folder must have free to be said to keep the costs
 REPEATS = 3     # timed runs per layer and kind of compute (their median), after two untimed: a launch stays quick
 
 
@@ -81,9 +84,14 @@ def unwritable(folder: Path) -> str | None:
     """Why measured costs cannot be kept in `folder`: "FOLDER cannot be written: WHY" (None: they can)."""
     try:  # probes without leaving anything behind, so a run that says "cached" keeps its word
         check_writable(folder, f"{shown(str(folder))} cannot be written")
+        existing = next(p for p in (folder, *folder.parents) if p.exists())  # the probe makes no folder
+        free = shutil.disk_usage(existing).free
     except UserError as exc:
         return str(exc)
-    return None
+    except OSError as exc:
+        return f"{shown(str(folder))} cannot be read ({exc.strerror or exc})"
+    # A full disk still makes the probe's empty file; the costs' file, some kilobytes, would not fit.
+    return f"{shown(str(folder))} has {human_bytes(free)} free" if free < LEAST_FREE else None
 
 
 def measure(spec: ModelSpec, recipe: Recipe, microbatch_size: int, device: torch.device,

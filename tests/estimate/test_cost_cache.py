@@ -1,6 +1,7 @@
 """Per-layer seconds measured at launch: cached per model, micro-batch, precision and device; damage re-measures."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -86,6 +87,14 @@ def test_an_unwritable_cache_only_costs_a_measurement(recipe, tmp_path, monkeypa
     assert not cost_cache.measured_costs(spec, recipe, size, CPU).cached
     assert not cost_cache.measured_costs(spec, recipe, size, CPU).cached
     assert len(measurements) == 2
+
+
+def test_a_cache_on_a_full_disk_is_said_not_to_keep_the_costs(tmp_path, monkeypatch):
+    # The probe's empty file fits on a full disk: the run said "cached for next time", and nothing was kept.
+    monkeypatch.setattr(cost_cache.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10**9, 10**9, 512))
+    assert cost_cache.unwritable(tmp_path / "not" / "yet") == f"'{tmp_path / 'not' / 'yet'}' has 512 B free"
+    monkeypatch.undo()
+    assert cost_cache.unwritable(tmp_path / "not" / "yet") is None and not (tmp_path / "not").exists()
 
 
 def test_the_cache_lives_under_xdg_cache_home(tmp_path, monkeypatch):
