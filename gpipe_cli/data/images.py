@@ -253,6 +253,7 @@ def image_splits(data: Data, *, seed: int, image_size: int, num_classes: int, ca
         evaluated = examples(train_ds, col, labels, held, eval_tf, train_files)
         if folder:
             evaluated.origin = f"data.eval_fraction {data.eval_fraction:g} of the training images"
+            evaluated.by_content = True  # by a hash of each file's path
         return train, evaluated
     eval_ds, ecol, elabels, enames = _as_images(eval_ds, data, where)
     _check_labels(elabels, None, num_classes, f"the eval split of {where}")

@@ -40,6 +40,7 @@ class Examples(ABC):
     left_out: str | None = None  # what reading the split passed over, in words for the run's data line
     held_none: str | None = None  # why data.eval_fraction held none of the split out, where it could not
     origin: str | None = None  # where a held-out split comes from, in words for the run's data line
+    by_content = False  # a held-out split chosen by each example's text or file path (not given as a split)
 
     @abstractmethod
     def __len__(self) -> int: ...

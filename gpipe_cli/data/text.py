@@ -331,6 +331,7 @@ def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_l
     where = f"the '{data.train_split}' split" if data.source != "synthetic" else "the synthetic data"
     where += f" of data.source '{data.source}'" + (f" ({shown(data.path, 200)})" if data.path else "")
     why_none = share = None
+    by_content = eval_recs is None  # held out below, by a hash of each record
     if eval_recs is None:
         unit = RECORD_UNITS.get(data.source, "record")
         why_none = held_none(len(train_recs), data.eval_fraction, unit, shown(data.path, 200) if data.path else where)
@@ -365,8 +366,8 @@ def text_splits(data: Data, task: TextTask, *, seed: int, vocab_size: int, max_l
             raise DataError(f"{where} has too little text for one sequence")
         evl = LMExamples.build(eval_recs, tok, seq_len) if eval_recs else None
     train.held_none = why_none
-    if evl is not None and share:
-        evl.origin = share
+    if evl is not None:
+        evl.origin, evl.by_content = share, by_content
     if not data.tokenizer:  # trained on this text, here or by the run's first launch: every rank says alike
         train.left_out = "; ".join(filter(None, (train.left_out, lines_left_out(corpus())))) or None
     return train, evl, tok

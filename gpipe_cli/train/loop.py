@@ -49,7 +49,14 @@ from gpipe_cli.train.existing import (
 from gpipe_cli.train.export import export as export_model
 from gpipe_cli.train.plan import Plan, make_plan, microbatch_size
 from gpipe_cli.train.profiling import StepProfiler
-from gpipe_cli.train.resume import Checkpointer, data_change, rewind, saved_cut, skipped_until
+from gpipe_cli.train.resume import (
+    Checkpointer,
+    data_change,
+    rewind,
+    saved_cut,
+    skipped_until,
+    split_rule_changed,
+)
 from gpipe_cli.train.signals import AFTER_STEP, StopRequest, answers_stops
 from gpipe_cli.train.sinks import open_sinks
 from gpipe_cli.train.step_figures import ModelFlops, Peak, find_peak, step_figures, utilization_of
@@ -110,7 +117,11 @@ class Trainer:
         self.lr = optim.lr_factor(recipe, self.steps_per_epoch, self.total_steps)
         self.scheduler = optim.following(self.optimizer, self.lr)  # one function: the records say what trains
         data = self.data
-        read = {"train_examples": data.train_size, "held_out": data.eval_size} if data is not None else {}
+        read: dict[str, int | str] = {}
+        if data is not None:
+            read = {"train_examples": data.train_size, "held_out": data.eval_size}
+            if data.eval is not None and data.eval.by_content:
+                read["held_out_by"] = "content"
         self.checkpoints = Checkpointer(self.pipe, self.optimizer, self.scheduler, topo, self.plan, self.run_dir,
                                         recipe.checkpoint.keep, recipe_bytes(recipe), read)
         if job.resume:
@@ -370,6 +381,10 @@ class Trainer:
         if changed:  # an evaluation alone (of a finished run) reads the data as it is now too
             print(f"[gpipe] the data changed since step {step} was saved: {changed}; the run goes on with the data "
                   "as it is now", file=sys.stderr, flush=True)
+        elif self.layout.rank == 0 and split_rule_changed(found.manifest.get("data"), self.checkpoints.data):
+            print(f"[gpipe] step {step} was saved by an earlier version of gpipe-cli, which held out other examples "
+                  "than this one does (by a hash of each line, row or image path): the examples trained on from here, "
+                  "and their order, differ from that run's", file=sys.stderr, flush=True)
         # train.max_skipped counts the skips in a row across a resume, as in a run never stopped.
         self.skipped_before = self.topo.share(skipped_until(self.run_dir, step) if self.layout.rank == 0 else None)
         return step

@@ -43,7 +43,12 @@ def saved_cut(location: str, recipe: Recipe, layers: int) -> list[int] | None:
     return list(saved) if same and valid else None
 
 
-def data_change(then: Any, now: dict[str, int]) -> str:
+def split_rule_changed(then: Any, now: dict[str, Any]) -> bool:
+    """Whether a checkpoint predates holding data out by content, which this run's held-out split is chosen by."""
+    return not isinstance(then, dict) and now.get("held_out_by") == "content"  # older versions recorded no counts
+
+
+def data_change(then: Any, now: dict[str, Any]) -> str:
     """How the run's data counts differ from those a checkpoint recorded, in words ('' when alike or unrecorded)."""
     if not isinstance(then, dict) or not now:  # a checkpoint of an older version records none
         return ""
@@ -57,7 +62,7 @@ class Checkpointer:
 
     def __init__(self, pipe: Pipeline, optimizer: torch.optim.Optimizer | None,
                  scheduler: torch.optim.lr_scheduler.LambdaLR | None, topo: Topology, plan: Plan,
-                 run_dir: Path, keep: int, settings: bytes = b"", data: dict[str, int] | None = None) -> None:
+                 run_dir: Path, keep: int, settings: bytes = b"", data: dict[str, Any] | None = None) -> None:
         self.pipe, self.optimizer, self.scheduler, self.topo, self.plan = pipe, optimizer, scheduler, topo, plan
         self.run_dir, self.keep = run_dir, keep
         self.settings = settings  # the run's resolved recipe, kept in each checkpoint: a resume back to it reads them

@@ -96,6 +96,7 @@ def test_a_second_held_out_file_and_hidden_files_are_not_trained_on(tmp_path: Pa
     only_a = build_data(d.model_copy(update={"path": str(corpus / "a.txt"), "eval_fraction": 0.0}), "lm", seed=0,
                         vocab_size=100, max_len=32, run_dir=None)
     assert ds.train_size == only_a.train_size
+    assert ds.eval is not None and not ds.eval.by_content  # given as a file: the same whatever the version
     assert held_out_files(d) == ("from valid.txt; test.txt not read: another held-out split, which data.eval_split "
                                  "may pick")
     assert held_out_files(d.model_copy(update={"eval_split": "test"})).startswith("from test.txt; valid.txt not read")
@@ -183,6 +184,7 @@ def test_plain_text_lm(tmp_path: Path) -> None:
     f.write_text("\n".join(lines) + "\n\n", encoding="utf-8")
     ds = build_data(data(source="text", path=str(f), seq_len=16, drop_last=False), "lm", seed=0,
                     vocab_size=100, max_len=32, run_dir=None)
+    assert ds.eval.by_content  # its checkpoints say so: older versions held other lines out
     batches = list(ds.train_batches())
     total = sum(b.tokens for b in batches) + sum(b.tokens for b in ds.eval_batches())
     stream = len(ds.train.stream) + len(ds.eval.stream)

@@ -54,6 +54,16 @@ def test_no_whole_checkpoint_no_saved_cut(tmp_path):
     assert saved_cut(str(run), recipe(tmp_path), LAYERS) is None
 
 
+def test_a_checkpoint_of_a_version_before_holding_out_by_content_is_told_apart():
+    # A text run of an earlier version, resumed, trained on another split in another order without a word.
+    from gpipe_cli.train.resume import split_rule_changed
+
+    content = {"train_examples": 1_100, "held_out": 55, "held_out_by": "content"}
+    assert split_rule_changed(None, content) and split_rule_changed([], content)
+    assert not split_rule_changed({"train_examples": 1_100, "held_out": 55}, content)  # counted: the same rule
+    assert not split_rule_changed(None, {"train_examples": 1_100, "held_out": 55})  # a split given, or synthetic
+
+
 def test_a_data_change_is_said_only_for_counts_a_checkpoint_recorded_and_that_moved():
     from gpipe_cli.train.resume import data_change
 
