@@ -19,8 +19,9 @@ from gpipe_cli.errors import DataError, UserError, shell_path
 from gpipe_cli.files import atomic_path_of_a_writer, check_not_input, shown_path, writing
 from gpipe_cli.models import weights
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.recipe.load import load_recipe
+from gpipe_cli.recipe.load import load_recipe, parse_yaml, validate
 from gpipe_cli.recipe.schema import Recipe
+from gpipe_cli.recipe.yamlio import RecipeError, read_recipe_file
 from gpipe_cli.recipe_model import model_spec
 from gpipe_cli.train import checkpoint
 from gpipe_cli.train.existing import (
@@ -41,6 +42,7 @@ from gpipe_cli.train.existing import (
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
 
 _MODEL = "model."
+EXPORT_READS = ("name", "seed", "model", "data", "pipeline")  # what rebuilds the model and its tokenizer
 PRUNED_TRIES = 5  # reads of a run whose training removed the checkpoint being read, before giving up
 
 
@@ -149,6 +151,21 @@ def _check_not_the_runs(output: Path, run_dir: Path) -> None:
     check_not_input(output, "--output", [(path, f"the run's {path.name}") for path in kept], instead)
 
 
+def _model_recipe(recipe_file: Path) -> Recipe:
+    """The run's recipe as far as an export reads it: its model and data, whatever a later version refuses elsewhere."""
+    try:
+        return load_recipe(recipe_file, check_data=False)
+    except RecipeError as exc:
+        raw = parse_yaml(read_recipe_file(recipe_file), str(recipe_file))
+        read = {key: raw[key] for key in EXPORT_READS if key in raw}
+        try:  # a limit a later version set on a training key (train.stall_timeout) stops no export
+            recipe = validate(read, str(recipe_file), check_data=False)
+        except RecipeError:
+            raise exc from None
+        print(f"[gpipe] {exc}: the export reads only the recipe's model and data, which hold", file=sys.stderr)
+        return recipe
+
+
 def _described(tensors: dict[str, torch.Tensor], run_dir: Path | None, recipe_file: Path, step: int,
                dtype: str | None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors to store (tied ones once, cast to `dtype`) and the metadata that makes them usable alone."""
@@ -167,7 +184,7 @@ def _described(tensors: dict[str, torch.Tensor], run_dir: Path | None, recipe_fi
         print(f"[gpipe] no {RECIPE} in {recipe_file.parent}: the export holds the weights only, which gpipe predict "
               "cannot use", file=sys.stderr)
         return tensors, {"step": str(step), "format": "pt", "layers": weights.LAYERS}
-    recipe = load_recipe(recipe_file, check_data=False)
+    recipe = _model_recipe(recipe_file)
     spec = model_spec(recipe)
     why = weights.misfit(spec, tensors)
     if why is not None:  # an edited recipe.yaml: an export that gpipe predict could never build

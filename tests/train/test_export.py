@@ -184,6 +184,35 @@ def test_a_run_whose_recipe_was_edited_to_another_model_is_refused_at_export(tra
     assert not (tmp_path / "model.safetensors").exists()
 
 
+def test_a_recipe_a_later_version_refuses_outside_the_model_and_data_is_still_exported(trained, tmp_path, capsys):
+    # train.stall_timeout 5, allowed when the run was made, blocked the export of its model for good.
+    import shutil
+
+    import yaml
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    older = checkpoint.newest_whole(run_dir)[0].path  # of an older version: no recipe of its own
+    (older / "recipe.yaml").unlink()
+    manifest = json.loads((older / "manifest.json").read_text())
+    for key in ("files", "checksums"):
+        del manifest[key]["recipe.yaml"]
+    (older / "manifest.json").write_text(json.dumps(manifest))
+    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    recipe["train"]["stall_timeout"] = 5
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    capsys.readouterr()
+    exported = export(str(run_dir), str(tmp_path / "model.safetensors"))
+    assert safe_open(str(exported), framework="pt").metadata()["recipe"] == (run_dir / "recipe.yaml").read_text()
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "stall_timeout" in x]
+    assert line.startswith(f"[gpipe] {run_dir / 'recipe.yaml'}: train.stall_timeout: must be >= ") and \
+        line.endswith(": the export reads only the recipe's model and data, which hold")
+    recipe["model"]["heads"] = 0  # its model refused: that error, as before
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    with pytest.raises(UserError, match=r"model.heads: must be >= 1 .*\(and 1 more problem\)$"):
+        export(str(run_dir), str(tmp_path / "again.safetensors"))
+
+
 def test_a_checkpoint_is_exported_with_its_own_recipe_not_the_run_s_newer_one(trained, tmp_path, capsys):
     # A resume with model.logit_clip 0.5 rewrote the run's recipe.yaml; an export of an earlier checkpoint then
     # described a model that step never was (its translations differed); one copied out of its run read the
