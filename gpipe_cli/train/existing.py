@@ -17,7 +17,7 @@ from gpipe_cli.files import atomic_write_bytes, check_output, check_output_kind,
 from gpipe_cli.launch.preflight import NODE_FLAGS, check_file_name, check_not_empty, check_path
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_yaml
 from gpipe_cli.recipe.schema import Recipe
-from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
+from gpipe_cli.recipe.yamlio import RecipeError, parse_document, read_recipe_file
 from gpipe_cli.train.claim import being_written, writer_of
 
 RECIPE = "recipe.yaml"
@@ -647,7 +647,12 @@ def train_recipe(recipe: str | None, overrides: Sequence[str], resume: str | Non
         check_a_run(run, "--resume ")
         raise UserError(f"--resume {where}: the run has no {RECIPE} to continue with; give the recipe it was started "
                         f"with: gpipe train RECIPE --resume {where}")
-    return load_recipe(str(path), overrides), str(path)
+    try:
+        return load_recipe(str(path), overrides), str(path)
+    except RecipeError as exc:  # a value an earlier version allowed (a limit added since): the way past it
+        if "--set" in str(exc):
+            raise
+        raise RecipeError(f"{exc}; the run's {RECIPE} holds it: --set KEY=VALUE on the --resume replaces it") from None
 
 
 def _check_not_a_run(recipe: str | None) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from torch import nn
 from typer.testing import CliRunner
 
@@ -551,6 +552,23 @@ def test_a_checkpoint_of_a_run_whose_folder_went_away_is_refused_and_makes_no_fo
     assert str(caught.value) == (f"cannot write checkpoint step-00000004: the run directory {tmp_path / 'run'} was "
                                  "moved or removed while the run trained")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_runs_recipe_refused_by_a_limit_added_since_says_how_to_resume_past_it(tmp_path, capsys):
+    # "train.stall_timeout: must be >= 10": the user was not told that --set on the resume replaces the value.
+    from gpipe_cli.cli import run
+
+    _, run_dir = make_run(tmp_path, None, "train.steps=20")
+    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    recipe["train"]["stall_timeout"] = 5
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert run(["train", "--resume", str(run_dir), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run_dir / 'recipe.yaml'}: train.stall_timeout: must be >= ") and err.endswith(
+        "(got 5); the run's recipe.yaml holds it: --set KEY=VALUE on the --resume replaces it\n")
+    assert run(["train", "--resume", str(run_dir), "--dry-run", "--set", "train.stall_timeout=10"]) == 0
+    assert run(["train", "--resume", str(run_dir), "--dry-run", "--set", "train.stall_timeout=6"]) == 2
+    assert "replaces it" not in capsys.readouterr().err  # the --set's own value: said as any --set's
 
 
 def test_retention_runs_on_the_next_save_after_an_abort_left_one_too_many(tmp_path):
