@@ -38,6 +38,9 @@ class Run:
     damage: str = ""  # the lines of metrics.jsonl left out, in words (empty: none)
     recipe: dict[str, Any] = field(default_factory=dict)  # the recipe's pipeline section: records without PIPELINE
     planned: int | None = None  # the recipe's train.steps, where no train.epochs may end it sooner
+    # Some records hold their M and schedule: a resume by a later version rewrote recipe.yaml, which then describes
+    # its start only, not the records of the version before it that hold none.
+    recorded: bool = False
 
     @property
     def stages(self) -> int:
@@ -56,8 +59,11 @@ class Run:
 
     def pipeline(self, record: dict[str, Any]) -> str:
         """The K, M, schedule (and D) a train record was written with; the recipe's for records without them."""
+        stages = f"K={len(record['time_s']['compute'])}"
+        if self.recorded and not all(key in record for key in PIPELINE):
+            return f"{stages} (M and schedule unrecorded)"
         pipe = self.settings(record)
-        label = f"K={len(record['time_s']['compute'])} M={pipe['microbatches']} {pipe['schedule']}"
+        label = f"{stages} M={pipe['microbatches']} {pipe['schedule']}"
         return label + (f" D={pipe['data_parallel']}" if pipe["data_parallel"] != 1 else "")
 
 
@@ -90,6 +96,7 @@ def read_run(path: Path) -> Run:
     if not train:
         raise NotStarted(f"{metrics}: holds no train records yet")
     run = Run(path, "", train, evals, damage, pipe if isinstance(pipe, dict) else {})
+    run.recorded = any(all(key in record for key in PIPELINE) for record in train)
     settings = recipe.get("train") if isinstance(recipe, dict) else None
     if isinstance(settings, dict) and settings.get("epochs") is None and type(settings.get("steps")) is int:
         run.planned = settings["steps"]

@@ -69,6 +69,27 @@ def test_records_without_their_pipeline_take_the_stages_they_hold_and_the_recipe
     assert time_breakdown(run)["wait"] == pytest.approx([0.1] * 3)
 
 
+def test_records_of_a_version_before_the_pipeline_was_recorded_are_not_given_a_later_starts_recipe(tmp_path,
+                                                                                                  capsys):
+    # An old run resumed by a later version at M=8 1f1b: its steps at M=4 gpipe were labelled M=8 1f1b, being
+    # read from the recipe.yaml the resume had rewritten, and the whole run's figures blended both pipelines.
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "recipe.yaml").write_text(yaml.safe_dump({"name": "r", "pipeline": {"partitions": 2, "microbatches": 8,
+                                                                                  "schedule": "1f1b"}}))
+    records = start_records(1, 5, 2, 4, pipeline=False) + start_records(6, 3, 2, 8)
+    for record in records[5:]:
+        record["schedule"] = "1f1b"
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run,) = read_runs([folder])
+    assert [run.pipeline(r) for r in (run.train[0], run.train[-1])] == ["K=2 (M and schedule unrecorded)",
+                                                                        "K=2 M=8 1f1b"]
+    assert cli(["report", str(folder), "--output", str(tmp_path / "page.png")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"K=2 \(M and schedule unrecorded\) +│ +1-5 +│", out), out
+    assert re.search(r"K=2 M=8 1f1b +│ +6-8 +│", out), out
+
+
 def test_a_run_resumed_with_its_pipeline_unchanged_keeps_every_step_in_its_stage_figures(tmp_path, capsys):
     folder = tmp_path / "run"
     folder.mkdir()
