@@ -419,6 +419,15 @@ def earlier_checkpoint(location: str) -> Path | None:
     return named[0] if named and not (newest and same_file(newest[0], named[0])) else None
 
 
+def settings_unkept(location: str) -> str:
+    """What a resume's line adds where an earlier checkpoint of an older version keeps no settings ('' otherwise)."""
+    earlier = earlier_checkpoint(location)
+    if earlier is None or (earlier / RECIPE).is_file():
+        return ""
+    return (f"; checkpoint {earlier.name}, of an older gpipe-cli, keeps no settings of its own: these are the run's "
+            "newest, which a later resume may have changed")
+
+
 def check_resumable(location: str) -> int:
     """Refuse, before any rank starts, a resume from a place with no whole checkpoint; return the newest one's step."""
     # Checksums are left to the ranks, which read every byte anyway and skip a checkpoint that fails them.

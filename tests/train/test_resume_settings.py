@@ -73,8 +73,13 @@ def test_a_checkpoint_location_continues_its_run_from_that_checkpoint(tmp_path, 
     _, run = make_run(tmp_path, None, "train.steps=20", steps=(5, 10))
     result = resume("--resume", str(run / "checkpoints" / "step-00000005"))
     assert result.exit_code == 0, result.output
-    assert resume_lines(result) == [f"resuming {run} at step 5 with the run's own settings ({run}/recipe.yaml)"]
+    # Its checkpoints keep no recipe, as an older version's: a later resume may have changed the run's.
+    assert resume_lines(result) == [f"resuming {run} at step 5 with the run's own settings ({run}/recipe.yaml); "
+                                    "checkpoint step-00000005, of an older gpipe-cli, keeps no settings of its own: "
+                                    "these are the run's newest, which a later resume may have changed"]
     assert jobs[0]["recipe"]["train"]["steps"] == 20
+    result = resume("--resume", str(run / "checkpoints" / "step-00000010"))  # the newest: the run's are its own
+    assert resume_lines(result) == [f"resuming {run} at step 10 with the run's own settings ({run}/recipe.yaml)"]
 
 
 def test_a_resume_back_to_an_earlier_checkpoint_takes_its_courses_settings(tmp_path, jobs):
