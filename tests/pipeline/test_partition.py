@@ -46,11 +46,37 @@ def test_matches_brute_force_on_random_sequences():
         assert max(stage_costs(costs, balance)) == pytest.approx(brute_force(costs, k))
 
 
+def least_bottleneck(costs, k):
+    """The optimum for positive integer costs, by a binary search on the bottleneck (each stage packed greedily)."""
+    def stages_at_most(bound):
+        count, load = 1, 0
+        for cost in costs:
+            if load + cost > bound:
+                count, load = count + 1, 0
+            load += cost
+        return count
+
+    low, high = max(costs), sum(costs)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if stages_at_most(middle) <= k else (middle + 1, high)
+    return low
+
+
 def test_large_model_is_fast_and_optimal_value():
-    costs = [float(i % 7 + 1) for i in range(1000)]
-    balance = balance_by_cost(costs, 8)
+    # `<= sum / 8 + 7` let a cut one above the optimum (504 of 503) pass: the optimum is asserted.
+    costs = [i % 7 + 1 for i in range(1000)]
+    balance = balance_by_cost([float(c) for c in costs], 8)
     assert sum(balance) == 1000 and len(balance) == 8
-    assert max(stage_costs(costs, balance)) <= sum(costs) / 8 + 7
+    assert max(stage_costs(costs, balance)) == least_bottleneck(costs, 8) == 503
+    rng = random.Random(1)
+    for _ in range(200):  # past the brute force's reach, where a fast search's shortcuts could go wrong
+        n = rng.randint(10, 200)
+        k = rng.randint(2, min(16, n))
+        costs = [rng.randint(1, 50) for _ in range(n)]
+        balance = balance_by_cost([float(c) for c in costs], k)
+        assert len(balance) == k and sum(balance) == n and min(balance) >= 1
+        assert max(stage_costs(costs, balance)) == least_bottleneck(costs, k), (costs, k)
 
 
 def test_too_many_partitions_is_a_clear_error():
