@@ -156,6 +156,12 @@ def commands_shown(page: Path) -> list[str]:
     return found
 
 
+def test_the_commands_shown_are_found():
+    # Were the reader of the pages' commands to find none, every page's check of them would pass.
+    assert sum(len(commands_shown(page)) for page in PAGES) >= 29
+    assert "gpipe bench --partitions 8 --microbatches 32" in commands_shown(ROOT / "README.md")
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_command_shown_takes_its_flags_and_arguments(page):
     """Each command a page shows parses as the CLI would parse it: no renamed flag, no missing value."""

@@ -29,16 +29,16 @@ def test_a_write_that_fails_midway_leaves_the_old_file_and_no_partial_one(tmp_pa
         f.write(b"{\"half")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="No space left on device"):
         atomic_write(target, half_then_full_disk)
     assert target.read_text() == "old" and os.listdir(tmp_path) == ["figures.json"]
     # The folders a failed write made go with it (a full disk left a/b/); one that holds another file stays.
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="No space left on device"):
         atomic_write(tmp_path / "a" / "b" / "figures.json", half_then_full_disk)
     assert sorted(os.listdir(tmp_path)) == ["figures.json"]
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "kept").write_text("")
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="No space left on device"):
         atomic_write(tmp_path / "a" / "b" / "figures.json", half_then_full_disk)
     assert os.listdir(tmp_path / "a") == ["kept"]
     with pytest.raises(OSError):  # a folder it cannot make (a name too long): those made before it go too

@@ -66,4 +66,4 @@ def test_profile_memory_prints_every_scenario_and_writes_json(tmp_path, gpipe):
 
 def test_bad_flags_are_one_line_with_exit_code_2(gpipe):
     proc = gpipe("bench", "--model", "no-such-model", "--steps", "1")
-    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr

@@ -216,8 +216,10 @@ def test_the_pieces_of_a_continuation_make_the_line_decoding_all_of_it_gives(exp
 
 def test_a_language_model_prompt_longer_than_its_positions_still_continues(exports, capsys):
     # 40 words are more tokens than the model's 12 learned positions: it reads the last 12.
-    assert run(["predict", str(exports["lm"]), " ".join(["twelve"] * 40), "--max-tokens", "2"]) == 0
-    assert capsys.readouterr().out.count("\n") == 1
+    prompt = " ".join(["twelve"] * 40)
+    assert run(["predict", str(exports["lm"]), prompt, "--max-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith(prompt) and len(out.rstrip("\n")) > len(prompt)  # continued
 
 
 def test_an_image_model_names_the_top_classes_of_each_file(exports, picture, capsys):
@@ -624,4 +626,6 @@ def test_a_continuation_reads_the_last_window_of_tokens_at_every_step():
 def test_a_sentence_typed_in_utf_8_is_read_so_under_a_c_locale(exports, capsys):
     # Under LC_ALL=C Python hands "zéro" over as the escaped bytes c3 a9, which predict refused: "not UTF-8 text".
     assert run(["predict", str(exports["translation"]), "z\udcc3\udca9ro", "one"]) == 0
-    assert capsys.readouterr().out.count("\n") == 2
+    escaped = capsys.readouterr().out
+    assert run(["predict", str(exports["translation"]), "zéro", "one"]) == 0
+    assert escaped == capsys.readouterr().out and escaped.count("\n") == 2  # read as the text typed
