@@ -3,6 +3,7 @@ loads and runs in plain PyTorch exactly as docs/runs.md shows."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -21,7 +22,7 @@ UMASK = 0o027
 TINY_LM = {
     "name": "tiny-lm", "seed": 0,
     "model": {"kind": "transformer", "arch": "decoder-only", "layers": 2, "d_model": 32, "ff": 64, "heads": 4,
-              "vocab_size": 300, "max_len": 32},
+              "vocab_size": 300, "max_len": 32, "tie_embeddings": True},  # tied across the two stages
     "pipeline": {"partitions": 2, "microbatches": 2},
     "data": {"source": "text", "path": "corpus.txt", "batch_size": 4, "seq_len": 32, "vocab_size": 300},
     "train": {"steps": 2},
@@ -87,6 +88,12 @@ def test_the_exported_model_runs_in_plain_pytorch_as_the_docs_show(lm_run):
     trained = load_file(str(exported))
     assert set(trained) <= set(model.state_dict()), "every stored tensor is in the model (tied ones once)"
     assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
+    # A tied weight left untied by the docs' code would answer wrongly with every stored tensor right.
+    from safetensors import safe_open
+
+    tied = json.loads(safe_open(str(exported), framework="pt").metadata()["tied"])
+    assert tied and set(model.state_dict()) == set(trained) | set(tied)
+    assert all(torch.equal(model.state_dict()[alias], trained[name]) for alias, name in tied.items())
 
 
 def test_every_record_has_the_keys_its_type_declares(lm_run):
