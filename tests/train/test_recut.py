@@ -15,7 +15,9 @@ from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.train import cut as recut
 from tests.multiproc import results, run_ranks
 
-UNIT = 0.004  # seconds a layer of weight 1 waits in its forward; its backward waits twice that
+# Seconds a layer of weight 1 waits in its forward; its backward waits twice that. The cut [1, 4] beats [2, 3] while
+# a sleep overshoots by under 8/3 UNIT (stage 0 sleeps 18 times a step, stage 1 12): 40 ms on a busy machine.
+UNIT = 0.015
 
 
 class _SlowBackward(torch.autograd.Function):
