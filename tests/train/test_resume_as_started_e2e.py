@@ -72,6 +72,9 @@ def test_the_stop_names_the_run_to_continue(stopped):
     cwd, run, done, _ = stopped
     assert not run.is_absolute() and run.parent == Path("outputs/quickstart")  # as typed, from where it ran
     assert (cwd / run / "checkpoints" / f"step-{done:08d}" / "manifest.json").exists()
+    # Ctrl-C finishes the step in flight and saves it: the checkpoint is of the last step trained.
+    records = [json.loads(line) for line in (cwd / run / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in records if r["kind"] == "train") == done
 
 
 def test_resuming_with_only_the_run_trains_to_its_own_steps_and_every_step_adds_up(stopped, tmp_path):
