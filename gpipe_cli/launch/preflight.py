@@ -169,6 +169,14 @@ def too_long_line(filename: object) -> str:
     return f"{shown(path, PATH_SHOWN_CHARS)} {problem}"
 
 
+def _read_only(folder: Path) -> bool:
+    """Whether `folder` lies on a file system mounted read-only."""
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def check_writable(path: Path, what: str, instead: str = "") -> None:
     """Refuse an output directory that cannot be created or written, without leaving anything behind."""
     # `instead`: what to do, where the user named no folder (`; give --output-dir DIR ...`).
@@ -181,7 +189,8 @@ def check_writable(path: Path, what: str, instead: str = "") -> None:
     if not os.path.isdir(existing):
         raise UserError(f"{what}: {shown(str(existing))} exists and is not a directory{instead}")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{what}: {shown(str(existing))} is not writable{instead}")
+        how = "is on a read-only file system" if _read_only(existing) else "is not writable"
+        raise UserError(f"{what}: {shown(str(existing))} {how}{instead}")
     try:  # access() says yes to root on a read-only file system's permission bits: try it for real
         with tempfile.TemporaryFile(dir=existing, prefix=".gpipe-probe-"):
             pass

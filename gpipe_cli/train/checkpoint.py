@@ -33,7 +33,7 @@ from gpipe_cli.errors import UserError, path_line
 from gpipe_cli.files import atomic_write_bytes, space_left
 from gpipe_cli.pipeline import heartbeat
 from gpipe_cli.pipeline.failure import ANNOUNCED
-from gpipe_cli.train.existing import CHECKPOINTS, MANIFEST, METRICS, PREFIX, SUPERSEDED, candidates
+from gpipe_cli.train.existing import CHECKPOINTS, MANIFEST, METRICS, PREFIX, SUPERSEDED, candidates, way_on
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # one key per parameter: reshardable
@@ -235,8 +235,9 @@ def save(path: Path, state: dict[str, Any], manifest: dict[str, Any], keep: int,
                 shutil.rmtree(path, ignore_errors=True)
                 partial.rename(path)
         except (OSError, CheckpointException) as exc:
+            failure = _write_failure(path, exc)  # the space left as the write found it, before the partial goes
             shutil.rmtree(partial, ignore_errors=True)
-            raise CheckpointWriteError(_write_failure(path, exc)) from None
+            raise CheckpointWriteError(failure) from None
         if rank == 0:
             prune(path.parent, keep)
         if distributed:
@@ -279,7 +280,8 @@ def _write_failure(path: Path, exc: BaseException) -> str:
         what += "; a write fell short, as on a full disk"
     free = space_left(path.parent)
     earlier = "earlier checkpoints are intact" if candidates(path.parent) else "no earlier checkpoint exists"
-    return f"cannot write checkpoint {path.name} ({what}); {free}; removed the partial checkpoint, {earlier}"
+    return (f"cannot write checkpoint {path.name} ({what}); {free}; removed the partial checkpoint, {earlier}; once "
+            f"it can be written, {way_on(run_dir)}")
 
 
 def _os_error(exc: BaseException) -> OSError | None:

@@ -162,7 +162,7 @@ def _model_recipe(recipe_file: Path) -> Recipe:
             recipe = validate(read, str(recipe_file), check_data=False)
         except RecipeError:
             raise exc from None
-        print(f"[gpipe] {exc}: the export reads only the recipe's model and data, which hold", file=sys.stderr)
+        print(f"[gpipe] {exc}: the export reads only its model and data settings, which are valid", file=sys.stderr)
         return recipe
 
 

@@ -205,6 +205,7 @@ def test_a_failed_write_removes_its_partial_folder_and_says_how_much_space_is_le
     assert "\n" not in message
     assert "cannot write checkpoint step-00000002 (ENOSPC: No space left on device)" in message
     assert " free on " in message and "earlier checkpoints are intact" in message
+    assert message.endswith(f"; once it can be written, continue with gpipe train --resume {tmp_path}")
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000001"]
     assert checkpoint.inspect(checkpoint.path_for(tmp_path, 1), verify=True)[1] is None
 

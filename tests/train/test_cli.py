@@ -88,6 +88,19 @@ def test_validate_reads_no_data_and_writes_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_folder_on_a_read_only_file_system_is_said_to_be_on_one(tmp_path, monkeypatch):
+    # "is not writable" sent the user to its permissions, which were not the cause.
+    import os
+    from types import SimpleNamespace
+
+    monkeypatch.setattr("gpipe_cli.launch.preflight.os.access", lambda path, mode: False)
+    monkeypatch.setattr("gpipe_cli.launch.preflight.os.statvfs", lambda path: SimpleNamespace(f_flag=os.ST_RDONLY))
+    result = runner.invoke(app, ["train", str(write(tmp_path, TINY_AMOEBANET)), "--plain", "--output-dir",
+                                 str(tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"error: --output-dir: '{tmp_path}' is on a read-only file system\n", result.output
+
+
 def test_an_unwritable_current_folder_is_told_how_to_write_the_run_elsewhere(tmp_path, monkeypatch):
     # It said only that '.' is not writable; a user who named no folder was not told of --output-dir.
     monkeypatch.chdir(tmp_path)

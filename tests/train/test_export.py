@@ -206,7 +206,7 @@ def test_a_recipe_a_later_version_refuses_outside_the_model_and_data_is_still_ex
     assert safe_open(str(exported), framework="pt").metadata()["recipe"] == (run_dir / "recipe.yaml").read_text()
     (line,) = [x for x in capsys.readouterr().err.splitlines() if "stall_timeout" in x]
     assert line.startswith(f"[gpipe] {run_dir / 'recipe.yaml'}: train.stall_timeout: must be >= ") and \
-        line.endswith(": the export reads only the recipe's model and data, which hold")
+        line.endswith(": the export reads only its model and data settings, which are valid")
     recipe["model"]["heads"] = 0  # its model refused: that error, as before
     (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     with pytest.raises(UserError, match=r"model.heads: must be >= 1 .*\(and 1 more problem\)$"):
