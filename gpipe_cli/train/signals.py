@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -39,11 +40,14 @@ class StopRequest:
         self.echo = False  # the stop came as the launcher's note: its signal, if it comes, is no second stop
         self.orphaned = False  # the first stop was the SIGINT a rank gets as its launcher ends (kill -9 of it)
         self.way_on: Callable[[], str] = lambda: ""  # how the run goes on after an abort, said with it
+        self._watched = False
+        self._lock = threading.Lock()
+        self._done: int | None = None  # once disarmed: the code a stop signal ends the rank with (0: 128 + it)
 
     def arm(self) -> None:
         """Take over the stop signals from the set-up's handler (after the first step: before it, nothing to save)."""
-        for sig in stopping.STOPS:
-            signal.signal(sig, self._handle)
+        for sig in stopping.STOPS:  # seen by a thread of their own: see `_watch`
+            signal.signal(sig, lambda signum, frame: None)
         # A stop the launcher saw through while this rank set up, whose signal never came: the rank forked after
         # the launcher last looked for ranks, and reached its first step before it looked again. Heeded as sent;
         # the signal may yet come, as the same stop.
@@ -51,6 +55,29 @@ class StopRequest:
             self._handle(signum, None)
             self.echo = True
         stopping.started()
+        self._watch()
+
+    def _watch(self) -> None:
+        """Answer each stop signal in a thread of its own, even while the main thread waits for a peer."""
+        # Python runs a handler only between the main thread's bytecodes: held in a wait for a stopped or stuck peer,
+        # it left Ctrl-C unanswered, and a second one could not abort, until the stall timeout ended the job. Each
+        # signal also goes to a pipe (from C), read here.
+        if self._watched:
+            return
+        self._watched = True
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write)
+        threading.Thread(target=self._read, args=(read,), name="stop-signals", daemon=True).start()
+
+    def _read(self, read: int) -> None:
+        while data := os.read(read, 1):
+            if data[0] not in stopping.STOPS:
+                continue
+            with self._lock:
+                if self._done is not None:
+                    stopping.abrupt_exit(self._done or 128 + data[0])
+                self._handle(data[0], None)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         stopping.note(signum)
@@ -79,6 +106,8 @@ class StopRequest:
         # Else a rank waiting for its launcher to read its result would only note the signal, and the
         # launcher's tear-down would wait minutes for it. A run that ended otherwise keeps its own code: the
         # tear-down's SIGTERM after a peer ended is not news.
+        with self._lock:
+            self._done = code
         for sig in stopping.STOPS:
             signal.signal(sig, lambda signum, frame: stopping.abrupt_exit(code or 128 + signum))
 

@@ -164,7 +164,7 @@ def test_a_resume_carries_over_the_skips_in_all_and_the_best_evaluation_before_i
     records = [{"kind": "eval", "step": 2, "loss": 0.5}, {"kind": "eval", "step": 4, "loss": 0.9}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     data = SimpleNamespace(steps_per_epoch=lambda: 4, eval_steps=lambda batches: 1, train=SimpleNamespace(held_none=""),
-                           train_size=40, eval_size=4)
+                           train_size=40, eval_size=4, eval=None)
     monkeypatch.setattr(loop_module, "build_data_for", lambda recipe, run_dir: data)
     monkeypatch.setattr(loop_module, "build_optimizer", lambda params, recipe: None)
     trainer = Trainer.__new__(Trainer)
