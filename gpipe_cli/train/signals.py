@@ -46,8 +46,8 @@ class StopRequest:
 
     def arm(self) -> None:
         """Take over the stop signals from the set-up's handler (after the first step: before it, nothing to save)."""
-        for sig in stopping.STOPS:  # seen by a thread of their own: see `_watch`
-            signal.signal(sig, lambda signum, frame: None)
+        for sig in stopping.STOPS:
+            signal.signal(sig, self._direct)
         # A stop the launcher saw through while this rank set up, whose signal never came: the rank forked after
         # the launcher last looked for ranks, and reached its first step before it looked again. Heeded as sent;
         # the signal may yet come, as the same stop.
@@ -69,6 +69,13 @@ class StopRequest:
         os.set_blocking(write, False)
         signal.set_wakeup_fd(write)
         threading.Thread(target=self._read, args=(read,), name="stop-signals", daemon=True).start()
+
+    def _direct(self, signum: int, frame: FrameType | None) -> None:
+        """The handler Python runs: a stop signal is seen by the thread of `_watch`; a closed output's stop
+        (train/output.py calls it with SIGPIPE) is seen here."""
+        if signum not in stopping.STOPS:
+            with self._lock:
+                self._handle(signum, frame)
 
     def _read(self, read: int) -> None:
         while data := os.read(read, 1):
