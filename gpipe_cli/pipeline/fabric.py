@@ -85,11 +85,21 @@ class Fabric(Protocol):
         """Rank `src`'s picklable value, on every rank."""
 
 
+# What NCCL reduces and moves (bool as uint8); gloo takes more, so a tensor NCCL refuses is refused on the CPU too.
+NCCL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+                         torch.int8, torch.uint8, torch.bool})
+
+
 def check_device(tensor: torch.Tensor, device: torch.device, plane: str) -> None:
-    """Refuse a tensor that is not where its plane's communicator can read it."""
+    """Refuse a tensor that is not where its plane's communicator can read it, or not as NCCL reads memory."""
     if tensor.device != device:
         raise CommError(f"a {tensor.device.type} tensor reached the {plane}, which takes {device} tensors only: "
                         f"an engine bug (a host value sent where device data belongs, or the reverse)")
+    if not tensor.is_contiguous():  # gloo copes with strides; NCCL refuses them, so the CPU runs refuse them first
+        raise CommError(f"a tensor of strides {tensor.stride()} reached the {plane}, which takes contiguous ones "
+                        "only: an engine bug")
+    if tensor.dtype not in NCCL_DTYPES:
+        raise CommError(f"a {tensor.dtype} tensor reached the {plane}, a type NCCL does not carry: an engine bug")
 
 
 _HOST = torch.device("cpu")
@@ -110,8 +120,12 @@ def new_group(ranks: list[int] | None = None, **options: Any) -> dist.ProcessGro
 class TorchFabric(Fabric):
     """torch.distributed: gloo control plane; links on NCCL with a GPU per rank, else gloo."""
 
-    def __init__(self, device: torch.device, nccl: bool, control: dist.ProcessGroup | None) -> None:
+    def __init__(self, device: torch.device, nccl: bool, control: dist.ProcessGroup | None,
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=600)) -> None:
         self.rank = dist.get_rank()
+        # Given to every communicator: left out, NCCL's own default held links 10 minutes and the host-and-device
+        # groups 30, where the run's bound was another.
+        self.timeout = timeout
         self.device = device
         self.nccl = nccl
         self.data_device = device if nccl else _HOST  # the one line where backends differ in where data lives
@@ -122,11 +136,12 @@ class TorchFabric(Fabric):
     def open(self, links: Sequence[Link], groups: Sequence[Ranks]) -> None:
         for link in links:
             if link not in self.links:
-                self.links[link] = new_group(sorted((link.src, link.dst)), backend="nccl" if self.nccl else "gloo")
+                self.links[link] = new_group(sorted((link.src, link.dst)), backend="nccl" if self.nccl else "gloo",
+                                             timeout=self.timeout)
         for ranks in groups:
             key = tuple(sorted(set(ranks)))
             if len(key) > 1 and key not in self.groups:
-                self.groups[key] = new_group(list(key))  # the default group's backends: host and device
+                self.groups[key] = new_group(list(key), timeout=self.timeout)  # the default group's backends
 
     def _link(self, link: Link) -> dist.ProcessGroup:
         group = self.links.get(link)

@@ -165,8 +165,9 @@ def init(stages: int, replicas: int = 1, backend: str = "auto", timeout: float =
         # With NCCL the default group has both backends, so a host tensor on it goes to gloo, never NCCL.
         dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout), device_id=dev if nccl else None)
-    control = new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)) if nccl else None
-    fabric = TorchFabric(dev, nccl, control)
+    bound = datetime.timedelta(seconds=timeout)
+    control = new_group(backend="gloo", timeout=bound) if nccl else None
+    fabric = TorchFabric(dev, nccl, control, bound)
     topo = Topology(Layout(stages, replicas, dist.get_rank(), virtual, placement), dev,
                     Transport(dev, fabric, timeout=timeout, control=control, staging=staging))
     fabric.open([], topo.groups())

@@ -11,7 +11,8 @@ import torch
 HEADER_LEN = 64
 ALIGN = 64  # each tensor starts at a multiple of it in the payload, so its typed view is aligned
 MAGIC = 0x47504950  # "GPIP": a header that does not start with it means the streams are out of step
-# Only bytes cross the wire, so any dtype travels on any backend (NCCL has no int16 or bool).
+# Only bytes cross the wire, so any dtype travels on any backend (NCCL refuses int16 and the unsigned types wider
+# than a byte, and carries bool as uint8).
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool]
 _ABSENT = -1

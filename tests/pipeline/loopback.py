@@ -39,6 +39,7 @@ class World:
         self.ids = itertools.count()
         self.sent: dict[tuple[Any, str], list[torch.Tensor]] = defaultdict(list)
         self.posted: dict[tuple[Any, str, int], int] = defaultdict(int)  # receives posted, per link/kind/rank
+        self.versions: dict[int, int] = {}  # each payload sent: its version counter as it was sent
         self.meetings: dict[tuple[Any, int], dict[int, Any]] = defaultdict(dict)
         self.seq: dict[tuple[Any, int], int] = defaultdict(int)  # per (key, rank)
         self.syncs = [0] * size
@@ -63,8 +64,9 @@ class World:
             if not self.cond.wait_for(ready, timeout=TIMEOUT):
                 raise CommError(f"loopback: {what} timed out")
 
-    def meet(self, key: Any, rank: int, members: Sequence[int], value: Any) -> dict[int, Any]:
-        """Wait until every member brought its value for this meeting; every member's value."""
+    def meet(self, key: Any, rank: int, members: Sequence[int], value: Any, label: str = "") -> dict[int, Any]:
+        """Wait until every member brought its value for this meeting; every member's value (`label`: a
+        collective's kind and type, which NCCL never compares: the model does)."""
         with self.cond:
             seq = self.seq[(key, rank)]
             self.seq[(key, rank)] = seq + 1
@@ -72,7 +74,7 @@ class World:
             values[rank] = value
             self.cond.notify_all()
         self.record(rank, nm.HostMeet(key, seq, tuple(members)) if key == "control" else
-                    nm.Post(next(self.ids), key, "collective", _nbytes(value)))
+                    nm.Post(next(self.ids), key, "collective", _nbytes(value), label=label))
         self.wait_until(lambda: len(values) == len(members), f"meeting {key} #{seq} on rank {rank}")
         return values
 
@@ -141,8 +143,9 @@ class LoopbackFabric:
     def send(self, link: Link, payload: torch.Tensor) -> _Work:
         check_device(payload, self.data_device, "data plane")
         op = self._post(link, "send", payload, link.dst, self._labels.get(link, ""))
-        with self.world.cond:
-            self.world.sent[(link, "data")].append(payload.clone() if not payload.is_meta else payload)
+        with self.world.cond:  # NCCL reads the buffer as the receive runs: the sender must leave it alone until then
+            self.world.sent[(link, "data")].append(payload)
+            self.world.versions[id(payload)] = payload._version
             self.world.cond.notify_all()
         return _Work(op)
 
@@ -160,6 +163,9 @@ class LoopbackFabric:
 
         def done() -> None:
             world.wait_until(lambda: len(sent) > index, f"{kind} #{index} on {link}")
+            if kind == "data" and sent[index]._version != world.versions[id(sent[index])]:
+                raise CommError(f"loopback: data #{index} on {link} was written to by its sender before it was "
+                                "received (NCCL would send what the buffer holds as the receive runs)")
             if not buffer.is_meta:
                 if sent[index].numel() != buffer.numel():
                     raise CommError(f"loopback: {kind} #{index} on {link} is {sent[index].numel()} bytes, the "
@@ -189,17 +195,20 @@ class LoopbackFabric:
         work.done()
 
     def all_reduce(self, tensor: torch.Tensor, ranks: Ranks) -> None:
-        self._collective(tensor, ranks, lambda values: sum(values[r] for r in sorted(values)))
+        self._collective(tensor, ranks, lambda values: sum(values[r] for r in sorted(values)), "sum")
 
     def broadcast(self, tensor: torch.Tensor, src: int, ranks: Ranks) -> None:
-        self._collective(tensor, ranks, lambda values: values[src])
+        self._collective(tensor, ranks, lambda values: values[src], f"broadcast from {src}")
 
-    def _collective(self, tensor: torch.Tensor, ranks: Ranks, combine: Callable[[dict[int, Any]], Any]) -> None:
+    def _collective(self, tensor: torch.Tensor, ranks: Ranks, combine: Callable[[dict[int, Any]], Any],
+                    kind: str) -> None:
         check_device(tensor, self.device, "collectives")
         key = tuple(sorted(set(ranks)))
         if len(key) < 2:
             return
-        values = self.world.meet(key, self.rank, key, tensor if tensor.is_meta else tensor.clone())
+        # NCCL matches a sum with a broadcast, or fp16 with fp32 of the same bytes, and computes garbage: compared here.
+        values = self.world.meet(key, self.rank, key, tensor if tensor.is_meta else tensor.clone(),
+                                 f"{kind} of {tensor.dtype}")
         self.world.record(self.rank, nm.StreamWait(self.world.programs[self.rank][-1].op))  # type: ignore[union-attr]
         if not tensor.is_meta:
             tensor.copy_(combine(values))

@@ -158,9 +158,9 @@ def _match(ranks: Mapping[int, _Rank], fifos: dict, done: set[int]) -> bool:
             heads = [(m, _ready(ranks, fifos, m, comm)) for m in members]
             if any(h is None or h.role != "collective" for _, h in heads):
                 continue
-            if len({h.nbytes for _, h in heads if h is not None}) > 1:
-                raise Mismatch(f"a collective on ranks {members} reduces different sizes: "
-                               f"{[(m, h.nbytes) for m, h in heads if h is not None]}")
+            if len({(h.nbytes, h.label) for _, h in heads if h is not None}) > 1:
+                raise Mismatch(f"a collective on ranks {members} differs in size or kind: "
+                               f"{[(m, h.nbytes, h.label) for m, h in heads if h is not None]}")
             pairs = [(m, h) for m, h in heads if h is not None]
         else:
             continue

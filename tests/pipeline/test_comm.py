@@ -108,3 +108,46 @@ def test_a_message_arrives_in_the_dtype_it_was_sent_in():
     for s, g in zip(sent, got):
         assert g.dtype == s.dtype and torch.equal(g.detach(), s)
         assert g.requires_grad == s.is_floating_point()
+
+
+def test_the_nccl_fabric_gives_every_communicator_the_runs_timeout_and_waits_for_data_on_the_stream(monkeypatch):
+    # No CI machine has two GPUs: torch.distributed stood in for, this is what the NCCL branch asks of it.
+    import datetime
+
+    from gpipe_cli.pipeline import fabric as fabrics
+
+    opened: list[tuple[list[int] | None, dict]] = []
+
+    class Posted:
+        def __init__(self, *post: object) -> None:
+            self.post, self.waits = post, []
+
+        def wait(self, *timeout: object) -> None:
+            self.waits.append(timeout)
+
+    monkeypatch.setattr(fabrics.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(fabrics.dist, "new_group", lambda ranks=None, **kw: opened.append((ranks, kw)) or len(opened))
+    monkeypatch.setattr(fabrics.dist, "isend", lambda t, dst, group=None, tag=0: Posted("send", t.device, dst, group))
+    monkeypatch.setattr(fabrics.dist, "irecv", lambda t, src, group=None, tag=0: Posted("recv", t.device, src, group))
+    bound = datetime.timedelta(seconds=42)
+    gpu = torch.device("meta")  # stands in for the rank's GPU: memory the host cannot read
+    fabric = fabrics.TorchFabric(gpu, nccl=True, control="control", timeout=bound)
+    ahead, back = fabrics.Link(0, 1, fabrics.FORWARD), fabrics.Link(1, 0, fabrics.BACKWARD)
+    fabric.open([ahead, back], [(0, 1), (0,)])
+    # Left out, NCCL's default held links 10 minutes and the host-and-device groups 30.
+    assert opened == [([0, 1], {"backend": "nccl", "timeout": bound}), ([0, 1], {"backend": "nccl", "timeout": bound}),
+                      ([0, 1], {"timeout": bound})]
+    assert fabric.data_device == gpu
+    with pytest.raises(CommError, match="cpu tensor reached the data plane"):
+        fabric.send(ahead, torch.zeros(4, dtype=torch.uint8))
+    sent = fabric.send(ahead, torch.zeros(4, dtype=torch.uint8, device=gpu))
+    received = fabric.recv(back, torch.empty(4, dtype=torch.uint8, device=gpu))
+    assert sent.post == ("send", gpu, 1, 1) and received.post == ("recv", gpu, 1, 2)
+    fabric.wait(sent, True, 5.0)  # the compute stream waits; the host does not, so no host timeout
+    header = fabric.send_header(ahead, torch.zeros(8, dtype=torch.int64))
+    fabric.wait(header, False, 5.0)
+    assert sent.waits == [()] and header.waits == [(datetime.timedelta(seconds=5),)]
+    assert header.post == ("send", torch.device("cpu"), 1, "control")
+    gloo = fabrics.TorchFabric(torch.device("cpu"), nccl=False, control=None, timeout=bound)
+    gloo.open([ahead], [])
+    assert opened[-1] == ([0, 1], {"backend": "gloo", "timeout": bound}) and gloo.data_device == torch.device("cpu")

@@ -249,6 +249,42 @@ def test_a_host_tensor_is_refused_before_it_reaches_a_device_communicator():
         fabric.host_sum(torch.zeros(2, device="meta"))
 
 
+def test_a_strided_or_a_type_nccl_lacks_is_refused_on_every_plane():
+    # gloo reduces a strided tensor or an int16 one; NCCL refuses both: the CPU runs would never have shown it.
+    world = loopback.World(2)
+    fabric = loopback.LoopbackFabric(world, 0)
+    with pytest.raises(CommError, match=r"strides \(2,\) reached the collectives"):
+        fabric.all_reduce(torch.zeros(8, device="meta")[::2], (0, 1))
+    with pytest.raises(CommError, match="torch.int16 tensor reached the data plane, a type NCCL does not carry"):
+        fabric.send(Link(0, 1, FORWARD), torch.zeros(4, dtype=torch.int16, device="meta"))
+    with pytest.raises(CommError, match="torch.uint32 tensor reached the control plane"):
+        fabric.host_sum(torch.zeros(2, dtype=torch.uint32))
+
+
+def test_the_model_catches_collectives_of_another_kind_or_type_and_a_send_buffer_written_before_its_receive():
+    both = (0, 1)
+    mixed = {0: [nm.Post(1, both, "collective", 8, label="sum of torch.float32")],
+             1: [nm.Post(2, both, "collective", 8, label="sum of torch.float16")]}
+    with pytest.raises(nm.Mismatch, match="differs in size or kind"):
+        nm.run(mixed)
+    world = loopback.World(2, device="cpu")
+    link = Link(0, 1, FORWARD)
+
+    def ranks(rank: int) -> None:
+        fabric = loopback.LoopbackFabric(world, rank)
+        if rank == 0:
+            payload = torch.ones(4, dtype=torch.uint8)
+            fabric.wait(fabric.send(link, payload), True, loopback.TIMEOUT)
+            payload.fill_(7)  # a buffer reused while the send is in flight: NCCL would send the 7s
+            world.meet("control", 0, both, None)
+        else:
+            world.meet("control", 1, both, None)
+            fabric.wait(fabric.recv(link, torch.empty(4, dtype=torch.uint8)), True, loopback.TIMEOUT)
+
+    with pytest.raises(RuntimeError, match="written to by its sender before it was received"):
+        world.run(ranks)
+
+
 def test_the_grid_covers_every_schedule():
     assert {name for name, _, _ in configurations()} == set(sched.SCHEDULES)
     assert max(v for _, _, v in configurations()) == 3 and max(k for _, k, _ in configurations()) == 4
