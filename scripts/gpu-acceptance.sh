@@ -35,7 +35,7 @@
 # step time out). Under --cpu the whole run also ends within 480 s (what a test may wait for it): each step's
 # bound is cut to what is left of them.
 #
-# Without network: wheels/ (from scripts/gpu-wheels.sh) is installed first when present.
+# Without network: where a dependency is missing, wheels/ (from scripts/gpu-wheels.sh) is installed first.
 # Exits non-zero, naming the failed steps, when any step failed or ran past its bound.
 set -uo pipefail
 
@@ -56,6 +56,7 @@ fi
 for s in "${STEPS[@]}"; do
     [[ " ${ALL[*]} " == *" $s "* ]] || { echo "gpu-acceptance: unknown step '$s' (allowed: ${ALL[*]})" >&2; exit 2; }
 done
+case $OUT in /*) ;; *) OUT=$PWD/$OUT ;; esac  # named from where it was typed: the script runs in the repository
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
 cd "$ROOT" || exit 1
@@ -65,8 +66,9 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # Time bounds in seconds of each command (coreutils timeout, then SIGKILL 20 s later), each next to its
 # time on one H100 80GB (torch 2.11, CUDA 13): measured there where it says so, else estimated. The
-# bounds of the default steps, one after the other, add up to 478 s, under the 480 s (8 minutes) the
-# acceptance may take; multigpu runs beside the tests, within their bound, so it adds nothing. To fit:
+# bounds of the default steps, one after the other, add up to 472 s, under the 480 s (8 minutes) the
+# acceptance may take (with a dependency missing, installing it from wheels/ and checking again add 50 s);
+# multigpu runs beside the tests, within their bound, so it adds nothing. To fit:
 #  - tests: on up to 8 xdist workers, the reference runs trained once for all of them (when every worker
 #    trained its own, 9 of the 11 were done at 180 s: 25 to 50 s a gpipe run with 8 starting at once);
 #  - overhead: the model is 4 layers (not 8) of d_model 1024 at seq 512; each row runs 1 warm-up step
@@ -79,10 +81,11 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 #    ranks on one GPU, ran past 90 s);
 #  - multigpu: 4 steps a run; 5 runs (6 with 4 GPUs) of ~21 s each (measured with 2 ranks sharing one).
 declare -A BOUND=(
-    [wheels]=6                # est 4: pip from wheels/ (pydantic and its few wheels), only when present
+    [wheels]=40               # est 20: pip from wheels/ into a folder of its own, only when a dependency is missing
     [setup]=10                # est 4: one Python start: CUDA, gpipe's imports, GPUs and free memory (6 s: too few
                               # on a busy CPU)
-    [tests]=185               # measured 146 and 159.7 (H100, 2026-11-27): 13 tests, 13 gpipe runs on 8 workers
+    [tests]=185               # measured 146 and 159.7 (H100, 2026-11-27) for 13 tests; 16 now (3 fused-optimizer
+                              # and offload ones, each one gpipe run): not measured since
     [overhead]=70             # measured 63.0, 64.3 (H200, 2026-12-04): 55 s of rows, ~8 s start and sync counts
     [table1-amoebanet]=38     # measured 17.6 to 30.6 (H100, 2026-11-27), its 6 device probe steps included
     [table1-transformer]=55   # measured 27.7 to 39.1; 43 with the probes grown past the optimizer's update
@@ -124,26 +127,14 @@ RAW=$WORK/raw  # each measurement's own JSON file, merged into OUT_DIR/raw.json 
 mkdir -p "$RAW"
 LOG=$WORK/setup.log  # until OUT_DIR is made: a machine that cannot run the acceptance leaves nothing there
 
-# A machine without a GPU is told so before anything is installed into its Python.
-if [ "$CPU" = 0 ] && ! gpu=$(timeout -k 5 "$(bound setup)" "$PY" -c 'import torch, sys
-print(f"torch {torch.__version__}"); sys.exit(0 if torch.cuda.is_available() else 3)' 2>>"$LOG"); then
-    echo "gpu-acceptance: no CUDA GPU is visible to torch (${gpu:-torch is not importable}): run it on a machine" \
-        "with one CUDA GPU" | tee -a "$LOG" >&2
-    exit 1
-fi
-if [ "$CPU" = 0 ] && compgen -G "$ROOT/wheels/*.whl" >/dev/null; then
-    echo "gpu-acceptance: installing the dependencies from wheels/ (offline)" | tee -a "$LOG"
-    timeout -k 5 "$(bound wheels)" "$PY" -m pip install --quiet --no-index --find-links "$ROOT/wheels" \
-        -r "$ROOT/wheels/requirements.txt" 2>&1 | tee -a "$LOG"
-    if [ "${PIPESTATUS[0]}" != 0 ]; then
-        echo "gpu-acceptance: installing from wheels/ failed (see above)" | tee -a "$LOG" >&2
-        exit 1
-    fi
-fi
-# One Python start: exit 3 without CUDA, 4 without gpipe's dependencies or pytest; else "GPUS FREE_BYTES"
-# (table1's budget is the memory a process can use: the card's, less what the CUDA context takes).
-setup=$(timeout -k 5 "$(bound setup)" "$PY" - "$CPU" 2>>"$LOG" <<'PYEOF'
+# One Python start: exit 3 without CUDA, 4 naming the dependencies missing (gpipe-cli's, pytest; pytest-xdist on a
+# GPU, whose 16 tests would not end within their bound one after the other); else "GPUS FREE_BYTES" (table1's
+# budget is the memory a process can use: the card's, less what the CUDA context takes).
+check_machine() {
+    timeout -k 5 "$(bound setup)" "$PY" - "$CPU" 2>>"$LOG" <<'PYEOF'
+import importlib.util
 import sys
+
 try:
     import torch
 except ImportError:
@@ -152,22 +143,50 @@ except ImportError:
 if sys.argv[1] == "0" and not torch.cuda.is_available():
     print(f"torch {torch.__version__}")
     sys.exit(3)
-try:
-    import gpipe_cli.cli  # noqa: F401
-    import pytest  # noqa: F401
-except ImportError as exc:
-    print(exc)
+NEEDED = ["typer", "yaml", "ruamel.yaml", "rich", "pydantic", "datasets", "huggingface_hub", "pyarrow", "numpy", "PIL",
+          "sentencepiece", "sacrebleu", "safetensors", "xxhash", "pytest"] + (["xdist"] if sys.argv[1] == "0" else [])
+
+
+def found(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # its parent package is missing (ruamel)
+        return False
+
+
+missing = [name for name in NEEDED if not found(name)]
+if missing:
+    print(", ".join(missing))
     sys.exit(4)
+import gpipe_cli.cli  # noqa: E402,F401  (what the steps run)
+
 print(*((torch.cuda.device_count(), torch.cuda.mem_get_info(0)[0]) if sys.argv[1] == "0" else (0, 0)))
 PYEOF
-)
-case $? in
+}
+setup=$(check_machine)
+code=$?
+if [ "$code" = 4 ] && [ "$CPU" = 0 ] && compgen -G "$ROOT/wheels/*.whl" >/dev/null; then
+    # Into a folder of its own on PYTHONPATH: a system Python may refuse pip's changes (PEP 668), and nothing
+    # half-installed is left in it should the bound stop pip.
+    echo "gpu-acceptance: $setup missing: installing the dependencies from wheels/ (offline)" | tee -a "$LOG"
+    timeout -k 5 "$(bound wheels)" "$PY" -m pip install --quiet --no-index --find-links "$ROOT/wheels" \
+        --target "$WORK/site" -r "$ROOT/wheels/requirements.txt" 2>&1 | tee -a "$LOG"
+    if [ "${PIPESTATUS[0]}" != 0 ]; then
+        echo "gpu-acceptance: installing from wheels/ failed or took over $(bound wheels) s (see above)" \
+            | tee -a "$LOG" >&2
+        exit 1
+    fi
+    export PYTHONPATH="$PYTHONPATH:$WORK/site"
+    setup=$(check_machine)
+    code=$?
+fi
+case $code in
     0) ;;
     3) echo "gpu-acceptance: no CUDA GPU is visible to torch ($setup): run it on a machine with one CUDA GPU" \
            | tee -a "$LOG" >&2
        exit 1 ;;
-    4) echo "gpu-acceptance: gpipe-cli's dependencies or pytest are missing ($setup): run scripts/gpu-wheels.sh" \
-            "wheels on a machine with network and bring wheels/ here" | tee -a "$LOG" >&2
+    4) echo "gpu-acceptance: missing here: $setup; run scripts/gpu-wheels.sh wheels on a machine with network" \
+            "and bring wheels/ here" | tee -a "$LOG" >&2
        exit 1 ;;
     *) echo "gpu-acceptance: checking the machine failed or took over $(bound setup) s: $(tail -n 3 "$LOG")" >&2
        exit 1 ;;
@@ -193,7 +212,9 @@ trap 'echo "gpu-acceptance: stopped; collecting what was measured" | tee -a "$LO
 echo "gpu-acceptance: $(date -u +%Y-%m-%dT%H:%M:%SZ) steps: ${STEPS[*]}$([ "$CPU" = 1 ] && echo ' (--cpu: tiny sizes on the CPU)')" \
     >> "$LOG"
 total=0
-for s in "${!BOUND[@]}"; do [ "$s" = multigpu ] || [ "$s" = bench-k2 ] || total=$((total + $(bound "$s"))); done
+for s in "${!BOUND[@]}"; do  # wheels: only when a dependency is missing, said above then
+    case $s in multigpu|bench-k2|wheels) ;; *) total=$((total + $(bound "$s"))) ;; esac
+done
 if [ "$CPU" = 1 ]; then  # the bounds are scaled for a GPU's steps; --cpu caps the run itself
     echo "gpu-acceptance: --cpu; the run is bounded at ${CPU_TOTAL} s in all" | tee -a "$LOG"
 else
@@ -224,6 +245,8 @@ step() {
         *) status=failed ;;
     esac
     record "$name" "$status" "$code" "$seconds" "$limit"
+    # Into OUT_DIR at once: a machine taken back (SIGKILL) keeps every step that ended. No torch: quick.
+    timeout -k 2 10 "$PY" scripts/gpu_figures.py "$OUT" --raw "$RAW" --merge-only >/dev/null 2>&1
     if [ "$status" != passed ]; then
         FAILED+=("$name")
         echo "gpu-acceptance: step $name $status (exit code $code) after ${seconds%.*} s" | tee -a "$log" >&2
@@ -251,13 +274,17 @@ if wants multigpu; then
             # Boundary activation per micro-batch: 8 x 512 x 1024 x 4 B = 16 MiB (fp32), over 8 MiB.
             sizes=(--layers 4 --d-model 1024 --ff 4096 --heads 16 --seq-len 512 --micro-batch 8 --microbatches 4
                    --steps 4 --synthetic-size 256 --translation-size 1024)
-            # Beside the tests (on GPU 0) it keeps off GPU 0 where it can still have 2 GPUs, or 4 for D=2.
+            # Beside the tests (on the first GPU) it keeps off that one where it can still have 2 GPUs, or 4 for
+            # D=2; named as the machine lists them (its own CUDA_VISIBLE_DEVICES may hold indices or UUIDs).
             visible=
-            if wants tests && [ "$GPUS" -ge 5 ]; then visible=1,2,3,4;
-            elif wants tests && [ "$GPUS" = 3 ]; then visible=1,2; fi
+            if wants tests && { [ "$GPUS" -ge 5 ] || [ "$GPUS" = 3 ]; }; then
+                IFS=, read -ra listed <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((GPUS - 1)))}"
+                if [ "$GPUS" -ge 5 ]; then take=4; else take=2; fi
+                visible=$(IFS=,; echo "${listed[*]:1:$take}")
+            fi
         fi
         gpus=$GPUS
-        [ -z "$visible" ] || gpus=$(( (${#visible} + 1) / 2 ))
+        [ -z "$visible" ] || gpus=$(awk -F, '{ print NF }' <<< "$visible")
         run_bound=$(awk -v b="$MULTIGPU_RUN_BOUND" -v s="$SCALE" 'BEGIN { print b * s }')
         command=("$PY" scripts/gpu_measure.py multigpu --device "$DEVICE" --gpus "$gpus" "${sizes[@]}"
                  --run-timeout "$run_bound" --budget-s "$(( $(limit multigpu) > 20 ? $(limit multigpu) - 15 : 1 ))"
@@ -286,7 +313,8 @@ if wants tests; then
         cores=$(nproc)
         workers=(-n "$(( cores / 2 < most ? (cores / 2 > 1 ? cores / 2 : 1) : most ))" --dist load)
     fi
-    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} STOP_SIGNAL=INT step tests "$PY" -m pytest tests/gpu -m gpu \
+    first=${CUDA_VISIBLE_DEVICES:-0}  # one GPU for the tests: the first the machine lists
+    CUDA_VISIBLE_DEVICES=${first%%,*} STOP_SIGNAL=INT step tests "$PY" -m pytest tests/gpu -m gpu \
         -p no:cacheprovider -o addopts=-ra -q --durations 12 "${workers[@]}" --junitxml "$OUT/junit.xml"
     # On a GPU machine nothing may be skipped: a skip would hide a path that did not run.
     skipped=$("$PY" -c 'import sys, xml.etree.ElementTree as ET
@@ -294,6 +322,7 @@ print(sum(int(s.get("skipped", 0)) for s in ET.parse(sys.argv[1]).getroot().iter
         "$OUT/junit.xml" 2>/dev/null || echo "unknown")
     if [ "$CPU" = 0 ] && [ "$skipped" != 0 ]; then
         FAILED+=(tests-skipped)
+        record tests-skipped failed 1 0 0 "$skipped gpu test(s) skipped or unreadable in junit.xml"
         echo "gpu-acceptance: $skipped gpu test(s) were skipped or unreadable in $OUT/junit.xml" | tee -a "$LOG" >&2
     fi
 fi

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -42,7 +45,7 @@ def merge(out_dir: Path, raw_dir: Path) -> dict[str, Any]:
             raw[path.stem] = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raw[path.stem] = {"unreadable": f"{path.name}: {exc}"}
-    tmp = target.with_suffix(".json.tmp")
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")  # the multigpu step merges beside the others
     tmp.write_text(json.dumps(raw, indent=1))
     tmp.replace(target)
     return raw
@@ -157,7 +160,16 @@ def steps(path: Path) -> list[dict[str, Any]]:
 
 def environment() -> dict[str, Any]:
     """The machine the figures were taken on."""
-    out: dict[str, Any] = {"python": platform.python_version()}
+    out: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           "python": platform.python_version(), "cpus": os.cpu_count(),
+                           "bound_scale": os.environ.get("GPU_ACCEPTANCE_BOUND_SCALE", "1")}
+    try:  # which code measured: the figures of another version are not comparable
+        from gpipe_cli import __version__
+        from gpipe_cli.estimate.kept import code_digest
+
+        out.update(gpipe_cli=__version__, code_digest=code_digest())
+    except ImportError:
+        pass
     try:
         import torch
 
@@ -165,8 +177,16 @@ def environment() -> dict[str, Any]:
         out["cuda"] = torch.version.cuda
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
-            out.update(gpu=props.name, gpu_memory_bytes=props.total_memory, gpus=torch.cuda.device_count())
+            out.update(gpu=props.name, gpu_memory_bytes=props.total_memory, gpus=torch.cuda.device_count(),
+                       gpu_free_bytes=torch.cuda.mem_get_info(0)[0])
     except ImportError:
+        pass
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=3)
+        if driver.returncode == 0 and driver.stdout.strip():
+            out["driver"] = driver.stdout.split()[0]
+    except (OSError, subprocess.TimeoutExpired):
         pass
     return out
 
@@ -224,7 +244,9 @@ def main(argv: list[str]) -> int:
         return 0
     figures = collect(args.out_dir)
     target = args.out_dir / FIGURES
-    target.write_text(json.dumps(figures, indent=2))
+    partial = target.with_name(f".{target.name}.{os.getpid()}")
+    partial.write_text(json.dumps(figures, indent=2))
+    partial.replace(target)
     print(f"gpu_figures: {target} ({len(figures['missing'])} measurement(s) missing)")
     return 0
 

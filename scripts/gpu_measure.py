@@ -236,8 +236,15 @@ ROW_MARGIN = 1.5
 
 
 def row_seconds(precision: str, batch: int, rows: list[dict[str, Any]]) -> float:
-    """Seconds the longest measured row of this precision and batch took (0 before any): what the next should take."""
-    return max((r["seconds"] for r in rows if r["precision"] == precision and r["batch_size"] == batch), default=0.0)
+    """Seconds the longest measured row of this precision and batch took: what the next should take. Before any,
+    the longest at the nearest batch measured of its precision (else of any), scaled up to a larger batch; 0 before
+    any row at all."""
+    # Priced at 0, fp32's first row at batch 128 started 55 s in and ran some 9 s past the step's bound.
+    kin = [r for r in rows if r["precision"] == precision] or rows
+    if not kin:
+        return 0.0
+    nearest = min({r["batch_size"] for r in kin}, key=lambda b: (abs(b - batch), b))
+    return max(r["seconds"] for r in kin if r["batch_size"] == nearest) * max(1.0, batch / nearest)
 
 
 def sync_warnings(side: Side, inputs: Any, targets: torch.Tensor, microbatches: int,
@@ -272,9 +279,13 @@ def host_profile(side: Side, inputs: Any, targets: torch.Tensor, device: torch.d
     """One step at M=1 (after a warm-up step) under torch's profiler, host side only: the step's wall time, the
     host time of its top-level operators (the rest is Python) and the operators that took the most."""
     side.run(inputs, targets, 1, device)
-    with profiling.quiet(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        seconds, _ = side.run(inputs, targets, 1, device)  # quiet: Kineto's own lines at its start and stop
-    events = [e for e in prof.events() if e.cpu_parent is None]  # top-level: nested operators are counted in them
+    with profiling.quiet():  # Kineto's own lines at its start and stop
+        # The profiler's first use pays its own start (300 ms against 23 ms, seen): taken by a step not kept.
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            side.run(inputs, targets, 1, device)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            seconds, _ = side.run(inputs, targets, 1, device)
+    events = top_level(prof.events())
     by_name: dict[str, list[float]] = {}
     for e in events:
         by_name.setdefault(e.name, []).append(e.cpu_time_total / 1e6)
@@ -282,6 +293,33 @@ def host_profile(side: Side, inputs: Any, targets: torch.Tensor, device: torch.d
     return {"side": side.name, "batch_size": microbatch.batch_size(inputs), "step_s": seconds,
             "operators_s": sum(e.cpu_time_total for e in events) / 1e6, "operators": len(events),
             "heaviest": [{"name": name, "calls": len(ts), "seconds": sum(ts)} for name, ts in heaviest]}
+
+
+def top_level(events: Any) -> list[Any]:
+    """The operators not inside another (nested ones are counted in theirs), inside the engine's named ranges too."""
+    # The engine names each action's range (`fwd mb0`) when a profiler records: as top-level events, they made its
+    # operators 36 against the loop's 265, and its heaviest "bwd mb0".
+    def annotation(event: Any) -> bool:
+        return bool(getattr(event, "is_user_annotation", False))
+
+    found = []
+    for event in events:
+        parent = event.cpu_parent
+        while parent is not None and annotation(parent):
+            parent = parent.cpu_parent
+        if parent is None and not annotation(event):
+            found.append(event)
+    return found
+
+
+def keep(path: Path | None, figures: dict[str, Any]) -> None:
+    """Write what is measured so far, whole (a step stopped at its bound leaves its rows)."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(json.dumps(figures, indent=2))
+    partial.replace(path)
 
 
 def overhead(args: argparse.Namespace) -> dict[str, Any]:
@@ -322,6 +360,7 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
     out["sync_debug"] = [{**sync_warnings(side, inputs, targets, m, device), "precision": precision,
                           "checkpoint": "except_last"}
                          for m in sorted({1, args.sync_microbatches}) for side in pair(precision, "except_last")]
+    keep(args.json, {**out, "partial": True})
     print("gpu_measure overhead: synchronisations per step: "
           + ", ".join(f"{r['side']} M={r['microbatches']} {r['per_step']}" for r in out["sync_debug"]), flush=True)
 
@@ -350,6 +389,7 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
                "goal": goal, "meets_goal": None if goal is None else figures["ratio"] >= goal,
                "seconds": time.perf_counter() - row_started}
         out["rows"].append(row)
+        keep(args.json, {**out, "partial": True})
         print(f"{precision:>9} {batch:>5} {m:>3} {remat:>11} {figures['engine_samples_per_s']:>10.1f} "
               f"{figures['plain_samples_per_s']:>10.1f} {figures['ratio']:>6.3f}"
               + ("" if goal is None else f"  (goal {goal})"), flush=True)
@@ -516,6 +556,7 @@ def fits(args: argparse.Namespace) -> dict[str, Any]:
                             device)
         rows.append({**row, **outcome, "budget_bytes": table["budget_bytes"], "schedule": table.get("schedule"),
                      **_versus(row.get("device_peak_bytes"), outcome, table["budget_bytes"])})
+        keep(args.json, {"family": table["family"], "rows": rows, "partial": True})
     peak = ("CUDA allocator peaks (torch.cuda.max_memory_allocated, and max_memory_reserved above the start: "
             "measured_bytes)" if device.type == "cuda"
             else "the process's peak resident memory; measured_bytes: the engine's saved-tensor accounting (CPU)")
@@ -746,6 +787,7 @@ def multigpu(args: argparse.Namespace) -> dict[str, Any]:
         if any(b is not None for b in bleu):
             row["bleu"] = bleu[-1]
         out["runs"].append(row)
+        keep(args.json, {**out, "partial": True})
         print(f"== multigpu {run['name']}: {'passed' if not problems else 'FAILED: ' + '; '.join(problems)} "
               f"({seconds:.1f} s)", flush=True)
     compare_schedules(out["runs"])
@@ -823,8 +865,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     figures = {"overhead": overhead, "fits": fits, "messages": messages, "multigpu": multigpu}[args.command](args)
     figures["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(figures, indent=2))
+    keep(args.json, figures)
     print(f"gpu_measure {args.command}: figures written to {args.json}")
     return 1 if figures.get("passed") is False else 0
 

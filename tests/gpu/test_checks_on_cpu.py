@@ -223,7 +223,8 @@ def test_acceptance_bounds_fit_eight_minutes_and_say_what_each_step_takes() -> N
     assert bounds["multigpu"] <= bounds["tests"]
     default = re.search(r"^DEFAULT=\((.*)\)$", ACCEPTANCE.read_text(), re.M)
     assert default is not None and "bench" not in default.group(1).split()
-    assert sum(v for k, v in bounds.items() if k not in ("multigpu", "bench-k2")) < 480
+    # wheels: only where a dependency is missing, checked again then.
+    assert sum(v for k, v in bounds.items() if k not in ("multigpu", "bench-k2", "wheels")) < 480
     for name, comment in comments.items():
         assert re.search(r"\b(est|measured) \d+", comment), (name, comment)
 
@@ -329,6 +330,18 @@ def test_overhead_plain_loop_computes_the_engines_loss_with_and_without_remateri
     assert "USDT" not in capfd.readouterr().err  # the profiler's own lines at its start and stop stay out of the log
 
 
+def test_the_host_profile_counts_operators_inside_the_engines_named_ranges() -> None:
+    # The engine names each action's range while a profiler records: they were its "operators", 36 against the
+    # loop's 265, and its heaviest was "bwd mb0".
+    measure = _script("gpu_measure")
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with measure.profiling.quiet(), torch.profiler.profile(activities=cpu) as prof, \
+            torch.profiler.record_function("fwd mb0"):
+        torch.ones(4, 4) @ torch.ones(4, 4)
+    names = [e.name for e in measure.top_level(prof.events())]
+    assert "fwd mb0" not in names and "aten::matmul" in names and "aten::mm" not in names  # mm: inside matmul
+
+
 def test_overhead_stops_starting_rows_past_its_budget() -> None:
     measure = _script("gpu_measure")
     configs = measure.overhead_configs(["bf16", "fp32"], [8, 32], [1, 4, 16], ["never", "except_last"])
@@ -343,8 +356,11 @@ def test_overhead_prices_a_row_by_the_longest_of_its_precision_and_batch() -> No
             "seconds": 9.0}, {"precision": "fp32", "batch_size": 8, "seconds": 30.0},
             {"precision": "bf16", "batch_size": 128, "seconds": 40.0}]
     assert measure.row_seconds("fp32", 128, rows) == 9.0
-    # A row of a batch not measured yet starts: nothing prices it (the goals' M=1 row of each batch comes first).
-    assert measure.row_seconds("fp32", 32, rows) == 0.0 and measure.row_seconds("fp16", 128, rows) == 0.0
+    # A row of a batch not measured yet: its precision's nearest batch, scaled up to it (priced at 0, the first fp32
+    # row at batch 128 started at 55 s of a 55 s budget and ran 9 s past the step's bound).
+    assert measure.row_seconds("fp32", 16, rows) == 60.0 and measure.row_seconds("fp32", 100, rows) == 9.0
+    assert measure.row_seconds("fp16", 128, rows) == 40.0 and measure.row_seconds("fp16", 256, [rows[2]]) == 960.0
+    assert measure.row_seconds("bf16", 8, []) == 0.0
     # The H200's timed-out step: 55 s of rows, the last fp32 batch-128 row started at 50 s after one of 7 s.
     assert 50 + measure.ROW_MARGIN * measure.row_seconds("fp32", 128, rows[:1]) > 55
 
