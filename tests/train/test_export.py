@@ -159,24 +159,31 @@ def test_predict_translates_as_the_training_decoder_in_a_process_without_the_eng
     assert proc.stdout.split("\n")[:-1] == expected
 
 
-@pytest.mark.slow
-def test_a_run_whose_recipe_was_edited_to_another_model_is_refused_at_export(trained, tmp_path):
+def older_run(trained: Path, tmp_path: Path) -> tuple[Path, dict]:
+    """A copy of the run whose checkpoint, as an older version's, keeps no recipe (export reads the run's): the run,
+    and its recipe to edit."""
     import shutil
 
     import yaml
 
-    from gpipe_cli.errors import UserError
-
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
-    # A checkpoint of an older version, which kept no recipe of its own: export reads the run's.
     older = checkpoint.newest_whole(run_dir)[0].path
     (older / "recipe.yaml").unlink()
     manifest = json.loads((older / "manifest.json").read_text())
     for key in ("files", "checksums"):
         del manifest[key]["recipe.yaml"]
     (older / "manifest.json").write_text(json.dumps(manifest))
-    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    return run_dir, yaml.safe_load((run_dir / "recipe.yaml").read_text())
+
+
+@pytest.mark.slow
+def test_a_run_whose_recipe_was_edited_to_another_model_is_refused_at_export(trained, tmp_path):
+    import yaml
+
+    from gpipe_cli.errors import UserError
+
+    run_dir, recipe = older_run(trained, tmp_path)
     recipe["model"]["d_model"] *= 2
     (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     with pytest.raises(UserError, match=r"recipe.yaml does not describe the checkpoint's model: \S+ has shape"):
@@ -186,19 +193,9 @@ def test_a_run_whose_recipe_was_edited_to_another_model_is_refused_at_export(tra
 
 def test_a_recipe_a_later_version_refuses_outside_the_model_and_data_is_still_exported(trained, tmp_path, capsys):
     # train.stall_timeout 5, allowed when the run was made, blocked the export of its model for good.
-    import shutil
-
     import yaml
 
-    run_dir = tmp_path / "run"
-    shutil.copytree(trained, run_dir)
-    older = checkpoint.newest_whole(run_dir)[0].path  # of an older version: no recipe of its own
-    (older / "recipe.yaml").unlink()
-    manifest = json.loads((older / "manifest.json").read_text())
-    for key in ("files", "checksums"):
-        del manifest[key]["recipe.yaml"]
-    (older / "manifest.json").write_text(json.dumps(manifest))
-    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    run_dir, recipe = older_run(trained, tmp_path)
     recipe["train"]["stall_timeout"] = 5
     (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     capsys.readouterr()
