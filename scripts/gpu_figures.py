@@ -205,6 +205,8 @@ def collect(out_dir: Path) -> dict[str, Any]:
         if data is None or "unreadable" in data:
             figures["missing"].append(f"{RAW}: {name}" + (f" ({data['unreadable']})" if data else ""))
             return None
+        if data.get("partial"):  # its rows so far, kept as measured: the step ended before the rest
+            figures["missing"].append(f"{RAW}: {name} (partial: the step ended before it was done)")
         return data
 
     figures["tests"] = tests(out_dir / JUNIT)

@@ -128,7 +128,11 @@ def summary_table(runs: list[Run]) -> Table:
         if skipped := sum(r.get("skipped") is True for r in run.train):  # its loss may be a skipped step's
             steps += f" ({skipped} skipped)"
         if cut_steps(run):
-            steps += f" (pipeline changed at {last_cut(run)[0][0]['step']})"
+            since = last_cut(run)[0][0]
+            before = segments(run)[len(segments(run)) - len(last_cut(run)) - 1][0]
+            # An older version's start, its M and schedule unrecorded, may have run the same pipeline.
+            unknown = run.unrecorded(before) and run.stages == len(before["time_s"]["compute"])
+            steps += f" ({'M and schedule unrecorded before' if unknown else 'pipeline changed at'} {since['step']})"
         table.add_row(run.label, steps, "nan" if last is None else figure(last, ".4f"), best,
                       figure(rate.samples_per_s, ".1f"), figure(timed_mean(run, "bubble"), ".3f"),
                       figure(timed_mean(run, "bubble_theory"), ".3f"), figure(wait_share(run), ".0%"),

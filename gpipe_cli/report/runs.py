@@ -57,10 +57,14 @@ class Run:
         """The schedule its last start ran (the one its label names)."""
         return str(self.settings(self.train[-1])["schedule"])
 
+    def unrecorded(self, record: dict[str, Any]) -> bool:
+        """Whether a record's M and schedule are unknown: none recorded, and the recipe is a later start's."""
+        return self.recorded and not all(key in record for key in PIPELINE)
+
     def pipeline(self, record: dict[str, Any]) -> str:
         """The K, M, schedule (and D) a train record was written with; the recipe's for records without them."""
         stages = f"K={len(record['time_s']['compute'])}"
-        if self.recorded and not all(key in record for key in PIPELINE):
+        if self.unrecorded(record):
             return f"{stages} (M and schedule unrecorded)"
         pipe = self.settings(record)
         label = f"{stages} M={pipe['microbatches']} {pipe['schedule']}"

@@ -661,7 +661,10 @@ def train_recipe(recipe: str | None, overrides: Sequence[str], resume: str | Non
     except RecipeError as exc:  # a value an earlier version allowed (a limit added since): the way past it
         if "--set" in str(exc):
             raise
-        raise RecipeError(f"{exc}; the run's {RECIPE} holds it: --set KEY=VALUE on the --resume replaces it") from None
+        named = re.search(r": ([a-z_]+(?:\.[a-z_0-9]+)+): ", str(exc))
+        key = named[1] if named else "KEY"
+        raise RecipeError(f"{exc}; the run's {RECIPE} holds it: --set {key}=VALUE on the --resume replaces it") \
+            from None
 
 
 def _check_not_a_run(recipe: str | None) -> None:

@@ -53,6 +53,7 @@ class StepProfiler:
         self._done = 0  # the last step finished
         self._ready: Path | None = None
         self._failed = False  # a trace could not be written: none is recorded after it
+        self._failure = ""  # the line that says so, once stderr is the run's again
         self._schedule: Callable[[int], Any] = lambda step: ProfilerAction.NONE  # a ProfilerAction
         if config is None:
             return
@@ -100,6 +101,7 @@ class StepProfiler:
         else:
             with quiet():
                 profiler.step()
+        self._say_failure()
         return self._ready
 
     def close(self) -> Path | None:
@@ -110,7 +112,13 @@ class StepProfiler:
         self._ready = None
         with quiet():
             profiler.stop()
+        self._say_failure()
         return self._ready
+
+    def _say_failure(self) -> None:
+        if self._failure:
+            print(self._failure, file=sys.stderr, flush=True)
+            self._failure = ""
 
     def _save(self, profiler: profile) -> None:
         """Write the cycle that just ended: whole, gzip'd, under its final name only once complete."""
@@ -125,8 +133,10 @@ class StepProfiler:
                 profiler.export_chrome_trace(str(partial))
         except OSError as exc:  # a trace is an aid: the run goes on without more of them
             self._failed = True
-            print(f"[gpipe] train.profile: cannot write {path_line(path)} ({exc.strerror or exc}); the run goes on "
-                  "without more traces", file=sys.stderr, flush=True)
+            # Said once out of `quiet()`, which holds stderr now; by rank 0, for every rank's trace goes there too.
+            if self.rank == 0:
+                self._failure = (f"[gpipe] train.profile: cannot write {path_line(path)} ({exc.strerror or exc}); "
+                                 "the run goes on without more traces")
             return
         self.traced = (first, last)
         self._ready = path

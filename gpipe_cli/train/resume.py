@@ -211,9 +211,11 @@ def rewind_metrics(run_dir: Path, fork: int, step: int, aside: Path | None, cour
     if aside is not None and later:  # kept beside the checkpoints of their course, for a resume of it
         atomic_write_bytes(aside / METRICS, _text(later))
     back = [line for line in _lines(course / METRICS) if _within(line, fork + 1, step)] if course else []
-    kept = [line for line in lines if _within(line, 0, fork)] + back
-    if kept != lines:  # left as it is otherwise: a resume needs no space on the disk for it
-        atomic_write_bytes(path, _text(kept))
+    kept = _text([line for line in lines if _within(line, 0, fork)] + back)
+    # Left as it is otherwise: a resume needs no space on the disk for it. Compared as bytes: a file whose last
+    # line lacks its newline (a kill as it was written) would have the next record appended onto that line.
+    if kept != (path.read_bytes() if path.exists() else b""):
+        atomic_write_bytes(path, kept)
 
 
 def _lines(path: Path) -> list[str]:

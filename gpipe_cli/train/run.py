@@ -356,7 +356,8 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
                               earlier=earlier_checkpoint(str(resume))), sys.stdout)
         elif resume is not None:  # which run, from which step, with which changes: a bare --resume picks one
             say(resume_line(run_dir_of(resume), step, changes, options.recipe, options.recipe is None,
-                            options.overrides, base) + settings_unkept(resume) + evaluating, sys.stdout)
+                            options.overrides, base) + (settings_unkept(resume) if options.recipe is None else "")
+                + evaluating, sys.stdout)
         elif fresh:
             say(_fresh_line(options.output_dir, dropped), sys.stdout)
         warning = node_oversubscribed(recipe, options.launch.nnodes, options.launch.threads)
@@ -382,7 +383,7 @@ def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None
         if resume is not None:  # before any rank starts: the run's recipe.yaml will record what it changes
             continued = options.recipe is None
             say(resume_line(run_dir_of(resume), step, changes, options.recipe, continued, options.overrides, base)
-                + settings_unkept(resume) + evaluating, sys.stdout)
+                + (settings_unkept(resume) if continued else "") + evaluating, sys.stdout)
     job = Job(recipe=recipe.model_dump(mode="json"), output_dir=options.output_dir, plain=options.plain,
               resume=resume, started=started, available=available, run_dir=str(new_dir) if new_dir else None)
     if under_torchrun():

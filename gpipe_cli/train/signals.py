@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -41,7 +42,8 @@ class StopRequest:
         self.orphaned = False  # the first stop was the SIGINT a rank gets as its launcher ends (kill -9 of it)
         self.way_on: Callable[[], str] = lambda: ""  # how the run goes on after an abort, said with it
         self._watched = False
-        self._lock = threading.Lock()
+        # Re-entrant: the answer's line, written to a closed output, stops the run through `_direct` in turn.
+        self._lock = threading.RLock()
         self._done: int | None = None  # once disarmed: the code a stop signal ends the rank with (0: 128 + it)
 
     def arm(self) -> None:
@@ -64,16 +66,16 @@ class StopRequest:
         # signal also goes to a pipe (from C), read here.
         if self._watched:
             return
-        self._watched = True
         read, write = os.pipe()
         os.set_blocking(write, False)
         signal.set_wakeup_fd(write)
         threading.Thread(target=self._read, args=(read,), name="stop-signals", daemon=True).start()
+        self._watched = True  # only now does `_direct` leave stop signals to the thread: none is lost meanwhile
 
     def _direct(self, signum: int, frame: FrameType | None) -> None:
         """The handler Python runs: a stop signal is seen by the thread of `_watch`; a closed output's stop
         (train/output.py calls it with SIGPIPE) is seen here."""
-        if signum not in stopping.STOPS:
+        if signum not in stopping.STOPS or not self._watched:  # (one seen by both within ECHO_S counts once)
             with self._lock:
                 self._handle(signum, frame)
 
@@ -81,7 +83,7 @@ class StopRequest:
         while data := os.read(read, 1):
             if data[0] not in stopping.STOPS:
                 continue
-            with self._lock:
+            with self._lock, contextlib.suppress(Exception):  # the thread lives on: a later stop is still seen
                 if self._done is not None:
                     stopping.abrupt_exit(self._done or 128 + data[0])
                 self._handle(data[0], None)

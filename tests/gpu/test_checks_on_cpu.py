@@ -190,6 +190,12 @@ def test_figures_collects_what_the_acceptance_wrote_and_names_what_is_missing(tm
     assert figures["multigpu"] == {"skipped": "needs two GPUs, this machine has 1"}
     assert not any("multigpu" in m for m in figures["missing"])
     assert [r["step"] for r in figures["steps"]] == ["table1-amoebanet", "multigpu"]
+    assert figures["environment"]["date"] and figures["environment"]["code_digest"]  # which code, and when
+    # A step stopped at its bound leaves the rows it had measured, said to be partial rather than whole.
+    (raw / "fits-amoebanet.json").write_text(json.dumps({"family": "AmoebaNet-D (L, D)", "rows": [], "partial": True}))
+    figures_module.main([str(tmp_path), "--raw", str(raw), "--merge-only"])
+    assert "raw.json: fits-amoebanet (partial: the step ended before it was done)" in \
+        figures_module.collect(tmp_path)["missing"]
 
 
 # ------------------------------------------------------------------------- the acceptance script

@@ -517,6 +517,10 @@ def test_a_resume_from_the_newest_checkpoint_leaves_the_records_untouched(tmp_pa
     monkeypatch.setattr(resuming, "atomic_write_bytes", full)
     assert resuming.rewind(tmp_path, 4, 4, None, "now") is None
     assert (tmp_path / "metrics.jsonl").read_text() == records(range(1, 5))
+    monkeypatch.undo()
+    (tmp_path / "metrics.jsonl").write_text(records(range(1, 5)).rstrip("\n"))  # its last newline never written
+    resuming.rewind(tmp_path, 4, 4, None, "now")  # the next record would have joined the last line
+    assert (tmp_path / "metrics.jsonl").read_text() == records(range(1, 5))
 
 
 def test_a_resume_that_cannot_rewrite_the_records_leaves_the_run_as_it_was(tmp_path, monkeypatch):
@@ -565,7 +569,7 @@ def test_a_runs_recipe_refused_by_a_limit_added_since_says_how_to_resume_past_it
     assert run(["train", "--resume", str(run_dir), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {run_dir / 'recipe.yaml'}: train.stall_timeout: must be >= ") and err.endswith(
-        "(got 5); the run's recipe.yaml holds it: --set KEY=VALUE on the --resume replaces it\n")
+        "(got 5); the run's recipe.yaml holds it: --set train.stall_timeout=VALUE on the --resume replaces it\n")
     assert run(["train", "--resume", str(run_dir), "--dry-run", "--set", "train.stall_timeout=10"]) == 0
     assert run(["train", "--resume", str(run_dir), "--dry-run", "--set", "train.stall_timeout=6"]) == 2
     assert "replaces it" not in capsys.readouterr().err  # the --set's own value: said as any --set's
