@@ -133,3 +133,23 @@ def test_the_sigint_of_a_launcher_that_ended_is_said_as_its_end_not_as_a_ctrl_c(
     typed = signals.StopRequest(announce=False)
     typed._handle(signal.SIGINT, None)
     assert not typed.orphaned and typed.cause(signal.SIGINT) == "SIGINT"
+
+
+def test_a_stop_answered_into_a_closed_output_does_not_hold_up_the_signal_thread(monkeypatch):
+    # `gpipe train 2>&1 | tee log` and Ctrl-C: tee gone, the answer's write stopped the run through the handler,
+    # which waited for the lock the signal thread held while answering: rank 0 hung until the stall timeout.
+    import os
+    import threading
+
+    from gpipe_cli.pipeline import stopping
+
+    request = signals.StopRequest(announce=True)
+    monkeypatch.setattr(stopping, "say_stop", lambda text: request._direct(signal.SIGPIPE, None))  # output.stop_run
+    read, write = os.pipe()
+    os.write(write, bytes([signal.SIGINT]))
+    os.close(write)
+    thread = threading.Thread(target=request._read, args=(read,), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive() and request.signum == signal.SIGINT
+    os.close(read)
