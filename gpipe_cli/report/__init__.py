@@ -128,8 +128,8 @@ def summary_table(runs: list[Run]) -> Table:
         if skipped := sum(r.get("skipped") is True for r in run.train):  # its loss may be a skipped step's
             steps += f" ({skipped} skipped)"
         if cut_steps(run):
-            since = last_cut(run)[0][0]
-            before = segments(run)[len(segments(run)) - len(last_cut(run)) - 1][0]
+            starts, cut = segments(run), last_cut(run)
+            since, before = cut[0][0], starts[len(starts) - len(cut) - 1][0]
             # An older version's start, its M and schedule unrecorded, may have run the same pipeline.
             unknown = run.unrecorded(before) and run.stages == len(before["time_s"]["compute"])
             steps += f" ({'M and schedule unrecorded before' if unknown else 'pipeline changed at'} {since['step']})"

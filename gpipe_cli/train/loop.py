@@ -383,8 +383,8 @@ class Trainer:
                   "as it is now", file=sys.stderr, flush=True)
         elif self.layout.rank == 0 and split_rule_changed(found.manifest.get("data"), self.checkpoints.data):
             print(f"[gpipe] step {step} was saved by an earlier version of gpipe-cli, which held out other examples "
-                  "than this one does (by a hash of each line, row or image path): the examples trained on from here, "
-                  "and their order, differ from that run's", file=sys.stderr, flush=True)
+                  "than this version, which holds each line, row or image out by a hash of it: the examples trained on "
+                  "from here, and their order, differ from that run's", file=sys.stderr, flush=True)
         # train.max_skipped counts the skips in a row across a resume, as in a run never stopped.
         self.skipped_before = self.topo.share(skipped_until(self.run_dir, step) if self.layout.rank == 0 else None)
         return step

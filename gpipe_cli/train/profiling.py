@@ -122,12 +122,12 @@ class StepProfiler:
 
     def _save(self, profiler: profile) -> None:
         """Write the cycle that just ended: whole, gzip'd, under its final name only once complete."""
+        if self._failed:
+            return
         last = first = self._done
         while first > 1 and self._schedule(first - 1) == ProfilerAction.RECORD:  # back to the cycle's first
             first -= 1
         path = trace_path(self.run_dir, self.rank, first, last)
-        if self._failed:
-            return
         try:
             with atomic_path(path, suffix=".gz") as partial:  # torch gzips a name ending in .gz
                 profiler.export_chrome_trace(str(partial))

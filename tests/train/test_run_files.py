@@ -119,3 +119,12 @@ def test_the_records_parts_are_the_engines():
     from gpipe_cli.records import PARTS as RECORDED
 
     assert RECORDED == PARTS
+
+
+def test_a_checkpoint_of_text_held_out_by_content_says_so(lm_run):
+    # A resume from a checkpoint without it, of an older version, is told that the held-out split then was another.
+    import json
+
+    (checkpoint,) = (lm_run / "checkpoints").glob("step-*")
+    data = json.loads((checkpoint / "manifest.json").read_text())["data"]
+    assert data["held_out_by"] == "content" and data["held_out"] > 0 and data["train_examples"] > 0
