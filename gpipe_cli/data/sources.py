@@ -59,12 +59,16 @@ def split_files(path: Path, exts: Sequence[str], data: Data) -> tuple[list[Path]
             raise DataError(f"no file under '{path}' has data.eval_split '{eval_split}' in its name")
     else:
         eval_files = next((found for name in EVAL_SPLIT_NAMES if name != train_split and (found := named(name))), [])
+    others = [name for name in EVAL_SPLIT_NAMES if name != train_split]
     train_files = [f for f in named(train_split) if f not in eval_files]
+    # A file named as both (train.test.txt beside train.txt) is not trained on; where every one is, the words are a
+    # folder's.
+    plain = [f for f in train_files if not _named_as(f, path, others)]
+    train_files = plain or train_files
     if named_split and not train_files:
         raise DataError(f"no file under '{path}' has data.train_split '{train_split}' in its name"
                         + (" (besides the held-out ones)" if named(train_split) else ""))
     # Every file not held out, but those named as another held-out split: a test set is never trained on.
-    others = [name for name in EVAL_SPLIT_NAMES if name != train_split]
     train_files = train_files or [f for f in files if f not in eval_files and not _named_as(f, path, others)]
     if not train_files:
         raise DataError(f"no training files under '{path}' (every file looks like an eval split)")

@@ -324,3 +324,22 @@ def test_a_file_named_val_is_held_out_as_image_folders_hold_it(tmp_path: Path) -
     d = data(source="tsv", path=str(corpus))
     assert split_files(corpus, (".tsv",), d) == ([corpus / "data.tsv"], [corpus / "val.tsv"])
     assert held_out_files(d) == "from val.tsv"
+
+
+def test_a_file_named_both_train_and_test_is_not_trained_on(tmp_path: Path) -> None:
+    # train.test.txt beside train.txt was trained on, as a file named train.
+    from gpipe_cli.data.sources import held_out_files, split_files
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("train.txt", "train.test.txt", "valid.txt"):
+        (corpus / name).write_text("one two\n", encoding="utf-8")
+    d = data(source="text", path=str(corpus))
+    assert split_files(corpus, (".txt",), d) == ([corpus / "train.txt"], [corpus / "valid.txt"])
+    assert held_out_files(d) == ("from valid.txt; train.test.txt not read: another held-out split, which "
+                                 "data.eval_split may pick")
+    (corpus / "train.test.txt").unlink()  # every training file so named: the words are a folder's, not a split's
+    (corpus / "test_run").mkdir()
+    (corpus / "train.txt").rename(corpus / "test_run" / "train.txt")
+    d = data(source="text", path=str(corpus), eval_split="valid")
+    assert split_files(corpus, (".txt",), d) == ([corpus / "test_run" / "train.txt"], [corpus / "valid.txt"])
