@@ -51,11 +51,6 @@ def hub_problem() -> str | None:
     return result[0] if result else silent
 
 
-def hub_reachable() -> bool:
-    """Whether the hub endpoint answers at all within PROBE_TIMEOUT_S."""
-    return hub_problem() is None
-
-
 # Keys prepare-data reads; other --set values of a run do not change which data it saves.
 PREPARE_KEYS = ("data.name=", "data.config=", "data.train_split=", "data.eval_split=")
 

@@ -38,12 +38,6 @@ def lr_factor(recipe: Recipe, steps_per_epoch: int, total_steps: int) -> Callabl
     return cosine
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer | None, recipe: Recipe, steps_per_epoch: int,
-                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR | None:
-    """A per-step LambdaLR over the optimizer (None without an optimizer)."""
-    return following(optimizer, lr_factor(recipe, steps_per_epoch, total_steps))
-
-
 def following(optimizer: torch.optim.Optimizer | None,
               factor: Callable[[int], float]) -> torch.optim.lr_scheduler.LambdaLR | None:
     """A per-step LambdaLR of `factor` over the optimizer (None without an optimizer)."""

@@ -5,7 +5,7 @@ import torch
 
 from gpipe_cli.recipe.load import validate
 from gpipe_cli.recipe_model import base_lr, build_optimizer
-from gpipe_cli.train.optim import build_scheduler, lr_factor, total_steps
+from gpipe_cli.train.optim import following, lr_factor, total_steps
 
 
 def recipe(**sections):
@@ -82,13 +82,13 @@ def test_the_papers_amoebanet_rmsprop():
 
 def test_a_stage_without_parameters_has_no_optimizer():
     r = recipe()
-    assert build_optimizer([], r) is None and build_scheduler(None, r, 10, 100) is None
+    assert build_optimizer([], r) is None and following(None, lr_factor(r, 10, 100)) is None
 
 
 def test_scheduler_follows_the_factor():
     r = recipe(optimizer={"name": "sgd", "lr": 1.0}, schedule={"name": "inverse_sqrt", "warmup_steps": 4})
     opt = build_optimizer([torch.nn.Parameter(torch.zeros(1))], r)
-    sched = build_scheduler(opt, r, 10, 100)
+    sched = following(opt, lr_factor(r, 10, 100))
     seen = []
     for _ in range(6):
         seen.append(opt.param_groups[0]["lr"])
