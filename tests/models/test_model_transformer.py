@@ -154,6 +154,14 @@ def test_example_batch_on_meta() -> None:
     assert target_in.shape == target_out.shape == (3, 16)
 
 
+def test_example_batches_pair_each_token_with_the_next() -> None:
+    """The stand-in batches of profile, estimate and bench are next-token pairs, like the real data."""
+    tokens, next_tokens = tiny("decoder-only").example_batch(3, "cpu")
+    assert tokens.shape == next_tokens.shape and torch.equal(tokens[:, 1:], next_tokens[:, :-1])
+    (_, target_in), target_out = tiny().example_batch(3, "cpu")
+    assert target_in.shape == target_out.shape and torch.equal(target_in[:, 1:], target_out[:, :-1])
+
+
 @pytest.mark.parametrize(("key", "value"), [
     ("arch", "encoder-only"), ("heads", 5), ("positions", "rotary"), ("dropout", -0.1),
     ("logit_clip", 0), ("tie_embeddings", "yes"), ("layers", 0)])
