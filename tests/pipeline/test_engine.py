@@ -159,6 +159,23 @@ def test_tied_parameters_within_one_stage_are_one_tensor():
     assert len(pipe.parameters()) == len(list(pipe.module.named_parameters(remove_duplicate=False))) - 1
 
 
+def test_every_rank_opens_the_same_communicators_in_the_same_order(monkeypatch):
+    """torch.distributed.new_group pairs the ranks' calls by their order: K=3 x D=2 with a tie across stages."""
+    import torch.distributed as dist
+
+    opened: dict[int, list[list[int] | None]] = {}
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "broadcast", lambda *args, **kwargs: None)
+    for rank in range(6):
+        calls = opened[rank] = []
+        monkeypatch.setattr(dist, "get_rank", lambda rank=rank: rank)
+        monkeypatch.setattr(dist, "new_group", lambda ranks=None, calls=calls, **kw: calls.append(ranks) or ranks)
+        ranks.make_pipeline("tied", topology.init(3, 2, backend="gloo", device="cpu"), [2, 1, 1])
+    assert all(calls == opened[0] for calls in opened.values()), opened
+    assert [0, 2] in opened[0] and [3, 5] in opened[0]
+
+
 def test_evaluation_returns_loss_metrics_and_outputs_on_rank_zero(ran):
     single = ranks.evaluate("bn", 1, [6], 10, 4)
     for size in (10, 3):  # 3 < M: one example per micro-batch
