@@ -79,6 +79,17 @@ def test_a_damaged_cache_file_is_measured_again_and_replaced(recipe, cache, meas
     assert cost_cache.measured_costs(spec, recipe, size, CPU).cached
 
 
+def test_a_cached_profile_of_another_number_of_layers_is_measured_again(recipe, cache, measurements):
+    spec, size = model_spec(recipe), microbatch_size(recipe)
+    path = cost_cache.cache_path(cost_cache.cache_key(recipe, size, CPU))
+    cost_cache.measured_costs(spec, recipe, size, CPU)
+    data = json.loads(path.read_text())
+    data["costs"]["layers"] = data["costs"]["layers"][:-1]  # the right key, as a version building fewer layers kept
+    path.write_text(json.dumps(data))
+    found = cost_cache.measured_costs(spec, recipe, size, CPU)
+    assert not found.cached and len(measurements) == 2 and len(found.profile.layers) == len(spec.layers)
+
+
 def test_an_unwritable_cache_only_costs_a_measurement(recipe, tmp_path, monkeypatch, measurements):
     blocker = tmp_path / "file"
     blocker.write_text("")
