@@ -1,9 +1,12 @@
 """Measuring one stage at a time in one process gives what each stage holds in a real multi-rank step."""
 
 import pytest
+import torch
+from torch import nn
 
 from gpipe_cli import memory_model as mm
 from gpipe_cli.estimate.subject import example_batch, resolve
+from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.profile import account
 from tests.bench import tiny
 from tests.multiproc import results, run_ranks
@@ -61,6 +64,29 @@ def test_a_tied_weight_is_held_once_per_stage_as_measured_and_as_predicted(sched
         s.params_bytes // 4 for s in stages]
     # A cut search's floor of a stage's weights counts the tie once too (and, without ties, is the plain sum).
     assert mm.weights_floor(figures, 1.0)(0, 6) == sum(layer.params for layer in figures.layers) - table
+
+
+def test_the_measured_step_computes_the_gradients_of_the_mini_batch_loss(monkeypatch):
+    """Each micro-batch's loss counts by its share of the mini-batch's tokens, as in a real step."""
+    spec = resolve("transformer", tiny.sizes(tiny.TRANSFORMER), ["arch=decoder-only", "dropout=0"]).build()
+    inputs, targets = example_batch(spec, 4, 0)
+    targets[0, 2:] = 0  # padding: the two micro-batches hold unequal numbers of tokens
+    stepped = []
+
+    def recorded(optimizer, params):
+        opt = mm.primed(optimizer, params)
+        step = opt.step
+        opt.step = lambda: stepped.append([p.grad.clone() for p in params]) or step()
+        return opt
+
+    monkeypatch.setattr(account, "primed", recorded)
+    account.measure(spec, inputs, targets, [6], 2, "gpipe", "never", "sgd", 0)
+    model = nn.Sequential(*build_layers(spec.factories(), range(6), 0))
+    spec.loss(model(inputs), targets).backward()
+    (grads,) = stepped
+    assert len(grads) == len(list(model.parameters()))
+    for grad, param in zip(grads, model.parameters()):
+        torch.testing.assert_close(grad, param.grad)
 
 
 def test_rematerialization_stores_less_than_it_peaks_and_less_than_naive():
