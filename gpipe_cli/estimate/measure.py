@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -159,14 +160,18 @@ def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_siz
         timed(functools.partial(step, index))
     cpu = busy = 0.0
     load = Load()
-    for index in range(warmup, warmup + steps):
-        started = time.thread_time()
-        seconds, result = timed(functools.partial(step, index))
-        cpu += time.thread_time() - started
-        busy += result.own.busy
-        figures.step_times.append(seconds)
-        if result.stats is not None:
-            history.append(result.stats)
+    gc.freeze()  # as training does after set-up: the collector's full passes no longer walk what lives on
+    try:
+        for index in range(warmup, warmup + steps):
+            started = time.thread_time()
+            seconds, result = timed(functools.partial(step, index))
+            cpu += time.thread_time() - started
+            busy += result.own.busy
+            figures.step_times.append(seconds)
+            if result.stats is not None:
+                history.append(result.stats)
+    finally:
+        gc.unfreeze()
     figures.cpu_per_busy = gather(cpu / busy if busy > 0 else 1.0)
     figures.load = load.finish()
     if trace:

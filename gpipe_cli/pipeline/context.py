@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -35,12 +33,23 @@ def is_recomputing() -> bool:
     return info is not None and info.recomputing
 
 
-@contextlib.contextmanager
-def microbatch(step: int, offset: int, recomputing: bool = False) -> Iterator[MicroBatchInfo]:
+class Running:
+    """Within it, layers see `info` as the micro-batch they run (an object: entered once per forward)."""
+
+    __slots__ = ("info", "previous")
+
+    def __init__(self, info: MicroBatchInfo) -> None:
+        self.info = info
+        self.previous: MicroBatchInfo | None = None
+
+    def __enter__(self) -> MicroBatchInfo:
+        self.previous, _state.current = _state.current, self.info
+        return self.info
+
+    def __exit__(self, *exc: object) -> None:
+        _state.current = self.previous
+
+
+def microbatch(step: int, offset: int, recomputing: bool = False) -> Running:
     """Run the enclosed forward as micro-batch `offset` of optimizer step `step`."""
-    previous = _state.current
-    info = _state.current = MicroBatchInfo(step=step, offset=offset, recomputing=recomputing)
-    try:
-        yield info
-    finally:
-        _state.current = previous
+    return Running(MicroBatchInfo(step=step, offset=offset, recomputing=recomputing))

@@ -219,7 +219,7 @@ class Pipeline:
             weights = [u / global_units for u in units]
             if self.loss_scale.enabled:
                 weights = [self.loss_scale.value * w for w in weights]
-            targets_mb = [dev.to_device(t, self.device) for t in targets_mb]
+            targets_mb = microbatch.scatter(dev.to_device(targets, self.device), chunks)  # one copy, M views
 
         self._begin_step(True)
         self._expect(actions)

@@ -100,19 +100,21 @@ class Executor:
         }
         # Each micro-batch's recompute or backward brings the next one's offloaded activations back, so the
         # copy overlaps this one's backward.
-        restores = sched.restores(list(actions))
+        offloading = any(stage.offloader is not None for stage in self.stages.values())
+        restores = sched.restores(list(actions)) if offloading else []
         self._next_restore = {id(a): b for a, b in zip(restores, restores[1:])}
+        before, timeline, next_restore = self.before, self.timeline, self._next_restore
         for action in actions:
-            if self.before is not None:
-                self.before(action)
-            if self.timeline is not None:
-                self.timeline.begin(action)
+            if before is not None:
+                before(action)
+            if timeline is not None:
+                timeline.begin(action)
             handlers[action.kind](action)
-            after = self._next_restore.get(id(action))
+            after = next_restore.get(id(action)) if next_restore else None
             if after is not None:
                 self.stages[after.chunk].prefetch(after.microbatch)
-            if self.timeline is not None:
-                self.timeline.end()
+            if timeline is not None:
+                timeline.end()
 
     def _recv_fwd(self, action: Action) -> None:
         key = self.key(action.chunk, action.microbatch)

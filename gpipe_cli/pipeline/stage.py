@@ -59,23 +59,26 @@ class Stage:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.step = 0
         self._states: dict[int, _State] = {}
+        self._layers = list(module.children())  # listed once: a forward walks them per micro-batch
 
     @property
     def in_flight(self) -> int:
         """Micro-batches whose backward has not run yet."""
         return len(self._states)
 
+    def _running(self, offset: int, recomputing: bool) -> contextlib.AbstractContextManager[Any]:
+        running = context.microbatch(self.step, offset, recomputing)
+        return running if self.autocast is None else self._autocast(running)  # no generator in the common case
+
     @contextlib.contextmanager
-    def _running(self, offset: int, recomputing: bool) -> Iterator[None]:
-        autocast = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None
-                    else contextlib.nullcontext())
-        with context.microbatch(self.step, offset, recomputing), autocast:
+    def _autocast(self, running: context.Running) -> Iterator[None]:
+        with running, torch.autocast(self.device.type, dtype=self.autocast):
             yield
 
     def _run(self, inputs: Sequence[torch.Tensor | None], bare: bool, state: _State | None,
              parcel: Parcel | None = None) -> Any:
         x = from_tensors(inputs, bare)
-        for i, layer in enumerate(self.module.children()):
+        for i, layer in enumerate(self._layers):
             if parcel is not None:
                 parcel.enter(i)
             x = layer(x)

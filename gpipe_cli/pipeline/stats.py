@@ -160,11 +160,15 @@ class StepStats:
         return None if first is None else (first.stage, first.nonfinite_layer)
 
 
+_FIELDS = dataclasses.fields(StageStats)
+
+
 def gather(mine: StageStats, loss: float, examples: int, units: float, grad_norm: float,
            bubble_theory: float, fabric: Fabric | None,
            events: list[Span] | None = None) -> StepStats | None:
     """Combine every rank's figures on rank 0 (others get None), over the control plane; events only when given."""
-    row = torch.tensor([*dataclasses.astuple(mine), loss, examples, units], dtype=torch.float64)
+    # Field by field: astuple deep-copies each one, and they are numbers.
+    row = torch.tensor([*(getattr(mine, f.name) for f in _FIELDS), loss, examples, units], dtype=torch.float64)
     if fabric is None:
         rows, all_events = [row], list(events or [])
     else:
@@ -175,8 +179,8 @@ def gather(mine: StageStats, loss: float, examples: int, units: float, grad_norm
         rows = gathered_rows
         all_events = [e for part in parts or [] if part for e in part]
     # The row is all float64: the fields declared int (a string where annotations are lazy) are read back as int.
-    names, values = [f.name for f in dataclasses.fields(StageStats)], [r.tolist() for r in rows]
-    whole = {f.name for f in dataclasses.fields(StageStats) if f.type in ("int", int)}
+    names, values = [f.name for f in _FIELDS], [r.tolist() for r in rows]
+    whole = {f.name for f in _FIELDS if f.type in ("int", int)}
     stages = [StageStats(**{k: int(v) if k in whole else v for k, v in zip(names, r)}) for r in values]
     # Only the ranks running the last chunk (stage K-1 in a loop, stage 0 in a V) bring a loss and counts.
     total_loss, total_examples, total_units = (sum(r[i] for r in values) for i in range(len(names), len(names) + 3))

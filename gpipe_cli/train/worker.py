@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -108,6 +109,9 @@ def _run(job: Job) -> int:
         # its state: seeded, two runs of one recipe write the same bytes.
         torch.manual_seed(int(rng(recipe.seed, "torch", topo.layout.rank).integers(2**63)))
         trainer = Trainer(recipe, job, topo)
+        # What set-up made lives for the run: the collector's full passes, which paused a step for ~0.1 s each,
+        # no longer walk it.
+        gc.freeze()
         try:
             code = trainer.run()
         except BaseException:  # a stop before the first step, a failure: the live view ends first, cursor shown
