@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from gpipe_cli.bench.options import overhead_rounds
 from gpipe_cli.estimate.measure import Load, build_pipeline, timed
@@ -45,28 +44,42 @@ class PlainLoop:
             tie_within(self.module, group)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.loss, self.units, self.device = spec.loss, spec.units, device
-        self.chunk_of = [c for c, n in enumerate(balance or (len(layers),)) for _ in range(n)]
+        chunk_of = [c for c, n in enumerate(balance or (len(layers),)) for _ in range(n)]
+        self.cut = [(c, [layer for layer, of in zip(self.module, chunk_of) if of == c]) for c in sorted(set(chunk_of))]
         self.chunks = chunks
         self.remat = {pair for r in remat
-                      for pair in ([r] if isinstance(r, tuple) else [(r, c) for c in set(self.chunk_of)])}
+                      for pair in ([r] if isinstance(r, tuple) else [(r, c) for c in set(chunk_of)])}
+        self.rng_devices = [device] if device.type == "cuda" else []
+        self.module.train()  # once, as the engine: visiting every module each step is work the engine skips
 
     def step(self, inputs: Any, targets: torch.Tensor) -> float:
         """One mini-batch: drop the gradients, accumulate every micro-batch's, return the mean loss."""
         for p in self.params:
             p.grad = None
-        self.module.train()
         xs = microbatch.scatter(to_device(inputs, self.device), self.chunks)
         ys = microbatch.scatter(targets, self.chunks)
         units = [float(self.units(y)) if self.units is not None else float(y.shape[0]) for y in ys]
         total = sum(units)
         losses = []
         for mb, (x, y) in enumerate(zip(xs, ys)):
-            for layer, chunk in zip(self.module, self.chunk_of):
-                x = checkpoint(layer, x, use_reentrant=False) if (mb, chunk) in self.remat else layer(x)
+            for chunk, layers in self.cut:
+                # Remat as the engine does it, a chunk's forward without gradients, then again with them (the same
+                # random numbers) for the backward: torch's checkpoint per layer costs more, which read as the
+                # engine saving time.
+                if (mb, chunk) in self.remat:
+                    with torch.random.fork_rng(self.rng_devices), torch.no_grad():
+                        _forward(layers, x)
+                x = _forward(layers, x)
             loss = self.loss(x, to_device(y, self.device)) * (units[mb] / total)
             loss.backward()
             losses.append(loss.detach())
         return float(torch.stack(losses).sum())
+
+
+def _forward(layers: Sequence[nn.Module], x: Any) -> Any:
+    for layer in layers:
+        x = layer(x)
+    return x
 
 
 def _max_difference(ours: list[nn.Parameter], theirs: list[nn.Parameter]) -> float:
