@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from gpipe_cli.units import clock, human_seconds
 
@@ -91,12 +91,20 @@ class Progress:
 MIN_PACED_S = 1.0
 
 
-def run_eta(step_times: Sequence[float], done: int, total: int, warmup: int = 1) -> float | None:
-    """Seconds left of a run of `total` steps after `done`, at the mean step time past the first `warmup` steps."""
-    steady = list(step_times[warmup:])  # the first steps build caches and allocators
-    if not steady:
-        return None
-    return max(total - done, 0) * statistics.fmean(steady)
+@dataclass
+class StepMean:
+    """Step times seen so far, as their sum and count: a run's ETA costs the same at its millionth step."""
+
+    seconds: float = 0.0
+    count: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.count += 1
+
+    def eta(self, done: int, total: int) -> float | None:
+        """Seconds left of a run of `total` steps after `done`, at the mean step time (None before any)."""
+        return max(total - done, 0) * self.seconds / self.count if self.count else None
 
 
 def eta_text(seconds: float | None) -> str:

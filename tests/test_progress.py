@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpipe_cli.progress import Progress, eta_text, phase_line, run_eta, said_if_slow, took_line
+from gpipe_cli.progress import Progress, StepMean, eta_text, phase_line, said_if_slow, took_line
 from gpipe_cli.units import clock
 
 
@@ -68,10 +68,11 @@ def test_a_wait_is_said_only_once_it_runs_long():
 
 
 def test_the_run_eta_is_the_mean_steady_step_times_the_steps_left():
-    # The first step builds caches: left out of the mean.
-    assert run_eta([5.0, 1.0, 3.0], done=3, total=10) == pytest.approx(7 * 2.0)
-    assert run_eta([5.0], done=1, total=10) is None  # nothing steady seen yet
-    assert run_eta([2.0, 2.0], done=10, total=10) == 0.0
+    steady = StepMean()
+    assert steady.eta(1, 10) is None  # nothing steady seen yet
+    for seconds in (1.0, 3.0):
+        steady.add(seconds)
+    assert steady.eta(3, 10) == pytest.approx(7 * 2.0) and steady.eta(10, 10) == 0.0
 
 
 @pytest.mark.parametrize("seconds, text", [(0.4, "0s"), (42, "42s"), (83, "1m23s"), (3600 + 5 * 60, "1h05m")])

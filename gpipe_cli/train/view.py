@@ -34,7 +34,7 @@ from gpipe_cli.files import space_left
 from gpipe_cli.pipeline import stopping
 from gpipe_cli.pipeline.failure import ANNOUNCED
 from gpipe_cli.pipeline.stats import PARTS
-from gpipe_cli.progress import eta_text, note, run_eta
+from gpipe_cli.progress import StepMean, eta_text, note
 from gpipe_cli.train.sinks import Sinks
 from gpipe_cli.train.summary import eval_figures
 from gpipe_cli.units import figure, flop_rate, human_bytes, share
@@ -303,8 +303,8 @@ class TerminalView:
         self._last_train: Mapping[str, Any] | None = None
         self._counted: Counted | None = None
         self.skipped = 0
-        self._steady: list[float] = []  # step seconds past each start's warm-up step: the run's ETA
-        self._profiled: list[float] = []  # those of profiled steps, which the ETA leaves out while it has others
+        self._steady = StepMean()  # step seconds past each start's warm-up step: the run's ETA
+        self._profiled = StepMean()  # those of profiled steps, which the ETA leaves out while it has others
         # The bar takes what the other columns leave; a narrow terminal drops it, then the title, never a time.
         self._progress = FittedProgress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=None),
                                         MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
@@ -345,9 +345,9 @@ class TerminalView:
             self._counted = counted_activations(record, self._counted)
             self.skipped += bool(record.get("skipped"))
             if record.get("warmup") is not True:
-                (self._profiled if record.get("profiled") is True else self._steady).append(record["step_time_s"])
+                (self._profiled if record.get("profiled") is True else self._steady).add(record["step_time_s"])
             if self.plain and (record["step"] % log_every == 0 or record["step"] == self.total):
-                eta = run_eta(self._steady or self._profiled, record["step"], self.total, warmup=0)
+                eta = (self._steady if self._steady.count else self._profiled).eta(record["step"], self.total)
                 for line in train_lines(record, self.total, self._counted, eta):
                     print(line, file=self.stream, flush=True)
         if self._live is not None and self._last_train is not None:
