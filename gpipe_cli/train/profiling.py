@@ -55,9 +55,11 @@ class StepProfiler:
         self._failed = False  # a trace could not be written: none is recorded after it
         self._failure = ""  # the line that says so, once stderr is the run's again
         self._schedule: Callable[[int], Any] = lambda step: ProfilerAction.NONE  # a ProfilerAction
+        self._last: int | None = None
         if config is None:
             return
         skip_first, wait, warmup, active, repeat = config.cycle()
+        self._last = skip_first + repeat * (wait + warmup + active) if repeat else None  # the last step recorded
         # Steps count from 1: the schedule's step 0 is never a training step, so it is skipped first.
         with quiet():  # torch's advice against no warm-up, for a cycle the recipe chose, once per rank
             self._schedule = schedule(skip_first=skip_first + 1, wait=wait, warmup=warmup, active=active,
@@ -102,7 +104,10 @@ class StepProfiler:
             with quiet():
                 profiler.step()
         self._say_failure()
-        return self._ready
+        ready = self._ready
+        if self._last is not None and step >= self._last:  # nothing more to record: what it holds goes back now
+            self.close()
+        return ready
 
     def close(self) -> Path | None:
         """Stop recording (also when the run ends inside a cycle: what was recorded is written)."""

@@ -82,6 +82,18 @@ def test_a_schedule_traces_each_cycle_with_its_steps_only(tmp_path, capfd):
     assert not CHATTER.search(out + err), out + err
 
 
+def test_the_profiler_is_let_go_once_its_last_cycle_is_written(tmp_path):
+    # It held the memory of its last cycle, and was stepped, to the end of the run.
+    profiler = StepProfiler(Profile(steps=(2, 3)), tmp_path, 0, torch.device("cpu"), total_steps=100)
+    written = {}
+    for step in range(1, 6):
+        profiler.before(step)
+        written[step] = profiler.after(step)
+        assert (profiler._profiler is None) == (step >= 3)
+    assert written == {1: None, 2: None, 3: trace_path(tmp_path, 0, 2, 3), 4: None, 5: None}
+    assert steps_traced(written[3])[0] == {2, 3} and profiler.close() is None
+
+
 def test_a_trace_that_cannot_be_written_is_one_line_and_the_run_goes_on_untraced(tmp_path, monkeypatch):
     # A full disk at a trace's write ended the run in a traceback, losing the steps since its last checkpoint; then
     # its line was written while the profiler's transitions send stderr to /dev/null, and never seen.
