@@ -345,7 +345,7 @@ def load(found: Found, module: nn.Module, optimizer: torch.optim.Optimizer | Non
         moved = tied_sources(list(state["optim"]), saved, tied) if optimizer is not None else {}
         for key, held in moved.items():
             state["optim"][held] = state["optim"].pop(key)
-        with single_process_quiet(distributed), _root_log_quiet():
+        with single_process_quiet(distributed), root_log_quiet():
             dcp.load(state, storage_reader=SafeReader(str(found.path)), planner=SafeLoadPlanner(),
                      no_dist=not distributed)
         for key, held in moved.items():
@@ -359,7 +359,7 @@ def load(found: Found, module: nn.Module, optimizer: torch.optim.Optimizer | Non
 
 
 @contextlib.contextmanager
-def _root_log_quiet() -> Iterator[None]:
+def root_log_quiet() -> Iterator[None]:
     """DCP's loader logs through the root logger; its failures become one line of ours instead."""
     root = logging.getLogger()
     level = root.level

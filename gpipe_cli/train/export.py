@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -60,7 +61,7 @@ def export(location: str, output: str | None = None, dtype: str | None = None) -
         try:
             run_dir, tensors, metadata = _read(found, dtype)
             break
-        except (OSError, RuntimeError, ValueError, CheckpointException):
+        except (OSError, RuntimeError, ValueError, CheckpointException, UserError):
             if found.path.exists() or attempt == PRUNED_TRIES - 1:
                 raise
     target = Path(output) if output is not None else _default_place(found.path, run_dir)
@@ -113,22 +114,23 @@ def _newest(location: str) -> checkpoint.Found:
 
 def _read(found: checkpoint.Found, dtype: str | None) -> tuple[Path, dict[str, torch.Tensor], dict[str, str]]:
     """The checkpoint's run directory, and its tensors and metadata as the export stores them."""
-    reader = SafeReader(str(found.path))
-    entries = reader.read_metadata().state_dict_metadata
-    state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-             for key, meta in entries.items()
-             if key.startswith(_MODEL) and isinstance(meta, TensorStorageMetadata)}
-    with checkpoint.single_process_quiet(False):
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-    tensors = {key[len(_MODEL):]: value.contiguous() for key, value in state.items()}
-    run_dir = run_dir_of(str(found.path))
     # The checkpoint's own recipe: a resume since may have changed the run's (model.logit_clip, say), and one
     # copied out of its run has no run around it. Checkpoints of older versions keep none: the run's then.
     own = found.path / RECIPE
+    kept_recipe = own.is_file()  # before the tensors: a training's pruning may take the folder while they are read
+    reader = SafeReader(str(found.path))
+    with checkpoint.single_process_quiet(False), checkpoint.root_log_quiet():  # a pruned folder: read again, quietly
+        entries = reader.read_metadata().state_dict_metadata
+        state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+                 for key, meta in entries.items()
+                 if key.startswith(_MODEL) and isinstance(meta, TensorStorageMetadata)}
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    tensors = {key[len(_MODEL):]: value.contiguous() for key, value in state.items()}
+    run_dir = run_dir_of(str(found.path))
     # A checkpoint copied out of its run: the folder above is not its run, whose tokenizer and classes it would take.
     inside = (run_dir / CHECKPOINTS).resolve() in found.path.resolve().parents
-    tensors, metadata = _described(tensors, run_dir if inside else None, own if own.is_file() else run_dir / RECIPE,
-                                   found.step, dtype)
+    tensors, metadata = _described(tensors, run_dir if inside else None, own if kept_recipe else run_dir / RECIPE,
+                                   found.step, dtype, kept=kept_recipe)
     return run_dir, tensors, metadata
 
 
@@ -166,8 +168,9 @@ def _model_recipe(recipe_file: Path) -> Recipe:
         return recipe
 
 
+# `kept`: the checkpoint keeps `recipe_file`, so that its absence is the folder pruned while read, not an older version.
 def _described(tensors: dict[str, torch.Tensor], run_dir: Path | None, recipe_file: Path, step: int,
-               dtype: str | None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+               dtype: str | None, kept: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors to store (tied ones once, cast to `dtype`) and the metadata that makes them usable alone."""
     source_bad = weights.not_finite(tensors)
     if source_bad is not None:  # written all the same, as the weights a user may want to look into
@@ -180,6 +183,8 @@ def _described(tensors: dict[str, torch.Tensor], run_dir: Path | None, recipe_fi
                             f"once cast); give --dtype bfloat16 or float32")
     floating = [v.dtype for v in tensors.values() if v.is_floating_point()]
     stored = str(floating[0]).removeprefix("torch.") if floating else "float32"
+    if not recipe_file.is_file() and kept:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(recipe_file))
     if not recipe_file.is_file():  # an older version's checkpoint moved away from its run: the weights alone
         print(f"[gpipe] no {RECIPE} in {recipe_file.parent}: the export holds the weights only, which gpipe predict "
               "cannot use", file=sys.stderr)

@@ -66,6 +66,26 @@ def test_a_checkpoint_the_training_prunes_while_it_is_read_gives_way_to_the_newe
     assert reads == [6, 5] and torch.all(load_file(str(path))["weight"] == 1.0)
 
 
+def test_a_checkpoint_pruned_after_its_tensors_are_read_is_not_exported_as_weights_alone(tmp_path, monkeypatch):
+    # Pruned between its tensors and its recipe.yaml, it was written without the recipe (exit 0), unusable.
+    import shutil
+
+    save_one(tmp_path, 5, value=1.0)
+    save_one(tmp_path, 6, value=2.0)
+    newest = checkpoint.path_for(tmp_path, 6)
+    (newest / "recipe.yaml").write_text("name: pruned\n")
+    real = export_module.dcp.load
+
+    def pruned_after(*args, **kwargs):  # type: ignore[no-untyped-def]
+        real(*args, **kwargs)
+        if newest.exists():
+            shutil.rmtree(newest)
+
+    monkeypatch.setattr(export_module.dcp, "load", pruned_after)
+    path = export(str(tmp_path), str(tmp_path / "model.safetensors"))
+    assert torch.all(load_file(str(path))["weight"] == 1.0)  # step 5, the newest once step 6 was gone
+
+
 def test_an_export_with_standard_output_closed_is_written_without_a_word(tmp_path, monkeypatch, capsys):
     # `gpipe export RUN >&-` wrote the file, then ended in an AttributeError traceback saying where.
     from gpipe_cli.cli import run
