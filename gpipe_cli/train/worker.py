@@ -104,7 +104,7 @@ def _run(job: Job) -> int:
     # torchrun rank 0 holds it.
     def train() -> int:
         if topo.distributed:
-            check_same_recipe(job.recipe, topo)
+            check_same_recipe(job.recipe, topo, job.resume is not None)
         # Nothing draws from torch's own generator (dropout, data and weights have theirs), but a checkpoint keeps
         # its state: seeded, two runs of one recipe write the same bytes.
         torch.manual_seed(int(rng(recipe.seed, "torch", topo.layout.rank).integers(2**63)))
@@ -137,26 +137,37 @@ def _run(job: Job) -> int:
 _PER_NODE = ("data.path", "data.tokenizer")
 
 
-def check_same_recipe(recipe: dict[str, Any], topo: Any) -> None:
-    """Refuse, on every rank, a job whose ranks were handed different recipes (nodes started with other --set)."""
+def check_same_recipe(recipe: dict[str, Any], topo: Any, resuming: bool = False) -> None:
+    """Refuse, on every rank, a job whose ranks were handed different recipes or resumes (nodes started apart)."""
     from gpipe_cli.errors import UserError
+
+    every = topo.fabric.gather_objects((recipe, resuming))  # rank 0 compares
+    problem = topo.share(_resumes_apart(every, resuming) or _recipes_apart(every, recipe) if every else None)
+    if problem:
+        raise UserError(problem)
+
+
+def _resumes_apart(every: list[tuple[dict[str, Any], bool]], resuming: bool) -> str | None:
+    # A node resuming beside one starting afresh left rank 0 reading its checkpoint for peers that never would.
+    apart = next((rank for rank, (_, theirs) in enumerate(every) if theirs != resuming), None)
+    if apart is None:
+        return None
+    return (f"rank 0 {'resumes' if resuming else 'starts a new run'} and rank {apart} "
+            f"{'starts a new run' if resuming else 'resumes'}: start every node of the job with --resume, or none")
+
+
+def _recipes_apart(every: list[tuple[dict[str, Any], bool]], recipe: dict[str, Any]) -> str | None:
     from gpipe_cli.train.existing import differences
 
-    every = topo.fabric.gather_objects(recipe)
-    problem = None
-    for rank, theirs in enumerate(every or ()):  # rank 0 compares
+    for rank, (theirs, _) in enumerate(every):
         differ = sorted((c for c in differences(recipe, theirs, "") if c.key not in _PER_NODE), key=lambda c: c.key)
         if differ:
             first = differ[0]
             others = f" (and {len(differ) - 1} more key{'s' * (len(differ) > 2)})" if len(differ) > 1 else ""
-            problem = (f"the nodes were given different recipes: {first.key} is {json.dumps(first.new, default=str)} "
-                       f"on rank {rank} and {json.dumps(first.old, default=str)} on rank 0{others}; start every node "
-                       "with the same recipe and --set values")
-            break
-    problem = topo.share(problem)
-    if problem:
-        raise UserError(problem)
-
+            return (f"the nodes were given different recipes: {first.key} is {json.dumps(first.new, default=str)} "
+                    f"on rank {rank} and {json.dumps(first.old, default=str)} on rank 0{others}; start every node "
+                    "with the same recipe and --set values")
+    return None
 
 if __name__ == "__main__":
     main()
