@@ -366,6 +366,21 @@ def explain(failures: dict[int, Any], stages: int | None = None, told: bool = Fa
             f"gpipe: {_name(rank, stages)} exited with code {code}; see its message above")
 
 
+def start_failure(exc: Exception, rdzv: Rendezvous) -> str:
+    """Why the job could not start, in words: torch's rendezvous errors as what to do about them."""
+    text = str(exc).strip()
+    again = "start gpipe train on every node with the same --nnodes and --rdzv-endpoint"
+    if rdzv.max_nodes > 1 and "clients joined" in text:  # torch's store on node 0: "1/2 clients joined"
+        return f"the other nodes did not join at {rdzv.endpoint} in time ({text}); {again}"
+    if rdzv.max_nodes > 1 and type(exc).__name__ == "RendezvousTimeoutError":  # c10d's, which says nothing
+        return f"the other nodes did not join at {rdzv.endpoint} in time (c10d's rendezvous timeout); {again}"
+    if "EADDRINUSE" in text:  # the store's port, which another program holds
+        where = f"{rdzv.endpoint}'s port" if rdzv.endpoint else "the port the job chose"
+        return (f"{where} is in use on this node by another program"
+                + ("; give --rdzv-endpoint a free port, the same on every node" if rdzv.endpoint else "; try again"))
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 # In this process rather than a `torchrun` child, so that a failure is one line (the failed rank printed its own
 # error) and a rank killed by a signal, which cannot say so, is named here. `stages` (ranks per pipeline) names a
 # rank's stage; `started` is the file the ranks create once they have work to finish: a stop before it is told here.
@@ -432,11 +447,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
     except Exception as exc:  # rendezvous failures: unreachable endpoint, timeout
         if isinstance(exc.__context__, KeyboardInterrupt):  # a Ctrl-C raised in torch's code, which then failed:
             raise exc.__context__ from None  # its timing wrapper read a variable the interrupt left unset
-        why = f"{type(exc).__name__}: {exc}"
-        if rdzv.max_nodes > 1 and "clients joined" in str(exc):  # torch's store on node 0: "1/2 clients joined"
-            why = (f"the other nodes did not join at {rdzv.endpoint} in time ({str(exc).strip()}); start gpipe train "
-                   "on every node with the same --nnodes and --rdzv-endpoint")
-        print(f"gpipe: could not start the job: {why}", file=sys.stderr)
+        print(f"gpipe: could not start the job: {start_failure(exc, rdzv)}", file=sys.stderr)
         return 1
     finally:
         stops.over.set()

@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpipe_cli.launch.launcher import _told, explain
+from gpipe_cli.launch.launcher import _told, explain, start_failure
+from gpipe_cli.launch.preflight import Rendezvous
 from gpipe_cli.pipeline.failure import ANNOUNCED, AbortWatch
 
 
@@ -91,3 +92,26 @@ def test_the_ranks_get_the_open_files_the_hard_limit_allows_and_too_few_is_one_l
     with pytest.raises(UserError, match=r"^this shell allows 40 open files \(ulimit -n\), and the ranks need at least "
                                         r"64 for their connections: raise it \(ulimit -n 1024\) and start again$"):
         open_files_as_allowed()
+
+
+NODES = Rendezvous(2, 2, 1, "static", "host0:29500", "gpipe", 0)
+
+
+def test_a_job_that_could_not_start_is_said_as_what_to_do():
+    # c10d's timeout said nothing after "RendezvousTimeoutError:"; a port in use was torch's own words.
+    from torch.distributed import DistNetworkError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    again = "start gpipe train on every node with the same --nnodes and --rdzv-endpoint"
+    assert start_failure(RendezvousTimeoutError(), NODES) == (
+        f"the other nodes did not join at host0:29500 in time (c10d's rendezvous timeout); {again}")
+    assert start_failure(RuntimeError("Timed out after 901 seconds waiting for clients. 1/2 clients joined."),
+                         NODES) == ("the other nodes did not join at host0:29500 in time (Timed out after 901 seconds "
+                                    f"waiting for clients. 1/2 clients joined.); {again}")
+    in_use = DistNetworkError("The server socket has failed to listen on any local network address. port: 29500, "
+                              "useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use")
+    assert start_failure(in_use, NODES) == ("host0:29500's port is in use on this node by another program; give "
+                                            "--rdzv-endpoint a free port, the same on every node")
+    one = Rendezvous(1, 1, 2, "static", None, None, 0)
+    assert start_failure(in_use, one) == "the port the job chose is in use on this node by another program; try again"
+    assert start_failure(ValueError("odd"), NODES) == "ValueError: odd"
