@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -411,13 +412,14 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     stops = _Stops(started, forking=fork)
+    clear: Callable[[], None] = lambda: None  # takes back this node's stop of an earlier start
     if rdzv.max_nodes > 1 and rdzv.endpoint:
         from gpipe_cli.pipeline.failure import clear_stopped, tell_stopped
 
         run_id = config.run_id  # type: ignore[attr-defined]
         node = f"node {rdzv.node_rank} ({socket.gethostname()})" if rdzv.node_rank is not None else socket.gethostname()
         if rdzv.node_rank != 0:  # node 0 holds the store: started again, it starts a new one
-            clear_stopped(str(rdzv.endpoint), run_id, node)
+            clear = functools.partial(clear_stopped, str(rdzv.endpoint), run_id, node)
         stops.tell = lambda: tell_stopped(str(rdzv.endpoint), run_id, node)
     previous = interrupts.take_signal(stops.forward_interrupt)
     # The agent installs its own for these and leaves them behind.
@@ -426,6 +428,7 @@ def launch(module: str, args: list[str], world: int, options: LaunchOptions | No
                      name="launch-wait", daemon=True).start()
     try:
         with _giving_ranks(threads, options), stops.blocked_stops():
+            clear()  # under the stops' watch: a store that never answers must not outlast a Ctrl-C
             if fork:
                 forked.prepare(fresh=not warm)
                 elastic_launch(config, forked.run)(module, list(args))  # type: ignore[arg-type]

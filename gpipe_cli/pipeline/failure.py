@@ -63,6 +63,7 @@ def connect() -> dist.Store | None:
 
 
 _FAILED, _BAD_INPUT, _ANNOUNCED, _STOPPED = "0", "1", "2", "3"
+STORE_TIMEOUT_S = 5.0  # the most a launcher waits on the job's store to tell or take back a stop
 
 
 def mark_told() -> None:
@@ -85,26 +86,39 @@ def _stopped_line(who: str) -> str:
     return f"{who} was stopped before the first step"
 
 
+def _briefly(work: Callable[[], object]) -> None:
+    """Run best-effort work on the job's store for at most STORE_TIMEOUT_S, its errors passed over."""
+    def attempt() -> None:
+        with contextlib.suppress(Exception):
+            work()
+
+    # In a thread: another program on the endpoint's port holds c10d's handshake, which heeds no timeout, for good.
+    worker = threading.Thread(target=attempt, name="job-store", daemon=True)
+    worker.start()
+    worker.join(STORE_TIMEOUT_S)
+
+
 def tell_stopped(endpoint: str, run_id: str, who: str) -> None:
     """Tell the ranks of a job over several nodes, through its store at `endpoint`, that `who` stopped (best effort)."""
     # A node stopped while its ranks start: they may not have reached their own report, and the other nodes'
     # ranks wait for them to connect.
-    with contextlib.suppress(Exception):
-        _launch_store(endpoint).compare_set(f"{_KEY_PREFIX}{run_id}/0", "",
-                                            f"{os.getpid()}@{socket.gethostname()}\n{_STOPPED}\n{_stopped_line(who)}")
+    _briefly(lambda: _launch_store(endpoint).compare_set(
+        f"{_KEY_PREFIX}{run_id}/0", "", f"{os.getpid()}@{socket.gethostname()}\n{_STOPPED}\n{_stopped_line(who)}"))
 
 
 def clear_stopped(endpoint: str, run_id: str, who: str) -> None:
     """Take back a stop that `who` told the job's store at `endpoint` on an earlier start (best effort)."""
     # A node stopped while waiting for a third leaves its report in the store on node 0; started again, it would
     # form the job and every rank would end at once for a stop that is over. Only its own report is taken back.
-    with contextlib.suppress(Exception):
+    def clear() -> None:
         store, key = _launch_store(endpoint), f"{_KEY_PREFIX}{run_id}/0"
         if store.check([key]):
             text = store.get(key).decode(errors="replace")
             message, kind, _ = _decode(text)
             if kind == _STOPPED and message == _stopped_line(who):
                 store.compare_set(key, text, "")  # "" is no report: a later one still takes its place
+
+    _briefly(clear)
 
 
 def _decode(text: str) -> tuple[str, str, str]:

@@ -163,3 +163,17 @@ def test_a_node_started_again_takes_back_the_stop_it_told_while_waiting_for_a_th
     failure.tell_stopped(endpoint, "job7", "node 2 (host2)")  # a stop told later still takes its place
     assert store.get(key).decode().endswith("\nnode 2 (host2) was stopped before the first step")
     failure.clear_stopped("127.0.0.1:1", "job7", "node 1 (host1)")  # no store there yet: nothing to do, no error
+
+
+@pytest.mark.timeout(60)  # unbounded, it hangs: a failure in a minute rather than the suite's ten
+def test_telling_or_taking_back_a_stop_with_another_program_on_the_port_is_bounded(monkeypatch):
+    # A program that accepts and never answers held c10d's handshake, and the node, for good, Ctrl-C said but unheeded.
+    import socket
+    import time
+
+    monkeypatch.setattr(failure, "STORE_TIMEOUT_S", 0.5)
+    with socket.create_server(("127.0.0.1", 0)) as foreign:
+        started = time.monotonic()
+        failure.clear_stopped(f"127.0.0.1:{foreign.getsockname()[1]}", "job7", "node 1 (host1)")
+        failure.tell_stopped(f"127.0.0.1:{foreign.getsockname()[1]}", "job7", "node 1 (host1)")  # a Ctrl-C's
+        assert time.monotonic() - started < 10
