@@ -343,3 +343,6 @@ def test_a_file_named_both_train_and_test_is_not_trained_on(tmp_path: Path) -> N
     (corpus / "train.txt").rename(corpus / "test_run" / "train.txt")
     d = data(source="text", path=str(corpus), eval_split="valid")
     assert split_files(corpus, (".txt",), d) == ([corpus / "test_run" / "train.txt"], [corpus / "valid.txt"])
+    (corpus / "test_run" / "train.txt").rename(corpus / "train.test.txt")  # a test set alone is never trained on
+    with pytest.raises(DataError, match="no training files under"):
+        split_files(corpus, (".txt",), data(source="text", path=str(corpus)))
