@@ -14,7 +14,7 @@ from torch import nn
 from gpipe_cli.bench.options import overhead_rounds
 from gpipe_cli.estimate.measure import Load, build_pipeline, timed
 from gpipe_cli.models.base import ModelSpec
-from gpipe_cli.pipeline import microbatch
+from gpipe_cli.pipeline import context, microbatch
 from gpipe_cli.pipeline import schedule as sched
 from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.device import to_device
@@ -52,8 +52,8 @@ class PlainLoop:
         self.rng_devices = [device] if device.type == "cuda" else []
         self.module.train()  # once, as the engine: visiting every module each step is work the engine skips
 
-    def step(self, inputs: Any, targets: torch.Tensor) -> float:
-        """One mini-batch: drop the gradients, accumulate every micro-batch's, return the mean loss."""
+    def step(self, inputs: Any, targets: torch.Tensor, step: int = 0) -> float:
+        """Optimizer step `step`'s mini-batch: drop the gradients, accumulate every micro-batch's, return the loss."""
         for p in self.params:
             p.grad = None
         xs = microbatch.scatter(to_device(inputs, self.device), self.chunks)
@@ -61,15 +61,20 @@ class PlainLoop:
         units = [float(self.units(y)) if self.units is not None else float(y.shape[0]) for y in ys]
         total = sum(units)
         losses = []
+        # Each micro-batch runs as the engine's, so that its layers (dropout) draw what they draw there.
+        offsets = microbatch.offsets(microbatch.sizes(microbatch.batch_size(inputs), self.chunks))
         for mb, (x, y) in enumerate(zip(xs, ys)):
             for chunk, layers in self.cut:
                 # Remat as the engine does it, a chunk's forward without gradients, then again with them (the same
                 # random numbers) for the backward: torch's checkpoint per layer costs more, which read as the
                 # engine saving time.
-                if (mb, chunk) in self.remat:
-                    with torch.random.fork_rng(self.rng_devices), torch.no_grad():
+                remat = (mb, chunk) in self.remat
+                if remat:
+                    with context.microbatch(step, offsets[mb]), torch.random.fork_rng(self.rng_devices), \
+                            torch.no_grad():
                         _forward(layers, x)
-                x = _forward(layers, x)
+                with context.microbatch(step, offsets[mb], recomputing=remat):
+                    x = _forward(layers, x)
             loss = self.loss(x, to_device(y, self.device)) * (units[mb] / total)
             loss.backward()
             losses.append(loss.detach())
@@ -107,13 +112,14 @@ def compare(spec: ModelSpec, topo: Topology, inputs: Any, targets: torch.Tensor,
     config = PipelineConfig(virtual=len(cut), schedule=schedule, checkpoint=checkpoint_mode, balance=cut)
     pipe = build_pipeline(spec, topo, config, seed)
     plain = PlainLoop(spec, topo.device, seed, chunks, _remat_pairs(schedule, chunks, checkpoint_mode, len(cut)), cut)
-    index = itertools.count(1)
+    index, plain_index = itertools.count(1), itertools.count(1)  # alike: the last steps' gradients are compared
 
     def engine() -> float | None:
         pipe.zero_grad()
         return pipe.train_step(inputs, targets, microbatches=chunks, step=next(index), measure_memory=False).loss
 
-    sides: dict[str, Callable[[], Any]] = {"engine": engine, "plain": lambda: plain.step(inputs, targets)}
+    sides: dict[str, Callable[[], Any]] = {"engine": engine,
+                                           "plain": lambda: plain.step(inputs, targets, next(plain_index))}
     for side in sides.values():
         for _ in range(warmup):
             side()

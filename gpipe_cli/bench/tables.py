@@ -93,7 +93,7 @@ def host_overhead(s: dict[str, Any]) -> str:
             f"ms per micro-batch (best of {h['rounds'] * h['steps_per_round']} steps each in {h['rounds']} alternating "
             f"rounds, no optimizer step, {threads})"
             + (f"; the two sides' gradients differ by up to {h['gradient_max_relative_difference']:.1e} of the "
-               f"largest (dropout: each side draws its own masks; --set model.dropout=0 makes them agree)"
+               f"largest, where they should agree: the figures may not compare like with like"
                if h["gradient_max_relative_difference"] > GRADIENTS_AGREE else ""))
 
 
