@@ -160,7 +160,9 @@ def measure_engine(pipe: Pipeline, inputs: Any, targets: torch.Tensor, batch_siz
         timed(functools.partial(step, index))
     cpu = busy = 0.0
     load = Load()
-    gc.freeze()  # as training does after set-up: the collector's full passes no longer walk what lives on
+    # As training does after set-up, the collector's full passes no longer walk what lives on (process-wide: where
+    # ranks are threads, as in tests, the first to finish unfreezes the others' too, which costs timings only).
+    gc.freeze()
     try:
         for index in range(warmup, warmup + steps):
             started = time.thread_time()

@@ -36,18 +36,22 @@ def is_recomputing() -> bool:
 class Running:
     """Within it, layers see `info` as the micro-batch they run (an object: entered once per forward)."""
 
-    __slots__ = ("info", "previous")
+    __slots__ = ("info", "previous", "entered")
 
     def __init__(self, info: MicroBatchInfo) -> None:
         self.info = info
         self.previous: MicroBatchInfo | None = None
+        self.entered = False
 
     def __enter__(self) -> MicroBatchInfo:
+        if self.entered:  # one slot for what it replaced: entered again, it would never put that back
+            raise RuntimeError("a micro-batch context is entered once at a time")
+        self.entered = True
         self.previous, _state.current = _state.current, self.info
         return self.info
 
     def __exit__(self, *exc: object) -> None:
-        _state.current = self.previous
+        _state.current, self.entered = self.previous, False
 
 
 def microbatch(step: int, offset: int, recomputing: bool = False) -> Running:

@@ -1,5 +1,6 @@
 """One stage's forward, recompute and backward: rematerialization keeps less and changes nothing."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -85,3 +86,18 @@ def test_what_a_forward_hands_on_carries_no_graph():
     stage = stage_with(nn.Linear(8, 16), nn.Tanh())
     out, bare = stage.forward(0, [torch.randn(3, 8, requires_grad=True)], True, 0, remat=False)
     assert bare and out[0].grad_fn is None and not out[0].requires_grad
+
+
+def test_a_micro_batch_context_puts_back_what_it_replaced():
+    outer, inner = context.microbatch(1, 0), context.microbatch(1, 4, recomputing=True)
+    with outer:
+        with inner:
+            assert context.current() == inner.info and context.is_recomputing()
+        assert context.current() == outer.info
+        with pytest.raises(RuntimeError, match="entered once at a time"), outer:  # else set for good once left
+            pass
+        assert context.current() == outer.info
+    assert context.current() is None
+    with outer:  # once left, entered again
+        assert context.current() == outer.info
+    assert context.current() is None
