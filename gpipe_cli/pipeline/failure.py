@@ -56,6 +56,9 @@ def connect() -> dist.Store | None:
     if not addr or not port:
         return None
     try:
+        # A store gone (node 0 refused the job and ended): a plain socket finds out at once, where c10d tries for
+        # 30 s and logs each try with its C++ frames.
+        socket.create_connection((addr, int(port)), timeout=5.0).close()
         return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=30),
                              wait_for_workers=False)
     except Exception:  # no store to watch: the launcher's own failure handling still applies

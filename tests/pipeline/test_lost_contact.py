@@ -177,3 +177,16 @@ def test_telling_or_taking_back_a_stop_with_another_program_on_the_port_is_bound
         failure.clear_stopped(f"127.0.0.1:{foreign.getsockname()[1]}", "job7", "node 1 (host1)")
         failure.tell_stopped(f"127.0.0.1:{foreign.getsockname()[1]}", "job7", "node 1 (host1)")  # a Ctrl-C's
         assert time.monotonic() - started < 10
+
+
+def test_a_rank_finds_a_job_store_that_is_gone_at_once(monkeypatch):
+    # Node 0 refused the job and ended: node 1's ranks tried its store for 30 s twice, logging C++ frames each time.
+    import socket
+    import time
+
+    with socket.create_server(("127.0.0.1", 0)) as gone:
+        port = gone.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    started = time.monotonic()
+    assert failure.connect() is None and time.monotonic() - started < 10
