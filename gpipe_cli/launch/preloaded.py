@@ -27,7 +27,24 @@ def quiet_orphans(previous: Hook) -> Hook:
     return hook
 
 
+def die_with_launcher() -> None:
+    """Have the kernel end this server with the launcher that started it; torch then stops the server's ranks."""
+    # A launcher killed outright (SIGKILL) left the server, and so its ranks, running: a node's rank trained on as
+    # an orphan, then waited for good for the launcher to take its result. Each rank stops on SIGINT when its
+    # parent, the server, ends (torch's multiprocessing asks the kernel for that).
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    launcher = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != launcher:  # it ended before the kernel was asked
+        os._exit(1)
+
+
 if (_marker := os.environ.get("GPIPE_PRELOADED")) is not None:
+    die_with_launcher()
     sys.excepthook = quiet_orphans(sys.excepthook)
     # Blocked in the server since its first instruction, the job's signals are ignored too from here on, and so in
     # what it forks, until a child takes them back (`forked.run`); one pending is dropped: it is the launcher's.

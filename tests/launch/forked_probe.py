@@ -34,3 +34,11 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":  # where ranks start as `python -m` (no fork server)
     main(sys.argv[1:])
+
+
+def sleeping_rank(index: int, parent: str) -> None:
+    """A rank that takes SIGINT back, as `forked.run` does, says its pid in `parent`/rank.pid, and sleeps."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    (Path(parent) / "rank.pid").write_text(str(os.getpid()))
+    time.sleep(120)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -236,3 +237,35 @@ def test_the_resource_tracker_outlives_a_sighup_to_the_job_s_process_group():
             "print(bool(blocked & 1))\n")  # SIGHUP is signal 1: bit 0 of the mask
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "True", out.stderr[-2000:]
+
+
+def test_the_server_ends_with_a_launcher_killed_outright(tmp_path: Path):
+    # A launcher's SIGKILL left its server (its ranks hold the pipe whose end would end it) and so its ranks running:
+    # an orphan rank trained on, then waited for good. The server ends with it now, and torch stops its ranks.
+    code = ("import sys, torch.multiprocessing as mp\n"
+            "from gpipe_cli.launch import forked\n"
+            "from tests.launch.forked_probe import sleeping_rank\n"
+            "forked.prepare()\n"
+            "forked.wait_preloaded(120)\n"
+            f"mp.start_processes(sleeping_rank, args=({str(tmp_path)!r},), nprocs=1, join=False,\n"
+            "                   start_method='forkserver')\n"
+            "print(forked._server(), flush=True)\n"
+            "import time; time.sleep(120)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert launcher.stdout is not None
+    server = int(launcher.stdout.readline())
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "rank.pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rank = int((tmp_path / "rank.pid").read_text())
+    try:
+        launcher.kill()
+        launcher.wait(30)
+        deadline = time.monotonic() + 20
+        while any(os.path.exists(f"/proc/{pid}") for pid in (server, rank)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{server}") and not os.path.exists(f"/proc/{rank}")
+    finally:
+        for pid in (rank, server):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
