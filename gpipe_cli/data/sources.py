@@ -63,8 +63,8 @@ def split_files(path: Path, exts: Sequence[str], data: Data) -> tuple[list[Path]
     train_files = [f for f in named(train_split) if f not in eval_files]
     # A file named as both (train.test.txt) is not trained on; words of a folder every training file is under
     # (test_run/train.txt) name no split.
-    shared = Path(os.path.commonpath(train_files)) if len(train_files) > 1 else path
-    shared = train_files[0].parent if len(train_files) == 1 else shared
+    shared = (train_files[0].parent if len(train_files) == 1 else Path(os.path.commonpath(train_files)) if train_files
+              else path)
     train_files = [f for f in train_files if not _named_as(f, shared, others)]
     if named_split and not train_files:
         raise DataError(f"no file under '{path}' has data.train_split '{train_split}' in its name"

@@ -183,9 +183,9 @@ def _described(tensors: dict[str, torch.Tensor], run_dir: Path | None, recipe_fi
                             f"once cast); give --dtype bfloat16 or float32")
     floating = [v.dtype for v in tensors.values() if v.is_floating_point()]
     stored = str(floating[0]).removeprefix("torch.") if floating else "float32"
-    if not recipe_file.is_file() and kept:
-        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(recipe_file))
     if not recipe_file.is_file():  # an older version's checkpoint moved away from its run: the weights alone
+        if kept:  # pruned while read: the newest then is read instead
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(recipe_file))
         print(f"[gpipe] no {RECIPE} in {recipe_file.parent}: the export holds the weights only, which gpipe predict "
               "cannot use", file=sys.stderr)
         return tensors, {"step": str(step), "format": "pt", "layers": weights.LAYERS}
