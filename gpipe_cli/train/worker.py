@@ -148,6 +148,7 @@ def check_same_recipe(recipe: dict[str, Any], topo: Any, resuming: bool = False)
 
 
 def _resumes_apart(every: list[tuple[dict[str, Any], bool]], resuming: bool) -> str | None:
+    """Which rank resumes where rank 0 does not, or the reverse, in words (None: all alike)."""
     # A node resuming beside one starting afresh left rank 0 reading its checkpoint for peers that never would.
     apart = next((rank for rank, (_, theirs) in enumerate(every) if theirs != resuming), None)
     if apart is None:
@@ -157,6 +158,7 @@ def _resumes_apart(every: list[tuple[dict[str, Any], bool]], resuming: bool) -> 
 
 
 def _recipes_apart(every: list[tuple[dict[str, Any], bool]], recipe: dict[str, Any]) -> str | None:
+    """The first key a rank's recipe differs in from rank 0's, in words (None: all alike but per-node paths)."""
     from gpipe_cli.train.existing import differences
 
     for rank, (theirs, _) in enumerate(every):
@@ -168,6 +170,7 @@ def _recipes_apart(every: list[tuple[dict[str, Any], bool]], recipe: dict[str, A
                     f"on rank {rank} and {json.dumps(first.old, default=str)} on rank 0{others}; start every node "
                     "with the same recipe and --set values")
     return None
+
 
 if __name__ == "__main__":
     main()
