@@ -27,6 +27,7 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "gpipe_cli.train.worke
 # server from its first instruction, since the launcher reads each rank's exit code through it; each rank takes
 # them back.
 JOB_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+LAUNCHER = "GPIPE_LAUNCHER_PID"  # tells the server the process it is to end with
 _ours: int | None = None  # the server `prepare` started: one started elsewhere in this process preloads other modules
 
 
@@ -59,7 +60,9 @@ def prepare(fresh: bool = True) -> None:
     # before its one line. A user's own level wins (e.g. INFO to debug a hang).
     level = os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")
     before = _server()
-    with environment({"PYTHONWARNINGS": warnings, "TORCH_CPP_LOG_LEVEL": level, "GPIPE_PRELOADED": _marker()}):
+    # From the main thread only: the server ends with the thread that started it (see `preloaded`).
+    with environment({"PYTHONWARNINGS": warnings, "TORCH_CPP_LOG_LEVEL": level, "GPIPE_PRELOADED": _marker(),
+                      LAUNCHER: str(os.getpid())}):
         # First: it unblocks SIGINT and SIGTERM on its way out, but not SIGHUP, whose default would end it with the
         # job's process group (a closed terminal): eight tracebacks after the run's last line. It keeps this mask.
         hup = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGHUP,))

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from gpipe_cli.launch.forked import JOB_SIGNALS
+from gpipe_cli.launch.forked import JOB_SIGNALS, LAUNCHER
 
 Hook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
 
@@ -36,10 +36,9 @@ def die_with_launcher() -> None:
         return
     import ctypes
 
-    launcher = os.getppid()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-    if os.getppid() != launcher:  # it ended before the kernel was asked
+    if str(os.getppid()) != os.environ.get(LAUNCHER, str(os.getppid())):  # it ended before the kernel was asked
         os._exit(1)
 
 

@@ -124,6 +124,11 @@ def clear_stopped(endpoint: str, run_id: str, who: str) -> None:
     _briefly(clear)
 
 
+def _elsewhere(origin: str) -> bool:
+    """Whether a report's origin (pid@host) is a rank on another host, whose terminal is not this node's."""
+    return origin.partition("@")[2] not in ("", socket.gethostname())
+
+
 def _decode(text: str) -> tuple[str, str, str]:
     parts = text.split("\n", 2)
     return (parts[2], parts[1], parts[0]) if len(parts) == 3 else (text, _FAILED, "")
@@ -149,7 +154,7 @@ class AbortWatch:
 
     def announce(self, summary: str) -> bool:
         """Stop every rank because of `summary`, printed once for the whole job; returns whether this was first."""
-        first, _, _ = self.report(summary, _ANNOUNCED)
+        first, _, _, _ = self.report(summary, _ANNOUNCED)
         if first:
             mark_told()
             print(f"[gpipe] {summary}", file=sys.stderr, flush=True)
@@ -160,20 +165,20 @@ class AbortWatch:
         self.report(f"rank {os.environ.get('RANK', '?')} on {socket.gethostname()} was stopped before the first "
                     "step", _STOPPED)
 
-    def report(self, summary: str, kind: str = _FAILED) -> tuple[bool, str, str]:
-        """Tell every rank to stop for `summary`: whether this rank was first, the first report's message and kind."""
+    def report(self, summary: str, kind: str = _FAILED) -> tuple[bool, str, str, str]:
+        """Tell every rank to stop for `summary`: whether this rank was first; the first's message, kind, origin."""
         # The first wins, so a rank failing because a peer vanished cannot hide the cause. A bad-input report's
         # kind carries the exit code of the other ranks.
         # Who reported (so a rank knows whether it was first, and on which host) and what kind of report.
         mine = f"{os.getpid()}@{socket.gethostname()}\n{kind}\n{summary}"
         if self._reporter is None:
-            return True, summary, kind
+            return True, summary, kind, ""
         with contextlib.suppress(Exception):  # the store may already be gone; exiting matters more
             first = self._reporter.compare_set(job_key(_KEY_PREFIX), "", mine)
             text = first.decode(errors="replace") if isinstance(first, bytes) else str(first)
-            message, first_kind, _ = _decode(text)
-            return text == mine, message, first_kind
-        return True, summary, kind
+            message, first_kind, origin = _decode(text)
+            return text == mine, message, first_kind, origin
+        return True, summary, kind, ""
 
     def _watch(self) -> None:
         key = job_key(_KEY_PREFIX)
@@ -187,7 +192,7 @@ class AbortWatch:
                     if not self._stopped.is_set():
                         # Bad input and announced stalls are shown once, by the rank that found them (or
                         # here too when that rank runs on another host, whose terminal this is not).
-                        elsewhere = origin.partition("@")[2] not in ("", socket.gethostname())
+                        elsewhere = _elsewhere(origin)
                         # A node's stop is news on every node, said once by each.
                         node_speaker = kind == _STOPPED and os.environ.get("LOCAL_RANK", "0") == "0"
                         if kind == _FAILED or node_speaker or elsewhere and kind != _STOPPED:
@@ -235,14 +240,16 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
         # A log on a full disk is told by this rank in one line: the others end without a word.
         kind = f"{_BAD_INPUT}:{getattr(exc, 'exit_code', 2)}" if user_error else \
             _ANNOUNCED if stdout_refused(exc) else _FAILED
-        was_first, first, first_kind = True, summary, kind
+        was_first, first, first_kind, origin = True, summary, kind, ""
         if watch is not None:
             watch.stop()
-            was_first, first, first_kind = watch.report(summary, kind)
+            was_first, first, first_kind, origin = watch.report(summary, kind)
         first_quiet = first_kind.startswith(_BAD_INPUT)
         if not was_first:
             if not first_quiet and first != summary:  # a consequence of another rank's failure: name it
                 print(f"[gpipe] {label} stopped: {first}", file=sys.stderr, flush=True)
+            elif first_quiet and _elsewhere(origin) and os.environ.get("LOCAL_RANK", "0") == "0":
+                print(f"error: {first}", file=sys.stderr, flush=True)  # once on each other node's terminal too
             # bad input, or one error hit by several ranks, is shown once, by the rank that reported it
         elif user_error:
             print(f"error: {summary}", file=sys.stderr, flush=True)

@@ -190,3 +190,33 @@ def test_a_rank_finds_a_job_store_that_is_gone_at_once(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(port))
     started = time.monotonic()
     assert failure.connect() is None and time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(("host", "local_rank", "said"), [
+    ("hostB", "0", ["error: the nodes were given different recipes: ..."]),  # another node's terminal: once there
+    ("hostB", "1", []),  # that node's first rank says it
+    (None, "0", []),  # this host's rank that reported it said it here
+])
+def test_bad_input_another_node_found_is_said_once_on_this_node_too(host, local_rank, said):
+    # A node refused by rank 0's check (other recipe, --resume on one node) exited 2 without a word.
+    code = f"""
+        import socket
+        from gpipe_cli.errors import UserError
+        from gpipe_cli.pipeline import failure
+
+        class Watch:
+            def stop(self):
+                pass
+
+            def report(self, summary, kind):
+                host = {host!r} or socket.gethostname()
+                return False, summary, kind, f"123@{{host}}"
+
+        def work():
+            raise UserError("the nodes were given different recipes: ...")
+
+        failure.run_guarded(work, "stage 1 (rank 1)", Watch(), quiet=(UserError,))
+        """
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "LOCAL_RANK": local_rank})
+    assert (proc.returncode, proc.stderr.strip().splitlines()) == (2, said), proc.stderr
