@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli.errors import DataError, UserError, cut, path_line, shell_path, shown
-from gpipe_cli.files import atomic_write_bytes, check_output, check_output_kind, remove_folders, same_file
+from gpipe_cli.files import atomic_write_bytes, check_output, check_output_kind, remove_folders, same_file, shown_path
 from gpipe_cli.launch.preflight import NODE_FLAGS, check_file_name, check_not_empty, check_path
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_yaml
 from gpipe_cli.recipe.schema import Recipe
@@ -446,7 +446,7 @@ def renamed(location: Path, verb: str) -> str:
     if not names:
         return ""
     listed = ", ".join(shown(name) for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return f"; {shown(str(folder))} holds {listed}, not named {PREFIX}*: {verb} one by its path"
+    return f"; {shown_path(folder)} holds {listed}, not named {PREFIX}*: {verb} one by its path"
 
 
 def no_usable(location: str, refused: list[str]) -> UserError:
