@@ -33,7 +33,7 @@ from gpipe_cli.bench import FLAGS as B
 from gpipe_cli.bench import BenchOptions
 from gpipe_cli.cli_help import polish
 from gpipe_cli.console import output_console, print_table
-from gpipe_cli.errors import UserError, near, one_line, path_line, shell_path, shown
+from gpipe_cli.errors import UserError, near, one_line, path_line, shell_path, shown, shown_path
 from gpipe_cli.files import (
     another_file,
     check_not_input,
@@ -459,7 +459,7 @@ def prepare_data(
     check_not_stdout(output, "--output", "new folder", "data/NAME")
     check_not_input(Path(output), "--output", [recipe_read(recipe)], "name a new folder")
     if (kept := kept_by_a_run(Path(output))) is not None:  # a run's pruning would delete the data with it
-        raise UserError(f"--output {shown(output)} {kept[1]}; name a new folder outside it")
+        raise UserError(f"--output {shown_path(output)} {kept[1]}; name a new folder outside it")
     files = save(load_recipe(recipe, set_ or []).data, Path(output))
     write_out(f"wrote {path_line(output)} ({len(files)} parquet file{'s' if len(files) > 1 else ''}); train with "
               f"--set data.source=parquet --set data.path={shell_path(output)}\n")

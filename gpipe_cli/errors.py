@@ -55,6 +55,11 @@ def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
     return cut(_words(value), limit)
 
 
+def shown_path(path: str | os.PathLike[str]) -> str:
+    """A path as an error repeats it: whole up to PATH_SHOWN_CHARS, for its end is what tells it apart."""
+    return shown(os.fspath(path), PATH_SHOWN_CHARS)
+
+
 def _words(value: Any) -> str:
     """`repr(value)` with YAML's true, false and null for Python's True, False and None, in lists and mappings too."""
     if value is None or isinstance(value, bool):

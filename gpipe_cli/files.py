@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from gpipe_cli.errors import PATH_SHOWN_CHARS, UserError, shown
+from gpipe_cli.errors import UserError, shown_path
 from gpipe_cli.launch.preflight import NAME_MAX, PATH_MAX, check_writable, path_problem
 from gpipe_cli.units import human_bytes
 
@@ -153,11 +153,6 @@ def space_left(folder: Path) -> str:
         return f"{human_bytes(shutil.disk_usage(folder).free)} free on {folder}"
     except OSError:
         return f"{folder} cannot be read"
-
-
-def shown_path(path: Path) -> str:
-    """`path` as an error repeats it."""
-    return shown(str(path), PATH_SHOWN_CHARS)
 
 
 def check_output(path: Path | None, flag: str, example: str = "out.json", hint: str = "") -> None:

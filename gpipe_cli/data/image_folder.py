@@ -7,7 +7,7 @@ import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpipe_cli.errors import DataError, shown
+from gpipe_cli.errors import DataError, shown_path
 from gpipe_cli.units import counted
 
 # A top-level folder of one of these names (any case) is a split, under the name on the left. Only whole names
@@ -60,21 +60,21 @@ def _first_visit(folder: str, seen: set[str]) -> bool:
 
 
 def _unreadable(error: OSError) -> None:
-    raise DataError(f"cannot read the folder {shown(error.filename)}: {error.strerror}")
+    raise DataError(f"cannot read the folder {shown_path(error.filename)}: {error.strerror}")
 
 
 def _listing(folder: Path) -> list[str]:
     try:
         return [entry.name for entry in os.scandir(folder) if entry.is_file()]
     except OSError as e:
-        raise DataError(f"cannot read the folder {shown(str(folder))}: {e.strerror}") from None
+        raise DataError(f"cannot read the folder {shown_path(str(folder))}: {e.strerror}") from None
 
 
 def _subfolders(folder: Path) -> list[Path]:
     try:
         return sorted(p for p in folder.iterdir() if p.is_dir() and not skipped(p.name))
     except OSError as e:
-        raise DataError(f"cannot read the folder {shown(str(folder))}: {e.strerror}") from None
+        raise DataError(f"cannot read the folder {shown_path(str(folder))}: {e.strerror}") from None
 
 
 def scan(root: Path, wanted: tuple[str, ...] = ()) -> Folder:

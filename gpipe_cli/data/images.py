@@ -24,7 +24,7 @@ from gpipe_cli.data.sources import (
     pick_splits,
 )
 from gpipe_cli.data.synthetic import SyntheticImages
-from gpipe_cli.errors import DataError, shown
+from gpipe_cli.errors import DataError, shown, shown_path
 from gpipe_cli.files import atomic_write_bytes
 from gpipe_cli.recipe.schema import Data
 
@@ -47,7 +47,7 @@ class DatasetImages:
         except Exception as e:
             # PIL names the buffer it read ("<_io.BytesIO object at 0x...>"): an address, nothing a user can act on.
             why = re.sub(r" <[\w.]+ object at 0x[0-9a-f]+>", "", first_line(e))
-            which = (f"{shown(self.files[row])} of the image folder" if self.files
+            which = (f"{shown_path(self.files[row])} of the image folder" if self.files
                      else f"{row} of column '{self.column}'")
             raise DataError(f"cannot decode image {which}: {why}") from None
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gpipe_cli.errors import UserError, shown
+from gpipe_cli.errors import UserError, shown_path
 from gpipe_cli.estimate import costs
 from gpipe_cli.files import atomic_write_bytes
 from gpipe_cli.launch.preflight import check_writable
@@ -83,15 +83,15 @@ def cache_path(key: dict[str, Any]) -> Path:
 def unwritable(folder: Path) -> str | None:
     """Why measured costs cannot be kept in `folder`: "FOLDER cannot be written: WHY" (None: they can)."""
     try:  # probes without leaving anything behind, so a run that says "cached" keeps its word
-        check_writable(folder, f"{shown(str(folder))} cannot be written")
+        check_writable(folder, f"{shown_path(str(folder))} cannot be written")
         existing = next(p for p in (folder, *folder.parents) if p.exists())  # the probe makes no folder
         free = shutil.disk_usage(existing).free
     except UserError as exc:
         return str(exc)
     except OSError as exc:
-        return f"{shown(str(folder))} cannot be read ({exc.strerror or exc})"
+        return f"{shown_path(str(folder))} cannot be read ({exc.strerror or exc})"
     # A full disk still makes the probe's empty file; the costs' file, some kilobytes, would not fit.
-    return f"{shown(str(folder))} has {human_bytes(free)} free" if free < LEAST_FREE else None
+    return f"{shown_path(str(folder))} has {human_bytes(free)} free" if free < LEAST_FREE else None
 
 
 def measure(spec: ModelSpec, recipe: Recipe, microbatch_size: int, device: torch.device,

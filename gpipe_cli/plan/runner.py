@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpipe_cli import interrupts
-from gpipe_cli.errors import UserError, path_line, shell_path, shown
+from gpipe_cli.errors import UserError, path_line, shell_path, shown_path
 from gpipe_cli.files import another_file, check_not_input, check_output, holds_no
 from gpipe_cli.plan.options import ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US, PlanOptions, validate
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_label, recipe_read
@@ -144,7 +144,7 @@ def _not_the_recipe(options: PlanOptions) -> None:
     except OSError:  # it vanished or cannot be read: the write itself then says what is wrong
         return
     if copy:
-        raise UserError(f"--output {shown(str(output))} is the built-in recipe being planned: writing there would "
+        raise UserError(f"--output {shown_path(str(output))} is the built-in recipe being planned: writing there would "
                         f"replace it; {instead}")
 
 
@@ -281,7 +281,7 @@ def _plan(options: PlanOptions, recipe: Recipe, source: tuple[str, dict[str, Any
             try:
                 show.write_recipe(*source, section, options.output, recipe_label(options.recipe), header)
             except OSError as exc:  # a disk can fill, or a folder change, after the check; nothing is half there
-                raise UserError(f"--output: cannot write {shown(str(options.output))} ({exc.strerror or exc})") \
+                raise UserError(f"--output: cannot write {shown_path(str(options.output))} ({exc.strerror or exc})") \
                     from None
             line(f"wrote {path_line(options.output)}; train with: gpipe train {shell_path(options.output)}",
                  markup=False)

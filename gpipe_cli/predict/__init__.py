@@ -7,7 +7,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpipe_cli.errors import UserError, not_utf8, shell_path, shown
+from gpipe_cli.errors import UserError, not_utf8, shell_path, shown_path
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.pipeline.streams import write_out
 from gpipe_cli.train.existing import (
@@ -49,9 +49,9 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
         print(f"[gpipe] {behind}", file=sys.stderr)
     task = exported.spec.task
     if max_tokens is not None and task != "lm":
-        raise UserError(f"--max-tokens continues a language model's prompt; {shown(path)} is {_KINDS[task]}")
+        raise UserError(f"--max-tokens continues a language model's prompt; {shown_path(path)} is {_KINDS[task]}")
     if top is not None and task != "image":
-        raise UserError(f"--top ranks an image classifier's classes; {shown(path)} is {_KINDS[task]}")
+        raise UserError(f"--top ranks an image classifier's classes; {shown_path(path)} is {_KINDS[task]}")
     if inputs is not None and task != "image":  # an image's path stays as the file system names it
         # Bytes as typed, read as UTF-8 whatever the locale: under a C locale "zéro" reached Python as two
         # undecodable bytes and was refused as not UTF-8.
@@ -157,7 +157,7 @@ def export_file(path: str) -> Path:
     check_path(path, "MODEL", "model", "give the file gpipe export wrote, or its run directory")
     file = Path(path)
     if not file.exists():
-        raise UserError(f"no such model file: {shown(path)}; write one with: {export_command(file)}")
+        raise UserError(f"no such model file: {shown_path(path)}; write one with: {export_command(file)}")
     if file.is_dir():  # a run directory: the file gpipe export writes there by default
         if file.name.startswith(SUPERSEDED) and course_export(file).is_file():  # what its export wrote
             file = course_export(file)
@@ -167,14 +167,15 @@ def export_file(path: str) -> Path:
             course = file if file.name.startswith(SUPERSEDED) else file.parent
             written = course_export(course) if course.name.startswith(SUPERSEDED) else run_dir_of(path) / EXPORTED
             what = "a checkpoint" if file.name.startswith(PREFIX) else "a course of checkpoints a resume set aside"
-            raise UserError(f"{shown(path)} is {what}, and predict reads an export: write one with: gpipe "
+            raise UserError(f"{shown_path(path)} is {what}, and predict reads an export: write one with: gpipe "
                             f"export {shell_path(path)}, then give predict {shell_path(written)}")
         elif not (file / EXPORTED).is_file():
-            raise UserError(f"{shown(path)} is a directory without {EXPORTED}; write one with: {export_command(file)}")
+            raise UserError(f"{shown_path(path)} is a directory without {EXPORTED}; write one with: "
+                            f"{export_command(file)}")
         else:
             file = file / EXPORTED
     try:  # safetensors words a file it may not read as one that is not there
         open(file, "rb").close()
     except OSError as exc:
-        raise UserError(f"cannot read {shown(str(file))} ({exc.strerror or exc})") from None
+        raise UserError(f"cannot read {shown_path(str(file))} ({exc.strerror or exc})") from None
     return file

@@ -13,7 +13,7 @@ from gpipe_cli.data.augment import FloatRange, ImageTransform, pil_to_tensor
 from gpipe_cli.data.image_kind import FORMATS, image_format
 from gpipe_cli.data.sources import first_line
 from gpipe_cli.data.tokenizer import TOKENIZER_FILE, UNK, Tokenizer
-from gpipe_cli.errors import UserError, shown
+from gpipe_cli.errors import UserError, shown, shown_path
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.models.transformer.decode import Forward, continue_text, encoding_once, translate, translation_limit
 from gpipe_cli.models.weights import (
@@ -48,23 +48,24 @@ def load_export(path: str) -> Exported:
         # A copy or download that stopped early: "not a safetensors file" sent the user looking for another file.
         short = cut_short(file)
         if short is not None:
-            raise UserError(f"{shown(str(file))} {short}; copy it again whole, or "
+            raise UserError(f"{shown_path(str(file))} {short}; copy it again whole, or "
                             f"write it again with: {export_command(file)}") from None
-        raise UserError(f"{shown(str(file))} is not a safetensors file ({first_line(exc)}); write one with: "
+        raise UserError(f"{shown_path(str(file))} is not a safetensors file ({first_line(exc)}); write one with: "
                         f"{export_command(file)}") from None
     try:
         exported = parse(tensors, metadata)
     except WeightsOnly as exc:  # gpipe export wrote it: advising that command again would go round in a circle
-        raise UserError(f"{shown(path)} cannot be run: {exc}") from None
+        raise UserError(f"{shown_path(path)} cannot be run: {exc}") from None
     except NewerFormat as exc:
-        raise UserError(f"{shown(path)} cannot be read: {exc}; upgrade gpipe-cli to use it") from None
+        raise UserError(f"{shown_path(path)} cannot be read: {exc}; upgrade gpipe-cli to use it") from None
     except ValueError as exc:
-        raise UserError(f"{shown(path)} is not a gpipe export: {exc}; write one with: {export_command(file)}") from None
+        raise UserError(f"{shown_path(path)} is not a gpipe export: {exc}; write one with: "
+                        f"{export_command(file)}") from None
     bad = not_finite(exported.state)
     if bad is not None:  # every answer would follow from NaN: a class of "nan%", an empty translation
         # float16 holds at most 65,504: a larger weight exported in it became infinite.
         hint = "; export the run again with --dtype bfloat16 or float32" if exported.dtype == "float16" else ""
-        raise UserError(f"{shown(path)} cannot be run: its weights are not all finite ({bad}){hint}")
+        raise UserError(f"{shown_path(path)} cannot be run: its weights are not all finite ({bad}){hint}")
     return exported
 
 
@@ -157,10 +158,10 @@ def read_image(path: str) -> torch.Tensor:
         with Image.open(path) as image:
             return pil_to_tensor(image)
     except FloatRange as exc:
-        raise UserError(f"{shown(path)} cannot be classified: {exc}") from None
+        raise UserError(f"{shown_path(path)} cannot be classified: {exc}") from None
     # PIL refuses an image of more pixels than it allows with an error of its own (not an OSError).
     except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
-        raise UserError(f"{shown(path)} is not an image PIL can read ({first_line(exc)}); {_CLASSIFIES}") from None
+        raise UserError(f"{shown_path(path)} is not an image PIL can read ({first_line(exc)}); {_CLASSIFIES}") from None
 
 
 def check_image_path(path: str) -> None:
@@ -168,7 +169,7 @@ def check_image_path(path: str) -> None:
     check_path(path, "INPUT")
     if not os.path.isfile(path):
         what = "a directory" if os.path.isdir(path) else "no such file"
-        raise UserError(f"{shown(path)}: {what}; {_CLASSIFIES}")
+        raise UserError(f"{shown_path(path)}: {what}; {_CLASSIFIES}")
 
 
 def not_an_image(text: str, kind: str) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from gpipe_cli.errors import cut, near, not_utf8, shown
+from gpipe_cli.errors import cut, near, not_utf8, shown, shown_path
 from gpipe_cli.limits import words
 from gpipe_cli.models.presets import preset
 from gpipe_cli.recipe.schema import (
@@ -242,23 +242,23 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: P
     # os.path.exists: False (not an exception) for names too long for the file system
     if data.source in LOCAL_SOURCES and data.path and not os.path.exists(data.path):
         wild = any(c in Path(data.path).name for c in "*?[")  # a glob reaches us unexpanded from a recipe
-        raise RecipeError(f"{label}: {given('data.path')}: no such file or directory: {shown(data.path)}"
+        raise RecipeError(f"{label}: {given('data.path')}: no such file or directory: {shown_path(data.path)}"
                           + ("; patterns are not expanded: give the folder that holds the files" if wild
                              else _beside(data.path, folder)))
     if data.source in SOURCE_FILES and data.path and data.path.lower().endswith(".csv") and os.path.isfile(data.path):
-        raise RecipeError(f"{label}: {given('data.path')}: {shown(data.path)} is a .csv file, which no source reads "
-                          "(a comma inside a sentence would split it); save it tab-separated (.tsv, data.source "
+        raise RecipeError(f"{label}: {given('data.path')}: {shown_path(data.path)} is a .csv file, which no source "
+                          "reads (a comma inside a sentence would split it); save it tab-separated (.tsv, data.source "
                           "tsv), as JSON lines (jsonl) or as parquet")
     if data.source in SOURCE_FILES and data.path and (wrong := _other_sources_file(data.source, data.path)):
         typed_source = "data.source" in (typed or {})
         fix = " or ".join(f"--set data.source={other}" if typed_source else f"data.source: {other}" for other in wrong)
-        raise RecipeError(f"{label}: {given('data.path')}: {shown(data.path)} is a {Path(data.path).suffix} file, "
+        raise RecipeError(f"{label}: {given('data.path')}: {shown_path(data.path)} is a {Path(data.path).suffix} file, "
                           f"which data.source {' or '.join(wrong)} reads (data.source {data.source} reads "
                           f"{_either(SOURCE_FILES[data.source])} files); use {fix}")
     if data.source in SOURCE_FILES and data.path and os.path.isdir(data.path) and \
             not _holds_any(Path(data.path), SOURCE_FILES[data.source]):  # the ranks found it so after starting
         raise RecipeError(f"{label}: {given('data.path')}: no {_either(SOURCE_FILES[data.source])} files under "
-                          f"{shown(data.path)}, which data.source {data.source} reads; give a folder that holds "
+                          f"{shown_path(data.path)}, which data.source {data.source} reads; give a folder that holds "
                           "some, or one such file")
     if data.source in SOURCE_FILES and data.path and os.path.exists(data.path):  # splits by name: the ranks found
         from gpipe_cli.data.sources import split_files  # a split that picks nothing only after starting
@@ -278,9 +278,9 @@ def validate(raw: dict[str, Any], label: str, check_data: bool = True, folder: P
             raise RecipeError(f"{label}: {given('data.path')}: {exc}") from None
     if data.tokenizer and not os.path.exists(data.tokenizer):
         raise RecipeError(f"{label}: {given('data.tokenizer')}: no such sentencepiece model: "
-                          f"{shown(data.tokenizer)}{_beside(data.tokenizer, folder)}")
+                          f"{shown_path(data.tokenizer)}{_beside(data.tokenizer, folder)}")
     if data.tokenizer and os.path.isdir(data.tokenizer):
-        raise RecipeError(f"{label}: {given('data.tokenizer')}: {shown(data.tokenizer)} is a directory; give the "
+        raise RecipeError(f"{label}: {given('data.tokenizer')}: {shown_path(data.tokenizer)} is a directory; give the "
                           "sentencepiece model file (.model) in it")
     if data.tokenizer and not isinstance(model, TransformerModel):  # it was read by nothing, without a word
         raise RecipeError(f"{label}: {given('data.tokenizer')}: an image model reads no tokenizer; leave it out")

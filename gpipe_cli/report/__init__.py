@@ -10,7 +10,7 @@ from rich.table import Table
 
 from gpipe_cli import plots
 from gpipe_cli.console import output_console, print_table
-from gpipe_cli.errors import UserError, path_line, shown
+from gpipe_cli.errors import UserError, path_line, shown_path
 from gpipe_cli.files import check_not_input, check_output, check_picture, writing
 from gpipe_cli.records import PARTS, PROFILED, profiled_words
 from gpipe_cli.report import page
@@ -219,7 +219,7 @@ def report(paths: list[Path], output: Path | None = None) -> int:
     check_output(output, "--output", "report.png")
     if output is not None and output.suffix.lower().lstrip(".") not in plots.FORMATS:  # before a run is read
         raise UserError(f"--output: the page is written as PNG, PDF or SVG: name a file ending in .png, .pdf or .svg "
-                        f"(got {shown(str(output))})")
+                        f"(got {shown_path(str(output))})")
     target = output or _default_page(paths)
     if output is None:  # a page by default where a file of the user's lies (one named with --output is theirs)
         check_picture(target, "gpipe report would write its page to", "name another file with --output")

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpipe_cli.errors import DataError, UserError, cut, path_line, shell_path, shown
-from gpipe_cli.files import atomic_write_bytes, check_output, check_output_kind, remove_folders, same_file, shown_path
+from gpipe_cli.errors import DataError, UserError, cut, path_line, shell_path, shown, shown_path
+from gpipe_cli.files import atomic_write_bytes, check_output, check_output_kind, remove_folders, same_file
 from gpipe_cli.launch.preflight import NODE_FLAGS, check_file_name, check_not_empty, check_path
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_yaml
 from gpipe_cli.recipe.schema import Recipe
@@ -246,17 +246,17 @@ def check_export_arguments(location: str, output: str | None) -> None:
         check_output_kind(Path(output), "--output", "safetensors", ".safetensors", (".safetensors",))
     check_path(location, "RUN", "run", RUN_FOLDER)
     if not os.path.exists(location):
-        raise UserError(f"no such run directory or checkpoint: {shown(location)}")
+        raise UserError(f"no such run directory or checkpoint: {shown_path(location)}")
     if not os.path.isdir(location):
-        raise UserError(f"{shown(location)} is a file; give a run directory or one of its checkpoint folders")
+        raise UserError(f"{shown_path(location)} is a file; give a run directory or one of its checkpoint folders")
     if output is None and (outside := loose(location)) is not None:  # its run's folder would be the one above
         raise UserError(f"{outside}; name the file to write with --output FILE.safetensors")
     other = Path(os.path.realpath(output)).parent if output is not None else None
     if output is not None and Path(output).name == EXPORTED and other is not None and holds_run(other) \
             and other != Path(os.path.realpath(run_dir_of(os.path.abspath(location)))):
         # gpipe predict of that run would take these weights for its own, of a step it never trained.
-        raise UserError(f"--output {shown(output)} is the export another run keeps for gpipe predict; name another "
-                        "file, or leave --output out to write the run's own")
+        raise UserError(f"--output {shown_path(output)} is the export another run keeps for gpipe predict; name "
+                        "another file, or leave --output out to write the run's own")
 
 
 def check_not_in_a_run(output_dir: str | None) -> None:
@@ -354,7 +354,7 @@ def check_tokenizer_kept(recipe: Recipe, location: str) -> None:
     except DataError:  # a file that is no tokenizer: the recipe's check says so
         return
     if not same:
-        raise UserError(f"--resume {cut(location, PATH_CHARS)}: data.tokenizer {shown(recipe.data.tokenizer)} is "
+        raise UserError(f"--resume {cut(location, PATH_CHARS)}: data.tokenizer {shown_path(recipe.data.tokenizer)} is "
                         f"not the tokenizer the run started with (its copy: {kept}), whose ids its checkpoints' "
                         "embeddings learned; put that file back, or start a new run in another --output-dir")
 
@@ -594,9 +594,10 @@ def check_resume_path(resume: str | None) -> None:
     if resume != LATEST:
         check_path(resume, "--resume", "run", f"{RUN_FOLDER}, or no value for the newest run")
     if resume not in (None, LATEST) and not os.path.exists(resume):
-        raise UserError(f"--resume: no such run directory or checkpoint: {shown(resume)}")
+        raise UserError(f"--resume: no such run directory or checkpoint: {shown_path(resume)}")
     if resume not in (None, LATEST) and not os.path.isdir(resume):
-        raise UserError(f"--resume: {shown(resume)} is a file; give a run directory or one of its checkpoint folders")
+        raise UserError(f"--resume: {shown_path(resume)} is a file; give a run directory or one of its checkpoint "
+                        "folders")
     if resume not in (None, LATEST) and (outside := loose(resume)) is not None:
         raise UserError(f"--resume: {outside}, and a resume writes its run in the folder above that; put it in a run "
                         f"folder's {CHECKPOINTS}/ with its {RECIPE} beside them, and resume that folder")
@@ -610,7 +611,7 @@ def loose(location: str) -> str | None:
     parent = path.parent
     if parent.name == CHECKPOINTS or (parent.name.startswith(SUPERSEDED) and parent.parent.name == CHECKPOINTS):
         return None
-    return f"{shown(location)} is a checkpoint outside a run's {CHECKPOINTS}/ (it lies in {shown(parent.name)})"
+    return f"{shown_path(location)} is a checkpoint outside a run's {CHECKPOINTS}/ (it lies in {shown(parent.name)})"
 
 
 def check_resume_output(resume: str | None, output_dir: str | None) -> None:

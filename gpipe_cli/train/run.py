@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from gpipe_cli import interrupts
 from gpipe_cli.console import redraws, say
 from gpipe_cli.data.offline import check_hub_data
-from gpipe_cli.errors import UserError, shown
+from gpipe_cli.errors import UserError, shown_path
 from gpipe_cli.files import check_not_stdout
 from gpipe_cli.launch import (
     LaunchOptions,
@@ -220,7 +220,7 @@ def train(options: TrainOptions) -> int:
     if options.launch.rdzv_endpoint and not options.dry_run and not under_torchrun():  # before seconds of planning
         resolve(options.launch.rdzv_endpoint, endpoint_source(options.launch))
     if options.output_dir and os.path.exists(options.output_dir) and not os.path.isdir(options.output_dir):
-        raise UserError(f"--output-dir: {shown(options.output_dir)} exists and is not a directory")
+        raise UserError(f"--output-dir: {shown_path(options.output_dir)} exists and is not a directory")
     if starts_anew(options.resume, options.output_dir):  # a new run's folder: refused before seconds of measuring
         if options.output_dir:
             # Another node's launcher (or rank) of this job: the directory is node 0's to claim, perhaps already.
@@ -286,7 +286,7 @@ def _fresh_line(output_dir: str | None, dropped: bool) -> str:
     """What a bare --resume does with an --output-dir that holds no checkpoint (`dropped`: but records of steps)."""
     said = ("holds no checkpoint yet; the run starts there again from step 0 (the steps it recorded are dropped)"
             if dropped else "holds no run yet; starting a new one there")
-    return f"--resume: {shown(str(output_dir))} {said}"
+    return f"--resume: {shown_path(str(output_dir))} {said}"
 
 
 def _plan_and_run(options: TrainOptions, recipe: Recipe, recipe_file: str | None, world: int, local: int,

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from gpipe_cli.cli import run
-from gpipe_cli.errors import shown
+from gpipe_cli.errors import shown_path
 from tests.predict.exports import SIZES, write_export
 from tests.train.test_checkpoint import save_one
 from tests.train.test_export_inputs import one_error_line
@@ -412,7 +412,7 @@ def test_a_truncated_export_is_said_to_end_early_not_to_be_no_safetensors_file(t
     says = (f"inside its header, which alone is {header_end:,} bytes" if where == "in the header"
             else f"where its header says {len(whole):,}")
     assert one_error_line(code, captured.err, captured.out) == (
-        f"error: {shown(str(path))} is incomplete: it ends after {keep:,} bytes, {says}; copy it again whole, or "
+        f"error: {shown_path(path)} is incomplete: it ends after {keep:,} bytes, {says}; copy it again whole, or "
         "write it again with: gpipe export RUN")
 
 
@@ -453,7 +453,7 @@ def test_an_export_whose_weights_are_not_finite_is_refused_naming_the_tensor(tmp
     code = run(["predict", str(path), str(picture) if family == "image" else "one two"])
     captured = capsys.readouterr()
     assert one_error_line(code, captured.err, captured.out) == (
-        f"error: {shown(str(path))} cannot be run: its weights are not all finite ({first['name']}: 1 of its "
+        f"error: {shown_path(path)} cannot be run: its weights are not all finite ({first['name']}: 1 of its "
         f"{first['size']:,} values {what})")
     assert captured.out == ""
 

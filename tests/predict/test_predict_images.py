@@ -11,7 +11,7 @@ from PIL import Image
 
 from gpipe_cli.cli import run
 from gpipe_cli.data.image_kind import image_format
-from gpipe_cli.errors import shown
+from gpipe_cli.errors import shown_path
 from tests.predict.exports import write_export
 from tests.train.test_export_inputs import one_error_line
 
@@ -93,7 +93,7 @@ def test_an_image_model_given_a_text_file_named_png_says_so_in_one_line(exports,
     code = run(["predict", str(exports["image"]), str(path)])
     captured = capsys.readouterr()
     line = one_error_line(code, captured.err, captured.out)
-    assert line.startswith(f"error: {shown(str(path))} is not an image PIL can read (")
+    assert line.startswith(f"error: {shown_path(path)} is not an image PIL can read (")
     assert line.endswith("); an image model classifies image files (PNG, JPEG, GIF, BMP, WEBP, TIFF, ...)"), line
 
 
@@ -109,4 +109,4 @@ def test_an_image_of_more_pixels_than_pil_allows_is_one_line(exports, tmp_path, 
     code = run(["predict", str(exports["image"]), str(path)])
     captured = capsys.readouterr()
     line = one_error_line(code, captured.err, captured.out)
-    assert line.startswith(f"error: {shown(str(path))} is not an image PIL can read (Image size (900000000 pixels)")
+    assert line.startswith(f"error: {shown_path(path)} is not an image PIL can read (Image size (900000000 pixels)")
