@@ -236,9 +236,9 @@ ROW_MARGIN = 1.5
 
 
 def row_seconds(precision: str, batch: int, rows: list[dict[str, Any]]) -> float:
-    """Seconds the longest measured row of this precision and batch took: what the next should take. Before any,
-    the longest at the nearest batch measured of its precision (else of any), scaled up to a larger batch; 0 before
-    any row at all."""
+    """Seconds the longest measured row of this precision and batch took: what the next should take."""
+    # Before any, the longest at the nearest batch measured of its precision (else of any), scaled up to a larger
+    # batch; 0 before any row at all.
     # Priced at 0, fp32's first row at batch 128 started 55 s in and ran some 9 s past the step's bound.
     kin = [r for r in rows if r["precision"] == precision] or rows
     if not kin:

@@ -73,8 +73,7 @@ class StopRequest:
         self._watched = True  # only now does `_direct` leave stop signals to the thread: none is lost meanwhile
 
     def _direct(self, signum: int, frame: FrameType | None) -> None:
-        """The handler Python runs: a stop signal is seen by the thread of `_watch`; a closed output's stop
-        (train/output.py calls it with SIGPIPE) is seen here."""
+        """The handler Python runs: stop signals are the `_watch` thread's; a closed output's SIGPIPE is seen here."""
         if signum not in stopping.STOPS or not self._watched:  # (one seen by both within ECHO_S counts once)
             with self._lock:
                 self._handle(signum, frame)
