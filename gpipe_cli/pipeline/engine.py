@@ -159,6 +159,25 @@ class Pipeline:
         fabric.host_sum(t)
         return t.tolist()
 
+    def _loss_weights(self, units: list[float], total: float) -> list[float | torch.Tensor]:
+        """Each micro-batch's share of the mini-batch's units over every replica, times the fp16 loss scale."""
+        fabric, replicas = self.topology.fabric, self.layout.replica_ranks()
+        shares: list[float | torch.Tensor]
+        if fabric is None or len(replicas) < 2:
+            if total <= 0:
+                raise ValueError("the mini-batch has no units to train on (every target is padding)")
+            shares = [u / total for u in units]
+            return [self.loss_scale.value * s for s in shares] if self.loss_scale.enabled else shares
+        # Summed on the device by the replicas' last stages alone: no rank's host waits for another's at the step's
+        # start. Divided in float64 and rounded once, as the host's division is. A mini-batch that is all padding
+        # on every replica makes the shares NaN, and the step is skipped as not finite.
+        summed = torch.full((), total, dtype=torch.float64, device=self.device)
+        fabric.all_reduce(summed, replicas)
+        weights = dev.to_device(torch.tensor(units, dtype=torch.float64), self.device).div_(summed).float()
+        if self.loss_scale.enabled:
+            weights = weights * self.loss_scale.value
+        return list(weights.unbind())
+
     def _count_units(self, target: torch.Tensor) -> float:
         return float(self.units(target)) if self.units is not None else float(target.shape[0])
 
@@ -212,13 +231,7 @@ class Pipeline:
             targets_mb = microbatch.scatter(targets, chunks)
             units = [self._count_units(t) for t in targets_mb]
             examples, units_total = float(targets.shape[0]), sum(units)
-        global_units = self._sum_over_ranks([units_total])[0]
-        if layout.is_last:
-            if global_units <= 0:
-                raise ValueError("the mini-batch has no units to train on (every target is padding)")
-            weights = [u / global_units for u in units]
-            if self.loss_scale.enabled:
-                weights = [self.loss_scale.value * w for w in weights]
+            weights = self._loss_weights(units, units_total)
             targets_mb = microbatch.scatter(dev.to_device(targets, self.device), chunks)  # one copy, M views
 
         self._begin_step(True)

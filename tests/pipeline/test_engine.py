@@ -7,12 +7,13 @@ import time
 import pytest
 import torch
 
+from gpipe_cli.models import losses
 from gpipe_cli.pipeline import topology
 from gpipe_cli.pipeline.config import PipelineConfig
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
 from tests.multiproc import results, run_ranks
-from tests.pipeline import ranks, toy
+from tests.pipeline import loopback, ranks, toy
 from tests.pipeline.together import several, shared_jobs
 
 MODES = ["always", "except_last", "never"]
@@ -214,3 +215,34 @@ def test_a_failing_stage_stops_every_rank_quickly_with_its_error():
         # the cause, says it lost contact; either way it stopped, and the failing rank told why above.
         assert re.search(r"stopped: (stage 1 \(rank 1\) failed: ValueError: boom|lost contact with the job)",
                          other.output), other.output
+
+
+def _padding_step(replicas: int, padded: set[int]) -> tuple[list[torch.Tensor], list[bool]]:
+    """One step of the tied model on K=1 x D replicas, the replicas in `padded` given targets all padding."""
+    world = loopback.World(replicas, "cpu")
+    # Built here: rank threads building at once would draw their initial weights from one generator in turns.
+    built = [build_layers(toy.tied_model(), range(len(toy.tied_model())), 7) for _ in range(replicas)]
+
+    def rank(r: int) -> tuple[list[torch.Tensor], bool]:
+        topo = loopback.topology(world, r, 1, replicas)
+        layers = built[r]
+        pipe = Pipeline(layers, topo, PipelineConfig(1, 2, replicas, balance=(len(layers),)),
+                        losses.token_cross_entropy, units=losses.count_tokens, tied=toy.TIED)
+        x, y = toy.batch("tied", 0, 4)
+        y = torch.zeros_like(y) if r in padded else y.clamp_min(1)
+        result = pipe.train_step(x, y, step=0, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.5))
+        return [p.detach().clone() for p in pipe.parameters()], result.skipped
+
+    got = world.run(rank)
+    return [p for params, _ in got for p in params], [skipped for _, skipped in got]
+
+
+def test_a_replica_all_padding_adds_nothing_and_all_padding_everywhere_is_skipped():
+    alone, _ = _padding_step(1, set())
+    together, skipped = _padding_step(2, {1})
+    assert not any(skipped)
+    for a, b in zip(alone, together[:len(alone)], strict=True):
+        assert torch.equal(a, b)  # the replica with no units weighs nothing: the step is replica 0's alone
+    assert _padding_step(2, {0, 1})[1] == [True, True]
+    with pytest.raises(RuntimeError, match="ValueError: the mini-batch has no units to train on"):
+        _padding_step(1, {0})

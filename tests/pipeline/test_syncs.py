@@ -26,6 +26,7 @@ from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.layers import build_layers
 from gpipe_cli.pipeline.partition import stage_layers
 from tests.pipeline import loopback
+from tests.pipeline import nccl_model as nm
 from tests.pipeline.test_nccl_rules import TIED, factories, tokens
 from tests.pipeline.toy import token_loss
 
@@ -204,3 +205,30 @@ def test_fp16_loss_scaling_adds_no_wait(stages, monkeypatch):
             per_rank = world.run(rank, world)
     for r, per_step in enumerate(per_rank):
         assert per_step and max(per_step) <= 1, f"rank {r}: {per_step}"
+
+
+def test_replicas_meet_on_the_device_alone_inside_a_step(monkeypatch):
+    # Each step's units are summed over the replicas by their last stages' device collective: no host meets another
+    # inside a step, and the host still waits once.
+    waits, inside = Waits(), {}
+
+    def rank(r: int, world: loopback.World) -> list[int]:
+        topo = loopback.topology(world, r, 2, 2)
+        layers = build_layers(factories(), stage_layers([6, 6], 2, topo.layout.stage), 7, META)
+        pipe = Pipeline(layers, topo, PipelineConfig(2, 4, 2, balance=(6, 6)), token_loss, tied=TIED)
+        launch = pipe.launch_step
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            start = len(world.programs[r])
+            launched = launch(*args, **kwargs)
+            inside.setdefault(r, []).extend(world.programs[r][start:])
+            return launched
+        monkeypatch.setattr(pipe, "launch_step", recorded)
+        return steps(pipe, topo.layout.is_first, topo.layout.is_last, 4, waits, r)
+
+    with counted(waits, monkeypatch):
+        world = loopback.World(4)
+        per_rank = world.run(rank, world)
+    for r, per_step in enumerate(per_rank):
+        assert per_step and max(per_step) <= 1, f"rank {r}: {per_step}"
+        assert not [op for op in inside[r] if isinstance(op, nm.HostMeet)], f"rank {r} met on the host"
