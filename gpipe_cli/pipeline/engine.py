@@ -164,18 +164,16 @@ class Pipeline:
         fabric, replicas = self.topology.fabric, self.layout.replica_ranks()
         shares: list[float | torch.Tensor]
         if fabric is None or len(replicas) < 2:
-            if total <= 0:
-                raise ValueError("the mini-batch has no units to train on (every target is padding)")
-            shares = [u / total for u in units]
+            # No units anywhere: NaN shares skip the step, and its result says why (as with replicas).
+            shares = [u / total if total > 0 else math.nan for u in units]
             return [self.loss_scale.value * s for s in shares] if self.loss_scale.enabled else shares
         # Summed on the device by the replicas' last stages alone: no rank's host waits for another's at the step's
-        # start. Divided in float64 and rounded once, as the host's division is. A mini-batch that is all padding
-        # on every replica makes the shares NaN, and the step is skipped as not finite.
+        # start. Divided in float64, as the host divides (stage.weighted rounds them as it would a number).
         summed = torch.full((), total, dtype=torch.float64, device=self.device)
         fabric.all_reduce(summed, replicas)
-        weights = dev.to_device(torch.tensor(units, dtype=torch.float64), self.device).div_(summed).float()
+        weights = dev.to_device(torch.tensor(units, dtype=torch.float64), self.device).div_(summed)
         if self.loss_scale.enabled:
-            weights = weights * self.loss_scale.value
+            weights = weights.float() * self.loss_scale.value  # as the scale times a number
         return list(weights.unbind())
 
     def _count_units(self, target: torch.Tensor) -> float:

@@ -83,7 +83,7 @@ class Stage:
                 parcel.enter(i)
             x = layer(x)
         if self.loss is not None and state is not None and state.target is not None:
-            return self.loss(x, state.target) * state.weight
+            return weighted(self.loss(x, state.target), state.weight)
         return x
 
     def forward(self, mb: int, inputs: Sequence[torch.Tensor | None], bare: bool, offset: int, remat: bool,
@@ -197,3 +197,12 @@ class Stage:
         """A no-grad forward of one micro-batch (evaluation)."""
         with torch.no_grad(), self._running(offset, recomputing=False):
             return self._run(inputs, bare, None)
+
+
+def weighted(loss: torch.Tensor, weight: float | torch.Tensor) -> torch.Tensor:
+    """A micro-batch's loss times its share of the mini-batch."""
+    # A float64 share summed on the device stands for the Python number the host would have divided: it is
+    # rounded to the loss's math type and the product keeps the loss's type, as with a number.
+    if isinstance(weight, torch.Tensor) and weight.dtype == torch.float64 and loss.dtype != torch.float64:
+        return (loss * weight.to(torch.promote_types(loss.dtype, torch.float32))).to(loss.dtype)
+    return loss * weight

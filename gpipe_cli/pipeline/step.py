@@ -80,6 +80,8 @@ class PendingStep:
         gathered = stats.gather(mine, loss or 0.0, int(self.examples), self.units, values[_NORM],
                                 self.bubble_theory, self.fabric, events if self.trace else None)
         if gathered is not None:  # rank 0: the sum over every replica's last stage, its own among them
+            if gathered.units <= 0:  # its shares were NaN: the step was skipped
+                raise ValueError("the mini-batch has no units to train on (every target is padding)")
             loss = gathered.loss
         return StepResult(loss=loss, grad_norm=values[_NORM], skipped=skipped, stats=gathered,
                           loss_scale=values[_SCALE] if self.loss_scaling else None, own=mine)

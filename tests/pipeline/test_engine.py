@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from torch import nn
 
 from gpipe_cli.models import losses
 from gpipe_cli.pipeline import topology
@@ -217,32 +218,45 @@ def test_a_failing_stage_stops_every_rank_quickly_with_its_error():
                          other.output), other.output
 
 
-def _padding_step(replicas: int, padded: set[int]) -> tuple[list[torch.Tensor], list[bool]]:
-    """One step of the tied model on K=1 x D replicas, the replicas in `padded` given targets all padding."""
+def _float64_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy averaged over the non-padding tokens, in the logits' own type."""
+    total = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=losses.PAD_ID,
+                                        reduction="sum")
+    return total / losses.count_tokens(targets).clamp_min(1)
+
+
+def _replicas_step(replicas: int, padded: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
+                   examples: int = 8) -> list[list[torch.Tensor]]:
+    """Each rank's parameters after one step of the tied model on K=1 x D (the replicas `padded`: padding alone)."""
     world = loopback.World(replicas, "cpu")
     # Built here: rank threads building at once would draw their initial weights from one generator in turns.
-    built = [build_layers(toy.tied_model(), range(len(toy.tied_model())), 7) for _ in range(replicas)]
+    built = [[layer.to(dtype) for layer in build_layers(toy.tied_model(), range(4), 7)] for _ in range(replicas)]
+    loss = losses.token_cross_entropy if dtype == torch.float32 else _float64_token_loss
 
-    def rank(r: int) -> tuple[list[torch.Tensor], bool]:
+    def rank(r: int) -> list[torch.Tensor]:
         topo = loopback.topology(world, r, 1, replicas)
-        layers = built[r]
-        pipe = Pipeline(layers, topo, PipelineConfig(1, 2, replicas, balance=(len(layers),)),
-                        losses.token_cross_entropy, units=losses.count_tokens, tied=toy.TIED)
-        x, y = toy.batch("tied", 0, 4)
-        y = torch.zeros_like(y) if r in padded else y.clamp_min(1)
-        result = pipe.train_step(x, y, step=0, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.5))
-        return [p.detach().clone() for p in pipe.parameters()], result.skipped
+        pipe = Pipeline(built[r], topo, PipelineConfig(1, 2, replicas, balance=(4,)), loss,
+                        units=losses.count_tokens, tied=toy.TIED)
+        x, y = (part[:examples].tensor_split(replicas)[r] for part in toy.batch("tied", 0, 8))
+        y = torch.zeros_like(y) if r in padded else y
+        pipe.train_step(x, y, step=0, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.5))
+        return [p.detach().clone() for p in pipe.parameters()]
 
-    got = world.run(rank)
-    return [p for params, _ in got for p in params], [skipped for _, skipped in got]
+    return world.run(rank)
 
 
-def test_a_replica_all_padding_adds_nothing_and_all_padding_everywhere_is_skipped():
-    alone, _ = _padding_step(1, set())
-    together, skipped = _padding_step(2, {1})
-    assert not any(skipped)
-    for a, b in zip(alone, together[:len(alone)], strict=True):
+def test_a_replica_all_padding_adds_nothing_and_no_units_anywhere_is_refused_for_any_d():
+    alone = _replicas_step(1, examples=4)  # replica 0's examples alone
+    together = _replicas_step(2, padded=(1,))
+    for a, b in zip(alone[0], together[0], strict=True):
         assert torch.equal(a, b)  # the replica with no units weighs nothing: the step is replica 0's alone
-    assert _padding_step(2, {0, 1})[1] == [True, True]
-    with pytest.raises(RuntimeError, match="ValueError: the mini-batch has no units to train on"):
-        _padding_step(1, {0})
+    for replicas in (1, 2):
+        with pytest.raises(RuntimeError, match="rank 0: ValueError: the mini-batch has no units to train on"):
+            _replicas_step(replicas, padded=(0, 1))
+
+
+def test_replicas_train_as_one_in_float64():
+    # Each micro-batch's share of the units, summed over the replicas on the device, is the number the host divides.
+    alone, together = _replicas_step(1, dtype=torch.float64), _replicas_step(2, dtype=torch.float64)
+    for a, b in zip(alone[0], together[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)

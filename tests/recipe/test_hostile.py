@@ -196,9 +196,10 @@ CASES: dict[str, tuple[Setup, list[str], str]] = {
                                             "pipeline.data_parallel (4 x 3) must be <= data.batch_size (16) / 2"),
     "data parallel zero": (GOOD, ["--set", "pipeline.data_parallel=0"], "pipeline.data_parallel: must be >= 1"),
     "replicas over batch": (GOOD, ["--set", "pipeline.data_parallel=5"], "pipeline.microbatches x "
-                            "pipeline.data_parallel (4 x 5) must be <= data.batch_size (16): each of the 5 "
-                            "replicas gets 3 of the mini-batch's examples"),
-    "replicas over examples": (GOOD, ["--set", "pipeline.data_parallel=64"], "each of the 64 replicas gets 0"),
+                            "pipeline.data_parallel (4 x 5) must be <= data.batch_size (16): the smallest share of "
+                            "the 5 replicas is 3 of the mini-batch's examples"),
+    "replicas over examples": (GOOD, ["--set", "pipeline.data_parallel=64"],
+                               "the smallest share of the 64 replicas is 0"),
     "balance zero entry": (GOOD, ["--set", "pipeline.balance=[9, 0]"], "pipeline.balance: every entry"),
     "balance bool entry": (GOOD, ["--set", "pipeline.balance=[true, 8]"], "pipeline.balance: every entry must be a "
                            "number of layers from 1 to 10000 (got true in [true, 8])"),  # YAML's words, not Python's

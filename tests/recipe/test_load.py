@@ -99,7 +99,8 @@ def test_every_shipped_recipe_validates_and_plans(path):
     (["train={steps: null, epochs: null}"], "recipe.yaml: give train.steps or train.epochs; with both, training stops "
                                             "at whichever comes first (from --set train.epochs=null, --set "
                                             "train.steps=null)"),
-    (["pipeline.data_parallel=16"], "must be <= data.batch_size (8): each of the 16 replicas gets 0 of the "),
+    (["pipeline.data_parallel=16"],
+     "must be <= data.batch_size (8): the smallest share of the 16 replicas is 0 of the "),
     (["pipeline.data_parallel=16"], "micro-batches needs one (from --set pipeline.data_parallel=16)"),
     # The schema's "train.epochs (or both ...)" read as a key and its value: "give train.steps or --set train.epochs".
     (["train.steps=null", "train.epochs=null"], "recipe.yaml: give train.steps or train.epochs; with both, training "
