@@ -9,16 +9,17 @@ from collections.abc import Iterator
 
 import pytest
 
-_HF_KEYS = ("HF_HOME", "HF_DATASETS_CACHE")
+_HF_KEYS = ("HF_HOME", "HF_DATASETS_CACHE", "TORCHINDUCTOR_CACHE_DIR")
 _HF = pytest.StashKey[tuple[str, dict[str, "str | None"]]]()  # the suite's folder, and what the keys held before
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Hugging Face caches of the suite's own (and the commands it starts'): before anything imports `datasets`."""
+    """Hugging Face and torch caches of the suite's own (and the commands it starts'): before anything imports them."""
     # A data set the user's cache holds is read offline: the tests of an unreachable hub then saw it found.
     folder = tempfile.mkdtemp(prefix="gpipe-tests-hf-")
     config.stash[_HF] = (folder, {key: os.environ.get(key) for key in _HF_KEYS})
     os.environ["HF_HOME"], os.environ["HF_DATASETS_CACHE"] = folder, os.path.join(folder, "datasets")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "inductor")  # an optimizer's step makes it
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

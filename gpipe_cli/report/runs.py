@@ -85,7 +85,11 @@ def read_run(path: Path) -> Run:
         raise UserError(f"{metrics}: is a pipe, socket or device, not a run's records file; give the folder "
                         "`gpipe train` wrote")
     if not metrics.is_file():
-        from gpipe_cli.train.existing import check_not_runs, kept_by_a_run  # only on this way out: it reads recipes
+        from gpipe_cli.train.claim import LOCK  # only on this way out, as the rest
+        from gpipe_cli.train.existing import check_not_runs, kept_by_a_run  # it reads recipes
+
+        if (path / LOCK).is_file():  # a gpipe train starting here, or one whose launch was killed before its ranks
+            raise NotStarted(f"{path}: no metrics.jsonl yet (a run starting, or stopped before its first step)")
 
         if (kept := kept_by_a_run(path)) is not None:  # its checkpoints/ or a course a resume set aside there
             raise UserError(f"{path}: checkpoints of a run, not a run directory; give the run: {kept[0]}")

@@ -251,7 +251,9 @@ def test_the_server_ends_with_a_launcher_killed_outright(tmp_path: Path):
             "                   start_method='forkserver')\n"
             "print(forked._server(), flush=True)\n"
             "import time; time.sleep(120)\n")
-    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # Its server's folder stays when it is killed: in the test's own.
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "TMPDIR": str(tmp_path)})
     assert launcher.stdout is not None
     server = int(launcher.stdout.readline())
     deadline = time.monotonic() + 60

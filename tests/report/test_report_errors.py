@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpipe_cli.cli import run as cli
+from gpipe_cli.train.claim import LOCK
 from tests.report.test_report import make_run
 
 # As root, permission bits block nothing: drop the capabilities that pass them by.
@@ -205,6 +206,21 @@ def test_a_run_not_started_is_left_out_of_several_with_a_warning_and_alone_is_on
     assert cli(["report", str(starting)]) == 2
     captured = capsys.readouterr()
     assert one_line(captured.err) and "holds no train records yet" in captured.err and files(tmp_path) == before
+
+
+def test_a_run_whose_launch_was_killed_before_its_ranks_is_left_out_of_several(tmp_path, capsys, monkeypatch):
+    # Its folder holds the train lock alone: `gpipe report outputs/x/*` made no report for the others.
+    monkeypatch.chdir(tmp_path)
+    run = make_run(tmp_path / "run", 2)
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / LOCK).write_text("12345 host\n")
+    assert cli(["report", str(run), str(killed)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == (f"warning: {killed}: no metrics.jsonl yet (a run starting, or stopped before its first "
+                            "step); left out\n")
+    assert "K=2 M=4 1f1b" in captured.out and (tmp_path / "report.png").is_file()
+    assert cli(["report", str(killed)]) == 2 and one_line(capsys.readouterr().err)
 
 
 @pytest.mark.filterwarnings("ignore:Tight layout not applied")  # the page's long title: not this test's subject
