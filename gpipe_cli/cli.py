@@ -53,6 +53,7 @@ from gpipe_cli.profile import FLAGS as P
 from gpipe_cli.profile import ProfileOptions
 from gpipe_cli.quick_exit import exit_now
 from gpipe_cli.recipe.aliases import ALIASES, ONE_PIPELINE_BATCH, SET_HELP, SIZE_FLAGS, balance_help
+from gpipe_cli.train.output import to_null
 
 
 class _Commands(typer.core.TyperGroup):
@@ -89,7 +90,7 @@ def _reader_gone() -> Iterator[None]:
             raise
         raise typer.Exit(128 + signal.SIGPIPE) from None
     except BrokenPipeError:
-        _to_null(sys.stdout)
+        to_null(sys.stdout)
         raise typer.Exit(128 + signal.SIGPIPE) from None
 
 
@@ -101,17 +102,9 @@ def _stdout_lost() -> Iterator[None]:
     except OSError as exc:
         if not stdout_refused(exc):
             raise
-        _to_null(sys.stdout)
+        to_null(sys.stdout)
         _error(f"cannot write to standard output ({exc.strerror or exc}); what it should have shown is lost")
         raise typer.Exit(1) from None
-
-
-def _to_null(stream: typing.TextIO) -> None:
-    """Point a stream whose reader has gone at /dev/null: what is still buffered goes nowhere, not failing."""
-    with contextlib.suppress(OSError, ValueError):
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, stream.fileno())
-        os.close(null)
 
 
 app = typer.Typer(cls=_Commands, add_completion=False, pretty_exceptions_enable=False,
@@ -137,8 +130,8 @@ def _error(message: str) -> None:
         time.sleep(SIBLING_GRACE_S)
     try:
         print(f"error: {message}", file=sys.stderr, flush=True)
-    except BrokenPipeError:  # `2>&1 | head -0`: the line has no reader, and the exit code still says it
-        _to_null(sys.stderr)
+    except OSError:  # `2>&1 | head -0`, `2>/dev/full`: the line has no reader, and the exit code still says it
+        to_null(sys.stderr)
 
 
 def _interruptible(command: str, callback: Callable[..., Any], started: list[str]) -> Callable[..., Any]:

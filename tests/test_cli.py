@@ -581,6 +581,17 @@ def test_standard_output_on_a_full_disk_is_one_line_not_a_traceback(tmp_path, ar
                                                     "device); what it should have shown is lost\n"), proc.stderr
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_bad_input_with_a_standard_error_that_refuses_writes_still_exits_2(tmp_path):
+    # A shell's `2>&-` under a wrapper script left that script open for reading as standard error: exit 1.
+    (tmp_path / "read-only").write_text("")
+    for name, mode in (("/dev/full", "w"), (tmp_path / "read-only", "r")):
+        with open(name, mode) as refusing:
+            proc = subprocess.run([sys.executable, "-m", "gpipe_cli", "validate", "--set", "train.stepz=3"],
+                                  stdout=subprocess.PIPE, stderr=refusing, text=True, cwd=tmp_path, timeout=300)
+        assert proc.returncode == 2 and proc.stdout == ""
+
+
 @pytest.mark.parametrize(("args", "line"), [
     (["plan", "--devices", "2", "--bandwidth", "12GB/s"],
      "error: --bandwidth: must be a number, e.g. 12 or 0.5 (got '12GB/s') (see 'gpipe plan --help')"),

@@ -18,26 +18,25 @@ CLOSED = signal.SIGPIPE  # the name a stop for a closed output goes by: its exit
 class _Guarded:
     """A text stream that, once a write finds its reader gone, drops what follows and calls `closed` once."""
 
-    def __init__(self, stream: TextIO, closed: Callable[[], None]) -> None:
+    def __init__(self, stream: TextIO, closed: Callable[[], None], advisory: bool = False) -> None:
         self._stream, self.closed_by, self._gone = stream, closed, False
         self._pipe = _watch(stream)  # asked once a step: what it is is found once here
+        # Standard error only advises: a write it refuses otherwise (`2>/dev/full`, a descriptor open for reading)
+        # is dropped, where it stopped a rank before its checkpoint.
+        self._advisory = advisory
 
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
         except OSError as exc:
-            if not _reader_gone(exc):
-                raise
-            self._lost()
+            self._failed(exc)
             return len(text)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
         except OSError as exc:
-            if not _reader_gone(exc):
-                raise
-            self._lost()
+            self._failed(exc)
 
     def check(self) -> None:
         """Call `closed` now if this stream is a pipe whose reader has gone, though nothing was written since."""
@@ -48,16 +47,31 @@ class _Guarded:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
 
+    def _failed(self, exc: OSError) -> None:
+        if _reader_gone(exc):
+            self._lost()
+        elif self._advisory:
+            self._drop()
+        else:
+            raise exc
+
     def _lost(self) -> None:
         if self._gone:
             return
         self._gone = True
-        # What is still buffered, and every later write, goes nowhere rather than failing again.
-        with contextlib.suppress(OSError, ValueError):
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, self._stream.fileno())
-            os.close(null)
+        self._drop()
         self.closed_by()
+
+    def _drop(self) -> None:
+        to_null(self._stream)
+
+
+def to_null(stream: TextIO) -> None:
+    """Point a stream at /dev/null: what is still buffered, and every later write, goes nowhere, not failing."""
+    with contextlib.suppress(OSError, ValueError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stream.fileno())
+        os.close(null)
 
 
 def _reader_gone(exc: OSError) -> bool:
@@ -86,7 +100,7 @@ def guard_output(closed: Callable[[], None] = lambda: None) -> None:
         if isinstance(stream, _Guarded):  # a rank under torchrun: the command guarded it first
             stream.closed_by = closed
         elif stream is not None:
-            setattr(sys, name, _Guarded(stream, closed))
+            setattr(sys, name, _Guarded(stream, closed, advisory=name == "stderr"))
         else:  # started with it closed (`>&-`): what is printed goes nowhere
             setattr(sys, name, open(_null_on(fd), "w", closefd=False))  # noqa: SIM115 (the process's own stream)
 

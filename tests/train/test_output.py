@@ -52,6 +52,23 @@ def test_a_terminal_that_hung_up_is_a_gone_reader_and_other_write_errors_still_r
     assert calls == [1]
 
 
+def test_a_standard_error_that_refuses_writes_is_dropped_and_the_run_goes_on(monkeypatch, tmp_path):
+    # `2>/dev/full`, or a descriptor open for reading: the stop's own line raised, and the rank died before its
+    # checkpoint. Standard output's same failure is still said (above).
+    calls = []
+    with open(tmp_path / "read-only", "w"):
+        pass
+    for refusing in (open("/dev/full", "w"), open(tmp_path / "read-only")):  # noqa: SIM115 (closed below)
+        monkeypatch.setattr("sys.stdout", sys.stdout)  # guarded too: put back after
+        monkeypatch.setattr("sys.stderr", refusing)
+        output.guard_output(lambda: calls.append(1))
+        print("[gpipe] SIGTERM: writing a checkpoint, then stopping", file=sys.stderr, flush=True)
+        print("a second line", file=sys.stderr, flush=True)
+        assert os.readlink(f"/proc/self/fd/{refusing.fileno()}") == os.devnull
+        refusing.close()
+    assert calls == []  # not a gone reader: the run is not stopped
+
+
 def test_a_closed_stderr_is_told_too_and_a_stream_closed_at_start_writes_nowhere(monkeypatch):
     # `2>&1 | head`: the stop's own line to stderr failed and the ranks ended before their checkpoint.
     # `>&-`: sys.stdout is None, and wrapping it made the first flush a traceback.
