@@ -83,6 +83,15 @@ def cut(text: str, limit: int = SHOWN_CHARS) -> str:
     return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
+def as_typed(text: str) -> str:
+    """A command-line argument's bytes read as UTF-8 whatever the locale; those that are not stay lone surrogates."""
+    # Under a C locale "zéro" reached Python as two undecodable bytes, and was refused as not UTF-8.
+    try:
+        return os.fsencode(text).decode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # text the locale cannot hold did not come from its bytes: it is read already
+        return text
+
+
 def not_utf8(text: str) -> str | None:
     """Where `text` stops being UTF-8, e.g. "byte 0xff at character 3" (None: it is UTF-8 throughout)."""
     try:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpipe_cli.errors import UserError, not_utf8, shell_path, shown_path
+from gpipe_cli.errors import UserError, as_typed, not_utf8, shell_path, shown_path
 from gpipe_cli.launch.preflight import check_path
 from gpipe_cli.pipeline.streams import write_out
 from gpipe_cli.train.existing import (
@@ -33,6 +32,8 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
     file = export_file(path)
     if sys.stdout is None:  # started with it closed (`>&-`): the answers would go nowhere
         raise UserError("standard output is closed: predict prints its answers there; give it a file or a pipe")
+    if hasattr(sys.stdout, "reconfigure"):  # answers in UTF-8, as inputs are read: a C locale escaped "zéro"
+        sys.stdout.reconfigure(encoding="utf-8")
     if inputs is None and sys.stdin is None:  # `<&-`: no line to read
         raise UserError("standard input is closed and no input was given: give the inputs as arguments, or one "
                         "per line on stdin")
@@ -53,9 +54,7 @@ def predict(path: str, inputs: list[str] | None = None, max_tokens: int | None =
     if top is not None and task != "image":
         raise UserError(f"--top ranks an image classifier's classes; {shown_path(path)} is {_KINDS[task]}")
     if inputs is not None and task != "image":  # an image's path stays as the file system names it
-        # Bytes as typed, read as UTF-8 whatever the locale: under a C locale "zéro" reached Python as two
-        # undecodable bytes and was refused as not UTF-8.
-        inputs = [os.fsencode(item).decode("utf-8", "surrogateescape") for item in inputs]
+        inputs = [as_typed(item) for item in inputs]
     given = inputs or []
     for number, item in enumerate(given, 1):  # found before the model is built, not after
         if task == "image":

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from gpipe_cli.errors import cut, near, not_utf8, shown, shown_path
+from gpipe_cli.errors import as_typed, cut, near, not_utf8, shown, shown_path
 from gpipe_cli.limits import words
 from gpipe_cli.models.presets import preset
 from gpipe_cli.recipe.schema import (
@@ -134,6 +134,7 @@ def _written_as_a_value(data: dict[str, Any], key: str, label: str) -> None:
 
 def parse_override(item: str) -> tuple[str, Any]:
     """One `--set KEY=VALUE` as (dotted key, value); VALUE is read as YAML, e.g. `[3, 3]`, `1e-3`, `null`."""
+    item = as_typed(item)
     where = not_utf8(item)
     if where is not None:
         raise RecipeError(f"--set {shown(item)}: not UTF-8 text ({where}); a recipe is UTF-8 text, in a file or on "

@@ -7,6 +7,7 @@ import io
 import itertools
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -629,3 +630,14 @@ def test_a_sentence_typed_in_utf_8_is_read_so_under_a_c_locale(exports, capsys):
     escaped = capsys.readouterr().out
     assert run(["predict", str(exports["translation"]), "zéro", "one"]) == 0
     assert escaped == capsys.readouterr().out and escaped.count("\n") == 2  # read as the text typed
+
+
+def test_answers_are_written_in_utf_8_as_inputs_are_read_whatever_the_locale(exports, monkeypatch):
+    # Under a C locale the answer "zéro" was printed as z\xe9ro, which predict then refused as an input.
+    raw = io.BytesIO()
+    ascii_out = io.TextIOWrapper(raw, encoding="ascii", errors="backslashreplace")
+    monkeypatch.setattr("sys.stdout", ascii_out)
+    assert run(["predict", str(exports["translation"]), "zéro"]) == 0
+    assert sys.stdout.encoding == "utf-8"
+    sys.stdout.flush()
+    assert raw.getvalue().decode("utf-8").count("\n") == 1

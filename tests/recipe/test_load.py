@@ -3,7 +3,15 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_cli.recipe.load import RecipeError, default_recipe_text, load_recipe, parse_yaml, recipe_yaml, validate
+from gpipe_cli.recipe.load import (
+    RecipeError,
+    default_recipe_text,
+    load_recipe,
+    parse_override,
+    parse_yaml,
+    recipe_yaml,
+    validate,
+)
 from gpipe_cli.train.plan import checked_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -593,3 +601,10 @@ def test_a_fraction_held_out_rounds_to_the_nearest_example():
     from gpipe_cli.data.sources import hold_out
 
     assert [len(hold_out(15, 0.1)[1]), len(hold_out(14, 0.1)[1])] == [2, 1]
+
+
+def test_a_set_typed_in_utf_8_is_read_so_under_a_c_locale():
+    # Under LC_ALL=C Python hands "zéro" over as the escaped bytes c3 a9, which --set refused: "not UTF-8 text".
+    assert parse_override("data.name=z\udcc3\udca9ro") == ("data.name", "zéro") == parse_override("data.name=zéro")
+    with pytest.raises(RecipeError, match=r"not UTF-8 text \(byte 0xff at character 7\)"):
+        parse_override("name=z\udcffro")
