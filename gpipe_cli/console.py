@@ -35,9 +35,10 @@ def redraws(stream: TextIO) -> bool:
 def output_console(least: int = 0) -> Console:
     """The terminal's console; elsewhere one of at least FILE_WIDTH (or `least`) columns that wraps no line."""
     console = Console()
-    if console.is_terminal:
+    # rich takes FORCE_COLOR for a terminal: colour is kept then, but a pipe's tables were cut to 80 columns.
+    if console.is_terminal and console.file.isatty():
         return console
-    return Console(width=max(console.width, FILE_WIDTH, least), soft_wrap=True)
+    return Console(width=max(console.width, FILE_WIDTH, least), soft_wrap=True, force_terminal=console.is_terminal)
 
 
 def figure_table(title: str, columns: Iterable[str], left: Collection[str] = (), **settings: Any) -> Table:

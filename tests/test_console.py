@@ -1,3 +1,5 @@
+import io
+
 from rich.console import Console
 
 from gpipe_cli.console import FILE_WIDTH, fit, output_console
@@ -15,10 +17,24 @@ def test_a_wider_least_width_is_kept():
     assert output_console(FILE_WIDTH + 100).width == FILE_WIDTH + 100
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
 def test_a_terminal_keeps_its_own_width(monkeypatch):
     monkeypatch.setenv("COLUMNS", "77")
+    monkeypatch.setattr("sys.stdout", _Terminal())
     monkeypatch.setattr(Console, "is_terminal", property(lambda self: True))
     assert output_console().width == 77
+
+
+def test_force_color_into_a_pipe_keeps_the_colour_and_a_files_width(monkeypatch):
+    # rich takes FORCE_COLOR for a terminal: `FORCE_COLOR=1 gpipe report ... | cat` cut its tables at 80 columns.
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "80")
+    console = output_console()
+    assert console.is_terminal and console.width >= FILE_WIDTH
 
 
 def test_a_long_line_on_a_terminal_wraps_at_spaces_keeping_numbers_with_their_units():

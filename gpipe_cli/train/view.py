@@ -297,7 +297,11 @@ class TerminalView:
         self.plain = (not redraws(self.stream)) if plain is None else plain
         self.total, self.title = 0, title
         self.started = time.time() if started is None else started
-        self._console = Console(file=self.stream, highlight=False)
+        # A redrawn view must fit the terminal it is on: an exported COLUMNS wider than it stacked a copy of the bar
+        # per redraw, and kept a resized window's size from rich.
+        dropped = () if self.plain else ("COLUMNS", "LINES")
+        self._console = Console(file=self.stream, highlight=False,
+                                _environ={k: v for k, v in os.environ.items() if k not in dropped})
         self._live: Live | None = None
         self._cursor_back: Callable[[], None] = lambda: None
         self._last_train: Mapping[str, Any] | None = None

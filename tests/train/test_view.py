@@ -281,3 +281,11 @@ def test_a_rank_that_ends_at_once_gives_the_terminal_its_cursor_back(monkeypatch
         view.stop()  # and a view stopped in order lets go of its claim on the exit
         assert stopping._undo == []
     os.close(leader)
+
+
+def test_the_live_view_takes_the_terminals_width_not_an_exported_columns(monkeypatch):
+    # COLUMNS=200 exported in an 80-column terminal stacked a copy of the bar per redraw.
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setattr("os.get_terminal_size", lambda fd=0: os.terminal_size((80, 24)))
+    assert TerminalView("tiny", plain=False, started=0.0)._console.width == 80
+    assert TerminalView("tiny", plain=True, started=0.0)._console.width == 200  # lines into a log: as asked
