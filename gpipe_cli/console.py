@@ -35,8 +35,9 @@ def redraws(stream: TextIO) -> bool:
 def output_console(least: int = 0) -> Console:
     """The terminal's console; elsewhere one of at least FILE_WIDTH (or `least`) columns that wraps no line."""
     console = Console()
-    # rich takes FORCE_COLOR for a terminal: colour is kept then, but a pipe's tables were cut to 80 columns.
-    if console.is_terminal and console.file.isatty():
+    # rich takes FORCE_COLOR for a terminal: the colour is kept, but a pipe's tables were cut to 80 columns.
+    forced = bool(os.environ.get("FORCE_COLOR")) and not console.file.isatty()
+    if console.is_terminal and not forced:
         return console
     return Console(width=max(console.width, FILE_WIDTH, least), soft_wrap=True, force_terminal=console.is_terminal)
 
@@ -188,7 +189,17 @@ def fit_table(table: Table, width: int, keys: Collection[str] = (), prose: Colle
 def print_table(console: Console, table: Table, keys: Collection[str] = (), prose: Collection[str] = ()) -> None:
     """Print `table` as `fit_table` lays it out at the console's width."""
     for part in fit_table(table, console.width, keys, prose):
-        console.print(part)
+        print_rows(console, part)
+
+
+def print_rows(console: Console, table: Table) -> None:
+    """Print `table`; into a file or pipe, each row ends at its last character, not padded to the table's width."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    with console.capture() as captured:  # spaces to the width were noise in a diff, and whole lines of them in grep
+        console.print(table)
+    console.out("\n".join(line.rstrip() for line in captured.get().split("\n")), end="", highlight=False)
 
 
 def _hang(text: str) -> int:

@@ -1,8 +1,6 @@
-import io
-
 from rich.console import Console
 
-from gpipe_cli.console import FILE_WIDTH, fit, output_console
+from gpipe_cli.console import FILE_WIDTH, figure_table, fit, output_console, print_table
 from tests.widths import problems
 
 
@@ -17,14 +15,8 @@ def test_a_wider_least_width_is_kept():
     assert output_console(FILE_WIDTH + 100).width == FILE_WIDTH + 100
 
 
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
 def test_a_terminal_keeps_its_own_width(monkeypatch):
     monkeypatch.setenv("COLUMNS", "77")
-    monkeypatch.setattr("sys.stdout", _Terminal())
     monkeypatch.setattr(Console, "is_terminal", property(lambda self: True))
     assert output_console().width == 77
 
@@ -58,3 +50,12 @@ def test_the_width_checks_find_what_they_look_for():
     assert problems("x" * 81, 80) and problems("samples/…", 80) and problems("layers 4-4", 80)
     assert problems("RSS peak 370.0\n   MiB", 80) and problems("grad\nnorm", 80, "grad norm") == []
     assert problems("activa\ntions", 80, "activations") and not problems("layers 4-5 and 4", 80)
+
+
+def test_a_table_into_a_file_pads_no_row_with_spaces(capsys):
+    table = figure_table("title", ["name", "why"], left=("why",), box=None)  # as plan's: no edge ends a row
+    table.add_row("a", "a long reason that sets the column's width")
+    table.add_row("b", "short")
+    print_table(output_console(), table)
+    out = capsys.readouterr().out
+    assert "short" in out and not [line for line in out.splitlines() if line != line.rstrip()], out

@@ -11,7 +11,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from gpipe_cli.console import figure_table, fit_table, print_table
+from gpipe_cli.console import figure_table, fit_table, print_rows, print_table
 from gpipe_cli.files import atomic_write_bytes
 from gpipe_cli.plan import search
 from gpipe_cli.plan.search import Outcome
@@ -155,7 +155,7 @@ def print_plan(console: Console, items: Sequence[tuple[Outcome, str | None]], ti
         before = console.width  # print's own width is bounded by the console's
         console.width = max(before, console.measure(whole, options=console.options.update(max_width=UNBOUNDED)).maximum)
         try:
-            console.print(whole)
+            print_rows(console, whole)
         finally:
             console.width = before
     elif fit_table(whole, console.width) == [whole]:
