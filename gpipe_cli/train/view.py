@@ -353,7 +353,7 @@ class TerminalView:
             if self.plain and (record["step"] % log_every == 0 or record["step"] == self.total):
                 eta = (self._steady if self._steady.count else self._profiled).eta(record["step"], self.total)
                 for line in train_lines(record, self.total, self._counted, eta):
-                    print(line, file=self.stream, flush=True)
+                    say(line, self.stream)  # fitted on a terminal (--plain, TERM=dumb), whole in a log
         if self._live is not None and self._last_train is not None:
             self._progress.update(self._task, completed=self._last_train["step"])
             self._live.update(self.frame())

@@ -289,3 +289,20 @@ def test_the_live_view_takes_the_terminals_width_not_an_exported_columns(monkeyp
     monkeypatch.setattr("os.get_terminal_size", lambda fd=0: os.terminal_size((80, 24)))
     assert TerminalView("tiny", plain=False, started=0.0)._console.width == 80
     assert TerminalView("tiny", plain=True, started=0.0)._console.width == 200  # lines into a log: as asked
+
+
+def test_plain_step_lines_on_a_terminal_are_fitted_to_its_width(monkeypatch):
+    # --plain on a terminal, or TERM=dumb: the step lines broke mid-word ("activati|ons"), the notes did not.
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stdout", terminal)
+    monkeypatch.setattr("shutil.get_terminal_size", lambda fallback=(80, 24): os.terminal_size((40, 24)))
+    view = TerminalView("tiny", plain=True, started=0.0)
+    view.start(total=2)
+    view.show(train_record(step=2))
+    lines = terminal.getvalue().splitlines()
+    assert any(line.startswith("step 2/2") for line in lines)
+    assert all(len(line) <= 40 or " " not in line.strip() for line in lines), lines
