@@ -51,7 +51,7 @@ class _Guarded:
         if _reader_gone(exc):
             self._lost()
         elif self._advisory:
-            self._drop()
+            to_null(self._stream)
         else:
             raise exc
 
@@ -59,11 +59,8 @@ class _Guarded:
         if self._gone:
             return
         self._gone = True
-        self._drop()
-        self.closed_by()
-
-    def _drop(self) -> None:
         to_null(self._stream)
+        self.closed_by()
 
 
 def to_null(stream: TextIO) -> None:
