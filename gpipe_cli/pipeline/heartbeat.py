@@ -17,6 +17,7 @@ from typing import Any
 from gpipe_cli.pipeline import failure, stopping
 
 INTERVAL_S = 1.0
+STOPPED_GAP_S = 5 * INTERVAL_S  # a judge that looked no sooner (nor within a quarter of its limit) was stopped
 FLOOR_S = 60.0
 SLOWEST_FACTOR = 10.0
 _KEY_PREFIX = "gpipe/beat/"
@@ -136,10 +137,17 @@ class Judge:
         self.rank, self.timeout, self.name = rank, timeout, name
         self._heard: dict[int, tuple[int, float]] = {}  # rank -> (beat count, when it last changed)
         self._progress: tuple[tuple[int, ...], float] | None = None
+        self._looked: float | None = None
 
     def verdict(self, beats: list[Beat], now: float) -> tuple[str, list[int]] | None:
         """None, or why the job stalled and which ranks are to blame."""
         limit = self.timeout if self.timeout is not None else default_timeout(max(b.slowest for b in beats))
+        # A gap in this judge's own looks: it was stopped too (the whole job suspended, then continued), and the
+        # others have had no time to beat since. Every clock starts again; it ended such a job at once.
+        if self._looked is not None and now - self._looked > max(STOPPED_GAP_S, limit / 4):
+            self._heard = {rank: (count, now) for rank, (count, _) in self._heard.items()}
+            self._progress = None
+        self._looked = now
         for rank, beat in enumerate(beats):
             if rank != self.rank and self._heard.get(rank, (None, 0.0))[0] != beat.count:
                 self._heard[rank] = (beat.count, now)

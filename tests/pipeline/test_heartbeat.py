@@ -56,9 +56,24 @@ def test_the_default_timeout_grows_with_the_slowest_step():
     judge = Judge(rank=1, timeout=None, name=name)  # rank 0 stops beating after a 20 s step
     slow = [beat(1, 1, 1, slowest=20.0, started=True), beat(1, 1, 1, started=True)]
     judge.verdict(slow, now=0.0)
-    assert judge.verdict([slow[0], beat(2, 1, 1, started=True)], now=150.0) is None
-    found = judge.verdict([slow[0], beat(2, 1, 1, started=True)], now=201.0)
+    for second in range(1, 201):  # the judge looks every second, as it does
+        assert judge.verdict([slow[0], beat(1 + second, 1, 1, started=True)], now=float(second)) is None
+    found = judge.verdict([slow[0], beat(202, 1, 1, started=True)], now=201.0)
     assert found is not None and found[0].startswith("rank 0 (stage 0) stopped responding: no heartbeat for 200 s")
+
+
+def test_a_job_suspended_whole_and_continued_goes_on_and_a_rank_stopped_after_is_still_named():
+    # `scontrol suspend`, or SIGSTOP to every process: the first judge to wake saw the others' beats unchanged
+    # for the 90 s it was stopped too, and ended the job at once.
+    judge = Judge(rank=0, timeout=60.0, name=name)
+    for second in range(5):
+        assert judge.verdict([beat(second, 1, 1, started=True), beat(second, 1, 1, started=True)], float(second)) \
+            is None
+    assert judge.verdict([beat(5, 1, 1, started=True), beat(4, 1, 1, started=True)], now=95.0) is None
+    for second in range(96, 157):  # then rank 1 stops for good: named once the limit has passed since the resume
+        found = judge.verdict([beat(second, 1, 1, started=True), beat(4, 1, 1, started=True)], float(second))
+        assert found is None or second > 155, second
+    assert found is not None and found[1] == [1]
 
 
 def test_a_hang_in_the_first_step_is_caught_with_a_fixed_timeout_only():
