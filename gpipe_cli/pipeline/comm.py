@@ -16,13 +16,16 @@ from gpipe_cli.pipeline.wire import HEADER_LEN, CommError, Header, decode, encod
 __all__ = ["CommError", "Header", "Inbound", "Outbound", "Transport"]
 
 
+TIMEOUT_S = 600.0  # a receive or collective waits this long at most, under the heartbeat's judgement
+
+
 @dataclass
 class Transport:
     """This rank's device and fabric (None alone), and how long a host may wait for one message."""
 
     device: torch.device
     fabric: Fabric | None = None
-    timeout: float = 600.0
+    timeout: float = TIMEOUT_S
     control: Any = None  # the gloo group host-side code shares values through (None: the default group)
     staging: bool = False  # several ranks share one GPU: payloads go through host memory
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe_cli.pipeline import placement as placement_
-from gpipe_cli.pipeline.comm import Transport
+from gpipe_cli.pipeline.comm import TIMEOUT_S, Transport
 from gpipe_cli.pipeline.fabric import BACKWARD, FORWARD, RESULT, Fabric, Link, Ranks, TorchFabric, new_group
 
 
@@ -147,7 +147,12 @@ def choose_backend(backend: str = "auto") -> tuple[bool, torch.device, bool]:
     return True, device, False
 
 
-def init(stages: int, replicas: int = 1, backend: str = "auto", timeout: float = 600.0,
+def transport_timeout(stall_timeout: float | None) -> float:
+    """How long a transfer may wait: 10 minutes, or twice a stall timeout set longer, which it must not cut short."""
+    return TIMEOUT_S if stall_timeout is None else max(TIMEOUT_S, 2 * stall_timeout)
+
+
+def init(stages: int, replicas: int = 1, backend: str = "auto", timeout: float = TIMEOUT_S,
          device: str = "auto", virtual: int = 1, placement: str = "loop") -> Topology:
     """Join the job started by torchrun (or run alone) and set up this rank's fabric (chunks placed by `placement`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -81,7 +81,8 @@ def _run(job: Job) -> int:
         told = stopping.on_abrupt_exit(lambda: early.stopped() if stopping.ending() else None)
     try:
         topo = topology.init(pipe.partitions, pipe.data_parallel, backend=pipe.backend, device=recipe.train.device,
-                             virtual=placed.virtual, placement=placed.placement)
+                             timeout=topology.transport_timeout(recipe.train.stall_timeout), virtual=placed.virtual,
+                             placement=placed.placement)
     except stopping.StoppedEarly:
         if early is not None:
             early.stopped()

@@ -1,5 +1,7 @@
 """Stall judgement from successive views of every rank's heartbeat (pure: no processes)."""
 
+import pytest
+
 from gpipe_cli.pipeline.heartbeat import INTERVAL_S, Beat, Judge, Waits, default_timeout
 
 
@@ -125,3 +127,24 @@ def test_the_least_stall_timeout_a_recipe_takes_spans_many_beats():
     from gpipe_cli.limits import LEAST_STALL_S
 
     assert LEAST_STALL_S >= 5 * INTERVAL_S
+
+
+def test_a_stall_timeout_set_longer_than_the_transports_is_not_cut_short_by_it(monkeypatch):
+    # --set train.stall_timeout=900 and a 640 s step: the transfer waiting on it gave up at 600 s all the same.
+    from gpipe_cli.pipeline import topology
+    from gpipe_cli.recipe.load import load_recipe
+    from gpipe_cli.train import worker
+
+    assert topology.transport_timeout(None) == topology.transport_timeout(60.0) == 600.0
+    assert topology.transport_timeout(900.0) == 1800.0
+    seen = {}
+
+    def init(*args, **kwargs):
+        seen.update(kwargs)
+        raise KeyboardInterrupt  # as far as this test goes
+
+    monkeypatch.setattr(topology, "init", init)
+    recipe = load_recipe(None, ["train.stall_timeout=900"]).model_dump(mode="json")
+    with pytest.raises(KeyboardInterrupt):
+        worker._run(worker.Job(recipe))
+    assert seen["timeout"] == 1800.0
