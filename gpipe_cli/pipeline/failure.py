@@ -237,16 +237,21 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
             stopping.abrupt_exit(EXIT_CODE)
         user_error = isinstance(exc, quiet)  # bad user input: one line, no traceback
         summary = str(exc) if user_error else f"{label} failed: {type(exc).__name__}: {exc}"
-        # A log on a full disk is told by this rank in one line: the others end without a word.
+        timed_out = not user_error and _timed_out(exc)
+        if timed_out:  # a peer stopped or frozen: the wait is the news, not where this rank waited
+            gist = _first_line(exc).rsplit("] ", 1)[-1]  # gloo leads with its source file's path
+            summary = (f"{label} gave up waiting for another rank, which is stopped, frozen or unreachable: "
+                       f"{type(exc).__name__}: {gist}")
+        # A log on a full disk, or a wait given up, is told by this rank in one line: the others end without a word.
         kind = f"{_BAD_INPUT}:{getattr(exc, 'exit_code', 2)}" if user_error else \
-            _ANNOUNCED if stdout_refused(exc) else _FAILED
+            _ANNOUNCED if stdout_refused(exc) or timed_out else _FAILED
         was_first, first, first_kind, origin = True, summary, kind, ""
         if watch is not None:
             watch.stop()
             was_first, first, first_kind, origin = watch.report(summary, kind)
         first_quiet = first_kind.startswith(_BAD_INPUT)
         if not was_first:
-            if not first_quiet and first != summary:  # a consequence of another rank's failure: name it
+            if first_kind != _ANNOUNCED and not first_quiet and first != summary:  # a consequence: name it
                 print(f"[gpipe] {label} stopped: {first}", file=sys.stderr, flush=True)
             elif first_quiet and _elsewhere(origin) and os.environ.get("LOCAL_RANK", "0") == "0":
                 print(f"error: {first}", file=sys.stderr, flush=True)  # once on each other node's terminal too
@@ -258,9 +263,9 @@ def run_guarded(fn: Callable[[], T], label: str, watch: AbortWatch | None = None
             why = getattr(exc, "strerror", exc)
             print(f"[gpipe] {label} stopped: cannot write to standard output ({why}); the run ends at its last "
                   "checkpoint", file=sys.stderr, flush=True)
-        elif _timed_out(exc):  # a peer stopped or frozen: the wait is the news, not where this rank waited
-            print(f"[gpipe] {label} gave up waiting for another rank, which is stopped, frozen or unreachable: "
-                  f"{type(exc).__name__}: {_first_line(exc)}", file=sys.stderr, flush=True)
+        elif timed_out:
+            mark_told()
+            print(f"[gpipe] {summary}", file=sys.stderr, flush=True)
         else:
             traceback.print_exc(file=sys.stderr)
             print(f"[gpipe] {summary}", file=sys.stderr, flush=True)
