@@ -24,6 +24,7 @@ _KEY_PREFIX = "gpipe/beat/"
 
 # This process's progress, written by the compute thread and read by the heartbeat thread.
 _steps = 0
+_current = 0  # the step the host works on: reading or launching it, or waiting for its figures (0: not said)
 _slowest = 0.0
 _paused = 0
 _started = False
@@ -80,6 +81,13 @@ def step_done(seconds: float) -> None:
     _slowest = max(_slowest, seconds)
 
 
+def working_on(step: int) -> int:
+    """Note the step the host works on now (counted from 1); returns the one noted before."""
+    global _current
+    before, _current = _current, step
+    return before
+
+
 def training_started() -> None:
     """Note that set-up is over on this rank: the first step begins."""
     global _started
@@ -119,6 +127,7 @@ class Beat:
     host: str
     started: bool = False  # set-up is over: the rank is in its first step or later
     waiting: str | None = None  # what the rank (or its device) waits for, if anything
+    current: int = 0  # the step its host works on (0: not said)
 
     def encode(self) -> str:
         """The stored form."""
@@ -174,7 +183,10 @@ class Judge:
         fewest = min(b.steps for b in beats)
         behind = [r for r, b in enumerate(beats) if b.steps == fewest]
         names = ", ".join(self.name(r) + (f" ({beats[r].waiting})" if beats[r].waiting else "") for r in behind)
-        return (f"no progress for {limit:.0f} s: {names} stuck in step {fewest + 1} (still running, but no step or "
+        # A step is finished once its figures are read, after the next one is launched: the step the hosts work
+        # on is said where they say it, as their steps finished would name the one before.
+        step = min((beats[r].current for r in behind if beats[r].current), default=fewest + 1)
+        return (f"no progress for {limit:.0f} s: {names} stuck in step {step} (still running, but no step or "
                 f"transfer finished); ending the job", behind)
 
 
@@ -212,7 +224,7 @@ class Heartbeat:
             self._count += 1
             transfers, waiting = waits.poll()
             mine = Beat(self._count, _steps + transfers, _steps, _slowest, _paused > 0, os.getpid(),
-                        socket.gethostname(), _started, waiting)
+                        socket.gethostname(), _started, waiting, _current)
             self._store.set(self._keys[self.rank], mine.encode())
             if not read or not self._store.check(self._keys):
                 return None

@@ -478,6 +478,7 @@ class Trainer:
         # the step in flight first.
         # A step's time runs from its launch to the next step's (or, at a boundary, to its own figures).
         pending: tuple[int, Batch | None, PendingStep, float] | None = None
+        heartbeat.working_on(self.start_step + 1)
         for step, batch in enumerate(self._read(self.batches(self.start_step)), start=self.start_step):
             self.profiler.before(step + 1)
             started = time.perf_counter()
@@ -489,6 +490,7 @@ class Trainer:
                 optimizer=self.optimizer,
                 # The first step of a start and every memory_every-th count every stored activation.
                 measure_memory=step == self.start_step or (step + 1) % recipe.train.memory_every == 0)
+            heartbeat.working_on(step + 2)  # the next to read and launch, but while a step's figures are read
             if self.scheduler is not None:
                 self.scheduler.step()
             self.pipe.zero_grad()
@@ -555,7 +557,9 @@ class Trainer:
     def _finish(self, step: int, batch: Batch | None, launched: PendingStep, started: float,
                 ended: float | None = None) -> str:
         """Read a launched step's figures (the step's one wait for the device), record them, and decide."""
+        after = heartbeat.working_on(step + 1)
         result = launched.result()
+        heartbeat.working_on(after)
         seconds = (ended if ended is not None else time.perf_counter()) - started
         heartbeat.step_done(seconds)
         # Every rank sees the same finiteness (the engine agrees on it), so all decide alike.

@@ -148,3 +148,16 @@ def test_a_stall_timeout_set_longer_than_the_transports_is_not_cut_short_by_it(m
     with pytest.raises(KeyboardInterrupt):
         worker._run(worker.Job(recipe))
     assert seen["timeout"] == 1800.0
+
+
+def test_a_stall_names_the_step_the_hosts_work_on_not_the_one_before():
+    # Rank 0 read step 60's data slowly while rank 1 waited for its activations: "stuck in step 59", the last
+    # step each had finished being 58 (a step finishes once its figures are read, after the next launch).
+    judge = Judge(rank=0, timeout=5.0, name=name)
+    waiting = "receiving activations of micro-batch 1 from rank 0"
+    for second in range(7):
+        beats = [Beat(second, 58, 58, 0.1, False, 100, "host", True, None, 60),
+                 Beat(second, 58, 58, 0.1, False, 101, "host", True, waiting, 60)]
+        found = judge.verdict(beats, now=float(second))
+    assert found is not None and "stuck in step 60" in found[0]
+    assert Beat.decode(beats[1].encode()) == beats[1]
