@@ -53,10 +53,11 @@ class Transport:
 class _End:
     """One end of a link, with the payload sizes of its last step of each kind, by which receives are posted ahead."""
 
-    def __init__(self, transport: Transport, link: Link) -> None:
+    def __init__(self, transport: Transport, link: Link, chunks: int = 1) -> None:
         assert transport.fabric is not None  # a link joins two ranks
         self.transport, self.fabric, self.link = transport, transport.fabric, link
         self.name = STREAM_NAMES[link.stream]
+        self.chunks = chunks  # a message's number is its micro-batch times this, plus its receiving chunk
         self._last: dict[bool, list[int]] = {True: [], False: []}
         self._sizes: list[int] = []  # this step's, so far
         self._training: bool | None = None
@@ -67,6 +68,11 @@ class _End:
             self._last[self._training] = self._sizes
         self._sizes, self._training = [], training
 
+    def which(self, number: int) -> str:
+        """A message's micro-batch as a user counts them (from 1), and its chunk where a stage runs several."""
+        microbatch, chunk = divmod(number, self.chunks)
+        return f"micro-batch {microbatch + 1}" + (f" (chunk {chunk})" if self.chunks > 1 else "")
+
     def _ahead_bytes(self) -> int:
         """The bytes posted ahead for the next message of this step."""
         last = self._last[bool(self._training)]
@@ -76,8 +82,8 @@ class _End:
 class Outbound(_End):
     """Messages from this rank over one link, in schedule order."""
 
-    def __init__(self, transport: Transport, link: Link) -> None:
-        super().__init__(transport, link)
+    def __init__(self, transport: Transport, link: Link, chunks: int = 1) -> None:
+        super().__init__(transport, link, chunks)
         self._pending: deque[tuple[list[Work], int]] = deque()
 
     def send(self, microbatch: int, chunks: int, offset: int, tensors: Sequence[torch.Tensor | None],
@@ -108,7 +114,7 @@ class Outbound(_End):
         """Wait until every posted message has left (on a GPU: the compute stream waits)."""
         while self._pending:
             works, microbatch = self._pending.popleft()
-            what = f"sending {self.name} of micro-batch {microbatch} to rank {self.link.dst}"
+            what = f"sending {self.name} of {self.which(microbatch)} to rank {self.link.dst}"
             for i, work in enumerate(works):
                 self.transport.wait(work, data=i > 0, what=what)
 
@@ -121,8 +127,8 @@ class Inbound(_End):
 
     window = 4  # header receives posted ahead at most
 
-    def __init__(self, transport: Transport, link: Link) -> None:
-        super().__init__(transport, link)
+    def __init__(self, transport: Transport, link: Link, chunks: int = 1) -> None:
+        super().__init__(transport, link, chunks)
         self._unposted = 0  # headers expected but not posted yet
         self._expected = 0  # messages expected and not taken yet
         self._headers: deque[tuple[Work, torch.Tensor]] = deque()
@@ -160,9 +166,9 @@ class Inbound(_End):
     def take(self, microbatch: int) -> tuple[Header, list[torch.Tensor | None]]:
         """The next message (which must be for `microbatch`): its header and its tensors on the device."""
         transport = self.transport
-        what = f"receiving {self.name} of micro-batch {microbatch} from rank {self.link.src}"
+        what = f"receiving {self.name} of {self.which(microbatch)} from rank {self.link.src}"
         if not self._headers:
-            raise CommError(f"no {self.name} message for micro-batch {microbatch} was expected")
+            raise CommError(f"no {self.name} message for {self.which(microbatch)} was expected")
         work, raw = self._headers.popleft()
         transport.wait(work, data=False, what=what)
         header = decode(raw)
@@ -173,8 +179,8 @@ class Inbound(_End):
             raise CommError(f"{what}: the sender split it for {header.ahead} bytes posted ahead, this rank posted "
                             f"{ahead}: the two ends of the link are out of step")
         if header.microbatch != microbatch:
-            raise CommError(f"expected {self.name} of micro-batch {microbatch}, got micro-batch "
-                            f"{header.microbatch}: the stages run different schedules")
+            raise CommError(f"expected {self.name} of {self.which(microbatch)}, got "
+                            f"{self.which(header.microbatch)}: the stages run different schedules")
         # The payload is read from the receive posted ahead, or from a buffer whose tail is part 2.
         first, self._ahead, rest = self._ahead, None, None
         if header.payload <= header.ahead:

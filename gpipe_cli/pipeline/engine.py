@@ -107,7 +107,7 @@ class Pipeline:
         links: dict[Link, Inbound | Outbound] = {}
 
         def channel(kind: type[Inbound] | type[Outbound], link: Link) -> Any:
-            return links.setdefault(link, kind(transport, link))
+            return links.setdefault(link, kind(transport, link, len(self.ranges)))
 
         self.fwd_in: dict[int, Inbound] = {}
         self.bwd_out: dict[int, Outbound] = {}

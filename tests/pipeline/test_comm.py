@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gpipe_cli.pipeline.comm import Inbound, Outbound, Transport
-from gpipe_cli.pipeline.fabric import FORWARD, Link
+from gpipe_cli.pipeline.fabric import BACKWARD, FORWARD, Link
 from gpipe_cli.pipeline.wire import CommError, TensorMeta, decode, encode, meta_of, pack, unpack
 from tests.pipeline import loopback
 
@@ -151,3 +151,10 @@ def test_the_nccl_fabric_gives_every_communicator_the_runs_timeout_and_waits_for
     gloo = fabrics.TorchFabric(torch.device("cpu"), nccl=False, control=None, timeout=bound)
     gloo.open([ahead], [])
     assert opened[-1] == ([0, 1], {"backend": "gloo", "timeout": bound}) and gloo.data_device == torch.device("cpu")
+
+
+def test_a_messages_micro_batch_is_said_as_users_count_them():
+    # A stall said "gradients of micro-batch 6" at M=4: its number on the channel (micro-batch x chunks + chunk).
+    transport = Transport(torch.device("cpu"), fabric=object())  # type: ignore[arg-type]
+    assert Inbound(transport, Link(0, 1, FORWARD), chunks=2).which(7) == "micro-batch 4 (chunk 1)"
+    assert Outbound(transport, Link(1, 0, BACKWARD)).which(0) == "micro-batch 1"
