@@ -161,11 +161,14 @@ def _ranks() -> list[int]:
                   if session == pid and (parent == me or parent in children))
 
 
-def _send(pids: list[int], signum: int) -> None:
-    """Send `signum` to each of `pids` that is still there."""
+def _send(pids: list[int], signum: int, wake: bool = True) -> None:
+    """Send `signum` to each of `pids` that is still there; `wake`: continue one that is stopped, to take it."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
+            # A stopped rank holds every signal but SIGKILL: a second Ctrl-C, "aborted at once", took 30 s more.
+            if wake and signum != signal.SIGKILL:
+                os.kill(pid, signal.SIGCONT)
 
 
 class _Stops:
@@ -208,9 +211,11 @@ class _Stops:
             self.finish(signum)
         if proc and not children and not self.forking:
             raise KeyboardInterrupt  # no rank runs yet: the command stops here, as before the launch
-        self.interrupted = True
+        again, self.interrupted = self.interrupted, True
         self.setting_up(signal.SIGINT)
-        _send(children, signal.SIGINT if training else signal.SIGTERM)  # SIGTERM ends even a starting Python quietly
+        # SIGTERM ends even a starting Python quietly. A rank stopped by its user (SIGSTOP, a debugger) is left so
+        # by the first Ctrl-C, which it takes when continued; the second, which aborts, continues it.
+        _send(children, signal.SIGINT if training else signal.SIGTERM, wake=again)
         if not children:  # none to find (no /proc, or the fork server still imports torch): the agent turns
             interrupts.term_self()  # SIGTERM into a graceful stop of every rank
 

@@ -1,11 +1,14 @@
 """How the launcher explains the ranks that failed (pure: torchrun's failure records faked)."""
 
+import os
 import signal
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 
-from gpipe_cli.launch.launcher import _told, explain, start_failure
+from gpipe_cli.launch.launcher import _send, _told, explain, start_failure
 from gpipe_cli.launch.preflight import Rendezvous
 from gpipe_cli.pipeline.failure import ANNOUNCED, AbortWatch
 
@@ -115,3 +118,20 @@ def test_a_job_that_could_not_start_is_said_as_what_to_do():
     one = Rendezvous(1, 1, 2, "static", None, None, 0)
     assert start_failure(in_use, one) == "the port the job chose is in use on this node by another program; try again"
     assert start_failure(ValueError("odd"), NODES) == "ValueError: odd"
+
+
+def test_a_stopped_rank_is_continued_to_take_the_signal_it_is_sent():
+    # Ctrl-C twice with a rank under SIGSTOP: "aborted at once", then 30 s more while torch waited for it.
+    code = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))  # a rank's handler: it runs only once continued\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)\n")
+    rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline() == "ready\n"
+        os.kill(rank.pid, signal.SIGSTOP)
+        _send([rank.pid], signal.SIGTERM)
+        assert rank.wait(10) == 3
+    finally:
+        rank.kill()
+        rank.wait()
