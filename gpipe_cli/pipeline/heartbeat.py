@@ -187,7 +187,7 @@ class Judge:
         # on is said where they say it, as their steps finished would name the one before.
         step = min((beats[r].current for r in behind if beats[r].current), default=fewest + 1)
         return (f"no progress for {limit:.0f} s: {names} stuck in step {step} (still running, but no step or "
-                f"transfer finished); ending the job", behind)
+                f"transfer finished); ending the job (steps this slow on purpose: raise train.stall_timeout)", behind)
 
 
 class Heartbeat:

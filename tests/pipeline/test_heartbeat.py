@@ -42,6 +42,7 @@ def test_no_progress_names_the_ranks_furthest_behind():
         found = judge.verdict([beat(second, 9, 3), beat(second, 8, 2), beat(second, 9, 3)], now=float(second))
     assert found is not None and found[1] == [1]
     assert found[0].startswith("no progress for 5 s: rank 1 (stage 1) stuck in step 3")
+    assert found[0].endswith("(steps this slow on purpose: raise train.stall_timeout)")  # the way on
 
 
 def test_progress_is_not_judged_before_the_first_step_nor_during_a_checkpoint():
