@@ -514,11 +514,11 @@ class Recipe(Section):
             raise ValueError(problem)
         # Each replica trains on its share of the mini-batch, the smallest of which is batch // D examples.
         if microbatch_problem(pipe.microbatches, batch // pipe.data_parallel):
-            share = "each of the {} replicas gets" if batch % pipe.data_parallel == 0 else \
-                "the smallest share of the {} replicas is"
-            raise ValueError(f"pipeline.microbatches x pipeline.data_parallel ({pipe.microbatches} x "
-                             f"{pipe.data_parallel}) must be <= data.batch_size ({batch}): "
-                             f"{share.format(pipe.data_parallel)} {batch // pipe.data_parallel} of the mini-batch's "
+            count = pipe.data_parallel
+            share = (f"each of the {count} replicas gets" if batch % count == 0 else
+                     f"the smallest share of the {count} replicas is")
+            raise ValueError(f"pipeline.microbatches x pipeline.data_parallel ({pipe.microbatches} x {count}) "
+                             f"must be <= data.batch_size ({batch}): {share} {batch // count} of the mini-batch's "
                              f"examples, and each of its micro-batches needs one")
         if (info.context or {}).get(STAND_IN):
             return self
