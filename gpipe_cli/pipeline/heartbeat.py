@@ -20,12 +20,14 @@ INTERVAL_S = 1.0
 STOPPED_GAP_S = 5 * INTERVAL_S  # a judge that looked no sooner (nor within a quarter of its limit) was stopped
 FLOOR_S = 60.0
 SLOWEST_FACTOR = 10.0
+RECENT_STEPS = 100  # the default limit follows the slowest of these, so one long pause raises it only for a while
 _KEY_PREFIX = "gpipe/beat/"
 
 # This process's progress, written by the compute thread and read by the heartbeat thread.
 _steps = 0
 _current = 0  # the step the host works on: reading or launching it, or waiting for its figures (0: not said)
-_slowest = 0.0
+_slowest = 0.0  # of the last RECENT_STEPS steps
+_recent: deque[float] = deque(maxlen=RECENT_STEPS)
 _paused = 0
 _started = False
 _on_start: Callable[[], object] | None = None  # beats at once when training starts (set by Heartbeat)
@@ -78,7 +80,8 @@ def step_done(seconds: float) -> None:
     """Note progress: a training step finished, after `seconds`."""
     global _steps, _slowest
     _steps += 1
-    _slowest = max(_slowest, seconds)
+    _recent.append(seconds)
+    _slowest = max(_recent)
 
 
 def working_on(step: int) -> int:
@@ -110,7 +113,7 @@ def paused() -> Iterator[None]:
 
 
 def default_timeout(slowest_step: float) -> float:
-    """The stall timeout when none is set: the larger of 60 s and 10x the slowest step."""
+    """The stall timeout when none is set: the larger of 60 s and 10x the slowest recent step."""
     return max(FLOOR_S, SLOWEST_FACTOR * slowest_step)
 
 

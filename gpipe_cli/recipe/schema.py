@@ -337,7 +337,8 @@ class Train(Section):
     # and every memory_every-th; 1 counts every step. A GPU's allocator peak is read every step regardless.
     memory_every: PositiveInt = 10
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # Seconds without progress before a stalled rank ends the job; null: max(60, 10x the slowest step).
+    # Seconds without progress before a stalled rank ends the job; null: max(60, 10x the slowest of the last 100
+    # steps).
     stall_timeout: Annotated[float, Real, Field(ge=LEAST_STALL_S, le=MAX_REAL)] | None = None
     on_nonfinite: Literal["stop", "skip"] = "stop"  # a non-finite loss or gradient (fp32, bf16)
     max_skipped: PositiveInt = 10  # consecutive skipped steps that stop the run (fp16 overflows too)

@@ -19,6 +19,22 @@ def test_default_timeout_is_a_minute_or_ten_slowest_steps():
     assert default_timeout(30.0) == 300.0
 
 
+def test_the_default_follows_recent_steps_so_one_pause_is_forgotten(monkeypatch):
+    from collections import deque
+
+    from gpipe_cli.pipeline import heartbeat
+    monkeypatch.setattr(heartbeat, "_recent", deque(maxlen=heartbeat.RECENT_STEPS))
+    monkeypatch.setattr(heartbeat, "_steps", 0)
+    monkeypatch.setattr(heartbeat, "_slowest", 0.0)
+    heartbeat.step_done(600.0)  # the rank sat in a debugger for ten minutes
+    assert heartbeat._slowest == 600.0
+    for _ in range(heartbeat.RECENT_STEPS - 1):
+        heartbeat.step_done(2.0)
+    assert heartbeat._slowest == 600.0
+    heartbeat.step_done(2.0)
+    assert heartbeat._slowest == 2.0 and default_timeout(heartbeat._slowest) == 60.0
+
+
 def test_a_rank_that_stops_beating_is_named_after_the_timeout():
     judge = Judge(rank=0, timeout=5.0, name=name)
     assert judge.verdict([beat(1, started=True), beat(1, started=True)], now=0.0) is None
