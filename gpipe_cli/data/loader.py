@@ -104,12 +104,12 @@ class Loader:
         self.min_batch = max(1, self.min_batch)
         if self.tokens_per_batch is not None and self.train.lengths is None:
             raise ValueError("tokens_per_batch needs examples with lengths (text)")
-        self._bounds = self._batch_bounds(self.train, self.drop_last)  # the same for every epoch
+        self._bounds = self._batch_bounds(self.train, self.drop_last, self.min_batch)  # the same for every epoch
         self._cache: tuple[int, list[np.ndarray]] | None = None
         self._eval_plan: list[np.ndarray] | None = None
         self._baselines: dict[int | None, dict[str, float]] = {}  # by limit: the same batches at every evaluation
 
-    def _batch_bounds(self, examples: Examples, drop_last: bool) -> list[tuple[int, int]]:
+    def _batch_bounds(self, examples: Examples, drop_last: bool, min_batch: int) -> list[tuple[int, int]]:
         """[lo, hi) of each mini-batch over the examples in order (by a token budget: sorted by length)."""
         n = len(examples)
         if self.tokens_per_batch is None or examples.lengths is None:
@@ -119,9 +119,9 @@ class Loader:
         else:
             # drop_last does not apply: budget batches vary in size by design, and the last run always holds
             # the longest examples, so dropping it would never train on them.
-            bounds = pack_by_budget(np.sort(examples.lengths, kind="stable"), self.tokens_per_batch, self.min_batch)
+            bounds = pack_by_budget(np.sort(examples.lengths, kind="stable"), self.tokens_per_batch, min_batch)
         # A last run shorter than min_batch joins the one before it, so that no shard's micro-batch is empty.
-        if len(bounds) >= 2 and bounds[-1][1] - bounds[-1][0] < self.min_batch:
+        if len(bounds) >= 2 and bounds[-1][1] - bounds[-1][0] < min_batch:
             bounds = bounds[:-2] + [(bounds[-2][0], bounds[-1][1])]
         return bounds
 
@@ -162,7 +162,10 @@ class Loader:
             order = np.arange(len(self.eval))
             if self.tokens_per_batch is not None and self.eval.lengths is not None:
                 order = np.argsort(self.eval.lengths, kind="stable")
-            self._eval_plan = [order[lo:hi] for lo, hi in self._batch_bounds(self.eval, drop_last=False)]
+            # Not by M x D (min_batch): an evaluation takes batches of any size, and the same parameters must be
+            # scored on the same examples whatever the pipeline, also when `eval.batches` picks a subset.
+            bounds = self._batch_bounds(self.eval, drop_last=False, min_batch=1)
+            self._eval_plan = [order[lo:hi] for lo, hi in bounds]
         return self._eval_plan or []
 
     def eval_subset(self, limit: int | None = None) -> list[np.ndarray]:

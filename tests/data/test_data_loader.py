@@ -192,6 +192,16 @@ def test_a_limit_on_eval_batches_scores_batches_spread_over_the_held_out_lengths
     assert longest == sorted(longest) and longest[-1] > longest[0]
 
 
+@pytest.mark.parametrize("budget", [None, 200])
+def test_the_held_out_batches_do_not_depend_on_micro_batches_or_replicas(budget: int | None) -> None:
+    # The same parameters are scored on the same examples at any M x D, also when `eval.batches` picks a subset.
+    def plan(min_batch: int) -> list[list[int]]:
+        ds = build_data(data(synthetic_size=2000, batch_size=7, tokens_per_batch=budget), "translation", seed=0,
+                        vocab_size=400, max_len=64, min_batch=min_batch)
+        return [b.ids for b in ds.eval_batches(limit=3)]
+    assert plan(1) == plan(6) == plan(16)
+
+
 def test_the_unigram_baseline_is_over_the_held_out_batches_scored(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from gpipe_cli.data.text import unigram_perplexity
 
