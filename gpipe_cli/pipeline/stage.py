@@ -95,8 +95,12 @@ class Stage:
         if remat:
             state.rng = (torch.get_rng_state(),
                          torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
+            versions = [t._version for t in inputs if t is not None]
             with torch.no_grad(), self._running(offset, recomputing=False):
                 out = self._run(inputs, bare, state)
+            if versions != [t._version for t in inputs if t is not None]:  # the recompute would start from it
+                raise RuntimeError("a layer changed its stage's input in place; the backward recomputes from that "
+                                   "input, so with rematerialisation the layer must not (or use checkpoint: never)")
         else:
             state.parcel = self._parcel(inputs)
             with self._saving(state.parcel), self._running(offset, recomputing=False):

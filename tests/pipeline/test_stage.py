@@ -56,6 +56,19 @@ def test_rematerialised_gradients_equal_stored_graph_gradients():
     assert all(torch.allclose(a, b) for a, b in zip(grads[0][1], grads[1][1]))
 
 
+class Doubles(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2.0)
+
+
+def test_a_layer_that_changes_its_stage_s_input_in_place_is_refused_under_remat_not_recomputed_wrongly():
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="changed its stage's input in place.*checkpoint: never"):
+        stage_with(Doubles(), nn.Linear(8, 2)).forward(0, [x.clone()], True, 0, remat=True)
+    out, _ = stage_with(Doubles(), nn.Linear(8, 2)).forward(0, [x.clone()], True, 0, remat=False)
+    assert out[0].shape == (4, 2)
+
+
 def test_rematerialization_keeps_only_the_boundary_input():
     def peak(remat: bool) -> int:
         stage = stage_with(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)])
