@@ -16,14 +16,13 @@ from gpipe_cli.files import another_file, check_not_input, check_output, holds_n
 from gpipe_cli.plan.options import ASSUMED_BANDWIDTH, ASSUMED_LATENCY_US, PlanOptions, validate
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_label, recipe_read
 from gpipe_cli.recipe.schema import Recipe
-from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
+from gpipe_cli.recipe.yamlio import MAX_RECIPE_BYTES, parse_document, read_recipe_file
 from gpipe_cli.units import counted, human_bytes, human_seconds, size_flag
 
 if TYPE_CHECKING:
     from gpipe_cli.models.base import ModelSpec
 
 _BARE = re.compile(r"\s*[0-9.]+\s*")  # a size typed without a unit
-_RECIPE_BYTES = 1 << 20  # a recipe is a page of YAML: a larger file is something else
 
 
 def micro_sizes(layers: int, batch: int, devices: int, least: int) -> list[int]:
@@ -153,7 +152,7 @@ def _only_a_recipe_replaced(output: Path | None) -> None:
     if output is None or not output.is_file():
         return
     try:
-        text = output.read_text() if output.stat().st_size <= _RECIPE_BYTES else None
+        text = output.read_text() if output.stat().st_size <= MAX_RECIPE_BYTES else None
         data = parse_document(text, str(output)) if text is not None else []
     except (OSError, UnicodeDecodeError, UserError):  # unreadable as a recipe: another kind of file
         data = []

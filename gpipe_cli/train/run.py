@@ -84,12 +84,12 @@ OUTPUTS = "outputs"
 def first_line(recipe: Recipe) -> str:
     """What is starting: recipe, model, K, M, D and the number of ranks."""
     p, t = recipe.pipeline, recipe.train
-    length = " and ".join(_count(n, unit) for n, unit in ((t.steps, "step"), (t.epochs, "epoch")) if n)
+    length = " and ".join(counted(n, unit) for n, unit in ((t.steps, "step"), (t.epochs, "epoch")) if n)
     batch = recipe.data.batch_size if recipe.data.tokens_per_batch is None else \
         f"{recipe.data.tokens_per_batch:,} tokens"  # the budget decides how many examples
-    return (f"gpipe train {recipe.name}: {_model_name(recipe)}, K={_count(p.partitions, 'stage')} x "
-            f"D={p.data_parallel} = {_count(p.partitions * p.data_parallel, 'rank')}, "
-            f"M={_count(p.microbatches, 'micro-batch', 'micro-batches')}, batch {batch}, {length}, {t.precision}")
+    return (f"gpipe train {recipe.name}: {_model_name(recipe)}, K={counted(p.partitions, 'stage')} x "
+            f"D={p.data_parallel} = {counted(p.partitions * p.data_parallel, 'rank')}, "
+            f"M={counted(p.microbatches, 'micro-batch', 'micro-batches')}, batch {batch}, {length}, {t.precision}")
 
 
 def _model_name(recipe: Recipe) -> str:
@@ -104,10 +104,6 @@ def _model_name(recipe: Recipe) -> str:
     # The sizes the data sets (vocabulary, image size) are not part of a preset's name.
     return m.preset if all(given.get(k, v) == v for k, v in preset(m.preset)[1].items()
                            if k not in family.data_sizes) else title
-
-
-def _count(n: int, one: str, many: str | None = None) -> str:
-    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def checking(recipe: Recipe, terminal: bool) -> contextlib.AbstractContextManager[Any]:
