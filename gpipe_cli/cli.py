@@ -36,14 +36,17 @@ from gpipe_cli.console import output_console, print_table
 from gpipe_cli.errors import UserError, near, one_line, path_line, shell_path, shown, shown_path
 from gpipe_cli.files import (
     another_file,
+    check_file_name,
+    check_not_empty,
     check_not_input,
     check_not_stdout,
     check_output,
     check_output_kind,
+    check_path,
+    too_long_line,
     write_json,
 )
 from gpipe_cli.launch import launch_options
-from gpipe_cli.launch.preflight import check_file_name, check_not_empty, check_path, too_long_line
 from gpipe_cli.limits import DIGITS, EXPORT_DTYPES, one_of, refuse
 from gpipe_cli.pipeline.streams import stdout_refused, write_out
 from gpipe_cli.plan import FLAGS as L
@@ -53,6 +56,8 @@ from gpipe_cli.profile import FLAGS as P
 from gpipe_cli.profile import ProfileOptions
 from gpipe_cli.quick_exit import exit_now
 from gpipe_cli.recipe.aliases import ALIASES, ONE_PIPELINE_BATCH, SET_HELP, SIZE_FLAGS, balance_help
+from gpipe_cli.runs import RECIPE as RECIPE_FILE
+from gpipe_cli.runs import is_run, kept_by_a_run
 from gpipe_cli.train.output import to_null
 
 
@@ -443,8 +448,6 @@ def prepare_data(
     """Save a recipe's Hugging Face dataset once as local parquet files, for machines without network."""
     from gpipe_cli.data.prepare import prepare_data as save
     from gpipe_cli.recipe.load import load_recipe, recipe_read
-    from gpipe_cli.train.existing import kept_by_a_run
-
     if not recipe.strip():  # load_recipe's line advises leaving it out, which this command cannot
         raise UserError(f"the recipe path is {'only spaces' if recipe else 'empty'}; give the YAML file of a recipe "
                         "with data.source hub")
@@ -606,9 +609,7 @@ def _set_item(key: str, typed: str, value: str, args: list[str]) -> str:
 
 def _a_runs_recipe(path: str) -> bool:
     """Whether `path` is the recipe.yaml a run directory keeps beside its records and checkpoints."""
-    from gpipe_cli.train.existing import RECIPE, is_run
-
-    return os.path.basename(path) == RECIPE and is_run(Path(os.path.dirname(path) or "."))
+    return os.path.basename(path) == RECIPE_FILE and is_run(Path(os.path.dirname(path) or "."))
 
 
 def _short_help(args: list[str]) -> list[str]:

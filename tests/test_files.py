@@ -443,7 +443,7 @@ def test_a_writer_s_own_temporary_files_go_in_a_folder_that_the_next_write_remov
 
 
 def test_a_name_of_256_bytes_is_refused_up_front_and_one_of_255_is_not():
-    from gpipe_cli.launch.preflight import path_problem
+    from gpipe_cli.files import path_problem
 
     # One byte past Linux's NAME_MAX went on to the file system, which refused it with its own error mid-command.
     assert path_problem("out/" + "n" * 255) is None

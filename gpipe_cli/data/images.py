@@ -15,18 +15,12 @@ from gpipe_cli.data import image_folder
 from gpipe_cli.data.augment import ImageTransform, pil_to_tensor
 from gpipe_cli.data.loader import Examples
 from gpipe_cli.data.rng import rng
-from gpipe_cli.data.sources import (
-    CLASSES_FILE,
-    existing_path,
-    first_line,
-    hold_out,
-    open_splits,
-    pick_splits,
-)
+from gpipe_cli.data.sources import existing_path, first_line, hold_out, open_splits, pick_splits
 from gpipe_cli.data.synthetic import SyntheticImages
 from gpipe_cli.errors import DataError, shown, shown_path
 from gpipe_cli.files import atomic_write_bytes
 from gpipe_cli.recipe.schema import Data
+from gpipe_cli.runs import CLASSES_FILE
 
 FILE = "file"  # an image folder's column of each image's path in it: named where one cannot be decoded
 

@@ -14,8 +14,7 @@ from typing import Any
 from gpipe_cli import interrupts
 from gpipe_cli.data.sources import eval_split_name, first_line, load_hub, pick_splits, progress_bars
 from gpipe_cli.errors import DataError
-from gpipe_cli.files import hidden_prefix, make_folders, umask
-from gpipe_cli.launch.preflight import check_path, check_writable
+from gpipe_cli.files import check_path, check_writable, hidden_prefix, make_folders, umask
 from gpipe_cli.progress import note
 from gpipe_cli.recipe.schema import Data
 

@@ -20,7 +20,6 @@ from gpipe_cli.recipe.schema import SOURCE_FILES, Data
 
 # Validation first: test splits may have hidden labels (imagenet-1k's are -1).
 EVAL_SPLIT_NAMES = ("validation", "valid", "val", "dev", "test", "eval")  # as image folders name them
-CLASSES_FILE = "classes.json"  # in a run directory: an image run's class names in label order, as it trained on them
 
 
 def existing_path(path: str | None, what: str) -> Path:

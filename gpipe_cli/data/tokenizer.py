@@ -14,9 +14,9 @@ from typing import Any
 from gpipe_cli.data.sources import first_line
 from gpipe_cli.errors import DataError
 from gpipe_cli.files import atomic_write_bytes, space_left, writing
+from gpipe_cli.runs import TOKENIZER_FILE
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
-TOKENIZER_FILE = "tokenizer.model"
 # sentencepiece samples this many sentences for training: enough for a 32k vocabulary, bounded memory.
 _TRAIN_SENTENCES = 2_000_000
 # The pieces sentencepiece adds to the characters: the special ids the trainer is given (none of them -1).

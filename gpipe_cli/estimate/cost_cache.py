@@ -17,8 +17,7 @@ import torch
 
 from gpipe_cli.errors import UserError, shown_path
 from gpipe_cli.estimate import costs
-from gpipe_cli.files import atomic_write_bytes
-from gpipe_cli.launch.preflight import check_writable
+from gpipe_cli.files import atomic_write_bytes, check_writable
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.pipeline.engine import PRECISIONS
 from gpipe_cli.recipe.schema import Recipe

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import errno
-import os
 import shlex
 import socket
-import tempfile
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpipe_cli.errors import PATH_SHOWN_CHARS, UserError, shown
+from gpipe_cli.errors import UserError, shown
 from gpipe_cli.limits import MAX_RANKS, MAX_THREADS, choices, outside, refuse
 
 if TYPE_CHECKING:  # the launcher imports this module
@@ -97,106 +93,6 @@ def check_device(backend: str, device: str, local_ranks: int, sets: Collection[s
     if backend == "nccl" and local_ranks > gpus:
         raise UserError(f"{given('pipeline.backend')}: nccl needs one GPU per rank, but {local_ranks} ranks on this "
                         f"node share {gpus} GPU{'' if gpus == 1 else 's'}; use backend gloo or auto")
-
-
-# Linux's limits, in bytes: of one name in a path, and of a whole path (PATH_MAX counts the closing NUL too).
-NAME_MAX = 255
-PATH_MAX = 4095
-ALLOWED_LENGTHS = f"a name may have at most {NAME_MAX} bytes, a path at most {PATH_MAX} bytes"
-
-
-def path_problem(path: str | os.PathLike[str]) -> str | None:
-    """Why no file system holds `path`, as words that follow it, e.g. "has a name of 300 bytes; ..." (None: none)."""
-    # Python 3.11's pathlib raises ENAMETOOLONG from is_dir() and exists(): checked before any of them is asked.
-    raw = os.fsencode(path)
-    if len(raw) > PATH_MAX:
-        return f"is {len(raw)} bytes long; {ALLOWED_LENGTHS}"
-    longest = max(len(name) for name in raw.split(b"/"))
-    return f"has a name of {longest} bytes; {ALLOWED_LENGTHS}" if longest > NAME_MAX else None
-
-
-# The longest path a run writes below its folder: checkpoints/superseded-<time>-at-step-<step>/step-<step>/
-# __<rank>_0.distcp, with room to spare.
-RUN_FILES_BYTES = 100
-
-
-def check_room_below(path: Path, what: str, below: int = RUN_FILES_BYTES) -> None:
-    """Refuse a folder whose path leaves no room for the `below` bytes of paths written in it (the checkpoints)."""
-    # Legal itself, it failed only at the first checkpoint, after the steps before it: their work was lost.
-    full = len(os.fsencode(os.path.abspath(path)))
-    if full + below > PATH_MAX:
-        raise UserError(f"{what}: {shown(os.fsdecode(path), PATH_SHOWN_CHARS)} is {full} bytes long as a full path, "
-                        f"and the run's checkpoint files lie up to {below} bytes below it; a path may have at most "
-                        f"{PATH_MAX} bytes: give a shorter one")
-
-
-def check_not_empty(path: str | os.PathLike[str] | None, what: str, names: str = "file",
-                    give: str = "name one") -> None:
-    """Refuse an empty path in one line naming `what` (a flag) and what it names: pathlib would read it as '.'."""
-    if path is not None and not os.fspath(path):
-        raise UserError(f"{what}: an empty path names no {names}; {give}")
-
-
-def check_file_name(path: str | None, what: str) -> None:
-    """Refuse a file to write named as a folder (`x.png/`, `x.png/.`), in one line naming `what`: pathlib drops both."""
-    if path is None:
-        return
-    name = path.rstrip(os.sep)
-    while name.endswith(os.sep + "."):
-        name = name[:-1].rstrip(os.sep)
-    # A folder by that name: the check of the output itself says so, and what to name in it.
-    if name != path and name and not os.path.isdir(path):
-        raise UserError(f"{what}: {shown(path, PATH_SHOWN_CHARS)} names a folder (the trailing '{path[len(name):]}'), "
-                        f"and {what} names a file; give {shown(name, PATH_SHOWN_CHARS)}")
-
-
-def check_path(path: str | os.PathLike[str] | None, what: str, names: str = "file", give: str = "name one") -> None:
-    """Refuse, in one line naming `what` (a flag), a path no file system holds: empty, or a name or all too long."""
-    check_not_empty(path, what, names, give)
-    if path is None:
-        return
-    problem = path_problem(path)
-    if problem is not None:
-        raise UserError(f"{what}: {shown(os.fsdecode(path), PATH_SHOWN_CHARS)} {problem}")
-
-
-def too_long_line(filename: object) -> str:
-    """The line for a "File name too long" that no check foresaw: the path the system refused, and what is allowed."""
-    if not isinstance(filename, (str, bytes)) or not filename:
-        return f"a file name is too long; {ALLOWED_LENGTHS}"
-    path = os.fsdecode(filename)
-    problem = path_problem(path) or f"is too long for its file system (on most, {ALLOWED_LENGTHS})"
-    return f"{shown(path, PATH_SHOWN_CHARS)} {problem}"
-
-
-def _read_only(folder: Path) -> bool:
-    """Whether `folder` lies on a file system mounted read-only."""
-    try:
-        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
-
-
-def check_writable(path: Path, what: str, instead: str = "") -> None:
-    """Refuse an output directory that cannot be created or written, without leaving anything behind."""
-    # `instead`: what to do, where the user named no folder (`; give --output-dir DIR ...`).
-    check_path(path, what)
-    existing = path
-    while not os.path.exists(existing) and existing != existing.parent:  # os.path: no errors on long names
-        if os.path.islink(existing):  # a dangling link: mkdir would fail later
-            raise UserError(f"{what}: {shown(str(existing))} is a broken link")
-        existing = existing.parent
-    if not os.path.isdir(existing):
-        raise UserError(f"{what}: {shown(str(existing))} exists and is not a directory{instead}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        how = "is on a read-only file system" if _read_only(existing) else "is not writable"
-        raise UserError(f"{what}: {shown(str(existing))} {how}{instead}")
-    try:  # access() says yes to root on a read-only file system's permission bits: try it for real
-        with tempfile.TemporaryFile(dir=existing, prefix=".gpipe-probe-"):
-            pass
-    except OSError as exc:  # ENOENT for a folder that exists: a file system that takes no new files (/proc)
-        why = "it takes no new files" if exc.errno == errno.ENOENT else exc.strerror
-        raise UserError(f"{what}: cannot write to {shown(str(existing))} ({why}){instead}") from None
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpipe_cli.errors import UserError
-from gpipe_cli.launch.preflight import check_file_name
+from gpipe_cli.files import check_file_name
 from gpipe_cli.limits import MAX_COUNT, MAX_RANKS, finite, one_of, outside, refuse
 from gpipe_cli.recipe.aliases import SET_HELP
 from gpipe_cli.units import parse_size

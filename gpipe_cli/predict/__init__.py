@@ -7,18 +7,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gpipe_cli.errors import UserError, as_typed, not_utf8, shell_path, shown_path
-from gpipe_cli.launch.preflight import check_path
+from gpipe_cli.files import check_path
 from gpipe_cli.pipeline.streams import write_out
-from gpipe_cli.train.existing import (
-    CHECKPOINTS,
-    EXPORTED,
-    PREFIX,
-    SUPERSEDED,
-    course_export,
-    is_run,
-    newest_step,
-    run_dir_of,
-)
+from gpipe_cli.runs import CHECKPOINTS, EXPORTED, PREFIX, SUPERSEDED, is_run, newest_step, run_dir_of
+from gpipe_cli.train.existing import course_export
 
 DEFAULT_MAX_TOKENS = 50
 MAX_TOKENS = 100_000  # a long document's worth: each token is a forward, so a typo of more digits runs for days

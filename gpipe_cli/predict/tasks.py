@@ -12,9 +12,9 @@ from torch import nn
 from gpipe_cli.data.augment import FloatRange, ImageTransform, pil_to_tensor
 from gpipe_cli.data.image_kind import FORMATS, image_format
 from gpipe_cli.data.sources import first_line
-from gpipe_cli.data.tokenizer import TOKENIZER_FILE, UNK, Tokenizer
+from gpipe_cli.data.tokenizer import UNK, Tokenizer
 from gpipe_cli.errors import UserError, shown, shown_path
-from gpipe_cli.launch.preflight import check_path
+from gpipe_cli.files import check_path
 from gpipe_cli.models.transformer.decode import Forward, continue_text, encoding_once, translate, translation_limit
 from gpipe_cli.models.weights import (
     NO_TOKENIZER,
@@ -28,6 +28,7 @@ from gpipe_cli.models.weights import (
     parse,
 )
 from gpipe_cli.predict import export_command, export_file
+from gpipe_cli.runs import TOKENIZER_FILE
 
 Answer = Callable[[str], Iterator[str]]  # one input -> the pieces of its line of output, as each is known
 _CLASSIFIES = f"an image model classifies image files ({FORMATS}, ...)"

@@ -34,6 +34,7 @@ from gpipe_cli.report.runs import (
     wait_share,
     warm_only,
 )
+from gpipe_cli.runs import CHECKPOINTS, PREFIX, SUPERSEDED, kept_by_a_run
 from gpipe_cli.units import figure, human_bytes, number_range
 
 # Said after a default place that cannot be written (a read-only run of someone else's, say).
@@ -87,8 +88,6 @@ def _part_of(run: Run) -> str:
     first, last = run.train[0]["step"], run.train[-1]["step"]
     if first == 1:
         return ""
-    from gpipe_cli.train.existing import CHECKPOINTS, SUPERSEDED  # only here: it reads recipes
-
     if not run.path.name.startswith(SUPERSEDED) or run.path.parent.name != CHECKPOINTS:
         return ""
     return (f" (a course a resume set aside: steps {number_range(first, last)}, after the steps of "
@@ -183,7 +182,7 @@ def resume_table(runs: list[Run]) -> Table | None:
 
 def _forks(run_dir: Path) -> set[int]:
     """The steps its resumes from an earlier checkpoint went on from (setting aside the steps after)."""
-    from gpipe_cli.train.existing import CHECKPOINTS, PREFIX, SUPERSEDED, fork_of  # only here: it reads recipes
+    from gpipe_cli.train.existing import fork_of  # only here: it reads recipes
 
     aside = (run_dir / CHECKPOINTS).glob(f"{SUPERSEDED}*/{PREFIX}*")
     return {step for checkpoint in aside if (step := fork_of(checkpoint)) is not None}
@@ -202,8 +201,6 @@ def _default_page(paths: list[Path]) -> Path:
     """Where the page goes unless --output says: in the one run given, else here."""
     if len(paths) != 1:
         return Path("report.png")
-    from gpipe_cli.train.existing import kept_by_a_run
-
     # A course a resume set aside lies in its run's checkpoints/, which training prunes: its page goes in the run.
     kept = kept_by_a_run(paths[0] / "report.png")
     return kept[0] / f"report-{paths[0].name}.png" if kept is not None else paths[0] / "report.png"

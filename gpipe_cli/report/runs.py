@@ -21,6 +21,7 @@ from gpipe_cli.records import (
     profiled_words,
     read_records,
 )
+from gpipe_cli.runs import kept_by_a_run
 from gpipe_cli.units import number_range
 
 Series = tuple[list[int], list[float]]  # steps, values
@@ -86,7 +87,7 @@ def read_run(path: Path) -> Run:
                         "`gpipe train` wrote")
     if not metrics.is_file():
         from gpipe_cli.train.claim import LOCK  # only on this way out, as the rest
-        from gpipe_cli.train.existing import check_not_runs, kept_by_a_run  # it reads recipes
+        from gpipe_cli.train.existing import check_not_runs  # it reads recipes
 
         if (path / LOCK).is_file():  # a gpipe train starting here, or one whose launch was killed before its ranks
             raise NotStarted(f"{path}: no metrics.jsonl yet (a run starting, or stopped before its first step)")

@@ -33,7 +33,8 @@ from gpipe_cli.errors import UserError, path_line
 from gpipe_cli.files import atomic_write_bytes, space_left
 from gpipe_cli.pipeline import heartbeat
 from gpipe_cli.pipeline.failure import ANNOUNCED
-from gpipe_cli.train.existing import CHECKPOINTS, MANIFEST, METRICS, PREFIX, SUPERSEDED, candidates, way_on
+from gpipe_cli.runs import CHECKPOINTS, MANIFEST, METRICS, PREFIX, SUPERSEDED, candidates
+from gpipe_cli.train.existing import way_on
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # one key per parameter: reshardable

@@ -1,10 +1,9 @@
-"""The run directory, checks of an existing one made before any rank starts, and the settings a resume runs with."""
+"""Checks of an existing run directory made before any rank starts, and the settings a resume runs with."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 import re
 from collections.abc import Collection, Iterator, Sequence
@@ -13,20 +12,40 @@ from pathlib import Path
 from typing import Any
 
 from gpipe_cli.errors import DataError, UserError, cut, path_line, shell_path, shown, shown_path
-from gpipe_cli.files import atomic_write_bytes, check_output, check_output_kind, remove_folders, same_file
-from gpipe_cli.launch.preflight import NODE_FLAGS, check_file_name, check_not_empty, check_path
+from gpipe_cli.files import (
+    atomic_write_bytes,
+    check_file_name,
+    check_not_empty,
+    check_output,
+    check_output_kind,
+    check_path,
+    remove_folders,
+    same_file,
+)
+from gpipe_cli.launch.preflight import NODE_FLAGS
 from gpipe_cli.recipe.load import default_recipe_text, load_recipe, parse_yaml, recipe_yaml
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import RecipeError, parse_document, read_recipe_file
+from gpipe_cli.runs import (
+    CHECKPOINTS,
+    CLASSES_FILE,
+    EXPORTED,
+    METRICS,
+    PREFIX,
+    RECIPE,
+    SUPERSEDED,
+    TOKENIZER_FILE,
+    candidates,
+    checkpoint_folders,
+    holds_run,
+    is_checkpoint,
+    is_run,
+    kept_by_a_run,
+    last_step,
+    newest_run_in,
+    run_dir_of,
+)
 from gpipe_cli.train.claim import being_written, writer_of
-
-RECIPE = "recipe.yaml"
-SUPERSEDED = "superseded-"  # checkpoints/superseded-...: a course a resume from an earlier step left
-EXPORTED = "model.safetensors"  # what gpipe export writes into the run directory by default
-METRICS = "metrics.jsonl"
-CHECKPOINTS = "checkpoints"
-PREFIX = "step-"  # of a checkpoint folder: checkpoints/step-00000100
-MANIFEST = "manifest.json"  # written last into a checkpoint folder: a folder with it is a finished save
 
 # Model keys that leave the parameters as they are (regularisation, the loss, the initialisation, a
 # preset's name whose values are compared key by key): a resume may change them. Every other model key
@@ -97,101 +116,6 @@ def anchored(recipe: Recipe) -> Recipe:
     return recipe.model_copy(update={"data": data.model_copy(update=paths)}) if paths else recipe
 
 
-def run_dir_of(location: str) -> Path:
-    """The run directory a --resume location belongs to (a run directory or one of its checkpoints)."""
-    path = Path(location)
-    # Typed from inside the run (`checkpoints/step-...`) or its checkpoints/ (`step-...`): its run lies above.
-    if not (path.name.startswith((PREFIX, SUPERSEDED)) or path.name == CHECKPOINTS):
-        return _run_dir(path)
-    try:
-        found = _run_dir(path)
-    except IndexError:  # `superseded-.../step-...`: fewer folders typed than lie between it and its run
-        found = path
-    return _run_dir(Path(os.path.abspath(location))) if found in (Path("."), path) else found
-
-
-def _run_dir(path: Path) -> Path:
-    if is_checkpoint(path):  # in checkpoints/, or in a folder a resume set it aside into
-        return path.parents[2] if path.parent.name.startswith(SUPERSEDED) else path.parent.parent
-    if path.name.startswith(SUPERSEDED) and path.parent.name == CHECKPOINTS:  # the newest of a course set aside
-        return path.parent.parent
-    return path.parent if path.name == CHECKPOINTS else path
-
-
-def kept_by_a_run(path: Path) -> tuple[Path, str] | None:
-    """(run directory, what) when `path` is a file a run keeps or lies in its checkpoints/; else None."""
-    # Any command's output named there would replace what a later resume, export or report reads. As named
-    # and where links lead: a link to a run's checkpoints/ writes into it all the same.
-    from gpipe_cli.data.tokenizer import TOKENIZER_FILE
-
-    try:
-        for where in dict.fromkeys((Path(os.path.abspath(path)), Path(os.path.realpath(path)))):
-            if where.name in (RECIPE, METRICS, TOKENIZER_FILE) and is_run(where.parent):
-                return _as_named(where.parent, path), f"is the run's {where.name}: writing there would replace it"
-            for folder in (where, *where.parents):
-                if folder.name == CHECKPOINTS and is_run(folder.parent):
-                    return _as_named(folder.parent, path), f"is inside the run's {CHECKPOINTS}/, which training " \
-                        "prunes and resumes from"
-    except (OSError, ValueError):  # a name no file system takes: the write says what is wrong with it
-        pass
-    return None
-
-
-def is_run(folder: Path) -> bool:
-    """Whether `folder` is a run directory: it holds step checkpoints, or metrics.jsonl begins with a record."""
-    if candidates(folder / CHECKPOINTS):
-        return True
-    try:
-        with open(folder / METRICS, "rb") as f:
-            first = json.loads(f.readline(1 << 20))
-    except (OSError, ValueError):  # none, unreadable, or not a record (another command's JSON written there)
-        return False
-    return isinstance(first, dict) and "kind" in first
-
-
-def _as_named(folder: Path, path: Path) -> Path:
-    """`folder` relative to here when `path` was named so."""
-    return folder if path.is_absolute() else Path(os.path.relpath(folder))
-
-
-def last_step(run_dir: Path) -> int | None:
-    """The last step a run directory records: its newest metrics record, else its newest checkpoint."""
-    steps: list[int] = []
-    with contextlib.suppress(OSError):
-        for line in (run_dir / METRICS).read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError, AttributeError):  # a torn last line: the run died writing it
-                step = json.loads(line).get("step")
-                if isinstance(step, int) and not isinstance(step, bool):
-                    steps.append(step)
-    saved = [int(p.name[len(PREFIX):]) for p in candidates(run_dir / CHECKPOINTS) if p.name[len(PREFIX):].isdigit()]
-    return max(steps or saved, default=None)
-
-
-def holds_run(run_dir: Path) -> bool:
-    """Whether a directory holds a run: a metrics record or a checkpoint (an empty or set-up-only one does not)."""
-    metrics = run_dir / METRICS
-    try:
-        recorded = metrics.is_file() and metrics.stat().st_size > 0
-    except OSError:
-        recorded = False
-    return recorded or bool(candidates(run_dir / CHECKPOINTS))
-
-
-def newest_run_in(folder: Path) -> Path | None:
-    """The newest run one or two levels below `folder` (outputs/NAME/STAMP), as `gpipe export outputs` means."""
-    try:
-        runs = [run for pattern in ("*", "*/*") for run in folder.glob(pattern) if run.is_dir() and holds_run(run)]
-        return max(runs, key=_last_trained, default=None)
-    except OSError:  # a folder this process cannot read, or a run removed meanwhile: nothing to point to
-        return None
-
-
-def _last_trained(run: Path) -> float:
-    """When a run last recorded a step: its records' time, not its folder's, which a report written in it moves."""
-    metrics = run / METRICS
-    return (metrics if metrics.is_file() else run).stat().st_mtime
-
-
 def check_not_runs(folder: Path, named: str = "") -> None:
     """Refuse a folder that holds runs rather than being one, naming its newest run (`named`: the flag, if any)."""
     inside = newest_run_in(folder)
@@ -218,9 +142,6 @@ def remove_set_up(run_dir: Path, before: Collection[str] | None = None, parents:
     # Made for it (`before` None), the directory goes too, and then `parents`, the folders made above it, while empty.
     # Left behind, its recipe and empty records read as a run: `gpipe report outputs/x/*` refused to report. In a
     # folder the user made, what it held already is theirs, or an earlier launch's, and stays.
-    from gpipe_cli.data.sources import CLASSES_FILE
-    from gpipe_cli.data.tokenizer import TOKENIZER_FILE
-
     with contextlib.suppress(OSError):
         try:
             names = set(os.listdir(run_dir)).difference(before or ())
@@ -275,9 +196,6 @@ def check_new_run_dir(output_dir: Path, ours: bool = False) -> None:
     if not ours:
         check_no_writer(output_dir, "--output-dir", "wait until it ends, or give another --output-dir")
     if not holds_run(output_dir):
-        from gpipe_cli.data.sources import CLASSES_FILE
-        from gpipe_cli.data.tokenizer import TOKENIZER_FILE
-
         # The run writes its own; a user's file of that name, in a folder given as the output, was replaced. A run
         # that stopped in its set-up has left its records' file or checkpoints/ beside it, and takes a new run.
         started = any((output_dir / name).exists() for name in (METRICS, CHECKPOINTS))
@@ -299,8 +217,6 @@ def check_new_run_dir(output_dir: Path, ours: bool = False) -> None:
 
 def check_layout(run_dir: Path, flag: str, instead: str) -> None:
     """Refuse a run directory where a name the run writes is taken by the other kind: a file named checkpoints."""
-    from gpipe_cli.data.tokenizer import TOKENIZER_FILE
-
     # Found here, not by a rank's traceback once the ranks have started and trained the tokenizer.
     for name, kept in ((CHECKPOINTS, "a folder of checkpoints"), (METRICS, "its records' file"),
                        (RECIPE, "its recipe file"), (TOKENIZER_FILE, "its tokenizer file")):
@@ -344,8 +260,7 @@ def held_changes(recipe: Recipe, location: str) -> list[Change] | None:
 
 def check_tokenizer_kept(recipe: Recipe, location: str) -> None:
     """Refuse a data.tokenizer file that no longer holds the tokenizer the run started with (replaced since)."""
-    from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
-
+    from gpipe_cli.data.tokenizer import Tokenizer
     kept = run_dir_of(location) / TOKENIZER_FILE
     if not recipe.data.tokenizer or not kept.is_file():
         return
@@ -441,7 +356,7 @@ def check_resumable(location: str) -> int:
 
 def renamed(location: Path, verb: str) -> str:
     """What a run holds of checkpoints renamed from `step-*`, which only their own name picks ('' if none)."""
-    folder, inside = _checkpoint_folders(location)
+    folder, inside = checkpoint_folders(location)
     names = sorted(p.name for p in inside if is_checkpoint(p) and not p.name.startswith(PREFIX))
     if not names:
         return ""
@@ -512,42 +427,6 @@ def final_eval_missing(run_dir: Path, step: int, recipe: Recipe, held: Any = Non
     # of an older version counts no held-out examples: one evaluated at its end alone is taken as complete).
     evaluates = bool(held) if isinstance(held, int) else bool(recipe.eval.every or evaluated)
     return evaluates and lacks
-
-
-def is_checkpoint(path: Path) -> bool:
-    """Whether `path` names one checkpoint folder: `step-*`, or one renamed or copied, known by its manifest."""
-    return path.name.startswith(PREFIX) or (path / MANIFEST).is_file()
-
-
-def candidates(location: Path) -> list[Path]:
-    """Checkpoint folders at `location` (a run directory, its checkpoints/ or one checkpoint), newest first."""
-    if is_checkpoint(location):
-        return [location]
-    # By step: step-100000000, past eight digits, comes after step-99999999 though it sorts before it as text.
-    return sorted((p for p in _checkpoint_folders(location)[1] if p.name.startswith(PREFIX)),
-                  key=lambda p: (len(p.name), p.name), reverse=True)
-
-
-def _checkpoint_folders(location: Path) -> tuple[Path, list[Path]]:
-    """The folder of a run's checkpoints (its checkpoints/, or `location` itself) and the folders in it."""
-    folder = location / CHECKPOINTS if (location / CHECKPOINTS).is_dir() else location
-    try:
-        return folder, [p for p in folder.iterdir() if p.is_dir()]
-    except OSError:  # no folder there, or one this process cannot read: no checkpoint it could use
-        return folder, []
-
-
-def newest_step(run_dir: Path) -> int | None:
-    """The step of the run's newest finished checkpoint, as its manifest says (None: there is none)."""
-    # No checksums: a quick look for `gpipe predict`, which must not load the checkpoint code (torch.distributed).
-    for path in candidates(run_dir):
-        try:
-            step = json.loads((path / MANIFEST).read_text())["step"]
-        except (OSError, ValueError, KeyError, TypeError):  # unfinished or unreadable: not one export would use
-            continue
-        if isinstance(step, int) and not isinstance(step, bool):
-            return step
-    return None
 
 
 def differences(old: Any, new: Any, prefix: str) -> Iterator[Change]:

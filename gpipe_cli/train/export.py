@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from gpipe_cli.data.tokenizer import TOKENIZER_FILE, Tokenizer
+from gpipe_cli.data.tokenizer import Tokenizer
 from gpipe_cli.errors import DataError, UserError, shell_path
 from gpipe_cli.files import atomic_path_of_a_writer, check_not_input, shown_path, writing
 from gpipe_cli.models import weights
@@ -24,22 +24,20 @@ from gpipe_cli.recipe.load import load_recipe, parse_yaml, validate
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import RecipeError, read_recipe_file
 from gpipe_cli.recipe_model import model_spec
-from gpipe_cli.train import checkpoint
-from gpipe_cli.train.existing import (
+from gpipe_cli.runs import (
     CHECKPOINTS,
+    CLASSES_FILE,
     EXPORTED,
     METRICS,
     RECIPE,
+    TOKENIZER_FILE,
     candidates,
-    check_a_run,
-    check_export_arguments,
-    course_export,
-    fork_of,
     is_checkpoint,
     newest_step,
-    renamed,
     run_dir_of,
 )
+from gpipe_cli.train import checkpoint
+from gpipe_cli.train.existing import check_a_run, check_export_arguments, course_export, fork_of, renamed
 from gpipe_cli.train.safe_dcp import SafeLoadPlanner, SafeReader
 
 _MODEL = "model."
@@ -229,8 +227,6 @@ def _classes(recipe: Recipe, spec: ModelSpec, run_dir: Path | None = None) -> li
     """An imagefolder's or parquet run's class names in label order, for gpipe predict (None: other data, or gone)."""
     if spec.task != "image":
         return None
-    from gpipe_cli.data.sources import CLASSES_FILE
-
     with contextlib.suppress(OSError, ValueError, TypeError):  # kept as it trained (older runs: read from the data)
         kept = json.loads((run_dir / CLASSES_FILE).read_text()) if run_dir is not None else None
         if isinstance(kept, list) and all(isinstance(name, str) for name in kept):

@@ -29,20 +29,17 @@ from gpipe_cli.pipeline.step import PendingStep
 from gpipe_cli.recipe.schema import LOCAL_SOURCES, Recipe, TransformerModel, nothing_held_out
 from gpipe_cli.recipe_model import build_optimizer, model_spec, optimizer_name, pipeline_config
 from gpipe_cli.records import EvalRecord, TrainRecord
+from gpipe_cli.runs import CHECKPOINTS, candidates, is_checkpoint, run_dir_of
 from gpipe_cli.train import checkpoint, cut, evaluation, nonfinite, optim, output
 from gpipe_cli.train.existing import (
-    CHECKPOINTS,
-    candidates,
     choose_run_dir,
     complete_line,
     continue_command,
     earlier_checkpoint,
     evaluation_missing,
     fork_of,
-    is_checkpoint,
     past_end,
     recipe_bytes,
-    run_dir_of,
     save_recipe,
     way_on,
 )

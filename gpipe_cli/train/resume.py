@@ -18,8 +18,9 @@ from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.topology import Topology
 from gpipe_cli.recipe.schema import Recipe
 from gpipe_cli.recipe.yamlio import parse_document, read_recipe_file
+from gpipe_cli.runs import METRICS, RECIPE
 from gpipe_cli.train import checkpoint
-from gpipe_cli.train.existing import METRICS, RECIPE, no_usable
+from gpipe_cli.train.existing import no_usable
 from gpipe_cli.train.plan import Plan
 from gpipe_cli.train.safe_dcp import saved_keys
 

@@ -18,37 +18,18 @@ from gpipe_cli import interrupts
 from gpipe_cli.console import redraws, say
 from gpipe_cli.data.offline import check_hub_data
 from gpipe_cli.errors import UserError, shown_path
-from gpipe_cli.files import check_not_stdout
-from gpipe_cli.launch import (
-    LaunchOptions,
-    NothingStarted,
-    check_device,
-    check_launch,
-    check_path,
-    check_writable,
-    launch,
-    under_torchrun,
-    warming,
-)
-from gpipe_cli.launch.preflight import (
-    RUN_FILES_BYTES,
-    check_room_below,
-    dry_run_lines,
-    endpoint_source,
-    node_flags,
-    rendezvous,
-    resolve,
-)
+from gpipe_cli.files import RUN_FILES_BYTES, check_not_stdout, check_path, check_room_below, check_writable
+from gpipe_cli.launch import LaunchOptions, NothingStarted, check_device, check_launch, launch, under_torchrun, warming
+from gpipe_cli.launch.preflight import dry_run_lines, endpoint_source, node_flags, rendezvous, resolve
 from gpipe_cli.models import families
 from gpipe_cli.progress import note
 from gpipe_cli.recipe.load import recipe_kind_note, recipe_label, typed_values
 from gpipe_cli.recipe.schema import Recipe, unread_settings
+from gpipe_cli.runs import METRICS, candidates, holds_run, run_dir_of
 from gpipe_cli.train import output
 from gpipe_cli.train.claim import held, missing
 from gpipe_cli.train.existing import (
-    METRICS,
     Change,
-    candidates,
     check_a_run_to_resume,
     check_checkpoint_keys,
     check_new_run_dir,
@@ -63,13 +44,11 @@ from gpipe_cli.train.existing import (
     continue_command,
     earlier_checkpoint,
     held_changes,
-    holds_run,
     recipe_changes,
     remove_set_up,
     resume_end,
     resume_line,
     resume_location,
-    run_dir_of,
     settings_of,
     settings_unkept,
     starts_anew,

@@ -10,7 +10,8 @@ from datagen import data, pairs, write_jsonl
 
 from gpipe_cli.data import BOS, EOS, PAD, UNK, DataError, Tokenizer, build_data
 from gpipe_cli.data import tokenizer as tokenizer_mod
-from gpipe_cli.data.tokenizer import TOKENIZER_FILE, train_tokenizer
+from gpipe_cli.data.tokenizer import train_tokenizer
+from gpipe_cli.runs import TOKENIZER_FILE
 
 
 def _corpus(tmp_path: Path) -> Path:

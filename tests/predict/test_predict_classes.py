@@ -103,7 +103,7 @@ def test_the_names_match_the_class_numbers(tmp_path, capsys):
 def test_the_names_the_run_trained_on_are_exported_though_the_folder_changed_since(tmp_path):
     # Renamed after training (red -> apple), the folder gave the export its new order: a red image was "blue".
     from gpipe_cli.data.images import image_splits
-    from gpipe_cli.data.sources import CLASSES_FILE
+    from gpipe_cli.runs import CLASSES_FILE
 
     folder = _folder(tmp_path / "images")
     recipe = load_recipe(_recipe(tmp_path, folder), check_data=False)

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from gpipe_cli.errors import UserError
+from gpipe_cli.runs import run_dir_of
 from gpipe_cli.train import checkpoint
-from gpipe_cli.train.existing import run_dir_of
 from gpipe_cli.train.resume import trim_metrics
 
 

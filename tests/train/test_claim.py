@@ -20,9 +20,10 @@ from gpipe_cli.cli import app
 from gpipe_cli.errors import UserError
 from gpipe_cli.launch import LaunchOptions
 from gpipe_cli.recipe.load import load_recipe
+from gpipe_cli.runs import run_dir_of
 from gpipe_cli.train import claim
 from gpipe_cli.train import run as run_module
-from gpipe_cli.train.existing import choose_run_dir, run_dir_of
+from gpipe_cli.train.existing import choose_run_dir
 from gpipe_cli.train.run import claimed_elsewhere, claims
 from tests.train import recipes
 from tests.train.test_existing_run import error_line, hashes, make_run
@@ -464,8 +465,8 @@ def test_stops_that_keep_coming_as_the_ranks_end_never_say_nothing_was_written(t
     import signal
     import tempfile
 
+    from gpipe_cli import runs
     from gpipe_cli.cli import run
-    from gpipe_cli.train import existing
 
     run_dir = tmp_path / "run"
 
@@ -484,7 +485,7 @@ def test_stops_that_keep_coming_as_the_ranks_end_never_say_nothing_was_written(t
             signal.raise_signal(signal.SIGTERM)
             return super().__exit__(*exc)
 
-    real_candidates = existing.candidates
+    real_candidates = runs.candidates
     monkeypatch.setattr("gpipe_cli.train.run.launch", launch)
     monkeypatch.setattr("gpipe_cli.train.run.candidates", stopped_again)
     monkeypatch.setattr("gpipe_cli.train.run.tempfile.TemporaryDirectory", Folder)

@@ -13,6 +13,7 @@ import yaml
 from torch import nn
 from typer.testing import CliRunner
 
+from gpipe_cli import runs
 from gpipe_cli.cli import app
 from gpipe_cli.errors import UserError
 from gpipe_cli.recipe.load import load_recipe, recipe_yaml
@@ -167,7 +168,8 @@ def test_a_recipe_of_another_model_family_is_refused_by_its_family_alone(tmp_pat
 def test_a_tokenizer_file_replaced_since_the_run_started_is_refused(tmp_path):
     # The resume said nothing, and trained on another tokenizer's ids: step 5's loss 6.74 against 6.38.
     from gpipe_cli.data.synthetic import translation_pairs
-    from gpipe_cli.data.tokenizer import TOKENIZER_FILE, train_tokenizer
+    from gpipe_cli.data.tokenizer import train_tokenizer
+    from gpipe_cli.runs import TOKENIZER_FILE
 
     texts = [s for p in translation_pairs(100, 0, "train") for s in p]
     given = train_tokenizer(texts, 40).save(tmp_path / "tok.model")
@@ -186,7 +188,7 @@ def test_a_model_change_in_an_edited_run_recipe_is_refused_by_the_checkpoints_ow
     # The run's recipe.yaml, edited since, was compared alone: the ranks then failed to load the checkpoint and
     # advised training again from step 0.
     path, run = make_run(tmp_path, steps=(2,))
-    shutil.copy(run / "recipe.yaml", existing.candidates(run)[0] / "recipe.yaml")  # as the loop saves it
+    shutil.copy(run / "recipe.yaml", runs.candidates(run)[0] / "recipe.yaml")  # as the loop saves it
     edited = load_recipe(path, ["model.d_model=64"])
     (run / "recipe.yaml").write_text(recipe_yaml(edited))
     assert existing.recipe_changes(edited, run) == []
@@ -203,7 +205,7 @@ def test_a_checkpoint_copied_out_of_its_run_is_refused_by_resume_and_exported_on
     _, run = make_run(tmp_path, steps=(2,))
     project = tmp_path / "project"
     (project / "stash").mkdir(parents=True)
-    shutil.copytree(existing.candidates(run)[0], project / "stash" / "step-00000002")
+    shutil.copytree(runs.candidates(run)[0], project / "stash" / "step-00000002")
     (project / "recipe.yaml").write_text("my notes\n")
     before = hashes(project)
     loose = project / "stash" / "step-00000002"
@@ -218,7 +220,7 @@ def test_a_checkpoint_copied_out_of_its_run_is_refused_by_resume_and_exported_on
                                         r"the file to write with --output FILE.safetensors$"):
         existing.check_export_arguments(str(loose), None)
     existing.check_export_arguments(str(loose), str(tmp_path / "weights.safetensors"))
-    for kept in (existing.candidates(run)[0], run / "checkpoints" / "superseded-1-at-step-1" / "step-00000001"):
+    for kept in (runs.candidates(run)[0], run / "checkpoints" / "superseded-1-at-step-1" / "step-00000001"):
         assert existing.loose(str(kept)) is None
     assert hashes(project) == before
 
@@ -398,7 +400,7 @@ def test_an_empty_or_never_started_directory_takes_a_new_run(tmp_path):
     (folder / "recipe.yaml").write_text("name: x\n")
     (folder / "checkpoints" / ".step-00000001.partial").mkdir()
     existing.check_new_run_dir(folder)
-    assert not existing.holds_run(folder)
+    assert not runs.holds_run(folder)
 
 
 @pytest.fixture
@@ -464,9 +466,9 @@ def test_output_dir_that_is_the_resumed_run_itself_is_accepted(tmp_path, no_rank
 def test_the_last_step_comes_from_metrics_else_the_newest_checkpoint(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / "step-00000012").mkdir(parents=True)
-    assert existing.last_step(run) == 12
+    assert runs.last_step(run) == 12
     (run / "metrics.jsonl").write_text('{"kind": "train", "step": 14}\n{"kind": "tra')  # a torn last line
-    assert existing.last_step(run) == 14
+    assert runs.last_step(run) == 14
 
 
 # ----------------------------------------------------------------- a save cut short; retention
@@ -492,7 +494,7 @@ def test_a_resume_from_an_earlier_checkpoint_moves_the_newer_ones_out_of_the_nex
     assert sorted(p.name for p in aside.iterdir()) == [p.name for p in newer]
     assert checkpoint.candidates(tmp_path) == [kept]
     # One of them can still be resumed: it belongs to this run (it was named a checkpoints/ folder's).
-    assert existing.run_dir_of(str(aside / newer[0].name)) == tmp_path
+    assert runs.run_dir_of(str(aside / newer[0].name)) == tmp_path
     # A resume of it continues that course, which branched at step 4.
     assert fork_of(aside / newer[0].name) == 4 and fork_of(kept) is None
     assert checkpoint.set_aside_newer(tmp_path, 4, "later") is None  # nothing newer: nothing made
@@ -584,9 +586,9 @@ def test_retention_runs_on_the_next_save_after_an_abort_left_one_too_many(tmp_pa
 
 def test_resume_locations_map_to_their_run_directory(tmp_path):
     run = tmp_path / "run"
-    assert existing.run_dir_of(str(run)) == run
-    assert existing.run_dir_of(str(run / "checkpoints")) == run
-    assert existing.run_dir_of(str(run / "checkpoints" / "step-00000005")) == run
+    assert runs.run_dir_of(str(run)) == run
+    assert runs.run_dir_of(str(run / "checkpoints")) == run
+    assert runs.run_dir_of(str(run / "checkpoints" / "step-00000005")) == run
 
 
 @pytest.mark.parametrize("inside", ["checkpoints", "checkpoints/step-00000004"])

@@ -36,7 +36,7 @@ def test_the_newest_run_is_the_one_that_trained_last_not_the_last_written_in(tmp
     # A report.png written into the older run moved its folder's time, and it was called the newest.
     from pathlib import Path
 
-    from gpipe_cli.train.existing import newest_run_in
+    from gpipe_cli.runs import newest_run_in
 
     for name, trained, touched in (("k1", 2_000, 2_000), ("k2", 1_000, 3_000)):
         folder = Path(tmp_path, name)

@@ -101,7 +101,7 @@ def test_a_resume_of_a_run_whose_checkpoints_were_renamed_names_them_instead_of_
 
 
 def test_a_checkpoint_past_eight_digits_of_steps_is_the_newest(tmp_path):
-    from gpipe_cli.train.existing import candidates
+    from gpipe_cli.runs import candidates
 
     for step in (99_999_999, 100_000_000, 5):
         (tmp_path / "checkpoints" / f"step-{step:08d}").mkdir(parents=True)
