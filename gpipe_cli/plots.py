@@ -9,20 +9,31 @@ from typing import Any
 from gpipe_cli.files import atomic_write
 
 DPI = 100
-MISSING = "matplotlib is not installed (pip install 'gpipe-cli[plot]')"
+_MISSING = "matplotlib is not installed (pip install 'gpipe-cli[plot]')"
+_why_not = _MISSING
 
 
 def pyplot() -> Any | None:
-    """matplotlib.pyplot on the file-only Agg backend, or None when matplotlib is not installed."""
+    """matplotlib.pyplot on the file-only Agg backend, or None when it cannot be imported (`why_not` says why)."""
+    global _why_not
     try:
         import matplotlib
-    except ImportError:
-        return None
-    matplotlib.use("Agg")  # no display needed: figures only go to files
-    matplotlib.rcParams["text.parse_math"] = False  # a run's folder named with two $ is a name, not TeX
-    import matplotlib.pyplot as plt
 
+        matplotlib.use("Agg")  # no display needed: figures only go to files
+        matplotlib.rcParams["text.parse_math"] = False  # a run's folder named with two $ is a name, not TeX
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        if not (isinstance(exc, ModuleNotFoundError) and exc.name == "matplotlib"):  # e.g. built for another numpy
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            _why_not = (f"matplotlib is installed but cannot be imported ({first}); reinstall it "
+                        "(pip install -U 'gpipe-cli[plot]')")
+        return None
     return plt
+
+
+def why_not() -> str:
+    """Why `pyplot` gave None."""
+    return _why_not
 
 
 def figure(plt: Any, width_px: int, height_px: int, rows: int, cols: int, title: str) -> tuple[Any, Any]:

@@ -130,12 +130,11 @@ def parse_size(text: str, flag: str) -> int:
                         f"(2^{10 * power} bytes); a one-letter unit is ambiguous")
     if not match or match.group(2).lower() not in _UNITS:
         raise UserError(expected)
-    try:
-        value = int(_byte_size().validate_python(text))
+    whole = match.group(1).partition(".")[0].lstrip("0")
+    try:  # more whole digits than 1 YiB has bytes: too large in any unit (and some pydantic refuse the length)
+        value = MAX_SIZE + 1 if len(whole) > len(str(MAX_SIZE)) else int(_byte_size().validate_python(text))
     except ValidationError:
         raise UserError(expected) from None
-    except OverflowError:  # hundreds of digits: ByteSize multiplies floats, and infinity is no int
-        value = MAX_SIZE + 1
     if value > MAX_SIZE:
         raise UserError(f"{flag}: must be at most 1 YiB, a size such as 8GiB, 16GB or 500MiB (got '{cut(text)}')")
     return value

@@ -197,7 +197,7 @@ def results(options: BenchOptions, summary: dict[str, Any], events: list[dict[st
             try:
                 with writing(target, "--json (its --sweep plot)"):
                     png = sweep.plot(summary, target)
-                console.print(f"[dim]plot written to {png}[/]" if png else f"[yellow]no plot: {plots.MISSING}[/]")
+                console.print(f"[dim]plot written to {png}[/]" if png else f"[yellow]no plot: {plots.why_not()}[/]")
             except UserError as exc:
                 failed.append(exc)
         sweep.show(summary, console)

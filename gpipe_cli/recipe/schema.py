@@ -39,7 +39,7 @@ from gpipe_cli.pipeline.config import microbatch_problem
 from gpipe_cli.recipe.yamlio import reads_as_number
 
 
-def _real(value: object, kind: str = "float_parsing") -> object:
+def _real(value: object, *, kind: str = "float_parsing") -> object:
     """YAML `true` and the string "0.1" are not numbers."""
     if isinstance(value, bool):
         raise PydanticCustomError("bool_number", "must be a number, not true or false")
@@ -54,7 +54,7 @@ def _real(value: object, kind: str = "float_parsing") -> object:
 
 def _number(value: object) -> object:
     """YAML `true` and the string "5" are not numbers; an integral float such as 1e20 is range-checked as an int."""
-    _real(value, "int_parsing")
+    _real(value, kind="int_parsing")
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         return int(value)
     return value

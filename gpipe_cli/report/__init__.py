@@ -226,7 +226,7 @@ def report(paths: list[Path], output: Path | None = None) -> int:
     for table in tables:
         print_table(console, table, KEYS)
     if plots.pyplot() is None:
-        print(f"gpipe report: {plots.MISSING}; no page written", file=sys.stderr)
+        print(f"gpipe report: {plots.why_not()}; no page written", file=sys.stderr)
         return 1
     # The default place may be in a read-only run: the tables are shown, and the line says what to do.
     flag, hint = ("--output", "") if output is not None else ("", ELSEWHERE)

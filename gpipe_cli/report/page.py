@@ -67,7 +67,12 @@ def _with_eval(key: str, title: str, ylabel: str) -> Draw:
             ax.plot(steps, values, "o--", color=f"C{i}")  # the title says dots are eval
         values = [v for run in runs for k in (key, f"eval_{key}") for v in series(run).get(k, ([], []))[1]]
         if values and min(values) > 0 and max(values) > 20 * min(values):  # keep train and eval both readable
+            from matplotlib.ticker import LogFormatter
+
             ax.set_yscale("log")
+            # Its own labels are TeX, which the page shows as typed: math text is off for names with a $.
+            ax.yaxis.set_major_formatter(LogFormatter())
+            ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
 
     return draw
 

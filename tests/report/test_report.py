@@ -400,3 +400,31 @@ def test_the_tables_show_the_lowest_eval_each_stage_s_own_times_and_a_peak_only_
     for k, part in enumerate(PARTS[:-1]):  # train_record gives stage i's part k 10 x (i + 1) x (k + 1) ms
         assert list(stages.columns[2 + k].cells) == [f"{10.0 * (k + 1):.1f}", f"{20.0 * (k + 1):.1f}"], part
     assert list(stages.columns[-1].cells) == [human_bytes(1 << 20), human_bytes(5 << 20)]
+
+
+@pytest.mark.parametrize("failure", ["absent", "broken"])
+def test_without_a_usable_matplotlib_the_tables_are_shown_and_one_line_says_why(tmp_path, capsys, monkeypatch,
+                                                                                 failure):
+    # Built for NumPy 1 under NumPy 2, matplotlib was said to be "not installed".
+    import builtins
+
+    from gpipe_cli import plots
+
+    real = builtins.__import__
+
+    def refuse(name, *args, **kwargs):
+        if name.split(".")[0] == "matplotlib":
+            if failure == "absent":
+                raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
+            raise ImportError("numpy.core.multiarray failed to import")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", refuse)
+    monkeypatch.setattr(plots, "_why_not", plots._why_not)
+    assert cli(["report", str(make_run(tmp_path / "a", 2)), "--output", str(tmp_path / "page.png")]) == 1
+    out, err = capsys.readouterr()
+    assert "K=2 M=4 1f1b" in out and not (tmp_path / "page.png").exists()
+    why = ("matplotlib is not installed (pip install 'gpipe-cli[plot]')" if failure == "absent" else
+           "matplotlib is installed but cannot be imported (numpy.core.multiarray failed to import); reinstall it "
+           "(pip install -U 'gpipe-cli[plot]')")
+    assert err == f"gpipe report: {why}; no page written\n"
