@@ -93,8 +93,8 @@ def test_a_folder_on_a_read_only_file_system_is_said_to_be_on_one(tmp_path, monk
     import os
     from types import SimpleNamespace
 
-    monkeypatch.setattr("gpipe_cli.launch.preflight.os.access", lambda path, mode: False)
-    monkeypatch.setattr("gpipe_cli.launch.preflight.os.statvfs", lambda path: SimpleNamespace(f_flag=os.ST_RDONLY))
+    monkeypatch.setattr("gpipe_cli.files.os.access", lambda path, mode: False)
+    monkeypatch.setattr("gpipe_cli.files.os.statvfs", lambda path: SimpleNamespace(f_flag=os.ST_RDONLY))
     result = runner.invoke(app, ["train", str(write(tmp_path, TINY_AMOEBANET)), "--plain", "--output-dir",
                                  str(tmp_path / "run")])
     assert result.exit_code == 2, result.output
@@ -104,7 +104,7 @@ def test_a_folder_on_a_read_only_file_system_is_said_to_be_on_one(tmp_path, monk
 def test_an_unwritable_current_folder_is_told_how_to_write_the_run_elsewhere(tmp_path, monkeypatch):
     # It said only that '.' is not writable; a user who named no folder was not told of --output-dir.
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("gpipe_cli.launch.preflight.os.access", lambda path, mode: False)  # root may write anyway
+    monkeypatch.setattr("gpipe_cli.files.os.access", lambda path, mode: False)  # root may write anyway
     result = runner.invoke(app, ["train", str(write(tmp_path, TINY_AMOEBANET)), "--plain"])
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
