@@ -108,7 +108,8 @@ def _as_images(ds: Any, data: Data, where: str) -> tuple[Any, str, np.ndarray, l
         except Exception as e:
             raise DataError(f"column '{col}' of {where} does not hold images: {first_line(e)}") from None
     try:
-        raw = np.asarray(ds.with_format("numpy", columns=[lab])[lab])
+        # Through Arrow: datasets' own NumPy formatter (before 2.21) asks NumPy 2 for a copy-free array, refused.
+        raw = np.asarray(ds.with_format("arrow", columns=[lab])[lab].to_numpy())
         labels = raw.astype(np.int64)
     except Exception as e:
         values = list(ds[lab])  # as stored: name the first value that is no class number, not numpy's words
