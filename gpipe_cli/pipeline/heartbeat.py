@@ -25,7 +25,9 @@ _KEY_PREFIX = "gpipe/beat/"
 
 # This process's progress, written by the compute thread and read by the heartbeat thread.
 _steps = 0
-_current = 0  # the step the host works on: reading or launching it, or waiting for its figures (0: not said)
+_current = 0  # the step the host works on: reading or launching it, or waiting for its figures (0: not said;
+# -N: the evaluation after step N)
+_evaluated = 0  # held-out batches and decoding steps finished: progress between training steps
 _slowest = 0.0  # of the last RECENT_STEPS steps
 _recent: deque[float] = deque(maxlen=RECENT_STEPS)
 _paused = 0
@@ -84,8 +86,19 @@ def step_done(seconds: float) -> None:
     _slowest = max(_recent)
 
 
+def evaluated() -> None:
+    """Note progress outside a step: a held-out batch, or one decoding step, is done."""
+    global _evaluated
+    _evaluated += 1
+
+
+def progress(transfers: int) -> int:
+    """This rank's progress as beaten: steps, waits and evaluation work finished."""
+    return _steps + transfers + _evaluated
+
+
 def working_on(step: int) -> int:
-    """Note the step the host works on now (counted from 1); returns the one noted before."""
+    """Note the step the host works on now (counted from 1; -N: evaluates after step N); returns the one before."""
     global _current
     before, _current = _current, step
     return before
@@ -189,8 +202,10 @@ class Judge:
         # A step is finished once its figures are read, after the next one is launched: the step the hosts work
         # on is said where they say it, as their steps finished would name the one before.
         step = min((beats[r].current for r in behind if beats[r].current), default=fewest + 1)
-        return (f"no progress for {limit:.0f} s: {names} stuck in step {step} (still running, but no step or "
-                f"transfer finished); ending the job (steps this slow on purpose: raise train.stall_timeout)", behind)
+        where = f"step {step}" if step > 0 else f"the evaluation after step {-step}"
+        return (f"no progress for {limit:.0f} s: {names} stuck in {where} (still running, but no step, transfer "
+                f"or held-out batch finished); ending the job (steps this slow on purpose: raise "
+                f"train.stall_timeout)", behind)
 
 
 class Heartbeat:
@@ -226,7 +241,7 @@ class Heartbeat:
         with self._lock:
             self._count += 1
             transfers, waiting = waits.poll()
-            mine = Beat(self._count, _steps + transfers, _steps, _slowest, _paused > 0, os.getpid(),
+            mine = Beat(self._count, progress(transfers), _steps, _slowest, _paused > 0, os.getpid(),
                         socket.gethostname(), _started, waiting, _current)
             self._store.set(self._keys[self.rank], mine.encode())
             if not read or not self._store.check(self._keys):

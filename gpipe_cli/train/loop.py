@@ -636,6 +636,13 @@ class Trainer:
 
     def evaluate(self, step: int, final: bool = False) -> bool:
         """Loss and accuracy (and BLEU for translation) on the held-out split; False: a stop cut it short unrecorded."""
+        before = heartbeat.working_on(-step)  # a stall in it is said to be in the evaluation after step N
+        try:
+            return self._evaluate(step, final)
+        finally:
+            heartbeat.working_on(before)
+
+    def _evaluate(self, step: int, final: bool) -> bool:
         layout = self.layout
         batches: Iterator[Batch | None] = iter([None] * self.eval_steps)
         if self.data is not None:
@@ -650,6 +657,7 @@ class Trainer:
             result = self.pipe.evaluate(batch.inputs if batch is not None and layout.is_first else None,
                                         batch.targets if batch is not None and layout.is_last else None,
                                         microbatches=self.recipe.pipeline.microbatches, metrics=metrics)
+            heartbeat.evaluated()  # progress: with one stage, no transfer says so
             loss += result.loss * result.units if result.units else 0.0
             units += result.units
             for key in sums:
@@ -660,7 +668,7 @@ class Trainer:
         if self.spec.task == "translation" and isinstance(self.recipe.model, TransformerModel):
             score = evaluation.bleu(self.pipe, self.topo, self.data, self.eval_steps,
                                     self.recipe.pipeline.microbatches, self.recipe.model.max_len,
-                                    stopped=lambda: self._stop_agreed(final))
+                                    stopped=lambda: self._decoding_stopped(final))
             if self.stopped_by:
                 return False
             if score is not None:
@@ -674,6 +682,11 @@ class Trainer:
         # stages that started it first (0.26 s of the quick start's step 101, which computes 0.16 s).
         self.topo.share(None)
         return True
+
+    def _decoding_stopped(self, final: bool) -> bool:
+        """Asked before each decoding step: a stop agreed on; the step before counts as progress."""
+        heartbeat.evaluated()
+        return self._stop_agreed(final)
 
     def close(self) -> None:
         """Finish the run: stop the view, close files and channels."""

@@ -26,7 +26,7 @@ def test_the_default_follows_recent_steps_so_one_pause_is_forgotten(monkeypatch)
     monkeypatch.setattr(heartbeat, "_recent", deque(maxlen=heartbeat.RECENT_STEPS))
     monkeypatch.setattr(heartbeat, "_steps", 0)
     monkeypatch.setattr(heartbeat, "_slowest", 0.0)
-    heartbeat.step_done(600.0)  # the rank sat in a debugger for ten minutes
+    heartbeat.step_done(600.0)  # the whole job was suspended for ten minutes in this step
     assert heartbeat._slowest == 600.0
     for _ in range(heartbeat.RECENT_STEPS - 1):
         heartbeat.step_done(2.0)
@@ -178,3 +178,19 @@ def test_a_stall_names_the_step_the_hosts_work_on_not_the_one_before():
         found = judge.verdict(beats, now=float(second))
     assert found is not None and "stuck in step 60" in found[0]
     assert Beat.decode(beats[1].encode()) == beats[1]
+
+
+def test_an_evaluation_counts_as_progress_and_a_stall_in_it_is_named_so(monkeypatch):
+    # With one stage and two replicas an evaluation has no transfer: a long one was ended as "stuck in step 3" of
+    # a two-step run.
+    from gpipe_cli.pipeline import heartbeat
+    monkeypatch.setattr(heartbeat, "_evaluated", 0)
+    before = heartbeat.progress(transfers=5)
+    heartbeat.evaluated()
+    assert heartbeat.progress(transfers=5) == before + 1
+    judge = Judge(rank=0, timeout=5.0, name=name)
+    for second in range(7):
+        beats = [Beat(second, 2, 2, 0.1, False, 100 + r, "host", True, None, -2) for r in range(2)]
+        found = judge.verdict(beats, now=float(second))
+    assert found is not None and "rank 1 (stage 1) stuck in the evaluation after step 2 (" in found[0]
+    assert "no step, transfer or held-out batch finished" in found[0]
