@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -66,6 +66,17 @@ def shard_bounds(n: int, replica: int, replicas: int) -> tuple[int, int]:
     q, r = divmod(n, replicas)
     lo = replica * q + min(replica, r)
     return lo, lo + q + (1 if replica < r else 0)
+
+
+T = TypeVar("T")
+
+
+def _spread(plan: list[T], limit: int | None) -> list[T]:
+    """`limit` of the batches, spread evenly over them (all when `limit` is None or not below their number)."""
+    if limit is None or limit >= len(plan):
+        return plan
+    # The first `limit` alone were the shortest examples under a token budget, which sorts them by length.
+    return [plan[i * len(plan) // limit] for i in range(limit)]
 
 
 def pack_by_budget(sorted_lengths: np.ndarray, budget: int, min_batch: int) -> list[tuple[int, int]]:
@@ -170,11 +181,15 @@ class Loader:
 
     def eval_subset(self, limit: int | None = None) -> list[np.ndarray]:
         """The eval mini-batches scored under a limit of `limit`: spread evenly over the held-out split."""
-        plan = self.eval_plan()
-        if limit is None or limit >= len(plan):
-            return plan
-        # The first `limit` alone were the shortest examples under a token budget, which sorts them by length.
-        return [plan[i * len(plan) // limit] for i in range(limit)]
+        return _spread(self.eval_plan(), limit)
+
+    def earlier_eval_differs(self, limit: int | None) -> bool:
+        """Whether earlier versions, which joined held-out batches up to `min_batch`, scored others under `limit`."""
+        if self.eval is None or limit is None:
+            return False
+        scored = [{i for lo, hi in _spread(self._batch_bounds(self.eval, False, least), limit) for i in range(lo, hi)}
+                  for least in (self.min_batch, 1)]
+        return scored[0] != scored[1]
 
     def eval_steps(self, limit: int | None = None) -> int:
         """Number of eval mini-batches (at most `limit`)."""

@@ -49,6 +49,7 @@ from gpipe_cli.train.profiling import StepProfiler
 from gpipe_cli.train.resume import (
     Checkpointer,
     data_change,
+    eval_cut_changed,
     rewind,
     saved_cut,
     skipped_until,
@@ -116,7 +117,7 @@ class Trainer:
         data = self.data
         read: dict[str, int | str] = {}
         if data is not None:
-            read = {"train_examples": data.train_size, "held_out": data.eval_size}
+            read = {"train_examples": data.train_size, "held_out": data.eval_size, "held_out_batches": "any size"}
             if data.eval is not None and data.eval.by_content:
                 read["held_out_by"] = "content"
         self.checkpoints = Checkpointer(self.pipe, self.optimizer, self.scheduler, topo, self.plan, self.run_dir,
@@ -382,6 +383,11 @@ class Trainer:
             print(f"[gpipe] step {step} was saved by an earlier version of gpipe-cli, which held out other examples "
                   "than this version, which holds each line, row or image out by a hash of it: the examples trained on "
                   "from here, and their order, differ from that run's", file=sys.stderr, flush=True)
+        if self.layout.rank == 0 and self.data is not None and eval_cut_changed(found.manifest.get("data")) \
+                and self.data.earlier_eval_differs(self.recipe.eval.batches):
+            print(f"[gpipe] step {step} was saved by an earlier version of gpipe-cli, which joined short held-out "
+                  "batches up to M x D examples: the eval.batches scored from here hold other examples than that "
+                  "run's evaluations", file=sys.stderr, flush=True)
         # train.max_skipped counts the skips in a row across a resume, as in a run never stopped.
         self.skipped_before = self.topo.share(skipped_until(self.run_dir, step) if self.layout.rank == 0 else None)
         return step

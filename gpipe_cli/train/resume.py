@@ -49,6 +49,11 @@ def split_rule_changed(then: Any, now: dict[str, Any]) -> bool:
     return not isinstance(then, dict) and now.get("held_out_by") == "content"  # older versions recorded no counts
 
 
+def eval_cut_changed(then: Any) -> bool:
+    """Whether a checkpoint predates cutting the held-out batches without regard to M x D."""
+    return not (isinstance(then, dict) and "held_out_batches" in then)
+
+
 def data_change(then: Any, now: dict[str, Any]) -> str:
     """How the run's data counts differ from those a checkpoint recorded, in words ('' when alike or unrecorded)."""
     if not isinstance(then, dict) or not now:  # a checkpoint of an older version records none

@@ -202,6 +202,19 @@ def test_the_held_out_batches_do_not_depend_on_micro_batches_or_replicas(budget:
     assert plan(1) == plan(6) == plan(16)
 
 
+def test_a_resume_can_tell_whether_earlier_versions_scored_other_held_out_examples() -> None:
+    from gpipe_cli.train.resume import eval_cut_changed
+
+    def loader(min_batch: int):  # 200 held out in batches of 7: the last, of 4, joined the one before at M x D = 6
+        return build_data(data(synthetic_size=2000, batch_size=7), "translation", seed=0, vocab_size=400,
+                          max_len=64, min_batch=min_batch)
+    assert loader(6).earlier_eval_differs(limit=3) and not loader(6).earlier_eval_differs(limit=None)
+    assert not loader(1).earlier_eval_differs(limit=3)  # nothing was joined at M x D = 1
+    assert not loader(6).earlier_eval_differs(limit=1000)  # every batch is scored either way
+    assert eval_cut_changed(None) and eval_cut_changed({"held_out": 3})
+    assert not eval_cut_changed({"held_out": 3, "held_out_batches": "any size"})
+
+
 def test_the_unigram_baseline_is_over_the_held_out_batches_scored(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from gpipe_cli.data.text import unigram_perplexity
 
