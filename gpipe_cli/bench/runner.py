@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 
 from gpipe_cli import interrupts, plots, sizing
 from gpipe_cli.bench import preview, setup, sweep, tables, trace
@@ -197,7 +198,8 @@ def results(options: BenchOptions, summary: dict[str, Any], events: list[dict[st
             try:
                 with writing(target, "--json (its --sweep plot)"):
                     png = sweep.plot(summary, target)
-                console.print(f"[dim]plot written to {png}[/]" if png else f"[yellow]no plot: {plots.why_not()}[/]")
+                console.print(f"[dim]plot written to {escape(str(png))}[/]" if png else
+                              f"[yellow]no plot: {escape(plots.why_not())}[/]")
             except UserError as exc:
                 failed.append(exc)
         sweep.show(summary, console)

@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from gpipe_cli import contention
+from gpipe_cli import contention, plots
 from gpipe_cli.bench.options import run_name
 from gpipe_cli.console import figure_table, print_table
 from gpipe_cli.pipeline import schedules
@@ -146,5 +146,6 @@ def show(s: dict[str, Any], console: Console) -> None:
             console.print(f"{name}: not measured ({c['skipped']})")
     if "trace" in s:
         t = s["trace"]
-        png = t["png"] or "no PNG: install matplotlib (pip install gpipe-cli[plot])"
-        console.print(f"trace: {t['events']} actions -> {t['chrome']} (Perfetto / chrome://tracing), {png}")
+        png = t["png"] or f"no PNG: {plots.why_not()}"
+        console.print(f"trace: {t['events']} actions -> {t['chrome']} (Perfetto / chrome://tracing), {png}",
+                      markup=False)

@@ -64,7 +64,7 @@ def _names(events: Sequence[Mapping[str, Any]]) -> Callable[[Mapping[str, Any]],
 
 
 def write_gantt(path: Path, events: Sequence[Mapping[str, Any]], title: str) -> bool:
-    """Draw the Gantt chart as a PNG; False when matplotlib is not installed."""
+    """Draw the Gantt chart as a PNG; False when matplotlib cannot be imported."""
     plt = plots.pyplot()
     if plt is None:
         return False

@@ -67,14 +67,23 @@ def _with_eval(key: str, title: str, ylabel: str) -> Draw:
             ax.plot(steps, values, "o--", color=f"C{i}")  # the title says dots are eval
         values = [v for run in runs for k in (key, f"eval_{key}") for v in series(run).get(k, ([], []))[1]]
         if values and min(values) > 0 and max(values) > 20 * min(values):  # keep train and eval both readable
-            from matplotlib.ticker import LogFormatter
-
             ax.set_yscale("log")
-            # Its own labels are TeX, which the page shows as typed: math text is off for names with a $.
-            ax.yaxis.set_major_formatter(LogFormatter())
-            ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+            _plain_log_labels(ax)
 
     return draw
+
+
+def _plain_log_labels(ax: Any) -> None:
+    """Label a log axis with numbers as %g writes them, on the ticks matplotlib would label."""
+    # Its own labels are TeX, which the page shows as typed: math text is off for run names holding a $.
+    from matplotlib.ticker import LogFormatter
+
+    class Plain(LogFormatter):  # type: ignore[misc]
+        def __call__(self, x: float, pos: int | None = None) -> str:
+            return f"{x:g}" if super().__call__(x, pos) else ""
+
+    ax.yaxis.set_major_formatter(Plain())
+    ax.yaxis.set_minor_formatter(Plain(labelOnlyBase=False))
 
 
 def _perplexity(ax: Any, runs: list[Run]) -> None:
@@ -290,7 +299,7 @@ def _room(fig: Any, ax: Any) -> None:
 
 
 def draw(runs: list[Run], path: Path) -> Path | None:
-    """Write the report page as a PNG of WIDTH_PX x HEIGHT_PX; None when matplotlib is not installed."""
+    """Write the report page as a PNG of WIDTH_PX x HEIGHT_PX; None when matplotlib cannot be imported."""
     plt = plots.pyplot()
     if plt is None:
         return None

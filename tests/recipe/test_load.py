@@ -608,3 +608,16 @@ def test_a_set_typed_in_utf_8_is_read_so_under_a_c_locale():
     assert parse_override("data.name=z\udcc3\udca9ro") == ("data.name", "zéro") == parse_override("data.name=zéro")
     with pytest.raises(RecipeError, match=r"not UTF-8 text \(byte 0xff at character 7\)"):
         parse_override("name=z\udcffro")
+
+
+def test_the_number_checks_take_one_positional_argument_as_every_pydantic_calls_them():
+    # pydantic before 2.8 passes its validation info as a second positional argument: `kind` got it, and
+    # `--set optimizer.lr=abc` ended in a TypeError instead of its one line.
+    import inspect
+
+    from gpipe_cli.recipe import schema
+
+    for check in (schema._real, schema._number):
+        positional = [p for p in inspect.signature(check).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        assert len(positional) == 1, check.__name__

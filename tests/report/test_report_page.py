@@ -109,14 +109,11 @@ def test_a_step_axis_ticks_whole_steps_and_stages_drawn_as_points_differ_in_mark
 def test_a_log_axis_is_labelled_in_plain_numbers_not_tex(tmp_path, monkeypatch):
     # With math text off (a run's name may hold a $), the log axis showed `$\\mathdefault{10^{3}}$` as typed.
     folder = make_run(tmp_path / "a", 2, steps=6)
-    with (folder / "metrics.jsonl").open("a") as f:
-        f.write('{"kind": "eval", "step": 6, "loss": 0.01, "perplexity": 1.01}\n')
-    lines = (folder / "metrics.jsonl").read_text().splitlines()
-    (folder / "metrics.jsonl").write_text("\n".join(
-        line.replace('"loss": ', '"perplexity": 5000.0, "loss": ', 1) if '"kind": "train"' in line else line
-        for line in lines) + "\n")
+    with (folder / "metrics.jsonl").open("a") as f:  # an eval loss 300x below the first step's: a log scale
+        f.write('{"kind": "eval", "step": 6, "loss": 0.01}\n')
     fig, _ = _drawn(tmp_path, monkeypatch, read_runs([folder]))
     logs = [ax for ax in fig.axes if ax.get_yscale() == "log"]
     assert logs, [ax.get_title() for ax in fig.axes]
     labels = [t.get_text() for ax in logs for t in [*ax.get_yticklabels(), *ax.get_yticklabels(minor=True)]]
-    assert any(labels) and not any("$" in label for label in labels), labels
+    assert any(labels) and not any("$" in label or "e-" in label for label in labels), labels
+    assert {"0.01", "0.1", "1", "10"} <= set(labels), labels
