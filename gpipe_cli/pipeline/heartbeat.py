@@ -97,6 +97,16 @@ def progress(transfers: int) -> int:
     return _steps + transfers + _evaluated
 
 
+@contextlib.contextmanager
+def evaluating(step: int) -> Iterator[None]:
+    """The host evaluates the model trained to `step`: a stall meanwhile is said to be in that evaluation."""
+    before = working_on(-step)
+    try:
+        yield
+    finally:
+        working_on(before)
+
+
 def working_on(step: int) -> int:
     """Note the step the host works on now (counted from 1; -N: evaluates after step N); returns the one before."""
     global _current

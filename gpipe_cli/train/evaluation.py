@@ -13,6 +13,7 @@ from gpipe_cli.data import BOS, Batch, Loader, corpus_bleu
 from gpipe_cli.models.base import ModelSpec
 from gpipe_cli.models.losses import PAD_ID
 from gpipe_cli.models.transformer.decode import encodings_reused, greedy_step, translation_limit
+from gpipe_cli.pipeline import heartbeat
 from gpipe_cli.pipeline.engine import Pipeline
 from gpipe_cli.pipeline.topology import Topology
 from gpipe_cli.records import EvalFigures
@@ -78,6 +79,7 @@ def greedy_decode(pipe: Pipeline, topo: Topology, source: torch.Tensor | None, m
             return None
         inputs = (source, prefix) if source is not None else None
         result = pipe.evaluate(inputs, None, microbatches=microbatches, return_outputs=True)
+        heartbeat.evaluated()  # progress: with one stage, no transfer says so
         more = False
         if topo.layout.rank == 0 and prefix is not None and result.outputs is not None:
             prefix, finished = greedy_step(_logits(result.outputs), prefix, finished, vocab)

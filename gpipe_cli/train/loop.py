@@ -642,57 +642,47 @@ class Trainer:
 
     def evaluate(self, step: int, final: bool = False) -> bool:
         """Loss and accuracy (and BLEU for translation) on the held-out split; False: a stop cut it short unrecorded."""
-        before = heartbeat.working_on(-step)  # a stall in it is said to be in the evaluation after step N
-        try:
-            return self._evaluate(step, final)
-        finally:
-            heartbeat.working_on(before)
-
-    def _evaluate(self, step: int, final: bool) -> bool:
-        layout = self.layout
-        batches: Iterator[Batch | None] = iter([None] * self.eval_steps)
-        if self.data is not None:
-            batches = self.data.eval_batches(shard=(layout.replica, layout.replicas), limit=self.recipe.eval.batches,
-                                             need_inputs=layout.is_first, need_targets=layout.is_last)
-        metrics = evaluation.metrics_for(self.spec)
-        loss = units = 0.0
-        sums = dict.fromkeys(metrics, 0.0)
-        for batch in batches:
-            if self._stop_agreed(final):
-                return False
-            result = self.pipe.evaluate(batch.inputs if batch is not None and layout.is_first else None,
-                                        batch.targets if batch is not None and layout.is_last else None,
-                                        microbatches=self.recipe.pipeline.microbatches, metrics=metrics)
-            heartbeat.evaluated()  # progress: with one stage, no transfer says so
-            loss += result.loss * result.units if result.units else 0.0
-            units += result.units
-            for key in sums:
-                sums[key] += result.metrics[key]
-        baselines = self.data.eval_baselines(self.recipe.eval.batches) if self.data is not None else None
-        record: EvalRecord = {"kind": "eval", "step": step, "loss": loss / units if units else float("nan"),
-                              **evaluation.summarise(sums, units, baselines)}
-        if self.spec.task == "translation" and isinstance(self.recipe.model, TransformerModel):
-            score = evaluation.bleu(self.pipe, self.topo, self.data, self.eval_steps,
-                                    self.recipe.pipeline.microbatches, self.recipe.model.max_len,
-                                    stopped=lambda: self._decoding_stopped(final))
-            if self.stopped_by:
-                return False
-            if score is not None:
-                record["bleu"] = score
-        if layout.rank == 0:
-            assert self.metrics is not None and self.view is not None
-            self.metrics.write(record)
-            self.summary.add(record, 0, None)
-            self.view.show(record)
-        # Every rank leaves together: rank 0's scoring and writing would count as the next step's wait on the
-        # stages that started it first (0.26 s of the quick start's step 101, which computes 0.16 s).
-        self.topo.share(None)
-        return True
-
-    def _decoding_stopped(self, final: bool) -> bool:
-        """Asked before each decoding step: a stop agreed on; the step before counts as progress."""
-        heartbeat.evaluated()
-        return self._stop_agreed(final)
+        with heartbeat.evaluating(step):  # a stall in it is said to be in the evaluation after step N
+            layout = self.layout
+            batches: Iterator[Batch | None] = iter([None] * self.eval_steps)
+            if self.data is not None:
+                batches = self.data.eval_batches(shard=(layout.replica, layout.replicas),
+                                                 limit=self.recipe.eval.batches, need_inputs=layout.is_first,
+                                                 need_targets=layout.is_last)
+            metrics = evaluation.metrics_for(self.spec)
+            loss = units = 0.0
+            sums = dict.fromkeys(metrics, 0.0)
+            for batch in batches:
+                if self._stop_agreed(final):
+                    return False
+                result = self.pipe.evaluate(batch.inputs if batch is not None and layout.is_first else None,
+                                            batch.targets if batch is not None and layout.is_last else None,
+                                            microbatches=self.recipe.pipeline.microbatches, metrics=metrics)
+                heartbeat.evaluated()  # progress: with one stage, no transfer says so
+                loss += result.loss * result.units if result.units else 0.0
+                units += result.units
+                for key in sums:
+                    sums[key] += result.metrics[key]
+            baselines = self.data.eval_baselines(self.recipe.eval.batches) if self.data is not None else None
+            record: EvalRecord = {"kind": "eval", "step": step, "loss": loss / units if units else float("nan"),
+                                  **evaluation.summarise(sums, units, baselines)}
+            if self.spec.task == "translation" and isinstance(self.recipe.model, TransformerModel):
+                score = evaluation.bleu(self.pipe, self.topo, self.data, self.eval_steps,
+                                        self.recipe.pipeline.microbatches, self.recipe.model.max_len,
+                                        stopped=lambda: self._stop_agreed(final))
+                if self.stopped_by:
+                    return False
+                if score is not None:
+                    record["bleu"] = score
+            if layout.rank == 0:
+                assert self.metrics is not None and self.view is not None
+                self.metrics.write(record)
+                self.summary.add(record, 0, None)
+                self.view.show(record)
+            # Every rank leaves together: rank 0's scoring and writing would count as the next step's wait on the
+            # stages that started it first (0.26 s of the quick start's step 101, which computes 0.16 s).
+            self.topo.share(None)
+            return True
 
     def close(self) -> None:
         """Finish the run: stop the view, close files and channels."""
